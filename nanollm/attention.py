@@ -1,0 +1,132 @@
+"""
+Causal self-attention with explicit positions, rotary embeddings, and grouped-query attention.
+
+Two paths, one module:
+
+* ``cache is None`` (training, plain forward): every token attends to every earlier token of the same
+  sequence; ``scaled_dot_product_attention`` with a causal mask does it in one fused call.
+* ``cache`` given (generation): the new keys/values are stored in the cache, the query attends to what
+  the cache's policy says it may see, and the policy is told what happened. See ``cache.KVCache.attend``.
+
+The heart of the cached path is :func:`attend`, written out in plain tensor ops so it can be read:
+the causal mask is built from the *stored positions* of the keys, never from their slot index, so it stays
+right after any eviction (STYLE.md §3 item 4).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import ModelConfig
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rotary position embeddings (RoPE, Su et al. 2021, arXiv 2104.09864, §3.4.2), "rotate half" layout as in
+# Hugging Face Llama: dimension i is paired with dimension i + d/2.
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies theta_i = base^(-2i/d), i = 0..d/2-1, shape (d/2,), float64 for exactness.
+
+    With ``config.rope_scaling = {"rope_type": "llama3", ...}`` the low frequencies are stretched as in
+    Llama 3.1 (long wavelengths divided by ``factor``, a smooth ramp between ``low_freq_factor`` and
+    ``high_freq_factor``).
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return inv_freq
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: 'llama3' (or none)")
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    smooth = (old_ctx / wavelen - low) / (high - low)                # 0 at the low end, 1 at the high end
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen > low_wavelen, inv_freq / factor,      # long waves: stretched
+                       torch.where(wavelen < high_wavelen, inv_freq, blended))  # short waves: unchanged
+
+
+def rope_cos_sin(pos: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotation angles pos * theta_i, each (T, d), for positions ``pos`` (T,)."""
+    angles = pos.to(torch.float64)[:, None] * inv_freq[None, :]      # (T, d/2)
+    angles = torch.cat([angles, angles], dim=-1)                      # (T, d)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate every (x_i, x_{i+d/2}) pair of ``x`` (B, H, T, d) by its angle."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)      # "rotate_half"
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Attention over an explicit set of (key, value, position) entries.
+
+def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
+           need_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+    """softmax(q k^T / sqrt(d) + mask) v, with the mask built from positions.
+
+    Parameters
+    ----------
+    q : (B, H, Tq, d) queries, already rotated.
+    k, v : (B, H_kv, Tk, d) stored keys (rotated at their own positions) and values.
+    q_pos : (Tq,) absolute position of every query.
+    k_pos : (B, H_kv, Tk) absolute position of every stored entry; -1 marks an empty slot (never attended).
+    need_probs : also return the attention probabilities (B, H, Tq, Tk).
+
+    A query at position p sees an entry at position s iff 0 <= s <= p. Query head h reads KV head h // G:
+    the query heads are viewed as (H_kv, G) so K and V are never repeated in memory.
+    """
+    B, H, Tq, d = q.shape
+    H_kv, Tk = k.shape[1], k.shape[2]
+    G = H // H_kv
+    qg = q.view(B, H_kv, G, Tq, d)                                     # (B, H_kv, G, Tq, d)
+    scores = qg @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(d)      # (B, H_kv, G, Tq, Tk)
+    kp = k_pos[:, :, None, None, :]                                    # (B, H_kv, 1, 1, Tk)
+    visible = (kp <= q_pos[:, None]) & (kp >= 0)                       # (B, H_kv, 1, Tq, Tk)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = probs @ v.unsqueeze(2)                                       # (B, H_kv, G, Tq, d)
+    out = out.reshape(B, H, Tq, d)
+    return out, (probs.reshape(B, H, Tq, Tk) if need_probs else None)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head / grouped-query self-attention. Weight names follow Hugging Face Llama (q/k/v/o_proj)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        H, H_kv, d, D = config.n_head, config.n_kv_head, config.head_dim, config.d_model
+        self.q_proj = nn.Linear(D, H * d, bias=config.bias)
+        self.k_proj = nn.Linear(D, H_kv * d, bias=config.bias)
+        self.v_proj = nn.Linear(D, H_kv * d, bias=config.bias)
+        self.o_proj = nn.Linear(H * d, D, bias=config.bias)            # W_O, shape (D, H*d)
+
+    def forward(self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor] | None, cache=None) -> Tensor:
+        """x (B, T, D) at positions ``pos`` (T,); rope = (cos, sin) for those positions or None."""
+        B, T, _ = x.shape
+        H, H_kv, d = self.config.n_head, self.config.n_kv_head, self.config.head_dim
+        q = self.q_proj(x).view(B, T, H, d).transpose(1, 2)             # (B, H, T, d)
+        k = self.k_proj(x).view(B, T, H_kv, d).transpose(1, 2)          # (B, H_kv, T, d)
+        v = self.v_proj(x).view(B, T, H_kv, d).transpose(1, 2)          # (B, H_kv, T, d)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)           # keys are cached after RoPE
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H_kv != H)
+        else:
+            y = cache.attend(self.layer_idx, q, k, v, pos, self)        # store, attend, run the policy
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * d))

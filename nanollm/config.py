@@ -1,0 +1,108 @@
+"""
+ModelConfig: every number that defines a nanollm decoder, and named presets.
+
+One config describes both flavours the project supports, built by the same code in `model.py`:
+
+* ``flavour="gpt2"``  learned absolute positions, LayerNorm, GELU MLP, biases, multi-head attention
+  (GPT-2, Radford et al. 2019).
+* ``flavour="llama"`` rotary positions (RoPE, Su et al. 2021) with a configurable base, RMSNorm, SwiGLU MLP,
+  no biases, grouped-query attention with ``n_kv_head < n_head`` (Llama 2/3, Touvron et al. 2023).
+
+Head counts follow the GQA convention used everywhere in the project: query head ``h`` reads KV head
+``h // (n_head // n_kv_head)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    flavour: str = "llama"          # "gpt2" or "llama"
+    vocab_size: int = 512
+    n_layer: int = 2
+    n_head: int = 4                 # query heads
+    n_kv_head: int = 2              # key/value heads; == n_head is plain MHA, 1 is multi-query attention
+    d_model: int = 64
+    d_ff: int = 0                   # MLP hidden size; 0 = default (4*d_model for gpt2, ~8/3*d_model for llama)
+    max_seq_len: int = 256          # the model's maximum positions (tokens seen, prompt + generated)
+    rope_base: float = 10000.0      # RoPE base theta (llama only)
+    rope_scaling: dict | None = None  # Llama-3 style frequency scaling, see attention.rope_inv_freq
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True     # lm_head shares the token embedding matrix
+    bias: bool | None = None        # biases in linear layers; None = flavour default (gpt2 yes, llama no)
+    extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a real checkpoint came from)
+
+    def __post_init__(self) -> None:
+        if self.flavour not in ("gpt2", "llama"):
+            raise ValueError(f"flavour must be 'gpt2' or 'llama', got {self.flavour!r}")
+        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(
+                f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head}): "
+                "each KV head serves a whole group of query heads")
+        if self.d_model % self.n_head != 0:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.flavour == "llama" and self.head_dim % 2 != 0:
+            raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}")
+        if self.bias is None:
+            self.bias = self.flavour == "gpt2"
+        if self.d_ff == 0:
+            if self.flavour == "gpt2":
+                self.d_ff = 4 * self.d_model
+            else:  # Llama: 2/3 of 4*d_model, rounded up to a multiple of 16
+                self.d_ff = 16 * ((8 * self.d_model // 3 + 15) // 16)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (G in the specs)."""
+        return self.n_head // self.n_kv_head
+
+    def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
+        """Bytes one token adds to a full cache: K and V, every layer and KV head."""
+        return 2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_element
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+# Named presets, kept as keyword arguments so that derived fields (d_ff, bias) follow any override.
+# TINY is what tests and the notebooks' tiny mode use: small enough that a forward pass takes
+# milliseconds, but with GQA (4 query heads sharing 2 KV heads) so grouping bugs show up.
+PRESETS: dict[str, dict] = {
+    "TINY": dict(flavour="llama", vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=256),
+    "TINY_GPT2": dict(flavour="gpt2", vocab_size=512, n_layer=2, n_head=4, n_kv_head=4, d_model=64,
+                      max_seq_len=256),
+    # The bundled retrieval checkpoints (see nanollm/checkpoints/) are trained from this one.
+    "SMALL": dict(flavour="llama", vocab_size=1024, n_layer=4, n_head=4, n_kv_head=2, d_model=128,
+                  max_seq_len=1024),
+    # Shapes of real models, for memory arithmetic (real weights load from a local folder, see hf.py).
+    "GPT2_124M": dict(flavour="gpt2", vocab_size=50257, n_layer=12, n_head=12, n_kv_head=12, d_model=768,
+                      max_seq_len=1024),
+    "TINYLLAMA_1B": dict(flavour="llama", vocab_size=32000, n_layer=22, n_head=32, n_kv_head=4, d_model=2048,
+                         d_ff=5632, max_seq_len=2048, tie_embeddings=False),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A fresh config from a named preset, with optional field overrides: ``preset("TINY", n_layer=4)``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})
