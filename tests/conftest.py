@@ -1,0 +1,64 @@
+"""
+Shared pytest fixtures: a tiny random-init decoder in both flavours, in fp32, on CPU.
+
+No checkpoint is downloaded: equivalence tests (cached vs uncached, policy path vs plain path) only need
+*some* fixed weights, so a seeded random init is enough (STYLE.md §5).
+
+The weights are redrawn with a larger standard deviation (``INIT_STD``) than GPT-2's 0.02: at 0.02 the
+tiny model's logits and attention are almost uniform, so greedy decoding repeats one token and a masking
+bug would hardly change the output. At 0.1 attention is peaked and greedy tokens vary, while fp32
+cached-vs-uncached differences stay around 3e-6 (well under the 1e-5 tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanollm import ModelConfig, Transformer, preset
+
+INIT_STD = 0.1   # std of every weight matrix; norms keep their init (ones / zeros)
+
+
+def make_model(config: ModelConfig, seed: int = 0, std: float = INIT_STD) -> Transformer:
+    """A seeded random-init ``Transformer`` in fp32 and eval mode, weight matrices drawn from N(0, std²)."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:                      # linear and embedding matrices (tied lm_head included)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="session", name="make_model")
+def make_model_fixture():
+    """The ``make_model(config, seed=0, std=INIT_STD)`` factory, for tests that need another config."""
+    return make_model
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Tests run on CPU: fp32 equivalence tests must be exact and reproducible on any machine."""
+    return torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> ModelConfig:
+    """The TINY preset: Llama flavour with GQA (4 query heads sharing 2 KV heads), 2 layers, d_model 64."""
+    cfg = preset("TINY")
+    assert cfg.flavour == "llama" and cfg.n_head == 4 and cfg.n_kv_head == 2
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_cfg: ModelConfig, device: torch.device) -> Transformer:
+    """Seeded random-init TINY Llama model, fp32, eval mode. Shared by the session: do not modify it."""
+    return make_model(tiny_cfg, seed=0).to(device)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_model(device: torch.device) -> Transformer:
+    """Seeded random-init TINY_GPT2 model (learned positions, LayerNorm, GELU, MHA), fp32, eval mode."""
+    return make_model(preset("TINY_GPT2"), seed=0).to(device)
