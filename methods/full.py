@@ -1,0 +1,43 @@
+"""
+Full cache: the reference every method is measured against.
+
+Paper: none. This is plain KV caching (every key and value of every token is kept), the baseline that
+specs/methods.md §0.4 G-2 compares every eviction method with: with a budget that covers the sequence,
+a method's logits must equal these bit-for-bit in fp32.
+
+Idea: keep everything. ``budget`` is accepted (so that ``make_policy("full", budget)`` works like every
+other method) and ignored.
+
+Contract declarations (read by tests/test_policy_contract.py): the cache holds every token seen, so the
+slack beyond ``budget`` is everything above it, ``max(0, n_prompt + n_decoded - budget)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanollm.policy import FullCache, check_budget
+
+
+@dataclass
+class FullPolicy(FullCache):
+    """Keep every token (``nanollm.policy.FullCache`` with the registry's constructor signature).
+
+    Parameters
+    ----------
+    budget : ignored; accepted for a uniform ``make_policy(name, budget)``. None is allowed.
+    """
+
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            check_budget(self.budget)
+
+    def slack(self, n_prompt: int, n_decoded: int) -> int:
+        """Entries per KV head beyond ``budget``: everything above it, since nothing is evicted."""
+        return max(0, n_prompt + n_decoded - (self.budget or 0))
+
+    def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
+        """Every position is kept."""
+        return list(range(seen))

@@ -1,0 +1,160 @@
+"""
+SnapKV: the last prompt tokens vote for the prefix tokens worth keeping, once, at prefill.
+
+Paper: Li et al., "SnapKV: LLM Knows What You Are Looking for Before Generation", NeurIPS 2024,
+https://arxiv.org/abs/2404.14469  (method: the observation-window vote and the pooling step, restated in
+specs/methods.md §3.2; the paper's own section/equation numbers were not re-checked for this file).
+
+Idea. Each attention head attends to a stable set of prompt positions during generation, and that set
+can already be read off the attention of the last ``window`` prompt queries (the "observation window",
+which typically holds the question). So after the prompt's attention: sum the window's attention over
+each earlier token (a vote), smooth the votes with a 1-D pooling so that neighbours of a strong token
+are kept with it (clusters keep their context), and keep each head's top-voted prefix tokens plus the
+whole window. Decoding then runs on the compressed cache.
+
+Key equations (spec §3.2), as the code computes them, for a prompt of T tokens and window w:
+    vote_h  = sum_{i in last w queries} A_h[i, :T-w]          # (H, T-w)  attention received
+    vote_h  = pool1d(vote_h, kernel, stride 1, pad kernel//2)  # max or avg over neighbours
+    score_j = mean_{h in group j} vote_h                       # GQA: per KV head (kvpress, SnapKV #22)
+    keep_j  = sorted(top_{budget - w}(score_j)) ∪ {T-w, ..., T-1}
+
+Choices and simplifications:
+* GQA: the pooled votes are averaged over the G query heads of each KV head (kvpress ``SnapKVPress``);
+  the SnapKV repo instead repeats K/V per query head. Selection is per KV head, never ``repeat_kv``.
+* Votes are summed over the window (the paper); kvpress averages, which keeps the same set (spec §3.5).
+* Average pooling uses PyTorch's zero padding counted in the mean (``count_include_pad``, as the SnapKV
+  repo's ``avg_pool1d``), which dilutes the first/last ``kernel // 2`` prefix positions; max pooling
+  does not (spec §3.4).
+* ``budget <= window``: only the last ``budget`` prompt tokens are kept (spec §3.4), no vote needed.
+* Decoding: SnapKV compresses the prompt only. Tokens decoded or ``extend``-ed afterwards are appended
+  and kept, so the cache grows by one entry per head per token: the declared slack is ``n_decoded``
+  (``slack`` below), as in the paper and kvpress.
+
+Defaults (spec §3.3 table): ``window = 32``, ``kernel = 7``, ``pooling = "max"``: the SnapKV repo's
+LongBench script (``ablation_c4096_w32_k7_maxpool``) and the settings the CriticalKV paper reports as
+"kept as originally defined" (seed 003 §4.2). The repo's class defaults (w 64, kernel 5, avg) and
+kvpress's (w 64, kernel 5, avg, mean votes) differ; see the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nanollm.policy import CachePolicy, StepContext, check_budget, select_topk
+
+POOLINGS = ("max", "avg")
+
+
+def pool1d(x: Tensor, kernel: int, pooling: str) -> Tensor:
+    """Stride-1 pooling along the last axis with padding ``kernel // 2``: (..., T) -> (..., T). Odd kernel."""
+    shape = x.shape
+    flat = x.reshape(-1, 1, shape[-1])                                  # (N, 1, T)
+    if pooling == "max":
+        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:   # zero padding counted in the mean, as the SnapKV repo
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    return out.view(shape)
+
+
+def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str) -> Tensor:
+    """SnapKV scores of the prefix tokens (spec §3.2), one row per KV head.
+
+    Parameters
+    ----------
+    probs_window : (B, H, w, Tp) attention of the last w prompt queries over the Tp = T - w prefix tokens.
+    n_kv_head : H_kv; query head h reads KV head h // (H // H_kv).
+    kernel : odd pooling width (1 = no pooling).
+    pooling : "max" or "avg".
+
+    Returns
+    -------
+    scores : (B, H_kv, Tp) float32, higher = keep.
+    """
+    B, H, w, Tp = probs_window.shape
+    vote = probs_window.float().sum(dim=2)                              # (B, H, Tp) summed over the window
+    vote = pool1d(vote, kernel, pooling)                                # (B, H, Tp) clusters neighbours
+    return vote.view(B, n_kv_head, H // n_kv_head, Tp).mean(dim=2)     # (B, H_kv, Tp) GQA group mean
+
+
+def snapkv_select(prefix_scores: Tensor, budget: int, window: int) -> Tensor:
+    """Kept slots: each head's top ``budget - window`` prefix tokens, then the whole window.
+
+    Parameters
+    ----------
+    prefix_scores : (B, H_kv, Tp) scores of the prefix tokens (slots 0..Tp-1); the window is slots
+        Tp..Tp+window-1.
+    budget : entries kept per head, window included; must exceed ``window``.
+
+    Returns
+    -------
+    idx : (B, H_kv, budget) ascending (ties: the earlier slot wins, ``select_topk``).
+    """
+    B, H_kv, Tp = prefix_scores.shape
+    top = select_topk(prefix_scores, budget - window)                   # (B, H_kv, budget - w)
+    win = torch.arange(Tp, Tp + window, device=prefix_scores.device).expand(B, H_kv, window)
+    return torch.cat([top, win], dim=-1)                                # (B, H_kv, budget)
+
+
+@dataclass
+class SnapKVPolicy(CachePolicy):
+    """Compress the prompt once with SnapKV's observation-window vote; keep every later token.
+
+    Parameters
+    ----------
+    budget : prompt entries kept per layer per KV head, the observation window included.
+    window : observation window w, the last prompt queries that vote (spec §3.3: 32).
+    kernel : pooling width, odd (spec §3.3: 7). 1 disables pooling.
+    pooling : "max" or "avg" (spec §3.3: "max").
+    """
+
+    budget: int
+    window: int = 32         # spec §3.3: SnapKV LongBench script / CriticalKV §4.2
+    kernel: int = 7          # spec §3.3: same sources
+    pooling: str = "max"     # spec §3.3: same sources ("maxpool")
+    needs_probs: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be a positive int (observation window), got {self.window!r}")
+        if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 \
+                or self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be a positive odd int (pooling width), got {self.kernel!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+
+    def on_prefill(self, ctx: StepContext) -> None:
+        T = len(ctx.kv)
+        if T <= self.budget:                        # G-2: nothing to evict, storage untouched
+            return
+        B, H_kv = ctx.kv.pos.shape[:2]
+        if self.budget <= self.window:              # spec §3.4: no room for the prefix
+            idx = torch.arange(T - self.budget, T, device=ctx.kv.pos.device).expand(B, H_kv, -1)
+        else:
+            w = self.window
+            probs_window = ctx.probs[:, :, T - w:, :T - w]                   # (B, H, w, T - w)
+            scores = window_vote(probs_window, H_kv, self.kernel, self.pooling)  # (B, H_kv, T - w)
+            idx = self.select(scores)
+        ctx.kv.keep(idx)
+
+    def select(self, prefix_scores: Tensor) -> Tensor:
+        """Kept slots (B, H_kv, K) from the prefix scores; AdaKV overrides this with head-wise budgets."""
+        return snapkv_select(prefix_scores, self.budget, self.window)
+
+    # on_decode: inherited no-op. SnapKV never evicts after the prompt (see the module docstring).
+
+    # -- contract declarations (tests/test_policy_contract.py) -------------------------------------------
+    def slack(self, n_prompt: int, n_decoded: int) -> int:
+        """Every token after the prompt is kept: the cache grows by one entry per head per token."""
+        return n_decoded
+
+    def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
+        """The observation window (or its last ``budget`` tokens) and every token after the prompt."""
+        if n_prompt <= self.budget:
+            return list(range(seen))
+        return list(range(n_prompt - min(self.window, self.budget), seen))
