@@ -1,0 +1,209 @@
+"""
+The policy contract, checked for every method registered in ``methods.METHODS``.
+
+Registering a method puts it under these tests; give it "easy"/"hard" options in ``TEST_OPTIONS`` below
+(unlisted methods run with their defaults). Every case runs one fixed script on a TINY random-init model
+with GQA (4 query heads, 2 KV heads) and on TINY_GPT2 (MHA), fp32, batch 2:
+
+    prefill(48 tokens) -> 2 decode steps -> extend(6-token chunk) -> 2 decode steps      (58 tokens)
+
+and asserts (DESIGN.md "Evaluation", STYLE.md §5.2, specs/methods.md §0.4):
+* identity at full budget (G-2): with ``budget >=`` all 58 tokens, every step's logits equal the full
+  cache's bit-for-bit (``torch.equal``), prefill, decode and extend alike;
+* budget respected (G-3): after every step each layer and KV head holds at most ``budget`` valid entries,
+  plus what the policy declares (``slack``, ``head_slack``; see methods/__init__.py), and the layer holds at
+  most ``H_kv * (budget + slack)``;
+* well-formed cache (G-4, G-5): storage at KV-head granularity, k/v/pos of one length, valid positions
+  unique, increasing and < tokens seen, protected positions (sinks, windows) present;
+* determinism (G-8) and reuse: two fresh runs keep identical entries; after ``reset()`` a policy that saw
+  sequence A gives on sequence B exactly what a fresh one gives;
+* no NaN/inf at tiny budgets (1, 3: smaller than the sinks and windows);
+* clear errors: budget <= 0, unknown method, unknown option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from methods import METHODS, make_policy, method_options
+from nanollm import FullCache, KVCache, Transformer, decode_step, extend, prefill, preset
+from nanollm.policy import CachePolicy
+
+# Per-method option sets: [easy, hard, ...]. Defaults are the paper's; "hard" ones push the edge cases.
+TEST_OPTIONS: dict[str, list[dict]] = {
+    "full": [{}],
+    "streaming_llm": [{}, {"n_sink": 1}, {"n_sink": 0}],
+    "h2o": [{}, {"n_recent": 0}],
+    "snapkv": [{}, {"window": 8, "kernel": 3}, {"window": 4, "kernel": 1, "pooling": "avg"}],
+    "adakv": [{}, {"window": 8, "kernel": 3}, {"window": 2, "kernel": 5, "pooling": "avg",
+                                               "alpha_safeguard": 0.0}],
+}
+
+N_PROMPT, N_CHUNK, BATCH = 48, 6, 2
+TOTAL = N_PROMPT + 2 + N_CHUNK + 2          # tokens seen at the end of the script
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops on a shared 2-core box: 2 intra-op threads make every op ~10x slower (PERF.md §3.7)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def cases():
+    for name in METHODS:
+        for i, opts in enumerate(TEST_OPTIONS.get(name, [{}])):
+            yield pytest.param(name, opts, id=f"{name}-{i}")
+
+
+@pytest.fixture(scope="module", params=["TINY", "TINY_GPT2"])
+def model(request) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(preset(request.param)).eval()
+
+
+def make_seq(seed: int, n_prompt: int = N_PROMPT) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(0, 512, (BATCH, n), generator=g)   # noqa: E731
+    return {"prompt": ids(n_prompt), "dec1": ids(2), "chunk": ids(N_CHUNK), "dec2": ids(2)}
+
+
+def run_script(model: Transformer, cache: KVCache, seq: dict, check=None) -> tuple[list, list]:
+    """Teacher-forced script; returns every step's logits and every layer's stored positions."""
+    logits, kept = [], []
+
+    def record(out: torch.Tensor) -> None:
+        logits.append(out)
+        kept.append([layer.pos.clone() for layer in cache.layers])
+        if check is not None:
+            check(cache)
+
+    record(prefill(model, seq["prompt"], cache))
+    for t in seq["dec1"].T:
+        record(decode_step(model, t, cache))
+    record(extend(model, seq["chunk"], cache))
+    for t in seq["dec2"].T:
+        record(decode_step(model, t, cache))
+    return logits, kept
+
+
+def check_cache(cache: KVCache, policy: CachePolicy, n_prompt: int) -> None:
+    """Budget respected (+ declared slack) and well-formed storage, after one step."""
+    cfg = cache.config
+    seen, H_kv = cache.seen, cfg.n_kv_head
+    budget = policy.budget
+    slack = getattr(policy, "slack", lambda p, d: 0)(n_prompt, seen - n_prompt)
+    head_slack = getattr(policy, "head_slack", lambda h: 0)(H_kv)
+    protected = set(getattr(policy, "protected_positions", lambda p, s: [])(n_prompt, seen))
+    for li, layer in enumerate(cache.layers):
+        k, v, pos = layer.k, layer.v, layer.pos
+        assert pos.shape[:2] == (BATCH, H_kv), f"layer {li}: storage must be per KV head, got {pos.shape}"
+        assert k.shape[:3] == v.shape[:3] == pos.shape, f"layer {li}: k/v/pos lengths differ"
+        counts = (pos >= 0).sum(-1)                                    # (B, H_kv)
+        assert int(counts.max()) <= budget + slack + head_slack, \
+            f"layer {li}: a head holds {int(counts.max())} > budget {budget} + slack {slack} + {head_slack}"
+        assert int(counts.sum(-1).max()) <= H_kv * (budget + slack), \
+            f"layer {li}: {int(counts.sum(-1).max())} entries > H_kv * (budget + slack)"
+        for b in range(BATCH):
+            for h in range(H_kv):
+                p = pos[b, h][pos[b, h] >= 0]
+                assert bool((p[1:] > p[:-1]).all()), f"layer {li} head {h}: positions not increasing: {p}"
+                assert int(p.max()) < seen
+                missing = protected - set(p.tolist())
+                assert not missing, f"layer {li} row {b} head {h}: protected positions {sorted(missing)} evicted"
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,opts", cases())
+def test_identity_at_full_budget(model, name, opts):
+    seq = make_seq(1)
+    ref, ref_kept = run_script(model, KVCache(model.config, FullCache()), seq)
+    out, kept = run_script(model, KVCache(model.config, make_policy(name, TOTAL, **opts)), seq)
+    for step, (a, b) in enumerate(zip(ref, out)):
+        assert torch.equal(a, b), f"step {step}: logits differ from the full cache, max abs diff " \
+                                  f"{(a - b).abs().max().item():.3g}"
+    for a, b in zip(ref_kept[-1], kept[-1]):
+        assert torch.equal(a, b), "a budget covering every token must keep every token, in order"
+
+
+@pytest.mark.parametrize("budget", [1, 3, 12, 30])
+@pytest.mark.parametrize("name,opts", cases())
+def test_budget_and_wellformed(model, name, opts, budget):
+    policy = make_policy(name, budget, **opts)
+    cache = KVCache(model.config, policy)
+    logits, _ = run_script(model, cache, make_seq(2), check=lambda c: check_cache(c, policy, N_PROMPT))
+    for step, x in enumerate(logits):
+        assert torch.isfinite(x).all(), f"step {step}: non-finite logits at budget {budget}"
+
+
+@pytest.mark.parametrize("name,opts", cases())
+def test_deterministic(model, name, opts):
+    seq = make_seq(3)
+    a_logits, a_kept = run_script(model, KVCache(model.config, make_policy(name, 12, **opts)), seq)
+    b_logits, b_kept = run_script(model, KVCache(model.config, make_policy(name, 12, **opts)), seq)
+    for a, b in zip(a_logits, b_logits):
+        assert torch.equal(a, b)
+    for step_a, step_b in zip(a_kept, b_kept):
+        for a, b in zip(step_a, step_b):
+            assert torch.equal(a, b), "same inputs, same seed: kept entries must be identical"
+
+
+@pytest.mark.parametrize("name,opts", cases())
+def test_reset_makes_policy_reusable(model, name, opts):
+    seq_a, seq_b = make_seq(4, n_prompt=40), make_seq(5)
+    used = make_policy(name, 12, **opts)
+    cache = KVCache(model.config, used)
+    run_script(model, cache, seq_a)
+    cache.reset()                                       # resets the policy too
+    b_after_a, kept_after_a = run_script(model, cache, seq_b)
+    b_fresh, kept_fresh = run_script(model, KVCache(model.config, make_policy(name, 12, **opts)), seq_b)
+    for a, b in zip(b_after_a, b_fresh):
+        assert torch.equal(a, b), "state from sequence A leaked into sequence B"
+    for step_a, step_b in zip(kept_after_a, kept_fresh):
+        for a, b in zip(step_a, step_b):
+            assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Registry and errors
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_registered_policy_shape(name):
+    cls = METHODS[name]
+    assert issubclass(cls, CachePolicy) and dataclasses.is_dataclass(cls)
+    assert "budget" in {f.name for f in dataclasses.fields(cls)}
+    policy = make_policy(name, 7)
+    assert isinstance(policy, cls) and policy.budget == 7
+    doc = __import__(cls.__module__, fromlist=["_"]).__doc__
+    assert doc and "Paper:" in doc, f"{cls.__module__} needs a paper-card module docstring"
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("budget", [0, -3])
+def test_nonpositive_budget_rejected(name, budget):
+    with pytest.raises(ValueError, match="budget"):
+        make_policy(name, budget)
+    with pytest.raises(ValueError, match="budget"):
+        METHODS[name](budget=budget)
+
+
+def test_unknown_method_names_choices():
+    with pytest.raises(ValueError) as e:
+        make_policy("no_such_method", 8)
+    for name in METHODS:
+        assert repr(name) in str(e.value)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_unknown_option_names_valid_ones(name):
+    with pytest.raises(ValueError) as e:
+        make_policy(name, 8, no_such_option=1)
+    assert "no_such_option" in str(e.value)
+    for opt in method_options(name):
+        assert opt in str(e.value)
