@@ -35,7 +35,7 @@ METHODS: dict[str, type[CachePolicy]] = {
     "streaming_llm": StreamingLLMPolicy,   # sinks + recent window (Xiao et al. 2024)
     "h2o": H2OPolicy,                      # accumulated-attention heavy hitters + recent (Zhang et al. 2023)
     "snapkv": SnapKVPolicy,                # observation-window vote at prefill (Li et al. 2024)
-    "adakv": AdaKVPolicy,                  # SnapKV scores, head-adaptive budgets (Feng et al. 2024)
+    "adakv": AdaKVPolicy,                  # SnapKV scores, head-adaptive budgets (Feng et al. 2025)
 }
 
 
@@ -60,5 +60,5 @@ def make_policy(name: str, budget: int, **options) -> CachePolicy:
     return METHODS[name](budget=budget, **options)
 
 
-__all__ = ["METHODS", "make_policy", "method_options", "AdaKVPolicy", "FullPolicy", "H2OPolicy",
-           "SnapKVPolicy", "StreamingLLMPolicy"]
+__all__ = ["METHODS", "AdaKVPolicy", "FullPolicy", "H2OPolicy", "SnapKVPolicy", "StreamingLLMPolicy",
+           "make_policy", "method_options"]

@@ -108,7 +108,7 @@ class AdaKVPolicy(SnapKVPolicy):
 
     def select(self, prefix_scores: Tensor) -> Tensor:
         """Kept slots (B, H_kv, K), padded with -1, from the prefix scores (B, H_kv, T - window)."""
-        B, H_kv, Tp = prefix_scores.shape
+        B, H_kv, _ = prefix_scores.shape                                # (B, H_kv, T - window)
         window = torch.full((B, H_kv, self.window), float("inf"), device=prefix_scores.device)
         scores = torch.cat([prefix_scores.float(), window], dim=-1)   # (B, H_kv, T) window always kept
         return mask_to_indices(adaptive_keep_mask(scores, self.budget, self.n_safe))

@@ -58,7 +58,7 @@ def received_attention(probs: Tensor, n_kv_head: int) -> Tensor:
     -------
     (B, H_kv, T) float32: sum over the Tn queries, mean over the G query heads of each group.
     """
-    B, H, Tn, T = probs.shape
+    B, H, _, T = probs.shape                                         # (B, H, Tn, T)
     per_head = probs.float().sum(dim=2)                              # (B, H, T)
     return per_head.view(B, n_kv_head, H // n_kv_head, T).mean(dim=2)  # (B, H_kv, T)
 

@@ -75,7 +75,7 @@ def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str)
     -------
     scores : (B, H_kv, Tp) float32, higher = keep.
     """
-    B, H, w, Tp = probs_window.shape
+    B, H, _, Tp = probs_window.shape                                    # (B, H, w, Tp)
     vote = probs_window.float().sum(dim=2)                              # (B, H, Tp) summed over the window
     vote = pool1d(vote, kernel, pooling)                                # (B, H, Tp) clusters neighbours
     return vote.view(B, n_kv_head, H // n_kv_head, Tp).mean(dim=2)     # (B, H_kv, Tp) GQA group mean

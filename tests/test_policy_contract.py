@@ -69,7 +69,10 @@ def model(request) -> Transformer:
 
 def make_seq(seed: int, n_prompt: int = N_PROMPT) -> dict:
     g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(0, 512, (BATCH, n), generator=g)   # noqa: E731
+
+    def ids(n: int) -> torch.Tensor:
+        return torch.randint(0, 512, (BATCH, n), generator=g)
+
     return {"prompt": ids(n_prompt), "dec1": ids(2), "chunk": ids(N_CHUNK), "dec2": ids(2)}
 
 
