@@ -1,0 +1,148 @@
+"""
+Build the notebooks: convert each ``notebooks/*.py`` percent source into a ``.ipynb`` and execute it.
+
+The ``.py`` files are the source of truth (they diff and lint like code); the ``.ipynb`` files are
+generated from them, executed, and committed with their outputs. The format is jupytext's ``py:percent``
+(the cell syntax of Triton's tutorials), read here with a few lines of code so jupytext is not a
+dependency::
+
+    # %% [markdown]
+    # # A title
+    # Markdown lines are comments: "# " is stripped.
+
+    # %%
+    x = 1 + 1          # a code cell runs until the next "# %%" line
+
+    # %% tags=["raises-exception"]
+    1 / 0              # optional cell tags, as JSON, on the marker line
+
+Usage::
+
+    python notebooks/build.py                       # every notebooks/*.py, executed normally
+    python notebooks/build.py notebooks/00_nanollm_kv_cache.py --tiny   # quick check in tiny mode
+    python notebooks/build.py --no-execute           # convert only (no outputs)
+
+``tests/test_notebooks.py`` uses ``read_percent`` to check that each committed ``.ipynb`` still has the
+cells of its ``.py`` source, and ``execute`` to run it headlessly with ``NANOLLM_TINY=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parent
+ROOT = NOTEBOOKS.parent
+KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+MARKER = re.compile(r"^# %%(?P<title>[^\[]*?)?\s*(?P<kind>\[markdown\])?\s*(?:tags=(?P<tags>\[.*\]))?\s*$")
+
+
+def sources() -> list[Path]:
+    """The notebook sources: every ``notebooks/*.py`` except this script and private (``_``) files."""
+    return sorted(p for p in NOTEBOOKS.glob("*.py") if p.name != "build.py" and not p.name.startswith("_"))
+
+
+def _uncomment(line: str) -> str:
+    """A markdown line of the percent format: '# text' -> 'text', '#' -> ''."""
+    if line.startswith("# "):
+        return line[2:]
+    return line[1:] if line.startswith("#") else line
+
+
+def read_percent(path: str | Path) -> nbformat.NotebookNode:
+    """Parse a ``py:percent`` file into a notebook (no outputs). Cell ids are deterministic: cell-0, cell-1, ..."""
+    lines = Path(path).read_text().splitlines()
+    cells: list[tuple[str, list[str], list[str]]] = []     # (kind, lines, tags)
+    for n, line in enumerate(lines, 1):
+        if line.startswith("# %%"):
+            m = MARKER.match(line)
+            if m is None:
+                raise ValueError(f"{path}:{n}: cannot parse cell marker {line!r}")
+            tags = json.loads(m["tags"]) if m["tags"] else []
+            cells.append(("markdown" if m["kind"] else "code", [], tags))
+        elif cells:
+            cells[-1][1].append(line)
+        elif line.strip():
+            raise ValueError(f"{path}:{n}: text before the first '# %%' cell marker")
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    nb.metadata["language_info"] = {"name": "python"}
+    for i, (kind, body, tags) in enumerate(cells):
+        while body and not body[-1].strip():               # blank lines separate cells; not content
+            body.pop()
+        while body and not body[0].strip():
+            body.pop(0)
+        if kind == "markdown":
+            cell = nbformat.v4.new_markdown_cell("\n".join(_uncomment(line) for line in body))
+        else:
+            cell = nbformat.v4.new_code_cell("\n".join(body))
+        cell.id = f"cell-{i}"
+        if tags:
+            cell.metadata["tags"] = tags
+        nb.cells.append(cell)
+    return nb
+
+
+def kernel_env(tiny: bool) -> dict[str, str]:
+    """The kernel's environment: the repo root importable (nanollm, methods), and the tiny switch."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["NANOLLM_TINY"] = "1" if tiny else "0"
+    return env
+
+
+def execute(nb: nbformat.NotebookNode, tiny: bool = False, timeout: int = 600) -> nbformat.NotebookNode:
+    """Run every cell in a fresh ``python3`` kernel started in ``notebooks/``; raises on the first error.
+
+    ``timeout`` is per cell, in seconds. Returns the notebook with its outputs (also filled in place).
+    """
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute(env=kernel_env(tiny))
+    return nb
+
+
+def error_outputs(nb: nbformat.NotebookNode) -> list[str]:
+    """'cell i: Name: message' for every error output stored in the notebook."""
+    return [f"cell {i}: {out.get('ename')}: {out.get('evalue')}"
+            for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+            for out in cell.get("outputs", []) if out.get("output_type") == "error"]
+
+
+def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int = 600) -> Path:
+    """Convert ``path`` (.py) to the .ipynb beside it, executing it unless ``run`` is False."""
+    path = Path(path)
+    nb = read_percent(path)
+    if run:
+        t0 = time.perf_counter()
+        execute(nb, tiny=tiny, timeout=timeout)
+        print(f"{path.name}: executed{' (tiny mode)' if tiny else ''} in {time.perf_counter() - t0:.1f} s")
+    out = path.with_suffix(".ipynb")
+    nbformat.validate(nb)
+    nbformat.write(nb, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python notebooks/build.py",
+                                 description="Convert notebooks/*.py (py:percent) to .ipynb and execute them.")
+    ap.add_argument("paths", nargs="*", help="notebook sources (default: every notebooks/*.py)")
+    ap.add_argument("--no-execute", action="store_true", help="convert only; the .ipynb gets no outputs")
+    ap.add_argument("--tiny", action="store_true",
+                    help="execute with NANOLLM_TINY=1 (a quick check; commit notebooks built without it)")
+    ap.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds (default %(default)s)")
+    args = ap.parse_args(argv)
+    for path in [Path(p) for p in args.paths] or sources():
+        print(f"wrote {build(path, run=not args.no_execute, tiny=args.tiny, timeout=args.timeout)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
