@@ -144,8 +144,9 @@ def run_bench(config: ModelConfig, contexts: list[int] = (128, 256, 512, 1024), 
         model = Transformer(config).to(device).eval()
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, config.vocab_size, (batch, contexts[-1] + steps), generator=gen).to(device)
-        time_cached(model, ids, contexts[0], steps)                        # warm-up, not recorded
-        time_recompute(model, ids, contexts[0], steps)
+        for c in contexts:                                                 # warm-up, not recorded
+            time_cached(model, ids, c, min(steps, 2))
+            time_recompute(model, ids, c, min(steps, 2))
         cached = {c: [] for c in contexts}
         recompute = {c: [] for c in contexts}
         nbytes = {}
