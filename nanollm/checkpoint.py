@@ -1,0 +1,124 @@
+"""
+Checkpoint folders: save, load, and the bundled models.
+
+A nanollm checkpoint is a folder::
+
+    nanollm_config.json   the ModelConfig fields
+    model.safetensors     the weights (a tied lm_head is not stored twice)
+    tokenizer.json        the BPE ranks and split pattern (nanollm.tokenizer.Tokenizer)
+    card.json             the model card: how it was trained, and its measured accuracy
+    README.md             the same card, for people
+
+``load(name_or_path)`` takes the name of a bundled checkpoint (a folder under ``nanollm/checkpoints/``),
+the path of a checkpoint folder, or the path of a local Hugging Face-format folder (``config.json`` +
+weights, see ``hf.py``), and returns ``(model, tokenizer, card)``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from . import safetensors
+from .config import ModelConfig
+from .model import Transformer
+from .tokenizer import Tokenizer
+
+BUNDLED_DIR = Path(__file__).parent / "checkpoints"
+
+
+def bundled() -> list[str]:
+    """Names of the checkpoints shipped with the package."""
+    return sorted(p.name for p in BUNDLED_DIR.iterdir() if (p / "nanollm_config.json").exists()) \
+        if BUNDLED_DIR.exists() else []
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """The folder of a bundled checkpoint name or a path; a clear error when it is neither."""
+    p = Path(name_or_path)
+    if p.is_dir():
+        return p
+    if (BUNDLED_DIR / str(name_or_path)).is_dir():
+        return BUNDLED_DIR / str(name_or_path)
+    raise ValueError(f"no checkpoint {str(name_or_path)!r}: not a folder, and not a bundled checkpoint "
+                     f"(bundled: {bundled()})")
+
+
+def save(model: Transformer, tok: Tokenizer, folder: str | Path, card: dict | None = None) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "nanollm_config.json").write_text(json.dumps(model.config.to_dict(), indent=1))
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight")
+    safetensors.save_file(state, folder / "model.safetensors", metadata={"format": "pt", "source": "nanollm"})
+    tok.save(folder / "tokenizer.json")
+    if card is not None:
+        write_card(folder, card)
+
+
+def write_card(folder: str | Path, card: dict) -> None:
+    """card.json, and README.md rendered from it (``card["markdown"]`` if given)."""
+    folder = Path(folder)
+    (folder / "card.json").write_text(json.dumps({k: v for k, v in card.items() if k != "markdown"}, indent=1))
+    if "markdown" in card:
+        (folder / "README.md").write_text(card["markdown"])
+
+
+def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
+    return Tokenizer.load(resolve(name_or_path) / "tokenizer.json")
+
+
+def load_nanollm(folder: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
+    folder = Path(folder)
+    for f in ("nanollm_config.json", "model.safetensors", "tokenizer.json"):
+        if not (folder / f).exists():
+            raise ValueError(f"checkpoint folder {folder} has no {f}")
+    try:
+        config = ModelConfig.from_dict(json.loads((folder / "nanollm_config.json").read_text()))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"cannot read {folder / 'nanollm_config.json'}: {e}") from e
+    state = safetensors.load_file(folder / "model.safetensors")      # raises SafetensorsError if corrupt
+    model = Transformer(config)
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state.get("tok_emb.weight")
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(state)
+                   if state[k] is not None and tuple(state[k].shape) != tuple(expected[k].shape))
+    if missing or unexpected or wrong:
+        raise ValueError(f"checkpoint {folder} does not match its config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}")
+    model.load_state_dict(state)
+    card = json.loads((folder / "card.json").read_text()) if (folder / "card.json").exists() else {}
+    return model.to(device).eval(), Tokenizer.load(folder / "tokenizer.json"), card
+
+
+def load(name_or_path: str | Path, device: str = "cpu"):
+    """(model, tokenizer, card) from a bundled name, a nanollm checkpoint folder, or a Hugging Face folder.
+
+    The model is in eval mode, fp32, on ``device``. A Hugging Face folder without a supported tokenizer
+    file gives ``tokenizer = None``.
+    """
+    folder = resolve(name_or_path)
+    if (folder / "nanollm_config.json").exists():
+        return load_nanollm(folder, device)
+    from .hf import is_hf_folder, load_hf
+    if is_hf_folder(folder):
+        from .hf_tokenizer import load_hf_tokenizer
+        model, hf_config = load_hf(folder, device=device)
+        return model.eval(), load_hf_tokenizer(folder), {"source": "huggingface", "config": hf_config}
+    raise ValueError(f"{folder} is neither a nanollm checkpoint (nanollm_config.json) nor a Hugging Face "
+                     "folder (config.json + model.safetensors / pytorch_model.bin)")
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, card: dict | None = None) -> None:
+    """Turn a training run folder (state.pt + tokenizer.json) into a checkpoint folder."""
+    run = Path(run_dir)
+    st = torch.load(run / "state.pt", map_location="cpu", weights_only=True)
+    model = Transformer(ModelConfig.from_dict(st["model_config"]))
+    model.load_state_dict(st["model"])
+    save(model, Tokenizer.load(run / "tokenizer.json"), out_dir, card)
