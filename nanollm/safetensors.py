@@ -17,9 +17,10 @@ that on the header alone, before a byte of tensor data is read, and every proble
 JSON, unknown dtype, offsets out of range, overlaps, gaps) raises :class:`SafetensorsError`, a
 ``ValueError``. No other exception type escapes from a malformed file.
 
-:func:`save_file` writes exactly what the official library writes: tensors ordered by dtype (widest
-first, in the library's dtype order) then by name, compact JSON with ``__metadata__`` first and its keys
-sorted, padded with spaces so the buffer starts at an 8-byte boundary.
+:func:`save_file` writes what the official library writes, byte for byte: tensors ordered by dtype
+(widest first, in the library's dtype order) then by name, compact JSON with ``__metadata__`` first,
+padded with spaces so the buffer starts at an 8-byte boundary. (We sort the metadata keys; the library
+writes several keys in hash-map order, which varies from run to run.)
 
 Hugging Face splits big checkpoints into shards listed in ``model.safetensors.index.json``
 (``{"weight_map": {tensor_name: shard_file}}``): see :func:`load_sharded`. Older checkpoints are pickled
