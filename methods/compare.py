@@ -1,0 +1,202 @@
+"""
+Compare every KV-cache method with full attention: ``python -m methods.compare --help``.
+
+For each task, sample and mode, the full cache runs once (``harness.trace``) and every method at every
+budget runs on the identical sample; ``harness.compare_traces`` measures it against the full cache.
+Results are averaged per (method, budget, task, mode), printed as tables, and optionally written as JSON
+records and an accuracy-vs-keep-ratio plot. Everything is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from nanollm import load
+from nanollm.evaluate import MODES
+from nanollm.tasks import TASKS, make_sample
+
+from . import METHODS, make_policy
+from .harness import Cell, compare_traces, greedy_accuracy, trace
+
+# Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
+DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
+DEFAULT_KEEP_RATIOS = [0.1, 0.25, 0.5]
+
+
+def run(model, tok, methods: list[str], budgets: list[int], tasks: list[str], modes: list[str],
+        samples: int, length: int, seed: int = 0, progress: bool = True) -> list[dict]:
+    """All records: one per (method, budget, task, mode), plus method "full" per (task, mode)."""
+    group = model.config.group_size
+    cells: dict[tuple, Cell] = {}
+    jobs = [(t, i, m) for t in tasks for i in range(samples) for m in modes]
+    bar = tqdm(total=len(jobs) * (1 + len(methods) * len(budgets)), disable=not progress, desc="compare",
+               dynamic_ncols=True)
+    for task, i, mode in jobs:
+        sample = make_sample(task, tok, length, seed=seed + i)
+        full = trace(model, sample, mode, None, record_probs=True)
+        acc, _ = greedy_accuracy(model, tok, sample, mode, full, None)
+        cells.setdefault(("full", None, task, mode), Cell()).add({"accuracy": acc, **compare_traces(full, full, group)})
+        bar.update(1)
+        for name in methods:
+            if name == "full":
+                bar.update(len(budgets))
+                continue
+            for budget in budgets:
+                factory = lambda: make_policy(name, budget=budget)   # noqa: E731 (fresh policy per run)
+                tr = trace(model, sample, mode, factory())
+                acc, _ = greedy_accuracy(model, tok, sample, mode, tr, factory)
+                cells.setdefault((name, budget, task, mode), Cell()).add(
+                    {"accuracy": acc, **compare_traces(full, tr, group)})
+                bar.update(1)
+    bar.close()
+    records = []
+    for (name, budget, task, mode), cell in cells.items():
+        m = cell.means()
+        records.append({"method": name, "budget": budget,
+                        "keep_ratio": 1.0 if budget is None else round(budget / length, 4),
+                        "task": task, "mode": mode, "length": length, **m})
+    return records
+
+
+def format_tables(records: list[dict]) -> str:
+    """One table per mode: rows method @ keep ratio, columns accuracy per task, then mean metrics."""
+    lines = []
+    tasks = sorted({r["task"] for r in records}, key=lambda t: TASKS.index(t) if t in TASKS else 99)
+    for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
+        rows = [r for r in records if r["mode"] == mode]
+        keys = sorted({(r["method"], r["keep_ratio"], r["budget"]) for r in rows},
+                      key=lambda k: (k[0] != "full", k[0], k[1]))
+        short = [t.replace("niah_", "").replace("single_", "s_")[:10] for t in tasks]
+        head = f"{'method':<14}{'keep':>6}{'budget':>7} " + "".join(f"{s:>11}" for s in short) + \
+            f"{'mean acc':>9}{'KL':>8}{'pert':>7}{'lost':>6}{'KV KiB':>8}{'ms/tok':>7}"
+        lines += [f"\n[{mode}]", head, "-" * len(head)]
+        for method, ratio, budget in keys:
+            sel = {r["task"]: r for r in rows if (r["method"], r["keep_ratio"], r["budget"]) == (method, ratio, budget)}
+            accs = [sel[t]["accuracy"] if t in sel else float("nan") for t in tasks]
+            mean = lambda k: sum(r[k] for r in sel.values()) / len(sel)   # noqa: E731
+            lines.append(f"{method:<14}{ratio:>6.2f}{budget if budget is not None else '-':>7} "
+                         + "".join(f"{a:>11.2f}" for a in accs)
+                         + f"{sum(accs) / len(accs):>9.2f}{mean('kl'):>8.3f}{mean('perturbation'):>7.3f}"
+                         f"{mean('lost_mass'):>6.2f}{max(r['kv_bytes'] for r in sel.values()) / 1024:>8.0f}"
+                         f"{mean('decode_ms_per_token'):>7.1f}")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Mean accuracy over tasks vs keep ratio, one line per method, one panel per mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    modes = [m for m in MODES if any(r["mode"] == m for r in records)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rows = [r for r in records if r["mode"] == mode]
+        full = [r["accuracy"] for r in rows if r["method"] == "full"]
+        if full:
+            ax.axhline(sum(full) / len(full), color="black", ls="--", label="full")
+        for method in sorted({r["method"] for r in rows} - {"full"}):
+            ratios = sorted({r["keep_ratio"] for r in rows if r["method"] == method})
+            accs = [sum(r["accuracy"] for r in rows if r["method"] == method and r["keep_ratio"] == k) /
+                    sum(1 for r in rows if r["method"] == method and r["keep_ratio"] == k) for k in ratios]
+            ax.plot(ratios, accs, marker="o", label=method)
+        ax.set(title=mode.replace("_", " "), xlabel="keep ratio (budget / context tokens)",
+               ylabel="accuracy (mean over tasks)", ylim=(-0.03, 1.03))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m methods.compare",
+        description="Run KV-cache methods side by side with full attention on synthetic long-context tasks "
+                    "and report accuracy, KL(full || method), output perturbation, attention mass lost, "
+                    "KV bytes and decode time per (method, budget, task, mode).")
+    ap.add_argument("--checkpoint", default="retrieval-llama",
+                    help="bundled checkpoint name, nanollm checkpoint folder or local Hugging Face folder "
+                         "(default %(default)s)")
+    ap.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                    help=f"methods to run (default: all registered: {', '.join(METHODS)})")
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--keep-ratios", nargs="+", type=float, default=None, metavar="R",
+                       help="budgets as fractions of --length: budget = round(R * length) tokens per layer per "
+                            f"KV head (default {DEFAULT_KEEP_RATIOS})")
+    group.add_argument("--budgets", nargs="+", type=int, default=None, metavar="B",
+                       help="budgets in tokens per layer per KV head (instead of --keep-ratios)")
+    ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                    help=f"tasks (default: the checkpoint card's default suite, else {DEFAULT_TASKS}; "
+                         f"all: {', '.join(TASKS)})")
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES,
+                    help="question_in_prompt: the question is in the prompt when the cache is compressed; "
+                         "question_after_context: the context is compressed first and the question arrives "
+                         "later through extend (default: both)")
+    ap.add_argument("--samples", type=int, default=3, help="samples per task and mode (default %(default)s)")
+    ap.add_argument("--length", type=int, default=512,
+                    help="tokens per sample, context + question + answer (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
+    ap.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: tiny models are dispatch-bound, PERF.md §3.7)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list to PATH")
+    ap.add_argument("--plot", default=None, metavar="PATH", help="write an accuracy-vs-keep-ratio figure to PATH")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    methods = args.methods or list(METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
+    try:
+        model, tok, card = load(args.checkpoint, device=args.device)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if tok is None:
+        sys.exit(f"error: {args.checkpoint} has no supported tokenizer, which the synthetic tasks need")
+    tasks = args.tasks or card.get("default_suite") or DEFAULT_TASKS
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        ap.error(f"unknown task(s) {bad}; choose from {TASKS}")
+    if args.samples <= 0:
+        ap.error(f"--samples must be positive, got {args.samples}")
+    if not 0 < args.length <= model.config.max_seq_len:
+        ap.error(f"--length must be in [1, {model.config.max_seq_len}] (the model's maximum positions)")
+    if args.budgets is not None:
+        budgets = args.budgets
+    else:
+        ratios = args.keep_ratios or DEFAULT_KEEP_RATIOS
+        if any(not 0 < r <= 1 for r in ratios):
+            ap.error(f"--keep-ratios must lie in (0, 1], got {ratios}")
+        budgets = [max(1, round(r * args.length)) for r in ratios]
+    if any(b <= 0 for b in budgets):
+        ap.error(f"budgets must be positive, got {budgets}")
+
+    t0 = time.time()
+    try:
+        records = run(model, tok, methods, budgets, tasks, args.modes, args.samples, args.length, args.seed,
+                      progress=not args.quiet)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    print(format_tables(records))
+    print(f"\n{args.samples} samples per task and mode, {args.length} tokens, seed {args.seed}, "
+          f"{time.time() - t0:.0f} s. acc = string_match_all of the greedy answer; KL = mean next-token "
+          "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
+          "decode step; lost = full-attention mass on entries the method dropped at that step.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"records written to {args.json}")
+    if args.plot:
+        plot(records, args.plot)
+        print(f"plot written to {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

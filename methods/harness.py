@@ -1,0 +1,194 @@
+"""
+The evaluation harness: a method against full attention, on the same model, samples and decoding.
+
+For one sample and one mode, ``trace`` runs the prompt and then feeds the *reference* answer one token at
+a time through ``decode_step`` (teacher forcing), so the full cache and every method see exactly the same
+tokens. From two traces (full and method) ``compare_traces`` computes (DESIGN.md, "Evaluation"):
+
+* ``kl``: mean next-token KL(full || method) over the answer positions;
+* ``perturbation``: relative error ||h_full - h|| / ||h_full|| of the final hidden state at the first
+  decode step (the step that feeds the first answer token: the first moment a prefill compression can
+  show up, since prompt attention itself is always exact);
+* ``attn_l1``: per layer and query head, ||o_full - o||_1 of the attention output at that step;
+* ``lost_mass``: the full-attention probability mass, at that step, on entries the method does not
+  attend to (mean over layers and heads);
+* ``kv_bytes``: peak K/V bytes stored over all layers; ``extra_bytes``: what the policy keeps besides
+  (scores, sketches), when it reports ``extra_nbytes()``;
+* ``compress_ms``: time spent in the policy's hooks; ``decode_ms_per_token``: time per decode step.
+
+Accuracy is RULER's ``string_match_all`` of the greedy answer. Greedy decoding that starts from the same
+prefix produces the same logits as the teacher-forced trace, so when the trace's argmax reproduces the
+reference answer at every position, the greedy answer *is* the reference and nothing more needs to run;
+otherwise the method generates freely.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from nanollm.cache import KVCache, LayerKV
+from nanollm.evaluate import answer
+from nanollm.generate import extend, prefill
+from nanollm.policy import CachePolicy, FullCache, StepContext
+from nanollm.tasks import Sample, string_match_all
+
+
+class Probe(CachePolicy):
+    """Wraps a policy: times its hooks and records what the first decode step attended to.
+
+    While ``recording`` is True, ``on_decode`` stores, per layer, the attention output of the last query
+    ``out`` (H, d), the positions attended ``pos`` (H_kv, T) and, with ``record_probs``, the attention
+    probabilities ``probs`` (H, T), all for batch row 0.
+    """
+
+    def __init__(self, inner: CachePolicy, record_probs: bool = False) -> None:
+        self.inner = inner
+        self.needs_probs = inner.needs_probs or record_probs
+        self.recording = False
+        self.compress_s = 0.0
+        self.outs: dict[int, Tensor] = {}
+        self.pos: dict[int, Tensor] = {}
+        self.probs: dict[int, Tensor] = {}
+
+    def attend_kv(self, layer: int, store: LayerKV):
+        k, v, pos = self.inner.attend_kv(layer, store)
+        if self.recording:
+            self.pos[layer] = pos[0].clone()                               # (H_kv, T) what this step sees
+        return k, v, pos
+
+    def on_prefill(self, ctx: StepContext) -> None:
+        t0 = time.perf_counter()
+        self.inner.on_prefill(ctx)
+        self.compress_s += time.perf_counter() - t0
+
+    def on_decode(self, ctx: StepContext) -> None:
+        if self.recording:
+            self.outs[ctx.layer] = ctx.out[0, :, -1].clone()               # (H, d)
+            if ctx.probs is not None:
+                self.probs[ctx.layer] = ctx.probs[0, :, -1].clone()        # (H, T)
+        t0 = time.perf_counter()
+        self.inner.on_decode(ctx)
+        self.compress_s += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+@dataclass
+class Trace:
+    logits: Tensor                 # (n_answer, V) logits predicting each reference answer token
+    hidden: Tensor                 # (D,) final hidden state at the first decode step
+    outs: dict                     # layer -> (H, d) attention output at the first decode step
+    pos: dict                      # layer -> (H_kv, T) positions attended at that step
+    probs: dict                    # layer -> (H, T) attention probabilities (full-cache trace only)
+    kv_bytes: int                  # peak K/V bytes over all layers
+    extra_bytes: int               # peak bytes of the policy's own structures (0 if it reports none)
+    compress_ms: float
+    decode_ms_per_token: float
+
+
+@torch.no_grad()
+def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
+          record_probs: bool = False) -> Trace:
+    """Prompt (in ``mode``), then the reference answer token by token; see the module docstring."""
+    dev = next(model.parameters()).device
+    probe = Probe(policy if policy is not None else FullCache(), record_probs)
+    cache = KVCache(model.config, policy=probe)
+
+    def extra() -> int:
+        f = getattr(probe.inner, "extra_nbytes", None)
+        return int(f()) if f is not None else 0
+
+    if mode == "question_in_prompt":
+        logits = prefill(model, torch.tensor([sample.prompt_ids], device=dev), cache)
+    elif mode == "question_after_context":
+        prefill(model, torch.tensor([sample.context_ids], device=dev), cache)
+        logits = extend(model, torch.tensor([sample.question_ids], device=dev), cache)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    step_logits = [logits[0, -1]]
+    kv_bytes, extra_bytes = cache.nbytes(), extra()
+    decode_s, hidden = 0.0, None
+    for j, token in enumerate(sample.target_ids[:-1]):
+        probe.recording = j == 0
+        t0 = time.perf_counter()
+        lg, h = model(torch.tensor([[token]], device=dev), cache=cache, return_hidden=True)
+        decode_s += time.perf_counter() - t0
+        if j == 0:
+            hidden = h[0, -1]
+        step_logits.append(lg[0, -1])
+        kv_bytes, extra_bytes = max(kv_bytes, cache.nbytes()), max(extra_bytes, extra())
+    n_steps = len(sample.target_ids) - 1
+    return Trace(torch.stack(step_logits), hidden, probe.outs, probe.pos, probe.probs, kv_bytes, extra_bytes,
+                 probe.compress_s * 1e3, decode_s * 1e3 / max(1, n_steps))
+
+
+def lost_mass(full: Trace, method: Trace, group_size: int) -> float:
+    """Mean over layers and query heads of the full attention mass on entries the method did not attend."""
+    lost = []
+    for layer, probs in full.probs.items():                      # probs (H, T) over full positions
+        full_pos = full.pos[layer][0]                            # (T,) the full cache keeps every position
+        kept = method.pos[layer]                                 # (H_kv, Tm), -1 = empty slot
+        for h in range(probs.shape[0]):
+            keep = torch.isin(full_pos, kept[h // group_size])
+            lost.append(float(probs[h][~keep].sum()))
+    return sum(lost) / len(lost)
+
+
+def compare_traces(full: Trace, method: Trace, group_size: int) -> dict:
+    """Metrics of a method's trace against the full cache's trace of the same sample and mode."""
+    p_log = torch.log_softmax(full.logits.double(), -1)
+    q_log = torch.log_softmax(method.logits.double(), -1)
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
+    L = len(full.outs)
+    attn_l1 = torch.stack([(full.outs[i] - method.outs[i]).abs().sum(-1) for i in range(L)])   # (L, H)
+    return {
+        "kl": float(kl),
+        "perturbation": float((full.hidden - method.hidden).norm() / full.hidden.norm()),
+        "attn_l1": attn_l1.tolist(),
+        "lost_mass": lost_mass(full, method, group_size),
+        "kv_bytes": method.kv_bytes,
+        "extra_bytes": method.extra_bytes,
+        "compress_ms": method.compress_ms,
+        "decode_ms_per_token": method.decode_ms_per_token,
+    }
+
+
+def greedy_accuracy(model, tok, sample: Sample, mode: str, tr: Trace, policy_factory) -> tuple[float, str]:
+    """string_match_all of the greedy answer; reuses the trace when greedy decoding follows the reference."""
+    if torch.equal(tr.logits.argmax(-1).cpu(), torch.tensor(sample.target_ids)):
+        prediction = sample.target                       # greedy decoding reproduces the reference exactly
+    else:
+        prediction = answer(model, tok, sample, mode, policy_factory() if policy_factory else None)
+    return string_match_all(prediction, sample.answers), prediction
+
+
+@dataclass
+class Cell:
+    """Running means of one (method, budget, task, mode) cell."""
+    n: int = 0
+    sums: dict = field(default_factory=dict)
+    attn_l1: Tensor | None = None
+    kv_bytes: int = 0
+    extra_bytes: int = 0
+
+    def add(self, metrics: dict) -> None:
+        self.n += 1
+        for k, v in metrics.items():
+            if k == "attn_l1":
+                t = torch.tensor(v)
+                self.attn_l1 = t if self.attn_l1 is None else self.attn_l1 + t
+            elif k in ("kv_bytes", "extra_bytes"):             # peaks: the largest over samples
+                setattr(self, k, max(getattr(self, k), v))
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def means(self) -> dict:
+        out = {k: v / self.n for k, v in self.sums.items()}
+        out.update(kv_bytes=self.kv_bytes, extra_bytes=self.extra_bytes, n_samples=self.n,
+                   attn_l1=(self.attn_l1 / self.n).tolist() if self.attn_l1 is not None else None)
+        return out
