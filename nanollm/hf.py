@@ -153,7 +153,9 @@ def config_from_hf(cfg: dict) -> ModelConfig:
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
     """The ``config.json`` dict transformers needs to build the same model as GPT2LMHeadModel / LlamaForCausalLM."""
-    tokens = {k: config.extra[k] for k in ("bos_token_id", "eos_token_id") if k in config.extra}
+    # special token ids only when known (from a loaded checkpoint); null beats transformers' defaults, which
+    # can lie outside a small vocabulary
+    tokens = {k: config.extra.get(k) for k in ("bos_token_id", "eos_token_id")}
     torch_dtype = str(dtype).removeprefix("torch.")
     if config.flavour == "gpt2":
         if config.n_kv_head != config.n_head or not config.bias:
