@@ -27,6 +27,7 @@ from .harness import Cell, compare_traces, greedy_accuracy, trace
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
 DEFAULT_KEEP_RATIOS = [0.1, 0.25, 0.5]
+DEFAULT_LENGTH = 512
 
 
 def run(model, tok, methods: list[str], budgets: list[int], tasks: list[str], modes: list[str],
@@ -138,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
                          "question_after_context: the context is compressed first and the question arrives "
                          "later through extend (default: both)")
     ap.add_argument("--samples", type=int, default=3, help="samples per task and mode (default %(default)s)")
-    ap.add_argument("--length", type=int, default=512,
-                    help="tokens per sample, context + question + answer (default %(default)s)")
+    ap.add_argument("--length", type=int, default=None,
+                    help=f"tokens per sample, context + question + answer (default {DEFAULT_LENGTH}, or the "
+                         "model's maximum positions if smaller)")
     ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
     ap.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     ap.add_argument("--threads", type=int, default=1,
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown task(s) {bad}; choose from {TASKS}")
     if args.samples <= 0:
         ap.error(f"--samples must be positive, got {args.samples}")
+    args.length = args.length or min(DEFAULT_LENGTH, model.config.max_seq_len)
     if not 0 < args.length <= model.config.max_seq_len:
         ap.error(f"--length must be in [1, {model.config.max_seq_len}] (the model's maximum positions)")
     if args.budgets is not None:

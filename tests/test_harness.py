@@ -1,0 +1,133 @@
+"""The evaluation harness and the compare CLI, on a tiny random-init checkpoint (no training needed)."""
+
+import json
+
+import pytest
+import torch
+
+from methods import METHODS, make_policy
+from methods.compare import main as compare_main
+from methods.compare import run
+from methods.harness import compare_traces, greedy_accuracy, trace
+from nanollm import checkpoint, preset
+from nanollm.evaluate import MODES, answer_ids
+from nanollm.tasks import corpus, make_sample
+from nanollm.tokenizer import Tokenizer
+
+LENGTH = 200
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, make_model):
+    torch.set_num_threads(1)
+    tok = Tokenizer.train(corpus(60_000, seed=0), 512)
+    model = make_model(preset("TINY"), seed=1)
+    folder = tmp_path_factory.mktemp("ckpt")
+    checkpoint.save(model, tok, folder, card={"name": "tiny-random", "default_suite": ["niah_single_noise"]})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return checkpoint.load(ckpt)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_full_vs_full_is_zero(loaded, mode):
+    model, tok, _ = loaded
+    s = make_sample("niah_single_noise", tok, LENGTH, seed=0)
+    a = trace(model, s, mode, None, record_probs=True)
+    m = compare_traces(a, a, model.config.group_size)
+    assert m["kl"] == 0 and m["perturbation"] == 0 and m["lost_mass"] == 0
+    assert torch.tensor(m["attn_l1"]).abs().max() == 0
+    assert m["kv_bytes"] == model.config.kv_bytes_per_token() * (s.n_tokens - 1)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_budget_covering_everything_matches_full(loaded, name):
+    model, tok, _ = loaded
+    s = make_sample("niah_single_noise", tok, LENGTH, seed=1)
+    full = trace(model, s, "question_after_context", None, record_probs=True)
+    tr = trace(model, s, "question_after_context", make_policy(name, budget=LENGTH))
+    assert torch.equal(full.logits, tr.logits)
+    m = compare_traces(full, tr, model.config.group_size)
+    assert m["kl"] == 0 and m["perturbation"] == 0 and m["lost_mass"] == 0
+
+
+def test_lost_mass_matches_a_mask(loaded):
+    """lost_mass = full-attention probability on the positions StreamingLLM dropped, recomputed by hand."""
+    model, tok, _ = loaded
+    s = make_sample("niah_single_noise", tok, LENGTH, seed=2)
+    full = trace(model, s, "question_in_prompt", None, record_probs=True)
+    budget, n_sink = 24, 4
+    tr = trace(model, s, "question_in_prompt", make_policy("streaming_llm", budget=budget, n_sink=n_sink))
+    m = compare_traces(full, tr, model.config.group_size)
+    seen = len(s.prompt_ids) + 1                              # the prompt + the first answer token
+    kept = set(range(n_sink)) | set(range(seen - (budget - n_sink) - 1, seen))
+    # after the prompt: sinks + last budget-n_sink prompt tokens; the first answer token is appended before
+    # attention, so the first decode step sees budget + 1 entries
+    lost = []
+    for layer, probs in full.probs.items():
+        pos = full.pos[layer][0].tolist()
+        drop = torch.tensor([p not in kept for p in pos])
+        lost += [float(probs[h][drop].sum()) for h in range(probs.shape[0])]
+    assert m["lost_mass"] == pytest.approx(sum(lost) / len(lost), abs=1e-6)
+    assert 0 < m["lost_mass"] < 1 and m["kv_bytes"] < full.kv_bytes
+
+
+def test_trace_argmax_is_free_greedy_generation(loaded):
+    """The shortcut in greedy_accuracy: teacher forcing on the greedy tokens reproduces them exactly."""
+    model, tok, _ = loaded
+    for mode in MODES:
+        s = make_sample("niah_single_noise", tok, LENGTH, seed=3)
+        policy = lambda: make_policy("h2o", budget=40)   # noqa: E731
+        greedy = answer_ids(model, s, mode, policy(), max_new_tokens=8)           # free-running, no stop
+        s.target_ids = greedy
+        tr = trace(model, s, mode, policy())
+        assert torch.equal(tr.logits.argmax(-1), torch.tensor(greedy))
+        s.target, s.answers = tok.decode(greedy), [tok.decode(greedy)]
+        assert greedy_accuracy(model, tok, s, mode, tr, policy) == (1.0, s.target)
+
+
+def test_run_records_and_determinism(loaded):
+    model, tok, _ = loaded
+    kw = dict(methods=["full", "snapkv", "streaming_llm"], budgets=[20, 60], tasks=["niah_single_noise"],
+              modes=MODES, samples=2, length=LENGTH, progress=False)
+    a, b = run(model, tok, **kw), run(model, tok, **kw)
+    assert len(a) == 2 * (1 + 2 * 2)
+    fields = {"method", "budget", "keep_ratio", "task", "mode", "accuracy", "kl", "perturbation", "kv_bytes",
+              "decode_ms_per_token", "n_samples"}
+    for r in a:
+        assert fields <= set(r) and 0 <= r["accuracy"] <= 1 and r["n_samples"] == 2
+    timing = {"decode_ms_per_token", "compress_ms"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in b]
+    full = [r for r in a if r["method"] == "full"]
+    assert all(r["keep_ratio"] == 1.0 and r["kl"] == 0 for r in full)
+
+
+def test_cli_json_plot_and_errors(ckpt, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    compare_main(["--checkpoint", str(ckpt), "--methods", "full", "streaming_llm", "--keep-ratios", "0.2",
+                  "--samples", "1", "--length", str(LENGTH), "--json", str(out), "--plot",
+                  str(tmp_path / "p.png"), "--quiet"])
+    records = json.loads(out.read_text())
+    assert {r["method"] for r in records} == {"full", "streaming_llm"}
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "niah_single_noise" in {r["task"] for r in records}          # the card's default suite
+    for bad, msg in [(["--methods", "nope"], "unknown method"), (["--budgets", "0"], "budgets must be positive"),
+                     (["--tasks", "nope"], "unknown task"), (["--length", "100000"], "--length must be")]:
+        with pytest.raises(SystemExit):
+            compare_main(["--checkpoint", str(ckpt), *bad, "--quiet"])
+        assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        compare_main(["--checkpoint", str(tmp_path / "missing"), "--quiet"])
+
+
+def test_cli_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        compare_main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ["--methods", "--budgets", "--keep-ratios", "--tasks", "--modes", "--samples", "--length",
+                 "--seed", "--device", "--json", "--plot", "--checkpoint", "--threads"]:
+        assert flag in text
