@@ -8,14 +8,22 @@ A Hugging Face folder holds ``config.json`` and the weights: ``model.safetensors
 
 Name mapping, Hugging Face -> nanollm (``{i}`` is the layer index)::
 
-    GPT2LMHeadModel ("transformer." prefix optional)   LlamaForCausalLM / MistralForCausalLM
-    transformer.wte / wpe        -> tok_emb / pos_emb  model.embed_tokens            -> tok_emb
-    h.{i}.ln_1 / ln_2            -> attn_norm/mlp_norm model.layers.{i}.input_layernorm / post_attention_
-    h.{i}.attn.c_attn  (fused)   -> attn.q/k/v_proj      layernorm                   -> attn_norm / mlp_norm
-    h.{i}.attn.c_proj            -> attn.o_proj        model.layers.{i}.self_attn.{q,k,v,o}_proj -> attn.*
-    h.{i}.mlp.c_fc / c_proj      -> mlp.up/down_proj   model.layers.{i}.mlp.{gate,up,down}_proj  -> mlp.*
-    ln_f                         -> final_norm         model.norm -> final_norm,  lm_head -> lm_head
-    (lm_head tied to wte)
+    GPT2LMHeadModel ("transformer." prefix optional)    nanollm
+    transformer.wte / transformer.wpe                    tok_emb / pos_emb
+    transformer.h.{i}.ln_1 / ln_2                        blocks.{i}.attn_norm / mlp_norm
+    transformer.h.{i}.attn.c_attn (q, k, v fused)        blocks.{i}.attn.q_proj, k_proj, v_proj
+    transformer.h.{i}.attn.c_proj                        blocks.{i}.attn.o_proj
+    transformer.h.{i}.mlp.c_fc / c_proj                  blocks.{i}.mlp.up_proj / down_proj
+    transformer.ln_f                                     final_norm
+    lm_head (tied to wte unless tie_word_embeddings is false)   lm_head
+
+    LlamaForCausalLM / MistralForCausalLM               nanollm
+    model.embed_tokens                                   tok_emb
+    model.layers.{i}.input_layernorm                     blocks.{i}.attn_norm
+    model.layers.{i}.self_attn.{q,k,v,o}_proj            blocks.{i}.attn.{q,k,v,o}_proj
+    model.layers.{i}.post_attention_layernorm            blocks.{i}.mlp_norm
+    model.layers.{i}.mlp.{gate,up,down}_proj             blocks.{i}.mlp.{gate,up,down}_proj
+    model.norm / lm_head                                 final_norm / lm_head
 
 GPT-2 stores its linear layers as ``Conv1D`` modules whose weight is (in, out), the transpose of
 ``nn.Linear``'s (out, in), and fuses q, k, v into one ``c_attn`` of width 3 * d_model, split here in that
