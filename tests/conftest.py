@@ -20,6 +20,16 @@ from nanollm import ModelConfig, Transformer, preset
 INIT_STD = 0.1   # std of every weight matrix; norms keep their init (ones / zeros)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny models are dispatch-bound: one intra-op thread is faster, and two threads on a shared 2-core box
+    can stall every op on an OpenMP barrier (PERF.md §3.7)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_model(config: ModelConfig, seed: int = 0, std: float = INIT_STD) -> Transformer:
     """A seeded random-init ``Transformer`` in fp32 and eval mode, weight matrices drawn from N(0, std²)."""
     gen = torch.Generator().manual_seed(seed)
