@@ -97,6 +97,40 @@ def load_nanollm(folder: str | Path, device: str = "cpu") -> tuple[Transformer, 
     return model.to(device).eval(), Tokenizer.load(folder / "tokenizer.json"), card
 
 
+class EncodingTokenizer:
+    """A tiktoken Encoding with the interface the project uses: encode, decode, eot_id, vocab_size."""
+
+    def __init__(self, enc, eot_id: int | None) -> None:
+        self.enc, self.eot_id, self.vocab_size = enc, eot_id, enc.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode(list(ids))
+
+
+def hf_tokenizer(folder: Path, hf_config: dict) -> EncodingTokenizer | None:
+    """The tokenizer files of a Hugging Face folder, else tiktoken's cached ``gpt2`` for GPT-2, else None.
+
+    The end-of-text id is the config's ``eos_token_id`` (the first, if a list), else ``<|endoftext|>``.
+    """
+    from .hf_tokenizer import load_hf_tokenizer, tiktoken_gpt2
+    enc = load_hf_tokenizer(folder)
+    if enc is None and hf_config.get("model_type") == "gpt2":
+        try:
+            enc = tiktoken_gpt2()
+        except FileNotFoundError:
+            return None
+    if enc is None:
+        return None
+    eos = hf_config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    if eos is None and "<|endoftext|>" in enc.special_tokens_set:
+        eos = enc.encode_single_token("<|endoftext|>")
+    return EncodingTokenizer(enc, eos)
+
+
 def load(name_or_path: str | Path, device: str = "cpu"):
     """(model, tokenizer, card) from a bundled name, a nanollm checkpoint folder, or a Hugging Face folder.
 
@@ -108,9 +142,8 @@ def load(name_or_path: str | Path, device: str = "cpu"):
         return load_nanollm(folder, device)
     from .hf import is_hf_folder, load_hf
     if is_hf_folder(folder):
-        from .hf_tokenizer import load_hf_tokenizer
         model, hf_config = load_hf(folder, device=device)
-        return model.eval(), load_hf_tokenizer(folder), {"source": "huggingface", "config": hf_config}
+        return model.eval(), hf_tokenizer(folder, hf_config), {"source": "huggingface", "config": hf_config}
     raise ValueError(f"{folder} is neither a nanollm checkpoint (nanollm_config.json) nor a Hugging Face "
                      "folder (config.json + model.safetensors / pytorch_model.bin)")
 

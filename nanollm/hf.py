@@ -313,17 +313,49 @@ def load_hf(path: str | os.PathLike, device: str | torch.device = "cpu",
     return model.eval(), hf_config
 
 
-def export_hf(model: Transformer, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+def export_hf(model: Transformer, path: str | os.PathLike, dtype: torch.dtype | None = None,
+              tokenizer=None) -> None:
     """Write ``model`` as a Hugging Face folder: ``config.json`` + ``model.safetensors``.
 
     transformers loads it as GPT2LMHeadModel or LlamaForCausalLM with the same logits. ``dtype`` casts the
-    weights (default: keep the model's dtype).
+    weights (default: keep the model's dtype). With a nanollm ``tokenizer`` (``nanollm.tokenizer.Tokenizer``)
+    the folder also gets an equivalent byte-level BPE ``tokenizer.json``, and its end-of-text token becomes
+    ``eos_token_id``.
     """
     dtype = model.tok_emb.weight.dtype if dtype is None else dtype
     hf_config = config_to_hf(model.config, dtype)  # raises for models HF cannot represent
+    if tokenizer is not None:
+        from .hf_tokenizer import tokenizer_json
+        from .tokenizer import EOT
+        hf_config["eos_token_id"] = tokenizer.eot_id
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
+            json.dump(tokenizer_json(tokenizer.ranks, tokenizer.pattern, {EOT: tokenizer.eot_id}), f)
     tensors = {k: v.to(dtype) for k, v in state_to_hf(model).items()}
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from .checkpoint import load
+    ap = argparse.ArgumentParser(prog="python -m nanollm.hf",
+                                 description="Export a nanollm checkpoint (e.g. a bundled one) as a Hugging Face "
+                                             "folder: config.json + model.safetensors + tokenizer.json.")
+    ap.add_argument("checkpoint", help="bundled checkpoint name or nanollm checkpoint folder")
+    ap.add_argument("out", help="folder to write")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="dtype of the written weights (default %(default)s)")
+    args = ap.parse_args(argv)
+    model, tok, _ = load(args.checkpoint)
+    export_hf(model, args.out, getattr(torch, args.dtype), tokenizer=tok)
+    print(f"wrote {args.out}: load it with transformers' AutoModelForCausalLM.from_pretrained({args.out!r}) "
+          "or nanollm.load")
+
+
+if __name__ == "__main__":
+    main()

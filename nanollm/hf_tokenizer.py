@@ -242,3 +242,46 @@ def load_hf_tokenizer(folder: str | os.PathLike) -> tiktoken.Encoding | None:
         if has(unsupported):
             raise ValueError(f"{folder}: {unsupported} ({kind}) is not supported; supported: {'; '.join(SUPPORTED)}")
     return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing: a nanollm tokenizer as a Hugging Face tokenizer.json
+
+def _merge_pair(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The two lower-ranked tokens BPE joins to make ``token``: BPE over its bytes with earlier ranks only."""
+    parts = [bytes([b]) for b in token]
+    limit = ranks[token]
+    while len(parts) > 2:
+        best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], limit))
+        if ranks.get(parts[best] + parts[best + 1], limit) >= limit:
+            break
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} cannot be written as one merge of earlier tokens")
+    return parts[0], parts[1]
+
+
+def tokenizer_json(ranks: dict[bytes, int], pattern: str, special: dict[str, int]) -> dict:
+    """A byte-level BPE ``tokenizer.json`` (Split(pattern) then ByteLevel) equivalent to tiktoken ranks.
+
+    Rank = token id, and merges are listed in rank order, so :func:`encoding_from_tokenizer_json` (and
+    Hugging Face ``tokenizers``) reproduce the same ids.
+    """
+    table = bytes_to_unicode()
+    show = lambda b: "".join(table[x] for x in b)   # noqa: E731
+    ordered = sorted(ranks.items(), key=lambda kv: kv[1])
+    merges = [[show(a), show(b)] for a, b in (_merge_pair(tok, ranks) for tok, r in ordered if len(tok) > 1)]
+    return {
+        "version": "1.0",
+        "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for s, i in special.items()],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {show(tok): r for tok, r in ordered}, "merges": merges},
+    }
