@@ -1,11 +1,20 @@
 """nanollm: a tiny GPT-2/Llama-style decoder with an explicit KV cache and a policy protocol for methods."""
 
 from .cache import KVCache, LayerKV
-from .checkpoint import load
 from .config import PRESETS, ModelConfig, preset
-from .generate import decode_step, extend, generate, prefill
+from .generation import decode_step, extend, generate, prefill
 from .model import Transformer
 from .policy import CachePolicy, FullCache, StepContext, check_budget, select_topk
+
+
+def load(name_or_path, device: str = "cpu"):
+    """(model, tokenizer, card) of a bundled checkpoint name or a folder; see ``checkpoint.load``.
+
+    Imported on first use, so ``python -m nanollm.<tool>`` does not import its own module twice.
+    """
+    from .checkpoint import load as _load
+    return _load(name_or_path, device)
+
 
 __all__ = [
     "load", "KVCache", "LayerKV", "ModelConfig", "PRESETS", "preset", "Transformer",

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .cache import KVCache
 from .config import ModelConfig, preset
-from .generate import decode_step, prefill
+from .generation import decode_step, prefill
 from .model import Transformer
 
 

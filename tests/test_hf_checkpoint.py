@@ -1,13 +1,15 @@
 """A nanollm checkpoint exported as a Hugging Face folder (weights + tokenizer.json) and used like one."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from methods.compare import run
 from nanollm import checkpoint, preset
-from nanollm.generate import main as generate_main
 from nanollm.hf import export_hf
 from nanollm.hf import main as hf_main
 from nanollm.hf_tokenizer import encoding_from_tokenizer_json, tokenizer_json
@@ -60,9 +62,13 @@ def test_hf_folder_without_tokenizer_loads_with_none(tmp_path, make_model):
     assert t is None
 
 
-def test_generate_and_compare_accept_hf_folder(folders, capsys):
-    generate_main(["--checkpoint", str(folders[1]), "--prompt", "The grass is", "--max-new-tokens", "4"])
-    assert capsys.readouterr().out.startswith("The grass is")
+def test_generate_and_compare_accept_hf_folder(folders):
+    # the CLI runs in a subprocess, as people run it (importing nanollm.generate here would rebind the
+    # package attribute nanollm.generate, the function, to the command-line module)
+    out = subprocess.run([sys.executable, "-m", "nanollm.generate", "--checkpoint", str(folders[1]), "--prompt",
+                          "The grass is", "--max-new-tokens", "4"], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[1])
+    assert out.stdout.startswith("The grass is") and not out.stderr
     model, tok, _ = checkpoint.load(folders[1])
     records = run(model, tok, ["streaming_llm"], [32], ["niah_single_noise"], ["question_in_prompt"], 1, 200,
                   progress=False)

@@ -1,0 +1,109 @@
+"""
+Generation with an explicit KV cache: prefill, extend, decode_step, generate.
+
+    cache = KVCache(model.config, policy=SomePolicy(budget=64))
+    logits = prefill(model, prompt_ids, cache)        # whole prompt, exact causal attention
+    logits = extend(model, question_ids, cache)       # a chunk on top of the (possibly compressed) cache
+    logits = decode_step(model, next_token, cache)    # one token
+    out = generate(model, prompt_ids, max_new_tokens=20, policy=SomePolicy(budget=64))
+
+The command line is ``python -m nanollm.generate`` (``generate.py``); this module holds the library.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .cache import KVCache
+from .model import Transformer
+
+
+@torch.no_grad()
+def prefill(model: Transformer, ids: Tensor, cache: KVCache) -> Tensor:
+    """Run the prompt ids (B, T) through an empty cache. Returns logits (B, T, vocab)."""
+    if cache.seen != 0:
+        raise ValueError(f"prefill needs an empty cache, this one has seen {cache.seen} tokens; "
+                         "use extend() to continue a sequence or cache.reset() to start a new one")
+    return model(ids, cache=cache)
+
+
+@torch.no_grad()
+def extend(model: Transformer, ids: Tensor, cache: KVCache) -> Tensor:
+    """Append a chunk ids (B, Tn) to an existing cache (positions continue from cache.seen). Logits (B, Tn, V)."""
+    if cache.seen == 0:
+        raise ValueError("extend needs a cache that already holds a prefix; use prefill() first")
+    return model(ids, cache=cache)
+
+
+@torch.no_grad()
+def decode_step(model: Transformer, token: Tensor, cache: KVCache) -> Tensor:
+    """Feed one token per row, token (B,) or (B, 1). Returns the next-token logits (B, vocab)."""
+    if token.dim() == 1:
+        token = token[:, None]
+    if token.dim() != 2 or token.shape[1] != 1:
+        raise ValueError(f"decode_step takes one token per row, shape (B,) or (B, 1); got {tuple(token.shape)}")
+    return extend(model, token, cache)[:, -1]
+
+
+def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
+                generator: torch.Generator | None = None) -> Tensor:
+    """Pick the next token (B,) from logits (B, V): greedy at temperature 0, else softmax sampling."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]          # (B, 1) smallest kept logit
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy=None, cache: KVCache | None = None,
+             temperature: float = 0.0, top_k: int | None = None, stop_ids: list[int] | tuple = (),
+             generator: torch.Generator | None = None) -> Tensor:
+    """Continue the prompt ids (B, T) by up to ``max_new_tokens`` tokens. Returns the new tokens (B, n).
+
+    Parameters
+    ----------
+    policy : a ``CachePolicy`` for a fresh cache (None = plain full cache). Ignored when ``cache`` is given.
+    cache : continue this cache instead of prefilling a fresh one (``ids`` are then extended onto it).
+    temperature : 0 = greedy; > 0 samples from softmax(logits / temperature).
+    top_k : sample only among the k most likely tokens.
+    stop_ids : a row stops after producing one of these; rows that stopped are padded with their stop id
+        until every row has stopped or ``max_new_tokens`` is reached.
+    generator : a seeded ``torch.Generator`` for reproducible sampling.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"top_k must be positive, got {top_k}")
+    cache = cache if cache is not None else KVCache(model.config, policy=policy)
+    # Validate the whole request before anything is stored: prompt and every generated position must fit.
+    model.check_ids(ids, cache.seen)
+    # the last new token is never fed back, so it needs no position
+    total = cache.seen + ids.shape[1] + max(max_new_tokens - 1, 0)
+    if total > model.config.max_seq_len:
+        raise ValueError(f"prompt ({ids.shape[1]} tokens, {cache.seen} already cached) + max_new_tokens "
+                         f"({max_new_tokens}) needs {total} positions, more than max_seq_len="
+                         f"{model.config.max_seq_len}")
+    B = ids.shape[0]
+    if max_new_tokens == 0:
+        return ids.new_zeros(B, 0)
+    logits = (prefill if cache.seen == 0 else extend)(model, ids, cache)[:, -1]     # (B, V)
+    stop = torch.tensor(list(stop_ids), dtype=torch.long, device=ids.device)
+    done = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    out = []
+    for step in range(max_new_tokens):
+        token = sample_next(logits, temperature, top_k, generator)                  # (B,)
+        if out:                                    # rows that already stopped repeat their stop id
+            token = torch.where(done, out[-1], token)
+        out.append(token)
+        done = done | torch.isin(token, stop)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        logits = decode_step(model, token, cache)
+    return torch.stack(out, dim=1)
