@@ -32,7 +32,7 @@ from torch import Tensor
 
 from nanollm.cache import KVCache, LayerKV
 from nanollm.evaluate import answer
-from nanollm.generate import extend, prefill
+from nanollm.generation import extend, prefill
 from nanollm.policy import CachePolicy, FullCache, StepContext
 from nanollm.tasks import Sample, string_match_all
 
