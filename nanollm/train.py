@@ -40,7 +40,8 @@ class TrainConfig:
     preset: str = "SMALL"                  # model preset from nanollm.config.PRESETS
     model_overrides: dict = field(default_factory=dict)
     tasks: list = field(default_factory=lambda: list(TASKS))
-    # curriculum: [max steps, min length, max length, accuracy that ends the stage early]
+    # curriculum: [max steps, min length, max length, accuracy that ends the stage early, (tasks)]; a stage
+    # trains on its own task list when it has one, else on ``tasks``
     stages: list = field(default_factory=lambda: [[1500, 192, 320, 0.9], [1500, 320, 576, 0.9],
                                                   [1500, 576, 832, 0.9], [4000, 832, 1024, 1.1]])
     tokens_per_step: int = 8192
@@ -63,8 +64,15 @@ class TrainConfig:
 
 TRAIN_PRESETS = {
     "retrieval-llama": TrainConfig(),
+    # first make retrieval appear on dense multi-query samples (8 keys, all asked), then the full mixture
+    "retrieval-llama-dense": TrainConfig(
+        stages=[[3000, 336, 400, 0.9, ["niah_multiquery:n_keys=8,n_queries=8", "niah_single_noise",
+                                       "niah_multiquery", "niah_multikey"]],
+                [1500, 192, 384, 0.9], [1500, 384, 640, 0.9], [1500, 640, 896, 0.9], [3000, 832, 1024, 1.1]],
+        lm_loss_weight=0.3),
     # a few seconds on a laptop: the tiny training run of the tests
-    "tiny": TrainConfig(preset="TINY", tasks=["niah_single_noise", "niah_multikey"], stages=[[4, 200, 256, 1.1]], tokens_per_step=512, warmup=2,
+    "tiny": TrainConfig(preset="TINY", tasks=["niah_single_noise", "niah_multikey"], stages=[[4, 200, 256, 1.1]],
+                        tokens_per_step=512, warmup=2,
                         eval_every=2, eval_samples=1, save_every=2, tokenizer_corpus_bytes=50_000),
 }
 
@@ -77,6 +85,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def parse_task(entry: str) -> tuple[str, dict]:
+    """A mixture entry: a task name, optionally with integer options: "niah_multiquery:n_keys=8,n_queries=8"."""
+    name, _, opts = entry.partition(":")
+    options = {}
+    for kv in filter(None, opts.split(",")):
+        k, _, v = kv.partition("=")
+        options[k] = int(v)
+    return name, options
+
+
 def make_batch(tok: Tokenizer, tasks: list[str], length: int, n: int, seed: int):
     """n samples of random tasks, each at most ``length`` tokens, right-padded to one length.
 
@@ -87,7 +105,8 @@ def make_batch(tok: Tokenizer, tasks: list[str], length: int, n: int, seed: int)
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        s = make_sample(rng.choice(tasks), tok, length, seed=rng.randrange(1 << 40))
+        name, options = parse_task(rng.choice(tasks))
+        s = make_sample(name, tok, length, seed=rng.randrange(1 << 40), **options)
         seq = s.context_ids + s.question_ids + s.target_ids
         answer_start = len(s.context_ids) + len(s.question_ids)
         rows.append((seq, answer_start))
@@ -114,11 +133,11 @@ def loss_fn(model: Transformer, ids, targets, answer, lm_weight: float):
 
 
 @torch.no_grad()
-def quick_eval(model, tok, cfg: TrainConfig, length: int, seed: int) -> dict:
+def quick_eval(model, tok, cfg: TrainConfig, tasks: list[str], length: int, seed: int) -> dict:
     """Teacher-forced exact match of the whole answer, per task (fast; equals greedy-decoding exact match)."""
     model.eval()
     out = {}
-    for task in cfg.tasks:
+    for task in tasks:
         ids, targets, answer = make_batch(tok, [task], length, cfg.eval_samples, seed)
         out[task] = float(loss_fn(model, ids, targets, answer, 0.0)[2])
     model.train()
@@ -164,11 +183,12 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
     model.train()
     t0 = time.time() - elapsed
     while step < last and stage < len(cfg.stages):
-        n_steps, lo, hi, target_acc = cfg.stages[stage]
+        n_steps, lo, hi, target_acc, *stage_tasks = cfg.stages[stage]
+        tasks = stage_tasks[0] if stage_tasks else cfg.tasks
         rng = random.Random(f"{cfg.seed}/{step}")
         length = rng.randint(lo, hi)
         n = max(1, cfg.tokens_per_step // length)
-        ids, targets, answer = make_batch(tok, cfg.tasks, length, n, seed=rng.randrange(1 << 40))
+        ids, targets, answer = make_batch(tok, tasks, length, n, seed=rng.randrange(1 << 40))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         loss, ans_loss, acc = loss_fn(model, ids.to(device), targets.to(device), answer.to(device),
@@ -184,7 +204,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
         record = {"step": step, "stage": stage, "length": length, "loss": loss.item(),
                   "ans_loss": ans_loss.item(), "acc": acc.item(), "lr": lr_at(step - 1, cfg), "time": elapsed}
         if step % cfg.eval_every == 0 or step - stage_start >= n_steps:
-            record["eval"] = quick_eval(model, tok, cfg, hi, seed=10**9 + step)
+            record["eval"] = quick_eval(model, tok, cfg, tasks, hi, seed=10**9 + step)
             mean = sum(record["eval"].values()) / len(record["eval"])
             record["eval_mean"] = mean
             bar.write(f"step {step} stage {stage} (len {lo}-{hi}) eval exact-match {mean:.2f}: " +

@@ -12,7 +12,7 @@
 # 4. how the cost of one decode step grows with the context, with and without the cache;
 # 5. why the cache stores each token's *position*, and why that keeps RoPE right after eviction.
 #
-# Code: `nanollm/cache.py` (storage), `nanollm/generate.py` (prefill / extend / decode_step),
+# Code: `nanollm/cache.py` (storage), `nanollm/generation.py` (prefill / extend / decode_step),
 # `nanollm/bench.py` (timings). This notebook only imports them.
 
 # %%
