@@ -49,9 +49,9 @@ HEADER_CWE = "Below is a list of words. Some of them appear many times.\n"
 class Sample:
     task: str
     context: str                # the document; prompt of the question-after-context mode
-    question: str               # asked after the context; ends with the answer prefix "Answer:"
+    question: str               # asked after the context; ends with the answer prefix ("Answer: ... is:")
     answers: list[str]          # reference strings, in the order the model is trained to write them
-    target: str                 # the answer as the model writes it: " a, b, c" (then end-of-text)
+    target: str                 # the answer as the model writes it, e.g. " 4821733" (then end-of-text)
     depths: list[float] = field(default_factory=list)   # depth of each needle in the filler, 0 = start
     context_ids: list[int] = field(default_factory=list)
     question_ids: list[int] = field(default_factory=list)
@@ -148,7 +148,7 @@ def _join(items: list[str], last: str = "and") -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Task builders: (rng, n filler units, options) -> (context, question, answers, depths)
+# Task builders: (rng, n filler units, options) -> (context, question, answers, target, depths)
 
 def _build_niah(rng, n, haystack="prose", n_keys=1, n_values=1, n_queries=1, n_distractors=0, depth=None):
     used: set = set()
@@ -161,18 +161,24 @@ def _build_niah(rng, n, haystack="prose", n_keys=1, n_values=1, n_queries=1, n_d
     units = _filler(rng, haystack, n, used)
     units, depths = _insert(rng, units, needles, depth)
     context = HEADER_NIAH + "\n".join(units) + "\n"
+    # Answer prefixes restate the question the way the needle is phrased (RULER appends such a prefix too,
+    # specs/methods.md §8.1), so the model continues a needle-shaped sentence with its value.
     if n_queries > 1:
         q = f"Question: What are the special magic numbers for {_join(queried)}?\nAnswer:"
         answers = [values[k][0] for k in queried]
+        target = " " + ", ".join(f"{k} is: {values[k][0]}" for k in queried)
     elif n_values > 1:
-        q = f"Question: What are all the special magic numbers for {queried[0]}?\nAnswer:"
-        # in the order they appear in the context
-        answers = sorted(values[queried[0]], key=lambda v: context.index(f" is: {v}."))
+        k = queried[0]
+        q = f"Question: What are all the special magic numbers for {k}?\nAnswer: The special magic numbers for {k} are:"
+        answers = sorted(values[k], key=lambda v: context.index(f" is: {v}."))   # in order of appearance
+        target = " " + ", ".join(answers)
     else:
-        q = f"Question: What is the special magic number for {queried[0]}?\nAnswer:"
-        answers = values[queried[0]]
+        k = queried[0]
+        q = f"Question: What is the special magic number for {k}?\nAnswer: The special magic number for {k} is:"
+        answers = values[k]
+        target = " " + answers[0]
     true = [i for i, nd in enumerate(needles) if any(f" {k} is:" in nd for k in queried)]
-    return context, q, answers, [depths[i] for i in true]
+    return context, q, answers, target, [depths[i] for i in true]
 
 
 def _var(rng: random.Random, used: set) -> str:
@@ -202,8 +208,8 @@ def _build_vt(rng, n, n_hops=4, n_chains=1, depth=None):
     units, depths = _insert(rng, units, needles, depth)
     context = HEADER_VT + "\n".join(units) + "\n"
     names, value = chains[0]
-    q = f"Question: Which variables are assigned the value {value}?\nAnswer:"
-    return context, q, names, depths[: n_hops + 1]
+    q = f"Question: Which variables are assigned the value {value}?\nAnswer: The variables assigned {value} are:"
+    return context, q, names, " " + ", ".join(names), depths[: n_hops + 1]
 
 
 def _build_cwe(rng, n, n_common=5, freq_uncommon=1, depth=None):
@@ -217,9 +223,9 @@ def _build_cwe(rng, n, n_common=5, freq_uncommon=1, depth=None):
     rng.shuffle(items)
     lines = [" ".join(items[i:i + 10]) for i in range(0, len(items), 10)]
     context = HEADER_CWE + "\n".join(lines) + "\n"
-    q = f"Question: What are the {n_common} most common words in the list above?\nAnswer:"
+    q = f"Question: What are the {n_common} most common words in the list above?\nAnswer: The most common words are:"
     answers = sorted(common, key=lambda w: items.index(w))     # in order of first appearance
-    return context, q, answers, []
+    return context, q, answers, " " + ", ".join(answers), []
 
 
 # name -> (builder, default options)
@@ -256,8 +262,8 @@ def build_text(task: str, n_units: int, seed: int, **options) -> Sample:
     """A sample with exactly ``n_units`` filler units and no tokenization (used to make tokenizer corpora)."""
     builder, _ = _BUILDERS[task] if task in _BUILDERS else (None, None)
     opts = _check_options(task, options)
-    context, question, answers, depths = builder(random.Random(f"{task}/{seed}"), n_units, **opts)
-    return Sample(task, context, question, answers, " " + ", ".join(answers), depths)
+    context, question, answers, target, depths = builder(random.Random(f"{task}/{seed}"), n_units, **opts)
+    return Sample(task, context, question, answers, target, depths)
 
 
 def make_sample(task: str, tok, length: int, seed: int, **options) -> Sample:

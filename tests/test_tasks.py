@@ -32,7 +32,8 @@ def test_length_and_modes(tok, task, length):
     assert length - 40 <= s.n_tokens <= length
     assert s.prompt_ids == s.context_ids + s.question_ids          # both modes see the same tokens
     assert tok.decode(s.context_ids) == s.context and tok.decode(s.question_ids) == s.question
-    assert s.target_ids[-1] == tok.eot_id and s.question.endswith("Answer:")
+    assert s.target_ids[-1] == tok.eot_id and "\nAnswer:" in s.question
+    assert string_match_all(s.target, s.answers) == 1.0
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -40,7 +41,7 @@ def test_answer_recoverable_by_string_search(tok, task):
     for seed in range(5):
         s = make_sample(task, tok, 512, seed=seed)
         if task.startswith("niah"):
-            keys = re.findall(r"[a-z]+-[a-z]+", s.question)
+            keys = list(dict.fromkeys(re.findall(r"[a-z]+-[a-z]+", s.question)))   # in order, once each
             values = [v for k in keys for v in re.findall(rf"for {k} is: (\d+)\.", s.context)]
             assert sorted(values) == sorted(s.answers)
             if task == "niah_multivalue":     # in order of appearance
