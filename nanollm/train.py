@@ -42,7 +42,7 @@ class TrainConfig:
     tasks: list = field(default_factory=lambda: list(TASKS))
     # curriculum: [max steps, min length, max length, accuracy that ends the stage early, (tasks)]; a stage
     # trains on its own task list when it has one, else on ``tasks``
-    stages: list = field(default_factory=lambda: [[2500, 192, 384, 0.9], [1500, 384, 640, 0.9],
+    stages: list = field(default_factory=lambda: [[2500, 224, 384, 0.9], [1500, 384, 640, 0.9],
                                                   [1500, 640, 896, 0.9], [3000, 832, 1024, 1.1]])
     tokens_per_step: int = 4096
     lr: float = 6e-4                       # peak; specs/training.md: 5e-4 learned, 2e-3 got stuck
@@ -156,6 +156,11 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    # every task of every stage must fit the stage's shortest length: fail now, not hours in
+    for n_steps, lo, hi, _, *stage_tasks in cfg.stages:
+        for entry in (stage_tasks[0] if stage_tasks else cfg.tasks):
+            name, options = parse_task(entry)
+            make_sample(name, tok, lo, seed=0, **options)
     state_path = out / "state.pt"
     step, stage, stage_start, elapsed = 0, 0, 0, 0.0
     if resume and state_path.exists():
