@@ -39,6 +39,7 @@ from .words import ADJECTIVES, CWE_WORDS, NAMES, NOISE_LINE, NOUNS, PLACES, VERB
 
 TASKS = ["niah_single_noise", "niah_single_prose", "niah_single_needle", "niah_multikey",
          "niah_multivalue", "niah_multiquery", "vt", "cwe"]
+TRAINING_TASKS = ["copy"]     # extra tasks that help training; never part of an evaluation suite
 
 HEADER_NIAH = "Some special magic numbers are hidden in the text below. Remember them for the quiz.\n"
 HEADER_VT = "Remember the variable assignments hidden in the text below.\n"
@@ -228,6 +229,16 @@ def _build_cwe(rng, n, n_common=5, freq_uncommon=1, depth=None):
     return context, q, answers, " " + ", ".join(answers), []
 
 
+def _build_copy(rng, n, depth=None):
+    """Training aid, not a RULER task: repeat a list of random words and numbers. The list's length varies,
+    so no fixed offset solves it; the model must find where it is in the list by content (induction heads,
+    Olsson et al. 2022), the mechanism every retrieval task above builds on."""
+    items = [rng.choice(CWE_WORDS) if rng.random() < 0.7 else _number(rng, 2, 4) for _ in range(n)]
+    text = " ".join(items)
+    context = "Read the list below. You will have to repeat it.\n" + text + "\n"
+    return context, "Question: Repeat the list.\nAnswer:", [text], " " + text, []
+
+
 # name -> (builder, default options)
 _BUILDERS = {
     "niah_single_noise": (_build_niah, dict(haystack="noise")),
@@ -238,12 +249,13 @@ _BUILDERS = {
     "niah_multiquery": (_build_niah, dict(haystack="prose", n_keys=4, n_queries=4)),
     "vt": (_build_vt, dict()),
     "cwe": (_build_cwe, dict()),
+    "copy": (_build_copy, dict()),       # training only (not in TASKS)
 }
 
 
 def _check_options(task: str, options: dict) -> dict:
     if task not in _BUILDERS:
-        raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+        raise ValueError(f"unknown task {task!r}; choose one of {TASKS} (or {TRAINING_TASKS} for training)")
     builder, defaults = _BUILDERS[task]
     allowed = builder.__code__.co_varnames[2:builder.__code__.co_argcount]
     unknown = set(options) - set(allowed)

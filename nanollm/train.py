@@ -64,6 +64,10 @@ class TrainConfig:
 
 TRAIN_PRESETS = {
     "retrieval-llama": TrainConfig(),
+    # the same, with a copying task in the first stage's mixture to make induction heads form sooner
+    "retrieval-llama-copy": TrainConfig(stages=[[2500, 224, 384, 0.9, TASKS + ["copy", "copy"]],
+                                                [1500, 384, 640, 0.9], [1500, 640, 896, 0.9],
+                                                [3000, 832, 1024, 1.1]]),
     # a few seconds on a laptop: the tiny training run of the tests
     "tiny": TrainConfig(preset="TINY", tasks=["niah_single_noise", "niah_multikey"], stages=[[4, 200, 256, 1.1]],
                         tokens_per_step=512, warmup=2,
