@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from .cache import KVCache
-from .generation import extend, generate, prefill
+from .generation import generate, prefill
 from .tasks import make_sample, string_match_all
 
 MODES = ["question_in_prompt", "question_after_context"]

@@ -16,15 +16,6 @@ from nanollm import KVCache, LayerKV, StepContext, Transformer, decode_step, ext
 from nanollm.attention import attend
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a shared 2-core box: 2 intra-op threads make every op ~10x slower (PERF.md §3.7)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny() -> Transformer:
     torch.manual_seed(0)

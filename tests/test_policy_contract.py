@@ -46,15 +46,6 @@ N_PROMPT, N_CHUNK, BATCH = 48, 6, 2
 TOTAL = N_PROMPT + 2 + N_CHUNK + 2          # tokens seen at the end of the script
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a shared 2-core box: 2 intra-op threads make every op ~10x slower (PERF.md §3.7)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cases():
     for name in METHODS:
         for i, opts in enumerate(TEST_OPTIONS.get(name, [{}])):
