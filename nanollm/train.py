@@ -142,8 +142,12 @@ def quick_eval(model, tok, cfg: TrainConfig, tasks: list[str], length: int, seed
 
 
 def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bool = False,
-          max_steps: int | None = None, quiet: bool = False) -> Path:
-    """Train (or resume) into ``out_dir``. Returns the path of the saved state. See the module docstring."""
+          max_steps: int | None = None, quiet: bool = False, init: str | None = None) -> Path:
+    """Train (or resume) into ``out_dir``. Returns the path of the saved state. See the module docstring.
+
+    ``init``: start from the weights and tokenizer of a checkpoint (a bundled name or a folder) instead of a
+    random init, with a fresh optimizer: how a later session continues a model whose run folder is gone.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -151,10 +155,20 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
     tok_path = out / "tokenizer.json"
     if resume and tok_path.exists():
         tok = Tokenizer.load(tok_path)
+    elif init is not None:
+        from .checkpoint import load_tokenizer
+        tok = load_tokenizer(init)
+        tok.save(tok_path)
     else:
         tok = Tokenizer.train(corpus(cfg.tokenizer_corpus_bytes, seed=cfg.seed), mcfg.vocab_size)
         tok.save(tok_path)
     model = Transformer(mcfg).to(device)
+    if init is not None and not (resume and (out / "state.pt").exists()):
+        from .checkpoint import load
+        start, _, _ = load(init)
+        if start.config != mcfg:
+            raise ValueError(f"--init checkpoint has config {start.config}, the preset needs {mcfg}")
+        model.load_state_dict(start.state_dict())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -242,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
+    ap.add_argument("--init", default=None, metavar="CHECKPOINT",
+                    help="start from this checkpoint's weights and tokenizer (bundled name or folder), fresh optimizer")
     ap.add_argument("--export", default=None, metavar="DIR",
                     help="after training, write a checkpoint folder to DIR (see nanollm.checkpoint)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -252,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
             setattr(cfg, name, getattr(args, name))
     if args.threads:
         torch.set_num_threads(args.threads)
-    train(cfg, args.out, device=args.device, resume=args.resume, max_steps=args.max_steps, quiet=args.quiet)
+    train(cfg, args.out, device=args.device, resume=args.resume, max_steps=args.max_steps, quiet=args.quiet,
+          init=args.init)
     if args.export:
         from .checkpoint import export_run
         export_run(args.out, args.export)

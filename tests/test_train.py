@@ -21,7 +21,7 @@ def test_help_documents_every_flag(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert actions and all(a.help for a in actions)
     for flag in ["--preset", "--out", "--resume", "--max-steps", "--lr", "--tokens-per-step", "--seed",
-                 "--device", "--threads", "--export", "--quiet"]:
+                 "--device", "--threads", "--init", "--export", "--quiet"]:
         assert flag in text
 
 
@@ -57,3 +57,8 @@ def test_tiny_run_trains_resumes_and_exports(tmp_path):
     assert card == {"name": "tiny"} and model.config.n_layer == 2
     ids = torch.tensor([tok.encode("The grass is green.")])
     assert torch.isfinite(model(ids)).all()
+    # a new run can start from the exported checkpoint (weights and tokenizer)
+    train(cfg, tmp_path / "run2", max_steps=0, quiet=True, init=str(tmp_path / "ckpt"))
+    assert (tmp_path / "run2" / "tokenizer.json").read_text() == (tmp_path / "ckpt" / "tokenizer.json").read_text()
+    st2 = torch.load(tmp_path / "run2" / "state.pt", weights_only=True)
+    assert all(torch.equal(st2["model"][k], v) for k, v in model.state_dict().items())
