@@ -23,9 +23,11 @@ from .tasks import make_sample, string_match_all
 
 MODES = ["question_in_prompt", "question_after_context"]
 
-# How many tokens an answer may take (RULER's tokens_to_generate, scaled down): the longest targets
-# (five 5-letter variable names, four 7-digit numbers) take about 35 tokens.
-MAX_ANSWER_TOKENS = 48
+# How many tokens an answer may take (RULER's tokens_to_generate, scaled down), per task: comfortably more
+# than the longest target (a multi-query answer names four keys and their values: about 60 tokens).
+ANSWER_TOKENS = {"niah_single_noise": 16, "niah_single_prose": 16, "niah_single_needle": 16, "niah_multikey": 16,
+                 "niah_multivalue": 48, "niah_multiquery": 96, "vt": 48, "cwe": 48}
+DEFAULT_ANSWER_TOKENS = 96
 
 
 def check_mode(mode: str) -> str:
@@ -42,7 +44,7 @@ def answer_ids(model, sample, mode: str, policy=None, max_new_tokens: int | None
     dev = next(model.parameters()).device
     prompt = sample.prompt_ids
     room = model.config.max_seq_len - len(prompt) + 1      # the last generated token needs no position
-    n_new = min(max_new_tokens or MAX_ANSWER_TOKENS, room)
+    n_new = min(max_new_tokens or ANSWER_TOKENS.get(sample.task, DEFAULT_ANSWER_TOKENS), room)
     stop = [stop_id] if stop_id is not None else []
     cache = KVCache(model.config, policy=policy)
     if mode == "question_in_prompt":

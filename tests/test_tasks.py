@@ -113,3 +113,10 @@ def test_string_match_all():
     assert string_match_all(" 9912345", ["12345"]) == 0.0
     assert string_match_all(" 12345 and 123", ["123", "999"]) == 0.5
     assert string_match_all(" ABCDE, fghij", ["abcde", "FGHIJ", "KLMNO"]) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_answer_budget_covers_the_longest_target(tok, task):
+    from nanollm.evaluate import ANSWER_TOKENS
+    longest = max(len(make_sample(task, tok, 512, seed=i).target_ids) for i in range(20))
+    assert longest + 8 <= ANSWER_TOKENS[task]
