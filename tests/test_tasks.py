@@ -119,4 +119,4 @@ def test_string_match_all():
 def test_answer_budget_covers_the_longest_target(tok, task):
     from nanollm.evaluate import ANSWER_TOKENS
     longest = max(len(make_sample(task, tok, 512, seed=i).target_ids) for i in range(20))
-    assert longest + 8 <= ANSWER_TOKENS[task]
+    assert longest + 4 <= ANSWER_TOKENS[task]      # room for a few extra tokens before the cut
