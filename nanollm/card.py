@@ -17,7 +17,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import sys
 from pathlib import Path
 
 import torch
@@ -127,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         hardware=old.get("hardware") or f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
                                           f"torch {torch.__version__}",
         accuracy=acc, n_samples=args.samples, eval_seed=args.seed, default_suite=default_suite(acc),
-        eval_command="python -m nanollm.card " + " ".join(argv if argv is not None else sys.argv[1:]))
+        eval_command=f"python -m nanollm.card {args.source} --out {out} --samples {args.samples} --lengths "
+                     + " ".join(map(str, args.lengths)) + f" --workers {args.workers}")
     card["markdown"] = markdown(card)
     write_card(out, card)
     print(card["markdown"])
