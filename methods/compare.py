@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="question_in_prompt: the question is in the prompt when the cache is compressed; "
                          "question_after_context: the context is compressed first and the question arrives "
                          "later through extend (default: both)")
-    ap.add_argument("--samples", type=int, default=3, help="samples per task and mode (default %(default)s)")
+    ap.add_argument("--samples", type=int, default=10, help="samples per task and mode (default %(default)s)")
     ap.add_argument("--length", type=int, default=None,
                     help=f"tokens per sample, context + question + answer (default {DEFAULT_LENGTH}, or the "
                          "model's maximum positions if smaller)")
