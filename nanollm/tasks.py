@@ -136,7 +136,7 @@ def _insert(rng: random.Random, units: list[str], needles: list[str], depths) ->
         if d is not None and not 0.0 <= d <= 1.0:
             raise ValueError(f"needle depth must lie in [0, 1], got {d}")
         slots.append(round(d * n) if d is not None else rng.randint(0, n))
-    out, placed = list(units), []
+    out = list(units)
     # insert from the deepest slot down so earlier indices stay valid; equal slots keep needle order
     for i in sorted(range(len(needles)), key=lambda i: (slots[i], i), reverse=True):
         out.insert(slots[i], needles[i])
