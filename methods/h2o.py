@@ -131,6 +131,10 @@ class H2OPolicy(CachePolicy):
     def reset(self) -> None:
         self._scores = {}
 
+    def extra_nbytes(self) -> int:
+        """Bytes of the accumulated scores: one float per stored entry (reported apart from K/V bytes)."""
+        return sum(s.nbytes for s in self._scores.values())
+
     # -- contract declarations (tests/test_policy_contract.py) -------------------------------------------
     def slack(self, n_prompt: int, n_decoded: int) -> int:
         """Never more than ``budget`` entries per head between steps."""

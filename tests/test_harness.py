@@ -131,3 +131,12 @@ def test_cli_help_documents_every_flag(capsys):
     for flag in ["--methods", "--budgets", "--keep-ratios", "--tasks", "--modes", "--samples", "--length",
                  "--seed", "--device", "--json", "--plot", "--checkpoint", "--threads"]:
         assert flag in text
+
+
+def test_h2o_scores_are_reported_as_extra_bytes(loaded):
+    model, tok, _ = loaded
+    s = make_sample("niah_single_noise", tok, LENGTH, seed=4)
+    tr = trace(model, s, "question_in_prompt", make_policy("h2o", budget=30))
+    per_entry = 4 * model.config.n_layer * model.config.n_kv_head            # one fp32 score per entry
+    assert tr.extra_bytes == 30 * per_entry
+    assert trace(model, s, "question_in_prompt", make_policy("snapkv", budget=30)).extra_bytes == 0
