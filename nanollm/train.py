@@ -68,7 +68,7 @@ TRAIN_PRESETS = {
     # heads form here, after a plateau of ~800 steps); then all tasks at growing lengths.
     "retrieval-llama": TrainConfig(),
     # continue a trained model (--init) on every task at every length, at a lower learning rate
-    "retrieval-llama-more": TrainConfig(stages=[[4000, 224, 1024, 1.1]], lr=3e-4, warmup=100),
+    "retrieval-llama-more": TrainConfig(stages=[[2500, 224, 1024, 1.1]], lr=3e-4, warmup=100),
     # a few seconds on a laptop: the tiny training run of the tests
     "tiny": TrainConfig(preset="TINY", tasks=["niah_single_noise", "niah_multikey"], stages=[[4, 200, 256, 1.1]],
                         tokens_per_step=512, warmup=2,
