@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     print(text[-300:] if args.prompt is None else text, end="")
-    print(tok.decode(new[0].tolist()))
+    out = new[0].tolist()
+    if stop and stop[0] in out:                  # show the answer, not the end-of-text token
+        out = out[:out.index(stop[0])]
+    print(tok.decode(out))
 
 
 if __name__ == "__main__":
