@@ -41,24 +41,14 @@ def measure(folder: str, tasks: list[str], lengths: list[int], n_samples: int, s
     """accuracy[task][str(length)][mode] with the full cache, n_samples per cell (seeds seed..seed+n-1)."""
     jobs = [(str(folder), t, L, m, n_samples, seed) for t in tasks for L in lengths for m in MODES]
     acc: dict = {}
-    ctx = mp.get_context("fork")
-    with ctx.Pool(workers) if workers > 1 else _Serial() as pool:
-        for task, length, mode, a in tqdm(pool.imap_unordered(_work, jobs), total=len(jobs), desc="card"):
-            acc.setdefault(task, {}).setdefault(str(length), {})[mode] = a
+    if workers > 1:
+        with mp.get_context("fork").Pool(workers) as pool:
+            results = list(tqdm(pool.imap_unordered(_work, jobs), total=len(jobs), desc="card"))
+    else:
+        results = [_work(job) for job in tqdm(jobs, desc="card")]
+    for task, length, mode, a in results:
+        acc.setdefault(task, {}).setdefault(str(length), {})[mode] = a
     return acc
-
-
-class _Serial:
-    """A stand-in for a process pool with one worker: runs the jobs in this process."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def imap_unordered(self, f, jobs):
-        return map(f, jobs)
 
 
 def default_suite(acc: dict) -> list[str]:

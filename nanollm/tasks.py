@@ -272,8 +272,8 @@ def _check_options(task: str, options: dict) -> dict:
 
 def build_text(task: str, n_units: int, seed: int, **options) -> Sample:
     """A sample with exactly ``n_units`` filler units and no tokenization (used to make tokenizer corpora)."""
-    builder, _ = _BUILDERS[task] if task in _BUILDERS else (None, None)
-    opts = _check_options(task, options)
+    opts = _check_options(task, options)            # raises for an unknown task or option
+    builder = _BUILDERS[task][0]
     context, question, answers, target, depths = builder(random.Random(f"{task}/{seed}"), n_units, **opts)
     return Sample(task, context, question, answers, target, depths)
 

@@ -137,17 +137,16 @@ class Tokenizer:
 
 def bench(tok: Tokenizer, text: str, repeats: int = 3) -> dict:
     """Encode ``text`` with tiktoken and with ``encode_python``; check they agree; return timings."""
-    fast = encode_python_ids = None
     t_fast, t_py = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fast = tok.encode(text)
         t1 = time.perf_counter()
-        encode_python_ids = encode_python(text, tok.ranks, tok.pattern)
+        slow = encode_python(text, tok.ranks, tok.pattern)
         t2 = time.perf_counter()
         t_fast.append(t1 - t0)
         t_py.append(t2 - t1)
-    if fast != encode_python_ids:
+    if fast != slow:
         raise AssertionError("tiktoken and the pure-Python encoder disagree")
     tf, tp = sorted(t_fast)[repeats // 2], sorted(t_py)[repeats // 2]
     return {"bytes": len(text.encode()), "tokens": len(fast), "tiktoken_s": tf, "python_s": tp,
