@@ -69,6 +69,16 @@ TRAIN_PRESETS = {
     "retrieval-llama": TrainConfig(),
     # continue a trained model (--init) on every task at every length, at a lower learning rate
     "retrieval-llama-more": TrainConfig(stages=[[2500, 224, 1024, 1.1]], lr=3e-4, warmup=100),
+    # continue again (--init), aimed at what is still unsolved: a short stage weighted toward variable
+    # tracking (with 1- and 2-hop chains as stepping stones), common words, multi-query and needle
+    # distractors; then every task at every length, the hard ones drawn twice as often
+    "retrieval-llama-hard": TrainConfig(
+        stages=[[3500, 224, 448, 1.1, ["vt:n_hops=1", "vt:n_hops=2", "vt", "cwe", "cwe", "niah_multiquery",
+                                       "niah_multiquery", "niah_single_needle", "niah_multikey",
+                                       "niah_multivalue", "niah_single_prose", "copy"]],
+                [7500, 224, 1024, 1.1, TASKS + ["vt", "cwe", "niah_multiquery", "niah_single_needle",
+                                                "niah_multivalue"]]],
+        lr=4e-4, warmup=200, min_lr=3e-5),
     # a few seconds on a laptop: the tiny training run of the tests
     "tiny": TrainConfig(preset="TINY", tasks=["niah_single_noise", "niah_multikey"], stages=[[4, 200, 256, 1.1]],
                         tokens_per_step=512, warmup=2,
