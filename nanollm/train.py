@@ -79,6 +79,10 @@ TRAIN_PRESETS = {
                 [7500, 224, 1024, 1.1, TASKS + ["vt", "cwe", "niah_multiquery", "niah_single_needle",
                                                 "niah_multivalue"]]],
         lr=4e-4, warmup=200, min_lr=3e-5),
+    # a last, lower-rate pass at full lengths weighted toward needles among needle-shaped distractors
+    "retrieval-llama-needle": TrainConfig(
+        stages=[[2000, 512, 1024, 1.1, TASKS + ["niah_single_needle"] * 3 + ["vt", "niah_multiquery"]]],
+        lr=1.5e-4, warmup=100, min_lr=2e-5),
     # a few seconds on a laptop: the tiny training run of the tests
     "tiny": TrainConfig(preset="TINY", tasks=["niah_single_noise", "niah_multikey"], stages=[[4, 200, 256, 1.1]],
                         tokens_per_step=512, warmup=2,

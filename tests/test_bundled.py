@@ -41,7 +41,7 @@ def _niah_tasks(card):
     return [t for t in card["default_suite"] if t.startswith("niah")]
 
 
-@pytest.mark.xfail(strict=True, reason="does not hold on the 18,000-step bundled model: at keep ratio 0.1 both are "
+@pytest.mark.xfail(strict=True, reason="does not hold on the bundled model (20,000 steps): at keep ratio 0.1 both are "
                                        "near 0 (SnapKV 0.00, StreamingLLM 0.01 on these samples); see the README")
 def test_snapkv_at_least_streaming_llm_on_niah_at_keep_ratio_0_1(bundled):
     """Issue 4's ordering check: query-aware selection (SnapKV) >= a recency window (StreamingLLM) in accuracy.
