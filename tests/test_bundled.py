@@ -5,6 +5,7 @@ import torch
 
 from methods import make_policy
 from nanollm import KVCache, load, prefill
+from nanollm.card import THRESHOLDS
 from nanollm.evaluate import accuracy
 from nanollm.tasks import make_sample
 
@@ -24,8 +25,7 @@ def test_card_describes_the_model(bundled):
     assert model.config.max_seq_len >= 1024 and card["n_samples"] >= 200
     assert card["default_suite"], "the model solves no task"
     for task in card["default_suite"]:
-        threshold = 0.80 if task in ("vt", "cwe") else 0.95
-        assert all(a >= threshold for per_len in card["accuracy"][task].values() for a in per_len.values())
+        assert all(a >= THRESHOLDS[task] for per_len in card["accuracy"][task].values() for a in per_len.values())
 
 
 def test_accuracy_as_stated_in_the_card(bundled):
@@ -50,10 +50,11 @@ def test_snapkv_at_least_streaming_llm_on_niah_at_keep_ratio_0_1(bundled):
     model, tok, card = bundled
     L = 512
     budget = round(0.1 * L)
+    tasks = _niah_tasks(card)
     acc = {}
     for name in ("snapkv", "streaming_llm"):
         acc[name] = sum(accuracy(model, tok, t, L, N, "question_in_prompt", lambda: make_policy(name, budget=budget),
-                                 seed=card["eval_seed"]) for t in _niah_tasks(card)) / len(_niah_tasks(card))
+                                 seed=card["eval_seed"]) for t in tasks) / len(tasks)
     assert acc["snapkv"] >= acc["streaming_llm"], acc
 
 
