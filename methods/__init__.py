@@ -2,27 +2,29 @@
 KV-cache methods: one file per method, each a ``nanollm.policy.CachePolicy`` dataclass, and the registry.
 
     from methods import METHODS, make_policy
-    policy = make_policy("snapkv", budget=64, window=16)     # == METHODS["snapkv"](budget=64, window=16)
+    policy = make_policy("snapkv", budget=64, window=16)      # == METHODS["snapkv"](budget=64, window=16)
+    policy = make_policy("adakv(h2o)", budget=64)             # a wrapper around another scorer
+    policy = make_policy("adakv", budget=64, inner="h2o")     # the same policy
 
 ``METHODS`` is an explicit dict, name -> policy class. Every class takes ``budget`` (tokens kept per layer
 per KV head, protected tokens included) plus its own options, with paper defaults. Tests and notebooks
-iterate over it: registering a method here puts it under tests/test_policy_contract.py.
+iterate over it: registering a method here puts it under the contract tests and the compare CLI.
 
-Contract declarations a policy may add (all optional; the contract test reads them with defaults):
+Two kinds of entries besides the full cache:
+* scorers (``nanollm.policy.ScoringPolicy``): StreamingLLM, H2O, SnapKV. They rank entries.
+* wrappers (``nanollm.policy.PolicyWrapper``): AdaKV. They take an ``inner`` scorer and change how its
+  scores become a selection. A wrapper named alone uses its ``default_inner``.
 
-    slack(n_prompt, n_decoded) -> int     entries per KV head allowed beyond ``budget`` after a prompt of
-                                          n_prompt tokens and n_decoded later tokens (default 0); the
-                                          layer total must stay <= H_kv * (budget + slack)
-    head_slack(n_kv_head) -> int          extra entries one KV head may hold when heads get unequal
-                                          budgets (AdaKV); the layer total is unaffected (default 0)
-    protected_positions(n_prompt, seen)   positions every KV head must still hold (sinks, windows)
+A *method spec* is one spelling for all three places a method is named (Python, the command line, the
+JSON records): a name, or ``wrapper(inner)`` nested as deep as wanted, e.g. ``"adakv(snapkv)"``.
+``make_policy`` routes each option to the outermost policy in the chain that has it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from nanollm.policy import CachePolicy, check_budget
+from nanollm.policy import CachePolicy, PolicyWrapper, ScoringPolicy, check_budget
 
 from .adakv import AdaKVPolicy
 from .full import FullPolicy
@@ -35,30 +37,86 @@ METHODS: dict[str, type[CachePolicy]] = {
     "streaming_llm": StreamingLLMPolicy,   # sinks + recent window (Xiao et al. 2024)
     "h2o": H2OPolicy,                      # accumulated-attention heavy hitters + recent (Zhang et al. 2023)
     "snapkv": SnapKVPolicy,                # observation-window vote at prefill (Li et al. 2024)
-    "adakv": AdaKVPolicy,                  # SnapKV scores, head-adaptive budgets (Feng et al. 2025)
+    "adakv": AdaKVPolicy,                  # head-adaptive budgets over a scorer (Feng et al. 2025)
 }
 
 
-def method_options(name: str) -> list[str]:
-    """The options ``make_policy(name, budget, **options)`` accepts besides ``budget``."""
-    cls = METHODS[name]
-    return [f.name for f in dataclasses.fields(cls) if f.init and f.name != "budget"]
+def scorers() -> list[str]:
+    """Registered methods that rank entries and can sit inside a wrapper."""
+    return [n for n, c in METHODS.items() if issubclass(c, ScoringPolicy) and not issubclass(c, PolicyWrapper)]
 
 
-def make_policy(name: str, budget: int, **options) -> CachePolicy:
-    """A fresh policy of method ``name`` keeping ``budget`` tokens per layer per KV head.
+def wrappers() -> list[str]:
+    """Registered methods that wrap an inner scorer."""
+    return [n for n, c in METHODS.items() if issubclass(c, PolicyWrapper)]
 
+
+def method_chain(spec: str) -> list[str]:
+    """The names in a method spec, outermost first: ``"adakv(h2o)"`` -> ``["adakv", "h2o"]``.
+
+    A wrapper without an inner gets its default (``"adakv"`` -> ``["adakv", "snapkv"]``). Raises
+    ValueError naming the problem for unknown names, unbalanced brackets, or a non-scorer inside a wrapper.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"a method must be named by a string such as 'snapkv' or 'adakv(h2o)', got {spec!r}")
+    s, chain = spec.replace(" ", ""), []
+    while s.endswith(")"):
+        outer, bracket, rest = s.partition("(")
+        if not bracket:
+            raise ValueError(f"unbalanced brackets in method {spec!r}")
+        chain.append(outer)
+        s = rest[:-1]
+    if "(" in s or ")" in s:
+        raise ValueError(f"unbalanced brackets in method {spec!r}")
+    chain.append(s)
+    for name in chain:
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}, or wrap a scorer: "
+                             f"{wrappers()}(one of {scorers()})")
+    while issubclass(METHODS[chain[-1]], PolicyWrapper):
+        chain.append(METHODS[chain[-1]].default_inner)
+    for outer, inner in zip(chain, chain[1:]):
+        if not issubclass(METHODS[outer], PolicyWrapper):
+            raise ValueError(f"{outer!r} is not a wrapper, so it cannot take {inner!r} inside; "
+                             f"wrappers: {wrappers()}")
+        if not issubclass(METHODS[inner], ScoringPolicy):
+            raise ValueError(f"{inner!r} does not score entries, so {outer!r} cannot wrap it; "
+                             f"scorers: {scorers()}")
+    return chain
+
+
+def _own_options(name: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(METHODS[name]) if f.init and f.name not in ("budget", "inner")]
+
+
+def method_options(spec: str) -> list[str]:
+    """The options ``make_policy(spec, budget, **options)`` accepts besides ``budget``."""
+    chain = method_chain(spec)
+    return [opt for i, name in enumerate(chain) for opt in _own_options(name)
+            if opt not in {o for outer in chain[:i] for o in _own_options(outer)}]
+
+
+def make_policy(name: str, budget: int, inner: str | None = None, **options) -> CachePolicy:
+    """A fresh policy for the method spec ``name`` keeping ``budget`` tokens per layer per KV head.
+
+    ``inner`` (optional) names the scorer inside a wrapper: ``make_policy("adakv", 64, inner="h2o")`` is
+    ``make_policy("adakv(h2o)", 64)``. Each option goes to the outermost policy of the chain that has it.
     Raises ValueError for an unknown method or option (naming the valid ones) and for ``budget <= 0``.
     """
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
+    spec = name if inner is None else f"{name}({inner})"
+    chain = method_chain(spec)
     check_budget(budget)
-    valid = method_options(name)
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for method {name!r}; valid options: {valid}")
-    return METHODS[name](budget=budget, **options)
+    left, own = dict(options), []
+    for n in chain:
+        own.append({k: left.pop(k) for k in _own_options(n) if k in left})
+    if left:
+        raise ValueError(f"unknown option(s) {sorted(left)} for method {spec!r}; valid options: "
+                         f"{method_options(spec)}")
+    policy = METHODS[chain[-1]](budget=budget, **own[-1])
+    for n, opts in zip(reversed(chain[:-1]), reversed(own[:-1])):
+        policy = METHODS[n](budget=budget, inner=policy, **opts)
+    return policy
 
 
 __all__ = ["METHODS", "AdaKVPolicy", "FullPolicy", "H2OPolicy", "SnapKVPolicy", "StreamingLLMPolicy",
-           "make_policy", "method_options"]
+           "make_policy", "method_chain", "method_options", "scorers", "wrappers"]

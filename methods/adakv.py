@@ -2,8 +2,8 @@
 AdaKV: head-adaptive budgets. The heads of a layer share one pool of H_kv * budget entries.
 
 Paper: Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient
-LLM Inference", NeurIPS 2025, https://arxiv.org/abs/2407.11550. Restated from kvpress's ``AdaKVPress``
-in specs/methods.md §4.4 (the paper's own section/algorithm numbers were not re-checked for this file).
+LLM Inference", NeurIPS 2025, https://arxiv.org/abs/2407.11550  (the adaptive allocation, Algorithm 1;
+written here as NVIDIA's kvpress library realises it, ``AdaKVPress``).
 
 Idea. A uniform per-head budget wastes entries: a head whose attention is concentrated on a few tokens
 needs few, a head whose attention is spread out needs many. AdaKV bounds the eviction loss by the
@@ -11,36 +11,39 @@ attention mass the evicted entries would have received, and that bound is smalle
 the *globally* highest scores across heads, whatever head they belong to. A safeguard keeps every head
 from being starved: each head first keeps its own top ``alpha * budget`` entries.
 
-Key equations (spec §4.4), as the code computes them, with per-head scores s_j from SnapKV's window
-vote (``methods/snapkv.py``; the observation window scores +inf, so it is always kept):
+AdaKV is a *wrapper*: it allocates, any scorer scores (``adakv(snapkv)``, the paper's pairing and our
+default; ``adakv(h2o)``; ``adakv(streaming_llm)``). With per-head scores s_j from the inner scorer, its
+protected entries set to +inf:
     n_safe  = int(alpha_safeguard * budget)
     s_j[top_{n_safe}(s_j)] = +inf                          # safeguard: each head's own top n_safe
     keep    = top_{H_kv * budget} over all (j, t) pairs    # one pool for the whole layer
+It compresses when the inner scorer does (SnapKV: at prefill; H2O: every step), whenever the layer holds
+more than ``H_kv * budget`` valid entries.
 
 Storage. Heads now keep unequal counts; ``LayerKV.keep`` pads the shorter heads with empty slots
 (index -1, position -1, never attended) up to the longest head's count K. kvpress instead keeps the full
-cache and masks the evicted entries (spec §0.3); the outputs are the same (G-1). Stored bytes include
-the padding (H_kv * K slots, K >= budget), so the memory saving is smaller than H_kv * budget suggests.
+cache and masks the evicted entries; the outputs are the same (tested). Stored bytes include the padding
+(H_kv * K slots, K >= budget), so the memory saving is smaller than H_kv * budget suggests.
 
-Slack, precisely (``slack``/``head_slack`` below; checked by tests/test_policy_contract.py). With
-m = max(n_safe, window) (every head keeps at least its safeguard and the whole window), after prefill:
-    valid entries of the layer, summed over KV heads  = H_kv * budget          (when T > budget)
-    valid entries of one KV head                      in [m, H_kv * budget - (H_kv - 1) * m]
-so one head may exceed ``budget`` by ``head_slack = (H_kv - 1) * (budget - m)``. Decoding adds one entry
-per head per token, as in SnapKV (``slack = n_decoded``). ``budget <= window`` falls back to SnapKV's
-"last ``budget`` tokens" for every head (no adaptivity, no padding).
+Slack, precisely (``head_slack`` below; checked by the contract tests). The layer total stays
+``H_kv * budget`` plus the inner scorer's slack (SnapKV keeps every token after the prompt). One head can
+take what the other heads do not keep; each of them keeps at least its safeguard, so one head may exceed
+``budget`` by ``head_slack = (H_kv - 1) * (budget - n_safe)``.
 
-Defaults: ``alpha_safeguard = 0.20`` (kvpress ``AdaKVPress``, spec §4.4); window, kernel and pooling as
-SnapKV (spec §3.3: 32, 7, "max"; the CriticalKV paper, seed 003 §4.2, runs AdaKV with these "as
-originally defined").
+Defaults: ``alpha_safeguard = 0.20`` (kvpress ``AdaKVPress``); the inner scorer's own defaults (SnapKV:
+window 32, kernel 7, max pooling, kept "as originally defined" by the perturbation-constrained selection
+paper, arXiv 2502.03805 §4.2).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext, check_budget
 
 from .snapkv import SnapKVPolicy
 
@@ -83,39 +86,54 @@ def mask_to_indices(mask: Tensor) -> Tensor:
 
 
 @dataclass
-class AdaKVPolicy(SnapKVPolicy):
-    """SnapKV scoring with AdaKV's head-adaptive budget allocation (prefill only, like SnapKV).
+class AdaKVPolicy(PolicyWrapper):
+    """Head-adaptive budget allocation over an inner scorer (SnapKV by default).
 
     Parameters
     ----------
-    budget : average prompt entries kept per layer per KV head (the layer keeps H_kv * budget).
-    window, kernel, pooling : SnapKV's scorer (see ``SnapKVPolicy``).
-    alpha_safeguard : fraction of ``budget`` every head keeps from its own top scores (spec §4.4: 0.20).
-        1.0 gives every head exactly ``budget``, i.e. plain SnapKV.
+    budget : average entries kept per layer per KV head (the layer keeps H_kv * budget).
+    alpha_safeguard : fraction of ``budget`` every head keeps from its own top scores (kvpress: 0.20).
+        1.0 gives every head exactly ``budget``, i.e. the inner scorer alone.
+    inner : the scoring policy that ranks entries, with the same ``budget``; None = ``SnapKVPolicy``
+        with its defaults. ``make_policy("adakv(h2o)", ...)`` builds other pairings by name.
     """
 
-    alpha_safeguard: float = 0.20    # spec §4.4: kvpress AdaKVPress
+    budget: int
+    alpha_safeguard: float = 0.20    # kvpress AdaKVPress
+    inner: ScoringPolicy | None = None
+    default_inner: ClassVar[str] = "snapkv"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_budget(self.budget)
         a = self.alpha_safeguard
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise ValueError(f"alpha_safeguard must be a number in [0, 1], got {a!r}")
+        if self.inner is None:
+            self.inner = SnapKVPolicy(budget=self.budget)
+        if not isinstance(self.inner, ScoringPolicy):
+            raise ValueError(f"inner must be a scoring policy (a ScoringPolicy), got {type(self.inner).__name__}")
+        if self.inner.budget != self.budget:
+            raise ValueError(f"inner budget {self.inner.budget} differs from the wrapper's budget {self.budget}")
 
     @property
     def n_safe(self) -> int:
         return int(self.alpha_safeguard * self.budget)
 
-    def select(self, prefix_scores: Tensor) -> Tensor:
-        """Kept slots (B, H_kv, K), padded with -1, from the prefix scores (B, H_kv, T - window)."""
-        B, H_kv, _ = prefix_scores.shape                                # (B, H_kv, T - window)
-        window = torch.full((B, H_kv, self.window), float("inf"), device=prefix_scores.device)
-        scores = torch.cat([prefix_scores.float(), window], dim=-1)   # (B, H_kv, T) window always kept
+    def over_budget(self, ctx: StepContext) -> bool:
+        """The layer as a whole holds more than ``H_kv * budget`` valid entries (in some batch row)."""
+        H_kv = ctx.kv.pos.shape[1]
+        return int(ctx.kv.counts().sum(-1).max()) > H_kv * self.budget
+
+    def select(self, ctx: StepContext) -> Tensor:
+        """Kept slots (B, H_kv, K), padded with -1, from the inner scores with its protected entries first."""
+        scores = self.inner.score(ctx).float()                            # (B, H_kv, T)
+        protected = self.inner.protected(ctx)
+        if protected is not None:
+            scores = scores.masked_fill(protected.expand_as(scores), float("inf"))
+        scores = scores.masked_fill(ctx.kv.pos < 0, float("-inf"))        # empty slots are never kept
         return mask_to_indices(adaptive_keep_mask(scores, self.budget, self.n_safe))
 
-    # -- contract declarations (tests/test_policy_contract.py) -------------------------------------------
+    # -- contract declarations (the rest comes from the inner scorer) ----------------------------------
     def head_slack(self, n_kv_head: int) -> int:
         """Entries one KV head may hold beyond ``budget`` (the layer total is unaffected)."""
-        if self.budget <= self.window:
-            return 0
-        return (n_kv_head - 1) * (self.budget - max(self.n_safe, self.window))
+        return (n_kv_head - 1) * (self.budget - self.n_safe)

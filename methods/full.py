@@ -1,14 +1,14 @@
 """
 Full cache: the reference every method is measured against.
 
-Paper: none. This is plain KV caching (every key and value of every token is kept), the baseline that
-specs/methods.md §0.4 G-2 compares every eviction method with: with a budget that covers the sequence,
-a method's logits must equal these bit-for-bit in fp32.
+Paper: none. This is plain KV caching (every key and value of every token is kept), the baseline every
+eviction method is compared with: with a budget that covers the sequence, a method's logits must equal
+these bit-for-bit in fp32 (the contract tests check it for every registered method).
 
 Idea: keep everything. ``budget`` is accepted (so that ``make_policy("full", budget)`` works like every
 other method) and ignored.
 
-Contract declarations (read by tests/test_policy_contract.py): the cache holds every token seen, so the
+Contract declarations (read by the contract tests): the cache holds every token seen, so the
 slack beyond ``budget`` is everything above it, ``max(0, n_prompt + n_decoded - budget)``.
 """
 

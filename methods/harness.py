@@ -10,10 +10,13 @@ tokens. From two traces (full and method) ``compare_traces`` computes (DESIGN.md
   decode step (the step that feeds the first answer token: the first moment a prefill compression can
   show up, since prompt attention itself is always exact);
 * ``attn_l1``: per layer and query head, ||o_full - o||_1 of the attention output at that step;
-* ``lost_mass``: the full-attention probability mass, at that step, on entries the method does not
-  attend to (mean over layers and heads);
-* ``kv_bytes``: peak K/V bytes stored over all layers; ``extra_bytes``: what the policy keeps besides
-  (scores, sketches), when it reports ``extra_nbytes()``;
+* ``lost_mass``: the full-attention probability mass, at that step, on positions the method does not
+  attend to *exactly*, i.e. whose raw key and value are not in its storage (mean over layers and heads).
+  An entry a method rebuilds in ``attend_kv`` (an approximation of an evicted token, e.g. from a sketch)
+  counts as lost here: its error shows in ``attn_l1``, ``perturbation`` and ``kl`` instead. Otherwise a
+  method that attends to approximations of everything would report no loss at all;
+* ``kv_bytes``: peak K/V bytes stored over all layers; ``extra_bytes``: peak bytes of what the method
+  keeps besides: per-slot state in the storage (H2O's scores) plus ``policy.extra_nbytes()`` (sketches);
 * ``compress_ms``: time spent in the policy's hooks; ``decode_ms_per_token``: time per decode step.
 
 Accuracy is RULER's ``string_match_all`` of the greedy answer. Greedy decoding that starts from the same
@@ -41,8 +44,9 @@ class Probe(CachePolicy):
     """Wraps a policy: times its hooks and records what the first decode step attended to.
 
     While ``recording`` is True, ``on_decode`` stores, per layer, the attention output of the last query
-    ``out`` (H, d), the positions attended ``pos`` (H_kv, T) and, with ``record_probs``, the attention
-    probabilities ``probs`` (H, T), all for batch row 0.
+    ``out`` (H, d), the positions stored exactly ``pos`` (H_kv, T: the storage when the step attended)
+    and, with ``record_probs``, the attention probabilities ``probs`` (H, T) over the positions attended
+    ``attended`` (H_kv, T), all for batch row 0.
     """
 
     def __init__(self, inner: CachePolicy, record_probs: bool = False) -> None:
@@ -52,13 +56,13 @@ class Probe(CachePolicy):
         self.compress_s = 0.0
         self.outs: dict[int, Tensor] = {}
         self.pos: dict[int, Tensor] = {}
+        self.attended: dict[int, Tensor] = {}
         self.probs: dict[int, Tensor] = {}
 
-    def attend_kv(self, layer: int, store: LayerKV):
-        k, v, pos = self.inner.attend_kv(layer, store)
+    def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
         if self.recording:
-            self.pos[layer] = pos[0].clone()                               # (H_kv, T) what this step sees
-        return k, v, pos
+            self.pos[layer] = store.pos[0].clone()                         # (H_kv, T) stored exactly
+        return self.inner.attend_kv(layer, store)
 
     def on_prefill(self, ctx: StepContext) -> None:
         t0 = time.perf_counter()
@@ -70,6 +74,7 @@ class Probe(CachePolicy):
             self.outs[ctx.layer] = ctx.out[0, :, -1].clone()               # (H, d)
             if ctx.probs is not None:
                 self.probs[ctx.layer] = ctx.probs[0, :, -1].clone()        # (H, T)
+                self.attended[ctx.layer] = ctx.attended_pos[0].clone()     # (H_kv, T) aligned with probs
         t0 = time.perf_counter()
         self.inner.on_decode(ctx)
         self.compress_s += time.perf_counter() - t0
@@ -77,14 +82,18 @@ class Probe(CachePolicy):
     def reset(self) -> None:
         self.inner.reset()
 
+    def extra_nbytes(self) -> int:
+        return self.inner.extra_nbytes()
+
 
 @dataclass
 class Trace:
     logits: Tensor                 # (n_answer, V) logits predicting each reference answer token
     hidden: Tensor                 # (D,) final hidden state at the first decode step
     outs: dict                     # layer -> (H, d) attention output at the first decode step
-    pos: dict                      # layer -> (H_kv, T) positions attended at that step
+    pos: dict                      # layer -> (H_kv, T) positions stored exactly at that step
     probs: dict                    # layer -> (H, T) attention probabilities (full-cache trace only)
+    attended: dict                 # layer -> (H_kv, T) positions those probabilities refer to
     kv_bytes: int                  # peak K/V bytes over all layers
     extra_bytes: int               # peak bytes of the policy's own structures (0 if it reports none)
     compress_ms: float
@@ -100,8 +109,7 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
     cache = KVCache(model.config, policy=probe)
 
     def extra() -> int:
-        f = getattr(probe.inner, "extra_nbytes", None)
-        return int(f()) if f is not None else 0
+        return cache.state_nbytes() + probe.extra_nbytes()
 
     if mode == "question_in_prompt":
         logits = prefill(model, torch.tensor([sample.prompt_ids], device=dev), cache)
@@ -123,16 +131,17 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
         step_logits.append(lg[0, -1])
         kv_bytes, extra_bytes = max(kv_bytes, cache.nbytes()), max(extra_bytes, extra())
     n_steps = len(sample.target_ids) - 1
-    return Trace(torch.stack(step_logits), hidden, probe.outs, probe.pos, probe.probs, kv_bytes, extra_bytes,
-                 probe.compress_s * 1e3, decode_s * 1e3 / max(1, n_steps))
+    return Trace(torch.stack(step_logits), hidden, probe.outs, probe.pos, probe.probs, probe.attended, kv_bytes,
+                 extra_bytes, probe.compress_s * 1e3, decode_s * 1e3 / max(1, n_steps))
 
 
 def lost_mass(full: Trace, method: Trace, group_size: int) -> float:
-    """Mean over layers and query heads of the full attention mass on entries the method did not attend."""
+    """Mean over layers and query heads of the full attention mass on positions the method did not attend
+    exactly (not in its storage; rebuilt entries count as lost, see the module docstring)."""
     lost = []
     for layer, probs in full.probs.items():                      # probs (H, T) over full positions
-        full_pos = full.pos[layer][0]                            # (T,) the full cache keeps every position
-        kept = method.pos[layer]                                 # (H_kv, Tm), -1 = empty slot
+        full_pos = full.attended[layer][0]                       # (T,) the full cache attends every position
+        kept = method.pos[layer]                                 # (H_kv, Tm) stored exactly, -1 = empty
         for h in range(probs.shape[0]):
             keep = torch.isin(full_pos, kept[h // group_size])
             lost.append(float(probs[h][~keep].sum()))

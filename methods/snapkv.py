@@ -1,9 +1,9 @@
 """
-SnapKV: the last prompt tokens vote for the prefix tokens worth keeping, once, at prefill.
+SnapKV: the last prompt tokens vote for the earlier tokens worth keeping, once, at prefill.
 
 Paper: Li et al., "SnapKV: LLM Knows What You Are Looking for Before Generation", NeurIPS 2024,
-https://arxiv.org/abs/2404.14469  (method: the observation-window vote and the pooling step, restated in
-specs/methods.md §3.2; the paper's own section/equation numbers were not re-checked for this file).
+https://arxiv.org/abs/2404.14469  (method: §4.1, voting from the observation window, and §4.2, clustering
+by pooling).
 
 Idea. Each attention head attends to a stable set of prompt positions during generation, and that set
 can already be read off the attention of the last ``window`` prompt queries (the "observation window",
@@ -12,28 +12,33 @@ each earlier token (a vote), smooth the votes with a 1-D pooling so that neighbo
 are kept with it (clusters keep their context), and keep each head's top-voted prefix tokens plus the
 whole window. Decoding then runs on the compressed cache.
 
-Key equations (spec §3.2), as the code computes them, for a prompt of T tokens and window w:
+Key equations, as the code computes them, for a prompt of T tokens and window w:
     vote_h  = sum_{i in last w queries} A_h[i, :T-w]          # (H, T-w)  attention received
     vote_h  = pool1d(vote_h, kernel, stride 1, pad kernel//2)  # max or avg over neighbours
-    score_j = mean_{h in group j} vote_h                       # GQA: per KV head (kvpress, SnapKV #22)
+    score_j = mean_{h in group j} vote_h                       # GQA: per KV head
     keep_j  = sorted(top_{budget - w}(score_j)) ∪ {T-w, ..., T-1}
 
+As a scorer (``nanollm.policy.ScoringPolicy``): ``score`` is the pooled vote over the prefix and the
+window's (un-pooled) vote for its own tokens; ``protected`` is the window. Wrappers (AdaKV, ChunkKV) read
+the same two things.
+
 Choices and simplifications:
-* GQA: the pooled votes are averaged over the G query heads of each KV head (kvpress ``SnapKVPress``);
-  the SnapKV repo instead repeats K/V per query head. Selection is per KV head, never ``repeat_kv``.
-* Votes are summed over the window (the paper); kvpress averages, which keeps the same set (spec §3.5).
-* Average pooling uses PyTorch's zero padding counted in the mean (``count_include_pad``, as the SnapKV
-  repo's ``avg_pool1d``), which dilutes the first/last ``kernel // 2`` prefix positions; max pooling
-  does not (spec §3.4).
-* ``budget <= window``: only the last ``budget`` prompt tokens are kept (spec §3.4), no vote needed.
+* GQA: the pooled votes are averaged over the G query heads of each KV head, as NVIDIA's kvpress library
+  does; the authors' code instead repeats K/V per query head. Selection is per KV head; K and V are
+  never repeated.
+* Votes are summed over the window (the paper); kvpress averages, which keeps the same set.
+* Average pooling counts PyTorch's zero padding in the mean (``count_include_pad``, as the authors'
+  ``avg_pool1d`` call does), which dilutes the first/last ``kernel // 2`` prefix positions; max pooling
+  does not.
+* ``budget <= window``: only the last ``budget`` prompt tokens are kept, no vote needed.
 * Decoding: SnapKV compresses the prompt only. Tokens decoded or ``extend``-ed afterwards are appended
   and kept, so the cache grows by one entry per head per token: the declared slack is ``n_decoded``
   (``slack`` below), as in the paper and kvpress.
 
-Defaults (spec §3.3 table): ``window = 32``, ``kernel = 7``, ``pooling = "max"``: the SnapKV repo's
-LongBench script (``ablation_c4096_w32_k7_maxpool``) and the settings the CriticalKV paper reports as
-"kept as originally defined" (seed 003 §4.2). The repo's class defaults (w 64, kernel 5, avg) and
-kvpress's (w 64, kernel 5, avg, mean votes) differ; see the table.
+Defaults: ``window = 32``, ``kernel = 7``, ``pooling = "max"``: the authors' LongBench script
+(``ablation_c4096_w32_k7_maxpool``), also the settings the perturbation-constrained selection paper
+(arXiv 2502.03805, §4.2) reports keeping for SnapKV. The authors' class defaults (window 64, kernel 5, avg)
+and kvpress's (window 64, kernel 5, avg, mean votes) differ; ``methods/README.md`` has the table.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanollm.policy import CachePolicy, StepContext, check_budget, select_topk
+from nanollm.policy import ScoringPolicy, StepContext, check_budget, select_topk
 
 POOLINGS = ("max", "avg")
 
@@ -62,7 +67,7 @@ def pool1d(x: Tensor, kernel: int, pooling: str) -> Tensor:
 
 
 def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str) -> Tensor:
-    """SnapKV scores of the prefix tokens (spec §3.2), one row per KV head.
+    """SnapKV scores of the prefix tokens (§4.1 votes, §4.2 pooling), one row per KV head.
 
     Parameters
     ----------
@@ -82,7 +87,9 @@ def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str)
 
 
 def snapkv_select(prefix_scores: Tensor, budget: int, window: int) -> Tensor:
-    """Kept slots: each head's top ``budget - window`` prefix tokens, then the whole window.
+    """The rule as a function of the prefix scores: each head's top ``budget - window`` prefix tokens,
+    then the whole window. (The policy reaches the same set through ``ScoringPolicy.select`` with the
+    window protected; a test checks they agree.)
 
     Parameters
     ----------
@@ -101,22 +108,23 @@ def snapkv_select(prefix_scores: Tensor, budget: int, window: int) -> Tensor:
 
 
 @dataclass
-class SnapKVPolicy(CachePolicy):
+class SnapKVPolicy(ScoringPolicy):
     """Compress the prompt once with SnapKV's observation-window vote; keep every later token.
 
     Parameters
     ----------
     budget : prompt entries kept per layer per KV head, the observation window included.
-    window : observation window w, the last prompt queries that vote (spec §3.3: 32).
-    kernel : pooling width, odd (spec §3.3: 7). 1 disables pooling.
-    pooling : "max" or "avg" (spec §3.3: "max").
+    window : observation window w, the last prompt queries that vote (default 32, see module doc).
+    kernel : pooling width, odd (default 7). 1 disables pooling.
+    pooling : "max" or "avg" (default "max").
     """
 
     budget: int
-    window: int = 32         # spec §3.3: SnapKV LongBench script / CriticalKV §4.2
-    kernel: int = 7          # spec §3.3: same sources
-    pooling: str = "max"     # spec §3.3: same sources ("maxpool")
+    window: int = 32         # the authors' LongBench script (see module doc)
+    kernel: int = 7          # same source
+    pooling: str = "max"     # same source ("maxpool")
     needs_probs: ClassVar[bool] = True
+    compress_on: ClassVar[tuple[str, ...]] = ("prefill",)   # the prompt only; later tokens are all kept
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -128,27 +136,22 @@ class SnapKVPolicy(CachePolicy):
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
 
-    def on_prefill(self, ctx: StepContext) -> None:
-        T = len(ctx.kv)
-        if T <= self.budget:                        # G-2: nothing to evict, storage untouched
-            return
-        B, H_kv = ctx.kv.pos.shape[:2]
-        if self.budget <= self.window:              # spec §3.4: no room for the prefix
-            idx = torch.arange(T - self.budget, T, device=ctx.kv.pos.device).expand(B, H_kv, -1)
-        else:
-            w = self.window
-            probs_window = ctx.probs[:, :, T - w:, :T - w]                   # (B, H, w, T - w)
-            scores = window_vote(probs_window, H_kv, self.kernel, self.pooling)  # (B, H_kv, T - w)
-            idx = self.select(scores)
-        ctx.kv.keep(idx)
+    def score(self, ctx: StepContext) -> Tensor:
+        """(B, H_kv, T): pooled window votes for the prefix, then the window's votes for its own tokens."""
+        T, H_kv = len(ctx.kv), ctx.kv.pos.shape[1]
+        w = min(self.window, T)
+        rows = ctx.probs[:, :, T - w:, :]                                  # (B, H, w, T) the window's rows
+        prefix = window_vote(rows[..., :T - w], H_kv, self.kernel, self.pooling)   # (B, H_kv, T - w)
+        own = window_vote(rows[..., T - w:], H_kv, 1, self.pooling)        # (B, H_kv, w) not pooled
+        return torch.cat([prefix, own], dim=-1)
 
-    def select(self, prefix_scores: Tensor) -> Tensor:
-        """Kept slots (B, H_kv, K) from the prefix scores; AdaKV overrides this with head-wise budgets."""
-        return snapkv_select(prefix_scores, self.budget, self.window)
+    def protected(self, ctx: StepContext) -> Tensor:
+        """The observation window (its last ``budget`` tokens if ``budget <= window``)."""
+        return ctx.kv.pos >= ctx.seen - min(self.window, self.budget)
 
-    # on_decode: inherited no-op. SnapKV never evicts after the prompt (see the module docstring).
+    # on_decode: SnapKV never evicts after the prompt (``compress_on``; see the module docstring).
 
-    # -- contract declarations (tests/test_policy_contract.py) -------------------------------------------
+    # -- contract declarations -------------------------------------------------------------------------
     def slack(self, n_prompt: int, n_decoded: int) -> int:
         """Every token after the prompt is kept: the cache grows by one entry per head per token."""
         return n_decoded

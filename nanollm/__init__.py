@@ -4,7 +4,8 @@ from .cache import KVCache, LayerKV
 from .config import PRESETS, ModelConfig, preset
 from .generation import decode_step, extend, generate, prefill
 from .model import Transformer
-from .policy import CachePolicy, FullCache, StepContext, check_budget, select_topk
+from .policy import (CachePolicy, FullCache, PolicyWrapper, ScoringPolicy, StepContext, check_budget,
+                     select_topk)
 
 
 def load(name_or_path, device: str = "cpu"):
@@ -19,5 +20,5 @@ def load(name_or_path, device: str = "cpu"):
 __all__ = [
     "load", "KVCache", "LayerKV", "ModelConfig", "PRESETS", "preset", "Transformer",
     "prefill", "extend", "decode_step", "generate",
-    "CachePolicy", "FullCache", "StepContext", "select_topk", "check_budget",
+    "CachePolicy", "FullCache", "ScoringPolicy", "PolicyWrapper", "StepContext", "select_topk", "check_budget",
 ]

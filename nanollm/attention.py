@@ -1,5 +1,6 @@
 """
-Causal self-attention with explicit positions, rotary embeddings, and grouped-query attention.
+Causal self-attention with explicit positions, rotary embeddings, and grouped-query attention; and the
+seam through which the decoder takes another attention module.
 
 Two paths, one module:
 
@@ -10,12 +11,26 @@ Two paths, one module:
 
 The heart of the cached path is :func:`attend`, written out in plain tensor ops so it can be read:
 the causal mask is built from the *stored positions* of the keys, never from their slot index, so it stays
-right after any eviction (STYLE.md §3 item 4).
+right after any eviction.
+
+An attention module, for the decoder (``model.Block`` builds the one ``config.attention`` names):
+
+    Module(config, layer_idx)                 an ``nn.Module``
+    forward(x, pos, rope, cache) -> y         x (B, T, D) at positions pos (T,); rope = (cos, sin) or None;
+                                              with a cache: ``cache.attend(layer_idx, self, q, pos, new)``
+    new_storage(config)  (classmethod)        an empty per-layer storage (``storage.LayerKV`` here)
+    attend_entries(q, entries, q_pos, need_probs=False) -> (out, probs)
+                                              attention of the step's queries over a storage's entries
+
+``config.attention`` is a name registered in ``ATTENTION`` ("causal") or a ``"package.module:Class"``
+path, so a module defined outside nanollm plugs in without nanollm importing it.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -23,6 +38,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import ModelConfig
+from .storage import LayerKV
+
+if TYPE_CHECKING:                 # annotations only: cache.py imports this module
+    from .cache import KVCache
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -116,7 +135,19 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(D, H_kv * d, bias=config.bias)
         self.o_proj = nn.Linear(H * d, D, bias=config.bias)            # W_O, shape (D, H*d)
 
-    def forward(self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor] | None, cache=None) -> Tensor:
+    @classmethod
+    def new_storage(cls, config: ModelConfig) -> LayerKV:
+        """An empty layer of the cache: k, v (B, H_kv, T, d), pos (B, H_kv, T), per-slot state."""
+        return LayerKV()
+
+    @staticmethod
+    def attend_entries(q: Tensor, entries: LayerKV, q_pos: Tensor,
+                       need_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+        """The step's queries (B, H, Tq, d) over stored (or rebuilt) entries; see :func:`attend`."""
+        return attend(q, entries.k, entries.v, q_pos, entries.pos, need_probs)
+
+    def forward(self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor] | None,
+                cache: KVCache | None = None) -> Tensor:
         """x (B, T, D) at positions ``pos`` (T,); rope = (cos, sin) for those positions or None."""
         B, T, _ = x.shape
         H, H_kv, d = self.config.n_head, self.config.n_kv_head, self.config.head_dim
@@ -128,5 +159,29 @@ class CausalSelfAttention(nn.Module):
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H_kv != H)
         else:
-            y = cache.attend(self.layer_idx, q, k, v, pos, self)        # store, attend, run the policy
+            y = cache.attend(self.layer_idx, self, q, pos, (k, v))      # store, attend, run the policy
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * d))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The registry of attention modules the config can name.
+
+ATTENTION: dict[str, type[nn.Module]] = {"causal": CausalSelfAttention}
+
+
+def attention_class(name: str) -> type[nn.Module]:
+    """The attention module ``config.attention`` names: a key of ``ATTENTION`` or ``"package.module:Class"``."""
+    if name in ATTENTION:
+        return ATTENTION[name]
+    if ":" not in name:
+        raise ValueError(f"unknown attention module {name!r}; choose one of {sorted(ATTENTION)} or give "
+                         "'package.module:Class'")
+    module_name, _, class_name = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"attention module {name!r} cannot be imported: {e}") from e
+    for method in ("new_storage", "attend_entries", "forward"):
+        if not hasattr(cls, method):
+            raise ValueError(f"attention module {name!r} has no {method}(); see nanollm/attention.py")
+    return cls

@@ -33,6 +33,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True     # lm_head shares the token embedding matrix
     bias: bool | None = None        # biases in linear layers; None = flavour default (gpt2 yes, llama no)
+    attention: str = "causal"       # attention module: a name in attention.ATTENTION or "package.module:Class"
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a real checkpoint came from)
 
     def __post_init__(self) -> None:
@@ -50,6 +51,8 @@ class ModelConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if self.flavour == "llama" and self.head_dim % 2 != 0:
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}")
+        if not isinstance(self.attention, str) or not self.attention:
+            raise ValueError(f"attention must name an attention module, got {self.attention!r}")
         if self.bias is None:
             self.bias = self.flavour == "gpt2"
         if self.d_ff == 0:
@@ -68,7 +71,8 @@ class ModelConfig:
         return self.n_head // self.n_kv_head
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
-        """Bytes one token adds to a full cache: K and V, every layer and KV head."""
+        """Bytes one token adds to a full cache of the standard attention module: K and V, every layer and
+        KV head. (Another attention module has its own layout and its own formula.)"""
         return 2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_element
 
     def to_dict(self) -> dict:

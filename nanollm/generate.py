@@ -2,9 +2,11 @@
 The generation command line: ``python -m nanollm.generate --help``.
 
 Loads a checkpoint (bundled, nanollm folder or Hugging Face folder), builds a prompt (your text, or a
-sample of a synthetic task), and generates with an explicit KV cache, optionally compressed by a method
-from ``methods/``. The library functions (prefill, extend, decode_step, generate) live in ``generation.py``
-and are exported by the package: ``from nanollm import generate`` is the function, not this module.
+sample of a synthetic task), and generates with an explicit, uncompressed KV cache. The same command with
+a compression method is ``python -m methods.generate`` (it passes ``make_policy`` to ``main`` below:
+nanollm itself never imports ``methods``). The library functions (prefill, extend, decode_step, generate)
+live in ``generation.py`` and are exported by the package: ``from nanollm import generate`` is the
+function, not this module.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from .generation import generate
 
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, make_policy=None, prog: str = "python -m nanollm.generate") -> None:
+    """The command line. ``make_policy(spec, budget=...)``, when given, adds ``--method`` and ``--budget``."""
     from . import load   # the checkpoint loader (bundled names, paths, Hugging Face folders)
 
     ap = argparse.ArgumentParser(
-        prog="python -m nanollm.generate",
-        description="Generate text with a nanollm checkpoint and an explicit KV cache, optionally compressed "
-                    "by one of the methods in methods/.")
+        prog=prog,
+        description="Generate text with a nanollm checkpoint and an explicit KV cache"
+                    + (", optionally compressed by a KV-cache method." if make_policy else
+                       " (full cache; 'python -m methods.generate' adds compression methods)."))
     ap.add_argument("--checkpoint", default="retrieval-llama",
                     help="bundled checkpoint name, a nanollm checkpoint folder, or a local Hugging Face-format "
                          "folder (config.json + weights). Default: %(default)s")
@@ -36,10 +40,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
-    ap.add_argument("--method", default="full",
-                    help="KV-cache method from methods.METHODS (default: full cache)")
-    ap.add_argument("--budget", type=int, default=None,
-                    help="tokens kept per layer per KV head for --method (required unless --method full)")
+    if make_policy is not None:
+        ap.add_argument("--method", default="full",
+                        help="KV-cache method: a name from methods.METHODS or a wrapper around a scorer such "
+                             "as 'adakv(h2o)' (default: full cache)")
+        ap.add_argument("--budget", type=int, default=None,
+                        help="tokens kept per layer per KV head for --method (required unless --method full)")
     ap.add_argument("--seed", type=int, default=0, help="seed for the task sample and for sampling")
     ap.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default %(default)s)")
     args = ap.parse_args(argv)
@@ -54,11 +60,13 @@ def main(argv: list[str] | None = None) -> None:
         text = args.prompt
     ids = torch.tensor([tok.encode(text)], device=args.device)
     policy = None
-    if args.method != "full":
-        from methods import make_policy
+    if make_policy is not None and args.method != "full":
         if args.budget is None:
             ap.error("--budget is required with --method")
-        policy = make_policy(args.method, budget=args.budget)
+        try:
+            policy = make_policy(args.method, budget=args.budget)
+        except ValueError as e:
+            ap.error(str(e))
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     stop = [tok.eot_id] if getattr(tok, "eot_id", None) is not None else []
     try:

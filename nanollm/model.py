@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import CausalSelfAttention, rope_cos_sin, rope_inv_freq
+from .attention import attention_class, rope_cos_sin, rope_inv_freq
+from .cache import KVCache
 from .config import ModelConfig
 
 
@@ -59,16 +60,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The attention module is the one
+    ``config.attention`` names (``attention.py``: the standard causal self-attention by default)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.attn_norm = make_norm(config)
-        self.attn = CausalSelfAttention(config, layer_idx)
+        self.attn = attention_class(config.attention)(config, layer_idx)
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, pos: Tensor, rope, cache=None) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor, rope, cache: KVCache | None = None) -> Tensor:
         x = x + self.attn(self.attn_norm(x), pos, rope, cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -124,7 +126,7 @@ class Transformer(nn.Module):
                 f"{start} tokens seen + {ids.shape[1]} new = {start + ids.shape[1]} exceeds the model's "
                 f"maximum positions max_seq_len={self.config.max_seq_len}")
 
-    def forward(self, ids: Tensor, cache=None, return_hidden: bool = False):
+    def forward(self, ids: Tensor, cache: KVCache | None = None, return_hidden: bool = False):
         """Logits (B, T, vocab) for token ids (B, T); also the final hidden state if ``return_hidden``.
 
         With a ``cache`` the tokens continue the cached sequence: their positions start at ``cache.seen``.

@@ -4,23 +4,37 @@ The policy protocol: the one boundary between the decoder and every KV-cache met
 The model knows only that it has a cache (``cache.KVCache``). The cache carries a *policy*, and the policy
 owns what each layer stores. Three hooks, called by ``KVCache.attend`` inside every layer's attention:
 
-    attend_kv(layer, store) -> (k, v, pos)   what the step's queries attend to (default: the storage)
-    on_prefill(ctx)                          after layer ctx.layer attended over the whole prompt
-    on_decode(ctx)                           after layer ctx.layer attended in a decode or extend step
+    attend_kv(layer, store) -> entries   what the step's queries attend to (default: the storage itself;
+                                         a method may return rebuilt entries, e.g. from a sketch)
+    on_prefill(ctx)                      after layer ctx.layer attended over the whole prompt
+    on_decode(ctx)                       after layer ctx.layer attended in a decode or extend step
 
 A method is a subclass that overrides one or more of them; ``ctx`` (a ``StepContext``) carries everything
-a method may need, so nothing is recomputed inside a hook.
+a method may need, so nothing is recomputed inside a hook. Besides the hooks, a policy *declares* what
+it promises (``slack``, ``head_slack``, ``protected_positions``, ``extra_nbytes``): the contract tests
+and the evaluation harness read these declarations.
+
+Three layers of reuse, from general to specific:
+
+* ``CachePolicy``: hooks + declarations, all with "keep everything" defaults.
+* ``ScoringPolicy``: a selection method. It only says how important each entry is (``score``) and which
+  entries must stay (``protected``); the base class does the rest once for everyone: when to compress
+  (``compress_on``), whether the layer is over budget, ``select_topk``, ``keep``.
+* ``PolicyWrapper``: a policy built around an ``inner`` scoring policy. It forwards everything to the
+  inner one and overrides what it changes (AdaKV replaces the per-head top-k with a layer-wide one;
+  ChunkKV turns token scores into chunk scores).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from .cache import LayerKV
 from .config import ModelConfig
+from .storage import LayerKV
 
 
 @dataclass
@@ -31,13 +45,16 @@ class StepContext:
     phase  : "prefill" (the cache was empty: the prompt) or "decode" (one token, or an ``extend`` chunk)
     q      : (B, H, Tn, d) the step's queries after RoPE (at prefill: every prompt position)
     q_pos  : (Tn,) their absolute positions
-    probs  : (B, H, Tn, T) attention probabilities over the entries attended to, in storage order, or None
-             unless the policy sets ``needs_probs = True``
+    probs  : (B, H, Tn, T) attention probabilities over the entries the queries attended (``attend_kv``'s
+             result, in its slot order), or None unless the policy's ``needs_probs`` is True
     out    : (B, H, Tn, d) the attention output per head (before W_O)
-    kv     : this layer's ``LayerKV`` storage, already holding the step's new entries
+    kv     : this layer's storage, already holding the step's new entries
     attn   : the layer's attention module (``attn.o_proj.weight`` is W_O, shape (D, H*d))
     config : the model config
     seen   : tokens seen including this step (the next token gets position ``seen``)
+    attended_pos : (B, H_kv, T) positions of the entries the queries attended, aligned with the last axis
+             of ``probs``. It is ``kv.pos`` (as it was during attention) unless ``attend_kv`` rebuilt
+             entries; None in hand-made contexts means the same as ``kv.pos``.
     """
 
     layer: int
@@ -50,6 +67,7 @@ class StepContext:
     attn: torch.nn.Module
     config: ModelConfig
     seen: int
+    attended_pos: Tensor | None = None
 
 
 class CachePolicy:
@@ -66,11 +84,16 @@ class CachePolicy:
     (sinks, windows) included; ``keep_ratio = budget / tokens_seen``.
     """
 
-    needs_probs: bool = False   # set True to receive ctx.probs (costs a (B, H, Tn, T) tensor per layer)
+    needs_probs: bool = False   # True to receive ctx.probs (costs a (B, H, Tn, T) tensor per layer)
 
-    def attend_kv(self, layer: int, store: LayerKV) -> tuple[Tensor, Tensor, Tensor]:
-        """Entries the next query attends to: (k, v) (B, H_kv, T, d) and pos (B, H_kv, T)."""
-        return store.k, store.v, store.pos
+    def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
+        """Entries the step's queries attend to. Default: the storage itself.
+
+        A method that rebuilds entries (approximations of evicted tokens) returns a new storage object
+        of the same kind holding them, e.g. ``LayerKV(k, v, pos)``; ``ctx.probs`` and
+        ``ctx.attended_pos`` then refer to those entries, not to the storage.
+        """
+        return store
 
     def on_prefill(self, ctx: StepContext) -> None:
         """Called once per layer after prefill attention. Default: keep everything."""
@@ -80,6 +103,27 @@ class CachePolicy:
 
     def reset(self) -> None:
         """Forget per-sequence state so the policy can serve a new sequence."""
+
+    # -- the contract a method declares (read by the contract tests and the harness) -------------------
+    def slack(self, n_prompt: int, n_decoded: int) -> int:
+        """Entries per KV head allowed beyond ``budget`` after a prompt of ``n_prompt`` tokens and
+        ``n_decoded`` later tokens (e.g. SnapKV keeps every token after the prompt). The layer total must
+        stay within ``H_kv * (budget + slack)``. Default 0."""
+        return 0
+
+    def head_slack(self, n_kv_head: int) -> int:
+        """Extra entries one KV head may hold when the heads of a layer share one budget (AdaKV); the
+        layer total is unaffected. Default 0."""
+        return 0
+
+    def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
+        """Positions every KV head must still hold after a step (sinks, windows). Default: none."""
+        return []
+
+    def extra_nbytes(self) -> int:
+        """Bytes of what the policy keeps *outside* the storage (sketches, tables), reported apart from K
+        and V. Per-slot state kept in the storage is counted by the cache (``KVCache.state_nbytes``)."""
+        return 0
 
 
 class FullCache(CachePolicy):
@@ -121,3 +165,100 @@ def select_topk(scores: Tensor, budget: int, protected: Tensor | None = None) ->
         s = s.masked_fill(protected.expand(B, H, T), float("inf"))
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices   # stable: earlier wins ties
     return order[..., :K].sort(dim=-1).values
+
+
+class ScoringPolicy(CachePolicy):
+    """A selection method: score every stored entry, keep the ``budget`` best per KV head.
+
+    A subclass is a dataclass with a ``budget`` field and implements ``score`` (and, when it needs them,
+    ``protected``, ``observe`` and ``compress_on``). Everything else is shared:
+
+        on each hook:  observe(ctx)                        update per-slot state, every step
+                       if the phase is in compress_on and the layer is over budget:
+                           ctx.kv.keep(select(ctx))        select = select_topk(score, budget, protected)
+
+    A layer within budget is never touched, so at a budget that covers the sequence every method is
+    bit-for-bit the full cache.
+    """
+
+    budget: int
+    compress_on: ClassVar[tuple[str, ...]] = ("prefill",)   # phases after which the layer is compressed
+
+    def observe(self, ctx: StepContext) -> None:
+        """Update what the method accumulates (e.g. per-slot scores in ``ctx.kv.state``). Default: nothing."""
+
+    def score(self, ctx: StepContext) -> Tensor:
+        """(B, H_kv, T) importance of every stored slot, higher = keep."""
+        raise NotImplementedError
+
+    def protected(self, ctx: StepContext) -> Tensor | None:
+        """bool, broadcastable to (B, H_kv, T): slots kept whatever their score (None: no such slots)."""
+        return None
+
+    def over_budget(self, ctx: StepContext) -> bool:
+        """Whether this layer holds more than ``budget`` slots per head (then it is compressed)."""
+        return len(ctx.kv) > self.budget
+
+    def select(self, ctx: StepContext) -> Tensor:
+        """Slots to keep (B, H_kv, K), ascending per head (-1 = empty slot, for unequal heads)."""
+        return select_topk(self.score(ctx), self.budget, self.protected(ctx))
+
+    def compress(self, ctx: StepContext) -> None:
+        if self.over_budget(ctx):
+            ctx.kv.keep(self.select(ctx))
+
+    def on_prefill(self, ctx: StepContext) -> None:
+        self.observe(ctx)
+        if "prefill" in self.compress_on:
+            self.compress(ctx)
+
+    def on_decode(self, ctx: StepContext) -> None:
+        self.observe(ctx)
+        if "decode" in self.compress_on:
+            self.compress(ctx)
+
+
+class PolicyWrapper(ScoringPolicy):
+    """A scoring policy built around an ``inner`` one: forwards everything, overrides what it changes.
+
+    A subclass is a dataclass with ``budget`` and ``inner`` fields (and its own options); it overrides
+    ``score``, ``select`` or ``over_budget``. The inner policy's probabilities request, per-slot state,
+    timing (``compress_on``), rebuilt entries and contract declarations are passed through unchanged.
+    """
+
+    inner: ScoringPolicy
+
+    @property
+    def needs_probs(self) -> bool:
+        return self.inner.needs_probs
+
+    @property
+    def compress_on(self) -> tuple[str, ...]:
+        return self.inner.compress_on
+
+    def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
+        return self.inner.attend_kv(layer, store)
+
+    def observe(self, ctx: StepContext) -> None:
+        self.inner.observe(ctx)
+
+    def score(self, ctx: StepContext) -> Tensor:
+        return self.inner.score(ctx)
+
+    def protected(self, ctx: StepContext) -> Tensor | None:
+        return self.inner.protected(ctx)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def slack(self, n_prompt: int, n_decoded: int) -> int:
+        return self.inner.slack(n_prompt, n_decoded)
+
+    def head_slack(self, n_kv_head: int) -> int:
+        return self.inner.head_slack(n_kv_head)
+
+    def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
+        return self.inner.protected_positions(n_prompt, seen)
+
+    def extra_nbytes(self) -> int:
+        return self.inner.extra_nbytes()

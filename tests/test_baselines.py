@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from methods.adakv import AdaKVPolicy, adaptive_keep_mask, mask_to_indices
-from methods.h2o import H2OPolicy, h2o_keep, received_attention
+from methods import make_policy
+from methods.adakv import adaptive_keep_mask, mask_to_indices
+from methods.h2o import STATE, H2OPolicy, h2o_keep, received_attention
 from methods.snapkv import SnapKVPolicy, pool1d, snapkv_select, window_vote
 from methods.streaming_llm import StreamingLLMPolicy, sink_recent_indices
 from nanollm import KVCache, LayerKV, StepContext, Transformer, decode_step, extend, prefill, preset
@@ -17,9 +18,9 @@ from nanollm.attention import attend
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Transformer:
-    torch.manual_seed(0)
-    return Transformer(preset("TINY")).eval()     # GQA: 4 query heads, 2 KV heads
+def tiny(make_model) -> Transformer:
+    """GQA (4 query heads, 2 KV heads), weights scaled so attention is peaked (not decided by ties)."""
+    return make_model(preset("TINY"), seed=0)
 
 
 def prompt(n: int, seed: int = 0, batch: int = 2) -> torch.Tensor:
@@ -91,11 +92,11 @@ def test_h2o_prefill_then_decode_hand():
     ctx = hand_ctx(probs)
     policy.on_prefill(ctx)
     assert ctx.kv.pos.tolist() == [[[0, 1, 3]]]
-    torch.testing.assert_close(policy._scores[0], torch.tensor([[[1.8, 1.0, 0.4]]]))
+    torch.testing.assert_close(ctx.kv.state[STATE], torch.tensor([[[1.8, 1.0, 0.4]]]))
     ctx.kv.append(torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2), torch.tensor([4]))
     policy.on_decode(hand_ctx(torch.tensor([0, 0, .9, .1]).view(1, 1, 1, 4), kv=ctx.kv, seen=5))
     assert ctx.kv.pos.tolist() == [[[0, 3, 4]]]
-    torch.testing.assert_close(policy._scores[0], torch.tensor([[[1.8, 1.3, 0.1]]]))
+    torch.testing.assert_close(ctx.kv.state[STATE], torch.tensor([[[1.8, 1.3, 0.1]]]))
 
 
 def test_received_attention_averages_gqa_group():
@@ -110,10 +111,10 @@ def test_h2o_scores_sum_to_number_of_queries(tiny):
     cache = KVCache(tiny.config, policy)
     prefill(tiny, prompt(20), cache)
     for layer in range(tiny.config.n_layer):
-        torch.testing.assert_close(policy._scores[layer].sum(-1), torch.full((2, 2), 20.0))
+        torch.testing.assert_close(cache.layers[layer].state[STATE].sum(-1), torch.full((2, 2), 20.0))
     extend(tiny, prompt(3, seed=1), cache)
     for layer in range(tiny.config.n_layer):
-        torch.testing.assert_close(policy._scores[layer].sum(-1), torch.full((2, 2), 23.0))
+        torch.testing.assert_close(cache.layers[layer].state[STATE].sum(-1), torch.full((2, 2), 23.0))
 
 
 def test_h2o_all_recent_equals_sliding_window(tiny):
@@ -131,11 +132,11 @@ def test_h2o_all_recent_equals_sliding_window(tiny):
 class RecordingH2O(H2OPolicy):
     """H2O that checks, at every eviction, that what it kept outscored what it dropped."""
 
-    def _evict(self, ctx):
+    def compress(self, ctx):
         if len(ctx.kv) <= self.budget:
             return
-        scores, pos = self._scores[ctx.layer].clone(), ctx.kv.pos.clone()          # (B, H_kv, T)
-        super()._evict(ctx)
+        scores, pos = ctx.kv.state[STATE].clone(), ctx.kv.pos.clone()               # (B, H_kv, T)
+        super().compress(ctx)
         old = pos[..., : pos.shape[-1] - self.n_recent]                             # non-recent slots
         s_old = scores[..., : pos.shape[-1] - self.n_recent]
         kept = (old[..., :, None] == ctx.kv.pos[..., None, :]).any(-1)              # (B, H_kv, T - r)
@@ -154,7 +155,7 @@ def test_h2o_keeps_top_scored(tiny):
     extend(tiny, prompt(5, seed=2), cache)
     assert policy.evictions == 3 * tiny.config.n_layer
     for layer in range(tiny.config.n_layer):    # scores stay aligned with the storage
-        assert policy._scores[layer].shape == cache.layers[layer].pos.shape
+        assert cache.layers[layer].state[STATE].shape == cache.layers[layer].pos.shape
 
 
 def test_h2o_rejects_bad_options():
@@ -218,9 +219,10 @@ def test_window_vote_gqa_mean():
 
 
 class RecordingSnapKV(SnapKVPolicy):
-    def select(self, prefix_scores):
-        self.recorded = getattr(self, "recorded", []) + [prefix_scores]
-        return super().select(prefix_scores)
+    def score(self, ctx):
+        scores = super().score(ctx)
+        self.recorded = getattr(self, "recorded", []) + [scores[..., :len(ctx.kv) - self.window]]   # prefix
+        return scores
 
 
 def test_snapkv_keeps_top_scored(tiny):
@@ -261,7 +263,7 @@ def test_adaptive_keep_mask_hand():
 
 def test_adakv_budget_split(tiny):
     """After prefill: layer total = H_kv * budget; every head >= max(n_safe, window); <= budget + head_slack."""
-    policy = AdaKVPolicy(budget=12, window=4, kernel=3, alpha_safeguard=0.5)   # n_safe = 6
+    policy = make_policy("adakv", 12, window=4, kernel=3, alpha_safeguard=0.5)   # n_safe = 6
     cache = KVCache(tiny.config, policy)
     prefill(tiny, prompt(40), cache)
     H_kv = tiny.config.n_kv_head
@@ -276,7 +278,7 @@ def test_adakv_budget_split(tiny):
 
 def test_adakv_alpha_one_is_snapkv(tiny):
     opts = {"budget": 10, "window": 4, "kernel": 3}
-    caches = [KVCache(tiny.config, AdaKVPolicy(alpha_safeguard=1.0, **opts)),
+    caches = [KVCache(tiny.config, make_policy("adakv", alpha_safeguard=1.0, **opts)),
               KVCache(tiny.config, SnapKVPolicy(**opts))]
     for cache in caches:
         prefill(tiny, prompt(30), cache)
@@ -305,6 +307,6 @@ def test_adakv_gather_equals_mask():
 def test_adakv_rejects_bad_options():
     for bad in [1.5, -0.1]:
         with pytest.raises(ValueError, match="alpha_safeguard"):
-            AdaKVPolicy(budget=8, alpha_safeguard=bad)
+            make_policy("adakv", 8, alpha_safeguard=bad)
     with pytest.raises(ValueError, match="kernel"):
-        AdaKVPolicy(budget=8, kernel=2)
+        make_policy("adakv", 8, kernel=2)

@@ -186,7 +186,7 @@ class MaskAtPrefill(CachePolicy):
         T0 = self.hidden.shape[-1]
         if pos.shape[-1] > T0:                      # decode steps: the prompt's dropped slots are hidden
             pos[..., :T0] = pos[..., :T0].masked_fill(self.hidden, -1)
-        return store.k, store.v, pos
+        return LayerKV(store.k, store.v, pos)
 
 
 def test_model_decodes_after_eviction_as_if_masked(tiny_model: Transformer) -> None:

@@ -2,20 +2,22 @@
 The policy contract, checked for every method registered in ``methods.METHODS``.
 
 Registering a method puts it under these tests; give it "easy"/"hard" options in ``TEST_OPTIONS`` below
-(unlisted methods run with their defaults). Every case runs one fixed script on a TINY random-init model
-with GQA (4 query heads, 2 KV heads) and on TINY_GPT2 (MHA), fp32, batch 2:
+(unlisted methods run with their defaults). Every wrapper is also crossed with every scorer
+(``adakv(h2o)``, ...). Every case runs one fixed script on a TINY random-init model with GQA (4 query
+heads, 2 KV heads) and on TINY_GPT2 (MHA), fp32, batch 2, weights scaled (conftest ``INIT_STD``) so that
+attention is peaked and "kept = top-scored" is not decided by ties:
 
     prefill(48 tokens) -> 2 decode steps -> extend(6-token chunk) -> 2 decode steps      (58 tokens)
 
-and asserts (DESIGN.md "Evaluation", STYLE.md §5.2, specs/methods.md §0.4):
-* identity at full budget (G-2): with ``budget >=`` all 58 tokens, every step's logits equal the full
+and asserts:
+* identity at full budget: with ``budget >=`` all 58 tokens, every step's logits equal the full
   cache's bit-for-bit (``torch.equal``), prefill, decode and extend alike;
-* budget respected (G-3): after every step each layer and KV head holds at most ``budget`` valid entries,
-  plus what the policy declares (``slack``, ``head_slack``; see methods/__init__.py), and the layer holds at
-  most ``H_kv * (budget + slack)``;
-* well-formed cache (G-4, G-5): storage at KV-head granularity, k/v/pos of one length, valid positions
-  unique, increasing and < tokens seen, protected positions (sinks, windows) present;
-* determinism (G-8) and reuse: two fresh runs keep identical entries; after ``reset()`` a policy that saw
+* budget respected: after every step each layer and KV head holds at most ``budget`` valid entries,
+  plus what the policy declares (``slack``, ``head_slack``: ``nanollm.policy.CachePolicy``), and the layer
+  holds at most ``H_kv * (budget + slack)``;
+* well-formed cache: storage at KV-head granularity, k/v/pos of one length, valid positions unique,
+  increasing and < tokens seen, protected positions (sinks, windows) present;
+* determinism and reuse: two fresh runs keep identical entries; after ``reset()`` a policy that saw
   sequence A gives on sequence B exactly what a fresh one gives;
 * no NaN/inf at tiny budgets (1, 3: smaller than the sinks and windows);
 * clear errors: budget <= 0, unknown method, unknown option.
@@ -28,7 +30,7 @@ import dataclasses
 import pytest
 import torch
 
-from methods import METHODS, make_policy, method_options
+from methods import METHODS, make_policy, method_options, scorers, wrappers
 from nanollm import FullCache, KVCache, Transformer, decode_step, extend, prefill, preset
 from nanollm.policy import CachePolicy
 
@@ -41,6 +43,10 @@ TEST_OPTIONS: dict[str, list[dict]] = {
     "adakv": [{}, {"window": 8, "kernel": 3}, {"window": 2, "kernel": 5, "pooling": "avg",
                                                "alpha_safeguard": 0.0}],
 }
+# Options of a wrapper when it is crossed with a scorer (the scorer keeps its defaults).
+WRAPPER_OPTIONS: dict[str, list[dict]] = {
+    "adakv": [{}, {"alpha_safeguard": 0.0}],
+}
 
 N_PROMPT, N_CHUNK, BATCH = 48, 6, 2
 TOTAL = N_PROMPT + 2 + N_CHUNK + 2          # tokens seen at the end of the script
@@ -50,12 +56,16 @@ def cases():
     for name in METHODS:
         for i, opts in enumerate(TEST_OPTIONS.get(name, [{}])):
             yield pytest.param(name, opts, id=f"{name}-{i}")
+    for wrapper in wrappers():
+        for scorer in scorers():
+            for i, opts in enumerate(WRAPPER_OPTIONS.get(wrapper, [{}])):
+                spec = f"{wrapper}({scorer})"
+                yield pytest.param(spec, opts, id=f"{spec}-{i}")
 
 
 @pytest.fixture(scope="module", params=["TINY", "TINY_GPT2"])
-def model(request) -> Transformer:
-    torch.manual_seed(0)
-    return Transformer(preset(request.param)).eval()
+def model(request, make_model) -> Transformer:
+    return make_model(preset(request.param), seed=0)
 
 
 def make_seq(seed: int, n_prompt: int = N_PROMPT) -> dict:
@@ -91,9 +101,9 @@ def check_cache(cache: KVCache, policy: CachePolicy, n_prompt: int) -> None:
     cfg = cache.config
     seen, H_kv = cache.seen, cfg.n_kv_head
     budget = policy.budget
-    slack = getattr(policy, "slack", lambda p, d: 0)(n_prompt, seen - n_prompt)
-    head_slack = getattr(policy, "head_slack", lambda h: 0)(H_kv)
-    protected = set(getattr(policy, "protected_positions", lambda p, s: [])(n_prompt, seen))
+    slack = policy.slack(n_prompt, seen - n_prompt)
+    head_slack = policy.head_slack(H_kv)
+    protected = set(policy.protected_positions(n_prompt, seen))
     for li, layer in enumerate(cache.layers):
         k, v, pos = layer.k, layer.v, layer.pos
         assert pos.shape[:2] == (BATCH, H_kv), f"layer {li}: storage must be per KV head, got {pos.shape}"
