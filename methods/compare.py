@@ -21,7 +21,7 @@ from nanollm import load
 from nanollm.evaluate import MODES
 from nanollm.tasks import TASKS, make_sample
 
-from . import METHODS, make_policy
+from . import METHODS, make_policy, method_chain
 from .harness import Cell, compare_traces, greedy_accuracy, trace
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
@@ -123,8 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", default="retrieval-llama",
                     help="bundled checkpoint name, nanollm checkpoint folder or local Hugging Face folder "
                          "(default %(default)s)")
-    ap.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                    help=f"methods to run (default: all registered: {', '.join(METHODS)})")
+    ap.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                    help=f"methods to run: registered names ({', '.join(METHODS)}) or a wrapper around a "
+                         "scorer, e.g. 'adakv(h2o)'; the records name them as written (default: every "
+                         "registered name)")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--keep-ratios", nargs="+", type=float, default=None, metavar="R",
                        help="budgets as fractions of --length: budget = round(R * length) tokens per layer per "
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
     ap.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: tiny models are dispatch-bound, PERF.md §3.7)")
+                    help="torch CPU threads (default 1: a tiny model is dispatch-bound, so more threads only add synchronisation)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list to PATH")
     ap.add_argument("--plot", default=None, metavar="PATH", help="write an accuracy-vs-keep-ratio figure to PATH")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -153,9 +155,11 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     methods = args.methods or list(METHODS)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        ap.error(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
+    for m in methods:
+        try:
+            method_chain(m)
+        except ValueError as e:
+            ap.error(f"--methods: {e}")
     try:
         model, tok, card = load(args.checkpoint, device=args.device)
     except ValueError as e:

@@ -3,7 +3,7 @@ The evaluation harness: a method against full attention, on the same model, samp
 
 For one sample and one mode, ``trace`` runs the prompt and then feeds the *reference* answer one token at
 a time through ``decode_step`` (teacher forcing), so the full cache and every method see exactly the same
-tokens. From two traces (full and method) ``compare_traces`` computes (DESIGN.md, "Evaluation"):
+tokens. From two traces (full and method) ``compare_traces`` computes:
 
 * ``kl``: mean next-token KL(full || method) over the answer positions;
 * ``perturbation``: relative error ||h_full - h|| / ||h_full|| of the final hidden state at the first

@@ -141,8 +141,10 @@ class SnapKVPolicy(ScoringPolicy):
         T, H_kv = len(ctx.kv), ctx.kv.pos.shape[1]
         w = min(self.window, T)
         rows = ctx.probs[:, :, T - w:, :]                                  # (B, H, w, T) the window's rows
-        prefix = window_vote(rows[..., :T - w], H_kv, self.kernel, self.pooling)   # (B, H_kv, T - w)
         own = window_vote(rows[..., T - w:], H_kv, 1, self.pooling)        # (B, H_kv, w) not pooled
+        if w == T:                                                         # a prompt no longer than the window
+            return own
+        prefix = window_vote(rows[..., :T - w], H_kv, self.kernel, self.pooling)   # (B, H_kv, T - w)
         return torch.cat([prefix, own], dim=-1)
 
     def protected(self, ctx: StepContext) -> Tensor:

@@ -163,6 +163,8 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
     """The ``config.json`` dict transformers needs to build the same model as GPT2LMHeadModel / LlamaForCausalLM."""
     # special token ids only when known (from a loaded checkpoint); null beats transformers' defaults, which
     # can lie outside a small vocabulary
+    if config.attention != "causal":
+        raise ValueError(f"only the standard attention module exports to Hugging Face, not {config.attention!r}")
     tokens = {k: config.extra.get(k) for k in ("bos_token_id", "eos_token_id")}
     torch_dtype = str(dtype).removeprefix("torch.")
     if config.flavour == "gpt2":

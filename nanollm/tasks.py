@@ -1,6 +1,7 @@
 """
 Synthetic long-context tasks in the style of RULER (Hsieh et al. 2024, arXiv 2404.06654), scaled down for
-tiny models (specs/methods.md §8, and §8.5 for the scaled-down recipe).
+tiny models: shorter contexts, a smaller vocabulary of keys and values, fewer needles (RULER §3 describes
+the originals).
 
 Every sample is a *context* (a haystack with needles), a *question* (asked after the context, ending with
 the answer prefix) and the *answers*. The same sample serves both evaluation modes:
@@ -18,8 +19,8 @@ Tasks (``TASKS``):
     niah_multikey       one needle + ``n_distractors`` needles with other keys    (RULER niah_multikey_1)
     niah_multivalue     one key with ``n_values`` values, all asked for           (RULER niah_multivalue)
     niah_multiquery     ``n_queries`` keys, all asked for                         (RULER niah_multiquery)
-    vt                  variable tracking: a chain of ``n_hops`` assignments      (RULER vt, §8.3)
-    cwe                 common-words extraction: the ``n_common`` most frequent   (RULER cwe, §8.4)
+    vt                  variable tracking: a chain of ``n_hops`` assignments      (RULER vt)
+    cwe                 common-words extraction: the ``n_common`` most frequent   (RULER cwe)
 
 Values are 4-7 digit numbers (one token per digit), so answers span several tokens. The scorer is
 RULER's ``string_match_all``: the fraction of reference strings found in the prediction.
@@ -162,8 +163,8 @@ def _build_niah(rng, n, haystack="prose", n_keys=1, n_values=1, n_queries=1, n_d
     units = _filler(rng, haystack, n, used)
     units, depths = _insert(rng, units, needles, depth)
     context = HEADER_NIAH + "\n".join(units) + "\n"
-    # Answer prefixes restate the question the way the needle is phrased (RULER appends such a prefix too,
-    # specs/methods.md §8.1), so the model continues a needle-shaped sentence with its value.
+    # Answer prefixes restate the question the way the needle is phrased (RULER appends such a prefix
+    # too), so the model continues a needle-shaped sentence with its value.
     if n_queries > 1:
         q = f"Question: What are the special magic numbers for {_join(queried)}?\nAnswer:"
         answers = [values[k][0] for k in queried]
@@ -191,7 +192,7 @@ def _var(rng: random.Random, used: set) -> str:
 
 
 def _build_vt(rng, n, n_hops=4, n_chains=1, depth=None):
-    """Variable tracking (§8.3): VAR X0 = value, VAR X1 = VAR X0, ...; statements in chain order."""
+    """Variable tracking (RULER vt): VAR X0 = value, VAR X1 = VAR X0, ...; statements in chain order."""
     used: set = set()
     chains = []
     for _ in range(n_chains):
@@ -214,7 +215,7 @@ def _build_vt(rng, n, n_hops=4, n_chains=1, depth=None):
 
 
 def _build_cwe(rng, n, n_common=5, freq_uncommon=1, depth=None):
-    """Common-words extraction (§8.4): n_common words appear 10x as often as the n uncommon ones."""
+    """Common-words extraction (RULER cwe): n_common words appear 10x as often as the n uncommon ones."""
     if n + n_common > len(CWE_WORDS):
         raise ValueError(f"cwe needs {n + n_common} distinct words, only {len(CWE_WORDS)} exist; "
                          "raise freq_uncommon for longer samples")

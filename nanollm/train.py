@@ -1,7 +1,7 @@
 """
 Train a small retrieval model on the synthetic tasks: ``python -m nanollm.train --help``.
 
-What makes tiny models learn retrieval at all (specs/training.md, measured on a 2-core CPU):
+What makes tiny models learn retrieval at all (measured on a 2-core CPU while training the bundled model):
 
 * a warm-up and a moderate peak learning rate: too high a rate keeps the model on the "retrieval plateau";
 * dense supervision: the loss is on every answer token (multi-value and multi-query samples carry four
@@ -46,7 +46,7 @@ class TrainConfig:
         [1800, 128, 192, 0.9, ["copy", "niah_single_noise", "niah_single_prose", "niah_single_needle"]],
         [1000, 224, 512, 0.9], [700, 512, 832, 0.9], [1000, 832, 1024, 1.1]])
     tokens_per_step: int = 6144
-    lr: float = 5e-4                       # peak; specs/training.md: 5e-4 learned, 2e-3 got stuck
+    lr: float = 5e-4                       # peak; measured: 5e-4 learned, 2e-3 got stuck
     min_lr: float = 6e-5
     warmup: int = 200
     weight_decay: float = 0.1

@@ -1,7 +1,7 @@
 """
 Word lists for the synthetic tasks (written for this project; plain English words).
 
-Keys of the needle tasks are "adjective-noun" compounds (RULER uses the same shape, specs/methods.md §8.2);
+Keys of the needle tasks are "adjective-noun" compounds (RULER uses the same shape);
 prose filler is built from subjects, verbs, objects and places; common-words extraction draws from
 ``CWE_WORDS``.
 """
@@ -47,5 +47,5 @@ the city park|the bakery|the museum|the workshop
 # Vocabulary of the common-words-extraction task: every word here is distinct from the others.
 CWE_WORDS = sorted(set(ADJECTIVES) | set(NOUNS) | set(VERBS))
 
-# The fixed noise line of the "noise" haystack (RULER's repeated filler, specs/methods.md §8.2).
+# The fixed noise line of the "noise" haystack (RULER's repeated filler).
 NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."

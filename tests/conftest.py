@@ -2,7 +2,7 @@
 Shared pytest fixtures: a tiny random-init decoder in both flavours, in fp32, on CPU.
 
 No checkpoint is downloaded: equivalence tests (cached vs uncached, policy path vs plain path) only need
-*some* fixed weights, so a seeded random init is enough (STYLE.md §5).
+*some* fixed weights, so a seeded random init is enough.
 
 The weights are redrawn with a larger standard deviation (``INIT_STD``) than GPT-2's 0.02: at 0.02 the
 tiny model's logits and attention are almost uniform, so greedy decoding repeats one token and a masking
@@ -23,7 +23,7 @@ INIT_STD = 0.1   # std of every weight matrix; norms keep their init (ones / zer
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """Tiny models are dispatch-bound: one intra-op thread is faster, and two threads on a shared 2-core box
-    can stall every op on an OpenMP barrier (PERF.md §3.7)."""
+    can stall every op on an OpenMP barrier."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -118,7 +118,7 @@ def test_h2o_scores_sum_to_number_of_queries(tiny):
 
 
 def test_h2o_all_recent_equals_sliding_window(tiny):
-    """Spec §4.2: with no heavy hitters H2O is a pure sliding window (StreamingLLM without sinks)."""
+    """With no heavy hitters H2O is a pure sliding window (StreamingLLM without sinks)."""
     caches = [KVCache(tiny.config, H2OPolicy(budget=8, n_recent=8)),
               KVCache(tiny.config, StreamingLLMPolicy(budget=8, n_sink=0))]
     for cache in caches:
@@ -205,7 +205,7 @@ def test_snapkv_within_budget_is_untouched():
     ctx = hand_ctx(ten_token_probs())
     k = ctx.kv.k
     SnapKVPolicy(budget=10, window=2, kernel=3).on_prefill(ctx)
-    assert ctx.kv.k is k                                            # G-2: no gather, no reordering
+    assert ctx.kv.k is k                                            # within budget: no gather, no reordering
 
 
 def test_window_vote_gqa_mean():
@@ -286,8 +286,22 @@ def test_adakv_alpha_one_is_snapkv(tiny):
         assert torch.equal(a.pos, b.pos)
 
 
+@pytest.mark.parametrize("scorer", ["streaming_llm", "h2o", "snapkv"])
+def test_adakv_alpha_one_is_its_inner_scorer(tiny, scorer):
+    """With the safeguard covering the whole budget, every head keeps exactly its own top ``budget``: the
+    wrapper selects what the scorer alone selects, at prefill and at every decode / extend step."""
+    caches = [KVCache(tiny.config, make_policy(f"adakv({scorer})", 10, alpha_safeguard=1.0)),
+              KVCache(tiny.config, make_policy(scorer, 10))]
+    for cache in caches:
+        prefill(tiny, prompt(30), cache)
+        decode_step(tiny, prompt(1, seed=1)[:, 0], cache)
+        extend(tiny, prompt(4, seed=2), cache)
+    for a, b in zip(*[c.layers for c in caches]):
+        assert torch.equal(a.pos, b.pos)
+
+
 def test_adakv_gather_equals_mask():
-    """G-1: attention over the padded, gathered storage == attention over everything with the evicted
+    """Gather == mask: attention over the padded, gathered storage == attention over everything with the evicted
     entries masked (pos = -1), which is how kvpress realises AdaKV."""
     g = torch.Generator().manual_seed(0)
     B, H, H_kv, T, d = 2, 4, 2, 16, 8
@@ -310,3 +324,33 @@ def test_adakv_rejects_bad_options():
             make_policy("adakv", 8, alpha_safeguard=bad)
     with pytest.raises(ValueError, match="kernel"):
         make_policy("adakv", 8, kernel=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pure rules and the scorer policies select the same entries
+
+@pytest.mark.parametrize("T,budget,n_sink", [(10, 6, 4), (10, 3, 4), (10, 1, 4), (10, 5, 0), (30, 12, 4)])
+def test_streaming_llm_policy_equals_rule(T, budget, n_sink):
+    ctx = hand_ctx(torch.full((1, 2, T, T), 1.0 / T), n_kv_head=2)
+    StreamingLLMPolicy(budget=budget, n_sink=n_sink).on_prefill(ctx)
+    assert torch.equal(ctx.kv.pos, sink_recent_indices(T, budget, n_sink).expand(1, 2, -1))
+
+
+@pytest.mark.parametrize("budget,n_recent", [(4, 2), (4, 0), (4, 4), (9, 3)])
+def test_h2o_policy_equals_rule(budget, n_recent):
+    probs = torch.softmax(torch.randn(1, 2, 12, 12, generator=torch.Generator().manual_seed(budget)), -1)
+    probs = probs * torch.tril(torch.ones(12, 12))
+    probs = probs / probs.sum(-1, keepdim=True)                       # causal rows
+    ctx = hand_ctx(probs, n_kv_head=2)
+    expected = h2o_keep(received_attention(probs, 2), budget, n_recent)
+    H2OPolicy(budget=budget, n_recent=n_recent).on_prefill(ctx)
+    assert torch.equal(ctx.kv.pos, expected)
+
+
+@pytest.mark.parametrize("kernel,pooling,budget", [(1, "max", 5), (3, "max", 5), (3, "avg", 6), (3, "max", 4)])
+def test_snapkv_policy_equals_rule(kernel, pooling, budget):
+    probs = ten_token_probs()
+    ctx = hand_ctx(probs)
+    expected = snapkv_select(window_vote(probs[:, :, 8:, :8], 1, kernel, pooling), budget, window=2)
+    SnapKVPolicy(budget=budget, window=2, kernel=kernel, pooling=pooling).on_prefill(ctx)
+    assert torch.equal(ctx.kv.pos, expected)

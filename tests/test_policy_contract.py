@@ -147,6 +147,17 @@ def test_budget_and_wellformed(model, name, opts, budget):
 
 
 @pytest.mark.parametrize("name,opts", cases())
+def test_prompt_shorter_than_default_windows(model, name, opts):
+    """A 20-token prompt (shorter than SnapKV's 32-token window) compressed to 8 entries per head."""
+    n_prompt = 20
+    policy = make_policy(name, 8, **opts)
+    cache = KVCache(model.config, policy)
+    logits, _ = run_script(model, cache, make_seq(6, n_prompt=n_prompt),
+                           check=lambda c: check_cache(c, policy, n_prompt))
+    assert all(torch.isfinite(x).all() for x in logits)
+
+
+@pytest.mark.parametrize("name,opts", cases())
 def test_deterministic(model, name, opts):
     seq = make_seq(3)
     a_logits, a_kept = run_script(model, KVCache(model.config, make_policy(name, 12, **opts)), seq)
