@@ -124,14 +124,22 @@ class AdaKVPolicy(PolicyWrapper):
         H_kv = ctx.kv.pos.shape[1]
         return int(ctx.kv.counts().sum(-1).max()) > H_kv * self.budget
 
-    def select(self, ctx: StepContext) -> Tensor:
-        """Kept slots (B, H_kv, K), padded with -1, from the inner scores with its protected entries first."""
+    def keep_mask(self, ctx: StepContext) -> Tensor:
+        """(B, H_kv, T) bool: AdaKV's choice over the inner scores, the inner's protected entries first."""
         scores = self.inner.score(ctx).float()                            # (B, H_kv, T)
         protected = self.inner.protected(ctx)
         if protected is not None:
             scores = scores.masked_fill(protected.expand_as(scores), float("inf"))
         scores = scores.masked_fill(ctx.kv.pos < 0, float("-inf"))        # empty slots are never kept
-        return mask_to_indices(adaptive_keep_mask(scores, self.budget, self.n_safe))
+        return adaptive_keep_mask(scores, self.budget, self.n_safe)
+
+    def head_budgets(self, ctx: StepContext) -> Tensor:
+        """(B, H_kv): entries each head gets from the shared pool (what ``select`` keeps per head)."""
+        return self.keep_mask(ctx).sum(-1)
+
+    def select(self, ctx: StepContext) -> Tensor:
+        """Kept slots (B, H_kv, K), padded with -1."""
+        return mask_to_indices(self.keep_mask(ctx))
 
     # -- contract declarations (the rest comes from the inner scorer) ----------------------------------
     def head_slack(self, n_kv_head: int) -> int:

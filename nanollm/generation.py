@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .cache import KVCache
 from .model import Transformer
+from .policy import CachePolicy
 
 
 @torch.no_grad()
@@ -60,9 +61,9 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = No
 
 
 @torch.no_grad()
-def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy=None, cache: KVCache | None = None,
-             temperature: float = 0.0, top_k: int | None = None, stop_ids: list[int] | tuple = (),
-             generator: torch.Generator | None = None) -> Tensor:
+def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: CachePolicy | None = None,
+             cache: KVCache | None = None, temperature: float = 0.0, top_k: int | None = None,
+             stop_ids: list[int] | tuple = (), generator: torch.Generator | None = None) -> Tensor:
     """Continue the prompt ids (B, T) by up to ``max_new_tokens`` tokens. Returns the new tokens (B, n).
 
     Parameters

@@ -199,6 +199,13 @@ class ScoringPolicy(CachePolicy):
         """Whether this layer holds more than ``budget`` slots per head (then it is compressed)."""
         return len(ctx.kv) > self.budget
 
+    def head_budgets(self, ctx: StepContext) -> Tensor:
+        """(B, H_kv) long: how many entries each KV head keeps when this layer is compressed. Uniform
+        (``budget``) here; a head-adaptive allocation (AdaKV) overrides it, and a wrapper that selects
+        within each head (perturbation-constrained selection) reads it from its inner policy."""
+        B, H_kv, T = ctx.kv.pos.shape
+        return torch.full((B, H_kv), min(self.budget, T), dtype=torch.long, device=ctx.kv.pos.device)
+
     def select(self, ctx: StepContext) -> Tensor:
         """Slots to keep (B, H_kv, K), ascending per head (-1 = empty slot, for unequal heads)."""
         return select_topk(self.score(ctx), self.budget, self.protected(ctx))
@@ -222,8 +229,9 @@ class PolicyWrapper(ScoringPolicy):
     """A scoring policy built around an ``inner`` one: forwards everything, overrides what it changes.
 
     A subclass is a dataclass with ``budget`` and ``inner`` fields (and its own options); it overrides
-    ``score``, ``select`` or ``over_budget``. The inner policy's probabilities request, per-slot state,
-    timing (``compress_on``), rebuilt entries and contract declarations are passed through unchanged.
+    ``score``, ``select``, ``over_budget`` or ``head_budgets``. The inner policy's probabilities request,
+    per-slot state, timing (``compress_on``), budget allocation, rebuilt entries and contract
+    declarations are passed through unchanged.
     """
 
     inner: ScoringPolicy
@@ -247,6 +255,12 @@ class PolicyWrapper(ScoringPolicy):
 
     def protected(self, ctx: StepContext) -> Tensor | None:
         return self.inner.protected(ctx)
+
+    def over_budget(self, ctx: StepContext) -> bool:
+        return self.inner.over_budget(ctx)
+
+    def head_budgets(self, ctx: StepContext) -> Tensor:
+        return self.inner.head_budgets(ctx)
 
     def reset(self) -> None:
         self.inner.reset()

@@ -276,6 +276,25 @@ def test_adakv_budget_split(tiny):
                 assert set(range(36, 40)) <= set(layer.pos[b, h].tolist())   # the window, every head
 
 
+def test_adakv_head_budgets_are_what_it_keeps(tiny):
+    """The allocation a wrapper can read (``head_budgets``) is exactly what AdaKV's selection keeps per head;
+    a plain scorer's allocation is uniform."""
+
+    class Record(type(make_policy("adakv", 12))):
+        def compress(self, ctx):
+            self.budgets = getattr(self, "budgets", []) + [self.head_budgets(ctx)]
+            uniform = self.inner.head_budgets(ctx)
+            assert bool((uniform == self.budget).all())
+            super().compress(ctx)
+
+    policy = Record(budget=12, inner=SnapKVPolicy(budget=12, window=4, kernel=3))
+    cache = KVCache(tiny.config, policy)
+    prefill(tiny, prompt(40), cache)
+    for budgets, layer in zip(policy.budgets, cache.layers):
+        assert torch.equal(budgets, layer.counts())
+        assert bool((budgets.sum(-1) == 12 * tiny.config.n_kv_head).all())
+
+
 def test_adakv_alpha_one_is_snapkv(tiny):
     opts = {"budget": 10, "window": 4, "kernel": 3}
     caches = [KVCache(tiny.config, make_policy("adakv", alpha_safeguard=1.0, **opts)),
