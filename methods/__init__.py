@@ -12,7 +12,7 @@ iterate over it: registering a method here puts it under the contract tests and 
 
 Two kinds of entries besides the full cache:
 * scorers (``nanollm.policy.ScoringPolicy``): StreamingLLM, H2O, SnapKV. They rank entries.
-* wrappers (``nanollm.policy.PolicyWrapper``): AdaKV. They take an ``inner`` scorer and change how its
+* wrappers (``nanollm.policy.PolicyWrapper``): AdaKV, ChunkKV. They take an ``inner`` scorer and change how its
   scores become a selection. A wrapper named alone uses its ``default_inner``.
 
 A *method spec* is one spelling for all three places a method is named (Python, the command line, the
@@ -27,6 +27,7 @@ import dataclasses
 from nanollm.policy import CachePolicy, PolicyWrapper, ScoringPolicy, check_budget
 
 from .adakv import AdaKVPolicy
+from .chunkkv import ChunkKVPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
 from .snapkv import SnapKVPolicy
@@ -38,6 +39,7 @@ METHODS: dict[str, type[CachePolicy]] = {
     "h2o": H2OPolicy,                      # accumulated-attention heavy hitters + recent (Zhang et al. 2023)
     "snapkv": SnapKVPolicy,                # observation-window vote at prefill (Li et al. 2024)
     "adakv": AdaKVPolicy,                  # head-adaptive budgets over a scorer (Feng et al. 2025)
+    "chunkkv": ChunkKVPolicy,              # whole chunks of tokens + layer-wise index reuse (Liu et al. 2025)
 }
 
 
@@ -54,7 +56,8 @@ def wrappers() -> list[str]:
 def method_chain(spec: str) -> list[str]:
     """The names in a method spec, outermost first: ``"adakv(h2o)"`` -> ``["adakv", "h2o"]``.
 
-    A wrapper without an inner gets its default (``"adakv"`` -> ``["adakv", "snapkv"]``). Raises
+    A wrapper without an inner gets its default (``"adakv"`` -> ``["adakv", "snapkv"]``), built with the
+    wrapper's ``default_inner_options`` if it has any (ChunkKV's default SnapKV does not pool). Raises
     ValueError naming the problem for unknown names, unbalanced brackets, or a non-scorer inside a wrapper.
     """
     if not isinstance(spec, str):
@@ -106,9 +109,11 @@ def make_policy(name: str, budget: int, inner: str | None = None, **options) -> 
     spec = name if inner is None else f"{name}({inner})"
     chain = method_chain(spec)
     check_budget(budget)
+    n_named = spec.count("(") + 1                       # the rest of the chain are default inner scorers
     left, own = dict(options), []
-    for n in chain:
-        own.append({k: left.pop(k) for k in _own_options(n) if k in left})
+    for i, n in enumerate(chain):
+        defaults = getattr(METHODS[chain[i - 1]], "default_inner_options", {}) if i >= n_named else {}
+        own.append({**defaults, **{k: left.pop(k) for k in _own_options(n) if k in left}})
     if left:
         raise ValueError(f"unknown option(s) {sorted(left)} for method {spec!r}; valid options: "
                          f"{method_options(spec)}")
@@ -118,5 +123,5 @@ def make_policy(name: str, budget: int, inner: str | None = None, **options) -> 
     return policy
 
 
-__all__ = ["METHODS", "AdaKVPolicy", "FullPolicy", "H2OPolicy", "SnapKVPolicy", "StreamingLLMPolicy",
+__all__ = ["METHODS", "AdaKVPolicy", "ChunkKVPolicy", "FullPolicy", "H2OPolicy", "SnapKVPolicy", "StreamingLLMPolicy",
            "make_policy", "method_chain", "method_options", "scorers", "wrappers"]

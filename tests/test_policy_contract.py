@@ -42,10 +42,13 @@ TEST_OPTIONS: dict[str, list[dict]] = {
     "snapkv": [{}, {"window": 8, "kernel": 3}, {"window": 4, "kernel": 1, "pooling": "avg"}],
     "adakv": [{}, {"window": 8, "kernel": 3}, {"window": 2, "kernel": 5, "pooling": "avg",
                                                "alpha_safeguard": 0.0}],
+    "chunkkv": [{}, {"window": 8, "chunk_size": 4, "reuse": 1}, {"window": 3, "chunk_size": 7, "reuse": 2,
+                                                                 "per_head": True, "remainder": "none"}],
 }
 # Options of a wrapper when it is crossed with a scorer (the scorer keeps its defaults).
 WRAPPER_OPTIONS: dict[str, list[dict]] = {
     "adakv": [{}, {"alpha_safeguard": 0.0}],
+    "chunkkv": [{}, {"chunk_size": 3, "reuse": 1, "per_head": True, "remainder": "none"}],
 }
 
 N_PROMPT, N_CHUNK, BATCH = 48, 6, 2

@@ -299,7 +299,8 @@ def test_wrapper_checks_its_inner_policy():
 
 def test_registry_lists_scorers_and_wrappers():
     assert set(scorers()) | set(wrappers()) | {"full"} == set(METHODS)
-    assert set(scorers()) == {"streaming_llm", "h2o", "snapkv"} and wrappers() == ["adakv"]
+    assert {"streaming_llm", "h2o", "snapkv"} <= set(scorers()) and "adakv" in wrappers()
+    assert not set(scorers()) & set(wrappers())
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,189 @@
+"""
+ChunkKV: keep whole chunks of consecutive tokens, chosen by their summed votes; reuse indices across layers.
+
+Paper: Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM
+Inference", NeurIPS 2025, https://arxiv.org/abs/2502.00299  (chunk selection: Algorithm 1; layer-wise
+index reuse: Algorithm 2; why chunks: the appendix's in-context-learning argument).
+
+Idea. Token-level selection (SnapKV, H2O) ranks tokens one by one, so it can keep the key of a fact and
+drop the digits of its value: the kept set is fragmented. ChunkKV ranks *chunks* of ``c`` consecutive
+tokens by the sum of their tokens' votes and keeps whole chunks, so what it keeps it keeps intact (the
+appendix argues that a complete example in context helps more than many partial ones). The kept index
+sets of adjacent layers also become more alike, so a layer can reuse the indices the layer before it
+chose (Algorithm 2) and skip its own selection.
+
+Algorithm 1, as the code computes it, for one layer (the clean variant of the paper's pseudocode):
+    s_j     = votes of token j (the inner scorer's score: by default the window's attention, un-pooled)
+    s_j     = sum over the layer's KV heads of s_j              (one index set per layer; per_head=False)
+    chunk   = pos // c                                          (aligned chunks [0,c), [c,2c), ...)
+    S_k     = sum of s_j over the chunk's free tokens           (free = not protected, e.g. not the window)
+    keep    = protected                                         (the observation window, always kept)
+            ∪ the top chunks by S_k, taken in order while they fit whole into budget - |protected|
+            ∪ the remainder (< one chunk): the best single tokens of the other chunks (remainder="tokens")
+The paper instead picks floor(L_max / c) chunks over the whole prompt and then cuts the selection to
+L_max - w positions before appending the window, which can cut a chunk and count window tokens twice;
+here the window is protected first and only the prefix is chunked, so every kept non-window chunk is
+whole and the budget is exact. ``remainder="none"`` leaves the remainder unused (slightly under budget).
+
+Algorithm 2 (``reuse = N``): layer l selects if l % N == 0; every other layer keeps the positions its
+group's first layer kept. ``reuse=1`` is plain Algorithm 1 in every layer.
+
+ChunkKV is a *wrapper*: the chunks are built from any scorer's token scores. Named alone (``"chunkkv"``)
+it scores as the paper does, with the observation window's raw attention (SnapKV without pooling,
+``kernel=1``); ``"chunkkv(snapkv)"`` uses SnapKV's max-pooled votes as configured (as NVIDIA's kvpress
+library's ChunkKV does), ``"chunkkv(h2o)"`` accumulated attention, ``"chunkkv(adakv(snapkv))"``
+AdaKV's per-head budgets with one chunk ranking.
+
+Choices (the paper does not state them): heads. The paper's pseudocode is written for one attention
+matrix. kvpress sums the scores over heads and keeps one index set per layer, the natural reading of the
+paper's layer-similarity analysis; that is our default, with ``per_head=True`` as the ablation (each KV
+head ranks its own chunks). Chunk scores are sums (the paper; kvpress averages, which favours a partial
+last chunk). Ties go to the earlier chunk.
+
+Defaults: ``chunk_size = 10`` (the paper's choice for every model; its ablation finds 5-20 comparable;
+kvpress uses 20), ``reuse = 2`` (the paper's reuse experiments), the inner SnapKV's window of 32 (the
+paper's windows are model dependent; we keep the project's SnapKV default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext, check_budget
+
+from .adakv import mask_to_indices
+from .snapkv import SnapKVPolicy
+
+REMAINDERS = ("tokens", "none")
+
+
+def chunk_keep_mask(scores: Tensor, pos: Tensor, free: Tensor, n_free: Tensor, chunk_size: int,
+                    shared: bool, remainder: str) -> Tensor:
+    """Algorithm 1's choice among the free (unprotected) slots of one layer.
+
+    Parameters
+    ----------
+    scores : (B, H_kv, T) token votes (higher = keep).
+    pos : (B, H_kv, T) positions of the slots; chunk of a slot = pos // chunk_size.
+    free : (B, H_kv, T) bool, slots that compete (valid and not protected).
+    n_free : (B, H_kv) long, how many free slots each head may keep.
+    chunk_size : c.
+    shared : rank chunks once per layer (votes summed over KV heads) instead of per KV head.
+    remainder : "tokens" fills what is left after the whole chunks with the best single tokens of the
+        other chunks (exact budget); "none" leaves it empty.
+
+    Returns
+    -------
+    keep : (B, H_kv, T) bool, at most ``n_free`` per head, True only on free slots.
+    """
+    B, H_kv, T = scores.shape
+    s = torch.where(free, scores.float(), torch.zeros((), device=scores.device))   # votes of free slots
+    chunk = torch.where(free, pos // chunk_size, torch.zeros_like(pos))            # (B, H_kv, T)
+    C = int(chunk.max()) + 1
+    chunk_score = s.new_zeros(B, H_kv, C).scatter_add_(-1, chunk, s)               # (B, H_kv, C) S_k
+    chunk_size_free = s.new_zeros(B, H_kv, C).scatter_add_(-1, chunk, free.float())   # free tokens per chunk
+    if shared:
+        chunk_score = chunk_score.sum(dim=1, keepdim=True).expand(B, H_kv, C)       # one ranking per layer
+    chunk_score = chunk_score.masked_fill(chunk_size_free == 0, float("-inf"))
+    order = torch.sort(chunk_score, dim=-1, descending=True, stable=True).indices  # earlier chunk wins ties
+    sizes = chunk_size_free.gather(-1, order)                                      # in ranking order
+    fits = (sizes.cumsum(-1) <= n_free[..., None]) & (sizes > 0)                   # whole chunks that fit
+    kept_chunk = torch.zeros(B, H_kv, C, dtype=torch.bool, device=scores.device).scatter(-1, order, fits)
+    keep = kept_chunk.gather(-1, chunk) & free                                     # (B, H_kv, T)
+    if remainder == "tokens":
+        left = n_free - keep.sum(-1)                                               # (B, H_kv) < one chunk
+        token_score = s.sum(dim=1, keepdim=True).expand(B, H_kv, T) if shared else s   # same ranking rule
+        rest = token_score.masked_fill(~free | keep, float("-inf"))
+        rank = torch.sort(rest, dim=-1, descending=True, stable=True).indices      # best single tokens
+        take = torch.arange(T, device=scores.device) < left[..., None]
+        take &= rest.gather(-1, rank) > float("-inf")
+        keep |= torch.zeros_like(keep).scatter(-1, rank, take)
+    return keep
+
+
+@dataclass
+class ChunkKVPolicy(PolicyWrapper):
+    """Whole-chunk selection over an inner scorer, with layer-wise index reuse.
+
+    Parameters
+    ----------
+    budget : entries kept per layer per KV head, the inner scorer's protected entries (window) included.
+    chunk_size : c, tokens per chunk (the paper: 10). 1 = token-level selection.
+    reuse : N_reuse, layers per group sharing the first layer's indices (the paper: 2). 1 = no reuse.
+    per_head : rank chunks per KV head instead of once per layer (default False: one index set per layer).
+    remainder : "tokens" (fill the last < c slots with the best single tokens: exact budget) or "none".
+    inner : the scorer giving token votes, same ``budget``; None = SnapKV without pooling (the paper's
+        raw window attention). By name: ``make_policy("chunkkv(h2o)", ...)``.
+    """
+
+    budget: int
+    chunk_size: int = 10             # the paper's chunk size for all models (Algorithm 1)
+    reuse: int = 2                   # the paper's reuse depth (Algorithm 2)
+    per_head: bool = False           # one index set per layer (see module doc)
+    remainder: str = "tokens"
+    inner: ScoringPolicy | None = None
+    default_inner: ClassVar[str] = "snapkv"
+    default_inner_options: ClassVar[dict] = {"kernel": 1}   # the paper scores with un-pooled attention
+    # what the first layer of each reuse group kept: layer -> (tokens seen at that step, positions (B, H_kv, K))
+    _reused: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        for name in ("chunk_size", "reuse"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"per_head must be True or False, got {self.per_head!r}")
+        if self.remainder not in REMAINDERS:
+            raise ValueError(f"remainder must be one of {REMAINDERS}, got {self.remainder!r}")
+        if self.inner is None:
+            self.inner = SnapKVPolicy(budget=self.budget, **self.default_inner_options)
+        if not isinstance(self.inner, ScoringPolicy):
+            raise ValueError(f"inner must be a scoring policy (a ScoringPolicy), got {type(self.inner).__name__}")
+        if self.inner.budget != self.budget:
+            raise ValueError(f"inner budget {self.inner.budget} differs from the wrapper's budget {self.budget}")
+
+    def select(self, ctx: StepContext) -> Tensor:
+        """Kept slots (B, H_kv, K), ascending (-1 pads heads with fewer entries under per-head budgets)."""
+        group_first = ctx.layer - ctx.layer % self.reuse
+        seen, reused = self._reused.get(group_first, (None, None))
+        if group_first != ctx.layer and seen == ctx.seen:                   # Algorithm 2: reuse this step's
+            keep = (ctx.kv.pos[..., :, None] == reused[..., None, :]).any(-1)   # choice of the first layer
+            keep &= ctx.kv.pos >= 0
+        else:                                                              # Algorithm 1: select
+            valid = ctx.kv.pos >= 0
+            protected = self.inner.protected(ctx)
+            protected = torch.zeros_like(valid) if protected is None else protected.expand_as(valid) & valid
+            n_free = (self.inner.head_budgets(ctx) - protected.sum(-1)).clamp(min=0)
+            keep = protected | chunk_keep_mask(self.inner.score(ctx), ctx.kv.pos, valid & ~protected, n_free,
+                                               self.chunk_size, not self.per_head, self.remainder)
+        idx = mask_to_indices(keep)
+        if self.reuse > 1 and ctx.layer == group_first:
+            self._reused[ctx.layer] = (ctx.seen, ctx.kv.pos.gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, -1))
+        return idx
+
+    def reset(self) -> None:
+        self._reused = {}
+        self.inner.reset()
+
+
+def kept_positions(cache) -> list[Tensor]:
+    """Per layer, the positions batch row 0 keeps: a list of (H_kv, K) tensors (-1 = empty slot)."""
+    return [layer.pos[0].clone() for layer in cache.layers]
+
+
+def jaccard(a: Tensor, b: Tensor) -> float:
+    """|a ∩ b| / |a ∪ b| of two sets of positions (-1 entries ignored)."""
+    a, b = set(a[a >= 0].tolist()), set(b[b >= 0].tolist())
+    return len(a & b) / max(1, len(a | b))
+
+
+def adjacent_layer_jaccard(kept: list[Tensor]) -> list[float]:
+    """Jaccard similarity of the kept positions of layers l and l+1, averaged over KV heads (head h of one
+    layer against head h of the next); one value per adjacent pair."""
+    return [sum(jaccard(a[h], b[h]) for h in range(a.shape[0])) / a.shape[0] for a, b in zip(kept, kept[1:])]
