@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -30,9 +31,22 @@ DEFAULT_KEEP_RATIOS = [0.1, 0.25, 0.5]
 DEFAULT_LENGTH = 512
 
 
-def run(model, tok, methods: list[str], budgets: list[int], tasks: list[str], modes: list[str],
+@dataclass(frozen=True)
+class Variant:
+    """A method with options under its own name in the records, for ablations:
+    ``Variant("chunkkv c=5", "chunkkv", {"chunk_size": 5})``."""
+    label: str
+    spec: str
+    options: dict = field(default_factory=dict)
+
+
+def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str], modes: list[str],
         samples: int, length: int, seed: int = 0, progress: bool = True) -> list[dict]:
-    """All records: one per (method, budget, task, mode), plus method "full" per (task, mode)."""
+    """All records: one per (method, budget, task, mode), plus method "full" per (task, mode).
+
+    ``methods`` are method specs (``"snapkv"``, ``"adakv(h2o)"``), recorded under their spelling, or
+    ``Variant``s, recorded under their label."""
+    variants = [m if isinstance(m, Variant) else Variant(m, m) for m in methods]
     group = model.config.group_size
     cells: dict[tuple, Cell] = {}
     jobs = [(t, i, m) for t in tasks for i in range(samples) for m in modes]
@@ -44,15 +58,15 @@ def run(model, tok, methods: list[str], budgets: list[int], tasks: list[str], mo
         acc, _ = greedy_accuracy(model, tok, sample, mode, full, None)
         cells.setdefault(("full", None, task, mode), Cell()).add({"accuracy": acc, **compare_traces(full, full, group)})
         bar.update(1)
-        for name in methods:
-            if name == "full":
+        for v in variants:
+            if v.spec == "full":
                 bar.update(len(budgets))
                 continue
             for budget in budgets:
-                factory = lambda: make_policy(name, budget=budget)   # noqa: E731 (fresh policy per run)
+                factory = lambda: make_policy(v.spec, budget=budget, **v.options)   # noqa: E731 (fresh policy)
                 tr = trace(model, sample, mode, factory())
                 acc, _ = greedy_accuracy(model, tok, sample, mode, tr, factory)
-                cells.setdefault((name, budget, task, mode), Cell()).add(
+                cells.setdefault((v.label, budget, task, mode), Cell()).add(
                     {"accuracy": acc, **compare_traces(full, tr, group)})
                 bar.update(1)
     bar.close()
@@ -74,14 +88,15 @@ def format_tables(records: list[dict]) -> str:
         keys = sorted({(r["method"], r["keep_ratio"], r["budget"]) for r in rows},
                       key=lambda k: (k[0] != "full", k[0], k[1]))
         short = [t.replace("niah_", "").replace("single_", "s_")[:10] for t in tasks]
-        head = f"{'method':<14}{'keep':>6}{'budget':>7} " + "".join(f"{s:>11}" for s in short) + \
+        w = max(14, 1 + max(len(k[0]) for k in keys))                 # the method column fits every name
+        head = f"{'method':<{w}}{'keep':>6}{'budget':>7} " + "".join(f"{s:>11}" for s in short) + \
             f"{'mean acc':>9}{'KL':>8}{'pert':>7}{'lost':>6}{'KV KiB':>8}{'ms/tok':>7}"
         lines += [f"\n[{mode}]", head, "-" * len(head)]
         for method, ratio, budget in keys:
             sel = {r["task"]: r for r in rows if (r["method"], r["keep_ratio"], r["budget"]) == (method, ratio, budget)}
             accs = [sel[t]["accuracy"] if t in sel else float("nan") for t in tasks]
             mean = lambda k: sum(r[k] for r in sel.values()) / len(sel)   # noqa: E731
-            lines.append(f"{method:<14}{ratio:>6.2f}{budget if budget is not None else '-':>7} "
+            lines.append(f"{method:<{w}}{ratio:>6.2f}{budget if budget is not None else '-':>7} "
                          + "".join(f"{a:>11.2f}" for a in accs)
                          + f"{sum(accs) / len(accs):>9.2f}{mean('kl'):>8.3f}{mean('perturbation'):>7.3f}"
                          f"{mean('lost_mass'):>6.2f}{max(r['kv_bytes'] for r in sel.values()) / 1024:>8.0f}"

@@ -1,4 +1,8 @@
-"""nanollm: a tiny GPT-2/Llama-style decoder with an explicit KV cache and a policy protocol for methods."""
+"""nanollm: a tiny GPT-2/Llama-style decoder with an explicit KV cache and a policy protocol for methods.
+
+Reading order (config, model, attention, storage, policy, cache, generation; then I/O and tools): README.md
+in this folder.
+"""
 
 from .cache import KVCache, LayerKV
 from .config import PRESETS, ModelConfig, preset

@@ -175,3 +175,18 @@ def test_lost_mass_counts_rebuilt_entries_as_lost(loaded):
     on_first = sum(float(p[:, 0].sum()) for p in full.probs.values()) / sum(p.shape[0] for p in full.probs.values())
     assert m["kl"] < 1e-8 and m["perturbation"] < 1e-5
     assert m["lost_mass"] == pytest.approx(on_first, rel=1e-5) and on_first > 0
+
+
+def test_run_records_variants_under_their_labels(loaded):
+    from methods.compare import Variant
+    model, tok, _ = loaded
+    records = run(model, tok, ["snapkv", Variant("snapkv w4", "snapkv", {"window": 4})], [40],
+                  ["niah_single_noise"], ["question_in_prompt"], 1, LENGTH, progress=False)
+    by = {r["method"]: r for r in records}
+    assert set(by) == {"full", "snapkv", "snapkv w4"}
+    assert by["snapkv"]["kv_bytes"] == by["snapkv w4"]["kv_bytes"]        # same budget, another window
+    tr = trace(model, make_sample("niah_single_noise", tok, LENGTH, seed=0), "question_in_prompt",
+               make_policy("snapkv", budget=40, window=4))
+    assert by["snapkv w4"]["kl"] == pytest.approx(
+        compare_traces(trace(model, make_sample("niah_single_noise", tok, LENGTH, seed=0), "question_in_prompt",
+                             None, record_probs=True), tr, model.config.group_size)["kl"])
