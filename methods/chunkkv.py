@@ -177,13 +177,17 @@ def kept_positions(cache) -> list[Tensor]:
     return [layer.pos[0].clone() for layer in cache.layers]
 
 
-def jaccard(a: Tensor, b: Tensor) -> float:
-    """|a ∩ b| / |a ∪ b| of two sets of positions (-1 entries ignored)."""
+def jaccard(a: Tensor, b: Tensor, below: int | None = None) -> float:
+    """|a ∩ b| / |a ∪ b| of two sets of positions (-1 entries ignored; only positions < ``below`` if given,
+    e.g. to leave out a window every layer keeps anyway)."""
     a, b = set(a[a >= 0].tolist()), set(b[b >= 0].tolist())
+    if below is not None:
+        a, b = {p for p in a if p < below}, {p for p in b if p < below}
     return len(a & b) / max(1, len(a | b))
 
 
-def adjacent_layer_jaccard(kept: list[Tensor]) -> list[float]:
+def adjacent_layer_jaccard(kept: list[Tensor], below: int | None = None) -> list[float]:
     """Jaccard similarity of the kept positions of layers l and l+1, averaged over KV heads (head h of one
-    layer against head h of the next); one value per adjacent pair."""
-    return [sum(jaccard(a[h], b[h]) for h in range(a.shape[0])) / a.shape[0] for a, b in zip(kept, kept[1:])]
+    layer against head h of the next); one value per adjacent pair. ``below`` as in ``jaccard``."""
+    return [sum(jaccard(a[h], b[h], below) for h in range(a.shape[0])) / a.shape[0]
+            for a, b in zip(kept, kept[1:])]

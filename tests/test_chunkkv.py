@@ -150,6 +150,7 @@ def test_adjacent_layer_jaccard():
     a, b = torch.tensor([[0, 1, 2, -1]]), torch.tensor([[1, 2, 3, 4]])
     assert jaccard(a[0], b[0]) == pytest.approx(2 / 5)
     assert adjacent_layer_jaccard([a, b, b]) == pytest.approx([0.4, 1.0])
+    assert jaccard(a[0], b[0], below=3) == pytest.approx(2 / 3)          # {0, 1, 2} vs {1, 2}
 
 
 @pytest.mark.parametrize("bad", [{"chunk_size": 0}, {"reuse": 0}, {"reuse": 1.5}, {"per_head": "yes"},
