@@ -59,7 +59,8 @@ class BenchResult:
     repeats: int
     steps: int
     rows: list[BenchRow] = field(default_factory=list)
-    fit: dict = field(default_factory=dict)   # {"cached": (a_ms, b_ms_per_token), "recompute": (...)}
+    fit: dict = field(default_factory=dict)   # {"cached": (a_ms, b_ms_per_token), "recompute": (...)}; empty
+                                              # with fewer than two context lengths
 
     def to_dict(self) -> dict:
         return {
@@ -166,8 +167,9 @@ def run_bench(config: ModelConfig, contexts: list[int] = (128, 256, 512, 1024), 
         result.rows.append(BenchRow(context=c, cached_ms=statistics.median(cached[c]),
                                     recompute_ms=statistics.median(recompute[c]), kv_bytes=nbytes[c],
                                     kv_bytes_formula=config.kv_bytes_per_token(elem) * c * batch))
-    for mode in ("cached", "recompute"):
-        result.fit[mode] = fit_line(contexts, [getattr(row, f"{mode}_ms") for row in result.rows])
+    if len(set(contexts)) >= 2:                                            # a line needs two lengths
+        for mode in ("cached", "recompute"):
+            result.fit[mode] = fit_line(contexts, [getattr(row, f"{mode}_ms") for row in result.rows])
     return result
 
 
@@ -189,6 +191,8 @@ def format_result(result: BenchResult, name: str = "") -> str:
             f"{r.context:>8} | {r.cached_ms:>13.3f} | {r.recompute_ms:>16.3f} | {tok_s / r.cached_ms:>12.0f} | "
             f"{tok_s / r.recompute_ms:>15.0f} | {r.speedup:>6.1f}x | {r.kv_bytes:>10,} | {r.kv_bytes_formula:>10,}")
     lines += ["", "cost of one decode step vs context, least-squares fit ms = a + b * context:"]
+    if not result.fit:
+        lines.append("  (no fit: it needs two or more context lengths)")
     for mode, (a, b) in result.fit.items():
         lines.append(f"  {mode:<9}: intercept a = {a:7.3f} ms   slope b = {b * 1e6:9.1f} µs per 1k tokens of context")
     formula = "2 * n_layer * n_kv_head * head_dim * bytes"
@@ -199,39 +203,53 @@ def format_result(result: BenchResult, name: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> BenchResult:
-    ap = argparse.ArgumentParser(
+    from . import cli
+    from .config import PRESETS
+    ap = cli.ArgumentParser(
         prog="python -m nanollm.bench",
         description="Decode tokens/s with the KV cache vs recomputing the whole prefix for every new token, at "
                     "several context lengths, measured interleaved in one run; medians of several repeats. "
                     "Also fits the per-step cost as ms = a + b * context and checks the cache's byte count "
                     "against 2 * n_layer * n_kv_head * head_dim * bytes * tokens.")
-    ap.add_argument("--preset", default="TINY",
+    ap.add_argument("--preset", default="TINY", choices=sorted(PRESETS),
                     help="model shape from nanollm.config.PRESETS, randomly initialised (default %(default)s)")
-    ap.add_argument("--max-seq-len", type=int, default=2048,
-                    help="override the preset's max_seq_len so the longest context fits (default %(default)s)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024],
-                    help="context lengths: tokens already cached when a timed step runs (default %(default)s)")
-    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=7,
+    ap.add_argument("--max-seq-len", type=cli.positive_int, default=2048,
+                    help="override the preset's max_seq_len (tokens) so the longest context fits "
+                         "(default %(default)s)")
+    ap.add_argument("--contexts", type=cli.positive_int, nargs="+", default=[128, 256, 512, 1024],
+                    help="two or more context lengths in tokens: tokens already cached when a timed step runs "
+                         "(default %(default)s)")
+    ap.add_argument("--batch", type=cli.positive_int, default=1,
+                    help="sequences decoded together (default %(default)s)")
+    ap.add_argument("--repeats", type=cli.positive_int, default=7,
                     help="measurements per length and mode; the median is reported (default %(default)s)")
-    ap.add_argument("--steps", type=int, default=16,
+    ap.add_argument("--steps", type=cli.positive_int, default=16,
                     help="decode steps averaged within one measurement (default %(default)s)")
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--threads", type=cli.positive_int, default=1,
                     help="torch.set_num_threads for the run; 1 makes runs comparable across machines "
                          "(default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and token ids")
-    ap.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default %(default)s)")
-    ap.add_argument("--json", metavar="PATH", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the random weights and token ids (default %(default)s)")
+    ap.add_argument("--device", type=cli.device, default="cpu",
+                    help="torch device, e.g. cpu or cuda (default %(default)s)")
+    ap.add_argument("--json", metavar="PATH", type=cli.output_file, default=None,
+                    help="also write the results to this JSON file (default: none)")
     args = ap.parse_args(argv)
 
-    config = preset(args.preset, max_seq_len=args.max_seq_len)
-    result = run_bench(config, args.contexts, batch=args.batch, repeats=args.repeats, steps=args.steps,
-                       threads=args.threads, seed=args.seed, device=args.device)
-    print(format_result(result, name=args.preset))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "device": args.device, **result.to_dict()}, f, indent=2)
-        print(f"\nwrote {args.json}")
+    with cli.errors(args.debug):
+        if len(set(args.contexts)) < 2:
+            cli.fail(f"--contexts needs two or more different lengths to fit a line, got {args.contexts}")
+        if max(args.contexts) + args.steps > args.max_seq_len:
+            cli.fail(f"--contexts {max(args.contexts)} + --steps {args.steps} exceeds --max-seq-len "
+                     f"{args.max_seq_len}; raise --max-seq-len or use shorter contexts")
+        config = preset(args.preset, max_seq_len=args.max_seq_len)
+        result = run_bench(config, args.contexts, batch=args.batch, repeats=args.repeats, steps=args.steps,
+                           threads=args.threads, seed=args.seed, device=args.device)
+        print(format_result(result, name=args.preset))
+        if args.json:
+            cli.atomic_write_text(args.json, json.dumps({"preset": args.preset, "device": args.device,
+                                                         **result.to_dict()}, indent=2))
+            print(f"\nwrote {args.json}")
     return result
 
 

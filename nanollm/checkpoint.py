@@ -11,7 +11,11 @@ A nanollm checkpoint is a folder::
 
 ``load(name_or_path)`` takes the name of a bundled checkpoint (a folder under ``nanollm/checkpoints/``),
 the path of a checkpoint folder, or the path of a local Hugging Face-format folder (``config.json`` +
-weights, see ``hf.py``), and returns ``(model, tokenizer, card)``.
+weights, see ``hf.py``), and returns ``(model, tokenizer, card)``. ``load_config``, ``load_tokenizer`` and
+``load_card`` read one part without the weights (what the command lines check their arguments against).
+
+Every file is written atomically (``cli.atomic_open``): a failed save leaves the previous file, never half
+of one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 from . import safetensors
+from .cli import atomic_write_text
 from .config import ModelConfig
 from .model import Transformer
 from .tokenizer import Tokenizer
@@ -49,7 +54,7 @@ def resolve(name_or_path: str | Path) -> Path:
 def save(model: Transformer, tok: Tokenizer, folder: str | Path, card: dict | None = None) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "nanollm_config.json").write_text(json.dumps(model.config.to_dict(), indent=1))
+    atomic_write_text(folder / "nanollm_config.json", json.dumps(model.config.to_dict(), indent=1))
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         state.pop("lm_head.weight")
@@ -62,13 +67,73 @@ def save(model: Transformer, tok: Tokenizer, folder: str | Path, card: dict | No
 def write_card(folder: str | Path, card: dict) -> None:
     """card.json, and README.md rendered from it (``card["markdown"]`` if given)."""
     folder = Path(folder)
-    (folder / "card.json").write_text(json.dumps({k: v for k, v in card.items() if k != "markdown"}, indent=1))
+    atomic_write_text(folder / "card.json", json.dumps({k: v for k, v in card.items() if k != "markdown"}, indent=1))
     if "markdown" in card:
-        (folder / "README.md").write_text(card["markdown"])
+        atomic_write_text(folder / "README.md", card["markdown"])
 
 
-def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
-    return Tokenizer.load(resolve(name_or_path) / "tokenizer.json")
+def is_checkpoint(folder: str | Path) -> bool:
+    """True for a nanollm checkpoint folder (it has ``nanollm_config.json``)."""
+    return (Path(folder) / "nanollm_config.json").is_file()
+
+
+def is_run(folder: str | Path) -> bool:
+    """True for a training run folder of ``nanollm.train`` (it has ``state.pt``)."""
+    return (Path(folder) / "state.pt").is_file()
+
+
+def load_config(name_or_path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint, training run or Hugging Face folder, without loading the weights."""
+    folder = resolve(name_or_path)
+    if is_checkpoint(folder):
+        path = folder / "nanollm_config.json"
+        try:
+            return ModelConfig.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"cannot read {path}: {e}") from e
+    if is_run(folder):
+        st = torch.load(folder / "state.pt", map_location="cpu", weights_only=True, mmap=True)
+        return ModelConfig.from_dict(st["model_config"])
+    from .hf import config_from_hf, is_hf_folder, read_hf_config
+    if is_hf_folder(folder):
+        return config_from_hf(read_hf_config(folder))
+    raise ValueError(_not_a_checkpoint(folder))
+
+
+def load_tokenizer(name_or_path: str | Path):
+    """The tokenizer of a checkpoint, run or Hugging Face folder (``None`` for a Hugging Face folder without a
+    supported tokenizer file), without loading the weights."""
+    folder = resolve(name_or_path)
+    if is_checkpoint(folder) or is_run(folder):
+        return Tokenizer.load(folder / "tokenizer.json")
+    from .hf import is_hf_folder, read_hf_config
+    if is_hf_folder(folder):
+        return hf_tokenizer(folder, read_hf_config(folder))
+    if (folder / "tokenizer.json").is_file():
+        return Tokenizer.load(folder / "tokenizer.json")
+    raise ValueError(_not_a_checkpoint(folder))
+
+
+def load_card(name_or_path: str | Path) -> dict:
+    """The card of a checkpoint (``{}`` if it has none; a Hugging Face folder gives its source and config)."""
+    folder = resolve(name_or_path)
+    if is_checkpoint(folder):
+        path = folder / "card.json"
+        try:
+            return json.loads(path.read_text()) if path.exists() else {}
+        except ValueError as e:
+            raise ValueError(f"cannot read {path}: {e}") from e
+    from .hf import is_hf_folder, read_hf_config
+    if is_hf_folder(folder):
+        return {"source": "huggingface", "config": read_hf_config(folder)}
+    if is_run(folder):
+        return {}
+    raise ValueError(_not_a_checkpoint(folder))
+
+
+def _not_a_checkpoint(folder: Path) -> str:
+    return (f"{folder} is neither a nanollm checkpoint (nanollm_config.json) nor a Hugging Face folder "
+            "(config.json + model.safetensors / pytorch_model.bin)")
 
 
 def load_nanollm(folder: str | Path, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
@@ -93,8 +158,7 @@ def load_nanollm(folder: str | Path, device: str = "cpu") -> tuple[Transformer, 
         raise ValueError(f"checkpoint {folder} does not match its config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}")
     model.load_state_dict(state)
-    card = json.loads((folder / "card.json").read_text()) if (folder / "card.json").exists() else {}
-    return model.to(device).eval(), Tokenizer.load(folder / "tokenizer.json"), card
+    return model.to(device).eval(), Tokenizer.load(folder / "tokenizer.json"), load_card(folder)
 
 
 class EncodingTokenizer:
@@ -144,8 +208,7 @@ def load(name_or_path: str | Path, device: str = "cpu"):
     if is_hf_folder(folder):
         model, hf_config = load_hf(folder, device=device)
         return model.eval(), hf_tokenizer(folder, hf_config), {"source": "huggingface", "config": hf_config}
-    raise ValueError(f"{folder} is neither a nanollm checkpoint (nanollm_config.json) nor a Hugging Face "
-                     "folder (config.json + model.safetensors / pytorch_model.bin)")
+    raise ValueError(_not_a_checkpoint(folder))
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, card: dict | None = None) -> None:

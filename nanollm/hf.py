@@ -42,7 +42,9 @@ import os
 import torch
 from torch import Tensor
 
+from . import cli
 from .attention import rope_inv_freq
+from .cli import atomic_write_text
 from .config import ModelConfig
 from .model import Transformer
 from .safetensors import load_file, load_sharded, load_torch_bin, save_file
@@ -77,6 +79,19 @@ def load_weights(folder: str | os.PathLike, device: str | torch.device = "cpu") 
 
 # ----------------------------------------------------------------------------------------------------------
 # config.json <-> ModelConfig
+
+def read_hf_config(folder: str | os.PathLike) -> dict:
+    """The ``config.json`` of a Hugging Face folder as a dict; a clear error naming the file if it is broken."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"cannot read {path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
 
 def _need(cfg: dict, key: str):
     if key not in cfg:
@@ -292,8 +307,7 @@ def load_hf(path: str | os.PathLike, device: str | torch.device = "cpu",
     ``dtype=None`` keeps the checkpoint's own dtype (that of its token embedding); otherwise every weight
     is cast to ``dtype``. The model is returned in eval mode on ``device``.
     """
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        hf_config = json.load(f)
+    hf_config = read_hf_config(path)
     config = config_from_hf(hf_config)
     config.extra["source"] = os.path.abspath(path)
     sd = state_from_hf(load_weights(path, device), config)
@@ -326,35 +340,44 @@ def export_hf(model: Transformer, path: str | os.PathLike, dtype: torch.dtype | 
     """
     dtype = model.tok_emb.weight.dtype if dtype is None else dtype
     hf_config = config_to_hf(model.config, dtype)  # raises for models HF cannot represent
-    if tokenizer is not None:
+    tokenizer_file = None
+    if tokenizer is not None:                      # everything is checked before the first file is written
         from .hf_tokenizer import tokenizer_json
         from .tokenizer import EOT
+        if not hasattr(tokenizer, "ranks"):        # a nanollm.tokenizer.Tokenizer has its BPE ranks
+            raise ValueError(f"export_hf writes nanollm tokenizers (nanollm.tokenizer.Tokenizer), not "
+                             f"{type(tokenizer).__name__}; copy a Hugging Face folder's tokenizer files instead")
         hf_config["eos_token_id"] = tokenizer.eot_id
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
-            json.dump(tokenizer_json(tokenizer.ranks, tokenizer.pattern, {EOT: tokenizer.eot_id}), f)
+        tokenizer_file = json.dumps(tokenizer_json(tokenizer.ranks, tokenizer.pattern, {EOT: tokenizer.eot_id}))
     tensors = {k: v.to(dtype) for k, v in state_to_hf(model).items()}
     os.makedirs(path, exist_ok=True)
+    if tokenizer_file is not None:
+        atomic_write_text(os.path.join(path, "tokenizer.json"), tokenizer_file)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
-        f.write("\n")
+    atomic_write_text(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    from .checkpoint import load
-    ap = argparse.ArgumentParser(prog="python -m nanollm.hf",
-                                 description="Export a nanollm checkpoint (e.g. a bundled one) as a Hugging Face "
-                                             "folder: config.json + model.safetensors + tokenizer.json.")
-    ap.add_argument("checkpoint", help="bundled checkpoint name or nanollm checkpoint folder")
-    ap.add_argument("out", help="folder to write")
+    from .checkpoint import is_checkpoint, load, resolve
+    ap = cli.ArgumentParser(prog="python -m nanollm.hf",
+                            description="Export a nanollm checkpoint (e.g. a bundled one) as a Hugging Face "
+                                        "folder: config.json + model.safetensors + tokenizer.json.")
+    ap.add_argument("checkpoint", help="bundled checkpoint name or nanollm checkpoint folder (nanollm_config.json)")
+    ap.add_argument("out", help="folder to write: a new or empty folder, or an earlier export (its files are "
+                                "replaced)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="dtype of the written weights (default %(default)s)")
     args = ap.parse_args(argv)
-    model, tok, _ = load(args.checkpoint)
-    export_hf(model, args.out, getattr(torch, args.dtype), tokenizer=tok)
+    with cli.errors(args.debug):
+        src = resolve(args.checkpoint)
+        if not is_checkpoint(src):
+            cli.fail(f"{args.checkpoint} is not a nanollm checkpoint (no nanollm_config.json)"
+                     + ("; it is already a Hugging Face folder" if is_hf_folder(src) else ""))
+        if os.path.exists(args.out) and os.path.samefile(src, args.out):
+            cli.fail(f"out {args.out} is the checkpoint itself; give another folder")
+        cli.output_folder(args.out, "out", may_hold=lambda p: os.path.isfile(os.path.join(p, "config.json")))
+        model, tok, _ = load(src)
+        export_hf(model, args.out, getattr(torch, args.dtype), tokenizer=tok)
     print(f"wrote {args.out}: load it with transformers' AutoModelForCausalLM.from_pretrained({args.out!r}) "
           "or nanollm.load")
 

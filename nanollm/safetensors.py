@@ -39,6 +39,8 @@ import sys
 import torch
 from torch import Tensor
 
+from .cli import atomic_open
+
 
 class SafetensorsError(ValueError):
     """A checkpoint file is truncated, malformed, or holds something this reader does not support."""
@@ -256,14 +258,13 @@ def serialize(tensors: dict[str, Tensor], metadata: dict[str, str] | None = None
 
 
 def save_file(tensors: dict[str, Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` to ``path`` as safetensors, one tensor at a time (to a temporary name, then renamed).
+    """Write ``tensors`` to ``path`` as safetensors, one tensor at a time (to a temporary file, then renamed:
+    a failure leaves the previous file).
 
     Tensors that share memory (tied weights) are simply written twice; leave one out to save space.
     """
     head, names = _layout(tensors, metadata)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb") as f:
         f.write(head)
         for name in names:
             f.write(_tensor_bytes(tensors[name]))
-    os.replace(tmp, path)

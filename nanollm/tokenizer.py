@@ -29,6 +29,8 @@ from pathlib import Path
 import regex
 import tiktoken
 
+from .cli import atomic_write_text
+
 # GPT-2's split pattern, except that every digit is its own chunk (GPT-2 keeps runs of digits together).
 SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
@@ -119,8 +121,8 @@ class Tokenizer:
 
     def save(self, path: str | Path) -> None:
         ranks = [[base64.b64encode(b).decode("ascii"), r] for b, r in sorted(self.ranks.items(), key=lambda x: x[1])]
-        Path(path).write_text(json.dumps({"type": "nanollm-bpe", "pattern": self.pattern, "eot": EOT,
-                                          "ranks": ranks}))
+        atomic_write_text(path, json.dumps({"type": "nanollm-bpe", "pattern": self.pattern, "eot": EOT,
+                                            "ranks": ranks}))
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
@@ -155,21 +157,29 @@ def bench(tok: Tokenizer, text: str, repeats: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m nanollm.tokenizer",
-                                 description="Tokenizer utilities: 'bench' times tiktoken vs pure-Python BPE "
-                                             "on synthetic task text.")
+    from . import cli
+    ap = cli.ArgumentParser(prog="python -m nanollm.tokenizer",
+                            description="Tokenizer utilities: 'bench' encodes synthetic task text with tiktoken "
+                                        "(our BPE ranks) and with the pure-Python encoder, checks that both give "
+                                        "the same ids, and prints both speeds (medians of 3 runs).")
     ap.add_argument("command", choices=["bench"], help="bench: encode-speed comparison")
     ap.add_argument("--checkpoint", default="retrieval-llama",
-                    help="checkpoint whose tokenizer to use (default %(default)s)")
-    ap.add_argument("--kbytes", type=int, default=200, help="size of the benchmark text in KB (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the generated text")
+                    help="bundled checkpoint name or nanollm checkpoint folder whose BPE tokenizer to use "
+                         "(default %(default)s)")
+    ap.add_argument("--kbytes", type=cli.positive_int, default=200,
+                    help="size of the benchmark text in kilobytes (1 KB = 1000 bytes; default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the generated text (default %(default)s)")
     args = ap.parse_args(argv)
-    from .checkpoint import load_tokenizer
-    from .tasks import corpus
-    tok = load_tokenizer(args.checkpoint)
-    text = corpus(args.kbytes * 1000, seed=args.seed)
-    r = bench(tok, text)
-    print(f"{r['bytes'] / 1e3:.0f} KB -> {r['tokens']} tokens (identical ids from both encoders)")
+    with cli.errors(args.debug):
+        from .checkpoint import load_tokenizer
+        from .tasks import corpus
+        tok = load_tokenizer(args.checkpoint)
+        if not hasattr(tok, "ranks"):            # a Hugging Face folder's tokenizer, or none
+            cli.fail(f"--checkpoint {args.checkpoint}: the bench needs the BPE ranks of a nanollm tokenizer "
+                     "(a nanollm checkpoint folder or bundled name)")
+        text = corpus(args.kbytes * 1000, seed=args.seed)
+        r = bench(tok, text)
+    print(f"{r['bytes'] / 1e3:.0f} KB -> {r['tokens']:,} tokens (identical ids from both encoders)")
     print(f"tiktoken     : {r['tiktoken_s'] * 1e3:8.1f} ms  {r['tiktoken_MBps']:7.2f} MB/s")
     print(f"pure Python  : {r['python_s'] * 1e3:8.1f} ms  {r['python_MBps']:7.2f} MB/s")
     print(f"speedup      : {r['speedup']:.0f}x")
