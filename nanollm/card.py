@@ -3,11 +3,13 @@ Model cards: measure a checkpoint's full-cache accuracy on every task, length an
 
     python -m nanollm.card runs/retrieval-llama --out nanollm/checkpoints/retrieval-llama --samples 200
 
-exports the training run as a checkpoint folder (if given a run), evaluates it with the full cache (greedy
-decoding, ``string_match_all``, both modes), and writes ``card.json`` + ``README.md`` beside the weights:
-architecture, tokenizer, the exact training command, steps, wall time, hardware, the accuracy table, and
-the *default suite*: the tasks the model solves (>= 95% for the NIAH tasks, >= 80% for vt and cwe, at
-every evaluated length, in both modes), which is what ``methods.compare`` runs by default.
+evaluates a training run or a checkpoint with the full cache (greedy decoding, ``string_match_all``, both
+modes) and makes its card: architecture, tokenizer, the exact training command, steps, wall time,
+hardware, the accuracy table, and the *default suite*: the tasks the model solves (>= 95% for the NIAH
+tasks, >= 80% for vt and cwe, at every evaluated length, in both modes), which is what ``methods.compare``
+runs by default. The card is written only where the command says: ``--out DIR`` writes a checkpoint folder
+(weights, config, tokenizer, ``card.json``, ``README.md``); ``--in-place`` replaces the card of the
+checkpoint SOURCE; with neither, it is only printed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import tempfile
 from pathlib import Path
 
 import torch
@@ -79,36 +82,90 @@ def markdown(card: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m nanollm.card",
-                                 description="Measure a checkpoint's full-cache accuracy per task, length and mode "
-                                             "and write its model card (card.json + README.md).")
-    ap.add_argument("source", help="a training run folder (state.pt) or a checkpoint folder")
-    ap.add_argument("--out", default=None, help="checkpoint folder to write (default: SOURCE, which must then "
-                                               "already be a checkpoint)")
-    ap.add_argument("--name", default="retrieval-llama", help="model name in the card (default %(default)s)")
-    ap.add_argument("--tasks", nargs="+", default=TASKS, help="tasks to evaluate (default: all)")
-    ap.add_argument("--lengths", nargs="+", type=int, default=[256, 512, 1024],
-                    help="sample lengths in tokens (default %(default)s)")
-    ap.add_argument("--samples", type=int, default=200, help="samples per task, length and mode (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=1 << 41, help="first sample seed (default 2**41, outside training's)")
-    ap.add_argument("--workers", type=int, default=2, help="processes (default %(default)s)")
-    ap.add_argument("--train-command", default="", help="the exact command that trained the model")
-    ap.add_argument("--notes", default="", help="training notes (markdown) for the card")
+    from . import cli
+    ap = cli.ArgumentParser(prog="python -m nanollm.card",
+                            description="Measure a checkpoint's full-cache accuracy per task, length and mode and "
+                                        "make its model card (card.json + README.md). It is written with --out "
+                                        "or --in-place only; without either it is printed and nothing is "
+                                        "written.")
+    ap.add_argument("source", help="a training run folder (state.pt), a nanollm checkpoint folder, or the name "
+                                   "of a bundled checkpoint")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None, metavar="DIR",
+                       help="write the checkpoint (weights, config, tokenizer) and its card to DIR: a new or empty "
+                            "folder, or a checkpoint folder whose files are replaced (default: none)")
+    where.add_argument("--in-place", action="store_true",
+                       help="replace the card (card.json, README.md) of SOURCE, which must be a checkpoint folder")
+    ap.add_argument("--name", default=None,
+                    help="model name in the card (default: the name in the card being replaced, else the folder name)")
+    ap.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS, metavar="TASK",
+                    help=f"tasks to evaluate (default: all: {', '.join(TASKS)})")
+    ap.add_argument("--lengths", nargs="+", type=cli.positive_int, default=[256, 512, 1024], metavar="TOKENS",
+                    help="sample lengths in tokens, at most the model's maximum positions (default 256 512 1024)")
+    ap.add_argument("--samples", type=cli.positive_int, default=200,
+                    help="samples per task, length and mode (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=1 << 41,
+                    help="first sample seed (default 2**41, outside the seeds training draws from)")
+    ap.add_argument("--workers", type=cli.positive_int, default=2,
+                    help="processes evaluating in parallel (default %(default)s)")
+    ap.add_argument("--train-command", default="",
+                    help="the exact command that trained the model (default: the one in the card being replaced)")
+    ap.add_argument("--notes", default="",
+                    help="training notes (markdown) for the card (default: those in the card being replaced)")
     args = ap.parse_args(argv)
+    with cli.errors(args.debug):
+        card, written = make_card(args)
+    print(card["markdown"])
+    print(f"card written to {written}" if written else
+          "(the card was not written: give --out DIR or --in-place to write it)")
 
-    from .checkpoint import export_run, load, write_card
-    src = Path(args.source)
-    out = Path(args.out or src)
-    info = {}
-    if (src / "state.pt").exists():
-        export_run(src, out)
-        st = torch.load(src / "state.pt", map_location="cpu", weights_only=True)
-        info = {"steps": st["step"], "wall_time_s": st["elapsed"]}
-    model, tok, old = load(out)
-    acc = measure(str(out), args.tasks, args.lengths, args.samples, args.seed, args.workers)
+
+def make_card(args) -> tuple[dict, Path | None]:
+    """Check every argument of ``main``, then measure and write; returns the card and where it was written."""
+    from . import cli
+    from .checkpoint import (export_run, is_checkpoint, is_run, load, load_card, load_config, load_tokenizer,
+                             resolve, save, write_card)
+    from .tasks import make_sample
+
+    src = resolve(args.source)
+    if not (is_run(src) or is_checkpoint(src)):
+        cli.fail(f"{args.source} is neither a training run (state.pt) nor a nanollm checkpoint (nanollm_config.json)")
+    if args.in_place and is_run(src):
+        cli.fail(f"--in-place replaces the card of a checkpoint; {args.source} is a training run: give --out DIR")
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        if out.exists() and is_run(src) and os.path.samefile(out, src):
+            cli.fail(f"--out {out} is the training run itself: give a checkpoint folder")
+        cli.output_folder(out, "--out", may_hold=is_checkpoint)
+    config = load_config(src)
+    for length in args.lengths:
+        if length > config.max_seq_len:
+            cli.fail(f"--lengths {length} exceeds the model's maximum positions ({config.max_seq_len})")
+    tok = load_tokenizer(src)
+    for task in args.tasks:                    # every task fits the shortest length: fail now, not after hours
+        try:
+            make_sample(task, tok, min(args.lengths), seed=args.seed)
+        except ValueError as e:
+            cli.fail(f"--lengths {min(args.lengths)}: {e}")
+    # the card being replaced lends its notes, summary and limitations to the new one
+    old = load_card(out) if out is not None and is_checkpoint(out) else load_card(src)
+    name = args.name or old.get("name") or (out or src).resolve().name
+    eval_command = (f"python -m nanollm.card {args.source}" + (f" --out {out}" if out else "")
+                    + (" --in-place" if args.in_place else "") + f" --tasks {' '.join(args.tasks)} --lengths "
+                    + " ".join(map(str, args.lengths)) + f" --samples {args.samples} --seed {args.seed} "
+                    f"--workers {args.workers}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        info, folder = {}, src
+        if is_run(src):                        # measure a checkpoint exported to a temporary folder
+            export_run(src, tmp)
+            st = torch.load(src / "state.pt", map_location="cpu", weights_only=True)
+            info, folder = {"steps": st["step"], "wall_time_s": st["elapsed"]}, Path(tmp)
+        model, tok, _ = load(folder)
+        acc = measure(str(folder), args.tasks, args.lengths, args.samples, args.seed, args.workers)
     card = {**old, **info}
     card.update(
-        name=args.name, model_config=model.config.to_dict(), n_params=model.num_params(),
+        name=name, model_config=model.config.to_dict(), n_params=model.num_params(),
         tokenizer=f"byte-level BPE, {tok.vocab_size} tokens (incl. <|endoftext|>), trained by nanollm.tokenizer on "
                   "task text; digits are single tokens",
         train_command=args.train_command or old.get("train_command", ""),
@@ -116,11 +173,15 @@ def main(argv: list[str] | None = None) -> None:
         hardware=old.get("hardware") or f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
                                           f"torch {torch.__version__}",
         accuracy=acc, n_samples=args.samples, eval_seed=args.seed, default_suite=default_suite(acc),
-        eval_command=f"python -m nanollm.card {args.source} --out {out} --samples {args.samples} --lengths "
-                     + " ".join(map(str, args.lengths)) + f" --workers {args.workers}")
+        eval_command=eval_command)
     card["markdown"] = markdown(card)
-    write_card(out, card)
-    print(card["markdown"])
+    if out is not None:
+        save(model, tok, out, card)
+        return card, out
+    if args.in_place:
+        write_card(src, card)
+        return card, src
+    return card, None
 
 
 if __name__ == "__main__":

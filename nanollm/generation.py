@@ -12,6 +12,8 @@ The command line is ``python -m nanollm.generate`` (``generate.py``); this modul
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -78,8 +80,8 @@ def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: Cache
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None and top_k <= 0:
         raise ValueError(f"top_k must be positive, got {top_k}")
     cache = cache if cache is not None else KVCache(model.config, policy=policy)

@@ -11,7 +11,10 @@ What makes tiny models learn retrieval at all (measured on a 2-core CPU while tr
 
 Each batch has one length, drawn from the current stage; the batch size is set so every step sees about
 ``tokens_per_step`` tokens. Training state is saved every ``save_every`` steps and ``--resume`` continues
-from it, bit for bit in the data order (sample seeds derive from the step number).
+from it, bit for bit (sample seeds derive from the step number; ``tests/test_cli.py`` checks that an
+interrupted and resumed run ends with the same weights as an uninterrupted one). A run folder is never
+reused silently: an existing run needs ``--resume`` (continue) or ``--force`` (start over), and every file
+is replaced atomically.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from . import cli
 from .config import preset
 from .model import Transformer
 from .tasks import TASKS, corpus, make_sample
@@ -157,14 +161,81 @@ def quick_eval(model, tok, cfg: TrainConfig, tasks: list[str], length: int, seed
     return out
 
 
+RUN_FILES = ("train_config.json", "tokenizer.json", "state.pt", "log.jsonl")   # what a run folder holds
+
+
+def config_diff(a: dict, b: dict) -> str:
+    """The fields where two config dicts differ: "lr (0.0005 vs 0.001), seed (0 vs 1)"."""
+    return ", ".join(f"{k} ({a.get(k)!r} vs {b.get(k)!r})" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+def check_run_folder(out: str | Path, cfg: TrainConfig, resume: bool = False, force: bool = False) -> None:
+    """Raise ValueError unless ``out`` may be trained into: a new or empty folder, or a run of the same recipe
+    with ``resume`` (continue it) or any run with ``force`` (start it over)."""
+    out = Path(out)
+    if resume and force:
+        raise ValueError("--resume continues a run and --force starts it over: give one of them")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    found = [f for f in RUN_FILES if (out / f).exists()]
+    if not found:
+        if out.is_dir() and any(out.iterdir()):
+            raise ValueError(f"--out {out} holds other files and no training run; give a new or empty folder")
+        return
+    if not (resume or force):
+        raise ValueError(f"--out {out} already holds a training run ({', '.join(found)}): continue it with "
+                         "--resume, start it over with --force, or give another --out")
+    if resume and (out / "train_config.json").exists():
+        try:
+            saved = json.loads((out / "train_config.json").read_text())
+        except ValueError as e:
+            raise ValueError(f"cannot read {out / 'train_config.json'}: {e}") from e
+        now = json.loads(json.dumps(dataclasses.asdict(cfg)))
+        if saved != now:
+            raise ValueError(f"--resume: the run in {out} has another recipe than this command, in "
+                             f"{config_diff(saved, now)} (saved vs now); give the flags it was started with, "
+                             "or --force to start over")
+
+
+def check_init(init: str, cfg: TrainConfig) -> None:
+    """Raise ValueError unless the checkpoint ``init`` has the recipe's model shape (its weights are not read)."""
+    from .checkpoint import load_config
+    have, need = load_config(init), preset(cfg.preset, **cfg.model_overrides)
+    if have != need:
+        raise ValueError(f"--init {init}: its model differs from the recipe's ({cfg.preset}) in "
+                         f"{config_diff(have.to_dict(), need.to_dict())} (checkpoint vs recipe)")
+
+
+def _log_lines_until(path: Path, step: int) -> list[str]:
+    """The lines of a run's log up to ``step`` (a resumed run repeats the steps after its last save)."""
+    lines = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            if json.loads(line)["step"] <= step:
+                lines.append(line + "\n")
+        except (ValueError, KeyError, TypeError):      # a line cut short by a crash
+            pass
+    return lines
+
+
 def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bool = False,
-          max_steps: int | None = None, quiet: bool = False, init: str | None = None) -> Path:
+          max_steps: int | None = None, quiet: bool = False, init: str | None = None,
+          force: bool = False) -> Path:
     """Train (or resume) into ``out_dir``. Returns the path of the saved state. See the module docstring.
 
+    ``out_dir`` must be new or empty, unless ``resume`` (continue the run there, which must have the same
+    recipe ``cfg``) or ``force`` (delete the run there and start over).
     ``init``: start from the weights and tokenizer of a checkpoint (a bundled name or a folder) instead of a
     random init, with a fresh optimizer: how a later session continues a model whose run folder is gone.
     """
     out = Path(out_dir)
+    check_run_folder(out, cfg, resume, force)
+    resuming = resume and (out / "state.pt").exists()
+    if init is not None and not resuming:
+        check_init(init, cfg)
+    if force:
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     mcfg = preset(cfg.preset, **cfg.model_overrides)
@@ -179,11 +250,9 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
         tok = Tokenizer.train(corpus(cfg.tokenizer_corpus_bytes, seed=cfg.seed), mcfg.vocab_size)
         tok.save(tok_path)
     model = Transformer(mcfg).to(device)
-    if init is not None and not (resume and (out / "state.pt").exists()):
+    if init is not None and not resuming:
         from .checkpoint import load
-        start, _, _ = load(init)
-        if start.config != mcfg:
-            raise ValueError(f"--init checkpoint has config {start.config}, the preset needs {mcfg}")
+        start, _, _ = load(init)                   # its shape was checked above (check_init)
         model.load_state_dict(start.state_dict())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -196,19 +265,20 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
             make_sample(name, tok, lo, seed=0, **options)
     state_path = out / "state.pt"
     step, stage, stage_start, elapsed = 0, 0, 0, 0.0
-    if resume and state_path.exists():
+    if resuming:
         st = torch.load(state_path, map_location=device, weights_only=True)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, stage, stage_start, elapsed = st["step"], st["stage"], st["stage_start"], st["elapsed"]
-    (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    cli.atomic_write_text(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
+    # the log keeps the steps of the saved state; a resumed run writes the steps after it again
+    cli.atomic_write_text(out / "log.jsonl", "".join(_log_lines_until(out / "log.jsonl", step)))
     log = open(out / "log.jsonl", "a")
 
     def save():
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "stage": stage,
-                    "stage_start": stage_start, "elapsed": elapsed, "model_config": mcfg.to_dict()},
-                   str(state_path) + ".tmp")
-        Path(str(state_path) + ".tmp").replace(state_path)      # atomic: a crash never leaves half a file
+        with cli.atomic_open(state_path, "wb") as f:       # a crash never leaves half a file
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "stage": stage,
+                        "stage_start": stage_start, "elapsed": elapsed, "model_config": mcfg.to_dict()}, f)
 
     last = cfg.total_steps if max_steps is None else min(cfg.total_steps, max_steps)
     bar = tqdm(total=last, initial=step, disable=quiet, dynamic_ncols=True)
@@ -255,40 +325,72 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
+    ap = cli.ArgumentParser(
         prog="python -m nanollm.train",
         description="Train a nanollm model on the synthetic long-context tasks (CPU by default, CUDA if asked). "
-                    "Saves a resumable state every --save-every steps; --export writes a loadable checkpoint "
-                    "folder (weights, config, tokenizer, card).")
+                    "Writes OUT/tokenizer.json, OUT/train_config.json, OUT/log.jsonl (one line per step) and a "
+                    "resumable OUT/state.pt, saved every save_every steps of the recipe (100; 2 for 'tiny'); "
+                    "--export writes a loadable checkpoint folder (weights, config, tokenizer) at the end.")
     ap.add_argument("--preset", default="retrieval-llama", choices=sorted(TRAIN_PRESETS),
                     help="training recipe (model preset, curriculum, learning rate). Default: %(default)s")
-    ap.add_argument("--out", default="runs/retrieval-llama", help="output folder (default %(default)s)")
-    ap.add_argument("--resume", action="store_true", help="continue from OUT/state.pt if it exists")
-    ap.add_argument("--max-steps", type=int, default=None,
-                    help="stop after this many steps in total (default: the whole curriculum)")
-    ap.add_argument("--lr", type=float, default=None, help="override the peak learning rate")
-    ap.add_argument("--tokens-per-step", type=int, default=None, help="override tokens per optimizer step")
-    ap.add_argument("--seed", type=int, default=None, help="override the seed (data, init, tokenizer)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
+    ap.add_argument("--out", default="runs/retrieval-llama",
+                    help="run folder: new or empty, or an earlier run with --resume or --force "
+                         "(default %(default)s)")
+    again = ap.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in OUT from OUT/state.pt (started with the same recipe and flags); "
+                            "a new or empty OUT starts a new run")
+    again.add_argument("--force", action="store_true",
+                       help="delete the run in OUT (state, log, tokenizer) and start over")
+    ap.add_argument("--max-steps", type=cli.positive_int, default=None,
+                    help="stop after this many optimizer steps in total, counting the steps of a resumed run "
+                         "(default: the whole curriculum)")
+    ap.add_argument("--lr", type=cli.positive_float, default=None,
+                    help="peak learning rate, at least the recipe's final rate min_lr (default: the recipe's, "
+                         "5e-4 for retrieval-llama)")
+    ap.add_argument("--tokens-per-step", type=cli.positive_int, default=None,
+                    help="tokens per optimizer step, at least the recipe's longest sample (default: the "
+                         "recipe's, 6144 for retrieval-llama)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="seed of the data, the init and the tokenizer (default: the recipe's, 0)")
+    ap.add_argument("--device", type=cli.device, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu or cuda (default: cuda when available, else cpu)")
+    ap.add_argument("--threads", type=cli.positive_int, default=None,
+                    help="torch intra-op threads on CPU (default: torch's choice)")
     ap.add_argument("--init", default=None, metavar="CHECKPOINT",
-                    help="start from this checkpoint's weights and tokenizer (bundled name or folder), fresh optimizer")
+                    help="start from this checkpoint's weights and tokenizer (bundled name or folder; its model "
+                         "must have the recipe's shape), with a fresh optimizer (default: random init)")
     ap.add_argument("--export", default=None, metavar="DIR",
-                    help="after training, write a checkpoint folder to DIR (see nanollm.checkpoint)")
+                    help="after training, write a checkpoint folder to DIR: new or empty, or a checkpoint "
+                         "folder whose files are replaced (default: none)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    cfg = dataclasses.replace(TRAIN_PRESETS[args.preset])
-    for name in ("lr", "tokens_per_step", "seed"):
-        if getattr(args, name) is not None:
-            setattr(cfg, name, getattr(args, name))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    train(cfg, args.out, device=args.device, resume=args.resume, max_steps=args.max_steps, quiet=args.quiet,
-          init=args.init)
+    with cli.errors(args.debug):
+        cfg = dataclasses.replace(TRAIN_PRESETS[args.preset])
+        for name in ("lr", "tokens_per_step", "seed"):
+            if getattr(args, name) is not None:
+                setattr(cfg, name, getattr(args, name))
+        if cfg.lr < cfg.min_lr:
+            cli.fail(f"--lr {cfg.lr} is below the recipe's final learning rate min_lr={cfg.min_lr}")
+        longest = max(stage[2] for stage in cfg.stages)
+        if cfg.tokens_per_step < longest:
+            cli.fail(f"--tokens-per-step {cfg.tokens_per_step} is less than the recipe's longest samples "
+                     f"({longest} tokens)")
+        check_run_folder(args.out, cfg, args.resume, args.force)
+        if args.init is not None and not (args.resume and (Path(args.out) / "state.pt").exists()):
+            check_init(args.init, cfg)
+        if args.export:
+            from .checkpoint import export_run, is_checkpoint
+            if Path(args.export).resolve() == Path(args.out).resolve():
+                cli.fail("--export must be another folder than --out (a run folder is not a checkpoint)")
+            cli.output_folder(args.export, "--export", may_hold=is_checkpoint)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        train(cfg, args.out, device=args.device, resume=args.resume, max_steps=args.max_steps, quiet=args.quiet,
+              init=args.init, force=args.force)
+        if args.export:
+            export_run(args.out, args.export)
     if args.export:
-        from .checkpoint import export_run
-        export_run(args.out, args.export)
         print(f"checkpoint written to {args.export}")
 
 
