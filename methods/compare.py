@@ -9,16 +9,18 @@ records and an accuracy-vs-keep-ratio plot. Everything is deterministic for a se
 
 from __future__ import annotations
 
-import argparse
+import io
 import json
-import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from nanollm import load
+from nanollm import cli, load
+from nanollm.checkpoint import load_card, load_config, load_tokenizer
+from nanollm.cli import atomic_write_bytes, atomic_write_text
 from nanollm.evaluate import MODES
 from nanollm.tasks import TASKS, make_sample
 
@@ -126,11 +128,14 @@ def plot(records: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buffer = io.BytesIO()                       # the format is the file's suffix (png without one)
+    fig.savefig(buffer, dpi=120, format=Path(path).suffix.lstrip(".").lower() or "png")
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())  # the old figure stays if writing fails
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
+    ap = cli.ArgumentParser(
         prog="python -m methods.compare",
         description="Run KV-cache methods side by side with full attention on synthetic long-context tasks "
                     "and report accuracy, KL(full || method), output perturbation, attention mass lost, "
@@ -144,80 +149,87 @@ def main(argv: list[str] | None = None) -> None:
                          "registered name)")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--keep-ratios", nargs="+", type=float, default=None, metavar="R",
-                       help="budgets as fractions of --length: budget = round(R * length) tokens per layer per "
-                            f"KV head (default {DEFAULT_KEEP_RATIOS})")
+                       help="budgets as fractions of --length, each in (0, 1]: budget = round(R * length) tokens "
+                            f"per layer per KV head (default {' '.join(map(str, DEFAULT_KEEP_RATIOS))})")
     group.add_argument("--budgets", nargs="+", type=int, default=None, metavar="B",
-                       help="budgets in tokens per layer per KV head (instead of --keep-ratios)")
+                       help="budgets in tokens per layer per KV head, instead of --keep-ratios")
     ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
-                    help=f"tasks (default: the checkpoint card's default suite, else {DEFAULT_TASKS}; "
+                    help=f"tasks (default: the checkpoint card's default suite, else {' '.join(DEFAULT_TASKS)}; "
                          f"all: {', '.join(TASKS)})")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES,
                     help="question_in_prompt: the question is in the prompt when the cache is compressed; "
                          "question_after_context: the context is compressed first and the question arrives "
                          "later through extend (default: both)")
-    ap.add_argument("--samples", type=int, default=10, help="samples per task and mode (default %(default)s)")
+    ap.add_argument("--samples", type=cli.positive_int, default=10,
+                    help="samples per task and mode (default %(default)s)")
     ap.add_argument("--length", type=int, default=None,
                     help=f"tokens per sample, context + question + answer (default {DEFAULT_LENGTH}, or the "
                          "model's maximum positions if smaller)")
     ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
-    ap.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: a tiny model is dispatch-bound, so more threads only add synchronisation)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list to PATH")
-    ap.add_argument("--plot", default=None, metavar="PATH", help="write an accuracy-vs-keep-ratio figure to PATH")
+    ap.add_argument("--device", type=cli.device, default="cpu", help="torch device (default %(default)s)")
+    ap.add_argument("--threads", type=cli.positive_int, default=1,
+                    help="torch CPU threads (default 1: a tiny model is dispatch-bound, so more threads only "
+                         "add synchronisation)")
+    ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
+                    help="write the records as a JSON list to PATH (default: none)")
+    ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
+                    help="write an accuracy-vs-keep-ratio figure to PATH, a "
+                         f"{'/'.join(s.lstrip('.') for s in cli.FIGURE_FORMATS)} file (default: none)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    methods = args.methods or list(METHODS)
-    for m in methods:
-        try:
-            method_chain(m)
-        except ValueError as e:
-            ap.error(f"--methods: {e}")
-    try:
-        model, tok, card = load(args.checkpoint, device=args.device)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    if tok is None:
-        sys.exit(f"error: {args.checkpoint} has no supported tokenizer, which the synthetic tasks need")
-    tasks = args.tasks or card.get("default_suite") or DEFAULT_TASKS
-    bad = [t for t in tasks if t not in TASKS]
-    if bad:
-        ap.error(f"unknown task(s) {bad}; choose from {TASKS}")
-    if args.samples <= 0:
-        ap.error(f"--samples must be positive, got {args.samples}")
-    args.length = args.length or min(DEFAULT_LENGTH, model.config.max_seq_len)
-    if not 0 < args.length <= model.config.max_seq_len:
-        ap.error(f"--length must be in [1, {model.config.max_seq_len}] (the model's maximum positions)")
-    if args.budgets is not None:
-        budgets = args.budgets
-    else:
-        ratios = args.keep_ratios or DEFAULT_KEEP_RATIOS
-        if any(not 0 < r <= 1 for r in ratios):
-            ap.error(f"--keep-ratios must lie in (0, 1], got {ratios}")
-        budgets = [max(1, round(r * args.length)) for r in ratios]
-    if any(b <= 0 for b in budgets):
-        ap.error(f"budgets must be positive, got {budgets}")
+    with cli.errors(args.debug):
+        # every argument is checked before the model loads
+        methods = args.methods or list(METHODS)
+        for m in methods:
+            try:
+                method_chain(m)
+            except ValueError as e:
+                cli.fail(f"--methods: {e}")
+        if args.json and args.plot and args.json.resolve() == args.plot.resolve():
+            cli.fail("--json and --plot name the same file")
+        config, card = load_config(args.checkpoint), load_card(args.checkpoint)
+        tok = load_tokenizer(args.checkpoint)
+        if tok is None:
+            cli.fail(f"--checkpoint {args.checkpoint} has no supported tokenizer, which the synthetic tasks need")
+        tasks = args.tasks or card.get("default_suite") or DEFAULT_TASKS
+        bad = [t for t in tasks if t not in TASKS]
+        if bad:
+            cli.fail(f"--tasks: unknown task(s) {bad}; choose from {TASKS}")
+        length = args.length if args.length is not None else min(DEFAULT_LENGTH, config.max_seq_len)
+        if not 0 < length <= config.max_seq_len:
+            cli.fail(f"--length must be in [1, {config.max_seq_len}] (the model's maximum positions), got {length}")
+        for task in tasks:
+            try:
+                make_sample(task, tok, length, seed=args.seed)
+            except ValueError as e:
+                cli.fail(f"--length {length}: {e}")
+        if args.budgets is not None:
+            budgets = args.budgets
+        else:
+            ratios = args.keep_ratios or DEFAULT_KEEP_RATIOS
+            if any(not 0 < r <= 1 for r in ratios):
+                cli.fail(f"--keep-ratios must lie in (0, 1], got {ratios}")
+            budgets = [max(1, round(r * length)) for r in ratios]
+        if any(b <= 0 for b in budgets):
+            cli.fail(f"--budgets must be positive, got {budgets}")
 
-    t0 = time.time()
-    try:
-        records = run(model, tok, methods, budgets, tasks, args.modes, args.samples, args.length, args.seed,
+        torch.set_num_threads(args.threads)
+        model, tok, card = load(args.checkpoint, device=args.device)
+        t0 = time.time()
+        records = run(model, tok, methods, budgets, tasks, args.modes, args.samples, length, args.seed,
                       progress=not args.quiet)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    print(format_tables(records))
-    print(f"\n{args.samples} samples per task and mode, {args.length} tokens, seed {args.seed}, "
-          f"{time.time() - t0:.0f} s. acc = string_match_all of the greedy answer; KL = mean next-token "
-          "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
-          "decode step; lost = full-attention mass on entries the method dropped at that step.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"records written to {args.json}")
-    if args.plot:
-        plot(records, args.plot)
-        print(f"plot written to {args.plot}")
+        print(format_tables(records))
+        print(f"\n{args.samples} samples per task and mode, {length} tokens, seed {args.seed}, "
+              f"{time.time() - t0:.0f} s. acc = string_match_all of the greedy answer; KL = mean next-token "
+              "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
+              "decode step; lost = full-attention mass on entries the method dropped at that step.")
+        if args.json:
+            atomic_write_text(args.json, json.dumps(records, indent=1))
+            print(f"records written to {args.json}")
+        if args.plot:
+            plot(records, args.plot)
+            print(f"plot written to {args.plot}")
 
 
 if __name__ == "__main__":

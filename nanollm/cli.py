@@ -153,10 +153,10 @@ def output_file(text: str) -> Path:
 def figure_file(text: str) -> Path:
     """An output file whose suffix names a figure format (``FIGURE_FORMATS``)."""
     path = Path(text)
+    _check_output_file(path)
     if path.suffix.lower() not in FIGURE_FORMATS:
         raise argparse.ArgumentTypeError(f"{text}: unknown figure format {path.suffix or '(no suffix)'!r}; "
                                          f"end the name with {', '.join(FIGURE_FORMATS)}")
-    _check_output_file(path)
     return path
 
 

@@ -120,8 +120,9 @@ def test_cli_json_plot_and_errors(ckpt, tmp_path, capsys):
         with pytest.raises(SystemExit):
             compare_main(["--checkpoint", str(ckpt), *bad, "--quiet"])
         assert msg in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="no checkpoint"):
+    with pytest.raises(SystemExit) as stop:
         compare_main(["--checkpoint", str(tmp_path / "missing"), "--quiet"])
+    assert stop.value.code == 2 and "no checkpoint" in capsys.readouterr().err
 
 
 def test_cli_help_documents_every_flag(capsys):
