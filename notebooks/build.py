@@ -19,8 +19,11 @@ dependency::
 Usage::
 
     python notebooks/build.py                       # every notebooks/*.py, executed normally
-    python notebooks/build.py notebooks/00_nanollm_kv_cache.py --tiny   # quick check in tiny mode
+    python notebooks/build.py notebooks/00_nanollm_kv_cache.py --tiny   # quick check in tiny mode (writes nothing)
     python notebooks/build.py --no-execute           # convert only (no outputs)
+
+Each ``.ipynb`` is written atomically (a temporary file, then renamed), and only after its notebook ran
+without an error; tiny mode never writes, so the committed notebooks keep their full-size outputs.
 
 ``tests/test_notebooks.py`` uses ``read_percent`` to check that each committed ``.ipynb`` still has the
 cells of its ``.py`` source, and ``execute`` to run it headlessly with ``NANOLLM_TINY=1``.
@@ -38,6 +41,8 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+
+from nanollm import cli
 
 NOTEBOOKS = Path(__file__).resolve().parent
 ROOT = NOTEBOOKS.parent
@@ -117,31 +122,49 @@ def error_outputs(nb: nbformat.NotebookNode) -> list[str]:
             for out in cell.get("outputs", []) if out.get("output_type") == "error"]
 
 
-def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int = 600) -> Path:
-    """Convert ``path`` (.py) to the .ipynb beside it, executing it unless ``run`` is False."""
+def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int = 600) -> Path | None:
+    """Convert ``path`` (.py) to the .ipynb beside it, executing it unless ``run`` is False.
+
+    ``tiny``: execute in tiny mode as a check only; nothing is written and None is returned.
+    """
     path = Path(path)
     nb = read_percent(path)
     if run:
         t0 = time.perf_counter()
         execute(nb, tiny=tiny, timeout=timeout)
         print(f"{path.name}: executed{' (tiny mode)' if tiny else ''} in {time.perf_counter() - t0:.1f} s")
+    if tiny:
+        return None
     out = path.with_suffix(".ipynb")
     nbformat.validate(nb)
-    nbformat.write(nb, out)
+    text = nbformat.writes(nb)
+    cli.atomic_write_text(out, text if text.endswith("\n") else text + "\n")    # as nbformat.write does
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python notebooks/build.py",
-                                 description="Convert notebooks/*.py (py:percent) to .ipynb and execute them.")
-    ap.add_argument("paths", nargs="*", help="notebook sources (default: every notebooks/*.py)")
+    ap = cli.ArgumentParser(prog="python notebooks/build.py",
+                            description="Convert notebooks/*.py (py:percent) to .ipynb and execute them.")
+    ap.add_argument("paths", nargs="*",
+                    help="notebook sources, .py files in py:percent format (default: every notebooks/*.py)")
     ap.add_argument("--no-execute", action="store_true", help="convert only; the .ipynb gets no outputs")
     ap.add_argument("--tiny", action="store_true",
-                    help="execute with NANOLLM_TINY=1 (a quick check; commit notebooks built without it)")
-    ap.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds (default %(default)s)")
+                    help="execute with NANOLLM_TINY=1 as a quick check; nothing is written (commit notebooks "
+                         "built without it)")
+    ap.add_argument("--timeout", type=cli.positive_int, default=600,
+                    help="per-cell timeout in seconds (default %(default)s)")
     args = ap.parse_args(argv)
-    for path in [Path(p) for p in args.paths] or sources():
-        print(f"wrote {build(path, run=not args.no_execute, tiny=args.tiny, timeout=args.timeout)}")
+    with cli.errors(args.debug):
+        if args.tiny and args.no_execute:
+            cli.fail("--tiny executes the notebooks as a check, and --no-execute runs nothing: give one of them")
+        paths = [Path(p) for p in args.paths] or sources()
+        for path in paths:                    # every source parses before the first one runs
+            if not path.is_file() or path.suffix != ".py" or path.resolve() == Path(__file__).resolve():
+                cli.fail(f"{path}: not a notebook source (a .py file in py:percent format)")
+            read_percent(path)
+        for path in paths:
+            out = build(path, run=not args.no_execute, tiny=args.tiny, timeout=args.timeout)
+            print(f"wrote {out}" if out else f"{path.name}: ran in tiny mode; nothing written")
 
 
 if __name__ == "__main__":
