@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import math
 import random
@@ -276,9 +277,10 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
     log = open(out / "log.jsonl", "a")
 
     def save():
-        with cli.atomic_open(state_path, "wb") as f:       # a crash never leaves half a file
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "stage": stage,
-                        "stage_start": stage_start, "elapsed": elapsed, "model_config": mcfg.to_dict()}, f)
+        buffer = io.BytesIO()                  # serialised first: a failed write is then a plain OSError
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "stage": stage,
+                    "stage_start": stage_start, "elapsed": elapsed, "model_config": mcfg.to_dict()}, buffer)
+        cli.atomic_write_bytes(state_path, buffer.getvalue())     # a crash never leaves half a file
 
     last = cfg.total_steps if max_steps is None else min(cfg.total_steps, max_steps)
     bar = tqdm(total=last, initial=step, disable=quiet, dynamic_ncols=True)
