@@ -1,0 +1,127 @@
+"""
+README.md as written: its set-up is what CI runs, the package then imports from anywhere, its Python blocks
+run, its commands name only flags the commands have, and its sample output of ``python -m nanollm.bench`` is
+what the bench prints for those numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanollm.bench import BenchResult, BenchRow, fit_line, format_result
+from nanollm.config import preset
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def code_blocks(language: str) -> list[str]:
+    """The fenced blocks of README.md opened with ```language (``""``: blocks without a language)."""
+    blocks, lang, lines = [], None, []
+    for line in README.splitlines(keepends=True):
+        if not line.startswith("```"):
+            lines.append(line)
+        elif lang is None:                       # an opening fence
+            lang, lines = line[3:].strip(), []
+        else:                                    # a closing fence
+            if lang == language:
+                blocks.append("".join(lines))
+            lang = None
+    return blocks
+
+
+def python(args: list[str], cwd: Path, importable: bool = True) -> subprocess.CompletedProcess:
+    """A fresh interpreter in ``cwd``; ``importable``: with this checkout on PYTHONPATH (else as installed)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    if importable:
+        env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_ci_runs_the_readme_setup_and_tests():
+    setup = [line.split("#")[0].strip() for line in code_blocks("bash")[0].splitlines()]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "pip install -r requirements.txt && pip install -e ." in setup and "python -m pytest -q" in setup
+    assert "pip install -r requirements.txt && pip install -e ." in ci and "python -m pytest -q" in ci
+
+
+def test_package_imports_from_anywhere(tmp_path):
+    """After the README's set-up (``pip install -e .``), nanollm and methods import from any folder."""
+    result = python(["-c", "import nanollm, methods; print(nanollm.__file__)"], tmp_path, importable=False)
+    assert result.returncode == 0, f"run the README's set-up (pip install -e .): {result.stderr[-300:]}"
+    if not Path(result.stdout.strip()).is_relative_to(ROOT):
+        pytest.skip(f"nanollm is installed from another checkout: {result.stdout.strip()}")
+
+
+@pytest.mark.parametrize("block", code_blocks("python"), ids=lambda b: b.splitlines()[0][:40])
+def test_python_block_runs(block, tmp_path):
+    result = python(["-c", block], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def readme_commands() -> list[list[str]]:
+    """Every ``python -m ...`` command of README.md, from its shell blocks and its inline code."""
+    lines = [line for block in code_blocks("bash") for line in block.splitlines()]
+    lines += re.findall(r"`(python -m [^`]+)`", README)
+    commands = []
+    for line in lines:
+        line = line.split(" #")[0].strip()
+        for part in line.split("&&"):
+            words = shlex.split(part)
+            if words[:2] == ["python", "-m"] and words[2] != "pytest":
+                commands.append(words[2:])
+    return commands
+
+
+HELP_TEXTS = """
+import contextlib, io, json, runpy, sys
+out = {}
+for name in sys.argv[1:]:
+    sys.argv, text = [name, "--help"], io.StringIO()
+    with contextlib.redirect_stdout(text):
+        try:
+            runpy.run_module(name, run_name="__main__")
+        except SystemExit:
+            pass
+    out[name] = text.getvalue()
+print(json.dumps(out))
+"""
+
+
+def test_commands_use_flags_that_exist(tmp_path):
+    commands = readme_commands()
+    modules = sorted({c[0] for c in commands})
+    assert {"methods.compare", "nanollm.train", "nanollm.card", "nanollm.bench"} <= set(modules)
+    result = python(["-c", HELP_TEXTS, *modules], tmp_path)
+    assert result.returncode == 0, result.stderr
+    helps = json.loads(result.stdout)
+    for module, *args in commands:
+        assert helps[module].startswith("usage:"), f"{module} printed no help"
+        for flag in (a.split("=")[0] for a in args if a.startswith("--")):
+            assert re.search(rf"(?<![\w-]){flag}(?![\w-])", helps[module]), \
+                f"README: `python -m {module}` has no flag {flag}"
+
+
+def test_bench_output_is_what_the_bench_prints():
+    """The README's bench sample, printed again by ``format_result`` from its own rows, is the same text."""
+    block = next(b for b in code_blocks("") if b.startswith("model TINY:"))
+    head = re.match(r"model (\w+): .*batch (\d+), fp32, (\d+) thread\(s\); median of (\d+) repeats x (\d+) steps",
+                    block)
+    name, batch, threads, repeats, steps = head[1], *map(int, head.groups()[1:])
+    rows = [BenchRow(int(c), float(a), float(b), int(k.replace(",", "")), int(f.replace(",", "")))
+            for c, a, b, k, f in re.findall(r"^ *(\d+) \| +([\d.]+) \| +([\d.]+) \|.*\| +([\d,]+) \| +([\d,]+)$",
+                                            block, flags=re.M)]
+    result = BenchResult(config=preset(name, max_seq_len=2048), batch=batch, threads=threads, repeats=repeats,
+                         steps=steps, rows=rows)
+    for mode in ("cached", "recompute"):
+        result.fit[mode] = fit_line([r.context for r in rows], [getattr(r, f"{mode}_ms") for r in rows])
+    assert len(rows) == 4 and format_result(result, name=name) == block.rstrip("\n")
