@@ -30,6 +30,7 @@ from .adakv import AdaKVPolicy
 from .chunkkv import ChunkKVPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
+from .kvreviver import KVReviverPolicy
 from .snapkv import SnapKVPolicy
 from .streaming_llm import StreamingLLMPolicy
 
@@ -40,6 +41,7 @@ METHODS: dict[str, type[CachePolicy]] = {
     "snapkv": SnapKVPolicy,                # observation-window vote at prefill (Li et al. 2024)
     "adakv": AdaKVPolicy,                  # head-adaptive budgets over a scorer (Feng et al. 2025)
     "chunkkv": ChunkKVPolicy,              # whole chunks of tokens + layer-wise index reuse (Liu et al. 2025)
+    "kvreviver": KVReviverPolicy,          # evicted tokens in a count sketch, rebuilt every step (Yuan et al. 2025)
 }
 
 
@@ -123,5 +125,5 @@ def make_policy(name: str, budget: int, inner: str | None = None, **options) -> 
     return policy
 
 
-__all__ = ["METHODS", "AdaKVPolicy", "ChunkKVPolicy", "FullPolicy", "H2OPolicy", "SnapKVPolicy", "StreamingLLMPolicy",
-           "make_policy", "method_chain", "method_options", "scorers", "wrappers"]
+__all__ = ["METHODS", "AdaKVPolicy", "ChunkKVPolicy", "FullPolicy", "H2OPolicy", "KVReviverPolicy", "SnapKVPolicy",
+           "StreamingLLMPolicy", "make_policy", "method_chain", "method_options", "scorers", "wrappers"]

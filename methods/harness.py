@@ -15,7 +15,8 @@ tokens. From two traces (full and method) ``compare_traces`` computes:
   An entry a method rebuilds in ``attend_kv`` (an approximation of an evicted token, e.g. from a sketch)
   counts as lost here: its error shows in ``attn_l1``, ``perturbation`` and ``kl`` instead. Otherwise a
   method that attends to approximations of everything would report no loss at all;
-* ``kv_bytes``: peak K/V bytes stored over all layers; ``extra_bytes``: peak bytes of what the method
+* ``kv_bytes``: peak K/V bytes stored over all layers, with the slots a policy keeps outside the storage
+  (``policy.slot_nbytes()``: a sketch's cells); ``extra_bytes``: peak bytes of what the method
   keeps besides: per-slot state in the storage (H2O's scores) plus ``policy.extra_nbytes()`` (sketches);
 * ``compress_ms``: time spent in the policy's hooks; ``decode_ms_per_token``: time per decode step.
 
@@ -85,6 +86,9 @@ class Probe(CachePolicy):
     def extra_nbytes(self) -> int:
         return self.inner.extra_nbytes()
 
+    def slot_nbytes(self) -> int:
+        return self.inner.slot_nbytes()
+
 
 @dataclass
 class Trace:
@@ -118,8 +122,11 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
         logits = extend(model, torch.tensor([sample.question_ids], device=dev), cache)
     else:
         raise ValueError(f"unknown mode {mode!r}")
+    def kv() -> int:                                   # stored K/V + slots kept outside the storage
+        return cache.nbytes() + probe.slot_nbytes()
+
     step_logits = [logits[0, -1]]
-    kv_bytes, extra_bytes = cache.nbytes(), extra()
+    kv_bytes, extra_bytes = kv(), extra()
     decode_s, hidden = 0.0, None
     for j, token in enumerate(sample.target_ids[:-1]):
         probe.recording = j == 0
@@ -129,7 +136,7 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
         if j == 0:
             hidden = h[0, -1]
         step_logits.append(lg[0, -1])
-        kv_bytes, extra_bytes = max(kv_bytes, cache.nbytes()), max(extra_bytes, extra())
+        kv_bytes, extra_bytes = max(kv_bytes, kv()), max(extra_bytes, extra())
     n_steps = len(sample.target_ids) - 1
     return Trace(torch.stack(step_logits), hidden, probe.outs, probe.pos, probe.probs, probe.attended, kv_bytes,
                  extra_bytes, probe.compress_s * 1e3, decode_s * 1e3 / max(1, n_steps))

@@ -121,8 +121,14 @@ class CachePolicy:
         return []
 
     def extra_nbytes(self) -> int:
-        """Bytes of what the policy keeps *outside* the storage (sketches, tables), reported apart from K
-        and V. Per-slot state kept in the storage is counted by the cache (``KVCache.state_nbytes``)."""
+        """Bytes of side tables the policy keeps *outside* the storage (e.g. per-token scores), reported
+        apart from K and V. Per-slot state kept in the storage is counted by the cache
+        (``KVCache.state_nbytes``)."""
+        return 0
+
+    def slot_nbytes(self) -> int:
+        """Bytes of key/value slots the policy keeps outside the storage (a sketch's cells, which stand in
+        for evicted tokens): counted *with* the K/V bytes. Default 0."""
         return 0
 
 
@@ -276,3 +282,6 @@ class PolicyWrapper(ScoringPolicy):
 
     def extra_nbytes(self) -> int:
         return self.inner.extra_nbytes()
+
+    def slot_nbytes(self) -> int:
+        return self.inner.slot_nbytes()

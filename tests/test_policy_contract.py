@@ -45,6 +45,9 @@ TEST_OPTIONS: dict[str, list[dict]] = {
     "chunkkv": [{}, {"window": 8, "chunk_size": 4, "reuse": 1}, {"window": 3, "chunk_size": 7, "reuse": 2,
                                                                  "per_head": True, "remainder": "none"}],
 }
+TEST_OPTIONS["kvreviver"] = [{}, {"candidate_share": 0.3, "vague_share": 0.3, "recent_slack": 2},
+                              {"candidate_share": 0.0, "rows": 1, "replace_rate": 1.0}]
+
 # Options of a wrapper when it is crossed with a scorer (the scorer keeps its defaults).
 WRAPPER_OPTIONS: dict[str, list[dict]] = {
     "adakv": [{}, {"alpha_safeguard": 0.0}],

@@ -1,0 +1,341 @@
+"""
+KVReviver: evicted tokens go into a count sketch, from which every step rebuilds them for full attention.
+
+Paper: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction",
+https://arxiv.org/abs/2512.17917  (the Vague sketch: Algorithms 1-2; Recent / Candidate / Vague storage:
+Algorithm 3; rebuilding the cache: Algorithm 4; defaults: the appendix's parameter settings, Tables 2-3;
+error analysis: the "Mathematical Analysis" section and Lemmas 1-2).
+
+Idea. An evicting method forgets for good: once a token is dropped, a later question about it cannot be
+answered ("contextual amnesia"). KVReviver keeps, per layer:
+* Recent (R): the newest tokens, raw, as a queue;
+* Candidate (C): the tokens with the highest accumulated attention, raw, as a min-heap;
+* Vague (V): every other token, *summed* into a small count sketch of r x b cells (each cell holds a
+  whole token: keys and values of every KV head). Any of them can be rebuilt approximately.
+Before each attention (Algorithm 4) the layer's cache is rebuilt for *all* N positions: raw from R and C,
+the median over the r sketch rows for V. Attention is full; only the storage is compressed. After the
+attention, the new tokens enter R and Algorithm 3 rebalances: R overflows into C, C's lowest-score tokens
+go into the sketch, and a sketch token whose score beats C's minimum by ``replace_rate`` is revived into C.
+
+The sketch (Algorithms 1-2), per row i with a bucket hash h_i and a sign hash g_i:
+    insert:  cell[i, h_i(J)].key += k_J          cell[i, h_i(J)].value += g_i(J) v_J
+    query:   k^_J = median_i cell[i, h_i(J)].key    v^_J = median_i g_i(J) cell[i, h_i(J)].value
+Signs make each row's value estimate unbiased (collisions add zero-mean noise); keys are summed without
+signs (the paper: the softmax would not keep an unbiased key unbiased anyway).
+
+How this file resolves what the paper leaves open:
+* Scores. One accumulated score per token and layer, kept in a dense table indexed by position (a
+  token in the sketch has no slot, yet needs a score to be revived): each step adds the attention every
+  position received, summed over all query heads and query rows. Every attention row sums to 1, so a
+  step adds exactly (query heads x query rows) (tested). Sketch tokens accumulate what their rebuilt keys
+  receive.
+* Delete (in a swap) subtracts the *estimate* from the cells: the residual stays in the sketch as noise,
+  and the revived token enters C with its approximate key and value (a lossy revival).
+* Granularity. R, C and V are per layer, shared by the KV heads (a cell holds a whole token), so every
+  KV head keeps the same positions. GQA needs no special rule.
+* Budget = slots per layer: raw slots (R + C) plus sketch cells (r x b). Split 0.45 / 0.45 / 0.1 (Tables
+  2-3), with ``R.budget = budget - C.budget - r*b - recent_slack`` so that raw slots + cells never
+  exceed ``budget`` even when R is over by its slack. ``recent_slack`` (Algorithm 3's Slack: tokens R may exceed its budget by before it
+  moves its oldest into C in one go) is not given in the paper: ours defaults to 0. While every token
+  seen fits in ``budget`` raw slots nothing is compressed (and the sketch does not exist yet).
+* Swap loop: one token at a time, as Algorithm 3; it stops when C's minimum times ``replace_rate`` is no
+  longer below V's maximum, and after at most ``C.budget`` swaps per step.
+* Hashes: seeded universal hashing ((a J + c) mod p) mod b per row and layer; ``injective_hash=True``
+  uses h_i(J) = J (needs b > every position; for testing exact reconstruction). With no cells
+  (b = 0, tiny budgets) tokens leaving C are forgotten: the method degenerates to H2O-like eviction.
+
+Memory, as the harness reports it: raw slots in the storage plus the sketch cells (``slot_nbytes``) are
+the K/V bytes (``slot_nbytes``); the dense score table is extra bytes (``extra_nbytes``); the transient rebuilt cache of one
+layer (``rebuilt_nbytes``, peak) is reported by the notebook.
+
+Defaults: r = 3 rows, shares 0.45 / 0.45 / 0.1, replace_rate 1.1 (the appendix: insensitive in [1.0,
+1.5]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from nanollm.policy import CachePolicy, StepContext, check_budget
+from nanollm.storage import LayerKV
+
+PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
+
+
+class VagueSketch:
+    """A count sketch of whole tokens for one sequence and layer (Algorithms 1-2), batched over tokens.
+
+    cells: key, value (r, b, H_kv, d), fp32 (sums of many tokens). Tokens are identified by position J.
+    """
+
+    def __init__(self, rows: int, width: int, n_kv_head: int, head_dim: int, seed: int, injective: bool = False,
+                 device=None) -> None:
+        if width < 1:
+            raise ValueError(f"a sketch needs at least one cell per row, got width {width}")
+        self.rows, self.width, self.injective = rows, width, injective
+        self.key = torch.zeros(rows, width, n_kv_head, head_dim, device=device)
+        self.value = torch.zeros_like(self.key)
+        g = torch.Generator().manual_seed(seed)
+        self.coef = torch.randint(1, PRIME, (4, rows, 1), generator=g).to(device)   # a, c (bucket); a', c' (sign)
+
+    def buckets(self, pos: Tensor) -> Tensor:
+        """h_i(J) for every row i: pos (n,) -> (r, n)."""
+        J = pos.view(1, -1).long()
+        if self.injective:
+            return J.expand(self.rows, -1)
+        return (self.coef[0] * J + self.coef[1]) % PRIME % self.width
+
+    def signs(self, pos: Tensor) -> Tensor:
+        """g_i(J) in {+1, -1}: (n,) -> (r, n)."""
+        J = pos.view(1, -1).long()
+        if self.injective:
+            return torch.ones(self.rows, J.shape[1], device=J.device)
+        return 1.0 - 2.0 * ((self.coef[2] * J + self.coef[3]) % PRIME % 2).float()
+
+    def _cells(self, pos: Tensor) -> Tensor:
+        """Flat index i * width + h_i(J) of every (row, token): (r * n,)."""
+        row = torch.arange(self.rows, device=pos.device).view(-1, 1) * self.width
+        return (row + self.buckets(pos)).reshape(-1)
+
+    def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
+        """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
+        subtract)."""
+        n = pos.shape[0]
+        k_rows = k.float().unsqueeze(0).expand(self.rows, n, *k.shape[1:])              # (r, n, H_kv, d)
+        v_rows = v.float().unsqueeze(0) * self.signs(pos)[..., None, None]             # g_i(J) v_J
+        flat = (-1, *self.key.shape[2:])
+        self.key.view(flat).index_add_(0, self._cells(pos), sign * k_rows.reshape(flat))
+        self.value.view(flat).index_add_(0, self._cells(pos), sign * v_rows.reshape(flat))
+
+    def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows."""
+        shape = (self.rows, pos.shape[0], *self.key.shape[2:])
+        flat = (-1, *self.key.shape[2:])
+        k = self.key.view(flat).index_select(0, self._cells(pos)).view(shape)
+        v = self.value.view(flat).index_select(0, self._cells(pos)).view(shape) * self.signs(pos)[..., None, None]
+        return k.median(dim=0).values, v.median(dim=0).values
+
+    def delete(self, pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Remove tokens by subtracting what is known of them (in a swap: their estimates)."""
+        self.insert(pos, k, v, sign=-1.0)
+
+    def nbytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
+
+
+@dataclass
+class KVReviverPolicy(CachePolicy):
+    """Recent / Candidate raw slots + a count sketch of everything else, rebuilt before every attention.
+
+    Parameters
+    ----------
+    budget : slots per layer (per KV head): raw tokens + sketch cells.
+    rows : sketch rows r (the paper fixes 3).
+    vague_share, candidate_share : shares of ``budget`` for the sketch cells and C (0.1, 0.45; Tables
+        2-3); R gets the rest, minus ``slack``.
+    replace_rate : hysteresis of the swap between C and V (1.1).
+    recent_slack : Algorithm 3's Slack, tokens R may exceed its budget by before moving its oldest into C
+        in one go (not given in the paper; ours: 0).
+    sketch_width : b, cells per row, given explicitly: the cells then come *on top of* ``budget`` (for
+        experiments on the sketch alone); None = floor(vague_share * budget / rows), taken from the budget.
+    injective_hash : h_i(J) = J (exact reconstruction if b > every position; for tests).
+    seed : seed of the hashes (each layer uses seed + layer).
+    """
+
+    budget: int
+    rows: int = 3                    # the paper's r
+    vague_share: float = 0.10        # Table 2
+    candidate_share: float = 0.45    # Table 3 (equal split with Recent)
+    replace_rate: float = 1.1        # parameter settings: insensitive in [1.0, 1.5]
+    recent_slack: int = 0            # Algorithm 3's Slack; not given in the paper
+    sketch_width: int | None = None
+    injective_hash: bool = False
+    seed: int = 0
+    needs_probs = True
+    # per-layer state: dense scores (B, N) by position, R size, sketch, peak rebuilt bytes
+    _scores: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _recent: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _sketch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    rebuilt_nbytes: int = field(default=0, init=False, repr=False, compare=False)
+    swaps: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        for name in ("rows", "recent_slack", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "rows" else 0):
+                raise ValueError(f"{name} must be an int >= {1 if name == 'rows' else 0}, got {value!r}")
+        for name in ("vague_share", "candidate_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        if self.vague_share + self.candidate_share > 1.0:
+            raise ValueError(f"vague_share + candidate_share must be <= 1, got {self.vague_share + self.candidate_share}")
+        if isinstance(self.replace_rate, bool) or not isinstance(self.replace_rate, (int, float)) \
+                or self.replace_rate < 1.0:
+            raise ValueError(f"replace_rate must be a number >= 1, got {self.replace_rate!r}")
+        if self.sketch_width is not None and (isinstance(self.sketch_width, bool)
+                                              or not isinstance(self.sketch_width, int) or self.sketch_width < 0):
+            raise ValueError(f"sketch_width must be a non-negative int or None, got {self.sketch_width!r}")
+        if not isinstance(self.injective_hash, bool):
+            raise ValueError(f"injective_hash must be True or False, got {self.injective_hash!r}")
+        if self.raw_budget - self.candidate_budget < 1:
+            raise ValueError(f"budget {self.budget} leaves no room for Recent after Candidate "
+                             f"({self.candidate_budget}) and the sketch ({self.rows} x {self.width}); raise budget "
+                             "or lower candidate_share / vague_share / sketch_width")
+
+    # -- the split of the slot budget -----------------------------------------------------------------
+    @property
+    def width(self) -> int:
+        """b, cells per sketch row."""
+        return self.sketch_width if self.sketch_width is not None else int(self.vague_share * self.budget) // self.rows
+
+    @property
+    def candidate_budget(self) -> int:
+        return int(self.candidate_share * self.budget)
+
+    @property
+    def raw_budget(self) -> int:
+        """Raw slots (R + its slack + C): the budget minus the sketch cells (unless ``sketch_width`` was given:
+        then the cells come on top, an experiment knob)."""
+        cells = self.rows * self.width if self.sketch_width is None else 0
+        return self.budget - cells
+
+    @property
+    def recent_budget(self) -> int:
+        """R.budget: the raw slots C leaves, minus the slack (the slack is cut at tiny budgets so R >= 1)."""
+        return max(1, self.raw_budget - self.candidate_budget - self.recent_slack)
+
+    @property
+    def slack_in_effect(self) -> int:
+        return self.raw_budget - self.candidate_budget - self.recent_budget
+
+    # -- Algorithm 4: rebuild the layer's cache for the attention --------------------------------------
+    def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
+        sketches = self._sketch.get(layer)
+        if not sketches:                                # nothing in a sketch: the storage is the whole cache
+            return store
+        B, H_kv, T, d = store.k.shape
+        seen = int(store.pos.max()) + 1                 # positions 0..seen-1 (the new tokens included)
+        raw = torch.zeros(B, seen, dtype=torch.bool, device=store.pos.device)
+        raw.scatter_(1, store.pos[:, 0], True)                                   # (B, N) in R or C
+        vague = torch.arange(seen, device=raw.device).expand(B, seen)[~raw].view(B, -1)   # (B, n_V)
+        rebuilt_k, rebuilt_v = zip(*(sketches[b].query(vague[b]) for b in range(B)))      # (n_V, H_kv, d) each
+        pos = torch.cat([store.pos[:, 0], vague], dim=1)                         # (B, N)
+        order = pos.argsort(dim=1)[:, None, :]                                   # position order
+        k = torch.cat([store.k, torch.stack(rebuilt_k).transpose(1, 2).to(store.k.dtype)], dim=2)
+        v = torch.cat([store.v, torch.stack(rebuilt_v).transpose(1, 2).to(store.v.dtype)], dim=2)
+        idx = order[..., None].expand(B, H_kv, seen, d)
+        rebuilt = LayerKV(k.gather(2, idx), v.gather(2, idx), pos[:, None, :].gather(2, order).expand(B, H_kv, seen))
+        self.rebuilt_nbytes = max(self.rebuilt_nbytes, rebuilt.nbytes())
+        return rebuilt
+
+    # -- scores and Algorithm 3 -------------------------------------------------------------------------
+    def _accumulate(self, ctx: StepContext) -> None:
+        """Add the attention every position received in this step, over all query heads and rows."""
+        B = ctx.q.shape[0]
+        if ctx.phase == "prefill":
+            self._scores[ctx.layer] = torch.zeros(B, ctx.seen, device=ctx.q.device)
+            self._recent[ctx.layer] = 0
+        else:
+            old = self._scores[ctx.layer]
+            self._scores[ctx.layer] = torch.cat([old, old.new_zeros(B, ctx.seen - old.shape[1])], dim=1)
+        received = ctx.probs.float().sum(dim=(1, 2))                             # (B, T_att)
+        attended = ctx.attended_pos if ctx.attended_pos is not None else ctx.kv.pos
+        self._scores[ctx.layer].scatter_add_(1, attended[:, 0], received)
+
+    def on_prefill(self, ctx: StepContext) -> None:
+        self._accumulate(ctx)
+        self._compress(ctx)
+
+    def on_decode(self, ctx: StepContext) -> None:
+        self._accumulate(ctx)
+        self._compress(ctx)
+
+    def _compress(self, ctx: StepContext) -> None:
+        """Algorithm 3 for every sequence of the batch: R.push, R -> C overflow, C -> V overflow, swaps."""
+        layer, store = ctx.layer, ctx.kv
+        self._recent[layer] += ctx.q.shape[2]                                    # R.Push(new tokens)
+        if ctx.seen <= self.budget and layer not in self._sketch:                # every token fits raw
+            return
+        if self._recent[layer] > self.recent_budget + self.slack_in_effect:      # R overflows into C
+            self._recent[layer] = self.recent_budget
+        B, H_kv, T, d = store.k.shape
+        if layer not in self._sketch:                   # first compression: one sketch per sequence
+            self._sketch[layer] = [VagueSketch(self.rows, self.width, H_kv, d, self.seed + layer,
+                                               self.injective_hash, store.k.device)
+                                   for _ in range(B)] if self.width > 0 else []   # no cells: V forgets
+        recent_from = ctx.seen - self._recent[layer]                             # R = positions >= this
+        n_out = int((store.pos[0, 0] < recent_from).sum()) - self.candidate_budget   # same in every row
+        new_k, new_v, new_pos = [], [], []
+        for b in range(B):
+            sketch = self._sketch[layer][b] if self._sketch[layer] else None
+            k, v, p = store.k[b], store.v[b], store.pos[b, 0]                    # (H_kv, T, d), (T,)
+            scores = self._scores[layer][b]                                      # (N,) by position
+            if n_out > 0:                                                        # C -> V: the lowest scores
+                c_slots = (p < recent_from).nonzero().flatten()
+                out = c_slots[scores[p[c_slots]].argsort(stable=True)[:n_out]]
+                if sketch is not None:
+                    sketch.insert(p[out], k[:, out].transpose(0, 1), v[:, out].transpose(0, 1))
+                keep = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
+                keep[out] = False
+                k, v, p = k[:, keep], v[:, keep], p[keep]
+            if sketch is not None:
+                k, v, p = self._swap(sketch, scores, k, v, p, recent_from)
+            order = p.argsort()
+            new_k.append(k[:, order]), new_v.append(v[:, order]), new_pos.append(p[order])
+        store.replace(torch.stack(new_k), torch.stack(new_v),
+                      torch.stack(new_pos)[:, None, :].expand(B, H_kv, -1).contiguous())
+
+    def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
+              recent_from: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Algorithm 3's swap loop for one sequence: revive V's best token while its score beats C's
+        minimum by ``replace_rate``; C's minimum goes into the sketch in exchange."""
+        in_raw = torch.zeros(scores.shape[0], dtype=torch.bool, device=p.device)
+        in_raw[p] = True
+        k, v, p = k.clone(), v.clone(), p.clone()
+        for _ in range(self.candidate_budget):                                   # at most C.budget swaps
+            cand = (p < recent_from).nonzero().flatten()
+            vague = (~in_raw).nonzero().flatten()
+            if cand.numel() == 0 or vague.numel() == 0:
+                break
+            c = cand[scores[p[cand]].argmin()]                                   # slot of C's minimum
+            j = vague[scores[vague].argmax()]                                    # position of V's maximum
+            if not scores[p[c]] * self.replace_rate < scores[j]:
+                break
+            jk, jv = sketch.query(j.view(1))                                     # (1, H_kv, d) estimates
+            sketch.delete(j.view(1), jk, jv)                                     # the residual stays as noise
+            sketch.insert(p[c].view(1), k[:, c].unsqueeze(0), v[:, c].unsqueeze(0))
+            in_raw[p[c]], in_raw[j] = False, True
+            k[:, c], v[:, c], p[c] = jk[0].to(k.dtype), jv[0].to(v.dtype), j     # revived, approximately
+            self.swaps += 1
+        return k, v, p
+
+    # -- bookkeeping and the contract --------------------------------------------------------------------
+    def reset(self) -> None:
+        self._scores, self._recent, self._sketch = {}, {}, {}
+        self.rebuilt_nbytes, self.swaps = 0, 0
+
+    def slot_nbytes(self) -> int:
+        """Bytes of the sketch cells: they stand in for stored tokens, so they count with the K/V bytes."""
+        return sum(s.nbytes() for sketches in self._sketch.values() for s in sketches)
+
+    def extra_nbytes(self) -> int:
+        """Bytes of the dense per-token score tables (one float per position seen, per layer and sequence)."""
+        return sum(s.nbytes for s in self._scores.values())
+
+    def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
+        """The Recent part: at least the ``recent_budget`` newest positions stay raw."""
+        return list(range(max(0, seen - self.recent_budget), seen))
+
+    def parts(self, layer: int, store: LayerKV, row: int = 0) -> dict:
+        """Sizes of R and C (raw slots), V (tokens held only by the sketch) and the sketch cells of one layer."""
+        seen = self._scores[layer].shape[1]
+        raw = store.pos[row, 0]
+        recent_from = seen - self._recent[layer]
+        cells = self.rows * self.width if self._sketch.get(layer) else 0
+        return {"R": int((raw >= recent_from).sum()), "C": int((raw < recent_from).sum()),
+                "V": seen - raw.numel(), "cells": cells}
