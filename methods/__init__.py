@@ -28,6 +28,7 @@ from nanollm.policy import CachePolicy, PolicyWrapper, ScoringPolicy, check_budg
 
 from .adakv import AdaKVPolicy
 from .chunkkv import ChunkKVPolicy
+from .critical_kv import CriticalKVPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
 from .kvreviver import KVReviverPolicy
@@ -42,6 +43,7 @@ METHODS: dict[str, type[CachePolicy]] = {
     "adakv": AdaKVPolicy,                  # head-adaptive budgets over a scorer (Feng et al. 2025)
     "chunkkv": ChunkKVPolicy,              # whole chunks of tokens + layer-wise index reuse (Liu et al. 2025)
     "kvreviver": KVReviverPolicy,          # evicted tokens in a count sketch, rebuilt every step (Yuan et al. 2025)
+    "critical_kv": CriticalKVPolicy,       # perturbation-constrained two-stage selection over a host (Feng et al. 2025)
 }
 
 

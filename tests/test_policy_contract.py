@@ -44,6 +44,9 @@ TEST_OPTIONS: dict[str, list[dict]] = {
                                                "alpha_safeguard": 0.0}],
     "chunkkv": [{}, {"window": 8, "chunk_size": 4, "reuse": 1}, {"window": 3, "chunk_size": 7, "reuse": 2,
                                                                  "per_head": True, "remainder": "none"}],
+    "critical_kv": [{}, {"window": 8, "kernel": 3, "alpha": 0.0},
+                    {"inner": "adakv(snapkv)", "window": 4, "alpha": 0.5, "stage2": "host", "epsilon": 1e-4},
+                    {"inner": "adakv(h2o)"}, {"inner": "adakv(snapkv)", "alpha_safeguard": 0.0}],
 }
 TEST_OPTIONS["kvreviver"] = [{}, {"candidate_share": 0.3, "vague_share": 0.3, "recent_slack": 2},
                               {"candidate_share": 0.0, "rows": 1, "replace_rate": 1.0}]
@@ -52,6 +55,7 @@ TEST_OPTIONS["kvreviver"] = [{}, {"candidate_share": 0.3, "vague_share": 0.3, "r
 WRAPPER_OPTIONS: dict[str, list[dict]] = {
     "adakv": [{}, {"alpha_safeguard": 0.0}],
     "chunkkv": [{}, {"chunk_size": 3, "reuse": 1, "per_head": True, "remainder": "none"}],
+    "critical_kv": [{}, {"alpha": 0.5, "stage2": "host", "epsilon": 1e-4}],
 }
 
 N_PROMPT, N_CHUNK, BATCH = 48, 6, 2

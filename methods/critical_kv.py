@@ -1,0 +1,332 @@
+"""
+Perturbation-constrained selection (CriticalKV): pick the entries whose removal perturbs the attention
+*output* least, not just the ones with the highest attention.
+
+Paper: Feng, Lv, Cao, Xie, Zhou, "Identify Critical KV Cache in LLM Inference from an Output Perturbation
+Perspective", 2025, https://arxiv.org/abs/2502.03805  (the problem: §3.2, Definition 1, Eq. 3; masked
+softmax: Theorem 1, Eq. 6; the bound: Theorem 2, Eq. 8; two-stage selection: §3.4, Algorithm 1;
+Assumption 1 and Theorem 3: §3.5, Eqs. 14-15; inside observation-window methods: §3.6, Algorithm 2;
+settings: §4.2; head-wise and final-layer perturbation: §5.1-5.2; alpha ablation: Appendix D).
+
+Idea. For one head and one query, the attention output is o = A V W_O (Eq. 2). Keeping only the entries of
+a 0/1 mask N renormalises the attention over what is kept, A' = N*A / sum(N*A) (Theorem 1), and the L1
+output perturbation L = ||(A - A') V W_O||_1 (Eq. 5) is bounded by (Theorem 2, Eq. 8)
+
+    theta = C - (2 - 1 / sum_i N_i A_i) * sum_i N_i A_i ||V_i W_O||_1,      C = sum_i A_i ||V_i W_O||_1.
+
+The bound depends on the attention weights *and* on the size of what each entry would add to the output,
+its projected value norm P_i = ||V_i W_O||_1. Once the kept attention mass sigma exceeds 1/2 (Assumption
+1), the factor (2 - 1/sigma) is positive and the bound shrinks fastest by keeping the entries with the
+largest A_i * P_i (Theorem 3). Hence the two-stage greedy selection (Algorithm 1), with budget b:
+
+    stage 1:  S1 = top_{floor(alpha * b)}(A)                           # secure attention mass (Assumption 1)
+    stage 2:  S2 = top_{b - |S1|}(A * P) over the entries not in S1     # minimise the bound (Theorem 3)
+    keep     = S1 ∪ S2
+
+Attention top-k minimises a looser bound in which every P_i is replaced by min_i P_i (Theorem 4, Appendix
+F), so when all P_i are equal the two-stage selection *is* attention top-k (tested).
+
+Inside an observation-window method (Algorithm 2): the host method (SnapKV, AdaKV over SnapKV) allocates
+each head's budget b and ranks entries by its pooled window vote; stage 1 takes the host's top
+floor(alpha * b') by that pooled score; stage 2 weighs the *un-pooled* window attention (the mean over the
+window's queries, Algorithm 2 line 3) by the projected value norms (line 9). As a wrapper
+(``nanollm.policy.PolicyWrapper``), for every KV head j of a layer being compressed:
+
+    b_j     = inner.head_budgets(ctx)[j]           # uniform (SnapKV) or AdaKV's share of the layer's pool
+    keep_j  = inner.protected(ctx)                 # SnapKV's observation window, H2O's recent tokens, sinks
+    b'_j    = b_j - |keep_j|                       # the free budget
+    S1_j    = top_{floor(alpha * b'_j)}(inner.score)               # the host's (pooled) ranking
+    S2_j    = top_{b'_j - |S1_j|}(mean_{h in group j} (Abar_h + eps) * P_h)   # outside keep_j and S1_j
+    keep    = keep_j ∪ S1_j ∪ S2_j     (exactly b_j entries; AdaKV's unequal heads padded with -1)
+
+with Abar_h the mean over the last ``window`` prompt queries of query head h's attention (not pooled)
+and P_h,i = ||v_{h // G, i} W_O^(h)||_1, where W_O^(h) = o_proj.weight[:, h*d:(h+1)*d]^T is query head h's
+slice of the output projection. ``critical_kv`` = ``critical_kv(snapkv)`` (CriticalSnapKV);
+``critical_kv(adakv(snapkv))`` is CriticalAdaKV.
+
+Choices the paper leaves open, and ours:
+* The window. Algorithm 2 does not show SnapKV's window. We keep it as SnapKV does (protected) and split
+  the *free* budget b' = b - window between the stages, so ``alpha = 1`` is exactly the host's selection
+  (tested) and ``alpha`` never spends budget on entries that are kept anyway.
+* GQA (the paper's models share K/V per group too, but its equations are per head). P is computed per
+  *query* head with that head's slice of W_O; the stage-2 score of a KV head is the mean over its G query
+  heads of Abar_h * P_h. With one mask per KV head, that is the mask minimising the sum of the group's
+  per-head bounds hat-theta_h (Eq. 14) when their factors (2 - 1/sigma_h) are equal. NVIDIA's kvpress
+  library instead multiplies the host's group-mean score by the group-mean of P.
+* Where the window comes from. The size is read from the innermost scorer (``window``, SnapKV's option), so
+  ``make_policy("critical_kv", b, window=16)`` changes SnapKV's window and this wrapper follows it.
+* Hosts without an observation window (H2O, StreamingLLM), or ``stage2="host"``: stage 2 uses the host's
+  own score as the attention estimate, (score + eps) * P (with H2O: accumulated attention times the value
+  norm). Under StreamingLLM every kept entry is protected (sinks + recent = budget), so the wrapper keeps
+  exactly what StreamingLLM keeps. Stage 2 also falls back to the host score if the policy attends to
+  rebuilt entries (``ctx.probs`` does not refer to the storage) or no probabilities are available.
+* Which hosts. The two stages replace the host's own selection rule: the wrapper reads the host's per-head
+  budgets, ranking and protected entries, which is all there is to hosts that keep each head's
+  top-scored entries (SnapKV, H2O, StreamingLLM, AdaKV over any of them). Over ChunkKV it would pick
+  tokens, not whole chunks.
+* The variant of kvpress's ``CriticalKVPress`` / ``CriticalAdaKVPress`` is ``alpha=0.5, stage2="host",
+  epsilon=1e-4`` (stage-1 share 0.5, stage 2 on the host's pooled score plus a small epsilon); kvpress takes
+  its stage-1 share of the whole budget, window included, we take it of the free budget.
+
+Diagnostics. After each compression ``policy.last[layer]`` holds what the two stages picked
+(``stage1_pos``, ``stage2_pos``: (B, H_kv, T) positions, -1 elsewhere; stage 1 includes the protected
+entries) and, in window mode (else None), the window attention ``abar`` (B, H, T) over the slots before
+compression and ``sigma`` (B, H), its mass on the stage-1 set: the quantity of Assumption 1. A record for
+notebooks, not cache state.
+
+Defaults: ``alpha = 0.25`` (§4.2, all of the paper's experiments; kvpress's ``first_stage_ratio`` is 0.5),
+``stage2 = "window"`` (Algorithm 2), ``epsilon = 0`` (the paper has none; kvpress 1e-4); the host keeps its
+own defaults (SnapKV: window 32, kernel 7, max pooling, which §4.2 keeps "as originally defined").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext, check_budget
+
+from .adakv import mask_to_indices
+from .snapkv import SnapKVPolicy
+
+STAGE2 = ("window", "host")      # stage-2 attention: the un-pooled window attention, or the host's score
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The perturbation and its bound (§3.3), for one query: attn (..., n), keep (..., n) bool.
+
+def renormalized_attention(attn: Tensor, keep: Tensor) -> Tensor:
+    """Theorem 1 (Eq. 6): the softmax over the kept entries only, A' = N*A / sum_i N_i A_i. (..., n)."""
+    kept = attn * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def output_perturbation(attn: Tensor, keep: Tensor, projected: Tensor) -> Tensor:
+    """Eq. 5: L = ||(A - A') V W_O||_1 for projected values ``projected`` = V W_O (..., n, D). Returns (...)."""
+    diff = attn - renormalized_attention(attn, keep)                       # (..., n)
+    return (diff.unsqueeze(-2) @ projected).squeeze(-2).abs().sum(-1)      # (..., D) -> (...)
+
+
+def perturbation_bound(attn: Tensor, keep: Tensor, vnorm: Tensor) -> Tensor:
+    """Theorem 2 (Eq. 8): theta = C - (2 - 1/sum(N*A)) * sum(N*A*P), C = sum(A*P), P = ||V_i W_O||_1. (...)."""
+    C = (attn * vnorm).sum(-1)
+    kept_mass = (attn * keep).sum(-1)
+    return C - (2 - 1 / kept_mass) * (attn * keep * vnorm).sum(-1)
+
+
+def assumption1_sigma(attn: Tensor, stage1: Tensor) -> Tensor:
+    """Assumption 1: sigma = sum_i N'_i A_i, the attention mass on the stage-1 set. Theorem 3 needs > 0.5."""
+    return (attn * stage1).sum(-1)
+
+
+def projected_values(v: Tensor, w_o: Tensor, head: int, n_head: int) -> Tensor:
+    """Query head ``head``'s projected values V W_O^(h) (the rows of Theorem 2's script-V): (B, T, D).
+
+    v : (B, H_kv, T, d) stored values; w_o : (D, H*d) ``o_proj.weight``, whose columns h*d..(h+1)*d are
+    head h's, so W_O^(h) = w_o[:, h*d:(h+1)*d]^T, shape (d, D); query head h reads KV head h // (H // H_kv).
+    """
+    B, H_kv, T, d = v.shape
+    w_h = w_o[:, head * d:(head + 1) * d].float()                          # (D, d) = W_O^(h)^T
+    return v[:, head // (n_head // H_kv)].float() @ w_h.T                  # (B, T, D)
+
+
+def projected_value_norms(v: Tensor, w_o: Tensor, n_head: int) -> Tensor:
+    """P_h,i = ||v_{h // G, i} W_O^(h)||_1 for every query head h and entry i (Algorithm 1 line 3, per head).
+
+    v : (B, H_kv, T, d) stored values; w_o : (D, H*d) the output projection's weight; n_head : H.
+    Returns (B, H, T) float32, computed head by head (never a (B, H, T, D) tensor), as kvpress does.
+    """
+    norms = [projected_values(v, w_o, h, n_head).abs().sum(-1) for h in range(n_head)]   # each (B, T)
+    return torch.stack(norms, dim=1)                                      # (B, H, T)
+
+
+def projected_output_l1(out_full: Tensor, out: Tensor, w_o: Tensor) -> Tensor:
+    """Per-head output perturbation L_h = ||(o_full,h - o_h) W_O^(h)||_1 (Definition 1, Eq. 3) from two
+    attention outputs before W_O, (..., H, d) each (e.g. ``harness.Trace.outs[layer]``). Returns (..., H)."""
+    *lead, H, d = out.shape
+    w = w_o.float().view(w_o.shape[0], H, d)                              # (D, H, d)
+    diff = (out_full - out).float()                                       # (..., H, d)
+    return torch.einsum("...hd,Dhd->...hD", diff, w).abs().sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Algorithm 1: two-stage selection
+
+def _ranks(scores: Tensor) -> Tensor:
+    """Rank of every entry in a stable descending sort along the last axis (0 = best; ties: earlier first)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    steps = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, steps)
+
+
+def two_stage_masks(first: Tensor, second: Tensor, budgets: Tensor | int, n_first: Tensor | int,
+                    valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Algorithm 1's two stages on per-head scores: the top ``n_first`` by ``first``, then the best by
+    ``second`` among the rest, ``budgets`` in all.
+
+    Parameters
+    ----------
+    first : (..., T) stage-1 ranking (attention; +inf = kept first, e.g. a protected window).
+    second : (..., T) stage-2 ranking (attention * projected value norm).
+    budgets : (...) or int, entries kept per row (capped at the valid entries).
+    n_first : (...) or int, entries stage 1 picks (capped at ``budgets``).
+    valid : (..., T) bool, entries that may be kept (False: empty slots); None = all.
+
+    Returns
+    -------
+    (stage1, keep) : (..., T) bool each; ``stage1`` is a subset of ``keep``. NaN scores count as the lowest
+    valid scores; ties go to the earlier entry (a stable sort), so the result is deterministic.
+    """
+    valid = torch.ones_like(first, dtype=torch.bool) if valid is None else valid
+    lead = first.shape[:-1]
+    budgets = torch.as_tensor(budgets, device=first.device).expand(lead)
+    budgets = torch.minimum(budgets, valid.sum(-1))
+    n_first = torch.minimum(torch.as_tensor(n_first, device=first.device).expand(lead), budgets)
+    lowest = torch.finfo(torch.float32).min
+
+    def ranking(s: Tensor) -> Tensor:      # valid entries above every empty slot, NaN the lowest valid score
+        s = torch.nan_to_num(s.float(), nan=lowest, neginf=lowest)
+        return s.masked_fill(~valid, float("-inf"))
+
+    stage1 = (_ranks(ranking(first)) < n_first[..., None]) & valid                 # stage 1
+    s2 = ranking(second).masked_fill(stage1, float("inf"))                          # stage 1 stays first
+    keep = (_ranks(s2) < budgets[..., None]) & valid                                # stage 2 fills the rest
+    return stage1, keep
+
+
+def perturbation_constrained_select(attn: Tensor, vnorm: Tensor, budget: int, alpha: float = 0.25) -> Tensor:
+    """Algorithm 1 for one query per row: top floor(alpha * b) by attention, then the rest by A * P.
+
+    Parameters
+    ----------
+    attn : (..., n) attention weights A.
+    vnorm : (..., n) projected value norms P_i = ||V_i W_O||_1 (``projected_value_norms``).
+    budget : b, entries kept per row (all if b >= n).
+    alpha : stage-1 share (§4.2: 0.25). 1 = attention top-k; 0 = stage 2 only (Appendix D's ablation).
+
+    Returns
+    -------
+    idx : (..., min(b, n)) kept entries, ascending.
+    """
+    check_budget(budget)
+    b = min(budget, attn.shape[-1])
+    _, keep = two_stage_masks(attn, attn * vnorm, b, int(alpha * b))
+    return mask_to_indices(keep)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Algorithm 2: the wrapper
+
+@dataclass
+class CriticalKVPolicy(PolicyWrapper):
+    """Perturbation-constrained selection inside any host method's per-head budgets (SnapKV by default).
+
+    Parameters
+    ----------
+    budget : entries kept per layer per KV head (the host decides how they are allocated).
+    alpha : share of each head's free budget picked by the host's own ranking (stage 1); the rest is picked
+        by attention x projected value norm (stage 2). §4.2: 0.25. 1 = the host alone.
+    stage2 : "window" (Algorithm 2: the un-pooled window attention of the innermost observation-window
+        scorer; the host's score when there is none) or "host" (the host's score, as kvpress).
+    epsilon : added to the stage-2 attention before weighting (kvpress: 1e-4; the paper: 0).
+    inner : the host policy, same ``budget``; None = ``SnapKVPolicy`` with its defaults.
+        ``make_policy("critical_kv(adakv(snapkv))", ...)`` is CriticalAdaKV.
+    """
+
+    budget: int
+    alpha: float = 0.25          # §4.2 (kvpress first_stage_ratio: 0.5)
+    stage2: str = "window"       # Algorithm 2, line 9 (kvpress: "host")
+    epsilon: float = 0.0         # the paper has none (kvpress: 1e-4)
+    inner: ScoringPolicy | None = None
+    default_inner: ClassVar[str] = "snapkv"
+    last: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # diagnostics
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"alpha must be a number in [0, 1] (stage-1 share of the budget), got {a!r}")
+        if self.stage2 not in STAGE2:
+            raise ValueError(f"stage2 must be one of {STAGE2}, got {self.stage2!r}")
+        e = self.epsilon
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 <= e < float("inf"):
+            raise ValueError(f"epsilon must be a finite number >= 0, got {e!r}")
+        if self.inner is None:
+            self.inner = SnapKVPolicy(budget=self.budget)
+        if not isinstance(self.inner, ScoringPolicy):
+            raise ValueError(f"inner must be a scoring policy (a ScoringPolicy), got {type(self.inner).__name__}")
+        if self.inner.budget != self.budget:
+            raise ValueError(f"inner budget {self.inner.budget} differs from the wrapper's budget {self.budget}")
+
+    @property
+    def window(self) -> int | None:
+        """The observation window of the innermost scorer (SnapKV's ``window``), None if it has none."""
+        policy = self.inner
+        while isinstance(getattr(policy, "inner", None), ScoringPolicy):
+            policy = policy.inner
+        w = getattr(policy, "window", None)
+        return w if isinstance(w, int) and not isinstance(w, bool) else None
+
+    def window_attention(self, ctx: StepContext) -> Tensor | None:
+        """(B, H, T) Abar: the mean attention of the last ``window`` queries (Algorithm 2 line 3, not pooled),
+        or None when stage 2 must use the host's score (see the module docstring)."""
+        w = self.window
+        if self.stage2 != "window" or w is None or ctx.probs is None:
+            return None
+        if ctx.probs.shape[-1] != len(ctx.kv) or (ctx.attended_pos is not None
+                                                  and not torch.equal(ctx.attended_pos, ctx.kv.pos)):
+            return None                                                    # probs refer to rebuilt entries
+        w = min(w, ctx.probs.shape[2])
+        return ctx.probs[:, :, -w:, :].float().mean(dim=2)                 # (B, H, T)
+
+    def stage_scores(self, ctx: StepContext) -> dict:
+        """Everything the two stages need, per KV head: ``first`` (B, H_kv, T) the host's ranking with its
+        protected entries at +inf, ``second`` (B, H_kv, T) the stage-2 score, ``budgets`` and ``n_first``
+        (B, H_kv), ``valid`` (B, H_kv, T) non-empty slots, ``abar`` (B, H, T) the window attention or None."""
+        kv = ctx.kv
+        B, H_kv, T = kv.pos.shape
+        valid = kv.pos >= 0
+        host = self.inner.score(ctx).float()                               # (B, H_kv, T) pooled for SnapKV
+        protected = self.inner.protected(ctx)
+        prot = valid & protected.expand(B, H_kv, T) if protected is not None else torch.zeros_like(valid)
+        budgets = self.inner.head_budgets(ctx)                             # (B, H_kv): b_j
+        n_prot = torch.minimum(prot.sum(-1), budgets)
+        free = budgets - n_prot                                            # b'_j
+        n_first = n_prot + torch.floor(self.alpha * free.double()).long()  # keep_j + floor(alpha * b'_j)
+
+        n_head = ctx.q.shape[1]
+        G = n_head // H_kv
+        vnorm = projected_value_norms(kv.v, ctx.attn.o_proj.weight, n_head)   # (B, H, T): P
+        abar = self.window_attention(ctx)                                  # (B, H, T) or None
+        if abar is None:           # the host's score as the attention estimate, times the group-mean P
+            second = (host + self.epsilon) * vnorm.view(B, H_kv, G, T).mean(2)
+        else:                      # Algorithm 2 line 9: mean over the group of (Abar_h + eps) * P_h
+            second = ((abar + self.epsilon) * vnorm).view(B, H_kv, G, T).mean(2)
+        return {"first": host.masked_fill(prot, float("inf")), "second": second, "budgets": budgets,
+                "n_first": n_first, "valid": valid, "abar": abar}
+
+    def keep_masks(self, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(stage1, keep, abar): stage-1 and kept slots (B, H_kv, T) bool, and the window attention used."""
+        s = self.stage_scores(ctx)
+        stage1, keep = two_stage_masks(s["first"], s["second"], s["budgets"], s["n_first"], s["valid"])
+        return stage1, keep, s["abar"]
+
+    def select(self, ctx: StepContext) -> Tensor:
+        """Kept slots (B, H_kv, K), ascending, padded with -1 when the host's head budgets differ."""
+        stage1, keep, abar = self.keep_masks(ctx)
+        pos = ctx.kv.pos
+        sigma = None
+        if abar is not None:       # Assumption 1 on the window attention, per query head
+            G = abar.shape[1] // pos.shape[1]
+            sigma = assumption1_sigma(abar, stage1.repeat_interleave(G, dim=1))   # (B, H)
+        self.last[ctx.layer] = {"stage1_pos": pos.masked_fill(~stage1, -1),
+                                "stage2_pos": pos.masked_fill(~(keep & ~stage1), -1),
+                                "sigma": sigma, "abar": abar}
+        return mask_to_indices(keep)
+
+    def reset(self) -> None:
+        self.last = {}
+        self.inner.reset()
