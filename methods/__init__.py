@@ -32,6 +32,7 @@ from .critical_kv import CriticalKVPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
 from .kvreviver import KVReviverPolicy
+from .scissorhands import ScissorhandsPolicy
 from .snapkv import SnapKVPolicy
 from .streaming_llm import StreamingLLMPolicy
 
@@ -44,6 +45,7 @@ METHODS: dict[str, type[CachePolicy]] = {
     "chunkkv": ChunkKVPolicy,              # whole chunks of tokens + layer-wise index reuse (Liu et al. 2025)
     "kvreviver": KVReviverPolicy,          # evicted tokens in a count sketch, rebuilt every step (Yuan et al. 2025)
     "critical_kv": CriticalKVPolicy,       # perturbation-constrained two-stage selection over a host (Feng et al. 2025)
+    "scissorhands": ScissorhandsPolicy,    # drop the tokens most often below average attention (Liu et al. 2023)
 }
 
 

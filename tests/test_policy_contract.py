@@ -47,6 +47,7 @@ TEST_OPTIONS: dict[str, list[dict]] = {
     "critical_kv": [{}, {"window": 8, "kernel": 3, "alpha": 0.0},
                     {"inner": "adakv(snapkv)", "window": 4, "alpha": 0.5, "stage2": "host", "epsilon": 1e-4},
                     {"inner": "adakv(h2o)"}, {"inner": "adakv(snapkv)", "alpha_safeguard": 0.0}],
+    "scissorhands": [{}, {"history_window": 1, "n_recent": 0}, {"history_window": 3, "drop": 4, "threshold": 0.05}],
 }
 TEST_OPTIONS["kvreviver"] = [{}, {"candidate_share": 0.3, "vague_share": 0.3, "recent_slack": 2},
                               {"candidate_share": 0.0, "rows": 1, "replace_rate": 1.0}]

@@ -1,0 +1,324 @@
+"""
+Scissorhands: a fixed-budget cache that drops the tokens whose attention kept falling below average.
+
+Paper: Liu, Desai, Liao, Wang, Xie, Xu, Kyrillidis, Shrivastava, "Scissorhands: Exploiting the Persistence
+of Importance Hypothesis for LLM KV Cache Compression at Test Time", NeurIPS 2023,
+https://arxiv.org/abs/2305.17118  (repetitive attention: §3.1, Figure 1, Appendix A.1, Figures 6-9;
+persistence of importance: §3.2; its analysis: §3.3, Theorem 3.1 / Appendix B.1, eq. (5)-(7); the budget
+cache: §4, Algorithm 1 (generation under a budget) and Algorithm 2 (compression); the error bound:
+Theorem 4.1 / Appendix B.2-B.3; input/output cosine of the MLP block: Appendix A.2, Figure 10).
+
+Idea. Attention maps repeat: the few tokens a step attends to strongly are, by and large, the ones later
+steps attend to as well ("persistence of importance", §3.2). So a token that has received *less than
+average* attention in most of the recent steps is unlikely to matter again, and can go. The cache keeps
+at most B tokens per head; when it overflows it drops the m tokens that were unimportant most often in
+the last w steps, never one of the r most recent tokens (they have had too few steps to prove anything).
+
+The rule, as the code computes it, per layer and KV head, after each step's attention (the step's new
+entries are in the cache and were attended):
+
+    A_i[j]  = mean over the G query heads of the group of the attention query i gives token j
+    low_i[j] = A_i[j] < tau_i,  tau_i = 1 / (entries query i attended)        (below the uniform level)
+    I[j]    = number of low flags of token j among the last w queries        (Algorithm 2's counter)
+    if the cache holds n > B entries:                                        (Algorithm 1: cache full)
+        drop the ceil((n - B) / m) * m tokens with the largest I             (Algorithm 2: m at a time)
+        among those not in the recent window (positions >= seen - r)
+        ties: the lower attention of the step's last query goes first, then the later position
+
+The counters are exact: every stored entry carries a ring buffer of its last w low/high flags in the
+storage's per-slot state (``ctx.kv.state["scissorhands_low"]``, (B, H_kv, T, w) bool; the flag of the
+query at position q sits in column q % w, so the buffer needs no step counter of its own). ``keep`` moves
+it with the entries; a new entry starts with no flags. The counter of token j therefore stays within
+[0, min(w, seen - pos_j)] (tested). Memory: w bytes per entry per KV head as stored here (w / 8 packed
+as bits), reported by the cache apart from K and V.
+
+Choices the paper leaves open, and ours:
+* Ties (Algorithm 2 ranks by the counter alone). Equal counters go to the lower attention of the step's
+  last query, then to the later position (the earlier is kept, as ``select_topk`` does everywhere). With
+  w = 1, r = 0, m = 1 every token below average has I = 1, so the token dropped is exactly the one with
+  the smallest current attention: the oracle of Theorem 4.1's proof (tested).
+* Prompts longer than B (the paper compresses during generation only). The prompt's own attention rows
+  count as steps: the last min(w, T) prompt queries fill the counters, as if the prompt had been generated
+  with a full cache, then the layer drops down to B at once (in multiples of m) by the same rule. Prompt
+  attention itself is exact (project rule); an ``extend`` chunk is handled the same way.
+* GQA (the paper's OPT models have one KV head per query head). A token is unimportant for a KV head when
+  the *mean* attention of the G query heads of its group falls below tau, the group average H2O uses too;
+  "below tau for every head of the group" (the max) would be the stricter alternative.
+* Step order. Algorithm 1 compresses *before* appending the new token, so attention sees at most B
+  entries; in this project every method appends, attends, then compresses, so the step that fills the
+  cache attends B + 1 entries and the cache holds at most B between steps (as for every other method).
+* ``m`` larger than ``B - r`` (the most that can go while the recent window stays) is cut to ``B - r``.
+
+Defaults: w = 400 and r = 10 are the values of AnswerDotAI's cold-compress port of Scissorhands (the
+appendix we work from does not restate the main text's settings); r is cut to B - 1 at smaller budgets
+(ours). m = 1, the setting of the analysis (Appendix B.2: "the cache will always maintain B tokens");
+larger m amortises the ranking over m steps. tau = 1 / (number of entries attended), the uniform level:
+"below average attention". The theory of Theorem 4.1 (the single-head model, the bound, the Monte-Carlo
+check) is in ``methods/scissorhands_theory.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nanollm.cache import KVCache
+from nanollm.policy import CachePolicy, ScoringPolicy, StepContext, check_budget, select_topk
+
+LOW = "scissorhands_low"      # per-slot ring buffer of the last w low/high flags, (B, H_kv, T, w) bool
+ATTN = "scissorhands_attn"    # per-slot attention of the step's last query (group mean), (B, H_kv, T)
+DEFAULT_RECENT = 10           # cold-compress's recent window (see the module docstring)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rule, as pure functions
+
+def group_mean(probs: Tensor, n_kv_head: int) -> Tensor:
+    """(B, H, Tn, T) attention of the query heads -> (B, H_kv, Tn, T) mean over each GQA group (float32)."""
+    B, H, Tn, T = probs.shape
+    return probs.float().view(B, n_kv_head, H // n_kv_head, Tn, T).mean(dim=2)
+
+
+def low_flags(attn: Tensor, visible: Tensor, threshold: float | None = None) -> Tensor:
+    """Which attended tokens were unimportant for each query (Algorithm 2's indicator).
+
+    attn : (B, H_kv, Tn, T) attention of each query over the slots (group mean).
+    visible : (B, H_kv, Tn, T) bool, the slots each query attended (valid, not in its future).
+    threshold : tau; None = 1 / (slots the query attended), the uniform level.
+    Returns (B, H_kv, Tn, T) bool: attended and attn < tau. A slot a query did not attend is never low.
+    """
+    if threshold is None:
+        threshold = 1.0 / visible.sum(-1, keepdim=True).clamp(min=1)           # (B, H_kv, Tn, 1)
+    return visible & (attn < threshold)
+
+
+def push_history(history: Tensor, flags: Tensor, q_pos: Tensor) -> None:
+    """Write the step's flags into the ring buffer, in place: the flag of the query at position q goes to
+    column q % w. Only the last w queries of the step matter (older columns would be overwritten).
+
+    history : (B, H_kv, T, w) bool; flags : (B, H_kv, Tn, T) bool; q_pos : (Tn,) consecutive positions.
+    """
+    w = history.shape[-1]
+    rows = flags[:, :, -w:]                                                    # (B, H_kv, <=w, T)
+    history[..., q_pos[-w:] % w] = rows.transpose(2, 3)                        # distinct columns
+
+
+def unimportance(history: Tensor) -> Tensor:
+    """(B, H_kv, T, w) ring buffer -> (B, H_kv, T) long, low flags among the last w queries (the counter I)."""
+    return history.sum(-1)
+
+
+def keep_score(counts: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
+    """Higher = keep: fewer low flags first, then the higher attention of the step's last query.
+
+    counts : (B, H_kv, T) counters I; attn : (B, H_kv, T) the last query's attention; pos : (B, H_kv, T)
+    (-1 = empty slot, scored -inf). The order is exactly lexicographic: score = -I * T + rank, where rank
+    (0..T-1) counts the slots of the head with strictly lower attention. Integers, so a float32 copy
+    (``select_topk``) keeps the order exactly while I * T < 2^24.
+    """
+    T = counts.shape[-1]
+    a = attn.float().contiguous()
+    rank = torch.searchsorted(a.sort(dim=-1).values, a)                        # strictly lower: 0..T-1
+    score = (rank - counts * T).double()
+    return score.masked_fill(pos < 0, float("-inf"))
+
+
+def n_dropped(n_slots: int, budget: int, drop: int, n_recent: int) -> int:
+    """Tokens to drop from a layer holding ``n_slots``: 0 within budget, else m at a time (Algorithm 2),
+    as often as needed to get back within ``budget``; m is cut to ``budget - n_recent``."""
+    excess = n_slots - budget
+    if excess <= 0:
+        return 0
+    m = min(drop, budget - n_recent)
+    return math.ceil(excess / m) * m
+
+
+def scissorhands_keep(counts: Tensor, attn: Tensor, pos: Tensor, seen: int, budget: int, drop: int = 1,
+                      n_recent: int = 0) -> Tensor:
+    """The whole rule on one layer's tables (slots in position order, no empty slots).
+
+    Returns idx (B, H_kv, K) ascending, K = T - n_dropped(T, ...): the recent window (positions
+    >= seen - n_recent) and the best-scored others (``keep_score``).
+    (The policy reaches the same set through ``ScissorhandsPolicy.select``; a test checks they agree.)
+    """
+    T = pos.shape[-1]
+    K = T - n_dropped(T, budget, drop, n_recent)
+    return select_topk(keep_score(counts, attn, pos), K, protected=pos >= seen - n_recent)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The policy
+
+@dataclass
+class ScissorhandsPolicy(ScoringPolicy):
+    """Budget cache (Algorithms 1-2): drop the tokens most often below average attention, m at a time.
+
+    Parameters
+    ----------
+    budget : B, tokens kept per layer per KV head, the recent window included.
+    history_window : w, the number of most recent queries whose flags are counted (400).
+    n_recent : r, the most recent tokens that are never dropped; None = min(10, budget - 1). Must be < B.
+    drop : m, tokens dropped per compression (1: the cache stays at B once full). Cut to B - r.
+    threshold : tau, attention below which a token counts as unimportant; None = 1 / (entries attended).
+    """
+
+    budget: int
+    history_window: int = 400              # w (cold-compress); see the module docstring
+    n_recent: int | None = None            # r: None -> min(10, budget - 1)
+    drop: int = 1                          # m: Appendix B.2's setting
+    threshold: float | None = None         # tau: None -> uniform level 1 / (entries attended)
+    needs_probs: ClassVar[bool] = True
+    compress_on: ClassVar[tuple[str, ...]] = ("prefill", "decode")   # Algorithm 1: whenever the cache is full
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        for name in ("history_window", "drop"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.n_recent is None:
+            self.n_recent = min(DEFAULT_RECENT, self.budget - 1)
+        if isinstance(self.n_recent, bool) or not isinstance(self.n_recent, int) \
+                or not 0 <= self.n_recent < self.budget:
+            raise ValueError(f"n_recent must be an int in [0, budget - 1 = {self.budget - 1}] (the recent window "
+                             f"must leave room for the tokens the counters choose), got {self.n_recent!r}")
+        t = self.threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
+            raise ValueError(f"threshold must be None (1 / entries attended) or a number in (0, 1], got {t!r}")
+
+    def observe(self, ctx: StepContext) -> None:
+        """Push the step's low flags (and keep the last query's attention for the tie-break)."""
+        kv = ctx.kv
+        B, H_kv, T = kv.pos.shape
+        attn = group_mean(ctx.probs, H_kv)                                     # (B, H_kv, Tn, T)
+        kp = kv.pos[:, :, None, :]                                             # (B, H_kv, 1, T)
+        visible = (kp >= 0) & (kp <= ctx.q_pos.view(1, 1, -1, 1))              # (B, H_kv, Tn, T)
+        if ctx.phase == "prefill":                                             # no history yet
+            kv.set_state(LOW, torch.zeros(B, H_kv, T, self.history_window, dtype=torch.bool,
+                                          device=kv.pos.device), fill=False)
+            kv.set_state(ATTN, torch.zeros(B, H_kv, T, device=kv.pos.device), fill=0.0)
+        push_history(kv.state[LOW], low_flags(attn, visible, self.threshold), ctx.q_pos)
+        kv.state[ATTN] = attn[:, :, -1]                                        # the step's last query
+
+    def score(self, ctx: StepContext) -> Tensor:
+        return keep_score(unimportance(ctx.kv.state[LOW]), ctx.kv.state[ATTN], ctx.kv.pos)
+
+    def protected(self, ctx: StepContext) -> Tensor:
+        """The ``n_recent`` most recent tokens."""
+        return (ctx.kv.pos >= ctx.seen - self.n_recent) & (ctx.kv.pos >= 0)
+
+    def n_keep(self, ctx: StepContext) -> int:
+        """Entries per head after this step's compression (<= budget; fewer when m > 1)."""
+        T = len(ctx.kv)
+        return T - n_dropped(T, self.budget, self.drop, self.n_recent)
+
+    def head_budgets(self, ctx: StepContext) -> Tensor:
+        B, H_kv, _ = ctx.kv.pos.shape
+        return torch.full((B, H_kv), self.n_keep(ctx), dtype=torch.long, device=ctx.kv.pos.device)
+
+    def select(self, ctx: StepContext) -> Tensor:
+        """Drop m at a time (``n_dropped``) by the counters; the recent window stays."""
+        return select_topk(self.score(ctx), self.n_keep(ctx), self.protected(ctx))
+
+    # -- contract declarations -------------------------------------------------------------------------
+    def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
+        """The ``n_recent`` most recent positions."""
+        return list(range(max(0, seen - self.n_recent), seen))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Measuring the hypothesis on a trained model (§3.1-3.2, Appendix A)
+
+class AttentionRecorder(CachePolicy):
+    """Keeps everything and records batch row 0's attention probabilities at every step, per layer:
+    ``steps[layer]`` is a list of (H, Tn, T) tensors (the prompt's rows first)."""
+
+    needs_probs = True
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list[Tensor]] = {}
+
+    def on_prefill(self, ctx: StepContext) -> None:
+        self.steps[ctx.layer] = [ctx.probs[0].float().clone()]
+
+    def on_decode(self, ctx: StepContext) -> None:
+        self.steps[ctx.layer].append(ctx.probs[0].float().clone())
+
+    def reset(self) -> None:
+        self.steps = {}
+
+    def matrix(self, layer: int) -> Tensor:
+        """(H, N, N) every recorded query row over every position (zeros in the future), N = tokens seen."""
+        rows = self.steps[layer]
+        N = rows[-1].shape[-1]
+        out = torch.zeros(rows[0].shape[0], N, N)
+        i = 0
+        for r in rows:                                                         # (H, Tn, T), T <= N
+            out[:, i:i + r.shape[1], :r.shape[2]] = r
+            i += r.shape[1]
+        return out
+
+
+@torch.no_grad()
+def record_attention(model, ids: Tensor) -> list[Tensor]:
+    """Full-cache attention of a prompt (1, N), one (H, N, N) matrix per layer. Row s is what the query at
+    position s attends: the attention a full-cache decode would compute at that position."""
+    recorder = AttentionRecorder()
+    model(ids, cache=KVCache(model.config, recorder))
+    return [recorder.matrix(layer) for layer in range(model.config.n_layer)]
+
+
+def heavy(attn: Tensor) -> Tensor:
+    """(H, N, N) attention -> bool, token j is heavy for query s if attn >= 1 / (s + 1), the uniform level
+    over the s + 1 tokens query s attends (the complement of Algorithm 2's low flag)."""
+    N = attn.shape[-1]
+    level = 1.0 / torch.arange(1, N + 1, dtype=attn.dtype).view(N, 1)
+    return (attn >= level) & torch.ones(N, N, dtype=torch.bool).tril()
+
+
+def persistence_step(hv: Tensor, delta: int, start: int) -> tuple[Tensor, Tensor]:
+    """Of the tokens heavy at step s, the fraction still heavy at step s + delta (mean over s >= start),
+    and the base rate: the fraction of *all* tokens <= s heavy at step s + delta. Per head: (H,), (H,)."""
+    H, N, _ = hv.shape
+    ratios, bases = [], []
+    for s in range(start, N - delta):
+        now, later = hv[:, s, :s + 1], hv[:, s + delta, :s + 1]                 # (H, s + 1)
+        ratios.append((now & later).sum(-1) / now.sum(-1).clamp(min=1))
+        bases.append(later.sum(-1) / (s + 1))
+    return torch.stack(ratios).float().mean(0), torch.stack(bases).float().mean(0)
+
+
+def persistence_halves(hv: Tensor, split: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The sequence-level version: the tokens before ``split`` that any later step finds heavy, and the
+    fraction of them that some step before ``split`` had already found heavy. Per head (H,):
+    (ratio, base rate = |heavy early| / split, size of the late heavy set / split)."""
+    early = hv[:, :split, :split].any(1)                                       # (H, split)
+    late = hv[:, split:, :split].any(1)
+    ratio = (early & late).sum(-1) / late.sum(-1).clamp(min=1)
+    return ratio.float(), early.float().mean(-1), late.float().mean(-1)
+
+
+@torch.no_grad()
+def block_cosine(model, ids: Tensor) -> list[dict]:
+    """Appendix A.2's check, per layer: cosine similarity and norms of the MLP sub-block's input h and
+    output F(h) = h + mlp(norm(h)) (the paper's F, eq. (6)), and of the whole block's input and output;
+    means over positions of ``ids`` (1, N)."""
+    seen: list[dict] = [{} for _ in model.blocks]
+    hooks = []
+    for rec, block in zip(seen, model.blocks):
+        hooks.append(block.register_forward_hook(lambda m, i, o, rec=rec: rec.update(x=i[0], out=o)))
+        hooks.append(block.mlp_norm.register_forward_hook(lambda m, i, o, rec=rec: rec.update(h=i[0])))
+    try:
+        model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [{"cos_mlp": float(F.cosine_similarity(r["h"], r["out"], dim=-1).mean()),
+             "cos_block": float(F.cosine_similarity(r["x"], r["out"], dim=-1).mean()),
+             "norm_in": float(r["h"].norm(dim=-1).mean()), "norm_out": float(r["out"].norm(dim=-1).mean())}
+            for r in seen]
