@@ -20,7 +20,6 @@ formula. Run ``python -m nanollm.bench --help``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics

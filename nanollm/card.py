@@ -14,7 +14,6 @@ checkpoint SOURCE; with neither, it is only printed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os

@@ -19,7 +19,6 @@ synthetic tasks then span several tokens, which is what chunk-level methods need
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import time

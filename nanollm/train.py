@@ -19,7 +19,6 @@ is replaced atomically.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import json

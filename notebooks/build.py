@@ -31,7 +31,6 @@ cells of its ``.py`` source, and ``execute`` to run it headlessly with ``NANOLLM
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
