@@ -47,7 +47,7 @@ from .attention import rope_inv_freq
 from .cli import atomic_write_text
 from .config import ModelConfig
 from .model import Transformer
-from .safetensors import load_file, load_sharded, load_torch_bin, save_file
+from .safetensors import load_file, load_sharded, load_torch_bin, read_header, save_file
 
 # model_type -> architectures we can build; anything else raises a clear error
 SUPPORTED = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"),
@@ -353,8 +353,16 @@ def export_hf(model: Transformer, path: str | os.PathLike, dtype: torch.dtype | 
     os.makedirs(path, exist_ok=True)
     if tokenizer_file is not None:
         atomic_write_text(os.path.join(path, "tokenizer.json"), tokenizer_file)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt", "source": "nanollm"})
     atomic_write_text(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+
+def is_nanollm_export(folder: str | os.PathLike) -> bool:
+    """True for a folder written by ``export_hf`` (its weights say so): one the command line may replace."""
+    try:
+        return read_header(os.path.join(folder, "model.safetensors"))[1].get("source") == "nanollm"
+    except (OSError, ValueError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -363,8 +371,8 @@ def main(argv: list[str] | None = None) -> None:
                             description="Export a nanollm checkpoint (e.g. a bundled one) as a Hugging Face "
                                         "folder: config.json + model.safetensors + tokenizer.json.")
     ap.add_argument("checkpoint", help="bundled checkpoint name or nanollm checkpoint folder (nanollm_config.json)")
-    ap.add_argument("out", help="folder to write: a new or empty folder, or an earlier export (its files are "
-                                "replaced)")
+    ap.add_argument("out", help="folder to write: a new or empty folder, or an earlier export of nanollm.hf "
+                                "(its files are replaced)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="dtype of the written weights (default %(default)s)")
     args = ap.parse_args(argv)
@@ -375,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
                      + ("; it is already a Hugging Face folder" if is_hf_folder(src) else ""))
         if os.path.exists(args.out) and os.path.samefile(src, args.out):
             cli.fail(f"out {args.out} is the checkpoint itself; give another folder")
-        cli.output_folder(args.out, "out", may_hold=lambda p: os.path.isfile(os.path.join(p, "config.json")))
+        cli.output_folder(args.out, "out", may_hold=is_nanollm_export)
         model, tok, _ = load(src)
         export_hf(model, args.out, getattr(torch, args.dtype), tokenizer=tok)
     print(f"wrote {args.out}: load it with transformers' AutoModelForCausalLM.from_pretrained({args.out!r}) "

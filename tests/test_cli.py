@@ -92,6 +92,14 @@ def a_file(cwd: Path) -> None:
     (cwd / "notes.txt").write_text("my notes\n")
 
 
+def a_model(cwd: Path) -> None:
+    """A Hugging Face folder ``llama`` that nanollm did not write (a downloaded model, say)."""
+    from nanollm.safetensors import save_file
+    (cwd / "llama").mkdir()
+    (cwd / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    save_file({"model.norm.weight": torch.ones(4)}, cwd / "llama" / "model.safetensors", metadata={"format": "pt"})
+
+
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
 # (id, command line, words the error line must contain, setup of the folder the command runs in)
@@ -152,6 +160,7 @@ BAD_INPUTS = [
     ("hf: from a Hugging Face folder", HF + ["{hf}", "out"], ["Hugging Face"], None),
     ("hf: out holds other files", HF + ["retrieval-llama", "."], ["out"], a_file),
     ("hf: out is a file", HF + ["retrieval-llama", "notes.txt"], ["notes.txt"], a_file),
+    ("hf: out is a model it did not write", HF + ["retrieval-llama", "llama"], ["llama"], a_model),
     ("hf: missing checkpoint", HF + ["nope", "out"], ["nope"], None),
     # compare
     ("compare: length 0", COMPARE + ["--length", "0"], ["--length"], None),
