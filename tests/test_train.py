@@ -20,7 +20,7 @@ def test_help_documents_every_flag(capsys, monkeypatch):
         main(["--help"])
     text = capsys.readouterr().out
     assert actions and all(a.help for a in actions)
-    for flag in ["--preset", "--out", "--resume", "--max-steps", "--lr", "--tokens-per-step", "--seed",
+    for flag in ["--preset", "--out", "--resume", "--force", "--max-steps", "--lr", "--tokens-per-step", "--seed",
                  "--device", "--threads", "--init", "--export", "--quiet"]:
         assert flag in text
 
