@@ -237,6 +237,14 @@ def test_plot_is_written_under_the_name_given(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["fig.svg"] and b"<svg" in (tmp_path / "fig.svg").read_bytes()
 
 
+def test_export_hf_checks_the_tokenizer_before_writing(folders, tmp_path):
+    """A Hugging Face folder's tokenizer cannot be re-exported: a clear error, and no empty tokenizer.json."""
+    model, tok, _ = checkpoint.load(folders["hf"])
+    with pytest.raises(ValueError, match="nanollm tokenizers"):
+        export_hf(model, tmp_path / "out", tokenizer=tok)
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_with_one_context_fits_no_line():
     from nanollm.bench import format_result, run_bench
     result = run_bench(preset("TINY"), contexts=[16], repeats=1, steps=1)
