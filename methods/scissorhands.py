@@ -273,12 +273,13 @@ def record_attention(model, ids: Tensor) -> list[Tensor]:
     return [recorder.matrix(layer) for layer in range(model.config.n_layer)]
 
 
-def heavy(attn: Tensor) -> Tensor:
-    """(H, N, N) attention -> bool, token j is heavy for query s if attn >= 1 / (s + 1), the uniform level
-    over the s + 1 tokens query s attends (the complement of Algorithm 2's low flag)."""
+def heavy(attn: Tensor, level: float = 1.0) -> Tensor:
+    """(H, N, N) attention -> bool, token j is heavy for query s if attn >= level / (s + 1): ``level`` times
+    the uniform level over the s + 1 tokens query s attends (level 1 is the complement of Algorithm 2's
+    low flag; a larger level asks for a stronger pull)."""
     N = attn.shape[-1]
-    level = 1.0 / torch.arange(1, N + 1, dtype=attn.dtype).view(N, 1)
-    return (attn >= level) & torch.ones(N, N, dtype=torch.bool).tril()
+    uniform = 1.0 / torch.arange(1, N + 1, dtype=attn.dtype).view(N, 1)
+    return (attn >= level * uniform) & torch.ones(N, N, dtype=torch.bool).tril()
 
 
 def persistence_step(hv: Tensor, delta: int, start: int) -> tuple[Tensor, Tensor]:

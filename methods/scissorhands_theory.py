@@ -37,11 +37,11 @@ Before its last two steps the proof has the tighter expression (``intermediate_d
 
 What the code shows (the notebook plots it): the Monte-Carlo dropped mass stays below the intermediate
 form, but *not* below Delta_max at moderate budgets (k = 3, u = 5b, eps = 0.05, beta = 0.5: simulated
-0.122, Delta_max 0.053), and the closed form is not monotone in beta and turns negative once
+about 0.12, Delta_max 0.053), and the closed form is not monotone in beta and turns negative once
 (1 - eps) / (beta - eps) > (k / (k - 1))^(k-1). Two steps account for it: 1/D is replaced by 1/(0.98 b)
 using D <= 0.98 b, which bounds in the wrong direction (D < b, so 1/D > 1/b), and the last line replaces
--(beta - eps) gamma by a term with (1 - beta) in front. The failure probability is vacuous (negative)
-unless T_min is very large.
+-(beta - eps) gamma by a term with (1 - beta) in front. The probability the theorem guarantees is
+vacuous (negative) unless T_min is very large.
 
 Unit norm. The theorem assumes ||x_t|| = 1 while x_{t+1} = F(a_t) with ||a_t|| <= lambda_V lambda_O <= 1/2,
 so the model here divides F(a_t) by its norm. F is positively homogeneous (relu is), so that normalised
