@@ -11,9 +11,13 @@ per KV head, protected tokens included) plus its own options, with paper default
 iterate over it: registering a method here puts it under the contract tests and the compare CLI.
 
 Two kinds of entries besides the full cache:
-* scorers (``nanollm.policy.ScoringPolicy``): StreamingLLM, H2O, SnapKV. They rank entries.
-* wrappers (``nanollm.policy.PolicyWrapper``): AdaKV, ChunkKV. They take an ``inner`` scorer and change how its
-  scores become a selection. A wrapper named alone uses its ``default_inner``.
+* scorers (``nanollm.policy.ScoringPolicy``): StreamingLLM, H2O, SnapKV, Scissorhands. They rank entries.
+* wrappers (``nanollm.policy.PolicyWrapper``): AdaKV, ChunkKV, CriticalKV. They take an ``inner`` scorer and
+  change how its scores become a selection. A wrapper named alone uses its ``default_inner``.
+* policies of their own: KVReviver (a count sketch behind the storage), the full cache.
+
+``"chunkkv"`` alone means ChunkKV over SnapKV *without pooling* (the paper's scoring); ``"chunkkv(snapkv)"``
+is ChunkKV over SnapKV with SnapKV's own defaults.
 
 A *method spec* is one spelling for all three places a method is named (Python, the command line, the
 JSON records): a name, or ``wrapper(inner)`` nested as deep as wanted, e.g. ``"adakv(snapkv)"``.
@@ -129,5 +133,5 @@ def make_policy(name: str, budget: int, inner: str | None = None, **options) -> 
     return policy
 
 
-__all__ = ["METHODS", "AdaKVPolicy", "ChunkKVPolicy", "FullPolicy", "H2OPolicy", "KVReviverPolicy", "SnapKVPolicy",
-           "StreamingLLMPolicy", "make_policy", "method_chain", "method_options", "scorers", "wrappers"]
+__all__ = ["METHODS", "AdaKVPolicy", "ChunkKVPolicy", "CriticalKVPolicy", "FullPolicy", "H2OPolicy",
+           "KVReviverPolicy", "ScissorhandsPolicy", "SnapKVPolicy", "StreamingLLMPolicy", "make_policy", "method_chain", "method_options", "scorers", "wrappers"]

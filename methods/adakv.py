@@ -12,7 +12,8 @@ the *globally* highest scores across heads, whatever head they belong to. A safe
 from being starved: each head first keeps its own top ``alpha * budget`` entries.
 
 AdaKV is a *wrapper*: it allocates, any scorer scores (``adakv(snapkv)``, the paper's pairing and our
-default; ``adakv(h2o)``; ``adakv(streaming_llm)``). With per-head scores s_j from the inner scorer, its
+default; ``adakv(h2o)``). Over StreamingLLM it changes nothing: sinks and recent window are all protected
+and fill every head's budget. With per-head scores s_j from the inner scorer, its
 protected entries set to +inf:
     n_safe  = int(alpha_safeguard * budget)
     s_j[top_{n_safe}(s_j)] = +inf                          # safeguard: each head's own top n_safe
@@ -108,12 +109,7 @@ class AdaKVPolicy(PolicyWrapper):
         a = self.alpha_safeguard
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise ValueError(f"alpha_safeguard must be a number in [0, 1], got {a!r}")
-        if self.inner is None:
-            self.inner = SnapKVPolicy(budget=self.budget)
-        if not isinstance(self.inner, ScoringPolicy):
-            raise ValueError(f"inner must be a scoring policy (a ScoringPolicy), got {type(self.inner).__name__}")
-        if self.inner.budget != self.budget:
-            raise ValueError(f"inner budget {self.inner.budget} differs from the wrapper's budget {self.budget}")
+        self.check_inner(lambda: SnapKVPolicy(budget=self.budget))
 
     @property
     def n_safe(self) -> int:

@@ -53,6 +53,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from nanollm.cache import KVCache
 from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext, check_budget
 
 from .adakv import mask_to_indices
@@ -141,12 +142,7 @@ class ChunkKVPolicy(PolicyWrapper):
             raise ValueError(f"per_head must be True or False, got {self.per_head!r}")
         if self.remainder not in REMAINDERS:
             raise ValueError(f"remainder must be one of {REMAINDERS}, got {self.remainder!r}")
-        if self.inner is None:
-            self.inner = SnapKVPolicy(budget=self.budget, **self.default_inner_options)
-        if not isinstance(self.inner, ScoringPolicy):
-            raise ValueError(f"inner must be a scoring policy (a ScoringPolicy), got {type(self.inner).__name__}")
-        if self.inner.budget != self.budget:
-            raise ValueError(f"inner budget {self.inner.budget} differs from the wrapper's budget {self.budget}")
+        self.check_inner(lambda: SnapKVPolicy(budget=self.budget, **self.default_inner_options))
 
     def select(self, ctx: StepContext) -> Tensor:
         """Kept slots (B, H_kv, K), ascending (-1 pads heads with fewer entries under per-head budgets)."""
@@ -172,7 +168,7 @@ class ChunkKVPolicy(PolicyWrapper):
         self.inner.reset()
 
 
-def kept_positions(cache) -> list[Tensor]:
+def kept_positions(cache: KVCache) -> list[Tensor]:
     """Per layer, the positions batch row 0 keeps: a list of (H_kv, K) tensors (-1 = empty slot)."""
     return [layer.pos[0].clone() for layer in cache.layers]
 

@@ -254,12 +254,7 @@ class CriticalKVPolicy(PolicyWrapper):
         e = self.epsilon
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 <= e < float("inf"):
             raise ValueError(f"epsilon must be a finite number >= 0, got {e!r}")
-        if self.inner is None:
-            self.inner = SnapKVPolicy(budget=self.budget)
-        if not isinstance(self.inner, ScoringPolicy):
-            raise ValueError(f"inner must be a scoring policy (a ScoringPolicy), got {type(self.inner).__name__}")
-        if self.inner.budget != self.budget:
-            raise ValueError(f"inner budget {self.inner.budget} differs from the wrapper's budget {self.budget}")
+        self.check_inner(lambda: SnapKVPolicy(budget=self.budget))
 
     @property
     def window(self) -> int | None:

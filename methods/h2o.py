@@ -41,7 +41,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from nanollm.policy import ScoringPolicy, StepContext, check_budget, select_topk
+from nanollm.policy import ScoringPolicy, StepContext, check_budget, group_mean, select_topk
 
 STATE = "h2o_score"      # name of the per-slot accumulated attention in the storage
 
@@ -58,9 +58,8 @@ def received_attention(probs: Tensor, n_kv_head: int) -> Tensor:
     -------
     (B, H_kv, T) float32: sum over the Tn queries, mean over the G query heads of each group.
     """
-    B, H, _, T = probs.shape                                         # (B, H, Tn, T)
-    per_head = probs.float().sum(dim=2)                              # (B, H, T)
-    return per_head.view(B, n_kv_head, H // n_kv_head, T).mean(dim=2)  # (B, H_kv, T)
+    per_head = probs.float().sum(dim=2)                              # (B, H, T) summed over the Tn queries
+    return group_mean(per_head, n_kv_head)                           # (B, H_kv, T)
 
 
 def h2o_keep(scores: Tensor, budget: int, n_recent: int) -> Tensor:

@@ -17,7 +17,8 @@ tokens. From two traces (full and method) ``compare_traces`` computes:
   method that attends to approximations of everything would report no loss at all;
 * ``kv_bytes``: peak K/V bytes stored over all layers, with the slots a policy keeps outside the storage
   (``policy.slot_nbytes()``: a sketch's cells); ``extra_bytes``: peak bytes of what the method
-  keeps besides: per-slot state in the storage (H2O's scores) plus ``policy.extra_nbytes()`` (sketches);
+  keeps besides: per-slot state in the storage (H2O's scores) plus ``policy.extra_nbytes()`` (side tables
+  such as KVReviver's per-token scores);
 * ``compress_ms``: time spent in the policy's hooks; ``decode_ms_per_token``: time per decode step.
 
 Accuracy is RULER's ``string_match_all`` of the greedy answer. Greedy decoding that starts from the same
@@ -61,8 +62,8 @@ class Probe(CachePolicy):
         self.probs: dict[int, Tensor] = {}
 
     def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
-        if self.recording:
-            self.pos[layer] = store.pos[0].clone()                         # (H_kv, T) stored exactly
+        if self.recording:                                                 # (H_kv, T) stored exactly
+            self.pos[layer] = self.inner.exact_positions(layer, store)[0].clone()
         return self.inner.attend_kv(layer, store)
 
     def on_prefill(self, ctx: StepContext) -> None:
@@ -88,6 +89,9 @@ class Probe(CachePolicy):
 
     def slot_nbytes(self) -> int:
         return self.inner.slot_nbytes()
+
+    def exact_positions(self, layer: int, store: LayerKV) -> Tensor:
+        return self.inner.exact_positions(layer, store)
 
 
 @dataclass

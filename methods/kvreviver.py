@@ -45,8 +45,9 @@ How this file resolves what the paper leaves open:
   (b = 0, tiny budgets) tokens leaving C are forgotten: the method degenerates to H2O-like eviction.
 
 Memory, as the harness reports it: raw slots in the storage plus the sketch cells (``slot_nbytes``) are
-the K/V bytes (``slot_nbytes``); the dense score table is extra bytes (``extra_nbytes``); the transient rebuilt cache of one
-layer (``rebuilt_nbytes``, peak) is reported by the notebook.
+the K/V bytes; the dense score table is extra bytes (``extra_nbytes``); the transient rebuilt cache of
+one layer (``rebuilt_nbytes``, peak) is reported by the notebook. A revived token sits in a raw slot with
+its *approximate* key and value: ``exact_positions`` leaves it out, so the harness counts it as lost.
 
 Defaults: r = 3 rows, shares 0.45 / 0.45 / 0.1, replace_rate 1.1 (the appendix: insensitive in [1.0,
 1.5]).
@@ -159,6 +160,7 @@ class KVReviverPolicy(CachePolicy):
     _scores: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _recent: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _sketch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _approx: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # revived: (B, N) bool
     rebuilt_nbytes: int = field(default=0, init=False, repr=False, compare=False)
     swaps: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -237,12 +239,15 @@ class KVReviverPolicy(CachePolicy):
     def _accumulate(self, ctx: StepContext) -> None:
         """Add the attention every position received in this step, over all query heads and rows."""
         B = ctx.q.shape[0]
-        if ctx.phase == "prefill":
+        if ctx.phase == "prefill":                     # a new sequence: fresh scores, no sketch yet
             self._scores[ctx.layer] = torch.zeros(B, ctx.seen, device=ctx.q.device)
+            self._approx[ctx.layer] = torch.zeros(B, ctx.seen, dtype=torch.bool, device=ctx.q.device)
             self._recent[ctx.layer] = 0
+            self._sketch.pop(ctx.layer, None)
         else:
-            old = self._scores[ctx.layer]
+            old, approx = self._scores[ctx.layer], self._approx[ctx.layer]
             self._scores[ctx.layer] = torch.cat([old, old.new_zeros(B, ctx.seen - old.shape[1])], dim=1)
+            self._approx[ctx.layer] = torch.cat([approx, approx.new_zeros(B, ctx.seen - approx.shape[1])], dim=1)
         received = ctx.probs.float().sum(dim=(1, 2))                             # (B, T_att)
         attended = ctx.attended_pos if ctx.attended_pos is not None else ctx.kv.pos
         self._scores[ctx.layer].scatter_add_(1, attended[:, 0], received)
@@ -284,14 +289,14 @@ class KVReviverPolicy(CachePolicy):
                 keep[out] = False
                 k, v, p = k[:, keep], v[:, keep], p[keep]
             if sketch is not None:
-                k, v, p = self._swap(sketch, scores, k, v, p, recent_from)
+                k, v, p = self._swap(sketch, scores, k, v, p, recent_from, self._approx[layer][b])
             order = p.argsort()
             new_k.append(k[:, order]), new_v.append(v[:, order]), new_pos.append(p[order])
         store.replace(torch.stack(new_k), torch.stack(new_v),
                       torch.stack(new_pos)[:, None, :].expand(B, H_kv, -1).contiguous())
 
     def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
-              recent_from: int) -> tuple[Tensor, Tensor, Tensor]:
+              recent_from: int, approx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Algorithm 3's swap loop for one sequence: revive V's best token while its score beats C's
         minimum by ``replace_rate``; C's minimum goes into the sketch in exchange."""
         in_raw = torch.zeros(scores.shape[0], dtype=torch.bool, device=p.device)
@@ -311,12 +316,21 @@ class KVReviverPolicy(CachePolicy):
             sketch.insert(p[c].view(1), k[:, c].unsqueeze(0), v[:, c].unsqueeze(0))
             in_raw[p[c]], in_raw[j] = False, True
             k[:, c], v[:, c], p[c] = jk[0].to(k.dtype), jv[0].to(v.dtype), j     # revived, approximately
+            approx[j] = True                                                     # (B, N) row view, in place
             self.swaps += 1
         return k, v, p
 
     # -- bookkeeping and the contract --------------------------------------------------------------------
+    def exact_positions(self, layer: int, store: LayerKV) -> Tensor:
+        """Stored positions, -1 for revived tokens (their raw slot holds the sketch's estimate)."""
+        if layer not in self._approx:
+            return store.pos
+        table, p = self._approx[layer], store.pos[:, 0]                                # (B, N), (B, T)
+        approx = table.gather(1, p.clamp(0, table.shape[1] - 1)) & (p >= 0) & (p < table.shape[1])
+        return store.pos.masked_fill(approx[:, None, :], -1)          # tokens newer than the table are raw
+
     def reset(self) -> None:
-        self._scores, self._recent, self._sketch = {}, {}, {}
+        self._scores, self._recent, self._sketch, self._approx = {}, {}, {}, {}
         self.rebuilt_nbytes, self.swaps = 0, 0
 
     def slot_nbytes(self) -> int:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanollm.policy import ScoringPolicy, StepContext, check_budget, select_topk
+from nanollm.policy import ScoringPolicy, StepContext, check_budget, group_mean, select_topk
 
 POOLINGS = ("max", "avg")
 
@@ -83,7 +83,7 @@ def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str)
     B, H, _, Tp = probs_window.shape                                    # (B, H, w, Tp)
     vote = probs_window.float().sum(dim=2)                              # (B, H, Tp) summed over the window
     vote = pool1d(vote, kernel, pooling)                                # (B, H, Tp) clusters neighbours
-    return vote.view(B, n_kv_head, H // n_kv_head, Tp).mean(dim=2)     # (B, H_kv, Tp) GQA group mean
+    return group_mean(vote, n_kv_head)                                  # (B, H_kv, Tp) GQA group mean
 
 
 def snapkv_select(prefix_scores: Tensor, budget: int, window: int) -> Tensor:

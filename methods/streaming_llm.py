@@ -13,8 +13,9 @@ Key rule (§3.2), over the T stored slots in position order:
     keep = [0 .. S-1]  ∪  [T-R .. T-1]          S = n_sink sinks, R = budget - S recent tokens
 
 As a scorer (``nanollm.policy.ScoringPolicy``) this is "newer is better": score = position, the S sinks
-and the R most recent tokens protected. Plain StreamingLLM keeps exactly the protected set; under a
-wrapper (``adakv(streaming_llm)``) the score is a recency ranking. Applied at prefill and after every
+and the R most recent tokens protected. The protected set fills the whole budget, so StreamingLLM keeps
+exactly it, and a wrapper around it (``adakv(streaming_llm)``, ``chunkkv(streaming_llm)``) changes
+nothing. Applied at prefill and after every
 decode/extend step, so the cache never holds more than ``budget`` entries per layer and KV head between
 steps (one step's new tokens are attended before eviction).
 

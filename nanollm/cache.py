@@ -31,6 +31,8 @@ class KVCache:
     def __init__(self, config: ModelConfig, policy: CachePolicy | None = None) -> None:
         self.config = config
         self.policy = policy
+        if policy is not None:          # a new cache is a new sequence: nothing may leak from an earlier one
+            policy.reset()
         self._new_storage = attention_class(config.attention).new_storage
         self.layers = [self._new_storage(config) for _ in range(config.n_layer)]
         self.seen = 0           # tokens processed so far; the next token gets position `seen`

@@ -11,8 +11,9 @@ owns what each layer stores. Three hooks, called by ``KVCache.attend`` inside ev
 
 A method is a subclass that overrides one or more of them; ``ctx`` (a ``StepContext``) carries everything
 a method may need, so nothing is recomputed inside a hook. Besides the hooks, a policy *declares* what
-it promises (``slack``, ``head_slack``, ``protected_positions``, ``extra_nbytes``): the contract tests
-and the evaluation harness read these declarations.
+it promises (``slack``, ``head_slack``, ``protected_positions``) and what it holds besides the storage
+(``extra_nbytes``, ``slot_nbytes``, ``exact_positions``): the contract tests and the evaluation harness
+read these declarations.
 
 Three layers of reuse, from general to specific:
 
@@ -131,6 +132,12 @@ class CachePolicy:
         for evicted tokens): counted *with* the K/V bytes. Default 0."""
         return 0
 
+    def exact_positions(self, layer: int, store: LayerKV) -> Tensor:
+        """(B, H_kv, T) positions whose *raw* key and value the storage holds (-1 elsewhere). Default: every
+        stored entry. A method that writes approximations into its storage (KVReviver's revived tokens)
+        marks them -1, so the harness counts their attention as lost, not as kept."""
+        return store.pos
+
 
 class FullCache(CachePolicy):
     """The identity policy: every token is kept. The reference every method is compared with."""
@@ -143,6 +150,13 @@ def check_budget(budget: int) -> int:
     if budget <= 0:
         raise ValueError(f"budget must be positive (tokens kept per layer per KV head), got {budget}")
     return budget
+
+
+def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
+    """Mean over the G query heads of each KV head: (B, H, ...) -> (B, H_kv, ...). Query head h belongs to
+    KV head h // G (the GQA convention); this is how every scorer reduces per-query-head numbers."""
+    B, H = x.shape[:2]
+    return x.view(B, n_kv_head, H // n_kv_head, *x.shape[2:]).mean(dim=2)
 
 
 def select_topk(scores: Tensor, budget: int, protected: Tensor | None = None) -> Tensor:
@@ -242,6 +256,16 @@ class PolicyWrapper(ScoringPolicy):
 
     inner: ScoringPolicy
 
+    def check_inner(self, default) -> None:
+        """Build the default inner policy (``default()``) if none was given, and check the one given: a
+        scoring policy with the wrapper's budget. Wrappers call this from ``__post_init__``."""
+        if self.inner is None:
+            self.inner = default()
+        if not isinstance(self.inner, ScoringPolicy):
+            raise ValueError(f"inner must be a scoring policy (a ScoringPolicy), got {type(self.inner).__name__}")
+        if self.inner.budget != self.budget:
+            raise ValueError(f"inner budget {self.inner.budget} differs from the wrapper's budget {self.budget}")
+
     @property
     def needs_probs(self) -> bool:
         return self.inner.needs_probs
@@ -285,3 +309,6 @@ class PolicyWrapper(ScoringPolicy):
 
     def slot_nbytes(self) -> int:
         return self.inner.slot_nbytes()
+
+    def exact_positions(self, layer: int, store: LayerKV) -> Tensor:
+        return self.inner.exact_positions(layer, store)

@@ -173,3 +173,19 @@ def test_split_of_the_budget():
     p = KVReviverPolicy(100)
     assert (p.width, p.candidate_budget, p.recent_budget) == (3, 45, 46)       # 0.1 / 0.45 / the rest
     assert KVReviverPolicy(1).recent_budget == 1                                # tiny budgets: Recent only
+
+
+def test_revived_tokens_are_not_counted_as_exact(model):
+    """A token revived from the sketch sits in a raw slot with its estimate: ``exact_positions`` marks it -1
+    (the harness then counts its attention as lost), and only it."""
+    policy = make_policy("kvreviver", 30, replace_rate=1.0)
+    _, cache = script(model, policy)
+    assert policy.swaps > 0, "this setting should revive tokens"
+    marked = 0
+    for layer, store in enumerate(cache.layers):
+        exact = policy.exact_positions(layer, store)
+        revived = policy._approx[layer].gather(1, store.pos[:, 0])[:, None, :].expand_as(store.pos)
+        assert torch.equal(exact == -1, revived)
+        assert torch.equal(exact[~revived], store.pos[~revived])
+        marked += int(revived.sum())
+    assert marked > 0

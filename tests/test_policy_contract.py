@@ -196,6 +196,18 @@ def test_reset_makes_policy_reusable(model, name, opts):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name,opts", cases())
+def test_policy_reused_in_a_new_cache(model, name, opts):
+    """A policy handed to a second, fresh cache (as ``generate(..., policy=p)`` twice does) behaves as new."""
+    seq_a, seq_b = make_seq(7, n_prompt=40), make_seq(8)
+    used = make_policy(name, 12, **opts)
+    run_script(model, KVCache(model.config, used), seq_a)
+    again, _ = run_script(model, KVCache(model.config, used), seq_b)
+    fresh, _ = run_script(model, KVCache(model.config, make_policy(name, 12, **opts)), seq_b)
+    for a, b in zip(again, fresh):
+        assert torch.equal(a, b), "state from an earlier cache leaked into a new one"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Registry and errors
 
