@@ -84,15 +84,6 @@ class Probe(CachePolicy):
     def reset(self) -> None:
         self.inner.reset()
 
-    def extra_nbytes(self) -> int:
-        return self.inner.extra_nbytes()
-
-    def slot_nbytes(self) -> int:
-        return self.inner.slot_nbytes()
-
-    def exact_positions(self, layer: int, store: LayerKV) -> Tensor:
-        return self.inner.exact_positions(layer, store)
-
 
 @dataclass
 class Trace:
@@ -117,7 +108,7 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
     cache = KVCache(model.config, policy=probe)
 
     def extra() -> int:
-        return cache.state_nbytes() + probe.extra_nbytes()
+        return cache.state_nbytes() + probe.inner.extra_nbytes()
 
     if mode == "question_in_prompt":
         logits = prefill(model, torch.tensor([sample.prompt_ids], device=dev), cache)
@@ -127,7 +118,7 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
     else:
         raise ValueError(f"unknown mode {mode!r}")
     def kv() -> int:                                   # stored K/V + slots kept outside the storage
-        return cache.nbytes() + probe.slot_nbytes()
+        return cache.nbytes() + probe.inner.slot_nbytes()
 
     step_logits = [logits[0, -1]]
     kv_bytes, extra_bytes = kv(), extra()
