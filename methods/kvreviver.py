@@ -66,6 +66,15 @@ from nanollm.storage import LayerKV
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
 
 
+def median_of_rows(x: Tensor) -> Tensor:
+    """Element-wise median over the first axis (the sketch's rows). For three rows, max(min(a, b),
+    min(max(a, b), c)): the same value as ``torch.median``, several times faster on CPU."""
+    if x.shape[0] == 3:
+        a, b, c = x
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    return x.median(dim=0).values
+
+
 class VagueSketch:
     """A count sketch of whole tokens for one sequence and layer (Algorithms 1-2), batched over tokens.
 
@@ -117,7 +126,7 @@ class VagueSketch:
         flat = (-1, *self.key.shape[2:])
         k = self.key.view(flat).index_select(0, self._cells(pos)).view(shape)
         v = self.value.view(flat).index_select(0, self._cells(pos)).view(shape) * self.signs(pos)[..., None, None]
-        return k.median(dim=0).values, v.median(dim=0).values
+        return median_of_rows(k), median_of_rows(v)
 
     def delete(self, pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Remove tokens by subtracting what is known of them (in a swap: their estimates)."""

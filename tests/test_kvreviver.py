@@ -27,6 +27,14 @@ def test_median_over_rows_by_hand():
     assert k.item() == 3.0
 
 
+def test_median_of_three_rows_is_torch_median():
+    x = torch.randn(3, 50, 2, 4, generator=torch.Generator().manual_seed(0))
+    x[1, :10] = x[0, :10]                                                   # ties
+    from methods.kvreviver import median_of_rows
+    assert torch.equal(median_of_rows(x), x.median(dim=0).values)
+    assert torch.equal(median_of_rows(x[:2]), x[:2].median(dim=0).values)   # other row counts: torch.median
+
+
 def test_insert_then_delete_restores_the_cells():
     s = VagueSketch(rows=3, width=5, n_kv_head=2, head_dim=4, seed=1)
     k, v = tokens(20, seed=1)
