@@ -235,8 +235,9 @@ print(f"  full cache, all layers:             {full.nbytes() / 1024:7.1f} KiB")
 # * Eviction by the same Recent + Candidate rule is also far below H2O here; H2O ranks heavy hitters per
 #   KV head, while KVReviver keeps one set per layer (a cell stores all heads of a token). A hypothesis,
 #   not measured in this notebook: see "try it" 3.
-# * It is 5-6x slower per decoded token than the full cache on this CPU (section 5; the paper: about 2x on
-#   a GPU): rebuilding every position and the per-token swap loop are Python-level work on every step.
+# * It is about 3x slower per decoded token than the full cache on this CPU (section 5; the paper: about
+#   2x on a GPU): rebuilding every position and the per-token swap loop are Python-level work on every
+#   step.
 # * The value estimates follow the paper's analysis: the median of three rows has about `0.45 a/b` of the
 #   per-coordinate variance (13.3 measured vs 14.3 predicted at `a/b = 32`), inside its `a pi / N` bound.
 #
