@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from nanollm.cache import KVCache
-from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext, check_budget
+from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext, check_budget, check_int
 
 from .adakv import mask_to_indices
 from .snapkv import SnapKVPolicy
@@ -134,10 +134,8 @@ class ChunkKVPolicy(PolicyWrapper):
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
-        for name in ("chunk_size", "reuse"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int("chunk_size", self.chunk_size)
+        check_int("reuse", self.reuse)
         if not isinstance(self.per_head, bool):
             raise ValueError(f"per_head must be True or False, got {self.per_head!r}")
         if self.remainder not in REMAINDERS:

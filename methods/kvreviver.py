@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from nanollm.policy import CachePolicy, StepContext, check_budget
+from nanollm.policy import CachePolicy, StepContext, check_budget, check_int
 from nanollm.storage import LayerKV
 
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
@@ -175,10 +175,9 @@ class KVReviverPolicy(CachePolicy):
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
-        for name in ("rows", "recent_slack", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "rows" else 0):
-                raise ValueError(f"{name} must be an int >= {1 if name == 'rows' else 0}, got {value!r}")
+        check_int("rows", self.rows)
+        check_int("recent_slack", self.recent_slack, low=0)
+        check_int("seed", self.seed, low=0)
         for name in ("vague_share", "candidate_share"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:

@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nanollm.cache import KVCache
-from nanollm.policy import CachePolicy, ScoringPolicy, StepContext, check_budget, select_topk
+from nanollm.policy import CachePolicy, ScoringPolicy, StepContext, check_budget, check_int, select_topk
 
 LOW = "scissorhands_low"      # per-slot ring buffer of the last w low/high flags, (B, H_kv, T, w) bool
 ATTN = "scissorhands_attn"    # per-slot attention of the step's last query (group mean), (B, H_kv, T)
@@ -177,10 +177,8 @@ class ScissorhandsPolicy(ScoringPolicy):
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
-        for name in ("history_window", "drop"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int("history_window", self.history_window)
+        check_int("drop", self.drop)
         if self.n_recent is None:
             self.n_recent = min(DEFAULT_RECENT, self.budget - 1)
         if isinstance(self.n_recent, bool) or not isinstance(self.n_recent, int) \

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanollm.policy import ScoringPolicy, StepContext, check_budget, group_mean, select_topk
+from nanollm.policy import ScoringPolicy, StepContext, check_budget, check_int, group_mean, select_topk
 
 POOLINGS = ("max", "avg")
 
@@ -128,8 +128,7 @@ class SnapKVPolicy(ScoringPolicy):
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be a positive int (observation window), got {self.window!r}")
+        check_int("window", self.window, what=" (observation window)")
         if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 \
                 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd int (pooling width), got {self.kernel!r}")

@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from nanollm.policy import ScoringPolicy, StepContext, check_budget
+from nanollm.policy import ScoringPolicy, StepContext, check_budget, check_int
 
 
 def sink_and_recent(budget: int, n_sink: int) -> tuple[int, int]:
@@ -78,8 +78,7 @@ class StreamingLLMPolicy(ScoringPolicy):
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative int (attention sinks kept), got {self.n_sink!r}")
+        check_int("n_sink", self.n_sink, low=0, what=" (attention sinks kept)")
 
     def score(self, ctx: StepContext) -> Tensor:
         """Recency: the position itself (newer = higher)."""

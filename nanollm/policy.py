@@ -152,6 +152,13 @@ def check_budget(budget: int) -> int:
     return budget
 
 
+def check_int(name: str, value, low: int = 1, what: str = "") -> int:
+    """Validate a method's integer option: an int (not a bool) >= ``low``; the error names the option."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}{what}, got {value!r}")
+    return value
+
+
 def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
     """Mean over the G query heads of each KV head: (B, H, ...) -> (B, H_kv, ...). Query head h belongs to
     KV head h // G (the GQA convention); this is how every scorer reduces per-query-head numbers."""

@@ -117,16 +117,20 @@ def test_h2o_scores_sum_to_number_of_queries(tiny):
         torch.testing.assert_close(cache.layers[layer].state[STATE].sum(-1), torch.full((2, 2), 23.0))
 
 
-def test_h2o_all_recent_equals_sliding_window(tiny):
-    """With no heavy hitters H2O is a pure sliding window (StreamingLLM without sinks)."""
-    caches = [KVCache(tiny.config, H2OPolicy(budget=8, n_recent=8)),
-              KVCache(tiny.config, StreamingLLMPolicy(budget=8, n_sink=0))]
+def assert_same_kept(model, policy_a, policy_b, n_prompt: int) -> None:
+    """Prefill, one decode step, a 4-token extend: both policies keep the same positions in every layer."""
+    caches = [KVCache(model.config, policy_a), KVCache(model.config, policy_b)]
     for cache in caches:
-        prefill(tiny, prompt(24), cache)
-        decode_step(tiny, prompt(1, seed=1)[:, 0], cache)
-        extend(tiny, prompt(4, seed=2), cache)
+        prefill(model, prompt(n_prompt), cache)
+        decode_step(model, prompt(1, seed=1)[:, 0], cache)
+        extend(model, prompt(4, seed=2), cache)
     for a, b in zip(*[c.layers for c in caches]):
         assert torch.equal(a.pos, b.pos)
+
+
+def test_h2o_all_recent_equals_sliding_window(tiny):
+    """With no heavy hitters H2O is a pure sliding window (StreamingLLM without sinks)."""
+    assert_same_kept(tiny, H2OPolicy(budget=8, n_recent=8), StreamingLLMPolicy(budget=8, n_sink=0), 24)
 
 
 class RecordingH2O(H2OPolicy):
@@ -309,14 +313,7 @@ def test_adakv_alpha_one_is_snapkv(tiny):
 def test_adakv_alpha_one_is_its_inner_scorer(tiny, scorer):
     """With the safeguard covering the whole budget, every head keeps exactly its own top ``budget``: the
     wrapper selects what the scorer alone selects, at prefill and at every decode / extend step."""
-    caches = [KVCache(tiny.config, make_policy(f"adakv({scorer})", 10, alpha_safeguard=1.0)),
-              KVCache(tiny.config, make_policy(scorer, 10))]
-    for cache in caches:
-        prefill(tiny, prompt(30), cache)
-        decode_step(tiny, prompt(1, seed=1)[:, 0], cache)
-        extend(tiny, prompt(4, seed=2), cache)
-    for a, b in zip(*[c.layers for c in caches]):
-        assert torch.equal(a.pos, b.pos)
+    assert_same_kept(tiny, make_policy(f"adakv({scorer})", 10, alpha_safeguard=1.0), make_policy(scorer, 10), 30)
 
 
 def test_adakv_gather_equals_mask():
