@@ -57,7 +57,7 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
     for task, i, mode in jobs:
         sample = make_sample(task, tok, length, seed=seed + i)
         full = trace(model, sample, mode, None, record_probs=True)
-        acc, _ = greedy_accuracy(model, tok, sample, mode, full, None)
+        acc, _ = greedy_accuracy(model, tok, sample, full)
         cells.setdefault(("full", None, task, mode), Cell()).add({"accuracy": acc, **compare_traces(full, full, group)})
         bar.update(1)
         for v in variants:
@@ -65,9 +65,8 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
                 bar.update(len(budgets))
                 continue
             for budget in budgets:
-                factory = lambda: make_policy(v.spec, budget=budget, **v.options)   # noqa: E731 (fresh policy)
-                tr = trace(model, sample, mode, factory())
-                acc, _ = greedy_accuracy(model, tok, sample, mode, tr, factory)
+                tr = trace(model, sample, mode, make_policy(v.spec, budget=budget, **v.options))
+                acc, _ = greedy_accuracy(model, tok, sample, tr)
                 cells.setdefault((v.label, budget, task, mode), Cell()).add(
                     {"accuracy": acc, **compare_traces(full, tr, group)})
                 bar.update(1)

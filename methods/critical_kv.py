@@ -87,7 +87,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext, check_budget
+from nanollm.policy import Needs, PolicyWrapper, ScoringPolicy, StepContext, check_budget
 
 from .adakv import mask_to_indices
 from .snapkv import SnapKVPolicy
@@ -264,6 +264,13 @@ class CriticalKVPolicy(PolicyWrapper):
             policy = policy.inner
         w = getattr(policy, "window", None)
         return w if isinstance(w, int) and not isinstance(w, bool) else None
+
+    def needs(self, phase: str) -> Needs:
+        """The inner policy's needs, plus the window's rows of the attention where stage 2 reads them."""
+        needs = self.inner.needs(phase)
+        if self.stage2 == "window" and self.window is not None and phase in self.compress_on:
+            needs = needs | Needs(rows=self.window)
+        return needs
 
     def window_attention(self, ctx: StepContext) -> Tensor | None:
         """(B, H, T) Abar: the mean attention of the last ``window`` queries (Algorithm 2 line 3, not pooled),

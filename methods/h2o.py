@@ -41,25 +41,26 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from nanollm.policy import ScoringPolicy, StepContext, check_budget, group_mean, select_topk
+from nanollm.policy import Needs, ScoringPolicy, StepContext, check_budget, group_mean, select_topk
 
 STATE = "h2o_score"      # name of the per-slot accumulated attention in the storage
 
 
-def received_attention(probs: Tensor, n_kv_head: int) -> Tensor:
+def received_attention(col_sums: Tensor, n_kv_head: int) -> Tensor:
     """Attention each stored entry received in one step, averaged over each GQA group.
 
     Parameters
     ----------
-    probs : (B, H, Tn, T) attention probabilities of the step's Tn queries over the T stored slots.
+    col_sums : (B, H, T) attention probabilities of the step's Tn queries over the T stored slots, summed
+        over the queries (``ctx.col_sums``: the attention adds them up chunk by chunk, so a long prompt
+        never holds its (Tn, T) matrix).
     n_kv_head : H_kv; query head h belongs to group h // (H // H_kv).
 
     Returns
     -------
-    (B, H_kv, T) float32: sum over the Tn queries, mean over the G query heads of each group.
+    (B, H_kv, T) float32: mean over the G query heads of each group.
     """
-    per_head = probs.float().sum(dim=2)                              # (B, H, T) summed over the Tn queries
-    return group_mean(per_head, n_kv_head)                           # (B, H_kv, T)
+    return group_mean(col_sums.float(), n_kv_head)                   # (B, H_kv, T)
 
 
 def h2o_keep(scores: Tensor, budget: int, n_recent: int) -> Tensor:
@@ -89,7 +90,6 @@ class H2OPolicy(ScoringPolicy):
 
     budget: int
     n_recent: int | None = None      # None -> budget // 2 (equal heavy / recent split, see module doc)
-    needs_probs: ClassVar[bool] = True
     compress_on: ClassVar[tuple[str, ...]] = ("prefill", "decode")   # Algorithm 1: evict every step
 
     def __post_init__(self) -> None:
@@ -101,11 +101,15 @@ class H2OPolicy(ScoringPolicy):
             raise ValueError(f"n_recent must be an int in [0, budget={self.budget}], got {self.n_recent!r}")
 
     def observe(self, ctx: StepContext) -> None:
-        received = received_attention(ctx.probs, ctx.kv.pos.shape[1])     # (B, H_kv, T)
+        received = received_attention(ctx.col_sums, ctx.kv.pos.shape[1])  # (B, H_kv, T)
         if ctx.phase == "prefill":      # column sums of the causal prompt attention (raw, not normalised)
             ctx.kv.set_state(STATE, received, fill=0.0)
         else:                           # Alg. 1: every kept token adds what it received; new ones start at 0
             ctx.kv.state[STATE] += received
+
+    def needs(self, phase: str) -> Needs:
+        """Column sums of the attention at every step: what each entry received (Algorithm 1)."""
+        return Needs(col_sums=True)
 
     def score(self, ctx: StepContext) -> Tensor:
         return ctx.kv.state[STATE]                                         # (B, H_kv, T)

@@ -22,13 +22,16 @@ tokens. From two traces (full and method) ``compare_traces`` computes:
 * ``compress_ms``: time spent in the policy's hooks; ``decode_ms_per_token``: time per decode step.
 
 Accuracy is RULER's ``string_match_all`` of the greedy answer. Greedy decoding that starts from the same
-prefix produces the same logits as the teacher-forced trace, so when the trace's argmax reproduces the
-reference answer at every position, the greedy answer *is* the reference and nothing more needs to run;
-otherwise the method generates freely.
+prefix produces the same logits as the teacher-forced trace, so as long as the trace's argmax reproduces
+the reference answer, greedy decoding *is* the trace. At the first answer position where it does not, the
+trace keeps a copy of the cache (policy included): the greedy answer is the reference up to there, then
+the method generates freely from that copy. This is exactly the answer a fresh ``evaluate.answer`` gives
+(a test checks it), without running the prompt a second time.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -36,9 +39,9 @@ import torch
 from torch import Tensor
 
 from nanollm.cache import KVCache, LayerKV
-from nanollm.evaluate import answer
-from nanollm.generation import extend, prefill
-from nanollm.policy import CachePolicy, FullCache, StepContext
+from nanollm.evaluate import answer_length
+from nanollm.generation import extend, generate, prefill
+from nanollm.policy import CachePolicy, FullCache, Needs, StepContext
 from nanollm.tasks import Sample, string_match_all
 
 
@@ -53,13 +56,18 @@ class Probe(CachePolicy):
 
     def __init__(self, inner: CachePolicy, record_probs: bool = False) -> None:
         self.inner = inner
-        self.needs_probs = inner.needs_probs or record_probs
+        self.record_probs = record_probs
         self.recording = False
         self.compress_s = 0.0
         self.outs: dict[int, Tensor] = {}
         self.pos: dict[int, Tensor] = {}
         self.attended: dict[int, Tensor] = {}
         self.probs: dict[int, Tensor] = {}
+
+    def needs(self, phase: str) -> Needs:
+        """The inner policy's needs, plus the last query's row while recording (with ``record_probs``)."""
+        needs = self.inner.needs(phase)
+        return needs | Needs(rows=1) if self.record_probs and self.recording else needs
 
     def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
         if self.recording:                                                 # (H_kv, T) stored exactly
@@ -74,7 +82,7 @@ class Probe(CachePolicy):
     def on_decode(self, ctx: StepContext) -> None:
         if self.recording:
             self.outs[ctx.layer] = ctx.out[0, :, -1].clone()               # (H, d)
-            if ctx.probs is not None:
+            if self.record_probs:
                 self.probs[ctx.layer] = ctx.probs[0, :, -1].clone()        # (H, T)
                 self.attended[ctx.layer] = ctx.attended_pos[0].clone()     # (H_kv, T) aligned with probs
         t0 = time.perf_counter()
@@ -97,6 +105,9 @@ class Trace:
     extra_bytes: int               # peak bytes of the policy's own structures (0 if it reports none)
     compress_ms: float
     decode_ms_per_token: float
+    fork: tuple | None = None      # (m, cache): the cache greedy decoding has after the answer's first m
+                                   # tokens; m = the first position whose argmax leaves the reference, else
+                                   # the last position
 
 
 @torch.no_grad()
@@ -121,6 +132,15 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
         return cache.nbytes() + probe.inner.slot_nbytes()
 
     step_logits = [logits[0, -1]]
+    fork = None
+
+    def check_fork(m: int) -> None:                    # step_logits[m] predicts target_ids[m]
+        nonlocal fork
+        if fork is None and int(step_logits[m].argmax()) != sample.target_ids[m]:
+            fork = (m, copy.deepcopy(cache))
+            fork[1].policy = fork[1].policy.inner      # without the probe: a plain cache with the method
+
+    check_fork(0)
     kv_bytes, extra_bytes = kv(), extra()
     decode_s, hidden = 0.0, None
     for j, token in enumerate(sample.target_ids[:-1]):
@@ -131,10 +151,14 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
         if j == 0:
             hidden = h[0, -1]
         step_logits.append(lg[0, -1])
+        check_fork(j + 1)
         kv_bytes, extra_bytes = max(kv_bytes, kv()), max(extra_bytes, extra())
+    if fork is None:                                   # greedy follows the whole reference: continue from here
+        cache.policy = probe.inner
+        fork = (len(sample.target_ids) - 1, cache)
     n_steps = len(sample.target_ids) - 1
     return Trace(torch.stack(step_logits), hidden, probe.outs, probe.pos, probe.probs, probe.attended, kv_bytes,
-                 extra_bytes, probe.compress_s * 1e3, decode_s * 1e3 / max(1, n_steps))
+                 extra_bytes, probe.compress_s * 1e3, decode_s * 1e3 / max(1, n_steps), fork)
 
 
 def lost_mass(full: Trace, method: Trace, group_size: int) -> float:
@@ -169,12 +193,25 @@ def compare_traces(full: Trace, method: Trace, group_size: int) -> dict:
     }
 
 
-def greedy_accuracy(model, tok, sample: Sample, mode: str, tr: Trace, policy_factory) -> tuple[float, str]:
-    """string_match_all of the greedy answer; reuses the trace when greedy decoding follows the reference."""
-    if torch.equal(tr.logits.argmax(-1).cpu(), torch.tensor(sample.target_ids)):
-        prediction = sample.target                       # greedy decoding reproduces the reference exactly
+def greedy_from_trace(model, tok, sample: Sample, tr: Trace) -> list[int]:
+    """The greedy answer's token ids (up to the end-of-text token), continued from the trace's fork."""
+    n_new = answer_length(model, sample)
+    m, cache = tr.fork
+    if m >= n_new:                                     # greedy follows the reference for its whole length
+        out = sample.target_ids[:n_new]
     else:
-        prediction = answer(model, tok, sample, mode, policy_factory() if policy_factory else None)
+        first = int(tr.logits[m].argmax())             # greedy's token m (where it leaves the reference)
+        out = sample.target_ids[:m] + [first]
+        if first != tok.eot_id and len(out) < n_new:
+            token = torch.tensor([[first]], device=tr.logits.device)
+            out += generate(model, token, n_new - len(out), cache=copy.deepcopy(cache),
+                            stop_ids=[tok.eot_id])[0].tolist()
+    return out[:out.index(tok.eot_id)] if tok.eot_id in out else out
+
+
+def greedy_accuracy(model, tok, sample: Sample, tr: Trace) -> tuple[float, str]:
+    """string_match_all of the greedy answer under the traced method, and the answer (see the module doc)."""
+    prediction = tok.decode(greedy_from_trace(model, tok, sample, tr))
     return string_match_all(prediction, sample.answers), prediction
 
 

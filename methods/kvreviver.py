@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from nanollm.policy import CachePolicy, StepContext, check_budget, check_int
+from nanollm.policy import CachePolicy, Needs, StepContext, check_budget, check_int
 from nanollm.storage import LayerKV
 
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
@@ -164,7 +164,6 @@ class KVReviverPolicy(CachePolicy):
     sketch_width: int | None = None
     injective_hash: bool = False
     seed: int = 0
-    needs_probs = True
     # per-layer state: dense scores (B, N) by position, R size, sketch, peak rebuilt bytes
     _scores: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _recent: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -256,9 +255,13 @@ class KVReviverPolicy(CachePolicy):
             old, approx = self._scores[ctx.layer], self._approx[ctx.layer]
             self._scores[ctx.layer] = torch.cat([old, old.new_zeros(B, ctx.seen - old.shape[1])], dim=1)
             self._approx[ctx.layer] = torch.cat([approx, approx.new_zeros(B, ctx.seen - approx.shape[1])], dim=1)
-        received = ctx.probs.float().sum(dim=(1, 2))                             # (B, T_att)
+        received = ctx.col_sums.sum(dim=1)                                       # (B, T_att) over all heads
         attended = ctx.attended_pos if ctx.attended_pos is not None else ctx.kv.pos
         self._scores[ctx.layer].scatter_add_(1, attended[:, 0], received)
+
+    def needs(self, phase: str) -> Needs:
+        """Column sums at every step: the attention every position received (the score of Algorithm 3)."""
+        return Needs(col_sums=True)
 
     def on_prefill(self, ctx: StepContext) -> None:
         self._accumulate(ctx)

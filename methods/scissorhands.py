@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nanollm.cache import KVCache
-from nanollm.policy import CachePolicy, ScoringPolicy, StepContext, check_budget, check_int, select_topk
+from nanollm.policy import CachePolicy, Needs, ScoringPolicy, StepContext, check_budget, check_int, select_topk
 
 LOW = "scissorhands_low"      # per-slot ring buffer of the last w low/high flags, (B, H_kv, T, w) bool
 ATTN = "scissorhands_attn"    # per-slot attention of the step's last query (group mean), (B, H_kv, T)
@@ -172,7 +172,6 @@ class ScissorhandsPolicy(ScoringPolicy):
     n_recent: int | None = None            # r: None -> min(10, budget - 1)
     drop: int = 1                          # m: Appendix B.2's setting
     threshold: float | None = None         # tau: None -> uniform level 1 / (entries attended)
-    needs_probs: ClassVar[bool] = True
     compress_on: ClassVar[tuple[str, ...]] = ("prefill", "decode")   # Algorithm 1: whenever the cache is full
 
     def __post_init__(self) -> None:
@@ -189,18 +188,23 @@ class ScissorhandsPolicy(ScoringPolicy):
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
             raise ValueError(f"threshold must be None (1 / entries attended) or a number in (0, 1], got {t!r}")
 
+    def needs(self, phase: str) -> Needs:
+        """The probabilities of the step's last w queries: only their flags stay in the history."""
+        return Needs(rows=self.history_window)
+
     def observe(self, ctx: StepContext) -> None:
         """Push the step's low flags (and keep the last query's attention for the tie-break)."""
         kv = ctx.kv
         B, H_kv, T = kv.pos.shape
-        attn = group_mean(ctx.probs, H_kv)                                     # (B, H_kv, Tn, T)
+        attn = group_mean(ctx.probs, H_kv)                                     # (B, H_kv, R, T)
+        q_pos = ctx.q_pos[-attn.shape[2]:]                                     # (R,) the last R queries
         kp = kv.pos[:, :, None, :]                                             # (B, H_kv, 1, T)
-        visible = (kp >= 0) & (kp <= ctx.q_pos.view(1, 1, -1, 1))              # (B, H_kv, Tn, T)
+        visible = (kp >= 0) & (kp <= q_pos.view(1, 1, -1, 1))                  # (B, H_kv, R, T)
         if ctx.phase == "prefill":                                             # no history yet
             kv.set_state(LOW, torch.zeros(B, H_kv, T, self.history_window, dtype=torch.bool,
                                           device=kv.pos.device), fill=False)
             kv.set_state(ATTN, torch.zeros(B, H_kv, T, device=kv.pos.device), fill=0.0)
-        push_history(kv.state[LOW], low_flags(attn, visible, self.threshold), ctx.q_pos)
+        push_history(kv.state[LOW], low_flags(attn, visible, self.threshold), q_pos)
         kv.state[ATTN] = attn[:, :, -1]                                        # the step's last query
 
     def score(self, ctx: StepContext) -> Tensor:
@@ -236,10 +240,11 @@ class AttentionRecorder(CachePolicy):
     """Keeps everything and records batch row 0's attention probabilities at every step, per layer:
     ``steps[layer]`` is a list of (H, Tn, T) tensors (the prompt's rows first)."""
 
-    needs_probs = True
-
     def __init__(self) -> None:
         self.steps: dict[int, list[Tensor]] = {}
+
+    def needs(self, phase: str) -> Needs:
+        return Needs(rows=None)                 # every row: an analysis of short sequences
 
     def on_prefill(self, ctx: StepContext) -> None:
         self.steps[ctx.layer] = [ctx.probs[0].float().clone()]

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanollm.policy import ScoringPolicy, StepContext, check_budget, check_int, group_mean, select_topk
+from nanollm.policy import Needs, ScoringPolicy, StepContext, check_budget, check_int, group_mean, select_topk
 
 POOLINGS = ("max", "avg")
 
@@ -123,7 +123,6 @@ class SnapKVPolicy(ScoringPolicy):
     window: int = 32         # the authors' LongBench script (see module doc)
     kernel: int = 7          # same source
     pooling: str = "max"     # same source ("maxpool")
-    needs_probs: ClassVar[bool] = True
     compress_on: ClassVar[tuple[str, ...]] = ("prefill",)   # the prompt only; later tokens are all kept
 
     def __post_init__(self) -> None:
@@ -135,11 +134,15 @@ class SnapKVPolicy(ScoringPolicy):
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
 
+    def needs(self, phase: str) -> Needs:
+        """The observation window's rows of the prompt's attention (nothing later: SnapKV then keeps all)."""
+        return Needs(rows=self.window) if phase in self.compress_on else Needs()
+
     def score(self, ctx: StepContext) -> Tensor:
         """(B, H_kv, T): pooled window votes for the prefix, then the window's votes for its own tokens."""
         T, H_kv = len(ctx.kv), ctx.kv.pos.shape[1]
         w = min(self.window, T)
-        rows = ctx.probs[:, :, T - w:, :]                                  # (B, H, w, T) the window's rows
+        rows = ctx.probs[:, :, -w:, :]                                     # (B, H, w, T) the window's rows
         own = window_vote(rows[..., T - w:], H_kv, 1, self.pooling)        # (B, H_kv, w) not pooled
         if w == T:                                                         # a prompt no longer than the window
             return own

@@ -11,7 +11,8 @@ Two paths, one module:
 
 The heart of the cached path is :func:`attend`, written out in plain tensor ops so it can be read:
 the causal mask is built from the *stored positions* of the keys, never from their slot index, so it stays
-right after any eviction.
+right after any eviction; and when nothing needs a mask (a decode step, or a prompt with nothing cached
+before it) it takes a fast path that builds none.
 
 An attention module, for the decoder (``model.Block`` builds the one ``config.attention`` names):
 
@@ -19,8 +20,9 @@ An attention module, for the decoder (``model.Block`` builds the one ``config.at
     forward(x, pos, rope, cache) -> y         x (B, T, D) at positions pos (T,); rope = (cos, sin) or None;
                                               with a cache: ``cache.attend(layer_idx, self, q, pos, new)``
     new_storage(config)  (classmethod)        an empty per-layer storage (``storage.LayerKV`` here)
-    attend_entries(q, entries, q_pos, need_probs=False) -> (out, probs)
-                                              attention of the step's queries over a storage's entries
+    attend_entries(q, entries, q_pos, needs=Needs()) -> (out, probs, col_sums)
+                                              attention of the step's queries over a storage's entries,
+                                              with the statistics a policy asked for (``policy.Needs``)
 
 ``config.attention`` is a name registered in ``ATTENTION`` ("causal") or a ``"package.module:Class"``
 path, so a module defined outside nanollm plugs in without nanollm importing it.
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import ModelConfig
+from .policy import Needs
 from .storage import LayerKV
 
 if TYPE_CHECKING:                 # annotations only: cache.py imports this module
@@ -92,10 +95,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------------------
 # Attention over an explicit set of (key, value, position) entries.
+#
+# Three paths, one result. The general path (``attend_masked``) builds the mask from the stored positions
+# and works for anything: evicted, per-head, padded entries. Two fast paths skip the mask when the
+# storage is ``dense`` (every slot holds an entry that came in through ``append``, see ``storage.py``):
+#
+#   one new query (a decode step)        it sees every stored entry: no mask at all (``attend_step``)
+#   the whole prompt (nothing stored     plain causal attention: ``scaled_dot_product_attention`` with
+#   before it)                           is_causal, which never materialises the (T, T) probabilities
+#
+# A policy may ask for statistics of the attention (``policy.Needs``): the probabilities of the step's
+# last rows, or column sums. The output never depends on what is asked (a method at a budget covering the
+# sequence stays bit-for-bit the full cache); the statistics are computed beside it, chunk by chunk.
 
-def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
-           need_probs: bool = False) -> tuple[Tensor, Tensor | None]:
-    """softmax(q k^T / sqrt(d) + mask) v, with the mask built from positions.
+SCORE_ELEMENTS = 1 << 24    # the general path computes at most this many scores at once (64 MiB in fp32)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, needs: Needs = Needs(),
+           dense: bool = False, chunk: int | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """softmax(q k^T / sqrt(d) + mask) v, with the mask built from positions; and what ``needs`` asks for.
 
     Parameters
     ----------
@@ -103,23 +121,92 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
     k, v : (B, H_kv, Tk, d) stored keys (rotated at their own positions) and values.
     q_pos : (Tq,) absolute position of every query.
     k_pos : (B, H_kv, Tk) absolute position of every stored entry; -1 marks an empty slot (never attended).
-    need_probs : also return the attention probabilities (B, H, Tq, Tk).
+    needs : which statistics to return besides the output (``policy.Needs``).
+    dense : the entries are a dense storage whose newest entries are these queries (``LayerKV.dense``):
+        allows the fast paths. False is always correct.
+    chunk : queries per chunk in the general path (default: as many as keep the scores under
+        ``SCORE_ELEMENTS``).
+
+    Returns
+    -------
+    out : (B, H, Tq, d)
+    probs : (B, H, R, Tk) probabilities of the last R = min(needs.rows, Tq) queries (all if rows is None),
+        or None when ``needs.rows == 0``.
+    col_sums : (B, H, Tk) fp32 attention each entry received, summed over the Tq queries, or None.
 
     A query at position p sees an entry at position s iff 0 <= s <= p. Query head h reads KV head h // G:
     the query heads are viewed as (H_kv, G) so K and V are never repeated in memory.
     """
+    Tq, Tk = q.shape[2], k.shape[2]
+    if dense and Tq == 1:
+        return attend_step(q, k, v, needs)
+    if dense and Tq == Tk and torch.equal(k_pos, q_pos.expand_as(k_pos)):     # the prompt, nothing before it
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        if needs.col_sums or needs.rows is None:                        # statistics over every row
+            _, probs, col_sums = attend_masked(q, k, v, q_pos, k_pos, needs, chunk)
+            return out, probs, col_sums
+        r = min(needs.rows, Tq)                                         # only the last r rows (maybe none)
+        if r == 0:
+            return out, None, None
+        _, probs, _ = attend_masked(q[:, :, Tq - r:], k, v, q_pos[Tq - r:], k_pos, needs, chunk)
+        return out, probs, None
+    return attend_masked(q, k, v, q_pos, k_pos, needs, chunk)
+
+
+def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tuple[Tensor, Tensor | None,
+                                                                                  Tensor | None]:
+    """One query per row over entries it may all see (a decode step on dense storage): no mask.
+
+    This is the memory-bound heart of decoding: it reads every stored key and value once, and does two
+    small matrix-vector products. q (B, H, 1, d); k, v (B, H_kv, Tk, d). Returns as ``attend``.
+    """
+    B, H, _, d = q.shape
+    H_kv, Tk = k.shape[1], k.shape[2]
+    qg = q.view(B, H_kv, H // H_kv, 1, d)                               # (B, H_kv, G, 1, d)
+    scores = qg @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(d)       # (B, H_kv, G, 1, Tk)
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs @ v.unsqueeze(2)).reshape(B, H, 1, d)                  # (B, H, 1, d)
+    probs = probs.reshape(B, H, 1, Tk)
+    return out, (probs if needs.rows != 0 else None), (probs[:, :, 0].float() if needs.col_sums else None)
+
+
+def attend_masked(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, needs: Needs = Needs(),
+                  chunk: int | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The general path: the mask from positions, the queries in chunks. Arguments and result as ``attend``.
+
+    A chunk of C queries costs a (B, H, C, Tk) score tensor, so a long prompt never holds the (Tq, Tk)
+    matrix: the outputs of the chunks are concatenated, the column sums added up, and only the rows a
+    policy asked for are kept.
+    """
     B, H, Tq, d = q.shape
     H_kv, Tk = k.shape[1], k.shape[2]
     G = H // H_kv
-    qg = q.view(B, H_kv, G, Tq, d)                                     # (B, H_kv, G, Tq, d)
-    scores = qg @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(d)      # (B, H_kv, G, Tq, Tk)
-    kp = k_pos[:, :, None, None, :]                                    # (B, H_kv, 1, 1, Tk)
-    visible = (kp <= q_pos[:, None]) & (kp >= 0)                       # (B, H_kv, 1, Tq, Tk)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = probs @ v.unsqueeze(2)                                       # (B, H_kv, G, Tq, d)
-    out = out.reshape(B, H, Tq, d)
-    return out, (probs.reshape(B, H, Tq, Tk) if need_probs else None)
+    if chunk is None:
+        chunk = max(1, SCORE_ELEMENTS // max(1, B * H * Tk))
+    keep_rows = Tq if needs.rows is None else min(needs.rows, Tq)   # the last `keep_rows` rows are returned
+    kp = k_pos[:, :, None, None, :]                                     # (B, H_kv, 1, 1, Tk)
+    outs, kept_probs = [], []
+    col_sums = q.new_zeros(B, H, Tk, dtype=torch.float32) if needs.col_sums else None
+    for i in range(0, Tq, chunk):
+        qc, pc = q[:, :, i:i + chunk], q_pos[i:i + chunk]              # (B, H, C, d), (C,)
+        C = qc.shape[2]
+        qg = qc.reshape(B, H_kv, G, C, d)                              # (B, H_kv, G, C, d)
+        scores = qg @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(d)  # (B, H_kv, G, C, Tk)
+        visible = (kp <= pc[:, None]) & (kp >= 0)                      # (B, H_kv, 1, C, Tk)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        outs.append((probs @ v.unsqueeze(2)).reshape(B, H, C, d))     # (B, H, C, d)
+        probs = probs.reshape(B, H, C, Tk)
+        if col_sums is not None:
+            col_sums += probs.float().sum(dim=2)
+        first_kept = Tq - keep_rows                                    # rows before it are not returned
+        if i + C > first_kept:
+            kept_probs.append(probs[:, :, max(0, first_kept - i):])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    probs = None
+    if keep_rows > 0:
+        probs = kept_probs[0] if len(kept_probs) == 1 else torch.cat(kept_probs, dim=2)
+    return out, probs, col_sums
 
 
 class CausalSelfAttention(nn.Module):
@@ -142,9 +229,9 @@ class CausalSelfAttention(nn.Module):
 
     @staticmethod
     def attend_entries(q: Tensor, entries: LayerKV, q_pos: Tensor,
-                       need_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+                       needs: Needs = Needs()) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """The step's queries (B, H, Tq, d) over stored (or rebuilt) entries; see :func:`attend`."""
-        return attend(q, entries.k, entries.v, q_pos, entries.pos, need_probs)
+        return attend(q, entries.k, entries.v, q_pos, entries.pos, needs, dense=entries.dense)
 
     def forward(self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor] | None,
                 cache: KVCache | None = None) -> Tensor:

@@ -48,14 +48,14 @@ class KVCache:
         phase = "prefill" if self.seen == 0 else "decode"   # `extend` chunks count as decode steps
         store.append(*new, pos)
         if self.policy is None:
-            out, _ = module.attend_entries(q, store, pos)
+            out, _, _ = module.attend_entries(q, store, pos)
             return out
         entries = self.policy.attend_kv(layer, store)
         attended_pos = entries.pos          # captured now: the hook below may evict from the storage
-        out, probs = module.attend_entries(q, entries, pos, need_probs=self.policy.needs_probs)
+        out, probs, col_sums = module.attend_entries(q, entries, pos, self.policy.needs(phase))
         ctx = StepContext(layer=layer, phase=phase, q=q, q_pos=pos, probs=probs, out=out, kv=store,
                           attn=module, config=self.config, seen=self.seen + q.shape[2],
-                          attended_pos=attended_pos)
+                          attended_pos=attended_pos, col_sums=col_sums)
         if phase == "prefill":
             self.policy.on_prefill(ctx)
         else:

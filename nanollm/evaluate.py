@@ -37,14 +37,19 @@ def check_mode(mode: str) -> str:
 
 
 @torch.no_grad()
+def answer_length(model, sample, max_new_tokens: int | None = None) -> int:
+    """How many tokens the greedy answer to ``sample`` may take: the task's allowance, cut to the room left."""
+    room = model.config.max_seq_len - len(sample.prompt_ids) + 1   # the last generated token needs no position
+    return min(max_new_tokens or ANSWER_TOKENS.get(sample.task, DEFAULT_ANSWER_TOKENS), room)
+
+
 def answer_ids(model, sample, mode: str, policy=None, max_new_tokens: int | None = None,
                stop_id: int | None = None) -> list[int]:
     """Greedy answer token ids for ``sample`` (a tokenized ``tasks.Sample``) under ``policy``."""
     check_mode(mode)
     dev = next(model.parameters()).device
     prompt = sample.prompt_ids
-    room = model.config.max_seq_len - len(prompt) + 1      # the last generated token needs no position
-    n_new = min(max_new_tokens or ANSWER_TOKENS.get(sample.task, DEFAULT_ANSWER_TOKENS), room)
+    n_new = answer_length(model, sample, max_new_tokens)
     stop = [stop_id] if stop_id is not None else []
     cache = KVCache(model.config, policy=policy)
     if mode == "question_in_prompt":

@@ -10,7 +10,11 @@ owns what each layer stores. Three hooks, called by ``KVCache.attend`` inside ev
     on_decode(ctx)                       after layer ctx.layer attended in a decode or extend step
 
 A method is a subclass that overrides one or more of them; ``ctx`` (a ``StepContext``) carries everything
-a method may need, so nothing is recomputed inside a hook. Besides the hooks, a policy *declares* what
+a method may need, so nothing is recomputed inside a hook. What a method reads from the attention itself
+it declares with ``needs(phase)`` (a ``Needs``): the probabilities of the step's last query rows (SnapKV's
+observation window), the column sums over all queries (H2O's accumulated attention), or nothing, which
+lets the attention take its fast paths. A long prompt's (T, T) probability matrix is never built: rows
+are kept only where asked, and column sums are added up chunk by chunk (``attention.attend_masked``). Besides the hooks, a policy *declares* what
 it promises (``slack``, ``head_slack``, ``protected_positions``) and what it holds besides the storage
 (``extra_nbytes``, ``slot_nbytes``, ``exact_positions``): the contract tests and the evaluation harness
 read these declarations.
@@ -38,6 +42,26 @@ from .config import ModelConfig
 from .storage import LayerKV
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a policy reads from one step's attention (``CachePolicy.needs``).
+
+    rows     : how many of the step's *last* queries' probability rows it needs, ``ctx.probs``
+               (B, H, min(rows, Tn), T); None = every row (costs a (B, H, Tn, T) tensor: only for short
+               sequences and analysis); 0 = none.
+    col_sums : whether it needs ``ctx.col_sums`` (B, H, T): the attention each entry received, summed over
+               the step's Tn queries (fp32), accumulated chunk by chunk without the full matrix.
+    """
+
+    rows: int | None = 0
+    col_sums: bool = False
+
+    def __or__(self, other: "Needs") -> "Needs":
+        """Everything either asks for (a wrapper that adds its own needs to its inner policy's)."""
+        rows = None if self.rows is None or other.rows is None else max(self.rows, other.rows)
+        return Needs(rows, self.col_sums or other.col_sums)
+
+
 @dataclass
 class StepContext:
     """What a policy sees after one layer's attention in one step.
@@ -46,8 +70,11 @@ class StepContext:
     phase  : "prefill" (the cache was empty: the prompt) or "decode" (one token, or an ``extend`` chunk)
     q      : (B, H, Tn, d) the step's queries after RoPE (at prefill: every prompt position)
     q_pos  : (Tn,) their absolute positions
-    probs  : (B, H, Tn, T) attention probabilities over the entries the queries attended (``attend_kv``'s
-             result, in its slot order), or None unless the policy's ``needs_probs`` is True
+    probs  : (B, H, R, T) attention probabilities of the step's last R queries over the entries they
+             attended (``attend_kv``'s result, in its slot order), R = min(needs.rows, Tn); None if the
+             policy's ``needs(phase)`` asked for no rows
+    col_sums : (B, H, T) fp32 attention each attended entry received, summed over the step's Tn queries;
+             None unless ``needs(phase).col_sums``
     out    : (B, H, Tn, d) the attention output per head (before W_O)
     kv     : this layer's storage, already holding the step's new entries
     attn   : the layer's attention module (``attn.o_proj.weight`` is W_O, shape (D, H*d))
@@ -69,6 +96,7 @@ class StepContext:
     config: ModelConfig
     seen: int
     attended_pos: Tensor | None = None
+    col_sums: Tensor | None = None
 
 
 class CachePolicy:
@@ -85,7 +113,10 @@ class CachePolicy:
     (sinks, windows) included; ``keep_ratio = budget / tokens_seen``.
     """
 
-    needs_probs: bool = False   # True to receive ctx.probs (costs a (B, H, Tn, T) tensor per layer)
+    def needs(self, phase: str) -> Needs:
+        """What the hooks of ``phase`` ("prefill" or "decode") read from the attention: ``ctx.probs`` rows,
+        ``ctx.col_sums`` (see ``Needs``). Default: nothing, so the attention takes its fast path."""
+        return Needs()
 
     def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
         """Entries the step's queries attend to. Default: the storage itself.
@@ -256,7 +287,7 @@ class PolicyWrapper(ScoringPolicy):
     """A scoring policy built around an ``inner`` one: forwards everything, overrides what it changes.
 
     A subclass is a dataclass with ``budget`` and ``inner`` fields (and its own options); it overrides
-    ``score``, ``select``, ``over_budget`` or ``head_budgets``. The inner policy's probabilities request,
+    ``score``, ``select``, ``over_budget`` or ``head_budgets``. The inner policy's attention needs,
     per-slot state, timing (``compress_on``), budget allocation, rebuilt entries and contract
     declarations are passed through unchanged.
     """
@@ -273,9 +304,8 @@ class PolicyWrapper(ScoringPolicy):
         if self.inner.budget != self.budget:
             raise ValueError(f"inner budget {self.inner.budget} differs from the wrapper's budget {self.budget}")
 
-    @property
-    def needs_probs(self) -> bool:
-        return self.inner.needs_probs
+    def needs(self, phase: str) -> Needs:
+        return self.inner.needs(phase)
 
     @property
     def compress_on(self) -> tuple[str, ...]:

@@ -14,9 +14,23 @@ slots (pos = -1), which attention never sees. ``T`` is the number of slots, not 
 seen: the cache counts those separately in ``KVCache.seen``, and a new token always gets position
 ``seen``. Conflating the two would rotate new keys at the wrong angle once anything has been evicted.
 
+Growing without copying. The naive cache appends with ``torch.cat([k, k_new])``: a fresh tensor and a copy
+of the *whole* layer at every decode step, so one step costs O(T) in copies and a generation O(T^2), far
+more than the attention itself reads. Here ``k``, ``v`` and ``pos`` are views of the first T slots of
+larger buffers: ``append`` writes the new entries in place after them and reallocates only when the
+buffer is full, doubling its capacity, so the copies add up to O(T) over a whole generation (each entry
+is moved about once on average). ``keep`` gathers the kept slots into fresh buffers with some room left
+for the next appends.
+
 Per-slot state exists so that a method never has to keep its own table aligned with the storage by hand:
 ``append`` gives the new slots the state's fill value, ``keep`` moves the state with the entries (padding
-slots get the fill value too).
+slots get the fill value too). State is small next to K and V (a few numbers per slot) and simply grows
+by concatenation.
+
+``dense`` tells attention it may skip the mask (``attention.attend``): it is True when every slot holds an
+entry (no -1) and every entry came in through ``append`` in increasing positions, so a step's queries (the
+newest entries) see every stored slot up to their own. Storage built from arbitrary tensors is not dense
+until proven otherwise; ``keep`` with empty slots makes it not dense.
 """
 
 from __future__ import annotations
@@ -24,29 +38,64 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+MIN_CAPACITY = 64           # slots allocated at least, per head, when a buffer is (re)allocated
+
 
 class LayerKV:
     """One layer's storage. Empty until the first ``append`` unless built from tensors."""
 
     def __init__(self, k: Tensor | None = None, v: Tensor | None = None, pos: Tensor | None = None) -> None:
-        self.k, self.v, self.pos = k, v, pos
+        # buffers (B, H_kv, capacity, ...) and the number of slots in use; k, v, pos are views of them
+        self._k, self._v, self._pos = k, v, pos
+        self.n = 0 if k is None else k.shape[2]
+        self.dense = k is None                  # see the module docstring
         self.state: dict[str, Tensor] = {}      # name -> (B, H_kv, T, ...) aligned with the slots
         self.fill: dict[str, float] = {}        # name -> value given to new and empty slots
 
+    @property
+    def k(self) -> Tensor | None:
+        return None if self._k is None else self._k[:, :, :self.n]
+
+    @property
+    def v(self) -> Tensor | None:
+        return None if self._v is None else self._v[:, :, :self.n]
+
+    @property
+    def pos(self) -> Tensor | None:
+        return None if self._pos is None else self._pos[:, :, :self.n]
+
     def __len__(self) -> int:
         """Number of slots T (including empty ones)."""
-        return 0 if self.k is None else self.k.shape[2]
+        return self.n
+
+    def capacity(self) -> int:
+        """Slots allocated per head (>= T)."""
+        return 0 if self._k is None else self._k.shape[2]
+
+    def _grow(self, need: int) -> None:
+        """Reallocate the buffers with room for at least ``need`` slots (doubling), keeping the first T."""
+        cap = max(need, 2 * self.capacity(), MIN_CAPACITY)
+        B, H_kv, _, d = self._k.shape
+        k = self._k.new_empty(B, H_kv, cap, d)
+        v = self._v.new_empty(B, H_kv, cap, self._v.shape[-1])
+        pos = self._pos.new_full((B, H_kv, cap), -1)
+        k[:, :, :self.n], v[:, :, :self.n], pos[:, :, :self.n] = self.k, self.v, self.pos
+        self._k, self._v, self._pos = k, v, pos
 
     def append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
         """Add new entries at the end. k, v (B, H_kv, Tn, d); pos (Tn,) shared by every row and head."""
-        B, H_kv, Tn, _ = k.shape
-        new_pos = pos.view(1, 1, Tn).expand(B, H_kv, Tn)
-        if self.k is None:
-            self.k, self.v, self.pos = k, v, new_pos.clone()
-        else:
-            self.k = torch.cat([self.k, k], dim=2)
-            self.v = torch.cat([self.v, v], dim=2)
-            self.pos = torch.cat([self.pos, new_pos], dim=2)
+        B, H_kv, Tn, d = k.shape
+        if self._k is None:                     # the first append: allocate with room to grow
+            cap = max(Tn, MIN_CAPACITY)
+            self._k, self._v = k.new_empty(B, H_kv, cap, d), v.new_empty(B, H_kv, cap, v.shape[-1])
+            self._pos = pos.new_full((B, H_kv, cap), -1)
+        elif self.n + Tn > self.capacity():
+            self._grow(self.n + Tn)
+        end = self.n + Tn
+        self._k[:, :, self.n:end] = k           # written in place: no copy of the stored slots
+        self._v[:, :, self.n:end] = v
+        self._pos[:, :, self.n:end] = pos
+        self.n = end
         for name, t in self.state.items():     # new slots start from the state's fill value
             new = t.new_full((B, H_kv, Tn, *t.shape[3:]), self.fill[name])
             self.state[name] = torch.cat([t, new], dim=2)
@@ -54,27 +103,33 @@ class LayerKV:
     def keep(self, idx: Tensor) -> None:
         """Keep only the slots ``idx`` (B, H_kv, K), per head, in the given order; -1 makes an empty slot.
 
-        Rows are picked with one ``index_select`` over a flat (B*H_kv*T, d) view: a row gather, much
-        faster on CPU than the element-wise ``torch.gather`` with an index expanded over d. Per-slot
-        state moves with the entries.
+        Rows are picked with one ``index_select`` over a flat (B*H_kv*cap, d) view of the buffers: a row
+        gather, much faster on CPU than the element-wise ``torch.gather`` with an index expanded over d.
+        The gathered buffers get ``room`` extra slots (copies of a slot 0, never read: past ``T``) so the
+        next appends write in place. Per-slot state moves with the entries.
         """
-        B, H_kv, T, d = self.k.shape
+        B, H_kv, cap, d = self._k.shape
         K = idx.shape[-1]
+        room = max(MIN_CAPACITY, K // 4)
         empty = idx < 0
-        base = torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * T   # first row of each head
-        flat = (base + idx.clamp(min=0)).reshape(-1)                              # (B*H_kv*K,)
-
-        def rows(t: Tensor) -> Tensor:                                            # (B, H_kv, T, ...) -> K
-            rest = t.shape[3:]
-            return t.reshape(B * H_kv * T, -1).index_select(0, flat).view(B, H_kv, K, *rest)
-
-        self.k, self.v = rows(self.k), rows(self.v)
-        self.pos = self.pos.reshape(-1).index_select(0, flat).view(B, H_kv, K)
-        self.state = {name: rows(t) for name, t in self.state.items()}
+        base = torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * cap   # first row of each head
+        rows_idx = idx.clamp(min=0)
+        flat = (base + torch.nn.functional.pad(rows_idx, (0, room))).reshape(-1)   # (B*H_kv*(K+room),)
+        self._k = self._k.reshape(B * H_kv * cap, -1).index_select(0, flat).view(B, H_kv, K + room, d)
+        self._v = self._v.reshape(B * H_kv * cap, -1).index_select(0, flat).view(B, H_kv, K + room, -1)
+        self._pos = self._pos.reshape(-1).index_select(0, flat).view(B, H_kv, K + room)
+        self._pos[:, :, K:] = -1
+        T = self.n
+        sbase = torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * T
+        sflat = (sbase + rows_idx).reshape(-1)
+        self.state = {name: t.reshape(B * H_kv * T, -1).index_select(0, sflat).view(B, H_kv, K, *t.shape[3:])
+                      for name, t in self.state.items()}
+        self.n = K
         if empty.any():
-            self.k = self.k.masked_fill(empty[..., None], 0.0)
-            self.v = self.v.masked_fill(empty[..., None], 0.0)
-            self.pos = self.pos.masked_fill(empty, -1)
+            self.dense = False
+            self.k.masked_fill_(empty[..., None], 0.0)
+            self.v.masked_fill_(empty[..., None], 0.0)
+            self.pos.masked_fill_(empty, -1)
             for name, t in self.state.items():
                 e = empty.view(*empty.shape, *([1] * (t.dim() - 3)))
                 self.state[name] = t.masked_fill(e, self.fill[name])
@@ -89,8 +144,9 @@ class LayerKV:
 
     def replace(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
         """Overwrite the entries (for methods that rebuild them). Shapes as in the module doc; per-slot
-        state must be re-set by the caller if the slots changed."""
-        self.k, self.v, self.pos = k, v, pos
+        state must be re-set by the caller if the slots changed. The storage is then not ``dense``."""
+        self._k, self._v, self._pos, self.n = k, v, pos, k.shape[2]
+        self.dense = False
         self.state, self.fill = {}, {}
 
     def counts(self) -> Tensor:
@@ -100,6 +156,10 @@ class LayerKV:
     def nbytes(self) -> int:
         """Bytes held by K and V (positions are bookkeeping and are reported by ``pos_nbytes``)."""
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the K and V buffers including the room not yet used (what the process really holds)."""
+        return 0 if self._k is None else self._k.nbytes + self._v.nbytes
 
     def pos_nbytes(self) -> int:
         return 0 if self.pos is None else self.pos.nbytes

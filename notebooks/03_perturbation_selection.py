@@ -301,7 +301,7 @@ for task in TASKS:
                 policy = make_policy(spec, budget=b, **opts)
                 tr = trace(model, s, MODE, policy)
                 m = compare_traces(full, tr, G)
-                acc, _ = greedy_accuracy(model, tok, s, MODE, tr, lambda: make_policy(spec, budget=b, **opts))
+                acc, _ = greedy_accuracy(model, tok, s, tr)
                 r = res.setdefault((label, ratio), {})
                 r.setdefault("head_l1", []).append(torch.stack(
                     [projected_output_l1(full.outs[l], tr.outs[l], W_O[l]) for l in range(cfg.n_layer)]))  # (L, H)

@@ -8,7 +8,7 @@ import torch
 from methods import METHODS, make_policy
 from methods.compare import main as compare_main
 from methods.compare import run
-from methods.harness import compare_traces, greedy_accuracy, trace
+from methods.harness import compare_traces, greedy_accuracy, greedy_from_trace, trace
 from nanollm import CachePolicy, LayerKV, checkpoint, preset
 from nanollm.evaluate import MODES, answer_ids
 from nanollm.tasks import corpus, make_sample
@@ -76,7 +76,7 @@ def test_lost_mass_matches_a_mask(loaded):
 
 
 def test_trace_argmax_is_free_greedy_generation(loaded):
-    """The shortcut in greedy_accuracy: teacher forcing on the greedy tokens reproduces them exactly."""
+    """Why greedy_accuracy may reuse the trace: teacher forcing on the greedy tokens reproduces them exactly."""
     model, tok, _ = loaded
     for mode in MODES:
         s = make_sample("niah_single_noise", tok, LENGTH, seed=3)
@@ -85,8 +85,25 @@ def test_trace_argmax_is_free_greedy_generation(loaded):
         s.target_ids = greedy
         tr = trace(model, s, mode, policy())
         assert torch.equal(tr.logits.argmax(-1), torch.tensor(greedy))
-        s.target, s.answers = tok.decode(greedy), [tok.decode(greedy)]
-        assert greedy_accuracy(model, tok, s, mode, tr, policy) == (1.0, s.target)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_from_the_trace_equals_a_fresh_greedy_answer(loaded, method):
+    """greedy_accuracy continues from the trace's copy of the cache where greedy leaves the reference: the
+    answer must be token for token the one a fresh prefill + greedy generation gives."""
+    model, tok, _ = loaded
+    V = model.config.vocab_size
+    for mode in MODES:
+        s = make_sample("niah_single_noise", tok, LENGTH, seed=5)
+        policy = lambda: make_policy(method, budget=40)   # noqa: E731
+        fresh = answer_ids(model, s, mode, policy(), stop_id=tok.eot_id)
+        free = answer_ids(model, s, mode, policy(), max_new_tokens=8)             # no stop
+        leave = lambda m: free[:m] + [(free[m] + 1) % V] + free[m + 1:]            # noqa: E731
+        for target, m in [(leave(3), 3), (leave(0), 0), (free, 7)]:              # leaves at 3, at 0, never
+            s.target_ids = target
+            tr = trace(model, s, mode, policy())
+            assert tr.fork[0] == m
+            assert greedy_from_trace(model, tok, s, tr) == fresh, (mode, m)
 
 
 def test_run_records_and_determinism(loaded):

@@ -26,7 +26,7 @@ from torch import Tensor
 from nanollm import (FullCache, KVCache, LayerKV, ModelConfig, Transformer, decode_step, extend, generate,
                      prefill, preset, select_topk)
 from nanollm.attention import attend, rope_inv_freq
-from nanollm.policy import CachePolicy
+from nanollm.policy import CachePolicy, Needs
 
 
 def assert_close(actual: Tensor, expected: Tensor, atol: float, what: str = "") -> None:
@@ -132,7 +132,7 @@ def test_keep_equals_masking_the_dropped_entries() -> None:
             allowed[b, h, KEEP_IDX[b, h][KEEP_IDX[b, h] >= 0]] = True
 
     kv.keep(KEEP_IDX)
-    out, probs = attend(q, kv.k, kv.v, q_pos, kv.pos, need_probs=True)
+    out, probs, _ = attend(q, kv.k, kv.v, q_pos, kv.pos, Needs(rows=None))
     expected = reference_attention(q, k0, v0, q_pos, pos0, allowed)
     assert_close(out, expected, atol=1e-6, what="attention over kept entries vs masked full attention")
     assert torch.equal(kv.counts(), torch.tensor([[6, 6], [4, 6]]))
@@ -153,11 +153,11 @@ def test_padded_slot_is_never_attended() -> None:
     kv = random_layer(B=1, H_kv=2, T=4, d=8)
     q = torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(2))
     q_pos = torch.tensor([0, 3])
-    before, _ = attend(q, kv.k, kv.v, q_pos, kv.pos)
+    before, _, _ = attend(q, kv.k, kv.v, q_pos, kv.pos)
     k = torch.cat([kv.k, torch.full((1, 2, 1, 8), 1e4)], dim=2)
     v = torch.cat([kv.v, torch.full((1, 2, 1, 8), 1e4)], dim=2)
     pos = torch.cat([kv.pos, torch.full((1, 2, 1), -1)], dim=2)
-    after, probs = attend(q, k, v, q_pos, pos, need_probs=True)
+    after, probs, _ = attend(q, k, v, q_pos, pos, Needs(rows=None))
     assert (probs[..., -1] == 0).all()
     assert_close(after, before, atol=1e-6, what="attention with an extra empty slot")
 
@@ -182,10 +182,11 @@ class MaskAtPrefill(CachePolicy):
                 self.hidden[b, h, idx[b, h][idx[b, h] >= 0]] = False
 
     def attend_kv(self, layer: int, store: LayerKV):
-        pos = store.pos.clone()
         T0 = self.hidden.shape[-1]
-        if pos.shape[-1] > T0:                      # decode steps: the prompt's dropped slots are hidden
-            pos[..., :T0] = pos[..., :T0].masked_fill(self.hidden, -1)
+        if len(store) <= T0:                        # the prompt itself: nothing is hidden yet
+            return store
+        pos = store.pos.clone()                     # decode steps: the prompt's dropped slots are hidden
+        pos[..., :T0] = pos[..., :T0].masked_fill(self.hidden, -1)
         return LayerKV(store.k, store.v, pos)
 
 

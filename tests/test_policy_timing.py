@@ -3,15 +3,17 @@
 import torch
 
 from nanollm import CachePolicy, KVCache, decode_step, extend, prefill
+from nanollm.policy import Needs
 
 
 class KeepNewest(CachePolicy):
     """Keeps only the newest entry of every layer after every hook; records what each step attended to."""
 
-    needs_probs = True
-
     def __init__(self):
         self.seen_by_attention = []       # (phase, layer, number of entries the step's queries saw)
+
+    def needs(self, phase):
+        return Needs(rows=1)
 
     def _keep_last(self, ctx):
         B, H_kv, T = ctx.kv.pos.shape

@@ -27,6 +27,7 @@ from methods.h2o import STATE, H2OPolicy
 from methods.snapkv import SnapKVPolicy
 from nanollm import CachePolicy, KVCache, LayerKV, decode_step, extend, generate, prefill, preset
 from nanollm.attention import ATTENTION, attend, attention_class
+from nanollm.policy import Needs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,8 @@ class RebuildFirst(CachePolicy):
     """Evicts position 0 from the storage after prefill, keeps its K/V aside, and rebuilds it in
     ``attend_kv`` in front of the storage: attention sees the storage plus one rebuilt entry."""
 
-    needs_probs = True
+    def needs(self, phase):
+        return Needs(rows=None)
 
     def __init__(self) -> None:
         self.aside: dict[int, tuple] = {}
@@ -136,7 +138,8 @@ def test_rebuilt_probs_are_the_full_attention_on_those_positions(tiny_model):
             self.probs[ctx.layer] = (ctx.probs.clone(), ctx.attended_pos.clone())
 
     class FullCapture(CachePolicy):
-        needs_probs = True
+        def needs(self, phase):
+            return Needs(rows=None)
 
         def on_decode(self, ctx):
             self.probs = getattr(self, "probs", {})
@@ -197,8 +200,8 @@ class FactoredKeyAttention(nn.Module):
         return FactorKV()
 
     @staticmethod
-    def attend_entries(q, entries, q_pos, need_probs=False):
-        return attend(q, entries.ka * entries.kb, entries.v, q_pos, entries.pos, need_probs)
+    def attend_entries(q, entries, q_pos, needs=Needs()):
+        return attend(q, entries.ka * entries.kb, entries.v, q_pos, entries.pos, needs)
 
     def forward(self, x, pos, rope, cache=None):
         B, T, _ = x.shape
@@ -274,7 +277,8 @@ def test_wrapper_forwards_what_the_inner_policy_needs():
     for scorer in scorers():
         inner = make_policy(scorer, 16)
         outer = make_policy(f"adakv({scorer})", 16)
-        assert outer.needs_probs == inner.needs_probs and outer.compress_on == inner.compress_on
+        assert outer.needs("prefill") == inner.needs("prefill") and outer.needs("decode") == inner.needs("decode")
+        assert outer.compress_on == inner.compress_on
         assert outer.slack(40, 5) == inner.slack(40, 5)
         assert outer.protected_positions(40, 45) == inner.protected_positions(40, 45)
 
