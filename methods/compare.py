@@ -5,12 +5,19 @@ For each task, sample and mode, the full cache runs once (``harness.trace``) and
 budget runs on the identical sample; ``harness.compare_traces`` measures it against the full cache.
 Results are averaged per (method, budget, task, mode), printed as tables, and optionally written as JSON
 records and an accuracy-vs-keep-ratio plot. Everything is deterministic for a seed.
+
+The (task, sample, mode) jobs are independent, so ``--workers`` processes run them side by side (one
+torch thread each: a tiny model is dispatch-bound). The results come back in job order and are averaged
+in that order, so the records are the same as a single process's, number for number, except the two
+timings (``compress_ms``, ``decode_ms_per_token``), which no two runs share anyway.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import multiprocessing
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,34 +49,69 @@ class Variant:
     options: dict = field(default_factory=dict)
 
 
+def run_job(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
+            job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
+    """One (task, sample index, mode): the full cache, then every method at every budget, on one sample.
+    Returns [(cell key, metrics)] in a fixed order."""
+    task, i, mode = job
+    group = model.config.group_size
+    sample = make_sample(task, tok, length, seed=seed + i)
+    full = trace(model, sample, mode, None, record_probs=True)
+    acc, _ = greedy_accuracy(model, tok, sample, full)
+    out = [(("full", None, task, mode), {"accuracy": acc, **compare_traces(full, full, group)})]
+    for v in variants:
+        if v.spec == "full":
+            continue
+        for budget in budgets:
+            tr = trace(model, sample, mode, make_policy(v.spec, budget=budget, **v.options))
+            acc, _ = greedy_accuracy(model, tok, sample, tr)
+            out.append(((v.label, budget, task, mode), {"accuracy": acc, **compare_traces(full, tr, group)}))
+    return out
+
+
+_WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker
+
+
+def _init_worker(threads: int, *shared) -> None:
+    torch.set_num_threads(threads)
+    _WORKER["shared"] = shared
+
+
+def _run_job_in_worker(job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
+    return run_job(*_WORKER["shared"], job)
+
+
+def default_workers() -> int:
+    """The CPUs this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str], modes: list[str],
-        samples: int, length: int, seed: int = 0, progress: bool = True) -> list[dict]:
+        samples: int, length: int, seed: int = 0, progress: bool = True, workers: int = 1) -> list[dict]:
     """All records: one per (method, budget, task, mode), plus method "full" per (task, mode).
 
     ``methods`` are method specs (``"snapkv"``, ``"adakv(h2o)"``), recorded under their spelling, or
-    ``Variant``s, recorded under their label."""
+    ``Variant``s, recorded under their label. ``workers`` > 1 runs the jobs in that many processes (one
+    torch thread each); the records are the same (see the module docstring)."""
     variants = [m if isinstance(m, Variant) else Variant(m, m) for m in methods]
-    group = model.config.group_size
-    cells: dict[tuple, Cell] = {}
+    shared = (model, tok, variants, budgets, length, seed)
     jobs = [(t, i, m) for t in tasks for i in range(samples) for m in modes]
-    bar = tqdm(total=len(jobs) * (1 + len(methods) * len(budgets)), disable=not progress, desc="compare",
-               dynamic_ncols=True)
-    for task, i, mode in jobs:
-        sample = make_sample(task, tok, length, seed=seed + i)
-        full = trace(model, sample, mode, None, record_probs=True)
-        acc, _ = greedy_accuracy(model, tok, sample, full)
-        cells.setdefault(("full", None, task, mode), Cell()).add({"accuracy": acc, **compare_traces(full, full, group)})
-        bar.update(1)
-        for v in variants:
-            if v.spec == "full":
-                bar.update(len(budgets))
-                continue
-            for budget in budgets:
-                tr = trace(model, sample, mode, make_policy(v.spec, budget=budget, **v.options))
-                acc, _ = greedy_accuracy(model, tok, sample, tr)
-                cells.setdefault((v.label, budget, task, mode), Cell()).add(
-                    {"accuracy": acc, **compare_traces(full, tr, group)})
-                bar.update(1)
+    bar = tqdm(total=len(jobs), disable=not progress, desc="compare", unit="sample", dynamic_ncols=True)
+    cells: dict[tuple, Cell] = {}
+
+    def collect(results) -> None:                        # in job order, whatever order they finished in
+        for job_results in results:
+            for key, metrics in job_results:
+                cells.setdefault(key, Cell()).add(metrics)
+            bar.update(1)
+
+    workers = min(workers, len(jobs))
+    if workers <= 1:
+        collect(run_job(*shared, job) for job in jobs)
+    else:                                                # "spawn": a fresh interpreter, safe with torch threads
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(workers, initializer=_init_worker, initargs=(1, *shared)) as pool:
+            collect(pool.imap(_run_job_in_worker, jobs))
     bar.close()
     records = []
     for (name, budget, task, mode), cell in cells.items():
@@ -167,8 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
     ap.add_argument("--device", type=cli.device, default="cpu", help="torch device (default %(default)s)")
     ap.add_argument("--threads", type=cli.positive_int, default=1,
-                    help="torch CPU threads (default 1: a tiny model is dispatch-bound, so more threads only "
-                         "add synchronisation)")
+                    help="torch CPU threads of a single-process run (default 1: a tiny model is dispatch-bound, "
+                         "so more threads only add synchronisation)")
+    ap.add_argument("--workers", type=cli.positive_int, default=None,
+                    help="processes running samples side by side, one torch thread each; the records are the "
+                         "same as with 1, timings aside (default: the CPUs available, here "
+                         f"{default_workers()})")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
                     help="write the records as a JSON list to PATH (default: none)")
     ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
@@ -216,11 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
         model, tok, card = load(args.checkpoint, device=args.device)
         t0 = time.time()
+        workers = args.workers or (default_workers() if args.device == "cpu" else 1)
         records = run(model, tok, methods, budgets, tasks, args.modes, args.samples, length, args.seed,
-                      progress=not args.quiet)
+                      progress=not args.quiet, workers=workers)
         print(format_tables(records))
         print(f"\n{args.samples} samples per task and mode, {length} tokens, seed {args.seed}, "
-              f"{time.time() - t0:.0f} s. acc = string_match_all of the greedy answer; KL = mean next-token "
+              f"{time.time() - t0:.0f} s with {workers} worker(s). acc = string_match_all of the greedy answer; KL = mean next-token "
               "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
               "decode step; lost = full-attention mass on entries the method dropped at that step.")
         if args.json:

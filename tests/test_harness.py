@@ -8,7 +8,7 @@ import torch
 from methods import METHODS, make_policy
 from methods.compare import main as compare_main
 from methods.compare import run
-from methods.harness import compare_traces, greedy_accuracy, greedy_from_trace, trace
+from methods.harness import compare_traces, greedy_from_trace, trace
 from nanollm import CachePolicy, LayerKV, checkpoint, preset
 from nanollm.evaluate import MODES, answer_ids
 from nanollm.tasks import corpus, make_sample
@@ -107,10 +107,11 @@ def test_greedy_from_the_trace_equals_a_fresh_greedy_answer(loaded, method):
 
 
 def test_run_records_and_determinism(loaded):
+    """Two runs of the same command, one of them in worker processes: the same records, timings aside."""
     model, tok, _ = loaded
     kw = dict(methods=["full", "snapkv", "streaming_llm"], budgets=[20, 60], tasks=["niah_single_noise"],
               modes=MODES, samples=2, length=LENGTH, progress=False)
-    a, b = run(model, tok, **kw), run(model, tok, **kw)
+    a, b = run(model, tok, **kw), run(model, tok, workers=2, **kw)       # b: two worker processes
     assert len(a) == 2 * (1 + 2 * 2)
     fields = {"method", "budget", "keep_ratio", "task", "mode", "accuracy", "kl", "perturbation", "kv_bytes",
               "decode_ms_per_token", "n_samples"}
