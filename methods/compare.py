@@ -18,6 +18,7 @@ import io
 import json
 import multiprocessing
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,9 +73,9 @@ def run_job(model, tok, variants: list[Variant], budgets: list[int], length: int
 _WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker
 
 
-def _init_worker(threads: int, *shared) -> None:
+def _init_worker(threads: int, shared: bytes) -> None:
     torch.set_num_threads(threads)
-    _WORKER["shared"] = shared
+    _WORKER["shared"] = pickle.loads(shared)
 
 
 def _run_job_in_worker(job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
@@ -109,8 +110,9 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
     if workers <= 1:
         collect(run_job(*shared, job) for job in jobs)
     else:                                                # "spawn": a fresh interpreter, safe with torch threads
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(workers, initializer=_init_worker, initargs=(1, *shared)) as pool:
+        ctx = multiprocessing.get_context("spawn")      # the model travels as plain pickled bytes (a few MB),
+        blob = pickle.dumps(shared)                      # not through torch's shared-memory files
+        with ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob)) as pool:
             collect(pool.imap(_run_job_in_worker, jobs))
     bar.close()
     records = []

@@ -135,21 +135,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, needs:
     col_sums : (B, H, Tk) fp32 attention each entry received, summed over the Tq queries, or None.
 
     A query at position p sees an entry at position s iff 0 <= s <= p. Query head h reads KV head h // G:
-    the query heads are viewed as (H_kv, G) so K and V are never repeated in memory.
+    the G query heads of a KV head are stacked as G * Tq rows of one matrix product with that head's keys,
+    so K and V are read once and never repeated in memory.
     """
     Tq, Tk = q.shape[2], k.shape[2]
     if dense and Tq == 1:
         return attend_step(q, k, v, needs)
     if dense and Tq == Tk and torch.equal(k_pos, q_pos.expand_as(k_pos)):     # the prompt, nothing before it
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        if needs.col_sums or needs.rows is None:                        # statistics over every row
-            _, probs, col_sums = attend_masked(q, k, v, q_pos, k_pos, needs, chunk)
-            return out, probs, col_sums
-        r = min(needs.rows, Tq)                                         # only the last r rows (maybe none)
-        if r == 0:
+        if needs.rows == 0 and not needs.col_sums:
             return out, None, None
-        _, probs, _ = attend_masked(q[:, :, Tq - r:], k, v, q_pos[Tq - r:], k_pos, needs, chunk)
-        return out, probs, None
+        return (out, *prompt_statistics(q, k, needs, chunk))
     return attend_masked(q, k, v, q_pos, k_pos, needs, chunk)
 
 
@@ -162,12 +158,47 @@ def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tupl
     """
     B, H, _, d = q.shape
     H_kv, Tk = k.shape[1], k.shape[2]
-    qg = q.view(B, H_kv, H // H_kv, 1, d)                               # (B, H_kv, G, 1, d)
-    scores = qg @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(d)       # (B, H_kv, G, 1, Tk)
-    probs = torch.softmax(scores, dim=-1)
-    out = (probs @ v.unsqueeze(2)).reshape(B, H, 1, d)                  # (B, H, 1, d)
-    probs = probs.reshape(B, H, 1, Tk)
+    qg = q.view(B, H_kv, H // H_kv, d) / math.sqrt(d)                   # (B, H_kv, G, d): G query rows
+    probs = torch.softmax(qg @ k.transpose(-1, -2), dim=-1)             # (B, H_kv, G, Tk)
+    out = (probs @ v).view(B, H, 1, d)                                  # (B, H, 1, d)
+    probs = probs.view(B, H, 1, Tk)
     return out, (probs if needs.rows != 0 else None), (probs[:, :, 0].float() if needs.col_sums else None)
+
+
+def prompt_statistics(q: Tensor, k: Tensor, needs: Needs, chunk: int | None = None) -> tuple[Tensor | None,
+                                                                                             Tensor | None]:
+    """The probabilities' last rows and column sums of a prompt attending to itself, chunk by chunk.
+
+    q (B, H, T, d), k (B, H_kv, T, d): the prompt's queries and keys, key slot s at position s. The output
+    comes from ``scaled_dot_product_attention``; this only computes what a policy asked for (``needs``),
+    without the values and without the (T, T) matrix: a chunk of queries [i, j) sees only the keys
+    [0, j), and only the chunk's own keys [i, j) need a (triangular) mask. Without column sums, only the
+    asked rows are computed at all. Returns (probs (B, H, R, T) or None, col_sums (B, H, T) or None) as
+    ``attend`` does.
+    """
+    B, H, T, d = q.shape
+    H_kv = k.shape[1]
+    G = H // H_kv
+    if chunk is None:
+        chunk = max(1, SCORE_ELEMENTS // max(1, B * H * T))
+    keep_rows = T if needs.rows is None else min(needs.rows, T)
+    first_kept = T - keep_rows                                         # rows before it are not returned
+    col_sums = q.new_zeros(B, H, T, dtype=torch.float32) if needs.col_sums else None
+    rows = []
+    for i in range(0 if needs.col_sums else first_kept, T, chunk):
+        j = min(i + chunk, T)
+        C = j - i
+        qg = q[:, :, i:j].reshape(B, H_kv, G * C, d) / math.sqrt(d)   # (B, H_kv, G*C, d)
+        scores = (qg @ k[:, :, :j].transpose(-1, -2)).view(B, H_kv, G, C, j)
+        future = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)   # key i+b after query i+a
+        scores[..., i:].masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(B, H, C, j)         # (B, H, C, j)
+        if col_sums is not None:
+            col_sums[..., :j] += probs.float().sum(dim=2)
+        if j > first_kept:                                             # padded with zeros: keys after j
+            rows.append(F.pad(probs[:, :, max(0, first_kept - i):], (0, T - j)))
+    probs = (rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)) if keep_rows else None
+    return probs, col_sums
 
 
 def attend_masked(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, needs: Needs = Needs(),
@@ -190,13 +221,13 @@ def attend_masked(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
     for i in range(0, Tq, chunk):
         qc, pc = q[:, :, i:i + chunk], q_pos[i:i + chunk]              # (B, H, C, d), (C,)
         C = qc.shape[2]
-        qg = qc.reshape(B, H_kv, G, C, d)                              # (B, H_kv, G, C, d)
-        scores = qg @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(d)  # (B, H_kv, G, C, Tk)
+        qg = qc.reshape(B, H_kv, G * C, d) / math.sqrt(d)              # (B, H_kv, G*C, d) rows per KV head
+        scores = (qg @ k.transpose(-1, -2)).view(B, H_kv, G, C, Tk)    # (B, H_kv, G, C, Tk)
         visible = (kp <= pc[:, None]) & (kp >= 0)                      # (B, H_kv, 1, C, Tk)
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        outs.append((probs @ v.unsqueeze(2)).reshape(B, H, C, d))     # (B, H, C, d)
-        probs = probs.reshape(B, H, C, Tk)
+        probs = torch.softmax(scores, dim=-1)                          # (B, H_kv, G, C, Tk)
+        outs.append((probs.view(B, H_kv, G * C, Tk) @ v).view(B, H, C, d))
+        probs = probs.view(B, H, C, Tk)
         if col_sums is not None:
             col_sums += probs.float().sum(dim=2)
         first_kept = Tq - keep_rows                                    # rows before it are not returned

@@ -16,13 +16,19 @@ This module times both at several context lengths, *interleaved* in one run (eac
 length and both modes, so a slow moment of the machine hits all of them alike), reports medians, fits the
 per-step cost as a straight line ``ms = a + b * context`` and checks the cache's byte count against the
 formula. Run ``python -m nanollm.bench --help``.
+
+``--vs-transformers`` adds a comparison with Hugging Face transformers, when it is installed (it is not a
+dependency): the checkpoint is exported with ``hf.export_hf`` and one greedy decode step of nanollm (plain
+cache) is timed against ``LlamaForCausalLM`` with a ``DynamicCache``, interleaved, on one thread.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import platform
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -201,6 +207,121 @@ def format_result(result: BenchResult, name: str = "") -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Optional: the same decode step in Hugging Face transformers (only when it is installed)
+
+HF_CONTEXTS = (128, 512, 960)
+HF_WARMUP = 3                   # untimed steps of each sequence before the timed repeats
+
+
+def transformers_available() -> bool:
+    try:
+        importlib.import_module("transformers")
+    except ImportError:
+        return False
+    return True
+
+
+class _GreedyDecoder:
+    """One implementation's sequence: a prefilled cache and the greedy next token; ``step()`` feeds it."""
+
+    def __init__(self, name: str, model, ids: Tensor) -> None:
+        self.name, self.model = name, model
+        if name == "nanollm":
+            self.cache = KVCache(model.config)
+            logits = prefill(model, ids, self.cache)[:, -1]                    # (1, V)
+        else:
+            from transformers import DynamicCache
+            out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            self.cache, logits = out.past_key_values, out.logits[:, -1]
+        self.first_logits = logits
+        self.token = logits.argmax(-1)                                         # (1,)
+
+    def step(self) -> float:
+        """ms of one greedy decode step (the forward of one token over the cache, and its argmax)."""
+        t0 = time.perf_counter()
+        if self.name == "nanollm":
+            logits = decode_step(self.model, self.token, self.cache)
+        else:
+            logits = self.model(input_ids=self.token[:, None], past_key_values=self.cache, use_cache=True).logits[:, -1]
+        self.token = logits.argmax(-1)
+        return (time.perf_counter() - t0) * 1e3
+
+
+@torch.no_grad()
+def run_vs_transformers(checkpoint: str = "retrieval-llama", contexts=HF_CONTEXTS, repeats: int = 7,
+                        warmup: int = HF_WARMUP, seed: int = 0) -> dict | None:
+    """ms of one greedy decode step, nanollm (plain ``KVCache``) vs transformers' ``LlamaForCausalLM`` with a
+    ``DynamicCache``, on the same weights (exported with ``hf.export_hf`` to a temporary folder), one thread.
+
+    For every context both are prefilled with the same random ids (untimed), then each repeat times one
+    step of every (context, implementation), alternating which implementation goes first; medians. Each
+    sequence continues greedily, so it grows by one token per step. Also records the largest difference of
+    the two models' next-token logits after the prefill (they are the same model). Returns None when
+    transformers cannot be imported.
+    """
+    if not transformers_available():
+        return None
+    import transformers
+    from transformers import LlamaForCausalLM
+
+    from .checkpoint import load
+    from .hf import export_hf
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    contexts = sorted(int(c) for c in contexts)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, _, _ = load(checkpoint)
+        if model.config.flavour != "llama":
+            raise ValueError(f"the comparison runs LlamaForCausalLM; {checkpoint} is a {model.config.flavour} model")
+        if contexts[-1] + warmup + repeats > model.config.max_seq_len:
+            raise ValueError(f"context {contexts[-1]} + {warmup} warm-up + {repeats} repeats exceeds the "
+                             f"checkpoint's max_seq_len={model.config.max_seq_len}")
+        with tempfile.TemporaryDirectory() as folder:
+            export_hf(model, folder)
+            hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.config.vocab_size, (1, contexts[-1]), generator=gen)
+        runs = {c: [_GreedyDecoder("nanollm", model, ids[:, :c]), _GreedyDecoder("transformers", hf, ids[:, :c])]
+                for c in contexts}
+        for pair in runs.values():
+            for _ in range(warmup):
+                for run in pair:
+                    run.step()
+        times = {(c, run.name): [] for c, pair in runs.items() for run in pair}
+        for r in range(repeats):
+            for c, pair in runs.items():
+                for run in (pair if r % 2 == 0 else pair[::-1]):
+                    times[c, run.name].append(run.step())
+    finally:
+        torch.set_num_threads(old_threads)
+    rows = []
+    for c, (ours, theirs) in runs.items():
+        nano_ms, hf_ms = statistics.median(times[c, "nanollm"]), statistics.median(times[c, "transformers"])
+        rows.append({"context": c, "nanollm_ms": nano_ms, "transformers_ms": hf_ms,
+                     "ratio_hf_over_nanollm": hf_ms / nano_ms,
+                     "max_logit_diff": (ours.first_logits - theirs.first_logits).abs().max().item()})
+    return {"checkpoint": checkpoint, "transformers": transformers.__version__,
+            "attn_implementation": getattr(hf.config, "_attn_implementation", None), "threads": 1,
+            "repeats": repeats, "warmup": warmup, "rows": rows}
+
+
+def format_vs_transformers(result: dict | None) -> str:
+    if result is None:
+        return "transformers is not installed: the comparison with it (--vs-transformers) is skipped"
+    lines = [f"one greedy decode step, nanollm (KVCache) vs transformers {result['transformers']} "
+             f"(LlamaForCausalLM + DynamicCache, attention {result['attn_implementation']}) on {result['checkpoint']}, "
+             f"1 thread, median of {result['repeats']} interleaved repeats",
+             f"{'context':>8} | {'nanollm ms/tok':>14} | {'transformers ms/tok':>19} | {'hf / nanollm':>12} | "
+             f"{'max |logit diff|':>16}", "-" * 83]
+    for r in result["rows"]:
+        lines.append(f"{r['context']:>8} | {r['nanollm_ms']:>14.3f} | {r['transformers_ms']:>19.3f} | "
+                     f"{r['ratio_hf_over_nanollm']:>11.2f}x | {r['max_logit_diff']:>16.2e}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> BenchResult:
     from . import cli
     from .config import PRESETS
@@ -233,6 +354,12 @@ def main(argv: list[str] | None = None) -> BenchResult:
                     help="torch device, e.g. cpu or cuda (default %(default)s)")
     ap.add_argument("--json", metavar="PATH", type=cli.output_file, default=None,
                     help="also write the results to this JSON file (default: none)")
+    ap.add_argument("--vs-transformers", nargs="?", const="retrieval-llama", default=None, metavar="CHECKPOINT",
+                    help="also time one greedy decode step against Hugging Face transformers (LlamaForCausalLM "
+                         f"+ DynamicCache) at contexts {', '.join(map(str, HF_CONTEXTS))} on one thread, --repeats "
+                         "interleaved repeats, on a Llama checkpoint (bundled name or folder; retrieval-llama "
+                         "when none is given), exported with nanollm.hf; only if transformers is installed, "
+                         "otherwise one line says it is skipped (default: no comparison)")
     args = ap.parse_args(argv)
 
     with cli.errors(args.debug):
@@ -241,13 +368,31 @@ def main(argv: list[str] | None = None) -> BenchResult:
         if max(args.contexts) + args.steps > args.max_seq_len:
             cli.fail(f"--contexts {max(args.contexts)} + --steps {args.steps} exceeds --max-seq-len "
                      f"{args.max_seq_len}; raise --max-seq-len or use shorter contexts")
+        if args.vs_transformers is not None:
+            from .checkpoint import load_config
+            try:
+                hf_config = load_config(args.vs_transformers)
+            except ValueError as e:
+                cli.fail(f"--vs-transformers: {e}")
+            if hf_config.flavour != "llama":
+                cli.fail(f"--vs-transformers {args.vs_transformers} is a {hf_config.flavour} model; the comparison "
+                         "runs LlamaForCausalLM, so it needs a llama checkpoint")
+            if HF_CONTEXTS[-1] + HF_WARMUP + args.repeats > hf_config.max_seq_len:
+                cli.fail(f"--vs-transformers {args.vs_transformers}: context {HF_CONTEXTS[-1]} + {HF_WARMUP} warm-up "
+                         f"+ --repeats {args.repeats} steps exceeds its max_seq_len={hf_config.max_seq_len}")
         config = preset(args.preset, max_seq_len=args.max_seq_len)
         result = run_bench(config, args.contexts, batch=args.batch, repeats=args.repeats, steps=args.steps,
                            threads=args.threads, seed=args.seed, device=args.device)
         print(format_result(result, name=args.preset))
+        vs_hf = None
+        if args.vs_transformers is not None:
+            vs_hf = run_vs_transformers(args.vs_transformers, repeats=args.repeats, seed=args.seed)
+            print("\n" + format_vs_transformers(vs_hf))
+            if vs_hf is None:
+                vs_hf = {"skipped": "transformers is not installed"}
         if args.json:
             cli.atomic_write_text(args.json, json.dumps({"preset": args.preset, "device": args.device,
-                                                         **result.to_dict()}, indent=2))
+                                                         **result.to_dict(), "vs_transformers": vs_hf}, indent=2))
             print(f"\nwrote {args.json}")
     return result
 

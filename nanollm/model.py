@@ -31,9 +31,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # F.rms_norm is exactly x * rsqrt(mean(x^2, -1) + eps), in one call instead of five
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -90,6 +89,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         # RoPE frequencies (d/2,), kept in float64 outside the module's buffers so .half() cannot round them
         self.inv_freq = rope_inv_freq(config) if config.flavour == "llama" else None
+        self._rope_table = None     # cos and sin of every position, computed on first use (see rope())
         self.apply(self._init_weights)
         # GPT-2 §2.3: scale the init of residual output projections by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
@@ -126,6 +126,16 @@ class Transformer(nn.Module):
                 f"{start} tokens seen + {ids.shape[1]} new = {start + ids.shape[1]} exceeds the model's "
                 f"maximum positions max_seq_len={self.config.max_seq_len}")
 
+    def rope(self, start: int, T: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin (T, d) for positions start..start+T-1: rows of a table of all ``max_seq_len``
+        positions, computed once per device and dtype (a decode step then costs two slices, not eight ops)."""
+        table = self._rope_table                              # (inv_freq it was made from, cos, sin)
+        if table is None or table[0] is not self.inv_freq or table[1].device != device or table[1].dtype != dtype:
+            every = torch.arange(self.config.max_seq_len, device=device)
+            table = self._rope_table = (self.inv_freq, *rope_cos_sin(every, self.inv_freq.to(device), dtype))
+        _, cos, sin = table
+        return cos[start:start + T], sin[start:start + T]
+
     def forward(self, ids: Tensor, cache: KVCache | None = None, return_hidden: bool = False):
         """Logits (B, T, vocab) for token ids (B, T); also the final hidden state if ``return_hidden``.
 
@@ -140,7 +150,7 @@ class Transformer(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(pos)
         else:
-            rope = rope_cos_sin(pos, self.inv_freq.to(ids.device), x.dtype)                # 2 x (T, d)
+            rope = self.rope(start, T, ids.device, x.dtype)                                 # 2 x (T, d)
         for block in self.blocks:
             x = block(x, pos, rope, cache)
         h = self.final_norm(x)

@@ -105,12 +105,13 @@ class LayerKV:
 
         Rows are picked with one ``index_select`` over a flat (B*H_kv*cap, d) view of the buffers: a row
         gather, much faster on CPU than the element-wise ``torch.gather`` with an index expanded over d.
-        The gathered buffers get ``room`` extra slots (copies of a slot 0, never read: past ``T``) so the
-        next appends write in place. Per-slot state moves with the entries.
+        The gathered buffers get ``MIN_CAPACITY`` extra slots (copies of a slot 0, never read: past ``T``)
+        so the next appends write in place (a method that evicts at every step never reallocates; later
+        appends double the buffer as usual). Per-slot state moves with the entries.
         """
         B, H_kv, cap, d = self._k.shape
         K = idx.shape[-1]
-        room = max(MIN_CAPACITY, K // 4)
+        room = MIN_CAPACITY
         empty = idx < 0
         base = torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * cap   # first row of each head
         rows_idx = idx.clamp(min=0)

@@ -10,10 +10,11 @@
 # 2. the memory formula `2 * n_layer * n_kv_head * head_dim * bytes * T`, and what grouped-query attention saves;
 # 3. that cached decoding computes *exactly* what the plain forward computes (fp32);
 # 4. how the cost of one decode step grows with the context, with and without the cache;
-# 5. why the cache stores each token's *position*, and why that keeps RoPE right after eviction.
+# 5. why the cache stores each token's *position*, and why that keeps RoPE right after eviction;
+# 6. why the textbook `torch.cat` append is O(T) per token, and how the storage grows in place instead.
 #
-# Code: `nanollm/cache.py` (storage), `nanollm/generation.py` (prefill / extend / decode_step),
-# `nanollm/bench.py` (timings). This notebook only imports them.
+# Code: `nanollm/cache.py` and `nanollm/storage.py` (storage), `nanollm/generation.py` (prefill / extend
+# / decode_step), `nanollm/bench.py` (timings). This notebook only imports them.
 
 # %%
 import os
@@ -26,12 +27,14 @@ if not os.path.isdir("nanollm") and os.path.isdir(os.path.join("..", "nanollm"))
 import matplotlib.pyplot as plt
 import torch
 
-from nanollm import KVCache, PRESETS, Transformer, decode_step, extend, prefill, preset
+from nanollm import KVCache, LayerKV, Transformer, decode_step, extend, prefill, preset
+from nanollm.attention import attend_step
 from nanollm.bench import format_result, run_bench
 
 CONTEXTS = [32, 64, 128] if TINY else [128, 256, 512, 1024]   # context lengths for the timings
 REPEATS, STEPS = (2, 2) if TINY else (5, 8)                   # medians of REPEATS x STEPS decode steps
 GROW_TOKENS = 64 if TINY else 512                             # tokens generated in the memory plot
+COPY_CONTEXTS = [256, 1024] if TINY else [1024, 4096, 16384]   # context lengths for the append timings
 torch.manual_seed(0)
 print(f"tiny mode: {TINY}; torch {torch.__version__}")
 
@@ -156,8 +159,7 @@ plt.show()
 # %% [markdown]
 # Read the fitted slopes (dotted lines): recomputing grows by milliseconds per thousand tokens of context,
 # because every step re-runs the whole prefix; the cached step grows by far less, only through the
-# attention over the stored entries (and, in nanollm's simple storage, the `torch.cat` that appends the
-# new entry by copying the layer's cache). At short contexts the fixed per-step cost of Python and
+# attention over the stored entries (section 6 shows what a naive append would add). At short contexts the fixed per-step cost of Python and
 # small-matrix overheads dominates, and the cache barely helps; the longer the context, the bigger the
 # win. The price is memory, which grows linearly with the tokens seen:
 
@@ -229,6 +231,81 @@ plt.title("layer 0: positions kept per KV head")
 plt.show()
 
 # %% [markdown]
+# ## 6. Growing without copying: decoding at the memory limit
+#
+# At long contexts a decode step is *memory-bound*: its attention reads every stored key and value once
+# and does only two multiply-adds per number read, so the step can be no faster than
+# `bytes stored / memory bandwidth`. (That is also why compression speeds decoding up: fewer bytes.)
+#
+# The textbook way to add the new token's entry is `k = torch.cat([k, k_new], dim=2)`. It allocates a new
+# tensor and copies the whole layer, at every token: the step reads and writes every stored byte once
+# more on top of the attention's read, and a generation of T tokens copies O(T^2) bytes in total.
+#
+# `LayerKV` (`nanollm/storage.py`) instead keeps `k`, `v`, `pos` as views of the first T slots of larger
+# buffers. `append` writes the new entries in place after them; only when a buffer is full does it
+# allocate one twice as large and copy once. Over a generation every entry is copied about once on
+# average: O(T) in total, nothing per step. Watch the buffer's address and capacity as tokens arrive:
+
+# %%
+kv = LayerKV()
+slots, capacity, moves, ptr = [], [], 0, None
+for t in range(300):
+    kv.append(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), torch.tensor([t]))
+    moves += kv.k.data_ptr() != ptr                   # a new buffer: the stored entries were copied
+    ptr = kv.k.data_ptr()
+    slots.append(len(kv))
+    capacity.append(kv.capacity())
+print(f"300 appends, {moves} buffer allocations (the first one included); final capacity {kv.capacity()}")
+plt.figure(figsize=(5.5, 3.2), dpi=80)
+plt.plot(slots, label="slots in use (T)")
+plt.step(range(300), capacity, where="post", label="buffer capacity")
+plt.xlabel("tokens appended")
+plt.ylabel("slots per head")
+plt.legend()
+plt.show()
+
+# %% [markdown]
+# What the copy costs, measured: one layer shaped like a model whose cache dominates the bytes (8 KV
+# heads of dimension 32, fp32), at several context lengths. Per token we time the textbook `torch.cat`
+# append, `LayerKV.append`, and the attention of one query over the stored entries (`attend_step`, what
+# a decode step must read anyway).
+
+# %%
+import time
+
+
+def median_ms(fn, repeats=9):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[repeats // 2]
+
+
+torch.set_num_threads(1)
+rows = []
+for T in COPY_CONTEXTS:
+    k, v = torch.randn(1, 8, T, 32), torch.randn(1, 8, T, 32)
+    new_k, new_v = torch.randn(1, 8, 1, 32), torch.randn(1, 8, 1, 32)
+    store = LayerKV()
+    store.append(k, v, torch.arange(T))
+    q = torch.randn(1, 8, 1, 32)
+    cat_ms = median_ms(lambda: (torch.cat([k, new_k], dim=2), torch.cat([v, new_v], dim=2)))
+    append_ms = median_ms(lambda: store.append(new_k, new_v, torch.tensor([len(store)])))
+    attend_ms = median_ms(lambda: attend_step(q, store.k, store.v))
+    rows.append((T, cat_ms, append_ms, attend_ms))
+    print(f"T={T:>6}: torch.cat append {cat_ms:7.3f} ms | in-place append {append_ms:6.3f} ms | "
+          f"attention over the entries {attend_ms:6.3f} ms | cat / attention = {cat_ms / attend_ms:4.1f}x")
+
+# %% [markdown]
+# The `torch.cat` append alone costs about as much as the attention, or more: with it, a decode step
+# would be several times slower than the memory limit allows, and a method that keeps 10% of the tokens
+# would look much *better* than it is, because its small cache is also cheap to copy. The in-place append
+# costs microseconds at any length. (`python -m methods.bench` measures whole decode steps: bytes read
+# per step, the achieved GB/s against the machine's measured bandwidth, and the speedup of each
+# compression method over the full cache.)
+#
 # ## Your turn
 #
 # 1. **Memory arithmetic.** Llama-3-8B has 32 layers, 32 query heads, 8 KV heads and head_dim 128.
@@ -237,9 +314,11 @@ plt.show()
 # 2. **Where does the speedup start?** Run `python -m nanollm.bench --preset SMALL` and with
 #    `--threads 2`. At which context length does the cache start to pay off, and why does a larger
 #    model cross over earlier?
-# 3. **The cached slope.** `LayerKV.append` copies the whole layer with `torch.cat` at every step.
-#    Estimate how many bytes that moves per step at 1024 tokens for TINY, and compare with the cached
-#    slope printed by the benchmark. (gpt-fast avoids the copy by preallocating the cache.)
+# 3. **The price of `torch.cat`.** A textbook cache appends with `torch.cat`, copying the whole layer at
+#    every step. Estimate how many bytes that moves per step at 1024 tokens for TINY (read and write),
+#    and how many a whole generation of 1024 tokens moves. Compare with what the attention reads per
+#    step, and with the timings of section 6. (Another way out, used by gpt-fast: preallocate the
+#    cache for the maximum length once.)
 # 4. **Break it on purpose.** What would go wrong if the new token were given position `len(cache)`
 #    after the `keep` above? Which test in `tests/test_model.py` would catch it?
 
@@ -253,7 +332,7 @@ gib_mha = None        # the same model with n_kv_head = n_head
 print("GQA:", gib_gqa, "GiB | MHA:", gib_mha, "GiB")
 
 # %%
-# 3. Bytes copied by torch.cat per decode step at T tokens (all layers, K and V): your formula here.
+# 3. Bytes moved by a torch.cat append per decode step at T tokens (all layers, K and V): your formula here.
 T = 1024
 copied = None         # e.g. config.kv_bytes_per_token() * T
 print("bytes copied per step at", T, "tokens:", copied)

@@ -103,15 +103,16 @@ def test_chunked_masked_attention_equals_the_whole_matrix(chunk):
     assert no_rows is None
 
 
+@pytest.mark.parametrize("chunk", [1, 5, None])
 @pytest.mark.parametrize("needs", [Needs(), Needs(rows=3), Needs(rows=None), Needs(col_sums=True),
-                                   Needs(rows=2, col_sums=True)])
-def test_prompt_fast_path_equals_the_reference(needs):
-    """Dense storage holding exactly the prompt: SDPA for the output, statistics beside it."""
+                                   Needs(rows=2, col_sums=True), Needs(rows=7)])
+def test_prompt_fast_path_equals_the_reference(needs, chunk):
+    """Dense storage holding exactly the prompt: SDPA for the output, statistics beside it in chunks."""
     q, k, v = random_qkv(Tq=12, Tk=12)
     q_pos = torch.arange(12)
     k_pos = q_pos.expand(2, 2, 12)
     ref_out, ref_probs = naive_attention(q, k, v, q_pos, k_pos)
-    out, probs, col_sums = attend(q, k, v, q_pos, k_pos, needs, dense=True)
+    out, probs, col_sums = attend(q, k, v, q_pos, k_pos, needs, dense=True, chunk=chunk)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-5)
     rows = 12 if needs.rows is None else needs.rows
     if rows:

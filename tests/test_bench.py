@@ -2,19 +2,23 @@
 The decode benchmark (``python -m nanollm.bench``), run quickly at small sizes.
 
 Timing tests are opt-in (``python -m pytest -m bench``): on a busy shared CPU a timing can be off by a
-lot, so they stay out of the default run. The byte count and the line fit are exact and run by default.
+lot, so they stay out of the default run. The byte count and the line fit are exact and run by default, and
+so does the comparison with Hugging Face transformers when it is installed (no timing asserted: only that
+both run the same model).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 import torch
 
 from nanollm import KVCache, Transformer, prefill, preset
-from nanollm.bench import fit_line, format_result, main, run_bench
+from nanollm.bench import (fit_line, format_result, format_vs_transformers, main, run_bench,
+                           run_vs_transformers)
 
 
 def test_fit_line_recovers_a_line() -> None:
@@ -49,3 +53,21 @@ def test_command_line_writes_json(tmp_path) -> None:
     data = json.loads(path.read_text())
     assert [row["context"] for row in data["rows"]] == [16, 64]
     assert set(data["fit"]) == {"cached", "recompute"}
+
+
+def test_vs_transformers_runs_the_same_model() -> None:
+    """nanollm's decode step vs transformers' on the exported bundled checkpoint: same logits, times recorded."""
+    pytest.importorskip("transformers")
+    result = run_vs_transformers("retrieval-llama", contexts=(16, 64), repeats=2, warmup=1)
+    assert [row["context"] for row in result["rows"]] == [16, 64]
+    for row in result["rows"]:
+        assert row["nanollm_ms"] > 0 and row["transformers_ms"] > 0
+        assert row["ratio_hf_over_nanollm"] == pytest.approx(row["transformers_ms"] / row["nanollm_ms"])
+        assert row["max_logit_diff"] < 1e-3
+    assert "hf / nanollm" in format_vs_transformers(result)
+
+
+def test_vs_transformers_is_skipped_without_it(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)     # `import transformers` fails
+    assert run_vs_transformers() is None
+    assert "skipped" in format_vs_transformers(None)
