@@ -29,8 +29,10 @@ The counters are exact: every stored entry carries a ring buffer of its last w l
 storage's per-slot state (``ctx.kv.state["scissorhands_low"]``, (B, H_kv, T, w) bool; the flag of the
 query at position q sits in column q % w, so the buffer needs no step counter of its own). ``keep`` moves
 it with the entries; a new entry starts with no flags. The counter of token j therefore stays within
-[0, min(w, seen - pos_j)] (tested). Memory: w bytes per entry per KV head as stored here (w / 8 packed
-as bits), reported by the cache apart from K and V.
+[0, min(w, seen - pos_j)] (tested). The counter itself is kept beside the buffer and updated as flags
+enter and leave it (a step touches only the buffer's columns it overwrites), so a decode step does not
+re-count w flags per entry; a test checks it always equals the buffer's sum. Memory: w bytes per entry
+per KV head as stored here (w / 8 packed as bits), reported by the cache apart from K and V.
 
 Choices the paper leaves open, and ours:
 * Ties (Algorithm 2 ranks by the counter alone). Equal counters go to the lower attention of the step's
@@ -71,6 +73,7 @@ from nanollm.cache import KVCache
 from nanollm.policy import CachePolicy, Needs, ScoringPolicy, StepContext, check_budget, check_int, select_topk
 
 LOW = "scissorhands_low"      # per-slot ring buffer of the last w low/high flags, (B, H_kv, T, w) bool
+COUNT = "scissorhands_count"  # per-slot number of low flags in that buffer (the counter I), (B, H_kv, T)
 ATTN = "scissorhands_attn"    # per-slot attention of the step's last query (group mean), (B, H_kv, T)
 DEFAULT_RECENT = 10           # cold-compress's recent window (see the module docstring)
 
@@ -203,12 +206,18 @@ class ScissorhandsPolicy(ScoringPolicy):
         if ctx.phase == "prefill":                                             # no history yet
             kv.set_state(LOW, torch.zeros(B, H_kv, T, self.history_window, dtype=torch.bool,
                                           device=kv.pos.device), fill=False)
+            kv.set_state(COUNT, torch.zeros(B, H_kv, T, dtype=torch.int32, device=kv.pos.device), fill=0)
             kv.set_state(ATTN, torch.zeros(B, H_kv, T, device=kv.pos.device), fill=0.0)
-        push_history(kv.state[LOW], low_flags(attn, visible, self.threshold), q_pos)
+        w = self.history_window
+        flags = low_flags(attn, visible, self.threshold)[:, :, -w:]           # (B, H_kv, <=w, T)
+        columns = q_pos[-w:] % w                                               # the columns overwritten
+        kv.state[COUNT] += flags.sum(dim=2, dtype=torch.int32) \
+            - kv.state[LOW][..., columns].sum(dim=-1, dtype=torch.int32)       # flags in - flags out
+        push_history(kv.state[LOW], flags, q_pos)
         kv.state[ATTN] = attn[:, :, -1]                                        # the step's last query
 
     def score(self, ctx: StepContext) -> Tensor:
-        return keep_score(unimportance(ctx.kv.state[LOW]), ctx.kv.state[ATTN], ctx.kv.pos)
+        return keep_score(ctx.kv.state[COUNT], ctx.kv.state[ATTN], ctx.kv.pos)
 
     def protected(self, ctx: StepContext) -> Tensor:
         """The ``n_recent`` most recent tokens."""

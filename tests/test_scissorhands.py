@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from methods import make_policy
-from methods.scissorhands import (ATTN, LOW, AttentionRecorder, ScissorhandsPolicy, block_cosine, group_mean, heavy, keep_score,
+from methods.scissorhands import (ATTN, COUNT, LOW, AttentionRecorder, ScissorhandsPolicy, block_cosine, group_mean, heavy, keep_score,
                                   low_flags, n_dropped, persistence_halves, persistence_step, push_history,
                                   record_attention, scissorhands_keep, unimportance)
 from methods.scissorhands_theory import (dropped_mass, dropped_mass_bound, failure_probability, fit_power_law,
@@ -170,13 +170,15 @@ def test_w1_r0_m1_evicts_the_smallest_current_attention(tiny):
 
 
 def test_counters_stay_within_window_and_age(tiny):
-    """0 <= I[j] <= min(w, seen - pos_j) after every step, through prefill, decode and extend."""
+    """0 <= I[j] <= min(w, seen - pos_j) after every step, through prefill, decode and extend; and the
+    incrementally kept counter always equals the ring buffer's sum (flags in minus flags out)."""
     w = 5
     cache = KVCache(tiny.config, ScissorhandsPolicy(budget=12, history_window=w, n_recent=3, drop=2))
 
     def check():
         for layer in cache.layers:
             counts = unimportance(layer.state[LOW])
+            assert torch.equal(layer.state[COUNT].long(), counts)
             age = cache.seen - layer.pos
             assert bool((counts >= 0).all()) and bool((counts <= age.clamp(max=w)).all())
             assert layer.state[LOW].shape[:3] == layer.pos.shape == layer.state[ATTN].shape
