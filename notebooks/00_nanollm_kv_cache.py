@@ -299,10 +299,11 @@ for T in COPY_CONTEXTS:
           f"attention over the entries {attend_ms:6.3f} ms | cat / attention = {cat_ms / attend_ms:4.1f}x")
 
 # %% [markdown]
-# The `torch.cat` append alone costs about as much as the attention, or more: with it, a decode step
-# would be several times slower than the memory limit allows, and a method that keeps 10% of the tokens
-# would look much *better* than it is, because its small cache is also cheap to copy. The in-place append
-# costs microseconds at any length. (`python -m methods.bench` measures whole decode steps: bytes read
+# While the layer is small enough to stay in the CPU's caches (the first length), the copy is cheap.
+# Beyond that the `torch.cat` append alone costs several times the attention itself (about ten times in
+# the run above): with it, a decode step would be far slower than the memory limit allows, and a method
+# that keeps 10% of the tokens would look much *better* than it is, because its small cache is also cheap
+# to copy. The in-place append costs microseconds at any length. (`python -m methods.bench` measures whole decode steps: bytes read
 # per step, the achieved GB/s against the machine's measured bandwidth, and the speedup of each
 # compression method over the full cache.)
 #
