@@ -357,7 +357,7 @@ def test_train_force_starts_over(tmp_path):
 # Help texts: complete and true
 
 COMMANDS = ["nanollm.generate", "methods.generate", "nanollm.train", "nanollm.card", "nanollm.bench",
-            "nanollm.hf", "nanollm.tokenizer", "methods.compare", "notebooks/build.py"]
+            "nanollm.hf", "nanollm.tokenizer", "methods.compare", "methods.bench", "notebooks/build.py"]
 DUMP_PARSERS = """
 import importlib, importlib.util, json, sys
 from nanollm import cli
