@@ -147,8 +147,7 @@ class ChunkKVPolicy(PolicyWrapper):
         group_first = ctx.layer - ctx.layer % self.reuse
         seen, reused = self._reused.get(group_first, (None, None))
         if group_first != ctx.layer and seen == ctx.seen:                   # Algorithm 2: reuse this step's
-            keep = (ctx.kv.pos[..., :, None] == reused[..., None, :]).any(-1)   # choice of the first layer
-            keep &= ctx.kv.pos >= 0
+            keep = holds_position(reused, ctx.kv.pos, ctx.seen)            # choice of the first layer
         else:                                                              # Algorithm 1: select
             valid = ctx.kv.pos >= 0
             protected = self.inner.protected(ctx)
@@ -164,6 +163,15 @@ class ChunkKVPolicy(PolicyWrapper):
     def reset(self) -> None:
         self._reused = {}
         self.inner.reset()
+
+
+def holds_position(chosen: Tensor, pos: Tensor, seen: int) -> Tensor:
+    """(B, H_kv, T) bool: whether each slot's position is among ``chosen`` (B, H_kv, K) of the same head
+    (-1 in either = nothing), through a table indexed by position: O(T + K) per head, not O(T * K)."""
+    table = torch.zeros(*pos.shape[:2], seen + 1, dtype=torch.bool, device=pos.device)   # column seen: -1
+    table.scatter_(-1, torch.where(chosen < 0, seen, chosen), True)
+    table[..., seen] = False
+    return table.gather(-1, torch.where(pos < 0, seen, pos))
 
 
 def kept_positions(cache: KVCache) -> list[Tensor]:

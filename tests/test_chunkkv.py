@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from methods import make_policy
-from methods.chunkkv import ChunkKVPolicy, adjacent_layer_jaccard, chunk_keep_mask, jaccard, kept_positions
+from methods.chunkkv import (ChunkKVPolicy, adjacent_layer_jaccard, chunk_keep_mask, holds_position, jaccard,
+                            kept_positions)
 from nanollm import KVCache, decode_step, prefill, preset
 
 
@@ -165,3 +166,16 @@ def test_default_inner_is_unpooled_snapkv_and_wrappers_keep_their_inner():
     assert ChunkKVPolicy(16).inner.kernel == 1
     assert make_policy("chunkkv(snapkv)", 16).inner.kernel == 7         # SnapKV as configured
     assert make_policy("chunkkv", 16, kernel=5).inner.kernel == 5
+
+
+def test_holds_position_equals_the_pairwise_comparison():
+    """The position table used by index reuse == comparing every slot with every chosen position."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        B, H, T, K, seen = 2, 3, 20, 8, 25
+        pos = torch.stack([torch.randperm(seen, generator=g)[:T].sort().values for _ in range(B * H)]).view(B, H, T)
+        pos[0, 0, -3:] = -1                                                  # empty slots
+        chosen = torch.stack([torch.randperm(seen, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
+        chosen[1, 2, :2] = -1                                                # padding
+        pairwise = (pos[..., :, None] == chosen[..., None, :]).any(-1) & (pos >= 0)
+        assert torch.equal(holds_position(chosen, pos, seen), pairwise)
