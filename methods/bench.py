@@ -123,6 +123,7 @@ class Row:
     step_ms_all: list[float] = field(default_factory=list)   # every timed decode step
     kv_bytes: int | None = None         # storage bytes when a step's attention runs, all layers
     attended_bytes: int | None = None   # bytes of the entries attended (more when a method rebuilds entries)
+    slot_bytes: int | None = None       # K/V slots the policy keeps outside the storage (a sketch's cells)
     entries_per_head: float | None = None   # occupied slots per layer and KV head at that moment (mean)
     cache: KVCache | None = field(default=None, repr=False)
 
@@ -223,6 +224,7 @@ def count_bytes(model: Transformer, row: Row, token: Tensor) -> None:
         decode_step(model, token, row.cache)
     row.kv_bytes = sum(s[0] for s in seen)
     row.attended_bytes = sum(s[1] for s in seen)
+    row.slot_bytes = row.cache.policy.slot_nbytes() if row.cache.policy is not None else 0
     row.entries_per_head = sum(s[2] for s in seen) / len(seen)
 
 
@@ -405,17 +407,20 @@ def row_record(row: Row, full: Row | None, fixed_ms: float | None) -> dict:
     """A row as recorded: the measurements plus GB/s, measured, ideal and bound speedups."""
     rec = {k: getattr(row, k) for k in ("context", "method", "keep_ratio", "budget", "status", "note",
                                         "compress_ms", "step_ms", "step_ms_all", "kv_bytes", "attended_bytes",
-                                        "entries_per_head")}
+                                        "slot_bytes", "entries_per_head")}
     rec["fixed_ms"] = fixed_ms
+    # what a step's attention reads: the entries it attends (a method that rebuilds entries attends more
+    # than it stores)
+    read = rec["read_bytes"] = row.attended_bytes if row.attended_bytes is not None else row.kv_bytes
     ms = row.step_ms
-    rec["gb_per_s"] = row.kv_bytes / ms / 1e6 if ms and row.kv_bytes is not None else None
+    rec["gb_per_s"] = read / ms / 1e6 if ms and read is not None else None
     rec["ideal_speedup"] = 1.0 / row.keep_ratio if row.keep_ratio is not None else 1.0
     rec["speedup"] = rec["bound_speedup"] = None
-    if full is not None and full.step_ms and ms and row.kv_bytes is not None and full.kv_bytes \
+    if full is not None and full.step_ms and ms and read is not None and full.kv_bytes \
             and fixed_ms is not None:
         rec["speedup"] = full.step_ms / ms
         per_byte = max(full.step_ms - fixed_ms, 0.0) / full.kv_bytes           # ms per K/V byte read
-        rec["bound_speedup"] = full.step_ms / (min(fixed_ms, full.step_ms) + per_byte * row.kv_bytes)
+        rec["bound_speedup"] = full.step_ms / (min(fixed_ms, full.step_ms) + per_byte * read)
     return rec
 
 
@@ -510,8 +515,10 @@ def format_rows(result: dict, context: int) -> list[str]:
         if r["status"] != "ok":
             note = f"{r['status'].upper()}: {note}"
         elif r["attended_bytes"] is not None and r["attended_bytes"] != r["kv_bytes"]:
-            note = (f"attends {r['attended_bytes'] / MiB:.2f} MiB of rebuilt entries" + (f"; {note}" if note else ""))
-        kv = r["kv_bytes"] / MiB if r["kv_bytes"] is not None else None
+            sketch = f" + {r['slot_bytes'] / MiB:.2f} MiB of sketch" if r.get("slot_bytes") else ""
+            note = (f"stores {r['kv_bytes'] / MiB:.2f} MiB{sketch}, attends rebuilt entries"
+                    + (f"; {note}" if note else ""))
+        kv = r["read_bytes"] / MiB if r["read_bytes"] is not None else None
         lines.append(f"{label:<{w}}{_num(r['keep_ratio'], '.2f', 5)}{_num(r['budget'], 'd', 7)}"
                      f"{_num(r['compress_ms'], '.1f', 12)}{_num(r['step_ms'], '.2f', 9)}{_num(kv, '.2f', 8)}"
                      f"{_num(r['gb_per_s'], '.1f', 7)}{_num(r['speedup'], '.2f', 8)}x"
@@ -559,10 +566,12 @@ def format_result(result: dict) -> str:
     ]
     for context in result["contexts"]:
         lines += format_rows(result, context)
-    lines += ["", "compress ms: the method's on_prefill hooks, all layers, once. KV MiB: K/V bytes a step reads "
-                  "(the storage when the step attends, all layers). speedup: full-cache step ms / this step ms; "
-                  "ideal: 1 / keep; bound: the ideal once the fixed cost of a step (a step of the full cache "
-                  f"over {result['fixed_context']} tokens, timed alongside) is counted."]
+    lines += ["", "compress ms: the method's on_prefill hooks (scoring, selection, gathering), all layers, once; "
+                  "the statistics a method asks of the prompt's attention (e.g. H2O's column sums over every "
+                  "query) are paid inside the prefill itself: see the real prefill's wall time. KV MiB: K/V "
+                  "bytes a step's attention reads (the entries it attends, all layers). speedup: full-cache "
+                  "step ms / this step ms; ideal: 1 / keep; bound: the ideal once the fixed cost of a step (a "
+                  f"step of the full cache over {result['fixed_context']} tokens, timed alongside) is counted."]
     lines += format_prefill(result)
     return "\n".join(lines)
 

@@ -162,7 +162,8 @@ def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tupl
     probs = torch.softmax(qg @ k.transpose(-1, -2), dim=-1)             # (B, H_kv, G, Tk)
     out = (probs @ v).view(B, H, 1, d)                                  # (B, H, 1, d)
     probs = probs.view(B, H, 1, Tk)
-    return out, (probs if needs.rows != 0 else None), (probs[:, :, 0].float() if needs.col_sums else None)
+    col_sums = probs.sum(dim=2, dtype=torch.float32) if needs.col_sums else None     # (B, H, Tk), a copy
+    return out, (probs if needs.rows != 0 else None), col_sums
 
 
 def prompt_statistics(q: Tensor, k: Tensor, needs: Needs, chunk: int | None = None) -> tuple[Tensor | None,

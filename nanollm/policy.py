@@ -56,6 +56,12 @@ class Needs:
     rows: int | None = 0
     col_sums: bool = False
 
+    def __post_init__(self) -> None:
+        if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 0):
+            raise ValueError(f"Needs.rows must be None (every row) or an int >= 0, got {self.rows!r}")
+        if not isinstance(self.col_sums, bool):
+            raise ValueError(f"Needs.col_sums must be True or False, got {self.col_sums!r}")
+
     def __or__(self, other: "Needs") -> "Needs":
         """Everything either asks for (a wrapper that adds its own needs to its inner policy's)."""
         rows = None if self.rows is None or other.rows is None else max(self.rows, other.rows)

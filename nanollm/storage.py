@@ -27,10 +27,15 @@ Per-slot state exists so that a method never has to keep its own table aligned w
 slots get the fill value too). State is small next to K and V (a few numbers per slot) and simply grows
 by concatenation.
 
-``dense`` tells attention it may skip the mask (``attention.attend``): it is True when every slot holds an
-entry (no -1) and every entry came in through ``append`` in increasing positions, so a step's queries (the
-newest entries) see every stored slot up to their own. Storage built from arbitrary tensors is not dense
-until proven otherwise; ``keep`` with empty slots makes it not dense.
+``dense`` tells attention it may skip the mask (``attention.attend``): it is True when no slot is empty
+(no -1) and every entry came in through ``append``, so no stored position lies after the newest appended
+one: a decode step's query (the newest entry) sees every stored slot. ``keep`` preserves that unless it
+leaves empty slots; storage built from arbitrary tensors is not dense until proven otherwise.
+
+Memory. The buffers hold up to twice the entries in use right after they double; ``nbytes`` counts the
+entries (what the cache *stores*, what the harness and the tables report), ``allocated_nbytes`` the
+buffers (what the process *holds*). The first append leaves ``MIN_CAPACITY`` slots of room, so the decode
+steps right after a prompt write in place instead of doubling a prompt-sized buffer at once.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ class LayerKV:
         """Add new entries at the end. k, v (B, H_kv, Tn, d); pos (Tn,) shared by every row and head."""
         B, H_kv, Tn, d = k.shape
         if self._k is None:                     # the first append: allocate with room to grow
-            cap = max(Tn, MIN_CAPACITY)
+            cap = Tn + MIN_CAPACITY
             self._k, self._v = k.new_empty(B, H_kv, cap, d), v.new_empty(B, H_kv, cap, v.shape[-1])
             self._pos = pos.new_full((B, H_kv, cap), -1)
         elif self.n + Tn > self.capacity():
@@ -106,8 +111,9 @@ class LayerKV:
         Rows are picked with one ``index_select`` over a flat (B*H_kv*cap, d) view of the buffers: a row
         gather, much faster on CPU than the element-wise ``torch.gather`` with an index expanded over d.
         The gathered buffers get ``MIN_CAPACITY`` extra slots (copies of a slot 0, never read: past ``T``)
-        so the next appends write in place (a method that evicts at every step never reallocates; later
-        appends double the buffer as usual). Per-slot state moves with the entries.
+        so the next appends write in place (for a method that evicts at every step, the append between two
+        evictions never reallocates; ``keep`` itself always gathers into fresh buffers). Per-slot state
+        moves with the entries.
         """
         B, H_kv, cap, d = self._k.shape
         K = idx.shape[-1]

@@ -50,18 +50,18 @@ def test_append_writes_in_place_and_doubles_when_full():
     step = lambda t: kv.append(torch.full((1, 2, 1, 4), float(t)), torch.full((1, 2, 1, 4), -float(t)),  # noqa: E731
                                torch.tensor([t]))
     step(0)
-    buffer = kv.k.data_ptr()
-    assert kv.capacity() == MIN_CAPACITY
-    for t in range(1, MIN_CAPACITY):
+    buffer, cap = kv.k.data_ptr(), kv.capacity()
+    assert cap == 1 + MIN_CAPACITY                               # the first append leaves room
+    for t in range(1, cap):
         step(t)
         assert kv.k.data_ptr() == buffer, "an append within capacity must not move the stored entries"
-    step(MIN_CAPACITY)                                           # full: one reallocation, twice the room
-    assert kv.capacity() == 2 * MIN_CAPACITY and len(kv) == MIN_CAPACITY + 1
-    assert torch.equal(kv.pos[0, 1], torch.arange(MIN_CAPACITY + 1))
-    assert torch.equal(kv.k[0, 1, :, 0], torch.arange(MIN_CAPACITY + 1).float())
-    assert torch.equal(kv.v[0, 0, :, 3], -torch.arange(MIN_CAPACITY + 1).float())
-    assert kv.nbytes() == 2 * 2 * (MIN_CAPACITY + 1) * 4 * 4    # the slots in use, not the capacity
-    assert kv.allocated_nbytes() == 2 * 2 * 2 * MIN_CAPACITY * 4 * 4
+    step(cap)                                                    # full: one reallocation, twice the room
+    assert kv.capacity() == 2 * cap and len(kv) == cap + 1
+    assert torch.equal(kv.pos[0, 1], torch.arange(cap + 1))
+    assert torch.equal(kv.k[0, 1, :, 0], torch.arange(cap + 1).float())
+    assert torch.equal(kv.v[0, 0, :, 3], -torch.arange(cap + 1).float())
+    assert kv.nbytes() == 2 * 2 * (cap + 1) * 4 * 4             # the slots in use, not the capacity
+    assert kv.allocated_nbytes() == 2 * 2 * 2 * cap * 4 * 4
     assert kv.dense
 
 
@@ -200,7 +200,8 @@ def test_fast_paths_are_taken(tiny_model, monkeypatch):
 
 
 def test_policy_statistics_equal_the_full_matrix(tiny_model):
-    """What a policy receives at prefill (last rows, column sums) is the full probability matrix's."""
+    """What a policy receives at prefill (last rows, column sums) is the naive full probability matrix's,
+    computed here from the same queries and keys."""
 
     class Record(CachePolicy):
         def __init__(self, needs):
@@ -210,13 +211,18 @@ def test_policy_statistics_equal_the_full_matrix(tiny_model):
             return self.wanted
 
         def on_prefill(self, ctx):
-            self.got[ctx.layer] = (ctx.probs, ctx.col_sums)
+            kv = ctx.kv
+            _, ref = naive_attention(ctx.q, kv.k, kv.v, ctx.q_pos, kv.pos)          # (B, H, T, T)
+            self.got[ctx.layer] = (ctx.probs, ctx.col_sums, ref)
 
     ids = torch.randint(0, tiny_model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
-    full, stats = Record(Needs(rows=None)), Record(Needs(rows=5, col_sums=True))
-    for policy in (full, stats):
+    every, some = Record(Needs(rows=None)), Record(Needs(rows=5, col_sums=True))
+    for policy in (every, some):
         prefill(tiny_model, ids, KVCache(tiny_model.config, policy))
-    for layer, (probs, _) in full.got.items():
-        rows, col_sums = stats.got[layer]
-        torch.testing.assert_close(rows, probs[:, :, -5:], rtol=0, atol=1e-6)
-        torch.testing.assert_close(col_sums, probs.sum(dim=2), rtol=0, atol=1e-5)
+    for layer in range(tiny_model.config.n_layer):
+        probs, none, ref = every.got[layer]
+        torch.testing.assert_close(probs, ref, rtol=0, atol=1e-6)
+        assert none is None
+        rows, col_sums, ref = some.got[layer]
+        torch.testing.assert_close(rows, ref[:, :, -5:], rtol=0, atol=1e-6)
+        torch.testing.assert_close(col_sums, ref.sum(dim=2), rtol=0, atol=1e-5)

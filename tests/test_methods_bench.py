@@ -132,6 +132,7 @@ def test_a_slow_method_is_stopped_and_reported(model) -> None:
 def test_format_shows_errors_and_skips() -> None:
     row = dict(context=64, method="h2o", keep_ratio=0.1, budget=6, status="error", note="ValueError: boom",
                compress_ms=None, step_ms=None, step_ms_all=[], kv_bytes=None, attended_bytes=None,
+               slot_bytes=None, read_bytes=None,
                entries_per_head=None, fixed_ms=None, gb_per_s=None, ideal_speedup=10.0, speedup=None,
                bound_speedup=None)
     result = {"config": CONFIG.to_dict(), "weight_bytes": 1, "kv_bytes_per_token": 4096, "threads": 1,

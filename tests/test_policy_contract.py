@@ -17,6 +17,8 @@ and asserts:
   holds at most ``H_kv * (budget + slack)``;
 * well-formed cache: storage at KV-head granularity, k/v/pos of one length, valid positions unique,
   increasing and < tokens seen, protected positions (sinks, windows) present;
+* the same on both storage paths: forcing attention's general masked path everywhere (instead of the
+  mask-free fast paths on dense storage) gives the same logits (1e-5) and the same kept positions;
 * determinism and reuse: two fresh runs keep identical entries; after ``reset()`` a policy that saw
   sequence A gives on sequence B exactly what a fresh one gives;
 * no NaN/inf at tiny budgets (1, 3: smaller than the sinks and windows);
@@ -31,6 +33,7 @@ import pytest
 import torch
 
 from methods import METHODS, make_policy, method_options, scorers, wrappers
+import nanollm.attention as attention
 from nanollm import FullCache, KVCache, Transformer, decode_step, extend, prefill, preset
 from nanollm.policy import CachePolicy
 
@@ -166,6 +169,25 @@ def test_prompt_shorter_than_default_windows(model, name, opts):
     logits, _ = run_script(model, cache, make_seq(6, n_prompt=n_prompt),
                            check=lambda c: check_cache(c, policy, n_prompt))
     assert all(torch.isfinite(x).all() for x in logits)
+
+
+@pytest.mark.parametrize("budget", [12, 30])
+@pytest.mark.parametrize("name,opts", cases())
+def test_same_on_both_storage_paths(model, name, opts, budget, monkeypatch):
+    """The attention's fast paths change nothing a method sees: forcing the general masked path everywhere
+    gives the same logits (fp32, 1e-5) and keeps exactly the same positions, and the budget and
+    well-formedness checks hold on it too."""
+    seq = make_seq(4)
+    fast_logits, fast_kept = run_script(model, KVCache(model.config, make_policy(name, budget, **opts)), seq)
+    real_attend = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda *a, **kw: real_attend(*a, **{**kw, "dense": False}))
+    policy = make_policy(name, budget, **opts)
+    logits, kept = run_script(model, KVCache(model.config, policy), seq,
+                              check=lambda c: check_cache(c, policy, N_PROMPT))
+    for step, (a, b) in enumerate(zip(fast_logits, logits)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {step}: logits differ between paths")
+    for step, (a, b) in enumerate(zip(fast_kept, kept)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: kept positions differ between paths"
 
 
 @pytest.mark.parametrize("name,opts", cases())
