@@ -629,16 +629,6 @@ def keep_ratio_arg(text: str) -> float:
     return value
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = cli.ArgumentParser(
         prog="python -m methods.bench",
@@ -658,12 +648,12 @@ def main(argv: list[str] | None = None) -> dict:
                          f"(default {' '.join(map(str, DEFAULT_KEEP_RATIOS))})")
     ap.add_argument("--steps", type=cli.positive_int, default=10,
                     help="timed decode steps per variant and context; the median is reported (default %(default)s)")
-    ap.add_argument("--warmup", type=non_negative_int, default=2,
+    ap.add_argument("--warmup", type=cli.non_negative_int, default=2,
                     help="untimed decode steps before them (default %(default)s)")
     ap.add_argument("--prompt-queries", type=cli.positive_int, default=64, metavar="W",
                     help="random query rows at the end of the context whose attention the methods' prefill hooks "
                          "read, at most the shortest context (default %(default)s)")
-    ap.add_argument("--prefill-context", type=non_negative_int, default=16384, metavar="T",
+    ap.add_argument("--prefill-context", type=cli.non_negative_int, default=16384, metavar="T",
                     help="tokens of the real prefill whose peak memory is measured for the full cache, SnapKV and "
                          f"H2O at keep ratio {PREFILL_KEEP_RATIO}, each in a fresh process; 0 skips it "
                          "(default %(default)s)")
