@@ -19,6 +19,7 @@ and asserts:
   increasing and < tokens seen, protected positions (sinks, windows) present;
 * the same on both storage paths: forcing attention's general masked path everywhere (instead of the
   mask-free fast paths on dense storage) gives the same logits (1e-5) and the same kept positions;
+* rows independent: each row of a batch keeps what it would keep alone, with the same logits;
 * determinism and reuse: two fresh runs keep identical entries; after ``reset()`` a policy that saw
   sequence A gives on sequence B exactly what a fresh one gives;
 * no NaN/inf at tiny budgets (1, 3: smaller than the sinks and windows);
@@ -188,6 +189,24 @@ def test_same_on_both_storage_paths(model, name, opts, budget, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {step}: logits differ between paths")
     for step, (a, b) in enumerate(zip(fast_kept, kept)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: kept positions differ between paths"
+
+
+@pytest.mark.parametrize("name,opts", cases())
+def test_rows_of_a_batch_are_independent(model, name, opts):
+    """Each row of a batch is compressed as if it ran alone: the same kept positions (valid entries per
+    head) and the same logits (fp32, 1e-5) as a one-row run of that row."""
+    seq = make_seq(5)
+    both_logits, both_kept = run_script(model, KVCache(model.config, make_policy(name, 12, **opts)), seq)
+    for r in range(BATCH):
+        logits, kept = run_script(model, KVCache(model.config, make_policy(name, 12, **opts)),
+                                  {k: v[r:r + 1] for k, v in seq.items()})
+        for step, (a, b) in enumerate(zip(both_logits, logits)):
+            torch.testing.assert_close(a[r:r + 1], b, rtol=0, atol=1e-5, msg=f"row {r}, step {step}: logits")
+        for step, (a, b) in enumerate(zip(both_kept, kept)):
+            for layer, (x, y) in enumerate(zip(a, b)):
+                for h in range(x.shape[1]):
+                    mine, alone = x[r, h][x[r, h] >= 0], y[0, h][y[0, h] >= 0]
+                    assert torch.equal(mine, alone), f"row {r}, step {step}, layer {layer}, head {h}: kept differ"
 
 
 @pytest.mark.parametrize("name,opts", cases())
