@@ -299,11 +299,13 @@ for T in COPY_CONTEXTS:
           f"attention over the entries {attend_ms:6.3f} ms | cat / attention = {cat_ms / attend_ms:4.1f}x")
 
 # %% [markdown]
-# While the layer is small enough to stay in the CPU's caches (the first length), the copy is cheap.
-# Beyond that the `torch.cat` append alone costs several times the attention itself (about ten times in
-# the run above): with it, a decode step would be far slower than the memory limit allows, and a method
-# that keeps 10% of the tokens would look much *better* than it is, because its small cache is also cheap
-# to copy. The in-place append costs microseconds at any length. (`python -m methods.bench` measures whole decode steps: bytes read
+# At the shortest length the layer fits in the CPU's caches and fixed overheads dominate both. At the
+# longer ones the `torch.cat` append reads *and writes* every stored byte, so it costs at least about as
+# much as the attention's single read of them, and far more whenever the allocator has to map fresh
+# memory for the new tensor: between about 1x and 12x the attention on the development machine, from run
+# to run. With it, a decode step at least doubles its memory traffic, and a method that keeps 10% of the
+# tokens would look *better* than it is, because its small cache is also cheap to copy. The in-place
+# append costs microseconds at any length. (`python -m methods.bench` measures whole decode steps: bytes read
 # per step, the achieved GB/s against the machine's measured bandwidth, and the speedup of each
 # compression method over the full cache.)
 #
