@@ -42,8 +42,10 @@ Then decode steps, ``generation.decode_step`` with random tokens, through the me
 generation. All variants of one context (the full cache, every method at every keep ratio) are timed
 *interleaved*, one step of each in turn, so a slow moment of the machine hits them alike; medians are
 reported. The bytes a step reads are counted on one extra step by looking at what each layer's attention
-receives: the storage's bytes at that moment (``LayerKV.nbytes()``, the slots in use), and the bytes of
-the entries actually attended when a method rebuilds them (KVReviver). The machine's read bandwidth is
+receives: the bytes of the entries it attends (``KV MiB``, the basis of GB/s and of the bound). They are
+the storage's bytes at that moment (``LayerKV.nbytes()``, the slots in use) except for a method that
+rebuilds entries (KVReviver attends the whole context rebuilt from its sketch; its storage and sketch
+bytes are noted beside). The machine's read bandwidth is
 measured in the same run with the same thread count (``x.sum()`` over a large fp32 tensor), to say how
 close the full cache gets to the roofline.
 
