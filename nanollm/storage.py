@@ -24,8 +24,9 @@ for the next appends.
 
 Per-slot state exists so that a method never has to keep its own table aligned with the storage by hand:
 ``append`` gives the new slots the state's fill value, ``keep`` moves the state with the entries (padding
-slots get the fill value too). State is small next to K and V (a few numbers per slot) and simply grows
-by concatenation.
+slots get the fill value too). State usually holds a few numbers per slot, small next to K and V, and
+simply grows by concatenation (Scissorhands' history of w flags per slot is the exception: larger than
+the entry itself at w = 400, and copied at every step).
 
 ``dense`` tells attention it may skip the mask (``attention.attend``): it is True when no slot is empty
 (no -1) and every entry came in through ``append``, so no stored position lies after the newest appended
@@ -43,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-MIN_CAPACITY = 64           # slots allocated at least, per head, when a buffer is (re)allocated
+MIN_CAPACITY = 64           # slots of room per head left by the first append and by keep
 
 
 class LayerKV:
