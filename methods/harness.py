@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from nanollm.cache import KVCache, LayerKV
-from nanollm.evaluate import answer_length
+from nanollm.evaluate import answer_length, cut_at
 from nanollm.generation import extend, generate, prefill
 from nanollm.policy import CachePolicy, FullCache, Needs, StepContext
 from nanollm.tasks import Sample, string_match_all
@@ -206,7 +206,7 @@ def greedy_from_trace(model, tok, sample: Sample, tr: Trace) -> list[int]:
             token = torch.tensor([[first]], device=tr.logits.device)
             out += generate(model, token, n_new - len(out), cache=copy.deepcopy(cache),
                             stop_ids=[tok.eot_id])[0].tolist()
-    return out[:out.index(tok.eot_id)] if tok.eot_id in out else out
+    return cut_at(out, tok.eot_id)
 
 
 def greedy_accuracy(model, tok, sample: Sample, tr: Trace) -> tuple[float, str]:

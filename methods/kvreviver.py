@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from nanollm.policy import CachePolicy, Needs, StepContext, check_budget, check_int
-from nanollm.storage import LayerKV
+from nanollm.storage import LayerKV, gather_slots
 
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
 
@@ -227,7 +227,7 @@ class KVReviverPolicy(CachePolicy):
         sketches = self._sketch.get(layer)
         if not sketches:                                # nothing in a sketch: the storage is the whole cache
             return store
-        B, H_kv, T, d = store.k.shape
+        B, H_kv = store.k.shape[:2]
         seen = int(store.pos.max()) + 1                 # positions 0..seen-1 (the new tokens included)
         raw = torch.zeros(B, seen, dtype=torch.bool, device=store.pos.device)
         raw.scatter_(1, store.pos[:, 0], True)                                   # (B, N) in R or C
@@ -237,8 +237,9 @@ class KVReviverPolicy(CachePolicy):
         order = pos.argsort(dim=1)[:, None, :]                                   # position order
         k = torch.cat([store.k, torch.stack(rebuilt_k).transpose(1, 2).to(store.k.dtype)], dim=2)
         v = torch.cat([store.v, torch.stack(rebuilt_v).transpose(1, 2).to(store.v.dtype)], dim=2)
-        idx = order[..., None].expand(B, H_kv, seen, d)
-        rebuilt = LayerKV(k.gather(2, idx), v.gather(2, idx), pos[:, None, :].gather(2, order).expand(B, H_kv, seen))
+        slots = order.expand(B, H_kv, seen)
+        rebuilt = LayerKV(gather_slots(k, slots), gather_slots(v, slots),
+                          pos[:, None, :].gather(2, order).expand(B, H_kv, seen))
         self.rebuilt_nbytes = max(self.rebuilt_nbytes, rebuilt.nbytes())
         return rebuilt
 

@@ -149,6 +149,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, needs:
     return attend_masked(q, k, v, q_pos, k_pos, needs, chunk)
 
 
+def queries_per_chunk(B: int, H: int, Tk: int, chunk: int | None) -> int:
+    """``chunk`` if given, else as many queries as keep a chunk's (B, H, C, Tk) scores under SCORE_ELEMENTS."""
+    return chunk if chunk is not None else max(1, SCORE_ELEMENTS // max(1, B * H * Tk))
+
+
 def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tuple[Tensor, Tensor | None,
                                                                                   Tensor | None]:
     """One query per row over entries it may all see (a decode step on dense storage): no mask.
@@ -180,8 +185,7 @@ def prompt_statistics(q: Tensor, k: Tensor, needs: Needs, chunk: int | None = No
     B, H, T, d = q.shape
     H_kv = k.shape[1]
     G = H // H_kv
-    if chunk is None:
-        chunk = max(1, SCORE_ELEMENTS // max(1, B * H * T))
+    chunk = queries_per_chunk(B, H, T, chunk)
     keep_rows = T if needs.rows is None else min(needs.rows, T)
     first_kept = T - keep_rows                                         # rows before it are not returned
     col_sums = q.new_zeros(B, H, T, dtype=torch.float32) if needs.col_sums else None
@@ -198,8 +202,7 @@ def prompt_statistics(q: Tensor, k: Tensor, needs: Needs, chunk: int | None = No
             col_sums[..., :j] += probs.float().sum(dim=2)
         if j > first_kept:                                             # padded with zeros: keys after j
             rows.append(F.pad(probs[:, :, max(0, first_kept - i):], (0, T - j)))
-    probs = (rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)) if keep_rows else None
-    return probs, col_sums
+    return (torch.cat(rows, dim=2) if keep_rows else None), col_sums
 
 
 def attend_masked(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, needs: Needs = Needs(),
@@ -213,9 +216,9 @@ def attend_masked(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
     B, H, Tq, d = q.shape
     H_kv, Tk = k.shape[1], k.shape[2]
     G = H // H_kv
-    if chunk is None:
-        chunk = max(1, SCORE_ELEMENTS // max(1, B * H * Tk))
+    chunk = queries_per_chunk(B, H, Tk, chunk)
     keep_rows = Tq if needs.rows is None else min(needs.rows, Tq)   # the last `keep_rows` rows are returned
+    first_kept = Tq - keep_rows                                     # rows before it are not returned
     kp = k_pos[:, :, None, None, :]                                     # (B, H_kv, 1, 1, Tk)
     outs, kept_probs = [], []
     col_sums = q.new_zeros(B, H, Tk, dtype=torch.float32) if needs.col_sums else None
@@ -231,14 +234,9 @@ def attend_masked(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
         probs = probs.view(B, H, C, Tk)
         if col_sums is not None:
             col_sums += probs.float().sum(dim=2)
-        first_kept = Tq - keep_rows                                    # rows before it are not returned
         if i + C > first_kept:
             kept_probs.append(probs[:, :, max(0, first_kept - i):])
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    probs = None
-    if keep_rows > 0:
-        probs = kept_probs[0] if len(kept_probs) == 1 else torch.cat(kept_probs, dim=2)
-    return out, probs, col_sums
+    return torch.cat(outs, dim=2), (torch.cat(kept_probs, dim=2) if keep_rows else None), col_sums
 
 
 class CausalSelfAttention(nn.Module):

@@ -37,6 +37,11 @@ def check_mode(mode: str) -> str:
 
 
 @torch.no_grad()
+def cut_at(ids: list[int], stop_id: int | None) -> list[int]:
+    """The ids before the first ``stop_id`` (all of them if it does not occur, or is None)."""
+    return ids[:ids.index(stop_id)] if stop_id is not None and stop_id in ids else ids
+
+
 def answer_length(model, sample, max_new_tokens: int | None = None) -> int:
     """How many tokens the greedy answer to ``sample`` may take: the task's allowance, cut to the room left."""
     room = model.config.max_seq_len - len(sample.prompt_ids) + 1   # the last generated token needs no position
@@ -58,9 +63,7 @@ def answer_ids(model, sample, mode: str, policy=None, max_new_tokens: int | None
         prefill(model, torch.tensor([sample.context_ids], device=dev), cache)
         ids = torch.tensor([sample.question_ids], device=dev)           # extended onto the compressed cache
     out = generate(model, ids, n_new, cache=cache, stop_ids=stop)[0].tolist()
-    if stop_id is not None and stop_id in out:
-        out = out[:out.index(stop_id)]
-    return out
+    return cut_at(out, stop_id)
 
 
 def answer(model, tok, sample, mode: str, policy=None, max_new_tokens: int | None = None) -> str:

@@ -47,6 +47,16 @@ from torch import Tensor
 MIN_CAPACITY = 64           # slots of room per head left by the first append and by keep
 
 
+def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
+    """t (B, H_kv, S, ...) -> (B, H_kv, K, ...): the slots ``idx`` (B, H_kv, K) of every head, as one
+    ``index_select`` of rows over a flat (B*H_kv*S, -1) view (a row gather: much faster on CPU than the
+    element-wise ``torch.gather`` with an index expanded over the last dimensions)."""
+    B, H_kv, S = t.shape[:3]
+    first = torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * S     # first row of each head
+    rows = t.reshape(B * H_kv * S, -1).index_select(0, (first + idx).reshape(-1))
+    return rows.view(B, H_kv, idx.shape[-1], *t.shape[3:])
+
+
 class LayerKV:
     """One layer's storage. Empty until the first ``append`` unless built from tensors."""
 
@@ -109,29 +119,18 @@ class LayerKV:
     def keep(self, idx: Tensor) -> None:
         """Keep only the slots ``idx`` (B, H_kv, K), per head, in the given order; -1 makes an empty slot.
 
-        Rows are picked with one ``index_select`` over a flat (B*H_kv*cap, d) view of the buffers: a row
-        gather, much faster on CPU than the element-wise ``torch.gather`` with an index expanded over d.
-        The gathered buffers get ``MIN_CAPACITY`` extra slots (copies of a slot 0, never read: past ``T``)
-        so the next appends write in place (for a method that evicts at every step, the append between two
-        evictions never reallocates; ``keep`` itself always gathers into fresh buffers). Per-slot state
-        moves with the entries.
+        Rows are picked by ``gather_slots``. The gathered buffers get ``MIN_CAPACITY`` extra slots (copies
+        of a slot 0, never read: past ``T``) so the next appends write in place (for a method that evicts
+        at every step, the append between two evictions never reallocates; ``keep`` itself always gathers
+        into fresh buffers). Per-slot state moves with the entries.
         """
-        B, H_kv, cap, d = self._k.shape
         K = idx.shape[-1]
-        room = MIN_CAPACITY
         empty = idx < 0
-        base = torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * cap   # first row of each head
-        rows_idx = idx.clamp(min=0)
-        flat = (base + torch.nn.functional.pad(rows_idx, (0, room))).reshape(-1)   # (B*H_kv*(K+room),)
-        self._k = self._k.reshape(B * H_kv * cap, -1).index_select(0, flat).view(B, H_kv, K + room, d)
-        self._v = self._v.reshape(B * H_kv * cap, -1).index_select(0, flat).view(B, H_kv, K + room, -1)
-        self._pos = self._pos.reshape(-1).index_select(0, flat).view(B, H_kv, K + room)
+        slots = idx.clamp(min=0)
+        with_room = torch.nn.functional.pad(slots, (0, MIN_CAPACITY))          # (B, H_kv, K + room)
+        self._k, self._v, self._pos = (gather_slots(t, with_room) for t in (self._k, self._v, self._pos))
         self._pos[:, :, K:] = -1
-        T = self.n
-        sbase = torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * T
-        sflat = (sbase + rows_idx).reshape(-1)
-        self.state = {name: t.reshape(B * H_kv * T, -1).index_select(0, sflat).view(B, H_kv, K, *t.shape[3:])
-                      for name, t in self.state.items()}
+        self.state = {name: gather_slots(t, slots) for name, t in self.state.items()}
         self.n = K
         if empty.any():
             self.dense = False
