@@ -25,15 +25,18 @@ class KVCache:
 
     ``policy=None`` is the plain cache: store everything, call nothing. Any ``CachePolicy`` (including
     ``FullCache``, which keeps everything) goes through the hook path; see ``policy.CachePolicy`` for the
-    exact moments at which it is called.
+    exact moments at which it is called. ``new_storage`` (a callable ``config -> storage``) overrides the
+    storage class the attention module names, for a module that can attend over more than one layout.
     """
 
-    def __init__(self, config: ModelConfig, policy: CachePolicy | None = None) -> None:
+    def __init__(self, config: ModelConfig, policy: CachePolicy | None = None, new_storage=None) -> None:
         self.config = config
         self.policy = policy
         if policy is not None:          # a new cache is a new sequence: nothing may leak from an earlier one
             policy.reset()
-        self._new_storage = attention_class(config.attention).new_storage
+        # what one layer stores: the attention module's choice, unless the caller picks another layout the
+        # module can attend over (tensor attention has three: methods/tensor_attention.py)
+        self._new_storage = new_storage or attention_class(config.attention).new_storage
         self.layers = [self._new_storage(config) for _ in range(config.n_layer)]
         self.seen = 0           # tokens processed so far; the next token gets position `seen`
 
