@@ -36,11 +36,12 @@ normaliser Z separately, each with its own sampling scheme, then divides:
   size one: the j-th row replaces each slot, independently, with probability ||v_j||^2 / W_j (W_j the
   total weight so far), which leaves every slot holding row j with probability ||v_j||^2 / W_n.
 
-The output is o_hat = numerator_hat / Z_hat. The paper's main theorem, as summaries of it state it,
-bounds the error by eps * ||softmax(K q)||_2 * ||V||_op (relative to the operator norm of all the values,
-not to ||o||) with roughly exp(2 delta r) log(n) / eps^2 samples per cluster for queries of norm at most
-r, and about d / eps^2 value samples; memory is then about (clusters * per_cluster + value_samples) d
-numbers, sublinear in n when the number of clusters is.
+The output is o_hat = numerator_hat / Z_hat. The guarantee, as Chen et al. restate it for tensor
+attention (arXiv 2503.11108, Lemmas 5.1 and 5.2): for (m, delta)-clusterable keys and queries of norm at
+most r, with probability 0.99 the error is at most eps * ||softmax(K q)||_2 * ||V||_2 (relative to the
+norm of all the values, not to ||o||), from O(d eps^-2 (d + m e^{2 delta r} log n)) bits of space:
+about e^{2 delta r} log(n) / eps^2 key samples per cluster and d / eps^2 value samples, sublinear in n when
+the number of clusters m is.
 
 What we could and could not check. We could read the paper's abstract and summaries of it (online
 clustering of keys, online l2 sampling of values, reservoir sampling, the form of the bound above), not its

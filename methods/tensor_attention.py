@@ -16,9 +16,12 @@ Chen et al. (arXiv 2503.11108, §3.2) write this with the column-wise Kronecker 
     four-matrix cache:  store K1, K2, V1, V2 (4 n d numbers), attend (V1 (/) V2)^T softmax((K1 (/) K2) q)
     two-matrix cache:   store K~ = K1 (/) K2, V~ = V1 (/) V2 (2 n^2 d numbers), attend V~^T softmax(K~ q)
 
-and prove (Theorems 4.1/4.2) that exact decoding needs Omega(n d) bits of memory with four matrices and
-Omega(n^2 d) with two, and (Theorem 4.3) that the two-matrix cache is faster by Omega(n^2 d) per step,
-charging the four-matrix cache for building K1 (/) K2 and V1 (/) V2 again at every step.
+and prove memory lower bounds for d >= C log n (Theorems 4.1/4.2): Omega(n d) bits for an algorithm given
+the four matrices, Omega(n^2 d) bits for one given two matrices. The second bound is about *arbitrary*
+pair rows (its proof streams n^2 free rows k~, v~); rows made as K1 (/) K2 from n tokens carry only the
+factors' information, and the factored path below computes their output exactly from 4 n d numbers.
+Theorem 4.3 states that the two-matrix cache is faster by Omega(n^2 d) per step, charging the four-matrix
+cache for building K1 (/) K2 and V1 (/) V2 again at every step.
 
 That last charge is avoidable. The score of a pair factors as s(a, b) = sum_j q_j K1[a, j] K2[b, j], so
 the whole (n, n) score matrix is ``S = (K1 * q) @ K2^T``, and the output coordinate j is
@@ -71,8 +74,9 @@ from nanollm.policy import Needs
 
 def kron_rows(A: Tensor, B: Tensor) -> Tensor:
     """Column-wise Kronecker product (Chen et al., Definition 3.1): (..., n1, d), (..., n2, d) ->
-    (..., n1*n2, d), row a*n2 + b = A[a] * B[b]. (The paper numbers the rows the other way round; the
-    order does not matter: softmax and the output sum over all pairs.)"""
+    (..., n1*n2, d), row a*n2 + b = A[a] * B[b]: a-major, as Definition 3.6 numbers the pairs ((a-1) i + b);
+    Definition 3.1 numbers them b-major (i1 + (i2-1) n1). The order does not matter: the softmax and the
+    output sum run over all pairs."""
     return (A[..., :, None, :] * B[..., None, :, :]).flatten(-3, -2)
 
 
@@ -152,27 +156,32 @@ def causal_tensor_attention(q: Tensor, k1: Tensor, k2: Tensor, v1: Tensor, v2: T
 
 
 class Rows:
-    """A (B, H, n, d) tensor that grows along n without copying what is stored (amortised)."""
+    """A tensor that grows along one dimension (``dim``: 2 for (B, H, n, d) rows, 0 for (n,) positions)
+    without copying what is stored: the buffer doubles when full, so appends cost O(new rows) amortised."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 2) -> None:
+        self.dim = dim
         self._buf: Tensor | None = None
         self.n = 0
 
     @property
     def t(self) -> Tensor:
-        return self._buf[:, :, :self.n]
+        return self._buf.narrow(self.dim, 0, self.n)
 
     def append(self, rows: Tensor) -> None:
-        B, H, m, d = rows.shape
-        if self._buf is None or self.n + m > self._buf.shape[2]:
-            buf = rows.new_empty(B, H, max(2 * self.n, self.n + m, 16), d)
+        m = rows.shape[self.dim]
+        if self._buf is None or self.n + m > self._buf.shape[self.dim]:
+            shape = list(rows.shape)
+            shape[self.dim] = max(2 * self.n, self.n + m, 16)
+            buf = rows.new_empty(shape)
             if self._buf is not None:
-                buf[:, :, :self.n] = self.t
+                buf.narrow(self.dim, 0, self.n).copy_(self.t)
             self._buf = buf
-        self._buf[:, :, self.n:self.n + m] = rows
+        self._buf.narrow(self.dim, self.n, m).copy_(rows)
         self.n += m
 
     def nbytes(self) -> int:
+        """Bytes in use (the buffer holds up to twice as many right after it doubles)."""
         return 0 if self._buf is None else self.t.nbytes
 
 
@@ -185,28 +194,29 @@ class FourCache:
     def __init__(self, config: ModelConfig | None = None, naive: bool = False) -> None:
         self.naive = naive
         self.k1, self.k2, self.v1, self.v2 = Rows(), Rows(), Rows(), Rows()
-        self._pos: list[Tensor] = []
+        self._pos = Rows(dim=0)
+        self.last = -1                            # the latest stored position
 
     def __len__(self) -> int:
         return self.k1.n
 
     @property
     def pos(self) -> Tensor:
-        return torch.cat(self._pos)
+        return self._pos.t
 
     def append(self, k1: Tensor, k2: Tensor, v1: Tensor, v2: Tensor, pos: Tensor) -> None:
         for store, rows in zip((self.k1, self.k2, self.v1, self.v2), (k1, k2, v1, v2)):
             store.append(rows)
         self._pos.append(pos)
+        self.last = max(self.last, int(pos.max()))
 
     def attend(self, q: Tensor, q_pos: Tensor) -> Tensor:
         """q (B, H, Tq, d) at positions q_pos (Tq,) over the stored tokens -> (B, H, Tq, d)."""
         scale = 1.0 / math.sqrt(q.shape[-1])
         factors = (self.k1.t, self.k2.t, self.v1.t, self.v2.t)
-        pos = self.pos
         allowed = None
-        if q.shape[2] > 1 or int(pos.max()) > int(q_pos.max()):      # a decode step sees every stored token
-            seen = pos[None, :] <= q_pos[:, None]                                 # (Tq, n)
+        if q.shape[2] > 1 or self.last > int(q_pos.max()):    # a decode step sees every stored token: no mask
+            seen = self.pos[None, :] <= q_pos[:, None]                            # (Tq, n)
             allowed = seen[:, :, None] & seen[:, None, :]                         # (Tq, n, n)
         attend = naive_four_cache_attention if self.naive else four_cache_attention
         return attend(q, *factors, scale, allowed)
@@ -214,6 +224,10 @@ class FourCache:
     def nbytes(self) -> int:
         """Bytes of K1, K2, V1, V2: 4 n d numbers per row and head."""
         return sum(s.nbytes() for s in (self.k1, self.k2, self.v1, self.v2))
+
+    def pos_nbytes(self) -> int:
+        """Bytes of the positions (bookkeeping, reported apart as for the standard cache)."""
+        return self._pos.nbytes()
 
     def state_nbytes(self) -> int:
         return 0
@@ -236,8 +250,7 @@ class TwoCache:
     def __init__(self, config: ModelConfig | None = None) -> None:
         self.factors = FourCache(config)
         self.kt, self.vt = Rows(), Rows()
-        self._pos_a: list[Tensor] = []
-        self._pos_b: list[Tensor] = []
+        self._pos_a, self._pos_b = Rows(dim=0), Rows(dim=0)
 
     def __len__(self) -> int:
         return len(self.factors)
@@ -247,31 +260,30 @@ class TwoCache:
 
     def append(self, k1: Tensor, k2: Tensor, v1: Tensor, v2: Tensor, pos: Tensor) -> None:
         f = self.factors
-        n = len(f)
-        old = (f.k1.t, f.k2.t, f.v1.t, f.v2.t) if n else None
+        n, m = len(f), len(pos)
+        if n:       # views of the first n rows (an append writes after them or into a new buffer: they stay valid)
+            old_k2, old_v2, old_pos = f.k2.t, f.v2.t, f.pos
         f.append(k1, k2, v1, v2, pos)
-        all_pos = f.pos
-        # (every a, new b): a runs over old and new tokens
+        # (every a, new b): a runs over the old and the new tokens, (n + m) * m rows
         self.kt.append(kron_rows(f.k1.t, k2))
         self.vt.append(kron_rows(f.v1.t, v2))
-        self._pos_a.append(all_pos.repeat_interleave(len(pos)))
-        self._pos_b.append(pos.repeat(len(all_pos)))
-        if old is not None:                                   # (new a, old b)
-            self.kt.append(kron_rows(k1, old[1]))
-            self.vt.append(kron_rows(v1, old[3]))
-            old_pos = all_pos[:n]
+        self._pos_a.append(f.pos.repeat_interleave(m))
+        self._pos_b.append(pos.repeat(n + m))
+        if n:                                                     # (new a, old b): m * n rows
+            self.kt.append(kron_rows(k1, old_k2))
+            self.vt.append(kron_rows(v1, old_v2))
             self._pos_a.append(pos.repeat_interleave(n))
-            self._pos_b.append(old_pos.repeat(len(pos)))
+            self._pos_b.append(old_pos.repeat(m))
 
     def pair_pos(self) -> tuple[Tensor, Tensor]:
         """Token positions (a, b) of every pair row, (n^2,) each."""
-        return torch.cat(self._pos_a), torch.cat(self._pos_b)
+        return self._pos_a.t, self._pos_b.t
 
     def attend(self, q: Tensor, q_pos: Tensor) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
-        pa, pb = self.pair_pos()
         allowed = None
-        if q.shape[2] > 1 or int(torch.maximum(pa, pb).max()) > int(q_pos.max()):
+        if q.shape[2] > 1 or self.factors.last > int(q_pos.max()):      # a decode step: no mask
+            pa, pb = self.pair_pos()
             allowed = torch.maximum(pa, pb)[None, :] <= q_pos[:, None]           # (Tq, n^2)
         return two_cache_attention(q, self.kt.t, self.vt.t, scale, allowed)
 
@@ -285,6 +297,11 @@ class TwoCache:
 
     def nbytes(self) -> int:
         return self.pair_nbytes() + self.factor_nbytes()
+
+    def pos_nbytes(self) -> int:
+        """Bytes of the positions: (a, b) of every pair row and the tokens' own (bookkeeping, not counted in
+        ``nbytes``; 16 n^2 bytes per layer in int64 next to the pairs' 8 n^2 d per head in fp32)."""
+        return self._pos_a.nbytes() + self._pos_b.nbytes() + self.factors.pos_nbytes()
 
     def state_nbytes(self) -> int:
         return 0

@@ -82,8 +82,16 @@ def test_causal_path_matches_per_query_reference_and_chunks():
         ref = four_cache_attention(q[:, :, t:t + 1], k1[:, :, :t + 1], k2[:, :, :t + 1], v1[:, :, :t + 1],
                                    v2[:, :, :t + 1], 0.5)
         torch.testing.assert_close(out[:, :, t:t + 1], ref, rtol=0, atol=1e-12)
-    small = causal_tensor_attention(q, k1, k2, v1, v2, max_elements=64)          # one query per chunk
+    small = causal_tensor_attention(q, k1, k2, v1, v2, max_elements=64)          # 2 queries, then 1 per chunk
     torch.testing.assert_close(small, out, rtol=0, atol=1e-12)
+
+
+def test_causal_path_chunks_that_start_mid_sequence():
+    g = torch.Generator().manual_seed(6)
+    q, k1, k2, v1, v2 = (torch.randn(1, 2, 23, 4, generator=g, dtype=torch.float64) for _ in range(5))
+    whole = causal_tensor_attention(q, k1, k2, v1, v2, max_elements=1 << 30)     # one chunk
+    chunked = causal_tensor_attention(q, k1, k2, v1, v2, max_elements=2000)     # several queries per chunk
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -119,8 +127,8 @@ def test_cached_decoding_fp64_tight():
         full = model(x)
         for layout in LAYOUTS:
             cache = tensor_cache(model.config, layout)
-            steps = [prefill(model, x[:, :5], cache)] + [decode_step(model, x[:, t:t + 1], cache)[:, None]
-                                                          for t in range(5, 15)]
+            steps = [prefill(model, x[:, :5], cache), extend(model, x[:, 5:9], cache)]
+            steps += [decode_step(model, x[:, t:t + 1], cache)[:, None] for t in range(9, 15)]
             torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
 
 
@@ -201,6 +209,10 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="tensor-attention models"):
         tensor_cache(preset("TINY_GPT2"), "two")
     from methods import make_policy
+    from methods.tensor_attention import TensorAttention
+    from nanollm.policy import Needs
+    with pytest.raises(ValueError, match="does not report attention statistics"):
+        TensorAttention.attend_entries(torch.zeros(1, 4, 1, 16), FourCache(), torch.tensor([0]), Needs(rows=1))
     model = tensor_model()
     with pytest.raises(ValueError, match="no eviction policy"):
         prefill(model, torch.zeros(1, 4, dtype=torch.long), KVCache(cfg, make_policy("full", 8)))

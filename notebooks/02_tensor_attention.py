@@ -1,0 +1,331 @@
+# %% [markdown]
+# # 02 Tensor attention: a four-matrix or a two-matrix KV cache
+#
+# Chen, Li, Liang, Shi et al., "Time and Memory Trade-off of KV-Cache Compression in Tensor Transformer
+# Decoding", 2025, [arXiv 2503.11108](https://arxiv.org/abs/2503.11108). Tensor attention itself comes from Sanford, Hsu &
+# Telgarsky (NeurIPS 2023, [arXiv 2306.02896](https://arxiv.org/abs/2306.02896)) and Alman & Song (ICLR
+# 2024, [arXiv 2310.04064](https://arxiv.org/abs/2310.04064)).
+#
+# A standard attention query scores single tokens. A **tensor attention** query scores *pairs* of tokens:
+# each token has two keys and two values, the query at step t scores the pair (a, b) with
+# `<q_t, k1_a * k2_b>`, a softmax runs over all t^2 pairs, and the output mixes `v1_a * v2_b`. Decoding
+# needs a cache, and there are two ways to keep it:
+#
+# * **four matrices** `K1, K2, V1, V2` (4 n d numbers), the pairs formed when needed;
+# * **two matrices** `K~ = K1 (/) K2`, `V~ = V1 (/) V2` holding every pair row (2 n^2 d numbers).
+#
+# The paper proves memory lower bounds for both when d >= C log n (Omega(n d) bits given four matrices,
+# Omega(n^2 d) bits given two, Theorems 4.1/4.2; the second is about arbitrary pair rows, not rows built
+# from n tokens' factors) and says the two-matrix cache is faster by Omega(n^2 d) per step (Theorem 4.3).
+#
+# **You will learn**
+#
+# 1. the definitions, and that three ways of computing one decode step agree (and reduce to ordinary
+#    attention when `k2 = v2 = 1`);
+# 2. a tensor-attention decoder: the same nanollm model, another attention module, three cache layouts;
+# 3. the trade-off measured: memory grows like n vs n^2, but time per step like n^2 for *every* path,
+#    so the claimed speed gap only holds against a four-matrix cache that rebuilds the pairs each step;
+# 4. a task where pairs matter (Match3): a trained tensor model vs a standard one of the same size;
+# 5. the memory lower bound in a small experiment (the Index problem);
+# 6. SubGen-style clustering and sampling as an approximate cache: error vs memory.
+#
+# Code: `methods/tensor_attention.py` (the module and the caches), `methods/tensor_bench.py` (the
+# measurement), `methods/match3.py` (task, training, checkpoints), `methods/index_problem.py`,
+# `methods/subgen.py`. This notebook only imports them.
+
+# %%
+import os
+import sys
+
+TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
+if not os.path.isdir("methods") and os.path.isdir(os.path.join("..", "methods")):
+    sys.path.insert(0, os.path.abspath(".."))      # opened from notebooks/: make the repo importable
+
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+from methods import match3
+from methods.tensor_attention import (LAYOUTS, TENSOR_ATTENTION, four_cache_attention, kron_rows,
+                                      naive_four_cache_attention, tensor_cache, two_cache_attention)
+from methods.tensor_bench import measure, table
+from nanollm import generate
+from nanollm.attention import attend
+from nanollm.config import preset
+from nanollm.generation import decode_step, extend, prefill
+from nanollm.model import Transformer
+
+torch.set_num_threads(1)                           # tiny tensors: one thread is fastest and least noisy
+LENGTHS = [16, 32, 64, 128] if TINY else [32, 64, 128, 256, 512, 1024]   # section 3
+EVAL_SEQUENCES = 200 if TINY else 2000             # section 4
+print(f"tiny mode: {TINY}")
+
+# %% [markdown]
+# ## 1. One decode step, three ways
+#
+# Column-wise Kronecker product (Definition 3.1): `kron_rows(K1, K2)` has one row per pair (a, b), equal to
+# `K1[a] * K2[b]`. One decode step with query `q` over n cached tokens:
+#
+# * **naive four-matrix**: build `K1 (/) K2` and `V1 (/) V2` (n^2 rows each), then ordinary attention over
+#   the pair rows. This is what Theorem 4.3 charges the four-matrix cache at every step.
+# * **factored four-matrix**: `S = (K1 * q) @ K2^T` is the n x n score matrix, and
+#   `o = sum_a V1[a] * (P @ V2)[a]`; nothing of size n^2 d is ever formed.
+# * **two-matrix**: the pair rows are already stored; ordinary attention over them.
+
+# %%
+g = torch.Generator().manual_seed(0)
+n, d = 50, 16
+K1, K2, V1, V2 = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) for _ in range(4))
+q = torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64)
+scale = 1 / math.sqrt(d)
+naive = naive_four_cache_attention(q, K1, K2, V1, V2, scale)
+factored = four_cache_attention(q, K1, K2, V1, V2, scale)
+two = two_cache_attention(q, kron_rows(K1, K2), kron_rows(V1, V2), scale)
+print(f"fp64, n = {n}: |naive - factored| = {(naive - factored).abs().max():.1e}, "
+      f"|two - factored| = {(two - factored).abs().max():.1e}")
+
+ones = torch.ones_like(K2)
+standard, _, _ = attend(q, K1, V1, torch.tensor([n - 1]), torch.arange(n).expand(1, 1, n))
+print(f"k2 = v2 = 1: |tensor attention - nanollm's standard attention| = "
+      f"{(four_cache_attention(q, K1, ones, V1, ones, scale) - standard).abs().max():.1e}")
+
+# %% [markdown]
+# Why the ones reduce it: with `k2_b = 1` every pair (a, b) scores `<q, k1_a>`, so the softmax over the
+# n^2 pairs is the ordinary softmax over a, spread evenly over b; with `v2_b = 1` the output is
+# `sum_a p_a v1_a`. The module uses this: its second key and value are `1 + projection(x)`, so a freshly
+# initialised layer (projections near zero) starts as ordinary attention and learns to use pairs.
+
+# %% [markdown]
+# ## 2. A tensor-attention decoder
+#
+# The module plugs into the nanollm decoder through `ModelConfig.attention`; norms, MLP, embeddings and
+# generation are the same code as for every other model in this repository. Rotary embeddings do not give
+# pair scores that depend only on distances (`<R_t q, R_a k1 * k2_b>` is not a function of `t - a`), so the
+# tensor model uses learned absolute positions (the GPT-2 flavour). The cache layout is chosen per cache:
+# `tensor_cache(config, "four" | "four-naive" | "two")`.
+
+# %%
+config = preset("TINY_GPT2", attention=TENSOR_ATTENTION, max_seq_len=64)
+torch.manual_seed(0)
+model = Transformer(config).eval()
+with torch.no_grad():                              # random weights larger than the init: pairs matter
+    for p in model.parameters():
+        p.normal_(0, 0.3)
+x = torch.randint(0, config.vocab_size, (1, 40), generator=g)
+with torch.no_grad():
+    full = model(x)                                # the training path: all queries at once, causal pairs
+    for layout in LAYOUTS:
+        cache = tensor_cache(config, layout)
+        steps = [prefill(model, x[:, :20], cache), extend(model, x[:, 20:30], cache)]
+        steps += [decode_step(model, x[:, t:t + 1], cache)[:, None] for t in range(30, 40)]
+        diff = (torch.cat(steps, 1) - full).abs().max().item()
+        print(f"{layout:>10}: cached prefill + extend + decode vs uncached forward: max |diff| {diff:.1e}; "
+              f"stored {cache.nbytes() / 1024:.0f} KiB")
+    tokens = [generate(model, x[:, :10], 12, cache=tensor_cache(config, layout)) for layout in LAYOUTS]
+print("greedy tokens identical for every layout:", all(torch.equal(t, tokens[0]) for t in tokens))
+
+# %% [markdown]
+# ## 3. The trade-off, measured
+#
+# One layer (4 heads x 16 dims, fp32) filled with i random tokens, then decode steps (append the new
+# token's rows, attend with its query) on each path. Left: stored bytes. Right: time per step, the median
+# of 7 steps, slopes fitted over the longer half of the lengths.
+
+# %%
+r = measure(LENGTHS)
+print(table(r))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+for k, style in (("four", "o-"), ("two", "s-")):
+    ax1.loglog(r["lengths"], [b / 2**20 for b in r[k]["bytes"]], style,
+               label=f"{k}-matrix (slope {r[k]['bytes_slope']:.2f})")
+ax1.set(xlabel="tokens i", ylabel="stored MiB (one layer)", title="memory: 4 i d  vs  2 i^2 d + 4 i d")
+for k, style in (("four-naive", "^-"), ("four", "o-"), ("two", "s-")):
+    ax2.loglog(r["lengths"], r[k]["ms"], style, label=f"{k} (slope {r[k]['time_slope']:.2f})")
+ax2.set(xlabel="tokens i", ylabel="ms per decode step", title="time per decode step")
+for ax in (ax1, ax2):
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+fig.tight_layout()
+plt.show()
+last = -1
+print(f"at i = {r['lengths'][last]}: two-matrix cache {r['two']['bytes'][last] / r['four']['bytes'][last]:.0f}x "
+      f"the bytes of the four-matrix cache; naive four / two = "
+      f"{r['four-naive']['ms'][last] / r['two']['ms'][last]:.1f}x the time, factored four / two = "
+      f"{r['four']['ms'][last] / r['two']['ms'][last]:.2f}x")
+
+# %% [markdown]
+# What the measurement says. The timings move from run to run (page faults on fresh buffers, a shared CPU),
+# so here are the ranges over four runs of `python -m methods.tensor_bench` on the same machine, 1 thread
+# (this notebook's own run above is one more draw):
+#
+# * **Memory**: slope 1.00 for the four-matrix cache and 1.98 for the two-matrix one (its 4 i d of factors
+#   bend the line just below 2). At 1024 tokens the two-matrix cache is 513x larger: (2 i^2 + 4 i) d
+#   against 4 i d.
+# * **Time**: every path grows like i^2 (fitted slopes 1.6-2.5 over 256-1024 tokens, noisy but all near
+#   2): no layout escapes the i^2 d arithmetic of scoring every pair.
+# * **Theorem 4.3 holds against the naive path only**: rebuilding both Kronecker products every step is
+#   6-11x slower than the two-matrix cache at 512-1024 tokens, and the gap itself grows with slope 1.9-2.1,
+#   the Omega(n^2 d) of the theorem.
+# * **The factored four-matrix path is the fastest of the three**: 0.2-0.8x the two-matrix path's time at
+#   256-1024 tokens in every run. Both do about 2 i^2 d multiply-adds per head, but the two-matrix path
+#   streams 2 i^2 d stored floats from memory at every step (512 MiB at 1024 tokens), while the factored
+#   path reads 4 i d and works on an i x i score matrix per head. On this CPU the trade-off "less memory,
+#   more time" does not exist: the four-matrix cache wins on both. (A GPU has other constants; not
+#   measured here.)
+
+# %% [markdown]
+# ## 4. Where pairs matter: Match3
+#
+# Sanford et al. (§4) prove that Match3, "does some pair of numbers complete this one to 0 mod M?", needs a
+# large standard attention layer, while one tensor head computes it. `methods/match3.py` makes it causal
+# and dense: `BOS x_1 L_1 x_2 L_2 ...`, where `L_i` says whether `x_a + x_b + x_i = 0 (mod 32)` for some
+# `a <= b <= i`. Two bundled models, trained with the same budget (3000 steps of 128 sequences) by
+# `python -m methods.match3 train --attention tensor|standard`: a tensor-attention decoder and a standard
+# one with the same number of parameters (its MLP is wider by the two extra projections' worth). Same
+# parameters and steps, not the same compute: a tensor layer costs O(T^3) per sequence, a standard one
+# O(T^2). One seed each, and a learning rate tuned for neither. Sanford et al.'s lower bound is for a single
+# standard layer; this baseline has two layers and MLPs, so the comparison tests more than the theorem.
+
+# %%
+tensor_model, tensor_card = match3.load("match3-tensor")
+standard_model, standard_card = match3.load("match3-standard")
+baseline = match3.majority_baseline()
+for name, m, card in (("tensor", tensor_model, tensor_card), ("standard", standard_model, standard_card)):
+    r4 = match3.evaluate(m, n_seq=EVAL_SEQUENCES)
+    print(f"{name:>8} attention, {m.num_params():,} parameters: label accuracy {r4['accuracy']:.3f} "
+          f"(teacher-forced), {r4['greedy_accuracy']:.3f} (greedy, reading its own labels); "
+          f"majority-per-position baseline {baseline:.3f}; card: {card['accuracy']:.3f}")
+
+# %% [markdown]
+# Accuracy by position: early positions are easy (few pairs: mostly NO), late ones too (many pairs: mostly
+# YES); the middle is where a model must actually find the pair.
+
+# %%
+ids, targets = match3.batch(EVAL_SEQUENCES, match3.N_NUMBERS, seed=10**6)
+fig, ax = plt.subplots(figsize=(7, 3.5))
+truth = ids[:, 2::2]
+yes = (truth == match3.YES).float().mean(0)
+ax.plot(range(1, match3.N_NUMBERS + 1), torch.maximum(yes, 1 - yes), "k--", label="majority per position")
+for name, m in (("tensor", tensor_model), ("standard", standard_model)):
+    with torch.no_grad():
+        pred = m(ids).argmax(-1)[:, 1::2]
+    ax.plot(range(1, match3.N_NUMBERS + 1), (pred == truth).float().mean(0), "o-", label=f"{name} attention")
+ax.set(xlabel="position i of the number", ylabel="label accuracy", title="Match3 (mod 32), by position")
+ax.legend()
+ax.grid(alpha=0.3)
+plt.show()
+
+# %% [markdown]
+# Greedy decoding through each cache layout gives the same labels (the three paths compute the same
+# numbers, up to float rounding that never flips an argmax here):
+
+# %%
+xs = torch.tensor([match3.random_numbers(match3.N_NUMBERS, __import__("random").Random(s)) for s in range(64)])
+decoded = {layout: match3.greedy_labels(tensor_model, xs, layout) for layout in LAYOUTS}
+print("identical labels for every layout:", all(torch.equal(v, decoded["four"]) for v in decoded.values()))
+example = xs[0].tolist()
+print("numbers:", example)
+print("truth:  ", ["Y" if t == match3.YES else "n" for t in match3.labels(example)])
+print("decoded:", ["Y" if t == match3.YES else "n" for t in decoded["two"][0].tolist()])
+
+# %% [markdown]
+# The bundled models (2000 fresh sequences, `python -m methods.match3 eval match3-tensor match3-standard`):
+# tensor attention 0.944, standard attention 0.874, the majority baseline 0.766. The gap is in the middle
+# positions, where the majority guess is a coin flip: at position 6 the tensor model is right 92% of the
+# time and the standard one 81%, at position 7 91% vs 74%. The standard model is far above the baseline
+# too (two layers and MLPs can check a few pairs), but it stops improving at about 0.87 from step 1800 on
+# (its card), while the tensor model is still climbing at the end of the budget (0.946 at step 3000). Both
+# are single runs with one seed; the training curves are in the cards
+# (`methods/checkpoints/match3-*/README.md`).
+
+# %% [markdown]
+# ## 5. The memory lower bound, run: the Index problem
+#
+# Theorem 4.1 says an exact four-matrix cache needs Omega(n d) bits. The proof is a reduction from the
+# Index problem (Lemma 3.11): Alice holds n bits, writes a cache from them; Bob, given any index j, builds
+# a query and reads x_j off one attention output. Then the cache is a message that tells Bob every bit, so
+# it holds at least n bits. `methods/index_problem.py` builds such a cache (random +-1 keys, the pair
+# (j, j) wins Bob's softmax, the bits sit in V1) and compresses it two ways: keep k of the n token rows, or
+# let groups of g tokens share one majority sign. Bob's accuracy against the bits the cache keeps, with the
+# information limit from Fano's inequality (no s-bit cache can be right on more than this fraction):
+
+# %%
+from methods.index_problem import accuracy_vs_bits, fano_accuracy, make_instance, retrieve
+
+inst = make_instance(128, seed=0)
+print(f"n = 128, d = {inst.d}: the full cache gives back every bit: "
+      f"{bool((retrieve(inst) == inst.x).all())}")
+rows5 = accuracy_vs_bits(n=128, trials=1 if TINY else 4)
+fig, ax = plt.subplots(figsize=(7, 4))
+N = rows5[0]["info_bits"]
+s_grid = [N * i / 100 for i in range(101)]
+ax.plot(s_grid, [fano_accuracy(s, N) for s in s_grid], "k-", label="Fano limit: most any s-bit cache allows")
+ax.plot(s_grid, [0.5 + s / (2 * N) for s in s_grid], "k:", label="store s bits verbatim, guess the rest")
+for scheme, style in (("rows", "o"), ("majority", "s")):
+    pts = [r for r in rows5 if r["scheme"] == scheme]
+    ax.plot([r["bits"] for r in pts], [r["accuracy"] for r in pts], style,
+            label={"rows": "keep k of n token rows", "majority": "groups share a majority sign"}[scheme])
+ax.set(xlabel="bits of x the cache keeps (s)", ylabel="Bob's accuracy over the n bits",
+       title="Index problem on a tensor-attention cache, n = 128")
+ax.legend(fontsize=8)
+ax.grid(alpha=0.3)
+plt.show()
+for r in rows5:
+    print(f"{r['scheme']:>8} {r['param']:>6}: {r['bits']:>4} bits -> accuracy {r['accuracy']:.3f} "
+          f"(expected {r['expected']:.3f}, Fano limit {r['fano']:.3f})")
+
+# %% [markdown]
+# Both compressed caches stay under the limit (within sampling noise: at s = 0 and s = N the expected
+# accuracy *is* the limit, so a measured mean can sit a hair above it), and the limit is a straight consequence of counting: to be
+# right on a fraction p of the n bits a cache needs at least n (1 - H(p)) bits, linear in n. This is an
+# illustration of the theorem, not a proof of it (the proof must handle any cache, any query scheme); and
+# it shows the four-matrix side only. The two-matrix bound (Omega(n^2 d), Theorem 4.2) is about caches that
+# must answer for arbitrary pair rows, which a cache made of n token factors never stores.
+
+# %% [markdown]
+# ## 6. SubGen: an approximate cache when the keys cluster
+#
+# The lower bounds are for worst-case keys. When keys cluster, SubGen (Zandieh et al. 2024,
+# [arXiv 2402.06082](https://arxiv.org/abs/2402.06082); used for tensor attention in §5.1 of the paper,
+# SubGen4Cache / SubGen2Cache) keeps a few sampled keys per cluster to estimate the softmax normaliser and
+# a norm-weighted sample of values for the numerator. `methods/subgen.py` streams a tensor cache's pair
+# rows through such a sketch; error against the exact output vs the bytes the sketch keeps:
+
+# %%
+from methods.subgen import error_vs_memory
+
+rows6 = error_vs_memory(n=24 if TINY else 32, seeds=1 if TINY else 4)
+fig, ax = plt.subplots(figsize=(7, 4))
+ax.loglog([r["stored_bytes"] for r in rows6], [r["rel_error"] for r in rows6], "o-", label="||o_hat - o|| / ||o||")
+ax.loglog([r["stored_bytes"] for r in rows6], [r["bound_error"] for r in rows6], "s-",
+          label="error / (||softmax||_2 ||V~||_op): what the guarantee bounds")
+ax.axvline(rows6[0]["two_cache_bytes"], color="r", ls="--", label="two-matrix cache (exact)")
+ax.axvline(rows6[0]["four_cache_bytes"], color="g", ls="--", label="four-matrix cache (exact)")
+ax.set(xlabel="bytes kept", ylabel="error", title="SubGen over the pair rows: error vs memory")
+ax.legend(fontsize=8)
+ax.grid(True, which="both", alpha=0.3)
+plt.show()
+for r in rows6:
+    print(f"per cluster {r['per_cluster']:>3}, value samples {r['value_samples']:>4}: {r['n_clusters']} clusters, "
+          f"{r['stored_bytes']:>7,} bytes, relative error {r['rel_error']:.3f}")
+
+# %% [markdown]
+# The sketch trades error for memory smoothly, and against the two-matrix cache it saves a lot. But look
+# at the green line: the exact four-matrix cache is smaller than every useful sketch here. Sketching the
+# n^2 pair rows only pays when the alternative is storing them; the four factor matrices already give the
+# exact answer from O(n d) numbers (and a decoder that keeps generating needs them anyway, to make the
+# next token's pairs).
+
+# %% [markdown]
+# ## 7. Try it
+#
+# 1. Time a decode step with the naive path at i = 1024 and count its bytes moved: it builds two n^2 d
+#    matrices per step. Is it memory-bound? Compare with the two-matrix path, which *reads* as many bytes.
+# 2. Token eviction on a four-matrix cache removes whole rows *and columns* of the score matrix S; the
+#    two-matrix cache can drop single pairs. Write a pair-level "heavy hitter" policy for `TwoCache` (keep
+#    the pairs with the largest accumulated attention) and compare its error with token eviction at the
+#    same number of stored bytes.
+# 3. Train `python -m methods.match3 train --attention standard --steps 10000 --out runs/m3-long`: does a
+#    longer budget let standard attention catch up at this size? What about `n_layer=4`?
+# 4. Change the modulus `M` in `methods/match3.py` to 64: which model degrades first?
