@@ -156,8 +156,8 @@ print(f"at i = {r['lengths'][last]}: two-matrix cache {r['two']['bytes'][last] /
 
 # %% [markdown]
 # What the measurement says. The timings move from run to run (page faults on fresh buffers, a shared CPU),
-# so here are the ranges over four runs of `python -m methods.tensor_bench` on the same machine, 1 thread
-# (this notebook's own run above is one more draw):
+# so here are the ranges over six runs on the same machine, 1 thread (`python -m methods.tensor_bench` and
+# this notebook; the run above is one more draw, and may land a little outside them):
 #
 # * **Memory**: slope 1.00 for the four-matrix cache and 1.98 for the two-matrix one (its 4 i d of factors
 #   bend the line just below 2). At 1024 tokens the two-matrix cache is 513x larger: (2 i^2 + 4 i) d
@@ -165,7 +165,7 @@ print(f"at i = {r['lengths'][last]}: two-matrix cache {r['two']['bytes'][last] /
 # * **Time**: every path grows like i^2 (fitted slopes 1.6-2.5 over 256-1024 tokens, noisy but all near
 #   2): no layout escapes the i^2 d arithmetic of scoring every pair.
 # * **Theorem 4.3 holds against the naive path only**: rebuilding both Kronecker products every step is
-#   6-11x slower than the two-matrix cache at 512-1024 tokens, and the gap itself grows with slope 1.9-2.1,
+#   6-12x slower than the two-matrix cache at 512-1024 tokens, and the gap itself grows with slope 1.7-2.1,
 #   the Omega(n^2 d) of the theorem.
 # * **The factored four-matrix path is the fastest of the three**: 0.2-0.8x the two-matrix path's time at
 #   256-1024 tokens in every run. Both do about 2 i^2 d multiply-adds per head, but the two-matrix path
@@ -312,7 +312,8 @@ for r in rows6:
 
 # %% [markdown]
 # The sketch trades error for memory smoothly, and against the two-matrix cache it saves a lot. But look
-# at the green line: the exact four-matrix cache is smaller than every useful sketch here. Sketching the
+# at the green line: every sketch smaller than the exact four-matrix cache errs by a third or more here
+# (relative error 0.33 at 3.8 KB against 8 KB for the exact answer). Sketching the
 # n^2 pair rows only pays when the alternative is storing them; the four factor matrices already give the
 # exact answer from O(n d) numbers (and a decoder that keeps generating needs them anyway, to make the
 # next token's pairs).
