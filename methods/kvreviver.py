@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+import kernels
 from nanollm.policy import CachePolicy, Needs, StepContext, check_budget, check_int
 from nanollm.storage import LayerKV, gather_slots
 
@@ -114,6 +115,10 @@ class VagueSketch:
         """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
         subtract)."""
         n = pos.shape[0]
+        if kernels.serves(self.key):            # a GPU with Triton: atomic adds (kernels/count_sketch.py)
+            from kernels.count_sketch import sketch_insert_triton
+            return sketch_insert_triton(self.key, self.value, self.buckets(pos).int(), self.signs(pos),
+                                        sign * k.float(), sign * v.float())
         k_rows = k.float().unsqueeze(0).expand(self.rows, n, *k.shape[1:])              # (r, n, H_kv, d)
         v_rows = v.float().unsqueeze(0) * self.signs(pos)[..., None, None]             # g_i(J) v_J
         flat = (-1, *self.key.shape[2:])
@@ -122,6 +127,9 @@ class VagueSketch:
 
     def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows."""
+        if kernels.serves(self.key) and self.rows <= 16:     # a GPU with Triton: gather + median in-kernel
+            from kernels.count_sketch import sketch_query_triton
+            return sketch_query_triton(self.key, self.value, self.buckets(pos).int(), self.signs(pos))
         shape = (self.rows, pos.shape[0], *self.key.shape[2:])
         flat = (-1, *self.key.shape[2:])
         k = self.key.view(flat).index_select(0, self._cells(pos)).view(shape)

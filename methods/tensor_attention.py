@@ -64,6 +64,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import kernels
 from nanollm.cache import KVCache
 from nanollm.config import ModelConfig
 from nanollm.policy import Needs
@@ -218,6 +219,9 @@ class FourCache:
         if q.shape[2] > 1 or self.last > int(q_pos.max()):    # a decode step sees every stored token: no mask
             seen = self.pos[None, :] <= q_pos[:, None]                            # (Tq, n)
             allowed = seen[:, :, None] & seen[:, None, :]                         # (Tq, n, n)
+        if allowed is None and not self.naive and kernels.serves(q):   # a GPU with Triton: tiles, online softmax
+            from kernels.tensor_decode import tensor_decode_triton
+            return tensor_decode_triton(q[:, :, 0], *factors, scale).unsqueeze(2)
         attend = naive_four_cache_attention if self.naive else four_cache_attention
         return attend(q, *factors, scale, allowed)
 

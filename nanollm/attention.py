@@ -154,6 +154,15 @@ def queries_per_chunk(B: int, H: int, Tk: int, chunk: int | None) -> int:
     return chunk if chunk is not None else max(1, SCORE_ELEMENTS // max(1, B * H * Tk))
 
 
+def kernel_serves(t: Tensor) -> bool:
+    """Whether a Triton kernel of ``kernels/`` takes this call (CUDA and Triton; see ``kernels.serves``).
+    Imported lazily: nanollm runs without the kernels package's Triton."""
+    if not t.is_cuda:
+        return False
+    import kernels
+    return kernels.serves(t)
+
+
 def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tuple[Tensor, Tensor | None,
                                                                                   Tensor | None]:
     """One query per row over entries it may all see (a decode step on dense storage): no mask.
@@ -163,6 +172,9 @@ def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tupl
     """
     B, H, _, d = q.shape
     H_kv, Tk = k.shape[1], k.shape[2]
+    if needs == Needs() and d >= 16 and d & (d - 1) == 0 and kernel_serves(q):   # a GPU with Triton:
+        from kernels.decode_attention import decode_attention_triton          # the split-K kernel (kernels/)
+        return decode_attention_triton(q[:, :, 0], k, v).unsqueeze(2), None, None
     qg = q.view(B, H_kv, H // H_kv, d) / math.sqrt(d)                   # (B, H_kv, G, d): G query rows
     probs = torch.softmax(qg @ k.transpose(-1, -2), dim=-1)             # (B, H_kv, G, Tk)
     out = (probs @ v).view(B, H, 1, d)                                  # (B, H, 1, d)

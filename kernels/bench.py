@@ -1,0 +1,267 @@
+"""
+Benchmark the kernels against their PyTorch references, side by side in one run: ``python -m kernels.bench``.
+
+For every case: the time of our Triton kernel, of the PyTorch reference (and of
+``scaled_dot_product_attention`` for dense decode), the bytes the step must move at least (each input read
+once, the output written once), the achieved bandwidth, and its fraction of the device's bandwidth
+*measured in the same run* (a device-to-device copy of 1 GiB). Times are ``triton.testing.do_bench``
+medians on a GPU. On a CPU the kernels only run in Triton's interpreter, which is for correctness, not
+speed: the command says so and times the references alone (``--quick`` shrinks the shapes).
+
+The cases and the targets they check (ratios, all measured in this one run):
+
+    dense      full-cache split decode, batch 8 x 32k and batch 1 x 128k, 8 KV heads x 128 dims, bf16:
+               >= 75% of the copy bandwidth at 8 x 32k; not slower than SDPA at 1 x 128k
+    selected   keep ratio 0.1 of 32k, per-head indices: >= 6x faster than the full-cache kernel, within
+               1.3x of the kernel over a compacted cache of the same size
+    sketch     KVReviver's fused rebuild-then-attend at a 25% raw budget: >= 0.67x the speed of dense
+               decode over all tokens, >= 5x faster than rebuilding in PyTorch then attending
+    tensor     factored tensor decode at i = 1024: >= 10x faster and 20x less peak memory than the
+               materialising reference
+
+    python -m kernels.bench --json results/kernels_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from nanollm import cli
+
+from . import HAS_TRITON
+from .decode_attention import (decode_attention_triton, reference_decode_attention,
+                               reference_selected_decode_attention, selected_decode_attention_triton)
+
+
+def timer(device: str):
+    """Median milliseconds of a function: ``do_bench`` on a GPU, interleaved perf_counter repeats on CPU."""
+    if device == "cuda":
+        import triton.testing
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def cpu(fn, repeats: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    return cpu
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Measured bytes/s of a device-to-device copy (read + write), the practical ceiling of a memory-bound
+    kernel on this device."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    ms = timer(device)(lambda: y.copy_(x))
+    return 2 * x.nbytes / (ms / 1e3)
+
+
+def row(name: str, nbytes: int, times: dict, bandwidth: float, **extra) -> dict:
+    out = {"case": name, "bytes": nbytes, "ms": times, **extra}
+    out["GB/s"] = {k: nbytes / (ms / 1e3) / 1e9 for k, ms in times.items()}
+    out["fraction_of_copy_bw"] = {k: nbytes / (ms / 1e3) / bandwidth for k, ms in times.items()}
+    return out
+
+
+def kv(B, H, H_kv, S, d, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, H, d, generator=g, device=device, dtype=dtype)
+    k = torch.randn(B, H_kv, S, d, generator=g, device=device, dtype=dtype)
+    v = torch.randn(B, H_kv, S, d, generator=g, device=device, dtype=dtype)
+    return q, k, v
+
+
+def dense_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float, dtype) -> list[dict]:
+    rows = []
+    H, H_kv, d = 32, 8, 128
+    shapes = [(8, 32768), (1, 131072)] if not quick else [(2, 1024), (1, 4096)]
+    bench = timer(device)
+    for B, S in shapes:
+        q, k, v = kv(B, H, H_kv, S, d, dtype, device)
+        nbytes = k.nbytes + v.nbytes + 2 * q.nbytes
+        times = {"reference": bench(lambda: reference_decode_attention(q, k, v))}
+        qs = q[:, :, None]
+        times["sdpa"] = bench(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+        if kernels_on:
+            times["triton"] = bench(lambda: decode_attention_triton(q, k, v))
+        rows.append(row(f"dense B={B} S={S}", nbytes, times, bandwidth, B=B, S=S, H=H, H_kv=H_kv, d=d))
+    return rows
+
+
+def selected_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float, dtype) -> list[dict]:
+    B, H, H_kv, d = (8, 32, 8, 128) if not quick else (2, 32, 8, 128)
+    S = 32768 if not quick else 2048
+    K = S // 10
+    q, k, v = kv(B, H, H_kv, S, d, dtype, device)
+    g = torch.Generator(device=device).manual_seed(1)
+    idx = torch.rand(B, H_kv, S, generator=g, device=device).topk(K, dim=-1).indices.sort(-1).values
+    rows_ = idx[..., None].expand(-1, -1, -1, d)
+    kc, vc = k.gather(2, rows_).contiguous(), v.gather(2, rows_).contiguous()       # a compacted cache
+    bench = timer(device)
+    nbytes = kc.nbytes + vc.nbytes + idx.shape[-1] * B * H_kv * 4 + 2 * q.nbytes
+    times = {"reference": bench(lambda: reference_selected_decode_attention(q, k, v, idx))}
+    full, compact = {}, {}
+    if kernels_on:
+        times["triton"] = bench(lambda: selected_decode_attention_triton(q, k, v, idx))
+        full["triton"] = bench(lambda: decode_attention_triton(q, k, v))
+        compact["triton"] = bench(lambda: decode_attention_triton(q, kc, vc))
+    return [row(f"selected keep 0.1 B={B} S={S}", nbytes, times, bandwidth, B=B, S=S, K=K,
+                full_cache_ms=full, compacted_ms=compact)]
+
+
+def sketch_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float, dtype) -> list[dict]:
+    """KVReviver at a 25% budget of S tokens (batch 1): 90% of the budget raw, 10% sketch cells (3 rows),
+    every other token rebuilt from the sketch inside the kernel; against dense decode over all S tokens and
+    against rebuilding in PyTorch then attending."""
+    from .count_sketch import reference_sketch_decode_attention, sketch_decode_attention_triton
+    H, H_kv, d, r = 32, 8, 128, 3
+    S = 32768 if not quick else 2048
+    budget = S // 4
+    n_raw, width = int(0.9 * budget), max(1, int(0.1 * budget) // r)
+    n_v = S - n_raw
+    q, k, v = kv(1, H, H_kv, S, d, dtype, device)
+    k_raw, v_raw = k[0, :, :n_raw], v[0, :, :n_raw]                                  # (H_kv, n_raw, d)
+    g = torch.Generator(device=device).manual_seed(2)
+    key = torch.randn(r, width, H_kv, d, generator=g, device=device)
+    value = torch.randn(r, width, H_kv, d, generator=g, device=device)
+    cells = torch.randint(0, width, (r, n_v), generator=g, device=device, dtype=torch.int32)
+    signs = torch.randint(0, 2, (r, n_v), generator=g, device=device).float() * 2 - 1
+    scale = d ** -0.5
+    bench = timer(device)
+    nbytes = k_raw.nbytes + v_raw.nbytes + key.nbytes + value.nbytes + cells.nbytes + signs.nbytes + 2 * q[0].nbytes
+    times = {"reference": bench(lambda: reference_sketch_decode_attention(q[0], k_raw, v_raw, key, value, cells,
+                                                                          signs, scale))}
+    dense, found = {}, {}
+    if kernels_on:
+        times["triton"] = bench(lambda: sketch_decode_attention_triton(q[0], k_raw, v_raw, key, value, cells,
+                                                                       signs, scale))
+        dense["triton"] = bench(lambda: decode_attention_triton(q, k, v))
+        speed = dense["triton"] / times["triton"]
+        unfused = times["reference"] / times["triton"]
+        found = {"sketch >= 0.67x dense speed": f"{speed:.2f}x ({'met' if speed >= 0.67 else 'NOT met'})",
+                 "sketch >= 5x unfused PyTorch": f"{unfused:.1f}x ({'met' if unfused >= 5 else 'NOT met'})"}
+    return [row(f"sketch budget 0.25 S={S}", nbytes, times, bandwidth, S=S, n_raw=n_raw, n_vague=n_v, rows=r,
+                width=width, dense_all_tokens_ms=dense, targets=found)]
+
+
+def peak_bytes(device: str, fn) -> int | None:
+    """Bytes allocated at the peak of ``fn`` beyond what was allocated before (CUDA only)."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def tensor_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float, dtype) -> list[dict]:
+    """Tensor attention, one decode query over a four-matrix cache of i tokens (batch 1, 8 heads x 64 dims):
+    the tiled kernel against the materialising reference (Kronecker products built, as Chen et al. Theorem
+    4.3 charges it) and the factored PyTorch reference (an i x i score matrix per head)."""
+    from methods.tensor_attention import four_cache_attention, naive_four_cache_attention
+    from .tensor_decode import tensor_decode_triton
+    H, d = 8, 64
+    n = 1024 if not quick else 128
+    g = torch.Generator(device=device).manual_seed(3)
+    q = torch.randn(1, H, d, generator=g, device=device, dtype=dtype)
+    K1, K2, V1, V2 = (torch.randn(1, H, n, d, generator=g, device=device, dtype=dtype) for _ in range(4))
+    scale = d ** -0.5
+    naive = lambda: naive_four_cache_attention(q[:, :, None], K1, K2, V1, V2, scale)       # noqa: E731
+    factored = lambda: four_cache_attention(q[:, :, None], K1, K2, V1, V2, scale)          # noqa: E731
+    bench = timer(device)
+    times = {"materialising": bench(naive), "factored_reference": bench(factored)}
+    memory = {"materialising": peak_bytes(device, naive), "factored_reference": peak_bytes(device, factored)}
+    found = {}
+    if kernels_on:
+        kernel = lambda: tensor_decode_triton(q, K1, K2, V1, V2, scale)                     # noqa: E731
+        times["triton"] = bench(kernel)
+        memory["triton"] = peak_bytes(device, kernel)
+        speed = times["materialising"] / times["triton"]
+        less = memory["materialising"] / max(1, memory["triton"])
+        found = {"tensor >= 10x faster than materialising": f"{speed:.0f}x ({'met' if speed >= 10 else 'NOT met'})",
+                 "tensor >= 20x less peak memory": f"{less:.0f}x ({'met' if less >= 20 else 'NOT met'})"}
+    nbytes = 4 * K1.nbytes + 2 * q.nbytes
+    return [row(f"tensor i={n}", nbytes, times, bandwidth, i=n, H=H, d=d, peak_bytes=memory, targets=found,
+                flops=4 * H * n * n * d)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small shapes (seconds, for a smoke test)")
+    p.add_argument("--cases", nargs="+", choices=["dense", "selected", "sketch", "tensor"],
+                   default=["dense", "selected", "sketch", "tensor"], help="which kernels to measure (default all)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="cache dtype for the attention cases (default bf16)")
+    p.add_argument("--json", type=cli.output_file, default=None, help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    with cli.errors():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        kernels_on = device == "cuda" and HAS_TRITON
+        if not kernels_on:
+            print("no CUDA device (or no Triton): the kernels run only in Triton's CPU interpreter, which checks "
+                  "correctness (pytest tests/test_kernels_*.py), not speed. Timing the PyTorch references only; "
+                  "run this on a GPU for the kernel numbers.")
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        if device == "cpu" and dtype != torch.float32:
+            dtype = torch.float32
+        bandwidth = copy_bandwidth(device, (1 << 30) if device == "cuda" and not args.quick else (1 << 26))
+        print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}; measured copy bandwidth "
+              f"{bandwidth / 1e9:.0f} GB/s; dtype {dtype}")
+        rows = []
+        makers = {"dense": dense_cases, "selected": selected_cases, "sketch": sketch_cases,
+                  "tensor": tensor_cases}
+        for case in args.cases:
+            for r in makers[case](device, args.quick or device == "cpu", kernels_on, bandwidth, dtype):
+                rows.append(r)
+                print(format_row(r))
+        report = {"device": device, "copy_bandwidth": bandwidth, "dtype": str(dtype), "rows": rows,
+                  "targets": targets(rows) if kernels_on else {}}
+        for name, verdict in report["targets"].items():
+            print(f"target {name}: {verdict}")
+        if args.json:
+            cli.atomic_write_text(args.json, json.dumps(report, indent=1))
+
+
+def format_row(r: dict) -> str:
+    parts = [f"{k} {ms:.3f} ms ({r['GB/s'][k]:.0f} GB/s, {100 * r['fraction_of_copy_bw'][k]:.0f}%)"
+             for k, ms in r["ms"].items()]
+    extra = "".join(f"; {k} {v}" for k, v in r.items() if k.endswith("_ms") and v)
+    return f"{r['case']}: {r['bytes'] / 2**20:.1f} MiB; " + "; ".join(parts) + extra
+
+
+def targets(rows: list[dict]) -> dict:
+    """Each target of the issue as measured here: the numbers and whether they are met."""
+    out = {}
+    by = {r["case"].split()[0]: r for r in rows}
+    dense = [r for r in rows if r["case"].startswith("dense")]
+    if dense:
+        a = dense[0]
+        frac = a["fraction_of_copy_bw"]["triton"]
+        out["dense 8x32k >= 75% copy bw"] = f"{100 * frac:.0f}% ({'met' if frac >= 0.75 else 'NOT met'})"
+        b = dense[-1]
+        ratio = b["ms"]["sdpa"] / b["ms"]["triton"]
+        out["dense 1x128k not slower than SDPA"] = f"{ratio:.2f}x SDPA's speed ({'met' if ratio >= 1 else 'NOT met'})"
+    if "selected" in by:
+        s = by["selected"]
+        speed = s["full_cache_ms"]["triton"] / s["ms"]["triton"]
+        vs_c = s["ms"]["triton"] / s["compacted_ms"]["triton"]
+        out["selected >= 6x full cache"] = f"{speed:.1f}x ({'met' if speed >= 6 else 'NOT met'})"
+        out["selected within 1.3x compacted"] = f"{vs_c:.2f}x ({'met' if vs_c <= 1.3 else 'NOT met'})"
+    for r in rows:
+        out.update(r.get("targets", {}))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,459 @@
+"""
+KVReviver's count sketch on the GPU: insert, query, and a fused rebuild-then-attend decode step.
+
+Paper: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction",
+arXiv 2512.17917 (the Vague sketch: Algorithms 1-2; rebuilding the cache before attention: Algorithm 4).
+The PyTorch version the kernels must match is ``methods/kvreviver.py`` (``VagueSketch``,
+``KVReviverPolicy.attend_kv``).
+
+The sketch. Tokens evicted from the raw cache are *summed* into r rows x b cells; a cell holds a whole
+token (keys and values of every KV head): ``key``, ``value`` (r, b, H_kv, d), fp32. Row i has a bucket
+hash h_i(J) and a sign hash g_i(J) in {+1, -1} of the token's position J. The hashes are computed in
+PyTorch (``VagueSketch.buckets`` / ``signs``); the kernels take them as tensors ``cells`` (r, n) int32 and
+``signs`` (r, n) float, one column per token:
+
+    insert:  key[i, h_i(J)] += k_J                      value[i, h_i(J)] += g_i(J) v_J
+    query:   k^_J = median_i key[i, h_i(J)]             v^_J = median_i g_i(J) value[i, h_i(J)]
+
+Three kernels, each in the order of the Triton tutorials: the PyTorch reference (same signature), the
+``@triton.jit`` kernel, the launcher (``*_triton``: always the kernel), and the public function, which
+takes the kernel when ``kernels.use_triton(tensor)`` says so and the reference otherwise.
+
+1. ``sketch_insert``: one program per (row, block of tokens, block of features). Two tokens of one block
+   may land in the same cell, and so may tokens of different programs: the adds are atomic
+   (``tl.atomic_add``), so every collision is summed (in some order: fp32 sums agree with the reference to
+   rounding). Traffic: the n tokens are read once (2 n H_kv d elements in their own dtype) and each element
+   does r atomic read-modify-writes of 4 bytes on the cells.
+2. ``sketch_query``: one program per (block of tokens, block of features): gathers the r cells of each token
+   and takes the median over rows in registers. For r = 3 the median is max(min(a, b), min(max(a, b), c));
+   r = 1 is the cell itself; other r (up to ``MAX_ROWS``) select by rank: x_i is the median when fewer
+   than m = (r - 1) // 2 + 1 rows are below it and more than m rows are at or below it (the lower median,
+   as ``torch.median``). Traffic: reads 2 r n H_kv d x 4 bytes of cells, writes 2 n H_kv d x 4 bytes.
+3. ``sketch_decode_attention``: one decode query per KV-head group attends over the n_raw raw tokens and
+   the n_v sketch tokens, whose keys and values are rebuilt *inside* the kernel (gather, median, sign) and
+   never written to memory. The unfused path (Algorithm 4 as ``attend_kv`` does it) writes the n_v
+   rebuilt tokens, concatenates them with the raw ones, sorts by position and gathers (each a read and a
+   write of the whole cache) before the attention reads it all once more. The fused kernel reads each raw
+   token once and r cells per sketch token; the cells are few (r b tokens, e.g. 3 x 100 x 8 heads x 128
+   x 4 bytes = 1.2 MB) and re-read by every token hashed to them, so they mostly come from the L2 cache:
+   the DRAM traffic is about the raw tokens + the cells once + 8 r bytes of hashes per sketch token.
+
+   Structure (FlashAttention's tiling with an online softmax: Dao et al., arXiv 2205.14135, Section 3.1;
+   the online normalizer: Milakov and Gimelshein, arXiv 1805.02867, Section 3). One program per (KV head,
+   split): it holds the G query heads of its group, q (G, d), and walks its share of the token blocks,
+   raw blocks first, then sketch blocks, keeping a running max m, sum l and output acc per query head:
+
+       s = q k^T * scale               m' = max(m, max s)          p = exp(s - m')
+       l = l exp(m - m') + sum p       acc = acc exp(m - m') + p v
+
+   The tokens are split over ``num_splits`` programs per KV head (so that a short batch of heads still
+   fills the GPU); a small second kernel merges the splits' (m, l, acc) into the output. Exponentials are
+   taken in base 2 (exp2), with scale * log2(e) folded into q. The order of the tokens does not matter
+   for softmax attention, so the raw and sketch tokens need not be interleaved by position.
+
+Everything is per sequence (no batch axis): q (H, d), the raw tokens (H_kv, n_raw, d), one sketch. Cells
+are always fp32; k, v and q may be fp16 / bf16 (converted to fp32 in registers); the attention output has
+q's dtype. ``cells`` must lie in [0, b): the kernels do not check it (the references do).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from kernels import HAS_TRITON, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+MAX_ROWS = 16          # the kernels unroll r^2 comparisons for r other than 1 and 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks shared by both paths
+
+def _check_sketch(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) -> tuple[int, int, int, int, int]:
+    """(r, b, H_kv, d, n) of a sketch and the hashes of n tokens, or a ValueError."""
+    if key.dim() != 4 or key.shape != value.shape:
+        raise ValueError(f"key and value must both be (r, b, H_kv, d), got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    r, b, H_kv, d = key.shape
+    if cells.dim() != 2 or cells.shape[0] != r or signs.shape != cells.shape:
+        raise ValueError(f"cells and signs must both be (r={r}, n), got {tuple(cells.shape)} and "
+                         f"{tuple(signs.shape)}")
+    if cells.dtype.is_floating_point or cells.dtype == torch.bool:
+        raise ValueError(f"cells must be an integer tensor, got {cells.dtype}")
+    return r, b, H_kv, d, cells.shape[1]
+
+
+def _check_tokens(name: str, t: Tensor, n: int, H_kv: int, d: int) -> None:
+    if t.shape != (n, H_kv, d):
+        raise ValueError(f"{name} must be (n={n}, H_kv={H_kv}, d={d}), got {tuple(t.shape)}")
+
+
+def _need_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed: use the reference_* functions (or the public ones, which "
+                           "fall back to them)")
+
+
+def _rows_for_kernel(r: int) -> None:
+    if not 1 <= r <= MAX_ROWS:
+        raise ValueError(f"the Triton kernels support 1 to {MAX_ROWS} sketch rows, got r = {r} (use the "
+                         "reference_* functions)")
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Insert (Algorithm 1)
+
+def reference_sketch_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor,
+                            v: Tensor) -> None:
+    """Add n tokens to every row, in place: key[i, cells[i, j]] += k[j], value[i, cells[i, j]] +=
+    signs[i, j] v[j]. key, value (r, b, H_kv, d); cells, signs (r, n); k, v (n, H_kv, d). The effect of
+    ``VagueSketch.insert`` (a delete is an insert of -k, -v)."""
+    r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
+    _check_tokens("k", k, n, H_kv, d), _check_tokens("v", v, n, H_kv, d)
+    flat = (-1, H_kv, d)
+    idx = (torch.arange(r, device=cells.device).view(-1, 1) * b + cells.long()).reshape(-1)      # (r * n,)
+    k_rows = k.to(key.dtype).unsqueeze(0).expand(r, n, H_kv, d)                                # (r, n, H_kv, d)
+    v_rows = v.to(value.dtype).unsqueeze(0) * signs.to(value.dtype)[..., None, None]          # g_i(J) v_J
+    key.view(flat).index_add_(0, idx, k_rows.reshape(flat))
+    value.view(flat).index_add_(0, idx, v_rows.reshape(flat))
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _sketch_insert_kernel(key_ptr, value_ptr,          # (r, b, HD) fp32 cells, updated in place
+                              cells_ptr, signs_ptr,        # (r, n) int32 buckets, float signs
+                              k_ptr, v_ptr,                # (n, HD) tokens, any float dtype
+                              n, width, HD,                # HD = H_kv * d: a cell is one row of HD floats
+                              BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+        i = tl.program_id(0)                                           # sketch row
+        tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)       # (BLOCK_N,) tokens
+        col = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)       # (BLOCK_F,) features
+        tok_ok, col_ok = tok < n, col < HD
+        mask = tok_ok[:, None] & col_ok[None, :]                       # (BLOCK_N, BLOCK_F)
+        c = tl.load(cells_ptr + i * n + tok, mask=tok_ok, other=0)                          # h_i(J)
+        g = tl.load(signs_ptr + i * n + tok, mask=tok_ok, other=0.0).to(tl.float32)        # g_i(J)
+        src = tok.to(tl.int64)[:, None] * HD + col[None, :]
+        kx = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
+        vx = tl.load(v_ptr + src, mask=mask, other=0.0).to(tl.float32)
+        dst = (i * width + c).to(tl.int64)[:, None] * HD + col[None, :]                     # cell (i, h_i(J))
+        # Atomic: two tokens of this block (or of another program) may hash to the same cell.
+        tl.atomic_add(key_ptr + dst, kx, mask=mask, sem="relaxed")
+        tl.atomic_add(value_ptr + dst, vx * g[:, None], mask=mask, sem="relaxed")
+
+
+def sketch_insert_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor, v: Tensor,
+                         *, block_n: int | None = None) -> None:
+    """The Triton kernel of ``sketch_insert`` (always). ``block_n``: tokens per program (tests)."""
+    _need_triton()
+    r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
+    _check_tokens("k", k, n, H_kv, d), _check_tokens("v", v, n, H_kv, d)
+    if key.dtype != torch.float32 or value.dtype != torch.float32 or not (key.is_contiguous()
+                                                                          and value.is_contiguous()):
+        raise ValueError("the sketch's key and value must be contiguous fp32 tensors (updated in place)")
+    if n == 0:
+        return
+    HD = H_kv * d
+    BLOCK_F = min(_pow2(HD), 1024)
+    BLOCK_N = block_n or max(1, min(_pow2(n), 4096 // BLOCK_F))
+    grid = (r, triton.cdiv(n, BLOCK_N), triton.cdiv(HD, BLOCK_F))
+    _sketch_insert_kernel[grid](key, value, cells.to(torch.int32).contiguous(),
+                                signs.to(torch.float32).contiguous(), k.contiguous(), v.contiguous(),
+                                n, b, HD, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F)
+
+
+def sketch_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor, v: Tensor) -> None:
+    """Add n tokens k, v (n, H_kv, d) into the sketch key, value (r, b, H_kv, d) in place, at the cells
+    ``cells`` (r, n) with the value signs ``signs`` (r, n). Triton when ``use_triton(key)``."""
+    if use_triton(key):
+        return sketch_insert_triton(key, value, cells, signs, k, v)
+    return reference_sketch_insert(key, value, cells, signs, k, v)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. Query (Algorithm 2)
+
+def _median_rows(x: Tensor) -> Tensor:
+    """Element-wise median over the first axis; the lower median for an even count (``torch.median``)."""
+    if x.shape[0] == 3:
+        a, b, c = x
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    return x.median(dim=0).values
+
+
+def reference_sketch_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) -> tuple[Tensor, Tensor]:
+    """Estimates k^, v^ (n, H_kv, d) of the n tokens hashed to ``cells`` (r, n) with ``signs`` (r, n): the
+    element-wise median over the r rows of the gathered cells (values times their signs). Any r >= 1;
+    equals ``VagueSketch.query``."""
+    r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
+    flat = (-1, H_kv, d)
+    idx = (torch.arange(r, device=cells.device).view(-1, 1) * b + cells.long()).reshape(-1)      # (r * n,)
+    k = key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)
+    v = value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * signs.to(value.dtype)[..., None, None]
+    return _median_rows(k), _median_rows(v)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _sketch_row(cell_ptr, cells_ptr, signs_ptr, i, tok, tok_ok, col, col_ok, n, width, HD,
+                    SIGNED: tl.constexpr):
+        """Row i's cell of each token, (BLOCK_N, BLOCK_F) fp32: cell_ptr[i, cells[i, tok], col], times
+        signs[i, tok] if SIGNED (values)."""
+        c = tl.load(cells_ptr + i * n + tok, mask=tok_ok, other=0)                          # (BLOCK_N,)
+        ptr = cell_ptr + (i * width + c).to(tl.int64)[:, None] * HD + col[None, :]
+        x = tl.load(ptr, mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if SIGNED:
+            x = x * tl.load(signs_ptr + i * n + tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
+        return x
+
+    @triton.jit
+    def _sketch_estimate(cell_ptr, cells_ptr, signs_ptr, tok, tok_ok, col, col_ok, n, width, HD,
+                         R: tl.constexpr, SIGNED: tl.constexpr):
+        """The median over the R rows of each token's cells, (BLOCK_N, BLOCK_F) fp32, in registers."""
+        est = _sketch_row(cell_ptr, cells_ptr, signs_ptr, 0, tok, tok_ok, col, col_ok, n, width, HD, SIGNED)
+        if R == 3:                                           # max(min(a, b), min(max(a, b), c))
+            b = _sketch_row(cell_ptr, cells_ptr, signs_ptr, 1, tok, tok_ok, col, col_ok, n, width, HD, SIGNED)
+            c = _sketch_row(cell_ptr, cells_ptr, signs_ptr, 2, tok, tok_ok, col, col_ok, n, width, HD, SIGNED)
+            est = tl.maximum(tl.minimum(est, b), tl.minimum(tl.maximum(est, b), c))
+        elif R != 1:                                         # by rank: the lower median, as torch.median
+            MID: tl.constexpr = (R - 1) // 2                 # its index in sorted order
+            for a in tl.static_range(R):
+                xa = _sketch_row(cell_ptr, cells_ptr, signs_ptr, a, tok, tok_ok, col, col_ok, n, width, HD,
+                                 SIGNED)
+                below = tl.zeros_like(xa)                    # rows < xa
+                at_or_below = tl.zeros_like(xa)              # rows <= xa
+                for j in tl.static_range(R):
+                    xj = _sketch_row(cell_ptr, cells_ptr, signs_ptr, j, tok, tok_ok, col, col_ok, n, width,
+                                     HD, SIGNED)
+                    below += tl.where(xj < xa, 1.0, 0.0)
+                    at_or_below += tl.where(xj <= xa, 1.0, 0.0)
+                est = tl.where((below <= MID) & (at_or_below > MID), xa, est)
+        return est
+
+    @triton.jit
+    def _sketch_query_kernel(key_ptr, value_ptr,           # (r, b, HD) fp32 cells
+                             cells_ptr, signs_ptr,         # (r, n) int32, float
+                             k_out_ptr, v_out_ptr,         # (n, HD) fp32 estimates
+                             n, width, HD,
+                             R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+        tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        tok_ok, col_ok = tok < n, col < HD
+        k_hat = _sketch_estimate(key_ptr, cells_ptr, signs_ptr, tok, tok_ok, col, col_ok, n, width, HD, R, False)
+        v_hat = _sketch_estimate(value_ptr, cells_ptr, signs_ptr, tok, tok_ok, col, col_ok, n, width, HD, R, True)
+        dst = tok.to(tl.int64)[:, None] * HD + col[None, :]
+        mask = tok_ok[:, None] & col_ok[None, :]
+        tl.store(k_out_ptr + dst, k_hat, mask=mask)
+        tl.store(v_out_ptr + dst, v_hat, mask=mask)
+
+
+def sketch_query_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, *,
+                        block_n: int | None = None) -> tuple[Tensor, Tensor]:
+    """The Triton kernel of ``sketch_query`` (always); r in [1, MAX_ROWS]. ``block_n``: tokens per program."""
+    _need_triton()
+    r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
+    _rows_for_kernel(r)
+    k_hat = torch.empty(n, H_kv, d, device=key.device, dtype=torch.float32)
+    v_hat = torch.empty_like(k_hat)
+    if n == 0:
+        return k_hat, v_hat
+    HD = H_kv * d
+    BLOCK_F = min(_pow2(HD), 1024)
+    BLOCK_N = block_n or max(1, min(_pow2(n), 4096 // BLOCK_F))
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(HD, BLOCK_F))
+    _sketch_query_kernel[grid](key.contiguous(), value.contiguous(), cells.to(torch.int32).contiguous(),
+                               signs.to(torch.float32).contiguous(), k_hat, v_hat, n, b, HD,
+                               R=r, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F)
+    return k_hat, v_hat
+
+
+def sketch_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) -> tuple[Tensor, Tensor]:
+    """Estimates (k^, v^), each (n, H_kv, d) fp32, of the tokens hashed to ``cells`` / ``signs`` (r, n).
+    Triton when ``use_triton(key)`` (r up to MAX_ROWS), else the reference."""
+    if use_triton(key):
+        return sketch_query_triton(key, value, cells, signs)
+    return reference_sketch_query(key, value, cells, signs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. Fused rebuild-then-attend for one decode query (Algorithm 4 + attention)
+
+def _check_attention(q: Tensor, k_raw: Tensor, v_raw: Tensor, key: Tensor, value: Tensor, cells: Tensor,
+                     signs: Tensor) -> tuple[int, int, int, int, int, int]:
+    """(H, H_kv, d, n_raw, n_v, r), or a ValueError."""
+    r, b, H_kv, d, n_v = _check_sketch(key, value, cells, signs)
+    if q.dim() != 2 or q.shape[1] != d:
+        raise ValueError(f"q must be (H, d={d}), got {tuple(q.shape)}")
+    H = q.shape[0]
+    if H % H_kv != 0:
+        raise ValueError(f"query heads H = {H} must be a multiple of the KV heads H_kv = {H_kv}")
+    if k_raw.dim() != 3 or k_raw.shape[0] != H_kv or k_raw.shape[2] != d or v_raw.shape != k_raw.shape:
+        raise ValueError(f"k_raw and v_raw must both be (H_kv={H_kv}, n_raw, d={d}), got {tuple(k_raw.shape)} "
+                         f"and {tuple(v_raw.shape)}")
+    n_raw = k_raw.shape[1]
+    if n_raw + n_v == 0:
+        raise ValueError("nothing to attend to: no raw token and no sketch token (n_raw + n_v == 0)")
+    return H, H_kv, d, n_raw, n_v, r
+
+
+def reference_sketch_decode_attention(q: Tensor, k_raw: Tensor, v_raw: Tensor, key: Tensor, value: Tensor,
+                                      cells: Tensor, signs: Tensor, scale: float) -> Tensor:
+    """softmax(q k^T * scale) v over the raw tokens and the sketch's estimates, in fp32; out (H, d) in q's
+    dtype. q (H, d), query head h reading KV head h // G (G = H / H_kv); k_raw, v_raw (H_kv, n_raw, d);
+    the sketch key, value (r, b, H_kv, d) and its n_v tokens' cells, signs (r, n_v)."""
+    H, H_kv, d, n_raw, n_v, r = _check_attention(q, k_raw, v_raw, key, value, cells, signs)
+    k_hat, v_hat = reference_sketch_query(key, value, cells, signs)                   # (n_v, H_kv, d)
+    k = torch.cat([k_raw.float(), k_hat.float().transpose(0, 1)], dim=1)               # (H_kv, N, d)
+    v = torch.cat([v_raw.float(), v_hat.float().transpose(0, 1)], dim=1)
+    qg = q.float().view(H_kv, H // H_kv, d)                                            # (H_kv, G, d)
+    probs = torch.softmax(qg @ k.transpose(1, 2) * scale, dim=-1)                      # (H_kv, G, N)
+    return (probs @ v).reshape(H, d).to(q.dtype)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _online_softmax_step(q, k, v, tok_ok, m_i, l_i, acc):
+        """One block: q (G_PAD, D_PAD) pre-scaled by scale * log2(e); k, v (BLOCK_N, D_PAD); the running
+        max m_i, sum l_i (G_PAD,) and output acc (G_PAD, D_PAD), updated."""
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                    # (G_PAD, BLOCK_N), base-2 logits
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))                          # finite: a block has >= 1 token
+        alpha = tl.exp2(m_i - m_new)                                        # rescales what came before
+        p = tl.exp2(s - m_new[:, None])                                     # (G_PAD, BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _sketch_attention_kernel(
+            q_ptr, kr_ptr, vr_ptr,                 # q (H, d); raw k, v (H_kv, n_raw, d), strided
+            key_ptr, value_ptr,                    # sketch cells (r, b, H_kv, d) fp32, contiguous
+            cells_ptr, signs_ptr,                  # (r, n_v) int32, float
+            m_ptr, l_ptr, acc_ptr,                 # partials (H_kv, S, G_PAD), (H_kv, S, G_PAD, D_PAD) fp32
+            qk_scale,                              # scale * log2(e)
+            n_raw, n_v, width, blocks_per_split,
+            stride_qh, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
+            H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+            G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+        h = tl.program_id(0)                                                 # KV head
+        split = tl.program_id(1)
+        n_splits = tl.num_programs(1)
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        d_ok = offs_d < D
+        q = tl.load(q_ptr + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)   # (G_PAD, D_PAD)
+        q = q * qk_scale
+        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, D_PAD), tl.float32)
+
+        nb_raw = tl.cdiv(n_raw, BLOCK_N)                                     # blocks: raw ones, then sketch
+        nb = nb_raw + tl.cdiv(n_v, BLOCK_N)
+        lo = split * blocks_per_split
+        hi = tl.minimum(lo + blocks_per_split, nb)
+        # raw blocks: read k, v as stored
+        for blk in range(lo, tl.minimum(hi, nb_raw)):
+            tok = blk * BLOCK_N + offs_n                                     # (BLOCK_N,)
+            tok_ok = tok < n_raw
+            mask = tok_ok[:, None] & d_ok[None, :]
+            k = tl.load(kr_ptr + h * stride_kh + tok[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                        mask=mask, other=0.0).to(tl.float32)                 # (BLOCK_N, D_PAD)
+            v = tl.load(vr_ptr + h * stride_vh + tok[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                        mask=mask, other=0.0).to(tl.float32)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, tok_ok, m_i, l_i, acc)
+        # sketch blocks: rebuild k^, v^ in registers (gather r cells, median, sign), never stored
+        col = h * D + offs_d                                                 # head h's features in a cell
+        for blk in range(tl.maximum(lo, nb_raw), hi):
+            tok = (blk - nb_raw) * BLOCK_N + offs_n
+            tok_ok = tok < n_v
+            k = _sketch_estimate(key_ptr, cells_ptr, signs_ptr, tok, tok_ok, col, d_ok, n_v, width, H_KV * D,
+                                 R, False)
+            v = _sketch_estimate(value_ptr, cells_ptr, signs_ptr, tok, tok_ok, col, d_ok, n_v, width, H_KV * D,
+                                 R, True)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, tok_ok, m_i, l_i, acc)
+
+        part = h * n_splits + split
+        tl.store(m_ptr + part * G_PAD + offs_g, m_i)
+        tl.store(l_ptr + part * G_PAD + offs_g, l_i)
+        tl.store(acc_ptr + (part * G_PAD + offs_g)[:, None] * D_PAD + offs_d[None, :], acc)
+
+    @triton.jit
+    def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr,        # partials (H_kv, S, G_PAD[, D_PAD])
+                             out_ptr, stride_oh, stride_od,  # out (H, d)
+                             n_splits,
+                             G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr):
+        """out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s; one program per KV head."""
+        h = tl.program_id(0)
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        m_max = tl.full((G_PAD,), float("-inf"), tl.float32)
+        for s in range(n_splits):
+            m_max = tl.maximum(m_max, tl.load(m_ptr + (h * n_splits + s) * G_PAD + offs_g))
+        l_sum = tl.zeros((G_PAD,), tl.float32)
+        out = tl.zeros((G_PAD, D_PAD), tl.float32)
+        for s in range(n_splits):
+            part = h * n_splits + s
+            w = tl.exp2(tl.load(m_ptr + part * G_PAD + offs_g) - m_max)     # (G_PAD,)
+            l_sum += w * tl.load(l_ptr + part * G_PAD + offs_g)
+            out += w[:, None] * tl.load(acc_ptr + (part * G_PAD + offs_g)[:, None] * D_PAD + offs_d[None, :])
+        out = out / l_sum[:, None]
+        mask = (offs_g < G)[:, None] & (offs_d < D)[None, :]
+        tl.store(out_ptr + (h * G + offs_g)[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key: Tensor, value: Tensor,
+                                   cells: Tensor, signs: Tensor, scale: float, *, block_n: int | None = None,
+                                   num_splits: int | None = None) -> Tensor:
+    """The fused Triton kernel of ``sketch_decode_attention`` (always). ``block_n``: tokens per block;
+    ``num_splits``: programs per KV head along the tokens (default: enough to fill the GPU, 1 in the
+    interpreter); both are capped by the number of blocks."""
+    _need_triton()
+    H, H_kv, d, n_raw, n_v, r = _check_attention(q, k_raw, v_raw, key, value, cells, signs)
+    _rows_for_kernel(r)
+    G = H // H_kv
+    G_PAD, D_PAD = _pow2(G), _pow2(d)
+    # the (G_PAD, BLOCK_N, D_PAD) product of a block lives in registers: keep it around 8K elements
+    BLOCK_N = block_n or max(16, min(64, 8192 // (G_PAD * D_PAD)))
+    n_blocks = triton.cdiv(n_raw, BLOCK_N) + triton.cdiv(n_v, BLOCK_N)
+    if num_splits is None:
+        target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        num_splits = triton.cdiv(target, H_kv)
+    per_split = triton.cdiv(n_blocks, max(1, min(num_splits, n_blocks)))
+    S = triton.cdiv(n_blocks, per_split)                                 # every split gets >= 1 block
+    dev = q.device
+    m = torch.empty(H_kv, S, G_PAD, device=dev, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = torch.empty(H_kv, S, G_PAD, D_PAD, device=dev, dtype=torch.float32)
+    out = torch.empty(H, d, device=dev, dtype=q.dtype)
+    _sketch_attention_kernel[(H_kv, S)](
+        q, k_raw, v_raw, key.contiguous(), value.contiguous(), cells.to(torch.int32).contiguous(),
+        signs.to(torch.float32).contiguous(), m, l, acc, float(scale) * math.log2(math.e),
+        n_raw, n_v, key.shape[1], per_split,
+        q.stride(0), q.stride(1), k_raw.stride(0), k_raw.stride(1), k_raw.stride(2),
+        v_raw.stride(0), v_raw.stride(1), v_raw.stride(2),
+        H_KV=H_kv, G=G, D=d, R=r, G_PAD=G_PAD, D_PAD=D_PAD, BLOCK_N=BLOCK_N)
+    _merge_splits_kernel[(H_kv,)](m, l, acc, out, out.stride(0), out.stride(1), S,
+                                  G=G, D=d, G_PAD=G_PAD, D_PAD=D_PAD)
+    return out
+
+
+def sketch_decode_attention(q: Tensor, k_raw: Tensor, v_raw: Tensor, key: Tensor, value: Tensor, cells: Tensor,
+                            signs: Tensor, scale: float) -> Tensor:
+    """One decode query per KV-head group over raw tokens + sketch tokens rebuilt on the fly: out (H, d).
+    q (H, d); k_raw, v_raw (H_kv, n_raw, d); sketch key, value (r, b, H_kv, d); cells, signs (r, n_v).
+    Triton when ``use_triton(q)`` (the fused kernel), else the reference (rebuild, then attend)."""
+    if use_triton(q):
+        return sketch_decode_attention_triton(q, k_raw, v_raw, key, value, cells, signs, scale)
+    return reference_sketch_decode_attention(q, k_raw, v_raw, key, value, cells, signs, scale)
