@@ -52,4 +52,5 @@ def serves(t: torch.Tensor) -> bool:
     (``methods/tensor_attention.py``), KVReviver's sketch insert and query (``methods/kvreviver.py``).
     Only on CUDA: the interpreter is for the kernel tests, far too slow for a model (the tests patch this
     function to route those paths through it)."""
-    return t.is_cuda and use_triton(t)
+    # sm_80 or newer: the kernels load bf16 and use tl.dot shapes older GPUs do not compile
+    return t.is_cuda and use_triton(t) and torch.cuda.get_device_capability(t.device)[0] >= 8

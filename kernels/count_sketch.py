@@ -135,8 +135,8 @@ if HAS_TRITON:
                               k_ptr, v_ptr,                # (n, HD) tokens, any float dtype
                               n, width, HD,                # HD = H_kv * d: a cell is one row of HD floats
                               BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
-        i = tl.program_id(0)                                           # sketch row
-        tok = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)       # (BLOCK_N,) tokens
+        i = tl.program_id(1)                                           # sketch row
+        tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)       # (BLOCK_N,) tokens (axis 0: no 65535 cap)
         col = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)       # (BLOCK_F,) features
         tok_ok, col_ok = tok < n, col < HD
         mask = tok_ok[:, None] & col_ok[None, :]                       # (BLOCK_N, BLOCK_F)
@@ -165,7 +165,7 @@ def sketch_insert_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tenso
     HD = H_kv * d
     BLOCK_F = min(_pow2(HD), 1024)
     BLOCK_N = block_n or max(1, min(_pow2(n), 4096 // BLOCK_F))
-    grid = (r, triton.cdiv(n, BLOCK_N), triton.cdiv(HD, BLOCK_F))
+    grid = (triton.cdiv(n, BLOCK_N), r, triton.cdiv(HD, BLOCK_F))
     _sketch_insert_kernel[grid](key, value, cells.to(torch.int32).contiguous(),
                                 signs.to(torch.float32).contiguous(), k.contiguous(), v.contiguous(),
                                 n, b, HD, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F)

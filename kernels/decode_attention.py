@@ -113,7 +113,7 @@ if HAS_TRITON:
         H_kv: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
         BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
     ):
-        bh = tl.program_id(0)                      # which (sequence, KV head)
+        bh = tl.program_id(0).to(tl.int64)         # which (sequence, KV head); int64: large caches
         split = tl.program_id(1)                   # which range of tokens
         b, h = bh // H_kv, bh % H_kv
         g = tl.arange(0, G_PAD)                    # query heads of this group (padded to a power of 2)
@@ -156,10 +156,17 @@ if HAS_TRITON:
         tl.store(acc_ptr + out[:, None] * D + dim[None, :], acc)
 
 
-def default_splits(B: int, H_kv: int, n_tokens: int, block_n: int, programs: int = 264) -> int:
-    """Ranges per (sequence, KV head): enough programs to fill a GPU (about 2 per SM of an H100), never a
-    range shorter than one block."""
+def default_splits(q: Tensor, B: int, H_kv: int, n_tokens: int, block_n: int) -> int:
+    """Ranges per (sequence, KV head): enough programs to give every SM of the GPU two (one range in the
+    interpreter, which runs programs one after another), never a range shorter than one block."""
+    programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     return max(1, min(triton.cdiv(n_tokens, block_n), triton.cdiv(programs, B * H_kv)))
+
+
+def default_block_n(G: int, d: int) -> int:
+    """Tokens per block: the (G_PAD, BLOCK_N, d) products of a block live in registers; about 8K of them
+    keeps a program from spilling (checked by compiling for an H100: G = 4, d = 128 -> 16 tokens)."""
+    return max(16, min(64, 8192 // (triton.next_power_of_2(G) * d)))
 
 
 def merge_splits(m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
@@ -169,11 +176,14 @@ def merge_splits(m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
     return (w[..., None] * acc).sum(1) / (w * l).sum(1)[..., None]
 
 
-def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | None, block_n: int,
+def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | None, block_n: int | None,
             splits: int | None) -> Tensor:
+    if not HAS_TRITON:
+        raise RuntimeError("the decode kernels need triton; decode_attention() falls back to the reference")
     B, H, d = q.shape
     H_kv = k.shape[1]
     G = H // H_kv
+    block_n = block_n or default_block_n(G, d)
     if d & (d - 1) or d < 16:
         raise ValueError(f"the kernels take a head dimension that is a power of two >= 16, got {d}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -181,13 +191,15 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     n_tokens = idx.shape[2] if idx is not None else k.shape[2]
-    splits = splits or default_splits(B, H_kv, n_tokens, block_n)
+    splits = splits or default_splits(q, B, H_kv, n_tokens, block_n)
     per_split = block_n * triton.cdiv(triton.cdiv(n_tokens, splits), block_n)   # whole blocks per range
     splits = triton.cdiv(n_tokens, per_split)
     G_PAD = triton.next_power_of_2(G)
     m = torch.empty(B * H_kv, splits, G_PAD, device=q.device, dtype=torch.float32)
     l, acc = torch.empty_like(m), torch.empty(B * H_kv, splits, G_PAD, d, device=q.device, dtype=torch.float32)
-    ix = idx.to(torch.int32).contiguous() if idx is not None else m          # any pointer when not gathering
+    if idx is not None and (idx.dtype != torch.int32 or not idx.is_contiguous()):
+        idx = idx.to(torch.int32).contiguous()
+    ix = idx if idx is not None else m                                        # any pointer when not gathering
     _decode_split_kernel[(B * H_kv, splits)](
         q, k, v, ix, m, l, acc, n_tokens, per_split, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -197,17 +209,21 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
     return out.reshape(B, H, d).to(q.dtype)
 
 
-def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, block_n: int = 64,
-                            splits: int | None = None) -> Tensor:
+def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
+                            block_n: int | None = None, splits: int | None = None) -> Tensor:
     """The kernel over a contiguous cache (always the Triton path). Shapes as ``reference_decode_attention``."""
     check_decode_args(q, k, v)
     return _launch(q, k, v, None, scale, block_n, splits)
 
 
 def selected_decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, scale: float | None = None,
-                                     block_n: int = 64, splits: int | None = None) -> Tensor:
-    """The kernel over the rows ``idx`` (B, H_kv, K) of each KV head, gathered in-kernel."""
-    check_decode_args(q, k, v, idx)
+                                     block_n: int | None = None, splits: int | None = None,
+                                     validate: bool = True) -> Tensor:
+    """The kernel over the rows ``idx`` (B, H_kv, K) of each KV head, gathered in-kernel. ``validate=False``
+    skips the checks of the indices' values (they synchronise with the GPU): for timing, with an int32
+    ``idx`` the caller knows is valid."""
+    if validate:
+        check_decode_args(q, k, v, idx)
     return _launch(q, k, v, idx, scale, block_n, splits)
 
 

@@ -270,15 +270,19 @@ def _default_splits(q: Tensor, BH: int, n_a_tiles: int) -> int:
     if not q.is_cuda:
         return 1
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return max(1, min(n_a_tiles, triton.cdiv(4 * sms, BH)))
+    splits = max(1, min(n_a_tiles, triton.cdiv(4 * sms, BH)))
+    # SPLITS is a compile-time constant: rounded down to a power of two, a growing cache triggers a handful
+    # of compilations (1, 2, 4, ...) instead of one per new a-tile
+    return 1 << (splits.bit_length() - 1)
 
 
 def tensor_decode_triton(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tensor, scale: float | None = None,
-                         block_a: int = 32, block_b: int = 64, splits: int | None = None,
+                         block_a: int | None = None, block_b: int | None = None, splits: int | None = None,
                          num_stages: int | None = None) -> Tensor:
     """Tensor-attention decode with the Triton kernels: q (B, H, d), K1, K2, V1, V2 (B, H, n, d) -> (B, H, d).
 
-    ``block_a`` x ``block_b`` is the pair tile (powers of two >= 16). ``splits`` is the number of programs per
+    ``block_a`` x ``block_b`` is the pair tile (powers of two >= 16; None: 32 x 64 for 16-bit inputs, 16 x 32
+    for fp32, whose IEEE ``tl.dot`` spills registers with the larger tile at d = 128 on an H100). ``splits`` is the number of programs per
     (batch, head) along the a axis (None: ``_default_splits``); it is capped so that no program gets an empty
     range of a-tiles. Scores, softmax and accumulation run in fp32; fp16/bf16 inputs go into ``tl.dot`` as
     they are (fp32 accumulation), fp32 inputs in full IEEE precision. Needs CUDA tensors or TRITON_INTERPRET=1.
@@ -289,6 +293,9 @@ def tensor_decode_triton(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tens
     """
     if not HAS_TRITON:
         raise RuntimeError("tensor_decode_triton needs triton; use tensor_decode (falls back to the reference)")
+    if block_a is None or block_b is None:     # fp32's IEEE tl.dot spills with 32 x 64 tiles at d = 128 (sm_90)
+        small = q.dtype == torch.float32
+        block_a, block_b = block_a or (16 if small else 32), block_b or (32 if small else 64)
     B, H, n, d = _check_inputs(q, K1, K2, V1, V2)
     if not (q.is_cuda or interpreting()):
         raise RuntimeError("tensor_decode_triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before the "

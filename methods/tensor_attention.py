@@ -219,7 +219,8 @@ class FourCache:
         if q.shape[2] > 1 or self.last > int(q_pos.max()):    # a decode step sees every stored token: no mask
             seen = self.pos[None, :] <= q_pos[:, None]                            # (Tq, n)
             allowed = seen[:, :, None] & seen[:, None, :]                         # (Tq, n, n)
-        if allowed is None and not self.naive and kernels.serves(q):   # a GPU with Triton: tiles, online softmax
+        if (allowed is None and not self.naive and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                and not (torch.is_grad_enabled() and q.requires_grad) and kernels.serves(q)):   # a GPU + Triton
             from kernels.tensor_decode import tensor_decode_triton
             return tensor_decode_triton(q[:, :, 0], *factors, scale).unsqueeze(2)
         attend = naive_four_cache_attention if self.naive else four_cache_attention

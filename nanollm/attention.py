@@ -172,12 +172,17 @@ def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tupl
     """
     B, H, _, d = q.shape
     H_kv, Tk = k.shape[1], k.shape[2]
-    if needs == Needs() and d >= 16 and d & (d - 1) == 0 and kernel_serves(q):   # a GPU with Triton:
-        from kernels.decode_attention import decode_attention_triton          # the split-K kernel (kernels/)
-        return decode_attention_triton(q[:, :, 0], k, v).unsqueeze(2), None, None
+    kernel = (d >= 16 and d & (d - 1) == 0 and not (torch.is_grad_enabled() and q.requires_grad)
+              and kernel_serves(q))         # a GPU with Triton: the split-K kernel of kernels/ computes the
+    if kernel:                              # output, whatever statistics a policy asked for (computed beside)
+        from kernels.decode_attention import decode_attention_triton
+        out = decode_attention_triton(q[:, :, 0], k, v).unsqueeze(2)                        # (B, H, 1, d)
+        if needs == Needs():
+            return out, None, None
     qg = q.view(B, H_kv, H // H_kv, d) / math.sqrt(d)                   # (B, H_kv, G, d): G query rows
     probs = torch.softmax(qg @ k.transpose(-1, -2), dim=-1)             # (B, H_kv, G, Tk)
-    out = (probs @ v).view(B, H, 1, d)                                  # (B, H, 1, d)
+    if not kernel:
+        out = (probs @ v).view(B, H, 1, d)                              # (B, H, 1, d)
     probs = probs.view(B, H, 1, Tk)
     col_sums = probs.sum(dim=2, dtype=torch.float32) if needs.col_sums else None     # (B, H, Tk), a copy
     return out, (probs if needs.rows != 0 else None), col_sums

@@ -39,7 +39,9 @@ import kernels
 from kernels.decode_attention import (decode_attention_triton, merge_splits, reference_decode_attention,
                                       reference_selected_decode_attention, selected_decode_attention_triton)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"    # every tensor below is made on it
+if not kernels.HAS_TRITON:
+    raise SystemExit("this notebook runs the kernels: it needs triton (pip install triton, Linux)")
 print(f"tiny mode: {TINY}; device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; "
       f"interpreter: {kernels.interpreting()}")
 
@@ -95,9 +97,9 @@ plt.show()
 # %%
 g = torch.Generator().manual_seed(0)
 B_, H_, Hkv_, S_, d_ = 1, 4, 2, 50, 16
-q = torch.randn(B_, H_, d_, generator=g)
-k = torch.randn(B_, Hkv_, S_, d_, generator=g)
-v = torch.randn(B_, Hkv_, S_, d_, generator=g)
+q = torch.randn(B_, H_, d_, generator=g).to(DEVICE)
+k = torch.randn(B_, Hkv_, S_, d_, generator=g).to(DEVICE)
+v = torch.randn(B_, Hkv_, S_, d_, generator=g).to(DEVICE)
 ref = reference_decode_attention(q, k, v)
 for splits in (1, 2, 4):
     out = decode_attention_triton(q, k, v, block_n=16, splits=splits)
@@ -123,7 +125,7 @@ print(f"two halves merged by hand: max |merged - reference| = {(merged - ref).ab
 # (AdaKV's ragged budgets). Bytes read: the kept rows plus 4 bytes of index per row.
 
 # %%
-idx = torch.stack([torch.randperm(S_, generator=g)[:12] for _ in range(Hkv_)])[None]   # (1, H_kv, 12)
+idx = torch.stack([torch.randperm(S_, generator=g)[:12] for _ in range(Hkv_)])[None].to(DEVICE)  # (1, H_kv, 12)
 idx[0, 1, 8:] = -1                                                                     # a shorter head
 out = selected_decode_attention_triton(q, k, v, idx, block_n=16)
 print(f"selected rows: max |kernel - gather-then-attend reference| = "
@@ -150,17 +152,17 @@ from kernels.count_sketch import reference_sketch_decode_attention, sketch_decod
 from methods.kvreviver import VagueSketch
 
 H_kv, d_, r = 2, 16, 3
-sketch = VagueSketch(rows=r, width=5, n_kv_head=H_kv, head_dim=d_, seed=0)
-pos = torch.arange(20)
-k_tok, v_tok = torch.randn(20, H_kv, d_, generator=g), torch.randn(20, H_kv, d_, generator=g)
+sketch = VagueSketch(rows=r, width=5, n_kv_head=H_kv, head_dim=d_, seed=0, device=DEVICE)
+pos = torch.arange(20, device=DEVICE)
+k_tok, v_tok = (torch.randn(20, H_kv, d_, generator=g).to(DEVICE) for _ in range(2))
 sketch.insert(pos, k_tok, v_tok)                          # 20 tokens in 5 cells per row: collisions
 k_hat, v_hat = sketch_query_triton(sketch.key, sketch.value, sketch.buckets(pos).int(), sketch.signs(pos))
 k_ref, v_ref = sketch.query(pos)
 print(f"query kernel vs VagueSketch.query: max diff {(k_hat - k_ref).abs().max():.1e} (keys), "
       f"{(v_hat - v_ref).abs().max():.1e} (values); the sketch's own error on values: "
       f"{(v_ref - v_tok).abs().mean():.2f} mean |v^ - v| (5 cells for 20 tokens)")
-q1 = torch.randn(4, d_, generator=g)                      # 4 query heads, GQA group 2
-k_raw, v_raw = torch.randn(H_kv, 7, d_, generator=g), torch.randn(H_kv, 7, d_, generator=g)
+q1 = torch.randn(4, d_, generator=g).to(DEVICE)           # 4 query heads, GQA group 2
+k_raw, v_raw = (torch.randn(H_kv, 7, d_, generator=g).to(DEVICE) for _ in range(2))
 fused = sketch_decode_attention_triton(q1, k_raw, v_raw, sketch.key, sketch.value, sketch.buckets(pos).int(),
                                        sketch.signs(pos), d_ ** -0.5)
 unfused = reference_sketch_decode_attention(q1, k_raw, v_raw, sketch.key, sketch.value, sketch.buckets(pos).int(),
@@ -189,8 +191,8 @@ from kernels.tensor_decode import peak_memory_bytes, reference_tensor_decode, te
 from methods.tensor_attention import naive_four_cache_attention
 
 n_, dt = 37, 16                                           # a ragged length: 3 tiles of 16, the last partial
-qt = torch.randn(1, 2, dt, generator=g)
-K1, K2, V1, V2 = (torch.randn(1, 2, n_, dt, generator=g) for _ in range(4))
+qt = torch.randn(1, 2, dt, generator=g).to(DEVICE)
+K1, K2, V1, V2 = (torch.randn(1, 2, n_, dt, generator=g).to(DEVICE) for _ in range(4))
 out = tensor_decode_triton(qt, K1, K2, V1, V2, block_a=16, block_b=16, splits=2)
 print(f"kernel vs factored reference: {(out - reference_tensor_decode(qt, K1, K2, V1, V2)).abs().max():.1e}; "
       f"vs the materialising reference: "
