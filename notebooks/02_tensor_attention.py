@@ -156,7 +156,7 @@ print(f"at i = {r['lengths'][last]}: two-matrix cache {r['two']['bytes'][last] /
 
 # %% [markdown]
 # What the measurement says. The timings move from run to run (page faults on fresh buffers, a shared CPU),
-# so here are the ranges over six runs on the same machine, 1 thread (`python -m methods.tensor_bench` and
+# so here are the ranges over seven runs on the same machine, 1 thread (`python -m methods.tensor_bench` and
 # this notebook; the run above is one more draw, and may land a little outside them):
 #
 # * **Memory**: slope 1.00 for the four-matrix cache and 1.98 for the two-matrix one (its 4 i d of factors
@@ -165,7 +165,7 @@ print(f"at i = {r['lengths'][last]}: two-matrix cache {r['two']['bytes'][last] /
 # * **Time**: every path grows like i^2 (fitted slopes 1.6-2.5 over 256-1024 tokens, noisy but all near
 #   2): no layout escapes the i^2 d arithmetic of scoring every pair.
 # * **Theorem 4.3 holds against the naive path only**: rebuilding both Kronecker products every step is
-#   6-12x slower than the two-matrix cache at 512-1024 tokens, and the gap itself grows with slope 1.7-2.1,
+#   6-13x slower than the two-matrix cache at 512-1024 tokens, and the gap itself grows with slope 1.7-2.1,
 #   the Omega(n^2 d) of the theorem.
 # * **The factored four-matrix path is the fastest of the three**: 0.2-0.8x the two-matrix path's time at
 #   256-1024 tokens in every run. Both do about 2 i^2 d multiply-adds per head, but the two-matrix path
@@ -319,7 +319,64 @@ for r in rows6:
 # next token's pairs).
 
 # %% [markdown]
-# ## 7. Try it
+# ## 7. Compressing a tensor cache: drop tokens, or drop pairs?
+#
+# Evicting a *token* from a four-matrix cache removes its rows of K1, V1 and K2, V2: a whole row *and*
+# column of the pair matrix S. Only the two-matrix cache can drop single *pairs*. Which is the better use
+# of a byte? Keeping k tokens costs 4 k d numbers and keeps k^2 pairs; the same bytes hold only 2k pair
+# rows of the two-matrix cache. On the trained Match3 model (layer 1, the query that decides the last
+# label, 64 sequences), with an *oracle* choice for both (the tokens with the most attention mass, the
+# pairs with the most), relative error of the attention output at equal bytes:
+
+# %%
+from methods.tensor_attention import four_cache_attention, pair_scores, pair_softmax
+
+captured = {}
+block = tensor_model.blocks[1]
+hook = block.attn.register_forward_hook(lambda mod, inp, out: captured.update(x=inp[0]))
+seqs, _ = match3.batch(64, match3.N_NUMBERS, seed=7)
+with torch.no_grad():
+    tensor_model(seqs[:, :-1])                              # up to the last number: its query picks L_n
+    q_, K1_, K2_, V1_, V2_ = block.attn.projections(captured["x"])         # (64, H, T, d) each
+hook.remove()
+q_ = q_[:, :, -1:]                                          # (64, H, 1, d): the last number's query
+scale_ = 1 / math.sqrt(q_.shape[-1])
+exact = four_cache_attention(q_, K1_, K2_, V1_, V2_, scale_)
+P = pair_softmax(pair_scores(q_, K1_, K2_, scale_))[:, :, 0]                # (64, H, T, T)
+T_ = P.shape[-1]
+token_mass = P.sum(-1) + P.sum(-2)                          # mass of the pairs each token is part of
+rows = []
+for k_tok in (2, 4, 8, 12, 16):
+    keep = token_mass.topk(k_tok, dim=-1).indices.sort(-1).values[..., None].expand(-1, -1, -1, q_.shape[-1])
+    sub = [t.gather(2, keep) for t in (K1_, K2_, V1_, V2_)]
+    out_tok = four_cache_attention(q_, *sub, scale_)
+    n_pairs = 2 * k_tok                                     # the same bytes: 4 k d = 2 (2k) d
+    top = P.flatten(-2).topk(n_pairs, dim=-1).indices
+    allowed = torch.zeros_like(P.flatten(-2), dtype=torch.bool).scatter_(-1, top, True).view_as(P)[:, :, None]
+    out_pair = four_cache_attention(q_, K1_, K2_, V1_, V2_, scale_, allowed)
+    err = lambda o: ((o - exact).norm(dim=-1) / exact.norm(dim=-1))[..., 0].mean(0)    # noqa: E731  (H,)
+    rows.append((k_tok, n_pairs, err(out_tok), err(out_pair)))
+ranked = P.flatten(-2).sort(-1, descending=True).values.cumsum(-1)
+half = (ranked < 0.5).sum(-1).float().median(0).values                      # (H,) pairs holding half the mass
+print(f"T = {T_} tokens, {T_ * T_} pairs; pairs holding half the attention, median per head: "
+      f"{[int(h) for h in half]}")
+print("relative error of the output at equal bytes (4 k d numbers), per head:")
+for k_tok, n_pairs, e_tok, e_pair in rows:
+    print(f"  keep {k_tok:>2} tokens ({k_tok * k_tok:>3} pairs): {[round(e, 2) for e in e_tok.tolist()]}   "
+          f"keep {n_pairs:>2} pairs: {[round(e, 2) for e in e_pair.tolist()]}")
+
+# %% [markdown]
+# Dropping tokens wins at equal bytes in every head once k >= 4: k kept tokens keep k^2 pairs for the bytes of
+# 2k pair rows, and this model's attention is spread (half of a head's mass takes 41-147 pairs in three of
+# the four heads). Only in the concentrated head (half its mass in 2 pairs), at the smallest budget, do
+# pairs win (error 0.68 vs 1.14). Errors above 1 are no bug: the exact outputs of the spread heads average
+# many value products and are small, so a few kept pairs miss them by more than their own size. The
+# two-matrix cache's finer granularity does not pay for its bytes here; it would for attention that puts
+# its mass on a handful of pairs. (Both choices are oracles that know the attention; a real policy must
+# estimate it, as H2O or SnapKV do for tokens.)
+
+# %% [markdown]
+# ## 8. Try it
 #
 # 1. Time a decode step with the naive path at i = 1024 and count its bytes moved: it builds two n^2 d
 #    matrices per step. Is it memory-bound? Compare with the two-matrix path, which *reads* as many bytes.

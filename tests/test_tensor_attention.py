@@ -74,6 +74,20 @@ def test_pair_order_and_token_order_do_not_matter():
                                four_cache_attention(q, K1, K2, V1, V2, 0.5), rtol=0, atol=1e-12)
 
 
+def test_token_eviction_is_a_pair_mask_over_kept_rows_and_columns():
+    """Dropping a token from the four matrices removes its row and its column of pairs: the same output as
+    the two-matrix cache with only the pairs of kept tokens allowed."""
+    K1, K2, V1, V2 = factors(9)
+    q = torch.randn(2, 3, 1, 6, dtype=torch.float64)
+    kept = torch.tensor([0, 2, 3, 7])
+    dropped = four_cache_attention(q, *(f[..., kept, :] for f in (K1, K2, V1, V2)), 0.5)
+    keep = torch.zeros(9, dtype=torch.bool)
+    keep[kept] = True
+    allowed = (keep[:, None] & keep[None, :]).flatten()
+    torch.testing.assert_close(dropped, two_cache_attention(q, kron_rows(K1, K2), kron_rows(V1, V2), 0.5, allowed),
+                               rtol=0, atol=1e-12)
+
+
 def test_causal_path_matches_per_query_reference_and_chunks():
     g = torch.Generator().manual_seed(5)
     q, k1, k2, v1, v2 = (torch.randn(2, 2, 10, 4, generator=g, dtype=torch.float64) for _ in range(5))
