@@ -41,6 +41,7 @@ from torch import Tensor
 from nanollm.cache import KVCache, LayerKV
 from nanollm.evaluate import answer_length, cut_at
 from nanollm.generation import extend, generate, prefill
+from nanollm.lean import LeanDecoder
 from nanollm.policy import CachePolicy, FullCache, Needs, StepContext
 from nanollm.tasks import Sample, string_match_all
 
@@ -110,6 +111,16 @@ class Trace:
                                    # the last position
 
 
+def lean_decoder(model) -> LeanDecoder | None:
+    """A ``LeanDecoder`` of the model (its stacked weights copied now), or None for a model it does not
+    take. It gives the same logits as ``model(token, cache=cache)`` (``tests/test_lean.py``); the harness
+    uses it because an evaluation is hundreds of thousands of decode steps of a tiny, dispatch-bound model."""
+    try:
+        return LeanDecoder(model)
+    except ValueError:
+        return None
+
+
 @torch.no_grad()
 def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
           record_probs: bool = False) -> Trace:
@@ -143,14 +154,18 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
     check_fork(0)
     kv_bytes, extra_bytes = kv(), extra()
     decode_s, hidden = 0.0, None
+    lean = lean_decoder(model)
     for j, token in enumerate(sample.target_ids[:-1]):
         probe.recording = j == 0
         t0 = time.perf_counter()
-        lg, h = model(torch.tensor([[token]], device=dev), cache=cache, return_hidden=True)
+        if lean is not None:                           # the same step with fewer operations (nanollm/lean.py)
+            lg, h = lean.step_with_hidden(torch.tensor([token], device=dev), cache)          # (1, V), (1, D)
+        else:
+            lg, h = (t[:, -1] for t in model(torch.tensor([[token]], device=dev), cache=cache, return_hidden=True))
         decode_s += time.perf_counter() - t0
         if j == 0:
-            hidden = h[0, -1]
-        step_logits.append(lg[0, -1])
+            hidden = h[0]
+        step_logits.append(lg[0])
         check_fork(j + 1)
         kv_bytes, extra_bytes = max(kv_bytes, kv()), max(extra_bytes, extra())
     if fork is None:                                   # greedy follows the whole reference: continue from here
@@ -204,8 +219,9 @@ def greedy_from_trace(model, tok, sample: Sample, tr: Trace) -> list[int]:
         out = sample.target_ids[:m] + [first]
         if first != tok.eot_id and len(out) < n_new:
             token = torch.tensor([[first]], device=tr.logits.device)
-            out += generate(model, token, n_new - len(out), cache=copy.deepcopy(cache),
-                            stop_ids=[tok.eot_id])[0].tolist()
+            lean = lean_decoder(model)
+            out += generate(model, token, n_new - len(out), cache=copy.deepcopy(cache), stop_ids=[tok.eot_id],
+                            step=None if lean is None else lean.step)[0].tolist()
     return cut_at(out, tok.eot_id)
 
 

@@ -38,6 +38,7 @@ from torch import Tensor
 from .cache import KVCache
 from .config import ModelConfig, preset
 from .generation import decode_step, prefill
+from .lean import LeanDecoder
 from .model import Transformer
 
 
@@ -227,9 +228,10 @@ class _GreedyDecoder:
 
     def __init__(self, name: str, model, ids: Tensor) -> None:
         self.name, self.model = name, model
-        if name == "nanollm":
+        if name in ("nanollm", "nanollm-lean"):
             self.cache = KVCache(model.config)
             logits = prefill(model, ids, self.cache)[:, -1]                    # (1, V)
+            self.lean = LeanDecoder(model) if name == "nanollm-lean" else None
         else:
             from transformers import DynamicCache
             out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
@@ -242,6 +244,8 @@ class _GreedyDecoder:
         t0 = time.perf_counter()
         if self.name == "nanollm":
             logits = decode_step(self.model, self.token, self.cache)
+        elif self.name == "nanollm-lean":
+            logits = self.lean.step(self.token, self.cache)
         else:
             logits = self.model(input_ids=self.token[:, None], past_key_values=self.cache, use_cache=True).logits[:, -1]
         self.token = logits.argmax(-1)
@@ -284,8 +288,8 @@ def run_vs_transformers(checkpoint: str = "retrieval-llama", contexts=HF_CONTEXT
             hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, model.config.vocab_size, (1, contexts[-1]), generator=gen)
-        runs = {c: [_GreedyDecoder("nanollm", model, ids[:, :c]), _GreedyDecoder("transformers", hf, ids[:, :c])]
-                for c in contexts}
+        runs = {c: [_GreedyDecoder("nanollm", model, ids[:, :c]), _GreedyDecoder("transformers", hf, ids[:, :c]),
+                    _GreedyDecoder("nanollm-lean", model, ids[:, :c])] for c in contexts}
         for pair in runs.values():
             for _ in range(warmup):
                 for run in pair:
@@ -298,10 +302,11 @@ def run_vs_transformers(checkpoint: str = "retrieval-llama", contexts=HF_CONTEXT
     finally:
         torch.set_num_threads(old_threads)
     rows = []
-    for c, (ours, theirs) in runs.items():
+    for c, (ours, theirs, _) in runs.items():
         nano_ms, hf_ms = statistics.median(times[c, "nanollm"]), statistics.median(times[c, "transformers"])
-        rows.append({"context": c, "nanollm_ms": nano_ms, "transformers_ms": hf_ms,
-                     "ratio_hf_over_nanollm": hf_ms / nano_ms,
+        lean_ms = statistics.median(times[c, "nanollm-lean"])
+        rows.append({"context": c, "nanollm_ms": nano_ms, "transformers_ms": hf_ms, "lean_ms": lean_ms,
+                     "ratio_hf_over_nanollm": hf_ms / nano_ms, "ratio_hf_over_lean": hf_ms / lean_ms,
                      "max_logit_diff": (ours.first_logits - theirs.first_logits).abs().max().item()})
     return {"checkpoint": checkpoint, "transformers": transformers.__version__,
             "attn_implementation": getattr(hf.config, "_attn_implementation", None), "threads": 1,
@@ -311,14 +316,16 @@ def run_vs_transformers(checkpoint: str = "retrieval-llama", contexts=HF_CONTEXT
 def format_vs_transformers(result: dict | None) -> str:
     if result is None:
         return "transformers is not installed: the comparison with it (--vs-transformers) is skipped"
-    lines = [f"one greedy decode step, nanollm (KVCache) vs transformers {result['transformers']} "
-             f"(LlamaForCausalLM + DynamicCache, attention {result['attn_implementation']}) on {result['checkpoint']}, "
-             f"1 thread, median of {result['repeats']} interleaved repeats",
-             f"{'context':>8} | {'nanollm ms/tok':>14} | {'transformers ms/tok':>19} | {'hf / nanollm':>12} | "
-             f"{'max |logit diff|':>16}", "-" * 83]
+    lines = [f"one greedy decode step, nanollm (KVCache; decode_step and the lean step of nanollm/lean.py) vs "
+             f"transformers {result['transformers']} (LlamaForCausalLM + DynamicCache, attention "
+             f"{result['attn_implementation']}) on {result['checkpoint']}, 1 thread, median of {result['repeats']} "
+             f"interleaved repeats",
+             f"{'context':>8} | {'nanollm ms/tok':>14} | {'lean ms/tok':>11} | {'transformers ms/tok':>19} | "
+             f"{'hf / nanollm':>12} | {'hf / lean':>9} | {'max |logit diff|':>16}", "-" * 110]
     for r in result["rows"]:
-        lines.append(f"{r['context']:>8} | {r['nanollm_ms']:>14.3f} | {r['transformers_ms']:>19.3f} | "
-                     f"{r['ratio_hf_over_nanollm']:>11.2f}x | {r['max_logit_diff']:>16.2e}")
+        lines.append(f"{r['context']:>8} | {r['nanollm_ms']:>14.3f} | {r['lean_ms']:>11.3f} | "
+                     f"{r['transformers_ms']:>19.3f} | {r['ratio_hf_over_nanollm']:>11.2f}x | "
+                     f"{r['ratio_hf_over_lean']:>8.2f}x | {r['max_logit_diff']:>16.2e}")
     return "\n".join(lines)
 
 

@@ -65,7 +65,7 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = No
 @torch.no_grad()
 def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: CachePolicy | None = None,
              cache: KVCache | None = None, temperature: float = 0.0, top_k: int | None = None,
-             stop_ids: list[int] | tuple = (), generator: torch.Generator | None = None) -> Tensor:
+             stop_ids: list[int] | tuple = (), generator: torch.Generator | None = None, step=None) -> Tensor:
     """Continue the prompt ids (B, T) by up to ``max_new_tokens`` tokens. Returns the new tokens (B, n).
 
     Parameters
@@ -77,6 +77,8 @@ def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: Cache
     stop_ids : a row stops after producing one of these; rows that stopped are padded with their stop id
         until every row has stopped or ``max_new_tokens`` is reached.
     generator : a seeded ``torch.Generator`` for reproducible sampling.
+    step : the function ``(token (B,), cache) -> logits (B, V)`` that feeds each new token; default
+        ``decode_step`` with this model (``nanollm.lean.LeanDecoder.step`` computes the same, faster).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
@@ -100,13 +102,13 @@ def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: Cache
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=ids.device)
     out = []
-    for step in range(max_new_tokens):
+    for i in range(max_new_tokens):
         token = sample_next(logits, temperature, top_k, generator)                  # (B,)
         if out:                                    # rows that already stopped repeat their stop id
             token = torch.where(done, out[-1], token)
         out.append(token)
         done = done | torch.isin(token, stop)
-        if bool(done.all()) or step == max_new_tokens - 1:
+        if bool(done.all()) or i == max_new_tokens - 1:
             break
-        logits = decode_step(model, token, cache)
+        logits = decode_step(model, token, cache) if step is None else step(token, cache)
     return torch.stack(out, dim=1)
