@@ -24,7 +24,6 @@ The cases and the targets they check (ratios, all measured in this one run):
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -199,7 +198,7 @@ def tensor_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float, d
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes (seconds, for a smoke test)")
     p.add_argument("--cases", nargs="+", choices=["dense", "selected", "sketch", "tensor"],
                    default=["dense", "selected", "sketch", "tensor"], help="which kernels to measure (default all)")
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="cache dtype for the attention cases (default bf16)")
     p.add_argument("--json", type=cli.output_file, default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
-    with cli.errors():
+    with cli.errors(args.debug):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         kernels_on = device == "cuda" and HAS_TRITON
         if not kernels_on:

@@ -182,8 +182,10 @@ def sketch_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: T
 # ---------------------------------------------------------------------------------------------------------
 # 2. Query (Algorithm 2)
 
-def _median_rows(x: Tensor) -> Tensor:
-    """Element-wise median over the first axis; the lower median for an even count (``torch.median``)."""
+def median_of_rows(x: Tensor) -> Tensor:
+    """Element-wise median over the first axis (the sketch's rows); the lower median for an even count, as
+    ``torch.median``. For three rows, max(min(a, b), min(max(a, b), c)): the same value, several times
+    faster on CPU."""
     if x.shape[0] == 3:
         a, b, c = x
         return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
@@ -199,7 +201,7 @@ def reference_sketch_query(key: Tensor, value: Tensor, cells: Tensor, signs: Ten
     idx = (torch.arange(r, device=cells.device).view(-1, 1) * b + cells.long()).reshape(-1)      # (r * n,)
     k = key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)
     v = value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * signs.to(value.dtype)[..., None, None]
-    return _median_rows(k), _median_rows(v)
+    return median_of_rows(k), median_of_rows(v)
 
 
 if HAS_TRITON:

@@ -57,7 +57,6 @@ transient cost of a prompt's attention and of the statistics a method asks for.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import multiprocessing
 import platform
@@ -615,10 +614,7 @@ def plot(result: dict, path: str | Path) -> None:
         ax.grid(alpha=0.3, which="both")
     ax_ms.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, dpi=120, format=Path(path).suffix.lstrip(".").lower() or "png")
-    plt.close(fig)
-    cli.atomic_write_bytes(path, buffer.getvalue())
+    cli.save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -675,7 +671,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "(default: none)")
     ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
                     help="write step ms vs context and speedup vs ideal to PATH, a "
-                         f"{'/'.join(s.lstrip('.') for s in cli.FIGURE_FORMATS)} file (default: none)")
+                         f"{cli.FIGURE_HELP} file (default: none)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar (default: a progress bar on stderr)")
     args = ap.parse_args(argv)
 

@@ -14,21 +14,19 @@ timings (``compress_ms``, ``decode_ms_per_token``), which no two runs share anyw
 
 from __future__ import annotations
 
-import io
 import json
 import multiprocessing
 import os
 import pickle
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from nanollm import cli, load
 from nanollm.checkpoint import load_card, load_config, load_tokenizer
-from nanollm.cli import atomic_write_bytes, atomic_write_text
+from nanollm.cli import atomic_write_text
 from nanollm.evaluate import MODES
 from nanollm.tasks import TASKS, make_sample
 
@@ -171,10 +169,7 @@ def plot(records: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    buffer = io.BytesIO()                       # the format is the file's suffix (png without one)
-    fig.savefig(buffer, dpi=120, format=Path(path).suffix.lstrip(".").lower() or "png")
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())  # the old figure stays if writing fails
+    cli.save_figure(fig, path)                  # png/pdf/svg by suffix; the old figure stays if writing fails
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="write the records as a JSON list to PATH (default: none)")
     ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
                     help="write an accuracy-vs-keep-ratio figure to PATH, a "
-                         f"{'/'.join(s.lstrip('.') for s in cli.FIGURE_FORMATS)} file (default: none)")
+                         f"{cli.FIGURE_HELP} file (default: none)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
 

@@ -61,19 +61,12 @@ import torch
 from torch import Tensor
 
 import kernels
+from kernels.count_sketch import (MAX_ROWS, median_of_rows, reference_sketch_insert,  # noqa: F401
+                                  reference_sketch_query, sketch_insert_triton, sketch_query_triton)
 from nanollm.policy import CachePolicy, Needs, StepContext, check_budget, check_int
 from nanollm.storage import LayerKV, gather_slots
 
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
-
-
-def median_of_rows(x: Tensor) -> Tensor:
-    """Element-wise median over the first axis (the sketch's rows). For three rows, max(min(a, b),
-    min(max(a, b), c)): the same value as ``torch.median``, several times faster on CPU."""
-    if x.shape[0] == 3:
-        a, b, c = x
-        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
-    return x.median(dim=0).values
 
 
 class VagueSketch:
@@ -106,35 +99,19 @@ class VagueSketch:
             return torch.ones(self.rows, J.shape[1], device=J.device)
         return 1.0 - 2.0 * ((self.coef[2] * J + self.coef[3]) % PRIME % 2).float()
 
-    def _cells(self, pos: Tensor) -> Tensor:
-        """Flat index i * width + h_i(J) of every (row, token): (r * n,)."""
-        row = torch.arange(self.rows, device=pos.device).view(-1, 1) * self.width
-        return (row + self.buckets(pos)).reshape(-1)
-
     def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
         """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
-        subtract)."""
-        n = pos.shape[0]
-        if kernels.serves(self.key):            # a GPU with Triton: atomic adds (kernels/count_sketch.py)
-            from kernels.count_sketch import sketch_insert_triton
-            return sketch_insert_triton(self.key, self.value, self.buckets(pos).int(), self.signs(pos),
-                                        sign * k.float(), sign * v.float())
-        k_rows = k.float().unsqueeze(0).expand(self.rows, n, *k.shape[1:])              # (r, n, H_kv, d)
-        v_rows = v.float().unsqueeze(0) * self.signs(pos)[..., None, None]             # g_i(J) v_J
-        flat = (-1, *self.key.shape[2:])
-        self.key.view(flat).index_add_(0, self._cells(pos), sign * k_rows.reshape(flat))
-        self.value.view(flat).index_add_(0, self._cells(pos), sign * v_rows.reshape(flat))
+        subtract). The arithmetic is ``kernels.count_sketch``'s: its reference here, its atomic-add kernel
+        on a GPU with Triton."""
+        insert = sketch_insert_triton if kernels.serves(self.key) else reference_sketch_insert
+        insert(self.key, self.value, self.buckets(pos).int(), self.signs(pos), sign * k.float(), sign * v.float())
 
     def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows."""
-        if kernels.serves(self.key) and self.rows <= 16:     # a GPU with Triton: gather + median in-kernel
-            from kernels.count_sketch import sketch_query_triton
-            return sketch_query_triton(self.key, self.value, self.buckets(pos).int(), self.signs(pos))
-        shape = (self.rows, pos.shape[0], *self.key.shape[2:])
-        flat = (-1, *self.key.shape[2:])
-        k = self.key.view(flat).index_select(0, self._cells(pos)).view(shape)
-        v = self.value.view(flat).index_select(0, self._cells(pos)).view(shape) * self.signs(pos)[..., None, None]
-        return median_of_rows(k), median_of_rows(v)
+        """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows
+        (``kernels.count_sketch``: the reference, or the gather-and-median kernel on a GPU with Triton)."""
+        kernel = kernels.serves(self.key) and self.rows <= MAX_ROWS
+        query = sketch_query_triton if kernel else reference_sketch_query
+        return query(self.key, self.value, self.buckets(pos).int(), self.signs(pos))
 
     def delete(self, pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Remove tokens by subtracting what is known of them (in a swap: their estimates)."""

@@ -29,10 +29,9 @@ the defaults; each folder's card records the command, the budget and the measure
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from nanollm import cli, safetensors
+from nanollm import checkpoint, cli
 from nanollm.cache import KVCache
 from nanollm.config import ModelConfig
 from nanollm.generation import extend, prefill
@@ -178,13 +177,7 @@ def train(attention: str, steps: int = 3000, batch_size: int = 128, lr: float = 
 
 
 def save(model: Transformer, folder: str | Path, card: dict) -> None:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    cli.atomic_write_text(folder / "nanollm_config.json", json.dumps(model.config.to_dict(), indent=1))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    safetensors.save_file(state, folder / "model.safetensors", metadata={"format": "pt", "source": "nanollm"})
-    cli.atomic_write_text(folder / "card.json", json.dumps(card, indent=1))
-    cli.atomic_write_text(folder / "README.md", card_markdown(card))
+    checkpoint.save(model, None, folder, {**card, "markdown": card_markdown(card)})
 
 
 def load(name_or_path: str | Path) -> tuple[Transformer, dict]:
@@ -195,11 +188,7 @@ def load(name_or_path: str | Path) -> tuple[Transformer, dict]:
     if not (folder / "nanollm_config.json").is_file():
         raise ValueError(f"no Match3 checkpoint {str(name_or_path)!r}: bundled ones are "
                          f"{sorted(p.name for p in CHECKPOINTS.glob('match3-*'))}, or give a folder")
-    model = Transformer(ModelConfig.from_dict(json.loads((folder / "nanollm_config.json").read_text())))
-    state = safetensors.load_file(folder / "model.safetensors")
-    state["lm_head.weight"] = state["tok_emb.weight"]
-    model.load_state_dict(state)
-    return model.eval(), json.loads((folder / "card.json").read_text())
+    return checkpoint.load_model(folder), checkpoint.load_card(folder)
 
 
 def card_markdown(card: dict) -> str:
@@ -224,7 +213,7 @@ def evaluate(model: Transformer, n_seq: int = 2000, seed: int = 10**6) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m methods.match3", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m methods.match3", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a tiny Match3 model and save it as a checkpoint folder")
     t.add_argument("--attention", choices=["tensor", "standard"], required=True,
@@ -241,11 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("checkpoints", nargs="+", help="match3-tensor, match3-standard, or checkpoint folders")
     e.add_argument("--sequences", type=cli.positive_int, default=2000, help="fresh sequences (default 2000)")
     args = p.parse_args(argv)
-    with cli.errors():
+    with cli.errors(args.debug):
         if args.cmd == "train":
             holds_checkpoint = (lambda f: args.force and (Path(f) / "nanollm_config.json").exists())
             out = cli.output_folder(args.out, "--out", may_hold=holds_checkpoint)
-            torch.set_num_threads(max(1, torch.get_num_threads()))
             start = time.time()
             model, history = train(args.attention, args.steps, args.batch_size, args.lr, args.seed,
                                    log=tqdm.write)
@@ -256,18 +244,18 @@ def main(argv: list[str] | None = None) -> None:
                     "parameters": model.num_params(), "steps": args.steps, "batch_size": args.batch_size,
                     "lr": args.lr, "seed": args.seed, "train_seconds": seconds,
                     "device": f"CPU, {torch.get_num_threads()} threads",
-                    "command": "python -m methods.match3 " + " ".join(argv if argv is not None else
-                                                                        __import__("sys").argv[1:]),
+                    "command": "python -m methods.match3 " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "history": history, "baseline": majority_baseline(),
                     **evaluate(model, n_seq=args.eval_sequences)}
             save(model, out, card)
             print(f"saved {out}: accuracy {card['accuracy']:.3f} (baseline {card['baseline']:.3f})")
         else:
+            baseline = majority_baseline()
             for name in args.checkpoints:
                 model, card = load(name)
                 r = evaluate(model, n_seq=args.sequences)
                 print(f"{name}: {card['attention']} attention, {model.num_params():,} parameters, accuracy "
-                      f"{r['accuracy']:.3f}, greedy {r['greedy_accuracy']:.3f}, baseline {majority_baseline():.3f}")
+                      f"{r['accuracy']:.3f}, greedy {r['greedy_accuracy']:.3f}, baseline {baseline:.3f}")
 
 
 if __name__ == "__main__":

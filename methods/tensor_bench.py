@@ -17,7 +17,6 @@ the numbers stored (K, V rows and factors), not positions or the buffers' spare 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -26,6 +25,7 @@ import time
 import torch
 
 from nanollm import cli
+from nanollm.bench import fit_line
 
 from .tensor_attention import LAYOUTS
 
@@ -51,9 +51,7 @@ def step_times(layout: str, length: int, steps: int = 7, seed: int = 0) -> tuple
 
 def slope(lengths: list[int], values: list[float]) -> float:
     """Least-squares slope of log(value) against log(length)."""
-    x, y = [math.log(v) for v in lengths], [math.log(v) for v in values]
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    return sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+    return fit_line([math.log(v) for v in lengths], [math.log(v) for v in values])[1]
 
 
 def measure(lengths: list[int], steps: int = 7) -> dict:
@@ -113,12 +111,11 @@ def plot(r: dict, path) -> None:
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    cli.save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m methods.tensor_bench", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m methods.tensor_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=cli.positive_int, nargs="+", default=[32, 64, 128, 256, 512, 1024],
                    help="sequence lengths to measure (default 32 64 128 256 512 1024; the two-matrix cache "
                         "stores 2 i^2 x 64 floats: 512 MiB at 1024, and its buffers and the naive path's "
@@ -129,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=cli.output_file, default=None, help="also write the numbers to this file")
     p.add_argument("--plot", type=cli.figure_file, default=None, help="also draw the two log-log panels here")
     args = p.parse_args(argv)
-    with cli.errors():
+    with cli.errors(args.debug):
         if sorted(set(args.lengths)) != args.lengths:
             raise ValueError("--lengths must be increasing and distinct")
         if any(n <= args.steps for n in args.lengths):

@@ -51,7 +51,9 @@ def resolve(name_or_path: str | Path) -> Path:
                      f"(bundled: {bundled()})")
 
 
-def save(model: Transformer, tok: Tokenizer, folder: str | Path, card: dict | None = None) -> None:
+def save(model: Transformer, tok: Tokenizer | None, folder: str | Path, card: dict | None = None) -> None:
+    """Write a checkpoint folder; ``tok=None`` for a model whose tokens are not text (no tokenizer.json:
+    load it with ``load_model``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(folder / "nanollm_config.json", json.dumps(model.config.to_dict(), indent=1))
@@ -59,7 +61,8 @@ def save(model: Transformer, tok: Tokenizer, folder: str | Path, card: dict | No
     if model.config.tie_embeddings:
         state.pop("lm_head.weight")
     safetensors.save_file(state, folder / "model.safetensors", metadata={"format": "pt", "source": "nanollm"})
-    tok.save(folder / "tokenizer.json")
+    if tok is not None:
+        tok.save(folder / "tokenizer.json")
     if card is not None:
         write_card(folder, card)
 
@@ -141,6 +144,16 @@ def load_nanollm(folder: str | Path, device: str = "cpu") -> tuple[Transformer, 
     for f in ("nanollm_config.json", "model.safetensors", "tokenizer.json"):
         if not (folder / f).exists():
             raise ValueError(f"checkpoint folder {folder} has no {f}")
+    return load_model(folder, device), Tokenizer.load(folder / "tokenizer.json"), load_card(folder)
+
+
+def load_model(folder: str | Path, device: str = "cpu") -> Transformer:
+    """The model of a nanollm checkpoint folder (config and weights, checked against each other), in eval
+    mode; the tokenizer and card are not read."""
+    folder = Path(folder)
+    for f in ("nanollm_config.json", "model.safetensors"):
+        if not (folder / f).exists():
+            raise ValueError(f"checkpoint folder {folder} has no {f}")
     try:
         config = ModelConfig.from_dict(json.loads((folder / "nanollm_config.json").read_text()))
     except (ValueError, TypeError) as e:
@@ -158,7 +171,7 @@ def load_nanollm(folder: str | Path, device: str = "cpu") -> tuple[Transformer, 
         raise ValueError(f"checkpoint {folder} does not match its config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}")
     model.load_state_dict(state)
-    return model.to(device).eval(), Tokenizer.load(folder / "tokenizer.json"), load_card(folder)
+    return model.to(device).eval()
 
 
 class EncodingTokenizer:

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 FIGURE_FORMATS = (".png", ".pdf", ".svg")     # what ``--plot`` writes (matplotlib picks the format by suffix)
+FIGURE_HELP = "/".join(s.lstrip(".") for s in FIGURE_FORMATS)      # "png/pdf/svg", for --plot's help
 
 
 class UsageError(Exception):
@@ -240,6 +241,18 @@ def atomic_open(path: str | Path, mode: str = "wb"):
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     with atomic_open(path, "wb") as f:
         f.write(data)
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
+    """Write a matplotlib figure atomically in the format its suffix names (png without one), and close
+    it: a failed write leaves the old figure."""
+    import io
+
+    import matplotlib.pyplot as plt
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=dpi, format=Path(path).suffix.lstrip(".").lower() or "png")
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

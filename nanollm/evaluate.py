@@ -36,7 +36,6 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-@torch.no_grad()
 def cut_at(ids: list[int], stop_id: int | None) -> list[int]:
     """The ids before the first ``stop_id`` (all of them if it does not occur, or is None)."""
     return ids[:ids.index(stop_id)] if stop_id is not None and stop_id in ids else ids
@@ -48,6 +47,7 @@ def answer_length(model, sample, max_new_tokens: int | None = None) -> int:
     return min(max_new_tokens or ANSWER_TOKENS.get(sample.task, DEFAULT_ANSWER_TOKENS), room)
 
 
+@torch.no_grad()
 def answer_ids(model, sample, mode: str, policy=None, max_new_tokens: int | None = None,
                stop_id: int | None = None) -> list[int]:
     """Greedy answer token ids for ``sample`` (a tokenized ``tasks.Sample``) under ``policy``."""

@@ -89,7 +89,7 @@ class LeanDecoder:
             q = qk[:, :H, None]                                                        # (B, H, 1, d)
             k, v = qk[:, H:, None], qkv[:, H + H_kv:, None]                            # (B, H_kv, 1, d)
             store = cache.layers[i]
-            if plain and (store.dense or len(store) == 0):      # the plain cache: store, attend, no hooks
+            if plain and store.dense:                           # the plain cache: store, attend, no hooks
                 store.append(k, v, pos)
                 y, _, _ = attend_step(q, store.k, store.v)                             # (B, H, 1, d)
             else:
