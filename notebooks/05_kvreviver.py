@@ -243,7 +243,8 @@ print(f"  full cache, all layers:             {full.nbytes() / 1024:7.1f} KiB")
 #
 # ## Try it
 #
-# 1. Give the keys signs too: in `VagueSketch.insert` and `query`, multiply keys by `g_i(J)` as values
+# 1. Give the keys signs too: in `reference_sketch_insert` and `reference_sketch_query`
+#    (`kernels/count_sketch.py`, the arithmetic `VagueSketch` calls), multiply keys by `g_i(J)` as values
 #    are. Rerun section 3 and section 4's ablation. Does an unbiased, zero-mean key error help?
 # 2. Store the *mean* of a cell's tokens instead of their sum (keep a count per cell). What does that do
 #    to the key norms, and why is it no longer a count sketch?
