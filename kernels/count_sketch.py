@@ -394,25 +394,31 @@ if HAS_TRITON:
     def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr,        # partials (H_kv, S, G_PAD[, D_PAD])
                              out_ptr, stride_oh, stride_od,  # out (H, d)
                              n_splits,
-                             G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr):
-        """out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s; one program per KV head."""
+                             G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                             BLOCK_S: tl.constexpr):
+        """out = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s, M = max_s m_s; one program per query
+        head (KV head h, member g of its group), BLOCK_S splits at a time."""
         h = tl.program_id(0)
-        offs_g = tl.arange(0, G_PAD)
+        g = tl.program_id(1)
+        sp = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, D_PAD)
-        m_max = tl.full((G_PAD,), float("-inf"), tl.float32)
-        for s in range(n_splits):
-            m_max = tl.maximum(m_max, tl.load(m_ptr + (h * n_splits + s) * G_PAD + offs_g))
-        l_sum = tl.zeros((G_PAD,), tl.float32)
-        out = tl.zeros((G_PAD, D_PAD), tl.float32)
-        for s in range(n_splits):
-            part = h * n_splits + s
-            w = tl.exp2(tl.load(m_ptr + part * G_PAD + offs_g) - m_max)     # (G_PAD,)
-            l_sum += w * tl.load(l_ptr + part * G_PAD + offs_g)
-            out += w[:, None] * tl.load(acc_ptr + (part * G_PAD + offs_g)[:, None] * D_PAD + offs_d[None, :])
-        out = out / l_sum[:, None]
-        mask = (offs_g < G)[:, None] & (offs_d < D)[None, :]
-        tl.store(out_ptr + (h * G + offs_g)[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+        M = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+        for first in range(0, n_splits, BLOCK_S):                           # pass 1: the overall max
+            M = tl.maximum(M, tl.load(m_ptr + (h * n_splits + first + sp) * G_PAD + g,
+                                      mask=first + sp < n_splits, other=float("-inf")))
+        M_all = tl.max(M, axis=0)
+        l_sum = tl.zeros((BLOCK_S,), tl.float32)
+        out = tl.zeros((D_PAD,), tl.float32)
+        for first in range(0, n_splits, BLOCK_S):                           # pass 2: weighted sums
+            row = (h * n_splits + first + sp) * G_PAD + g                   # (BLOCK_S,)
+            ok = first + sp < n_splits
+            w = tl.exp2(tl.load(m_ptr + row, mask=ok, other=float("-inf")) - M_all)
+            l_sum += w * tl.load(l_ptr + row, mask=ok, other=0.0)
+            out += tl.sum(w[:, None] * tl.load(acc_ptr + row[:, None] * D_PAD + offs_d[None, :],
+                                               mask=ok[:, None], other=0.0), axis=0)
+        out = out / tl.sum(l_sum, axis=0)
+        tl.store(out_ptr + (h * G + g) * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty),
+                 mask=offs_d < D)
 
 
 def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key: Tensor, value: Tensor,
@@ -426,7 +432,8 @@ def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key:
     _rows_for_kernel(r)
     G = H // H_kv
     G_PAD, D_PAD = _pow2(G), _pow2(d)
-    # the (G_PAD, BLOCK_N, D_PAD) product of a block lives in registers: keep it around 8K elements
+    # the (G_PAD, BLOCK_N, D_PAD) product of a block lives in registers: keep it around 8K elements. (tl.dot
+    # in IEEE fp32, the cells' type, measured 2x slower on an H100: the rebuild, not the products, bounds it)
     BLOCK_N = block_n or max(16, min(64, 8192 // (G_PAD * D_PAD)))
     n_blocks = triton.cdiv(n_raw, BLOCK_N) + triton.cdiv(n_v, BLOCK_N)
     if num_splits is None:
@@ -446,8 +453,8 @@ def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key:
         q.stride(0), q.stride(1), k_raw.stride(0), k_raw.stride(1), k_raw.stride(2),
         v_raw.stride(0), v_raw.stride(1), v_raw.stride(2),
         H_KV=H_kv, G=G, D=d, R=r, G_PAD=G_PAD, D_PAD=D_PAD, BLOCK_N=BLOCK_N)
-    _merge_splits_kernel[(H_kv,)](m, l, acc, out, out.stride(0), out.stride(1), S,
-                                  G=G, D=d, G_PAD=G_PAD, D_PAD=D_PAD)
+    _merge_splits_kernel[(H_kv, G)](m, l, acc, out, out.stride(0), out.stride(1), S,
+                                    G=G, D=d, G_PAD=G_PAD, D_PAD=D_PAD, BLOCK_S=32)
     return out
 
 

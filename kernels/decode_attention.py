@@ -22,8 +22,12 @@ head), and writes (m, l, acc). A small reduction then merges the ranges:
 
     M = max_s m_s,   o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
 
-The scores are computed with broadcasts and sums rather than ``tl.dot``: a group holds 1-8 query heads,
-below the 16 rows a tensor-core tile needs, and the step is bound by loading K and V, not by arithmetic.
+The two products of a block, scores q K^T and output P V, go through ``tl.dot`` with the group's G query
+heads padded to 16 rows (the smallest tile a tensor core takes). The padding wastes arithmetic the step has
+plenty of: what bounds it is loading K and V. (A first version multiplied with broadcasts and sums in
+registers: the (G, BLOCK_N, d) products limited a block to 16 tokens, and it read K/V at 18% of an H100's
+bandwidth against 85% or more now; ``python -m kernels.bench`` measures it.) 16-bit caches enter
+``tl.dot`` as stored, with fp32 accumulation; fp32 caches in IEEE fp32, so the tests hold at 1e-5.
 
     out = decode_attention(q, k, v)                        # q (B, H, d), k, v (B, H_kv, S, d) -> (B, H, d)
     out = selected_decode_attention(q, k, v, idx)          # idx (B, H_kv, K) rows of k, v per head
@@ -111,15 +115,17 @@ if HAS_TRITON:
         stride_vb, stride_vh, stride_vs,            # v likewise
         stride_ib, stride_ih,                       # idx (B, H_kv, K), last stride 1 (GATHER only)
         H_kv: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-        BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
+        BLOCK_N: tl.constexpr, GATHER: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)         # which (sequence, KV head); int64: large caches
         split = tl.program_id(1)                   # which range of tokens
         b, h = bh // H_kv, bh % H_kv
-        g = tl.arange(0, G_PAD)                    # query heads of this group (padded to a power of 2)
+        g = tl.arange(0, G_PAD)                    # query heads of this group, padded to >= 16 rows for tl.dot
         dim = tl.arange(0, D)
         q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + dim[None, :],
                     mask=(g < G)[:, None], other=0.0).to(tl.float32) * scale          # (G_PAD, D)
+        if not DOT_FP32:                           # fp16/bf16 caches: the tensor cores' input type
+            q = q.to(k_ptr.dtype.element_ty)
 
         m = tl.full([G_PAD], float("-inf"), tl.float32)                              # running max
         l = tl.zeros([G_PAD], tl.float32)                                            # running sum
@@ -136,10 +142,14 @@ if HAS_TRITON:
             else:
                 rows = n
             kb = tl.load(k_ptr + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + dim[None, :],
-                         mask=valid[:, None], other=0.0).to(tl.float32)               # (BLOCK_N, D)
+                         mask=valid[:, None], other=0.0)                              # (BLOCK_N, D)
             vb = tl.load(v_ptr + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + dim[None, :],
-                         mask=valid[:, None], other=0.0).to(tl.float32)               # (BLOCK_N, D)
-            s = tl.sum(q[:, None, :] * kb[None, :, :], axis=2)                        # (G_PAD, BLOCK_N)
+                         mask=valid[:, None], other=0.0)                              # (BLOCK_N, D)
+            if DOT_FP32:
+                kb, vb = kb.to(tl.float32), vb.to(tl.float32)
+                s = tl.dot(q, tl.trans(kb), input_precision="ieee")                   # (G_PAD, BLOCK_N)
+            else:
+                s = tl.dot(q, tl.trans(kb))
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             # a range with no valid token so far keeps m = -inf; exp(-inf - -inf) would be nan
@@ -147,45 +157,81 @@ if HAS_TRITON:
             alpha = tl.exp(m - m_safe)                                                # rescale the old sums
             p = tl.exp(s - m_safe[:, None])                                           # (G_PAD, BLOCK_N)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vb[None, :, :], axis=1)
+            if DOT_FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")    # (G_PAD, D)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             m = m_new
 
-        out = (bh * tl.num_programs(1) + split) * G_PAD + g                          # partials' rows
-        tl.store(m_ptr + out, m)
-        tl.store(l_ptr + out, l)
-        tl.store(acc_ptr + out[:, None] * D + dim[None, :], acc)
+        out = (bh * tl.num_programs(1) + split) * G + g                              # partials' rows
+        tl.store(m_ptr + out, m, mask=g < G)                                          # the G real heads
+        tl.store(l_ptr + out, l, mask=g < G)
+        tl.store(acc_ptr + out[:, None] * D + dim[None, :], acc, mask=(g < G)[:, None])
 
 
 def default_splits(q: Tensor, B: int, H_kv: int, n_tokens: int, block_n: int) -> int:
     """Ranges per (sequence, KV head): enough programs to give every SM of the GPU two (one range in the
-    interpreter, which runs programs one after another), never a range shorter than one block."""
+    interpreter, which runs programs one after another), never a range shorter than one block. (On an H100,
+    1 to 16 programs per SM, blocks of 32 to 128 tokens, 4 or 8 warps and 2 or 3 stages all land within
+    a few percent of each other once the products go through tl.dot.)"""
     programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     return max(1, min(triton.cdiv(n_tokens, block_n), triton.cdiv(programs, B * H_kv)))
 
 
-def default_block_n(G: int, d: int) -> int:
-    """Tokens per block: the (G_PAD, BLOCK_N, d) products of a block live in registers; about 8K of them
-    keeps a program from spilling (checked by compiling for an H100: G = 4, d = 128 -> 16 tokens)."""
-    return max(16, min(64, 8192 // (triton.next_power_of_2(G) * d)))
+def default_block_n(dtype: torch.dtype) -> int:
+    """Tokens per block: 64 for 16-bit caches, 32 for fp32 (whose IEEE ``tl.dot`` stages wider operands)."""
+    return 32 if dtype == torch.float32 else 64
 
 
 def merge_splits(m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
-    """The reduction: partials m, l (R, splits, G) and acc (R, splits, G, d) -> (R, G, d)."""
+    """The reduction in PyTorch (the reference): partials m, l (R, splits, G) and acc (R, splits, G, d) ->
+    (R, G, d) in fp32."""
     M = m.max(dim=1, keepdim=True).values                                  # (R, 1, G)
     w = torch.exp(m - M)                                                   # a range with no token: exp(-inf) = 0
     return (w[..., None] * acc).sum(1) / (w * l).sum(1)[..., None]
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, n_splits,
+                             G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """``merge_splits`` as one launch (its PyTorch form is eight small kernels, tens of microseconds
+        next to a decode step of a few hundred): one program per (row, query head) of the partials."""
+        r = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        sp = tl.arange(0, BLOCK_S)
+        dim = tl.arange(0, D)
+        M = tl.full([BLOCK_S], float("-inf"), tl.float32)
+        for first in range(0, n_splits, BLOCK_S):                              # pass 1: the overall max
+            M = tl.maximum(M, tl.load(m_ptr + (r * n_splits + first + sp) * G + g,
+                                      mask=first + sp < n_splits, other=float("-inf")))
+        M_all = tl.max(M, axis=0)
+        l_sum = tl.zeros([BLOCK_S], tl.float32)
+        o = tl.zeros([D], tl.float32)
+        for first in range(0, n_splits, BLOCK_S):                              # pass 2: weighted sums
+            row = (r * n_splits + first + sp) * G + g                          # (BLOCK_S,)
+            ok = first + sp < n_splits
+            w = tl.exp(tl.load(m_ptr + row, mask=ok, other=float("-inf")) - M_all)   # empty range: 0
+            l_sum += w * tl.load(l_ptr + row, mask=ok, other=0.0)
+            acc = tl.load(acc_ptr + row[:, None] * D + dim[None, :], mask=ok[:, None], other=0.0)
+            o += tl.sum(w[:, None] * acc, axis=0)
+        o = o / tl.sum(l_sum, axis=0)
+        tl.store(out_ptr + (r * G + g) * D + dim, o.to(out_ptr.dtype.element_ty))
+
+
 def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | None, block_n: int | None,
-            splits: int | None) -> Tensor:
+            splits: int | None, num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     if not HAS_TRITON:
         raise RuntimeError("the decode kernels need triton; decode_attention() falls back to the reference")
     B, H, d = q.shape
     H_kv = k.shape[1]
     G = H // H_kv
-    block_n = block_n or default_block_n(G, d)
+    block_n = block_n or default_block_n(k.dtype)
     if d & (d - 1) or d < 16:
         raise ValueError(f"the kernels take a head dimension that is a power of two >= 16, got {d}")
+    if block_n & (block_n - 1) or block_n < 16:
+        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot needs tiles of at least 16), got {block_n}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q = q.contiguous() if q.stride(-1) != 1 else q
     k = k if k.stride(-1) == 1 else k.contiguous()
@@ -194,37 +240,46 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
     splits = splits or default_splits(q, B, H_kv, n_tokens, block_n)
     per_split = block_n * triton.cdiv(triton.cdiv(n_tokens, splits), block_n)   # whole blocks per range
     splits = triton.cdiv(n_tokens, per_split)
-    G_PAD = triton.next_power_of_2(G)
-    m = torch.empty(B * H_kv, splits, G_PAD, device=q.device, dtype=torch.float32)
-    l, acc = torch.empty_like(m), torch.empty(B * H_kv, splits, G_PAD, d, device=q.device, dtype=torch.float32)
+    G_PAD = max(16, triton.next_power_of_2(G))                                 # tl.dot's smallest tile
+    # fp32 caches multiply in IEEE fp32; so does bf16 in the CPU interpreter, whose bf16 tl.dot multiplies
+    # the operands' raw bits (triton-lang/triton#11584)
+    dot_fp32 = k.dtype == torch.float32 or (k.dtype == torch.bfloat16 and not k.is_cuda)
+    m = torch.empty(B * H_kv, splits, G, device=q.device, dtype=torch.float32)
+    l, acc = torch.empty_like(m), torch.empty(B * H_kv, splits, G, d, device=q.device, dtype=torch.float32)
     if idx is not None and (idx.dtype != torch.int32 or not idx.is_contiguous()):
         idx = idx.to(torch.int32).contiguous()
     ix = idx if idx is not None else m                                        # any pointer when not gathering
+    launch = {k_: v_ for k_, v_ in (("num_warps", num_warps), ("num_stages", num_stages)) if v_ is not None}
     _decode_split_kernel[(B * H_kv, splits)](
         q, k, v, ix, m, l, acc, n_tokens, per_split, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ix.stride(0) if idx is not None else 0, ix.stride(1) if idx is not None else 0,
-        H_kv=H_kv, G=G, G_PAD=G_PAD, D=d, BLOCK_N=block_n, GATHER=idx is not None)
-    out = merge_splits(m, l, acc)[:, :G]                                    # (B * H_kv, G, d)
-    return out.reshape(B, H, d).to(q.dtype)
+        H_kv=H_kv, G=G, G_PAD=G_PAD, D=d, BLOCK_N=block_n, GATHER=idx is not None, DOT_FP32=dot_fp32, **launch)
+    out = torch.empty(B, H, d, device=q.device, dtype=q.dtype)               # rows (b, h_kv, g) = (b, h)
+    _merge_splits_kernel[(B * H_kv, G)](m, l, acc, out, splits, G=G, D=d, BLOCK_S=32)
+    return out
 
 
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
-                            block_n: int | None = None, splits: int | None = None) -> Tensor:
-    """The kernel over a contiguous cache (always the Triton path). Shapes as ``reference_decode_attention``."""
+                            block_n: int | None = None, splits: int | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
+    """The kernel over a contiguous cache (always the Triton path). Shapes as ``reference_decode_attention``.
+    ``block_n`` tokens per block, ``splits`` ranges per (sequence, KV head), ``num_warps`` and
+    ``num_stages`` (Triton's launch options): None takes the defaults above."""
     check_decode_args(q, k, v)
-    return _launch(q, k, v, None, scale, block_n, splits)
+    return _launch(q, k, v, None, scale, block_n, splits, num_warps, num_stages)
 
 
 def selected_decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, scale: float | None = None,
                                      block_n: int | None = None, splits: int | None = None,
-                                     validate: bool = True) -> Tensor:
+                                     validate: bool = True, num_warps: int | None = None,
+                                     num_stages: int | None = None) -> Tensor:
     """The kernel over the rows ``idx`` (B, H_kv, K) of each KV head, gathered in-kernel. ``validate=False``
     skips the checks of the indices' values (they synchronise with the GPU): for timing, with an int32
     ``idx`` the caller knows is valid."""
     if validate:
         check_decode_args(q, k, v, idx)
-    return _launch(q, k, v, idx, scale, block_n, splits)
+    return _launch(q, k, v, idx, scale, block_n, splits, num_warps, num_stages)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -91,7 +91,9 @@ plt.show()
 #
 # `decode_attention_triton(q, k, v)`: one program per (sequence, KV head, range of tokens). Each program
 # loads its group's G query heads once, walks its range in blocks of `BLOCK_N` tokens with an online
-# softmax (running max `m`, running sum `l`, output accumulator `acc`), and writes its three partials. A
+# softmax (running max `m`, running sum `l`, output accumulator `acc`), and writes its three partials. Both
+# products of a block (`q K^T`, then `P V`) are `tl.dot`s, the G query heads padded to the 16 rows a
+# tensor-core tile needs: wasted arithmetic the step can afford, since loading K and V bounds it. A
 # small reduction merges the ranges. Here is that merge, done by hand on the kernel's own inputs:
 
 # %%
@@ -211,18 +213,20 @@ for n in (256, 1024, 4096):
 # move, the achieved GB/s and its fraction of a device-to-device copy measured in the same run. On a GPU it
 # checks the targets below and prints met / NOT met.
 #
-# | kernel | target (ratios, one run) | measured |
+# | kernel | target (ratios, one run) | measured on an H100 (bf16) |
 # |---|---|---|
-# | dense split decode | >= 75% of copy bandwidth at batch 8 x 32k; not slower than SDPA at 1 x 128k | not yet |
-# | selected-index decode, keep 0.1 of 32k | >= 6x faster than full-cache decode; within 1.3x of a compacted cache | not yet |
-# | fused sketch decode, 25% budget | >= 0.67x dense decode's speed; >= 5x the unfused PyTorch path | not yet |
-# | factored tensor decode, i = 1024 | >= 10x faster, 20x less peak memory than the materialising reference | not yet |
+# | dense split decode | >= 75% of copy bandwidth at batch 8 x 32k; not slower than SDPA at 1 x 128k | 98% (met); 1.00x SDPA (0.5% slower: a tie) |
+# | selected-index decode, keep 0.1 of 32k | >= 6x faster than full-cache decode; within 1.3x of a compacted cache | 8.0x; 1.04x (met) |
+# | fused sketch decode, 25% budget | >= 0.67x dense decode's speed; >= 5x the unfused PyTorch path | 0.19x (not met); 10.3x (met) |
+# | factored tensor decode, i = 1024 | >= 10x faster, 20x less peak memory than the materialising reference | 182x; 31790x (met) |
 #
-# **No GPU numbers are recorded here**: the session that wrote these kernels had no GPU, so the kernels
-# are checked for correctness only (in the interpreter, `tests/test_kernels_*.py`, and compiled for an
-# H100 without running). Below, what the benchmark does on this machine: the references' timings, which
-# show the CPU side of the roofline argument (the dense reference reaches a fraction of the copy bandwidth;
-# the materialising tensor path is far slower than the factored one).
+# The numbers are in `results/kernels_bench_h100.json`. Two lessons from the GPU. The first decode kernel
+# multiplied with broadcasts and sums in registers and read at 18% of the bandwidth; with both products in
+# `tl.dot` (the group's query heads padded to 16 rows) and a one-launch merge it reads at 98%. And the
+# sketch's fused decode is *slower* than dense decode over all tokens: each rebuilt token gathers six fp32
+# cells (three for its key, three for its value), six times the bytes of a bf16 row. The sketch saves
+# memory, not time. Below, what the benchmark does on the machine running this notebook (on a CPU: the
+# references only, which show the CPU side of the roofline argument).
 
 # %%
 from kernels import bench

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import kernels
+import kernels.decode_attention as dec
 from kernels.decode_attention import (decode_attention, decode_attention_triton, reference_decode_attention,
                                       reference_selected_decode_attention, selected_decode_attention,
                                       selected_decode_attention_triton)
 
 pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = (["cpu"] if kernels.interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
 # low precision: inputs rounded to 8 (bf16) or 11 (fp16) mantissa bits, sums in fp32 in both paths
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -113,3 +114,18 @@ def test_the_switch(monkeypatch):
     monkeypatch.delenv("NANOKV_NO_TRITON")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not kernels.use_triton(q)              # a CPU tensor takes the kernel only in the interpreter
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_kernel_equals_merge_splits(device):
+    """The one-launch merge equals the PyTorch merge, with more ranges than one block of the merge (32) and
+    empty ranges (m = -inf, l = 0, acc = 0: a range of padding only)."""
+    g = torch.Generator().manual_seed(2)
+    R, splits, G, d = 3, 45, 4, 16
+    m, l, acc = torch.randn(R, splits, G, generator=g), torch.rand(R, splits, G, generator=g) + 0.5, \
+        torch.randn(R, splits, G, d, generator=g)
+    m[:, 7], l[:, 7], acc[:, 7] = float("-inf"), 0.0, 0.0
+    m, l, acc = m.to(device), l.to(device), acc.to(device)
+    out = torch.empty(R, G, d, device=device)
+    dec._merge_splits_kernel[(R, G)](m, l, acc, out, splits, G=G, D=d, BLOCK_S=32)
+    torch.testing.assert_close(out, dec.merge_splits(m, l, acc), rtol=0, atol=1e-6)

@@ -74,7 +74,9 @@ def test_insert_equals_reference_and_vague_sketch(device, block_n):
     s.insert(pos, k, v)
     for got, ref, own in ((key, ref_key, s.key), (value, ref_value, s.value)):
         torch.testing.assert_close(got, ref, rtol=0, atol=ATOL)
-        torch.testing.assert_close(ref, own, rtol=0, atol=0)           # the reference is VagueSketch.insert
+        # the reference is VagueSketch.insert on the CPU; on CUDA VagueSketch takes the kernel, whose atomic
+        # adds land in any order (equal up to rounding, like the kernel itself above)
+        torch.testing.assert_close(ref, own, rtol=0, atol=0 if device == "cpu" else ATOL)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -160,11 +162,11 @@ def test_kernels_reject_too_many_rows():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("H, n_raw, n_v, num_splits", [
-    (4, 7, 9, 1),          # GQA G = 2; ragged raw and sketch blocks (block 4)
-    (4, 7, 9, 3),          # the same split over 3 programs per KV head, merged
-    (6, 5, 3, 8),          # G = 3 (padded to 4); more splits asked than blocks
+    (4, 23, 37, 1),        # GQA G = 2; ragged raw and sketch blocks (block 16)
+    (4, 23, 37, 3),        # the same split over 3 programs per KV head, merged
+    (6, 17, 9, 8),         # G = 3 (padded to 16 rows); more splits asked than blocks
     (2, 1, 0, None),       # MHA; a single raw token, no sketch token
-    (4, 0, 6, 2),          # no raw token: all from the sketch
+    (4, 0, 21, 2),         # no raw token: all from the sketch
 ])
 def test_fused_decode_equals_rebuild_then_attend(device, H, n_raw, n_v, num_splits):
     s, _ = filled_sketch(device, n=14)
@@ -173,7 +175,7 @@ def test_fused_decode_equals_rebuild_then_attend(device, H, n_raw, n_v, num_spli
     q = randn(H, D, seed=20, device=device)
     k_raw, v_raw = randn(H_KV, n_raw, D, seed=21, device=device), randn(H_KV, n_raw, D, seed=22, device=device)
     scale = 1 / math.sqrt(D)
-    got = cs.sketch_decode_attention_triton(q, k_raw, v_raw, s.key, s.value, cells, signs, scale, block_n=4,
+    got = cs.sketch_decode_attention_triton(q, k_raw, v_raw, s.key, s.value, cells, signs, scale, block_n=16,
                                             num_splits=num_splits)
     ref = cs.reference_sketch_decode_attention(q, k_raw, v_raw, s.key, s.value, cells, signs, scale)
     assert got.shape == (H, D) and got.dtype == torch.float32
@@ -206,7 +208,7 @@ def test_fused_decode_equals_kvreviver_attend_kv(device):
     expected = attend_step(q.view(1, H, 1, D), rebuilt.k, rebuilt.v)[0].view(H, D)
     cells, signs = hashes(sketch, vague)
     got = cs.sketch_decode_attention_triton(q, k_raw, v_raw, sketch.key, sketch.value, cells, signs,
-                                            1 / math.sqrt(D), block_n=4)
+                                            1 / math.sqrt(D), block_n=16)
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
 
 
@@ -219,7 +221,7 @@ def test_fused_decode_strided_raw_tokens(device):
     k_raw = randn(6, H_KV, D, seed=41, device=device).transpose(0, 1)
     v_raw = randn(6, H_KV, D, seed=42, device=device).transpose(0, 1)
     assert not k_raw.is_contiguous()
-    got = cs.sketch_decode_attention_triton(q, k_raw, v_raw, s.key, s.value, cells, signs, 0.3, block_n=4)
+    got = cs.sketch_decode_attention_triton(q, k_raw, v_raw, s.key, s.value, cells, signs, 0.3, block_n=16)
     ref = cs.reference_sketch_decode_attention(q, k_raw, v_raw, s.key, s.value, cells, signs, 0.3)
     torch.testing.assert_close(got, ref, rtol=0, atol=ATOL)
 
@@ -233,7 +235,7 @@ def test_fused_decode_fp16(device):
     q = randn(4, D, seed=50, device=device, dtype=torch.float16)
     k_raw = randn(H_KV, 5, D, seed=51, device=device, dtype=torch.float16)
     v_raw = randn(H_KV, 5, D, seed=52, device=device, dtype=torch.float16)
-    got = cs.sketch_decode_attention_triton(q, k_raw, v_raw, s.key, s.value, cells, signs, 0.25, block_n=4)
+    got = cs.sketch_decode_attention_triton(q, k_raw, v_raw, s.key, s.value, cells, signs, 0.25, block_n=16)
     ref = cs.reference_sketch_decode_attention(q.float(), k_raw, v_raw, s.key, s.value, cells, signs, 0.25)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), ref, rtol=0, atol=FP16_ATOL)
