@@ -1,8 +1,9 @@
 """
 Compare every KV-cache method with full attention: ``python -m methods.compare --help``.
 
-For each task, sample and mode, the full cache runs once (``harness.trace``) and every method at every
-budget runs on the identical sample; ``harness.compare_traces`` measures it against the full cache.
+For each task, sample and mode, the full cache and every method at every budget run on the identical
+sample (``harness.traces``: one prompt pass serves them all, since the prompt's attention is exact
+whatever the method); ``harness.compare_traces`` measures each against the full cache.
 Results are averaged per (method, budget, task, mode), printed as tables, and optionally written as JSON
 records and an accuracy-vs-keep-ratio plot. Everything is deterministic for a seed.
 
@@ -31,7 +32,7 @@ from nanollm.evaluate import MODES
 from nanollm.tasks import TASKS, make_sample
 
 from . import METHODS, make_policy, method_chain
-from .harness import Cell, compare_traces, greedy_accuracy, trace
+from .harness import Cell, compare_traces, greedy_accuracy, traces
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
@@ -55,16 +56,16 @@ def run_job(model, tok, variants: list[Variant], budgets: list[int], length: int
     task, i, mode = job
     group = model.config.group_size
     sample = make_sample(task, tok, length, seed=seed + i)
-    full = trace(model, sample, mode, None, record_probs=True)
+    keys = [(v.label, budget, task, mode) for v in variants if v.spec != "full" for budget in budgets]
+    policies = [make_policy(v.spec, budget=budget, **v.options)
+                for v in variants if v.spec != "full" for budget in budgets]
+    # one prompt pass for the full cache and every method (harness.traces): the same traces, less time
+    full, *rest = traces(model, sample, mode, [None] + policies, [True] + [False] * len(policies))
     acc, _ = greedy_accuracy(model, tok, sample, full)
     out = [(("full", None, task, mode), {"accuracy": acc, **compare_traces(full, full, group)})]
-    for v in variants:
-        if v.spec == "full":
-            continue
-        for budget in budgets:
-            tr = trace(model, sample, mode, make_policy(v.spec, budget=budget, **v.options))
-            acc, _ = greedy_accuracy(model, tok, sample, tr)
-            out.append(((v.label, budget, task, mode), {"accuracy": acc, **compare_traces(full, tr, group)}))
+    for key, tr in zip(keys, rest):
+        acc, _ = greedy_accuracy(model, tok, sample, tr)
+        out.append((key, {"accuracy": acc, **compare_traces(full, tr, group)}))
     return out
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -42,6 +42,7 @@ from nanollm.cache import KVCache, LayerKV
 from nanollm.evaluate import answer_length, cut_at
 from nanollm.generation import extend, generate, prefill
 from nanollm.lean import LeanDecoder
+from nanollm.attention import prompt_statistics
 from nanollm.policy import CachePolicy, FullCache, Needs, StepContext
 from nanollm.tasks import Sample, string_match_all
 
@@ -121,24 +122,97 @@ def lean_decoder(model) -> LeanDecoder | None:
         return None
 
 
+class SharedPrefillUnsupported(Exception):
+    """A policy or model the shared prompt pass cannot serve (``traces`` then runs the prompts one by one)."""
+
+
+class FanOut(CachePolicy):
+    """The policy of one prompt pass that serves many caches (``traces``).
+
+    The prompt's attention is exact whatever the method (a policy compresses only after a layer's prompt
+    attention), so every method's prompt pass computes the same keys, values and outputs, layer after
+    layer; only the policies' hooks differ. This policy lets the pass compute the outputs alone, and at
+    each layer hands every cache its own copy of the layer's storage and the statistics its policy asks
+    for (``prompt_statistics`` with that policy's ``needs``: the very call ``attention.attend`` makes for
+    it), then runs that policy's ``on_prefill``. Each policy sees exactly what its own prompt pass would
+    show it (a test compares them bit for bit), for one forward pass instead of one per method.
+    """
+
+    def __init__(self, caches: list[KVCache]) -> None:
+        self.caches = caches
+
+    def needs(self, phase: str) -> Needs:
+        return Needs()                                   # the shared pass computes only the output
+
+    def on_prefill(self, ctx: StepContext) -> None:
+        store = ctx.kv
+        if not isinstance(store, LayerKV) or not store.dense or \
+                not torch.equal(store.pos, ctx.q_pos.expand_as(store.pos)):
+            raise SharedPrefillUnsupported("not a plain causal prompt over LayerKV storage")
+        stats: dict[Needs, tuple] = {}
+        for cache in self.caches:
+            own = copy.deepcopy(store)
+            if cache.policy.attend_kv(ctx.layer, own) is not own:
+                raise SharedPrefillUnsupported("a policy attends to rebuilt entries at prefill")
+            needs = cache.policy.needs("prefill")
+            if needs not in stats:                       # (probs, col_sums), as attend() computes them
+                stats[needs] = (None, None) if needs == Needs() else prompt_statistics(ctx.q, own.k, needs)
+            probs, col_sums = (None if t is None else t.clone() for t in stats[needs])
+            cache.policy.on_prefill(replace(ctx, q=ctx.q.clone(), out=ctx.out.clone(), kv=own, probs=probs,
+                                            col_sums=col_sums, attended_pos=own.pos))
+            cache.layers[ctx.layer] = own
+
+
 @torch.no_grad()
 def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None,
           record_probs: bool = False) -> Trace:
     """Prompt (in ``mode``), then the reference answer token by token; see the module docstring."""
+    return traces(model, sample, mode, [policy], [record_probs], share_prompt=False)[0]
+
+
+@torch.no_grad()
+def traces(model, sample: Sample, mode: str, policies: list[CachePolicy | None], record_probs: list[bool],
+           share_prompt: bool = True) -> list[Trace]:
+    """``trace`` of one sample for several policies (None: the full cache). With ``share_prompt`` the first
+    prompt chunk (the prompt, or the context in question_after_context) runs once for all of them
+    (``FanOut``); the traces are the same as separate ``trace`` calls, timings aside."""
+    if mode not in ("question_in_prompt", "question_after_context"):
+        raise ValueError(f"unknown mode {mode!r}")
+    if len(record_probs) != len(policies):
+        raise ValueError(f"one record_probs flag per policy: {len(policies)} policies, {len(record_probs)} flags")
     dev = next(model.parameters()).device
-    probe = Probe(policy if policy is not None else FullCache(), record_probs)
-    cache = KVCache(model.config, policy=probe)
+    first = sample.prompt_ids if mode == "question_in_prompt" else sample.context_ids
+    first = torch.tensor([first], device=dev)
+
+    def fresh() -> tuple[list[Probe], list[KVCache]]:   # a new cache resets its policy
+        probes = [Probe(p if p is not None else FullCache(), r) for p, r in zip(policies, record_probs)]
+        return probes, [KVCache(model.config, policy=probe) for probe in probes]
+
+    probes, caches = fresh()
+    shared = None
+    if share_prompt and len(caches) > 1:
+        try:
+            shared = prefill(model, first, KVCache(model.config, policy=FanOut(caches)))
+            for cache in caches:
+                cache.seen = first.shape[1]
+        except SharedPrefillUnsupported:                # start again, one prompt pass per policy
+            probes, caches = fresh()
+    out = []
+    for probe, cache in zip(probes, caches):
+        logits = shared if shared is not None else prefill(model, first, cache)
+        if mode == "question_after_context":
+            logits = extend(model, torch.tensor([sample.question_ids], device=dev), cache)
+        out.append(answer_trace(model, sample, probe, cache, logits))
+    return out
+
+
+def answer_trace(model, sample: Sample, probe: Probe, cache: KVCache, logits: Tensor) -> Trace:
+    """The reference answer token by token on a cache that holds the prompt (``logits``: the prompt's)."""
+    dev = logits.device
 
     def extra() -> int:
         return cache.state_nbytes() + probe.inner.extra_nbytes()
 
-    if mode == "question_in_prompt":
-        logits = prefill(model, torch.tensor([sample.prompt_ids], device=dev), cache)
-    elif mode == "question_after_context":
-        prefill(model, torch.tensor([sample.context_ids], device=dev), cache)
-        logits = extend(model, torch.tensor([sample.question_ids], device=dev), cache)
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
     def kv() -> int:                                   # stored K/V + slots kept outside the storage
         return cache.nbytes() + probe.inner.slot_nbytes()
 
