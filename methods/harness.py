@@ -110,6 +110,7 @@ class Trace:
     fork: tuple | None = None      # (m, cache): the cache greedy decoding has after the answer's first m
                                    # tokens; m = the first position whose argmax leaves the reference, else
                                    # the last position
+    lean: LeanDecoder | None = None   # the decode step the trace used (greedy decoding reuses it)
 
 
 def lean_decoder(model) -> LeanDecoder | None:
@@ -198,16 +199,19 @@ def traces(model, sample: Sample, mode: str, policies: list[CachePolicy | None],
         except SharedPrefillUnsupported:                # start again, one prompt pass per policy
             probes, caches = fresh()
     out = []
+    lean = lean_decoder(model)                          # one copy of the stacked weights for every trace
     for probe, cache in zip(probes, caches):
         logits = shared if shared is not None else prefill(model, first, cache)
         if mode == "question_after_context":
             logits = extend(model, torch.tensor([sample.question_ids], device=dev), cache)
-        out.append(answer_trace(model, sample, probe, cache, logits))
+        out.append(answer_trace(model, sample, probe, cache, logits, lean))
     return out
 
 
-def answer_trace(model, sample: Sample, probe: Probe, cache: KVCache, logits: Tensor) -> Trace:
-    """The reference answer token by token on a cache that holds the prompt (``logits``: the prompt's)."""
+def answer_trace(model, sample: Sample, probe: Probe, cache: KVCache, logits: Tensor,
+                 lean: LeanDecoder | None) -> Trace:
+    """The reference answer token by token on a cache that holds the prompt (``logits``: the prompt's),
+    each step through ``lean`` (None: the model's own forward)."""
     dev = logits.device
 
     def extra() -> int:
@@ -228,7 +232,6 @@ def answer_trace(model, sample: Sample, probe: Probe, cache: KVCache, logits: Te
     check_fork(0)
     kv_bytes, extra_bytes = kv(), extra()
     decode_s, hidden = 0.0, None
-    lean = lean_decoder(model)
     for j, token in enumerate(sample.target_ids[:-1]):
         probe.recording = j == 0
         t0 = time.perf_counter()
@@ -247,7 +250,7 @@ def answer_trace(model, sample: Sample, probe: Probe, cache: KVCache, logits: Te
         fork = (len(sample.target_ids) - 1, cache)
     n_steps = len(sample.target_ids) - 1
     return Trace(torch.stack(step_logits), hidden, probe.outs, probe.pos, probe.probs, probe.attended, kv_bytes,
-                 extra_bytes, probe.compress_s * 1e3, decode_s * 1e3 / max(1, n_steps), fork)
+                 extra_bytes, probe.compress_s * 1e3, decode_s * 1e3 / max(1, n_steps), fork, lean)
 
 
 def lost_mass(full: Trace, method: Trace, group_size: int) -> float:
@@ -293,7 +296,7 @@ def greedy_from_trace(model, tok, sample: Sample, tr: Trace) -> list[int]:
         out = sample.target_ids[:m] + [first]
         if first != tok.eot_id and len(out) < n_new:
             token = torch.tensor([[first]], device=tr.logits.device)
-            lean = lean_decoder(model)
+            lean = tr.lean if tr.lean is not None else lean_decoder(model)
             out += generate(model, token, n_new - len(out), cache=copy.deepcopy(cache), stop_ids=[tok.eot_id],
                             step=None if lean is None else lean.step)[0].tolist()
     return cut_at(out, tok.eot_id)

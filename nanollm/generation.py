@@ -77,8 +77,9 @@ def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: Cache
     stop_ids : a row stops after producing one of these; rows that stopped are padded with their stop id
         until every row has stopped or ``max_new_tokens`` is reached.
     generator : a seeded ``torch.Generator`` for reproducible sampling.
-    step : the function ``(token (B,), cache) -> logits (B, V)`` that feeds each new token; default
-        ``decode_step`` with this model (``nanollm.lean.LeanDecoder.step`` computes the same, faster).
+    step : the function ``(token (B,), cache) -> logits (B, V)`` that feeds each new token (and ``ids``
+        too when it is one token onto a non-empty cache); default ``decode_step`` with this model
+        (``nanollm.lean.LeanDecoder.step`` computes the same, faster).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
@@ -98,7 +99,10 @@ def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: Cache
     B = ids.shape[0]
     if max_new_tokens == 0:
         return ids.new_zeros(B, 0)
-    logits = (prefill if cache.seen == 0 else extend)(model, ids, cache)[:, -1]     # (B, V)
+    if step is not None and cache.seen > 0 and ids.shape[1] == 1:     # one token onto a cache: a decode step
+        logits = step(ids[:, 0], cache)                                 # (B, V)
+    else:
+        logits = (prefill if cache.seen == 0 else extend)(model, ids, cache)[:, -1]  # (B, V)
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=ids.device)
     out = []

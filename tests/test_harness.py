@@ -8,9 +8,10 @@ import torch
 from methods import METHODS, make_policy
 from methods.compare import main as compare_main
 from methods.compare import run
-from methods.harness import compare_traces, greedy_from_trace, trace
+from methods.harness import compare_traces, greedy_from_trace, trace, traces
 from nanollm import CachePolicy, LayerKV, checkpoint, preset
 from nanollm.evaluate import MODES, answer_ids
+from nanollm.generation import prefill
 from nanollm.tasks import corpus, make_sample
 from nanollm.tokenizer import Tokenizer
 
@@ -209,3 +210,51 @@ def test_run_records_variants_under_their_labels(loaded):
     assert by["snapkv w4"]["kl"] == pytest.approx(
         compare_traces(trace(model, make_sample("niah_single_noise", tok, LENGTH, seed=0), "question_in_prompt",
                              None, record_probs=True), tr, model.config.group_size)["kl"])
+
+
+class RebuildAlways(CachePolicy):
+    """Attends to a rebuilt copy of the storage at every step, the prompt included: the one prompt pass of
+    ``traces`` cannot serve it (it hands every policy the storage itself), so ``traces`` falls back."""
+
+    def attend_kv(self, layer, store):
+        return LayerKV(store.k, store.v, store.pos)
+
+
+def same_trace(a, b) -> None:
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+    for x, y in ((a.outs, b.outs), (a.pos, b.pos), (a.probs, b.probs), (a.attended, b.attended)):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert (a.kv_bytes, a.extra_bytes, a.fork[0]) == (b.kv_bytes, b.extra_bytes, b.fork[0])
+    assert a.fork[1].seen == b.fork[1].seen
+    for la, lb in zip(a.fork[1].layers, b.fork[1].layers):            # the caches greedy decoding continues
+        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v) and torch.equal(la.pos, lb.pos)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_prompt_pass_gives_the_same_traces(loaded, mode, monkeypatch):
+    """``traces`` (one prompt pass for every policy, ``harness.FanOut``) equals separate ``trace`` calls bit
+    for bit: the full cache and every registered method at two budgets; with a policy the shared pass
+    cannot serve, it falls back to one pass per policy, with the same result."""
+    import methods.harness as harness
+    model, tok, _ = loaded
+    s = make_sample("niah_single_noise", tok, LENGTH, seed=6)
+    passes = []
+    monkeypatch.setattr(harness, "prefill", lambda *a: passes.append(1) or prefill(*a))
+
+    def policies(extra=()):
+        return [None] + [make_policy(n, budget=b) for n in sorted(METHODS) if n != "full" for b in (30, 120)] + \
+            list(extra)
+
+    flags = [True] + [False] * (len(policies()) - 1)
+    shared = traces(model, s, mode, policies(), flags)
+    assert len(passes) == 1                                           # one prompt pass served them all
+    alone = [trace(model, s, mode, p, f) for p, f in zip(policies(), flags)]
+    for a, b in zip(shared, alone):
+        same_trace(a, b)
+        assert greedy_from_trace(model, tok, s, a) == greedy_from_trace(model, tok, s, b)
+    passes.clear()
+    with_fallback = traces(model, s, mode, policies([RebuildAlways()]), flags + [False])
+    assert len(passes) == 1 + len(flags) + 1                          # the shared pass gave up: one each
+    for a, b in zip(with_fallback, shared):
+        same_trace(a, b)
+    same_trace(with_fallback[-1], trace(model, s, mode, RebuildAlways()))
