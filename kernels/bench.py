@@ -5,7 +5,9 @@ For every case: the time of our Triton kernel, of the PyTorch reference (and of
 ``scaled_dot_product_attention`` for dense decode), the bytes the step must move at least (each input read
 once, the output written once), the achieved bandwidth, and its fraction of the device's bandwidth
 *measured in the same run* (a device-to-device copy of 1 GiB). Times on a GPU are medians of the call
-replayed in a CUDA graph (``timer``), so launch overhead does not hide the kernels. On a CPU the kernels
+replayed in a CUDA graph (``timer``), so launch overhead does not hide the kernels. The replays do not
+flush the L2 cache between calls: inputs smaller than it (an H100's is 50 MB: the sketch and tensor
+cases) are partly read from L2, so their GB/s are not HBM bandwidth. On a CPU the kernels
 only run in Triton's interpreter, which is for correctness, not speed: the command says so and times the
 references alone (``--quick`` shrinks the shapes).
 
@@ -51,16 +53,16 @@ def timer(device: str):
     if device == "cuda":
         import triton.testing
 
-        def gpu(fn) -> float:
+        def gpu(fn, label: str = "") -> float:
             try:
                 return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
             except Exception as e:                     # noqa: BLE001  (a capture error: time it eagerly)
                 torch.cuda.synchronize()
-                EAGER.append(f"{getattr(fn, '__qualname__', 'a function')}: {type(e).__name__}")
+                EAGER.append(f"{label or getattr(fn, '__qualname__', 'a function')}: {type(e).__name__}")
                 return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         return gpu
 
-    def cpu(fn, repeats: int = 5) -> float:
+    def cpu(fn, label: str = "", repeats: int = 5) -> float:
         fn()
         times = []
         for _ in range(repeats):
@@ -127,7 +129,8 @@ def selected_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float,
     kc, vc = k.gather(2, rows_).contiguous(), v.gather(2, rows_).contiguous()       # a compacted cache
     bench = timer(device)
     nbytes = kc.nbytes + vc.nbytes + idx.shape[-1] * B * H_kv * 4 + 2 * q.nbytes
-    times = {"reference": bench(lambda: reference_selected_decode_attention(q, k, v, idx))}
+    times = {"reference": bench(lambda: reference_selected_decode_attention(q, k, v, idx),
+                                "selected reference (checks idx on the host)")}
     full, compact = {}, {}
     if kernels_on:
         idx32 = idx.to(torch.int32).contiguous()              # checked once here, not inside the timed call
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=cli.output_file, default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     with cli.errors(args.debug):
+        EAGER.clear()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         kernels_on = device == "cuda" and HAS_TRITON
         if not kernels_on:

@@ -137,6 +137,10 @@ class FanOut(CachePolicy):
     for (``prompt_statistics`` with that policy's ``needs``: the very call ``attention.attend`` makes for
     it), then runs that policy's ``on_prefill``. Each policy sees exactly what its own prompt pass would
     show it (a test compares them bit for bit), for one forward pass instead of one per method.
+
+    Two assumptions, which every registered method meets: a policy's prefill hook does not draw from the
+    global random generator (the hooks of different policies now interleave, layer by layer), and
+    ``reset()`` forgets everything (the fallback starts every policy again).
     """
 
     def __init__(self, caches: list[KVCache]) -> None:
@@ -176,7 +180,9 @@ def traces(model, sample: Sample, mode: str, policies: list[CachePolicy | None],
            share_prompt: bool = True) -> list[Trace]:
     """``trace`` of one sample for several policies (None: the full cache). With ``share_prompt`` the first
     prompt chunk (the prompt, or the context in question_after_context) runs once for all of them
-    (``FanOut``); the traces are the same as separate ``trace`` calls, timings aside."""
+    (``FanOut``); the traces are the same as separate ``trace`` calls, timings aside. Every trace, with the
+    cache copy its greedy continuation starts from, is held until the call returns: fine at the lengths
+    of ``methods.compare``; for long contexts call ``trace`` per policy."""
     if mode not in ("question_in_prompt", "question_after_context"):
         raise ValueError(f"unknown mode {mode!r}")
     if len(record_probs) != len(policies):

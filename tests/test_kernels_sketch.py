@@ -164,7 +164,7 @@ def test_kernels_reject_too_many_rows():
 @pytest.mark.parametrize("H, n_raw, n_v, num_splits", [
     (4, 23, 37, 1),        # GQA G = 2; ragged raw and sketch blocks (block 16)
     (4, 23, 37, 3),        # the same split over 3 programs per KV head, merged
-    (6, 17, 9, 8),         # G = 3 (padded to 16 rows); more splits asked than blocks
+    (6, 17, 9, 8),         # G = 3 (padded to 4); more splits asked than blocks
     (2, 1, 0, None),       # MHA; a single raw token, no sketch token
     (4, 0, 21, 2),         # no raw token: all from the sketch
 ])
