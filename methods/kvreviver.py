@@ -64,7 +64,7 @@ import kernels
 from kernels.count_sketch import (MAX_ROWS, median_of_rows, reference_sketch_insert,  # noqa: F401
                                   reference_sketch_query, sketch_insert_triton, sketch_query_triton)
 from nanollm.policy import CachePolicy, Needs, StepContext, check_budget, check_int
-from nanollm.storage import LayerKV, gather_slots
+from nanollm.storage import LayerKV
 
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
 
@@ -212,19 +212,22 @@ class KVReviverPolicy(CachePolicy):
         sketches = self._sketch.get(layer)
         if not sketches:                                # nothing in a sketch: the storage is the whole cache
             return store
-        B, H_kv = store.k.shape[:2]
+        B, H_kv, _, d = store.k.shape
         seen = int(store.pos.max()) + 1                 # positions 0..seen-1 (the new tokens included)
         raw = torch.zeros(B, seen, dtype=torch.bool, device=store.pos.device)
         raw.scatter_(1, store.pos[:, 0], True)                                   # (B, N) in R or C
         vague = torch.arange(seen, device=raw.device).expand(B, seen)[~raw].view(B, -1)   # (B, n_V)
-        rebuilt_k, rebuilt_v = zip(*(sketches[b].query(vague[b]) for b in range(B)))      # (n_V, H_kv, d) each
-        pos = torch.cat([store.pos[:, 0], vague], dim=1)                         # (B, N)
-        order = pos.argsort(dim=1)[:, None, :]                                   # position order
-        k = torch.cat([store.k, torch.stack(rebuilt_k).transpose(1, 2).to(store.k.dtype)], dim=2)
-        v = torch.cat([store.v, torch.stack(rebuilt_v).transpose(1, 2).to(store.v.dtype)], dim=2)
-        slots = order.expand(B, H_kv, seen)
-        rebuilt = LayerKV(gather_slots(k, slots), gather_slots(v, slots),
-                          pos[:, None, :].gather(2, order).expand(B, H_kv, seen))
+        # every position 0..N-1 is raw or vague exactly once: write each entry at its position's slot
+        k = store.k.new_empty(B, H_kv, seen, d)
+        v = store.v.new_empty(B, H_kv, seen, store.v.shape[-1])
+        for b in range(B):
+            k_hat, v_hat = sketches[b].query(vague[b])                           # (n_V, H_kv, d) each
+            k[b].index_copy_(1, store.pos[b, 0], store.k[b])                     # raw entries, as stored
+            v[b].index_copy_(1, store.pos[b, 0], store.v[b])
+            k[b].index_copy_(1, vague[b], k_hat.transpose(0, 1).to(k.dtype))     # rebuilt entries
+            v[b].index_copy_(1, vague[b], v_hat.transpose(0, 1).to(v.dtype))
+        pos = torch.arange(seen, device=raw.device).expand(B, H_kv, seen)
+        rebuilt = LayerKV(k, v, pos)
         self.rebuilt_nbytes = max(self.rebuilt_nbytes, rebuilt.nbytes())
         return rebuilt
 
