@@ -23,6 +23,8 @@ Each kernel file follows the Triton tutorials: the reference, the ``@triton.jit`
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 
 import torch
@@ -53,4 +55,39 @@ def serves(t: torch.Tensor) -> bool:
     Only on CUDA: the interpreter is for the kernel tests, far too slow for a model (the tests patch this
     function to route those paths through it)."""
     # sm_80 or newer: the kernels load bf16 and use tl.dot shapes older GPUs do not compile
-    return t.is_cuda and use_triton(t) and torch.cuda.get_device_capability(t.device)[0] >= 8
+    return t.is_cuda and use_triton(t) and _properties(t.device.index)[0] >= 8
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small pieces the three kernel files share
+
+
+@functools.cache
+def _properties(index: int | None) -> tuple[int, int]:
+    """(compute capability major, streaming multiprocessors) of a CUDA device, read once: the hot paths
+    ask at every layer of every decode step."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.multi_processor_count
+
+
+def sm_count(t: torch.Tensor) -> int:
+    """Streaming multiprocessors of the GPU holding ``t``: how many programs a launch needs to fill it."""
+    return _properties(t.device.index)[1]
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1): Triton blocks are powers of two. Plain Python, so
+    callers that only size things (``tensor_decode.peak_memory_bytes``) need no Triton."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def split_ranges(n_units: int, splits: int) -> tuple[int, int]:
+    """Cut ``n_units`` (blocks, tiles) into at most ``splits`` ranges of equal length, none empty:
+    (units per range, number of ranges)."""
+    per = -(-n_units // max(1, min(splits, n_units)))
+    return per, -(-n_units // per)
+
+
+def default_scale(scale: float | None, d: int) -> float:
+    """The attention scale: 1 / sqrt(d) unless given."""
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)

@@ -63,7 +63,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels import HAS_TRITON, use_triton
+from kernels import HAS_TRITON, next_pow2, sm_count, split_ranges, use_triton
 
 if HAS_TRITON:
     import triton
@@ -106,8 +106,16 @@ def _rows_for_kernel(r: int) -> None:
                          "reference_* functions)")
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
+def _flat_cells(cells: Tensor, b: int) -> Tensor:
+    """Row i's cell c as one index i * b + c into the sketch's (r * b, ...) rows: cells (r, n) -> (r * n,)."""
+    return (torch.arange(cells.shape[0], device=cells.device).view(-1, 1) * b + cells.long()).reshape(-1)
+
+
+def _token_blocks(n: int, HD: int, block_n: int | None) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_F) of the insert and query kernels: features of one token in blocks of at most 1024,
+    tokens so that a program holds about 4096 numbers (``block_n`` overrides, for the tests)."""
+    BLOCK_F = min(next_pow2(HD), 1024)
+    return block_n or max(1, min(next_pow2(n), 4096 // BLOCK_F)), BLOCK_F
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -119,9 +127,10 @@ def reference_sketch_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Te
     signs[i, j] v[j]. key, value (r, b, H_kv, d); cells, signs (r, n); k, v (n, H_kv, d). The effect of
     ``VagueSketch.insert`` (a delete is an insert of -k, -v)."""
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
-    _check_tokens("k", k, n, H_kv, d), _check_tokens("v", v, n, H_kv, d)
+    _check_tokens("k", k, n, H_kv, d)
+    _check_tokens("v", v, n, H_kv, d)
     flat = (-1, H_kv, d)
-    idx = (torch.arange(r, device=cells.device).view(-1, 1) * b + cells.long()).reshape(-1)      # (r * n,)
+    idx = _flat_cells(cells, b)                                                                # (r * n,)
     k_rows = k.to(key.dtype).unsqueeze(0).expand(r, n, H_kv, d)                                # (r, n, H_kv, d)
     v_rows = v.to(value.dtype).unsqueeze(0) * signs.to(value.dtype)[..., None, None]          # g_i(J) v_J
     key.view(flat).index_add_(0, idx, k_rows.reshape(flat))
@@ -156,15 +165,15 @@ def sketch_insert_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tenso
     """The Triton kernel of ``sketch_insert`` (always). ``block_n``: tokens per program (tests)."""
     _need_triton()
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
-    _check_tokens("k", k, n, H_kv, d), _check_tokens("v", v, n, H_kv, d)
+    _check_tokens("k", k, n, H_kv, d)
+    _check_tokens("v", v, n, H_kv, d)
     if key.dtype != torch.float32 or value.dtype != torch.float32 or not (key.is_contiguous()
                                                                           and value.is_contiguous()):
         raise ValueError("the sketch's key and value must be contiguous fp32 tensors (updated in place)")
     if n == 0:
         return
     HD = H_kv * d
-    BLOCK_F = min(_pow2(HD), 1024)
-    BLOCK_N = block_n or max(1, min(_pow2(n), 4096 // BLOCK_F))
+    BLOCK_N, BLOCK_F = _token_blocks(n, HD, block_n)
     grid = (triton.cdiv(n, BLOCK_N), r, triton.cdiv(HD, BLOCK_F))
     _sketch_insert_kernel[grid](key, value, cells.to(torch.int32).contiguous(),
                                 signs.to(torch.float32).contiguous(), k.contiguous(), v.contiguous(),
@@ -198,7 +207,7 @@ def reference_sketch_query(key: Tensor, value: Tensor, cells: Tensor, signs: Ten
     equals ``VagueSketch.query``."""
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
     flat = (-1, H_kv, d)
-    idx = (torch.arange(r, device=cells.device).view(-1, 1) * b + cells.long()).reshape(-1)      # (r * n,)
+    idx = _flat_cells(cells, b)                                                                # (r * n,)
     k = key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)
     v = value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * signs.to(value.dtype)[..., None, None]
     return median_of_rows(k), median_of_rows(v)
@@ -269,8 +278,7 @@ def sketch_query_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor
     if n == 0:
         return k_hat, v_hat
     HD = H_kv * d
-    BLOCK_F = min(_pow2(HD), 1024)
-    BLOCK_N = block_n or max(1, min(_pow2(n), 4096 // BLOCK_F))
+    BLOCK_N, BLOCK_F = _token_blocks(n, HD, block_n)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(HD, BLOCK_F))
     _sketch_query_kernel[grid](key.contiguous(), value.contiguous(), cells.to(torch.int32).contiguous(),
                                signs.to(torch.float32).contiguous(), k_hat, v_hat, n, b, HD,
@@ -431,16 +439,15 @@ def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key:
     H, H_kv, d, n_raw, n_v, r = _check_attention(q, k_raw, v_raw, key, value, cells, signs)
     _rows_for_kernel(r)
     G = H // H_kv
-    G_PAD, D_PAD = _pow2(G), _pow2(d)
+    G_PAD, D_PAD = next_pow2(G), next_pow2(d)
     # the (G_PAD, BLOCK_N, D_PAD) product of a block lives in registers: keep it around 8K elements. (tl.dot
     # in IEEE fp32, the cells' type, measured 2x slower on an H100: the rebuild, not the products, bounds it)
     BLOCK_N = block_n or max(16, min(64, 8192 // (G_PAD * D_PAD)))
     n_blocks = triton.cdiv(n_raw, BLOCK_N) + triton.cdiv(n_v, BLOCK_N)
     if num_splits is None:
-        target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        target = 2 * sm_count(q) if q.is_cuda else 1
         num_splits = triton.cdiv(target, H_kv)
-    per_split = triton.cdiv(n_blocks, max(1, min(num_splits, n_blocks)))
-    S = triton.cdiv(n_blocks, per_split)                                 # every split gets >= 1 block
+    per_split, S = split_ranges(n_blocks, num_splits)                    # every split gets >= 1 block
     dev = q.device
     m = torch.empty(H_kv, S, G_PAD, device=dev, dtype=torch.float32)
     l = torch.empty_like(m)

@@ -36,12 +36,10 @@ fp32 accumulation; an fp32 cache multiplies in IEEE fp32, so the tests hold at 1
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, use_triton
+from . import HAS_TRITON, default_scale, next_pow2, sm_count, split_ranges, use_triton
 
 if HAS_TRITON:
     import triton
@@ -80,7 +78,7 @@ def reference_decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | N
     check_decode_args(q, k, v)
     B, H, d = q.shape
     H_kv = k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = default_scale(scale, d)
     qg = q.float().view(B, H_kv, H // H_kv, d)                            # (B, H_kv, G, d)
     s = qg @ k.float().transpose(-1, -2) * scale                          # (B, H_kv, G, S)
     out = torch.softmax(s, dim=-1) @ v.float()                            # (B, H_kv, G, d)
@@ -94,7 +92,7 @@ def reference_selected_decode_attention(q: Tensor, k: Tensor, v: Tensor, idx: Te
     check_decode_args(q, k, v, idx)
     B, H, d = q.shape
     H_kv = k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = default_scale(scale, d)
     rows = idx.clamp(min=0)[..., None].expand(-1, -1, -1, d)
     ks, vs = k.float().gather(2, rows), v.float().gather(2, rows)         # (B, H_kv, K, d)
     s = q.float().view(B, H_kv, H // H_kv, d) @ ks.transpose(-1, -2) * scale
@@ -175,7 +173,7 @@ def default_splits(q: Tensor, B: int, H_kv: int, n_tokens: int, block_n: int) ->
     interpreter, which runs programs one after another), never a range shorter than one block. (On an H100,
     1 to 16 programs per SM, blocks of 32 to 128 tokens, 4 or 8 warps and 2 or 3 stages all land within
     a few percent of each other once the products go through tl.dot.)"""
-    programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    programs = 2 * sm_count(q) if q.is_cuda else 1
     return max(1, min(triton.cdiv(n_tokens, block_n), triton.cdiv(programs, B * H_kv)))
 
 
@@ -233,15 +231,15 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
         raise ValueError(f"the kernels take a head dimension that is a power of two >= 16, got {d}")
     if block_n & (block_n - 1) or block_n < 16:
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot needs tiles of at least 16), got {block_n}")
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = default_scale(scale, d)
     q = q.contiguous() if q.stride(-1) != 1 else q
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     n_tokens = idx.shape[2] if idx is not None else k.shape[2]
     splits = splits or default_splits(q, B, H_kv, n_tokens, block_n)
-    per_split = block_n * triton.cdiv(triton.cdiv(n_tokens, splits), block_n)   # whole blocks per range
-    splits = triton.cdiv(n_tokens, per_split)
-    G_PAD = max(16, triton.next_power_of_2(G))                                 # tl.dot's smallest tile
+    blocks_per_split, splits = split_ranges(triton.cdiv(n_tokens, block_n), splits)
+    per_split = block_n * blocks_per_split                                     # whole blocks per range
+    G_PAD = max(16, next_pow2(G))                                              # tl.dot's smallest tile
     # fp32 caches multiply in IEEE fp32; so does bf16 in the CPU interpreter, whose bf16 tl.dot multiplies
     # the operands' raw bits (triton-lang/triton#11584)
     dot_fp32 = k.dtype == torch.float32 or (k.dtype == torch.bfloat16 and not k.is_cuda)

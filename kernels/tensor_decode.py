@@ -91,12 +91,10 @@ All take q (B, H, d) and K1, K2, V1, V2 (B, H, n, d) and return (B, H, d) in q's
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from kernels import HAS_TRITON, interpreting, use_triton
+from kernels import HAS_TRITON, default_scale, interpreting, next_pow2, sm_count, split_ranges, use_triton
 from methods.tensor_attention import four_cache_attention
 
 if HAS_TRITON:
@@ -136,8 +134,9 @@ def _check_inputs(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tensor) -> 
     return B, H, n, d
 
 
-def _scale(scale: float | None, d: int) -> float:
-    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+def _block_d(d: int) -> int:
+    """The kernel's block over the head dimension: a power of two, at least tl.dot's 16."""
+    return max(16, next_pow2(d))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -149,7 +148,7 @@ def reference_tensor_decode(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: T
     """``four_cache_attention`` for one query per head: q (B, H, d), factors (B, H, n, d) -> (B, H, d).
     ``scale`` defaults to 1/sqrt(d), as in ``TensorAttention``. Materialises the (n, n) scores."""
     _, _, _, d = _check_inputs(q, K1, K2, V1, V2)
-    return four_cache_attention(q.unsqueeze(-2), K1, K2, V1, V2, _scale(scale, d)).squeeze(-2)
+    return four_cache_attention(q.unsqueeze(-2), K1, K2, V1, V2, default_scale(scale, d)).squeeze(-2)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,7 +268,7 @@ def _default_splits(q: Tensor, BH: int, n_a_tiles: int) -> int:
     interpreter runs programs one after another, so splitting only adds the combine work)."""
     if not q.is_cuda:
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = sm_count(q)
     splits = max(1, min(n_a_tiles, triton.cdiv(4 * sms, BH)))
     # SPLITS is a compile-time constant: rounded down to a power of two, a growing cache triggers a handful
     # of compilations (1, 2, 4, ...) instead of one per new a-tile
@@ -315,13 +314,12 @@ def tensor_decode_triton(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tens
         splits = _default_splits(q, BH, n_a_tiles)
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    tiles_per_split = triton.cdiv(n_a_tiles, min(splits, n_a_tiles))
-    splits = triton.cdiv(n_a_tiles, tiles_per_split)          # every program gets at least one a-tile
+    tiles_per_split, splits = split_ranges(n_a_tiles, splits)   # every program gets at least one a-tile
 
     factors = (K1, K2, V1, V2)
     if len({f.stride() for f in factors}) != 1:               # the kernel takes one set of factor strides
         factors = tuple(f.contiguous() for f in factors)
-    BLOCK_D = max(16, triton.next_power_of_2(d))
+    BLOCK_D = _block_d(d)
     if num_stages is None:
         num_stages = 3 if q.dtype != torch.float32 else 2 if BLOCK_D <= 128 else 1
 
@@ -332,7 +330,7 @@ def tensor_decode_triton(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tens
 
     tensor_decode_kernel[(BH, splits)](
         q, *factors, m_part, l_part, acc_part,
-        _scale(scale, d), H, n, d, tiles_per_split,
+        default_scale(scale, d), H, n, d, tiles_per_split,
         *q.stride(), *factors[0].stride(),
         SPLITS=splits, BLOCK_A=block_a, BLOCK_B=block_b, BLOCK_D=BLOCK_D,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -340,7 +338,7 @@ def tensor_decode_triton(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tens
     )
     tensor_decode_combine_kernel[(BH,)](
         m_part, l_part, acc_part, out, d,
-        SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D,
+        SPLITS=splits, SPLITS_P2=next_pow2(splits), BLOCK_D=BLOCK_D,
     )
     return out
 
@@ -382,10 +380,9 @@ def peak_memory_bytes(n: int, d: int, path: str, *, splits: int = 1, itemsize: i
     if path == "naive":
         return (2 * n * n * d + 2 * n * n) * itemsize
     if path == "reference":
-        return (n * n + max(n * d, n * n, 2 * n * d)) * itemsize
+        return (n * n + max(n * n, 2 * n * d)) * itemsize
     if path == "kernel":
         if splits < 1:
             raise ValueError(f"splits must be >= 1, got {splits}")
-        block_d = max(16, 1 << (d - 1).bit_length())
-        return splits * (block_d + 2) * 4
+        return splits * (_block_d(d) + 2) * 4
     raise ValueError(f"unknown path {path!r}; choose one of {PATHS}")

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from nanollm.attention import prompt_statistics
 from nanollm.cache import KVCache, LayerKV
 from nanollm.evaluate import answer_length, cut_at
 from nanollm.generation import extend, generate, prefill
 from nanollm.lean import LeanDecoder
-from nanollm.attention import prompt_statistics
 from nanollm.policy import CachePolicy, FullCache, Needs, StepContext
 from nanollm.tasks import Sample, string_match_all
 
@@ -302,9 +302,8 @@ def greedy_from_trace(model, tok, sample: Sample, tr: Trace) -> list[int]:
         out = sample.target_ids[:m] + [first]
         if first != tok.eot_id and len(out) < n_new:
             token = torch.tensor([[first]], device=tr.logits.device)
-            lean = tr.lean if tr.lean is not None else lean_decoder(model)
             out += generate(model, token, n_new - len(out), cache=copy.deepcopy(cache), stop_ids=[tok.eot_id],
-                            step=None if lean is None else lean.step)[0].tolist()
+                            step=None if tr.lean is None else tr.lean.step)[0].tolist()
     return cut_at(out, tok.eot_id)
 
 

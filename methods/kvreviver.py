@@ -61,8 +61,8 @@ import torch
 from torch import Tensor
 
 import kernels
-from kernels.count_sketch import (MAX_ROWS, median_of_rows, reference_sketch_insert,  # noqa: F401
-                                  reference_sketch_query, sketch_insert_triton, sketch_query_triton)
+from kernels.count_sketch import (MAX_ROWS, reference_sketch_insert, reference_sketch_query, sketch_insert_triton,
+                                  sketch_query_triton)
 from nanollm.policy import CachePolicy, Needs, StepContext, check_budget, check_int
 from nanollm.storage import LayerKV
 

@@ -185,7 +185,7 @@ def load(name_or_path: str | Path) -> tuple[Transformer, dict]:
     folder = Path(name_or_path)
     if not folder.is_dir():
         folder = CHECKPOINTS / str(name_or_path)
-    if not (folder / "nanollm_config.json").is_file():
+    if not checkpoint.is_checkpoint(folder):
         raise ValueError(f"no Match3 checkpoint {str(name_or_path)!r}: bundled ones are "
                          f"{sorted(p.name for p in CHECKPOINTS.glob('match3-*'))}, or give a folder")
     return checkpoint.load_model(folder), checkpoint.load_card(folder)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     with cli.errors(args.debug):
         if args.cmd == "train":
-            holds_checkpoint = (lambda f: args.force and (Path(f) / "nanollm_config.json").exists())
+            holds_checkpoint = (lambda f: args.force and checkpoint.is_checkpoint(f))
             out = cli.output_folder(args.out, "--out", may_hold=holds_checkpoint)
             start = time.time()
             model, history = train(args.attention, args.steps, args.batch_size, args.lr, args.seed,

@@ -107,16 +107,27 @@ class SubGen:
         self.gen = torch.Generator().manual_seed(seed)
         # keys: clusters
         self._centres = torch.empty(16, d, dtype=dtype)          # (capacity, d), first n_clusters rows used
-        self.n_clusters = 0
         self.counts: list[int] = []                              # keys seen per cluster
-        self._samples: list[Tensor] = []                         # per cluster (per_cluster, d)
-        self._filled: list[int] = []                             # used rows of each sample
+        self._samples: list[Tensor] = []                         # per cluster (per_cluster, d), the first
+                                                                 # min(count, per_cluster) rows used
         # values: l2 samples
         self.n_seen = 0                                          # rows seen
         self.total_weight = 0.0                                  # W = sum ||v_j||^2
         self._vk = torch.zeros(value_samples, d, dtype=dtype)    # (s, d) sampled keys
         self._vv = torch.zeros(value_samples, d, dtype=dtype)    # (s, d) their values
-        self.exact_values = True                                 # still the verbatim buffer
+
+    @property
+    def n_clusters(self) -> int:
+        return len(self.counts)
+
+    @property
+    def exact_values(self) -> bool:
+        """Whether the value buffer still holds every pair verbatim (it fits: n_seen <= value_samples)."""
+        return self.n_seen <= self.value_samples
+
+    def _filled(self) -> list[int]:
+        """Used rows of each cluster's sample: every key until the reservoir is full."""
+        return [min(c, self.per_cluster) for c in self.counts]
 
     # ------------------------------------------------------------------------------------------------
     # streaming
@@ -144,14 +155,11 @@ class SubGen:
                 self._centres = torch.cat([self._centres, torch.empty_like(self._centres)])
             i = self.n_clusters
             self._centres[i] = k
-            self.n_clusters += 1
             self.counts.append(0)
             self._samples.append(torch.empty(self.per_cluster, self.d, dtype=self.dtype))
-            self._filled.append(0)
         self.counts[i] += 1
-        if self._filled[i] < self.per_cluster:                                      # reservoir not full
-            self._samples[i][self._filled[i]] = k
-            self._filled[i] += 1
+        if self.counts[i] <= self.per_cluster:                                      # reservoir not full
+            self._samples[i][self.counts[i] - 1] = k
         else:                                                                       # keep with prob t / c
             slot = int(torch.randint(self.counts[i], (1,), generator=self.gen))
             if slot < self.per_cluster:
@@ -163,17 +171,16 @@ class SubGen:
         w = float(v @ v)
         self.n_seen += 1
         self.total_weight += w
-        if self.exact_values:
-            if self.n_seen <= s:
-                self._vk[self.n_seen - 1], self._vv[self.n_seen - 1] = k, v
-                return
+        if self.n_seen <= s:
+            self._vk[self.n_seen - 1], self._vv[self.n_seen - 1] = k, v
+            return
+        if self.n_seen == s + 1:
             # The buffer overflows: draw s rows from it with probability ||v||^2 / W (with replacement), the
             # state s independent size-one reservoirs would be in now, and go on streaming from there.
             weights = (self._vv ** 2).sum(-1)                                       # (s,)
             if float(weights.sum()) > 0:
                 idx = torch.multinomial(weights, s, replacement=True, generator=self.gen)
                 self._vk, self._vv = self._vk[idx], self._vv[idx]
-            self.exact_values = False
         if w > 0:
             replace = torch.rand(s, generator=self.gen, dtype=self.dtype) < w / self.total_weight   # (s,)
             self._vk[replace], self._vv[replace] = k, v
@@ -183,8 +190,9 @@ class SubGen:
 
     def _cluster_keys(self) -> tuple[Tensor, Tensor]:
         """The sampled keys of every cluster (N, d) and each one's weight c_i / |S_i| (N,)."""
-        keys = torch.cat([smp[:f] for smp, f in zip(self._samples, self._filled)])
-        weights = torch.cat([torch.full((f,), c / f, dtype=self.dtype) for c, f in zip(self.counts, self._filled)])
+        filled = self._filled()
+        keys = torch.cat([smp[:f] for smp, f in zip(self._samples, filled)])
+        weights = torch.cat([torch.full((f,), c / f, dtype=self.dtype) for c, f in zip(self.counts, filled)])
         return keys, weights
 
     def _value_pairs(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -210,26 +218,24 @@ class SubGen:
         (Tq, d) -> () or (Tq,). ``shift`` (same leading shape) only guards against overflow."""
         q = self._check_query(q)
         keys, weights = self._cluster_keys()                                        # (N, d), (N,)
-        shift = torch.as_tensor(shift, dtype=self.dtype)[..., None]
-        return (weights * torch.exp(scale * q @ keys.T - shift)).sum(-1)
+        return _weighted_exp_sum(weights, scale * q @ keys.T, torch.as_tensor(shift, dtype=self.dtype))
 
     def attend(self, q: Tensor, scale: float = 1.0) -> Tensor:
         """o_hat = numerator_hat / Z_hat for q (d,) or (Tq, d) -> (d,) or (Tq, d)."""
         q = self._check_query(q)
-        ck, _ = self._cluster_keys()
+        ck, weights = self._cluster_keys()
         vk, vv, coef = self._value_pairs()
         s_c, s_v = scale * q @ ck.T, scale * q @ vk.T                               # (..., N), (..., s')
         shift = torch.maximum(s_c.max(-1).values, s_v.max(-1).values)              # (...,) common, cancels
         numerator = (torch.exp(s_v - shift[..., None]) * coef) @ vv                 # (..., d)
-        return numerator / self.normaliser(q, scale, shift)[..., None]
+        return numerator / _weighted_exp_sum(weights, s_c, shift)[..., None]       # the normaliser's sum
 
     # ------------------------------------------------------------------------------------------------
     # memory
 
     def stored_rows(self) -> int:
         """d-vectors held: cluster centres, sampled keys, and the key and value of each stored pair."""
-        pairs = min(self.n_seen, self.value_samples) if self.exact_values else self.value_samples
-        return self.n_clusters + sum(self._filled) + 2 * pairs
+        return self.n_clusters + sum(self._filled()) + 2 * min(self.n_seen, self.value_samples)
 
     def numbers(self) -> int:
         """Numbers held: the rows above times d, one count per cluster, and the two stream totals (n, W)."""
@@ -239,6 +245,12 @@ class SubGen:
         """Bytes of ``numbers()`` at ``bytes_per_number`` (default: the sketch's dtype, 8 for float64)."""
         per = torch.empty(0, dtype=self.dtype).element_size() if bytes_per_number is None else bytes_per_number
         return self.numbers() * per
+
+
+def _weighted_exp_sum(weights: Tensor, scores: Tensor, shift: Tensor) -> Tensor:
+    """sum_i weights_i exp(scores_i - shift) over the last axis: the normaliser Z_hat times exp(-shift).
+    scores (..., N), shift (...)."""
+    return (weights * torch.exp(scores - shift[..., None])).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -60,20 +60,19 @@ def measure(lengths: list[int], steps: int = 7) -> dict:
            "threads": torch.get_num_threads()}
     fit = lengths[len(lengths) // 2:] if len(lengths) >= 4 else lengths
     out["fit_from"] = fit[0]
+    k = len(lengths) - len(fit)                    # the fit starts at lengths[k]
     for layout in ("four-naive", "four", "two"):
         ms, nbytes = [], []
         for n in lengths:
             sec, b = step_times(layout, n, steps)
             ms.append(sec * 1e3)
             nbytes.append(b)
-        k = len(lengths) - len(fit)
         out[layout] = {"ms": ms, "bytes": nbytes, "time_slope": slope(fit, ms[k:]),
                        "bytes_slope": slope(lengths, nbytes)}
     # Theorem 4.3 is about an additive gap: "faster by Omega(n^2 d)". Slope of (path - two) where positive.
-    k = len(lengths) - len(fit)
     for layout in ("four-naive", "four"):
-        gap = [a - b for a, b in zip(out[layout]["ms"][k:], out["two"]["ms"][k:])]
         out[layout]["gap_ms"] = [a - b for a, b in zip(out[layout]["ms"], out["two"]["ms"])]
+        gap = out[layout]["gap_ms"][k:]
         out[layout]["gap_slope"] = slope(fit, gap) if min(gap) > 0 else None
     return out
 

@@ -227,28 +227,26 @@ class _GreedyDecoder:
     """One implementation's sequence: a prefilled cache and the greedy next token; ``step()`` feeds it."""
 
     def __init__(self, name: str, model, ids: Tensor) -> None:
-        self.name, self.model = name, model
+        self.name = name
         if name in ("nanollm", "nanollm-lean"):
             self.cache = KVCache(model.config)
             logits = prefill(model, ids, self.cache)[:, -1]                    # (1, V)
-            self.lean = LeanDecoder(model) if name == "nanollm-lean" else None
+            lean = LeanDecoder(model) if name == "nanollm-lean" else None
+            self._logits = (lambda t: decode_step(model, t, self.cache)) if lean is None else \
+                (lambda t: lean.step(t, self.cache))                           # next-token logits (1, V)
         else:
             from transformers import DynamicCache
             out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
             self.cache, logits = out.past_key_values, out.logits[:, -1]
+            self._logits = lambda t: model(input_ids=t[:, None], past_key_values=self.cache,
+                                           use_cache=True).logits[:, -1]
         self.first_logits = logits
         self.token = logits.argmax(-1)                                         # (1,)
 
     def step(self) -> float:
         """ms of one greedy decode step (the forward of one token over the cache, and its argmax)."""
         t0 = time.perf_counter()
-        if self.name == "nanollm":
-            logits = decode_step(self.model, self.token, self.cache)
-        elif self.name == "nanollm-lean":
-            logits = self.lean.step(self.token, self.cache)
-        else:
-            logits = self.model(input_ids=self.token[:, None], past_key_values=self.cache, use_cache=True).logits[:, -1]
-        self.token = logits.argmax(-1)
+        self.token = self._logits(self.token).argmax(-1)
         return (time.perf_counter() - t0) * 1e3
 
 
@@ -258,8 +256,9 @@ def run_vs_transformers(checkpoint: str = "retrieval-llama", contexts=HF_CONTEXT
     """ms of one greedy decode step, nanollm (plain ``KVCache``) vs transformers' ``LlamaForCausalLM`` with a
     ``DynamicCache``, on the same weights (exported with ``hf.export_hf`` to a temporary folder), one thread.
 
-    For every context both are prefilled with the same random ids (untimed), then each repeat times one
-    step of every (context, implementation), alternating which implementation goes first; medians. Each
+    For every context the three (nanollm's ``decode_step``, its lean step, transformers) are prefilled with
+    the same random ids (untimed), then each repeat times one step of every (context, implementation), in
+    alternating order; medians. Each
     sequence continues greedily, so it grows by one token per step. Also records the largest difference of
     the two models' next-token logits after the prefill (they are the same model). Returns None when
     transformers cannot be imported.
@@ -290,14 +289,14 @@ def run_vs_transformers(checkpoint: str = "retrieval-llama", contexts=HF_CONTEXT
         ids = torch.randint(0, model.config.vocab_size, (1, contexts[-1]), generator=gen)
         runs = {c: [_GreedyDecoder("nanollm", model, ids[:, :c]), _GreedyDecoder("transformers", hf, ids[:, :c]),
                     _GreedyDecoder("nanollm-lean", model, ids[:, :c])] for c in contexts}
-        for pair in runs.values():
+        for trio in runs.values():
             for _ in range(warmup):
-                for run in pair:
+                for run in trio:
                     run.step()
-        times = {(c, run.name): [] for c, pair in runs.items() for run in pair}
+        times = {(c, run.name): [] for c, trio in runs.items() for run in trio}
         for r in range(repeats):
-            for c, pair in runs.items():
-                for run in (pair if r % 2 == 0 else pair[::-1]):
+            for c, trio in runs.items():
+                for run in (trio if r % 2 == 0 else trio[::-1]):
                     times[c, run.name].append(run.step())
     finally:
         torch.set_num_threads(old_threads)

@@ -14,9 +14,6 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():                       # before anything imports triton
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton", reason="Triton is not installed: the kernels cannot run (the references are "
                                      "tested through the methods that use them)")
 

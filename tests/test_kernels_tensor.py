@@ -6,12 +6,11 @@ blocks of 16 and at most a few tiles per axis.
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-from kernels import use_triton
+from kernels import interpreting, use_triton
 from kernels.tensor_decode import (HAS_TRITON, peak_memory_bytes, reference_tensor_decode, tensor_decode,
                                    tensor_decode_triton)
 from methods.tensor_attention import naive_four_cache_attention
@@ -20,7 +19,7 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importab
 
 # where the kernel can run: CUDA when present, the CPU interpreter when TRITON_INTERPRET=1
 KERNEL_DEVICES = (["cuda"] if torch.cuda.is_available() else []) + \
-                 (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+                 (["cpu"] if interpreting() else [])
 kernel_device = pytest.mark.parametrize("dev", KERNEL_DEVICES or [pytest.param("cpu", marks=pytest.mark.skip(
     reason="no CUDA device and TRITON_INTERPRET is not 1"))])
 

@@ -30,7 +30,7 @@ def test_median_over_rows_by_hand():
 def test_median_of_three_rows_is_torch_median():
     x = torch.randn(3, 50, 2, 4, generator=torch.Generator().manual_seed(0))
     x[1, :10] = x[0, :10]                                                   # ties
-    from methods.kvreviver import median_of_rows
+    from kernels.count_sketch import median_of_rows
     assert torch.equal(median_of_rows(x), x.median(dim=0).values)
     assert torch.equal(median_of_rows(x[:2]), x[:2].median(dim=0).values)   # other row counts: torch.median
 
