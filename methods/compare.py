@@ -32,7 +32,7 @@ from nanollm.evaluate import MODES
 from nanollm.tasks import TASKS, make_sample
 
 from . import METHODS, make_policy, method_chain
-from .harness import Cell, compare_traces, greedy_accuracy, traces
+from .harness import Cell, compare_traces, greedy_accuracies, traces
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
@@ -59,14 +59,13 @@ def run_job(model, tok, variants: list[Variant], budgets: list[int], length: int
     keys = [(v.label, budget, task, mode) for v in variants if v.spec != "full" for budget in budgets]
     policies = [make_policy(v.spec, budget=budget, **v.options)
                 for v in variants if v.spec != "full" for budget in budgets]
-    # one prompt pass for the full cache and every method (harness.traces): the same traces, less time
-    full, *rest = traces(model, sample, mode, [None] + policies, [True] + [False] * len(policies))
-    acc, _ = greedy_accuracy(model, tok, sample, full)
-    out = [(("full", None, task, mode), {"accuracy": acc, **compare_traces(full, full, group)})]
-    for key, tr in zip(keys, rest):
-        acc, _ = greedy_accuracy(model, tok, sample, tr)
-        out.append((key, {"accuracy": acc, **compare_traces(full, tr, group)}))
-    return out
+    # one prompt pass for the full cache and every method, then their answers side by side (harness.traces,
+    # harness.greedy_accuracies): the same traces and answers as one method at a time, in less time
+    trs = traces(model, sample, mode, [None] + policies, [True] + [False] * len(policies))
+    full = trs[0]
+    accs = [acc for acc, _ in greedy_accuracies(model, tok, sample, trs)]
+    return [(key, {"accuracy": acc, **compare_traces(full, tr, group)})
+            for key, acc, tr in zip([("full", None, task, mode)] + keys, accs, trs)]
 
 
 _WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker

@@ -19,7 +19,9 @@ tokens. From two traces (full and method) ``compare_traces`` computes:
   (``policy.slot_nbytes()``: a sketch's cells); ``extra_bytes``: peak bytes of what the method
   keeps besides: per-slot state in the storage (H2O's scores) plus ``policy.extra_nbytes()`` (side tables
   such as KVReviver's per-token scores);
-* ``compress_ms``: time spent in the policy's hooks; ``decode_ms_per_token``: time per decode step.
+* ``compress_ms``: time spent in the policy's hooks; ``decode_ms_per_token``: time per decode step (when
+  ``traces`` steps several methods side by side: the method's own work plus an equal share of the
+  work done once for all, see ``answer_traces``).
 
 Accuracy is RULER's ``string_match_all`` of the greedy answer. Greedy decoding that starts from the same
 prefix produces the same logits as the teacher-forced trace, so as long as the trace's argmax reproduces
@@ -27,6 +29,11 @@ the reference answer, greedy decoding *is* the trace. At the first answer positi
 trace keeps a copy of the cache (policy included): the greedy answer is the reference up to there, then
 the method generates freely from that copy. This is exactly the answer a fresh ``evaluate.answer`` gives
 (a test checks it), without running the prompt a second time.
+
+Speed. ``methods.compare`` traces the full cache and every method on each sample, so ``traces`` runs the
+prompt once for all of them (``FanOut``) and feeds each answer token to all their caches in one
+``LeanDecoder.step_many``; ``greedy_from_traces`` continues the wrong answers side by side the same way.
+Each trace's numbers are exactly those of a run on its own (tests compare them bit for bit).
 """
 
 from __future__ import annotations
@@ -204,59 +211,89 @@ def traces(model, sample: Sample, mode: str, policies: list[CachePolicy | None],
                 cache.seen = first.shape[1]
         except SharedPrefillUnsupported:                # start again, one prompt pass per policy
             probes, caches = fresh()
-    out = []
-    lean = lean_decoder(model)                          # one copy of the stacked weights for every trace
-    for probe, cache in zip(probes, caches):
+    prompt_logits = []
+    for cache in caches:
         logits = shared if shared is not None else prefill(model, first, cache)
         if mode == "question_after_context":
             logits = extend(model, torch.tensor([sample.question_ids], device=dev), cache)
-        out.append(answer_trace(model, sample, probe, cache, logits, lean))
-    return out
+        prompt_logits.append(logits)
+    return answer_traces(model, sample, probes, caches, prompt_logits, lean_decoder(model))
 
 
-def answer_trace(model, sample: Sample, probe: Probe, cache: KVCache, logits: Tensor,
-                 lean: LeanDecoder | None) -> Trace:
-    """The reference answer token by token on a cache that holds the prompt (``logits``: the prompt's),
-    each step through ``lean`` (None: the model's own forward)."""
-    dev = logits.device
+class AnswerTrace:
+    """What one trace collects while the reference answer is fed to its cache (``answer_traces``)."""
 
-    def extra() -> int:
-        return cache.state_nbytes() + probe.inner.extra_nbytes()
+    def __init__(self, probe: Probe, cache: KVCache, logits: Tensor) -> None:
+        self.probe, self.cache = probe, cache
+        self.step_logits = [logits[0, -1]]             # step_logits[m] predicts target_ids[m]
+        self.fork = None
+        self.kv_bytes, self.extra_bytes = self.kv(), self.extra()
+        self.decode_s, self.hidden = 0.0, None
 
-    def kv() -> int:                                   # stored K/V + slots kept outside the storage
-        return cache.nbytes() + probe.inner.slot_nbytes()
+    def kv(self) -> int:                               # stored K/V + slots kept outside the storage
+        return self.cache.nbytes() + self.probe.inner.slot_nbytes()
 
-    step_logits = [logits[0, -1]]
-    fork = None
+    def extra(self) -> int:
+        return self.cache.state_nbytes() + self.probe.inner.extra_nbytes()
 
-    def check_fork(m: int) -> None:                    # step_logits[m] predicts target_ids[m]
-        nonlocal fork
-        if fork is None and int(step_logits[m].argmax()) != sample.target_ids[m]:
-            fork = (m, copy.deepcopy(cache))
-            fork[1].policy = fork[1].policy.inner      # without the probe: a plain cache with the method
+    def check_fork(self, target_ids: list[int]) -> None:
+        """Keep a copy of the cache at the first answer position where greedy leaves the reference."""
+        m = len(self.step_logits) - 1
+        if self.fork is None and int(self.step_logits[m].argmax()) != target_ids[m]:
+            self.fork = (m, copy.deepcopy(self.cache))
+            self.fork[1].policy = self.fork[1].policy.inner   # without the probe: a plain cache with the method
 
-    check_fork(0)
-    kv_bytes, extra_bytes = kv(), extra()
-    decode_s, hidden = 0.0, None
+    def add_step(self, logits: Tensor, hidden: Tensor, seconds: float, target_ids: list[int]) -> None:
+        if self.hidden is None:
+            self.hidden = hidden                       # the first decode step's
+        self.step_logits.append(logits)
+        self.decode_s += seconds
+        self.check_fork(target_ids)
+        self.kv_bytes, self.extra_bytes = max(self.kv_bytes, self.kv()), max(self.extra_bytes, self.extra())
+
+    def done(self, lean: LeanDecoder | None) -> Trace:
+        if self.fork is None:                          # greedy follows the whole reference: continue from here
+            self.cache.policy = self.probe.inner
+            self.fork = (len(self.step_logits) - 1, self.cache)
+        p = self.probe
+        n_steps = len(self.step_logits) - 1
+        return Trace(torch.stack(self.step_logits), self.hidden, p.outs, p.pos, p.probs, p.attended,
+                     self.kv_bytes, self.extra_bytes, p.compress_s * 1e3, self.decode_s * 1e3 / max(1, n_steps),
+                     self.fork, lean)
+
+
+def answer_traces(model, sample: Sample, probes: list[Probe], caches: list[KVCache], prompt_logits: list[Tensor],
+                  lean: LeanDecoder | None) -> list[Trace]:
+    """The reference answer token by token on caches that hold the prompt (``prompt_logits``: each one's
+    prompt logits), all caches side by side: each answer token goes to every cache in one
+    ``lean.step_many`` (None: the model's own forward, cache by cache). A trace's numbers are exactly those
+    of a step on its cache alone (``step_many``), so a trace does not depend on the others beside it.
+
+    ``decode_ms_per_token`` is a trace's own work in each step (its matrix products, its attention and its
+    policy's hooks) plus an equal share of the work done once for all traces (element-wise operations over
+    all rows): the traces' times add up to the time of the steps."""
+    dev = prompt_logits[0].device
+    runs = [AnswerTrace(probe, cache, logits) for probe, cache, logits in zip(probes, caches, prompt_logits)]
+    for run in runs:
+        run.check_fork(sample.target_ids)
     for j, token in enumerate(sample.target_ids[:-1]):
-        probe.recording = j == 0
+        for probe in probes:
+            probe.recording = j == 0
+        own = [0.0] * len(runs)
         t0 = time.perf_counter()
         if lean is not None:                           # the same step with fewer operations (nanollm/lean.py)
-            lg, h = lean.step_with_hidden(torch.tensor([token], device=dev), cache)          # (1, V), (1, D)
+            logits, hidden = lean.step_many([torch.tensor([token], device=dev)] * len(runs), caches, own)
         else:
-            lg, h = (t[:, -1] for t in model(torch.tensor([[token]], device=dev), cache=cache, return_hidden=True))
-        decode_s += time.perf_counter() - t0
-        if j == 0:
-            hidden = h[0]
-        step_logits.append(lg[0])
-        check_fork(j + 1)
-        kv_bytes, extra_bytes = max(kv_bytes, kv()), max(extra_bytes, extra())
-    if fork is None:                                   # greedy follows the whole reference: continue from here
-        cache.policy = probe.inner
-        fork = (len(sample.target_ids) - 1, cache)
-    n_steps = len(sample.target_ids) - 1
-    return Trace(torch.stack(step_logits), hidden, probe.outs, probe.pos, probe.probs, probe.attended, kv_bytes,
-                 extra_bytes, probe.compress_s * 1e3, decode_s * 1e3 / max(1, n_steps), fork, lean)
+            logits, hidden = [], []
+            for n, cache in enumerate(caches):
+                t1 = time.perf_counter()
+                lg, h = model(torch.tensor([[token]], device=dev), cache=cache, return_hidden=True)
+                own[n] = time.perf_counter() - t1
+                logits.append(lg[0, -1]), hidden.append(h[0, -1])
+        shared = (time.perf_counter() - t0 - sum(own)) / len(runs)
+        for n, run in enumerate(runs):
+            run.add_step(logits[n], hidden[n], own[n] + shared, sample.target_ids)
+    return [run.done(lean) for run in runs]
 
 
 def lost_mass(full: Trace, method: Trace, group_size: int) -> float:
@@ -291,26 +328,53 @@ def compare_traces(full: Trace, method: Trace, group_size: int) -> dict:
     }
 
 
+def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace]) -> list[list[int]]:
+    """Each trace's greedy answer token ids (up to the end-of-text token), continued from its fork.
+
+    The continuations run side by side (``LeanDecoder.step_many``, when every trace has the lean step),
+    each exactly as ``generate`` would run it alone: greedy, stopping after the end-of-text token or at
+    the task's answer length."""
+    n_new = answer_length(model, sample)
+    outs, running = [], []                             # running: [trace index, cache, next token, tokens left]
+    for i, tr in enumerate(trs):
+        m, cache = tr.fork
+        if m >= n_new:                                 # greedy follows the reference for its whole length
+            outs.append(sample.target_ids[:n_new])
+            continue
+        first = int(tr.logits[m].argmax())             # greedy's token m (where it leaves the reference)
+        outs.append(sample.target_ids[:m] + [first])
+        if first != tok.eot_id and len(outs[i]) < n_new:
+            running.append([i, copy.deepcopy(cache), first, n_new - len(outs[i])])
+    if any(tr.lean is None for tr in trs):             # no lean step: one continuation after the other
+        for i, cache, first, left in running:
+            token = torch.tensor([[first]], device=trs[i].logits.device)
+            outs[i] += generate(model, token, left, cache=cache, stop_ids=[tok.eot_id])[0].tolist()
+        running = []
+    while running:                                     # feed each its last token, take the argmax
+        logits, _ = trs[0].lean.step_many([torch.tensor([r[2]], device=trs[0].logits.device) for r in running],
+                                          [r[1] for r in running])
+        for r, lg in zip(running, logits):
+            r[2] = int(lg.argmax())
+            r[3] -= 1
+            outs[r[0]].append(r[2])
+        running = [r for r in running if r[2] != tok.eot_id and r[3] > 0]
+    return [cut_at(out, tok.eot_id) for out in outs]
+
+
 def greedy_from_trace(model, tok, sample: Sample, tr: Trace) -> list[int]:
     """The greedy answer's token ids (up to the end-of-text token), continued from the trace's fork."""
-    n_new = answer_length(model, sample)
-    m, cache = tr.fork
-    if m >= n_new:                                     # greedy follows the reference for its whole length
-        out = sample.target_ids[:n_new]
-    else:
-        first = int(tr.logits[m].argmax())             # greedy's token m (where it leaves the reference)
-        out = sample.target_ids[:m] + [first]
-        if first != tok.eot_id and len(out) < n_new:
-            token = torch.tensor([[first]], device=tr.logits.device)
-            out += generate(model, token, n_new - len(out), cache=copy.deepcopy(cache), stop_ids=[tok.eot_id],
-                            step=None if tr.lean is None else tr.lean.step)[0].tolist()
-    return cut_at(out, tok.eot_id)
+    return greedy_from_traces(model, tok, sample, [tr])[0]
+
+
+def greedy_accuracies(model, tok, sample: Sample, trs: list[Trace]) -> list[tuple[float, str]]:
+    """string_match_all of the greedy answer under each traced method, and the answer (see the module doc)."""
+    predictions = [tok.decode(ids) for ids in greedy_from_traces(model, tok, sample, trs)]
+    return [(string_match_all(p, sample.answers), p) for p in predictions]
 
 
 def greedy_accuracy(model, tok, sample: Sample, tr: Trace) -> tuple[float, str]:
     """string_match_all of the greedy answer under the traced method, and the answer (see the module doc)."""
-    prediction = tok.decode(greedy_from_trace(model, tok, sample, tr))
-    return string_match_all(prediction, sample.answers), prediction
+    return greedy_accuracies(model, tok, sample, [tr])[0]
 
 
 @dataclass

@@ -12,7 +12,10 @@ speed matters (benchmarks, long generations):
 * no ``nn.Module`` calls (weights are used directly), no id checks after the first token, RoPE from the
   model's table and applied to q and k in one call;
 * with a plain cache (no policy) the step appends to the dense storage and calls ``attention.attend_step``
-  itself; with a policy it goes through ``KVCache.attend``, so every policy's hooks run unchanged.
+  itself; with a policy it goes through ``KVCache.attend``, so every policy's hooks run unchanged;
+* ``step_many`` steps several independent caches side by side (an evaluation's methods on one sample):
+  the element-wise work runs once over all their rows, the matrix products and attention per cache, so
+  each cache gets exactly the numbers it would get alone.
 
 It computes the same function: logits agree with ``decode_step`` to float rounding (the stacked matrix
 multiplies may sum in another order), tested in fp32 at 1e-5. The weights are copied when the decoder is
@@ -21,10 +24,13 @@ built: build it after loading or training, not before.
     lean = LeanDecoder(model)
     logits = prefill(model, ids, cache)[:, -1]           # the prompt: the readable path
     logits = lean.step(token, cache)                     # each new token: the lean one
+    logits, hidden = lean.step_many([t1, t2], [c1, c2])  # two sequences side by side, each as alone
     out = lean.generate(ids, max_new_tokens=32)          # greedy, like nanollm.generate
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -66,40 +72,87 @@ class LeanDecoder:
         """Logits (B, V) after feeding ``token`` (B,) or (B, 1) to ``cache``: what ``decode_step`` returns."""
         return self.step_with_hidden(token, cache)[0]
 
-    @torch.no_grad()
     def step_with_hidden(self, token: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
         """Logits (B, V) and the final normalised hidden state (B, D) of one decode step (what
         ``model(token, cache=cache, return_hidden=True)`` returns, for its one position)."""
+        return self.step_many([token], [cache])
+
+    @torch.no_grad()
+    def step_many(self, tokens: list[Tensor], caches: list[KVCache],
+                  own_seconds: list[float] | None = None) -> tuple[Tensor, Tensor]:
+        """One decode step for each of several independent sequences, side by side: ``tokens[n]`` (B_n,)
+        onto ``caches[n]`` (each cache with its own policy, length and position). Returns the logits
+        (sum B_n, V) and hidden states (sum B_n, D), the caches' rows one after the other.
+
+        Each cache's numbers are exactly those of ``step(tokens[n], caches[n])`` on its own (tested bit
+        for bit), which is what lets an evaluation step all its methods together and still give each the
+        same trace as a run of that method alone. The two kinds of work are treated differently:
+
+        * element-wise work and row-wise reductions (embedding, RMSNorm, RoPE, SiLU, residual adds)
+          compute every row independently, so they run once over all rows: one call instead of one per
+          sequence, which is most of what a tiny model's step costs;
+        * matrix products run per cache: a product over many rows may sum in another order than the
+          same product over one row (it does here), which would make a sequence's numbers depend on which
+          others happened to run beside it. Attention (storage, policy hooks) is per cache anyway.
+
+        ``own_seconds[n]``, if given, gets the time of cache n's own work added (its products and its
+        attention); the rest of the step is shared by all.
+        """
         model, cfg = self.model, self.config
-        ids = token.view(-1, 1)
-        start = cache.seen
-        if start == 0:
-            raise ValueError("a decode step needs a cache that already holds a prefix; use prefill() first")
-        if start + 1 > cfg.max_seq_len:
-            raise ValueError(f"{start} tokens seen + 1 new exceeds the model's max_seq_len={cfg.max_seq_len}")
-        B = ids.shape[0]
         H, H_kv, d = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        pos = torch.arange(start, start + 1, device=ids.device)                       # (1,)
-        x = F.embedding(ids, model.tok_emb.weight)                                     # (B, 1, D)
-        cos, sin = model.rope(start, 1, ids.device, x.dtype)                           # (1, d) each
-        plain = cache.policy is None
-        for i, (norm1, wqkv, wo, norm2, wgu, wd, attn) in enumerate(self.layers):
-            qkv = F.linear(self._norm(norm1, x), wqkv).view(B, H + 2 * H_kv, d)       # (B, H + 2 H_kv, d)
-            qk = apply_rope(qkv[:, :H + H_kv], cos, sin)          # q and k rotated together (element-wise)
-            q = qk[:, :H, None]                                                        # (B, H, 1, d)
-            k, v = qk[:, H:, None], qkv[:, H + H_kv:, None]                            # (B, H_kv, 1, d)
+        for cache in caches:
+            if cache.seen == 0:
+                raise ValueError("a decode step needs a cache that already holds a prefix; use prefill() first")
+            if cache.seen + 1 > cfg.max_seq_len:
+                raise ValueError(f"{cache.seen} tokens seen + 1 new exceeds the model's max_seq_len={cfg.max_seq_len}")
+        tokens = [t.view(-1) for t in tokens]
+        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0]                     # (R,) all rows
+        rows, row_pos, first = [], [], 0                 # each cache's rows; every row's position
+        for t, cache in zip(tokens, caches):
+            rows.append(slice(first, first + len(t)))
+            row_pos += [cache.seen] * len(t)
+            first += len(t)
+        x = F.embedding(ids.view(-1, 1), model.tok_emb.weight)                         # (R, 1, D)
+        cos, sin = model.rope(0, cfg.max_seq_len, ids.device, x.dtype)               # (max_seq_len, d) tables
+        row_pos = torch.tensor(row_pos, device=ids.device)
+        cos, sin = cos[row_pos, None], sin[row_pos, None]                              # (R, 1, d) each
+        pos = [torch.arange(c.seen, c.seen + 1, device=ids.device) for c in caches]   # (1,) per cache
+
+        def per_cache(f) -> Tensor:                     # f(n) for every cache, rows stacked, each one timed
+            outs = []
+            for n in range(len(caches)):
+                t0 = time.perf_counter()
+                outs.append(f(n))
+                if own_seconds is not None:
+                    own_seconds[n] += time.perf_counter() - t0
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        def attend(n: int, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            cache, r = caches[n], rows[n]
             store = cache.layers[i]
-            if plain and store.dense:                           # the plain cache: store, attend, no hooks
-                store.append(k, v, pos)
-                y, _, _ = attend_step(q, store.k, store.v)                             # (B, H, 1, d)
-            else:
-                y = cache.attend(i, attn, q, pos, (k, v))                              # policies: their hooks
-            x = x + F.linear(y.transpose(1, 2).reshape(B, 1, H * d), wo)
-            gate, up = F.linear(self._norm(norm2, x), wgu).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, wd)
-        h = self._norm(model.final_norm, x)                                           # (B, 1, D)
-        logits = F.linear(h, model.lm_head.weight)                                    # (B, 1, V)
-        cache.seen += 1
+            if cache.policy is None and store.dense:    # the plain cache: store, attend, no hooks
+                store.append(k[r], v[r], pos[n])
+                return attend_step(q[r], store.k, store.v)[0]                          # (B_n, H, 1, d)
+            return cache.attend(i, attn, q[r], pos[n], (k[r], v[r]))                  # policies: their hooks
+
+        R = ids.shape[0]
+        for i, (norm1, wqkv, wo, norm2, wgu, wd, attn) in enumerate(self.layers):
+            h = self._norm(norm1, x)                                                   # (R, 1, D)
+            qkv = per_cache(lambda n: F.linear(h[rows[n]], wqkv)).view(R, H + 2 * H_kv, d)
+            qk = apply_rope(qkv[:, :H + H_kv], cos, sin)          # q and k rotated together (element-wise)
+            q = qk[:, :H, None]                                                        # (R, H, 1, d)
+            k, v = qk[:, H:, None], qkv[:, H + H_kv:, None]                            # (R, H_kv, 1, d)
+            y = per_cache(lambda n: attend(n, i, attn, q, k, v))                       # (R, H, 1, d)
+            y = y.transpose(1, 2).reshape(R, 1, H * d)
+            x = x + per_cache(lambda n: F.linear(y[rows[n]], wo))
+            h = self._norm(norm2, x)
+            gate, up = per_cache(lambda n: F.linear(h[rows[n]], wgu)).chunk(2, dim=-1)
+            m = F.silu(gate) * up
+            x = x + per_cache(lambda n: F.linear(m[rows[n]], wd))
+        h = self._norm(model.final_norm, x)                                           # (R, 1, D)
+        logits = per_cache(lambda n: F.linear(h[rows[n]], model.lm_head.weight))      # (R, 1, V)
+        for cache in caches:
+            cache.seen += 1
         return logits[:, -1], h[:, -1]
 
     def generate(self, ids: Tensor, max_new_tokens: int, cache: KVCache | None = None,

@@ -8,7 +8,7 @@ import torch
 from methods import METHODS, make_policy
 from methods.compare import main as compare_main
 from methods.compare import run
-from methods.harness import compare_traces, greedy_from_trace, trace, traces
+from methods.harness import compare_traces, greedy_from_trace, greedy_from_traces, trace, traces
 from nanollm import CachePolicy, LayerKV, checkpoint, preset
 from nanollm.evaluate import MODES, answer_ids
 from nanollm.generation import prefill
@@ -232,8 +232,8 @@ def same_trace(a, b) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_one_prompt_pass_gives_the_same_traces(loaded, mode, monkeypatch):
-    """``traces`` (one prompt pass for every policy, ``harness.FanOut``) equals separate ``trace`` calls bit
-    for bit: the full cache and every registered method at two budgets; with a policy the shared pass
+    """``traces`` (one prompt pass for every policy, ``harness.FanOut``, then the answers side by side,
+    ``LeanDecoder.step_many``) equals separate ``trace`` calls bit for bit: the full cache and every registered method at two budgets; with a policy the shared pass
     cannot serve, it falls back to one pass per policy, with the same result."""
     import methods.harness as harness
     model, tok, _ = loaded
@@ -251,7 +251,10 @@ def test_one_prompt_pass_gives_the_same_traces(loaded, mode, monkeypatch):
     alone = [trace(model, s, mode, p, f) for p, f in zip(policies(), flags)]
     for a, b in zip(shared, alone):
         same_trace(a, b)
-        assert greedy_from_trace(model, tok, s, a) == greedy_from_trace(model, tok, s, b)
+    # the greedy continuations side by side are each the continuation alone
+    answers = greedy_from_traces(model, tok, s, shared)
+    assert answers == [greedy_from_trace(model, tok, s, b) for b in alone]
+    assert sum(a != s.target_ids for a in answers) > 5                # many wrong answers were continued
     passes.clear()
     with_fallback = traces(model, s, mode, policies([RebuildAlways()]), flags + [False])
     assert len(passes) == 1 + len(flags) + 1                          # the shared pass gave up: one each

@@ -35,6 +35,41 @@ def test_lean_step_equals_decode_step(make_model, name):
         assert torch.equal(la.pos, lb.pos)
 
 
+def test_step_many_is_each_cache_stepped_alone(make_model):
+    """step_many over caches of different methods, lengths, batch sizes and positions gives every cache
+    exactly (bit for bit) what step gives it alone, for any number of caches side by side: a trace must
+    not depend on which others ran beside it."""
+    model = make_model(preset("TINY"), seed=3)
+    lean = LeanDecoder(model)
+    g = torch.Generator().manual_seed(4)
+    setups = [(None, 1, 9), ("h2o", 1, 20), ("snapkv", 2, 14), (None, 2, 5), ("kvreviver", 1, 30),
+              ("scissorhands", 1, 17), ("adakv", 1, 25)]
+
+    def fresh(k):                                    # the first k setups, each prefilled with its own prompt
+        caches, streams = [], []
+        for name, B, n_prompt in setups[:k]:
+            ids = torch.randint(0, 512, (B, n_prompt + 8), generator=torch.Generator().manual_seed(n_prompt))
+            cache = KVCache(model.config, make_policy(name, budget=12) if name else None)
+            prefill(model, ids[:, :n_prompt], cache)
+            caches.append(cache), streams.append(ids[:, n_prompt:])
+        return caches, streams
+
+    for k in (1, 2, len(setups)):
+        alone, streams = fresh(k)
+        together, _ = fresh(k)
+        for t in range(8):
+            ref = [lean.step_with_hidden(s[:, t], c) for s, c in zip(streams, alone)]
+            logits, hidden = lean.step_many([s[:, t] for s in streams], together)
+            assert torch.equal(logits, torch.cat([r[0] for r in ref]))
+            assert torch.equal(hidden, torch.cat([r[1] for r in ref]))
+        for a, b in zip(alone, together):
+            assert a.seen == b.seen
+            for la, lb in zip(a.layers, b.layers):
+                assert torch.equal(la.k, lb.k) and torch.equal(la.pos, lb.pos)
+    with pytest.raises(ValueError, match="already holds a prefix"):
+        lean.step_many([torch.tensor([1]), torch.tensor([2])], [alone[0], KVCache(model.config)])
+
+
 def test_lean_generate_equals_generate(make_model):
     model = make_model(preset("TINY"), seed=2)
     x = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))
