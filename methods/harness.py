@@ -269,9 +269,10 @@ def answer_traces(model, sample: Sample, probes: list[Probe], caches: list[KVCac
     ``lean.step_many`` (None: the model's own forward, cache by cache). A trace's numbers are exactly those
     of a step on its cache alone (``step_many``), so a trace does not depend on the others beside it.
 
-    ``decode_ms_per_token`` is a trace's own work in each step (its matrix products, its attention and its
-    policy's hooks) plus an equal share of the work done once for all traces (element-wise operations over
-    all rows): the traces' times add up to the time of the steps."""
+    ``decode_ms_per_token`` is a trace's own work in each step (its attention: storage, attention, policy
+    hooks) plus an equal share of the rest of the step, which is the same work for every trace (the
+    matrix products, row by row, and the element-wise operations, once for all rows): the traces' times
+    add up to the time of the steps."""
     dev = prompt_logits[0].device
     runs = [AnswerTrace(probe, cache, logits) for probe, cache, logits in zip(probes, caches, prompt_logits)]
     for run in runs:

@@ -84,6 +84,12 @@ class VagueSketch:
         self.value = torch.zeros_like(self.key)
         g = torch.Generator().manual_seed(seed)
         self.coef = torch.randint(1, PRIME, (4, rows, 1), generator=g).to(device)   # a, c (bucket); a', c' (sign)
+        # the hashes of positions 0..P-1, computed once (``hashes``, doubled when a larger position comes):
+        # every step looks up hundreds of positions, one operation where hashing them is five. A cache of
+        # the hash functions, 8 r bytes per position, not counted as the method's memory (a GPU kernel
+        # would hash in registers)
+        self._cells = torch.zeros(rows, 0, dtype=torch.int32, device=device)      # (r, P) h_i(J)
+        self._signs = torch.zeros(rows, 0, device=device)                          # (r, P) g_i(J)
 
     def buckets(self, pos: Tensor) -> Tensor:
         """h_i(J) for every row i: pos (n,) -> (r, n)."""
@@ -99,19 +105,28 @@ class VagueSketch:
             return torch.ones(self.rows, J.shape[1], device=J.device)
         return 1.0 - 2.0 * ((self.coef[2] * J + self.coef[3]) % PRIME % 2).float()
 
+    def hashes(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """(``buckets(pos)`` as int32, ``signs(pos)``), both (r, n), read from tables of every position
+        up to the largest seen so far."""
+        P = self._cells.shape[1]
+        if pos.numel() and int(pos.max()) >= P:
+            every = torch.arange(max(2 * P, int(pos.max()) + 1), device=pos.device)
+            self._cells, self._signs = self.buckets(every).int(), self.signs(every)
+        return self._cells[:, pos], self._signs[:, pos]
+
     def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
         """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
         subtract). The arithmetic is ``kernels.count_sketch``'s: its reference here, its atomic-add kernel
         on a GPU with Triton."""
         insert = sketch_insert_triton if kernels.serves(self.key) else reference_sketch_insert
-        insert(self.key, self.value, self.buckets(pos).int(), self.signs(pos), sign * k.float(), sign * v.float())
+        insert(self.key, self.value, *self.hashes(pos), sign * k.float(), sign * v.float())
 
     def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows
         (``kernels.count_sketch``: the reference, or the gather-and-median kernel on a GPU with Triton)."""
         kernel = kernels.serves(self.key) and self.rows <= MAX_ROWS
         query = sketch_query_triton if kernel else reference_sketch_query
-        return query(self.key, self.value, self.buckets(pos).int(), self.signs(pos))
+        return query(self.key, self.value, *self.hashes(pos))
 
     def delete(self, pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Remove tokens by subtracting what is known of them (in a swap: their estimates)."""
@@ -228,6 +243,7 @@ class KVReviverPolicy(CachePolicy):
             v[b].index_copy_(1, vague[b], v_hat.transpose(0, 1).to(v.dtype))
         pos = torch.arange(seen, device=raw.device).expand(B, H_kv, seen)
         rebuilt = LayerKV(k, v, pos)
+        rebuilt.dense = True            # every position 0..seen-1, in order: the step's query sees them all
         self.rebuilt_nbytes = max(self.rebuilt_nbytes, rebuilt.nbytes())
         return rebuilt
 
@@ -288,10 +304,13 @@ class KVReviverPolicy(CachePolicy):
                 keep = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
                 keep[out] = False
                 k, v, p = k[:, keep], v[:, keep], p[keep]
+            swaps = self.swaps
             if sketch is not None:
                 k, v, p = self._swap(sketch, scores, k, v, p, recent_from, self._approx[layer][b])
-            order = p.argsort()
-            new_k.append(k[:, order]), new_v.append(v[:, order]), new_pos.append(p[order])
+            if self.swaps > swaps:                      # a revived token took a slot: back to position order
+                order = p.argsort()
+                k, v, p = k[:, order], v[:, order], p[order]
+            new_k.append(k), new_v.append(v), new_pos.append(p)
         store.replace(torch.stack(new_k), torch.stack(new_v),
                       torch.stack(new_pos)[:, None, :].expand(B, H_kv, -1).contiguous())
 
@@ -301,7 +320,7 @@ class KVReviverPolicy(CachePolicy):
         minimum by ``replace_rate``; C's minimum goes into the sketch in exchange."""
         in_raw = torch.zeros(scores.shape[0], dtype=torch.bool, device=p.device)
         in_raw[p] = True
-        k, v, p = k.clone(), v.clone(), p.clone()
+        copied = False                                  # k, v, p are the storage's until the first swap
         for _ in range(self.candidate_budget):                                   # at most C.budget swaps
             cand = (p < recent_from).nonzero().flatten()
             vague = (~in_raw).nonzero().flatten()
@@ -311,6 +330,8 @@ class KVReviverPolicy(CachePolicy):
             j = vague[scores[vague].argmax()]                                    # position of V's maximum
             if not scores[p[c]] * self.replace_rate < scores[j]:
                 break
+            if not copied:
+                k, v, p, copied = k.clone(), v.clone(), p.clone(), True
             jk, jv = sketch.query(j.view(1))                                     # (1, H_kv, d) estimates
             sketch.delete(j.view(1), jk, jv)                                     # the residual stays as noise
             sketch.insert(p[c].view(1), k[:, c].unsqueeze(0), v[:, c].unsqueeze(0))

@@ -95,8 +95,9 @@ class LeanDecoder:
           same product over one row (it does here), which would make a sequence's numbers depend on which
           others happened to run beside it. Attention (storage, policy hooks) is per cache anyway.
 
-        ``own_seconds[n]``, if given, gets the time of cache n's own work added (its products and its
-        attention); the rest of the step is shared by all.
+        ``own_seconds[n]``, if given, gets the time of cache n's attention added (its storage, attention
+        and policy hooks: the work that differs between caches); the rest of the step is the same work
+        for every row.
         """
         model, cfg = self.model, self.config
         H, H_kv, d = cfg.n_head, cfg.n_kv_head, cfg.head_dim
@@ -118,12 +119,12 @@ class LeanDecoder:
         cos, sin = cos[row_pos, None], sin[row_pos, None]                              # (R, 1, d) each
         pos = [torch.arange(c.seen, c.seen + 1, device=ids.device) for c in caches]   # (1,) per cache
 
-        def per_cache(f) -> Tensor:                     # f(n) for every cache, rows stacked, each one timed
+        def per_cache(f, timed: bool = False) -> Tensor:   # f(n) for every cache, their rows stacked
             outs = []
             for n in range(len(caches)):
                 t0 = time.perf_counter()
                 outs.append(f(n))
-                if own_seconds is not None:
+                if timed and own_seconds is not None:
                     own_seconds[n] += time.perf_counter() - t0
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -142,7 +143,7 @@ class LeanDecoder:
             qk = apply_rope(qkv[:, :H + H_kv], cos, sin)          # q and k rotated together (element-wise)
             q = qk[:, :H, None]                                                        # (R, H, 1, d)
             k, v = qk[:, H:, None], qkv[:, H + H_kv:, None]                            # (R, H_kv, 1, d)
-            y = per_cache(lambda n: attend(n, i, attn, q, k, v))                       # (R, H, 1, d)
+            y = per_cache(lambda n: attend(n, i, attn, q, k, v), timed=True)           # (R, H, 1, d)
             y = y.transpose(1, 2).reshape(R, 1, H * d)
             x = x + per_cache(lambda n: F.linear(y[rows[n]], wo))
             h = self._norm(norm2, x)

@@ -47,14 +47,22 @@ from torch import Tensor
 MIN_CAPACITY = 64           # slots of room per head left by the first append and by keep
 
 
-def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
+def gather_slots(t: Tensor, idx: Tensor, rows: Tensor | None = None) -> Tensor:
     """t (B, H_kv, S, ...) -> (B, H_kv, K, ...): the slots ``idx`` (B, H_kv, K) of every head, as one
     ``index_select`` of rows over a flat (B*H_kv*S, -1) view (a row gather: much faster on CPU than the
-    element-wise ``torch.gather`` with an index expanded over the last dimensions)."""
+    element-wise ``torch.gather`` with an index expanded over the last dimensions). ``rows``:
+    ``slot_rows(idx, S)`` if already computed (tensors with the same first three sizes share it)."""
     B, H_kv, S = t.shape[:3]
+    rows = slot_rows(idx, S) if rows is None else rows
+    return t.reshape(B * H_kv * S, -1).index_select(0, rows).view(B, H_kv, idx.shape[-1], *t.shape[3:])
+
+
+def slot_rows(idx: Tensor, S: int) -> Tensor:
+    """Slots ``idx`` (B, H_kv, K) of heads holding S slots each -> their rows (B*H_kv*K,) in a flat
+    (B*H_kv*S, -1) view."""
+    B, H_kv = idx.shape[:2]
     first = torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * S     # first row of each head
-    rows = t.reshape(B * H_kv * S, -1).index_select(0, (first + idx).reshape(-1))
-    return rows.view(B, H_kv, idx.shape[-1], *t.shape[3:])
+    return (first + idx).reshape(-1)
 
 
 class LayerKV:
@@ -128,9 +136,12 @@ class LayerKV:
         empty = idx < 0
         slots = idx.clamp(min=0)
         with_room = torch.nn.functional.pad(slots, (0, MIN_CAPACITY))          # (B, H_kv, K + room)
-        self._k, self._v, self._pos = (gather_slots(t, with_room) for t in (self._k, self._v, self._pos))
+        rows = slot_rows(with_room, self.capacity())                           # the same for k, v and pos
+        self._k, self._v, self._pos = (gather_slots(t, with_room, rows) for t in (self._k, self._v, self._pos))
         self._pos[:, :, K:] = -1
-        self.state = {name: gather_slots(t, slots) for name, t in self.state.items()}
+        if self.state:
+            rows = slot_rows(slots, self.n)                                    # the state has T slots per head
+            self.state = {name: gather_slots(t, slots, rows) for name, t in self.state.items()}
         self.n = K
         if empty.any():
             self.dense = False
