@@ -113,18 +113,20 @@ class LeanDecoder:
             rows.append(slice(first, first + len(t)))
             row_pos += [cache.seen] * len(t)
             first += len(t)
-        x = F.embedding(ids.view(-1, 1), model.tok_emb.weight)                         # (R, 1, D)
+        x = F.embedding(ids, model.tok_emb.weight)                                     # (R, D): one position each
         cos, sin = model.rope(0, cfg.max_seq_len, ids.device, x.dtype)               # (max_seq_len, d) tables
         row_pos = torch.tensor(row_pos, device=ids.device)
         cos, sin = cos[row_pos, None], sin[row_pos, None]                              # (R, 1, d) each
         pos = [torch.arange(c.seen, c.seen + 1, device=ids.device) for c in caches]   # (1,) per cache
 
         def per_cache(f, timed: bool = False) -> Tensor:   # f(n) for every cache, their rows stacked
-            outs = []
-            for n in range(len(caches)):
-                t0 = time.perf_counter()
-                outs.append(f(n))
-                if timed and own_seconds is not None:
+            if not timed or own_seconds is None:
+                outs = [f(n) for n in range(len(caches))]
+            else:
+                outs = []
+                for n in range(len(caches)):
+                    t0 = time.perf_counter()
+                    outs.append(f(n))
                     own_seconds[n] += time.perf_counter() - t0
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -138,23 +140,23 @@ class LeanDecoder:
 
         R = ids.shape[0]
         for i, (norm1, wqkv, wo, norm2, wgu, wd, attn) in enumerate(self.layers):
-            h = self._norm(norm1, x)                                                   # (R, 1, D)
+            h = self._norm(norm1, x)                                                   # (R, D)
             qkv = per_cache(lambda n: F.linear(h[rows[n]], wqkv)).view(R, H + 2 * H_kv, d)
             qk = apply_rope(qkv[:, :H + H_kv], cos, sin)          # q and k rotated together (element-wise)
             q = qk[:, :H, None]                                                        # (R, H, 1, d)
             k, v = qk[:, H:, None], qkv[:, H + H_kv:, None]                            # (R, H_kv, 1, d)
             y = per_cache(lambda n: attend(n, i, attn, q, k, v), timed=True)           # (R, H, 1, d)
-            y = y.transpose(1, 2).reshape(R, 1, H * d)
+            y = y.reshape(R, H * d)                             # the heads side by side (one position)
             x = x + per_cache(lambda n: F.linear(y[rows[n]], wo))
             h = self._norm(norm2, x)
             gate, up = per_cache(lambda n: F.linear(h[rows[n]], wgu)).chunk(2, dim=-1)
             m = F.silu(gate) * up
             x = x + per_cache(lambda n: F.linear(m[rows[n]], wd))
-        h = self._norm(model.final_norm, x)                                           # (R, 1, D)
-        logits = per_cache(lambda n: F.linear(h[rows[n]], model.lm_head.weight))      # (R, 1, V)
+        h = self._norm(model.final_norm, x)                                           # (R, D)
+        logits = per_cache(lambda n: F.linear(h[rows[n]], model.lm_head.weight))      # (R, V)
         for cache in caches:
             cache.seen += 1
-        return logits[:, -1], h[:, -1]
+        return logits, h
 
     def generate(self, ids: Tensor, max_new_tokens: int, cache: KVCache | None = None,
                  stop_ids: list[int] | tuple = ()) -> Tensor:

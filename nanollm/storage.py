@@ -172,8 +172,11 @@ class LayerKV:
         return (self.pos >= 0).sum(-1) if self.pos is not None else torch.zeros(0, dtype=torch.long)
 
     def nbytes(self) -> int:
-        """Bytes held by K and V (positions are bookkeeping and are reported by ``pos_nbytes``)."""
-        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+        """Bytes held by K and V (positions are bookkeeping and are reported by ``pos_nbytes``): the T slots
+        in use of the buffers."""
+        if self._k is None or self.n == 0:
+            return 0
+        return (self._k.nbytes + self._v.nbytes) // self._k.shape[2] * self.n
 
     def allocated_nbytes(self) -> int:
         """Bytes of the K and V buffers including the room not yet used (what the process really holds)."""
