@@ -194,6 +194,8 @@ def traces(model, sample: Sample, mode: str, policies: list[CachePolicy | None],
         raise ValueError(f"unknown mode {mode!r}")
     if len(record_probs) != len(policies):
         raise ValueError(f"one record_probs flag per policy: {len(policies)} policies, {len(record_probs)} flags")
+    if not policies:
+        return []
     dev = next(model.parameters()).device
     first = sample.prompt_ids if mode == "question_in_prompt" else sample.context_ids
     first = torch.tensor([first], device=dev)
@@ -272,7 +274,12 @@ def answer_traces(model, sample: Sample, probes: list[Probe], caches: list[KVCac
     ``decode_ms_per_token`` is a trace's own work in each step (its attention: storage, attention, policy
     hooks) plus an equal share of the rest of the step, which is the same work for every trace (the
     matrix products, row by row, and the element-wise operations, once for all rows): the traces' times
-    add up to the time of the steps."""
+    add up to the time of the steps. The share shrinks as more traces run together, so compare these
+    times within one run, not across runs with other methods or budgets. Without a lean decoder, each
+    trace's own time is its whole forward pass.
+
+    The policies' hooks interleave, cache after cache and layer after layer, so (as for ``FanOut``) a
+    policy must not draw from the global random generator; no registered method does."""
     dev = prompt_logits[0].device
     runs = [AnswerTrace(probe, cache, logits) for probe, cache, logits in zip(probes, caches, prompt_logits)]
     for run in runs:
@@ -335,6 +342,8 @@ def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace]) -> list[lis
     The continuations run side by side (``LeanDecoder.step_many``, when every trace has the lean step),
     each exactly as ``generate`` would run it alone: greedy, stopping after the end-of-text token or at
     the task's answer length."""
+    if not trs:
+        return []
     n_new = answer_length(model, sample)
     outs, running = [], []                             # running: [trace index, cache, next token, tokens left]
     for i, tr in enumerate(trs):
@@ -346,10 +355,11 @@ def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace]) -> list[lis
         outs.append(sample.target_ids[:m] + [first])
         if first != tok.eot_id and len(outs[i]) < n_new:
             running.append([i, copy.deepcopy(cache), first, n_new - len(outs[i])])
-    if any(tr.lean is None for tr in trs):             # no lean step: one continuation after the other
+    if len({id(tr.lean) for tr in trs}) > 1 or trs[0].lean is None:   # not one shared lean step: one by one
         for i, cache, first, left in running:
             token = torch.tensor([[first]], device=trs[i].logits.device)
-            outs[i] += generate(model, token, left, cache=cache, stop_ids=[tok.eot_id])[0].tolist()
+            step = None if trs[i].lean is None else trs[i].lean.step
+            outs[i] += generate(model, token, left, cache=cache, stop_ids=[tok.eot_id], step=step)[0].tolist()
         running = []
     while running:                                     # feed each its last token, take the argmax
         logits, _ = trs[0].lean.step_many([torch.tensor([r[2]], device=trs[0].logits.device) for r in running],

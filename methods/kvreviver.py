@@ -109,8 +109,9 @@ class VagueSketch:
         """(``buckets(pos)`` as int32, ``signs(pos)``), both (r, n), read from tables of every position
         up to the largest seen so far."""
         P = self._cells.shape[1]
-        if pos.numel() and int(pos.max()) >= P:
-            every = torch.arange(max(2 * P, int(pos.max()) + 1), device=pos.device)
+        largest = int(pos.max()) if pos.numel() else -1
+        if largest >= P:
+            every = torch.arange(max(2 * P, largest + 1), device=pos.device)
             self._cells, self._signs = self.buckets(every).int(), self.signs(every)
         return self._cells[:, pos], self._signs[:, pos]
 
@@ -243,7 +244,9 @@ class KVReviverPolicy(CachePolicy):
             v[b].index_copy_(1, vague[b], v_hat.transpose(0, 1).to(v.dtype))
         pos = torch.arange(seen, device=raw.device).expand(B, H_kv, seen)
         rebuilt = LayerKV(k, v, pos)
-        rebuilt.dense = True            # every position 0..seen-1, in order: the step's query sees them all
+        # every position 0..seen-1 once, in order, none after the step's newest query: ``dense`` (a decode
+        # step skips the mask; on CPU the same arithmetic as the masked path with nothing masked)
+        rebuilt.dense = True
         self.rebuilt_nbytes = max(self.rebuilt_nbytes, rebuilt.nbytes())
         return rebuilt
 

@@ -85,8 +85,8 @@ class LeanDecoder:
         (sum B_n, V) and hidden states (sum B_n, D), the caches' rows one after the other.
 
         Each cache's numbers are exactly those of ``step(tokens[n], caches[n])`` on its own (tested bit
-        for bit), which is what lets an evaluation step all its methods together and still give each the
-        same trace as a run of that method alone. The two kinds of work are treated differently:
+        for bit on CPU), which is what lets an evaluation step all its methods together and still give
+        each the same trace as a run of that method alone. The two kinds of work are treated differently:
 
         * element-wise work and row-wise reductions (embedding, RMSNorm, RoPE, SiLU, residual adds)
           compute every row independently, so they run once over all rows: one call instead of one per
@@ -101,6 +101,10 @@ class LeanDecoder:
         """
         model, cfg = self.model, self.config
         H, H_kv, d = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        if not caches or len(tokens) != len(caches):
+            raise ValueError(f"one token tensor per cache: {len(tokens)} token tensors, {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a cache appears twice: each cache takes one step")
         for cache in caches:
             if cache.seen == 0:
                 raise ValueError("a decode step needs a cache that already holds a prefix; use prefill() first")
@@ -113,11 +117,18 @@ class LeanDecoder:
             rows.append(slice(first, first + len(t)))
             row_pos += [cache.seen] * len(t)
             first += len(t)
+        one = len(caches) == 1                          # one cache: its rows are all the rows, one position
         x = F.embedding(ids, model.tok_emb.weight)                                     # (R, D): one position each
-        cos, sin = model.rope(0, cfg.max_seq_len, ids.device, x.dtype)               # (max_seq_len, d) tables
-        row_pos = torch.tensor(row_pos, device=ids.device)
-        cos, sin = cos[row_pos, None], sin[row_pos, None]                              # (R, 1, d) each
+        if one:
+            cos, sin = model.rope(caches[0].seen, 1, ids.device, x.dtype)             # (1, d) each
+        else:
+            cos, sin = model.rope(0, cfg.max_seq_len, ids.device, x.dtype)           # (max_seq_len, d) tables
+            row_pos = torch.tensor(row_pos, device=ids.device)
+            cos, sin = cos[row_pos, None], sin[row_pos, None]                          # (R, 1, d) each
         pos = [torch.arange(c.seen, c.seen + 1, device=ids.device) for c in caches]   # (1,) per cache
+
+        def of(t: Tensor, n: int) -> Tensor:           # cache n's rows of t
+            return t if one else t[rows[n]]
 
         def per_cache(f, timed: bool = False) -> Tensor:   # f(n) for every cache, their rows stacked
             if not timed or own_seconds is None:
@@ -131,29 +142,29 @@ class LeanDecoder:
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         def attend(n: int, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            cache, r = caches[n], rows[n]
+            cache, q, k, v = caches[n], of(q, n), of(k, n), of(v, n)
             store = cache.layers[i]
             if cache.policy is None and store.dense:    # the plain cache: store, attend, no hooks
-                store.append(k[r], v[r], pos[n])
-                return attend_step(q[r], store.k, store.v)[0]                          # (B_n, H, 1, d)
-            return cache.attend(i, attn, q[r], pos[n], (k[r], v[r]))                  # policies: their hooks
+                store.append(k, v, pos[n])
+                return attend_step(q, store.k, store.v)[0]                             # (B_n, H, 1, d)
+            return cache.attend(i, attn, q, pos[n], (k, v))                           # policies: their hooks
 
         R = ids.shape[0]
         for i, (norm1, wqkv, wo, norm2, wgu, wd, attn) in enumerate(self.layers):
             h = self._norm(norm1, x)                                                   # (R, D)
-            qkv = per_cache(lambda n: F.linear(h[rows[n]], wqkv)).view(R, H + 2 * H_kv, d)
+            qkv = per_cache(lambda n: F.linear(of(h, n), wqkv)).view(R, H + 2 * H_kv, d)
             qk = apply_rope(qkv[:, :H + H_kv], cos, sin)          # q and k rotated together (element-wise)
             q = qk[:, :H, None]                                                        # (R, H, 1, d)
             k, v = qk[:, H:, None], qkv[:, H + H_kv:, None]                            # (R, H_kv, 1, d)
             y = per_cache(lambda n: attend(n, i, attn, q, k, v), timed=True)           # (R, H, 1, d)
             y = y.reshape(R, H * d)                             # the heads side by side (one position)
-            x = x + per_cache(lambda n: F.linear(y[rows[n]], wo))
+            x = x + per_cache(lambda n: F.linear(of(y, n), wo))
             h = self._norm(norm2, x)
-            gate, up = per_cache(lambda n: F.linear(h[rows[n]], wgu)).chunk(2, dim=-1)
+            gate, up = per_cache(lambda n: F.linear(of(h, n), wgu)).chunk(2, dim=-1)
             m = F.silu(gate) * up
-            x = x + per_cache(lambda n: F.linear(m[rows[n]], wd))
+            x = x + per_cache(lambda n: F.linear(of(m, n), wd))
         h = self._norm(model.final_norm, x)                                           # (R, D)
-        logits = per_cache(lambda n: F.linear(h[rows[n]], model.lm_head.weight))      # (R, V)
+        logits = per_cache(lambda n: F.linear(of(h, n), model.lm_head.weight))      # (R, V)
         for cache in caches:
             cache.seen += 1
         return logits, h

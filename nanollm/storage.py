@@ -29,9 +29,10 @@ simply grows by concatenation (Scissorhands' history of w flags per slot is the 
 the entry itself at w = 400, and copied at every step).
 
 ``dense`` tells attention it may skip the mask (``attention.attend``): it is True when no slot is empty
-(no -1) and every entry came in through ``append``, so no stored position lies after the newest appended
-one: a decode step's query (the newest entry) sees every stored slot. ``keep`` preserves that unless it
-leaves empty slots; storage built from arbitrary tensors is not dense until proven otherwise.
+(no -1) and no stored position lies after the newest entry, so a decode step's query (the newest entry)
+sees every stored slot. Entries that came in through ``append`` are dense; ``keep`` preserves that unless
+it leaves empty slots; storage built from arbitrary tensors is not dense until proven otherwise (a method
+that rebuilds every position in order, like KVReviver, sets it itself).
 
 Memory. The buffers hold up to twice the entries in use right after they double; ``nbytes`` counts the
 entries (what the cache *stores*, what the harness and the tables report), ``allocated_nbytes`` the

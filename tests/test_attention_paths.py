@@ -137,6 +137,18 @@ def test_decode_step_fast_path_equals_the_reference():
     torch.testing.assert_close(col_sums, ref_probs[:, :, 0], rtol=0, atol=1e-6)
 
 
+def test_decode_step_fast_path_is_the_masked_path_with_nothing_masked():
+    """When a decode step's query sees every entry, the fast path and the general path do the same
+    arithmetic: equal bit for bit (KVReviver relies on it to skip the mask over its rebuilt cache)."""
+    q, k, v = random_qkv(Tq=1, Tk=30)
+    q_pos, k_pos = torch.tensor([29]), torch.arange(30).expand(2, 2, 30)
+    needs = Needs(rows=1, col_sums=True)
+    fast = attend(q, k, v, q_pos, k_pos, needs, dense=True)
+    general = attend_masked(q, k, v, q_pos, k_pos, needs)
+    for a, b in zip(fast, general):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 3. The model on both storage paths
 

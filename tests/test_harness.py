@@ -254,7 +254,8 @@ def test_one_prompt_pass_gives_the_same_traces(loaded, mode, monkeypatch):
     # the greedy continuations side by side are each the continuation alone
     answers = greedy_from_traces(model, tok, s, shared)
     assert answers == [greedy_from_trace(model, tok, s, b) for b in alone]
-    assert sum(a != s.target_ids for a in answers) > 5                # many wrong answers were continued
+    continued = sum(len(a) > tr.fork[0] + 1 for a, tr in zip(answers, shared))   # generated past the fork
+    assert continued > 5
     passes.clear()
     with_fallback = traces(model, s, mode, policies([RebuildAlways()]), flags + [False])
     assert len(passes) == 1 + len(flags) + 1                          # the shared pass gave up: one each

@@ -38,23 +38,23 @@ def test_lean_step_equals_decode_step(make_model, name):
 def test_step_many_is_each_cache_stepped_alone(make_model):
     """step_many over caches of different methods, lengths, batch sizes and positions gives every cache
     exactly (bit for bit) what step gives it alone, for any number of caches side by side: a trace must
-    not depend on which others ran beside it."""
+    not depend on which others ran beside it. (Stacking any of the matrix products over all rows makes
+    this test fail on the development machine: a product over many rows rounds differently.)"""
     model = make_model(preset("TINY"), seed=3)
     lean = LeanDecoder(model)
-    g = torch.Generator().manual_seed(4)
-    setups = [(None, 1, 9), ("h2o", 1, 20), ("snapkv", 2, 14), (None, 2, 5), ("kvreviver", 1, 30),
-              ("scissorhands", 1, 17), ("adakv", 1, 25)]
+    setups = [(None, 1, 9, 12), ("h2o", 1, 20, 12), ("snapkv", 2, 14, 12), (None, 2, 5, 12),
+              ("kvreviver", 1, 40, 30), ("scissorhands", 1, 17, 12), ("adakv", 1, 25, 12)]   # kvreviver: a sketch
 
     def fresh(k):                                    # the first k setups, each prefilled with its own prompt
         caches, streams = [], []
-        for name, B, n_prompt in setups[:k]:
+        for name, B, n_prompt, budget in setups[:k]:
             ids = torch.randint(0, 512, (B, n_prompt + 8), generator=torch.Generator().manual_seed(n_prompt))
-            cache = KVCache(model.config, make_policy(name, budget=12) if name else None)
+            cache = KVCache(model.config, make_policy(name, budget=budget) if name else None)
             prefill(model, ids[:, :n_prompt], cache)
             caches.append(cache), streams.append(ids[:, n_prompt:])
         return caches, streams
 
-    for k in (1, 2, len(setups)):
+    for k in (2, 3, len(setups)):
         alone, streams = fresh(k)
         together, _ = fresh(k)
         for t in range(8):
@@ -65,9 +65,20 @@ def test_step_many_is_each_cache_stepped_alone(make_model):
         for a, b in zip(alone, together):
             assert a.seen == b.seen
             for la, lb in zip(a.layers, b.layers):
-                assert torch.equal(la.k, lb.k) and torch.equal(la.pos, lb.pos)
-    with pytest.raises(ValueError, match="already holds a prefix"):
-        lean.step_many([torch.tensor([1]), torch.tensor([2])], [alone[0], KVCache(model.config)])
+                assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v) and torch.equal(la.pos, lb.pos)
+                assert la.state.keys() == lb.state.keys()
+                assert all(torch.equal(la.state[n], lb.state[n]) for n in la.state)
+    assert all(together[4].policy._sketch.values())   # KVReviver stepped over entries rebuilt from its sketch
+
+    c = alone[0]
+    seen, k0 = c.seen, c.layers[0].k.clone()
+    with pytest.raises(ValueError, match="already holds a prefix"):     # checked before any cache changes
+        lean.step_many([torch.tensor([1]), torch.tensor([2])], [c, KVCache(model.config)])
+    assert c.seen == seen and torch.equal(c.layers[0].k, k0)
+    with pytest.raises(ValueError, match="one token tensor per cache"):
+        lean.step_many([torch.tensor([1])], [c, alone[1]])
+    with pytest.raises(ValueError, match="appears twice"):
+        lean.step_many([torch.tensor([1]), torch.tensor([2])], [c, c])
 
 
 def test_lean_generate_equals_generate(make_model):
