@@ -75,6 +75,15 @@ def sm_count(t: torch.Tensor) -> int:
     return _properties(t.device.index)[1]
 
 
+def fill_splits(t: torch.Tensor, rows: int) -> int:
+    """Ranges per row (per (sequence, KV head)) that give every SM of the GPU holding ``t`` two programs;
+    one in the interpreter, which runs programs one after another. ``split_ranges`` then keeps every range
+    at least one block long. (On an H100, 1 to 16 programs per SM land within a few percent of each other
+    once the products go through tl.dot.)"""
+    programs = 2 * sm_count(t) if t.is_cuda else 1
+    return -(-programs // rows)
+
+
 def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1): Triton blocks are powers of two. Plain Python, so
     callers that only size things (``tensor_decode.peak_memory_bytes``) need no Triton."""

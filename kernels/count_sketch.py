@@ -63,7 +63,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels import HAS_TRITON, next_pow2, sm_count, split_ranges, use_triton
+from kernels import HAS_TRITON, fill_splits, next_pow2, split_ranges, use_triton
 
 if HAS_TRITON:
     import triton
@@ -445,8 +445,7 @@ def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key:
     BLOCK_N = block_n or max(16, min(64, 8192 // (G_PAD * D_PAD)))
     n_blocks = triton.cdiv(n_raw, BLOCK_N) + triton.cdiv(n_v, BLOCK_N)
     if num_splits is None:
-        target = 2 * sm_count(q) if q.is_cuda else 1
-        num_splits = triton.cdiv(target, H_kv)
+        num_splits = fill_splits(q, H_kv)
     per_split, S = split_ranges(n_blocks, num_splits)                    # every split gets >= 1 block
     dev = q.device
     m = torch.empty(H_kv, S, G_PAD, device=dev, dtype=torch.float32)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, default_scale, next_pow2, sm_count, split_ranges, use_triton
+from . import HAS_TRITON, default_scale, fill_splits, next_pow2, split_ranges, use_triton
 
 if HAS_TRITON:
     import triton
@@ -168,15 +168,6 @@ if HAS_TRITON:
         tl.store(acc_ptr + out[:, None] * D + dim[None, :], acc, mask=(g < G)[:, None])
 
 
-def default_splits(q: Tensor, B: int, H_kv: int, n_tokens: int, block_n: int) -> int:
-    """Ranges per (sequence, KV head): enough programs to give every SM of the GPU two (one range in the
-    interpreter, which runs programs one after another), never a range shorter than one block. (On an H100,
-    1 to 16 programs per SM, blocks of 32 to 128 tokens, 4 or 8 warps and 2 or 3 stages all land within
-    a few percent of each other once the products go through tl.dot.)"""
-    programs = 2 * sm_count(q) if q.is_cuda else 1
-    return max(1, min(triton.cdiv(n_tokens, block_n), triton.cdiv(programs, B * H_kv)))
-
-
 def default_block_n(dtype: torch.dtype) -> int:
     """Tokens per block: 64 for 16-bit caches, 32 for fp32 (whose IEEE ``tl.dot`` stages wider operands)."""
     return 32 if dtype == torch.float32 else 64
@@ -236,7 +227,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     n_tokens = idx.shape[2] if idx is not None else k.shape[2]
-    splits = splits or default_splits(q, B, H_kv, n_tokens, block_n)
+    splits = splits or fill_splits(q, B * H_kv)             # split_ranges keeps every range >= 1 block
     blocks_per_split, splits = split_ranges(triton.cdiv(n_tokens, block_n), splits)
     per_split = block_n * blocks_per_split                                     # whole blocks per range
     G_PAD = max(16, next_pow2(G))                                              # tl.dot's smallest tile

@@ -307,12 +307,8 @@ class KVReviverPolicy(CachePolicy):
                 keep = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
                 keep[out] = False
                 k, v, p = k[:, keep], v[:, keep], p[keep]
-            swaps = self.swaps
             if sketch is not None:
                 k, v, p = self._swap(sketch, scores, k, v, p, recent_from, self._approx[layer][b])
-            if self.swaps > swaps:                      # a revived token took a slot: back to position order
-                order = p.argsort()
-                k, v, p = k[:, order], v[:, order], p[order]
             new_k.append(k), new_v.append(v), new_pos.append(p)
         store.replace(torch.stack(new_k), torch.stack(new_v),
                       torch.stack(new_pos)[:, None, :].expand(B, H_kv, -1).contiguous())
@@ -320,7 +316,8 @@ class KVReviverPolicy(CachePolicy):
     def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
               recent_from: int, approx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Algorithm 3's swap loop for one sequence: revive V's best token while its score beats C's
-        minimum by ``replace_rate``; C's minimum goes into the sketch in exchange."""
+        minimum by ``replace_rate``; C's minimum goes into the sketch in exchange. Returns the entries in
+        position order (those given, untouched, when nothing was swapped)."""
         in_raw = torch.zeros(scores.shape[0], dtype=torch.bool, device=p.device)
         in_raw[p] = True
         copied = False                                  # k, v, p are the storage's until the first swap
@@ -342,6 +339,9 @@ class KVReviverPolicy(CachePolicy):
             k[:, c], v[:, c], p[c] = jk[0].to(k.dtype), jv[0].to(v.dtype), j     # revived, approximately
             approx[j] = True                                                     # (B, N) row view, in place
             self.swaps += 1
+        if copied:                                      # revived tokens took C's slots: back to position order
+            order = p.argsort()
+            k, v, p = k[:, order], v[:, order], p[order]
         return k, v, p
 
     # -- bookkeeping and the contract --------------------------------------------------------------------

@@ -12,6 +12,7 @@ The command line is ``python -m nanollm.generate`` (``generate.py``); this modul
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -99,7 +100,8 @@ def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: Cache
     B = ids.shape[0]
     if max_new_tokens == 0:
         return ids.new_zeros(B, 0)
-    if step is not None and cache.seen > 0 and ids.shape[1] == 1:     # one token onto a cache: a decode step
+    step = step if step is not None else functools.partial(decode_step, model)   # (token (B,), cache) -> (B, V)
+    if cache.seen > 0 and ids.shape[1] == 1:                           # one token onto a cache: a decode step
         logits = step(ids[:, 0], cache)                                 # (B, V)
     else:
         logits = (prefill if cache.seen == 0 else extend)(model, ids, cache)[:, -1]  # (B, V)
@@ -114,5 +116,5 @@ def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: Cache
         done = done | torch.isin(token, stop)
         if bool(done.all()) or i == max_new_tokens - 1:
             break
-        logits = decode_step(model, token, cache) if step is None else step(token, cache)
+        logits = step(token, cache)
     return torch.stack(out, dim=1)

@@ -130,18 +130,16 @@ class LeanDecoder:
         def of(t: Tensor, n: int) -> Tensor:           # cache n's rows of t
             return t if one else t[rows[n]]
 
+        timing = own_seconds is not None
+
         def per_cache(f, timed: bool = False) -> Tensor:   # f(n) for every cache, their rows stacked
-            if not timed or own_seconds is None:
-                if one:
-                    return f(0)
-                outs = [f(n) for n in range(len(caches))]
-            else:
-                outs = []
-                for n in range(len(caches)):
-                    t0 = time.perf_counter()
-                    outs.append(f(n))
+            outs = []
+            for n in range(len(caches)):
+                t0 = time.perf_counter()
+                outs.append(f(n))
+                if timed and timing:
                     own_seconds[n] += time.perf_counter() - t0
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
+            return outs[0] if one else torch.cat(outs)
 
         def attend(n: int, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             cache, q, k, v = caches[n], of(q, n), of(k, n), of(v, n)

@@ -2,7 +2,7 @@
 (arXiv 2512.17917, Algorithms 1, 2 and 4): insert, query (median of rows), fused rebuild-then-attend.
 
 Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1), which costs a few ms per
-program and block: the shapes are tiny (d = 16, a handful of tokens, blocks of 4 tokens so that several
+program and block: the shapes are tiny (d = 16, a handful of tokens, blocks of 4 or 16 tokens so that several
 blocks and ragged tails are exercised). With CUDA the same tests also run on the GPU.
 """
 
