@@ -9,16 +9,22 @@ Triton kernels for the memory-bound path of decoding, each beside the PyTorch re
                           with an online softmax, no i x i score matrix, no Kronecker product
     bench.py              ``python -m kernels.bench``: kernel vs reference (vs SDPA), bytes/s, JSON
 
-The switch. Every public function takes the Triton path when ``use_triton(tensor)`` says so and the
-PyTorch reference otherwise, so nothing in the library needs Triton (it is optional at run time):
+The kernel files are leaves, as in the Triton tutorials: tensors in, tensors out, importing only torch,
+triton and this module (``bench.py`` alone imports the library, to time its paths). Each holds, in this
+order, the PyTorch reference (``reference_*``: the plain definition, any device, no Triton needed), the
+``@triton.jit`` kernel, and the launcher (``*_triton``: always the kernel, on a CUDA tensor or, under
+``TRITON_INTERPRET=1``, on a CPU one). They decide nothing: tests in ``tests/kernels/`` call the
+launchers directly (in Triton's interpreter on a machine without a GPU: slow and exact;
+``tests/conftest.py`` sets it there) and compare them with the references.
 
-* on a CUDA tensor, when Triton is importable;
-* on a CPU tensor only under ``TRITON_INTERPRET=1`` (Triton's interpreter: slow and exact, how the tests
-  check the kernels on a machine without a GPU; ``tests/conftest.py`` sets it there);
-* never when ``NANOKV_NO_TRITON=1`` (to compare or debug).
-
-Each kernel file follows the Triton tutorials: the reference, the ``@triton.jit`` kernel, the launcher
-(``*_triton``: always the kernel), the dispatcher, and tests in ``tests/test_kernels_*.py``.
+The switch. The library decides when a kernel serves a call, with one function, ``serves(tensor)``, and
+one early return at the top of each PyTorch path that has a kernel (``nanollm.attention.attend_step``,
+``FourCache.attend`` in ``methods/tensor_attention/attention.py``, ``VagueSketch.insert`` and ``.query``
+in ``methods/kvreviver.py``; ``nanollm`` asks through ``nanollm.attention.kernel_serves``, which imports
+this package lazily). ``serves`` is true on a CUDA tensor of an sm_80 or newer GPU when Triton is
+importable, and never when ``NANOKV_NO_TRITON=1`` (to compare or debug). It is false on a CPU tensor even
+under the interpreter, which is far too slow for a model: the tests patch ``serves`` to route the
+library's paths through it.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 try:
     import triton  # noqa: F401
     HAS_TRITON = True
-except ImportError:            # macOS, or a minimal install: the references serve everything
+except ImportError:            # macOS, or a minimal install: the library runs its own PyTorch
     HAS_TRITON = False
 
 
@@ -41,21 +47,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether the Triton path serves a call on tensor ``t`` (see the module docstring)."""
-    if not HAS_TRITON or os.environ.get("NANOKV_NO_TRITON") == "1":
-        return False
-    return t.is_cuda or (t.device.type == "cpu" and interpreting())
-
-
 def serves(t: torch.Tensor) -> bool:
-    """Whether the library's own hot paths take a kernel for tensor ``t``: the decode step of
-    ``nanollm.attention.attend_step``, a tensor-attention decode step over the four-matrix cache
-    (``methods/tensor_attention.py``), KVReviver's sketch insert and query (``methods/kvreviver.py``).
-    Only on CUDA: the interpreter is for the kernel tests, far too slow for a model (the tests patch this
-    function to route those paths through it)."""
+    """Whether the library's hot paths take a kernel for tensor ``t`` (see the module docstring): a CUDA
+    tensor of an sm_80+ GPU with Triton importable, and ``NANOKV_NO_TRITON`` not set to 1."""
+    if not HAS_TRITON or os.environ.get("NANOKV_NO_TRITON") == "1" or not t.is_cuda:
+        return False
     # sm_80 or newer: the kernels load bf16 and use tl.dot shapes older GPUs do not compile
-    return t.is_cuda and use_triton(t) and _properties(t.device.index)[0] >= 8
+    return _properties(t.device.index)[0] >= 8
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -78,8 +76,7 @@ def sm_count(t: torch.Tensor) -> int:
 def fill_splits(t: torch.Tensor, rows: int) -> int:
     """Ranges per row (per (sequence, KV head)) that give every SM of the GPU holding ``t`` two programs;
     one in the interpreter, which runs programs one after another. ``split_ranges`` then keeps every range
-    at least one block long. (On an H100, 1 to 16 programs per SM land within a few percent of each other
-    once the products go through tl.dot.)"""
+    at least one block long. (How much the count matters on a GPU: the README's kernel section.)"""
     programs = 2 * sm_count(t) if t.is_cuda else 1
     return -(-programs // rows)
 

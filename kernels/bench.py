@@ -35,11 +35,15 @@ import torch
 import torch.nn.functional as F
 
 from nanollm import cli
+from nanollm.io import files
 
 from . import HAS_TRITON
-from .decode_attention import (decode_attention_triton, reference_decode_attention,
-                               reference_selected_decode_attention, selected_decode_attention_triton)
-
+from .decode_attention import (
+    decode_attention_triton,
+    reference_decode_attention,
+    reference_selected_decode_attention,
+    selected_decode_attention_triton,
+)
 
 EAGER: list[str] = []      # what could not be timed in a CUDA graph (it synchronises with the host)
 
@@ -194,6 +198,7 @@ def tensor_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float, d
     the tiled kernel against the materialising reference (Kronecker products built, as Chen et al. Theorem
     4.3 charges it) and the factored PyTorch reference (an i x i score matrix per head)."""
     from methods.tensor_attention import four_cache_attention, naive_four_cache_attention
+
     from .tensor_decode import tensor_decode_triton
     H, d = 8, 64
     n = 1024 if not quick else 128
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels_on = device == "cuda" and HAS_TRITON
         if not kernels_on:
             print("no CUDA device (or no Triton): the kernels run only in Triton's CPU interpreter, which checks "
-                  "correctness (pytest tests/test_kernels_*.py), not speed. Timing the PyTorch references only; "
+                  "correctness (pytest tests/kernels), not speed. Timing the PyTorch references only; "
                   "run this on a GPU for the kernel numbers.")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         if device == "cpu" and dtype != torch.float32:
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, verdict in report["targets"].items():
             print(f"target {name}: {verdict}")
         if args.json:
-            cli.atomic_write_text(args.json, json.dumps(report, indent=1))
+            files.atomic_write_text(args.json, json.dumps(report, indent=1))
 
 
 def format_row(r: dict) -> str:

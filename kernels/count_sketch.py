@@ -3,8 +3,9 @@ KVReviver's count sketch on the GPU: insert, query, and a fused rebuild-then-att
 
 Paper: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction",
 arXiv 2512.17917 (the Vague sketch: Algorithms 1-2; rebuilding the cache before attention: Algorithm 4).
-The PyTorch version the kernels must match is ``methods/kvreviver.py`` (``VagueSketch``,
-``KVReviverPolicy.attend_kv``).
+The method itself is ``methods/kvreviver.py``: ``VagueSketch.insert`` and ``.query`` call the first two
+kernels where ``kernels.serves`` says so, and otherwise compute the same in their own PyTorch (the tests
+check that it equals the references here).
 
 The sketch. Tokens evicted from the raw cache are *summed* into r rows x b cells; a cell holds a whole
 token (keys and values of every KV head): ``key``, ``value`` (r, b, H_kv, d), fp32. Row i has a bucket
@@ -15,23 +16,23 @@ PyTorch (``VagueSketch.buckets`` / ``signs``); the kernels take them as tensors 
     insert:  key[i, h_i(J)] += k_J                      value[i, h_i(J)] += g_i(J) v_J
     query:   k^_J = median_i key[i, h_i(J)]             v^_J = median_i g_i(J) value[i, h_i(J)]
 
-Three kernels, each in the order of the Triton tutorials: the PyTorch reference (same signature), the
-``@triton.jit`` kernel, the launcher (``*_triton``: always the kernel), and the public function, which
-takes the kernel when ``kernels.use_triton(tensor)`` says so and the reference otherwise.
+Three kernels, each in the order of the Triton tutorials: the PyTorch reference (``reference_*``, the plain
+definition above, any r), the ``@triton.jit`` kernel, and the launcher (``*_triton``: always the kernel).
 
-1. ``sketch_insert``: one program per (row, block of tokens, block of features). Two tokens of one block
-   may land in the same cell, and so may tokens of different programs: the adds are atomic
+1. ``sketch_insert_triton``: one program per (row, block of tokens, block of features). Two tokens of one
+   block may land in the same cell, and so may tokens of different programs: the adds are atomic
    (``tl.atomic_add``), so every collision is summed (in some order: fp32 sums agree with the reference to
    rounding). Traffic: the n tokens are read once (2 n H_kv d elements in their own dtype) and each element
    does r atomic read-modify-writes of 4 bytes on the cells.
-2. ``sketch_query``: one program per (block of tokens, block of features): gathers the r cells of each token
-   and takes the median over rows in registers. For r = 3 the median is max(min(a, b), min(max(a, b), c));
-   r = 1 is the cell itself; other r (up to ``MAX_ROWS``) select by rank: x_i is the median when fewer
-   than m = (r - 1) // 2 + 1 rows are below it and more than m rows are at or below it (the lower median,
-   as ``torch.median``). Traffic: reads 2 r n H_kv d x 4 bytes of cells, writes 2 n H_kv d x 4 bytes.
-3. ``sketch_decode_attention``: one decode query per KV-head group attends over the n_raw raw tokens and
-   the n_v sketch tokens, whose keys and values are rebuilt *inside* the kernel (gather, median, sign) and
-   never written to memory. The unfused path (Algorithm 4 as ``attend_kv`` does it) writes the n_v
+2. ``sketch_query_triton``: one program per (block of tokens, block of features): gathers the r cells of
+   each token and takes the median over rows in registers. For r = 3 the median is
+   max(min(a, b), min(max(a, b), c)); r = 1 is the cell itself; other r (up to ``MAX_ROWS``) select by
+   rank: x_i is the median when fewer than m = (r - 1) // 2 + 1 rows are below it and more than m rows
+   are at or below it (the lower median, as ``torch.median``). Traffic: reads 2 r n H_kv d x 4 bytes of
+   cells, writes 2 n H_kv d x 4 bytes.
+3. ``sketch_decode_attention_triton``: one decode query per KV-head group attends over the n_raw raw
+   tokens and the n_v sketch tokens, whose keys and values are rebuilt *inside* the kernel (gather,
+   median, sign) and never written to memory. The unfused path (Algorithm 4 as ``attend_kv`` does it) writes the n_v
    rebuilt tokens, concatenates them with the raw ones, sorts by position and gathers (each a read and a
    write of the whole cache) before the attention reads it all once more. The fused kernel reads each raw
    token once and r cells per sketch token; the cells are few (r b tokens, e.g. 3 x 100 x 8 heads x 128
@@ -53,7 +54,7 @@ takes the kernel when ``kernels.use_triton(tensor)`` says so and the reference o
 
 Everything is per sequence (no batch axis): q (H, d), the raw tokens (H_kv, n_raw, d), one sketch. Cells
 are always fp32; k, v and q may be fp16 / bf16 (converted to fp32 in registers); the attention output has
-q's dtype. ``cells`` must lie in [0, b): the kernels do not check it (the references do).
+q's dtype. ``cells`` must lie in [0, b): the kernels do not check it (the references' indexing does).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels import HAS_TRITON, fill_splits, next_pow2, split_ranges, use_triton
+from . import HAS_TRITON, fill_splits, next_pow2, split_ranges
 
 if HAS_TRITON:
     import triton
@@ -96,19 +97,13 @@ def _check_tokens(name: str, t: Tensor, n: int, H_kv: int, d: int) -> None:
 
 def _need_triton() -> None:
     if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed: use the reference_* functions (or the public ones, which "
-                           "fall back to them)")
+        raise RuntimeError("Triton is not installed: use the reference_* functions")
 
 
 def _rows_for_kernel(r: int) -> None:
     if not 1 <= r <= MAX_ROWS:
         raise ValueError(f"the Triton kernels support 1 to {MAX_ROWS} sketch rows, got r = {r} (use the "
                          "reference_* functions)")
-
-
-def _flat_cells(cells: Tensor, b: int) -> Tensor:
-    """Row i's cell c as one index i * b + c into the sketch's (r * b, ...) rows: cells (r, n) -> (r * n,)."""
-    return (torch.arange(cells.shape[0], device=cells.device).view(-1, 1) * b + cells.long()).reshape(-1)
 
 
 def _token_blocks(n: int, HD: int, block_n: int | None) -> tuple[int, int]:
@@ -124,17 +119,15 @@ def _token_blocks(n: int, HD: int, block_n: int | None) -> tuple[int, int]:
 def reference_sketch_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor,
                             v: Tensor) -> None:
     """Add n tokens to every row, in place: key[i, cells[i, j]] += k[j], value[i, cells[i, j]] +=
-    signs[i, j] v[j]. key, value (r, b, H_kv, d); cells, signs (r, n); k, v (n, H_kv, d). The effect of
-    ``VagueSketch.insert`` (a delete is an insert of -k, -v)."""
+    signs[i, j] v[j] (Algorithm 1; a delete is an insert of -k, -v). key, value (r, b, H_kv, d); cells,
+    signs (r, n); k, v (n, H_kv, d)."""
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
     _check_tokens("k", k, n, H_kv, d)
     _check_tokens("v", v, n, H_kv, d)
-    flat = (-1, H_kv, d)
-    idx = _flat_cells(cells, b)                                                                # (r * n,)
-    k_rows = k.to(key.dtype).unsqueeze(0).expand(r, n, H_kv, d)                                # (r, n, H_kv, d)
-    v_rows = v.to(value.dtype).unsqueeze(0) * signs.to(value.dtype)[..., None, None]          # g_i(J) v_J
-    key.view(flat).index_add_(0, idx, k_rows.reshape(flat))
-    value.view(flat).index_add_(0, idx, v_rows.reshape(flat))
+    for i in range(r):                                     # index_add_ sums tokens that share a cell
+        g = signs[i].to(value.dtype)[:, None, None]                                       # (n, 1, 1)
+        key[i].index_add_(0, cells[i].long(), k.to(key.dtype))                            # (b, H_kv, d)
+        value[i].index_add_(0, cells[i].long(), g * v.to(value.dtype))
 
 
 if HAS_TRITON:
@@ -162,7 +155,8 @@ if HAS_TRITON:
 
 def sketch_insert_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor, v: Tensor,
                          *, block_n: int | None = None) -> None:
-    """The Triton kernel of ``sketch_insert`` (always). ``block_n``: tokens per program (tests)."""
+    """The atomic-add kernel: ``reference_sketch_insert`` on contiguous fp32 cells, in place; k, v in any
+    float dtype. ``block_n``: tokens per program (tests)."""
     _need_triton()
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
     _check_tokens("k", k, n, H_kv, d)
@@ -180,37 +174,18 @@ def sketch_insert_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tenso
                                 n, b, HD, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F)
 
 
-def sketch_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor, v: Tensor) -> None:
-    """Add n tokens k, v (n, H_kv, d) into the sketch key, value (r, b, H_kv, d) in place, at the cells
-    ``cells`` (r, n) with the value signs ``signs`` (r, n). Triton when ``use_triton(key)``."""
-    if use_triton(key):
-        return sketch_insert_triton(key, value, cells, signs, k, v)
-    return reference_sketch_insert(key, value, cells, signs, k, v)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # 2. Query (Algorithm 2)
 
-def median_of_rows(x: Tensor) -> Tensor:
-    """Element-wise median over the first axis (the sketch's rows); the lower median for an even count, as
-    ``torch.median``. For three rows, max(min(a, b), min(max(a, b), c)): the same value, several times
-    faster on CPU."""
-    if x.shape[0] == 3:
-        a, b, c = x
-        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
-    return x.median(dim=0).values
-
-
 def reference_sketch_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) -> tuple[Tensor, Tensor]:
-    """Estimates k^, v^ (n, H_kv, d) of the n tokens hashed to ``cells`` (r, n) with ``signs`` (r, n): the
-    element-wise median over the r rows of the gathered cells (values times their signs). Any r >= 1;
-    equals ``VagueSketch.query``."""
+    """Estimates k^, v^ (n, H_kv, d) of the n tokens hashed to ``cells`` (r, n) with ``signs`` (r, n)
+    (Algorithm 2): the element-wise median over the r rows of the gathered cells, values times their signs;
+    the lower median for an even r, as ``torch.median``. Any r >= 1."""
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
-    flat = (-1, H_kv, d)
-    idx = _flat_cells(cells, b)                                                                # (r * n,)
-    k = key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)
-    v = value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * signs.to(value.dtype)[..., None, None]
-    return median_of_rows(k), median_of_rows(v)
+    rows = torch.arange(r, device=cells.device)[:, None]                                  # (r, 1)
+    k = key[rows, cells.long()]                                                           # (r, n, H_kv, d)
+    v = value[rows, cells.long()] * signs.to(value.dtype)[..., None, None]                # (r, n, H_kv, d)
+    return k.median(dim=0).values, v.median(dim=0).values
 
 
 if HAS_TRITON:
@@ -269,7 +244,8 @@ if HAS_TRITON:
 
 def sketch_query_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, *,
                         block_n: int | None = None) -> tuple[Tensor, Tensor]:
-    """The Triton kernel of ``sketch_query`` (always); r in [1, MAX_ROWS]. ``block_n``: tokens per program."""
+    """The gather-and-median kernel: ``reference_sketch_query`` as (k^, v^), each (n, H_kv, d) fp32; r in
+    [1, MAX_ROWS]. ``block_n``: tokens per program (tests)."""
     _need_triton()
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
     _rows_for_kernel(r)
@@ -284,14 +260,6 @@ def sketch_query_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor
                                signs.to(torch.float32).contiguous(), k_hat, v_hat, n, b, HD,
                                R=r, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F)
     return k_hat, v_hat
-
-
-def sketch_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) -> tuple[Tensor, Tensor]:
-    """Estimates (k^, v^), each (n, H_kv, d) fp32, of the tokens hashed to ``cells`` / ``signs`` (r, n).
-    Triton when ``use_triton(key)`` (r up to MAX_ROWS), else the reference."""
-    if use_triton(key):
-        return sketch_query_triton(key, value, cells, signs)
-    return reference_sketch_query(key, value, cells, signs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -432,7 +400,8 @@ if HAS_TRITON:
 def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key: Tensor, value: Tensor,
                                    cells: Tensor, signs: Tensor, scale: float, *, block_n: int | None = None,
                                    num_splits: int | None = None) -> Tensor:
-    """The fused Triton kernel of ``sketch_decode_attention`` (always). ``block_n``: tokens per block;
+    """The fused kernel: ``reference_sketch_decode_attention`` without writing the rebuilt tokens, out (H, d)
+    in q's dtype; r in [1, MAX_ROWS]. ``block_n``: tokens per block;
     ``num_splits``: programs per KV head along the tokens (default: enough to fill the GPU, 1 in the
     interpreter); both are capped by the number of blocks."""
     _need_triton()
@@ -440,8 +409,8 @@ def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key:
     _rows_for_kernel(r)
     G = H // H_kv
     G_PAD, D_PAD = next_pow2(G), next_pow2(d)
-    # the (G_PAD, BLOCK_N, D_PAD) product of a block lives in registers: keep it around 8K elements. (tl.dot
-    # in IEEE fp32, the cells' type, measured 2x slower on an H100: the rebuild, not the products, bounds it)
+    # the (G_PAD, BLOCK_N, D_PAD) product of a block lives in registers: keep it around 8K elements (not
+    # tl.dot in IEEE fp32, the cells' type: the rebuild, not the products, bounds it; README, kernels)
     BLOCK_N = block_n or max(16, min(64, 8192 // (G_PAD * D_PAD)))
     n_blocks = triton.cdiv(n_raw, BLOCK_N) + triton.cdiv(n_v, BLOCK_N)
     if num_splits is None:
@@ -462,13 +431,3 @@ def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key:
     _merge_splits_kernel[(H_kv, G)](m, l, acc, out, out.stride(0), out.stride(1), S,
                                     G=G, D=d, G_PAD=G_PAD, D_PAD=D_PAD, BLOCK_S=32)
     return out
-
-
-def sketch_decode_attention(q: Tensor, k_raw: Tensor, v_raw: Tensor, key: Tensor, value: Tensor, cells: Tensor,
-                            signs: Tensor, scale: float) -> Tensor:
-    """One decode query per KV-head group over raw tokens + sketch tokens rebuilt on the fly: out (H, d).
-    q (H, d); k_raw, v_raw (H_kv, n_raw, d); sketch key, value (r, b, H_kv, d); cells, signs (r, n_v).
-    Triton when ``use_triton(q)`` (the fused kernel), else the reference (rebuild, then attend)."""
-    if use_triton(q):
-        return sketch_decode_attention_triton(q, k_raw, v_raw, key, value, cells, signs, scale)
-    return reference_sketch_decode_attention(q, k_raw, v_raw, key, value, cells, signs, scale)

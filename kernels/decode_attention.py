@@ -24,14 +24,17 @@ head), and writes (m, l, acc). A small reduction then merges the ranges:
 
 The two products of a block, scores q K^T and output P V, go through ``tl.dot`` with the group's G query
 heads padded to 16 rows (the smallest tile a tensor core takes). The padding wastes arithmetic the step has
-plenty of: what bounds it is loading K and V. (A first version multiplied with broadcasts and sums in
-registers: the (G, BLOCK_N, d) products limited a block to 16 tokens, and it read K/V at 18% of an H100's
-bandwidth against 98% now; ``python -m kernels.bench`` measures it.) With a 16-bit cache, K and V enter
+plenty of: what bounds it is loading K and V. (Broadcasts and sums in registers instead limit a block to
+16 tokens, through the (G, BLOCK_N, d) products, and read K/V several times slower: the README's kernel
+section has the measurements, which ``python -m kernels.bench`` makes.) With a 16-bit cache, K and V enter
 ``tl.dot`` as stored and the scaled query and the probabilities are rounded to the cache's type, with
 fp32 accumulation; an fp32 cache multiplies in IEEE fp32, so the tests hold at 1e-5.
 
-    out = decode_attention(q, k, v)                        # q (B, H, d), k, v (B, H_kv, S, d) -> (B, H, d)
-    out = selected_decode_attention(q, k, v, idx)          # idx (B, H_kv, K) rows of k, v per head
+    out = decode_attention_triton(q, k, v)                   # q (B, H, d), k, v (B, H_kv, S, d) -> (B, H, d)
+    out = selected_decode_attention_triton(q, k, v, idx)     # idx (B, H_kv, K) rows of k, v per head
+
+each beside its reference (``reference_decode_attention``, ``reference_selected_decode_attention``: the same
+arguments, any device). ``nanollm.attention.attend_step`` calls the first where ``kernels.serves`` says so.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, default_scale, fill_splits, next_pow2, split_ranges, use_triton
+from . import HAS_TRITON, default_scale, fill_splits, next_pow2, split_ranges
 
 if HAS_TRITON:
     import triton
@@ -213,7 +216,8 @@ if HAS_TRITON:
 def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | None, block_n: int | None,
             splits: int | None, num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     if not HAS_TRITON:
-        raise RuntimeError("the decode kernels need triton; decode_attention() falls back to the reference")
+        raise RuntimeError("the decode kernels need triton; use reference_decode_attention or "
+                           "reference_selected_decode_attention")
     B, H, d = q.shape
     H_kv = k.shape[1]
     G = H // H_kv
@@ -270,21 +274,3 @@ def selected_decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tenso
     if validate:
         check_decode_args(q, k, v, idx)
     return _launch(q, k, v, idx, scale, block_n, splits, num_warps, num_stages)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The switch
-
-
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
-    """Decode attention: the Triton kernel where ``kernels.use_triton`` allows, else the reference."""
-    if use_triton(q):
-        return decode_attention_triton(q, k, v, scale)
-    return reference_decode_attention(q, k, v, scale)
-
-
-def selected_decode_attention(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, scale: float | None = None) -> Tensor:
-    """Decode attention over selected rows: the Triton kernel where allowed, else the reference."""
-    if use_triton(q):
-        return selected_decode_attention_triton(q, k, v, idx, scale)
-    return reference_selected_decode_attention(q, k, v, idx, scale)

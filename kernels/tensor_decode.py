@@ -1,8 +1,8 @@
 """
 A fused decode kernel for tensor attention over the four-matrix cache (Triton, tutorial style).
 
-The math (Chen et al., arXiv 2503.11108, Definitions 3.6-3.8; ``methods/tensor_attention.py``)
----------------------------------------------------------------------------------------------
+The math (Chen et al., arXiv 2503.11108, Definitions 3.6-3.8; ``methods/tensor_attention/``)
+----------------------------------------------------------------------------------------
 One decode step: a query q (d,) attends to *pairs* (a, b) of the n cached tokens, whose factors are the
 rows of K1, K2, V1, V2 (n, d)::
 
@@ -10,10 +10,11 @@ rows of K1, K2, V1, V2 (n, d)::
     P       = softmax of S over all n^2 pairs together
     o       = sum_{a,b} P[a, b] V1[a] * V2[b]  =  sum_a V1[a] * (P @ V2)[a]
 
-The PyTorch references write the n^2 pairs to memory: ``naive_four_cache_attention`` builds the Kronecker
-products K1 (/) K2 and V1 (/) V2 (2 n^2 d numbers), ``four_cache_attention`` only the (n, n) scores and
-their softmax. This kernel writes neither: it is FlashAttention's tiling (Dao et al., arXiv 2205.14135,
-§3.1) with the online softmax (Milakov & Gimelshein, arXiv 1805.02867, §3), applied to the pair grid.
+The PyTorch paths write the n^2 pairs to memory: ``naive_four_cache_attention`` (in
+``methods/tensor_attention/``) builds the Kronecker products K1 (/) K2 and V1 (/) V2 (2 n^2 d numbers),
+``four_cache_attention`` and the reference here only the (n, n) scores and their softmax. This kernel
+writes neither: it is FlashAttention's tiling (Dao et al., arXiv 2205.14135, §3.1) with the online softmax
+(Milakov & Gimelshein, arXiv 1805.02867, §3), applied to the pair grid.
 
 The idea: the pair grid is a matrix product
 -------------------------------------------
@@ -80,10 +81,10 @@ scores several times (matmul, softmax, P @ V2).
 
 API
 ---
-``reference_tensor_decode``   the PyTorch reference (``four_cache_attention`` with Tq = 1)
-``tensor_decode_triton``      the launcher (needs CUDA tensors, or TRITON_INTERPRET=1 for the CPU interpreter)
-``tensor_decode``             the dispatcher: Triton when ``kernels.use_triton(q)`` (and the dtype fits), else
-                              the reference
+``reference_tensor_decode``   the PyTorch reference: the definition above in two einsums (the tests check
+                              that it equals ``four_cache_attention`` with Tq = 1)
+``tensor_decode_triton``      the launcher (needs CUDA tensors, or TRITON_INTERPRET=1 for the CPU interpreter);
+                              ``FourCache.attend`` calls it where ``kernels.serves`` says so
 ``peak_memory_bytes``         analytic working memory of the three paths, for the benchmark
 
 All take q (B, H, d) and K1, K2, V1, V2 (B, H, n, d) and return (B, H, d) in q's dtype.
@@ -94,8 +95,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import HAS_TRITON, default_scale, interpreting, next_pow2, sm_count, split_ranges, use_triton
-from methods.tensor_attention import four_cache_attention
+from . import HAS_TRITON, default_scale, interpreting, next_pow2, sm_count, split_ranges
 
 if HAS_TRITON:
     import triton
@@ -145,10 +145,13 @@ def _block_d(d: int) -> int:
 
 def reference_tensor_decode(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tensor,
                             scale: float | None = None) -> Tensor:
-    """``four_cache_attention`` for one query per head: q (B, H, d), factors (B, H, n, d) -> (B, H, d).
-    ``scale`` defaults to 1/sqrt(d), as in ``TensorAttention``. Materialises the (n, n) scores."""
+    """Tensor attention of one query per head over the pairs (a, b) of the n cached tokens: q (B, H, d),
+    factors (B, H, n, d) -> (B, H, d) in q's dtype. ``scale`` defaults to 1/sqrt(d), as in
+    ``TensorAttention``. Materialises the (n, n) scores. (In the einsums the pair is (a, c): b is the batch.)"""
     _, _, _, d = _check_inputs(q, K1, K2, V1, V2)
-    return four_cache_attention(q.unsqueeze(-2), K1, K2, V1, V2, default_scale(scale, d)).squeeze(-2)
+    S = torch.einsum("bhj,bhaj,bhcj->bhac", q * default_scale(scale, d), K1, K2)   # (B, H, n, n): S[a, c]
+    P = torch.softmax(S.flatten(-2), dim=-1).view_as(S)                             # over all n^2 pairs
+    return torch.einsum("bhac,bhcd,bhad->bhd", P, V2, V1)          # sum_{a,c} P[a, c] V1[a] * V2[c]: (B, H, d)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -250,17 +253,10 @@ if HAS_TRITON:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The launcher and the dispatcher.
+# The launcher.
 
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _kernel_runs(q: Tensor) -> bool:
-    """Whether ``tensor_decode`` takes the Triton path for q: ``kernels.use_triton(q)``, a dtype the kernel
-    takes, and not bfloat16 in the CPU interpreter (whose bfloat16 ``tl.dot`` is wrong)."""
-    return (use_triton(q) and q.dtype in KERNEL_DTYPES
-            and not (q.dtype == torch.bfloat16 and not q.is_cuda))
 
 
 def _default_splits(q: Tensor, BH: int, n_a_tiles: int) -> int:
@@ -281,17 +277,18 @@ def tensor_decode_triton(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tens
     """Tensor-attention decode with the Triton kernels: q (B, H, d), K1, K2, V1, V2 (B, H, n, d) -> (B, H, d).
 
     ``block_a`` x ``block_b`` is the pair tile (powers of two >= 16; None: 32 x 64 for 16-bit inputs, 16 x 32
-    for fp32, whose IEEE ``tl.dot`` spills registers with the larger tile at d = 128 on an H100). ``splits`` is the number of programs per
-    (batch, head) along the a axis (None: ``_default_splits``); it is capped so that no program gets an empty
-    range of a-tiles. Scores, softmax and accumulation run in fp32; fp16/bf16 inputs go into ``tl.dot`` as
-    they are (fp32 accumulation), fp32 inputs in full IEEE precision. Needs CUDA tensors or TRITON_INTERPRET=1.
+    for fp32, whose IEEE ``tl.dot`` spills registers with the larger tile at d = 128 on an H100). ``splits``
+    is the number of programs per (batch, head) along the a axis (None: ``_default_splits``); it is capped so
+    that no program gets an empty range of a-tiles. Scores, softmax and accumulation run in fp32; fp16/bf16
+    inputs go into ``tl.dot`` as they are (fp32 accumulation), fp32 inputs in full IEEE precision. Needs CUDA
+    tensors or TRITON_INTERPRET=1.
 
     ``num_stages`` (software pipelining of the K2/V2 loads) defaults to 3 for 16-bit inputs and to 2 (1 for
     d > 128) for fp32, whose IEEE ``tl.dot`` stages its operands in shared memory: with the default tiles
     and d = 128 that is about 90 KB at 2 stages and 156 KB at 3 (sm_90), d = 256 needs 164 KB at 1 stage.
     """
     if not HAS_TRITON:
-        raise RuntimeError("tensor_decode_triton needs triton; use tensor_decode (falls back to the reference)")
+        raise RuntimeError("tensor_decode_triton needs triton; use reference_tensor_decode")
     if block_a is None or block_b is None:     # fp32's IEEE tl.dot spills with 32 x 64 tiles at d = 128 (sm_90)
         small = q.dtype == torch.float32
         block_a, block_b = block_a or (16 if small else 32), block_b or (32 if small else 64)
@@ -341,17 +338,6 @@ def tensor_decode_triton(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tens
         SPLITS=splits, SPLITS_P2=next_pow2(splits), BLOCK_D=BLOCK_D,
     )
     return out
-
-
-def tensor_decode(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tensor, scale: float | None = None,
-                  **kernel_options) -> Tensor:
-    """Tensor-attention decode: the Triton kernel when ``kernels.use_triton(q)`` (CUDA, or the interpreter)
-    and the dtype is one the kernel takes (fp32, fp16, bf16; bf16 on CUDA only), else
-    ``reference_tensor_decode``. ``kernel_options`` (block_a, block_b, splits, num_stages) go to the kernel
-    only."""
-    if _kernel_runs(q):
-        return tensor_decode_triton(q, K1, K2, V1, V2, scale, **kernel_options)
-    return reference_tensor_decode(q, K1, K2, V1, V2, scale)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """
 KV-cache methods: one file per method, each a ``nanollm.policy.CachePolicy`` dataclass, and the registry.
 
-    from methods import METHODS, make_policy
+    from . import METHODS, make_policy
     policy = make_policy("snapkv", budget=64, window=16)      # == METHODS["snapkv"](budget=64, window=16)
     policy = make_policy("adakv(h2o)", budget=64)             # a wrapper around another scorer
     policy = make_policy("adakv", budget=64, inner="h2o")     # the same policy
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from nanollm.policy import CachePolicy, PolicyWrapper, ScoringPolicy, check_budget
+from nanollm.checks import check_budget
+from nanollm.policy import CachePolicy, PolicyWrapper, ScoringPolicy
 
 from .adakv import AdaKVPolicy
 from .chunkkv import ChunkKVPolicy
@@ -134,4 +135,5 @@ def make_policy(name: str, budget: int, inner: str | None = None, **options) -> 
 
 
 __all__ = ["METHODS", "AdaKVPolicy", "ChunkKVPolicy", "CriticalKVPolicy", "FullPolicy", "H2OPolicy",
-           "KVReviverPolicy", "ScissorhandsPolicy", "SnapKVPolicy", "StreamingLLMPolicy", "make_policy", "method_chain", "method_options", "scorers", "wrappers"]
+           "KVReviverPolicy", "ScissorhandsPolicy", "SnapKVPolicy", "StreamingLLMPolicy", "make_policy",
+           "method_chain", "method_options", "scorers", "wrappers"]

@@ -44,7 +44,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext, check_budget
+from nanollm.checks import check_budget, check_number
+from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext
 
 from .snapkv import SnapKVPolicy
 
@@ -106,9 +107,7 @@ class AdaKVPolicy(PolicyWrapper):
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
-        a = self.alpha_safeguard
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
-            raise ValueError(f"alpha_safeguard must be a number in [0, 1], got {a!r}")
+        check_number("alpha_safeguard", self.alpha_safeguard, 0, 1)
         self.check_inner(lambda: SnapKVPolicy(budget=self.budget))
 
     @property

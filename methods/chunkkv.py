@@ -53,8 +53,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from nanollm.cache import KVCache
-from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext, check_budget, check_int
+from nanollm.checks import check_budget, check_flag, check_int
+from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext
 
 from .adakv import mask_to_indices
 from .snapkv import SnapKVPolicy
@@ -136,8 +136,7 @@ class ChunkKVPolicy(PolicyWrapper):
         check_budget(self.budget)
         check_int("chunk_size", self.chunk_size)
         check_int("reuse", self.reuse)
-        if not isinstance(self.per_head, bool):
-            raise ValueError(f"per_head must be True or False, got {self.per_head!r}")
+        check_flag("per_head", self.per_head)
         if self.remainder not in REMAINDERS:
             raise ValueError(f"remainder must be one of {REMAINDERS}, got {self.remainder!r}")
         self.check_inner(lambda: SnapKVPolicy(budget=self.budget, **self.default_inner_options))
@@ -172,24 +171,3 @@ def holds_position(chosen: Tensor, pos: Tensor, seen: int) -> Tensor:
     table.scatter_(-1, torch.where(chosen < 0, seen, chosen), True)
     table[..., seen] = False
     return table.gather(-1, torch.where(pos < 0, seen, pos))
-
-
-def kept_positions(cache: KVCache) -> list[Tensor]:
-    """Per layer, the positions batch row 0 keeps: a list of (H_kv, K) tensors (-1 = empty slot)."""
-    return [layer.pos[0].clone() for layer in cache.layers]
-
-
-def jaccard(a: Tensor, b: Tensor, below: int | None = None) -> float:
-    """|a ∩ b| / |a ∪ b| of two sets of positions (-1 entries ignored; only positions < ``below`` if given,
-    e.g. to leave out a window every layer keeps anyway)."""
-    a, b = set(a[a >= 0].tolist()), set(b[b >= 0].tolist())
-    if below is not None:
-        a, b = {p for p in a if p < below}, {p for p in b if p < below}
-    return len(a & b) / max(1, len(a | b))
-
-
-def adjacent_layer_jaccard(kept: list[Tensor], below: int | None = None) -> list[float]:
-    """Jaccard similarity of the kept positions of layers l and l+1, averaged over KV heads (head h of one
-    layer against head h of the next); one value per adjacent pair. ``below`` as in ``jaccard``."""
-    return [sum(jaccard(a[h], b[h], below) for h in range(a.shape[0])) / a.shape[0]
-            for a, b in zip(kept, kept[1:])]

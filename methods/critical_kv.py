@@ -87,7 +87,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from nanollm.policy import Needs, PolicyWrapper, ScoringPolicy, StepContext, check_budget
+from nanollm.checks import check_budget, check_number, is_int
+from nanollm.policy import Needs, PolicyWrapper, ScoringPolicy, StepContext
 
 from .adakv import mask_to_indices
 from .snapkv import SnapKVPolicy
@@ -246,14 +247,10 @@ class CriticalKVPolicy(PolicyWrapper):
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
-        a = self.alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
-            raise ValueError(f"alpha must be a number in [0, 1] (stage-1 share of the budget), got {a!r}")
+        check_number("alpha", self.alpha, 0, 1, what=" (stage-1 share of the budget)")
         if self.stage2 not in STAGE2:
             raise ValueError(f"stage2 must be one of {STAGE2}, got {self.stage2!r}")
-        e = self.epsilon
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 <= e < float("inf"):
-            raise ValueError(f"epsilon must be a finite number >= 0, got {e!r}")
+        check_number("epsilon", self.epsilon, 0, float("inf"), open_high=True)
         self.check_inner(lambda: SnapKVPolicy(budget=self.budget))
 
     @property
@@ -263,7 +260,7 @@ class CriticalKVPolicy(PolicyWrapper):
         while isinstance(getattr(policy, "inner", None), ScoringPolicy):
             policy = policy.inner
         w = getattr(policy, "window", None)
-        return w if isinstance(w, int) and not isinstance(w, bool) else None
+        return w if is_int(w) else None
 
     def needs(self, phase: str) -> Needs:
         """The inner policy's needs, plus the window's rows of the attention where stage 2 reads them."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanollm.policy import FullCache, check_budget
+from nanollm.checks import check_budget
+from nanollm.policy import FullCache
 
 
 @dataclass

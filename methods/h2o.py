@@ -30,7 +30,8 @@ Choices the paper leaves open, and ours:
   to T, the number of queries (tested). A sum would add G per query instead, and select the same tokens.
 
 Defaults: the authors' scripts use ``heavy_ratio = recent_ratio = 0.1`` of the sequence length, an equal
-split between heavy hitters and recent tokens; with a token budget that is ``n_recent = budget // 2`` (the default when ``n_recent`` is None).
+split between heavy hitters and recent tokens; with a token budget that is ``n_recent = budget // 2`` (the
+default when ``n_recent`` is None).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
-from nanollm.policy import Needs, ScoringPolicy, StepContext, check_budget, group_mean, select_topk
+from nanollm.checks import check_budget, check_int
+from nanollm.policy import Needs, ScoringPolicy, StepContext, group_mean, select_topk
 
 STATE = "h2o_score"      # name of the per-slot accumulated attention in the storage
 
@@ -63,18 +64,22 @@ def received_attention(col_sums: Tensor, n_kv_head: int) -> Tensor:
     return group_mean(col_sums.float(), n_kv_head)                   # (B, H_kv, T)
 
 
-def h2o_keep(scores: Tensor, budget: int, n_recent: int) -> Tensor:
-    """The rule as a function of one score table whose slots are in position order (the last slot is the
-    newest): the last ``n_recent`` slots plus the top-scored of the others.
+def h2o_keep(scores: Tensor, pos: Tensor, seen: int, budget: int, n_recent: int) -> Tensor:
+    """The rule (Algorithm 1): the ``n_recent`` most recent tokens plus the top-scored of the others.
+
+    scores : (B, H_kv, T) accumulated attention; pos : (B, H_kv, T) positions (-1 = empty slot); seen : tokens
+    seen (the recent window is positions seen - n_recent .. seen - 1).
 
     Returns
     -------
     idx : (B, H_kv, min(budget, T)) ascending; ties go to the earlier slot (``select_topk``).
-    (The policy reaches the same set through ``ScoringPolicy.select``; a test checks they agree.)
     """
-    T = scores.shape[-1]
-    recent = torch.arange(T, device=scores.device) >= T - n_recent   # (T,) the protected window
-    return select_topk(scores, budget, protected=recent)
+    return select_topk(scores, budget, protected=recent_window(pos, seen, n_recent))
+
+
+def recent_window(pos: Tensor, seen: int, n_recent: int) -> Tensor:
+    """(B, H_kv, T) bool: the ``n_recent`` most recent positions (seen - n_recent .. seen - 1)."""
+    return pos >= seen - n_recent
 
 
 @dataclass
@@ -96,9 +101,7 @@ class H2OPolicy(ScoringPolicy):
         check_budget(self.budget)
         if self.n_recent is None:
             self.n_recent = self.budget // 2
-        if isinstance(self.n_recent, bool) or not isinstance(self.n_recent, int) \
-                or not 0 <= self.n_recent <= self.budget:
-            raise ValueError(f"n_recent must be an int in [0, budget={self.budget}], got {self.n_recent!r}")
+        check_int("n_recent", self.n_recent, 0, high=self.budget, what=" (at most the budget)")
 
     def observe(self, ctx: StepContext) -> None:
         received = received_attention(ctx.col_sums, ctx.kv.pos.shape[1])  # (B, H_kv, T)
@@ -116,7 +119,10 @@ class H2OPolicy(ScoringPolicy):
 
     def protected(self, ctx: StepContext) -> Tensor:
         """The ``n_recent`` most recent tokens."""
-        return ctx.kv.pos >= ctx.seen - self.n_recent
+        return recent_window(ctx.kv.pos, ctx.seen, self.n_recent)
+
+    def select(self, ctx: StepContext) -> Tensor:
+        return h2o_keep(ctx.kv.state[STATE], ctx.kv.pos, ctx.seen, self.budget, self.n_recent)
 
     # -- contract declarations -------------------------------------------------------------------------
     def protected_positions(self, n_prompt: int, seen: int) -> list[int]:

@@ -35,9 +35,10 @@ How this file resolves what the paper leaves open:
   KV head keeps the same positions. GQA needs no special rule.
 * Budget = slots per layer: raw slots (R + C) plus sketch cells (r x b). Split 0.45 / 0.45 / 0.1 (Tables
   2-3), with ``R.budget = budget - C.budget - r*b - recent_slack`` so that raw slots + cells never
-  exceed ``budget`` even when R is over by its slack. ``recent_slack`` (Algorithm 3's Slack: tokens R may exceed its budget by before it
-  moves its oldest into C in one go) is not given in the paper: ours defaults to 0. While every token
-  seen fits in ``budget`` raw slots nothing is compressed (and the sketch does not exist yet).
+  exceed ``budget`` even when R is over by its slack. ``recent_slack`` (Algorithm 3's Slack: tokens R may
+  exceed its budget by before it moves its oldest into C in one go) is not given in the paper: ours
+  defaults to 0. While every token seen fits in ``budget`` raw slots nothing is compressed (and the
+  sketch does not exist yet).
 * Swap loop: one token at a time, as Algorithm 3; it stops when C's minimum times ``replace_rate`` is no
   longer below V's maximum, and after at most ``C.budget`` swaps per step.
 * Hashes: seeded universal hashing ((a J + c) mod p) mod b per row and layer; ``injective_hash=True``
@@ -61,18 +62,31 @@ import torch
 from torch import Tensor
 
 import kernels
-from kernels.count_sketch import (MAX_ROWS, reference_sketch_insert, reference_sketch_query, sketch_insert_triton,
-                                  sketch_query_triton)
-from nanollm.policy import CachePolicy, Needs, StepContext, check_budget, check_int
+from kernels.count_sketch import MAX_ROWS, sketch_insert_triton, sketch_query_triton
+from nanollm.checks import check_budget, check_flag, check_int, check_number
+from nanollm.policy import CachePolicy, Needs, StepContext
 from nanollm.storage import LayerKV
 
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
 
 
+def median_of_rows(x: Tensor) -> Tensor:
+    """Element-wise median over the first axis (the sketch's rows): x (r, ...) -> (...); the lower median for
+    an even count, as ``torch.median``. For three rows, max(min(a, b), min(max(a, b), c)): the same value,
+    several times faster on CPU."""
+    if x.shape[0] == 3:
+        a, b, c = x
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    return x.median(dim=0).values
+
+
 class VagueSketch:
-    """A count sketch of whole tokens for one sequence and layer (Algorithms 1-2), batched over tokens.
+    """A count sketch of whole tokens for one sequence and layer (Yuan et al., arXiv 2512.17917, Algorithms
+    1-2), batched over tokens.
 
     cells: key, value (r, b, H_kv, d), fp32 (sums of many tokens). Tokens are identified by position J.
+    On a GPU with Triton (``kernels.serves``) insert and query run the kernels of ``kernels/count_sketch.py``;
+    otherwise the PyTorch below, which the tests check against that file's references.
     """
 
     def __init__(self, rows: int, width: int, n_kv_head: int, head_dim: int, seed: int, injective: bool = False,
@@ -115,19 +129,41 @@ class VagueSketch:
             self._cells, self._signs = self.buckets(every).int(), self.signs(every)
         return self._cells[:, pos], self._signs[:, pos]
 
+    def flat_cells(self, cells: Tensor) -> Tensor:
+        """Row i's cell c as one index i * b + c into the cells seen as (r * b, H_kv, d) rows:
+        cells (r, n) -> (r * n,)."""
+        return (torch.arange(self.rows, device=cells.device).view(-1, 1) * self.width + cells.long()).reshape(-1)
+
     def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
         """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
-        subtract). The arithmetic is ``kernels.count_sketch``'s: its reference here, its atomic-add kernel
-        on a GPU with Triton."""
-        insert = sketch_insert_triton if kernels.serves(self.key) else reference_sketch_insert
-        insert(self.key, self.value, *self.hashes(pos), sign * k.float(), sign * v.float())
+        subtract): cell[i, h_i(J)].key += k_J, cell[i, h_i(J)].value += g_i(J) v_J for every row i."""
+        cells, signs = self.hashes(pos)                                          # (r, n) each
+        k, v = sign * k.float(), sign * v.float()                                # (n, H_kv, d)
+        if kernels.serves(self.key):                                             # a GPU: atomic adds
+            return sketch_insert_triton(self.key, self.value, cells, signs, k, v)
+        (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
+        flat = (-1, H_kv, d)
+        idx = self.flat_cells(cells)                                             # (r * n,)
+        g = signs.to(self.value.dtype)[..., None, None]                          # (r, n, 1, 1): g_i(J)
+        k_rows = k.to(self.key.dtype).unsqueeze(0).expand(r, n, H_kv, d)        # (r, n, H_kv, d): k_J
+        v_rows = v.to(self.value.dtype).unsqueeze(0) * g                         # (r, n, H_kv, d): g_i(J) v_J
+        # tokens that share a cell are all summed into it
+        self.key.view(flat).index_add_(0, idx, k_rows.reshape(flat))
+        self.value.view(flat).index_add_(0, idx, v_rows.reshape(flat))
 
     def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows
-        (``kernels.count_sketch``: the reference, or the gather-and-median kernel on a GPU with Triton)."""
-        kernel = kernels.serves(self.key) and self.rows <= MAX_ROWS
-        query = sketch_query_triton if kernel else reference_sketch_query
-        return query(self.key, self.value, *self.hashes(pos))
+        """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows:
+        k^_J = median_i cell[i, h_i(J)].key, v^_J = median_i g_i(J) cell[i, h_i(J)].value."""
+        cells, signs = self.hashes(pos)                                          # (r, n) each
+        if kernels.serves(self.key) and self.rows <= MAX_ROWS:                   # a GPU: gather and median
+            return sketch_query_triton(self.key, self.value, cells, signs)
+        (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
+        flat = (-1, H_kv, d)
+        idx = self.flat_cells(cells)                                             # (r * n,)
+        g = signs.to(self.value.dtype)[..., None, None]                          # (r, n, 1, 1): g_i(J)
+        k = self.key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)     # (r, n, H_kv, d): cells
+        v = self.value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * g   # signed cells
+        return median_of_rows(k), median_of_rows(v)
 
     def delete(self, pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Remove tokens by subtracting what is known of them (in a swap: their estimates)."""
@@ -179,19 +215,14 @@ class KVReviverPolicy(CachePolicy):
         check_int("recent_slack", self.recent_slack, low=0)
         check_int("seed", self.seed, low=0)
         for name in ("vague_share", "candidate_share"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+            check_number(name, getattr(self, name), 0, 1)
         if self.vague_share + self.candidate_share > 1.0:
-            raise ValueError(f"vague_share + candidate_share must be <= 1, got {self.vague_share + self.candidate_share}")
-        if isinstance(self.replace_rate, bool) or not isinstance(self.replace_rate, (int, float)) \
-                or self.replace_rate < 1.0:
-            raise ValueError(f"replace_rate must be a number >= 1, got {self.replace_rate!r}")
-        if self.sketch_width is not None and (isinstance(self.sketch_width, bool)
-                                              or not isinstance(self.sketch_width, int) or self.sketch_width < 0):
-            raise ValueError(f"sketch_width must be a non-negative int or None, got {self.sketch_width!r}")
-        if not isinstance(self.injective_hash, bool):
-            raise ValueError(f"injective_hash must be True or False, got {self.injective_hash!r}")
+            raise ValueError("vague_share + candidate_share must be <= 1, got "
+                             f"{self.vague_share + self.candidate_share}")
+        check_number("replace_rate", self.replace_rate, 1)
+        if self.sketch_width is not None:
+            check_int("sketch_width", self.sketch_width, low=0, what=" or None")
+        check_flag("injective_hash", self.injective_hash)
         if self.raw_budget - self.candidate_budget < 1:
             raise ValueError(f"budget {self.budget} leaves no room for Recent after Candidate "
                              f"({self.candidate_budget}) and the sketch ({self.rows} x {self.width}); raise budget "

@@ -56,7 +56,7 @@ appendix we work from does not restate the main text's settings); r is cut to B 
 (ours). m = 1, the setting of the analysis (Appendix B.2: "the cache will always maintain B tokens");
 larger m amortises the ranking over m steps. tau = 1 / (number of entries attended), the uniform level:
 "below average attention". The theory of Theorem 4.1 (the single-head model, the bound, the Monte-Carlo
-check) is in ``methods/scissorhands_theory.py``.
+check) is in ``methods/analysis/scissorhands_theory.py``.
 """
 
 from __future__ import annotations
@@ -66,11 +66,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from nanollm.cache import KVCache
-from nanollm.policy import CachePolicy, Needs, ScoringPolicy, StepContext, check_budget, check_int, select_topk
+from nanollm.checks import check_budget, check_int, check_number
+from nanollm.policy import Needs, ScoringPolicy, StepContext, group_mean, select_topk
 
 LOW = "scissorhands_low"      # per-slot ring buffer of the last w low/high flags, (B, H_kv, T, w) bool
 COUNT = "scissorhands_count"  # per-slot number of low flags in that buffer (the counter I), (B, H_kv, T)
@@ -80,12 +79,6 @@ DEFAULT_RECENT = 10           # cold-compress's recent window (see the module do
 
 # ---------------------------------------------------------------------------------------------------------
 # The rule, as pure functions
-
-def group_mean(probs: Tensor, n_kv_head: int) -> Tensor:
-    """(B, H, Tn, T) attention of the query heads -> (B, H_kv, Tn, T) mean over each GQA group (float32)."""
-    B, H, Tn, T = probs.shape
-    return probs.float().view(B, n_kv_head, H // n_kv_head, Tn, T).mean(dim=2)
-
 
 def low_flags(attn: Tensor, visible: Tensor, threshold: float | None = None) -> Tensor:
     """Which attended tokens were unimportant for each query (Algorithm 2's indicator).
@@ -141,17 +134,21 @@ def n_dropped(n_slots: int, budget: int, drop: int, n_recent: int) -> int:
     return math.ceil(excess / m) * m
 
 
+def recent_window(pos: Tensor, seen: int, n_recent: int) -> Tensor:
+    """(B, H_kv, T) bool: the stored entries among the ``n_recent`` most recent positions."""
+    return (pos >= seen - n_recent) & (pos >= 0)
+
+
 def scissorhands_keep(counts: Tensor, attn: Tensor, pos: Tensor, seen: int, budget: int, drop: int = 1,
                       n_recent: int = 0) -> Tensor:
-    """The whole rule on one layer's tables (slots in position order, no empty slots).
+    """The whole rule (Algorithm 2) on one layer's tables: counts, attn, pos (B, H_kv, T).
 
     Returns idx (B, H_kv, K) ascending, K = T - n_dropped(T, ...): the recent window (positions
     >= seen - n_recent) and the best-scored others (``keep_score``).
-    (The policy reaches the same set through ``ScissorhandsPolicy.select``; a test checks they agree.)
     """
     T = pos.shape[-1]
     K = T - n_dropped(T, budget, drop, n_recent)
-    return select_topk(keep_score(counts, attn, pos), K, protected=pos >= seen - n_recent)
+    return select_topk(keep_score(counts, attn, pos), K, protected=recent_window(pos, seen, n_recent))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -183,13 +180,10 @@ class ScissorhandsPolicy(ScoringPolicy):
         check_int("drop", self.drop)
         if self.n_recent is None:
             self.n_recent = min(DEFAULT_RECENT, self.budget - 1)
-        if isinstance(self.n_recent, bool) or not isinstance(self.n_recent, int) \
-                or not 0 <= self.n_recent < self.budget:
-            raise ValueError(f"n_recent must be an int in [0, budget - 1 = {self.budget - 1}] (the recent window "
-                             f"must leave room for the tokens the counters choose), got {self.n_recent!r}")
-        t = self.threshold
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
-            raise ValueError(f"threshold must be None (1 / entries attended) or a number in (0, 1], got {t!r}")
+        check_int("n_recent", self.n_recent, 0, high=self.budget - 1,
+                  what=" (budget - 1: the recent window must leave room for the tokens the counters choose)")
+        if self.threshold is not None:
+            check_number("threshold", self.threshold, 0, 1, open_low=True, what=" or None (1 / entries attended)")
 
     def needs(self, phase: str) -> Needs:
         """The probabilities of the step's last w queries: only their flags stay in the history."""
@@ -199,7 +193,7 @@ class ScissorhandsPolicy(ScoringPolicy):
         """Push the step's low flags (and keep the last query's attention for the tie-break)."""
         kv = ctx.kv
         B, H_kv, T = kv.pos.shape
-        attn = group_mean(ctx.probs, H_kv)                                     # (B, H_kv, R, T)
+        attn = group_mean(ctx.probs.float(), H_kv)                                   # (B, H_kv, R, T)
         q_pos = ctx.q_pos[-attn.shape[2]:]                                     # (R,) the last R queries
         kp = kv.pos[:, :, None, :]                                             # (B, H_kv, 1, T)
         visible = (kp >= 0) & (kp <= q_pos.view(1, 1, -1, 1))                  # (B, H_kv, R, T)
@@ -221,7 +215,7 @@ class ScissorhandsPolicy(ScoringPolicy):
 
     def protected(self, ctx: StepContext) -> Tensor:
         """The ``n_recent`` most recent tokens."""
-        return (ctx.kv.pos >= ctx.seen - self.n_recent) & (ctx.kv.pos >= 0)
+        return recent_window(ctx.kv.pos, ctx.seen, self.n_recent)
 
     def n_keep(self, ctx: StepContext) -> int:
         """Entries per head after this step's compression (<= budget; fewer when m > 1)."""
@@ -234,104 +228,11 @@ class ScissorhandsPolicy(ScoringPolicy):
 
     def select(self, ctx: StepContext) -> Tensor:
         """Drop m at a time (``n_dropped``) by the counters; the recent window stays."""
-        return select_topk(self.score(ctx), self.n_keep(ctx), self.protected(ctx))
+        kv = ctx.kv
+        return scissorhands_keep(kv.state[COUNT], kv.state[ATTN], kv.pos, ctx.seen, self.budget, self.drop,
+                                 self.n_recent)
 
     # -- contract declarations -------------------------------------------------------------------------
     def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
         """The ``n_recent`` most recent positions."""
         return list(range(max(0, seen - self.n_recent), seen))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Measuring the hypothesis on a trained model (§3.1-3.2, Appendix A)
-
-class AttentionRecorder(CachePolicy):
-    """Keeps everything and records batch row 0's attention probabilities at every step, per layer:
-    ``steps[layer]`` is a list of (H, Tn, T) tensors (the prompt's rows first)."""
-
-    def __init__(self) -> None:
-        self.steps: dict[int, list[Tensor]] = {}
-
-    def needs(self, phase: str) -> Needs:
-        return Needs(rows=None)                 # every row: an analysis of short sequences
-
-    def on_prefill(self, ctx: StepContext) -> None:
-        self.steps[ctx.layer] = [ctx.probs[0].float().clone()]
-
-    def on_decode(self, ctx: StepContext) -> None:
-        self.steps[ctx.layer].append(ctx.probs[0].float().clone())
-
-    def reset(self) -> None:
-        self.steps = {}
-
-    def matrix(self, layer: int) -> Tensor:
-        """(H, N, N) every recorded query row over every position (zeros in the future), N = tokens seen."""
-        rows = self.steps[layer]
-        N = rows[-1].shape[-1]
-        out = torch.zeros(rows[0].shape[0], N, N)
-        i = 0
-        for r in rows:                                                         # (H, Tn, T), T <= N
-            out[:, i:i + r.shape[1], :r.shape[2]] = r
-            i += r.shape[1]
-        return out
-
-
-@torch.no_grad()
-def record_attention(model, ids: Tensor) -> list[Tensor]:
-    """Full-cache attention of a prompt (1, N), one (H, N, N) matrix per layer. Row s is what the query at
-    position s attends: the attention a full-cache decode would compute at that position."""
-    recorder = AttentionRecorder()
-    model(ids, cache=KVCache(model.config, recorder))
-    return [recorder.matrix(layer) for layer in range(model.config.n_layer)]
-
-
-def heavy(attn: Tensor, level: float = 1.0) -> Tensor:
-    """(H, N, N) attention -> bool, token j is heavy for query s if attn >= level / (s + 1): ``level`` times
-    the uniform level over the s + 1 tokens query s attends (level 1 is the complement of Algorithm 2's
-    low flag; a larger level asks for a stronger pull)."""
-    N = attn.shape[-1]
-    uniform = 1.0 / torch.arange(1, N + 1, dtype=attn.dtype).view(N, 1)
-    return (attn >= level * uniform) & torch.ones(N, N, dtype=torch.bool).tril()
-
-
-def persistence_step(hv: Tensor, delta: int, start: int) -> tuple[Tensor, Tensor]:
-    """Of the tokens heavy at step s, the fraction still heavy at step s + delta (mean over s >= start),
-    and the base rate: the fraction of *all* tokens <= s heavy at step s + delta. Per head: (H,), (H,)."""
-    H, N, _ = hv.shape
-    ratios, bases = [], []
-    for s in range(start, N - delta):
-        now, later = hv[:, s, :s + 1], hv[:, s + delta, :s + 1]                 # (H, s + 1)
-        ratios.append((now & later).sum(-1) / now.sum(-1).clamp(min=1))
-        bases.append(later.sum(-1) / (s + 1))
-    return torch.stack(ratios).float().mean(0), torch.stack(bases).float().mean(0)
-
-
-def persistence_halves(hv: Tensor, split: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The sequence-level version: the tokens before ``split`` that any later step finds heavy, and the
-    fraction of them that some step before ``split`` had already found heavy. Per head (H,):
-    (ratio, base rate = |heavy early| / split, size of the late heavy set / split)."""
-    early = hv[:, :split, :split].any(1)                                       # (H, split)
-    late = hv[:, split:, :split].any(1)
-    ratio = (early & late).sum(-1) / late.sum(-1).clamp(min=1)
-    return ratio.float(), early.float().mean(-1), late.float().mean(-1)
-
-
-@torch.no_grad()
-def block_cosine(model, ids: Tensor) -> list[dict]:
-    """Appendix A.2's check, per layer: cosine similarity and norms of the MLP sub-block's input h and
-    output F(h) = h + mlp(norm(h)) (the paper's F, eq. (6)), and of the whole block's input and output;
-    means over positions of ``ids`` (1, N)."""
-    seen: list[dict] = [{} for _ in model.blocks]
-    hooks = []
-    for rec, block in zip(seen, model.blocks):
-        hooks.append(block.register_forward_hook(lambda m, i, o, rec=rec: rec.update(x=i[0], out=o)))
-        hooks.append(block.mlp_norm.register_forward_hook(lambda m, i, o, rec=rec: rec.update(h=i[0])))
-    try:
-        model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return [{"cos_mlp": float(F.cosine_similarity(r["h"], r["out"], dim=-1).mean()),
-             "cos_block": float(F.cosine_similarity(r["x"], r["out"], dim=-1).mean()),
-             "norm_in": float(r["h"].norm(dim=-1).mean()), "norm_out": float(r["out"].norm(dim=-1).mean())}
-            for r in seen]

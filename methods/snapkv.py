@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanollm.policy import Needs, ScoringPolicy, StepContext, check_budget, check_int, group_mean, select_topk
+from nanollm.checks import check_budget, check_int
+from nanollm.policy import Needs, ScoringPolicy, StepContext, group_mean, select_topk
 
 POOLINGS = ("max", "avg")
 
@@ -86,25 +87,39 @@ def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str)
     return group_mean(vote, n_kv_head)                                  # (B, H_kv, Tp) GQA group mean
 
 
-def snapkv_select(prefix_scores: Tensor, budget: int, window: int) -> Tensor:
-    """The rule as a function of the prefix scores: each head's top ``budget - window`` prefix tokens,
-    then the whole window. (The policy reaches the same set through ``ScoringPolicy.select`` with the
-    window protected; a test checks they agree.)
+def snapkv_scores(probs: Tensor, n_kv_head: int, window: int, kernel: int, pooling: str) -> Tensor:
+    """Scores of all T prompt slots from the observation window's attention: the pooled votes for the prefix
+    (``window_vote``), then the window's (unpooled) votes for its own tokens.
 
-    Parameters
-    ----------
-    prefix_scores : (B, H_kv, Tp) scores of the prefix tokens (slots 0..Tp-1); the window is slots
-        Tp..Tp+window-1.
-    budget : entries kept per head, window included; must exceed ``window``.
+    probs : (B, H, R, T) attention of the prompt's last R >= min(window, T) queries over its T tokens.
+    Returns (B, H_kv, T) float32.
+    """
+    T = probs.shape[-1]
+    w = min(window, T)
+    rows = probs[:, :, -w:, :]                                          # (B, H, w, T) the window's rows
+    own = window_vote(rows[..., T - w:], n_kv_head, 1, pooling)         # (B, H_kv, w) not pooled
+    if w == T:                                                          # a prompt no longer than the window
+        return own
+    prefix = window_vote(rows[..., :T - w], n_kv_head, kernel, pooling)   # (B, H_kv, T - w)
+    return torch.cat([prefix, own], dim=-1)
+
+
+def observation_window(pos: Tensor, seen: int, budget: int, window: int) -> Tensor:
+    """(B, H_kv, T) bool: the observation window (its last ``budget`` tokens if ``budget <= window``)."""
+    return pos >= seen - min(window, budget)
+
+
+def snapkv_keep(scores: Tensor, pos: Tensor, seen: int, budget: int, window: int) -> Tensor:
+    """The rule (§4.1): the whole observation window, then each head's top-scored prefix tokens.
+
+    scores : (B, H_kv, T) ``snapkv_scores``; pos : (B, H_kv, T) positions; seen : tokens seen (the window is
+    the last ``window`` positions).
 
     Returns
     -------
-    idx : (B, H_kv, budget) ascending (ties: the earlier slot wins, ``select_topk``).
+    idx : (B, H_kv, min(budget, T)) ascending (ties: the earlier slot wins, ``select_topk``).
     """
-    B, H_kv, Tp = prefix_scores.shape
-    top = select_topk(prefix_scores, budget - window)                   # (B, H_kv, budget - w)
-    win = torch.arange(Tp, Tp + window, device=prefix_scores.device).expand(B, H_kv, window)
-    return torch.cat([top, win], dim=-1)                                # (B, H_kv, budget)
+    return select_topk(scores, budget, protected=observation_window(pos, seen, budget, window))
 
 
 @dataclass
@@ -128,9 +143,9 @@ class SnapKVPolicy(ScoringPolicy):
     def __post_init__(self) -> None:
         check_budget(self.budget)
         check_int("window", self.window, what=" (observation window)")
-        if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 \
-                or self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be a positive odd int (pooling width), got {self.kernel!r}")
+        check_int("kernel", self.kernel, what=" and odd (pooling width)")
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be an int >= 1 and odd (pooling width), got {self.kernel!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
 
@@ -140,18 +155,14 @@ class SnapKVPolicy(ScoringPolicy):
 
     def score(self, ctx: StepContext) -> Tensor:
         """(B, H_kv, T): pooled window votes for the prefix, then the window's votes for its own tokens."""
-        T, H_kv = len(ctx.kv), ctx.kv.pos.shape[1]
-        w = min(self.window, T)
-        rows = ctx.probs[:, :, -w:, :]                                     # (B, H, w, T) the window's rows
-        own = window_vote(rows[..., T - w:], H_kv, 1, self.pooling)        # (B, H_kv, w) not pooled
-        if w == T:                                                         # a prompt no longer than the window
-            return own
-        prefix = window_vote(rows[..., :T - w], H_kv, self.kernel, self.pooling)   # (B, H_kv, T - w)
-        return torch.cat([prefix, own], dim=-1)
+        return snapkv_scores(ctx.probs, ctx.kv.pos.shape[1], self.window, self.kernel, self.pooling)
 
     def protected(self, ctx: StepContext) -> Tensor:
         """The observation window (its last ``budget`` tokens if ``budget <= window``)."""
-        return ctx.kv.pos >= ctx.seen - min(self.window, self.budget)
+        return observation_window(ctx.kv.pos, ctx.seen, self.budget, self.window)
+
+    def select(self, ctx: StepContext) -> Tensor:
+        return snapkv_keep(self.score(ctx), ctx.kv.pos, ctx.seen, self.budget, self.window)
 
     # on_decode: SnapKV never evicts after the prompt (``compress_on``; see the module docstring).
 

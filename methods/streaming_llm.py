@@ -36,10 +36,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
-from nanollm.policy import ScoringPolicy, StepContext, check_budget, check_int
+from nanollm.checks import check_budget, check_int
+from nanollm.policy import ScoringPolicy, StepContext, select_topk
 
 
 def sink_and_recent(budget: int, n_sink: int) -> tuple[int, int]:
@@ -48,18 +48,22 @@ def sink_and_recent(budget: int, n_sink: int) -> tuple[int, int]:
     return S, budget - S
 
 
-def sink_recent_indices(n_slots: int, budget: int, n_sink: int) -> Tensor:
-    """The rule as a function of one head's slots in position order: the first S and the last R.
+def sinks_and_recent_mask(pos: Tensor, seen: int, budget: int, n_sink: int) -> Tensor:
+    """(B, H_kv, T) bool: the S sinks (positions 0..S-1) and the R most recent positions (seen-R..seen-1).
+    pos (B, H_kv, T), -1 = empty slot."""
+    S, R = sink_and_recent(budget, n_sink)
+    return ((pos >= 0) & (pos < S)) | (pos >= seen - R)
+
+
+def streaming_llm_keep(pos: Tensor, seen: int, budget: int, n_sink: int) -> Tensor:
+    """The rule (§3.2): the sinks and the recent window, as a top-k where the score is the position and the
+    sinks and window are protected (they fill the budget, so exactly they are kept).
 
     Returns
     -------
-    idx : (min(budget, n_slots),) long, ascending. All slots if ``n_slots <= budget``.
-    (The policy reaches the same set through ``ScoringPolicy.select``; a test checks they agree.)
+    idx : (B, H_kv, min(budget, T)) slots to keep, ascending. All slots if ``T <= budget``.
     """
-    if n_slots <= budget:
-        return torch.arange(n_slots)
-    S, R = sink_and_recent(budget, n_sink)
-    return torch.cat([torch.arange(S), torch.arange(n_slots - R, n_slots)])   # (S + R,)
+    return select_topk(pos.float(), budget, sinks_and_recent_mask(pos, seen, budget, n_sink))
 
 
 @dataclass
@@ -86,9 +90,10 @@ class StreamingLLMPolicy(ScoringPolicy):
 
     def protected(self, ctx: StepContext) -> Tensor:
         """The sinks (positions 0..S-1) and the R most recent positions."""
-        S, R = sink_and_recent(self.budget, self.n_sink)
-        pos = ctx.kv.pos                                                 # (B, H_kv, T), -1 = empty
-        return ((pos >= 0) & (pos < S)) | (pos >= ctx.seen - R)
+        return sinks_and_recent_mask(ctx.kv.pos, ctx.seen, self.budget, self.n_sink)
+
+    def select(self, ctx: StepContext) -> Tensor:
+        return streaming_llm_keep(ctx.kv.pos, ctx.seen, self.budget, self.n_sink)
 
     # -- contract declarations -------------------------------------------------------------------------
     def protected_positions(self, n_prompt: int, seen: int) -> list[int]:

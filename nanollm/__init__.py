@@ -5,11 +5,11 @@ in this folder.
 """
 
 from .cache import KVCache, LayerKV
+from .checks import check_budget
 from .config import PRESETS, ModelConfig, preset
 from .generation import decode_step, extend, generate, prefill
 from .model import Transformer
-from .policy import (CachePolicy, FullCache, PolicyWrapper, ScoringPolicy, StepContext, check_budget,
-                     select_topk)
+from .policy import CachePolicy, FullCache, PolicyWrapper, ScoringPolicy, StepContext, select_topk
 
 
 def load(name_or_path, device: str = "cpu"):
@@ -17,7 +17,7 @@ def load(name_or_path, device: str = "cpu"):
 
     Imported on first use, so ``python -m nanollm.<tool>`` does not import its own module twice.
     """
-    from .checkpoint import load as _load
+    from .io.checkpoint import load as _load
     return _load(name_or_path, device)
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -42,10 +41,6 @@ from torch import Tensor
 from .config import ModelConfig
 from .policy import Needs
 from .storage import LayerKV
-
-if TYPE_CHECKING:                 # annotations only: cache.py imports this module
-    from .cache import KVCache
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Rotary position embeddings (RoPE, Su et al. 2021, arXiv 2104.09864, §3.4.2), "rotate half" layout as in
@@ -170,22 +165,43 @@ def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tupl
     This is the memory-bound heart of decoding: it reads every stored key and value once, and does two
     small matrix-vector products. q (B, H, 1, d); k, v (B, H_kv, Tk, d). Returns as ``attend``.
     """
+    d = q.shape[-1]
+    if (d >= 16 and d & (d - 1) == 0 and not (torch.is_grad_enabled() and q.requires_grad)
+            and kernel_serves(q)):                  # a GPU with Triton: the split-K kernel of kernels/
+        return kernel_step(q, k, v, needs)
+    B, H = q.shape[:2]
+    probs = step_probs(q, k)                                            # (B, H_kv, G, Tk)
+    out = (probs @ v).view(B, H, 1, d)                                  # (B, H, 1, d)
+    return (out, *step_statistics(probs, needs))
+
+
+def step_probs(q: Tensor, k: Tensor) -> Tensor:
+    """Attention probabilities of one query per row: q (B, H, 1, d), k (B, H_kv, Tk, d) -> (B, H_kv, G, Tk),
+    the G query heads of each KV head side by side (GQA without repeating k)."""
     B, H, _, d = q.shape
-    H_kv, Tk = k.shape[1], k.shape[2]
-    kernel = (d >= 16 and d & (d - 1) == 0 and not (torch.is_grad_enabled() and q.requires_grad)
-              and kernel_serves(q))         # a GPU with Triton: the split-K kernel of kernels/ computes the
-    if kernel:                              # output, whatever statistics a policy asked for (computed beside)
-        from kernels.decode_attention import decode_attention_triton
-        out = decode_attention_triton(q[:, :, 0], k, v).unsqueeze(2)                        # (B, H, 1, d)
-        if needs == Needs():
-            return out, None, None
+    H_kv = k.shape[1]
     qg = q.view(B, H_kv, H // H_kv, d) / math.sqrt(d)                   # (B, H_kv, G, d): G query rows
-    probs = torch.softmax(qg @ k.transpose(-1, -2), dim=-1)             # (B, H_kv, G, Tk)
-    if not kernel:
-        out = (probs @ v).view(B, H, 1, d)                              # (B, H, 1, d)
-    probs = probs.view(B, H, 1, Tk)
+    return torch.softmax(qg @ k.transpose(-1, -2), dim=-1)              # (B, H_kv, G, Tk)
+
+
+def step_statistics(probs: Tensor, needs: Needs) -> tuple[Tensor | None, Tensor | None]:
+    """What a policy asked for (``needs``) of a decode step's probabilities (B, H_kv, G, Tk): the rows
+    (B, H, 1, Tk) and the column sums (B, H, Tk), or None for what it did not ask for."""
+    B, H_kv, G, Tk = probs.shape
+    probs = probs.view(B, H_kv * G, 1, Tk)                              # (B, H, 1, Tk)
     col_sums = probs.sum(dim=2, dtype=torch.float32) if needs.col_sums else None     # (B, H, Tk), a copy
-    return out, (probs if needs.rows != 0 else None), col_sums
+    return (probs if needs.rows != 0 else None), col_sums
+
+
+def kernel_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tuple[Tensor, Tensor | None,
+                                                                                  Tensor | None]:
+    """``attend_step`` with its output from the split-K decode kernel (``kernels/decode_attention.py``), and
+    the statistics a policy asked for, if any, from the same probabilities ``attend_step`` computes."""
+    from kernels.decode_attention import decode_attention_triton
+    out = decode_attention_triton(q[:, :, 0], k, v).unsqueeze(2)                            # (B, H, 1, d)
+    if needs == Needs():
+        return out, None, None
+    return (out, *step_statistics(step_probs(q, k), needs))
 
 
 def prompt_statistics(q: Tensor, k: Tensor, needs: Needs, chunk: int | None = None) -> tuple[Tensor | None,
@@ -281,8 +297,9 @@ class CausalSelfAttention(nn.Module):
         return attend(q, entries.k, entries.v, q_pos, entries.pos, needs, dense=entries.dense)
 
     def forward(self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor] | None,
-                cache: KVCache | None = None) -> Tensor:
-        """x (B, T, D) at positions ``pos`` (T,); rope = (cos, sin) for those positions or None."""
+                cache=None) -> Tensor:
+        """x (B, T, D) at positions ``pos`` (T,); rope = (cos, sin) for those positions or None; ``cache`` a
+        ``KVCache`` or None (not annotated: ``cache.py`` imports this module, not the other way round)."""
         B, T, _ = x.shape
         H, H_kv, d = self.config.n_head, self.config.n_kv_head, self.config.head_dim
         q = self.q_proj(x).view(B, T, H, d).transpose(1, 2)             # (B, H, T, d)

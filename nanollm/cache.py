@@ -35,7 +35,7 @@ class KVCache:
         if policy is not None:          # a new cache is a new sequence: nothing may leak from an earlier one
             policy.reset()
         # what one layer stores: the attention module's choice, unless the caller picks another layout the
-        # module can attend over (tensor attention has three: methods/tensor_attention.py)
+        # module can attend over (tensor attention has three: methods/tensor_attention/attention.py)
         self._new_storage = new_storage or attention_class(config.attention).new_storage
         self.layers = [self._new_storage(config) for _ in range(config.n_layer)]
         self.seen = 0           # tokens processed so far; the next token gets position `seen`

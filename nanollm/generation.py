@@ -7,7 +7,7 @@ Generation with an explicit KV cache: prefill, extend, decode_step, generate.
     logits = decode_step(model, next_token, cache)    # one token
     out = generate(model, prompt_ids, max_new_tokens=20, policy=SomePolicy(budget=64))
 
-The command line is ``python -m nanollm.generate`` (``generate.py``); this module holds the library.
+The command line is ``python -m nanollm.cli.generate`` (``cli/generate.py``); this module holds the library.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .cache import KVCache
+from .checks import check_int
 from .model import Transformer
 from .policy import CachePolicy
 
@@ -82,8 +83,7 @@ def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: Cache
         too when it is one token onto a non-empty cache); default ``decode_step`` with this model
         (``nanollm.lean.LeanDecoder.step`` computes the same, faster).
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 0)
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None and top_k <= 0:

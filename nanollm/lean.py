@@ -13,9 +13,8 @@ speed matters (benchmarks, long generations):
   model's table and applied to q and k in one call;
 * with a plain cache (no policy) the step appends to the dense storage and calls ``attention.attend_step``
   itself; with a policy it goes through ``KVCache.attend``, so every policy's hooks run unchanged;
-* ``step_many`` steps several independent caches side by side (an evaluation's methods on one sample):
-  the element-wise work runs once over all their rows, the matrix products and attention per cache, so
-  each cache gets exactly the numbers it would get alone.
+* ``forward`` takes the matrix product and the attention as functions, so the evaluation can step many
+  caches side by side with the same arithmetic (``methods/evaluation/side_by_side.py``).
 
 It computes the same function: logits agree with ``decode_step`` to float rounding (the stacked matrix
 multiplies may sum in another order), tested in fp32 at 1e-5. The weights are copied when the decoder is
@@ -24,13 +23,10 @@ built: build it after loading or training, not before.
     lean = LeanDecoder(model)
     logits = prefill(model, ids, cache)[:, -1]           # the prompt: the readable path
     logits = lean.step(token, cache)                     # each new token: the lean one
-    logits, hidden = lean.step_many([t1, t2], [c1, c2])  # two sequences side by side, each as alone
     out = lean.generate(ids, max_new_tokens=32)          # greedy, like nanollm.generate
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.nn.functional as F
@@ -72,102 +68,65 @@ class LeanDecoder:
         """Logits (B, V) after feeding ``token`` (B,) or (B, 1) to ``cache``: what ``decode_step`` returns."""
         return self.step_with_hidden(token, cache)[0]
 
+    @torch.no_grad()
     def step_with_hidden(self, token: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
         """Logits (B, V) and the final normalised hidden state (B, D) of one decode step (what
         ``model(token, cache=cache, return_hidden=True)`` returns, for its one position)."""
-        return self.step_many([token], [cache])
+        self.check_step(cache)
+        ids = token.view(-1)                                                           # (B,)
+        x = F.embedding(ids, self.model.tok_emb.weight)                                # (B, D): one position each
+        cos, sin = self.model.rope(cache.seen, 1, ids.device, x.dtype)                # (1, d) each
+        pos = torch.arange(cache.seen, cache.seen + 1, device=ids.device)             # (1,)
+        logits, h = self.forward(x, cos, sin, F.linear,
+                                 lambda i, attn, q, k, v: self.attend(cache, i, attn, q, k, v, pos))
+        cache.seen += 1
+        return logits, h
 
-    @torch.no_grad()
-    def step_many(self, tokens: list[Tensor], caches: list[KVCache],
-                  own_seconds: list[float] | None = None) -> tuple[Tensor, Tensor]:
-        """One decode step for each of several independent sequences, side by side: ``tokens[n]`` (B_n,)
-        onto ``caches[n]`` (each cache with its own policy, length and position). Returns the logits
-        (sum B_n, V) and hidden states (sum B_n, D), the caches' rows one after the other.
+    def check_step(self, cache: KVCache) -> None:
+        """A decode step needs a cache that holds a prefix and has room for one more position."""
+        if cache.seen == 0:
+            raise ValueError("a decode step needs a cache that already holds a prefix; use prefill() first")
+        if cache.seen + 1 > self.config.max_seq_len:
+            raise ValueError(f"{cache.seen} tokens seen + 1 new exceeds the model's max_seq_len="
+                             f"{self.config.max_seq_len}")
 
-        Each cache's numbers are exactly those of ``step(tokens[n], caches[n])`` on its own (tested bit
-        for bit on CPU), which is what lets an evaluation step all its methods together and still give
-        each the same trace as a run of that method alone. The two kinds of work are treated differently:
+    @staticmethod
+    def attend(cache: KVCache, i: int, attn: CausalSelfAttention, q: Tensor, k: Tensor, v: Tensor,
+               pos: Tensor) -> Tensor:
+        """Layer i's attention of one step: q (B, H, 1, d), the new k, v (B, H_kv, 1, d) at position pos (1,).
+        Returns (B, H, 1, d)."""
+        store = cache.layers[i]
+        if cache.policy is None and store.dense:        # the plain cache: store, attend, no hooks
+            store.append(k, v, pos)
+            return attend_step(q, store.k, store.v)[0]
+        return cache.attend(i, attn, q, pos, (k, v))   # policies: their hooks
 
-        * element-wise work and row-wise reductions (embedding, RMSNorm, RoPE, SiLU, residual adds)
-          compute every row independently, so they run once over all rows: one call instead of one per
-          sequence, which is most of what a tiny model's step costs;
-        * matrix products run per cache: a product over many rows may sum in another order than the
-          same product over one row (it does here), which would make a sequence's numbers depend on which
-          others happened to run beside it. Attention (storage, policy hooks) is per cache anyway.
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, linear, attend) -> tuple[Tensor, Tensor]:
+        """The layers of one decode step over R rows (one position each): x (R, D) embedded tokens, cos and
+        sin their rotations ((1, d) for one shared position, or (R, 1, d)). Returns logits (R, V) and the
+        final normalised hidden states (R, D).
 
-        ``own_seconds[n]``, if given, gets the time of cache n's attention added (its storage, attention
-        and policy hooks: the work that differs between caches); the rest of the step is the same work
-        for every row.
+        ``linear(t, w)`` computes every matrix product and ``attend(i, attn, q, k, v)`` layer i's attention;
+        ``step_with_hidden`` passes ``F.linear`` and its cache's attention. Everything else here is
+        element-wise or row by row, so an evaluation can pass functions that run the products and the
+        attention per sequence and step many sequences at once (``methods/evaluation/side_by_side.py``).
         """
-        model, cfg = self.model, self.config
+        cfg = self.config
         H, H_kv, d = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        if not caches or len(tokens) != len(caches):
-            raise ValueError(f"one token tensor per cache: {len(tokens)} token tensors, {len(caches)} caches")
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("a cache appears twice: each cache takes one step")
-        for cache in caches:
-            if cache.seen == 0:
-                raise ValueError("a decode step needs a cache that already holds a prefix; use prefill() first")
-            if cache.seen + 1 > cfg.max_seq_len:
-                raise ValueError(f"{cache.seen} tokens seen + 1 new exceeds the model's max_seq_len={cfg.max_seq_len}")
-        tokens = [t.view(-1) for t in tokens]
-        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0]                     # (R,) all rows
-        rows, row_pos, first = [], [], 0                 # each cache's rows; every row's position
-        for t, cache in zip(tokens, caches):
-            rows.append(slice(first, first + len(t)))
-            row_pos += [cache.seen] * len(t)
-            first += len(t)
-        one = len(caches) == 1                          # one cache: its rows are all the rows, one position
-        x = F.embedding(ids, model.tok_emb.weight)                                     # (R, D): one position each
-        if one:
-            cos, sin = model.rope(caches[0].seen, 1, ids.device, x.dtype)             # (1, d) each
-        else:
-            cos, sin = model.rope(0, cfg.max_seq_len, ids.device, x.dtype)           # (max_seq_len, d) tables
-            row_pos = torch.tensor(row_pos, device=ids.device)
-            cos, sin = cos[row_pos, None], sin[row_pos, None]                          # (R, 1, d) each
-        pos = [torch.arange(c.seen, c.seen + 1, device=ids.device) for c in caches]   # (1,) per cache
-
-        def of(t: Tensor, n: int) -> Tensor:           # cache n's rows of t
-            return t if one else t[rows[n]]
-
-        timing = own_seconds is not None
-
-        def per_cache(f, timed: bool = False) -> Tensor:   # f(n) for every cache, their rows stacked
-            outs = []
-            for n in range(len(caches)):
-                t0 = time.perf_counter()
-                outs.append(f(n))
-                if timed and timing:
-                    own_seconds[n] += time.perf_counter() - t0
-            return outs[0] if one else torch.cat(outs)
-
-        def attend(n: int, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            cache, q, k, v = caches[n], of(q, n), of(k, n), of(v, n)
-            store = cache.layers[i]
-            if cache.policy is None and store.dense:    # the plain cache: store, attend, no hooks
-                store.append(k, v, pos[n])
-                return attend_step(q, store.k, store.v)[0]                             # (B_n, H, 1, d)
-            return cache.attend(i, attn, q, pos[n], (k, v))                           # policies: their hooks
-
-        R = ids.shape[0]
+        R = x.shape[0]
         for i, (norm1, wqkv, wo, norm2, wgu, wd, attn) in enumerate(self.layers):
             h = self._norm(norm1, x)                                                   # (R, D)
-            qkv = per_cache(lambda n: F.linear(of(h, n), wqkv)).view(R, H + 2 * H_kv, d)
+            qkv = linear(h, wqkv).view(R, H + 2 * H_kv, d)
             qk = apply_rope(qkv[:, :H + H_kv], cos, sin)          # q and k rotated together (element-wise)
             q = qk[:, :H, None]                                                        # (R, H, 1, d)
             k, v = qk[:, H:, None], qkv[:, H + H_kv:, None]                            # (R, H_kv, 1, d)
-            y = per_cache(lambda n: attend(n, i, attn, q, k, v), timed=True)           # (R, H, 1, d)
-            y = y.reshape(R, H * d)                             # the heads side by side (one position)
-            x = x + per_cache(lambda n: F.linear(of(y, n), wo))
+            y = attend(i, attn, q, k, v).reshape(R, H * d)      # (R, H, 1, d): the heads side by side
+            x = x + linear(y, wo)
             h = self._norm(norm2, x)
-            gate, up = per_cache(lambda n: F.linear(of(h, n), wgu)).chunk(2, dim=-1)
-            m = F.silu(gate) * up
-            x = x + per_cache(lambda n: F.linear(of(m, n), wd))
-        h = self._norm(model.final_norm, x)                                           # (R, D)
-        logits = per_cache(lambda n: F.linear(of(h, n), model.lm_head.weight))      # (R, V)
-        for cache in caches:
-            cache.seen += 1
-        return logits, h
+            gate, up = linear(h, wgu).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, wd)
+        h = self._norm(self.model.final_norm, x)                                      # (R, D)
+        return linear(h, self.model.lm_head.weight), h                                # (R, V), (R, D)
 
     def generate(self, ids: Tensor, max_new_tokens: int, cache: KVCache | None = None,
                  stop_ids: list[int] | tuple = ()) -> Tensor:

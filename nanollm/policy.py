@@ -14,14 +14,16 @@ a method may need, so nothing is recomputed inside a hook. What a method reads f
 it declares with ``needs(phase)`` (a ``Needs``): the probabilities of the step's last query rows (SnapKV's
 observation window), the column sums over all queries (H2O's accumulated attention), or nothing, which
 lets the attention take its fast paths. A long prompt's (T, T) probability matrix is never built: rows
-are kept only where asked, and column sums are added up chunk by chunk (``attention.attend_masked``). Besides the hooks, a policy *declares* what
-it promises (``slack``, ``head_slack``, ``protected_positions``) and what it holds besides the storage
-(``extra_nbytes``, ``slot_nbytes``, ``exact_positions``): the contract tests and the evaluation harness
-read these declarations.
+are kept only where asked, and column sums are added up chunk by chunk (``attention.attend_masked``).
+
+Besides the hooks, a policy *declares* (``PolicyContract``) what it promises (``slack``, ``head_slack``,
+``protected_positions``) and what it holds besides the storage (``extra_nbytes``, ``slot_nbytes``,
+``exact_positions``): the contract tests and the evaluation harness read these declarations.
 
 Three layers of reuse, from general to specific:
 
-* ``CachePolicy``: hooks + declarations, all with "keep everything" defaults.
+* ``CachePolicy``: the hooks (and the declarations of ``PolicyContract``), all with "keep everything"
+  defaults.
 * ``ScoringPolicy``: a selection method. It only says how important each entry is (``score``) and which
   entries must stay (``protected``); the base class does the rest once for everyone: when to compress
   (``compress_on``), whether the layer is over budget, ``select_topk``, ``keep``.
@@ -38,6 +40,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from .checks import check_budget, check_flag, check_int
 from .config import ModelConfig
 from .storage import LayerKV
 
@@ -57,10 +60,9 @@ class Needs:
     col_sums: bool = False
 
     def __post_init__(self) -> None:
-        if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 0):
-            raise ValueError(f"Needs.rows must be None (every row) or an int >= 0, got {self.rows!r}")
-        if not isinstance(self.col_sums, bool):
-            raise ValueError(f"Needs.col_sums must be True or False, got {self.col_sums!r}")
+        if self.rows is not None:
+            check_int("Needs.rows", self.rows, 0, what=" or None (every row)")
+        check_flag("Needs.col_sums", self.col_sums)
 
     def __or__(self, other: "Needs") -> "Needs":
         """Everything either asks for (a wrapper that adds its own needs to its inner policy's)."""
@@ -105,7 +107,47 @@ class StepContext:
     col_sums: Tensor | None = None
 
 
-class CachePolicy:
+class PolicyContract:
+    """What a policy *declares*, apart from what it does: the promises the contract tests check
+    (``tests/methods/test_policy_contract.py``) and what the evaluation harness counts as the method's
+    memory. Every declaration defaults to "keep everything, hold nothing else"; ``CachePolicy`` adds the
+    hooks.
+    """
+
+    def slack(self, n_prompt: int, n_decoded: int) -> int:
+        """Entries per KV head allowed beyond ``budget`` after a prompt of ``n_prompt`` tokens and
+        ``n_decoded`` later tokens (e.g. SnapKV keeps every token after the prompt). The layer total must
+        stay within ``H_kv * (budget + slack)``. Default 0."""
+        return 0
+
+    def head_slack(self, n_kv_head: int) -> int:
+        """Extra entries one KV head may hold when the heads of a layer share one budget (AdaKV); the
+        layer total is unaffected. Default 0."""
+        return 0
+
+    def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
+        """Positions every KV head must still hold after a step (sinks, windows). Default: none."""
+        return []
+
+    def extra_nbytes(self) -> int:
+        """Bytes of side tables the policy keeps *outside* the storage (e.g. per-token scores), reported
+        apart from K and V. Per-slot state kept in the storage is counted by the cache
+        (``KVCache.state_nbytes``)."""
+        return 0
+
+    def slot_nbytes(self) -> int:
+        """Bytes of key/value slots the policy keeps outside the storage (a sketch's cells, which stand in
+        for evicted tokens): counted *with* the K/V bytes. Default 0."""
+        return 0
+
+    def exact_positions(self, layer: int, store: LayerKV) -> Tensor:
+        """(B, H_kv, T) positions whose *raw* key and value the storage holds (-1 elsewhere). Default: every
+        stored entry. A method that writes approximations into its storage (KVReviver's revived tokens)
+        marks them -1, so the harness counts their attention as lost, not as kept."""
+        return store.pos
+
+
+class CachePolicy(PolicyContract):
     """Base class of every KV-cache method. By itself it keeps everything.
 
     When compression happens, relative to attention: the prompt's attention is always exact (every
@@ -142,58 +184,9 @@ class CachePolicy:
     def reset(self) -> None:
         """Forget per-sequence state so the policy can serve a new sequence."""
 
-    # -- the contract a method declares (read by the contract tests and the harness) -------------------
-    def slack(self, n_prompt: int, n_decoded: int) -> int:
-        """Entries per KV head allowed beyond ``budget`` after a prompt of ``n_prompt`` tokens and
-        ``n_decoded`` later tokens (e.g. SnapKV keeps every token after the prompt). The layer total must
-        stay within ``H_kv * (budget + slack)``. Default 0."""
-        return 0
-
-    def head_slack(self, n_kv_head: int) -> int:
-        """Extra entries one KV head may hold when the heads of a layer share one budget (AdaKV); the
-        layer total is unaffected. Default 0."""
-        return 0
-
-    def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
-        """Positions every KV head must still hold after a step (sinks, windows). Default: none."""
-        return []
-
-    def extra_nbytes(self) -> int:
-        """Bytes of side tables the policy keeps *outside* the storage (e.g. per-token scores), reported
-        apart from K and V. Per-slot state kept in the storage is counted by the cache
-        (``KVCache.state_nbytes``)."""
-        return 0
-
-    def slot_nbytes(self) -> int:
-        """Bytes of key/value slots the policy keeps outside the storage (a sketch's cells, which stand in
-        for evicted tokens): counted *with* the K/V bytes. Default 0."""
-        return 0
-
-    def exact_positions(self, layer: int, store: LayerKV) -> Tensor:
-        """(B, H_kv, T) positions whose *raw* key and value the storage holds (-1 elsewhere). Default: every
-        stored entry. A method that writes approximations into its storage (KVReviver's revived tokens)
-        marks them -1, so the harness counts their attention as lost, not as kept."""
-        return store.pos
-
 
 class FullCache(CachePolicy):
     """The identity policy: every token is kept. The reference every method is compared with."""
-
-
-def check_budget(budget: int) -> int:
-    """Validate a per-head token budget: a positive int."""
-    if isinstance(budget, bool) or not isinstance(budget, int):
-        raise TypeError(f"budget must be an int (tokens kept per layer per KV head), got {budget!r}")
-    if budget <= 0:
-        raise ValueError(f"budget must be positive (tokens kept per layer per KV head), got {budget}")
-    return budget
-
-
-def check_int(name: str, value, low: int = 1, what: str = "") -> int:
-    """Validate a method's integer option: an int (not a bool) >= ``low``; the error names the option."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}{what}, got {value!r}")
-    return value
 
 
 def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
@@ -338,6 +331,7 @@ class PolicyWrapper(ScoringPolicy):
     def reset(self) -> None:
         self.inner.reset()
 
+    # -- the inner policy's declarations (PolicyContract), unchanged --------------------------------------
     def slack(self, n_prompt: int, n_decoded: int) -> int:
         return self.inner.slack(n_prompt, n_decoded)
 

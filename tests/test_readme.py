@@ -1,6 +1,6 @@
 """
 README.md as written: its set-up is what CI runs, the package then imports from anywhere, its Python blocks
-run, its commands name only flags the commands have, and its sample output of ``python -m nanollm.bench`` is
+run, its commands name only flags the commands have, and its sample output of ``python -m nanollm.cli.bench`` is
 what the bench prints for those numbers.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nanollm.bench import BenchResult, BenchRow, fit_line, format_result
+from nanollm.cli.bench import BenchResult, BenchRow, fit_line, format_result
 from nanollm.config import preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +54,7 @@ def test_ci_runs_the_readme_setup_and_tests():
     assert "pip install -r requirements.txt && pip install -e ." in ci and "python -m pytest -q" in ci
 
 
+@pytest.mark.slow
 def test_package_imports_from_anywhere(tmp_path):
     """After the README's set-up (``pip install -e .``), nanollm and methods import from any folder."""
     result = python(["-c", "import nanollm, methods; print(nanollm.__file__)"], tmp_path, importable=False)
@@ -62,6 +63,7 @@ def test_package_imports_from_anywhere(tmp_path):
         pytest.skip(f"nanollm is installed from another checkout: {result.stdout.strip()}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", code_blocks("python"), ids=lambda b: b.splitlines()[0][:40])
 def test_python_block_runs(block, tmp_path):
     result = python(["-c", block], tmp_path)
@@ -97,10 +99,11 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_commands_use_flags_that_exist(tmp_path):
     commands = readme_commands()
     modules = sorted({c[0] for c in commands})
-    assert {"methods.compare", "nanollm.train", "nanollm.card", "nanollm.bench"} <= set(modules)
+    assert {"methods.compare", "nanollm.cli.train", "nanollm.cli.card", "nanollm.cli.bench"} <= set(modules)
     result = python(["-c", HELP_TEXTS, *modules], tmp_path)
     assert result.returncode == 0, result.stderr
     helps = json.loads(result.stdout)

@@ -1,0 +1,12 @@
+"""
+Measuring the methods against the full cache on the same model, prompts and decoding.
+
+    harness.py        one sample through the full cache and every method: traces, metrics, greedy answers
+    side_by_side.py   one prompt pass and one decode step for many caches at once, each cache's numbers
+                      exactly those of a run alone (``FanOut``, ``step_many``)
+    compare.py        the main job's engine: every method x budget x task x mode, records, tables, plot
+                      (the command is ``python -m methods.compare``)
+    bench.py          decode-step time and bytes read at long contexts (``python -m methods.evaluation.bench``)
+    viz.py            pictures of which tokens a cache kept
+    generate.py       ``python -m methods.evaluation.generate``: nanollm's generation command with ``--method``
+"""

@@ -1,0 +1,276 @@
+"""
+Compare every KV-cache method with full attention: ``python -m methods.compare --help``.
+
+For each task, sample and mode, the full cache and every method at every budget run on the identical
+sample (``harness.traces``: one prompt pass serves them all, since the prompt's attention is exact
+whatever the method); ``harness.compare_traces`` measures each against the full cache.
+Results are averaged per (method, budget, task, mode), printed as tables, and optionally written as JSON
+records and an accuracy-vs-keep-ratio plot. Everything is deterministic for a seed.
+
+The (task, sample, mode) jobs are independent, so ``--workers`` processes run them side by side (one
+torch thread each: a tiny model is dispatch-bound). The results come back in job order and are averaged
+in that order, so the records are the same as a single process's, number for number, except the two
+timings (``compress_ms``, ``decode_ms_per_token``), which no two runs share anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from nanollm import cli, load
+from nanollm.data.evaluate import MODES
+from nanollm.data.tasks import TASKS, make_sample
+from nanollm.io.checkpoint import load_card, load_config, load_tokenizer
+from nanollm.io.files import atomic_write_text
+
+from .. import METHODS, make_policy, method_chain
+from .harness import Cell, compare_traces, greedy_accuracies, traces
+
+# Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
+DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
+DEFAULT_KEEP_RATIOS = [0.1, 0.25, 0.5]
+DEFAULT_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A method with options under its own name in the records, for ablations:
+    ``Variant("chunkkv c=5", "chunkkv", {"chunk_size": 5})``."""
+    label: str
+    spec: str
+    options: dict = field(default_factory=dict)
+
+
+def run_job(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
+            job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
+    """One (task, sample index, mode): the full cache, then every method at every budget, on one sample.
+    Returns [(cell key, metrics)] in a fixed order."""
+    task, i, mode = job
+    group = model.config.group_size
+    sample = make_sample(task, tok, length, seed=seed + i)
+    keys = [(v.label, budget, task, mode) for v in variants if v.spec != "full" for budget in budgets]
+    policies = [make_policy(v.spec, budget=budget, **v.options)
+                for v in variants if v.spec != "full" for budget in budgets]
+    # one prompt pass for the full cache and every method, then their answers side by side (harness.traces,
+    # harness.greedy_accuracies): the same traces and answers as one method at a time, in less time
+    trs = traces(model, sample, mode, [None] + policies, [True] + [False] * len(policies))
+    full = trs[0]
+    accs = [acc for acc, _ in greedy_accuracies(model, tok, sample, trs)]
+    return [(key, {"accuracy": acc, **compare_traces(full, tr, group)})
+            for key, acc, tr in zip([("full", None, task, mode)] + keys, accs, trs)]
+
+
+_WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker
+
+
+def _init_worker(threads: int, shared: bytes) -> None:
+    torch.set_num_threads(threads)
+    _WORKER["shared"] = pickle.loads(shared)
+
+
+def _run_job_in_worker(job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
+    return run_job(*_WORKER["shared"], job)
+
+
+def default_workers() -> int:
+    """The CPUs this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str], modes: list[str],
+        samples: int, length: int, seed: int = 0, progress: bool = True, workers: int = 1) -> list[dict]:
+    """All records: one per (method, budget, task, mode), plus method "full" per (task, mode).
+
+    ``methods`` are method specs (``"snapkv"``, ``"adakv(h2o)"``), recorded under their spelling, or
+    ``Variant``s, recorded under their label. ``workers`` > 1 runs the jobs in that many processes (one
+    torch thread each); the records are the same (see the module docstring)."""
+    variants = [m if isinstance(m, Variant) else Variant(m, m) for m in methods]
+    shared = (model, tok, variants, budgets, length, seed)
+    jobs = [(t, i, m) for t in tasks for i in range(samples) for m in modes]
+    bar = tqdm(total=len(jobs), disable=not progress, desc="compare", unit="sample", dynamic_ncols=True)
+    cells: dict[tuple, Cell] = {}
+
+    def collect(results) -> None:                        # in job order, whatever order they finished in
+        for job_results in results:
+            for key, metrics in job_results:
+                cells.setdefault(key, Cell()).add(metrics)
+            bar.update(1)
+
+    workers = min(workers, len(jobs))
+    if workers <= 1:
+        collect(run_job(*shared, job) for job in jobs)
+    else:                                                # "spawn": a fresh interpreter, safe with torch threads
+        ctx = multiprocessing.get_context("spawn")      # the model travels as plain pickled bytes (a few MB),
+        blob = pickle.dumps(shared)                      # not through torch's shared-memory files
+        with ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob)) as pool:
+            collect(pool.imap(_run_job_in_worker, jobs))
+    bar.close()
+    records = []
+    for (name, budget, task, mode), cell in cells.items():
+        m = cell.means()
+        records.append({"method": name, "budget": budget,
+                        "keep_ratio": 1.0 if budget is None else round(budget / length, 4),
+                        "task": task, "mode": mode, "length": length, **m})
+    return records
+
+
+def format_tables(records: list[dict]) -> str:
+    """One table per mode: rows method @ keep ratio, columns accuracy per task, then mean metrics."""
+    lines = []
+    tasks = sorted({r["task"] for r in records}, key=lambda t: TASKS.index(t) if t in TASKS else 99)
+    for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
+        rows = [r for r in records if r["mode"] == mode]
+        keys = sorted({(r["method"], r["keep_ratio"], r["budget"]) for r in rows},
+                      key=lambda k: (k[0] != "full", k[0], k[1]))
+        short = [t.replace("niah_", "").replace("single_", "s_")[:10] for t in tasks]
+        w = max(14, 1 + max(len(k[0]) for k in keys))                 # the method column fits every name
+        head = f"{'method':<{w}}{'keep':>6}{'budget':>7} " + "".join(f"{s:>11}" for s in short) + \
+            f"{'mean acc':>9}{'KL':>8}{'pert':>7}{'lost':>6}{'KV KiB':>8}{'ms/tok':>7}"
+        lines += [f"\n[{mode}]", head, "-" * len(head)]
+        for method, ratio, budget in keys:
+            sel = {r["task"]: r for r in rows if (r["method"], r["keep_ratio"], r["budget"]) == (method, ratio, budget)}
+            accs = [sel[t]["accuracy"] if t in sel else float("nan") for t in tasks]
+            mean = lambda k: sum(r[k] for r in sel.values()) / len(sel)   # noqa: E731
+            lines.append(f"{method:<{w}}{ratio:>6.2f}{budget if budget is not None else '-':>7} "
+                         + "".join(f"{a:>11.2f}" for a in accs)
+                         + f"{sum(accs) / len(accs):>9.2f}{mean('kl'):>8.3f}{mean('perturbation'):>7.3f}"
+                         f"{mean('lost_mass'):>6.2f}{max(r['kv_bytes'] for r in sel.values()) / 1024:>8.0f}"
+                         f"{mean('decode_ms_per_token'):>7.1f}")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Mean accuracy over tasks vs keep ratio, one line per method, one panel per mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    modes = [m for m in MODES if any(r["mode"] == m for r in records)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rows = [r for r in records if r["mode"] == mode]
+        full = [r["accuracy"] for r in rows if r["method"] == "full"]
+        if full:
+            ax.axhline(sum(full) / len(full), color="black", ls="--", label="full")
+        for method in sorted({r["method"] for r in rows} - {"full"}):
+            ratios = sorted({r["keep_ratio"] for r in rows if r["method"] == method})
+            accs = [sum(r["accuracy"] for r in rows if r["method"] == method and r["keep_ratio"] == k) /
+                    sum(1 for r in rows if r["method"] == method and r["keep_ratio"] == k) for k in ratios]
+            ax.plot(ratios, accs, marker="o", label=method)
+        ax.set(title=mode.replace("_", " "), xlabel="keep ratio (budget / context tokens)",
+               ylabel="accuracy (mean over tasks)", ylim=(-0.03, 1.03))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    cli.save_figure(fig, path)                  # png/pdf/svg by suffix; the old figure stays if writing fails
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.ArgumentParser(
+        prog="python -m methods.compare",
+        description="Run KV-cache methods side by side with full attention on synthetic long-context tasks "
+                    "and report accuracy, KL(full || method), output perturbation, attention mass lost, "
+                    "KV bytes and decode time per (method, budget, task, mode).")
+    ap.add_argument("--checkpoint", default="retrieval-llama",
+                    help="bundled checkpoint name, nanollm checkpoint folder or local Hugging Face folder "
+                         "(default %(default)s)")
+    ap.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                    help=f"methods to run: registered names ({', '.join(METHODS)}) or a wrapper around a "
+                         "scorer, e.g. 'adakv(h2o)'; the records name them as written (default: every "
+                         "registered name)")
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--keep-ratios", nargs="+", type=float, default=None, metavar="R",
+                       help="budgets as fractions of --length, each in (0, 1]: budget = round(R * length) tokens "
+                            f"per layer per KV head (default {' '.join(map(str, DEFAULT_KEEP_RATIOS))})")
+    group.add_argument("--budgets", nargs="+", type=int, default=None, metavar="B",
+                       help="budgets in tokens per layer per KV head, instead of --keep-ratios")
+    ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                    help=f"tasks (default: the checkpoint card's default suite, else {' '.join(DEFAULT_TASKS)}; "
+                         f"all: {', '.join(TASKS)})")
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES,
+                    help="question_in_prompt: the question is in the prompt when the cache is compressed; "
+                         "question_after_context: the context is compressed first and the question arrives "
+                         "later through extend (default: both)")
+    ap.add_argument("--samples", type=cli.positive_int, default=10,
+                    help="samples per task and mode (default %(default)s)")
+    ap.add_argument("--length", type=int, default=None,
+                    help=f"tokens per sample, context + question + answer (default {DEFAULT_LENGTH}, or the "
+                         "model's maximum positions if smaller)")
+    ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
+    ap.add_argument("--device", type=cli.device, default="cpu", help="torch device (default %(default)s)")
+    ap.add_argument("--threads", type=cli.positive_int, default=1,
+                    help="torch CPU threads of a single-process run (default 1: a tiny model is dispatch-bound, "
+                         "so more threads only add synchronisation)")
+    ap.add_argument("--workers", type=cli.positive_int, default=None,
+                    help="processes running samples side by side, one torch thread each; the records are the "
+                         "same as with 1, timings aside (default: the CPUs available, here "
+                         f"{default_workers()})")
+    ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
+                    help="write the records as a JSON list to PATH (default: none)")
+    ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
+                    help="write an accuracy-vs-keep-ratio figure to PATH, a "
+                         f"{cli.FIGURE_HELP} file (default: none)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+
+    with cli.errors(args.debug):
+        # every argument is checked before the model loads
+        methods = args.methods or list(METHODS)
+        for m in methods:
+            try:
+                method_chain(m)
+            except ValueError as e:
+                cli.fail(f"--methods: {e}")
+        if args.json and args.plot and args.json.resolve() == args.plot.resolve():
+            cli.fail("--json and --plot name the same file")
+        config, card = load_config(args.checkpoint), load_card(args.checkpoint)
+        tok = load_tokenizer(args.checkpoint)
+        if tok is None:
+            cli.fail(f"--checkpoint {args.checkpoint} has no supported tokenizer, which the synthetic tasks need")
+        tasks = args.tasks or card.get("default_suite") or DEFAULT_TASKS
+        bad = [t for t in tasks if t not in TASKS]
+        if bad:
+            cli.fail(f"--tasks: unknown task(s) {bad}; choose from {TASKS}")
+        length = args.length if args.length is not None else min(DEFAULT_LENGTH, config.max_seq_len)
+        if not 0 < length <= config.max_seq_len:
+            cli.fail(f"--length must be in [1, {config.max_seq_len}] (the model's maximum positions), got {length}")
+        for task in tasks:
+            try:
+                make_sample(task, tok, length, seed=args.seed)
+            except ValueError as e:
+                cli.fail(f"--length {length}: {e}")
+        if args.budgets is not None:
+            budgets = args.budgets
+        else:
+            ratios = args.keep_ratios or DEFAULT_KEEP_RATIOS
+            if any(not 0 < r <= 1 for r in ratios):
+                cli.fail(f"--keep-ratios must lie in (0, 1], got {ratios}")
+            budgets = [max(1, round(r * length)) for r in ratios]
+        if any(b <= 0 for b in budgets):
+            cli.fail(f"--budgets must be positive, got {budgets}")
+
+        torch.set_num_threads(args.threads)
+        model, tok, card = load(args.checkpoint, device=args.device)
+        t0 = time.time()
+        workers = args.workers or (default_workers() if args.device == "cpu" else 1)
+        records = run(model, tok, methods, budgets, tasks, args.modes, args.samples, length, args.seed,
+                      progress=not args.quiet, workers=workers)
+        print(format_tables(records))
+        print(f"\n{args.samples} samples per task and mode, {length} tokens, seed {args.seed}, "
+              f"{time.time() - t0:.0f} s with {workers} worker(s). acc = string_match_all of the greedy answer; "
+              "KL = mean next-token "
+              "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
+              "decode step; lost = full-attention mass on entries the method dropped at that step.")
+        if args.json:
+            atomic_write_text(args.json, json.dumps(records, indent=1))
+            print(f"records written to {args.json}")
+        if args.plot:
+            plot(records, args.plot)
+            print(f"plot written to {args.plot}")

@@ -1,0 +1,287 @@
+"""
+Tokenizers for real checkpoints: byte-level BPE from Hugging Face files, run by tiktoken.
+
+Supported, read from the checkpoint folder (nothing is downloaded):
+
+* ``tokenizer.json`` whose model is byte-level BPE (GPT-2, Llama 3, and most tokenizers trained with
+  Hugging Face ``tokenizers`` on bytes): ``{"model": {"type": "BPE", "vocab": {str: id}, "merges": [...]},
+  "pre_tokenizer": ByteLevel or Sequence[Split(regex), ByteLevel], "added_tokens": [...]}``.
+* GPT-2's original pair of files, ``vocab.json`` + ``merges.txt`` (Hugging Face names) or ``encoder.json`` +
+  ``vocab.bpe`` (OpenAI names).
+* tiktoken's own ``gpt2`` encoding, but only when tiktoken has it cached locally: :func:`tiktoken_gpt2`.
+
+SentencePiece (``tokenizer.model``), Unigram and WordPiece tokenizers raise a clear error.
+
+**From HF vocab + merges to tiktoken.** Byte-level BPE stores every token as a string in which each byte
+is replaced by a printable character (GPT-2's ``bytes_to_unicode``: bytes that are printable Latin-1 map
+to themselves, the 68 others to U+0100 onwards, so the space byte 0x20 is shown as "Ġ"). tiktoken wants
+``mergeable_ranks: {raw bytes: rank}`` and merges, within each pre-tokenized chunk, the adjacent pair whose
+*concatenation* has the lowest rank, and it returns ranks as token ids. HF BPE merges the adjacent pair
+that comes first in the ``merges`` list. The two agree when a token's rank is its merge priority, so we
+use rank = HF id and check that the ids of merged tokens increase in merge order (true for GPT-2, Llama 3
+and tokenizers trained by HF ``tokenizers``, where ids are assigned as merges are learned). The ranks of
+single bytes never matter for merging (a merge always makes >= 2 bytes). Caveats, none of which occur in
+properly trained files: tiktoken merges *any* adjacent pair whose bytes form a token, even when that
+pair is not in the merges list, and it looks a whole chunk up in the vocab first (HF's ``ignore_merges``,
+which Llama 3 sets and GPT-2 does not).
+
+Added tokens become tiktoken special tokens. As with any ``tiktoken.Encoding``, ``encode`` refuses text
+that contains them unless allowed (``encode(text, allowed_special="all")``), and no BOS token is
+prepended (HF's post-processor templates are not applied).
+
+    enc = load_hf_tokenizer("path/to/gpt2")       # a tiktoken.Encoding, or None without tokenizer files
+    ids = enc.encode("Hello world"); text = enc.decode(ids)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+import tiktoken
+
+# GPT-2's pre-tokenizer regex (tiktoken's r50k pattern, the same as HF's ByteLevel(use_regex=True)).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# The files behind tiktoken.get_encoding("gpt2") and their sha256 (from tiktoken_ext/openai_public.py).
+GPT2_TIKTOKEN_FILES = {
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe":
+        "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json":
+        "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+SUPPORTED = ("tokenizer.json with a byte-level BPE model (GPT-2, Llama 3 style)",
+             "vocab.json + merges.txt", "encoder.json + vocab.bpe")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used in byte-level BPE vocab and merges files."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in table:                 # control bytes, space, DEL, NBSP, soft hyphen: shifted past 255
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+_CHAR_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(token: str) -> bytes:
+    """The raw bytes of a byte-level BPE token string ("Ġthe" -> b" the")."""
+    try:
+        return bytes(_CHAR_TO_BYTE[c] for c in token)
+    except KeyError as e:
+        raise ValueError(f"token {token!r} is not byte-level BPE: character {e.args[0]!r} does not stand for "
+                         "a byte") from None
+
+
+def mergeable_ranks(vocab: dict[str, int], merges: list[tuple[str, str]]) -> dict[bytes, int]:
+    """tiktoken ``mergeable_ranks`` from a byte-level BPE vocab and merge list, with rank = HF token id.
+
+    Raises ValueError unless the ids of merged tokens increase in merge order (see the module docstring).
+    The first merge producing a token sets its priority; later merges producing the same token (files
+    converted from tiktoken list every split of a token) are consistent with that.
+    """
+    ranks = {token_bytes(tok): i for tok, i in vocab.items()}
+    if len(ranks) != len(vocab) or len(set(ranks.values())) != len(ranks):
+        raise ValueError("vocab has duplicate tokens or ids")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"byte-level BPE needs all 256 single bytes in the vocab; missing {missing[:10]}")
+    last_id, seen = -1, set()
+    for k, (a, b) in enumerate(merges):
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            raise ValueError(f"merge {k} ({a!r}, {b!r}) refers to a token that is not in the vocab")
+        if a + b in seen:
+            continue
+        seen.add(a + b)
+        if vocab[a + b] <= last_id:
+            raise ValueError(f"token ids do not follow merge order (merge {k} makes {a + b!r} with id "
+                             f"{vocab[a + b]}, after a merged token with id {last_id}); tiktoken cannot "
+                             "reproduce this tokenizer")
+        last_id = vocab[a + b]
+    return ranks
+
+
+def _encoding(name: str, pattern: str, ranks: dict[bytes, int], special: dict[str, int]) -> tiktoken.Encoding:
+    try:
+        return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+    except ValueError as e:                  # e.g. a regex tiktoken's engine cannot compile
+        raise ValueError(f"tiktoken cannot build tokenizer {name!r}: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tokenizer.json
+
+def _pattern(pre: dict | None) -> str:
+    """The split regex of a byte-level pre-tokenizer: ByteLevel alone, or Split(regex) then ByteLevel."""
+    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
+    pattern, byte_level = None, False
+    for step in steps:
+        kind = step.get("type")
+        if kind == "Split" and pattern is None and not byte_level:
+            regex = step.get("pattern", {}).get("Regex")
+            if regex is None or step.get("behavior") != "Isolated" or step.get("invert", False):
+                raise ValueError(f"pre-tokenizer {step} is not supported: only Split with a Regex, "
+                                 "behavior 'Isolated' and invert false")
+            pattern = regex
+        elif kind == "ByteLevel" and not byte_level:
+            byte_level = True
+            if step.get("add_prefix_space", False):
+                raise ValueError("ByteLevel pre-tokenizer with add_prefix_space=true is not supported")
+            if step.get("use_regex", True):
+                if pattern is not None:
+                    raise ValueError("a Split pre-tokenizer followed by ByteLevel(use_regex=true) is not supported")
+                pattern = GPT2_PATTERN
+        else:
+            raise ValueError(f"pre-tokenizer {kind!r} is not supported here; byte-level BPE tokenizers use "
+                             "ByteLevel, optionally after one Split")
+    if not byte_level:
+        raise ValueError("tokenizer.json has no ByteLevel pre-tokenizer: not a byte-level BPE tokenizer")
+    return pattern or GPT2_PATTERN
+
+
+def encoding_from_tokenizer_json(path: str | os.PathLike, name: str | None = None) -> tiktoken.Encoding:
+    """A tiktoken Encoding equivalent to a byte-level BPE ``tokenizer.json`` (see the module docstring)."""
+    with open(path, encoding="utf-8") as f:
+        tj = json.load(f)
+    if not isinstance(tj, dict):
+        raise ValueError(f"{path}: not a Hugging Face tokenizer.json")
+    if tj.get("type") == "nanollm-bpe":
+        raise ValueError(f"{path} is nanollm's own tokenizer format: load it with nanollm.io.tokenizer.Tokenizer.load")
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"{path}: tokenizer model {model.get('type')!r} is not supported; supported: "
+                         f"{'; '.join(SUPPORTED)}")
+    if tj.get("normalizer") is not None:
+        raise ValueError(f"{path}: normalizer {tj['normalizer'].get('type')!r} is not supported (byte-level "
+                         "BPE tokenizers like GPT-2 and Llama 3 have none)")
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            raise ValueError(f"{path}: BPE with {key}={model[key]!r} is not supported")
+    if model.get("byte_fallback"):
+        raise ValueError(f"{path}: byte_fallback BPE (SentencePiece style) is not supported")
+    pattern = _pattern(tj.get("pre_tokenizer"))
+
+    special = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
+    special_ids = set(special.values())
+    vocab = {tok: i for tok, i in model["vocab"].items() if i not in special_ids}
+    # merges are "a b" strings in older files, [a, b] pairs since tokenizers 0.20
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    if any(len(m) != 2 for m in merges):
+        raise ValueError(f"{path}: malformed merges (each must be a pair of tokens)")
+    name = name or f"hf:{os.path.basename(os.path.dirname(os.path.abspath(path)))}"
+    return _encoding(name, pattern, mergeable_ranks(vocab, merges), special)
+
+
+def encoding_from_vocab_merges(vocab_path: str | os.PathLike, merges_path: str | os.PathLike,
+                               name: str = "gpt2-files") -> tiktoken.Encoding:
+    """GPT-2's original files: ``vocab.json``/``encoder.json`` ({token: id}) and ``merges.txt``/``vocab.bpe``."""
+    with open(vocab_path, encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(merges_path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+    special = {tok: vocab.pop(tok) for tok in ("<|endoftext|>", "<|startoftext|>") if tok in vocab}
+    return _encoding(name, GPT2_PATTERN, mergeable_ranks(vocab, merges), special)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tiktoken's gpt2, offline only
+
+def tiktoken_cache_dir() -> str:
+    """Where tiktoken caches downloaded files (the same rules as ``tiktoken.load.read_file_cached``)."""
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if var in os.environ:
+            return os.environ[var]
+    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+
+
+def _cached(url: str, sha256: str) -> bool:
+    cache = tiktoken_cache_dir()
+    path = os.path.join(cache, hashlib.sha1(url.encode()).hexdigest())
+    if not cache or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest() == sha256   # a bad file makes tiktoken re-download
+
+
+def tiktoken_gpt2() -> tiktoken.Encoding:
+    """tiktoken's ``gpt2`` encoding if its files are in tiktoken's local cache; never touches the network."""
+    missing = [url for url, sha in GPT2_TIKTOKEN_FILES.items() if not _cached(url, sha)]
+    if missing:
+        raise FileNotFoundError(
+            f"tiktoken's 'gpt2' encoding is not cached in {tiktoken_cache_dir()!r} (missing "
+            f"{', '.join(os.path.basename(u) for u in missing)}), and nanollm does not download. Either put "
+            "GPT-2's tokenizer.json (or vocab.json + merges.txt) in the checkpoint folder and use "
+            "load_hf_tokenizer(folder), or run tiktoken.get_encoding('gpt2') once on a machine with network "
+            "and copy its cache folder here (pointing TIKTOKEN_CACHE_DIR at it)")
+    return tiktoken.get_encoding("gpt2")
+
+
+def load_hf_tokenizer(folder: str | os.PathLike) -> tiktoken.Encoding | None:
+    """The tokenizer of a checkpoint folder as a tiktoken Encoding; None if the folder has no tokenizer files.
+
+    Raises ValueError for tokenizer files of a kind we do not support (SentencePiece, WordPiece, ...).
+    """
+    def has(*names: str) -> bool:
+        return all(os.path.isfile(os.path.join(folder, n)) for n in names)
+
+    name = f"hf:{os.path.basename(os.path.abspath(folder))}"
+    if has("tokenizer.json"):
+        return encoding_from_tokenizer_json(os.path.join(folder, "tokenizer.json"), name)
+    for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
+        if has(vocab, merges):
+            return encoding_from_vocab_merges(os.path.join(folder, vocab), os.path.join(folder, merges), name)
+    for unsupported, kind in (("tokenizer.model", "SentencePiece"), ("spiece.model", "SentencePiece"),
+                              ("vocab.txt", "WordPiece")):
+        if has(unsupported):
+            raise ValueError(f"{folder}: {unsupported} ({kind}) is not supported; supported: {'; '.join(SUPPORTED)}")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing: a nanollm tokenizer as a Hugging Face tokenizer.json
+
+def _merge_pair(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The two lower-ranked tokens BPE joins to make ``token``: BPE over its bytes with earlier ranks only."""
+    parts = [bytes([b]) for b in token]
+    limit = ranks[token]
+    while len(parts) > 2:
+        best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], limit))
+        if ranks.get(parts[best] + parts[best + 1], limit) >= limit:
+            break
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} cannot be written as one merge of earlier tokens")
+    return parts[0], parts[1]
+
+
+def tokenizer_json(ranks: dict[bytes, int], pattern: str, special: dict[str, int]) -> dict:
+    """A byte-level BPE ``tokenizer.json`` (Split(pattern) then ByteLevel) equivalent to tiktoken ranks.
+
+    Rank = token id, and merges are listed in rank order, so :func:`encoding_from_tokenizer_json` (and
+    Hugging Face ``tokenizers``) reproduce the same ids.
+    """
+    table = bytes_to_unicode()
+    show = lambda b: "".join(table[x] for x in b)   # noqa: E731
+    ordered = sorted(ranks.items(), key=lambda kv: kv[1])
+    merges = [[show(a), show(b)] for a, b in (_merge_pair(tok, ranks) for tok, r in ordered if len(tok) > 1)]
+    return {
+        "version": "1.0",
+        "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for s, i in special.items()],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {show(tok): r for tok, r in ordered}, "merges": merges},
+    }

@@ -1,0 +1,118 @@
+"""The switch: the library's hot paths take the kernels where ``kernels.serves`` says so (CUDA + Triton).
+
+``serves`` itself: false on a CPU tensor (the interpreter is for the tests, never for the library), false
+with ``NANOKV_NO_TRITON=1`` or without Triton, true on an sm_80+ GPU. On a machine without a GPU the switch
+is then patched to serve CPU tensors too, so the same paths run through Triton's interpreter here and must
+give what the PyTorch paths give: a decode step of the nanollm decoder, a tensor-attention decode step over
+the four-matrix cache, and KVReviver's sketch insert and query.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kernels
+import nanollm.attention
+from methods import make_policy
+from methods.tensor_attention import TENSOR_ATTENTION, tensor_cache
+from nanollm import KVCache, Transformer, preset
+from nanollm.generation import decode_step, prefill
+
+through_kernels = pytest.mark.skipif(
+    not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
+    reason="no way to run a Triton kernel: triton is not installed, or there is no CUDA device and "
+           "TRITON_INTERPRET is not 1")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The switch itself
+
+
+def test_serves_no_cpu_tensor():
+    """Not even under TRITON_INTERPRET=1: the interpreter is far too slow for a model."""
+    assert not kernels.serves(torch.zeros(2, 16))
+    assert not nanollm.attention.kernel_serves(torch.zeros(2, 16))
+
+
+@pytest.fixture
+def a_gpu(monkeypatch):
+    """A stand-in for a tensor on CUDA device 0 (compute capability major 9), Triton importable."""
+    monkeypatch.setattr(kernels, "HAS_TRITON", True)
+    monkeypatch.setattr(kernels, "_properties", lambda index: (9, 132))
+    monkeypatch.delenv("NANOKV_NO_TRITON", raising=False)
+    return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+
+
+def test_serves_a_cuda_tensor_of_a_recent_gpu(a_gpu, monkeypatch):
+    assert kernels.serves(a_gpu)
+    monkeypatch.setattr(kernels, "_properties", lambda index: (7, 80))       # sm_75: too old for the kernels
+    assert not kernels.serves(a_gpu)
+
+
+def test_serves_honours_the_opt_out(a_gpu, monkeypatch):
+    monkeypatch.setenv("NANOKV_NO_TRITON", "1")
+    assert not kernels.serves(a_gpu)
+    monkeypatch.setenv("NANOKV_NO_TRITON", "0")
+    assert kernels.serves(a_gpu)
+
+
+def test_serves_nothing_without_triton(a_gpu, monkeypatch):
+    monkeypatch.setattr(kernels, "HAS_TRITON", False)
+    assert not kernels.serves(a_gpu)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The library through the kernels
+
+
+@pytest.fixture
+def kernels_everywhere(monkeypatch):
+    """``serves`` patched to say yes wherever a kernel can run (CUDA, or the interpreter on a CPU); the
+    shapes it was asked about are recorded."""
+    calls = []
+
+    def serves(t):
+        calls.append(tuple(t.shape))
+        return t.is_cuda or kernels.interpreting()
+    monkeypatch.setattr(kernels, "serves", serves)
+    monkeypatch.setattr(nanollm.attention, "kernel_serves", serves)
+    return calls
+
+
+def run(model, x, cache):
+    with torch.no_grad():
+        logits = [prefill(model, x[:, :6], cache)[:, -1]]
+        logits += [decode_step(model, x[:, t:t + 1], cache) for t in range(6, x.shape[1])]
+    return torch.stack(logits, 1)
+
+
+@through_kernels
+def test_decoder_decode_step(kernels_everywhere, make_model):
+    model = make_model(preset("TINY"), seed=0)
+    x = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref = run(model, x, KVCache(model.config))         # recorded before: the patch is active for both runs,
+    assert kernels_everywhere                          # so compare against the uncached forward instead
+    torch.testing.assert_close(ref, model(x)[:, 5:], rtol=0, atol=1e-5)
+
+
+@through_kernels
+def test_tensor_attention_decode_step(kernels_everywhere):
+    torch.manual_seed(0)
+    model = Transformer(preset("TINY_GPT2", attention=TENSOR_ATTENTION, max_seq_len=32)).eval()
+    x = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    out = run(model, x, tensor_cache(model.config, "four"))
+    assert kernels_everywhere
+    torch.testing.assert_close(out, model(x)[:, 5:], rtol=0, atol=1e-5)
+
+
+@through_kernels
+def test_kvreviver_sketch(kernels_everywhere, monkeypatch, make_model):
+    model = make_model(preset("TINY"), seed=0)
+    x = torch.randint(0, 512, (1, 90), generator=torch.Generator().manual_seed(2))
+    with_kernels = run(model, x, KVCache(model.config, make_policy("kvreviver", 64)))
+    assert (3, 2, 2, 16) in kernels_everywhere         # the sketch's cells (r, b, H_kv, d) went through
+    monkeypatch.setattr(kernels, "serves", lambda t: False)
+    monkeypatch.setattr(nanollm.attention, "kernel_serves", lambda t: False)
+    without = run(model, x, KVCache(model.config, make_policy("kvreviver", 64)))
+    torch.testing.assert_close(with_kernels, without, rtol=0, atol=1e-4)

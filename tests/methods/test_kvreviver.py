@@ -1,0 +1,222 @@
+"""KVReviver: the Vague sketch (Algorithms 1-2), the Recent / Candidate / Vague storage (Algorithm 3) and the
+rebuilt cache (Algorithm 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.count_sketch import reference_sketch_insert, reference_sketch_query
+from methods import make_policy
+from methods.kvreviver import KVReviverPolicy, VagueSketch, median_of_rows
+from nanollm import CachePolicy, KVCache, decode_step, extend, prefill, preset
+
+
+def tokens(n: int, seed: int = 0, H_kv: int = 2, d: int = 4, mean: float = 0.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, H_kv, d, generator=g) + mean, torch.randn(n, H_kv, d, generator=g) + mean
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sketch
+
+def test_median_over_rows_by_hand():
+    """Three rows of one cell each hold key sums 1, 5, 3 for token J: the estimate is the median 3."""
+    s = VagueSketch(rows=3, width=1, n_kv_head=1, head_dim=1, seed=0)
+    s.key[:, 0, 0, 0] = torch.tensor([1.0, 5.0, 3.0])
+    k, _ = s.query(torch.tensor([7]))
+    assert k.item() == 3.0
+
+
+def test_median_of_three_rows_is_torch_median():
+    x = torch.randn(3, 50, 2, 4, generator=torch.Generator().manual_seed(0))
+    x[1, :10] = x[0, :10]                                                   # ties
+    assert torch.equal(median_of_rows(x), x.median(dim=0).values)
+    assert torch.equal(median_of_rows(x[:2]), x[:2].median(dim=0).values)   # other row counts: torch.median
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_sketch_arithmetic_is_the_kernels_reference(rows):
+    """VagueSketch.insert and .query (the method's own PyTorch, Algorithms 1-2) equal the plain definitions in
+    kernels/count_sketch.py that the kernels are tested against, so the two cannot drift apart: two inserts
+    with collisions (the second of fp16 tokens), a delete, then a query of inserted and never-inserted
+    positions. Inserts sum the same numbers (in the same order here: atol only for rounding); a median only
+    selects, so queries agree exactly."""
+    s = VagueSketch(rows=rows, width=5, n_kv_head=2, head_dim=4, seed=rows)
+    key, value = s.key.clone(), s.value.clone()
+    for first, n, seed, dtype in ((0, 12, 1, torch.float32), (30, 7, 2, torch.float16)):
+        pos = torch.arange(first, first + n)
+        k, v = (t.to(dtype) for t in tokens(n, seed=seed))
+        s.insert(pos, k, v)
+        reference_sketch_insert(key, value, *s.hashes(pos), k, v)
+    s.delete(pos, k, v)
+    reference_sketch_insert(key, value, *s.hashes(pos), -k, -v)
+    torch.testing.assert_close(s.key, key, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s.value, value, rtol=0, atol=1e-6)
+    pos = torch.arange(45)
+    for own, ref in zip(s.query(pos), reference_sketch_query(s.key, s.value, *s.hashes(pos))):
+        assert torch.equal(own, ref)
+
+
+def test_insert_then_delete_restores_the_cells():
+    s = VagueSketch(rows=3, width=5, n_kv_head=2, head_dim=4, seed=1)
+    k, v = tokens(20, seed=1)
+    s.insert(torch.arange(20), k, v)
+    before = (s.key.clone(), s.value.clone())
+    k2, v2 = tokens(3, seed=2)
+    s.insert(torch.tensor([30, 31, 32]), k2, v2)
+    s.delete(torch.tensor([30, 31, 32]), k2, v2)
+    torch.testing.assert_close(s.key, before[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(s.value, before[1], rtol=0, atol=1e-6)
+
+
+def test_injective_hash_reconstructs_exactly():
+    s = VagueSketch(rows=3, width=64, n_kv_head=2, head_dim=4, seed=0, injective=True)
+    k, v = tokens(40, seed=3)
+    s.insert(torch.arange(40), k, v)
+    k_hat, v_hat = s.query(torch.arange(40))
+    assert torch.equal(k_hat, k) and torch.equal(v_hat, v)
+
+
+def test_values_unbiased_keys_biased_over_seeds():
+    """Many tokens with mean 1 collide: averaged over hash seeds the value error is ~0 (signs), the key
+    error is not (keys are summed without signs, so collisions add the others' mean)."""
+    k, v = tokens(60, seed=4, mean=1.0)
+    k_err, v_err = [], []
+    for seed in range(200):
+        s = VagueSketch(rows=3, width=8, n_kv_head=2, head_dim=4, seed=seed)
+        s.insert(torch.arange(60), k, v)
+        k_hat, v_hat = s.query(torch.arange(60))
+        k_err.append((k_hat - k).mean()), v_err.append((v_hat - v).mean())
+    assert abs(float(torch.stack(v_err).mean())) < 0.15
+    assert float(torch.stack(k_err).mean()) > 2.0
+
+
+def test_error_decreases_with_width():
+    k, v = tokens(200, seed=5)
+    errors = []
+    for width in [4, 16, 64, 256]:
+        mse = []
+        for seed in range(5):
+            s = VagueSketch(rows=3, width=width, n_kv_head=2, head_dim=4, seed=seed)
+            s.insert(torch.arange(200), k, v)
+            mse.append(float((s.query(torch.arange(200))[1] - v).pow(2).mean()))
+        errors.append(sum(mse) / len(mse))
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The policy on a model
+
+@pytest.fixture(scope="module")
+def model(make_model):
+    return make_model(preset("TINY"), seed=0)
+
+
+def ids(n: int, seed: int = 0, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def script(model, policy: CachePolicy | None, check=None):
+    cache = KVCache(model.config, policy)
+    out = [prefill(model, ids(40), cache)]
+    if check:
+        check(cache)
+    for t in range(4):
+        out.append(decode_step(model, ids(1, seed=10 + t)[:, 0], cache))
+        if check:
+            check(cache)
+    out.append(extend(model, ids(5, seed=20), cache))
+    if check:
+        check(cache)
+    return out, cache
+
+
+def test_budget_covering_the_sequence_is_the_full_cache(model):
+    full, _ = script(model, None)
+    out, cache = script(model, make_policy("kvreviver", 49))
+    assert all(torch.equal(a, b) for a, b in zip(full, out))
+    assert cache.policy.slot_nbytes() == 0                    # the sketch was never needed
+
+
+def test_injective_sketch_gives_the_full_cache_within_rounding(model):
+    """Everything outside R and C goes to a sketch whose hash is injective: reconstruction is exact, so only
+    the order of summation differs from the full cache."""
+    full, _ = script(model, None)
+    policy = make_policy("kvreviver", 20, sketch_width=64, injective_hash=True)
+    out, cache = script(model, policy)
+    assert policy.parts(0, cache.layers[0])["V"] > 0           # tokens really live in the sketch
+    for a, b in zip(full, out):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_accounting_swaps_and_scores_after_every_step(model):
+    H = model.config.n_head
+    policy = make_policy("kvreviver", 30, recent_slack=2)
+    totals = []
+
+    def check(cache):
+        for layer, store in enumerate(cache.layers):
+            parts = policy.parts(layer, store)
+            assert parts["R"] <= policy.recent_budget + policy.slack_in_effect
+            assert parts["C"] <= policy.candidate_budget
+            assert parts["cells"] == policy.rows * policy.width
+            assert parts["R"] + parts["C"] + parts["cells"] <= policy.budget
+            assert parts["R"] + parts["C"] + parts["V"] == cache.seen
+            scores = policy._scores[layer]                                  # (B, N)
+            for b in range(scores.shape[0]):                               # swap invariant (Algorithm 3)
+                raw = store.pos[b, 0]
+                recent_from = cache.seen - policy._recent[layer]
+                cand = scores[b, raw[raw < recent_from]]
+                vague = torch.ones(cache.seen, dtype=torch.bool)
+                vague[raw] = False
+                if cand.numel() and vague.any():
+                    assert float(cand.min()) * policy.replace_rate >= float(scores[b, vague].max()) - 1e-6
+        totals.append(policy._scores[0].sum(-1))
+
+    script(model, policy, check)
+    # every attention row sums to 1: each step adds (query heads x query rows) to a layer's scores
+    steps = [40, 1, 1, 1, 1, 5]
+    expected = torch.tensor(steps).cumsum(0) * H
+    for total, want in zip(totals, expected):
+        torch.testing.assert_close(total, torch.full_like(total, float(want)), rtol=1e-5, atol=1e-3)
+    assert policy.swaps >= 0
+
+
+def test_memory_reports(model):
+    policy = make_policy("kvreviver", 30)
+    _, cache = script(model, policy)
+    L, H_kv, d = model.config.n_layer, model.config.n_kv_head, model.config.head_dim
+    assert policy.slot_nbytes() == L * 2 * (2 * policy.rows * policy.width * H_kv * d * 4)   # B=2, K and V
+    assert policy.extra_nbytes() == L * 2 * cache.seen * 4                                    # dense scores
+    assert policy.rebuilt_nbytes == 2 * 2 * H_kv * cache.seen * d * 4                         # one layer, all tokens
+
+
+@pytest.mark.parametrize("bad", [{"rows": 0}, {"vague_share": 1.5}, {"candidate_share": -0.1},
+                                 {"replace_rate": 0.9}, {"recent_slack": -1}, {"sketch_width": -2},
+                                 {"injective_hash": "yes"}, {"candidate_share": 0.95, "vague_share": 0.1}])
+def test_rejects_bad_options(bad):
+    with pytest.raises(ValueError, match="|".join(bad)):
+        make_policy("kvreviver", 40, **bad)
+
+
+def test_split_of_the_budget():
+    p = KVReviverPolicy(100)
+    assert (p.width, p.candidate_budget, p.recent_budget) == (3, 45, 46)       # 0.1 / 0.45 / the rest
+    assert KVReviverPolicy(1).recent_budget == 1                                # tiny budgets: Recent only
+
+
+def test_revived_tokens_are_not_counted_as_exact(model):
+    """A token revived from the sketch sits in a raw slot with its estimate: ``exact_positions`` marks it -1
+    (the harness then counts its attention as lost), and only it."""
+    policy = make_policy("kvreviver", 30, replace_rate=1.0)
+    _, cache = script(model, policy)
+    assert policy.swaps > 0, "this setting should revive tokens"
+    marked = 0
+    for layer, store in enumerate(cache.layers):
+        exact = policy.exact_positions(layer, store)
+        revived = policy._approx[layer].gather(1, store.pos[:, 0])[:, None, :].expand_as(store.pos)
+        assert torch.equal(exact == -1, revived)
+        assert torch.equal(exact[~revived], store.pos[~revived])
+        marked += int(revived.sum())
+    assert marked > 0

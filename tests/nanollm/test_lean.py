@@ -1,0 +1,60 @@
+"""The lean decode step (nanollm/lean.py) computes what decode_step computes, with every policy."""
+
+import pytest
+import torch
+
+from methods import METHODS, make_policy
+from nanollm import KVCache, generate, preset
+from nanollm.generation import decode_step, prefill
+from nanollm.lean import LeanDecoder
+
+
+def steps_both(model, x, policy_name=None, budget=12, n_prompt=10):
+    """Logits of decode_step and of the lean step over the same tokens, each with its own cache."""
+    caches = [KVCache(model.config, make_policy(policy_name, budget) if policy_name else None) for _ in range(2)]
+    lean = LeanDecoder(model)
+    out = [[], []]
+    with torch.no_grad():
+        for c in caches:
+            prefill(model, x[:, :n_prompt], c)
+        for t in range(n_prompt, x.shape[1]):
+            out[0].append(decode_step(model, x[:, t], caches[0]))
+            out[1].append(lean.step(x[:, t], caches[1]))
+    return torch.stack(out[0], 1), torch.stack(out[1], 1), caches
+
+
+@pytest.mark.parametrize("name", [None, *sorted(METHODS)])
+def test_lean_step_equals_decode_step(make_model, name):
+    model = make_model(preset("TINY"), seed=1)
+    x = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(0))
+    ref, lean, caches = steps_both(model, x, name)
+    torch.testing.assert_close(lean, ref, rtol=0, atol=1e-5)
+    a, b = caches
+    assert a.seen == b.seen
+    for la, lb in zip(a.layers, b.layers):          # the policy kept the same entries in both caches
+        assert torch.equal(la.pos, lb.pos)
+
+
+def test_lean_generate_equals_generate(make_model):
+    model = make_model(preset("TINY"), seed=2)
+    x = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(LeanDecoder(model).generate(x, 12), generate(model, x, 12))
+
+
+def test_bundled_model(make_model):
+    from nanollm import load
+    model, _, _ = load("retrieval-llama")
+    x = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(3))
+    ref, lean, _ = steps_both(model, x, "snapkv", budget=32, n_prompt=60)
+    torch.testing.assert_close(lean, ref, rtol=0, atol=1e-5)
+
+
+def test_clear_errors(make_model):
+    with pytest.raises(ValueError, match="llama-flavour model with the standard attention"):
+        LeanDecoder(make_model(preset("TINY_GPT2")))
+    model = make_model(preset("TINY", max_seq_len=12))
+    lean = LeanDecoder(model)
+    with pytest.raises(ValueError, match="already holds a prefix"):
+        lean.step(torch.tensor([1]), KVCache(model.config))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        lean.generate(torch.zeros(1, 10, dtype=torch.long), 5)

@@ -1,0 +1,57 @@
+"""
+Notebooks: each ``notebooks/*.ipynb`` runs headlessly in tiny mode, and still matches its ``.py`` source.
+
+The ``.py`` percent files are the source; ``notebooks/build.py`` generates and executes the ``.ipynb``.
+These tests execute each committed notebook in a fresh ``python3`` kernel (nbclient + ipykernel) with
+``NANOLLM_TINY=1`` and a per-cell timeout, and check that its cells were not edited apart from the source.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+pytestmark = pytest.mark.slow        # notebooks in a kernel: the fast tier (-m "not slow") skips them
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+CELL_TIMEOUT_S = 120
+
+_spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
+build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
+
+IPYNBS = sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def cells(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
+    return [(cell.cell_type, cell.source) for cell in nb.cells]
+
+
+@pytest.mark.parametrize("path", IPYNBS, ids=lambda p: p.name)
+def test_notebook_matches_its_py_source(path: Path) -> None:
+    source = path.with_suffix(".py")
+    assert source.exists(), f"{path.name} has no {source.name} source; write the .py and run notebooks/build.py"
+    committed, expected = nbformat.read(path, as_version=4), build.read_percent(source)
+    assert cells(committed) == cells(expected), \
+        f"{path.name} differs from {source.name}: rebuild it with `python notebooks/build.py {source}`"
+    assert not build.error_outputs(committed), f"{path.name} was committed with errors"
+
+
+@pytest.mark.parametrize("path", IPYNBS, ids=lambda p: p.name)
+def test_notebook_runs_in_tiny_mode(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    t0 = time.perf_counter()
+    build.execute(nb, tiny=True, timeout=CELL_TIMEOUT_S)       # raises CellExecutionError on the first error
+    assert not build.error_outputs(nb)
+    first_code = next(cell.source for cell in nb.cells if cell.cell_type == "code")
+    assert 'TINY = os.environ.get("NANOLLM_TINY") == "1"' in first_code
+    print(f"{path.name}: {time.perf_counter() - t0:.1f} s in tiny mode")
+
+
+def test_every_py_source_has_a_notebook() -> None:
+    missing = [p.name for p in build.sources() if not p.with_suffix(".ipynb").exists()]
+    assert not missing, f"no .ipynb built for {missing}: run `python notebooks/build.py`"

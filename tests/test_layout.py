@@ -1,0 +1,110 @@
+"""
+The layout, checked: the packages import each other in one direction only, kernels are leaves, and the
+linter passes.
+
+The import graph is read from the source (every ``import``, at any depth: inside functions, under
+``TYPE_CHECKING``), not from what Python happened to import, so a lazy import counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("nanollm", "methods", "kernels")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def imports_of(name: str) -> set[str]:
+    """The project modules ``name`` imports: ``from a.b import c`` is a.b.c when that is a module, else a.b."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parent + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:         # import a.b.c of a function: the module a.b
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def test_the_graph_sees_the_imports():
+    """A check of the checker: known edges are found, relative and lazy ones included."""
+    assert "nanollm.cache" in GRAPH["nanollm.model"]                       # from .cache import KVCache
+    assert "nanollm.io.checkpoint" in GRAPH["nanollm"]                     # lazy, inside load()
+    assert "methods.evaluation.compare" in GRAPH["methods.compare"]
+    assert "methods.tensor_attention.attention" in GRAPH["methods.tensor_attention"]
+
+
+def test_no_import_cycle():
+    """No module imports itself through others (lazy imports included): the layers read bottom-up."""
+    state, stack, cycles = {}, [], []
+
+    def visit(name: str) -> None:                          # depth-first search; grey = on the stack
+        state[name] = "grey"
+        stack.append(name)
+        for dep in sorted(GRAPH[name]):
+            if state.get(dep) == "grey":
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[name] = "black"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_nanollm_never_imports_methods():
+    wrong = {(a, b) for a, deps in GRAPH.items() if a.startswith("nanollm") for b in deps if b.startswith("methods")}
+    assert not wrong, f"nanollm must not depend on methods: {sorted(wrong)}"
+
+
+def test_kernels_are_leaves():
+    """A kernel file imports only torch, triton and kernels/ itself; only the benchmark imports upward."""
+    wrong = {(a, b) for a, deps in GRAPH.items() if a.startswith("kernels") and a != "kernels.bench"
+             for b in deps if not b.startswith("kernels")}
+    assert not wrong, f"kernels/ must not import the library: {sorted(wrong)}"
+
+
+def test_methods_top_level_is_the_methods():
+    """The top of methods/ holds the registered methods, the registry and the main command, nothing else."""
+    from methods import METHODS
+    files = {p.stem for p in (ROOT / "methods").glob("*.py")} - {"__init__", "compare"}
+    assert files == {METHODS[name].__module__.rpartition(".")[2] for name in METHODS}
+
+
+def test_ruff_is_clean():
+    """The linter (configuration in pyproject.toml: pycodestyle, pyflakes, import order, 120 columns)."""
+    pytest.importorskip("ruff", reason="ruff is installed by requirements.txt")
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
