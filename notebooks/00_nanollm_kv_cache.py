@@ -14,7 +14,7 @@
 # 6. why the textbook `torch.cat` append is O(T) per token, and how the storage grows in place instead.
 #
 # Code: `nanollm/cache.py` and `nanollm/storage.py` (storage), `nanollm/generation.py` (prefill / extend
-# / decode_step), `nanollm/bench.py` (timings). This notebook only imports them.
+# / decode_step), `nanollm/cli/bench.py` (timings). This notebook only imports them.
 
 # %%
 import os
@@ -29,7 +29,7 @@ import torch
 
 from nanollm import KVCache, LayerKV, Transformer, decode_step, extend, prefill, preset
 from nanollm.attention import attend_step
-from nanollm.bench import format_result, run_bench
+from nanollm.cli.bench import format_result, run_bench
 
 CONTEXTS = [32, 64, 128] if TINY else [128, 256, 512, 1024]   # context lengths for the timings
 REPEATS, STEPS = (2, 2) if TINY else (5, 8)                   # medians of REPEATS x STEPS decode steps
@@ -78,7 +78,8 @@ print("positions of row 0, KV head 0:", layer0.pos[0, 0].tolist(), "| tokens see
 #
 # Each token adds one key and one value vector per layer and per **KV head**:
 #
-# $$\text{bytes}(T) = 2 \cdot n_\text{layer} \cdot n_\text{kv\_head} \cdot d_\text{head} \cdot \text{bytes per element} \cdot T$$
+# $$\text{bytes}(T) = 2 \cdot n_\text{layer} \cdot n_\text{kv\_head} \cdot d_\text{head}
+# \cdot \text{bytes per element} \cdot T$$
 #
 # (the 2 is K and V). Grouped-query attention (GQA) lets `n_head` query heads share `n_kv_head` KV heads,
 # so the cache shrinks by `n_head / n_kv_head` compared with multi-head attention, at the same model
@@ -126,16 +127,16 @@ for name in ["TINY", "TINY_GPT2"]:
           f"prefill + extend {(chunked - full).abs().max():.1e}  (logits up to {full.abs().max():.2f})")
 
 # %% [markdown]
-# Differences of ~1e-7 are fp32 rounding: the same sums in a different order. `tests/test_model.py`
+# Differences of ~1e-7 are fp32 rounding: the same sums in a different order. `tests/nanollm/test_model.py`
 # asserts them at `atol=1e-5`. In bf16 the same comparison gives visibly larger gaps (see
 # huggingface/transformers#25420), so low-precision checks compare greedy tokens instead.
 #
 # ## 4. What the cache buys: time per decode step
 #
-# `nanollm.bench.run_bench` times, at each context length, one cached `decode_step` against one full
+# `nanollm.cli.bench.run_bench` times, at each context length, one cached `decode_step` against one full
 # uncached forward over the prefix (what you would run to get the next token without a cache). The
 # lengths and both modes are measured interleaved, and medians are reported. The same numbers come from
-# `python -m nanollm.bench` on the command line.
+# `python -m nanollm.cli.bench` on the command line.
 
 # %%
 bench = run_bench(config, contexts=CONTEXTS, repeats=REPEATS, steps=STEPS, threads=1)
@@ -159,9 +160,9 @@ plt.show()
 # %% [markdown]
 # Read the fitted slopes (dotted lines): recomputing grows by milliseconds per thousand tokens of context,
 # because every step re-runs the whole prefix; the cached step grows by far less, only through the
-# attention over the stored entries (section 6 shows what a naive append would add). At short contexts the fixed per-step cost of Python and
-# small-matrix overheads dominates, and the cache barely helps; the longer the context, the bigger the
-# win. The price is memory, which grows linearly with the tokens seen:
+# attention over the stored entries (section 6 shows what a naive append would add). At short contexts the
+# fixed per-step cost of Python and small-matrix overheads dominates, and the cache barely helps; the longer
+# the context, the bigger the win. The price is memory, which grows linearly with the tokens seen:
 
 # %%
 cache = KVCache(config)
@@ -305,7 +306,7 @@ for T in COPY_CONTEXTS:
 # memory for the new tensor: between about 1x and 12x the attention on the development machine, from run
 # to run. With it, a decode step at least doubles its memory traffic, and a method that keeps 10% of the
 # tokens would look *better* than it is, because its small cache is also cheap to copy. The in-place
-# append costs microseconds at any length. (`python -m methods.bench` measures whole decode steps: bytes read
+# append costs microseconds at any length. (`python -m methods.evaluation.bench` measures whole decode steps: bytes read
 # per step, the achieved GB/s against the machine's measured bandwidth, and the speedup of each
 # compression method over the full cache.)
 #
@@ -314,7 +315,7 @@ for T in COPY_CONTEXTS:
 # 1. **Memory arithmetic.** Llama-3-8B has 32 layers, 32 query heads, 8 KV heads and head_dim 128.
 #    How many GiB does its KV cache take for one 128k-token sequence in bf16? How much would it take
 #    without GQA? (Build a `ModelConfig` with `d_model=4096` and use `kv_bytes_per_token`.)
-# 2. **Where does the speedup start?** Run `python -m nanollm.bench --preset SMALL` and with
+# 2. **Where does the speedup start?** Run `python -m nanollm.cli.bench --preset SMALL` and with
 #    `--threads 2`. At which context length does the cache start to pay off, and why does a larger
 #    model cross over earlier?
 # 3. **The price of `torch.cat`.** A textbook cache appends with `torch.cat`, copying the whole layer at
@@ -323,7 +324,7 @@ for T in COPY_CONTEXTS:
 #    step, and with the timings of section 6. (Another way out, used by gpt-fast: preallocate the
 #    cache for the maximum length once.)
 # 4. **Break it on purpose.** What would go wrong if the new token were given position `len(cache)`
-#    after the `keep` above? Which test in `tests/test_model.py` would catch it?
+#    after the `keep` above? Which test in `tests/nanollm/test_model.py` would catch it?
 
 # %%
 # 1. Memory arithmetic: fill in, then compare with a neighbour.

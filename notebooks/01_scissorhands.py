@@ -24,9 +24,9 @@
 #    form and a Monte-Carlo experiment, and the theorem's own single-head model with a full, an oracle and
 #    a counter cache: where the bound holds and where it does not.
 #
-# Code: `methods/scissorhands.py` (the method and the measurements), `methods/scissorhands_theory.py`
+# Code: `methods/scissorhands.py` (the method and the measurements), `methods/analysis/scissorhands_theory.py`
 # (the bound, the Monte Carlo, the single-head model), `methods/compare.py` (the evaluation loop),
-# `methods/viz.py` (pictures of kept tokens). This notebook only imports them.
+# `methods/evaluation/viz.py` (pictures of kept tokens). This notebook only imports them.
 
 # %%
 import os
@@ -41,17 +41,24 @@ import matplotlib.pyplot as plt
 import torch
 
 from methods import make_policy
-from methods.compare import Variant, format_tables, run
+from methods.analysis.persistence import block_cosine, heavy, persistence_halves, persistence_step, record_attention
+from methods.analysis.scissorhands_theory import (
+    dropped_mass_bound,
+    failure_probability,
+    fit_power_law,
+    intermediate_dropped_mass_bound,
+    make_toy_model,
+    run_toy,
+    simulate_dropped_mass,
+    theorem41_bound,
+)
+from methods.evaluation.compare import Variant, format_tables, run
+from methods.evaluation.viz import needle_spans, plot_kept
 from methods.h2o import STATE as H2O_SCORE
-from methods.scissorhands import (LOW, block_cosine, heavy, low_flags, persistence_halves, persistence_step,
-                                  push_history, record_attention, scissorhands_keep, unimportance)
-from methods.scissorhands_theory import (dropped_mass_bound, failure_probability, fit_power_law,
-                                         intermediate_dropped_mass_bound, make_toy_model, run_toy,
-                                         simulate_dropped_mass, theorem41_bound)
-from methods.viz import needle_spans, plot_kept
+from methods.scissorhands import LOW, low_flags, push_history, scissorhands_keep, unimportance
 from nanollm import KVCache, load, prefill
-from nanollm.evaluate import MODES
-from nanollm.tasks import make_sample
+from nanollm.data.evaluate import MODES
+from nanollm.data.tasks import make_sample
 
 torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
 t_start = time.time()
@@ -355,7 +362,8 @@ rows_table = [(5, 3, 0.05, 0.5), (5, 3, 0.05, 0.7), (5, 3, 0.05, 0.9), (1000, 3,
 print(" u/b  k   eps  B/T | simulated dropped mass | Delta_max (closed form) | intermediate form | Thm 4.1")
 for u, k, eps, keep in rows_table:
     mc, se = simulate_dropped_mass(keep, k, 1.0, float(u), T=2000, seeds=MC_SEEDS)
-    print(f"{u:4} {k:2} {eps:5.2f} {keep:4.1f} | {mc:8.3f} +- {se:.3f}        | {dropped_mass_bound(keep, k, eps):12.3f}"
+    print(f"{u:4} {k:2} {eps:5.2f} {keep:4.1f} | {mc:8.3f} +- {se:.3f}        | "
+          f"{dropped_mass_bound(keep, k, eps):12.3f}"
           f"            | {intermediate_dropped_mass_bound(keep, k, eps, 1.0, float(u)):10.3f}        | "
           f"{theorem41_bound(keep, k, eps):.3f}")
 

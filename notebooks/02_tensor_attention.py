@@ -2,9 +2,9 @@
 # # 02 Tensor attention: a four-matrix or a two-matrix KV cache
 #
 # Chen, Li, Liang, Shi et al., "Time and Memory Trade-off of KV-Cache Compression in Tensor Transformer
-# Decoding", 2025, [arXiv 2503.11108](https://arxiv.org/abs/2503.11108). Tensor attention itself comes from Sanford, Hsu &
-# Telgarsky (NeurIPS 2023, [arXiv 2306.02896](https://arxiv.org/abs/2306.02896)) and Alman & Song (ICLR
-# 2024, [arXiv 2310.04064](https://arxiv.org/abs/2310.04064)).
+# Decoding", 2025, [arXiv 2503.11108](https://arxiv.org/abs/2503.11108). Tensor attention itself comes from
+# Sanford, Hsu & Telgarsky (NeurIPS 2023, [arXiv 2306.02896](https://arxiv.org/abs/2306.02896)) and Alman &
+# Song (ICLR 2024, [arXiv 2310.04064](https://arxiv.org/abs/2310.04064)).
 #
 # A standard attention query scores single tokens. A **tensor attention** query scores *pairs* of tokens:
 # each token has two keys and two values, the query at step t scores the pair (a, b) with
@@ -29,9 +29,9 @@
 # 5. the memory lower bound in a small experiment (the Index problem);
 # 6. SubGen-style clustering and sampling as an approximate cache: error vs memory.
 #
-# Code: `methods/tensor_attention.py` (the module and the caches), `methods/tensor_bench.py` (the
-# measurement), `methods/match3.py` (task, training, checkpoints), `methods/index_problem.py`,
-# `methods/subgen.py`. This notebook only imports them.
+# Code: `methods/tensor_attention/attention.py` (the module and the caches), `methods/tensor_attention/bench.py`
+# (the measurement), `methods/tensor_attention/match3.py` (task, training, checkpoints),
+# `methods/tensor_attention/index_problem.py`, `methods/tensor_attention/subgen.py`. This notebook only imports them.
 
 # %%
 import os
@@ -46,10 +46,17 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from methods import match3
-from methods.tensor_attention import (LAYOUTS, TENSOR_ATTENTION, four_cache_attention, kron_rows,
-                                      naive_four_cache_attention, tensor_cache, two_cache_attention)
-from methods.tensor_bench import measure, table
+from methods.tensor_attention import (
+    LAYOUTS,
+    TENSOR_ATTENTION,
+    four_cache_attention,
+    kron_rows,
+    match3,
+    naive_four_cache_attention,
+    tensor_cache,
+    two_cache_attention,
+)
+from methods.tensor_attention.bench import measure, table
 from nanollm import generate
 from nanollm.attention import attend
 from nanollm.config import preset
@@ -156,7 +163,7 @@ print(f"at i = {r['lengths'][last]}: two-matrix cache {r['two']['bytes'][last] /
 
 # %% [markdown]
 # What the measurement says. The timings move from run to run (page faults on fresh buffers, a shared CPU),
-# so here are the ranges over seven runs on the same machine, 1 thread (`python -m methods.tensor_bench` and
+# so here are the ranges over seven runs on the same machine, 1 thread (`python -m methods.tensor_attention.bench` and
 # this notebook; the run above is one more draw, and may land a little outside them):
 #
 # * **Memory**: slope 1.00 for the four-matrix cache and 1.98 for the two-matrix one (its 4 i d of factors
@@ -178,14 +185,14 @@ print(f"at i = {r['lengths'][last]}: two-matrix cache {r['two']['bytes'][last] /
 # ## 4. Where pairs matter: Match3
 #
 # Sanford et al. (§4) prove that Match3, "does some pair of numbers complete this one to 0 mod M?", needs a
-# large standard attention layer, while one tensor head computes it. `methods/match3.py` makes it causal
-# and dense: `BOS x_1 L_1 x_2 L_2 ...`, where `L_i` says whether `x_a + x_b + x_i = 0 (mod 32)` for some
+# large standard attention layer, while one tensor head computes it. `methods/tensor_attention/match3.py` makes it
+# causal and dense: `BOS x_1 L_1 x_2 L_2 ...`, where `L_i` says whether `x_a + x_b + x_i = 0 (mod 32)` for some
 # `a <= b <= i`. Two bundled models, trained with the same budget (3000 steps of 128 sequences) by
-# `python -m methods.match3 train --attention tensor|standard`: a tensor-attention decoder and a standard
-# one with the same number of parameters (its MLP is wider by the two extra projections' worth). Same
-# parameters and steps, not the same compute: a tensor layer costs O(T^3) per sequence, a standard one
-# O(T^2). One seed each, and a learning rate tuned for neither. Sanford et al.'s lower bound is for a single
-# standard layer; this baseline has two layers and MLPs, so the comparison tests more than the theorem.
+# `python -m methods.tensor_attention.match3 train --attention tensor|standard`: a tensor-attention decoder and a
+# standard one with the same number of parameters (its MLP is wider by the two extra projections' worth). Same
+# parameters and steps, not the same compute: a tensor layer costs O(T^3) per sequence, a standard one O(T^2). One
+# seed each, and a learning rate tuned for neither. Sanford et al.'s lower bound is for a single standard layer;
+# this baseline has two layers and MLPs, so the comparison tests more than the theorem.
 
 # %%
 tensor_model, tensor_card = match3.load("match3-tensor")
@@ -230,14 +237,15 @@ print("truth:  ", ["Y" if t == match3.YES else "n" for t in match3.labels(exampl
 print("decoded:", ["Y" if t == match3.YES else "n" for t in decoded["two"][0].tolist()])
 
 # %% [markdown]
-# The bundled models (2000 fresh sequences, `python -m methods.match3 eval match3-tensor match3-standard`):
+# The bundled models (2000 fresh sequences,
+# `python -m methods.tensor_attention.match3 eval match3-tensor match3-standard`):
 # tensor attention 0.944, standard attention 0.874, the majority baseline 0.766. The gap is in the middle
 # positions, where the majority guess is a coin flip: at position 6 the tensor model is right 92% of the
 # time and the standard one 81%, at position 7 91% vs 74%. The standard model is far above the baseline
 # too (two layers and MLPs can check a few pairs), but it stops improving at about 0.87 from step 1800 on
 # (its card), while the tensor model is still climbing at the end of the budget (0.946 at step 3000). Both
 # are single runs with one seed; the training curves are in the cards
-# (`methods/checkpoints/match3-*/README.md`).
+# (`methods/tensor_attention/checkpoints/match3-*/README.md`).
 
 # %% [markdown]
 # ## 5. The memory lower bound, run: the Index problem
@@ -245,13 +253,13 @@ print("decoded:", ["Y" if t == match3.YES else "n" for t in decoded["two"][0].to
 # Theorem 4.1 says an exact four-matrix cache needs Omega(n d) bits. The proof is a reduction from the
 # Index problem (Lemma 3.11): Alice holds n bits, writes a cache from them; Bob, given any index j, builds
 # a query and reads x_j off one attention output. Then the cache is a message that tells Bob every bit, so
-# it holds at least n bits. `methods/index_problem.py` builds such a cache (random +-1 keys, the pair
+# it holds at least n bits. `methods/tensor_attention/index_problem.py` builds such a cache (random +-1 keys, the pair
 # (j, j) wins Bob's softmax, the bits sit in V1) and compresses it two ways: keep k of the n token rows, or
 # let groups of g tokens share one majority sign. Bob's accuracy against the bits the cache keeps, with the
 # information limit from Fano's inequality (no s-bit cache can be right on more than this fraction):
 
 # %%
-from methods.index_problem import accuracy_vs_bits, fano_accuracy, make_instance, retrieve
+from methods.tensor_attention.index_problem import accuracy_vs_bits, fano_accuracy, make_instance, retrieve
 
 inst = make_instance(128, seed=0)
 print(f"n = 128, d = {inst.d}: the full cache gives back every bit: "
@@ -277,10 +285,10 @@ for r in rows5:
 
 # %% [markdown]
 # Both compressed caches stay under the limit (within sampling noise: at s = 0 and s = N the expected
-# accuracy *is* the limit, so a measured mean can sit a hair above it), and the limit is a straight consequence of counting: to be
-# right on a fraction p of the n bits a cache needs at least n (1 - H(p)) bits, linear in n. This is an
-# illustration of the theorem, not a proof of it (the proof must handle any cache, any query scheme); and
-# it shows the four-matrix side only. The two-matrix bound (Omega(n^2 d), Theorem 4.2) is about caches that
+# accuracy *is* the limit, so a measured mean can sit a hair above it), and the limit is a straight consequence
+# of counting: to be right on a fraction p of the n bits a cache needs at least n (1 - H(p)) bits, linear in n.
+# This is an illustration of the theorem, not a proof of it (the proof must handle any cache, any query scheme);
+# and it shows the four-matrix side only. The two-matrix bound (Omega(n^2 d), Theorem 4.2) is about caches that
 # must answer for arbitrary pair rows, which a cache made of n token factors never stores.
 
 # %% [markdown]
@@ -289,11 +297,11 @@ for r in rows5:
 # The lower bounds are for worst-case keys. When keys cluster, SubGen (Zandieh et al. 2024,
 # [arXiv 2402.06082](https://arxiv.org/abs/2402.06082); used for tensor attention in §5.1 of the paper,
 # SubGen4Cache / SubGen2Cache) keeps a few sampled keys per cluster to estimate the softmax normaliser and
-# a norm-weighted sample of values for the numerator. `methods/subgen.py` streams a tensor cache's pair
+# a norm-weighted sample of values for the numerator. `methods/tensor_attention/subgen.py` streams a tensor cache's pair
 # rows through such a sketch; error against the exact output vs the bytes the sketch keeps:
 
 # %%
-from methods.subgen import error_vs_memory
+from methods.tensor_attention.subgen import error_vs_memory
 
 rows6 = error_vs_memory(n=24 if TINY else 32, seeds=1 if TINY else 4)
 fig, ax = plt.subplots(figsize=(7, 4))
@@ -384,6 +392,6 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 #    two-matrix cache can drop single pairs. Write a pair-level "heavy hitter" policy for `TwoCache` (keep
 #    the pairs with the largest accumulated attention) and compare its error with token eviction at the
 #    same number of stored bytes.
-# 3. Train `python -m methods.match3 train --attention standard --steps 10000 --out runs/m3-long`: does a
-#    longer budget let standard attention catch up at this size? What about `n_layer=4`?
-# 4. Change the modulus `M` in `methods/match3.py` to 64: which model degrades first?
+# 3. Train `python -m methods.tensor_attention.match3 train --attention standard --steps 10000 --out runs/m3-long`:
+#    does a longer budget let standard attention catch up at this size? What about `n_layer=4`?
+# 4. Change the modulus `M` in `methods/tensor_attention/match3.py` to 64: which model degrades first?

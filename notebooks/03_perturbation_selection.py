@@ -20,7 +20,7 @@
 #    final hidden state, in accuracy and KL, and across `alpha`;
 # 4. how often the paper's Assumption 1 holds on a 0.87M-parameter model, and what that does to the theory.
 #
-# Code: `methods/critical_kv.py` (the functions and the `critical_kv` wrapper), `methods/harness.py`
+# Code: `methods/critical_kv.py` (the functions and the `critical_kv` wrapper), `methods/evaluation/harness.py`
 # (traces against the full cache), `methods/compare.py` (accuracy tables). This notebook only imports them.
 
 # %%
@@ -36,14 +36,21 @@ import matplotlib.pyplot as plt
 import torch
 
 from methods import make_policy
-from methods.compare import format_tables, run
-from methods.critical_kv import (CriticalKVPolicy, assumption1_sigma, output_perturbation, perturbation_bound,
-                                 perturbation_constrained_select, projected_output_l1, projected_value_norms,
-                                 projected_values, renormalized_attention)
-from methods.harness import compare_traces, greedy_accuracy, trace
+from methods.critical_kv import (
+    assumption1_sigma,
+    output_perturbation,
+    perturbation_bound,
+    perturbation_constrained_select,
+    projected_output_l1,
+    projected_value_norms,
+    projected_values,
+    renormalized_attention,
+)
+from methods.evaluation.compare import format_tables, run
+from methods.evaluation.harness import compare_traces, greedy_accuracy, trace
 from nanollm import KVCache, decode_step, load, prefill
-from nanollm.evaluate import MODES, answer
-from nanollm.tasks import make_sample
+from nanollm.data.evaluate import MODES, answer
+from nanollm.data.tasks import make_sample
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -74,7 +81,7 @@ print(f"tiny mode: {TINY}; {len(TASKS)} task(s) x {N_SAMPLES} sample(s), {LENGTH
 # If the kept attention mass exceeds 1/2 (Assumption 1: stage 1 secures it), the factor in brackets is
 # positive and the bound falls fastest by keeping large `A_i * P_i`: hence Algorithm 1, the top
 # `alpha * b` entries by attention, then the rest by `A_i * P_i`. Both facts on random heads, and the
-# hand example of `tests/test_critical_kv.py`:
+# hand example of `tests/methods/test_critical_kv.py`:
 
 # %%
 g = torch.Generator().manual_seed(0)
@@ -86,7 +93,8 @@ for _ in range(500 if TINY else 2000):
     vw = torch.randn(n, d, generator=g, dtype=torch.float64) @ torch.randn(d, D, generator=g, dtype=torch.float64)
     keep = torch.rand(n, generator=g) < 0.3
     keep[0] = True
-    worst_gap = min(worst_gap, float(perturbation_bound(attn, keep, vw.abs().sum(-1)) - output_perturbation(attn, keep, vw)))
+    worst_gap = min(worst_gap, float(perturbation_bound(attn, keep, vw.abs().sum(-1))
+                                     - output_perturbation(attn, keep, vw)))
     masked = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)
     identity_err = max(identity_err, float((masked - renormalized_attention(attn, keep)).abs().max()))
 print(f"Theorem 1: max |softmax(a + M) - N*A/sum(N*A)| = {identity_err:.1e}")
@@ -99,7 +107,8 @@ for name, alpha in [("attention top-2", 1.0), ("Algorithm 1, alpha = 0.5", 0.5)]
     idx = perturbation_constrained_select(attn, P, 2, alpha)
     keep = torch.zeros(4, dtype=torch.bool).index_fill(0, idx, True)
     print(f"{name:<26} keeps {idx.tolist()}: kept mass {float(attn[keep].sum()):.2f}, "
-          f"L = {float(output_perturbation(attn, keep, vw)):.3f}, theta = {float(perturbation_bound(attn, keep, P)):.3f}")
+          f"L = {float(output_perturbation(attn, keep, vw)):.3f}, "
+          f"theta = {float(perturbation_bound(attn, keep, P)):.3f}")
 
 # %% [markdown]
 # Entry 2 has little attention (0.18) but a large projected value (norm 3): attention alone drops it and
@@ -150,7 +159,8 @@ SAMPLE_VARIANTS = {                  # label -> (method spec, options)
     "critical_kv(adakv)": ("critical_kv(adakv(snapkv))", {}),      # CriticalAdaKV
 }
 ids = torch.tensor([sample.prompt_ids])
-print(f"\n{'variant':<22}{'answer':<18}" + "".join(f"L{l}h{j}".center(9) for l in range(cfg.n_layer) for j in range(cfg.n_kv_head)))
+print(f"\n{'variant':<22}{'answer':<18}"
+      + "".join(f"L{l}h{j}".center(9) for l in range(cfg.n_layer) for j in range(cfg.n_kv_head)))
 for label, (spec, opts) in SAMPLE_VARIANTS.items():
     cache = KVCache(cfg, make_policy(spec, budget=256, **opts))
     prefill(model, ids, cache)
@@ -251,7 +261,8 @@ for ratio in HEAD_RATIOS:
               f"{float(x[:, 3].mean()):>12.3f} | {float(x[:, 2].mean()):>15.2f} {float(x[:, 5].mean()):>6.2f}")
     x = torch.cat([torch.tensor(alg1[(ratio, l)]) for l in range(cfg.n_layer)])
     print(f"{ratio:>5} {'all':>5} | {float((x[:, 3] < x[:, 0]).float().mean()):>13.2f} "
-          f"{float((x[:, 4] < x[:, 1]).float().mean()):>17.2f} | {float(x[:, 0].mean()):>12.3f} {float(x[:, 3].mean()):>12.3f} |")
+          f"{float((x[:, 4] < x[:, 1]).float().mean()):>17.2f} | {float(x[:, 0].mean()):>12.3f} "
+          f"{float(x[:, 3].mean()):>12.3f} |")
 print(f"({len(TASKS) * N_SAMPLES} samples x {cfg.n_head} query heads per layer; 'lower' = fraction of (sample, head) "
       "pairs where Algorithm 1's value is strictly lower)")
 
@@ -339,8 +350,8 @@ for ratio in HEAD_RATIOS:
         a, c = torch.stack(res[(host, ratio)]["head_l1"]), torch.stack(res[(crit, ratio)]["head_l1"])   # (S, L, H)
         headwise[(ratio, crit)] = float((c.mean(0) < a.mean(0)).float().mean())
         per_layer = " ".join(f"{float(x):.2f}" for x in (c < a).float().mean((0, 2)))
-        print(f"{ratio:>5}  {crit:<20}{host:<8}| {headwise[(ratio, crit)]:>18.2f} {float((c < a).float().mean()):>13.2f} "
-              f"{float((c == a).float().mean()):>6.2f} | {per_layer}")
+        print(f"{ratio:>5}  {crit:<20}{host:<8}| {headwise[(ratio, crit)]:>18.2f} "
+              f"{float((c < a).float().mean()):>13.2f} {float((c == a).float().mean()):>6.2f} | {per_layer}")
 
 # %%
 fig, axes = plt.subplots(1, len(HEAD_RATIOS), figsize=(5 * len(HEAD_RATIOS), 4.4), dpi=80, squeeze=False)
@@ -411,7 +422,8 @@ print(f"mean over {n} samples ({len(TASKS)} tasks x {N_SAMPLES}), question in th
 # perturbed.
 
 # %%
-print(f"{'keep':>5} {'layer':>5} | {'sigma > 0.5 on Abar':>19} {'mean':>6} | {'sigma > 0.5, decode query':>25} {'mean':>6}")
+print(f"{'keep':>5} {'layer':>5} | {'sigma > 0.5 on Abar':>19} {'mean':>6} | "
+      f"{'sigma > 0.5, decode query':>25} {'mean':>6}")
 for ratio in HEAD_RATIOS:
     sw = torch.stack(res[("critical_kv", ratio)]["sigma_window"])      # (S, L, H)
     sd = torch.stack(res[("critical_kv", ratio)]["sigma_decode"])
@@ -428,7 +440,7 @@ for ratio in HEAD_RATIOS:
 #
 # ## 5. Accuracy and KL against the keep ratio, both modes
 #
-# `methods.compare.run` (the function behind `python -m methods.compare`) on the default suite, for the two
+# `methods.evaluation.compare.run` (the function behind `python -m methods.compare`) on the default suite, for the two
 # hosts and both with the selection.
 
 # %%
@@ -472,7 +484,8 @@ plt.show()
 # samples, 512 tokens; tiny mode prints smaller, noisier numbers).
 
 # %%
-acc = lambda m, mode, k: sum(r["accuracy"] for r in records if (r["method"], r["mode"], r["keep_ratio"]) == (m, mode, k)) \
+acc = lambda m, mode, k: \
+    sum(r["accuracy"] for r in records if (r["method"], r["mode"], r["keep_ratio"]) == (m, mode, k)) \
     / max(1, sum(1 for r in records if (r["method"], r["mode"], r["keep_ratio"]) == (m, mode, k)))   # noqa: E731
 mean = lambda xs: sum(xs) / len(xs)                                     # noqa: E731
 for ratio in HEAD_RATIOS:
@@ -480,7 +493,8 @@ for ratio in HEAD_RATIOS:
     sw = torch.stack(res[("critical_kv", ratio)]["sigma_window"])
     sd = torch.stack(res[("critical_kv", ratio)]["sigma_decode"])
     print(f"keep ratio {ratio}:")
-    print(f"  Algorithm 1, true query: lower L than attention top-k in {float((alg[:, 3] < alg[:, 0]).float().mean()):.0%} "
+    print(f"  Algorithm 1, true query: lower L than attention top-k in "
+          f"{float((alg[:, 3] < alg[:, 0]).float().mean()):.0%} "
           f"of (sample, head) pairs (kept mass of top-k: {float(alg[:, 2].mean()):.2f})")
     print(f"  heads with lower perturbation: CriticalSnapKV {headwise[(ratio, 'critical_kv')]:.0%}, "
           f"CriticalAdaKV {headwise[(ratio, 'critical_kv(adakv)')]:.0%}   (paper: ~74%)")

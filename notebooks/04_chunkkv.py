@@ -18,7 +18,7 @@
 # 4. accuracy and KL against SnapKV and H2O, both modes, three keep ratios;
 # 5. the chunk-size and reuse-depth ablations, with compression time.
 #
-# Code: `methods/chunkkv.py` (the method), `methods/viz.py` (the pictures), `methods/compare.py` (the
+# Code: `methods/chunkkv.py` (the method), `methods/evaluation/viz.py` (the pictures), `methods/compare.py` (the
 # evaluation loop). This notebook only imports them.
 
 # %%
@@ -33,12 +33,13 @@ import matplotlib.pyplot as plt
 import torch
 
 from methods import make_policy
-from methods.chunkkv import adjacent_layer_jaccard, chunk_keep_mask, kept_positions
-from methods.compare import Variant, format_tables, run
-from methods.viz import kept_text, needle_spans, plot_kept
+from methods.analysis.layer_similarity import adjacent_layer_jaccard, kept_positions
+from methods.chunkkv import chunk_keep_mask
+from methods.evaluation.compare import Variant, format_tables, run
+from methods.evaluation.viz import kept_text, needle_spans, plot_kept
 from nanollm import KVCache, generate, load, prefill
-from nanollm.evaluate import MODES
-from nanollm.tasks import make_sample
+from nanollm.data.evaluate import MODES
+from nanollm.data.tasks import make_sample
 
 torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
 model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter model, 4 layers, 2 KV heads
@@ -237,9 +238,9 @@ for n in depths:
 # * **Reusing layer 0's indices everywhere is the best setting** (reuse 4: 0.63 / 0.69, reuse 2: 0.28 /
 #   0.58, reuse 1: 0.23 / 0.20). The pictures of section 2 show why: on this model the first layer's
 #   window attention points at the needle's value, the deeper layers' does not. Reuse also cuts the time in
-#   the policy's hooks (5.7 -> 4.8 -> 4.5 ms per sample in the run above, 17% and 22% less; another run
-#   gave 24% and 34%: the timings are noisy; the paper reports about 20% less compression time at depth
-#   2), but on a 0.87M-parameter model that is a few milliseconds.
+#   the policy's hooks (3.01 -> 1.96 -> 1.50 ms per sample in the run above, 35% and 50% less; earlier
+#   runs gave between 17% / 22% and 47% / 61%: the timings are noisy; the paper reports about 20% less
+#   compression time at depth 2), but on a 0.87M-parameter model that is a few milliseconds.
 
 # ## Try it
 #

@@ -36,11 +36,11 @@ import matplotlib.pyplot as plt
 import torch
 
 from methods import make_policy
-from methods.compare import Variant, format_tables, run
-from methods.harness import trace
+from methods.evaluation.compare import Variant, format_tables, run
+from methods.evaluation.harness import trace
 from methods.kvreviver import VagueSketch
 from nanollm import KVCache, load, prefill
-from nanollm.tasks import make_sample
+from nanollm.data.tasks import make_sample
 
 torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
 model, tok, card = load("retrieval-llama")         # 4 layers, 4 query heads sharing 2 KV heads
@@ -258,9 +258,9 @@ print(f"  full cache, all layers:             {full.nbytes() / 1024:7.1f} KiB")
 #
 # ## Try it
 #
-# 1. Give the keys signs too: in `reference_sketch_insert` and `reference_sketch_query`
-#    (`kernels/count_sketch.py`, the arithmetic `VagueSketch` calls), multiply keys by `g_i(J)` as values
-#    are. Rerun section 3 and section 4's ablation. Does an unbiased, zero-mean key error help?
+# 1. Give the keys signs too: in `VagueSketch.insert` and `VagueSketch.query` (`methods/kvreviver.py`),
+#    multiply keys by `g_i(J)` as values are. Rerun section 3 and section 4's ablation. Does an unbiased,
+#    zero-mean key error help?
 # 2. Store the *mean* of a cell's tokens instead of their sum (keep a count per cell). What does that do
 #    to the key norms, and why is it no longer a count sketch?
 # 3. Compare `make_policy("kvreviver", 128, sketch_width=0)` with `make_policy("h2o", 128)` at equal raw

@@ -36,8 +36,13 @@ import math
 import matplotlib.pyplot as plt
 
 import kernels
-from kernels.decode_attention import (decode_attention_triton, merge_splits, reference_decode_attention,
-                                      reference_selected_decode_attention, selected_decode_attention_triton)
+from kernels.decode_attention import (
+    decode_attention_triton,
+    merge_splits,
+    reference_decode_attention,
+    reference_selected_decode_attention,
+    selected_decode_attention_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"    # every tensor below is made on it
 if not kernels.HAS_TRITON:
@@ -67,8 +72,9 @@ BW = 3.35e12                                       # H100 SXM data-sheet bandwid
 contexts = [2**k for k in range(10, 18)]
 kv_ms = [decode_bytes(1, L, H_kv, S, d, b) / BW * 1e3 for S in contexts]
 w_ms = weights / BW * 1e3
+kv_32k = decode_bytes(1, L, H_kv, 32768, d, b)                  # bytes of K/V a step reads at 32k tokens
 print(f"KV bytes per token: {decode_bytes(1, L, H_kv, 1, d, b) // 1024} KiB; at 32k tokens a step reads "
-      f"{decode_bytes(1, L, H_kv, 32768, d, b) / 1e9:.2f} GB of KV cache = {decode_bytes(1, L, H_kv, 32768, d, b) / BW * 1e3:.2f} ms "
+      f"{kv_32k / 1e9:.2f} GB of KV cache = {kv_32k / BW * 1e3:.2f} ms "
       f"at {BW / 1e12:.2f} TB/s (weights: {w_ms:.2f} ms)")
 print(f"arithmetic intensity 2G/b = {2 * (H // H_kv) / b:.0f} FLOP/byte (the H100's ridge: ~{990e12 / BW:.0f})")
 fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -181,7 +187,7 @@ print(f"fused rebuild-then-attend vs rebuild in PyTorch then attend: max diff {(
 # %% [markdown]
 # ## 4. Tensor attention over the four-matrix cache
 #
-# The factored decode step of `methods/tensor_attention.py` still writes an i x i score matrix per head.
+# The factored decode step of `methods/tensor_attention/attention.py` still writes an i x i score matrix per head.
 # `kernels/tensor_decode.py` never does: each program takes a tile of BLOCK_A rows of K1, V1 and streams
 # every tile of BLOCK_B rows of K2, V2 past it, computing the tile's scores `(q * K1_a) @ K2_b^T` with one
 # `tl.dot`, folding them into one running max, one running sum and one output accumulator for *all* pairs
@@ -213,12 +219,12 @@ for n in (256, 1024, 4096):
 # move, the achieved GB/s and its fraction of a device-to-device copy measured in the same run. On a GPU it
 # checks the targets below and prints met / NOT met.
 #
-# | kernel | target (ratios, one run) | measured on an H100 (bf16) |
+# | kernel | target (ratios, one run) | H100, bf16 |
 # |---|---|---|
-# | dense split decode | >= 75% of copy bandwidth at batch 8 x 32k; not slower than SDPA at 1 x 128k | 98% (met); 1.00x SDPA (0.5% slower: a tie) |
-# | selected-index decode, keep 0.1 of 32k | >= 6x faster than full-cache decode; within 1.3x of a compacted cache | 8.0x; 1.04x (met) |
-# | fused sketch decode, 25% budget | >= 0.67x dense decode's speed; >= 5x the unfused PyTorch path | 0.19x (not met); 10.3x (met) |
-# | factored tensor decode, i = 1024 | >= 10x faster, 20x less peak memory than the materialising reference | 182x; 31790x (met) |
+# | dense split decode | >= 75% of copy bandwidth at 8 x 32k; SDPA's speed at 1 x 128k | 98% (met); 1.00x (a tie) |
+# | selected-index decode, keep 0.1 of 32k | >= 6x full-cache decode; <= 1.3x a compacted cache | 8.0x; 1.04x (met) |
+# | fused sketch decode, 25% budget | >= 0.67x dense decode; >= 5x the unfused PyTorch path | 0.19x (not met); 10.3x |
+# | factored tensor decode, i = 1024 | >= 10x faster, 20x less peak memory than materialising | 182x; 31790x (met) |
 #
 # The numbers are in `results/kernels_bench_h100.json`. Two lessons from the GPU. The first decode kernel
 # multiplied with broadcasts and sums in registers and read at 18% of the bandwidth; with both products in

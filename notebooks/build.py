@@ -25,7 +25,7 @@ Usage::
 Each ``.ipynb`` is written atomically (a temporary file, then renamed), and only after its notebook ran
 without an error; tiny mode never writes, so the committed notebooks keep their full-size outputs.
 
-``tests/test_notebooks.py`` uses ``read_percent`` to check that each committed ``.ipynb`` still has the
+``tests/notebooks/test_notebooks.py`` uses ``read_percent`` to check that each committed ``.ipynb`` still has the
 cells of its ``.py`` source, and ``execute`` to run it headlessly with ``NANOLLM_TINY=1``.
 """
 
@@ -42,6 +42,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from nanollm import cli
+from nanollm.io import files
 
 NOTEBOOKS = Path(__file__).resolve().parent
 ROOT = NOTEBOOKS.parent
@@ -137,7 +138,7 @@ def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int =
     out = path.with_suffix(".ipynb")
     nbformat.validate(nb)
     text = nbformat.writes(nb)
-    cli.atomic_write_text(out, text if text.endswith("\n") else text + "\n")    # as nbformat.write does
+    files.atomic_write_text(out, text if text.endswith("\n") else text + "\n")    # as nbformat.write does
     return out
 
 
