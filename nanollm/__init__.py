@@ -12,13 +12,16 @@ from .model import Transformer
 from .policy import CachePolicy, FullCache, PolicyWrapper, ScoringPolicy, StepContext, select_topk
 
 
-def load(name_or_path, device: str = "cpu"):
-    """(model, tokenizer, card) of a bundled checkpoint name or a folder; see ``checkpoint.load``.
+def load(name_or_path, device: str = "cpu", dtype=None):
+    """(model, tokenizer, card) of a bundled checkpoint name, a fetchable model's name (``smollm2-135m``), a
+    folder or a GGUF file, weights in ``dtype`` (default fp32); see ``io.checkpoint.load``.
 
     Imported on first use, so ``python -m nanollm.<tool>`` does not import its own module twice.
     """
+    import torch
+
     from .io.checkpoint import load as _load
-    return _load(name_or_path, device)
+    return _load(name_or_path, device, torch.float32 if dtype is None else dtype)
 
 
 __all__ = [

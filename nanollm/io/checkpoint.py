@@ -10,8 +10,10 @@ A nanollm checkpoint is a folder::
     README.md             the same card, for people
 
 ``load(name_or_path)`` takes the name of a bundled checkpoint (a folder under ``nanollm/checkpoints/``),
-the path of a checkpoint folder, or the path of a local Hugging Face-format folder (``config.json`` +
-weights, see ``hf.py``), and returns ``(model, tokenizer, card)``. ``load_config``, ``load_tokenizer`` and
+the path of a checkpoint folder, the path of a local Hugging Face-format folder (``config.json`` +
+weights, see ``hf.py``), the path of a GGUF file (``gguf.py``), or the name of a pretrained model that is
+fetched once into a cache folder (``smollm2-135m``, see ``fetch.py``), and returns ``(model, tokenizer,
+card)``. ``load_config``, ``load_tokenizer`` and
 ``load_card`` read one part without the weights (what the command lines check their arguments against).
 
 Every file is written atomically (``files.atomic_open``): a failed save leaves the previous file, never half
@@ -27,7 +29,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model import Transformer
-from . import safetensors
+from . import fetch, safetensors
 from .files import atomic_write_text
 from .tokenizer import Tokenizer
 
@@ -40,15 +42,23 @@ def bundled() -> list[str]:
         if BUNDLED_DIR.exists() else []
 
 
+def is_gguf(path: str | Path) -> bool:
+    """True for a file named ``*.gguf`` (what ``load`` reads with ``gguf.py``)."""
+    return Path(path).suffix == ".gguf" and Path(path).is_file()
+
+
 def resolve(name_or_path: str | Path) -> Path:
-    """The folder of a bundled checkpoint name or a path; a clear error when it is neither."""
+    """The folder or GGUF file behind a bundled checkpoint name, a fetchable model's name (fetched on first
+    use, see ``fetch.py``) or a path; a clear error when it is none of them."""
     p = Path(name_or_path)
-    if p.is_dir():
+    if p.is_dir() or is_gguf(p):
         return p
     if (BUNDLED_DIR / str(name_or_path)).is_dir():
         return BUNDLED_DIR / str(name_or_path)
-    raise ValueError(f"no checkpoint {str(name_or_path)!r}: not a folder, and not a bundled checkpoint "
-                     f"(bundled: {bundled()})")
+    if str(name_or_path) in fetch.REMOTES:
+        return fetch.model_file(str(name_or_path))
+    raise ValueError(f"no checkpoint {str(name_or_path)!r}: not a folder or .gguf file, not a bundled checkpoint "
+                     f"(bundled: {bundled()}) and not a fetchable model ({sorted(fetch.REMOTES)})")
 
 
 def save(model: Transformer, tok: Tokenizer | None, folder: str | Path, card: dict | None = None) -> None:
@@ -88,6 +98,10 @@ def is_run(folder: str | Path) -> bool:
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """The ModelConfig of a checkpoint, training run or Hugging Face folder, without loading the weights."""
     folder = resolve(name_or_path)
+    if is_gguf(folder):
+        from . import gguf
+        from .hf import config_from_hf
+        return config_from_hf(gguf.hf_config(gguf.read_gguf(folder)))
     if is_checkpoint(folder):
         path = folder / "nanollm_config.json"
         try:
@@ -107,6 +121,9 @@ def load_tokenizer(name_or_path: str | Path):
     """The tokenizer of a checkpoint, run or Hugging Face folder (``None`` for a Hugging Face folder without a
     supported tokenizer file), without loading the weights."""
     folder = resolve(name_or_path)
+    if is_gguf(folder):
+        from . import gguf
+        return gguf_tokenizer(gguf.read_gguf(folder))
     if is_checkpoint(folder) or is_run(folder):
         return Tokenizer.load(folder / "tokenizer.json")
     from .hf import is_hf_folder, read_hf_config
@@ -120,6 +137,9 @@ def load_tokenizer(name_or_path: str | Path):
 def load_card(name_or_path: str | Path) -> dict:
     """The card of a checkpoint (``{}`` if it has none; a Hugging Face folder gives its source and config)."""
     folder = resolve(name_or_path)
+    if is_gguf(folder):
+        from . import gguf
+        return gguf_card(folder, gguf.hf_config(gguf.read_gguf(folder)))
     if is_checkpoint(folder):
         path = folder / "card.json"
         try:
@@ -175,16 +195,29 @@ def load_model(folder: str | Path, device: str = "cpu") -> Transformer:
 
 
 class EncodingTokenizer:
-    """A tiktoken Encoding with the interface the project uses: encode, decode, eot_id, vocab_size."""
+    """A tiktoken Encoding with the interface the project uses: encode, decode, eot_id, vocab_size.
 
-    def __init__(self, enc, eot_id: int | None) -> None:
-        self.enc, self.eot_id, self.vocab_size = enc, eot_id, enc.n_vocab
+    ``vocab_size``: ids from it on are bytes the vocab lacks (``hf_tokenizer.mergeable_ranks`` ranks them
+    past the vocab, because tiktoken needs every byte); ``encode`` drops them, as Hugging Face's byte-level
+    BPE does with a byte it has no token for.
+    """
+
+    def __init__(self, enc, eot_id: int | None, vocab_size: int | None = None) -> None:
+        self.enc, self.eot_id = enc, eot_id
+        self.vocab_size = enc.n_vocab if vocab_size is None else min(vocab_size, enc.n_vocab)
 
     def encode(self, text: str) -> list[int]:
-        return self.enc.encode(text, allowed_special="all")
+        ids = self.enc.encode(text, allowed_special="all")
+        return ids if self.vocab_size == self.enc.n_vocab else [i for i in ids if i < self.vocab_size]
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode(list(ids))
+
+    def bpe(self) -> tuple[dict[bytes, int], str, dict[str, int]]:
+        """(ranks of the vocab's own tokens, split regex, special tokens): what ``hf.export_hf`` writes.
+        tiktoken keeps them in attributes it does not document; they are read here only."""
+        ranks = {b: r for b, r in self.enc._mergeable_ranks.items() if r < self.vocab_size}
+        return ranks, self.enc._pat_str, dict(self.enc._special_tokens)
 
 
 def hf_tokenizer(folder: Path, hf_config: dict) -> EncodingTokenizer | None:
@@ -205,21 +238,51 @@ def hf_tokenizer(folder: Path, hf_config: dict) -> EncodingTokenizer | None:
     eos = eos[0] if isinstance(eos, list) else eos
     if eos is None and "<|endoftext|>" in enc.special_tokens_set:
         eos = enc.encode_single_token("<|endoftext|>")
-    return EncodingTokenizer(enc, eos)
+    return EncodingTokenizer(enc, eos, hf_config.get("vocab_size"))
 
 
-def load(name_or_path: str | Path, device: str = "cpu"):
-    """(model, tokenizer, card) from a bundled name, a nanollm checkpoint folder, or a Hugging Face folder.
+def gguf_tokenizer(g) -> EncodingTokenizer:
+    """The tokenizer stored in a GGUF file's metadata; its end-of-text id is the file's eos token."""
+    from . import gguf
+    return EncodingTokenizer(gguf.encoding(g), g.metadata.get("tokenizer.ggml.eos_token_id"),
+                             len(g.metadata["tokenizer.ggml.tokens"]))
 
-    The model is in eval mode, fp32, on ``device``. A Hugging Face folder without a supported tokenizer
-    file gives ``tokenizer = None``.
+
+def gguf_card(path: str | Path, hf_config: dict) -> dict:
+    """The card of a GGUF model: where it came from and its configuration (no measured accuracy)."""
+    return {"source": "gguf", "file": str(path), "name": Path(path).stem, "config": hf_config}
+
+
+def load_gguf(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer, card) from a GGUF file: its weights dequantized to ``dtype`` (``gguf.py``)."""
+    from . import gguf
+    from .hf import config_from_hf, model_from_state, state_from_hf
+    g = gguf.read_gguf(path)                      # raises ValueError for a corrupt or unsupported file
+    hf_config = gguf.hf_config(g)
+    config = config_from_hf(hf_config)
+    config.extra["source"] = str(Path(path).resolve())
+    state = state_from_hf(gguf.load_tensors(g), config)
+    model = model_from_state(config, state, dtype, what=str(path)).to(device)
+    return model, gguf_tokenizer(g), gguf_card(path, hf_config)
+
+
+def load(name_or_path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer, card) from a bundled name, a fetchable model's name, a nanollm checkpoint folder,
+    a Hugging Face folder or a GGUF file.
+
+    The model is in eval mode, on ``device``, its weights in ``dtype`` (default fp32; ``torch.bfloat16``
+    halves the bytes a decode step reads). A Hugging Face folder without a supported tokenizer file gives
+    ``tokenizer = None``.
     """
     folder = resolve(name_or_path)
+    if is_gguf(folder):
+        return load_gguf(folder, device, dtype)
     if (folder / "nanollm_config.json").exists():
-        return load_nanollm(folder, device)
+        model, tok, card = load_nanollm(folder, device)
+        return model.to(dtype), tok, card
     from .hf import is_hf_folder, load_hf
     if is_hf_folder(folder):
-        model, hf_config = load_hf(folder, device=device)
+        model, hf_config = load_hf(folder, device=device, dtype=dtype)
         return model.eval(), hf_tokenizer(folder, hf_config), {"source": "huggingface", "config": hf_config}
     raise ValueError(_not_a_checkpoint(folder))
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def _new_file_mode(path: Path) -> int:
+def new_file_mode(path: Path) -> int:
     """The permission bits the written file gets: those of the file it replaces, else the umask's default."""
     if path.exists():
         return path.stat().st_mode & 0o7777
@@ -41,7 +41,7 @@ def atomic_open(path: str | Path, mode: str = "wb"):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, _new_file_mode(path))
+        os.chmod(tmp, new_file_mode(path))
         os.replace(tmp, path)
     except BaseException:
         try:

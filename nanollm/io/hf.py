@@ -310,6 +310,13 @@ def load_hf(path: str | os.PathLike, device: str | torch.device = "cpu",
     config = config_from_hf(hf_config)
     config.extra["source"] = os.path.abspath(path)
     sd = state_from_hf(load_weights(path, device), config)
+    return model_from_state(config, sd, dtype), hf_config
+
+
+def model_from_state(config: ModelConfig, sd: dict[str, Tensor], dtype: torch.dtype | None = torch.float32,
+                     what: str = "config.json") -> Transformer:
+    """A Transformer in eval mode that adopts the tensors of ``sd`` (nanollm names), cast to ``dtype``
+    (``None``: keep the dtype of the token embedding), on their device; ``what`` names the config in errors."""
     dtype = sd["tok_emb.weight"].dtype if dtype is None else dtype
     sd = {k: v.to(dtype) for k, v in sd.items()}
 
@@ -319,13 +326,13 @@ def load_hf(path: str | os.PathLike, device: str | torch.device = "cpu",
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     wrong = {k: (tuple(sd[k].shape), shape) for k, shape in expected.items() if tuple(sd[k].shape) != shape}
     if wrong:
-        raise ValueError(f"checkpoint shapes do not match config.json, (file, expected): {wrong}")
+        raise ValueError(f"checkpoint shapes do not match {what}, (file, expected): {wrong}")
     model.load_state_dict(sd, strict=True, assign=True)
     if config.tie_embeddings:                     # assign=True made two parameters: tie them again
         model.lm_head.weight = model.tok_emb.weight
     if config.flavour == "llama":                 # computed under the meta device above: redo for real
         model.inv_freq = rope_inv_freq(config)
-    return model.eval(), hf_config
+    return model.eval()
 
 
 def export_hf(model: Transformer, path: str | os.PathLike, dtype: torch.dtype | None = None,
@@ -333,9 +340,9 @@ def export_hf(model: Transformer, path: str | os.PathLike, dtype: torch.dtype | 
     """Write ``model`` as a Hugging Face folder: ``config.json`` + ``model.safetensors``.
 
     transformers loads it as GPT2LMHeadModel or LlamaForCausalLM with the same logits. ``dtype`` casts the
-    weights (default: keep the model's dtype). With a nanollm ``tokenizer`` (``nanollm.io.tokenizer.Tokenizer``)
-    the folder also gets an equivalent byte-level BPE ``tokenizer.json``, and its end-of-text token becomes
-    ``eos_token_id``.
+    weights (default: keep the model's dtype). With a ``tokenizer`` (a nanollm ``Tokenizer``, or the
+    ``EncodingTokenizer`` of a GGUF or Hugging Face model) the folder also gets an equivalent byte-level BPE
+    ``tokenizer.json``, and its end-of-text token becomes ``eos_token_id``.
     """
     dtype = model.tok_emb.weight.dtype if dtype is None else dtype
     hf_config = config_to_hf(model.config, dtype)  # raises for models HF cannot represent
@@ -343,11 +350,15 @@ def export_hf(model: Transformer, path: str | os.PathLike, dtype: torch.dtype | 
     if tokenizer is not None:                      # everything is checked before the first file is written
         from .hf_tokenizer import tokenizer_json
         from .tokenizer import EOT
-        if not hasattr(tokenizer, "ranks"):        # a nanollm.io.tokenizer.Tokenizer has its BPE ranks
-            raise ValueError(f"export_hf writes nanollm tokenizers (nanollm.io.tokenizer.Tokenizer), not "
-                             f"{type(tokenizer).__name__}; copy a Hugging Face folder's tokenizer files instead")
-        hf_config["eos_token_id"] = tokenizer.eot_id
-        tokenizer_file = json.dumps(tokenizer_json(tokenizer.ranks, tokenizer.pattern, {EOT: tokenizer.eot_id}))
+        if hasattr(tokenizer, "ranks"):            # a nanollm.io.tokenizer.Tokenizer has its BPE ranks
+            ranks, pattern, special = tokenizer.ranks, tokenizer.pattern, {EOT: tokenizer.eot_id}
+        elif hasattr(tokenizer, "bpe"):            # checkpoint.EncodingTokenizer (tiktoken inside)
+            ranks, pattern, special = tokenizer.bpe()
+        else:
+            raise ValueError(f"export_hf writes byte-level BPE tokenizers, not {type(tokenizer).__name__}")
+        if tokenizer.eot_id is not None:
+            hf_config["eos_token_id"] = tokenizer.eot_id
+        tokenizer_file = json.dumps(tokenizer_json(ranks, pattern, special))
     tensors = {k: v.to(dtype) for k, v in state_to_hf(model).items()}
     os.makedirs(path, exist_ok=True)
     if tokenizer_file is not None:

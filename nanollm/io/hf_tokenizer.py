@@ -79,19 +79,26 @@ def token_bytes(token: str) -> bytes:
                          "a byte") from None
 
 
-def mergeable_ranks(vocab: dict[str, int], merges: list[tuple[str, str]]) -> dict[bytes, int]:
+def mergeable_ranks(vocab: dict[str, int], merges: list[tuple[str, str]],
+                    first_free: int | None = None) -> dict[bytes, int]:
     """tiktoken ``mergeable_ranks`` from a byte-level BPE vocab and merge list, with rank = HF token id.
 
     Raises ValueError unless the ids of merged tokens increase in merge order (see the module docstring).
+    Single bytes missing from the vocab get ranks from ``first_free`` on (default: after the largest id;
+    pass the first id that no token, special ones included, uses).
     The first merge producing a token sets its priority; later merges producing the same token (files
     converted from tiktoken list every split of a token) are consistent with that.
     """
     ranks = {token_bytes(tok): i for tok, i in vocab.items()}
     if len(ranks) != len(vocab) or len(set(ranks.values())) != len(ranks):
         raise ValueError("vocab has duplicate tokens or ids")
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
-        raise ValueError(f"byte-level BPE needs all 256 single bytes in the vocab; missing {missing[:10]}")
+    # tiktoken needs every single byte to have a rank. Some vocabs leave a few out (SmolLM2's lacks 21: bytes
+    # that cannot occur in UTF-8, like 0xC0 and 0xF5-0xFF, and rare ones, like the control byte 0x04), so
+    # their tokenizer cannot encode them at all: give those ranks past the vocab. No merge makes or uses
+    # them; EncodingTokenizer drops their ids, as Hugging Face's BPE drops a byte it has no token for.
+    end = max(ranks.values(), default=-1) + 1 if first_free is None else first_free
+    for n, b in enumerate(b for b in range(256) if bytes([b]) not in ranks):
+        ranks[bytes([b])] = end + n
     last_id, seen = -1, set()
     for k, (a, b) in enumerate(merges):
         if a not in vocab or b not in vocab or a + b not in vocab:
@@ -157,8 +164,11 @@ def encoding_from_tokenizer_json(path: str | os.PathLike, name: str | None = Non
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: tokenizer model {model.get('type')!r} is not supported; supported: "
                          f"{'; '.join(SUPPORTED)}")
-    if tj.get("normalizer") is not None:
-        raise ValueError(f"{path}: normalizer {tj['normalizer'].get('type')!r} is not supported (byte-level "
+    normalizer = tj.get("normalizer")
+    if normalizer == {"type": "Sequence", "normalizers": []}:   # what transformers writes for "none"
+        normalizer = None
+    if normalizer is not None:
+        raise ValueError(f"{path}: normalizer {normalizer.get('type')!r} is not supported (byte-level "
                          "BPE tokenizers like GPT-2 and Llama 3 have none)")
     for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key):
@@ -175,7 +185,8 @@ def encoding_from_tokenizer_json(path: str | os.PathLike, name: str | None = Non
     if any(len(m) != 2 for m in merges):
         raise ValueError(f"{path}: malformed merges (each must be a pair of tokens)")
     name = name or f"hf:{os.path.basename(os.path.dirname(os.path.abspath(path)))}"
-    return _encoding(name, pattern, mergeable_ranks(vocab, merges), special)
+    first_free = max([*vocab.values(), *special.values()], default=-1) + 1
+    return _encoding(name, pattern, mergeable_ranks(vocab, merges, first_free), special)
 
 
 def encoding_from_vocab_merges(vocab_path: str | os.PathLike, merges_path: str | os.PathLike,
@@ -283,5 +294,9 @@ def tokenizer_json(ranks: dict[bytes, int], pattern: str, special: dict[str, int
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {show(tok): r for tok, r in ordered}, "merges": merges},
+                  # the special tokens are in the vocab too, as in Hugging Face's own files: a reader that
+                  # misses an added token's id there gives it a new id past the vocab
+                  "vocab": dict(sorted([*((show(tok), r) for tok, r in ordered), *special.items()],
+                                       key=lambda kv: kv[1])),
+                  "merges": merges},
     }

@@ -242,10 +242,15 @@ def test_plot_is_written_under_the_name_given(tmp_path):
 
 
 def test_export_hf_checks_the_tokenizer_before_writing(folders, tmp_path):
-    """A Hugging Face folder's tokenizer cannot be re-exported: a clear error, and no empty tokenizer.json."""
+    """A Hugging Face folder's tokenizer (tiktoken inside) is re-exported with the same ids; a tokenizer that
+    is not byte-level BPE is a clear error before any file is written."""
     model, tok, _ = checkpoint.load(folders["hf"])
-    with pytest.raises(ValueError, match="nanollm tokenizers"):
-        export_hf(model, tmp_path / "out", tokenizer=tok)
+    export_hf(model, tmp_path / "again", tokenizer=tok)
+    _, again, _ = checkpoint.load(tmp_path / "again")
+    text = "Hello world, 123 times! " * 3
+    assert again.encode(text) == tok.encode(text) and again.eot_id == tok.eot_id
+    with pytest.raises(ValueError, match="byte-level BPE tokenizers, not object"):
+        export_hf(model, tmp_path / "out", tokenizer=object())
     assert not (tmp_path / "out").exists()
 
 

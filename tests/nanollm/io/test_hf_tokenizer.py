@@ -148,9 +148,6 @@ def test_bad_files_raise(tmp_path):
         (tokenizer_json(pre_tokenizer={"type": "Metaspace"}), "Metaspace"),
         ({"type": "nanollm-bpe", "ranks": []}, "nanollm.io.tokenizer"),
     ]
-    incomplete = tokenizer_json()
-    del incomplete["model"]["vocab"]["Ċ"]
-    cases.append((incomplete, "256 single bytes"))
     unknown = tokenizer_json()
     unknown["model"]["merges"].append(["hello", "world"])
     cases.append((unknown, "not in the vocab"))
@@ -188,3 +185,19 @@ def test_agrees_with_hf_tokenizers_library(tmp_path):
         i = rng.randrange(len(text))
         sample = text[i:i + rng.randint(0, 80)]
         assert enc.encode(sample, allowed_special="all") == tok.encode(sample).ids, sample
+
+
+def test_bytes_missing_from_the_vocab_rank_past_it_and_are_dropped(tmp_path):
+    """Some real vocabs (SmolLM2's) lack a few single bytes: tiktoken still needs a rank for each, which goes
+    past the vocab, and the tokenizer the project uses drops such ids, as Hugging Face's BPE does."""
+    from nanollm.io.checkpoint import EncodingTokenizer
+    tj = tokenizer_json()
+    vocab = tj["model"]["vocab"]
+    del vocab["Ċ"]                                     # the byte 0x0A (newline)
+    vocab = {tok: i for i, tok in enumerate(sorted(vocab, key=vocab.get))}      # ids 0..261 again
+    tj["model"]["vocab"] = vocab
+    tj["added_tokens"][0]["id"] = vocab["<|endoftext|>"]
+    enc = load_hf_tokenizer(write(tmp_path, tj))
+    assert enc.encode("\n") == [len(vocab)]            # ranked right after the largest id
+    tok = EncodingTokenizer(enc, vocab["<|endoftext|>"], vocab_size=len(vocab))
+    assert tok.encode("hello\nthe") == tok.encode("hellothe") == [vocab["hello"], vocab["t"], vocab["he"]]

