@@ -1,5 +1,7 @@
 """
-Shared pytest fixtures: a tiny random-init decoder in both flavours, in fp32, on CPU.
+Shared pytest fixtures: a tiny random-init decoder in both flavours, in fp32, on CPU; and the real model,
+SmolLM2-135M-Instruct, when it has been fetched (``python -m nanollm.cli.fetch smollm2-135m``, part of the
+README's set-up): its tests are skipped, saying so, where it has not.
 
 No checkpoint is downloaded: equivalence tests (cached vs uncached, policy path vs plain path) only need
 *some* fixed weights, so a seeded random init is enough.
@@ -79,3 +81,21 @@ def tiny_model(tiny_cfg: ModelConfig, device: torch.device) -> Transformer:
 def tiny_gpt2_model(device: torch.device) -> Transformer:
     """Seeded random-init TINY_GPT2 model (learned positions, LayerNorm, GELU, MHA), fp32, eval mode."""
     return make_model(preset("TINY_GPT2"), seed=0).to(device)
+
+
+@pytest.fixture(scope="session")
+def smollm2_file():
+    """The path of SmolLM2-135M-Instruct's GGUF file in the cache; the test is skipped if it is not fetched."""
+    from nanollm.io import fetch
+    if not fetch.is_fetched("smollm2-135m"):
+        pytest.skip(f"smollm2-135m is not fetched ({fetch.target('smollm2-135m')}): run "
+                    "`python -m nanollm.cli.fetch smollm2-135m` (the README's set-up does)")
+    return fetch.model_file("smollm2-135m", download=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_file):
+    """(model, tokenizer) of SmolLM2-135M-Instruct, fp32, eval mode. Shared by the session: do not modify it."""
+    from nanollm.io.checkpoint import load
+    model, tok, _ = load(smollm2_file)
+    return model, tok

@@ -50,8 +50,9 @@ def python(args: list[str], cwd: Path, importable: bool = True) -> subprocess.Co
 def test_ci_runs_the_readme_setup_and_tests():
     setup = [line.split("#")[0].strip() for line in code_blocks("bash")[0].splitlines()]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert "pip install -r requirements.txt && pip install -e ." in setup and "python -m pytest -q" in setup
-    assert "pip install -r requirements.txt && pip install -e ." in ci and "python -m pytest -q" in ci
+    for line in ("pip install -r requirements.txt && pip install -e .", "python -m nanollm.cli.fetch smollm2-135m",
+                 "python -m pytest -q"):
+        assert line in setup and line in ci, line
 
 
 @pytest.mark.slow

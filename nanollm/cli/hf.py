@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
                                         "model as a Hugging Face folder: config.json + model.safetensors + "
                                         "tokenizer.json.")
     ap.add_argument("checkpoint", help="bundled checkpoint name, nanollm checkpoint folder (nanollm_config.json), "
-                                       "GGUF file, or a fetchable model's name (smollm2-135m: fetched once)")
+                                       "GGUF file, or a fetched model's name (smollm2-135m)")
     ap.add_argument("out", help="folder to write: a new or empty folder, or an earlier export of this command "
                                 "(its files are replaced)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                                                args.out):
             cli.fail(f"out {args.out} is the checkpoint itself; give another folder")
         cli.output_folder(args.out, "out", may_hold=is_nanollm_export)
-        src = resolve(args.checkpoint)            # a fetchable model's name fetches it first (once)
+        src = resolve(args.checkpoint)
         if not (is_checkpoint(src) or is_gguf(src)):
             cli.fail(f"{args.checkpoint} is not a nanollm checkpoint (no nanollm_config.json) or a GGUF file"
                      + ("; it is already a Hugging Face folder" if is_hf_folder(src) else ""))

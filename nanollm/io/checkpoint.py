@@ -11,9 +11,9 @@ A nanollm checkpoint is a folder::
 
 ``load(name_or_path)`` takes the name of a bundled checkpoint (a folder under ``nanollm/checkpoints/``),
 the path of a checkpoint folder, the path of a local Hugging Face-format folder (``config.json`` +
-weights, see ``hf.py``), the path of a GGUF file (``gguf.py``), or the name of a pretrained model that is
-fetched once into a cache folder (``smollm2-135m``, see ``fetch.py``), and returns ``(model, tokenizer,
-card)``. ``load_config``, ``load_tokenizer`` and
+weights, see ``hf.py``), the path of a GGUF file (``gguf.py``), or the name of a pretrained model fetched
+once into a cache folder (``smollm2-135m``: ``python -m nanollm.cli.fetch smollm2-135m``, see ``fetch.py``;
+nothing is downloaded at run time), and returns ``(model, tokenizer, card)``. ``load_config``, ``load_tokenizer`` and
 ``load_card`` read one part without the weights (what the command lines check their arguments against).
 
 Every file is written atomically (``files.atomic_open``): a failed save leaves the previous file, never half
@@ -48,15 +48,15 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def resolve(name_or_path: str | Path) -> Path:
-    """The folder or GGUF file behind a bundled checkpoint name, a fetchable model's name (fetched on first
-    use, see ``fetch.py``) or a path; a clear error when it is none of them."""
+    """The folder or GGUF file behind a bundled checkpoint name, a fetched model's name (``fetch.py``; one
+    not fetched yet is an error that says how) or a path; a clear error when it is none of them."""
     p = Path(name_or_path)
     if p.is_dir() or is_gguf(p):
         return p
     if (BUNDLED_DIR / str(name_or_path)).is_dir():
         return BUNDLED_DIR / str(name_or_path)
-    if str(name_or_path) in fetch.REMOTES:
-        return fetch.model_file(str(name_or_path))
+    if str(name_or_path) in fetch.REMOTES:       # never downloads: an error says how to fetch it
+        return fetch.model_file(str(name_or_path), download=False)
     raise ValueError(f"no checkpoint {str(name_or_path)!r}: not a folder or .gguf file, not a bundled checkpoint "
                      f"(bundled: {bundled()}) and not a fetchable model ({sorted(fetch.REMOTES)})")
 

