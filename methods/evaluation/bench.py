@@ -72,6 +72,7 @@ from tqdm import tqdm
 
 from nanollm import cli
 from nanollm.cache import KVCache
+from nanollm.cli.bench import decode_weight_bytes, read_bandwidth
 from nanollm.config import ModelConfig
 from nanollm.generation import decode_step, prefill
 from nanollm.io import files
@@ -228,19 +229,6 @@ def count_bytes(model: Transformer, row: Row, token: Tensor) -> None:
     row.attended_bytes = sum(s[1] for s in seen)
     row.slot_bytes = row.cache.policy.slot_nbytes() if row.cache.policy is not None else 0
     row.entries_per_head = sum(s[2] for s in seen) / len(seen)
-
-
-def read_bandwidth(mib: int, repeats: int = 10) -> float:
-    """The machine's read bandwidth in GB/s with the current thread count: median time of ``x.sum()`` over
-    an fp32 tensor of ``mib`` MiB (larger than any cache level, so every byte comes from memory)."""
-    x = torch.ones(mib * MiB // 4)
-    x.sum()                                                     # first touch and warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.nbytes / statistics.median(times) / 1e9
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -405,8 +393,9 @@ def prefill_memory_in_subprocess(config: ModelConfig, method: str, context: int,
 # ----------------------------------------------------------------------------------------------------------
 # The whole run and its derived numbers
 
-def row_record(row: Row, full: Row | None, fixed_ms: float | None) -> dict:
-    """A row as recorded: the measurements plus GB/s, measured, ideal and bound speedups."""
+def row_record(row: Row, full: Row | None, fixed_ms: float | None, weight_bytes: int = 0) -> dict:
+    """A row as recorded: the measurements plus GB/s, measured, ideal and bound speedups. ``ideal_bytes_speedup``
+    counts the weights a step reads too: (weights + full K/V) / (weights + the K/V it reads)."""
     rec = {k: getattr(row, k) for k in ("context", "method", "keep_ratio", "budget", "status", "note",
                                         "compress_ms", "step_ms", "step_ms_all", "kv_bytes", "attended_bytes",
                                         "slot_bytes", "entries_per_head")}
@@ -417,7 +406,9 @@ def row_record(row: Row, full: Row | None, fixed_ms: float | None) -> dict:
     ms = row.step_ms
     rec["gb_per_s"] = read / ms / 1e6 if ms and read is not None else None
     rec["ideal_speedup"] = 1.0 / row.keep_ratio if row.keep_ratio is not None else 1.0
-    rec["speedup"] = rec["bound_speedup"] = None
+    rec["speedup"] = rec["bound_speedup"] = rec["ideal_bytes_speedup"] = None
+    if full is not None and full.kv_bytes and read is not None:
+        rec["ideal_bytes_speedup"] = (weight_bytes + full.kv_bytes) / (weight_bytes + read)
     if full is not None and full.step_ms and ms and read is not None and full.kv_bytes \
             and fixed_ms is not None:
         rec["speedup"] = full.step_ms / ms
@@ -429,20 +420,34 @@ def row_record(row: Row, full: Row | None, fixed_ms: float | None) -> dict:
 def run_bench(contexts: list[int] = DEFAULT_CONTEXTS, methods: list[str] | None = None,
               keep_ratios: list[float] = DEFAULT_KEEP_RATIOS, steps: int = 10, warmup: int = 2,
               prompt_queries: int = 64, prefill_context: int = 16384, threads: int | None = 1, seed: int = 0,
-              time_limit_s: float = 60.0, bandwidth_mib: int = 512, progress: bool = True) -> dict:
+              time_limit_s: float = 60.0, bandwidth_mib: int = 512, progress: bool = True,
+              checkpoint: str | None = None) -> dict:
     """The whole benchmark; returns every number as a JSON-ready dict (see ``format_result``).
 
     ``methods`` default: every registered method but "full". A variant that raises, or whose step (or
     compression) takes longer than ``time_limit_s``, is reported as such and not run at longer contexts.
     ``prefill_context`` 0 skips the prefill memory part. ``threads``: ``torch.set_num_threads`` for the run
-    and the subprocesses (restored afterwards); None leaves it as is.
+    and the subprocesses (restored afterwards); None leaves it as is. ``checkpoint``: time that model (e.g.
+    ``smollm2-135m``: its real weights, fp32) instead of the small random one of ``bench_config``; its
+    ``max_seq_len`` bounds the contexts, and the prefill memory part runs only on the random model.
     """
     contexts = sorted(set(contexts))
     methods = [m for m in METHODS if m != "full"] if methods is None else list(dict.fromkeys(methods))
     keep_ratios = list(dict.fromkeys(keep_ratios))
     variants = [Variant("full")] + [Variant(m, r) for m in methods for r in keep_ratios]
     max_seq_len = max(contexts[-1] + warmup + steps + 1, prefill_context, FIXED_COST_CONTEXT + steps + 2)
-    config = bench_config(max_seq_len)
+    if checkpoint is None:
+        config, model = bench_config(max_seq_len), None
+    else:
+        from nanollm.io.checkpoint import load
+        model = load(checkpoint)[0]
+        config = model.config
+        if prefill_context:
+            raise ValueError("the prefill memory part runs on the random model only: give --prefill-context 0 "
+                             "with --checkpoint")
+        if max_seq_len > config.max_seq_len:
+            raise ValueError(f"context {contexts[-1]} + {warmup} warm-up + {steps} timed steps needs "
+                             f"{max_seq_len} positions; {checkpoint} has {config.max_seq_len}")
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -453,7 +458,8 @@ def run_bench(contexts: list[int] = DEFAULT_CONTEXTS, methods: list[str] | None 
                disable=not progress, dynamic_ncols=True)
     try:
         torch.manual_seed(seed)
-        model = Transformer(config).eval()
+        model = Transformer(config).eval() if model is None else model
+        weight_bytes = decode_weight_bytes(model)
         bandwidth = read_bandwidth(bandwidth_mib)
         records, too_slow = [], {}
         for context in contexts:
@@ -466,7 +472,7 @@ def run_bench(contexts: list[int] = DEFAULT_CONTEXTS, methods: list[str] | None 
             for v in variants:                            # in variant order, the ones skipped included
                 row = measured.get(v) or Row(context, v.method, v.keep_ratio, None if v.keep_ratio is None
                                              else budget_for(v.keep_ratio, context), "skipped", too_slow.get(v, ""))
-                records.append(row_record(row, full, fixed_ms))
+                records.append(row_record(row, full, fixed_ms, weight_bytes))
                 row.cache = None                                  # free the memory before the next length
                 if v in measured and (row.status == "skipped" or "--time-limit" in row.note):
                     too_slow[v] = f"too slow at context {context}"
@@ -477,7 +483,7 @@ def run_bench(contexts: list[int] = DEFAULT_CONTEXTS, methods: list[str] | None 
     finally:
         bar.close()
         torch.set_num_threads(old_threads)
-    return {"config": config.to_dict(), "weight_bytes": sum(p.nbytes for p in model.parameters()),
+    return {"config": config.to_dict(), "checkpoint": checkpoint, "weight_bytes": weight_bytes,
             "kv_bytes_per_token": config.kv_bytes_per_token(), "threads": threads, "seed": seed,
             "contexts": contexts, "methods": methods, "keep_ratios": list(keep_ratios), "steps": steps,
             "warmup": warmup, "prompt_queries": prompt_queries, "time_limit_s": time_limit_s,
@@ -509,7 +515,7 @@ def format_rows(result: dict, context: int) -> list[str]:
         lines.append(f"context {context}: no full-cache measurement ({full['note'] if full else 'not run'})")
     w = max(14, *(len(r["method"]) + 1 for r in rows))
     head = (f"{'method':<{w}}{'keep':>5}{'budget':>7}{'compress ms':>12}{'step ms':>9}{'KV MiB':>8}{'GB/s':>7}"
-            f"{'speedup':>9}{'ideal':>7}{'bound':>7}  note")
+            f"{'speedup':>9}{'ideal':>7}{'+W':>7}{'bound':>7}  note")
     lines += [head, "-" * (len(head) + 20)]
     for r in rows:
         label = "full cache" if r["keep_ratio"] is None else r["method"]
@@ -524,7 +530,8 @@ def format_rows(result: dict, context: int) -> list[str]:
         lines.append(f"{label:<{w}}{_num(r['keep_ratio'], '.2f', 5)}{_num(r['budget'], 'd', 7)}"
                      f"{_num(r['compress_ms'], '.1f', 12)}{_num(r['step_ms'], '.2f', 9)}{_num(kv, '.2f', 8)}"
                      f"{_num(r['gb_per_s'], '.1f', 7)}{_num(r['speedup'], '.2f', 8)}x"
-                     f"{_num(r['ideal_speedup'], '.1f', 6)}x{_num(r['bound_speedup'], '.1f', 6)}x  {note}".rstrip())
+                     f"{_num(r['ideal_speedup'], '.1f', 6)}x{_num(r.get('ideal_bytes_speedup'), '.2f', 6)}x"
+                     f"{_num(r['bound_speedup'], '.1f', 6)}x  {note}".rstrip())
     return lines
 
 
@@ -558,8 +565,10 @@ def format_result(result: dict) -> str:
     cfg = result["config"]
     lines = [
         f"model: llama, {cfg['n_layer']} layers, {cfg['n_head']} heads / {cfg['n_kv_head']} KV heads of "
-        f"{cfg['d_model'] // cfg['n_head']}, d_model {cfg['d_model']}, random weights "
-        f"({result['weight_bytes'] / 1e6:.1f} MB); K/V {result['kv_bytes_per_token']} bytes per token; fp32, "
+        f"{cfg['d_model'] // cfg['n_head']}, d_model {cfg['d_model']}, "
+        f"{'random weights' if not result.get('checkpoint') else 'the weights of ' + result['checkpoint']} "
+        f"({result['weight_bytes'] / 1e6:.1f} MB read per step); K/V {result['kv_bytes_per_token']} bytes per "
+        "token; fp32, "
         f"batch 1, {result['threads']} thread(s)",
         f"read bandwidth: {result['bandwidth']['gb_per_s']:.1f} GB/s (median time of x.sum() over "
         f"{result['bandwidth']['tensor_mib']} MiB)",
@@ -572,8 +581,10 @@ def format_result(result: dict) -> str:
                   "the statistics a method asks of the prompt's attention (e.g. H2O's column sums over every "
                   "query) are paid inside the prefill itself: see the real prefill's wall time. KV MiB: K/V "
                   "bytes a step's attention reads (the entries it attends, all layers). speedup: full-cache "
-                  "step ms / this step ms; ideal: 1 / keep; bound: the ideal once the fixed cost of a step (a "
-                  f"step of the full cache over {result['fixed_context']} tokens, timed alongside) is counted."]
+                  "step ms / this step ms; ideal: 1 / keep; +W: the ideal from the bytes a step reads, weights "
+                  "included, (weights + full K/V) / (weights + this K/V); bound: the ideal once the fixed cost of "
+                  f"a step (a step of the full cache over {result['fixed_context']} tokens, timed alongside) is "
+                  "counted."]
     lines += format_prefill(result)
     return "\n".join(lines)
 
@@ -636,6 +647,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "beside the ideal 1 / keep ratio, the one-time compression cost, the machine's read "
                     "bandwidth, and the peak memory of a real prefill. The caches are filled with random K/V "
                     "and compressed from random queries' attention: it measures speed, not quality.")
+    ap.add_argument("--checkpoint", default=None, metavar="NAME",
+                    help="time this model instead of the small random one: a bundled or fetched name (e.g. "
+                         "smollm2-135m, with --contexts 8176 --prefill-context 0) or a folder (default: none)")
     ap.add_argument("--contexts", type=cli.positive_int, nargs="+", default=DEFAULT_CONTEXTS, metavar="T",
                     help="tokens in the cache when the steps are timed "
                          f"(default {' '.join(map(str, DEFAULT_CONTEXTS))})")
@@ -690,7 +704,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_bench(args.contexts, args.methods, args.keep_ratios, steps=args.steps, warmup=args.warmup,
                            prompt_queries=args.prompt_queries, prefill_context=args.prefill_context,
                            threads=args.threads, seed=args.seed, time_limit_s=args.time_limit,
-                           bandwidth_mib=args.bandwidth_mib, progress=not args.quiet)
+                           bandwidth_mib=args.bandwidth_mib, progress=not args.quiet, checkpoint=args.checkpoint)
         print(format_result(result))
         if args.json:
             files.atomic_write_text(args.json, json.dumps(result, indent=1))

@@ -216,6 +216,29 @@ HF_CONTEXTS = (128, 512, 960)
 HF_WARMUP = 3                   # untimed steps of each sequence before the timed repeats
 
 
+def read_bandwidth(mib: int = 512, repeats: int = 10) -> float:
+    """The machine's read bandwidth in GB/s with the current thread count: median time of ``x.sum()`` over
+    an fp32 tensor of ``mib`` MiB (larger than any cache level, so every byte comes from memory)."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()                                                     # first touch and warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.nbytes / statistics.median(times) / 1e9
+
+
+def decode_weight_bytes(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: every parameter once (a tied LM head is the embedding
+    matrix, read in full by the head), except an untied token embedding, of which a step reads one row."""
+    unique = {p.data_ptr(): p for p in model.parameters()}.values()
+    total = sum(p.nbytes for p in unique)
+    if not model.config.tie_embeddings:
+        total -= model.tok_emb.weight.nbytes
+    return total
+
+
 def transformers_available() -> bool:
     try:
         importlib.import_module("transformers")
@@ -224,7 +247,7 @@ def transformers_available() -> bool:
     return True
 
 
-class _GreedyDecoder:
+class GreedyDecoder:
     """One implementation's sequence: a prefilled cache and the greedy next token; ``step()`` feeds it."""
 
     def __init__(self, name: str, model, ids: Tensor) -> None:
@@ -288,8 +311,8 @@ def run_vs_transformers(checkpoint: str = "retrieval-llama", contexts=HF_CONTEXT
             hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, model.config.vocab_size, (1, contexts[-1]), generator=gen)
-        runs = {c: [_GreedyDecoder("nanollm", model, ids[:, :c]), _GreedyDecoder("transformers", hf, ids[:, :c]),
-                    _GreedyDecoder("nanollm-lean", model, ids[:, :c])] for c in contexts}
+        runs = {c: [GreedyDecoder("nanollm", model, ids[:, :c]), GreedyDecoder("transformers", hf, ids[:, :c]),
+                    GreedyDecoder("nanollm-lean", model, ids[:, :c])] for c in contexts}
         for trio in runs.values():
             for _ in range(warmup):
                 for run in trio:

@@ -198,8 +198,8 @@ class EncodingTokenizer:
     """A tiktoken Encoding with the interface the project uses: encode, decode, eot_id, vocab_size.
 
     ``vocab_size``: ids from it on are bytes the vocab lacks (``hf_tokenizer.mergeable_ranks`` ranks them
-    past the vocab, because tiktoken needs every byte); ``encode`` drops them, as Hugging Face's byte-level
-    BPE does with a byte it has no token for.
+    past the vocab, because tiktoken needs every byte); ``encode`` drops them. (Hugging Face's byte-level BPE
+    drops such a character before merging, so next to one its neighbours may merge differently.)
     """
 
     def __init__(self, enc, eot_id: int | None, vocab_size: int | None = None) -> None:

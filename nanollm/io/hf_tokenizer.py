@@ -95,7 +95,8 @@ def mergeable_ranks(vocab: dict[str, int], merges: list[tuple[str, str]],
     # tiktoken needs every single byte to have a rank. Some vocabs leave a few out (SmolLM2's lacks 21: bytes
     # that cannot occur in UTF-8, like 0xC0 and 0xF5-0xFF, and rare ones, like the control byte 0x04), so
     # their tokenizer cannot encode them at all: give those ranks past the vocab. No merge makes or uses
-    # them; EncodingTokenizer drops their ids, as Hugging Face's BPE drops a byte it has no token for.
+    # them, and EncodingTokenizer drops their ids. (Hugging Face's BPE drops such a character before merging,
+    # so its neighbours may merge across the gap there: a difference only next to such a byte.)
     end = max(ranks.values(), default=-1) + 1 if first_free is None else first_free
     for n, b in enumerate(b for b in range(256) if bytes([b]) not in ranks):
         ranks[bytes([b])] = end + n

