@@ -201,3 +201,14 @@ def test_bytes_missing_from_the_vocab_rank_past_it_and_are_dropped(tmp_path):
     assert enc.encode("\n") == [len(vocab)]            # ranked right after the largest id
     tok = EncodingTokenizer(enc, vocab["<|endoftext|>"], vocab_size=len(vocab))
     assert tok.encode("hello\nthe") == tok.encode("hellothe") == [vocab["hello"], vocab["t"], vocab["he"]]
+
+
+def test_an_empty_normalizer_sequence_is_no_normalizer(tmp_path):
+    """transformers may write "no normalizer" as an empty Sequence: read as none; a non-empty one is refused."""
+    plain = load_hf_tokenizer(write(tmp_path / "plain", tokenizer_json()))
+    empty = load_hf_tokenizer(write(tmp_path / "empty", {**tokenizer_json(),
+                                                         "normalizer": {"type": "Sequence", "normalizers": []}}))
+    assert empty.encode("hello the world") == plain.encode("hello the world")
+    with pytest.raises(ValueError, match="normalizer 'Sequence' is not supported"):
+        load_hf_tokenizer(write(tmp_path / "nfc", {**tokenizer_json(), "normalizer": {
+            "type": "Sequence", "normalizers": [{"type": "NFC"}]}}))
