@@ -5,8 +5,9 @@ import torch
 
 from methods import METHODS, make_policy
 from nanollm import KVCache, generate, preset
+from nanollm.attention import attend_step
 from nanollm.generation import decode_step, prefill
-from nanollm.lean import LeanDecoder
+from nanollm.lean import LeanDecoder, attend_heads
 
 
 def steps_both(model, x, policy_name=None, budget=12, n_prompt=10):
@@ -58,3 +59,31 @@ def test_clear_errors(make_model):
         lean.step(torch.tensor([1]), KVCache(model.config))
     with pytest.raises(ValueError, match="max_seq_len"):
         lean.generate(torch.zeros(1, 10, dtype=torch.long), 5)
+
+
+@pytest.mark.parametrize("B,H,H_kv,T", [(1, 9, 3, 100), (2, 4, 2, 37), (3, 8, 8, 5), (2, 6, 1, 64)])
+def test_attend_heads_is_attend_step(B, H, H_kv, T):
+    """One (row, KV head) at a time: the same output as the batched step, to float rounding."""
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(B, H, 1, 16, generator=g)
+    k, v = torch.randn(B, H_kv, T, 16, generator=g), torch.randn(B, H_kv, T, 16, generator=g)
+    torch.testing.assert_close(attend_heads(q, k, v), attend_step(q, k, v)[0], rtol=0, atol=1e-6)
+
+
+def test_lean_step_with_several_threads(make_model, monkeypatch):
+    """With more than one thread and a long enough cache the plain cache's attention goes through
+    attend_heads (here from 12 tokens on): still what decode_step computes."""
+    import nanollm.lean as lean
+    model = make_model(preset("TINY"), seed=1)
+    x = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(0))
+    calls = []
+    monkeypatch.setattr(lean, "SPLIT_HEADS_FROM", 12)
+    monkeypatch.setattr(lean, "attend_heads", lambda q, k, v: calls.append(k.shape[2]) or attend_heads(q, k, v))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref, out, _ = steps_both(model, x)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert min(calls) == 12 and len(calls) == model.config.n_layer * (30 - 11)     # cache lengths 12..30
