@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from nanollm import cli, load
 from nanollm.data.evaluate import MODES
-from nanollm.data.tasks import TASKS, make_sample
+from nanollm.data.tasks import ALL_TASKS, LM_TASKS, TASKS, make_sample
 from nanollm.io.checkpoint import load_card, load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text
 
@@ -125,7 +125,7 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
 def format_tables(records: list[dict]) -> str:
     """One table per mode: rows method @ keep ratio, columns accuracy per task, then mean metrics."""
     lines = []
-    tasks = sorted({r["task"] for r in records}, key=lambda t: TASKS.index(t) if t in TASKS else 99)
+    tasks = sorted({r["task"] for r in records}, key=lambda t: ALL_TASKS.index(t) if t in ALL_TASKS else 99)
     for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
         rows = [r for r in records if r["mode"] == mode]
         keys = sorted({(r["method"], r["keep_ratio"], r["budget"]) for r in rows},
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> None:
                     "and report accuracy, KL(full || method), output perturbation, attention mass lost, "
                     "KV bytes and decode time per (method, budget, task, mode).")
     ap.add_argument("--checkpoint", default="retrieval-llama",
-                    help="bundled checkpoint name, nanollm checkpoint folder or local Hugging Face folder "
-                         "(default %(default)s)")
+                    help="bundled checkpoint name, fetched model's name (smollm2-135m), nanollm checkpoint folder, "
+                         "local Hugging Face folder or GGUF file (default %(default)s)")
     ap.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
                     help=f"methods to run: registered names ({', '.join(METHODS)}) or a wrapper around a "
                          "scorer, e.g. 'adakv(h2o)'; the records name them as written (default: every "
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                        help="budgets in tokens per layer per KV head, instead of --keep-ratios")
     ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
                     help=f"tasks (default: the checkpoint card's default suite, else {' '.join(DEFAULT_TASKS)}; "
-                         f"all: {', '.join(TASKS)})")
+                         f"all: {', '.join(TASKS)}; for real language models: {', '.join(LM_TASKS)})")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES,
                     help="question_in_prompt: the question is in the prompt when the cache is compressed; "
                          "question_after_context: the context is compressed first and the question arrives "
@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         if tok is None:
             cli.fail(f"--checkpoint {args.checkpoint} has no supported tokenizer, which the synthetic tasks need")
         tasks = args.tasks or card.get("default_suite") or DEFAULT_TASKS
-        bad = [t for t in tasks if t not in TASKS]
+        bad = [t for t in tasks if t not in ALL_TASKS]
         if bad:
-            cli.fail(f"--tasks: unknown task(s) {bad}; choose from {TASKS}")
+            cli.fail(f"--tasks: unknown task(s) {bad}; choose from {ALL_TASKS}")
         length = args.length if args.length is not None else min(DEFAULT_LENGTH, config.max_seq_len)
         if not 0 < length <= config.max_seq_len:
             cli.fail(f"--length must be in [1, {config.max_seq_len}] (the model's maximum positions), got {length}")

@@ -24,7 +24,7 @@ PROMPT_NEW_TOKENS = 32        # default --max-new-tokens with --prompt; a task s
 def main(argv: list[str] | None = None, make_policy=None, prog: str = "python -m nanollm.cli.generate") -> None:
     """The command line. ``make_policy(spec, budget=...)``, when given, adds ``--method`` and ``--budget``."""
     from ..data.evaluate import ANSWER_TOKENS, DEFAULT_ANSWER_TOKENS
-    from ..data.tasks import TASKS
+    from ..data.tasks import ALL_TASKS
 
     ap = cli.ArgumentParser(
         prog=prog,
@@ -34,12 +34,13 @@ def main(argv: list[str] | None = None, make_policy=None, prog: str = "python -m
                     + " Without --prompt, the prompt is a sample of a synthetic task, and the answer is checked "
                       "against the sample's expected answer.")
     ap.add_argument("--checkpoint", default="retrieval-llama",
-                    help="bundled checkpoint name, a nanollm checkpoint folder, or a local Hugging Face-format "
-                         "folder (config.json + weights + tokenizer files). Default: %(default)s")
+                    help="bundled checkpoint name, a fetched model's name (smollm2-135m), a nanollm checkpoint "
+                         "folder, a local Hugging Face-format folder (config.json + weights + tokenizer files) or a "
+                         "GGUF file. Default: %(default)s")
     ap.add_argument("--prompt", default=None,
                     help="the prompt text (default: a sample of --task, whose expected answer is shown)")
-    ap.add_argument("--task", default=None, choices=TASKS, metavar="TASK",
-                    help=f"without --prompt: the synthetic task to sample, one of {', '.join(TASKS)} "
+    ap.add_argument("--task", default=None, choices=ALL_TASKS, metavar="TASK",
+                    help=f"without --prompt: the synthetic task to sample, one of {', '.join(ALL_TASKS)} "
                          f"(default {DEFAULT_TASK})")
     ap.add_argument("--length", type=cli.positive_int, default=None,
                     help="without --prompt: tokens of the task sample, context + question + answer (default "

@@ -26,7 +26,9 @@ MODES = ["question_in_prompt", "question_after_context"]
 # How many tokens an answer may take (RULER's tokens_to_generate, scaled down), per task: comfortably more
 # than the longest target (a multi-query answer names four keys and their values: about 60 tokens).
 ANSWER_TOKENS = {"niah_single_noise": 16, "niah_single_prose": 16, "niah_single_needle": 16, "niah_multikey": 16,
-                 "niah_multivalue": 48, "niah_multiquery": 96, "vt": 48, "cwe": 48}
+                 "niah_multivalue": 48, "niah_multiquery": 96, "vt": 48, "cwe": 48,
+                 "passkey": 16, "niah_single_docs": 16, "niah_multikey_docs": 16, "niah_multivalue_docs": 48,
+                 "niah_multiquery_docs": 96}
 DEFAULT_ANSWER_TOKENS = 96
 
 

@@ -22,6 +22,20 @@ Tasks (``TASKS``):
     vt                  variable tracking: a chain of ``n_hops`` assignments      (RULER vt)
     cwe                 common-words extraction: the ``n_common`` most frequent   (RULER cwe)
 
+Tasks for real language models (``LM_TASKS``): the same builders over a natural haystack, and RULER's
+passkey. The bundled model was trained on the tasks above; a pretrained model (``smollm2-135m``) never saw
+them, so its haystack should read like text it knows:
+
+    passkey             one pass key in a repeated noise line                     (RULER passkey)
+    niah_single_docs    one needle in paragraphs of Python's documentation        (RULER niah_single_2)
+    niah_multikey_docs  one needle + 3 needles with other keys, same haystack     (RULER niah_multikey_1)
+    niah_multivalue_docs, niah_multiquery_docs   as above, same haystack
+    vt, cwe             as above
+
+The documentation haystack is the text of Python's help topics (``pydoc_data.topics``, which ships with
+CPython: nothing is downloaded; its wording changes a little between Python versions), prose paragraphs
+only, taken in order from a random starting paragraph, so a sample reads as a stretch of one manual.
+
 Values are 4-7 digit numbers (one token per digit), so answers span several tokens. The scorer is
 RULER's ``string_match_all``: the fraction of reference strings found in the prediction.
 
@@ -32,6 +46,7 @@ filler is found by binary search; the result undershoots ``length`` by less than
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, field
@@ -41,10 +56,14 @@ from .words import ADJECTIVES, CWE_WORDS, NAMES, NOISE_LINE, NOUNS, PLACES, VERB
 TASKS = ["niah_single_noise", "niah_single_prose", "niah_single_needle", "niah_multikey",
          "niah_multivalue", "niah_multiquery", "vt", "cwe"]
 TRAINING_TASKS = ["copy"]     # extra tasks that help training; never part of an evaluation suite
+LM_TASKS = ["passkey", "niah_single_docs", "niah_multikey_docs", "niah_multivalue_docs", "niah_multiquery_docs",
+            "vt", "cwe"]
+ALL_TASKS = TASKS + [t for t in LM_TASKS if t not in TASKS]     # every evaluation task
 
 HEADER_NIAH = "Some special magic numbers are hidden in the text below. Remember them for the quiz.\n"
 HEADER_VT = "Remember the variable assignments hidden in the text below.\n"
 HEADER_CWE = "Below is a list of words. Some of them appear many times.\n"
+HEADER_PASSKEY = "A pass key is hidden somewhere in the long text below. Find it and remember it for later.\n"
 
 
 @dataclass
@@ -115,6 +134,21 @@ def _prose(rng: random.Random) -> str:
             f"near {rng.choice(PLACES)}.")
 
 
+@functools.cache
+def docs_paragraphs() -> tuple[str, ...]:
+    """The prose paragraphs of Python's help topics (``pydoc_data.topics``), topics in name order, each on
+    one line: paragraphs that start at the margin with a letter and have at least 80 characters (indented
+    code, grammar rules and headings are left out). 721 paragraphs, 190 KB, on Python 3.11."""
+    from pydoc_data.topics import topics
+    out = []
+    for name in sorted(topics):
+        for para in topics[name].split("\n\n"):
+            text = " ".join(para.split())
+            if para[:1].isalpha() and len(text) >= 80:
+                out.append(text)
+    return tuple(out)
+
+
 def _filler(rng: random.Random, kind: str, n: int, used: set) -> list[str]:
     if kind == "noise":
         return [NOISE_LINE] * n
@@ -122,7 +156,11 @@ def _filler(rng: random.Random, kind: str, n: int, used: set) -> list[str]:
         return [_prose(rng) for _ in range(n)]
     if kind == "needle":   # every filler line is itself a needle, with a fresh key (maximal distractors)
         return [_needle(_key(rng, used), _number(rng)) for _ in range(n)]
-    raise ValueError(f"unknown haystack {kind!r}; choose noise, prose or needle")
+    if kind == "docs":     # consecutive paragraphs of one manual, from a random start
+        docs = docs_paragraphs()
+        start = rng.randrange(len(docs))
+        return [docs[(start + i) % len(docs)] for i in range(n)]
+    raise ValueError(f"unknown haystack {kind!r}; choose noise, prose, needle or docs")
 
 
 def _insert(rng: random.Random, units: list[str], needles: list[str], depths) -> tuple[list[str], list[float]]:
@@ -230,6 +268,16 @@ def _build_cwe(rng, n, n_common=5, freq_uncommon=1, depth=None):
     return context, q, answers, " " + ", ".join(answers), []
 
 
+def _build_passkey(rng, n, depth=None):
+    """Passkey retrieval (RULER's passkey, after Mohtashami & Jaggi 2023, arXiv 2305.16300): one 5-digit key,
+    stated twice in one line, among repeats of the noise line."""
+    key = str(rng.randint(10000, 99999))
+    units, depths = _insert(rng, [NOISE_LINE] * n, [f"The pass key is {key}. Remember it. {key} is the pass key."],
+                            depth)
+    context = HEADER_PASSKEY + "\n".join(units) + "\n"
+    return context, "Question: What is the pass key?\nAnswer: The pass key is", [key], " " + key, depths
+
+
 def _build_copy(rng, n, depth=None):
     """Training aid, not a RULER task: repeat a list of random words and numbers. The list's length varies,
     so no fixed offset solves it; the model must find where it is in the list by content (induction heads,
@@ -250,13 +298,18 @@ _BUILDERS = {
     "niah_multiquery": (_build_niah, dict(haystack="prose", n_keys=4, n_queries=4)),
     "vt": (_build_vt, dict()),
     "cwe": (_build_cwe, dict()),
+    "passkey": (_build_passkey, dict()),
+    "niah_single_docs": (_build_niah, dict(haystack="docs")),
+    "niah_multikey_docs": (_build_niah, dict(haystack="docs", n_distractors=3)),
+    "niah_multivalue_docs": (_build_niah, dict(haystack="docs", n_values=4)),
+    "niah_multiquery_docs": (_build_niah, dict(haystack="docs", n_keys=4, n_queries=4)),
     "copy": (_build_copy, dict()),       # training only (not in TASKS)
 }
 
 
 def _check_options(task: str, options: dict) -> dict:
     if task not in _BUILDERS:
-        raise ValueError(f"unknown task {task!r}; choose one of {TASKS} (or {TRAINING_TASKS} for training)")
+        raise ValueError(f"unknown task {task!r}; choose one of {ALL_TASKS} (or {TRAINING_TASKS} for training)")
     builder, defaults = _BUILDERS[task]
     allowed = builder.__code__.co_varnames[2:builder.__code__.co_argcount]
     unknown = set(options) - set(allowed)

@@ -249,8 +249,13 @@ def gguf_tokenizer(g) -> EncodingTokenizer:
 
 
 def gguf_card(path: str | Path, hf_config: dict) -> dict:
-    """The card of a GGUF model: where it came from and its configuration (no measured accuracy)."""
-    return {"source": "gguf", "file": str(path), "name": Path(path).stem, "config": hf_config}
+    """The card of a GGUF model: where it came from and its configuration; a fetched model's card also names
+    it and gives its default task suite (what ``methods.compare`` runs when no ``--tasks`` are given)."""
+    card = {"source": "gguf", "file": str(path), "name": Path(path).stem, "config": hf_config}
+    for r in fetch.REMOTES.values():
+        if Path(path).name == r.filename:
+            card.update(name=r.name, default_suite=list(r.default_suite))
+    return card
 
 
 def load_gguf(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):

@@ -134,3 +134,17 @@ def test_bf16_costs_little(smollm2_file, smollm2):
     kl = (p.exp() * (p - q)).sum(-1).mean().item()
     agree = (p.argmax(-1) == q.argmax(-1)).float().mean().item()
     assert kl < 0.02 and agree > 0.85, (kl, agree)
+
+
+def test_full_cache_answers_its_default_suite(smollm2, smollm2_file):
+    """The tasks its card names as its default suite are ones the full cache answers (>= 0.8; measured at
+    1k-4k tokens in results/smollm2_full_cache_*.json): here 3 samples of each at 1k, question in the prompt."""
+    from nanollm.data.evaluate import answer
+    from nanollm.data.tasks import LM_TASKS, make_sample, string_match_all
+    from nanollm.io.checkpoint import load_card
+    (model, tok), suite = smollm2, load_card(smollm2_file)["default_suite"]
+    assert suite and set(suite) <= set(LM_TASKS)
+    for task in suite:
+        samples = [make_sample(task, tok, 1024, seed=100 + i) for i in range(3)]
+        score = sum(string_match_all(answer(model, tok, s, "question_in_prompt"), s.answers) for s in samples)
+        assert score / len(samples) >= 0.8, task
