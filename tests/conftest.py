@@ -90,7 +90,7 @@ def smollm2_file():
     if not fetch.is_fetched("smollm2-135m"):
         pytest.skip(f"smollm2-135m is not fetched ({fetch.target('smollm2-135m')}): run "
                     "`python -m nanollm.cli.fetch smollm2-135m` (the README's set-up does)")
-    return fetch.model_file("smollm2-135m", download=False)
+    return fetch.target("smollm2-135m")                     # is_fetched checked its size and SHA-256
 
 
 @pytest.fixture(scope="session")

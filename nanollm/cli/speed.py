@@ -44,13 +44,11 @@ from .bench import GreedyDecoder, decode_weight_bytes, read_bandwidth, transform
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _times_ms(f, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+def _ms(f) -> float:
+    """Milliseconds of one call of ``f``."""
+    t0 = time.perf_counter()
+    f()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _hf_model(model, dtype: torch.dtype):
@@ -118,7 +116,7 @@ def run_speed(checkpoint: str = "smollm2-135m", contexts=(512, 2048, 8192), thre
             prefill_ms = {name: [] for name in fills}
             for r in range(repeats):
                 for name in (list(fills) if r % 2 == 0 else list(fills)[::-1]):
-                    prefill_ms[name] += _times_ms(fills[name], 1)
+                    prefill_ms[name].append(_ms(fills[name]))
             say(f"context {T}: decode ...")
             prompt = ids[:, :T - n]
             runs = [GreedyDecoder("nanollm", model, prompt), GreedyDecoder("nanollm-lean", model, prompt)]
