@@ -6,6 +6,9 @@ Measuring the methods against the full cache on the same model, prompts and deco
                       exactly those of a run alone (``FanOut``, ``step_many``)
     compare.py        the main job's engine: every method x budget x task x mode, records, tables, plot
                       (the command is ``python -m methods.compare``)
+    intervals.py      95% intervals of the accuracies, and which differences are within noise
+    language_modelling.py  perplexity and KL under compression over a long natural text
+                      (``python -m methods.evaluation.language_modelling``)
     bench.py          decode-step time and bytes read at long contexts (``python -m methods.evaluation.bench``)
     viz.py            pictures of which tokens a cache kept
     generate.py       ``python -m methods.evaluation.generate``: nanollm's generation command with ``--method``

@@ -33,6 +33,7 @@ from nanollm.io.files import atomic_write_text
 
 from .. import METHODS, make_policy, method_chain
 from .harness import Cell, compare_traces, greedy_accuracies, traces
+from .intervals import paired_difference, wilson, within_noise
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
@@ -144,6 +145,48 @@ def format_tables(records: list[dict]) -> str:
                          + f"{sum(accs) / len(accs):>9.2f}{mean('kl'):>8.3f}{mean('perturbation'):>7.3f}"
                          f"{mean('lost_mass'):>6.2f}{max(r['kv_bytes'] for r in sel.values()) / 1024:>8.0f}"
                          f"{mean('decode_ms_per_token'):>7.1f}")
+    return "\n".join(lines)
+
+
+def format_intervals(records: list[dict]) -> str:
+    """Per mode: each row's mean accuracy with its 95% Wilson interval, its paired difference from the
+    full cache (95% bootstrap interval), and per keep ratio the methods within noise of that keep ratio's
+    best (see ``intervals``). Needs the per-sample ``accuracies`` of each record."""
+    lines = []
+    for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
+        rows = [r for r in records if r["mode"] == mode]
+        tasks = sorted({r["task"] for r in rows}, key=lambda t: ALL_TASKS.index(t) if t in ALL_TASKS else 99)
+        by_key: dict[tuple, dict] = {}
+        for r in rows:
+            by_key.setdefault((r["method"], r["keep_ratio"]), {})[r["task"]] = r["accuracies"]
+        groups = {k: [v[t] for t in tasks] for k, v in by_key.items() if set(v) == set(tasks)}
+        full = next((g for (m, _), g in groups.items() if m == "full"), None)
+        keys = sorted(groups, key=lambda k: (k[0] != "full", k[0], k[1]))
+        w = max(14, 1 + max(len(k[0]) for k in keys))
+        head = f"{'method':<{w}}{'keep':>6}{'mean acc':>9}   {'95% interval':<14}" + \
+            ("   vs full (paired): difference [95% interval]" if full else "")
+        lines += [f"\n[{mode}] mean accuracy: 95% Wilson interval over its answers; "
+                  "difference from the full cache: 95% paired bootstrap interval (each task's samples resampled)", head,
+                  "-" * len(head)]
+        means = {}
+        for k in keys:
+            g = groups[k]
+            means[k] = sum(sum(x) / len(x) for x in g) / len(g)
+            lo, hi = wilson(means[k], sum(len(x) for x in g))
+            line = f"{k[0]:<{w}}{k[1]:>6.2f}{means[k]:>9.2f}   [{lo:.2f}, {hi:.2f}]  "
+            if full is not None and k[0] != "full":
+                d, dlo, dhi = paired_difference(g, full)
+                verdict = "within noise" if within_noise(dlo, dhi) else ("lower" if dhi < 0 else "higher")
+                line += f"   {d:+.2f} [{dlo:+.2f}, {dhi:+.2f}]  {verdict}"
+            lines.append(line.rstrip())
+        for ratio in sorted({k[1] for k in keys if k[0] != "full"}):
+            at = [k for k in keys if k[1] == ratio and k[0] != "full"]
+            if len(at) < 2:
+                continue
+            best = max(at, key=lambda k: (means[k], k[0]))
+            ties = [k[0] for k in at if k != best and within_noise(*paired_difference(groups[k], groups[best])[1:])]
+            lines.append(f"keep {ratio:.2f}: best {best[0]} ({means[best]:.2f}); within noise of it: "
+                         + (", ".join(ties) if ties else "none"))
     return "\n".join(lines)
 
 
@@ -263,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         records = run(model, tok, methods, budgets, tasks, args.modes, args.samples, length, args.seed,
                       progress=not args.quiet, workers=workers)
         print(format_tables(records))
+        print(format_intervals(records))
         print(f"\n{args.samples} samples per task and mode, {length} tokens, seed {args.seed}, "
               f"{time.time() - t0:.0f} s with {workers} worker(s). acc = string_match_all of the greedy answer; "
               "KL = mean next-token "

@@ -346,9 +346,10 @@ def greedy_accuracy(model, tok, sample: Sample, tr: Trace) -> tuple[float, str]:
 
 @dataclass
 class Cell:
-    """Running means of one (method, budget, task, mode) cell."""
+    """Running means of one (method, budget, task, mode) cell, and each sample's accuracy (for intervals)."""
     n: int = 0
     sums: dict = field(default_factory=dict)
+    accuracies: list = field(default_factory=list)
     attn_l1: Tensor | None = None
     kv_bytes: int = 0
     extra_bytes: int = 0
@@ -363,9 +364,12 @@ class Cell:
                 setattr(self, k, max(getattr(self, k), v))
             else:
                 self.sums[k] = self.sums.get(k, 0.0) + v
+        if "accuracy" in metrics:
+            self.accuracies.append(metrics["accuracy"])
 
     def means(self) -> dict:
         out = {k: v / self.n for k, v in self.sums.items()}
         out.update(kv_bytes=self.kv_bytes, extra_bytes=self.extra_bytes, n_samples=self.n,
+                   accuracies=list(self.accuracies),
                    attn_l1=(self.attn_l1 / self.n).tolist() if self.attn_l1 is not None else None)
         return out

@@ -1,0 +1,81 @@
+"""
+How sure is a table's accuracy? 95% intervals by the bootstrap, and which differences are within noise.
+
+A cell of the compare table averages a handful of answers (10 samples per task and mode by default), each
+scored 0..1 by ``string_match_all``. Its mean accuracy moves with the samples drawn, so two methods 0.1
+apart may be the same method seen through different luck. The bootstrap (Efron, 1979) estimates that
+spread from the samples themselves: draw the samples again with replacement, recompute the mean, repeat,
+and read the 2.5% and 97.5% quantiles of the recomputed means.
+
+A row's own interval is Wilson's score interval (Wilson, 1927) for n answers with mean accuracy p. It is
+exact in spirit for right/wrong answers, and conservative for partly right ones (a 0..1 score varies
+at most as much as a right/wrong one with the same mean). Unlike the bootstrap it does not collapse to a
+point when every sample scored the same: 0 right out of 20 gives [0.00, 0.16], not [0, 0].
+
+Differences between two rows use the bootstrap, with two choices that keep them honest for this table:
+
+* *Stratified*: a row's mean accuracy is the mean over tasks of each task's mean, so each resample draws
+  every task's samples from that task only (the number of samples per task stays fixed).
+* *Paired*: the full cache and every method answer the very same samples, so a difference between two rows
+  is resampled sample by sample (one draw picks sample j for both rows). A hard sample hurts both rows
+  together; pairing removes that shared part of the noise, so paired intervals are narrower than the two
+  rows' own intervals suggest.
+
+A difference is *within noise* when its 95% interval contains 0. The bootstrap intervals are percentile
+intervals from a fixed seed: the same records always give the same intervals. When both rows score the
+same on every sample the difference's interval is [0, 0]: the rows cannot be told apart, which is what
+"within noise" reports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+N_RESAMPLES = 2000
+
+
+def bootstrap_means(groups: list[list[float]], n_resamples: int = N_RESAMPLES, seed: int = 0) -> torch.Tensor:
+    """(n_resamples,) means over groups of each group's resampled mean. ``groups``: per task, the per-sample
+    scores (a difference of two rows when paired). Group sizes may differ; every group needs a sample."""
+    if not groups or any(len(g) == 0 for g in groups):
+        raise ValueError("bootstrap_means needs at least one group and one sample per group")
+    gen = torch.Generator().manual_seed(seed)
+    means = torch.zeros(n_resamples, dtype=torch.float64)
+    for g in groups:                                              # stratified: each task from its own samples
+        x = torch.tensor(g, dtype=torch.float64)                  # (n,)
+        draw = torch.randint(len(g), (n_resamples, len(g)), generator=gen)    # (R, n) indices with replacement
+        means += x[draw].mean(dim=1)
+    return means / len(groups)
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% score interval for a proportion ``p`` observed over ``n`` answers."""
+    if n <= 0 or not 0 <= p <= 1:
+        raise ValueError(f"wilson needs n > 0 and p in [0, 1], got p={p}, n={n}")
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def interval(groups: list[list[float]], level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """The percentile bootstrap interval of the mean over groups of each group's mean."""
+    means = bootstrap_means(groups, seed=seed)
+    tail = (1 - level) / 2
+    lo, hi = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
+def paired_difference(a: list[list[float]], b: list[list[float]], level: float = 0.95,
+                      seed: int = 0) -> tuple[float, float, float]:
+    """(mean of a - b, low, high): the paired difference of two rows scored on the same samples, in the
+    same order per group."""
+    if [len(g) for g in a] != [len(g) for g in b]:
+        raise ValueError("paired_difference needs the same samples in both rows")
+    diff = [[x - y for x, y in zip(ga, gb)] for ga, gb in zip(a, b)]
+    lo, hi = interval(diff, level, seed)
+    return sum(sum(g) / len(g) for g in diff) / len(diff), lo, hi
+
+
+def within_noise(lo: float, hi: float) -> bool:
+    """A difference whose interval contains 0 (with a hair of float slack: identical rows give [0, 0])."""
+    return lo <= 1e-12 and hi >= -1e-12
