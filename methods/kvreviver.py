@@ -27,12 +27,23 @@ How this file resolves what the paper leaves open:
 * Scores. One accumulated score per token and layer, kept in a dense table indexed by position (a
   token in the sketch has no slot, yet needs a score to be revived): each step adds the attention every
   position received, summed over all query heads and query rows. Every attention row sums to 1, so a
-  step adds exactly (query heads x query rows) (tested). Sketch tokens accumulate what their rebuilt keys
-  receive.
+  step adds exactly (query heads x query rows) (tested); per KV head, (G x query rows) to each head's
+  table. Sketch tokens accumulate what their rebuilt keys receive.
 * Delete (in a swap) subtracts the *estimate* from the cells: the residual stays in the sketch as noise,
   and the revived token enters C with its approximate key and value (a lossy revival).
-* Granularity. R, C and V are per layer, shared by the KV heads (a cell holds a whole token), so every
-  KV head keeps the same positions. GQA needs no special rule.
+* Granularity. The paper's Algorithms 1-4, as we read them, handle a *token* of a layer as one item (its
+  key and value, one accumulated score, one sketch entry); we found no rule in them for attention heads or
+  grouped-query attention. By default R, C and V are therefore per layer, shared by the KV heads (a cell
+  holds a whole token of every KV head), so every KV head keeps the same positions, by one score summed
+  over all query heads.
+* ``per_kv_head=True`` (our option, not the paper's): each KV head runs Algorithms 3-4 on its own, as if
+  it were a layer of its own with one KV head: its own score per token (the attention it received, summed
+  over its G query heads), its own C (so heads keep different positions, as H2O and SnapKV do) and its own
+  sketch of r x b cells of one head, with the same hash functions as the other heads (same layout). R is
+  the same positions in every head (the newest), and every head holds the same number of raw slots, so the
+  storage stays rectangular. The budget, per KV head, is the same: R + C raw slots + r x b cells, and the
+  memory is identical (H_kv sketches of one head = one sketch of H_kv heads); only the score tables grow
+  H_kv-fold. Both granularities are compared on SmolLM2-135M in notebook 05, section 6.
 * Budget = slots per layer: raw slots (R + C) plus sketch cells (r x b). Split 0.45 / 0.45 / 0.1 (Tables
   2-3), with ``R.budget = budget - C.budget - r*b - recent_slack`` so that raw slots + cells never
   exceed ``budget`` even when R is over by its slack. ``recent_slack`` (Algorithm 3's Slack: tokens R may
@@ -190,6 +201,8 @@ class KVReviverPolicy(CachePolicy):
         experiments on the sketch alone); None = floor(vague_share * budget / rows), taken from the budget.
     injective_hash : h_i(J) = J (exact reconstruction if b > every position; for tests).
     seed : seed of the hashes (each layer uses seed + layer).
+    per_kv_head : each KV head keeps its own C and its own sketch, chosen by its own scores (see the module
+        docstring, "Granularity"); False = one selection per layer, shared by the KV heads (the paper's).
     """
 
     budget: int
@@ -201,11 +214,13 @@ class KVReviverPolicy(CachePolicy):
     sketch_width: int | None = None
     injective_hash: bool = False
     seed: int = 0
-    # per-layer state: dense scores (B, N) by position, R size, sketch, peak rebuilt bytes
+    per_kv_head: bool = False
+    # per-layer state: dense scores by position, (B, N) shared or (B, H_kv, N) per KV head; R size; the
+    # sketches (B * S, see ``groups``); revived flags (as the scores); peak rebuilt bytes
     _scores: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _recent: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _sketch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _approx: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # revived: (B, N) bool
+    _approx: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # revived, bool
     rebuilt_nbytes: int = field(default=0, init=False, repr=False, compare=False)
     swaps: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -223,6 +238,7 @@ class KVReviverPolicy(CachePolicy):
         if self.sketch_width is not None:
             check_int("sketch_width", self.sketch_width, low=0, what=" or None")
         check_flag("injective_hash", self.injective_hash)
+        check_flag("per_kv_head", self.per_kv_head)
         if self.raw_budget - self.candidate_budget < 1:
             raise ValueError(f"budget {self.budget} leaves no room for Recent after Candidate "
                              f"({self.candidate_budget}) and the sketch ({self.rows} x {self.width}); raise budget "
@@ -254,25 +270,43 @@ class KVReviverPolicy(CachePolicy):
     def slack_in_effect(self) -> int:
         return self.raw_budget - self.candidate_budget - self.recent_budget
 
+    # -- selection groups: the KV heads that share R, C and V ------------------------------------------
+    def groups(self, n_kv_head: int) -> int:
+        """S, the selection groups of a layer: 1 (every KV head shares R, C and V) or H_kv (``per_kv_head``).
+        Group s holds the H_kv / S consecutive KV heads s * H_kv / S, ...; its sketch of sequence b is
+        ``_sketch[layer][b * S + s]``."""
+        return n_kv_head if self.per_kv_head else 1
+
+    @staticmethod
+    def by_group(table: Tensor) -> Tensor:
+        """A per-position table, (B, N) shared or (B, H_kv, N) per KV head, as a (B, S, N) view: writes
+        into the view reach the table."""
+        return table if table.dim() == 3 else table.unsqueeze(1)
+
     # -- Algorithm 4: rebuild the layer's cache for the attention --------------------------------------
     def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
         sketches = self._sketch.get(layer)
         if not sketches:                                # nothing in a sketch: the storage is the whole cache
             return store
         B, H_kv, _, d = store.k.shape
+        S = self.groups(H_kv)
+        G = H_kv // S                                   # KV heads per group
         seen = int(store.pos.max()) + 1                 # positions 0..seen-1 (the new tokens included)
-        raw = torch.zeros(B, seen, dtype=torch.bool, device=store.pos.device)
-        raw.scatter_(1, store.pos[:, 0], True)                                   # (B, N) in R or C
-        vague = torch.arange(seen, device=raw.device).expand(B, seen)[~raw].view(B, -1)   # (B, n_V)
-        # every position 0..N-1 is raw or vague exactly once: write each entry at its position's slot
+        raw_pos = store.pos[:, ::G]                     # (B, S, T) each group's raw positions (its first head's)
+        raw = torch.zeros(B, S, seen, dtype=torch.bool, device=store.pos.device)
+        raw.scatter_(2, raw_pos, True)                                           # (B, S, N) in R or C
+        vague = torch.arange(seen, device=raw.device).expand(B, S, seen)[~raw].view(B, S, -1)   # (B, S, n_V)
+        # every position 0..N-1 is raw or vague exactly once per head: write each entry at its position's slot
         k = store.k.new_empty(B, H_kv, seen, d)
         v = store.v.new_empty(B, H_kv, seen, store.v.shape[-1])
         for b in range(B):
-            k_hat, v_hat = sketches[b].query(vague[b])                           # (n_V, H_kv, d) each
-            k[b].index_copy_(1, store.pos[b, 0], store.k[b])                     # raw entries, as stored
-            v[b].index_copy_(1, store.pos[b, 0], store.v[b])
-            k[b].index_copy_(1, vague[b], k_hat.transpose(0, 1).to(k.dtype))     # rebuilt entries
-            v[b].index_copy_(1, vague[b], v_hat.transpose(0, 1).to(v.dtype))
+            for s in range(S):
+                heads = slice(s * G, (s + 1) * G)
+                k_hat, v_hat = sketches[b * S + s].query(vague[b, s])           # (n_V, G, d) each
+                k[b, heads].index_copy_(1, raw_pos[b, s], store.k[b, heads])    # raw entries, as stored
+                v[b, heads].index_copy_(1, raw_pos[b, s], store.v[b, heads])
+                k[b, heads].index_copy_(1, vague[b, s], k_hat.transpose(0, 1).to(k.dtype))   # rebuilt entries
+                v[b, heads].index_copy_(1, vague[b, s], v_hat.transpose(0, 1).to(v.dtype))
         pos = torch.arange(seen, device=raw.device).expand(B, H_kv, seen)
         rebuilt = LayerKV(k, v, pos)
         # every position 0..seen-1 once, in order, none after the step's newest query: ``dense`` (a decode
@@ -283,20 +317,28 @@ class KVReviverPolicy(CachePolicy):
 
     # -- scores and Algorithm 3 -------------------------------------------------------------------------
     def _accumulate(self, ctx: StepContext) -> None:
-        """Add the attention every position received in this step, over all query heads and rows."""
-        B = ctx.q.shape[0]
+        """Add the attention every position received in this step, over the query rows and all query heads
+        (or, ``per_kv_head``, each KV head's G query heads)."""
+        B, H = ctx.q.shape[:2]
+        H_kv = ctx.kv.pos.shape[1]
+        lead = (B, H_kv) if self.per_kv_head else (B,)                           # a table's leading axes
         if ctx.phase == "prefill":                     # a new sequence: fresh scores, no sketch yet
-            self._scores[ctx.layer] = torch.zeros(B, ctx.seen, device=ctx.q.device)
-            self._approx[ctx.layer] = torch.zeros(B, ctx.seen, dtype=torch.bool, device=ctx.q.device)
+            self._scores[ctx.layer] = torch.zeros(*lead, ctx.seen, device=ctx.q.device)
+            self._approx[ctx.layer] = torch.zeros(*lead, ctx.seen, dtype=torch.bool, device=ctx.q.device)
             self._recent[ctx.layer] = 0
             self._sketch.pop(ctx.layer, None)
-        else:
+        else:                                          # new positions start at 0
             old, approx = self._scores[ctx.layer], self._approx[ctx.layer]
-            self._scores[ctx.layer] = torch.cat([old, old.new_zeros(B, ctx.seen - old.shape[1])], dim=1)
-            self._approx[ctx.layer] = torch.cat([approx, approx.new_zeros(B, ctx.seen - approx.shape[1])], dim=1)
-        received = ctx.col_sums.sum(dim=1)                                       # (B, T_att) over all heads
-        attended = ctx.attended_pos if ctx.attended_pos is not None else ctx.kv.pos
-        self._scores[ctx.layer].scatter_add_(1, attended[:, 0], received)
+            self._scores[ctx.layer] = torch.cat([old, old.new_zeros(*lead, ctx.seen - old.shape[-1])], dim=-1)
+            self._approx[ctx.layer] = torch.cat([approx, approx.new_zeros(*lead, ctx.seen - approx.shape[-1])],
+                                                dim=-1)
+        attended = ctx.attended_pos if ctx.attended_pos is not None else ctx.kv.pos   # (B, H_kv, T_att)
+        if self.per_kv_head:                                                     # (B, H_kv, T_att) per group
+            received = ctx.col_sums.reshape(B, H_kv, H // H_kv, -1).sum(dim=2)
+            self._scores[ctx.layer].scatter_add_(2, attended, received)
+        else:                                                                    # (B, T_att) over all heads
+            received = ctx.col_sums.sum(dim=1)
+            self._scores[ctx.layer].scatter_add_(1, attended[:, 0], received)
 
     def needs(self, phase: str) -> Needs:
         """Column sums at every step: the attention every position received (the score of Algorithm 3)."""
@@ -311,7 +353,8 @@ class KVReviverPolicy(CachePolicy):
         self._compress(ctx)
 
     def _compress(self, ctx: StepContext) -> None:
-        """Algorithm 3 for every sequence of the batch: R.push, R -> C overflow, C -> V overflow, swaps."""
+        """Algorithm 3 for every sequence of the batch and selection group: R.push, R -> C overflow, C -> V
+        overflow, swaps."""
         layer, store = ctx.layer, ctx.kv
         self._recent[layer] += ctx.q.shape[2]                                    # R.Push(new tokens)
         if ctx.seen <= self.budget and layer not in self._sketch:                # every token fits raw
@@ -319,30 +362,43 @@ class KVReviverPolicy(CachePolicy):
         if self._recent[layer] > self.recent_budget + self.slack_in_effect:      # R overflows into C
             self._recent[layer] = self.recent_budget
         B, H_kv, T, d = store.k.shape
-        if layer not in self._sketch:                   # first compression: one sketch per sequence
-            self._sketch[layer] = [VagueSketch(self.rows, self.width, H_kv, d, self.seed + layer,
+        S = self.groups(H_kv)
+        G = H_kv // S                                                            # KV heads per group
+        if layer not in self._sketch:                   # first compression: one sketch per sequence and group
+            self._sketch[layer] = [VagueSketch(self.rows, self.width, G, d, self.seed + layer,
                                                self.injective_hash, store.k.device)
-                                   for _ in range(B)] if self.width > 0 else []   # no cells: V forgets
+                                   for _ in range(B * S)] if self.width > 0 else []   # no cells: V forgets
         recent_from = ctx.seen - self._recent[layer]                             # R = positions >= this
-        n_out = int((store.pos[0, 0] < recent_from).sum()) - self.candidate_budget   # same in every row
+        n_out = int((store.pos[0, 0] < recent_from).sum()) - self.candidate_budget   # same in every row, head
+        scores, approx = self.by_group(self._scores[layer]), self.by_group(self._approx[layer])   # (B, S, N)
         new_k, new_v, new_pos = [], [], []
         for b in range(B):
-            sketch = self._sketch[layer][b] if self._sketch[layer] else None
-            k, v, p = store.k[b], store.v[b], store.pos[b, 0]                    # (H_kv, T, d), (T,)
-            scores = self._scores[layer][b]                                      # (N,) by position
-            if n_out > 0:                                                        # C -> V: the lowest scores
-                c_slots = (p < recent_from).nonzero().flatten()
-                out = c_slots[scores[p[c_slots]].argsort(stable=True)[:n_out]]
+            for s in range(S):
+                heads = slice(s * G, (s + 1) * G)
+                sketch = self._sketch[layer][b * S + s] if self._sketch[layer] else None
+                k, v, p = store.k[b, heads], store.v[b, heads], store.pos[b, s * G]   # (G, T, d), (T,)
+                k, v, p = self._overflow(sketch, scores[b, s], k, v, p, recent_from, n_out)
                 if sketch is not None:
-                    sketch.insert(p[out], k[:, out].transpose(0, 1), v[:, out].transpose(0, 1))
-                keep = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
-                keep[out] = False
-                k, v, p = k[:, keep], v[:, keep], p[keep]
-            if sketch is not None:
-                k, v, p = self._swap(sketch, scores, k, v, p, recent_from, self._approx[layer][b])
-            new_k.append(k), new_v.append(v), new_pos.append(p)
-        store.replace(torch.stack(new_k), torch.stack(new_v),
-                      torch.stack(new_pos)[:, None, :].expand(B, H_kv, -1).contiguous())
+                    k, v, p = self._swap(sketch, scores[b, s], k, v, p, recent_from, approx[b, s])
+                new_k.append(k), new_v.append(v), new_pos.append(p.expand(G, -1))
+        T_new = new_pos[0].shape[-1]                                             # the same in every group
+        store.replace(torch.cat(new_k).view(B, H_kv, T_new, d), torch.cat(new_v).view(B, H_kv, T_new, -1),
+                      torch.cat(new_pos).view(B, H_kv, T_new))
+
+    def _overflow(self, sketch: VagueSketch | None, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
+                  recent_from: int, n_out: int) -> tuple[Tensor, Tensor, Tensor]:
+        """C -> V for one sequence and group: the ``n_out`` lowest-scored tokens of C (slots before
+        ``recent_from``) go into the sketch (none: forgotten). scores (N,) by position; k, v (G, T, d);
+        p (T,). Returns the kept entries, in their order (those given when ``n_out <= 0``)."""
+        if n_out <= 0:
+            return k, v, p
+        c_slots = (p < recent_from).nonzero().flatten()
+        out = c_slots[scores[p[c_slots]].argsort(stable=True)[:n_out]]
+        if sketch is not None:
+            sketch.insert(p[out], k[:, out].transpose(0, 1), v[:, out].transpose(0, 1))
+        keep = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
+        keep[out] = False
+        return k[:, keep], v[:, keep], p[keep]
 
     def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
               recent_from: int, approx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -368,7 +424,7 @@ class KVReviverPolicy(CachePolicy):
             sketch.insert(p[c].view(1), k[:, c].unsqueeze(0), v[:, c].unsqueeze(0))
             in_raw[p[c]], in_raw[j] = False, True
             k[:, c], v[:, c], p[c] = jk[0].to(k.dtype), jv[0].to(v.dtype), j     # revived, approximately
-            approx[j] = True                                                     # (B, N) row view, in place
+            approx[j] = True                                                     # a view of the table, in place
             self.swaps += 1
         if copied:                                      # revived tokens took C's slots: back to position order
             order = p.argsort()
@@ -380,9 +436,11 @@ class KVReviverPolicy(CachePolicy):
         """Stored positions, -1 for revived tokens (their raw slot holds the sketch's estimate)."""
         if layer not in self._approx:
             return store.pos
-        table, p = self._approx[layer], store.pos[:, 0]                                # (B, N), (B, T)
-        approx = table.gather(1, p.clamp(0, table.shape[1] - 1)) & (p >= 0) & (p < table.shape[1])
-        return store.pos.masked_fill(approx[:, None, :], -1)          # tokens newer than the table are raw
+        G = store.pos.shape[1] // self.groups(store.pos.shape[1])                       # KV heads per group
+        table, p = self.by_group(self._approx[layer]), store.pos[:, ::G]               # (B, S, N), (B, S, T)
+        N = table.shape[-1]
+        approx = table.gather(2, p.clamp(0, N - 1)) & (p >= 0) & (p < N)               # (B, S, T)
+        return store.pos.masked_fill(approx.repeat_interleave(G, dim=1), -1)   # tokens newer than the table: raw
 
     def reset(self) -> None:
         self._scores, self._recent, self._sketch, self._approx = {}, {}, {}, {}
@@ -400,10 +458,11 @@ class KVReviverPolicy(CachePolicy):
         """The Recent part: at least the ``recent_budget`` newest positions stay raw."""
         return list(range(max(0, seen - self.recent_budget), seen))
 
-    def parts(self, layer: int, store: LayerKV, row: int = 0) -> dict:
-        """Sizes of R and C (raw slots), V (tokens held only by the sketch) and the sketch cells of one layer."""
-        seen = self._scores[layer].shape[1]
-        raw = store.pos[row, 0]
+    def parts(self, layer: int, store: LayerKV, row: int = 0, head: int = 0) -> dict:
+        """Sizes of R and C (raw slots), V (tokens held only by the sketch) and the sketch cells of one layer
+        and KV head (per head, cells of that head)."""
+        seen = self._scores[layer].shape[-1]
+        raw = store.pos[row, head]
         recent_from = seen - self._recent[layer]
         cells = self.rows * self.width if self._sketch.get(layer) else 0
         return {"R": int((raw >= recent_from).sum()), "C": int((raw < recent_from).sum()),

@@ -220,3 +220,110 @@ def test_revived_tokens_are_not_counted_as_exact(model):
         assert torch.equal(exact[~revived], store.pos[~revived])
         marked += int(revived.sum())
     assert marked > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# per_kv_head: each KV head keeps its own Recent / Candidate selection and its own sketch
+
+def test_per_kv_head_budget_covering_the_sequence_is_the_full_cache(model):
+    full, full_cache = script(model, None)
+    out, cache = script(model, make_policy("kvreviver", 49, per_kv_head=True))
+    assert all(torch.equal(a, b) for a, b in zip(full, out))
+    assert all(torch.equal(a.pos, b.pos) for a, b in zip(full_cache.layers, cache.layers))
+    assert cache.policy.slot_nbytes() == 0
+
+
+def test_per_kv_head_injective_sketch_reconstructs_exactly(model):
+    """Per KV head, an injective sketch holds every token outside that head's R and C alone in its cells: the
+    rebuilt cache is the full cache's. Layer 0's keys and values depend on the tokens only, so there they
+    are equal bit for bit; the logits differ only by the order of summation."""
+    full, full_cache = script(model, None)
+    policy = make_policy("kvreviver", 20, sketch_width=64, injective_hash=True, per_kv_head=True)
+    out, cache = script(model, policy)
+    assert all(policy.parts(0, cache.layers[0], head=h)["V"] > 0 for h in range(model.config.n_kv_head))
+    rebuilt = policy.attend_kv(0, cache.layers[0])
+    assert torch.equal(rebuilt.k, full_cache.layers[0].k) and torch.equal(rebuilt.v, full_cache.layers[0].v)
+    for a, b in zip(full, out):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_per_kv_head_heads_keep_different_positions(model):
+    """The shared selection keeps one set of positions per layer; per KV head, at least one layer's heads
+    keep different ones, each head's Candidates being the best of its own scores (the swap invariant)."""
+    shared, per_head = make_policy("kvreviver", 20), make_policy("kvreviver", 20, per_kv_head=True)
+    _, c_shared = script(model, shared)
+    _, c_head = script(model, per_head)
+    assert all(bool((layer.pos == layer.pos[:, :1]).all()) for layer in c_shared.layers)
+    assert any(not bool((layer.pos == layer.pos[:, :1]).all()) for layer in c_head.layers)
+    for layer, store in enumerate(c_head.layers):
+        scores = per_head._scores[layer]                                      # (B, H_kv, N)
+        recent_from = c_head.seen - per_head._recent[layer]
+        for b in range(scores.shape[0]):
+            for h in range(scores.shape[1]):
+                raw = store.pos[b, h]
+                vague = torch.ones(c_head.seen, dtype=torch.bool)
+                vague[raw] = False
+                cand = scores[b, h, raw[raw < recent_from]]
+                if cand.numel() and vague.any():
+                    assert float(cand.min()) * per_head.replace_rate >= float(scores[b, h, vague].max()) - 1e-6
+
+
+@pytest.mark.parametrize("preset_name", ["TINY", "TINY_GPT2"])
+@pytest.mark.parametrize("budget", [1, 3, 12, 30])
+def test_per_kv_head_accounting_after_every_step(make_model, preset_name, budget):
+    """Every KV head: R + C raw slots + its r x b cells within the budget, R + C + V = every token seen, Recent
+    kept, positions increasing; each step adds G x (query rows) to every head's scores; the sketch's bytes
+    are those of the shared mode (H_kv sketches of one head = one of H_kv heads)."""
+    m = make_model(preset(preset_name), seed=0)
+    H_kv, G = m.config.n_kv_head, m.config.n_head // m.config.n_kv_head
+    policy = make_policy("kvreviver", budget, per_kv_head=True, recent_slack=2 if budget > 12 else 0)
+    totals = []
+
+    def check(cache):
+        for layer, store in enumerate(cache.layers):
+            assert store.pos.shape[1] == H_kv
+            for h in range(H_kv):
+                parts = policy.parts(layer, store, head=h)
+                assert parts["R"] <= policy.recent_budget + policy.slack_in_effect
+                assert parts["C"] <= policy.candidate_budget
+                assert parts["cells"] == policy.rows * policy.width     # this head's cells (all heads: the same)
+                assert parts["R"] + parts["C"] + parts["cells"] <= policy.budget
+                assert parts["R"] + parts["C"] + parts["V"] == cache.seen
+                p = store.pos[:, h]
+                assert bool((p[:, 1:] > p[:, :-1]).all()) and int(p.max()) < cache.seen
+                assert set(policy.protected_positions(40, cache.seen)) <= set(p[0].tolist())
+        totals.append(policy._scores[0].sum(-1))                                  # (B, H_kv)
+
+    out, cache = script(m, policy, check)
+    assert all(torch.isfinite(x).all() for x in out)
+    steps = torch.tensor([40, 1, 1, 1, 1, 5]).cumsum(0) * G
+    for total, want in zip(totals, steps):
+        torch.testing.assert_close(total, torch.full_like(total, float(want)), rtol=1e-5, atol=1e-3)
+    _, shared = script(m, make_policy("kvreviver", budget))
+    assert policy.slot_nbytes() == shared.policy.slot_nbytes()
+    assert policy.extra_nbytes() == H_kv * shared.policy.extra_nbytes()      # one score table per KV head
+
+
+def test_per_kv_head_revived_tokens_are_not_counted_as_exact(model):
+    policy = make_policy("kvreviver", 30, replace_rate=1.0, per_kv_head=True)
+    _, cache = script(model, policy)
+    assert policy.swaps > 0, "this setting should revive tokens"
+    for layer, store in enumerate(cache.layers):
+        revived = policy._approx[layer].gather(2, store.pos)                  # (B, H_kv, T)
+        exact = policy.exact_positions(layer, store)
+        assert torch.equal(exact == -1, revived)
+        assert torch.equal(exact[~revived], store.pos[~revived])
+
+
+def test_per_kv_head_rows_are_independent(model):
+    """Each row of a batch keeps, per head, what it would keep alone, with the same logits."""
+    policy = make_policy("kvreviver", 20, per_kv_head=True)
+    out, cache = script(model, policy)
+    cache_1 = KVCache(model.config, make_policy("kvreviver", 20, per_kv_head=True))
+    out_1 = [prefill(model, ids(40)[1:], cache_1)]
+    for t in range(4):
+        out_1.append(decode_step(model, ids(1, seed=10 + t)[1:, 0], cache_1))
+    out_1.append(extend(model, ids(5, seed=20)[1:], cache_1))
+    for a, b in zip(out, out_1):
+        torch.testing.assert_close(a[1:], b, rtol=0, atol=1e-5)
+    assert all(torch.equal(a.pos[1:], b.pos) for a, b in zip(cache.layers, cache_1.layers))
