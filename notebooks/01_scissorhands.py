@@ -22,7 +22,9 @@
 # 4. accuracy and KL against StreamingLLM and H2O, both modes, three keep ratios, and the `w` / `m` ablation;
 # 5. Theorem 4.1 made executable: the closed-form bound, its failure probability, the proof's intermediate
 #    form and a Monte-Carlo experiment, and the theorem's own single-head model with a full, an oracle and
-#    a counter cache: where the bound holds and where it does not.
+#    a counter cache: where the bound holds and where it does not;
+# 6. the same measurements on a real language model, SmolLM2-135M, and the paper's headline experiment:
+#    perplexity under a 5x smaller cache.
 #
 # Code: `methods/scissorhands.py` (the method and the measurements), `methods/analysis/scissorhands_theory.py`
 # (the bound, the Monte Carlo, the single-head model), `methods/compare.py` (the evaluation loop),
@@ -176,26 +178,30 @@ for layer, a in enumerate(maps):
 #   the fraction of first-half tokens heavy at some first-half step.
 
 # %%
-def persistence_by_layer(level, n_samples):
-    """Per layer: step ratio and base (delta = 1 and 50), sequence ratio and base, and the fraction of the
-    tokens heavy at a step (steps >= 64); means over heads and prompts."""
-    out = []
-    for task in [t for t in TASKS if t.startswith("niah")]:
+def persistence_by_layer(model, tok, tasks, length, n_samples, levels=(1, 3)):
+    """Per level and layer: step ratio and base (delta = 1 and 50), sequence ratio and base, and the
+    fraction of the tokens heavy at a step (steps >= 64); means over heads and prompts (``n_samples`` per
+    task). Returns {level: (n_layer, 7)}."""
+    out = {level: [] for level in levels}
+    for task in tasks:
         for i in range(n_samples):
-            s = make_sample(task, tok, LENGTH, seed=i)
-            per_layer = []
-            for a in record_attention(model, torch.tensor([s.prompt_ids])):
-                hv = heavy(a, level)
-                r1, b1 = persistence_step(hv, 1, start=64)
-                r50, b50 = persistence_step(hv, 50, start=64)
-                rh, bh, _ = persistence_halves(hv, hv.shape[-1] // 2)
-                share = (hv.sum(-1) / torch.arange(1, hv.shape[-1] + 1))[:, 64:].mean(-1)   # (H,)
-                per_layer.append(torch.stack([r1, b1, r50, b50, rh, bh, share]).mean(-1))   # mean over heads
-            out.append(torch.stack(per_layer))
-    return torch.stack(out).mean(0)                                # (n_layer, 7)
+            s = make_sample(task, tok, length, seed=i)
+            maps = record_attention(model, torch.tensor([s.prompt_ids]))      # n_layer x (H, N, N)
+            for level in levels:
+                per_layer = []
+                for a in maps:
+                    hv = heavy(a, level)
+                    r1, b1 = persistence_step(hv, 1, start=64)
+                    r50, b50 = persistence_step(hv, 50, start=64)
+                    rh, bh, _ = persistence_halves(hv, hv.shape[-1] // 2)
+                    share = (hv.sum(-1) / torch.arange(1, hv.shape[-1] + 1))[:, 64:].mean(-1)   # (H,)
+                    per_layer.append(torch.stack([r1, b1, r50, b50, rh, bh, share]).mean(-1))   # mean over heads
+                out[level].append(torch.stack(per_layer))
+    return {level: torch.stack(p).mean(0) for level, p in out.items()}     # (n_layer, 7) per level
 
 
-pers = {level: persistence_by_layer(level, PERSISTENCE_SAMPLES) for level in [1, 3]}
+pers = persistence_by_layer(model, tok, [t for t in TASKS if t.startswith("niah")], LENGTH,
+                            PERSISTENCE_SAMPLES)
 for level, p in pers.items():
     print(f"level {level} x uniform: per layer (ratio / base rate)")
     for layer, (r1, b1, r50, b50, rh, bh, share) in enumerate(p.tolist()):
@@ -203,19 +209,26 @@ for level, p in pers.items():
               f"sequence {rh:.2f} / {bh:.2f}   (heavy at a step: {share:.0%} of the tokens)")
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(15, 3.4))
+def plot_persistence(pers, n_layer):
+    """Ratio (solid) and base rate (dashed) per layer, levels 1 and 3: step to step and over the sequence."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.4))
+    ticks = list(range(0, n_layer, max(1, n_layer // 6)))
+    for ax, (col, title) in zip(axes, [(0, "step to step, delta = 1"), (2, "step to step, delta = 50"),
+                                       (4, "over the sequence (second half vs first)")]):
+        for level, color in [(1, "tab:blue"), (3, "tab:red")]:
+            ax.plot(range(n_layer), pers[level][:, col], "o-", color=color, label=f"ratio, level {level}")
+            ax.plot(range(n_layer), pers[level][:, col + 1], "o--", color=color, alpha=0.5,
+                    label=f"base rate, level {level}")
+        ax.axhline(0.95, color="gray", ls=":", lw=1)
+        ax.set(title=title, xlabel="layer", ylim=(0, 1.05), xticks=ticks)
+    axes[0].set_ylabel("persistence ratio")
+    axes[0].legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+
+
 layers = range(model.config.n_layer)
-for ax, (col, title) in zip(axes, [(0, "step to step, delta = 1"), (2, "step to step, delta = 50"),
-                                   (4, "over the sequence (second half vs first)")]):
-    for level, color in [(1, "tab:blue"), (3, "tab:red")]:
-        ax.plot(layers, pers[level][:, col], "o-", color=color, label=f"ratio, level {level}")
-        ax.plot(layers, pers[level][:, col + 1], "o--", color=color, alpha=0.5, label=f"base rate, level {level}")
-    ax.axhline(0.95, color="gray", ls=":", lw=1)
-    ax.set(title=title, xlabel="layer", ylim=(0, 1.05), xticks=list(layers))
-axes[0].set_ylabel("persistence ratio")
-axes[0].legend(fontsize=8)
-plt.tight_layout()
-plt.show()
+plot_persistence(pers, model.config.n_layer)
 
 # %% [markdown]
 # ### 2c. Input and output of the MLP block (the paper's Figure 10)
@@ -495,12 +508,213 @@ print(f"notebook ran in {time.time() - t_start:.0f} s")
 # average for hundreds of steps before, so the counters had dropped it: importance did not persist, and
 # the counter cache drops about half of the mass. Nothing in these runs follows the theorem's bound, and
 # the reasons are its assumptions (unit norm with a contraction, power-law weights), not the cache.
+
+# %% [markdown]
+# ## 6. On the real model: SmolLM2-135M
 #
+# Everything above ran on a 0.87M-parameter model trained for one kind of task. The paper's observations
+# are about large pretrained language models, so here are the same measurements on a real one:
+# SmolLM2-135M (30 layers, 9 query heads sharing 3 KV heads, fp32), on its default task suite (`passkey`
+# and `niah_single_docs`, which its full cache solves), and the paper's headline experiment, language
+# modelling under a budget (§5: quality kept "at up to 5x compression"). Same helpers, same library code;
+# only the model, the tokenizer and the sizes change.
+
+# %%
+from methods.evaluation import language_modelling
+from methods.evaluation.viz import kept_mask, kept_text
+
+# one thread, as above: on a shared 2-core machine two threads per process spin-wait on each other (a
+# 128-token language-modelling run took 284 s with two threads, 21 s with one)
+t_real = time.time()
+real_model, real_tok, real_card = load("smollm2-135m")     # 30 layers, 9 query heads, 3 KV heads
+LENGTH_REAL = 256 if TINY else 512                 # tokens per sample
+BUDGET_REAL = LENGTH_REAL // 4                     # a quarter, as in section 3
+REAL_TASKS = real_card["default_suite"][:1] if TINY else real_card["default_suite"]
+REAL_PERSISTENCE_SAMPLES = 1 if TINY else 2        # prompts per task for the persistence ratio
+LM_LENGTH = 128 if TINY else 512                   # tokens of text for language modelling
+LM_KEEP_RATIOS = [0.5] if TINY else [0.2, 0.5]     # 0.2 = 5x compression
+print(f"{real_card['default_suite']} at {LENGTH_REAL} tokens, budget {BUDGET_REAL}; persistence on "
+      f"{REAL_TASKS} x {REAL_PERSISTENCE_SAMPLES}; language modelling over {LM_LENGTH} tokens at {LM_KEEP_RATIOS}")
+
+# %% [markdown]
+# ### 6a. What Scissorhands keeps of a real prompt
+#
+# Two prompts compressed at prefill to a quarter (`B = 128` of 512 tokens) by Scissorhands (its defaults)
+# and H2O: the `niah_single_docs` sample of seed 0, whose needle happens to sit at three quarters of the
+# context, and the `passkey` sample of seed 3, whose needle sits at 30%. One strip per layer and KV head
+# (90 of them; the ticks name every fifth layer's first KV head).
+
+# %%
+real_samples = {"niah_single_docs, seed 0": make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=0),
+                "passkey, seed 3": make_sample("passkey", real_tok, LENGTH_REAL, seed=3)}
+real_caches = {}                                   # (sample, method) -> KVCache compressed to BUDGET_REAL
+for name, smp in real_samples.items():
+    for spec in ["scissorhands", "h2o"]:
+        real_caches[name, spec] = KVCache(real_model.config, make_policy(spec, budget=BUDGET_REAL))
+        prefill(real_model, torch.tensor([smp.prompt_ids]), real_caches[name, spec])
+fig, axes = plt.subplots(2, 2, figsize=(14, 10))
+ticks = range(0, real_model.config.n_layer, 5)                       # label every fifth layer's KV head 0
+for ax, (name, spec) in zip(axes.flat, real_caches):
+    smp = real_samples[name]
+    plot_kept(ax, real_caches[name, spec], len(smp.prompt_ids), needle_spans(smp, real_tok),
+              title=f"{spec}, {name}")
+    ax.set_yticks([l * real_model.config.n_kv_head for l in ticks], [f"L{l} KV0" for l in ticks], fontsize=8)
+    ax.set_ylabel("layer, KV head (kept: dark)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# What each cache kept, in numbers: the share of the kept entries that are among the last `B` prompt
+# positions (1.0 = a pure recent window), in how many of the 90 (layer, KV head) strips the first token
+# (the attention sink StreamingLLM keeps on purpose) and the needle's value survive; then the deep
+# needle's sentence as each cache holds it in four layers.
+
+# %%
+SHOWN_LAYERS = [0, 10, 20, 29]
+for (name, spec), cache in real_caches.items():
+    smp = real_samples[name]
+    N_real = len(smp.prompt_ids)
+    start_r, v_r, end_r = needle_spans(smp, real_tok)[0]
+    mask = kept_mask(cache, N_real)                                   # (n_layer, H_kv, N)
+    recent = mask[..., N_real - BUDGET_REAL:].sum() / mask.sum()
+    whole = int(mask[..., v_r:end_r].all(-1).sum())
+    print(f"{spec:12} {name:24}: recent share {recent:.2f}; first token kept in {int(mask[..., 0].sum())} "
+          f"strips; value (positions {v_r}-{end_r - 1} of {N_real}) kept whole in {whole} of "
+          f"{mask.shape[0] * mask.shape[1]} strips")
+for spec in ["scissorhands", "h2o"]:
+    name = "passkey, seed 3"
+    smp = real_samples[name]
+    lines = kept_text(real_tok, smp.prompt_ids, real_caches[name, spec], needle_spans(smp, real_tok)[0]).splitlines()
+    print(f"\n{spec}, {name}:\n" + "\n".join(
+        [lines[0]] + [line for line in lines[1:] if int(line.split()[0][1:]) in SHOWN_LAYERS]))
+
+# %% [markdown]
+# Scissorhands' kept set on SmolLM2 looks as it did on the bundled model: 0.92-0.93 of the kept entries are
+# among the last 128 prompt positions; most of the rest sit just before that window (young tokens too), and
+# the first token is kept in 77-78 of the 90 strips. The age effect of section 3 is the same: an old token
+# had up to 400 queries to be below average, a recent one only a few. So the needle at 30% depth is gone
+# from every strip. H2O spreads its entries over the whole prompt (0.52-0.55 recent: its 64-token recent
+# window and a few heavy hitters there) and keeps fragments of that needle in the late layers ("2159" of
+# "21593" in layer 29), but the whole value only in 2 strips. The seed-0 needle lies inside the last
+# quarter, but at its old end (its value at 375-378 of 495, the window starts at 367), where the counters
+# have had the longest to grow: Scissorhands keeps it whole in 11 strips, H2O in none.
+
+# %% [markdown]
+# ### 6b. Persistence of importance on SmolLM2
+#
+# The measurement of section 2b (the same helper), on `REAL_PERSISTENCE_SAMPLES` prompts of each task of
+# the default suite: per layer, the step-to-step and sequence-level ratios with their base rates, at the
+# uniform level (`level = 1`, the complement of Scissorhands' low flag) and at three times it.
+
+# %%
+real_pers = persistence_by_layer(real_model, real_tok, REAL_TASKS, LENGTH_REAL, REAL_PERSISTENCE_SAMPLES)
+columns = ["step delta=1 ratio", "base", "step delta=50 ratio", "base", "sequence ratio", "base",
+           "heavy share"]
+for level, p in real_pers.items():
+    print(f"level {level} x uniform, over the {p.shape[0]} layers:        min  median  max")
+    for name, col in zip(columns, p.T):
+        print(f"  {name:22} {col.min():20.2f} {col.median():7.2f} {col.max():5.2f}")
+    print(f"  layers with a sequence ratio > 0.95: {int((p[:, 4] > 0.95).sum())} of {p.shape[0]}; "
+          f"with a base rate > 0.95: {int((p[:, 5] > 0.95).sum())}")
+plot_persistence(real_pers, real_model.config.n_layer)
+
+# %% [markdown]
+# Step to step, importance persists on SmolLM2 far above chance. Of the tokens above the uniform level at
+# one step, a fraction 0.52-0.77 (median 0.68) still are at the next, against base rates of 0.04-0.30
+# (median 0.08); fifty steps later 0.17-0.63 (median 0.37) against 0.02-0.23. That is the observation a
+# cache needs, but it is not 95%. The sequence-level reading does reach the paper's figure: median 0.95 over
+# the 30 layers (0.82-1.00), above 0.95 in 16 of them, so in about half of the layers rather than "most".
+# Its base rate is almost as high, though (median 0.89, 0.66-0.99): with 5-30% of the tokens above average
+# at any step, nearly every early token is above average at *some* step of the first half, so the ratio can
+# hardly fail. Asking for three times the uniform level lowers both (ratio 0.75-0.98, median 0.89; base
+# 0.41-0.96, median 0.68; 4 layers of 30 above 0.95), and the gap between ratio and base is where the real
+# persistence shows.
+#
+# ### 6c. The MLP block's cosine on SmolLM2 (Figure 10)
+
+# %%
+real_cos = block_cosine(real_model, torch.tensor([real_samples["niah_single_docs, seed 0"].prompt_ids]))
+cos_mlp = torch.tensor([r["cos_mlp"] for r in real_cos])
+print("cos(x, F(x)) per layer:")
+for first in range(0, len(real_cos), 10):
+    print(f"  layers {first:2}-{first + 9:2}: " + " ".join(f"{c:.3f}" for c in cos_mlp[first:first + 10].tolist()))
+print(f"min {cos_mlp.min():.3f} (layer {cos_mlp.argmin()}), median {cos_mlp.median():.3f}, "
+      f"layers above 0.9: {int((cos_mlp > 0.9).sum())} of {len(cos_mlp)}")
+for layer in [0, 1, len(real_cos) - 1]:
+    r = real_cos[layer]
+    print(f"layer {layer}: |x| = {r['norm_in']:.1f}, |F(x)| = {r['norm_out']:.1f}, whole block {r['cos_block']:.3f}")
+fig, axes = plt.subplots(1, 2, figsize=(12, 3))
+real_layers = range(real_model.config.n_layer)
+axes[0].bar(real_layers, cos_mlp)
+axes[0].set(title="cosine of x and F(x), SmolLM2-135M", xlabel="layer", ylabel="cos(x, F(x))", ylim=(0, 1))
+axes[1].plot(real_layers, [r["norm_in"] for r in real_cos], "o-", label="|x|")
+axes[1].plot(real_layers, [r["norm_out"] for r in real_cos], "o-", label="|F(x)|")
+axes[1].set(title="norms", xlabel="layer", ylabel="mean over positions", yscale="log")
+axes[1].legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# This one reproduces: `cos(x, F(x))` is 0.956-0.983 in 28 of the 30 layers (median 0.971), close to 1
+# as in the paper's Figure 10, where the bundled model gave 0.54-0.87. The two exceptions are the ends of
+# the stack. Layer 0's input is the token embedding (norm 3.5), on which the MLP writes a vector about 13
+# times longer (cosine 0.057). The last layer's MLP turns the stream towards the output vocabulary (0.734).
+# A pretrained model's residual stream is long compared with what one MLP adds, which is what Theorem 3.1
+# assumes.
+#
+# ### 6d. Language modelling under a budget: the headline claim
+#
+# The paper's main experiment (§5) runs OPT models over language-modelling text with the budget cache, and
+# its abstract sums it up as "reduces the inference memory usage of the KV cache by up to 5X without
+# compromising model quality". `language_modelling.run` does the same on a natural text (Python's help
+# topics, `LM_LENGTH` tokens): the decode-time methods fill their cache with the first `keep x prefix`
+# tokens and then evict as they go, token by token; every method is scored on the second half (perplexity,
+# its ratio to the full cache's, KL(full || method), top-1 agreement).
+
+# %%
+t0 = time.time()
+lm_records = language_modelling.run(real_model, real_tok, ["full", "scissorhands", "h2o", "streaming_llm"],
+                                    LM_KEEP_RATIOS, LM_LENGTH, progress=False)
+print(language_modelling.format_table(lm_records))
+print(f"({time.time() - t0:.0f} s)")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+for method in ["scissorhands", "h2o", "streaming_llm"]:
+    rs = sorted((r for r in lm_records if r["method"] == method), key=lambda r: r["keep_ratio"])
+    axes[0].plot([r["keep_ratio"] for r in rs], [r["ppl_ratio"] for r in rs], "o-", label=method)
+    axes[1].plot([r["keep_ratio"] for r in rs], [r["kl"] for r in rs], "o-", label=method)
+axes[0].axhline(1.0, color="black", ls="--", lw=1, label="full cache")
+axes[0].set(title="perplexity / full cache's", xlabel="keep ratio (budget / prefix)", ylabel="ratio")
+axes[1].set(title="KL(full || method) per token", xlabel="keep ratio (budget / prefix)", ylabel="nats")
+axes[0].legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+print(f"section 6 ran in {time.time() - t_real:.0f} s")
+
+# %% [markdown]
+# At keep 0.2 the cache holds 51 entries while the scored positions have seen 257-511 tokens: 5x compression
+# when scoring starts, 10x at the last token. There no method keeps the full cache's quality. Scissorhands
+# is the best of the three (perplexity x1.161, KL 0.234, the full cache's top-1 token at 76% of the
+# positions), ahead of H2O (x1.225) and StreamingLLM (x1.226), but a 16% rise in perplexity is not "without
+# compromising model quality": **the 5x claim does not reproduce on SmolLM2**. At keep 0.5 (128 entries,
+# 2x-4x) H2O matches the full cache (x1.004, KL 0.056), and Scissorhands is the worst of the three by
+# perplexity (x1.099, against x1.075 for StreamingLLM), second by KL (0.074 against 0.106). Section 6a shows
+# why it stays near StreamingLLM: its counters make it keep mostly a recent window and the first token,
+# which is what StreamingLLM keeps by construction (why the few older tokens it adds help at keep 0.2 and
+# not at 0.5, these runs do not say). These are 255 predictions of one 512-token text on a 135M-parameter
+# model: the gaps of a few percent between methods could move on another text, while the 16% at keep 0.2 and
+# H2O's near-exact match at 0.5 are large enough to stand. The paper's models were billion-parameter OPTs
+# with one KV head per query head; here the counters vote for a KV head shared by three query heads.
+
+# %% [markdown]
 # ## What this says at our scale
 #
 # Numbers from the normal run committed with this notebook (5 samples per task and mode, 512-token
 # samples, seed 0; 4 prompts per NIAH task for the persistence ratio; 8 prompts for the single-head
-# model; 200 Monte-Carlo draws per row). `README.md` quotes them in its table of paper claims.
+# model; 200 Monte-Carlo draws per row; section 6: SmolLM2-135M, 2 prompts per task of its default suite
+# for the persistence ratio, one 512-token text for language modelling). `README.md` quotes them in its
+# table of paper claims.
 #
 # * **On the bundled model Scissorhands is no better than StreamingLLM.** At keep ratio 0.25, question in
 #   the prompt, the NIAH tasks of the default suite: accuracy 0.01, the same as StreamingLLM (0.01), against
@@ -533,6 +747,13 @@ print(f"notebook ran in {time.time() - t_start:.0f} s")
 #   In the theorem's own model the assumptions clash (`||x_t|| = 1` is impossible under the spectral
 #   condition); with unit norm enforced the errors at `B/T = 0.5` are 0.29-0.60 (0 for the oracle and 0.99 for
 #   the counter cache when attention is one-hot), and nowhere do they follow the bound.
+# * **On SmolLM2-135M (section 6) the observations hold better than the method does.** The MLP cosine is
+#   close to 1 as in Figure 10 (median 0.971; 0.956-0.983 in 28 of 30 layers). Importance persists step to
+#   step well above chance (median 0.68 against a base rate of 0.08), and the sequence-level ratio is above
+#   0.95 in 16 of 30 layers (median 0.95), but with a base rate of 0.89. Language modelling at keep 0.2
+#   (5x-10x): Scissorhands multiplies the perplexity by 1.161, the best of three but not lossless (H2O
+#   1.225, StreamingLLM 1.226); at keep 0.5, 1.099, behind StreamingLLM (1.075) and H2O (1.004). A share
+#   0.92-0.93 of its kept set is the recent window, as on the bundled model.
 #
 # ## Try it
 #
