@@ -57,7 +57,7 @@ from .. import METHODS, KVReviverPolicy, make_policy, method_chain
 from .side_by_side import FanOut, SharedPrefillUnsupported, step_many
 
 DEFAULT_KEEP_RATIOS = [0.1, 0.2, 0.5]
-DEFAULT_LENGTH = 1024
+DEFAULT_LENGTH = 512
 
 
 def text_ids(tok, length: int) -> list[int]:
@@ -185,10 +185,15 @@ def format_table(records: list[dict]) -> str:
            f"{'ppl/full':>9}{'KL':>8}{'top-1 = full':>13}"
     lines = [head, "-" * len(head)]
     order = {"full": 0, "decode": 1, "prompt": 2}
+
+    def num(x: float, decimals: int) -> str:          # a collapsed cache's perplexity can reach 1e8
+        return f"{x:.{decimals}f}" if abs(x) < 1e4 else f"{x:.2e}"
+
     for r in sorted(records, key=lambda r: (order[r["protocol"]], r["method"], r["keep_ratio"])):
         lines.append(f"{r['method']:<16}{r['protocol']:>9}{r['keep_ratio']:>6.2f}"
                      f"{r['budget'] if r['budget'] is not None else '-':>7}{r['cache_at_end']:>13}"
-                     f"{r['perplexity']:>9.2f}{r['ppl_ratio']:>9.3f}{r['kl']:>8.3f}{r['top1_agreement']:>13.3f}")
+                     f"{num(r['perplexity'], 2):>9}{num(r['ppl_ratio'], 3):>9}{r['kl']:>8.3f}"
+                     f"{r['top1_agreement']:>13.3f}")
     return "\n".join(lines)
 
 
