@@ -720,14 +720,14 @@ print(f"section 6 ran in {time.time() - t_real:.0f} s")
 #   the prompt, the NIAH tasks of the default suite: accuracy 0.01, the same as StreamingLLM (0.01), against
 #   0.69 for H2O (KL 7.28 / 7.28 / 1.05). At 0.5, mean over the suite: 0.37 (in prompt) and 0.36 (after
 #   context), below StreamingLLM (0.45, 0.45) and H2O (0.85, 0.85); at 0.1 nothing works (at most 0.01).
-# * **Why: the counter favours young tokens, and a count ignores how strongly a token is attended.** A token
-#   at position `p` has at most `N - p` low flags, so the kept set is mostly the last 100-odd tokens
-#   (section 3). The needle's value was below average for 41-241 of the last 400 queries (most heads: about
-#   200), against a largest kept counter of 34-102; H2O's accumulated attention puts it among its 64 heavy
-#   hitters in some heads (layer 0 KV 0: ranks 5-21). A short history does not help (mean accuracy over the
-#   suite 0.01 with `w = 32`, 0.03 with `w = 8`, 0.05 with `w = 400`; 0.00 on the NIAH tasks): the needle is
-#   heavy for the few queries that retrieve it, which a count of below-average steps weighs like any other
-#   step. Dropping `m = 16` at a time changes nothing here (0.05).
+# * **Why: a count of below-average steps ignores how strongly a token is attended.** The needle's value
+#   was below average for 41-241 of the last 400 queries (most heads: about 200), against a largest kept
+#   counter of 34-102; H2O's accumulated attention puts it among its 64 heavy hitters in some heads (layer 0
+#   KV 0: ranks 5-21). The needle is heavy for the few queries that retrieve it, which the count weighs like
+#   any other step. The counters also favour young tokens (a token at position `p` has at most `N - p` low
+#   flags, so the kept set is mostly the last 100-odd tokens, section 3), but that is not the reason: a short
+#   history, which removes most of the age effect, does not help (mean accuracy over the suite 0.01 with
+#   `w = 32`, 0.03 with `w = 8`, 0.05 with `w = 400`; 0.00 on the NIAH tasks). Dropping `m = 16` at a time changes nothing here (0.05).
 # * **The counters cost more memory than the K/V they manage**, stored as one byte per flag: 408 KiB of
 #   per-slot state beside 256 KiB of K/V at `B = 128` with `w = 400` (packed bits: 58 KiB, 50 of them flags).
 # * **Persistence of importance holds step to step, and the 95% figure is easy to reach.** Of the tokens
