@@ -384,6 +384,14 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 # estimate it, as H2O or SnapKV do for tokens.)
 
 # %% [markdown]
+# **And on the real model?** The other method notebooks end with a section on SmolLM2-135M, a pretrained
+# model. This one cannot: tensor attention is a different attention *module*, not a policy over a standard
+# cache, and SmolLM2 was trained with standard softmax attention. Swapping its attention for a tensor one
+# would need a model trained that way (as the Match3 models of section 4 were), and no pretrained tensor-
+# attention model exists that runs here. So the claims of this notebook are measured on the models it
+# trains and bundles, and the README's SmolLM2 table marks them "does not apply".
+
+# %% [markdown]
 # ## 8. Try it
 #
 # 1. Time a decode step with the naive path at i = 1024 and count its bytes moved: it builds two n^2 d
