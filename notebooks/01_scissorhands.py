@@ -727,7 +727,8 @@ print(f"section 6 ran in {time.time() - t_real:.0f} s")
 #   any other step. The counters also favour young tokens (a token at position `p` has at most `N - p` low
 #   flags, so the kept set is mostly the last 100-odd tokens, section 3), but that is not the reason: a short
 #   history, which removes most of the age effect, does not help (mean accuracy over the suite 0.01 with
-#   `w = 32`, 0.03 with `w = 8`, 0.05 with `w = 400`; 0.00 on the NIAH tasks). Dropping `m = 16` at a time changes nothing here (0.05).
+#   `w = 32`, 0.03 with `w = 8`, 0.05 with `w = 400`; 0.00 on the NIAH tasks). Dropping `m = 16` at a time
+#   changes nothing here (0.05).
 # * **The counters cost more memory than the K/V they manage**, stored as one byte per flag: 408 KiB of
 #   per-slot state beside 256 KiB of K/V at `B = 128` with `w = 400` (packed bits: 58 KiB, 50 of them flags).
 # * **Persistence of importance holds step to step, and the 95% figure is easy to reach.** Of the tokens
