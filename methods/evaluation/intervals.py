@@ -1,5 +1,5 @@
 """
-How sure is a table's accuracy? 95% intervals by the bootstrap, and which differences are within noise.
+How sure is a table's accuracy? 95% intervals (Wilson, bootstrap), and which differences are within noise.
 
 A cell of the compare table averages a handful of answers (10 samples per task and mode by default), each
 scored 0..1 by ``string_match_all``. Its mean accuracy moves with the samples drawn, so two methods 0.1
@@ -7,8 +7,9 @@ apart may be the same method seen through different luck. The bootstrap (Efron, 
 spread from the samples themselves: draw the samples again with replacement, recompute the mean, repeat,
 and read the 2.5% and 97.5% quantiles of the recomputed means.
 
-A row's own interval is Wilson's score interval (Wilson, 1927) for n answers with mean accuracy p. It is
-exact in spirit for right/wrong answers, and conservative for partly right ones (a 0..1 score varies
+A row's own interval is Wilson's score interval (Wilson, 1927) for n answers with mean accuracy p. It is an
+approximate interval made for right/wrong answers (Clopper-Pearson's would be exact), and conservative
+for partly right ones (a 0..1 score varies
 at most as much as a right/wrong one with the same mean). Unlike the bootstrap it does not collapse to a
 point when every sample scored the same: 0 right out of 20 gives [0.00, 0.16], not [0, 0].
 
@@ -21,10 +22,13 @@ Differences between two rows use the bootstrap, with two choices that keep them 
   together; pairing removes that shared part of the noise, so paired intervals are narrower than the two
   rows' own intervals suggest.
 
-A difference is *within noise* when its 95% interval contains 0. The bootstrap intervals are percentile
-intervals from a fixed seed: the same records always give the same intervals. When both rows score the
-same on every sample the difference's interval is [0, 0]: the rows cannot be told apart, which is what
-"within noise" reports.
+A difference is *within noise* when its 95% interval contains 0: the two rows cannot be told apart with
+these samples, which is not the same as being equal. With few samples the percentile bootstrap is on the
+lenient side (a gap carried by four samples that all went one way can come out beyond noise), and a table
+makes dozens of comparisons without correction, so read a lone "beyond noise" with care. The bootstrap
+intervals are percentile intervals from a fixed seed: the same records always give the same intervals.
+When both rows score the same on every sample the difference's interval is [0, 0]: the rows cannot be told
+apart, which is what "within noise" reports.
 """
 
 from __future__ import annotations
