@@ -215,6 +215,15 @@ def plot(records: list[dict], path: str) -> None:
     cli.save_figure(fig, path)                  # png/pdf/svg by suffix; the old figure stays if writing fails
 
 
+def check_methods_flag(specs: list[str]) -> None:
+    """``--methods``: a one-line error naming the first bad method spec, before any work starts."""
+    for m in specs:
+        try:
+            method_chain(m)
+        except ValueError as e:
+            cli.fail(f"--methods: {e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = cli.ArgumentParser(
         prog="python -m methods.compare",
@@ -266,11 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     with cli.errors(args.debug):
         # every argument is checked before the model loads
         methods = args.methods or list(METHODS)
-        for m in methods:
-            try:
-                method_chain(m)
-            except ValueError as e:
-                cli.fail(f"--methods: {e}")
+        check_methods_flag(methods)
         if args.json and args.plot and args.json.resolve() == args.plot.resolve():
             cli.fail("--json and --plot name the same file")
         config, card = load_config(args.checkpoint), load_card(args.checkpoint)

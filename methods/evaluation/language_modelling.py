@@ -53,7 +53,8 @@ from nanollm.io.files import atomic_write_text
 from nanollm.lean import LeanDecoder
 from nanollm.policy import CachePolicy, FullCache
 
-from .. import METHODS, KVReviverPolicy, make_policy, method_chain
+from .. import METHODS, KVReviverPolicy, make_policy
+from .compare import check_methods_flag
 from .side_by_side import FanOut, SharedPrefillUnsupported, step_many
 
 DEFAULT_KEEP_RATIOS = [0.1, 0.2, 0.5]
@@ -244,11 +245,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with cli.errors(args.debug):
         methods = args.methods or list(METHODS)
-        for m in methods:
-            try:
-                method_chain(m)
-            except ValueError as e:
-                cli.fail(f"--methods: {e}")
+        check_methods_flag(methods)
         if any(not 0 < r <= 1 for r in args.keep_ratios):
             cli.fail(f"--keep-ratios must lie in (0, 1], got {args.keep_ratios}")
         if args.json and args.plot and args.json.resolve() == args.plot.resolve():
