@@ -43,7 +43,7 @@ How this file resolves what the paper leaves open:
   the same positions in every head (the newest), and every head holds the same number of raw slots, so the
   storage stays rectangular. The budget, per KV head, is the same: R + C raw slots + r x b cells, and the
   memory is identical (H_kv sketches of one head = one sketch of H_kv heads); only the score tables grow
-  H_kv-fold. Both granularities are compared on SmolLM2-135M in notebook 05, section 6.
+  H_kv-fold. Both granularities are compared on SmolLM2-135M in notebook 06, section 6.
 * Budget = slots per layer: raw slots (R + C) plus sketch cells (r x b). Split 0.45 / 0.45 / 0.1 (Tables
   2-3), with ``R.budget = budget - C.budget - r*b - recent_slack`` so that raw slots + cells never
   exceed ``budget`` even when R is over by its slack. ``recent_slack`` (Algorithm 3's Slack: tokens R may

@@ -4,7 +4,7 @@ a full cache computes at every step (§3.1, Appendix A.1), which tokens are *hea
 uniform level) and whether they stay heavy ("persistence of importance", §3.2), and Appendix A.2's cosine
 similarity of the MLP block's input and output (Figure 10).
 
-None of this is needed to run the method (``methods/scissorhands.py``); notebook 01 and the tests use it to
+None of this is needed to run the method (``methods/scissorhands.py``); notebook 02 and the tests use it to
 check the hypothesis the method rests on.
 """
 
