@@ -178,10 +178,12 @@ def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tupl
 def step_probs(q: Tensor, k: Tensor) -> Tensor:
     """Attention probabilities of one query per row: q (B, H, 1, d), k (B, H_kv, Tk, d) -> (B, H_kv, G, Tk),
     the G query heads of each KV head side by side (GQA without repeating k)."""
+    # BEGIN SOLUTION [cache] q as (B, H_kv, G, d) scaled by 1/sqrt(d); one matmul with k^T per KV head; softmax
     B, H, _, d = q.shape
     H_kv = k.shape[1]
     qg = q.view(B, H_kv, H // H_kv, d) / math.sqrt(d)                   # (B, H_kv, G, d): G query rows
     return torch.softmax(qg @ k.transpose(-1, -2), dim=-1)              # (B, H_kv, G, Tk)
+    # END SOLUTION
 
 
 def step_statistics(probs: Tensor, needs: Needs) -> tuple[Tensor | None, Tensor | None]:
@@ -260,7 +262,9 @@ def attend_masked(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
         C = qc.shape[2]
         qg = qc.reshape(B, H_kv, G * C, d) / math.sqrt(d)              # (B, H_kv, G*C, d) rows per KV head
         scores = (qg @ k.transpose(-1, -2)).view(B, H_kv, G, C, Tk)    # (B, H_kv, G, C, Tk)
+        # BEGIN SOLUTION [cache] visible[b, h, 0, c, s]: may query c (at position pc[c]) see slot s (at kp[..., s])?
         visible = (kp <= pc[:, None]) & (kp >= 0)                      # (B, H_kv, 1, C, Tk)
+        # END SOLUTION
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)                          # (B, H_kv, G, C, Tk)
         outs.append((probs.view(B, H_kv, G * C, Tk) @ v).view(B, H, C, d))

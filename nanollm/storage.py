@@ -116,11 +116,13 @@ class LayerKV:
             self._pos = pos.new_full((B, H_kv, cap), -1)
         elif self.n + Tn > self.capacity():
             self._grow(self.n + Tn)
+        # BEGIN SOLUTION [cache] write k, v, pos into slots n..n+Tn-1 of the buffers, in place; then advance n
         end = self.n + Tn
         self._k[:, :, self.n:end] = k           # written in place: no copy of the stored slots
         self._v[:, :, self.n:end] = v
         self._pos[:, :, self.n:end] = pos
         self.n = end
+        # END SOLUTION
         for name, t in self.state.items():     # new slots start from the state's fill value
             new = t.new_full((B, H_kv, Tn, *t.shape[3:]), self.fill[name])
             self.state[name] = torch.cat([t, new], dim=2)

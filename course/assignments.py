@@ -1,0 +1,83 @@
+"""
+The assignments: one per topic, each a folder ``course/<name>/`` with
+
+* ``sheet.md``: the goal, the paper section to read, the tasks with their points, the CPU-minute budget, the
+  written questions and their rubric (model answers in solution regions);
+* ``adapters.py``: the only door the tests use into a student's code (CS336-style): a student who
+  restructures the code points the adapters at it, and the tests never change;
+* ``test_public.py``: the tests a student gets; ``test_hidden.py``: the tests only the grader has.
+
+The solution regions live where the code belongs, in the library's own files and in the notebooks, marked
+with ``course.markers``; ``SOURCES`` lists where each assignment's regions are, and a test checks that the
+markers found in the repository are exactly these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .markers import Region, find_regions
+
+ROOT = Path(__file__).resolve().parents[1]
+COURSE = ROOT / "course"
+SCANNED = ("nanollm", "methods", "kernels", "notebooks")    # where regions may be (besides the sheets)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    name: str
+    title: str
+    library: tuple[str, ...]     # library files with solution regions, relative to the root
+    notebook: str                # the notebook of the topic (its exercises may hold regions too)
+
+    @property
+    def folder(self) -> Path:
+        return COURSE / self.name
+
+    @property
+    def sheet(self) -> Path:
+        return self.folder / "sheet.md"
+
+    def tests(self, hidden: bool = True) -> list[Path]:
+        names = ["test_public.py"] + (["test_hidden.py"] if hidden else [])
+        return [self.folder / n for n in names if (self.folder / n).exists()]
+
+    def sources(self) -> list[Path]:
+        """Every file that may hold this assignment's regions: library files, the notebook, the sheet."""
+        return [ROOT / p for p in self.library] + [ROOT / "notebooks" / f"{self.notebook}.py", self.sheet]
+
+    def regions(self) -> list[Region]:
+        return [r for p in self.sources() if p.exists() for r in find_regions(p) if r.assignment == self.name]
+
+
+ASSIGNMENTS = {a.name: a for a in [
+    Assignment("cache", "The KV cache: store, mask by position, decode",
+               ("nanollm/storage.py", "nanollm/attention.py"), "00_nanollm_kv_cache"),
+    Assignment("baselines", "The four baselines: StreamingLLM, H2O, SnapKV, AdaKV",
+               ("methods/streaming_llm.py", "methods/h2o.py", "methods/snapkv.py", "methods/adakv.py"),
+               "01_baselines"),
+    Assignment("scissorhands", "Scissorhands: counting unimportance in a history window",
+               ("methods/scissorhands.py",), "02_scissorhands"),
+    Assignment("tensor_attention", "Tensor attention: attention over pairs, factored",
+               ("methods/tensor_attention/attention.py",), "03_tensor_attention"),
+    Assignment("critical_kv", "CriticalKV: the output perturbation, its bound, two-stage selection",
+               ("methods/critical_kv.py",), "04_perturbation_selection"),
+    Assignment("chunkkv", "ChunkKV: keep whole chunks", ("methods/chunkkv.py",), "05_chunkkv"),
+    Assignment("kvreviver", "KVReviver: a count sketch of evicted tokens", ("methods/kvreviver.py",),
+               "06_kvreviver"),
+    Assignment("kernels", "Split-K decode attention in Triton", ("kernels/decode_attention.py",), "07_kernels"),
+]}
+
+
+def get(name: str) -> Assignment:
+    """The assignment called ``name``, or a one-line error listing the names."""
+    if name not in ASSIGNMENTS:
+        raise SystemExit(f"error: no assignment {name!r}; choose one of: {', '.join(ASSIGNMENTS)}")
+    return ASSIGNMENTS[name]
+
+
+def scanned_files() -> list[Path]:
+    """Every file of the repository that may hold a region: Python under ``SCANNED``, and the sheets."""
+    files = [p for d in SCANNED for p in sorted((ROOT / d).rglob("*.py")) if "__pycache__" not in p.parts]
+    return files + sorted(COURSE.glob("*/sheet.md"))

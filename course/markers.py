@@ -1,0 +1,102 @@
+"""
+Solution regions: the lines of the library (and of the notebooks) a student copy replaces.
+
+A region is two comment lines around the lines a student writes::
+
+    def step_probs(q, k):
+        # BEGIN SOLUTION [cache] scale the queries by 1/sqrt(d), one matrix product per KV head, softmax
+        ...the reference solution...
+        # END SOLUTION
+
+The id in brackets names the assignment; the rest of the BEGIN line is the hint the student copy shows in
+place of the solution, as ``raise NotImplementedError("<id>: <hint>")`` at the BEGIN line's indentation. In
+Markdown (the assignment sheets) a region is ``<!-- BEGIN SOLUTION [id] -->`` ... ``<!-- END SOLUTION -->``
+and becomes ``*(your answer)*``. Regions never nest; every BEGIN has its END; an error names the file and
+the line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+PY_BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION \[(?P<id>[a-z0-9_]+)\]\s*(?P<hint>.*?)\s*$")
+PY_END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
+MD_BEGIN = re.compile(r"^(?P<indent>[ \t]*)<!-- BEGIN SOLUTION \[(?P<id>[a-z0-9_]+)\]\s*(?P<hint>.*?)\s*-->\s*$")
+MD_END = re.compile(r"^[ \t]*<!-- END SOLUTION -->\s*$")
+LOOSE = re.compile(r"(BEGIN|END) SOLUTION")           # anything that looks like a marker must parse as one
+
+
+class MarkerError(ValueError):
+    """A malformed, unbalanced or nested marker; the message starts with ``file:line:``."""
+
+
+@dataclass(frozen=True)
+class Region:
+    path: Path
+    assignment: str
+    hint: str
+    begin: int          # 1-based line of the BEGIN marker
+    end: int            # 1-based line of the END marker
+    indent: str
+
+    def body(self, lines: list[str]) -> list[str]:
+        """The solution lines between the markers."""
+        return lines[self.begin:self.end - 1]
+
+
+def syntax(path: Path) -> tuple[re.Pattern, re.Pattern]:
+    """The (BEGIN, END) patterns of a file: Markdown comments for .md, Python comments otherwise."""
+    return (MD_BEGIN, MD_END) if path.suffix == ".md" else (PY_BEGIN, PY_END)
+
+
+def find_regions(path: str | Path, text: str | None = None) -> list[Region]:
+    """Every region of a file, in order. Raises ``MarkerError`` (``file:line: what is wrong``) on a BEGIN
+    inside a region, an END outside one, a region left open, or a line that mentions a marker but is not one."""
+    path = Path(path)
+    lines = (path.read_text() if text is None else text).splitlines()
+    begin_re, end_re = syntax(path)
+    regions, open_ = [], None
+    for n, line in enumerate(lines, 1):
+        begin, end = begin_re.match(line), end_re.match(line)
+        if begin:
+            if open_ is not None:
+                raise MarkerError(f"{path}:{n}: BEGIN SOLUTION inside the region opened at line {open_[0]} "
+                                  "(regions do not nest)")
+            if not begin["hint"]:
+                raise MarkerError(f"{path}:{n}: BEGIN SOLUTION [{begin['id']}] has no hint for the student")
+            open_ = (n, begin)
+        elif end:
+            if open_ is None:
+                raise MarkerError(f"{path}:{n}: END SOLUTION without a BEGIN SOLUTION before it")
+            start, m = open_
+            regions.append(Region(path, m["id"], m["hint"], start, n, m["indent"]))
+            open_ = None
+        elif LOOSE.search(line) and line.lstrip().startswith(("#", "<!--")):
+            raise MarkerError(f"{path}:{n}: cannot parse the marker {line.strip()!r} (expected "
+                              f"'{'<!-- ' if path.suffix == '.md' else '# '}BEGIN SOLUTION [id] hint' or "
+                              f"'{'<!-- ' if path.suffix == '.md' else '# '}END SOLUTION')")
+    if open_ is not None:
+        raise MarkerError(f"{path}:{open_[0]}: BEGIN SOLUTION [{open_[1]['id']}] is never closed by END SOLUTION")
+    return regions
+
+
+def strip(path: str | Path, assignment: str, text: str | None = None) -> str:
+    """The file's text with ``assignment``'s regions replaced by what a student gets (other regions kept,
+    markers and all)."""
+    path = Path(path)
+    text = path.read_text() if text is None else text
+    lines = text.splitlines()
+    out, last = [], 0
+    for r in find_regions(path, text):
+        if r.assignment != assignment:
+            continue
+        out += lines[last:r.begin - 1]
+        if path.suffix == ".md":
+            out.append(f"{r.indent}*(your answer)*")
+        else:
+            out.append(f"{r.indent}raise NotImplementedError({f'{r.assignment}: {r.hint}'!r})   # your code here")
+        last = r.end
+    out += lines[last:]
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
