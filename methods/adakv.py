@@ -67,6 +67,7 @@ def adaptive_keep_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:
     deterministic.
     """
     B, H_kv, T = scores.shape
+    # BEGIN SOLUTION [baselines] each head's top n_safe set to +inf, then the layer-wide top H_kv*budget
     s = torch.nan_to_num(scores.float(), nan=float("-inf"))
     if n_safe > 0:     # safeguard: force each head's top n_safe to the front of the global ranking
         safe = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :n_safe]  # (B, H_kv, n_safe)
@@ -75,6 +76,7 @@ def adaptive_keep_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:
     top = torch.sort(flat, dim=-1, descending=True, stable=True).indices[:, :H_kv * budget]
     mask = torch.zeros(B, H_kv * T, dtype=torch.bool, device=scores.device)
     return mask.scatter(1, top, True).view(B, H_kv, T)
+    # END SOLUTION
 
 
 def mask_to_indices(mask: Tensor) -> Tensor:

@@ -104,11 +104,13 @@ class H2OPolicy(ScoringPolicy):
         check_int("n_recent", self.n_recent, 0, high=self.budget, what=" (at most the budget)")
 
     def observe(self, ctx: StepContext) -> None:
+        # BEGIN SOLUTION [baselines] prefill: what each slot received is its score (set_state); decode: add to it
         received = received_attention(ctx.col_sums, ctx.kv.pos.shape[1])  # (B, H_kv, T)
         if ctx.phase == "prefill":      # column sums of the causal prompt attention (raw, not normalised)
             ctx.kv.set_state(STATE, received, fill=0.0)
         else:                           # Alg. 1: every kept token adds what it received; new ones start at 0
             ctx.kv.state[STATE] += received
+        # END SOLUTION
 
     def needs(self, phase: str) -> Needs:
         """Column sums of the attention at every step: what each entry received (Algorithm 1)."""

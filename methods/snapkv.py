@@ -81,10 +81,12 @@ def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str)
     -------
     scores : (B, H_kv, Tp) float32, higher = keep.
     """
+    # BEGIN SOLUTION [baselines] sum the window's rows, pool along the tokens, mean over each GQA group
     B, H, _, Tp = probs_window.shape                                    # (B, H, w, Tp)
     vote = probs_window.float().sum(dim=2)                              # (B, H, Tp) summed over the window
     vote = pool1d(vote, kernel, pooling)                                # (B, H, Tp) clusters neighbours
     return group_mean(vote, n_kv_head)                                  # (B, H_kv, Tp) GQA group mean
+    # END SOLUTION
 
 
 def snapkv_scores(probs: Tensor, n_kv_head: int, window: int, kernel: int, pooling: str) -> Tensor:

@@ -51,8 +51,10 @@ def sink_and_recent(budget: int, n_sink: int) -> tuple[int, int]:
 def sinks_and_recent_mask(pos: Tensor, seen: int, budget: int, n_sink: int) -> Tensor:
     """(B, H_kv, T) bool: the S sinks (positions 0..S-1) and the R most recent positions (seen-R..seen-1).
     pos (B, H_kv, T), -1 = empty slot."""
+    # BEGIN SOLUTION [baselines] True on the S sinks (positions 0..S-1) and the R most recent positions
     S, R = sink_and_recent(budget, n_sink)
     return ((pos >= 0) & (pos < S)) | (pos >= seen - R)
+    # END SOLUTION
 
 
 def streaming_llm_keep(pos: Tensor, seen: int, budget: int, n_sink: int) -> Tensor:

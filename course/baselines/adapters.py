@@ -1,0 +1,96 @@
+"""
+The tests' only door into your code for the ``baselines`` assignment (as in Stanford CS336's assignments):
+the tests call these functions and nothing else. If you move or rename things, change these functions so
+they reach your code; never change the tests.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from methods import make_policy
+from methods.adakv import adaptive_keep_mask
+from methods.h2o import STATE, H2OPolicy
+from methods.snapkv import snapkv_keep, snapkv_scores, window_vote
+from methods.streaming_llm import sinks_and_recent_mask
+from nanollm import KVCache, Transformer, decode_step, prefill, preset
+from nanollm.storage import LayerKV
+
+
+def streaming_mask(pos: Tensor, seen: int, budget: int, n_sink: int) -> Tensor:
+    """(B, H_kv, T) bool: the slots StreamingLLM keeps (pos (B, H_kv, T), -1 = empty slot)."""
+    return sinks_and_recent_mask(pos, seen, budget, n_sink)
+
+
+def h2o_policy(budget: int) -> H2OPolicy:
+    return make_policy("h2o", budget)
+
+
+def new_storage() -> LayerKV:
+    return LayerKV()
+
+
+def storage_append(store: LayerKV, k: Tensor, v: Tensor, pos: Tensor) -> None:
+    store.append(k, v, pos)
+
+
+def h2o_observe(policy: H2OPolicy, store: LayerKV, col_sums: Tensor, phase: str, seen: int) -> Tensor:
+    """Let H2O observe one step's attention (col_sums (B, H, T): attention each slot received, summed over
+    the step's queries); return its per-slot scores (B, H_kv, T) afterwards."""
+    policy.observe(SimpleNamespace(col_sums=col_sums, kv=store, phase=phase, seen=seen))
+    return store.state[STATE]
+
+
+def snapkv_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str) -> Tensor:
+    """SnapKV's pooled votes (B, H_kv, Tp) from the window's attention (B, H, w, Tp)."""
+    return window_vote(probs_window, n_kv_head, kernel, pooling)
+
+
+def snapkv_select(probs: Tensor, pos: Tensor, seen: int, budget: int, window: int, kernel: int,
+                  pooling: str) -> Tensor:
+    """The slots SnapKV keeps (B, H_kv, K), ascending, from the prompt's last rows of attention (B, H, R, T)."""
+    scores = snapkv_scores(probs, pos.shape[1], window, kernel, pooling)
+    return snapkv_keep(scores, pos, seen, budget, window)
+
+
+def adakv_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:
+    """(B, H_kv, T) bool: the (head, slot) pairs AdaKV keeps."""
+    return adaptive_keep_mask(scores, budget, n_safe)
+
+
+def tiny_model(seed: int = 0) -> Transformer:
+    """A seeded random Llama-flavour model (GQA) in fp32 with peaked attention (weights drawn with std 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(preset("TINY"))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model.float().eval()
+
+
+def new_cache(model: Transformer, method: str, budget: int, **options) -> KVCache:
+    """A cache run by the named method ("streaming_llm", "h2o", "snapkv", "adakv")."""
+    return KVCache(model.config, make_policy(method, budget, **options))
+
+
+def kept_positions(cache: KVCache, layer: int) -> Tensor:
+    """Positions held by a layer (B, H_kv, T); -1 = empty slot."""
+    return cache.layers[layer].pos
+
+
+def run_prefill(model: Transformer, ids: Tensor, cache: KVCache) -> Tensor:
+    return prefill(model, ids, cache)
+
+
+def run_decode(model: Transformer, token: Tensor, cache: KVCache) -> Tensor:
+    return decode_step(model, token, cache)
+
+
+@torch.no_grad()
+def uncached_logits(model: Transformer, ids: Tensor) -> Tensor:
+    """The oracle: one forward pass without a cache (B, T, V)."""
+    return model(ids)
