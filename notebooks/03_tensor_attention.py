@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 02 Tensor attention: a four-matrix or a two-matrix KV cache
+# # 03 Tensor attention: a four-matrix or a two-matrix KV cache
 #
 # Chen, Li, Liang, Shi et al., "Time and Memory Trade-off of KV-Cache Compression in Tensor Transformer
 # Decoding", 2025, [arXiv 2503.11108](https://arxiv.org/abs/2503.11108). Tensor attention itself comes from
@@ -27,7 +27,8 @@
 #    so the claimed speed gap only holds against a four-matrix cache that rebuilds the pairs each step;
 # 4. a task where pairs matter (Match3): a trained tensor model vs a standard one of the same size;
 # 5. the memory lower bound in a small experiment (the Index problem);
-# 6. SubGen-style clustering and sampling as an approximate cache: error vs memory.
+# 6. SubGen-style clustering and sampling as an approximate cache: error vs memory;
+# 7. whether dropping tokens or dropping pairs is the better use of a compressed tensor cache's bytes.
 #
 # Code: `methods/tensor_attention/attention.py` (the module and the caches), `methods/tensor_attention/bench.py`
 # (the measurement), `methods/tensor_attention/match3.py` (task, training, checkpoints),
@@ -140,15 +141,15 @@ print("greedy tokens identical for every layout:", all(torch.equal(t, tokens[0])
 # of 7 steps, slopes fitted over the longer half of the lengths.
 
 # %%
-r = measure(LENGTHS)
-print(table(r))
+timing = measure(LENGTHS)
+print(table(timing))
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
 for k, style in (("four", "o-"), ("two", "s-")):
-    ax1.loglog(r["lengths"], [b / 2**20 for b in r[k]["bytes"]], style,
-               label=f"{k}-matrix (slope {r[k]['bytes_slope']:.2f})")
+    ax1.loglog(timing["lengths"], [b / 2**20 for b in timing[k]["bytes"]], style,
+               label=f"{k}-matrix (slope {timing[k]['bytes_slope']:.2f})")
 ax1.set(xlabel="tokens i", ylabel="stored MiB (one layer)", title="memory: 4 i d  vs  2 i^2 d + 4 i d")
 for k, style in (("four-naive", "^-"), ("four", "o-"), ("two", "s-")):
-    ax2.loglog(r["lengths"], r[k]["ms"], style, label=f"{k} (slope {r[k]['time_slope']:.2f})")
+    ax2.loglog(timing["lengths"], timing[k]["ms"], style, label=f"{k} (slope {timing[k]['time_slope']:.2f})")
 ax2.set(xlabel="tokens i", ylabel="ms per decode step", title="time per decode step")
 for ax in (ax1, ax2):
     ax.legend(fontsize=8)
@@ -156,30 +157,31 @@ for ax in (ax1, ax2):
 fig.tight_layout()
 plt.show()
 last = -1
-print(f"at i = {r['lengths'][last]}: two-matrix cache {r['two']['bytes'][last] / r['four']['bytes'][last]:.0f}x "
-      f"the bytes of the four-matrix cache; naive four / two = "
-      f"{r['four-naive']['ms'][last] / r['two']['ms'][last]:.1f}x the time, factored four / two = "
-      f"{r['four']['ms'][last] / r['two']['ms'][last]:.2f}x")
+print(f"at i = {timing['lengths'][last]}: two-matrix cache "
+      f"{timing['two']['bytes'][last] / timing['four']['bytes'][last]:.0f}x the bytes of the four-matrix cache; "
+      "naive four / two = "
+      f"{timing['four-naive']['ms'][last] / timing['two']['ms'][last]:.1f}x the time, factored four / two = "
+      f"{timing['four']['ms'][last] / timing['two']['ms'][last]:.2f}x")
 
 # %% [markdown]
-# What the measurement says. The timings move from run to run (page faults on fresh buffers, a shared CPU),
-# so here are the ranges over seven runs on the same machine, 1 thread (`python -m methods.tensor_attention.bench` and
-# this notebook; the run above is one more draw, and may land a little outside them):
+# What the measurement says. The timings move from run to run (page faults on fresh buffers, a shared CPU;
+# `python -m methods.tensor_attention.bench` gives another draw each time), so read the slopes and the orders
+# of magnitude, not the second digit. In the committed run (1 thread):
 #
 # * **Memory**: slope 1.00 for the four-matrix cache and 1.98 for the two-matrix one (its 4 i d of factors
 #   bend the line just below 2). At 1024 tokens the two-matrix cache is 513x larger: (2 i^2 + 4 i) d
 #   against 4 i d.
-# * **Time**: every path grows like i^2 (fitted slopes 1.6-2.5 over 256-1024 tokens, noisy but all near
-#   2): no layout escapes the i^2 d arithmetic of scoring every pair.
+# * **Time**: every path grows like i^2 (fitted slopes 1.83, 1.55 and 2.06 over 256-1024 tokens, noisy but
+#   all well above 1): no layout escapes the i^2 d arithmetic of scoring every pair.
 # * **Theorem 4.3 holds against the naive path only**: rebuilding both Kronecker products every step is
-#   6-13x slower than the two-matrix cache at 512-1024 tokens, and the gap itself grows with slope 1.7-2.1,
+#   4.8-5.0x slower than the two-matrix cache at 512-1024 tokens, and the gap itself grows with slope 1.79,
 #   the Omega(n^2 d) of the theorem.
-# * **The factored four-matrix path is the fastest of the three**: 0.2-0.8x the two-matrix path's time at
-#   256-1024 tokens in every run. Both do about 2 i^2 d multiply-adds per head, but the two-matrix path
-#   streams 2 i^2 d stored floats from memory at every step (512 MiB at 1024 tokens), while the factored
-#   path reads 4 i d and works on an i x i score matrix per head. On this CPU the trade-off "less memory,
-#   more time" does not exist: the four-matrix cache wins on both. (A GPU has other constants; not
-#   measured here.)
+# * **The factored four-matrix path is the fastest of the three**: 0.15-0.30x the two-matrix path's time at
+#   256-1024 tokens. Both do about 2 i^2 d multiply-adds per head, but the two-matrix path streams 2 i^2 d
+#   stored floats from memory at every step (525312 KiB in all at 1024 tokens), while the factored path
+#   reads 4 i d and works on an i x i score matrix per head. On this CPU the trade-off "less memory, more
+#   time" does not exist: the four-matrix cache wins on both. (A GPU has other constants; not measured
+#   here.)
 
 # %% [markdown]
 # ## 4. Where pairs matter: Match3
@@ -203,6 +205,8 @@ for name, m, card in (("tensor", tensor_model, tensor_card), ("standard", standa
     print(f"{name:>8} attention, {m.num_params():,} parameters: label accuracy {r4['accuracy']:.3f} "
           f"(teacher-forced), {r4['greedy_accuracy']:.3f} (greedy, reading its own labels); "
           f"majority-per-position baseline {baseline:.3f}; card: {card['accuracy']:.3f}")
+    print("  training curve (step: accuracy on 500 sequences): "
+          + ", ".join(f"{h['step']}: {h['accuracy']:.3f}" for h in card["history"]))
 
 # %% [markdown]
 # Accuracy by position: early positions are easy (few pairs: mostly NO), late ones too (many pairs: mostly
@@ -217,7 +221,11 @@ ax.plot(range(1, match3.N_NUMBERS + 1), torch.maximum(yes, 1 - yes), "k--", labe
 for name, m in (("tensor", tensor_model), ("standard", standard_model)):
     with torch.no_grad():
         pred = m(ids).argmax(-1)[:, 1::2]
-    ax.plot(range(1, match3.N_NUMBERS + 1), (pred == truth).float().mean(0), "o-", label=f"{name} attention")
+    by_position = (pred == truth).float().mean(0)
+    ax.plot(range(1, match3.N_NUMBERS + 1), by_position, "o-", label=f"{name} attention")
+    print(f"{name:>8} attention, accuracy by position 1-{match3.N_NUMBERS}: "
+          + " ".join(f"{a:.2f}" for a in by_position.tolist()))
+print("majority per position:         " + " ".join(f"{a:.2f}" for a in torch.maximum(yes, 1 - yes).tolist()))
 ax.set(xlabel="position i of the number", ylabel="label accuracy", title="Match3 (mod 32), by position")
 ax.legend()
 ax.grid(alpha=0.3)
@@ -240,10 +248,11 @@ print("decoded:", ["Y" if t == match3.YES else "n" for t in decoded["two"][0].to
 # The bundled models (2000 fresh sequences,
 # `python -m methods.tensor_attention.match3 eval match3-tensor match3-standard`):
 # tensor attention 0.944, standard attention 0.874, the majority baseline 0.766. The gap is in the middle
-# positions, where the majority guess is a coin flip: at position 6 the tensor model is right 92% of the
-# time and the standard one 81%, at position 7 91% vs 74%. The standard model is far above the baseline
-# too (two layers and MLPs can check a few pairs), but it stops improving at about 0.87 from step 1800 on
-# (its card), while the tensor model is still climbing at the end of the budget (0.946 at step 3000). Both
+# positions, where the majority guess is a coin flip (0.51 at position 6): at position 6 the tensor model is
+# right at a rate of 0.92 and the standard one 0.81, at position 7 0.91 vs 0.74. The standard model is far
+# above the baseline too (two layers and MLPs can check a few pairs), but its training curve stays between
+# 0.864 and 0.872 from step 1800 on, while the tensor model is still climbing at the end of the budget
+# (0.907 at step 1800, 0.946 at step 3000). Both
 # are single runs with one seed; the training curves are in the cards
 # (`methods/tensor_attention/checkpoints/match3-*/README.md`).
 
@@ -297,7 +306,8 @@ for r in rows5:
 # The lower bounds are for worst-case keys. When keys cluster, SubGen (Zandieh et al. 2024,
 # [arXiv 2402.06082](https://arxiv.org/abs/2402.06082); used for tensor attention in §5.1 of the paper,
 # SubGen4Cache / SubGen2Cache) keeps a few sampled keys per cluster to estimate the softmax normaliser and
-# a norm-weighted sample of values for the numerator. `methods/tensor_attention/subgen.py` streams a tensor cache's pair
+# a norm-weighted sample of values for the numerator. `methods/tensor_attention/subgen.py` streams a tensor cache's
+# pair
 # rows through such a sketch; error against the exact output vs the bytes the sketch keeps:
 
 # %%
@@ -314,14 +324,16 @@ ax.set(xlabel="bytes kept", ylabel="error", title="SubGen over the pair rows: er
 ax.legend(fontsize=8)
 ax.grid(True, which="both", alpha=0.3)
 plt.show()
+print(f"exact caches: four-matrix {rows6[0]['four_cache_bytes']:,} bytes, "
+      f"two-matrix {rows6[0]['two_cache_bytes']:,} bytes")
 for r in rows6:
     print(f"per cluster {r['per_cluster']:>3}, value samples {r['value_samples']:>4}: {r['n_clusters']} clusters, "
           f"{r['stored_bytes']:>7,} bytes, relative error {r['rel_error']:.3f}")
 
 # %% [markdown]
 # The sketch trades error for memory smoothly, and against the two-matrix cache it saves a lot. But look
-# at the green line: every sketch smaller than the exact four-matrix cache errs by a third or more here
-# (relative error 0.33 at 3.8 KB against 8 KB for the exact answer). Sketching the
+# at the green line: every sketch smaller than the exact four-matrix cache errs by about a third or more here
+# (relative error 0.332 at 3,820 bytes, against 8,192 bytes for the exact answer). Sketching the
 # n^2 pair rows only pays when the alternative is storing them; the four factor matrices already give the
 # exact answer from O(n d) numbers (and a decoder that keeps generating needs them anyway, to make the
 # next token's pairs).
@@ -376,30 +388,84 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 # %% [markdown]
 # Dropping tokens wins at equal bytes in every head once k >= 4: k kept tokens keep k^2 pairs for the bytes of
 # 2k pair rows, and this model's attention is spread (half of a head's mass takes 41-147 pairs in three of
-# the four heads). Only in the concentrated head (half its mass in 2 pairs), at the smallest budget, do
-# pairs win (error 0.68 vs 1.14). Errors above 1 are no bug: the exact outputs of the spread heads average
-# many value products and are small, so a few kept pairs miss them by more than their own size. The
-# two-matrix cache's finer granularity does not pay for its bytes here; it would for attention that puts
+# the four heads). Pairs win only at the smallest budget (k = 2), in two heads: the concentrated one (half
+# its mass in 2 pairs; error 0.68 vs 1.14) and the second head (1.77 vs 2.36). Errors above 1 are no bug:
+# the exact outputs of the spread heads average many value products and are small, so a few kept pairs
+# miss them by more than their own size. The two-matrix cache's finer granularity does not pay for its bytes here; it
+# would for attention that puts
 # its mass on a handful of pairs. (Both choices are oracles that know the attention; a real policy must
 # estimate it, as H2O or SnapKV do for tokens.)
 
 # %% [markdown]
-# **And on the real model?** The other method notebooks end with a section on SmolLM2-135M, a pretrained
-# model. This one cannot: tensor attention is a different attention *module*, not a policy over a standard
-# cache, and SmolLM2 was trained with standard softmax attention. Swapping its attention for a tensor one
+# ## 8. And on the real model?
+#
+# The other method notebooks end with a section on SmolLM2-135M, a pretrained model. This one cannot:
+# tensor attention is a different attention *module*, not a policy over a standard cache, and SmolLM2 was trained with
+# standard softmax attention. Swapping its attention for a tensor one
 # would need a model trained that way (as the Match3 models of section 4 were), and no pretrained tensor-
 # attention model exists that runs here. So the claims of this notebook are measured on the models it
 # trains and bundles, and the README's SmolLM2 table marks them "does not apply".
 
 # %% [markdown]
-# ## 8. Try it
+# ## Exercises
 #
-# 1. Time a decode step with the naive path at i = 1024 and count its bytes moved: it builds two n^2 d
-#    matrices per step. Is it memory-bound? Compare with the two-matrix path, which *reads* as many bytes.
-# 2. Token eviction on a four-matrix cache removes whole rows *and columns* of the score matrix S; the
-#    two-matrix cache can drop single pairs. Write a pair-level "heavy hitter" policy for `TwoCache` (keep
-#    the pairs with the largest accumulated attention) and compare its error with token eviction at the
-#    same number of stored bytes.
-# 3. Train `python -m methods.tensor_attention.match3 train --attention standard --steps 10000 --out runs/m3-long`:
-#    does a longer budget let standard attention catch up at this size? What about `n_layer=4`?
-# 4. Change the modulus `M` in `methods/tensor_attention/match3.py` to 64: which model degrades first?
+# ### Exercise 1: one decode step by hand
+#
+# Recompute the output of the decode step of section 1 without the library: score every pair (a, b) with
+# `scale * <q, K1[a] * K2[b]>`, take one softmax over all n^2 pairs, and mix the value products
+# `V1[a] * V2[b]` with those weights. Call the result `by_hand`, a vector of `d` numbers; the check compares
+# it with `factored` from section 1.
+
+# %%
+# BEGIN SOLUTION [tensor_attention] (n, n) pair scores by torch.einsum, one softmax over all, then mix V1[a] * V2[b]
+S_ab = scale * torch.einsum("d,ad,bd->ab", q[0, 0, 0], K1[0, 0], K2[0, 0])     # (n, n): one score per pair
+P_ab = S_ab.flatten().softmax(0).view(n, n)                                    # one softmax over all n^2 pairs
+by_hand = torch.einsum("ab,ad,bd->d", P_ab, V1[0, 0], V2[0, 0])                # sum_ab P_ab V1[a] * V2[b]
+# END SOLUTION
+assert by_hand.shape == (d,), f"by_hand should be one output vector of d = {d} numbers, got {tuple(by_hand.shape)}"
+assert torch.allclose(by_hand, factored[0, 0, 0]), \
+    "by_hand differs from four_cache_attention: is the softmax over all n^2 pairs at once, and scaled by 1/sqrt(d)?"
+print(f"|by_hand - factored| = {(by_hand - factored[0, 0, 0]).abs().max():.1e}")
+
+# %% [markdown]
+# ### Exercise 2: the bytes of the two caches
+#
+# Section 3's table gives the stored bytes of one layer (4 heads x 16 dims, fp32) for each length `i`.
+# Write them as formulas: the four-matrix cache stores `K1, K2, V1, V2` (`4 i d` numbers per head), the
+# two-matrix cache stores the `i^2` pair rows of `K~` and `V~` and, to make the next token's pairs, the
+# four factor matrices as well. Fill `four_bytes` and `two_bytes` (lists, one entry per length of
+# `timing["lengths"]`).
+
+# %%
+# BEGIN SOLUTION [tensor_attention] per head: 4 i d factor numbers, plus 2 i^2 d pair-row numbers for two; 4 bytes each
+HEADS, DIM, FP32 = 4, 16, 4
+four_bytes = [HEADS * 4 * i * DIM * FP32 for i in timing["lengths"]]
+two_bytes = [HEADS * (2 * i * i + 4 * i) * DIM * FP32 for i in timing["lengths"]]
+# END SOLUTION
+assert four_bytes == list(timing["four"]["bytes"]), \
+    f"four-matrix bytes {four_bytes} differ from the measured {list(timing['four']['bytes'])}: 4 matrices of i x d"
+assert two_bytes == list(timing["two"]["bytes"]), \
+    f"two-matrix bytes {two_bytes} differ from the measured {list(timing['two']['bytes'])}: pair rows and factors"
+print("the formulas give every measured byte count")
+
+# %% [markdown]
+# ### Exercise 3: is the naive path memory-bound?
+#
+# Time a decode step with the naive path at i = 1024 and count its bytes moved: it builds two n^2 d
+# matrices per step. Is it memory-bound? Compare with the two-matrix path, which *reads* as many bytes.
+#
+# ### Exercise 4: a pair-level heavy-hitter policy
+#
+# Token eviction on a four-matrix cache removes whole rows *and columns* of the score matrix S; the
+# two-matrix cache can drop single pairs. Write a pair-level "heavy hitter" policy for `TwoCache` (keep the
+# pairs with the largest accumulated attention) and compare its error with token eviction at the same
+# number of stored bytes (section 7 did it with an oracle).
+#
+# ### Exercise 5: a longer training budget
+#
+# Train `python -m methods.tensor_attention.match3 train --attention standard --steps 10000 --out runs/m3-long`:
+# does a longer budget let standard attention catch up at this size? What about `n_layer=4`?
+#
+# ### Exercise 6: a larger modulus
+#
+# Change the modulus `M` in `methods/tensor_attention/match3.py` to 64: which model degrades first?
