@@ -88,9 +88,11 @@ def low_flags(attn: Tensor, visible: Tensor, threshold: float | None = None) -> 
     threshold : tau; None = 1 / (slots the query attended), the uniform level.
     Returns (B, H_kv, Tn, T) bool: attended and attn < tau. A slot a query did not attend is never low.
     """
+    # BEGIN SOLUTION [scissorhands] tau defaults to 1 / (slots the query attended); low = attended and below tau
     if threshold is None:
         threshold = 1.0 / visible.sum(-1, keepdim=True).clamp(min=1)           # (B, H_kv, Tn, 1)
     return visible & (attn < threshold)
+    # END SOLUTION
 
 
 def push_history(history: Tensor, flags: Tensor, q_pos: Tensor) -> None:
@@ -117,21 +119,25 @@ def keep_score(counts: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
     (0..T-1) counts the slots of the head with strictly lower attention. Integers, so a float32 copy
     (``select_topk``) keeps the order exactly while I * T < 2^24.
     """
+    # BEGIN SOLUTION [scissorhands] score = -I*T + rank of the attention (slots strictly lower), empty slots -inf
     T = counts.shape[-1]
     a = attn.float().contiguous()
     rank = torch.searchsorted(a.sort(dim=-1).values, a)                        # strictly lower: 0..T-1
     score = (rank - counts * T).double()
     return score.masked_fill(pos < 0, float("-inf"))
+    # END SOLUTION
 
 
 def n_dropped(n_slots: int, budget: int, drop: int, n_recent: int) -> int:
     """Tokens to drop from a layer holding ``n_slots``: 0 within budget, else m at a time (Algorithm 2),
     as often as needed to get back within ``budget``; m is cut to ``budget - n_recent``."""
+    # BEGIN SOLUTION [scissorhands] 0 within budget; else drop m = min(drop, budget - n_recent) at a time until within
     excess = n_slots - budget
     if excess <= 0:
         return 0
     m = min(drop, budget - n_recent)
     return math.ceil(excess / m) * m
+    # END SOLUTION
 
 
 def recent_window(pos: Tensor, seen: int, n_recent: int) -> Tensor:
