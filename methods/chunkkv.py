@@ -85,6 +85,7 @@ def chunk_keep_mask(scores: Tensor, pos: Tensor, free: Tensor, n_free: Tensor, c
     s = torch.where(free, scores.float(), torch.zeros((), device=scores.device))   # votes of free slots
     chunk = torch.where(free, pos // chunk_size, torch.zeros_like(pos))            # (B, H_kv, T)
     C = int(chunk.max()) + 1
+    # BEGIN SOLUTION [chunkkv] S_k = sum of chunk k's free votes; take whole chunks, best first, while they fit
     chunk_score = s.new_zeros(B, H_kv, C).scatter_add_(-1, chunk, s)               # (B, H_kv, C) S_k
     chunk_size_free = s.new_zeros(B, H_kv, C).scatter_add_(-1, chunk, free.float())   # free tokens per chunk
     if shared:
@@ -95,6 +96,7 @@ def chunk_keep_mask(scores: Tensor, pos: Tensor, free: Tensor, n_free: Tensor, c
     fits = (sizes.cumsum(-1) <= n_free[..., None]) & (sizes > 0)                   # whole chunks that fit
     kept_chunk = torch.zeros(B, H_kv, C, dtype=torch.bool, device=scores.device).scatter(-1, order, fits)
     keep = kept_chunk.gather(-1, chunk) & free                                     # (B, H_kv, T)
+    # END SOLUTION
     if remainder == "tokens":
         left = n_free - keep.sum(-1)                                               # (B, H_kv) < one chunk
         token_score = s.sum(dim=1, keepdim=True).expand(B, H_kv, T) if shared else s   # same ranking rule
@@ -167,7 +169,9 @@ class ChunkKVPolicy(PolicyWrapper):
 def holds_position(chosen: Tensor, pos: Tensor, seen: int) -> Tensor:
     """(B, H_kv, T) bool: whether each slot's position is among ``chosen`` (B, H_kv, K) of the same head
     (-1 in either = nothing), through a table indexed by position: O(T + K) per head, not O(T * K)."""
+    # BEGIN SOLUTION [chunkkv] a (B, H_kv, seen + 1) table indexed by position, True where chosen; read it at pos
     table = torch.zeros(*pos.shape[:2], seen + 1, dtype=torch.bool, device=pos.device)   # column seen: -1
     table.scatter_(-1, torch.where(chosen < 0, seen, chosen), True)
     table[..., seen] = False
     return table.gather(-1, torch.where(pos < 0, seen, pos))
+    # END SOLUTION
