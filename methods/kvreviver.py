@@ -152,6 +152,7 @@ class VagueSketch:
         k, v = sign * k.float(), sign * v.float()                                # (n, H_kv, d)
         if kernels.serves(self.key):                                             # a GPU: atomic adds
             return sketch_insert_triton(self.key, self.value, cells, signs, k, v)
+        # BEGIN SOLUTION [kvreviver] add k_J to cell h_i(J) of every row i, and g_i(J) v_J (index_add_)
         (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
         flat = (-1, H_kv, d)
         idx = self.flat_cells(cells)                                             # (r * n,)
@@ -161,6 +162,7 @@ class VagueSketch:
         # tokens that share a cell are all summed into it
         self.key.view(flat).index_add_(0, idx, k_rows.reshape(flat))
         self.value.view(flat).index_add_(0, idx, v_rows.reshape(flat))
+        # END SOLUTION
 
     def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows:
@@ -168,6 +170,7 @@ class VagueSketch:
         cells, signs = self.hashes(pos)                                          # (r, n) each
         if kernels.serves(self.key) and self.rows <= MAX_ROWS:                   # a GPU: gather and median
             return sketch_query_triton(self.key, self.value, cells, signs)
+        # BEGIN SOLUTION [kvreviver] read cell h_i(J) of every row (values times g_i(J)); median over rows
         (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
         flat = (-1, H_kv, d)
         idx = self.flat_cells(cells)                                             # (r * n,)
@@ -175,6 +178,7 @@ class VagueSketch:
         k = self.key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)     # (r, n, H_kv, d): cells
         v = self.value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * g   # signed cells
         return median_of_rows(k), median_of_rows(v)
+        # END SOLUTION
 
     def delete(self, pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Remove tokens by subtracting what is known of them (in a swap: their estimates)."""

@@ -1,0 +1,55 @@
+"""Public tests of the ``kvreviver`` assignment: inserting tokens into the count sketch (Algorithm 1) and
+reading them back (Algorithm 2). Run them with ``python -m course.grade kvreviver``."""
+
+import adapters as A
+import torch
+from oracle import points
+
+
+def tokens(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 2, 4, generator=g), torch.randn(n, 2, 4, generator=g)
+
+
+@points(2)
+def test_an_injective_sketch_gives_tokens_back_exactly():
+    sketch = A.new_sketch(3, 16, 2, 4, injective=True)
+    k, v = tokens(5)
+    pos = torch.tensor([0, 3, 7, 8, 15])
+    A.insert(sketch, pos, k, v)
+    k_hat, v_hat = A.query(sketch, pos)
+    torch.testing.assert_close(k_hat, k)
+    torch.testing.assert_close(v_hat, v)
+
+
+@points(2)
+def test_cells_hold_keys_and_signed_values():
+    sketch = A.new_sketch(3, 4, 2, 4, seed=1)
+    k, v = tokens(6, seed=1)
+    pos = torch.arange(6)
+    A.insert(sketch, pos, k, v)
+    cell, sign = A.hashes(sketch, pos)                                  # (3, 6) each
+    key, value = A.cells(sketch)
+    for i in range(3):
+        for c in range(4):
+            here = cell[i] == c
+            want_k = k[here].sum(0) if here.any() else torch.zeros(2, 4)
+            want_v = (sign[i][here, None, None] * v[here]).sum(0) if here.any() else torch.zeros(2, 4)
+            torch.testing.assert_close(key[i, c], want_k, msg=f"row {i} cell {c}: key sum")
+            torch.testing.assert_close(value[i, c], want_v, msg=f"row {i} cell {c}: signed value sum")
+
+
+@points(2)
+def test_query_is_the_median_over_rows():
+    sketch = A.new_sketch(3, 5, 2, 4, seed=2)
+    k, v = tokens(9, seed=2)
+    pos = torch.arange(9)
+    A.insert(sketch, pos, k, v)
+    cell, sign = A.hashes(sketch, pos)
+    key, value = A.cells(sketch)
+    k_hat, v_hat = A.query(sketch, pos)
+    rows = torch.arange(3)[:, None]
+    want_k = key[rows, cell].median(0).values                           # (9, 2, 4)
+    want_v = (value[rows, cell] * sign[..., None, None]).median(0).values
+    torch.testing.assert_close(k_hat, want_k)
+    torch.testing.assert_close(v_hat, want_v)
