@@ -1,5 +1,5 @@
 # %% [markdown]
-# # nanollm 00: the KV cache
+# # 00 The KV cache: what it stores, what it saves, what it costs
 #
 # Every method in this project changes *what the KV cache keeps*. Before compressing a cache, this
 # notebook looks at the plain one: what it stores, what it saves, what it costs.
@@ -10,11 +10,16 @@
 # 2. the memory formula `2 * n_layer * n_kv_head * head_dim * bytes * T`, and what grouped-query attention saves;
 # 3. that cached decoding computes *exactly* what the plain forward computes (fp32);
 # 4. how the cost of one decode step grows with the context, with and without the cache;
-# 5. why the cache stores each token's *position*, and why that keeps RoPE right after eviction;
-# 6. why the textbook `torch.cat` append is O(T) per token, and how the storage grows in place instead.
+# 5. why the cache stores each token's *position*, and why that keeps RoPE right after eviction (drawn
+#    from a real cache before and after a method evicts);
+# 6. why the textbook `torch.cat` append is O(T) per token, and how the storage grows in place instead;
+# 7. when a method acts: the order in which the cache calls a policy's hooks, layer by layer, over a
+#    prefill, an `extend` chunk and decode steps (recorded, then drawn).
 #
 # Code: `nanollm/cache.py` and `nanollm/storage.py` (storage), `nanollm/generation.py` (prefill / extend
-# / decode_step), `nanollm/cli/bench.py` (timings). This notebook only imports them.
+# / decode_step), `nanollm/policy.py` (the hooks), `nanollm/cli/bench.py` (timings). This notebook only
+# imports them. The timings below were measured on the machine that built this notebook (printed in the
+# next cell), on one thread: read their ratios, not their milliseconds.
 
 # %%
 import os
@@ -23,6 +28,8 @@ import sys
 TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
 if not os.path.isdir("nanollm") and os.path.isdir(os.path.join("..", "nanollm")):
     sys.path.insert(0, os.path.abspath(".."))      # opened from notebooks/: make the repo importable
+
+import platform
 
 import matplotlib.pyplot as plt
 import torch
@@ -36,7 +43,8 @@ REPEATS, STEPS = (2, 2) if TINY else (5, 8)                   # medians of REPEA
 GROW_TOKENS = 64 if TINY else 512                             # tokens generated in the memory plot
 COPY_CONTEXTS = [256, 1024] if TINY else [1024, 4096, 16384]   # context lengths for the append timings
 torch.manual_seed(0)
-print(f"tiny mode: {TINY}; torch {torch.__version__}")
+print(f"tiny mode: {TINY}; torch {torch.__version__}; machine: {platform.system()} {platform.machine()}, "
+      f"{os.cpu_count()} CPU cores")
 
 # %% [markdown]
 # ## 1. What is recomputed without a cache
@@ -127,9 +135,10 @@ for name in ["TINY", "TINY_GPT2"]:
           f"prefill + extend {(chunked - full).abs().max():.1e}  (logits up to {full.abs().max():.2f})")
 
 # %% [markdown]
-# Differences of ~1e-7 are fp32 rounding: the same sums in a different order. `tests/nanollm/test_model.py`
-# asserts them at `atol=1e-5`. In bf16 the same comparison gives visibly larger gaps (see
-# huggingface/transformers#25420), so low-precision checks compare greedy tokens instead.
+# Differences of a few 1e-7, against logits of order 1, are fp32 rounding: the same sums in a different
+# order. `tests/nanollm/test_model.py` asserts them at `atol=1e-5`. In bf16 the same comparison gives
+# visibly larger gaps (see huggingface/transformers#25420), so low-precision checks compare greedy tokens
+# instead.
 #
 # ## 4. What the cache buys: time per decode step
 #
@@ -148,7 +157,7 @@ fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=80)
 for mode, style in [("recompute", "o-"), ("cached", "s-")]:
     a, b = bench.fit[mode]
     ax1.plot(ctx, [getattr(r, f"{mode}_ms") for r in bench.rows], style, label=f"{mode} (measured)")
-    ax1.plot(ctx, [a + b * t for t in ctx], "k:", lw=1)
+    ax1.plot(ctx, [a + b * t for t in ctx], "k:", lw=1, label="least-squares fit" if mode == "cached" else None)
 ax1.set(xlabel="context (tokens already seen)", ylabel="ms per decode step", title="cost of one new token")
 ax1.legend()
 ax2.plot(ctx, [r.speedup for r in bench.rows], "o-", color="C2")
@@ -156,13 +165,21 @@ ax2.set(xlabel="context (tokens)", ylabel="recompute time / cached time", title=
 ax2.axhline(1, color="gray", lw=0.8)
 plt.tight_layout()
 plt.show()
+(a_c, b_c), (a_r, b_r) = bench.fit["cached"], bench.fit["recompute"]
+print(f"slopes: recompute {b_r * 1e3:.2f} ms, cached {b_c * 1e3:.3f} ms per 1k tokens of context "
+      f"({b_r / b_c:.0f}x less); cached step at {ctx[-1]} tokens: {a_c / (a_c + b_c * ctx[-1]):.0%} fixed cost "
+      f"(the intercept); speedup {bench.rows[0].speedup:.1f}x at {ctx[0]} tokens, "
+      f"{bench.rows[-1].speedup:.1f}x at {ctx[-1]}")
 
 # %% [markdown]
-# Read the fitted slopes (dotted lines): recomputing grows by milliseconds per thousand tokens of context,
-# because every step re-runs the whole prefix; the cached step grows by far less, only through the
-# attention over the stored entries (section 6 shows what a naive append would add). At short contexts the
-# fixed per-step cost of Python and small-matrix overheads dominates, and the cache barely helps; the longer
-# the context, the bigger the win. The price is memory, which grows linearly with the tokens seen:
+# Read the fitted slopes (dotted lines, and the line printed under the plot): recomputing grows by
+# milliseconds per thousand tokens of context, because every step re-runs the whole prefix; the cached step
+# grows far more slowly (the printed ratio of the two slopes), only through the attention over the stored
+# entries (section 6 shows what a naive append would add). At these lengths the cached step is mostly its
+# fixed cost, the intercept: Python and small-matrix overheads of one token through the layers (the printed
+# share). Even so the cache already pays at the shortest context measured, and the longer the context, the
+# bigger the win (the speedups printed at both ends). The price is memory, which grows linearly with the
+# tokens seen:
 
 # %%
 cache = KVCache(config)
@@ -224,12 +241,84 @@ kept = torch.zeros(config.n_kv_head, cache.seen)
 for h in range(config.n_kv_head):
     p = kv.pos[0, h]
     kept[h, p[p >= 0]] = 1
-plt.figure(figsize=(6, 1.6), dpi=80)
+plt.figure(figsize=(6.5, 1.8), dpi=80)
 plt.imshow(kept, cmap="Greens", aspect="auto", vmin=0, vmax=1)
+plt.colorbar(ticks=[0, 1], label="kept")
 plt.yticks(range(config.n_kv_head), [f"KV head {h}" for h in range(config.n_kv_head)])
 plt.xlabel("position")
+plt.ylabel("KV head")
 plt.title("layer 0: positions kept per KV head")
 plt.show()
+
+# %% [markdown]
+# ### 5.1 The layout, drawn from a real cache
+#
+# Below, every stored number of one small cache, drawn from the tensors themselves. The prompt (10 tokens)
+# is prefilled twice: into a plain cache (everything kept), and into a cache whose policy is a real method,
+# SnapKV with a budget of 6 entries per KV head (`methods/snapkv.py`), which evicts right after each
+# layer's prefill attention; then one token is decoded into the SnapKV cache. Each panel is one layer's
+# `k[0, h]` and `v[0, h]` (one column per slot, the d = 16 numbers of the key above those of the value);
+# the tick under each column is the slot's `pos`. Per layer the storage is `k, v: (B, H_kv, T, d)` and
+# `pos: (B, H_kv, T)`, and nothing else: the slot number is only an index, the position travels with the
+# entry.
+
+# %%
+from methods.snapkv import SnapKVPolicy
+
+
+def snapshot(c):
+    """Per layer: copies of k[0], v[0], pos[0] and the shapes of the stored k and pos."""
+    return [(kv.k[0].clone(), kv.v[0].clone(), kv.pos[0].clone(), tuple(kv.k.shape), tuple(kv.pos.shape))
+            for kv in c.layers]
+
+
+prompt = torch.randint(0, config.vocab_size, (1, 10))
+full = KVCache(config)
+prefill(model, prompt, full)
+snap = KVCache(config, SnapKVPolicy(budget=6, window=2, kernel=1))
+prefill(model, prompt, snap)
+snapshots = {"full cache, after prefill": snapshot(full), "SnapKV (budget 6), after prefill": snapshot(snap)}
+decode_step(model, torch.tensor([7]), snap)
+snapshots["SnapKV, after one decode step"] = snapshot(snap)
+
+same = all(torch.equal(ks[h], kf[h, ps[h]]) and torch.equal(vs[h], vf[h, ps[h]])
+           for (kf, vf, *_), (ks, vs, ps, *_) in zip(snapshots["full cache, after prefill"],
+                                                   snapshots["SnapKV (budget 6), after prefill"])
+           for h in range(config.n_kv_head))
+print("every entry SnapKV kept equals the full cache's entry at its stored position:", same)
+
+names = list(snapshots)
+panels = [(layer, h) for layer in range(config.n_layer) for h in range(config.n_kv_head)]
+d = config.head_dim
+vmax = max(float(t.abs().max()) for name in names for entry in snapshots[name] for t in entry[:2])
+fig, axes = plt.subplots(len(panels), len(names), figsize=(12, 1.35 * len(panels) + 1.2), dpi=80, squeeze=False,
+                         layout="constrained",
+                         gridspec_kw={"width_ratios": [snapshots[n][0][2].shape[-1] for n in names]})
+for j, name in enumerate(names):
+    for i, (layer, h) in enumerate(panels):
+        k_, v_, p_, k_shape, pos_shape = snapshots[name][layer]
+        ax = axes[i, j]
+        im = ax.imshow(torch.cat([k_[h], v_[h]], dim=-1).T, cmap="RdBu_r", vmin=-vmax, vmax=vmax,
+                       aspect="auto", interpolation="nearest")
+        ax.axhline(d - 0.5, color="k", lw=1)
+        ax.set_xticks(range(p_.shape[-1]), [str(int(x)) for x in p_[h]], fontsize=7)
+        ax.set_yticks([d / 2 - 0.5, 1.5 * d - 0.5], ["k", "v"])
+        if j == 0:
+            ax.set_ylabel(f"layer {layer}\nKV head {h}", fontsize=8)
+        if i == 0:
+            ax.set_title(f"{name}\nk, v {k_shape}; pos {pos_shape}", fontsize=9)
+        if i == len(panels) - 1:
+            ax.set_xlabel("slots (tick: the stored position)")
+fig.colorbar(im, ax=axes, shrink=0.6, label="stored value (keys after RoPE)")
+fig.suptitle("one cache, every stored number: SnapKV keeps different positions per head, and each entry keeps its own")
+plt.show()
+
+# %% [markdown]
+# Read it column by column. After the eviction each head holds 6 slots, not the same positions in every
+# head or layer; a kept column has exactly the colours it had in the full cache, under the same position
+# (the check printed above compares every number). The decoded token lands in the next free slot, the
+# seventh, and gets position 10, the number of tokens seen: its key was rotated for position 10, so its
+# dot products with the kept keys, rotated at their own positions, still depend on the true distance.
 
 # %% [markdown]
 # ## 6. Growing without copying: decoding at the memory limit
@@ -262,6 +351,7 @@ plt.plot(slots, label="slots in use (T)")
 plt.step(range(300), capacity, where="post", label="buffer capacity")
 plt.xlabel("tokens appended")
 plt.ylabel("slots per head")
+plt.title("LayerKV: capacity doubles when full, slots grow by one")
 plt.legend()
 plt.show()
 
@@ -298,45 +388,207 @@ for T in COPY_CONTEXTS:
     rows.append((T, cat_ms, append_ms, attend_ms))
     print(f"T={T:>6}: torch.cat append {cat_ms:7.3f} ms | in-place append {append_ms:6.3f} ms | "
           f"attention over the entries {attend_ms:6.3f} ms | cat / attention = {cat_ms / attend_ms:4.1f}x")
+ratios = [cat / att for _, cat, _, att in rows]
+print(f"over these lengths: torch.cat / attention {min(ratios):.1f}x to {max(ratios):.1f}x; in-place append "
+      f"{min(r[2] for r in rows) * 1e3:.0f} to {max(r[2] for r in rows) * 1e3:.0f} µs whatever the length")
 
 # %% [markdown]
-# At the shortest length the layer fits in the CPU's caches and fixed overheads dominate both. At the
-# longer ones the `torch.cat` append reads *and writes* every stored byte, so it costs at least about as
-# much as the attention's single read of them, and far more whenever the allocator has to map fresh
-# memory for the new tensor: between about 1x and 12x the attention on the development machine, from run
-# to run. With it, a decode step at least doubles its memory traffic, and a method that keeps 10% of the
-# tokens would look *better* than it is, because its small cache is also cheap to copy. The in-place
-# append costs microseconds at any length. (`python -m methods.evaluation.bench` measures whole decode steps: bytes read
-# per step, the achieved GB/s against the machine's measured bandwidth, and the speedup of each
+# The `torch.cat` append reads *and writes* every stored byte, twice the bytes the attention reads, and
+# allocates a new tensor each time (more still when the allocator has to map fresh memory). The last line
+# printed above gives the range of the ratio in this run; on the machine that built this notebook (two
+# cores shared with other work) it moves from run to run, so read it as "the same order as the attention",
+# not as a fixed factor. With it, a decode step roughly doubles its memory traffic, and a method that keeps
+# 10% of the tokens would look *better* than it is, because its small cache is also cheap to copy. The
+# in-place append costs the same at every length (the last line printed), a small fraction of the
+# attention from 1024 tokens on. (`python -m methods.evaluation.bench` measures whole decode steps: bytes
+# read per step, the achieved GB/s against the machine's measured bandwidth, and the speedup of each
 # compression method over the full cache.)
 #
-# ## Your turn
+# ## 7. When a method acts: the policy hooks
 #
-# 1. **Memory arithmetic.** Llama-3-8B has 32 layers, 32 query heads, 8 KV heads and head_dim 128.
-#    How many GiB does its KV cache take for one 128k-token sequence in bf16? How much would it take
-#    without GQA? (Build a `ModelConfig` with `d_model=4096` and use `kv_bytes_per_token`.)
-# 2. **Where does the speedup start?** Run `python -m nanollm.cli.bench --preset SMALL` and with
-#    `--threads 2`. At which context length does the cache start to pay off, and why does a larger
-#    model cross over earlier?
-# 3. **The price of `torch.cat`.** A textbook cache appends with `torch.cat`, copying the whole layer at
-#    every step. Estimate how many bytes that moves per step at 1024 tokens for TINY (read and write),
-#    and how many a whole generation of 1024 tokens moves. Compare with what the attention reads per
-#    step, and with the timings of section 6. (Another way out, used by gpt-fast: preallocate the
-#    cache for the maximum length once.)
-# 4. **Break it on purpose.** What would go wrong if the new token were given position `len(cache)`
-#    after the `keep` above? Which test in `tests/nanollm/test_model.py` would catch it?
+# A method is a `CachePolicy` (`nanollm/policy.py`) and acts only through three hooks, which
+# `KVCache.attend` calls inside every layer's attention, after the step's new entries were appended:
+#
+# * `attend_kv(layer, store)`: what the step's queries attend to (the storage itself, unless the method
+#   rebuilds entries, as KVReviver does from its sketch);
+# * `on_prefill(ctx)`: after the layer attended over the whole prompt (the cache was empty);
+# * `on_decode(ctx)`: after the layer attended in a decode step *or an `extend` chunk*.
+#
+# To see the order, a subclass of a real method, StreamingLLM (`methods/streaming_llm.py`: 2 sinks and a
+# recent window, 8 entries per KV head), records every call and the slots the layer holds before and
+# after it, and changes nothing else. It serves a prefill of 10 tokens, one `extend` chunk of 4 tokens and
+# 3 decode steps.
 
 # %%
-# 1. Memory arithmetic: fill in, then compare with a neighbour.
+from methods.streaming_llm import StreamingLLMPolicy
+
+
+class LoggedStreamingLLM(StreamingLLMPolicy):
+    """StreamingLLM, unchanged, recording every hook call: (hook, layer, step, slots before, slots after)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.log, self.step = [], ""
+
+    def attend_kv(self, layer, store):
+        self.log.append(("attend_kv", layer, self.step, len(store), len(store)))
+        return super().attend_kv(layer, store)
+
+    def on_prefill(self, ctx):
+        before = len(ctx.kv)
+        super().on_prefill(ctx)
+        self.log.append(("on_prefill", ctx.layer, self.step, before, len(ctx.kv)))
+
+    def on_decode(self, ctx):
+        before = len(ctx.kv)
+        super().on_decode(ctx)
+        self.log.append(("on_decode", ctx.layer, self.step, before, len(ctx.kv)))
+
+
+def run_logged(model, policy, prompt_len, chunks, decodes, seed=0):
+    """Prefill ``prompt_len`` random tokens, ``extend`` by each chunk length, then ``decodes`` decode steps."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len + sum(chunks) + decodes),
+                        generator=torch.Generator().manual_seed(seed))
+    c = KVCache(model.config, policy)
+    policy.step = f"prefill {prompt_len}"
+    prefill(model, ids[:, :prompt_len], c)
+    t = prompt_len
+    for n in chunks:
+        policy.step = f"extend {n}"
+        extend(model, ids[:, t:t + n], c)
+        t += n
+    for i in range(decodes):
+        policy.step = f"decode {i + 1}"
+        decode_step(model, ids[:, t], c)
+        t += 1
+    return c
+
+
+policy = LoggedStreamingLLM(budget=8, n_sink=2)
+logged = run_logged(model, policy, prompt_len=10, chunks=[4], decodes=3)
+for n, (hook, layer, step, before, after) in enumerate(policy.log):
+    change = f"{before} -> {after} slots" if before != after else f"{before} slots"
+    print(f"{n:>2}  {step:<10} layer {layer}  {hook:<10} {change}")
+
+markers = {"attend_kv": ("o", "C0"), "on_prefill": ("s", "C1"), "on_decode": ("D", "C3")}
+fig, ax = plt.subplots(figsize=(11, 2.8), dpi=80)
+steps = list(dict.fromkeys(step for _, _, step, _, _ in policy.log))
+for j, name in enumerate(steps):
+    calls = [n for n, entry in enumerate(policy.log) if entry[2] == name]
+    ax.axvspan(calls[0] - 0.5, calls[-1] + 0.5, color="0.92" if j % 2 else "0.97", zorder=0)
+    ax.text((calls[0] + calls[-1]) / 2, config.n_layer - 0.45, name, ha="center", fontsize=8)
+for hook, (marker, colour) in markers.items():
+    calls = [(n, layer) for n, (h, layer, *_) in enumerate(policy.log) if h == hook]
+    ax.scatter([n for n, _ in calls], [layer for _, layer in calls], marker=marker, color=colour, s=60,
+               label=hook, zorder=3)
+for n, (hook, layer, _, before, after) in enumerate(policy.log):
+    if before != after:
+        ax.annotate(f"{before}->{after}", (n, layer), textcoords="offset points", xytext=(0, -14),
+                    ha="center", fontsize=7)
+ax.set_yticks(range(config.n_layer), [f"layer {layer}" for layer in range(config.n_layer)])
+ax.set_ylim(-0.7, config.n_layer - 0.2)
+ax.set(xlabel="call order", ylabel="layer",
+       title="StreamingLLM (budget 8): which hook the cache calls when (annotated: slots before -> after)")
+ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# What the timeline shows:
+#
+# * **Layer by layer.** A step runs through the layers in order, and each layer gets its hooks before the
+#   next layer starts: `attend_kv`, then the attention, then `on_prefill` or `on_decode`. So a method that
+#   evicts in layer 0 has done so before layer 1 attends, and every layer decides for itself.
+# * **Appended first.** The slots counted by `attend_kv` already include the step's new tokens: the prompt's
+#   10, then 8 kept + 4 from the `extend` chunk, then 8 + 1 per decode step. A step's queries always see
+#   their own tokens; eviction only affects the *next* step.
+# * **`extend` is a decode step.** The chunk of 4 tokens gets one `on_decode` per layer, like a single
+#   token does: the phase is "prefill" only while the cache is empty. (A method that compresses only the
+#   prompt, such as SnapKV, therefore never compresses an appended question.)
+# * **When eviction happens is the method's choice.** StreamingLLM compresses after every hook
+#   (`compress_on = ("prefill", "decode")`), back to its budget of 8; the annotations are its evictions.
+#
+# ## Exercises
+#
+# Exercises 1, 3 and 5 check themselves: fill in the marked lines, run the cell, and an `assert` says
+# what is wrong. Exercises 2 and 4 are questions to think and experiment with.
+#
+# ### Exercise 1: memory arithmetic
+#
+# Llama-3-8B has 32 layers, 32 query heads, 8 KV heads and head_dim 128. How many GiB does its KV cache
+# take for one 128k-token (131072) sequence in bf16? How much would it take without GQA (one KV head per
+# query head)? Do the arithmetic from the formula of section 2.
+
+# %%
 from nanollm import ModelConfig
 
 llama3_8b = ModelConfig(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, vocab_size=128256, max_seq_len=131072)
-gib_gqa = None        # your answer: llama3_8b.kv_bytes_per_token(2) * ... / 2**30
-gib_mha = None        # the same model with n_kv_head = n_head
-print("GQA:", gib_gqa, "GiB | MHA:", gib_mha, "GiB")
+# BEGIN SOLUTION [cache] bytes = 2 (K, V) x layers x KV heads x head_dim x 2 (bf16) x tokens; GiB = 2**30 bytes
+gib_gqa = 2 * 32 * 8 * 128 * 2 * 131072 / 2**30
+gib_mha = 2 * 32 * 32 * 128 * 2 * 131072 / 2**30
+# END SOLUTION
+assert abs(gib_gqa - llama3_8b.kv_bytes_per_token(2) * 131072 / 2**30) < 1e-9, \
+    f"GQA: {gib_gqa} GiB, but kv_bytes_per_token says otherwise: count 8 KV heads, 2 bytes per number, K and V"
+mha = ModelConfig(n_layer=32, n_head=32, n_kv_head=32, d_model=4096, vocab_size=128256, max_seq_len=131072)
+assert abs(gib_mha - mha.kv_bytes_per_token(2) * 131072 / 2**30) < 1e-9, \
+    f"MHA: {gib_mha} GiB: without GQA there are as many KV heads as query heads (32)"
+print(f"GQA: {gib_gqa:.0f} GiB | MHA: {gib_mha:.0f} GiB ({gib_mha / gib_gqa:.0f}x more)")
+
+# %% [markdown]
+# ### Exercise 2: where does the speedup start?
+#
+# Run `python -m nanollm.cli.bench --preset SMALL`, then again with `--threads 2`. At which context length
+# does the cache start to pay off, and why does a larger model cross over earlier?
+#
+# ### Exercise 3: the price of `torch.cat`
+#
+# A textbook cache appends with `torch.cat`, copying the whole layer at every step. For this notebook's
+# TINY model (`config`, fp32, batch 1), count the bytes one such append moves in all layers at T = 1024
+# tokens already stored (it reads the stored K and V and writes them again; leave out the new token), and
+# the bytes a whole generation moves that grows the cache from 0 to 1024 tokens this way (the step that
+# finds t tokens stored moves that many). Compare with what the attention reads per step, and with the
+# timings of section 6. (Another way out, used by gpt-fast: preallocate the cache for the maximum length
+# once.)
 
 # %%
-# 3. Bytes moved by a torch.cat append per decode step at T tokens (all layers, K and V): your formula here.
 T = 1024
-copied = None         # e.g. config.kv_bytes_per_token() * T
-print("bytes copied per step at", T, "tokens:", copied)
+# BEGIN SOLUTION [cache] step: 2 (read, write) x config.kv_bytes_per_token() x T; generation: sum over t < T
+cat_bytes_step = 2 * config.kv_bytes_per_token() * T
+cat_bytes_generation = sum(2 * config.kv_bytes_per_token() * t for t in range(T))
+# END SOLUTION
+measured = KVCache(config)                                     # an actual cache holding T tokens
+prefill(model, torch.randint(0, config.vocab_size, (1, T)), measured)
+stored = measured.nbytes()
+assert cat_bytes_step == 2 * stored, \
+    f"{cat_bytes_step} bytes per step; the cache holds {stored} bytes at T={T}: read once and written once"
+assert cat_bytes_generation == (T - 1) * stored, \
+    "a generation sums 2 x (bytes of t tokens) over the steps t = 0 .. T-1: quadratic in T"
+print(f"one torch.cat append at T={T}: {cat_bytes_step / 2**20:.2f} MiB moved, {cat_bytes_step // stored}x what "
+      f"the attention reads; a whole generation: {cat_bytes_generation / 2**30:.2f} GiB")
+
+# %% [markdown]
+# ### Exercise 4: break it on purpose
+#
+# What would go wrong if the new token were given position `len(cache)` (slots kept) instead of
+# `cache.seen` after the `keep` of section 5? Which test in `tests/nanollm/test_model.py` would catch it?
+#
+# ### Exercise 5: count the hook calls
+#
+# Predict, without running it, the hook calls for the SMALL preset (4 layers) with the logged StreamingLLM
+# of section 7 (budget 8) over a prompt of 20 tokens, two `extend` chunks of 5 tokens and 6 decode steps:
+# how many calls of each hook, and how many slots each layer holds at the end.
+
+# %%
+# BEGIN SOLUTION [cache] per step and layer: attend_kv, then on_prefill (first step) or on_decode (later steps)
+n_layers, n_steps = 4, 1 + 2 + 6
+calls = {"attend_kv": n_layers * n_steps, "on_prefill": n_layers, "on_decode": n_layers * (n_steps - 1)}
+slots_at_end = 8
+# END SOLUTION
+small = Transformer(preset("SMALL")).eval()
+check = LoggedStreamingLLM(budget=8, n_sink=2)
+end = run_logged(small, check, prompt_len=20, chunks=[5, 5], decodes=6)
+counted = {hook: sum(entry[0] == hook for entry in check.log) for hook in ("attend_kv", "on_prefill", "on_decode")}
+assert calls == counted, f"you predicted {calls}, the cache made {counted}: an extend chunk is one step"
+assert all(len(kv) == slots_at_end for kv in end.layers), \
+    f"the layers hold {[len(kv) for kv in end.layers]} slots: StreamingLLM evicts after every step"
+print("hook calls:", counted, "| slots per layer at the end:", [len(kv) for kv in end.layers])
