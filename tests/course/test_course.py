@@ -1,0 +1,196 @@
+"""
+The course (``course/``): markers, student copies, the grader. What must hold for every assignment:
+
+* the reference solution (this repository) gets full marks;
+* its student copy gets zero, every test failing with ``NotImplementedError`` (not an import or syntax
+  error), and no line of a solution leaks into the copy;
+* grading one assignment takes less than 90 s on 2 cores;
+* unbalanced or nested markers are reported with file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from course import grade, handout
+from course.assignments import ASSIGNMENTS, ROOT, scanned_files
+from course.markers import MarkerError, find_regions, strip
+
+NAMES = sorted(ASSIGNMENTS)
+GRADE_LIMIT_S = 90
+SHEET_SECTIONS = ("## Goal", "## Read", "## Tasks", "## Budget", "## Written questions")
+
+
+# -- markers ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, line, what", [
+    ("x = 1\n# BEGIN SOLUTION [a] h\ny = 2\n# BEGIN SOLUTION [a] h\n# END SOLUTION\n", 4, "nest"),
+    ("x = 1\n# END SOLUTION\n", 2, "without a BEGIN"),
+    ("x = 1\n\n# BEGIN SOLUTION [a] h\ny = 2\n", 3, "never closed"),
+    ("# BEGIN SOLUTION [a]\ny = 2\n# END SOLUTION\n", 1, "no hint"),
+    ("#  BEGIN SOLUTION a h\n", 1, "cannot parse"),
+])
+def test_bad_markers_are_reported_with_file_and_line(tmp_path, text, line, what):
+    path = tmp_path / "f.py"
+    path.write_text(text)
+    with pytest.raises(MarkerError, match=rf"^{re.escape(str(path))}:{line}: .*{what}"):
+        find_regions(path)
+
+
+def test_markdown_markers(tmp_path):
+    path = tmp_path / "sheet.md"
+    path.write_text("Q1\n<!-- BEGIN SOLUTION [a] model answer -->\nthe answer\n<!-- END SOLUTION -->\nQ2\n")
+    assert strip(path, "a") == "Q1\n*(your answer)*\nQ2\n"
+    path.write_text("<!-- END SOLUTION -->\n")
+    with pytest.raises(MarkerError, match=r":1: END SOLUTION without"):
+        find_regions(path)
+
+
+def test_strip_replaces_one_assignments_regions_at_their_indentation(tmp_path):
+    path = tmp_path / "f.py"
+    path.write_text("def f(x):\n    # BEGIN SOLUTION [a] double it\n    return 2 * x\n    # END SOLUTION\n\n"
+                    "def g(x):\n    # BEGIN SOLUTION [b] halve it\n    return x / 2\n    # END SOLUTION\n")
+    out = strip(path, "a")
+    assert "    raise NotImplementedError('a: double it')" in out and "2 * x" not in out
+    assert "return x / 2" in out and "# BEGIN SOLUTION [b] halve it" in out     # another assignment's region stays
+    namespace = {}
+    exec(compile(out, "f.py", "exec"), namespace)
+    with pytest.raises(NotImplementedError, match="a: double it"):
+        namespace["f"](1)
+
+
+def test_every_marker_in_the_repository_parses_and_belongs_to_its_assignment():
+    for path in scanned_files():
+        for r in find_regions(path):                      # raises, with file and line, on a bad marker
+            assert r.assignment in ASSIGNMENTS, f"{path}:{r.begin}: unknown assignment {r.assignment!r}"
+            assert path in ASSIGNMENTS[r.assignment].sources(), \
+                f"{path}:{r.begin}: a region of {r.assignment!r} outside its files (course/assignments.py)"
+
+
+# -- what every assignment has ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_assignment_has_regions_sheet_adapters_and_tests(name):
+    a = ASSIGNMENTS[name]
+    library = [r for r in a.regions() if str(r.path.relative_to(ROOT)) in a.library]
+    assert library, f"{name}: no solution region in its library files {a.library}"
+    for section in SHEET_SECTIONS:
+        assert section in a.sheet.read_text(), f"{a.sheet}: no '{section}' section"
+    assert (a.folder / "adapters.py").exists()
+    public, hidden = (grade.points_of(a.folder / f) for f in ("test_public.py", "test_hidden.py"))
+    assert public and hidden, f"{name}: needs public and hidden tests"
+    text = a.sheet.read_text()
+    tasks = text.split("## Tasks")[1].split("\n## ")[0]
+    task_points = sum(int(n) for n in re.findall(r"\((\d+) points", tasks))
+    tested = sum(public.values()) + sum(hidden.values())
+    assert task_points == tested, f"{a.sheet}: the tasks give {task_points} points, the tests {tested:g}"
+    assert f"Autograded: {tested:g} points ({sum(public.values()):g} public, {sum(hidden.values()):g} hidden)" in tasks
+    written = text.split("## Written questions")[1].split("\n## ")[0]
+    questions = re.findall(r"^\d+\. \*\*.+?\*\* \((\d+) points\)", written, flags=re.M)
+    assert questions, f"{a.sheet}: written questions give their points as '1. **Title** (N points)'"
+    assert written.count("Rubric:") == len(questions), f"{a.sheet}: every written question needs a rubric"
+    assert len([r for r in a.regions() if r.path == a.sheet]) == len(questions), "a model answer per question"
+
+
+# -- grading: reference full marks, student copy zero, no leaks, time ---------------------------------------
+
+def region_lines(name: str) -> dict[Path, set[str]]:
+    """Per file, the solution lines of ``name`` worth checking for a leak: long enough to be distinctive and
+    not also written elsewhere in the same file, outside the regions."""
+    out = {}
+    for path in ASSIGNMENTS[name].sources():
+        if not path.exists():
+            continue
+        lines = path.read_text().splitlines()
+        regions = [r for r in find_regions(path) if r.assignment == name]
+        inside = {n for r in regions for n in range(r.begin - 1, r.end)}
+        outside = {lines[n].strip() for n in range(len(lines)) if n not in inside}
+        body = {line.strip() for r in regions for line in r.body(lines)}
+        out[path] = {s for s in body if len(s) >= 16 and s not in outside and not s.startswith("#")}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_solution_gets_full_marks(name):
+    t0 = time.perf_counter()
+    summary = grade.grade(name)
+    elapsed = time.perf_counter() - t0
+    failed = [(r["name"], r["output"]) for r in summary["results"] if r["status"] != "passed"]
+    assert not failed, f"{name}: the reference fails {failed}\n{summary['log'][-3000:]}"
+    assert summary["score"] == summary["max_score"] > 0 and summary["hidden_tests"]
+    assert elapsed < GRADE_LIMIT_S, f"grading {name} took {elapsed:.0f} s"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_student_copy_gets_zero_and_leaks_nothing(name, tmp_path):
+    out = tmp_path / "copy"
+    handout.main([name, "--out", str(out)])
+    t0 = time.perf_counter()
+    summary = grade.grade(name, out)
+    elapsed = time.perf_counter() - t0
+    assert summary["score"] == 0 and summary["max_score"] > 0
+    wrong = [(r["name"], r["output"]) for r in summary["results"] if "NotImplementedError" not in r["output"]]
+    assert not wrong, f"{name}: student-copy tests must fail with NotImplementedError, got {wrong}"
+    assert elapsed < GRADE_LIMIT_S, f"grading {name}'s student copy took {elapsed:.0f} s"
+
+    assert not list(out.rglob("test_hidden.py")), "hidden tests must not be in a student copy"
+    for path, lines in region_lines(name).items():
+        rel = path.relative_to(ROOT)
+        copied = (out / rel).read_text()
+        leaked = [s for s in lines if s in copied]
+        assert not leaked, f"{rel} in the student copy still has solution lines: {leaked[:3]}"
+        if path.suffix == ".py" and path.parent.name == "notebooks":
+            notebook = json.loads((out / rel.with_suffix(".ipynb")).read_text())
+            code = "\n".join("".join(c["source"]) for c in notebook["cells"])
+            assert not [s for s in lines if s in code], f"{rel.with_suffix('.ipynb')} leaks solution lines"
+            assert not any(c.get("outputs") for c in notebook["cells"]), "a student notebook has no outputs"
+    for rel in handout.repository_files():                # everything else is the library unchanged
+        src = ROOT / rel
+        if src not in ASSIGNMENTS[name].sources() and not rel.endswith(("test_hidden.py", ".ipynb")):
+            assert (out / rel).read_bytes() == src.read_bytes(), f"{rel} changed in the student copy"
+
+
+@pytest.mark.slow
+def test_instructor_pack_has_every_solution(tmp_path):
+    handout.main(["cache", "--solutions", "--out", str(tmp_path / "key")])
+    text = (tmp_path / "key" / "solutions.md").read_text()
+    for lines in region_lines("cache").values():
+        assert all(s in text for s in lines)
+    assert (tmp_path / "key" / "test_hidden.py").exists() and (tmp_path / "key" / "sheet.md").exists()
+
+
+# -- command lines ------------------------------------------------------------------------------------------
+
+def test_command_line_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="no assignment 'nope'; choose one of: cache"):
+        handout.main(["nope", "--out", str(tmp_path / "x")])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("")
+    with pytest.raises(SystemExit, match="exists and is not empty"):
+        handout.main(["cache", "--out", str(tmp_path / "full")])
+    with pytest.raises(SystemExit, match="inside the repository"):
+        handout.main(["cache", "--out", str(ROOT / "course" / "copy")])
+    (tmp_path / "r.json").write_text("{}")
+    with pytest.raises(SystemExit, match="exists; name a new file"):
+        grade.main(["cache", "--json", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit, match="no course/cache/adapters.py"):
+        grade.grade("cache", tmp_path)
+
+
+@pytest.mark.slow
+def test_grader_writes_gradescope_json(tmp_path, capsys):
+    grade.main(["cache", "--json", str(tmp_path / "results.json")])
+    results = json.loads((tmp_path / "results.json").read_text())
+    tests = results["tests"]
+    assert results["score"] == sum(t["max_score"] for t in tests) > 0
+    assert {t["visibility"] for t in tests} == {"visible", "after_published"}
+    assert all(t["status"] == "passed" and set(t) >= {"name", "score", "max_score", "output"} for t in tests)
+    printed = capsys.readouterr().out
+    assert "public" in printed and "hidden" in printed and f"score: {results['score']:g} / " in printed
