@@ -131,7 +131,7 @@ def keep_score(counts: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
 def n_dropped(n_slots: int, budget: int, drop: int, n_recent: int) -> int:
     """Tokens to drop from a layer holding ``n_slots``: 0 within budget, else m at a time (Algorithm 2),
     as often as needed to get back within ``budget``; m is cut to ``budget - n_recent``."""
-    # BEGIN SOLUTION [scissorhands] 0 within budget; else drop m = min(drop, budget - n_recent) at a time until within
+    # BEGIN SOLUTION [scissorhands] 0 within budget; else drop m at a time (m at most budget - n_recent) until within
     excess = n_slots - budget
     if excess <= 0:
         return 0

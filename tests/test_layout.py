@@ -88,6 +88,24 @@ def test_nanollm_never_imports_methods():
     assert not wrong, f"nanollm must not depend on methods: {sorted(wrong)}"
 
 
+def test_the_library_never_imports_the_course():
+    """course/ (assignments, grader) sits on top of the library: nothing in nanollm, methods or kernels
+    imports it, so a student copy's library is the library."""
+    wrong = sorted(p for p in MODULES.values() if "course" in {n.split(".")[0] for n in imports_all(p)})
+    assert not wrong, f"the library must not import course/: {wrong}"
+
+
+def imports_all(path: Path) -> set[str]:
+    """Every module name a file imports (absolute imports only)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
 def test_kernels_are_leaves():
     """A kernel file imports only torch, triton and kernels/ itself; only the benchmark imports upward."""
     wrong = {(a, b) for a, deps in GRAPH.items() if a.startswith("kernels") and a != "kernels.bench"
