@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 05 KVReviver: evicted tokens in a count sketch, revived for every attention
+# # 06 KVReviver: evicted tokens in a count sketch, revived for every attention
 #
 # Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction",
 # [arXiv 2512.17917](https://arxiv.org/abs/2512.17917).
@@ -125,15 +125,17 @@ for axis, rows, name in [(ax[0], rows_v, "values (signed)"), (ax[1], rows_k, "ke
 ax[0].legend(fontsize=8)
 plt.tight_layout()
 plt.show()
+print("MSE / per-coordinate variance, median of 3 rows (Lemma 2 predicts 0.448 a/b for zero-mean noise)")
 for (a, b, mv), (_, _, mk) in zip(rows_v, rows_k):
-    print(f"a={a:4d} b={b:4d} a/b={a / b:6.1f}   values {mv:8.2f}   keys {mk:8.2f}")
+    print(f"a={a:4d} b={b:4d} a/b={a / b:6.1f}   values {mv:8.2f}   keys {mk:8.2f}   0.448 a/b {0.448 * a / b:7.2f}")
 
 # %% [markdown]
 # ## 3. What the key error does to attention
 #
 # At the paper's default split a budget of 128 slots per layer gives the sketch 12 cells (3 rows of 4),
-# which must hold every token outside Recent and Candidate: about 350 of the 470-token context here. The
-# rebuilt keys are sums of ~90 real keys. Their norms, next to the real ones:
+# which must hold every token outside Recent and Candidate: `V` = 348 of the 464-token context here (the
+# parts printed below; section 5 prints the context's length). A rebuilt key is the sum of every real key
+# in its cell, 348 tokens over 4 cells per row. Their norms, next to the real ones:
 
 # %%
 policy = make_policy("kvreviver", budget=LENGTH // 4)
@@ -156,7 +158,8 @@ for layer in range(model.config.n_layer):
 #
 # The context is compressed first; the question arrives later through `extend`. KVReviver at the paper's
 # split (0.45 Recent / 0.45 Candidate / 0.1 sketch cells, 3 rows, ReplaceRate 1.1) against the full
-# cache, H2O, StreamingLLM and SnapKV, at the same slot budgets.
+# cache, H2O, StreamingLLM and SnapKV, at the same slot budgets. The metrics of the tables (acc, KL, pert,
+# lost, keep ratio) and the two modes are defined in the glossary of notebook 01 (01_baselines).
 
 # %%
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
@@ -177,14 +180,19 @@ for method in ["kvreviver", "h2o", "streaming_llm", "snapkv"]:
     axes[1].plot(ratios, [mean_over_tasks(records, method, k, "kl") for k in ratios], "o-", label=method)
 axes[0].axhline(sum(r["accuracy"] for r in records if r["method"] == "full") / len(TASKS), color="black",
                 ls="--", label="full")
-axes[0].set(title="accuracy, question after context", xlabel="keep ratio (slots / tokens)", ylim=(-0.05, 1.05))
-axes[1].set(title="KL(full || method)", xlabel="keep ratio", yscale="log")
+axes[0].set(title="accuracy, question after context", xlabel="keep ratio (slots / tokens)",
+            ylabel="accuracy (mean over tasks)", ylim=(-0.05, 1.05))
+axes[1].set(title="KL(full || method), question after context", xlabel="keep ratio (slots / tokens)",
+            ylabel="KL (nats, mean over tasks)", yscale="log")
+axes[1].legend(fontsize=8)
 axes[0].legend(fontsize=8)
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# **The sketch's width.** Keep ratio 0.25 (128 slots), question after the context, the NIAH tasks: the
+# ### 4.1 The sketch's width
+#
+# Keep ratio 0.25 (128 slots), question after the context, the NIAH tasks: the
 # paper's split (12 cells), no sketch at all (`sketch_width=0`: tokens leaving Candidate are forgotten,
 # i.e. eviction), and wider sketches given *on top of* the budget (32 and 128 cells per row, 96 and 384
 # extra slots), up to an injective hash (one cell per position: exact reconstruction, far more memory
@@ -243,8 +251,8 @@ print(f"  full cache, all layers:             {full.nbytes() / 1024:7.1f} KiB")
 #
 # Sections 1-5 ran on the bundled 4-layer model. Here the same code runs on a pretrained model,
 # SmolLM2-135M-Instruct (30 layers, 9 query heads sharing 3 KV heads, fp32), on its default task suite:
-# `passkey` (a 5-digit key in repeated filler) and `niah_single_docs` (one needle in real documents), where
-# the full cache scores at least 0.8.
+# `passkey` (a 5-digit key in repeated filler) and `niah_single_docs` (one needle in real documents), which
+# the full cache answers (1.00 in section 6.2).
 #
 # Two granularities of KVReviver, with the same slots and the same memory:
 #
@@ -306,8 +314,10 @@ for ax, (name, (policy_view, cache_view)) in zip(axes, views.items()):
     parts = policy_view.parts(0, cache_view.layers[0])
     img = kept_mask(cache_view, N_REAL)[LAYERS_SHOWN].float()       # (layers, H_kv, N): 1 = raw
     img[..., N_REAL - parts["R"]:] = 2                             # Recent: the newest R positions
-    ax.imshow(img.reshape(-1, N_REAL).numpy(), aspect="auto", cmap=colours, vmin=0, vmax=2,
-              interpolation="nearest")
+    im = ax.imshow(img.reshape(-1, N_REAL).numpy(), aspect="auto", cmap=colours, vmin=0, vmax=2,
+                   interpolation="nearest")
+    bar = fig.colorbar(im, ax=ax, ticks=[1 / 3, 1, 5 / 3], pad=0.01)
+    bar.ax.set_yticklabels(["sketch", "Candidate", "Recent"], fontsize=7)
     for x in (key_span[1] - 0.5, key_span[2] - 0.5):
         ax.axvline(x, color="red", lw=0.8)
     ax.set_yticks(range(len(LAYERS_SHOWN) * real.config.n_kv_head),
@@ -459,9 +469,9 @@ plt.show()
 # %% [markdown]
 # ### 6.4 The two granularities on the bundled model
 #
-# Section 4's ablation found the Recent / Candidate rule alone (no sketch) far below H2O on the bundled
+# Section 4.1 found the Recent / Candidate rule alone (no sketch) far below H2O on the bundled
 # model. The same four KVReviver rows as in 6.2 on that model (question after context, keep ratio 0.25,
-# the NIAH tasks of section 4's ablation), next to H2O:
+# the NIAH tasks of section 4.1), next to H2O:
 
 # %%
 granularity_variants = [Variant("kvreviver", "kvreviver"),
@@ -474,7 +484,7 @@ bundled = run(model, tok, granularity_variants, [round(0.25 * LENGTH)], niah, ["
 print(format_intervals(bundled))
 
 # %% [markdown]
-# ### What the real model says
+# ### 6.5 What the real model says
 #
 # The numbers are those printed above (the normal run committed with this notebook).
 #
@@ -490,19 +500,19 @@ print(format_intervals(bundled))
 #   granularities (0.00, 95% interval [0.00, 0.39], "lower" than the full cache, beyond noise). The same
 #   Recent / Candidate rule with no sketch scores exactly what H2O scores (0.00 at keep 0.1, 0.17 at 0.25),
 #   so on this model the sketch brings nothing back; it makes the output distribution worse than
-#   forgetting (question after context, KL 3.10 and 7.48 with the sketch, 2.28 and 2.03 without). Eviction
+#   forgetting (question after context, KL 3.102 and 7.476 with the sketch, 2.277 and 2.028 without). Eviction
 #   does suffer too (H2O 0.00 / 0.17); StreamingLLM is the best row (0.17 / 0.67). Caveats: 512-token
 #   contexts (the paper: 2k and 32k), a 135M model, 3 samples per task and mode, so the intervals are
 #   wide, but no KVReviver row answers a single one of its 6 questions in either mode.
 # * **Attention on the rebuilt entries** (6.3). It does *not* blow up on average: over layers, KVReviver
-#   puts 0.07 (keep 0.1) and 0.13-0.14 (keep 0.25) of its attention on them, where the full cache gives
-#   those positions 0.20 and 0.14-0.15. It is **all or nothing per head**: 93% (keep 0.1) and 83-84%
+#   puts 0.070-0.072 (keep 0.1) and 0.129-0.140 (keep 0.25) of its attention on them, where the full cache
+#   gives those positions 0.195-0.198 and 0.144-0.150. It is **all or nothing per head**: 93% (keep 0.1) and 83-84%
 #   (keep 0.25) of the (sample, layer, query head) give them less than 1%, and 7% and 11-12% give them
 #   more than 99%, while the full cache gives them more than 99% in no head. The rebuilt keys are 354x
 #   and 73-74x longer than the real keys of the same positions: the logit of such a key is about the sum
 #   of its cell's tokens' logits, so its sign alone decides whether the head ignores the sketch (the tokens in it are as
 #   good as evicted) or attends to nothing else (mostly layers 0-2), reading the median of cells that sum
-#   90-440 values. Per KV head changes neither the tokens per cell nor the key lengths, hence nothing here.
+#   93-439 values. Per KV head changes neither the tokens per cell nor the key lengths, hence nothing here.
 # * **Per KV head** (6.4): on the bundled model it repairs the eviction half: the Recent / Candidate rule
 #   with no sketch goes from 0.00 (one selection per layer) to 0.78, within noise of H2O (0.89), but with
 #   the sketch it stays at 0.11. On SmolLM2 it changes nothing (the no-sketch rows are 0.00 / 0.17 at both
@@ -510,18 +520,18 @@ print(format_intervals(bundled))
 #   explain KVReviver's 0 with one.
 
 # %% [markdown]
-# ## What this says at our scale
+# ## 7. What this says at our scale
 #
 # The measurements above are from the normal run committed with this notebook.
 #
 # * The sketch behaves as the paper's analysis says for **values**: signed sums are unbiased, and the
 #   median of three rows lands near `0.45 a/b` of the per-coordinate variance (section 2).
 # * **Keys** are where it breaks on this model. They are summed without signs and have a large common
-#   component, so a cell holding ~90 of them rebuilds keys tens of times longer than real ones
+#   component, so a cell holding a quarter of the 348 sketched tokens rebuilds keys tens of times longer than real ones
 #   (section 3), and those rebuilt keys take the attention. At the paper's split (a tenth of the slots
 #   as cells) the sketch holds far too many tokens per cell for this: KVReviver does **not** cure
 #   contextual amnesia here (accuracy 0.00 at keep ratios 0.1, 0.25 and 0.5, where H2O reaches 0.69 and
-#   0.85 at 0.25 and 0.5), and is not better than dropping the tokens outright (section 4's ablation).
+#   0.85 at 0.25 and 0.5), and is not better than dropping the tokens outright (section 4.1).
 #   Only much wider sketches, given on top of the budget, bring accuracy back, and the injective one
 #   (exact) reproduces the full cache: the machinery is right, the compression ratio is too high for
 #   these keys.
@@ -532,20 +542,57 @@ print(format_intervals(bundled))
 # * On the pretrained SmolLM2-135M (section 6) KVReviver also scores 0.00 at keep ratios 0.1 and 0.25, at
 #   both granularities and in both modes, where the full cache scores 1.00: its rebuilt keys are 73-354x
 #   longer than real ones and each head either ignores them or attends to nothing else.
-# * It is 2.5-3x slower per decoded token than the full cache on this CPU (section 5; the paper: about
-#   2x on a GPU): rebuilding every position and the per-token swap loop are Python-level work on every
-#   step.
+# * It is 4.0-4.3x slower per decoded token than the full cache on this CPU in the committed run (section 5;
+#   CPU timings on a shared machine move from run to run; the paper: about 2x on a GPU): rebuilding every
+#   position and the per-token swap loop are Python-level work on every step.
 # * The value estimates follow the paper's analysis: the median of three rows has about `0.45 a/b` of the
-#   per-coordinate variance (13.3 measured vs 14.3 predicted at `a/b = 32`), inside its `a pi / N` bound.
+#   per-coordinate variance (13.25 measured vs 14.34 predicted at `a/b = 32`), inside its `a pi / N` bound.
+
+# %% [markdown]
+# ## Exercises
 #
-# ## Try it
+# ### Exercise 1: the toy sketch by hand
 #
-# 1. Give the keys signs too: in `VagueSketch.insert` and `VagueSketch.query` (`methods/kvreviver.py`),
-#    multiply keys by `g_i(J)` as values are. Rerun section 3 and section 4's ablation. Does an unbiased,
-#    zero-mean key error help?
-# 2. Store the *mean* of a cell's tokens instead of their sum (keep a count per cell). What does that do
-#    to the key norms, and why is it no longer a count sketch?
-# 3. Compare `make_policy("kvreviver", 128, sketch_width=0, per_kv_head=True)` with `make_policy("h2o", 128)`
-#    at equal raw slots. Which differences between the two rules (recent window size, scores summed over
-#    query heads or averaged, C -> V by the lowest score) explain what remains of the gap?
-# 4. Plot `policy.swaps` against the keep ratio: how often does a token come back from the sketch?
+# Rebuild the estimates of section 1 without `VagueSketch.query`. With the buckets `h_i(J)` and signs
+# `g_i(J)` of the toy sketch (`toy.buckets`, `toy.signs`), fill every row's cells: a key cell is the plain
+# sum of the keys hashed to it, a value cell the sum of `g_i(J) * value`. A token's estimate is the median,
+# over the three rows, of its own cell (values multiplied by their sign again). Call the results `my_keys`
+# and `my_values`, one number per token; the check compares them with `k_hat` and `v_hat` of section 1.
+
+# %%
+toy_tokens = torch.arange(5)
+toy_keys, toy_values = torch.arange(1.0, 6.0), 10 * torch.arange(1.0, 6.0)     # the keys and values of section 1
+# BEGIN SOLUTION [kvreviver] scatter_add_ each row's tokens into its cells, gather each token's cell, median over rows
+h, g = toy.buckets(toy_tokens), toy.signs(toy_tokens)                          # (rows, tokens) each
+cell_keys = torch.zeros(toy.rows, toy.width).scatter_add_(1, h, toy_keys.expand(toy.rows, -1))
+cell_values = torch.zeros(toy.rows, toy.width).scatter_add_(1, h, g * toy_values)
+my_keys = cell_keys.gather(1, h).median(0).values                             # keys: plain sums, no signs
+my_values = (g * cell_values.gather(1, h)).median(0).values                   # values: the sign again
+# END SOLUTION
+assert torch.allclose(my_keys, k_hat.flatten()), \
+    f"key estimates {my_keys.tolist()} differ from the sketch's {k_hat.flatten().tolist()}: keys are unsigned sums"
+assert torch.allclose(my_values, v_hat.flatten()), \
+    f"value estimates {my_values.tolist()} differ from {v_hat.flatten().tolist()}: multiply by g_i(J) in and out"
+print("keys", my_keys.tolist(), "values", my_values.tolist())
+
+# %% [markdown]
+# ### Exercise 2: signed keys
+#
+# Give the keys signs too: in `VagueSketch.insert` and `VagueSketch.query` (`methods/kvreviver.py`),
+# multiply keys by `g_i(J)` as values are. Rerun sections 3 and 4.1. Does an unbiased,
+# zero-mean key error help?
+#
+# ### Exercise 3: a mean instead of a sum
+#
+# Store the *mean* of a cell's tokens instead of their sum (keep a count per cell). What does that do to the
+# key norms, and why is it no longer a count sketch?
+#
+# ### Exercise 4: the rule without the sketch, against H2O
+#
+# Compare `make_policy("kvreviver", 128, sketch_width=0, per_kv_head=True)` with `make_policy("h2o", 128)`
+# at equal raw slots. Which differences between the two rules (recent window size, scores summed over query
+# heads or averaged, C -> V by the lowest score) explain what remains of the gap?
+#
+# ### Exercise 5: how often does a token come back?
+#
+# Plot `policy.swaps` against the keep ratio: how often does a token come back from the sketch?
