@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 04 ChunkKV: keep whole chunks, not scattered tokens
+# # 05 ChunkKV: keep whole chunks, not scattered tokens
 #
 # Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM Inference",
 # NeurIPS 2025, [arXiv 2502.00299](https://arxiv.org/abs/2502.00299).
@@ -16,7 +16,7 @@
 # 2. what SnapKV and ChunkKV keep of one needle on the bundled model, layer by layer (a picture);
 # 3. whether adjacent layers keep similar sets (the paper's motivation for reuse), measured;
 # 4. accuracy and KL against SnapKV and H2O, both modes, three keep ratios;
-# 5. the chunk-size and reuse-depth ablations, with compression time.
+# 5. the chunk-size and reuse-depth ablations, with compression time;
 # 6. the kept tokens, the layer similarity and the chunk-vs-token accuracy again on a real model, SmolLM2-135M.
 #
 # Code: `methods/chunkkv.py` (the method), `methods/evaluation/viz.py` (the pictures), `methods/compare.py` (the
@@ -91,6 +91,7 @@ ids = torch.tensor([sample.prompt_ids])
 BUDGET = LENGTH // 2
 specs = ["snapkv", "chunkkv", "h2o"]
 caches = {}
+print(f"{len(sample.prompt_ids)} prompt tokens, {BUDGET} entries per layer and KV head")
 for spec in specs:
     out = generate(model, ids, max_new_tokens=len(sample.target_ids), policy=make_policy(spec, budget=BUDGET))
     caches[spec] = KVCache(model.config, make_policy(spec, budget=BUDGET))
@@ -111,6 +112,8 @@ fig, axes = plt.subplots(len(specs), 1, figsize=(11, 2.2 * len(specs)), sharex=T
 for ax, spec in zip(axes, specs):
     plot_kept(ax, caches[spec], len(sample.prompt_ids), spans, title=spec,
               window=caches[spec].policy.inner.window if spec == "chunkkv" else (32 if spec == "snapkv" else 0))
+    ax.set_ylabel("layer, KV head")
+    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=7)
 plt.tight_layout()
 plt.show()
 
@@ -156,7 +159,8 @@ for name, (every, selected) in jac.items():
 #
 # The default task suite, both modes, three keep ratios. `chunkkv` is the paper's method (raw window
 # attention, chunks of 10, reuse 2); `chunkkv(snapkv)` builds the chunks from SnapKV's max-pooled votes
-# instead (what NVIDIA's kvpress library does).
+# instead (what NVIDIA's kvpress library does). The metrics of the tables (acc, KL, pert, lost, keep ratio)
+# and the two modes are defined in the glossary of notebook 01 (01_baselines).
 
 # %%
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
@@ -177,8 +181,10 @@ for col, mode in enumerate(MODES):
         axes[col].plot(ratios, [mean_over_tasks(records, method, k, mode) for k in ratios], "o-", label=method)
         axes[2 + col].plot(ratios, [mean_over_tasks(records, method, k, mode, "kl") for k in ratios], "o-",
                            label=method)
-    axes[col].set(title=f"accuracy, {mode}", xlabel="keep ratio", ylim=(-0.05, 1.05))
-    axes[2 + col].set(title=f"KL(full || method), {mode}", xlabel="keep ratio", yscale="log")
+    axes[col].set(title=f"accuracy, {mode}", xlabel="keep ratio", ylabel="accuracy (mean over tasks)",
+                  ylim=(-0.05, 1.05))
+    axes[2 + col].set(title=f"KL(full || method), {mode}", xlabel="keep ratio", ylabel="KL (nats, mean over tasks)",
+                      yscale="log")
 axes[0].legend(fontsize=8)
 plt.tight_layout()
 plt.show()
@@ -231,11 +237,11 @@ for n in depths:
 # SmolLM2-135M (30 layers, 9 query heads sharing 3 KV heads, trained on natural text), with its default
 # task suite: RULER's passkey (a five-digit number hidden in a repeated filler, "The grass is green. ...")
 # and a single magic-number needle in paragraphs of Python's documentation (`niah_single_docs`). The full
-# cache answers both (at least 0.8 on each). Prompts of 512 tokens; every method keeps `budget` entries
-# per layer and KV head.
+# cache answers both (1.00 in section 6.3). Prompts of 512 tokens; every method keeps `budget` entries per
+# layer and KV head.
 #
-# The model is ~155 times bigger than the bundled one and compute-bound, so these cells use both CPU
-# cores instead of one.
+# The model has about 155 times the parameters of the bundled one (printed below) and is compute-bound, so
+# these cells use both CPU cores instead of one.
 
 # %%
 torch.set_num_threads(2)                             # 135M parameters: the matrix products use both cores
@@ -247,7 +253,8 @@ TASKS_REAL = real_card["default_suite"]              # ["passkey", "niah_single_
 KEEP_RATIOS_REAL = [0.25] if TINY else [0.1, 0.25, 0.5]
 SHOW_LAYERS = [0, 10, 20, 29]                        # 30 layers x 3 KV heads are too many strips to draw
 H_KV = real.config.n_kv_head
-print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query heads, {H_KV} KV heads; "
+print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query heads, {H_KV} KV heads, "
+      f"{real.num_params() / model.num_params():.0f}x the parameters of the bundled model; "
       f"tasks {TASKS_REAL}; {LENGTH_REAL} tokens, {SAMPLES_REAL} samples per task and mode")
 
 # %% [markdown]
@@ -286,6 +293,10 @@ for spec, cache in real_caches.items():
           f"(layer, KV head) pairs, in {int(whole[spec].any(-1).sum())} of {real.config.n_layer} layers "
           "by at least one KV head")
     print("\n".join(shown))
+print(f"\nthe value: prompt positions {real_span[1]}-{real_span[2] - 1}; KV heads (of {H_KV}) holding it whole, "
+      f"layers 0-{real.config.n_layer - 1}:")
+for spec, w in whole.items():
+    print(f"  {spec:8} " + " ".join(str(int(n)) for n in w.sum(-1)))
 
 # %%
 def some_layers(cache, layers):
@@ -298,6 +309,8 @@ for ax, (spec, cache) in zip(axes, real_caches.items()):
     window = cache.policy.inner.window if spec == "chunkkv" else cache.policy.window
     plot_kept(ax, some_layers(cache, SHOW_LAYERS), len(real_sample.prompt_ids), [real_span], title=spec,
               window=window)
+    ax.set_ylabel("layer, KV head")
+    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=7)
     ax.set_yticks(range(len(SHOW_LAYERS) * H_KV), [f"L{la} KV{h}" for la in SHOW_LAYERS for h in range(H_KV)],
                   fontsize=7)
 axes[0].legend(handles=[Patch(color="black", label="kept"), Patch(color="orange", alpha=0.4, label="needle's wording"),
@@ -313,16 +326,15 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# On this passkey the paper's argument (its Figure 1: token-level selection fragments a fact) holds.
-# SnapKV keeps the value whole in 38 of the 90 (layer, KV head) pairs and answers a truncated number
-# (`518`); ChunkKV keeps it whole in 66 and answers `51815`. SnapKV's strips are scattered tokens,
-# different in every KV head, and where a head does not hold the whole value it holds pieces (`___815`,
-# `5____`) or nothing; ChunkKV's are runs of ten, the same in the three KV heads of a layer (one ranking
-# per layer) and in both layers of a reuse pair (20 and 21). Two limits show as well. A layer that ranks
-# the needle's chunks low loses the value in all its heads (layers 0-5: the 0s of the bottom panel), where
-# SnapKV keeps it whole in one head of layers 3-5. And chunks are fixed positions, not facts: the value
-# sits at positions 376-380, across the chunk boundary at 380, so layers 20 and 21 keep `5181` and drop
-# the last digit: a whole chunk is not always a whole fact.
+# On this passkey the paper's argument (its Figure 1: token-level selection fragments a fact) holds. SnapKV keeps
+# the value whole in 38 of the 90 (layer, KV head) pairs and answers a truncated number (`518`); ChunkKV keeps it
+# whole in 66 and answers `51815`. SnapKV's strips are scattered tokens, different in every KV head, and where a
+# head does not hold the whole value it holds pieces (`___815`, `5____`) or nothing; ChunkKV's are runs of ten, the
+# same in the three KV heads of a layer (one ranking per layer) and in both layers of a reuse pair (20 and 21). Two
+# limits show as well. A layer that ranks the needle's chunks low loses the value in all its heads (layers 0-5: the
+# 0s of the list above and of the bottom panel), where SnapKV keeps it whole in one head of layers 3-5. And chunks
+# are fixed positions, not facts: the value sits at positions 376-380, across the chunk boundary at 380, so layers
+# 20 and 21 keep `5181` and drop the last digit: a whole chunk is not always a whole fact.
 #
 # ### 6.2 Do adjacent layers keep the same tokens on SmolLM2?
 #
@@ -343,6 +355,10 @@ print(f"adjacent-layer Jaccard on SmolLM2-135M, mean over the {real.config.n_lay
 for name, (every, selected) in real_jac.items():
     print(f"{name:22} all kept: {every.mean():.2f} [{every.min():.2f}, {every.max():.2f}]   "
           f"outside the windows: {selected.mean():.2f} [{selected.min():.2f}, {selected.max():.2f}]")
+n_before = len(make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=0).prompt_ids) - 64   # before the windows
+chance = {k: k * k / n_before / (2 * k - k * k / n_before) for k in (64, 96)}   # E|A & B| / E|A | B|, random sets
+print(f"chance: two random sets of k among the {n_before} positions before the windows overlap by "
+      + ", ".join(f"{j:.2f} (k = {k})" for k, j in chance.items()))
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharey=True)
@@ -365,10 +381,10 @@ plt.show()
 # from the chunks, not from ranking once per layer. But the paper's bands (44-58% for ChunkKV, 15-28% for
 # SnapKV and H2O, on 7B-8B models and long prompts) do not transfer as numbers: ChunkKV lands above its
 # band and SnapKV far above its own; only H2O falls inside. Every method is well above chance here (two
-# random sets of 64-96 among the ~430 positions before the windows overlap by 0.08-0.12), and the similarity
+# random sets of 64-96 among the 431 positions before the windows overlap by 0.08-0.13), and the similarity
 # changes along the depth: the highest pairs are in layers 3-9 (ChunkKV up to 0.85), the lowest at the
 # first pair and around layers 10 and 24. Verdict: partly reproduced (ChunkKV's kept sets are the most
-# alike of the three, by 0.15 over SnapKV instead of the paper's ~0.3).
+# alike of the three, 0.61 against SnapKV's 0.46, a smaller gap than between the paper's two bands).
 #
 # ### 6.3 Chunks or tokens, with the same scoring
 #
@@ -470,7 +486,7 @@ plt.show()
 # the intervals, not the second decimal.
 
 # %% [markdown]
-# ## What this says at our scale
+# ## 7. What this says at our scale
 #
 # Numbers from the normal run committed with this notebook (10 samples per task and mode for accuracy and
 # KL, 5 in the ablations and the Jaccard measurement); `README.md` quotes them in its table of paper claims.
@@ -489,24 +505,60 @@ plt.show()
 # * **Bigger chunks are better here**: 20 > 10 > 5 ≈ 1 (reuse 1, keep ratio 0.25). A needle and its
 #   wording are about a dozen tokens, so a 20-token chunk is more likely to hold all of it; the paper,
 #   whose facts are sentences of natural text, found 10 best and 5-20 comparable.
-# * **Reusing layer 0's indices everywhere is the best setting** (reuse 4: 0.63 / 0.69, reuse 2: 0.28 /
-#   0.58, reuse 1: 0.23 / 0.20). The pictures of section 2 show why: on this model the first layer's
-#   window attention points at the needle's value, the deeper layers' does not. Reuse also cuts the time in
-#   the policy's hooks (the `compression` times printed above; over several runs 17-47% less at depth 2
-#   and 22-61% less at depth 4: the timings are noisy, and the machine is shared; the paper reports about
-#   20% less compression time at depth 2), but on a 0.87M-parameter model that is a few milliseconds.
+# * **Reusing layer 0's indices everywhere is the best setting** (reuse 4: 0.63 / 0.69, reuse 2: 0.28 / 0.58, reuse
+#   1: 0.23 / 0.20). The pictures of section 2 show why: on this model the first layer's window attention points at
+#   the needle's value, the deeper layers' does not. Reuse also cuts the time in the policy's hooks (the
+#   `compression` times printed above: 2.74, 1.76 and 1.34 ms per sample at depth 1, 2 and 4 in the committed run;
+#   the timings are noisy, and the machine is shared; the paper reports about 20% less compression time at depth 2),
+#   but on a 0.87M-parameter model that is a few milliseconds.
 # * **On a real model (SmolLM2-135M, section 6) the headline claim holds more clearly than here**: with the
 #   question in the prompt, chunks of 10 answer 0.90 / 1.00 at keep 0.25 / 0.5 where single tokens with the
 #   same scores answer 0.30 / 0.40, and reuse depth 2 changes nothing measurable. Adjacent layers agree more
 #   with chunks (0.61 vs 0.46 for SnapKV outside the windows), but not at the paper's levels.
 
-# ## Try it
+# %% [markdown]
+# ## Exercises
 #
-# 1. Section 2 with `make_policy("chunkkv(snapkv)", budget=BUDGET)`: the same chunks built from max-pooled
-#    votes. Does pooling before chunking help or hurt this sample? Why might double smoothing matter?
-# 2. Set `per_head=True` and rerun section 3: how similar are adjacent layers when every KV head ranks its
-#    own chunks?
-# 3. Find the smallest budget at which ChunkKV still answers the sample of section 2, and compare with
-#    `make_policy("h2o", ...)`. Which part of ChunkKV's budget is the observation window?
-# 4. Write `chunkkv(h2o)` into section 4: chunks of accumulated attention, compressed at every step.
-#    What changes in the question-after-context mode, where SnapKV-style methods never see the question?
+# ### Exercise 1: Algorithm 1's chunk choice by hand
+#
+# Without `chunk_keep_mask`, choose the kept positions of the toy example of section 1 for a chunk size `c`
+# and a room of `budget` tokens, with no remainder (`remainder="none"`): sum the votes of each chunk of `c`
+# consecutive tokens, keep the `budget // c` best chunks whole. Write `my_chunk_keep(c, budget)`, returning
+# the sorted list of kept positions; the check compares it with the library on four settings.
+
+# %%
+# BEGIN SOLUTION [chunkkv] votes.flatten().view(-1, c).sum(-1) scores chunks; keep the topk(budget // c) whole
+def my_chunk_keep(c, budget):
+    chunk_scores = votes.flatten().view(-1, c).sum(-1)                  # one score per chunk: the sum of its votes
+    best = chunk_scores.topk(budget // c).indices                       # the chunks that fit whole
+    return sorted(p for chunk in best.tolist() for p in range(c * chunk, c * chunk + c))
+# END SOLUTION
+
+
+for c, room in [(4, 9), (6, 9), (3, 7), (4, 5)]:
+    expected = chunk_keep_mask(votes, pos, free, torch.tensor([[room]]), c, shared=True, remainder="none")
+    expected = expected[0, 0].nonzero().flatten().tolist()
+    assert my_chunk_keep(c, room) == expected, \
+        f"c = {c}, room {room}: got {my_chunk_keep(c, room)}, Algorithm 1 keeps {expected} (whole chunks, best sums)"
+print("Algorithm 1's choice reproduced for every setting")
+
+# %% [markdown]
+# ### Exercise 2: pooled votes
+#
+# Section 2 with `make_policy("chunkkv(snapkv)", budget=BUDGET)`: the same chunks built from max-pooled
+# votes. Does pooling before chunking help or hurt this sample? Why might double smoothing matter?
+#
+# ### Exercise 3: a ranking per KV head
+#
+# Set `per_head=True` and rerun section 3: how similar are adjacent layers when every KV head ranks its
+# own chunks?
+#
+# ### Exercise 4: the smallest budget
+#
+# Find the smallest budget at which ChunkKV still answers the sample of section 2, and compare with
+# `make_policy("h2o", ...)`. Which part of ChunkKV's budget is the observation window?
+#
+# ### Exercise 5: chunks of accumulated attention
+#
+# Write `chunkkv(h2o)` into section 4: chunks of accumulated attention, compressed at every step. What
+# changes in the question-after-context mode, where SnapKV-style methods never see the question?
