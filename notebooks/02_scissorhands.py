@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 01 Scissorhands: a budget cache built on the persistence of importance
+# # 02 Scissorhands: a budget cache built on the persistence of importance
 #
 # Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache
 # Compression at Test Time", NeurIPS 2023, [arXiv 2305.17118](https://arxiv.org/abs/2305.17118).
@@ -83,19 +83,19 @@ print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, 
 # `B = 4` and `r = 1`, two tokens must go (`m = 1`, so exactly back to `B`).
 
 # %%
-rows = torch.tensor([[.50, .05, .40, .05, 0, 0],       # query at position 3 (sees tokens 0-3)
-                     [.45, .05, .30, .10, .10, 0],     # position 4
-                     [.40, .02, .08, .20, .10, .20]]).view(1, 1, 3, 6)   # position 5
+toy_attn = torch.tensor([[.50, .05, .40, .05, 0, 0],       # query at position 3 (sees tokens 0-3)
+                         [.45, .05, .30, .10, .10, 0],     # position 4
+                         [.40, .02, .08, .20, .10, .20]]).view(1, 1, 3, 6)   # position 5
 q_pos, pos = torch.tensor([3, 4, 5]), torch.arange(6).view(1, 1, 6)
 visible = pos.view(1, 1, 1, 6) <= q_pos.view(1, 1, 3, 1)
-flags = low_flags(rows, visible)
+flags = low_flags(toy_attn, visible)
 for q, f in zip(q_pos.tolist(), flags[0, 0].int().tolist()):
     print(f"query {q}: tau = 1/{q + 1}, low flags {f[:q + 1]}")
 history = torch.zeros(1, 1, 6, 3, dtype=torch.bool)    # per token, the last w = 3 flags (a ring buffer)
 push_history(history, flags, q_pos)
 counts = unimportance(history)
 print("counters I:", counts.flatten().tolist())
-keep = scissorhands_keep(counts, rows[:, :, -1], pos, seen=6, budget=4, drop=1, n_recent=1)
+keep = scissorhands_keep(counts, toy_attn[:, :, -1], pos, seen=6, budget=4, drop=1, n_recent=1)
 print("kept (B = 4, r = 1, m = 1, w = 3):", keep.flatten().tolist())
 
 # %% [markdown]
@@ -109,14 +109,15 @@ print("kept (B = 4, r = 1, m = 1, w = 3):", keep.flatten().tolist())
 # one difference the theorem glosses over: a real cache cannot take back what it dropped.
 
 # %%
-oracle = scissorhands_keep(low_flags(rows, visible)[:, :, -1].long(), rows[:, :, -1], pos, seen=6, budget=4)
+oracle = scissorhands_keep(low_flags(toy_attn, visible)[:, :, -1].long(), toy_attn[:, :, -1], pos, seen=6,
+                           budget=4)
 print("w = 1, r = 0 keeps", oracle.flatten().tolist(),
-      "| top 4 of the current attention:", sorted(rows[0, 0, -1].topk(4).indices.tolist()))
+      "| top 4 of the current attention:", sorted(toy_attn[0, 0, -1].topk(4).indices.tolist()))
 
 # %% [markdown]
 # ## 2. Does importance persist in the bundled model?
 #
-# ### 2a. Attention maps at three decode positions
+# ### 2.1 Attention maps at three decode positions
 #
 # The full-cache attention of one 512-token sample (a single needle in noise), recorded with
 # `record_attention` over the prompt followed by the reference answer (teacher forcing): row `s` is what a
@@ -133,12 +134,13 @@ spans = needle_spans(sample, tok)
 start, v, end = spans[0]                                          # the needle's words, its value v..end
 maps = record_attention(model, torch.tensor([sample.prompt_ids + sample.target_ids[:-1]]))   # (H, M, M)
 positions = [end + 40, N - 1, N]
-fig, axes = plt.subplots(len(maps), len(positions), figsize=(14, 1.3 * len(maps) + 1), sharex=True)
+fig, axes = plt.subplots(len(maps), len(positions), figsize=(14, 1.3 * len(maps) + 1.4), sharex=True,
+                         layout="constrained")
 for layer, a in enumerate(maps):
     for col, p in enumerate(positions):
         rel = (a[:, p, :p + 1] * (p + 1)).clamp(min=1e-2)            # attention / uniform level
-        axes[layer, col].imshow(rel.log10().numpy(), aspect="auto", cmap="magma", vmin=-2, vmax=2,
-                                interpolation="nearest", extent=(-0.5, p + 0.5, a.shape[0] - 0.5, -0.5))
+        im = axes[layer, col].imshow(rel.log10().numpy(), aspect="auto", cmap="magma", vmin=-2, vmax=2,
+                                     interpolation="nearest", extent=(-0.5, p + 0.5, a.shape[0] - 0.5, -0.5))
         axes[layer, col].axvspan(v - 0.5, end - 0.5, ymin=0.97, ymax=1.0, color="cyan")
         axes[layer, col].set_xlim(-0.5, N + 0.5)
         axes[layer, col].set_yticks([])
@@ -146,7 +148,8 @@ for layer, a in enumerate(maps):
     axes[layer, 0].set_ylabel(f"layer {layer}")
 for ax in axes[-1]:
     ax.set_xlabel("key position (cyan: the needle's value)")
-plt.tight_layout()
+fig.colorbar(im, ax=axes, label="log10(attention / uniform level)", shrink=0.8)
+fig.suptitle("Full-cache attention of one sample, one row per query head")
 plt.show()
 print("attention on the needle's value, mean / largest over the heads of a layer")
 for layer, a in enumerate(maps):
@@ -165,7 +168,7 @@ for layer, a in enumerate(maps):
 # same (the largest share per layer is printed above), while most of the others, the last prompt token
 # included, gave it a few percent at most.
 #
-# ### 2b. The persistence ratio, per layer
+# ### 2.2 The persistence ratio, per layer
 #
 # Call token `j` *heavy* for the query at position `s` if it gets at least `level` times the uniform
 # attention `1/(s+1)` (`level = 1` is the complement of Scissorhands' low flag). Two measurements, per
@@ -231,7 +234,7 @@ layers = range(model.config.n_layer)
 plot_persistence(pers, model.config.n_layer)
 
 # %% [markdown]
-# ### 2c. Input and output of the MLP block (the paper's Figure 10)
+# ### 2.3 Input and output of the MLP block (the paper's Figure 10)
 #
 # Theorem 3.1 assumes the MLP block `F(x) = x + MLP(x)` barely turns its input (a large cosine between
 # `x` and `F(x)`); the paper measures cosines near 1 in OPT. Here `x` is the residual stream entering
@@ -244,10 +247,10 @@ for layer, r in enumerate(cos):
           f"|x| = {r['norm_in']:.2f}  |F(x)| = {r['norm_out']:.2f}")
 fig, axes = plt.subplots(1, 2, figsize=(10, 3))
 axes[0].bar(layers, [r["cos_mlp"] for r in cos])
-axes[0].set(title="cosine of x and F(x)", xlabel="layer", ylim=(0, 1), xticks=list(layers))
+axes[0].set(title="cosine of x and F(x)", xlabel="layer", ylabel="cos(x, F(x))", ylim=(0, 1), xticks=list(layers))
 axes[1].plot(layers, [r["norm_in"] for r in cos], "o-", label="|x|")
 axes[1].plot(layers, [r["norm_out"] for r in cos], "o-", label="|F(x)|")
-axes[1].set(title="norms", xlabel="layer", xticks=list(layers))
+axes[1].set(title="norms", xlabel="layer", ylabel="mean over positions", xticks=list(layers))
 axes[1].legend()
 plt.tight_layout()
 plt.show()
@@ -267,6 +270,8 @@ for spec in ["scissorhands", "h2o"]:
 fig, axes = plt.subplots(2, 1, figsize=(11, 4.4), sharex=True)
 for ax, spec in zip(axes, caches):
     plot_kept(ax, caches[spec], N, spans, title=spec)
+    ax.set_ylabel("layer, KV head")
+    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=7)
 plt.tight_layout()
 plt.show()
 
@@ -294,7 +299,9 @@ for layer in range(model.config.n_layer):
 # %% [markdown]
 # ## 4. Accuracy and KL against StreamingLLM and H2O
 #
-# The default task suite, both modes, three keep ratios; `SAMPLES` samples per task and mode.
+# The default task suite, both modes, three keep ratios; `SAMPLES` samples per task and mode. The metrics of
+# the tables (acc, KL, pert, lost, keep ratio) and the two modes are defined in the glossary of notebook 01
+# (01_baselines).
 
 # %%
 t0 = time.time()
@@ -318,8 +325,10 @@ for col, mode in enumerate(MODES):
         ratios = sorted({r["keep_ratio"] for r in records if r["method"] == method})
         axes[col].plot(ratios, [mean_over(records, method, k, mode) for k in ratios], "o-", label=method)
         axes[2 + col].plot(ratios, [mean_over(records, method, k, mode, "kl") for k in ratios], "o-", label=method)
-    axes[col].set(title=f"accuracy, {mode}", xlabel="keep ratio", ylim=(-0.05, 1.05))
-    axes[2 + col].set(title=f"KL(full || method), {mode}", xlabel="keep ratio", yscale="log")
+    axes[col].set(title=f"accuracy, {mode}", xlabel="keep ratio", ylabel="accuracy (mean over tasks)",
+                  ylim=(-0.05, 1.05))
+    axes[2 + col].set(title=f"KL(full || method), {mode}", xlabel="keep ratio", ylabel="KL (nats, mean over tasks)",
+                      yscale="log")
 axes[0].legend(fontsize=8)
 plt.tight_layout()
 plt.show()
@@ -338,9 +347,14 @@ for method in METHODS_SHOWN:
           f"KL {mean_over(records, method, ratio, MODES[0], 'kl', niah):.2f}   "
           f"peak K/V {max(r['kv_bytes'] for r in rows) / 1024:.0f} KiB, "
           f"per-slot state {max(r['extra_bytes'] for r in rows) / 1024:.0f} KiB")
+slots = model.config.n_layer * model.config.n_kv_head * BUDGET         # (layer, KV head, slot) triples
+W_DEFAULT = 400                                                          # the default history window w
+print(f"scissorhands' state per slot: {W_DEFAULT} flags (one byte each) + an int32 counter + a float32 attention; "
+      f"with the flags packed as bits: {slots * (W_DEFAULT / 8 + 8) / 1024:.0f} KiB, "
+      f"{slots * W_DEFAULT / 8 / 1024:.0f} KiB of them flags")
 
 # %% [markdown]
-# ### The history window and the drop count
+# ### 4.1 The history window and the drop count
 #
 # A shorter window `w` removes most of the age effect (every token older than `w` has had the same `w`
 # chances) and makes the counter a vote of the last `w` queries, close to SnapKV's observation window;
@@ -359,7 +373,7 @@ for label in ["w=400", "w=32", "w=8", "m=16"]:
 # %% [markdown]
 # ## 5. Theorem 4.1, made executable
 #
-# ### 5a. The bound, the proof's intermediate form, and a Monte Carlo
+# ### 5.1 The bound, the proof's intermediate form, and a Monte Carlo
 #
 # Theorem 4.1 assumes the compressed model's attention weights are i.i.d. draws from the truncated power
 # law `f(x) = c (x + b)^(-k)` on `[0, u - b]`, normalised, and that the cache holds the top `B` of them.
@@ -400,15 +414,17 @@ for ax, u in zip(axes, [5.0, 1000.0]):
     ax.legend(fontsize=8)
 plt.tight_layout()
 plt.show()
+print(f"closed form negative exactly for B/T < eps + (1 - eps) / (k / (k - 1))^(k - 1): "
+      f"{eps + (1 - eps) / 1.5 ** 2:.3f} at k = 3, {eps + (1 - eps) / torch.e:.3f} as k grows (eps = {eps})")
 
 # %% [markdown]
-# The intermediate form lies above the simulation everywhere. The closed form does not: it is below the
-# simulated mass at moderate budgets (`B/T = 0.5`: 0.053 against 0.121), it is not monotone in `B/T`,
-# and it turns negative once `(1 - eps) / (B/T - eps) > (k / (k - 1))^(k - 1)`, which for `k = 3` is every
-# `B/T` below about 0.47 (below about 0.40 as `k` grows): the keep ratios this project evaluates at (0.1 and
-# 0.25) are all in the vacuous range. Two steps of the proof are responsible: `1/D` (with `E[v] = D/(k-2)`)
-# is replaced by `1/(0.98 b)` using `D <= 0.98 b`, which bounds in the wrong direction (`D < b` makes
-# `1/D > 1/b`), and the last line trades `-(B/T - eps) gamma` for a term with `(1 - B/T)` in front.
+# The intermediate form lies above the simulation everywhere. The closed form does not: it is below the simulated
+# mass at moderate budgets (`B/T = 0.5`: 0.053 against 0.121), it is not monotone in `B/T`, and it turns negative
+# once `(1 - eps) / (B/T - eps) > (k / (k - 1))^(k - 1)`, which for `k = 3` is every `B/T` below 0.472 (below 0.399
+# as `k` grows; the grid above finds the sign change at 0.48): the keep ratios this project evaluates at (0.1 and
+# 0.25) are all in the vacuous range. Two steps of the proof are responsible: `1/D` (with `E[v] = D/(k-2)`) is
+# replaced by `1/(0.98 b)` using `D <= 0.98 b`, which bounds in the wrong direction (`D < b` makes `1/D > 1/b`), and
+# the last line trades `-(B/T - eps) gamma` for a term with `(1 - B/T)` in front.
 #
 # The probability the theorem attaches to its bound is a union bound over `T_max` steps; it only says
 # something once `T_min` is enormous:
@@ -420,7 +436,7 @@ for t_min in [10 ** 3, 10 ** 4, 10 ** 5, 10 ** 6]:
           f"{'vacuous' if p >= 1 else f'holds with probability >= {1 - p:.3g}'}")
 
 # %% [markdown]
-# ### 5b. The theorem's own model
+# ### 5.2 The theorem's own model
 #
 # Eq. (5)-(6): one layer, one head, `x_{t+1} = F(a_t)` with `a_t = softmax((1/t) x_t W_Q W_K^T X^T) X W_V W_O`
 # and `F(x) = x + relu(x W_1) W_2`, random weights rescaled so that Theorem 4.1's spectral condition
@@ -492,8 +508,9 @@ for qk, color in zip(qks, ["tab:blue", "tab:orange", "tab:green", "tab:red"]):
 for k, ls in [(3, ":"), (10, "-.")]:
     axes[0].axhline(theorem41_bound(TOY_B / TOY_T, k, 0.05), color="black", ls=ls, label=f"Thm 4.1 bound, k = {k}")
 axes[0].set(title="E |x_t - x~_t| (unit-norm tokens)", xlabel="t", ylabel="mean over prompts")
-axes[1].set(title="attention mass outside the kept set", xlabel="t")
+axes[1].set(title="attention mass outside the kept set", xlabel="t", ylabel="mean over prompts")
 axes[0].legend(fontsize=7, ncol=2)
+axes[1].legend(fontsize=7, ncol=2)
 plt.tight_layout()
 plt.show()
 print(f"notebook ran in {time.time() - t_start:.0f} s")
@@ -537,7 +554,7 @@ print(f"{real_card['default_suite']} at {LENGTH_REAL} tokens, budget {BUDGET_REA
       f"{REAL_TASKS} x {REAL_PERSISTENCE_SAMPLES}; language modelling over {LM_LENGTH} tokens at {LM_KEEP_RATIOS}")
 
 # %% [markdown]
-# ### 6a. What Scissorhands keeps of a real prompt
+# ### 6.1 What Scissorhands keeps of a real prompt
 #
 # Two prompts compressed at prefill to a quarter (`B = 128` of 512 tokens) by Scissorhands (its defaults)
 # and H2O: the `niah_single_docs` sample of seed 0, whose needle happens to sit at three quarters of the
@@ -560,6 +577,7 @@ for ax, (name, spec) in zip(axes.flat, real_caches):
               title=f"{spec}, {name}")
     ax.set_yticks([l * real_model.config.n_kv_head for l in ticks], [f"L{l} KV0" for l in ticks], fontsize=8)
     ax.set_ylabel("layer, KV head (kept: dark)")
+    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=7)
 plt.tight_layout()
 plt.show()
 
@@ -600,9 +618,9 @@ for spec in ["scissorhands", "h2o"]:
 # have had the longest to grow: Scissorhands keeps it whole in 11 strips, H2O in none.
 
 # %% [markdown]
-# ### 6b. Persistence of importance on SmolLM2
+# ### 6.2 Persistence of importance on SmolLM2
 #
-# The measurement of section 2b (the same helper), on `REAL_PERSISTENCE_SAMPLES` prompts of each task of
+# The measurement of section 2.2 (the same helper), on `REAL_PERSISTENCE_SAMPLES` prompts of each task of
 # the default suite: per layer, the step-to-step and sequence-level ratios with their base rates, at the
 # uniform level (`level = 1`, the complement of Scissorhands' low flag) and at three times it.
 
@@ -630,7 +648,7 @@ plot_persistence(real_pers, real_model.config.n_layer)
 # 0.41-0.96, median 0.68; 4 layers of 30 above 0.95), and the gap between ratio and base is where the real
 # persistence shows.
 #
-# ### 6c. The MLP block's cosine on SmolLM2 (Figure 10)
+# ### 6.3 The MLP block's cosine on SmolLM2 (Figure 10)
 
 # %%
 real_cos = block_cosine(real_model, torch.tensor([real_samples["niah_single_docs, seed 0"].prompt_ids]))
@@ -657,12 +675,13 @@ plt.show()
 # %% [markdown]
 # This one reproduces: `cos(x, F(x))` is 0.956-0.983 in 28 of the 30 layers (median 0.971), close to 1
 # as in the paper's Figure 10, where the bundled model gave 0.54-0.87. The two exceptions are the ends of
-# the stack. Layer 0's input is the token embedding (norm 3.5), on which the MLP writes a vector about 13
-# times longer (cosine 0.057). The last layer's MLP turns the stream towards the output vocabulary (0.734).
+# the stack. Layer 0's input is the token embedding (norm 3.5), on which the MLP writes a vector more than
+# ten times longer (`|F(x)|` = 44.2, cosine 0.057). The last layer's MLP turns the stream towards the output
+# vocabulary (0.734).
 # A pretrained model's residual stream is long compared with what one MLP adds, which is what Theorem 3.1
 # assumes.
 #
-# ### 6d. Language modelling under a budget: the headline claim
+# ### 6.4 Language modelling under a budget: the headline claim
 #
 # The paper's main experiment (§5) runs OPT models over language-modelling text with the budget cache, and
 # its abstract sums it up as "reduces the inference memory usage of the KV cache by up to 5X without
@@ -699,7 +718,7 @@ print(f"section 6 ran in {time.time() - t_real:.0f} s")
 # positions), ahead of H2O (x1.225) and StreamingLLM (x1.226), but a 16% rise in perplexity is not "without
 # compromising model quality": **the 5x claim does not reproduce on SmolLM2**. At keep 0.5 (128 entries,
 # 2x-4x) H2O matches the full cache (x1.004, KL 0.056), and Scissorhands is the worst of the three by
-# perplexity (x1.099, against x1.075 for StreamingLLM), second by KL (0.074 against 0.106). Section 6a shows
+# perplexity (x1.099, against x1.075 for StreamingLLM), second by KL (0.074 against 0.106). Section 6.1 shows
 # why it stays near StreamingLLM: its counters make it keep mostly a recent window and the first token,
 # which is what StreamingLLM keeps by construction (why the few older tokens it adds help at keep 0.2 and
 # not at 0.5, these runs do not say). These are 255 predictions of one 512-token text on a 135M-parameter
@@ -708,7 +727,7 @@ print(f"section 6 ran in {time.time() - t_real:.0f} s")
 # with one KV head per query head; here the counters vote for a KV head shared by three query heads.
 
 # %% [markdown]
-# ## What this says at our scale
+# ## 7. What this says at our scale
 #
 # Numbers from the normal run committed with this notebook (5 samples per task and mode, 512-token
 # samples, seed 0; 4 prompts per NIAH task for the persistence ratio; 8 prompts for the single-head
@@ -727,22 +746,22 @@ print(f"section 6 ran in {time.time() - t_real:.0f} s")
 #   any other step. The counters also favour young tokens (a token at position `p` has at most `N - p` low
 #   flags, so the kept set is mostly the last 100-odd tokens, section 3), but that is not the reason: a short
 #   history, which removes most of the age effect, does not help (mean accuracy over the suite 0.01 with
-#   `w = 32`, 0.03 with `w = 8`, 0.05 with `w = 400`; 0.00 on the NIAH tasks). Dropping `m = 16` at a time
-#   changes nothing here (0.05).
+#   `w = 32`, 0.03 with `w = 8`, 0.05 with `w = 400`; on the NIAH tasks 0.00, 0.00 and 0.01). Dropping
+#   `m = 16` at a time changes nothing here (0.05).
 # * **The counters cost more memory than the K/V they manage**, stored as one byte per flag: 408 KiB of
 #   per-slot state beside 256 KiB of K/V at `B = 128` with `w = 400` (packed bits: 58 KiB, 50 of them flags).
-# * **Persistence of importance holds step to step, and the 95% figure is easy to reach.** Of the tokens
-#   above the uniform level at one step, 55-73% still are at the next (base rates 15-35%), 15-54% fifty steps
-#   later (6-30%). The sequence-level ratio is 0.99-1.00 in three layers of four (0.87 in the last), like the
-#   paper's "more than 95% in most layers", but its base rate is the same (0.79-1.00): 15-35% of the tokens
-#   are above average at any step, so almost every early token is "important" at some step. At
-#   three times the uniform level the ratio is 0.67-0.91 against base rates 0.37-0.81.
+# * **Persistence of importance holds step to step, and the 95% figure is easy to reach.** Of the tokens above the
+#   uniform level at one step, a fraction 0.55-0.73 still are at the next (base rates 0.15-0.35), 0.15-0.54 fifty
+#   steps later (0.06-0.30). The sequence-level ratio is 0.99-1.00 in three layers of four (0.87 in the last), like
+#   the paper's "more than 95% in most layers", but its base rate is the same (0.79-1.00): 15-35% of the tokens are
+#   above average at any step, so almost every early token is "important" at some step. At three times the uniform
+#   level the ratio is 0.67-0.91 against base rates 0.37-0.81.
 # * **The MLP block turns its input more than in OPT**: the cosine of `x` and `F(x)` is 0.54-0.87 per layer
-#   (the paper's Figure 10: close to 1), and the last layer's MLP multiplies the norm by 2.5.
+#   (the paper's Figure 10: close to 1), and the last layer's MLP more than doubles the norm (3.16 -> 7.79).
 # * **Theorem 4.1's closed form is not an upper bound at moderate budgets.** The Monte Carlo gives dropped
 #   masses 0.121 / 0.038 / 0.004 / 0.086 / 0.121 for the five parameter rows, below the proof's
 #   intermediate form in every row (0.153 / 0.047 / 0.005 / 0.103 / 0.185) but above `Delta_max` at
-#   `B/T = 0.5` (0.053, and 0.000 with `eps = 0.1`); `Delta_max` is negative below `B/T` of about 0.47 for
+#   `B/T = 0.5` (0.053, and 0.000 with `eps = 0.1`); `Delta_max` is negative below `B/T` = 0.472 for
 #   `k = 3` and above the simulation only from about 0.54 (0.52 with `u = 1000b`). Its probability is
 #   vacuous up to `T_min = 10^4`.
 #   In the theorem's own model the assumptions clash (`||x_t|| = 1` is impossible under the spectral
@@ -756,14 +775,59 @@ print(f"section 6 ran in {time.time() - t_real:.0f} s")
 #   1.225, StreamingLLM 1.226); at keep 0.5, 1.099, behind StreamingLLM (1.075) and H2O (1.004). A share
 #   0.92-0.93 of its kept set is the recent window, as on the bundled model.
 #
-# ## Try it
+# ## Exercises
 #
-# 1. Section 3 with `make_policy("scissorhands", budget=BUDGET, history_window=8)`: where do the kept tokens
-#    go now, and what are the needle's counters? Compare with SnapKV (`make_policy("snapkv", ...)`), whose
-#    observation window is the same idea with summed attention instead of counts.
-# 2. Change the threshold: `threshold=0.001` (about half the uniform level at 512 tokens) counts only tokens
-#    that are *far* below average. Does the age effect of section 3 shrink?
-# 3. Run section 5a with `k = 5` and `k = 2.5`. For which `B / T` is the closed form non-negative, and is it
-#    then above the simulation?
-# 4. In section 5b, give the oracle a budget of `TOY_T // 4`. Theorem 4.1's closed form is negative there;
-#    how large is the error in the model?
+# ### Exercise 1: the counters by hand
+#
+# Recompute the counters `I` of section 1 with tensor operations only, without `low_flags`, `push_history`
+# or `unimportance`: a token is *low* for a query that sees it and gives it less than the uniform level
+# `1 / (tokens the query sees)`; its counter is the number of low flags over the three queries (`w = 3`).
+# Use `toy_attn` and `visible` from section 1 and call the result `my_counts`, one integer per token.
+
+# %%
+# BEGIN SOLUTION [scissorhands] tau = 1 / visible.sum(-1, keepdim=True); low = visible & (toy_attn < tau); sum
+tau = 1.0 / visible.sum(-1, keepdim=True)              # (1, 1, 3, 1): the uniform level of each query
+low = visible & (toy_attn < tau)                           # (1, 1, 3, 6): seen and below average
+my_counts = low.sum(-2).flatten()                      # low flags per token over the last w = 3 queries
+# END SOLUTION
+assert my_counts.tolist() == counts.flatten().tolist(), \
+    f"got {my_counts.tolist()}, the policy's counters are {counts.flatten().tolist()}: is a token the query " \
+    "does not see (a later position) ever low?"
+print("counters:", my_counts.tolist())
+
+# %% [markdown]
+# ### Exercise 2: where Theorem 4.1's closed form turns positive
+#
+# Section 5.1 found the closed form `Delta_max` negative for every `B/T` below 0.472 at `k = 3`. For
+# `k = 5` and `k = 2.5` (with `eps = 0.05`), find on a grid of step 0.001 the smallest `B/T` at which
+# `dropped_mass_bound(B/T, k, eps)` is non-negative; put them in a dict `first_nonnegative = {k: B/T}`.
+# The check compares them with the condition of section 5.1. Then, open question: is the closed form above
+# the simulation (`simulate_dropped_mass`) from there on?
+
+# %%
+# BEGIN SOLUTION [scissorhands] scan torch.arange(0.051, 1.0, 0.001) and keep the first B/T with a bound >= 0
+grid = torch.arange(0.051, 1.0, 0.001).tolist()
+first_nonnegative = {k: next(kp for kp in grid if dropped_mass_bound(kp, k, 0.05) >= 0) for k in (5, 2.5)}
+# END SOLUTION
+for k, found in first_nonnegative.items():
+    exact = 0.05 + 0.95 / (k / (k - 1)) ** (k - 1)     # (1 - eps) / (B/T - eps) = (k / (k - 1))^(k - 1)
+    assert abs(found - exact) < 0.002, \
+        f"k = {k}: found {found:.3f}, the bound changes sign at {exact:.3f}; is your grid fine enough?"
+print({k: round(v, 3) for k, v in first_nonnegative.items()})
+
+# %% [markdown]
+# ### Exercise 3: a short history window
+#
+# Section 3 with `make_policy("scissorhands", budget=BUDGET, history_window=8)`: where do the kept tokens go
+# now, and what are the needle's counters? Compare with SnapKV (`make_policy("snapkv", ...)`), whose
+# observation window is the same idea with summed attention instead of counts.
+#
+# ### Exercise 4: a lower threshold
+#
+# Change the threshold: `threshold=0.001` (about half the uniform level at 512 tokens) counts only tokens
+# that are *far* below average. Does the age effect of section 3 shrink?
+#
+# ### Exercise 5: a quarter of the budget in the theorem's model
+#
+# In section 5.2, give the oracle a budget of `TOY_T // 4`. Theorem 4.1's closed form is negative there;
+# how large is the error in the model?
