@@ -6,14 +6,14 @@ Write an assignment's student copy, or its instructor pack.
 
 The student copy is the whole repository (the files git tracks) with this assignment's solution regions
 replaced by ``raise NotImplementedError("<hint>")`` (``course.markers``), the topic notebook rebuilt
-from its stripped source without outputs, the sheet's model answers removed, and no hidden tests. Every
+from its stripped source without outputs, every sheet's model answers removed, and no hidden tests. Every
 other line of the library is unchanged, so the rest of the code still reads and runs. Students install it
 with the README's two set-up commands, run the notebook, and check themselves with
 ``python -m course.grade <name>`` (public tests only: the hidden ones are not in the copy).
 
 The instructor pack holds the solution notebook (the committed one, executed with the solutions), the
-sheet with its model answers, the public and hidden tests, and ``solutions.md``: every region's file, lines
-and code.
+sheet with its model answers, the adapters, the public and hidden tests, and ``solutions.md``: every
+region's file, lines, hint and code, and how to grade.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def check_out(out: Path) -> Path:
     return out
 
 
-def student_copy(assignment: Assignment, out: Path) -> list[Path]:
+def student_copy(assignment: Assignment, out: Path, stub: str = "raise") -> list[Path]:
     """Write the student copy into ``out`` (new or empty). Returns the files that were changed."""
     hidden = {str(p.relative_to(ROOT)) for a in ASSIGNMENTS.values() for p in a.folder.glob("test_hidden.py")}
     notebook = f"notebooks/{assignment.notebook}"
@@ -74,7 +74,10 @@ def student_copy(assignment: Assignment, out: Path) -> list[Path]:
         src, dst = ROOT / rel, out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         if rel in sources and any(r.assignment == assignment.name for r in find_regions(src)):
-            dst.write_text(strip(src, assignment.name))
+            dst.write_text(strip(src, assignment.name, stub=stub))
+            changed.append(dst)
+        elif src.name == "sheet.md" and src.parent.parent == ROOT / "course" and find_regions(src):
+            dst.write_text(strip(src, find_regions(src)[0].assignment))     # no sheet's model answers
             changed.append(dst)
         else:
             shutil.copy2(src, dst)
@@ -90,7 +93,8 @@ def instructor_pack(assignment: Assignment, out: Path) -> list[Path]:
     """Write the solution notebook, the sheet with answers, every test and ``solutions.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for src in [ROOT / "notebooks" / f"{assignment.notebook}.ipynb", assignment.sheet, *assignment.tests()]:
+    notebook = ROOT / "notebooks" / f"{assignment.notebook}.ipynb"
+    for src in [notebook, assignment.sheet, assignment.folder / "adapters.py", *assignment.tests()]:
         if src.exists():
             shutil.copy2(src, out / src.name)
             written.append(out / src.name)
@@ -100,6 +104,11 @@ def instructor_pack(assignment: Assignment, out: Path) -> list[Path]:
         fence = "markdown" if r.path.suffix == ".md" else "python"
         lines += [f"## `{r.path.relative_to(ROOT)}`, lines {r.begin + 1}-{r.end - 1}", "", f"Hint: {r.hint}", "",
                   f"```{fence}", *r.body(text), "```", ""]
+    lines += ["## Grading", "",
+              "From a checkout of the repository (the grader takes its tests from there, never from the copy):", "",
+              "```bash", f"python -m course.handout {assignment.name} --out hw   # the copy to hand out",
+              f"python -m course.grade {assignment.name} --student SUBMISSION --json results.json", "```", "",
+              "The written questions are graded by hand from the rubric in sheet.md; model answers are in it.", ""]
     (out / "solutions.md").write_text("\n".join(lines))
     written.append(out / "solutions.md")
     return written

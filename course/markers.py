@@ -82,9 +82,10 @@ def find_regions(path: str | Path, text: str | None = None) -> list[Region]:
     return regions
 
 
-def strip(path: str | Path, assignment: str, text: str | None = None) -> str:
+def strip(path: str | Path, assignment: str, text: str | None = None, stub: str = "raise") -> str:
     """The file's text with ``assignment``'s regions replaced by what a student gets (other regions kept,
-    markers and all)."""
+    markers and all). ``stub="pass"`` writes a do-nothing body instead of the ``raise``: the tests use it to
+    check that doing nothing scores nothing."""
     path = Path(path)
     text = path.read_text() if text is None else text
     lines = text.splitlines()
@@ -95,6 +96,8 @@ def strip(path: str | Path, assignment: str, text: str | None = None) -> str:
         out += lines[last:r.begin - 1]
         if path.suffix == ".md":
             out.append(f"{r.indent}*(your answer)*")
+        elif stub == "pass":
+            out.append(f"{r.indent}pass")
         else:
             out.append(f"{r.indent}raise NotImplementedError({f'{r.assignment}: {r.hint}'!r})   # your code here")
         last = r.end

@@ -115,7 +115,7 @@ def output_perturbation(attn: Tensor, keep: Tensor, projected: Tensor) -> Tensor
 
 def perturbation_bound(attn: Tensor, keep: Tensor, vnorm: Tensor) -> Tensor:
     """Theorem 2 (Eq. 8): theta = C - (2 - 1/sum(N*A)) * sum(N*A*P), C = sum(A*P), P = ||V_i W_O||_1. (...)."""
-    # BEGIN SOLUTION [critical_kv] Eq. 8: C - (2 - 1/sum(N*A)) * sum(N*A*P), with C = sum(A*P)
+    # BEGIN SOLUTION [critical_kv] Theorem 2's Eq. 8 (in the docstring): three sums over the last axis
     C = (attn * vnorm).sum(-1)
     kept_mass = (attn * keep).sum(-1)
     return C - (2 - 1 / kept_mass) * (attn * keep * vnorm).sum(-1)

@@ -262,7 +262,7 @@ def attend_masked(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
         C = qc.shape[2]
         qg = qc.reshape(B, H_kv, G * C, d) / math.sqrt(d)              # (B, H_kv, G*C, d) rows per KV head
         scores = (qg @ k.transpose(-1, -2)).view(B, H_kv, G, C, Tk)    # (B, H_kv, G, C, Tk)
-        # BEGIN SOLUTION [cache] visible[b, h, 0, c, s]: may query c (at position pc[c]) see slot s (at kp[..., s])?
+        # BEGIN SOLUTION [cache] may query c (position pc[c]) see slot s (position kp[..., s]; -1 = empty slot)?
         visible = (kp <= pc[:, None]) & (kp >= 0)                      # (B, H_kv, 1, C, Tk)
         # END SOLUTION
         scores = scores.masked_fill(~visible, float("-inf"))

@@ -29,6 +29,11 @@ from methods.streaming_llm import sinks_and_recent_mask
 from nanollm.storage import LayerKV
 
 
+def h2o_scores(cache, layer: int) -> Tensor:
+    """H2O's accumulated scores (B, H_kv, T) of a layer of a cache it runs."""
+    return cache.layers[layer].state[STATE]
+
+
 def streaming_mask(pos: Tensor, seen: int, budget: int, n_sink: int) -> Tensor:
     """(B, H_kv, T) bool: the slots StreamingLLM keeps (pos (B, H_kv, T), -1 = empty slot)."""
     return sinks_and_recent_mask(pos, seen, budget, n_sink)

@@ -30,11 +30,17 @@ def test_streaming_llm_decodes_with_sinks_and_window():
 
 @points(2)
 def test_h2o_with_covering_budget_is_full_attention():
-    """H2O scores every step; with a budget covering the sequence nothing is evicted: logits == uncached."""
+    """With a budget covering the sequence nothing is evicted: logits == uncached. And the scores add up:
+    every query's attention sums to 1, so a head's scores sum to the number of queries it has seen."""
     model = A.tiny_model(seed=1)
     ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(3))
-    for logits, seq, _ in greedy(model, ids, A.new_cache(model, "h2o", 64), 4):
+    cache = A.new_cache(model, "h2o", 64)
+    for logits, seq, _ in greedy(model, ids, cache, 4):
         torch.testing.assert_close(logits, A.uncached_logits(model, seq)[:, -1], rtol=1e-4, atol=1e-5)
+    for layer in range(2):
+        totals = A.h2o_scores(cache, layer).sum(-1)                       # (B, H_kv)
+        torch.testing.assert_close(totals, torch.full_like(totals, 10 + 4), rtol=1e-5, atol=1e-4,
+                                   msg=lambda m: f"layer {layer}: scores must sum to the 14 queries seen\n{m}")
 
 
 @points(3)

@@ -54,5 +54,5 @@ def test_empty_slots_are_never_attended():
     k_pos = torch.tensor([0, 1, -1, 4, 5]).expand(1, 2, 5)
     q_pos = torch.tensor([5, 6])
     got = A.masked_attention(q, k, v, q_pos, k_pos)
-    torch.testing.assert_close(got, full_attention(q, k, v, q_pos, k_pos), rtol=1e-5, atol=1e-5)
     assert got.abs().max() < 100, "the empty slot (position -1) was attended"
+    torch.testing.assert_close(got, full_attention(q, k, v, q_pos, k_pos), rtol=1e-5, atol=1e-5)

@@ -19,7 +19,8 @@ def test_append_then_read():
     assert k.shape == (2, 3, 6, 8), f"stored keys have shape {tuple(k.shape)}, expected (2, 3, 6, 8)"
     torch.testing.assert_close(k, torch.cat([k1, k2], dim=2), rtol=0, atol=0)
     torch.testing.assert_close(v, torch.cat([v1, v2], dim=2), rtol=0, atol=0)
-    assert pos.tolist() == [[list(range(6))] * 3] * 2, "positions must be stored per row and head, in order"
+    assert pos.tolist() == [[list(range(6))] * 3] * 2, \
+        f"positions must be stored per row and head, in order; got {pos[0, 0].tolist()} in row 0, head 0"
 
 
 @points(2)

@@ -11,6 +11,8 @@ def test_delete_undoes_insert():
     sketch = A.new_sketch(3, 4, 2, 4, seed=3)
     k, v = torch.randn(7, 2, 4, generator=g), torch.randn(7, 2, 4, generator=g)
     A.insert(sketch, torch.arange(7), k, v)
+    key, value = A.cells(sketch)
+    assert key.abs().max() > 0.1 and value.abs().max() > 0.1, "insert must add the tokens into the cells"
     A.delete(sketch, torch.arange(7), k, v)
     key, value = A.cells(sketch)
     assert key.abs().max() < 1e-5 and value.abs().max() < 1e-5, "delete must subtract exactly what insert added"

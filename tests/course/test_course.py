@@ -99,9 +99,14 @@ def test_assignment_has_regions_sheet_adapters_and_tests(name):
 
 # -- grading: reference full marks, student copy zero, no leaks, time ---------------------------------------
 
+def code(line: str) -> str:
+    """A line without its trailing comment and indentation."""
+    return re.sub(r"\s+#.*$", "", line).strip()
+
+
 def region_lines(name: str) -> dict[Path, set[str]]:
-    """Per file, the solution lines of ``name`` worth checking for a leak: long enough to be distinctive and
-    not also written elsewhere in the same file, outside the regions."""
+    """Per file, the solution lines of ``name`` worth checking for a leak (their code, comments stripped):
+    long enough to be distinctive and not also written elsewhere in the same file, outside the regions."""
     out = {}
     for path in ASSIGNMENTS[name].sources():
         if not path.exists():
@@ -109,10 +114,26 @@ def region_lines(name: str) -> dict[Path, set[str]]:
         lines = path.read_text().splitlines()
         regions = [r for r in find_regions(path) if r.assignment == name]
         inside = {n for r in regions for n in range(r.begin - 1, r.end)}
-        outside = {lines[n].strip() for n in range(len(lines)) if n not in inside}
-        body = {line.strip() for r in regions for line in r.body(lines)}
+        outside = "\n".join(lines[n] for n in range(len(lines)) if n not in inside)
+        strip_ = str.strip if path.suffix == ".md" else code
+        body = {strip_(line) for r in regions for line in r.body(lines)}
         out[path] = {s for s in body if len(s) >= 16 and s not in outside and not s.startswith("#")}
     return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_hint_quotes_its_solution(name):
+    """A hint says what to do, not the code: no solution line (or its right-hand side) of 12 characters or
+    more appears in the hint of its region."""
+    for path in ASSIGNMENTS[name].sources():
+        if not path.exists() or path.suffix == ".md":
+            continue
+        lines = path.read_text().splitlines()
+        for r in find_regions(path):
+            for line in r.body(lines) if r.assignment == name else []:
+                c = code(line)
+                for part in {c, c.split("=", 1)[-1].strip()}:
+                    assert len(part) < 12 or part not in r.hint, f"{path}:{r.begin}: the hint quotes {part!r}"
 
 
 @pytest.mark.slow
@@ -153,7 +174,7 @@ def test_student_copy_gets_zero_and_leaks_nothing(name, tmp_path):
             assert not any(c.get("outputs") for c in notebook["cells"]), "a student notebook has no outputs"
     for rel in handout.repository_files():                # everything else is the library unchanged
         src = ROOT / rel
-        if src not in ASSIGNMENTS[name].sources() and not rel.endswith(("test_hidden.py", ".ipynb")):
+        if src not in ASSIGNMENTS[name].sources() and not rel.endswith(("test_hidden.py", ".ipynb", "sheet.md")):
             assert (out / rel).read_bytes() == src.read_bytes(), f"{rel} changed in the student copy"
 
 
@@ -194,3 +215,55 @@ def test_grader_writes_gradescope_json(tmp_path, capsys):
     assert all(t["status"] == "passed" and set(t) >= {"name", "score", "max_score", "output"} for t in tests)
     printed = capsys.readouterr().out
     assert "public" in printed and "hidden" in printed and f"score: {results['score']:g} / " in printed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_doing_nothing_scores_nothing(name, tmp_path):
+    """Every solution replaced by ``pass``: no test may pass (each checks that the work was done)."""
+    handout.student_copy(ASSIGNMENTS[name], tmp_path / "copy", stub="pass")
+    summary = grade.grade(name, tmp_path / "copy")
+    passed = [r["name"] for r in summary["results"] if r["status"] == "passed"]
+    assert not passed, f"{name}: these tests pass with empty solutions: {passed}"
+
+
+def solved_copy(tmp_path: Path) -> Path:
+    """A student copy of ``cache`` with ``LayerKV.append`` solved (the reference pasted back)."""
+    out = tmp_path / "copy"
+    handout.main(["cache", "--out", str(out)])
+    storage = ROOT / "nanollm" / "storage.py"
+    (out / "nanollm" / "storage.py").write_text(storage.read_text())
+    return out
+
+
+def stub_in(path: Path, hint_start: str, body: str) -> None:
+    """Replace the ``raise NotImplementedError('<hint_start>...`` line of a student file by ``body``."""
+    lines = path.read_text().splitlines()
+    i = next(n for n, line in enumerate(lines) if f"raise NotImplementedError('{hint_start}" in line)
+    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+    lines[i:i + 1] = [indent + b for b in body.splitlines()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.slow
+def test_a_crash_and_a_hang_fail_alone(tmp_path):
+    out = solved_copy(tmp_path)
+    attention = out / "nanollm" / "attention.py"
+    stub_in(attention, "cache: q as", "import os\nos.abort()")               # step_probs crashes the process
+    stub_in(attention, "cache: may query", "while True:\n    pass")          # the mask hangs
+    summary = grade.grade("cache", out, per_test_s=2)
+    by_name = {r["name"]: r for r in summary["results"]}
+    assert by_name["test_append_then_read"]["status"] == "passed", "a test before the crash keeps its pass"
+    assert "stopped (exit code" in by_name["test_decode_probs_match_full_attention"]["output"]
+    assert "TimeoutError" in by_name["test_masked_attention_sees_only_the_past"]["output"]
+    assert all(r["output"] for r in summary["results"] if r["status"] == "failed"), "every failure says why"
+    assert summary["score"] == 2
+
+
+@pytest.mark.slow
+def test_a_missing_module_is_not_borrowed_from_an_installed_checkout(tmp_path):
+    out = solved_copy(tmp_path)
+    (out / "nanollm" / "storage.py").unlink()
+    summary = grade.grade("cache", out)
+    assert summary["score"] == 0
+    assert all("could not be collected" in r["output"] for r in summary["results"]), summary["results"][0]
