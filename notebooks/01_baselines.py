@@ -674,7 +674,7 @@ prefill(model, ex_ids, ex_h2o)
 print(f"{ex_N} prompt tokens, {len(ex_maps)} layers, attention {tuple(ex_maps[0].shape)}, G = {G}")
 
 # %%
-# BEGIN SOLUTION [baselines] sum over the query axis, .view(H_kv, G, N).mean(1); recent scores to +inf, top-k, sort
+# BEGIN SOLUTION [baselines] attention received, summed over queries, averaged per GQA group; the recent half stays
 ex_scores = [a.sum(1).view(H_kv, G, ex_N).mean(1) for a in ex_maps]
 ex_kept = []
 for s in ex_scores:

@@ -785,7 +785,7 @@ print(f"section 6 ran in {time.time() - t_real:.0f} s")
 # Use `toy_attn` and `visible` from section 1 and call the result `my_counts`, one integer per token.
 
 # %%
-# BEGIN SOLUTION [scissorhands] tau = 1 / visible.sum(-1, keepdim=True); low = visible & (toy_attn < tau); sum
+# BEGIN SOLUTION [scissorhands] each query's level is 1 / (tokens it sees); count the queries that see a token below it
 tau = 1.0 / visible.sum(-1, keepdim=True)              # (1, 1, 3, 1): the uniform level of each query
 low = visible & (toy_attn < tau)                           # (1, 1, 3, 6): seen and below average
 my_counts = low.sum(-2).flatten()                      # low flags per token over the last w = 3 queries

@@ -527,7 +527,7 @@ plt.show()
 # the sorted list of kept positions; the check compares it with the library on four settings.
 
 # %%
-# BEGIN SOLUTION [chunkkv] votes.flatten().view(-1, c).sum(-1) scores chunks; keep the topk(budget // c) whole
+# BEGIN SOLUTION [chunkkv] score each chunk of c tokens by its summed votes; keep the best budget // c chunks whole
 def my_chunk_keep(c, budget):
     chunk_scores = votes.flatten().view(-1, c).sum(-1)                  # one score per chunk: the sum of its votes
     best = chunk_scores.topk(budget // c).indices                       # the chunks that fit whole
