@@ -1,0 +1,62 @@
+"""
+The notebooks read as one course: one heading style (``# NN Title``, ``## N. Section``, ``### N.M
+Subsection``, a last ``## Exercises`` with ``### Exercise N: title``), a pointer to the metrics glossary
+wherever the method tables' metrics appear, and at least one exercise that checks itself: a solution region
+of the topic's assignment, followed in its cell by an ``assert`` with a message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from course.assignments import ASSIGNMENTS
+from course.markers import find_regions
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+SOURCES = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+_spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
+build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
+
+
+def headings(path: Path) -> list[str]:
+    return [line for cell in build.read_percent(path).cells if cell.cell_type == "markdown"
+            for line in cell.source.splitlines() if line.startswith("#")]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.stem)
+def test_one_heading_style(path):
+    found = headings(path)
+    assert re.fullmatch(rf"# {path.stem[:2]} \S.*", found[0]), f"title: '# {path.stem[:2]} Title', got {found[0]!r}"
+    rules = [r"## \d+\. \S.*", r"## Exercises", r"### \d+\.\d+ \S.*", r"### Exercise \d+: \S.*"]
+    wrong = [h for h in found[1:] if not any(re.fullmatch(rule, h) for rule in rules)]
+    assert not wrong, f"{path.name}: headings off the style: {wrong}"
+    sections = [h for h in found if h.startswith("## ")]
+    assert sections[-1] == "## Exercises", f"{path.name}: the last section must be '## Exercises'"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.stem)
+def test_a_self_checking_exercise(path):
+    assignment = next(a.name for a in ASSIGNMENTS.values() if a.notebook == path.stem)
+    regions = [r for r in find_regions(path) if r.assignment == assignment]
+    assert regions, f"{path.name}: no exercise with a solution region [{assignment}]"
+    lines = path.read_text().splitlines()
+    for r in regions:
+        rest = []
+        for line in lines[r.end:]:
+            if line.startswith("# %%"):
+                break
+            rest.append(line)
+        assert re.search(r"^\s*assert .+,", "\n".join(rest), flags=re.M), \
+            f"{path.name}:{r.begin}: the region's cell must check the answer with an assert and a message"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.stem)
+def test_metrics_point_to_the_glossary(path):
+    text = path.read_text()
+    if path.stem != "01_baselines" and re.search(r"\bKL\b", text) and re.search(r"\b(acc|keep ratio)\b", text):
+        assert "glossary" in text, f"{path.name} uses the tables' metrics: point to the glossary in notebook 01"
