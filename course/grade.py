@@ -186,7 +186,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True,
             found, running = read_results(results_file)
             new = {n: found[n] for n in remaining if n in found}
             errors = [line[1:].strip() for line in log.splitlines() if line.startswith("E ")]
-            if code == 2 and not new:                            # nothing ran: the tests could not be imported
+            if code not in (0, 1, None) and not new and running not in remaining:   # the tests could not be imported
                 why = f"the tests could not be collected: {errors[0] if errors else log.splitlines()[-1:]}"
                 outcomes.update({n: ("failed", why) for n in remaining})
                 break
