@@ -129,3 +129,25 @@ def test_bench_output_is_what_the_bench_prints():
     for mode in ("cached", "recompute"):
         result.fit[mode] = fit_line([r.context for r in rows], [getattr(r, f"{mode}_ms") for r in rows])
     assert len(rows) == 4 and format_result(result, name=name) == block.rstrip("\n")
+
+
+def notebook_sections() -> dict[str, set[str]]:
+    """Section numbers of every notebook ("4", "4.1", ...), from its headings."""
+    found = {}
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py")):
+        numbers = (re.match(r"# #{2,3} (\d+(?:\.\d+)?)[. ]", line) for line in path.read_text().splitlines())
+        found[path.stem] = {m.group(1) for m in numbers if m}
+    return found
+
+
+def test_section_references_exist():
+    """"`04_perturbation_selection` §7.4" and "notebook 06 section 6" point at headings that exist."""
+    sections, wrong = notebook_sections(), []
+    patterns = [r"`(\d\d_[a-z_]+)`,? (?:§|section )(\d+(?:\.\d+)?[a-z]?)",
+                r"[Nn]otebook (\d\d),? (?:§|section )(\d+(?:\.\d+)?[a-z]?)"]
+    for pattern in patterns:
+        for m in re.finditer(pattern, README):
+            name = next((k for k in sections if k.startswith(m.group(1))), m.group(1))
+            if m.group(2) not in sections.get(name, set()):
+                wrong.append(f"{m.group(0)} (line {README[:m.start()].count(chr(10)) + 1})")
+    assert not wrong, f"README points at sections the notebooks do not have: {wrong}"
