@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 03: perturbation-constrained selection (CriticalKV)
+# # 04 CriticalKV: perturbation-constrained selection
 #
 # SnapKV keeps the entries the observation window attends to most. Feng et al. ("Identify Critical KV Cache
 # in LLM Inference from an Output Perturbation Perspective", [arXiv 2502.03805](https://arxiv.org/abs/2502.03805))
@@ -200,7 +200,7 @@ for h in range(cfg.n_head):
     axes[2].plot(P[h, span].tolist(), marker=".")
 axes[0].set(ylabel="window Abar", title=f"layer {layer}, around the needle (value digits shaded)")
 axes[1].set(ylabel="first answer\nquery's attention")
-axes[2].set(ylabel="P = ||v W_O^(h)||_1")
+axes[2].set(ylabel="P = ||v W_O^(h)||_1", xlabel="prompt token (the needle's key, then its value)")
 axes[2].set_xticks(range(len(span)), [repr(tok.decode([sample.prompt_ids[p]]))[1:-1] for p in span.tolist()],
                    rotation=90)
 for ax in axes:
@@ -283,7 +283,7 @@ print(f"({len(TASKS) * N_SAMPLES} samples x {cfg.n_head} query heads per layer; 
 
 # %% [markdown]
 # With the true query, on this model, Algorithm 1 loses to attention top-k: in the committed run it lowers
-# `L` in 29% (keep ratio 0.1) and 26% (0.25) of the (sample, head) pairs, with a higher mean `L` in every
+# `L` in 29% (keep ratio 0.1) and 25% (0.25) of the (sample, head) pairs, with a higher mean `L` in every
 # layer, and it lowers even Theorem 2's bound `theta` in only 14% and 10%. Why the bound does not follow:
 # Theorem 3 replaces the factor `2 - 1/m` (with `m` the kept mass) by `2 - 1/sigma`, with `sigma` the mass
 # stage 1 secured, and so treats `m` as fixed; but every entry stage 2 picks for its value instead of its
@@ -302,7 +302,8 @@ print(f"({len(TASKS) * N_SAMPLES} samples x {cfg.n_head} query heads per layer; 
 # (`projected_output_l1`, the paper's §5.1 quantity), the final hidden state's relative error (the
 # harness's `perturbation`, §5.2), the answer's KL and accuracy. The same loop runs the `alpha` ablation
 # (0, 0.25, 0.5, 1), kvpress's variant (`alpha=0.5, stage2="host", epsilon=1e-4`), and records
-# Assumption 1's `sigma` for `critical_kv`.
+# Assumption 1's `sigma` for `critical_kv`. The metrics (acc, KL, pert, lost, keep ratio) and the two modes
+# are defined in the glossary of notebook 01 (01_baselines).
 
 # %%
 VARIANTS = {                          # label -> (method spec, options)
@@ -347,7 +348,7 @@ print(f"{len(VARIANTS)} variants x {len(HEAD_RATIOS)} keep ratios x {len(TASKS) 
       f"{time.time() - t_loop:.0f} s")
 
 # %% [markdown]
-# ### (a) Head-wise: in how many heads is the perturbation lower with the selection?
+# ### 4.1 Head-wise: in how many heads is the perturbation lower with the selection?
 #
 # The paper (§5.1, Figure 2) compares each head's output perturbation with and without the selection and
 # counts the heads where it is lower: 819 of 1,024 heads for Llama-3.1-8B and 748 for Mistral-7B with
@@ -388,10 +389,10 @@ plt.show()
 # (means over 30 samples) for CriticalSnapKV at both keep ratios, and in 56% (0.1) and 38% (0.25) for
 # CriticalAdaKV, against the paper's 74%. Counted per (sample, layer, head), it is a coin toss at keep ratio
 # 0.1 (51-56%) and a loss at 0.25 (36-39%). The layer where it wins most consistently is layer 1 (53-61% at
-# both keep ratios), the layer whose attention is concentrated enough for Assumption 1 (section (d)).
+# both keep ratios), the layer whose attention is concentrated enough for Assumption 1 (section 4.3).
 # `alpha=1` equals SnapKV in every head, as it must.
 #
-# ### (b) Final hidden state, KL, accuracy; (e) the alpha ablation
+# ### 4.2 Final hidden state, KL, accuracy, and the alpha ablation
 #
 # The paper's §5.2 (Figure 3) reports a lower final-layer perturbation with the selection at every budget,
 # and Appendix D (Table 5) that `alpha = 0` (stage 2 only) is slightly worse than 0.25 but still better
@@ -413,21 +414,21 @@ print(f"mean over {n} samples ({len(TASKS)} tasks x {N_SAMPLES}), question in th
 # %% [markdown]
 # The final hidden state moves a little less with the selection at keep ratio 0.25 (SnapKV 0.865 ->
 # 0.835, AdaKV 0.855 -> 0.757; at 0.1 everything is about 1.0, i.e. the hidden state is lost either way),
-# which is the paper's §5.2 direction. But the answers get worse: KL rises (5.13 -> 5.62 over SnapKV, 5.01
-# -> 5.61 over AdaKV) and accuracy falls (0.11 -> 0.07, 0.13 -> 0.09). The first decode step, where the
+# which is the paper's §5.2 direction. But the answers get worse: KL rises (5.131 -> 5.619 over SnapKV,
+# 5.011 -> 5.605 over AdaKV) and accuracy falls (0.11 -> 0.07, 0.13 -> 0.09). The first decode step, where the
 # perturbation is measured, is not where the answer is decided; the later answer tokens (KL is averaged
 # over all of them) need the value digits that neither selection keeps. The per-layer sums show the
-# selection's perturbation is larger in layer 0 (2.9 -> 4.2 at 0.25) and layer 3.
+# selection's perturbation is larger in layer 0 (2.87 -> 4.18 at 0.25) and layer 3.
 #
 # The `alpha` ablation at keep ratio 0.25 orders as the paper's Appendix D does between 0 and 0.25
-# (alpha = 0: KL 5.71, accuracy 0.05, against 5.62 and 0.07 at 0.25), but every `alpha < 1` is worse than
-# SnapKV alone (`alpha = 1`: KL 5.13, accuracy 0.11), and in KL the more budget goes to stage 2, the worse
-# (5.13, 5.28, 5.62, 5.71 for alpha 1, 0.5, 0.25, 0). At 0.1 the KL order reverses (7.31 for alpha 1 down
-# to 6.87 for alpha 0), at an accuracy of 0.00 for every alpha. kvpress's variant (stage 2 on the pooled
-# vote, `alpha = 0.5`) is the only one that does not lose: KL 4.87 vs 5.13 and accuracy 0.12 vs 0.11 at
-# 0.25. Pooling keeps a strong token's neighbours, which the paper's un-pooled stage 2 does not.
+# (alpha = 0: KL 5.712, accuracy 0.05, against 5.619 and 0.07 at 0.25), but every `alpha < 1` is worse
+# than SnapKV alone (`alpha = 1`: KL 5.131, accuracy 0.11), and in KL the more budget goes to stage 2, the
+# worse (5.131, 5.281, 5.619, 5.712 for alpha 1, 0.5, 0.25, 0). At 0.1 the KL order reverses (7.308 for
+# alpha 1 down to 6.866 for alpha 0), at an accuracy of 0.00 for every alpha. kvpress's variant (stage 2 on
+# the pooled vote, `alpha = 0.5`) is the only one that does not lose: KL 4.871 vs 5.131 and accuracy 0.12
+# vs 0.11 at 0.25. Pooling keeps a strong token's neighbours, which the paper's un-pooled stage 2 does not.
 #
-# ### (d) How often does Assumption 1 hold?
+# ### 4.3 How often does Assumption 1 hold?
 #
 # Theorem 3 needs the stage-1 set to carry more than half of the attention (`sigma > 0.5`). The paper
 # finds it in most heads, except a few in the first layer (Appendix A, Figure 4). We measure `sigma` for
@@ -537,10 +538,11 @@ print(f"\nnotebook run time: {time.time() - T0:.0f} s")
 # spread out (section 3: the top 10% of the entries carry 67% of the mass). The paper measured 7-8B models.
 # SmolLM2-135M-Instruct is a real, if small, language model: 30 layers, 9 query heads sharing 3 KV heads
 # (`G = 3`), head dimension 64, hidden size 576. Its default suite is `passkey` and `niah_single_docs` (a
-# needle among paragraphs of Python's documentation), where the full cache answers at least 80% right. This
-# section re-measures the claims on it with the same library code: (a) what each selection keeps of a real
-# passage, (b) the head-wise perturbation of §5.1, (c) the final-layer perturbation of §5.2 and accuracy and
-# KL (Tables 1 and 3) in both modes, (d) Assumption 1, and (e) Algorithm 1 with the true query (section 3).
+# needle among paragraphs of Python's documentation), which the full cache answers (1.00 in section 7.3). This
+# section re-measures the claims on it with the same library code: 7.1 what each selection keeps of a real
+# passage, 7.2 the head-wise perturbation of §5.1, 7.3 the final-layer perturbation of §5.2 and accuracy and
+# KL (Tables 1 and 3) in both modes, 7.4 Assumption 1, 7.5 Algorithm 1 with the true query (section 3), and
+# 7.6 the claims in numbers.
 #
 # Three selections over each host: the host alone; the paper's Algorithm 2 (`alpha = 0.25`, stage 2 on the
 # un-pooled window attention, `stage2="window"`, the library default); and kvpress's variant (`alpha = 0.5`,
@@ -556,7 +558,7 @@ W_O_REAL = [block.attn.o_proj.weight.detach() for block in real.blocks]   # (576
 
 LENGTH_REAL = 256 if TINY else 512                                # tokens per sample
 TASKS_REAL = rcard["default_suite"][:1] if TINY else rcard["default_suite"]
-N_REAL = 1 if TINY else 3                                         # samples per task (and mode in (c))
+N_REAL = 1 if TINY else 3                                         # samples per task (and mode in 7.3)
 RATIOS_REAL = [0.25] if TINY else [0.1, 0.25]
 BUDGETS_REAL = [round(r * LENGTH_REAL) for r in RATIOS_REAL]      # 51 and 128 of 512 tokens
 KVPRESS = {"alpha": 0.5, "stage2": "host", "epsilon": 1e-4}       # kvpress's CriticalKVPress
@@ -573,7 +575,7 @@ print(f"SmolLM2-135M: {rcfg.n_layer} layers, {rcfg.n_head} query heads, {rcfg.n_
       f"keep ratios {RATIOS_REAL}")
 
 # %% [markdown]
-# ### (a) What the selections keep of a real passage
+# ### 7.1 What the selections keep of a real passage
 #
 # A `niah_single_docs` sample: a sentence "The special magic number for KEY is: VALUE." hidden among
 # documentation paragraphs, the question at the end of the prompt. At keep ratio 0.25, which prompt
@@ -612,6 +614,8 @@ fig, axes = plt.subplots(len(VIEW) + 1, 1, figsize=(11, 2.2 * len(VIEW) + 3), dp
                          gridspec_kw={"height_ratios": [1] * len(VIEW) + [1.3]})
 for ax, label in zip(axes, VIEW):
     plot_kept(ax, layers_view(caches_view[label], SHOW), T_r, [span], title=label, window=32)
+    ax.set_ylabel("layer, KV head")
+    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=7)
     ax.set_yticks(range(len(SHOW) * rcfg.n_kv_head),
                   [f"L{l} KV{h}" for l in SHOW for h in range(rcfg.n_kv_head)], fontsize=7)
 n_value = span[2] - span[1]
@@ -619,7 +623,7 @@ for label in VIEW:
     mask = kept_mask(caches_view[label], T_r)                     # (L, H_kv, T) bool
     axes[-1].plot(mask[:, :, span[1]:span[2]].sum(-1).float().mean(-1).tolist(), marker=".", label=label)
 axes[-1].set(xlabel="layer", ylabel=f"value digits kept\n(of {n_value}, mean over KV heads)",
-             ylim=(-0.2, n_value + 0.2))
+             ylim=(-0.2, n_value + 0.2), title="value digits kept in every layer")
 axes[-1].legend(fontsize=8)
 axes[-1].grid(alpha=0.3)
 plt.tight_layout()
@@ -649,14 +653,14 @@ for label in VIEW:
 # absent). Section 2's finding holds on a real model: the un-pooled window attention times the value norm
 # does not point at the tokens the answer copies.
 #
-# ### (b) Head-wise: in how many of the 270 heads is the perturbation lower?
+# ### 7.2 Head-wise: in how many of the 270 heads is the perturbation lower?
 #
-# The measurement of section 4(a): every selection and its host traced on the same samples (question in the
+# The measurement of section 4.1: every selection and its host traced on the same samples (question in the
 # prompt; `harness.traces` runs the prompt once for all of them), the per-head perturbation
 # `L_h = ||(o_full,h - o_h) W_O^(h)||_1` at the first decode step, and the fraction of the 30 x 9 (layer,
 # query head) pairs where the selection's mean over samples is below the host's (the paper's §5.1, Figure 2:
 # 74.3% of heads on average). The same traces give the final hidden state's relative error and the KL used
-# in (c), and `critical_kv`'s stage-1 sets for (d).
+# in section 7.3, and `critical_kv`'s stage-1 sets for section 7.4.
 
 # %%
 res_r = {}                             # (label, ratio) -> {metric: [one value per sample]}
@@ -747,14 +751,14 @@ plt.show()
 # bootstrap interval over the samples: 64-71%) and CriticalAdaKV in 78.5% at 0.25 (71-81%). In the other two
 # it is a coin toss: CriticalSnapKV 41.9% at 0.25 (30-61%), CriticalAdaKV 52.6% at 0.1 (47-57%). Counted
 # per (sample, layer, head), the selection is lower in 51-63% of the triples: it wins a little more often
-# than it loses. That is far better than on the tiny model (section 4(a): 38% of heads), and short of the
+# than it loses. That is far better than on the tiny model (section 4.1: 38% of heads), and short of the
 # paper's clear majority. At keep 0.1, CriticalSnapKV wins most in layers 0-9 (73% of the triples). kvpress's
-# variant, which the paper does not evaluate, lowers fewer heads (42-54% of the triples).
+# variant, which the paper does not evaluate, is lower in fewer of the triples (42-54%).
 #
-# ### (c) The final hidden state, KL and accuracy
+# ### 7.3 The final hidden state, KL and accuracy
 #
 # §5.2 (Figure 3) reports a lower final-layer output perturbation with the selection at every budget, and
-# Tables 1 and 3 small gains in answer quality. First the traces of (b), sample by sample (question in the
+# Tables 1 and 3 small gains in answer quality. First the traces of section 7.2, sample by sample (question in the
 # prompt): the final hidden state's relative error at the first decode step and the answer's KL, each
 # selection's paired difference from its host, and in how many samples it is below.
 
@@ -838,14 +842,14 @@ plt.show()
 # puts every method within noise of the best at each keep ratio: 6 answers per cell cannot show the
 # paper's gains (SnapKV on Llama-3.1-8B, b = 256: 45.09 -> 45.66 of 100).
 #
-# Why the perturbation falls while the KL rises, as far as (a) and section 2 show: §5.1-5.2 measure the
+# Why the perturbation falls while the KL rises, as far as sections 7.1 and 2 show: §5.1-5.2 measure the
 # *first* decode step, whose query reads the question like the observation window's queries, the ones stage 2
 # ranks by. The KL averages over every answer token, and the later ones copy the value digits, which
-# Algorithm 2 drops in the early layers (part (a)) and kvpress's pooled stage 2 keeps.
+# Algorithm 2 drops in the early layers (section 7.1) and kvpress's pooled stage 2 keeps.
 #
-# ### (d) Assumption 1 on SmolLM2
+# ### 7.4 Assumption 1 on SmolLM2
 #
-# As in section 4(d): `sigma`, the attention mass on `critical_kv`'s stage-1 set, on the window attention
+# As in section 4.3: `sigma`, the attention mass on `critical_kv`'s stage-1 set, on the window attention
 # `Abar` that Algorithm 2 uses and on the first decode query of the full cache, per layer.
 
 # %%
@@ -875,11 +879,11 @@ plt.show()
 # %% [markdown]
 # Reproduced, with the paper's exception. The stage-1 set carries more than half of the attention in 70.5%
 # (keep ratio 0.1) and 89.2% (0.25) of the (sample, head) pairs on the window attention, 71.9% and 86.2% on
-# the decode query, against 17-46% on the tiny model (section 4(d)). Where it fails is layer 0 (22-24% on the
+# the decode query, against 17-46% on the tiny model (section 4.3). Where it fails is layer 0 (22-24% on the
 # decode query), as the paper finds for some of its first-layer heads (Appendix A, Figure 4), and at keep
 # ratio 0.1 layers 1-9 (48%).
 #
-# ### (e) Algorithm 1 with the true query
+# ### 7.5 Algorithm 1 with the true query
 #
 # Section 3's test on SmolLM2 (the same helper): at the first decode step of the full cache, in every layer
 # and query head, Algorithm 1 (`alpha = 0.25`) against attention top-k with that step's own attention.
@@ -900,15 +904,15 @@ print(f"({n_r} samples x {rcfg.n_head} query heads per layer; 'lower' = fraction
 
 # %% [markdown]
 # With the true query, Algorithm 1 now wins slightly more often than it loses: lower `L` than attention
-# top-k in 52% (keep ratio 0.1) and 60% (0.25) of the (sample, head) pairs, a lower mean `L` (12.13 -> 12.03,
-# 4.79 -> 4.70), and a lower bound `theta` in 58% and 69%. On the tiny model it lost (26-29%, section 3).
+# top-k in 52% (keep ratio 0.1) and 60% (0.25) of the (sample, head) pairs, a lower mean `L` (12.129 -> 12.028,
+# 4.791 -> 4.704), and a lower bound `theta` in 58% and 69%. On the tiny model it lost (25-29%, section 3).
 # The difference is concentration: here attention top-k keeps 93% and 97% of the mass (67% and 79% on the
 # tiny model), so the entries stage 2 picks for their values cost little mass. Layer 0, whose attention is
 # spread out (58-77% kept), is where Algorithm 1 still loses (lower `L` in 26-28%).
 #
-# ### (f) The claims on SmolLM2, in numbers
+# ### 7.6 The claims on SmolLM2, in numbers
 #
-# SmolLM2-135M, `passkey` and `niah_single_docs`, 512 tokens, 3 samples per task (and per mode in (c)), keep
+# SmolLM2-135M, `passkey` and `niah_single_docs`, 512 tokens, 3 samples per task (and per mode in 7.3), keep
 # ratios 0.1 and 0.25 (budgets 51 and 128, SnapKV's 32-token window included):
 #
 # * **Lower output perturbation in most heads** (§5.1, Figure 2; paper: 74.3% of heads). CriticalSnapKV
@@ -918,7 +922,7 @@ print(f"({n_r} samples x {rcfg.n_head} query heads per layer; 'lower' = fraction
 #   question in the prompt, the paired interval below 0 in 2 (0.171 -> 0.148, 0.072 -> 0.051), and lower in
 #   all 4 after the context. *Reproduced in direction*, by little.
 # * **Better answers** (Tables 1 and 3; e.g. SnapKV on Llama-3.1-8B, b = 256: +0.57 of 100). Accuracy: every
-#   difference within noise (6 answers per cell), *inconclusive*. KL: higher in all 4 cells (+0.13 to +0.44),
+#   difference within noise (6 answers per cell), *inconclusive*. KL: higher in all 4 cells (+0.134 to +0.435),
 #   *not reproduced*.
 # * **Assumption 1 holds, except in some first-layer heads** (Appendix A, Figure 4). 70.5% (0.1) and 89.2%
 #   (0.25) of the (sample, head) pairs on the window attention; layer 0: 22-24% on the decode query.
@@ -955,23 +959,63 @@ for ratio, budget in zip(RATIOS_REAL, BUDGETS_REAL):
 print(f"\nsection 7 run time: {time.time() - t_real:.0f} s")
 
 # %% [markdown]
-# ## Your turn
+# ## Exercises
 #
-# 1. **Concentrated attention.** Section 3 says the criterion needs most of the attention mass inside the
-#    kept set. Build a head by hand (`torch.softmax(logits * temperature)`) and find the temperature at
-#    which Algorithm 1 starts to beat attention top-k in most random draws of `V` (use
-#    `output_perturbation` and `perturbation_constrained_select`).
-# 2. **The right query.** Section 2 shows that the window's queries barely look at the value digits. Set
-#    `window=8` (`make_policy("critical_kv", 256, window=8)`: the window then holds only the end of the
-#    question) and rerun the digit table. Does stage 2 see the digits now?
-# 3. **kvpress's variant.** `stage2="host"` multiplies SnapKV's *pooled* score by the value norm. Pooling
-#    keeps a needle's neighbours with it. Compare the digits kept by `alpha=0.5, stage2="host"` and
-#    `alpha=0.5, stage2="window"` on the sample of section 2.
-# 4. **Over H2O.** `critical_kv(h2o)` has no window, so stage 2 weighs H2O's accumulated attention by the
-#    value norm at every decode step. Run `python -m methods.compare --methods h2o "critical_kv(h2o)"
-#    --samples 3` and compare accuracy and KL.
+# ### Exercise 1: the perturbation and its bound by hand
+#
+# Recompute, for the hand example of section 1 and Algorithm 1's choice (entries 0 and 2), the perturbation
+# `L = ||(A - A') V W_O||_1` with `A' = N*A / sum(N*A)` (Eq. 5-6) and Theorem 2's bound
+# `theta = C - (2 - 1/sum(N*A)) sum(N*A*P)` with `P_i = ||V_i W_O||_1` and `C = sum(A*P)` (Eq. 8), with
+# tensor operations only (no `output_perturbation`, `perturbation_bound` or `renormalized_attention`). Call
+# them `my_L` and `my_theta` (floats).
 
 # %%
-# 2. The right query: your code here, e.g.
+ex_attn = torch.tensor([0.5, 0.2, 0.18, 0.12], dtype=torch.float64)                 # the hand example of section 1
+ex_vw = torch.tensor([[1.0], [0.1], [-2.0], [1.0]], dtype=torch.float64) \
+    @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                             # V W_O, one row per entry
+ex_keep = torch.tensor([True, False, True, False])                                  # Algorithm 1's choice
+# BEGIN SOLUTION [critical_kv] kept mass m = (N*A).sum(); A' = N*A/m; L = ((A - A') @ VW).abs().sum(); theta from Eq. 8
+kept = ex_attn * ex_keep                                  # N*A
+m_kept = kept.sum()                                       # the kept attention mass
+my_L = float(((ex_attn - kept / m_kept) @ ex_vw).abs().sum())
+P_ex = ex_vw.abs().sum(-1)                                # ||V_i W_O||_1
+my_theta = float((ex_attn * P_ex).sum() - (2 - 1 / m_kept) * (kept * P_ex).sum())
+# END SOLUTION
+assert abs(my_L - float(output_perturbation(ex_attn, ex_keep, ex_vw))) < 1e-9, \
+    f"my_L = {my_L:.4f}, the library's L = {float(output_perturbation(ex_attn, ex_keep, ex_vw)):.4f}: " \
+    "renormalise the kept attention (A' sums to 1) and take the L1 norm of (A - A') V W_O"
+assert abs(my_theta - float(perturbation_bound(ex_attn, ex_keep, ex_vw.abs().sum(-1)))) < 1e-9, \
+    f"my_theta = {my_theta:.4f} differs from Theorem 2's bound: C = sum(A*P), then minus (2 - 1/m) sum(N*A*P)"
+print(f"L = {my_L:.3f}, theta = {my_theta:.3f}")
+
+# %% [markdown]
+# ### Exercise 2: concentrated attention
+#
+# Section 3 says the criterion needs most of the attention mass inside the kept set. Build a head by hand
+# (`torch.softmax(logits * temperature)`) and find the temperature at which Algorithm 1 starts to beat
+# attention top-k in most random draws of `V` (use `output_perturbation` and
+# `perturbation_constrained_select`).
+#
+# ### Exercise 3: the right query
+#
+# Section 2 shows that the window's queries barely look at the value digits. Set `window=8`
+# (`make_policy("critical_kv", 256, window=8)`: the window then holds only the end of the question) and
+# rerun the digit table. Does stage 2 see the digits now?
+
+# %%
+# Exercise 3, your code here, e.g.
 # cache = KVCache(cfg, make_policy("critical_kv", budget=256, window=8)); prefill(model, ids, cache)
 # print([int(torch.isin(digits, p).sum()) for layer in cache.layers for p in layer.pos[0]])
+
+# %% [markdown]
+# ### Exercise 4: kvpress's variant
+#
+# `stage2="host"` multiplies SnapKV's *pooled* score by the value norm. Pooling keeps a needle's neighbours
+# with it. Compare the digits kept by `alpha=0.5, stage2="host"` and `alpha=0.5, stage2="window"` on the
+# sample of section 2.
+#
+# ### Exercise 5: over H2O
+#
+# `critical_kv(h2o)` has no window, so stage 2 weighs H2O's accumulated attention by the value norm at every
+# decode step. Run `python -m methods.compare --methods h2o "critical_kv(h2o)" --samples 3` and compare
+# accuracy and KL.
