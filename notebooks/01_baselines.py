@@ -82,7 +82,7 @@ print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, 
 #
 # ### 1.2 H2O: heavy hitters by accumulated attention, plus a recent window
 #
-# Zhang et al., NeurIPS 2023, [arXiv 2306.14048](https://arxiv.org/abs/2306.14048), Algorithm 1. A few tokens
+# Zhang et al., NeurIPS 2023, [arXiv 2306.14048](https://arxiv.org/abs/2306.14048), §4 and Algorithm 1. A few tokens
 # ("heavy hitters") receive most of the attention, and a token attended a lot so far tends to stay
 # important. Every cached token carries the sum of the attention it has received (the prompt's column sums,
 # then every decode step's probabilities; mean over the query heads of a GQA group); the cache keeps the
@@ -179,15 +179,17 @@ plt.show()
 #   answer, and the question in the second mode below) are appended and kept: their caches hold `budget`
 #   plus those tokens. StreamingLLM and H2O bring every layer back to `budget` after every step.
 # * **keep ratio** (`keep`): `budget / tokens seen` (the convention in `nanollm/policy.py`); in the tables
-#   it is `round(budget / length, 4)` with `length` the sample's token count (context, question and
-#   answer: 512 in the main job), so `budget = round(keep x length)`: 51, 128, 256 for 0.1, 0.25, 0.5.
+#   it is `round(budget / length, 4)` with `length` the requested sample length, an upper bound on its
+#   tokens (context, question and answer: 512 in the main job; the sample below has 502), so
+#   `budget = round(keep x length)`: 51, 128, 256 for 0.1, 0.25, 0.5.
 #   The prompt is shorter than `length`, so the fraction of the prompt a prefill method keeps is a little
 #   larger (printed below).
 #
 # ### 2.2 The two modes
 #
 # * **question_in_prompt**: `prefill(context + question)`, then decode. The cache is compressed with the
-#   question already in it, so SnapKV's observation window *is* the question.
+#   question already in it, so SnapKV's observation window is essentially the question (its 32 tokens
+#   are the question's 30 and the 2 before them).
 # * **question_after_context**: `prefill(context)`, which compresses before the question is known, then
 #   `extend(question)` onto the compressed cache, then decode. An evicted fact cannot come back when the
 #   question asks for it, and SnapKV's window is the end of the context, not the question.
@@ -210,10 +212,12 @@ plt.show()
 #
 # The table's `pert` is the relative error of the **final hidden state** (after the final norm, the input
 # of the output layer) at the **first decode step**, the step that feeds the first answer token:
-# `pert = ||h_full - h_method||_2 / ||h_full||_2`. That step is the first moment a prefill compression can
-# show, since the prompt's own attention is always exact. The records also hold `attn_l1`, the
+# `pert = ||h_full - h_method||_2 / ||h_full||_2`. With the question in the prompt, that step is the first
+# moment a prefill compression can show, since the prompt's own attention is always exact (after the
+# context, the question's `extend` already reads the compressed cache). The records also hold `attn_l1`, the
 # attention-output perturbation per layer and query head at the same step, `||o_full - o_method||_1` (the
-# head's output before `W_O`): not a table column, but what CriticalKV (notebook 04) minimises.
+# head's output before `W_O`): not a table column. CriticalKV (notebook 04) works with a related quantity,
+# the same difference projected through each head's slice of `W_O` (its Eq. 5), and minimises a bound on it.
 #
 # ### 2.6 lost
 #
@@ -226,8 +230,9 @@ plt.show()
 #
 # ### 2.7 KV KiB and ms/tok
 #
-# `KV KiB`: the peak bytes of stored keys and values over all layers during the trace (AdaKV's padding
-# slots included, see `methods/adakv.py`). `ms/tok`: a rough time per decode step when all the methods of a
+# `KV KiB`: the peak bytes of stored keys and values over all layers during a trace (AdaKV's padding
+# slots included, see `methods/adakv.py`); a table cell is the largest peak over the row's samples and tasks,
+# where the other columns are means. `ms/tok`: a rough time per decode step when all the methods of a
 # sample step side by side; `python -m methods.evaluation.bench` is the benchmark.
 #
 # ### 2.8 Every metric on one sample, and by hand
@@ -376,7 +381,7 @@ for layer in range(model.config.n_layer):
 #
 # The greedy answer under each cache, in both modes, and at the first decode step (question in the
 # prompt) the full cache's attention on the needle's value: the most any query head of a layer gives it,
-# and how much of that the method could still read (its storage holds the whole value) in that head.
+# and whether the method's storage still holds the whole value in that head.
 
 # %%
 value_pos = torch.arange(v, end)
@@ -429,7 +434,8 @@ for layer, a in enumerate(prompt_maps):
 # H2O keeps the whole value in 2 of the 8 strips (layer 0 KV 0 and layer 3 KV 1) and 5 of its 6 tokens in
 # layer 2 KV 1. Layer 3 KV 1 is the group of query head 2, which at the first decode step gives the value
 # 0.999 of its attention in the full cache: the one head that copies the value still finds it. H2O answers
-# 196238 in both modes, with KL 0.000 and the least lost mass of the four (0.292).
+# 196238 in both modes; with the question in the prompt (where KL and lost are measured here) its KL is 0.000
+# and its lost mass the least of the four (0.292).
 #
 # **SnapKV keeps the needle's key but drops its value where it matters.** It keeps the whole value in
 # layer 0 KV 0 and 5 of 6 value tokens in two more strips, but in layer 3 KV 1, the retrieving head's
@@ -451,7 +457,7 @@ for layer, a in enumerate(prompt_maps):
 # the four baselines. One prefill and one short answer per method.
 
 # %%
-real, real_tok, real_card = load("smollm2-135m")         # 30 layers, 9 query heads, 3 KV heads, fp32
+real, real_tok, real_card = load("smollm2-135m")         # 30 layers, 9 query heads, 3 KV heads (its card), fp32
 LENGTH_REAL = 192 if TINY else 320                       # a passage of a few hundred tokens
 BUDGET_REAL = LENGTH_REAL // 4                           # keep ratio 0.25
 real_sample = make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=1)
@@ -736,7 +742,7 @@ print("Exercise 3: correct; layer 3, KV head 1 keeps the prefix positions",
 # ### Exercise 5: StreamingLLM without sinks, H2O without a recent window
 #
 # Re-run section 2.8 with `make_policy("streaming_llm", budget=BUDGET, n_sink=0)` and with
-# `make_policy("h2o", budget=BUDGET, n_recent=0)`. How do KL and `lost` change? §3.2 of the StreamingLLM
+# `make_policy("h2o", budget=BUDGET, n_recent=0)`. How do KL and `lost` change? §3.1 of the StreamingLLM
 # paper says a window without sinks collapses; does it on this model, at this budget?
 
 # %%
