@@ -1,6 +1,7 @@
 """
-What the assignments' tests compare against, written without the library: full attention in a few lines
-of PyTorch, and the ``points`` decorator. The grader copies this file next to the tests, so a student's
+What the assignments' tests compare against: full attention in a few lines of PyTorch, written without the
+library; greedy decoding through a cache checked step by step against the uncached forward pass; and the
+``points`` decorator. The grader copies this file next to the tests, so a student's
 copy of the library can never change the oracle.
 """
 
@@ -32,11 +33,22 @@ def full_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
 
 
-def tiny_config(flavour: str = "llama", **overrides) -> dict:
-    """Keyword arguments of a tiny ``ModelConfig`` (GQA in the Llama flavour): fast enough for a test."""
-    base = dict(n_layer=2, n_head=4, n_kv_head=2 if flavour == "llama" else 4, d_model=32, vocab_size=64,
-                max_seq_len=128)
-    if flavour == "gpt2":
-        base.update(pos_emb="learned", norm="layernorm", mlp="gelu")
-    base.update(overrides)
-    return base
+def greedy(adapters, model, ids: Tensor, cache, n_new: int):
+    """Greedy decoding through a student's cache, by the adapters' ``run_prefill`` and ``run_decode``: yields
+    (logits (B, V) of the token after ``seq``, seq (B, T)) after the prefill and after each of ``n_new``
+    decode steps."""
+    logits = adapters.run_prefill(model, ids, cache)[:, -1]
+    yield logits, ids
+    for _ in range(n_new):
+        token = logits.argmax(-1)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        logits = adapters.run_decode(model, token, cache)
+        yield logits, ids
+
+
+def assert_greedy_is_uncached(adapters, model, ids: Tensor, cache, n_new: int, what: str = "") -> None:
+    """Every greedy step's logits through the cache equal one uncached forward pass over the sequence (the
+    oracle for the cache: the uncached pass never touches it)."""
+    for step, (logits, seq) in enumerate(greedy(adapters, model, ids, cache, n_new)):
+        torch.testing.assert_close(logits, adapters.uncached_logits(model, seq)[:, -1], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{what} step {step} (0 = prefill): cached != uncached\n{m}")

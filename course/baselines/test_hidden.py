@@ -3,27 +3,16 @@
 import adapters as A
 import torch
 import torch.nn.functional as F
-from oracle import points
-
-
-def greedy(model, ids, cache, n_new):
-    """Greedy decoding through a cache; after each step, the logits and the layer-0 positions."""
-    logits = A.run_prefill(model, ids, cache)[:, -1]
-    out = []
-    for _ in range(n_new):
-        token = logits.argmax(-1)
-        ids = torch.cat([ids, token[:, None]], dim=1)
-        logits = A.run_decode(model, token, cache)
-        out.append((logits, ids, A.kept_positions(cache, 0).clone()))
-    return out
+from oracle import assert_greedy_is_uncached, greedy, points
 
 
 @points(3)
 def test_streaming_llm_decodes_with_sinks_and_window():
     model = A.tiny_model()
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(2))
-    for _, seq, pos in greedy(model, ids, A.new_cache(model, "streaming_llm", 8, n_sink=2), 5):
-        T = seq.shape[1]
+    cache = A.new_cache(model, "streaming_llm", 8, n_sink=2)
+    for _, seq in greedy(A, model, ids, cache, 5):
+        pos, T = A.kept_positions(cache, 0), seq.shape[1]
         want = [0, 1] + list(range(T - 6, T))
         assert sorted(pos[0, 0].tolist()) == want, f"after {T} tokens layer 0 holds {sorted(pos[0, 0].tolist())}"
 
@@ -35,8 +24,7 @@ def test_h2o_with_covering_budget_is_full_attention():
     model = A.tiny_model(seed=1)
     ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(3))
     cache = A.new_cache(model, "h2o", 64)
-    for logits, seq, _ in greedy(model, ids, cache, 4):
-        torch.testing.assert_close(logits, A.uncached_logits(model, seq)[:, -1], rtol=1e-4, atol=1e-5)
+    assert_greedy_is_uncached(A, model, ids, cache, 4, what="H2O at a covering budget,")
     for layer in range(2):
         totals = A.h2o_scores(cache, layer).sum(-1)                       # (B, H_kv)
         torch.testing.assert_close(totals, torch.full_like(totals, 10 + 4), rtol=1e-5, atol=1e-4,

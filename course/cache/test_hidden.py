@@ -3,21 +3,13 @@ its cache against the uncached forward pass, empty slots, both model flavours.""
 
 import adapters as A
 import torch
-from oracle import full_attention, points
+from oracle import assert_greedy_is_uncached, full_attention, points
 
 
 def greedy_against_uncached(flavour: str, n_prompt: int = 12, n_new: int = 6) -> None:
     model = A.tiny_model(flavour)
     ids = torch.randint(0, model.config.vocab_size, (2, n_prompt), generator=torch.Generator().manual_seed(3))
-    cache = A.new_cache(model)
-    logits = A.run_prefill(model, ids, cache)[:, -1]
-    for step in range(n_new):
-        want = A.uncached_logits(model, ids)[:, -1]
-        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: f"{flavour}, decode step {step}: cached != uncached\n{m}")
-        token = logits.argmax(-1)
-        ids = torch.cat([ids, token[:, None]], dim=1)
-        logits = A.run_decode(model, token, cache)
+    assert_greedy_is_uncached(A, model, ids, A.new_cache(model), n_new, what=flavour)
 
 
 @points(3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from course.model_adapters import (  # noqa: F401  (re-exported for the tests)
+    kept_positions,
     new_cache,
     run_decode,
     run_prefill,

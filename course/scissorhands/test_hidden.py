@@ -2,7 +2,7 @@
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import assert_greedy_is_uncached, greedy, points
 
 
 @points(3)
@@ -24,12 +24,7 @@ def test_covering_budget_is_full_attention():
     model = A.tiny_model(seed=2)
     ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(1))
     cache = A.new_cache(model, "scissorhands", 64, history_window=4)
-    logits = A.run_prefill(model, ids, cache)[:, -1]
-    for _ in range(4):
-        torch.testing.assert_close(logits, A.uncached_logits(model, ids)[:, -1], rtol=1e-4, atol=1e-5)
-        token = logits.argmax(-1)
-        ids = torch.cat([ids, token[:, None]], dim=1)
-        logits = A.run_decode(model, token, cache)
+    assert_greedy_is_uncached(A, model, ids, cache, 4, what="Scissorhands at a covering budget,")
 
 
 @points(3)
@@ -38,11 +33,8 @@ def test_budget_cache_stays_within_budget_and_keeps_the_recent_tokens():
     ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(2))
     budget, n_recent = 8, 3
     cache = A.new_cache(model, "scissorhands", budget, history_window=4, n_recent=n_recent)
-    logits = A.run_prefill(model, ids, cache)[:, -1]
-    for step in range(5):
-        token = logits.argmax(-1)
-        logits = A.run_decode(model, token, cache)
-        seen = 16 + step + 1
+    for _, seq in greedy(A, model, ids, cache, 5):
+        seen = seq.shape[1]
         for layer in range(2):
             pos = A.kept_positions(cache, layer)
             assert pos.shape[-1] <= budget, f"layer {layer} holds {pos.shape[-1]} > budget {budget}"

@@ -4,7 +4,7 @@ import math
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import assert_greedy_is_uncached, points
 
 
 @points(3)
@@ -28,13 +28,7 @@ def test_causal_tensor_attention_against_loops():
 def test_cached_decode_equals_uncached_forward():
     model = A.tiny_tensor_model()
     ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(1))
-    cache = A.new_tensor_cache(model, "four")
-    logits = A.run_prefill(model, ids, cache)[:, -1]
-    for _ in range(3):
-        torch.testing.assert_close(logits, A.uncached_logits(model, ids)[:, -1], rtol=1e-4, atol=1e-5)
-        token = logits.argmax(-1)
-        ids = torch.cat([ids, token[:, None]], dim=1)
-        logits = A.run_decode(model, token, cache)
+    assert_greedy_is_uncached(A, model, ids, A.new_tensor_cache(model, "four"), 3, what="four-matrix cache,")
 
 
 @points(2)
