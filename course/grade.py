@@ -7,9 +7,12 @@ Grade one assignment: run its public and hidden tests against a student copy and
 The tests run in a fresh Python process, in a scratch folder that holds only the tests and ``oracle.py``,
 with the student copy first on the import path: ``nanollm``, ``methods`` and ``kernels`` are the
 student's, reached only through the student's ``course/<name>/adapters.py``; nothing of the student copy
-or of this repository is written to. A check at start-up stops the run if the library would be imported
-from anywhere but the student copy. Each test's points are in its ``@points(n)`` decorator, read from the
-test file's source (not from the run, which a student's code could disturb).
+or of this repository is written to. An installed checkout cannot fill in what the copy lacks, and a
+test fails if it imported a module of the library from anywhere but the copy. Each test's outcome is
+recorded as it finishes, under a time limit (``--per-test-s``): a test that crashes the interpreter or
+hangs fails alone, and the tests after it run in a fresh process. Each test's points are in its
+``@points(n)`` decorator, read from the test file's source (not from the run, which a student's code could
+disturb).
 
 Output: a table (test, public or hidden, points, outcome, the first line of the failure), the total, and
 with ``--json`` a results file in Gradescope's format (``score``, ``execution_time``, ``tests``: ``name``,
