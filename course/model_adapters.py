@@ -1,7 +1,11 @@
 """
-Adapters every assignment shares: a tiny model, a cache run by a method, prefill / extend / decode, and the
-uncached forward pass the tests use as their oracle. Each assignment's ``adapters.py`` imports what it
-needs from here; change them here if you restructure the decoder or the cache.
+The adapters: the tests' only door into a student's code (as in Stanford CS336's assignments). The tests
+call the functions of their assignment's ``course/<name>/adapters.py`` and nothing else; if you move or
+rename things in the library, change the adapters so they reach your code, never the tests.
+
+This file holds the adapters every assignment shares: a tiny model, a cache run by a method, prefill /
+extend / decode, and the uncached forward pass the tests use as their oracle. Each ``adapters.py``
+imports what it needs from here.
 """
 
 from __future__ import annotations

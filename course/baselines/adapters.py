@@ -1,9 +1,4 @@
-"""
-The tests' only door into your code for the ``baselines`` assignment (as in Stanford CS336's assignments): the
-tests call these functions and nothing else. If you move or rename things in the library, change these
-functions (or ``course/model_adapters.py``, shared by every assignment) so they reach your code; never
-change the tests.
-"""
+"""The adapters of the ``baselines`` assignment, the functions its tests call: see course/model_adapters.py."""
 
 from __future__ import annotations
 

@@ -11,6 +11,15 @@ def tokens(n, seed=0):
     return torch.randn(n, 2, 4, generator=g), torch.randn(n, 2, 4, generator=g)
 
 
+def filled_sketch(width, n, seed):
+    """A 3-row sketch of ``width`` cells holding tokens at positions 0..n-1; with what the test compares:
+    (sketch, k, v, cells h_i(J), signs g_i(J), key cells, value cells)."""
+    sketch = A.new_sketch(3, width, 2, 4, seed=seed)
+    k, v = tokens(n, seed=seed)
+    A.insert(sketch, torch.arange(n), k, v)
+    return (sketch, k, v, *A.hashes(sketch, torch.arange(n)), *A.cells(sketch))
+
+
 @points(2)
 def test_an_injective_sketch_gives_tokens_back_exactly():
     sketch = A.new_sketch(3, 16, 2, 4, injective=True)
@@ -24,12 +33,7 @@ def test_an_injective_sketch_gives_tokens_back_exactly():
 
 @points(2)
 def test_cells_hold_keys_and_signed_values():
-    sketch = A.new_sketch(3, 4, 2, 4, seed=1)
-    k, v = tokens(6, seed=1)
-    pos = torch.arange(6)
-    A.insert(sketch, pos, k, v)
-    cell, sign = A.hashes(sketch, pos)                                  # (3, 6) each
-    key, value = A.cells(sketch)
+    _, k, v, cell, sign, key, value = filled_sketch(width=4, n=6, seed=1)     # cell, sign (3, 6)
     for i in range(3):
         for c in range(4):
             here = cell[i] == c
@@ -41,13 +45,8 @@ def test_cells_hold_keys_and_signed_values():
 
 @points(2)
 def test_query_is_the_median_over_rows():
-    sketch = A.new_sketch(3, 5, 2, 4, seed=2)
-    k, v = tokens(9, seed=2)
-    pos = torch.arange(9)
-    A.insert(sketch, pos, k, v)
-    cell, sign = A.hashes(sketch, pos)
-    key, value = A.cells(sketch)
-    k_hat, v_hat = A.query(sketch, pos)
+    sketch, k, v, cell, sign, key, value = filled_sketch(width=5, n=9, seed=2)
+    k_hat, v_hat = A.query(sketch, torch.arange(9))
     rows = torch.arange(3)[:, None]
     want_k = key[rows, cell].median(0).values                           # (9, 2, 4)
     want_v = (value[rows, cell] * sign[..., None, None]).median(0).values
