@@ -3,6 +3,12 @@ Shared pytest fixtures: a tiny random-init decoder in both flavours, in fp32, on
 SmolLM2-135M-Instruct, when it has been fetched (``python -m nanollm.cli.fetch smollm2-135m``, part of the
 README's set-up): its tests are skipped, saying so, where it has not.
 
+Two tiers, the pytest documentation's way. Bare ``python -m pytest`` runs the fast tier: no subprocess,
+no notebook execution, no benchmark, one option set per method in the contract matrix (under a minute on
+two cores). ``--runslow`` adds the slow tier (``@pytest.mark.slow``: commands in subprocesses, notebooks,
+the linter, the real model, the whole contract matrix). Timing benchmarks (``@pytest.mark.bench``) run
+only with ``--runbench``. A fast-tier test that starts a subprocess fails, saying it belongs to the slow one.
+
 No checkpoint is downloaded: equivalence tests (cached vs uncached, policy path vs plain path) only need
 *some* fixed weights, so a seeded random init is enough.
 
@@ -15,6 +21,7 @@ cached-vs-uncached differences stay around 3e-6 (well under the 1e-5 tolerance).
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -27,6 +34,32 @@ if not torch.cuda.is_available():
 from nanollm import ModelConfig, Transformer, preset
 
 INIT_STD = 0.1   # std of every weight matrix; norms keep their init (ones / zeros)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true",
+                     help="also run the slow tier: subprocesses, notebooks, the linter, the whole contract matrix")
+    parser.addoption("--runbench", action="store_true", help="also run the timing benchmarks (marker bench)")
+
+
+def pytest_collection_modifyitems(config, items):
+    skips = {"slow": (config.getoption("--runslow"), pytest.mark.skip(reason="slow tier: run with --runslow")),
+             "bench": (config.getoption("--runbench"), pytest.mark.skip(reason="benchmark: run with --runbench"))}
+    for item in items:
+        for marker, (wanted, skip) in skips.items():
+            if marker in item.keywords and not wanted:
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_subprocess_in_the_fast_tier(request, monkeypatch):
+    """The fast tier starts no process: a test that does is marked slow."""
+    if "slow" in request.keywords:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a subprocess: mark it @pytest.mark.slow")
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 @pytest.fixture(scope="session", autouse=True)

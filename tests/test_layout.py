@@ -120,6 +120,7 @@ def test_methods_top_level_is_the_methods():
     assert files == {METHODS[name].__module__.rpartition(".")[2] for name in METHODS}
 
 
+@pytest.mark.slow
 def test_ruff_is_clean():
     """The linter (configuration in pyproject.toml: pycodestyle, pyflakes, import order, 120 columns)."""
     pytest.importorskip("ruff", reason="ruff is installed by requirements.txt")

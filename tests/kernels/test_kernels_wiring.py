@@ -106,6 +106,7 @@ def test_tensor_attention_decode_step(kernels_everywhere):
     torch.testing.assert_close(out, model(x)[:, 5:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 @through_kernels
 def test_kvreviver_sketch(kernels_everywhere, monkeypatch, make_model):
     model = make_model(preset("TINY"), seed=0)

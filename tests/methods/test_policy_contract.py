@@ -70,14 +70,16 @@ TOTAL = N_PROMPT + 2 + N_CHUNK + 2          # tokens seen at the end of the scri
 
 
 def cases():
+    """Every method with each of its option sets, and every wrapper over every scorer. The fast tier runs
+    one option set per method (the first); the rest, and the cross product, are the slow tier."""
     for name in METHODS:
         for i, opts in enumerate(TEST_OPTIONS.get(name, [{}])):
-            yield pytest.param(name, opts, id=f"{name}-{i}")
+            yield pytest.param(name, opts, id=f"{name}-{i}", marks=() if i == 0 else pytest.mark.slow)
     for wrapper in wrappers():
         for scorer in scorers():
             for i, opts in enumerate(WRAPPER_OPTIONS.get(wrapper, [{}])):
                 spec = f"{wrapper}({scorer})"
-                yield pytest.param(spec, opts, id=f"{spec}-{i}")
+                yield pytest.param(spec, opts, id=f"{spec}-{i}", marks=pytest.mark.slow)
 
 
 @pytest.fixture(scope="module", params=["TINY", "TINY_GPT2"])

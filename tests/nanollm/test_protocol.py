@@ -330,6 +330,7 @@ def test_policy_does_not_import_the_cache():
     assert not any(n.endswith("cache") for n in imports(ROOT / "nanollm" / "storage.py"))
 
 
+@pytest.mark.slow
 def test_no_file_cites_documents_outside_the_repository():
     """Code and docs cite the papers; the project's private design notes are not part of the repository."""
     pattern = re.compile(r"specs?/methods|spec [§]|STYLE\.md|PERF\.md|DESIGN\.md|\.\./shared|seed 00[0-4]")

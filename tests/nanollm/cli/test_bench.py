@@ -53,6 +53,7 @@ def test_command_line_writes_json(tmp_path) -> None:
     assert set(data["fit"]) == {"cached", "recompute"}
 
 
+@pytest.mark.slow
 def test_vs_transformers_runs_the_same_model() -> None:
     """nanollm's decode step vs transformers' on the exported bundled checkpoint: same logits, times recorded."""
     pytest.importorskip("transformers")

@@ -15,6 +15,7 @@ from nanollm.config import preset
 from nanollm.io.checkpoint import load
 
 
+@pytest.mark.slow
 def test_run_speed_numbers_are_consistent():
     result = speed.run_speed("retrieval-llama", contexts=[48, 96], threads=1, repeats=1, steps=2, warmup=1,
                              vs_transformers=False, progress=False)
