@@ -65,24 +65,14 @@ def wrappers() -> list[str]:
 
 
 def method_chain(spec: str) -> list[str]:
-    """The names in a method spec, outermost first: ``"adakv(h2o)"`` -> ``["adakv", "h2o"]``.
-
-    A wrapper without an inner gets its default (``"adakv"`` -> ``["adakv", "snapkv"]``), built with the
-    wrapper's ``default_inner_options`` if it has any (ChunkKV's default SnapKV does not pool). Raises
-    ValueError naming the problem for unknown names, unbalanced brackets, or a non-scorer inside a wrapper.
-    """
+    """The names in a method spec, outermost first: ``"adakv(h2o)"`` -> ``["adakv", "h2o"]``; a wrapper named
+    without an inner gets its default (``"adakv"`` -> ``["adakv", "snapkv"]``). Errors name the problem."""
     if not isinstance(spec, str):
         raise ValueError(f"a method must be named by a string such as 'snapkv' or 'adakv(h2o)', got {spec!r}")
-    s, chain = spec.replace(" ", ""), []
-    while s.endswith(")"):
-        outer, bracket, rest = s.partition("(")
-        if not bracket:
-            raise ValueError(f"unbalanced brackets in method {spec!r}")
-        chain.append(outer)
-        s = rest[:-1]
-    if "(" in s or ")" in s:
+    s = spec.replace(" ", "")
+    chain = s.replace(")", "").split("(")
+    if s != "(".join(chain) + ")" * (len(chain) - 1):
         raise ValueError(f"unbalanced brackets in method {spec!r}")
-    chain.append(s)
     for name in chain:
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}, or wrap a scorer: "
@@ -91,11 +81,9 @@ def method_chain(spec: str) -> list[str]:
         chain.append(METHODS[chain[-1]].default_inner)
     for outer, inner in zip(chain, chain[1:]):
         if not issubclass(METHODS[outer], PolicyWrapper):
-            raise ValueError(f"{outer!r} is not a wrapper, so it cannot take {inner!r} inside; "
-                             f"wrappers: {wrappers()}")
-        if not issubclass(METHODS[inner], ScoringPolicy):
-            raise ValueError(f"{inner!r} does not score entries, so {outer!r} cannot wrap it; "
-                             f"scorers: {scorers()}")
+            raise ValueError(f"{outer!r} is not a wrapper, so it cannot take {inner!r} inside; wrappers: {wrappers()}")
+        if not issubclass(METHODS[inner], (ScoringPolicy, PolicyWrapper)):
+            raise ValueError(f"{inner!r} does not score entries, so {outer!r} cannot wrap it; scorers: {scorers()}")
     return chain
 
 

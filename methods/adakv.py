@@ -122,13 +122,8 @@ class AdaKVPolicy(PolicyWrapper):
         return int(ctx.kv.counts().sum(-1).max()) > H_kv * self.budget
 
     def keep_mask(self, ctx: StepContext) -> Tensor:
-        """(B, H_kv, T) bool: AdaKV's choice over the inner scores, the inner's protected entries first."""
-        scores = self.inner.score(ctx).float()                            # (B, H_kv, T)
-        protected = self.inner.protected(ctx)
-        if protected is not None:
-            scores = scores.masked_fill(protected.expand_as(scores), float("inf"))
-        scores = scores.masked_fill(ctx.kv.pos < 0, float("-inf"))        # empty slots are never kept
-        return adaptive_keep_mask(scores, self.budget, self.n_safe)
+        """(B, H_kv, T) bool: AdaKV's choice over the inner scores (protected +inf, empty slots -inf)."""
+        return adaptive_keep_mask(self.inner.keep_scores(ctx), self.budget, self.n_safe)
 
     def head_budgets(self, ctx: StepContext) -> Tensor:
         """(B, H_kv): entries each head gets from the shared pool (what ``select`` keeps per head)."""

@@ -150,11 +150,10 @@ class ChunkKVPolicy(PolicyWrapper):
         if group_first != ctx.layer and seen == ctx.seen:                   # Algorithm 2: reuse this step's
             keep = holds_position(reused, ctx.kv.pos, ctx.seen)            # choice of the first layer
         else:                                                              # Algorithm 1: select
-            valid = ctx.kv.pos >= 0
-            protected = self.inner.protected(ctx)
-            protected = torch.zeros_like(valid) if protected is None else protected.expand_as(valid) & valid
+            scores = self.inner.keep_scores(ctx)                           # protected +inf, empty -inf
+            valid, protected = ctx.kv.pos >= 0, scores == float("inf")
             n_free = (self.inner.head_budgets(ctx) - protected.sum(-1)).clamp(min=0)
-            keep = protected | chunk_keep_mask(self.inner.score(ctx), ctx.kv.pos, valid & ~protected, n_free,
+            keep = protected | chunk_keep_mask(scores, ctx.kv.pos, valid & ~protected, n_free,
                                                self.chunk_size, not self.per_head, self.remainder)
         idx = mask_to_indices(keep)
         if self.reuse > 1 and ctx.layer == group_first:

@@ -262,10 +262,7 @@ class CriticalKVPolicy(PolicyWrapper):
     @property
     def window(self) -> int | None:
         """The observation window of the innermost scorer (SnapKV's ``window``), None if it has none."""
-        policy = self.inner
-        while isinstance(getattr(policy, "inner", None), ScoringPolicy):
-            policy = policy.inner
-        w = getattr(policy, "window", None)
+        w = getattr(self.inner, "window", None)                           # a wrapper reads through to its inner
         return w if is_int(w) else None
 
     def needs(self, phase: str) -> Needs:
@@ -294,9 +291,8 @@ class CriticalKVPolicy(PolicyWrapper):
         kv = ctx.kv
         B, H_kv, T = kv.pos.shape
         valid = kv.pos >= 0
-        host = self.inner.score(ctx).float()                               # (B, H_kv, T) pooled for SnapKV
-        protected = self.inner.protected(ctx)
-        prot = valid & protected.expand(B, H_kv, T) if protected is not None else torch.zeros_like(valid)
+        host = self.inner.keep_scores(ctx)             # (B, H_kv, T) pooled for SnapKV; protected +inf, empty -inf
+        prot = valid & (host == float("inf"))
         budgets = self.inner.head_budgets(ctx)                             # (B, H_kv): b_j
         n_prot = torch.minimum(prot.sum(-1), budgets)
         free = budgets - n_prot                                            # b'_j

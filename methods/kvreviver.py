@@ -68,12 +68,11 @@ Defaults: r = 3 rows, shares 0.45 / 0.45 / 0.1, replace_rate 1.1 (the appendix: 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-import kernels
-from kernels.count_sketch import MAX_ROWS, sketch_insert_triton, sketch_query_triton
 from nanollm.checks import check_budget, check_flag, check_int, check_number
 from nanollm.policy import CachePolicy, Needs, StepContext
 from nanollm.storage import LayerKV
@@ -81,23 +80,12 @@ from nanollm.storage import LayerKV
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
 
 
-def median_of_rows(x: Tensor) -> Tensor:
-    """Element-wise median over the first axis (the sketch's rows): x (r, ...) -> (...); the lower median for
-    an even count, as ``torch.median``. For three rows, max(min(a, b), min(max(a, b), c)): the same value,
-    several times faster on CPU."""
-    if x.shape[0] == 3:
-        a, b, c = x
-        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
-    return x.median(dim=0).values
-
-
 class VagueSketch:
     """A count sketch of whole tokens for one sequence and layer (Yuan et al., arXiv 2512.17917, Algorithms
     1-2), batched over tokens.
 
     cells: key, value (r, b, H_kv, d), fp32 (sums of many tokens). Tokens are identified by position J.
-    On a GPU with Triton (``kernels.serves``) insert and query run the kernels of ``kernels/count_sketch.py``;
-    otherwise the PyTorch below, which the tests check against that file's references.
+    (``fastpath/sketch.py`` runs insert and query on the Triton kernels of ``kernels/count_sketch.py``.)
     """
 
     def __init__(self, rows: int, width: int, n_kv_head: int, head_dim: int, seed: int, injective: bool = False,
@@ -109,12 +97,6 @@ class VagueSketch:
         self.value = torch.zeros_like(self.key)
         g = torch.Generator().manual_seed(seed)
         self.coef = torch.randint(1, PRIME, (4, rows, 1), generator=g).to(device)   # a, c (bucket); a', c' (sign)
-        # the hashes of positions 0..P-1, computed once (``hashes``, doubled when a larger position comes):
-        # every step looks up hundreds of positions, one operation where hashing them is five. A cache of
-        # the hash functions, 8 r bytes per position, not counted as the method's memory (a GPU kernel
-        # would hash in registers)
-        self._cells = torch.zeros(rows, 0, dtype=torch.int32, device=device)      # (r, P) h_i(J)
-        self._signs = torch.zeros(rows, 0, device=device)                          # (r, P) g_i(J)
 
     def buckets(self, pos: Tensor) -> Tensor:
         """h_i(J) for every row i: pos (n,) -> (r, n)."""
@@ -130,16 +112,6 @@ class VagueSketch:
             return torch.ones(self.rows, J.shape[1], device=J.device)
         return 1.0 - 2.0 * ((self.coef[2] * J + self.coef[3]) % PRIME % 2).float()
 
-    def hashes(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """(``buckets(pos)`` as int32, ``signs(pos)``), both (r, n), read from tables of every position
-        up to the largest seen so far."""
-        P = self._cells.shape[1]
-        largest = int(pos.max()) if pos.numel() else -1
-        if largest >= P:
-            every = torch.arange(max(2 * P, largest + 1), device=pos.device)
-            self._cells, self._signs = self.buckets(every).int(), self.signs(every)
-        return self._cells[:, pos], self._signs[:, pos]
-
     def flat_cells(self, cells: Tensor) -> Tensor:
         """Row i's cell c as one index i * b + c into the cells seen as (r * b, H_kv, d) rows:
         cells (r, n) -> (r * n,)."""
@@ -148,10 +120,8 @@ class VagueSketch:
     def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
         """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
         subtract): cell[i, h_i(J)].key += k_J, cell[i, h_i(J)].value += g_i(J) v_J for every row i."""
-        cells, signs = self.hashes(pos)                                          # (r, n) each
+        cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
         k, v = sign * k.float(), sign * v.float()                                # (n, H_kv, d)
-        if kernels.serves(self.key):                                             # a GPU: atomic adds
-            return sketch_insert_triton(self.key, self.value, cells, signs, k, v)
         # BEGIN SOLUTION [kvreviver] add k_J to cell h_i(J) of every row i, and g_i(J) v_J (index_add_)
         (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
         flat = (-1, H_kv, d)
@@ -167,9 +137,7 @@ class VagueSketch:
     def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows:
         k^_J = median_i cell[i, h_i(J)].key, v^_J = median_i g_i(J) cell[i, h_i(J)].value."""
-        cells, signs = self.hashes(pos)                                          # (r, n) each
-        if kernels.serves(self.key) and self.rows <= MAX_ROWS:                   # a GPU: gather and median
-            return sketch_query_triton(self.key, self.value, cells, signs)
+        cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
         # BEGIN SOLUTION [kvreviver] read cell h_i(J) of every row (values times g_i(J)); median over rows
         (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
         flat = (-1, H_kv, d)
@@ -177,7 +145,7 @@ class VagueSketch:
         g = signs.to(self.value.dtype)[..., None, None]                          # (r, n, 1, 1): g_i(J)
         k = self.key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)     # (r, n, H_kv, d): cells
         v = self.value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * g   # signed cells
-        return median_of_rows(k), median_of_rows(v)
+        return k.median(dim=0).values, v.median(dim=0).values                  # the lower median for even r
         # END SOLUTION
 
     def delete(self, pos: Tensor, k: Tensor, v: Tensor) -> None:
@@ -226,6 +194,7 @@ class KVReviverPolicy(CachePolicy):
     _sketch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _approx: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # revived, bool
     rebuilt_nbytes: int = field(default=0, init=False, repr=False, compare=False)
+    sketch_class: ClassVar[type] = VagueSketch       # fastpath.sketch.use_kernels sets the kernels' one
     swaps: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -312,10 +281,7 @@ class KVReviverPolicy(CachePolicy):
                 k[b, heads].index_copy_(1, vague[b, s], k_hat.transpose(0, 1).to(k.dtype))   # rebuilt entries
                 v[b, heads].index_copy_(1, vague[b, s], v_hat.transpose(0, 1).to(v.dtype))
         pos = torch.arange(seen, device=raw.device).expand(B, H_kv, seen)
-        rebuilt = LayerKV(k, v, pos)
-        # every position 0..seen-1 once, in order, none after the step's newest query: ``dense`` (a decode
-        # step skips the mask; on CPU the same arithmetic as the masked path with nothing masked)
-        rebuilt.dense = True
+        rebuilt = LayerKV(k, v, pos)                    # every position 0..seen-1 once, in order
         self.rebuilt_nbytes = max(self.rebuilt_nbytes, rebuilt.nbytes())
         return rebuilt
 
@@ -369,8 +335,8 @@ class KVReviverPolicy(CachePolicy):
         S = self.groups(H_kv)
         G = H_kv // S                                                            # KV heads per group
         if layer not in self._sketch:                   # first compression: one sketch per sequence and group
-            self._sketch[layer] = [VagueSketch(self.rows, self.width, G, d, self.seed + layer,
-                                               self.injective_hash, store.k.device)
+            self._sketch[layer] = [self.sketch_class(self.rows, self.width, G, d, self.seed + layer,
+                                                   self.injective_hash, store.k.device)
                                    for _ in range(B * S)] if self.width > 0 else []   # no cells: V forgets
         recent_from = ctx.seen - self._recent[layer]                             # R = positions >= this
         n_out = int((store.pos[0, 0] < recent_from).sum()) - self.candidate_budget   # same in every row, head

@@ -140,21 +140,13 @@ def n_dropped(n_slots: int, budget: int, drop: int, n_recent: int) -> int:
     # END SOLUTION
 
 
-def recent_window(pos: Tensor, seen: int, n_recent: int) -> Tensor:
-    """(B, H_kv, T) bool: the stored entries among the ``n_recent`` most recent positions."""
-    return (pos >= seen - n_recent) & (pos >= 0)
-
-
 def scissorhands_keep(counts: Tensor, attn: Tensor, pos: Tensor, seen: int, budget: int, drop: int = 1,
                       n_recent: int = 0) -> Tensor:
-    """The whole rule (Algorithm 2) on one layer's tables: counts, attn, pos (B, H_kv, T).
-
-    Returns idx (B, H_kv, K) ascending, K = T - n_dropped(T, ...): the recent window (positions
-    >= seen - n_recent) and the best-scored others (``keep_score``).
-    """
-    T = pos.shape[-1]
-    K = T - n_dropped(T, budget, drop, n_recent)
-    return select_topk(keep_score(counts, attn, pos), K, protected=recent_window(pos, seen, n_recent))
+    """The whole rule (Algorithm 2) on one layer's tables, counts, attn, pos (B, H_kv, T): idx (B, H_kv, K)
+    ascending, K = T - n_dropped(T, ...), the recent window and the best by ``keep_score``."""
+    policy = ScissorhandsPolicy(budget, n_recent=n_recent, drop=drop)
+    K = pos.shape[-1] - n_dropped(pos.shape[-1], budget, drop, n_recent)
+    return select_topk(policy.rank(keep_score(counts, attn, pos), pos, seen), K)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,9 +211,8 @@ class ScissorhandsPolicy(ScoringPolicy):
     def score(self, ctx: StepContext) -> Tensor:
         return keep_score(ctx.kv.state[COUNT], ctx.kv.state[ATTN], ctx.kv.pos)
 
-    def protected(self, ctx: StepContext) -> Tensor:
-        """The ``n_recent`` most recent tokens."""
-        return recent_window(ctx.kv.pos, ctx.seen, self.n_recent)
+    def protected(self, n_prompt: int, seen: int) -> list[range]:
+        return [range(max(0, seen - self.n_recent), seen)]                    # the n_recent most recent
 
     def n_keep(self, ctx: StepContext) -> int:
         """Entries per head after this step's compression (<= budget; fewer when m > 1)."""
@@ -233,12 +224,4 @@ class ScissorhandsPolicy(ScoringPolicy):
         return torch.full((B, H_kv), self.n_keep(ctx), dtype=torch.long, device=ctx.kv.pos.device)
 
     def select(self, ctx: StepContext) -> Tensor:
-        """Drop m at a time (``n_dropped``) by the counters; the recent window stays."""
-        kv = ctx.kv
-        return scissorhands_keep(kv.state[COUNT], kv.state[ATTN], kv.pos, ctx.seen, self.budget, self.drop,
-                                 self.n_recent)
-
-    # -- contract declarations -------------------------------------------------------------------------
-    def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
-        """The ``n_recent`` most recent positions."""
-        return list(range(max(0, seen - self.n_recent), seen))
+        return select_topk(self.keep_scores(ctx), self.n_keep(ctx))          # m at a time (n_dropped)

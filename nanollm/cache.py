@@ -1,11 +1,9 @@
 """
 The explicit KV cache: every layer's storage, the number of tokens seen, and the policy.
 
-What one layer stores is decided by its attention module (``attention.py``): the standard module keeps a
-``storage.LayerKV`` (k, v, pos and per-slot state); another module (for example tensor attention, with
-its own factors) brings its own storage class. The cache does the bookkeeping that is the same for all:
-it creates the storage, counts the tokens seen, calls the policy's hooks at the right moments, and adds
-up the bytes.
+What a layer stores is its attention module's choice (``storage.LayerKV`` for the standard one); the cache
+does what is the same for all: it counts the tokens seen, calls the policy's hooks at the right moments,
+and adds up the bytes.
 """
 
 from __future__ import annotations
@@ -21,40 +19,33 @@ __all__ = ["KVCache", "LayerKV"]
 
 
 class KVCache:
-    """All layers' storage, the number of tokens seen, and the policy that decides what is kept.
+    """All layers' storage, the tokens seen, and the policy (None: store everything, call nothing).
 
-    ``policy=None`` is the plain cache: store everything, call nothing. Any ``CachePolicy`` (including
-    ``FullCache``, which keeps everything) goes through the hook path; see ``policy.CachePolicy`` for the
-    exact moments at which it is called. ``new_storage`` (a callable ``config -> storage``) overrides the
-    storage class the attention module names, for a module that can attend over more than one layout.
-    """
+    ``new_storage`` (``config -> storage``) overrides the storage the attention module names, for a module
+    that can attend over more than one layout (tensor attention)."""
 
     def __init__(self, config: ModelConfig, policy: CachePolicy | None = None, new_storage=None) -> None:
         self.config = config
         self.policy = policy
         if policy is not None:          # a new cache is a new sequence: nothing may leak from an earlier one
             policy.reset()
-        # what one layer stores: the attention module's choice, unless the caller picks another layout the
-        # module can attend over (tensor attention has three: methods/tensor_attention/attention.py)
         self._new_storage = new_storage or attention_class(config.attention).new_storage
         self.layers = [self._new_storage(config) for _ in range(config.n_layer)]
-        self.seen = 0           # tokens processed so far; the next token gets position `seen`
+        self.seen = 0                   # tokens processed so far; the next token gets position `seen`
 
     def attend(self, layer: int, module, q: Tensor, pos: Tensor, new: tuple) -> Tensor:
         """Called by layer ``layer``'s attention module: store the new entries, attend, run the policy.
 
-        q (B, H, Tn, d) the step's queries; pos (Tn,) their positions; ``new`` the step's new entries in
-        the order the storage's ``append`` takes them (``(k, v)`` for ``LayerKV``). The module computes
-        the attention itself (``module.attend_entries``). Returns its output (B, H, Tn, d).
+        q (B, H, Tn, d) the step's queries at positions pos (Tn,); ``new`` the step's entries as the
+        storage's ``append`` takes them (``(k, v)``). Returns the attention output (B, H, Tn, d).
         """
         store = self.layers[layer]
         phase = "prefill" if self.seen == 0 else "decode"   # `extend` chunks count as decode steps
         store.append(*new, pos)
         if self.policy is None:
-            out, _, _ = module.attend_entries(q, store, pos)
-            return out
+            return module.attend_entries(q, store, pos)[0]
         entries = self.policy.attend_kv(layer, store)
-        attended_pos = entries.pos          # captured now: the hook below may evict from the storage
+        attended_pos = entries.pos          # now: the hook below may evict from the storage
         out, probs, col_sums = module.attend_entries(q, entries, pos, self.policy.needs(phase))
         ctx = StepContext(layer=layer, phase=phase, q=q, q_pos=pos, probs=probs, out=out, kv=store,
                           attn=module, config=self.config, seen=self.seen + q.shape[2],
@@ -66,7 +57,7 @@ class KVCache:
         return out
 
     def nbytes(self) -> int:
-        """K and V bytes stored over all layers (whatever the storage calls its entries)."""
+        """K and V bytes stored over all layers."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def layer_nbytes(self) -> list[int]:

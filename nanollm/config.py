@@ -1,15 +1,9 @@
 """
-ModelConfig: every number that defines a nanollm decoder, and named presets.
+ModelConfig: every number that defines a decoder, and named presets.
 
-One config describes both flavours the project supports, built by the same code in `model.py`:
-
-* ``flavour="gpt2"``  learned absolute positions, LayerNorm, GELU MLP, biases, multi-head attention
-  (GPT-2, Radford et al. 2019).
-* ``flavour="llama"`` rotary positions (RoPE, Su et al. 2021) with a configurable base, RMSNorm, SwiGLU MLP,
-  no biases, grouped-query attention with ``n_kv_head < n_head`` (Llama 2/3, Touvron et al. 2023).
-
-Head counts follow the GQA convention used everywhere in the project: query head ``h`` reads KV head
-``h // (n_head // n_kv_head)``.
+``flavour="gpt2"``: learned positions, LayerNorm, GELU MLP, biases (Radford et al. 2019). ``flavour="llama"``:
+RoPE (Su et al. 2021), RMSNorm, SwiGLU MLP, no biases, grouped-query attention with ``n_kv_head < n_head``
+(Touvron et al. 2023). Query head ``h`` reads KV head ``h // (n_head // n_kv_head)``.
 """
 
 from __future__ import annotations
@@ -67,12 +61,10 @@ class ModelConfig:
 
     @property
     def group_size(self) -> int:
-        """Query heads per KV head (G in the specs)."""
-        return self.n_head // self.n_kv_head
+        return self.n_head // self.n_kv_head          # G: query heads per KV head
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
-        """Bytes one token adds to a full cache of the standard attention module: K and V, every layer and
-        KV head. (Another attention module has its own layout and its own formula.)"""
+        """Bytes one token adds to a full cache of the standard attention: K and V of every layer and KV head."""
         return 2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_element
 
     def to_dict(self) -> dict:
@@ -87,17 +79,15 @@ class ModelConfig:
         return cls(**d)
 
 
-# Named presets, kept as keyword arguments so that derived fields (d_ff, bias) follow any override.
-# TINY is what tests and the notebooks' tiny mode use: small enough that a forward pass takes
-# milliseconds, but with GQA (4 query heads sharing 2 KV heads) so grouping bugs show up.
+# Presets as keyword arguments, so derived fields (d_ff, bias) follow an override. TINY (tests, quick mode)
+# has GQA (4 query heads share 2 KV heads), so grouping bugs show; SMALL is the bundled model's shape;
+# the last two are real models' shapes, for memory arithmetic.
 PRESETS: dict[str, dict] = {
     "TINY": dict(flavour="llama", vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=256),
     "TINY_GPT2": dict(flavour="gpt2", vocab_size=512, n_layer=2, n_head=4, n_kv_head=4, d_model=64,
                       max_seq_len=256),
-    # The bundled retrieval checkpoints (see nanollm/checkpoints/) are trained from this one.
     "SMALL": dict(flavour="llama", vocab_size=1024, n_layer=4, n_head=4, n_kv_head=2, d_model=128,
                   max_seq_len=1024),
-    # Shapes of real models, for memory arithmetic (real weights load from a local folder, see hf.py).
     "GPT2_124M": dict(flavour="gpt2", vocab_size=50257, n_layer=12, n_head=12, n_kv_head=12, d_model=768,
                       max_seq_len=1024),
     "TINYLLAMA_1B": dict(flavour="llama", vocab_size=32000, n_layer=22, n_head=32, n_kv_head=4, d_model=2048,

@@ -1,13 +1,11 @@
 """
-Generation with an explicit KV cache: prefill, extend, decode_step, generate.
+Generation with an explicit KV cache.
 
     cache = KVCache(model.config, policy=SomePolicy(budget=64))
-    logits = prefill(model, prompt_ids, cache)        # whole prompt, exact causal attention
+    logits = prefill(model, prompt_ids, cache)        # the whole prompt, exact causal attention
     logits = extend(model, question_ids, cache)       # a chunk on top of the (possibly compressed) cache
     logits = decode_step(model, next_token, cache)    # one token
     out = generate(model, prompt_ids, max_new_tokens=20, policy=SomePolicy(budget=64))
-
-The command line is ``python -m nanollm.cli.generate`` (``cli/generate.py``); this module holds the library.
 """
 
 from __future__ import annotations
@@ -68,20 +66,12 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = No
 def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: CachePolicy | None = None,
              cache: KVCache | None = None, temperature: float = 0.0, top_k: int | None = None,
              stop_ids: list[int] | tuple = (), generator: torch.Generator | None = None, step=None) -> Tensor:
-    """Continue the prompt ids (B, T) by up to ``max_new_tokens`` tokens. Returns the new tokens (B, n).
+    """Continue ids (B, T) by up to ``max_new_tokens`` tokens; returns them (B, n).
 
-    Parameters
-    ----------
-    policy : a ``CachePolicy`` for a fresh cache (None = plain full cache). Ignored when ``cache`` is given.
-    cache : continue this cache instead of prefilling a fresh one (``ids`` are then extended onto it).
-    temperature : 0 = greedy; > 0 samples from softmax(logits / temperature).
-    top_k : sample only among the k most likely tokens.
-    stop_ids : a row stops after producing one of these; rows that stopped are padded with their stop id
-        until every row has stopped or ``max_new_tokens`` is reached.
-    generator : a seeded ``torch.Generator`` for reproducible sampling.
-    step : the function ``(token (B,), cache) -> logits (B, V)`` that feeds each new token (and ``ids``
-        too when it is one token onto a non-empty cache); default ``decode_step`` with this model
-        (``nanollm.lean.LeanDecoder.step`` computes the same, faster).
+    ``policy`` serves a fresh cache (None: the plain full cache), or ``cache`` is continued. Temperature 0 is
+    greedy, else softmax(logits / temperature) sampling among the ``top_k`` likeliest. A row stops after one
+    of ``stop_ids`` and repeats it until every row has stopped. ``step`` ``(token (B,), cache) -> logits``
+    feeds each new token (default ``decode_step``; ``fastpath.lean.LeanDecoder.step`` is faster).
     """
     check_int("max_new_tokens", max_new_tokens, 0)
     if not math.isfinite(temperature) or temperature < 0:
@@ -89,10 +79,8 @@ def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: Cache
     if top_k is not None and top_k <= 0:
         raise ValueError(f"top_k must be positive, got {top_k}")
     cache = cache if cache is not None else KVCache(model.config, policy=policy)
-    # Validate the whole request before anything is stored: prompt and every generated position must fit.
-    model.check_ids(ids, cache.seen)
-    # the last new token is never fed back, so it needs no position
-    total = cache.seen + ids.shape[1] + max(max_new_tokens - 1, 0)
+    model.check_ids(ids, cache.seen)             # the whole request is checked before anything is stored
+    total = cache.seen + ids.shape[1] + max(max_new_tokens - 1, 0)   # the last new token is never fed back
     if total > model.config.max_seq_len:
         raise ValueError(f"prompt ({ids.shape[1]} tokens, {cache.seen} already cached) + max_new_tokens "
                          f"({max_new_tokens}) needs {total} positions, more than max_seq_len="

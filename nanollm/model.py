@@ -1,10 +1,7 @@
 """
-The decoder: token embedding, a stack of pre-norm blocks (attention + MLP), a final norm and the LM head.
+The decoder: token embedding, pre-norm blocks (attention + MLP), a final norm and the LM head.
 
-Both flavours come from this file (see ``config.py``): the config picks LayerNorm or RMSNorm, GELU or
-SwiGLU, learned positions or RoPE. Attention itself lives in ``attention.py``, the cache in ``cache.py``.
-
-    logits = model(ids)                    # training / plain forward: causal attention, no cache
+    logits = model(ids)                    # training, a plain forward: causal attention, no cache
     logits = model(ids, cache=cache)       # generation: positions continue from cache.seen
 """
 
@@ -59,8 +56,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The attention module is the one
-    ``config.attention`` names (``attention.py``: the standard causal self-attention by default)."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); attn is ``config.attention``'s."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -87,9 +83,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        # RoPE frequencies (d/2,), kept in float64 outside the module's buffers so .half() cannot round them
+        # RoPE frequencies (d/2,) in float64, outside the module's buffers so .half() cannot round them
         self.inv_freq = rope_inv_freq(config) if config.flavour == "llama" else None
-        self._rope_table = None     # cos and sin of every position, computed on first use (see rope())
+        self._rope_table = None     # (inv_freq, cos, sin) of every position, made on first use
         self.apply(self._init_weights)
         # GPT-2 §2.3: scale the init of residual output projections by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
@@ -107,7 +103,7 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def check_ids(self, ids: Tensor, start: int = 0) -> None:
-        """Raise a clear error for ids the model cannot take, before anything is computed or stored."""
+        """A clear error for ids the model cannot take, before anything is computed or stored."""
         if not isinstance(ids, Tensor):
             raise TypeError(f"ids must be a torch.Tensor of token ids, got {type(ids).__name__}")
         if ids.dtype not in (torch.int64, torch.int32):
@@ -127,8 +123,7 @@ class Transformer(nn.Module):
                 f"maximum positions max_seq_len={self.config.max_seq_len}")
 
     def rope(self, start: int, T: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin (T, d) for positions start..start+T-1: rows of a table of all ``max_seq_len``
-        positions, computed once per device and dtype (a decode step then costs two slices, not eight ops)."""
+        """cos and sin (T, d) of positions start..start+T-1: rows of a table of every position, made once."""
         table = self._rope_table                              # (inv_freq it was made from, cos, sin)
         if table is None or table[0] is not self.inv_freq or table[1].device != device or table[1].dtype != dtype:
             every = torch.arange(self.config.max_seq_len, device=device)
@@ -137,10 +132,8 @@ class Transformer(nn.Module):
         return cos[start:start + T], sin[start:start + T]
 
     def forward(self, ids: Tensor, cache: KVCache | None = None, return_hidden: bool = False):
-        """Logits (B, T, vocab) for token ids (B, T); also the final hidden state if ``return_hidden``.
-
-        With a ``cache`` the tokens continue the cached sequence: their positions start at ``cache.seen``.
-        """
+        """Logits (B, T, vocab) of ids (B, T), and the final hidden state if ``return_hidden``. With a cache the
+        ids continue the cached sequence: their positions start at ``cache.seen``."""
         start = cache.seen if cache is not None else 0
         self.check_ids(ids, start)
         T = ids.shape[1]

@@ -238,7 +238,7 @@ def run_toy(model: ToyModel, x0: Tensor, T: int, cache: str = "full", budget: in
                 pos = kept.view(1, 1, -1)
                 score = keep_score(unimportance(history)[..., kept], last[..., kept], pos)
                 m = min(drop, budget - n_recent)
-                keep = select_topk(score, len(kept) - m, protected=pos >= t - 2 - n_recent)
+                keep = select_topk(score.masked_fill(pos >= t - 2 - n_recent, float("inf")), len(kept) - m)
                 kept = kept[keep[0, 0]]
             kept = torch.cat([kept, torch.tensor([t - 2])])      # then the newest token x_{t-1}
             S = kept

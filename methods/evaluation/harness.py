@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from fastpath.lean import LeanDecoder
 from nanollm.cache import KVCache, LayerKV
 from nanollm.data.evaluate import answer_length, cut_at
 from nanollm.data.tasks import Sample, string_match_all
 from nanollm.generation import extend, generate, prefill
-from nanollm.lean import LeanDecoder
 from nanollm.policy import CachePolicy, FullCache, Needs, StepContext
 
 from .side_by_side import FanOut, SharedPrefillUnsupported, step_many
@@ -245,7 +245,7 @@ def answer_traces(model, sample: Sample, probes: list[Probe], caches: list[KVCac
             probe.recording = j == 0
         own = [0.0] * len(runs)
         t0 = time.perf_counter()
-        if lean is not None:                           # the same step with fewer operations (nanollm/lean.py)
+        if lean is not None:                           # the same step with fewer operations (fastpath/lean.py)
             logits, hidden = step_many(lean, [torch.tensor([token], device=dev)] * len(runs), caches, own)
         else:
             logits, hidden = [], []

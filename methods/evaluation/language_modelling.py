@@ -44,13 +44,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from fastpath.lean import LeanDecoder
 from nanollm import cli, load
 from nanollm.cache import KVCache
 from nanollm.data.tasks import docs_paragraphs
 from nanollm.generation import prefill
 from nanollm.io.checkpoint import load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text
-from nanollm.lean import LeanDecoder
 from nanollm.policy import CachePolicy, FullCache
 
 from .. import METHODS, KVReviverPolicy, make_policy

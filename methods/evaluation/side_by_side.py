@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fastpath.lean import LeanDecoder
 from nanollm.attention import prompt_statistics
 from nanollm.cache import KVCache, LayerKV
-from nanollm.lean import LeanDecoder
 from nanollm.policy import CachePolicy, Needs, StepContext
 
 
@@ -41,7 +41,7 @@ class FanOut(CachePolicy):
     attention), so every method's prompt pass computes the same keys, values and outputs, layer after
     layer; only the policies' hooks differ. This policy lets the pass compute the outputs alone, and at
     each layer hands every cache its own copy of the layer's storage and the statistics its policy asks
-    for (``prompt_statistics`` with that policy's ``needs``: the very call ``attention.attend`` makes for
+    for (``prompt_statistics`` with that policy's ``needs``: the very call ``attention.attend_prompt`` makes for
     it), then runs that policy's ``on_prefill``. Each policy sees exactly what its own prompt pass would
     show it (a test compares them bit for bit), for one forward pass instead of one per method.
 
@@ -58,8 +58,7 @@ class FanOut(CachePolicy):
 
     def on_prefill(self, ctx: StepContext) -> None:
         store = ctx.kv
-        if not isinstance(store, LayerKV) or not store.dense or \
-                not torch.equal(store.pos, ctx.q_pos.expand_as(store.pos)):
+        if not isinstance(store, LayerKV) or not torch.equal(store.pos, ctx.q_pos.expand_as(store.pos)):
             raise SharedPrefillUnsupported("not a plain causal prompt over LayerKV storage")
         stats: dict[Needs, tuple] = {}
         for cache in self.caches:

@@ -35,11 +35,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
+from fastpath.lean import LeanDecoder
+
 from ..cache import KVCache
 from ..config import ModelConfig, preset
 from ..generation import decode_step, prefill
 from ..io import files
-from ..lean import LeanDecoder
 from ..model import Transformer
 
 
@@ -339,7 +340,7 @@ def run_vs_transformers(checkpoint: str = "retrieval-llama", contexts=HF_CONTEXT
 def format_vs_transformers(result: dict | None) -> str:
     if result is None:
         return "transformers is not installed: the comparison with it (--vs-transformers) is skipped"
-    lines = [f"one greedy decode step, nanollm (KVCache; decode_step and the lean step of nanollm/lean.py) vs "
+    lines = [f"one greedy decode step, nanollm (KVCache; decode_step and the lean step of fastpath/lean.py) vs "
              f"transformers {result['transformers']} (LlamaForCausalLM + DynamicCache, attention "
              f"{result['attn_implementation']}) on {result['checkpoint']}, 1 thread, median of {result['repeats']} "
              f"interleaved repeats",

@@ -7,7 +7,7 @@ the same weights, and the decode step against its roofline. ``python -m nanollm.
 * prefill: the whole prompt of T tokens through the model, filling a KV cache (nanollm's ``prefill`` into a
   ``KVCache``; transformers' ``LlamaForCausalLM`` forward with ``use_cache=True``); tokens/s = T / time.
 * decode: one greedy step, one new token over a cache of ~T tokens (``decode_step``, the lean step of
-  ``nanollm/lean.py``, and transformers with a ``DynamicCache``); the sequence is prefilled with T - n
+  ``fastpath/lean.py``, and transformers with a ``DynamicCache``); the sequence is prefilled with T - n
   tokens and then n steps are taken (n = warm-up + timed), so every timed step sees T - n .. T - 1 tokens
   and the longest context still fits the model's positions.
 
@@ -165,7 +165,7 @@ def format_speed(result: dict) -> str:
                      f"{d['nanollm']:>21.1f} {d['nanollm-lean']:>6.1f} {hd or 0:>6.1f} {ratio(d['nanollm'], hd):>6} "
                      f"{ratio(d['nanollm-lean'], hd):>6} | {r['bytes_per_step'] / 1e6:>7.0f} {r['ideal_ms']:>8.1f} "
                      f"{roof['nanollm']:>17.0%} {roof['nanollm-lean']:>5.0%}")
-    lines += ["", "nanollm: prefill() and decode_step(); lean: the lean decode step (nanollm/lean.py); ratio: "
+    lines += ["", "nanollm: prefill() and decode_step(); lean: the lean decode step (fastpath/lean.py); ratio: "
                   "nanollm / transformers (above 1: nanollm is faster); roofline: ideal ms / measured ms"]
     at = {r["context"]: r for r in result["rows"]}
     verdict = lambda value, goal: "met" if value >= goal else "NOT met"        # noqa: E731

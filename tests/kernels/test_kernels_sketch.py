@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
+from fastpath.attention import attend_step
 from kernels import HAS_TRITON, interpreting
 from kernels import count_sketch as cs
 from methods.kvreviver import KVReviverPolicy, VagueSketch
-from nanollm.attention import attend_step
 from nanollm.storage import LayerKV
 
 DEVICES = ([pytest.param("cpu", id="interpreter")] if interpreting() else []) + \

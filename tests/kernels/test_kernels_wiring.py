@@ -1,10 +1,10 @@
-"""The switch: the library's hot paths take the kernels where ``kernels.serves`` says so (CUDA + Triton).
+"""The switch: the fast paths take the kernels where ``kernels.serves`` says so (CUDA + Triton).
 
 ``serves`` itself: false on a CPU tensor (the interpreter is for the tests, never for the library), false
 with ``NANOKV_NO_TRITON=1`` or without Triton, true on an sm_80+ GPU. On a machine without a GPU the switch
 is then patched to serve CPU tensors too, so the same paths run through Triton's interpreter here and must
-give what the PyTorch paths give: a decode step of the nanollm decoder, a tensor-attention decode step over
-the four-matrix cache, and KVReviver's sketch insert and query.
+give what the reading path gives: the lean decode step (``fastpath/``, with and without a policy), a
+tensor-attention decode step over the four-matrix cache, and KVReviver's sketch on ``fastpath.sketch``.
 """
 
 from types import SimpleNamespace
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kernels
-import nanollm.attention
+from fastpath.lean import LeanDecoder
+from fastpath.sketch import use_kernels
 from methods import make_policy
 from methods.tensor_attention import TENSOR_ATTENTION, tensor_cache
 from nanollm import KVCache, Transformer, preset
@@ -32,7 +33,6 @@ through_kernels = pytest.mark.skipif(
 def test_serves_no_cpu_tensor():
     """Not even under TRITON_INTERPRET=1: the interpreter is far too slow for a model."""
     assert not kernels.serves(torch.zeros(2, 16))
-    assert not nanollm.attention.kernel_serves(torch.zeros(2, 16))
 
 
 @pytest.fixture
@@ -76,24 +76,26 @@ def kernels_everywhere(monkeypatch):
         calls.append(tuple(t.shape))
         return t.is_cuda or kernels.interpreting()
     monkeypatch.setattr(kernels, "serves", serves)
-    monkeypatch.setattr(nanollm.attention, "kernel_serves", serves)
     return calls
 
 
-def run(model, x, cache):
+def run(model, x, cache, step=None):
+    step = step or (lambda t, c: decode_step(model, t, c))
     with torch.no_grad():
         logits = [prefill(model, x[:, :6], cache)[:, -1]]
-        logits += [decode_step(model, x[:, t:t + 1], cache) for t in range(6, x.shape[1])]
+        logits += [step(x[:, t], cache) for t in range(6, x.shape[1])]
     return torch.stack(logits, 1)
 
 
 @through_kernels
-def test_decoder_decode_step(kernels_everywhere, make_model):
+@pytest.mark.parametrize("policy", [None, "snapkv"])
+def test_lean_decode_step(kernels_everywhere, make_model, policy):
     model = make_model(preset("TINY"), seed=0)
     x = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
-    ref = run(model, x, KVCache(model.config))         # recorded before: the patch is active for both runs,
-    assert kernels_everywhere                          # so compare against the uncached forward instead
-    torch.testing.assert_close(ref, model(x)[:, 5:], rtol=0, atol=1e-5)
+    cache = KVCache(model.config, policy and make_policy(policy, 64))
+    out = run(model, x, cache, LeanDecoder(model).step)
+    assert kernels_everywhere
+    torch.testing.assert_close(out, model(x)[:, 5:], rtol=0, atol=1e-5)
 
 
 @through_kernels
@@ -111,9 +113,8 @@ def test_tensor_attention_decode_step(kernels_everywhere):
 def test_kvreviver_sketch(kernels_everywhere, monkeypatch, make_model):
     model = make_model(preset("TINY"), seed=0)
     x = torch.randint(0, 512, (1, 90), generator=torch.Generator().manual_seed(2))
-    with_kernels = run(model, x, KVCache(model.config, make_policy("kvreviver", 64)))
+    with_kernels = run(model, x, KVCache(model.config, use_kernels(make_policy("kvreviver", 64))))
     assert (3, 2, 2, 16) in kernels_everywhere         # the sketch's cells (r, b, H_kv, d) went through
     monkeypatch.setattr(kernels, "serves", lambda t: False)
-    monkeypatch.setattr(nanollm.attention, "kernel_serves", lambda t: False)
     without = run(model, x, KVCache(model.config, make_policy("kvreviver", 64)))
     torch.testing.assert_close(with_kernels, without, rtol=0, atol=1e-4)

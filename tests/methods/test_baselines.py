@@ -10,12 +10,25 @@ import torch
 
 from methods import make_policy
 from methods.adakv import adaptive_keep_mask, mask_to_indices
-from methods.h2o import STATE, H2OPolicy, h2o_keep, received_attention
-from methods.snapkv import SnapKVPolicy, pool1d, snapkv_keep, window_vote
-from methods.streaming_llm import StreamingLLMPolicy, streaming_llm_keep
+from methods.h2o import STATE, H2OPolicy, received_attention
+from methods.snapkv import SnapKVPolicy, pool1d, window_vote
+from methods.streaming_llm import StreamingLLMPolicy
 from nanollm import KVCache, LayerKV, StepContext, Transformer, decode_step, extend, prefill, preset
 from nanollm.attention import attend
 from nanollm.policy import select_topk
+
+
+def streaming_llm_keep(pos, seen, budget, n_sink):
+    """StreamingLLM's rule on hand-made positions: its rank (protected +inf), then each head's top budget."""
+    return select_topk(StreamingLLMPolicy(budget, n_sink).rank(pos.float(), pos, seen), budget)
+
+
+def h2o_keep(scores, pos, seen, budget, n_recent):
+    return select_topk(H2OPolicy(budget, n_recent).rank(scores, pos, seen), budget)
+
+
+def snapkv_keep(scores, pos, seen, budget, window):
+    return select_topk(SnapKVPolicy(budget, window).rank(scores, pos, seen), budget)
 
 
 @pytest.fixture(scope="module")
@@ -147,19 +160,19 @@ def test_h2o_all_recent_equals_sliding_window(tiny):
 class RecordingH2O(H2OPolicy):
     """H2O that checks, at every eviction, that what it kept outscored what it dropped."""
 
-    def compress(self, ctx):
-        if len(ctx.kv) <= self.budget:
-            return
-        scores, pos = ctx.kv.state[STATE].clone(), ctx.kv.pos.clone()               # (B, H_kv, T)
-        super().compress(ctx)
+    def select(self, ctx):
+        scores, pos = ctx.kv.state[STATE], ctx.kv.pos                               # (B, H_kv, T)
+        idx = super().select(ctx)
+        new_pos = pos.gather(-1, idx)
         old = pos[..., : pos.shape[-1] - self.n_recent]                             # non-recent slots
         s_old = scores[..., : pos.shape[-1] - self.n_recent]
-        kept = (old[..., :, None] == ctx.kv.pos[..., None, :]).any(-1)              # (B, H_kv, T - r)
+        kept = (old[..., :, None] == new_pos[..., None, :]).any(-1)                 # (B, H_kv, T - r)
         assert int(kept.sum(-1).min()) == self.budget - self.n_recent
         lowest_kept = s_old.masked_fill(~kept, float("inf")).min(-1).values
         highest_dropped = s_old.masked_fill(kept, float("-inf")).max(-1).values
         assert bool((lowest_kept >= highest_dropped).all())
         self.evictions = getattr(self, "evictions", 0) + 1
+        return idx
 
 
 def test_h2o_keeps_top_scored(tiny):
@@ -297,11 +310,11 @@ def test_adakv_head_budgets_are_what_it_keeps(tiny):
     a plain scorer's allocation is uniform."""
 
     class Record(type(make_policy("adakv", 12))):
-        def compress(self, ctx):
-            self.budgets = getattr(self, "budgets", []) + [self.head_budgets(ctx)]
+        def select(self, ctx):
+            self.budgets = self.__dict__.get("budgets", []) + [self.head_budgets(ctx)]
             uniform = self.inner.head_budgets(ctx)
             assert bool((uniform == self.budget).all())
-            super().compress(ctx)
+            return super().select(ctx)
 
     policy = Record(budget=12, inner=SnapKVPolicy(budget=12, window=4, kernel=3))
     cache = KVCache(tiny.config, policy)

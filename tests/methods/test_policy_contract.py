@@ -38,7 +38,7 @@ import torch
 import nanollm.attention as attention
 from methods import METHODS, make_policy, method_options, scorers, wrappers
 from nanollm import FullCache, KVCache, Transformer, decode_step, extend, prefill, preset
-from nanollm.policy import CachePolicy, ScoringPolicy, select_topk
+from nanollm.policy import CachePolicy, Needs, PolicyWrapper, ScoringPolicy, select_topk
 
 # Per-method option sets: [easy, hard, ...]. Defaults are the paper's; "hard" ones push the edge cases.
 TEST_OPTIONS: dict[str, list[dict]] = {
@@ -185,7 +185,7 @@ def top_k_cases():
     """The cases whose outermost policy selects by a top-k of its score."""
     for case in cases():
         outer = case.values[0].split("(")[0]
-        if issubclass(METHODS[outer], ScoringPolicy) and outer not in OTHER_RULES:
+        if issubclass(METHODS[outer], (ScoringPolicy, PolicyWrapper)) and outer not in OTHER_RULES:
             yield case
 
 
@@ -199,14 +199,13 @@ def test_kept_entries_are_the_top_scored(model, name, opts, budget):
     select, compressions = policy.select, []
 
     def checked_select(ctx):
-        scores, protected = policy.score(ctx), policy.protected(ctx)               # (B, H_kv, T), bool
+        scores = policy.keep_scores(ctx)                                # (B, H_kv, T), protected at +inf
         idx = select(ctx)                                                        # (B, H_kv, K), -1 = none
-        protected = torch.zeros_like(scores, dtype=torch.bool) if protected is None else protected.expand_as(scores)
         for b in range(idx.shape[0]):
             for h in range(idx.shape[1]):
                 kept = idx[b, h][idx[b, h] >= 0]
                 if len(kept):
-                    top = select_topk(scores[b, h].view(1, 1, -1), len(kept), protected[b, h].view(1, 1, -1))
+                    top = select_topk(scores[b, h].view(1, 1, -1), len(kept))
                     assert kept.tolist() == top.flatten().tolist(), \
                         f"layer {ctx.layer} row {b} head {h}: kept {kept.tolist()}, top-scored {top.flatten().tolist()}"
         compressions.append(ctx.layer)
@@ -219,14 +218,17 @@ def test_kept_entries_are_the_top_scored(model, name, opts, budget):
 
 @pytest.mark.parametrize("budget", [12, 30])
 @pytest.mark.parametrize("name,opts", cases())
-def test_same_on_both_storage_paths(model, name, opts, budget, monkeypatch):
-    """The attention's fast paths change nothing a method sees: forcing the general masked path everywhere
-    gives the same logits (fp32, 1e-5) and keeps exactly the same positions, and the budget and
-    well-formedness checks hold on it too."""
+def test_same_on_both_attends(model, name, opts, budget, monkeypatch):
+    """Which attend serves the prompt changes nothing a method sees: the prompt through the general masked
+    ``attend`` instead of ``attend_prompt`` gives the same logits (fp32, 1e-5) and keeps exactly the same
+    positions, and the budget and well-formedness checks hold on it too."""
     seq = make_seq(4)
     fast_logits, fast_kept = run_script(model, KVCache(model.config, make_policy(name, budget, **opts)), seq)
-    real_attend = attention.attend
-    monkeypatch.setattr(attention, "attend", lambda *a, **kw: real_attend(*a, **{**kw, "dense": False}))
+
+    def prompt_through_attend(q, k, v, needs=Needs()):
+        pos = torch.arange(q.shape[2])
+        return attention.attend(q, k, v, pos, pos.expand(*k.shape[:3]), needs)
+    monkeypatch.setattr(attention, "attend_prompt", prompt_through_attend)
     policy = make_policy(name, budget, **opts)
     logits, kept = run_script(model, KVCache(model.config, policy), seq,
                               check=lambda c: check_cache(c, policy, N_PROMPT))
@@ -300,7 +302,7 @@ def test_policy_reused_in_a_new_cache(model, name, opts):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_registered_policy_shape(name):
     cls = METHODS[name]
-    assert issubclass(cls, CachePolicy) and dataclasses.is_dataclass(cls)
+    assert issubclass(cls, (CachePolicy, PolicyWrapper)) and dataclasses.is_dataclass(cls)
     assert "budget" in {f.name for f in dataclasses.fields(cls)}
     policy = make_policy(name, 7)
     assert isinstance(policy, cls) and policy.budget == 7

@@ -172,11 +172,12 @@ def test_policy_equals_rule(budget, w, r, m):
 class RecordingScissorhands(ScissorhandsPolicy):
     """Records, at every compression, the positions before and after and the step's last-query attention."""
 
-    def compress(self, ctx):
+    def select(self, ctx):
         before = ctx.kv.pos.clone()
         attn = group_mean(ctx.probs, ctx.kv.pos.shape[1])[:, :, -1]              # (B, H_kv, T)
-        super().compress(ctx)
-        self.events = getattr(self, "events", []) + [(ctx.phase, before, attn, ctx.kv.pos.clone())]
+        idx = super().select(ctx)
+        self.events = getattr(self, "events", []) + [(ctx.phase, before, attn, before.gather(-1, idx))]
+        return idx
 
 
 def test_w1_r0_m1_evicts_the_smallest_current_attention(tiny):

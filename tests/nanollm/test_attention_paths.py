@@ -1,14 +1,12 @@
 """
-The fast paths of the decoder, against the general path and a naive reference.
+The reading path's attention, against a naive reference.
 
 1. ``LayerKV`` grows in place: appends within capacity copy nothing, the buffer doubles when full, ``keep``
    leaves room, and the views always show exactly the T slots in use.
-2. The three attention paths agree: the decode step without a mask and the prompt through SDPA equal the
-   general masked path, and the general path in chunks equals the whole computation, probabilities and
-   column sums included (fp32, atol 1e-5).
-3. The model on both storage paths: dense storage (fast paths) and storage that forces the general path
-   give the uncached forward's logits; the fast paths are really taken; a policy that asks for statistics
-   gets exactly the full matrix's rows and column sums.
+2. The two attends agree with the textbook computation: ``attend`` (the mask from positions, in chunks of
+   queries) and ``attend_prompt`` (SDPA, statistics in chunks), probabilities and column sums included.
+3. The model: the prompt attend and the general attend give the uncached forward's logits; a policy that
+   asks for statistics gets exactly the full matrix's rows and column sums.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import torch
 
 import nanollm.attention as attention
 from nanollm import CachePolicy, KVCache, LayerKV, decode_step, extend, prefill
-from nanollm.attention import attend, attend_masked
+from nanollm.attention import attend, attend_prompt
 from nanollm.policy import Needs
 from nanollm.storage import MIN_CAPACITY
 
@@ -62,7 +60,6 @@ def test_append_writes_in_place_and_doubles_when_full():
     assert torch.equal(kv.v[0, 0, :, 3], -torch.arange(cap + 1).float())
     assert kv.nbytes() == 2 * 2 * (cap + 1) * 4 * 4             # the slots in use, not the capacity
     assert kv.allocated_nbytes() == 2 * 2 * 2 * cap * 4 * 4
-    assert kv.dense
 
 
 def test_keep_leaves_room_and_views_show_the_kept_slots():
@@ -70,50 +67,49 @@ def test_keep_leaves_room_and_views_show_the_kept_slots():
     kv.append(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), torch.arange(10))
     k0 = kv.k.clone()
     kv.keep(torch.tensor([[[1, 4, 7], [0, 8, 9]]]))
-    assert len(kv) == 3 and kv.capacity() > 3 and kv.dense
+    assert len(kv) == 3 and kv.capacity() > 3
     assert torch.equal(kv.k[0, 0], k0[0, 0, [1, 4, 7]]) and torch.equal(kv.pos[0, 1], torch.tensor([0, 8, 9]))
     kept = kv.k.data_ptr()
     kv.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.tensor([10]))
     assert kv.k.data_ptr() == kept and kv.pos[0, 0].tolist() == [1, 4, 7, 10]
-    kv.keep(torch.tensor([[[0, 1, 2, 3], [0, 1, -1, -1]]]))     # an empty slot: not dense any more
-    assert not kv.dense and kv.counts().tolist() == [[4, 2]]
-    assert LayerKV(kv.k, kv.v, kv.pos).dense is False           # built from tensors: the general path
+    kv.keep(torch.tensor([[[0, 1, 2, 3], [0, 1, -1, -1]]]))     # -1: an empty slot
+    assert kv.counts().tolist() == [[4, 2]] and kv.pos[0, 1].tolist() == [0, 8, -1, -1]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # 2. The attention paths
 
-@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 3, 4, None])
 def test_chunked_masked_attention_equals_the_whole_matrix(chunk):
-    """Prompt attention in chunks of queries == the full (Tq, Tk) computation, rows and column sums too."""
+    """Attention in chunks of queries == the full (Tq, Tk) computation, rows and column sums too."""
     q, k, v = random_qkv(Tq=11, Tk=14)
     q_pos = torch.arange(3, 14)
     k_pos = torch.arange(14).expand(2, 2, 14).clone()
     k_pos[1, 0, 5] = -1                                                     # an empty slot
     k_pos[0, 1] = k_pos[0, 1].flip(0)                                       # slots in any order
     ref_out, ref_probs = naive_attention(q, k, v, q_pos, k_pos)
-    out, probs, col_sums = attend_masked(q, k, v, q_pos, k_pos, Needs(rows=None, col_sums=True), chunk=chunk)
+    out, probs, col_sums = attend(q, k, v, q_pos, k_pos, Needs(rows=None, col_sums=True), chunk=chunk)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-5)
     torch.testing.assert_close(probs, ref_probs, rtol=0, atol=1e-5)
     torch.testing.assert_close(col_sums, ref_probs.sum(dim=2), rtol=0, atol=1e-5)
-    _, last, none = attend_masked(q, k, v, q_pos, k_pos, Needs(rows=4), chunk=chunk)
+    _, last, none = attend(q, k, v, q_pos, k_pos, Needs(rows=4), chunk=chunk)
     torch.testing.assert_close(last, ref_probs[:, :, -4:], rtol=0, atol=1e-5)
     assert none is None
-    _, no_rows, _ = attend_masked(q, k, v, q_pos, k_pos, Needs(), chunk=chunk)
+    _, no_rows, _ = attend(q, k, v, q_pos, k_pos, Needs(), chunk=chunk)
     assert no_rows is None
 
 
-@pytest.mark.parametrize("chunk", [1, 5, None])
+@pytest.mark.parametrize("elements", [2 * 4 * 12, 5 * 2 * 4 * 12, None])      # 1 query, 5 queries, all per chunk
 @pytest.mark.parametrize("needs", [Needs(), Needs(rows=3), Needs(rows=None), Needs(col_sums=True),
                                    Needs(rows=2, col_sums=True), Needs(rows=7)])
-def test_prompt_fast_path_equals_the_reference(needs, chunk):
-    """Dense storage holding exactly the prompt: SDPA for the output, statistics beside it in chunks."""
+def test_prompt_attention_equals_the_reference(needs, elements, monkeypatch):
+    """The prompt over itself: SDPA for the output, statistics beside it in chunks."""
+    if elements is not None:
+        monkeypatch.setattr(attention, "SCORE_ELEMENTS", elements)
     q, k, v = random_qkv(Tq=12, Tk=12)
     q_pos = torch.arange(12)
-    k_pos = q_pos.expand(2, 2, 12)
-    ref_out, ref_probs = naive_attention(q, k, v, q_pos, k_pos)
-    out, probs, col_sums = attend(q, k, v, q_pos, k_pos, needs, dense=True, chunk=chunk)
+    ref_out, ref_probs = naive_attention(q, k, v, q_pos, q_pos.expand(2, 2, 12))
+    out, probs, col_sums = attend_prompt(q, k, v, needs)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-5)
     rows = 12 if needs.rows is None else needs.rows
     if rows:
@@ -124,53 +120,32 @@ def test_prompt_fast_path_equals_the_reference(needs, chunk):
         torch.testing.assert_close(col_sums, ref_probs.sum(dim=2), rtol=0, atol=1e-5)
     else:
         assert col_sums is None
-    # the output never depends on what was asked
-    assert torch.equal(out, attend(q, k, v, q_pos, k_pos, Needs(), dense=True)[0])
+    assert torch.equal(out, attend_prompt(q, k, v)[0])          # the output never depends on what was asked
 
 
-def test_decode_step_fast_path_equals_the_reference():
+def test_decode_step_equals_the_reference():
     q, k, v = random_qkv(Tq=1, Tk=30)
     q_pos, k_pos = torch.tensor([40]), torch.randperm(30).expand(2, 2, 30)   # any order, all in the past
     ref_out, ref_probs = naive_attention(q, k, v, q_pos, k_pos)
-    out, probs, col_sums = attend(q, k, v, q_pos, k_pos, Needs(rows=1, col_sums=True), dense=True)
+    out, probs, col_sums = attend(q, k, v, q_pos, k_pos, Needs(rows=1, col_sums=True))
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-5)
     torch.testing.assert_close(probs, ref_probs, rtol=0, atol=1e-6)
     torch.testing.assert_close(col_sums, ref_probs[:, :, 0], rtol=0, atol=1e-6)
-
-
-def test_decode_step_fast_path_is_the_masked_path_with_nothing_masked():
-    """When a decode step's query sees every entry, the fast path and the general path do the same
-    arithmetic: equal bit for bit (KVReviver relies on it to skip the mask over its rebuilt cache)."""
-    q, k, v = random_qkv(Tq=1, Tk=30)
-    q_pos, k_pos = torch.tensor([29]), torch.arange(30).expand(2, 2, 30)
-    needs = Needs(rows=1, col_sums=True)
-    fast = attend(q, k, v, q_pos, k_pos, needs, dense=True)
-    general = attend_masked(q, k, v, q_pos, k_pos, needs)
-    for a, b in zip(fast, general):
-        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # 3. The model on both storage paths
 
 class GeneralPath(CachePolicy):
-    """Keeps everything but hands attention a non-dense copy of the storage: the general masked path."""
+    """Keeps everything but hands attention the storage's slots in reverse order: the prompt too goes
+    through ``attend`` (the mask from positions) instead of ``attend_prompt``."""
 
     def attend_kv(self, layer, store):
-        return LayerKV(store.k, store.v, store.pos)
+        return LayerKV(store.k.flip(2), store.v.flip(2), store.pos.flip(2))
 
 
-class EvictOne(CachePolicy):
-    """Evicts position 1 after the prompt (an evicted, but hole-free, storage: still dense)."""
-
-    def on_prefill(self, ctx):
-        B, H_kv, T = ctx.kv.pos.shape
-        idx = torch.tensor([0] + list(range(2, T))).expand(B, H_kv, T - 1)
-        ctx.kv.keep(idx)
-
-
-@pytest.mark.parametrize("policy", [None, GeneralPath()], ids=["dense", "general"])
-def test_cached_equals_uncached_on_both_storage_paths(tiny_model, policy):
+@pytest.mark.parametrize("policy", [None, GeneralPath()], ids=["prompt", "general"])
+def test_cached_equals_uncached_on_both_attends(tiny_model, policy):
     model = tiny_model
     ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -181,35 +156,19 @@ def test_cached_equals_uncached_on_both_storage_paths(tiny_model, policy):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
-def test_evicted_storage_decodes_alike_on_both_paths(tiny_model):
-    """After an eviction the dense fast path and the general path give the same logits."""
-    ids = torch.randint(0, tiny_model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
-
-    class EvictThenGeneral(EvictOne, GeneralPath):
-        pass
-
-    fast, general = KVCache(tiny_model.config, EvictOne()), KVCache(tiny_model.config, EvictThenGeneral())
-    for cache in (fast, general):
-        prefill(tiny_model, ids[:, :10], cache)
-    assert fast.layers[0].dense
-    for t in range(10, 20):
-        torch.testing.assert_close(decode_step(tiny_model, ids[:, t], fast),
-                                   decode_step(tiny_model, ids[:, t], general), rtol=0, atol=1e-5)
-
-
-def test_fast_paths_are_taken(tiny_model, monkeypatch):
-    """Dense storage: the prompt and every decode step never reach the masked path."""
+def test_the_prompt_takes_attend_prompt_and_every_later_step_attend(tiny_model, monkeypatch):
     calls = []
-    real = attention.attend_masked
-    monkeypatch.setattr(attention, "attend_masked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("attend", "attend_prompt"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
     ids = torch.randint(0, tiny_model.config.vocab_size, (1, 16))
     cache = KVCache(tiny_model.config)
     prefill(tiny_model, ids[:, :10], cache)
-    for t in range(10, 16):
-        decode_step(tiny_model, ids[:, t], cache)
-    assert calls == []
-    extend(tiny_model, ids[:, :3], cache)                         # a chunk on top of a prefix: masked path
-    assert len(calls) == tiny_model.config.n_layer
+    assert calls == ["attend_prompt"] * tiny_model.config.n_layer
+    calls.clear()
+    decode_step(tiny_model, ids[:, 10], cache)
+    extend(tiny_model, ids[:, 11:14], cache)
+    assert calls == ["attend"] * 2 * tiny_model.config.n_layer
 
 
 def test_policy_statistics_equal_the_full_matrix(tiny_model):

@@ -222,9 +222,10 @@ def test_select_topk_hand_computed() -> None:
     scores = torch.tensor([[[0.1, 0.9, 0.2, 0.8, 0.3, 0.4]]])        # (B=1, H_kv=1, T=6)
     # top 4 scores: 0.9 (1), 0.8 (3), 0.4 (5), 0.3 (4) -> sorted by position
     assert select_topk(scores, 4).tolist() == [[[1, 3, 4, 5]]]
-    # protect the sink (0) and the most recent token (5): two slots left for 0.9 (1) and 0.8 (3)
+    # protect the sink (0) and the most recent token (5), as a scorer's rank does (+inf): two slots left for
+    # 0.9 (1) and 0.8 (3)
     protected = torch.tensor([True, False, False, False, False, True])
-    assert select_topk(scores, 4, protected=protected).tolist() == [[[0, 1, 3, 5]]]
+    assert select_topk(scores.masked_fill(protected, float("inf")), 4).tolist() == [[[0, 1, 3, 5]]]
     # per head: each head picks its own tokens
     per_head = torch.tensor([[[3.0, 1.0, 2.0], [1.0, 3.0, 2.0]]])     # (1, 2, 3)
     assert select_topk(per_head, 2).tolist() == [[[0, 2], [1, 2]]]

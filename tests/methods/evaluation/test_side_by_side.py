@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastpath.lean import LeanDecoder
 from methods import make_policy
 from methods.evaluation.side_by_side import step_many
 from nanollm import KVCache, prefill, preset
-from nanollm.lean import LeanDecoder
 
 
 def test_step_many_is_each_cache_stepped_alone(make_model):

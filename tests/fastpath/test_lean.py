@@ -1,13 +1,13 @@
-"""The lean decode step (nanollm/lean.py) computes what decode_step computes, with every policy."""
+"""The lean decode step (fastpath/lean.py) computes what decode_step computes, with every policy."""
 
 import pytest
 import torch
 
+from fastpath.attention import attend_heads, attend_step
+from fastpath.lean import LeanDecoder
 from methods import METHODS, make_policy
 from nanollm import KVCache, generate, preset
-from nanollm.attention import attend_step
 from nanollm.generation import decode_step, prefill
-from nanollm.lean import LeanDecoder, attend_heads
 
 
 def steps_both(model, x, policy_name=None, budget=12, n_prompt=10):
@@ -73,7 +73,7 @@ def test_attend_heads_is_attend_step(B, H, H_kv, T):
 def test_lean_step_with_several_threads(make_model, monkeypatch):
     """With more than one thread and a long enough cache the plain cache's attention goes through
     attend_heads (here from 12 tokens on): still what decode_step computes."""
-    import nanollm.lean as lean
+    import fastpath.lean as lean
     model = make_model(preset("TINY"), seed=1)
     x = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(0))
     calls = []

@@ -2,30 +2,25 @@
 A lean decode step: the same decoder and cache, fewer and larger operations.
 
 A decode step of a tiny model does almost no arithmetic: the bundled model's step is about a thousand
-small tensor operations at a few microseconds of dispatch each, plus the Python around them (module calls,
-bookkeeping), and that, not the weights or the cache, is what it costs on a CPU. ``model.py`` keeps one
-module per concept so it can be read; this file does the same step with less per-call work, for when
-speed matters (benchmarks, long generations):
+small tensor operations of a few microseconds' dispatch each, and that, not the weights or the cache, is
+what it costs on a CPU. ``nanollm/model.py`` keeps one module per concept so it can be read; this file does
+the same step with less per-call work:
 
-* the q, k and v projections of a layer are one matrix multiply (their weights stacked), and so are the
-  MLP's gate and up projections: 4 linear calls per layer instead of 7;
-* no ``nn.Module`` calls (weights are used directly), no id checks after the first token, RoPE from the
-  model's table and applied to q and k in one call;
-* with a plain cache (no policy) the step appends to the dense storage and attends itself; with a policy
-  it goes through ``KVCache.attend``, so every policy's hooks run unchanged;
-* on a CPU with several threads and a long cache, that attention takes one row and KV head at a time
-  (``attend_heads``), so each product spreads its cached tokens over the threads;
-* ``forward`` takes the matrix product and the attention as functions, so the evaluation can step many
-  caches side by side with the same arithmetic (``methods/evaluation/side_by_side.py``).
+* the q, k and v projections of a layer are one product (their weights stacked), and so are the MLP's
+  gate and up projections: 4 linear calls per layer instead of 7;
+* no ``nn.Module`` calls, no id checks after the first token, RoPE from the model's table, applied to q
+  and k in one call;
+* the attention is ``fastpath.attention``'s: with a plain cache the step appends and attends itself; with
+  a policy it goes through ``KVCache.attend``, so every policy's hooks run unchanged;
+* ``forward`` takes the products and the attention as functions, so the evaluation can step many caches
+  side by side with the same arithmetic (``methods/evaluation/side_by_side.py``).
 
-It computes the same function: logits agree with ``decode_step`` to float rounding (the stacked matrix
-multiplies may sum in another order), tested in fp32 at 1e-5. The weights are copied when the decoder is
-built: build it after loading or training, not before.
+Logits agree with ``decode_step`` to float rounding (stacked products may sum in another order), tested in
+fp32 at 1e-5. The weights are copied when the decoder is built: build it after loading or training.
 
     lean = LeanDecoder(model)
-    logits = prefill(model, ids, cache)[:, -1]           # the prompt: the readable path
+    logits = prefill(model, ids, cache)[:, -1]           # the prompt: the reading path
     logits = lean.step(token, cache)                     # each new token: the lean one
-    out = lean.generate(ids, max_new_tokens=32)          # greedy, like nanollm.generate
 """
 
 from __future__ import annotations
@@ -34,33 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import CausalSelfAttention, apply_rope, attend_step, step_probs
-from .cache import KVCache
-from .generation import generate
-from .model import RMSNorm, Transformer
+from nanollm.attention import CausalSelfAttention, apply_rope
+from nanollm.cache import KVCache
+from nanollm.generation import generate
+from nanollm.model import RMSNorm, Transformer
 
-SPLIT_HEADS_FROM = 4096     # cached tokens from which the lean step attends one KV head at a time (CPU threads)
-
-
-def attend_heads(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """``attention.attend_step``'s output, one (row, KV head) at a time: q (B, H, 1, d), k and v (B, H_kv, T, d)
-    -> (B, H, 1, d).
-
-    The arithmetic is the same; the split of the work is not. One batched product over the B * H_kv small
-    matrices shares the matrices out among the CPU's threads, so with 3 KV heads on 2 threads one thread
-    idles a third of the time; a product per (row, KV head) shares out its T cached tokens instead. On
-    SmolLM2-135M with 2 threads the lean step took 69 ms this way against 76 ms batched with 8k tokens
-    cached, but 39-46 ms against 35-45 ms from 256 to 2048 tokens, where the extra calls cost more than the
-    idle thread: the decoder splits only with several threads and at least ``SPLIT_HEADS_FROM`` tokens.
-    """
-    B, H, _, d = q.shape
-    H_kv = k.shape[1]
-    out = torch.empty(B, H_kv, H // H_kv, d, dtype=q.dtype, device=q.device)      # (B, H_kv, G, d)
-    for b in range(B):
-        for h in range(H_kv):
-            probs = step_probs(q[b:b + 1, h * (H // H_kv):(h + 1) * (H // H_kv)], k[b:b + 1, h:h + 1])  # (1, 1, G, T)
-            torch.matmul(probs[0, 0], v[b, h], out=out[b, h])                      # (G, d)
-    return out.view(B, H, 1, d)
+from .attention import SPLIT_HEADS_FROM, FastAttention, attend_heads, attend_step
 
 
 class LeanDecoder:
@@ -81,7 +55,7 @@ class LeanDecoder:
                     torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),   # (H+2H_kv)d x D
                     a.o_proj.weight, b.mlp_norm,
                     torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),                # 2F x D
-                    m.down_proj.weight, a))
+                    m.down_proj.weight, FastAttention(a)))
 
     @staticmethod
     def _norm(norm: RMSNorm, x: Tensor) -> Tensor:
@@ -116,12 +90,12 @@ class LeanDecoder:
                              f"{self.config.max_seq_len}")
 
     @staticmethod
-    def attend(cache: KVCache, i: int, attn: CausalSelfAttention, q: Tensor, k: Tensor, v: Tensor,
+    def attend(cache: KVCache, i: int, attn: FastAttention, q: Tensor, k: Tensor, v: Tensor,
                pos: Tensor) -> Tensor:
         """Layer i's attention of one step: q (B, H, 1, d), the new k, v (B, H_kv, 1, d) at position pos (1,).
         Returns (B, H, 1, d)."""
         store = cache.layers[i]
-        if cache.policy is None and store.dense:        # the plain cache: store, attend, no hooks
+        if cache.policy is None:                        # the plain cache: store, attend, no hooks
             store.append(k, v, pos)
             split = (q.device.type == "cpu" and torch.get_num_threads() > 1          # see attend_heads
                      and store.k.shape[2] >= SPLIT_HEADS_FROM)
