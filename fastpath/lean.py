@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanollm.attention import CausalSelfAttention, apply_rope
+from nanollm.attention import CausalSelfAttention, apply_rope, rope_cos_sin
 from nanollm.cache import KVCache
 from nanollm.generation import generate
 from nanollm.model import RMSNorm, Transformer
@@ -46,6 +46,7 @@ class LeanDecoder:
             raise ValueError("LeanDecoder takes a llama-flavour model with the standard attention "
                              f"(got flavour {cfg.flavour!r}, attention {cfg.attention!r})")
         self.model, self.config = model, cfg
+        self.inv_freq = model.inv_freq.to(model.tok_emb.weight.device)                # RoPE's theta_i, (d/2,)
         with torch.no_grad():
             self.layers = []
             for b in model.blocks:
@@ -74,8 +75,8 @@ class LeanDecoder:
         self.check_step(cache)
         ids = token.view(-1)                                                           # (B,)
         x = F.embedding(ids, self.model.tok_emb.weight)                                # (B, D): one position each
-        cos, sin = self.model.rope(cache.seen, 1, ids.device, x.dtype)                # (1, d) each
         pos = torch.arange(cache.seen, cache.seen + 1, device=ids.device)             # (1,)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)                          # (1, d) each
         logits, h = self.forward(x, cos, sin, F.linear,
                                  lambda i, attn, q, k, v: self.attend(cache, i, attn, q, k, v, pos))
         cache.seen += 1

@@ -7,24 +7,21 @@ Triton kernels for the memory-bound path of decoding, each beside the PyTorch re
                           rebuild-then-attend that never writes the rebuilt keys and values
     tensor_decode.py      factored tensor-attention decode over a four-matrix cache: pairs scored in tiles
                           with an online softmax, no i x i score matrix, no Kronecker product
-    bench.py              ``python -m kernels.bench``: kernel vs reference (vs SDPA), bytes/s, JSON
 
-The kernel files are leaves, as in the Triton tutorials: tensors in, tensors out, importing only torch,
-triton and this module (``bench.py`` alone imports the library, to time its paths). Each holds, in this
-order, the PyTorch reference (``reference_*``: the plain definition, any device, no Triton needed), the
-``@triton.jit`` kernel, and the launcher (``*_triton``: always the kernel, on a CUDA tensor or, under
-``TRITON_INTERPRET=1``, on a CPU one). They decide nothing: tests in ``tests/kernels/`` call the
-launchers directly (in Triton's interpreter on a machine without a GPU: slow and exact;
-``tests/conftest.py`` sets it there) and compare them with the references.
+The files are leaves, as in the Triton tutorials: tensors in, tensors out, importing only torch, triton
+and this module. Each holds, in this order, the PyTorch reference (``reference_*``: the plain definition,
+any device, no Triton needed), the ``@triton.jit`` kernel, and the launcher (``*_triton``: always the
+kernel, on a CUDA tensor or, under ``TRITON_INTERPRET=1``, on a CPU one). They decide nothing: tests in
+``tests/kernels/`` call the launchers directly (in Triton's interpreter on a machine without a GPU: slow
+and exact; ``tests/conftest.py`` sets it there) and compare them with the references.
 
-The switch. The library decides when a kernel serves a call, with one function, ``serves(tensor)``, and
-one early return at the top of each PyTorch path that has a kernel (``nanollm.attention.attend_step``,
-``FourCache.attend`` in ``methods/tensor_attention/attention.py``, ``VagueSketch.insert`` and ``.query``
-in ``methods/kvreviver.py``; ``nanollm`` asks through ``nanollm.attention.kernel_serves``, which imports
-this package lazily). ``serves`` is true on a CUDA tensor of an sm_80 or newer GPU when Triton is
-importable, and never when ``NANOKV_NO_TRITON=1`` (to compare or debug). It is false on a CPU tensor even
-under the interpreter, which is far too slow for a model: the tests patch ``serves`` to route the
-library's paths through it.
+The switch. The reading path (``nanollm/``) never calls a kernel. The fast paths plug them in from above
+(``fastpath/attention.py`` for a decode step's attention, ``fastpath/sketch.py`` for KVReviver's sketch,
+and ``FourCache.attend`` in ``methods/tensor_attention/attention.py``), each asking one function,
+``serves(tensor)``: true on a CUDA tensor of an sm_80 or newer GPU when Triton is importable, never when
+``NANOKV_NO_TRITON=1`` (to compare or debug), false on a CPU tensor even under the interpreter, which is
+far too slow for a model (the tests patch ``serves`` to route the fast paths through it).
+``python -m fastpath.bench`` times the kernels against their references.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ KVReviver's count sketch on the GPU: insert, query, and a fused rebuild-then-att
 
 Paper: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction",
 arXiv 2512.17917 (the Vague sketch: Algorithms 1-2; rebuilding the cache before attention: Algorithm 4).
-The method itself is ``methods/kvreviver.py``: ``VagueSketch.insert`` and ``.query`` call the first two
-kernels where ``kernels.serves`` says so, and otherwise compute the same in their own PyTorch (the tests
-check that it equals the references here).
+The method itself is ``methods/kvreviver.py`` (its sketch in plain PyTorch); ``fastpath/sketch.py`` runs the
+sketch's ``insert`` and ``query`` on the first two kernels where ``kernels.serves`` says so (the tests check
+the method's PyTorch against the references here).
 
 The sketch. Tokens evicted from the raw cache are *summed* into r rows x b cells; a cell holds a whole
 token (keys and values of every KV head): ``key``, ``value`` (r, b, H_kv, d), fp32. Row i has a bucket

@@ -26,7 +26,7 @@ The two products of a block, scores q K^T and output P V, go through ``tl.dot`` 
 heads padded to 16 rows (the smallest tile a tensor core takes). The padding wastes arithmetic the step has
 plenty of: what bounds it is loading K and V. (Broadcasts and sums in registers instead limit a block to
 16 tokens, through the (G, BLOCK_N, d) products, and read K/V several times slower: the README's kernel
-section has the measurements, which ``python -m kernels.bench`` makes.) With a 16-bit cache, K and V enter
+section has the measurements, which ``python -m fastpath.bench`` makes.) With a 16-bit cache, K and V enter
 ``tl.dot`` as stored and the scaled query and the probabilities are rounded to the cache's type, with
 fp32 accumulation; an fp32 cache multiplies in IEEE fp32, so the tests hold at 1e-5.
 
@@ -34,7 +34,7 @@ fp32 accumulation; an fp32 cache multiplies in IEEE fp32, so the tests hold at 1
     out = selected_decode_attention_triton(q, k, v, idx)     # idx (B, H_kv, K) rows of k, v per head
 
 each beside its reference (``reference_decode_attention``, ``reference_selected_decode_attention``: the same
-arguments, any device). ``nanollm.attention.attend_step`` calls the first where ``kernels.serves`` says so.
+arguments, any device). ``fastpath.attention.attend_step`` calls the first where ``kernels.serves`` says so.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """nanollm: a tiny GPT-2/Llama-style decoder with an explicit KV cache and a policy protocol for methods.
 
-Reading order (config, model, attention, storage, policy, cache, generation; then I/O and tools): README.md
+Reading order (config, storage, policy, attention, cache, model, generation; then I/O and tools): README.md
 in this folder.
 """
 

@@ -1,20 +1,14 @@
 """
 Causal self-attention with rotary positions and grouped-query attention, over the entries of a cache.
 
-Two attends, one per phase:
+One attend per phase: ``attend_prompt``, the prompt over itself (plain causal attention), and ``attend``,
+every later step over stored entries, with the mask built from the entries' *positions* (never their slot
+index), so it stays right after any eviction. Query head h reads KV head h // G: the G query heads of a KV
+head are rows of one product with its keys, so K and V are never repeated.
 
-* ``attend_prompt``: the prompt, with nothing stored before it, is plain causal attention.
-* ``attend``: every later step (a decode step, an ``extend`` chunk) attends over stored entries. Its mask
-  comes from the entries' *positions*, never from their slot index, so it stays right after any eviction.
-
-Query head h reads KV head h // G (G = H / H_kv): the G query heads of a KV head are stacked as rows of one
-matrix product with that head's keys, so K and V are never repeated in memory.
-
-An attention module, for the decoder (``model.Block`` builds the one ``config.attention`` names):
-
-    Module(config, layer_idx)             an ``nn.Module``; forward(x, pos, rope, cache) -> y
-    new_storage(config)  (classmethod)    an empty per-layer storage (``storage.LayerKV`` here)
-    attend_entries(q, entries, q_pos, needs) -> (out, probs, col_sums)   the step's queries over entries
+An attention module provides ``forward(x, pos, rope, cache)``, ``new_storage(config)`` (an empty layer of
+the cache) and ``attend_entries(q, entries, q_pos, needs) -> (out, probs, col_sums)``; ``config.attention``
+names one in ``ATTENTION`` or as ``"package.module:Class"``.
 """
 
 from __future__ import annotations
@@ -33,22 +27,16 @@ from .storage import LayerKV
 
 SCORE_ELEMENTS = 1 << 24    # attention scores computed at once (64 MiB in fp32): queries are taken in chunks
 
-# ----------------------------------------------------------------------------------------------------------
 # Rotary position embeddings (RoPE, Su et al. 2021, arXiv 2104.09864, §3.4.2), "rotate half" layout as in
 # Hugging Face Llama: dimension i is paired with dimension i + d/2.
-
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
     """theta_i = base^(-2i/d), i = 0..d/2-1, (d/2,) in float64; ``rope_scaling`` type "llama3" stretches the
     long wavelengths as Llama 3.1 does (divided by ``factor``, a smooth ramp between the two bounds)."""
-    d = config.head_dim
+    d, scaling = config.head_dim, config.rope_scaling
     inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = config.rope_scaling
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) == "default":   # (checks.check_config)
         return inv_freq
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: 'llama3' (or none)")
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_ctx = float(scaling["original_max_position_embeddings"])
@@ -72,9 +60,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Attention over (key, value, position) entries, and the statistics a policy asks for (``policy.Needs``).
-
 
 def group_scores(q: Tensor, k: Tensor) -> Tensor:
     """q k^T / sqrt(d) per KV head: q (B, H, C, d), k (B, H_kv, T, d) -> (B, H_kv, G, C, T)."""
@@ -105,8 +91,8 @@ def prompt_statistics(q: Tensor, k: Tensor, needs: Needs) -> tuple[Tensor | None
     for i in range(0 if needs.col_sums else T - keep_rows, T, chunk):
         j = min(i + chunk, T)
         scores = group_scores(q[:, :, i:j], k[:, :, :j])                        # (B, H_kv, G, C, j)
-        scores[..., i:].masked_fill_(torch.ones(j - i, j - i, dtype=torch.bool, device=q.device).triu(1),
-                                     float("-inf"))                             # key i+b after query i+a
+        future = torch.ones(j - i, j - i, dtype=torch.bool, device=q.device).triu(1)   # key i+b after query i+a
+        scores[..., i:].masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(B, H, j - i, j)
         if col_sums is not None:
             col_sums[..., :j] += probs.float().sum(dim=2)

@@ -1,9 +1,6 @@
 """
-The explicit KV cache: every layer's storage, the number of tokens seen, and the policy.
-
-What a layer stores is its attention module's choice (``storage.LayerKV`` for the standard one); the cache
-does what is the same for all: it counts the tokens seen, calls the policy's hooks at the right moments,
-and adds up the bytes.
+The explicit KV cache: every layer's storage (its attention module's choice: ``LayerKV`` for the standard
+one), the number of tokens seen, and the policy, whose hooks it calls at the right moments.
 """
 
 from __future__ import annotations
@@ -20,9 +17,7 @@ __all__ = ["KVCache", "LayerKV"]
 
 class KVCache:
     """All layers' storage, the tokens seen, and the policy (None: store everything, call nothing).
-
-    ``new_storage`` (``config -> storage``) overrides the storage the attention module names, for a module
-    that can attend over more than one layout (tensor attention)."""
+    ``new_storage`` (``config -> storage``) overrides the module's layout (tensor attention has several)."""
 
     def __init__(self, config: ModelConfig, policy: CachePolicy | None = None, new_storage=None) -> None:
         self.config = config
@@ -34,11 +29,8 @@ class KVCache:
         self.seen = 0                   # tokens processed so far; the next token gets position `seen`
 
     def attend(self, layer: int, module, q: Tensor, pos: Tensor, new: tuple) -> Tensor:
-        """Called by layer ``layer``'s attention module: store the new entries, attend, run the policy.
-
-        q (B, H, Tn, d) the step's queries at positions pos (Tn,); ``new`` the step's entries as the
-        storage's ``append`` takes them (``(k, v)``). Returns the attention output (B, H, Tn, d).
-        """
+        """Called by layer ``layer``'s attention module: store the step's entries ``new`` (``(k, v)``), attend
+        with its queries q (B, H, Tn, d) at positions pos (Tn,), run the policy. Returns (B, H, Tn, d)."""
         store = self.layers[layer]
         phase = "prefill" if self.seen == 0 else "decode"   # `extend` chunks count as decode steps
         store.append(*new, pos)
@@ -57,15 +49,13 @@ class KVCache:
         return out
 
     def nbytes(self) -> int:
-        """K and V bytes stored over all layers."""
-        return sum(layer.nbytes() for layer in self.layers)
+        return sum(layer.nbytes() for layer in self.layers)                 # K and V bytes stored
 
     def layer_nbytes(self) -> list[int]:
         return [layer.nbytes() for layer in self.layers]
 
     def state_nbytes(self) -> int:
-        """Bytes of the per-slot state methods keep in the storage (reported apart from K and V)."""
-        return sum(layer.state_nbytes() for layer in self.layers)
+        return sum(layer.state_nbytes() for layer in self.layers)           # methods' per-slot state
 
     def reset(self) -> None:
         """Forget everything (the policy too), ready for a new sequence."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .checks import check_config
+
 
 @dataclass
 class ModelConfig:
@@ -31,22 +33,7 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a real checkpoint came from)
 
     def __post_init__(self) -> None:
-        if self.flavour not in ("gpt2", "llama"):
-            raise ValueError(f"flavour must be 'gpt2' or 'llama', got {self.flavour!r}")
-        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.n_head % self.n_kv_head != 0:
-            raise ValueError(
-                f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head}): "
-                "each KV head serves a whole group of query heads")
-        if self.d_model % self.n_head != 0:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
-        if self.flavour == "llama" and self.head_dim % 2 != 0:
-            raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}")
-        if not isinstance(self.attention, str) or not self.attention:
-            raise ValueError(f"attention must name an attention module, got {self.attention!r}")
+        check_config(self)
         if self.bias is None:
             self.bias = self.flavour == "gpt2"
         if self.d_ff == 0:
@@ -72,10 +59,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; known: "
+                             f"{sorted(f.name for f in dataclasses.fields(cls))}")
         return cls(**d)
 
 

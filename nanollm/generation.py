@@ -11,13 +11,12 @@ Generation with an explicit KV cache.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import Tensor
 
 from .cache import KVCache
-from .checks import check_int
+from .checks import check_generation
 from .model import Transformer
 from .policy import CachePolicy
 
@@ -66,25 +65,14 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = No
 def generate(model: Transformer, ids: Tensor, max_new_tokens: int, policy: CachePolicy | None = None,
              cache: KVCache | None = None, temperature: float = 0.0, top_k: int | None = None,
              stop_ids: list[int] | tuple = (), generator: torch.Generator | None = None, step=None) -> Tensor:
-    """Continue ids (B, T) by up to ``max_new_tokens`` tokens; returns them (B, n).
-
-    ``policy`` serves a fresh cache (None: the plain full cache), or ``cache`` is continued. Temperature 0 is
-    greedy, else softmax(logits / temperature) sampling among the ``top_k`` likeliest. A row stops after one
-    of ``stop_ids`` and repeats it until every row has stopped. ``step`` ``(token (B,), cache) -> logits``
-    feeds each new token (default ``decode_step``; ``fastpath.lean.LeanDecoder.step`` is faster).
-    """
-    check_int("max_new_tokens", max_new_tokens, 0)
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if top_k is not None and top_k <= 0:
-        raise ValueError(f"top_k must be positive, got {top_k}")
+    """Continue ids (B, T) by up to ``max_new_tokens`` tokens; returns them (B, n). ``policy`` serves a fresh
+    cache (None: the plain full cache), or ``cache`` is continued. Temperature 0 is greedy, else sampling
+    among the ``top_k`` likeliest. A row stops after one of ``stop_ids`` and repeats it until all have stopped.
+    ``step(token (B,), cache) -> logits`` feeds each new token (default ``decode_step``; or the faster
+    ``fastpath.lean.LeanDecoder.step``)."""
     cache = cache if cache is not None else KVCache(model.config, policy=policy)
     model.check_ids(ids, cache.seen)             # the whole request is checked before anything is stored
-    total = cache.seen + ids.shape[1] + max(max_new_tokens - 1, 0)   # the last new token is never fed back
-    if total > model.config.max_seq_len:
-        raise ValueError(f"prompt ({ids.shape[1]} tokens, {cache.seen} already cached) + max_new_tokens "
-                         f"({max_new_tokens}) needs {total} positions, more than max_seq_len="
-                         f"{model.config.max_seq_len}")
+    check_generation(model.config, cache.seen, ids.shape[1], max_new_tokens, temperature, top_k)
     B = ids.shape[0]
     if max_new_tokens == 0:
         return ids.new_zeros(B, 0)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .attention import attention_class, rope_cos_sin, rope_inv_freq
 from .cache import KVCache
+from .checks import check_ids
 from .config import ModelConfig
 
 
@@ -28,7 +29,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # F.rms_norm is exactly x * rsqrt(mean(x^2, -1) + eps), in one call instead of five
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -85,7 +85,6 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         # RoPE frequencies (d/2,) in float64, outside the module's buffers so .half() cannot round them
         self.inv_freq = rope_inv_freq(config) if config.flavour == "llama" else None
-        self._rope_table = None     # (inv_freq, cos, sin) of every position, made on first use
         self.apply(self._init_weights)
         # GPT-2 §2.3: scale the init of residual output projections by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
@@ -103,33 +102,7 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def check_ids(self, ids: Tensor, start: int = 0) -> None:
-        """A clear error for ids the model cannot take, before anything is computed or stored."""
-        if not isinstance(ids, Tensor):
-            raise TypeError(f"ids must be a torch.Tensor of token ids, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"ids must be an integer tensor (torch.long), got dtype {ids.dtype}")
-        if ids.dim() != 2:
-            raise ValueError(f"ids must have shape (batch, tokens), got {tuple(ids.shape)}")
-        if ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise ValueError(f"ids must hold at least one token per row, got shape {tuple(ids.shape)}")
-        if ids.device != self.tok_emb.weight.device:
-            raise ValueError(f"ids are on {ids.device} but the model is on {self.tok_emb.weight.device}")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got values in [{lo}, {hi}]")
-        if start + ids.shape[1] > self.config.max_seq_len:
-            raise ValueError(
-                f"{start} tokens seen + {ids.shape[1]} new = {start + ids.shape[1]} exceeds the model's "
-                f"maximum positions max_seq_len={self.config.max_seq_len}")
-
-    def rope(self, start: int, T: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin (T, d) of positions start..start+T-1: rows of a table of every position, made once."""
-        table = self._rope_table                              # (inv_freq it was made from, cos, sin)
-        if table is None or table[0] is not self.inv_freq or table[1].device != device or table[1].dtype != dtype:
-            every = torch.arange(self.config.max_seq_len, device=device)
-            table = self._rope_table = (self.inv_freq, *rope_cos_sin(every, self.inv_freq.to(device), dtype))
-        _, cos, sin = table
-        return cos[start:start + T], sin[start:start + T]
+        check_ids(ids, self.config, self.tok_emb.weight.device, start)      # a clear error, before any work
 
     def forward(self, ids: Tensor, cache: KVCache | None = None, return_hidden: bool = False):
         """Logits (B, T, vocab) of ids (B, T), and the final hidden state if ``return_hidden``. With a cache the
@@ -143,7 +116,7 @@ class Transformer(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(pos)
         else:
-            rope = self.rope(start, T, ids.device, x.dtype)                                 # 2 x (T, d)
+            rope = rope_cos_sin(pos, self.inv_freq.to(ids.device), x.dtype)                # 2 x (T, d)
         for block in self.blocks:
             x = block(x, pos, rope, cache)
         h = self.final_norm(x)

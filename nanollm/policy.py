@@ -27,55 +27,37 @@ from .storage import LayerKV
 
 @dataclass(frozen=True)
 class Needs:
-    """What a policy reads from one step's attention.
+    """What a policy reads from one step's attention."""
 
-    rows     : probabilities of the step's last ``rows`` queries, ``ctx.probs`` (B, H, rows, T);
-               None = every query's; 0 = none.
-    col_sums : ``ctx.col_sums`` (B, H, T), the attention each entry received, summed over the step's queries.
-    """
-
-    rows: int | None = 0
-    col_sums: bool = False
+    rows: int | None = 0        # the last ``rows`` queries' probabilities, ctx.probs; None = every query's
+    col_sums: bool = False      # ctx.col_sums: the attention each entry received, summed over the queries
 
     def __post_init__(self) -> None:
         if self.rows is not None:
             check_int("Needs.rows", self.rows, 0, what=" or None (every row)")
         check_flag("Needs.col_sums", self.col_sums)
 
-    def __or__(self, other: "Needs") -> "Needs":
-        """Everything either asks for."""
+    def __or__(self, other: "Needs") -> "Needs":          # everything either asks for
         rows = None if self.rows is None or other.rows is None else max(self.rows, other.rows)
         return Needs(rows, self.col_sums or other.col_sums)
 
 
 @dataclass
 class StepContext:
-    """What a policy sees after one layer's attention in one step.
-
-    phase    : "prefill" (the cache was empty) or "decode" (one token, or an ``extend`` chunk)
-    q, q_pos : (B, H, Tn, d) the step's queries after RoPE; (Tn,) their positions
-    probs    : (B, H, R, T) probabilities of the last R queries over the entries attended, or None
-    col_sums : (B, H, T) fp32 attention each attended entry received over the Tn queries, or None
-    out      : (B, H, Tn, d) the attention output per head, before W_O
-    kv       : the layer's storage, already holding the step's new entries
-    attn     : the layer's attention module (``attn.o_proj.weight`` is W_O, shape (D, H*d))
-    seen     : tokens seen including this step (the next token gets position ``seen``)
-    attended_pos : (B, H_kv, T) positions of the entries attended (``kv.pos`` unless ``attend_kv`` rebuilt
-               entries; None in hand-made contexts means ``kv.pos``)
-    """
+    """What a policy sees after one layer's attention in one step."""
 
     layer: int
-    phase: str
-    q: Tensor
-    q_pos: Tensor
-    probs: Tensor | None
-    out: Tensor
-    kv: LayerKV
-    attn: torch.nn.Module
+    phase: str                  # "prefill" (the cache was empty) or "decode" (a token or an extend chunk)
+    q: Tensor                   # (B, H, Tn, d) the step's queries, after RoPE
+    q_pos: Tensor               # (Tn,) their positions
+    probs: Tensor | None        # (B, H, R, T) the last R queries' probabilities over the entries attended
+    out: Tensor                 # (B, H, Tn, d) the attention output per head, before W_O
+    kv: LayerKV                 # the layer's storage, already holding the step's new entries
+    attn: torch.nn.Module       # the attention module: attn.o_proj.weight is W_O, (D, H*d)
     config: ModelConfig
-    seen: int
-    attended_pos: Tensor | None = None
-    col_sums: Tensor | None = None
+    seen: int                   # tokens seen including this step
+    attended_pos: Tensor | None = None     # (B, H_kv, T) positions of the entries attended (None: kv.pos)
+    col_sums: Tensor | None = None         # (B, H, T) fp32 attention each attended entry received
 
 
 class CachePolicy:
@@ -155,8 +137,7 @@ class ScoringPolicy(CachePolicy):
         pass                            # update what the method accumulates (ctx.kv.state)
 
     def score(self, ctx: StepContext) -> Tensor:
-        """(B, H_kv, T) importance of every slot, higher = keep."""
-        raise NotImplementedError
+        raise NotImplementedError       # (B, H_kv, T) importance of every slot, higher = keep
 
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         """Position ranges kept whatever their score (sinks, windows); the contract checks they stay."""
@@ -180,8 +161,7 @@ class ScoringPolicy(CachePolicy):
     def over_budget(self, ctx: StepContext) -> bool:
         return len(ctx.kv) > self.budget
 
-    def select(self, ctx: StepContext) -> Tensor:
-        """Slots to keep (B, H_kv, K), ascending (-1 = an empty slot, for unequal heads)."""
+    def select(self, ctx: StepContext) -> Tensor:   # slots to keep (B, H_kv, K), ascending; -1 = empty
         return select_topk(self.keep_scores(ctx), self.budget)
 
     def step(self, ctx: StepContext) -> None:
@@ -189,11 +169,7 @@ class ScoringPolicy(CachePolicy):
         if ctx.phase in self.compress_on and self.over_budget(ctx):
             ctx.kv.keep(self.select(ctx))
 
-    def on_prefill(self, ctx: StepContext) -> None:
-        self.step(ctx)
-
-    def on_decode(self, ctx: StepContext) -> None:
-        self.step(ctx)
+    on_prefill = on_decode = step               # the same rule after the prompt and after every later step
 
     def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
         return sorted({p for r in self.protected(n_prompt, seen) for p in r})
@@ -213,11 +189,7 @@ class PolicyWrapper:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def on_prefill(self, ctx: StepContext) -> None:
-        ScoringPolicy.step(self, ctx)
-
-    def on_decode(self, ctx: StepContext) -> None:
-        ScoringPolicy.step(self, ctx)
+    on_prefill = on_decode = ScoringPolicy.step      # the inner scorer's hooks, with this wrapper's select
 
     def check_inner(self, default) -> None:
         """``default()`` if no inner policy was given; it must rank entries, with the same budget."""

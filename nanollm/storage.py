@@ -5,12 +5,10 @@ What one layer of the standard attention stores: keys, values, positions, and pe
     pos    : (B, H_kv, T)           the absolute position of every entry; -1 marks an empty slot
     state  : name -> (B, H_kv, T, ...)   numbers a method keeps beside each entry, moved with it
 
-Positions are stored per KV head because heads may keep different tokens, and even different numbers of
-them (the shorter heads are padded with empty slots). ``T`` counts slots, not tokens seen: the cache
-counts those (``KVCache.seen``), and a new token always gets position ``seen``.
-
-``append`` writes in place into buffers with spare room and doubles them when full, so a generation copies
-O(T) bytes in all; ``torch.cat`` per step would copy the whole layer at every token, O(T^2).
+Positions are per KV head: heads may keep different tokens, and different numbers of them (the shorter
+padded with empty slots). T counts slots, not tokens seen (``KVCache.seen``). ``append`` writes in place
+into buffers with room to spare, doubling them when full: a generation copies O(T) bytes in all, where
+``torch.cat`` at every token would copy O(T^2).
 """
 
 from __future__ import annotations
@@ -96,7 +94,7 @@ class LayerKV:
                 self.state[name] = t.masked_fill(empty.view(*empty.shape, *[1] * (t.dim() - 3)), self.fill[name])
 
     def set_state(self, name: str, values: Tensor, fill: float = 0.0) -> None:
-        """Store per-slot ``values`` (B, H_kv, T, ...) under ``name``; slots added later start at ``fill``."""
+        """Per-slot ``values`` (B, H_kv, T, ...) under ``name``; slots added later start at ``fill``."""
         if values.shape[:3] != self.pos.shape:
             raise ValueError(f"state {name!r} must have shape (B, H_kv, T, ...) = {tuple(self.pos.shape)} "
                              f"+ ..., got {tuple(values.shape)}")
@@ -108,7 +106,7 @@ class LayerKV:
         self.state, self.fill = {}, {}
 
     def counts(self) -> Tensor:
-        """Occupied (non-empty) slots per row and KV head, (B, H_kv)."""
+        """(B, H_kv) occupied slots."""
         return (self.pos >= 0).sum(-1) if self.pos is not None else torch.zeros(0, dtype=torch.long)
 
     def nbytes(self) -> int:
@@ -116,12 +114,10 @@ class LayerKV:
         return 0 if self._k is None else (self._k.nbytes + self._v.nbytes) // self._k.shape[2] * self.n
 
     def allocated_nbytes(self) -> int:
-        """Bytes of the K and V buffers, room included (what the process holds)."""
-        return 0 if self._k is None else self._k.nbytes + self._v.nbytes
+        return 0 if self._k is None else self._k.nbytes + self._v.nbytes     # the buffers, room included
 
     def pos_nbytes(self) -> int:
         return 0 if self.pos is None else self.pos.nbytes
 
     def state_nbytes(self) -> int:
-        """Bytes of the per-slot state (reported apart from K and V)."""
         return sum(t.nbytes for t in self.state.values())

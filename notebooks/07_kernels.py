@@ -12,7 +12,7 @@
 # 3. `count_sketch.py`: KVReviver's sketch, and a fused rebuild-then-attend;
 # 4. `tensor_decode.py`: tensor attention over the four-matrix cache in tiles, with an online softmax over
 #    pairs;
-# 5. the benchmark: what `python -m kernels.bench` measures, and what was measured on an H100.
+# 5. the benchmark: what `python -m fastpath.bench` measures, and what was measured on an H100.
 #
 # Without a GPU the kernels run in Triton's *interpreter* (`TRITON_INTERPRET=1`): the same kernel code,
 # executed block by block with NumPy, exact and very slow. That is how this notebook and the tests check
@@ -269,7 +269,7 @@ for n in (256, 1024, 4096):
 # %% [markdown]
 # ## 5. The benchmark
 #
-# `python -m kernels.bench --json results/kernels_bench.json` times, side by side in one run, each kernel,
+# `python -m fastpath.bench --json results/kernels_bench.json` times, side by side in one run, each kernel,
 # its PyTorch reference and (for dense decode) `scaled_dot_product_attention`, with the bytes each step must
 # move, the achieved GB/s and its fraction of a device-to-device copy measured in the same run. On a GPU it
 # checks the targets below and prints met / NOT met.
@@ -407,6 +407,6 @@ print(f"batch 8: the cache outweighs the weights from {ex3_tokens:,} tokens per 
 # %% [markdown]
 # ### Exercise 4: a kernel on a GPU (open)
 #
-# On a machine with an NVIDIA GPU (sm_80 or newer) and Triton, run `python -m kernels.bench` and compare
+# On a machine with an NVIDIA GPU (sm_80 or newer) and Triton, run `python -m fastpath.bench` and compare
 # its table with section 5.1. Which targets does your GPU meet? Then change `block_n` in section 2's kernel
 # call (16, 32, 64) in the interpreter: does the answer change, and why must it not?

@@ -1,6 +1,6 @@
 """
-The layout, checked: the packages import each other in one direction only, kernels are leaves, and the
-linter passes.
+The layout, checked: the packages import each other in one direction only (the reading path at the bottom,
+kernels as leaves, the fast paths above both), and the linter passes.
 
 The import graph is read from the source (every ``import``, at any depth: inside functions, under
 ``TYPE_CHECKING``), not from what Python happened to import, so a lazy import counts too.
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("nanollm", "methods", "kernels")
+PACKAGES = ("nanollm", "methods", "kernels", "fastpath")
+READING_PATH = ("config", "storage", "policy", "attention", "cache", "model", "generation")
 
 
 def module_name(path: Path) -> str:
@@ -83,9 +84,33 @@ def test_no_import_cycle():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_nanollm_never_imports_methods():
-    wrong = {(a, b) for a, deps in GRAPH.items() if a.startswith("nanollm") for b in deps if b.startswith("methods")}
-    assert not wrong, f"nanollm must not depend on methods: {sorted(wrong)}"
+def test_nanollm_never_imports_methods_or_kernels():
+    wrong = {(a, b) for a, deps in GRAPH.items() if a.startswith("nanollm") for b in deps
+             if b.startswith(("methods", "kernels"))}
+    assert not wrong, f"nanollm must not depend on methods or kernels: {sorted(wrong)}"
+
+
+def test_the_library_never_imports_the_fast_paths():
+    """fastpath/ plugs in from above: nanollm's library (everything but its command lines) never imports it,
+    nor does any method."""
+    wrong = {(a, b) for a, deps in GRAPH.items()
+             if (a.startswith("nanollm") and not a.startswith("nanollm.cli"))
+             or (a.startswith("methods") and not a.startswith("methods.evaluation"))
+             for b in deps if b.startswith("fastpath")}
+    assert not wrong, f"the library must not import fastpath/: {sorted(wrong)}"
+
+
+def test_the_reading_path_is_short_and_imports_only_itself():
+    """The files nanollm/README.md lists as the reading path: at most 900 lines in all, docstrings included,
+    importing nothing of the project but each other and the option checks."""
+    readme = (ROOT / "nanollm" / "README.md").read_text()
+    listed = [name for name in READING_PATH if f"`{name}.py`" in readme]
+    assert listed == list(READING_PATH), f"nanollm/README.md must list the reading path: {READING_PATH}"
+    lines = sum(len((ROOT / "nanollm" / f"{name}.py").read_text().splitlines()) for name in READING_PATH)
+    assert lines <= 900, f"the reading path has {lines} lines, more than 900"
+    allowed = {f"nanollm.{name}" for name in READING_PATH} | {"nanollm.checks"}
+    for name in READING_PATH:
+        assert GRAPH[f"nanollm.{name}"] <= allowed, f"nanollm/{name}.py imports {GRAPH[f'nanollm.{name}'] - allowed}"
 
 
 def test_the_library_never_imports_the_course():
@@ -107,8 +132,8 @@ def imports_all(path: Path) -> set[str]:
 
 
 def test_kernels_are_leaves():
-    """A kernel file imports only torch, triton and kernels/ itself; only the benchmark imports upward."""
-    wrong = {(a, b) for a, deps in GRAPH.items() if a.startswith("kernels") and a != "kernels.bench"
+    """A kernel file imports only torch, triton and kernels/ itself (their benchmark is fastpath/bench.py)."""
+    wrong = {(a, b) for a, deps in GRAPH.items() if a.startswith("kernels")
              for b in deps if not b.startswith("kernels")}
     assert not wrong, f"kernels/ must not import the library: {sorted(wrong)}"
 

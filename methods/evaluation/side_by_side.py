@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastpath.lean import LeanDecoder
-from nanollm.attention import prompt_statistics
+from nanollm.attention import prompt_statistics, rope_cos_sin
 from nanollm.cache import KVCache, LayerKV
 from nanollm.policy import CachePolicy, Needs, StepContext
 
@@ -89,7 +89,7 @@ def step_many(lean: LeanDecoder, tokens: list[Tensor], caches: list[KVCache],
     policy hooks: the work that differs between caches); the rest of the step is the same work for every
     row.
     """
-    model, cfg = lean.model, lean.config
+    model = lean.model
     if not caches or len(tokens) != len(caches):
         raise ValueError(f"one token tensor per cache: {len(tokens)} token tensors, {len(caches)} caches")
     if len({id(c) for c in caches}) != len(caches):
@@ -104,9 +104,8 @@ def step_many(lean: LeanDecoder, tokens: list[Tensor], caches: list[KVCache],
         row_pos += [cache.seen] * len(t)
         first += len(t)
     x = F.embedding(ids, model.tok_emb.weight)                                         # (R, D): one position each
-    cos, sin = model.rope(0, cfg.max_seq_len, ids.device, x.dtype)                     # (max_seq_len, d) tables
-    row_pos = torch.tensor(row_pos, device=ids.device)
-    cos, sin = cos[row_pos, None], sin[row_pos, None]                                  # (R, 1, d) each
+    cos, sin = rope_cos_sin(torch.tensor(row_pos, device=ids.device), lean.inv_freq, x.dtype)   # (R, d) each
+    cos, sin = cos[:, None], sin[:, None]                                              # (R, 1, d) each
     pos = [torch.arange(c.seen, c.seen + 1, device=ids.device) for c in caches]       # (1,) per cache
 
     def linear(t: Tensor, w: Tensor) -> Tensor:          # a product per cache, on its own rows

@@ -49,11 +49,11 @@ def test_fast_attention_gives_the_reading_paths_numbers(make_model, name):
 
 def step(model, token, cache, fast):
     """One decode step by hand, each layer's cache.attend handed ``fast[i]`` instead of the module."""
-    from nanollm.attention import apply_rope
+    from nanollm.attention import apply_rope, rope_cos_sin
     with torch.no_grad():
         x = model.tok_emb(token[:, None])
-        cos, sin = model.rope(cache.seen, 1, x.device, x.dtype)
         pos = torch.tensor([cache.seen])
+        cos, sin = rope_cos_sin(pos, model.inv_freq, x.dtype)
         for i, block in enumerate(model.blocks):
             a, h = block.attn, block.attn_norm(x)
             B, H, H_kv, d = 2, a.config.n_head, a.config.n_kv_head, a.config.head_dim

@@ -1,5 +1,5 @@
 """
-Benchmark the kernels against their PyTorch references, side by side in one run: ``python -m kernels.bench``.
+Benchmark the kernels against their PyTorch references, side by side in one run: ``python -m fastpath.bench``.
 
 For every case: the time of our Triton kernel, of the PyTorch reference (and of
 ``scaled_dot_product_attention`` for dense decode), the bytes the step must move at least (each input read
@@ -22,7 +22,7 @@ The cases and the targets they check (ratios, all measured in this one run):
     tensor     factored tensor decode at i = 1024: >= 10x faster and 20x less peak memory than the
                materialising reference
 
-    python -m kernels.bench --json results/kernels_bench.json
+    python -m fastpath.bench --json results/kernels_bench.json
 """
 
 from __future__ import annotations
@@ -34,16 +34,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanollm import cli
-from nanollm.io import files
-
-from . import HAS_TRITON
-from .decode_attention import (
+from kernels import HAS_TRITON
+from kernels.decode_attention import (
     decode_attention_triton,
     reference_decode_attention,
     reference_selected_decode_attention,
     selected_decode_attention_triton,
 )
+from nanollm import cli
+from nanollm.io import files
 
 EAGER: list[str] = []      # what could not be timed in a CUDA graph (it synchronises with the host)
 
@@ -150,7 +149,7 @@ def sketch_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float, d
     """KVReviver at a 25% budget of S tokens (batch 1): 90% of the budget raw, 10% sketch cells (3 rows),
     every other token rebuilt from the sketch inside the kernel; against dense decode over all S tokens and
     against rebuilding in PyTorch then attending."""
-    from .count_sketch import reference_sketch_decode_attention, sketch_decode_attention_triton
+    from kernels.count_sketch import reference_sketch_decode_attention, sketch_decode_attention_triton
     H, H_kv, d, r = 32, 8, 128, 3
     S = 32768 if not quick else 2048
     budget = S // 4
@@ -197,9 +196,8 @@ def tensor_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float, d
     """Tensor attention, one decode query over a four-matrix cache of i tokens (batch 1, 8 heads x 64 dims):
     the tiled kernel against the materialising reference (Kronecker products built, as Chen et al. Theorem
     4.3 charges it) and the factored PyTorch reference (an i x i score matrix per head)."""
+    from kernels.tensor_decode import tensor_decode_triton
     from methods.tensor_attention import four_cache_attention, naive_four_cache_attention
-
-    from .tensor_decode import tensor_decode_triton
     H, d = 8, 64
     n = 1024 if not quick else 128
     g = torch.Generator(device=device).manual_seed(3)
@@ -226,7 +224,7 @@ def tensor_cases(device: str, quick: bool, kernels_on: bool, bandwidth: float, d
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = cli.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m fastpath.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes (seconds, for a smoke test)")
     p.add_argument("--cases", nargs="+", choices=["dense", "selected", "sketch", "tensor"],
                    default=["dense", "selected", "sketch", "tensor"], help="which kernels to measure (default all)")

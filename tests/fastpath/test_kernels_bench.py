@@ -1,10 +1,10 @@
-"""``python -m kernels.bench`` on a machine without a GPU: a clear message, the references' timings, JSON."""
+"""``python -m fastpath.bench`` on a machine without a GPU: a clear message, the references' timings, JSON."""
 
 import json
 
 import pytest
 
-from kernels import bench
+from fastpath import bench
 
 
 @pytest.mark.slow
