@@ -87,6 +87,3 @@ class SnapKVPolicy(ScoringPolicy):
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         """The window (its last ``budget`` tokens if budget <= window), and every token after the prompt."""
         return [range(n_prompt - min(self.window, self.budget) if n_prompt > self.budget else 0, seen)]
-
-    def slack(self, n_prompt: int, n_decoded: int) -> int:
-        return n_decoded                                                # the cache grows after the prompt

@@ -171,6 +171,9 @@ class ScoringPolicy(CachePolicy):
 
     on_prefill = on_decode = step               # the same rule after the prompt and after every later step
 
+    def slack(self, n_prompt: int, n_decoded: int) -> int:
+        return 0 if "decode" in self.compress_on else n_decoded      # a prefill method keeps what follows
+
     def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
         return sorted({p for r in self.protected(n_prompt, seen) for p in r})
 

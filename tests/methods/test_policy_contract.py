@@ -39,6 +39,7 @@ import nanollm.attention as attention
 from methods import METHODS, make_policy, method_options, scorers, wrappers
 from nanollm import FullCache, KVCache, Transformer, decode_step, extend, prefill, preset
 from nanollm.policy import CachePolicy, Needs, PolicyWrapper, ScoringPolicy, select_topk
+from tests.methods.knorm import KnormPolicy
 
 # Per-method option sets: [easy, hard, ...]. Defaults are the paper's; "hard" ones push the edge cases.
 TEST_OPTIONS: dict[str, list[dict]] = {
@@ -69,17 +70,29 @@ N_PROMPT, N_CHUNK, BATCH = 48, 6, 2
 TOTAL = N_PROMPT + 2 + N_CHUNK + 2          # tokens seen at the end of the script
 
 
+# A test-only scorer, kvpress's KnormPress in 23 lines (tests/methods/knorm.py): a new scoring method takes a
+# score and nothing else to run alone and inside every wrapper. Registered for each test (``registered``).
+TEST_METHODS = {**METHODS, "knorm": KnormPolicy}
+
+
+@pytest.fixture(autouse=True)
+def registered(monkeypatch):
+    monkeypatch.setitem(METHODS, "knorm", KnormPolicy)
+
+
 def cases():
     """Every method with each of its option sets, and every wrapper over every scorer. The fast tier runs
-    one option set per method (the first); the rest, and the cross product, are the slow tier."""
-    for name in METHODS:
+    one option set per method (the first) and the test-only scorer inside AdaKV; the rest, and the cross
+    product, are the slow tier."""
+    for name in TEST_METHODS:
         for i, opts in enumerate(TEST_OPTIONS.get(name, [{}])):
             yield pytest.param(name, opts, id=f"{name}-{i}", marks=() if i == 0 else pytest.mark.slow)
     for wrapper in wrappers():
-        for scorer in scorers():
+        for scorer in [*scorers(), "knorm"]:
             for i, opts in enumerate(WRAPPER_OPTIONS.get(wrapper, [{}])):
                 spec = f"{wrapper}({scorer})"
-                yield pytest.param(spec, opts, id=f"{spec}-{i}", marks=pytest.mark.slow)
+                fast = spec == "adakv(knorm)" and i == 0
+                yield pytest.param(spec, opts, id=f"{spec}-{i}", marks=() if fast else pytest.mark.slow)
 
 
 @pytest.fixture(scope="module", params=["TINY", "TINY_GPT2"])
@@ -185,7 +198,7 @@ def top_k_cases():
     """The cases whose outermost policy selects by a top-k of its score."""
     for case in cases():
         outer = case.values[0].split("(")[0]
-        if issubclass(METHODS[outer], (ScoringPolicy, PolicyWrapper)) and outer not in OTHER_RULES:
+        if issubclass(TEST_METHODS[outer], (ScoringPolicy, PolicyWrapper)) and outer not in OTHER_RULES:
             yield case
 
 
