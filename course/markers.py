@@ -3,8 +3,8 @@ Solution regions: the lines of the library (and of the notebooks) a student copy
 
 A region is two comment lines around the lines a student writes::
 
-    def step_probs(q, k):
-        # BEGIN SOLUTION [cache] scale the queries by 1/sqrt(d), one matrix product per KV head, softmax
+    def group_scores(q, k):
+        # BEGIN SOLUTION [cache] scale the queries by 1/sqrt(d), one matrix product per KV head
         ...the reference solution...
         # END SOLUTION
 

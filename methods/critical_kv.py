@@ -33,7 +33,7 @@ window's queries, Algorithm 2 line 3) by the projected value norms (line 9). As 
 (``nanollm.policy.PolicyWrapper``), for every KV head j of a layer being compressed:
 
     b_j     = inner.head_budgets(ctx)[j]           # uniform (SnapKV) or AdaKV's share of the layer's pool
-    keep_j  = inner.protected(ctx)                 # SnapKV's observation window, H2O's recent tokens, sinks
+    keep_j  = inner's protected entries            # SnapKV's observation window, H2O's recent tokens, sinks
     b'_j    = b_j - |keep_j|                       # the free budget
     S1_j    = top_{floor(alpha * b'_j)}(inner.score)               # the host's (pooled) ranking
     S2_j    = top_{b'_j - |S1_j|}(mean_{h in group j} (Abar_h + eps) * P_h)   # outside keep_j and S1_j

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
 from torch import Tensor
 
 from course.model_adapters import (  # noqa: F401  (re-exported for the tests)
@@ -19,8 +20,9 @@ from course.model_adapters import (  # noqa: F401  (re-exported for the tests)
 from methods import make_policy
 from methods.adakv import adaptive_keep_mask
 from methods.h2o import STATE, H2OPolicy
-from methods.snapkv import snapkv_keep, snapkv_scores, window_vote
-from methods.streaming_llm import sinks_and_recent_mask
+from methods.snapkv import SnapKVPolicy, snapkv_scores, window_vote
+from methods.streaming_llm import StreamingLLMPolicy
+from nanollm.policy import select_topk
 from nanollm.storage import LayerKV
 
 
@@ -31,7 +33,7 @@ def h2o_scores(cache, layer: int) -> Tensor:
 
 def streaming_mask(pos: Tensor, seen: int, budget: int, n_sink: int) -> Tensor:
     """(B, H_kv, T) bool: the slots StreamingLLM keeps (pos (B, H_kv, T), -1 = empty slot)."""
-    return sinks_and_recent_mask(pos, seen, budget, n_sink)
+    return StreamingLLMPolicy(budget, n_sink).rank(torch.zeros(pos.shape), pos, seen) == float("inf")
 
 
 def h2o_policy(budget: int) -> H2OPolicy:
@@ -54,7 +56,7 @@ def snapkv_select(probs: Tensor, pos: Tensor, seen: int, budget: int, window: in
                   pooling: str) -> Tensor:
     """The slots SnapKV keeps (B, H_kv, K), ascending, from the prompt's last rows of attention (B, H, R, T)."""
     scores = snapkv_scores(probs, pos.shape[1], window, kernel, pooling)
-    return snapkv_keep(scores, pos, seen, budget, window)
+    return select_topk(SnapKVPolicy(budget, window, kernel, pooling).rank(scores, pos, seen), budget)
 
 
 def adakv_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from course.model_adapters import (  # noqa: F401  (re-exported for the tests)
@@ -16,15 +17,15 @@ from course.model_adapters import (  # noqa: F401  (re-exported for the tests)
     tiny_model,
     uncached_logits,
 )
-from nanollm.attention import attend_masked, step_probs
+from nanollm.attention import attend, group_scores
 
 
 def decode_probs(q: Tensor, k: Tensor) -> Tensor:
     """One decode step's attention probabilities: q (B, H, 1, d), k (B, H_kv, Tk, d) -> (B, H_kv, G, Tk)."""
-    return step_probs(q, k)
+    return torch.softmax(group_scores(q, k)[:, :, :, 0], dim=-1)
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """Attention with the mask built from positions: q (B, H, Tq, d), k, v (B, H_kv, Tk, d), q_pos (Tq,),
     k_pos (B, H_kv, Tk) with -1 for an empty slot. Returns (B, H, Tq, d)."""
-    return attend_masked(q, k, v, q_pos, k_pos)[0]
+    return attend(q, k, v, q_pos, k_pos)[0]

@@ -50,13 +50,14 @@ from nanollm.cache import KVCache, LayerKV
 from nanollm.data.evaluate import answer_length, cut_at
 from nanollm.data.tasks import Sample, string_match_all
 from nanollm.generation import extend, generate, prefill
-from nanollm.policy import CachePolicy, FullCache, Needs, StepContext
+from nanollm.policy import CachePolicy, FullCache, Needs, PolicyWrapper, StepContext
 
 from .side_by_side import FanOut, SharedPrefillUnsupported, step_many
 
 
-class Probe(CachePolicy):
-    """Wraps a policy: times its hooks and records what the first decode step attended to.
+class Probe(PolicyWrapper):
+    """Wraps a policy: times its hooks and records what the first decode step attended to (everything else,
+    the declarations included, is the inner policy's).
 
     While ``recording`` is True, ``on_decode`` stores, per layer, the attention output of the last query
     ``out`` (H, d), the positions stored exactly ``pos`` (H_kv, T: the storage when the step attended)
@@ -98,9 +99,6 @@ class Probe(CachePolicy):
         t0 = time.perf_counter()
         self.inner.on_decode(ctx)
         self.compress_s += time.perf_counter() - t0
-
-    def reset(self) -> None:
-        self.inner.reset()
 
 
 @dataclass
