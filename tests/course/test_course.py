@@ -249,7 +249,10 @@ def stub_in(path: Path, hint_start: str, body: str) -> None:
 def test_a_crash_and_a_hang_fail_alone(tmp_path):
     out = solved_copy(tmp_path)
     attention = out / "nanollm" / "attention.py"
-    stub_in(attention, "cache: q as", "import os\nos.abort()")               # step_probs crashes the process
+    stub_in(attention, "cache: q as", "import os\n"                        # one query crashes the process
+            "if q.shape[2] == 1:\n    os.abort()\n"                          # (the decode-probs test), more do not
+            "B, H, C, d = q.shape\nH_kv = k.shape[1]\n"
+            "return (q.reshape(B, H_kv, -1, d) / d ** 0.5 @ k.transpose(-1, -2)).view(B, H_kv, H // H_kv, C, -1)")
     stub_in(attention, "cache: may query", "while True:\n    pass")          # the mask hangs
     summary = grade.grade("cache", out, per_test_s=2)
     by_name = {r["name"]: r for r in summary["results"]}
