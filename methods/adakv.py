@@ -2,38 +2,20 @@
 AdaKV: head-adaptive budgets. The heads of a layer share one pool of H_kv * budget entries.
 
 Paper: Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient
-LLM Inference", NeurIPS 2025, https://arxiv.org/abs/2407.11550  (the adaptive allocation, Algorithm 1;
-written here as NVIDIA's kvpress library realises it, ``AdaKVPress``).
+LLM Inference", NeurIPS 2025, https://arxiv.org/abs/2407.11550 (the adaptive allocation: Algorithm 1,
+as kvpress's ``AdaKVPress`` realises it).
 
-Idea. A uniform per-head budget wastes entries: a head whose attention is concentrated on a few tokens
-needs few, a head whose attention is spread out needs many. AdaKV bounds the eviction loss by the
-attention mass the evicted entries would have received, and that bound is smallest when the layer keeps
-the *globally* highest scores across heads, whatever head they belong to. A safeguard keeps every head
-from being starved: each head first keeps its own top ``alpha * budget`` entries.
+A uniform per-head budget wastes entries: a head whose attention sits on a few tokens needs few, a head
+whose attention is spread out needs many. The eviction loss is bounded by the attention mass the evicted
+entries would have received, and that bound is smallest when the layer keeps the *globally* best scores,
+whatever head they belong to; a safeguard keeps each head's own best first. With the inner scorer's
+per-head scores s_j (protected entries at +inf):
 
-AdaKV is a *wrapper*: it allocates, any scorer scores (``adakv(snapkv)``, the paper's pairing and our
-default; ``adakv(h2o)``). Over StreamingLLM it changes nothing: sinks and recent window are all protected
-and fill every head's budget. With per-head scores s_j from the inner scorer, its
-protected entries set to +inf:
-    n_safe  = int(alpha_safeguard * budget)
-    s_j[top_{n_safe}(s_j)] = +inf                          # safeguard: each head's own top n_safe
-    keep    = top_{H_kv * budget} over all (j, t) pairs    # one pool for the whole layer
-It compresses when the inner scorer does (SnapKV: at prefill; H2O: every step), whenever the layer holds
-more than ``H_kv * budget`` valid entries.
+    s_j[top_{n_safe}(s_j)] = +inf,  n_safe = floor(alpha * budget)      # safeguard: each head's own best
+    keep = top_{H_kv * budget} over all (j, t)                         # one pool for the layer
 
-Storage. Heads now keep unequal counts; ``LayerKV.keep`` pads the shorter heads with empty slots
-(index -1, position -1, never attended) up to the longest head's count K. kvpress instead keeps the full
-cache and masks the evicted entries; the outputs are the same (tested). Stored bytes include the padding
-(H_kv * K slots, K >= budget), so the memory saving is smaller than H_kv * budget suggests.
-
-Slack, precisely (``head_slack`` below; checked by the contract tests). The layer total stays
-``H_kv * budget`` plus the inner scorer's slack (SnapKV keeps every token after the prompt). One head can
-take what the other heads do not keep; each of them keeps at least its safeguard, so one head may exceed
-``budget`` by ``head_slack = (H_kv - 1) * (budget - n_safe)``.
-
-Defaults: ``alpha_safeguard = 0.20`` (kvpress ``AdaKVPress``); the inner scorer's own defaults (SnapKV:
-window 32, kernel 7, max pooling, kept "as originally defined" by the perturbation-constrained selection
-paper, arXiv 2502.03805 §4.2).
+The shorter heads are padded with empty slots (position -1), so stored bytes count H_kv * K slots, K the
+longest head. One head may exceed ``budget`` by (H_kv - 1)(budget - n_safe) (``head_slack``).
 """
 
 from __future__ import annotations

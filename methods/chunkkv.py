@@ -2,47 +2,24 @@
 ChunkKV: keep whole chunks of consecutive tokens, chosen by their summed votes; reuse indices across layers.
 
 Paper: Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM
-Inference", NeurIPS 2025, https://arxiv.org/abs/2502.00299  (chunk selection: Algorithm 1; layer-wise
+Inference", NeurIPS 2025, https://arxiv.org/abs/2502.00299 (chunk selection: Algorithm 1; layer-wise
 index reuse: Algorithm 2; why chunks: the appendix's in-context-learning argument).
 
-Idea. Token-level selection (SnapKV, H2O) ranks tokens one by one, so it can keep the key of a fact and
-drop the digits of its value: the kept set is fragmented. ChunkKV ranks *chunks* of ``c`` consecutive
-tokens by the sum of their tokens' votes and keeps whole chunks, so what it keeps it keeps intact (the
-appendix argues that a complete example in context helps more than many partial ones). The kept index
-sets of adjacent layers also become more alike, so a layer can reuse the indices the layer before it
-chose (Algorithm 2) and skip its own selection.
+Token-level selection ranks tokens one by one, so it can keep the key of a fact and drop the digits of its
+value. ChunkKV ranks *chunks* of ``c`` consecutive tokens by the sum of their tokens' votes and keeps whole
+chunks, so what it keeps it keeps intact; the kept sets of adjacent layers become alike, so a layer can
+reuse the indices the layer before it chose (Algorithm 2: layer l selects if l % N_reuse == 0).
 
-Algorithm 1, as the code computes it, for one layer (the clean variant of the paper's pseudocode):
-    s_j     = votes of token j (the inner scorer's score: by default the window's attention, un-pooled)
-    s_j     = sum over the layer's KV heads of s_j              (one index set per layer; per_head=False)
-    chunk   = pos // c                                          (aligned chunks [0,c), [c,2c), ...)
-    S_k     = sum of s_j over the chunk's free tokens           (free = not protected, e.g. not the window)
-    keep    = protected                                         (the observation window, always kept)
-            ∪ the top chunks by S_k, taken in order while they fit whole into budget - |protected|
-            ∪ the remainder (< one chunk): the best single tokens of the other chunks (remainder="tokens")
-The paper instead picks floor(L_max / c) chunks over the whole prompt and then cuts the selection to
-L_max - w positions before appending the window, which can cut a chunk and count window tokens twice;
-here the window is protected first and only the prefix is chunked, so every kept non-window chunk is
-whole and the budget is exact. ``remainder="none"`` leaves the remainder unused (slightly under budget).
+Algorithm 1, for one layer, with s_j the inner scorer's votes (by default the window's un-pooled attention):
 
-Algorithm 2 (``reuse = N``): layer l selects if l % N == 0; every other layer keeps the positions its
-group's first layer kept. ``reuse=1`` is plain Algorithm 1 in every layer.
+    s_j  = sum over the layer's KV heads of s_j              (one index set per layer)
+    S_k  = sum of s_j over chunk k = [k c, (k + 1) c)       (its free tokens: not protected)
+    keep = protected ∪ the best chunks by S_k while they fit whole in budget - |protected|
+                     ∪ the remainder (< c) as the best single tokens of the other chunks
 
-ChunkKV is a *wrapper*: the chunks are built from any scorer's token scores. Named alone (``"chunkkv"``)
-it scores as the paper does, with the observation window's raw attention (SnapKV without pooling,
-``kernel=1``); ``"chunkkv(snapkv)"`` uses SnapKV's max-pooled votes as configured (as NVIDIA's kvpress
-library's ChunkKV does), ``"chunkkv(h2o)"`` accumulated attention, ``"chunkkv(adakv(snapkv))"``
-AdaKV's per-head budgets with one chunk ranking.
-
-Choices (the paper does not state them): heads. The paper's pseudocode is written for one attention
-matrix. kvpress sums the scores over heads and keeps one index set per layer, the natural reading of the
-paper's layer-similarity analysis; that is our default, with ``per_head=True`` as the ablation (each KV
-head ranks its own chunks). Chunk scores are sums (the paper; kvpress averages, which favours a partial
-last chunk). Ties go to the earlier chunk.
-
-Defaults: ``chunk_size = 10`` (the paper's choice for every model; its ablation finds 5-20 comparable;
-kvpress uses 20), ``reuse = 2`` (the paper's reuse experiments), the inner SnapKV's window of 32 (the
-paper's windows are model dependent; we keep the project's SnapKV default).
+The paper chunks the whole prompt and then cuts to L_max - w before appending the window, which can cut
+a chunk; protecting the window first keeps every chunk whole and the budget exact. Where the paper is
+open (heads, sums vs means, defaults), our choices and kvpress's: ``methods/README.md``.
 """
 
 from __future__ import annotations

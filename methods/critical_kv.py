@@ -24,7 +24,7 @@ largest A_i * P_i (Theorem 3). Hence the two-stage greedy selection (Algorithm 1
     keep     = S1 ∪ S2
 
 Attention top-k minimises a looser bound in which every P_i is replaced by min_i P_i (Theorem 4, Appendix
-F), so when all P_i are equal the two-stage selection *is* attention top-k (tested).
+F), so when all P_i are equal the two-stage selection *is* attention top-k.
 
 Inside an observation-window method (Algorithm 2): the host method (SnapKV, AdaKV over SnapKV) allocates
 each head's budget b and ranks entries by its pooled window vote; stage 1 takes the host's top
@@ -35,7 +35,7 @@ window's queries, Algorithm 2 line 3) by the projected value norms (line 9). As 
     b_j     = inner.head_budgets(ctx)[j]           # uniform (SnapKV) or AdaKV's share of the layer's pool
     keep_j  = inner's protected entries            # SnapKV's observation window, H2O's recent tokens, sinks
     b'_j    = b_j - |keep_j|                       # the free budget
-    S1_j    = top_{floor(alpha * b'_j)}(inner.score)               # the host's (pooled) ranking
+    S1_j    = top_{floor(alpha * b'_j)}(inner.keep_scores)         # the host's (pooled) ranking
     S2_j    = top_{b'_j - |S1_j|}(mean_{h in group j} (Abar_h + eps) * P_h)   # outside keep_j and S1_j
     keep    = keep_j ∪ S1_j ∪ S2_j     (exactly b_j entries; AdaKV's unequal heads padded with -1)
 
@@ -44,39 +44,11 @@ and P_h,i = ||v_{h // G, i} W_O^(h)||_1, where W_O^(h) = o_proj.weight[:, h*d:(h
 slice of the output projection. ``critical_kv`` = ``critical_kv(snapkv)`` (CriticalSnapKV);
 ``critical_kv(adakv(snapkv))`` is CriticalAdaKV.
 
-Choices the paper leaves open, and ours:
-* The window. Algorithm 2 does not show SnapKV's window. We keep it as SnapKV does (protected) and split
-  the *free* budget b' = b - window between the stages, so ``alpha = 1`` is exactly the host's selection
-  (tested) and ``alpha`` never spends budget on entries that are kept anyway.
-* GQA (the paper's models share K/V per group too, but its equations are per head). P is computed per
-  *query* head with that head's slice of W_O; the stage-2 score of a KV head is the mean over its G query
-  heads of Abar_h * P_h. With one mask per KV head, that is the mask minimising the sum of the group's
-  per-head bounds hat-theta_h (Eq. 14) when their factors (2 - 1/sigma_h) are equal. NVIDIA's kvpress
-  library instead multiplies the host's group-mean score by the group-mean of P.
-* Where the window comes from. The size is read from the innermost scorer (``window``, SnapKV's option), so
-  ``make_policy("critical_kv", b, window=16)`` changes SnapKV's window and this wrapper follows it.
-* Hosts without an observation window (H2O, StreamingLLM), or ``stage2="host"``: stage 2 uses the host's
-  own score as the attention estimate, (score + eps) * P (with H2O: accumulated attention times the value
-  norm). Under StreamingLLM every kept entry is protected (sinks + recent = budget), so the wrapper keeps
-  exactly what StreamingLLM keeps. Stage 2 also falls back to the host score if the policy attends to
-  rebuilt entries (``ctx.probs`` does not refer to the storage) or no probabilities are available.
-* Which hosts. The two stages replace the host's own selection rule: the wrapper reads the host's per-head
-  budgets, ranking and protected entries, which is all there is to hosts that keep each head's
-  top-scored entries (SnapKV, H2O, StreamingLLM, AdaKV over any of them). Over ChunkKV it would pick
-  tokens, not whole chunks.
-* The variant of kvpress's ``CriticalKVPress`` / ``CriticalAdaKVPress`` is ``alpha=0.5, stage2="host",
-  epsilon=1e-4`` (stage-1 share 0.5, stage 2 on the host's pooled score plus a small epsilon); kvpress takes
-  its stage-1 share of the whole budget, window included, we take it of the free budget.
-
-Diagnostics. After each compression ``policy.last[layer]`` holds what the two stages picked
-(``stage1_pos``, ``stage2_pos``: (B, H_kv, T) positions, -1 elsewhere; stage 1 includes the protected
-entries) and, in window mode (else None), the window attention ``abar`` (B, H, T) over the slots before
-compression and ``sigma`` (B, H), its mass on the stage-1 set: the quantity of Assumption 1. A record for
-notebooks, not cache state.
-
-Defaults: ``alpha = 0.25`` (§4.2, all of the paper's experiments; kvpress's ``first_stage_ratio`` is 0.5),
-``stage2 = "window"`` (Algorithm 2), ``epsilon = 0`` (the paper has none; kvpress 1e-4); the host keeps its
-own defaults (SnapKV: window 32, kernel 7, max pooling, which §4.2 keeps "as originally defined").
+After each compression ``policy.last[layer]`` records what the two stages picked (``stage1_pos``,
+``stage2_pos``) and, in window mode, ``abar`` and ``sigma``, Assumption 1's mass on the stage-1 set (for
+the notebook, not cache state). Where the paper is open (the window's place, GQA, hosts without a window)
+and how kvpress differs: ``methods/README.md``. Defaults: alpha = 0.25 (§4.2), stage2 = "window"
+(Algorithm 2), epsilon = 0; the host keeps its own.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """
 Full cache: the reference every method is measured against.
 
-Paper: none. This is plain KV caching (every key and value of every token is kept), the baseline every
-eviction method is compared with: with a budget that covers the sequence, a method's logits must equal
-these bit-for-bit in fp32 (the contract tests check it for every registered method).
-
-Idea: keep everything. ``budget`` is accepted (so that ``make_policy("full", budget)`` works like every
-other method) and ignored.
-
-Contract declarations (read by the contract tests): the cache holds every token seen, so the
-slack beyond ``budget`` is everything above it, ``max(0, n_prompt + n_decoded - budget)``.
+Paper: none; plain KV caching keeps every key and value of every token. With a budget that covers the
+sequence, every method's logits must equal these bit for bit in fp32. ``budget`` is accepted, so that
+``make_policy("full", budget)`` works like every other method, and ignored.
 """
 
 from __future__ import annotations

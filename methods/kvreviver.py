@@ -23,46 +23,11 @@ The sketch (Algorithms 1-2), per row i with a bucket hash h_i and a sign hash g_
 Signs make each row's value estimate unbiased (collisions add zero-mean noise); keys are summed without
 signs (the paper: the softmax would not keep an unbiased key unbiased anyway).
 
-How this file resolves what the paper leaves open:
-* Scores. One accumulated score per token and layer, kept in a dense table indexed by position (a
-  token in the sketch has no slot, yet needs a score to be revived): each step adds the attention every
-  position received, summed over all query heads and query rows. Every attention row sums to 1, so a
-  step adds exactly (query heads x query rows) (tested); per KV head, (G x query rows) to each head's
-  table. Sketch tokens accumulate what their rebuilt keys receive.
-* Delete (in a swap) subtracts the *estimate* from the cells: the residual stays in the sketch as noise,
-  and the revived token enters C with its approximate key and value (a lossy revival).
-* Granularity. The paper's Algorithms 1-4, as we read them, handle a *token* of a layer as one item (its
-  key and value, one accumulated score, one sketch entry); we found no rule in them for attention heads or
-  grouped-query attention. By default R, C and V are therefore per layer, shared by the KV heads (a cell
-  holds a whole token of every KV head), so every KV head keeps the same positions, by one score summed
-  over all query heads.
-* ``per_kv_head=True`` (our option, not the paper's): each KV head runs Algorithms 3-4 on its own, as if
-  it were a layer of its own with one KV head: its own score per token (the attention it received, summed
-  over its G query heads), its own C (so heads keep different positions, as H2O and SnapKV do) and its own
-  sketch of r x b cells of one head, with the same hash functions as the other heads (same layout). R is
-  the same positions in every head (the newest), and every head holds the same number of raw slots, so the
-  storage stays rectangular. The budget, per KV head, is the same: R + C raw slots + r x b cells, and the
-  memory is identical (H_kv sketches of one head = one sketch of H_kv heads); only the score tables grow
-  H_kv-fold. Both granularities are compared on SmolLM2-135M in notebook 06, section 6.
-* Budget = slots per layer: raw slots (R + C) plus sketch cells (r x b). Split 0.45 / 0.45 / 0.1 (Tables
-  2-3), with ``R.budget = budget - C.budget - r*b - recent_slack`` so that raw slots + cells never
-  exceed ``budget`` even when R is over by its slack. ``recent_slack`` (Algorithm 3's Slack: tokens R may
-  exceed its budget by before it moves its oldest into C in one go) is not given in the paper: ours
-  defaults to 0. While every token seen fits in ``budget`` raw slots nothing is compressed (and the
-  sketch does not exist yet).
-* Swap loop: one token at a time, as Algorithm 3; it stops when C's minimum times ``replace_rate`` is no
-  longer below V's maximum, and after at most ``C.budget`` swaps per step.
-* Hashes: seeded universal hashing ((a J + c) mod p) mod b per row and layer; ``injective_hash=True``
-  uses h_i(J) = J (needs b > every position; for testing exact reconstruction). With no cells
-  (b = 0, tiny budgets) tokens leaving C are forgotten: the method degenerates to H2O-like eviction.
-
-Memory, as the harness reports it: raw slots in the storage plus the sketch cells (``slot_nbytes``) are
-the K/V bytes; the dense score table is extra bytes (``extra_nbytes``); the transient rebuilt cache of
-one layer (``rebuilt_nbytes``, peak) is reported by the notebook. A revived token sits in a raw slot with
-its *approximate* key and value: ``exact_positions`` leaves it out, so the harness counts it as lost.
-
-Defaults: r = 3 rows, shares 0.45 / 0.45 / 0.1, replace_rate 1.1 (the appendix: insensitive in [1.0,
-1.5]).
+Budget = slots per layer per KV head: raw slots (R + C) plus sketch cells (r x b), split 0.45 / 0.45 / 0.1
+(Tables 2-3). By default R, C and V are per layer, shared by the KV heads (a cell holds a whole token of
+every KV head; ``per_kv_head=True`` is our variant with one selection per KV head). Scores are dense by
+position, so a sketched token can be revived. A revived token keeps its *approximate* key and value
+(``exact_positions`` leaves it out). How the paper's open points are resolved: ``methods/README.md``.
 """
 
 from __future__ import annotations

@@ -3,60 +3,23 @@ Scissorhands: a fixed-budget cache that drops the tokens whose attention kept fa
 
 Paper: Liu, Desai, Liao, Wang, Xie, Xu, Kyrillidis, Shrivastava, "Scissorhands: Exploiting the Persistence
 of Importance Hypothesis for LLM KV Cache Compression at Test Time", NeurIPS 2023,
-https://arxiv.org/abs/2305.17118  (repetitive attention: §3.1, Figure 1, Appendix A.1, Figures 6-9;
-persistence of importance: §3.2; its analysis: §3.3, Theorem 3.1 / Appendix B.1, eq. (5)-(7); the budget
-cache: §4, Algorithm 1 (generation under a budget) and Algorithm 2 (compression); the error bound:
-Theorem 4.1 / Appendix B.2-B.3; input/output cosine of the MLP block: Appendix A.2, Figure 10).
+https://arxiv.org/abs/2305.17118 (persistence of importance: §3.2; the budget cache: §4, Algorithms 1-2;
+the error bound: Theorem 4.1, Appendix B.2-B.3, in ``methods/analysis/scissorhands_theory.py``).
 
-Idea. Attention maps repeat: the few tokens a step attends to strongly are, by and large, the ones later
-steps attend to as well ("persistence of importance", §3.2). So a token that has received *less than
-average* attention in most of the recent steps is unlikely to matter again, and can go. The cache keeps
-at most B tokens per head; when it overflows it drops the m tokens that were unimportant most often in
-the last w steps, never one of the r most recent tokens (they have had too few steps to prove anything).
+Attention maps repeat: the tokens a step attends to strongly are, by and large, those later steps attend
+to as well. So a token that received *less than average* attention in most recent steps is unlikely to
+matter again. Per layer and KV head, after each step's attention:
 
-The rule, as the code computes it, per layer and KV head, after each step's attention (the step's new
-entries are in the cache and were attended):
+    A_i[j]   = mean over the group's G query heads of the attention query i gives token j
+    low_i[j] = A_i[j] < 1 / (entries query i attended)         (below the uniform level)
+    I[j]     = low flags of token j among the last w queries    (Algorithm 2's counter)
+    if the cache holds n > B: drop ceil((n - B) / m) * m tokens with the largest I, never one of the
+    r most recent; ties: the lower attention of the step's last query goes first, then the later position
 
-    A_i[j]  = mean over the G query heads of the group of the attention query i gives token j
-    low_i[j] = A_i[j] < tau_i,  tau_i = 1 / (entries query i attended)        (below the uniform level)
-    I[j]    = number of low flags of token j among the last w queries        (Algorithm 2's counter)
-    if the cache holds n > B entries:                                        (Algorithm 1: cache full)
-        drop the ceil((n - B) / m) * m tokens with the largest I             (Algorithm 2: m at a time)
-        among those not in the recent window (positions >= seen - r)
-        ties: the lower attention of the step's last query goes first, then the later position
-
-The counters are exact: every stored entry carries a ring buffer of its last w low/high flags in the
-storage's per-slot state (``ctx.kv.state["scissorhands_low"]``, (B, H_kv, T, w) bool; the flag of the
-query at position q sits in column q % w, so the buffer needs no step counter of its own). ``keep`` moves
-it with the entries; a new entry starts with no flags. The counter of token j therefore stays within
-[0, min(w, seen - pos_j)] (tested). The counter itself is kept beside the buffer and updated as flags
-enter and leave it (a step touches only the buffer's columns it overwrites), so a decode step does not
-re-count w flags per entry; a test checks it always equals the buffer's sum. Memory: w bytes per entry
-per KV head as stored here (w / 8 packed as bits), reported by the cache apart from K and V.
-
-Choices the paper leaves open, and ours:
-* Ties (Algorithm 2 ranks by the counter alone). Equal counters go to the lower attention of the step's
-  last query, then to the later position (the earlier is kept, as ``select_topk`` does everywhere). With
-  w = 1, r = 0, m = 1 every token below average has I = 1, so the token dropped is exactly the one with
-  the smallest current attention: the oracle of Theorem 4.1's proof (tested).
-* Prompts longer than B (the paper compresses during generation only). The prompt's own attention rows
-  count as steps: the last min(w, T) prompt queries fill the counters, as if the prompt had been generated
-  with a full cache, then the layer drops down to B at once (in multiples of m) by the same rule. Prompt
-  attention itself is exact (project rule); an ``extend`` chunk is handled the same way.
-* GQA (the paper's OPT models have one KV head per query head). A token is unimportant for a KV head when
-  the *mean* attention of the G query heads of its group falls below tau, the group average H2O uses too;
-  "below tau for every head of the group" (the max) would be the stricter alternative.
-* Step order. Algorithm 1 compresses *before* appending the new token, so attention sees at most B
-  entries; in this project every method appends, attends, then compresses, so the step that fills the
-  cache attends B + 1 entries and the cache holds at most B between steps (as for every other method).
-* ``m`` larger than ``B - r`` (the most that can go while the recent window stays) is cut to ``B - r``.
-
-Defaults: w = 400 and r = 10 are the values of AnswerDotAI's cold-compress port of Scissorhands (the
-appendix we work from does not restate the main text's settings); r is cut to B - 1 at smaller budgets
-(ours). m = 1, the setting of the analysis (Appendix B.2: "the cache will always maintain B tokens");
-larger m amortises the ranking over m steps. tau = 1 / (number of entries attended), the uniform level:
-"below average attention". The theory of Theorem 4.1 (the single-head model, the bound, the Monte-Carlo
-check) is in ``methods/analysis/scissorhands_theory.py``.
+Every entry carries a ring buffer of its last w flags in the storage's state (the flag of the query at
+position q sits in column q % w) and the counter beside it, updated as flags enter and leave. A prompt
+longer than B counts its last min(w, T) rows as steps, then drops to B at once. Defaults (w = 400,
+r = min(10, B - 1), m = 1) and the other choices: ``methods/README.md``.
 """
 
 from __future__ import annotations
@@ -74,7 +37,7 @@ from nanollm.policy import Needs, ScoringPolicy, StepContext, group_mean, select
 LOW = "scissorhands_low"      # per-slot ring buffer of the last w low/high flags, (B, H_kv, T, w) bool
 COUNT = "scissorhands_count"  # per-slot number of low flags in that buffer (the counter I), (B, H_kv, T)
 ATTN = "scissorhands_attn"    # per-slot attention of the step's last query (group mean), (B, H_kv, T)
-DEFAULT_RECENT = 10           # cold-compress's recent window (see the module docstring)
+DEFAULT_RECENT = 10           # cold-compress's recent window (methods/README.md)
 
 
 # ---------------------------------------------------------------------------------------------------------

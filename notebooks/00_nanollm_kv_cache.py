@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from nanollm import KVCache, LayerKV, Transformer, decode_step, extend, prefill, preset
-from nanollm.attention import attend_step
+from nanollm.attention import attend
 from nanollm.cli.bench import format_result, run_bench
 
 CONTEXTS = [32, 64, 128] if TINY else [128, 256, 512, 1024]   # context lengths for the timings
@@ -358,7 +358,7 @@ plt.show()
 # %% [markdown]
 # What the copy costs, measured: one layer shaped like a model whose cache dominates the bytes (8 KV
 # heads of dimension 32, fp32), at several context lengths. Per token we time the textbook `torch.cat`
-# append, `LayerKV.append`, and the attention of one query over the stored entries (`attend_step`, what
+# append, `LayerKV.append`, and the attention of one query over the stored entries (`attend`, what
 # a decode step must read anyway).
 
 # %%
@@ -384,7 +384,7 @@ for T in COPY_CONTEXTS:
     q = torch.randn(1, 8, 1, 32)
     cat_ms = median_ms(lambda: (torch.cat([k, new_k], dim=2), torch.cat([v, new_v], dim=2)))
     append_ms = median_ms(lambda: store.append(new_k, new_v, torch.tensor([len(store)])))
-    attend_ms = median_ms(lambda: attend_step(q, store.k, store.v))
+    attend_ms = median_ms(lambda: attend(q, store.k, store.v, torch.tensor([len(store)]), store.pos))
     rows.append((T, cat_ms, append_ms, attend_ms))
     print(f"T={T:>6}: torch.cat append {cat_ms:7.3f} ms | in-place append {append_ms:6.3f} ms | "
           f"attention over the entries {attend_ms:6.3f} ms | cat / attention = {cat_ms / attend_ms:4.1f}x")

@@ -44,10 +44,10 @@ from methods.evaluation.harness import compare_traces, greedy_accuracies, traces
 from methods.evaluation.intervals import paired_difference, within_noise
 from methods.evaluation.viz import kept_mask, kept_text, needle_spans, plot_kept
 from methods.h2o import STATE as H2O_SCORE
-from methods.h2o import h2o_keep, received_attention
-from methods.snapkv import observation_window, snapkv_keep, snapkv_scores
-from methods.streaming_llm import streaming_llm_keep
-from nanollm import KVCache, decode_step, extend, generate, load, prefill
+from methods.h2o import H2OPolicy, received_attention
+from methods.snapkv import SnapKVPolicy, snapkv_scores
+from methods.streaming_llm import StreamingLLMPolicy
+from nanollm import KVCache, decode_step, extend, generate, load, prefill, select_topk
 from nanollm.data.evaluate import MODES
 from nanollm.data.tasks import make_sample
 
@@ -127,12 +127,18 @@ toy_pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)               # (1, H_kv
 
 h2o_scores = received_attention(toy_probs.sum(2), HKV_TOY)             # column sums, GQA group mean
 snap = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")
-protected = observation_window(toy_pos, T_TOY, B_TOY, W_TOY)           # AdaKV keeps SnapKV's window first
-ada = adaptive_keep_mask(snap.masked_fill(protected, float("inf")), B_TOY, n_safe=int(0.2 * B_TOY))
+snapkv = SnapKVPolicy(B_TOY, window=W_TOY, kernel=3)
+
+
+def kept_by(policy, scores):      # a scorer's rank (its protected slots at +inf), then each head's top budget
+    return select_topk(policy.rank(scores, toy_pos, T_TOY), B_TOY)
+
+
+ada = adaptive_keep_mask(snapkv.rank(snap, toy_pos, T_TOY), B_TOY, n_safe=int(0.2 * B_TOY))  # window first
 toy_kept = {
-    "streaming_llm (S=2)": streaming_llm_keep(toy_pos, T_TOY, B_TOY, n_sink=2),
-    "h2o (3 recent)": h2o_keep(h2o_scores, toy_pos, T_TOY, B_TOY, n_recent=B_TOY // 2),
-    "snapkv (w=4, kernel 3)": snapkv_keep(snap, toy_pos, T_TOY, B_TOY, W_TOY),
+    "streaming_llm (S=2)": kept_by(StreamingLLMPolicy(B_TOY, n_sink=2), toy_pos.float()),
+    "h2o (3 recent)": kept_by(H2OPolicy(B_TOY, n_recent=B_TOY // 2), h2o_scores),
+    "snapkv (w=4, kernel 3)": kept_by(snapkv, snap),
     "adakv(snapkv)": mask_to_indices(ada),
 }
 for name, idx in toy_kept.items():

@@ -324,7 +324,7 @@ plt.show()
 #   (met). Its GB/s are low because it is not bandwidth-bound: it does i^2 d work per head on i d bytes.
 #
 # The sketch and tensor inputs are smaller than the H100's 50 MB L2 cache, so their GB/s are not HBM
-# bandwidth (`kernels/bench.py`'s docstring). One lesson from an earlier version (recorded in the commit
+# bandwidth (`fastpath/bench.py`'s docstring). One lesson from an earlier version (recorded in the commit
 # history, not in this JSON): the first decode kernel multiplied with broadcasts and sums in registers and
 # read at 18% of the bandwidth; with both products in `tl.dot` (the group's query heads padded to 16 rows)
 # and a one-launch merge it reads at the 98% above.
@@ -336,7 +336,7 @@ plt.show()
 # CPU side of the roofline argument; on a GPU with Triton it times the kernels too.
 
 # %%
-from kernels import bench
+from fastpath import bench
 
 if TINY:
     bench.main(["--quick", "--cases", "dense", "tensor"])
