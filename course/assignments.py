@@ -14,6 +14,7 @@ markers found in the repository are exactly these.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,3 +82,18 @@ def scanned_files() -> list[Path]:
     """Every file of the repository that may hold a region: Python under ``SCANNED``, and the sheets."""
     files = [p for d in SCANNED for p in sorted((ROOT / d).rglob("*.py")) if "__pycache__" not in p.parts]
     return files + sorted(COURSE.glob("*/sheet.md"))
+
+
+def command_line(main):
+    """A course command's ``main``: a refusal (``SystemExit("error: ...")``) is printed as that one line on
+    stderr and ends with exit status 2, as the library's command lines do."""
+    def run(argv=None):
+        try:
+            return main(argv)
+        except SystemExit as e:
+            if isinstance(e.code, str) and e.code.startswith("error: "):
+                sys.stderr.write(" ".join(e.code.split()) + "\n")
+                raise SystemExit(2) from None
+            raise
+    run.__doc__, run.__name__ = main.__doc__, main.__name__
+    return run

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -34,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .assignments import ASSIGNMENTS, COURSE, ROOT, Assignment, get
+from .assignments import ASSIGNMENTS, COURSE, ROOT, Assignment, command_line, get
 
 TIMEOUT_S = 300          # the whole run
 PER_TEST_S = 60          # one test (a Python-level alarm; a loop inside one long torch call ends at the next)
@@ -259,6 +260,7 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
             "changed_adapters": adapter_changes(assignment, student)}
 
 
+@command_line
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m course.grade", description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -277,8 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.json is not None and args.json.exists():
         raise SystemExit(f"error: {args.json} exists; name a new file (nothing is overwritten)")
-    if args.per_test_s <= 0:
-        raise SystemExit(f"error: --per-test-s must be positive, got {args.per_test_s}")
+    if args.json is not None and not args.json.parent.is_dir():
+        raise SystemExit(f"error: --json {args.json}: the folder {args.json.parent} does not exist")
+    if not math.isfinite(args.per_test_s) or args.per_test_s <= 0:
+        raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {args.per_test_s}")
     summary = grade(args.assignment, args.student, hidden=not args.public_only, per_test_s=args.per_test_s)
     results = [Result(**r) for r in summary["results"]]
     print(f"assignment {args.assignment!r}, student copy {summary['student']}\n")

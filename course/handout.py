@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from .assignments import ASSIGNMENTS, ROOT, Assignment, get
+from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get
 from .markers import find_regions, strip
 
 
@@ -114,6 +116,30 @@ def instructor_pack(assignment: Assignment, out: Path) -> list[Path]:
     return written
 
 
+def write_new_folder(out: Path, write) -> list[Path]:
+    """``write(folder)`` into a hidden folder beside ``out``, renamed to ``out`` only once complete: an error
+    (a file in the way, a read-only place, a full disk) is one line and leaves nothing behind."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror or e})") from None
+    try:
+        files = write(tmp)
+        if out.exists():
+            out.rmdir()                                   # check_out let it through: it is empty
+        os.rename(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"error: --out {out}: writing the copy failed ({e.strerror or e}); nothing was left "
+                         "behind") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [out / f.relative_to(tmp) for f in files]
+
+
+@command_line
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m course.handout", description=__doc__.split("\n\n")[0].strip(),
@@ -131,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     out = check_out(args.out)
     if not assignment.regions():
         raise SystemExit(f"error: assignment {assignment.name!r} has no solution regions")
-    files = instructor_pack(assignment, out) if args.solutions else student_copy(assignment, out)
+    files = write_new_folder(out, lambda tmp: instructor_pack(assignment, tmp) if args.solutions
+                             else student_copy(assignment, tmp))
     if args.json:
         print(json.dumps([str(f) for f in files]))
         return

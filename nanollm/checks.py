@@ -73,6 +73,8 @@ def check_config(c) -> None:
         raise ValueError(f"RoPE needs an even head dimension, got {c.d_model // c.n_head}")
     if not isinstance(c.attention, str) or not c.attention:
         raise ValueError(f"attention must name an attention module, got {c.attention!r}")
+    for name in ("norm_eps", "rope_base"):
+        check_number(name, getattr(c, name), 0, math.inf, open_low=True, open_high=True)
     kind = None if c.rope_scaling is None else c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
     if kind not in (None, "default", "llama3"):
         raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: 'llama3' (or none)")

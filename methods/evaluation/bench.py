@@ -666,10 +666,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-queries", type=cli.positive_int, default=64, metavar="W",
                     help="random query rows at the end of the context whose attention the methods' prefill hooks "
                          "read, at most the shortest context (default %(default)s)")
-    ap.add_argument("--prefill-context", type=cli.non_negative_int, default=16384, metavar="T",
+    ap.add_argument("--prefill-context", type=cli.non_negative_int, default=None, metavar="T",
                     help="tokens of the real prefill whose peak memory is measured for the full cache, SnapKV and "
                          f"H2O at keep ratio {PREFILL_KEEP_RATIO}, each in a fresh process; 0 skips it "
-                         "(default %(default)s)")
+                         "(default 16384; 0 with --checkpoint, where it cannot run)")
     ap.add_argument("--threads", type=cli.positive_int, default=1,
                     help="torch.set_num_threads for the run, the bandwidth measurement and the prefill processes "
                          "(default %(default)s)")
@@ -701,6 +701,16 @@ def main(argv: list[str] | None = None) -> dict:
                      f"({min(args.contexts)}): the queries sit at the end of the context")
         if args.json and args.plot and args.json.resolve() == args.plot.resolve():
             cli.fail("--json and --plot name the same file")
+        if args.prefill_context is None:
+            args.prefill_context = 0 if args.checkpoint else 16384
+        elif args.prefill_context and args.checkpoint:
+            cli.fail(f"--prefill-context {args.prefill_context}: the prefill memory part runs on the random model "
+                     "only; give --prefill-context 0 (the default) with --checkpoint")
+        cli.check_fits(f"--bandwidth-mib {args.bandwidth_mib}", args.bandwidth_mib * 2**20)
+        if args.checkpoint is None:                   # K/V of the random model: a few caches of the longest context
+            per_token = bench_config(1).kv_bytes_per_token()
+            cli.check_fits(f"--contexts {max(args.contexts)}", 3 * max(args.contexts) * per_token)
+            cli.check_fits(f"--prefill-context {args.prefill_context}", 3 * args.prefill_context * per_token)
         result = run_bench(args.contexts, args.methods, args.keep_ratios, steps=args.steps, warmup=args.warmup,
                            prompt_queries=args.prompt_queries, prefill_context=args.prefill_context,
                            threads=args.threads, seed=args.seed, time_limit_s=args.time_limit,

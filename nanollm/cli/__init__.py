@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -61,16 +63,46 @@ class ArgumentParser(argparse.ArgumentParser):
 
 @contextmanager
 def errors(debug: bool = False):
-    """Turn a UsageError, ValueError or OSError raised inside the block into ``error: ...`` (exit status 2).
+    """Turn a UsageError, ValueError or OSError raised inside the block into ``error: ...`` (exit status 2),
+    and Ctrl-C or SIGTERM into ``error: interrupted`` (exit status 130) once the block's cleanups have run.
 
     Anything else is a bug and keeps its traceback; ``debug=True`` keeps every traceback.
     """
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if on_main else None
     try:
         yield
+    except KeyboardInterrupt:                   # Ctrl-C, or SIGTERM: the blocks' cleanups have run
+        if debug:
+            raise
+        sys.stderr.write("error: interrupted\n")
+        raise SystemExit(130) from None
     except (UsageError, ValueError, OSError) as e:
         if debug:
             raise
         exit_with_error(str(e) or type(e).__name__)
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt      # so that `finally` blocks and temporary files clean up, as for Ctrl-C
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits(what: str, need_bytes: float) -> None:
+    """Refuse, before any work, what would need more memory than this machine has."""
+    memory = machine_memory()
+    if memory is not None and need_bytes > memory:
+        fail(f"{what} needs about {need_bytes / 2**30:,.1f} GiB of memory; this machine has {memory / 2**30:.1f} GiB")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -161,8 +161,10 @@ def format_speed(result: dict) -> str:
         p, d, roof = r["prefill_tok_s"], r["decode_tok_s"], r["of_roofline"]
         hp, hd = p.get("transformers"), d.get("transformers")
         ratio = lambda a, b: "-" if b is None else f"{a / b:.2f}x"       # noqa: E731
-        lines.append(f"{r['context']:>7} | {p['nanollm']:>22.0f} {hp or 0:>7.0f} {ratio(p['nanollm'], hp):>6} | "
-                     f"{d['nanollm']:>21.1f} {d['nanollm-lean']:>6.1f} {hd or 0:>6.1f} {ratio(d['nanollm'], hd):>6} "
+        number = lambda x, spec: "-" if x is None else format(x, spec)    # noqa: E731  (none measured: "-")
+        lines.append(f"{r['context']:>7} | {p['nanollm']:>22.0f} {number(hp, '.0f'):>7} {ratio(p['nanollm'], hp):>6} | "
+                     f"{d['nanollm']:>21.1f} {d['nanollm-lean']:>6.1f} {number(hd, '.1f'):>6} "
+                     f"{ratio(d['nanollm'], hd):>6} "
                      f"{ratio(d['nanollm-lean'], hd):>6} | {r['bytes_per_step'] / 1e6:>7.0f} {r['ideal_ms']:>8.1f} "
                      f"{roof['nanollm']:>17.0%} {roof['nanollm-lean']:>5.0%}")
     lines += ["", "nanollm: prefill() and decode_step(); lean: the lean decode step (fastpath/lean.py); ratio: "

@@ -266,9 +266,10 @@ def load_gguf(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.
     hf_config = gguf.hf_config(g)
     config = config_from_hf(hf_config)
     config.extra["source"] = str(Path(path).resolve())
+    tokenizer = gguf_tokenizer(g)                 # every metadata check before the tensors are read
     state = state_from_hf(gguf.load_tensors(g), config)
     model = model_from_state(config, state, dtype, what=str(path)).to(device)
-    return model, gguf_tokenizer(g), gguf_card(path, hf_config)
+    return model, tokenizer, gguf_card(path, hf_config)
 
 
 def load(name_or_path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):

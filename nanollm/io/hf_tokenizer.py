@@ -53,6 +53,51 @@ GPT2_TIKTOKEN_FILES = {
 }
 SUPPORTED = ("tokenizer.json with a byte-level BPE model (GPT-2, Llama 3 style)",
              "vocab.json + merges.txt", "encoder.json + vocab.bpe")
+MAX_ID = 1 << 24            # token ids above this are refused: no real vocabulary comes near 16.8M tokens
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _expect(ok: bool, path, field: str, value, expected: str) -> None:
+    """One line that names the file, the field, what it holds and what was expected."""
+    if not ok:
+        raise ValueError(f"{path}: {field} must be {expected}, got {_short(value)}")
+
+
+def _read_text(path) -> str:
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def _read_json(path):
+    """A JSON file's value; a ValueError naming the file for an empty, non-UTF-8, malformed or too deep one."""
+    text = _read_text(path)
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty, expected JSON")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to be a tokenizer") from None
+
+
+def _token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_ID
+
+
+def _check_vocab(vocab, path, field: str) -> None:
+    _expect(isinstance(vocab, dict), path, field, vocab, "an object of token -> id")
+    for tok, i in vocab.items():
+        _expect(tok != "", path, f"{field}", "", "free of empty tokens (one would make encoding loop forever)")
+        _expect(_token_id(i), path, f"{field}[{_short(tok)}]", i, f"an integer id in [0, {MAX_ID})")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -127,13 +172,17 @@ def _encoding(name: str, pattern: str, ranks: dict[bytes, int], special: dict[st
 
 def _pattern(pre: dict | None) -> str:
     """The split regex of a byte-level pre-tokenizer: ByteLevel alone, or Split(regex) then ByteLevel."""
+    if pre is not None and not isinstance(pre, dict):
+        raise ValueError(f"must be an object or null, got {_short(pre)}")
     steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
+    if not isinstance(steps, list) or not all(isinstance(step, dict) for step in steps):
+        raise ValueError(f"pretokenizers must be a list of objects, got {_short(steps)}")
     pattern, byte_level = None, False
     for step in steps:
         kind = step.get("type")
         if kind == "Split" and pattern is None and not byte_level:
-            regex = step.get("pattern", {}).get("Regex")
-            if regex is None or step.get("behavior") != "Isolated" or step.get("invert", False):
+            regex = step.get("pattern", {}).get("Regex") if isinstance(step.get("pattern"), dict) else None
+            if not isinstance(regex, str) or step.get("behavior") != "Isolated" or step.get("invert", False):
                 raise ValueError(f"pre-tokenizer {step} is not supported: only Split with a Regex, "
                                  "behavior 'Isolated' and invert false")
             pattern = regex
@@ -154,20 +203,22 @@ def _pattern(pre: dict | None) -> str:
 
 
 def encoding_from_tokenizer_json(path: str | os.PathLike, name: str | None = None) -> tiktoken.Encoding:
-    """A tiktoken Encoding equivalent to a byte-level BPE ``tokenizer.json`` (see the module docstring)."""
-    with open(path, encoding="utf-8") as f:
-        tj = json.load(f)
+    """A tiktoken Encoding equivalent to a byte-level BPE ``tokenizer.json`` (see the module docstring).
+    Anything else is a ValueError that names the file and the field, before tiktoken sees it."""
+    tj = _read_json(path)
     if not isinstance(tj, dict):
-        raise ValueError(f"{path}: not a Hugging Face tokenizer.json")
+        raise ValueError(f"{path}: not a Hugging Face tokenizer.json (expected an object, got {type(tj).__name__})")
     if tj.get("type") == "nanollm-bpe":
         raise ValueError(f"{path} is nanollm's own tokenizer format: load it with nanollm.io.tokenizer.Tokenizer.load")
-    model = tj.get("model") or {}
+    model = tj.get("model")
+    _expect(isinstance(model, dict), path, "model", model, "an object with type, vocab and merges")
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: tokenizer model {model.get('type')!r} is not supported; supported: "
                          f"{'; '.join(SUPPORTED)}")
     normalizer = tj.get("normalizer")
     if normalizer == {"type": "Sequence", "normalizers": []}:   # what transformers writes for "none"
         normalizer = None
+    _expect(normalizer is None or isinstance(normalizer, dict), path, "normalizer", normalizer, "an object or null")
     if normalizer is not None:
         raise ValueError(f"{path}: normalizer {normalizer.get('type')!r} is not supported (byte-level "
                          "BPE tokenizers like GPT-2 and Llama 3 have none)")
@@ -176,30 +227,55 @@ def encoding_from_tokenizer_json(path: str | os.PathLike, name: str | None = Non
             raise ValueError(f"{path}: BPE with {key}={model[key]!r} is not supported")
     if model.get("byte_fallback"):
         raise ValueError(f"{path}: byte_fallback BPE (SentencePiece style) is not supported")
-    pattern = _pattern(tj.get("pre_tokenizer"))
-
-    special = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
+    try:
+        pattern = _pattern(tj.get("pre_tokenizer"))
+    except ValueError as e:
+        raise ValueError(f"{path}: pre_tokenizer: {e}") from None
+    added = tj.get("added_tokens", [])
+    _expect(isinstance(added, list), path, "added_tokens", added, "a list")
+    special = {}
+    for k, t in enumerate(added):
+        _expect(isinstance(t, dict), path, f"added_tokens[{k}]", t, "an object with content and id")
+        # an empty special token would make every encode loop forever: refused
+        _expect(isinstance(t.get("content"), str) and t.get("content") != "", path, f"added_tokens[{k}].content",
+                t.get("content"), "a non-empty string")
+        _expect(_token_id(t.get("id")), path, f"added_tokens[{k}].id", t.get("id"), f"an integer id in [0, {MAX_ID})")
+        special[t["content"]] = t["id"]
     special_ids = set(special.values())
+    _check_vocab(model.get("vocab"), path, "model.vocab")
     vocab = {tok: i for tok, i in model["vocab"].items() if i not in special_ids}
-    # merges are "a b" strings in older files, [a, b] pairs since tokenizers 0.20
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
-    if any(len(m) != 2 for m in merges):
-        raise ValueError(f"{path}: malformed merges (each must be a pair of tokens)")
+    raw_merges = model.get("merges", [])
+    _expect(isinstance(raw_merges, list), path, "model.merges", raw_merges, "a list of token pairs")
+    merges = []            # "a b" strings in older files, [a, b] pairs since tokenizers 0.20
+    for k, m in enumerate(raw_merges):
+        pair = tuple(m.split(" ")) if isinstance(m, str) else tuple(m) if isinstance(m, list) else None
+        _expect(pair is not None and len(pair) == 2 and all(isinstance(x, str) and x for x in pair), path,
+                f"model.merges[{k}]", m, 'a pair of tokens ("a b" or ["a", "b"])')
+        merges.append(pair)
     name = name or f"hf:{os.path.basename(os.path.dirname(os.path.abspath(path)))}"
     first_free = max([*vocab.values(), *special.values()], default=-1) + 1
-    return _encoding(name, pattern, mergeable_ranks(vocab, merges, first_free), special)
+    try:
+        return _encoding(name, pattern, mergeable_ranks(vocab, merges, first_free), special)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def encoding_from_vocab_merges(vocab_path: str | os.PathLike, merges_path: str | os.PathLike,
                                name: str = "gpt2-files") -> tiktoken.Encoding:
     """GPT-2's original files: ``vocab.json``/``encoder.json`` ({token: id}) and ``merges.txt``/``vocab.bpe``."""
-    with open(vocab_path, encoding="utf-8") as f:
-        vocab = json.load(f)
-    with open(merges_path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+    vocab = _read_json(vocab_path)
+    _check_vocab(vocab, vocab_path, "the vocabulary")
+    merges = []
+    for n, line in enumerate(_read_text(merges_path).split("\n"), 1):
+        if line and not line.startswith("#version"):
+            pair = tuple(line.split(" "))
+            _expect(len(pair) == 2 and all(pair), merges_path, f"line {n}", line, "two tokens separated by one space")
+            merges.append(pair)
     special = {tok: vocab.pop(tok) for tok in ("<|endoftext|>", "<|startoftext|>") if tok in vocab}
-    return _encoding(name, GPT2_PATTERN, mergeable_ranks(vocab, merges), special)
+    try:
+        return _encoding(name, GPT2_PATTERN, mergeable_ranks(vocab, merges), special)
+    except ValueError as e:
+        raise ValueError(f"{vocab_path} + {merges_path}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
