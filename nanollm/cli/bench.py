@@ -412,6 +412,9 @@ def main(argv: list[str] | None = None) -> BenchResult:
                 cli.fail(f"--vs-transformers {args.vs_transformers}: context {HF_CONTEXTS[-1]} + {HF_WARMUP} warm-up "
                          f"+ --repeats {args.repeats} steps exceeds its max_seq_len={hf_config.max_seq_len}")
         config = preset(args.preset, max_seq_len=args.max_seq_len)
+        longest = max(args.contexts) + args.steps       # the cache of the longest context, and its recompute
+        cli.check_fits(f"--contexts {max(args.contexts)} (batch {args.batch}, preset {args.preset})",
+                       2 * args.batch * longest * (config.kv_bytes_per_token() + 4 * config.d_model))
         result = run_bench(config, args.contexts, batch=args.batch, repeats=args.repeats, steps=args.steps,
                            threads=args.threads, seed=args.seed, device=args.device)
         print(format_result(result, name=args.preset))

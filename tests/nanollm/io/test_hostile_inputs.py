@@ -199,6 +199,15 @@ def test_bench_refuses_what_the_machine_cannot_hold_before_any_work(monkeypatch,
     assert e.value.code == 2 and err.startswith("error: ") and message in err and "GiB" in err
 
 
+def test_the_decoder_bench_refuses_a_cache_the_machine_cannot_hold(monkeypatch, capsys):
+    from nanollm.cli import bench as decoder_bench
+    monkeypatch.setattr(decoder_bench, "run_bench", lambda *a, **kw: pytest.fail("ran before refusing"))
+    with pytest.raises(SystemExit) as e:
+        decoder_bench.main(["--contexts", "1000", "1000000000", "--max-seq-len", "2000000000"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--contexts 1000000000" in err and "GiB" in err
+
+
 def test_bench_with_a_checkpoint_needs_no_prefill_flag(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(methods_bench, "run_bench", lambda *a, **kw: calls.append(kw) or {})
