@@ -111,20 +111,28 @@ class Result:
     score: float
     status: str            # "passed" or "failed"
     output: str            # the failure's message ("" when passed)
+    task: str = ""         # the sheet's task the test grades
 
 
-def points_of(path: Path) -> dict[str, float]:
-    """test name -> points, from the ``@points(n)`` decorators of a test file's source."""
+def marks_of(path: Path) -> dict[str, tuple[float, str | None]]:
+    """test name -> (points, task), from the ``@points(n, task=...)`` decorators of a test file's source."""
     found = {}
     for node in ast.parse(path.read_text(), str(path)).body:
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
             for dec in node.decorator_list:
                 if (isinstance(dec, ast.Call) and getattr(dec.func, "id", None) == "points"
                         and isinstance(dec.args[0], ast.Constant)):
-                    found[node.name] = float(dec.args[0].value)
+                    task = next((k.value.value for k in dec.keywords
+                                 if k.arg == "task" and isinstance(k.value, ast.Constant)), None)
+                    found[node.name] = (float(dec.args[0].value), task)
             if node.name not in found:
                 raise SystemExit(f"error: {path}:{node.lineno}: {node.name} has no @points(n)")
     return found
+
+
+def points_of(path: Path) -> dict[str, float]:
+    """test name -> points, from the ``@points(n)`` decorators of a test file's source."""
+    return {name: pts for name, (pts, _) in marks_of(path).items()}
 
 
 def first_line(text: str, width: int = 200) -> str:
@@ -149,9 +157,10 @@ def read_results(path: Path) -> tuple[dict[str, tuple[str, str]], str | None]:
     return outcomes, running
 
 
-def run_tests(assignment: Assignment, student: Path, hidden: bool = True,
-              per_test_s: float = PER_TEST_S) -> tuple[list[Result], float, str]:
-    """Run the assignment's tests against ``student``; (results, seconds, pytest's output)."""
+def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_test_s: float = PER_TEST_S,
+              tasks: tuple[str, ...] | None = None) -> tuple[list[Result], float, str]:
+    """Run the assignment's tests against ``student`` (only those of ``tasks`` if given); (results, seconds,
+    pytest's output)."""
     tests = assignment.tests(hidden)
     adapters = student / "course" / assignment.name
     if not (adapters / "adapters.py").exists():
@@ -168,7 +177,8 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True,
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp), str(adapters), str(student)]),
                "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "COURSE_GRADE_RESULTS": str(results_file)}
         env.setdefault("TRITON_INTERPRET", "1")      # no GPU: the kernels run in Triton's interpreter
-        node = {n: f"{t.name}::{n}" for t in tests for n in points_of(t)}     # test name -> pytest node id
+        node = {n: f"{t.name}::{n}" for t in tests for n, (_, task) in marks_of(t).items()   # name -> node id
+                if tasks is None or task in tasks}
         outcomes, logs, t0 = {}, [], time.perf_counter()
         while True:        # a crash or a timeout fails its test; the tests after it run in a fresh process
             remaining = [n for n in node if n not in outcomes]
@@ -209,9 +219,11 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True,
     results = []
     for t in tests:
         visibility = "hidden" if t.name == "test_hidden.py" else "public"
-        for name, pts in points_of(t).items():
-            status, message = outcomes[name]
-            results.append(Result(name, visibility, pts, pts if status == "passed" else 0.0, status, message))
+        for name, (pts, task) in marks_of(t).items():
+            if name in outcomes:
+                status, message = outcomes[name]
+                results.append(Result(name, visibility, pts, pts if status == "passed" else 0.0, status, message,
+                                      task or ""))
     return results, seconds, "\n".join(logs)
 
 
@@ -224,11 +236,18 @@ def adapter_changes(assignment: Assignment, student: Path) -> list[str]:
 
 
 def table(results: list[Result]) -> str:
-    width = max(len(r.name) for r in results)
-    lines = [f"{'test':<{width}}  {'kind':<6}  {'points':>9}  outcome  why", "-" * (width + 40)]
-    for r in results:
-        lines.append(f"{r.name:<{width}}  {r.visibility:<6}  {r.score:>4g} / {r.max_score:<3g}  "
-                     f"{'pass' if r.status == 'passed' else 'FAIL':<7}  {r.output[:90]}")
+    """The results grouped by task: a line per task with its points, then its tests."""
+    if not results:
+        return "(no test)"
+    width = max(len(r.name) for r in results) + 2
+    lines = [f"{'task / test':<{width}}  {'kind':<6}  {'points':>9}  outcome  why", "-" * (width + 40)]
+    for task in dict.fromkeys(r.task for r in results):
+        group = [r for r in results if r.task == task]
+        got, of = sum(r.score for r in group), sum(r.max_score for r in group)
+        lines.append(f"{'task ' + (task or '(none)'):<{width}}  {'':<6}  {got:>4g} / {of:<3g}")
+        for r in group:
+            lines.append(f"  {r.name:<{width - 2}}  {r.visibility:<6}  {r.score:>4g} / {r.max_score:<3g}  "
+                         f"{'pass' if r.status == 'passed' else 'FAIL':<7}  {r.output[:90]}")
     return "\n".join(lines)
 
 
@@ -246,13 +265,23 @@ def gradescope(results: list[Result], seconds: float, note: str) -> dict:
     }
 
 
-def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_s: float = PER_TEST_S) -> dict:
-    """Grade ``name`` against ``student`` (default: this repository). Returns a summary dict."""
+def task_names(assignment: Assignment, hidden: bool = True) -> list[str]:
+    """The tasks the assignment's tests grade, in the order they first appear."""
+    return list(dict.fromkeys(task for t in assignment.tests(hidden) for _, task in marks_of(t).values() if task))
+
+
+def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_s: float = PER_TEST_S,
+          tasks: tuple[str, ...] | None = None) -> dict:
+    """Grade ``name`` against ``student`` (default: this repository), only ``tasks`` if given. Returns a
+    summary dict."""
     assignment = get(name)
     student = (student or ROOT).expanduser().resolve()
     if not student.is_dir():
         raise SystemExit(f"error: no folder {student}")
-    results, seconds, log = run_tests(assignment, student, hidden, per_test_s)
+    if tasks is not None and set(tasks) - set(task_names(assignment, hidden)):
+        raise SystemExit(f"error: no task {sorted(set(tasks) - set(task_names(assignment, hidden)))[0]!r} in "
+                         f"{name!r}; its tasks: {', '.join(task_names(assignment, hidden))}")
+    results, seconds, log = run_tests(assignment, student, hidden, per_test_s, tasks)
     has_hidden = any(r.visibility == "hidden" for r in results)
     return {"assignment": name, "student": str(student), "results": [asdict(r) for r in results],
             "score": sum(r.score for r in results), "max_score": sum(r.max_score for r in results),
@@ -275,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per-test-s", type=float, default=PER_TEST_S,
                    help=f"time limit of one test in seconds (default {PER_TEST_S}); the whole run stops after "
                         f"{TIMEOUT_S} s")
+    p.add_argument("-k", "--task", action="append", default=None, metavar="TASK",
+                   help="grade only this task's tests (repeatable); the tasks are the sheet's (e.g. window_vote)")
     p.add_argument("--log", action="store_true", help="print pytest's own output after the table")
     args = p.parse_args(argv)
     if args.json is not None and args.json.exists():
@@ -283,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --json {args.json}: the folder {args.json.parent} does not exist")
     if not math.isfinite(args.per_test_s) or args.per_test_s <= 0:
         raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {args.per_test_s}")
-    summary = grade(args.assignment, args.student, hidden=not args.public_only, per_test_s=args.per_test_s)
+    summary = grade(args.assignment, args.student, hidden=not args.public_only, per_test_s=args.per_test_s,
+                    tasks=None if args.task is None else tuple(args.task))
     results = [Result(**r) for r in summary["results"]]
     print(f"assignment {args.assignment!r}, student copy {summary['student']}\n")
     print(table(results))

@@ -8,8 +8,10 @@ A region is two comment lines around the lines a student writes::
         ...the reference solution...
         # END SOLUTION
 
-The id in brackets names the assignment; the rest of the BEGIN line is the hint the student copy shows in
-place of the solution, as ``raise NotImplementedError("<id>: <hint>")`` at the BEGIN line's indentation. In
+The id in brackets names the assignment, and after a colon the graded task the region belongs to
+(``[baselines:window_vote]``; a region without a task, a notebook exercise or a sheet's model answer, is not
+graded). The rest of the BEGIN line is the hint the student copy shows in place of the solution, as
+``raise NotImplementedError("<id>, task <task>: <hint>")`` at the BEGIN line's indentation. In
 Markdown (the assignment sheets) a region is ``<!-- BEGIN SOLUTION [id] -->`` ... ``<!-- END SOLUTION -->``
 and becomes ``*(your answer)*``. Regions never nest; every BEGIN has its END; an error names the file and
 the line.
@@ -21,9 +23,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-PY_BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION \[(?P<id>[a-z0-9_]+)\]\s*(?P<hint>.*?)\s*$")
+TAG = r"\[(?P<id>[a-z0-9_]+)(?::(?P<task>[a-z0-9_]+))?\]"      # [assignment] or [assignment:task]
+PY_BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION " + TAG + r"\s*(?P<hint>.*?)\s*$")
 PY_END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
-MD_BEGIN = re.compile(r"^(?P<indent>[ \t]*)<!-- BEGIN SOLUTION \[(?P<id>[a-z0-9_]+)\]\s*(?P<hint>.*?)\s*-->\s*$")
+MD_BEGIN = re.compile(r"^(?P<indent>[ \t]*)<!-- BEGIN SOLUTION " + TAG + r"\s*(?P<hint>.*?)\s*-->\s*$")
 MD_END = re.compile(r"^[ \t]*<!-- END SOLUTION -->\s*$")
 LOOSE = re.compile(r"(BEGIN|END) SOLUTION")           # anything that looks like a marker must parse as one
 
@@ -40,6 +43,12 @@ class Region:
     begin: int          # 1-based line of the BEGIN marker
     end: int            # 1-based line of the END marker
     indent: str
+    task: str | None = None     # the graded task it belongs to (None: an ungraded exercise or answer)
+
+    @property
+    def label(self) -> str:
+        """What the student copy's stub names: ``"baselines, task window_vote"`` or ``"baselines"``."""
+        return self.assignment if self.task is None else f"{self.assignment}, task {self.task}"
 
     def body(self, lines: list[str]) -> list[str]:
         """The solution lines between the markers."""
@@ -71,7 +80,7 @@ def find_regions(path: str | Path, text: str | None = None) -> list[Region]:
             if open_ is None:
                 raise MarkerError(f"{path}:{n}: END SOLUTION without a BEGIN SOLUTION before it")
             start, m = open_
-            regions.append(Region(path, m["id"], m["hint"], start, n, m["indent"]))
+            regions.append(Region(path, m["id"], m["hint"], start, n, m["indent"], m["task"]))
             open_ = None
         elif LOOSE.search(line) and line.lstrip().startswith(("#", "<!--")):
             raise MarkerError(f"{path}:{n}: cannot parse the marker {line.strip()!r} (expected "
@@ -99,7 +108,7 @@ def strip(path: str | Path, assignment: str, text: str | None = None, stub: str 
         elif stub == "pass":
             out.append(f"{r.indent}pass")
         else:
-            out.append(f"{r.indent}raise NotImplementedError({f'{r.assignment}: {r.hint}'!r})   # your code here")
+            out.append(f"{r.indent}raise NotImplementedError({f'{r.label}: {r.hint}'!r})   # your code here")
         last = r.end
     out += lines[last:]
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")

@@ -153,7 +153,7 @@ if HAS_TRITON:
             else:
                 s = tl.dot(q, tl.trans(kb))
             s = tl.where(valid[None, :], s, float("-inf"))
-            # BEGIN SOLUTION [kernels] online softmax: new max; rescale l, acc by exp(m - max); add the block
+            # BEGIN SOLUTION [kernels:online_softmax] online softmax: new max; rescale l, acc by exp(m - max); add the block
             m_new = tl.maximum(m, tl.max(s, axis=1))
             # a range with no valid token so far keeps m = -inf; exp(-inf - -inf) would be nan
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -181,7 +181,7 @@ def default_block_n(dtype: torch.dtype) -> int:
 def merge_splits(m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
     """The reduction in PyTorch (the reference): partials m, l (R, splits, G) and acc (R, splits, G, d) ->
     (R, G, d) in fp32."""
-    # BEGIN SOLUTION [kernels] weight each range by exp(m - max m): sum of weighted acc over sum of weighted l
+    # BEGIN SOLUTION [kernels:merge_splits] weight each range by exp(m - max m): sum of weighted acc over sum of weighted l
     M = m.max(dim=1, keepdim=True).values                                  # (R, 1, G)
     w = torch.exp(m - M)                                                   # a range with no token: exp(-inf) = 0
     return (w[..., None] * acc).sum(1) / (w * l).sum(1)[..., None]

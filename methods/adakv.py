@@ -49,7 +49,7 @@ def adaptive_keep_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:
     deterministic.
     """
     B, H_kv, T = scores.shape
-    # BEGIN SOLUTION [baselines] each head's top n_safe set to +inf, then the layer-wide top H_kv*budget
+    # BEGIN SOLUTION [baselines:adakv] each head's top n_safe set to +inf, then the layer-wide top H_kv*budget
     s = torch.nan_to_num(scores.float(), nan=float("-inf"))
     if n_safe > 0:     # safeguard: force each head's top n_safe to the front of the global ranking
         safe = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :n_safe]  # (B, H_kv, n_safe)

@@ -62,7 +62,7 @@ def chunk_keep_mask(scores: Tensor, pos: Tensor, free: Tensor, n_free: Tensor, c
     s = torch.where(free, scores.float(), torch.zeros((), device=scores.device))   # votes of free slots
     chunk = torch.where(free, pos // chunk_size, torch.zeros_like(pos))            # (B, H_kv, T)
     C = int(chunk.max()) + 1
-    # BEGIN SOLUTION [chunkkv] S_k = sum of chunk k's free votes; take whole chunks, best first, while they fit
+    # BEGIN SOLUTION [chunkkv:chunk_ranking] S_k = sum of chunk k's free votes; take whole chunks, best first, while they fit
     chunk_score = s.new_zeros(B, H_kv, C).scatter_add_(-1, chunk, s)               # (B, H_kv, C) S_k
     chunk_size_free = s.new_zeros(B, H_kv, C).scatter_add_(-1, chunk, free.float())   # free tokens per chunk
     if shared:
@@ -145,7 +145,7 @@ class ChunkKVPolicy(PolicyWrapper):
 def holds_position(chosen: Tensor, pos: Tensor, seen: int) -> Tensor:
     """(B, H_kv, T) bool: whether each slot's position is among ``chosen`` (B, H_kv, K) of the same head
     (-1 in either = nothing), through a table indexed by position: O(T + K) per head, not O(T * K)."""
-    # BEGIN SOLUTION [chunkkv] a (B, H_kv, seen + 1) table indexed by position, True where chosen; read it at pos
+    # BEGIN SOLUTION [chunkkv:holds_position] a (B, H_kv, seen + 1) table indexed by position, True where chosen; read it at pos
     table = torch.zeros(*pos.shape[:2], seen + 1, dtype=torch.bool, device=pos.device)   # column seen: -1
     table.scatter_(-1, torch.where(chosen < 0, seen, chosen), True)
     table[..., seen] = False

@@ -79,7 +79,7 @@ def renormalized_attention(attn: Tensor, keep: Tensor) -> Tensor:
 
 def output_perturbation(attn: Tensor, keep: Tensor, projected: Tensor) -> Tensor:
     """Eq. 5: L = ||(A - A') V W_O||_1 for projected values ``projected`` = V W_O (..., n, D). Returns (...)."""
-    # BEGIN SOLUTION [critical_kv] A' = attention renormalised over the kept entries; L1 norm of (A - A') @ (V W_O)
+    # BEGIN SOLUTION [critical_kv:output_perturbation] A' = attention renormalised over the kept entries; L1 norm of (A - A') @ (V W_O)
     diff = attn - renormalized_attention(attn, keep)                       # (..., n)
     return (diff.unsqueeze(-2) @ projected).squeeze(-2).abs().sum(-1)      # (..., D) -> (...)
     # END SOLUTION
@@ -87,7 +87,7 @@ def output_perturbation(attn: Tensor, keep: Tensor, projected: Tensor) -> Tensor
 
 def perturbation_bound(attn: Tensor, keep: Tensor, vnorm: Tensor) -> Tensor:
     """Theorem 2 (Eq. 8): theta = C - (2 - 1/sum(N*A)) * sum(N*A*P), C = sum(A*P), P = ||V_i W_O||_1. (...)."""
-    # BEGIN SOLUTION [critical_kv] Theorem 2's Eq. 8 (in the docstring): three sums over the last axis
+    # BEGIN SOLUTION [critical_kv:perturbation_bound] Theorem 2's Eq. 8 (in the docstring): three sums over the last axis
     C = (attn * vnorm).sum(-1)
     kept_mass = (attn * keep).sum(-1)
     return C - (2 - 1 / kept_mass) * (attn * keep * vnorm).sum(-1)
@@ -168,7 +168,7 @@ def two_stage_masks(first: Tensor, second: Tensor, budgets: Tensor | int, n_firs
         s = torch.nan_to_num(s.float(), nan=lowest, neginf=lowest)
         return s.masked_fill(~valid, float("-inf"))
 
-    # BEGIN SOLUTION [critical_kv] stage 1: top n_first by ranking(first); stage 2: the rest by ranking(second)
+    # BEGIN SOLUTION [critical_kv:two_stage] stage 1: top n_first by ranking(first); stage 2: the rest by ranking(second)
     stage1 = (_ranks(ranking(first)) < n_first[..., None]) & valid                 # stage 1
     s2 = ranking(second).masked_fill(stage1, float("inf"))                          # stage 1 stays first
     keep = (_ranks(s2) < budgets[..., None]) & valid                                # stage 2 fills the rest

@@ -47,7 +47,7 @@ class H2OPolicy(ScoringPolicy):
         check_int("n_recent", self.n_recent, 0, high=self.budget, what=" (at most the budget)")
 
     def observe(self, ctx: StepContext) -> None:
-        # BEGIN SOLUTION [baselines] prefill: what each slot received is its score (set_state); decode: add to it
+        # BEGIN SOLUTION [baselines:h2o_observe] prefill: what each slot received is its score (set_state); decode: add to it
         received = received_attention(ctx.col_sums, ctx.kv.pos.shape[1])  # (B, H_kv, T)
         if ctx.phase == "prefill":      # the prompt attention's column sums (raw, not normalised)
             ctx.kv.set_state(STATE, received, fill=0.0)

@@ -87,7 +87,7 @@ class VagueSketch:
         subtract): cell[i, h_i(J)].key += k_J, cell[i, h_i(J)].value += g_i(J) v_J for every row i."""
         cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
         k, v = sign * k.float(), sign * v.float()                                # (n, H_kv, d)
-        # BEGIN SOLUTION [kvreviver] add k_J to cell h_i(J) of every row i, and g_i(J) v_J (index_add_)
+        # BEGIN SOLUTION [kvreviver:insert] add k_J to cell h_i(J) of every row i, and g_i(J) v_J (index_add_)
         (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
         flat = (-1, H_kv, d)
         idx = self.flat_cells(cells)                                             # (r * n,)
@@ -103,7 +103,7 @@ class VagueSketch:
         """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows:
         k^_J = median_i cell[i, h_i(J)].key, v^_J = median_i g_i(J) cell[i, h_i(J)].value."""
         cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
-        # BEGIN SOLUTION [kvreviver] read cell h_i(J) of every row (values times g_i(J)); median over rows
+        # BEGIN SOLUTION [kvreviver:query] read cell h_i(J) of every row (values times g_i(J)); median over rows
         (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
         flat = (-1, H_kv, d)
         idx = self.flat_cells(cells)                                             # (r * n,)

@@ -51,7 +51,7 @@ def low_flags(attn: Tensor, visible: Tensor, threshold: float | None = None) -> 
     threshold : tau; None = 1 / (slots the query attended), the uniform level.
     Returns (B, H_kv, Tn, T) bool: attended and attn < tau. A slot a query did not attend is never low.
     """
-    # BEGIN SOLUTION [scissorhands] tau defaults to 1 / (slots the query attended); low = attended and below tau
+    # BEGIN SOLUTION [scissorhands:low_flags] tau defaults to 1 / (slots the query attended); low = attended and below tau
     if threshold is None:
         threshold = 1.0 / visible.sum(-1, keepdim=True).clamp(min=1)           # (B, H_kv, Tn, 1)
     return visible & (attn < threshold)
@@ -82,7 +82,7 @@ def keep_score(counts: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
     (0..T-1) counts the slots of the head with strictly lower attention. Integers, so a float32 copy
     (``select_topk``) keeps the order exactly while I * T < 2^24.
     """
-    # BEGIN SOLUTION [scissorhands] score = -I*T + rank of the attention (slots strictly lower), empty slots -inf
+    # BEGIN SOLUTION [scissorhands:keep_score] score = -I*T + rank of the attention (slots strictly lower), empty slots -inf
     T = counts.shape[-1]
     a = attn.float().contiguous()
     rank = torch.searchsorted(a.sort(dim=-1).values, a)                        # strictly lower: 0..T-1
@@ -94,7 +94,7 @@ def keep_score(counts: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
 def n_dropped(n_slots: int, budget: int, drop: int, n_recent: int) -> int:
     """Tokens to drop from a layer holding ``n_slots``: 0 within budget, else m at a time (Algorithm 2),
     as often as needed to get back within ``budget``; m is cut to ``budget - n_recent``."""
-    # BEGIN SOLUTION [scissorhands] 0 within budget; else drop m at a time (m at most budget - n_recent) until within
+    # BEGIN SOLUTION [scissorhands:n_dropped] 0 within budget; else drop m at a time (m at most budget - n_recent) until within
     excess = n_slots - budget
     if excess <= 0:
         return 0

@@ -40,7 +40,7 @@ def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str)
 
         vote_h = pool(sum_{i in window} A_h[i, :])      score_j = mean_{h in group j} vote_h
     """
-    # BEGIN SOLUTION [baselines] sum the window's rows, pool along the tokens, mean over each GQA group
+    # BEGIN SOLUTION [baselines:window_vote] sum the window's rows, pool along the tokens, mean over each GQA group
     vote = probs_window.float().sum(dim=2)                              # (B, H, Tp) summed over the window
     vote = pool1d(vote, kernel, pooling)                                # neighbours of a strong token
     return group_mean(vote, n_kv_head)                                  # (B, H_kv, Tp) per KV head

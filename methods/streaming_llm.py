@@ -29,7 +29,7 @@ from nanollm.policy import ScoringPolicy, StepContext
 
 def sinks_and_recent(budget: int, n_sink: int, seen: int) -> list[range]:
     """The positions §3.2 keeps after ``seen`` tokens: the S sinks and the R most recent, S + R = budget."""
-    # BEGIN SOLUTION [baselines] the sinks (at most budget - 1 of them, from position 0), then the most recent positions
+    # BEGIN SOLUTION [baselines:sinks_and_recent] the sinks (at most budget - 1 of them, from position 0), then the most recent positions
     S = min(n_sink, budget - 1)
     R = budget - S
     return [range(0, min(S, seen)), range(max(0, seen - R), seen)]

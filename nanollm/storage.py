@@ -65,7 +65,7 @@ class LayerKV:
             if old[0] is not None:
                 self._k[:, :, :self.n], self._v[:, :, :self.n], self._pos[:, :, :self.n] = (
                     t[:, :, :self.n] for t in old)
-        # BEGIN SOLUTION [cache] write k, v, pos into slots n..n+Tn-1 of the buffers, in place; then advance n
+        # BEGIN SOLUTION [cache:append] write k, v, pos into slots n..n+Tn-1 of the buffers, in place; then advance n
         end = self.n + Tn
         self._k[:, :, self.n:end] = k
         self._v[:, :, self.n:end] = v

@@ -85,7 +85,7 @@ def kron_rows(A: Tensor, B: Tensor) -> Tensor:
 def pair_scores(q: Tensor, K1: Tensor, K2: Tensor, scale: float) -> Tensor:
     """S[t, a, b] = scale * <q_t, K1[a] * K2[b]> for all pairs, without forming K1 (/) K2:
     (q_t * K1) @ K2^T per query. q (..., Tq, d), K1 (..., n1, d), K2 (..., n2, d) -> (..., Tq, n1, n2)."""
-    # BEGIN SOLUTION [tensor_attention] (q*scale) times each K1 row, then one matmul with K2^T: (..., Tq, n1, n2)
+    # BEGIN SOLUTION [tensor_attention:pair_scores] (q*scale) times each K1 row, then one matmul with K2^T: (..., Tq, n1, n2)
     qk1 = (q * scale)[..., :, None, :] * K1[..., None, :, :]                  # (..., Tq, n1, d)
     S = qk1.flatten(-3, -2) @ K2.transpose(-1, -2)                           # (..., Tq*n1, n2): one matmul
     return S.unflatten(-2, qk1.shape[-3:-1])                                 # (..., Tq, n1, n2)
@@ -95,7 +95,7 @@ def pair_scores(q: Tensor, K1: Tensor, K2: Tensor, scale: float) -> Tensor:
 def pair_softmax(S: Tensor, allowed: Tensor | None = None) -> Tensor:
     """Softmax over all pairs of each query (the last two dimensions together). ``allowed`` (broadcast to
     S, bool) masks pairs out."""
-    # BEGIN SOLUTION [tensor_attention] mask disallowed pairs with -inf, softmax over both pair axes together
+    # BEGIN SOLUTION [tensor_attention:pair_softmax] mask disallowed pairs with -inf, softmax over both pair axes together
     if allowed is not None:
         S = S.masked_fill(~allowed, float("-inf"))
     return torch.softmax(S.flatten(-2), dim=-1).view(S.shape)
@@ -105,7 +105,7 @@ def pair_softmax(S: Tensor, allowed: Tensor | None = None) -> Tensor:
 def factored_output(P: Tensor, V1: Tensor, V2: Tensor) -> Tensor:
     """o_t = sum_{a,b} P[t, a, b] V1[a] * V2[b] = sum_a V1[a] * (P[t] @ V2)[a], without forming V1 (/) V2.
     P (..., Tq, n1, n2), V1 (..., n1, d), V2 (..., n2, d) -> (..., Tq, d)."""
-    # BEGIN SOLUTION [tensor_attention] first P @ V2 per row a (one matmul), then weight by V1[a] and sum over a
+    # BEGIN SOLUTION [tensor_attention:factored_output] first P @ V2 per row a (one matmul), then weight by V1[a] and sum over a
     PV2 = (P.flatten(-3, -2) @ V2).unflatten(-2, P.shape[-3:-1])             # (..., Tq, n1, d)
     return (V1[..., None, :, :] * PV2).sum(-2)                               # (..., Tq, d)
     # END SOLUTION
