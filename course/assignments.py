@@ -65,9 +65,10 @@ ASSIGNMENTS = {a.name: a for a in [
     Assignment("critical_kv", "CriticalKV: the output perturbation, its bound, two-stage selection",
                ("methods/critical_kv.py",), "04_perturbation_selection"),
     Assignment("chunkkv", "ChunkKV: keep whole chunks", ("methods/chunkkv.py",), "05_chunkkv"),
-    Assignment("kvreviver", "KVReviver: a count sketch of evicted tokens", ("methods/kvreviver.py",),
-               "06_kvreviver"),
-    Assignment("kernels", "Split-K decode attention in Triton", ("kernels/decode_attention.py",), "07_kernels"),
+    Assignment("kvreviver", "KVReviver: a count sketch of evicted tokens",
+               ("methods/kvreviver.py", "kernels/count_sketch.py"), "06_kvreviver"),
+    Assignment("kernels", "Split-K decode attention in Triton",
+               ("kernels/decode_attention.py", "kernels/count_sketch.py", "kernels/tensor_decode.py"), "07_kernels"),
 ]}
 
 

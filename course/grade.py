@@ -3,21 +3,30 @@ Grade one assignment: run its public and hidden tests against a student copy and
 
     python -m course.grade cache                                  # this repository (the reference: full marks)
     python -m course.grade cache --student ~/hw-cache --json results.json
+    python -m course.grade baselines -k window_vote               # one task's tests
 
 The tests run in a fresh Python process, in a scratch folder that holds only the tests and ``oracle.py``,
 with the student copy first on the import path: ``nanollm``, ``methods`` and ``kernels`` are the
 student's, reached only through the student's ``course/<name>/adapters.py``; nothing of the student copy
-or of this repository is written to. An installed checkout cannot fill in what the copy lacks, and a
-test fails if it imported a module of the library from anywhere but the copy. Each test's outcome is
-recorded as it finishes, under a time limit (``--per-test-s``): a test that crashes the interpreter or
-hangs fails alone, and the tests after it run in a fresh process. Each test's points are in its
-``@points(n)`` decorator, read from the test file's source (not from the run, which a student's code could
-disturb).
+or of this repository is written to. An installed checkout cannot fill in what the copy lacks: a test
+fails if it imported a module of the library from anywhere but the copy, or any module of the copy's own
+``tests`` package (the library's tests can hold reference implementations). A test file that fails to
+import fails only its own tests; every failure reads as its exception's type and message (a syntax error
+with its file and line) and the line of the student's code it came from.
 
-Output: a table (test, public or hidden, points, outcome, the first line of the failure), the total, and
-with ``--json`` a results file in Gradescope's format (``score``, ``execution_time``, ``tests``: ``name``,
-``score``, ``max_score``, ``status``, ``output``, ``visibility``; hidden tests are ``after_published``).
-In a student copy the hidden tests are absent: the table says so, and the score is out of the public points.
+Time is limited from outside the test process. The test process appends each test's start and outcome to
+a results file; the grader watches it and stops the process (its whole process group) when a test runs
+over ``--per-test-s``, so a test that catches every exception cannot hang the run. That test fails ("ran
+over N s", with where it was), as does one that crashes the interpreter; the tests after it run in a fresh
+process. The whole run stops after 60 s + (the per-test limit + 5 s) per test. Each test's points and task
+are in its ``@points(n, task=...)`` decorator, read from the test file's source (not from the run, which a
+student's code could disturb).
+
+Output: a table grouped by task (a line per task with its points, then its tests: public or hidden,
+points, outcome, the first line of the failure), the total, and with ``--json`` a results file in
+Gradescope's format (``score``, ``execution_time``, ``output``: the notes; ``tests``: ``name``, ``score``,
+``max_score``, ``status``, ``output``: the failure in a few lines, ``visibility``: hidden tests are
+``after_published``). In a student copy the hidden tests are absent: the score is out of the public points.
 """
 
 from __future__ import annotations
@@ -27,49 +36,120 @@ import ast
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .assignments import ASSIGNMENTS, COURSE, ROOT, Assignment, command_line, get
 
-TIMEOUT_S = 300          # the whole run
-PER_TEST_S = 60          # one test (a Python-level alarm; a loop inside one long torch call ends at the next)
+PER_TEST_S = 60          # one test's time limit, enforced by the grader from outside the test process
+RUN_BASE_S = 60          # the whole run: this, plus (the per-test limit + RESTART_S) per test
+RESTART_S = 5            # what a fresh test process costs (starting Python, importing torch)
+START_S = 60             # a test process may take this long to import and collect the tests
+POLL_S = 0.05            # how often the grader reads the results file
+MESSAGE_LINES, MESSAGE_CHARS = 10, 1500     # a failure's message in the JSON
 
-# The scratch folder's conftest.py: the library must come from the student copy; each test's outcome is
-# appended to a results file as it finishes (so a crash or a timeout keeps the outcomes before it); each
-# test has a time limit.
+# The scratch folder's conftest.py: the library must come from the student copy; each test's start and
+# outcome are appended to a results file as they happen (the grader watches it, and keeps the outcomes
+# before a crash or a stop); a failure is recorded as its exception's type and message.
 CONFTEST = '''\
 """Written by course.grade."""
+import faulthandler
+import json
 import os
-import signal
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 
 STUDENT = Path({student!r})
-RESULTS = Path(os.environ["COURSE_GRADE_RESULTS"])
+RESULTS = Path(os.environ.pop("COURSE_GRADE_RESULTS"))
+DUMP = open(os.environ.pop("COURSE_GRADE_DUMP"), "a")     # where a test is when it nears its time limit
+PER_TEST_S = {per_test!r}
 PACKAGES = ("nanollm", "methods", "kernels", "course")
 
 # an editable install of another checkout (pip install -e) must not fill in what the copy lacks
 sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
 
 
-def outside(name):
-    """Whether an imported module of the library (or the course) comes from outside the student copy."""
-    module = sys.modules.get(name)
-    path = getattr(module, "__file__", None)
-    return path is not None and STUDENT not in Path(path).resolve().parents
+class NoOwnTests:
+    """The copy's own tests (``tests.*``) can hold reference implementations: graded code may not import them."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "tests" or name.startswith("tests."):
+            raise ImportError(f"{{name}}: the graded code may not import the repository's own tests", name=name)
+        return None
 
 
-def record(*fields):
+sys.meta_path.insert(0, NoOwnTests())
+
+
+def borrowed():
+    """Modules of the library (or the course) from outside the student copy, and modules of its tests."""
+    wrong = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        top = name.split(".")[0]
+        if path is None or (top not in PACKAGES and top != "tests" and "tests" not in path):
+            continue
+        path = Path(path).resolve()
+        if top == "tests" or STUDENT / "tests" in path.parents or (top in PACKAGES and STUDENT not in path.parents):
+            wrong.append(name)
+    return sorted(wrong)
+
+
+def record(kind, name, message=""):
     with RESULTS.open("a") as f:
-        f.write("\\t".join(str(x).replace("\\t", " ").replace("\\n", "\\\\n") for x in fields) + "\\n")
+        f.write(json.dumps({{"kind": kind, "name": name, "message": message[:20000]}}) + "\\n")
+
+
+def inside(filename):
+    try:
+        return STUDENT in Path(filename).resolve().parents
+    except (OSError, ValueError):
+        return False
+
+
+def describe(excinfo):
+    """An exception as its type and message; a syntax error with its file and line; the deepest line of the
+    student's code it came from."""
+    e = excinfo.value
+    if isinstance(e, pytest.Collector.CollectError) and e.__cause__ is not None:
+        e = e.__cause__                                  # the error behind "could not import the test file"
+    if isinstance(e, SyntaxError):
+        where = Path(e.filename or "?")
+        where = where.resolve().relative_to(STUDENT) if inside(where) else where.name
+        return f"{{type(e).__name__}}: {{e.msg}} ({{where}}, line {{e.lineno}})\\n    {{(e.text or '').strip()}}"
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    lines = text.splitlines()
+    said = next((i for i, line in enumerate(lines) if i and line.startswith("assert ")), None)
+    if isinstance(e, AssertionError) and said:           # the test's message, not pytest's rewrite of the assert
+        text = "\\n".join(lines[:said])
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if inside(f.filename)]
+    if frames:
+        f = frames[-1]
+        text += f"\\n(raised in {{Path(f.filename).resolve().relative_to(STUDENT)}}, line {{f.lineno}}, in {{f.name}})"
+    return text
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.excinfo is not None:
+        report.course_message = describe(call.excinfo)
+    return report
+
+
+def pytest_exception_interact(node, call, report):
+    if not isinstance(node, pytest.Item):               # a test file that could not be imported
+        record("collect", node.nodeid.split("::")[0], describe(call.excinfo))
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -80,26 +160,24 @@ def pytest_runtest_logreport(report):
     name = report.nodeid.split("::")[-1]
     if report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
-        record("failed", name, crash.message if crash is not None else str(report.longrepr).splitlines()[-1])
+        record("failed", name, getattr(report, "course_message", None)
+               or (crash.message if crash is not None else str(report.longrepr).splitlines()[-1]))
+    elif report.skipped:
+        record("failed", name, f"the test was skipped (graded code may not skip it): {{report.longrepr}}")
     elif report.when == "call" and report.passed:
-        record("passed", name, "")
-
-
-def alarm(signum, frame):
-    raise TimeoutError("the test ran over {per_test} s")
+        record("passed", name)
 
 
 @pytest.fixture(autouse=True)
-def the_library_is_the_students_and_time_is_limited():
-    if hasattr(signal, "SIGALRM"):
-        signal.signal(signal.SIGALRM, alarm)
-        signal.setitimer(signal.ITIMER_REAL, {per_test})
+def the_library_is_the_students():
+    DUMP.seek(0)
+    DUMP.truncate()
+    faulthandler.dump_traceback_later(PER_TEST_S * 0.8, file=DUMP)
     yield
-    if hasattr(signal, "SIGALRM"):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    wrong = sorted(n for n in list(sys.modules) if n.split(".")[0] in PACKAGES and outside(n))
+    faulthandler.cancel_dump_traceback_later()
+    wrong = borrowed()
     if wrong:
-        raise RuntimeError(f"imported from outside the student copy {{STUDENT}}: {{wrong[:3]}}")
+        raise RuntimeError(f"imported from outside the student copy {{STUDENT}}, or its own tests: {{wrong[:3]}}")
 '''
 
 
@@ -110,7 +188,7 @@ class Result:
     max_score: float
     score: float
     status: str            # "passed" or "failed"
-    output: str            # the failure's message ("" when passed)
+    output: str            # the failure's message, a few lines ("" when passed)
     task: str = ""         # the sheet's task the test grades
 
 
@@ -135,26 +213,102 @@ def points_of(path: Path) -> dict[str, float]:
     return {name: pts for name, (pts, _) in marks_of(path).items()}
 
 
+def message(text: str) -> str:
+    """A failure in a few lines for the JSON: its first lines (at most ``MESSAGE_LINES`` and
+    ``MESSAGE_CHARS``), keeping the line that says how far off a tensor was."""
+    lines = [s.rstrip() for s in text.splitlines() if s.strip()]
+    keep = lines[:MESSAGE_LINES]
+    off = [s for s in lines if s.lstrip().startswith("Greatest absolute difference")][:1]
+    if off and off[0] not in keep:
+        keep[-1] = off[0]
+    out = "\n".join(keep)
+    return out if len(out) <= MESSAGE_CHARS else out[:MESSAGE_CHARS - 3] + "..."
+
+
 def first_line(text: str, width: int = 200) -> str:
     """The first non-empty line of a failure, and the line saying how far off a tensor was, if there is one."""
-    lines = [s.strip() for s in text.replace("\\n", "\n").splitlines() if s.strip()]
+    lines = [s.strip() for s in text.splitlines() if s.strip()]
     line = " ".join(lines[:1] + [s for s in lines[1:] if s.startswith("Greatest absolute difference")][:1])
     return line if len(line) <= width else line[:width - 3] + "..."
 
 
-def read_results(path: Path) -> tuple[dict[str, tuple[str, str]], str | None]:
-    """test name -> (status, message) from the conftest's results file; and the test that started last
-    without an outcome (where a crash or timeout happened), or None."""
-    outcomes, running = {}, None
-    if path.exists():
-        for line in path.read_text().splitlines():
-            kind, name, *rest = line.split("\t") + [""]
-            if kind == "start":
-                running = name
-            elif outcomes.get(name, ("",))[0] != "failed":          # the first failure of a test is its outcome
-                outcomes[name] = (kind, first_line(rest[0]) if kind == "failed" else "")
-                running = None if name == running else running
-    return outcomes, running
+@dataclass
+class Progress:
+    """What the test processes have recorded so far."""
+    outcomes: dict[str, tuple[str, str]] = field(default_factory=dict)    # test -> (status, message)
+    running: str | None = None          # the test that started last and has no outcome (a crash or a stop)
+    starts: int = 0                     # how many tests have started, in all
+    collect: dict[str, str] = field(default_factory=dict)                 # test file -> why it did not import
+
+
+def read_results(path: Path) -> Progress:
+    """The results file the scratch conftest appends to (one JSON object a line)."""
+    p = Progress()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+            kind, name, text = rec["kind"], rec["name"], rec["message"]
+        except (ValueError, KeyError, TypeError):
+            continue                                    # a line cut short by a kill
+        if kind == "start":
+            p.running, p.starts = name, p.starts + 1
+        elif kind == "collect":
+            p.collect.setdefault(name, text)
+        elif p.outcomes.get(name, ("",))[0] != "failed":          # the first failure of a test is its outcome
+            p.outcomes[name] = (kind, message(text) if kind == "failed" else "")
+            p.running = None if name == p.running else p.running
+    return p
+
+
+def where_it_was(dump: Path, student: Path) -> str:
+    """The deepest line of the student's code in the last traceback dump (written just before a test's time
+    limit), as ", in FILE, line N (FUNCTION)"; "" if there is none."""
+    text = dump.read_text(errors="replace") if dump.exists() else ""
+    for filename, line, function in re.findall(r'File "(.+?)", line (\d+) in (\S+)', text.split("Timeout (")[-1]):
+        path = Path(filename)
+        if student in path.parents:
+            return f", in {path.relative_to(student)}, line {line} ({function})"
+    return ""
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill the test process and everything it started (its process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, AttributeError):
+        if proc.poll() is None:
+            proc.kill()
+    proc.wait()
+
+
+def watch(cmd: list[str], cwd: Path, env: dict, results: Path, log: Path, per_test_s: float,
+          deadline: float) -> tuple[int | None, str | None]:
+    """Run one test process, stopping it when its running test passes ``per_test_s`` (counted from the test's
+    start line), when collecting the tests passes ``START_S``, or at ``deadline`` (``time.monotonic``).
+    Returns (its exit code, None) or (None, "test" | "collect" | "run"): why it was stopped."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = starts = read_results(results).starts
+    since, why = time.monotonic(), None
+    while proc.poll() is None:
+        time.sleep(POLL_S)
+        now, n = time.monotonic(), read_results(results).starts
+        if n != starts:
+            starts, since = n, now
+        if now > deadline:
+            why = "run"
+        elif now - since > (per_test_s if starts > base else START_S):
+            why = "test" if starts > base else "collect"
+        if why:
+            break
+    stop(proc)                 # also ends what the tests left running in the background
+    return (None, why) if why else (proc.returncode, None)
+
+
+def run_limit_s(n_tests: int, per_test_s: float) -> float:
+    """The whole run's time limit: it grows with the number of tests."""
+    return RUN_BASE_S + n_tests * (per_test_s + RESTART_S)
 
 
 def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_test_s: float = PER_TEST_S,
@@ -163,68 +317,90 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
     pytest's output)."""
     tests = assignment.tests(hidden)
     adapters = student / "course" / assignment.name
-    if not (adapters / "adapters.py").exists():
-        raise SystemExit(f"error: {student} has no course/{assignment.name}/adapters.py; is it a student copy "
-                         f"of {assignment.name!r}?")
     with tempfile.TemporaryDirectory(prefix=f"grade-{assignment.name}-") as tmp, \
             tempfile.TemporaryDirectory(prefix="grade-results-") as out:
-        tmp, results_file = Path(tmp), Path(out) / "results.tsv"
+        tmp, out = Path(tmp), Path(out)
+        results_file, dump = out / "results.jsonl", out / "dump.txt"
         for t in tests:
             shutil.copy2(t, tmp / t.name)
         shutil.copy2(COURSE / "oracle.py", tmp / "oracle.py")
         (tmp / "conftest.py").write_text(CONFTEST.format(student=str(student), per_test=per_test_s))
         (tmp / "pytest.ini").write_text("[pytest]\naddopts =\n")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp), str(adapters), str(student)]),
-               "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "COURSE_GRADE_RESULTS": str(results_file)}
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
+        env.update({"PYTHONPATH": os.pathsep.join([str(tmp), str(adapters), str(student)]), "OMP_NUM_THREADS": "1",
+                    "PYTHONDONTWRITEBYTECODE": "1", "COURSE_GRADE_RESULTS": str(results_file),
+                    "COURSE_GRADE_DUMP": str(dump)})
         env.setdefault("TRITON_INTERPRET", "1")      # no GPU: the kernels run in Triton's interpreter
         node = {n: f"{t.name}::{n}" for t in tests for n, (_, task) in marks_of(t).items()   # name -> node id
                 if tasks is None or task in tasks}
-        outcomes, logs, t0 = {}, [], time.perf_counter()
-        while True:        # a crash or a timeout fails its test; the tests after it run in a fresh process
-            remaining = [n for n in node if n not in outcomes]
-            left = TIMEOUT_S - (time.perf_counter() - t0)
-            if not remaining:
-                break
-            if left <= 1:
-                outcomes.update({n: ("failed", f"not run: the whole run took over {TIMEOUT_S} s") for n in remaining})
+        limit = run_limit_s(len(node), per_test_s)
+        outcomes, logs, t0 = {}, [], time.monotonic()
+        while remaining := [n for n in node if n not in outcomes]:
+            if time.monotonic() - t0 > limit - 1:
+                outcomes.update({n: ("failed", f"not run: the whole run reached its limit of {limit:g} s")
+                                 for n in remaining})
                 break
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(tmp / "pytest.ini"),
-                   "--rootdir", str(tmp), *[node[n] for n in remaining]]
-            try:
-                run = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=left)
-                log, code = run.stdout + run.stderr, run.returncode
-            except subprocess.TimeoutExpired as e:
-                text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-                log, code = f"timed out after {TIMEOUT_S} s in all\n{text}", None
-            logs.append(log)
-            found, running = read_results(results_file)
-            new = {n: found[n] for n in remaining if n in found}
-            errors = [line[1:].strip() for line in log.splitlines() if line.startswith("E ")]
-            if code not in (0, 1, None) and not new and running not in remaining:   # the tests could not be imported
-                why = f"the tests could not be collected: {errors[0] if errors else log.splitlines()[-1:]}"
-                outcomes.update({n: ("failed", why) for n in remaining})
-                break
-            if code in (0, 1):
-                if set(new) != set(remaining) or (code == 0) != all(o[0] == "passed" for o in new.values()):
-                    new = {n: ("failed", f"pytest's exit code {code} disagrees with the recorded outcomes")
-                           for n in remaining}
-            elif running in remaining and running not in new:    # this test crashed or timed out
-                why = "the whole run timed out" if code is None else f"the test process stopped (exit code {code})"
-                new[running] = ("failed", f"{why} in this test")
-            if not new:                                          # no progress: stop rather than loop
-                why = "did not run: " + first_line(log.splitlines()[-1] if log else "")
-                new = {n: ("failed", why) for n in remaining}
-            outcomes.update(new)
-        seconds = time.perf_counter() - t0
+                   "--rootdir", str(tmp), "--continue-on-collection-errors", *[node[n] for n in remaining]]
+            code, why = watch(cmd, tmp, env, results_file, out / "log.txt", per_test_s, t0 + limit)
+            log = (out / "log.txt").read_text(errors="replace")
+            logs.append(log if why is None else f"{log}\n(stopped by the grader: {why})")
+            outcomes.update(round_outcomes(remaining, node, read_results(results_file), code, why, log,
+                                           per_test_s, limit, where_it_was(dump, student)))
+        seconds = time.monotonic() - t0
     results = []
     for t in tests:
         visibility = "hidden" if t.name == "test_hidden.py" else "public"
         for name, (pts, task) in marks_of(t).items():
             if name in outcomes:
-                status, message = outcomes[name]
-                results.append(Result(name, visibility, pts, pts if status == "passed" else 0.0, status, message,
+                status, text = outcomes[name]
+                results.append(Result(name, visibility, pts, pts if status == "passed" else 0.0, status, text,
                                       task or ""))
     return results, seconds, "\n".join(logs)
+
+
+def function(test: str) -> str:
+    """The test function of a recorded test: ``test_x[llama]`` (a parametrized case) -> ``test_x``."""
+    return test.split("[")[0]
+
+
+def round_outcomes(remaining: list[str], node: dict[str, str], found: Progress, code: int | None,
+                   why: str | None, log: str, per_test_s: float, limit: float, where: str) -> dict:
+    """The outcomes one test process settled, of the test functions it was given (a parametrized one passes
+    when all its cases pass): what it recorded; the test it was running when it crashed or was stopped; the
+    tests of a file that did not import. Tests it never reached are left for a fresh process (if it made no
+    progress at all, they fail, so the grader never loops)."""
+    new = {}
+    for case, (status, text) in found.outcomes.items():
+        name = function(case)
+        if name in remaining and new.get(name, ("",))[0] != "failed":
+            new[name] = (status, f"{case[len(name):]} {text}" if case != name and text else text)
+    running = found.running
+    if running is not None and function(running) in remaining and running not in found.outcomes:
+        label = running[len(function(running)):] + " " if running != function(running) else ""
+        if why == "test":
+            new[function(running)] = ("failed", f"{label}ran over {per_test_s:g} s{where}: the grader stopped it "
+                                                "(a loop that never ends, or far too much work?)")
+        elif why == "run":
+            new[function(running)] = ("failed", f"{label}still running when the whole run reached its limit of "
+                                                f"{limit:g} s")
+        elif code not in (0, 1):
+            new[function(running)] = ("failed", f"{label}the test process stopped (exit code {code}) in this test")
+    for n in remaining:
+        file = node[n].split("::")[0]
+        if n not in new and file in found.collect:
+            new[n] = ("failed", message(f"{file} could not be collected: {found.collect[file]}"))
+    if why is None and code in (0, 1):               # pytest finished: its exit code must agree with the record
+        if new and (code == 0) != all(o[0] == "passed" for o in new.values()):
+            return {n: ("failed", f"pytest's exit code {code} disagrees with the recorded outcomes")
+                    for n in remaining}
+    last = [s for s in log.splitlines() if s.strip()][-1:]
+    if why is None and code in (0, 1) or not new:    # what pytest did not run will not run (never loop)
+        reason = {"collect": f"the tests did not start within {START_S} s (a loop at import time?)",
+                  "run": f"the whole run reached its limit of {limit:g} s"}.get(why, first_line(last[0] if last
+                                                                                                else "no output"))
+        new.update({n: ("failed", f"did not run: {reason}") for n in remaining if n not in new})
+    return new
 
 
 def adapter_changes(assignment: Assignment, student: Path) -> list[str]:
@@ -235,8 +411,16 @@ def adapter_changes(assignment: Assignment, student: Path) -> list[str]:
             and (student / f).read_bytes() != (ROOT / f).read_bytes()]
 
 
+def notes(summary: dict, public_only: bool = False) -> list[str]:
+    """What the grade comes with: the hidden tests' absence, adapters that differ from the repository's."""
+    out = [] if summary["hidden_tests"] or public_only else \
+        ["hidden tests: not in this copy (the instructor's grader has them); the score is out of the public points"]
+    return out + [f"note: the student's {f} differs from this repository's: read it (the tests reach the code "
+                  "only through the adapters)" for f in summary["changed_adapters"]]
+
+
 def table(results: list[Result]) -> str:
-    """The results grouped by task: a line per task with its points, then its tests."""
+    """The results grouped by task: a line per task with its points, then its tests, one line each."""
     if not results:
         return "(no test)"
     width = max(len(r.name) for r in results) + 2
@@ -246,21 +430,22 @@ def table(results: list[Result]) -> str:
         got, of = sum(r.score for r in group), sum(r.max_score for r in group)
         lines.append(f"{'task ' + (task or '(none)'):<{width}}  {'':<6}  {got:>4g} / {of:<3g}")
         for r in group:
+            why = first_line(r.output, width=90)
             lines.append(f"  {r.name:<{width - 2}}  {r.visibility:<6}  {r.score:>4g} / {r.max_score:<3g}  "
-                         f"{'pass' if r.status == 'passed' else 'FAIL':<7}  {r.output[:90]}")
+                         f"{'pass' if r.status == 'passed' else 'FAIL':<7}  {why}")
     return "\n".join(lines)
 
 
 def gradescope(results: list[Result], seconds: float, note: str) -> dict:
-    """The results in Gradescope's autograder format."""
+    """The results in Gradescope's autograder format (``note``: the top-level output)."""
     return {
         "score": sum(r.score for r in results),
         "execution_time": round(seconds, 1),
         "output": note,
         "visibility": "visible",
         "stdout_visibility": "hidden",
-        "tests": [{"name": f"{r.visibility}: {r.name}", "score": r.score, "max_score": r.max_score,
-                   "status": r.status, "output": r.output,
+        "tests": [{"name": f"{r.visibility}: {r.name}" + (f" (task {r.task})" if r.task else ""),
+                   "score": r.score, "max_score": r.max_score, "status": r.status, "output": r.output,
                    "visibility": "visible" if r.visibility == "public" else "after_published"} for r in results],
     }
 
@@ -278,9 +463,13 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
     student = (student or ROOT).expanduser().resolve()
     if not student.is_dir():
         raise SystemExit(f"error: no folder {student}")
+    if not (student / "course" / name / "adapters.py").exists():
+        raise SystemExit(f"error: {student} has no course/{name}/adapters.py; is it a student copy of {name!r}?")
+    if not (math.isfinite(per_test_s) and per_test_s > 0):
+        raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {per_test_s}")
     if tasks is not None and set(tasks) - set(task_names(assignment, hidden)):
         raise SystemExit(f"error: no task {sorted(set(tasks) - set(task_names(assignment, hidden)))[0]!r} in "
-                         f"{name!r}; its tasks: {', '.join(task_names(assignment, hidden))}")
+                         f"{name!r}; its tasks: {', '.join(task_names(assignment, hidden)) or '(none)'}")
     results, seconds, log = run_tests(assignment, student, hidden, per_test_s, tasks)
     has_hidden = any(r.visibility == "hidden" for r in results)
     return {"assignment": name, "student": str(student), "results": [asdict(r) for r in results],
@@ -289,48 +478,55 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
             "changed_adapters": adapter_changes(assignment, student)}
 
 
+def refuse(message: str):
+    """argparse's errors as the course's one ``error:`` line (exit status 2)."""
+    raise SystemExit(f"error: {message}")
+
+
 @command_line
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m course.grade", description=__doc__.split("\n\n")[0].strip(),
+    parts = __doc__.strip().split("\n\n")       # the first line, examples, the copy, time, output
+    p = argparse.ArgumentParser(prog="python -m course.grade", description=parts[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="assignments: " + ", ".join(ASSIGNMENTS))
+                                epilog="\n\n".join(parts[1:] + ["assignments: " + ", ".join(ASSIGNMENTS)]))
+    p.error = refuse
     p.add_argument("assignment", help="which assignment: " + ", ".join(ASSIGNMENTS))
     p.add_argument("--student", type=Path, default=None,
                    help="the student copy to grade (default: this repository, whose reference solutions get "
                         "full marks)")
     p.add_argument("--json", type=Path, default=None,
-                   help="write Gradescope-style results here (refuses to overwrite an existing file)")
+                   help="write Gradescope-style results here: a new file in an existing folder")
     p.add_argument("--public-only", action="store_true", help="run only the public tests")
     p.add_argument("--per-test-s", type=float, default=PER_TEST_S,
-                   help=f"time limit of one test in seconds (default {PER_TEST_S}); the whole run stops after "
-                        f"{TIMEOUT_S} s")
+                   help=f"time limit of one test in seconds, positive and finite (default {PER_TEST_S}); the "
+                        f"grader stops a test that runs over it, and the whole run after {RUN_BASE_S} s + "
+                        f"(this + {RESTART_S} s) per test")
     p.add_argument("-k", "--task", action="append", default=None, metavar="TASK",
                    help="grade only this task's tests (repeatable); the tasks are the sheet's (e.g. window_vote)")
     p.add_argument("--log", action="store_true", help="print pytest's own output after the table")
     args = p.parse_args(argv)
-    if args.json is not None and args.json.exists():
-        raise SystemExit(f"error: {args.json} exists; name a new file (nothing is overwritten)")
-    if args.json is not None and not args.json.parent.is_dir():
-        raise SystemExit(f"error: --json {args.json}: the folder {args.json.parent} does not exist")
-    if not math.isfinite(args.per_test_s) or args.per_test_s <= 0:
+    if args.json is not None:                       # every flag is checked before any test runs
+        if args.json.exists():
+            raise SystemExit(f"error: {args.json} exists; name a new file (nothing is overwritten)")
+        if not args.json.parent.is_dir():
+            raise SystemExit(f"error: --json {args.json}: the folder {args.json.parent} does not exist")
+        if not os.access(args.json.parent, os.W_OK):
+            raise SystemExit(f"error: --json {args.json}: the folder {args.json.parent} is not writable")
+    if not (math.isfinite(args.per_test_s) and args.per_test_s > 0):
         raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {args.per_test_s}")
     summary = grade(args.assignment, args.student, hidden=not args.public_only, per_test_s=args.per_test_s,
                     tasks=None if args.task is None else tuple(args.task))
     results = [Result(**r) for r in summary["results"]]
     print(f"assignment {args.assignment!r}, student copy {summary['student']}\n")
     print(table(results))
-    note = "" if summary["hidden_tests"] or args.public_only else \
-        "hidden tests: not in this copy (the instructor's grader has them); the score is out of the public points"
     print(f"\nscore: {summary['score']:g} / {summary['max_score']:g} in {summary['seconds']:.1f} s")
-    if note:
-        print(note)
-    for f in summary["changed_adapters"]:
-        print(f"note: the student's {f} differs from this repository's: read it (the tests reach the code "
-              "only through the adapters)")
+    said = notes(summary, args.public_only)
+    for line in said:
+        print(line)
     if args.log:
         print("\n" + summary["log"])
     if args.json is not None:
-        args.json.write_text(json.dumps(gradescope(results, summary["seconds"], note), indent=2) + "\n")
+        args.json.write_text(json.dumps(gradescope(results, summary["seconds"], "\n".join(said)), indent=2) + "\n")
         print(f"wrote {args.json}")
 
 

@@ -5,15 +5,20 @@ Write an assignment's student copy, or its instructor pack.
     python -m course.handout cache --solutions --out ~/hw-cache-key # the instructor pack
 
 The student copy is the whole repository (the files git tracks) with this assignment's solution regions
-replaced by ``raise NotImplementedError("<hint>")`` (``course.markers``), the topic notebook rebuilt
-from its stripped source without outputs, every sheet's model answers removed, and no hidden tests. Every
-other line of the library is unchanged, so the rest of the code still reads and runs. Students install it
-with the README's two set-up commands, run the notebook, and check themselves with
-``python -m course.grade <name>`` (public tests only: the hidden ones are not in the copy).
+replaced by ``raise NotImplementedError("<hint>")`` (``course.markers``), every sheet's model answers
+removed, no hidden tests and no hand-written mutants (``course/*/test_hidden.py``, ``course/*/mutants.py``),
+and ``course/<name>/writeup.md``, the written questions with room for the answers. The topic notebook is
+the committed one with the same regions stripped: every cell keeps its outputs but a stripped exercise, and
+a cell whose source starts ``# needs: TASK`` starts with ``course.lesson.needs`` instead, which stops it with
+the task's name until the task is done. Every other line of the library is unchanged, so the rest of the
+code still reads and runs. Students install it with the README's two set-up commands, run the notebook,
+and check themselves with ``python -m course.grade <name>`` (public tests only: the hidden ones are not in
+the copy).
 
 The instructor pack holds the solution notebook (the committed one, executed with the solutions), the
-sheet with its model answers, the adapters, the public and hidden tests, and ``solutions.md``: every
-region's file, lines, hint and code, and how to grade.
+sheet with its model answers, the adapters, the public and hidden tests, the hand-written mutants, the
+writeup with its rubric, and ``solutions.md``: every region's file, lines, hint and code, how to grade,
+and the mutants that survive the tests (from ``results/course_mutants.txt``) with why each is acceptable.
 """
 
 from __future__ import annotations
@@ -22,14 +27,19 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from . import lesson
 from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get
-from .markers import find_regions, strip
+from .markers import MD_BEGIN, find_regions, strip
+
+INSTRUCTOR_ONLY = ("test_hidden.py", "mutants.py")      # in each assignment's folder: never in a student copy
+MUTANTS_REPORT = ROOT / "results" / "course_mutants.txt"    # ``python -m course.mutants all --out``'s report
 
 
 def repository_files() -> list[str]:
@@ -64,14 +74,114 @@ def check_out(out: Path) -> Path:
     return out
 
 
+def needs_calls(assignment: Assignment, source: Path) -> str:
+    """The notebook source with each code cell's first line ``# needs: TASK, ...`` replaced by the call that
+    stops the cell until the tasks are done, and a note saying so (``course.lesson``). A ``# needs:`` line
+    anywhere else, or naming a task the assignment does not have, is an error with its file and line."""
+    tasks = list(dict.fromkeys(r.task for r in assignment.regions() if r.task))
+    out, first = [], False                  # first: the next non-blank line opens a code cell
+    for n, line in enumerate(source.read_text().splitlines(), 1):
+        m = lesson.NEEDS.match(line)
+        if m is None:
+            out.append(line)
+            first = (line.startswith("# %%") and "[markdown]" not in line) or (first and not line.strip())
+            continue
+        names = [t.strip() for t in m["tasks"].split(",")]
+        wrong = [t for t in names if t not in tasks]
+        if not first or wrong:
+            why = "is not the first line of a code cell" if not first else \
+                f"names {wrong[0]!r}, not a task of {assignment.name!r} (its tasks: {', '.join(tasks)})"
+            raise SystemExit(f"error: {source}:{n}: '# needs:' {why}")
+        out += lesson.call(assignment.name, names)
+        first = False
+    return "\n".join(out) + "\n"
+
+
+def lesson_notebook(assignment: Assignment, out: Path) -> list[Path]:
+    """Write the student's notebook into ``out/notebooks``: its source and the committed ``.ipynb``, both with
+    the assignment's regions stripped and ``needs`` calls (``needs_calls``). Every cell keeps its committed
+    outputs, the ones the prose refers to, but a stripped exercise (its outputs would show the answer)."""
+    import nbformat
+    build = notebook_builder()
+    source = ROOT / "notebooks" / f"{assignment.notebook}.py"
+    dst = out / "notebooks" / source.name
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(strip(source, assignment.name, text=needs_calls(assignment, source)))
+    reference, student = build.read_percent(source).cells, build.read_percent(dst).cells
+    committed = source.with_suffix(".ipynb")
+    nb = nbformat.read(committed, as_version=4) if committed.exists() else build.read_percent(source)
+    if [(c.cell_type, c.source) for c in nb.cells] != [(c.cell_type, c.source) for c in reference]:
+        raise SystemExit(f"error: {committed} does not have the cells of {source.name}; rebuild it with "
+                         f"`python notebooks/build.py notebooks/{source.name}`")
+    for cell, old, new in zip(nb.cells, reference, student):
+        if cell.cell_type == "code" and any(r.assignment == assignment.name for r in find_regions(source, old.source)):
+            cell.outputs, cell.execution_count = [], None          # a stripped exercise
+        cell.source = new.source
+    nbformat.write(nb, dst.with_suffix(".ipynb"))
+    return [dst, dst.with_suffix(".ipynb")]
+
+
+def written_questions(sheet: Path) -> list[dict]:
+    """The sheet's written questions, each {number, title, points, question, rubric, answer}: the question's
+    lines, its rubric's lines and its model answer's lines (the region's body), without their indentation."""
+    text = sheet.read_text()
+    if "## Written questions" not in text:
+        return []
+    section = text.split("## Written questions", 1)[1].split("\n## ", 1)[0]
+    items = re.split(r"^(?=\d+\. \*\*)", section, flags=re.M)[1:]
+    questions = []
+    for item in items:
+        head = re.match(r"(\d+)\. \*\*(.+?)\*\* \((\d+) points?\)\.?[ \t]*", item)
+        if head is None:
+            continue
+        parts = {"question": [], "rubric": [], "answer": []}
+        part = "question"
+        for line in item[head.end():].splitlines():
+            line = line.strip()
+            if MD_BEGIN.match(line) or line == "<!-- END SOLUTION -->":
+                part = "answer" if MD_BEGIN.match(line) else "after"
+            elif line.startswith("Rubric:"):
+                part = "rubric"
+                parts[part].append(line.removeprefix("Rubric:").strip())
+            elif part in parts and (line or parts[part]):
+                parts[part].append(line)
+        for lines in parts.values():
+            while lines and not lines[-1]:
+                lines.pop()
+        questions.append({"number": int(head[1]), "title": head[2], "points": int(head[3]), **parts})
+    return questions
+
+
+def writeup(assignment: Assignment, rubric: bool = False) -> str:
+    """The writeup template: the sheet's written questions (title, points, text), each with room for the
+    answer, and the total; with ``rubric``, the instructor's version: each question's rubric and model answer."""
+    questions = written_questions(assignment.sheet)
+    total = sum(q["points"] for q in questions)
+    lines = [f"# Written part: {assignment.title}", "",
+             f"The written questions of `course/{assignment.name}/sheet.md`: {len(questions)} questions, {total} "
+             "points, graded by hand." + ("" if rubric else " Write each answer below its question, in a few "
+                                          "sentences, and hand this file in with your copy."), ""]
+    for q in questions:
+        question = "\n".join(q["question"]).split("\n\n")              # its paragraphs, each on one line
+        lines += [f"## {q['number']}. {q['title']} ({q['points']} points)", ""]
+        lines += [line for paragraph in question for line in (" ".join(paragraph.split("\n")), "")]
+        if rubric:
+            lines += ["**Rubric.** " + " ".join(q["rubric"]), "", "**Model answer.**", "", *q["answer"], ""]
+        else:
+            lines += ["**Answer.**", "", "*(your answer)*", ""]
+    lines.append(f"Total: {total} points.")
+    return "\n".join(lines) + "\n"
+
+
 def student_copy(assignment: Assignment, out: Path, stub: str = "raise") -> list[Path]:
-    """Write the student copy into ``out`` (new or empty). Returns the files that were changed."""
-    hidden = {str(p.relative_to(ROOT)) for a in ASSIGNMENTS.values() for p in a.folder.glob("test_hidden.py")}
+    """Write the student copy into ``out`` (new or empty). Returns the files that were changed or added."""
+    withheld = {str(p.relative_to(ROOT)) for a in ASSIGNMENTS.values() for name in INSTRUCTOR_ONLY
+                for p in a.folder.glob(name)}
     notebook = f"notebooks/{assignment.notebook}"
     sources = {str(p.relative_to(ROOT)) for p in assignment.sources()}
     changed = []
     for rel in repository_files():
-        if rel in hidden or rel == f"{notebook}.ipynb":     # no hidden tests; the notebook is rebuilt below
+        if rel in withheld or rel in (f"{notebook}.py", f"{notebook}.ipynb"):     # the notebook: below
             continue
         src, dst = ROOT / rel, out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -83,23 +193,45 @@ def student_copy(assignment: Assignment, out: Path, stub: str = "raise") -> list
             changed.append(dst)
         else:
             shutil.copy2(src, dst)
-    source = out / f"{notebook}.py"
-    if source.exists():                  # the notebook from its stripped source, without outputs
-        import nbformat
-        nbformat.write(notebook_builder().read_percent(source), out / f"{notebook}.ipynb")
-        changed.append(out / f"{notebook}.ipynb")
+    if (ROOT / f"{notebook}.py").exists():
+        changed += lesson_notebook(assignment, out)
+    if written_questions(assignment.sheet):
+        template = out / "course" / assignment.name / "writeup.md"
+        template.parent.mkdir(parents=True, exist_ok=True)
+        template.write_text(writeup(assignment))
+        changed.append(template)
     return changed
 
 
+def mutants_section(assignment: Assignment, report: Path | None = None) -> list[str]:
+    """The assignment's section of the mutants report (default ``MUTANTS_REPORT``): its counts, its survivors
+    and why each is acceptable; nothing where the report does not exist or has no section for it."""
+    report = MUTANTS_REPORT if report is None else report
+    if not report.exists():
+        return []
+    lines = report.read_text().splitlines()
+    start = next((n for n, line in enumerate(lines) if line.startswith(f"== {assignment.name}:")), None)
+    if start is None:
+        return []
+    end = next((n for n in range(start + 1, len(lines)) if not lines[n].strip() or lines[n].startswith("== ")),
+               len(lines))
+    return lines[start:end]
+
+
 def instructor_pack(assignment: Assignment, out: Path) -> list[Path]:
-    """Write the solution notebook, the sheet with answers, every test and ``solutions.md`` into ``out``."""
+    """Write the solution notebook, the sheet with answers, every test, the hand-written mutants, the writeup
+    with its rubric and ``solutions.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     notebook = ROOT / "notebooks" / f"{assignment.notebook}.ipynb"
-    for src in [notebook, assignment.sheet, assignment.folder / "adapters.py", *assignment.tests()]:
+    for src in [notebook, assignment.sheet, assignment.folder / "adapters.py", *assignment.tests(),
+                assignment.folder / "mutants.py"]:
         if src.exists():
             shutil.copy2(src, out / src.name)
             written.append(out / src.name)
+    if written_questions(assignment.sheet):
+        (out / "writeup_rubric.md").write_text(writeup(assignment, rubric=True))
+        written.append(out / "writeup_rubric.md")
     lines = [f"# Solutions: {assignment.title}", ""]
     for r in assignment.regions():
         text = r.path.read_text().splitlines()
@@ -110,7 +242,17 @@ def instructor_pack(assignment: Assignment, out: Path) -> list[Path]:
               "From a checkout of the repository (the grader takes its tests from there, never from the copy):", "",
               "```bash", f"python -m course.handout {assignment.name} --out hw   # the copy to hand out",
               f"python -m course.grade {assignment.name} --student SUBMISSION --json results.json", "```", "",
-              "The written questions are graded by hand from the rubric in sheet.md; model answers are in it.", ""]
+              "The written questions are graded by hand from the rubric in sheet.md (writeup_rubric.md has it with "
+              f"the model answers); the student hands in course/{assignment.name}/writeup.md.", ""]
+    section = mutants_section(assignment)
+    lines += ["## Mutants that survive the tests", ""]
+    if section:
+        lines += ["From `results/course_mutants.txt` (`python -m course.mutants all --out "
+                  "results/course_mutants.txt`): each survivor, the tests that passed, and why its survival "
+                  "is acceptable (`ACCEPTABLE` in mutants.py).", "", "```text", *section, "```", ""]
+    else:
+        lines += [f"No report: run `python -m course.mutants {assignment.name}` (mutants.py holds the hand-written "
+                  "ones).", ""]
     (out / "solutions.md").write_text("\n".join(lines))
     written.append(out / "solutions.md")
     return written
@@ -150,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="a new (or empty) folder outside the repository; nothing is overwritten")
     p.add_argument("--solutions", action="store_true",
                    help="write the instructor pack (solution notebook, sheet with answers, public and hidden "
-                        "tests, solutions.md) instead of the student copy")
+                        "tests, hand-written mutants, the writeup's rubric, solutions.md) instead of the student copy")
     p.add_argument("--json", action="store_true", help="print the written files as JSON (for scripts)")
     args = p.parse_args(argv)
     assignment = get(args.assignment)
@@ -171,8 +313,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{len(files)} files):")
         for f in files:
             print(f"  {f.relative_to(out)}")
-        print(f"next: cd {out}, read course/{assignment.name}/sheet.md, then "
-              f"`python -m course.grade {assignment.name}` runs the public tests")
+        print(f"next: cd {out}, read course/{assignment.name}/sheet.md, run notebooks/{assignment.notebook}.ipynb "
+              f"(its cells say which task they wait for), write the tasks (`python -m course.grade {assignment.name}` "
+              f"runs the public tests) and answer course/{assignment.name}/writeup.md")
 
 
 if __name__ == "__main__":

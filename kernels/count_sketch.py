@@ -25,11 +25,9 @@ definition above, any r), the ``@triton.jit`` kernel, and the launcher (``*_trit
    rounding). Traffic: the n tokens are read once (2 n H_kv d elements in their own dtype) and each element
    does r atomic read-modify-writes of 4 bytes on the cells.
 2. ``sketch_query_triton``: one program per (block of tokens, block of features): gathers the r cells of
-   each token and takes the median over rows in registers. For r = 3 the median is
-   max(min(a, b), min(max(a, b), c)); r = 1 is the cell itself; other r (up to ``MAX_ROWS``) select by
-   rank: x_i is the median when fewer than m = (r - 1) // 2 + 1 rows are below it and more than m rows
-   are at or below it (the lower median, as ``torch.median``). Traffic: reads 2 r n H_kv d x 4 bytes of
-   cells, writes 2 n H_kv d x 4 bytes.
+   each token and takes the median over rows in registers, without sorting (r = 1 to ``MAX_ROWS``; the
+   lower median for an even r, as ``torch.median``). Traffic: reads 2 r n H_kv d x 4 bytes of cells,
+   writes 2 n H_kv d x 4 bytes.
 3. ``sketch_decode_attention_triton``: one decode query per KV-head group attends over the n_raw raw
    tokens and the n_v sketch tokens, whose keys and values are rebuilt *inside* the kernel (gather,
    median, sign) and never written to memory. The unfused path (Algorithm 4 as ``attend_kv`` does it) writes the n_v
@@ -48,7 +46,8 @@ definition above, any r), the ``@triton.jit`` kernel, and the launcher (``*_trit
        l = l exp(m - m') + sum p       acc = acc exp(m - m') + p v
 
    The tokens are split over ``num_splits`` programs per KV head (so that a short batch of heads still
-   fills the GPU); a small second kernel merges the splits' (m, l, acc) into the output. Exponentials are
+   fills the GPU); a small second kernel merges the splits' (m, l, acc) into the output
+   (``sketch_decode_partials_triton`` and ``merge_sketch_splits_triton`` launch one at a time). Exponentials are
    taken in base 2 (exp2), with scale * log2(e) folded into q. The order of the tokens does not matter
    for softmax attention, so the raw and sketch tokens need not be interleaved by position.
 
@@ -124,10 +123,12 @@ def reference_sketch_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Te
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
     _check_tokens("k", k, n, H_kv, d)
     _check_tokens("v", v, n, H_kv, d)
+    # BEGIN SOLUTION [kvreviver:insert] KVReviver Algorithm 1 on given hashes (cells, signs), in place
     for i in range(r):                                     # index_add_ sums tokens that share a cell
         g = signs[i].to(value.dtype)[:, None, None]                                       # (n, 1, 1)
         key[i].index_add_(0, cells[i].long(), k.to(key.dtype))                            # (b, H_kv, d)
         value[i].index_add_(0, cells[i].long(), g * v.to(value.dtype))
+    # END SOLUTION
 
 
 if HAS_TRITON:
@@ -137,6 +138,9 @@ if HAS_TRITON:
                               k_ptr, v_ptr,                # (n, HD) tokens, any float dtype
                               n, width, HD,                # HD = H_kv * d: a cell is one row of HD floats
                               BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+        """Program (t, i, f) adds tokens t * BLOCK_N, ... (< n) to row i, features f * BLOCK_F, ... (< HD):
+        k to key[i, cells[i, j]] and signs[i, j] v to value[i, cells[i, j]], summing every collision."""
+        # BEGIN SOLUTION [kvreviver:insert] KVReviver Algorithm 1 for one block: masked loads, then atomic adds
         i = tl.program_id(1)                                           # sketch row
         tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)       # (BLOCK_N,) tokens (axis 0: no 65535 cap)
         col = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)       # (BLOCK_F,) features
@@ -151,6 +155,7 @@ if HAS_TRITON:
         # Atomic: two tokens of this block (or of another program) may hash to the same cell.
         tl.atomic_add(key_ptr + dst, kx, mask=mask, sem="relaxed")
         tl.atomic_add(value_ptr + dst, vx * g[:, None], mask=mask, sem="relaxed")
+        # END SOLUTION
 
 
 def sketch_insert_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor, v: Tensor,
@@ -182,10 +187,13 @@ def reference_sketch_query(key: Tensor, value: Tensor, cells: Tensor, signs: Ten
     (Algorithm 2): the element-wise median over the r rows of the gathered cells, values times their signs;
     the lower median for an even r, as ``torch.median``. Any r >= 1."""
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
+    # BEGIN SOLUTION [kvreviver:query] KVReviver Algorithm 2 on given hashes (cells, signs)
     rows = torch.arange(r, device=cells.device)[:, None]                                  # (r, 1)
     k = key[rows, cells.long()]                                                           # (r, n, H_kv, d)
     v = value[rows, cells.long()] * signs.to(value.dtype)[..., None, None]                # (r, n, H_kv, d)
-    return k.median(dim=0).values, v.median(dim=0).values
+    k_hat, v_hat = k.median(dim=0).values, v.median(dim=0).values                         # (n, H_kv, d) each
+    return k_hat, v_hat
+    # END SOLUTION
 
 
 if HAS_TRITON:
@@ -194,17 +202,23 @@ if HAS_TRITON:
                     SIGNED: tl.constexpr):
         """Row i's cell of each token, (BLOCK_N, BLOCK_F) fp32: cell_ptr[i, cells[i, tok], col], times
         signs[i, tok] if SIGNED (values)."""
+        # BEGIN SOLUTION [kvreviver:query] KVReviver Algorithm 2: row i's cell h_i(J) of each token (times g_i(J))
         c = tl.load(cells_ptr + i * n + tok, mask=tok_ok, other=0)                          # (BLOCK_N,)
         ptr = cell_ptr + (i * width + c).to(tl.int64)[:, None] * HD + col[None, :]
         x = tl.load(ptr, mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         if SIGNED:
             x = x * tl.load(signs_ptr + i * n + tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
         return x
+        # END SOLUTION
 
     @triton.jit
     def _sketch_estimate(cell_ptr, cells_ptr, signs_ptr, tok, tok_ok, col, col_ok, n, width, HD,
                          R: tl.constexpr, SIGNED: tl.constexpr):
-        """The median over the R rows of each token's cells, (BLOCK_N, BLOCK_F) fp32, in registers."""
+        """The median over the R rows of each token's cells, (BLOCK_N, BLOCK_F) fp32, in registers (the lower
+        median for an even R, as ``torch.median``), without sorting."""
+        # BEGIN SOLUTION [kvreviver:query] KVReviver Algorithm 2: the median over the R rows, element by element
+        # r = 1: the cell itself; r = 3: max(min(a, b), min(max(a, b), c)); any other r by rank: x_a is the
+        # (lower) median when at most MID rows are below it and more than MID rows are at or below it
         est = _sketch_row(cell_ptr, cells_ptr, signs_ptr, 0, tok, tok_ok, col, col_ok, n, width, HD, SIGNED)
         if R == 3:                                           # max(min(a, b), min(max(a, b), c))
             b = _sketch_row(cell_ptr, cells_ptr, signs_ptr, 1, tok, tok_ok, col, col_ok, n, width, HD, SIGNED)
@@ -224,6 +238,7 @@ if HAS_TRITON:
                     at_or_below += tl.where(xj <= xa, 1.0, 0.0)
                 est = tl.where((below <= MID) & (at_or_below > MID), xa, est)
         return est
+        # END SOLUTION
 
     @triton.jit
     def _sketch_query_kernel(key_ptr, value_ptr,           # (r, b, HD) fp32 cells
@@ -301,7 +316,9 @@ if HAS_TRITON:
     @triton.jit
     def _online_softmax_step(q, k, v, tok_ok, m_i, l_i, acc):
         """One block: q (G_PAD, D_PAD) pre-scaled by scale * log2(e); k, v (BLOCK_N, D_PAD); the running
-        max m_i, sum l_i (G_PAD,) and output acc (G_PAD, D_PAD), updated."""
+        max m_i, sum l_i (G_PAD,) and output acc (G_PAD, D_PAD), updated; in base 2 (exp2), tokens where
+        tok_ok (BLOCK_N,) is false left out."""
+        # BEGIN SOLUTION [kernels:online_softmax] FlashAttention sec. 3.1 (Algorithm 1) for one block, in base 2
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                    # (G_PAD, BLOCK_N), base-2 logits
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))                          # finite: a block has >= 1 token
@@ -310,6 +327,7 @@ if HAS_TRITON:
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         return m_new, l_i, acc
+        # END SOLUTION
 
     @triton.jit
     def _sketch_attention_kernel(
@@ -374,6 +392,7 @@ if HAS_TRITON:
                              BLOCK_S: tl.constexpr):
         """out = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s, M = max_s m_s; one program per query
         head (KV head h, member g of its group), BLOCK_S splits at a time."""
+        # BEGIN SOLUTION [kernels:merge_splits] FlashAttention sec. 3.1: the softmax of all ranges from their m, l, acc
         h = tl.program_id(0)
         g = tl.program_id(1)
         sp = tl.arange(0, BLOCK_S)
@@ -395,6 +414,7 @@ if HAS_TRITON:
         out = out / tl.sum(l_sum, axis=0)
         tl.store(out_ptr + (h * G + g) * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty),
                  mask=offs_d < D)
+        # END SOLUTION
 
 
 def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key: Tensor, value: Tensor,
@@ -404,6 +424,18 @@ def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key:
     in q's dtype; r in [1, MAX_ROWS]. ``block_n``: tokens per block;
     ``num_splits``: programs per KV head along the tokens (default: enough to fill the GPU, 1 in the
     interpreter); both are capped by the number of blocks."""
+    m, l, acc = sketch_decode_partials_triton(q, k_raw, v_raw, key, value, cells, signs, scale, block_n=block_n,
+                                              num_splits=num_splits)
+    return merge_sketch_splits_triton(m, l, acc, torch.empty(q.shape[0], q.shape[1], device=q.device,
+                                                             dtype=q.dtype))
+
+
+def sketch_decode_partials_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key: Tensor, value: Tensor,
+                                  cells: Tensor, signs: Tensor, scale: float, *, block_n: int | None = None,
+                                  num_splits: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused kernel's first launch alone (arguments as ``sketch_decode_attention_triton``): each (KV head,
+    split)'s running max m and sum l (H_kv, S, G_PAD) and output acc (H_kv, S, G_PAD, D_PAD), fp32, in base 2
+    (m is a maximum of scores times scale * log2(e)); query rows >= G and features >= d are padding."""
     _need_triton()
     H, H_kv, d, n_raw, n_v, r = _check_attention(q, k_raw, v_raw, key, value, cells, signs)
     _rows_for_kernel(r)
@@ -420,7 +452,6 @@ def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key:
     m = torch.empty(H_kv, S, G_PAD, device=dev, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(H_kv, S, G_PAD, D_PAD, device=dev, dtype=torch.float32)
-    out = torch.empty(H, d, device=dev, dtype=q.dtype)
     _sketch_attention_kernel[(H_kv, S)](
         q, k_raw, v_raw, key.contiguous(), value.contiguous(), cells.to(torch.int32).contiguous(),
         signs.to(torch.float32).contiguous(), m, l, acc, float(scale) * math.log2(math.e),
@@ -428,6 +459,15 @@ def sketch_decode_attention_triton(q: Tensor, k_raw: Tensor, v_raw: Tensor, key:
         q.stride(0), q.stride(1), k_raw.stride(0), k_raw.stride(1), k_raw.stride(2),
         v_raw.stride(0), v_raw.stride(1), v_raw.stride(2),
         H_KV=H_kv, G=G, D=d, R=r, G_PAD=G_PAD, D_PAD=D_PAD, BLOCK_N=BLOCK_N)
-    _merge_splits_kernel[(H_kv, G)](m, l, acc, out, out.stride(0), out.stride(1), S,
-                                    G=G, D=d, G_PAD=G_PAD, D_PAD=D_PAD, BLOCK_S=32)
+    return m, l, acc
+
+
+def merge_sketch_splits_triton(m: Tensor, l: Tensor, acc: Tensor, out: Tensor) -> Tensor:
+    """The fused kernel's second launch: the partials of ``sketch_decode_partials_triton`` (base 2) merged into
+    out (H, d), written in place and returned."""
+    _need_triton()
+    H_kv, S, G_PAD = m.shape
+    H, d = out.shape
+    _merge_splits_kernel[(H_kv, H // H_kv)](m, l, acc, out, out.stride(0), out.stride(1), S,
+                                            G=H // H_kv, D=d, G_PAD=G_PAD, D_PAD=acc.shape[-1], BLOCK_S=32)
     return out

@@ -35,6 +35,8 @@ fp32 accumulation; an fp32 cache multiplies in IEEE fp32, so the tests hold at 1
 
 each beside its reference (``reference_decode_attention``, ``reference_selected_decode_attention``: the same
 arguments, any device). ``fastpath.attention.attend_step`` calls the first where ``kernels.serves`` says so.
+Each is two launches, which ``decode_partials_triton`` (the ranges' m, l, acc) and ``merge_splits_triton``
+make one at a time.
 """
 
 from __future__ import annotations
@@ -147,13 +149,13 @@ if HAS_TRITON:
                          mask=valid[:, None], other=0.0)                              # (BLOCK_N, D)
             vb = tl.load(v_ptr + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + dim[None, :],
                          mask=valid[:, None], other=0.0)                              # (BLOCK_N, D)
+            # BEGIN SOLUTION [kernels:online_softmax] FlashAttention sec. 3.1 (Algorithm 1) for one block of K, V
             if DOT_FP32:
                 kb, vb = kb.to(tl.float32), vb.to(tl.float32)
                 s = tl.dot(q, tl.trans(kb), input_precision="ieee")                   # (G_PAD, BLOCK_N)
             else:
                 s = tl.dot(q, tl.trans(kb))
-            s = tl.where(valid[None, :], s, float("-inf"))
-            # BEGIN SOLUTION [kernels:online_softmax] online softmax: new max; rescale l, acc by exp(m - max); add the block
+            s = tl.where(valid[None, :], s, float("-inf"))                            # padding: never attended
             m_new = tl.maximum(m, tl.max(s, axis=1))
             # a range with no valid token so far keeps m = -inf; exp(-inf - -inf) would be nan
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -180,8 +182,8 @@ def default_block_n(dtype: torch.dtype) -> int:
 
 def merge_splits(m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
     """The reduction in PyTorch (the reference): partials m, l (R, splits, G) and acc (R, splits, G, d) ->
-    (R, G, d) in fp32."""
-    # BEGIN SOLUTION [kernels:merge_splits] weight each range by exp(m - max m): sum of weighted acc over sum of weighted l
+    (R, G, d) in fp32. A range with no token (m = -inf, l = 0, acc = 0) adds nothing."""
+    # BEGIN SOLUTION [kernels:merge_splits] FlashAttention sec. 3.1: the softmax of all ranges from their m, l, acc
     M = m.max(dim=1, keepdim=True).values                                  # (R, 1, G)
     w = torch.exp(m - M)                                                   # a range with no token: exp(-inf) = 0
     return (w[..., None] * acc).sum(1) / (w * l).sum(1)[..., None]
@@ -194,7 +196,9 @@ if HAS_TRITON:
     def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, n_splits,
                              G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
         """``merge_splits`` as one launch (its PyTorch form is eight small kernels, tens of microseconds
-        next to a decode step of a few hundred): one program per (row, query head) of the partials."""
+        next to a decode step of a few hundred): one program per (row, query head) of the partials, out
+        (R, G, D) in its own dtype, BLOCK_S ranges at a time."""
+        # BEGIN SOLUTION [kernels:merge_splits] FlashAttention sec. 3.1: the softmax of all ranges from their m, l, acc
         r = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         sp = tl.arange(0, BLOCK_S)
@@ -215,10 +219,21 @@ if HAS_TRITON:
             o += tl.sum(w[:, None] * acc, axis=0)
         o = o / tl.sum(l_sum, axis=0)
         tl.store(out_ptr + (r * G + g) * D + dim, o.to(out_ptr.dtype.element_ty))
+        # END SOLUTION
 
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | None, block_n: int | None,
             splits: int | None, num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
+    m, l, acc = decode_partials_triton(q, k, v, idx, scale, block_n, splits, num_warps, num_stages)
+    return merge_splits_triton(m, l, acc, q.dtype).view(q.shape)      # rows (b, h_kv, g) = (b, h)
+
+
+def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None = None, scale: float | None = None,
+                           block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The split kernel alone (no checks of the arguments): each (sequence, KV head) row's ranges' running max
+    m and sum l (B * H_kv, splits, G) and output acc (B * H_kv, splits, G, d), fp32; a range with no valid
+    token has m = -inf, l = 0, acc = 0."""
     if not HAS_TRITON:
         raise RuntimeError("the decode kernels need triton; use reference_decode_attention or "
                            "reference_selected_decode_attention")
@@ -253,8 +268,15 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ix.stride(0) if idx is not None else 0, ix.stride(1) if idx is not None else 0,
         H_kv=H_kv, G=G, G_PAD=G_PAD, D=d, BLOCK_N=block_n, GATHER=idx is not None, DOT_FP32=dot_fp32, **launch)
-    out = torch.empty(B, H, d, device=q.device, dtype=q.dtype)               # rows (b, h_kv, g) = (b, h)
-    _merge_splits_kernel[(B * H_kv, G)](m, l, acc, out, splits, G=G, D=d, BLOCK_S=32)
+    return m, l, acc
+
+
+def merge_splits_triton(m: Tensor, l: Tensor, acc: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``merge_splits`` as one launch of ``_merge_splits_kernel``: m, l (R, splits, G), acc (R, splits, G, d),
+    contiguous fp32 -> (R, G, d) in ``dtype``."""
+    R, splits, G, d = acc.shape
+    out = torch.empty(R, G, d, device=acc.device, dtype=dtype)
+    _merge_splits_kernel[(R, G)](m, l, acc, out, splits, G=G, D=d, BLOCK_S=32)
     return out
 
 

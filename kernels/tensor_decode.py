@@ -237,6 +237,7 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
     ):
         """One program per (batch, head): merge the splits' softmax pieces, o = sum w_s acc_s / sum w_s l_s."""
+        # BEGIN SOLUTION [kernels:merge_splits] FlashAttention sec. 3.1: the softmax of all ranges from their m, l, acc
         pid_bh = tl.program_id(0).to(tl.int64)
         offs_s = tl.arange(0, SPLITS_P2)                                                  # (SPLITS_P2,)
         mask_s = offs_s < SPLITS
@@ -250,6 +251,7 @@ if HAS_TRITON:
         w = tl.exp(m - tl.max(m, axis=0))                 # (SPLITS_P2,); the split 0 is never empty: M finite
         o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)                      # (BLOCK_D,)
         tl.store(out_ptr + pid_bh * d + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < d)
+        # END SOLUTION
 
 
 # ----------------------------------------------------------------------------------------------------------

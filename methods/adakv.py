@@ -29,8 +29,6 @@ from torch import Tensor
 from nanollm.checks import check_budget, check_number
 from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext
 
-from .snapkv import SnapKVPolicy
-
 
 def adaptive_keep_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:
     """Which (head, slot) pairs AdaKV keeps: each head's top ``n_safe``, then the layer-wide top.
@@ -49,7 +47,7 @@ def adaptive_keep_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:
     deterministic.
     """
     B, H_kv, T = scores.shape
-    # BEGIN SOLUTION [baselines:adakv] each head's top n_safe set to +inf, then the layer-wide top H_kv*budget
+    # BEGIN SOLUTION [baselines:adakv] Algorithm 1: the safeguard first, then one pool for the whole layer
     s = torch.nan_to_num(scores.float(), nan=float("-inf"))
     if n_safe > 0:     # safeguard: force each head's top n_safe to the front of the global ranking
         safe = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :n_safe]  # (B, H_kv, n_safe)
@@ -92,6 +90,7 @@ class AdaKVPolicy(PolicyWrapper):
     def __post_init__(self) -> None:
         check_budget(self.budget)
         check_number("alpha_safeguard", self.alpha_safeguard, 0, 1)
+        from .snapkv import SnapKVPolicy  # the default inner, imported here: adaptive_keep_mask needs no scorer
         self.check_inner(lambda: SnapKVPolicy(budget=self.budget))
 
     @property

@@ -41,7 +41,12 @@ REMAINDERS = ("tokens", "none")
 
 def chunk_keep_mask(scores: Tensor, pos: Tensor, free: Tensor, n_free: Tensor, chunk_size: int,
                     shared: bool, remainder: str) -> Tensor:
-    """Algorithm 1's choice among the free (unprotected) slots of one layer.
+    """Algorithm 1's choice among the free (unprotected) slots of one layer: chunk k holds the positions
+    [k c, (k + 1) c); its score S_k is the sum of the votes of its free slots (per KV head, or summed over the
+    layer's KV heads when ``shared``: then every head ranks the chunks alike). Chunks are taken whole (all
+    their free slots), best first (equal scores: the earlier chunk first), while the head's kept slots stay
+    within ``n_free``; the first chunk that does not fit ends the choice, and a chunk without a free slot is
+    never taken. What is left (less than a chunk) is the remainder.
 
     Parameters
     ----------
@@ -59,10 +64,10 @@ def chunk_keep_mask(scores: Tensor, pos: Tensor, free: Tensor, n_free: Tensor, c
     keep : (B, H_kv, T) bool, at most ``n_free`` per head, True only on free slots.
     """
     B, H_kv, T = scores.shape
+    # BEGIN SOLUTION [chunkkv:chunk_ranking] §3, Algorithm 1: chunk scores from the free votes; whole chunks, best first
     s = torch.where(free, scores.float(), torch.zeros((), device=scores.device))   # votes of free slots
     chunk = torch.where(free, pos // chunk_size, torch.zeros_like(pos))            # (B, H_kv, T)
     C = int(chunk.max()) + 1
-    # BEGIN SOLUTION [chunkkv:chunk_ranking] S_k = sum of chunk k's free votes; take whole chunks, best first, while they fit
     chunk_score = s.new_zeros(B, H_kv, C).scatter_add_(-1, chunk, s)               # (B, H_kv, C) S_k
     chunk_size_free = s.new_zeros(B, H_kv, C).scatter_add_(-1, chunk, free.float())   # free tokens per chunk
     if shared:
@@ -75,6 +80,7 @@ def chunk_keep_mask(scores: Tensor, pos: Tensor, free: Tensor, n_free: Tensor, c
     keep = kept_chunk.gather(-1, chunk) & free                                     # (B, H_kv, T)
     # END SOLUTION
     if remainder == "tokens":
+        s = torch.where(free, scores.float(), torch.zeros((), device=scores.device))   # votes of free slots
         left = n_free - keep.sum(-1)                                               # (B, H_kv) < one chunk
         token_score = s.sum(dim=1, keepdim=True).expand(B, H_kv, T) if shared else s   # same ranking rule
         rest = token_score.masked_fill(~free | keep, float("-inf"))
@@ -145,7 +151,7 @@ class ChunkKVPolicy(PolicyWrapper):
 def holds_position(chosen: Tensor, pos: Tensor, seen: int) -> Tensor:
     """(B, H_kv, T) bool: whether each slot's position is among ``chosen`` (B, H_kv, K) of the same head
     (-1 in either = nothing), through a table indexed by position: O(T + K) per head, not O(T * K)."""
-    # BEGIN SOLUTION [chunkkv:holds_position] a (B, H_kv, seen + 1) table indexed by position, True where chosen; read it at pos
+    # BEGIN SOLUTION [chunkkv:holds_position] §3, Algorithm 2 (index reuse): a table per head indexed by position
     table = torch.zeros(*pos.shape[:2], seen + 1, dtype=torch.bool, device=pos.device)   # column seen: -1
     table.scatter_(-1, torch.where(chosen < 0, seen, chosen), True)
     table[..., seen] = False

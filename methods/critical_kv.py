@@ -73,13 +73,15 @@ STAGE2 = ("window", "host")      # stage-2 attention: the un-pooled window atten
 
 def renormalized_attention(attn: Tensor, keep: Tensor) -> Tensor:
     """Theorem 1 (Eq. 6): the softmax over the kept entries only, A' = N*A / sum_i N_i A_i. (..., n)."""
+    # BEGIN SOLUTION [critical_kv:output_perturbation] Theorem 1 (§3.3, Eq. 6): attention renormalised over the kept
     kept = attn * keep
     return kept / kept.sum(-1, keepdim=True)
+    # END SOLUTION
 
 
 def output_perturbation(attn: Tensor, keep: Tensor, projected: Tensor) -> Tensor:
     """Eq. 5: L = ||(A - A') V W_O||_1 for projected values ``projected`` = V W_O (..., n, D). Returns (...)."""
-    # BEGIN SOLUTION [critical_kv:output_perturbation] A' = attention renormalised over the kept entries; L1 norm of (A - A') @ (V W_O)
+    # BEGIN SOLUTION [critical_kv:output_perturbation] Eq. 5 (§3.3): the L1 norm of the output's change
     diff = attn - renormalized_attention(attn, keep)                       # (..., n)
     return (diff.unsqueeze(-2) @ projected).squeeze(-2).abs().sum(-1)      # (..., D) -> (...)
     # END SOLUTION
@@ -87,7 +89,7 @@ def output_perturbation(attn: Tensor, keep: Tensor, projected: Tensor) -> Tensor
 
 def perturbation_bound(attn: Tensor, keep: Tensor, vnorm: Tensor) -> Tensor:
     """Theorem 2 (Eq. 8): theta = C - (2 - 1/sum(N*A)) * sum(N*A*P), C = sum(A*P), P = ||V_i W_O||_1. (...)."""
-    # BEGIN SOLUTION [critical_kv:perturbation_bound] Theorem 2's Eq. 8 (in the docstring): three sums over the last axis
+    # BEGIN SOLUTION [critical_kv:perturbation_bound] Theorem 2 (§3.3), Eq. 8, per row over the last axis
     C = (attn * vnorm).sum(-1)
     kept_mass = (attn * keep).sum(-1)
     return C - (2 - 1 / kept_mass) * (attn * keep * vnorm).sum(-1)
@@ -132,13 +134,6 @@ def projected_output_l1(out_full: Tensor, out: Tensor, w_o: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------
 # Algorithm 1: two-stage selection
 
-def _ranks(scores: Tensor) -> Tensor:
-    """Rank of every entry in a stable descending sort along the last axis (0 = best; ties: earlier first)."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    steps = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, steps)
-
-
 def two_stage_masks(first: Tensor, second: Tensor, budgets: Tensor | int, n_first: Tensor | int,
                     valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Algorithm 1's two stages on per-head scores: the top ``n_first`` by ``first``, then the best by
@@ -154,9 +149,11 @@ def two_stage_masks(first: Tensor, second: Tensor, budgets: Tensor | int, n_firs
 
     Returns
     -------
-    (stage1, keep) : (..., T) bool each; ``stage1`` is a subset of ``keep``. NaN scores count as the lowest
-    valid scores; ties go to the earlier entry (a stable sort), so the result is deterministic.
+    (stage1, keep) : (..., T) bool each; ``stage1`` is a subset of ``keep``. NaN and -inf scores count as
+    the lowest valid scores (below every finite one, above every invalid entry); ties go to the earlier
+    entry (a stable sort), so the result is deterministic.
     """
+    # BEGIN SOLUTION [critical_kv:two_stage] §3.4, Algorithm 1: stage 1 by the first ranking, stage 2 by the second
     valid = torch.ones_like(first, dtype=torch.bool) if valid is None else valid
     lead = first.shape[:-1]
     budgets = torch.as_tensor(budgets, device=first.device).expand(lead)
@@ -168,10 +165,14 @@ def two_stage_masks(first: Tensor, second: Tensor, budgets: Tensor | int, n_firs
         s = torch.nan_to_num(s.float(), nan=lowest, neginf=lowest)
         return s.masked_fill(~valid, float("-inf"))
 
-    # BEGIN SOLUTION [critical_kv:two_stage] stage 1: top n_first by ranking(first); stage 2: the rest by ranking(second)
-    stage1 = (_ranks(ranking(first)) < n_first[..., None]) & valid                 # stage 1
+    def ranks(scores: Tensor) -> Tensor:   # rank in a stable descending sort (0 = best; ties: earlier first)
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        steps = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+        return torch.empty_like(order).scatter_(-1, order, steps)
+
+    stage1 = (ranks(ranking(first)) < n_first[..., None]) & valid                  # stage 1
     s2 = ranking(second).masked_fill(stage1, float("inf"))                          # stage 1 stays first
-    keep = (_ranks(s2) < budgets[..., None]) & valid                                # stage 2 fills the rest
+    keep = (ranks(s2) < budgets[..., None]) & valid                                 # stage 2 fills the rest
     # END SOLUTION
     return stage1, keep
 

@@ -20,7 +20,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from nanollm.checks import check_budget, check_int
-from nanollm.policy import Needs, ScoringPolicy, StepContext, group_mean
+from nanollm.policy import Needs, ScoringPolicy, StepContext
 
 STATE = "h2o_score"      # name of the per-slot accumulated attention in the storage
 
@@ -28,7 +28,10 @@ STATE = "h2o_score"      # name of the per-slot accumulated attention in the sto
 def received_attention(col_sums: Tensor, n_kv_head: int) -> Tensor:
     """(B, H, T) attention each slot received in a step, summed over its queries -> (B, H_kv, T), the mean
     over each KV head's G query heads:  r_j = mean_{h in group j} sum_i A_h[i, j]."""
-    return group_mean(col_sums.float(), n_kv_head)                   # (B, H_kv, T)
+    # BEGIN SOLUTION [baselines:h2o_observe] Algorithm 1: attention received, per KV head from its G query heads
+    B, H, T = col_sums.shape
+    return col_sums.float().view(B, n_kv_head, H // n_kv_head, T).mean(dim=2)     # (B, H_kv, T)
+    # END SOLUTION
 
 
 @dataclass
@@ -47,7 +50,10 @@ class H2OPolicy(ScoringPolicy):
         check_int("n_recent", self.n_recent, 0, high=self.budget, what=" (at most the budget)")
 
     def observe(self, ctx: StepContext) -> None:
-        # BEGIN SOLUTION [baselines:h2o_observe] prefill: what each slot received is its score (set_state); decode: add to it
+        """Algorithm 1's scores, per slot in ``ctx.kv.state[STATE]`` (B, H_kv, T) so they move with their slot
+        (``LayerKV.set_state``): at prefill what each slot received; at every later step they grow by what it
+        received, a new slot starting at 0."""
+        # BEGIN SOLUTION [baselines:h2o_observe] Algorithm 1: the scores accumulate the attention received
         received = received_attention(ctx.col_sums, ctx.kv.pos.shape[1])  # (B, H_kv, T)
         if ctx.phase == "prefill":      # the prompt attention's column sums (raw, not normalised)
             ctx.kv.set_state(STATE, received, fill=0.0)

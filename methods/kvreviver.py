@@ -77,36 +77,35 @@ class VagueSketch:
             return torch.ones(self.rows, J.shape[1], device=J.device)
         return 1.0 - 2.0 * ((self.coef[2] * J + self.coef[3]) % PRIME % 2).float()
 
-    def flat_cells(self, cells: Tensor) -> Tensor:
-        """Row i's cell c as one index i * b + c into the cells seen as (r * b, H_kv, d) rows:
-        cells (r, n) -> (r * n,)."""
-        return (torch.arange(self.rows, device=cells.device).view(-1, 1) * self.width + cells.long()).reshape(-1)
-
     def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
         """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
-        subtract): cell[i, h_i(J)].key += k_J, cell[i, h_i(J)].value += g_i(J) v_J for every row i."""
+        subtract): cell[i, h_i(J)].key += k_J, cell[i, h_i(J)].value += g_i(J) v_J for every row i. Tokens
+        that share a cell are all summed into it."""
+        # BEGIN SOLUTION [kvreviver:insert] KVReviver Algorithm 1 (a count sketch, Charikar et al. 2002), every row
         cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
         k, v = sign * k.float(), sign * v.float()                                # (n, H_kv, d)
-        # BEGIN SOLUTION [kvreviver:insert] add k_J to cell h_i(J) of every row i, and g_i(J) v_J (index_add_)
         (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
-        flat = (-1, H_kv, d)
-        idx = self.flat_cells(cells)                                             # (r * n,)
+        flat = (-1, H_kv, d)                                                     # the cells as (r * b) rows
+        rows = torch.arange(self.rows, device=cells.device).view(-1, 1)
+        idx = (rows * self.width + cells.long()).reshape(-1)                     # (r * n,): row i's cell c
         g = signs.to(self.value.dtype)[..., None, None]                          # (r, n, 1, 1): g_i(J)
         k_rows = k.to(self.key.dtype).unsqueeze(0).expand(r, n, H_kv, d)        # (r, n, H_kv, d): k_J
         v_rows = v.to(self.value.dtype).unsqueeze(0) * g                         # (r, n, H_kv, d): g_i(J) v_J
-        # tokens that share a cell are all summed into it
+        # index_add_ sums every token sent to a cell (an indexed += would keep only one of them)
         self.key.view(flat).index_add_(0, idx, k_rows.reshape(flat))
         self.value.view(flat).index_add_(0, idx, v_rows.reshape(flat))
         # END SOLUTION
 
     def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows:
-        k^_J = median_i cell[i, h_i(J)].key, v^_J = median_i g_i(J) cell[i, h_i(J)].value."""
+        k^_J = median_i cell[i, h_i(J)].key, v^_J = median_i g_i(J) cell[i, h_i(J)].value; for an even r the
+        lower of the two middle values (as ``torch.median``)."""
+        # BEGIN SOLUTION [kvreviver:query] KVReviver Algorithm 2: the count sketch's estimate, a median over rows
         cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
-        # BEGIN SOLUTION [kvreviver:query] read cell h_i(J) of every row (values times g_i(J)); median over rows
         (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
-        flat = (-1, H_kv, d)
-        idx = self.flat_cells(cells)                                             # (r * n,)
+        flat = (-1, H_kv, d)                                                     # the cells as (r * b) rows
+        rows = torch.arange(self.rows, device=cells.device).view(-1, 1)
+        idx = (rows * self.width + cells.long()).reshape(-1)                     # (r * n,): row i's cell c
         g = signs.to(self.value.dtype)[..., None, None]                          # (r, n, 1, 1): g_i(J)
         k = self.key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)     # (r, n, H_kv, d): cells
         v = self.value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * g   # signed cells

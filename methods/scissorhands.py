@@ -51,7 +51,7 @@ def low_flags(attn: Tensor, visible: Tensor, threshold: float | None = None) -> 
     threshold : tau; None = 1 / (slots the query attended), the uniform level.
     Returns (B, H_kv, Tn, T) bool: attended and attn < tau. A slot a query did not attend is never low.
     """
-    # BEGIN SOLUTION [scissorhands:low_flags] tau defaults to 1 / (slots the query attended); low = attended and below tau
+    # BEGIN SOLUTION [scissorhands:low_flags] Algorithm 2 (§4): below the uniform level, or below tau if one is given
     if threshold is None:
         threshold = 1.0 / visible.sum(-1, keepdim=True).clamp(min=1)           # (B, H_kv, Tn, 1)
     return visible & (attn < threshold)
@@ -75,18 +75,19 @@ def unimportance(history: Tensor) -> Tensor:
 
 
 def keep_score(counts: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
-    """Higher = keep: fewer low flags first, then the higher attention of the step's last query.
+    """Higher = keep: fewer low flags first, then the higher attention of the step's last query (Algorithm 2).
 
     counts : (B, H_kv, T) counters I; attn : (B, H_kv, T) the last query's attention; pos : (B, H_kv, T)
-    (-1 = empty slot, scored -inf). The order is exactly lexicographic: score = -I * T + rank, where rank
-    (0..T-1) counts the slots of the head with strictly lower attention. Integers, so a float32 copy
-    (``select_topk``) keeps the order exactly while I * T < 2^24.
+    (-1 = empty slot). Returns (B, H_kv, T) float64, -inf on the empty slots. The order is exactly
+    lexicographic, per KV head: slot i ranks above slot j iff I_i < I_j, or I_i == I_j and attn_i > attn_j;
+    equal (I, attn) score equal. ``select_topk`` ranks a float32 copy, so the order must survive it exactly
+    for counters up to w = 400 and T up to a few thousand slots (however close two attentions are).
     """
-    # BEGIN SOLUTION [scissorhands:keep_score] score = -I*T + rank of the attention (slots strictly lower), empty slots -inf
+    # BEGIN SOLUTION [scissorhands:keep_score] Algorithm 2 (§4): counters first, the last query's attention breaks ties
     T = counts.shape[-1]
     a = attn.float().contiguous()
-    rank = torch.searchsorted(a.sort(dim=-1).values, a)                        # strictly lower: 0..T-1
-    score = (rank - counts * T).double()
+    rank = torch.searchsorted(a.sort(dim=-1).values, a)                        # slots strictly lower: 0..T-1
+    score = (rank - counts * T).double()                                       # -I*T + rank: integers
     return score.masked_fill(pos < 0, float("-inf"))
     # END SOLUTION
 
@@ -94,7 +95,7 @@ def keep_score(counts: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
 def n_dropped(n_slots: int, budget: int, drop: int, n_recent: int) -> int:
     """Tokens to drop from a layer holding ``n_slots``: 0 within budget, else m at a time (Algorithm 2),
     as often as needed to get back within ``budget``; m is cut to ``budget - n_recent``."""
-    # BEGIN SOLUTION [scissorhands:n_dropped] 0 within budget; else drop m at a time (m at most budget - n_recent) until within
+    # BEGIN SOLUTION [scissorhands:n_dropped] Algorithm 2 (§4): m at a time, as often as needed; m leaves room for r
     excess = n_slots - budget
     if excess <= 0:
         return 0

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nanollm.checks import check_budget, check_int
-from nanollm.policy import Needs, ScoringPolicy, StepContext, group_mean
+from nanollm.policy import Needs, ScoringPolicy, StepContext
 
 POOLINGS = ("max", "avg")
 
@@ -27,12 +27,14 @@ POOLINGS = ("max", "avg")
 def pool1d(x: Tensor, kernel: int, pooling: str) -> Tensor:
     """Stride-1 pooling of width ``kernel`` (odd) along the last axis, padding kernel // 2: (..., T) -> (..., T).
     Average pooling counts the zero padding, as the authors' ``avg_pool1d`` call does."""
+    # BEGIN SOLUTION [baselines:window_vote] §4.2: each token's neighbourhood of width kernel, centred, its max or mean
     flat = x.reshape(-1, 1, x.shape[-1])                                # (N, 1, T)
     if pooling == "max":
         out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
     else:
         out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
     return out.view(x.shape)
+    # END SOLUTION
 
 
 def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str) -> Tensor:
@@ -40,16 +42,18 @@ def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str)
 
         vote_h = pool(sum_{i in window} A_h[i, :])      score_j = mean_{h in group j} vote_h
     """
-    # BEGIN SOLUTION [baselines:window_vote] sum the window's rows, pool along the tokens, mean over each GQA group
+    # BEGIN SOLUTION [baselines:window_vote] §4.1's vote of each query head, §4.2's pooling, one score per KV head
     vote = probs_window.float().sum(dim=2)                              # (B, H, Tp) summed over the window
     vote = pool1d(vote, kernel, pooling)                                # neighbours of a strong token
-    return group_mean(vote, n_kv_head)                                  # (B, H_kv, Tp) per KV head
+    B, H, Tp = vote.shape
+    return vote.view(B, n_kv_head, H // n_kv_head, Tp).mean(dim=2)      # (B, H_kv, Tp) per KV head
     # END SOLUTION
 
 
 def snapkv_scores(probs: Tensor, n_kv_head: int, window: int, kernel: int, pooling: str) -> Tensor:
     """(B, H_kv, T): the pooled votes of the T - w prefix tokens, then the window's own (un-pooled) votes.
     probs (B, H, R, T): the last R >= min(window, T) prompt queries."""
+    # BEGIN SOLUTION [baselines:window_vote] §4.1: the last w queries vote; prefix votes pooled, the window's own not
     T = probs.shape[-1]
     w = min(window, T)
     rows = probs[:, :, -w:, :]                                          # (B, H, w, T) the window's rows
@@ -57,6 +61,7 @@ def snapkv_scores(probs: Tensor, n_kv_head: int, window: int, kernel: int, pooli
     if w == T:
         return own
     return torch.cat([window_vote(rows[..., :T - w], n_kv_head, kernel, pooling), own], dim=-1)
+    # END SOLUTION
 
 
 @dataclass

@@ -28,8 +28,9 @@ from nanollm.policy import ScoringPolicy, StepContext
 
 
 def sinks_and_recent(budget: int, n_sink: int, seen: int) -> list[range]:
-    """The positions §3.2 keeps after ``seen`` tokens: the S sinks and the R most recent, S + R = budget."""
-    # BEGIN SOLUTION [baselines:sinks_and_recent] the sinks (at most budget - 1 of them, from position 0), then the most recent positions
+    """The two position ranges §3.2 keeps after ``seen`` tokens: the S sinks from position 0 and the R most
+    recent, S + R = budget, S < budget (the newest token always fits); only positions in [0, seen)."""
+    # BEGIN SOLUTION [baselines:sinks_and_recent] §3.2: the sinks (fewer if the budget is small), then the window
     S = min(n_sink, budget - 1)
     R = budget - S
     return [range(0, min(S, seen)), range(max(0, seen - R), seen)]

@@ -64,7 +64,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def group_scores(q: Tensor, k: Tensor) -> Tensor:
     """q k^T / sqrt(d) per KV head: q (B, H, C, d), k (B, H_kv, T, d) -> (B, H_kv, G, C, T)."""
-    # BEGIN SOLUTION [cache:group_scores] q as (B, H_kv, G * C, d) scaled by 1/sqrt(d); one matmul with k^T per KV head
+    # BEGIN SOLUTION [cache:group_scores] Vaswani §3.2.1's scaled scores; GQA §2: query head h reads KV head h // G
     B, H, C, d = q.shape
     H_kv = k.shape[1]
     qg = q.reshape(B, H_kv, H // H_kv * C, d) / math.sqrt(d)           # the G query heads as rows
@@ -121,11 +121,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, needs:
         C = qc.shape[2]
         scores = group_scores(qc, k)                                       # (B, H_kv, G, C, Tk)
         kp = k_pos[:, :, None, None, :]                                    # (B, H_kv, 1, 1, Tk)
-        # BEGIN SOLUTION [cache:mask] may query c (position pc[c]) see slot s (position kp[..., s]; -1 = empty slot)?
+        # BEGIN SOLUTION [cache:mask] Vaswani §3.2.1 (Eq. 1) with the mask from positions; GQA §2: G heads per KV head
         visible = (kp <= pc[:, None]) & (kp >= 0)                          # (B, H_kv, 1, C, Tk)
-        # END SOLUTION
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         outs.append((probs.view(B, -1, C * H // k.shape[1], Tk) @ v).view(B, H, C, d))
+        # END SOLUTION
         probs = probs.view(B, H, C, Tk)
         if col_sums is not None:
             col_sums += probs.float().sum(dim=2)

@@ -55,7 +55,9 @@ class LayerKV:
         return 0 if self._k is None else self._k.shape[2]
 
     def append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
-        """Add entries at the end: k, v (B, H_kv, Tn, d); pos (Tn,), the same for every row and head."""
+        """Add k, v (B, H_kv, Tn, d) at positions pos (Tn,): in place while there is room, else into buffers of
+        twice the capacity (room's positions -1; ``MIN_CAPACITY`` at first); each state gets Tn fill-value slots."""
+        # BEGIN SOLUTION [cache:append] grow as the docstrings say: O(1) bytes per token, amortised (notebook 00 §6)
         B, H_kv, Tn, d = k.shape
         if self.n + Tn > self.capacity():             # reallocate: double, keep the first n slots
             cap = Tn + MIN_CAPACITY if self._k is None else max(self.n + Tn, 2 * self.capacity(), MIN_CAPACITY)
@@ -65,15 +67,14 @@ class LayerKV:
             if old[0] is not None:
                 self._k[:, :, :self.n], self._v[:, :, :self.n], self._pos[:, :, :self.n] = (
                     t[:, :, :self.n] for t in old)
-        # BEGIN SOLUTION [cache:append] write k, v, pos into slots n..n+Tn-1 of the buffers, in place; then advance n
         end = self.n + Tn
         self._k[:, :, self.n:end] = k
         self._v[:, :, self.n:end] = v
         self._pos[:, :, self.n:end] = pos
         self.n = end
-        # END SOLUTION
         for name, t in self.state.items():            # new slots start at the state's fill value
             self.state[name] = torch.cat([t, t.new_full((B, H_kv, Tn, *t.shape[3:]), self.fill[name])], dim=2)
+        # END SOLUTION
 
     def keep(self, idx: Tensor) -> None:
         """Keep only the slots idx (B, H_kv, K) of each head, in that order; -1 makes an empty slot. The

@@ -67,6 +67,7 @@ print(f"tiny mode: {TINY}; torch {torch.__version__}; machine: {platform.system(
 # the absolute position of every stored entry. Let's look at one.
 
 # %%
+# needs: append
 config = preset("TINY", max_seq_len=2048)                     # room for the longer runs below
 model = Transformer(config).eval()
 print(config)
@@ -109,6 +110,7 @@ for name in ["TINY", "SMALL", "GPT2_124M", "TINYLLAMA_1B"]:
 # filled above (batch 2, 10 tokens, fp32):
 
 # %%
+# needs: append
 print("cache.nbytes()                         :", cache.nbytes())
 print("kv_bytes_per_token() * tokens * batch  :", config.kv_bytes_per_token() * 10 * 2)
 
@@ -121,6 +123,7 @@ print("kv_bytes_per_token() * tokens * batch  :", config.kv_bytes_per_token() * 
 # Both flavours: Llama (RoPE, GQA) and GPT-2 (learned positions, MHA).
 
 # %%
+# needs: append, group_scores, mask
 for name in ["TINY", "TINY_GPT2"]:
     m = Transformer(preset(name)).eval()
     x = torch.randint(0, m.config.vocab_size, (2, 48))
@@ -148,10 +151,12 @@ for name in ["TINY", "TINY_GPT2"]:
 # `python -m nanollm.cli.bench` on the command line.
 
 # %%
+# needs: append, group_scores, mask
 bench = run_bench(config, contexts=CONTEXTS, repeats=REPEATS, steps=STEPS, threads=1)
 print(format_result(bench, name="TINY"))
 
 # %%
+# needs: append, group_scores, mask
 ctx = [r.context for r in bench.rows]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=80)
 for mode, style in [("recompute", "o-"), ("cached", "s-")]:
@@ -182,6 +187,7 @@ print(f"slopes: recompute {b_r * 1e3:.2f} ms, cached {b_c * 1e3:.3f} ms per 1k t
 # tokens seen:
 
 # %%
+# needs: append, group_scores, mask
 cache = KVCache(config)
 x = torch.randint(0, config.vocab_size, (1, GROW_TOKENS))
 prefill(model, x[:, :1], cache)
@@ -217,6 +223,7 @@ plt.show()
 #   causal mask is built from the stored positions, not from slot numbers.
 
 # %%
+# needs: append
 cache = KVCache(config)
 x = torch.randint(0, config.vocab_size, (1, 12))
 prefill(model, x, cache)
@@ -230,6 +237,7 @@ print("after keep:\n", kv.pos[0])
 print("kept keys unchanged:", torch.equal(kv.k[0, 0], k_before[0, 0, idx[0, 0]]))
 
 # %%
+# needs: append, group_scores, mask
 decode_step(model, torch.tensor([7]), cache)                       # one more token
 print(f"slots: {len(kv)}, tokens seen: {cache.seen}")
 print("positions after one decode step:\n", kv.pos[0])
@@ -237,6 +245,7 @@ print(f"the new token got position {kv.pos[0, 0, -1].item()} (tokens seen before
       f"although it sits in slot {len(kv) - 1}")
 
 # %%
+# needs: append, group_scores, mask
 kept = torch.zeros(config.n_kv_head, cache.seen)
 for h in range(config.n_kv_head):
     p = kv.pos[0, h]
@@ -263,6 +272,7 @@ plt.show()
 # entry.
 
 # %%
+# needs: append, group_scores, mask
 from methods.snapkv import SnapKVPolicy
 
 
@@ -337,6 +347,7 @@ plt.show()
 # average: O(T) in total, nothing per step. Watch the buffer's address and capacity as tokens arrive:
 
 # %%
+# needs: append
 kv = LayerKV()
 slots, capacity, moves, ptr = [], [], 0, None
 for t in range(300):
@@ -362,6 +373,7 @@ plt.show()
 # a decode step must read anyway).
 
 # %%
+# needs: append, group_scores, mask
 import time
 
 
@@ -420,6 +432,7 @@ print(f"over these lengths: torch.cat / attention {min(ratios):.1f}x to {max(rat
 # 3 decode steps.
 
 # %%
+# needs: append, group_scores, mask
 from methods.streaming_llm import StreamingLLMPolicy
 
 
@@ -551,6 +564,7 @@ print(f"GQA: {gib_gqa:.0f} GiB | MHA: {gib_mha:.0f} GiB ({gib_mha / gib_gqa:.0f}
 # once.)
 
 # %%
+# needs: append
 T = 1024
 # BEGIN SOLUTION [cache] step: 2 (read, write) x config.kv_bytes_per_token() x T; generation: sum over t < T
 cat_bytes_step = 2 * config.kv_bytes_per_token() * T
@@ -579,6 +593,7 @@ print(f"one torch.cat append at T={T}: {cat_bytes_step / 2**20:.2f} MiB moved, {
 # how many calls of each hook, and how many slots each layer holds at the end.
 
 # %%
+# needs: append, group_scores, mask
 # BEGIN SOLUTION [cache] per step and layer: attend_kv, then on_prefill (first step) or on_decode (later steps)
 n_layers, n_steps = 4, 1 + 2 + 6
 calls = {"attend_kv": n_layers * n_steps, "on_prefill": n_layers, "on_decode": n_layers * (n_steps - 1)}

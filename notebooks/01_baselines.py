@@ -115,6 +115,7 @@ print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, 
 # selection functions, the same ones the policies call.
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 T_TOY, H_TOY, HKV_TOY, W_TOY, B_TOY = 16, 4, 2, 4, 6
 logits = torch.zeros(1, H_TOY, T_TOY, T_TOY)
 logits[..., 0] += 3.0                                             # a sink for every query
@@ -145,6 +146,7 @@ for name, idx in toy_kept.items():
     print(f"{name:23}" + "   ".join(f"KV {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)))
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 toy_image = torch.zeros(len(toy_kept) * HKV_TOY, T_TOY)
 for i, idx in enumerate(toy_kept.values()):
     for h in range(HKV_TOY):
@@ -248,6 +250,7 @@ plt.show()
 # definitions above.
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)
 N = len(sample.prompt_ids)
 print(f"sample: {sample.n_tokens} tokens = context {len(sample.context_ids)} + question "
@@ -267,6 +270,7 @@ for spec, (acc, pred) in zip(["full"] + SPECS, answers):
           f"   {l1.mean():.3f}, {l1.max():.3f}")
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 def by_hand(full, tr, group):
     """KL, pert and lost from two traces, written from the glossary's definitions."""
     p_log = torch.log_softmax(full.logits.double(), -1)                 # (n_answer, V)
@@ -293,6 +297,7 @@ for spec, tr in method_trs.items():
 # (AdaKV: the smallest and largest head; the storage pads shorter heads with empty slots):
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 def entries_per_head(cache, layer=0):
     pos = cache.layers[layer].pos[0]                                     # (H_kv, T), -1 = empty slot
     return (pos >= 0).sum(-1).tolist()
@@ -326,6 +331,7 @@ for spec in SPECS:
 # ### 3.1 Which positions survive
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 ids = torch.tensor([sample.prompt_ids])
 spans = needle_spans(sample, tok)
 start, v, end = spans[0]
@@ -370,6 +376,7 @@ plot_four(caches, N, spans, 9)
 # tokens each keeps:
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 for spec in SPECS:
     print(f"--- {spec}")
     print(kept_text(tok, sample.prompt_ids, caches[spec], spans[0]))
@@ -378,6 +385,7 @@ for spec in SPECS:
 # AdaKV's per-head counts on this prompt (layer by layer, KV heads 0 and 1; budget on average per head):
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 for layer in range(model.config.n_layer):
     print(f"layer {layer}: AdaKV keeps {entries_per_head(caches['adakv'], layer)} entries per KV head "
           f"(budget {BUDGET} on average)")
@@ -390,6 +398,7 @@ for layer in range(model.config.n_layer):
 # and whether the method's storage still holds the whole value in that head.
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 value_pos = torch.arange(v, end)
 for spec in SPECS:
     outs = []
@@ -422,6 +431,7 @@ for layer, p in full_tr.probs.items():                                 # p (H, T
 # value token reaches among the prefix positions after pooling (SnapKV keeps the top `BUDGET - 32`):
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 prompt_maps = record_attention(model, ids)                              # n_layer x (H, N, N)
 for layer, a in enumerate(prompt_maps):
     h = int(full_tr.probs[layer][:, v:end].sum(-1).argmax())            # the query head reading the value most
@@ -476,6 +486,7 @@ print(f"{N_REAL} prompt tokens, budget {BUDGET_REAL}; needle value {real_sample.
 print(real_tok.decode(real_sample.prompt_ids))
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 t0 = time.time()
 real_caches, real_answers = {}, {}
 for spec in SPECS:
@@ -497,6 +508,7 @@ print(f"StreamingLLM keeps positions 0-3 and {N_REAL - (BUDGET_REAL - 4)}-{N_REA
 # ### 4.1 Which positions survive, 90 strips per method
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 plot_four(real_caches, N_REAL, real_spans, 14, tick_every=5)
 
 # %% [markdown]
@@ -506,6 +518,7 @@ plot_four(real_caches, N_REAL, real_spans, 14, tick_every=5)
 # hold it, one row per method:
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 lo, hi = max(0, r_start - 8), min(N_REAL, r_end + 6)
 share = torch.stack([kept_mask(real_caches[s], N_REAL)[..., lo:hi].float().mean((0, 1)) for s in SPECS])
 fig, ax = plt.subplots(figsize=(13, 3.2))
@@ -529,6 +542,7 @@ for spec, row in zip(SPECS, share):
 # The needle's sentence as four layers store it (every layer's first KV head is in the strips above):
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 SHOWN_LAYERS = [0, 10, 20, 29] if real.config.n_layer == 30 else [0, real.config.n_layer - 1]
 for spec in SPECS:
     lines = kept_text(real_tok, real_sample.prompt_ids, real_caches[spec], real_spans[0]).splitlines()
@@ -554,6 +568,7 @@ for spec in SPECS:
 # `python -m methods.compare` for these four methods.
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 t0 = time.time()
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 records = run(model, tok, SPECS, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
@@ -561,9 +576,11 @@ print(format_tables(records))
 print(f"({time.time() - t0:.0f} s)")
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 print(format_intervals(records))
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 def mean_over_tasks(records, method, ratio, mode, key="accuracy"):
     rows = [r for r in records if r["method"] == method and r["keep_ratio"] == ratio and r["mode"] == mode]
     return sum(r[key] for r in rows) / len(rows)
@@ -591,6 +608,7 @@ plt.show()
 # resampled, `methods/evaluation/intervals.py`):
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 def accuracies(records, method, ratio, mode):
     rows = {r["task"]: r["accuracies"] for r in records
             if r["method"] == method and r["keep_ratio"] == ratio and r["mode"] == mode}
@@ -642,6 +660,7 @@ for mode in MODES:
 # layer and KV head must hold now: `expected`, a 1-D tensor of positions in ascending order.
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 ex_sample = make_sample("niah_single_prose", tok, LENGTH, seed=7)
 EX_BUDGET, EX_SINKS = 40, 4
 ex_cache = KVCache(model.config, make_policy("streaming_llm", budget=EX_BUDGET, n_sink=EX_SINKS))
@@ -652,7 +671,8 @@ ex_seen = ex_cache.seen
 print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {entries_per_head(ex_cache)}")
 
 # %%
-# BEGIN SOLUTION [baselines] the first S = min(n_sink, budget - 1) positions, then the budget - S most recent
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
+# BEGIN SOLUTION [baselines] the sinks (never the whole budget: the newest token must fit), then the most recent
 n_s = min(EX_SINKS, EX_BUDGET - 1)
 expected = torch.cat([torch.arange(n_s), torch.arange(ex_seen - (EX_BUDGET - n_s), ex_seen)])
 # END SOLUTION
@@ -674,6 +694,7 @@ print("Exercise 1: correct,", expected.tolist())
 # scores of every position) and with `ex_h2o` (the budget applied).
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 ex_ids = torch.tensor([ex_sample.prompt_ids])
 ex_N = ex_ids.shape[1]
 ex_maps = record_attention(model, ex_ids)                          # n_layer x (H, N, N)
@@ -686,6 +707,7 @@ prefill(model, ex_ids, ex_h2o)
 print(f"{ex_N} prompt tokens, {len(ex_maps)} layers, attention {tuple(ex_maps[0].shape)}, G = {G}")
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 # BEGIN SOLUTION [baselines] attention received, summed over queries, averaged per GQA group; the recent half stays
 ex_scores = [a.sum(1).view(H_kv, G, ex_N).mean(1) for a in ex_maps]
 ex_kept = []
@@ -713,12 +735,14 @@ print("Exercise 2: correct; layer 0, KV head 0 keeps", ex_kept[0][0, :12].tolist
 # sort), and add the window.
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 EX_SNAP_BUDGET, EX_W = 64, 32
 ex_snap = KVCache(model.config, make_policy("snapkv", budget=EX_SNAP_BUDGET, window=EX_W, kernel=7, pooling="max"))
 prefill(model, ex_ids, ex_snap)
 print(f"SnapKV keeps {entries_per_head(ex_snap)} entries per KV head in layer 0 of a {ex_N}-token prompt")
 
 # %%
+# needs: sinks_and_recent, h2o_observe, window_vote, adakv
 # BEGIN SOLUTION [baselines] window rows over prefix columns, summed; max_pool1d(7, 1, 3); group mean; stable top-k
 ex_snap_kept = []
 for a in ex_maps:

@@ -83,6 +83,7 @@ print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, 
 # `B = 4` and `r = 1`, two tokens must go (`m = 1`, so exactly back to `B`).
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 toy_attn = torch.tensor([[.50, .05, .40, .05, 0, 0],       # query at position 3 (sees tokens 0-3)
                          [.45, .05, .30, .10, .10, 0],     # position 4
                          [.40, .02, .08, .20, .10, .20]]).view(1, 1, 3, 6)   # position 5
@@ -109,6 +110,7 @@ print("kept (B = 4, r = 1, m = 1, w = 3):", keep.flatten().tolist())
 # one difference the theorem glosses over: a real cache cannot take back what it dropped.
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 oracle = scissorhands_keep(low_flags(toy_attn, visible)[:, :, -1].long(), toy_attn[:, :, -1], pos, seen=6,
                            budget=4)
 print("w = 1, r = 0 keeps", oracle.flatten().tolist(),
@@ -262,6 +264,7 @@ plt.show()
 # defaults: `w = 400`, `r = 10`, `m = 1`) and by H2O (accumulated attention, 64 recent tokens).
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 BUDGET = LENGTH // 4
 caches = {}
 for spec in ["scissorhands", "h2o"]:
@@ -284,6 +287,7 @@ plt.show()
 # that was still kept, per layer and KV head (and H2O's rank of the same tokens, out of the prompt):
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 full_counts = KVCache(model.config, make_policy("scissorhands", budget=N))      # keeps everything: counters
 prefill(model, ids, full_counts)
 full_h2o = KVCache(model.config, make_policy("h2o", budget=N))
@@ -304,6 +308,7 @@ for layer in range(model.config.n_layer):
 # (01_baselines).
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 t0 = time.time()
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 records = run(model, tok, ["streaming_llm", "h2o", "scissorhands"], budgets, TASKS, MODES, SAMPLES, LENGTH,
@@ -312,6 +317,7 @@ print(format_tables(records))
 print(f"({time.time() - t0:.0f} s)")
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 def mean_over(records, method, ratio, mode, key="accuracy", tasks=None):
     rows = [r for r in records if r["method"] == method and r["keep_ratio"] == ratio and r["mode"] == mode
             and (tasks is None or r["task"] in tasks)]
@@ -339,6 +345,7 @@ plt.show()
 # memory (per-slot state, peak over the run, beside the K/V bytes):
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 ratio = round(BUDGET / LENGTH, 4)
 niah = [t for t in TASKS if t.startswith("niah")]
 for method in METHODS_SHOWN:
@@ -362,6 +369,7 @@ print(f"scissorhands' state per slot: {W_DEFAULT} flags (one byte each) + an int
 # 0.25, the question in the prompt (the same samples as above).
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 ablation = run(model, tok, [Variant(f"w={w}", "scissorhands", {"history_window": w}) for w in [400, 32, 8]]
                + [Variant("m=16", "scissorhands", {"drop": 16})], [BUDGET], TASKS, MODES[:1], SAMPLES, LENGTH,
                progress=False)
@@ -467,6 +475,7 @@ print(f"as written: largest generated |x| = {raw_full['x'][T0:].norm(dim=-1).max
 # near one-hot at `1e5`.
 
 # %%
+# needs: low_flags, keep_score
 def toy_runs(qk, seeds):
     m = make_toy_model(qk_norm=qk, seed=0)
     out = {"oracle": [], "counter": [], "drop_oracle": [], "drop_counter": [], "fits": [], "peak": []}
@@ -497,6 +506,7 @@ for qk, r in toy_results.items():
           f"Thm 4.1 bound at the fitted k {bound:.3f}")
 
 # %%
+# needs: low_flags, keep_score
 fig, axes = plt.subplots(1, 2, figsize=(13, 4))
 steps = torch.arange(1, TOY_T + 1)
 for qk, color in zip(qks, ["tab:blue", "tab:orange", "tab:green", "tab:red"]):
@@ -562,6 +572,7 @@ print(f"{real_card['default_suite']} at {LENGTH_REAL} tokens, budget {BUDGET_REA
 # (90 of them; the ticks name every fifth layer's first KV head).
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 real_samples = {"niah_single_docs, seed 0": make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=0),
                 "passkey, seed 3": make_sample("passkey", real_tok, LENGTH_REAL, seed=3)}
 real_caches = {}                                   # (sample, method) -> KVCache compressed to BUDGET_REAL
@@ -588,6 +599,7 @@ plt.show()
 # needle's sentence as each cache holds it in four layers.
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 SHOWN_LAYERS = [0, 10, 20, 29]
 for (name, spec), cache in real_caches.items():
     smp = real_samples[name]
@@ -651,6 +663,7 @@ plot_persistence(real_pers, real_model.config.n_layer)
 # ### 6.3 The MLP block's cosine on SmolLM2 (Figure 10)
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 real_cos = block_cosine(real_model, torch.tensor([real_samples["niah_single_docs, seed 0"].prompt_ids]))
 cos_mlp = torch.tensor([r["cos_mlp"] for r in real_cos])
 print("cos(x, F(x)) per layer:")
@@ -691,6 +704,7 @@ plt.show()
 # its ratio to the full cache's, KL(full || method), top-1 agreement).
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 t0 = time.time()
 lm_records = language_modelling.run(real_model, real_tok, ["full", "scissorhands", "h2o", "streaming_llm"],
                                     LM_KEEP_RATIOS, LM_LENGTH, progress=False)
@@ -698,6 +712,7 @@ print(language_modelling.format_table(lm_records))
 print(f"({time.time() - t0:.0f} s)")
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
 for method in ["scissorhands", "h2o", "streaming_llm"]:
     rs = sorted((r for r in lm_records if r["method"] == method), key=lambda r: r["keep_ratio"])
@@ -785,6 +800,7 @@ print(f"section 6 ran in {time.time() - t_real:.0f} s")
 # Use `toy_attn` and `visible` from section 1 and call the result `my_counts`, one integer per token.
 
 # %%
+# needs: low_flags, keep_score, n_dropped
 # BEGIN SOLUTION [scissorhands] each query's level is 1 / (tokens it sees); count the queries that see a token below it
 tau = 1.0 / visible.sum(-1, keepdim=True)              # (1, 1, 3, 1): the uniform level of each query
 low = visible & (toy_attn < tau)                           # (1, 1, 3, 6): seen and below average

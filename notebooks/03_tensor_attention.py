@@ -82,6 +82,7 @@ print(f"tiny mode: {TINY}")
 # * **two-matrix**: the pair rows are already stored; ordinary attention over them.
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output
 g = torch.Generator().manual_seed(0)
 n, d = 50, 16
 K1, K2, V1, V2 = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) for _ in range(4))
@@ -114,6 +115,7 @@ print(f"k2 = v2 = 1: |tensor attention - nanollm's standard attention| = "
 # `tensor_cache(config, "four" | "four-naive" | "two")`.
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output, two_cache_append
 config = preset("TINY_GPT2", attention=TENSOR_ATTENTION, max_seq_len=64)
 torch.manual_seed(0)
 model = Transformer(config).eval()
@@ -141,6 +143,7 @@ print("greedy tokens identical for every layout:", all(torch.equal(t, tokens[0])
 # of 7 steps, slopes fitted over the longer half of the lengths.
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output, two_cache_append
 timing = measure(LENGTHS)
 print(table(timing))
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -197,6 +200,7 @@ print(f"at i = {timing['lengths'][last]}: two-matrix cache "
 # this baseline has two layers and MLPs, so the comparison tests more than the theorem.
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output
 tensor_model, tensor_card = match3.load("match3-tensor")
 standard_model, standard_card = match3.load("match3-standard")
 baseline = match3.majority_baseline()
@@ -213,6 +217,7 @@ for name, m, card in (("tensor", tensor_model, tensor_card), ("standard", standa
 # YES); the middle is where a model must actually find the pair.
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output
 ids, targets = match3.batch(EVAL_SEQUENCES, match3.N_NUMBERS, seed=10**6)
 fig, ax = plt.subplots(figsize=(7, 3.5))
 truth = ids[:, 2::2]
@@ -236,6 +241,7 @@ plt.show()
 # numbers, up to float rounding that never flips an argmax here):
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output, two_cache_append
 xs = torch.tensor([match3.random_numbers(match3.N_NUMBERS, __import__("random").Random(s)) for s in range(64)])
 decoded = {layout: match3.greedy_labels(tensor_model, xs, layout) for layout in LAYOUTS}
 print("identical labels for every layout:", all(torch.equal(v, decoded["four"]) for v in decoded.values()))
@@ -268,6 +274,7 @@ print("decoded:", ["Y" if t == match3.YES else "n" for t in decoded["two"][0].to
 # information limit from Fano's inequality (no s-bit cache can be right on more than this fraction):
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output
 from methods.tensor_attention.index_problem import accuracy_vs_bits, fano_accuracy, make_instance, retrieve
 
 inst = make_instance(128, seed=0)
@@ -311,6 +318,7 @@ for r in rows5:
 # rows through such a sketch; error against the exact output vs the bytes the sketch keeps:
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output
 from methods.tensor_attention.subgen import error_vs_memory
 
 rows6 = error_vs_memory(n=24 if TINY else 32, seeds=1 if TINY else 4)
@@ -349,6 +357,7 @@ for r in rows6:
 # pairs with the most), relative error of the attention output at equal bytes:
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output
 from methods.tensor_attention import four_cache_attention, pair_scores, pair_softmax
 
 captured = {}
@@ -417,6 +426,7 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 # it with `factored` from section 1.
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output
 # BEGIN SOLUTION [tensor_attention] (n, n) pair scores by torch.einsum, one softmax over all, then mix V1[a] * V2[b]
 S_ab = scale * torch.einsum("d,ad,bd->ab", q[0, 0, 0], K1[0, 0], K2[0, 0])     # (n, n): one score per pair
 P_ab = S_ab.flatten().softmax(0).view(n, n)                                    # one softmax over all n^2 pairs
@@ -437,6 +447,7 @@ print(f"|by_hand - factored| = {(by_hand - factored[0, 0, 0]).abs().max():.1e}")
 # `timing["lengths"]`).
 
 # %%
+# needs: pair_scores, pair_softmax, factored_output, two_cache_append
 # BEGIN SOLUTION [tensor_attention] per head: 4 i d factor numbers, plus 2 i^2 d pair-row numbers for two; 4 bytes each
 HEADS, DIM, FP32 = 4, 16, 4
 four_bytes = [HEADS * 4 * i * DIM * FP32 for i in timing["lengths"]]

@@ -89,6 +89,7 @@ print(f"tiny mode: {TINY}; {len(TASKS)} task(s) x {N_SAMPLES} sample(s), {LENGTH
 # hand example of `tests/methods/test_critical_kv.py`:
 
 # %%
+# needs: output_perturbation, perturbation_bound, two_stage
 g = torch.Generator().manual_seed(0)
 worst_gap, identity_err = float("inf"), 0.0
 for _ in range(500 if TINY else 2000):
@@ -132,6 +133,7 @@ for name, alpha in [("attention top-2", 1.0), ("Algorithm 1, alpha = 0.5", 0.5)]
 # lowers the bound.
 
 # %%
+# needs: output_perturbation, perturbation_bound, two_stage
 keep = torch.tensor([True, False, True, False])                  # Algorithm 1's choice above
 m = float((attn * keep).sum())
 o_kept = renormalized_attention(attn, keep) @ vw
@@ -148,6 +150,7 @@ print(f"L = {float(output_perturbation(attn, keep, vw)):.6f};  (1 - m) ||o_dropp
 # layer and KV head, and what does it answer?
 
 # %%
+# needs: two_stage
 sample = make_sample("niah_single_noise", tok, 512, seed=1)
 value_ids = tok.encode(sample.answers[0])
 start = next(i for i in range(len(sample.context_ids)) if sample.context_ids[i:i + len(value_ids)] == value_ids)
@@ -184,6 +187,7 @@ print("\ncells: value digits kept / 6 (tokens of the 12 before them kept)")
 # (what decoding actually asks for), and the projected value norms `P` (one line per query head).
 
 # %%
+# needs: two_stage
 layer = 3
 policy = make_policy("critical_kv", budget=256)
 prefill(model, ids, KVCache(cfg, policy))
@@ -235,6 +239,7 @@ print(f"layer {layer}: attention mass on the 6 digits, mean over query heads: wi
 # (Eq. 8) for both. No proxy, no pooling, no window: if the criterion helps anywhere, it helps here.
 
 # %%
+# needs: output_perturbation, perturbation_bound, two_stage
 def algorithm1_vs_topk(model, tok, tasks: list[str], n_samples: int, length: int, ratios: list[float]) -> dict:
     """(ratio, layer) -> rows [L_topk, theta_topk, mass_topk, L_alg1, theta_alg1, mass_alg1], one row per
     (sample, query head): attention top-k (alpha = 1) vs Algorithm 1 (alpha = 0.25) on the true attention of
@@ -306,6 +311,7 @@ print(f"({len(TASKS) * N_SAMPLES} samples x {cfg.n_head} query heads per layer; 
 # are defined in the glossary of notebook 01 (01_baselines).
 
 # %%
+# needs: two_stage
 VARIANTS = {                          # label -> (method spec, options)
     "snapkv": ("snapkv", {}),
     "critical_kv": ("critical_kv", {}),
@@ -356,6 +362,7 @@ print(f"{len(VARIANTS)} variants x {len(HEAD_RATIOS)} keep ratios x {len(TASKS) 
 # (16 heads here), and also every (sample, layer, head) triple.
 
 # %%
+# needs: two_stage
 PAIRS = [("snapkv", "critical_kv"), ("adakv", "critical_kv(adakv)"), ("snapkv", "alpha=0"),
          ("snapkv", "alpha=0.5"), ("snapkv", "kvpress variant"), ("snapkv", "alpha=1")]
 print(f"{'keep':>5}  {'selection':<20}{'vs':<8}| {'heads lower (mean)':>18} {'triples lower':>13} {'equal':>6} | "
@@ -370,6 +377,7 @@ for ratio in HEAD_RATIOS:
               f"{float((c < a).float().mean()):>13.2f} {float((c == a).float().mean()):>6.2f} | {per_layer}")
 
 # %%
+# needs: two_stage
 fig, axes = plt.subplots(1, len(HEAD_RATIOS), figsize=(5 * len(HEAD_RATIOS), 4.4), dpi=80, squeeze=False)
 for ax, ratio in zip(axes[0], HEAD_RATIOS):
     a = torch.stack(res[("snapkv", ratio)]["head_l1"]).mean(0)        # (L, H) mean over samples
@@ -399,6 +407,7 @@ plt.show()
 # than SnapKV. Per layer, `sum_h L_h` shows where the difference builds up.
 
 # %%
+# needs: two_stage
 print(f"{'keep':>5}  {'variant':<20}| {'final pert':>10} {'KL':>7} {'acc':>6} | {'sum_h L_h per layer':>28}")
 for ratio in HEAD_RATIOS:
     for label in VARIANTS:
@@ -438,6 +447,7 @@ print(f"mean over {n} samples ({len(TASKS)} tasks x {N_SAMPLES}), question in th
 # perturbed.
 
 # %%
+# needs: two_stage
 print(f"{'keep':>5} {'layer':>5} | {'sigma > 0.5 on Abar':>19} {'mean':>6} | "
       f"{'sigma > 0.5, decode query':>25} {'mean':>6}")
 for ratio in HEAD_RATIOS:
@@ -460,6 +470,7 @@ for ratio in HEAD_RATIOS:
 # hosts and both with the selection.
 
 # %%
+# needs: two_stage
 t_cmp = time.time()
 METHODS_C = ["snapkv", "critical_kv", "adakv", "critical_kv(adakv(snapkv))"]
 budgets = [round(r * LENGTH) for r in COMPARE_RATIOS]
@@ -468,6 +479,7 @@ print(format_tables(records))
 print(f"\n{N_SAMPLES} samples per task and mode, {LENGTH} tokens, seed 0: {time.time() - t_cmp:.0f} s")
 
 # %%
+# needs: two_stage
 fig, axes = plt.subplots(2, len(MODES), figsize=(11, 7), dpi=80, sharex=True)
 for col, mode in enumerate(MODES):
     for method in METHODS_C:
@@ -500,6 +512,7 @@ plt.show()
 # samples, 512 tokens; tiny mode prints smaller, noisier numbers).
 
 # %%
+# needs: output_perturbation, perturbation_bound, two_stage
 acc = lambda m, mode, k: \
     sum(r["accuracy"] for r in records if (r["method"], r["mode"], r["keep_ratio"]) == (m, mode, k)) \
     / max(1, sum(1 for r in records if (r["method"], r["mode"], r["keep_ratio"]) == (m, mode, k)))   # noqa: E731
@@ -584,6 +597,7 @@ print(f"SmolLM2-135M: {rcfg.n_layer} layers, {rcfg.n_head} query heads, {rcfg.n_
 # window right of the dotted line); the line plot counts the value digits kept in every layer.
 
 # %%
+# needs: two_stage
 sample_r = make_sample("niah_single_docs", rtok, LENGTH_REAL, seed=0)
 span = needle_spans(sample_r, rtok)[0]                            # (key start, value start, value end)
 ids_r = torch.tensor([sample_r.prompt_ids])                       # (1, T)
@@ -609,6 +623,7 @@ def layers_view(cache: KVCache, layers: list[int]) -> SimpleNamespace:
 
 
 # %%
+# needs: two_stage
 T_r = len(sample_r.prompt_ids)
 fig, axes = plt.subplots(len(VIEW) + 1, 1, figsize=(11, 2.2 * len(VIEW) + 3), dpi=80,
                          gridspec_kw={"height_ratios": [1] * len(VIEW) + [1.3]})
@@ -630,6 +645,7 @@ plt.tight_layout()
 plt.show()
 
 # %%
+# needs: two_stage
 for label in VIEW:
     print(f"{label}:")
     lines = kept_text(rtok, sample_r.prompt_ids, layers_view(caches_view[label], SHOW), span).splitlines()
@@ -663,6 +679,7 @@ for label in VIEW:
 # in section 7.3, and `critical_kv`'s stage-1 sets for section 7.4.
 
 # %%
+# needs: two_stage
 res_r = {}                             # (label, ratio) -> {metric: [one value per sample]}
 t_loop = time.time()
 for task in TASKS_REAL:
@@ -693,6 +710,7 @@ print(f"{len(VARIANTS_REAL)} variants x {len(RATIOS_REAL)} keep ratios x {len(TA
       f"{time.time() - t_loop:.0f} s")
 
 # %%
+# needs: two_stage
 PAIRS_REAL = [("snapkv", "critical_kv"), ("snapkv", "kvpress variant"),
               ("adakv", "critical_kv(adakv)"), ("adakv", "kvpress(adakv)")]
 BLOCKS = [range(0, 10), range(10, 20), range(20, rcfg.n_layer)]   # layers 0-9, 10-19, 20-29
@@ -717,6 +735,7 @@ print(f"(heads lower: of the {rcfg.n_layer} x {rcfg.n_head} (layer, query head) 
       "(sample, layer, head); paper: 74.3%)")
 
 # %%
+# needs: two_stage
 ratio = RATIOS_REAL[-1]
 fig, axes = plt.subplots(1, 1 + len(RATIOS_REAL), figsize=(6 + 5 * len(RATIOS_REAL), 4.6), dpi=80)
 a = torch.stack(res_r[("snapkv", ratio)]["head_l1"]).mean(0)        # (L, H) mean over samples
@@ -763,6 +782,7 @@ plt.show()
 # selection's paired difference from its host, and in how many samples it is below.
 
 # %%
+# needs: output_perturbation, perturbation_bound, two_stage
 n_r = len(TASKS_REAL) * N_REAL
 per_task = lambda label, ratio, key: [res_r[(label, ratio)][key][t * N_REAL:(t + 1) * N_REAL]   # noqa: E731
                                       for t in range(len(TASKS_REAL))]                          # [[per sample]]
@@ -794,6 +814,7 @@ print(f"mean over {n_r} samples, question in the prompt, {LENGTH_REAL} tokens; d
 # difference from the full cache, and which methods are within noise of the best at each keep ratio.
 
 # %%
+# needs: two_stage
 t_cmp = time.time()
 METHODS_REAL = [Variant(label, spec, opts) for label, (spec, opts) in VARIANTS_REAL.items()]
 records_r = run(real, rtok, METHODS_REAL, BUDGETS_REAL, TASKS_REAL, MODES, N_REAL, LENGTH_REAL, seed=0,
@@ -803,6 +824,7 @@ print(format_intervals(records_r))
 print(f"\n{N_REAL} samples per task and mode, {LENGTH_REAL} tokens, seed 0: {time.time() - t_cmp:.0f} s")
 
 # %%
+# needs: output_perturbation, perturbation_bound, two_stage
 mean_of = lambda key, method, mode, budget: mean([r[key] for r in records_r              # noqa: E731
                                                  if (r["method"], r["mode"], r["budget"]) == (method, mode, budget)])
 fig, axes = plt.subplots(3, len(MODES), figsize=(11, 9), dpi=80, sharex=True)
@@ -853,6 +875,7 @@ plt.show()
 # `Abar` that Algorithm 2 uses and on the first decode query of the full cache, per layer.
 
 # %%
+# needs: two_stage
 print(f"{'keep':>5} | {'sigma > 0.5 on Abar':>19} {'mean':>6} | {'sigma > 0.5, decode query':>25} {'mean':>6} | "
       f"decode query, layers 0 / 1-9 / 10-19 / 20-29")
 for ratio in RATIOS_REAL:
@@ -889,6 +912,7 @@ plt.show()
 # and query head, Algorithm 1 (`alpha = 0.25`) against attention top-k with that step's own attention.
 
 # %%
+# needs: output_perturbation, perturbation_bound, two_stage
 alg1_r = algorithm1_vs_topk(real, rtok, TASKS_REAL, N_REAL, LENGTH_REAL, RATIOS_REAL)
 print(f"{'keep':>5} {'layers':>7} | {'Alg.1 L lower':>13} {'Alg.1 theta lower':>17} | {'mean L top-k':>12} "
       f"{'mean L Alg.1':>12} | {'kept mass top-k':>15} {'Alg.1':>6}")
@@ -934,6 +958,7 @@ print(f"({n_r} samples x {rcfg.n_head} query heads per layer; 'lower' = fraction
 # The cell below prints these numbers from the runs above.
 
 # %%
+# needs: output_perturbation, perturbation_bound, two_stage
 for ratio, budget in zip(RATIOS_REAL, BUDGETS_REAL):
     alg = torch.cat([torch.tensor(alg1_r[(ratio, l)]) for l in range(rcfg.n_layer)])
     sw = torch.stack(res_r[("critical_kv", ratio)]["sigma_window"])
@@ -970,6 +995,7 @@ print(f"\nsection 7 run time: {time.time() - t_real:.0f} s")
 # them `my_L` and `my_theta` (floats).
 
 # %%
+# needs: output_perturbation, perturbation_bound
 ex_attn = torch.tensor([0.5, 0.2, 0.18, 0.12], dtype=torch.float64)                 # the hand example of section 1
 ex_vw = torch.tensor([[1.0], [0.1], [-2.0], [1.0]], dtype=torch.float64) \
     @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                             # V W_O, one row per entry

@@ -68,6 +68,7 @@ print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, 
 # kept on top of this (it is *protected*).
 
 # %%
+# needs: chunk_ranking
 votes = torch.tensor([.1, .1, .1, .1, .5, 0, 0, 0, .2, .2, .2, .1]).view(1, 1, 12)
 pos = torch.arange(12).view(1, 1, 12)
 free = torch.ones(1, 1, 12, dtype=torch.bool)
@@ -86,6 +87,7 @@ for c, rem in [(4, "tokens"), (4, "none"), (1, "none")]:
 # this sample; ChunkKV (the paper's scoring: the window's raw attention, chunks of 10) and H2O answer it.
 
 # %%
+# needs: chunk_ranking, holds_position
 sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)
 ids = torch.tensor([sample.prompt_ids])
 BUDGET = LENGTH // 2
@@ -102,12 +104,14 @@ for spec in specs:
 # The needle and the 12 tokens in front of it, as each layer and KV head stores them (`_` = evicted):
 
 # %%
+# needs: chunk_ranking, holds_position
 spans = needle_spans(sample, tok)
 for spec in ["snapkv", "chunkkv"]:
     print(f"--- {spec}")
     print(kept_text(tok, sample.prompt_ids, caches[spec], spans[0]))
 
 # %%
+# needs: chunk_ranking, holds_position
 fig, axes = plt.subplots(len(specs), 1, figsize=(11, 2.2 * len(specs)), sharex=True)
 for ax, spec in zip(axes, specs):
     plot_kept(ax, caches[spec], len(sample.prompt_ids), spans, title=spec,
@@ -135,6 +139,7 @@ plt.show()
 # 64 recent tokens at this budget) and that shared part inflates the first number.
 
 # %%
+# needs: chunk_ranking
 def mean_jaccard(spec, n_samples, model=model, tok=tok, tasks=TASKS, length=LENGTH, **options):
     every, selected = [], []
     for task in [t for t in tasks if t.startswith("niah")]:
@@ -163,12 +168,14 @@ for name, (every, selected) in jac.items():
 # and the two modes are defined in the glossary of notebook 01 (01_baselines).
 
 # %%
+# needs: chunk_ranking, holds_position
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 records = run(model, tok, ["snapkv", "h2o", "chunkkv", "chunkkv(snapkv)"], budgets, TASKS, MODES, SAMPLES, LENGTH,
               progress=False)
 print(format_tables(records))
 
 # %%
+# needs: chunk_ranking, holds_position
 def mean_over_tasks(records, method, ratio, mode, key="accuracy"):
     rows = [r for r in records if r["method"] == method and r["keep_ratio"] == ratio and r["mode"] == mode]
     return sum(r[key] for r in rows) / len(rows)
@@ -211,6 +218,7 @@ for task in [t for t in ["niah_multivalue", "vt"] if t in TASKS]:
 # computed by the attention either way).
 
 # %%
+# needs: chunk_ranking, holds_position
 budget = round(0.25 * LENGTH)
 sizes = [1, 5, 10, 20]
 ablation = run(model, tok, [Variant(f"c={c}", "chunkkv", {"chunk_size": c, "reuse": 1}) for c in sizes],
@@ -220,6 +228,7 @@ for mode in MODES:
                           f"KL {mean_over_tasks(ablation, f'c={c}', 0.25, mode, 'kl'):.2f} |" for c in sizes))
 
 # %%
+# needs: chunk_ranking, holds_position
 depths = [1, 2, 4]
 reuse = run(model, tok, [Variant(f"reuse={n}", "chunkkv", {"reuse": n}) for n in depths],
             [budget], TASKS, MODES, ABLATION_SAMPLES, LENGTH, progress=False)
@@ -267,6 +276,7 @@ print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query h
 # per digit).
 
 # %%
+# needs: chunk_ranking, holds_position
 real_sample = make_sample("passkey", real_tok, LENGTH_REAL, seed=0)
 real_ids = torch.tensor([real_sample.prompt_ids])                  # (1, T) the prompt, question included
 REAL_BUDGET = LENGTH_REAL // 4                                     # keep ratio 0.25
@@ -283,6 +293,7 @@ for spec in ["snapkv", "chunkkv"]:
 # pairs hold all five digits:
 
 # %%
+# needs: chunk_ranking, holds_position
 real_span = needle_spans(real_sample, real_tok)[0]                 # (start, value start, end) in the prompt
 whole = {}                                                         # spec -> (n_layer, H_kv) value kept whole
 for spec, cache in real_caches.items():
@@ -299,6 +310,7 @@ for spec, w in whole.items():
     print(f"  {spec:8} " + " ".join(str(int(n)) for n in w.sum(-1)))
 
 # %%
+# needs: chunk_ranking, holds_position
 def some_layers(cache, layers):
     """The cache seen through a few of its layers (``plot_kept`` reads only ``.layers``)."""
     return SimpleNamespace(layers=[cache.layers[layer] for layer in layers])
@@ -345,6 +357,7 @@ plt.show()
 # windows). `chunkkv c=1` is the control: the same scoring and one index set per layer, but single tokens.
 
 # %%
+# needs: chunk_ranking
 real_jac = {name: mean_jaccard(spec, JACCARD_SAMPLES_REAL, model=real, tok=real_tok, tasks=TASKS_REAL,
                                length=LENGTH_REAL, **options)
             for name, spec, options in [("snapkv", "snapkv", {}), ("h2o", "h2o", {}),
@@ -361,6 +374,7 @@ print(f"chance: two random sets of k among the {n_before} positions before the w
       + ", ".join(f"{j:.2f} (k = {k})" for k, j in chance.items()))
 
 # %%
+# needs: chunk_ranking
 fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharey=True)
 for ax, part, title in [(axes[0], 0, "every kept position"), (axes[1], 1, "outside the protected windows")]:
     ax.axhspan(0.44, 0.58, color="tab:green", alpha=0.12, label="paper: ChunkKV 44-58%")
@@ -401,6 +415,7 @@ plt.show()
 # intervals before the means.
 
 # %%
+# needs: chunk_ranking, holds_position
 real_variants = [Variant("chunkkv c=10 r=1", "chunkkv", {"chunk_size": 10, "reuse": 1}),
                  Variant("chunkkv c=10 r=2", "chunkkv", {"chunk_size": 10, "reuse": 2}),
                  Variant("chunkkv c=1 r=1", "chunkkv", {"chunk_size": 1, "reuse": 1}),
@@ -412,6 +427,7 @@ real_ratios = sorted({r["keep_ratio"] for r in real_records if r["method"] != "f
 print(format_tables(real_records))
 
 # %%
+# needs: chunk_ranking, holds_position
 print(format_intervals(real_records))
 
 # %% [markdown]
@@ -419,6 +435,7 @@ print(format_intervals(real_records))
 # paired, sample by sample, with a 95% bootstrap interval.
 
 # %%
+# needs: chunk_ranking, holds_position
 def accuracies(records, method, ratio, mode):
     """Per task, the per-sample accuracies of one row (the groups ``paired_difference`` takes)."""
     rows = sorted((r for r in records if r["method"] == method and r["keep_ratio"] == ratio and r["mode"] == mode),
@@ -440,6 +457,7 @@ for mode in MODES:
                   f"{'within noise' if within_noise(lo, hi) else 'interval excludes 0'}")
 
 # %%
+# needs: chunk_ranking, holds_position
 real_full = {mode: mean_over_tasks(real_records, "full", 1.0, mode) for mode in MODES}
 fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
 for col, mode in enumerate(MODES):
@@ -527,6 +545,7 @@ plt.show()
 # the sorted list of kept positions; the check compares it with the library on four settings.
 
 # %%
+# needs: chunk_ranking
 # BEGIN SOLUTION [chunkkv] score each chunk of c tokens by its summed votes; keep the best budget // c chunks whole
 def my_chunk_keep(c, budget):
     chunk_scores = votes.flatten().view(-1, c).sum(-1)                  # one score per chunk: the sum of its votes

@@ -66,6 +66,7 @@ print(f"tiny mode: {TINY}; tasks {TASKS}; {SAMPLES} samples per task, {LENGTH} t
 # keys 1..5 and values 10..50:
 
 # %%
+# needs: insert, query
 toy = VagueSketch(rows=3, width=2, n_kv_head=1, head_dim=1, seed=0)
 pos = torch.arange(5)
 keys = torch.arange(1.0, 6.0).view(5, 1, 1)
@@ -93,6 +94,7 @@ for J in range(5):
 # and keys (layer 2, one 512-token prompt), relative to their per-coordinate variance:
 
 # %%
+# needs: insert, query
 sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)
 full = KVCache(model.config)
 prefill(model, torch.tensor([sample.context_ids]), full)
@@ -138,6 +140,7 @@ for (a, b, mv), (_, _, mk) in zip(rows_v, rows_k):
 # in its cell, 348 tokens over 4 cells per row. Their norms, next to the real ones:
 
 # %%
+# needs: insert, query
 policy = make_policy("kvreviver", budget=LENGTH // 4)
 cache = KVCache(model.config, policy)
 prefill(model, torch.tensor([sample.context_ids]), cache)
@@ -162,12 +165,14 @@ for layer in range(model.config.n_layer):
 # lost, keep ratio) and the two modes are defined in the glossary of notebook 01 (01_baselines).
 
 # %%
+# needs: insert, query
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 records = run(model, tok, ["kvreviver", "h2o", "streaming_llm", "snapkv"], budgets, TASKS,
               ["question_after_context"], SAMPLES, LENGTH, progress=False)
 print(format_tables(records))
 
 # %%
+# needs: insert, query
 def mean_over_tasks(records, method, ratio, key="accuracy"):
     rows = [r for r in records if r["method"] == method and r["keep_ratio"] == ratio]
     return sum(r[key] for r in rows) / len(rows)
@@ -199,6 +204,7 @@ plt.show()
 # than the full cache).
 
 # %%
+# needs: insert, query
 niah = [t for t in TASKS if t.startswith("niah")][:3]
 width_variants = [Variant("paper split", "kvreviver"), Variant("no sketch", "kvreviver", {"sketch_width": 0}),
                   Variant("b=32 on top", "kvreviver", {"sketch_width": 32}),
@@ -222,6 +228,7 @@ for v in width_variants:
 # sample.
 
 # %%
+# needs: insert, query
 timing_samples = [make_sample(t, tok, LENGTH, seed=100 + i) for t in TASKS[:2] for i in range(2)]
 
 
@@ -298,6 +305,7 @@ def compress_real(sample, policy=None):
 # The pass key's five digit tokens are marked.
 
 # %%
+# needs: insert, query
 passage = make_sample("passkey", real_tok, LENGTH_REAL, seed=0)
 LAYERS_SHOWN = [0, 10, 20, 29]
 N_REAL = len(passage.prompt_ids)
@@ -347,6 +355,7 @@ for name, (policy_view, cache_view) in views.items():
 # cell holds about `V / b` tokens (the question-after-context cache of section 6.2, after the question):
 
 # %%
+# needs: insert, query
 for budget in BUDGETS_REAL:
     policy_cell = make_policy("kvreviver", budget)
     parts = policy_cell.parts(0, compress_real(passage, policy_cell).layers[0])
@@ -366,6 +375,7 @@ for budget in BUDGETS_REAL:
 # accuracy overlap: the open markers shrink from row to row so that each stays visible.)
 
 # %%
+# needs: insert, query
 real_variants = [Variant("kvreviver", "kvreviver"),
                  Variant("kvreviver per-head", "kvreviver", {"per_kv_head": True}),
                  Variant("kvr no sketch", "kvreviver", {"sketch_width": 0}),
@@ -377,6 +387,7 @@ print(format_tables(real_records))
 print(format_intervals(real_records))
 
 # %%
+# needs: insert, query
 fig, axes = plt.subplots(1, len(MODES_REAL), figsize=(5.5 * len(MODES_REAL), 3.8), squeeze=False)
 for ax, mode in zip(axes[0], MODES_REAL):
     in_mode = [r for r in real_records if r["mode"] == mode]
@@ -401,6 +412,7 @@ plt.show()
 # real keys of the same positions: unsigned sums of ~`V / b` keys.
 
 # %%
+# needs: insert, query
 mass_samples = [make_sample(t, real_tok, LENGTH_REAL, seed=0) for t in TASKS_REAL]
 configs = {(name, budget): opts for budget in BUDGETS_REAL for name, opts in GRANULARITIES.items()}
 masses = {key: [] for key in configs}        # key -> per sample, per layer: rebuilt_attention_mass's rows
@@ -445,6 +457,7 @@ for i in range(real.config.n_layer):
     print(f"{i:5d} " + "".join(f"  {m[i]:5.2f}/{f[i]:4.2f}" for m, f in columns.values()))
 
 # %%
+# needs: insert, query
 fig, axes = plt.subplots(1, len(BUDGETS_REAL) + 1, figsize=(5 * (len(BUDGETS_REAL) + 1), 3.8), squeeze=False)
 layers = range(real.config.n_layer)
 for ax, budget in zip(axes[0], BUDGETS_REAL):
@@ -474,6 +487,7 @@ plt.show()
 # the NIAH tasks of section 4.1), next to H2O:
 
 # %%
+# needs: insert, query
 granularity_variants = [Variant("kvreviver", "kvreviver"),
                         Variant("kvreviver per-head", "kvreviver", {"per_kv_head": True}),
                         Variant("kvr no sketch", "kvreviver", {"sketch_width": 0}),
@@ -560,6 +574,7 @@ print(format_intervals(bundled))
 # and `my_values`, one number per token; the check compares them with `k_hat` and `v_hat` of section 1.
 
 # %%
+# needs: insert, query
 toy_tokens = torch.arange(5)
 toy_keys, toy_values = torch.arange(1.0, 6.0), 10 * torch.arange(1.0, 6.0)     # the keys and values of section 1
 # BEGIN SOLUTION [kvreviver] scatter_add_ each row's tokens into its cells, gather each token's cell, median over rows

@@ -124,6 +124,7 @@ plt.show()
 # two halves of the sequence and checked against the reference (no Triton needed), then the kernel itself.
 
 # %%
+# needs: online_softmax, merge_splits
 g = torch.Generator().manual_seed(0)
 B_, H_, Hkv_, S_, d_ = 1, 4, 2, 50, 16
 q = torch.randn(B_, H_, d_, generator=g).to(DEVICE)
@@ -161,6 +162,7 @@ else:
 # below it is checked against attending, head by head, over the kept rows copied out by hand.
 
 # %%
+# needs: online_softmax, merge_splits
 idx = torch.stack([torch.randperm(S_, generator=g)[:12] for _ in range(Hkv_)])[None].to(DEVICE)  # (1, H_kv, 12)
 idx[0, 1, 8:] = -1                                                                     # a shorter head
 sel_ref = reference_selected_decode_attention(q, k, v, idx)
@@ -193,6 +195,7 @@ else:
 # Below, a sketch filled by the method's own class, queried through the reference and the kernels:
 
 # %%
+# needs: online_softmax, merge_splits
 from kernels.count_sketch import (
     reference_sketch_decode_attention,
     reference_sketch_query,
@@ -245,6 +248,7 @@ else:
 # split the a axis; a tiny second kernel merges their partials.
 
 # %%
+# needs: online_softmax, merge_splits
 from kernels.tensor_decode import peak_memory_bytes, reference_tensor_decode, tensor_decode_triton
 from methods.tensor_attention import naive_four_cache_attention
 
@@ -279,6 +283,7 @@ for n in (256, 1024, 4096):
 # The committed run, `results/kernels_bench_h100.json` (one H100, bf16), read here; no GPU or Triton needed:
 
 # %%
+# needs: online_softmax, merge_splits
 h100 = json.loads((ROOT / "results" / "kernels_bench_h100.json").read_text())
 print(f"device: {h100['device']} (H100), dtype {h100['dtype']}, "
       f"measured copy bandwidth {h100['copy_bandwidth'] / 1e9:.0f} GB/s")
@@ -357,6 +362,7 @@ else:
 # shape, then the kernel's achieved GB/s from its time in milliseconds.
 
 # %%
+# needs: online_softmax, merge_splits
 dense = next(row for row in h100["rows"] if row["case"] == "dense B=8 S=32768")
 # BEGIN SOLUTION [kernels] bytes: K + V + q + output, each B x heads x tokens x 128 x 2; GB/s: bytes / s / 1e9
 ex1_bytes = 2 * 8 * 8 * 32768 * 128 * 2 + 2 * 8 * 32 * 128 * 2
@@ -377,6 +383,7 @@ print(f"{ex1_bytes:,} bytes in {dense['ms']['triton']:.3f} ms = {ex1_gbs:.0f} GB
 # measured 8.0x (`h100["targets"]`).
 
 # %%
+# needs: online_softmax, merge_splits
 sel = next(row for row in h100["rows"] if row["case"].startswith("selected"))
 # BEGIN SOLUTION [kernels] kept K and V rows (2 bytes a number), 4 bytes per index, q and output as in exercise 1
 ex2_bytes = 2 * 8 * 8 * 3276 * 128 * 2 + 8 * 8 * 3276 * 4 + 2 * 8 * 32 * 128 * 2

@@ -1,63 +1,313 @@
-"""Hidden tests of the ``baselines`` assignment (the grader's; not in a student copy)."""
+"""Hidden tests of the ``baselines`` assignment (the grader's; not in a student copy).
+
+Each task is graded alone: its tests build what it reads themselves (hand-made attention, a storage, a tiny
+model) and compare with an oracle written here, by loops, never with another task's code. Inputs are
+chosen where mistakes show: query heads that differ within and across GQA groups, group sizes 1 to 3, several
+decode and extend steps with evictions, budgets below the window and the sinks, several seeds. For each
+task one test sweeps every regime and is worth half of the task's points.
+"""
 
 import adapters as A
 import torch
-import torch.nn.functional as F
-from oracle import assert_greedy_is_uncached, greedy, points
+from oracle import points
+from test_public import check_close
+
+# -- StreamingLLM ---------------------------------------------------------------------------------------
+
+def streaming_oracle(budget: int, n_sink: int, seen: int) -> list[int]:
+    """§3.2 by enumeration: position p < seen is kept iff it is one of the S first or the R last."""
+    S = min(n_sink, budget - 1)                  # the newest token always fits
+    R = budget - S
+    return [p for p in range(seen) if p < S or p >= seen - R]
 
 
-@points(3)
+@points(3, task="sinks_and_recent")
+def test_streaming_llm_ranges_in_every_regime():
+    """Fewer tokens than the budget, exactly the budget, more; budgets below the sinks (the sinks shrink so
+    the newest token fits), no sinks, a budget of 1; and the keep mask over heads holding different
+    positions with empty slots."""
+    for budget in (1, 2, 3, 4, 5, 8):
+        for n_sink in (0, 1, 2, 4, 6):
+            for seen in (1, 2, 3, 5, 8, 9, 13, 30):
+                got = sorted({p for r in A.streaming_ranges(budget, n_sink, seen) for p in r})
+                want = streaming_oracle(budget, n_sink, seen)
+                S = min(n_sink, budget - 1)
+                assert got == want, (f"budget {budget}, n_sink {n_sink}, seen {seen}: the ranges name "
+                                     f"{got}, expected {want} (S = {S} sinks from position 0, R = {budget - S} "
+                                     "most recent, only positions already seen)")
+    pos = torch.tensor([[list(range(12)), [0, 1, 2, 5, 7, 8, 9, 10, 11, -1, -1, -1]]])   # (1, 2, 12)
+    for budget, n_sink in [(5, 2), (3, 4), (4, 0)]:
+        keep = A.streaming_mask(pos, seen=12, budget=budget, n_sink=n_sink)
+        want = set(streaming_oracle(budget, n_sink, 12))
+        for h in range(2):
+            got = sorted(int(pos[0, h, t]) for t in range(12) if keep[0, h, t])
+            expected = sorted(int(p) for p in pos[0, h] if int(p) in want)
+            assert got == expected, (f"budget {budget}, n_sink {n_sink}: KV head {h} holding positions "
+                                     f"{pos[0, h].tolist()} protects {got}, expected {expected} (never an empty slot)")
+
+
+@points(1, task="sinks_and_recent")
 def test_streaming_llm_decodes_with_sinks_and_window():
+    """Prefill, decode steps and an extend chunk through a StreamingLLM cache on a GQA model: after every step
+    each layer, row and KV head holds exactly the 3 sinks and the 4 most recent tokens."""
     model = A.tiny_model()
-    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(2))
-    cache = A.new_cache(model, "streaming_llm", 8, n_sink=2)
-    for _, seq in greedy(A, model, ids, cache, 5):
-        pos, T = A.kept_positions(cache, 0), seq.shape[1]
-        want = [0, 1] + list(range(T - 6, T))
-        assert sorted(pos[0, 0].tolist()) == want, f"after {T} tokens layer 0 holds {sorted(pos[0, 0].tolist())}"
+    ids = torch.randint(0, 512, (2, 21), generator=torch.Generator().manual_seed(2))
+    cache = A.new_cache(model, A.streaming_policy(7, 3))
+    A.run_prefill(model, ids[:, :12], cache)
+    seen = 12
+    for chunk in (1, 1, 3, 1, 2, 1):
+        if chunk == 1:
+            A.run_decode(model, ids[:, seen], cache)
+        else:
+            A.run_extend(model, ids[:, seen:seen + chunk], cache)
+        seen += chunk
+        want = [0, 1, 2] + list(range(seen - 4, seen))
+        for layer in range(2):
+            pos = A.kept_positions(cache, layer)
+            for b in range(2):
+                for h in range(pos.shape[1]):
+                    got = sorted(pos[b, h].tolist())
+                    assert got == want, (f"after {seen} tokens layer {layer} row {b} KV head {h} holds {got}, "
+                                         f"expected the sinks 0, 1, 2 and the 4 most recent {want[3:]}")
 
 
-@points(2)
-def test_h2o_with_covering_budget_is_full_attention():
-    """With a budget covering the sequence nothing is evicted: logits == uncached. And the scores add up:
-    every query's attention sums to 1, so a head's scores sum to the number of queries it has seen."""
+# -- H2O ------------------------------------------------------------------------------------------------
+
+def h2o_run(G: int, seed: int, budget: int, n_recent: int, chunks: list[int]) -> None:
+    """Drive H2O over a prefill of chunks[0] tokens and a step per further chunk (1: decode, more: extend),
+    with hand-made attention (every query head different), against a brute-force H2O: per (row, KV head) a
+    dict position -> score; after each step the recent positions, then the best scores (ties: earlier)."""
+    g = torch.Generator().manual_seed(seed)
+    B, H_kv, d = 3, 2, 4                        # B != H_kv: a mix-up of the two shows
+    H = G * H_kv
+    policy = A.h2o_policy(budget, n_recent)
+    store = A.new_storage(torch.randn(B, H_kv, chunks[0], d, generator=g),
+                          torch.randn(B, H_kv, chunks[0], d, generator=g), torch.arange(chunks[0]))
+    held = [[list(range(chunks[0])) for _ in range(H_kv)] for _ in range(B)]     # oracle: positions by slot
+    score = [[{} for _ in range(H_kv)] for _ in range(B)]                         # oracle: position -> score
+    seen = 0
+    for step, chunk in enumerate(chunks):
+        phase = "prefill" if step == 0 else "decode"
+        if step > 0:
+            new = torch.arange(seen, seen + chunk)
+            A.storage_append(store, torch.randn(B, H_kv, chunk, d, generator=g),
+                             torch.randn(B, H_kv, chunk, d, generator=g), new)
+            for b in range(B):
+                for j in range(H_kv):
+                    held[b][j] += new.tolist()
+        seen += chunk
+        T = len(held[0][0])
+        weight = torch.arange(1, H + 1, dtype=torch.float32).view(1, H, 1)         # heads differ in scale
+        col_sums = torch.rand(B, H, T, generator=g) * weight
+        for b in range(B):
+            for j in range(H_kv):
+                for slot, p in enumerate(held[b][j]):
+                    r = sum(float(col_sums[b, j * G + i, slot]) for i in range(G)) / G   # query heads jG..jG+G-1
+                    score[b][j][p] = r if phase == "prefill" else score[b][j].get(p, 0.0) + r
+        A.h2o_step(policy, store, col_sums, phase, seen)
+        what = f"H2O with {G} query heads per KV head, seed {seed}, after {seen} tokens ({phase} of {chunk})"
+        for b in range(B):
+            for j in range(H_kv):
+                if T > budget:
+                    best = sorted(held[b][j], key=lambda p: (p < seen - n_recent, -score[b][j][p], p))
+                    held[b][j] = sorted(best[:budget])
+                got = A.storage_positions(store)[b, j].tolist()
+                assert got == held[b][j], (f"{what}: row {b} KV head {j} keeps positions {got}, expected "
+                                           f"{held[b][j]} (the {n_recent} most recent, then the highest scores)")
+        want = torch.tensor([[[score[b][j][p] for p in held[b][j]] for j in range(H_kv)] for b in range(B)])
+        check_close(A.h2o_scores(store), want, what, "a slot's score is the attention it received, averaged over "
+                    "its KV head's query heads, summed over every step since it arrived",
+                    axes=("row", "KV head", "slot"))
+        for b in range(B):                                                     # the oracle's own keys
+            for j in range(H_kv):
+                score[b][j] = {p: score[b][j][p] for p in held[b][j]}
+
+
+@points(4, task="h2o_observe")
+def test_h2o_scores_over_steps_with_evictions():
+    """Group sizes 1, 2, 3; a prompt over the budget and one under it; decode steps and extend chunks; heavy
+    hitters only (no recent window) and with one."""
+    h2o_run(G=2, seed=0, budget=6, n_recent=2, chunks=[9, 1, 3, 1, 2])
+    h2o_run(G=3, seed=1, budget=5, n_recent=1, chunks=[7, 1, 1, 4, 1])
+    h2o_run(G=1, seed=2, budget=4, n_recent=0, chunks=[3, 2, 1, 3])
+    h2o_run(G=2, seed=3, budget=7, n_recent=3, chunks=[5, 1, 4, 1, 1])
+
+
+@points(2, task="h2o_observe")
+def test_h2o_scores_are_the_attention_received():
+    """A GQA model with a budget covering the sequence (nothing evicted): after a prefill, decode steps and an
+    extend chunk, every score is the attention its slot received, averaged over its KV head's query heads
+    and summed over the steps, recorded by a cache that runs no code of the assignment."""
     model = A.tiny_model(seed=1)
-    ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(3))
-    cache = A.new_cache(model, "h2o", 64)
-    assert_greedy_is_uncached(A, model, ids, cache, 4, what="H2O at a covering budget,")
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+    chunks = [10, 1, 3, 1, 1]
+    received = A.received_by_step(model, ids, chunks)
+    cache = A.new_cache(model, A.h2o_policy(64))
+    A.run_prefill(model, ids[:, :10], cache)
+    seen = 10
+    for chunk in chunks[1:]:
+        if chunk == 1:
+            A.run_decode(model, ids[:, seen], cache)
+        else:
+            A.run_extend(model, ids[:, seen:seen + chunk], cache)
+        seen += chunk
     for layer in range(2):
-        totals = A.h2o_scores(cache, layer).sum(-1)                       # (B, H_kv)
-        torch.testing.assert_close(totals, torch.full_like(totals, 10 + 4), rtol=1e-5, atol=1e-4,
-                                   msg=lambda m: f"layer {layer}: scores must sum to the 14 queries seen\n{m}")
+        want = torch.zeros(2, 2, seen, dtype=torch.float64)
+        for sums in received[layer]:                                            # (B, H, T so far)
+            B, H, T = sums.shape
+            want[..., :T] += sums.double().view(B, 2, H // 2, T).mean(2)
+        check_close(A.h2o_scores(cache.layers[layer]), want, f"H2O's scores in layer {layer} after {seen} tokens",
+                    "the attention each slot received, averaged over its KV head's query heads, summed over the "
+                    "steps", axes=("row", "KV head", "position"), tol=1e-4)
 
 
-@points(3)
-def test_snapkv_keeps_the_window_and_each_heads_top_votes():
-    g = torch.Generator().manual_seed(4)
-    T, w, budget = 16, 4, 9
-    probs = torch.softmax(torch.randn(1, 4, w, T, generator=g) * 3, -1)   # the prompt's last w rows
-    pos = torch.arange(T).expand(1, 2, T)
-    kept = A.snapkv_select(probs, pos, T, budget, w, kernel=3, pooling="avg")
-    vote = F.avg_pool1d(probs.sum(2).view(-1, 1, T)[..., :T - w], 3, 1, 1).view(1, 4, T - w)
-    vote = vote.view(1, 2, 2, T - w).mean(2)                              # (1, H_kv, T - w)
-    for h in range(2):
-        top = vote[0, h].topk(budget - w).indices.tolist()
-        want = sorted(top + list(range(T - w, T)))
-        assert kept[0, h].tolist() == want, f"KV head {h}: kept {kept[0, h].tolist()}, expected {want}"
+# -- SnapKV ---------------------------------------------------------------------------------------------
+
+def pool_oracle(x: list[float], kernel: int, pooling: str) -> list[float]:
+    """Stride-1 pooling of width ``kernel`` centred on each token; average pooling counts the zero padding."""
+    half, n = kernel // 2, len(x)
+    if pooling == "max":
+        return [max(x[u] for u in range(max(0, t - half), min(n, t + half + 1))) for t in range(n)]
+    return [sum(x[u] for u in range(max(0, t - half), min(n, t + half + 1))) / kernel for t in range(n)]
 
 
-@points(3)
-def test_adakv_allocates_across_heads_with_a_safeguard():
+def snapkv_oracle(probs: torch.Tensor, n_kv_head: int, window: int, kernel: int, pooling: str) -> torch.Tensor:
+    """§4.1-4.2 by loops: each query head's votes are its last w rows summed; the prefix votes pooled, the
+    window's own not; a KV head's score is the mean over its query heads. (B, H, R, T) -> (B, H_kv, T)."""
+    B, H, R, T = probs.shape
+    w, G = min(window, T), H // n_kv_head
+    rows = probs.double().tolist()
+    out = torch.zeros(B, n_kv_head, T, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            vote = [sum(rows[b][h][R - w + i][t] for i in range(w)) for t in range(T)]
+            scored = pool_oracle(vote[:T - w], kernel, pooling) + vote[T - w:]
+            out[b, h // G] += torch.tensor(scored, dtype=torch.float64) / G
+    return out
+
+
+def window_rows(g: torch.Generator, B: int, H: int, R: int, T: int) -> torch.Tensor:
+    """The attention of the last R of T causal queries (B, H, R, T), peaked, every head different."""
+    logits = torch.randn(B, H, R, T, generator=g) * 2.5
+    future = torch.arange(T)[None, :] > torch.arange(T - R, T)[:, None]                # (R, T)
+    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+
+
+@points(5, task="window_vote")
+def test_snapkv_scores_in_every_regime():
+    """Group sizes 1 to 3, one and two KV heads, windows shorter than the prompt, equal to it and longer, more
+    rows than the window, kernels 1, 3 and 5, max and average pooling, two seeds: the scores themselves
+    against loops."""
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        for H_kv, G in [(2, 1), (2, 2), (2, 3), (1, 3)]:
+            for T, window in [(13, 4), (9, 9), (7, 10), (16, 3)]:
+                R = min(T, window + 2)
+                probs = window_rows(g, 3, H_kv * G, R, T)                       # 3 rows: B != H_kv
+                for kernel in (1, 3, 5):
+                    for pooling in ("max", "avg"):
+                        got = A.snapkv_scores(probs, H_kv, window, kernel, pooling)
+                        what = (f"SnapKV's scores, {H_kv} KV heads of {G} query heads, T = {T}, window {window}, "
+                                f"{pooling} pooling of width {kernel}")
+                        check_close(got, snapkv_oracle(probs, H_kv, window, kernel, pooling), what,
+                                    "the last w rows summed per query head; the prefix's votes pooled, the "
+                                    "window's own not; then the mean over the KV head's query heads",
+                                    axes=("row", "KV head", "token"))
+
+
+@points(1, task="window_vote")
+def test_snapkv_pooling():
+    """Widths 1 to 7 (also wider than the sequence), max and average (the zero padding counts), any leading
+    shape."""
     g = torch.Generator().manual_seed(5)
-    scores = torch.rand(2, 4, 10, generator=g)
-    scores[:, 0] += 1.0                                                   # head 0 wins the global ranking
-    budget, n_safe = 4, 1
+    for shape in [(9,), (2, 3, 11), (1, 4)]:
+        x = torch.rand(*shape, generator=g)
+        for kernel in (1, 3, 5, 7):
+            for pooling in ("max", "avg"):
+                rows = x.reshape(-1, shape[-1]).double().tolist()
+                want = torch.tensor([pool_oracle(r, kernel, pooling) for r in rows]).view(shape)
+                check_close(A.snapkv_pool(x, kernel, pooling), want,
+                            f"{pooling} pooling of width {kernel} over a tensor of shape {shape}",
+                            "stride 1, centred, padding width // 2 on each side; the average counts the padding",
+                            axes=("index",) * len(shape))
+
+
+@points(2, task="window_vote")
+def test_snapkv_keeps_the_window_and_each_heads_top_votes():
+    """Budgets above the window, equal to it, below it, covering the prompt; 2 query heads per KV head."""
+    g = torch.Generator().manual_seed(4)
+    T, w = 16, 4
+    probs = window_rows(g, 2, 4, w, T)
+    for pooling in ("max", "avg"):
+        scores = snapkv_oracle(probs, 2, w, 3, pooling)
+        for budget in (9, 4, 2, 16):
+            got = A.snapkv_select(probs, 2, budget, w, kernel=3, pooling=pooling)
+            for b in range(2):
+                for h in range(2):
+                    window = list(range(T - min(w, budget), T)) if T > budget else list(range(T))
+                    prefix = sorted(range(T - w), key=lambda t: (-float(scores[b, h, t]), t))
+                    want = sorted(prefix[:max(0, min(budget, T) - len(window))] + window)
+                    assert got[b, h].tolist() == want, (
+                        f"SnapKV, budget {budget}, window {w}, {pooling} pooling: row {b} KV head {h} keeps "
+                        f"{got[b, h].tolist()}, expected {want} (the window, or its last `budget` tokens; then the "
+                        "prefix tokens with the best votes)")
+
+
+# -- AdaKV ----------------------------------------------------------------------------------------------
+
+def adakv_oracle(scores: torch.Tensor, budget: int, n_safe: int) -> list[set]:
+    """Per row, the (head, slot) pairs kept: each head's n_safe best first (ties: the earlier slot), then the
+    best of all the layer's entries, H_kv * budget in all (ties: the earlier head, then slot). NaN is -inf."""
+    B, H_kv, T = scores.shape
+    s = torch.nan_to_num(scores.double(), nan=float("-inf")).tolist()
+    kept = []
+    for b in range(B):
+        forced = {(h, t) for h in range(H_kv) for t in sorted(range(T), key=lambda t: (-s[b][h][t], t))[:n_safe]}
+        key = {(h, t): float("inf") if (h, t) in forced else s[b][h][t] for h in range(H_kv) for t in range(T)}
+        order = sorted(key, key=lambda ht: (-key[ht], ht))
+        kept.append(set(order[:H_kv * budget]))
+    return kept
+
+
+def check_adakv(scores: torch.Tensor, budget: int, n_safe: int, what: str) -> None:
     mask = A.adakv_mask(scores, budget, n_safe)
-    assert mask.shape == scores.shape
-    for b in range(2):
-        forced = {(h, int(scores[b, h].argmax())) for h in range(4)}      # every head's safeguard
-        rest = sorted(((float(scores[b, h, t]), h, t) for h in range(4) for t in range(10)
-                       if (h, t) not in forced), reverse=True)
-        want = forced | {(h, t) for _, h, t in rest[:4 * budget - len(forced)]}
+    assert tuple(mask.shape) == tuple(scores.shape), f"{what}: mask of shape {tuple(mask.shape)}, expected " \
+                                                     f"{tuple(scores.shape)}"
+    for b, want in enumerate(adakv_oracle(scores, budget, n_safe)):
         got = {(h, t) for h, t in torch.nonzero(mask[b]).tolist()}
-        assert got == want, f"row {b}: AdaKV kept {sorted(got)}, expected {sorted(want)}"
+        if got != want:
+            per_head = [sum(1 for x in got if x[0] == h) for h in range(scores.shape[1])]
+            should = [sum(1 for x in want if x[0] == h) for h in range(scores.shape[1])]
+            raise AssertionError(f"{what}: row {b} keeps {per_head} entries per head, expected {should}; wrongly "
+                                 f"kept {sorted(got - want)[:4]}, missing {sorted(want - got)[:4]} (each head's "
+                                 f"{n_safe} best first, then the layer's best, {budget} per head on average)")
+
+
+@points(3, task="adakv")
+def test_adakv_allocates_across_heads_with_a_safeguard():
+    """Heads of very different scales, so that the safeguard changes what is kept (checked here); safeguards
+    0, 1, 2 and the whole budget; 2 and 4 KV heads; several seeds."""
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        for H_kv, T, budget, n_safe in [(4, 12, 4, 1), (4, 10, 3, 2), (2, 9, 3, 1), (4, 8, 3, 3), (2, 7, 2, 0)]:
+            scale = torch.logspace(0, -3, H_kv).view(1, H_kv, 1)                # head 0 outscores the rest
+            scores = torch.rand(2, H_kv, T, generator=g) * scale
+            if 0 < n_safe < budget:
+                assert adakv_oracle(scores, budget, n_safe) != adakv_oracle(scores, budget, 0)   # the test's own check
+            check_adakv(scores, budget, n_safe, f"AdaKV, {H_kv} KV heads, {T} slots, budget {budget}, "
+                                                f"safeguard {n_safe}, seed {seed}")
+
+
+@points(1, task="adakv")
+def test_adakv_ties_infinities_and_nan():
+    """Ties go to the earlier (head, slot); +inf (protected) entries are kept first, NaN counts as -inf, and a
+    budget covering every slot keeps them all."""
+    g = torch.Generator().manual_seed(7)
+    ties = torch.randint(0, 3, (2, 3, 8), generator=g).float() / 2
+    check_adakv(ties, 3, 1, "AdaKV with tied scores")
+    special = torch.rand(2, 3, 8, generator=g)
+    special[0, 2, 6:] = float("inf")
+    special[1, 0, :3] = float("nan")
+    special[1, 1, 4] = float("-inf")
+    check_adakv(special, 3, 1, "AdaKV with +inf, -inf and NaN scores")
+    check_adakv(special, 8, 2, "AdaKV with a budget covering every slot")

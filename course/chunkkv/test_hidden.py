@@ -1,44 +1,198 @@
-"""Hidden tests of the ``chunkkv`` assignment (the grader's; not in a student copy)."""
+"""Hidden tests of the ``chunkkv`` assignment (the grader's; not in a student copy).
+
+Each task is graded alone: the references below (loops, written without the library) stand in for the task
+a test does not grade, through ``adapters.using``."""
 
 import adapters as A
 import torch
 from oracle import points
 
-
-@points(2)
-def test_shared_ranking_sums_votes_over_heads():
-    scores = torch.tensor([[[1.0, 1.0, 0.0, 0.0, 0.2, 0.2], [0.0, 0.0, 0.0, 0.0, 0.9, 0.9]]])   # chunks of 2
-    pos = torch.arange(6).expand(1, 2, 6)
-    free = torch.ones(1, 2, 6, dtype=torch.bool)
-    n_free = torch.tensor([[2, 2]])
-    own = A.chunk_mask(scores, pos, free, n_free, 2, False, "none")
-    shared = A.chunk_mask(scores, pos, free, n_free, 2, True, "none")
-    assert [torch.nonzero(own[0, h]).flatten().tolist() for h in range(2)] == [[0, 1], [4, 5]]
-    # summed over heads: chunk 0 = 2.0, chunk 2 = 2.2: both heads keep chunk 2
-    assert [torch.nonzero(shared[0, h]).flatten().tolist() for h in range(2)] == [[4, 5], [4, 5]]
+# ---------------------------------------------------------------------------------------------------------
+# References, by loops over plain Python numbers
 
 
-@points(2)
-def test_protected_slots_never_compete():
+def chunk_keep_by_loop(scores, pos, free, n_free, chunk_size, shared, remainder):
+    """Algorithm 1 head by head: chunk sums of the free votes (added over the heads when shared), whole chunks
+    best first (ties: the earlier chunk) until one does not fit; then the remainder's best single tokens."""
+    B, H, T = scores.shape
+    s = torch.where(free, scores.double(), 0.0).tolist()                     # votes of the free slots
+    p, f, room = pos.tolist(), free.tolist(), n_free.tolist()
+    keep = [[[False] * T for _ in range(H)] for _ in range(B)]
+    for b in range(B):
+        sums = [{} for _ in range(H)]                          # per head: chunk -> (summed votes, free slots)
+        for h in range(H):
+            for j in range(T):
+                if f[b][h][j]:
+                    total, n = sums[h].get(p[b][h][j] // chunk_size, (0.0, 0))
+                    sums[h][p[b][h][j] // chunk_size] = (total + s[b][h][j], n + 1)
+        for h in range(H):
+            score = {k: sum(sums[g].get(k, (0.0, 0))[0] for g in range(H)) if shared else v[0]
+                     for k, v in sums[h].items()}
+            left, chosen = room[b][h], set()
+            for k in sorted(score, key=lambda k: (-score[k], k)):
+                if sums[h][k][1] > left:
+                    break
+                chosen.add(k)
+                left -= sums[h][k][1]
+            for j in range(T):
+                keep[b][h][j] = f[b][h][j] and p[b][h][j] // chunk_size in chosen
+            if remainder == "tokens":
+                token = [sum(s[b][g][j] for g in range(H)) if shared else s[b][h][j] for j in range(T)]
+                rest = sorted((j for j in range(T) if f[b][h][j] and not keep[b][h][j]), key=lambda j: (-token[j], j))
+                for j in rest[:left]:
+                    keep[b][h][j] = True
+    return torch.tensor(keep, dtype=torch.bool)
+
+
+def holds_by_pairs(chosen, pos, seen):
+    """Every slot against every chosen position of its head."""
+    return (pos[..., :, None] == chosen[..., None, :]).any(-1) & (pos >= 0)
+
+
+def instance(g, B, H, T, seen, chunk_size):
+    """Random votes (multiples of 1/16: sums exact, ties happen), positions in any order with empty slots,
+    protected slots, and room for some of the free slots in each head."""
+    pos = torch.stack([torch.randperm(seen, generator=g)[:T] for _ in range(B * H)]).view(B, H, T)
+    pos[torch.rand(B, H, T, generator=g) < 0.1] = -1
+    scores = torch.randint(0, 16, (B, H, T), generator=g).float() / 16
+    free = (pos >= 0) & (torch.rand(B, H, T, generator=g) < 0.85)
+    scores[~free] = float("inf")                             # as the policy passes them: protected +inf,
+    scores[pos < 0] = float("-inf")                          # empty -inf
+    n_free = (torch.rand(B, H, generator=g) * (free.sum(-1) + 1)).long()
+    return scores, pos, free, n_free
+
+
+def kept_per_step(options, references, spec="chunkkv", seed=0, n_prompt=30, n_new=0):
+    """The sorted positions every layer keeps after the prefill and after each decode step (the tokens are
+    given; two prompts), per (batch row, KV head), with ``references`` in place of the library's functions."""
+    model = A.tiny_model(seed=seed)
+    ids = torch.randint(0, 512, (2, n_prompt + n_new), generator=torch.Generator().manual_seed(seed + 1))
+    cache = A.new_cache(model, spec, **options)
+    steps = []
+    with A.using(**references):
+        A.run_prefill(model, ids[:, :n_prompt], cache)
+        for t in range(n_prompt, n_prompt + n_new + 1):
+            steps.append([[sorted(set(A.kept_positions(cache, layer)[b, h].tolist()) - {-1})
+                           for b in range(2) for h in range(2)] for layer in range(2)])
+            if t < n_prompt + n_new:
+                A.run_decode(model, ids[:, t], cache)
+    return steps
+
+
+def step_name(step):
+    return "the prefill" if step == 0 else f"decode step {step}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# chunk_ranking
+
+@points(3, task="chunk_ranking")
+def test_chunk_choice_against_a_loop():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        chunk_size = 1 + trial % 5
+        shared, remainder = trial % 2 == 0, ("none", "tokens")[trial // 2 % 2]
+        T = 17 + trial % 7
+        args = instance(g, 2, 3, T, T + 6, chunk_size)
+        got = A.chunk_mask(*args, chunk_size, shared, remainder)
+        want = chunk_keep_by_loop(*args, chunk_size, shared, remainder)
+        assert got.shape == want.shape, f"chunk_keep_mask returns (B, H_kv, T) = {tuple(want.shape)}, got {got.shape}"
+        bad = (got != want).any(-1).nonzero()
+        if len(bad):
+            b, h = bad[0].tolist()
+            scores, pos, free, n_free = args
+            raise AssertionError(
+                f"chunk size {chunk_size}, shared={shared}, remainder={remainder!r}, batch {b}, KV head {h} (positions "
+                f"in any order, protected slots, a last partial chunk; n_free {int(n_free[b, h])}): whole chunks by "
+                f"the sum of their free votes{' added over the KV heads' if shared else ''}, best first until one "
+                f"does not fit; kept positions {sorted(pos[b, h][got[b, h]].tolist())}, expected "
+                f"{sorted(pos[b, h][want[b, h]].tolist())}")
+
+
+@points(2, task="chunk_ranking")
+def test_shared_ranking_sums_votes_over_heads_and_protected_slots_never_compete():
+    scores = torch.tensor([[[1.0, 1.0, 0.0, 0.0, 0.2, 0.2], [1.5, 0.0, 1.5, 0.0, 0.0, 0.0]],     # chunks of 2
+                           [[1.0, 1.0, 0.0, 0.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0, 0.0, 0.0]]])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [4, 1, 5, 0, 2, 3]]).expand(2, 2, 6)  # head 1: positions out of order
+    free = torch.ones(2, 2, 6, dtype=torch.bool)
+    n_free = torch.tensor([[2, 2], [2, 2]])
+    for shared, want, why in (
+            (False, [[[0, 1], [4, 5]], [[0, 1], [4, 5]]], "per head: chunk k holds positions 2k, 2k + 1 (whatever "
+             "their slots); each head keeps its own best chunk"),
+            (True, [[[4, 5], [4, 5]], [[0, 1], [0, 1]]], "shared: a chunk's votes are added over the heads of the "
+             "same batch row, chunk by chunk (row 0: positions [4, 5] get 0.4 + 3.0, [0, 1] 2.0 + 0; row 1: [0, 1] "
+             "2.0, [4, 5] 1.0), and both heads keep the winner")):
+        mask = A.chunk_mask(scores, pos, free, n_free, 2, shared, "none")
+        got = [[sorted(pos[b, h][mask[b, h]].tolist()) for h in range(2)] for b in range(2)]
+        assert got == want, f"{why}: kept positions per (row, head) {got}, expected {want}"
     scores = torch.tensor([[[5.0, 5.0, 0.1, 0.1, 0.2, 0.2]]])
-    pos = torch.arange(6).view(1, 1, 6)
     free = torch.tensor([[[False, False, True, True, True, True]]])
-    keep = A.chunk_mask(scores, pos, free, torch.tensor([[2]]), 2, False, "none")
-    assert torch.nonzero(keep[0, 0]).flatten().tolist() == [4, 5], "only free slots may be chosen"
+    keep = A.chunk_mask(scores, torch.arange(6).view(1, 1, 6), free, torch.tensor([[2]]), 2, False, "none")
+    assert keep[0, 0].tolist() == [False] * 4 + [True] * 2, \
+        f"protected slots (free False) neither compete nor count: expected slots [4, 5], got {keep[0, 0].tolist()}"
+    scores = torch.tensor([[[9.0, 9.0, 1.0, 0.125, 0.125, 0.25, 0.5]]])                # chunks of 3, the last partial
+    free = torch.tensor([[[False, False, True, True, True, True, True]]])
+    for n_free, want in ((1, [2]), (2, [2]), (4, [2, 3, 4, 5]), (5, [2, 3, 4, 5, 6])):
+        keep = A.chunk_mask(scores, torch.arange(7).view(1, 1, 7), free, torch.tensor([[n_free]]), 3, False, "none")
+        got = torch.nonzero(keep[0, 0]).flatten().tolist()
+        assert got == want, (
+            f"a chunk takes as much room as its free slots (chunk 0: 1, chunk 1: 3, the last: 1); chunks 1 and 2 tie "
+            f"(0.5), the earlier first: with room for {n_free} expected slots {want}, got {got}")
 
 
-@points(3)
-def test_chunkkv_keeps_whole_chunks_and_reuses_indices():
-    model = A.tiny_model(seed=5)
-    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(6))
-    budget, chunk, window = 16, 4, 4
-    cache = A.new_cache(model, "chunkkv", budget, chunk_size=chunk, reuse=2, remainder="none", window=window)
-    A.run_prefill(model, ids, cache)
-    p0, p1 = A.kept_positions(cache, 0), A.kept_positions(cache, 1)
-    assert torch.equal(p0, p1), "with reuse = 2 layer 1 keeps exactly layer 0's positions"
-    for h in range(p0.shape[1]):
-        kept = set(p0[0, h].tolist()) - {-1}
-        assert set(range(40 - window, 40)) <= kept, "the observation window is kept"
-        chosen = kept - set(range(40 - window, 40))
-        assert len(chosen) == budget - window, f"head {h}: {len(chosen)} chosen, expected {budget - window}"
-        assert all({c // chunk * chunk + i for i in range(chunk)} <= kept for c in chosen), "whole chunks only"
+@points(2, task="chunk_ranking")
+def test_kept_chunks_follow_the_reference():
+    for spec, options, n_new in (
+            ("chunkkv", {"budget": 15, "chunk_size": 4, "window": 4, "reuse": 1, "remainder": "none"}, 0),
+            ("chunkkv", {"budget": 17, "chunk_size": 3, "window": 5, "reuse": 1, "remainder": "tokens",
+                         "per_head": True}, 0),
+            ("chunkkv", {"budget": 3, "chunk_size": 4, "window": 4, "reuse": 1}, 0),    # budget below the window
+            ("chunkkv(h2o)", {"budget": 13, "chunk_size": 4, "reuse": 1, "per_head": True}, 4)):   # evicts each step
+        for seed in (0, 1):
+            got = kept_per_step(options, {}, spec=spec, seed=seed, n_new=n_new)
+            want = kept_per_step(options, {"chunk_keep_mask": chunk_keep_by_loop}, spec=spec, seed=seed, n_new=n_new)
+            for step, (g, w) in enumerate(zip(got, want)):
+                for layer in range(2):
+                    for bh in range(4):
+                        assert g[layer][bh] == w[layer][bh], (
+                            f"{spec} {options}, seed {seed}, after {step_name(step)}: layer {layer}, batch row "
+                            f"{bh // 2}, KV head {bh % 2} keeps {g[layer][bh]}; with the test's reference "
+                            f"chunk_keep_mask it keeps {w[layer][bh]}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# holds_position
+
+@points(3, task="holds_position")
+def test_holds_against_every_pair():
+    g = torch.Generator().manual_seed(1)
+    for trial in range(20):
+        B, H, T, K, seen = 2, 3, 12 + trial, 5 + trial % 7, 30 + trial
+        pos = torch.stack([torch.randperm(seen, generator=g)[:T] for _ in range(B * H)]).view(B, H, T)
+        pos[torch.rand(B, H, T, generator=g) < 0.15] = -1                      # empty slots
+        chosen = torch.stack([torch.randperm(seen, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
+        chosen[torch.rand(B, H, K, generator=g) < 0.2] = -1                    # padding
+        chosen[0, 0, 0] = seen - 1                                             # the last position
+        got, want = A.holds(chosen, pos, seen), holds_by_pairs(chosen, pos, seen)
+        assert got.shape == want.shape, f"holds_position returns the shape of pos {tuple(want.shape)}, got {got.shape}"
+        bad = (got != want).nonzero()
+        if len(bad):
+            b, h, i = bad[0].tolist()
+            raise AssertionError(
+                f"seen {seen}: batch {b}, KV head {h}, slot {i} holds position {int(pos[b, h, i])}; that head chose "
+                f"{sorted(chosen[b, h].tolist())} (-1 is nothing): expected {bool(want[b, h, i])}, got "
+                f"{bool(got[b, h, i])}")
+
+
+@points(2, task="holds_position")
+def test_reusing_layers_keep_the_first_layers_positions():
+    for spec, options, n_new in (("chunkkv", {"budget": 14, "chunk_size": 4, "window": 4, "per_head": True}, 0),
+                                 ("chunkkv(h2o)", {"budget": 13, "chunk_size": 4, "per_head": True}, 5)):
+        steps = kept_per_step({**options, "reuse": 2}, {"chunk_keep_mask": chunk_keep_by_loop}, spec=spec,
+                              n_new=n_new)
+        for step, kept in enumerate(steps):
+            for bh in range(4):
+                assert kept[1][bh] == kept[0][bh], (
+                    f"{spec} {options} with reuse = 2, after {step_name(step)}: layer 1 reuses layer 0's choice, so "
+                    f"batch row {bh // 2}, KV head {bh % 2} keeps layer 0's positions {kept[0][bh]}; it keeps "
+                    f"{kept[1][bh]}")

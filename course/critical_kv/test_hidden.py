@@ -1,44 +1,249 @@
-"""Hidden tests of the ``critical_kv`` assignment (the grader's; not in a student copy)."""
+"""Hidden tests of the ``critical_kv`` assignment (the grader's; not in a student copy).
+
+Each task is graded alone: the references below (loops, written without the library) stand in for the task
+a test does not grade, through ``adapters.using``."""
+
+import math
 
 import adapters as A
 import torch
 from oracle import points
 
+LOWEST = torch.finfo(torch.float32).min
 
-@points(3)
-def test_alpha_one_is_attention_topk_and_alpha_zero_is_a_times_p():
+# ---------------------------------------------------------------------------------------------------------
+# References, by loops over plain Python numbers
+
+
+def rows(x):
+    """(..., n) -> list of rows (lists), and the leading shape."""
+    return x.reshape(-1, x.shape[-1]).tolist(), x.shape[:-1]
+
+
+def perturbation_by_loop(attn, keep, projected):
+    """Eq. 5 row by row: A' = N*A / sum(N*A); L = sum_d |sum_i (A_i - A'_i) VW_id|. (...)."""
+    a, lead = rows(attn)
+    n, _ = rows(keep)
+    vw = projected.reshape(-1, *projected.shape[-2:]).tolist()
+    out = []
+    for ar, nr, pr in zip(a, n, vw):
+        mass = sum(x for x, k in zip(ar, nr) if k)
+        diff = [x - (x / mass if k else 0.0) for x, k in zip(ar, nr)]
+        out.append(sum(abs(sum(d * row[c] for d, row in zip(diff, pr))) for c in range(len(pr[0]))))
+    return torch.tensor(out, dtype=torch.float64).view(lead)
+
+
+def bound_by_loop(attn, keep, vnorm):
+    """Eq. 8 row by row: theta = sum A P - (2 - 1 / sum N A) sum N A P. (...)."""
+    a, lead = rows(attn)
+    n, _ = rows(keep)
+    p, _ = rows(vnorm)
+    out = []
+    for ar, nr, pr in zip(a, n, p):
+        mass = sum(x for x, k in zip(ar, nr) if k)
+        kept = sum(x * y for x, k, y in zip(ar, nr, pr) if k)
+        out.append(sum(x * y for x, y in zip(ar, pr)) - (2 - 1 / mass) * kept)
+    return torch.tensor(out, dtype=torch.float64).view(lead)
+
+
+def two_stage_by_loop(first, second, budgets, n_first, valid=None):
+    """Algorithm 1 row by row: the valid entries sorted by ``first`` (NaN and -inf the lowest valid scores, ties:
+    the earlier entry), the top n_first; then the rest sorted by ``second`` up to the budget."""
+    T = first.shape[-1]
+    lead = first.shape[:-1]
+    valid = torch.ones(first.shape, dtype=torch.bool) if valid is None else valid
+    f, _ = rows(first.float())
+    s, _ = rows(second.float())
+    v, _ = rows(valid)
+    b = torch.as_tensor(budgets).expand(lead).flatten().tolist()
+    n1 = torch.as_tensor(n_first).expand(lead).flatten().tolist()
+
+    def key(x):
+        return LOWEST if math.isnan(x) or x == -math.inf else x
+
+    stage1, keep = [], []
+    for r in range(len(f)):
+        idx = [j for j in range(T) if v[r][j]]
+        budget = min(b[r], len(idx))
+        take = min(n1[r], budget)
+        one = set(sorted(idx, key=lambda j: (-key(f[r][j]), j))[:take])
+        two = sorted((j for j in idx if j not in one), key=lambda j: (-key(s[r][j]), j))[:budget - take]
+        stage1.append([j in one for j in range(T)])
+        keep.append([j in one or j in two for j in range(T)])
+    return torch.tensor(stage1).view(first.shape), torch.tensor(keep).view(first.shape)
+
+
+def loop_two_stage_masks(first, second, budgets, n_first, valid=None):
+    return two_stage_by_loop(first, second, budgets, n_first, valid)
+
+
+def instance(g, shape, n, D):
+    """Attention that differs per row (softmax of random logits), projected values, kept sets of every size."""
+    attn = torch.softmax(torch.randn(*shape, n, generator=g) * 2, -1)
+    projected = torch.randn(*shape, n, D, generator=g) * torch.rand(*shape, n, 1, generator=g) * 3
+    keep = torch.rand(*shape, n, generator=g) < torch.rand(*shape, 1, generator=g)
+    keep[..., 0] |= ~keep.any(-1)                                             # at least one kept entry
+    keep.view(-1, n)[0] = True                                                # a row keeping everything
+    return attn, projected, keep
+
+
+def first_bad(got, want, rtol=1e-5, atol=1e-6):
+    """The first index where got and want differ beyond the tolerance, or None."""
+    bad = ((got.double() - want).abs() > atol + rtol * want.abs()).nonzero()
+    return tuple(bad[0].tolist()) if len(bad) else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# output_perturbation
+
+@points(3, task="output_perturbation")
+def test_perturbation_against_a_loop():
+    g = torch.Generator().manual_seed(0)
+    for shape, n, D in (((2, 3), 9, 5), ((4,), 16, 1), ((), 7, 3)):
+        attn, projected, keep = instance(g, shape, n, D)
+        got = A.perturbation(attn, keep, projected)
+        want = perturbation_by_loop(attn, keep, projected)
+        assert got.shape == want.shape, \
+            f"output_perturbation returns one L per row: shape {tuple(want.shape)} for attn {tuple(attn.shape)}, " \
+            f"got {tuple(got.shape)}"
+        at = first_bad(got, want)
+        assert at is None, (
+            f"attn {tuple(attn.shape)}, projected {tuple(projected.shape)}: row {at} keeps "
+            f"{int(keep[at].sum())} of {n}: L = ||(A - A') V W_O||_1 (an L1 norm over the D = {D} outputs of the "
+            f"change, A' renormalised over the kept); got {float(got[at]):.6f}, expected {float(want[at]):.6f}")
+
+
+@points(2, task="output_perturbation")
+def test_renormalized_attention_is_the_masked_softmax():
     g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 3, 10, generator=g) * 3
+    keep = torch.rand(2, 3, 10, generator=g) > 0.4
+    keep[..., 2] = True
+    got = A.renormalized(torch.softmax(logits, -1), keep)
+    want = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)       # Theorem 1: a softmax over the kept
+    at = first_bad(got, want.double())
+    assert at is None, (f"Theorem 1: A' is the softmax over the kept entries only (zero elsewhere, summing to 1 over "
+                        f"the kept); entry {at}: got {float(got[at]):.6f}, expected {float(want[at]):.6f}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# perturbation_bound
+
+@points(2, task="perturbation_bound")
+def test_bound_on_hand_cases():
+    # A = (0.4, 0.3, 0.2, 0.1), P = (1, 5, 2, 10): C = 0.4 + 1.5 + 0.4 + 1 = 3.3
+    attn = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 4, dtype=torch.float64)
+    vnorm = torch.tensor([[1.0, 5.0, 2.0, 10.0]] * 4, dtype=torch.float64)
+    keep = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    # mass 0.7, sum N A P 1.9: 3.3 - (2 - 1/0.7) 1.9; mass 0.3: 3.3 - (2 - 1/0.3) 1.4; mass 0.5: 3.3 - 0 * 1.4; 0
+    want = [3.3 - (2 - 1 / 0.7) * 1.9, 3.3 - (2 - 1 / 0.3) * 1.4, 3.3, 0.0]
+    got = A.bound(attn, keep, vnorm)
+    for r in range(4):
+        assert abs(float(got[r]) - want[r]) < 1e-6, (
+            f"Eq. 8 on A = (0.4, 0.3, 0.2, 0.1), P = (1, 5, 2, 10), keep {keep[r].int().tolist()} (kept mass "
+            f"{float((attn[r] * keep[r]).sum()):.1f}): theta = C - (2 - 1/mass) sum N A P = {want[r]:.6f}, got "
+            f"{float(got[r]):.6f}")
+
+
+@points(3, task="perturbation_bound")
+def test_bound_against_a_loop_and_above_the_perturbation():
+    g = torch.Generator().manual_seed(2)
+    for shape, n, D in (((2, 3), 9, 5), ((5,), 16, 2), ((), 6, 4)):
+        attn, projected, keep = instance(g, shape, n, D)
+        vnorm = projected.abs().sum(-1)
+        got = A.bound(attn, keep, vnorm)
+        want = bound_by_loop(attn, keep, vnorm)
+        assert got.shape == want.shape, \
+            f"perturbation_bound returns one theta per row, {tuple(want.shape)}, got {tuple(got.shape)}"
+        at = first_bad(got, want, rtol=1e-4, atol=1e-5)
+        assert at is None, (
+            f"attn {tuple(attn.shape)}: row {at} keeps {int(keep[at].sum())} of {n} (mass "
+            f"{float((attn[at] * keep[at]).sum()):.3f}): theta = sum A P - (2 - 1/mass) sum N A P; got "
+            f"{float(got[at]):.6f}, expected {float(want[at]):.6f}")
+        L = perturbation_by_loop(attn, keep, projected)
+        assert (L <= got.double() + 1e-4).all(), "Theorem 2: theta is never below the true perturbation L"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# two_stage
+
+@points(3, task="two_stage")
+def test_two_stage_masks_against_a_loop():
+    g = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        B, H, T = 2, 3, 8 + trial % 9
+        first = torch.randn(B, H, T, generator=g)
+        second = torch.randn(B, H, T, generator=g) * 4
+        first[..., 1::3] = first[..., ::3][..., :first[..., 1::3].shape[-1]]       # ties
+        second[0, 0, :3] = second[0, 0, 3]
+        first[1, 2, -2:] = float("inf")                                               # protected, kept first
+        first[0, 1, :2] = second[1, 0, 1:3] = float("nan")                           # NaN: the lowest valid
+        second[0, :, -1] = first[1, :2, -1] = float("-inf")                          # -inf: the lowest valid too
+        valid = torch.rand(B, H, T, generator=g) < 0.85
+        valid[..., 0] = False                                                         # an empty slot first
+        budgets = torch.randint(0, T + 3, (B, H), generator=g) if trial % 2 else 1 + trial % T
+        n_first = torch.randint(0, T, (B, H), generator=g) if trial % 3 else trial % 4
+        got = A.stages(first, second, budgets, n_first, valid if trial % 4 else None)
+        want = two_stage_by_loop(first, second, budgets, n_first, valid if trial % 4 else None)
+        for name, x, y in (("stage1", got[0], want[0]), ("keep", got[1], want[1])):
+            assert x.shape == y.shape and x.dtype == torch.bool, \
+                f"two_stage_masks returns two (..., T) bool masks, {tuple(y.shape)}; {name} is {x.dtype} {x.shape}"
+            bad = (x != y).any(-1).nonzero()
+            if len(bad):
+                b, h = bad[0].tolist()
+                bb = budgets if isinstance(budgets, int) else int(budgets[b, h])
+                nf = n_first if isinstance(n_first, int) else int(n_first[b, h])
+                raise AssertionError(
+                    f"trial {trial}, batch {b}, head {h} (budget {bb}, n_first {nf}, "
+                    f"{int(valid[b, h].sum()) if trial % 4 else T} valid of {T}): {name} holds "
+                    f"{x[b, h].nonzero().flatten().tolist()}, expected {y[b, h].nonzero().flatten().tolist()}: stage 1 "
+                    f"is the top n_first valid entries by `first` (capped at the budget, itself capped at the valid "
+                    f"entries), stage 2 the best of the other valid entries by `second`; NaN and -inf rank lowest, "
+                    f"ties go to the earlier entry")
+
+
+@points(2, task="two_stage")
+def test_alpha_one_is_attention_topk_and_alpha_zero_is_a_times_p():
+    g = torch.Generator().manual_seed(4)
     attn = torch.softmax(torch.randn(3, 16, generator=g), -1)
     vnorm = torch.rand(3, 16, generator=g) * 3
     for row in range(3):
-        top_a = sorted(attn[row].topk(5).indices.tolist())
-        top_ap = sorted((attn[row] * vnorm[row]).topk(5).indices.tolist())
-        assert A.select(attn, vnorm, 5, 1.0)[row].tolist() == top_a, "alpha = 1: the attention top-k"
-        assert A.select(attn, vnorm, 5, 0.0)[row].tolist() == top_ap, "alpha = 0: the top-k of A * P"
-    assert A.select(attn, vnorm, 40, 0.25).shape[-1] == 16, "a budget over n keeps everything"
+        for alpha, score, what in ((1.0, attn[row], "the attention top-k"), (0.0, attn[row] * vnorm[row],
+                                                                              "the top-k of A * P")):
+            want = sorted(score.topk(5).indices.tolist())
+            got = A.select(attn, vnorm, 5, alpha)[row].tolist()
+            assert got == want, f"row {row}, budget 5, alpha = {alpha}: Algorithm 1 is {what}, {want}; got {got}"
+    got = A.select(attn, vnorm, 40, 0.25)
+    assert got.shape[-1] == 16, f"a budget of 40 over 16 entries keeps all 16, got {got.shape[-1]}"
 
 
-@points(2)
-def test_keeping_everything_changes_nothing():
-    g = torch.Generator().manual_seed(2)
-    attn = torch.softmax(torch.randn(4, 10, generator=g), -1)
-    projected = torch.randn(4, 10, 3, generator=g)
-    keep = torch.ones(4, 10, dtype=torch.bool)
-    torch.testing.assert_close(A.perturbation(attn, keep, projected), torch.zeros(4), atol=1e-6, rtol=0)
-    torch.testing.assert_close(A.bound(attn, keep, projected.abs().sum(-1)), torch.zeros(4), atol=1e-6, rtol=0)
+def kept_per_step(spec, options, references, seed=0, n_prompt=24, n_new=0):
+    """The sorted positions every layer and KV head keeps after the prefill and after each decode step."""
+    model = A.tiny_model(seed=seed)
+    ids = torch.randint(0, 512, (1, n_prompt + n_new), generator=torch.Generator().manual_seed(seed + 3))
+    cache = A.new_cache(model, spec, **options)
+    steps = []
+    with A.using(**references):
+        A.run_prefill(model, ids[:, :n_prompt], cache)
+        for t in range(n_prompt, n_prompt + n_new + 1):
+            steps.append([[sorted(set(A.kept_positions(cache, layer)[0, h].tolist()) - {-1}) for h in range(2)]
+                          for layer in range(2)])
+            if t < n_prompt + n_new:
+                A.run_decode(model, ids[:, t], cache)
+    return steps
 
 
-@points(3)
-def test_critical_snapkv_compresses_the_prompt_to_budget():
-    model = A.tiny_model(seed=4)
-    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(3))
-    budget, window = 10, 4
-    cache = A.new_cache(model, "critical_kv", budget, inner="snapkv", window=window)
-    logits = A.run_prefill(model, ids, cache)[:, -1]
-    for layer in range(2):
-        pos = A.kept_positions(cache, layer)
-        for h in range(pos.shape[1]):
-            kept = set(pos[0, h].tolist()) - {-1}
-            assert len(kept) == budget, f"layer {layer} head {h} keeps {len(kept)} entries, budget {budget}"
-            assert set(range(24 - window, 24)) <= kept, "the observation window is always kept"
-    assert torch.isfinite(A.run_decode(model, logits.argmax(-1), cache)).all()
+@points(2, task="two_stage")
+def test_critical_kv_keeps_the_reference_entries():
+    for spec, options, n_new in (("critical_kv", {"budget": 10, "window": 4, "alpha": 0.25}, 0),
+                                 ("critical_kv(adakv(snapkv))", {"budget": 9, "window": 3, "alpha": 0.5}, 0),
+                                 ("critical_kv(h2o)", {"budget": 8, "alpha": 0.4}, 4)):
+        got = kept_per_step(spec, options, {}, n_new=n_new)
+        want = kept_per_step(spec, options, {"two_stage_masks": loop_two_stage_masks}, n_new=n_new)
+        for step, (g, w) in enumerate(zip(got, want)):
+            for layer in range(2):
+                for h in range(2):
+                    assert g[layer][h] == w[layer][h], (
+                        f"{spec} {options}: after {'the prefill of 24' if step == 0 else f'decode step {step}'}, "
+                        f"layer {layer}, KV head {h} (GQA: 2 query heads each) keeps {g[layer][h]}; with the test's "
+                        f"reference two_stage_masks it keeps {w[layer][h]}")

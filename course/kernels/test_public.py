@@ -1,42 +1,251 @@
-"""Public tests of the ``kernels`` assignment: merging split-K partials, and the kernel's online softmax
-against full attention. Without a GPU the kernel runs in Triton's interpreter (the grader sets
-``TRITON_INTERPRET=1``). Run them with ``python -m course.grade kernels``."""
+"""Public tests of the ``kernels`` assignment: the online softmax of each range (checked on the partials m, l,
+acc the kernels write, before any merge) and the merge of the ranges' partials (given by the test), against
+plain PyTorch written here. Without a GPU the kernels run in Triton's interpreter (the grader sets
+``TRITON_INTERPRET=1``). Run them with ``python -m course.grade kernels``.
 
+Each task is graded alone: the online-softmax tests merge nothing (they read each range's partials), the
+merge tests build their partials themselves. Each test checks every implementation of its task.
+"""
+
+import importlib
 import math
+from contextlib import contextmanager
 
 import adapters as A
 import torch
-from oracle import full_attention, points
+from oracle import points
+
+LOG2E = math.log2(math.e)
 
 
-def partials(s, v, bounds):
-    """m, l, acc of each range [a, b) of scores s (G, S) over values v (S, d), by plain PyTorch."""
+class Taken:
+    """A function of the library taken away while another implementation of the same task is graded."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError(f"graded alone: this implementation called {self.name}, another implementation of "
+                             "the same task; compute the answer here instead")
+
+    def __getitem__(self, grid):
+        return self
+
+
+@contextmanager
+def without(*names):
+    """Inside the block, the library functions ``names`` ("kernels.<file>.<function>") raise; a file that does
+    not import has nothing to take away."""
+    saved = []
+    for name in names:
+        where, attr = name.rsplit(".", 1)
+        try:
+            module = importlib.import_module(where)
+        except Exception:
+            continue
+        if hasattr(module, attr):
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, Taken(name))
+    try:
+        yield
+    finally:
+        for module, attr, f in saved:
+            setattr(module, attr, f)
+
+
+MERGE_FUNCTIONS = ("kernels.decode_attention._merge_splits_kernel", "kernels.decode_attention.merge_splits_triton",
+                   "kernels.count_sketch._merge_splits_kernel", "kernels.count_sketch.merge_sketch_splits_triton",
+                   "kernels.tensor_decode.tensor_decode_combine_kernel")
+
+
+def randn(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def ranges(n, block_n, splits):
+    """The token ranges [a, b) the kernels cut n tokens into: whole blocks of ``block_n``, at most ``splits``
+    ranges of equally many blocks (the last one shorter), none empty of blocks."""
+    blocks = -(-n // block_n)
+    per = -(-blocks // max(1, min(splits, blocks)))
+    return [(a * block_n, min((a + per) * block_n, n)) for a in range(0, blocks, per)]
+
+
+def partials_by_range(s, v, bounds, p_dtype=None):
+    """Each range's (m, l, acc) from scores s (G, T) and values v (T, d): m = the max score, l = sum exp(s - m),
+    acc = sum exp(s - m) v; a range with no score (all -inf, or empty) gives m = -inf, l = 0, acc = 0.
+    ``p_dtype``: the weights rounded to it before they multiply v (a 16-bit cache). -> (splits, G), (splits, G),
+    (splits, G, d)."""
     ms, ls, accs = [], [], []
     for a, b in bounds:
-        m = s[:, a:b].max(-1).values
-        p = torch.exp(s[:, a:b] - m[:, None])
+        x = s[:, a:b]
+        m = x.max(-1).values if b > a else torch.full((s.shape[0],), float("-inf"))
+        p = torch.exp(x - torch.where(m == float("-inf"), 0.0, m)[:, None])
         ms.append(m)
         ls.append(p.sum(-1))
-        accs.append(p @ v[a:b])
-    return torch.stack(ms)[None], torch.stack(ls)[None], torch.stack(accs)[None]   # (1, splits, G, ...)
+        accs.append((p.to(p_dtype).float() if p_dtype else p) @ v[a:b])
+    return torch.stack(ms), torch.stack(ls), torch.stack(accs)
 
 
-@points(2)
+def first_difference(got, want, rtol, atol):
+    """The index of the first entry where got and want differ (inf == inf, nan never equal), or None."""
+    bad = ~torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=False)
+    return None if not bad.any() else tuple(int(x) for x in bad.nonzero()[0])
+
+
+def check_partials(what, got, want, bounds, meaning, rtol=1e-5, atol=1e-5):
+    """got, want: (m, l, acc), each (splits, G[, d]) of one (sequence, KV head)."""
+    for name, g, w, what_it_is in zip(("m", "l", "acc"), got, want, meaning):
+        assert g.shape == w.shape, f"{what}: {name} has shape {tuple(g.shape)}, expected {tuple(w.shape)}"
+        where = first_difference(g, w, rtol, atol)
+        if where is not None:
+            r, h = where[:2]
+            a, b = bounds[r]
+            at = f", feature {where[2]}" if len(where) > 2 else ""
+            raise AssertionError(f"{what}, range {r} (tokens {a}..{b - 1}), query head {h} of the group{at}: "
+                                 f"{name} = {g[where].item():.6g}, expected {w[where].item():.6g} ({what_it_is})")
+
+
+DECODE_MEANING = ("the max of its scores q k / sqrt(d); -inf for a range without tokens",
+                  "the sum of exp(score - m); 0 without tokens", "the sum of exp(score - m) v; 0 without tokens")
+SKETCH_MEANING = ("in base 2: the max of its scores q k * scale * log2(e)", "the sum of 2^(score - m)",
+                  "the sum of 2^(score - m) v")
+
+
+def check_decode(q, k, v, block_n, splits, idx=None, dtype=torch.float32, tag="", rtol=1e-5):
+    """decode_attention.py's split kernel: every (sequence, KV head)'s partials against the test's."""
+    B, H, d = q.shape
+    H_kv = k.shape[1]
+    G = H // H_kv
+    k, v = k.to(dtype), v.to(dtype)
+    with without("kernels.count_sketch._online_softmax_step"):
+        m, l, acc = A.decode_partials(q.to(dtype), k, v, idx, block_n, splits)
+    n = k.shape[2] if idx is None else idx.shape[2]
+    bounds = ranges(n, block_n, splits)
+    qs = q.to(dtype).float() * (1 / math.sqrt(d))                         # (B, H, d), as the kernel loads it
+    fp16 = dtype == torch.float16         # bf16 multiplies in fp32 in the interpreter, fp16 in its own type
+    if fp16:
+        qs = qs.to(dtype).float()
+    tol = (2e-3, 2e-3) if fp16 else (rtol, rtol)
+    cache = f"{'selected rows' if idx is not None else 'contiguous'} {str(dtype)[6:]} cache"
+    for b in range(B):
+        for h in range(H_kv):
+            rows = torch.arange(n) if idx is None else idx[b, h]
+            kk, vv = k[b, h, rows.clamp(min=0)].float(), v[b, h, rows.clamp(min=0)].float()   # (n, d)
+            s = (qs[b, h * G:(h + 1) * G] @ kk.T).masked_fill(rows[None, :] < 0, float("-inf"))  # (G, n)
+            want = partials_by_range(s, vv, bounds, dtype if fp16 else None)
+            got = (m[b * H_kv + h], l[b * H_kv + h], acc[b * H_kv + h])
+            check_partials(f"online softmax{tag}, decode kernel ({cache}, block_n {block_n}, "
+                           f"{len(bounds)} range(s)), sequence {b}, KV head {h}", got, want, bounds,
+                           DECODE_MEANING, *tol)
+
+
+def check_sketch(q, k, v, block_n, splits, tag="", rtol=1e-5):
+    """count_sketch.py's fused kernel over raw tokens (q (H, d), k, v (H_kv, n, d)): partials in base 2."""
+    H, d = q.shape
+    H_kv, n, _ = k.shape
+    G = H // H_kv
+    scale = 1 / math.sqrt(d)
+    m, l, acc = A.sketch_partials(q, k, v, scale, block_n, splits)
+    bounds = ranges(n, block_n, splits)
+    for h in range(H_kv):
+        s = q[h * G:(h + 1) * G] @ k[h].T * scale * LOG2E                     # (G, n) in base 2
+        m_w, _, _ = partials_by_range(s, v[h], bounds)
+        _, l_w, acc_w = partials_by_range(s / LOG2E, v[h], bounds)          # 2^(x - m) = exp((x - m) / log2(e))
+        check_partials(f"online softmax{tag}, count_sketch.py's fused kernel (block_n {block_n}, {len(bounds)} "
+                       f"ranges), KV head {h}", (m[h], l[h], acc[h]), (m_w, l_w, acc_w), bounds, SKETCH_MEANING,
+                       rtol=rtol, atol=max(rtol, 1e-4))
+
+
+def check_online_softmax(B, H, H_kv, d, n, seed, k_scale=1.0, k_shift=0.0, q_shift=0.0, tag="", rtol=1e-5,
+                         dtypes=(torch.float32, torch.float16, torch.bfloat16)):
+    """One case through every implementation: the decode kernel over a contiguous cache (fp32, fp16 and bf16,
+    one range and several) and over selected rows with padding (one head's last range all padding), and the
+    fused sketch kernel over the first sequence's raw tokens. ``rtol``: of the fp32 checks (large scores carry
+    larger rounding); ``dtypes``: of the contiguous cache (the interpreter's fp16 products are too coarse for
+    scores in the hundreds)."""
+    u = torch.ones(d) / math.sqrt(d)
+    q = randn(B, H, d, seed=seed) + q_shift * u
+    k = randn(B, H_kv, n, d, seed=seed + 1, scale=k_scale) + k_shift * u
+    v = randn(B, H_kv, n, d, seed=seed + 2)
+    for dtype in dtypes:
+        for splits in (1, 3):
+            check_decode(q, k, v, 16, splits, dtype=dtype, tag=tag, rtol=rtol)
+    g = torch.Generator().manual_seed(seed + 3)
+    K = 3 * 16
+    idx = torch.stack([torch.randperm(n, generator=g)[:K] if K <= n else torch.randint(0, n, (K,), generator=g)
+                       for _ in range(B * H_kv)]).view(B, H_kv, K)
+    idx[0, 0, 20:] = -1                             # its third range holds only padding
+    idx[-1, -1, 3:9] = -1                           # padding inside a range
+    check_decode(q, k, v, 16, 3, idx=idx, tag=tag, rtol=rtol)
+    check_sketch(q[0], k[0], v[0], 16, 2, tag=tag, rtol=rtol)
+
+
+def merge_case(R, G, d, bounds, seed, spread=3.0, shifts=None, row_shifts=None, head_shifts=None):
+    """Scores s (R, G, T) and values v (R, T, d), the partials of ``bounds`` and the answer softmax(s) v.
+    ``shifts``: a constant added to each range's scores (ranges far apart); ``row_shifts``, ``head_shifts``:
+    to each row's, to each query head's."""
+    T = max(b for _, b in bounds)
+    s, v = randn(R, G, T, seed=seed, scale=spread), randn(R, T, d, seed=seed + 1)
+    for (a, b), c in zip(bounds, shifts or [0.0] * len(bounds)):
+        s[:, :, a:b] += c
+    for r, c in enumerate(row_shifts or [0.0] * R):
+        s[r] += c
+    for g, c in enumerate(head_shifts or [0.0] * G):
+        s[:, g] += c
+    parts = [partials_by_range(s[r], v[r], bounds) for r in range(R)]
+    m, l, acc = (torch.stack([p[i] for p in parts]) for i in range(3))      # (R, splits, G[, d])
+    return m, l, acc, torch.softmax(s, dim=-1) @ v
+
+
+def far_below_zero_case(seed):
+    """3 query heads (a group the sketch kernel pads to 4), 5 ranges (a block of ranges padded to 8), the
+    scores of the first row near -300 (a weight exp(m) without the common max underflows to 0), of the next
+    row near +300 (a merge that reads a range too many takes the next row's); the query heads' scores 250
+    apart (each head needs its own max)."""
+    bounds = [(0, 4), (4, 10), (10, 11), (11, 17), (17, 20)]
+    return merge_case(3, 3, 16, bounds, seed=seed, shifts=[-10.0, -30.0, -20.0, -15.0, -40.0],
+                      row_shifts=[-290.0, 310.0, -290.0], head_shifts=[0.0, 250.0, -250.0])
+
+
+MERGES = (("merge_splits (PyTorch)", "merge"), ("decode_attention.py's _merge_splits_kernel", "merge_kernel"),
+          ("count_sketch.py's _merge_splits_kernel", "merge_sketch_kernel"),
+          ("tensor_decode.py's tensor_decode_combine_kernel", "merge_tensor_kernel"))
+
+
+def check_merge(m, l, acc, want, tag):
+    """Every implementation of the merge against softmax over all ranges' scores at once."""
+    for name, adapter in MERGES:
+        if adapter == "merge_kernel" and acc.shape[-1] & (acc.shape[-1] - 1):
+            continue                     # decode_attention.py's kernels take a power-of-two head dimension
+        with without(*(MERGE_FUNCTIONS if adapter == "merge" else ())):
+            got = getattr(A, adapter)(m.clone(), l.clone(), acc.clone())
+        assert tuple(got.shape) == tuple(want.shape), \
+            f"merge, {name}: the output has shape {tuple(got.shape)}, expected (R, G, d) = {tuple(want.shape)}"
+        where = first_difference(got.float(), want, 1e-4, 1e-5)
+        if where is not None:
+            r, g, e = where
+            raise AssertionError(
+                f"merge ({tag}), {name}: row {r}, query head {g}, feature {e}: got {got[where].item():.6g}, expected "
+                f"{want[where].item():.6g} = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s "
+                f"(ranges' m here: {[round(x, 2) for x in m[r, :, g].tolist()[:6]]}...)")
+
+
+# -- the tests -----------------------------------------------------------------------------------------------
+
+@points(3, task="online_softmax")
+def test_each_range_keeps_its_max_sum_and_weighted_values():
+    """40 tokens in blocks of 16 (a ragged last block), 1 or 3 ranges, 4 query heads over 2 KV heads; selected
+    rows with padding; the fused sketch kernel's 2 ranges."""
+    check_online_softmax(B=1, H=4, H_kv=2, d=16, n=40, seed=1)
+
+
+@points(3, task="merge_splits")
 def test_merge_splits():
-    g = torch.Generator().manual_seed(0)
-    s, v = torch.randn(3, 20, generator=g) * 3, torch.randn(20, 8, generator=g)
-    m, l, acc = partials(s, v, [(0, 7), (7, 15), (15, 20)])
-    torch.testing.assert_close(A.merge(m, l, acc)[0], torch.softmax(s, -1) @ v, rtol=1e-5, atol=1e-6)
-
-
-@points(3)
-def test_kernel_equals_full_attention():
-    g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(1, 4, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g), \
-        torch.randn(1, 2, 40, 16, generator=g)
-    want = full_attention(q[:, :, None], k, v, torch.tensor([39]), torch.arange(40).expand(1, 2, 40))[:, :, 0]
-    for splits in (1, 3):
-        torch.testing.assert_close(A.decode(q, k, v, block_n=16, splits=splits), want, rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"{splits} splits: {m}")
-    assert math.isfinite(float(A.decode(q, k * 30, v, block_n=16, splits=2).abs().max())), \
-        "large scores must not overflow: subtract the running max"
+    """Three ranges of different lengths and an empty one; 40 ranges of two tokens (more than a block of ranges
+    in the kernels); a head dimension of 12 (padded in the kernels that take it); 3 query heads, scores near
+    -300."""
+    bounds = [(0, 7), (7, 15), (15, 15), (15, 20)]
+    check_merge(*merge_case(2, 2, 16, bounds, seed=0), tag="4 ranges, one empty")
+    check_merge(*merge_case(2, 2, 16, [(2 * i, 2 * i + 2) for i in range(40)], seed=1), tag="40 ranges")
+    check_merge(*merge_case(3, 1, 12, [(0, 5), (5, 6), (6, 11)], seed=6), tag="d = 12")
+    check_merge(*far_below_zero_case(seed=8), tag="3 query heads, rows of scores near -300 and +300")

@@ -1,45 +1,126 @@
-"""The adapters of the ``kvreviver`` assignment, the functions its tests call: see course/model_adapters.py."""
+"""The adapters of the ``kvreviver`` assignment: the tests' only door into your code (see
+course/model_adapters.py). If you move or rename things in the library, change these functions so they reach
+your code.
+
+Each adapter imports the library module it needs when it is called, so a file of yours that fails to import
+fails only the tasks that use it. Each task has three implementations: the sketch's method in
+methods/kvreviver.py (``VagueSketch``), the plain function of kernels/count_sketch.py (``reference_*``) and its
+Triton kernel (``sketch_*_triton``, run in Triton's CPU interpreter by the grader).
+"""
 
 from __future__ import annotations
 
+import importlib
+
 from torch import Tensor
 
-from course.model_adapters import (  # noqa: F401  (re-exported for the tests)
-    kept_positions,
-    new_cache,
-    run_decode,
-    run_prefill,
-    tiny_model,
-    uncached_logits,
-)
-from methods.kvreviver import VagueSketch
+
+def kvreviver():
+    return importlib.import_module("methods.kvreviver")
 
 
-def new_sketch(rows: int, width: int, n_kv_head: int, head_dim: int, seed: int = 0,
-               injective: bool = False) -> VagueSketch:
+def count_sketch():
+    return importlib.import_module("kernels.count_sketch")
+
+
+# -- the sketch's method (methods/kvreviver.py) -------------------------------------------------------------
+
+def sketch_class() -> type:
+    """The sketch class (``VagueSketch``): the tests subclass it to swap in an oracle for one operation."""
+    return kvreviver().VagueSketch
+
+
+def new_sketch(rows: int, width: int, n_kv_head: int, head_dim: int, seed: int = 0, injective: bool = False):
     """An empty count sketch: ``rows`` rows of ``width`` cells, each cell a key and a value (n_kv_head, d)."""
-    return VagueSketch(rows, width, n_kv_head, head_dim, seed, injective)
+    return sketch_class()(rows, width, n_kv_head, head_dim, seed, injective)
 
 
-def hashes(sketch: VagueSketch, pos: Tensor) -> tuple[Tensor, Tensor]:
-    """(cells h_i(J), signs g_i(J)), both (rows, n), of positions pos (n,)."""
+def hashes(sketch, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """(cells h_i(J), signs g_i(J)), both (rows, n), of positions pos (n,) (given code, not a task)."""
     return sketch.buckets(pos), sketch.signs(pos)
 
 
-def cells(sketch: VagueSketch) -> tuple[Tensor, Tensor]:
-    """The sketch's key and value cells, (rows, width, n_kv_head, d) each."""
+def cells(sketch) -> tuple[Tensor, Tensor]:
+    """The sketch's key and value cells, (rows, width, n_kv_head, d) each (the tensors themselves: writing
+    into them changes the sketch)."""
     return sketch.key, sketch.value
 
 
-def insert(sketch: VagueSketch, pos: Tensor, k: Tensor, v: Tensor) -> None:
+def insert(sketch, pos: Tensor, k: Tensor, v: Tensor) -> None:
     """Add tokens at positions pos (n,) with k, v (n, n_kv_head, d)."""
     sketch.insert(pos, k, v)
 
 
-def delete(sketch: VagueSketch, pos: Tensor, k: Tensor, v: Tensor) -> None:
+def delete(sketch, pos: Tensor, k: Tensor, v: Tensor) -> None:
+    """Subtract tokens that were added (given code: an insert of -k, -v)."""
     sketch.delete(pos, k, v)
 
 
-def query(sketch: VagueSketch, pos: Tensor) -> tuple[Tensor, Tensor]:
+def query(sketch, pos: Tensor) -> tuple[Tensor, Tensor]:
     """Estimates of k and v, (n, n_kv_head, d) each."""
     return sketch.query(pos)
+
+
+# -- the plain functions and the kernels (kernels/count_sketch.py) ------------------------------------------
+
+def reference_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor, v: Tensor) -> None:
+    """Add n tokens k, v (n, H_kv, d) into key, value (r, b, H_kv, d) in place, at cells (r, n) with signs."""
+    count_sketch().reference_sketch_insert(key, value, cells, signs, k, v)
+
+
+def kernel_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor, v: Tensor,
+                  block_n: int) -> None:
+    """The same with the Triton kernel, ``block_n`` tokens per program."""
+    count_sketch().sketch_insert_triton(key, value, cells, signs, k, v, block_n=block_n)
+
+
+def reference_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) -> tuple[Tensor, Tensor]:
+    """Estimates (n, H_kv, d) of the tokens at cells (r, n) with signs (r, n)."""
+    return count_sketch().reference_sketch_query(key, value, cells, signs)
+
+
+def kernel_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, block_n: int) -> tuple[Tensor, Tensor]:
+    """The same with the Triton kernel, ``block_n`` tokens per program."""
+    return count_sketch().sketch_query_triton(key, value, cells, signs, block_n=block_n)
+
+
+# -- KVReviver around the sketch (given code) -----------------------------------------------------------------
+
+def tiny_model(seed: int = 0):
+    """A seeded random model in fp32 (TINY: 2 layers, 4 query heads over 2 KV heads)."""
+    from course.model_adapters import tiny_model
+    return tiny_model("llama", seed)
+
+
+def kvreviver_cache(model, budget: int, sketch: type | None = None, **options):
+    """A cache run by KVReviver at ``budget``; its sketches are of class ``sketch`` (default: ``VagueSketch``)."""
+    from course.model_adapters import new_cache
+    cache = new_cache(model, "kvreviver", budget, **options)
+    if sketch is not None:
+        cache.policy.sketch_class = sketch
+    return cache
+
+
+def sketches(cache, layer: int) -> list:
+    """The sketches of a layer, one per sequence (and selection group)."""
+    return cache.policy._sketch.get(layer, [])
+
+
+def kept_positions(cache, layer: int) -> Tensor:
+    """Positions a layer holds raw (B, H_kv, T)."""
+    return cache.layers[layer].pos
+
+
+def run_prefill(model, ids: Tensor, cache) -> Tensor:
+    from course.model_adapters import run_prefill
+    return run_prefill(model, ids, cache)
+
+
+def run_decode(model, token: Tensor, cache) -> Tensor:
+    from course.model_adapters import run_decode
+    return run_decode(model, token, cache)
+
+
+def uncached_logits(model, ids: Tensor) -> Tensor:
+    from course.model_adapters import uncached_logits
+    return uncached_logits(model, ids)

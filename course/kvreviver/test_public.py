@@ -1,54 +1,209 @@
-"""Public tests of the ``kvreviver`` assignment: inserting tokens into the count sketch (Algorithm 1) and
-reading them back (Algorithm 2). Run them with ``python -m course.grade kvreviver``."""
+"""Public tests of the ``kvreviver`` assignment: the count sketch's insert (Algorithm 1) and query (Algorithm 2),
+each in its three implementations (``VagueSketch``'s method, the plain function and the Triton kernel of
+kernels/count_sketch.py), against a brute-force count sketch written here, token by token and row by row.
+Run them with ``python -m course.grade kvreviver``.
+
+Each task is graded alone: a test of ``query`` writes the cells itself (no ``insert``), and while one
+implementation runs, the others of the same operation in kernels/count_sketch.py are taken away (they raise),
+so each must compute its answer itself.
+"""
+
+from contextlib import contextmanager
 
 import adapters as A
 import torch
 from oracle import points
 
+H_KV, D = 2, 3                      # a cell holds a whole token (keys or values of every KV head): 6 numbers
 
-def tokens(n, seed=0):
+
+def randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def random_hashes(rows, n, width, seed):
+    """cells (rows, n) in [0, width) with every cell of every row used (collisions: n > width), signs +-1."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 2, 4, generator=g), torch.randn(n, 2, 4, generator=g)
+    cells = torch.stack([torch.randperm(n, generator=g) % width for _ in range(rows)])
+    signs = torch.randint(0, 2, (rows, n), generator=g).float() * 2 - 1
+    return cells, signs
 
 
-def filled_sketch(width, n, seed):
-    """A 3-row sketch of ``width`` cells holding tokens at positions 0..n-1; with what the test compares:
-    (sketch, k, v, cells h_i(J), signs g_i(J), key cells, value cells)."""
-    sketch = A.new_sketch(3, width, 2, 4, seed=seed)
-    k, v = tokens(n, seed=seed)
-    A.insert(sketch, torch.arange(n), k, v)
-    return (sketch, k, v, *A.hashes(sketch, torch.arange(n)), *A.cells(sketch))
+# -- the oracle: a count sketch by brute force --------------------------------------------------------------
+
+def brute_insert(key, value, cells, signs, k, v):
+    """Algorithm 1, one token and one row at a time, in place: key[i, h_i(J)] += k_J and
+    value[i, h_i(J)] += g_i(J) v_J. key, value (r, b, H_kv, d); cells, signs (r, n); k, v (n, H_kv, d)."""
+    for i in range(cells.shape[0]):
+        for j in range(cells.shape[1]):
+            key[i, int(cells[i, j])] += k[j].float()
+            value[i, int(cells[i, j])] += float(signs[i, j]) * v[j].float()
 
 
-@points(2)
-def test_an_injective_sketch_gives_tokens_back_exactly():
-    sketch = A.new_sketch(3, 16, 2, 4, injective=True)
-    k, v = tokens(5)
-    pos = torch.tensor([0, 3, 7, 8, 15])
-    A.insert(sketch, pos, k, v)
-    k_hat, v_hat = A.query(sketch, pos)
-    torch.testing.assert_close(k_hat, k)
-    torch.testing.assert_close(v_hat, v)
+def lower_median(x):
+    """The middle of the sorted rows, the lower of the two middle ones for an even count: x (r, ...)."""
+    return x.sort(dim=0).values[(x.shape[0] - 1) // 2]
 
 
-@points(2)
-def test_cells_hold_keys_and_signed_values():
-    _, k, v, cell, sign, key, value = filled_sketch(width=4, n=6, seed=1)     # cell, sign (3, 6)
-    for i in range(3):
-        for c in range(4):
-            here = cell[i] == c
-            want_k = k[here].sum(0) if here.any() else torch.zeros(2, 4)
-            want_v = (sign[i][here, None, None] * v[here]).sum(0) if here.any() else torch.zeros(2, 4)
-            torch.testing.assert_close(key[i, c], want_k, msg=f"row {i} cell {c}: key sum")
-            torch.testing.assert_close(value[i, c], want_v, msg=f"row {i} cell {c}: signed value sum")
+def brute_query(key, value, cells, signs):
+    """Algorithm 2, one token at a time: the lower median over the rows of its cells, values times g_i(J)."""
+    r, n = cells.shape
+    k_hat, v_hat = torch.empty(n, *key.shape[2:]), torch.empty(n, *key.shape[2:])
+    for j in range(n):
+        k_hat[j] = lower_median(torch.stack([key[i, int(cells[i, j])] for i in range(r)]))
+        v_hat[j] = lower_median(torch.stack([float(signs[i, j]) * value[i, int(cells[i, j])] for i in range(r)]))
+    return k_hat, v_hat
 
 
-@points(2)
-def test_query_is_the_median_over_rows():
-    sketch, k, v, cell, sign, key, value = filled_sketch(width=5, n=9, seed=2)
-    k_hat, v_hat = A.query(sketch, torch.arange(9))
-    rows = torch.arange(3)[:, None]
-    want_k = key[rows, cell].median(0).values                           # (9, 2, 4)
-    want_v = (value[rows, cell] * sign[..., None, None]).median(0).values
-    torch.testing.assert_close(k_hat, want_k)
-    torch.testing.assert_close(v_hat, want_v)
+# -- every implementation computes its answer itself ----------------------------------------------------------
+
+INSERTS = ("reference_sketch_insert", "sketch_insert_triton", "_sketch_insert_kernel")
+QUERIES = ("reference_sketch_query", "sketch_query_triton", "_sketch_query_kernel", "_sketch_estimate",
+           "_sketch_row")
+
+
+class Taken:
+    """A function of kernels/count_sketch.py taken away while another implementation is graded."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError(f"graded alone: this implementation called kernels/count_sketch.py's {self.name}, "
+                             "another implementation of the same task; compute the answer here instead")
+
+    def __getitem__(self, grid):
+        return self
+
+
+@contextmanager
+def without(*names):
+    """Inside the block, the functions ``names`` of kernels/count_sketch.py raise (if that file imports)."""
+    try:
+        import kernels.count_sketch as cs
+    except Exception:                   # the file does not import: nothing there to take away
+        yield
+        return
+    saved = {n: getattr(cs, n) for n in names if hasattr(cs, n)}
+    for n in saved:
+        setattr(cs, n, Taken(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(cs, n, f)
+
+
+# -- checks with messages that say what went wrong -----------------------------------------------------------
+
+def check_cells(what, got, want, cells, atol=1e-5):
+    """got == want, cell by cell, or an error naming the first wrong cell and the tokens sent to it."""
+    assert got.shape == want.shape, f"{what}: the cells have shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    bad = ~torch.isclose(got, want, rtol=1e-5, atol=atol)
+    if bad.any():
+        i, c, h, e = (int(x) for x in bad.nonzero()[0])
+        tokens = (cells[i] == c).nonzero().flatten().tolist()
+        raise AssertionError(f"{what}: row {i}, cell {c} (tokens {tokens} are hashed there) holds "
+                             f"{got[i, c, h, e].item():.4f} at head {h}, feature {e}, expected "
+                             f"{want[i, c, h, e].item():.4f} (the sum over those tokens)")
+
+
+def check_estimates(what, got, want, key, cells, signs, values):
+    """got == want, token by token, or an error naming the first wrong token and its rows' cells."""
+    assert tuple(got.shape) == tuple(want.shape), \
+        f"{what}: the estimates have shape {tuple(got.shape)}, expected (n, H_kv, d) = {tuple(want.shape)}"
+    bad = ~torch.isclose(got, want, rtol=1e-5, atol=1e-6)
+    if bad.any():
+        j, h, e = (int(x) for x in bad.nonzero()[0])
+        read = [(float(signs[i, j]) if values else 1.0) * key[i, int(cells[i, j]), h, e].item()
+                for i in range(cells.shape[0])]
+        raise AssertionError(f"{what}: token {j} (cells {cells[:, j].tolist()}, signs {signs[:, j].tolist()}), "
+                             f"head {h}, feature {e}: got {got[j, h, e].item():.4f}, expected "
+                             f"{want[j, h, e].item():.4f}, the lower median of its rows' "
+                             f"{'signed values' if values else 'keys'} {[round(x, 4) for x in read]}")
+
+
+def check_insert(rows, width, batches, seed, delete=True):
+    """Tokens inserted in ``batches`` (sizes) into an empty sketch, then (``delete``) the first batch's first
+    half deleted, by all three implementations against the oracle."""
+    sketch = A.new_sketch(rows, width, H_KV, D, seed=seed)
+    pos, start = [], 100 + seed
+    for b, n in enumerate(batches):
+        pos.append(torch.arange(start, start + 3 * n, 3))
+        start += 3 * n
+    toks = [(randn(n, H_KV, D, seed=seed + 10 * b), randn(n, H_KV, D, seed=seed + 10 * b + 1))
+            for b, n in enumerate(batches)]
+    if len(batches) > 1:                 # a batch of fp16 tokens: the cells stay fp32
+        toks[1] = tuple(t.half() for t in toks[1])
+    want_k, want_v = torch.zeros(rows, width, H_KV, D), torch.zeros(rows, width, H_KV, D)
+    ref_k, ref_v = torch.zeros(rows, width, H_KV, D), torch.zeros(rows, width, H_KV, D)
+    ker_k, ker_v = torch.zeros(rows, width, H_KV, D), torch.zeros(rows, width, H_KV, D)
+    for p, (k, v) in zip(pos, toks):
+        cells, signs = A.hashes(sketch, p)
+        brute_insert(want_k, want_v, cells, signs, k, v)
+        with without(*INSERTS):
+            A.insert(sketch, p, k, v)
+        with without(*INSERTS[1:]):
+            A.reference_insert(ref_k, ref_v, cells, signs, k, v)
+        with without(INSERTS[0]):
+            A.kernel_insert(ker_k, ker_v, cells, signs, k, v, block_n=4)
+    every = torch.cat(pos)
+    all_cells, _ = A.hashes(sketch, every)
+    for what, (got_k, got_v) in (("reference_sketch_insert", (ref_k, ref_v)),
+                                 ("sketch_insert_triton (the kernel)", (ker_k, ker_v))):
+        check_cells(f"{what}, keys", got_k, want_k, all_cells)
+        check_cells(f"{what}, values (g_i(J) v_J)", got_v, want_v, all_cells)
+    if delete:                           # VagueSketch.delete is insert with sign -1
+        half = len(pos[0]) // 2
+        p, (k, v) = pos[0][:half], (t[:half] for t in toks[0])
+        k, v = k.clone(), v.clone()
+        cells, signs = A.hashes(sketch, p)
+        brute_insert(want_k, want_v, cells, signs, -k, -v)
+        with without(*INSERTS):
+            A.delete(sketch, p, k, v)
+    got_k, got_v = A.cells(sketch)
+    what = "VagueSketch.insert" + (" (then delete, an insert with sign -1)" if delete else "")
+    check_cells(f"{what}, keys", got_k, want_k, all_cells)
+    check_cells(f"{what}, values (g_i(J) v_J)", got_v, want_v, all_cells)
+
+
+def check_query(rows, width, n, seed):
+    """Random cells (not from an insert) read back at n positions by all three implementations."""
+    sketch = A.new_sketch(rows, width, H_KV, D, seed=seed)
+    key, value = A.cells(sketch)
+    key.copy_(randn(rows, width, H_KV, D, seed=seed))
+    value.copy_(randn(rows, width, H_KV, D, seed=seed + 1))
+    pos = torch.arange(7, 7 + 5 * n, 5)
+    cells, signs = A.hashes(sketch, pos)
+    want_k, want_v = brute_query(key, value, cells, signs)
+    with without(*QUERIES):
+        got = A.query(sketch, pos)
+    ref_cells, ref_signs = random_hashes(rows, n, width, seed)          # the functions take any hashes
+    ref_want = brute_query(key, value, ref_cells, ref_signs)
+    with without(*QUERIES[1:]):
+        ref = A.reference_query(key.clone(), value.clone(), ref_cells, ref_signs)
+    with without(QUERIES[0]):
+        ker = A.kernel_query(key.clone(), value.clone(), ref_cells, ref_signs, block_n=4)
+    for what, (k_hat, v_hat), (k_want, v_want), (c, s) in (
+            (f"VagueSketch.query, {rows} rows", got, (want_k, want_v), (cells, signs)),
+            (f"reference_sketch_query, {rows} rows", ref, ref_want, (ref_cells, ref_signs)),
+            (f"sketch_query_triton (the kernel), {rows} rows", ker, ref_want, (ref_cells, ref_signs))):
+        check_estimates(f"{what}, keys", k_hat, k_want, key, c, s, values=False)
+        check_estimates(f"{what}, values", v_hat, v_want, value, c, s, values=True)
+
+
+# -- the tests -----------------------------------------------------------------------------------------------
+
+@points(3, task="insert")
+def test_insert_sums_every_token_of_a_cell():
+    """14 then 9 tokens into 4 cells per row (3 to 6 tokens a cell), some deleted again: each cell holds the sum
+    of its tokens' keys, and of their values times the row's sign."""
+    check_insert(rows=3, width=4, batches=(14, 9), seed=1)
+
+
+@points(3, task="query")
+def test_query_is_the_lower_median_of_signed_cells():
+    """Cells written by the test: a token's key is the median over the rows of its cells; its value the median
+    of the cells times the signs g_i(J) (the lower middle for an even number of rows)."""
+    for rows, seed in ((3, 2), (2, 3), (4, 1)):
+        check_query(rows, width=5, n=12, seed=seed)

@@ -1,34 +1,95 @@
-"""The adapters of the ``scissorhands`` assignment, the functions its tests call: see course/model_adapters.py."""
+"""The adapters of the ``scissorhands`` assignment, the functions its tests call: see course/model_adapters.py.
+
+Each adapter imports the library inside the function, so a library file that fails to import fails only the
+tests that reach it. ``using`` lets a test run the policy with its own reference in place of a task it does
+not grade, so that each task is graded alone.
+"""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import torch
 from torch import Tensor
 
-from course.model_adapters import (  # noqa: F401  (re-exported for the tests)
-    kept_positions,
-    new_cache,
-    run_decode,
-    run_prefill,
-    tiny_model,
-    uncached_logits,
-)
-from methods.scissorhands import keep_score, low_flags, n_dropped, scissorhands_keep
+FUNCTIONS = ("low_flags", "keep_score", "n_dropped")      # the library functions the tasks write
 
 
 def unimportant(attn: Tensor, visible: Tensor, threshold: float | None = None) -> Tensor:
     """(B, H_kv, Tn, T) bool: which attended slots were below the threshold for each query."""
+    from methods.scissorhands import low_flags
     return low_flags(attn, visible, threshold)
 
 
 def tokens_to_drop(n_slots: int, budget: int, drop: int, n_recent: int) -> int:
+    """How many tokens a layer holding ``n_slots`` drops."""
+    from methods.scissorhands import n_dropped
     return n_dropped(n_slots, budget, drop, n_recent)
 
 
 def keep_order(counts: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
     """(B, H_kv, T) scores, higher = keep."""
+    from methods.scissorhands import keep_score
     return keep_score(counts, attn, pos)
 
 
-def keep(counts: Tensor, attn: Tensor, pos: Tensor, seen: int, budget: int, drop: int, n_recent: int) -> Tensor:
-    """The slots Scissorhands keeps (B, H_kv, K), ascending."""
-    return scissorhands_keep(counts, attn, pos, seen, budget, drop, n_recent)
+def counters(steps: list[Tensor], n_kv_head: int, history_window: int, threshold: float | None = None) -> Tensor:
+    """The counters I (B, H_kv, T) after Scissorhands observed a prompt and decode steps (nothing evicted).
+
+    steps[0] : (B, H, Tn, T) the probabilities of the prompt's last Tn queries over positions 0..T-1;
+    steps[s] : (B, H, 1, T + s) those of decode step s, which added position T + s - 1.
+    """
+    from methods.scissorhands import COUNT, ScissorhandsPolicy
+    from nanollm import LayerKV
+
+    policy = ScissorhandsPolicy(budget=1 << 20, history_window=history_window, threshold=threshold)
+    B, _, _, T = steps[0].shape
+    kv = LayerKV()
+    for s, probs in enumerate(steps):
+        new = torch.arange(T) if s == 0 else torch.tensor([T + s - 1])
+        kv.append(torch.zeros(B, n_kv_head, len(new), 2), torch.zeros(B, n_kv_head, len(new), 2), new)
+        seen = len(kv)
+        policy.observe(SimpleNamespace(kv=kv, probs=probs, q_pos=torch.arange(seen - probs.shape[2], seen),
+                                       phase="prefill" if s == 0 else "decode", seen=seen))
+    return kv.state[COUNT]
+
+
+@contextmanager
+def using(**functions):
+    """Inside the block, ``methods.scissorhands`` calls these functions (names from ``FUNCTIONS``) in place of its
+    own: a test passes its references for the tasks it does not grade."""
+    import methods.scissorhands as module
+    saved = {name: getattr(module, name) for name in functions}
+    try:
+        for name, f in functions.items():
+            setattr(module, name, f)
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(module, name, f)
+
+
+def tiny_model(flavour: str = "llama", seed: int = 0):
+    from course.model_adapters import tiny_model
+    return tiny_model(flavour, seed)
+
+
+def new_cache(model, method: str | None = None, budget: int = 0, **options):
+    from course.model_adapters import new_cache
+    return new_cache(model, method, budget, **options)
+
+
+def run_prefill(model, ids: Tensor, cache) -> Tensor:
+    from course.model_adapters import run_prefill
+    return run_prefill(model, ids, cache)
+
+
+def run_decode(model, token: Tensor, cache) -> Tensor:
+    from course.model_adapters import run_decode
+    return run_decode(model, token, cache)
+
+
+def kept_positions(cache, layer: int) -> Tensor:
+    from course.model_adapters import kept_positions
+    return kept_positions(cache, layer)

@@ -1,42 +1,240 @@
-"""Hidden tests of the ``scissorhands`` assignment (the grader's; not in a student copy)."""
+"""Hidden tests of the ``scissorhands`` assignment (the grader's; not in a student copy).
+
+Each task is graded alone: the references below (loops, written without the library) stand in for the tasks
+a test does not grade, through ``adapters.using``."""
 
 import adapters as A
 import torch
-from oracle import assert_greedy_is_uncached, greedy, points
+from oracle import points
+
+# ---------------------------------------------------------------------------------------------------------
+# References, by loops over plain Python numbers
 
 
-@points(3)
-def test_keep_protects_the_recent_window_and_drops_by_the_counters():
+def low_flags_by_loop(attn, visible, threshold=None):
+    """Algorithm 2's indicator, one query row at a time: attended and below tau (default 1 / slots attended)."""
+    out = [[[[bool(s and x < (threshold if threshold is not None else 1 / max(sum(seen), 1)))
+              for x, s in zip(row, seen)]
+             for row, seen in zip(rows, sees)]
+            for rows, sees in zip(a_b, v_b)]
+           for a_b, v_b in zip(attn.tolist(), visible.tolist())]
+    return torch.tensor(out, dtype=torch.bool).view(visible.shape)
+
+
+def keep_score_by_pairs(counts, attn, pos):
+    """Each slot's score = how many slots of its head rank strictly below it (more flags, or as many and less
+    attention); empty slots -inf."""
+    B, H, T = counts.shape
+    c, a, p = counts.tolist(), attn.tolist(), pos.tolist()
+    out = [[[float("-inf") if p[b][h][i] < 0 else
+              sum(c[b][h][j] > c[b][h][i] or (c[b][h][j] == c[b][h][i] and a[b][h][j] < a[b][h][i]) for j in range(T))
+              for i in range(T)] for h in range(H)] for b in range(B)]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def n_dropped_by_loop(n_slots, budget, drop, n_recent):
+    """Drop m = min(drop, budget - n_recent) at a time until the layer is within budget."""
+    m, dropped = min(drop, budget - n_recent), 0
+    while n_slots - dropped > budget:
+        dropped += m
+    return dropped
+
+
+REFERENCES = {"low_flags": low_flags_by_loop, "keep_score": keep_score_by_pairs, "n_dropped": n_dropped_by_loop}
+
+
+def others(task):
+    """The references of every task but ``task``."""
+    return {name: f for name, f in REFERENCES.items() if name != task}
+
+
+def kept_per_step(task, references, options, seed=0, n_prompt=14, n_new=6):
+    """The sorted positions every layer and KV head keeps after the prefill and after each decode step (the
+    tokens are given, not generated, so two runs stay aligned), with ``references`` in place of the library's."""
+    model = A.tiny_model(seed=seed)
+    ids = torch.randint(0, 512, (1, n_prompt + n_new), generator=torch.Generator().manual_seed(seed + 1))
+    cache = A.new_cache(model, "scissorhands", **options)
+    steps = []
+    with A.using(**references):
+        A.run_prefill(model, ids[:, :n_prompt], cache)
+        for t in range(n_prompt, n_prompt + n_new + 1):
+            steps.append([[sorted(set(A.kept_positions(cache, layer)[0, h].tolist()) - {-1}) for h in range(2)]
+                          for layer in range(2)])
+            if t < n_prompt + n_new:
+                A.run_decode(model, ids[:, t], cache)
+    return steps
+
+
+def assert_same_evictions(task, options, seeds=(0, 1)):
+    """A decode with the student's ``task`` (and the references for the rest) keeps, at every step, what the same
+    decode keeps with the reference of ``task`` too."""
+    for seed in seeds:
+        got = kept_per_step(task, others(task), options, seed)
+        want = kept_per_step(task, REFERENCES, options, seed)
+        for step, (g, w) in enumerate(zip(got, want)):
+            for layer in range(2):
+                for h in range(2):
+                    assert g[layer][h] == w[layer][h], (
+                        f"{options}, seed {seed}: after {'the prefill' if step == 0 else f'decode step {step}'}, "
+                        f"layer {layer}, KV head {h} keeps positions {g[layer][h]}; with the test's reference "
+                        f"{task} in place of yours the same decode keeps {w[layer][h]}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# low_flags
+
+def dyadic_rows(g, n_rows, visible, parts=16):
+    """Attention rows over the visible slots, multiples of 1 / parts summing to 1 (exact in binary)."""
+    attn = torch.zeros(visible.shape)
+    for i in range(n_rows):
+        slots = visible[i].nonzero().flatten()
+        cuts = torch.randint(0, parts + 1, (len(slots) - 1,), generator=g).sort().values
+        bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([parts])])
+        attn[i, slots] = (bounds[1:] - bounds[:-1]).float() / parts
+    return attn
+
+
+@points(3, task="low_flags")
+def test_low_flags_against_a_loop():
     g = torch.Generator().manual_seed(0)
-    T, budget, n_recent = 12, 8, 3
-    counts = torch.randint(0, 4, (1, 2, T), generator=g)
-    attn = torch.rand(1, 2, T, generator=g)
-    pos = torch.arange(T).expand(1, 2, T)
-    kept = A.keep(counts, attn, pos, seen=T, budget=budget, drop=1, n_recent=n_recent)
-    for h in range(2):
-        others = sorted(range(T - n_recent), key=lambda i: (int(counts[0, h, i]), -float(attn[0, h, i])))
-        want = sorted(others[:budget - n_recent] + list(range(T - n_recent, T)))
-        assert kept[0, h].tolist() == want, f"KV head {h}: kept {kept[0, h].tolist()}, expected {want}"
+    B, H_kv, Tn, T = 2, 3, 5, 9
+    visible = torch.rand(B, H_kv, Tn, T, generator=g) < 0.7           # any pattern: holes, evicted, not causal
+    visible[0, 0, 0] = False                                            # a query that attended nothing
+    visible[1, 2, :, :4] = True                                         # 4 or more slots: levels 1/4, 1/8 exact
+    attn = torch.rand(B, H_kv, Tn, T, generator=g) * visible
+    attn = attn / attn.sum(-1, keepdim=True).clamp(min=1e-9)
+    attn[1, 2] = dyadic_rows(g, Tn, visible[1, 2])                     # some entries exactly at the level
+    attn[1, 1, :, :] = torch.where(visible[1, 1], 0.125, 0.0)           # exactly the threshold below
+    for threshold in (None, 0.125, 0.3):
+        got, want = A.unimportant(attn, visible, threshold), low_flags_by_loop(attn, visible, threshold)
+        assert got.shape == want.shape, f"low_flags returns the shape of attn {tuple(want.shape)}, got {got.shape}"
+        bad = (got != want).nonzero()
+        if len(bad):
+            b, h, i, j = bad[0].tolist()
+            n = int(visible[b, h, i].sum())
+            tau = f"1/{n} (the query attended {n} slots)" if threshold is None else f"{threshold}"
+            raise AssertionError(
+                f"threshold={threshold}: batch {b}, KV head {h}, query {i}, slot {j}: attended "
+                f"{bool(visible[b, h, i, j])}, attention {float(attn[b, h, i, j]):.6g}, tau = {tau}: low means "
+                f"attended and strictly below tau; got {bool(got[b, h, i, j])}, expected {bool(want[b, h, i, j])}")
 
 
-@points(2)
-def test_covering_budget_is_full_attention():
-    model = A.tiny_model(seed=2)
-    ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(1))
-    cache = A.new_cache(model, "scissorhands", 64, history_window=4)
-    assert_greedy_is_uncached(A, model, ids, cache, 4, what="Scissorhands at a covering budget,")
+@points(2, task="low_flags")
+def test_counters_over_several_steps_count_the_last_w_queries():
+    g = torch.Generator().manual_seed(1)
+    B, H, H_kv, T, Tn, n_decode, w = 2, 4, 2, 6, 4, 5, 3
+    steps, rows = [], []                  # rows: (query position, probabilities (B, H, T_final)) in order
+    for s in range(n_decode + 1):
+        n_q, width = (Tn, T) if s == 0 else (1, T + s)
+        q_pos = torch.arange(width - n_q, width)
+        visible = q_pos[:, None] >= torch.arange(width)[None, :]                 # causal
+        probs = torch.stack([torch.stack([dyadic_rows(g, n_q, visible) for _ in range(H)]) for _ in range(B)])
+        steps.append(probs)
+        rows += [(int(q_pos[i]), probs[:, :, i]) for i in range(n_q)]
+    final = T + n_decode
+    for threshold in (None, 0.125):
+        got = A.counters(steps, H_kv, w, threshold)
+        want = torch.zeros(B, H_kv, final, dtype=torch.long)
+        for q, p in rows[-w:]:                                            # the last w queries
+            attn = p.view(B, H_kv, H // H_kv, -1).double().mean(2)         # the group's mean, (B, H_kv, q + 1)
+            seen = torch.ones(B, H_kv, 1, q + 1, dtype=torch.bool)
+            flags = low_flags_by_loop(attn[:, :, None], seen, threshold)[:, :, 0]
+            want[..., :q + 1] += flags.long()
+        assert got.shape == want.shape, f"counters shaped (B, H_kv, T) = {tuple(want.shape)}, got {got.shape}"
+        bad = (got.long() != want).nonzero()
+        if len(bad):
+            b, h, j = bad[0].tolist()
+            raise AssertionError(
+                f"threshold={threshold}, w = {w}, after a prompt and {n_decode} decode steps (GQA: 4 query heads over "
+                f"2 KV heads, the group's mean attention): the counter of position {j} (batch {b}, KV head {h}) counts "
+                f"its low flags among the last {w} queries, the slots each query attended only; got "
+                f"{int(got[b, h, j])}, expected {int(want[b, h, j])}")
 
 
-@points(3)
-def test_budget_cache_stays_within_budget_and_keeps_the_recent_tokens():
-    model = A.tiny_model(seed=3)
-    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(2))
-    budget, n_recent = 8, 3
-    cache = A.new_cache(model, "scissorhands", budget, history_window=4, n_recent=n_recent)
-    for _, seq in greedy(A, model, ids, cache, 5):
-        seen = seq.shape[1]
-        for layer in range(2):
-            pos = A.kept_positions(cache, layer)
-            assert pos.shape[-1] <= budget, f"layer {layer} holds {pos.shape[-1]} > budget {budget}"
-            for h in range(pos.shape[1]):
-                assert set(range(seen - n_recent, seen)) <= set(pos[0, h].tolist()), "the recent window was evicted"
+@points(2, task="low_flags")
+def test_eviction_follows_the_low_flags():
+    assert_same_evictions("low_flags", {"budget": 8, "history_window": 4, "n_recent": 2})
+    assert_same_evictions("low_flags", {"budget": 9, "history_window": 6, "n_recent": 1, "threshold": 0.08},
+                          seeds=(2,))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# keep_score
+
+@points(3, task="keep_score")
+def test_keep_score_orders_by_the_counters_then_the_attention():
+    g = torch.Generator().manual_seed(3)
+    B, H_kv, T = 2, 3, 40
+    counts = torch.randint(0, 6, (B, H_kv, T), generator=g) * 80            # up to w = 400, many ties
+    attn = torch.rand(B, H_kv, T, generator=g)
+    attn[..., 1::4] = attn[..., ::4]                                         # equal attentions
+    attn[..., 2::4] = torch.nextafter(attn[..., ::4], torch.tensor(2.0))     # the next float32 up
+    counts[..., 2::4] = counts[..., ::4]
+    counts[1, 1] = torch.arange(T) % 3 * 400 // 2                           # other counters in one head
+    pos = torch.randperm(T, generator=g).expand(B, H_kv, T).clone()
+    pos[0, 2, 5:9] = -1                                                      # empty slots
+    got = A.keep_order(counts, attn, pos)
+    want = keep_score_by_pairs(counts, attn, pos)
+    assert got.shape == want.shape, f"keep_score returns (B, H_kv, T) = {tuple(want.shape)}, got {got.shape}"
+    empty = pos < 0
+    assert (got[empty] == float("-inf")).all(), "an empty slot (pos -1) scores -inf"
+    assert torch.isfinite(got[~empty]).all(), "a stored slot has a finite score"
+    for kind, s in (("", got.double()), (" in float32 (select_topk ranks a float32 copy)", got.float().double())):
+        for b in range(B):
+            for h in range(H_kv):
+                idx = (~empty[b, h]).nonzero().flatten()
+                sg, sw = s[b, h, idx], want[b, h, idx]
+                agree = torch.sign(sg[:, None] - sg[None, :]) == torch.sign(sw[:, None] - sw[None, :])
+                if not agree.all():
+                    i, j = (int(idx[k]) for k in (~agree).nonzero()[0].tolist())
+                    expected = "equal scores" if want[b, h, i] == want[b, h, j] else \
+                        f"slot {i if want[b, h, i] > want[b, h, j] else j} higher"
+                    raise AssertionError(
+                        f"the order must be exactly lexicographic{kind}: batch {b}, KV head {h}: slot {i} "
+                        f"(I = {int(counts[b, h, i])}, attention {float(attn[b, h, i]):.9g}) and slot {j} "
+                        f"(I = {int(counts[b, h, j])}, attention {float(attn[b, h, j]):.9g}) score "
+                        f"{float(s[b, h, i])} and {float(s[b, h, j])}; expected {expected}")
+
+
+@points(2, task="keep_score")
+def test_eviction_follows_the_keep_score():
+    assert_same_evictions("keep_score", {"budget": 8, "history_window": 4, "n_recent": 2})
+    assert_same_evictions("keep_score", {"budget": 6, "history_window": 20, "n_recent": 0, "drop": 2}, seeds=(2,))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# n_dropped
+
+@points(3, task="n_dropped")
+def test_n_dropped_against_a_loop():
+    for budget in range(1, 13):
+        for n_recent in range(budget):
+            for drop in range(1, 9):
+                for n_slots in range(0, 31):
+                    got, want = A.tokens_to_drop(n_slots, budget, drop, n_recent), \
+                        n_dropped_by_loop(n_slots, budget, drop, n_recent)
+                    assert got == want, (
+                        f"n_dropped(n_slots={n_slots}, budget={budget}, drop={drop}, n_recent={n_recent}): "
+                        f"m = min(drop, budget - n_recent) = {min(drop, budget - n_recent)} tokens at a time, as "
+                        f"many times as it takes to hold at most {budget}: expected {want}, got {got}")
+
+
+@points(2, task="n_dropped")
+def test_decode_drops_m_at_a_time():
+    for options in ({"budget": 8, "history_window": 4, "n_recent": 2, "drop": 3},
+                    {"budget": 8, "history_window": 4, "n_recent": 5, "drop": 6}):     # m cut to 3
+        m = min(options["drop"], options["budget"] - options["n_recent"])
+        steps = kept_per_step("n_dropped", others("n_dropped"), options)
+        size = 13
+        for step, kept in enumerate(steps):
+            seen = 14 + step
+            size = size + 1 - n_dropped_by_loop(size + 1, options["budget"], options["drop"], options["n_recent"])
+            for layer in range(2):
+                for h in range(2):
+                    assert len(kept[layer][h]) == size, (
+                        f"{options}: a full layer drops m = {m} at once, then refills: after "
+                        f"{'the prefill of 14' if step == 0 else f'decode step {step}'} layer {layer} KV head {h} "
+                        f"should hold {size} tokens, it holds {len(kept[layer][h])}")
+                    recent = set(range(seen - options["n_recent"], seen))
+                    assert recent <= set(kept[layer][h]), f"{options}: the {options['n_recent']} most recent are kept"
+    assert_same_evictions("n_dropped", {"budget": 8, "history_window": 4, "n_recent": 5, "drop": 6}, seeds=(0,))

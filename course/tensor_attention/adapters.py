@@ -1,53 +1,65 @@
-"""The adapters of the ``tensor_attention`` assignment, the functions its tests call: see course/model_adapters.py."""
+"""The adapters of the ``tensor_attention`` assignment: the tests' only door into your code (see
+course/model_adapters.py). If you move or rename things in the library, change these functions so they reach
+your code.
+
+Each adapter imports methods/tensor_attention/attention.py when it is called (not when the tests are
+collected), without running ``methods/__init__.py`` (it imports every method), so a mistake elsewhere in the
+repository fails only the tasks that use it.
+"""
 
 from __future__ import annotations
 
-import torch
+import importlib
+import importlib.util
+import sys
+
 from torch import Tensor
 
-from course.model_adapters import run_decode, run_prefill, uncached_logits  # noqa: F401  (for the tests)
-from methods.tensor_attention import (
-    TENSOR_ATTENTION,
-    factored_output,
-    four_cache_attention,
-    pair_scores,
-    pair_softmax,
-    tensor_cache,
-)
-from nanollm import KVCache, Transformer, preset
 
+def library():
+    """The copy's methods/tensor_attention/attention.py, imported without running ``methods/__init__.py``."""
+    if "methods" not in sys.modules:
+        spec = importlib.util.find_spec("methods")
+        sys.modules["methods"] = importlib.util.module_from_spec(spec)      # the package, its __init__ not run
+    return importlib.import_module("methods.tensor_attention.attention")
+
+
+# -- tasks pair_scores, pair_softmax, factored_output --------------------------------------------------------
 
 def scores(q: Tensor, K1: Tensor, K2: Tensor, scale: float) -> Tensor:
     """(..., Tq, n1, n2): scale * <q_t, K1[a] * K2[b]>."""
-    return pair_scores(q, K1, K2, scale)
+    return library().pair_scores(q, K1, K2, scale)
 
 
 def softmax_over_pairs(S: Tensor, allowed: Tensor | None = None) -> Tensor:
-    return pair_softmax(S, allowed)
+    """(..., Tq, n1, n2): the softmax over all pairs of each query; ``allowed`` (bool, broadcast to S) masks."""
+    return library().pair_softmax(S, allowed)
 
 
 def output(P: Tensor, V1: Tensor, V2: Tensor) -> Tensor:
     """(..., Tq, d): sum over pairs of P[t, a, b] V1[a] * V2[b]."""
-    return factored_output(P, V1, V2)
+    return library().factored_output(P, V1, V2)
 
 
-def attention(q: Tensor, K1: Tensor, K2: Tensor, V1: Tensor, V2: Tensor, scale: float,
-              allowed: Tensor | None = None) -> Tensor:
-    """Tensor attention from the four factor matrices."""
-    return four_cache_attention(q, K1, K2, V1, V2, scale, allowed)
+# -- task two_cache_append: the two-matrix cache -----------------------------------------------------------
+
+def new_two_cache():
+    """An empty two-matrix cache (one layer's storage)."""
+    return library().TwoCache()
 
 
-def tiny_tensor_model(seed: int = 0) -> Transformer:
-    """A seeded random tensor-attention decoder (GPT-2 flavour, 2 layers, 4 heads), weights with std 0.1."""
-    gen = torch.Generator().manual_seed(seed)
-    model = Transformer(preset("TINY_GPT2", attention=TENSOR_ATTENTION, max_seq_len=64))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model.float().eval()
+def two_cache_append(cache, k1: Tensor, k2: Tensor, v1: Tensor, v2: Tensor, pos: Tensor) -> None:
+    """Store m new tokens: factors (B, H, m, d) each, positions pos (m,)."""
+    cache.append(k1, k2, v1, v2, pos)
 
 
-def new_tensor_cache(model: Transformer, layout: str) -> KVCache:
-    """An empty cache with the "four" (factored) or "two" (pair rows) layout."""
-    return tensor_cache(model.config, layout)
+def two_cache_pairs(cache) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The stored pair rows K~, V~ (B, H, P, d) and each row's token positions (a, b), (P,) each."""
+    pos_a, pos_b = cache.pair_pos()
+    return cache.kt.t, cache.vt.t, pos_a, pos_b
+
+
+def two_cache_attend(cache, q: Tensor, q_pos: Tensor) -> Tensor:
+    """Tensor attention of queries q (B, H, Tq, d) at positions q_pos (Tq,) over the stored pairs (not your code:
+    ordinary attention over the pair rows, a pair (a, b) seen by a query at p iff a, b <= p)."""
+    return cache.attend(q, q_pos)

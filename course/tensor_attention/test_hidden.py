@@ -1,43 +1,233 @@
-"""Hidden tests of the ``tensor_attention`` assignment (the grader's; not in a student copy)."""
+"""Hidden tests of the ``tensor_attention`` assignment (the grader's; not in a student copy). Each task is graded
+alone against loops over pairs written here: several heads and rows, non-square pair grids, masks, several
+seeds; the two-matrix cache over chunks and single tokens at scattered positions."""
 
 import math
 
 import adapters as A
 import torch
-from oracle import assert_greedy_is_uncached, points
+from oracle import points
+from torch.overrides import TorchFunctionMode
 
 
-@points(3)
-def test_causal_tensor_attention_against_loops():
-    """Every query t over the pairs (a, b) with a, b <= t, by explicit loops (the oracle)."""
-    g = torch.Generator().manual_seed(0)
-    n, d = 5, 4
-    q, K1, K2, V1, V2 = (torch.randn(n, d, generator=g) for _ in range(5))
-    t = torch.arange(n)
-    seen = t[None, :] <= t[:, None]
-    got = A.attention(q, K1, K2, V1, V2, 1 / math.sqrt(d), seen[:, :, None] & seen[:, None, :])
-    for i in range(n):
-        pairs = [(a, b) for a in range(i + 1) for b in range(i + 1)]
-        s = torch.stack([(q[i] * K1[a] * K2[b]).sum() / math.sqrt(d) for a, b in pairs])
-        p = torch.softmax(s, 0)
-        want = sum(p[j] * V1[a] * V2[b] for j, (a, b) in enumerate(pairs))
-        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6, msg=f"query {i}")
+def random(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@points(3)
-def test_cached_decode_equals_uncached_forward():
-    model = A.tiny_tensor_model()
-    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(1))
-    assert_greedy_is_uncached(A, model, ids, A.new_tensor_cache(model, "four"), 3, what="four-matrix cache,")
+def first_difference(got, want) -> str:
+    """Where two tensors differ most: 'at [i, j, ...] got x, expected y' (or the two shapes)."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    i = (got - want).abs().nan_to_num(float("inf")).flatten().argmax().item()
+    at = [int(c) for c in torch.unravel_index(torch.tensor(i), got.shape)]
+    return f"at {at} got {got.flatten()[i].item():.4g}, expected {want.flatten()[i].item():.4g}"
 
 
-@points(2)
-def test_four_and_two_matrix_caches_agree():
-    model = A.tiny_tensor_model(seed=2)
-    ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(2))
-    four, two = A.new_tensor_cache(model, "four"), A.new_tensor_cache(model, "two")
-    torch.testing.assert_close(A.run_prefill(model, ids, four), A.run_prefill(model, ids, two), rtol=1e-4,
-                               atol=1e-5)
-    token = ids[:, -1]
-    torch.testing.assert_close(A.run_decode(model, token, four), A.run_decode(model, token, two), rtol=1e-4,
-                               atol=1e-5)
+class LargestTensor(TorchFunctionMode):
+    """Within: records the most numbers held by a tensor that a torch function or method returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.numbers = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numbers = max(self.numbers, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+def no_kronecker_product(fn, n1, n2, d, lead, what):
+    """Run fn() watching its tensors: none may hold n1 n2 d numbers per leading index (the Kronecker product)."""
+    with LargestTensor() as watch:
+        out = fn()
+    kron = n1 * n2 * d * lead
+    assert watch.numbers < kron, f"{what} made a tensor of {watch.numbers} numbers: the Kronecker product has " \
+        f"{kron}; factor it instead (Chen et al. §3.2, the module docstring)"
+    return out
+
+
+# -- the oracles: loops over pairs ------------------------------------------------------------------------
+
+def scores_by_loop(q, K1, K2, scale):
+    """S[..., t, a, b] = scale * sum_j q[t, j] K1[a, j] K2[b, j], one pair at a time."""
+    *lead, Tq, d = q.shape
+    n1, n2 = K1.shape[-2], K2.shape[-2]
+    S = torch.empty(*lead, Tq, n1, n2, dtype=torch.float64)
+    for t in range(Tq):
+        for a in range(n1):
+            for b in range(n2):
+                S[..., t, a, b] = scale * (q[..., t, :] * K1[..., a, :] * K2[..., b, :]).double().sum(-1)
+    return S
+
+
+def softmax_by_loop(S, allowed):
+    """exp(S - max) over the allowed pairs of each query, divided by their sum; 0 elsewhere."""
+    allowed = torch.ones_like(S, dtype=torch.bool) if allowed is None else allowed.expand(S.shape)
+    flat, ok = S.double().reshape(-1, S.shape[-2] * S.shape[-1]), allowed.reshape(-1, S.shape[-2] * S.shape[-1])
+    P = torch.zeros_like(flat)
+    for r in range(flat.shape[0]):
+        top = max(flat[r, j] for j in range(flat.shape[1]) if ok[r, j])
+        for j in range(flat.shape[1]):
+            if ok[r, j]:
+                P[r, j] = math.exp(flat[r, j] - top)
+        P[r] /= P[r].sum()
+    return P.view(S.shape)
+
+
+def output_by_loop(P, V1, V2):
+    """o[..., t] = sum over every pair (a, b) of P[t, a, b] V1[a] * V2[b]."""
+    *lead, Tq, n1, n2 = P.shape
+    o = torch.zeros(*lead, Tq, V1.shape[-1], dtype=torch.float64)
+    for a in range(n1):
+        for b in range(n2):
+            o += P[..., :, a, b, None].double() * (V1[..., None, a, :] * V2[..., None, b, :]).double()
+    return o
+
+
+# -- task pair_scores -------------------------------------------------------------------------------------
+
+@points(4, task="pair_scores")
+def test_pair_scores_over_heads_and_non_square_grids():
+    """Rows x heads (2, 3), 2 queries, n1 = 6 first keys by n2 = 5 second keys, d = 16; scales 1/sqrt(d) and
+    0.37; three seeds: S[t, a, b] = scale <q_t, K1[a] * K2[b]>, and never the Kronecker product."""
+    for seed, (n1, n2, scale) in enumerate([(6, 5, 0.25), (6, 5, 0.37), (3, 7, 1.0)]):
+        q, K1, K2 = random(2, 3, 2, 16, seed=seed), random(2, 3, n1, 16, seed=10 + seed), \
+            random(2, 3, n2, 16, seed=20 + seed)
+        got = no_kronecker_product(lambda: A.scores(q, K1, K2, scale), n1, n2, 16, 6, "pair_scores")
+        want = scores_by_loop(q, K1, K2, scale).float()
+        assert got.shape == want.shape, f"n1={n1}, n2={n2}: S has shape {tuple(got.shape)}, expected " \
+            f"(..., Tq, n1, n2) = {tuple(want.shape)}"
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
+            f"n1={n1}, n2={n2}, scale {scale}: S[t, a, b] = scale <q_t, K1[a] * K2[b]>: " + first_difference(got, want)
+
+
+# -- task pair_softmax ------------------------------------------------------------------------------------
+
+@points(3, task="pair_softmax")
+def test_pair_softmax_with_masks_and_large_scores():
+    """Rows x heads (2, 3), 4 queries over a 3 x 5 pair grid: no mask; the causal mask of tensor attention
+    (pair (a, b) seen by query t iff a, b <= t, broadcast over rows and heads); scores of size 100 (no overflow)."""
+    S = random(2, 3, 4, 3, 5) * 3
+    t = torch.arange(4)
+    causal = (torch.arange(3) <= t[:, None])[:, :, None] & (torch.arange(5) <= t[:, None])[:, None, :]  # (4, 3, 5)
+    for what, scores, allowed in (("no mask", S, None), ("the causal mask", S, causal),
+                                  ("scores of size 100", S * 33, causal)):
+        P = A.softmax_over_pairs(scores, allowed)
+        want = softmax_by_loop(scores, allowed).float()
+        assert P.shape == want.shape, f"{what}: P has shape {tuple(P.shape)}, expected {tuple(want.shape)}"
+        assert not P.isnan().any(), f"{what}: P has NaN"
+        if allowed is not None:
+            leak = P.masked_select(~allowed.expand(S.shape))
+            assert (leak == 0).all(), f"{what}: {int((leak != 0).sum())} masked pairs got probability > 0"
+        assert torch.allclose(P, want, rtol=1e-4, atol=1e-6), \
+            f"{what}: P[t, a, b] = exp(S[t, a, b]) / sum over the allowed pairs (a', b') of query t: " \
+            + first_difference(P, want)
+
+
+# -- task factored_output ---------------------------------------------------------------------------------
+
+@points(3, task="factored_output")
+def test_factored_output_over_heads_and_non_square_grids():
+    """Rows x heads (2, 3), 2 queries, n1 = 4 by n2 = 6 pairs (and 5 by 3), d = 8; probabilities with zeros
+    (masked pairs) and, since the output is linear in P, unnormalised weights: never the Kronecker product."""
+    for seed, (n1, n2) in enumerate([(4, 6), (5, 3)]):
+        P = torch.softmax(random(2, 3, 2, n1 * n2, seed=seed), -1).view(2, 3, 2, n1, n2)
+        P[..., 0, -1, :] = 0.0
+        V1, V2 = random(2, 3, n1, 8, seed=10 + seed), random(2, 3, n2, 8, seed=20 + seed)
+        for what, weights in (("probabilities", P), ("unnormalised weights", P * 3 - 0.2)):
+            got = no_kronecker_product(lambda: A.output(weights, V1, V2), n1, n2, 8, 6, "factored_output")
+            want = output_by_loop(weights, V1, V2).float()
+            assert got.shape == want.shape, f"o has shape {tuple(got.shape)}, expected (..., Tq, d) = " \
+                f"{tuple(want.shape)}"
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
+                f"n1={n1}, n2={n2}, {what}: o_t = sum over (a, b) of P[t, a, b] V1[a] * V2[b]: " \
+                + first_difference(got, want)
+
+
+# -- task two_cache_append --------------------------------------------------------------------------------
+
+POSITIONS = torch.tensor([0, 1, 2, 3, 7, 8, 9, 10, 15])     # scattered, as after a gap in the positions
+CHUNKS = [4, 1, 3, 1]                                       # a prompt, a token, a chunk, a token
+
+
+def tokens(seed):
+    """Factors of 9 tokens: k1, k2, v1, v2, each (2, 3, 9, 8) (rows x heads, every head different)."""
+    return [random(2, 3, 9, 8, seed=seed + s) for s in range(4)]
+
+
+def fill(cache, factors, check=None):
+    """Append the tokens chunk by chunk; after each, call check(n tokens stored, rows stored before)."""
+    n = 0
+    for m in CHUNKS:
+        before = [t.clone() for t in A.two_cache_pairs(cache)] if n else None
+        A.two_cache_append(cache, *(f[:, :, n:n + m] for f in factors), POSITIONS[n:n + m])
+        n += m
+        if check is not None:
+            check(n, before)
+
+
+@points(3, task="two_cache_append")
+def test_two_cache_pairs_grow_by_the_new_rows_only():
+    """Chunks of 4, 1, 3 and 1 tokens at scattered positions: after each, every pair of the stored tokens once,
+    row (a, b) = K1[a] * K2[b] and V1[a] * V2[b] with its positions; the rows stored before stay where they are."""
+    k1, k2, v1, v2 = tokens(0)
+    cache = A.new_two_cache()
+    index = {int(p): i for i, p in enumerate(POSITIONS)}
+
+    def check(n, before):
+        Kt, Vt, pa, pb = A.two_cache_pairs(cache)
+        want = sorted((int(a), int(b)) for a in POSITIONS[:n] for b in POSITIONS[:n])
+        got = sorted(zip(pa.tolist(), pb.tolist()))
+        assert got == want, f"after {n} tokens the pair rows' positions (a, b) must be each pair of stored tokens " \
+            f"once: {len(got)} rows, {len(set(got))} distinct, expected {len(want)}; e.g. missing " \
+            f"{sorted(set(want) - set(got))[:3]}, extra {sorted(set(got) - set(want))[:3]}"
+        a, b = [index[int(p)] for p in pa], [index[int(p)] for p in pb]
+        want_k, want_v = k1[:, :, a] * k2[:, :, b], v1[:, :, a] * v2[:, :, b]
+        assert Kt.shape == want_k.shape and torch.allclose(Kt, want_k), \
+            f"after {n} tokens: the K~ row of pair (a, b) is K1[a] * K2[b]: " + first_difference(Kt, want_k)
+        assert Vt.shape == want_v.shape and torch.allclose(Vt, want_v), \
+            f"after {n} tokens: the V~ row of pair (a, b) is V1[a] * V2[b]: " + first_difference(Vt, want_v)
+        if before is not None:
+            P = before[0].shape[2]
+            same = all(torch.equal(x[..., :P, :] if x.dim() == 4 else x[:P], y) for x, y in
+                       zip((Kt, Vt, pa, pb), before))
+            assert same, f"after {n} tokens: the {P} pair rows stored before moved or changed; a two-matrix cache " \
+                "appends the new pairs after them (Def. 3.8: rows computed once)"
+
+    fill(cache, (k1, k2, v1, v2), check)
+
+
+def attention_by_loop(q, q_pos, k1, k2, v1, v2, pos):
+    """Tensor attention of each query over the pairs (a, b) of tokens with positions <= its own, by loops."""
+    B, H, Tq, d = q.shape
+    out = torch.empty(B, H, Tq, d)
+    for t in range(Tq):
+        seen = [i for i in range(len(pos)) if pos[i] <= q_pos[t]]
+        pairs = [(a, b) for a in seen for b in seen]
+        s = torch.stack([(q[:, :, t] * k1[:, :, a] * k2[:, :, b]).sum(-1) / math.sqrt(d) for a, b in pairs], -1)
+        p = torch.softmax(s, -1)
+        out[:, :, t] = sum(p[..., j, None] * v1[:, :, a] * v2[:, :, b] for j, (a, b) in enumerate(pairs))
+    return out
+
+
+@points(3, task="two_cache_append")
+def test_two_cache_attention_equals_loops_over_pairs():
+    """Attention through the two-matrix cache (ordinary attention over its pair rows, masked by their positions)
+    after each chunk: the chunk's own queries (each sees the pairs of tokens at or before it) equal loops over
+    pairs; two seeds."""
+    for seed in (0, 7):
+        k1, k2, v1, v2 = tokens(seed)
+        q = random(2, 3, 9, 8, seed=seed + 5)
+        cache = A.new_two_cache()
+
+        def check(n, before):
+            m = next(c for c, total in zip(CHUNKS, [4, 5, 8, 9]) if total == n)
+            got = A.two_cache_attend(cache, q[:, :, n - m:n], POSITIONS[n - m:n])
+            want = attention_by_loop(q[:, :, n - m:n], POSITIONS[n - m:n], k1[:, :, :n], k2[:, :, :n],
+                                     v1[:, :, :n], v2[:, :, :n], POSITIONS[:n])
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
+                f"seed {seed}, queries at {POSITIONS[n - m:n].tolist()} over {n} tokens: " + first_difference(got, want)
+
+        fill(cache, (k1, k2, v1, v2), check)

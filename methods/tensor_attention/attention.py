@@ -83,9 +83,9 @@ def kron_rows(A: Tensor, B: Tensor) -> Tensor:
 
 
 def pair_scores(q: Tensor, K1: Tensor, K2: Tensor, scale: float) -> Tensor:
-    """S[t, a, b] = scale * <q_t, K1[a] * K2[b]> for all pairs, without forming K1 (/) K2:
-    (q_t * K1) @ K2^T per query. q (..., Tq, d), K1 (..., n1, d), K2 (..., n2, d) -> (..., Tq, n1, n2)."""
-    # BEGIN SOLUTION [tensor_attention:pair_scores] (q*scale) times each K1 row, then one matmul with K2^T: (..., Tq, n1, n2)
+    """S[t, a, b] = scale * <q_t, K1[a] * K2[b]> for all pairs, without forming K1 (/) K2 (no temporary of
+    n1 n2 d numbers per query). q (..., Tq, d), K1 (..., n1, d), K2 (..., n2, d) -> (..., Tq, n1, n2)."""
+    # BEGIN SOLUTION [tensor_attention:pair_scores] Chen et al. Def. 3.6's pair scores, factored as the module doc says
     qk1 = (q * scale)[..., :, None, :] * K1[..., None, :, :]                  # (..., Tq, n1, d)
     S = qk1.flatten(-3, -2) @ K2.transpose(-1, -2)                           # (..., Tq*n1, n2): one matmul
     return S.unflatten(-2, qk1.shape[-3:-1])                                 # (..., Tq, n1, n2)
@@ -95,7 +95,7 @@ def pair_scores(q: Tensor, K1: Tensor, K2: Tensor, scale: float) -> Tensor:
 def pair_softmax(S: Tensor, allowed: Tensor | None = None) -> Tensor:
     """Softmax over all pairs of each query (the last two dimensions together). ``allowed`` (broadcast to
     S, bool) masks pairs out."""
-    # BEGIN SOLUTION [tensor_attention:pair_softmax] mask disallowed pairs with -inf, softmax over both pair axes together
+    # BEGIN SOLUTION [tensor_attention:pair_softmax] Chen et al. Def. 3.6: one softmax over all n1 n2 pairs of a query
     if allowed is not None:
         S = S.masked_fill(~allowed, float("-inf"))
     return torch.softmax(S.flatten(-2), dim=-1).view(S.shape)
@@ -103,9 +103,9 @@ def pair_softmax(S: Tensor, allowed: Tensor | None = None) -> Tensor:
 
 
 def factored_output(P: Tensor, V1: Tensor, V2: Tensor) -> Tensor:
-    """o_t = sum_{a,b} P[t, a, b] V1[a] * V2[b] = sum_a V1[a] * (P[t] @ V2)[a], without forming V1 (/) V2.
-    P (..., Tq, n1, n2), V1 (..., n1, d), V2 (..., n2, d) -> (..., Tq, d)."""
-    # BEGIN SOLUTION [tensor_attention:factored_output] first P @ V2 per row a (one matmul), then weight by V1[a] and sum over a
+    """o_t = sum_{a,b} P[t, a, b] V1[a] * V2[b], without forming V1 (/) V2 (no temporary of n1 n2 d numbers
+    per query). P (..., Tq, n1, n2), V1 (..., n1, d), V2 (..., n2, d) -> (..., Tq, d)."""
+    # BEGIN SOLUTION [tensor_attention:factored_output] Chen et al. Def. 3.6's output, factored as the module doc says
     PV2 = (P.flatten(-3, -2) @ V2).unflatten(-2, P.shape[-3:-1])             # (..., Tq, n1, d)
     return (V1[..., None, :, :] * PV2).sum(-2)                               # (..., Tq, d)
     # END SOLUTION
@@ -271,6 +271,10 @@ class TwoCache:
         return self.kt.n
 
     def append(self, k1: Tensor, k2: Tensor, v1: Tensor, v2: Tensor, pos: Tensor) -> None:
+        """Store m new tokens, factors (B, H, m, d) each at positions pos (m,): their factor rows, and their
+        pair rows (B, H, (n+m)^2 - n^2, d) in K~ and V~ after those stored (which never move), with the
+        positions (a, b) of every new pair row."""
+        # BEGIN SOLUTION [tensor_attention:two_cache_append] Chen et al. Def. 3.7-3.8: the pairs a new token adds
         f = self.factors
         n, m = len(f), len(pos)
         if n:       # views of the first n rows (an append writes after them or into a new buffer: they stay valid)
@@ -286,6 +290,7 @@ class TwoCache:
             self.vt.append(kron_rows(v1, old_v2))
             self._pos_a.append(pos.repeat_interleave(n))
             self._pos_b.append(old_pos.repeat(m))
+        # END SOLUTION
 
     def pair_pos(self) -> tuple[Tensor, Tensor]:
         """Token positions (a, b) of every pair row, (n^2,) each."""

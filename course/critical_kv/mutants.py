@@ -1,0 +1,72 @@
+"""Hand-written mutants of the ``critical_kv`` assignment (instructor-only): plausible student mistakes, one per
+mutant, for ``python -m course.mutants critical_kv``. Each must lose at least half of its task's points."""
+
+from course.mutants import Mutant
+
+MUTANTS = [
+    # output_perturbation: Theorem 1's A' and Eq. 5's L
+    Mutant("A' not renormalised (the kept attention as it is)", "output_perturbation",
+           "return kept", "return kept / kept.sum(-1, keepdim=True)"),
+    Mutant("A' renormalised by the dropped mass", "output_perturbation",
+           "return kept / (attn * ~keep).sum(-1, keepdim=True).clamp(min=1e-9)",
+           "return kept / kept.sum(-1, keepdim=True)"),
+    Mutant("the L2 norm of the change", "output_perturbation", ".pow(2).sum(-1).sqrt()", ".abs().sum(-1)"),
+    Mutant("the change of the attention, not of the output", "output_perturbation",
+           "return diff.abs().sum(-1)", "return (diff.unsqueeze(-2) @ projected).squeeze(-2).abs().sum(-1)"),
+    Mutant("abs after the sum over the outputs", "output_perturbation", ".sum(-1).abs()", ".abs().sum(-1)"),
+    Mutant("abs inside the sum over the entries (the triangle inequality)", "output_perturbation",
+           "return (diff[..., None] * projected).abs().sum((-1, -2))",
+           "return (diff.unsqueeze(-2) @ projected).squeeze(-2).abs().sum(-1)"),
+    Mutant("the largest output change (L-infinity)", "output_perturbation", ".abs().amax(-1)", ".abs().sum(-1)"),
+    Mutant("the mean over the outputs", "output_perturbation", ".abs().mean(-1)", ".abs().sum(-1)"),
+    Mutant("the dropped entries' output instead of the change", "output_perturbation",
+           "diff = attn * ~keep", "diff = attn - renormalized_attention(attn, keep)"),
+
+    # perturbation_bound: Eq. 8
+    Mutant("1 - 1/mass for 2 - 1/mass", "perturbation_bound", "(1 - 1 / kept_mass)", "(2 - 1 / kept_mass)"),
+    Mutant("2 + 1/mass (a sign)", "perturbation_bound", "(2 + 1 / kept_mass)", "(2 - 1 / kept_mass)"),
+    Mutant("C over the kept entries only", "perturbation_bound",
+           "C = (attn * keep * vnorm).sum(-1)", "C = (attn * vnorm).sum(-1)"),
+    Mutant("the kept mass over every entry", "perturbation_bound",
+           "kept_mass = attn.sum(-1)", "kept_mass = (attn * keep).sum(-1)"),
+    Mutant("the second sum over every entry, not the kept", "perturbation_bound",
+           "* (attn * vnorm).sum(-1)", "* (attn * keep * vnorm).sum(-1)"),
+    Mutant("plus for minus", "perturbation_bound", "return C + (2", "return C - (2"),
+    Mutant("C dropped", "perturbation_bound", "return -(2", "return C - (2"),
+    Mutant("P dropped from the kept term", "perturbation_bound",
+           "* (attn * keep).sum(-1)", "* (attn * keep * vnorm).sum(-1)"),
+    Mutant("the mass squared", "perturbation_bound", "(2 - 1 / kept_mass ** 2)", "(2 - 1 / kept_mass)"),
+
+    # two_stage: Algorithm 1
+    Mutant("stage 2 ignores stage 1 (the budget's top by the second ranking)", "two_stage",
+           "s2 = ranking(second)", "s2 = ranking(second).masked_fill(stage1, float(\"inf\"))"),
+    Mutant("n_first not capped at the budget", "two_stage",
+           "n_first = torch.as_tensor(n_first, device=first.device).expand(lead)",
+           "n_first = torch.minimum(torch.as_tensor(n_first, device=first.device).expand(lead), budgets)"),
+    Mutant("NaN not moved to the bottom", "two_stage",
+           "s = torch.nan_to_num(s.float(), neginf=lowest)",
+           "s = torch.nan_to_num(s.float(), nan=lowest, neginf=lowest)"),
+    Mutant("-inf left below the empty slots", "two_stage",
+           "s = torch.nan_to_num(s.float(), nan=lowest, neginf=float(\"-inf\"))",
+           "s = torch.nan_to_num(s.float(), nan=lowest, neginf=lowest)"),
+    Mutant("the lowest scores first (ascending)", "two_stage", "descending=False", "descending=True"),
+    Mutant("one entry too many in stage 1 (<= for <)", "two_stage",
+           "(ranks(ranking(first)) <= n_first[..., None])", "(ranks(ranking(first)) < n_first[..., None])"),
+    Mutant("stage 1 by the second ranking", "two_stage", "ranks(ranking(second)) < n_first",
+           "ranks(ranking(first)) < n_first"),
+    Mutant("the budget counted after stage 1 (n_first + budget kept)", "two_stage",
+           "(ranks(s2) < (budgets + n_first)[..., None])", "(ranks(s2) < budgets[..., None])"),
+    Mutant("empty slots compete", "two_stage", "return s", "return s.masked_fill(~valid, float(\"-inf\"))"),
+    Mutant("stage 2 by the first ranking", "two_stage",
+           "s2 = ranking(first).masked_fill", "s2 = ranking(second).masked_fill"),
+    Mutant("ties to the later entry", "two_stage",
+           "order = scores.shape[-1] - 1 - torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices",
+           "order = torch.sort(scores, dim=-1, descending=True, stable=True).indices"),
+]
+
+ACCEPTABLE = {
+    "drop_term at methods/critical_kv.py: (ranks(ranking(first)) < n_first[..., None]... -> "
+    "ranks(ranking(first)) < n_first[..., None]":
+        "equivalent: empty slots rank below every valid entry and n_first is at most the number of valid "
+        "entries, so the first n_first ranks are valid without the & valid",
+}

@@ -1,0 +1,174 @@
+"""
+Package an assignment's autograder for Gradescope.
+
+    python -m course.gradescope cache --out dist        # writes dist/cache-autograder.zip
+
+The zip holds what Gradescope's autograder needs and nothing of the solutions:
+
+* ``setup.sh``: run once when Gradescope builds the image; makes a virtual environment and installs
+  ``requirements.txt``, the versions installed where the zip was made (torch, numpy, pytest, tqdm, triton);
+* ``run_autograder``: run for each submission, a student copy of the repository (the whole folder, uploaded
+  as it is or zipped in a folder); it copies the submission into a scratch folder and runs
+  ``python -m course.grade NAME --student COPY --json RESULTS`` with the hidden tests, so Gradescope reads
+  ``/autograder/results/results.json``. Its paths come from environment variables, with Gradescope's
+  defaults: ``AUTOGRADER_SOURCE`` (``/autograder/source``, where the zip is unpacked),
+  ``AUTOGRADER_SUBMISSION`` (``/autograder/submission``), ``AUTOGRADER_RESULTS``
+  (``/autograder/results/results.json``) and ``AUTOGRADER_PYTHON`` (the environment ``setup.sh`` made);
+* ``grader/``: the grader's own files (``course/grade.py`` and what it imports, ``oracle.py``), the
+  assignment's adapters (to notice a student's changed ones), its public and hidden tests; nothing of the
+  library, so no solution;
+* ``README.md``: how to upload it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get
+from .grade import refuse
+
+GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "course/markers.py",
+          "course/oracle.py", "course/model_adapters.py")      # grade.py, what it imports, what the tests use
+PINNED = ("torch", "numpy", "pytest", "tqdm", "triton")     # what the grader and the library import
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+SETUP = """\
+#!/usr/bin/env bash
+# Gradescope runs this once, in the unpacked zip, when it builds the autograder's image: Python and the
+# pinned requirements in a virtual environment (run_autograder uses it).
+set -euo pipefail
+cd "$(dirname "$0")"
+venv="${AUTOGRADER_VENV:-/autograder/venv}"
+if ! python3 -m venv "$venv"; then          # the base image lacks Python or its venv module
+    apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-pip
+    python3 -m venv "$venv"
+fi
+"$venv/bin/pip" install --no-cache-dir --upgrade pip
+"$venv/bin/pip" install --no-cache-dir -r requirements.txt
+"""
+
+RUN = """\
+#!/usr/bin/env bash
+# Gradescope runs this for each submission: a student copy of the repository, graded with the hidden tests
+# of {name!r}. The paths (environment variables, Gradescope's defaults):
+#   AUTOGRADER_SOURCE      the unpacked zip                        (/autograder/source)
+#   AUTOGRADER_SUBMISSION  the student's upload                    (/autograder/submission)
+#   AUTOGRADER_RESULTS     the results file Gradescope reads       (/autograder/results/results.json)
+#   AUTOGRADER_PYTHON      Python with the pinned requirements     (/autograder/venv/bin/python, from setup.sh)
+set -euo pipefail
+source_dir="${{AUTOGRADER_SOURCE:-/autograder/source}}"
+submission="${{AUTOGRADER_SUBMISSION:-/autograder/submission}}"
+results="${{AUTOGRADER_RESULTS:-/autograder/results/results.json}}"
+python="${{AUTOGRADER_PYTHON:-/autograder/venv/bin/python}}"
+[ -n "${{AUTOGRADER_PYTHON:-}}" ] || [ -x "$python" ] || python=python3
+
+# the copy's root: the upload itself, or the one folder inside it that holds the assignment's adapters
+root="$submission"
+if [ ! -f "$root/course/{name}/adapters.py" ]; then
+    found="$(find "$submission" -maxdepth 4 -path "*/course/{name}/adapters.py" -print -quit)"
+    [ -z "$found" ] || root="$(dirname "$(dirname "$(dirname "$found")")")"
+fi
+
+# grade a scratch copy, so the upload stays as it came
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/copy" "$(dirname "$results")"
+cp -R "$root/." "$work/copy/"
+rm -f "$results"
+cd "$source_dir/grader"
+status=0
+"$python" -m course.grade {name} --student "$work/copy" --json "$results" 2> "$work/stderr" || status=$?
+cat "$work/stderr" >&2
+if [ "$status" -ne 0 ] && [ ! -f "$results" ]; then     # refused (not a copy of {name!r}?): say why, score 0
+    "$python" -c 'import json, sys; json.dump({{"score": 0, "output": "not graded: " + sys.argv[1]}},
+                  open(sys.argv[2], "w"))' "$(tail -n 3 "$work/stderr")" "$results"
+fi
+"""
+
+README = """\
+# Autograder of {name!r}: {title}
+
+Made by `python -m course.gradescope {name}` (Python {python}). Upload this zip as a Gradescope programming
+assignment's autograder (an Ubuntu base image); students submit their student copy of the repository (the
+folder `python -m course.handout {name}` wrote, with their work), uploaded as it is or zipped in a folder.
+`setup.sh` installs `requirements.txt` in `/autograder/venv`; `run_autograder` grades each submission with the
+public and hidden tests in `grader/` and writes `/autograder/results/results.json` (hidden tests are shown
+after the grades are published). The written questions are graded by hand from the sheet's rubric.
+"""
+
+
+def requirements() -> str:
+    """Exact versions of what the grader and the library import, as installed here."""
+    lines = [f"# installed where `python -m course.gradescope` ran (Python {sys.version.split()[0]})"]
+    for name in PINNED:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if name == "torch" and "+cpu" in version:
+            lines.append(f"--extra-index-url {TORCH_CPU_INDEX}")
+        lines.append(f"{name}=={version}" + ('; sys_platform == "linux"' if name == "triton" else ""))
+    return "\n".join(lines) + "\n"
+
+
+def contents(assignment: Assignment) -> dict[str, tuple[str | bytes, int]]:
+    """Path in the zip -> (content, Unix mode)."""
+    files = {"setup.sh": (SETUP, 0o755), "run_autograder": (RUN.format(name=assignment.name), 0o755),
+             "requirements.txt": (requirements(), 0o644),
+             "README.md": (README.format(name=assignment.name, title=assignment.title,
+                                         python=sys.version.split()[0]), 0o644)}
+    for rel in [*GRADER, *(str(p.relative_to(ROOT)) for p in [assignment.folder / "adapters.py",
+                                                               *assignment.tests(hidden=True)])]:
+        files[f"grader/{rel}"] = ((ROOT / rel).read_bytes(), 0o644)
+    return files
+
+
+def write_zip(assignment: Assignment, out: Path) -> Path:
+    """Write ``out/<name>-autograder.zip`` (a new file; written beside it, then renamed into place)."""
+    path = out / f"{assignment.name}-autograder.zip"
+    if path.exists():
+        raise SystemExit(f"error: {path} exists; name another --out folder (nothing is overwritten)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=out)
+        os.close(fd)
+    except OSError as e:
+        raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror or e})") from None
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+            for name, (data, mode) in contents(assignment).items():
+                info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+                info.external_attr, info.compress_type = (0o100000 | mode) << 16, zipfile.ZIP_DEFLATED
+                z.writestr(info, data)
+        os.rename(tmp, path)
+    except OSError as e:
+        raise SystemExit(f"error: --out {out}: writing the zip failed ({e.strerror or e})") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
+
+
+@command_line
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m course.gradescope", description=__doc__.strip().split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.strip().split("\n\n")[1:]))
+    p.error = refuse
+    p.add_argument("assignment", help="which assignment: " + ", ".join(ASSIGNMENTS))
+    p.add_argument("--out", required=True, type=Path, help="the folder to write <assignment>-autograder.zip into")
+    args = p.parse_args(argv)
+    assignment = get(args.assignment)
+    if not assignment.tests(hidden=True):
+        raise SystemExit(f"error: assignment {assignment.name!r} has no tests")
+    path = write_zip(assignment, args.out.expanduser().resolve())
+    print(f"wrote {path}: upload it as the autograder of {assignment.name!r} (README.md inside says how)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""
+The grader (``course.grade``) and its Gradescope package (``course.gradescope``): what an instructor trusts
+with a class.
+
+* Flags are checked before any work, each refusal one ``error:`` line with exit status 2.
+* A test that crashes the interpreter, or loops while catching every exception, fails alone (the grader
+  stops it from outside the test process) and the run ends in bounded time.
+* A library file that does not import fails only the tasks that use it, with the error's type, file and line;
+  a missing module is never borrowed from an installed checkout, nor code from the repository's own tests.
+* The JSON carries each failure in a few lines and the notes (changed adapters).
+* The Gradescope zip, unpacked and run, gives the reference full marks and the untouched copy zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from course import grade, gradescope, handout
+from course.assignments import ASSIGNMENTS, ROOT
+from course.markers import find_regions
+
+
+def refused(capsys, main, argv) -> str:
+    """The one ``error:`` line a command prints when it refuses, with exit status 2."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (e.value.code, err)
+    return err
+
+
+def student_copy(tmp_path: Path, name: str = "cache") -> Path:
+    """The untouched student copy of ``name``."""
+    out = tmp_path / f"{name}-copy"
+    handout.student_copy(ASSIGNMENTS[name], out)
+    return out
+
+
+def full_copy(tmp_path: Path) -> Path:
+    """Every file of the repository, solutions and all: a submission that should get full marks."""
+    out = tmp_path / "full"
+    for rel in handout.repository_files():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, out / rel)
+    return out
+
+
+def reference(rel: str, task: str) -> list[str]:
+    """The reference lines of ``task``'s region in the file ``rel``, without the region's indentation."""
+    path = ROOT / rel
+    r = next(r for r in find_regions(path) if r.task == task)
+    return [line[len(r.indent):] for line in r.body(path.read_text().splitlines())]
+
+
+def put(path: Path, task: str, body: list[str]) -> None:
+    """Write ``body`` (lines without indentation) in place of ``task``'s stub in a student file."""
+    lines = path.read_text().splitlines()
+    i = next(n for n, line in enumerate(lines) if "raise NotImplementedError(" in line and f"task {task}:" in line)
+    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+    lines[i:i + 1] = [indent + b if b else b for b in body]
+    path.write_text("\n".join(lines) + "\n")
+
+
+# -- flags: checked before any work, one line each -----------------------------------------------------------
+
+def test_command_line_errors(tmp_path, capsys, monkeypatch):
+    assert "no assignment 'nope'; choose one of: cache" in refused(capsys, handout.main,
+                                                                   ["nope", "--out", str(tmp_path / "x")])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("")
+    assert "exists and is not empty" in refused(capsys, handout.main, ["cache", "--out", str(tmp_path / "full")])
+    assert "inside the repository" in refused(capsys, handout.main, ["cache", "--out", str(ROOT / "course" / "x")])
+
+    monkeypatch.setattr(grade, "run_tests", lambda *a, **kw: pytest.fail("graded despite a bad flag"))
+    (tmp_path / "r.json").write_text("{}")
+    assert "exists; name a new file" in refused(capsys, grade.main, ["cache", "--json", str(tmp_path / "r.json")])
+    assert "does not exist" in refused(capsys, grade.main, ["cache", "--json", str(tmp_path / "no" / "r.json")])
+    for value in ["nan", "inf", "-inf", "0", "-1"]:
+        err = refused(capsys, grade.main, ["cache", f"--per-test-s={value}"])
+        assert "--per-test-s must be a positive, finite number" in err, err
+    assert "invalid float value" in refused(capsys, grade.main, ["cache", "--per-test-s", "soon"])
+    assert "no task 'nope' in 'cache'; its tasks: " in refused(capsys, grade.main, ["cache", "-k", "nope"])
+    assert "no assignment 'nope'" in refused(capsys, grade.main, ["nope"])
+    assert "no folder" in refused(capsys, grade.main, ["cache", "--student", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="no course/cache/adapters.py"):
+        grade.grade("cache", tmp_path)
+
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "cache-autograder.zip").write_text("")
+    assert "exists; name another --out" in refused(capsys, gradescope.main, ["cache", "--out", str(tmp_path / "dist")])
+    assert "no assignment 'nope'" in refused(capsys, gradescope.main, ["nope", "--out", str(tmp_path)])
+    assert "--out" in refused(capsys, gradescope.main, ["cache"])
+
+
+# -- what is recorded, and how a failure reads -----------------------------------------------------------------
+
+def test_a_failure_reads_in_a_few_lines():
+    close = ("AssertionError: the window's votes are summed over its queries\n\nMismatched elements: 3 / 8 (37.5%)\n"
+             "Greatest absolute difference: 0.217 at index (0, 2) (up to 1e-05 allowed)\n"
+             "Greatest relative difference: 0.88 at index (0, 2) (up to 1.3e-06 allowed)")
+    assert grade.message(close).count("\n") == 3                          # blank lines go, the rest stays
+    assert grade.first_line(close) == ("AssertionError: the window's votes are summed over its queries "
+                                       "Greatest absolute difference: 0.217 at index (0, 2) (up to 1e-05 allowed)")
+    long = "AssertionError: assert x\n" + "\n".join(f"  line {i}" for i in range(40)) + "\n" + close
+    short = grade.message(long)
+    assert short.count("\n") == grade.MESSAGE_LINES - 1 and "Greatest absolute difference: 0.217" in short
+    assert len(grade.message("E" * 5000)) == grade.MESSAGE_CHARS
+
+
+def test_outcomes_of_one_test_process(tmp_path):
+    """A parametrized test passes only if every case does; a crash fails the running test alone; a file
+    that did not import fails its tests; tests never reached wait for a fresh process."""
+    path = tmp_path / "results.jsonl"
+    records = [("collect", "test_hidden.py", "SyntaxError: invalid syntax (methods/snapkv.py, line 3)"),
+               ("start", "test_a[llama]", ""), ("passed", "test_a[llama]", ""),
+               ("start", "test_a[gpt2]", ""), ("failed", "test_a[gpt2]", "AssertionError: off"),
+               ("start", "test_b", ""), ("passed", "test_b", ""),
+               ("start", "test_c", "")]                                    # the process died in test_c
+    path.write_text("".join(json.dumps({"kind": k, "name": n, "message": m}) + "\n" for k, n, m in records)
+                    + '{"kind": "pass')                                      # a line cut short by the kill
+    found = grade.read_results(path)
+    assert found.running == "test_c" and found.starts == 4
+    node = {n: f"test_public.py::{n}" for n in ["test_a", "test_b", "test_c", "test_d"]}
+    node["test_h"] = "test_hidden.py::test_h"
+    new = grade.round_outcomes(list(node), node, found, -11, None, "", 60, 600, "")
+    assert new["test_a"] == ("failed", "[gpt2] AssertionError: off") and new["test_b"] == ("passed", "")
+    assert new["test_c"] == ("failed", "the test process stopped (exit code -11) in this test")
+    assert new["test_h"][1].startswith("test_hidden.py could not be collected: SyntaxError: invalid syntax")
+    assert "test_d" not in new                                              # left for a fresh process
+    stopped = grade.round_outcomes(["test_c", "test_d"], node, found, None, "test", "", 2, 600,
+                                   ", in nanollm/attention.py, line 9 (attend)")
+    assert stopped == {"test_c": ("failed", "ran over 2 s, in nanollm/attention.py, line 9 (attend): the grader "
+                                            "stopped it (a loop that never ends, or far too much work?)")}
+    finished = grade.round_outcomes(["test_d"], node, found, 1, None, "ERROR: not found: test_d", 60, 600, "")
+    assert finished == {"test_d": ("failed", "did not run: ERROR: not found: test_d")}     # never loops
+    assert grade.run_limit_s(10, 60) > grade.run_limit_s(5, 60) > 5 * 60
+
+
+def test_gradescope_zip_holds_the_grader_the_tests_and_pinned_requirements(tmp_path):
+    path = gradescope.write_zip(ASSIGNMENTS["cache"], tmp_path / "dist")
+    assert path == tmp_path / "dist" / "cache-autograder.zip"
+    with zipfile.ZipFile(path) as z:
+        names = set(z.namelist())
+        modes = {i.filename: i.external_attr >> 16 for i in z.infolist()}
+        requirements = z.read("requirements.txt").decode()
+        run = z.read("run_autograder").decode()
+    assert {"setup.sh", "run_autograder", "requirements.txt", "README.md"} <= names
+    assert {f"grader/{f}" for f in gradescope.GRADER} <= names
+    assert {f"grader/course/cache/{f}" for f in ["adapters.py", "test_public.py", "test_hidden.py"]} <= names
+    assert not [n for n in names if n.startswith(("grader/nanollm", "grader/methods"))], "no library in the zip"
+    assert modes["run_autograder"] & 0o111 and modes["setup.sh"] & 0o111
+    pins = [line for line in requirements.splitlines() if line and not line.startswith(("#", "--"))]
+    assert {p.split("==")[0] for p in pins} >= {"torch", "numpy", "pytest"} and all("==" in p for p in pins)
+    for variable in ["AUTOGRADER_SOURCE", "AUTOGRADER_SUBMISSION", "AUTOGRADER_RESULTS", "AUTOGRADER_PYTHON"]:
+        assert variable in run
+    assert "/autograder/results/results.json" in run and "/autograder/submission" in run
+
+
+# -- grading real copies ----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_grader_writes_gradescope_json(tmp_path, capsys):
+    grade.main(["cache", "--json", str(tmp_path / "results.json")])
+    results = json.loads((tmp_path / "results.json").read_text())
+    tests = results["tests"]
+    assert results["score"] == sum(t["max_score"] for t in tests) > 0 and results["output"] == ""
+    assert {t["visibility"] for t in tests} == {"visible", "after_published"}
+    assert all(t["status"] == "passed" and set(t) >= {"name", "score", "max_score", "output"} for t in tests)
+    printed = capsys.readouterr().out
+    assert "public" in printed and "hidden" in printed and f"score: {results['score']:g} / " in printed
+
+
+@pytest.mark.slow
+def test_the_json_says_what_failed_and_where_and_notes_changed_adapters(tmp_path, capsys):
+    out = student_copy(tmp_path)
+    shutil.copy2(ROOT / "nanollm" / "storage.py", out / "nanollm" / "storage.py")        # append: solved
+    put(out / "nanollm" / "attention.py", "group_scores", ["return 1 / 0"])
+    with (out / "course" / "cache" / "adapters.py").open("a") as f:
+        f.write("# a student's change\n")
+    grade.main(["cache", "--student", str(out), "--json", str(tmp_path / "r.json"), "-k", "group_scores"])
+    results = json.loads((tmp_path / "r.json").read_text())
+    failed = [t["output"] for t in results["tests"]]
+    assert results["score"] == 0 and failed and all(t.startswith("ZeroDivisionError: division by zero\n")
+                                                    for t in failed), failed
+    assert all("(raised in nanollm/attention.py, line " in t and t.endswith("in group_scores)") for t in failed)
+    assert "course/cache/adapters.py differs from this repository's" in results["output"]
+    table = capsys.readouterr().out
+    assert table.count("ZeroDivisionError") == len(failed), "the table gives one line per test"
+
+
+@pytest.mark.slow
+def test_a_crash_and_a_swallowed_timeout_fail_alone(tmp_path):
+    """One task's code kills the interpreter on a decode step; another loops forever, catching every exception
+    (as a student's code that swallows a time-limit exception would). Everything else is the reference."""
+    out = student_copy(tmp_path)
+    shutil.copy2(ROOT / "nanollm" / "storage.py", out / "nanollm" / "storage.py")        # append: solved
+    attention = out / "nanollm" / "attention.py"
+    put(attention, "group_scores", ["if q.shape[2] == 1:", "    __import__('os').abort()",
+                                    *reference("nanollm/attention.py", "group_scores")])
+    put(attention, "mask", ["while True:", "    try:", "        sum(range(10 ** 5))", "    except BaseException:",
+                            "        pass"])
+    t0 = time.perf_counter()
+    summary = grade.grade("cache", out, per_test_s=2)
+    elapsed = time.perf_counter() - t0
+    results = summary["results"]
+    by_name = {r["name"]: r for r in results}
+    assert by_name["test_append_then_read"]["status"] == "passed", "a test before the crash keeps its pass"
+    crashed = [r for r in results if "the test process stopped (exit code -6)" in r["output"]]
+    stopped = [r for r in results if r["output"].startswith("ran over 2 s, in nanollm/attention.py, line ")]
+    assert crashed and stopped, [(r["name"], r["output"]) for r in results]
+    assert all(r["status"] == "passed" or r in crashed or r in stopped for r in results), \
+        [(r["name"], r["output"]) for r in results if r["status"] != "passed"]
+    assert summary["score"] == sum(r["max_score"] for r in results if r["status"] == "passed") > 0
+    assert elapsed < grade.run_limit_s(len(results), 2), f"the run took {elapsed:.0f} s"
+
+
+@pytest.mark.slow
+def test_a_missing_module_is_not_borrowed_from_an_installed_checkout(tmp_path):
+    out = student_copy(tmp_path)
+    (out / "nanollm" / "storage.py").unlink()
+    summary = grade.grade("cache", out)
+    assert summary["score"] == 0 and all("nanollm" in r["output"] for r in summary["results"]), summary["results"]
+    assert any("No module named 'nanollm.storage'" in r["output"] for r in summary["results"])
+    assert not any("outside the student copy" in r["output"] for r in summary["results"])
+
+
+@pytest.mark.slow
+def test_the_copys_own_tests_are_not_borrowed(tmp_path):
+    out = student_copy(tmp_path)
+    put(out / "nanollm" / "storage.py", "append", ["import tests.nanollm  # noqa", *reference("nanollm/storage.py",
+                                                                                               "append")])
+    summary = grade.grade("cache", out, tasks=("append",))
+    assert summary["results"] and summary["score"] == 0
+    assert all("may not import the repository's own tests" in r["output"] for r in summary["results"])
+
+
+@pytest.mark.slow
+def test_an_import_error_fails_only_the_tasks_that_use_the_file(tmp_path):
+    out = full_copy(tmp_path)
+    snapkv = out / "methods" / "snapkv.py"
+    text = snapkv.read_text()
+    snapkv.write_text(text + "\ndef broken(:\n    pass\n")
+    line = text.count("\n") + 2
+    summary = grade.grade("baselines", out, tasks=("sinks_and_recent", "window_vote"))
+    results = {r["name"]: r for r in summary["results"]}
+    streaming = [r for r in results.values() if r["task"] == "sinks_and_recent"]
+    vote = [r for r in results.values() if r["task"] == "window_vote"]
+    assert streaming and all(r["status"] == "passed" for r in streaming), \
+        f"a broken snapkv.py must not fail StreamingLLM (course/baselines/adapters.py imports lazily?): {streaming}"
+    assert vote and all(r["status"] == "failed" for r in vote)
+    assert all(r["output"].startswith(f"SyntaxError: invalid syntax (methods/snapkv.py, line {line})")
+               for r in vote), vote[0]["output"]
+
+
+@pytest.mark.slow
+def test_gradescope_package_grades_the_reference_and_the_untouched_copy(tmp_path):
+    path = gradescope.write_zip(ASSIGNMENTS["cache"], tmp_path / "dist")
+    source = tmp_path / "source"
+    with zipfile.ZipFile(path) as z:
+        z.extractall(source)
+    assert subprocess.run(["bash", "-n", str(source / "setup.sh")]).returncode == 0
+
+    def run_autograder(submission: Path, name: str) -> dict:
+        results = tmp_path / name / "results.json"
+        env = {**os.environ, "AUTOGRADER_SOURCE": str(source), "AUTOGRADER_SUBMISSION": str(submission),
+               "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": sys.executable}
+        run = subprocess.run(["bash", str(source / "run_autograder")], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0 and results.exists(), run.stdout[-2000:] + run.stderr[-2000:]
+        return json.loads(results.read_text())
+
+    full = run_autograder(full_copy(tmp_path), "reference")
+    assert full["score"] == sum(t["max_score"] for t in full["tests"]) > 0
+    assert any(t["visibility"] == "after_published" for t in full["tests"]), "the hidden tests ran"
+    zero = run_autograder(student_copy(tmp_path), "copy")
+    assert zero["score"] == 0 and len(zero["tests"]) == len(full["tests"])
+    assert all("NotImplementedError" in t["output"] for t in zero["tests"])
+    (tmp_path / "empty").mkdir()
+    nothing = run_autograder(tmp_path / "empty", "empty")
+    assert nothing["score"] == 0 and "not graded" in nothing["output"]
