@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from course import grade, handout
+from course import grade, handout, mutants
 from course.assignments import ASSIGNMENTS, ROOT, scanned_files
 from course.markers import MarkerError, find_regions, strip
 
@@ -193,6 +193,24 @@ def test_student_copy_gets_zero_and_leaks_nothing(name, tmp_path):
         instructor_only = rel.endswith(("test_hidden.py", "mutants.py", ".ipynb", "sheet.md"))
         if src not in ASSIGNMENTS[name].sources() and not instructor_only:
             assert (out / rel).read_bytes() == src.read_bytes(), f"{rel} changed in the student copy"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_a_call_to_a_shipped_function_scores_nothing(name):
+    """The hand-written mutants that make a region call a function shipped with the copy (a reference, a kernel,
+    another method's helper): each is killed (its task loses at least half its points). A function that
+    computes the answer is a region of the same task, so in a student copy it raises too; graded here on the
+    reference, the points such a mutant keeps are those of the task's other implementations' tests (kvreviver:
+    2 of 8), or the call computes something else (baselines: CriticalKV's mean window attention keeps 3 of 10)."""
+    calls = [m for m in mutants.hand(name) if " calls " in f" {m.name} "]
+    if not calls:
+        pytest.skip(f"course/{name}/mutants.py: no function shipped with the copy computes a task's answer")
+    planned = [p for p in mutants.mutants_of(name, only="hand") if p.mutant in calls]
+    report = mutants.run_mutants(name, planned, progress=False)
+    assert not report.reference_failures
+    kept = [(o.mutant.name, o.kept, o.max_score, o.passing) for o in report.outcomes if not o.killed]
+    assert not kept, f"{name}: a region that calls a shipped function keeps half its task's points: {kept}"
 
 
 @pytest.mark.slow
