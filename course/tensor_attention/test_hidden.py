@@ -7,46 +7,7 @@ import math
 import adapters as A
 import torch
 from oracle import points
-from torch.overrides import TorchFunctionMode
-
-
-def random(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def first_difference(got, want) -> str:
-    """Where two tensors differ most: 'at [i, j, ...] got x, expected y' (or the two shapes)."""
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    i = (got - want).abs().nan_to_num(float("inf")).flatten().argmax().item()
-    at = [int(c) for c in torch.unravel_index(torch.tensor(i), got.shape)]
-    return f"at {at} got {got.flatten()[i].item():.4g}, expected {want.flatten()[i].item():.4g}"
-
-
-class LargestTensor(TorchFunctionMode):
-    """Within: records the most numbers held by a tensor that a torch function or method returned."""
-
-    def __init__(self):
-        super().__init__()
-        self.numbers = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numbers = max(self.numbers, t.untyped_storage().nbytes() // t.element_size())
-        return out
-
-
-def no_kronecker_product(fn, n1, n2, d, lead, what):
-    """Run fn() watching its tensors: none may hold n1 n2 d numbers per leading index (the Kronecker product)."""
-    with LargestTensor() as watch:
-        out = fn()
-    kron = n1 * n2 * d * lead
-    assert watch.numbers < kron, f"{what} made a tensor of {watch.numbers} numbers: the Kronecker product has " \
-        f"{kron}; factor it instead (Chen et al. §3.2, the module docstring)"
-    return out
-
+from test_public import first_difference, no_kronecker_product, random  # noqa: F401  (shared helpers)
 
 # -- the oracles: loops over pairs ------------------------------------------------------------------------
 
