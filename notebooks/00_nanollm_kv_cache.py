@@ -46,6 +46,10 @@ torch.manual_seed(0)
 print(f"tiny mode: {TINY}; torch {torch.__version__}; machine: {platform.system()} {platform.machine()}, "
       f"{os.cpu_count()} CPU cores")
 
+from methods.evaluation.viz import print_mode
+
+print_mode(TINY)                                   # quick mode: the text describes another run
+
 # %% [markdown]
 # ## 1. What is recomputed without a cache
 #

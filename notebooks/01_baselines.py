@@ -64,6 +64,10 @@ G = model.config.group_size                        # query heads per KV head
 print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, {LENGTH} tokens, "
       f"budget {BUDGET} in sections 2-3")
 
+from methods.evaluation.viz import print_mode
+
+print_mode(TINY)                                   # quick mode: the text describes another run
+
 # %% [markdown]
 # ## 1. What each baseline keeps, and why
 #

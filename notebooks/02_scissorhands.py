@@ -74,6 +74,10 @@ TOY_T, TOY_SEEDS = (96, 2) if TINY else (512, 8)   # single-head model: tokens g
 MC_SEEDS = 20 if TINY else 200                     # Monte-Carlo draws per point
 print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, {LENGTH} tokens")
 
+from methods.evaluation.viz import print_mode
+
+print_mode(TINY)                                   # quick mode: the text describes another run
+
 # %% [markdown]
 # ## 1. The counters on a toy example
 #

@@ -69,6 +69,10 @@ LENGTHS = [16, 32, 64, 128] if TINY else [32, 64, 128, 256, 512, 1024]   # secti
 EVAL_SEQUENCES = 200 if TINY else 2000             # section 4
 print(f"tiny mode: {TINY}")
 
+from methods.evaluation.viz import print_mode
+
+print_mode(TINY)                                   # quick mode: the text describes another run
+
 # %% [markdown]
 # ## 1. One decode step, three ways
 #

@@ -73,6 +73,10 @@ MODE = "question_in_prompt"                                      # the head-wise
 T0 = time.time()
 print(f"tiny mode: {TINY}; {len(TASKS)} task(s) x {N_SAMPLES} sample(s), {LENGTH} tokens; torch {torch.__version__}")
 
+from methods.evaluation.viz import print_mode
+
+print_mode(TINY)                                   # quick mode: the text describes another run
+
 # %% [markdown]
 # ## 1. The perturbation and its bound, on one head
 #

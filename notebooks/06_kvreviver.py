@@ -57,6 +57,10 @@ TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
 KEEP_RATIOS = [0.25] if TINY else [0.1, 0.25, 0.5]
 print(f"tiny mode: {TINY}; tasks {TASKS}; {SAMPLES} samples per task, {LENGTH} tokens")
 
+from methods.evaluation.viz import print_mode
+
+print_mode(TINY)                                   # quick mode: the text describes another run
+
 # %% [markdown]
 # ## 1. The sketch on a toy example
 #

@@ -63,6 +63,10 @@ def skipped(what: str) -> None:
 print(f"tiny mode: {TINY}; device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; "
       f"interpreter: {kernels.interpreting()}")
 
+from methods.evaluation.viz import print_mode
+
+print_mode(TINY)                                   # quick mode: the text describes another run
+
 # %% [markdown]
 # ## 1. The roofline of a decode step
 #

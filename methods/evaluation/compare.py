@@ -33,7 +33,7 @@ from nanollm.io.files import atomic_write_text
 
 from .. import METHODS, make_policy, method_chain
 from .harness import Cell, compare_traces, greedy_accuracies, traces
-from .intervals import paired_difference, wilson, within_noise
+from .intervals import paired_difference, signed, verdict, wilson, within_noise
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
@@ -176,8 +176,7 @@ def format_intervals(records: list[dict]) -> str:
             line = f"{k[0]:<{w}}{k[1]:>6.2f}{means[k]:>9.2f}   [{lo:.2f}, {hi:.2f}]  "
             if full is not None and k[0] != "full":
                 d, dlo, dhi = paired_difference(g, full)
-                verdict = "within noise" if within_noise(dlo, dhi) else ("lower" if dhi < 0 else "higher")
-                line += f"   {d:+.2f} [{dlo:+.2f}, {dhi:+.2f}]  {verdict}"
+                line += f"   {signed(d)} [{signed(dlo)}, {signed(dhi)}]  {verdict(dlo, dhi)}"
             lines.append(line.rstrip())
         for ratio in sorted({k[1] for k in keys if k[0] != "full"}):
             at = [k for k in keys if k[1] == ratio and k[0] != "full"]

@@ -22,7 +22,11 @@ Differences between two rows use the bootstrap, with two choices that keep them 
   together; pairing removes that shared part of the noise, so paired intervals are narrower than the two
   rows' own intervals suggest.
 
-A difference is *within noise* when its 95% interval contains 0: the two rows cannot be told apart with
+**The noise rule** (one for the whole project: the compare tables, every notebook and the README): two rows
+are *distinguishable* when the paired 95% interval of their difference excludes 0, and *within noise* when
+it contains 0. ``verdict`` applies it and ``describe`` prints a difference with it; ``describe`` writes a
+bound that excludes 0 with as many decimals as it takes not to print it as 0.00, so the printed interval
+always agrees with the verdict printed beside it. Within noise means the two rows cannot be told apart with
 these samples, which is not the same as being equal. With few samples the percentile bootstrap is on the
 lenient side (a gap carried by four samples that all went one way can come out beyond noise), and a table
 makes dozens of comparisons without correction, so read a lone "beyond noise" with care. The bootstrap
@@ -83,3 +87,25 @@ def paired_difference(a: list[list[float]], b: list[list[float]], level: float =
 def within_noise(lo: float, hi: float) -> bool:
     """A difference whose interval contains 0 (with a hair of float slack: identical rows give [0, 0])."""
     return lo <= 1e-12 and hi >= -1e-12
+
+
+def verdict(lo: float, hi: float) -> str:
+    """The noise rule: "within noise" when the 95% interval [lo, hi] of a difference a - b contains 0, else
+    "higher" (a above b) or "lower" (a below b)."""
+    if lo > hi:
+        raise ValueError(f"an interval needs lo <= hi, got [{lo}, {hi}]")
+    return "within noise" if within_noise(lo, hi) else ("higher" if lo > 0 else "lower")
+
+
+def signed(x: float, decimals: int = 2) -> str:
+    """``x`` with a sign and ``decimals`` decimals, or more (up to 6) where those would print a non-zero
+    number as 0: ``signed(0.004)`` is "+0.004", not "+0.00"."""
+    while decimals < 6 and abs(x) > 1e-12 and round(abs(x), decimals) == 0:
+        decimals += 1
+    return f"{x:+.{decimals}f}"
+
+
+def describe(d: float, lo: float, hi: float, decimals: int = 2) -> str:
+    """A difference, its 95% interval and the noise rule's verdict in one phrase:
+    "+0.10 [+0.004, +0.20] higher", "-0.05 [-0.15, +0.05] within noise"."""
+    return f"{signed(d, decimals)} [{signed(lo, decimals)}, {signed(hi, decimals)}] {verdict(lo, hi)}"

@@ -21,6 +21,14 @@ from torch import Tensor
 
 from nanollm.cache import KVCache
 
+QUICK_MODE = ("Quick mode (NANOLLM_TINY=1): smaller models, prompts and sample counts. The text describes the "
+              "committed normal run; the numbers printed here, and the stories they tell, may differ from it.")
+
+
+def print_mode(tiny: bool) -> None:
+    """Every notebook's first cell says which run this is: in quick mode, that its prose describes another."""
+    print(QUICK_MODE if tiny else "Normal run: the numbers the text quotes are this run's.")
+
 
 def _find(seq: list[int], sub: list[int]) -> int:
     """First index of ``sub`` in ``seq`` (ValueError if absent)."""

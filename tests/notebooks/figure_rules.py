@@ -5,8 +5,16 @@ it is rendered, and a last cell asserts that no figure broke a rule.
 
 A figure needs a title (its own or a panel's); both axes named somewhere in it (a label, a shared axis's
 label, or text tick labels such as category names); a legend when a panel has two or more labelled series;
-a colour bar when it shows an image.
+a colour bar when it shows an image; titles and axis labels in words, not code names (no ``snake_case``);
+error bars (or a shaded band) on every line or bar of accuracy, which always has an interval here (Wilson's
+or the bootstrap's); and log axes whose tick labels a reader can read (at least two labelled major ticks in
+view, or a formatter of the notebook's own, instead of matplotlib's "6x10^0" minor labels alone).
 """
+
+import re
+
+from matplotlib.container import BarContainer, ErrorbarContainer
+from matplotlib.ticker import LogFormatter
 
 from matplotlib.backend_bases import FigureCanvasBase
 
@@ -23,6 +31,39 @@ def _named(ax, axis):
     ticks = ax.get_xticklabels() if axis == "x" else ax.get_yticklabels()
     return any(t.get_text() and not t.get_text().replace("−", "-").replace(".", "").lstrip("-").isdigit()
                for t in ticks)
+
+
+_SNAKE = re.compile(r"\b[a-z][a-z0-9]*_[a-z0-9_]+\b")
+
+
+def _texts(fig, axes):
+    """(what, text) for the figure's title and every panel's title and axis labels."""
+    out = [("title", fig._suptitle.get_text())] if fig._suptitle is not None else []
+    for ax in axes:
+        out += [("title", ax.get_title()), ("x label", ax.get_xlabel()), ("y label", ax.get_ylabel())]
+    return [(what, t) for what, t in out if t]
+
+
+def _has_interval(ax):
+    """Error bars or a shaded band (``fill_between``) on the panel."""
+    return any(isinstance(c, ErrorbarContainer) for c in ax.containers) or \
+        any(type(c).__name__ in ("PolyCollection", "FillBetweenPolyCollection") for c in ax.collections)
+
+
+def _plots_accuracy(ax):
+    """A panel whose y axis is accuracy, drawn as lines or bars (not an image)."""
+    bars = any(isinstance(c, BarContainer) for c in ax.containers)
+    return "accuracy" in ax.get_ylabel().lower() and (bars or any(ln.get_label() != "_nolegend_" and
+                                                                      len(ln.get_xdata()) > 1 for ln in ax.lines))
+
+
+def _log_ticks_readable(ax, axis):
+    """A log axis with two or more labelled major ticks in view, or a formatter the notebook chose."""
+    obj = ax.xaxis if axis == "x" else ax.yaxis
+    if obj.get_scale() != "log" or not isinstance(obj.get_major_formatter(), LogFormatter):
+        return True
+    lo, hi = sorted(ax.get_xlim() if axis == "x" else ax.get_ylim())
+    return sum(lo <= t <= hi for t in obj.get_majorticklocs()) >= 2
 
 
 def _check_figure(fig):
@@ -47,6 +88,12 @@ def _check_figure(fig):
     if images and not any(a.get_label() == "<colorbar>" for a in fig.axes) \
             and not any(getattr(im, "colorbar", None) is not None for im in images):
         problems.append("images and no colour bar")
+    problems += [f"{what} {text!r} is a code name: write it in words" for what, text in _texts(fig, axes)
+                 if _SNAKE.search(text)]
+    problems += [f"panel {ax.get_title()[:40]!r} plots accuracy without error bars or a band"
+                 for ax in axes if _plots_accuracy(ax) and not _has_interval(ax)]
+    problems += [f"panel {ax.get_title()[:40]!r}: its log {a} axis shows fewer than two labelled major ticks; "
+                 "widen the limits or set a formatter" for ax in axes for a in "xy" if not _log_ticks_readable(ax, a)]
     return [f"figure {name[:50]!r}: {p}" for p in problems]
 
 

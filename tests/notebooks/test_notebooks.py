@@ -15,6 +15,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from methods.evaluation.viz import QUICK_MODE
+
 pytestmark = pytest.mark.slow        # notebooks in a kernel: the fast tier (-m "not slow") skips them
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
@@ -56,8 +58,11 @@ def test_notebook_runs_in_tiny_mode(path: Path) -> None:
     t0 = time.perf_counter()
     build.execute(nb, tiny=True, timeout=CELL_TIMEOUT_S)       # raises CellExecutionError on the first error
     assert not build.error_outputs(nb)
-    first_code = next(cell.source for cell in nb.cells if cell.cell_type == "code")
-    assert 'TINY = os.environ.get("NANOLLM_TINY") == "1"' in first_code
+    first_code = next(cell for cell in nb.cells if cell.cell_type == "code")
+    assert 'TINY = os.environ.get("NANOLLM_TINY") == "1"' in first_code.source
+    printed = "".join(out.get("text", "") for out in first_code.outputs)
+    assert QUICK_MODE in printed, f"{path.name}: the first cell must say, in quick mode, that the text describes " \
+                                  "another run (print_mode(TINY))"
     print(f"{path.name}: {time.perf_counter() - t0:.1f} s in tiny mode")
 
 

@@ -1,6 +1,7 @@
 """
 The notebooks read as one course: one heading style (``# NN Title``, ``## N. Section``, ``### N.M
-Subsection``, a last ``## Exercises`` with ``### Exercise N: title``), a pointer to the metrics glossary
+Subsection``, a last ``## Exercises`` with ``### Exercise N: title``, then at most an ``## Appendix: title``
+with ``### A.N Subsection``), a pointer to the metrics glossary
 wherever the method tables' metrics appear, and at least one exercise that checks itself: a solution region
 of the topic's assignment, followed in its cell by an ``assert`` with a message.
 """
@@ -32,11 +33,14 @@ def headings(path: Path) -> list[str]:
 def test_one_heading_style(path):
     found = headings(path)
     assert re.fullmatch(rf"# {path.stem[:2]} \S.*", found[0]), f"title: '# {path.stem[:2]} Title', got {found[0]!r}"
-    rules = [r"## \d+\. \S.*", r"## Exercises", r"### \d+\.\d+ \S.*", r"### Exercise \d+: \S.*"]
+    rules = [r"## \d+\. \S.*", r"## Exercises", r"### \d+\.\d+ \S.*", r"### Exercise \d+: \S.*",
+             r"## Appendix: \S.*", r"### A\.\d+ \S.*"]
     wrong = [h for h in found[1:] if not any(re.fullmatch(rule, h) for rule in rules)]
     assert not wrong, f"{path.name}: headings off the style: {wrong}"
-    sections = [h for h in found if h.startswith("## ")]
-    assert sections[-1] == "## Exercises", f"{path.name}: the last section must be '## Exercises'"
+    sections = [h for h in found if h.startswith("## ") and not h.startswith("## Appendix: ")]
+    assert sections[-1] == "## Exercises", f"{path.name}: the last section must be '## Exercises' (an appendix may follow)"
+    appendix = [i for i, h in enumerate(found) if h.startswith("## Appendix: ")]
+    assert not appendix or appendix[0] > found.index("## Exercises"), f"{path.name}: the appendix comes after the exercises"
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.stem)

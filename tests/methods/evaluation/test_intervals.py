@@ -69,3 +69,19 @@ def test_format_intervals_names_the_ties():
     assert "within noise" in lines["a"] and lines["a"].split()[2] == "1.00"
     assert lines["c"].endswith("lower")
     assert "keep 0.50: best a (1.00); within noise of it: b" in text
+
+
+def test_the_noise_rule_is_one_helper_whose_printed_interval_agrees_with_its_verdict():
+    from methods.evaluation.intervals import describe, signed, verdict
+    assert verdict(0.0, 0.30) == "within noise"                  # a bound at 0 does not exclude 0
+    assert verdict(0.004, 0.02) == "higher" and verdict(-0.3, -0.01) == "lower"
+    assert verdict(0.0, 0.0) == "within noise"                   # identical rows
+    assert describe(0.01, 0.004, 0.02) == "+0.01 [+0.004, +0.02] higher"     # never "[+0.00, +0.02] higher"
+    assert describe(0.1, 0.0, 0.3) == "+0.10 [+0.00, +0.30] within noise"
+    assert signed(-0.00004) == "-0.00004" and signed(0.0) == "+0.00" and signed(1.234, 1) == "+1.2"
+    with pytest.raises(ValueError):
+        verdict(0.2, 0.1)
+    # the rule on a real paired difference: a gap carried by every sample excludes 0, a coin flip does not
+    a, b = [[1.0] * 10], [[0.0] * 10]
+    assert verdict(*paired_difference(a, b)[1:]) == "higher"
+    assert verdict(*paired_difference([[1.0, 0.0] * 5], [[0.0, 1.0] * 5])[1:]) == "within noise"

@@ -1,0 +1,227 @@
+"""
+The notebooks teach the way the course promises: each method notebook builds its method's core before it
+uses the library's, shows each paper's equation beside its idea, says what every figure shows, and quotes
+only numbers its own committed run printed.
+
+* **Build it**: each method notebook (01-06) has a *build-it cell*: a solution region of its assignment
+  tagged with a graded task (``# BEGIN SOLUTION [baselines:window_vote] hint``), so the student's copy
+  strips it and the task's cells say they run once it is done. The region is a short from-scratch version
+  of the task's code, and the rest of its cell asserts that it gives what the library gives. The notebook
+  run (``test_notebooks.py``) executes that assert; here we check that the cell exists, is short, names a
+  graded task, and compares with the library.
+* **Equations**: every paper a notebook teaches has a displayed equation (``$$ ... $$``) in the markdown
+  cell that names it, with the paper's section, equation or algorithm number.
+* **Takeaways**: in the committed notebook, every cell that draws a figure is followed by a markdown cell
+  that starts with a sentence (what the figure shows), not by a heading or more code.
+* **Quoted numbers**: every number the prose states (a decimal, a percentage, or an integer of three or
+  more digits) is in the committed notebook's code or outputs, so a number from another run, or from a
+  quick-mode run, cannot sit in the text. Not checked: numbers that name something (sections, equations,
+  tables, figures, algorithms, theorems, cells, years, arXiv ids), headings, numbers in math, code spans or
+  links, and numbers in a sentence that quotes a source ("the paper reports ...", "its data sheet").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from course.assignments import ASSIGNMENTS
+from course.markers import find_regions
+from course.mutants import graded_regions
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+_spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
+build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
+
+# the papers each method notebook teaches, by the name its markdown uses
+PAPERS = {
+    "01_baselines": ["StreamingLLM", "H2O", "SnapKV", "AdaKV"],
+    "02_scissorhands": ["Scissorhands"],
+    "03_tensor_attention": ["tensor attention"],
+    "04_perturbation_selection": ["CriticalKV"],
+    "05_chunkkv": ["ChunkKV"],
+    "06_kvreviver": ["KVReviver"],
+}
+METHOD_NOTEBOOKS = sorted(PAPERS)
+BUILD_IT_LINES = (4, 25)          # lines of code in a build-it region: a readable core, not the library's file
+
+
+def assignment_of(stem: str):
+    return next(a for a in ASSIGNMENTS.values() if a.notebook == stem)
+
+
+def cells_of(stem: str) -> list:
+    return build.read_percent(NOTEBOOKS / f"{stem}.py").cells
+
+
+def build_it_cells(stem: str) -> list[tuple[int, str, str]]:
+    """(cell index, task, the cell's code after the region) of every build-it cell of a notebook."""
+    a = assignment_of(stem)
+    found = []
+    for i, cell in enumerate(cells_of(stem)):
+        if cell.cell_type != "code":
+            continue
+        for r in find_regions("cell.py", cell.source):
+            if r.assignment == a.name and r.task:
+                found.append((i, r.task, "\n".join(cell.source.splitlines()[r.end:]), r.body(cell.source.splitlines())))
+    return found
+
+
+@pytest.mark.parametrize("stem", METHOD_NOTEBOOKS)
+def test_each_method_notebook_builds_its_method_and_checks_it_against_the_library(stem):
+    a = assignment_of(stem)
+    cells = build_it_cells(stem)
+    assert cells, f"{stem}: no build-it cell (a region '# BEGIN SOLUTION [{a.name}:TASK] hint' in a code cell)"
+    graded = {r.task for r in graded_regions(a)}
+    n_cells = len(cells_of(stem))
+    for i, task, rest, body in cells:
+        assert task in graded, f"{stem} cell {i}: task {task!r} is not a graded task of {a.name!r} ({sorted(graded)})"
+        code = [ln for ln in body if ln.strip() and not ln.strip().startswith("#")]
+        lo, hi = BUILD_IT_LINES
+        assert lo <= len(code) <= hi, f"{stem} cell {i}: the build-it region has {len(code)} lines of code, " \
+                                      f"want {lo}-{hi}: the method's core, readable at a glance"
+        assert re.search(r"^\s*(assert |torch\.testing\.assert_close\()", rest, flags=re.M), \
+            f"{stem} cell {i}: after the region the cell must assert that the built version equals the library's"
+    first = min(i for i, *_ in cells)
+    assert first < n_cells // 2, f"{stem}: the first build-it cell (cell {first} of {n_cells}) comes right after " \
+                                 "the idea, in the first half of the notebook"
+
+
+def test_a_build_it_cell_that_disagrees_with_the_library_is_caught(tmp_path):
+    """The check above on a cell whose region names no graded task, or that never compares: both refused."""
+    a = ASSIGNMENTS["baselines"]
+    graded = {r.task for r in graded_regions(a)}
+    assert "window_vote" in graded and "window_votes" not in graded
+    text = "x = 1\n# BEGIN SOLUTION [baselines:window_vote] hint\ny = 2\n# END SOLUTION\nprint(y)\n"
+    (r,) = find_regions("cell.py", text)
+    rest = "\n".join(text.splitlines()[r.end:])
+    assert not re.search(r"^\s*(assert |torch\.testing\.assert_close\()", rest, flags=re.M)
+
+
+DISPLAY = re.compile(r"\$\$.+?\$\$", re.S)
+CITE = re.compile(r"(§\s?\d|\bEq(?:uation|s?\.)\s?\(?\d|\bAlgorithm \d|\bSection \d|\bTheorem \d|\bDefinition \d)")
+
+
+@pytest.mark.parametrize("stem", METHOD_NOTEBOOKS)
+def test_each_paper_has_a_displayed_equation_beside_its_idea(stem):
+    markdown = [c.source for c in cells_of(stem) if c.cell_type == "markdown"]
+    for paper in PAPERS[stem]:
+        beside = [m for m in markdown if paper.lower() in m.lower() and DISPLAY.search(m) and CITE.search(m)]
+        assert beside, f"{stem}: no markdown cell names {paper} with a displayed equation ($$ ... $$) and the " \
+                       "paper's section, equation or algorithm number"
+
+
+def committed(stem: str) -> list[dict]:
+    return json.loads((NOTEBOOKS / f"{stem}.ipynb").read_text())["cells"]
+
+
+def draws(cell: dict) -> bool:
+    return cell["cell_type"] == "code" and any("image/png" in out.get("data", {}) for out in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("stem", [p.stem for p in SOURCES])
+def test_every_figure_is_followed_by_its_takeaway(stem):
+    cells = committed(stem)
+    bare = []
+    for i, cell in enumerate(cells):
+        if not draws(cell):
+            continue
+        after = cells[i + 1] if i + 1 < len(cells) else None
+        text = "".join(after["source"]).strip() if after and after["cell_type"] == "markdown" else ""
+        if not text or text.startswith("#") or not re.search(r"[.!?](\s|$)", text.split("\n\n")[0]):
+            bare.append(i)
+    assert not bare, f"{stem}: the figures of cells {bare} are not followed by a markdown sentence saying what they show"
+
+
+# -- quoted numbers -----------------------------------------------------------------------------------------
+
+QUOTED = re.compile(r"(?<![\w.§$/-])-?\d[\d,]*(?:\.\d+)?%?(?![\w])")
+NAMING = re.compile(r"(?:§|\b(?:sections?|eqs?\.|equations?|tables?|figures?|figs?\.|algorithms?|theorems?|"
+                    r"lemmas?|corollar(?:y|ies)|appendix|app\.|definitions?|def\.|cells?|arxiv:?|exercises?|steps?))\s*$",
+                    re.I)
+SKIP = [re.compile(p, re.S) for p in (r"\$\$.*?\$\$", r"\$[^$\n]+\$", r"`[^`]*`", r"\]\([^)]*\)", r"https?://\S+")]
+
+
+def prose_numbers(markdown: str) -> list[str]:
+    """The numbers a markdown cell states about a run (see the module's docstring for what is skipped)."""
+    markdown = "\n".join(line for line in markdown.splitlines() if not line.startswith("#"))    # headings
+    for pattern in SKIP:
+        markdown = pattern.sub(" ", markdown)
+    found = []
+    for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z(*])|\n\n", markdown):
+        if re.search(r"\b(?:the paper|paper's|papers'|the authors|et al|data ?sheet)", sentence, re.I):
+            continue
+        for m in QUOTED.finditer(sentence):
+            number = m.group().rstrip("%").replace(",", "")
+            if number.rstrip(".") in ("", "-"):
+                continue
+            if "." not in number and not m.group().endswith("%") and len(number.lstrip("-")) < 3:
+                continue                                  # small integers: counts, ranks, sizes in words
+            if re.fullmatch(r"(19|20)\d\d", number):
+                continue                                  # a year
+            head = sentence[:m.start()]
+            while (shorter := re.sub(r"\d[\d.]*\s*(?:,|and|or|-|–|to)\s*$", "", head)) != head:
+                head = shorter                            # "sections 6.1 and 6.2": the cue before the list
+            if NAMING.search(head):
+                continue                                  # "§6.3", "section 2.3", "Table 2", "arXiv 2306.14048"
+            found.append(m.group())
+    return found
+
+
+def output_text(cells: list[dict]) -> str:
+    parts = []
+    for cell in cells:
+        if cell["cell_type"] != "code":
+            continue
+        parts.append("".join(cell["source"]))
+        for out in cell.get("outputs", []):
+            if "text" in out:
+                parts.append("".join(out["text"]))
+            elif "text/plain" in out.get("data", {}):
+                parts.append("".join(out["data"]["text/plain"]))
+    return "\n".join(parts)
+
+
+def in_text(number: str, text: str) -> bool:
+    """``number`` as the prose writes it (70.5%, 1,024, 0.92) is printed somewhere in ``text``: as written, or
+    a percentage as its fraction (70.5% -> 0.705) or as a percentage of another format (70.5 %)."""
+    plain = number.rstrip("%").replace(",", "")
+    forms = {plain, number.rstrip("%")}
+    if number.endswith("%"):
+        value = float(plain) / 100
+        forms |= {f"{value:.{d}f}" for d in range(2, 5) if float(f"{value:.{d}f}") == round(value, d)
+                  and abs(float(f"{value:.{d}f}") - value) < 1e-9}
+    return any(re.search(rf"(?<![\d.]){re.escape(f)}(?![\d])", text) for f in forms)
+
+
+def unquoted(stem: str) -> list[tuple[int, str]]:
+    cells = committed(stem)
+    text = output_text(cells)
+    return [(i, n) for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+            for n in prose_numbers("".join(c["source"])) if not in_text(n, text)]
+
+
+@pytest.mark.parametrize("stem", [p.stem for p in SOURCES])
+def test_the_prose_quotes_only_numbers_its_committed_run_printed(stem):
+    missing = unquoted(stem)
+    assert not missing, f"{stem}: the prose quotes numbers that its committed outputs do not print " \
+                        f"(cell, number): {missing[:12]}; print them (a sentence from variables) or correct the text"
+
+
+def test_the_quoted_number_check_catches_a_number_from_another_run():
+    cells = [{"cell_type": "code", "source": ["print(f'{n} prompt tokens, {0.92:.2f}')"],
+              "outputs": [{"output_type": "stream", "text": ["494 prompt tokens, 0.92\n"]}]},
+             {"cell_type": "markdown", "source": ["The prompt has 244 tokens and SnapKV answers 0.92 of them."]}]
+    text = output_text(cells)
+    found = prose_numbers("".join(cells[1]["source"]))
+    assert found == ["244", "0.92"]
+    assert [n for n in found if not in_text(n, text)] == ["244"]
+    assert prose_numbers("Section 6.3 and §4.1, sections 6.1 and 6.2 (Table 2, 2024; arXiv 2306.14048).") == []
+    assert prose_numbers("The paper reports 45.09 on LongBench. We measure 0.71.") == ["0.71"]
+    assert in_text("70.5%", "share 0.705") and in_text("1,024", "1024 heads") and not in_text("0.7", "0.71")
