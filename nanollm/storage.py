@@ -57,7 +57,7 @@ class LayerKV:
     def append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
         """Add k, v (B, H_kv, Tn, d) at positions pos (Tn,): in place while there is room, else into buffers of
         twice the capacity (room's positions -1; ``MIN_CAPACITY`` at first); each state gets Tn fill-value slots."""
-        # BEGIN SOLUTION [cache:append] grow as the docstrings say: O(1) bytes per token, amortised (notebook 00 §6)
+        # BEGIN SOLUTION [cache:append] grow as the docstrings say: O(1) bytes per token, amortised (notebook 07 §2)
         B, H_kv, Tn, d = k.shape
         if self.n + Tn > self.capacity():             # reallocate: double, keep the first n slots
             cap = Tn + MIN_CAPACITY if self._k is None else max(self.n + Tn, 2 * self.capacity(), MIN_CAPACITY)

@@ -6,15 +6,18 @@
 #
 # **You will learn**
 #
-# 1. what a decoder recomputes at every step when it has no cache, and what the cache stores instead;
+# 1. what a decoder recomputes at every step when it has no cache, and what the cache stores instead
+#    (drawn from a real generation);
 # 2. the memory formula `2 * n_layer * n_kv_head * head_dim * bytes * T`, and what grouped-query attention saves;
 # 3. that cached decoding computes *exactly* what the plain forward computes (fp32);
 # 4. how the cost of one decode step grows with the context, with and without the cache;
 # 5. why the cache stores each token's *position*, and why that keeps RoPE right after eviction (drawn
 #    from a real cache before and after a method evicts);
-# 6. why the textbook `torch.cat` append is O(T) per token, and how the storage grows in place instead;
-# 7. when a method acts: the order in which the cache calls a policy's hooks, layer by layer, over a
+# 6. when a method acts: the order in which the cache calls a policy's hooks, layer by layer, over a
 #    prefill, an `extend` chunk and decode steps (recorded, then drawn).
+#
+# How the storage grows without copying (and what the textbook `torch.cat` append would cost) is measured
+# in notebook `07_kernels`, section 2, beside the roofline of a decode step.
 #
 # Code: `nanollm/cache.py` and `nanollm/storage.py` (storage), `nanollm/generation.py` (prefill / extend
 # / decode_step), `nanollm/policy.py` (the hooks), `nanollm/cli/bench.py` (timings). This notebook only
@@ -33,21 +36,21 @@ import platform
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.colors import ListedColormap
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
 
-from nanollm import KVCache, LayerKV, Transformer, decode_step, extend, prefill, preset
-from nanollm.attention import attend
-from nanollm.cli.bench import format_result, run_bench
+from methods.evaluation.viz import print_mode
+from nanollm import KVCache, Transformer, decode_step, extend, prefill, preset
+from nanollm.cli.bench import run_bench
 
 CONTEXTS = [32, 64, 128] if TINY else [128, 256, 512, 1024]   # context lengths for the timings
 REPEATS, STEPS = (2, 2) if TINY else (5, 8)                   # medians of REPEATS x STEPS decode steps
 GROW_TOKENS = 64 if TINY else 512                             # tokens generated in the memory plot
-COPY_CONTEXTS = [256, 1024] if TINY else [1024, 4096, 16384]   # context lengths for the append timings
 torch.manual_seed(0)
+config = preset("TINY", max_seq_len=2048)                     # the model of this notebook (room for long runs)
+model = Transformer(config).eval()                            # random weights: the cache does not care
 print(f"tiny mode: {TINY}; torch {torch.__version__}; machine: {platform.system()} {platform.machine()}, "
       f"{os.cpu_count()} CPU cores")
-
-from methods.evaluation.viz import print_mode
-
 print_mode(TINY)                                   # quick mode: the text describes another run
 
 # %% [markdown]
@@ -62,6 +65,56 @@ print_mode(TINY)                                   # quick mode: the text descri
 # computed once and **stored**: that store is the KV cache. A decode step then runs the model over the
 # single new token; only its attention reads the stored keys and values.
 #
+# Below, the model generates a few tokens both ways, and a hook on layer 0's key projection counts the
+# rows it computes at each step: the whole prefix without a cache, one row with it.
+
+# %%
+# needs: append, group_scores, mask
+PROMPT, NEW = 4, 8                                            # a 4-token prompt, then 8 new tokens
+x = torch.randint(0, config.vocab_size, (1, PROMPT + NEW))
+counts = []                                                   # rows of x the K projection sees, per call
+hook = model.blocks[0].attn.k_proj.register_forward_hook(lambda mod, inp, out: counts.append(inp[0].shape[1]))
+with torch.no_grad():
+    for t in range(PROMPT, PROMPT + NEW + 1):
+        model(x[:, :t])                                       # no cache: the whole prefix, at every step
+recompute, counts = counts, []
+cache = KVCache(config)
+prefill(model, x[:, :PROMPT], cache)
+for t in range(PROMPT, PROMPT + NEW):
+    decode_step(model, x[:, t], cache)                        # with the cache: the new token only
+cached = counts
+hook.remove()
+
+
+def step_grid(rows_computed):
+    """(steps, positions): 0 not seen yet, 1 read from the cache, 2 computed in this step."""
+    grid = torch.zeros(len(rows_computed), PROMPT + NEW)
+    for step, n in enumerate(rows_computed):
+        seen = PROMPT + step                                  # the prompt, then one more token per step
+        grid[step, :seen] = 1
+        grid[step, seen - n:seen] = 2
+    return grid
+
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), dpi=80, sharey=True, layout="constrained")
+for ax, (name, rows) in zip(axes, [("without a cache", recompute), ("with a KV cache", cached)]):
+    im = ax.imshow(step_grid(rows), cmap=ListedColormap(["white", "#9ecae1", "#d62728"]), vmin=-0.5, vmax=2.5)
+    ax.set_title(f"{name}: {sum(rows)} key rows computed")
+    ax.set_xlabel("token position")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+axes[0].set_ylabel("step (0: the prompt)")
+bar = fig.colorbar(im, ax=axes, ticks=[0, 1, 2], shrink=0.8)
+bar.ax.set_yticklabels(["not seen yet", "read from the cache", "computed"])
+fig.suptitle("layer 0's keys at each step of a generation (counted by a hook on the key projection)")
+plt.show()
+print(f"{NEW} new tokens after a {PROMPT}-token prompt: layer 0 computed {sum(recompute)} key rows without a "
+      f"cache, {sum(cached)} with one")
+
+# %% [markdown]
+# Without a cache every step recomputes the keys (and values, queries, MLPs) of the whole prefix, a
+# triangle of work that grows with each step; with a cache each step computes one new row and reads the
+# others. The same holds in every layer. Per step, at context *t*:
+#
 # | one step at context *t* | matmul work | attention work |
 # |---|---|---|
 # | recompute the prefix | *t* tokens through every layer | *t*² query-key pairs |
@@ -72,8 +125,6 @@ print_mode(TINY)                                   # quick mode: the text descri
 
 # %%
 # needs: append
-config = preset("TINY", max_seq_len=2048)                     # room for the longer runs below
-model = Transformer(config).eval()
 print(config)
 print(f"{model.num_params():,} parameters")
 
@@ -144,35 +195,46 @@ for name in ["TINY", "TINY_GPT2"]:
 # %% [markdown]
 # Differences of a few 1e-7, against logits of order 1, are fp32 rounding: the same sums in a different
 # order. `tests/nanollm/test_model.py` asserts them at `atol=1e-5`. In bf16 the same comparison gives
-# visibly larger gaps (see huggingface/transformers#25420), so low-precision checks compare greedy tokens
-# instead.
+# visibly larger gaps (a known report: `huggingface/transformers#25420`), so low-precision checks compare
+# greedy tokens instead.
 #
 # ## 4. What the cache buys: time per decode step
 #
 # `nanollm.cli.bench.run_bench` times, at each context length, one cached `decode_step` against one full
 # uncached forward over the prefix (what you would run to get the next token without a cache). The
-# lengths and both modes are measured interleaved, and medians are reported. The same numbers come from
+# lengths and both modes are measured interleaved, and medians are reported; dotted lines are the
+# least-squares fits `ms = a + b * context`. The same numbers, as a table, come from
 # `python -m nanollm.cli.bench` on the command line.
 
 # %%
 # needs: append, group_scores, mask
 bench = run_bench(config, contexts=CONTEXTS, repeats=REPEATS, steps=STEPS, threads=1)
-print(format_result(bench, name="TINY"))
-
-# %%
-# needs: append, group_scores, mask
 ctx = [r.context for r in bench.rows]
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=80)
+
+
+def plain_log_ticks(axis, ticks):
+    """Label a log axis at ``ticks`` written plainly (0.5, 1, 2, 128, ...), without minor labels."""
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=80, layout="constrained")
 for mode, style in [("recompute", "o-"), ("cached", "s-")]:
     a, b = bench.fit[mode]
     ax1.plot(ctx, [getattr(r, f"{mode}_ms") for r in bench.rows], style, label=f"{mode} (measured)")
-    ax1.plot(ctx, [a + b * t for t in ctx], "k:", lw=1, label="least-squares fit" if mode == "cached" else None)
-ax1.set(xlabel="context (tokens already seen)", ylabel="ms per decode step", title="cost of one new token")
-ax1.legend()
+    fit = [(t, a + b * t) for t in ctx if a + b * t > 0]
+    ax1.plot(*zip(*fit), "k:", lw=1, label="least-squares fit" if mode == "cached" else None)
 ax2.plot(ctx, [r.speedup for r in bench.rows], "o-", color="C2")
-ax2.set(xlabel="context (tokens)", ylabel="recompute time / cached time", title="speedup of the KV cache")
 ax2.axhline(1, color="gray", lw=0.8)
-plt.tight_layout()
+for ax in (ax1, ax2):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    plain_log_ticks(ax.xaxis, ctx)
+    plain_log_ticks(ax.yaxis, [0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 7, 10, 15, 20, 30, 50])
+ax1.set(xlabel="context (tokens already seen)", ylabel="ms per decode step", title="cost of one new token")
+ax1.legend(loc="upper left")
+ax2.set(xlabel="context (tokens)", ylabel="recompute time / cached time", title="speedup of the KV cache")
 plt.show()
 (a_c, b_c), (a_r, b_r) = bench.fit["cached"], bench.fit["recompute"]
 print(f"slopes: recompute {b_r * 1e3:.2f} ms, cached {b_c * 1e3:.3f} ms per 1k tokens of context "
@@ -181,14 +243,14 @@ print(f"slopes: recompute {b_r * 1e3:.2f} ms, cached {b_c * 1e3:.3f} ms per 1k t
       f"{bench.rows[-1].speedup:.1f}x at {ctx[-1]}")
 
 # %% [markdown]
-# Read the fitted slopes (dotted lines, and the line printed under the plot): recomputing grows by
-# milliseconds per thousand tokens of context, because every step re-runs the whole prefix; the cached step
-# grows far more slowly (the printed ratio of the two slopes), only through the attention over the stored
-# entries (section 6 shows what a naive append would add). At these lengths the cached step is mostly its
-# fixed cost, the intercept: Python and small-matrix overheads of one token through the layers (the printed
-# share). Even so the cache already pays at the shortest context measured, and the longer the context, the
-# bigger the win (the speedups printed at both ends). The price is memory, which grows linearly with the
-# tokens seen:
+# On log axes the recomputing step climbs in proportion to the context, while the cached step stays
+# nearly flat, so the speedup grows with every doubling of the context. The fitted slopes (the line printed
+# under the plot) say the same in numbers: recomputing costs milliseconds more per thousand tokens of
+# context, because every step re-runs the whole prefix; the cached step grows far more slowly (the printed
+# ratio of the two slopes), only through the attention over the stored entries. At these lengths the cached
+# step is mostly its fixed cost, the intercept: Python and small-matrix overheads of one token through the
+# layers (the printed share). Even so the cache already pays at the shortest context measured. The price
+# is memory, which grows linearly with the tokens seen:
 
 # %%
 # needs: append, group_scores, mask
@@ -213,8 +275,9 @@ plt.legend()
 plt.show()
 
 # %% [markdown]
-# The dashed line is what every method in `methods/` aims for: a cache that stops growing at `budget`
-# tokens per layer per KV head, whatever the context length. Which tokens to keep is the whole question.
+# The full cache grows by the same bytes at every token, without end; the dashed line is what every
+# method in `methods/` aims for: a cache that stops growing at `budget` tokens per layer per KV head,
+# whatever the context length. Which tokens to keep is the whole question.
 #
 # ## 5. Positions stay true after eviction
 #
@@ -225,202 +288,96 @@ plt.show()
 # * keys are cached *after* RoPE, at the position they were seen at, so a kept key never needs re-rotation;
 # * the next token gets position `cache.seen` (tokens seen), not `len(cache)` (slots kept), and the
 #   causal mask is built from the stored positions, not from slot numbers.
+#
+# Below, a 12-token prompt; each head keeps 2 "sink" tokens, 3 recent ones and a different middle token
+# (head 1 one fewer: an empty slot), then one more token is decoded. The picture is layer 0's storage, slot
+# by slot, each slot labelled with the position it stores.
 
 # %%
-# needs: append
+# needs: append, group_scores, mask
 cache = KVCache(config)
-x = torch.randint(0, config.vocab_size, (1, 12))
-prefill(model, x, cache)
+prefill(model, torch.randint(0, config.vocab_size, (1, 12)), cache)
 kv = cache.layers[0]
 k_before = kv.k.clone()
-print("before keep, positions per KV head:\n", kv.pos[0])
-# keep 2 "sink" tokens, 3 recent ones, and one different middle token per head (head 1 keeps one fewer)
-idx = torch.tensor([[[0, 1, 5, 9, 10, 11], [0, 1, 7, 10, 11, -1]]])    # (B=1, H_kv=2, K=6)
+idx = torch.tensor([[[0, 1, 5, 9, 10, 11], [0, 1, 7, 10, 11, -1]]])    # (B=1, H_kv=2, K=6) slots to keep
 kv.keep(idx)
-print("after keep:\n", kv.pos[0])
-print("kept keys unchanged:", torch.equal(kv.k[0, 0], k_before[0, 0, idx[0, 0]]))
+unchanged = torch.equal(kv.k[0, 0], k_before[0, 0, idx[0, 0]])
+decode_step(model, torch.tensor([7]), cache)                           # one more token
 
-# %%
-# needs: append, group_scores, mask
-decode_step(model, torch.tensor([7]), cache)                       # one more token
-print(f"slots: {len(kv)}, tokens seen: {cache.seen}")
-print("positions after one decode step:\n", kv.pos[0])
-print(f"the new token got position {kv.pos[0, 0, -1].item()} (tokens seen before it), "
+pos = kv.pos[0]                                                        # (H_kv, slots)
+kind = torch.where(pos < 0, 0, torch.where(pos == cache.seen - 1, 2, 1))
+plt.figure(figsize=(6.5, 2.0), dpi=80)
+plt.imshow(kind, cmap=ListedColormap(["white", "#a1d99b", "#fdae6b"]), vmin=-0.5, vmax=2.5, aspect="auto")
+for h in range(pos.shape[0]):
+    for slot in range(pos.shape[1]):
+        plt.text(slot, h, str(int(pos[h, slot])), ha="center", va="center", fontsize=10)
+bar = plt.colorbar(ticks=[0, 1, 2])
+bar.ax.set_yticklabels(["empty", "kept", "decoded"])
+plt.xticks(range(pos.shape[1]))
+plt.yticks(range(pos.shape[0]), [f"KV head {h}" for h in range(pos.shape[0])])
+plt.xlabel("slot")
+plt.title("layer 0 after keep and one decode step: the position stored in each slot")
+plt.show()
+print(f"kept keys unchanged: {unchanged}; the new token got position {int(pos[0, -1])} (tokens seen before it), "
       f"although it sits in slot {len(kv) - 1}")
 
-# %%
-# needs: append, group_scores, mask
-kept = torch.zeros(config.n_kv_head, cache.seen)
-for h in range(config.n_kv_head):
-    p = kv.pos[0, h]
-    kept[h, p[p >= 0]] = 1
-plt.figure(figsize=(6.5, 1.8), dpi=80)
-plt.imshow(kept, cmap="Greens", aspect="auto", vmin=0, vmax=1)
-plt.colorbar(ticks=[0, 1], label="kept")
-plt.yticks(range(config.n_kv_head), [f"KV head {h}" for h in range(config.n_kv_head)])
-plt.xlabel("position")
-plt.ylabel("KV head")
-plt.title("layer 0: positions kept per KV head")
-plt.show()
-
 # %% [markdown]
-# ### 5.1 The layout, drawn from a real cache
+# Slot and position part ways: each head stores its own positions in its own slots, head 1 has an empty
+# slot (position -1), and the decoded token sits in the last slot of both heads with the number of tokens
+# seen as its position, not its slot number.
 #
-# Below, every stored number of one small cache, drawn from the tensors themselves. The prompt (10 tokens)
-# is prefilled twice: into a plain cache (everything kept), and into a cache whose policy is a real method,
-# SnapKV with a budget of 6 entries per KV head (`methods/snapkv.py`), which evicts right after each
-# layer's prefill attention; then one token is decoded into the SnapKV cache. Each panel is one layer's
-# `k[0, h]` and `v[0, h]` (one column per slot, the d = 16 numbers of the key above those of the value);
-# the tick under each column is the slot's `pos`. Per layer the storage is `k, v: (B, H_kv, T, d)` and
-# `pos: (B, H_kv, T)`, and nothing else: the slot number is only an index, the position travels with the
-# entry.
+# ### 5.1 A real method's cache
+#
+# The same with a real method: the prompt (10 tokens) is prefilled into a plain cache (everything kept) and
+# into a cache whose policy is SnapKV with a budget of 6 entries per KV head (`methods/snapkv.py`), which
+# evicts right after each layer's prefill attention; then one token is decoded into the SnapKV cache. The
+# picture has one row per layer and KV head and one column per position; a coloured cell is a position
+# the head still holds, labelled with the slot that holds it. The cell compares every kept key and value
+# with the full cache's entry at the same position.
 
 # %%
 # needs: append, group_scores, mask
 from methods.snapkv import SnapKVPolicy
-
-
-def snapshot(c):
-    """Per layer: copies of k[0], v[0], pos[0] and the shapes of the stored k and pos."""
-    return [(kv.k[0].clone(), kv.v[0].clone(), kv.pos[0].clone(), tuple(kv.k.shape), tuple(kv.pos.shape))
-            for kv in c.layers]
-
 
 prompt = torch.randint(0, config.vocab_size, (1, 10))
 full = KVCache(config)
 prefill(model, prompt, full)
 snap = KVCache(config, SnapKVPolicy(budget=6, window=2, kernel=1))
 prefill(model, prompt, snap)
-snapshots = {"full cache, after prefill": snapshot(full), "SnapKV (budget 6), after prefill": snapshot(snap)}
 decode_step(model, torch.tensor([7]), snap)
-snapshots["SnapKV, after one decode step"] = snapshot(snap)
 
-same = all(torch.equal(ks[h], kf[h, ps[h]]) and torch.equal(vs[h], vf[h, ps[h]])
-           for (kf, vf, *_), (ks, vs, ps, *_) in zip(snapshots["full cache, after prefill"],
-                                                   snapshots["SnapKV (budget 6), after prefill"])
-           for h in range(config.n_kv_head))
-print("every entry SnapKV kept equals the full cache's entry at its stored position:", same)
-
-names = list(snapshots)
-panels = [(layer, h) for layer in range(config.n_layer) for h in range(config.n_kv_head)]
-d = config.head_dim
-vmax = max(float(t.abs().max()) for name in names for entry in snapshots[name] for t in entry[:2])
-fig, axes = plt.subplots(len(panels), len(names), figsize=(12, 1.35 * len(panels) + 1.2), dpi=80, squeeze=False,
-                         layout="constrained",
-                         gridspec_kw={"width_ratios": [snapshots[n][0][2].shape[-1] for n in names]})
-for j, name in enumerate(names):
-    for i, (layer, h) in enumerate(panels):
-        k_, v_, p_, k_shape, pos_shape = snapshots[name][layer]
-        ax = axes[i, j]
-        im = ax.imshow(torch.cat([k_[h], v_[h]], dim=-1).T, cmap="RdBu_r", vmin=-vmax, vmax=vmax,
-                       aspect="auto", interpolation="nearest")
-        ax.axhline(d - 0.5, color="k", lw=1)
-        ax.set_xticks(range(p_.shape[-1]), [str(int(x)) for x in p_[h]], fontsize=7)
-        ax.set_yticks([d / 2 - 0.5, 1.5 * d - 0.5], ["k", "v"])
-        if j == 0:
-            ax.set_ylabel(f"layer {layer}\nKV head {h}", fontsize=8)
-        if i == 0:
-            ax.set_title(f"{name}\nk, v {k_shape}; pos {pos_shape}", fontsize=9)
-        if i == len(panels) - 1:
-            ax.set_xlabel("slots (tick: the stored position)")
-fig.colorbar(im, ax=axes, shrink=0.6, label="stored value (keys after RoPE)")
-fig.suptitle("one cache, every stored number: SnapKV keeps different positions per head, and each entry keeps its own")
+heads = [(layer, h) for layer in range(config.n_layer) for h in range(config.n_kv_head)]
+state = torch.zeros(len(heads), snap.seen)                  # 0 evicted, 1 kept from the prompt, 2 decoded
+fig, ax = plt.subplots(figsize=(7, 2.4), dpi=80)
+same = True
+for row, (layer, h) in enumerate(heads):
+    kv, ref = snap.layers[layer], full.layers[layer]
+    for slot, p in enumerate(kv.pos[0, h].tolist()):
+        if p < 0:
+            continue
+        state[row, p] = 1 if p < prompt.shape[1] else 2
+        ax.text(p, row, str(slot), ha="center", va="center", fontsize=9)
+        if p < prompt.shape[1]:                             # the same numbers as the full cache's entry
+            same &= torch.equal(kv.k[0, h, slot], ref.k[0, h, p]) and torch.equal(kv.v[0, h, slot], ref.v[0, h, p])
+im = ax.imshow(state, cmap=ListedColormap(["white", "#a1d99b", "#fdae6b"]), vmin=-0.5, vmax=2.5, aspect="auto")
+bar = fig.colorbar(im, ax=ax, ticks=[0, 1, 2])
+bar.ax.set_yticklabels(["evicted", "kept", "decoded"])
+ax.set_xticks(range(snap.seen))
+ax.set_yticks(range(len(heads)), [f"layer {layer}, KV head {h}" for layer, h in heads])
+ax.set(xlabel="position (label: the slot that holds it)", title="SnapKV (budget 6) after prefill and one decode step")
 plt.show()
+print(f"every entry SnapKV kept equals the full cache's entry at its position: {same}; "
+      f"slots per head: {len(snap.layers[0])}, the decoded token at position {snap.seen - 1}")
 
 # %% [markdown]
-# Read it column by column. After the eviction each head holds 6 slots, not the same positions in every
-# head or layer; a kept column has exactly the colours it had in the full cache, under the same position
-# (the check printed above compares every number). The decoded token lands in the next free slot, the
-# seventh, and gets position 10, the number of tokens seen: its key was rotated for position 10, so its
-# dot products with the kept keys, rotated at their own positions, still depend on the true distance.
+# Each layer and head keeps its own positions, in slots numbered in order of position, and every kept
+# key and value is the full cache's entry at that position, bit for bit (printed: True). The decoded token
+# lands in the next free slot with the number of tokens seen as its position: its key was rotated for
+# that position, so its dot products with the kept keys, rotated at their own positions, still depend on
+# the true distance.
 
 # %% [markdown]
-# ## 6. Growing without copying: decoding at the memory limit
-#
-# At long contexts a decode step is *memory-bound*: its attention reads every stored key and value once
-# and does only two multiply-adds per number read, so the step can be no faster than
-# `bytes stored / memory bandwidth`. (That is also why compression speeds decoding up: fewer bytes.)
-#
-# The textbook way to add the new token's entry is `k = torch.cat([k, k_new], dim=2)`. It allocates a new
-# tensor and copies the whole layer, at every token: the step reads and writes every stored byte once
-# more on top of the attention's read, and a generation of T tokens copies O(T^2) bytes in total.
-#
-# `LayerKV` (`nanollm/storage.py`) instead keeps `k`, `v`, `pos` as views of the first T slots of larger
-# buffers. `append` writes the new entries in place after them; only when a buffer is full does it
-# allocate one twice as large and copy once. Over a generation every entry is copied about once on
-# average: O(T) in total, nothing per step. Watch the buffer's address and capacity as tokens arrive:
-
-# %%
-# needs: append
-kv = LayerKV()
-slots, capacity, moves, ptr = [], [], 0, None
-for t in range(300):
-    kv.append(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), torch.tensor([t]))
-    moves += kv.k.data_ptr() != ptr                   # a new buffer: the stored entries were copied
-    ptr = kv.k.data_ptr()
-    slots.append(len(kv))
-    capacity.append(kv.capacity())
-print(f"300 appends, {moves} buffer allocations (the first one included); final capacity {kv.capacity()}")
-plt.figure(figsize=(5.5, 3.2), dpi=80)
-plt.plot(slots, label="slots in use (T)")
-plt.step(range(300), capacity, where="post", label="buffer capacity")
-plt.xlabel("tokens appended")
-plt.ylabel("slots per head")
-plt.title("LayerKV: capacity doubles when full, slots grow by one")
-plt.legend()
-plt.show()
-
-# %% [markdown]
-# What the copy costs, measured: one layer shaped like a model whose cache dominates the bytes (8 KV
-# heads of dimension 32, fp32), at several context lengths. Per token we time the textbook `torch.cat`
-# append, `LayerKV.append`, and the attention of one query over the stored entries (`attend`, what
-# a decode step must read anyway).
-
-# %%
-# needs: append, group_scores, mask
-import time
-
-
-def median_ms(fn, repeats=9):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[repeats // 2]
-
-
-torch.set_num_threads(1)
-rows = []
-for T in COPY_CONTEXTS:
-    k, v = torch.randn(1, 8, T, 32), torch.randn(1, 8, T, 32)
-    new_k, new_v = torch.randn(1, 8, 1, 32), torch.randn(1, 8, 1, 32)
-    store = LayerKV()
-    store.append(k, v, torch.arange(T))
-    q = torch.randn(1, 8, 1, 32)
-    cat_ms = median_ms(lambda: (torch.cat([k, new_k], dim=2), torch.cat([v, new_v], dim=2)))
-    append_ms = median_ms(lambda: store.append(new_k, new_v, torch.tensor([len(store)])))
-    attend_ms = median_ms(lambda: attend(q, store.k, store.v, torch.tensor([len(store)]), store.pos))
-    rows.append((T, cat_ms, append_ms, attend_ms))
-    print(f"T={T:>6}: torch.cat append {cat_ms:7.3f} ms | in-place append {append_ms:6.3f} ms | "
-          f"attention over the entries {attend_ms:6.3f} ms | cat / attention = {cat_ms / attend_ms:4.1f}x")
-ratios = [cat / att for _, cat, _, att in rows]
-print(f"over these lengths: torch.cat / attention {min(ratios):.1f}x to {max(ratios):.1f}x; in-place append "
-      f"{min(r[2] for r in rows) * 1e3:.0f} to {max(r[2] for r in rows) * 1e3:.0f} µs whatever the length")
-
-# %% [markdown]
-# The `torch.cat` append reads *and writes* every stored byte, twice the bytes the attention reads, and
-# allocates a new tensor each time (more still when the allocator has to map fresh memory). The last line
-# printed above gives the range of the ratio in this run; on the machine that built this notebook (two
-# cores shared with other work) it moves from run to run, so read it as "the same order as the attention",
-# not as a fixed factor. With it, a decode step roughly doubles its memory traffic, and a method that keeps
-# 10% of the tokens would look *better* than it is, because its small cache is also cheap to copy. The
-# in-place append costs the same at every length (the last line printed), a small fraction of the
-# attention from 1024 tokens on. (`python -m methods.evaluation.bench` measures whole decode steps: bytes
-# read per step, the achieved GB/s against the machine's measured bandwidth, and the speedup of each
-# compression method over the full cache.)
-#
-# ## 7. When a method acts: the policy hooks
+# ## 6. When a method acts: the policy hooks
 #
 # A method is a `CachePolicy` (`nanollm/policy.py`) and acts only through three hooks, which
 # `KVCache.attend` calls inside every layer's attention, after the step's new entries were appended:
@@ -483,9 +440,6 @@ def run_logged(model, policy, prompt_len, chunks, decodes, seed=0):
 
 policy = LoggedStreamingLLM(budget=8, n_sink=2)
 logged = run_logged(model, policy, prompt_len=10, chunks=[4], decodes=3)
-for n, (hook, layer, step, before, after) in enumerate(policy.log):
-    change = f"{before} -> {after} slots" if before != after else f"{before} slots"
-    print(f"{n:>2}  {step:<10} layer {layer}  {hook:<10} {change}")
 
 markers = {"attend_kv": ("o", "C0"), "on_prefill": ("s", "C1"), "on_decode": ("D", "C3")}
 fig, ax = plt.subplots(figsize=(11, 2.8), dpi=80)
@@ -504,14 +458,18 @@ for n, (hook, layer, _, before, after) in enumerate(policy.log):
                     ha="center", fontsize=7)
 ax.set_yticks(range(config.n_layer), [f"layer {layer}" for layer in range(config.n_layer)])
 ax.set_ylim(-0.7, config.n_layer - 0.2)
+ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 ax.set(xlabel="call order", ylabel="layer",
        title="StreamingLLM (budget 8): which hook the cache calls when (annotated: slots before -> after)")
 ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
 plt.tight_layout()
 plt.show()
+print(f"{len(policy.log)} hook calls over {len(steps)} steps; slots per layer at the end: "
+      f"{[len(kv) for kv in logged.layers]}")
 
 # %% [markdown]
-# What the timeline shows:
+# The timeline shows each step visiting the layers in order, every layer getting `attend_kv` and then one
+# `on_prefill` or `on_decode`, and StreamingLLM evicting back to 8 slots right after each of them. In detail:
 #
 # * **Layer by layer.** A step runs through the layers in order, and each layer gets its hooks before the
 #   next layer starts: `attend_kv`, then the attention, then `on_prefill` or `on_decode`. So a method that
@@ -564,8 +522,8 @@ print(f"GQA: {gib_gqa:.0f} GiB | MHA: {gib_mha:.0f} GiB ({gib_mha / gib_gqa:.0f}
 # tokens already stored (it reads the stored K and V and writes them again; leave out the new token), and
 # the bytes a whole generation moves that grows the cache from 0 to 1024 tokens this way (the step that
 # finds t tokens stored moves that many). Compare with what the attention reads per step, and with the
-# timings of section 6. (Another way out, used by gpt-fast: preallocate the cache for the maximum length
-# once.)
+# timings in notebook `07_kernels`, section 2. (Another way out, used by gpt-fast: preallocate the cache
+# for the maximum length once.)
 
 # %%
 # needs: append
@@ -593,7 +551,7 @@ print(f"one torch.cat append at T={T}: {cat_bytes_step / 2**20:.2f} MiB moved, {
 # ### Exercise 5: count the hook calls
 #
 # Predict, without running it, the hook calls for the SMALL preset (4 layers) with the logged StreamingLLM
-# of section 7 (budget 8) over a prompt of 20 tokens, two `extend` chunks of 5 tokens and 6 decode steps:
+# of section 6 (budget 8) over a prompt of 20 tokens, two `extend` chunks of 5 tokens and 6 decode steps:
 # how many calls of each hook, and how many slots each layer holds at the end.
 
 # %%

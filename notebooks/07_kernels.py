@@ -7,12 +7,14 @@
 #
 # 1. the roofline of a decode step: bytes, FLOPs, and why compression is a speed-up only when it reads
 #    fewer bytes;
-# 2. `decode_attention.py`: split-K ("flash-decoding") attention over a contiguous cache, and the same
+# 2. the bytes of *storing* a token: the textbook `torch.cat` append against nanollm's in-place storage,
+#    measured beside the attention;
+# 3. `decode_attention.py`: split-K ("flash-decoding") attention over a contiguous cache, and the same
 #    kernel gathering per-head selected rows (what SnapKV/AdaKV-style selections need) without a copy;
-# 3. `count_sketch.py`: KVReviver's sketch, and a fused rebuild-then-attend;
-# 4. `tensor_decode.py`: tensor attention over the four-matrix cache in tiles, with an online softmax over
+# 4. `count_sketch.py`: KVReviver's sketch, and a fused rebuild-then-attend;
+# 5. `tensor_decode.py`: tensor attention over the four-matrix cache in tiles, with an online softmax over
 #    pairs;
-# 5. the benchmark: what `python -m fastpath.bench` measures, and what was measured on an H100.
+# 6. the benchmark: what `python -m fastpath.bench` measures, and what was measured on an H100.
 #
 # Without a GPU the kernels run in Triton's *interpreter* (`TRITON_INTERPRET=1`): the same kernel code,
 # executed block by block with NumPy, exact and very slow. That is how this notebook and the tests check
@@ -40,6 +42,7 @@ import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
 import kernels
 from kernels.decode_attention import (
@@ -49,6 +52,7 @@ from kernels.decode_attention import (
     reference_selected_decode_attention,
     selected_decode_attention_triton,
 )
+from methods.evaluation.viz import print_mode
 
 ROOT = Path(kernels.__file__).resolve().parents[1]          # the repository (for results/)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"    # every tensor below is made on it
@@ -62,9 +66,6 @@ def skipped(what: str) -> None:
 
 print(f"tiny mode: {TINY}; device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; "
       f"interpreter: {kernels.interpreting()}")
-
-from methods.evaluation.viz import print_mode
-
 print_mode(TINY)                                   # quick mode: the text describes another run
 
 # %% [markdown]
@@ -117,7 +118,113 @@ plt.show()
 # dropped ones moves every byte and saves nothing.
 
 # %% [markdown]
-# ## 2. Decode attention, split along the sequence
+# ## 2. Storing a token without copying the cache
+#
+# If a step's time is its bytes over the bandwidth, the bytes spent *storing* the new token count too. The
+# textbook way to add its entry is `k = torch.cat([k, k_new], dim=2)`. It allocates a new tensor and
+# copies the whole layer, at every token: the step reads and writes every stored byte once more on top of
+# the attention's read, and a generation of T tokens copies O(T^2) bytes in total.
+#
+# nanollm's `LayerKV` (`nanollm/storage.py`, the `append` task of the `cache` assignment) instead keeps
+# `k`, `v`, `pos` as views of the first T slots of larger buffers. `append` writes the new entries in place
+# after them; only when a buffer is full does it allocate one twice as large and copy once. Over a
+# generation every entry is copied about once on average: O(T) in total, nothing per step. Watch the
+# buffer's capacity as tokens arrive:
+
+# %%
+from nanollm.storage import LayerKV
+
+store = LayerKV()
+slots, capacity, moves, ptr = [], [], 0, None
+for t in range(300):
+    store.append(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), torch.tensor([t]))
+    moves += store.k.data_ptr() != ptr                 # a new buffer: the stored entries were copied
+    ptr = store.k.data_ptr()
+    slots.append(len(store))
+    capacity.append(store.capacity())
+plt.figure(figsize=(5.5, 3.2), dpi=80)
+plt.plot(slots, label="slots in use (T)")
+plt.step(range(300), capacity, where="post", label="buffer capacity")
+plt.xlabel("tokens appended")
+plt.ylabel("slots per head")
+plt.title("LayerKV: capacity doubles when full, slots grow by one")
+plt.legend()
+plt.show()
+print(f"300 appends, {moves} buffer allocations (the first one included); final capacity {store.capacity()}")
+
+# %% [markdown]
+# The buffer is reallocated only when the slots in use reach its capacity, a handful of times (printed
+# above) for 300 tokens, and each time the capacity doubles; every other append writes one row in place.
+#
+# What the copy costs, measured on this machine's CPU: one layer shaped like a model whose cache dominates
+# the bytes (8 KV heads of dimension 32, fp32), at several context lengths. Per token we time the textbook
+# `torch.cat` append, `LayerKV.append`, and the attention of one query per head over the stored entries
+# (`reference_decode_attention`, what a decode step must read anyway).
+
+# %%
+import time
+
+COPY_CONTEXTS = [256, 1024] if TINY else [1024, 4096, 16384]   # context lengths for the append timings
+
+
+def median_ms(fn, repeats=9):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[repeats // 2]
+
+
+threads = torch.get_num_threads()
+torch.set_num_threads(1)                                       # one thread: steadier timings on a shared machine
+rows = []
+for T in COPY_CONTEXTS:
+    k_, v_ = torch.randn(1, 8, T, 32), torch.randn(1, 8, T, 32)          # (B, H_kv, T, d)
+    new_k, new_v = torch.randn(1, 8, 1, 32), torch.randn(1, 8, 1, 32)
+    store = LayerKV()
+    store.append(k_, v_, torch.arange(T))
+    q_ = torch.randn(1, 8, 32)                                           # (B, H, d)
+    cat_ms = median_ms(lambda: (torch.cat([k_, new_k], dim=2), torch.cat([v_, new_v], dim=2)))
+    append_ms = median_ms(lambda: store.append(new_k, new_v, torch.tensor([len(store)])))
+    attend_ms = median_ms(lambda: reference_decode_attention(q_, store.k, store.v))
+    rows.append((T, cat_ms, append_ms, attend_ms))
+torch.set_num_threads(threads)
+
+fig, ax = plt.subplots(figsize=(6.5, 3.6), dpi=80)
+for j, name in enumerate(["torch.cat append (copies the layer)", "in-place append (LayerKV)",
+                          "attention over the entries"]):
+    ax.plot(COPY_CONTEXTS, [r[j + 1] for r in rows], "os^"[j] + "-", label=name)
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.xaxis.set_major_locator(FixedLocator(COPY_CONTEXTS))
+ax.yaxis.set_major_locator(FixedLocator([0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30]))
+for axis in (ax.xaxis, ax.yaxis):
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+ax.set(xlabel="tokens stored (T)", ylabel="ms per new token (median)",
+       title="storing one token vs reading the cache, one layer, CPU")
+ax.legend(loc="upper left", fontsize=8)
+plt.show()
+T, cat_ms, append_ms, attend_ms = rows[-1]
+print(f"at {T} tokens: torch.cat append {cat_ms / attend_ms:.1f}x the attention's time, in-place append "
+      f"{attend_ms / append_ms:.0f}x less than the attention; torch.cat / attention over all lengths: "
+      f"{', '.join(f'{cat / att:.1f}x' for _, cat, _, att in rows)}")
+
+# %% [markdown]
+# The in-place append stays flat at every length, while the `torch.cat` append grows with the context
+# like the attention does and, at the longest context, costs more than the attention itself (the ratios
+# printed above). The copy reads *and writes* every stored byte, twice the bytes the attention reads, and
+# allocates a new tensor each time; a large one may also cost fresh memory from the operating system. On
+# the machine that built this notebook (two cores shared with other work) the ratio moves a lot from run
+# to run, so read it as "at least the order of the attention", not as a fixed factor. With it, a decode
+# step at least doubles its memory traffic, and a method that keeps a tenth of the tokens would look
+# *better* than it is, because its small cache is also cheap to copy. (`python -m methods.evaluation.bench`
+# measures whole decode steps: bytes read per step, the achieved GB/s against the machine's measured
+# bandwidth, and the speedup of each compression method over the full cache.)
+
+# %% [markdown]
+# ## 3. Decode attention, split along the sequence
 #
 # `decode_attention_triton(q, k, v)`: one program per (sequence, KV head, range of tokens). Each program
 # loads its group's G query heads once, walks its range in blocks of `BLOCK_N` tokens with an online
@@ -157,7 +264,7 @@ else:
     skipped("decode_attention_triton with 1, 2 and 4 ranges against the reference")
 
 # %% [markdown]
-# ### 2.1 Selected rows
+# ### 3.1 Selected rows
 #
 # A method that keeps a different set of tokens per head (SnapKV, AdaKV) can either copy the kept rows
 # into a compact cache, or give the kernel the indices: `selected_decode_attention_triton` loads
@@ -183,7 +290,7 @@ else:
     skipped("selected_decode_attention_triton against the reference")
 
 # %% [markdown]
-# ## 3. The count sketch (KVReviver)
+# ## 4. The count sketch (KVReviver)
 #
 # KVReviver (`methods/kvreviver.py`) sums evicted tokens into a count sketch: cells `key`, `value` of
 # shape (r, b, H_kv, d); token J lands in cell `h_i(J)` of every row i (values with a sign `g_i(J)`), and is
@@ -237,12 +344,12 @@ else:
 # reads them back; the fused kernel reads the cells and writes nothing. What it does not save: each
 # rebuilt token still gathers 2r cells (r = 3 rows, for its key and its value), in fp32, where a raw token
 # is one bf16 key and one bf16 value: 2 r x 4 / (2 x 2) = 6 times the bytes. So rebuilding a token costs
-# *more* than attending to a raw one. On the H100 (section 5) the fused decode was 10.3x faster than the
+# *more* than attending to a raw one. On the H100 (section 6) the fused decode was 10.3x faster than the
 # unfused PyTorch path, and yet ran at 0.19x the speed of dense decode over all tokens: the sketch saves
 # memory, not time.
 
 # %% [markdown]
-# ## 4. Tensor attention over the four-matrix cache
+# ## 5. Tensor attention over the four-matrix cache
 #
 # The factored decode step of `methods/tensor_attention/attention.py` still writes an i x i score matrix per head.
 # `kernels/tensor_decode.py` never does: each program takes a tile of BLOCK_A rows of K1, V1 and streams
@@ -275,51 +382,47 @@ for n in (256, 1024, 4096):
           f"kernel {mib['kernel'] * 2**20:.0f} bytes")
 
 # %% [markdown]
-# ## 5. The benchmark
+# ## 6. The benchmark
 #
 # `python -m fastpath.bench --json results/kernels_bench.json` times, side by side in one run, each kernel,
 # its PyTorch reference and (for dense decode) `scaled_dot_product_attention`, with the bytes each step must
 # move, the achieved GB/s and its fraction of a device-to-device copy measured in the same run. On a GPU it
 # checks the targets below and prints met / NOT met.
 #
-# ### 5.1 What was measured on an H100
+# ### 6.1 What was measured on an H100
 #
 # The committed run, `results/kernels_bench_h100.json` (one H100, bf16), read here; no GPU or Triton needed:
 
 # %%
 # needs: online_softmax, merge_splits
 h100 = json.loads((ROOT / "results" / "kernels_bench_h100.json").read_text())
+impls = ["reference", "sdpa", "materialising", "factored_reference", "triton"]
+fig, ax = plt.subplots(figsize=(10, 3.6))
+width = 0.8 / len(impls)
+for j, impl in enumerate(impls):
+    xs = [i for i, r in enumerate(h100["rows"]) if impl in r["GB/s"]]
+    ax.bar([x + (j - len(impls) / 2 + 0.5) * width for x in xs],
+           [h100["rows"][i]["GB/s"][impl] for i in xs], width, label=impl.replace("_", " "))
+ax.axhline(h100["copy_bandwidth"] / 1e9, color="k", ls=":", label="device copy (same run)")
+ax.set_yscale("log")
+ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+ax.set_xticks(range(len(h100["rows"])), [r["case"].replace(" S=", "\nS=") for r in h100["rows"]], fontsize=8)
+ax.set(xlabel="benchmark case", ylabel="achieved GB/s (log)",
+       title="kernels vs PyTorch references: the committed H100 run, bf16")
+ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))       # beside the bars, not over them
+plt.tight_layout()
+plt.show()
 print(f"device: {h100['device']} (H100), dtype {h100['dtype']}, "
-      f"measured copy bandwidth {h100['copy_bandwidth'] / 1e9:.0f} GB/s")
-for row in h100["rows"]:
-    times = ", ".join(f"{name} {ms:.3f} ms ({h100_gbs:.0f} GB/s)"
-                      for (name, ms), h100_gbs in zip(row["ms"].items(), row["GB/s"].values()))
-    print(f"  {row['case']:<30} {row['bytes'] / 2**20:>7.1f} MiB: {times}")
-print("targets:")
+      f"measured copy bandwidth {h100['copy_bandwidth'] / 1e9:.0f} GB/s; the targets:")
 for target, verdict in h100["targets"].items():
     print(f"  {target:<42} {verdict}")
 dense_1x = next(r for r in h100["rows"] if r["case"] == "dense B=1 S=131072")
 print(f"dense 1 x 128k exactly: the kernel at {dense_1x['ms']['sdpa'] / dense_1x['ms']['triton']:.3f}x SDPA's speed")
 
-impls = ["reference", "sdpa", "materialising", "factored_reference", "triton"]
-fig, ax = plt.subplots(figsize=(9, 3.6))
-width = 0.8 / len(impls)
-for j, impl in enumerate(impls):
-    xs = [i for i, r in enumerate(h100["rows"]) if impl in r["GB/s"]]
-    ax.bar([x + (j - len(impls) / 2 + 0.5) * width for x in xs],
-           [h100["rows"][i]["GB/s"][impl] for i in xs], width, label=impl)
-ax.axhline(h100["copy_bandwidth"] / 1e9, color="k", ls=":", label="device copy (same run)")
-ax.set_yscale("log")
-ax.set_ylim(top=1e5)                                      # room for the legend above the bars
-ax.set_xticks(range(len(h100["rows"])), [r["case"] for r in h100["rows"]], fontsize=7)
-ax.set(xlabel="benchmark case", ylabel="achieved GB/s (log)",
-       title="kernels vs PyTorch references, H100 bf16 (results/kernels_bench_h100.json)")
-ax.legend(fontsize=7, ncol=3)
-plt.tight_layout()
-plt.show()
-
 # %% [markdown]
-# Reading the output above:
+# On the dense cases the Triton kernel reads about as fast as SDPA and the device's own copy, far above the
+# PyTorch reference; on the sketch and tensor cases every bar is far below the copy line, because those
+# steps are not a plain read of the cache. The targets printed under the figure, one by one:
 #
 # * **dense split decode** reads at 98% of the copy bandwidth at 8 x 32k (target 75%: met). At 1 x 128k it
 #   is at 1.00x SDPA's speed when rounded, 0.995x exactly: a tie in practice, but the target "not slower
@@ -328,7 +431,7 @@ plt.show()
 #   time of the same kernel over a compacted cache of the same rows (both met): gathering in the kernel
 #   costs almost nothing over copying first.
 # * **fused sketch decode** at a 25% budget: 10.3x faster than the unfused PyTorch path (met), but 0.19x the
-#   speed of dense decode over all tokens (NOT met): section 3's six times the bytes per rebuilt token.
+#   speed of dense decode over all tokens (NOT met): section 4's six times the bytes per rebuilt token.
 # * **factored tensor decode** at i = 1024: 182x faster and 31790x less peak memory than materialising
 #   (met). Its GB/s are low because it is not bandwidth-bound: it does i^2 d work per head on i d bytes.
 #
@@ -338,7 +441,7 @@ plt.show()
 # read at 18% of the bandwidth; with both products in `tl.dot` (the group's query heads padded to 16 rows)
 # and a one-launch merge it reads at the 98% above.
 #
-# ### 5.2 On this machine
+# ### 6.2 On this machine
 #
 # What the benchmark does on the machine running this notebook: on a CPU it times the references only
 # (the kernels run only in the interpreter, which is for correctness, not speed), so its numbers are the
@@ -355,7 +458,7 @@ else:
 # %% [markdown]
 # ## Exercises
 #
-# The exercises read the committed H100 run (`h100`, section 5.1) and the roofline's numbers (section 1);
+# The exercises read the committed H100 run (`h100`, section 6.1) and the roofline's numbers (section 1);
 # none needs a GPU or Triton. Each code cell checks your answer against an independent computation.
 #
 # ### Exercise 1: the bytes of a dense decode step
@@ -419,5 +522,5 @@ print(f"batch 8: the cache outweighs the weights from {ex3_tokens:,} tokens per 
 # ### Exercise 4: a kernel on a GPU (open)
 #
 # On a machine with an NVIDIA GPU (sm_80 or newer) and Triton, run `python -m fastpath.bench` and compare
-# its table with section 5.1. Which targets does your GPU meet? Then change `block_n` in section 2's kernel
+# its table with section 6.1. Which targets does your GPU meet? Then change `block_n` in section 3's kernel
 # call (16, 32, 64) in the interpreter: does the answer change, and why must it not?
