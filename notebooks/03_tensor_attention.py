@@ -20,8 +20,9 @@
 #
 # **You will learn**
 #
-# 1. the definitions, and that three ways of computing one decode step agree (and reduce to ordinary
-#    attention when `k2 = v2 = 1`);
+# 1. the definition written by hand (pair scores, one softmax over all pairs) and checked against the
+#    library; three ways of computing one decode step agree (and reduce to ordinary attention when
+#    `k2 = v2 = 1`);
 # 2. a tensor-attention decoder: the same nanollm model, another attention module, three cache layouts;
 # 3. the trade-off measured: memory grows like n vs n^2, but time per step like n^2 for *every* path,
 #    so the claimed speed gap only holds against a four-matrix cache that rebuilds the pairs each step;
@@ -32,7 +33,8 @@
 #
 # Code: `methods/tensor_attention/attention.py` (the module and the caches), `methods/tensor_attention/bench.py`
 # (the measurement), `methods/tensor_attention/match3.py` (task, training, checkpoints),
-# `methods/tensor_attention/index_problem.py`, `methods/tensor_attention/subgen.py`. This notebook only imports them.
+# `methods/tensor_attention/index_problem.py`, `methods/tensor_attention/subgen.py`. Section 1 writes the pair
+# scores and their softmax by hand; the rest imports the library.
 
 # %%
 import os
@@ -45,6 +47,7 @@ if not os.path.isdir("methods") and os.path.isdir(os.path.join("..", "methods"))
 import math
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import torch
 
 from methods.tensor_attention import (
@@ -54,9 +57,13 @@ from methods.tensor_attention import (
     kron_rows,
     match3,
     naive_four_cache_attention,
+    pair_scores,
+    pair_softmax,
     tensor_cache,
     two_cache_attention,
 )
+from methods.evaluation.intervals import describe, paired_difference, wilson
+from methods.evaluation.viz import print_mode
 from methods.tensor_attention.bench import measure, table
 from nanollm import generate
 from nanollm.attention import attend
@@ -68,16 +75,55 @@ torch.set_num_threads(1)                           # tiny tensors: one thread is
 LENGTHS = [16, 32, 64, 128] if TINY else [32, 64, 128, 256, 512, 1024]   # section 3
 EVAL_SEQUENCES = 200 if TINY else 2000             # section 4
 print(f"tiny mode: {TINY}")
-
-from methods.evaluation.viz import print_mode
-
 print_mode(TINY)                                   # quick mode: the text describes another run
 
 # %% [markdown]
-# ## 1. One decode step, three ways
+# ## 1. One decode step, built by hand
 #
-# Column-wise Kronecker product (Definition 3.1): `kron_rows(K1, K2)` has one row per pair (a, b), equal to
-# `K1[a] * K2[b]`. One decode step with query `q` over n cached tokens:
+# In tensor attention a query scores *pairs* of cached tokens: the pair (a, b) gets the inner product of
+# the query with the elementwise product of token a's first key and token b's second key, one softmax
+# runs over all n^2 pairs at once (not row by row), and the output mixes the elementwise products of the
+# two values. For the query `q` of one decode step over n cached tokens (Chen et al., Definition 3.6;
+# `scale = 1/sqrt(d)`):
+#
+# $$S[a, b] = \mathrm{scale}\,\big\langle q,\; K_1[a] \odot K_2[b] \big\rangle, \qquad
+#   P = \operatorname{softmax}_{(a, b)}(S), \qquad
+#   o = \sum_{a, b} P[a, b]\; V_1[a] \odot V_2[b].$$
+#
+# The scores and the softmax, written out with two loops for one query on a random toy (n = 50 tokens,
+# d = 16), against the library's `pair_scores` (which never forms the n^2 x d products) and `pair_softmax`:
+
+# %%
+g = torch.Generator().manual_seed(0)
+n, d = 50, 16
+K1, K2, V1, V2 = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) for _ in range(4))   # (batch, head, n, d)
+q = torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64)                                   # one query
+scale = 1 / math.sqrt(d)
+
+
+# BEGIN SOLUTION [tensor_attention:pair_softmax] score each pair (a, b) in two loops, then ONE softmax over all n^2 scores
+def pair_probabilities_by_hand(q, K1, K2, scale):
+    """q (d,), K1 (n, d), K2 (n, d) -> S, P, both (n, n): the pair scores and their softmax for one query."""
+    n = K1.shape[0]
+    S = torch.empty(n, n, dtype=q.dtype)
+    for a in range(n):
+        for b in range(n):
+            S[a, b] = scale * (q * K1[a] * K2[b]).sum()          # <q, K1[a] * K2[b]>
+    P = torch.exp(S - S.max())                                  # over every pair at once, not row by row
+    return S, P / P.sum()
+# END SOLUTION
+
+
+S_hand, P_hand = pair_probabilities_by_hand(q[0, 0, 0], K1[0, 0], K2[0, 0], scale)
+S_lib = pair_scores(q, K1, K2, scale)                         # (1, 1, 1, n, n): one score per pair
+assert torch.allclose(S_hand, S_lib[0, 0, 0]), "a pair's score is scale * sum_i q_i K1[a]_i K2[b]_i"
+assert torch.allclose(P_hand, pair_softmax(S_lib)[0, 0, 0]), "one softmax over all n^2 pairs, not one per row"
+print(f"{n * n} pairs: scores and probabilities by hand equal the library's; the probabilities sum to "
+      f"{P_hand.sum():.3f} over all pairs, and the largest row sum is {P_hand.sum(1).max():.3f}")
+
+# %% [markdown]
+# The library computes the same numbers in three ways, two of them without loops (Definition 3.1 defines
+# `kron_rows(K1, K2)`, one row `K1[a] * K2[b]` per pair):
 #
 # * **naive four-matrix**: build `K1 (/) K2` and `V1 (/) V2` (n^2 rows each), then ordinary attention over
 #   the pair rows. This is what Theorem 4.3 charges the four-matrix cache at every step.
@@ -87,11 +133,6 @@ print_mode(TINY)                                   # quick mode: the text descri
 
 # %%
 # needs: pair_scores, pair_softmax, factored_output
-g = torch.Generator().manual_seed(0)
-n, d = 50, 16
-K1, K2, V1, V2 = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) for _ in range(4))
-q = torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64)
-scale = 1 / math.sqrt(d)
 naive = naive_four_cache_attention(q, K1, K2, V1, V2, scale)
 factored = four_cache_attention(q, K1, K2, V1, V2, scale)
 two = two_cache_attention(q, kron_rows(K1, K2), kron_rows(V1, V2), scale)
@@ -149,7 +190,6 @@ print("greedy tokens identical for every layout:", all(torch.equal(t, tokens[0])
 # %%
 # needs: pair_scores, pair_softmax, factored_output, two_cache_append
 timing = measure(LENGTHS)
-print(table(timing))
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
 for k, style in (("four", "o-"), ("two", "s-")):
     ax1.loglog(timing["lengths"], [b / 2**20 for b in timing[k]["bytes"]], style,
@@ -161,8 +201,12 @@ ax2.set(xlabel="tokens i", ylabel="ms per decode step", title="time per decode s
 for ax in (ax1, ax2):
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
+    ax.set_xticks(timing["lengths"])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 fig.tight_layout()
 plt.show()
+print(table(timing))
 last = -1
 print(f"at i = {timing['lengths'][last]}: two-matrix cache "
       f"{timing['two']['bytes'][last] / timing['four']['bytes'][last]:.0f}x the bytes of the four-matrix cache; "
@@ -171,24 +215,24 @@ print(f"at i = {timing['lengths'][last]}: two-matrix cache "
       f"{timing['four']['ms'][last] / timing['two']['ms'][last]:.2f}x")
 
 # %% [markdown]
-# What the measurement says. The timings move from run to run (page faults on fresh buffers, a shared CPU;
-# `python -m methods.tensor_attention.bench` gives another draw each time), so read the slopes and the orders
-# of magnitude, not the second digit. In the committed run (1 thread):
+# Memory grows like i for the four-matrix cache and like i^2 for the two-matrix one, and time per step
+# like i^2 on every path. The timings move from run to run (page faults on fresh buffers, a shared CPU;
+# `python -m methods.tensor_attention.bench` gives another draw each time), so read the slopes and the
+# orders of magnitude printed above, not their second digit:
 #
 # * **Memory**: slope 1.00 for the four-matrix cache and 1.98 for the two-matrix one (its 4 i d of factors
 #   bend the line just below 2). At 1024 tokens the two-matrix cache is 513x larger: (2 i^2 + 4 i) d
-#   against 4 i d.
-# * **Time**: every path grows like i^2 (fitted slopes 1.83, 1.55 and 2.06 over 256-1024 tokens, noisy but
-#   all well above 1): no layout escapes the i^2 d arithmetic of scoring every pair.
+#   against 4 i d (525312 KiB against 1024 KiB).
+# * **Time**: every path's fitted slope is well above 1: no layout escapes the i^2 d arithmetic of
+#   scoring every pair.
 # * **Theorem 4.3 holds against the naive path only**: rebuilding both Kronecker products every step is
-#   4.8-5.0x slower than the two-matrix cache at 512-1024 tokens, and the gap itself grows with slope 1.79,
-#   the Omega(n^2 d) of the theorem.
-# * **The factored four-matrix path is the fastest of the three**: 0.15-0.30x the two-matrix path's time at
-#   256-1024 tokens. Both do about 2 i^2 d multiply-adds per head, but the two-matrix path streams 2 i^2 d
-#   stored floats from memory at every step (525312 KiB in all at 1024 tokens), while the factored path
-#   reads 4 i d and works on an i x i score matrix per head. On this CPU the trade-off "less memory, more
-#   time" does not exist: the four-matrix cache wins on both. (A GPU has other constants; not measured
-#   here.)
+#   several times slower than the two-matrix cache at the longest lengths, and the gap between them grows
+#   about like i^2, the Omega(n^2 d) of the theorem.
+# * **The factored four-matrix path beats the two-matrix path** at the longest lengths (the last column
+#   of the table is below 1). Both do about 2 i^2 d multiply-adds per head, but the two-matrix path streams
+#   2 i^2 d stored floats from memory at every step, while the factored path reads 4 i d and works on an
+#   i x i score matrix per head. On this CPU the trade-off "less memory, more time" does not exist: the
+#   four-matrix cache wins on both. (A GPU has other constants; not measured here.)
 
 # %% [markdown]
 # ## 4. Where pairs matter: Match3
@@ -224,23 +268,41 @@ for name, m, card in (("tensor", tensor_model, tensor_card), ("standard", standa
 # needs: pair_scores, pair_softmax, factored_output
 ids, targets = match3.batch(EVAL_SEQUENCES, match3.N_NUMBERS, seed=10**6)
 fig, ax = plt.subplots(figsize=(7, 3.5))
-truth = ids[:, 2::2]
+truth = ids[:, 2::2]                                        # (sequences, numbers): the true labels
 yes = (truth == match3.YES).float().mean(0)
-ax.plot(range(1, match3.N_NUMBERS + 1), torch.maximum(yes, 1 - yes), "k--", label="majority per position")
-for name, m in (("tensor", tensor_model), ("standard", standard_model)):
+positions = torch.arange(1, match3.N_NUMBERS + 1)
+ax.plot(positions, torch.maximum(yes, 1 - yes), "k--", label="majority per position")
+right = {}                                                  # (sequences, numbers): label right or wrong
+for shift, (name, m) in zip((-0.08, 0.08), (("tensor", tensor_model), ("standard", standard_model))):
     with torch.no_grad():
-        pred = m(ids).argmax(-1)[:, 1::2]
-    by_position = (pred == truth).float().mean(0)
-    ax.plot(range(1, match3.N_NUMBERS + 1), by_position, "o-", label=f"{name} attention")
+        right[name] = (m(ids).argmax(-1)[:, 1::2] == truth).float()
+    by_position = right[name].mean(0)
+    lo, hi = zip(*(wilson(a, len(ids)) for a in by_position.tolist()))
+    ax.errorbar(positions + shift, by_position, yerr=[by_position - torch.tensor(lo), torch.tensor(hi) - by_position],
+                fmt="o-", capsize=2, label=f"{name} attention")
     print(f"{name:>8} attention, accuracy by position 1-{match3.N_NUMBERS}: "
           + " ".join(f"{a:.2f}" for a in by_position.tolist()))
 print("majority per position:         " + " ".join(f"{a:.2f}" for a in torch.maximum(yes, 1 - yes).tolist()))
-ax.set(xlabel="position i of the number", ylabel="label accuracy", title="Match3 (mod 32), by position")
+ax.set(xlabel="position i of the number", ylabel="label accuracy (95% interval)", title="Match3 (mod 32), by position",
+       xticks=positions.tolist())
 ax.legend()
 ax.grid(alpha=0.3)
 plt.show()
+gap, lo, hi = paired_difference([right["tensor"].mean(1).tolist()], [right["standard"].mean(1).tolist()])
+print(f"tensor - standard label accuracy, paired over the same {len(ids)} sequences: {describe(gap, lo, hi, 3)}")
 
 # %% [markdown]
+# Tensor attention is right more often than standard attention at every position from 3 on, and the gap
+# is in the middle positions, where the majority guess is a coin flip (0.51 at position 6): there the
+# tensor model is right at a rate of 0.92 and the standard one 0.81, at position 7 0.91 vs 0.74. Over all
+# labels of the 2000 fresh sequences (`python -m methods.tensor_attention.match3 eval match3-tensor
+# match3-standard` gives the same), tensor attention scores 0.944, standard attention 0.874 and the
+# majority baseline 0.766; the difference is distinguishable (the paired 95% interval over the sequences,
+# printed above, excludes 0). The standard model is far above the baseline too (two layers and MLPs can
+# check a few pairs), but its training curve stays between 0.864 and 0.872 from step 1800 on, while the
+# tensor model is still climbing at the end of the budget (0.907 at step 1800, 0.946 at step 3000). Both
+# are single runs with one seed: the interval covers the evaluation sequences, not another training run.
+#
 # Greedy decoding through each cache layout gives the same labels (the three paths compute the same
 # numbers, up to float rounding that never flips an argmax here):
 
@@ -253,18 +315,6 @@ example = xs[0].tolist()
 print("numbers:", example)
 print("truth:  ", ["Y" if t == match3.YES else "n" for t in match3.labels(example)])
 print("decoded:", ["Y" if t == match3.YES else "n" for t in decoded["two"][0].tolist()])
-
-# %% [markdown]
-# The bundled models (2000 fresh sequences,
-# `python -m methods.tensor_attention.match3 eval match3-tensor match3-standard`):
-# tensor attention 0.944, standard attention 0.874, the majority baseline 0.766. The gap is in the middle
-# positions, where the majority guess is a coin flip (0.51 at position 6): at position 6 the tensor model is
-# right at a rate of 0.92 and the standard one 0.81, at position 7 0.91 vs 0.74. The standard model is far
-# above the baseline too (two layers and MLPs can check a few pairs), but its training curve stays between
-# 0.864 and 0.872 from step 1800 on, while the tensor model is still climbing at the end of the budget
-# (0.907 at step 1800, 0.946 at step 3000). Both
-# are single runs with one seed; the training curves are in the cards
-# (`methods/tensor_attention/checkpoints/match3-*/README.md`).
 
 # %% [markdown]
 # ## 5. The memory lower bound, run: the Index problem
@@ -284,7 +334,8 @@ from methods.tensor_attention.index_problem import accuracy_vs_bits, fano_accura
 inst = make_instance(128, seed=0)
 print(f"n = 128, d = {inst.d}: the full cache gives back every bit: "
       f"{bool((retrieve(inst) == inst.x).all())}")
-rows5 = accuracy_vs_bits(n=128, trials=1 if TINY else 4)
+TRIALS5 = 1 if TINY else 4
+rows5 = accuracy_vs_bits(n=128, trials=TRIALS5)
 fig, ax = plt.subplots(figsize=(7, 4))
 N = rows5[0]["info_bits"]
 s_grid = [N * i / 100 for i in range(101)]
@@ -292,9 +343,11 @@ ax.plot(s_grid, [fano_accuracy(s, N) for s in s_grid], "k-", label="Fano limit: 
 ax.plot(s_grid, [0.5 + s / (2 * N) for s in s_grid], "k:", label="store s bits verbatim, guess the rest")
 for scheme, style in (("rows", "o"), ("majority", "s")):
     pts = [r for r in rows5 if r["scheme"] == scheme]
-    ax.plot([r["bits"] for r in pts], [r["accuracy"] for r in pts], style,
-            label={"rows": "keep k of n token rows", "majority": "groups share a majority sign"}[scheme])
-ax.set(xlabel="bits of x the cache keeps (s)", ylabel="Bob's accuracy over the n bits",
+    acc = torch.tensor([r["accuracy"] for r in pts])
+    lo, hi = (torch.tensor(b) for b in zip(*(wilson(a, 128 * TRIALS5) for a in acc.tolist())))  # over n x trials bits
+    ax.errorbar([r["bits"] for r in pts], acc, yerr=[acc - lo, hi - acc], fmt=style, capsize=3,
+                label={"rows": "keep k of n token rows", "majority": "groups share a majority sign"}[scheme])
+ax.set(xlabel="bits of x the cache keeps (s)", ylabel="Bob's accuracy over the n bits (95% interval)",
        title="Index problem on a tensor-attention cache, n = 128")
 ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
@@ -304,8 +357,8 @@ for r in rows5:
           f"(expected {r['expected']:.3f}, Fano limit {r['fano']:.3f})")
 
 # %% [markdown]
-# Both compressed caches stay under the limit (within sampling noise: at s = 0 and s = N the expected
-# accuracy *is* the limit, so a measured mean can sit a hair above it), and the limit is a straight consequence
+# Both compressed caches stay under the limit, up to the spread of a finite sample (at s = 0 and s = N the
+# expected accuracy *is* the limit, so a measured mean can sit a hair above it), and the limit is a straight consequence
 # of counting: to be right on a fraction p of the n bits a cache needs at least n (1 - H(p)) bits, linear in n.
 # This is an illustration of the theorem, not a proof of it (the proof must handle any cache, any query scheme);
 # and it shows the four-matrix side only. The two-matrix bound (Omega(n^2 d), Theorem 4.2) is about caches that
@@ -326,14 +379,18 @@ for r in rows5:
 from methods.tensor_attention.subgen import error_vs_memory
 
 rows6 = error_vs_memory(n=24 if TINY else 32, seeds=1 if TINY else 4)
-fig, ax = plt.subplots(figsize=(7, 4))
+fig, ax = plt.subplots(figsize=(10, 4), layout="constrained")
 ax.loglog([r["stored_bytes"] for r in rows6], [r["rel_error"] for r in rows6], "o-", label="||o_hat - o|| / ||o||")
 ax.loglog([r["stored_bytes"] for r in rows6], [r["bound_error"] for r in rows6], "s-",
           label="error / (||softmax||_2 ||V~||_op): what the guarantee bounds")
 ax.axvline(rows6[0]["two_cache_bytes"], color="r", ls="--", label="two-matrix cache (exact)")
 ax.axvline(rows6[0]["four_cache_bytes"], color="g", ls="--", label="four-matrix cache (exact)")
 ax.set(xlabel="bytes kept", ylabel="error", title="SubGen over the pair rows: error vs memory")
-ax.legend(fontsize=8)
+for axis in (ax.xaxis, ax.yaxis):                          # ticks at 1, 2, 5 x 10^k, written out
+    axis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+    axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))     # beside the data
 ax.grid(True, which="both", alpha=0.3)
 plt.show()
 print(f"exact caches: four-matrix {rows6[0]['four_cache_bytes']:,} bytes, "
@@ -362,8 +419,6 @@ for r in rows6:
 
 # %%
 # needs: pair_scores, pair_softmax, factored_output
-from methods.tensor_attention import four_cache_attention, pair_scores, pair_softmax
-
 captured = {}
 block = tensor_model.blocks[1]
 hook = block.attn.register_forward_hook(lambda mod, inp, out: captured.update(x=inp[0]))
@@ -422,24 +477,25 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 # %% [markdown]
 # ## Exercises
 #
-# ### Exercise 1: one decode step by hand
+# ### Exercise 1: the naive step by hand
 #
-# Recompute the output of the decode step of section 1 without the library: score every pair (a, b) with
-# `scale * <q, K1[a] * K2[b]>`, take one softmax over all n^2 pairs, and mix the value products
-# `V1[a] * V2[b]` with those weights. Call the result `by_hand`, a vector of `d` numbers; the check compares
-# it with `factored` from section 1.
+# Section 1 built the pair probabilities; now the naive four-matrix path of Theorem 4.3, without
+# `kron_rows`: build the n^2 pair rows `Kt` and `Vt` of the toy of section 1 (row `a * n + b` holds
+# `K1[a] * K2[b]`, likewise for V), then one ordinary attention of `q` over those rows (scores scaled by
+# `scale`, a softmax, a weighted sum). Call the output `by_hand`, a vector of `d` numbers; the check
+# compares it with `factored` from section 1.
 
 # %%
 # needs: pair_scores, pair_softmax, factored_output
-# BEGIN SOLUTION [tensor_attention] (n, n) pair scores by torch.einsum, one softmax over all, then mix V1[a] * V2[b]
-S_ab = scale * torch.einsum("d,ad,bd->ab", q[0, 0, 0], K1[0, 0], K2[0, 0])     # (n, n): one score per pair
-P_ab = S_ab.flatten().softmax(0).view(n, n)                                    # one softmax over all n^2 pairs
-by_hand = torch.einsum("ab,ad,bd->d", P_ab, V1[0, 0], V2[0, 0])                # sum_ab P_ab V1[a] * V2[b]
+# BEGIN SOLUTION [tensor_attention] broadcast K1[:, None] * K2[None] to (n, n, d), flatten to n^2 rows, then softmax(scale Kt q) @ Vt
+Kt = (K1[0, 0][:, None, :] * K2[0, 0][None, :, :]).reshape(n * n, d)      # (n^2, d): row a n + b = K1[a] * K2[b]
+Vt = (V1[0, 0][:, None, :] * V2[0, 0][None, :, :]).reshape(n * n, d)
+by_hand = (scale * Kt @ q[0, 0, 0]).softmax(0) @ Vt                          # ordinary attention over the pair rows
 # END SOLUTION
 assert by_hand.shape == (d,), f"by_hand should be one output vector of d = {d} numbers, got {tuple(by_hand.shape)}"
 assert torch.allclose(by_hand, factored[0, 0, 0]), \
-    "by_hand differs from four_cache_attention: is the softmax over all n^2 pairs at once, and scaled by 1/sqrt(d)?"
-print(f"|by_hand - factored| = {(by_hand - factored[0, 0, 0]).abs().max():.1e}")
+    "by_hand differs from four_cache_attention: one softmax over all n^2 pair rows, scores scaled by 1/sqrt(d)?"
+print(f"{n * n} pair rows of {d} numbers each; |by_hand - factored| = {(by_hand - factored[0, 0, 0]).abs().max():.1e}")
 
 # %% [markdown]
 # ### Exercise 2: the bytes of the two caches
