@@ -32,12 +32,10 @@ NOTEBOOK = re.compile(r"\b(0\d_[a-z0-9_]+)")
 RESULTS = re.compile(r"results/[\w.\-{},*]+")
 
 
-def notebook_text(name: str) -> str:
-    """A committed notebook's code and outputs (stream text and plain-text results)."""
-    path = ROOT / "notebooks" / f"{name}.ipynb"
-    assert path.exists(), f"README cites notebook {name}, which does not exist"
+def output_text(cells: list[dict]) -> str:
+    """A notebook's code and outputs (stream text and plain-text results), from its cells as JSON."""
     parts = []
-    for cell in json.loads(path.read_text())["cells"]:
+    for cell in cells:
         if cell["cell_type"] != "code":
             continue
         parts.append("".join(cell["source"]))
@@ -47,6 +45,13 @@ def notebook_text(name: str) -> str:
             elif "text/plain" in out.get("data", {}):
                 parts.append("".join(out["data"]["text/plain"]))
     return "\n".join(parts)
+
+
+def notebook_text(name: str) -> str:
+    """A committed notebook's code and outputs."""
+    path = ROOT / "notebooks" / f"{name}.ipynb"
+    assert path.exists(), f"README cites notebook {name}, which does not exist"
+    return output_text(json.loads(path.read_text())["cells"])
 
 
 def expand(pattern: str) -> list[Path]:

@@ -32,6 +32,7 @@ import pytest
 from course.assignments import ASSIGNMENTS
 from course.markers import find_regions
 from course.mutants import graded_regions
+from tests.test_quoted_numbers import output_text
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
@@ -172,20 +173,6 @@ def prose_numbers(markdown: str) -> list[str]:
                 continue                                  # "§6.3", "section 2.3", "Table 2", "arXiv 2306.14048"
             found.append(m.group())
     return found
-
-
-def output_text(cells: list[dict]) -> str:
-    parts = []
-    for cell in cells:
-        if cell["cell_type"] != "code":
-            continue
-        parts.append("".join(cell["source"]))
-        for out in cell.get("outputs", []):
-            if "text" in out:
-                parts.append("".join(out["text"]))
-            elif "text/plain" in out.get("data", {}):
-                parts.append("".join(out["data"]["text/plain"]))
-    return "\n".join(parts)
 
 
 def in_text(number: str, text: str) -> bool:
