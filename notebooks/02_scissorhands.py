@@ -97,7 +97,7 @@ print_mode(TINY)                                   # quick mode: the text descri
 # %%
 toy_attn = torch.tensor([[.50, .05, .40, .05, 0, 0],       # query at position 3 (sees tokens 0-3)
                          [.45, .05, .30, .10, .10, 0],     # position 4
-                         [.40, .02, .08, .20, .10, .20]]).view(1, 1, 3, 6)   # position 5: (batch, KV head, query, token)
+                         [.40, .02, .08, .20, .10, .20]]).view(1, 1, 3, 6)   # position 5; (B, KV head, query, token)
 q_pos, pos = torch.tensor([3, 4, 5]), torch.arange(6).view(1, 1, 6)
 visible = pos.view(1, 1, 1, 6) <= q_pos.view(1, 1, 3, 1)          # (1, 1, 3, 6): what each query sees
 fig, ax = plt.subplots(figsize=(6, 2.2))
@@ -117,7 +117,7 @@ plt.show()
 # the same toy and on a random one:
 
 # %%
-# BEGIN SOLUTION [scissorhands:keep_score] count each token's lows (below 1 / tokens seen); keep the fewest, ties by the last query's attention
+# BEGIN SOLUTION [scissorhands:keep_score] count lows (below 1 / tokens seen); keep the fewest, ties by last attention
 def keep_by_hand(attn, budget, n_recent):
     """attn: (w, n) the last w queries over n tokens, query i seeing tokens 0 .. n - w + i.
     Returns the kept positions, ascending: the best B - r by (I, -last attention), then the r most recent."""
@@ -145,7 +145,8 @@ def library_keep(attn, budget, n_recent):
 
 mine = keep_by_hand(toy_attn[0, 0], budget=4, n_recent=1)
 print("toy: kept by hand", mine, "| by the library", library_keep(toy_attn, 4, 1))
-assert mine == library_keep(toy_attn, 4, 1), f"kept {mine} by hand: fewest low flags first, then the last query's attention"
+assert mine == library_keep(toy_attn, 4, 1), \
+    f"kept {mine} by hand: fewest low flags first, then the last query's attention"
 g = torch.Generator().manual_seed(0)
 rand = torch.randn(1, 1, 8, 20, generator=g).masked_fill(torch.arange(20) > torch.arange(12, 20)[:, None], -1e9)
 rand = rand.softmax(-1)                                   # 8 queries at positions 12-19 over 20 tokens

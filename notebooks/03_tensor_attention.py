@@ -50,6 +50,8 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 import torch
 
+from methods.evaluation.intervals import describe, paired_difference, wilson
+from methods.evaluation.viz import print_mode
 from methods.tensor_attention import (
     LAYOUTS,
     TENSOR_ATTENTION,
@@ -62,8 +64,6 @@ from methods.tensor_attention import (
     tensor_cache,
     two_cache_attention,
 )
-from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import print_mode
 from methods.tensor_attention.bench import measure, table
 from nanollm import generate
 from nanollm.attention import attend
@@ -101,7 +101,7 @@ q = torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64)                   
 scale = 1 / math.sqrt(d)
 
 
-# BEGIN SOLUTION [tensor_attention:pair_softmax] score each pair (a, b) in two loops, then ONE softmax over all n^2 scores
+# BEGIN SOLUTION [tensor_attention:pair_softmax] score each pair (a, b) in two loops, then ONE softmax over all n^2
 def pair_probabilities_by_hand(q, K1, K2, scale):
     """q (d,), K1 (n, d), K2 (n, d) -> S, P, both (n, n): the pair scores and their softmax for one query."""
     n = K1.shape[0]
@@ -487,7 +487,7 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 
 # %%
 # needs: pair_scores, pair_softmax, factored_output
-# BEGIN SOLUTION [tensor_attention] broadcast K1[:, None] * K2[None] to (n, n, d), flatten to n^2 rows, then softmax(scale Kt q) @ Vt
+# BEGIN SOLUTION [tensor_attention] broadcast K1[:, None] * K2[None] to (n, n, d), flatten, softmax(scale Kt q) @ Vt
 Kt = (K1[0, 0][:, None, :] * K2[0, 0][None, :, :]).reshape(n * n, d)      # (n^2, d): row a n + b = K1[a] * K2[b]
 Vt = (V1[0, 0][:, None, :] * V2[0, 0][None, :, :]).reshape(n * n, d)
 by_hand = (scale * Kt @ q[0, 0, 0]).softmax(0) @ Vt                          # ordinary attention over the pair rows

@@ -13,10 +13,9 @@ view, or a formatter of the notebook's own, instead of matplotlib's "6x10^0" min
 
 import re
 
+from matplotlib.backend_bases import FigureCanvasBase
 from matplotlib.container import BarContainer, ErrorbarContainer
 from matplotlib.ticker import LogFormatter
-
-from matplotlib.backend_bases import FigureCanvasBase
 
 _FIGURE_PROBLEMS = []
 _print_figure = FigureCanvasBase.print_figure

@@ -38,9 +38,11 @@ def test_one_heading_style(path):
     wrong = [h for h in found[1:] if not any(re.fullmatch(rule, h) for rule in rules)]
     assert not wrong, f"{path.name}: headings off the style: {wrong}"
     sections = [h for h in found if h.startswith("## ") and not h.startswith("## Appendix: ")]
-    assert sections[-1] == "## Exercises", f"{path.name}: the last section must be '## Exercises' (an appendix may follow)"
+    assert sections[-1] == "## Exercises", \
+        f"{path.name}: the last section must be '## Exercises' (an appendix may follow)"
     appendix = [i for i, h in enumerate(found) if h.startswith("## Appendix: ")]
-    assert not appendix or appendix[0] > found.index("## Exercises"), f"{path.name}: the appendix comes after the exercises"
+    assert not appendix or appendix[0] > found.index("## Exercises"), \
+        f"{path.name}: the appendix comes after the exercises"
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.stem)

@@ -137,7 +137,8 @@ def test_every_figure_is_followed_by_its_takeaway(stem):
         text = "".join(after["source"]).strip() if after and after["cell_type"] == "markdown" else ""
         if not text or text.startswith("#") or not re.search(r"[.!?](\s|$)", text.split("\n\n")[0]):
             bare.append(i)
-    assert not bare, f"{stem}: the figures of cells {bare} are not followed by a markdown sentence saying what they show"
+    assert not bare, f"{stem}: the figures of cells {bare} are not followed by a markdown sentence saying what " \
+                     "they show"
 
 
 # -- quoted numbers -----------------------------------------------------------------------------------------
