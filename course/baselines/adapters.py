@@ -15,6 +15,14 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from course.model_adapters import (  # noqa: F401  (re-exported for the tests)
+    kept_positions,
+    run_decode,
+    run_extend,
+    run_prefill,
+    uncached_logits,
+)
+
 
 def method(name: str):
     """The module ``methods.<name>`` of the copy, imported without running ``methods/__init__.py``."""
@@ -43,35 +51,6 @@ def new_cache(model, policy=None):
     """A cache run by ``policy`` (None: keep everything)."""
     from nanollm import KVCache
     return KVCache(model.config, policy)
-
-
-def run_prefill(model, ids: Tensor, cache) -> Tensor:
-    """Logits (B, T, V) of the prompt, filling the cache."""
-    from nanollm import prefill
-    return prefill(model, ids, cache)
-
-
-def run_extend(model, ids: Tensor, cache) -> Tensor:
-    """Logits (B, Tn, V) of a chunk appended to the cache (a decode step of several tokens)."""
-    from nanollm import extend
-    return extend(model, ids, cache)
-
-
-def run_decode(model, token: Tensor, cache) -> Tensor:
-    """Next-token logits (B, V) after feeding token (B,)."""
-    from nanollm import decode_step
-    return decode_step(model, token, cache)
-
-
-@torch.no_grad()
-def uncached_logits(model, ids: Tensor) -> Tensor:
-    """One forward pass over the whole sequence without a cache (B, T, V)."""
-    return model(ids)
-
-
-def kept_positions(cache, layer: int) -> Tensor:
-    """Positions a layer holds (B, H_kv, T); -1 = empty slot."""
-    return cache.layers[layer].pos
 
 
 def new_storage(k: Tensor, v: Tensor, pos: Tensor):

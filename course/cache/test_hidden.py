@@ -4,18 +4,13 @@ attention), the scores against a loop over heads, the masked attention against a
 the slots each may see (with the tests' own scores)."""
 
 import math
-import sys
 
 import adapters as A
-import pytest
 import torch
 from oracle import points
+from test_public import randn, scores_by_loop, the_work_is_the_students  # noqa: F401  (shared helpers, the fixture)
 
 ROOM = 64          # the first append leaves at least this much room (nanollm.storage.MIN_CAPACITY)
-
-
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def first_difference(got, want) -> str:
@@ -25,14 +20,6 @@ def first_difference(got, want) -> str:
     i = (got.double() - want.double()).abs().nan_to_num(math.inf).flatten().argmax().item()
     at = [int(c) for c in torch.unravel_index(torch.tensor(i), got.shape)]
     return f"at {at} got {got.flatten()[i].item():.4g}, expected {want.flatten()[i].item():.4g}"
-
-
-@pytest.fixture(autouse=True)
-def the_work_is_the_students():
-    """The library must not borrow the course's own code (its oracle computes attention)."""
-    yield
-    borrowed = sorted(n for n in sys.modules if n == "course.oracle" or n.startswith("course.cache."))
-    assert not borrowed, f"the library imported the course's code {borrowed}: write the answer yourself"
 
 
 # -- task append ------------------------------------------------------------------------------------------
@@ -205,17 +192,6 @@ def decode_through_the_storage(flavour):
 
 
 # -- task group_scores ------------------------------------------------------------------------------------
-
-def scores_by_loop(q, k):
-    """The test's scores: query head h against KV head h // G, one head at a time -> (B, H_kv, G, C, T)."""
-    B, H, C, d = q.shape
-    H_kv = k.shape[1]
-    G = H // H_kv
-    out = torch.empty(B, H_kv, G, C, k.shape[2])
-    for h in range(H):
-        out[:, h // G, h % G] = q[:, h] @ k[:, h // G].transpose(-1, -2) / math.sqrt(d)
-    return out
-
 
 @points(4, task="group_scores")
 def test_group_scores_against_a_loop_over_heads():

@@ -38,6 +38,7 @@ from nanollm.io.hf_tokenizer import (
     encoding_from_vocab_merges,
     tokenizer_json,
 )
+from tests.course.test_grader import refused
 from tests.nanollm.io.test_fetch import PAYLOAD, leftovers, toy  # noqa: F401  (the fixture)
 from tests.nanollm.io.test_gguf import ARRAY, FLOAT32, STRING, UINT32, gguf_bytes, llama_gguf, tokenizer_metadata, write
 
@@ -221,14 +222,6 @@ def test_bench_with_a_checkpoint_needs_no_prefill_flag(monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------------------------------------
 # The course's command lines
-
-def refused(capsys, main, argv) -> str:
-    """The one ``error:`` line a command prints when it refuses, with exit status 2."""
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (e.value.code, err)
-    return err
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
