@@ -28,27 +28,37 @@ F), so when all P_i are equal the two-stage selection *is* attention top-k.
 
 Inside an observation-window method (Algorithm 2): the host method (SnapKV, AdaKV over SnapKV) allocates
 each head's budget b and ranks entries by its pooled window vote; stage 1 takes the host's top
-floor(alpha * b') by that pooled score; stage 2 weighs the *un-pooled* window attention (the mean over the
-window's queries, Algorithm 2 line 3) by the projected value norms (line 9). As a wrapper
-(``nanollm.policy.PolicyWrapper``), for every KV head j of a layer being compressed:
+floor(alpha * b') by that pooled score; stage 2 weighs an attention estimate by the projected value norms
+(line 9). Which estimate is the one symbol the paper leaves to its reader. Read literally, line 9 uses the
+window's *un-pooled* mean attention (line 3); the authors' own code (kvpress's ``CriticalKVPress``, which
+names the first author as its reviewer) multiplies the norms by the host's *pooled* score, the same score
+stage 1 ranks by. Pooling spreads a needle's vote to its neighbours, so the pooled reading keeps the
+digits around a retrieved key that the un-pooled one drops (notebook 04 shows both). We run the authors'
+reading by default (``stage2="host"``) and keep the literal one as an ablation (``stage2="window"``).
+As a wrapper (``nanollm.policy.PolicyWrapper``), for every KV head j of a layer being compressed:
 
     b_j     = inner.head_budgets(ctx)[j]           # uniform (SnapKV) or AdaKV's share of the layer's pool
     keep_j  = inner's protected entries            # SnapKV's observation window, H2O's recent tokens, sinks
     b'_j    = b_j - |keep_j|                       # the free budget
     S1_j    = top_{floor(alpha * b'_j)}(inner.keep_scores)         # the host's (pooled) ranking
-    S2_j    = top_{b'_j - |S1_j|}(mean_{h in group j} (Abar_h + eps) * P_h)   # outside keep_j and S1_j
+    S2_j    = top_{b'_j - |S1_j|}(stage-2 score)                   # outside keep_j and S1_j
     keep    = keep_j ∪ S1_j ∪ S2_j     (exactly b_j entries; AdaKV's unequal heads padded with -1)
 
-with Abar_h the mean over the last ``window`` prompt queries of query head h's attention (not pooled)
-and P_h,i = ||v_{h // G, i} W_O^(h)||_1, where W_O^(h) = o_proj.weight[:, h*d:(h+1)*d]^T is query head h's
-slice of the output projection. ``critical_kv`` = ``critical_kv(snapkv)`` (CriticalSnapKV);
+    stage-2 score, "host" (default):  (s_j / w + eps) * mean_{h in group j} P_h
+    stage-2 score, "window":          mean_{h in group j} (Abar_h + eps) * P_h
+
+with s_j the host's pooled score, summed over the window's w queries (so s_j / w is their mean, where
+kvpress adds its epsilon), Abar_h the mean over the last ``window`` prompt queries of query head h's
+attention (not pooled), and P_h,i = ||v_{h // G, i} W_O^(h)||_1, where W_O^(h) = o_proj.weight[:, h*d:(h+1)*d]^T
+is query head h's slice of the output projection. ``critical_kv`` = ``critical_kv(snapkv)`` (CriticalSnapKV);
 ``critical_kv(adakv(snapkv))`` is CriticalAdaKV.
 
 After each compression ``policy.last[layer]`` records what the two stages picked (``stage1_pos``,
 ``stage2_pos``) and, in window mode, ``abar`` and ``sigma``, Assumption 1's mass on the stage-1 set (for
 the notebook, not cache state). Where the paper is open (the window's place, GQA, hosts without a window)
-and how kvpress differs: ``methods/README.md``. Defaults: alpha = 0.25 (§4.2), stage2 = "window"
-(Algorithm 2), epsilon = 0; the host keeps its own.
+and how kvpress differs: ``methods/README.md``. Defaults: alpha = 0.25 (§4.2) of the free budget,
+stage2 = "host" (the authors' code), epsilon = 0 (the paper); the host keeps its own. kvpress's settings
+(``methods.presets``): alpha = 0.5 of the whole budget (``alpha_of="budget"``), epsilon = 1e-4.
 """
 
 from __future__ import annotations
@@ -65,7 +75,8 @@ from nanollm.policy import Needs, PolicyWrapper, ScoringPolicy, StepContext
 from .adakv import mask_to_indices
 from .snapkv import SnapKVPolicy
 
-STAGE2 = ("window", "host")      # stage-2 attention: the un-pooled window attention, or the host's score
+STAGE2 = ("host", "window")      # stage-2 attention: the host's (pooled) score, or the un-pooled window attention
+ALPHA_OF = ("free", "budget")     # alpha's share of the free budget b - |protected|, or of the whole budget b
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -209,16 +220,21 @@ class CriticalKVPolicy(PolicyWrapper):
     budget : entries kept per layer per KV head (the host decides how they are allocated).
     alpha : share of each head's free budget picked by the host's own ranking (stage 1); the rest is picked
         by attention x projected value norm (stage 2). §4.2: 0.25. 1 = the host alone.
-    stage2 : "window" (Algorithm 2: the un-pooled window attention of the innermost observation-window
-        scorer; the host's score when there is none) or "host" (the host's score, as kvpress).
-    epsilon : added to the stage-2 attention before weighting (kvpress: 1e-4; the paper: 0).
+    alpha_of : "free" (alpha of b - |protected|, so alpha = 1 is exactly the host) or "budget" (kvpress:
+        stage 1 takes floor(alpha * b) entries counting the protected window, at least the window).
+    stage2 : "host" (the host's pooled score as the attention estimate, as the authors' code runs it) or
+        "window" (Algorithm 2 line 9 read literally: the un-pooled window attention of the innermost
+        observation-window scorer; the host's score when there is none).
+    epsilon : added to the stage-2 attention estimate, a per-query mean, before weighting (kvpress: 1e-4;
+        the paper: 0).
     inner : the host policy, same ``budget``; None = ``SnapKVPolicy`` with its defaults.
         ``make_policy("critical_kv(adakv(snapkv))", ...)`` is CriticalAdaKV.
     """
 
     budget: int
     alpha: float = 0.25          # §4.2 (kvpress first_stage_ratio: 0.5)
-    stage2: str = "window"       # Algorithm 2, line 9 (kvpress: "host")
+    alpha_of: str = "free"       # (kvpress: "budget")
+    stage2: str = "host"         # Algorithm 2, line 9, as the authors' code reads it ("window": literally)
     epsilon: float = 0.0         # the paper has none (kvpress: 1e-4)
     inner: ScoringPolicy | None = None
     default_inner: ClassVar[str] = "snapkv"
@@ -229,6 +245,8 @@ class CriticalKVPolicy(PolicyWrapper):
         check_number("alpha", self.alpha, 0, 1, what=" (stage-1 share of the budget)")
         if self.stage2 not in STAGE2:
             raise ValueError(f"stage2 must be one of {STAGE2}, got {self.stage2!r}")
+        if self.alpha_of not in ALPHA_OF:
+            raise ValueError(f"alpha_of must be one of {ALPHA_OF}, got {self.alpha_of!r}")
         check_number("epsilon", self.epsilon, 0, float("inf"), open_high=True)
         self.check_inner(lambda: SnapKVPolicy(budget=self.budget))
 
@@ -247,15 +265,24 @@ class CriticalKVPolicy(PolicyWrapper):
 
     def window_attention(self, ctx: StepContext) -> Tensor | None:
         """(B, H, T) Abar: the mean attention of the last ``window`` queries (Algorithm 2 line 3, not pooled),
-        or None when stage 2 must use the host's score (see the module docstring)."""
+        or None where there is none to read (a host without a window, or probs over rebuilt entries). Stage 2
+        uses it when ``stage2="window"``; Assumption 1's sigma is measured on it either way."""
         w = self.window
-        if self.stage2 != "window" or w is None or ctx.probs is None:
+        if w is None or ctx.probs is None:
             return None
         if ctx.probs.shape[-1] != len(ctx.kv) or (ctx.attended_pos is not None
                                                   and not torch.equal(ctx.attended_pos, ctx.kv.pos)):
             return None                                                    # probs refer to rebuilt entries
         w = min(w, ctx.probs.shape[2])
         return ctx.probs[:, :, -w:, :].float().mean(dim=2)                 # (B, H, T)
+
+    def window_queries(self, ctx: StepContext) -> int:
+        """How many queries the host's score sums over: the window's (SnapKV's vote is a sum over them), 1
+        for hosts without a window. Dividing by it makes the score a per-query mean, where epsilon is added."""
+        w = self.window
+        if w is None or ctx.probs is None:
+            return 1
+        return max(1, min(w, ctx.probs.shape[2], ctx.probs.shape[-1]))
 
     def stage_scores(self, ctx: StepContext) -> dict:
         """Everything the two stages need, per KV head: ``first`` (B, H_kv, T) the host's ranking with its
@@ -269,14 +296,18 @@ class CriticalKVPolicy(PolicyWrapper):
         budgets = self.inner.head_budgets(ctx)                             # (B, H_kv): b_j
         n_prot = torch.minimum(prot.sum(-1), budgets)
         free = budgets - n_prot                                            # b'_j
-        n_first = n_prot + torch.floor(self.alpha * free.double()).long()  # keep_j + floor(alpha * b'_j)
+        if self.alpha_of == "free":
+            n_first = n_prot + torch.floor(self.alpha * free.double()).long()   # keep_j + floor(alpha * b'_j)
+        else:
+            n_first = torch.maximum(n_prot, torch.floor(self.alpha * budgets.double()).long())   # kvpress
 
         n_head = ctx.q.shape[1]
         G = n_head // H_kv
         vnorm = projected_value_norms(kv.v, ctx.attn.o_proj.weight, n_head)   # (B, H, T): P
         abar = self.window_attention(ctx)                                  # (B, H, T) or None
-        if abar is None:           # the host's score as the attention estimate, times the group-mean P
-            second = (host + self.epsilon) * vnorm.view(B, H_kv, G, T).mean(2)
+        if self.stage2 == "host" or abar is None:   # the host's score as a per-query mean (the authors' code)
+            mean_score = host / self.window_queries(ctx)                   # (B, H_kv, T)
+            second = (mean_score + self.epsilon) * vnorm.view(B, H_kv, G, T).mean(2)
         else:                      # Algorithm 2 line 9: mean over the group of (Abar_h + eps) * P_h
             second = ((abar + self.epsilon) * vnorm).view(B, H_kv, G, T).mean(2)
         return {"first": host.masked_fill(prot, float("inf")), "second": second, "budgets": budgets,

@@ -24,7 +24,8 @@ Signs make each row's value estimate unbiased (collisions add zero-mean noise); 
 signs (the paper: the softmax would not keep an unbiased key unbiased anyway).
 
 Budget = slots per layer per KV head: raw slots (R + C) plus sketch cells (r x b), split 0.45 / 0.45 / 0.1
-(Tables 2-3). By default R, C and V are per layer, shared by the KV heads (a cell holds a whole token of
+(Tables 2-3). The same budget in every layer by default; ``layer_budgets`` gives each layer its own, e.g. the
+appendix's allocation by the Fisher information of W_K and W_V (``fisher_layer_budgets``). By default R, C and V are per layer, shared by the KV heads (a cell holds a whole token of
 every KV head; ``per_kv_head=True`` is our variant with one selection per KV head). Scores are dense by
 position, so a sketched token can be revived. A revived token keeps its *approximate* key and value
 (``exact_positions`` leaves it out). How the paper's open points are resolved: ``methods/README.md``.
@@ -33,7 +34,7 @@ position, so a sketched token can be revived. A revived token keeps its *approxi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -120,6 +121,16 @@ class VagueSketch:
         return self.key.nbytes + self.value.nbytes
 
 
+class Split(NamedTuple):
+    """How one layer's slot budget is shared out: b cells per sketch row, C's and R's budgets, R's slack."""
+    budget: int
+    width: int
+    candidate: int
+    raw: int
+    recent: int
+    slack: int
+
+
 @dataclass
 class KVReviverPolicy(CachePolicy):
     """Recent / Candidate raw slots + a count sketch of everything else, rebuilt before every attention.
@@ -139,6 +150,9 @@ class KVReviverPolicy(CachePolicy):
     seed : seed of the hashes (each layer uses seed + layer).
     per_kv_head : each KV head keeps its own C and its own sketch, chosen by its own scores (see the module
         docstring, "Granularity"); False = one selection per layer, shared by the KV heads (the paper's).
+    layer_budgets : one budget per layer, used instead of ``budget`` in each (split the same way); None = the
+        same ``budget`` everywhere. The appendix ("Fisher Information") allocates the layers' budgets by the
+        Fisher information of W_K and W_V: ``fisher_layer_budgets`` computes such a tuple.
     """
 
     budget: int
@@ -151,6 +165,7 @@ class KVReviverPolicy(CachePolicy):
     injective_hash: bool = False
     seed: int = 0
     per_kv_head: bool = False
+    layer_budgets: tuple[int, ...] | None = None
     # per-layer state: dense scores by position, (B, N) shared or (B, H_kv, N) per KV head; R size; the
     # sketches (B * S, see ``groups``); revived flags (as the scores); peak rebuilt bytes
     _scores: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -176,36 +191,64 @@ class KVReviverPolicy(CachePolicy):
             check_int("sketch_width", self.sketch_width, low=0, what=" or None")
         check_flag("injective_hash", self.injective_hash)
         check_flag("per_kv_head", self.per_kv_head)
-        if self.raw_budget - self.candidate_budget < 1:
-            raise ValueError(f"budget {self.budget} leaves no room for Recent after Candidate "
-                             f"({self.candidate_budget}) and the sketch ({self.rows} x {self.width}); raise budget "
-                             "or lower candidate_share / vague_share / sketch_width")
+        if self.layer_budgets is not None:
+            if isinstance(self.layer_budgets, (str, bytes)) or not hasattr(self.layer_budgets, "__len__") \
+                    or len(self.layer_budgets) == 0:
+                raise ValueError(f"layer_budgets must be a list of budgets, one per layer, got {self.layer_budgets!r}")
+            self.layer_budgets = tuple(self.layer_budgets)
+            for b in self.layer_budgets:
+                check_budget(b)
+        for budget in (self.budget,) + (self.layer_budgets or ()):
+            split = self.split(budget)
+            if split.raw - split.candidate < 1:
+                raise ValueError(f"budget {budget} leaves no room for Recent after Candidate ({split.candidate}) "
+                                 f"and the sketch ({self.rows} x {split.width}); raise budget or lower "
+                                 "candidate_share / vague_share / sketch_width")
 
     # -- the split of the slot budget -----------------------------------------------------------------
+    def split(self, budget: int) -> Split:
+        """The split of ``budget`` slots: b = floor(vague_share * budget / r) cells per row (or ``sketch_width``,
+        then on top of the budget, an experiment knob), C = floor(candidate_share * budget), the raw slots
+        (budget minus the cells), and R.budget: the raw slots C leaves, minus the slack (the slack is cut at
+        tiny budgets so R >= 1)."""
+        width = self.sketch_width if self.sketch_width is not None else int(self.vague_share * budget) // self.rows
+        candidate = int(self.candidate_share * budget)
+        raw = budget - (self.rows * width if self.sketch_width is None else 0)
+        recent = max(1, raw - candidate - self.recent_slack)
+        return Split(budget, width, candidate, raw, recent, raw - candidate - recent)
+
+    def layer_split(self, layer: int) -> Split:
+        """The split of ``layer``'s budget: ``budget``, or its entry of ``layer_budgets``."""
+        if self.layer_budgets is None:
+            return self.split(self.budget)
+        if layer >= len(self.layer_budgets):
+            raise ValueError(f"layer_budgets has {len(self.layer_budgets)} entries, the model has more layers "
+                             f"(layer {layer}); give one budget per layer")
+        return self.split(self.layer_budgets[layer])
+
     @property
     def width(self) -> int:
-        """b, cells per sketch row."""
-        return self.sketch_width if self.sketch_width is not None else int(self.vague_share * self.budget) // self.rows
+        """b, cells per sketch row (of ``budget``; a layer's own: ``layer_split(layer).width``)."""
+        return self.split(self.budget).width
 
     @property
     def candidate_budget(self) -> int:
-        return int(self.candidate_share * self.budget)
+        return self.split(self.budget).candidate
 
     @property
     def raw_budget(self) -> int:
         """Raw slots (R + its slack + C): the budget minus the sketch cells (unless ``sketch_width`` was given:
         then the cells come on top, an experiment knob)."""
-        cells = self.rows * self.width if self.sketch_width is None else 0
-        return self.budget - cells
+        return self.split(self.budget).raw
 
     @property
     def recent_budget(self) -> int:
         """R.budget: the raw slots C leaves, minus the slack (the slack is cut at tiny budgets so R >= 1)."""
-        return max(1, self.raw_budget - self.candidate_budget - self.recent_slack)
+        return self.split(self.budget).recent
 
     @property
     def slack_in_effect(self) -> int:
-        return self.raw_budget - self.candidate_budget - self.recent_budget
+        return self.split(self.budget).slack
 
     # -- selection groups: the KV heads that share R, C and V ------------------------------------------
     def groups(self, n_kv_head: int) -> int:
@@ -290,20 +333,21 @@ class KVReviverPolicy(CachePolicy):
         """Algorithm 3 for every sequence of the batch and selection group: R.push, R -> C overflow, C -> V
         overflow, swaps."""
         layer, store = ctx.layer, ctx.kv
+        split = self.layer_split(layer)                                          # this layer's budgets
         self._recent[layer] += ctx.q.shape[2]                                    # R.Push(new tokens)
-        if ctx.seen <= self.budget and layer not in self._sketch:                # every token fits raw
+        if ctx.seen <= split.budget and layer not in self._sketch:               # every token fits raw
             return
-        if self._recent[layer] > self.recent_budget + self.slack_in_effect:      # R overflows into C
-            self._recent[layer] = self.recent_budget
+        if self._recent[layer] > split.recent + split.slack:                     # R overflows into C
+            self._recent[layer] = split.recent
         B, H_kv, T, d = store.k.shape
         S = self.groups(H_kv)
         G = H_kv // S                                                            # KV heads per group
         if layer not in self._sketch:                   # first compression: one sketch per sequence and group
-            self._sketch[layer] = [self.sketch_class(self.rows, self.width, G, d, self.seed + layer,
+            self._sketch[layer] = [self.sketch_class(self.rows, split.width, G, d, self.seed + layer,
                                                    self.injective_hash, store.k.device)
-                                   for _ in range(B * S)] if self.width > 0 else []   # no cells: V forgets
+                                   for _ in range(B * S)] if split.width > 0 else []   # no cells: V forgets
         recent_from = ctx.seen - self._recent[layer]                             # R = positions >= this
-        n_out = int((store.pos[0, 0] < recent_from).sum()) - self.candidate_budget   # same in every row, head
+        n_out = int((store.pos[0, 0] < recent_from).sum()) - split.candidate     # same in every row, head
         scores, approx = self.by_group(self._scores[layer]), self.by_group(self._approx[layer])   # (B, S, N)
         new_k, new_v, new_pos = [], [], []
         for b in range(B):
@@ -313,7 +357,8 @@ class KVReviverPolicy(CachePolicy):
                 k, v, p = store.k[b, heads], store.v[b, heads], store.pos[b, s * G]   # (G, T, d), (T,)
                 k, v, p = self._overflow(sketch, scores[b, s], k, v, p, recent_from, n_out)
                 if sketch is not None:
-                    k, v, p = self._swap(sketch, scores[b, s], k, v, p, recent_from, approx[b, s])
+                    k, v, p = self._swap(sketch, scores[b, s], k, v, p, recent_from, approx[b, s],
+                                         split.candidate)
                 new_k.append(k), new_v.append(v), new_pos.append(p.expand(G, -1))
         T_new = new_pos[0].shape[-1]                                             # the same in every group
         store.replace(torch.cat(new_k).view(B, H_kv, T_new, d), torch.cat(new_v).view(B, H_kv, T_new, -1),
@@ -335,14 +380,15 @@ class KVReviverPolicy(CachePolicy):
         return k[:, keep], v[:, keep], p[keep]
 
     def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
-              recent_from: int, approx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+              recent_from: int, approx: Tensor, max_swaps: int) -> tuple[Tensor, Tensor, Tensor]:
         """Algorithm 3's swap loop for one sequence: revive V's best token while its score beats C's
-        minimum by ``replace_rate``; C's minimum goes into the sketch in exchange. Returns the entries in
-        position order (those given, untouched, when nothing was swapped)."""
+        minimum by ``replace_rate``; C's minimum goes into the sketch in exchange; at most ``max_swaps``
+        (C's budget) per step. Returns the entries in position order (those given, untouched, when nothing
+        was swapped)."""
         in_raw = torch.zeros(scores.shape[0], dtype=torch.bool, device=p.device)
         in_raw[p] = True
         copied = False                                  # k, v, p are the storage's until the first swap
-        for _ in range(self.candidate_budget):                                   # at most C.budget swaps
+        for _ in range(max_swaps):                                               # at most C.budget swaps
             cand = (p < recent_from).nonzero().flatten()
             vague = (~in_raw).nonzero().flatten()
             if cand.numel() == 0 or vague.numel() == 0:
@@ -389,8 +435,10 @@ class KVReviverPolicy(CachePolicy):
         return sum(s.nbytes for s in self._scores.values())
 
     def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
-        """The Recent part: at least the ``recent_budget`` newest positions stay raw."""
-        return list(range(max(0, seen - self.recent_budget), seen))
+        """The Recent part: at least the ``recent_budget`` newest positions stay raw (with ``layer_budgets``,
+        the smallest layer's)."""
+        recent = min(self.split(b).recent for b in self.layer_budgets or (self.budget,))
+        return list(range(max(0, seen - recent), seen))
 
     def parts(self, layer: int, store: LayerKV, row: int = 0, head: int = 0) -> dict:
         """Sizes of R and C (raw slots), V (tokens held only by the sketch) and the sketch cells of one layer
@@ -398,6 +446,72 @@ class KVReviverPolicy(CachePolicy):
         seen = self._scores[layer].shape[-1]
         raw = store.pos[row, head]
         recent_from = seen - self._recent[layer]
-        cells = self.rows * self.width if self._sketch.get(layer) else 0
+        cells = self.rows * self.layer_split(layer).width if self._sketch.get(layer) else 0
         return {"R": int((raw >= recent_from).sum()), "C": int((raw < recent_from).sum()),
                 "V": seen - raw.numel(), "cells": cells}
+
+
+# -- the appendix's per-layer budgets ----------------------------------------------------------------------
+def fisher_information(model, ids: Tensor, chunk: int = 128) -> list[float]:
+    """Per layer, the empirical Fisher information of W_K and W_V, summed (Yuan et al., appendix "Fisher
+    Information": a layer's is the sum of its key and value weight matrices'; the formula is not given).
+
+    Our reading, Palu's recipe that the appendix cites: split ``ids`` (T,) into chunks of ``chunk`` tokens; for
+    each chunk take the gradient of its mean next-token negative log-likelihood with respect to W_K and W_V,
+    square it entry by entry and add over chunks and entries:  F_l = sum_chunks (||dL/dW_K,l||^2 +
+    ||dL/dW_V,l||^2). Deterministic (no sampling, no dropout); the model's weights are left as they were."""
+    ids = ids.view(-1)
+    if ids.numel() < 2:
+        raise ValueError(f"Fisher information needs at least 2 tokens of calibration text, got {ids.numel()}")
+    weights = [(block.attn.k_proj.weight, block.attn.v_proj.weight) for block in model.blocks]
+    was_training, flags = model.training, [p.requires_grad for p in model.parameters()]
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for wk, wv in weights:
+        wk.requires_grad_(True), wv.requires_grad_(True)
+    fisher = torch.zeros(len(weights), dtype=torch.float64)
+    try:
+        with torch.enable_grad():
+            for start in range(0, ids.numel() - 1, chunk):
+                piece = ids[start:start + chunk + 1].view(1, -1)                 # (1, <= chunk + 1)
+                if piece.shape[1] < 2:
+                    break
+                logits = model(piece[:, :-1])                                    # (1, T, vocab)
+                loss = torch.nn.functional.cross_entropy(logits[0].float(), piece[0, 1:])
+                grads = torch.autograd.grad(loss, [w for pair in weights for w in pair])
+                for layer in range(len(weights)):
+                    gk, gv = grads[2 * layer], grads[2 * layer + 1]
+                    fisher[layer] += float(gk.double().pow(2).sum() + gv.double().pow(2).sum())
+    finally:
+        for p, flag in zip(model.parameters(), flags):
+            p.requires_grad_(flag)
+        model.train(was_training)
+    return fisher.tolist()
+
+
+def allocate(weights: list[float], budget: int, minimum: int = 1) -> tuple[int, ...]:
+    """``len(weights) * budget`` slots shared out in proportion to ``weights``, each layer at least
+    ``minimum``: the minimums first, the rest by largest remainder (ties to the lower layer), so the budgets
+    sum exactly to the uniform total."""
+    L = len(weights)
+    total, w = L * budget, torch.tensor(weights, dtype=torch.float64)
+    if L == 0 or total < L * minimum:
+        raise ValueError(f"{L} layers at least {minimum} slots each do not fit in {total} slots")
+    if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"layer weights must be finite, >= 0 and not all 0, got {weights}")
+    share = (total - L * minimum) * w / w.sum()                                  # (L,) slots beyond the minimum
+    extra = share.floor().long()
+    left = (total - L * minimum) - int(extra.sum())                              # < L slots left by the floors
+    order = sorted(range(L), key=lambda i: (-(float(share[i]) - int(extra[i])), i))
+    for i in order[:left]:
+        extra[i] += 1
+    return tuple(int(minimum + e) for e in extra)
+
+
+def fisher_layer_budgets(model, ids: Tensor, budget: int, chunk: int = 128) -> tuple[int, ...]:
+    """Per-layer budgets for ``KVReviverPolicy(layer_budgets=...)``: the uniform total ``n_layer * budget``
+    shared in proportion to each layer's Fisher information of W_K and W_V on the calibration text ``ids``
+    (``fisher_information``), at least 1 slot per layer."""
+    check_budget(budget)
+    return allocate(fisher_information(model, ids, chunk), budget)

@@ -29,9 +29,11 @@ from nanollm import cli, load
 from nanollm.data.evaluate import MODES
 from nanollm.data.tasks import ALL_TASKS, LM_TASKS, TASKS, make_sample
 from nanollm.io.checkpoint import load_card, load_config, load_tokenizer
+from nanollm.cli.provenance import header, provenance
 from nanollm.io.files import atomic_write_text
 
 from .. import METHODS, make_policy, method_chain
+from ..presets import PRESETS, preset_options
 from .harness import Cell, compare_traces, greedy_accuracies, traces
 from .intervals import paired_difference, signed, verdict, wilson, within_noise
 
@@ -254,6 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=int, default=None,
                     help=f"tokens per sample, context + question + answer (default {DEFAULT_LENGTH}, or the "
                          "model's maximum positions if smaller)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="ours",
+                    help="the methods' options: ours (the papers' settings, methods/README.md) or kvpress (the "
+                         "defaults of NVIDIA's kvpress 0.5.5 for the methods it has: SnapKV window 64, kernel 5, "
+                         "average pooling; ChunkKV chunks of 20, no reuse; CriticalKV alpha 0.5 of the budget, "
+                         "epsilon 1e-4; see methods/presets.py) (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
     ap.add_argument("--device", type=cli.device, default="cpu", help="torch device (default %(default)s)")
     ap.add_argument("--threads", type=cli.positive_int, default=1,
@@ -303,12 +310,20 @@ def main(argv: list[str] | None = None) -> None:
         if any(b <= 0 for b in budgets):
             cli.fail(f"--budgets must be positive, got {budgets}")
 
+        variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]
         torch.set_num_threads(args.threads)
         model, tok, card = load(args.checkpoint, device=args.device)
         t0 = time.time()
         workers = args.workers or (default_workers() if args.device == "cpu" else 1)
-        records = run(model, tok, methods, budgets, tasks, args.modes, args.samples, length, args.seed,
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        prov = provenance(argv, prog=ap.prog, threads=args.threads if workers <= 1 else 1, dtype=dtype, seed=args.seed)
+        print(header(prov) + f"\n# methods' options: {args.preset} (" + "; ".join(
+            f"{v.label}: {', '.join(f'{k}={x}' for k, x in v.options.items()) or 'defaults'}" for v in variants) + ")",
+            flush=True)
+        records = run(model, tok, variants, budgets, tasks, args.modes, args.samples, length, args.seed,
                       progress=not args.quiet, workers=workers)
+        for r in records:
+            r["preset"] = args.preset
         print(format_tables(records))
         print(format_intervals(records))
         print(f"\n{args.samples} samples per task and mode, {length} tokens, seed {args.seed}, "
@@ -317,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
               "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
               "decode step; lost = full-attention mass on entries the method dropped at that step.")
         if args.json:
-            atomic_write_text(args.json, json.dumps(records, indent=1))
+            atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records},
+                                                    indent=1))
             print(f"records written to {args.json}")
         if args.plot:
             plot(records, args.plot)

@@ -198,7 +198,7 @@ def ten_token_ctx(values: torch.Tensor | None = None) -> StepContext:
 
 
 def test_window_stage_two_by_hand():
-    """SnapKV (window 2, kernel 1, budget 6) keeps the window {8, 9} and the top-4 votes {0, 1, 2, 3}.
+    """The literal reading of Algorithm 2 (``stage2="window"``). SnapKV (window 2, kernel 1, budget 6) keeps the window {8, 9} and the top-4 votes {0, 1, 2, 3}.
     CriticalKV, alpha = .25: free budget 4, stage 1 = floor(.25 * 4) = 1 entry by the vote (slot 0); stage 2
     on Abar * P over slots 1-7 = [.10, .06, .05, .04, .03, .02, .08]: slots 1, 7, 2. Slot 7's value (norm 8)
     outweighs its small attention (.01)."""
@@ -207,13 +207,73 @@ def test_window_stage_two_by_hand():
     snap.on_prefill(ctx)
     assert ctx.kv.pos.tolist() == [[[0, 1, 2, 3, 8, 9]]]
     ctx = ten_token_ctx()
-    critical = CriticalKVPolicy(budget=6, inner=SnapKVPolicy(budget=6, window=2, kernel=1))
+    critical = CriticalKVPolicy(budget=6, stage2="window", inner=SnapKVPolicy(budget=6, window=2, kernel=1))
     critical.on_prefill(ctx)
     assert ctx.kv.pos.tolist() == [[[0, 1, 2, 7, 8, 9]]]
     last = critical.last[0]
     assert (last["stage1_pos"][last["stage1_pos"] >= 0]).tolist() == [0, 8, 9]     # stage 1 + the window
     assert (last["stage2_pos"][last["stage2_pos"] >= 0]).tolist() == [1, 2, 7]
     assert float(last["sigma"]) == pytest.approx(0.40 + 0.19 + 0.10)                  # Assumption 1 on Abar
+
+
+def pooled_by_hand(probs, v, w_o, budget, window, kernel, alpha, epsilon, alpha_of="free"):
+    """The default stage 2 (the host's pooled score, as the authors' code), one row at a time in plain Python:
+    SnapKV's vote per query head summed over the window's queries, average-pooled (zero padding counted),
+    averaged over the KV head's group; its per-query mean plus epsilon times the group's mean projected value
+    norm. Returns the kept positions per KV head, sorted."""
+    B, H, T, _ = probs.shape
+    H_kv, d = v.shape[1], v.shape[-1]
+    G, n_prefix = H // H_kv, T - window
+    kept = []
+    for j in range(H_kv):
+        votes, norms = [0.0] * n_prefix, [0.0] * T
+        for h in range(j * G, (j + 1) * G):
+            raw = [sum(float(probs[0, h, r, i]) for r in range(T - window, T)) for i in range(n_prefix)]
+            for i in range(n_prefix):
+                near = [raw[i + o] for o in range(-(kernel // 2), kernel // 2 + 1) if 0 <= i + o < n_prefix]
+                votes[i] += sum(near) / kernel / G
+            w_h = w_o[:, h * d:(h + 1) * d]
+            for i in range(T):
+                norms[i] += float((w_h @ v[0, j, i]).abs().sum()) / G
+        free = budget - window
+        n1 = int(alpha * free) if alpha_of == "free" else max(0, int(alpha * budget) - window)
+        stage1 = sorted(range(n_prefix), key=lambda i: (-votes[i], i))[:n1]
+        second = {i: (votes[i] / window + epsilon) * norms[i] for i in range(n_prefix) if i not in stage1}
+        stage2 = sorted(second, key=lambda i: (-second[i], i))[:free - n1]
+        kept.append(sorted(stage1 + stage2 + list(range(n_prefix, T))))
+    return kept
+
+
+@pytest.mark.parametrize("alpha, alpha_of", [(0.25, "free"), (0.5, "free"), (0.0, "free"), (0.5, "budget")])
+def test_default_stage_two_is_the_pooled_host_score_by_hand(alpha, alpha_of):
+    """The default (``stage2="host"``) against ``pooled_by_hand`` on random attention and values (4 query
+    heads, 2 KV heads, 30 tokens, window 5, kernel 5, average pooling) with an epsilon large enough to move
+    the selection: it must be added to the window's *mean* score, as kvpress adds it, not to the sum."""
+    g = torch.Generator().manual_seed(11)
+    B, H, H_kv, T, d, D = 1, 4, 2, 30, 3, 6
+    probs = torch.softmax(torch.randn(B, H, T, T, generator=g) * 2, -1)
+    v = torch.randn(B, H_kv, T, d, generator=g) * torch.rand(B, H_kv, T, 1, generator=g) * 3
+    w_o = torch.randn(D, H * d, generator=g)
+    for epsilon in (0.0, 0.02):
+        ctx = hand_ctx(probs, v, w_o)
+        policy = make_policy("critical_kv", 14, window=5, kernel=5, pooling="avg", alpha=alpha,
+                             alpha_of=alpha_of, epsilon=epsilon)
+        policy.on_prefill(ctx)
+        expected = pooled_by_hand(probs, v, w_o, 14, 5, 5, alpha, epsilon, alpha_of)
+        assert [sorted(ctx.kv.pos[0, j].tolist()) for j in range(H_kv)] == expected, (epsilon, alpha)
+
+
+def test_the_two_readings_differ_by_hand():
+    """A check that can fail: on the same inputs the literal reading keeps another set than the default."""
+    g = torch.Generator().manual_seed(11)
+    probs = torch.softmax(torch.randn(1, 4, 30, 30, generator=g) * 2, -1)
+    v, w_o = torch.randn(1, 2, 30, 3, generator=g), torch.randn(6, 12, generator=g)
+    kept = []
+    for stage2 in ("host", "window"):
+        ctx = hand_ctx(probs, v, w_o)
+        make_policy("critical_kv", 14, window=5, kernel=5, stage2=stage2).on_prefill(ctx)
+        kept.append(ctx.kv.pos.clone())
+    assert not torch.equal(*kept)
 
 
 def test_equal_value_norms_host_mode_is_the_host():

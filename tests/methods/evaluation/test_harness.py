@@ -135,8 +135,12 @@ def test_cli_json_plot_and_errors(ckpt, tmp_path, capsys):
     compare_main(["--checkpoint", str(ckpt), "--methods", "full", "streaming_llm", "adakv(h2o)", "--keep-ratios",
                   "0.2", "--samples", "1", "--length", str(LENGTH), "--json", str(out), "--plot",
                   str(tmp_path / "p.png"), "--quiet"])
-    records = json.loads(out.read_text())
+    saved = json.loads(out.read_text())
+    records = saved["records"]
     assert {r["method"] for r in records} == {"full", "streaming_llm", "adakv(h2o)"}   # named as written
+    assert saved["provenance"]["command"].startswith("python -m methods.compare --checkpoint")
+    assert saved["provenance"]["threads"] == 1 and saved["provenance"]["seed"] == 0
+    assert saved["preset"] == "ours" and all(r["preset"] == "ours" for r in records)
     assert (tmp_path / "p.png").stat().st_size > 0
     assert "niah_single_noise" in {r["task"] for r in records}          # the card's default suite
     for bad, msg in [(["--methods", "nope"], "unknown method"), (["--methods", "snapkv(h2o)"], "not a wrapper"),
@@ -155,7 +159,7 @@ def test_cli_help_documents_every_flag(capsys):
         compare_main(["--help"])
     text = capsys.readouterr().out
     for flag in ["--methods", "--budgets", "--keep-ratios", "--tasks", "--modes", "--samples", "--length",
-                 "--seed", "--device", "--json", "--plot", "--checkpoint", "--threads"]:
+                 "--seed", "--device", "--json", "--plot", "--checkpoint", "--threads", "--preset"]:
         assert flag in text
 
 

@@ -1,0 +1,78 @@
+"""
+Where a results file came from: the command, the settings that can change its numbers, and the code.
+
+A committed number is only worth something if it can be made again. Every command that writes a results
+file records, at the top of its text output and under ``"provenance"`` in its JSON:
+
+* ``command``: how it was run (``python -m methods.compare --checkpoint smollm2-135m ...``);
+* ``threads``, ``dtype``, ``seed``: the settings a reader would otherwise have to guess;
+* ``versions``: Python, torch, numpy, and the platform;
+* ``commit``: the git commit of the code that ran, with ``+changes`` when the working tree differed from it
+  (so a file made from uncommitted code says so), or ``unknown`` outside a git checkout;
+* ``date``: when (UTC, to the minute).
+
+``tests/test_results_reproduce.py`` reads these records back and re-runs one small cell of each committed
+results table with the recorded settings.
+
+    prov = provenance(argv, prog=ap.prog, threads=1, dtype="float32", seed=0)   # argv: main's arguments
+    print(header(prov))                              # "# command: python -m ...", one line per field
+    json.dumps({"provenance": prov, "records": records})
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]          # the repository (when installed from a checkout)
+
+
+def command_line(args: list[str] | None = None, prog: str | None = None) -> str:
+    """The command as a user would type it: ``prog`` (default: ``python -m package.module`` for a module run
+    with -m, else ``python script``) and ``args``, the arguments after it (default ``sys.argv[1:]``)."""
+    args = sys.argv[1:] if args is None else args
+    if prog is None:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        prog = f"python -m {spec.name.removesuffix('.__main__')}" if spec is not None else f"python {sys.argv[0]}"
+    return " ".join([prog] + [shlex.quote(str(a)) for a in args])
+
+
+def git_commit(root: Path = ROOT) -> str:
+    """The checked-out commit, ``+changes`` appended when tracked files differ from it; ``unknown`` if no git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+changes" if dirty else "")
+
+
+def provenance(args: list[str] | None = None, *, prog: str | None = None, threads: int, dtype: str,
+               seed: int | None) -> dict:
+    """The record described in the module docstring. ``args``: the command's arguments after its name
+    (default ``sys.argv[1:]``); ``prog``: its name (default: from ``__main__``, see ``command_line``)."""
+    return {"command": command_line(args, prog), "threads": threads, "dtype": dtype, "seed": seed,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "numpy": numpy.__version__, "platform": platform.platform()},
+            "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def header(prov: dict) -> str:
+    """The record as ``# key: value`` lines, for the top of a text results file."""
+    versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items())
+    lines = [f"# command: {prov['command']}",
+             f"# threads: {prov['threads']}, dtype: {prov['dtype']}, seed: {prov['seed']}",
+             f"# versions: {versions}",
+             f"# commit: {prov['commit']}, {prov['date']}"]
+    return "\n".join(lines)
