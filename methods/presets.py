@@ -6,12 +6,12 @@ lists every choice). kvpress (NVIDIA's library of KV-cache "presses", version 0.
 for the methods both have, and a number measured with one set is not comparable with one measured with the
 other. ``preset_options(spec, "kvpress")`` gives the options that make our policy run kvpress's settings:
 
-| method | ours | kvpress |
-|---|---|---|
-| SnapKV | window 32, kernel 7, max pooling | window 64, kernel 5, average pooling |
-| ChunkKV | chunk 10, layer reuse 2, exact budget (remainder as single tokens), un-pooled votes | chunk 20, no reuse, whole chunks only, SnapKV's pooled votes |
-| CriticalKV | alpha 0.25 of the free budget, epsilon 0 | alpha 0.5 of the whole budget (window included), epsilon 1e-4 |
-| StreamingLLM, AdaKV | 4 sinks; safeguard 0.20 | the same |
+* SnapKV: ours window 32, kernel 7, max pooling; kvpress window 64, kernel 5, average pooling.
+* ChunkKV: ours chunks of 10, layer reuse 2, an exact budget (the remainder as single tokens), un-pooled
+  votes; kvpress chunks of 20, no reuse, whole chunks only, SnapKV's pooled votes.
+* CriticalKV: ours alpha 0.25 of the free budget, epsilon 0; kvpress alpha 0.5 of the whole budget (the
+  window included), epsilon 1e-4.
+* StreamingLLM (4 sinks) and AdaKV (safeguard 0.20): the same.
 
 Methods kvpress does not have (H2O, Scissorhands, KVReviver) keep ours. An option passed explicitly wins
 over the preset's.

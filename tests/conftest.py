@@ -32,6 +32,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanollm import ModelConfig, Transformer, preset
+from nanollm.cli import provenance
 
 INIT_STD = 0.1   # std of every weight matrix; norms keep their init (ones / zeros)
 
@@ -60,6 +61,7 @@ def no_subprocess_in_the_fast_tier(request, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError(f"{request.node.nodeid} starts a subprocess: mark it @pytest.mark.slow")
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(provenance, "tree_changed", lambda root=None: None)   # a results file's `git status`
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -26,10 +26,10 @@ import torch
 from tqdm import tqdm
 
 from nanollm import cli, load
+from nanollm.cli.provenance import header, provenance
 from nanollm.data.evaluate import MODES
 from nanollm.data.tasks import ALL_TASKS, LM_TASKS, TASKS, make_sample
 from nanollm.io.checkpoint import load_card, load_config, load_tokenizer
-from nanollm.cli.provenance import header, provenance
 from nanollm.io.files import atomic_write_text
 
 from .. import METHODS, make_policy, method_chain
@@ -225,7 +225,8 @@ def check_methods_flag(specs: list[str]) -> None:
             cli.fail(f"--methods: {e}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> cli.ArgumentParser:
+    """The command line (also read back by the tests from a results file's recorded command)."""
     ap = cli.ArgumentParser(
         prog="python -m methods.compare",
         description="Run KV-cache methods side by side with full attention on synthetic long-context tasks "
@@ -276,6 +277,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="write an accuracy-vs-keep-ratio figure to PATH, a "
                          f"{cli.FIGURE_HELP} file (default: none)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
 
     with cli.errors(args.debug):

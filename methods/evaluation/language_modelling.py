@@ -47,6 +47,7 @@ from tqdm import tqdm
 from fastpath.lean import LeanDecoder
 from nanollm import cli, load
 from nanollm.cache import KVCache
+from nanollm.cli.provenance import header, provenance
 from nanollm.data.tasks import docs_paragraphs
 from nanollm.generation import prefill
 from nanollm.io.checkpoint import load_config, load_tokenizer
@@ -54,6 +55,7 @@ from nanollm.io.files import atomic_write_text
 from nanollm.policy import CachePolicy, FullCache
 
 from .. import METHODS, KVReviverPolicy, make_policy
+from ..presets import PRESETS, preset_options
 from .compare import check_methods_flag
 from .side_by_side import FanOut, SharedPrefillUnsupported, step_many
 
@@ -122,10 +124,12 @@ def _stream(lean: LeanDecoder, ids: list[int], caches: list[KVCache], start: int
 
 
 def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = DEFAULT_LENGTH,
-        progress: bool = True) -> list[dict]:
+        progress: bool = True, options: dict[str, dict] | None = None) -> list[dict]:
     """One record per (method, keep ratio), plus "full": perplexity, KL and top-1 agreement over the
     second half of the text (see the module docstring). A keep ratio above 1 (for tests) gives a budget
-    past the prefix; at ``keep * length / 2 >= length`` every method is the full cache."""
+    past the prefix; at ``keep * length / 2 >= length`` every method is the full cache. ``options``: method
+    -> its options for ``make_policy`` (e.g. ``methods.presets.preset_options``); default none."""
+    options = options or {}
     lean = LeanDecoder(model)
     dev = next(model.parameters()).device
     ids = text_ids(tok, length)
@@ -140,8 +144,8 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
 
     # 1. the full cache and the prompt compressors: the prefix in one pass, then the scored half
     rows = [("full", 1.0, None)] + [(m, k, budgets[k]) for m in prompt_methods for k in keep_ratios]
-    caches = _prefill_all(model, torch.tensor([ids[:half]], device=dev),
-                          [FullCache() if b is None else make_policy(m, budget=b) for m, _, b in rows])
+    policies = [FullCache() if b is None else make_policy(m, budget=b, **options.get(m, {})) for m, _, b in rows]
+    caches = _prefill_all(model, torch.tensor([ids[:half]], device=dev), policies)
     full_logp: dict[int, Tensor] = {}                # position -> (V,) the full cache's log-probabilities
     scores = {row: Scores() for row in rows}
 
@@ -161,7 +165,7 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
         if not group:
             continue
         caches = _prefill_all(model, torch.tensor([ids[:fill[k]]], device=dev),
-                              [make_policy(m, budget=b) for m, _, b in group])
+                              [make_policy(m, budget=b, **options.get(m, {})) for m, _, b in group])
         for row in group:
             scores[row] = Scores()
         _stream(lean, ids, caches, fill[k], half + 1,
@@ -218,7 +222,8 @@ def plot(records: list[dict], path) -> None:
     cli.save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> cli.ArgumentParser:
+    """The command line (also read back by the tests from a results file's recorded command)."""
     ap = cli.ArgumentParser(
         prog="python -m methods.evaluation.language_modelling",
         description="Perplexity and KL(full || method) of every method over a long natural text (Python's "
@@ -234,13 +239,21 @@ def main(argv: list[str] | None = None) -> None:
                          f"(default {' '.join(map(str, DEFAULT_KEEP_RATIOS))})")
     ap.add_argument("--length", type=int, default=None,
                     help=f"tokens of text (default {DEFAULT_LENGTH}, or the model's maximum positions if smaller)")
-    ap.add_argument("--threads", type=cli.positive_int, default=None,
-                    help="torch CPU threads (default: torch's default)")
+    ap.add_argument("--threads", type=cli.positive_int, default=1,
+                    help="torch CPU threads (default %(default)s; the numbers do not depend on it)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="ours",
+                    help="the methods' options: ours (the papers' settings) or kvpress (kvpress 0.5.5's defaults "
+                         "for the methods it has, methods/presets.py) (default %(default)s)")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
-                    help="write the records as a JSON list to PATH (default: none)")
+                    help="write the records, with the run's provenance, as JSON to PATH (default: none)")
     ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
                     help=f"write a perplexity-vs-keep-ratio figure to PATH, a {cli.FIGURE_HELP} file (default: none)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
 
     with cli.errors(args.debug):
@@ -261,19 +274,23 @@ def main(argv: list[str] | None = None) -> None:
             text_ids(tok, length)
         except ValueError as e:
             cli.fail(f"--length {length}: {e}")
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
         model, tok, _ = load(args.checkpoint)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        prov = provenance(argv, prog=ap.prog, threads=args.threads, dtype=dtype, seed=None)
+        options = {m: preset_options(m, args.preset) for m in methods if m != "full"}
+        print(header(prov) + f"\n# methods' options: {args.preset}", flush=True)
         t0 = time.time()
         records = run(model, tok, ["full"] + [m for m in methods if m != "full"], args.keep_ratios, length,
-                      progress=not args.quiet)
+                      progress=not args.quiet, options=options)
         print(format_table(records))
         print(f"\n{length} tokens of Python's help topics; scored: the last {records[0]['scored_tokens']} "
               f"predictions; budget = keep x {length // 2} (the prefix). {time.time() - t0:.0f} s. ppl = "
               "perplexity; KL = mean next-token KL(full || method); top-1 = full: the share of positions where "
               "the method's most likely token is the full cache's.")
         if args.json:
-            atomic_write_text(args.json, json.dumps(records, indent=1))
+            atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records},
+                                                    indent=1))
             print(f"records written to {args.json}")
         if args.plot:
             plot(records, args.plot)

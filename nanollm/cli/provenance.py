@@ -44,17 +44,42 @@ def command_line(args: list[str] | None = None, prog: str | None = None) -> str:
     return " ".join([prog] + [shlex.quote(str(a)) for a in args])
 
 
-def git_commit(root: Path = ROOT) -> str:
-    """The checked-out commit, ``+changes`` appended when tracked files differ from it; ``unknown`` if no git."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
+def head_commit(root: Path = ROOT) -> str | None:
+    """The checked-out commit, read from ``.git`` (no git needed): HEAD, a loose ref, or packed-refs."""
+    git = root / ".git"
     try:
-        commit = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head                                   # a detached HEAD is the commit itself
+        ref = head[5:]
+        if (git / ref).is_file():
+            return (git / ref).read_text().strip()
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0]
+    except OSError:
+        pass
+    return None
+
+
+def tree_changed(root: Path = ROOT) -> bool | None:
+    """Whether tracked files differ from the commit (``git status``); None when git cannot say."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.strip())
+
+
+def git_commit(root: Path = ROOT) -> str:
+    """The commit, ``+changes`` appended when tracked files differ from it (``+changes?`` when that could not
+    be checked); ``unknown`` outside a git checkout."""
+    commit = head_commit(root)
+    if commit is None:
         return "unknown"
-    return commit + ("+changes" if dirty else "")
+    changed = tree_changed(root)
+    return commit + ("+changes" if changed else "" if changed is False else "+changes?")
 
 
 def provenance(args: list[str] | None = None, *, prog: str | None = None, threads: int, dtype: str,
@@ -63,7 +88,8 @@ def provenance(args: list[str] | None = None, *, prog: str | None = None, thread
     (default ``sys.argv[1:]``); ``prog``: its name (default: from ``__main__``, see ``command_line``)."""
     return {"command": command_line(args, prog), "threads": threads, "dtype": dtype, "seed": seed,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "numpy": numpy.__version__, "platform": platform.platform()},
+                         "numpy": numpy.__version__,
+                         "platform": f"{platform.system()} {platform.machine()}"},
             "commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
