@@ -42,6 +42,7 @@ from kernels.decode_attention import (
     selected_decode_attention_triton,
 )
 from nanollm import cli
+from nanollm.cli.provenance import provenance
 from nanollm.io import files
 
 EAGER: list[str] = []      # what could not be timed in a CUDA graph (it synchronises with the host)
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, verdict in report["targets"].items():
             print(f"target {name}: {verdict}")
         if args.json:
+            report["provenance"] = provenance(argv, prog=p.prog, threads=torch.get_num_threads(), dtype=str(dtype),
+                                              seed=None)
             files.atomic_write_text(args.json, json.dumps(report, indent=1))
 
 

@@ -73,6 +73,7 @@ from tqdm import tqdm
 from nanollm import cli
 from nanollm.cache import KVCache
 from nanollm.cli.bench import decode_weight_bytes, read_bandwidth
+from nanollm.cli.provenance import provenance
 from nanollm.config import ModelConfig
 from nanollm.generation import decode_step, prefill
 from nanollm.io import files
@@ -717,6 +718,8 @@ def main(argv: list[str] | None = None) -> dict:
                            bandwidth_mib=args.bandwidth_mib, progress=not args.quiet, checkpoint=args.checkpoint)
         print(format_result(result))
         if args.json:
+            result["provenance"] = provenance(argv, prog=ap.prog, threads=args.threads, dtype="float32",
+                                              seed=args.seed)
             files.atomic_write_text(args.json, json.dumps(result, indent=1))
             print(f"\nwrote {args.json}")
         if args.plot:

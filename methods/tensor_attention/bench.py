@@ -26,6 +26,7 @@ import torch
 
 from nanollm import cli
 from nanollm.cli.bench import fit_line
+from nanollm.cli.provenance import provenance
 from nanollm.io import files
 
 from .attention import LAYOUTS
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         r = measure(args.lengths, args.steps)
         print(table(r))
         if args.json:
+            r["provenance"] = provenance(argv, prog=p.prog, threads=args.threads, dtype="float32", seed=None)
             files.atomic_write_text(args.json, json.dumps(r, indent=1))
         if args.plot:
             plot(r, args.plot)

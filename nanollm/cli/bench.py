@@ -42,6 +42,7 @@ from ..config import ModelConfig, preset
 from ..generation import decode_step, prefill
 from ..io import files
 from ..model import Transformer
+from .provenance import provenance
 
 
 @dataclass
@@ -425,8 +426,10 @@ def main(argv: list[str] | None = None) -> BenchResult:
             if vs_hf is None:
                 vs_hf = {"skipped": "transformers is not installed"}
         if args.json:
+            prov = provenance(argv, prog=ap.prog, threads=args.threads, dtype="float32", seed=args.seed)
             files.atomic_write_text(args.json, json.dumps({"preset": args.preset, "device": args.device,
-                                                         **result.to_dict(), "vs_transformers": vs_hf}, indent=2))
+                                                         **result.to_dict(), "vs_transformers": vs_hf,
+                                                         "provenance": prov}, indent=2))
             print(f"\nwrote {args.json}")
     return result
 

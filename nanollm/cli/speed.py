@@ -40,6 +40,7 @@ from ..cache import KVCache
 from ..generation import prefill
 from ..io import files
 from .bench import GreedyDecoder, decode_weight_bytes, read_bandwidth, transformers_available
+from .provenance import provenance
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -232,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["dtype_cost"] = dtype_cost(args.checkpoint, DTYPES[args.dtype], reference_text())
         print(format_speed(result))
         if args.json:
+            result["provenance"] = provenance(argv, prog=ap.prog, threads=args.threads, dtype=args.dtype,
+                                              seed=args.seed)
             files.atomic_write_text(args.json, json.dumps(result, indent=1))
             print(f"\nwrote {args.json}")
     return result
