@@ -139,9 +139,10 @@ def test_kernels_are_leaves():
 
 
 def test_methods_top_level_is_the_methods():
-    """The top of methods/ holds the registered methods, the registry and the main command, nothing else."""
+    """The top of methods/ holds the registered methods, the registry (with its named option sets, the
+    presets) and the main command, nothing else."""
     from methods import METHODS
-    files = {p.stem for p in (ROOT / "methods").glob("*.py")} - {"__init__", "compare"}
+    files = {p.stem for p in (ROOT / "methods").glob("*.py")} - {"__init__", "compare", "presets"}
     assert files == {METHODS[name].__module__.rpartition(".")[2] for name in METHODS}
 
 

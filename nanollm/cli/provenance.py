@@ -7,8 +7,8 @@ file records, at the top of its text output and under ``"provenance"`` in its JS
 * ``command``: how it was run (``python -m methods.compare --checkpoint smollm2-135m ...``);
 * ``threads``, ``dtype``, ``seed``: the settings a reader would otherwise have to guess;
 * ``versions``: Python, torch, numpy, and the platform;
-* ``commit``: the git commit of the code that ran, with ``+changes`` when the working tree differed from it
-  (so a file made from uncommitted code says so), or ``unknown`` outside a git checkout;
+* ``commit``: the git commit of the code that ran, with ``+changes`` when a tracked file outside ``results/``
+  differed from it (so a file made from uncommitted code says so), or ``unknown`` outside a git checkout;
 * ``date``: when (UTC, to the minute).
 
 ``tests/test_results_reproduce.py`` reads these records back and re-runs one small cell of each committed
@@ -63,9 +63,11 @@ def head_commit(root: Path = ROOT) -> str | None:
 
 
 def tree_changed(root: Path = ROOT) -> bool | None:
-    """Whether tracked files differ from the commit (``git status``); None when git cannot say."""
+    """Whether tracked files outside ``results/`` differ from the commit (``git status``; the results files
+    are what a run rewrites); None when git cannot say."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        out = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                              ".", ":(exclude)results"],
                              capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None

@@ -1,0 +1,134 @@
+"""
+The committed results reproduce: one small cell of each results table is re-run here with the settings its
+file records (``nanollm.cli.provenance``: the command, parsed back with the command's own parser), and must
+give the committed numbers. A change to the code that moves a committed number fails here until the file is
+regenerated (its command is the first line of its ``.txt``).
+
+Also: every file in ``results/`` says where it came from, in the file (a ``provenance`` record) or, for
+files written before the commands recorded it, in ``results/README.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from methods.evaluation import compare, language_modelling
+from methods.evaluation.compare import Variant
+from methods.presets import preset_options
+from nanollm import load
+from nanollm.io.checkpoint import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+METRICS = ("kl", "perturbation", "lost_mass")           # means over the cell's samples: equal to float noise
+
+
+def recorded(name: str) -> tuple[dict, list[dict]]:
+    saved = json.loads((RESULTS / name).read_text())
+    return saved["provenance"], saved["records"]
+
+
+def recorded_args(prov: dict, module):
+    """The command's arguments, parsed by the module's own parser (defaults filled in as that run had them)."""
+    words = shlex.split(prov["command"])
+    assert words[:2] == ["python", "-m"], prov["command"]
+    return module.parser().parse_args(words[3:])
+
+
+def fetched(checkpoint: str) -> None:
+    try:
+        load_config(checkpoint)
+    except (OSError, ValueError) as e:
+        pytest.skip(f"{checkpoint} is not here ({e}); `python -m nanollm.cli.fetch {checkpoint}`")
+
+
+def rerun_compare_cell(name: str, methods: list[str], keep_ratio: float, task: str, mode: str) -> None:
+    """Re-run ``methods`` at one keep ratio on one task and mode with the file's settings; compare every
+    record of that cell (the full cache's too) with the committed one."""
+    prov, records = recorded(name)
+    args = recorded_args(prov, compare)
+    fetched(args.checkpoint)
+    torch.set_num_threads(prov["threads"])
+    model, tok, _ = load(args.checkpoint)
+    committed = {r["method"]: r for r in records if r["task"] == task and r["mode"] == mode
+                 and r["method"] in methods + ["full"] and r["keep_ratio"] in (keep_ratio, 1.0)}
+    budget = committed[methods[0]]["budget"]
+    length = committed["full"]["length"]
+    variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]
+    again = compare.run(model, tok, variants, [budget], [task], [mode], args.samples, length, args.seed,
+                        progress=False)
+    assert {r["method"] for r in again} == set(committed)
+    for r in again:
+        c = committed[r["method"]]
+        assert r["accuracies"] == c["accuracies"], (name, r["method"])
+        assert r["kv_bytes"] == c["kv_bytes"], (name, r["method"])
+        for k in METRICS:
+            assert r[k] == pytest.approx(c[k], rel=1e-4, abs=1e-6), (name, r["method"], k)
+
+
+@pytest.mark.slow
+def test_compare_default_reproduces():
+    """The bundled model's table: every method at keep 0.25 on one task, question in the prompt."""
+    _, records = recorded("compare_default.json")
+    methods = sorted({r["method"] for r in records} - {"full"})
+    rerun_compare_cell("compare_default.json", methods, 0.25, "niah_multikey", "question_in_prompt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, method", [("compare_smollm2.json", "critical_kv"),
+                                          ("compare_smollm2_kvpress.json", "chunkkv")])
+def test_compare_smollm2_reproduces(name, method):
+    """SmolLM2-135M, our settings and kvpress's: one method at keep 0.25 on passkey, question in the prompt."""
+    rerun_compare_cell(name, [method], 0.25, "passkey", "question_in_prompt")
+
+
+@pytest.mark.slow
+def test_language_modelling_reproduces():
+    """SmolLM2-135M's language-modelling table: a decode-time method and a prompt compressor at keep 0.5."""
+    prov, records = recorded("lm_smollm2.json")
+    args = recorded_args(prov, language_modelling)
+    fetched(args.checkpoint)
+    torch.set_num_threads(prov["threads"])
+    model, tok, _ = load(args.checkpoint)
+    methods = ["h2o", "critical_kv"]
+    committed = {r["method"]: r for r in records if r["method"] == "full"
+                 or (r["method"] in methods and r["keep_ratio"] == 0.5)}
+    again = language_modelling.run(model, tok, ["full"] + methods, [0.5], committed["full"]["length"],
+                                   progress=False, options={m: preset_options(m, args.preset) for m in methods})
+    for r in again:
+        c = committed[r["method"]]
+        assert (r["budget"], r["cache_at_end"], r["scored_tokens"]) == (c["budget"], c["cache_at_end"],
+                                                                        c["scored_tokens"]), r["method"]
+        for k in ("ppl_ratio", "kl", "top1_agreement"):
+            assert r[k] == pytest.approx(c[k], rel=1e-4, abs=1e-6), (r["method"], k)
+
+
+def test_every_results_file_says_where_it_came_from():
+    """A JSON file carries a ``provenance`` record (command, threads, dtype, seed, versions, commit); a text
+    results table starts with the same record as ``# `` lines; any other file is listed in results/README.md
+    with its command and what is known of its provenance."""
+    manifest = (RESULTS / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([^`]+)` \|", manifest, re.M))
+    missing = []
+    for path in sorted(RESULTS.iterdir()):
+        if path.name == "README.md" or path.name in listed:
+            continue
+        if path.suffix == ".json":
+            prov = json.loads(path.read_text()).get("provenance") if path.read_text().lstrip().startswith("{") \
+                else None
+            ok = prov is not None and {"command", "threads", "dtype", "seed", "versions", "commit"} <= set(prov)
+        elif path.suffix == ".txt":
+            ok = path.read_text().startswith("# command: ")
+        else:                                   # a plot: its JSON beside it records the run
+            ok = path.with_suffix(".json").exists()
+        if not ok:
+            missing.append(path.name)
+    assert not missing, f"results files with no provenance in the file or in results/README.md: {missing}"
+    stale = sorted(n for n in listed if not (RESULTS / n).exists())
+    assert not stale, f"results/README.md lists files that are not there: {stale}"
