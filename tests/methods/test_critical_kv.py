@@ -198,10 +198,10 @@ def ten_token_ctx(values: torch.Tensor | None = None) -> StepContext:
 
 
 def test_window_stage_two_by_hand():
-    """The literal reading of Algorithm 2 (``stage2="window"``). SnapKV (window 2, kernel 1, budget 6) keeps the window {8, 9} and the top-4 votes {0, 1, 2, 3}.
-    CriticalKV, alpha = .25: free budget 4, stage 1 = floor(.25 * 4) = 1 entry by the vote (slot 0); stage 2
-    on Abar * P over slots 1-7 = [.10, .06, .05, .04, .03, .02, .08]: slots 1, 7, 2. Slot 7's value (norm 8)
-    outweighs its small attention (.01)."""
+    """The literal reading of Algorithm 2 (``stage2="window"``). SnapKV (window 2, kernel 1, budget 6) keeps
+    the window {8, 9} and the top-4 votes {0, 1, 2, 3}. CriticalKV, alpha = .25: free budget 4, stage 1 =
+    floor(.25 * 4) = 1 entry by the vote (slot 0); stage 2 on Abar * P over slots 1-7 = [.10, .06, .05, .04,
+    .03, .02, .08]: slots 1, 7, 2. Slot 7's value (norm 8) outweighs its small attention (.01)."""
     snap = SnapKVPolicy(budget=6, window=2, kernel=1)
     ctx = ten_token_ctx()
     snap.on_prefill(ctx)
