@@ -42,7 +42,6 @@ import matplotlib.pyplot as plt
 import torch
 
 from methods import make_policy
-from methods.presets import preset_options
 from methods.critical_kv import (
     assumption1_sigma,
     output_perturbation,
@@ -57,6 +56,7 @@ from methods.evaluation.compare import Variant, format_intervals, format_tables,
 from methods.evaluation.harness import compare_traces, greedy_accuracies, greedy_accuracy, trace, traces
 from methods.evaluation.intervals import describe, paired_difference, wilson
 from methods.evaluation.viz import kept_mask, needle_spans, plot_kept, print_mode
+from methods.presets import preset_options
 from methods.snapkv import pool1d
 from nanollm import KVCache, decode_step, load, prefill
 from nanollm.data.evaluate import MODES, answer
@@ -497,7 +497,8 @@ plt.show()
 # literal; against the paper's 74%. Counted per (sample, layer, head), it is a coin toss at keep ratio 0.1
 # (0.50-0.56 of the triples) and a loss at 0.25 (0.36-0.43). At kvpress's settings, against SnapKV and AdaKV at
 # kvpress's settings, the selection is its host in every head at keep ratio 0.1 (the budget of 51 is smaller
-# than kvpress's 64-token window, which takes all of it) and lower in 31% and 44% of the heads at 0.25. At 0.25 both readings lose most in layer 0 (0.15-0.17 of its triples lower), the
+# than kvpress's 64-token window, which takes all of it) and lower in 31% and 44% of the heads at 0.25. At 0.25 both
+# readings lose most in layer 0 (0.15-0.17 of its triples lower), the
 # layer where Assumption 1 fails (section 4.3). `alpha=1` equals SnapKV in every head, as it must.
 #
 # ### 4.2 Final hidden state, KL, accuracy, and the alpha ablation
@@ -675,8 +676,10 @@ plt.show()
 # 0.22 -> 0.22 after the context at 0.5), and its KL is below the host's in all 8 cells (e.g. 4.423 -> 4.012
 # and 4.725 -> 4.477 with the question in the prompt at 0.5). With the literal stage 2 accuracy is lower in 7
 # of the 8 cells, beyond noise in two, both after the context at keep ratio 0.5 (SnapKV 0.25 -> 0.18, AdaKV
-# 0.22 -> 0.14), and its KL is above the host's in all 8. kvpress's settings, against their own hosts (gray): accuracy within noise in all 8
-# cells, KL lower in 7 of 8 (e.g. 5.973 -> 5.750 and 4.266 -> 4.007 over SnapKV). (This table's KL has no interval: the records
+# 0.22 -> 0.14), and its KL is above the host's in all 8. kvpress's settings, against their own hosts (gray): accuracy
+# within noise in all 8
+# cells, KL lower in 7 of 8 (e.g. 5.973 -> 5.750 and 4.266 -> 4.007 over SnapKV). (This table's KL has no interval: the
+# records
 # keep means only; section 4.2 has the paired intervals for the question in the prompt. Keep ratio 0.1 is left
 # out here: every method answers 0.00-0.04 there, section 4.2.) The paper's LongBench gains are small too
 # (SnapKV on Llama-3.1-8B, b = 256: 45.09 -> 45.66 of 100), on 7-8B models with far more concentrated
@@ -953,8 +956,10 @@ plt.show()
 # over AdaKV; the literal one in 70.0% (64-71%) and 41.9% (30-61%) over SnapKV, 52.6% (47-57%) and 78.5%
 # (71-81%) over AdaKV. Counted per (sample, layer, head), the pooled selections are lower in 0.412-0.524 of the
 # triples, the literal ones in 0.512-0.628: at the first decode step the literal reading wins a little more
-# often (by heads in 3 of the 4 (host, keep ratio) cells, by triples in all 4). That is better than on the tiny model (section 4.1: 31-56% of
-# heads), and short of the paper's clear majority except in one or two cells. At kvpress's settings, against its own hosts, the selection is lower in 64.8%
+# often (by heads in 3 of the 4 (host, keep ratio) cells, by triples in all 4). That is better than on the tiny model
+# (section 4.1: 31-56% of
+# heads), and short of the paper's clear majority except in one or two cells. At kvpress's settings, against its own
+# hosts, the selection is lower in 64.8%
 # (CriticalSnapKV, 51-73%) and 70.7% (CriticalAdaKV, 56-79%) of the heads at keep ratio 0.25; at 0.1 it is its
 # host exactly (0.0%: every head equal), since the budget of 51 is smaller than kvpress's 64-token window.
 #
@@ -1241,7 +1246,7 @@ print(f"L = {my_L:.3f}, theta = {my_theta:.3f}")
 
 # %%
 # needs: two_stage
-# BEGIN SOLUTION [critical_kv] for each stage2, prefill a KVCache with make_policy("critical_kv", 256, stage2=...); count torch.isin(digits, p)
+# BEGIN SOLUTION [critical_kv] per stage2: prefill make_policy("critical_kv", 256, stage2=...); count isin(digits, p)
 kept_digits, kept_before = {}, {}
 for reading in ("host", "window"):
     cache = KVCache(cfg, make_policy("critical_kv", budget=256, stage2=reading))
