@@ -25,8 +25,9 @@ signs (the paper: the softmax would not keep an unbiased key unbiased anyway).
 
 Budget = slots per layer per KV head: raw slots (R + C) plus sketch cells (r x b), split 0.45 / 0.45 / 0.1
 (Tables 2-3). The same budget in every layer by default; ``layer_budgets`` gives each layer its own, e.g. the
-appendix's allocation by the Fisher information of W_K and W_V (``fisher_layer_budgets``). By default R, C and V are per layer, shared by the KV heads (a cell holds a whole token of
-every KV head; ``per_kv_head=True`` is our variant with one selection per KV head). Scores are dense by
+appendix's allocation by the Fisher information of W_K and W_V (``fisher_layer_budgets``). By default R, C
+and V are per layer, shared by the KV heads (a cell holds a whole token of every KV head; ``per_kv_head=True``
+is our variant with one selection per KV head). Scores are dense by
 position, so a sketched token can be revived. A revived token keeps its *approximate* key and value
 (``exact_positions`` leaves it out). How the paper's open points are resolved: ``methods/README.md``.
 """

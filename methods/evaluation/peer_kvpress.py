@@ -319,8 +319,9 @@ def format_report(tallies: dict, n_layers: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = cli.ArgumentParser(
         prog="python -m methods.evaluation.peer_kvpress",
-        description="Compare our methods, at kvpress's defaults (the kvpress preset of methods.presets), with kvpress's presses on "
-                    "SmolLM2-135M: the prompt positions kept per layer and KV head, and the greedy answers. "
+        description="Compare our methods, at kvpress's defaults (the kvpress preset of methods.presets), with "
+                    "kvpress's presses on SmolLM2-135M: the prompt positions kept per layer and KV head, and the "
+                    "greedy answers. "
                     f"Needs kvpress {KVPRESS_VERSION}: pip install -e .[peer]")
     ap.add_argument("--out", type=cli.output_file, required=True, metavar="PATH",
                     help="text file the report is written to (it is also printed)")
