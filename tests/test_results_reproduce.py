@@ -38,7 +38,12 @@ def recorded_args(prov: dict, module):
     """The command's arguments, parsed by the module's own parser (defaults filled in as that run had them)."""
     words = shlex.split(prov["command"])
     assert words[:2] == ["python", "-m"], prov["command"]
-    return module.parser().parse_args(words[3:])
+    args, skip = [], False
+    for w in words[3:]:                      # the output files are the run's, not settings (nor checked here)
+        if not skip and w not in ("--json", "--plot", "--out"):
+            args.append(w)
+        skip = w in ("--json", "--plot", "--out")
+    return module.parser().parse_args(args)
 
 
 def fetched(checkpoint: str) -> None:
@@ -107,6 +112,29 @@ def test_language_modelling_reproduces():
                                                                         c["scored_tokens"]), r["method"]
         for k in ("ppl_ratio", "kl", "top1_agreement"):
             assert r[k] == pytest.approx(c[k], rel=1e-4, abs=1e-6), (r["method"], k)
+
+
+@pytest.mark.slow
+def test_kvreviver_ablation_reproduces():
+    """KVReviver's ablation table (SmolLM2, the language-modelling protocol): the shipped method and the one
+    without swaps at 51 slots, side by side, against the committed rows (swaps counted exactly)."""
+    from methods.analysis import kvreviver_ablation as ablation
+    prov, records = recorded("kvreviver_ablation.json")
+    args = recorded_args(prov, ablation)
+    fetched(args.checkpoint)
+    torch.set_num_threads(prov["threads"])
+    model, tok, _ = load(args.checkpoint)
+    names = ["shipped", "no swaps"]
+    committed = {r["variant"]: r for r in records if r.get("kind") == "lm" and r["keep_ratio"] in (0.2, 1.0)
+                 and r["variant"] in names + ["full"]}
+    variants = [v for v in ablation.VARIANTS if v.name in names]
+    again = ablation.lm_ablation(model, tok, variants, [0.2], committed["full"]["length"])
+    assert {r["variant"] for r in again} == set(committed)
+    for r in again:
+        c = committed[r["variant"]]
+        assert (r["budget"], r["swaps"], r["scored_tokens"]) == (c["budget"], c["swaps"], c["scored_tokens"])
+        for k in ("ppl_ratio", "kl", "top1_agreement"):
+            assert r[k] == pytest.approx(c[k], rel=1e-4, abs=1e-6), (r["variant"], k)
 
 
 def test_every_results_file_says_where_it_came_from():

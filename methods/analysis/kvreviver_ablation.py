@@ -462,7 +462,8 @@ def format_fisher(fisher: list[float], keep_budgets: dict[float, int]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # The command
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> cli.ArgumentParser:
+    """The command line (also read back by the tests from the results file's recorded command)."""
     ap = cli.ArgumentParser(
         prog="python -m methods.analysis.kvreviver_ablation",
         description="Why KVReviver collapses: ablations (true K/V, no swaps, true keys or values, no sketch, wider "
@@ -488,6 +489,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
                     help='write {"provenance": ..., "records": [...]} to PATH (default: none)')
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
 
     with cli.errors(args.debug):
