@@ -53,14 +53,31 @@ def fetched(checkpoint: str) -> None:
         pytest.skip(f"{checkpoint} is not here ({e}); `python -m nanollm.cli.fetch {checkpoint}`")
 
 
-def rerun_compare_cell(name: str, methods: list[str], keep_ratio: float, task: str, mode: str) -> None:
-    """Re-run ``methods`` at one keep ratio on one task and mode with the file's settings; compare every
-    record of that cell (the full cache's too) with the committed one."""
+def recorded_model(name: str, module):
+    """The file's provenance, records and parsed arguments, and its model loaded with its thread count."""
     prov, records = recorded(name)
-    args = recorded_args(prov, compare)
+    args = recorded_args(prov, module)
     fetched(args.checkpoint)
     torch.set_num_threads(prov["threads"])
     model, tok, _ = load(args.checkpoint)
+    return records, args, model, tok
+
+
+def assert_rows_equal(again: list[dict], committed: dict, key: str, exact: tuple, close: tuple) -> None:
+    """Each re-run row against the committed row of the same ``key``: ``exact`` fields equal, ``close`` fields
+    equal to float noise."""
+    assert {r[key] for r in again} == set(committed)
+    for r in again:
+        c = committed[r[key]]
+        assert [r[k] for k in exact] == [c[k] for k in exact], (r[key], exact)
+        for k in close:
+            assert r[k] == pytest.approx(c[k], rel=1e-4, abs=1e-6), (r[key], k)
+
+
+def rerun_compare_cell(name: str, methods: list[str], keep_ratio: float, task: str, mode: str) -> None:
+    """Re-run ``methods`` at one keep ratio on one task and mode with the file's settings; compare every
+    record of that cell (the full cache's too) with the committed one."""
+    records, args, model, tok = recorded_model(name, compare)
     committed = {r["method"]: r for r in records if r["task"] == task and r["mode"] == mode
                  and r["method"] in methods + ["full"] and r["keep_ratio"] in (keep_ratio, 1.0)}
     budget = committed[methods[0]]["budget"]
@@ -68,13 +85,7 @@ def rerun_compare_cell(name: str, methods: list[str], keep_ratio: float, task: s
     variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]
     again = compare.run(model, tok, variants, [budget], [task], [mode], args.samples, length, args.seed,
                         progress=False)
-    assert {r["method"] for r in again} == set(committed)
-    for r in again:
-        c = committed[r["method"]]
-        assert r["accuracies"] == c["accuracies"], (name, r["method"])
-        assert r["kv_bytes"] == c["kv_bytes"], (name, r["method"])
-        for k in METRICS:
-            assert r[k] == pytest.approx(c[k], rel=1e-4, abs=1e-6), (name, r["method"], k)
+    assert_rows_equal(again, committed, "method", ("accuracies", "kv_bytes"), METRICS)
 
 
 @pytest.mark.slow
@@ -96,22 +107,14 @@ def test_compare_smollm2_reproduces(name, method):
 @pytest.mark.slow
 def test_language_modelling_reproduces():
     """SmolLM2-135M's language-modelling table: a decode-time method and a prompt compressor at keep 0.5."""
-    prov, records = recorded("lm_smollm2.json")
-    args = recorded_args(prov, language_modelling)
-    fetched(args.checkpoint)
-    torch.set_num_threads(prov["threads"])
-    model, tok, _ = load(args.checkpoint)
+    records, args, model, tok = recorded_model("lm_smollm2.json", language_modelling)
     methods = ["h2o", "critical_kv"]
     committed = {r["method"]: r for r in records if r["method"] == "full"
                  or (r["method"] in methods and r["keep_ratio"] == 0.5)}
     again = language_modelling.run(model, tok, ["full"] + methods, [0.5], committed["full"]["length"],
                                    progress=False, options={m: preset_options(m, args.preset) for m in methods})
-    for r in again:
-        c = committed[r["method"]]
-        assert (r["budget"], r["cache_at_end"], r["scored_tokens"]) == (c["budget"], c["cache_at_end"],
-                                                                        c["scored_tokens"]), r["method"]
-        for k in ("ppl_ratio", "kl", "top1_agreement"):
-            assert r[k] == pytest.approx(c[k], rel=1e-4, abs=1e-6), (r["method"], k)
+    assert_rows_equal(again, committed, "method", ("budget", "cache_at_end", "scored_tokens"),
+                      ("ppl_ratio", "kl", "top1_agreement"))
 
 
 @pytest.mark.slow
@@ -119,22 +122,14 @@ def test_kvreviver_ablation_reproduces():
     """KVReviver's ablation table (SmolLM2, the language-modelling protocol): the shipped method and the one
     without swaps at 51 slots, side by side, against the committed rows (swaps counted exactly)."""
     from methods.analysis import kvreviver_ablation as ablation
-    prov, records = recorded("kvreviver_ablation.json")
-    args = recorded_args(prov, ablation)
-    fetched(args.checkpoint)
-    torch.set_num_threads(prov["threads"])
-    model, tok, _ = load(args.checkpoint)
+    records, args, model, tok = recorded_model("kvreviver_ablation.json", ablation)
     names = ["shipped", "no swaps"]
     committed = {r["variant"]: r for r in records if r.get("kind") == "lm" and r["keep_ratio"] in (0.2, 1.0)
                  and r["variant"] in names + ["full"]}
     variants = [v for v in ablation.VARIANTS if v.name in names]
     again = ablation.lm_ablation(model, tok, variants, [0.2], committed["full"]["length"])
-    assert {r["variant"] for r in again} == set(committed)
-    for r in again:
-        c = committed[r["variant"]]
-        assert (r["budget"], r["swaps"], r["scored_tokens"]) == (c["budget"], c["swaps"], c["scored_tokens"])
-        for k in ("ppl_ratio", "kl", "top1_agreement"):
-            assert r[k] == pytest.approx(c[k], rel=1e-4, abs=1e-6), (r["variant"], k)
+    assert_rows_equal(again, committed, "variant", ("budget", "swaps", "scored_tokens"),
+                      ("ppl_ratio", "kl", "top1_agreement"))
 
 
 def test_every_results_file_says_where_it_came_from():
