@@ -752,6 +752,7 @@ print(f"\nnotebook run time: {time.time() - T0:.0f} s")
 # 64, kernel 5, average pooling). Budgets are per layer and KV head.
 
 # %%
+# needs: two_stage
 t_real = time.time()                                              # one torch thread, as above: on a shared
                                                                   # 2-core machine two threads can be slower
 real, rtok, rcard = load("smollm2-135m")
