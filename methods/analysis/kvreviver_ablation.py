@@ -41,13 +41,16 @@ from tqdm import tqdm
 from fastpath.lean import LeanDecoder
 from nanollm import cli, load
 from nanollm.cache import KVCache
+from nanollm.cli.provenance import header, provenance
 from nanollm.data.tasks import docs_paragraphs
 from nanollm.generation import prefill
+from nanollm.io.checkpoint import load_config, load_tokenizer
+from nanollm.io.files import atomic_write_text
 from nanollm.policy import CachePolicy, FullCache
 from nanollm.storage import LayerKV
 
 from .. import make_policy
-from ..evaluation.language_modelling import Scores, _prefill_all, _stream, text_ids
+from ..evaluation.language_modelling import Scores, budgets_and_fill, prefill_all, stream_scored, text_ids
 from ..kvreviver import KVReviverPolicy, VagueSketch, allocate, fisher_information
 
 DEFAULT_KEEP_RATIOS = [0.2, 0.5]
@@ -286,26 +289,25 @@ def lm_ablation(model, tok, variants: list[Variant], keep_ratios: list[float], l
     lean = LeanDecoder(model)
     dev = next(model.parameters()).device
     ids, half, context = text_ids(tok, length), length // 2, context or {}
-    budgets = {k: max(1, round(k * half)) for k in keep_ratios}
-    fill = {k: min(budgets[k], half) for k in keep_ratios}
+    budgets, fill = budgets_and_fill(keep_ratios, length)
     bar = bar if bar is not None else tqdm(disable=True)
-    full = _prefill_all(model, torch.tensor([ids[:half]], device=dev), [FullCache()])
+    full = prefill_all(model, torch.tensor([ids[:half]], device=dev), [FullCache()])
     full_logp, full_scores = {}, Scores()
 
     def on_full(i: int, pos: int, logp: Tensor) -> None:
         full_logp[pos] = logp.clone()
         full_scores.add(logp, logp, ids[pos])
 
-    _stream(lean, ids, full, half, half + 1, on_full, bar)
+    stream_scored(lean, ids, full, half, half + 1, on_full, bar)
     full_ppl = math.exp(full_scores.nll / full_scores.n)
     records = [{"kind": "lm", "variant": "full", "keep_ratio": 1.0, "budget": None, "length": length,
                 "scored_tokens": full_scores.n, "perplexity": full_ppl, "ppl_ratio": 1.0, "kl": 0.0,
                 "top1_agreement": 1.0, "swaps": 0}]
     for k in keep_ratios:
         policies = [v.make(budgets[k], context) for v in variants]
-        caches = _prefill_all(model, torch.tensor([ids[:fill[k]]], device=dev), policies)
+        caches = prefill_all(model, torch.tensor([ids[:fill[k]]], device=dev), policies)
         scores = [Scores() for _ in variants]
-        _stream(lean, ids, caches, fill[k], half + 1,
+        stream_scored(lean, ids, caches, fill[k], half + 1,
                 lambda i, pos, logp: scores[i].add(logp, full_logp[pos], ids[pos]), bar)
         for v, policy, s in zip(variants, policies, scores):
             ppl = math.exp(s.nll / s.n)
@@ -319,8 +321,8 @@ def lm_ablation(model, tok, variants: list[Variant], keep_ratios: list[float], l
 
 def lm_steps(keep_ratios: list[float], length: int) -> int:
     """Decode steps ``lm_ablation`` takes (for a progress bar)."""
-    half = length // 2
-    return (length - 1 - half) + sum(length - 1 - min(max(1, round(k * half)), half) for k in keep_ratios)
+    _, fill = budgets_and_fill(keep_ratios, length)
+    return (length - 1 - length // 2) + sum(length - 1 - fill[k] for k in keep_ratios)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -497,9 +499,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     with cli.errors(args.debug):
-        from nanollm.cli.provenance import header, provenance
-        from nanollm.io.checkpoint import load_config, load_tokenizer
-        from nanollm.io.files import atomic_write_text
         if any(not 0 < r <= 1 for r in args.keep_ratios):
             cli.fail(f"--keep-ratios must lie in (0, 1], got {args.keep_ratios}")
         if not 0 < args.lemma_keep <= 1:
@@ -521,8 +520,8 @@ def main(argv: list[str] | None = None) -> None:
             cli.fail(str(e))
         torch.set_num_threads(args.threads)
         model, tok, _ = load(args.checkpoint)
-        prov = provenance(argv, threads=args.threads, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-                          seed=0)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        prov = provenance(argv, prog=ap.prog, threads=args.threads, dtype=dtype, seed=0)
         t0 = time.time()
         context, records, parts = {}, [], []
         if calib is not None:

@@ -92,7 +92,7 @@ class Scores:
         self.n += 1
 
 
-def _prefill_all(model, ids: Tensor, policies: list[CachePolicy]) -> list[KVCache]:
+def prefill_all(model, ids: Tensor, policies: list[CachePolicy]) -> list[KVCache]:
     """Caches holding ``ids`` (1, T), each through its policy: one shared prompt pass when it can serve them
     all (``FanOut``), else one pass per cache."""
     caches = [KVCache(model.config, policy=p) for p in policies]
@@ -107,7 +107,7 @@ def _prefill_all(model, ids: Tensor, policies: list[CachePolicy]) -> list[KVCach
     return caches
 
 
-def _stream(lean: LeanDecoder, ids: list[int], caches: list[KVCache], start: int, score_from: int,
+def stream_scored(lean: LeanDecoder, ids: list[int], caches: list[KVCache], start: int, score_from: int,
             on_logp, bar) -> None:
     """Step ``ids[start:-1]`` into every cache side by side (the step fed ``ids[p]`` predicts ``ids[p + 1]``);
     for each predicted position from ``score_from`` on, hand each cache's log-probabilities to
@@ -123,6 +123,14 @@ def _stream(lean: LeanDecoder, ids: list[int], caches: list[KVCache], start: int
         bar.update(1)
 
 
+def budgets_and_fill(keep_ratios: list[float], length: int) -> tuple[dict, dict]:
+    """Per keep ratio: the budget, ``round(keep * length / 2)`` (at least 1; keep > 1, for tests, gives a budget
+    past the prefix), and the tokens of a decode-time run's first pass, ``min(budget, length / 2)``."""
+    half = length // 2
+    budgets = {k: max(1, round(k * half)) for k in keep_ratios}
+    return budgets, {k: min(budgets[k], half) for k in keep_ratios}
+
+
 def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = DEFAULT_LENGTH,
         progress: bool = True, options: dict[str, dict] | None = None) -> list[dict]:
     """One record per (method, keep ratio), plus "full": perplexity, KL and top-1 agreement over the
@@ -136,8 +144,7 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
     half = length // 2
     prompt_methods = [m for m in methods if m != "full" and not decodes_as_it_goes(m)]
     stream_methods = [m for m in methods if m != "full" and decodes_as_it_goes(m)]
-    budgets = {k: max(1, round(k * half)) for k in keep_ratios}       # keep > 1 (tests): a budget past the prefix
-    fill = {k: min(budgets[k], half) for k in keep_ratios}           # tokens in the first pass of a decode-time run
+    budgets, fill = budgets_and_fill(keep_ratios, length)
     total = (length - 1 - half) + sum(length - 1 - fill[k] for k in keep_ratios if stream_methods)
     # every scored prediction comes from a decode step: positions half + 1 .. length - 1
     bar = tqdm(total=total, disable=not progress, desc="language modelling", unit="step", dynamic_ncols=True)
@@ -145,7 +152,7 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
     # 1. the full cache and the prompt compressors: the prefix in one pass, then the scored half
     rows = [("full", 1.0, None)] + [(m, k, budgets[k]) for m in prompt_methods for k in keep_ratios]
     policies = [FullCache() if b is None else make_policy(m, budget=b, **options.get(m, {})) for m, _, b in rows]
-    caches = _prefill_all(model, torch.tensor([ids[:half]], device=dev), policies)
+    caches = prefill_all(model, torch.tensor([ids[:half]], device=dev), policies)
     full_logp: dict[int, Tensor] = {}                # position -> (V,) the full cache's log-probabilities
     scores = {row: Scores() for row in rows}
 
@@ -154,7 +161,7 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
             full_logp[pos] = logp.clone()
         scores[rows[i]].add(logp, full_logp[pos], ids[pos])
 
-    _stream(lean, ids, caches, half, half + 1, first_group, bar)
+    stream_scored(lean, ids, caches, half, half + 1, first_group, bar)
     per_token = caches[0].nbytes() / (length - 1)        # the full cache's bytes per token after the last step
     size = lambda c: round((c.nbytes() + c.policy.slot_nbytes()) / per_token)    # noqa: E731  token equivalents
     sizes = {row: size(cache) for row, cache in zip(rows, caches)}
@@ -164,11 +171,11 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
         group = [(m, k, budgets[k]) for m in stream_methods]
         if not group:
             continue
-        caches = _prefill_all(model, torch.tensor([ids[:fill[k]]], device=dev),
+        caches = prefill_all(model, torch.tensor([ids[:fill[k]]], device=dev),
                               [make_policy(m, budget=b, **options.get(m, {})) for m, _, b in group])
         for row in group:
             scores[row] = Scores()
-        _stream(lean, ids, caches, fill[k], half + 1,
+        stream_scored(lean, ids, caches, fill[k], half + 1,
                 lambda i, pos, logp: scores[group[i]].add(logp, full_logp[pos], ids[pos]), bar)
         sizes.update({row: size(cache) for row, cache in zip(group, caches)})
     bar.close()

@@ -161,6 +161,22 @@ def record_kept(press, kept: dict) -> None:
     press.compress = compress_and_record
 
 
+def greedy(logits: torch.Tensor, step, n_new: int, stop_id: int | None) -> list[int]:
+    """Greedy answer ids from the prompt's last logits (V,): ``step(token, i)`` feeds the i-th answer token and
+    returns the next logits; stops at ``stop_id`` (not included) or after ``n_new`` tokens. Both sides use it,
+    so their answers differ only by what their caches hold."""
+    out: list[int] = []
+    for i in range(n_new):
+        token = int(logits.argmax())
+        if token == stop_id:
+            break
+        out.append(token)
+        if i == n_new - 1:
+            break
+        logits = step(token, i)
+    return out
+
+
 @torch.no_grad()
 def kvpress_run(hf_model, press, ids: torch.Tensor, n_new: int, stop_id: int | None):
     """Prefill ``ids`` (1, T) under ``press`` (None: no compression), then decode greedily as kvpress's
@@ -175,16 +191,9 @@ def kvpress_run(hf_model, press, ids: torch.Tensor, n_new: int, stop_id: int | N
         record_kept(press, kept)
         with press(hf_model):
             logits = hf_model(input_ids=ids, past_key_values=cache).logits[0, -1]
-    out: list[int] = []
-    for i in range(n_new):
-        token = int(logits.argmax())
-        if token == stop_id:
-            break
-        out.append(token)
-        if i == n_new - 1:
-            break
-        logits = hf_model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                          position_ids=torch.tensor([[T + i]])).logits[0, -1]
+    out = greedy(logits, lambda token, i: hf_model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                                                   position_ids=torch.tensor([[T + i]])).logits[0, -1],
+                 n_new, stop_id)
     masks = [kept[i] for i in range(len(kept))] if press is not None else None
     return masks, out
 
@@ -205,15 +214,7 @@ def our_run(model, policy, ids: torch.Tensor, n_new: int, stop_id: int | None):
         mask = torch.zeros(pos.shape[0], T + 1, dtype=torch.bool)
         mask.scatter_(1, torch.where(pos >= 0, pos, T).cpu(), True)      # empty slots land in column T
         masks.append(mask[:, :T])
-    out: list[int] = []
-    for i in range(n_new):
-        token = int(logits.argmax())
-        if token == stop_id:
-            break
-        out.append(token)
-        if i == n_new - 1:
-            break
-        logits = decode_step(model, torch.tensor([token]), cache)[0]
+    out = greedy(logits, lambda token, i: decode_step(model, torch.tensor([token]), cache)[0], n_new, stop_id)
     return masks, out
 
 
