@@ -58,7 +58,7 @@ class H2OPolicy(ScoringPolicy):
         if ctx.phase == "prefill":      # the prompt attention's column sums (raw, not normalised)
             ctx.kv.set_state(STATE, received, fill=0.0)
         else:                           # score_j += r_j; a new token starts at 0
-            ctx.kv.state[STATE] += received
+            ctx.kv.state[STATE].add_(received)
         # END SOLUTION
 
     def needs(self, phase: str) -> Needs:

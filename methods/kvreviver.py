@@ -47,6 +47,17 @@ from nanollm.storage import LayerKV
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
 
 
+def lower_median(x: Tensor) -> Tensor:
+    """(r, ...) -> (...): the element-wise median over dim 0, the lower of the two middle values for an even r
+    (as ``torch.median``), by sorting the r rows with element-wise min / max (odd-even transposition: r rounds
+    of compare-exchange). For the paper's r = 3 that is 6 element-wise passes, ~20x faster than ``median``."""
+    rows = list(x.unbind(0))
+    for i in range(len(rows)):
+        for j in range(i % 2, len(rows) - 1, 2):
+            rows[j], rows[j + 1] = torch.minimum(rows[j], rows[j + 1]), torch.maximum(rows[j], rows[j + 1])
+    return rows[(len(rows) - 1) // 2]
+
+
 class VagueSketch:
     """A count sketch of whole tokens for one sequence and layer (Yuan et al., arXiv 2512.17917, Algorithms
     1-2), batched over tokens.
@@ -111,7 +122,7 @@ class VagueSketch:
         g = signs.to(self.value.dtype)[..., None, None]                          # (r, n, 1, 1): g_i(J)
         k = self.key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)     # (r, n, H_kv, d): cells
         v = self.value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * g   # signed cells
-        return k.median(dim=0).values, v.median(dim=0).values                  # the lower median for even r
+        return lower_median(k), lower_median(v)                                  # the lower median for even r
         # END SOLUTION
 
     def delete(self, pos: Tensor, k: Tensor, v: Tensor) -> None:
@@ -382,35 +393,35 @@ class KVReviverPolicy(CachePolicy):
 
     def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
               recent_from: int, approx: Tensor, max_swaps: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Algorithm 3's swap loop for one sequence: revive V's best token while its score beats C's
-        minimum by ``replace_rate``; C's minimum goes into the sketch in exchange; at most ``max_swaps``
-        (C's budget) per step. Returns the entries in position order (those given, untouched, when nothing
-        was swapped)."""
+        """Algorithm 3's swap loop for one sequence, all at once. The loop revives V's best token while its
+        score beats C's minimum by ``replace_rate``, C's minimum going into the sketch in exchange, at most
+        ``max_swaps`` (C's budget) times. Each swap takes the next of C's lowest and the next of V's highest,
+        and once a pair fails the loop is over (a token just swapped can never win it back, as rate >= 1),
+        so the i-th swap pairs C's i-th lowest with V's i-th highest, for the pairs before the first that
+        fails. The revived tokens' estimates are all read before the sketch changes (the loop read each after
+        the previous swaps: the same unless two of a step's swapped tokens share a cell). Returns the entries
+        in position order (those given, untouched, when nothing is swapped)."""
         in_raw = torch.zeros(scores.shape[0], dtype=torch.bool, device=p.device)
         in_raw[p] = True
-        copied = False                                  # k, v, p are the storage's until the first swap
-        for _ in range(max_swaps):                                               # at most C.budget swaps
-            cand = (p < recent_from).nonzero().flatten()
-            vague = (~in_raw).nonzero().flatten()
-            if cand.numel() == 0 or vague.numel() == 0:
-                break
-            c = cand[scores[p[cand]].argmin()]                                   # slot of C's minimum
-            j = vague[scores[vague].argmax()]                                    # position of V's maximum
-            if not scores[p[c]] * self.replace_rate < scores[j]:
-                break
-            if not copied:
-                k, v, p, copied = k.clone(), v.clone(), p.clone(), True
-            jk, jv = sketch.query(j.view(1))                                     # (1, H_kv, d) estimates
-            sketch.delete(j.view(1), jk, jv)                                     # the residual stays as noise
-            sketch.insert(p[c].view(1), k[:, c].unsqueeze(0), v[:, c].unsqueeze(0))
-            in_raw[p[c]], in_raw[j] = False, True
-            k[:, c], v[:, c], p[c] = jk[0].to(k.dtype), jv[0].to(v.dtype), j     # revived, approximately
-            approx[j] = True                                                     # a view of the table, in place
-            self.swaps += 1
-        if copied:                                      # revived tokens took C's slots: back to position order
-            order = p.argsort()
-            k, v, p = k[:, order], v[:, order], p[order]
-        return k, v, p
+        cand = (p < recent_from).nonzero().flatten()                             # C's slots
+        vague = (~in_raw).nonzero().flatten()                                    # V's positions
+        n = min(max_swaps, cand.numel(), vague.numel())
+        if n == 0 or not scores[p[cand]].min() * self.replace_rate < scores[vague].max():
+            return k, v, p                                                       # the first pair fails
+        c_scores, c_order = scores[p[cand]].sort(stable=True)                   # C ascending, ties by slot
+        v_scores, v_order = scores[vague].sort(descending=True, stable=True)   # V descending, by position
+        wins = c_scores[:n] * self.replace_rate < v_scores[:n]                  # (n,) each pair's test
+        m = int(wins.sum())                     # a prefix: C ascends, V descends, so once a pair fails all do
+        c, j = cand[c_order[:m]], vague[v_order[:m]]                             # (m,) C's slots, V's positions
+        jk, jv = sketch.query(j)                                                 # (m, G, d) estimates
+        sketch.delete(j, jk, jv)                                                 # the residuals stay as noise
+        sketch.insert(p[c], k[:, c].transpose(0, 1), v[:, c].transpose(0, 1))
+        k, v, p = k.clone(), v.clone(), p.clone()
+        k[:, c], v[:, c], p[c] = jk.transpose(0, 1).to(k.dtype), jv.transpose(0, 1).to(v.dtype), j
+        approx[j] = True                                                         # a view of the table, in place
+        self.swaps += m
+        order = p.argsort()                                                      # back to position order
+        return k[:, order], v[:, order], p[order]
 
     # -- bookkeeping and the contract --------------------------------------------------------------------
     def exact_positions(self, layer: int, store: LayerKV) -> Tensor:

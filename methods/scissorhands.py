@@ -66,7 +66,10 @@ def push_history(history: Tensor, flags: Tensor, q_pos: Tensor) -> None:
     """
     w = history.shape[-1]
     rows = flags[:, :, -w:]                                                    # (B, H_kv, <=w, T)
-    history[..., q_pos[-w:] % w] = rows.transpose(2, 3)                        # distinct columns
+    if rows.shape[2] == 1:                                                     # a decode step: one column
+        history[..., int(q_pos[-1]) % w] = rows[:, :, 0]
+    else:
+        history[..., q_pos[-w:] % w] = rows.transpose(2, 3)                    # distinct columns
 
 
 def unimportance(history: Tensor) -> Tensor:
@@ -167,13 +170,27 @@ class ScissorhandsPolicy(ScoringPolicy):
         w = self.history_window
         flags = low_flags(attn, visible, self.threshold)[:, :, -w:]           # (B, H_kv, <=w, T)
         columns = q_pos[-w:] % w                                               # the columns overwritten
-        kv.state[COUNT] += flags.sum(dim=2, dtype=torch.int32) \
-            - kv.state[LOW][..., columns].sum(dim=-1, dtype=torch.int32)       # flags in - flags out
+        leaving = kv.state[LOW][..., int(columns[0])].int() if len(columns) == 1 else \
+            kv.state[LOW][..., columns].sum(dim=-1, dtype=torch.int32)         # (B, H_kv, T) flags out
+        kv.state[COUNT].add_(flags.sum(dim=2, dtype=torch.int32) - leaving)    # flags in - flags out
         push_history(kv.state[LOW], flags, q_pos)
-        kv.state[ATTN] = attn[:, :, -1]                                        # the step's last query
+        kv.state[ATTN].copy_(attn[:, :, -1])                                   # the step's last query
 
     def score(self, ctx: StepContext) -> Tensor:
         return keep_score(ctx.kv.state[COUNT], ctx.kv.state[ATTN], ctx.kv.pos)
+
+    def evict(self, ctx: StepContext) -> Tensor:
+        """A decode step that drops one token per head (m = 1): the most low flags, then the lowest attention
+        of the step's last query, then the latest position, in a few passes, without ``keep_score``'s sort."""
+        if len(ctx.kv) - self.n_keep(ctx) != 1:
+            return super().evict(ctx)
+        pos, counts, attn = ctx.kv.pos, ctx.kv.state[COUNT], ctx.kv.state[ATTN]    # (B, H_kv, T) each
+        candidate = (pos >= 0) & (pos < ctx.seen - self.n_recent)                 # held, not recent
+        counts = counts.masked_fill(~candidate, -1)
+        candidate &= counts == counts.amax(dim=-1, keepdim=True)                  # the most low flags
+        attn = attn.masked_fill(~candidate, float("inf"))
+        candidate &= attn == attn.amin(dim=-1, keepdim=True)                      # the least attention
+        return torch.where(candidate, pos, -1).argmax(dim=-1, keepdim=True)       # the latest position
 
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         return [range(max(0, seen - self.n_recent), seen)]                    # the n_recent most recent
@@ -186,6 +203,3 @@ class ScissorhandsPolicy(ScoringPolicy):
     def head_budgets(self, ctx: StepContext) -> Tensor:
         B, H_kv, _ = ctx.kv.pos.shape
         return torch.full((B, H_kv), self.n_keep(ctx), dtype=torch.long, device=ctx.kv.pos.device)
-
-    def select(self, ctx: StepContext) -> Tensor:
-        return select_topk(self.keep_scores(ctx), self.n_keep(ctx))          # m at a time (n_dropped)

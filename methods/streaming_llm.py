@@ -11,16 +11,21 @@ most recent tokens gives a fixed-size cache that streams forever:
     keep = [0, S)  ∪  [seen - R, seen)          S = n_sink sinks, R = budget - S recent tokens
 
 As a scorer, newer is better (score = position) and the sinks and the window are protected; they fill the
-budget, so exactly they are kept, and a wrapper around StreamingLLM changes nothing. Tokens keep their
+budget, so exactly they are kept, and a wrapper around StreamingLLM changes nothing. While decoding, the
+token to drop is always the oldest one after the sinks, so no score is needed: each layer keeps a ring of
+its non-sink slots, oldest first; a step pushes the slots of its new tokens and pops the slots it empties,
+O(1) work per token (every KV head and row holds the same positions in the same slots). Tokens keep their
 original positions (as kvpress; the paper re-indexes positions inside the cache). If budget <= n_sink the
 sinks are cut to budget - 1, so the newest token is always kept.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from nanollm.checks import check_budget, check_int
@@ -44,6 +49,7 @@ class StreamingLLMPolicy(ScoringPolicy):
     budget: int
     n_sink: int = 4
     compress_on: ClassVar[tuple[str, ...]] = ("prefill", "decode")   # the window rolls every step
+    _ring: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # layer -> deque of slots
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -54,3 +60,23 @@ class StreamingLLMPolicy(ScoringPolicy):
 
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         return sinks_and_recent(self.budget, self.n_sink, seen)
+
+    def select(self, ctx: StepContext) -> Tensor:
+        self._ring.pop(ctx.layer, None)     # compacting moves every slot: the next eviction rebuilds the ring
+        return super().select(ctx)
+
+    def evict(self, ctx: StepContext) -> Tensor:
+        """(B, H_kv, E) the slots of the E oldest tokens after the sinks, from the layer's ring."""
+        ring = self._ring.get(ctx.layer)
+        if ring is None:        # the layer's first eviction: its non-sink slots by position, once
+            pos = ctx.kv.pos[0, 0]
+            sinks = sinks_and_recent(self.budget, self.n_sink, ctx.seen)[0]
+            ring = self._ring[ctx.layer] = deque(s for s in pos.argsort().tolist() if pos[s] >= sinks.stop)
+        else:                   # the new tokens' slots join the ring at the recent end
+            ring.extend(ctx.new_slots[0, 0].tolist())
+        B, H_kv = ctx.kv.pos.shape[:2]
+        out = [ring.popleft() for _ in range(len(ctx.kv) - self.n_keep(ctx))]
+        return torch.tensor(out, device=ctx.kv.pos.device).expand(B, H_kv, -1)
+
+    def reset(self) -> None:
+        self._ring = {}

@@ -58,6 +58,7 @@ class StepContext:
     seen: int                   # tokens seen including this step
     attended_pos: Tensor | None = None     # (B, H_kv, T) positions of the entries attended (None: kv.pos)
     col_sums: Tensor | None = None         # (B, H, T) fp32 attention each attended entry received
+    new_slots: Tensor | None = None        # (B, H_kv, Tn) the slots the step's new entries were written to
 
 
 class CachePolicy:
@@ -110,6 +111,24 @@ def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
     return x.view(B, n_kv_head, H // n_kv_head, *x.shape[2:]).mean(dim=2)
 
 
+def select_lowest(scores: Tensor, pos: Tensor, stays: Tensor, n: int) -> Tensor:
+    """(B, H_kv, T) scores -> (B, H_kv, n) slots of each head's n lowest, never one where ``stays``: what
+    ``select_topk`` drops (NaN as -inf), ties to the later position, as ``select_topk`` on slots in position
+    order. No sort: the n-th lowest score, the slots below it, then the latest positions tied on it."""
+    s = torch.where(stays, float("inf"), torch.nan_to_num(scores.float(), nan=float("-inf")))
+    if n == 1:                                                           # a decode step: one argmin
+        slot = s.argmin(dim=-1, keepdim=True)                            # (B, H_kv, 1) the first lowest
+        if int((s == s.gather(-1, slot)).sum(-1).max()) == 1:           # no tie: that one
+            return slot
+    nth = s.topk(n, dim=-1, largest=False).values[..., -1:]               # (B, H_kv, 1) the n-th lowest
+    out = s < nth                                                        # (B, H_kv, T) all of these go
+    missing = n - out.sum(-1, keepdim=True)                              # (B, H_kv, 1) the rest: tied on nth
+    latest = torch.where(s == nth, pos, -1).topk(n, dim=-1).indices      # (B, H_kv, n) tied, latest first
+    first = torch.arange(n, device=s.device) < missing                   # (B, H_kv, n) the first `missing`
+    out.scatter_(-1, latest, first | out.gather(-1, latest))
+    return out.nonzero()[:, -1].view(*s.shape[:2], n)                    # exactly n per head, ascending
+
+
 def select_topk(scores: Tensor, budget: int) -> Tensor:
     """(B, H_kv, T) scores -> (B, H_kv, min(budget, T)) indices of each head's best, ascending. NaN counts as
     -inf; on equal scores the earlier slot wins (a stable sort), so the choice is deterministic."""
@@ -125,13 +144,16 @@ class ScoringPolicy(CachePolicy):
 
         every hook:  observe(ctx)
                      if ctx.phase in compress_on and a head holds more than budget:
-                         ctx.kv.keep(select(ctx))      each head's top ``budget`` by ``keep_scores``
+                         ctx.kv.keep(select(ctx))    each head's top ``n_keep`` by ``keep_scores``, or at
+                         ctx.kv.evict(evict(ctx))    a one-token step: the others, emptied in place, O(1)
 
-    A layer within budget is never touched, so a budget that covers the sequence is the full cache.
+    The two keep the same set. A layer within budget is never touched: a budget covering the sequence is
+    the full cache.
     """
 
     budget: int
     compress_on: ClassVar[tuple[str, ...]] = ("prefill",)
+    evicts_in_place: ClassVar[bool] = True      # decode steps evict in place (``PolicyWrapper``: it compacts)
 
     def observe(self, ctx: StepContext) -> None:
         pass                            # update what the method accumulates (ctx.kv.state)
@@ -161,13 +183,27 @@ class ScoringPolicy(CachePolicy):
     def over_budget(self, ctx: StepContext) -> bool:
         return len(ctx.kv) > self.budget
 
+    def n_keep(self, ctx: StepContext) -> int:
+        """Entries each head keeps when the layer is compressed."""
+        return min(self.budget, len(ctx.kv))
+
     def select(self, ctx: StepContext) -> Tensor:   # slots to keep (B, H_kv, K), ascending; -1 = empty
-        return select_topk(self.keep_scores(ctx), self.budget)
+        return select_topk(self.keep_scores(ctx), self.n_keep(ctx))
+
+    def evict(self, ctx: StepContext) -> Tensor:    # slots to empty (B, H_kv, E): the ones select drops
+        pos = ctx.kv.pos
+        stays = pos < 0                                               # empty slots and protected entries
+        for r in self.protected(ctx.seen, ctx.seen):
+            stays |= (pos >= r.start) & (pos < r.stop)
+        return select_lowest(self.score(ctx), pos, stays, len(ctx.kv) - self.n_keep(ctx))
 
     def step(self, ctx: StepContext) -> None:
         self.observe(ctx)
         if ctx.phase in self.compress_on and self.over_budget(ctx):
-            ctx.kv.keep(self.select(ctx))
+            if ctx.phase == "decode" and ctx.q.shape[2] == 1 and self.evicts_in_place:
+                ctx.kv.evict(self.evict(ctx))       # O(dropped): the next tokens take these slots
+            else:                                   # the prompt, or an extend chunk: the storage shrinks
+                ctx.kv.keep(self.select(ctx))       # to the kept slots, once per chunk
 
     on_prefill = on_decode = step               # the same rule after the prompt and after every later step
 
@@ -186,6 +222,7 @@ class PolicyWrapper:
 
     inner: CachePolicy
     default_inner: ClassVar[str] = "snapkv"
+    evicts_in_place: ClassVar[bool] = False     # its own ``select`` decides: it compacts at every compression
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "inner":      # not set yet (dataclass init, copy)

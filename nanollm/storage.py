@@ -3,15 +3,19 @@ What one layer of the standard attention stores: keys, values, positions, and pe
 
     k, v   : (B, H_kv, T, d)        keys (rotated at their own positions) and values
     pos    : (B, H_kv, T)           the absolute position of every entry; -1 marks an empty slot
-    state  : name -> (B, H_kv, T, ...)   numbers a method keeps beside each entry, moved with it
+    state  : name -> (B, H_kv, T, ...)   numbers a method keeps beside each entry, in the same slots
 
 Positions are per KV head: heads may keep different tokens, and different numbers of them (the shorter
-padded with empty slots). T counts slots, not tokens seen (``KVCache.seen``). ``append`` writes in place
-into buffers with room to spare, doubling them when full: a generation copies O(T) bytes in all, where
-``torch.cat`` at every token would copy O(T^2).
+padded with empty slots). T counts slots, not tokens seen (``KVCache.seen``). Buffers have room to spare,
+doubled when full: ``append`` writes in place, O(T) bytes copied in a generation where ``torch.cat`` per
+token copies O(T^2). ``keep`` drops entries by compacting (after a prompt); ``evict`` empties slots in place
+and the next ``append`` fills them (O(1) per decoded token), so slots need not follow positions: the mask
+comes from the stored positions.
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -19,12 +23,22 @@ from torch import Tensor
 MIN_CAPACITY = 64           # slots of room left by the first append and by keep
 
 
-def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
-    """t (B, H_kv, S, ...) -> (B, H_kv, K, ...): the slots idx (B, H_kv, K) of every head, as rows of a flat
-    (B*H_kv*S, -1) view (one index_select: on CPU much faster than gather with an expanded index)."""
+def flat_rows(t: Tensor, idx: Tensor) -> Tensor:
+    """Rows of t (B, H_kv, S, ...) as a (B*H_kv*S, -1) table holding the slots idx (B, H_kv, K) (index_select
+    / index_copy_ on them: on CPU much faster than gather / scatter with an expanded index)."""
     B, H_kv, S = t.shape[:3]
-    rows = (torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * S + idx).reshape(-1)
-    return t.reshape(B * H_kv * S, -1).index_select(0, rows).view(B, H_kv, idx.shape[-1], *t.shape[3:])
+    return (torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * S + idx).reshape(-1)
+
+
+def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
+    """t (B, H_kv, S, ...) -> (B, H_kv, K, ...): the slots idx (B, H_kv, K) of every head."""
+    B, H_kv, S = t.shape[:3]
+    return t.reshape(B * H_kv * S, -1).index_select(0, flat_rows(t, idx)).view(B, H_kv, idx.shape[-1], *t.shape[3:])
+
+
+def put_slots(t: Tensor, idx: Tensor, values: Tensor) -> None:
+    """t[b, h, idx[b, h, j]] = values[b, h, j], in place: t (B, H_kv, S, ...), values (B, H_kv, K, ...)."""
+    t.view(-1, *t.shape[3:]).index_copy_(0, flat_rows(t, idx), values.reshape(-1, *t.shape[3:]))
 
 
 class LayerKV:
@@ -33,7 +47,8 @@ class LayerKV:
     def __init__(self, k: Tensor | None = None, v: Tensor | None = None, pos: Tensor | None = None) -> None:
         self._k, self._v, self._pos = k, v, pos      # buffers (B, H_kv, capacity, ...); k, v, pos view them
         self.n = 0 if k is None else k.shape[2]      # slots in use
-        self.state: dict[str, Tensor] = {}           # name -> (B, H_kv, T, ...) aligned with the slots
+        self.free: Tensor | None = None              # (B, H_kv, F) slots ``evict`` emptied, refilled first
+        self._state: dict[str, Tensor] = {}          # name -> buffer (B, H_kv, capacity, ...)
         self.fill: dict[str, float] = {}             # name -> value of new and empty slots
 
     @property
@@ -48,71 +63,100 @@ class LayerKV:
     def pos(self) -> Tensor | None:
         return None if self._pos is None else self._pos[:, :, :self.n]
 
+    @property
+    def state(self) -> MappingProxyType:
+        """name -> (B, H_kv, T, ...) views of the buffers: update them in place (``add_``, ``copy_``)."""
+        return MappingProxyType({name: t[:, :, :self.n] for name, t in self._state.items()})
+
     def __len__(self) -> int:
-        return self.n
+        return self.n - (0 if self.free is None else self.free.shape[-1])   # slots in use, less those emptied
 
     def capacity(self) -> int:
         return 0 if self._k is None else self._k.shape[2]
 
-    def append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
-        """Add k, v (B, H_kv, Tn, d) at positions pos (Tn,): in place while there is room, else into buffers of
-        twice the capacity (room's positions -1; ``MIN_CAPACITY`` at first); each state gets Tn fill-value slots."""
-        # BEGIN SOLUTION [cache:append] grow as the docstrings say: O(1) bytes per token, amortised (notebook 07 §2)
+    def append(self, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+        """Add k, v (B, H_kv, Tn, d) at positions pos (Tn,): first into the slots ``evict`` emptied (each head's
+        own), the rest after the slots in use, in place while there is room, else into buffers of twice the
+        capacity (room's positions -1; ``MIN_CAPACITY`` at first). Each state gets its fill value there.
+        Returns the slots written (B, H_kv, Tn)."""
         B, H_kv, Tn, d = k.shape
+        reuse = 0 if self.free is None else min(Tn, self.free.shape[-1])
+        slots = torch.arange(self.n, self.n + Tn - reuse, device=k.device).expand(B, H_kv, -1)
+        if reuse:                                     # the emptied slots first: no other slot moves
+            freed = self.free[..., :reuse]                                       # (B, H_kv, reuse)
+            self.free = self.free[..., reuse:] if reuse < self.free.shape[-1] else None
+            put_slots(self._k, freed, k[:, :, :reuse])
+            put_slots(self._v, freed, v[:, :, :reuse])
+            put_slots(self._pos, freed, pos[:reuse].expand(B, H_kv, reuse))
+            for name, t in self._state.items():
+                put_slots(t, freed, t.new_full((B, H_kv, reuse, *t.shape[3:]), self.fill[name]))
+            slots = torch.cat([freed, slots], dim=-1)
+            k, v, pos, Tn = k[:, :, reuse:], v[:, :, reuse:], pos[reuse:], Tn - reuse
+        if Tn == 0:
+            return slots
+        # BEGIN SOLUTION [cache:append] grow as the docstrings say: O(1) bytes per token, amortised (notebook 07 §2)
         if self.n + Tn > self.capacity():             # reallocate: double, keep the first n slots
             cap = Tn + MIN_CAPACITY if self._k is None else max(self.n + Tn, 2 * self.capacity(), MIN_CAPACITY)
-            old = (self._k, self._v, self._pos)
+            old = [self._k, self._v, self._pos, *self._state.values()]
             self._k, self._v = k.new_empty(B, H_kv, cap, d), v.new_empty(B, H_kv, cap, v.shape[-1])
             self._pos = pos.new_full((B, H_kv, cap), -1)
-            if old[0] is not None:
-                self._k[:, :, :self.n], self._v[:, :, :self.n], self._pos[:, :, :self.n] = (
-                    t[:, :, :self.n] for t in old)
+            self._state = {name: t.new_empty(B, H_kv, cap, *t.shape[3:]) for name, t in self._state.items()}
+            for was, now in zip(old, [self._k, self._v, self._pos, *self._state.values()]):
+                if was is not None:                   # the first n slots move over
+                    now[:, :, :self.n] = was[:, :, :self.n]
         end = self.n + Tn
         self._k[:, :, self.n:end] = k
         self._v[:, :, self.n:end] = v
         self._pos[:, :, self.n:end] = pos
+        for name, t in self._state.items():           # new slots start at the state's fill value
+            t[:, :, self.n:end] = self.fill[name]
         self.n = end
-        for name, t in self.state.items():            # new slots start at the state's fill value
-            self.state[name] = torch.cat([t, t.new_full((B, H_kv, Tn, *t.shape[3:]), self.fill[name])], dim=2)
         # END SOLUTION
+        return slots
+
+    def evict(self, idx: Tensor) -> None:
+        """Empty the slots idx (B, H_kv, E), as many in every head, moving no other: their positions become -1
+        (attention skips them) and the next ``append`` writes there."""
+        self._pos.view(-1).index_fill_(0, flat_rows(self._pos, idx), -1)
+        self.free = idx if self.free is None else torch.cat([self.free, idx], dim=-1)
 
     def keep(self, idx: Tensor) -> None:
         """Keep only the slots idx (B, H_kv, K) of each head, in that order; -1 makes an empty slot. The
         state moves with the entries; the new buffers keep ``MIN_CAPACITY`` slots of room."""
         K = idx.shape[-1]
         empty = idx < 0
-        slots = idx.clamp(min=0)
-        with_room = torch.nn.functional.pad(slots, (0, MIN_CAPACITY))         # (B, H_kv, K + room)
+        with_room = torch.nn.functional.pad(idx.clamp(min=0), (0, MIN_CAPACITY))   # (B, H_kv, K + room)
         self._k, self._v, self._pos = (gather_slots(t, with_room) for t in (self._k, self._v, self._pos))
         self._pos[:, :, K:] = -1
-        self.state = {name: gather_slots(t, slots) for name, t in self.state.items()}
-        self.n = K
+        self._state = {name: gather_slots(t, with_room) for name, t in self._state.items()}
+        self.n, self.free = K, None
         if empty.any():
             self.k.masked_fill_(empty[..., None], 0.0)
             self.v.masked_fill_(empty[..., None], 0.0)
             self.pos.masked_fill_(empty, -1)
             for name, t in self.state.items():
-                self.state[name] = t.masked_fill(empty.view(*empty.shape, *[1] * (t.dim() - 3)), self.fill[name])
+                t.masked_fill_(empty.view(*empty.shape, *[1] * (t.dim() - 3)), self.fill[name])
 
     def set_state(self, name: str, values: Tensor, fill: float = 0.0) -> None:
         """Per-slot ``values`` (B, H_kv, T, ...) under ``name``; slots added later start at ``fill``."""
         if values.shape[:3] != self.pos.shape:
             raise ValueError(f"state {name!r} must have shape (B, H_kv, T, ...) = {tuple(self.pos.shape)} "
                              f"+ ..., got {tuple(values.shape)}")
-        self.state[name], self.fill[name] = values, fill
+        self._state[name] = values.new_full((*values.shape[:2], self.capacity(), *values.shape[3:]), fill)
+        self._state[name][:, :, :self.n], self.fill[name] = values, fill
 
     def replace(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
         """Overwrite every entry (a method that rebuilds them); its per-slot state is dropped."""
-        self._k, self._v, self._pos, self.n = k, v, pos, k.shape[2]
-        self.state, self.fill = {}, {}
+        self._k, self._v, self._pos, self.n, self.free = k, v, pos, k.shape[2], None
+        self._state, self.fill = {}, {}
 
     def counts(self) -> Tensor:
         """(B, H_kv) occupied slots."""
         return (self.pos >= 0).sum(-1) if self.pos is not None else torch.zeros(0, dtype=torch.long)
 
     def nbytes(self) -> int:
-        """Bytes of K and V in the T slots in use (what the cache stores)."""
-        return 0 if self._k is None else (self._k.nbytes + self._v.nbytes) // self._k.shape[2] * self.n
+        """Bytes of K and V in the slots that hold entries (what the cache stores)."""
+        return 0 if self._k is None else (self._k.nbytes + self._v.nbytes) // self._k.shape[2] * len(self)
 
     def allocated_nbytes(self) -> int:
         return 0 if self._k is None else self._k.nbytes + self._v.nbytes     # the buffers, room included
@@ -121,4 +165,4 @@ class LayerKV:
         return 0 if self.pos is None else self.pos.nbytes
 
     def state_nbytes(self) -> int:
-        return sum(t.nbytes for t in self.state.values())
+        return sum(t.nbytes // self.n * len(self) for t in self.state.values() if self.n)

@@ -16,6 +16,7 @@ from methods.streaming_llm import StreamingLLMPolicy
 from nanollm import KVCache, LayerKV, StepContext, Transformer, decode_step, extend, prefill, preset
 from nanollm.attention import attend
 from nanollm.policy import select_topk
+from tests.held import held
 
 
 def streaming_llm_keep(pos, seen, budget, n_sink):
@@ -82,7 +83,7 @@ def test_streaming_llm_keeps_sinks_and_recent(tiny):
     for step in range(3):
         expected = [0, 1, 2, 3] + list(range(cache.seen - 6, cache.seen))
         for layer in cache.layers:
-            assert (layer.pos == torch.tensor(expected)).all(), f"step {step}: {layer.pos[0, 0].tolist()}"
+            assert held(layer.pos) == [[expected] * 2] * 2, f"step {step}: {layer.pos[0, 0].tolist()}"
         decode_step(tiny, prompt(1, seed=step)[:, 0], cache)
 
 
@@ -119,8 +120,11 @@ def test_h2o_prefill_then_decode_hand():
     torch.testing.assert_close(ctx.kv.state[STATE], torch.tensor([[[1.8, 1.0, 0.4]]]))
     ctx.kv.append(torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2), torch.tensor([4]))
     policy.on_decode(hand_ctx(torch.tensor([0, 0, .9, .1]).view(1, 1, 1, 4), kv=ctx.kv, seen=5))
-    assert ctx.kv.pos.tolist() == [[[0, 3, 4]]]
-    torch.testing.assert_close(ctx.kv.state[STATE], torch.tensor([[[1.8, 1.3, 0.1]]]))
+    assert ctx.kv.pos.tolist() == [[[0, -1, 3, 4]]]          # position 1's slot emptied in place, nothing moved
+    held_slots = ctx.kv.pos >= 0
+    torch.testing.assert_close(ctx.kv.state[STATE][held_slots], torch.tensor([1.8, 1.3, 0.1]))
+    ctx.kv.append(torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2), torch.tensor([5]))
+    assert ctx.kv.pos.tolist() == [[[0, 5, 3, 4]]] and ctx.kv.state[STATE][0, 0, 1] == 0   # the next token: there
 
 
 def test_received_attention_averages_gqa_group():
@@ -149,7 +153,7 @@ def assert_same_kept(model, policy_a, policy_b, n_prompt: int) -> None:
         decode_step(model, prompt(1, seed=1)[:, 0], cache)
         extend(model, prompt(4, seed=2), cache)
     for a, b in zip(*[c.layers for c in caches]):
-        assert torch.equal(a.pos, b.pos)
+        assert held(a.pos) == held(b.pos)
 
 
 def test_h2o_all_recent_equals_sliding_window(tiny):
@@ -170,6 +174,18 @@ class RecordingH2O(H2OPolicy):
         assert int(kept.sum(-1).min()) == self.budget - self.n_recent
         lowest_kept = s_old.masked_fill(~kept, float("inf")).min(-1).values
         highest_dropped = s_old.masked_fill(kept, float("-inf")).max(-1).values
+        assert bool((lowest_kept >= highest_dropped).all())
+        self.evictions = getattr(self, "evictions", 0) + 1
+        return idx
+
+    def evict(self, ctx):                   # a decode step: the slots emptied held the lowest non-recent scores
+        scores, pos = ctx.kv.state[STATE], ctx.kv.pos                               # (B, H_kv, T)
+        idx = super().evict(ctx)
+        dropped = torch.zeros_like(pos, dtype=torch.bool).scatter(-1, idx, True)
+        others = (pos >= 0) & (pos < ctx.seen - self.n_recent)                      # held, not recent
+        assert not bool((dropped & ~others).any()), "a recent entry or an empty slot was evicted"
+        lowest_kept = scores.masked_fill(~others | dropped, float("inf")).min(-1).values
+        highest_dropped = scores.masked_fill(~dropped, float("-inf")).max(-1).values
         assert bool((lowest_kept >= highest_dropped).all())
         self.evictions = getattr(self, "evictions", 0) + 1
         return idx

@@ -179,6 +179,15 @@ class RecordingScissorhands(ScissorhandsPolicy):
         self.events = getattr(self, "events", []) + [(ctx.phase, before, attn, before.gather(-1, idx))]
         return idx
 
+    def evict(self, ctx):                                   # a decode step: the slots idx are emptied in place
+        before = ctx.kv.pos.clone()
+        attn = group_mean(ctx.probs, ctx.kv.pos.shape[1])[:, :, -1]              # (B, H_kv, T)
+        idx = super().evict(ctx)
+        after = before.scatter(-1, idx, -1)
+        self.events = getattr(self, "events", []) + [(ctx.phase, before, attn, after[after >= 0]
+                                                      .view(*after.shape[:2], -1))]
+        return idx
+
 
 def test_w1_r0_m1_evicts_the_smallest_current_attention(tiny):
     """w = 1, r = 0, m = 1: at every decode step the one token dropped is the one the step attended least

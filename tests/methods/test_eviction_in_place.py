@@ -1,0 +1,162 @@
+"""
+Evicting in place (issue: decode-time eviction at the speed of the bytes it saves) changes where entries sit,
+never which: a method that drops a token at every decode step (``ScoringPolicy.evict``: the freed slot takes
+the next token) keeps, step after step, the same set of (position, key, value) as the same method compacting
+the storage at every step (``LayerKV.keep``, what every step did before), gives the same greedy answer and
+logits equal up to the order the attention sums its entries in (fp32, 1e-4 on logits of size ~10). On the
+bundled model here, on SmolLM2 in the slow tier. KVReviver's swaps, now taken all at once, against the
+loop of Algorithm 3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from methods import make_policy
+from methods.kvreviver import KVReviverPolicy
+from nanollm import KVCache, decode_step, prefill
+from nanollm.io.checkpoint import load
+from nanollm.policy import ScoringPolicy
+from tests.held import by_position
+
+DECODE_METHODS = [("streaming_llm", {}), ("h2o", {}), ("h2o", {"n_recent": 0}), ("scissorhands", {}),
+                  ("scissorhands", {"history_window": 8, "n_recent": 2}), ("scissorhands", {"drop": 3})]
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load("retrieval-llama")[0]
+
+
+def greedy(model, policy, prompt: torch.Tensor, steps: int) -> tuple[list, list, list]:
+    """Greedy decoding from ``prompt`` (1, T): every step's logits, the tokens, and every layer's entries by
+    position after every step."""
+    cache = KVCache(model.config, policy)
+    logits, tokens, entries = [prefill(model, prompt, cache)[:, -1]], [], []
+    for _ in range(steps):
+        tokens.append(logits[-1].argmax(-1))
+        logits.append(decode_step(model, tokens[-1], cache))
+        entries.append([by_position(layer) for layer in cache.layers])
+    return logits, tokens, entries
+
+
+def compare(model, spec: str, opts: dict, prompt: torch.Tensor, budget: int, steps: int, monkeypatch) -> None:
+    in_place = greedy(model, make_policy(spec, budget, **opts), prompt, steps)
+    with monkeypatch.context() as m:
+        m.setattr(ScoringPolicy, "evicts_in_place", False)              # every decode step compacts
+        compacting = greedy(model, make_policy(spec, budget, **opts), prompt, steps)
+    for step, (a, b) in enumerate(zip(in_place[1], compacting[1])):
+        assert torch.equal(a, b), f"{spec}: the greedy answers part at step {step}"
+    for step, (a, b) in enumerate(zip(in_place[0], compacting[0])):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"{spec}: logits at step {step}")
+    for step, (a, b) in enumerate(zip(in_place[2], compacting[2])):
+        for layer, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x[2], y[2]), f"{spec}: step {step}, layer {layer}: the positions held differ"
+            for name, s, t in zip(("keys", "values"), x, y):     # past layer 0: computed from outputs equal to 1e-6
+                torch.testing.assert_close(s, t, rtol=0, atol=1e-5, msg=f"{spec}: step {step}, layer {layer}: {name}")
+
+
+@pytest.mark.parametrize("spec,opts", DECODE_METHODS, ids=lambda x: str(x))
+def test_in_place_keeps_what_compacting_keeps_bundled(bundled, spec, opts, monkeypatch):
+    prompt = torch.randint(3, 500, (1, 96), generator=torch.Generator().manual_seed(1))
+    compare(bundled, spec, opts, prompt, budget=24, steps=40, monkeypatch=monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["streaming_llm", "h2o", "scissorhands"])
+def test_in_place_keeps_what_compacting_keeps_smollm2(smollm2, spec, monkeypatch):
+    model, tok = smollm2
+    text = "The storage keeps keys and values of every token it has seen, and evicts the least useful ones. " * 4
+    compare(model, spec, {}, torch.tensor([tok.encode(text)[:80]]), budget=32, steps=24, monkeypatch=monkeypatch)
+
+
+def test_an_evicted_slot_takes_the_next_token(bundled):
+    """The mechanism itself: after a decode step's eviction, the storage has one free slot per head and the
+    next token is written there; the number of slots in use stops growing."""
+    cache = KVCache(bundled.config, make_policy("h2o", 16))
+    prefill(bundled, torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2)), cache)
+    decode_step(bundled, torch.tensor([7]), cache)
+    layer = cache.layers[0]
+    n, free = layer.n, layer.free.clone()                                # (B, H_kv, 1) the emptied slots
+    assert free.shape[-1] == 1 and bool((layer.pos.gather(-1, free) == -1).all())
+    decode_step(bundled, torch.tensor([8]), cache)
+    assert layer.n == n and bool((layer.pos.gather(-1, free) == cache.seen - 1).all()) or layer.free is not None
+
+
+class LoopSwaps(KVReviverPolicy):
+    """KVReviver with Algorithm 3's swap loop as written: one swap at a time, C's minimum against V's maximum
+    (the implementation before the swaps were taken at once)."""
+
+    def _swap(self, sketch, scores, k, v, p, recent_from, approx, max_swaps):
+        in_raw = torch.zeros(scores.shape[0], dtype=torch.bool)
+        in_raw[p] = True
+        copied = False
+        for _ in range(max_swaps):
+            cand, vague = (p < recent_from).nonzero().flatten(), (~in_raw).nonzero().flatten()
+            if cand.numel() == 0 or vague.numel() == 0:
+                break
+            c, j = cand[scores[p[cand]].argmin()], vague[scores[vague].argmax()]
+            if not scores[p[c]] * self.replace_rate < scores[j]:
+                break
+            if not copied:
+                k, v, p, copied = k.clone(), v.clone(), p.clone(), True
+            jk, jv = sketch.query(j.view(1))
+            sketch.delete(j.view(1), jk, jv)
+            sketch.insert(p[c].view(1), k[:, c].unsqueeze(0), v[:, c].unsqueeze(0))
+            in_raw[p[c]], in_raw[j] = False, True
+            k[:, c], v[:, c], p[c] = jk[0].to(k.dtype), jv[0].to(v.dtype), j
+            approx[j] = True
+            self.swaps += 1
+        if copied:
+            order = p.argsort()
+            k, v, p = k[:, order], v[:, order], p[order]
+        return k, v, p
+
+
+@pytest.mark.parametrize("opts", [{"replace_rate": 1.0}, {"replace_rate": 1.1, "per_kv_head": True},
+                                  {"injective_hash": True, "sketch_width": 512, "replace_rate": 1.0,
+                                   "candidate_share": 0.6}])
+def test_kvreviver_swaps_at_once_are_the_loops(bundled, opts):
+    """The same swaps, step after step (how many, which tokens revived), the same positions held raw; the
+    revived estimates are read before the step's swaps change the sketch, so the logits agree to 1e-4 (exactly
+    with an injective hash: no two tokens share a cell)."""
+    prompt = torch.randint(3, 500, (1, 96), generator=torch.Generator().manual_seed(3))
+    a_policy, b_policy = KVReviverPolicy(40, **opts), LoopSwaps(40, **opts)
+    a, b = greedy(bundled, a_policy, prompt, 30), greedy(bundled, b_policy, prompt, 30)
+    assert a_policy.swaps == b_policy.swaps > 0
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1])), "the greedy answers differ"
+    for step, (x, y) in enumerate(zip(a[2], b[2])):
+        assert all(torch.equal(s[2], t[2]) for s, t in zip(x, y)), f"step {step}: positions held raw differ"
+    tol = 0 if opts.get("injective_hash") else 1e-4
+    for step, (x, y) in enumerate(zip(a[0], b[0])):
+        torch.testing.assert_close(x, y, rtol=0, atol=tol, msg=f"step {step}: logits")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("rate", [1.0, 1.5])
+def test_kvreviver_many_swaps_in_one_step(seed, rate):
+    """One call of the swap step on random tables, where many swaps happen at once (scores drawn so that V
+    often beats C): the same tokens revived, the same entries returned, the same sketch cells (an injective
+    hash: no shared cell, so the order of the sketch's updates cannot matter)."""
+    g = torch.Generator().manual_seed(seed)
+    N, G, d = 60, 2, 4
+    p = torch.randperm(N, generator=g)[:24].sort().values                     # raw positions (R and C)
+    recent_from = int(p[-6])                                                  # the last 6 raw are Recent
+    scores = torch.rand(N, generator=g)
+    k, v = torch.randn(G, 24, d, generator=g), torch.randn(G, 24, d, generator=g)
+    results = []
+    for cls in (KVReviverPolicy, LoopSwaps):
+        policy = cls(40, replace_rate=rate, injective_hash=True, sketch_width=N)
+        sketch = policy.sketch_class(3, N, G, d, seed=0, injective=True)
+        vague = torch.tensor([j for j in range(N) if j not in set(p.tolist())])
+        sketch.insert(vague, torch.randn(len(vague), G, d, generator=torch.Generator().manual_seed(9)),
+                      torch.randn(len(vague), G, d, generator=torch.Generator().manual_seed(10)))
+        approx = torch.zeros(N, dtype=torch.bool)
+        out = policy._swap(sketch, scores, k, v, p, recent_from, approx, max_swaps=18)
+        results.append((out, approx, sketch.key.clone(), sketch.value.clone(), policy.swaps))
+    (a, a_approx, a_key, a_value, a_swaps), (b, b_approx, b_key, b_value, b_swaps) = results
+    assert a_swaps == b_swaps and torch.equal(a_approx, b_approx)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(a_key, b_key) and torch.equal(a_value, b_value)
+    if rate == 1.0:
+        assert a_swaps > 1, "the case must swap more than once in a step"
