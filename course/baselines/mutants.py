@@ -35,7 +35,7 @@ MUTANTS = [
            "return torch.full((B, n_kv_head, T), float(col_sums.float().sum()) / (B * H * T))",
            "return col_sums.float().view(B, n_kv_head, H // n_kv_head, T).mean(dim=2)"),
     Mutant("decode overwrites the scores instead of adding", "h2o_observe",
-           "ctx.kv.state[STATE] = received", "ctx.kv.state[STATE] += received"),
+           "ctx.kv.state[STATE].copy_(received)", "ctx.kv.state[STATE].add_(received)"),
     Mutant("new slots start at 1", "h2o_observe", "fill=1.0", "fill=0.0"),
     Mutant("prefill scores normalised by the number of queries", "h2o_observe",
            "set_state(STATE, received / ctx.kv.pos.shape[-1], fill=0.0)", "set_state(STATE, received, fill=0.0)"),

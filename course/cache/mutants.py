@@ -16,7 +16,7 @@ else:
     self._pos = torch.cat([self.pos, p], dim=2)
 self.n += Tn
 for name, t in self.state.items():
-    self.state[name] = torch.cat([t, t.new_full((B, H_kv, Tn, *t.shape[3:]), self.fill[name])], dim=2)"""
+    self._state[name] = torch.cat([t, t.new_full((B, H_kv, Tn, *t.shape[3:]), self.fill[name])], dim=2)"""
 
 REPLACE_APPEND = """\
 p = pos.expand(*k.shape[:3])
@@ -35,25 +35,24 @@ MUTANTS = [
     Mutant("the first append leaves no room", APPEND, "cap = Tn if", "cap = Tn + MIN_CAPACITY if"),
     Mutant("reallocates when the chunk exactly fills the buffer (>= for >)", APPEND,
            "if self.n + Tn >= self.capacity():", "if self.n + Tn > self.capacity():"),
-    Mutant("a reallocation forgets the stored slots", APPEND, "if old[0] is None:", "if old[0] is not None:"),
+    Mutant("a reallocation forgets the stored slots", APPEND, "if was is None:", "if was is not None:"),
     Mutant("the value buffer sized by the keys' dimension", APPEND,
            "v.new_empty(B, H_kv, cap, d)", "v.new_empty(B, H_kv, cap, v.shape[-1])"),
     Mutant("the room's positions 0, not -1 (empty)", APPEND,
            "pos.new_zeros((B, H_kv, cap))", "pos.new_full((B, H_kv, cap), -1)"),
     Mutant("off by one: writes from slot n + 1", APPEND,
            "self._k[:, :, self.n + 1:end + 1] = k\n        self._v[:, :, self.n + 1:end + 1] = v\n"
-           "        self._pos[:, :, self.n + 1:end + 1] = pos\n        self.n = end + 1",
+           "        self._pos[:, :, self.n + 1:end + 1] = pos",
            "self._k[:, :, self.n:end] = k\n        self._v[:, :, self.n:end] = v\n"
-           "        self._pos[:, :, self.n:end] = pos\n        self.n = end"),
+           "        self._pos[:, :, self.n:end] = pos"),
     Mutant("n set to the chunk's size, not advanced by it", APPEND, "self.n = Tn", "self.n = end"),
     Mutant("the per-slot state is not extended", APPEND, "pass",
-           "for name, t in self.state.items():            # new slots start at the state's fill value\n"
-           "            self.state[name] = torch.cat([t, t.new_full((B, H_kv, Tn, *t.shape[3:]), self.fill[name])], "
-           "dim=2)"),
+           "for name, t in self._state.items():           # new slots start at the state's fill value\n"
+           "            t[:, :, self.n:end] = self.fill[name]"),
     Mutant("new state slots start at 0, not at the state's fill", APPEND,
-           "t.new_zeros((B, H_kv, Tn, *t.shape[3:]))", "t.new_full((B, H_kv, Tn, *t.shape[3:]), self.fill[name])"),
-    Mutant("the state grows along its last dimension", APPEND,
-           "self.fill[name])], dim=-1)", "self.fill[name])], dim=2)"),
+           "t[:, :, self.n:end] = 0", "t[:, :, self.n:end] = self.fill[name]"),
+    Mutant("a reallocation leaves the states at their old capacity", APPEND, "pass",
+           "self._state = {name: t.new_empty(B, H_kv, cap, *t.shape[3:]) for name, t in self._state.items()}"),
 
     # -- group_scores
     Mutant("no 1/sqrt(d) scale", SCORES, "qg = q.reshape(B, H_kv, H // H_kv * C, d)",
