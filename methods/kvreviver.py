@@ -393,14 +393,14 @@ class KVReviverPolicy(CachePolicy):
 
     def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
               recent_from: int, approx: Tensor, max_swaps: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Algorithm 3's swap loop for one sequence, all at once. The loop revives V's best token while its
-        score beats C's minimum by ``replace_rate``, C's minimum going into the sketch in exchange, at most
-        ``max_swaps`` (C's budget) times. Each swap takes the next of C's lowest and the next of V's highest,
-        and once a pair fails the loop is over (a token just swapped can never win it back, as rate >= 1),
-        so the i-th swap pairs C's i-th lowest with V's i-th highest, for the pairs before the first that
-        fails. The revived tokens' estimates are all read before the sketch changes (the loop read each after
-        the previous swaps: the same unless two of a step's swapped tokens share a cell). Returns the entries
-        in position order (those given, untouched, when nothing is swapped)."""
+        """Algorithm 3's swap loop for one sequence, its decisions taken at once. The loop revives V's best
+        token while its score beats C's minimum by ``replace_rate``, C's minimum going into the sketch in
+        exchange, at most ``max_swaps`` (C's budget) times. Each swap takes the next of C's lowest and the next
+        of V's highest, and once a pair fails the loop is over (a token just swapped can never win it back, as
+        rate >= 1), so the i-th swap pairs C's i-th lowest with V's i-th highest, for the pairs before the first
+        that fails. The sketch is then updated swap by swap, as the loop does: a revived token's estimate is
+        read after the step's earlier swaps changed the cells it may share with them (a small sketch shares
+        many). Returns the entries in position order (those given, untouched, when nothing is swapped)."""
         in_raw = torch.zeros(scores.shape[0], dtype=torch.bool, device=p.device)
         in_raw[p] = True
         cand = (p < recent_from).nonzero().flatten()                             # C's slots
@@ -413,11 +413,12 @@ class KVReviverPolicy(CachePolicy):
         wins = c_scores[:n] * self.replace_rate < v_scores[:n]                  # (n,) each pair's test
         m = int(wins.sum())                     # a prefix: C ascends, V descends, so once a pair fails all do
         c, j = cand[c_order[:m]], vague[v_order[:m]]                             # (m,) C's slots, V's positions
-        jk, jv = sketch.query(j)                                                 # (m, G, d) estimates
-        sketch.delete(j, jk, jv)                                                 # the residuals stay as noise
-        sketch.insert(p[c], k[:, c].transpose(0, 1), v[:, c].transpose(0, 1))
         k, v, p = k.clone(), v.clone(), p.clone()
-        k[:, c], v[:, c], p[c] = jk.transpose(0, 1).to(k.dtype), jv.transpose(0, 1).to(v.dtype), j
+        for ci, ji in zip(c.view(-1, 1), j.view(-1, 1)):                         # the m swaps' sketch updates
+            jk, jv = sketch.query(ji)                                            # (1, G, d) estimates
+            sketch.delete(ji, jk, jv)                                            # the residuals stay as noise
+            sketch.insert(p[ci], k[:, ci].transpose(0, 1), v[:, ci].transpose(0, 1))
+            k[:, ci], v[:, ci], p[ci] = jk.transpose(0, 1).to(k.dtype), jv.transpose(0, 1).to(v.dtype), ji
         approx[j] = True                                                         # a view of the table, in place
         self.swaps += m
         order = p.argsort()                                                      # back to position order

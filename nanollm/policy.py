@@ -193,8 +193,8 @@ class ScoringPolicy(CachePolicy):
     def evict(self, ctx: StepContext) -> Tensor:    # slots to empty (B, H_kv, E): the ones select drops
         pos = ctx.kv.pos
         stays = pos < 0                                               # empty slots and protected entries
-        for r in self.protected(ctx.seen, ctx.seen):
-            stays |= (pos >= r.start) & (pos < r.stop)
+        for r in self.protected(ctx.seen, ctx.seen):             # (every held position is < seen)
+            stays |= (pos >= r.start) if r.stop >= ctx.seen else (pos >= r.start) & (pos < r.stop)
         return select_lowest(self.score(ctx), pos, stays, len(ctx.kv) - self.n_keep(ctx))
 
     def step(self, ctx: StepContext) -> None:

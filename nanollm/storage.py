@@ -15,30 +15,27 @@ comes from the stored positions.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import torch
 from torch import Tensor
 
 MIN_CAPACITY = 64           # slots of room left by the first append and by keep
 
 
-def flat_rows(t: Tensor, idx: Tensor) -> Tensor:
-    """Rows of t (B, H_kv, S, ...) as a (B*H_kv*S, -1) table holding the slots idx (B, H_kv, K) (index_select
-    / index_copy_ on them: on CPU much faster than gather / scatter with an expanded index)."""
-    B, H_kv, S = t.shape[:3]
-    return (torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * S + idx).reshape(-1)
-
-
 def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
-    """t (B, H_kv, S, ...) -> (B, H_kv, K, ...): the slots idx (B, H_kv, K) of every head."""
+    """t (B, H_kv, S, ...) -> (B, H_kv, K, ...): the slots idx (B, H_kv, K) of every head, as rows of a flat
+    (B*H_kv*S, -1) view (one index_select: on CPU much faster than gather with an expanded index)."""
     B, H_kv, S = t.shape[:3]
-    return t.reshape(B * H_kv * S, -1).index_select(0, flat_rows(t, idx)).view(B, H_kv, idx.shape[-1], *t.shape[3:])
+    rows = (torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * S + idx).reshape(-1)
+    return t.reshape(B * H_kv * S, -1).index_select(0, rows).view(B, H_kv, idx.shape[-1], *t.shape[3:])
 
 
-def put_slots(t: Tensor, idx: Tensor, values: Tensor) -> None:
-    """t[b, h, idx[b, h, j]] = values[b, h, j], in place: t (B, H_kv, S, ...), values (B, H_kv, K, ...)."""
-    t.view(-1, *t.shape[3:]).index_copy_(0, flat_rows(t, idx), values.reshape(-1, *t.shape[3:]))
+class StateViews(dict):
+    """name -> (B, H_kv, T, ...) view of a state's buffer. Assigning to a name writes into the buffer, so
+    ``kv.state[name] += x`` and ``kv.state[name] = x`` both update the storage (a new name: ``set_state``)."""
+
+    def __setitem__(self, name: str, value: Tensor) -> None:
+        if value is not self[name]:
+            self[name].copy_(value)
 
 
 class LayerKV:
@@ -64,9 +61,8 @@ class LayerKV:
         return None if self._pos is None else self._pos[:, :, :self.n]
 
     @property
-    def state(self) -> MappingProxyType:
-        """name -> (B, H_kv, T, ...) views of the buffers: update them in place (``add_``, ``copy_``)."""
-        return MappingProxyType({name: t[:, :, :self.n] for name, t in self._state.items()})
+    def state(self) -> StateViews:
+        return StateViews({name: t[:, :, :self.n] for name, t in self._state.items()})
 
     def __len__(self) -> int:
         return self.n - (0 if self.free is None else self.free.shape[-1])   # slots in use, less those emptied
@@ -79,21 +75,16 @@ class LayerKV:
         own), the rest after the slots in use, in place while there is room, else into buffers of twice the
         capacity (room's positions -1; ``MIN_CAPACITY`` at first). Each state gets its fill value there.
         Returns the slots written (B, H_kv, Tn)."""
-        B, H_kv, Tn, d = k.shape
-        reuse = 0 if self.free is None else min(Tn, self.free.shape[-1])
-        slots = torch.arange(self.n, self.n + Tn - reuse, device=k.device).expand(B, H_kv, -1)
+        reuse = 0 if self.free is None else min(k.shape[2], self.free.shape[-1])
         if reuse:                                     # the emptied slots first: no other slot moves
             freed = self.free[..., :reuse]                                       # (B, H_kv, reuse)
             self.free = self.free[..., reuse:] if reuse < self.free.shape[-1] else None
-            put_slots(self._k, freed, k[:, :, :reuse])
-            put_slots(self._v, freed, v[:, :, :reuse])
-            put_slots(self._pos, freed, pos[:reuse].expand(B, H_kv, reuse))
-            for name, t in self._state.items():
-                put_slots(t, freed, t.new_full((B, H_kv, reuse, *t.shape[3:]), self.fill[name]))
-            slots = torch.cat([freed, slots], dim=-1)
-            k, v, pos, Tn = k[:, :, reuse:], v[:, :, reuse:], pos[reuse:], Tn - reuse
-        if Tn == 0:
-            return slots
+            self.write(freed, k[:, :, :reuse], v[:, :, :reuse], pos[:reuse])
+            if reuse == k.shape[2]:
+                return freed
+            k, v, pos = k[:, :, reuse:], v[:, :, reuse:], pos[reuse:]
+        B, H_kv, Tn, d = k.shape
+        start = self.n
         # BEGIN SOLUTION [cache:append] grow as the docstrings say: O(1) bytes per token, amortised (notebook 07 §2)
         if self.n + Tn > self.capacity():             # reallocate: double, keep the first n slots
             cap = Tn + MIN_CAPACITY if self._k is None else max(self.n + Tn, 2 * self.capacity(), MIN_CAPACITY)
@@ -112,12 +103,26 @@ class LayerKV:
             t[:, :, self.n:end] = self.fill[name]
         self.n = end
         # END SOLUTION
-        return slots
+        slots = torch.arange(start, self.n, device=k.device).expand(B, H_kv, -1)          # (B, H_kv, Tn)
+        return torch.cat([freed, slots], dim=-1) if reuse else slots
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> None:
+        """Entries k, v (B, H_kv, E, d) at positions pos (E,) into the slots (B, H_kv, E), in place; every
+        state there back to its fill value."""
+        B, H_kv, E = slots.shape
+
+        def at(t: Tensor) -> Tensor:                  # the slots as an index of t (B, H_kv, E, ...)
+            return slots.view(B, H_kv, E, *[1] * (t.dim() - 3)).expand(B, H_kv, E, *t.shape[3:])
+        self._k.scatter_(2, at(self._k), k)
+        self._v.scatter_(2, at(self._v), v)
+        self._pos.scatter_(2, slots, pos.expand(B, H_kv, E))
+        for name, t in self._state.items():
+            t.scatter_(2, at(t), self.fill[name])
 
     def evict(self, idx: Tensor) -> None:
         """Empty the slots idx (B, H_kv, E), as many in every head, moving no other: their positions become -1
         (attention skips them) and the next ``append`` writes there."""
-        self._pos.view(-1).index_fill_(0, flat_rows(self._pos, idx), -1)
+        self._pos.scatter_(2, idx, -1)
         self.free = idx if self.free is None else torch.cat([self.free, idx], dim=-1)
 
     def keep(self, idx: Tensor) -> None:

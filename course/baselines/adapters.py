@@ -137,9 +137,10 @@ def h2o_observe(policy, store, col_sums: Tensor, phase: str, seen: int) -> Tenso
     return h2o_scores(store)
 
 
-def h2o_step(policy, store, col_sums: Tensor, phase: str, seen: int) -> None:
-    """One step of H2O as the cache runs it: observe the step's attention, then evict down to the budget."""
-    ctx = SimpleNamespace(col_sums=col_sums, kv=store, phase=phase, seen=seen)
+def h2o_step(policy, store, col_sums: Tensor, phase: str, seen: int, n_new: int = 1) -> None:
+    """One step of H2O as the cache runs it, for ``n_new`` new tokens: observe the step's attention, then evict
+    down to the budget."""
+    ctx = SimpleNamespace(col_sums=col_sums, kv=store, phase=phase, seen=seen, q=col_sums.new_empty(0, 0, n_new, 0))
     (policy.on_prefill if phase == "prefill" else policy.on_decode)(ctx)
 
 

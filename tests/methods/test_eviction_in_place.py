@@ -4,7 +4,7 @@ never which: a method that drops a token at every decode step (``ScoringPolicy.e
 the next token) keeps, step after step, the same set of (position, key, value) as the same method compacting
 the storage at every step (``LayerKV.keep``, what every step did before), gives the same greedy answer and
 logits equal up to the order the attention sums its entries in (fp32, 1e-4 on logits of size ~10). On the
-bundled model here, on SmolLM2 in the slow tier. KVReviver's swaps, now taken all at once, against the
+bundled model here, on SmolLM2 in the slow tier. KVReviver's swaps, now decided all at once, against the
 loop of Algorithm 3.
 """
 
@@ -53,8 +53,8 @@ def compare(model, spec: str, opts: dict, prompt: torch.Tensor, budget: int, ste
     for step, (a, b) in enumerate(zip(in_place[2], compacting[2])):
         for layer, (x, y) in enumerate(zip(a, b)):
             assert torch.equal(x[2], y[2]), f"{spec}: step {step}, layer {layer}: the positions held differ"
-            for name, s, t in zip(("keys", "values"), x, y):     # past layer 0: computed from outputs equal to 1e-6
-                torch.testing.assert_close(s, t, rtol=0, atol=1e-5, msg=f"{spec}: step {step}, layer {layer}: {name}")
+            for name, s, t in zip(("keys", "values"), x, y):     # past layer 0: from outputs equal to ~1e-6
+                torch.testing.assert_close(s, t, rtol=1e-5, atol=1e-4, msg=f"{spec}: step {step}, {layer}: {name}")
 
 
 @pytest.mark.parametrize("spec,opts", DECODE_METHODS, ids=lambda x: str(x))
@@ -118,19 +118,17 @@ class LoopSwaps(KVReviverPolicy):
                                   {"injective_hash": True, "sketch_width": 512, "replace_rate": 1.0,
                                    "candidate_share": 0.6}])
 def test_kvreviver_swaps_at_once_are_the_loops(bundled, opts):
-    """The same swaps, step after step (how many, which tokens revived), the same positions held raw; the
-    revived estimates are read before the step's swaps change the sketch, so the logits agree to 1e-4 (exactly
-    with an injective hash: no two tokens share a cell)."""
+    """The same swaps, step after step (how many, which tokens revived), the same entries held, the same
+    logits, bit for bit: the swaps are decided at once and the sketch updated in the loop's order."""
     prompt = torch.randint(3, 500, (1, 96), generator=torch.Generator().manual_seed(3))
     a_policy, b_policy = KVReviverPolicy(40, **opts), LoopSwaps(40, **opts)
     a, b = greedy(bundled, a_policy, prompt, 30), greedy(bundled, b_policy, prompt, 30)
     assert a_policy.swaps == b_policy.swaps > 0
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1])), "the greedy answers differ"
     for step, (x, y) in enumerate(zip(a[2], b[2])):
-        assert all(torch.equal(s[2], t[2]) for s, t in zip(x, y)), f"step {step}: positions held raw differ"
-    tol = 0 if opts.get("injective_hash") else 1e-4
+        assert all(torch.equal(s, t) for u, w in zip(x, y) for s, t in zip(u, w)), f"step {step}: entries differ"
     for step, (x, y) in enumerate(zip(a[0], b[0])):
-        torch.testing.assert_close(x, y, rtol=0, atol=tol, msg=f"step {step}: logits")
+        assert torch.equal(x, y), f"step {step}: logits differ"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -138,7 +136,7 @@ def test_kvreviver_swaps_at_once_are_the_loops(bundled, opts):
 def test_kvreviver_many_swaps_in_one_step(seed, rate):
     """One call of the swap step on random tables, where many swaps happen at once (scores drawn so that V
     often beats C): the same tokens revived, the same entries returned, the same sketch cells (an injective
-    hash: no shared cell, so the order of the sketch's updates cannot matter)."""
+    hash here; the bundled-model test above covers shared cells)."""
     g = torch.Generator().manual_seed(seed)
     N, G, d = 60, 2, 4
     p = torch.randperm(N, generator=g)[:24].sort().values                     # raw positions (R and C)
