@@ -156,25 +156,27 @@ class ScissorhandsPolicy(ScoringPolicy):
 
     def observe(self, ctx: StepContext) -> None:
         """Push the step's low flags (and keep the last query's attention for the tie-break)."""
-        kv = ctx.kv
-        B, H_kv, T = kv.pos.shape
+        kv, pos = ctx.kv, ctx.kv.pos
+        B, H_kv, T = pos.shape
         attn = group_mean(ctx.probs.float(), H_kv)                                   # (B, H_kv, R, T)
         q_pos = ctx.q_pos[-attn.shape[2]:]                                     # (R,) the last R queries
-        kp = kv.pos[:, :, None, :]                                             # (B, H_kv, 1, T)
-        visible = (kp >= 0) & (kp <= q_pos.view(1, 1, -1, 1))                  # (B, H_kv, R, T)
+        kp = pos[:, :, None, :]                                                # (B, H_kv, 1, T)
+        visible = kp >= 0                                                      # the step's last query sees all
+        if len(q_pos) > 1:                                                     # (B, H_kv, R, T): earlier rows
+            visible = visible & (kp <= q_pos.view(1, 1, -1, 1))
         if ctx.phase == "prefill":                                             # no history yet
             kv.set_state(LOW, torch.zeros(B, H_kv, T, self.history_window, dtype=torch.bool,
-                                          device=kv.pos.device), fill=False)
-            kv.set_state(COUNT, torch.zeros(B, H_kv, T, dtype=torch.int32, device=kv.pos.device), fill=0)
-            kv.set_state(ATTN, torch.zeros(B, H_kv, T, device=kv.pos.device), fill=0.0)
-        w = self.history_window
+                                          device=pos.device), fill=False)
+            kv.set_state(COUNT, torch.zeros(B, H_kv, T, dtype=torch.int32, device=pos.device), fill=0)
+            kv.set_state(ATTN, torch.zeros(B, H_kv, T, device=pos.device), fill=0.0)
+        w, state = self.history_window, kv.state
         flags = low_flags(attn, visible, self.threshold)[:, :, -w:]           # (B, H_kv, <=w, T)
         columns = q_pos[-w:] % w                                               # the columns overwritten
-        leaving = kv.state[LOW][..., int(columns[0])].int() if len(columns) == 1 else \
-            kv.state[LOW][..., columns].sum(dim=-1, dtype=torch.int32)         # (B, H_kv, T) flags out
-        kv.state[COUNT].add_(flags.sum(dim=2, dtype=torch.int32) - leaving)    # flags in - flags out
-        push_history(kv.state[LOW], flags, q_pos)
-        kv.state[ATTN].copy_(attn[:, :, -1])                                   # the step's last query
+        leaving = state[LOW][..., int(columns[0])].int() if len(columns) == 1 else \
+            state[LOW][..., columns].sum(dim=-1, dtype=torch.int32)            # (B, H_kv, T) flags out
+        state[COUNT].add_(flags.sum(dim=2, dtype=torch.int32) - leaving)       # flags in - flags out
+        push_history(state[LOW], flags, q_pos)
+        state[ATTN].copy_(attn[:, :, -1])                                      # the step's last query
 
     def score(self, ctx: StepContext) -> Tensor:
         return keep_score(ctx.kv.state[COUNT], ctx.kv.state[ATTN], ctx.kv.pos)
@@ -184,7 +186,8 @@ class ScissorhandsPolicy(ScoringPolicy):
         of the step's last query, then the latest position, in a few passes, without ``keep_score``'s sort."""
         if len(ctx.kv) - self.n_keep(ctx) != 1:
             return super().evict(ctx)
-        pos, counts, attn = ctx.kv.pos, ctx.kv.state[COUNT], ctx.kv.state[ATTN]    # (B, H_kv, T) each
+        state = ctx.kv.state
+        pos, counts, attn = ctx.kv.pos, state[COUNT], state[ATTN]                # (B, H_kv, T) each
         candidate = (pos >= 0) & (pos < ctx.seen - self.n_recent)                 # held, not recent
         counts = counts.masked_fill(~candidate, -1)
         candidate &= counts == counts.amax(dim=-1, keepdim=True)                  # the most low flags
