@@ -289,6 +289,12 @@ plt.show()
 # * the next token gets position `cache.seen` (tokens seen), not `len(cache)` (slots kept), and the
 #   causal mask is built from the stored positions, not from slot numbers.
 #
+# `keep` compacts: it gathers the kept entries into fresh buffers, which a method that compresses a prompt
+# once pays once. A method that drops a token at *every* decode step (StreamingLLM, H2O, Scissorhands) uses
+# `LayerKV.evict(idx)` instead: the dropped slots only get position -1, and the next `append` writes the new
+# token into them, so a step moves nothing. Slots then stop following positions, harmless for the same two
+# reasons.
+#
 # Below, a 12-token prompt; each head keeps 2 "sink" tokens, 3 recent ones and a different middle token
 # (head 1 one fewer: an empty slot), then one more token is decoded. The picture is layer 0's storage, slot
 # by slot, each slot labelled with the position it stores.
