@@ -923,9 +923,10 @@ for name, mse in repair_mse.items():
 #   at 51 slots). The appendix's Fisher budgets (our reading) lower it without curing it (§7.2); our repair,
 #   centred and shrunk estimates (not the paper's), brings the method back to Recent / Candidate alone, about
 #   H2O, and no further (§7.3).
-# * It is slower per decoded token than the full cache on this CPU (section 5 prints by how much; CPU
-#   timings on a shared machine move from run to run; the paper: about 2x on a GPU): rebuilding every
-#   position and the per-token swap loop are Python-level work on every step.
+# * It is slower per decoded token than the full cache (section 5 prints by how much, about the paper's 2x
+#   on a GPU at this length; CPU timings on a shared machine move from run to run): every step rebuilds
+#   every evicted position from the sketch and attends over all of them, so at long contexts it falls far
+#   behind (`python -m methods.evaluation.bench`).
 
 # %% [markdown]
 # ## Exercises
