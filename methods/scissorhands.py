@@ -113,7 +113,7 @@ def scissorhands_keep(counts: Tensor, attn: Tensor, pos: Tensor, seen: int, budg
     ascending, K = T - n_dropped(T, ...), the recent window and the best by ``keep_score``."""
     policy = ScissorhandsPolicy(budget, n_recent=n_recent, drop=drop)
     K = pos.shape[-1] - n_dropped(pos.shape[-1], budget, drop, n_recent)
-    return select_topk(policy.rank(keep_score(counts, attn, pos), pos, seen), K)
+    return select_topk(policy.rank(keep_score(counts, attn, pos), pos, seen), K, pos)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ class ScissorhandsPolicy(ScoringPolicy):
         candidate = (pos >= 0) & (pos < ctx.seen - self.n_recent)                 # held, not recent
         counts = counts.masked_fill(~candidate, -1)
         candidate &= counts == counts.amax(dim=-1, keepdim=True)                  # the most low flags
-        attn = attn.masked_fill(~candidate, float("inf"))
+        attn = attn.nan_to_num(nan=float("inf")).masked_fill(~candidate, float("inf"))   # NaN: ranked last
         candidate &= attn == attn.amin(dim=-1, keepdim=True)                      # the least attention
         return torch.where(candidate, pos, -1).argmax(dim=-1, keepdim=True)       # the latest position
 

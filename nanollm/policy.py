@@ -129,12 +129,15 @@ def select_lowest(scores: Tensor, pos: Tensor, stays: Tensor, n: int) -> Tensor:
     return out.nonzero()[:, -1].view(*s.shape[:2], n)                    # exactly n per head, ascending
 
 
-def select_topk(scores: Tensor, budget: int) -> Tensor:
+def select_topk(scores: Tensor, budget: int, pos: Tensor | None = None) -> Tensor:
     """(B, H_kv, T) scores -> (B, H_kv, min(budget, T)) indices of each head's best, ascending. NaN counts as
-    -inf; on equal scores the earlier slot wins (a stable sort), so the choice is deterministic."""
+    -inf; on equal scores the earlier slot wins (a stable sort), or the earlier position given ``pos`` (slots
+    evicted in place hold later tokens), so the choice is deterministic."""
     check_budget(budget)
     s = torch.nan_to_num(scores.float(), nan=float("-inf"))
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    by_pos = None if pos is None else pos.masked_fill(pos < 0, torch.iinfo(pos.dtype).max).argsort(stable=True)
+    order = torch.sort(s if by_pos is None else s.gather(-1, by_pos), dim=-1, descending=True, stable=True).indices
+    order = order if by_pos is None else by_pos.gather(-1, order)                # back to slots
     return order[..., :budget].sort(dim=-1).values
 
 
@@ -145,10 +148,10 @@ class ScoringPolicy(CachePolicy):
         every hook:  observe(ctx)
                      if ctx.phase in compress_on and a head holds more than budget:
                          ctx.kv.keep(select(ctx))    each head's top ``n_keep`` by ``keep_scores``, or at
-                         ctx.kv.evict(evict(ctx))    a one-token step: the others, emptied in place, O(1)
+                         ctx.kv.evict(evict(ctx))    a one-token step: the others, emptied in place
 
-    The two keep the same set. A layer within budget is never touched: a budget covering the sequence is
-    the full cache.
+    The two keep the same set (ties: the earlier position). A layer within budget is never touched: a budget
+    covering the sequence is the full cache.
     """
 
     budget: int
@@ -188,7 +191,7 @@ class ScoringPolicy(CachePolicy):
         return min(self.budget, len(ctx.kv))
 
     def select(self, ctx: StepContext) -> Tensor:   # slots to keep (B, H_kv, K), ascending; -1 = empty
-        return select_topk(self.keep_scores(ctx), self.n_keep(ctx))
+        return select_topk(self.keep_scores(ctx), self.n_keep(ctx), ctx.kv.pos)
 
     def evict(self, ctx: StepContext) -> Tensor:    # slots to empty (B, H_kv, E): the ones select drops
         pos = ctx.kv.pos
@@ -201,7 +204,7 @@ class ScoringPolicy(CachePolicy):
         self.observe(ctx)
         if ctx.phase in self.compress_on and self.over_budget(ctx):
             if ctx.phase == "decode" and ctx.q.shape[2] == 1 and self.evicts_in_place:
-                ctx.kv.evict(self.evict(ctx))       # O(dropped): the next tokens take these slots
+                ctx.kv.evict(self.evict(ctx))       # no copy: the next tokens take these slots
             else:                                   # the prompt, or an extend chunk: the storage shrinks
                 ctx.kv.keep(self.select(ctx))       # to the kept slots, once per chunk
 

@@ -160,7 +160,7 @@ class LayerKV:
         return (self.pos >= 0).sum(-1) if self.pos is not None else torch.zeros(0, dtype=torch.long)
 
     def nbytes(self) -> int:
-        """Bytes of K and V in the slots that hold entries (what the cache stores)."""
+        """Bytes of K and V in the slots in use, evicted ones waiting for a token left out (what it stores)."""
         return 0 if self._k is None else (self._k.nbytes + self._v.nbytes) // self._k.shape[2] * len(self)
 
     def allocated_nbytes(self) -> int:

@@ -10,15 +10,17 @@ loop of Algorithm 3.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from methods import make_policy
 from methods.kvreviver import KVReviverPolicy
-from nanollm import KVCache, decode_step, prefill
+from nanollm import KVCache, LayerKV, decode_step, prefill
 from nanollm.io.checkpoint import load
 from nanollm.policy import ScoringPolicy
-from tests.held import by_position
+from tests.held import by_position, held
 
 DECODE_METHODS = [("streaming_llm", {}), ("h2o", {}), ("h2o", {"n_recent": 0}), ("scissorhands", {}),
                   ("scissorhands", {"history_window": 8, "n_recent": 2}), ("scissorhands", {"drop": 3})]
@@ -81,7 +83,8 @@ def test_an_evicted_slot_takes_the_next_token(bundled):
     n, free = layer.n, layer.free.clone()                                # (B, H_kv, 1) the emptied slots
     assert free.shape[-1] == 1 and bool((layer.pos.gather(-1, free) == -1).all())
     decode_step(bundled, torch.tensor([8]), cache)
-    assert layer.n == n and bool((layer.pos.gather(-1, free) == cache.seen - 1).all()) or layer.free is not None
+    assert layer.n == n, "a decode step after an eviction must not add a slot"
+    assert bool((layer.pos.gather(-1, free) == cache.seen - 1).all()), "the new token must take the emptied slot"
 
 
 class LoopSwaps(KVReviverPolicy):
@@ -158,3 +161,27 @@ def test_kvreviver_many_swaps_in_one_step(seed, rate):
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(a_key, b_key) and torch.equal(a_value, b_value)
     if rate == 1.0:
         assert a_swaps > 1, "the case must swap more than once in a step"
+
+
+class Indifferent(ScoringPolicy):
+    """A scorer to which every entry is worth the same (score 0), evicting at every step: every choice is a
+    tie, broken by position (the earlier is kept) however the slots are ordered."""
+
+    compress_on = ("prefill", "decode")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+
+    def score(self, ctx):
+        return torch.zeros(ctx.kv.pos.shape)
+
+
+def test_a_compaction_after_in_place_steps_breaks_ties_by_position():
+    """Slots evicted in place hold newer tokens than the slots after them (here slot 1 holds position 5). A
+    compaction that follows (an extend chunk) must keep, among equal scores, the earlier positions, as the
+    compacting path always did, not the earlier slots."""
+    pos = torch.tensor([[[0, 5, 2, 3]]])                                     # (B, H_kv, T) after a reuse
+    kv = LayerKV(torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4, 2), pos)
+    ctx = SimpleNamespace(kv=kv, seen=6, phase="decode")
+    assert held(kv.pos.gather(-1, Indifferent(2).select(ctx))) == [[[0, 2]]]
+    assert held(kv.pos.gather(-1, Indifferent(3).select(ctx))) == [[[0, 2, 3]]]

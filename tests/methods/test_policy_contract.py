@@ -206,7 +206,7 @@ def top_k_cases():
 @pytest.mark.parametrize("name,opts", top_k_cases())
 def test_kept_entries_are_the_top_scored(model, name, opts, budget):
     """At every compression, each KV head keeps its protected entries and, of the others, the ones with the
-    highest score (ties: the earlier slot), as many as it keeps: the rule of every scoring policy, whatever
+    highest score (ties: the earlier position), as many as it keeps: the rule of every scoring policy, whatever
     decides how many a head keeps (a uniform budget, AdaKV's shared one, Scissorhands' m at a time)."""
     policy = make_policy(name, budget=budget, **opts)
     select, compressions = policy.select, []
@@ -218,7 +218,7 @@ def test_kept_entries_are_the_top_scored(model, name, opts, budget):
             for h in range(idx.shape[1]):
                 kept = idx[b, h][idx[b, h] >= 0]
                 if len(kept):
-                    top = select_topk(scores[b, h].view(1, 1, -1), len(kept))
+                    top = select_topk(scores[b, h].view(1, 1, -1), len(kept), ctx.kv.pos[b, h].view(1, 1, -1))
                     assert kept.tolist() == top.flatten().tolist(), \
                         f"layer {ctx.layer} row {b} head {h}: kept {kept.tolist()}, top-scored {top.flatten().tolist()}"
         compressions.append(ctx.layer)
