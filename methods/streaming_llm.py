@@ -13,10 +13,11 @@ most recent tokens gives a fixed-size cache that streams forever:
 As a scorer, newer is better (score = position) and the sinks and the window are protected; they fill the
 budget, so exactly they are kept, and a wrapper around StreamingLLM changes nothing. While decoding, the
 token to drop is always the oldest one after the sinks, so no score is needed: each layer keeps a ring of
-its non-sink slots, oldest first; a step pushes the slots of its new tokens and pops the slots it empties,
-O(1) work per token (every KV head and row holds the same positions in the same slots). Tokens keep their
-original positions (as kvpress; the paper re-indexes positions inside the cache). If budget <= n_sink the
-sinks are cut to budget - 1, so the newest token is always kept.
+its non-sink slots, oldest first; a step pops the slot it empties and pushes it back at the recent end,
+since the next token is written there (``LayerKV.append``): O(1) work per token (every KV head and row holds
+the same positions in the same slots). Tokens keep their original positions (as kvpress; the paper
+re-indexes positions inside the cache). If budget <= n_sink the sinks are cut to budget - 1, so the newest
+token is always kept.
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ class StreamingLLMPolicy(ScoringPolicy):
         ring = self._ring.get(ctx.layer)
         if ring is None:        # the layer's first eviction: its non-sink slots by position, once
             pos = ctx.kv.pos[0, 0]
+            order = pos.argsort()
             sinks = sinks_and_recent(self.budget, self.n_sink, ctx.seen)[0]
-            ring = self._ring[ctx.layer] = deque(s for s in pos.argsort().tolist() if pos[s] >= sinks.stop)
-        else:                   # the new tokens' slots join the ring at the recent end
-            ring.extend(ctx.new_slots[0, 0].tolist())
+            ring = self._ring[ctx.layer] = deque(order[pos[order] >= sinks.stop].tolist())
         B, H_kv = ctx.kv.pos.shape[:2]
         out = [ring.popleft() for _ in range(len(ctx.kv) - self.n_keep(ctx))]
+        ring.extend(out)        # the recent end: the next tokens are written into the emptied slots
         return torch.tensor(out, device=ctx.kv.pos.device).expand(B, H_kv, -1)
 
     def reset(self) -> None:

@@ -33,7 +33,7 @@ class KVCache:
         with its queries q (B, H, Tn, d) at positions pos (Tn,), run the policy. Returns (B, H, Tn, d)."""
         store = self.layers[layer]
         phase = "prefill" if self.seen == 0 else "decode"   # `extend` chunks count as decode steps
-        slots = store.append(*new, pos)
+        store.append(*new, pos)
         if self.policy is None:
             return module.attend_entries(q, store, pos)[0]
         entries = self.policy.attend_kv(layer, store)
@@ -41,7 +41,7 @@ class KVCache:
         out, probs, col_sums = module.attend_entries(q, entries, pos, self.policy.needs(phase))
         ctx = StepContext(layer=layer, phase=phase, q=q, q_pos=pos, probs=probs, out=out, kv=store,
                           attn=module, config=self.config, seen=self.seen + q.shape[2],
-                          attended_pos=attended_pos, col_sums=col_sums, new_slots=slots)
+                          attended_pos=attended_pos, col_sums=col_sums)
         if phase == "prefill":
             self.policy.on_prefill(ctx)
         else:

@@ -58,7 +58,6 @@ class StepContext:
     seen: int                   # tokens seen including this step
     attended_pos: Tensor | None = None     # (B, H_kv, T) positions of the entries attended (None: kv.pos)
     col_sums: Tensor | None = None         # (B, H, T) fp32 attention each attended entry received
-    new_slots: Tensor | None = None        # (B, H_kv, Tn) the slots the step's new entries were written to
 
 
 class CachePolicy:

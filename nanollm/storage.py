@@ -70,21 +70,19 @@ class LayerKV:
     def capacity(self) -> int:
         return 0 if self._k is None else self._k.shape[2]
 
-    def append(self, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+    def append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
         """Add k, v (B, H_kv, Tn, d) at positions pos (Tn,): first into the slots ``evict`` emptied (each head's
         own), the rest after the slots in use, in place while there is room, else into buffers of twice the
-        capacity (room's positions -1; ``MIN_CAPACITY`` at first). Each state gets its fill value there.
-        Returns the slots written (B, H_kv, Tn)."""
+        capacity (room's positions -1; ``MIN_CAPACITY`` at first). Each state gets its fill value there."""
         reuse = 0 if self.free is None else min(k.shape[2], self.free.shape[-1])
         if reuse:                                     # the emptied slots first: no other slot moves
             freed = self.free[..., :reuse]                                       # (B, H_kv, reuse)
             self.free = self.free[..., reuse:] if reuse < self.free.shape[-1] else None
             self.write(freed, k[:, :, :reuse], v[:, :, :reuse], pos[:reuse])
             if reuse == k.shape[2]:
-                return freed
+                return
             k, v, pos = k[:, :, reuse:], v[:, :, reuse:], pos[reuse:]
         B, H_kv, Tn, d = k.shape
-        start = self.n
         # BEGIN SOLUTION [cache:append] grow as the docstrings say: O(1) bytes per token, amortised (notebook 07 §2)
         if self.n + Tn > self.capacity():             # reallocate: double, keep the first n slots
             cap = Tn + MIN_CAPACITY if self._k is None else max(self.n + Tn, 2 * self.capacity(), MIN_CAPACITY)
@@ -103,8 +101,6 @@ class LayerKV:
             t[:, :, self.n:end] = self.fill[name]
         self.n = end
         # END SOLUTION
-        slots = torch.arange(start, self.n, device=k.device).expand(B, H_kv, -1)          # (B, H_kv, Tn)
-        return torch.cat([freed, slots], dim=-1) if reuse else slots
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> None:
         """Entries k, v (B, H_kv, E, d) at positions pos (E,) into the slots (B, H_kv, E), in place; every
