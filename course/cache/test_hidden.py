@@ -146,6 +146,14 @@ def test_append_after_keep_and_with_state():
     append(store, randn(1, 2, 1, 4, seed=8), randn(1, 2, 1, 3, seed=9), torch.tensor([15 + room]),
            "one token past a full buffer")
     assert A.storage_contents(store)[2][0, 1, :7].tolist() == [0, -1, 11, 12, 13, 14, 15]
+    left = A.storage_capacity(store) - (7 + room)                            # room after the reallocation
+    big = left + 5
+    append(store, randn(1, 2, big, 4, seed=10), randn(1, 2, big, 3, seed=11), torch.arange(16 + room, 16 + room + big),
+           f"{big} tokens, more than the {left} slots of room left")
+    score, T = A.storage_state(store, "score"), 7 + room + big
+    kept = score[0, 0, :3].tolist() if score.dim() == 3 else None
+    assert score.shape == (1, 2, T) and score[0, :, 3:].eq(-7.0).all() and kept == [1.0, 4.0, 7.0], \
+        f"a state grows with the buffers, its numbers kept and new slots at its fill: got shape {tuple(score.shape)}"
 
 
 def oracle_attention(q, k, v, q_pos, k_pos):
@@ -189,6 +197,14 @@ def decode_through_the_storage(flavour):
     kept = A.kept_positions(cache, 1)
     assert kept[1, 0].tolist() == list(range(ids.shape[1])), \
         f"layer 1 stores the positions {kept[1, 0].tolist()}"
+    more = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(4))
+    with A.attention_over_entries(oracle_attention):                     # outgrows the room that is left
+        logits = A.run_extend(model, more, cache)[:, -1]
+    ids = torch.cat([ids, more], dim=1)
+    want = A.uncached_logits(model, ids)[:, -1]
+    assert torch.allclose(logits, want, rtol=1e-4, atol=1e-5), \
+        f"{flavour}: after a 64-token chunk larger than the room left, cached logits differ from the uncached " \
+        "pass: " + first_difference(logits, want)
 
 
 # -- task group_scores ------------------------------------------------------------------------------------
