@@ -27,13 +27,16 @@ Accuracy is RULER's ``string_match_all`` of the greedy answer. Greedy decoding t
 prefix produces the same logits as the teacher-forced trace, so as long as the trace's argmax reproduces
 the reference answer, greedy decoding *is* the trace. At the first answer position where it does not, the
 trace keeps a copy of the cache (policy included): the greedy answer is the reference up to there, then
-the method generates freely from that copy. This is exactly the answer a fresh ``evaluate.answer`` gives
-(a test checks it), without running the prompt a second time.
+the method generates freely from that copy. This is the answer a fresh ``evaluate.answer`` gives (a test
+checks it token for token), without running the prompt a second time; the decode step's products round a
+little differently from ``evaluate.answer``'s (``side_by_side``), which changes a token only where two logits
+tie to float rounding.
 
 Speed. ``methods.compare`` traces the full cache and every method on each sample, so ``traces`` runs the
 prompt once for all of them (``side_by_side.FanOut``) and feeds each answer token to all their caches in one
 ``side_by_side.step_many``; ``greedy_from_traces`` continues the wrong answers side by side the same way.
-Each trace's numbers are exactly those of a run on its own (tests compare them bit for bit).
+Each trace's numbers are exactly those of a run on its own, whichever other traces ran beside it (tests
+compare them bit for bit).
 """
 
 from __future__ import annotations
@@ -223,11 +226,11 @@ def answer_traces(model, sample: Sample, probes: list[Probe], caches: list[KVCac
     """The reference answer token by token on caches that hold the prompt (``prompt_logits``: each one's
     prompt logits), all caches side by side: each answer token goes to every cache in one
     ``side_by_side.step_many`` (lean None: the model's own forward, cache by cache). A trace's numbers are
-    exactly those of a step on its cache alone, so a trace does not depend on the others beside it.
+    exactly those of its cache stepped alone, so a trace does not depend on the others beside it.
 
     ``decode_ms_per_token`` is a trace's own work in each step (its attention: storage, attention, policy
     hooks) plus an equal share of the rest of the step, which is the same work for every trace (the
-    matrix products, row by row, and the element-wise operations, once for all rows): the traces' times
+    matrix products and the element-wise operations, once for all rows): the traces' times
     add up to the time of the steps. The share shrinks as more traces run together, so compare these
     times within one run, not across runs with other methods or budgets. Without a lean decoder, each
     trace's own time is its whole forward pass.

@@ -1,17 +1,23 @@
 """
 Many caches, one pass: how ``methods.compare`` runs the full cache and every method on a sample without
-running the model once per method, and still gives each cache exactly the numbers of a run on its own.
+running the model once per method, and still gives each cache the same numbers whichever caches run beside it.
 
 * ``FanOut``: the policy of one prompt pass that serves many caches. The prompt's attention is exact
   whatever the method, so one pass computes the keys, values and outputs for all of them; at each layer
   every cache gets its own copy of the storage and the statistics its policy asks for.
 * ``step_many``: one decode step for many caches. The element-wise work (embedding, RMSNorm, RoPE, SiLU,
-  residual adds) treats every row on its own, so it runs once over all rows; the matrix products and the
-  attention run per cache, with the arithmetic of ``LeanDecoder.step`` (``LeanDecoder.forward``).
+  residual adds) treats every row on its own, so it runs once over all rows; the attention runs per cache
+  (each has its own storage and policy); the matrix products run once over all rows, in blocks of exactly
+  ``ROWS`` rows (``blocked_linear``), so one step reads each weight matrix once per block instead of once
+  per cache. On a small model that read is most of a decode step.
 
-Why not the products too? A product over many rows may sum in another order than the same product over one
-row (it does here), and then a method's numbers would depend on which other methods ran beside it.
-``tests/methods/evaluation/test_side_by_side.py`` and ``test_harness.py`` check the bit-for-bit equality.
+Why blocks of a fixed size? A product's rounding depends on the shape it runs at: one row goes through a
+matrix-vector kernel that sums in another order than the matrix-matrix kernel of many rows. Within one
+shape, a row's result depends only on that row (a product never mixes rows), so when every product runs
+on blocks of the same shape, padded with zero rows, a cache's numbers do not depend on how many caches
+run beside it, nor on which. ``tests/methods/evaluation/test_side_by_side.py`` checks this bit for bit on
+the machine that runs the tests (caches alone, beside others, at other places in the block), and checks
+that the step agrees with ``LeanDecoder.step`` to float rounding (which runs one row's products).
 """
 
 from __future__ import annotations
@@ -28,6 +34,16 @@ from fastpath.lean import LeanDecoder
 from nanollm.attention import prompt_statistics, rope_cos_sin
 from nanollm.cache import KVCache, LayerKV
 from nanollm.policy import CachePolicy, Needs, StepContext
+
+ROWS = 16     # the rows of every product in step_many: 25 caches take two blocks (see the module docstring)
+
+
+def blocked_linear(t: Tensor, w: Tensor, rows: int = ROWS) -> Tensor:
+    """``F.linear(t, w)`` for t (R, D_in), w (D_out, D_in), computed in blocks of exactly ``rows`` rows (the
+    last block padded with zero rows), so every row goes through the same kernel whatever R is. (R, D_out)."""
+    R = t.shape[0]
+    padded = torch.cat([t, t.new_zeros((-R) % rows, t.shape[1])])                     # (ceil(R/rows)*rows, D_in)
+    return torch.cat([F.linear(block, w) for block in padded.split(rows)])[:R]
 
 
 class SharedPrefillUnsupported(Exception):
@@ -81,13 +97,13 @@ def step_many(lean: LeanDecoder, tokens: list[Tensor], caches: list[KVCache],
     ``caches[n]`` (each cache with its own policy, length and position). Returns the logits (sum B_n, V)
     and hidden states (sum B_n, D), the caches' rows one after the other.
 
-    Each cache's numbers are exactly those of ``lean.step(tokens[n], caches[n])`` on its own (tested bit
-    for bit on CPU): the element-wise work runs once over all rows, the matrix products and the attention
-    per cache (see the module docstring).
+    The matrix products run over all rows at once in fixed-size blocks (``blocked_linear``), the attention
+    per cache, the rest once over all rows: each cache's numbers are the same whichever other caches are
+    stepped with it (bit for bit, tested), and agree with ``lean.step(tokens[n], caches[n])`` to float
+    rounding (see the module docstring).
 
     ``own_seconds[n]``, if given, gets the time of cache n's attention added (its storage, attention and
-    policy hooks: the work that differs between caches); the rest of the step is the same work for every
-    row.
+    policy hooks: the work that differs between caches); the rest of the step is shared by every row.
     """
     model = lean.model
     if not caches or len(tokens) != len(caches):
@@ -108,9 +124,6 @@ def step_many(lean: LeanDecoder, tokens: list[Tensor], caches: list[KVCache],
     cos, sin = cos[:, None], sin[:, None]                                              # (R, 1, d) each
     pos = [torch.arange(c.seen, c.seen + 1, device=ids.device) for c in caches]       # (1,) per cache
 
-    def linear(t: Tensor, w: Tensor) -> Tensor:          # a product per cache, on its own rows
-        return torch.cat([F.linear(t[r], w) for r in rows])
-
     def attend(i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:               # (R, H, 1, d)
         outs = []
         for n, (cache, r) in enumerate(zip(caches, rows)):
@@ -120,7 +133,7 @@ def step_many(lean: LeanDecoder, tokens: list[Tensor], caches: list[KVCache],
                 own_seconds[n] += time.perf_counter() - t0
         return torch.cat(outs)
 
-    logits, h = lean.forward(x, cos, sin, linear, attend)
+    logits, h = lean.forward(x, cos, sin, blocked_linear, attend)
     for cache in caches:
         cache.seen += 1
     return logits, h

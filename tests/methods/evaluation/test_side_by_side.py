@@ -1,6 +1,7 @@
 """
-Side by side: ``step_many`` steps many caches at once and gives each exactly what ``LeanDecoder.step`` gives
-it alone (the evaluation's ``traces`` rely on it; ``test_harness.py`` checks the traces themselves).
+Side by side: ``step_many`` steps many caches at once and gives each exactly what it gives that cache
+alone, and what ``LeanDecoder.step`` gives it to float rounding (the evaluation's ``traces`` rely on it;
+``test_harness.py`` checks the traces themselves).
 """
 
 from __future__ import annotations
@@ -10,51 +11,84 @@ import torch
 
 from fastpath.lean import LeanDecoder
 from methods import make_policy
-from methods.evaluation.side_by_side import step_many
+from methods.evaluation.side_by_side import ROWS, blocked_linear, step_many
 from nanollm import KVCache, prefill, preset
 
 
 def test_step_many_is_each_cache_stepped_alone(make_model):
     """step_many over caches of different methods, lengths, batch sizes and positions gives every cache
-    exactly (bit for bit) what LeanDecoder.step gives it alone, for any number of caches side by side: a trace must
-    not depend on which others ran beside it. (Stacking any of the matrix products over all rows makes
-    this test fail on the development machine: a product over many rows rounds differently.)"""
+    exactly (bit for bit) what step_many gives it alone, for any number of caches side by side and any
+    place in the block of rows: a trace must not depend on which others ran beside it. Each also agrees with
+    LeanDecoder.step (one cache, unblocked products) to float rounding. (Stacking the products over the
+    rows without padding them to a fixed block makes this test fail on the development machine: a single
+    row runs a matrix-vector kernel that rounds differently.)"""
     model = make_model(preset("TINY"), seed=3)
     lean = LeanDecoder(model)
     setups = [(None, 1, 9, 12), ("h2o", 1, 20, 12), ("snapkv", 2, 14, 12), (None, 2, 5, 12),
               ("kvreviver", 1, 40, 30), ("scissorhands", 1, 17, 12), ("adakv", 1, 25, 12)]   # kvreviver: a sketch
 
-    def fresh(k):                                    # the first k setups, each prefilled with its own prompt
+    def fresh(order):                                # the setups in ``order``, each prefilled with its own prompt
         caches, streams = [], []
-        for name, B, n_prompt, budget in setups[:k]:
+        for name, B, n_prompt, budget in [setups[j] for j in order]:
             ids = torch.randint(0, 512, (B, n_prompt + 8), generator=torch.Generator().manual_seed(n_prompt))
             cache = KVCache(model.config, make_policy(name, budget=budget) if name else None)
             prefill(model, ids[:, :n_prompt], cache)
             caches.append(cache), streams.append(ids[:, n_prompt:])
         return caches, streams
 
-    for k in (1, 2, 3, len(setups)):
-        alone, streams = fresh(k)
-        together, _ = fresh(k)
+    everything = list(range(len(setups)))
+    alone = [fresh([j]) for j in everything]                          # each cache on its own
+    singles = [[step_many(lean, [s[0][:, t]], c) for t in range(8)] for c, s in alone]
+    lean_caches, streams = fresh(everything)                           # the reference step, one cache at a time
+    for t in range(8):
+        for j, (s, c) in enumerate(zip(streams, lean_caches)):
+            logits, hidden = lean.step_with_hidden(s[:, t], c)
+            torch.testing.assert_close(singles[j][t][0], logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(singles[j][t][1], hidden, rtol=1e-5, atol=1e-5)
+    n_rows = sum(B for _, B, _, _ in setups)
+    for order in ([1, 2], everything, everything[::-1], [4, 0, 6, 3]):          # other rows, other places
+        together, streams = fresh(order)
+        extra, _ = fresh([0] * (ROWS - n_rows + 2)) if order == everything else ([], None)   # > one block
+        extra_streams = [torch.zeros(1, 8, dtype=torch.long)] * len(extra)
         for t in range(8):
-            ref = [lean.step_with_hidden(s[:, t], c) for s, c in zip(streams, alone)]
-            logits, hidden = step_many(lean, [s[:, t] for s in streams], together)
-            assert torch.equal(logits, torch.cat([r[0] for r in ref]))
-            assert torch.equal(hidden, torch.cat([r[1] for r in ref]))
-        for a, b in zip(alone, together):
+            logits, hidden = step_many(lean, [s[:, t] for s in streams + extra_streams], together + extra)
+            first = 0
+            for j, s in zip(order, streams):
+                rows = slice(first, first + s.shape[0])
+                assert torch.equal(logits[rows], singles[j][t][0]), (order, j, t)
+                assert torch.equal(hidden[rows], singles[j][t][1]), (order, j, t)
+                first += s.shape[0]
+        for j, b in zip(order, together):
+            a = alone[j][0][0]
             assert a.seen == b.seen
             for la, lb in zip(a.layers, b.layers):
                 assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v) and torch.equal(la.pos, lb.pos)
                 assert la.state.keys() == lb.state.keys()
                 assert all(torch.equal(la.state[n], lb.state[n]) for n in la.state)
-    assert all(together[4].policy._sketch.values())   # KVReviver stepped over entries rebuilt from its sketch
+    assert all(alone[4][0][0].policy._sketch.values())   # KVReviver stepped over entries rebuilt from its sketch
 
-    c = alone[0]
+    c, others = alone[0][0][0], alone[1][0]
     seen, k0 = c.seen, c.layers[0].k.clone()
     with pytest.raises(ValueError, match="already holds a prefix"):     # checked before any cache changes
         step_many(lean, [torch.tensor([1]), torch.tensor([2])], [c, KVCache(model.config)])
     assert c.seen == seen and torch.equal(c.layers[0].k, k0)
     with pytest.raises(ValueError, match="one token tensor per cache"):
-        step_many(lean, [torch.tensor([1])], [c, alone[1]])
+        step_many(lean, [torch.tensor([1])], [c, others[0]])
     with pytest.raises(ValueError, match="appears twice"):
         step_many(lean, [torch.tensor([1]), torch.tensor([2])], [c, c])
+
+
+def test_blocked_linear_is_a_product_whose_rows_ignore_each_other():
+    """blocked_linear equals F.linear to float rounding for any row count, and a row's result is bit for bit
+    the same whatever rows surround it and wherever it sits (across blocks too)."""
+    g = torch.Generator().manual_seed(0)
+    w, row = torch.randn(48, 40, generator=g), torch.randn(40, generator=g)
+    ref = blocked_linear(row[None], w)[0]
+    torch.testing.assert_close(ref, row @ w.T, rtol=1e-5, atol=1e-5)
+    for R, at in [(2, 1), (ROWS, 0), (ROWS, ROWS - 1), (ROWS + 3, ROWS + 1), (3 * ROWS, 2 * ROWS - 1)]:
+        t = torch.randn(R, 40, generator=g)
+        t[at] = row
+        out = blocked_linear(t, w)
+        assert out.shape == (R, 48)
+        assert torch.equal(out[at], ref), (R, at)
+        torch.testing.assert_close(out, t @ w.T, rtol=1e-5, atol=1e-5)
