@@ -35,7 +35,7 @@ from nanollm.io.files import atomic_write_text
 from .. import METHODS, make_policy, method_chain
 from ..presets import PRESETS, preset_options
 from .harness import Cell, compare_traces, greedy_accuracies, traces
-from .intervals import paired_difference, signed, verdict, wilson, within_noise
+from .intervals import best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
@@ -125,8 +125,81 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
     return records
 
 
+def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], list[float]]:
+    """Per (method, keep ratio) in ``mode``: every sample's accuracy, tasks one after the other in a fixed
+    order, for the rows that ran every task (the pairs of the exact tests)."""
+    rows = [r for r in records if r["mode"] == mode]
+    tasks = sorted({r["task"] for r in rows}, key=lambda t: ALL_TASKS.index(t) if t in ALL_TASKS else 99)
+    by_key: dict[tuple, dict] = {}
+    for r in rows:
+        by_key.setdefault((r["method"], r["keep_ratio"]), {})[r["task"]] = r["accuracies"]
+    return {k: [a for t in tasks for a in v[t]] for k, v in by_key.items() if set(v) == set(tasks)}
+
+
+def p_value(p: float) -> str:
+    """A p-value in a table: two decimals, or one significant digit below 0.01 (0.0005 is "5e-04")."""
+    return f"{p:.2f}" if p >= 0.01 else f"{p:.0e}"
+
+
+def versus_best(records: list[dict], mode: str) -> dict[tuple[str, float], str]:
+    """Per (method, keep ratio) of the methods (not the full cache): "best" for each keep ratio's best mean
+    accuracy, "tie p=.." for a method the exact paired test cannot tell from it (p >= 0.05), else "p=..".
+    Keep ratios with a single method get no mark."""
+    answers = answers_by_row(records, mode)
+    marks = {}
+    for ratio in sorted({k[1] for k in answers if k[0] != "full"}):
+        at = {k[0]: v for k, v in answers.items() if k[1] == ratio and k[0] != "full"}
+        if len(at) < 2:
+            continue
+        best, p = best_and_ties(at)
+        marks[(best, ratio)] = "best"
+        for name, pv in p.items():
+            marks[(name, ratio)] = f"tie p={p_value(pv)}" if pv >= 0.05 else f"p={p_value(pv)}"
+    return marks
+
+
+def pairwise(records: list[dict]) -> list[dict]:
+    """Every pair of methods at every keep ratio, per mode: the exact paired test of their answers
+    (``intervals.sign_test``): wins of each on the samples where they differ, and the two-sided p-value."""
+    out = []
+    for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
+        answers = answers_by_row(records, mode)
+        for ratio in sorted({k[1] for k in answers if k[0] != "full"}):
+            names = sorted(k[0] for k in answers if k[1] == ratio and k[0] != "full")
+            for i, a in enumerate(names):
+                for b in names[i + 1:]:
+                    wa, wb, p = sign_test(answers[(a, ratio)], answers[(b, ratio)])
+                    out.append({"mode": mode, "keep_ratio": ratio, "a": a, "b": b, "wins_a": wa, "wins_b": wb,
+                                "p": p, "n": len(answers[(a, ratio)])})
+    return out
+
+
+def format_pairwise(records: list[dict]) -> str:
+    """Per mode and keep ratio, a matrix of the exact paired tests between methods: "w:l p" is how many
+    samples the row's method answered better than the column's, how many worse, and the p-value."""
+    lines = []
+    tests = pairwise(records)
+    for mode in [m for m in MODES if any(t["mode"] == m for t in tests)]:
+        for ratio in sorted({t["keep_ratio"] for t in tests if t["mode"] == mode}):
+            at = [t for t in tests if t["mode"] == mode and t["keep_ratio"] == ratio]
+            names = sorted({t["a"] for t in at} | {t["b"] for t in at})
+            cell = {}
+            for t in at:
+                cell[(t["a"], t["b"])] = f"{t['wins_a']}:{t['wins_b']} {p_value(t['p'])}"
+                cell[(t["b"], t["a"])] = f"{t['wins_b']}:{t['wins_a']} {p_value(t['p'])}"
+            w = max(14, 1 + max(map(len, names)))
+            cw = max(11, 2 + max(len(c) for c in cell.values()))
+            head = f"{'':<{w}}" + "".join(f"{n[:cw - 2]:>{cw}}" for n in names)
+            lines += [f"\n[{mode}] keep {ratio:.2f}: exact paired tests over {at[0]['n']} answers "
+                      "(row wins:column wins on the samples they differ, two-sided p)", head, "-" * len(head)]
+            for a in names:
+                lines.append(f"{a:<{w}}" + "".join(f"{cell.get((a, b), '-'):>{cw}}" for b in names))
+    return "\n".join(lines)
+
+
 def format_tables(records: list[dict]) -> str:
-    """One table per mode: rows method @ keep ratio, columns accuracy per task, then mean metrics."""
+    """One table per mode: rows method @ keep ratio, columns accuracy per task, then mean metrics, and (with
+    per-sample accuracies) how each method stands against its keep ratio's best (``versus_best``)."""
     lines = []
     tasks = sorted({r["task"] for r in records}, key=lambda t: ALL_TASKS.index(t) if t in ALL_TASKS else 99)
     for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
@@ -134,9 +207,11 @@ def format_tables(records: list[dict]) -> str:
         keys = sorted({(r["method"], r["keep_ratio"], r["budget"]) for r in rows},
                       key=lambda k: (k[0] != "full", k[0], k[1]))
         short = [t.replace("niah_", "").replace("single_", "s_")[:10] for t in tasks]
+        marks = versus_best(records, mode) if all("accuracies" in r for r in rows) else {}
         w = max(14, 1 + max(len(k[0]) for k in keys))                 # the method column fits every name
         head = f"{'method':<{w}}{'keep':>6}{'budget':>7} " + "".join(f"{s:>11}" for s in short) + \
-            f"{'mean acc':>9}{'KL':>8}{'pert':>7}{'lost':>6}{'KV KiB':>8}{'ms/tok':>7}"
+            f"{'mean acc':>9}{'KL':>8}{'pert':>7}{'lost':>6}{'KV KiB':>8}{'ms/tok':>7}" + \
+            ("  vs best" if marks else "")
         lines += [f"\n[{mode}]", head, "-" * len(head)]
         for method, ratio, budget in keys:
             sel = {r["task"]: r for r in rows if (r["method"], r["keep_ratio"], r["budget"]) == (method, ratio, budget)}
@@ -146,14 +221,15 @@ def format_tables(records: list[dict]) -> str:
                          + "".join(f"{a:>11.2f}" for a in accs)
                          + f"{sum(accs) / len(accs):>9.2f}{mean('kl'):>8.3f}{mean('perturbation'):>7.3f}"
                          f"{mean('lost_mass'):>6.2f}{max(r['kv_bytes'] for r in sel.values()) / 1024:>8.0f}"
-                         f"{mean('decode_ms_per_token'):>7.1f}")
+                         f"{mean('decode_ms_per_token'):>7.1f}"
+                         + (f"  {marks.get((method, ratio), ''):<11}".rstrip() if marks else ""))
     return "\n".join(lines)
 
 
 def format_intervals(records: list[dict]) -> str:
     """Per mode: each row's mean accuracy with its 95% Wilson interval, its paired difference from the
-    full cache (95% bootstrap interval), and per keep ratio the methods within noise of that keep ratio's
-    best (see ``intervals``). Needs the per-sample ``accuracies`` of each record."""
+    full cache (95% bootstrap interval), and per keep ratio the methods the exact paired test cannot tell
+    from that keep ratio's best (see ``intervals``). Needs the per-sample ``accuracies`` of each record."""
     lines = []
     for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
         rows = [r for r in records if r["mode"] == mode]
@@ -180,14 +256,15 @@ def format_intervals(records: list[dict]) -> str:
                 d, dlo, dhi = paired_difference(g, full)
                 line += f"   {signed(d)} [{signed(dlo)}, {signed(dhi)}]  {verdict(dlo, dhi)}"
             lines.append(line.rstrip())
+        answers = answers_by_row(records, mode)
         for ratio in sorted({k[1] for k in keys if k[0] != "full"}):
-            at = [k for k in keys if k[1] == ratio and k[0] != "full"]
+            at = {k[0]: answers[k] for k in keys if k[1] == ratio and k[0] != "full"}
             if len(at) < 2:
                 continue
-            best = max(at, key=lambda k: (means[k], k[0]))
-            ties = [k[0] for k in at if k != best and within_noise(*paired_difference(groups[k], groups[best])[1:])]
-            lines.append(f"keep {ratio:.2f}: best {best[0]} ({means[best]:.2f}); within noise of it: "
-                         + (", ".join(ties) if ties else "none"))
+            best, p = best_and_ties(at)
+            ties = [f"{name} (p={p_value(pv)})" for name, pv in sorted(p.items(), key=lambda x: -x[1]) if pv >= 0.05]
+            lines.append(f"keep {ratio:.2f}: best {best} ({means[(best, ratio)]:.2f}); not distinguishable from it "
+                         "(exact paired test, p >= 0.05): " + (", ".join(ties) if ties else "none"))
     return "\n".join(lines)
 
 
@@ -332,13 +409,15 @@ def main(argv: list[str] | None = None) -> None:
             r["preset"] = args.preset
         print(format_tables(records))
         print(format_intervals(records))
+        print(format_pairwise(records))
         print(f"\n{args.samples} samples per task and mode, {length} tokens, seed {args.seed}, "
               f"{time.time() - t0:.0f} s with {workers} worker(s). acc = string_match_all of the greedy answer; "
               "KL = mean next-token "
               "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
               "decode step; lost = full-attention mass on entries the method dropped at that step.")
         if args.json:
-            atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records},
+            atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records,
+                                                     "pairwise": pairwise(records)},
                                                     indent=1))
             print(f"records written to {args.json}")
         if args.plot:

@@ -33,9 +33,22 @@ makes dozens of comparisons without correction, so read a lone "beyond noise" wi
 intervals are percentile intervals from a fixed seed: the same records always give the same intervals.
 When both rows score the same on every sample the difference's interval is [0, 0]: the rows cannot be told
 apart, which is what "within noise" reports.
+
+**Methods against each other: an exact paired test.** To rank methods at one keep ratio, ``sign_test`` asks
+of two rows answered on the same samples: of the samples where they differ, does one win more often than a
+fair coin would let it? Samples both get right, or both wrong, say nothing about which is better; only
+the n discordant samples count, and under "no difference" the k samples the first row wins follow a
+Binomial(n, 1/2). The two-sided p-value sums the probabilities of every outcome at most as likely as the
+one observed. With right/wrong answers this is McNemar's exact test (McNemar, 1947); with partly right
+answers a sample counts for the row that scored higher on it (the paired sign test). It is exact at any
+sample count, where the bootstrap is only approximate with few samples. Two rows are *distinguishable* at
+p < 0.05; the compare table marks each keep ratio's best method and the methods not distinguishable from
+it (``best_and_ties``). These are many tests without correction: a lone p just under 0.05 is weak evidence.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -82,6 +95,29 @@ def paired_difference(a: list[list[float]], b: list[list[float]], level: float =
     diff = [[x - y for x, y in zip(ga, gb)] for ga, gb in zip(a, b)]
     lo, hi = interval(diff, level, seed)
     return sum(sum(g) / len(g) for g in diff) / len(diff), lo, hi
+
+
+def sign_test(a: list[float], b: list[float]) -> tuple[int, int, float]:
+    """(wins of a, wins of b, two-sided exact p-value): McNemar's exact test of two rows' scores on the same
+    samples in the same order (the paired sign test when scores are partial). p is 1 when no sample
+    tells them apart."""
+    if len(a) != len(b):
+        raise ValueError(f"sign_test needs the same samples in both rows, got {len(a)} and {len(b)} scores")
+    wins_a = sum(x > y for x, y in zip(a, b))
+    wins_b = sum(x < y for x, y in zip(a, b))
+    n = wins_a + wins_b
+    probs = [math.comb(n, k) / 2 ** n for k in range(n + 1)]                 # Binomial(n, 1/2)
+    p = sum(q for q in probs if q <= probs[wins_a] * (1 + 1e-9))          # outcomes no likelier than observed
+    return wins_a, wins_b, min(1.0, p)
+
+
+def best_and_ties(rows: dict[str, list[float]], alpha: float = 0.05) -> tuple[str, dict[str, float]]:
+    """The best row (highest mean score; ties by name) and, for every other row, the sign test's p-value
+    against it: ``(best, {name: p})``. Rows with p >= alpha are not distinguishable from the best."""
+    if not rows or len({len(v) for v in rows.values()}) != 1:
+        raise ValueError("best_and_ties needs rows scored on the same samples")
+    best = max(rows, key=lambda k: (sum(rows[k]), k))
+    return best, {k: sign_test(v, rows[best])[2] for k, v in rows.items() if k != best}
 
 
 def within_noise(lo: float, hi: float) -> bool:

@@ -1,4 +1,5 @@
-"""95% intervals of the compare table: Wilson for a row, the paired stratified bootstrap for a difference."""
+"""95% intervals of the compare table: Wilson for a row, the paired stratified bootstrap for a difference, and
+the exact paired test (McNemar) between methods."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import random
 import pytest
 import torch
 
-from methods.evaluation.compare import format_intervals
-from methods.evaluation.intervals import bootstrap_means, interval, paired_difference, wilson, within_noise
+from methods.evaluation.compare import format_intervals, format_pairwise, format_tables, pairwise
+from methods.evaluation.intervals import (
+    best_and_ties,
+    bootstrap_means,
+    interval,
+    paired_difference,
+    sign_test,
+    wilson,
+    within_noise,
+)
 
 
 def test_wilson_known_values():
@@ -68,7 +77,12 @@ def test_format_intervals_names_the_ties():
     lines = {ln.split()[0]: ln for ln in text.splitlines() if ln and ln.split()[0] in "abc"}
     assert "within noise" in lines["a"] and lines["a"].split()[2] == "1.00"
     assert lines["c"].endswith("lower")
-    assert "keep 0.50: best a (1.00); within noise of it: b" in text
+    assert "keep 0.50: best a (1.00); not distinguishable from it (exact paired test, p >= 0.05): b (p=0.50)" in text
+    table = format_tables([dict(r, budget=None if r["method"] == "full" else 10, length=20, accuracy=sum(
+        r["accuracies"]) / 10, kl=0.0, perturbation=0.0, lost_mass=0.0, kv_bytes=0, decode_ms_per_token=0.0)
+        for r in records])
+    marks = {ln.split()[0]: ln.split("  ")[-1].strip() for ln in table.splitlines() if ln and ln.split()[0] in "abc"}
+    assert marks == {"a": "best", "b": "tie p=0.50", "c": "p=2e-03"}      # b loses 2 of 20 samples to a, c 10
 
 
 def test_the_noise_rule_is_one_helper_whose_printed_interval_agrees_with_its_verdict():
@@ -85,3 +99,54 @@ def test_the_noise_rule_is_one_helper_whose_printed_interval_agrees_with_its_ver
     a, b = [[1.0] * 10], [[0.0] * 10]
     assert verdict(*paired_difference(a, b)[1:]) == "higher"
     assert verdict(*paired_difference([[1.0, 0.0] * 5], [[0.0, 1.0] * 5])[1:]) == "within noise"
+
+
+def test_sign_test_is_mcnemars_exact_test():
+    """Known values (two-sided, Binomial(n, 1/2) over the discordant samples), concordant samples ignored,
+    symmetric, partial scores counted by which row scored higher."""
+    assert sign_test([1] * 10, [0] * 10) == (10, 0, pytest.approx(2 / 1024))
+    assert sign_test([1] * 7 + [0], [0] * 7 + [1])[2] == pytest.approx(2 * 9 / 256)     # 7:1 -> 0.0703
+    assert sign_test([1] * 7 + [0] + [1] * 20, [0] * 7 + [1] + [1] * 20)[2] == pytest.approx(2 * 9 / 256)
+    assert sign_test([1, 0] * 5, [0, 1] * 5) == (5, 5, 1.0)
+    assert sign_test([1.0, 1.0], [1.0, 1.0]) == (0, 0, 1.0)                      # nothing tells them apart
+    assert sign_test([0.5, 0.2, 1.0], [0.25, 0.2, 0.0]) == (2, 0, 0.5)
+    a, b = [1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1, 0], [0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0]
+    assert sign_test(a, b)[2] == sign_test(b, a)[2] == pytest.approx(2 * (1 + 8) / 2 ** 8, rel=1e-12)   # 7:1
+    with pytest.raises(ValueError):
+        sign_test([1], [1, 0])
+
+
+def test_the_exact_test_rejects_at_its_level():
+    """Two rows answering right with the same probability, independently per sample: the test calls them
+    distinguishable at most 5% of the time (it is exact, so conservative); one clearly better row is found."""
+    rng = random.Random(0)
+    trials, rejected = 1000, 0
+    for _ in range(trials):
+        a = [float(rng.random() < 0.6) for _ in range(30)]
+        b = [float(rng.random() < 0.6) for _ in range(30)]
+        rejected += sign_test(a, b)[2] < 0.05
+    assert rejected / trials <= 0.05
+    better = [float(rng.random() < 0.9) for _ in range(60)]
+    worse = [x if rng.random() < 0.5 else 0.0 for x in better]
+    assert sign_test(better, worse)[2] < 0.05
+
+
+def test_best_and_ties_and_the_pairwise_matrix():
+    rows = {"a": [1.0] * 10, "b": [1.0] * 9 + [0.0], "c": [1.0, 0.0] * 5}
+    best, p = best_and_ties(rows)
+    assert best == "a" and p["b"] == 1.0 and p["c"] == pytest.approx(2 / 32)
+    with pytest.raises(ValueError):
+        best_and_ties({"a": [1.0], "b": [1.0, 0.0]})
+
+    def rec(method, keep, task, accs):
+        return {"method": method, "keep_ratio": keep, "task": task, "mode": "question_in_prompt", "accuracies": accs}
+    records = [rec(m, 0.5, t, v[:5] if t == "passkey" else v[5:]) for m, v in rows.items()
+               for t in ("passkey", "niah_single_docs")] + [rec("full", 1.0, t, [1.0] * 5) for t in ("passkey",
+                                                                                                   "niah_single_docs")]
+    tests = {(t["a"], t["b"]): t for t in pairwise(records)}
+    assert set(tests) == {("a", "b"), ("a", "c"), ("b", "c")}                     # every pair once, no full cache
+    assert (tests[("a", "c")]["wins_a"], tests[("a", "c")]["wins_b"], tests[("a", "c")]["n"]) == (5, 0, 10)
+    text = format_pairwise(records)
+    assert "keep 0.50: exact paired tests over 10 answers" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("c "))
+    assert line.split()[1:] == ["0:5", "0.06", "0:4", "0.12", "-"]              # c against a, b, itself
