@@ -34,6 +34,7 @@ from nanollm.io.files import atomic_write_text
 
 from .. import METHODS, make_policy, method_chain
 from ..presets import PRESETS, preset_options
+from . import shards
 from .harness import Cell, compare_traces, greedy_accuracies, traces
 from .intervals import best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 
@@ -90,33 +91,42 @@ def default_workers() -> int:
 
 
 def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str], modes: list[str],
-        samples: int, length: int, seed: int = 0, progress: bool = True, workers: int = 1) -> list[dict]:
+        samples: int, length: int, seed: int = 0, progress: bool = True, workers: int = 1,
+        rank: int = 0, world: int = 1) -> list[dict]:
     """All records: one per (method, budget, task, mode), plus method "full" per (task, mode).
 
     ``methods`` are method specs (``"snapkv"``, ``"adakv(h2o)"``), recorded under their spelling, or
     ``Variant``s, recorded under their label. ``workers`` > 1 runs the jobs in that many processes (one
-    torch thread each); the records are the same (see the module docstring)."""
+    torch thread each); the records are the same (see the module docstring). Under ``torchrun``, process
+    ``rank`` of ``world`` runs its share of the jobs and rank 0 returns every record (``shards``); the
+    other ranks return []."""
     variants = [m if isinstance(m, Variant) else Variant(m, m) for m in methods]
     shared = (model, tok, variants, budgets, length, seed)
     jobs = [(t, i, m) for t in tasks for i in range(samples) for m in modes]
-    bar = tqdm(total=len(jobs), disable=not progress, desc="compare", unit="sample", dynamic_ncols=True)
-    cells: dict[tuple, Cell] = {}
+    mine = shards.share(jobs, rank, world)
+    bar = tqdm(total=len(mine), disable=not progress, desc="compare", unit="sample", dynamic_ncols=True)
 
-    def collect(results) -> None:                        # in job order, whatever order they finished in
+    def tick(results):
         for job_results in results:
-            for key, metrics in job_results:
-                cells.setdefault(key, Cell()).add(metrics)
             bar.update(1)
+            yield job_results
 
-    workers = min(workers, len(jobs))
+    workers = min(workers, len(mine))
     if workers <= 1:
-        collect(run_job(*shared, job) for job in jobs)
+        results = list(tick(run_job(*shared, job) for job in mine))
     else:                                                # "spawn": a fresh interpreter, safe with torch threads
         ctx = multiprocessing.get_context("spawn")      # the model travels as plain pickled bytes (a few MB),
         blob = pickle.dumps(shared)                      # not through torch's shared-memory files
         with ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob)) as pool:
-            collect(pool.imap(_run_job_in_worker, jobs))
+            results = list(tick(pool.imap(_run_job_in_worker, mine)))   # in job order, however they finished
     bar.close()
+    results = shards.gather(results, len(jobs), rank, world)
+    if results is None:                                  # not rank 0: its results went there
+        return []
+    cells: dict[tuple, Cell] = {}
+    for job_results in results:
+        for key, metrics in job_results:
+            cells.setdefault(key, Cell()).add(metrics)
     records = []
     for (name, budget, task, mode), cell in cells.items():
         m = cell.means()
@@ -400,31 +410,55 @@ def main(argv: list[str] | None = None) -> None:
 
         variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]
         torch.set_num_threads(args.threads)
-        model, tok, card = load(args.checkpoint, device=args.device)
-        t0 = time.time()
-        workers = args.workers or (default_workers() if args.device == "cpu" else 1)
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        prov = provenance(argv, prog=ap.prog, threads=args.threads if workers <= 1 else 1, dtype=dtype, seed=args.seed)
-        print(header(prov) + f"\n# methods' options: {args.preset} (" + "; ".join(
-            f"{v.label}: {', '.join(f'{k}={x}' for k, x in v.options.items()) or 'defaults'}" for v in variants) + ")",
-            flush=True)
-        records = run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed,
-                      progress=not args.quiet, workers=workers)
-        for r in records:
-            r["preset"] = args.preset
-        print(format_tables(records))
-        print(format_intervals(records))
-        print(format_pairwise(records))
-        print(f"\n{samples} samples per task and mode, {length} tokens, seed {args.seed}, "
-              f"{time.time() - t0:.0f} s with {workers} worker(s). acc = string_match_all of the greedy answer; "
-              "KL = mean next-token "
-              "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
-              "decode step; lost = full-attention mass on entries the method dropped at that step.")
-        if args.json:
-            atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records,
-                                                     "pairwise": pairwise(records)},
-                                                    indent=1))
-            print(f"records written to {args.json}")
-        if args.plot:
-            plot(records, args.plot)
-            print(f"plot written to {args.plot}")
+        rank, world, device = shards.start(args.device) if shards.launched() else (0, 1, args.device)
+        try:
+            run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, world, device)
+        finally:
+            shards.stop()
+
+
+def launcher(world: int, prog: str) -> str:
+    """How the command was started, for its provenance: ``prog``, or torchrun with the process counts."""
+    if world == 1:
+        return prog
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = f"--nnodes {world // local} " if local != world else ""
+    return f"torchrun {nodes}--nproc-per-node {local} -m " + prog.removeprefix("python -m ")
+
+
+def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, world, device) -> None:
+    """``main`` after every argument is checked: load, run (this rank's share under torchrun), report."""
+    model, tok, card = load(args.checkpoint, device=device)
+    t0 = time.time()
+    workers = args.workers or (default_workers() if device == "cpu" and world == 1 else 1)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    prov = provenance(argv, prog=launcher(world, ap.prog), threads=args.threads if workers <= 1 else 1,
+                      dtype=dtype, seed=args.seed)
+    if rank != 0:                            # the other ranks run their share and send it to rank 0
+        run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed, progress=False,
+            workers=workers, rank=rank, world=world)
+        return
+    options = "; ".join(f"{v.label}: {', '.join(f'{k}={x}' for k, x in v.options.items()) or 'defaults'}"
+                        for v in variants)
+    print(header(prov) + f"\n# methods' options: {args.preset} ({options})", flush=True)
+    records = run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed,
+                  progress=not args.quiet, workers=workers, rank=rank, world=world)
+    for r in records:
+        r["preset"] = args.preset
+    print(format_tables(records))
+    print(format_intervals(records))
+    print(format_pairwise(records))
+    print(f"\n{samples} samples per task and mode, {length} tokens, seed {args.seed}, "
+          f"{time.time() - t0:.0f} s with {workers} worker(s)"
+          + (f" in each of {world} processes" if world > 1 else "") + ". acc = string_match_all of the greedy answer; "
+          "KL = mean next-token "
+          "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
+          "decode step; lost = full-attention mass on entries the method dropped at that step.")
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records,
+                                                 "pairwise": pairwise(records)},
+                                                indent=1))
+        print(f"records written to {args.json}")
+    if args.plot:
+        plot(records, args.plot)
+        print(f"plot written to {args.plot}")
