@@ -110,8 +110,9 @@ class LeanDecoder:
 
         ``linear(t, w)`` computes every matrix product and ``attend(i, attn, q, k, v)`` layer i's attention;
         ``step_with_hidden`` passes ``F.linear`` and its cache's attention. Everything else here is
-        element-wise or row by row, so an evaluation can pass functions that run the products and the
-        attention per sequence and step many sequences at once (``methods/evaluation/side_by_side.py``).
+        element-wise or row by row, so an evaluation can step many sequences at once by passing functions
+        that run the attention per sequence and the products over all rows in fixed-size blocks
+        (``methods/evaluation/side_by_side.py``).
         """
         cfg = self.config
         H, H_kv, d = cfg.n_head, cfg.n_kv_head, cfg.head_dim

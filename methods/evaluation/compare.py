@@ -36,7 +36,7 @@ from .. import METHODS, make_policy, method_chain
 from ..presets import PRESETS, preset_options
 from . import shards
 from .harness import Cell, compare_traces, greedy_accuracies, traces
-from .intervals import best_and_ties, paired_difference, sign_test, signed, verdict, wilson
+from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
@@ -148,8 +148,10 @@ def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], li
 
 
 def p_value(p: float) -> str:
-    """A p-value in a table: two decimals, or one significant digit below 0.01 (0.0005 is "5e-04")."""
-    return f"{p:.2f}" if p >= 0.01 else f"{p:.0e}"
+    """A p-value in a table: two decimals from 0.1, three from 0.001, else one significant digit ("5e-04");
+    never rounded up to the level ``ALPHA`` when below it (0.0499 is "<0.05", not "0.050")."""
+    text = f"{p:.2f}" if p >= 0.1 else f"{p:.3f}" if p >= 0.001 else f"{p:.0e}"
+    return f"<{ALPHA}" if p < ALPHA <= float(text) else text
 
 
 def versus_best(records: list[dict], mode: str) -> dict[tuple[str, float], str]:
@@ -165,7 +167,7 @@ def versus_best(records: list[dict], mode: str) -> dict[tuple[str, float], str]:
         best, p = best_and_ties(at)
         marks[(best, ratio)] = "best"
         for name, pv in p.items():
-            marks[(name, ratio)] = f"tie p={p_value(pv)}" if pv >= 0.05 else f"p={p_value(pv)}"
+            marks[(name, ratio)] = f"tie p={p_value(pv)}" if pv >= ALPHA else f"p={p_value(pv)}"
     return marks
 
 
@@ -273,7 +275,7 @@ def format_intervals(records: list[dict]) -> str:
             if len(at) < 2:
                 continue
             best, p = best_and_ties(at)
-            ties = [f"{name} (p={p_value(pv)})" for name, pv in sorted(p.items(), key=lambda x: -x[1]) if pv >= 0.05]
+            ties = [f"{name} (p={p_value(pv)})" for name, pv in sorted(p.items(), key=lambda x: -x[1]) if pv >= ALPHA]
             lines.append(f"keep {ratio:.2f}: best {best} ({means[(best, ratio)]:.2f}); not distinguishable from it "
                          "(exact paired test, p >= 0.05): " + (", ".join(ties) if ties else "none"))
     return "\n".join(lines)
@@ -422,7 +424,8 @@ def launcher(world: int, prog: str) -> str:
     if world == 1:
         return prog
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    nodes = f"--nnodes {world // local} " if local != world else ""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", max(1, world // local)))          # torchrun's machine count
+    nodes = f"--nnodes {nodes} " if local != world else ""
     return f"torchrun {nodes}--nproc-per-node {local} -m " + prog.removeprefix("python -m ")
 
 

@@ -53,6 +53,7 @@ import math
 import torch
 
 N_RESAMPLES = 2000
+ALPHA = 0.05                # the exact paired test's level: distinguishable when p < ALPHA
 
 
 def bootstrap_means(groups: list[list[float]], n_resamples: int = N_RESAMPLES, seed: int = 0) -> torch.Tensor:
@@ -111,9 +112,10 @@ def sign_test(a: list[float], b: list[float]) -> tuple[int, int, float]:
     return wins_a, wins_b, min(1.0, p)
 
 
-def best_and_ties(rows: dict[str, list[float]], alpha: float = 0.05) -> tuple[str, dict[str, float]]:
-    """The best row (highest mean score; ties by name) and, for every other row, the sign test's p-value
-    against it: ``(best, {name: p})``. Rows with p >= alpha are not distinguishable from the best."""
+def best_and_ties(rows: dict[str, list[float]]) -> tuple[str, dict[str, float]]:
+    """The best row (highest mean score; among equal means, the last name in alphabetical order) and, for
+    every other row, the sign test's p-value against it: ``(best, {name: p})``. Rows with p >= ``ALPHA``
+    are not distinguishable from the best."""
     if not rows or len({len(v) for v in rows.values()}) != 1:
         raise ValueError("best_and_ties needs rows scored on the same samples")
     best = max(rows, key=lambda k: (sum(rows[k]), k))

@@ -17,6 +17,7 @@ Rank r takes jobs r, r + N, r + 2N, ... (the jobs go task by task, so every rank
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,8 @@ def start(device: str) -> tuple[int, int, str]:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    # a rank that finishes its share early waits at the gather for the slowest: allow a long run
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(hours=12))
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -53,12 +53,38 @@ def prefilled(model, ids: torch.Tensor, specs: list[tuple[str, int | None]]) -> 
     return caches
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously), so a clock reads finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidth_gb_per_s(mib: int, device: torch.device) -> float:
+    """The device's read bandwidth: ``nanollm.cli.bench.read_bandwidth`` on a CPU; on a GPU the median time
+    of ``x.sum()`` over ``mib`` MiB the same way, synchronised."""
+    if device.type == "cpu":
+        return read_bandwidth(mib)
+    x = torch.ones(mib * 2**20 // 4, device=device)
+    x.sum()
+    times = []
+    for _ in range(10):
+        sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return x.nbytes / statistics.median(times) / 1e9
+
+
 @torch.no_grad()
 def one_by_one(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> tuple[float, torch.Tensor]:
     """Seconds to feed ``tokens`` to every cache, each cache's step on its own; the last step's logits."""
+    device = lean.model.tok_emb.weight.device
+    sync(device)
     t0 = time.perf_counter()
     for token in tokens:
-        logits = [lean.step(torch.tensor([token]), cache) for cache in caches]
+        logits = [lean.step(torch.tensor([token], device=device), cache) for cache in caches]
+    sync(device)
     return time.perf_counter() - t0, torch.cat(logits)
 
 
@@ -66,10 +92,13 @@ def one_by_one(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> t
 def batched(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> tuple[float, float, torch.Tensor]:
     """Seconds to feed ``tokens`` to every cache with ``step_many``, the seconds of that spent in the caches'
     own attention, and the last step's logits."""
-    own = [0.0] * len(caches)
+    device = lean.model.tok_emb.weight.device
+    own = [0.0] * len(caches)                      # on a GPU without a sync per cache: launch time, roughly
+    sync(device)
     t0 = time.perf_counter()
     for token in tokens:
-        logits, _ = step_many(lean, [torch.tensor([token])] * len(caches), caches, own)
+        logits, _ = step_many(lean, [torch.tensor([token], device=device)] * len(caches), caches, own)
+    sync(device)
     return time.perf_counter() - t0, sum(own), logits
 
 
@@ -93,11 +122,12 @@ def run(model, tok, task: str, methods: list[str], keep_ratios: list[float], len
         times["one_by_one"].append(s1), times["batched"].append(s2), times["own"].append(own)
     one, both, own = (statistics.median(times[k]) / steps for k in ("one_by_one", "batched", "own"))
     weights = decode_weight_bytes(model)
-    bandwidth = read_bandwidth(bandwidth_mib) * 1e9                                             # bytes / s
+    bandwidth = bandwidth_gb_per_s(bandwidth_mib, ids.device) * 1e9                             # bytes / s
     n = len(caches)
     blocks = -(-n // ROWS)
     return {
-        "length": length, "prompt_tokens": ids.shape[1], "steps": steps, "repeats": repeats, "caches": n,
+        "device": str(ids.device), "length": length, "prompt_tokens": ids.shape[1], "steps": steps,
+        "repeats": repeats, "caches": n,
         "configurations": [f"{m}" if b is None else f"{m}@{b}" for m, b in specs], "rows_per_block": ROWS,
         "prefill_s": prefill_s,
         "one_by_one_ms_per_step": one * 1e3, "batched_ms_per_step": both * 1e3,
@@ -127,7 +157,8 @@ def format_result(r: dict) -> str:
         f"(products in blocks of {r['rows_per_block']} rows, element-wise work), {r['batched_own_attention_ms']:.1f} "
         "ms in the caches' own attention and policy hooks, which no batching removes.",
         f"roofline: {r['weight_bytes'] / 1e6:.0f} MB of weights read once per cache or once per block at the "
-        f"{r['bandwidth_gb_per_s']:.1f} GB/s measured here. Largest logit difference between the two ways: "
+        f"{r['bandwidth_gb_per_s']:.1f} GB/s measured here ({r['device']}). Largest logit difference between the "
+        "two ways: "
         f"{r['max_logit_difference']:.1e} (the products round differently in blocks).",
     ])
 
@@ -152,6 +183,7 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("--steps", type=cli.positive_int, default=8, help="decode steps timed (default %(default)s)")
     ap.add_argument("--repeats", type=cli.positive_int, default=3,
                     help="timed repetitions of each way, alternating; the median counts (default %(default)s)")
+    ap.add_argument("--device", type=cli.device, default="cpu", help="torch device (default %(default)s)")
     ap.add_argument("--threads", type=cli.positive_int, default=1,
                     help="torch CPU threads, for the steps and the bandwidth measurement (default %(default)s)")
     ap.add_argument("--bandwidth-mib", type=cli.positive_int, default=512, metavar="MIB",
@@ -188,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         except ValueError as e:
             cli.fail(f"--length {args.length}: {e}")
         torch.set_num_threads(args.threads)
-        model, tok, _ = load(args.checkpoint)
+        model, tok, _ = load(args.checkpoint, device=args.device)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         prov = provenance(argv, prog=ap.prog, threads=args.threads, dtype=dtype, seed=0)
         print(header(prov), flush=True)

@@ -52,7 +52,7 @@ class Remote:
     member: str             # the file's path inside the wheel
     size: int               # bytes of the file
     sha256: str             # of the file
-    default_suite: tuple[str, ...] = ()   # the tasks its full cache answers (>= 0.8 at 1k-4k): see README
+    default_suite: tuple[str, ...] = ()   # the tasks its full cache answers (>= 0.8) at default_length: README
     default_length: int = 0               # methods.compare's tokens per sample on this model (0: its own default)
     default_samples: int = 0              # and samples per task and mode
 

@@ -78,6 +78,27 @@ def test_step_many_is_each_cache_stepped_alone(make_model):
         step_many(lean, [torch.tensor([1]), torch.tensor([2])], [c, c])
 
 
+def test_a_step_reads_each_weight_once_per_block_of_rows(make_model, monkeypatch):
+    """The point of step_many: 5 caches (7 rows) take one product per weight, not one per cache; ROWS + 1
+    rows take two."""
+    import methods.evaluation.side_by_side as sbs
+    model = make_model(preset("TINY"), seed=3)
+    lean, calls = LeanDecoder(model), []
+    real = sbs.F.linear
+    monkeypatch.setattr(sbs.F, "linear", lambda t, w, *b: calls.append(t.shape[0]) or real(t, w, *b))
+    per_step = 4 * model.config.n_layer + 1                  # qkv, o, gate-up, down per layer; the LM head
+    for n_caches, B in [(5, [1, 2, 1, 2, 1]), (ROWS + 1, [1] * (ROWS + 1))]:
+        caches = []
+        for b in B:
+            cache = KVCache(model.config, make_policy("h2o", budget=6))
+            prefill(model, torch.randint(0, 512, (b, 9)), cache)
+            caches.append(cache)
+        calls.clear()
+        step_many(lean, [torch.zeros(b, dtype=torch.long) for b in B], caches)
+        blocks = -(-sum(B) // ROWS)
+        assert len(calls) == blocks * per_step and set(calls) == {ROWS}, (n_caches, len(calls))
+
+
 def test_blocked_linear_is_a_product_whose_rows_ignore_each_other():
     """blocked_linear equals F.linear to float rounding for any row count, and a row's result is bit for bit
     the same whatever rows surround it and wherever it sits (across blocks too)."""
