@@ -148,9 +148,9 @@ def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], li
 
 
 def p_value(p: float) -> str:
-    """A p-value in a table: two decimals from 0.1, three from 0.001, else one significant digit ("5e-04");
-    never rounded up to the level ``ALPHA`` when below it (0.0499 is "<0.05", not "0.050")."""
-    text = f"{p:.2f}" if p >= 0.1 else f"{p:.3f}" if p >= 0.001 else f"{p:.0e}"
+    """A p-value in a table: two decimals, or one significant digit below 0.01 ("5e-04"); never rounded up
+    to the level ``ALPHA`` when below it (0.0499 is "<0.05", not "0.05")."""
+    text = f"{p:.2f}" if p >= 0.01 else f"{p:.0e}"
     return f"<{ALPHA}" if p < ALPHA <= float(text) else text
 
 

@@ -82,7 +82,7 @@ def test_format_intervals_names_the_ties():
         r["accuracies"]) / 10, kl=0.0, perturbation=0.0, lost_mass=0.0, kv_bytes=0, decode_ms_per_token=0.0)
         for r in records])
     marks = {ln.split()[0]: ln.split("  ")[-1].strip() for ln in table.splitlines() if ln and ln.split()[0] in "abc"}
-    assert marks == {"a": "best", "b": "tie p=0.50", "c": "p=0.002"}      # b loses 2 of 20 samples to a, c 10
+    assert marks == {"a": "best", "b": "tie p=0.50", "c": "p=2e-03"}      # b loses 2 of 20 samples to a, c 10
 
 
 def test_the_noise_rule_is_one_helper_whose_printed_interval_agrees_with_its_verdict():
@@ -134,7 +134,7 @@ def test_the_exact_test_rejects_at_its_level():
 def test_p_values_print_on_the_right_side_of_the_level():
     from methods.evaluation.compare import p_value
     assert [p_value(p) for p in (1.0, 0.12, 0.0703125, 0.0499, 0.05, 0.00996, 0.0005)] == \
-        ["1.00", "0.12", "0.070", "<0.05", "0.050", "0.010", "5e-04"]
+        ["1.00", "0.12", "0.07", "<0.05", "0.05", "1e-02", "5e-04"]
 
 
 def test_best_and_ties_and_the_pairwise_matrix():
@@ -155,4 +155,4 @@ def test_best_and_ties_and_the_pairwise_matrix():
     text = format_pairwise(records)
     assert "keep 0.50: exact paired tests over 10 answers" in text
     line = next(ln for ln in text.splitlines() if ln.startswith("c "))
-    assert line.split()[1:] == ["0:5", "0.062", "0:4", "0.12", "-"]              # c against a, b, itself
+    assert line.split()[1:] == ["0:5", "0.06", "0:4", "0.12", "-"]              # c against a, b, itself
