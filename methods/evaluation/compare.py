@@ -282,12 +282,13 @@ def format_intervals(records: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: str) -> None:
-    """Mean accuracy over tasks vs keep ratio, one line per method, one panel per mode."""
+    """Mean accuracy over tasks vs keep ratio, one line per method with its 95% Wilson interval over the
+    row's answers, one panel per mode, the legend beside the panels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     modes = [m for m in MODES if any(r["mode"] == m for r in records)]
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes) + 1.6, 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         rows = [r for r in records if r["mode"] == mode]
         full = [r["accuracy"] for r in rows if r["method"] == "full"]
@@ -295,13 +296,16 @@ def plot(records: list[dict], path: str) -> None:
             ax.axhline(sum(full) / len(full), color="black", ls="--", label="full")
         for method in sorted({r["method"] for r in rows} - {"full"}):
             ratios = sorted({r["keep_ratio"] for r in rows if r["method"] == method})
-            accs = [sum(r["accuracy"] for r in rows if r["method"] == method and r["keep_ratio"] == k) /
-                    sum(1 for r in rows if r["method"] == method and r["keep_ratio"] == k) for k in ratios]
-            ax.plot(ratios, accs, marker="o", label=method)
+            cells = [[r for r in rows if r["method"] == method and r["keep_ratio"] == k] for k in ratios]
+            accs = [sum(r["accuracy"] for r in c) / len(c) for c in cells]
+            answers = [sum(r.get("n_samples", 1) for r in c) for c in cells]
+            bounds = [wilson(min(1.0, max(0.0, a)), n) for a, n in zip(accs, answers)]
+            err = [[a - lo for a, (lo, _) in zip(accs, bounds)], [hi - a for a, (_, hi) in zip(accs, bounds)]]
+            ax.errorbar(ratios, accs, yerr=err, marker="o", capsize=3, label=method)
         ax.set(title=mode.replace("_", " "), xlabel="keep ratio (budget / context tokens)",
-               ylabel="accuracy (mean over tasks)", ylim=(-0.03, 1.03))
+               ylabel="accuracy (mean over tasks, 95% interval)", ylim=(-0.03, 1.03))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     cli.save_figure(fig, path)                  # png/pdf/svg by suffix; the old figure stays if writing fails
 
