@@ -59,23 +59,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bandwidth_gb_per_s(mib: int, device: torch.device) -> float:
-    """The device's read bandwidth: ``nanollm.cli.bench.read_bandwidth`` on a CPU; on a GPU the median time
-    of ``x.sum()`` over ``mib`` MiB the same way, synchronised."""
-    if device.type == "cpu":
-        return read_bandwidth(mib)
-    x = torch.ones(mib * 2**20 // 4, device=device)
-    x.sum()
-    times = []
-    for _ in range(10):
-        sync(device)
-        t0 = time.perf_counter()
-        x.sum()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return x.nbytes / statistics.median(times) / 1e9
-
-
 @torch.no_grad()
 def one_by_one(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> tuple[float, torch.Tensor]:
     """Seconds to feed ``tokens`` to every cache, each cache's step on its own; the last step's logits."""
@@ -122,7 +105,7 @@ def run(model, tok, task: str, methods: list[str], keep_ratios: list[float], len
         times["one_by_one"].append(s1), times["batched"].append(s2), times["own"].append(own)
     one, both, own = (statistics.median(times[k]) / steps for k in ("one_by_one", "batched", "own"))
     weights = decode_weight_bytes(model)
-    bandwidth = bandwidth_gb_per_s(bandwidth_mib, ids.device) * 1e9                             # bytes / s
+    bandwidth = read_bandwidth(bandwidth_mib, device=ids.device) * 1e9                             # bytes / s
     n = len(caches)
     blocks = -(-n // ROWS)
     return {

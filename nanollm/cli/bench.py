@@ -218,15 +218,19 @@ HF_CONTEXTS = (128, 512, 960)
 HF_WARMUP = 3                   # untimed steps of each sequence before the timed repeats
 
 
-def read_bandwidth(mib: int = 512, repeats: int = 10) -> float:
-    """The machine's read bandwidth in GB/s with the current thread count: median time of ``x.sum()`` over
-    an fp32 tensor of ``mib`` MiB (larger than any cache level, so every byte comes from memory)."""
-    x = torch.ones(mib * 2**20 // 4)
+def read_bandwidth(mib: int = 512, repeats: int = 10, device: str | torch.device = "cpu") -> float:
+    """The device's read bandwidth in GB/s (on a CPU, with the current thread count): median time of
+    ``x.sum()`` over an fp32 tensor of ``mib`` MiB (larger than any cache level, so every byte comes from
+    memory), synchronised on a GPU."""
+    x = torch.ones(mib * 2**20 // 4, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     x.sum()                                                     # first touch and warm-up
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         x.sum()
+        sync()
         times.append(time.perf_counter() - t0)
     return x.nbytes / statistics.median(times) / 1e9
 
