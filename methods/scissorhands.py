@@ -171,11 +171,14 @@ class ScissorhandsPolicy(ScoringPolicy):
             kv.set_state(ATTN, torch.zeros(B, H_kv, T, device=pos.device), fill=0.0)
         w, state = self.history_window, kv.state
         flags = low_flags(attn, visible, self.threshold)[:, :, -w:]           # (B, H_kv, <=w, T)
-        columns = q_pos[-w:] % w                                               # the columns overwritten
-        leaving = state[LOW][..., int(columns[0])].int() if len(columns) == 1 else \
-            state[LOW][..., columns].sum(dim=-1, dtype=torch.int32)            # (B, H_kv, T) flags out
-        state[COUNT].add_(flags.sum(dim=2, dtype=torch.int32) - leaving)       # flags in - flags out
-        push_history(state[LOW], flags, q_pos)
+        if len(q_pos) == 1:                                                    # a decode step: one column
+            column = state[LOW][..., int(q_pos[0]) % w]                        # (B, H_kv, T) view, flags out
+            state[COUNT].sub_(column.int()).add_(flags[:, :, 0])               # - flags out + flags in
+            column.copy_(flags[:, :, 0])                                       # = push_history's one column
+        else:
+            leaving = state[LOW][..., q_pos[-w:] % w].sum(dim=-1, dtype=torch.int32)   # (B, H_kv, T)
+            state[COUNT].add_(flags.sum(dim=2, dtype=torch.int32) - leaving)   # flags in - flags out
+            push_history(state[LOW], flags, q_pos)
         state[ATTN].copy_(attn[:, :, -1])                                      # the step's last query
 
     def score(self, ctx: StepContext) -> Tensor:
@@ -189,11 +192,11 @@ class ScissorhandsPolicy(ScoringPolicy):
         state = ctx.kv.state
         pos, counts, attn = ctx.kv.pos, state[COUNT], state[ATTN]                # (B, H_kv, T) each
         candidate = (pos >= 0) & (pos < ctx.seen - self.n_recent)                 # held, not recent
-        counts = counts.masked_fill(~candidate, -1)
-        candidate &= counts == counts.amax(dim=-1, keepdim=True)                  # the most low flags
-        attn = attn.nan_to_num(nan=float("inf")).masked_fill(~candidate, float("inf"))   # NaN: ranked last
-        candidate &= attn == attn.amin(dim=-1, keepdim=True)                      # the least attention
-        return torch.where(candidate, pos, -1).argmax(dim=-1, keepdim=True)       # the latest position
+        counts = torch.where(candidate, counts, -1)                               # a candidate counts >= 0
+        most = counts == counts.amax(dim=-1, keepdim=True)                        # the most low flags
+        attn = torch.where(most, attn.nan_to_num(nan=float("inf")), float("inf"))  # NaN: ranked last
+        least = most & (attn == attn.amin(dim=-1, keepdim=True))                  # then the least attention
+        return torch.where(least, pos, -1).argmax(dim=-1, keepdim=True)           # then the latest position
 
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         return [range(max(0, seen - self.n_recent), seen)]                    # the n_recent most recent

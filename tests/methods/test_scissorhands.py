@@ -189,6 +189,21 @@ class RecordingScissorhands(ScissorhandsPolicy):
         return idx
 
 
+def test_decode_eviction_is_the_one_compaction_drops_nan_attention_included():
+    """A one-token drop in place (``evict``) empties the slot ``select`` leaves out: the most low flags, then
+    the least attention (NaN ranked last), then the latest position, never a recent one. Here the two slots
+    with the most flags both have NaN attention: one of them still goes (the later), not a finite one."""
+    store = LayerKV()
+    store.append(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2), torch.arange(5))
+    store.set_state(COUNT, torch.tensor([[[3, 3, 1, 0, 0]]], dtype=torch.int32), fill=0)
+    store.set_state(ATTN, torch.tensor([[[float("nan"), float("nan"), 0.1, 0.2, 0.3]]]), fill=0.0)
+    policy = ScissorhandsPolicy(budget=4, n_recent=1)
+    ctx = StepContext(layer=0, phase="decode", q=torch.zeros(1, 1, 1, 2), q_pos=torch.tensor([4]), probs=None,
+                      out=torch.zeros(1, 1, 1, 2), kv=store, attn=None, config=None, seen=5)
+    kept = policy.select(ctx)[0, 0].tolist()
+    assert policy.evict(ctx)[0, 0].tolist() == [1] and kept == [0, 2, 3, 4]
+
+
 def test_w1_r0_m1_evicts_the_smallest_current_attention(tiny):
     """w = 1, r = 0, m = 1: at every decode step the one token dropped is the one the step attended least
     (the oracle of Theorem 4.1's proof)."""
