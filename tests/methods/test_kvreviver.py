@@ -143,6 +143,24 @@ def test_injective_sketch_gives_the_full_cache_within_rounding(model):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_rebuilding_by_chunks_is_rebuilding_at_once(model, monkeypatch, per_kv_head):
+    """Algorithm 4 rebuilds the vague positions ``REBUILD_CHUNK`` at a time (the cells gathered for a chunk
+    stay in the CPU's cache); each position's estimate depends on its own cells only, so any chunk size gives
+    the same rebuilt entries and the same logits, bit for bit: chunks of 3 (several per layer, the last one
+    short) against one chunk for everything."""
+    runs = []
+    for chunk in (3, 10**9):
+        monkeypatch.setattr("methods.kvreviver.REBUILD_CHUNK", chunk)
+        out, cache = script(model, make_policy("kvreviver", 20, sketch_width=4, per_kv_head=per_kv_head))
+        runs.append((out, [cache.policy.attend_kv(i, layer) for i, layer in enumerate(cache.layers)]))
+    (out_a, rebuilt_a), (out_b, rebuilt_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    assert rebuilt_a[0].k.shape[2] > 2 * 3 + 20           # several chunks of vague positions
+    for a, b in zip(rebuilt_a, rebuilt_b):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.pos, b.pos)
+
+
 def test_accounting_swaps_and_scores_after_every_step(model):
     H = model.config.n_head
     policy = make_policy("kvreviver", 30, recent_slack=2)
