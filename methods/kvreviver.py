@@ -421,15 +421,23 @@ class KVReviverPolicy(CachePolicy):
         m = int(wins.sum())                     # a prefix: C ascends, V descends, so once a pair fails all do
         c, j = cand[c_order[:m]], vague[v_order[:m]]                             # (m,) C's slots, V's positions
         k, v, p = k.clone(), v.clone(), p.clone()
-        for ci, ji in zip(c.view(-1, 1), j.view(-1, 1)):                         # the m swaps' sketch updates
-            jk, jv = sketch.query(ji)                                            # (1, G, d) estimates
-            sketch.delete(ji, jk, jv)                                            # the residuals stay as noise
-            sketch.insert(p[ci], k[:, ci].transpose(0, 1), v[:, ci].transpose(0, 1))
-            k[:, ci], v[:, ci], p[ci] = jk.transpose(0, 1).to(k.dtype), jv.transpose(0, 1).to(v.dtype), ji
+        self._exchange(sketch, c, j, k, v, p)
         approx[j] = True                                                         # a view of the table, in place
         self.swaps += m
         order = p.argsort()                                                      # back to position order
         return k[:, order], v[:, order], p[order]
+
+    def _exchange(self, sketch: VagueSketch, c: Tensor, j: Tensor, k: Tensor, v: Tensor, p: Tensor) -> None:
+        """The sketch side of m swaps, in place on k, v (G, T, d) and p (T,): C's slots c (m,) go into the
+        sketch and V's positions j (m,) come out as estimates into those slots, one swap after the other as
+        the loop of Algorithm 3 reads: the i-th estimate after the first i - 1 swaps changed the cells.
+        (The paper's code replaces its loops by tensor operations; the ablation ``SwapsAtOnce`` reads every
+        estimate before the step's swaps.)"""
+        for ci, ji in zip(c.view(-1, 1), j.view(-1, 1)):
+            jk, jv = sketch.query(ji)                                            # (1, G, d) estimates
+            sketch.delete(ji, jk, jv)                                            # the residuals stay as noise
+            sketch.insert(p[ci], k[:, ci].transpose(0, 1), v[:, ci].transpose(0, 1))
+            k[:, ci], v[:, ci], p[ci] = jk.transpose(0, 1).to(k.dtype), jv.transpose(0, 1).to(v.dtype), ji
 
     # -- bookkeeping and the contract --------------------------------------------------------------------
     def exact_positions(self, layer: int, store: LayerKV) -> Tensor:

@@ -10,7 +10,7 @@ decode-time eviction, budget = keep x 256) its perplexity explodes. This module 
   ``TrueKV`` attends every position with its true key and value (a shadow copy of the full cache) with
   the same bookkeeping, so only the sketch's estimates are taken away; ``TrueKeys`` / ``TrueValues`` take
   away one of the two; ``NoSwaps`` disables the swap loop of Algorithm 3 (nothing is revived from the
-  sketch); plus the shipped options: no sketch (Recent / Candidate alone), wider sketches on top of the
+  sketch); ``SwapsAtOnce`` makes a step's swaps one tensor operation (the paper's code, by its note); plus the shipped options: no sketch (Recent / Candidate alone), wider sketches on top of the
   budget, and the appendix's per-layer budgets by Fisher information (``layer_budgets``);
 * Lemma 2 at the paper's own setting (2k tokens, 10% budget, split 0.45 / 0.45 / 0.1): the variance the
   median of three rows should have against the reconstruction error measured on SmolLM2's keys and values,
@@ -143,6 +143,21 @@ class NoSwaps(KVReviverPolicy):
         return k, v, p
 
 
+class SwapsAtOnce(KVReviverPolicy):
+    """Algorithm 3's swaps with the sketch updated once per step: every revived token's estimate is read
+    before the step's swaps, then all of them leave the sketch and C's tokens enter it, each as one tensor
+    operation. The paper prints the swap as a loop and notes that its code replaces the loops by tensor
+    operations; the shipped method follows the printed loop, where a token revived later in a step is read
+    after the earlier swaps changed the cells it may share with them. The same swaps either way; only the
+    estimates of such tokens differ."""
+
+    def _exchange(self, sketch, c, j, k, v, p):
+        jk, jv = sketch.query(j)                                                 # (m, G, d), before any swap
+        sketch.delete(j, jk, jv)
+        sketch.insert(p[c], k[:, c].transpose(0, 1), v[:, c].transpose(0, 1))
+        k[:, c], v[:, c], p[c] = jk.transpose(0, 1).to(k.dtype), jv.transpose(0, 1).to(v.dtype), j
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The repair (ours, not the paper's): the others' mean out of a cell, the rest shrunk by Lemma 2's noise
 
@@ -253,6 +268,8 @@ VARIANTS = [
     Variant("true K/V", "every attended slot with its true key and value, same bookkeeping",
             lambda b, c: TrueKV(b)),
     Variant("no swaps", "Algorithm 3's swap loop disabled", lambda b, c: NoSwaps(b)),
+    Variant("swaps at once", "the step's swaps as one tensor operation: estimates read before any swap",
+            lambda b, c: SwapsAtOnce(b)),
     Variant("true K, sketch V", "true keys, the sketch's values", lambda b, c: TrueKeys(b)),
     Variant("sketch K, true V", "the sketch's keys, true values", lambda b, c: TrueValues(b)),
     Variant("no sketch", "Recent / Candidate alone (sketch_width=0: leaving C = forgotten)", _kvr(sketch_width=0)),

@@ -16,6 +16,7 @@ from methods.analysis.kvreviver_ablation import (
     CentredKeySketch,
     CentredSketch,
     NoSwaps,
+    SwapsAtOnce,
     TrueKeys,
     TrueKV,
     TrueValues,
@@ -124,6 +125,40 @@ def test_no_swaps_revives_nothing_and_still_sketches(bundled):
         assert torch.equal(none.exact_positions(layer, store), store.pos)
         parts = none.parts(layer, store)
         assert parts["V"] > 0 and parts["C"] == none.candidate_budget
+
+
+@pytest.mark.parametrize("injective", [True, False])
+def test_swaps_at_once_read_every_estimate_before_the_swaps(injective):
+    """One swap step on random tables where many swaps happen: SwapsAtOnce revives the same tokens into the
+    same slots as the shipped loop. With an injective hash no swap touches another's cells, so the entries
+    and the cells come out the same bit for bit; with 2 cells per row the tokens share cells, and the loop's
+    later estimates (read after the earlier swaps) differ from those read at once, which are the step's
+    first queries of the sketch."""
+    g = torch.Generator().manual_seed(4)
+    N, G, d, width = 60, 2, 4, (60 if injective else 2)
+    p = torch.randperm(N, generator=g)[:24].sort().values                     # raw positions (R and C)
+    recent_from = int(p[-6])                                                  # the last 6 raw are Recent
+    scores = torch.rand(N, generator=g)
+    k, v = torch.randn(G, 24, d, generator=g), torch.randn(G, 24, d, generator=g)
+    vague = torch.tensor([j for j in range(N) if j not in set(p.tolist())])
+    results = []
+    for cls in (KVReviverPolicy, SwapsAtOnce):
+        policy = cls(40, replace_rate=1.0, injective_hash=injective, sketch_width=width)
+        sketch = policy.sketch_class(3, width, G, d, seed=0, injective=injective)
+        sketch.insert(vague, torch.randn(len(vague), G, d, generator=torch.Generator().manual_seed(9)),
+                      torch.randn(len(vague), G, d, generator=torch.Generator().manual_seed(10)))
+        before = [t.clone() for t in sketch.query(vague)]                     # every estimate, before the step
+        approx = torch.zeros(N, dtype=torch.bool)
+        out = policy._swap(sketch, scores, k, v, p, recent_from, approx, max_swaps=18)
+        results.append((out, approx, sketch.key.clone(), policy.swaps, before))
+    (a, a_approx, a_key, a_swaps, before), (b, b_approx, b_key, b_swaps, _) = results
+    assert a_swaps == b_swaps > 1 and torch.equal(a_approx, b_approx) and torch.equal(a[2], b[2])
+    revived = [int((b[2] == j).nonzero()) for j in a_approx.nonzero().flatten().tolist()]
+    at_once = b[0][:, revived].transpose(0, 1)                                # (m, G, d) the revived keys
+    expected = before[0][[int((vague == j).nonzero()) for j in b[2][revived].tolist()]]
+    assert torch.equal(at_once, expected)                                     # read before any swap
+    same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a_key, b_key)
+    assert same == injective
 
 
 # ---------------------------------------------------------------------------------------------------------
