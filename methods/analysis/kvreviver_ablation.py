@@ -10,7 +10,8 @@ decode-time eviction, budget = keep x 256) its perplexity explodes. This module 
   ``TrueKV`` attends every position with its true key and value (a shadow copy of the full cache) with
   the same bookkeeping, so only the sketch's estimates are taken away; ``TrueKeys`` / ``TrueValues`` take
   away one of the two; ``NoSwaps`` disables the swap loop of Algorithm 3 (nothing is revived from the
-  sketch); ``SwapsAtOnce`` makes a step's swaps one tensor operation (the paper's code, by its note); plus the shipped options: no sketch (Recent / Candidate alone), wider sketches on top of the
+  sketch); ``SwapsAtOnce`` makes a step's swaps one tensor operation (the paper's code, by its note);
+  plus the shipped options: no sketch (Recent / Candidate alone), wider sketches on top of the
   budget, and the appendix's per-layer budgets by Fisher information (``layer_budgets``);
 * Lemma 2 at the paper's own setting (2k tokens, 10% budget, split 0.45 / 0.45 / 0.1): the variance the
   median of three rows should have against the reconstruction error measured on SmolLM2's keys and values,
