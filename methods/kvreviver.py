@@ -45,8 +45,8 @@ from nanollm.policy import CachePolicy, Needs, StepContext
 from nanollm.storage import LayerKV
 
 PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
-REBUILD_CHUNK = 512            # vague positions rebuilt at a time (Algorithm 4): their r rows of gathered cells
-                               # stay in the CPU's cache instead of making r copies of the whole context
+REBUILD_CHUNK = 512            # vague positions rebuilt at a time on a CPU (Algorithm 4): their r rows of
+                               # gathered cells stay in its cache instead of making r copies of the context
 
 
 def lower_median(x: Tensor) -> Tensor:
@@ -302,7 +302,8 @@ class KVReviverPolicy(CachePolicy):
                 heads = slice(s * G, (s + 1) * G)
                 k[b, heads].index_copy_(1, raw_pos[b, s], store.k[b, heads])    # raw entries, as stored
                 v[b, heads].index_copy_(1, raw_pos[b, s], store.v[b, heads])
-                for part in vague[b, s].split(REBUILD_CHUNK):                    # rebuilt entries, by chunk
+                chunks = vague[b, s].split(REBUILD_CHUNK) if k.is_cpu else [vague[b, s]]   # on a GPU: at once
+                for part in chunks:                                              # rebuilt entries
                     k_hat, v_hat = sketches[b * S + s].query(part)              # (n, G, d) each
                     k[b, heads].index_copy_(1, part, k_hat.transpose(0, 1).to(k.dtype))
                     v[b, heads].index_copy_(1, part, v_hat.transpose(0, 1).to(v.dtype))
@@ -431,8 +432,8 @@ class KVReviverPolicy(CachePolicy):
         """The sketch side of m swaps, in place on k, v (G, T, d) and p (T,): C's slots c (m,) go into the
         sketch and V's positions j (m,) come out as estimates into those slots, one swap after the other as
         the loop of Algorithm 3 reads: the i-th estimate after the first i - 1 swaps changed the cells.
-        (The paper's code replaces its loops by tensor operations; the ablation ``SwapsAtOnce`` reads every
-        estimate before the step's swaps.)"""
+        (The paper notes that its code replaces the loops by tensor operations; the ablation ``SwapsAtOnce``
+        reads every estimate before the step's swaps.)"""
         for ci, ji in zip(c.view(-1, 1), j.view(-1, 1)):
             jk, jv = sketch.query(ji)                                            # (1, G, d) estimates
             sketch.delete(ji, jk, jv)                                            # the residuals stay as noise

@@ -193,7 +193,7 @@ class ScissorhandsPolicy(ScoringPolicy):
         pos, counts, attn = ctx.kv.pos, state[COUNT], state[ATTN]                # (B, H_kv, T) each
         candidate = (pos >= 0) & (pos < ctx.seen - self.n_recent)                 # held, not recent
         counts = torch.where(candidate, counts, -1)                               # a candidate counts >= 0
-        most = counts == counts.amax(dim=-1, keepdim=True)                        # the most low flags
+        most = candidate & (counts == counts.amax(dim=-1, keepdim=True))          # the most low flags
         attn = torch.where(most, attn.nan_to_num(nan=float("inf")), float("inf"))  # NaN: ranked last
         least = most & (attn == attn.amin(dim=-1, keepdim=True))                  # then the least attention
         return torch.where(least, pos, -1).argmax(dim=-1, keepdim=True)           # then the latest position

@@ -105,7 +105,8 @@ class FullCache(CachePolicy):
 
 
 def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
-    """(B, H, ...) -> (B, H_kv, ...): the mean over the G query heads that read each KV head (h // G)."""
+    """(B, H, ...) -> (B, H_kv, ...): the mean over the G query heads that read each KV head (h // G); x itself
+    when G = 1."""
     B, H = x.shape[:2]
     if H == n_kv_head:                  # one query head per KV head: nothing to average
         return x

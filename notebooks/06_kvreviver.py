@@ -680,6 +680,10 @@ print(format_intervals(bundled))
 #   the same Recent / Candidate / Vague bookkeeping, sketch and swaps: only the estimates are taken away;
 # * **true K, sketch V** and **sketch K, true V**: one of the two taken away;
 # * **no swaps**: Algorithm 3 without its swap loop (nothing is revived from the sketch into Candidate);
+# * **swaps at once**: a step's swaps as one tensor operation, every revived token's estimate read before
+#   any swap (the paper prints a loop and notes that its code replaces its loops by tensor operations; the
+#   shipped policy follows the loop, where a token revived later in a step is read after the earlier swaps
+#   changed the cells it shares with them);
 # * **no sketch**: Recent / Candidate alone (tokens leaving Candidate are forgotten), next to H2O;
 # * **width b on top**: b cells per sketch row *on top of* the budget;
 # * **Fisher budgets**: the appendix's per-layer budgets by the Fisher information of W_K and W_V
@@ -735,18 +739,20 @@ plt.show()
 # %% [markdown]
 # The bars read top to bottom as an argument. With every slot's true key and value and the same
 # bookkeeping KVReviver is the full cache (x1.0000 at both budgets), so Recent, Candidate, the scores and
-# the swaps are not what fails: the estimates are. Without the swap loop the damage shrinks from x3.84e+05
-# to x15.561 at 51 slots, but stays (x1821.119 at 128): a revived token keeps its *estimate* in a Candidate
+# the swaps are not what fails: the estimates are. Without the swap loop the damage shrinks from x3.83e+05
+# to x15.560 at 51 slots, but stays (x1901.366 at 128): a revived token keeps its *estimate* in a Candidate
 # slot, and the attention its long key captures keeps it there, so the swaps turn a bad sketch into a
-# ruinous one. At 51 slots (one cell per sketch row) *both* halves of an estimate are noise: true keys with
-# the sketch's values give x4475.730, the sketch's keys with true values x75.013; at 128 slots the values
-# are nearly harmless (x1.9523) and the keys are what breaks it (x333.828). Recent / Candidate alone, with
+# ruinous one. Whether a step's swaps read their estimates one after the other or all at once changes the
+# numbers by orders of magnitude (x3.33e+04 and x7.76e+07 at once) but not the verdict. At 51 slots (one
+# cell per sketch row) *both* halves of an estimate are noise: true keys with
+# the sketch's values give x4154.259, the sketch's keys with true values x75.013; at 128 slots the values
+# are nearly harmless (x1.9523) and the keys are what breaks it (x333.826). Recent / Candidate alone, with
 # no sketch, is x1.2371 and x1.0254, next to H2O's x1.2246 and x1.0037: the eviction half works, the sketch
 # is what makes the method worse than forgetting. More cells help only far beyond the paper's split (512
 # per row on top of the budget: x1.1569 and x1.2410). The appendix's Fisher budgets lower the damage
-# (x8139.330 and x2833.787) without curing it; our repair, centred and shrunk estimates, brings KVReviver
+# (x8154.516 and x2834.215) without curing it; our repair, centred and shrunk estimates, brings KVReviver
 # back to the level of Recent / Candidate alone (x1.2572 and x1.0163), and centring the keys without
-# shrinking is not enough (x3.02e+04 at 128 slots, with 1469 swaps of noisy estimates into Candidate).
+# shrinking is not enough (x3.33e+04 at 128 slots, with 1462 swaps of noisy estimates into Candidate).
 
 # %% [markdown]
 # ### 7.1 Lemma 2 at the paper's own setting
@@ -920,8 +926,8 @@ for name, mse in repair_mse.items():
 #   At the paper's own setting (2k tokens, 10% budget) a cell holds 310.2 tokens; the values follow Lemma 2
 #   (148.9 against 139.2 predicted) but are still noise at that load, and the keys are about a thousand
 #   times worse because their mean (0.74 of their length) is summed too, which the lemma's zero-mean
-#   assumption leaves out (§7.1). The swap loop multiplies the damage (x15.561 without it, x3.84e+05 with it,
-#   at 51 slots). The appendix's Fisher budgets (our reading) lower it without curing it (§7.2); our repair,
+#   assumption leaves out (§7.1). The swap loop multiplies the damage (x15.560 without it, x3.83e+05 with it,
+#   at 51 slots), read one swap after the other or all at once. The appendix's Fisher budgets (our reading) lower it without curing it (§7.2); our repair,
 #   centred and shrunk estimates (not the paper's), brings the method back to Recent / Candidate alone, about
 #   H2O, and no further (§7.3).
 # * It is slower per decoded token than the full cache (section 5 prints by how much, about the paper's 2x

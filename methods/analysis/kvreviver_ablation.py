@@ -10,7 +10,8 @@ decode-time eviction, budget = keep x 256) its perplexity explodes. This module 
   ``TrueKV`` attends every position with its true key and value (a shadow copy of the full cache) with
   the same bookkeeping, so only the sketch's estimates are taken away; ``TrueKeys`` / ``TrueValues`` take
   away one of the two; ``NoSwaps`` disables the swap loop of Algorithm 3 (nothing is revived from the
-  sketch); ``SwapsAtOnce`` makes a step's swaps one tensor operation (the paper's code, by its note);
+  sketch); ``SwapsAtOnce`` makes a step's swaps one tensor operation (as the paper's note on its code
+  suggests);
   plus the shipped options: no sketch (Recent / Candidate alone), wider sketches on top of the
   budget, and the appendix's per-layer budgets by Fisher information (``layer_budgets``);
 * Lemma 2 at the paper's own setting (2k tokens, 10% budget, split 0.45 / 0.45 / 0.1): the variance the
@@ -149,8 +150,8 @@ class SwapsAtOnce(KVReviverPolicy):
     before the step's swaps, then all of them leave the sketch and C's tokens enter it, each as one tensor
     operation. The paper prints the swap as a loop and notes that its code replaces the loops by tensor
     operations; the shipped method follows the printed loop, where a token revived later in a step is read
-    after the earlier swaps changed the cells it may share with them. The same swaps either way; only the
-    estimates of such tokens differ."""
+    after the earlier swaps changed the cells it may share with them. The same swaps in that step either
+    way; the estimates of such tokens differ, and with them the cells and the steps after."""
 
     def _exchange(self, sketch, c, j, k, v, p):
         jk, jv = sketch.query(j)                                                 # (m, G, d), before any swap

@@ -156,7 +156,7 @@ def test_rebuilding_by_chunks_is_rebuilding_at_once(model, monkeypatch, per_kv_h
         runs.append((out, [cache.policy.attend_kv(i, layer) for i, layer in enumerate(cache.layers)]))
     (out_a, rebuilt_a), (out_b, rebuilt_b) = runs
     assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
-    assert rebuilt_a[0].k.shape[2] > 2 * 3 + 20           # several chunks of vague positions
+    assert cache.policy.parts(0, cache.layers[0])["V"] > 2 * 3                # several chunks of vague positions
     for a, b in zip(rebuilt_a, rebuilt_b):
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.pos, b.pos)
 

@@ -154,9 +154,9 @@ def test_swaps_at_once_read_every_estimate_before_the_swaps(injective):
     (a, a_approx, a_key, a_swaps, before), (b, b_approx, b_key, b_swaps, _) = results
     assert a_swaps == b_swaps > 1 and torch.equal(a_approx, b_approx) and torch.equal(a[2], b[2])
     revived = [int((b[2] == j).nonzero()) for j in a_approx.nonzero().flatten().tolist()]
-    at_once = b[0][:, revived].transpose(0, 1)                                # (m, G, d) the revived keys
-    expected = before[0][[int((vague == j).nonzero()) for j in b[2][revived].tolist()]]
-    assert torch.equal(at_once, expected)                                     # read before any swap
+    rows = [int((vague == j).nonzero()) for j in b[2][revived].tolist()]
+    for entries, estimates in zip(b[:2], before):                             # keys, then values
+        assert torch.equal(entries[:, revived].transpose(0, 1), estimates[rows])   # read before any swap
     same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a_key, b_key)
     assert same == injective
 

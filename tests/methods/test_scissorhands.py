@@ -202,6 +202,8 @@ def test_decode_eviction_is_the_one_compaction_drops_nan_attention_included():
                       out=torch.zeros(1, 1, 1, 2), kv=store, attn=None, config=None, seen=5)
     kept = policy.select(ctx)[0, 0].tolist()
     assert policy.evict(ctx)[0, 0].tolist() == [1] and kept == [0, 2, 3, 4]
+    store.state[ATTN].copy_(torch.tensor([[[float("nan"), 0.5, 0.1, 0.2, 0.3]]]))   # NaN beside a number
+    assert policy.evict(ctx)[0, 0].tolist() == [1] and policy.select(ctx)[0, 0].tolist() == [0, 2, 3, 4]
 
 
 def test_w1_r0_m1_evicts_the_smallest_current_attention(tiny):
