@@ -927,9 +927,9 @@ for name, mse in repair_mse.items():
 #   (148.9 against 139.2 predicted) but are still noise at that load, and the keys are about a thousand
 #   times worse because their mean (0.74 of their length) is summed too, which the lemma's zero-mean
 #   assumption leaves out (§7.1). The swap loop multiplies the damage (x15.560 without it, x3.83e+05 with it,
-#   at 51 slots), read one swap after the other or all at once. The appendix's Fisher budgets (our reading) lower it without curing it (§7.2); our repair,
-#   centred and shrunk estimates (not the paper's), brings the method back to Recent / Candidate alone, about
-#   H2O, and no further (§7.3).
+#   at 51 slots), read one swap after the other or all at once. The appendix's Fisher budgets (our reading)
+#   lower it without curing it (§7.2); our repair, centred and shrunk estimates (not the paper's), brings the
+#   method back to Recent / Candidate alone, about H2O, and no further (§7.3).
 # * It is slower per decoded token than the full cache (section 5 prints by how much, about the paper's 2x
 #   on a GPU at this length; CPU timings on a shared machine move from run to run): every step rebuilds
 #   every evicted position from the sketch and attends over all of them, so at long contexts it falls far
