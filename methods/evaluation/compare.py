@@ -68,7 +68,7 @@ def run_job(model, tok, variants: list[Variant], budgets: list[int], length: int
     # harness.greedy_accuracies): the same traces and answers as one method at a time, in less time
     trs = traces(model, sample, mode, [None] + policies, [True] + [False] * len(policies))
     full = trs[0]
-    accs = [acc for acc, _ in greedy_accuracies(model, tok, sample, trs)]
+    accs = [acc for acc, _ in greedy_accuracies(model, tok, sample, trs, until_scored=True)]   # scores only
     return [(key, {"accuracy": acc, **compare_traces(full, tr, group)})
             for key, acc, tr in zip([("full", None, task, mode)] + keys, accs, trs)]
 

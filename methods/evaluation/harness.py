@@ -50,8 +50,8 @@ from torch import Tensor
 
 from fastpath.lean import LeanDecoder
 from nanollm.cache import KVCache, LayerKV
-from nanollm.data.evaluate import answer_length, cut_at
-from nanollm.data.tasks import Sample, string_match_all
+from nanollm.data.evaluate import answer_length, cut_at, digits_per_token
+from nanollm.data.tasks import Sample, match_settled, string_match_all
 from nanollm.generation import extend, generate, prefill
 from nanollm.policy import CachePolicy, FullCache, Needs, PolicyWrapper, StepContext
 
@@ -268,9 +268,9 @@ def lost_mass(full: Trace, method: Trace, group_size: int) -> float:
     for layer, probs in full.probs.items():                      # probs (H, T) over full positions
         full_pos = full.attended[layer][0]                       # (T,) the full cache attends every position
         kept = method.pos[layer]                                 # (H_kv, Tm) stored exactly, -1 = empty
+        keeps = [torch.isin(full_pos, kept_h) for kept_h in kept]   # per KV head: (T,) stored exactly
         for h in range(probs.shape[0]):
-            keep = torch.isin(full_pos, kept[h // group_size])
-            lost.append(float(probs[h][~keep].sum()))
+            lost.append(float(probs[h][~keeps[h // group_size]].sum()))
     return sum(lost) / len(lost)
 
 
@@ -293,15 +293,25 @@ def compare_traces(full: Trace, method: Trace, group_size: int) -> dict:
     }
 
 
-def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace]) -> list[list[int]]:
+def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace], until_scored: bool = False) -> list[list[int]]:
     """Each trace's greedy answer token ids (up to the end-of-text token), continued from its fork.
 
     The continuations run side by side (``side_by_side.step_many``, when every trace has the lean step),
     each exactly as ``generate`` would run it alone: greedy, stopping after the end-of-text token or at
-    the task's answer length."""
+    the task's answer length.
+
+    ``until_scored``: an answer also stops as soon as no continuation within its tokens left can change its
+    ``string_match_all`` score (``tasks.match_settled``; e.g. a 5-digit answer not yet started with 4
+    tokens left, on a tokenizer that writes one digit per token). The ids may then be cut short, but their
+    score is that of the whole greedy answer. A wrong answer usually runs to the answer length, so this
+    saves its last few decode steps. (Only the side-by-side continuations stop early.)"""
     if not trs:
         return []
     n_new = answer_length(model, sample)
+    digit_run = digits_per_token(tok, model.config.vocab_size) if until_scored else 0
+
+    def settled(ids: list[int], left: int) -> bool:  # the score of ids can no longer change
+        return until_scored and match_settled(tok.decode(ids), sample.answers, left * digit_run)
     outs, running = [], []                             # running: [trace index, cache, next token, tokens left]
     for i, tr in enumerate(trs):
         m, cache = tr.fork
@@ -310,7 +320,7 @@ def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace]) -> list[lis
             continue
         first = int(tr.logits[m].argmax())             # greedy's token m (where it leaves the reference)
         outs.append(sample.target_ids[:m] + [first])
-        if first != tok.eot_id and len(outs[i]) < n_new:
+        if first != tok.eot_id and len(outs[i]) < n_new and not settled(outs[i], n_new - len(outs[i])):
             running.append([i, copy.deepcopy(cache), first, n_new - len(outs[i])])
     if len({id(tr.lean) for tr in trs}) > 1 or trs[0].lean is None:   # not one shared lean step: one by one
         for i, cache, first, left in running:
@@ -325,7 +335,7 @@ def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace]) -> list[lis
             r[2] = int(lg.argmax())
             r[3] -= 1
             outs[r[0]].append(r[2])
-        running = [r for r in running if r[2] != tok.eot_id and r[3] > 0]
+        running = [r for r in running if r[2] != tok.eot_id and r[3] > 0 and not settled(outs[r[0]], r[3])]
     return [cut_at(out, tok.eot_id) for out in outs]
 
 
@@ -334,9 +344,11 @@ def greedy_from_trace(model, tok, sample: Sample, tr: Trace) -> list[int]:
     return greedy_from_traces(model, tok, sample, [tr])[0]
 
 
-def greedy_accuracies(model, tok, sample: Sample, trs: list[Trace]) -> list[tuple[float, str]]:
-    """string_match_all of the greedy answer under each traced method, and the answer (see the module doc)."""
-    predictions = [tok.decode(ids) for ids in greedy_from_traces(model, tok, sample, trs)]
+def greedy_accuracies(model, tok, sample: Sample, trs: list[Trace],
+                      until_scored: bool = False) -> list[tuple[float, str]]:
+    """string_match_all of the greedy answer under each traced method, and the answer (see the module doc;
+    ``until_scored``: answers stop once their score is settled, see ``greedy_from_traces``)."""
+    predictions = [tok.decode(ids) for ids in greedy_from_traces(model, tok, sample, trs, until_scored)]
     return [(string_match_all(p, sample.answers), p) for p in predictions]
 
 

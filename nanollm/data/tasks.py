@@ -88,25 +88,60 @@ class Sample:
         return len(self.context_ids) + len(self.question_ids) + len(self.target_ids)
 
 
+def _matches(pred: str, a: str) -> list[int]:
+    """The end of every occurrence of ``a`` in ``pred`` (both lowercased) that counts as a match: a digit
+    string must not continue a number on either side ("12345" is not found inside "123456")."""
+    ends = []
+    start = pred.find(a)
+    while start >= 0:
+        end = start + len(a)
+        ok_left = not (a[0].isdigit() and start > 0 and pred[start - 1].isdigit())
+        ok_right = not (a[-1].isdigit() and end < len(pred) and pred[end].isdigit())
+        if ok_left and ok_right:
+            ends.append(end)
+        start = pred.find(a, start + 1)
+    return ends
+
+
 def string_match_all(prediction: str, answers: list[str]) -> float:
     """RULER's metric: the fraction of reference strings that occur in the prediction (case-insensitive).
 
     Digit strings must match exactly and in full: "12345" is not found inside "123456".
     """
     pred = prediction.lower()
-    hits = 0
+    return sum(1 for a in answers if _matches(pred, a.lower())) / len(answers)
+
+
+def match_settled(prediction: str, answers: list[str], digit_run: int) -> bool:
+    """Whether ``string_match_all(prediction + more, answers)`` equals ``string_match_all(prediction, answers)``
+    for every continuation ``more`` that holds no run of more than ``digit_run`` ASCII digits (a greedy
+    answer with n tokens left, each of at most D digits in a row: n * D). Then generating further cannot
+    change the score. Each answer must be settled, one of:
+
+    * found for good: a match whose right end is inside the prediction (or an answer that does not end in a
+      digit), so no continuation can extend its number;
+    * out of reach: an answer of L ASCII digits not found, when even the longest start of it that the
+      prediction ends with (s digits) leaves more than ``digit_run`` digits to write (L - s > digit_run).
+
+    A match at the very end of the prediction is not settled (a further digit would undo it), nor is an
+    answer that is not digits and not found, nor a prediction with an undecoded byte (U+FFFD: its
+    character is not known yet)."""
+    pred = prediction.lower()
+    if "\ufffd" in pred:
+        return False
     for a in answers:
         a = a.lower()
-        start = pred.find(a)
-        while start >= 0:
-            end = start + len(a)
-            ok_left = not (a[0].isdigit() and start > 0 and pred[start - 1].isdigit())
-            ok_right = not (a[-1].isdigit() and end < len(pred) and pred[end].isdigit())
-            if ok_left and ok_right:
-                hits += 1
-                break
-            start = pred.find(a, start + 1)
-    return hits / len(answers)
+        if not a.isascii():
+            return False
+        ends = _matches(pred, a)
+        if any(end < len(pred) or not a[-1].isdigit() for end in ends):
+            continue                                                    # found for good
+        if ends or not a.isdigit():
+            return False                                                # found only at the end, or not digits
+        started = max(k for k in range(len(a)) if pred.endswith(a[:k]))   # k = 0 always qualifies
+        if len(a) - started <= digit_run:
+            return False                                                # may still be written
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,10 +8,16 @@ import torch
 from methods import METHODS, make_policy
 from methods.evaluation.compare import main as compare_main
 from methods.evaluation.compare import run
-from methods.evaluation.harness import compare_traces, greedy_from_trace, greedy_from_traces, trace, traces
+from methods.evaluation.harness import (
+    compare_traces,
+    greedy_from_trace,
+    greedy_from_traces,
+    trace,
+    traces,
+)
 from nanollm import CachePolicy, LayerKV, preset
-from nanollm.data.evaluate import MODES, answer_ids
-from nanollm.data.tasks import corpus, make_sample
+from nanollm.data.evaluate import MODES, answer_ids, answer_length, digits_per_token
+from nanollm.data.tasks import corpus, make_sample, match_settled, string_match_all
 from nanollm.generation import prefill
 from nanollm.io import checkpoint
 from nanollm.io.tokenizer import Tokenizer
@@ -108,6 +114,43 @@ def test_greedy_from_the_trace_equals_a_fresh_greedy_answer(loaded, method):
             tr = trace(model, s, mode, policy())
             assert tr.fork[0] == m
             assert greedy_from_trace(model, tok, s, tr) == fresh, (mode, m)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_answers_until_scored_keep_every_score(loaded, mode):
+    """``until_scored`` stops an answer once its score is settled: every method's score is the whole answer's,
+    its answer a prefix of the whole answer, and some answers do stop early, each exactly where the tokens
+    left (the answer length minus those written) can no longer change its score."""
+    model, tok, _ = loaded
+    policies = [None] + [make_policy(n, budget=b) for n in sorted(METHODS) if n != "full" for b in (30, 120)]
+    run = digits_per_token(tok, model.config.vocab_size)
+    stopped = 0
+    for seed in range(3):
+        s = make_sample("niah_single_noise", tok, LENGTH, seed=seed)
+        n_new = answer_length(model, s)
+        trs = traces(model, s, mode, policies, [False] * len(policies))
+        whole = greedy_from_traces(model, tok, s, trs)
+        until = greedy_from_traces(model, tok, s, trs, until_scored=True)
+        for ids, ids_u, tr in zip(whole, until, trs):
+            assert ids[:len(ids_u)] == ids_u
+            assert string_match_all(tok.decode(ids_u), s.answers) == string_match_all(tok.decode(ids), s.answers)
+            if len(ids_u) < len(ids):                  # stopped early: settled there, not one token before
+                stopped += 1
+                assert match_settled(tok.decode(ids_u), s.answers, (n_new - len(ids_u)) * run)
+                if len(ids_u) - 1 > tr.fork[0]:       # the token before was generated, and checked, too
+                    assert not match_settled(tok.decode(ids_u[:-1]), s.answers, (n_new - len(ids_u) + 1) * run)
+    assert stopped > 5
+
+
+def test_digits_per_token(loaded):
+    model, tok, _ = loaded
+    assert digits_per_token(tok, model.config.vocab_size) == 1          # our tokenizer splits numbers into digits
+
+    class Vocab:                                                         # ids 0..2: "a", "123", " 45x"
+        def decode(self, ids):
+            return {0: "a", 1: "123", 2: " 45x"}[ids[0]]                  # KeyError past them, as tiktoken
+    assert digits_per_token(Vocab(), 3) == 3
+    assert digits_per_token(Vocab(), 4) == 4                             # id 3 cannot be decoded: unbounded
 
 
 @pytest.mark.slow
