@@ -13,7 +13,8 @@ cache's attention and its policy's hooks, so the speedup is at most
 Both ways run here side by side in one run: the same caches (one prompt pass serves them all, as in
 ``methods.compare``), copied afresh before every timed repetition, the repetitions alternating. Printed:
 each way's time per step of all caches, caches x steps per second, the speedup, the batched step's split
-into its shared part (products, element-wise work) and the caches' own attention, and the weight-read
+into its shared part (products, element-wise work) and the caches' own attention (by method, and the speedup
+batching could reach if the shared part took no time: one by one / own work), and the weight-read
 roofline: the time to read the weights once per cache (one by one) or once per block (batched) at the read
 bandwidth measured in the same run.
 """
@@ -72,8 +73,8 @@ def one_by_one(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> t
 
 
 @torch.no_grad()
-def batched(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> tuple[float, float, torch.Tensor]:
-    """Seconds to feed ``tokens`` to every cache with ``step_many``, the seconds of that spent in the caches'
+def batched(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> tuple[float, list[float], torch.Tensor]:
+    """Seconds to feed ``tokens`` to every cache with ``step_many``, the seconds of that spent in each cache's
     own attention, and the last step's logits."""
     device = lean.model.tok_emb.weight.device
     own = [0.0] * len(caches)                      # on a GPU without a sync per cache: launch time, roughly
@@ -82,7 +83,7 @@ def batched(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> tupl
     for token in tokens:
         logits, _ = step_many(lean, [torch.tensor([token], device=device)] * len(caches), caches, own)
     sync(device)
-    return time.perf_counter() - t0, sum(own), logits
+    return time.perf_counter() - t0, own, logits
 
 
 def run(model, tok, task: str, methods: list[str], keep_ratios: list[float], length: int, steps: int,
@@ -97,13 +98,17 @@ def run(model, tok, task: str, methods: list[str], keep_ratios: list[float], len
     t0 = time.perf_counter()
     caches = prefilled(model, ids, specs)
     prefill_s = time.perf_counter() - t0
-    times = {"one_by_one": [], "batched": [], "own": []}
+    times = {"one_by_one": [], "batched": [], "own": [], "own_each": []}
     bar = tqdm(range(repeats), desc="throughput", unit="repeat", disable=not progress, dynamic_ncols=True)
     for _ in bar:                                # alternate the two ways: a slow spell of the machine hits both
         s1, single = one_by_one(lean, copy.deepcopy(caches), tokens)
-        s2, own, together = batched(lean, copy.deepcopy(caches), tokens)
-        times["one_by_one"].append(s1), times["batched"].append(s2), times["own"].append(own)
+        s2, own_each, together = batched(lean, copy.deepcopy(caches), tokens)
+        times["one_by_one"].append(s1), times["batched"].append(s2), times["own"].append(sum(own_each))
+        times["own_each"].append(own_each)
     one, both, own = (statistics.median(times[k]) / steps for k in ("one_by_one", "batched", "own"))
+    own_by_method: dict[str, float] = {}         # ms per step of each method's caches (median per cache, summed)
+    for (name, _), *per_repeat in zip(specs, *times["own_each"]):
+        own_by_method[name] = own_by_method.get(name, 0.0) + statistics.median(per_repeat) / steps * 1e3
     weights = decode_weight_bytes(model)
     bandwidth = read_bandwidth(bandwidth_mib, device=ids.device) * 1e9                             # bytes / s
     n = len(caches)
@@ -115,6 +120,7 @@ def run(model, tok, task: str, methods: list[str], keep_ratios: list[float], len
         "prefill_s": prefill_s,
         "one_by_one_ms_per_step": one * 1e3, "batched_ms_per_step": both * 1e3,
         "batched_own_attention_ms": own * 1e3, "batched_shared_ms": (both - own) * 1e3,
+        "own_attention_ms_by_method": own_by_method, "speedup_if_shared_were_free": one / own,
         "one_by_one_cache_steps_per_s": n / one, "batched_cache_steps_per_s": n / both, "speedup": one / both,
         "weight_bytes": weights, "bandwidth_gb_per_s": bandwidth / 1e9,
         "weight_read_ms_one_by_one": n * weights / bandwidth * 1e3,
@@ -139,6 +145,10 @@ def format_result(r: dict) -> str:
         f"batched / one by one: {speed} faster per step. The batched step: {r['batched_shared_ms']:.1f} ms shared "
         f"(products in blocks of {r['rows_per_block']} rows, element-wise work), {r['batched_own_attention_ms']:.1f} "
         "ms in the caches' own attention and policy hooks, which no batching removes.",
+        f"Even if the shared part took no time, batching could be at most {r['speedup_if_shared_were_free']:.2f}x "
+        "faster (one by one / own work). The own work per step, by method (its caches summed): "
+        + ", ".join(f"{m} {ms:.1f}" for m, ms in sorted(r["own_attention_ms_by_method"].items(),
+                                                        key=lambda item: -item[1])) + " ms.",
         f"roofline: {r['weight_bytes'] / 1e6:.0f} MB of weights read once per cache or once per block at the "
         f"{r['bandwidth_gb_per_s']:.1f} GB/s measured here ({r['device']}). Largest logit difference between the "
         "two ways: "

@@ -21,6 +21,11 @@ def test_both_ways_run_side_by_side_and_agree(tmp_path, capsys):
     assert r["prompt_tokens"] <= 160 - 3 and r["steps"] == 3
     assert r["speedup"] == pytest.approx(r["one_by_one_ms_per_step"] / r["batched_ms_per_step"])
     assert 0 < r["batched_own_attention_ms"] < r["batched_ms_per_step"]
+    assert sorted(r["own_attention_ms_by_method"]) == ["full", "h2o", "kvreviver", "snapkv"]
+    assert all(ms > 0 for ms in r["own_attention_ms_by_method"].values())
+    bound = r["one_by_one_ms_per_step"] / r["batched_own_attention_ms"]     # Amdahl: the shared part at no cost
+    assert r["speedup_if_shared_were_free"] == pytest.approx(bound)
+    assert r["speedup_if_shared_were_free"] > r["speedup"]
     assert r["weight_read_ms_one_by_one"] == pytest.approx(7 * r["weight_read_ms_batched"])    # 7 caches, 1 block
     assert r["max_logit_difference"] < 1e-4                     # the same step, products rounded in blocks
     saved = json.loads(out.read_text())
