@@ -304,7 +304,8 @@ def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace], until_score
     ``string_match_all`` score (``tasks.match_settled``; e.g. a 5-digit answer not yet started with 4
     tokens left, on a tokenizer that writes one digit per token). The ids may then be cut short, but their
     score is that of the whole greedy answer. A wrong answer usually runs to the answer length, so this
-    saves its last few decode steps. (Only the side-by-side continuations stop early.)"""
+    saves its last few decode steps. (Without one shared lean step, the answers go one by one through
+    ``generate`` and are checked only at their fork token.)"""
     if not trs:
         return []
     n_new = answer_length(model, sample)

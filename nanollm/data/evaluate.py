@@ -50,7 +50,9 @@ def cut_at(ids: list[int], stop_id: int | None) -> list[int]:
 def digits_per_token(tok, n_vocab: int) -> int:
     """The longest run of ASCII digits in the text of any one token id below ``n_vocab`` (1 for tokenizers
     that split numbers into digits, as SmolLM2's and ours do): n more tokens add at most n times this many
-    digits in a row (``tasks.match_settled``). An id ``tok`` cannot decode counts as unbounded."""
+    digits in a row (``tasks.match_settled``), since the decoded text of a sequence is the texts of its
+    tokens one after the other (byte-level BPE, cut on character boundaries). An id ``tok`` cannot decode
+    counts as unbounded."""
     longest = 0
     for i in range(n_vocab):
         try:

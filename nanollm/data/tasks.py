@@ -123,9 +123,12 @@ def match_settled(prediction: str, answers: list[str], digit_run: int) -> bool:
     * out of reach: an answer of L ASCII digits not found, when even the longest start of it that the
       prediction ends with (s digits) leaves more than ``digit_run`` digits to write (L - s > digit_run).
 
-    A match at the very end of the prediction is not settled (a further digit would undo it), nor is an
-    answer that is not digits and not found, nor a prediction with an undecoded byte (U+FFFD: its
-    character is not known yet)."""
+    Never settled: a match of an answer ending in a digit at the very end of the prediction (a further digit,
+    any character ``str.isdigit`` accepts, would undo it); an answer that is not digits and not found; an
+    answer with a non-ASCII character (lowercasing can depend on what follows, e.g. a final sigma, and the
+    digit bound counts ASCII digits only); a prediction holding U+FFFD (an undecoded byte, whose character
+    may not be known yet). The prediction must be a prefix of the whole answer's text, as a byte-level
+    decoding that stops on a character boundary (no U+FFFD) guarantees."""
     pred = prediction.lower()
     if "\ufffd" in pred:
         return False

@@ -116,14 +116,19 @@ def test_greedy_from_the_trace_equals_a_fresh_greedy_answer(loaded, method):
             assert greedy_from_trace(model, tok, s, tr) == fresh, (mode, m)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_answers_until_scored_keep_every_score(loaded, mode):
+@pytest.mark.parametrize("mode, run", [(MODES[0], None), (MODES[1], None), (MODES[0], 2)])
+def test_answers_until_scored_keep_every_score(loaded, mode, run, monkeypatch):
     """``until_scored`` stops an answer once its score is settled: every method's score is the whole answer's,
     its answer a prefix of the whole answer, and some answers do stop early, each exactly where the tokens
-    left (the answer length minus those written) can no longer change its score."""
+    left (the answer length minus those written), times the digits a token may hold, can no longer change
+    its score. (``run`` 2: a looser bound than the tokenizer's 1, still exact; it tells tokens from digits.)"""
+    import methods.evaluation.harness as harness
     model, tok, _ = loaded
     policies = [None] + [make_policy(n, budget=b) for n in sorted(METHODS) if n != "full" for b in (30, 120)]
-    run = digits_per_token(tok, model.config.vocab_size)
+    if run is None:
+        run = digits_per_token(tok, model.config.vocab_size)
+    else:
+        monkeypatch.setattr(harness, "digits_per_token", lambda tok, n_vocab: run)
     stopped = 0
     for seed in range(3):
         s = make_sample("niah_single_noise", tok, LENGTH, seed=seed)
@@ -146,11 +151,12 @@ def test_digits_per_token(loaded):
     model, tok, _ = loaded
     assert digits_per_token(tok, model.config.vocab_size) == 1          # our tokenizer splits numbers into digits
 
-    class Vocab:                                                         # ids 0..2: "a", "123", " 45x"
+    class Vocab:                                                         # ids 0..2: "a", "12", " 2019x3"
         def decode(self, ids):
-            return {0: "a", 1: "123", 2: " 45x"}[ids[0]]                  # KeyError past them, as tiktoken
-    assert digits_per_token(Vocab(), 3) == 3
+            return {0: "a", 1: "12", 2: " 2019x3"}[ids[0]]               # KeyError past them, as tiktoken
+    assert digits_per_token(Vocab(), 3) == 4                             # the longest run, inside a token
     assert digits_per_token(Vocab(), 4) == 4                             # id 3 cannot be decoded: unbounded
+    assert digits_per_token(Vocab(), 2) == 2
 
 
 @pytest.mark.slow
