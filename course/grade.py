@@ -39,103 +39,63 @@ import os
 import re
 import shutil
 import signal
+import site
 import subprocess
+import sysconfig
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import confine
 from .assignments import ASSIGNMENTS, COURSE, ROOT, Assignment, command_line, get
 
 PER_TEST_S = 60          # one test's time limit, enforced by the grader from outside the test process
 RUN_BASE_S = 60          # the whole run: this, plus (the per-test limit + RESTART_S) per test
 RESTART_S = 5            # what a fresh test process costs (starting Python, importing torch)
 START_S = 60             # a test process may take this long to import and collect the tests
-POLL_S = 0.05            # how often the grader reads the results file
+POLL_S = 0.05            # how often the grader reads the results pipe
 MESSAGE_LINES, MESSAGE_CHARS = 10, 1500     # a failure's message in the JSON
 
-# The scratch folder's conftest.py: the library must come from the student copy; each test's start and
-# outcome are appended to a results file as they happen (the grader watches it, and keeps the outcomes
-# before a crash or a stop); a failure is recorded as its exception's type and message.
+# The scratch folder's conftest.py. The tests run here, in a process that never runs the student's code:
+# ``adapters`` is course/remote.py's stand-in, which asks the student's process (course/student_process.py);
+# each test's start and outcome go to the grader over a pipe this process alone holds; a failure is recorded
+# as its exception's type and message (the student's exceptions with the student's file and line).
 CONFTEST = '''\
 """Written by course.grade."""
-import faulthandler
 import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
+import remote
 
-STUDENT = Path({student!r})
-RESULTS = Path(os.environ.pop("COURSE_GRADE_RESULTS"))
-DUMP = open(os.environ.pop("COURSE_GRADE_DUMP"), "a")     # where a test is when it nears its time limit
-PER_TEST_S = {per_test!r}
-PACKAGES = ("nanollm", "methods", "kernels", "course")
-
-# an editable install of another checkout (pip install -e) must not fill in what the copy lacks
-sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
-
-
-class NoOwnTests:
-    """The copy's own tests (``tests.*``) can hold reference implementations: graded code may not import them."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "tests" or name.startswith("tests."):
-            raise ImportError(f"{{name}}: the graded code may not import the repository's own tests", name=name)
-        return None
-
-
-sys.meta_path.insert(0, NoOwnTests())
-
-
-def borrowed():
-    """Modules of the library (or the course) from outside the student copy, and modules of its tests."""
-    wrong = []
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        top = name.split(".")[0]
-        if path is None or (top not in PACKAGES and top != "tests" and "tests" not in path):
-            continue
-        path = Path(path).resolve()
-        if top == "tests" or STUDENT / "tests" in path.parents or (top in PACKAGES and STUDENT not in path.parents):
-            wrong.append(name)
-    return sorted(wrong)
+RESULTS_FD = {results_fd!r}
+DUMP = {dump!r}
+sys.modules["adapters"] = remote.connect({student!r}, {adapters!r}, {site_dirs!r}, DUMP, {per_call_s!r}, {home!r},
+                                         {nobody!r})
 
 
 def record(kind, name, message=""):
-    with RESULTS.open("a") as f:
-        f.write(json.dumps({{"kind": kind, "name": name, "message": message[:20000]}}) + "\\n")
-
-
-def inside(filename):
-    try:
-        return STUDENT in Path(filename).resolve().parents
-    except (OSError, ValueError):
-        return False
+    data = (json.dumps({{"kind": kind, "name": name, "message": message[:20000]}}) + "\\n").encode()
+    while data:
+        data = data[os.write(RESULTS_FD, data):]
 
 
 def describe(excinfo):
-    """An exception as its type and message; a syntax error with its file and line; the deepest line of the
-    student's code it came from."""
+    """An exception as its type and message (the student's: with the file and line it came from)."""
     e = excinfo.value
     if isinstance(e, pytest.Collector.CollectError) and e.__cause__ is not None:
         e = e.__cause__                                  # the error behind "could not import the test file"
-    if isinstance(e, SyntaxError):
-        where = Path(e.filename or "?")
-        where = where.resolve().relative_to(STUDENT) if inside(where) else where.name
-        return f"{{type(e).__name__}}: {{e.msg}} ({{where}}, line {{e.lineno}})\\n    {{(e.text or '').strip()}}"
+    if getattr(e, "course_text", None):
+        return e.course_text
     text = "".join(traceback.format_exception_only(type(e), e)).strip()
     lines = text.splitlines()
     said = next((i for i, line in enumerate(lines) if i and line.startswith("assert ")), None)
     if isinstance(e, AssertionError) and said:           # the test's message, not pytest's rewrite of the assert
         text = "\\n".join(lines[:said])
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if inside(f.filename)]
-    if frames:
-        f = frames[-1]
-        text += f"\\n(raised in {{Path(f.filename).resolve().relative_to(STUDENT)}}, line {{f.lineno}}, in {{f.name}})"
     return text
 
 
@@ -153,6 +113,7 @@ def pytest_exception_interact(node, call, report):
 
 
 def pytest_runtest_logstart(nodeid, location):
+    open(DUMP, "w").close()                             # the student's process writes where it is, near the limit
     record("start", nodeid.split("::")[-1])
 
 
@@ -163,21 +124,29 @@ def pytest_runtest_logreport(report):
         record("failed", name, getattr(report, "course_message", None)
                or (crash.message if crash is not None else str(report.longrepr).splitlines()[-1]))
     elif report.skipped:
-        record("failed", name, f"the test was skipped (graded code may not skip it): {{report.longrepr}}")
+        record("failed", name, f"the test was skipped: {{report.longrepr}}")
     elif report.when == "call" and report.passed:
         record("passed", name)
 
 
-@pytest.fixture(autouse=True)
-def the_library_is_the_students():
-    DUMP.seek(0)
-    DUMP.truncate()
-    faulthandler.dump_traceback_later(PER_TEST_S * 0.8, file=DUMP)
-    yield
-    faulthandler.cancel_dump_traceback_later()
-    wrong = borrowed()
-    if wrong:
-        raise RuntimeError(f"imported from outside the student copy {{STUDENT}}, or its own tests: {{wrong[:3]}}")
+def pytest_sessionfinish(session, exitstatus):
+    sys.modules["adapters"]._connection.close()
+'''
+
+# How the test process starts: ``python -I -S -B -c BOOT``: no site module (no .pth, sitecustomize), the tests'
+# folder and the grader's site-packages on the path, and not dumpable (another process of the same user can
+# neither read its memory or pipes through /proc nor attach to it).
+BOOT = '''\
+import sys
+sys.path[:0] = [{tests!r}]
+sys.path += {site_dirs!r}
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)            # PR_SET_DUMPABLE = 0
+except Exception:
+    pass
+import pytest
+sys.exit(pytest.main({args!r}))
 '''
 
 
@@ -241,10 +210,10 @@ class Progress:
     collect: dict[str, str] = field(default_factory=dict)                 # test file -> why it did not import
 
 
-def read_results(path: Path) -> Progress:
-    """The results file the scratch conftest appends to (one JSON object a line)."""
+def parse_results(text: str) -> Progress:
+    """What the test process sent so far (one JSON object a line)."""
     p = Progress()
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in text.splitlines():
         try:
             rec = json.loads(line)
             kind, name, text = rec["kind"], rec["name"], rec["message"]
@@ -260,6 +229,11 @@ def read_results(path: Path) -> Progress:
     return p
 
 
+def read_results(path: Path) -> Progress:
+    """``parse_results`` of a file."""
+    return parse_results(path.read_text() if path.exists() else "")
+
+
 def where_it_was(dump: Path, student: Path) -> str:
     """The deepest line of the student's code in the last traceback dump (written just before a test's time
     limit), as ", in FILE, line N (FUNCTION)"; "" if there is none."""
@@ -271,38 +245,60 @@ def where_it_was(dump: Path, student: Path) -> str:
     return ""
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Kill the test process and everything it started (its process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, AttributeError):
-        if proc.poll() is None:
-            proc.kill()
-    proc.wait()
+class Pipe:
+    """The results pipe: the test process writes each line, the grader reads what has come."""
+
+    def __init__(self):
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        self.text = b""
+
+    def read(self) -> str:
+        while True:
+            try:
+                chunk = os.read(self.read_fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self.text += chunk
+        return self.text.decode(errors="replace")
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
-def watch(cmd: list[str], cwd: Path, env: dict, results: Path, log: Path, per_test_s: float,
-          deadline: float) -> tuple[int | None, str | None]:
+def watch(cmd: list[str], cwd: Path, env: dict, results: Pipe, log: Path, per_test_s: float,
+          deadline: float, spare: set[int] = frozenset()) -> tuple[int | None, str | None]:
     """Run one test process, stopping it when its running test passes ``per_test_s`` (counted from the test's
-    start line), when collecting the tests passes ``START_S``, or at ``deadline`` (``time.monotonic``).
-    Returns (its exit code, None) or (None, "test" | "collect" | "run"): why it was stopped."""
+    start line), when collecting the tests passes ``START_S``, or at ``deadline`` (``time.monotonic``); then
+    end every process it started. Returns (its exit code, None) or (None, "test" | "collect" | "run"): why
+    it was stopped."""
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = starts = read_results(results).starts
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, pass_fds=(results.write_fd,))
+    base = starts = parse_results(results.read()).starts
     since, why = time.monotonic(), None
-    while proc.poll() is None:
-        time.sleep(POLL_S)
-        now, n = time.monotonic(), read_results(results).starts
-        if n != starts:
-            starts, since = n, now
-        if now > deadline:
-            why = "run"
-        elif now - since > (per_test_s if starts > base else START_S):
-            why = "test" if starts > base else "collect"
-        if why:
-            break
-    stop(proc)                 # also ends what the tests left running in the background
+    try:
+        while proc.poll() is None:
+            time.sleep(POLL_S)
+            now, n = time.monotonic(), parse_results(results.read()).starts
+            if n != starts:
+                starts, since = n, now
+            if now > deadline:
+                why = "run"
+            elif now - since > (per_test_s if starts > base else START_S):
+                why = "test" if starts > base else "collect"
+            if why:
+                break
+    finally:
+        confine.end_descendants(spare)     # the test process, the student's, and all they started (not ``spare``)
+        proc.wait()
+    results.read()
     return (None, why) if why else (proc.returncode, None)
 
 
@@ -311,42 +307,64 @@ def run_limit_s(n_tests: int, per_test_s: float) -> float:
     return RUN_BASE_S + n_tests * (per_test_s + RESTART_S)
 
 
+def site_dirs() -> list[str]:
+    """The folders the grader's own packages (torch, pytest) come from, without what ``.pth`` files add."""
+    return [p for p in dict.fromkeys(site.getsitepackages()) if Path(p).is_dir()]
+
+
 def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_test_s: float = PER_TEST_S,
               tasks: tuple[str, ...] | None = None) -> tuple[list[Result], float, str]:
     """Run the assignment's tests against ``student`` (only those of ``tasks`` if given); (results, seconds,
     pytest's output)."""
     tests = assignment.tests(hidden)
-    adapters = student / "course" / assignment.name
     with tempfile.TemporaryDirectory(prefix=f"grade-{assignment.name}-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="grade-results-") as out:
-        tmp, out = Path(tmp), Path(out)
-        results_file, dump = out / "results.jsonl", out / "dump.txt"
+            tempfile.TemporaryDirectory(prefix="grade-results-") as out, \
+            tempfile.TemporaryDirectory(prefix="grade-copy-") as copy, \
+            tempfile.TemporaryDirectory(prefix="grade-home-") as home, confine.confined() as spare:
+        tmp, out, copy, home = Path(tmp), Path(out), Path(copy), Path(home)
+        copy.chmod(0o755)
+        scratch = confine.scratch_copy(student, copy / "copy")
+        nobody = confine.can_run_as_nobody([sys.executable, sysconfig.get_paths()["stdlib"], *site_dirs()])
+        if nobody:                             # the student's process runs as nobody: its own home, nothing else
+            os.chown(home, confine.NOBODY, confine.NOBODY)
+        dump = out / "dump.txt"
+        dump.touch()
         for t in tests:
             shutil.copy2(t, tmp / t.name)
-        shutil.copy2(COURSE / "oracle.py", tmp / "oracle.py")
-        (tmp / "conftest.py").write_text(CONFTEST.format(student=str(student), per_test=per_test_s))
+        for f in ("oracle.py", "remote.py", "student_process.py"):
+            shutil.copy2(COURSE / f, tmp / f)
+        results = Pipe()
+        (tmp / "conftest.py").write_text(CONFTEST.format(
+            results_fd=results.write_fd, dump=str(dump), student=str(scratch),
+            adapters=str(scratch / "course" / assignment.name / "adapters.py"), site_dirs=site_dirs(),
+            per_call_s=per_test_s * 0.8, home=str(home), nobody=nobody))
         (tmp / "pytest.ini").write_text("[pytest]\naddopts =\n")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
-        env.update({"PYTHONPATH": os.pathsep.join([str(tmp), str(adapters), str(student)]), "OMP_NUM_THREADS": "1",
-                    "PYTHONDONTWRITEBYTECODE": "1", "COURSE_GRADE_RESULTS": str(results_file),
-                    "COURSE_GRADE_DUMP": str(dump)})
+        env.update({"OMP_NUM_THREADS": "1"})
         env.setdefault("TRITON_INTERPRET", "1")      # no GPU: the kernels run in Triton's interpreter
         node = {n: f"{t.name}::{n}" for t in tests for n, (_, task) in marks_of(t).items()   # name -> node id
                 if tasks is None or task in tasks}
         limit = run_limit_s(len(node), per_test_s)
         outcomes, logs, t0 = {}, [], time.monotonic()
-        while remaining := [n for n in node if n not in outcomes]:
-            if time.monotonic() - t0 > limit - 1:
-                outcomes.update({n: ("failed", f"not run: the whole run reached its limit of {limit:g} s")
-                                 for n in remaining})
-                break
-            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(tmp / "pytest.ini"),
-                   "--rootdir", str(tmp), "--continue-on-collection-errors", *[node[n] for n in remaining]]
-            code, why = watch(cmd, tmp, env, results_file, out / "log.txt", per_test_s, t0 + limit)
-            log = (out / "log.txt").read_text(errors="replace")
-            logs.append(log if why is None else f"{log}\n(stopped by the grader: {why})")
-            outcomes.update(round_outcomes(remaining, node, read_results(results_file), code, why, log,
-                                           per_test_s, limit, where_it_was(dump, student)))
+        try:
+            while remaining := [n for n in node if n not in outcomes]:
+                if time.monotonic() - t0 > limit - 1:
+                    outcomes.update({n: ("failed", f"not run: the whole run reached its limit of {limit:g} s")
+                                     for n in remaining})
+                    break
+                args = ["-q", "-p", "no:cacheprovider", "-c", str(tmp / "pytest.ini"), "--rootdir", str(tmp),
+                        "--continue-on-collection-errors", *[node[n] for n in remaining]]
+                cmd = [sys.executable, "-I", "-S", "-B", "-c",
+                       BOOT.format(tests=str(tmp), site_dirs=site_dirs(), args=args)]
+                before = len(results.read())
+                code, why = watch(cmd, tmp, env, results, out / "log.txt", per_test_s, t0 + limit, spare)
+                log = (out / "log.txt").read_text(errors="replace")
+                logs.append(log if why is None else f"{log}\n(stopped by the grader: {why})")
+                found = parse_results(results.read()[before:])
+                outcomes.update(round_outcomes(remaining, node, found, code, why, log, per_test_s, limit,
+                                               where_it_was(dump, scratch)))
+        finally:
+            results.close()
         seconds = time.monotonic() - t0
     results = []
     for t in tests:

@@ -8,6 +8,7 @@ copy of the library can never change the oracle.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -19,6 +20,37 @@ def points(n: float, task: str | None = None):
         test.points, test.task = n, task
         return test
     return mark
+
+
+def address(t: Tensor) -> int:
+    """Where the student's code holds the tensor ``t`` (its ``data_ptr`` there: the tests get copies)."""
+    return getattr(t, "student_address", None) or t.data_ptr()
+
+
+@contextmanager
+def taken_away(adapters, *names):
+    """Within: the library functions ``names`` ("kernels.<file>.<function>") raise when called, so another
+    implementation of the same task is graded alone (a file that does not import has nothing taken)."""
+    adapters.harness("take_away", *names)
+    try:
+        yield
+    finally:
+        adapters.harness("give_back")
+
+
+class LargestTensor:
+    """Within: ``numbers`` becomes the most numbers held by a tensor a torch function returned in the
+    student's code."""
+
+    def __init__(self, adapters):
+        self.adapters, self.numbers = adapters, 0
+
+    def __enter__(self):
+        self.adapters.harness("largest_start")
+        return self
+
+    def __exit__(self, *exc):
+        self.numbers = self.adapters.harness("largest_stop")
 
 
 def full_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -7,8 +7,8 @@ import math
 
 import adapters as A
 import torch
-from oracle import points
-from test_public import randn, scores_by_loop, the_work_is_the_students  # noqa: F401  (shared helpers, the fixture)
+from oracle import address, points
+from test_public import randn, scores_by_loop
 
 ROOM = 64          # the first append leaves at least this much room (nanollm.storage.MIN_CAPACITY)
 
@@ -49,7 +49,7 @@ def append(store, k, v, pos, what):
     past the slots in use is empty (position -1)."""
     before = A.storage_contents(store)[0]                 # None while empty
     n, cap = (0, 0) if before is None else (before.shape[2], A.storage_capacity(store))
-    where = None if before is None else before.data_ptr()
+    where = None if before is None else address(before)
     A.storage_append(store, k, v, pos)
     got, new_cap = A.storage_contents(store)[0], A.storage_capacity(store)
     total = n + k.shape[2]
@@ -57,7 +57,7 @@ def append(store, k, v, pos, what):
     if n == 0:
         assert new_cap >= total + ROOM, f"{what}: the first append must leave room ({new_cap} slots for {total})"
     elif total <= cap:
-        assert got.data_ptr() == where, f"{what}: {n} + {k.shape[2]} slots fit in the capacity {cap}, yet the " \
+        assert address(got) == where, f"{what}: {n} + {k.shape[2]} slots fit in the capacity {cap}, yet the " \
             "entries moved: write in place"
     else:
         assert new_cap >= 2 * cap, f"{what}: a full buffer of {cap} slots grew to {new_cap}: at least double it"
@@ -65,7 +65,7 @@ def append(store, k, v, pos, what):
     room = A.storage_room_positions(store)
     assert (room == -1).all(), f"{what}: the room past the slots in use must be empty (position -1), got " \
         f"{room[room != -1][:3].tolist()}"
-    return got.data_ptr() != where
+    return address(got) != where
 
 
 @points(3, task="append")
@@ -180,7 +180,7 @@ def decode_through_the_storage(flavour):
     cache = A.new_cache(model)
     with A.attention_over_entries(oracle_attention):
         A.run_prefill(model, ids[:, :6], cache)
-        where = A.storage_contents(A.layer_storage(cache, 0))[0].data_ptr()
+        where = address(A.storage_contents(A.layer_storage(cache, 0))[0])
         logits = A.run_extend(model, ids[:, 6:], cache)[:, -1]
         for step in range(6):
             want = A.uncached_logits(model, ids)[:, -1]
@@ -192,7 +192,7 @@ def decode_through_the_storage(flavour):
             token = logits.argmax(-1)
             ids = torch.cat([ids, token[:, None]], dim=1)
             logits = A.run_decode(model, token, cache)
-    assert A.storage_contents(A.layer_storage(cache, 0))[0].data_ptr() == where, \
+    assert address(A.storage_contents(A.layer_storage(cache, 0))[0]) == where, \
         f"{flavour}: 14 tokens fit in the room the prompt's append left, yet the entries moved: write in place"
     kept = A.kept_positions(cache, 1)
     assert kept[1, 0].tolist() == list(range(ids.shape[1])), \

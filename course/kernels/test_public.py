@@ -7,50 +7,18 @@ Each task is graded alone: the online-softmax tests merge nothing (they read eac
 merge tests build their partials themselves. Each test checks every implementation of its task.
 """
 
-import importlib
 import math
-from contextlib import contextmanager
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import points, taken_away
 
 LOG2E = math.log2(math.e)
 
 
-class Taken:
-    """A function of the library taken away while another implementation of the same task is graded."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __call__(self, *args, **kwargs):
-        raise AssertionError(f"graded alone: this implementation called {self.name}, another implementation of "
-                             "the same task; compute the answer here instead")
-
-    def __getitem__(self, grid):
-        return self
-
-
-@contextmanager
 def without(*names):
-    """Inside the block, the library functions ``names`` ("kernels.<file>.<function>") raise; a file that does
-    not import has nothing to take away."""
-    saved = []
-    for name in names:
-        where, attr = name.rsplit(".", 1)
-        try:
-            module = importlib.import_module(where)
-        except Exception:
-            continue
-        if hasattr(module, attr):
-            saved.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, Taken(name))
-    try:
-        yield
-    finally:
-        for module, attr, f in saved:
-            setattr(module, attr, f)
+    """Inside the block, the library functions ``names`` ("kernels.<file>.<function>") raise."""
+    return taken_away(A, *names)
 
 
 MERGE_FUNCTIONS = ("kernels.decode_attention._merge_splits_kernel", "kernels.decode_attention.merge_splits_triton",

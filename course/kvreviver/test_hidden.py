@@ -9,21 +9,18 @@ from test_public import INSERTS, QUERIES, brute_insert, brute_query, check_inser
 
 
 def oracle_sketch(insert=True, query=True):
-    """Your ``VagueSketch`` (its hashes and cells) with ``insert`` and / or ``query`` done by the oracle."""
-    class Oracle(A.sketch_class()):
-        pass
+    """Your ``VagueSketch`` (its hashes and cells) with ``insert`` and / or ``query`` done by the oracle (a
+    subclass made beside your code, whose methods call these functions of the test)."""
+    def oracle_insert(self, pos, k, v, sign=1.0):
+        cells, signs = A.hashes(self, pos)
+        brute_insert(*A.cells(self), cells, signs, sign * k.float(), sign * v.float())
 
-    if insert:
-        def oracle_insert(self, pos, k, v, sign=1.0):
-            cells, signs = A.hashes(self, pos)
-            brute_insert(*A.cells(self), cells, signs, sign * k.float(), sign * v.float())
-        Oracle.insert = oracle_insert
-    if query:
-        def oracle_query(self, pos):
-            cells, signs = A.hashes(self, pos)
-            return brute_query(*A.cells(self), cells, signs)
-        Oracle.query = oracle_query
-    return Oracle
+    def oracle_query(self, pos):
+        cells, signs = A.hashes(self, pos)
+        return brute_query(*A.cells(self), cells, signs)
+
+    methods = {**({"insert": oracle_insert} if insert else {}), **({"query": oracle_query} if query else {})}
+    return A.harness("subclass", A.sketch_class(), methods)
 
 
 def run_side_by_side(yours, budget=16, steps=6, seed=7, **options):

@@ -8,11 +8,9 @@ implementation runs, the others of the same operation in kernels/count_sketch.py
 so each must compute its answer itself.
 """
 
-from contextlib import contextmanager
-
 import adapters as A
 import torch
-from oracle import points
+from oracle import points, taken_away
 
 H_KV, D = 2, 3                      # a cell holds a whole token (keys or values of every KV head): 6 numbers
 
@@ -62,36 +60,9 @@ QUERIES = ("reference_sketch_query", "sketch_query_triton", "_sketch_query_kerne
            "_sketch_row")
 
 
-class Taken:
-    """A function of kernels/count_sketch.py taken away while another implementation is graded."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __call__(self, *args, **kwargs):
-        raise AssertionError(f"graded alone: this implementation called kernels/count_sketch.py's {self.name}, "
-                             "another implementation of the same task; compute the answer here instead")
-
-    def __getitem__(self, grid):
-        return self
-
-
-@contextmanager
 def without(*names):
     """Inside the block, the functions ``names`` of kernels/count_sketch.py raise (if that file imports)."""
-    try:
-        import kernels.count_sketch as cs
-    except Exception:                   # the file does not import: nothing there to take away
-        yield
-        return
-    saved = {n: getattr(cs, n) for n in names if hasattr(cs, n)}
-    for n in saved:
-        setattr(cs, n, Taken(n))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(cs, n, f)
+    return taken_away(A, *(f"kernels.count_sketch.{n}" for n in names))
 
 
 # -- checks with messages that say what went wrong -----------------------------------------------------------

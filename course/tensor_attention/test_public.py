@@ -3,8 +3,7 @@ factored output, the two-matrix cache's append. Run them with ``python -m course
 
 import adapters as A
 import torch
-from oracle import points
-from torch.overrides import TorchFunctionMode
+from oracle import LargestTensor, points
 
 
 def random(*shape, seed=0):
@@ -20,24 +19,9 @@ def first_difference(got, want) -> str:
     return f"at {at} got {got.flatten()[i].item():.4g}, expected {want.flatten()[i].item():.4g}"
 
 
-class LargestTensor(TorchFunctionMode):
-    """Within: records the most numbers held by a tensor that a torch function or method returned."""
-
-    def __init__(self):
-        super().__init__()
-        self.numbers = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numbers = max(self.numbers, t.untyped_storage().nbytes() // t.element_size())
-        return out
-
-
 def no_kronecker_product(fn, n1, n2, d, lead, what):
     """Run fn() watching its tensors: none may hold n1 n2 d numbers per leading index (the Kronecker product)."""
-    with LargestTensor() as watch:
+    with LargestTensor(A) as watch:
         out = fn()
     kron = n1 * n2 * d * lead
     assert watch.numbers < kron, f"{what} made a tensor of {watch.numbers} numbers: the Kronecker product has " \

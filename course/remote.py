@@ -1,0 +1,254 @@
+"""
+The tests' side of grading: ``adapters`` as the tests see it, a stand-in that asks the process running the
+student's code (course/student_process.py) and never runs that code itself.
+
+``course.grade`` copies this file next to the tests; the scratch conftest puts ``connect(...)`` in
+``sys.modules["adapters"]``, so ``import adapters as A`` in a test file gets the stand-in and ``A.scores(q, k)``
+sends the call over a pipe and waits for the answer: a tensor (a copy; ``address(t)`` is where the student's
+process holds it), plain data, a ``Remote`` handle for any other object (its attributes, calls, ``with``,
+``len`` and indexing go to the student's process too), or an exception of the same type name and message.
+
+The student's process is started on the first call and restarted after it dies (the call that was running
+fails: "the process running your code stopped"). When the grader runs as root (and the user ``nobody`` can
+read Python and its packages), the student's process runs as ``nobody``: it cannot read the grader's files
+nor signal its processes (see course/README.md's threat model).
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import student_process as wire
+
+
+class StudentError(Exception):
+    """An exception raised by the student's code; its class takes the exception's type name."""
+
+
+def student_exception(error: dict) -> Exception:
+    """The exception a test sees for the student's: a built-in type where it was one, else a class of the same
+    name. ``course_text`` holds the description (type, message, the student's file and line)."""
+    kind = getattr(builtins, error["type"], None) if error["builtin"] else None
+    if not (isinstance(kind, type) and issubclass(kind, Exception)) or kind in (SyntaxError, UnicodeError) or \
+            issubclass(kind, (SyntaxError, UnicodeError, OSError)):
+        kind = type(error["type"], (StudentError,), {})
+    try:
+        e = kind(error["text"].split("\n")[0].split(": ", 1)[-1])
+    except Exception:                     # noqa: BLE001  (a type that takes other arguments)
+        e = type(error["type"], (StudentError,), {})(error["text"])
+    e.course_text = error["text"]
+    return e
+
+
+class Connection:
+    """The student's process and the pipes to it."""
+
+    def __init__(self, student: str, adapters_file: str, site_dirs: list[str], dump: str, per_call_s: float,
+                 home: str | None, nobody: bool):
+        self.args = (student, adapters_file, json.dumps(site_dirs), str(per_call_s))
+        self.dump, self.home, self.nobody = dump, home, nobody
+        self.proc: subprocess.Popen | None = None
+        self.callbacks: dict[int, object] = {}
+        self.ids = itertools.count(1)
+        self.mirrors = wire.Mirrors(first_key=1)
+        self.generation = 0                        # which student's process the handles belong to
+        self.forget = lambda: None                 # what the adapters stand-in drops when that process stops
+
+    def start(self) -> None:
+        request_r, request_w = os.pipe()           # requests: we write, the child reads
+        answer_r, answer_w = os.pipe()             # answers: the child writes, we read
+        student, adapters_file, site_dirs, per_call_s = self.args
+        code = Path(wire.__file__).read_text()
+        cmd = [sys.executable, "-I", "-S", "-B", "-c", code, student, adapters_file, site_dirs,
+               str(request_r), str(answer_w), per_call_s]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8",
+               "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "HOME": self.home or "/nonexistent"}
+        if self.home:
+            env["TMPDIR"] = self.home
+        drop = {}
+        if self.nobody:                            # the grader runs as root: the student's code runs as nobody
+            drop = {"user": 65534, "group": 65534, "extra_groups": []}
+        with open(self.dump, "ab") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                         pass_fds=(request_r, answer_w), env=env, cwd=self.home or "/",
+                                         start_new_session=True, **drop)
+        os.close(request_r)
+        os.close(answer_w)
+        self.fd_out, self.fd_in = request_w, answer_r
+
+    def stopped(self) -> RuntimeError:
+        """The student's process died: this call fails, the next one starts a fresh process."""
+        proc, self.proc = self.proc, None
+        self.generation += 1
+        self.mirrors = wire.Mirrors(first_key=1)
+        self.forget()
+        for fd in (self.fd_in, self.fd_out):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        code = proc.wait() if proc is not None else None
+        return RuntimeError(f"the process running your code stopped (exit code {code}) in this test")
+
+    def request(self, op: str, target: int | None = None, name: str | None = None, args=(), kwargs=None):
+        """Ask the student's process (``op``: getattr, call, method, list, harness) and wait for its answer,
+        running the tests' functions it calls back meanwhile."""
+        if self.proc is None:
+            self.start()
+        message = {"op": op, "target": target, "name": name, "args": self.encode(list(args)),
+                   "kwargs": self.encode(dict(kwargs or {}))}
+        try:
+            self.post(message)
+            while True:
+                answer = self.get()
+                if "callback" in answer:
+                    self.run_callback(answer)
+                    continue
+                if "error" in answer:
+                    raise student_exception(answer["error"])
+                return self.decode(answer["ok"])
+        except (EOFError, BrokenPipeError, OSError) as e:
+            if isinstance(e, OSError) and not isinstance(e, BrokenPipeError) and self.proc and self.proc.poll() is None:
+                raise
+            raise self.stopped() from None
+
+    def run_callback(self, answer: dict) -> None:
+        """The student's code called one of the tests' functions: run it here and send back its value."""
+        f = self.callbacks[answer["callback"]]
+        try:
+            reply = {"op": "reply", "ok": self.encode(f(*self.decode(answer["args"]), **self.decode(answer["kwargs"])))}
+        except Exception as e:                     # noqa: BLE001  (the test's function failed: tell the student's code)
+            reply = {"op": "reply", "error": f"{type(e).__name__}: {e}"}
+        self.post(reply)
+
+    def post(self, message: dict) -> None:
+        message["changes"] = self.mirrors.changes()
+        wire.send(self.fd_out, message)
+
+    def get(self) -> dict:
+        message = wire.receive(self.fd_in)
+        self.mirrors.apply(message.get("changes"))
+        return message
+
+    def encode(self, value):
+        import torch
+        if isinstance(value, Remote):
+            if value._generation != self.generation:
+                raise RuntimeError(f"{value!r} belonged to a process running your code that has stopped")
+            return {"handle": value._key}
+        if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.mirrors.encode(value)
+        if isinstance(value, tuple):
+            return {"tuple": [self.encode(v) for v in value]}
+        if isinstance(value, list):
+            return [self.encode(v) for v in value]
+        if isinstance(value, dict):
+            return {"dict": {k: self.encode(v) for k, v in value.items()}}
+        if callable(value):
+            key = next(self.ids)
+            self.callbacks[key] = value
+            return {"callback": key}
+        raise TypeError(f"cannot pass a {type(value).__name__} to the student's code")
+
+    def decode(self, value):
+        if isinstance(value, dict):
+            if "handle" in value:
+                return Remote(self, value["handle"], value["type"])
+            if "tuple" in value:
+                return tuple(self.decode(v) for v in value["tuple"])
+            if "dict" in value:
+                return {k: self.decode(v) for k, v in value["dict"].items()}
+            if "tensor" in value:
+                return self.mirrors.decode(value)
+        if isinstance(value, list):
+            return [self.decode(v) for v in value]
+        return value
+
+    def close(self) -> None:
+        if self.proc is not None:
+            for fd in (self.fd_in, self.fd_out):
+                os.close(fd)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class Remote:
+    """An object that lives in the student's process."""
+
+    def __init__(self, connection: Connection, key: int, kind: str):
+        object.__setattr__(self, "_connection", connection)
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_kind", kind)
+        object.__setattr__(self, "_generation", connection.generation)
+
+    def _ask(self, op: str, name: str | None = None, *args, **kwargs):
+        if self._generation != self._connection.generation:
+            raise RuntimeError(f"{self!r} belonged to a process running your code that has stopped")
+        return self._connection.request(op, self._key, name, args, kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return self._ask("getattr", name)
+
+    def __call__(self, *args, **kwargs):
+        return self._ask("call", None, *args, **kwargs)
+
+    def __enter__(self):
+        return self._ask("method", "__enter__")
+
+    def __exit__(self, *exc):
+        return self._ask("method", "__exit__", None, None, None)
+
+    def __len__(self):
+        return self._ask("method", "__len__")
+
+    def __getitem__(self, key):
+        return self._ask("method", "__getitem__", key)
+
+    def __iter__(self):
+        return iter(self._ask("list"))
+
+    def __repr__(self):
+        return f"<the student's {self._kind}>"
+
+
+class Adapters(types.ModuleType):
+    """``adapters`` as the tests see it: each attribute is asked of the student's ``adapters`` module."""
+
+    def __init__(self, connection: Connection):
+        super().__init__("adapters")
+        self._connection = connection
+        connection.forget = self._forget
+
+    def _forget(self):
+        for name in [n for n, v in vars(self).items() if isinstance(v, Remote)]:
+            delattr(self, name)
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        value = self._connection.request("getattr", 0, name)
+        if isinstance(value, Remote):           # a function of the adapters: asked once
+            setattr(self, name, value)
+        return value
+
+    def harness(self, name: str, *args):
+        """The tests' watches, run beside the student's code (course/student_process.py ``Server.harness``)."""
+        return self._connection.request("harness", None, name, args)
+
+
+def connect(student: str, adapters_file: str, site_dirs: list[str], dump: str, per_call_s: float,
+            home: str | None, nobody: bool) -> Adapters:
+    return Adapters(Connection(student, adapters_file, site_dirs, dump, per_call_s, home, nobody))

@@ -1,0 +1,435 @@
+"""
+The process a student's code runs in while it is graded, and the messages it exchanges with the tests.
+
+``course.grade`` runs the tests in one process and the student's code in another, this one, so that nothing
+the student's code does (a ``sitecustomize.py``, a monkeypatch, a daemon) can reach the tests, the oracle or
+the results: the test process asks, this process answers (course/remote.py is the asking side). It is
+started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_CALL_S``:
+
+* ``-I -S``: no ``site`` module and no ``PYTHON*`` variables, so no ``sitecustomize``, ``usercustomize`` or
+  ``.pth`` file of anyone's runs; ``sys.path`` is set here: the copy, the standard library, and the
+  grader's site-packages folders (SITE_DIRS, a JSON list). The copy's adapters are loaded from their file
+  (ADAPTERS) as the module ``adapters``; the tests' folder is on no path of this process.
+* Messages travel on two pipes (IN_FD, OUT_FD): each is 8 bytes of length, then ``torch.save`` bytes, read
+  with ``weights_only=True`` (tensors, numbers, strings, lists, tuples, dicts; no code). Anything else a
+  call returns (a model, a cache, a function) stays here and crosses as a handle: ``{"handle": id}``.
+  A function of the tests' passed in crosses as ``{"callback": id}``: calling it asks the test process.
+* Standard output and error go to the grader's dump file; before each call a timer is set that writes
+  where the code is to it (``faulthandler``) shortly before the test's time limit.
+
+The import guard below refuses the repository's own tests and the course's oracle and test files: a mistake
+an honest copy can make (they hold reference implementations). It is no defence against a hostile student,
+whose code runs in this process and can undo it; the defence is that the grade is computed elsewhere.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.util
+import io
+import json
+import os
+import pickle
+import struct
+import sys
+import traceback
+from pathlib import Path
+
+HEADER = struct.Struct("<Q")         # a message's length in bytes
+MAX_MESSAGE = 1 << 31                # 2 GiB: a longer message ends the connection
+TEXT_CHARS = 4000                    # an error's text is cut to this many characters
+PACKAGES = ("nanollm", "methods", "kernels", "course")
+
+
+# -- messages (both sides) --------------------------------------------------------------------------------
+
+class PlainData(pickle.Unpickler):
+    """Reads a pickle of plain data only (numbers, strings, lists, tuples, dicts): it names no class, so none
+    is looked up and no code runs."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name}: a message may hold plain data and tensors only")
+
+
+def is_plain(obj) -> bool:
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(is_plain(v) for v in obj)
+    if isinstance(obj, dict):
+        return all(is_plain(k) and is_plain(v) for k, v in obj.items())
+    return False
+
+
+def send(fd: int, obj) -> None:
+    """Write one message: its length, then a pickle of plain data, or ``torch.save`` bytes where it holds a
+    tensor."""
+    if is_plain(obj):
+        body = b"P" + pickle.dumps(obj, protocol=4)
+    else:
+        import torch
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        body = b"T" + buf.getvalue()
+    data = HEADER.pack(len(body)) + body
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def read_exactly(fd: int, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the other process closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def receive(fd: int):
+    """Read one message (no code runs while reading it: plain data, or ``torch.load`` with ``weights_only``)."""
+    (n,) = HEADER.unpack(read_exactly(fd, HEADER.size))
+    if n > MAX_MESSAGE or n < 1:
+        raise EOFError(f"a message of {n} bytes")
+    body = read_exactly(fd, n)
+    if body[:1] == b"P":
+        return PlainData(io.BytesIO(body[1:])).load()
+    import torch
+    return torch.load(io.BytesIO(body[1:]), weights_only=True)
+
+
+class Mirrors:
+    """Tensors that crossed between the two processes. Each side holds its own copy under a shared key; a
+    change made in place on one side (by torch, a kernel or anything else: each copy is compared with what was
+    last sent or received) reaches the other with the next message, so writing into a tensor the other side
+    passed or handed out works as in one process. Keys: the test process makes odd ones, the student's even."""
+
+    def __init__(self, first_key: int):
+        self.next_key, self.tests_side = first_key, first_key % 2 == 1
+        self.table: dict[int, tuple] = {}              # key -> (weak reference to the tensor, its last value)
+        self.recent: list = []     # tensors received since our last message: alive until it is sent (a write
+        #                            into a temporary that is then dropped still reaches the other side)
+
+    def encode(self, t) -> dict:
+        import weakref
+        key = getattr(t, "mirror_key", None)
+        if key is None or key not in self.table or self.table[key][0]() is not t:
+            key, self.next_key = self.next_key, self.next_key + 2
+            t.mirror_key = key
+        plain = t.detach()
+        if type(plain) is not _torch().Tensor:
+            plain = plain.as_subclass(_torch().Tensor)
+        self.table[key] = (weakref.ref(t), plain.clone())
+        return {"tensor": plain, "key": key, "address": t.data_ptr()}
+
+    def decode(self, d: dict):
+        import weakref
+        key = d["key"]
+        held = self.table.get(key)
+        if held is not None and held[0]() is not None:
+            return held[0]()                          # our own tensor, back from the other side
+        t = d["tensor"]
+        self.recent.append(t)
+        t.mirror_key = key
+        if self.tests_side:                           # where the student's process holds it
+            t.student_address = d.get("address")
+        self.table[key] = (weakref.ref(t), t.clone())
+        return t
+
+    def changes(self) -> dict:
+        """The tensors changed in place since the last message: key -> their values now."""
+        out = {}
+        for key, (ref, last) in list(self.table.items()):
+            t = ref()
+            if t is None:
+                del self.table[key]
+            elif not same(t, last):
+                out[key] = t.detach().clone()
+                self.table[key] = (ref, out[key].clone())
+        self.recent.clear()
+        return out
+
+    def apply(self, changes: dict) -> None:
+        """The other side's changes, written into our copies."""
+        torch = _torch()
+        for key, value in (changes or {}).items():
+            held = self.table.get(key)
+            t = held[0]() if held is not None else None
+            if t is None:
+                continue
+            with torch.no_grad():
+                if t.shape == value.shape and t.dtype == value.dtype:
+                    t.copy_(value)
+                else:
+                    t.set_(value.clone())
+            self.table[key] = (held[0], value)
+
+
+def same(a, b) -> bool:
+    """The same shape, type and numbers (NaN where the other has NaN)."""
+    torch = _torch()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
+
+
+def _torch():
+    import torch
+    return torch
+
+
+# -- this process's side ----------------------------------------------------------------------------------
+
+class Refused:
+    """An import finder that refuses the copy's own tests and the course's oracle and test files."""
+
+    def find_spec(self, name, path=None, target=None):
+        parts = name.split(".")
+        if (parts[0] in ("tests", "oracle", "conftest", "test_public", "test_hidden", "remote")
+                or name == "course.oracle" or (parts[0] == "course" and parts[-1].startswith("test_"))):
+            raise ImportError(f"{name}: the graded code may not import the repository's own tests or the "
+                              "course's oracle and tests", name=name)
+        return None
+
+
+CHECKED: dict[str, bool] = {}       # module name -> loaded from outside the student copy
+
+
+def borrowed(student: Path) -> list[str]:
+    """Modules of the library (or the course) loaded from outside the student copy."""
+    for name, module in list(sys.modules.items()):
+        if name not in CHECKED:
+            path = getattr(module, "__file__", None)
+            CHECKED[name] = (path is not None and name.split(".")[0] in PACKAGES
+                             and student not in Path(path).resolve().parents)
+    return sorted(n for n, wrong in CHECKED.items() if wrong and n in sys.modules)
+
+
+def inside(filename: str, student: Path) -> bool:
+    try:
+        return student in Path(filename).resolve().parents
+    except (OSError, ValueError):
+        return False
+
+
+def describe(e: BaseException, student: Path) -> str:
+    """An exception as its type and message; a syntax error with its file and line; the deepest line of the
+    student's code it came from."""
+    if isinstance(e, SyntaxError):
+        where = Path(e.filename or "?")
+        where = where.resolve().relative_to(student) if inside(str(where), student) else where.name
+        text = f"{type(e).__name__}: {e.msg} ({where}, line {e.lineno})\n    {(e.text or '').strip()}"
+    else:
+        text = "".join(traceback.format_exception_only(type(e), e)).strip()
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if inside(f.filename, student)]
+        if frames:
+            f = frames[-1]
+            text += f"\n(raised in {Path(f.filename).resolve().relative_to(student)}, line {f.lineno}, in {f.name})"
+    return text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS - 3] + "..."
+
+
+class Server:
+    """Answers the test process's requests with the student's code."""
+
+    def __init__(self, student: Path, adapters_file: Path, fd_in: int, fd_out: int, per_call_s: float):
+        self.student, self.fd_in, self.fd_out, self.per_call_s = student, fd_in, fd_out, per_call_s
+        self.objects: dict[int, object] = {}
+        self.mirrors = Mirrors(first_key=2)
+        self.largest: list = []               # the tensor watches started (harness "largest_start")
+        self.taken: list = []                 # library functions taken away (harness "take_away")
+        try:
+            spec = importlib.util.spec_from_file_location("adapters", adapters_file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["adapters"] = module
+            spec.loader.exec_module(module)
+            self.objects[0] = module
+        except BaseException as e:            # noqa: BLE001  (every call will report it)
+            self.adapters_error = e
+        else:
+            self.adapters_error = None
+
+    def post(self, message: dict) -> None:
+        message["changes"] = self.mirrors.changes()
+        send(self.fd_out, message)
+
+    def get(self) -> dict:
+        message = receive(self.fd_in)
+        self.mirrors.apply(message.get("changes"))
+        return message
+
+    def encode(self, value):
+        """A value to send: plain data and tensors as they are, anything else as a handle."""
+        import torch
+        if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.mirrors.encode(value)
+        if isinstance(value, tuple):           # torch.Size too
+            return {"tuple": [self.encode(v) for v in value]}
+        if isinstance(value, list):
+            return [self.encode(v) for v in value]
+        if isinstance(value, dict) and all(isinstance(k, (str, int)) for k in value):
+            return {"dict": {k: self.encode(v) for k, v in value.items()}}
+        key = len(self.objects) + 1
+        self.objects[key] = value
+        return {"handle": key, "type": type(value).__name__, "callable": callable(value)}
+
+    def decode(self, value):
+        """A received value: handles back to their objects, callbacks to functions that ask the tests."""
+        if isinstance(value, dict):
+            if "handle" in value:
+                return self.objects[value["handle"]]
+            if "callback" in value:
+                key = value["callback"]
+                return lambda *args, **kwargs: self.callback(key, args, kwargs)
+            if "tuple" in value:
+                return tuple(self.decode(v) for v in value["tuple"])
+            if "dict" in value:
+                return {k: self.decode(v) for k, v in value["dict"].items()}
+            if "tensor" in value:
+                return self.mirrors.decode(value)
+        if isinstance(value, list):
+            return [self.decode(v) for v in value]
+        return value
+
+    def callback(self, key: int, args, kwargs):
+        """Call a function of the tests': ask the test process, answer its requests until it replies."""
+        self.post({"callback": key, "args": self.encode(list(args)), "kwargs": self.encode(kwargs)})
+        return self.serve(until_reply=True)
+
+    def harness(self, name: str, args: list):
+        """The tests' own tools, run beside the student's code (a watch holds for honest mistakes only)."""
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        if name == "largest_start":           # record the most numbers a tensor made by torch holds
+            class Largest(TorchFunctionMode):
+                numbers = 0
+
+                def __torch_function__(self, func, types, a=(), kw=None):
+                    out = func(*a, **(kw or {}))
+                    for t in out if isinstance(out, (tuple, list)) else (out,):
+                        if isinstance(t, torch.Tensor):
+                            self.numbers = max(self.numbers, t.untyped_storage().nbytes() // t.element_size())
+                    return out
+            mode = Largest()
+            mode.__enter__()
+            self.largest.append(mode)
+            return None
+        if name == "largest_stop":
+            mode = self.largest.pop()
+            mode.__exit__(None, None, None)
+            return mode.numbers
+        if name == "take_away":                # args: names "package.module.function"
+            for full in args:
+                where, attr = full.rsplit(".", 1)
+                try:
+                    module = importlib.import_module(where)
+                except Exception:              # noqa: BLE001  (a file that does not import has nothing to take)
+                    continue
+                if hasattr(module, attr):
+                    self.taken.append((module, attr, getattr(module, attr)))
+                    setattr(module, attr, Taken(full))
+            return None
+        if name == "give_back":
+            while self.taken:
+                module, attr, f = self.taken.pop()
+                setattr(module, attr, f)
+            return None
+        if name == "subclass":                 # args: a class, {method name: the tests' function}
+            base, methods = args
+            return type(f"Oracle{base.__name__}", (base,), {n: _method(f) for n, f in methods.items()})
+        raise ValueError(f"no harness operation {name!r}")
+
+    def answer(self, request: dict):
+        op = request["op"]
+        args, kwargs = self.decode(request.get("args", [])), self.decode(request.get("kwargs", {}))
+        if op == "harness":
+            return self.harness(request["name"], args)
+        if self.adapters_error is not None:
+            raise self.adapters_error
+        target = self.objects[request["target"]]
+        if op == "getattr":
+            return getattr(target, request["name"])
+        if op == "call":
+            return target(*args, **kwargs)
+        if op == "method":
+            return getattr(target, request["name"])(*args, **kwargs)
+        if op == "list":
+            return list(target)
+        raise ValueError(f"no operation {op!r}")
+
+    def serve(self, until_reply: bool = False):
+        """Answer requests; with ``until_reply``, return the value of the reply to a callback."""
+        while True:
+            request = self.get()
+            if request.get("op") == "reply":
+                if not until_reply:
+                    raise RuntimeError("a reply nobody asked for")
+                if "error" in request:
+                    raise AssertionError(request["error"])
+                return self.decode(request["ok"])
+            top = not until_reply
+            if top:
+                faulthandler.dump_traceback_later(self.per_call_s, exit=False)
+            try:
+                value = self.answer(request)
+                wrong = borrowed(self.student)
+                if wrong:
+                    raise RuntimeError(f"imported from outside the student copy {self.student}: {wrong[:3]}")
+                reply = {"ok": self.encode(value)}
+            except BaseException as e:      # noqa: BLE001  (the student's exception, whatever it is, is the answer)
+                if isinstance(e, EOFError) and not top:
+                    raise
+                reply = {"error": {"type": type(e).__name__, "builtin": type(e).__module__ == "builtins",
+                                   "text": describe(e, self.student)}}
+            finally:
+                if top:
+                    faulthandler.cancel_dump_traceback_later()
+            self.post(reply)
+
+
+def _method(f):
+    return lambda self, *args, **kwargs: f(self, *args, **kwargs)
+
+
+class Taken:
+    """A function of the library taken away while another implementation of the same task is graded."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError(f"graded alone: this implementation called {self.name}, another implementation of "
+                             "the same task; compute the answer here instead")
+
+    def __getitem__(self, grid):
+        return self
+
+
+def main(argv: list[str]) -> None:
+    student, adapters_file, site_dirs, fd_in, fd_out, per_call_s = argv
+    student = Path(student)
+    sys.path[:] = [str(student)] + [p for p in sys.path if p] + json.loads(site_dirs)
+    fd_in, fd_out = int(fd_in), int(fd_out)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)                                  # print() goes to the dump file, never to the messages
+    sys.dont_write_bytecode = True
+    sys.meta_path.insert(0, Refused())
+    faulthandler.enable()
+    server = Server(student, Path(adapters_file), fd_in, fd_out, float(per_call_s))
+    try:
+        server.serve()
+    except EOFError:
+        pass                                       # the test process is done
+    finally:
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
