@@ -5,22 +5,27 @@ Grade one assignment: run its public and hidden tests against a student copy and
     python -m course.grade cache --student ~/hw-cache --json results.json
     python -m course.grade baselines -k window_vote               # one task's tests
 
-The tests run in a fresh Python process, in a scratch folder that holds only the tests and ``oracle.py``,
-with the student copy first on the import path: ``nanollm``, ``methods`` and ``kernels`` are the
-student's, reached only through the student's ``course/<name>/adapters.py``; nothing of the student copy
-or of this repository is written to. An installed checkout cannot fill in what the copy lacks: a test
-fails if it imported a module of the library from anywhere but the copy, or any module of the copy's own
-``tests`` package (the library's tests can hold reference implementations). A test file that fails to
-import fails only its own tests; every failure reads as its exception's type and message (a syntax error
-with its file and line) and the line of the student's code it came from.
+Three processes, so that nothing the student's code does can reach the grade (course/README.md's threat
+model): this one (the grader) starts the test process, which starts the student's process. The test process
+runs the tests in a scratch folder that holds only them, ``oracle.py`` and the stand-in for the adapters
+(course/remote.py); it never runs the student's code. The student's process (course/student_process.py)
+runs a scratch copy of the student's files: the library is the copy's, reached only through the copy's
+``course/<name>/adapters.py``, and its import guard refuses the copy's own ``tests`` and the course's oracle
+and tests; a module of the library imported from anywhere but the copy fails the call. Both start with
+``python -I -S`` (no site module, so no ``sitecustomize``, ``usercustomize`` or ``.pth`` file runs, and no
+``PYTHON*`` variable counts). Each test's start and outcome reach the grader over a pipe that only the test
+process holds; before anything is written, every process the run started is frozen and killed, daemons
+included. As root (Gradescope), the student's process runs as ``nobody`` where that user can read Python.
+Nothing of the student copy or of this repository is written to. A library file that does not import fails
+the tasks whose code is in it; every failure reads as its exception's type and message (a syntax error with
+its file and line) and the line of the student's code it came from.
 
-Time is limited from outside the test process. The test process appends each test's start and outcome to
-a results file; the grader watches it and stops the process (its whole process group) when a test runs
-over ``--per-test-s``, so a test that catches every exception cannot hang the run. That test fails ("ran
-over N s", with where it was), as does one that crashes the interpreter; the tests after it run in a fresh
-process. The whole run stops after 60 s + (the per-test limit + 5 s) per test. Each test's points and task
-are in its ``@points(n, task=...)`` decorator, read from the test file's source (not from the run, which a
-student's code could disturb).
+Time is limited from outside the test process: the grader stops the test process (and the student's) when a
+test runs over ``--per-test-s``, so code that catches every exception cannot hang the run. That test fails
+("ran over N s", with where the student's code was), as does one whose student's process crashes (a fresh
+one answers the next test); the tests after a stop run in a fresh test process. The whole run stops after
+60 s + (the per-test limit + 5 s) per test. Each test's points and task are in its ``@points(n, task=...)``
+decorator, read from the test file's source (not from the run).
 
 Output: a table grouped by task (a line per task with its points, then its tests: public or hidden,
 points, outcome, the first line of the failure), the total, and with ``--json`` a results file in
@@ -74,7 +79,7 @@ import remote
 
 RESULTS_FD = {results_fd!r}
 DUMP = {dump!r}
-sys.modules["adapters"] = remote.connect({student!r}, {adapters!r}, {site_dirs!r}, DUMP, {per_call_s!r}, {home!r},
+sys.modules["adapters"] = remote.connect({student!r}, {adapters!r}, {site_dirs!r}, DUMP, {per_dump_s!r}, {home!r},
                                          {nobody!r})
 
 
@@ -114,6 +119,10 @@ def pytest_exception_interact(node, call, report):
 
 def pytest_runtest_logstart(nodeid, location):
     open(DUMP, "w").close()                             # the student's process writes where it is, near the limit
+    try:
+        sys.modules["adapters"].harness("test_started")
+    except Exception:
+        pass                                            # a process that died will be restarted by the test
     record("start", nodeid.split("::")[-1])
 
 
@@ -337,7 +346,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
         (tmp / "conftest.py").write_text(CONFTEST.format(
             results_fd=results.write_fd, dump=str(dump), student=str(scratch),
             adapters=str(scratch / "course" / assignment.name / "adapters.py"), site_dirs=site_dirs(),
-            per_call_s=per_test_s * 0.8, home=str(home), nobody=nobody))
+            per_dump_s=per_test_s * 0.8, home=str(home), nobody=nobody))
         (tmp / "pytest.ini").write_text("[pytest]\naddopts =\n")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
         env.update({"OMP_NUM_THREADS": "1"})

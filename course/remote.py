@@ -50,9 +50,9 @@ def student_exception(error: dict) -> Exception:
 class Connection:
     """The student's process and the pipes to it."""
 
-    def __init__(self, student: str, adapters_file: str, site_dirs: list[str], dump: str, per_call_s: float,
+    def __init__(self, student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,
                  home: str | None, nobody: bool):
-        self.args = (student, adapters_file, json.dumps(site_dirs), str(per_call_s))
+        self.args = (student, adapters_file, json.dumps(site_dirs), str(dump_after_s))
         self.dump, self.home, self.nobody = dump, home, nobody
         self.proc: subprocess.Popen | None = None
         self.callbacks: dict[int, object] = {}
@@ -64,10 +64,10 @@ class Connection:
     def start(self) -> None:
         request_r, request_w = os.pipe()           # requests: we write, the child reads
         answer_r, answer_w = os.pipe()             # answers: the child writes, we read
-        student, adapters_file, site_dirs, per_call_s = self.args
+        student, adapters_file, site_dirs, dump_after_s = self.args
         code = Path(wire.__file__).read_text()
         cmd = [sys.executable, "-I", "-S", "-B", "-c", code, student, adapters_file, site_dirs,
-               str(request_r), str(answer_w), per_call_s]
+               str(request_r), str(answer_w), dump_after_s]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8",
                "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "HOME": self.home or "/nonexistent"}
         if self.home:
@@ -129,12 +129,12 @@ class Connection:
         self.post(reply)
 
     def post(self, message: dict) -> None:
-        message["changes"] = self.mirrors.changes()
+        message["changes"], message["held"] = self.mirrors.changes(), self.mirrors.held()
         wire.send(self.fd_out, message)
 
     def get(self) -> dict:
         message = wire.receive(self.fd_in)
-        self.mirrors.apply(message.get("changes"))
+        self.mirrors.receive(message)
         return message
 
     def encode(self, value):
@@ -143,8 +143,10 @@ class Connection:
             if value._generation != self.generation:
                 raise RuntimeError(f"{value!r} belonged to a process running your code that has stopped")
             return {"handle": value._key}
-        if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        if value is None or isinstance(value, (bool, int, float, str, bytes)):
             return value
+        if isinstance(value, (torch.dtype, torch.device)):
+            return wire.encode_torch_name(value)
         if isinstance(value, torch.Tensor):
             return self.mirrors.encode(value)
         if isinstance(value, tuple):
@@ -169,6 +171,8 @@ class Connection:
                 return {k: self.decode(v) for k, v in value["dict"].items()}
             if "tensor" in value:
                 return self.mirrors.decode(value)
+            if "torch" in value:
+                return wire.decode_torch_name(value)
         if isinstance(value, list):
             return [self.decode(v) for v in value]
         return value
@@ -249,6 +253,9 @@ class Adapters(types.ModuleType):
         return self._connection.request("harness", None, name, args)
 
 
-def connect(student: str, adapters_file: str, site_dirs: list[str], dump: str, per_call_s: float,
+def connect(student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,
             home: str | None, nobody: bool) -> Adapters:
-    return Adapters(Connection(student, adapters_file, site_dirs, dump, per_call_s, home, nobody))
+    """The stand-in, its student's process started now (so that starting it counts in no test's time)."""
+    connection = Connection(student, adapters_file, site_dirs, dump, dump_after_s, home, nobody)
+    connection.start()
+    return Adapters(connection)

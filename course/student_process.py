@@ -4,17 +4,18 @@ The process a student's code runs in while it is graded, and the messages it exc
 ``course.grade`` runs the tests in one process and the student's code in another, this one, so that nothing
 the student's code does (a ``sitecustomize.py``, a monkeypatch, a daemon) can reach the tests, the oracle or
 the results: the test process asks, this process answers (course/remote.py is the asking side). It is
-started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_CALL_S``:
+started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_TEST_S``:
 
 * ``-I -S``: no ``site`` module and no ``PYTHON*`` variables, so no ``sitecustomize``, ``usercustomize`` or
   ``.pth`` file of anyone's runs; ``sys.path`` is set here: the copy, the standard library, and the
   grader's site-packages folders (SITE_DIRS, a JSON list). The copy's adapters are loaded from their file
   (ADAPTERS) as the module ``adapters``; the tests' folder is on no path of this process.
-* Messages travel on two pipes (IN_FD, OUT_FD): each is 8 bytes of length, then ``torch.save`` bytes, read
-  with ``weights_only=True`` (tensors, numbers, strings, lists, tuples, dicts; no code). Anything else a
-  call returns (a model, a cache, a function) stays here and crosses as a handle: ``{"handle": id}``.
+* Messages travel on two pipes (IN_FD, OUT_FD): each is 8 bytes of length, then a pickle of plain data
+  (numbers, strings, bytes, lists, tuples, dicts; a tensor as its type's name, shape and bytes), read by an
+  unpickler that looks up no class, so reading a message runs no code. Anything else a call returns (a
+  model, a cache, a function) stays here and crosses as a handle: ``{"handle": id}``.
   A function of the tests' passed in crosses as ``{"callback": id}``: calling it asks the test process.
-* Standard output and error go to the grader's dump file; before each call a timer is set that writes
+* Standard output and error go to the grader's dump file; when a test starts, a timer is set that writes
   where the code is to it (``faulthandler``) shortly before the test's time limit.
 
 The import guard below refuses the repository's own tests and the course's oracle and test files: a mistake
@@ -51,30 +52,33 @@ class PlainData(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}: a message may hold plain data and tensors only")
 
 
-def is_plain(obj) -> bool:
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return True
-    if isinstance(obj, (list, tuple)):
-        return all(is_plain(v) for v in obj)
-    if isinstance(obj, dict):
-        return all(is_plain(k) and is_plain(v) for k, v in obj.items())
-    return False
-
-
 def send(fd: int, obj) -> None:
-    """Write one message: its length, then a pickle of plain data, or ``torch.save`` bytes where it holds a
-    tensor."""
-    if is_plain(obj):
-        body = b"P" + pickle.dumps(obj, protocol=4)
-    else:
-        import torch
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        body = b"T" + buf.getvalue()
+    """Write one message: its length, then a pickle of plain data (tensors as ``pack`` writes them; anything
+    else would name a class, which the reader refuses)."""
+    body = pickle.dumps(obj, protocol=4)
     data = HEADER.pack(len(body)) + body
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def pack(t) -> dict:
+    """A tensor as plain data: its type's name, shape and bytes."""
+    t = t.detach().contiguous()
+    raw = t.reshape(-1).view(_torch().uint8).numpy().tobytes() if t.numel() else b""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": raw}
+
+
+def unpack(d: dict):
+    """The tensor ``pack`` wrote (a new tensor of its own)."""
+    torch = _torch()
+    dtype = getattr(torch, d["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"no tensor type {d['dtype']!r}")
+    shape = [int(n) for n in d["shape"]]
+    if not d["bytes"]:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(d["bytes"]), dtype=dtype).reshape(shape)
 
 
 def read_exactly(fd: int, n: int) -> bytes:
@@ -89,28 +93,26 @@ def read_exactly(fd: int, n: int) -> bytes:
 
 
 def receive(fd: int):
-    """Read one message (no code runs while reading it: plain data, or ``torch.load`` with ``weights_only``)."""
+    """Read one message (plain data: no class is looked up, no code runs while reading it)."""
     (n,) = HEADER.unpack(read_exactly(fd, HEADER.size))
     if n > MAX_MESSAGE or n < 1:
         raise EOFError(f"a message of {n} bytes")
-    body = read_exactly(fd, n)
-    if body[:1] == b"P":
-        return PlainData(io.BytesIO(body[1:])).load()
-    import torch
-    return torch.load(io.BytesIO(body[1:]), weights_only=True)
+    return PlainData(io.BytesIO(read_exactly(fd, n))).load()
 
 
 class Mirrors:
     """Tensors that crossed between the two processes. Each side holds its own copy under a shared key; a
-    change made in place on one side (by torch, a kernel or anything else: each copy is compared with what was
-    last sent or received) reaches the other with the next message, so writing into a tensor the other side
-    passed or handed out works as in one process. Keys: the test process makes odd ones, the student's even."""
+    change made in place on one side reaches the other with the next message, so writing into a tensor the
+    other side passed or handed out works as in one process. The student's side compares each copy with what
+    was last sent or received (a kernel writes without telling torch); the tests' side, whose writes are torch
+    operations, compares version counters. Keys: the test process makes odd ones, the student's even."""
 
     def __init__(self, first_key: int):
         self.next_key, self.tests_side = first_key, first_key % 2 == 1
-        self.table: dict[int, tuple] = {}              # key -> (weak reference to the tensor, its last value)
+        self.table: dict[int, tuple] = {}              # key -> (weak reference to the tensor, its last state)
         self.recent: list = []     # tensors received since our last message: alive until it is sent (a write
         #                            into a temporary that is then dropped still reaches the other side)
+        self.theirs: set[int] = set()                  # the keys the other side still holds (its last message)
 
     def encode(self, t) -> dict:
         import weakref
@@ -121,8 +123,9 @@ class Mirrors:
         plain = t.detach()
         if type(plain) is not _torch().Tensor:
             plain = plain.as_subclass(_torch().Tensor)
-        self.table[key] = (weakref.ref(t), plain.clone())
-        return {"tensor": plain, "key": key, "address": t.data_ptr()}
+        self.theirs.add(key)
+        self.table[key] = (weakref.ref(t), self.state(t))
+        return {"tensor": pack(plain), "key": key, "address": t.data_ptr()}
 
     def decode(self, d: dict):
         import weakref
@@ -130,31 +133,55 @@ class Mirrors:
         held = self.table.get(key)
         if held is not None and held[0]() is not None:
             return held[0]()                          # our own tensor, back from the other side
-        t = d["tensor"]
+        t = unpack(d["tensor"])
         self.recent.append(t)
         t.mirror_key = key
         if self.tests_side:                           # where the student's process holds it
             t.student_address = d.get("address")
-        self.table[key] = (weakref.ref(t), t.clone())
+        self.table[key] = (weakref.ref(t), self.state(t))
         return t
 
+    def state(self, t):
+        """What a change is told by: the values (the student's side), or the version counter (the tests')."""
+        if not self.tests_side:
+            return t.detach().clone()
+        try:
+            return (t._version, t.data_ptr(), t.shape)
+        except RuntimeError:                          # an inference tensor: no version counter
+            return t.detach().clone()
+
     def changes(self) -> dict:
-        """The tensors changed in place since the last message: key -> their values now."""
+        """The tensors the other side holds that changed in place since the last message: key -> their values
+        now."""
         out = {}
-        for key, (ref, last) in list(self.table.items()):
+        for key in [k for k in self.theirs if k in self.table]:
+            ref, last = self.table[key]
             t = ref()
             if t is None:
                 del self.table[key]
-            elif not same(t, last):
-                out[key] = t.detach().clone()
-                self.table[key] = (ref, out[key].clone())
+            elif not (last == self.state(t) if isinstance(last, tuple) else same(t, last)):
+                out[key] = pack(t)
+                self.table[key] = (ref, self.state(t))
         self.recent.clear()
         return out
+
+    def held(self) -> list[int]:
+        """The keys we hold (the other side needs to look for changes in these only)."""
+        alive = [k for k, (ref, _) in self.table.items() if ref() is not None]
+        for k in set(self.table) - set(alive):
+            del self.table[k]
+        return alive
+
+    def receive(self, message: dict) -> None:
+        """Take the other side's changes and what it holds."""
+        self.apply(message.get("changes"))
+        self.theirs = set(message.get("held", ()))
 
     def apply(self, changes: dict) -> None:
         """The other side's changes, written into our copies."""
         torch = _torch()
         for key, value in (changes or {}).items():
+            value = unpack(value)
             held = self.table.get(key)
             t = held[0]() if held is not None else None
             if t is None:
@@ -163,8 +190,8 @@ class Mirrors:
                 if t.shape == value.shape and t.dtype == value.dtype:
                     t.copy_(value)
                 else:
-                    t.set_(value.clone())
-            self.table[key] = (held[0], value)
+                    t.set_(value)
+            self.table[key] = (held[0], self.state(t))
 
 
 def same(a, b) -> bool:
@@ -175,6 +202,21 @@ def same(a, b) -> bool:
     if torch.equal(a, b):
         return True
     return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
+
+
+def encode_torch_name(value) -> dict:
+    """A dtype or a device as plain data."""
+    return {"torch": "dtype" if isinstance(value, _torch().dtype) else "device", "name": str(value)}
+
+
+def decode_torch_name(d: dict):
+    torch = _torch()
+    if d["torch"] == "device":
+        return torch.device(d["name"])
+    dtype = getattr(torch, d["name"].removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"no tensor type {d['name']!r}")
+    return dtype
 
 
 def _torch():
@@ -235,8 +277,8 @@ def describe(e: BaseException, student: Path) -> str:
 class Server:
     """Answers the test process's requests with the student's code."""
 
-    def __init__(self, student: Path, adapters_file: Path, fd_in: int, fd_out: int, per_call_s: float):
-        self.student, self.fd_in, self.fd_out, self.per_call_s = student, fd_in, fd_out, per_call_s
+    def __init__(self, student: Path, adapters_file: Path, fd_in: int, fd_out: int, dump_after_s: float):
+        self.student, self.fd_in, self.fd_out, self.dump_after_s = student, fd_in, fd_out, dump_after_s
         self.objects: dict[int, object] = {}
         self.mirrors = Mirrors(first_key=2)
         self.largest: list = []               # the tensor watches started (harness "largest_start")
@@ -253,19 +295,21 @@ class Server:
             self.adapters_error = None
 
     def post(self, message: dict) -> None:
-        message["changes"] = self.mirrors.changes()
+        message["changes"], message["held"] = self.mirrors.changes(), self.mirrors.held()
         send(self.fd_out, message)
 
     def get(self) -> dict:
         message = receive(self.fd_in)
-        self.mirrors.apply(message.get("changes"))
+        self.mirrors.receive(message)
         return message
 
     def encode(self, value):
         """A value to send: plain data and tensors as they are, anything else as a handle."""
         import torch
-        if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        if value is None or isinstance(value, (bool, int, float, str, bytes)):
             return value
+        if isinstance(value, (torch.dtype, torch.device)):
+            return encode_torch_name(value)
         if isinstance(value, torch.Tensor):
             return self.mirrors.encode(value)
         if isinstance(value, tuple):           # torch.Size too
@@ -292,6 +336,8 @@ class Server:
                 return {k: self.decode(v) for k, v in value["dict"].items()}
             if "tensor" in value:
                 return self.mirrors.decode(value)
+            if "torch" in value:
+                return decode_torch_name(value)
         if isinstance(value, list):
             return [self.decode(v) for v in value]
         return value
@@ -306,6 +352,9 @@ class Server:
         import torch
         from torch.overrides import TorchFunctionMode
 
+        if name == "test_started":             # where the code is goes to the dump shortly before the limit
+            faulthandler.dump_traceback_later(self.dump_after_s, exit=False)
+            return None
         if name == "largest_start":           # record the most numbers a tensor made by torch holds
             class Largest(TorchFunctionMode):
                 numbers = 0
@@ -374,8 +423,6 @@ class Server:
                     raise AssertionError(request["error"])
                 return self.decode(request["ok"])
             top = not until_reply
-            if top:
-                faulthandler.dump_traceback_later(self.per_call_s, exit=False)
             try:
                 value = self.answer(request)
                 wrong = borrowed(self.student)
@@ -387,9 +434,6 @@ class Server:
                     raise
                 reply = {"error": {"type": type(e).__name__, "builtin": type(e).__module__ == "builtins",
                                    "text": describe(e, self.student)}}
-            finally:
-                if top:
-                    faulthandler.cancel_dump_traceback_later()
             self.post(reply)
 
 
@@ -412,7 +456,7 @@ class Taken:
 
 
 def main(argv: list[str]) -> None:
-    student, adapters_file, site_dirs, fd_in, fd_out, per_call_s = argv
+    student, adapters_file, site_dirs, fd_in, fd_out, dump_after_s = argv
     student = Path(student)
     sys.path[:] = [str(student)] + [p for p in sys.path if p] + json.loads(site_dirs)
     fd_in, fd_out = int(fd_in), int(fd_out)
@@ -422,7 +466,7 @@ def main(argv: list[str]) -> None:
     sys.dont_write_bytecode = True
     sys.meta_path.insert(0, Refused())
     faulthandler.enable()
-    server = Server(student, Path(adapters_file), fd_in, fd_out, float(per_call_s))
+    server = Server(student, Path(adapters_file), fd_in, fd_out, float(dump_after_s))
     try:
         server.serve()
     except EOFError:

@@ -293,12 +293,14 @@ def check_adakv(scores: torch.Tensor, budget: int, n_safe: int, what: str) -> No
 @points(3, task="adakv")
 def test_adakv_allocates_across_heads_with_a_safeguard():
     """Heads of very different scales, so that the safeguard changes what is kept (checked here); safeguards
-    0, 1, 2 and the whole budget; 2 and 4 KV heads; several seeds."""
+    0, 1, 2 and the whole budget; 2 and 4 KV heads; several seeds; the last head of row 1 has two empty slots
+    (NaN scores, as a cache's unused slots have: never kept)."""
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         for H_kv, T, budget, n_safe in [(4, 12, 4, 1), (4, 10, 3, 2), (2, 9, 3, 1), (4, 8, 3, 3), (2, 7, 2, 0)]:
             scale = torch.logspace(0, -3, H_kv).view(1, H_kv, 1)                # head 0 outscores the rest
             scores = torch.rand(2, H_kv, T, generator=g) * scale
+            scores[1, -1, -2:] = float("nan")
             if 0 < n_safe < budget:
                 assert adakv_oracle(scores, budget, n_safe) != adakv_oracle(scores, budget, 0)   # the test's own check
             check_adakv(scores, budget, n_safe, f"AdaKV, {H_kv} KV heads, {T} slots, budget {budget}, "

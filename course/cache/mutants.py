@@ -32,6 +32,8 @@ MUTANTS = [
            REPLACE_APPEND),
     Mutant("a full buffer grows by the slots needed only, not doubled", APPEND,
            "max(self.n + Tn, MIN_CAPACITY)", "max(self.n + Tn, 2 * self.capacity(), MIN_CAPACITY)"),
+    Mutant("a full buffer doubles without checking that the chunk fits", APPEND,
+           "max(2 * self.capacity(), MIN_CAPACITY)", "max(self.n + Tn, 2 * self.capacity(), MIN_CAPACITY)"),
     Mutant("the first append leaves no room", APPEND, "cap = Tn if", "cap = Tn + MIN_CAPACITY if"),
     Mutant("reallocates when the chunk exactly fills the buffer (>= for >)", APPEND,
            "if self.n + Tn >= self.capacity():", "if self.n + Tn > self.capacity():"),

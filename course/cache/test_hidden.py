@@ -70,8 +70,9 @@ def append(store, k, v, pos, what):
 
 @points(3, task="append")
 def test_append_writes_in_place_and_doubles_when_full():
-    """300 one-token appends: an append that fits moves nothing, a full buffer at least doubles (O(1) copies per
-    token, amortised) and never holds more than about twice what is stored; a state set after the first."""
+    """300 one-token appends, then a chunk of 1000: an append that fits moves nothing, a full buffer at least
+    doubles (O(1) copies per token, amortised), grows enough for the chunk, and never holds more than about twice
+    what is stored; a state set after the first."""
     store, B, H_kv = A.new_storage(), 2, 3
     ks, vs, moves = [], [], 0
     for t in range(300):
@@ -81,20 +82,24 @@ def test_append_writes_in_place_and_doubles_when_full():
         if t == 0:
             A.storage_set_state(store, "hits", torch.full((B, H_kv, 1, 2), 5), fill=2)
     assert moves <= 4, f"300 appends moved the entries {moves} times: a doubling buffer moves them about 3 times"
-    pos = torch.arange(300).expand(B, H_kv, 300)
-    check_contents(store, torch.cat(ks, dim=2), torch.cat(vs, dim=2), pos, "300 appends")
-    check_state(store, "hits", torch.cat([torch.full((B, H_kv, 1, 2), 5), torch.full((B, H_kv, 299, 2), 2)], 2),
+    k, v = randn(B, H_kv, 1000, 4, seed=300), randn(B, H_kv, 1000, 2, seed=1300)
+    ks.append(k), vs.append(v)
+    append(store, k, v, torch.arange(300, 1300), "then a chunk of 1000 tokens (more than twice the capacity)")
+    pos = torch.arange(1300).expand(B, H_kv, 1300)
+    check_contents(store, torch.cat(ks, dim=2), torch.cat(vs, dim=2), pos, "300 appends, then 1000 tokens")
+    check_state(store, "hits", torch.cat([torch.full((B, H_kv, 1, 2), 5), torch.full((B, H_kv, 1299, 2), 2)], 2),
                 "a state set after the first token")
 
 
 @points(3, task="append")
 def test_append_chunks_of_any_size_positions_as_given():
-    """Chunks of 5, 1, 70, 3, 59 (exactly filling the buffer) and 71 tokens, values narrower than keys,
+    """Chunks of 5, 1, 70, 3, 59 (exactly filling the buffer), 71 and 600 (more than twice the capacity) tokens,
+    values narrower than keys,
     positions out of order and -1 (an empty slot): stored as given, per row and KV head; states set after the
     first chunk grow with every later one."""
     store, B, H_kv = A.new_storage(), 2, 3
     ks, vs, ps, seen = [], [], [], 0
-    for i, n in enumerate([5, 1, 70, 3, 59, 71]):
+    for i, n in enumerate([5, 1, 70, 3, 59, 71, 600]):
         k, v = randn(B, H_kv, n, 8, seed=i), randn(B, H_kv, n, 6, seed=10 + i)
         pos = torch.randperm(n, generator=torch.Generator().manual_seed(i)) + seen
         pos[0] = -1
@@ -106,9 +111,9 @@ def test_append_chunks_of_any_size_positions_as_given():
         if i == 0:
             A.storage_set_state(store, "score", torch.arange(30.0).view(B, H_kv, 5), fill=0.5)
             A.storage_set_state(store, "pairs", torch.ones(B, H_kv, 5, 2), fill=-1.0)
-    check_state(store, "score", torch.cat([torch.arange(30.0).view(B, H_kv, 5), torch.full((B, H_kv, 204), 0.5)],
+    check_state(store, "score", torch.cat([torch.arange(30.0).view(B, H_kv, 5), torch.full((B, H_kv, 804), 0.5)],
                                           2), "a state set after the first chunk")
-    check_state(store, "pairs", torch.cat([torch.ones(B, H_kv, 5, 2), torch.full((B, H_kv, 204, 2), -1.0)], 2),
+    check_state(store, "pairs", torch.cat([torch.ones(B, H_kv, 5, 2), torch.full((B, H_kv, 804, 2), -1.0)], 2),
                 "a (B, H_kv, T, 2) state set after the first chunk")
 
 

@@ -22,9 +22,10 @@ def first_difference(got, want) -> str:
 
 @points(2, task="append")
 def test_append_then_read():
-    """Appends of 5, 1, 63 (exactly filling the buffer) and 1 tokens read back as one sequence: keys, values and
-    positions in order; written in place while they fit, the buffer doubled when full, its room empty (-1)."""
-    sizes, store = [5, 1, 63, 1], A.new_storage()
+    """Appends of 5, 1, 63 (exactly filling the buffer), 1 and 300 tokens (more than twice the capacity) read back
+    as one sequence: keys, values and positions in order; written in place while they fit, the buffer at least
+    doubled when full (and large enough for the chunk), its room empty (-1)."""
+    sizes, store = [5, 1, 63, 1, 300], A.new_storage()
     ks = [randn(2, 3, n, 8, seed=i) for i, n in enumerate(sizes)]
     vs = [randn(2, 3, n, 6, seed=10 + i) for i, n in enumerate(sizes)]      # values may be narrower than keys
     T = 0
@@ -43,13 +44,13 @@ def test_append_then_read():
         room = A.storage_room_positions(store)
         assert (room == -1).all(), f"the room past the slots in use must be empty (position -1), got {room[0, 0, :3]}"
     k, v, pos = A.storage_contents(store)
-    assert tuple(k.shape) == (2, 3, 70, 8), f"after appending 5, 1, 63 and 1 slots the keys are {tuple(k.shape)}, " \
-        "expected (B, H_kv, T, d) = (2, 3, 70, 8)"
+    assert tuple(k.shape) == (2, 3, 370, 8), f"after appending 5, 1, 63, 1 and 300 slots the keys are " \
+        f"{tuple(k.shape)}, expected (B, H_kv, T, d) = (2, 3, 370, 8)"
     assert torch.equal(k, torch.cat(ks, dim=2)), "the stored keys are not the appended ones in order: " \
         + first_difference(k, torch.cat(ks, dim=2))
     assert torch.equal(v, torch.cat(vs, dim=2)), "the stored values are not the appended ones in order: " \
         + first_difference(v, torch.cat(vs, dim=2))
-    assert pos.tolist() == [[list(range(70))] * 3] * 2, \
+    assert pos.tolist() == [[list(range(370))] * 3] * 2, \
         f"positions are stored per row and KV head, in order; got {pos[0, 0].tolist()} in row 0, head 0"
 
 

@@ -214,7 +214,7 @@ def test_a_crash_and_a_swallowed_timeout_fail_alone(tmp_path):
     results = summary["results"]
     by_name = {r["name"]: r for r in results}
     assert by_name["test_append_then_read"]["status"] == "passed", "a test before the crash keeps its pass"
-    crashed = [r for r in results if "the test process stopped (exit code -6)" in r["output"]]
+    crashed = [r for r in results if "the process running your code stopped (exit code -6)" in r["output"]]
     stopped = [r for r in results if r["output"].startswith("ran over 2 s, in nanollm/attention.py, line ")]
     assert crashed and stopped, [(r["name"], r["output"]) for r in results]
     assert all(r["status"] == "passed" or r in crashed or r in stopped for r in results), \
