@@ -14,7 +14,9 @@ markers found in the repository are exactly these.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,14 +89,33 @@ def scanned_files() -> list[Path]:
 
 def command_line(main):
     """A course command's ``main``: a refusal (``SystemExit("error: ...")``) is printed as that one line on
-    stderr and ends with exit status 2, as the library's command lines do."""
+    stderr and ends with exit status 2, as the library's command lines do; Ctrl-C or SIGTERM ends in
+    ``error: interrupted`` (exit status 130) once the command's cleanups (``finally`` blocks: temporary folders,
+    the grader's processes) have run."""
     def run(argv=None):
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, interrupted) if on_main else None
         try:
             return main(argv)
+        except KeyboardInterrupt:
+            sys.stderr.write("error: interrupted\n")
+            raise SystemExit(130) from None
         except SystemExit as e:
             if isinstance(e.code, str) and e.code.startswith("error: "):
                 sys.stderr.write(" ".join(e.code.split()) + "\n")
                 raise SystemExit(2) from None
             raise
+        finally:
+            if on_main:
+                signal.signal(signal.SIGTERM, previous)
     run.__doc__, run.__name__ = main.__doc__, main.__name__
     return run
+
+
+def refuse(message: str):
+    """argparse's errors as the course's one ``error:`` line (exit status 2)."""
+    raise SystemExit(f"error: {message}")
+
+
+def interrupted(signum, frame):
+    raise KeyboardInterrupt                 # SIGTERM cleans up as Ctrl-C does

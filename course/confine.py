@@ -2,11 +2,12 @@
 What keeps a graded copy's code away from its grade (Linux; elsewhere the first three do nothing):
 
 * ``subreaper``: a process that leaves its parent (a daemon, started in a session of its own) becomes the
-  grader's child instead of init's, so ``end_descendants`` still finds it;
+  grader's child instead of init's, so ``end`` still finds it;
 * ``undumpable``: another process of the same user can neither attach to the grader nor read its memory and
   pipes through ``/proc/<pid>/``;
-* ``end_descendants``: every process the grading started is frozen (SIGSTOP, so none can start another), then
-  killed and reaped, before the grader writes anything;
+* ``end``: a test process and every process below it, and any process that left its parent (a daemon, now
+  the grader's child), are frozen (SIGSTOP, so none can start another), then killed and reaped, before the
+  grader reads the outcome or writes anything;
 * ``scratch_copy``: the copy's files (no links, no .git, no virtual environment) in a folder of their own,
   readable by the user ``nobody``, who runs the student's code when the grader runs as root.
 """
@@ -18,7 +19,9 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,19 +40,89 @@ def prctl(option: int, value: int) -> bool:
         return False
 
 
+LOCK = threading.Lock()
+RUNS = {"active": 0, "spare": set(), "tests": set()}    # this process's grading runs (threads may run several)
+
+
 @contextmanager
 def confined():
-    """Within: this process is a subreaper and not dumpable; on leaving, every process started within is gone.
-    Yields the processes that were there before (to spare)."""
-    before = descendants(os.getpid())
-    prctl(PR_SET_CHILD_SUBREAPER, 1)
-    prctl(PR_SET_DUMPABLE, 0)
+    """Within: this process is a subreaper and not dumpable (restored when its last run ends)."""
+    with LOCK:
+        if RUNS["active"] == 0:
+            RUNS["spare"] = children(os.getpid())     # what was there before is none of ours
+            prctl(PR_SET_CHILD_SUBREAPER, 1)
+            prctl(PR_SET_DUMPABLE, 0)
+        RUNS["active"] += 1
     try:
-        yield before
+        yield
     finally:
-        end_descendants(before)
-        prctl(PR_SET_DUMPABLE, 1)
-        prctl(PR_SET_CHILD_SUBREAPER, 0)
+        with LOCK:
+            RUNS["active"] -= 1
+            if RUNS["active"] == 0:
+                prctl(PR_SET_DUMPABLE, 1)
+                prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+def start(cmd: list[str], **popen) -> subprocess.Popen:
+    """Start a test process (registered, so that ending another run spares it)."""
+    with LOCK:
+        proc = subprocess.Popen(cmd, **popen)
+        RUNS["tests"].add(proc.pid)
+    return proc
+
+
+def end(proc: subprocess.Popen) -> None:
+    """End a test process and every process below it, and any process that left its parent to become ours
+    (a daemon: it can only come from a graded copy); other runs' test processes are spared."""
+    with LOCK:
+        RUNS["tests"].discard(proc.pid)
+        try:
+            os.kill(proc.pid, signal.SIGSTOP)        # it stays, so what it started stays below it
+        except ProcessLookupError:
+            pass
+        me, found = os.getpid(), set()
+        for _ in range(200):
+            table = parents()
+            strays = {pid for pid, ppid in table.items() if ppid == me} - RUNS["spare"] - RUNS["tests"]
+            new = (below(table, {proc.pid}) | strays | {proc.pid}) - found
+            if not new:
+                break
+            for pid in new:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            found |= new
+            time.sleep(0.002)
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    proc.wait()
+    deadline = time.monotonic() + 5
+    for pid in found - {proc.pid}:                   # reap the strays (orphans became ours, as a subreaper)
+        while time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break                                # not our child: its parent reaps it
+            if done:
+                break
+            time.sleep(0.005)
+
+
+def children(pid: int) -> set[int]:
+    return {p for p, parent in parents().items() if parent == pid}
+
+
+def below(table: dict[int, int], roots: set[int]) -> set[int]:
+    """Every process below ``roots`` in the pid -> parent ``table``."""
+    found, frontier = set(), set(roots)
+    while frontier:
+        frontier = {pid for pid, ppid in table.items() if ppid in frontier and pid not in found}
+        found |= frontier
+    return found
 
 
 def parents() -> dict[int, int]:
@@ -64,47 +137,6 @@ def parents() -> dict[int, int]:
             except (OSError, ValueError, IndexError):
                 continue                            # gone meanwhile
     return out
-
-
-def descendants(root: int) -> set[int]:
-    """Every process below ``root``."""
-    table, found, frontier = parents(), set(), {root}
-    while frontier:
-        frontier = {pid for pid, ppid in table.items() if ppid in frontier and pid not in found}
-        found |= frontier
-    return found
-
-
-def end_descendants(spare: set[int] = frozenset(), rounds: int = 200) -> None:
-    """Freeze, kill and reap every process below this one but ``spare`` (those that were there before)."""
-    me, killed = os.getpid(), set()
-    for _ in range(rounds):
-        found = descendants(me) - set(spare)
-        new = found - killed
-        if not new:
-            break
-        for pid in new:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except (ProcessLookupError, PermissionError):
-                pass
-        killed |= new
-        time.sleep(0.005)
-    for pid in killed:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    deadline = time.monotonic() + 5
-    for pid in killed:                              # reap our children (orphans became ours, as a subreaper)
-        while time.monotonic() < deadline:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                break                               # not our child (its parent reaps it) or already reaped
-            if done:
-                break
-            time.sleep(0.005)
 
 
 def readable_by_others(path: Path) -> bool:

@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import confine
-from .assignments import ASSIGNMENTS, COURSE, ROOT, Assignment, command_line, get
+from .assignments import ASSIGNMENTS, COURSE, ROOT, Assignment, command_line, get, refuse
 
 PER_TEST_S = 60          # one test's time limit, enforced by the grader from outside the test process
 RUN_BASE_S = 60          # the whole run: this, plus (the per-test limit + RESTART_S) per test
@@ -136,6 +136,10 @@ def pytest_runtest_logreport(report):
         record("failed", name, f"the test was skipped: {{report.longrepr}}")
     elif report.when == "call" and report.passed:
         record("passed", name)
+
+
+def pytest_collection_finish(session):
+    sys.modules["adapters"]._connection.start()        # the tests are read: now the student's process may run
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -282,14 +286,14 @@ class Pipe:
 
 
 def watch(cmd: list[str], cwd: Path, env: dict, results: Pipe, log: Path, per_test_s: float,
-          deadline: float, spare: set[int] = frozenset()) -> tuple[int | None, str | None]:
+          deadline: float) -> tuple[int | None, str | None]:
     """Run one test process, stopping it when its running test passes ``per_test_s`` (counted from the test's
     start line), when collecting the tests passes ``START_S``, or at ``deadline`` (``time.monotonic``); then
     end every process it started. Returns (its exit code, None) or (None, "test" | "collect" | "run"): why
     it was stopped."""
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, pass_fds=(results.write_fd,))
+        proc = confine.start(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, pass_fds=(results.write_fd,))
     base = starts = parse_results(results.read()).starts
     since, why = time.monotonic(), None
     try:
@@ -305,8 +309,7 @@ def watch(cmd: list[str], cwd: Path, env: dict, results: Pipe, log: Path, per_te
             if why:
                 break
     finally:
-        confine.end_descendants(spare)     # the test process, the student's, and all they started (not ``spare``)
-        proc.wait()
+        confine.end(proc)                  # the test process, the student's, and all they started
     results.read()
     return (None, why) if why else (proc.returncode, None)
 
@@ -321,15 +324,28 @@ def site_dirs() -> list[str]:
     return [p for p in dict.fromkeys(site.getsitepackages()) if Path(p).is_dir()]
 
 
+def tests_folder(parent: Path, tests: list[Path], conftest: str) -> Path:
+    """A new folder (only this user can read it) holding the tests, the oracle, the stand-in for the adapters,
+    the conftest and an empty pytest.ini."""
+    here = Path(tempfile.mkdtemp(prefix="round-", dir=parent))
+    for t in tests:
+        shutil.copy2(t, here / t.name)
+    for f in ("oracle.py", "remote.py", "student_process.py"):
+        shutil.copy2(COURSE / f, here / f)
+    (here / "conftest.py").write_text(conftest)
+    (here / "pytest.ini").write_text("[pytest]\naddopts =\n")
+    return here
+
+
 def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_test_s: float = PER_TEST_S,
-              tasks: tuple[str, ...] | None = None) -> tuple[list[Result], float, str]:
+              tasks: tuple[str, ...] | None = None) -> tuple[list[Result], float, str, str]:
     """Run the assignment's tests against ``student`` (only those of ``tasks`` if given); (results, seconds,
-    pytest's output)."""
+    pytest's output, the user the student's code ran as)."""
     tests = assignment.tests(hidden)
     with tempfile.TemporaryDirectory(prefix=f"grade-{assignment.name}-") as tmp, \
             tempfile.TemporaryDirectory(prefix="grade-results-") as out, \
             tempfile.TemporaryDirectory(prefix="grade-copy-") as copy, \
-            tempfile.TemporaryDirectory(prefix="grade-home-") as home, confine.confined() as spare:
+            tempfile.TemporaryDirectory(prefix="grade-home-") as home, confine.confined():
         tmp, out, copy, home = Path(tmp), Path(out), Path(copy), Path(home)
         copy.chmod(0o755)
         scratch = confine.scratch_copy(student, copy / "copy")
@@ -338,16 +354,11 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
             os.chown(home, confine.NOBODY, confine.NOBODY)
         dump = out / "dump.txt"
         dump.touch()
-        for t in tests:
-            shutil.copy2(t, tmp / t.name)
-        for f in ("oracle.py", "remote.py", "student_process.py"):
-            shutil.copy2(COURSE / f, tmp / f)
         results = Pipe()
-        (tmp / "conftest.py").write_text(CONFTEST.format(
+        conftest = CONFTEST.format(
             results_fd=results.write_fd, dump=str(dump), student=str(scratch),
             adapters=str(scratch / "course" / assignment.name / "adapters.py"), site_dirs=site_dirs(),
-            per_dump_s=per_test_s * 0.8, home=str(home), nobody=nobody))
-        (tmp / "pytest.ini").write_text("[pytest]\naddopts =\n")
+            per_dump_s=per_test_s * 0.8, home=str(home), nobody=nobody)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
         env.update({"OMP_NUM_THREADS": "1"})
         env.setdefault("TRITON_INTERPRET", "1")      # no GPU: the kernels run in Triton's interpreter
@@ -361,12 +372,13 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
                     outcomes.update({n: ("failed", f"not run: the whole run reached its limit of {limit:g} s")
                                      for n in remaining})
                     break
-                args = ["-q", "-p", "no:cacheprovider", "-c", str(tmp / "pytest.ini"), "--rootdir", str(tmp),
+                here = tests_folder(tmp, tests, conftest)    # a fresh one each round: nothing left from the last
+                args = ["-q", "-p", "no:cacheprovider", "-c", str(here / "pytest.ini"), "--rootdir", str(here),
                         "--continue-on-collection-errors", *[node[n] for n in remaining]]
                 cmd = [sys.executable, "-I", "-S", "-B", "-c",
-                       BOOT.format(tests=str(tmp), site_dirs=site_dirs(), args=args)]
+                       BOOT.format(tests=str(here), site_dirs=site_dirs(), args=args)]
                 before = len(results.read())
-                code, why = watch(cmd, tmp, env, results, out / "log.txt", per_test_s, t0 + limit, spare)
+                code, why = watch(cmd, here, env, results, out / "log.txt", per_test_s, t0 + limit)
                 log = (out / "log.txt").read_text(errors="replace")
                 logs.append(log if why is None else f"{log}\n(stopped by the grader: {why})")
                 found = parse_results(results.read()[before:])
@@ -383,7 +395,8 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
                 status, text = outcomes[name]
                 results.append(Result(name, visibility, pts, pts if status == "passed" else 0.0, status, text,
                                       task or ""))
-    return results, seconds, "\n".join(logs)
+    runs_as = "nobody" if nobody else "root" if os.geteuid() == 0 else "the grader's user"
+    return results, seconds, "\n".join(logs), runs_as
 
 
 def function(test: str) -> str:
@@ -442,6 +455,9 @@ def notes(summary: dict, public_only: bool = False) -> list[str]:
     """What the grade comes with: the hidden tests' absence, adapters that differ from the repository's."""
     out = [] if summary["hidden_tests"] or public_only else \
         ["hidden tests: not in this copy (the instructor's grader has them); the score is out of the public points"]
+    if summary.get("runs_as") == "root":
+        out.append("note: the student's code ran as root (the user nobody cannot read this Python or its packages): "
+                   "it could read the grader's files; see the README's threat model")
     return out + [f"note: the student's {f} differs from this repository's: read it (the tests reach the code "
                   "only through the adapters)" for f in summary["changed_adapters"]]
 
@@ -497,17 +513,41 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
     if tasks is not None and set(tasks) - set(task_names(assignment, hidden)):
         raise SystemExit(f"error: no task {sorted(set(tasks) - set(task_names(assignment, hidden)))[0]!r} in "
                          f"{name!r}; its tasks: {', '.join(task_names(assignment, hidden)) or '(none)'}")
-    results, seconds, log = run_tests(assignment, student, hidden, per_test_s, tasks)
+    results, seconds, log, runs_as = run_tests(assignment, student, hidden, per_test_s, tasks)
     has_hidden = any(r.visibility == "hidden" for r in results)
     return {"assignment": name, "student": str(student), "results": [asdict(r) for r in results],
             "score": sum(r.score for r in results), "max_score": sum(r.max_score for r in results),
             "seconds": seconds, "hidden_tests": has_hidden, "log": log,
-            "changed_adapters": adapter_changes(assignment, student)}
+            "changed_adapters": adapter_changes(assignment, student), "runs_as": runs_as}
 
 
-def refuse(message: str):
-    """argparse's errors as the course's one ``error:`` line (exit status 2)."""
-    raise SystemExit(f"error: {message}")
+def check_new_file(path: Path) -> None:
+    """``--json``: a new file in an existing, writable folder, with a name the file system takes."""
+    if path.exists() or path.is_symlink():
+        raise SystemExit(f"error: {path} exists; name a new file (nothing is overwritten)")
+    if not path.parent.is_dir():
+        raise SystemExit(f"error: --json {path}: the folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"error: --json {path}: the folder {path.parent} is not writable")
+    longest = os.pathconf(path.parent, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+    if len(os.fsencode(path.name)) > longest:
+        raise SystemExit(f"error: --json: the name {path.name[:40]}... has {len(os.fsencode(path.name))} bytes; "
+                         f"this file system takes at most {longest}")
+
+
+def write_new_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all, and never over a file: one that appeared while grading
+    (another run's, say) stays, and the command ends in one line."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:100]}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.link(tmp, path)                        # fails if the name exists: atomic, and never replaces
+    except FileExistsError:
+        raise SystemExit(f"error: {path} appeared while grading (another run?); it was left as it is and these "
+                         "results were not written") from None
+    finally:
+        os.unlink(tmp)
 
 
 @command_line
@@ -533,12 +573,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", action="store_true", help="print pytest's own output after the table")
     args = p.parse_args(argv)
     if args.json is not None:                       # every flag is checked before any test runs
-        if args.json.exists():
-            raise SystemExit(f"error: {args.json} exists; name a new file (nothing is overwritten)")
-        if not args.json.parent.is_dir():
-            raise SystemExit(f"error: --json {args.json}: the folder {args.json.parent} does not exist")
-        if not os.access(args.json.parent, os.W_OK):
-            raise SystemExit(f"error: --json {args.json}: the folder {args.json.parent} is not writable")
+        check_new_file(args.json)
     if not (math.isfinite(args.per_test_s) and args.per_test_s > 0):
         raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {args.per_test_s}")
     summary = grade(args.assignment, args.student, hidden=not args.public_only, per_test_s=args.per_test_s,
@@ -553,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.log:
         print("\n" + summary["log"])
     if args.json is not None:
-        args.json.write_text(json.dumps(gradescope(results, summary["seconds"], "\n".join(said)), indent=2) + "\n")
+        write_new_file(args.json, json.dumps(gradescope(results, summary["seconds"], "\n".join(said)), indent=2) + "\n")
         print(f"wrote {args.json}")
 
 

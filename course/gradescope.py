@@ -30,8 +30,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get
-from .grade import refuse
+from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse
 
 GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "course/markers.py",
           "course/oracle.py", "course/model_adapters.py", "course/confine.py", "course/remote.py",

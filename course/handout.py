@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from . import lesson
-from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get
+from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse
 from .markers import MD_BEGIN, find_regions, strip
 
 INSTRUCTOR_ONLY = ("test_hidden.py", "mutants.py")      # in each assignment's folder: never in a student copy
@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m course.handout", description=__doc__.split("\n\n")[0].strip(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="assignments: " + "; ".join(f"{a.name} ({a.title})" for a in ASSIGNMENTS.values()))
+    p.error = refuse
     p.add_argument("assignment", help="which assignment: " + ", ".join(ASSIGNMENTS))
     p.add_argument("--out", required=True, type=Path,
                    help="a new (or empty) folder outside the repository; nothing is overwritten")

@@ -75,6 +75,8 @@ class Connection:
         drop = {}
         if self.nobody:                            # the grader runs as root: the student's code runs as nobody
             drop = {"user": 65534, "group": 65534, "extra_groups": []}
+        elif os.geteuid() == 0:                    # root, but nobody cannot read Python: root without capabilities
+            drop = {"preexec_fn": no_capabilities}
         with open(self.dump, "ab") as err:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                          pass_fds=(request_r, answer_w), env=env, cwd=self.home or "/",
@@ -185,6 +187,20 @@ class Connection:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def no_capabilities() -> None:
+    """In the child, before it starts Python: no capability survives (the bounding and ambient sets emptied, no
+    new privileges), so root's process cannot attach to others, read their memory or open their pipes through
+    /proc, nor override file permissions."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    for cap in range(64):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "cannot drop privileges")
 
 
 class Remote:

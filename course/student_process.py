@@ -34,6 +34,7 @@ import pickle
 import struct
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 HEADER = struct.Struct("<Q")         # a message's length in bytes
@@ -64,8 +65,10 @@ def send(fd: int, obj) -> None:
 
 def pack(t) -> dict:
     """A tensor as plain data: its type's name, shape and bytes."""
-    t = t.detach().contiguous()
-    raw = t.reshape(-1).view(_torch().uint8).numpy().tobytes() if t.numel() else b""
+    torch = _torch()
+    flat = torch.empty(t.numel(), dtype=t.dtype)
+    flat.copy_(t.detach().reshape(-1))                # plain strides, whatever t's were (expanded, a view)
+    raw = flat.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": raw}
 
 
@@ -238,16 +241,31 @@ class Refused:
         return None
 
 
+QUIET = [False]                     # True while the server packs or unpacks messages (no watch counts that)
+
+
+@contextmanager
+def quiet():
+    QUIET[0], was = True, QUIET[0]
+    try:
+        yield
+    finally:
+        QUIET[0] = was
 CHECKED: dict[str, bool] = {}       # module name -> loaded from outside the student copy
+ALLOWED: list[Path] = []            # where modules may come from besides the copy: the standard library, site dirs
 
 
 def borrowed(student: Path) -> list[str]:
-    """Modules of the library (or the course) loaded from outside the student copy."""
+    """Modules loaded from outside the student copy: the library's (or the course's) from anywhere else, and
+    any module from a file outside the copy, the standard library and the installed packages (a file-path
+    import of another checkout)."""
     for name, module in list(sys.modules.items()):
         if name not in CHECKED:
             path = getattr(module, "__file__", None)
-            CHECKED[name] = (path is not None and name.split(".")[0] in PACKAGES
-                             and student not in Path(path).resolve().parents)
+            path = path if isinstance(path, str) and os.path.isabs(path) else None    # torch.ops names no file
+            where = Path(path).resolve().parents if path else ()
+            CHECKED[name] = path is not None and student not in where and (
+                name.split(".")[0] in PACKAGES or not any(folder in where for folder in ALLOWED))
     return sorted(n for n, wrong in CHECKED.items() if wrong and n in sys.modules)
 
 
@@ -295,12 +313,14 @@ class Server:
             self.adapters_error = None
 
     def post(self, message: dict) -> None:
-        message["changes"], message["held"] = self.mirrors.changes(), self.mirrors.held()
-        send(self.fd_out, message)
+        with quiet():
+            message["changes"], message["held"] = self.mirrors.changes(), self.mirrors.held()
+            send(self.fd_out, message)
 
     def get(self) -> dict:
         message = receive(self.fd_in)
-        self.mirrors.receive(message)
+        with quiet():
+            self.mirrors.receive(message)
         return message
 
     def encode(self, value):
@@ -344,7 +364,9 @@ class Server:
 
     def callback(self, key: int, args, kwargs):
         """Call a function of the tests': ask the test process, answer its requests until it replies."""
-        self.post({"callback": key, "args": self.encode(list(args)), "kwargs": self.encode(kwargs)})
+        with quiet():
+            message = {"callback": key, "args": self.encode(list(args)), "kwargs": self.encode(kwargs)}
+        self.post(message)
         return self.serve(until_reply=True)
 
     def harness(self, name: str, args: list):
@@ -361,7 +383,7 @@ class Server:
 
                 def __torch_function__(self, func, types, a=(), kw=None):
                     out = func(*a, **(kw or {}))
-                    for t in out if isinstance(out, (tuple, list)) else (out,):
+                    for t in () if QUIET[0] else out if isinstance(out, (tuple, list)) else (out,):
                         if isinstance(t, torch.Tensor):
                             self.numbers = max(self.numbers, t.untyped_storage().nbytes() // t.element_size())
                     return out
@@ -396,7 +418,8 @@ class Server:
 
     def answer(self, request: dict):
         op = request["op"]
-        args, kwargs = self.decode(request.get("args", [])), self.decode(request.get("kwargs", {}))
+        with quiet():
+            args, kwargs = self.decode(request.get("args", [])), self.decode(request.get("kwargs", {}))
         if op == "harness":
             return self.harness(request["name"], args)
         if self.adapters_error is not None:
@@ -421,14 +444,16 @@ class Server:
                     raise RuntimeError("a reply nobody asked for")
                 if "error" in request:
                     raise AssertionError(request["error"])
-                return self.decode(request["ok"])
+                with quiet():
+                    return self.decode(request["ok"])
             top = not until_reply
             try:
                 value = self.answer(request)
                 wrong = borrowed(self.student)
                 if wrong:
                     raise RuntimeError(f"imported from outside the student copy {self.student}: {wrong[:3]}")
-                reply = {"ok": self.encode(value)}
+                with quiet():
+                    reply = {"ok": self.encode(value)}
             except BaseException as e:      # noqa: BLE001  (the student's exception, whatever it is, is the answer)
                 if isinstance(e, EOFError) and not top:
                     raise
@@ -459,6 +484,9 @@ def main(argv: list[str]) -> None:
     student, adapters_file, site_dirs, fd_in, fd_out, dump_after_s = argv
     student = Path(student)
     sys.path[:] = [str(student)] + [p for p in sys.path if p] + json.loads(site_dirs)
+    ALLOWED.extend(Path(p).resolve() for p in sys.path[1:])
+    for name in list(sys.modules):
+        CHECKED[name] = False                      # what Python itself loaded before any of the copy's code
     fd_in, fd_out = int(fd_in), int(fd_out)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
