@@ -5,7 +5,7 @@ Grade one assignment: run its public and hidden tests against a student copy and
     python -m course.grade cache --student ~/hw-cache --json results.json
     python -m course.grade baselines -k window_vote               # one task's tests
 
-Three processes, so that nothing the student's code does can reach the grade (course/README.md's threat
+Three processes, so that nothing the student's code does can reach the grade (the README's threat
 model): this one (the grader) starts the test process, which starts the student's process. The test process
 runs the tests in a scratch folder that holds only them, ``oracle.py`` and the stand-in for the adapters
 (course/remote.py); it never runs the student's code. The student's process (course/student_process.py)
@@ -456,8 +456,9 @@ def notes(summary: dict, public_only: bool = False) -> list[str]:
     out = [] if summary["hidden_tests"] or public_only else \
         ["hidden tests: not in this copy (the instructor's grader has them); the score is out of the public points"]
     if summary.get("runs_as") == "root":
-        out.append("note: the student's code ran as root (the user nobody cannot read this Python or its packages): "
-                   "it could read the grader's files; see the README's threat model")
+        out.append("note: the student's code ran as root without capabilities (the user nobody cannot read this "
+                   "Python or its packages): it could read and write the files root owns; see the README's threat "
+                   "model")
     return out + [f"note: the student's {f} differs from this repository's: read it (the tests reach the code "
                   "only through the adapters)" for f in summary["changed_adapters"]]
 
@@ -523,16 +524,16 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
 
 def check_new_file(path: Path) -> None:
     """``--json``: a new file in an existing, writable folder, with a name the file system takes."""
-    if path.exists() or path.is_symlink():
-        raise SystemExit(f"error: {path} exists; name a new file (nothing is overwritten)")
     if not path.parent.is_dir():
         raise SystemExit(f"error: --json {path}: the folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise SystemExit(f"error: --json {path}: the folder {path.parent} is not writable")
     longest = os.pathconf(path.parent, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
     if len(os.fsencode(path.name)) > longest:
         raise SystemExit(f"error: --json: the name {path.name[:40]}... has {len(os.fsencode(path.name))} bytes; "
                          f"this file system takes at most {longest}")
+    if path.exists() or path.is_symlink():
+        raise SystemExit(f"error: {path} exists; name a new file (nothing is overwritten)")
+    if not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"error: --json {path}: the folder {path.parent} is not writable")
 
 
 def write_new_file(path: Path, text: str) -> None:

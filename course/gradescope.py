@@ -75,6 +75,9 @@ if [ ! -f "$root/course/{name}/adapters.py" ]; then
     [ -z "$found" ] || root="$(dirname "$(dirname "$(dirname "$found")")")"
 fi
 
+# the grader's files (the hidden tests) readable by root alone: the student's code runs as nobody
+chmod -R go-rwx "$source_dir"
+
 # grade a scratch copy, so the upload stays as it came
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

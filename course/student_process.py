@@ -182,8 +182,10 @@ class Mirrors:
 
     def apply(self, changes: dict) -> None:
         """The other side's changes, written into our copies."""
+        if not changes:
+            return
         torch = _torch()
-        for key, value in (changes or {}).items():
+        for key, value in changes.items():
             value = unpack(value)
             held = self.table.get(key)
             t = held[0]() if held is not None else None
@@ -325,12 +327,12 @@ class Server:
 
     def encode(self, value):
         """A value to send: plain data and tensors as they are, anything else as a handle."""
-        import torch
+        torch = sys.modules.get("torch")      # None until some code imported it: then no value is a tensor
         if value is None or isinstance(value, (bool, int, float, str, bytes)):
             return value
-        if isinstance(value, (torch.dtype, torch.device)):
+        if torch is not None and isinstance(value, (torch.dtype, torch.device)):
             return encode_torch_name(value)
-        if isinstance(value, torch.Tensor):
+        if torch is not None and isinstance(value, torch.Tensor):
             return self.mirrors.encode(value)
         if isinstance(value, tuple):           # torch.Size too
             return {"tuple": [self.encode(v) for v in value]}
@@ -498,9 +500,11 @@ def main(argv: list[str]) -> None:
     try:
         server.serve()
     except EOFError:
-        pass                                       # the test process is done
-    finally:
-        os._exit(0)
+        os._exit(0)                                # the test process is done
+    except BaseException:                          # noqa: BLE001  (a fault of this file: say where, then stop)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

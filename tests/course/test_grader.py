@@ -172,7 +172,8 @@ def test_grader_writes_gradescope_json(tmp_path, capsys):
     grade.main(["cache", "--json", str(tmp_path / "results.json")])
     results = json.loads((tmp_path / "results.json").read_text())
     tests = results["tests"]
-    assert results["score"] == sum(t["max_score"] for t in tests) > 0 and results["output"] == ""
+    assert results["score"] == sum(t["max_score"] for t in tests) > 0
+    assert results["output"] in ("", grade.notes({"hidden_tests": True, "changed_adapters": [], "runs_as": "root"})[0])
     assert {t["visibility"] for t in tests} == {"visible", "after_published"}
     assert all(t["status"] == "passed" and set(t) >= {"name", "score", "max_score", "output"} for t in tests)
     printed = capsys.readouterr().out
