@@ -494,6 +494,20 @@ def gradescope(results: list[Result], seconds: float, note: str) -> dict:
     }
 
 
+QUOTE = 40      # characters in a row of the hidden tests' text that withhold a public test's message
+
+
+def withhold_hidden_text(results: list[Result], assignment: Assignment) -> None:
+    """A public test's message is shown to the student: one that quotes the hidden tests (code that read them
+    from disk and raised them) is replaced by a note, so no submission pages through them verbatim."""
+    words = [" ".join(t.read_text().split()) for t in assignment.tests(hidden=True) if t.name == "test_hidden.py"]
+    quotes = {w[i:i + QUOTE] for w in words for i in range(len(w) - QUOTE + 1)}
+    for r in results:
+        said = " ".join(r.output.split())
+        if r.visibility == "public" and any(said[i:i + QUOTE] in quotes for i in range(len(said) - QUOTE + 1)):
+            r.output = "(the message quoted the grader's hidden tests: withheld)"
+
+
 def task_names(assignment: Assignment, hidden: bool = True) -> list[str]:
     """The tasks the assignment's tests grade, in the order they first appear."""
     return list(dict.fromkeys(task for t in assignment.tests(hidden) for _, task in marks_of(t).values() if task))
@@ -515,6 +529,7 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
         raise SystemExit(f"error: no task {sorted(set(tasks) - set(task_names(assignment, hidden)))[0]!r} in "
                          f"{name!r}; its tasks: {', '.join(task_names(assignment, hidden)) or '(none)'}")
     results, seconds, log, runs_as = run_tests(assignment, student, hidden, per_test_s, tasks)
+    withhold_hidden_text(results, assignment)
     has_hidden = any(r.visibility == "hidden" for r in results)
     return {"assignment": name, "student": str(student), "results": [asdict(r) for r in results],
             "score": sum(r.score for r in results), "max_score": sum(r.max_score for r in results),

@@ -79,6 +79,7 @@ def test_command_line_errors(tmp_path, capsys, monkeypatch):
     (tmp_path / "full" / "f").write_text("")
     assert "exists and is not empty" in refused(capsys, handout.main, ["cache", "--out", str(tmp_path / "full")])
     assert "inside the repository" in refused(capsys, handout.main, ["cache", "--out", str(ROOT / "course" / "x")])
+    assert "--out" in refused(capsys, handout.main, ["cache"])              # argparse's errors: one line too
 
     monkeypatch.setattr(grade, "run_tests", lambda *a, **kw: pytest.fail("graded despite a bad flag"))
     (tmp_path / "r.json").write_text("{}")

@@ -147,6 +147,20 @@ def test_library_code_cannot_reach_the_tests_or_the_results(tmp_path, capsys):
     same_as_printed(results, printed)
 
 
+def test_a_public_message_never_quotes_the_hidden_tests(tmp_path, capsys):
+    """Code that finds the hidden tests on disk (readable to it unless it runs as nobody) and raises them as the
+    message of a public test, whose output the student sees: the message is withheld."""
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "attention.py", "group_scores", [
+        "import glob",
+        f"found = glob.glob('/tmp/grade-*/round-*/test_hidden.py') + [{str(ROOT / 'course/cache/test_hidden.py')!r}]",
+        "raise RuntimeError(open(found[0]).read()[1200:2700])"])
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
+    public = [t for t in results["tests"] if t["visibility"] == "visible"]
+    assert public and all(t["output"] == "(the message quoted the grader's hidden tests: withheld)" for t in public)
+    same_as_printed(results, printed)
+
+
 def test_the_students_process_holds_no_capabilities_as_root(tmp_path, capsys):
     """As root with a Python the user nobody cannot read (this machine's), the student's process runs without
     capabilities: it cannot open its parent's pipes or memory through /proc."""
