@@ -76,15 +76,14 @@ def end(proc: subprocess.Popen) -> None:
     (a daemon: it can only come from a graded copy); other runs' test processes are spared."""
     with LOCK:
         RUNS["tests"].discard(proc.pid)
-        try:
-            os.kill(proc.pid, signal.SIGSTOP)        # it stays, so what it started stays below it
-        except ProcessLookupError:
-            pass
+        alive = {proc.pid} if proc.poll() is None else set()    # once reaped, its pid may be another's
+        for pid in alive:
+            os.kill(pid, signal.SIGSTOP)             # it stays, so what it started stays below it
         me, found = os.getpid(), set()
         for _ in range(200):
             table = parents()
             strays = {pid for pid, ppid in table.items() if ppid == me} - RUNS["spare"] - RUNS["tests"]
-            new = (below(table, {proc.pid}) | strays | {proc.pid}) - found
+            new = (below(table, alive) | strays | alive) - found
             if not new:
                 break
             for pid in new:

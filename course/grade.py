@@ -43,11 +43,10 @@ import math
 import os
 import re
 import shutil
-import signal
 import site
 import subprocess
-import sysconfig
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
