@@ -735,6 +735,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--jobs", args.jobs), ("--cap", args.cap)):
         if not value.isdigit() or int(value) < 1:
             raise SystemExit(f"error: {flag} must be a whole number of at least 1, got {value!r}")
+    if int(args.jobs) > (os.cpu_count() or 1):
+        raise SystemExit(f"error: --jobs must be at most {os.cpu_count() or 1}, the CPU cores of this machine "
+                         f"(each job grades with two processes), got {args.jobs}")
     try:
         per_test_s = float(args.per_test_s)
     except ValueError:

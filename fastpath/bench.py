@@ -29,21 +29,28 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
+try:         # torch and Triton take seconds to load: a Ctrl-C meanwhile ends as one during the run does
+    import torch
+    import torch.nn.functional as F
 
-from kernels import HAS_TRITON
-from kernels.decode_attention import (
-    decode_attention_triton,
-    reference_decode_attention,
-    reference_selected_decode_attention,
-    selected_decode_attention_triton,
-)
-from nanollm import cli
-from nanollm.cli.provenance import provenance
-from nanollm.io import files
+    from kernels import HAS_TRITON
+    from kernels.decode_attention import (
+        decode_attention_triton,
+        reference_decode_attention,
+        reference_selected_decode_attention,
+        selected_decode_attention_triton,
+    )
+    from nanollm import cli
+    from nanollm.cli.provenance import provenance
+    from nanollm.io import files
+except KeyboardInterrupt:
+    if __name__ != "__main__":                # imported by other code: its Ctrl-C is its own to report
+        raise
+    sys.stderr.write("error: interrupted\n")
+    raise SystemExit(130) from None
 
 EAGER: list[str] = []      # what could not be timed in a CUDA graph (it synchronises with the host)
 

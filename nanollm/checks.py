@@ -58,12 +58,19 @@ def check_flag(name: str, value) -> bool:
 
 
 def check_config(c) -> None:
-    """A ``ModelConfig``'s numbers make a model: positive sizes, whole groups of query heads, even RoPE pairs."""
+    """A ``ModelConfig``'s values make a model: positive sizes, whole groups of query heads, even RoPE pairs, and
+    every field of its type (a config read from a file could hold ``"tie_embeddings": "no"``, which is true)."""
     if c.flavour not in ("gpt2", "llama"):
         raise ValueError(f"flavour must be 'gpt2' or 'llama', got {c.flavour!r}")
     for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len"):
         if not is_int(getattr(c, name)) or getattr(c, name) <= 0:
             raise ValueError(f"{name} must be a positive integer, got {getattr(c, name)!r}")
+    check_int("d_ff", c.d_ff, 0, " (0: the flavour's default)")
+    check_flag("tie_embeddings", c.tie_embeddings)
+    if c.bias is not None:
+        check_flag("bias", c.bias)
+    if not isinstance(c.extra, dict):
+        raise ValueError(f"extra must be a dict of notes, got {c.extra!r:.100}")
     if c.n_head % c.n_kv_head != 0:
         raise ValueError(f"n_head ({c.n_head}) must be divisible by n_kv_head ({c.n_kv_head}): "
                          "each KV head serves a whole group of query heads")
@@ -75,9 +82,37 @@ def check_config(c) -> None:
         raise ValueError(f"attention must name an attention module, got {c.attention!r}")
     for name in ("norm_eps", "rope_base"):
         check_number(name, getattr(c, name), 0, math.inf, open_low=True, open_high=True)
-    kind = None if c.rope_scaling is None else c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
+    check_rope_scaling(c.rope_scaling)
+
+
+LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling) -> None:
+    """None, a dict of type "default", or a "llama3" dict whose four numbers ``attention.rope_inv_freq`` can use:
+    positive and finite, the high-frequency factor above the low one (their difference divides)."""
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be a dict or None, got {scaling!r:.100}")
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind not in (None, "default", "llama3"):
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: 'llama3' (or none)")
+        raise ValueError(f"rope_scaling type {kind!r:.100} is not supported; supported: 'llama3' (or none)")
+    if kind == "llama3":
+        for key in LLAMA3_SCALING:
+            check_number(f"rope_scaling {key}", scaling.get(key), 0, math.inf, open_low=True, open_high=True)
+        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+            raise ValueError(f"rope_scaling high_freq_factor ({scaling['high_freq_factor']}) must be above "
+                             f"low_freq_factor ({scaling['low_freq_factor']})")
+
+
+def check_finite_weights(state: dict, where) -> None:
+    """Every floating-point tensor of a loaded state dict is finite: a NaN or infinite weight makes every
+    logit NaN, so generation would crash in sampling and greedy decoding and scores would report nonsense.
+    The error names the file (``where``) and the first bad tensor."""
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            what = "NaN" if bool(torch.isnan(t).any()) else "infinite"
+            raise ValueError(f"{where}: tensor {name!r} holds {what} values; a checkpoint with non-finite "
+                             "weights is broken")
 
 
 def check_ids(ids, config, device, start: int = 0) -> None:
@@ -101,11 +136,17 @@ def check_ids(ids, config, device, start: int = 0) -> None:
                          f"maximum positions max_seq_len={config.max_seq_len}")
 
 
+# Sampling divides the logits by the temperature: below this, logits / temperature can overflow to inf and the
+# softmax gives NaN, on which torch.multinomial fails. (At 1e-4 sampling is already greedy in practice.)
+MIN_TEMPERATURE = 1e-4
+
+
 def check_generation(config, seen: int, n_ids: int, max_new_tokens: int, temperature: float, top_k) -> None:
     """Options of ``generate``, and room for every position it will feed (the last new token is never fed)."""
     check_int("max_new_tokens", max_new_tokens, 0)
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not math.isfinite(temperature) \
+            or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {temperature}")
     if top_k is not None and top_k <= 0:
         raise ValueError(f"top_k must be positive, got {top_k}")
     total = seen + n_ids + max(max_new_tokens - 1, 0)

@@ -504,7 +504,8 @@ def parser() -> cli.ArgumentParser:
                     help="tokens of text for the Lemma 2 check, 0 to skip it (default %(default)s, the paper's 2k)")
     ap.add_argument("--lemma-keep", type=float, default=LEMMA_KEEP,
                     help="budget of the Lemma 2 check as a fraction of its text (default %(default)s, the paper's)")
-    ap.add_argument("--threads", type=cli.positive_int, default=1, help="torch CPU threads (default %(default)s)")
+    ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
+                    help="torch CPU threads, at most the CPU cores (default %(default)s)")
     ap.add_argument("--out", type=cli.output_file, default=None, metavar="PATH",
                     help="write the text report (provenance header, tables) to PATH (default: print only)")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
@@ -522,8 +523,7 @@ def main(argv: list[str] | None = None) -> None:
             cli.fail(f"--keep-ratios must lie in (0, 1], got {args.keep_ratios}")
         if not 0 < args.lemma_keep <= 1:
             cli.fail(f"--lemma-keep must lie in (0, 1], got {args.lemma_keep}")
-        if args.out and args.json and args.out.resolve() == args.json.resolve():
-            cli.fail("--out and --json name the same file")
+        cli.check_outputs({"--out": args.out, "--json": args.json}, inputs=[args.checkpoint])
         config = load_config(args.checkpoint)
         for flag, n in (("--length", args.length), ("--lemma-length", args.lemma_length)):
             if n and not 4 <= n <= config.max_seq_len:

@@ -675,9 +675,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="tokens of the real prefill whose peak memory is measured for the full cache, SnapKV and "
                          f"H2O at keep ratio {PREFILL_KEEP_RATIO}, each in a fresh process; 0 skips it "
                          "(default 16384; 0 with --checkpoint, where it cannot run)")
-    ap.add_argument("--threads", type=cli.positive_int, default=1,
-                    help="torch.set_num_threads for the run, the bandwidth measurement and the prefill processes "
-                         "(default %(default)s)")
+    ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
+                    help="torch.set_num_threads for the run, the bandwidth measurement and the prefill processes, "
+                         "at most the CPU cores (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, K/V, queries and tokens "
                                                         "(default %(default)s)")
     ap.add_argument("--time-limit", type=cli.positive_float, default=60.0, metavar="SECONDS",
@@ -696,6 +696,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     with cli.errors(args.debug):
+        cli.check_outputs({"--json": args.json, "--plot": args.plot}, inputs=[args.checkpoint])
         for m in args.methods or []:                  # every argument is checked before any work
             try:
                 method_chain(m)
@@ -704,8 +705,6 @@ def main(argv: list[str] | None = None) -> dict:
         if args.prompt_queries > min(args.contexts):
             cli.fail(f"--prompt-queries {args.prompt_queries} exceeds the shortest of --contexts "
                      f"({min(args.contexts)}): the queries sit at the end of the context")
-        if args.json and args.plot and args.json.resolve() == args.plot.resolve():
-            cli.fail("--json and --plot name the same file")
         if args.prefill_context is None:
             args.prefill_context = 0 if args.checkpoint else 16384
         elif args.prefill_context and args.checkpoint:

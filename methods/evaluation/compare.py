@@ -19,7 +19,9 @@ import json
 import multiprocessing
 import os
 import pickle
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -76,13 +78,36 @@ def run_job(model, tok, variants: list[Variant], budgets: list[int], length: int
 _WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker
 
 
-def _init_worker(threads: int, shared: bytes) -> None:
+def _init_worker(threads: int, shared: str) -> None:
     torch.set_num_threads(threads)
-    _WORKER["shared"] = pickle.loads(shared)
+    with open(shared, "rb") as f:
+        _WORKER["shared"] = pickle.load(f)
 
 
 def _run_job_in_worker(job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
     return run_job(*_WORKER["shared"], job)
+
+
+def in_workers(jobs: list[tuple], shared: tuple, workers: int, tick) -> list:
+    """``run_job`` of every job in ``workers`` processes, in job order however they finish (passed through
+    ``tick``, the progress bar).
+
+    The processes are fresh interpreters ("spawn": safe with torch threads). The model travels as plain
+    pickled bytes (a few MB), not through torch's shared-memory files, in a temporary file each worker reads
+    as it starts: passed in the pool's arguments, the bytes would go down a pipe that the pool writes until
+    the worker has read them, after its imports, so the workers would start one after the other.
+
+    They are started without Ctrl-C (``cli.workers_without_ctrl_c``): on Ctrl-C or SIGTERM this process
+    stops them (``Pool.terminate``, by the ``with`` block), removes the file and prints the one
+    ``error: interrupted`` line."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="compare-") as folder, ExitStack() as stack:
+        blob = os.path.join(folder, "shared.pickle")
+        with open(blob, "wb") as f:
+            pickle.dump(shared, f)
+        with cli.workers_without_ctrl_c():         # a Ctrl-C that came meanwhile is raised at its end,
+            pool = stack.enter_context(ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob)))
+        return list(tick(pool.imap(_run_job_in_worker, jobs)))    # ... with the pool in the stack
 
 
 def default_workers() -> int:
@@ -104,22 +129,18 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
     shared = (model, tok, variants, budgets, length, seed)
     jobs = [(t, i, m) for t in tasks for i in range(samples) for m in modes]
     mine = shards.share(jobs, rank, world)
-    bar = tqdm(total=len(mine), disable=not progress, desc="compare", unit="sample", dynamic_ncols=True)
-
-    def tick(results):
-        for job_results in results:
-            bar.update(1)
-            yield job_results
-
     workers = min(workers, len(mine))
-    if workers <= 1:
-        results = list(tick(run_job(*shared, job) for job in mine))
-    else:                                                # "spawn": a fresh interpreter, safe with torch threads
-        ctx = multiprocessing.get_context("spawn")      # the model travels as plain pickled bytes (a few MB),
-        blob = pickle.dumps(shared)                      # not through torch's shared-memory files
-        with ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob)) as pool:
-            results = list(tick(pool.imap(_run_job_in_worker, mine)))   # in job order, however they finished
-    bar.close()
+    # a with block: the bar is closed before the line of an error or Ctrl-C, not after it
+    with tqdm(total=len(mine), disable=not progress, desc="compare", unit="sample", dynamic_ncols=True) as bar:
+        def tick(results):
+            for job_results in results:
+                bar.update(1)
+                yield job_results
+
+        if workers <= 1:
+            results = list(tick(run_job(*shared, job) for job in mine))
+        else:
+            results = in_workers(mine, shared, workers, tick)
     results = shards.gather(results, len(jobs), rank, world)
     if results is None:                                  # not rank 0: its results went there
         return []
@@ -360,12 +381,12 @@ def parser() -> cli.ArgumentParser:
                          "epsilon 1e-4; see methods/presets.py) (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
     ap.add_argument("--device", type=cli.device, default="cpu", help="torch device (default %(default)s)")
-    ap.add_argument("--threads", type=cli.positive_int, default=1,
-                    help="torch CPU threads of a single-process run (default 1: a tiny model is dispatch-bound, "
-                         "so more threads only add synchronisation)")
-    ap.add_argument("--workers", type=cli.positive_int, default=None,
-                    help="processes running samples side by side, one torch thread each; the records are the "
-                         "same as with 1, timings aside (default: the CPUs available, here "
+    ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
+                    help="torch CPU threads of a single-process run, at most the CPU cores (default 1: a tiny "
+                         "model is dispatch-bound, so more threads only add synchronisation)")
+    ap.add_argument("--workers", type=cli.threads_or_workers, default=None,
+                    help="processes running samples side by side, one torch thread each, at most the CPU cores; "
+                         "the records are the same as with 1, timings aside (default: the CPUs available, here "
                          f"{default_workers()})")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
                     help="write the records as a JSON list to PATH (default: none)")
@@ -382,10 +403,9 @@ def main(argv: list[str] | None = None) -> None:
 
     with cli.errors(args.debug):
         # every argument is checked before the model loads
+        cli.check_outputs({"--json": args.json, "--plot": args.plot}, inputs=[args.checkpoint])
         methods = args.methods or list(METHODS)
         check_methods_flag(methods)
-        if args.json and args.plot and args.json.resolve() == args.plot.resolve():
-            cli.fail("--json and --plot name the same file")
         config, card = load_config(args.checkpoint), load_card(args.checkpoint)
         tok = load_tokenizer(args.checkpoint)
         if tok is None:

@@ -246,7 +246,7 @@ def parser() -> cli.ArgumentParser:
                          f"(default {' '.join(map(str, DEFAULT_KEEP_RATIOS))})")
     ap.add_argument("--length", type=int, default=None,
                     help=f"tokens of text (default {DEFAULT_LENGTH}, or the model's maximum positions if smaller)")
-    ap.add_argument("--threads", type=cli.positive_int, default=1,
+    ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
                     help="torch CPU threads (default %(default)s; the numbers do not depend on it)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="ours",
                     help="the methods' options: ours (the papers' settings) or kvpress (kvpress 0.5.5's defaults "
@@ -268,8 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         check_methods_flag(methods)
         if any(not 0 < r <= 1 for r in args.keep_ratios):
             cli.fail(f"--keep-ratios must lie in (0, 1], got {args.keep_ratios}")
-        if args.json and args.plot and args.json.resolve() == args.plot.resolve():
-            cli.fail("--json and --plot name the same file")
+        cli.check_outputs({"--json": args.json, "--plot": args.plot}, inputs=[args.checkpoint])
         config = load_config(args.checkpoint)
         length = args.length if args.length is not None else min(DEFAULT_LENGTH, config.max_seq_len)
         if not 4 <= length <= config.max_seq_len:

@@ -340,11 +340,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", nargs="+", default=list(PEERS), choices=list(PEERS), metavar="METHOD",
                     help=f"our method specs to check, each against its press: {', '.join(PEERS)} (default: all)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the first sample of each task (default %(default)s)")
-    ap.add_argument("--threads", type=cli.positive_int, default=1,
-                    help="torch CPU threads (default %(default)s)")
+    ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
+                    help="torch CPU threads, at most the CPU cores (default %(default)s)")
     args = ap.parse_args(argv)
 
     with cli.errors(args.debug):
+        cli.check_outputs({"--out": args.out}, inputs=[CHECKPOINT])
         if any(not 0 < r < 1 for r in args.keep_ratios):
             cli.fail(f"--keep-ratios must lie strictly between 0 and 1, got {args.keep_ratios}")
         from nanollm.io import fetch

@@ -177,8 +177,9 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("--repeats", type=cli.positive_int, default=3,
                     help="timed repetitions of each way, alternating; the median counts (default %(default)s)")
     ap.add_argument("--device", type=cli.device, default="cpu", help="torch device (default %(default)s)")
-    ap.add_argument("--threads", type=cli.positive_int, default=1,
-                    help="torch CPU threads, for the steps and the bandwidth measurement (default %(default)s)")
+    ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
+                    help="torch CPU threads, for the steps and the bandwidth measurement, at most the CPU cores "
+                         "(default %(default)s)")
     ap.add_argument("--bandwidth-mib", type=cli.positive_int, default=512, metavar="MIB",
                     help="size of the fp32 tensor whose x.sum() measures the read bandwidth (default %(default)s)")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = parser()
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
+        cli.check_outputs({"--json": args.json}, inputs=[args.checkpoint])
         from nanollm.data.tasks import ALL_TASKS
         from nanollm.io.checkpoint import load_card, load_config, load_tokenizer
         methods = args.methods or [m for m in METHODS if m != "full"]

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                         "stores 2 i^2 x 64 floats: 512 MiB at 1024, and its buffers and the naive path's "
                         "temporaries take the peak to about 1.5 GiB)")
     p.add_argument("--steps", type=cli.positive_int, default=7, help="decode steps per length (median; default 7)")
-    p.add_argument("--threads", type=cli.positive_int, default=1,
+    p.add_argument("--threads", type=cli.threads_or_workers, default=1,
                    help="torch threads (default 1: small tensors, least noise; the notebook uses 1 too)")
     p.add_argument("--json", type=cli.output_file, default=None, help="also write the numbers to this file")
     p.add_argument("--plot", type=cli.figure_file, default=None, help="also draw the two log-log panels here")

@@ -7,7 +7,11 @@ that run before any model loads.
 * ``errors(debug)``: a ``with`` block around a command's work; a ``UsageError`` (raised by ``fail``), or a
   ``ValueError`` / ``OSError`` from the library, becomes such a line.
 * argparse ``type=`` checks: ``positive_int``, ``positive_float``, ``non_negative_float``, ``device``,
-  ``output_file``, ``figure_file``; ``output_folder`` for folders a command fills with several files.
+  ``threads_or_workers``, ``output_file``, ``figure_file``; ``output_folder`` for folders a command fills
+  with several files.
+* ``check_outputs`` / ``not_an_input``: no output path may be one of the command's inputs (its checkpoint)
+  or lie in the bundled checkpoints, whatever links lead there.
+* ``workers_without_ctrl_c``: worker processes started inside it leave Ctrl-C to the command.
 * ``save_figure``: a ``--plot`` figure, written atomically (``nanollm.io.files``).
 
     ap = cli.ArgumentParser(prog="python -m nanollm.tool", description="...")
@@ -153,6 +157,16 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def threads_or_workers(text: str) -> int:
+    """``--threads`` / ``--workers``: a positive integer, at most this machine's CPU cores (``os.cpu_count()``).
+    Each thread or process beyond them only waits for a core, and a huge count dies allocating thread stacks."""
+    value = positive_int(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"must be at most {cores}, the CPU cores of this machine, got {value}")
+    return value
+
+
 def device(text: str) -> str:
     """A torch device this machine has: ``cpu``, ``cuda``, ``cuda:N`` (with a CUDA build and a GPU) or ``mps``."""
     import torch
@@ -174,20 +188,52 @@ def device(text: str) -> str:
                                      + (" or cuda" if torch.cuda.is_available() else ""))
 
 
+# What ``nanollm.io.files.atomic_open`` adds to a file's name for its temporary file: ".{name}." + 8 random
+# characters + ".tmp". A name that fits the file system but not with these would fail at the end of the run.
+TEMPORARY_NAME_EXTRA = 14
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name, in bytes, that the file system of ``folder`` (an existing folder) takes."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (AttributeError, ValueError, OSError):          # no pathconf (Windows): the usual limit
+        return 255
+
+
+def _short(path: Path) -> str:
+    """A path for an error line: the first 80 characters of a longer one."""
+    return str(path) if len(str(path)) <= 80 else str(path)[:80] + "..."
+
+
 def _check_output_file(path: Path) -> None:
-    folder = path.parent
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a folder; give a file name")
-    if path.exists() and not path.is_file():
-        raise argparse.ArgumentTypeError(f"{path} exists and is not a regular file")
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{path}: the folder {folder} is not writable")
+    """The checks of ``output_file``; an OSError from looking the path up (a name longer than the file
+    system takes: ENAMETOOLONG) is one of them, not a traceback."""
+    try:
+        folder = path.parent
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{path} is a folder; give a file name")
+        if path.exists() and not path.is_file():
+            raise argparse.ArgumentTypeError(f"{path} exists and is not a regular file")
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{path}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{path}: the folder {folder} is not writable")
+        limit = _name_max(folder) - TEMPORARY_NAME_EXTRA
+        if len(os.fsencode(path.name)) > limit:
+            raise argparse.ArgumentTypeError(f"{_short(path)}: file name too long, at most {limit} bytes here "
+                                             "(the file system's limit, less what the temporary file adds)")
+        if _overlap(path, bundled_dir()):
+            raise argparse.ArgumentTypeError(f"{path} lies in the bundled checkpoints ({bundled_dir()}); "
+                                             "give another path")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{_short(path)}: {e.strerror or e}") from None
 
 
 def output_file(text: str) -> Path:
-    """A file the command will write: its folder exists and is writable, and it is not a folder."""
+    """A file the command will write: its folder exists and is writable, it is not a folder, its name fits
+    the file system (with room for the atomic write's temporary name), and it is not in the bundled
+    checkpoints. Whether it is one of the command's inputs is ``check_outputs``'s to say."""
     path = Path(text)
     _check_output_file(path)
     return path
@@ -205,19 +251,136 @@ def figure_file(text: str) -> Path:
 
 def output_folder(path: str | Path, flag: str, may_hold=None) -> Path:
     """A folder a command will fill with files: new, empty, or (when ``may_hold(path)`` is true) one of the
-    kind it writes, whose files it then replaces. Its nearest existing parent must be a writable folder."""
+    kind it writes, whose files it then replaces. Its nearest existing parent must be a writable folder,
+    and its name must fit the file system."""
     path = Path(path)
-    if path.exists():
-        if not path.is_dir():
-            fail(f"{flag} {path} exists and is not a folder")
-        if any(path.iterdir()) and not (may_hold is not None and may_hold(path)):
-            fail(f"{flag} {path} is a folder that already holds other files; give a new or empty folder")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
+    try:
+        if path.exists():
+            if not path.is_dir():
+                fail(f"{flag} {path} exists and is not a folder")
+            if any(path.iterdir()) and not (may_hold is not None and may_hold(path)):
+                fail(f"{flag} {path} is a folder that already holds other files; give a new or empty folder")
+        parent = path.parent
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as e:                          # a name longer than the file system takes, ...
+        fail(f"{flag} {_short(path)}: {e.strerror or e}")
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         fail(f"{flag} {path}: cannot create it in {parent}")
     return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# No output may be an input: ``--json CK/model.safetensors`` would replace the weights by the results.
+
+def bundled_dir() -> Path:
+    """``nanollm/checkpoints/``, the checkpoints shipped with the package."""
+    from ..io.checkpoint import BUNDLED_DIR
+    return BUNDLED_DIR
+
+
+def input_paths(names) -> list[Path]:
+    """The files and folders behind a command's checkpoint arguments, found without reading them: a path as
+    given, a bundled checkpoint's folder, a fetchable model's file (fetched or not). Names that are none of
+    these (and None, a flag not given) are skipped: the command refuses them itself."""
+    from ..io import fetch
+    paths = []
+    for name in names:
+        if name is None:
+            continue
+        if Path(name).exists():
+            paths.append(Path(name))
+        elif (bundled_dir() / str(name)).is_dir():
+            paths.append(bundled_dir() / str(name))
+        elif str(name) in fetch.REMOTES:
+            paths.append(fetch.target(str(name)))
+    return paths
+
+
+def _overlap(a: str | Path, b: str | Path) -> bool:
+    """``a`` and ``b`` are the same file or folder, or one lies inside the other, symbolic links followed
+    (``os.path.realpath``); or they are one file under two names (a hard link: ``os.path.samefile``)."""
+    ra, rb = os.path.realpath(a), os.path.realpath(b)
+    if ra == rb or ra.startswith(rb.rstrip(os.sep) + os.sep) or rb.startswith(ra.rstrip(os.sep) + os.sep):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:                                 # one of them does not exist (yet)
+        return False
+
+
+def _linked_into(path: str | Path, folder: Path) -> bool:
+    """``path``, an existing file outside ``folder``, is also one of the files in it (a hard link)."""
+    if not (os.path.isfile(path) and folder.is_dir()):
+        return False
+    st = os.stat(path)
+    for root, _, names in os.walk(folder):
+        for name in names:
+            try:
+                other = os.stat(os.path.join(root, name))
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                return True
+    return False
+
+
+def not_an_input(path: str | Path, inputs, flag: str) -> None:
+    """Refuse, before any work, an output ``path`` that is one of the command's ``inputs`` (checkpoint names
+    or paths: ``input_paths``), lies inside one (a checkpoint folder), or holds one (an output folder), or
+    that lies in the bundled checkpoints. Links are followed although the atomic writes would replace a link
+    rather than the file it leads to: an output named after an input is a mistake however it is spelled."""
+    for source in input_paths(inputs):
+        if _overlap(path, source) or _linked_into(path, source):
+            fail(f"{flag} {path}: writing there would overwrite {source}, which this command reads; "
+                 "give another path")
+    if _overlap(path, bundled_dir()):
+        fail(f"{flag} {path} lies in the bundled checkpoints ({bundled_dir()}); give another path")
+
+
+def check_outputs(outputs: dict[str, Path | None], inputs=()) -> None:
+    """Before any work: the output files of a command (``{"--json": args.json, "--plot": args.plot}``, None
+    for a flag not given) are not its ``inputs`` (``not_an_input``) and no two name the same file."""
+    given = [(flag, path) for flag, path in outputs.items() if path is not None]
+    for i, (flag, path) in enumerate(given):
+        not_an_input(path, inputs, flag)
+        for other, other_path in given[:i]:
+            if _overlap(path, other_path):
+                fail(f"{other} and {flag} name the same file")
+
+
+@contextmanager
+def workers_without_ctrl_c():
+    """Start worker processes inside this block: they leave Ctrl-C to the command.
+
+    Ctrl-C in a terminal interrupts the whole process group, so each worker would print its own
+    ``KeyboardInterrupt`` traceback. Inside the block SIGINT is blocked, and processes inherit the blocked
+    signal (it stays blocked in them). This process notes a Ctrl-C or SIGTERM that comes meanwhile (another
+    of its threads may take it) and raises ``KeyboardInterrupt`` once the block is over, not half-way
+    through starting the workers: then the command stops them (``Pool.terminate``: SIGTERM, which they do
+    not block) and ``errors`` prints ``error: interrupted``.
+
+    multiprocessing's resource tracker unblocks SIGINT once it has started its own process, which it does
+    when the first pool starts: it is started before the block, or the workers would get Ctrl-C again.
+    """
+    if not hasattr(signal, "pthread_sigmask"):           # Windows: no process group to share Ctrl-C with
+        yield
+        return
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    noted = []
+    on_main = threading.current_thread() is threading.main_thread()      # where signal handlers can be set
+    previous = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if noted:
+        raise KeyboardInterrupt
 
 
 def save_figure(fig, path: str | Path, dpi: int = 120) -> None:

@@ -381,9 +381,9 @@ def main(argv: list[str] | None = None) -> BenchResult:
                     help="measurements per length and mode; the median is reported (default %(default)s)")
     ap.add_argument("--steps", type=cli.positive_int, default=16,
                     help="decode steps averaged within one measurement (default %(default)s)")
-    ap.add_argument("--threads", type=cli.positive_int, default=1,
-                    help="torch.set_num_threads for the run; 1 makes runs comparable across machines "
-                         "(default %(default)s)")
+    ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
+                    help="torch.set_num_threads for the run, at most the CPU cores; 1 makes runs comparable "
+                         "across machines (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the random weights and token ids (default %(default)s)")
     ap.add_argument("--device", type=cli.device, default="cpu",
@@ -399,6 +399,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
     args = ap.parse_args(argv)
 
     with cli.errors(args.debug):
+        cli.check_outputs({"--json": args.json}, inputs=[args.vs_transformers])
         if len(set(args.contexts)) < 2:
             cli.fail(f"--contexts needs two or more different lengths to fit a line, got {args.contexts}")
         if max(args.contexts) + args.steps > args.max_seq_len:

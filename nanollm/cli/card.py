@@ -14,6 +14,7 @@ checkpoint SOURCE; with neither, it is only printed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -26,6 +27,7 @@ from tqdm import tqdm
 
 from ..data.evaluate import MODES, accuracy
 from ..data.tasks import TASKS
+from ..io.checkpoint import MAX_SAMPLES
 
 THRESHOLDS = {t: (0.80 if t in ("vt", "cwe") else 0.95) for t in TASKS}
 
@@ -81,6 +83,25 @@ def markdown(card: dict) -> str:
     return "\n".join(lines)
 
 
+def samples(text: str) -> int:
+    """``--samples``: a positive integer, at most ``MAX_SAMPLES`` (a card of more would take days to measure)."""
+    from .. import cli
+    value = cli.positive_int(text)
+    if value > MAX_SAMPLES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SAMPLES:,}, got {value}")
+    return value
+
+
+def workers(text: str) -> int:
+    """``--workers``: a positive integer, at most this machine's CPU cores: a process more only waits for a
+    core, and hundreds of processes, each with a model, could exhaust the memory."""
+    from .. import cli
+    value, cores = cli.positive_int(text), os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"must be at most {cores}, the CPU cores of this machine, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     from .. import cli
     ap = cli.ArgumentParser(prog="python -m nanollm.cli.card",
@@ -102,12 +123,13 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"tasks to evaluate (default: all: {', '.join(TASKS)})")
     ap.add_argument("--lengths", nargs="+", type=cli.positive_int, default=[256, 512, 1024], metavar="TOKENS",
                     help="sample lengths in tokens, at most the model's maximum positions (default 256 512 1024)")
-    ap.add_argument("--samples", type=cli.positive_int, default=200,
-                    help="samples per task, length and mode (default %(default)s)")
+    ap.add_argument("--samples", type=samples, default=200,
+                    help=f"samples per task, length and mode, at most {MAX_SAMPLES:,} (default %(default)s)")
     ap.add_argument("--seed", type=int, default=1 << 41,
                     help="first sample seed (default 2**41, outside the seeds training draws from)")
-    ap.add_argument("--workers", type=cli.positive_int, default=2,
-                    help="processes evaluating in parallel (default %(default)s)")
+    ap.add_argument("--workers", type=workers, default=min(2, os.cpu_count() or 1),
+                    help="processes evaluating in parallel, at most the CPU cores (os.cpu_count(), here "
+                         f"{os.cpu_count() or 1}) (default %(default)s)")
     ap.add_argument("--train-command", default="",
                     help="the exact command that trained the model (default: the one in the card being replaced)")
     ap.add_argument("--notes", default="",
@@ -131,6 +153,7 @@ def make_card(args) -> tuple[dict, Path | None]:
         load,
         load_card,
         load_config,
+        load_run_state,
         load_tokenizer,
         resolve,
         save,
@@ -169,7 +192,7 @@ def make_card(args) -> tuple[dict, Path | None]:
         info, folder = {}, src
         if is_run(src):                        # measure a checkpoint exported to a temporary folder
             export_run(src, tmp)
-            st = torch.load(src / "state.pt", map_location="cpu", weights_only=True)
+            st = load_run_state(src / "state.pt")
             info, folder = {"steps": st["step"], "wall_time_s": st["elapsed"]}, Path(tmp)
         model, tok, _ = load(folder)
         acc = measure(str(folder), args.tasks, args.lengths, args.samples, args.seed, args.workers)

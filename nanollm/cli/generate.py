@@ -11,14 +11,26 @@ function, not this module.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from .. import cli
+from ..checks import MIN_TEMPERATURE
 from ..generation import generate
 
 DEFAULT_TASK = "niah_single_noise"
 DEFAULT_LENGTH = 512          # tokens of a task sample (or the model's maximum positions, if fewer)
 PROMPT_NEW_TOKENS = 32        # default --max-new-tokens with --prompt; a task sample uses its answer length
+
+
+def temperature(text: str) -> float:
+    """``--temperature``: 0 (greedy), or a finite number >= ``checks.MIN_TEMPERATURE``: below it, logits /
+    temperature can overflow to infinity, and sampling from the NaN probabilities fails."""
+    value = cli.non_negative_float(text)
+    if 0 < value < MIN_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None, make_policy=None, prog: str = "python -m nanollm.cli.generate") -> None:
@@ -49,8 +61,9 @@ def main(argv: list[str] | None = None, make_policy=None, prog: str = "python -m
                     help="tokens to generate at most; generation stops early at the end-of-text token (default: "
                          "the task's answer length, 16 to 96 tokens, or "
                          f"{PROMPT_NEW_TOKENS} with --prompt)")
-    ap.add_argument("--temperature", type=cli.non_negative_float, default=0.0,
-                    help="0 = greedy (default); > 0 samples from softmax(logits / temperature)")
+    ap.add_argument("--temperature", type=temperature, default=0.0,
+                    help=f"0 = greedy (default); at least {MIN_TEMPERATURE:g}: samples from softmax(logits / "
+                         "temperature) (smaller ones could overflow the scaled logits)")
     ap.add_argument("--top-k", type=cli.positive_int, default=None,
                     help="with --temperature > 0: sample among the k most likely tokens only (default: all)")
     if make_policy is not None:

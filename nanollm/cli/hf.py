@@ -5,8 +5,6 @@ Export a nanollm checkpoint, a GGUF file or a fetchable model as a Hugging Face 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import cli
@@ -27,9 +25,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="dtype of the written weights (default %(default)s)")
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
-        if os.path.exists(args.out) and os.path.exists(args.checkpoint) and os.path.samefile(args.checkpoint,
-                                                                                               args.out):
-            cli.fail(f"out {args.out} is the checkpoint itself; give another folder")
+        cli.not_an_input(args.out, [args.checkpoint], "out")       # neither the checkpoint, in it, nor holding it
         cli.output_folder(args.out, "out", may_hold=is_nanollm_export)
         src = resolve(args.checkpoint)
         if not (is_checkpoint(src) or is_gguf(src)):

@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="a fetched or bundled model name, a folder or a GGUF file (default %(default)s)")
     ap.add_argument("--contexts", type=cli.positive_int, nargs="+", default=[512, 2048, 8192], metavar="T",
                     help="prompt lengths; decode steps are timed with up to T tokens cached (default 512 2048 8192)")
-    ap.add_argument("--threads", type=cli.positive_int, default=2, help="torch threads (default %(default)s)")
+    ap.add_argument("--threads", type=cli.threads_or_workers, default=2,
+                    help="torch threads, at most the CPU cores (default %(default)s)")
     ap.add_argument("--repeats", type=cli.positive_int, default=3,
                     help="timed prefills per context and implementation (default %(default)s)")
     ap.add_argument("--steps", type=cli.positive_int, default=8,
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
+        cli.check_outputs({"--json": args.json}, inputs=[args.checkpoint])
         from ..io.checkpoint import load_config
         config = load_config(args.checkpoint)
         n = args.warmup + args.steps

@@ -6,10 +6,24 @@ and prints both speeds.
 
 from __future__ import annotations
 
+import argparse
+
 from .. import cli
 from ..data.tasks import corpus
 from ..io.checkpoint import load_tokenizer
 from ..io.tokenizer import bench
+
+# The largest --kbytes: the pure-Python encoder reads about 0.3 MB/s and runs three times, so 10 MB already
+# takes minutes (and the two encodings' token lists hold a few hundred MB); a larger text only takes longer.
+MAX_KBYTES = 10_000
+
+
+def kbytes(text: str) -> int:
+    """``--kbytes``: a positive integer, at most ``MAX_KBYTES``."""
+    value = cli.positive_int(text)
+    if value > MAX_KBYTES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_KBYTES} (10 MB), got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,8 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", default="retrieval-llama",
                     help="bundled checkpoint name or nanollm checkpoint folder whose BPE tokenizer to use "
                          "(default %(default)s)")
-    ap.add_argument("--kbytes", type=cli.positive_int, default=200,
-                    help="size of the benchmark text in kilobytes (1 KB = 1000 bytes; default %(default)s)")
+    ap.add_argument("--kbytes", type=kbytes, default=200,
+                    help=f"size of the benchmark text in kilobytes, at most {MAX_KBYTES} (1 KB = 1000 bytes; "
+                         "default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the generated text (default %(default)s)")
     args = ap.parse_args(argv)
     with cli.errors(args.debug):

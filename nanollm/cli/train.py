@@ -187,10 +187,7 @@ def check_run_folder(out: str | Path, cfg: TrainConfig, resume: bool = False, fo
         raise ValueError(f"--out {out} already holds a training run ({', '.join(found)}): continue it with "
                          "--resume, start it over with --force, or give another --out")
     if resume and (out / "train_config.json").exists():
-        try:
-            saved = json.loads((out / "train_config.json").read_text())
-        except ValueError as e:
-            raise ValueError(f"cannot read {out / 'train_config.json'}: {e}") from e
+        saved = files.read_json(out / "train_config.json", "training recipe file")
         now = json.loads(json.dumps(dataclasses.asdict(cfg)))
         if saved != now:
             raise ValueError(f"--resume: the run in {out} has another recipe than this command, in "
@@ -207,10 +204,22 @@ def check_init(init: str, cfg: TrainConfig) -> None:
                          f"{config_diff(have.to_dict(), need.to_dict())} (checkpoint vs recipe)")
 
 
+def saved_state(path: Path, mcfg, device: str) -> dict:
+    """The state.pt of a run being resumed (``checkpoint.load_run_state``), its weights checked against the
+    recipe's model (names and shapes) and for finite values: a broken state is one line, before any work."""
+    from ..checks import check_finite_weights
+    from ..io.checkpoint import load_run_state
+    from ..io.hf import check_state
+    st = load_run_state(path, device)
+    check_state(mcfg, st["model"], path)
+    check_finite_weights(st["model"], path)
+    return st
+
+
 def _log_lines_until(path: Path, step: int) -> list[str]:
     """The lines of a run's log up to ``step`` (a resumed run repeats the steps after its last save)."""
     lines = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in files.read_text(path, "training log", None).splitlines() if path.exists() else []:
         try:
             if json.loads(line)["step"] <= step:
                 lines.append(line + "\n")
@@ -232,6 +241,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
     out = Path(out_dir)
     check_run_folder(out, cfg, resume, force)
     resuming = resume and (out / "state.pt").exists()
+    mcfg = preset(cfg.preset, **cfg.model_overrides)
+    saved = saved_state(out / "state.pt", mcfg, device) if resuming else None     # broken: fail now
     if init is not None and not resuming:
         check_init(init, cfg)
     if force:
@@ -239,7 +250,6 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
             (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    mcfg = preset(cfg.preset, **cfg.model_overrides)
     tok_path = out / "tokenizer.json"
     if resume and tok_path.exists():
         tok = Tokenizer.load(tok_path)
@@ -266,11 +276,13 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
             make_sample(name, tok, lo, seed=0, **options)
     state_path = out / "state.pt"
     step, stage, stage_start, elapsed = 0, 0, 0, 0.0
-    if resuming:
-        st = torch.load(state_path, map_location=device, weights_only=True)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        step, stage, stage_start, elapsed = st["step"], st["stage"], st["stage_start"], st["elapsed"]
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        try:
+            opt.load_state_dict(saved["opt"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{state_path}: opt does not fit the optimizer: {str(e)[:200]}") from None
+        step, stage, stage_start, elapsed = (saved[k] for k in ("step", "stage", "stage_start", "elapsed"))
     files.atomic_write_text(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
     # the log keeps the steps of the saved state; a resumed run writes the steps after it again
     files.atomic_write_text(out / "log.jsonl", "".join(_log_lines_until(out / "log.jsonl", step)))
@@ -357,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="seed of the data, the init and the tokenizer (default: the recipe's, 0)")
     ap.add_argument("--device", type=cli.device, default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu or cuda (default: cuda when available, else cpu)")
-    ap.add_argument("--threads", type=cli.positive_int, default=None,
+    ap.add_argument("--threads", type=cli.threads_or_workers, default=None,
                     help="torch intra-op threads on CPU (default: torch's choice)")
     ap.add_argument("--init", default=None, metavar="CHECKPOINT",
                     help="start from this checkpoint's weights and tokenizer (bundled name or folder; its model "

@@ -18,6 +18,13 @@ nothing is downloaded at run time), and returns ``(model, tokenizer, card)``. ``
 
 Every file is written atomically (``files.atomic_open``): a failed save leaves the previous file, never half
 of one.
+
+A folder may come from anywhere, so reading one is checked before anything is built: every file must be a
+regular file (``files.open_data_file``), the JSON files objects of the expected fields and types (an
+``attention`` from ``FILE_ATTENTION``, never an import path), the weights file's tensors, by name and
+shape from its header, those of the config's model (``hf.check_state``), and every weight finite. A training
+run's ``state.pt`` is read by ``load_run_state`` alone: ``torch.load(weights_only=True)``, whose failures
+become one line naming the file.
 """
 
 from __future__ import annotations
@@ -26,11 +33,15 @@ import json
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
+from ..attention import ATTENTION
+from ..checks import check_finite_weights, is_int
 from ..config import ModelConfig
 from ..model import Transformer
 from . import fetch, safetensors
-from .files import atomic_write_text
+from .files import atomic_write_text, open_data_file, read_json
+from .hf import check_state, config_from_hf, meta_tensors, model_from_state
 from .tokenizer import Tokenizer
 
 BUNDLED_DIR = Path(__file__).parent.parent / "checkpoints"      # nanollm/checkpoints/
@@ -95,25 +106,71 @@ def is_run(folder: str | Path) -> bool:
     return (Path(folder) / "state.pt").is_file()
 
 
+# The attention modules a config read from a file may name: the project's own, by fixed names. A config file
+# is data: were "evil_mod:X" allowed, a downloaded checkpoint would run the evil_mod.py beside it. (Code that
+# builds a ModelConfig may still name a module of its own, and a name code registers in attention.ATTENTION
+# counts too.)
+FILE_ATTENTION = ("causal", "methods.tensor_attention:TensorAttention")
+
+
+def config_from_file(d, path) -> ModelConfig:
+    """The ModelConfig of a JSON object read from ``path`` (``ModelConfig.from_dict``), with an ``attention``
+    from ``FILE_ATTENTION`` or ``attention.ATTENTION`` only, or a ValueError naming the file and the field."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: a model config must be an object of ModelConfig fields, got {type(d).__name__}")
+    allowed = tuple(dict.fromkeys([*FILE_ATTENTION, *ATTENTION]))
+    if "attention" in d and d["attention"] not in allowed:
+        raise ValueError(f"{path}: attention {d['attention']!r:.100} is not one of the project's attention modules "
+                         f"({', '.join(map(repr, allowed))}); a config file names one, never code to import")
+    try:
+        return ModelConfig.from_dict(d)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig in a checkpoint's ``nanollm_config.json``."""
+    return config_from_file(read_json(path, "config file"), path)
+
+
+# What nanollm.cli.train saves in state.pt, and the type of each
+RUN_STATE = {"model": dict, "opt": dict, "model_config": dict, "step": int, "stage": int, "stage_start": int,
+             "elapsed": (int, float)}
+
+
+def load_run_state(path: str | Path, device: str | torch.device = "cpu") -> dict:
+    """A training run's ``state.pt``: ``torch.load(weights_only=True)``, which unpickles tensors and plain
+    containers only (a crafted pickle runs no code), then checked to be the dict ``nanollm.cli.train`` saves.
+    Any failure (a crafted pickle, garbage, an empty file, a missing field) is one ValueError naming the file.
+    Every reader of a state.pt goes through here: ``load_config``, ``export_run``, ``nanollm.cli.card`` and
+    ``nanollm.cli.train --resume``."""
+    with open_data_file(path, "training state") as f:
+        st = safetensors.torch_load(f, path, device)
+    if not isinstance(st, dict):
+        raise ValueError(f"{path}: expected the dict nanollm.cli.train saves, got {type(st).__name__}")
+    for key, kind in RUN_STATE.items():
+        value = st.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"{path}: {key} must be {getattr(kind, '__name__', 'a number')}, got {value!r:.100}")
+    if not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in st["model"].items()):
+        raise ValueError(f"{path}: model must map parameter names to tensors")
+    return st
+
+
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """The ModelConfig of a checkpoint, training run or Hugging Face folder, without loading the weights."""
     folder = resolve(name_or_path)
     if is_gguf(folder):
         from . import gguf
-        from .hf import config_from_hf
-        return config_from_hf(gguf.hf_config(gguf.read_gguf(folder)))
+        return config_from_hf(gguf.hf_config(gguf.read_gguf(folder)), folder)
     if is_checkpoint(folder):
-        path = folder / "nanollm_config.json"
-        try:
-            return ModelConfig.from_dict(json.loads(path.read_text()))
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"cannot read {path}: {e}") from e
+        return read_config(folder / "nanollm_config.json")
     if is_run(folder):
-        st = torch.load(folder / "state.pt", map_location="cpu", weights_only=True, mmap=True)
-        return ModelConfig.from_dict(st["model_config"])
-    from .hf import config_from_hf, is_hf_folder, read_hf_config
+        path = folder / "state.pt"
+        return config_from_file(load_run_state(path)["model_config"], path)
+    from .hf import is_hf_folder, read_hf_config
     if is_hf_folder(folder):
-        return config_from_hf(read_hf_config(folder))
+        return config_from_hf(read_hf_config(folder), folder / "config.json")
     raise ValueError(_not_a_checkpoint(folder))
 
 
@@ -134,6 +191,44 @@ def load_tokenizer(name_or_path: str | Path):
     raise ValueError(_not_a_checkpoint(folder))
 
 
+MAX_SAMPLES = 10_000      # samples per task, length and mode: a card's default_samples, card --samples
+# The fields of card.json that the code reads, and what each must be (a card may hold others)
+CARD_TEXT = ("name", "summary", "tokenizer", "train_command", "training_notes", "hardware", "eval_command",
+             "limitations", "source", "file")
+CARD_COUNTS = {"steps": (0, None), "n_params": (0, None), "eval_seed": (0, None), "default_length": (1, None),
+               "n_samples": (1, MAX_SAMPLES), "default_samples": (1, MAX_SAMPLES)}
+CARD_OBJECTS = ("model_config", "config")
+
+
+def check_card(card, path) -> dict:
+    """A model card read from ``path``: an object whose known fields have their types (``CARD_TEXT`` strings,
+    ``CARD_COUNTS`` integers in range, ``CARD_OBJECTS`` objects, ``default_suite`` a list of task names,
+    ``wall_time_s`` a number >= 0). ``methods.compare`` runs ``default_samples`` samples per task and mode, so
+    that is capped at ``MAX_SAMPLES``."""
+    from ..data.tasks import ALL_TASKS
+
+    def fail(key, expected):
+        raise ValueError(f"{path}: {key} must be {expected}, got {card[key]!r:.100}")
+    if not isinstance(card, dict):
+        raise ValueError(f"{path}: a model card must be a JSON object, got {type(card).__name__}")
+    for key in CARD_TEXT:
+        if key in card and not isinstance(card[key], str):
+            fail(key, "a string")
+    for key, (low, high) in CARD_COUNTS.items():
+        if key in card and not (is_int(card[key]) and card[key] >= low and (high is None or card[key] <= high)):
+            fail(key, f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]")
+    for key in CARD_OBJECTS:
+        if key in card and not isinstance(card[key], dict):
+            fail(key, "an object")
+    if "default_suite" in card and not (isinstance(card["default_suite"], list)
+                                        and all(t in ALL_TASKS for t in card["default_suite"])):
+        fail("default_suite", f"a list of task names ({', '.join(ALL_TASKS)})")
+    wall = card.get("wall_time_s", 0)
+    if not isinstance(wall, (int, float)) or isinstance(wall, bool) or not 0 <= wall < float("inf"):
+        fail("wall_time_s", "a number >= 0")
+    return card
+
+
 def load_card(name_or_path: str | Path) -> dict:
     """The card of a checkpoint (``{}`` if it has none; a Hugging Face folder gives its source and config)."""
     folder = resolve(name_or_path)
@@ -142,10 +237,7 @@ def load_card(name_or_path: str | Path) -> dict:
         return gguf_card(folder, gguf.hf_config(gguf.read_gguf(folder)))
     if is_checkpoint(folder):
         path = folder / "card.json"
-        try:
-            return json.loads(path.read_text()) if path.exists() else {}
-        except ValueError as e:
-            raise ValueError(f"cannot read {path}: {e}") from e
+        return check_card(read_json(path, "model card"), path) if path.exists() else {}
     from .hf import is_hf_folder, read_hf_config
     if is_hf_folder(folder):
         return {"source": "huggingface", "config": read_hf_config(folder)}
@@ -168,30 +260,24 @@ def load_nanollm(folder: str | Path, device: str = "cpu") -> tuple[Transformer, 
 
 
 def load_model(folder: str | Path, device: str = "cpu") -> Transformer:
-    """The model of a nanollm checkpoint folder (config and weights, checked against each other), in eval
-    mode; the tokenizer and card are not read."""
+    """The model of a nanollm checkpoint folder, in eval mode; the tokenizer and card are not read. The
+    weights file's tensors are checked against the config on its header (names and shapes) before any data
+    is read or anything built, then for finite values."""
     folder = Path(folder)
     for f in ("nanollm_config.json", "model.safetensors"):
         if not (folder / f).exists():
             raise ValueError(f"checkpoint folder {folder} has no {f}")
-    try:
-        config = ModelConfig.from_dict(json.loads((folder / "nanollm_config.json").read_text()))
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"cannot read {folder / 'nanollm_config.json'}: {e}") from e
-    state = safetensors.load_file(folder / "model.safetensors")      # raises SafetensorsError if corrupt
-    model = Transformer(config)
-    if config.tie_embeddings:
-        state["lm_head.weight"] = state.get("tok_emb.weight")
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(state)
-                   if state[k] is not None and tuple(state[k].shape) != tuple(expected[k].shape))
-    if missing or unexpected or wrong:
-        raise ValueError(f"checkpoint {folder} does not match its config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}")
-    model.load_state_dict(state)
-    return model.to(device).eval()
+    config = read_config(folder / "nanollm_config.json")
+    path = folder / "model.safetensors"
+    check_state(config, _with_tied_head(meta_tensors(safetensors.read_header(path)[0]), config), path)
+    state = safetensors.load_file(path)
+    check_finite_weights(state, path)
+    return model_from_state(config, _with_tied_head(state, config), torch.float32, what=str(path)).to(device)
+
+
+def _with_tied_head(state: dict, config: ModelConfig) -> dict:
+    """A saved state dict with the tied lm_head (which ``save`` leaves out) put back."""
+    return {**state, "lm_head.weight": state.get("tok_emb.weight")} if config.tie_embeddings else state
 
 
 class EncodingTokenizer:
@@ -223,9 +309,13 @@ class EncodingTokenizer:
 def hf_tokenizer(folder: Path, hf_config: dict) -> EncodingTokenizer | None:
     """The tokenizer files of a Hugging Face folder, else tiktoken's cached ``gpt2`` for GPT-2, else None.
 
-    The end-of-text id is the config's ``eos_token_id`` (the first, if a list), else ``<|endoftext|>``.
+    The end-of-text id is the config's ``eos_token_id`` (the first, if a list), else ``<|endoftext|>``; it and
+    ``vocab_size`` are checked first (an error naming config.json and the field).
     """
-    from .hf_tokenizer import load_hf_tokenizer, tiktoken_gpt2
+    from .hf import Fields
+    from .hf_tokenizer import MAX_ID, load_hf_tokenizer, tiktoken_gpt2
+    fields = Fields(hf_config, Path(folder) / "config.json")
+    fields.token_ids("eos_token_id", fields.integer("vocab_size", None) or MAX_ID)
     enc = load_hf_tokenizer(folder)
     if enc is None and hf_config.get("model_type") == "gpt2":
         try:
@@ -263,13 +353,14 @@ def gguf_card(path: str | Path, hf_config: dict) -> dict:
 def load_gguf(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(model, tokenizer, card) from a GGUF file: its weights dequantized to ``dtype`` (``gguf.py``)."""
     from . import gguf
-    from .hf import config_from_hf, model_from_state, state_from_hf
+    from .hf import state_from_hf
     g = gguf.read_gguf(path)                      # raises ValueError for a corrupt or unsupported file
     hf_config = gguf.hf_config(g)
-    config = config_from_hf(hf_config)
+    config = config_from_hf(hf_config, path)
     config.extra["source"] = str(Path(path).resolve())
     tokenizer = gguf_tokenizer(g)                 # every metadata check before the tensors are read
-    state = state_from_hf(gguf.load_tensors(g), config)
+    check_state(config, state_from_hf(gguf.meta_tensors(g), config, path), path)    # the header's shapes
+    state = state_from_hf(gguf.load_tensors(g), config, path)
     model = model_from_state(config, state, dtype, what=str(path)).to(device)
     return model, tokenizer, gguf_card(path, hf_config)
 
@@ -298,7 +389,9 @@ def load(name_or_path: str | Path, device: str = "cpu", dtype: torch.dtype = tor
 def export_run(run_dir: str | Path, out_dir: str | Path, card: dict | None = None) -> None:
     """Turn a training run folder (state.pt + tokenizer.json) into a checkpoint folder."""
     run = Path(run_dir)
-    st = torch.load(run / "state.pt", map_location="cpu", weights_only=True)
-    model = Transformer(ModelConfig.from_dict(st["model_config"]))
-    model.load_state_dict(st["model"])
+    path = run / "state.pt"
+    st = load_run_state(path)
+    config = config_from_file(st["model_config"], path)
+    check_finite_weights(st["model"], path)
+    model = model_from_state(config, st["model"], torch.float32, what=str(path))
     save(model, Tokenizer.load(run / "tokenizer.json"), out_dir, card)

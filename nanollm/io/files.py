@@ -1,15 +1,24 @@
 """
-Files written atomically: ``atomic_open``, ``atomic_write_bytes``, ``atomic_write_text``.
+Files written atomically: ``atomic_open``, ``atomic_write_bytes``, ``atomic_write_text``; files read safely:
+``open_data_file``, ``read_text``, ``read_json``.
 
 Each writes to a temporary file in the same folder, flushes it to disk, then ``os.replace``-s it onto the
 target. The rename is atomic, so a failure part-way (a full disk, a crash, Ctrl-C) leaves the previous file,
 or none, never half of one. Every file the project writes (checkpoints, tokenizers, results, figures) goes
 through here.
+
+Every data file a loader reads (configs, cards, tokenizers, weights, training states) is opened through
+``open_data_file``: it must be a regular file once its links are followed, and at most a size that suits its
+kind. A FIFO named ``model.safetensors`` would block the read forever, and a ``tokenizer.json`` linked to
+``/dev/zero`` would be read until memory runs out; both are refused, in one line that names the file, before a
+byte is read. ``read_json`` also turns JSON nested too deeply for Python's parser into such a line.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,3 +78,57 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_open(path, "w") as f:
         f.write(text)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading
+
+MB = 1 << 20
+MAX_JSON_MB = 64       # a JSON file read whole (config, card, tokenizer, index): the largest real ones, tokenizer
+                       # files of 250k-token vocabularies, are about 35 MB
+
+
+def open_data_file(path: str | Path, kind: str, max_mb: float | None = None):
+    """``path`` opened for binary reading, after checking that it is a regular file (links followed) of at most
+    ``max_mb`` MB (no limit if None); ``kind`` ("tokenizer file") is what the error calls it.
+
+    It is opened without blocking and checked through the open descriptor, so a FIFO cannot stall the open and
+    the file checked is the file read.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path}: not a regular file (a {kind} must be one)")
+        if max_mb is not None and info.st_size > max_mb * MB:
+            raise ValueError(f"{path}: is {info.st_size / MB:,.1f} MB, more than the {max_mb:g} MB a {kind} may be")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_text(path: str | Path, kind: str, max_mb: float | None = MAX_JSON_MB) -> str:
+    """A UTF-8 text file's content (``open_data_file``'s checks first); a ValueError naming the file if not UTF-8."""
+    with open_data_file(path, kind, max_mb) as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def read_json(path: str | Path, kind: str, max_mb: float | None = MAX_JSON_MB):
+    """A JSON file's value, or a one-line ValueError naming the file: not a regular file, too large, not UTF-8,
+    empty, malformed, or nested deeper than Python's parser goes (a RecursionError otherwise)."""
+    text = read_text(path, kind, max_mb)
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty, expected JSON")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to be a {kind}") from None

@@ -78,7 +78,8 @@ merging, so the neighbours of one of the six control characters may merge differ
 
 **Errors.** Everything wrong with a file (wrong magic, unsupported version, truncation anywhere, unknown
 value or tensor types, counts and lengths that cannot fit in the file, misaligned or overlapping tensors,
-tensors past the end) raises :class:`GGUFError`, a ``ValueError`` whose one-line message names the file. Each
+tensors past the end, a tensor holding NaN or infinite values) raises :class:`GGUFError`, a ``ValueError``
+whose one-line message names the file; so does the plain ValueError for a path that is not a regular file. Each
 length is checked against the bytes left in the file *before* anything is allocated (and metadata arrays
 against :data:`MAX_ARRAY_LENGTH`), so a corrupt length cannot make us allocate gigabytes; the whole header
 is validated before a tensor is read.
@@ -104,7 +105,8 @@ import tiktoken
 import torch
 from torch import Tensor
 
-from ..checks import is_int
+from ..checks import check_finite_weights, is_int
+from .files import open_data_file
 from .hf_tokenizer import GPT2_PATTERN, _encoding, mergeable_ranks
 
 if sys.byteorder != "little":      # the data is little-endian; we reinterpret its bytes without swapping
@@ -321,11 +323,12 @@ def _parse(buf, where: str) -> tuple[int, dict, dict[str, TensorInfo], int, int]
 def read_gguf(path: str | os.PathLike) -> GGUF:
     """Read and validate a GGUF file's header (metadata and tensor infos); tensor data is not read."""
     path = os.fspath(path)
-    size = os.path.getsize(path)
-    if size < 24:                                # magic, version and the two counts; mmap refuses empty files
-        raise GGUFError(f"{path}: {size} bytes is too short for a GGUF file (the fixed header alone is 24)")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        version, metadata, tensors, alignment, data_start = _parse(buf, path)
+    with open_data_file(path, "GGUF file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:                            # magic, version and the two counts; mmap refuses empty files
+            raise GGUFError(f"{path}: {size} bytes is too short for a GGUF file (the fixed header alone is 24)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            version, metadata, tensors, alignment, data_start = _parse(buf, path)
     return GGUF(path, version, metadata, tensors, alignment, data_start)
 
 
@@ -407,16 +410,21 @@ def _read(f, gguf: GGUF, info: TensorInfo) -> Tensor:
     if len(raw) != info.nbytes:                              # the file shrank since read_gguf
         raise GGUFError(f"{gguf.path}: tensor {info.name!r} is truncated")
     try:
-        return dequantize(raw, info.ggml_type, info.shape)
+        values = dequantize(raw, info.ggml_type, info.shape)
     except GGUFError as e:
         raise GGUFError(f"{gguf.path}: tensor {info.name!r}: {e}") from None
+    try:
+        check_finite_weights({info.name: values}, gguf.path)
+    except ValueError as e:                                 # broken weights: a broken file
+        raise GGUFError(str(e)) from None
+    return values
 
 
 def read_tensor(gguf: GGUF, name: str) -> Tensor:
     """One tensor, dequantized to float32, under its GGUF name and in the file's layout (torch-order shape)."""
     if name not in gguf.tensors:
         raise KeyError(f"{gguf.path} has no tensor {name!r}")
-    with open(gguf.path, "rb") as f:
+    with open_data_file(gguf.path, "GGUF file") as f:
         return _read(f, gguf, gguf.tensors[name])
 
 
@@ -527,17 +535,29 @@ def hf_config(gguf: GGUF) -> dict:
     }
 
 
+def _check_names(gguf: GGUF) -> None:
+    unknown = [name for name in gguf.tensors if hf_name(name) is None]
+    if unknown:
+        raise GGUFError(f"{gguf.path}: tensors with no Hugging Face Llama counterpart: {unknown[:8]}")
+
+
+def meta_tensors(gguf: GGUF) -> dict[str, Tensor]:
+    """What ``load_tensors`` returns, as meta tensors (shapes only, no data read): for checking the header's
+    tensors against the model the metadata describes before a byte of data is read."""
+    _check_llama(gguf)
+    _check_names(gguf)
+    return {hf_name(name): torch.empty(info.shape, device="meta") for name, info in gguf.tensors.items()}
+
+
 def load_tensors(gguf: GGUF, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """Every tensor of a Llama GGUF, dequantized, in ``dtype``, under Hugging Face names and layouts
     (q_proj and k_proj rows un-permuted), ready for ``hf.state_from_hf``."""
     _check_llama(gguf)
     n_head = _meta(gguf, "llama.attention.head_count")
     n_kv_head = _meta(gguf, "llama.attention.head_count_kv", n_head)
-    unknown = [name for name in gguf.tensors if hf_name(name) is None]
-    if unknown:
-        raise GGUFError(f"{gguf.path}: tensors with no Hugging Face Llama counterpart: {unknown[:8]}")
+    _check_names(gguf)
     out = {}
-    with open(gguf.path, "rb") as f:
+    with open_data_file(gguf.path, "GGUF file") as f:
         for name, info in gguf.tensors.items():
             w = _read(f, gguf, info)                                     # (out, in) or (dim,)
             if name.endswith((".attn_q.weight", ".attn_k.weight")):

@@ -32,6 +32,12 @@ order. Llama's q/k weights need no permutation: nanollm's RoPE uses the same "ro
 
     model, hf_config = load_hf("path/to/TinyLlama-1.1B")          # float32 on CPU by default
     export_hf(model, "out/")     # out/config.json + out/model.safetensors, loadable by transformers
+
+A folder is data, so everything in it is checked before a model is built: each ``config.json`` field for its
+type and range (``"hidden_size": "128"`` or ``"num_attention_heads": 0`` is an error naming the file and the
+field), and the tensors the weight files' headers list against the model the config describes, by name and
+shape (``check_state`` on meta tensors, which hold no data), so that a config cannot make us build more than
+its weights file holds. Non-finite weights are refused as they are read.
 """
 
 from __future__ import annotations
@@ -43,10 +49,11 @@ import torch
 from torch import Tensor
 
 from ..attention import rope_inv_freq
+from ..checks import LLAMA3_SCALING, check_finite_weights, check_rope_scaling, is_int
 from ..config import ModelConfig
 from ..model import Transformer
-from .files import atomic_write_text
-from .safetensors import load_file, load_sharded, load_torch_bin, read_header, save_file
+from .files import atomic_write_text, read_json
+from .safetensors import DTYPES, load_file, load_sharded, load_torch_bin, read_header, save_file, shards
 
 # model_type -> architectures we can build; anything else raises a clear error
 SUPPORTED = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"),
@@ -65,15 +72,44 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
             and any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES))
 
 
-def load_weights(folder: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Tensor]:
-    """The raw Hugging Face state dict of a folder, from whichever weight file it has."""
+def weight_file(folder: str | os.PathLike) -> str:
+    """The path of the folder's weight file (or index), the first of ``WEIGHT_FILES`` it has."""
     for name in WEIGHT_FILES:
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            if name.endswith(".index.json"):
-                return load_sharded(path, device)
-            return load_file(path, device) if name.endswith(".safetensors") else load_torch_bin(path, device)
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
     raise FileNotFoundError(f"{folder}: no weights found; expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def load_weights(folder: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """The raw Hugging Face state dict of a folder, from whichever weight file it has; every weight finite."""
+    path = weight_file(folder)
+    if path.endswith(".index.json"):
+        sd = load_sharded(path, device)
+    else:
+        sd = load_file(path, device) if path.endswith(".safetensors") else load_torch_bin(path, device)
+    check_finite_weights(sd, path)
+    return sd
+
+
+def meta_tensors(header: dict) -> dict[str, Tensor]:
+    """Tensors on the meta device (a shape and a dtype, no data) for a safetensors header's entries."""
+    return {name: torch.empty(info["shape"], dtype=DTYPES[info["dtype"]], device="meta")
+            for name, info in header.items()}
+
+
+def stored_tensors(folder: str | os.PathLike) -> dict[str, Tensor] | None:
+    """The folder's tensors as meta tensors, from the safetensors headers alone (no data is read); None for
+    pickled ``.bin`` weights, whose shapes are known only once they are loaded."""
+    path = weight_file(folder)
+    if path.endswith(".safetensors"):
+        return meta_tensors(read_header(path)[0])
+    if path.endswith(".safetensors.index.json"):
+        weight_map, paths = shards(path)
+        out = {}
+        for shard in paths:
+            out.update(meta_tensors(read_header(shard)[0]))
+        return {name: t for name, t in out.items() if name in weight_map}
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -82,95 +118,160 @@ def load_weights(folder: str | os.PathLike, device: str | torch.device = "cpu") 
 def read_hf_config(folder: str | os.PathLike) -> dict:
     """The ``config.json`` of a Hugging Face folder as a dict; a clear error naming the file if it is broken."""
     path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
+    cfg = read_json(path, "config file")
     if not isinstance(cfg, dict):
         raise ValueError(f"cannot read {path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg
 
 
-def _need(cfg: dict, key: str):
-    if key not in cfg:
-        raise ValueError(f"config.json lacks the field {key!r} needed for model_type {cfg.get('model_type')!r}")
-    return cfg[key]
+_REQUIRED = object()
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
+class Fields:
+    """The fields of a ``config.json`` dict, each checked as it is read: a wrong type or range is a ValueError
+    that names the file (``where``) and the field. (Unchecked, ``"hidden_size": "128"`` fails deep in the
+    model, ``"num_attention_heads": 0`` divides by zero, and ``"tie_word_embeddings": "no"`` is true.)"""
+
+    def __init__(self, cfg: dict, where) -> None:
+        self.cfg, self.where = cfg, where
+
+    def fail(self, key: str, value, expected: str):
+        raise ValueError(f"{self.where}: {key} must be {expected}, got {value!r:.100}")
+
+    def get(self, key: str, default=_REQUIRED):
+        """The field's value; ``default`` when it is absent or null (an error if there is no default)."""
+        if self.cfg.get(key) is not None:
+            return self.cfg[key]
+        if default is _REQUIRED:
+            raise ValueError(f"{self.where}: lacks the field {key!r} needed for model_type "
+                             f"{self.cfg.get('model_type')!r}")
+        return default
+
+    def integer(self, key: str, default=_REQUIRED, low: int = 1) -> int:
+        value = self.get(key, default)
+        if value is not None and (not is_int(value) or value < low):
+            self.fail(key, value, f"an integer >= {low}")
+        return value
+
+    def number(self, key: str, default=_REQUIRED) -> float:
+        value = self.get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            self.fail(key, value, "a positive finite number")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            self.fail(key, value, "true or false")
+        return value
+
+    def text(self, key: str, default=_REQUIRED) -> str:
+        value = self.get(key, default)
+        if value is not None and not isinstance(value, str):
+            self.fail(key, value, "a string")
+        return value
+
+    def token_ids(self, key: str, vocab: int):
+        """bos / eos: absent, or a token id below ``vocab``, or a non-empty list of them."""
+        value = self.get(key, None)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not (ids and all(is_int(i) and 0 <= i < vocab for i in ids)):
+            self.fail(key, value, f"a token id in [0, {vocab}) or a non-empty list of them")
+        return value
+
+
+def _rope(f: Fields) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from the legacy fields or from transformers 5's ``rope_parameters``."""
-    params = cfg.get("rope_parameters")
+    params = f.get("rope_parameters", None)
     if params is not None:
         if not isinstance(params, dict) or not isinstance(params.get("rope_type", ""), str):
-            raise ValueError(f"rope_parameters {params!r} not supported: expected one flat dict")
-        theta, scaling = params.get("rope_theta", cfg.get("rope_theta", 10000.0)), params
+            raise ValueError(f"{f.where}: rope_parameters {params!r:.100} not supported: expected one flat dict")
+        theta = Fields(params, f.where).number("rope_theta", f.number("rope_theta", 10000.0))
+        scaling = params
     else:
-        theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
+        theta, scaling = f.number("rope_theta", 10000.0), f.get("rope_scaling", None)
+    if scaling is not None and not isinstance(scaling, dict):
+        f.fail("rope_scaling", scaling, "an object or null")
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
-        return float(theta), None
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: 'llama3' (or none)")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in scaling]
+        return theta, None
+    missing = [k for k in LLAMA3_SCALING if k not in scaling] if kind == "llama3" else []
     if missing:
-        raise ValueError(f"llama3 rope_scaling lacks {missing}")
-    return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+        raise ValueError(f"{f.where}: llama3 rope_scaling lacks {missing}")
+    scaling = {"rope_type": "llama3", **{k: scaling[k] for k in LLAMA3_SCALING}} if kind == "llama3" else scaling
+    try:
+        check_rope_scaling(scaling)
+    except ValueError as e:
+        raise ValueError(f"{f.where}: {e}") from None
+    return theta, scaling
 
 
-def config_from_hf(cfg: dict) -> ModelConfig:
-    """A nanollm ModelConfig from a Hugging Face ``config.json`` dict, or a clear error if unsupported."""
-    model_type = cfg.get("model_type")
+def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
+    """A nanollm ModelConfig from a Hugging Face ``config.json`` dict, or a clear error naming ``where`` (the
+    file) and the field if it is unsupported or holds a value of the wrong type or range."""
+    f = Fields(cfg, where)
+    model_type = f.text("model_type", None)
     if model_type not in SUPPORTED:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
-    for arch in cfg.get("architectures") or []:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    architectures = f.get("architectures", [])
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        f.fail("architectures", architectures, "a list of strings")
+    for arch in architectures:
         if arch not in SUPPORTED[model_type]:
-            raise ValueError(f"architecture {arch!r} is not supported for model_type {model_type!r}; "
+            raise ValueError(f"{where}: architecture {arch!r} is not supported for model_type {model_type!r}; "
                              f"supported: {', '.join(SUPPORTED[model_type])}")
-    extra = {"hf_model_type": model_type}
+    try:
+        return _gpt2_config(f) if model_type == "gpt2" else _llama_config(f)
+    except ValueError as e:              # ModelConfig's own checks (whole head groups, ...): name the file
+        raise ValueError(str(e) if str(e).startswith(f"{where}:") else f"{where}: {e}") from None
+
+
+def _extra(f: Fields, vocab: int) -> dict:
+    extra = {"hf_model_type": f.cfg["model_type"]}
     for key in ("bos_token_id", "eos_token_id"):
-        if cfg.get(key) is not None:
-            extra[key] = cfg[key]
+        if f.token_ids(key, vocab) is not None:
+            extra[key] = f.cfg[key]
+    return extra
 
-    if model_type == "gpt2":
-        act = cfg.get("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"GPT-2 activation_function {act!r} is not supported; nanollm uses the tanh "
-                             "GELU ('gelu_new')")
-        if not cfg.get("scale_attn_weights", True) or cfg.get("scale_attn_by_inverse_layer_idx", False) \
-                or cfg.get("add_cross_attention", False):
-            raise ValueError("GPT-2 variants with scale_attn_weights=false, scale_attn_by_inverse_layer_idx "
-                             "or cross-attention are not supported")
-        n_embd = _need(cfg, "n_embd")
-        return ModelConfig(
-            flavour="gpt2", vocab_size=_need(cfg, "vocab_size"), n_layer=_need(cfg, "n_layer"),
-            n_head=_need(cfg, "n_head"), n_kv_head=_need(cfg, "n_head"), d_model=n_embd,
-            d_ff=cfg.get("n_inner") or 4 * n_embd, max_seq_len=_need(cfg, "n_positions"),
-            norm_eps=cfg.get("layer_norm_epsilon", 1e-5), tie_embeddings=cfg.get("tie_word_embeddings", True),
-            bias=True, extra=extra)
 
-    # Llama family
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported; Llama models use 'silu'")
-    window = cfg.get("sliding_window")
-    if window is not None and window < cfg.get("max_position_embeddings", 0):
+def _gpt2_config(f: Fields) -> ModelConfig:
+    act = f.text("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"GPT-2 activation_function {act!r} is not supported; nanollm uses the tanh "
+                         "GELU ('gelu_new')")
+    if not f.flag("scale_attn_weights", True) or f.flag("scale_attn_by_inverse_layer_idx", False) \
+            or f.flag("add_cross_attention", False):
+        raise ValueError("GPT-2 variants with scale_attn_weights=false, scale_attn_by_inverse_layer_idx "
+                         "or cross-attention are not supported")
+    n_embd, n_head, vocab = f.integer("n_embd"), f.integer("n_head"), f.integer("vocab_size")
+    return ModelConfig(
+        flavour="gpt2", vocab_size=vocab, n_layer=f.integer("n_layer"), n_head=n_head, n_kv_head=n_head,
+        d_model=n_embd, d_ff=f.integer("n_inner", 4 * n_embd), max_seq_len=f.integer("n_positions"),
+        norm_eps=f.number("layer_norm_epsilon", 1e-5), tie_embeddings=f.flag("tie_word_embeddings", True),
+        bias=True, extra=_extra(f, vocab))
+
+
+def _llama_config(f: Fields) -> ModelConfig:
+    if f.text("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {f.cfg['hidden_act']!r} is not supported; Llama models use 'silu'")
+    window = f.integer("sliding_window", None, low=0)
+    max_pos = f.integer("max_position_embeddings", 2048)
+    if window is not None and window < max_pos:
         raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
-    attn_bias, mlp_bias = cfg.get("attention_bias", False), cfg.get("mlp_bias", False)
+    attn_bias, mlp_bias = f.flag("attention_bias", False), f.flag("mlp_bias", False)
     if attn_bias != mlp_bias:
         raise ValueError(f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported: nanollm "
                          "has biases in every linear layer or in none")
-    d_model, n_head = _need(cfg, "hidden_size"), _need(cfg, "num_attention_heads")
-    if cfg.get("head_dim") not in (None, d_model // n_head):
-        raise ValueError(f"head_dim={cfg['head_dim']} != hidden_size / num_attention_heads = "
+    d_model, n_head, vocab = f.integer("hidden_size"), f.integer("num_attention_heads"), f.integer("vocab_size")
+    if f.integer("head_dim", None) not in (None, d_model // n_head):
+        raise ValueError(f"head_dim={f.cfg['head_dim']} != hidden_size / num_attention_heads = "
                          f"{d_model // n_head} is not supported")
-    theta, scaling = _rope(cfg)
+    theta, scaling = _rope(f)
     return ModelConfig(
-        flavour="llama", vocab_size=_need(cfg, "vocab_size"), n_layer=_need(cfg, "num_hidden_layers"),
-        n_head=n_head, n_kv_head=cfg.get("num_key_value_heads") or n_head, d_model=d_model,
-        d_ff=_need(cfg, "intermediate_size"), max_seq_len=cfg.get("max_position_embeddings", 2048),
-        rope_base=theta, rope_scaling=scaling, norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        tie_embeddings=cfg.get("tie_word_embeddings", False), bias=bool(attn_bias), extra=extra)
+        flavour="llama", vocab_size=vocab, n_layer=f.integer("num_hidden_layers"), n_head=n_head,
+        n_kv_head=f.integer("num_key_value_heads", n_head), d_model=d_model, d_ff=f.integer("intermediate_size"),
+        max_seq_len=max_pos, rope_base=theta, rope_scaling=scaling, norm_eps=f.number("rms_norm_eps", 1e-6),
+        tie_embeddings=f.flag("tie_word_embeddings", False), bias=attn_bias, extra=_extra(f, vocab))
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
@@ -249,8 +350,18 @@ def _is_conv1d(hf_name: str) -> bool:
     return hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
 
 
-def state_from_hf(sd: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """Convert a Hugging Face state dict into nanollm names and layouts (a complete Transformer state dict)."""
+def check_layer_count(config: ModelConfig, n_tensors: int, where) -> None:
+    """Every layer has tensors of its own, so a file of ``n_tensors`` tensors holds at most that many layers:
+    checked first, because listing (or building) the layers a config claims costs time in proportion."""
+    if config.n_layer > n_tensors:
+        raise ValueError(f"{where}: holds {n_tensors} tensors, too few for the {config.n_layer} layers (n_layer) "
+                         "of its config")
+
+
+def state_from_hf(sd: dict[str, Tensor], config: ModelConfig, where="checkpoint") -> dict[str, Tensor]:
+    """Convert a Hugging Face state dict into nanollm names and layouts (a complete Transformer state dict).
+    The tensors may be meta tensors (shapes only): a dry run that checks a file's header before its data."""
+    check_layer_count(config, len(sd), where)
     if config.flavour == "gpt2" and not any(k.startswith("transformer.") for k in sd):
         sd = {("" if k == "lm_head.weight" else "transformer.") + k: v for k, v in sd.items()}
     names = _llama_names(config) if config.flavour == "llama" else _gpt2_names(config)
@@ -275,7 +386,7 @@ def state_from_hf(sd: dict[str, Tensor], config: ModelConfig) -> dict[str, Tenso
                 out[f"blocks.{i}.attn.{proj}_proj.weight"] = pw.contiguous()
                 out[f"blocks.{i}.attn.{proj}_proj.bias"] = pb.contiguous()
     if missing or unused:
-        raise ValueError(f"checkpoint does not match a {config.flavour} model with {config.n_layer} layers: "
+        raise ValueError(f"{where} does not match a {config.flavour} model with {config.n_layer} layers: "
                          f"missing {sorted(missing)[:8]}, unexpected {sorted(unused)[:8]}")
     if config.tie_embeddings:
         out["lm_head.weight"] = out["tok_emb.weight"]
@@ -304,29 +415,61 @@ def load_hf(path: str | os.PathLike, device: str | torch.device = "cpu",
     """Build a nanollm Transformer from a Hugging Face folder. Returns ``(model, config.json dict)``.
 
     ``dtype=None`` keeps the checkpoint's own dtype (that of its token embedding); otherwise every weight
-    is cast to ``dtype``. The model is returned in eval mode on ``device``.
+    is cast to ``dtype``. The model is returned in eval mode on ``device``. The weight files' tensors are
+    checked against the config, by name and shape, before their data is read (pickled ``.bin`` files: once
+    loaded) and before the model is built.
     """
     hf_config = read_hf_config(path)
-    config = config_from_hf(hf_config)
+    config = config_from_hf(hf_config, os.path.join(path, "config.json"))
     config.extra["source"] = os.path.abspath(path)
-    sd = state_from_hf(load_weights(path, device), config)
-    return model_from_state(config, sd, dtype), hf_config
+    weights = weight_file(path)
+    stored = stored_tensors(path)
+    if stored is not None:                    # a dry run on the header's shapes: nothing read or built yet
+        check_state(config, state_from_hf(stored, config, weights), weights)
+    sd = state_from_hf(load_weights(path, device), config, weights)
+    return model_from_state(config, sd, dtype, what=weights), hf_config
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The state-dict shapes of a Transformer of ``config``, from one built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
+
+
+def check_state(config: ModelConfig, sd: dict[str, Tensor | None], where) -> None:
+    """The tensors of ``sd`` (nanollm names; meta tensors will do, and None counts as missing) are exactly those
+    of a model of ``config``, with its shapes: a ValueError naming ``where`` (the weights file) if not."""
+    check_layer_count(config, len(sd), where)
+    expected = expected_shapes(config)
+    have = {k: tuple(v.shape) for k, v in sd.items() if v is not None}
+    missing, unexpected = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+    wrong = [f"{k} is {list(have[k])} in the file, {list(expected[k])} by the config" for k in expected
+             if k in have and have[k] != expected[k]]
+    if missing or unexpected or wrong:
+        problems = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
+                    "; ".join(wrong[:3])]
+        raise ValueError(f"{where} does not match its config ({_sizes(config)}): "
+                         f"{'; '.join(p for p in problems if p)}")
+
+
+def _sizes(config: ModelConfig) -> str:
+    """The config fields that set the tensors' shapes, for an error: "vocab_size 512, n_layer 2, ..."."""
+    return ", ".join(f"{k} {getattr(config, k)}" for k in ("vocab_size", "n_layer", "d_model", "d_ff", "n_head",
+                                                           "n_kv_head", "tie_embeddings"))
 
 
 def model_from_state(config: ModelConfig, sd: dict[str, Tensor], dtype: torch.dtype | None = torch.float32,
                      what: str = "config.json") -> Transformer:
     """A Transformer in eval mode that adopts the tensors of ``sd`` (nanollm names), cast to ``dtype``
-    (``None``: keep the dtype of the token embedding), on their device; ``what`` names the config in errors."""
+    (``None``: keep the dtype of the token embedding), on their device; ``what`` names the file in errors.
+    ``sd`` must match the config exactly (``check_state``)."""
+    check_state(config, sd, what)
     dtype = sd["tok_emb.weight"].dtype if dtype is None else dtype
     sd = {k: v.to(dtype) for k, v in sd.items()}
 
     # Build on the meta device (no memory, no random init), then adopt the loaded tensors as parameters.
     with torch.device("meta"):
         model = Transformer(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    wrong = {k: (tuple(sd[k].shape), shape) for k, shape in expected.items() if tuple(sd[k].shape) != shape}
-    if wrong:
-        raise ValueError(f"checkpoint shapes do not match {what}, (file, expected): {wrong}")
     model.load_state_dict(sd, strict=True, assign=True)
     if config.tie_embeddings:                     # assign=True made two parameters: tie them again
         model.lm_head.weight = model.tok_emb.weight

@@ -36,11 +36,12 @@ prepended (HF's post-processor templates are not applied).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 
 import tiktoken
+
+from .files import MAX_JSON_MB, open_data_file, read_json, read_text
 
 # GPT-2's pre-tokenizer regex (tiktoken's r50k pattern, the same as HF's ByteLevel(use_regex=True)).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -68,25 +69,13 @@ def _expect(ok: bool, path, field: str, value, expected: str) -> None:
 
 
 def _read_text(path) -> str:
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    """A tokenizer file's text: a regular file of at most 64 MB, UTF-8 (``files.read_text``)."""
+    return read_text(path, "tokenizer file")
 
 
 def _read_json(path):
     """A JSON file's value; a ValueError naming the file for an empty, non-UTF-8, malformed or too deep one."""
-    text = _read_text(path)
-    if not text.strip():
-        raise ValueError(f"{path}: the file is empty, expected JSON")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply to be a tokenizer") from None
+    return read_json(path, "tokenizer file")
 
 
 def _token_id(value) -> bool:
@@ -294,7 +283,7 @@ def _cached(url: str, sha256: str) -> bool:
     path = os.path.join(cache, hashlib.sha1(url.encode()).hexdigest())
     if not cache or not os.path.isfile(path):
         return False
-    with open(path, "rb") as f:
+    with open_data_file(path, "tiktoken cache file", MAX_JSON_MB) as f:
         return hashlib.sha256(f.read()).hexdigest() == sha256   # a bad file makes tiktoken re-download
 
 

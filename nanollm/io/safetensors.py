@@ -26,6 +26,10 @@ Hugging Face splits big checkpoints into shards listed in ``model.safetensors.in
 (``{"weight_map": {tensor_name: shard_file}}``): see :func:`load_sharded`. Older checkpoints are pickled
 ``pytorch_model.bin`` files: :func:`load_torch_bin` opens them with ``torch.load(weights_only=True)``,
 which refuses to run arbitrary code from the pickle.
+
+Every file is opened with ``files.open_data_file``: a FIFO or a device is refused before it is read.
+:func:`stored_size` counts a file's values and tensors from its header alone, what a loader compares with its
+config before building a model.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..checks import is_int
-from .files import atomic_open
+from .files import atomic_open, open_data_file, read_json
 
 
 class SafetensorsError(ValueError):
@@ -141,8 +145,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict[str, str], int]:
 
     Returns ``(tensors, metadata, data_start)`` where ``data_start = 8 + N`` is the file offset of the buffer.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_data_file(path, "weights file") as f:
+        size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
             raise SafetensorsError(f"{path}: {size} bytes is too short for a safetensors file "
@@ -159,11 +163,17 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict[str, str], int]:
     return tensors, metadata, 8 + n
 
 
+def stored_size(path: str | os.PathLike) -> tuple[int, int]:
+    """(values, tensors) a safetensors file holds, from its header alone."""
+    tensors = read_header(path)[0]
+    return sum(math.prod(info["shape"]) for info in tensors.values()), len(tensors)
+
+
 def load_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     """All tensors of a safetensors file, by name, on ``device``. The header is validated first."""
     tensors, _, data_start = read_header(path)
     out = {}
-    with open(path, "rb") as f:
+    with open_data_file(path, "weights file") as f:
         for name, info in tensors.items():
             begin, end = info["data_offsets"]
             dtype = DTYPES[info["dtype"]]
@@ -179,23 +189,33 @@ def load_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> di
     return out
 
 
-def load_sharded(index_path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Tensor]:
-    """Tensors of a sharded checkpoint from its ``*.index.json`` (safetensors or ``pytorch_model-*.bin``)."""
+def shards(index_path: str | os.PathLike) -> tuple[dict[str, str], list[str]]:
+    """(weight_map, paths of the shard files) of a sharded checkpoint's ``*.index.json``, checked: every shard
+    is a file name in the index's own folder, and exists."""
     folder = os.path.dirname(os.path.abspath(index_path))
     try:
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        index = read_json(index_path, "index file")
+        weight_map = index["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
         raise SafetensorsError(f"{index_path}: not a valid index ({{'weight_map': {{name: file}}}}): {e!r}")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise SafetensorsError(f"{index_path}: weight_map must map tensor names to shard file names")
-    out: dict[str, Tensor] = {}
+    paths = []
     for shard in sorted(set(weight_map.values())):
         if os.path.basename(shard) != shard or shard in (".", ".."):   # stay inside the folder
             raise SafetensorsError(f"{index_path}: shard {shard!r} must be a file name in the same folder")
-        shard_path = os.path.join(folder, shard)
-        if not os.path.isfile(shard_path):
+        paths.append(os.path.join(folder, shard))
+        if not os.path.isfile(paths[-1]):
             raise SafetensorsError(f"{index_path}: shard {shard!r} is missing from {folder}")
+    return weight_map, paths
+
+
+def load_sharded(index_path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """Tensors of a sharded checkpoint from its ``*.index.json`` (safetensors or ``pytorch_model-*.bin``)."""
+    weight_map, paths = shards(index_path)
+    out: dict[str, Tensor] = {}
+    for shard_path in paths:
+        shard = os.path.basename(shard_path)
         loaded = load_file(shard_path, device) if shard.endswith(".safetensors") else \
             load_torch_bin(shard_path, device)
         for name, file in weight_map.items():
@@ -208,13 +228,29 @@ def load_sharded(index_path: str | os.PathLike, device: str | torch.device = "cp
 
 def load_torch_bin(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     """A pickled ``pytorch_model.bin`` state dict, loaded with ``weights_only=True`` (no code execution)."""
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:   # torch raises many types (UnpicklingError, RuntimeError, EOFError, ...)
-        raise SafetensorsError(f"{path}: cannot load as a weights-only PyTorch checkpoint: {e}") from None
+    with open_data_file(path, "weights file") as f:
+        state = torch_load(f, path, device)
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise SafetensorsError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
     return state
+
+
+def torch_load(f, path, device: str | torch.device = "cpu"):
+    """``torch.load(f, weights_only=True)`` of an open file named ``path``: any failure becomes a one-line
+    SafetensorsError naming the file. ``weights_only`` unpickles tensors and plain containers only, so a
+    crafted pickle cannot run code."""
+    try:
+        return torch.load(f, map_location=device, weights_only=True)
+    except Exception as e:   # torch raises many types (UnpicklingError, RuntimeError, EOFError, ...)
+        raise SafetensorsError(f"{path}: cannot load as a weights-only PyTorch checkpoint: "
+                               f"{first_line(e)}") from None
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, at most ``limit`` characters (torch's unpickling errors run
+    to a page of advice; the one-line reports need only what failed)."""
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # ----------------------------------------------------------------------------------------------------------

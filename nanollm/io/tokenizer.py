@@ -28,7 +28,7 @@ from pathlib import Path
 import regex
 import tiktoken
 
-from .files import atomic_write_text
+from .files import atomic_write_text, read_json
 
 # GPT-2's split pattern, except that every digit is its own chunk (GPT-2 keeps runs of digits together).
 SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -125,12 +125,19 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
+        """The tokenizer saved in ``path``; a ValueError naming the file for one that is not a regular file of
+        at most 64 MB (``files.read_json``), not JSON, or not a tokenizer."""
         try:
-            d = json.loads(Path(path).read_text())
+            d = read_json(path, "tokenizer file")
+        except ValueError as e:                  # its message starts with the path
+            raise ValueError(f"cannot read tokenizer file {e}") from None
+        try:
             ranks = {base64.b64decode(b): int(r) for b, r in d["ranks"]}
             pattern = d["pattern"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cannot read tokenizer file {path}: {e}") from e
+            if not isinstance(pattern, str):
+                raise TypeError(f"pattern must be a string, got {pattern!r:.100}")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot read tokenizer file {path}: {e!r:.200}") from None
         if sorted(ranks.values()) != list(range(len(ranks))):
             raise ValueError(f"tokenizer file {path} is corrupt: ranks are not 0..{len(ranks) - 1}")
         return cls(ranks, pattern)
