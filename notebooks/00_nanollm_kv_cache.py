@@ -7,7 +7,8 @@
 # **You will learn**
 #
 # 1. what a decoder recomputes at every step when it has no cache, and what the cache stores instead
-#    (drawn from a real generation);
+#    (drawn from a real generation), and a cache built by hand in 15 lines: the append and the attention
+#    over stored entries, checked against the library's;
 # 2. the memory formula `2 * n_layer * n_kv_head * head_dim * bytes * T`, and what grouped-query attention saves;
 # 3. that cached decoding computes *exactly* what the plain forward computes (fp32);
 # 4. how the cost of one decode step grows with the context, with and without the cache;
@@ -20,9 +21,10 @@
 # in notebook `07_kernels`, section 2, beside the roofline of a decode step.
 #
 # Code: `nanollm/cache.py` and `nanollm/storage.py` (storage), `nanollm/generation.py` (prefill / extend
-# / decode_step), `nanollm/policy.py` (the hooks), `nanollm/cli/bench.py` (timings). This notebook only
-# imports them. The timings below were measured on the machine that built this notebook (printed in the
-# next cell), on one thread: read their ratios, not their milliseconds.
+# / decode_step), `nanollm/policy.py` (the hooks), `nanollm/cli/bench.py` (timings). Section 1.1 builds
+# the cache's core by hand; the rest imports the library. The timings below were measured on the machine
+# that built this notebook (printed in the next cell), on one thread: read their ratios, not their
+# milliseconds.
 
 # %%
 import os
@@ -136,6 +138,84 @@ print("k  ", tuple(layer0.k.shape), "  (B, H_kv, T, head_dim)")
 print("v  ", tuple(layer0.v.shape))
 print("pos", tuple(layer0.pos.shape), "     (B, H_kv, T)")
 print("positions of row 0, KV head 0:", layer0.pos[0, 0].tolist(), "| tokens seen:", cache.seen)
+
+# %% [markdown]
+# ### 1.1 Build it: a cache by hand
+#
+# A layer's cache is three preallocated buffers per KV head: keys, values, and the position of each stored
+# entry (-1 marks an empty slot). A step **appends** its new keys and values into the next free slots, then
+# its queries **attend** over everything stored:
+#
+# $$\text{out} = \text{softmax}\!\left(\frac{q K^\top}{\sqrt{d}} + M\right) V, \qquad
+# M_{ij} = \begin{cases} 0 & \text{if } 0 \le \text{pos}_j \le \text{qpos}_i \\ -\infty & \text{otherwise}
+# \end{cases}$$
+#
+# (Vaswani et al., 2017, §3.2.1, Eq. 1, with the causal mask). The mask is built from the *stored* positions, not
+# from slot numbers: that is what keeps it right once a method has evicted entries (section 5). With
+# grouped-query attention, each KV head serves a group of query heads, so its entries are repeated for them.
+# Below, the two functions by hand, then the library's cache on a real run (a prefill, an `extend` chunk,
+# a decode step): every call of layer 0 is replayed through the hand-built cache and must give the same
+# output.
+
+# %%
+# needs: append, group_scores, mask
+CAPACITY = 64                                                  # slots preallocated per KV head
+k_buf = torch.zeros(1, config.n_kv_head, CAPACITY, config.head_dim)   # (B, H_kv, slots, d)
+v_buf = torch.zeros_like(k_buf)
+pos_buf = torch.full((1, config.n_kv_head, CAPACITY), -1)     # (B, H_kv, slots): -1 marks an empty slot
+used = 0                                                       # slots filled so far
+
+
+# BEGIN SOLUTION [cache:append] write k, v and pos into the next free slots of the buffers; count them in `used`
+def append(k, v, pos):
+    """Write a step's keys and values (B, H_kv, T, d) at positions pos (T,) into the next free slots."""
+    global used
+    T = k.shape[2]
+    k_buf[:, :, used:used + T], v_buf[:, :, used:used + T], pos_buf[:, :, used:used + T] = k, v, pos
+    used += T
+# END SOLUTION
+
+
+# BEGIN SOLUTION [cache:mask] Vaswani §3.2.1 (Eq. 1): repeat each KV head for its query heads, mask from positions
+def attend(q, q_pos):
+    """Queries q (B, H, Tq, d) at positions q_pos (Tq,) over every stored entry -> (B, H, Tq, d)."""
+    group = q.shape[1] // config.n_kv_head                     # query heads per KV head (GQA)
+    k, v, pos = (t[:, :, :used].repeat_interleave(group, dim=1) for t in (k_buf, v_buf, pos_buf))
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5      # (B, H, Tq, used)
+    visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= q_pos[:, None])   # the mask M
+    return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
+# END SOLUTION
+
+
+library = KVCache(config)                                      # the library's cache, layer 0's calls recorded
+calls, library_attend = [], library.attend
+
+
+def recorded(layer, module, q, pos, new):
+    out = library_attend(layer, module, q, pos, new)
+    if layer == 0:
+        calls.append((q, pos, new, out))
+    return out
+
+
+library.attend = recorded
+ids = torch.randint(0, config.vocab_size, (1, 12))
+prefill(model, ids[:, :6], library)
+extend(model, ids[:, 6:11], library)
+decode_step(model, ids[:, 11], library)
+for q, pos, (k, v), out in calls:                              # replay: the same inputs, by hand
+    append(k, v, pos)
+    mine = attend(q, pos)
+    assert torch.allclose(mine, out, rtol=1e-5, atol=1e-6), f"at {pos.tolist()}: off by {(mine - out).abs().max():.1e}"
+stored = library.layers[0]
+assert torch.equal(k_buf[:, :, :used], stored.k) and torch.equal(pos_buf[:, :, :used], stored.pos), "stored otherwise"
+print(f"by hand == KVCache on layer 0 over {len(calls)} steps (prefill of 6, extend of 5, one decode step): "
+      f"{used} slots filled, positions {pos_buf[0, 0, :used].tolist()}")
+
+# %% [markdown]
+# The library does the same with more care: `nanollm/storage.py` grows the buffers when they fill (the
+# `cache` assignment's `append`), and `nanollm/attention.py` computes the scores per group without
+# repeating the keys (`group_scores`) and builds the mask (`mask`). Everything below uses the library.
 
 # %% [markdown]
 # ## 2. How big is it? The memory formula

@@ -47,7 +47,6 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 import kernels
 from kernels.decode_attention import (
     decode_attention_triton,
-    merge_splits,
     reference_decode_attention,
     reference_selected_decode_attention,
     selected_decode_attention_triton,
@@ -227,35 +226,84 @@ print(f"at {T} tokens: torch.cat append {cat_ms / attend_ms:.1f}x the attention'
 # ## 3. Decode attention, split along the sequence
 #
 # `decode_attention_triton(q, k, v)`: one program per (sequence, KV head, range of tokens). Each program
-# loads its group's G query heads once, walks its range in blocks of `BLOCK_N` tokens with an online
-# softmax (running max `m`, running sum `l`, output accumulator `acc`), and writes its three partials. Both
-# products of a block (`q K^T`, then `P V`) are `tl.dot`s, the G query heads padded to the 16 rows a
-# tensor-core tile needs: wasted arithmetic the step can afford, since loading K and V bounds it. A
-# small reduction (`merge_splits`, plain PyTorch) merges the ranges. Below, that merge done by hand on
-# two halves of the sequence and checked against the reference (no Triton needed), then the kernel itself.
+# loads its group's G query heads once and walks its range in blocks of `BLOCK_N` tokens. It never holds
+# a whole row of scores: an **online softmax** keeps a running max $m$, a running sum $\ell$ and an output
+# accumulator $a$, and for each block of scores $s_n$ (keys $k_n$, values $v_n$) updates them
+# (FlashAttention, §3.1, Algorithm 1):
+#
+# $$m' = \max\big(m, \max_n s_n\big), \qquad \ell' = e^{m - m'}\,\ell + \sum_n e^{s_n - m'}, \qquad
+# a' = e^{m - m'}\,a + \sum_n e^{s_n - m'}\,v_n$$
+#
+# Each range ends with its own $(m_r, \ell_r, a_r)$; a small reduction (`merge_splits`) **merges** the
+# ranges exactly, rescaling each to the largest max $M$:
+#
+# $$M = \max_r m_r, \qquad \text{out} = \frac{\sum_r e^{m_r - M}\,a_r}{\sum_r e^{m_r - M}\,\ell_r}$$
+#
+# Below, both by hand (no Triton needed), checked against the plain softmax of the reference; then the
+# kernel's own loop, printed from `kernels/decode_attention.py`.
 
 # %%
-# needs: online_softmax, merge_splits
 g = torch.Generator().manual_seed(0)
 B_, H_, Hkv_, S_, d_ = 1, 4, 2, 50, 16
 q = torch.randn(B_, H_, d_, generator=g).to(DEVICE)
 k = torch.randn(B_, Hkv_, S_, d_, generator=g).to(DEVICE)
 v = torch.randn(B_, Hkv_, S_, d_, generator=g).to(DEVICE)
-ref = reference_decode_attention(q, k, v)
+ref = reference_decode_attention(q, k, v)                        # (B, H, d): softmax over all 50 tokens
 
-# the merge: attention over two halves, each with its own max and sum, combined exactly
-scale = 1 / math.sqrt(d_)
-qg = q.view(B_, Hkv_, H_ // Hkv_, d_) * scale
-parts = []
-for lo, hi in ((0, 25), (25, 50)):
-    s = qg @ k[:, :, lo:hi].transpose(-1, -2)                     # (B, H_kv, G, n)
-    m = s.max(-1).values
-    p = torch.exp(s - m[..., None])
-    parts.append((m, p.sum(-1), p @ v[:, :, lo:hi]))
-m, l, acc = (torch.stack(t, dim=2).flatten(0, 1) for t in zip(*parts))   # (B*H_kv, ranges, G, ...)
-merged = merge_splits(m, l, acc).reshape(B_, H_, d_)
-print(f"two halves merged by hand: max |merged - reference| = {(merged - ref).abs().max():.1e}")
 
+# BEGIN SOLUTION [kernels:online_softmax] FlashAttention §3.1: per block, the new max; rescale l and a by exp(m - m')
+def online_softmax(q, k, v, block):
+    """One range: q (G, d), already scaled; k, v (n, d) in blocks of ``block`` -> m (G,), l (G,), a (G, d)."""
+    m = torch.full((q.shape[0],), float("-inf"), device=q.device)
+    l, a = torch.zeros(q.shape[0], device=q.device), torch.zeros(q.shape[0], k.shape[1], device=q.device)
+    for first in range(0, k.shape[0], block):
+        s = q @ k[first:first + block].T                             # (G, block)
+        m_new = torch.maximum(m, s.max(dim=-1).values)
+        p = torch.exp(s - m_new[:, None])
+        l = torch.exp(m - m_new) * l + p.sum(dim=-1)
+        a = torch.exp(m - m_new)[:, None] * a + p @ v[first:first + block]
+        m = m_new
+    return m, l, a
+# END SOLUTION
+
+
+# BEGIN SOLUTION [kernels:merge_splits] FlashAttention §3.1: weigh each range by exp(m_r - M), then divide the sums
+def merge(ranges):
+    """[(m, l, a)] of the ranges -> out (G, d)."""
+    M = torch.stack([m for m, _, _ in ranges]).max(dim=0).values
+    top = sum(torch.exp(m - M)[:, None] * a for m, _, a in ranges)
+    return top / sum(torch.exp(m - M) * l for m, l, _ in ranges)[:, None]
+# END SOLUTION
+
+
+G_ = H_ // Hkv_
+for h in range(Hkv_):                                            # each KV head with its group of query heads
+    qh = q[0, h * G_:(h + 1) * G_] / math.sqrt(d_)
+    ranges = [online_softmax(qh, k[0, h, lo:hi], v[0, h, lo:hi], block=8) for lo, hi in ((0, 25), (25, 50))]
+    got, want = merge(ranges), ref[0, h * G_:(h + 1) * G_]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), f"KV head {h}: off by {(got - want).abs().max():.1e}"
+print("online softmax over blocks of 8, two ranges merged by hand == softmax over all 50 tokens, for each head")
+
+# %% [markdown]
+# The kernel runs the same update, with `tl.` operations on blocks loaded from the cache. Its loop, as the
+# file has it (`m_safe` guards a range with no valid token yet, where $e^{m - m'}$ would be $e^{-\infty +
+# \infty}$; both products of a block are `tl.dot`s, the G query heads padded to the 16 rows a tensor-core
+# tile needs: wasted arithmetic the step can afford, since loading K and V bounds it):
+
+# %%
+source = (ROOT / "kernels" / "decode_attention.py").read_text().splitlines()
+first = source.index("    def _decode_split_kernel(") - 1                 # the @triton.jit line above it
+loop = next(i for i in range(first, len(source)) if source[i].strip().startswith("for first in range("))
+end = next(i for i in range(loop, len(source)) if source[i].strip().startswith("out = "))
+shown = source[first:first + 2] + ["        ..."] + source[loop - 5:end]
+print("\n".join(line for line in shown if "SOLUTION" not in line))      # the course's markers left out
+
+# %% [markdown]
+# Then the kernel itself against the reference, with one, two and four ranges per KV head (`merge_splits`
+# reduces them):
+
+# %%
+# needs: online_softmax, merge_splits
 if RUN_KERNELS:
     for splits in (1, 2, 4):
         out = decode_attention_triton(q, k, v, block_n=16, splits=splits)

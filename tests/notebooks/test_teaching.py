@@ -42,12 +42,14 @@ _spec.loader.exec_module(build)
 
 # the papers each method notebook teaches, by the name its markdown uses
 PAPERS = {
+    "00_nanollm_kv_cache": ["Vaswani"],
     "01_baselines": ["StreamingLLM", "H2O", "SnapKV", "AdaKV"],
     "02_scissorhands": ["Scissorhands"],
     "03_tensor_attention": ["tensor attention"],
     "04_perturbation_selection": ["CriticalKV"],
     "05_chunkkv": ["ChunkKV"],
     "06_kvreviver": ["KVReviver"],
+    "07_kernels": ["FlashAttention"],
 }
 METHOD_NOTEBOOKS = sorted(PAPERS)
 BUILD_IT_LINES = (4, 25)          # lines of code in a build-it region: a readable core, not the library's file
