@@ -502,9 +502,12 @@ for label in ["w=400", "w=32", "w=8", "m=16"]:
 #
 # Theorem 4.1 assumes the compressed model's attention weights are i.i.d. draws from the truncated power
 # law `f(x) = c (x + b)^(-k)` on `[0, u - b]`, normalised, and that the cache holds the top `B` of them.
-# The proof bounds the expected attention mass dropped (Theorem B.3, eq. (11)) by
+# The proof bounds the expected attention mass dropped (Theorem B.3, Eq. 11), with $\beta_{t,j}$ the
+# attention weights and $\hat{S}_t$ the kept tokens, by
 #
-# `Delta_max = (1 - B/T) / (0.98 (1 - eps)^2) * (k - (k - 1) ((1 - eps) / (B/T - eps))^(1/(k-1)))`
+# $$\mathbb{E}\Big[\sum_{j \notin \hat{S}_t} \beta_{t,j}\Big] \le \Delta_{\max} =
+# \frac{1 - B/T}{0.98\,(1-\epsilon)^2} \left(k - (k-1) \left(\frac{1-\epsilon}{B/T - \epsilon}
+# \right)^{\frac{1}{k-1}}\right) \quad \text{(Eq. 11)}$$
 #
 # and the output error by `2.1 / 0.98` times as much. The same experiment by simulation: draw `T - 1 =
 # 1999` weights, keep the top `B`, measure the mass dropped, average over draws.
@@ -563,8 +566,13 @@ for t_min in [10 ** 3, 10 ** 4, 10 ** 5, 10 ** 6]:
 # %% [markdown]
 # ### 5.2 The theorem's own model
 #
-# Eq. (5)-(6): one layer, one head, `x_{t+1} = F(a_t)` with `a_t = softmax((1/t) x_t W_Q W_K^T X^T) X W_V W_O`
-# and `F(x) = x + relu(x W_1) W_2`, random weights rescaled so that Theorem 4.1's spectral condition
+# One layer, one head (Eq. 5-6; the code writes the MLP for row vectors, `x + relu(x W_1) W_2`):
+#
+# $$x_{t+1} = \mathcal{F}(a_t), \quad a_t = \text{softmax}\big(\tfrac{1}{t}\, x_t W_Q W_K^\top X_{t-1}^\top\big)
+# X_{t-1} W_V W_O \quad \text{(Eq. 5)}, \qquad \mathcal{F}(x) = x + W_2\, \text{relu}(W_1 x) \quad
+# \text{(Eq. 6)},$$
+#
+# random weights rescaled so that Theorem 4.1's spectral condition
 # `lambda_V lambda_O (1 + lambda_1 lambda_2)(1 + lambda_Q lambda_K) <= 1/2` holds with equality. A 64-token
 # random prompt, then generation up to 512 tokens with the full cache, the theorem's oracle (top `B` of the
 # current weights, free to take back what it left out) and the counter cache of Algorithms 1-2 (`w = 400`,

@@ -87,9 +87,14 @@ print(f"kvpress's settings: CriticalSnapKV {KVPRESS}; CriticalAdaKV {KVPRESS_ADA
 # ## 1. The perturbation and its bound, on one head
 #
 # CriticalKV's idea in one paragraph. One head, one query: the output is `o = A V W_O` (Eq. 2). Keep a 0/1
-# mask `N` of entries; attention renormalises over what is kept (Theorem 1, Eq. 6): `A' = N*A / sum(N*A)`,
-# exactly the masked softmax. The output perturbation is `L = ||(A - A') V W_O||_1` (Eq. 5), and the triangle
-# inequality bounds it (§3.3, Theorem 2, Eq. 8), with `P_i = ||V_i W_O||_1` and `C = sum_i A_i P_i`:
+# mask $\mathcal{N}$ of $b$ entries; attention renormalises over what is kept (Theorem 1, Eq. 6), exactly the
+# masked softmax, and the output moves by the perturbation $\mathcal{L}$ (Eq. 5):
+#
+# $$A' = \frac{\mathcal{N} \odot A}{\sum_{i=1}^{n} \mathcal{N}_i A_i} \quad \text{(Eq. 6)}, \qquad
+# \mathcal{L} = \big\|(A - A')\, V W^O\big\|_1 \quad \text{(Eq. 5)}.$$
+#
+# The triangle inequality bounds it (§3.3, Theorem 2, Eq. 8), with `P_i = ||V_i W_O||_1` and
+# `C = sum_i A_i P_i`:
 #
 # $$L \le \theta = C - \Big(2 - \frac{1}{\sum_i N_i A_i}\Big) \sum_i N_i A_i P_i .$$
 #

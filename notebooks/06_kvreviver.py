@@ -155,9 +155,15 @@ print("values ", toy_v.flatten().int().tolist(), "-> estimates", est_v.flatten()
 # With `a` tokens in `b` cells per row, a row's estimate of a token carries about `a / b` others. For
 # zero-mean noise of variance `sigma^2` per token, one row's error has variance `(a/b) sigma^2`, and the
 # median of three such rows about 0.448 times that (the paper's Lemma 2, median of three normals; its main
-# proof uses `pi/6 ~ 0.52`). The paper's bound says the variance exceeds `(a pi / N) sigma^2`, with
-# `N = r b` cells, with probability below `exp(-a/N)`. Measured here on the bundled model's own values
-# and keys (layer 2, one prompt), relative to their per-coordinate variance:
+# proof uses `pi/6 ~ 0.52`). The paper's bound (its Mathematical Analysis section), for a reconstructed
+# coordinate $V_{ij}$ of values of per-coordinate variance $\sigma_v^2$ (and likewise for keys), with
+# $N = r b$ cells:
+#
+# $$P\left(\operatorname{Var}(\text{median of } V_{ij}) > \frac{a\pi}{N}\,\sigma_v^2\right) <
+# \exp\left(-\frac{a}{N}\right)$$
+#
+# Measured here on the bundled model's own values and keys (layer 2, one prompt), relative to their
+# per-coordinate variance:
 
 # %%
 # needs: insert, query

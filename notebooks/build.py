@@ -21,6 +21,12 @@ Usage::
     python notebooks/build.py                       # every notebooks/*.py, executed normally
     python notebooks/build.py notebooks/00_nanollm_kv_cache.py --tiny   # quick check in tiny mode (writes nothing)
     python notebooks/build.py --no-execute           # convert only (no outputs)
+    python notebooks/build.py notebooks/04_perturbation_selection.py --prose-only   # new markdown, same run
+
+``--prose-only`` takes the markdown cells of the ``.py`` into the committed ``.ipynb`` and keeps its code cells
+with their outputs, without running anything: for an edit of the prose of a notebook whose run takes minutes.
+It refuses when a code cell differs (its source, its tags, or the number and order of code cells), since the
+outputs would then no longer be the code's.
 
 Each ``.ipynb`` is written atomically (a temporary file, then renamed), and only after its notebook ran
 without an error; tiny mode never writes, so the committed notebooks keep their full-size outputs.
@@ -142,6 +148,34 @@ def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int =
     return out
 
 
+def code_cells(nb: nbformat.NotebookNode) -> list[tuple[str, list]]:
+    """(source, tags) of each code cell, in order: what the outputs of a run depend on."""
+    return [(cell.source, list(cell.metadata.get("tags", []))) for cell in nb.cells if cell.cell_type == "code"]
+
+
+def prose_only(path: str | Path) -> Path:
+    """The committed ``.ipynb`` beside ``path`` rewritten with the markdown of ``path`` and its own code cells,
+    outputs included; nothing runs. A ValueError if the code cells differ from the source's."""
+    path = Path(path)
+    out = path.with_suffix(".ipynb")
+    nb, committed = read_percent(path), nbformat.read(out, as_version=4)
+    if code_cells(nb) != code_cells(committed):
+        changed = next((i for i, (a, b) in enumerate(zip(code_cells(nb), code_cells(committed))) if a != b),
+                       min(len(code_cells(nb)), len(code_cells(committed))))
+        raise ValueError(f"{out}: code cell {changed} (counting code cells from 0) differs from {path.name}'s: "
+                         "its outputs would not be the code's; run it (build.py without --prose-only)")
+    ran = iter(cell for cell in committed.cells if cell.cell_type == "code")
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            old = next(ran)
+            cell.outputs, cell.execution_count = old.outputs, old.execution_count
+    nb.metadata = committed.metadata
+    nbformat.validate(nb)
+    text = nbformat.writes(nb)
+    files.atomic_write_text(out, text if text.endswith("\n") else text + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = cli.ArgumentParser(prog="python notebooks/build.py",
                             description="Convert notebooks/*.py (py:percent) to .ipynb and execute them.")
@@ -151,17 +185,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true",
                     help="execute with NANOLLM_TINY=1 as a quick check; nothing is written (commit notebooks "
                          "built without it)")
+    ap.add_argument("--prose-only", action="store_true",
+                    help="take the markdown of each .py into its committed .ipynb, keeping the code cells and "
+                         "their outputs; runs nothing, and refuses if a code cell changed")
     ap.add_argument("--timeout", type=cli.positive_int, default=600,
                     help="per-cell timeout in seconds (default %(default)s)")
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
-        if args.tiny and args.no_execute:
-            cli.fail("--tiny executes the notebooks as a check, and --no-execute runs nothing: give one of them")
+        if args.tiny + args.no_execute + args.prose_only > 1:
+            cli.fail("--tiny, --no-execute and --prose-only are three different builds: give one of them")
         paths = [Path(p) for p in args.paths] or sources()
         for path in paths:                    # every source parses before the first one runs
             if not path.is_file() or path.suffix != ".py" or path.resolve() == Path(__file__).resolve():
                 cli.fail(f"{path}: not a notebook source (a .py file in py:percent format)")
             read_percent(path)
+        if args.prose_only:                   # every notebook checked before the first one is written
+            missing = [str(p.with_suffix(".ipynb")) for p in paths if not p.with_suffix(".ipynb").is_file()]
+            if missing:
+                cli.fail(f"--prose-only updates committed notebooks; none at {', '.join(missing)}")
+            for path in paths:
+                if code_cells(read_percent(path)) != code_cells(nbformat.read(path.with_suffix(".ipynb"), 4)):
+                    prose_only(path)          # raises the one-line error naming the first changed cell
+            for path in paths:
+                print(f"wrote {prose_only(path)} (its outputs kept)")
+            return
         for path in paths:
             out = build(path, run=not args.no_execute, tiny=args.tiny, timeout=args.timeout)
             print(f"wrote {out}" if out else f"{path.name}: ran in tiny mode; nothing written")

@@ -69,3 +69,20 @@ def test_notebook_runs_in_tiny_mode(path: Path) -> None:
 def test_every_py_source_has_a_notebook() -> None:
     missing = [p.name for p in build.sources() if not p.with_suffix(".ipynb").exists()]
     assert not missing, f"no .ipynb built for {missing}: run `python notebooks/build.py`"
+
+
+def test_prose_only_keeps_the_outputs_and_refuses_changed_code(tmp_path: Path) -> None:
+    """``build.py --prose-only``: new markdown into the committed notebook, code cells and outputs as they were;
+    a changed code cell is refused (its outputs would not be the code's)."""
+    source = tmp_path / "07_kernels.py"
+    text = (NOTEBOOKS / "07_kernels.py").read_text()
+    source.write_text(text.replace("# # 07 Kernels:", "# # 07 Kernels, reworded:", 1))
+    (tmp_path / "07_kernels.ipynb").write_bytes((NOTEBOOKS / "07_kernels.ipynb").read_bytes())
+    before = nbformat.read(tmp_path / "07_kernels.ipynb", as_version=4)
+    after = nbformat.read(build.prose_only(source), as_version=4)
+    assert after.cells[0].source.startswith("# 07 Kernels, reworded:")
+    assert [(c.source, c.outputs) for c in after.cells if c.cell_type == "code"] == \
+           [(c.source, c.outputs) for c in before.cells if c.cell_type == "code"]
+    source.write_text(text.replace("print(", "print('changed'); print(", 1))
+    with pytest.raises(ValueError, match="code cell 0 .*differs"):
+        build.prose_only(source)
