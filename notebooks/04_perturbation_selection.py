@@ -379,7 +379,7 @@ print(f"({len(TASKS) * N_SAMPLES} samples x {cfg.n_head} query heads per layer; 
 
 # %% [markdown]
 # With the true query, on this model, Algorithm 1 loses to attention top-k: in the committed run it lowers
-# `L` in 29% (keep ratio 0.1) and 25% (0.25) of the (sample, head) pairs, with a higher mean `L` in every
+# `L` in 29% (keep ratio 0.1) and 26% (0.25) of the (sample, head) pairs, with a higher mean `L` in every
 # layer, and it lowers even Theorem 2's bound `theta` in only 14% and 10%. Why the bound does not follow:
 # Theorem 3 replaces the factor `2 - 1/m` (with `m` the kept mass) by `2 - 1/sigma`, with `sigma` the mass
 # stage 1 secured, and so treats `m` as fixed; but every entry stage 2 picks for its value instead of its
