@@ -97,10 +97,29 @@ def needs_calls(assignment: Assignment, source: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+def solution_lines(assignment: Assignment) -> set[str]:
+    """The code lines of the assignment's solutions in its Python files, stripped, long enough (16 characters)
+    to be told apart from ordinary code: what a committed output must not show."""
+    out = set()
+    for path in assignment.sources():
+        if path.suffix == ".py" and path.exists():
+            lines = path.read_text().splitlines()
+            for r in find_regions(path):
+                if r.assignment == assignment.name:
+                    out |= {t for t in (line.strip() for line in r.body(lines)) if len(t) >= 16 and t[0] != "#"}
+    return out
+
+
+def printed(cell) -> str:
+    """What a code cell's committed outputs show as text."""
+    return "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", "")) for o in cell.outputs)
+
+
 def lesson_notebook(assignment: Assignment, out: Path) -> list[Path]:
     """Write the student's notebook into ``out/notebooks``: its source and the committed ``.ipynb``, both with
     the assignment's regions stripped and ``needs`` calls (``needs_calls``). Every cell keeps its committed
-    outputs, the ones the prose refers to, but a stripped exercise (its outputs would show the answer)."""
+    outputs, the ones the prose refers to, but a stripped exercise (its outputs would show the answer) and a
+    cell whose outputs print a line of the solution (``solution_lines``): run, it prints the student's own."""
     import nbformat
     build = notebook_builder()
     source = ROOT / "notebooks" / f"{assignment.notebook}.py"
@@ -113,9 +132,12 @@ def lesson_notebook(assignment: Assignment, out: Path) -> list[Path]:
     if [(c.cell_type, c.source) for c in nb.cells] != [(c.cell_type, c.source) for c in reference]:
         raise SystemExit(f"error: {committed} does not have the cells of {source.name}; rebuild it with "
                          f"`python notebooks/build.py notebooks/{source.name}`")
+    solution = solution_lines(assignment)
     for cell, old, new in zip(nb.cells, reference, student):
         if cell.cell_type == "code" and any(r.assignment == assignment.name for r in find_regions(source, old.source)):
             cell.outputs, cell.execution_count = [], None          # a stripped exercise
+        elif cell.cell_type == "code" and any(line in printed(cell) for line in solution):
+            cell.outputs, cell.execution_count = [], None          # it printed a solution (07 prints its kernel)
         cell.source = new.source
     nbformat.write(nb, dst.with_suffix(".ipynb"))
     return [dst, dst.with_suffix(".ipynb")]

@@ -288,7 +288,8 @@ print("online softmax over blocks of 8, two ranges merged by hand == softmax ove
 # The kernel runs the same update, with `tl.` operations on blocks loaded from the cache. Its loop, as the
 # file has it (`m_safe` guards a range with no valid token yet, where $e^{m - m'}$ would be $e^{-\infty +
 # \infty}$; both products of a block are `tl.dot`s, the G query heads padded to the 16 rows a tensor-core
-# tile needs: wasted arithmetic the step can afford, since loading K and V bounds it):
+# tile needs: wasted arithmetic the step can afford, since loading K and V bounds it). In a student copy of
+# the `kernels` assignment this cell comes without its output: run, it prints your own kernel.
 
 # %%
 source = (ROOT / "kernels" / "decode_attention.py").read_text().splitlines()

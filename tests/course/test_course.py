@@ -188,6 +188,13 @@ def test_student_copy_gets_zero_and_leaks_nothing(name, tmp_path):
             notebook = json.loads((out / rel.with_suffix(".ipynb")).read_text())
             code = "\n".join("".join(c["source"]) for c in notebook["cells"])
             assert not [s for s in lines if s in code], f"{rel.with_suffix('.ipynb')} leaks solution lines"
+    solution = {s for lines in region_lines(name).values() for s in lines}
+    for notebook in sorted((out / "notebooks").glob("*.ipynb")):    # committed outputs are kept in the copy:
+        cells = json.loads(notebook.read_text())["cells"]            # none may print a solution line
+        printed = "\n".join(str(o.get("text", "")) + json.dumps(o.get("data", {}).get("text/plain", ""))
+                            for c in cells if c["cell_type"] == "code" for o in c.get("outputs", []))
+        assert not [s for s in solution if s in printed], \
+            f"{notebook.name}'s outputs print solution lines of {name}: {[s for s in solution if s in printed][:3]}"
     for rel in handout.repository_files():                # everything else is the library unchanged
         src = ROOT / rel
         instructor_only = rel.endswith(("test_hidden.py", "mutants.py", ".ipynb", "sheet.md"))
