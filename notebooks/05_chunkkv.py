@@ -498,9 +498,9 @@ plt.show()
 # On this passkey ChunkKV holds the value whole in 22 of the 30 layers, always in all three KV heads at once,
 # while SnapKV holds it in all three KV heads of a layer only in layers 15, 22 and 25, and in one or two
 # heads elsewhere (bottom panel; the counts per layer are printed under the needle below). Above, SnapKV's
-# strips are scattered tokens, different in every KV head; ChunkKV's are runs of ten, the same in the three KV heads of a layer
-# (one ranking per layer) and in both layers of a reuse pair. The needle as text, for layers 0, 10, 20 and 29
-# (`_` = evicted):
+# strips are scattered tokens, different in every KV head; ChunkKV's are runs of ten, the same in the three
+# KV heads of a layer (one ranking per layer) and in both layers of a reuse pair. The needle as text, for
+# layers 0, 10, 20 and 29 (`_` = evicted):
 
 # %%
 # needs: chunk_ranking, holds_position
