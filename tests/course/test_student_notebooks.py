@@ -107,17 +107,32 @@ def test_student_notebook_keeps_outputs_and_starts_cells_with_needs(name, tmp_pa
             assert new.outputs == [] and new.execution_count is None, f"cell {i}: a stripped exercise keeps no output"
         else:
             assert rest == ref_rest, f"cell {i} changed beyond its needs line"
-            assert new.outputs == old.outputs and new.execution_count == old.execution_count, \
-                f"cell {i}: the committed outputs are kept"
+            if any(line in shown(old) for line in solution_lines(name)):
+                assert new.outputs == [] and new.execution_count is None, f"cell {i} printed a solution line"
+            else:
+                assert new.outputs == old.outputs and new.execution_count == old.execution_count, \
+                    f"cell {i}: the committed outputs are kept"
     assert any(c.get("outputs") for c in student if c.cell_type == "code")
     text = json.dumps([c.get("outputs", []) for c in student])      # the kept outputs show no solution line
-    for path in ASSIGNMENTS[name].sources():
-        lines = path.read_text().splitlines() if path.exists() else []
-        for r in (r for r in find_regions(path) if r.assignment == name and path.suffix == ".py"):
-            for line in (re.sub(r"\s+#.*$", "", line).strip() for line in r.body(lines)):
-                if len(line) >= 16 and not line.startswith("#"):
-                    assert line not in text and json.dumps(line)[1:-1] not in text, \
-                        f"the student notebook's outputs show {line!r} of {path.name}"
+    for line in solution_lines(name):
+        assert line not in text and json.dumps(line)[1:-1] not in text, \
+            f"the student notebook's outputs show {line!r} of a solution"
+
+
+def solution_lines(name: str) -> set[str]:
+    """The assignment's solution lines (code, comments cut, 16 characters or more) in its Python files."""
+    out = set()
+    for path in (p for p in ASSIGNMENTS[name].sources() if p.suffix == ".py" and p.exists()):
+        lines = path.read_text().splitlines()
+        for r in (r for r in find_regions(path) if r.assignment == name):
+            out |= {t for t in (re.sub(r"\s+#.*$", "", line).strip() for line in r.body(lines))
+                    if len(t) >= 16 and not t.startswith("#")}
+    return out
+
+
+def shown(cell) -> str:
+    """A code cell's committed outputs as text."""
+    return json.dumps(cell.get("outputs", [])) + "".join(str(o.get("text", "")) for o in cell.get("outputs", []))
 
 
 def test_needs_raises_until_the_task_is_done(tmp_path):
