@@ -9,7 +9,7 @@ replaced by ``raise NotImplementedError("<hint>")`` (``course.markers``), every 
 removed, no hidden tests and no hand-written mutants (``course/*/test_hidden.py``, ``course/*/mutants.py``),
 and ``course/<name>/writeup.md``, the written questions with room for the answers. The topic notebook is
 the committed one with the same regions stripped: every cell keeps its outputs but a stripped exercise, and
-a cell whose source starts ``# needs: TASK`` starts with ``course.lesson.needs`` instead, which stops it with
+a cell tagged ``needs:TASK`` starts with a call of ``course.lesson.needs``, which stops it with
 the task's name until the task is done. Every other line of the library is unchanged, so the rest of the
 code still reads and runs. Students install it with the README's two set-up commands, run the notebook,
 and check themselves with ``python -m course.grade <name>`` (public tests only: the hidden ones are not in
@@ -75,25 +75,27 @@ def check_out(out: Path) -> Path:
 
 
 def needs_calls(assignment: Assignment, source: Path) -> str:
-    """The notebook source with each code cell's first line ``# needs: TASK, ...`` replaced by the call that
-    stops the cell until the tasks are done, and a note saying so (``course.lesson``). A ``# needs:`` line
-    anywhere else, or naming a task the assignment does not have, is an error with its file and line."""
+    """The notebook source with a call at the top of each code cell tagged ``needs:TASK``, which stops the cell
+    until the tasks are done, and a note saying so (``course.lesson``). A ``needs:`` tag on a markdown cell, a
+    task the assignment does not have, or a leftover ``# needs:`` comment is an error with its file and line."""
     tasks = list(dict.fromkeys(r.task for r in assignment.regions() if r.task))
-    out, first = [], False                  # first: the next non-blank line opens a code cell
+    build = notebook_builder()
+    out = []
     for n, line in enumerate(source.read_text().splitlines(), 1):
-        m = lesson.NEEDS.match(line)
-        if m is None:
-            out.append(line)
-            first = (line.startswith("# %%") and "[markdown]" not in line) or (first and not line.strip())
+        out.append(line)
+        if line.startswith("# needs:"):
+            raise SystemExit(f"error: {source}:{n}: '# needs:' comment: name the tasks in the cell's tags "
+                             '(# %% tags=["needs:TASK"])')
+        m = build.MARKER.match(line) if line.startswith("# %%") else None
+        names = lesson.needed(json.loads(m["tags"])) if m and m["tags"] else []
+        if not names:
             continue
-        names = [t.strip() for t in m["tasks"].split(",")]
         wrong = [t for t in names if t not in tasks]
-        if not first or wrong:
-            why = "is not the first line of a code cell" if not first else \
+        if m["kind"] or wrong:
+            why = "is on a markdown cell" if m["kind"] else \
                 f"names {wrong[0]!r}, not a task of {assignment.name!r} (its tasks: {', '.join(tasks)})"
-            raise SystemExit(f"error: {source}:{n}: '# needs:' {why}")
+            raise SystemExit(f"error: {source}:{n}: the tag 'needs:' {why}")
         out += lesson.call(assignment.name, names)
-        first = False
     return "\n".join(out) + "\n"
 
 

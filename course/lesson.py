@@ -1,15 +1,15 @@
 """
 The lesson in a student copy: a notebook cell that needs an unfinished task says which, and the others run.
 
-In a notebook's source a code cell that cannot run before a task of the topic's assignment is done starts
-with a comment naming the tasks (the ``[assignment:task]`` names of the library's solution regions)::
+In a notebook's source a code cell that cannot run before a task of the topic's assignment is done names the
+tasks (the ``[assignment:task]`` names of the library's solution regions) in its cell tags, out of the
+reader's way::
 
-    # %%
-    # needs: sinks_and_recent, window_vote
+    # %% tags=["needs:sinks_and_recent", "needs:window_vote"]
     sample = make_sample(...)
 
-In the reference this is only a comment. ``python -m course.handout NAME`` turns it, in the student's
-notebook, into a call and a note::
+In the reference these are only tags (Jupyter keeps them in the cell's metadata). ``python -m course.handout
+NAME`` turns them, in the student's notebook, into a call and a note at the top of the cell::
 
     from course.lesson import needs; needs("baselines", "sinks_and_recent", "window_vote")
     # runs once tasks sinks_and_recent (sheet task 1) and window_vote (sheet task 3) are done
@@ -29,7 +29,12 @@ from pathlib import Path
 from .assignments import ROOT, get
 from .markers import find_regions
 
-NEEDS = re.compile(r"^# needs: (?P<tasks>[a-z0-9_]+(?:, ?[a-z0-9_]+)*)\s*$")     # the source's comment
+NEEDS = "needs:"                     # the prefix of a cell tag naming a task: "needs:window_vote"
+
+
+def needed(tags: list[str]) -> list[str]:
+    """The tasks a cell's tags say it needs, in order: ["needs:a", "x", "needs:b"] -> ["a", "b"]."""
+    return [t[len(NEEDS):] for t in tags if t.startswith(NEEDS)]
 DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async[ \t]+)?(?:def|class)[ \t]+(?P<name>\w+)")
 
 
@@ -107,7 +112,7 @@ def needs(assignment: str, *tasks: str, root: Path = ROOT) -> None:
 
 
 def call(assignment: str, tasks: list[str], root: Path = ROOT) -> list[str]:
-    """The two lines a student copy's cell starts with in place of ``# needs: ...``: the call, and the note."""
+    """The two lines a student copy's cell starts with where its tags say ``needs:...``: the call, and the note."""
     names = ", ".join(f'"{t}"' for t in tasks)
     return [f'from course.lesson import needs; needs("{assignment}", {names})',
             f"# runs once {describe(assignment, tasks, root)} {'is' if len(tasks) == 1 else 'are'} done"]

@@ -7,7 +7,7 @@
 # **You will learn**
 #
 # 1. what a decoder recomputes at every step when it has no cache, and what the cache stores instead
-#    (drawn from a real generation), and a cache built by hand in 15 lines: the append and the attention
+#    (drawn from a real generation), and a cache built by hand in a few lines: the append and the attention
 #    over stored entries, checked against the library's;
 # 2. the memory formula `2 * n_layer * n_kv_head * head_dim * bytes * T`, and what grouped-query attention saves;
 # 3. that cached decoding computes *exactly* what the plain forward computes (fp32);
@@ -70,8 +70,7 @@ print_mode(TINY)                                   # quick mode: the text descri
 # Below, the model generates a few tokens both ways, and a hook on layer 0's key projection counts the
 # rows it computes at each step: the whole prefix without a cache, one row with it.
 
-# %%
-# needs: append, group_scores, mask
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 PROMPT, NEW = 4, 8                                            # a 4-token prompt, then 8 new tokens
 x = torch.randint(0, config.vocab_size, (1, PROMPT + NEW))
 counts = []                                                   # rows of x the K projection sees, per call
@@ -125,8 +124,7 @@ print(f"{NEW} new tokens after a {PROMPT}-token prompt: layer 0 computed {sum(re
 # nanollm stores, per layer, `k, v: (B, H_kv, T, d)` (keys *after* RoPE) and `pos: (B, H_kv, T)`,
 # the absolute position of every stored entry. Let's look at one.
 
-# %%
-# needs: append
+# %% tags=["needs:append"]
 print(config)
 print(f"{model.num_params():,} parameters")
 
@@ -157,8 +155,7 @@ print("positions of row 0, KV head 0:", layer0.pos[0, 0].tolist(), "| tokens see
 # a decode step): every call of layer 0 is replayed through the hand-built cache and must give the same
 # output.
 
-# %%
-# needs: append, group_scores, mask
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 CAPACITY = 64                                                  # slots preallocated per KV head
 k_buf = torch.zeros(1, config.n_kv_head, CAPACITY, config.head_dim)   # (B, H_kv, slots, d)
 v_buf = torch.zeros_like(k_buf)
@@ -244,8 +241,7 @@ for name in ["TINY", "SMALL", "GPT2_124M", "TINYLLAMA_1B"]:
 # The formula is not an estimate: `cache.nbytes()` counts the tensors actually stored. For the cache
 # filled above (batch 2, 10 tokens, fp32):
 
-# %%
-# needs: append
+# %% tags=["needs:append"]
 print("cache.nbytes()                         :", cache.nbytes())
 print("kv_bytes_per_token() * tokens * batch  :", config.kv_bytes_per_token() * 10 * 2)
 
@@ -253,12 +249,11 @@ print("kv_bytes_per_token() * tokens * batch  :", config.kv_bytes_per_token() * 
 # ## 3. The cache changes nothing (in fp32)
 #
 # Cached decoding must compute what the plain forward computes. Below: the logits of a full uncached
-# forward over 48 tokens, against (a) prefilling 1 token and decoding the other 47 one at a time, and
-# (b) prefilling 20 tokens and `extend`ing by a chunk of 28 (how a question is added after a document).
+# forward over 48 tokens, against (a) prefilling 1 token and decoding the rest one at a time, and
+# (b) prefilling 20 tokens and `extend`ing by the rest in one chunk (how a question is added after a document).
 # Both flavours: Llama (RoPE, GQA) and GPT-2 (learned positions, MHA).
 
-# %%
-# needs: append, group_scores, mask
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 for name in ["TINY", "TINY_GPT2"]:
     m = Transformer(preset(name)).eval()
     x = torch.randint(0, m.config.vocab_size, (2, 48))
@@ -282,12 +277,12 @@ for name in ["TINY", "TINY_GPT2"]:
 #
 # `nanollm.cli.bench.run_bench` times, at each context length, one cached `decode_step` against one full
 # uncached forward over the prefix (what you would run to get the next token without a cache). The
-# lengths and both modes are measured interleaved, and medians are reported; dotted lines are the
-# least-squares fits `ms = a + b * context`. The same numbers, as a table, come from
+# lengths and both modes are measured interleaved, and medians are reported with the quartiles of the
+# repeats as a band (most bands are thinner than the line); dotted lines are the least-squares fits
+# `ms = a + b * context`. The same numbers, as a table, come from
 # `python -m nanollm.cli.bench` on the command line.
 
-# %%
-# needs: append, group_scores, mask
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 bench = run_bench(config, contexts=CONTEXTS, repeats=REPEATS, steps=STEPS, threads=1)
 ctx = [r.context for r in bench.rows]
 
@@ -302,7 +297,9 @@ def plain_log_ticks(axis, ticks):
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=80, layout="constrained")
 for mode, style in [("recompute", "o-"), ("cached", "s-")]:
     a, b = bench.fit[mode]
-    ax1.plot(ctx, [getattr(r, f"{mode}_ms") for r in bench.rows], style, label=f"{mode} (measured)")
+    ax1.plot(ctx, [getattr(r, f"{mode}_ms") for r in bench.rows], style, label=f"{mode} (median)")
+    ax1.fill_between(ctx, *zip(*[getattr(r, f"{mode}_iqr_ms") for r in bench.rows]), alpha=0.25,
+                     label="quartiles of the repeats" if mode == "cached" else None)
     fit = [(t, a + b * t) for t in ctx if a + b * t > 0]
     ax1.plot(*zip(*fit), "k:", lw=1, label="least-squares fit" if mode == "cached" else None)
 ax2.plot(ctx, [r.speedup for r in bench.rows], "o-", color="C2")
@@ -332,8 +329,7 @@ print(f"slopes: recompute {b_r * 1e3:.2f} ms, cached {b_c * 1e3:.3f} ms per 1k t
 # layers (the printed share). Even so the cache already pays at the shortest context measured. The price
 # is memory, which grows linearly with the tokens seen:
 
-# %%
-# needs: append, group_scores, mask
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 cache = KVCache(config)
 x = torch.randint(0, config.vocab_size, (1, GROW_TOKENS))
 prefill(model, x[:, :1], cache)
@@ -375,12 +371,11 @@ plt.show()
 # token into them, so a step moves nothing. Slots then stop following positions, harmless for the same two
 # reasons.
 #
-# Below, a 12-token prompt; each head keeps 2 "sink" tokens, 3 recent ones and a different middle token
-# (head 1 one fewer: an empty slot), then one more token is decoded. The picture is layer 0's storage, slot
+# Below, a 12-token prompt; each head keeps the 2 "sink" tokens, the three most recent and a different
+# middle token (head 1 one fewer: an empty slot), then one more token is decoded. The picture is layer 0's storage, slot
 # by slot, each slot labelled with the position it stores.
 
-# %%
-# needs: append, group_scores, mask
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 cache = KVCache(config)
 prefill(model, torch.randint(0, config.vocab_size, (1, 12)), cache)
 kv = cache.layers[0]
@@ -421,8 +416,7 @@ print(f"kept keys unchanged: {unchanged}; the new token got position {int(pos[0,
 # the head still holds, labelled with the slot that holds it. The cell compares every kept key and value
 # with the full cache's entry at the same position.
 
-# %%
-# needs: append, group_scores, mask
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from methods.snapkv import SnapKVPolicy
 
 prompt = torch.randint(0, config.vocab_size, (1, 10))
@@ -478,8 +472,7 @@ print(f"every entry SnapKV kept equals the full cache's entry at its position: {
 # after it, and changes nothing else. It serves a prefill of 10 tokens, one `extend` chunk of 4 tokens and
 # 3 decode steps.
 
-# %%
-# needs: append, group_scores, mask
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from methods.streaming_llm import StreamingLLMPolicy
 
 
@@ -611,8 +604,7 @@ print(f"GQA: {gib_gqa:.0f} GiB | MHA: {gib_mha:.0f} GiB ({gib_mha / gib_gqa:.0f}
 # timings in notebook `07_kernels`, section 2. (Another way out, used by gpt-fast: preallocate the cache
 # for the maximum length once.)
 
-# %%
-# needs: append
+# %% tags=["needs:append"]
 T = 1024
 # BEGIN SOLUTION [cache] step: 2 (read, write) x config.kv_bytes_per_token() x T; generation: sum over t < T
 cat_bytes_step = 2 * config.kv_bytes_per_token() * T
@@ -640,8 +632,7 @@ print(f"one torch.cat append at T={T}: {cat_bytes_step / 2**20:.2f} MiB moved, {
 # of section 6 (budget 8) over a prompt of 20 tokens, two `extend` chunks of 5 tokens and 6 decode steps:
 # how many calls of each hook, and how many slots each layer holds at the end.
 
-# %%
-# needs: append, group_scores, mask
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 # BEGIN SOLUTION [cache] per step and layer: attend_kv, then on_prefill (first step) or on_decode (later steps)
 n_layers, n_steps = 4, 1 + 2 + 6
 calls = {"attend_kv": n_layers * n_steps, "on_prefill": n_layers, "on_decode": n_layers * (n_steps - 1)}
@@ -655,3 +646,8 @@ assert calls == counted, f"you predicted {calls}, the cache made {counted}: an e
 assert all(len(kv) == slots_at_end for kv in end.layers), \
     f"the layers hold {[len(kv) for kv in end.layers]} slots: StreamingLLM evicts after every step"
 print("hook calls:", counted, "| slots per layer at the end:", [len(kv) for kv in end.layers])
+
+# %%
+from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
+
+print_run_time()

@@ -3,22 +3,18 @@
 #
 # Every results table in this project compares a method against the full cache and against four
 # baselines: **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**. They are the four simplest answers to
-# the one question every KV-cache method answers: with room for `budget` entries per layer and KV head,
+# the question every KV-cache method answers: with room for `budget` entries per layer and KV head,
 # which tokens stay?
 #
 # **You will learn**
 #
 # 1. what each baseline keeps of one small attention matrix, in a picture;
 # 2. each rule written from its paper in a few lines, checked against the library;
-# 3. which positions each keeps of a needle on the bundled model, and why SnapKV keeps the question's key but
-#    not the answer;
-# 4. how often each answers on real passages with a real model, SmolLM2-135M;
-# 5. accuracy and KL of the four at three keep ratios, with their intervals.
+# 3. how often each answers on real passages with a real model, SmolLM2-135M.
 #
-# The metrics of the results tables (acc, KL, pert, lost, ...) are defined in the glossary, the appendix at the
-# end, which the later notebooks link to. Code: `methods/streaming_llm.py`, `methods/h2o.py`,
-# `methods/snapkv.py`, `methods/adakv.py` (the methods), `methods/evaluation/harness.py` (the metrics),
-# `methods/evaluation/compare.py` (the evaluation loop), `methods/evaluation/viz.py` (pictures).
+# The metrics of the results tables (acc, KL, pert, lost, ...) are defined in the glossary, this notebook's
+# appendix, which the later notebooks link to. Code: `methods/streaming_llm.py`, `methods/h2o.py`,
+# `methods/snapkv.py`, `methods/adakv.py` (the methods), `methods/evaluation/harness.py` (the metrics).
 
 # %%
 import math
@@ -33,18 +29,12 @@ if not os.path.isdir("methods") and os.path.isdir(os.path.join("..", "methods"))
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from matplotlib.colors import LogNorm
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
-from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
 from methods import make_policy
 from methods.adakv import adaptive_keep_mask, mask_to_indices
 from methods.analysis.persistence import record_attention
-from methods.evaluation.compare import run
-from methods.evaluation.harness import compare_traces, greedy_accuracies, traces
 from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import kept_mask, kept_text, needle_spans, plot_kept, print_mode
+from methods.evaluation.viz import needle_spans, print_mode
 from methods.h2o import STATE as H2O_SCORE
 from methods.h2o import H2OPolicy, received_attention
 from methods.snapkv import SnapKVPolicy, snapkv_scores
@@ -56,15 +46,13 @@ from nanollm.data.tasks import make_sample, string_match_all
 torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
 t_start = time.time()
 model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter model, 4 layers, 2 KV heads
-LENGTH = 256 if TINY else 512                      # tokens per sample
-BUDGET = LENGTH // 4                               # keep ratio 0.25 for section 3
-SAMPLES = 1 if TINY else 10                        # samples per task and mode in section 5
-TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
-KEEP_RATIOS = [0.25] if TINY else [0.1, 0.25, 0.5]
+LENGTH = 256 if TINY else 512                      # tokens per sample, in the exercises
+BUDGET = LENGTH // 4                               # keep ratio 0.25, in exercise 4
 SPECS = ["streaming_llm", "h2o", "snapkv", "adakv"]    # the four baselines, with their default options
 NAMES = {"full": "full cache", "streaming_llm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "adakv": "AdaKV"}
 G = model.config.group_size                        # query heads per KV head
-print(f"tasks: {TASKS}; {SAMPLES} samples per task and mode, {LENGTH} tokens, budget {BUDGET} in section 3")
+print(f"the bundled model: {model.config.n_layer} layers, {model.config.n_head} query heads sharing "
+      f"{model.config.n_kv_head} KV heads; samples of {LENGTH} tokens in the exercises")
 print_mode(TINY)                                   # quick mode: the text describes another run
 
 # %% [markdown]
@@ -107,8 +95,7 @@ plt.show()
 # keeps the columns with the most attention in total; **SnapKV** keeps the columns the window's rows attend;
 # **AdaKV** takes SnapKV's scores but lets one KV head use more than its share. With 6 entries per KV head:
 
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 h2o_scores = received_attention(toy_probs.sum(2), HKV_TOY)             # column sums, GQA group mean
 snap = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")
 snapkv = SnapKVPolicy(B_TOY, window=W_TOY, kernel=3)
@@ -302,171 +289,19 @@ for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0
     print(f"KV head 0's scores x{scale:g}: entries per KV head {adakv_keep(scores, B_TOY, 1).sum(-1).tolist()} "
           f"(safeguard 1), {adakv_keep(scores, B_TOY, B_TOY).sum(-1).tolist()} (safeguard = budget)")
 
+
 # %% [markdown]
 # The last line shows the failure mode AdaKV's safeguard exists for: a head whose scores are on a larger scale
-# takes most of the pool (11 of the 12 entries), and only the safeguard leaves the other head anything. With
-# the safeguard equal to the budget every head keeps exactly its budget, and AdaKV is the inner scorer alone.
+# takes most of the pool (11 of the 12 entries), and only the safeguard leaves the other head anything.
 #
-# ## 3. One needle on the bundled model
+# ## 3. Real passages with SmolLM2-135M
 #
-# From here on the notebook uses the library's four methods. A single-needle sample (`niah_single_noise`,
-# seed 1), the question in the prompt, each baseline at `budget = LENGTH // 4` (keep ratio 0.25), compressed
-# at prefill. One strip per layer and KV head (4 layers x 2 KV heads), kept positions dark; the needle's value
-# in red, the 12 tokens in front of it (its key and wording) in orange; the dotted line is where SnapKV's
-# observation window starts.
-#
-# ### 3.1 Which positions survive
-
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
-sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)
-N = len(sample.prompt_ids)
-ids = torch.tensor([sample.prompt_ids])
-spans = needle_spans(sample, tok)
-start, v, end = spans[0]
-caches = {}
-for spec in SPECS:
-    caches[spec] = KVCache(model.config, make_policy(spec, budget=BUDGET))
-    prefill(model, ids, caches[spec])
-print(f"The prompt has {N} tokens (budget {BUDGET}, {BUDGET / N:.3f} of it): the needle's key and wording at "
-      f"positions {start}-{v - 1}, its value {sample.answers[0]!r} at {v}-{end - 1}; StreamingLLM keeps 0-3 "
-      f"and {N - (BUDGET - 4)}-{N - 1}.")
-
-
-def kept_legend(fig, window=True):
-    handles = [Patch(color="orange", alpha=0.4, label="needle key and wording"),
-               Patch(color="red", alpha=0.5, label="needle value")]
-    if window:
-        handles.append(Line2D([], [], color="tab:blue", ls=":", label="observation window starts"))
-    fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=3, bbox_to_anchor=(0.5, 0.0), frameon=False)
-
-
-def plot_four(caches, n_tokens, spans, fig_height, tick_every=1):
-    fig, axes = plt.subplots(len(caches), 1, figsize=(12, fig_height), sharex=True)
-    for ax, (spec, cache) in zip(axes, caches.items()):
-        plot_kept(ax, cache, n_tokens, spans, title=NAMES[spec], window=32 if spec in ("snapkv", "adakv") else 0)
-        if tick_every > 1:
-            H_kv = cache.layers[0].pos.shape[1]
-            ticks = range(0, len(cache.layers), tick_every)
-            ax.set_yticks([layer * H_kv for layer in ticks], [f"L{layer} KV0" for layer in ticks], fontsize=7)
-        ax.set_ylabel("layer, KV head")
-        cb = fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01)
-        cb.ax.set_yticklabels(["evicted", "kept"], fontsize=7)
-    kept_legend(fig)
-    plt.tight_layout(rect=(0, 0.03, 1, 1))
-    plt.show()
-
-
-plot_four(caches, N, spans, 9)
-
-# %% [markdown]
-# StreamingLLM's strips are all alike: the first four tokens and the recent window, far from the needle. H2O
-# keeps scattered tokens everywhere, most densely at the start, and the needle's value in some strips. SnapKV
-# and AdaKV keep the window and clusters before it, the needle's wording often, its value more rarely;
-# AdaKV's strips differ in length (KV head 0 takes more than KV head 1).
-#
-# ### 3.2 Does the answer survive?
-#
-# The greedy answer under each cache in both modes (question in the prompt, or after a context compressed
-# without it), and with the question in the prompt the metrics of the results tables: acc, KL, pert and lost
-# (see the glossary in the appendix for their exact definitions). Then the *retrieving head*: the query head
-# that gives the needle's value the most attention at the first decode step, in the full cache, and its
-# KV head's strip under each method (`_` = evicted).
-
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
-trs = traces(model, sample, MODES[0], [None] + [make_policy(s, budget=BUDGET) for s in SPECS],
-             [True] + [False] * len(SPECS))
-full_tr, method_trs = trs[0], dict(zip(SPECS, trs[1:]))
-answers = greedy_accuracies(model, tok, sample, trs)
-metrics = {spec: compare_traces(full_tr, tr, G) for spec, tr in method_trs.items()}
-print(f"{'method':14} {'answer':>12} {'after context':>14} {'acc':>5} {'KL':>7} {'pert':>6} {'lost':>6}")
-for spec, (acc, pred) in zip(["full"] + SPECS, answers):
-    m = metrics.get(spec, {"kl": 0.0, "perturbation": 0.0, "lost_mass": 0.0})
-    after = answer(model, tok, sample, MODES[1], None if spec == "full" else make_policy(spec, budget=BUDGET))
-    print(f"{spec:14} {pred.strip():>12} {after.strip():>14} {acc:5.2f} {m['kl']:7.3f} {m['perturbation']:6.3f} "
-          f"{m['lost_mass']:6.3f}")
-on_value = torch.stack([p[:, v:end].sum(-1) for p in full_tr.probs.values()])    # (L, H) mass on the value
-L_RET, H_RET = divmod(int(on_value.argmax()), on_value.shape[1])
-KV_RET = H_RET // G
-print(f"\nThe retrieving head is layer {L_RET}, query head {H_RET} (KV head {KV_RET}): it gives the value "
-      f"{on_value[L_RET, H_RET]:.3f} of its attention. Its KV head's strip:")
-for spec in SPECS:
-    strips = kept_text(tok, sample.prompt_ids, caches[spec], spans[0]).splitlines()[1:]     # one per (layer, KV head)
-    print(f"{spec:14} {strips[L_RET * model.config.n_kv_head + KV_RET]}")
-
-# %% [markdown]
-# With the question in the prompt only H2O answers, and it still does after the context; StreamingLLM,
-# SnapKV and AdaKV answer a run of one digit in both modes. H2O's KL is 0.000 and its lost mass the least of
-# the four (0.292); the three that fail have KL above 10 nats. The retrieving head (layer 3, query head 2)
-# explains it: in its KV head H2O still holds the whole value, while SnapKV and AdaKV hold the key and
-# wording "special magic number for royal-field is:" and none of the six value tokens. The model attends to a
-# key with nothing after it.
-#
-# ### 3.3 Why SnapKV keeps the key and not the value
-#
-# SnapKV keeps what the observation window (here the question) attends. The retrieving head's attention over
-# the needle and the tokens around it, from the window's 32 queries and from the first answer step (full
-# cache):
-
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
-prompt_maps = record_attention(model, ids)                              # n_layer x (H, N, N)
-lo, hi = max(1, start - 4), min(N - 32, end + 4)                        # the needle and a few tokens around it
-rows = torch.cat([prompt_maps[L_RET][H_RET, N - 32:, lo:hi], full_tr.probs[L_RET][H_RET:H_RET + 1, lo:hi]])
-fig, ax = plt.subplots(figsize=(11, 6))
-im = ax.imshow(rows.clamp(min=1e-4).numpy(), cmap="magma_r", norm=LogNorm(1e-4, 1), aspect="auto",
-               interpolation="nearest")
-ax.set_xticks(range(hi - lo), [repr(tok.decode([t]))[1:-1] for t in sample.prompt_ids[lo:hi]], rotation=90, fontsize=8)
-for i in range(v - lo, end - lo):
-    ax.get_xticklabels()[i].set_color("red")
-ax.set_yticks(range(0, 33, 4), [f"window query {i}" for i in range(0, 32, 4)] + ["first answer step"], fontsize=8)
-ax.axhline(31.5, color="tab:blue", lw=1.5)
-ax.set(title=f"The retrieving head (layer {L_RET}, query head {H_RET}): what the window's queries and the first "
-       "answer step attend", xlabel="prompt token around the needle (the value in red)", ylabel="query")
-fig.colorbar(im, ax=ax, label="attention probability (log scale)")
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# The window's queries (above the blue line) look at the needle's key, the words the question repeats, and
-# barely at its value; only the first answer step (the last row) puts its attention on the value. SnapKV's
-# vote sums the rows above the line, so the value loses. The votes in numbers, per layer, in the KV head of
-# the query head that reads the value most: the window's summed attention on the key and wording and on the
-# value (before pooling, mean over the KV head's query heads), and the best rank a value token reaches after
-# pooling (0 = best; SnapKV keeps the ranks below `BUDGET - 32`):
-
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
-for layer, a in enumerate(prompt_maps):
-    kv_head = int(on_value[layer].argmax()) // G
-    raw = snapkv_scores(a[None], model.config.n_kv_head, 32, 1, "max")[0, kv_head]    # (N,) unpooled votes
-    pooled = snapkv_scores(a[None], model.config.n_kv_head, 32, 7, "max")[0, kv_head, :N - 32]
-    rank = pooled.argsort(descending=True).argsort()                    # 0 = the best prefix position
-    print(f"layer {layer}, KV head {kv_head}: window vote on the key and wording {raw[start:v].sum():.3f}, "
-          f"on the value {raw[v:end].sum():.3f}; best value rank {int(rank[v:end].min())} "
-          f"(kept: rank < {BUDGET - 32} of {N - 32})")
-counts = [(kv.pos[0] >= 0).sum(-1).tolist() for kv in caches["adakv"].layers]    # (H_kv,) entries per layer
-print("AdaKV's entries per KV head, layer by layer:", ", ".join(str(c) for c in counts))
-
-# %% [markdown]
-# In layer 3's KV head 1 the window gives the key and wording 6.981 units of its summed attention and the value
-# 0.024: the question repeats the key, so its queries look at the key. After pooling the best value token
-# ranks 120 among the 462 prefix positions, where SnapKV keeps the ranks below 96. AdaKV reads the same
-# scores and moves entries from KV head 1 to KV head 0 in every layer ([147, 109] in layer 0, [187, 69] in
-# layer 3), which takes entries away from the retrieving head's KV head: its answer is SnapKV's.
-#
-# ## 4. Real passages with SmolLM2-135M
-#
-# The bundled model was trained on needles; a real model reads natural text. SmolLM2-135M (30 layers, 9 query
-# heads sharing 3 KV heads) on `niah_single_docs` prompts: consecutive paragraphs of Python's documentation
-# with one magic-number sentence inside, the question in the prompt, compressed to a quarter of the sample's
-# length by each baseline.
-#
-# ### 4.1 How often each answers
-#
-# The same task with several seeds (the needle at another depth, other paragraphs), one greedy answer per
-# passage and method, scored as the tables score it (acc, see the glossary).
+# From here on the notebook uses the library's four methods, on a real model reading natural text:
+# SmolLM2-135M (30 layers, 9 query heads sharing 3 KV heads) on `niah_single_docs` prompts, consecutive
+# paragraphs of Python's documentation with one magic-number sentence inside and the question at the end of
+# the prompt. Each baseline keeps a quarter of the sample's length. Each seed puts the needle at another depth
+# among other paragraphs; every passage gets one greedy answer per method, scored as the tables score it (acc,
+# see the glossary).
 
 # %%
 real, real_tok, real_card = load("smollm2-135m")         # 30 layers, 9 query heads, 3 KV heads (its card), fp32
@@ -475,8 +310,7 @@ BUDGET_REAL = LENGTH_REAL // 4                           # keep ratio 0.25
 PASSAGES = 2 if TINY else 8                              # seeds 1, 2, ...
 print(f"{PASSAGES} passages of at most {LENGTH_REAL} tokens, budget {BUDGET_REAL} entries per layer and KV head")
 
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 t0 = time.time()
 real_acc, real_answers = {s: [] for s in ["full"] + SPECS}, {}
 for seed in range(1, PASSAGES + 1):
@@ -512,199 +346,19 @@ for spec in SPECS:
           + against_h2o)
 print(f"({time.time() - t0:.0f} s)")
 
+
 # %% [markdown]
-# On real passages H2O is not the bundled model's clear winner. StreamingLLM answers 4 of the 8 passages, H2O
-# 3, SnapKV and AdaKV 2, against the full cache's 7: every baseline is distinguishably below the full cache,
-# and with 8 passages no baseline is distinguishable from H2O (each paired 95% interval contains 0). What
-# decides is where the needle sits. StreamingLLM answers exactly the passages whose value lies in its recent
-# window, and H2O exactly those whose value lies in its recent half (the last `budget // 2` tokens); no
-# baseline answers the three passages whose needle is near the start (1, 5 and 6). On the bundled model H2O's
-# accumulated attention kept an old needle's value (section 3); on SmolLM2 and real text it keeps the old
-# tokens that receive attention everywhere (the start of the passage, section 4.2), not the value. One model's
-# ranking of the baselines does not carry over to another.
+# The bars are the share of the passages each cache answers, with its 95% interval: StreamingLLM answers 4 of
+# the 8 passages, H2O 3, SnapKV and AdaKV 2, against the full cache's 7. Every baseline is distinguishably
+# below the full cache, and with 8 passages none is distinguishable from H2O (each paired 95% interval
+# contains 0). What decides is where the needle sits: StreamingLLM answers exactly the passages whose value
+# lies in its recent window, H2O exactly those whose value lies in its recent half (the last `budget // 2`
+# tokens), and no baseline answers the three passages whose needle is near the start (1, 5 and 6).
 #
-# ### 4.2 One passage up close
-#
-# Seed 1: the needle is the passage's first sentence after the header, so it is old by the time the question
-# comes.
-
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
-real_sample = make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=1)
-real_ids = torch.tensor([real_sample.prompt_ids])
-N_REAL = len(real_sample.prompt_ids)
-real_spans = needle_spans(real_sample, real_tok)
-r_start, r_v, r_end = real_spans[0]
-print(f"{N_REAL} prompt tokens, budget {BUDGET_REAL}; needle value {real_sample.answers} at positions "
-      f"{r_v}-{r_end - 1}")
-print(real_tok.decode(real_sample.prompt_ids))
-real_caches = {}
-for spec in SPECS:
-    real_caches[spec] = KVCache(real.config, make_policy(spec, budget=BUDGET_REAL))
-    prefill(real, real_ids, real_caches[spec])
-print(f"{'full':14} answers {real_answers['full', 1]!r}")
-for spec in SPECS:
-    mask = kept_mask(real_caches[spec], N_REAL)                           # (30, 3, N)
-    print(f"{spec:14} answers {real_answers[spec, 1]!r:22} value kept whole in "
-          f"{int(mask[..., r_v:r_end].all(-1).sum())} of {mask.shape[0] * mask.shape[1]} strips; "
-          f"first token in {int(mask[..., 0].sum())}")
-print(f"StreamingLLM keeps positions 0-3 and {N_REAL - (BUDGET_REAL - 4)}-{N_REAL - 1}")
-plot_four(real_caches, N_REAL, real_spans, 14, tick_every=5)
-
-# %% [markdown]
-# Which positions the 90 strips (30 layers x 3 KV heads) keep: StreamingLLM's are again all alike and miss the
-# needle; H2O's are dense at the start of the passage and scattered after; SnapKV's and AdaKV's keep the window
-# and short clusters, a few of them on the needle. Zoomed in on the needle, the share of the strips that keep
-# each token:
-
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
-lo, hi = max(0, r_start - 8), min(N_REAL, r_end + 6)
-share = torch.stack([kept_mask(real_caches[s], N_REAL)[..., lo:hi].float().mean((0, 1)) for s in SPECS])
-fig, ax = plt.subplots(figsize=(13, 3.2))
-im = ax.imshow(share.numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
-ax.set_xticks(range(hi - lo), [repr(real_tok.decode([t]))[1:-1] for t in real_sample.prompt_ids[lo:hi]],
-              rotation=90, fontsize=8)
-ax.set_yticks(range(len(SPECS)), [NAMES[s] for s in SPECS])
-ax.set(title=f"SmolLM2-135M: share of the 90 strips that keep each token (positions {lo}-{hi - 1})",
-       xlabel="token (the needle's value is red)")
-for i in range(r_v - lo, r_end - lo):
-    ax.get_xticklabels()[i].set_color("red")
-fig.colorbar(im, ax=ax, label="share of strips keeping the token")
-plt.tight_layout()
-plt.show()
-for spec, row in zip(SPECS, share):
-    print(f"{spec:14} share of strips keeping: key and wording {row[r_start - lo:r_v - lo].mean():.2f}, "
-          f"value {row[r_v - lo:r_end - lo].mean():.2f}")
-
-# %% [markdown]
-# No method keeps the needle's value in many strips: StreamingLLM in none, H2O in a few (0.03 of them on
-# average, against 0.36 for the key and wording), SnapKV and AdaKV in 0.16. The full cache answers 131384;
-# StreamingLLM and H2O answer "123456.", a generic guess, and SnapKV and AdaKV "1313.", the first digits
-# right and the rest lost. As on the bundled model, the key is kept more often than the value: the tokens the
-# question repeats are the ones attention-based scores favour.
-
-# %% [markdown]
-# ## 5. Accuracy and KL at three keep ratios
-#
-# The harness on the bundled model's default suite, both modes, keep ratios 0.1, 0.25 and 0.5 (`SAMPLES`
-# samples per task and mode, 512-token samples, seed 0): the same jobs as the main command
-# `python -m methods.compare` for these four methods. Accuracy is the mean over the tasks with its 95% Wilson
-# interval; KL is averaged over the samples (see the glossary in the appendix).
-
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
-t0 = time.time()
-budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
-records = run(model, tok, SPECS, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
-ratios = sorted({r["keep_ratio"] for r in records if r["method"] != "full"})
-
-
-def rows_of(method, ratio, mode):
-    return [r for r in records if r["method"] == method and r["keep_ratio"] == ratio and r["mode"] == mode]
-
-
-def accuracies(method, ratio, mode):                      # per task, the per-sample scores
-    rows = {r["task"]: r["accuracies"] for r in rows_of(method, ratio, mode)}
-    return [rows[t] for t in TASKS]
-
-
-def mean_acc(method, ratio, mode):
-    rows = rows_of(method, ratio, mode)
-    return sum(r["accuracy"] for r in rows) / len(rows)
-
-
-def mean_kl(method, ratio, mode):
-    rows = rows_of(method, ratio, mode)
-    return sum(r["kl"] for r in rows) / len(rows)
-
-
-n_answers = len(TASKS) * SAMPLES
-fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
-for col, mode in enumerate(MODES):
-    axes[col].axhline(mean_acc("full", 1.0, mode), color="black", ls="--", label="full cache")
-    for i, spec in enumerate(SPECS):
-        x = [j + (i - 1.5) * 0.08 for j in range(len(ratios))]          # side by side, not on top of each other
-        acc = [mean_acc(spec, k, mode) for k in ratios]
-        ci = [wilson(a, n_answers) for a in acc]
-        axes[col].errorbar(x, acc, yerr=[[a - c[0] for a, c in zip(acc, ci)], [c[1] - a for a, c in zip(acc, ci)]],
-                           fmt="o-", capsize=3, color=f"C{i}", label=NAMES[spec])
-        axes[2 + col].plot(x, [mean_kl(spec, k, mode) for k in ratios], "o-", color=f"C{i}", label=NAMES[spec])
-    axes[col].set(title=f"Accuracy, question {'in the prompt' if col == 0 else 'after the context'}",
-                  ylabel="mean accuracy over tasks", ylim=(-0.05, 1.05))
-    axes[2 + col].set(title=f"KL(full || method), question {'in the prompt' if col == 0 else 'after the context'}",
-                      ylabel="KL (nats, log scale)", yscale="log")
-    axes[2 + col].yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    axes[2 + col].yaxis.set_minor_formatter(NullFormatter())
-    axes[2 + col].set_yticks([0.3, 1, 3, 10])
-for ax in axes:
-    ax.set_xticks(range(len(ratios)), [f"{k:.2g}" for k in ratios])         # 0.0996 (= 51 / 512) as 0.1
-    ax.set_xlabel("keep ratio")
-handles, labels = axes[0].get_legend_handles_labels()
-fig.legend(handles, labels, loc="lower center", ncol=5, bbox_to_anchor=(0.5, 0.0), frameon=False)
-plt.tight_layout(rect=(0, 0.07, 1, 1))
-plt.show()
-print(f"({time.time() - t0:.0f} s)")
-
-# %% [markdown]
-# H2O's accuracy rises fastest with the keep ratio and its KL falls fastest, in both modes; at keep 0.1 all
-# four are near zero. With the question in the prompt StreamingLLM overtakes SnapKV and AdaKV at keep 0.5.
-# The numbers behind the figure, with the peak memory of the keys and values (`KV KiB`, see the glossary),
-# then paired differences, each task's samples resampled (`methods/evaluation/intervals.py`): AdaKV against
-# SnapKV (the same scores, another allocation), the best baseline at each keep ratio against the second best,
-# and SnapKV in one mode against the other (the same samples). A difference is distinguishable when its
-# paired 95% interval excludes 0, within noise otherwise.
-
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
-for mode in MODES:
-    print(f"[{mode}]\n{'method':14} {'keep':>5} {'acc [95% Wilson]':>18} {'KL':>7} {'KV KiB':>7}")
-    for spec in ["full"] + SPECS:
-        for k in [1.0] if spec == "full" else ratios:
-            a = mean_acc(spec, k, mode)
-            lo_, hi_ = wilson(a, n_answers)
-            kib = max(r["kv_bytes"] for r in rows_of(spec, k, mode)) / 1024
-            print(f"{spec:14} {k:5.2f} {a:6.2f} [{lo_:.2f}, {hi_:.2f}] {mean_kl(spec, k, mode):7.3f} {kib:7.0f}")
-print()
-for mode in MODES:
-    for k in ratios:
-        best, second = sorted(SPECS, key=lambda s: -mean_acc(s, k, mode))[:2]
-        ada_snap = describe(*paired_difference(accuracies("adakv", k, mode), accuracies("snapkv", k, mode)))
-        top = describe(*paired_difference(accuracies(best, k, mode), accuracies(second, k, mode)))
-        print(f"{mode:24} keep {k:.2f}: adakv - snapkv {ada_snap};   {best} - {second} {top}")
-for k in ratios:
-    d = paired_difference(accuracies("snapkv", k, MODES[1]), accuracies("snapkv", k, MODES[0]))
-    print(f"snapkv at keep {k:.2f}, question after the context - in the prompt: {describe(*d)}")
-for other in ("snapkv", "adakv"):
-    d = paired_difference(accuracies("streaming_llm", ratios[-1], MODES[0]), accuracies(other, ratios[-1], MODES[0]))
-    print(f"{MODES[0]} keep {ratios[-1]:.2f}: streaming_llm - {other} {describe(*d)}")
-
-# %% [markdown]
-# What these runs say, on this model:
-#
-# * **H2O is the baseline that holds up on this model**: 0.65 at keep 0.25 and 0.89 at 0.5 with the question
-#   in the prompt, 0.68 and 0.89 after the context, each distinguishable from the second best (the paired
-#   interval excludes 0), and by far the lowest KL (1.304 and 0.305 in the prompt). At keep 0.1 nothing works:
-#   0.00-0.04 in the prompt, 0.00-0.08 after the context. Section 4 is the caveat: on SmolLM2 passages H2O was
-#   not ahead.
-# * **StreamingLLM, which reads no attention at all, beats SnapKV and AdaKV at keep 0.5 with the question in
-#   the prompt**: 0.44 against 0.21 and 0.20, both differences distinguishable.
-# * **SnapKV does better after the context than with the question in its window**: 0.40 against 0.21 at keep
-#   0.5, distinguishable at keep 0.1 and 0.5 and within noise at 0.25, the opposite of what a query-aware
-#   method is built for. Section 3.3 shows one mechanism with the question in the window: the window votes for
-#   the words the question repeats, the key, not for the value. After the context it also keeps every
-#   question token on top of the budget (436 KiB against 368 at keep 0.25); these runs do not separate the
-#   two.
-# * **AdaKV against SnapKV**: the paired differences are small, -0.01 to +0.04, except after the context at
-#   keep 0.5, where AdaKV is lower by 0.11 [-0.19, -0.05]. Two differences of +0.01 and +0.02 come out
-#   distinguishable, but they are too small to matter. On this model the reallocation does not fix what
-#   SnapKV's scores miss.
-# * **KL and accuracy rank differently**: at keep 0.5 in the prompt SnapKV's KL (3.988) is below
-#   StreamingLLM's (4.125) while its accuracy is 0.21 against 0.44. KL weighs every answer position and the
-#   whole distribution; accuracy asks only whether the greedy digits come out right.
-# * **The budget is not the memory**: SnapKV and AdaKV keep the decoded answer (and, after the context, the
-#   question) beyond `budget`, and AdaKV pads its shorter heads, so at keep 0.25 they store 368 and 422 KiB
-#   with the question in the prompt against 256 for StreamingLLM and H2O.
+# **Verdict**: on real text the four baselines keep what is recent or what every query attends (for H2O, the
+# start of the passage), and lose an old fact. On the bundled model, trained on needles, H2O's accumulated
+# attention does keep an old needle's value, and H2O leads the other three from keep 0.25 up (the lab): one
+# model's ranking of the baselines does not carry over to another.
 
 # %% [markdown]
 # ## Exercises
@@ -718,8 +372,7 @@ for other in ("snapkv", "adakv"):
 # Compute, with tensor operations and from `ex_seen`, `EX_BUDGET` and `EX_SINKS` only, the positions every
 # layer and KV head must hold now: `expected`, a 1-D tensor of positions in ascending order.
 
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 def entries_per_head(cache, layer=0):
     pos = cache.layers[layer].pos[0]                                     # (H_kv, T), -1 = empty slot
     return (pos >= 0).sum(-1).tolist()
@@ -754,8 +407,7 @@ print("Exercise 1: correct,", expected.tolist())
 # compare them with `ex_h2o_all` (a budget that keeps everything, so its per-slot scores are the prefill
 # scores of every position) and with `ex_h2o` (the budget applied).
 
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 ex_ids = torch.tensor([ex_sample.prompt_ids])
 ex_N = ex_ids.shape[1]
 ex_maps = record_attention(model, ex_ids)                          # n_layer x (H, N, N)
@@ -791,8 +443,7 @@ print("Exercise 2: correct; layer 0, KV head 0 keeps", ex_kept[0][0, :12].tolist
 # votes of section 2.3 (with `F.max_pool1d`, stride 1, padding 3, this time), the top `EX_SNAP_BUDGET - w`
 # prefix positions (on equal votes the earlier position wins: a *stable* descending sort), and the window.
 
-# %%
-# needs: sinks_and_recent, h2o_observe, window_vote, adakv
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 EX_SNAP_BUDGET, EX_W = 64, 32
 ex_snap = KVCache(model.config, make_policy("snapkv", budget=EX_SNAP_BUDGET, window=EX_W, kernel=7, pooling="max"))
 prefill(model, ex_ids, ex_snap)
@@ -814,21 +465,25 @@ assert all(torch.equal(k, kv.pos[0]) for k, kv in zip(ex_snap_kept, ex_snap.laye
 print("Exercise 3: correct; layer 3, KV head 1 keeps the prefix positions",
       ex_snap_kept[-1][1, :EX_SNAP_BUDGET - EX_W].tolist())
 
+
 # %% [markdown]
 # ### Exercise 4: what the safeguard does
 #
 # AdaKV gives every head its own top `int(alpha_safeguard * budget)` entries before the layer-wide
 # ranking (`alpha_safeguard = 0.2` by default). Build `make_policy("adakv", budget=BUDGET,
-# alpha_safeguard=a)` for `a` in `0.0, 0.2, 1.0`, prefill the needle prompt of section 3, and print
+# alpha_safeguard=a)` for `a` in `0.0, 0.2, 1.0`, prefill the needle prompt
+# `make_sample("niah_single_noise", tok, LENGTH, seed=1)` (the one the lab's section 1 studies), and print
 # `entries_per_head(cache, layer)` for every layer. Which value of `a` makes AdaKV exactly SnapKV (compare
 # the kept positions with `torch.equal`)? With `a = 0`, does some head lose its whole budget except the
-# observation window, and does the answer of section 3.2 change?
+# observation window, and does the greedy answer (`answer(model, tok, sample, MODES[0], policy)`) change?
 #
 # ### Exercise 5: StreamingLLM without sinks, H2O without a recent window
 #
-# Re-run the metrics of section 3.2 with `make_policy("streaming_llm", budget=BUDGET, n_sink=0)` and with
-# `make_policy("h2o", budget=BUDGET, n_recent=0)`. How do KL and `lost` change? §3.1 of the StreamingLLM
-# paper says a window without sinks collapses; does it on this model, at this budget?
+# On the same needle, measure KL and lost (the glossary, A.4 and A.6) with `traces` and `compare_traces` from
+# `methods.evaluation.harness`, as the lab's section 1.2 does, for `make_policy("streaming_llm",
+# budget=BUDGET, n_sink=0)` and `make_policy("h2o", budget=BUDGET, n_recent=0)` against the defaults. How do
+# KL and lost change? §3.1 of the StreamingLLM paper says a window without sinks collapses; does it on this
+# model, at this budget?
 
 # %%
 print(f"notebook ran in {time.time() - t_start:.0f} s")
@@ -837,30 +492,30 @@ print(f"notebook ran in {time.time() - t_start:.0f} s")
 # ## Appendix: metrics glossary
 #
 # The tables of `python -m methods.compare` (and of every notebook) have one row per method and keep ratio,
-# and the columns below. All of them come from `methods/evaluation/harness.py`: for each sample and mode,
-# `traces` runs the prompt, then feeds the **reference** answer one token at a time (teacher forcing), through
-# the full cache and through each method's cache, so all of them see exactly the same tokens;
-# `compare_traces` measures a method's trace against the full cache's. `tests/methods/evaluation/test_glossary.py`
-# recomputes each metric by hand from two traces, as worded here, and checks that the library agrees.
+# and the columns below, all computed by `methods/evaluation/harness.py`. For each sample and mode, `traces`
+# runs the prompt, then feeds the **reference** answer one token at a time (teacher forcing) through the full
+# cache and through each method's cache, so all of them see the same tokens; `compare_traces` measures a
+# method's trace against the full cache's. `tests/methods/evaluation/test_glossary.py` recomputes each metric
+# by hand from two traces, as worded here, and checks that the library agrees.
 #
 # ### A.1 Budget and keep ratio
 #
-# * **budget**: tokens kept per layer per KV head, protected tokens (sinks, recent or observation windows)
-#   included. For AdaKV it is the *average* per KV head: the layer keeps `H_kv * budget` entries in total,
-#   split unequally. SnapKV and AdaKV compress the prompt only, so tokens that come after it (the decoded
-#   answer, and the question in the second mode below) are appended and kept: their caches hold `budget`
-#   plus those tokens. StreamingLLM and H2O bring every layer back to `budget` after every step.
-# * **keep ratio** (`keep`): `budget / tokens seen` (the convention in `nanollm/policy.py`); in the tables it
-#   is `round(budget / length, 4)` with `length` the requested sample length, an upper bound on its tokens
-#   (context, question and answer), so `budget = round(keep x length)`: with `length = 512`, 51, 128 and 256
-#   entries for keep 0.1, 0.25 and 0.5. The prompt is shorter than `length`, so the fraction of the prompt a
-#   prefill method keeps is a little larger (section 3 prints it).
+# * **budget**: tokens kept per layer and KV head, protected tokens (sinks, recent or observation windows)
+#   included. For AdaKV it is the *average* per KV head: the layer keeps `H_kv * budget` entries, split
+#   unequally. SnapKV and AdaKV compress the prompt only, so what comes after it (the decoded answer, and in
+#   the second mode below the question) is appended and kept on top of `budget`. StreamingLLM and H2O bring
+#   every layer back to `budget` after every step.
+# * **keep ratio** (`keep`): `budget / tokens seen` (`nanollm/policy.py`). A table's `keep` is
+#   `round(budget / length, 4)`, with `length` the requested sample length, an upper bound on its tokens
+#   (context, question and answer); so `budget = round(keep * length)`, e.g. `round(0.1 * 512) = 51`. The
+#   prompt is shorter than `length`, so a prefill method keeps a slightly larger share of the prompt (the
+#   lab's section 1 prints it).
 #
 # ### A.2 The two modes
 #
 # * **question_in_prompt**: `prefill(context + question)`, then decode. The cache is compressed with the
-#   question already in it, so SnapKV's observation window is essentially the question.
-# * **question_after_context**: `prefill(context)`, which compresses before the question is known, then
+#   question in it, so SnapKV's observation window is essentially the question.
+# * **question_after_context**: `prefill(context)`, compressed before the question is known, then
 #   `extend(question)` onto the compressed cache, then decode. An evicted fact cannot come back when the
 #   question asks for it, and SnapKV's window is the end of the context, not the question.
 #
@@ -868,10 +523,10 @@ print(f"notebook ran in {time.time() - t_start:.0f} s")
 #
 # RULER's `string_match_all` of the **greedy** answer (`nanollm/data/tasks.py`): the fraction of the
 # reference strings found in the answer, case-insensitive, a digit string only as a whole number (`12345` is
-# not found inside `123456`). The greedy answer is decoded up to the end-of-text token or the task's answer
-# length. A table cell is the mean over samples; `mean acc` is the mean over the tasks. Its interval is
-# Wilson's over all the row's answers; a difference between two rows is distinguishable when its paired 95%
-# bootstrap interval excludes 0 (`methods/evaluation/intervals.py`).
+# not found inside `123456`). The answer is decoded up to the end-of-text token or the task's answer length.
+# A table cell is the mean over samples, `mean acc` the mean over tasks, and its interval is Wilson's over all
+# the row's answers. A difference between two rows is distinguishable when its paired 95% bootstrap interval
+# excludes 0 (`methods/evaluation/intervals.py`).
 #
 # ### A.4 KL
 #
@@ -885,27 +540,38 @@ print(f"notebook ran in {time.time() - t_start:.0f} s")
 #
 # ### A.5 pert (and attn_l1)
 #
-# The table's `pert` is the relative error of the **final hidden state** (after the final norm, the input of
-# the output layer) at the **first decode step**, the step that feeds the first answer token:
-# `pert = ||h_full - h_method||_2 / ||h_full||_2`. With the question in the prompt, that step is the first
-# moment a prefill compression can show, since the prompt's own attention is always exact (after the context,
-# the question's `extend` already reads the compressed cache). The records also hold `attn_l1`, the
-# attention-output perturbation per layer and query head at the same step, `||o_full - o_method||_1` (the
-# head's output before `W_O`): not a table column. CriticalKV (notebook 04) works with a related quantity, the
-# same difference projected through each head's slice of `W_O` (its Eq. 5), and minimises a bound on it.
+# `pert`: the relative error of the **final hidden state** (after the final norm, the input of the output
+# layer) at the **first decode step**, the step that feeds the first answer token:
+# `pert = ||h_full - h_method||_2 / ||h_full||_2`. With the question in the prompt it is the first step where a
+# prefill compression can show, since the prompt's own attention is exact (after the context, the question's
+# `extend` already reads the compressed cache). The records also hold `attn_l1`, not a table column: per layer
+# and query head at the same step, `||o_full - o_method||_1` of the head's output before `W_O`. CriticalKV
+# (notebook 04) minimises a bound on a related quantity, that difference projected through each head's slice
+# of `W_O` (its Eq. 5).
 #
 # ### A.6 lost
 #
 # The full cache's attention mass, at the first decode step, on the positions the method does **not** hold
 # exactly: for each layer and query head, the sum of `p_full(j)` over the positions `j` whose raw key and value
-# are not in the method's storage of that head's KV group; then the mean over layers and query heads. It is
-# measured with the full cache's probabilities, not the method's (the method renormalises over what it kept),
-# and an entry a method rebuilds approximately (KVReviver) counts as lost. 0 = nothing the full cache attends
-# was dropped; the value is a share in [0, 1].
+# are not in the method's storage of that head's KV group, then the mean over layers and query heads. It uses
+# the full cache's probabilities, not the method's (which renormalise over what was kept), and an entry a
+# method rebuilds approximately (KVReviver) counts as lost. It is a share in [0, 1]: 0 means that nothing the
+# full cache attends was dropped.
 #
 # ### A.7 KV KiB and ms/tok
 #
 # `KV KiB`: the peak bytes of stored keys and values over all layers during a trace (AdaKV's padding slots
 # included, see `methods/adakv.py`); a table cell is the largest peak over the row's samples and tasks, where
-# the other columns are means. `ms/tok`: a rough time per decode step when all the methods of a sample step
+# the other columns are means. `ms/tok`: a rough time per decode step, all the methods of a sample stepping
 # side by side; `python -m methods.evaluation.bench` is the benchmark.
+
+# %% [markdown]
+# **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb) takes the library's four
+# baselines further: which positions each keeps of one needle on the bundled model, and why SnapKV keeps the
+# question's key but not the answer; one SmolLM2 passage up close, token by token; and accuracy, KL and memory
+# on the bundled model's task suite at three keep ratios in both modes, with paired intervals.
+
+# %%
+from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
+
+print_run_time()

@@ -13,14 +13,13 @@
 # **You will learn**
 #
 # 1. Algorithm 1, written in a dozen lines and checked against the library, then drawn on a toy;
-# 2. what SnapKV and ChunkKV keep of one needle on the bundled model (a picture, then counts over samples);
-# 3. whether adjacent layers keep similar sets (the paper's motivation for reuse), measured;
-# 4. accuracy and KL against SnapKV and H2O, both modes, three keep ratios;
-# 5. the chunk-size and reuse-depth ablations, and why reuse helps on this model;
-# 6. the same questions on a real model, SmolLM2-135M.
+# 2. what SnapKV and ChunkKV keep of one needle on the bundled model (a picture, then a count over samples);
+# 3. whether adjacent layers keep similar sets, the observation behind index reuse;
+# 4. whether whole chunks answer better than single tokens with the same votes on a real model, SmolLM2-135M.
 #
-# Code: `methods/chunkkv.py` (the method), `methods/evaluation/viz.py` (the pictures), `methods/compare.py` (the
-# evaluation loop). Apart from the cell that builds Algorithm 1, this notebook only imports them.
+# Code: `methods/chunkkv.py` (the method), `methods/evaluation/viz.py` (the pictures),
+# `methods/evaluation/compare.py` (the evaluation loop). Apart from the cell that builds Algorithm 1, this
+# notebook only imports them.
 
 # %%
 import os
@@ -29,15 +28,12 @@ import sys
 TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
 if not os.path.isdir("methods") and os.path.isdir(os.path.join("..", "methods")):
     sys.path.insert(0, os.path.abspath(".."))      # opened from notebooks/: make the repo importable
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # section 6 runs 2 threads: on a busy machine, threads that
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # section 4 runs 2 threads: on a busy machine, threads that
                                                    # spin while they wait for each other take ten times longer
-
-from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import torch
 from matplotlib import ticker
-from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from methods import make_policy
@@ -56,7 +52,6 @@ LENGTH = 256 if TINY else 512                      # tokens per sample
 SAMPLES = 1 if TINY else 10                        # samples per task and mode (accuracy and KL)
 ABLATION_SAMPLES = 1 if TINY else 5                # samples per task and mode in the ablations
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
-KEEP_RATIOS = [0.25] if TINY else [0.1, 0.25, 0.5]
 print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, {LENGTH} tokens")
 print_mode(TINY)                                   # quick mode: the text describes another run
 
@@ -121,8 +116,7 @@ print(f"the built choice equals the library's on {len(cases)} heads (the toy, th
 # window attends to strongly, its value (four digits, 11-14) that it attends to weakly, and a few loud
 # tokens elsewhere. Room for 8 tokens, chosen by the library one token at a time (`c = 1`) and in chunks of 4.
 
-# %%
-# needs: chunk_ranking
+# %% tags=["needs:chunk_ranking"]
 needle = torch.tensor([.01, .10, .02, .01, .02, .09, .01, .02, .05, .30, .25, .07,    # 24 votes: the key at 8-10,
                        .06, .05, .04, .02, .01, .02, .11, .01, .01, .04, .01, .09])   # its value's digits at 11-14
 T, ROOM, KEY, VALUE = len(needle), 8, (8, 11), (11, 15)
@@ -148,7 +142,7 @@ plt.show()
 # One token at a time (top), the room goes to the key's two loud tokens and to the loud tokens elsewhere, and
 # the value keeps only its first digits; in chunks of 4 (bottom) the two best chunks are the key's and the
 # value's, so the fact is kept whole. The grid is fixed: had the value started one position later, its last
-# digit would sit in the next chunk (section 6.1 meets this case on a real model).
+# digit would sit in the next chunk (the lab meets this case on SmolLM2's passkey).
 #
 # The library adds two things around this choice. The observation window is protected: it is always kept,
 # and the room is the budget minus the window. What is left after the whole chunks (less than a chunk) goes
@@ -160,8 +154,7 @@ plt.show()
 # KV head (the cell prints the sizes). SnapKV (observation window 32, max pooling over 7), ChunkKV (the
 # paper's scoring: the window's raw attention, chunks of 10, reuse depth 2) and H2O each answer it.
 
-# %%
-# needs: chunk_ranking, holds_position
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
 sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)
 ids = torch.tensor([sample.prompt_ids])
 BUDGET = LENGTH // 2
@@ -190,8 +183,7 @@ plt.show()
 # key then finds an incomplete value. (H2O keeps a recent window of `budget // 2` tokens plus heavy hitters;
 # it holds this needle too.) The same needle as text, then the count over more samples than this one:
 
-# %%
-# needs: chunk_ranking, holds_position
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
 def value_kept_whole(spec, budget, n_samples, **options):
     """(samples, n_layer, H_kv) bool: whether each layer and KV head keeps the needle's value whole, over the
     single-needle tasks of the suite (the question in the prompt)."""
@@ -222,14 +214,13 @@ print(f"Over {len(whole['snapkv'])} single-needle samples at this budget, the va
 #
 # Algorithm 2 rests on an observation: with chunks, the kept index sets of adjacent layers overlap much
 # more than with token-level selection (the paper: 44-58% Jaccard similarity for ChunkKV, 15-28% for SnapKV
-# and H2O, on 7B-8B models). Measured here without reuse (`reuse=1`, every layer chooses), at keep ratio
-# 0.25, over the NIAH tasks of the default suite, question in the prompt; per KV head, then averaged.
+# and H2O, on 7B-8B models). Measured here without reuse (`reuse=1`, every layer chooses), keeping a quarter
+# of each prompt, over the NIAH tasks of the default suite, question in the prompt; per KV head, then averaged.
 # Twice: over every kept position, and over the positions before the last 64 of the prompt only, since
-# every layer keeps its protected window (SnapKV's and ChunkKV's 32-token observation window, H2O's
-# 64 recent tokens at this budget) and that shared part inflates the first number.
+# every layer keeps its protected window (the observation window of SnapKV and ChunkKV, H2O's recent
+# tokens; all inside the last 64) and that shared part inflates the first number.
 
-# %%
-# needs: chunk_ranking
+# %% tags=["needs:chunk_ranking"]
 def mean_jaccard(spec, n_samples, model=model, tok=tok, tasks=TASKS, length=LENGTH, **options):
     every, selected = [], []
     for task in [t for t in tasks if t.startswith("niah")]:
@@ -252,16 +243,98 @@ for name, (every, selected) in jac.items():
 # %% [markdown]
 # On this 4-layer model adjacent layers agree only moderately. Outside the windows, ChunkKV's kept sets
 # overlap more than SnapKV's (0.30 against 0.20) but no more than H2O's (0.29), and well below the paper's
-# 44-58%; section 6.2 repeats the measurement on a real model.
+# 44-58%. With overlaps this moderate, a layer that reuses its neighbour's indices (Algorithm 2) keeps many
+# positions it would not have chosen itself: section 4.2 measures what that costs on SmolLM2. The lab repeats
+# this measurement on SmolLM2, where ChunkKV's sets are the most alike of the three, and shows why reuse even
+# helps on the bundled model.
 #
-# ## 4. Accuracy and KL against SnapKV and H2O
+# ## 4. On the real model: SmolLM2-135M
 #
-# The default task suite, both modes, three keep ratios. `chunkkv` is the paper's method (raw window
-# attention, chunks of 10, reuse 2); `chunkkv(snapkv)` builds the chunks from SnapKV's max-pooled votes
-# instead (what NVIDIA's kvpress library does). The metrics (accuracy, KL, keep ratio) and the two modes are
-# defined in the glossary of notebook 01 (01_baselines). Every accuracy is drawn with its 95% Wilson interval
-# over the answers behind it, and two methods are *distinguishable* when the paired 95% interval of their
-# difference excludes 0 (`describe` prints the difference, its interval and that verdict).
+# The bundled model was trained on synthetic needles. The paper's headline claim is about real language
+# models: **with the same votes, keeping whole chunks answers better than keeping the best single tokens.**
+# This section tests it on SmolLM2-135M (30 layers, 9 query heads sharing 3 KV heads, trained on natural
+# text) with its default task suite: RULER's passkey (a five-digit number hidden in a repeated filler, "The
+# grass is green. ...") and a single magic-number needle in paragraphs of Python's documentation
+# (`niah_single_docs`). Prompts of 512 tokens; every method keeps `budget` entries per layer and KV head. The
+# model has about 155 times the parameters of the bundled one (printed below) and is compute-bound, so these
+# cells use both CPU cores.
+
+# %%
+torch.set_num_threads(2)                             # 135M parameters: the matrix products use both cores
+real, real_tok, real_card = load("smollm2-135m")     # 30 layers, 9 query heads, 3 KV heads, fp32
+LENGTH_REAL = 256 if TINY else 512                   # tokens per sample
+SAMPLES_REAL = 1 if TINY else 5                      # samples per task and mode (accuracy)
+TASKS_REAL = ["passkey", "niah_single_docs"]          # the full cache answers both at 512 tokens
+KEEP_RATIOS_REAL = [0.25] if TINY else [0.1, 0.25, 0.5]
+SHOW_LAYERS = [0, 10, 20, 29]                        # the layers section 4.1 prints (30 x 3 KV heads: too many)
+H_KV = real.config.n_kv_head
+print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query heads, {H_KV} KV heads, "
+      f"{real.num_params() / model.num_params():.0f}x the parameters of the bundled model; "
+      f"tasks {TASKS_REAL}; {LENGTH_REAL} tokens, {SAMPLES_REAL} samples per task and mode")
+
+# %% [markdown]
+# ### 4.1 One passkey, kept whole or in pieces
+#
+# The first passkey sample, compressed to a quarter of its prompt by SnapKV and by ChunkKV as the paper runs
+# it (raw window attention, chunks of 10, reuse depth 2). The needle states the number twice ("The pass key is
+# 51815. Remember it. 51815 is the pass key."); the second cell prints the first statement as each method keeps
+# it in layers 0, 10, 20 and 29 (`_` = an evicted token; SmolLM2 writes one token per digit), then, for every
+# layer, how many of the 3 KV heads keep all the value's digits.
+
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
+real_sample = make_sample("passkey", real_tok, LENGTH_REAL, seed=0)
+real_ids = torch.tensor([real_sample.prompt_ids])                  # (1, T) the prompt, question included
+REAL_BUDGET = LENGTH_REAL // 4                                     # keep ratio 0.25
+real_caches = {}
+for spec in ["snapkv", "chunkkv"]:
+    out = generate(real, real_ids, max_new_tokens=len(real_sample.target_ids),
+                   policy=make_policy(spec, budget=REAL_BUDGET))
+    real_caches[spec] = KVCache(real.config, make_policy(spec, budget=REAL_BUDGET))
+    prefill(real, real_ids, real_caches[spec])
+    print(f"{spec:8} answers {real_tok.decode(out[0].tolist())!r:24} expected {real_sample.answers}")
+
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
+real_span = needle_spans(real_sample, real_tok)[0]                 # (start, value start, end) in the prompt
+whole_real = {spec: kept_mask(cache, real_span[2])[:, :, real_span[1]:].all(-1)   # (n_layer, H_kv) value kept whole
+              for spec, cache in real_caches.items()}
+for spec, cache in real_caches.items():
+    lines = kept_text(real_tok, real_sample.prompt_ids, cache, real_span).splitlines()
+    shown = [lines[0]] + [line for line in lines[1:] if int(line[1:line.index(" ")]) in SHOW_LAYERS]
+    print(f"--- {spec}: value kept whole by {int(whole_real[spec].sum())} of {whole_real[spec].numel()} "
+          f"(layer, KV head) pairs, in {int(whole_real[spec].any(-1).sum())} of {real.config.n_layer} layers "
+          "by at least one KV head")
+    print("\n".join(shown))
+print(f"\nthe value: prompt positions {real_span[1]}-{real_span[2] - 1}; KV heads (of {H_KV}) holding it whole, "
+      f"layers 0-{real.config.n_layer - 1}:")
+for spec, w in whole_real.items():
+    print(f"  {spec:8} " + " ".join(str(int(n)) for n in w.sum(-1)))
+
+# %% [markdown]
+# The paper's argument (its Figure 1: token-level selection fragments a fact) holds on this passkey. SnapKV
+# keeps the value whole in 38 of the 90 (layer, KV head) pairs and answers a truncated number (`518`); ChunkKV
+# keeps it whole in 66 and answers `51815`. Where a SnapKV head misses the whole value it holds pieces
+# (`___815`, `5____`) or nothing; ChunkKV's choice is the same in the three KV heads of a layer (one ranking
+# per layer) and in both layers of a reuse pair. Two limits show as well. A layer that ranks the needle's
+# chunks low loses the value in all its heads (layers 0-5, the 0s of the last line), where SnapKV keeps it
+# whole in one head of layers 3-5. And chunks are fixed positions, not facts: the value sits at positions
+# 376-380, across the chunk boundary at 380, so layer 20 and the layer that reuses its choice keep `5181` and
+# drop the last digit.
+#
+# ### 4.2 Chunks or tokens, with the same scoring
+#
+# The headline claim over samples. Four variants, both modes, keep ratios 0.1, 0.25 and 0.5:
+#
+# * `chunkkv c=10 r=1`: chunks of 10, every layer selects (Algorithm 1 alone);
+# * `chunkkv c=10 r=2`: plus index reuse over pairs of layers (Algorithm 2; the paper's setting);
+# * `chunkkv c=1 r=1`: the same scoring and selection with chunks of one token: token-level selection
+#   (SnapKV without pooling, one index set per layer);
+# * `snapkv`: SnapKV as published (max-pooled votes, one index set per KV head).
+#
+# The metrics (accuracy, KL, keep ratio) and the two modes are defined in the glossary of notebook 01
+# (01_baselines). Every accuracy is drawn with its 95% Wilson interval, and two methods are *distinguishable*
+# when the paired 95% interval of their difference excludes 0 (`describe` prints the difference, its interval
+# and that verdict). With `SAMPLES_REAL` samples per task and mode, each point is a handful of answers: read
+# the error bars before the means. The next cell holds the helpers that read the records.
 
 # %%
 def rows_of(records, method, ratio, mode, tasks=None):
@@ -287,13 +360,6 @@ def error_bar(records, method, ratio, mode):
     return mean, [[mean - lo], [hi - mean]]
 
 
-def compared(records, a, b, ratio, mode, tasks=None):
-    """'mean a - mean b = difference [95% interval] verdict', paired sample by sample (the noise rule)."""
-    ga, gb = accuracies(records, a, ratio, mode, tasks), accuracies(records, b, ratio, mode, tasks)
-    mean = lambda groups: sum(sum(g) / len(g) for g in groups) / len(groups)   # noqa: E731
-    return f"{mean(ga):.2f} - {mean(gb):.2f} = {describe(*paired_difference(ga, gb))}"
-
-
 def readable_log(ax):
     """A log y axis labelled 0.01, 0.1, 1, 2, 5 ... instead of matplotlib's powers of ten."""
     ax.set_yscale("log")
@@ -304,296 +370,7 @@ def readable_log(ax):
 
 STYLES = ["o-", "s--", "^-.", "v:"]                 # distinct markers and dashes: some lines coincide
 
-# %%
-# needs: chunk_ranking, holds_position
-budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
-methods = ["snapkv", "h2o", "chunkkv", "chunkkv(snapkv)"]
-records = run(model, tok, methods, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
-ratios = sorted({r["keep_ratio"] for r in records if r["method"] != "full"})
-fig, axes = plt.subplots(1, 4, figsize=(16, 3.8), layout="constrained")
-for col, mode in enumerate(MODES):
-    for i, (method, style) in enumerate(zip(methods, STYLES)):
-        shift = [k + 0.006 * (i - 1.5) for k in ratios]               # side by side: the error bars stay apart
-        bars = [error_bar(records, method, k, mode) for k in ratios]
-        axes[col].errorbar(shift, [m for m, _ in bars], yerr=[sum((e[0] for _, e in bars), []),
-                                                               sum((e[1] for _, e in bars), [])],
-                           fmt=style, capsize=2, label=method)
-        axes[2 + col].plot(ratios, [mean_over_tasks(records, method, k, mode, "kl") for k in ratios], style,
-                           label=method)
-    axes[col].set(title=f"accuracy, {mode.replace('_', ' ')}", xlabel="keep ratio", xticks=ratios,
-                  xticklabels=[f"{k:.2f}" for k in ratios], ylabel="accuracy (mean over tasks)", ylim=(-0.05, 1.05))
-    axes[2 + col].set(title=f"KL to the full cache, {mode.replace('_', ' ')}", xlabel="keep ratio", xticks=ratios,
-                      xticklabels=[f"{k:.2f}" for k in ratios], ylabel="KL (nats, mean over tasks)")
-    readable_log(axes[2 + col])
-fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
-plt.show()
-
-# %% [markdown]
-# ChunkKV's line lies above SnapKV's at every keep ratio in both modes, and its KL below; H2O is the one
-# baseline it does not clearly beat. The comparisons, paired sample by sample (first the mean of the first
-# method, then the second's, then the difference with its 95% interval and the verdict), and on the
-# multi-value needles (four values per answer), where fragmentation should hurt most:
-
-# %%
-# needs: chunk_ranking, holds_position
-for mode in MODES:
-    print(f"[{mode}]")
-    for ratio in ratios:
-        for other in ["snapkv", "h2o"]:
-            print(f"  keep {ratio:.2f}  chunkkv vs {other:7} {compared(records, 'chunkkv', other, ratio, mode)}")
-    if "niah_multivalue" in TASKS:
-        print(f"  multi-value needles, keep {ratios[-1]:.2f}: chunkkv vs h2o "
-              f"{compared(records, 'chunkkv', 'h2o', ratios[-1], mode, ['niah_multivalue'])}")
-
-# %% [markdown]
-# **ChunkKV answers more than SnapKV, whose votes it uses, at every keep ratio in both modes**, and every
-# paired interval excludes 0 (at keep 0.5: 0.77 against 0.21 with the question in the prompt, 0.92 against
-# 0.40 after the context). **Against H2O it depends on the mode**: with the question in the prompt H2O is
-# higher at 0.25 and 0.5 (0.65 and 0.89 against 0.30 and 0.77); after the context the two are within noise
-# at 0.25 and 0.5 (0.92 against 0.89 is not a win), and ChunkKV is higher only on the multi-value needles
-# (0.97 against 0.70 at keep 0.5). At keep 0.1 every method nearly fails (at most 0.11): ChunkKV's few right
-# answers there are distinguishable from the others' zeros by the rule, which says distinguishable, not useful.
-#
-# ## 5. Ablations: chunk size and reuse depth
-#
-# Keep ratio 0.25, question in the prompt and after the context, `ABLATION_SAMPLES` samples per task.
-# Chunk size 1 is token-level selection with the same scoring (SnapKV without pooling). The reuse depth
-# trades selection work for agreement with the first layer of each group; `compress_ms` is the time spent
-# in the policy's hooks per sample (scoring and selection; the attention probabilities themselves are
-# computed by the attention either way). The right panel asks why reuse could help: with every layer
-# choosing for itself (`reuse=1`), how often does each layer keep the needle's value whole?
-
-# %%
-# needs: chunk_ranking, holds_position
-budget = round(0.25 * LENGTH)
-sizes, depths = [1, 5, 10, 20], [1, 2, 4]
-ablation = run(model, tok, [Variant(f"c={c}", "chunkkv", {"chunk_size": c, "reuse": 1}) for c in sizes]
-               + [Variant(f"reuse={n}", "chunkkv", {"reuse": n}) for n in depths],
-               [budget], TASKS, MODES, ABLATION_SAMPLES, LENGTH, progress=False)
-by_layer = {n: value_kept_whole("chunkkv", budget, SAMPLES, reuse=n).all(-1).float().mean(0) for n in depths}
-fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), layout="constrained")
-for ax, labels, ticks, name in [(axes[0], [f"c={c}" for c in sizes], sizes, "chunk size c (tokens, reuse 1)"),
-                                (axes[1], [f"reuse={n}" for n in depths], depths, "reuse depth (layers per group)")]:
-    for i, (mode, style) in enumerate(zip(MODES, STYLES)):
-        bars = [error_bar(ablation, label, 0.25, mode) for label in labels]
-        ax.errorbar([x + 0.06 * (i - 0.5) for x in range(len(labels))], [m for m, _ in bars], fmt=style, capsize=2,
-                    yerr=[sum((e[0] for _, e in bars), []), sum((e[1] for _, e in bars), [])],
-                    label=mode.replace("_", " "))
-    ax.set(xticks=range(len(labels)), xticklabels=ticks, xlabel=name, ylabel="accuracy (mean over tasks)",
-           ylim=(-0.05, 1.05), title=f"ChunkKV at keep 0.25: {name.split(' (')[0]}")
-    ax.legend(fontsize=8, loc="upper left")
-for n, style in zip(depths, STYLES):
-    axes[2].plot(range(model.config.n_layer), by_layer[n].tolist(), style, label=f"reuse {n}")
-axes[2].set(title="needle values kept whole, per layer", xlabel="layer", xticks=range(model.config.n_layer),
-            ylabel="share of single-needle samples", ylim=(-0.05, 1.05))
-axes[2].legend(fontsize=8, loc="lower left")
-plt.show()
-for mode in MODES:
-    print(mode, " ".join(f"c={c}: acc {mean_over_tasks(ablation, f'c={c}', 0.25, mode):.2f} "
-                          f"KL {mean_over_tasks(ablation, f'c={c}', 0.25, mode, 'kl'):.2f} |" for c in sizes))
-for n in depths:
-    accs = [mean_over_tasks(ablation, f"reuse={n}", 0.25, m) for m in MODES]
-    ms = mean_over_tasks(ablation, f"reuse={n}", 0.25, MODES[0], "compress_ms")
-    print(f"reuse={n}: accuracy {accs[0]:.2f} / {accs[1]:.2f} (in prompt / after context), "
-          f"compression {ms:.2f} ms per sample; layers 0-{model.config.n_layer - 1} keep the value whole in "
-          + " / ".join(f"{x:.2f}" for x in by_layer[n].tolist()) + " of the single-needle samples")
-for mode in MODES:
-    for a, b in [("c=20", "c=10"), ("c=10", "c=1"), ("reuse=2", "reuse=1"), ("reuse=4", "reuse=1")]:
-        print(f"  {mode:22} {a:7} vs {b:7} {compared(ablation, a, b, 0.25, mode)}")
-
-# %% [markdown]
-# **Bigger chunks answer more here** (left): chunks of 10 answer more than single tokens, and chunks of 20
-# more than chunks of 10, each distinguishable in both modes. A needle and its wording are about a dozen
-# tokens, so a 20-token chunk is more likely to hold all of it; the paper, whose facts are sentences of
-# natural text, found 10 best and 5-20 comparable. **Deeper reuse answers more too** (middle): reuse 4 is
-# higher than reuse 1 in both modes, reuse 2 only after the context. The right panel
-# shows why: with every layer choosing for itself (reuse 1), layer 0 keeps the needle's value whole in 0.95
-# of the single-needle samples and layers 1-3 in 0.10 to 0.40, so a layer that copies layer 0's choice keeps
-# a value it would have dropped. That is a property of this small model, not of reuse: on SmolLM2 (section
-# 6.3) reuse 2 changes nothing measurable. Reuse also cuts the time in the policy's hooks (the compression
-# times printed above, noisy on a shared machine; the paper reports about 20% less at depth 2), but on a
-# 0.87M-parameter model that is a few milliseconds.
-#
-# ## 6. On the real model: SmolLM2-135M
-#
-# Everything above ran on a 0.87M-parameter model trained on synthetic needles. The paper's claims are
-# about real language models, so this section repeats the three measurements that carry them on
-# SmolLM2-135M (30 layers, 9 query heads sharing 3 KV heads, trained on natural text), with its default
-# task suite: RULER's passkey (a five-digit number hidden in a repeated filler, "The grass is green. ...")
-# and a single magic-number needle in paragraphs of Python's documentation (`niah_single_docs`). The full
-# cache answers both (1.00 in section 6.3). Prompts of 512 tokens; every method keeps `budget` entries per
-# layer and KV head.
-#
-# The model has about 155 times the parameters of the bundled one (printed below) and is compute-bound, so
-# these cells use both CPU cores instead of one.
-
-# %%
-torch.set_num_threads(2)                             # 135M parameters: the matrix products use both cores
-real, real_tok, real_card = load("smollm2-135m")     # 30 layers, 9 query heads, 3 KV heads, fp32
-LENGTH_REAL = 256 if TINY else 512                   # tokens per sample
-SAMPLES_REAL = 1 if TINY else 5                      # samples per task and mode (accuracy)
-JACCARD_SAMPLES_REAL = 1 if TINY else 10             # samples per task (layer similarity: one prefill each)
-TASKS_REAL = ["passkey", "niah_single_docs"]          # the full cache answers both at 512 tokens
-KEEP_RATIOS_REAL = [0.25] if TINY else [0.1, 0.25, 0.5]
-SHOW_LAYERS = [0, 10, 20, 29]                        # 30 layers x 3 KV heads are too many strips to draw
-H_KV = real.config.n_kv_head
-print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query heads, {H_KV} KV heads, "
-      f"{real.num_params() / model.num_params():.0f}x the parameters of the bundled model; "
-      f"tasks {TASKS_REAL}; {LENGTH_REAL} tokens, {SAMPLES_REAL} samples per task and mode")
-
-# %% [markdown]
-# ### 6.1 One passkey, kept whole or in pieces
-#
-# The first passkey sample, compressed to a quarter of its prompt (keep ratio 0.25) by SnapKV and by
-# ChunkKV as the paper runs it (raw window attention, chunks of 10, reuse depth 2). The needle states the
-# number twice ("The pass key is 51815. Remember it. 51815 is the pass key."); the spans below mark the
-# first statement: the 12 tokens before the value and the value's five digits (SmolLM2 writes one token
-# per digit).
-
-# %%
-# needs: chunk_ranking, holds_position
-real_sample = make_sample("passkey", real_tok, LENGTH_REAL, seed=0)
-real_ids = torch.tensor([real_sample.prompt_ids])                  # (1, T) the prompt, question included
-REAL_BUDGET = LENGTH_REAL // 4                                     # keep ratio 0.25
-real_caches = {}
-for spec in ["snapkv", "chunkkv"]:
-    out = generate(real, real_ids, max_new_tokens=len(real_sample.target_ids),
-                   policy=make_policy(spec, budget=REAL_BUDGET))
-    real_caches[spec] = KVCache(real.config, make_policy(spec, budget=REAL_BUDGET))
-    prefill(real, real_ids, real_caches[spec])
-    print(f"{spec:8} answers {real_tok.decode(out[0].tolist())!r:24} expected {real_sample.answers}")
-
-# %%
-# needs: chunk_ranking, holds_position
-def some_layers(cache, layers):
-    """The cache seen through a few of its layers (``plot_kept`` reads only ``.layers``)."""
-    return SimpleNamespace(layers=[cache.layers[layer] for layer in layers])
-
-
-real_span = needle_spans(real_sample, real_tok)[0]                 # (start, value start, end) in the prompt
-whole_real = {spec: kept_mask(cache, real_span[2])[:, :, real_span[1]:].all(-1)   # (n_layer, H_kv) value kept whole
-              for spec, cache in real_caches.items()}
-fig, axes = plt.subplots(3, 1, figsize=(11, 8), gridspec_kw={"height_ratios": [1, 1, 0.9]})
-for ax, (spec, cache) in zip(axes, real_caches.items()):
-    window = cache.policy.inner.window if spec == "chunkkv" else cache.policy.window
-    plot_kept(ax, some_layers(cache, SHOW_LAYERS), len(real_sample.prompt_ids), [real_span], title=spec,
-              window=window)
-    ax.set_ylabel("layer, KV head")
-    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=7)
-    ax.set_yticks(range(len(SHOW_LAYERS) * H_KV), [f"L{la} KV{h}" for la in SHOW_LAYERS for h in range(H_KV)],
-                  fontsize=7)
-axes[0].legend(handles=[Patch(color="black", label="kept"), Patch(color="orange", alpha=0.4, label="needle's wording"),
-                        Patch(color="red", alpha=0.5, label="value (5 digits)"),
-                        Line2D([], [], color="tab:blue", ls=":", label="observation window starts")],
-               fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.12), ncol=4)
-for (spec, w), style in zip(whole_real.items(), STYLES):           # all 30 layers: KV heads holding the value
-    axes[2].plot(range(real.config.n_layer), w.sum(-1).tolist(), style, ms=4, label=spec)
-axes[2].set(xlabel="layer", ylabel="KV heads with the\nwhole value", yticks=range(H_KV + 1),
-            title="KV heads (of 3) that keep all five digits of the value, per layer")
-axes[2].legend(fontsize=8, loc="lower right")
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# On this passkey ChunkKV holds the value whole in 22 of the 30 layers, always in all three KV heads at once,
-# while SnapKV holds it in all three KV heads of a layer only in layers 15, 22 and 25, and in one or two
-# heads elsewhere (bottom panel; the counts per layer are printed under the needle below). Above, SnapKV's
-# strips are scattered tokens, different in every KV head; ChunkKV's are runs of ten, the same in the three
-# KV heads of a layer (one ranking per layer) and in both layers of a reuse pair. The needle as text, for
-# layers 0, 10, 20 and 29 (`_` = evicted):
-
-# %%
-# needs: chunk_ranking, holds_position
-for spec, cache in real_caches.items():
-    lines = kept_text(real_tok, real_sample.prompt_ids, cache, real_span).splitlines()
-    shown = [lines[0]] + [line for line in lines[1:] if int(line[1:line.index(" ")]) in SHOW_LAYERS]
-    print(f"--- {spec}: value kept whole by {int(whole_real[spec].sum())} of {whole_real[spec].numel()} "
-          f"(layer, KV head) pairs, in {int(whole_real[spec].any(-1).sum())} of {real.config.n_layer} layers "
-          "by at least one KV head")
-    print("\n".join(shown))
-print(f"\nthe value: prompt positions {real_span[1]}-{real_span[2] - 1}; KV heads (of {H_KV}) holding it whole, "
-      f"layers 0-{real.config.n_layer - 1}:")
-for spec, w in whole_real.items():
-    print(f"  {spec:8} " + " ".join(str(int(n)) for n in w.sum(-1)))
-
-# %% [markdown]
-# On this passkey the paper's argument (its Figure 1: token-level selection fragments a fact) holds. SnapKV keeps
-# the value whole in 38 of the 90 (layer, KV head) pairs and answers a truncated number (`518`); ChunkKV keeps it
-# whole in 66 and answers `51815`. SnapKV's strips are scattered tokens, different in every KV head, and where a
-# head does not hold the whole value it holds pieces (`___815`, `5____`) or nothing; ChunkKV's are runs of ten, the
-# same in the three KV heads of a layer (one ranking per layer) and in both layers of a reuse pair (20 and 21). Two
-# limits show as well. A layer that ranks the needle's chunks low loses the value in all its heads (layers 0-5: the
-# 0s of the list above and of the bottom panel), where SnapKV keeps it whole in one head of layers 3-5. And chunks
-# are fixed positions, not facts: the value sits at positions 376-380, across the chunk boundary at 380, so layers
-# 20 and 21 keep `5181` and drop the last digit: a whole chunk is not always a whole fact.
-#
-# ### 6.2 Do adjacent layers keep the same tokens on SmolLM2?
-#
-# The measurement of section 3, unchanged but on SmolLM2: keep ratio 0.25, the NIAH task of the suite
-# (`niah_single_docs`), question in the prompt, no reuse (`reuse=1`), Jaccard similarity of the kept
-# positions of layers l and l+1 per KV head, averaged over the 3 KV heads and then over the 29 adjacent
-# pairs; once over every kept position and once before the last 64 prompt positions (outside the protected
-# windows). `chunkkv c=1` is the control: the same scoring and one index set per layer, but single tokens.
-
-# %%
-# needs: chunk_ranking
-real_jac = {name: mean_jaccard(spec, JACCARD_SAMPLES_REAL, model=real, tok=real_tok, tasks=TASKS_REAL,
-                               length=LENGTH_REAL, **options)
-            for name, spec, options in [("snapkv", "snapkv", {}), ("h2o", "h2o", {}),
-                                        ("chunkkv (reuse=1)", "chunkkv", {"reuse": 1}),
-                                        ("chunkkv c=1 (reuse=1)", "chunkkv", {"chunk_size": 1, "reuse": 1})]}
-print(f"adjacent-layer Jaccard on SmolLM2-135M, mean over the {real.config.n_layer - 1} layer pairs "
-      f"[lowest pair, highest pair], {JACCARD_SAMPLES_REAL} samples")
-for name, (every, selected) in real_jac.items():
-    print(f"{name:22} all kept: {every.mean():.2f} [{every.min():.2f}, {every.max():.2f}]   "
-          f"outside the windows: {selected.mean():.2f} [{selected.min():.2f}, {selected.max():.2f}]")
-n_before = len(make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=0).prompt_ids) - 64   # before the windows
-chance = {k: k * k / n_before / (2 * k - k * k / n_before) for k in (64, 96)}   # E|A & B| / E|A | B|, random sets
-print(f"chance: two random sets of k among the {n_before} positions before the windows overlap by "
-      + ", ".join(f"{j:.2f} (k = {k})" for k, j in chance.items()))
-
-# %%
-# needs: chunk_ranking
-fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharey=True, layout="constrained")
-for ax, part, title in [(axes[0], 0, "every kept position"), (axes[1], 1, "outside the protected windows")]:
-    ax.axhspan(0.44, 0.58, color="tab:green", alpha=0.12, label="paper: ChunkKV 44-58%")
-    ax.axhspan(0.15, 0.28, color="tab:red", alpha=0.10, label="paper: SnapKV, H2O 15-28%")
-    for name, pair in real_jac.items():
-        ax.plot(range(len(pair[part])), pair[part].tolist(), "o-", ms=3, label=name)
-    ax.set(title=f"SmolLM2-135M, {title}", xlabel="layer l of the pair (l, l+1)", ylim=(0, 1))
-axes[0].set_ylabel("Jaccard of kept positions")
-fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=7)
-plt.show()
-
-# %% [markdown]
-# **The ordering reproduces, the levels do not.** Outside the windows every layer keeps anyway, adjacent
-# layers of ChunkKV share 0.61 of their kept positions (mean over the 29 pairs, 10 samples), against 0.46
-# for SnapKV and 0.28 for H2O (over every kept position: 0.72, 0.60, 0.55). The control `chunkkv c=1`
-# (same scores, one ranking per layer, single tokens) gives 0.48, like SnapKV: the extra similarity comes
-# from the chunks, not from ranking once per layer. But the paper's bands (44-58% for ChunkKV, 15-28% for
-# SnapKV and H2O, on 7B-8B models and long prompts) do not transfer as numbers: ChunkKV lands above its
-# band and SnapKV far above its own; only H2O falls inside. Every method is well above chance here (two
-# random sets of 64-96 among the 431 positions before the windows overlap by 0.08-0.13), and the similarity
-# changes along the depth: the highest pairs are in layers 3-9 (ChunkKV up to 0.85), the lowest at the
-# first pair and around layers 10 and 24. Verdict: partly reproduced (ChunkKV's kept sets are the most
-# alike of the three, 0.61 against SnapKV's 0.46, a smaller gap than between the paper's two bands).
-#
-# ### 6.3 Chunks or tokens, with the same scoring
-#
-# The headline claim: with the same scores, keeping whole chunks answers better than keeping the best
-# single tokens. Four variants, both modes, the default suite, keep ratios 0.1, 0.25 and 0.5:
-#
-# * `chunkkv c=10 r=1`: ChunkKV's chunks of 10, every layer selects (Algorithm 1 alone);
-# * `chunkkv c=10 r=2`: plus index reuse over pairs of layers (Algorithm 2; the paper's setting);
-# * `chunkkv c=1 r=1`: the same scoring and selection with chunks of one token: token-level selection
-#   (SnapKV without pooling, one index set per layer);
-# * `snapkv`: SnapKV as published (max pooling over 7, one index set per KV head).
-#
-# `SAMPLES_REAL` samples per task and mode, so each point of the figure is a handful of answers: read the
-# error bars before the means.
-
-# %%
-# needs: chunk_ranking, holds_position
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
 real_variants = [Variant("chunkkv c=10 r=1", "chunkkv", {"chunk_size": 10, "reuse": 1}),
                  Variant("chunkkv c=10 r=2", "chunkkv", {"chunk_size": 10, "reuse": 2}),
                  Variant("chunkkv c=1 r=1", "chunkkv", {"chunk_size": 1, "reuse": 1}),
@@ -627,8 +404,7 @@ plt.show()
 # after the context the lines are closer, and at keep 0.1 every method sits near the floor. The paired
 # comparisons, and per variant the passkey's accuracy and the KL:
 
-# %%
-# needs: chunk_ranking, holds_position
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
 comparisons = [("chunks vs tokens", "chunkkv c=10 r=1", "chunkkv c=1 r=1"),
                ("chunks vs SnapKV", "chunkkv c=10 r=1", "snapkv"),
                ("reuse 2 vs reuse 1", "chunkkv c=10 r=2", "chunkkv c=10 r=1"),
@@ -653,47 +429,24 @@ for mode in MODES:
 # chunks of 10 against chunks of 1: 0.90 vs 0.30 at keep 0.25 (+0.60, 95% interval [+0.50, +0.80]) and
 # 1.00 vs 0.40 at 0.5 (+0.60 [+0.50, +0.80]); against SnapKV +0.60 and +0.40 [+0.10, +0.70]. ChunkKV at
 # 0.25 and 0.5 is within noise of the full cache (-0.10 [-0.30, +0.00] and +0.00). The difference is the
-# passkey: ChunkKV answers 5 of 5 at keep 0.25, token-level selection (c=1 and SnapKV) none (at 0.5: c=1
-# none, SnapKV 2 of 5); section 6.1 shows why, the digits survive in pieces.
-# At keep 0.1 nothing works (0.10-0.20, every difference within noise). The KL to the full cache's
-# next-token distributions, a finer measure than right/wrong, says the same: 0.028 for chunks against
-# 1.126 for single tokens and 0.603 for SnapKV at keep 0.25, 0.001 against 0.521 and 0.252 at 0.5.
+# passkey: ChunkKV's passkey accuracy is 1.00 at keep 0.25, token-level selection's (c=1 and SnapKV) 0.00;
+# section 2 showed why on the bundled model, the digits survive in pieces. At keep 0.1 nothing works
+# (0.10-0.20, every difference within noise). The KL to the full cache's next-token distributions, a finer
+# measure than right/wrong, says the same: 0.028 for chunks against 1.126 for single tokens and 0.603 for
+# SnapKV at keep 0.25, 0.001 against 0.521 and 0.252 at 0.5.
 #
 # **With the question after the context the gain is smaller**: +0.40 [+0.10, +0.70] at keep 0.5 (0.70 vs
-# 0.30 for both token-level rows), +0.20 [+0.00, +0.40] within noise at 0.25, none at 0.1. A likely
-# reason: the scoring window then holds the end of the context, not the question, so its votes need not
-# point at the needle. A caveat on this mode: every row in it scores at least 0.30 (every method 0.30 at keep
-# 0.1), so some samples are answered whatever is kept. A needle inside the last 32 context tokens, the window
-# every method protects, would do that; this notebook does not print where the needles lie, so read 0.30 as a
-# floor shared by all rows, and the differences as resting on the other samples.
+# 0.30 for both token-level rows), +0.20 [+0.00, +0.40], within noise, at 0.25, none at 0.1. The scoring
+# window then holds the end of the context, not the question, so its votes need not point at the needle.
+# Every row in this mode scores at least 0.30, even at keep 0.1: some samples are answered whatever is kept
+# (a needle inside the protected window at the end of the context would be), so read 0.30 as a floor shared
+# by all rows. Reuse depth 2 costs nothing measurable: reuse 2 minus reuse 1 is within noise in every cell.
 #
-# **Reuse depth 2 costs nothing measurable**: reuse 2 minus reuse 1 is 0.00 to +0.10, within noise in all
-# six cells, as the paper reports for depth 2.
-#
-# Verdict on the headline claim (chunk-level beats token-level selection with the same scores): reproduced
-# on SmolLM2-135M at keep 0.25 and 0.5 with the question in the prompt, partly after the context (only at
-# 0.5 distinguishable), not at 0.1 where no method answers. The gaps are much larger than the paper's
-# (up to 8.7 points on LongBench) because the suite is two retrieval tasks with 5-digit values, where a
-# value kept in pieces is simply wrong; 10 answers per cell make every interval wide, so read the sign and
-# the intervals, not the second decimal.
-#
-# ## 7. What this says at our scale
-#
-# The bundled model has 4 layers and 2 KV heads and was trained on synthetic needles whose values are 4-7
-# single-digit tokens; SmolLM2-135M is a small real model. The numbers behind each point are in the sections.
-#
-# * **Whole chunks keep facts whole** (sections 1, 2, 6.1): with the same votes, ChunkKV keeps a needle's
-#   value in nearly every (layer, KV head) pair where SnapKV keeps it in fewer than half, and answers more
-#   beyond noise at every keep ratio (section 4). H2O, which accumulates attention over the whole prompt,
-#   is better with the question in the prompt and level after the context; no method works at keep 0.1.
-# * **Adjacent layers agree more with chunks, but not at the paper's levels** (sections 3 and 6.2): on the
-#   bundled model ChunkKV's overlap is above SnapKV's and level with H2O's; on SmolLM2 it is the highest of
-#   the three and above its single-token control.
-# * **Chunk size and reuse** (section 5): bigger chunks answer more on the bundled model, and deeper reuse
-#   helps there because its first layer is the one whose window finds the value; on SmolLM2 reuse 2 is
-#   within noise of no reuse, as the paper reports.
-# * **The headline claim holds on the real model** (section 6.3): with the question in the prompt, chunks of
-#   10 answer where single tokens with the same scores do not; after the context the gain is smaller.
+# **Verdict: reproduced** on SmolLM2-135M at keep 0.25 and 0.5 with the question in the prompt, partly after
+# the context (distinguishable at 0.5 only), not at 0.1 where no method answers. The gaps are much larger
+# than the paper's (up to 8.7 points on LongBench) because both tasks have five-digit values, and a value
+# kept in pieces is simply wrong; with so few samples every interval is wide, so read the sign and the
+# intervals, not the second decimal.
 #
 # ## Exercises
 #
@@ -701,13 +454,11 @@ for mode in MODES:
 #
 # A chunk keeps a fact whole only if the fact does not straddle the chunk grid (`pos // c`). Write
 # `in_one_chunk(v, end, c)`: whether the value at prompt positions `[v, end)` lies inside one chunk of `c`
-# positions. The check asks the library: with every vote on the value and room for one chunk, ChunkKV keeps
-# the value whole exactly when your function says yes, for the needles of section 2's task and four chunk
-# sizes. The cell then prints, per chunk size, the share of needle values that one chunk can hold: compare
-# with the chunk-size ablation of section 5.
+# positions. The cell checks it against the library (every vote on the value, room for one chunk) on the
+# needles of section 2's task, then prints, per chunk size, the share of values that one chunk can hold;
+# compare with the lab's chunk-size ablation.
 
-# %%
-# needs: chunk_ranking
+# %% tags=["needs:chunk_ranking"]
 # BEGIN SOLUTION [chunkkv] the value lies in one chunk when its first and its last position have the same chunk index
 def in_one_chunk(v, end, c):
     return v // c == (end - 1) // c
@@ -735,8 +486,8 @@ print("share of needle values inside one chunk: " + ", ".join(f"c={c}: {x:.1f}" 
 # %% [markdown]
 # ### Exercise 2: pooled votes
 #
-# Section 2 with `make_policy("chunkkv(snapkv)", budget=BUDGET)`: the same chunks built from max-pooled
-# votes. Does pooling before chunking help or hurt this sample? Why might double smoothing matter?
+# Rerun section 2 with `make_policy("chunkkv(snapkv)", budget=BUDGET)`: the same chunks built from max-pooled
+# votes. Does pooling before chunking help or hurt this sample? Why might smoothing twice matter?
 #
 # ### Exercise 3: a ranking per KV head
 #
@@ -750,5 +501,15 @@ print("share of needle values inside one chunk: " + ", ".join(f"c={c}: {x:.1f}" 
 #
 # ### Exercise 5: chunks of accumulated attention
 #
-# Write `chunkkv(h2o)` into section 4: chunks of accumulated attention, compressed at every step. What
-# changes in the question-after-context mode, where SnapKV-style methods never see the question?
+# Add `chunkkv(h2o)` (chunks of accumulated attention, compressed at every step) to the lab's accuracy
+# comparison. What changes when the question comes after the context, where SnapKV-style methods never see it?
+#
+# **Go further**: [labs/05_chunkkv_claims.ipynb](labs/05_chunkkv_claims.ipynb) holds the rest of the
+# research: accuracy and KL against SnapKV and H2O on the bundled model, the chunk-size and reuse-depth
+# ablations (and why reuse helps a small model), one passkey kept whole or in pieces on SmolLM2, and how alike
+# SmolLM2's adjacent layers' kept sets are.
+
+# %%
+from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
+
+print_run_time()

@@ -166,13 +166,15 @@ import time
 COPY_CONTEXTS = [256, 1024] if TINY else [1024, 4096, 16384]   # context lengths for the append timings
 
 
-def median_ms(fn, repeats=9):
+def timed_ms(fn, repeats=9):
+    """(median, first quartile, third quartile) of ``repeats`` calls of ``fn``, in ms."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[repeats // 2]
+    q1, median, q3 = torch.tensor(times).quantile(torch.tensor([0.25, 0.5, 0.75]), interpolation="midpoint")
+    return 1e3 * median.item(), 1e3 * q1.item(), 1e3 * q3.item()
 
 
 threads = torch.get_num_threads()
@@ -184,16 +186,17 @@ for T in COPY_CONTEXTS:
     store = LayerKV()
     store.append(k_, v_, torch.arange(T))
     q_ = torch.randn(1, 8, 32)                                           # (B, H, d)
-    cat_ms = median_ms(lambda: (torch.cat([k_, new_k], dim=2), torch.cat([v_, new_v], dim=2)))
-    append_ms = median_ms(lambda: store.append(new_k, new_v, torch.tensor([len(store)])))
-    attend_ms = median_ms(lambda: reference_decode_attention(q_, store.k, store.v))
+    cat_ms = timed_ms(lambda: (torch.cat([k_, new_k], dim=2), torch.cat([v_, new_v], dim=2)))
+    append_ms = timed_ms(lambda: store.append(new_k, new_v, torch.tensor([len(store)])))
+    attend_ms = timed_ms(lambda: reference_decode_attention(q_, store.k, store.v))
     rows.append((T, cat_ms, append_ms, attend_ms))
 torch.set_num_threads(threads)
 
 fig, ax = plt.subplots(figsize=(6.5, 3.6), dpi=80)
 for j, name in enumerate(["torch.cat append (copies the layer)", "in-place append (LayerKV)",
                           "attention over the entries"]):
-    ax.plot(COPY_CONTEXTS, [r[j + 1] for r in rows], "os^"[j] + "-", label=name)
+    ax.plot(COPY_CONTEXTS, [r[j + 1][0] for r in rows], "os^"[j] + "-", label=name)
+    ax.fill_between(COPY_CONTEXTS, [r[j + 1][1] for r in rows], [r[j + 1][2] for r in rows], alpha=0.2)
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.xaxis.set_major_locator(FixedLocator(COPY_CONTEXTS))
@@ -201,14 +204,14 @@ ax.yaxis.set_major_locator(FixedLocator([0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 
 for axis in (ax.xaxis, ax.yaxis):
     axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axis.set_minor_formatter(NullFormatter())
-ax.set(xlabel="tokens stored (T)", ylabel="ms per new token (median)",
+ax.set(xlabel="tokens stored (T)", ylabel="ms per new token (median, quartile band)",
        title="storing one token vs reading the cache, one layer, CPU")
 ax.legend(loc="upper left", fontsize=8)
 plt.show()
-T, cat_ms, append_ms, attend_ms = rows[-1]
+T, (cat_ms, *_), (append_ms, *_), (attend_ms, *_) = rows[-1]
 print(f"at {T} tokens: torch.cat append {cat_ms / attend_ms:.1f}x the attention's time, in-place append "
       f"{attend_ms / append_ms:.0f}x less than the attention; torch.cat / attention over all lengths: "
-      f"{', '.join(f'{cat / att:.1f}x' for _, cat, _, att in rows)}")
+      f"{', '.join(f'{cat[0] / att[0]:.1f}x' for _, cat, _, att in rows)}")
 
 # %% [markdown]
 # The in-place append stays flat at every length, while the `torch.cat` append grows with the context
@@ -303,8 +306,7 @@ print("\n".join(line for line in shown if "SOLUTION" not in line))      # the co
 # Then the kernel itself against the reference, with one, two and four ranges per KV head (`merge_splits`
 # reduces them):
 
-# %%
-# needs: online_softmax, merge_splits
+# %% tags=["needs:online_softmax", "needs:merge_splits"]
 if RUN_KERNELS:
     for splits in (1, 2, 4):
         out = decode_attention_triton(q, k, v, block_n=16, splits=splits)
@@ -321,8 +323,7 @@ else:
 # ragged budgets). Bytes read: the kept rows plus 4 bytes of index per row. The reference gathers first;
 # below it is checked against attending, head by head, over the kept rows copied out by hand.
 
-# %%
-# needs: online_softmax, merge_splits
+# %% tags=["needs:online_softmax", "needs:merge_splits"]
 idx = torch.stack([torch.randperm(S_, generator=g)[:12] for _ in range(Hkv_)])[None].to(DEVICE)  # (1, H_kv, 12)
 idx[0, 1, 8:] = -1                                                                     # a shorter head
 sel_ref = reference_selected_decode_attention(q, k, v, idx)
@@ -354,8 +355,7 @@ else:
 #
 # Below, a sketch filled by the method's own class, queried through the reference and the kernels:
 
-# %%
-# needs: online_softmax, merge_splits
+# %% tags=["needs:online_softmax", "needs:merge_splits"]
 from kernels.count_sketch import (
     reference_sketch_decode_attention,
     reference_sketch_query,
@@ -392,7 +392,7 @@ else:
 # What fusing saves: the PyTorch path writes the rebuilt keys and values (2 n d numbers per KV head) and
 # reads them back; the fused kernel reads the cells and writes nothing. What it does not save: each
 # rebuilt token still gathers 2r cells (r = 3 rows, for its key and its value), in fp32, where a raw token
-# is one bf16 key and one bf16 value: 2 r x 4 / (2 x 2) = 6 times the bytes. So rebuilding a token costs
+# is one bf16 key and one bf16 value: $2r \times 4 / (2 \times 2) = 6$ times the bytes. So rebuilding a token costs
 # *more* than attending to a raw one. On the H100 (section 6) the fused decode was 10.3x faster than the
 # unfused PyTorch path, and yet ran at 0.19x the speed of dense decode over all tokens: the sketch saves
 # memory, not time.
@@ -407,8 +407,7 @@ else:
 # (the online softmax, over pairs instead of tokens), and adding `sum_a V1[a] * (p @ V2_b)[a]`. Programs
 # split the a axis; a tiny second kernel merges their partials.
 
-# %%
-# needs: online_softmax, merge_splits
+# %% tags=["needs:online_softmax", "needs:merge_splits"]
 from kernels.tensor_decode import peak_memory_bytes, reference_tensor_decode, tensor_decode_triton
 from methods.tensor_attention import naive_four_cache_attention
 
@@ -442,8 +441,7 @@ for n in (256, 1024, 4096):
 #
 # The committed run, `results/kernels_bench_h100.json` (one H100, bf16), read here; no GPU or Triton needed:
 
-# %%
-# needs: online_softmax, merge_splits
+# %% tags=["needs:online_softmax", "needs:merge_splits"]
 h100 = json.loads((ROOT / "results" / "kernels_bench_h100.json").read_text())
 impls = ["reference", "sdpa", "materialising", "factored_reference", "triton"]
 fig, ax = plt.subplots(figsize=(10, 3.6))
@@ -479,16 +477,17 @@ print(f"dense 1 x 128k exactly: the kernel at {dense_1x['ms']['sdpa'] / dense_1x
 # * **selected-index decode** at keep 0.1 of 32k: 8.0x faster than the full-cache kernel, and 1.04x the
 #   time of the same kernel over a compacted cache of the same rows (both met): gathering in the kernel
 #   costs almost nothing over copying first.
-# * **fused sketch decode** at a 25% budget: 10.3x faster than the unfused PyTorch path (met), but 0.19x the
-#   speed of dense decode over all tokens (NOT met): section 4's six times the bytes per rebuilt token.
+# * **fused sketch decode** at a budget of a quarter of the tokens: 10.3x faster than the unfused PyTorch
+#   path (met), but 0.19x the speed of dense decode over all tokens (NOT met): section 4's six times the
+#   bytes per rebuilt token.
 # * **factored tensor decode** at i = 1024: 182x faster and 31790x less peak memory than materialising
 #   (met). Its GB/s are low because it is not bandwidth-bound: it does i^2 d work per head on i d bytes.
 #
-# The sketch and tensor inputs are smaller than the H100's 50 MB L2 cache, so their GB/s are not HBM
-# bandwidth (`fastpath/bench.py`'s docstring). One lesson from an earlier version (recorded in the commit
-# history, not in this JSON): the first decode kernel multiplied with broadcasts and sums in registers and
-# read at 18% of the bandwidth; with both products in `tl.dot` (the group's query heads padded to 16 rows)
-# and a one-launch merge it reads at the 98% above.
+# The sketch and tensor inputs fit in the H100's L2 cache (50 MB in its data sheet), so their GB/s are not
+# HBM bandwidth (`fastpath/bench.py`'s docstring). What lets the decode kernel read near the bandwidth: both
+# of its products go through `tl.dot` (the group's query heads padded to 16 rows, so the tensor cores take
+# them), and its split merge is one launch; a kernel that multiplies with broadcasts and sums in registers
+# leaves the tensor cores idle and reads at a fraction of it.
 #
 # ### 6.2 On this machine
 #
@@ -517,8 +516,7 @@ else:
 # least: K and V read once, the queries read once, the output written once. Compute that count from the
 # shape, then the kernel's achieved GB/s from its time in milliseconds.
 
-# %%
-# needs: online_softmax, merge_splits
+# %% tags=["needs:online_softmax", "needs:merge_splits"]
 dense = next(row for row in h100["rows"] if row["case"] == "dense B=8 S=32768")
 # BEGIN SOLUTION [kernels] bytes: K + V + q + output, each B x heads x tokens x 128 x 2; GB/s: bytes / s / 1e9
 ex1_bytes = 2 * 8 * 8 * 32768 * 128 * 2 + 2 * 8 * 32 * 128 * 2
@@ -538,8 +536,7 @@ print(f"{ex1_bytes:,} bytes in {dense['ms']['triton']:.3f} ms = {ex1_gbs:.0f} GB
 # the ratio of the dense case's bytes to it: the speed-up the roofline promises. Compare it with the
 # measured 8.0x (`h100["targets"]`).
 
-# %%
-# needs: online_softmax, merge_splits
+# %% tags=["needs:online_softmax", "needs:merge_splits"]
 sel = next(row for row in h100["rows"] if row["case"].startswith("selected"))
 # BEGIN SOLUTION [kernels] kept K and V rows (2 bytes a number), 4 bytes per index, q and output as in exercise 1
 ex2_bytes = 2 * 8 * 8 * 3276 * 128 * 2 + 8 * 8 * 3276 * 4 + 2 * 8 * 32 * 128 * 2
@@ -573,3 +570,8 @@ print(f"batch 8: the cache outweighs the weights from {ex3_tokens:,} tokens per 
 # On a machine with an NVIDIA GPU (sm_80 or newer) and Triton, run `python -m fastpath.bench` and compare
 # its table with section 6.1. Which targets does your GPU meet? Then change `block_n` in section 3's kernel
 # call (16, 32, 64) in the interpreter: does the answer change, and why must it not?
+
+# %%
+from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
+
+print_run_time()

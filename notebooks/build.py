@@ -1,5 +1,6 @@
 """
-Build the notebooks: convert each ``notebooks/*.py`` percent source into a ``.ipynb`` and execute it.
+Build the notebooks: convert each percent source, the lessons ``notebooks/NN_*.py`` and their labs
+``notebooks/labs/NN_*.py``, into a ``.ipynb`` and execute it.
 
 The ``.py`` files are the source of truth (they diff and lint like code); the ``.ipynb`` files are
 generated from them, executed, and committed with their outputs. The format is jupytext's ``py:percent``
@@ -18,7 +19,7 @@ dependency::
 
 Usage::
 
-    python notebooks/build.py                       # every notebooks/*.py, executed normally
+    python notebooks/build.py                       # every lesson and lab, executed normally
     python notebooks/build.py notebooks/00_nanollm_kv_cache.py --tiny   # quick check in tiny mode (writes nothing)
     python notebooks/build.py --no-execute           # convert only (no outputs)
     python notebooks/build.py notebooks/04_perturbation_selection.py --prose-only   # new markdown, same run
@@ -27,6 +28,13 @@ Usage::
 with their outputs, without running anything: for an edit of the prose of a notebook whose run takes minutes.
 It refuses when a code cell differs (its source, its tags, or the number and order of code cells), since the
 outputs would then no longer be the code's.
+
+A lesson is a 30-minute read: the paper's question and equation, the method built by hand and checked against
+the library, a toy picture, the method on the real model, exercises. The research a lesson grew (variants,
+ablations, audits of the paper's claims) lives in its lab, ``labs/NN_*.py``, built and tested the same way. An
+exercise's code cell that holds its answer (a ``# BEGIN SOLUTION`` region past the ``## Exercises`` heading)
+is written collapsed (``metadata.jupyter.source_hidden``): a reader sees the exercise, not its answer, until
+they open the cell; it still runs and checks itself.
 
 Each ``.ipynb`` is written atomically (a temporary file, then renamed), and only after its notebook ran
 without an error; tiny mode never writes, so the committed notebooks keep their full-size outputs.
@@ -56,9 +64,18 @@ KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python
 MARKER = re.compile(r"^# %%(?P<title>[^\[]*?)?\s*(?P<kind>\[markdown\])?\s*(?:tags=(?P<tags>\[.*\]))?\s*$")
 
 
+LABS = NOTEBOOKS / "labs"
+EXERCISES = "## Exercises"
+
+
 def sources() -> list[Path]:
-    """The notebook sources: every ``notebooks/*.py`` except this script and private (``_``) files."""
-    return sorted(p for p in NOTEBOOKS.glob("*.py") if p.name != "build.py" and not p.name.startswith("_"))
+    """The notebook sources: the lessons ``notebooks/NN_*.py``, then their labs ``notebooks/labs/NN_*.py``."""
+    return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py")) + sorted(LABS.glob("[0-9][0-9]_*.py"))
+
+
+def lessons() -> list[Path]:
+    """The lessons' sources, 00 to 07: each a 30-minute read; the research they grew lives in their labs."""
+    return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 
 
 def _uncomment(line: str) -> str:
@@ -85,6 +102,7 @@ def read_percent(path: str | Path) -> nbformat.NotebookNode:
             raise ValueError(f"{path}:{n}: text before the first '# %%' cell marker")
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    exercises = False                                      # past the '## Exercises' heading
     nb.metadata["language_info"] = {"name": "python"}
     for i, (kind, body, tags) in enumerate(cells):
         while body and not body[-1].strip():               # blank lines separate cells; not content
@@ -98,8 +116,24 @@ def read_percent(path: str | Path) -> nbformat.NotebookNode:
         cell.id = f"cell-{i}"
         if tags:
             cell.metadata["tags"] = tags
+        if kind == "markdown" and any(line.strip() == EXERCISES for line in cell.source.splitlines()):
+            exercises = True
+        elif kind == "markdown" and any(line.startswith("## ") for line in cell.source.splitlines()):
+            exercises = False
+        if kind == "code" and exercises and "# BEGIN SOLUTION" in cell.source:
+            cell.metadata["jupyter"] = {"source_hidden": True}      # an exercise's answer: collapsed until opened
         nb.cells.append(cell)
     return nb
+
+
+WORDS_PER_MINUTE, MINUTES_PER_CODE_CELL = 200, 1.0
+
+
+def reading_minutes(nb: nbformat.NotebookNode) -> float:
+    """How long a student takes to read a notebook: its markdown words at 200 a minute, plus a minute for each
+    code cell (reading it, running it, looking at what it printed)."""
+    words = sum(len(cell.source.split()) for cell in nb.cells if cell.cell_type == "markdown")
+    return words / WORDS_PER_MINUTE + MINUTES_PER_CODE_CELL * sum(cell.cell_type == "code" for cell in nb.cells)
 
 
 def kernel_env(tiny: bool) -> dict[str, str]:
@@ -110,13 +144,15 @@ def kernel_env(tiny: bool) -> dict[str, str]:
     return env
 
 
-def execute(nb: nbformat.NotebookNode, tiny: bool = False, timeout: int = 600) -> nbformat.NotebookNode:
-    """Run every cell in a fresh ``python3`` kernel started in ``notebooks/``; raises on the first error.
+def execute(nb: nbformat.NotebookNode, tiny: bool = False, timeout: int = 600,
+            folder: Path = NOTEBOOKS) -> nbformat.NotebookNode:
+    """Run every cell in a fresh ``python3`` kernel started in ``folder`` (the notebook's own, as Jupyter
+    does); raises on the first error.
 
     ``timeout`` is per cell, in seconds. Returns the notebook with its outputs (also filled in place).
     """
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+                            resources={"metadata": {"path": str(folder)}})
     client.execute(env=kernel_env(tiny))
     return nb
 
@@ -128,6 +164,38 @@ def error_outputs(nb: nbformat.NotebookNode) -> list[str]:
             for out in cell.get("outputs", []) if out.get("output_type") == "error"]
 
 
+RECORD = NOTEBOOKS / "build_record.json"
+
+
+def name_of(path: Path) -> str:
+    """'04_perturbation_selection' for a lesson, 'labs/04_critical_kv_readings' for a lab."""
+    return str(path.resolve().relative_to(NOTEBOOKS).with_suffix(""))
+
+
+def record(path: Path, seconds: float) -> None:
+    """Note a normal run of ``path`` in ``build_record.json``: seconds, date, the machine's load (1-minute
+    average at the end: a run beside other work takes longer) and cores. The README's table is made from it."""
+    runs = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    runs[name_of(path)] = {"run_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
+                           "load": round(os.getloadavg()[0], 1), "cores": os.cpu_count()}
+    files.atomic_write_text(RECORD, json.dumps(dict(sorted(runs.items())), indent=1) + "\n")
+
+
+def table() -> str:
+    """The README's notebook table: each lesson and lab, its title, reading minutes (``reading_minutes`` of the
+    committed notebook) and the minutes of its last normal run (``build_record.json``)."""
+    runs = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    rows = ["| notebook | what it is | reading, min | normal run, min |", "|---|---|---|---|"]
+    for path in sources():
+        nb = nbformat.read(path.with_suffix(".ipynb"), as_version=4)
+        title = nb.cells[0].source.splitlines()[0].lstrip("# ").split(" ", 1)[1]
+        run = runs.get(name_of(path))
+        minutes = f"{run['run_s'] / 60:.1f}" if run else "not recorded"
+        rows.append(f"| [`{name_of(path)}`](notebooks/{name_of(path)}.ipynb) | {title} | "
+                    f"{reading_minutes(nb):.0f} | {minutes} |")
+    return "\n".join(rows)
+
+
 def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int = 600) -> Path | None:
     """Convert ``path`` (.py) to the .ipynb beside it, executing it unless ``run`` is False.
 
@@ -137,14 +205,17 @@ def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int =
     nb = read_percent(path)
     if run:
         t0 = time.perf_counter()
-        execute(nb, tiny=tiny, timeout=timeout)
-        print(f"{path.name}: executed{' (tiny mode)' if tiny else ''} in {time.perf_counter() - t0:.1f} s")
+        execute(nb, tiny=tiny, timeout=timeout, folder=path.resolve().parent)
+        seconds = time.perf_counter() - t0
+        print(f"{path.name}: executed{' (tiny mode)' if tiny else ''} in {seconds:.1f} s")
     if tiny:
         return None
     out = path.with_suffix(".ipynb")
     nbformat.validate(nb)
     text = nbformat.writes(nb)
     files.atomic_write_text(out, text if text.endswith("\n") else text + "\n")    # as nbformat.write does
+    if run:
+        record(path, seconds)
     return out
 
 
@@ -180,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = cli.ArgumentParser(prog="python notebooks/build.py",
                             description="Convert notebooks/*.py (py:percent) to .ipynb and execute them.")
     ap.add_argument("paths", nargs="*",
-                    help="notebook sources, .py files in py:percent format (default: every notebooks/*.py)")
+                    help="notebook sources, .py files in py:percent format (default: every lesson "
+                         "notebooks/NN_*.py, then every lab notebooks/labs/NN_*.py)")
     ap.add_argument("--no-execute", action="store_true", help="convert only; the .ipynb gets no outputs")
     ap.add_argument("--tiny", action="store_true",
                     help="execute with NANOLLM_TINY=1 as a quick check; nothing is written (commit notebooks "
@@ -188,10 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prose-only", action="store_true",
                     help="take the markdown of each .py into its committed .ipynb, keeping the code cells and "
                          "their outputs; runs nothing, and refuses if a code cell changed")
+    ap.add_argument("--table", action="store_true",
+                    help="print the README's notebook table (reading minutes of the committed notebooks, minutes "
+                         "of their last normal run from notebooks/build_record.json) and exit")
     ap.add_argument("--timeout", type=cli.positive_int, default=600,
                     help="per-cell timeout in seconds (default %(default)s)")
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
+        if args.table:
+            print(table())
+            return
         if args.tiny + args.no_execute + args.prose_only > 1:
             cli.fail("--tiny, --no-execute and --prose-only are three different builds: give one of them")
         paths = [Path(p) for p in args.paths] or sources()

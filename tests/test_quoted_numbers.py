@@ -50,6 +50,8 @@ def output_text(cells: list[dict]) -> str:
 def notebook_text(name: str) -> str:
     """A committed notebook's code and outputs."""
     path = ROOT / "notebooks" / f"{name}.ipynb"
+    if not path.exists():                                   # a lab: notebooks/labs/NN_name.ipynb
+        path = ROOT / "notebooks" / "labs" / f"{name}.ipynb"
     assert path.exists(), f"README cites notebook {name}, which does not exist"
     return output_text(json.loads(path.read_text())["cells"])
 

@@ -132,9 +132,10 @@ def test_bench_output_is_what_the_bench_prints():
 
 
 def notebook_sections() -> dict[str, set[str]]:
-    """Section numbers of every notebook ("4", "4.1", ...), from its headings."""
+    """Section numbers of every lesson and lab ("4", "4.1", ...), from its headings."""
     found = {}
-    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py")):
+    lessons, labs = ROOT / "notebooks", ROOT / "notebooks" / "labs"
+    for path in sorted(lessons.glob("[0-9][0-9]_*.py")) + sorted(labs.glob("[0-9][0-9]_*.py")):
         numbers = (re.match(r"# #{2,3} (\d+(?:\.\d+)?)[. ]", line) for line in path.read_text().splitlines())
         found[path.stem] = {m.group(1) for m in numbers if m}
     return found

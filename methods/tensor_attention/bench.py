@@ -25,7 +25,7 @@ import time
 import torch
 
 from nanollm import cli
-from nanollm.cli.bench import fit_line
+from nanollm.cli.bench import fit_line, quartiles
 from nanollm.cli.provenance import provenance
 from nanollm.io import files
 
@@ -34,8 +34,9 @@ from .attention import LAYOUTS
 H, D = 4, 16                      # heads and head dimension of the bundled Match3 tensor model
 
 
-def step_times(layout: str, length: int, steps: int = 7, seed: int = 0) -> tuple[float, int]:
-    """Median seconds of one decode step (append + attend) at ``length`` tokens, and the bytes stored."""
+def step_times(layout: str, length: int, steps: int = 7, seed: int = 0) -> tuple[float, int, tuple[float, float]]:
+    """Median seconds of one decode step (append + attend) at ``length`` tokens, the bytes stored, and the
+    quartiles of the steps' seconds (the spread)."""
     g = torch.Generator().manual_seed(seed)
     rows = lambda n: [torch.randn(1, H, n, D, generator=g) for _ in range(4)]     # noqa: E731
     store = LAYOUTS[layout]()
@@ -48,7 +49,7 @@ def step_times(layout: str, length: int, steps: int = 7, seed: int = 0) -> tuple
         store.append(*new, torch.tensor([t]))
         store.attend(q, torch.tensor([t]))
         times.append(time.perf_counter() - start)
-    return statistics.median(times), store.nbytes()
+    return statistics.median(times), store.nbytes(), quartiles(times)
 
 
 def slope(lengths: list[int], values: list[float]) -> float:
@@ -57,19 +58,21 @@ def slope(lengths: list[int], values: list[float]) -> float:
 
 
 def measure(lengths: list[int], steps: int = 7) -> dict:
-    """{"lengths", layout -> {"ms": [...], "bytes": [...], "time_slope", "bytes_slope"}, "fit_from"}."""
+    """{"lengths", layout -> {"ms": [...], "iqr_ms": [(q1, q3), ...], "bytes": [...], "time_slope",
+    "bytes_slope"}, "fit_from"}."""
     out = {"lengths": lengths, "heads": H, "head_dim": D, "steps": steps,
            "threads": torch.get_num_threads()}
     fit = lengths[len(lengths) // 2:] if len(lengths) >= 4 else lengths
     out["fit_from"] = fit[0]
     k = len(lengths) - len(fit)                    # the fit starts at lengths[k]
     for layout in ("four-naive", "four", "two"):
-        ms, nbytes = [], []
+        ms, nbytes, iqr = [], [], []
         for n in lengths:
-            sec, b = step_times(layout, n, steps)
+            sec, b, (q1, q3) = step_times(layout, n, steps)
             ms.append(sec * 1e3)
             nbytes.append(b)
-        out[layout] = {"ms": ms, "bytes": nbytes, "time_slope": slope(fit, ms[k:]),
+            iqr.append((q1 * 1e3, q3 * 1e3))
+        out[layout] = {"ms": ms, "iqr_ms": iqr, "bytes": nbytes, "time_slope": slope(fit, ms[k:]),
                        "bytes_slope": slope(lengths, nbytes)}
     # Theorem 4.3 is about an additive gap: "faster by Omega(n^2 d)". Slope of (path - two) where positive.
     for layout in ("four-naive", "four"):

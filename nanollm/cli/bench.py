@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import platform
 import statistics
 import tempfile
@@ -45,6 +46,15 @@ from ..model import Transformer
 from .provenance import provenance
 
 
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``values`` (both the value itself for a single one): the spread a
+    median is drawn with."""
+    if len(values) < 2:
+        return (values[0], values[0])
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q1, q3)
+
+
 @dataclass
 class BenchRow:
     """Medians at one context length (tokens already cached when a timed step runs)."""
@@ -54,6 +64,8 @@ class BenchRow:
     recompute_ms: float       # one full uncached forward over the prefix + the new token
     kv_bytes: int             # cache.nbytes() after prefilling `context` tokens
     kv_bytes_formula: int     # config.kv_bytes_per_token(bytes) * context * batch
+    cached_iqr_ms: tuple[float, float] = (math.nan, math.nan)      # quartiles of the repeats: the spread
+    recompute_iqr_ms: tuple[float, float] = (math.nan, math.nan)
 
     @property
     def speedup(self) -> float:
@@ -175,7 +187,8 @@ def run_bench(config: ModelConfig, contexts: list[int] = (128, 256, 512, 1024), 
     for c in contexts:
         result.rows.append(BenchRow(context=c, cached_ms=statistics.median(cached[c]),
                                     recompute_ms=statistics.median(recompute[c]), kv_bytes=nbytes[c],
-                                    kv_bytes_formula=config.kv_bytes_per_token(elem) * c * batch))
+                                    kv_bytes_formula=config.kv_bytes_per_token(elem) * c * batch,
+                                    cached_iqr_ms=quartiles(cached[c]), recompute_iqr_ms=quartiles(recompute[c])))
     if len(set(contexts)) >= 2:                                            # a line needs two lengths
         for mode in ("cached", "recompute"):
             result.fit[mode] = fit_line(contexts, [getattr(row, f"{mode}_ms") for row in result.rows])

@@ -55,10 +55,12 @@ def test_needs_lines_open_code_cells_and_name_the_assignments_tasks(name):
     text = handout.needs_calls(ASSIGNMENTS[name], source)       # refuses a misplaced line or an unknown task
     assert "# needs:" not in text
     cells, _ = reference_cells(name)
-    marked = [c for c in cells if c.cell_type == "code" and lesson.NEEDS.match(c.source.split("\n", 1)[0])]
+    marked = [c for c in cells if c.cell_type == "code" and lesson.needed(c.metadata.get("tags", []))]
     assert marked, f"{source.name}: no cell needs a task of {name!r}"
-    assert not lesson.NEEDS.match(next(c for c in cells if c.cell_type == "code").source.split("\n")[0]), \
+    assert not lesson.needed(next(c for c in cells if c.cell_type == "code").metadata.get("tags", [])), \
         "the set-up cell needs no task"
+    assert not [c for c in cells if c.cell_type == "code" and c.source.startswith("# needs:")], \
+        "a course marker is a cell tag, not a comment the reader has to read past"
     numbers = [lesson.sheet_number(name, t) for t in tasks_of(name)]
     assert None not in numbers and len(set(numbers)) == len(numbers), \
         f"the sheet's task list gives each task its own item: {dict(zip(tasks_of(name), numbers))}"
@@ -66,13 +68,15 @@ def test_needs_lines_open_code_cells_and_name_the_assignments_tasks(name):
 
 def test_a_misplaced_or_unknown_needs_line_is_refused(tmp_path):
     a = ASSIGNMENTS["baselines"]
-    for text, what in [("# %%\nx = 1\n# needs: window_vote\n", "not the first line"),
-                       ("# %% [markdown]\n# needs: window_vote\n", "not the first line"),
-                       ("# %%\n# needs: window_votes\nx = 1\n", "'window_votes', not a task of 'baselines'")]:
+    for text, what in [("# %%\nx = 1\n# needs: window_vote\n", "'# needs:' comment: name the tasks in the cell's tags"),
+                       ('# %% [markdown] tags=["needs:window_vote"]\n# text\n', "is on a markdown cell"),
+                       ('# %% tags=["needs:window_votes"]\nx = 1\n', "'window_votes', not a task of 'baselines'")]:
         path = tmp_path / "nb.py"
         path.write_text(text)
-        with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(path))}:\d+: '# needs:' .*{what}"):
+        with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(path))}:\d+: .*{re.escape(what)}"):
             handout.needs_calls(a, path)
+    path.write_text('# %% tags=["raises-exception", "needs:window_vote"]\nx = 1\n')
+    assert handout.needs_calls(a, path).splitlines()[1:3] == lesson.call("baselines", ["window_vote"])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -90,15 +94,13 @@ def test_student_notebook_keeps_outputs_and_starts_cells_with_needs(name, tmp_pa
         if new.cell_type != "code":
             assert new.source == old.source
             continue
-        first = ref.source.split("\n", 1)[0]
-        m = lesson.NEEDS.match(first)
-        if m:
-            tasks = [t.strip() for t in m["tasks"].split(",")]
+        tasks = lesson.needed(ref.metadata.get("tags", []))
+        if tasks:
             assert needed(new.source) == tasks, f"cell {i}: {new.source[:200]!r}"
             note = new.source.split("\n")[1]
             assert note.startswith("# runs once task") and all(t in note for t in tasks)
             rest = "\n".join(new.source.split("\n")[2:])
-            ref_rest = ref.source.split("\n", 1)[1]
+            ref_rest = ref.source
         else:
             assert needed(new.source) is None
             rest, ref_rest = new.source, ref.source

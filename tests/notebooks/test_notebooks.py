@@ -1,5 +1,6 @@
 """
-Notebooks: each ``notebooks/*.ipynb`` runs headlessly in tiny mode, and still matches its ``.py`` source.
+Notebooks: each lesson ``notebooks/NN_*.ipynb`` and lab ``notebooks/labs/NN_*.ipynb`` runs headlessly in tiny
+mode, and still matches its ``.py`` source.
 
 The ``.py`` percent files are the source; ``notebooks/build.py`` generates and executes the ``.ipynb``.
 These tests execute each committed notebook in a fresh ``python3`` kernel (nbclient + ipykernel) with
@@ -9,6 +10,7 @@ These tests execute each committed notebook in a fresh ``python3`` kernel (nbcli
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from pathlib import Path
 
@@ -28,14 +30,14 @@ _spec.loader.exec_module(build)
 
 # the committed notebooks: those with a .py source (a student's copy saved beside them, e.g.
 # my_02_scissorhands.ipynb or 02_scissorhands-Copy1.ipynb, is not one of them and is not tested)
-IPYNBS = sorted(p for p in NOTEBOOKS.glob("*.ipynb") if p.with_suffix(".py").exists())
+IPYNBS = [p.with_suffix(".ipynb") for p in build.sources() if p.with_suffix(".ipynb").exists()]
 
 
 def cells(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
     return [(cell.cell_type, cell.source) for cell in nb.cells]
 
 
-@pytest.mark.parametrize("path", IPYNBS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", IPYNBS, ids=lambda p: str(p.relative_to(NOTEBOOKS)))
 def test_notebook_matches_its_py_source(path: Path) -> None:
     source = path.with_suffix(".py")
     assert source.exists(), f"{path.name} has no {source.name} source; write the .py and run notebooks/build.py"
@@ -48,7 +50,7 @@ def test_notebook_matches_its_py_source(path: Path) -> None:
 FIGURE_RULES = (Path(__file__).parent / "figure_rules.py").read_text()
 
 
-@pytest.mark.parametrize("path", IPYNBS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", IPYNBS, ids=lambda p: str(p.relative_to(NOTEBOOKS)))
 def test_notebook_runs_in_tiny_mode(path: Path) -> None:
     """The notebook runs in tiny mode, and every figure it draws keeps ``figure_rules.py``'s rules."""
     nb = nbformat.read(path, as_version=4)
@@ -56,7 +58,7 @@ def test_notebook_runs_in_tiny_mode(path: Path) -> None:
     nb.cells.insert(first + 1, nbformat.v4.new_code_cell(FIGURE_RULES))
     nb.cells.append(nbformat.v4.new_code_cell("assert not _FIGURE_PROBLEMS, _FIGURE_PROBLEMS"))
     t0 = time.perf_counter()
-    build.execute(nb, tiny=True, timeout=CELL_TIMEOUT_S)       # raises CellExecutionError on the first error
+    build.execute(nb, tiny=True, timeout=CELL_TIMEOUT_S, folder=path.parent)     # raises on the first error
     assert not build.error_outputs(nb)
     first_code = next(cell for cell in nb.cells if cell.cell_type == "code")
     assert 'TINY = os.environ.get("NANOLLM_TINY") == "1"' in first_code.source
@@ -64,6 +66,24 @@ def test_notebook_runs_in_tiny_mode(path: Path) -> None:
     assert QUICK_MODE in printed, f"{path.name}: the first cell must say, in quick mode, that the text describes " \
                                   "another run (print_mode(TINY))"
     print(f"{path.name}: {time.perf_counter() - t0:.1f} s in tiny mode")
+
+
+@pytest.mark.parametrize("path", build.sources(), ids=lambda p: str(p.relative_to(NOTEBOOKS)))
+def test_the_last_cell_prints_the_notebooks_run_time(path: Path) -> None:
+    """Each lesson and lab ends by printing how long it ran (``print_run_time``), so its committed outputs say
+    what a normal run costs."""
+    last = [c for c in build.read_percent(path).cells if c.cell_type == "code"][-1]
+    assert "print_run_time()" in last.source, f"{path.name}: end with a cell that calls print_run_time()"
+
+
+def test_the_readmes_notebook_table_is_the_build_record() -> None:
+    """The README's table of lessons and labs (reading minutes, minutes of the committed run) is what
+    ``build.py --table`` makes of the committed notebooks and ``build_record.json``, not a remembered figure."""
+    readme = (NOTEBOOKS.parent / "README.md").read_text()
+    assert build.table() in readme, "the README's notebook table is stale: paste `python notebooks/build.py --table`"
+    runs = json.loads(build.RECORD.read_text())
+    assert sorted(runs) == sorted(build.name_of(p) for p in build.sources()), \
+        "build_record.json has a run of every lesson and lab, and of nothing else"
 
 
 def test_every_py_source_has_a_notebook() -> None:

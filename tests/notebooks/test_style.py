@@ -18,10 +18,10 @@ from course.assignments import ASSIGNMENTS
 from course.markers import find_regions
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-SOURCES = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 _spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
 build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build)
+SOURCES, LABS = build.lessons(), sorted(build.LABS.glob("[0-9][0-9]_*.py"))
 
 
 def headings(path: Path) -> list[str]:
@@ -43,6 +43,18 @@ def test_one_heading_style(path):
     appendix = [i for i, h in enumerate(found) if h.startswith("## Appendix: ")]
     assert not appendix or appendix[0] > found.index("## Exercises"), \
         f"{path.name}: the appendix comes after the exercises"
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_a_lab_keeps_the_heading_style_and_holds_no_solution(path):
+    """A lab: '# NN Lab: Title', numbered sections, an optional appendix; exercises are the lesson's, and no
+    course solution region (a student copy strips only its own lesson)."""
+    found = headings(path)
+    assert re.fullmatch(rf"# {path.stem[:2]} Lab: \S.*", found[0]), f"title: '# {path.stem[:2]} Lab: Title'"
+    rules = [r"## \d+\. \S.*", r"### \d+\.\d+ \S.*", r"## Appendix: \S.*", r"### A\.\d+ \S.*"]
+    wrong = [h for h in found[1:] if not any(re.fullmatch(rule, h) for rule in rules)]
+    assert not wrong, f"{path.name}: headings off the style: {wrong}"
+    assert not find_regions(path), f"{path.name}: a lab holds no course region"
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.stem)

@@ -27,6 +27,7 @@ import json
 import re
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from course.assignments import ASSIGNMENTS
@@ -35,10 +36,12 @@ from course.mutants import graded_regions
 from tests.test_quoted_numbers import output_text
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 _spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
 build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build)
+SOURCES = build.lessons()
+NAMES = [str(p.relative_to(NOTEBOOKS).with_suffix("")) for p in build.sources()]     # lessons, then labs
+LESSON_MINUTES, COURSE_MINUTES = 30, 210     # each lesson a 30-minute read; all eight at most 3.5 hours
 
 # the papers each method notebook teaches, by the name its markdown uses
 PAPERS = {
@@ -121,15 +124,16 @@ def test_each_paper_has_a_displayed_equation_beside_its_idea(stem):
                        "paper's section, equation or algorithm number"
 
 
-def committed(stem: str) -> list[dict]:
-    return json.loads((NOTEBOOKS / f"{stem}.ipynb").read_text())["cells"]
+def committed(name: str) -> list[dict]:
+    """The committed cells of a lesson ('04_perturbation_selection') or a lab ('labs/04_...')."""
+    return json.loads((NOTEBOOKS / f"{name}.ipynb").read_text())["cells"]
 
 
 def draws(cell: dict) -> bool:
     return cell["cell_type"] == "code" and any("image/png" in out.get("data", {}) for out in cell.get("outputs", []))
 
 
-@pytest.mark.parametrize("stem", [p.stem for p in SOURCES])
+@pytest.mark.parametrize("stem", NAMES)
 def test_every_figure_is_followed_by_its_takeaway(stem):
     cells = committed(stem)
     bare = []
@@ -144,64 +148,152 @@ def test_every_figure_is_followed_by_its_takeaway(stem):
                      "they show"
 
 
+# -- a lesson's length, and its lab ------------------------------------------------------------------------
+
+def minutes(path: Path) -> float:
+    return build.reading_minutes(nbformat.read(path.with_suffix(".ipynb"), as_version=4))
+
+
+@pytest.mark.parametrize("stem", [p.stem for p in SOURCES])
+def test_each_lesson_is_a_30_minute_read(stem):
+    took = minutes(NOTEBOOKS / f"{stem}.py")
+    assert took <= LESSON_MINUTES, f"{stem}: {took:.1f} minutes to read (words / 200 + 1 per code cell), more " \
+                                   f"than {LESSON_MINUTES}: move the research to its lab (notebooks/labs/)"
+
+
+def test_the_eight_lessons_take_at_most_three_and_a_half_hours():
+    took = {p.stem: round(minutes(p), 1) for p in SOURCES}
+    assert len(took) == 8 and sum(took.values()) <= COURSE_MINUTES, took
+
+
+GO_FURTHER = re.compile(r"\*\*Go further\*\*.*?\]\((labs/[0-9]{2}_[a-z0-9_]+\.ipynb)\)", re.S)
+
+
+@pytest.mark.parametrize("stem", [p.stem for p in SOURCES])
+def test_a_lesson_points_at_its_lab_and_the_lab_at_its_lesson(stem):
+    labs = sorted(build.LABS.glob(f"{stem[:2]}_*.py"))
+    markdown = [c.source for c in cells_of(stem) if c.cell_type == "markdown"]
+    pointers = [m.group(1) for text in markdown for m in GO_FURTHER.finditer(text)]
+    assert [f"labs/{p.stem}.ipynb" for p in labs] == sorted(set(pointers)), \
+        f"{stem}: a '**Go further**' paragraph links each of its labs, and only those: labs {labs}, links {pointers}"
+    for lab in labs:
+        title = build.read_percent(lab).cells[0].source.splitlines()[0]
+        assert re.fullmatch(rf"# {stem[:2]} Lab: \S.*", title), f"{lab.name}: title '# {stem[:2]} Lab: ...'"
+        markdown = [c.source for c in build.read_percent(lab).cells if c.cell_type == "markdown"]
+        assert any(f"../{stem}.ipynb" in text for text in markdown), \
+            f"{lab.name} links back to its lesson ../{stem}.ipynb"
+
+
 # -- quoted numbers -----------------------------------------------------------------------------------------
 
-QUOTED = re.compile(r"(?<![\w.§$/-])-?\d[\d,]*(?:\.\d+)?%?(?![\w])")
+QUOTED = re.compile(r"(?<![\w.§$/^+-])-?\d(?:[\d,]*\d)?(?:\.\d+)?%?(?![\w])")
 NAMING = re.compile(r"(?:§|\b(?:sections?|eqs?\.|equations?|tables?|figures?|figs?\.|algorithms?|theorems?|"
-                    r"lemmas?|corollar(?:y|ies)|appendix|app\.|definitions?|def\.|cells?|arxiv:?|exercises?|steps?))\s*$",
+                    r"lemmas?|corollar(?:y|ies)|appendix|app\.|definitions?|def\.|cells?|arxiv:?|exercises?|steps?|"
+                    r"notebooks?|lessons?|labs?))\s*$",
                     re.I)
 SKIP = [re.compile(p, re.S) for p in (r"\$\$.*?\$\$", r"\$[^$\n]+\$", r"`[^`]*`", r"\]\([^)]*\)", r"https?://\S+")]
 
 
-def prose_numbers(markdown: str) -> list[str]:
-    """The numbers a markdown cell states about a run (see the module's docstring for what is skipped)."""
-    markdown = "\n".join(line for line in markdown.splitlines() if not line.startswith("#"))    # headings
+SECTION_CUE = re.compile(r"(?:§|\bsections?\s)\s*(\d+)", re.I)
+
+
+def sentences(markdown: str) -> list[str]:
+    """A markdown cell's sentences about a run: headings, math, code spans, links and sentences that quote a
+    source dropped."""
+    markdown = "\n".join(re.sub(r"^\s*\d+\.\s", " ", line) for line in markdown.splitlines()
+                         if not line.startswith("#"))              # headings, and list items' numbers
     for pattern in SKIP:
         markdown = pattern.sub(" ", markdown)
+    return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z(*])|\n\n", markdown)
+            if not re.search(r"\b(?:the paper|paper's|papers'|the authors|et al|data ?sheet)", s, re.I)]
+
+
+def sentence_numbers(sentence: str) -> list[str]:
+    """The numbers a sentence states (a decimal, a percentage or an integer), less those that name something."""
     found = []
-    for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z(*])|\n\n", markdown):
-        if re.search(r"\b(?:the paper|paper's|papers'|the authors|et al|data ?sheet)", sentence, re.I):
-            continue
-        for m in QUOTED.finditer(sentence):
-            number = m.group().rstrip("%").replace(",", "")
-            if number.rstrip(".") in ("", "-"):
-                continue
-            if "." not in number and not m.group().endswith("%") and len(number.lstrip("-")) < 3:
-                continue                                  # small integers: counts, ranks, sizes in words
-            if re.fullmatch(r"(19|20)\d\d", number):
-                continue                                  # a year
-            head = sentence[:m.start()]
-            while (shorter := re.sub(r"\d[\d.]*\s*(?:,|and|or|-|–|to)\s*$", "", head)) != head:
-                head = shorter                            # "sections 6.1 and 6.2": the cue before the list
-            if NAMING.search(head):
-                continue                                  # "§6.3", "section 2.3", "Table 2", "arXiv 2306.14048"
-            found.append(m.group())
+    for m in QUOTED.finditer(sentence):
+        number = m.group().rstrip("%").replace(",", "")
+        if re.match(r"[-–]\d+(?:\.\d+)?%", sentence[m.end():]) and not m.group().endswith("%"):
+            number += "%"                                 # "83-84%": a range of percentages
+        if number.rstrip(".") in ("", "-") or re.fullmatch(r"(19|20)\d\d", number):
+            continue                                      # a year
+        head = sentence[:m.start()]
+        while (shorter := re.sub(r"\d[\d.]*\s*(?:,|and|or|-|–|to)\s*$", "", head)) != head:
+            head = shorter                                # "sections 6.1 and 6.2": the cue before the list
+        if NAMING.search(head):
+            continue                                      # "§6.3", "section 2.3", "Table 2", "arXiv 2306.14048"
+        found.append(m.group() if not number.endswith("%") or m.group().endswith("%") else m.group() + "%")
     return found
 
 
+def prose_numbers(markdown: str) -> list[str]:
+    """The numbers a markdown cell states about a run (see the module's docstring for what is skipped)."""
+    return [n for sentence in sentences(markdown) for n in sentence_numbers(sentence)]
+
+
 def in_text(number: str, text: str) -> bool:
-    """``number`` as the prose writes it (70.5%, 1,024, 0.92) is printed somewhere in ``text``: as written, or
-    a percentage as its fraction (70.5% -> 0.705) or as a percentage of another format (70.5 %)."""
+    """``number`` as the prose writes it (0.92, 1,024, 70.5%) is printed or set somewhere in ``text``: as
+    written (1,024 also as 1024), a percentage as a percentage (70.5% or 70.5 %)."""
     plain = number.rstrip("%").replace(",", "")
     forms = {plain, number.rstrip("%")}
-    if number.endswith("%"):
-        value = float(plain) / 100
-        forms |= {f"{value:.{d}f}" for d in range(2, 5) if abs(round(value, d) - value) < 1e-9}
-    return any(re.search(rf"(?<![\d.]){re.escape(f)}(?![\d])", text) for f in forms)
+    end = r"\s?%" if number.endswith("%") else r"(?![\d])"
+    return any(re.search(rf"(?<![\d.]){re.escape(f)}{end}", text) for f in forms)
 
 
-def unquoted(stem: str) -> list[tuple[int, str]]:
-    cells = committed(stem)
-    text = output_text(cells)
-    return [(i, n) for i, c in enumerate(cells) if c["cell_type"] == "markdown"
-            for n in prose_numbers("".join(c["source"])) if not in_text(n, text)]
+def section_of(line: str, current: int) -> int:
+    """The section a heading line starts (N for '## N. Title', -1 for '## Exercises' and what follows), or
+    ``current`` for any other line."""
+    if m := re.match(r"## (\d+)\. ", line):
+        return int(m.group(1))
+    return -1 if line.startswith("## ") else current
 
 
-@pytest.mark.parametrize("stem", [p.stem for p in SOURCES])
-def test_the_prose_quotes_only_numbers_its_committed_run_printed(stem):
+def parts(cells: list[dict]) -> list[tuple[int, int, str]]:
+    """(cell, section, text) for every cell, a markdown cell cut at its '## ' headings: the title's section
+    is 0, the exercises' and appendix's -1."""
+    current, out = 0, []
+    for i, cell in enumerate(cells):
+        text = "".join(cell["source"])
+        if cell["cell_type"] != "markdown":
+            out.append((i, current, text))
+            continue
+        lines = []
+        for line in text.splitlines():
+            if section_of(line, current) != current:
+                out.append((i, current, "\n".join(lines)))
+                current, lines = section_of(line, current), []
+            lines.append(line)
+        out.append((i, current, "\n".join(lines)))
+    return out
+
+
+def unquoted(stem: str, cells: list[dict] | None = None) -> list[tuple[int, str]]:
+    """(cell, number) for every number the prose states that no code cell of its section printed or set, nor
+    of a section its sentence names (§4, section 4); the exercises and appendix answer to the whole notebook.
+    A percentage must be printed as one (a '25%' is not vouched for by a printed 0.25, which may be a keep
+    ratio): quote what the output prints."""
+    cells = committed(stem) if cells is None else cells
+    pieces = parts(cells)
+    code = {sec: output_text([cells[i] for i, s, _ in pieces if s == sec and cells[i]["cell_type"] == "code"])
+            for _, sec, _ in pieces}
+    code[-1] = output_text(cells)           # the exercises and the appendix may refer to any section
+    missing = []
+    for i, sec, text in pieces:
+        if cells[i]["cell_type"] != "markdown":
+            continue
+        for sentence in sentences(text):
+            named = {sec} | {int(n) for n in SECTION_CUE.findall(sentence)}
+            scope = "\n".join(code.get(s, "") for s in named)
+            missing += [(i, n) for n in sentence_numbers(sentence) if not in_text(n, scope)]
+    return missing
+
+
+@pytest.mark.parametrize("stem", NAMES)
+def test_the_prose_quotes_only_numbers_its_section_printed(stem):
     missing = unquoted(stem)
-    assert not missing, f"{stem}: the prose quotes numbers that its committed outputs do not print " \
-                        f"(cell, number): {missing[:12]}; print them (a sentence from variables) or correct the text"
+    assert not missing, f"{stem}: the prose quotes numbers that the code cells of their section (or of the " \
+                        f"section the sentence names) do not print or set (cell, number): {missing[:12]}; print " \
+                        "them (a sentence from variables), name the section that prints them, or correct the text"
 
 
 def test_the_quoted_number_check_catches_a_number_from_another_run():
@@ -214,4 +306,20 @@ def test_the_quoted_number_check_catches_a_number_from_another_run():
     assert [n for n in found if not in_text(n, text)] == ["244"]
     assert prose_numbers("Section 6.3 and §4.1, sections 6.1 and 6.2 (Table 2, 2024; arXiv 2306.14048).") == []
     assert prose_numbers("The paper reports 45.09 on LongBench. We measure 0.71.") == ["0.71"]
-    assert in_text("70.5%", "share 0.705") and in_text("1,024", "1024 heads") and not in_text("0.7", "0.71")
+    assert prose_numbers("It keeps 3 of the 5 samples.") == ["3", "5"]          # small integers count
+
+
+def test_a_number_counts_only_in_its_own_section_or_one_its_sentence_names():
+    """A keep ratio printed everywhere does not vouch for a '25%' its section never printed (04 said 25% where
+    its table printed 0.26); a sentence that names the section that printed a number passes."""
+    def code(text, out):
+        return {"cell_type": "code", "source": [text], "outputs": [{"output_type": "stream", "text": [out]}]}
+
+    def md(text):
+        return {"cell_type": "markdown", "source": [text]}
+    cells = [md("## 1. Setup"), code("keep = 0.25", "ratio 0.25\n"), md("## 2. Results"), code("t", "kept 26%\n"),
+             md("About 25% of the needle survives."), md("About 26% survives."), md("Section 1 keeps 0.25 of it."),
+             md("It keeps 3 of them.\n\n## Exercises\n\nTry 26% again, then 0.27.")]
+    assert unquoted("", cells) == [(4, "25%"), (7, "3"), (7, "0.27")]      # the exercises may quote any section
+    assert in_text("70.5%", "share 70.5 %") and in_text("1,024", "1024 heads") and not in_text("0.7", "0.71")
+    assert not in_text("25%", "keep ratio 0.25")                 # a percentage is quoted as printed

@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from nanollm import KVCache, Transformer, prefill, preset
-from nanollm.cli.bench import fit_line, format_result, format_vs_transformers, main, run_bench, run_vs_transformers
+from nanollm.cli.bench import (
+    fit_line,
+    format_result,
+    format_vs_transformers,
+    main,
+    quartiles,
+    run_bench,
+    run_vs_transformers,
+)
 
 
 def test_fit_line_recovers_a_line() -> None:
@@ -70,3 +78,12 @@ def test_vs_transformers_is_skipped_without_it(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)     # `import transformers` fails
     assert run_vs_transformers() is None
     assert "skipped" in format_vs_transformers(None)
+
+
+def test_each_median_comes_with_the_quartiles_of_its_repeats() -> None:
+    assert quartiles([5.0, 1.0, 4.0, 2.0, 3.0]) == (2.0, 4.0) and quartiles([7.0]) == (7.0, 7.0)
+    result = run_bench(preset("TINY", max_seq_len=64), contexts=[8, 16], repeats=3, steps=1)
+    for row in result.rows:
+        for mode in ("cached", "recompute"):
+            q1, q3 = getattr(row, f"{mode}_iqr_ms")
+            assert q1 <= getattr(row, f"{mode}_ms") <= q3, (mode, row)

@@ -1,0 +1,829 @@
+# %% [markdown]
+# # 04 Lab: CriticalKV's two readings, head by head, and the paper's claims
+#
+# The research behind the lesson
+# [CriticalKV: perturbation-constrained selection](../04_perturbation_selection.ipynb). The lesson builds
+# Algorithm 1 by hand, tests it with the true query, and explains the two readings of Algorithm 2's stage 2:
+# the host's pooled vote times the value norm, as the authors' code runs it (our default), and the un-pooled
+# window attention, as line 9 is written (the ablation). This lab measures both
+# readings, and kvpress's settings, inside SnapKV and AdaKV:
+#
+# 1. the sample that motivated the lesson: which of the needle's value digits each variant keeps, what it
+#    answers, and why none recovers the value;
+# 2. head by head, as the paper's §5.1 counts; at the final hidden state (§5.2); in KL and accuracy; across
+#    `alpha`; and how often Assumption 1 holds;
+# 3. accuracy and KL against the keep ratio, in both modes;
+# 4. each of the paper's claims against what we measure on the bundled model;
+# 5. the same measurements on SmolLM2-135M.
+#
+# The variants: each host alone; CriticalKV over it with the pooled stage 2 (`alpha = 0.25`); the literal
+# reading (otherwise the same); kvpress's settings (`preset_options(..., "kvpress")`: `alpha = 0.5` of the
+# whole budget, `epsilon = 1e-4`, SnapKV's window 64, kernel 5, average pooling), compared with SnapKV and
+# AdaKV at kvpress's settings; and the two ends of the `alpha` ablation. The metrics (acc, KL, pert, lost,
+# keep ratio) and the two modes are defined in the glossary of notebook 01 (01_baselines). Code:
+# `methods/critical_kv.py`, `methods/evaluation/harness.py` (traces against the full cache),
+# `methods/evaluation/compare.py` (accuracy tables).
+
+# %%
+import os
+import sys
+import time
+from pathlib import Path
+
+TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
+REPO = next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "nanollm").is_dir()), None)
+if REPO is not None and str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))                  # opened from notebooks/labs/: make the repo importable
+
+import matplotlib.pyplot as plt
+import torch
+
+from methods import make_policy
+from methods.critical_kv import assumption1_sigma, projected_output_l1, projected_value_norms
+from methods.evaluation.compare import Variant, format_intervals, format_tables, run
+from methods.evaluation.harness import compare_traces, greedy_accuracy, trace, traces
+from methods.evaluation.intervals import describe, paired_difference, wilson
+from methods.evaluation.viz import print_mode
+from methods.presets import preset_options
+from methods.snapkv import pool1d
+from nanollm import KVCache, load, prefill
+from nanollm.data.evaluate import MODES, answer
+from nanollm.data.tasks import make_sample
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model, tok, card = load("retrieval-llama")
+cfg = model.config
+G = cfg.n_head // cfg.n_kv_head                                  # query heads per KV head
+W_O = [block.attn.o_proj.weight.detach() for block in model.blocks]   # (D, H*d) per layer
+
+LENGTH = 256 if TINY else 512                                    # tokens per sample
+TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
+N_SAMPLES = 1 if TINY else 5                                     # samples per task (seeds 0..N-1)
+HEAD_RATIOS = [0.25] if TINY else [0.1, 0.25]                    # keep ratios of the head-wise study
+COMPARE_RATIOS = [0.25] if TINY else [0.25, 0.5]                 # keep ratios of the accuracy table
+MODE = "question_in_prompt"                                      # the head-wise study's mode (both in §3)
+LITERAL = {"stage2": "window"}                                   # Algorithm 2 line 9 read literally (the ablation)
+KVPRESS = preset_options("critical_kv", "kvpress")               # kvpress's CriticalKVPress settings
+KVPRESS_ADA = preset_options("critical_kv(adakv(snapkv))", "kvpress")    # and its CriticalAdaKVPress
+T0 = time.time()
+print(f"tiny mode: {TINY}; {len(TASKS)} task(s) x {N_SAMPLES} sample(s), {LENGTH} tokens; torch {torch.__version__}")
+print_mode(TINY)                                   # quick mode: the text describes another run
+print(f"kvpress's settings: CriticalSnapKV {KVPRESS}; CriticalAdaKV {KVPRESS_ADA}")
+
+# %% [markdown]
+# ## 1. The sample that motivated the lesson
+#
+# With the question in the prompt and a budget of 256 of its 494 prompt tokens, SnapKV answers `999999...` on
+# a single-needle sample: `niah_single_noise` at 512 tokens, seed 1, value 196238. Which of the six value
+# digits does each variant keep, per layer and KV head, and what does it answer?
+
+# %%
+sample = make_sample("niah_single_noise", tok, 512, seed=1)
+value_ids = tok.encode(sample.answers[0])
+start = next(i for i in range(len(sample.context_ids)) if sample.context_ids[i:i + len(value_ids)] == value_ids)
+digits = torch.arange(start, start + len(value_ids))              # positions of the value's digit tokens
+before = torch.arange(start - 12, start)                          # the 12 tokens before them (the key)
+print(f"{len(sample.prompt_ids)} prompt tokens; value {sample.answers[0]} at positions {digits.tolist()}; "
+      f"before it: {tok.decode(sample.context_ids[start - 12:start])!r}")
+SAMPLE_VARIANTS = {                  # label -> (method spec, options)
+    "snapkv": ("snapkv", {}),
+    "critical_kv": ("critical_kv", {}),                            # CriticalSnapKV: pooled stage 2, alpha 0.25
+    "critical_kv literal": ("critical_kv", LITERAL),               # un-pooled window attention in stage 2
+    "critical_kv kvpress": ("critical_kv", KVPRESS),
+    "adakv": ("adakv", {}),
+    "critical_kv(adakv)": ("critical_kv(adakv(snapkv))", {}),      # CriticalAdaKV
+    "crit(adakv) literal": ("critical_kv(adakv(snapkv))", LITERAL),
+    "crit(adakv) kvpress": ("critical_kv(adakv(snapkv))", KVPRESS_ADA),
+}
+ids = torch.tensor([sample.prompt_ids])
+print(f"\n{'variant':<22}{'answer':<18}"
+      + "".join(f"L{l}h{j}".center(9) for l in range(cfg.n_layer) for j in range(cfg.n_kv_head)))
+for label, (spec, opts) in SAMPLE_VARIANTS.items():
+    cache = KVCache(cfg, make_policy(spec, budget=256, **opts))
+    prefill(model, ids, cache)
+    cells = [f"{int(torch.isin(digits, p).sum())}/6 ({int(torch.isin(before, p).sum()):>2})"
+             for layer in cache.layers for p in layer.pos[0]]
+    said = answer(model, tok, sample, MODE, make_policy(spec, budget=256, **opts)).strip()
+    print(f"{label:<22}{said[:16]:<18}" + "".join(c.center(9) for c in cells))
+print("\ncells: value digits kept / 6 (tokens of the 12 before them kept)")
+
+# %% [markdown]
+# No variant recovers 196238. SnapKV keeps 1 of the 6 digits in both layer-3 KV heads. The two readings of
+# CriticalSnapKV differ only in stage 2, and it shows in the layer-1 and layer-2 heads, where the pooled one
+# keeps more of the digits in three of the four; the pooled one answers "111188", the right first digit, the
+# literal one "222288888888888". CriticalAdaKV answers "222288888888888" pooled and "999999999999999" literal,
+# as AdaKV does.
+#
+# Neither reading rescues the value because the observation window (the question's tokens) barely looks at
+# it. The figure below shows, in layer 3 around the needle, the window's mean attention `Abar` (what the
+# literal stage 2 ranks by), the same after SnapKV's pooling (what the pooled stage 2 ranks by), the attention
+# of the first answer token's query in the full cache (what decoding asks for), and the projected value norms
+# `P`, one line per query head.
+
+# %%
+layer = 3
+policy = make_policy("critical_kv", budget=256)
+prefill(model, ids, KVCache(cfg, policy))
+abar = policy.last[layer]["abar"][0]                                  # (H, T) window attention, not pooled
+pooled = pool1d(abar, policy.inner.kernel, policy.inner.pooling)      # (H, T) SnapKV's pooled vote, per query
+full = trace(model, sample, MODE, None, record_probs=True)           # full cache, first decode step
+full_cache = KVCache(cfg)
+prefill(model, ids, full_cache)
+P = projected_value_norms(full_cache.layers[layer].v, W_O[layer], cfg.n_head)[0]      # (H, T)
+span = torch.arange(start - 14, start + len(value_ids) + 4)
+fig, axes = plt.subplots(4, 1, figsize=(10, 8.2), dpi=80, sharex=True)
+for h in range(cfg.n_head):
+    axes[0].plot(abar[h, span].tolist(), marker=".", label=f"query head {h} (KV head {h // G})")
+    axes[1].plot(pooled[h, span].tolist(), marker=".")
+    axes[2].plot(full.probs[layer][h, span].tolist(), marker=".")
+    axes[3].plot(P[h, span].tolist(), marker=".")
+axes[0].set(ylabel="window Abar\n(literal stage 2)", title=f"layer {layer}, around the needle (value digits shaded)")
+axes[1].set(ylabel="pooled vote\n(default stage 2)")
+axes[2].set(ylabel="first answer\nquery's attention")
+axes[3].set(ylabel="P = ||v W_O^(h)||_1", xlabel="prompt token (the needle's key, then its value)")
+axes[3].set_xticks(range(len(span)), [repr(tok.decode([sample.prompt_ids[p]]))[1:-1] for p in span.tolist()],
+                   rotation=90)
+for ax in axes:
+    ax.axvspan(14 - 0.5, 14 + len(value_ids) - 0.5, color="gold", alpha=0.3)
+axes[0].legend(fontsize=7, ncol=2)
+plt.tight_layout()
+plt.show()
+mass = lambda a: float(a[:, digits].sum(-1).mean())                 # noqa: E731  mean over query heads
+print(f"layer {layer}: attention mass on the 6 digits, mean over query heads: window Abar {mass(abar):.3f}, "
+      f"pooled vote {mass(pooled):.3f}, first answer query {mass(full.probs[layer]):.3f}")
+T_s = len(sample.prompt_ids)
+P_kv = P[:, :T_s].view(cfg.n_kv_head, G, T_s).mean(1)                # (H_kv, T) group-mean value norm
+stage2 = {"literal: Abar x P": (abar * P[:, :T_s]).view(cfg.n_kv_head, G, T_s).mean(1),
+          "default: pooled x P": pooled.view(cfg.n_kv_head, G, T_s).mean(1) * P_kv}
+for name, score in stage2.items():                                    # (H_kv, T) stage-2 score per KV head
+    rank = score.argsort(-1, descending=True).argsort(-1)             # 0 = ranked first
+    print(f"stage 2, {name:<20} rank of the value digits (of {T_s}) per KV head: "
+          + "; ".join(f"KV head {j}: {rank[j, digits].tolist()}" for j in range(cfg.n_kv_head)))
+
+# %% [markdown]
+# The figure shows the window's queries looking at the needle's key and the first answer token's query looking
+# at its value. The window puts 0.003 of its attention (mean over query heads) on the six digits; what it
+# attends to is the key ("royal-field"). Pooling moves some of the key's vote onto the digits next to it
+# (0.007), which is why the pooled stage 2 ranks the value's first digit at 216 of 494 in KV head 1 and the
+# literal one at 493. The first answer token's query puts 0.519 of its attention on the six digits, most of it
+# on the first digit. What fails on this sample is the observation window as a stand-in for the decoding query,
+# which both stages and both readings inherit; pooling only softens it.
+#
+# ## 2. Inside SnapKV and AdaKV (Algorithm 2), head by head
+#
+# CriticalSnapKV and CriticalAdaKV against their hosts, each in three settings: the pooled stage 2 (the
+# default), the literal reading, and kvpress's settings. Each runs through the harness on the same samples,
+# question in the prompt, and the loop records the per-head output perturbation
+# `L_h = ||(o_full - o) W_O^(h)||_1` at the first decode step (`projected_output_l1`, the paper's §5.1
+# quantity), the final hidden state's relative error (the harness's `perturbation`, §5.2), the answer's KL
+# and accuracy. The same loop runs the two ends of the `alpha` ablation (stage 2 only; the host itself) and
+# records Assumption 1's `sigma` for CriticalSnapKV (stage 1, and so `sigma`, is the same in both readings).
+
+# %%
+VARIANTS = {                          # label -> (method spec, options)
+    "snapkv": ("snapkv", {}),
+    "critical_kv": ("critical_kv", {}),                               # pooled stage 2 (the authors' code)
+    "critical_kv literal": ("critical_kv", LITERAL),                  # Algorithm 2 line 9 read literally
+    "critical_kv kvpress": ("critical_kv", KVPRESS),                  # kvpress's settings
+    "adakv": ("adakv", {}),
+    "critical_kv(adakv)": ("critical_kv(adakv(snapkv))", {}),
+    "crit(adakv) literal": ("critical_kv(adakv(snapkv))", LITERAL),
+    "crit(adakv) kvpress": ("critical_kv(adakv(snapkv))", KVPRESS_ADA),
+    "snapkv kvpress": ("snapkv", preset_options("snapkv", "kvpress")),   # the kvpress rows' own hosts
+    "adakv kvpress": ("adakv", preset_options("adakv", "kvpress")),
+    "alpha=0": ("critical_kv", {"alpha": 0.0}),                       # stage 2 only (Appendix D)
+    "alpha=1": ("critical_kv", {"alpha": 1.0}),                       # stage 1 only: SnapKV itself
+}
+res = {}                              # (label, ratio) -> {metric: [one value per sample]}
+t_loop = time.time()
+for task in TASKS:
+    for i in range(N_SAMPLES):
+        s = make_sample(task, tok, LENGTH, seed=i)
+        full = trace(model, s, MODE, None, record_probs=True)
+        for ratio in HEAD_RATIOS:
+            b = round(ratio * LENGTH)
+            for label, (spec, opts) in VARIANTS.items():
+                policy = make_policy(spec, budget=b, **opts)
+                tr = trace(model, s, MODE, policy)
+                m = compare_traces(full, tr, G)
+                acc, _ = greedy_accuracy(model, tok, s, tr)
+                r = res.setdefault((label, ratio), {})
+                r.setdefault("head_l1", []).append(torch.stack(
+                    [projected_output_l1(full.outs[l], tr.outs[l], W_O[l]) for l in range(cfg.n_layer)]))  # (L, H)
+                for key, value in [("pert", m["perturbation"]), ("kl", m["kl"]), ("acc", acc)]:
+                    r.setdefault(key, []).append(value)
+                if label == "critical_kv":    # Assumption 1: window attention and the decode query's
+                    r.setdefault("sigma_window", []).append(torch.stack([policy.last[l]["sigma"][0]
+                                                                         for l in range(cfg.n_layer)]))
+                    dec = torch.zeros(cfg.n_layer, cfg.n_head)
+                    for l in range(cfg.n_layer):
+                        stage1 = policy.last[l]["stage1_pos"][0]          # (H_kv, T) positions, -1 elsewhere
+                        for h in range(cfg.n_head):
+                            in_stage1 = torch.isin(full.attended[l][h // G], stage1[h // G])
+                            dec[l, h] = assumption1_sigma(full.probs[l][h], in_stage1)
+                    r.setdefault("sigma_decode", []).append(dec)
+print(f"{len(VARIANTS)} variants x {len(HEAD_RATIOS)} keep ratios x {len(TASKS) * N_SAMPLES} samples: "
+      f"{time.time() - t_loop:.0f} s")
+
+# %% [markdown]
+# ### 2.1 Head-wise: in how many heads is the perturbation lower with the selection?
+#
+# The paper (§5.1, Figure 2) compares each head's output perturbation with and without the selection and
+# counts the heads where it is lower: 819 of 1,024 heads for Llama-3.1-8B and 748 for Mistral-7B with
+# SnapKV, 74.3% on average over its four cases. We count (layer, head) pairs by their mean over samples (all
+# sixteen of the model's heads), and also every (sample, layer, head) triple.
+
+# %%
+PAIRS = [("snapkv", "critical_kv"), ("snapkv", "critical_kv literal"), ("snapkv kvpress", "critical_kv kvpress"),
+         ("adakv", "critical_kv(adakv)"), ("adakv", "crit(adakv) literal"), ("adakv kvpress", "crit(adakv) kvpress"),
+         ("snapkv", "alpha=0"), ("snapkv", "alpha=1")]            # (host, selection): kvpress's against its own host
+HOST_OF = {crit: host for host, crit in PAIRS}
+print(f"{'keep':>5}  {'selection':<20}{'vs':<15}| {'heads lower (mean)':>18} {'triples lower':>13} {'equal':>6} | "
+      f"lower per layer (triples)")
+headwise = {}
+for ratio in HEAD_RATIOS:
+    for host, crit in PAIRS:
+        a, c = torch.stack(res[(host, ratio)]["head_l1"]), torch.stack(res[(crit, ratio)]["head_l1"])   # (S, L, H)
+        headwise[(ratio, crit)] = float((c.mean(0) < a.mean(0)).float().mean())
+        per_layer = " ".join(f"{float(x):.2f}" for x in (c < a).float().mean((0, 2)))
+        print(f"{ratio:>5}  {crit:<20}{host:<15}| {headwise[(ratio, crit)]:>18.2f} "
+              f"{float((c < a).float().mean()):>13.2f} {float((c == a).float().mean()):>6.2f} | {per_layer}")
+
+# %%
+READINGS = [("critical_kv", "pooled stage 2 (default)"), ("critical_kv literal", "literal stage 2")]
+fig, axes = plt.subplots(len(READINGS), len(HEAD_RATIOS), figsize=(5 * len(HEAD_RATIOS), 4.2 * len(READINGS)),
+                         dpi=80, squeeze=False)
+for row, (crit, reading) in enumerate(READINGS):
+    for ax, ratio in zip(axes[row], HEAD_RATIOS):
+        a = torch.stack(res[("snapkv", ratio)]["head_l1"]).mean(0)    # (L, H) mean over samples
+        c = torch.stack(res[(crit, ratio)]["head_l1"]).mean(0)
+        for l in range(cfg.n_layer):
+            ax.scatter(a[l].tolist(), c[l].tolist(), label=f"layer {l}", s=30)
+        top = float(torch.cat([a, c]).max()) * 1.05
+        ax.plot([0, top], [0, top], "k--", lw=0.8)
+        ax.set(xlabel="SnapKV: per-head L (mean over samples)", ylabel=f"CriticalSnapKV, {reading}:\nper-head L",
+               title=f"{reading}, keep {ratio}: {headwise[(ratio, crit)]:.0%} of heads below")
+        ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The figure shows each head's mean perturbation with the selection against SnapKV's, for both readings; most
+# points sit on or above the diagonal. Not reproduced at our scale, in either reading: the share of heads with
+# a lower perturbation ("heads lower" in the table) is between 0.31 and 0.56 for both readings over both hosts,
+# far from the 74% of the paper. Counted per (sample, layer, head), it is a coin toss at keep ratio 0.1 and a
+# loss at 0.25, where both readings lose most in layer 0 (0.15-0.17 of its triples lower), the layer where
+# Assumption 1 fails (section 2.3). At kvpress's settings the selection equals its host in every head at keep
+# ratio 0.1: the budget is smaller than kvpress's window, which takes all of it. `alpha=1` equals SnapKV in
+# every head, as it must.
+#
+# ### 2.2 Final hidden state, KL, accuracy, and the alpha ablation
+#
+# The paper's §5.2 (Figure 3) reports a lower final-layer perturbation with the selection at every budget,
+# and its Appendix D (Table 5) that `alpha = 0` (stage 2 only) is slightly worse than 0.25 but still better
+# than SnapKV. Per layer, `sum_h L_h` shows where the difference builds up.
+
+# %%
+print(f"{'keep':>5}  {'variant':<20}| {'final pert':>10} {'KL':>7} {'acc':>6} | {'sum_h L_h per layer':>28}")
+for ratio in HEAD_RATIOS:
+    for label in VARIANTS:
+        r = res[(label, ratio)]
+        per_layer = torch.stack(r["head_l1"]).mean(0).sum(-1)           # (L,)
+        print(f"{ratio:>5}  {label:<20}| {sum(r['pert']) / len(r['pert']):>10.3f} {sum(r['kl']) / len(r['kl']):>7.3f} "
+              f"{sum(r['acc']) / len(r['acc']):>6.2f} | " + " ".join(f"{float(x):>6.2f}" for x in per_layer))
+    print()
+n = len(TASKS) * N_SAMPLES
+print(f"mean over {n} samples ({len(TASKS)} tasks x {N_SAMPLES}), question in the prompt, {LENGTH} tokens. "
+      "alpha=1 must equal snapkv exactly (the wrapper with a zero stage 2).")
+
+
+def versus(results: dict, label: str, host: str, ratio: float, key: str, per_task: int) -> str:
+    """``label`` minus ``host``, paired sample by sample (each task's samples resampled): "d [95%] verdict"."""
+    split = lambda xs: [xs[t:t + per_task] for t in range(0, len(xs), per_task)]      # noqa: E731
+    return describe(*paired_difference(split(results[(label, ratio)][key]), split(results[(host, ratio)][key])),
+                    decimals=3)
+
+
+print("\nwith the selection minus without, paired by sample: difference [95% interval] and the noise rule's verdict")
+for ratio in HEAD_RATIOS:
+    for host, crit in PAIRS[:-1]:                                       # alpha=1 is snapkv itself
+        print(f"{ratio:>5}  {crit:<20} vs {host:<14}| " + " | ".join(
+            f"{name} {versus(res, crit, host, ratio, key, N_SAMPLES):<32}"
+            for name, key in [("pert", "pert"), ("KL", "kl"), ("acc", "acc")]))
+
+# %% [markdown]
+# The two readings part ways in the answer, not in the final hidden state. At keep ratio 0.25 every selection
+# moves the final hidden state a little less than its host, beyond noise for both pooled selections and the
+# literal CriticalAdaKV; at 0.1 the hidden state is lost for every method (a relative error near 1). In KL the
+# pooled stage 2 is lower than its host at 0.25, beyond noise over both hosts, and the literal one higher,
+# beyond noise: the paired differences are the last block of the table. Accuracy follows within noise. The
+# per-layer sums show where both readings spend their stage-2 budget: the selection's perturbation is larger
+# in layers 0 and 3.
+#
+# The `alpha` ablation (pooled stage 2) at keep ratio 0.25: `alpha = 0` (stage 2 only) and 0.25 are about
+# equal in KL and accuracy, both lower in KL than `alpha = 1` (SnapKV itself) beyond noise and level with it
+# in accuracy. The order the paper reports between 0 and 0.25 is not visible here; its "both better than
+# SnapKV" is, in KL.
+#
+# kvpress's settings, against SnapKV and AdaKV at kvpress's settings: at keep ratio 0.1 CriticalKV is its host
+# (the window takes the whole budget); at 0.25 its KL is lower but within noise. kvpress's hosts are
+# themselves worse than ours on this model (KL 5.973 and 5.749 against 5.131 and 5.011): a wider window leaves
+# less of the budget to the prompt.
+#
+# ### 2.3 How often does Assumption 1 hold?
+#
+# Theorem 3 needs the stage-1 set to carry more than half of the attention (`sigma > 0.5`). The paper finds
+# it in most heads, except a few in the first layer (Appendix A, Figure 4). We measure `sigma` for
+# CriticalSnapKV per layer, over (sample, query head) pairs, in two ways: on the window attention `Abar` (the
+# un-pooled mean of the window's queries; the stage-1 set includes SnapKV's window, which the window attends to
+# a lot), and on the attention of the first decode step's query in the full cache, the one whose output is
+# perturbed.
+
+# %%
+print(f"{'keep':>5} {'layer':>5} | {'sigma > 0.5 on Abar':>19} {'mean':>6} | "
+      f"{'sigma > 0.5, decode query':>25} {'mean':>6}")
+for ratio in HEAD_RATIOS:
+    sw = torch.stack(res[("critical_kv", ratio)]["sigma_window"])      # (S, L, H)
+    sd = torch.stack(res[("critical_kv", ratio)]["sigma_decode"])
+    for l in range(cfg.n_layer):
+        print(f"{ratio:>5} {l:>5} | {float((sw[:, l] > 0.5).float().mean()):>19.2f} {float(sw[:, l].mean()):>6.2f} | "
+              f"{float((sd[:, l] > 0.5).float().mean()):>25.2f} {float(sd[:, l].mean()):>6.2f}")
+
+# %% [markdown]
+# Not in most heads. On the window attention `sigma > 0.5` holds in layer 1 (0.67-0.77 of the pairs) and in at
+# most 0.47 of them elsewhere; on the decode query in layer 1 (0.92-0.94) and in at most 0.38 elsewhere.
+# Layer 0 fails, as the paper finds for some of its first-layer heads, but here layers 2 and 3 fail as well
+# (over all layers, section 4: 17% and 33% of the pairs on `Abar`, 40% and 46% on the decode query). Where it
+# fails, `2 - 1/sigma <= 0` and Theorem 3 no longer says that large `A * P` lowers the bound.
+#
+# ## 3. Accuracy and KL against the keep ratio, both modes
+#
+# `methods.evaluation.compare.run` (the function behind `python -m methods.compare`) on the default suite, for
+# the two hosts and each with its selections, in both modes.
+
+# %%
+t_cmp = time.time()
+METHODS_C = [Variant(label, *VARIANTS[label]) for label in VARIANTS if not label.startswith("alpha")]
+HOSTS_C = [(host, crit) for host, crit in PAIRS[:6]]                 # (host, with a selection)
+budgets = [round(r * LENGTH) for r in COMPARE_RATIOS]
+records = run(model, tok, METHODS_C, budgets, TASKS, MODES, N_SAMPLES, LENGTH, seed=0, progress=False)
+
+
+def cell_records(method: str, mode: str, budget: int | None) -> list[dict]:
+    """The records of one (method, mode, budget) cell, one per task, in the order of TASKS."""
+    by_task = {r["task"]: r for r in records if (r["method"], r["mode"], r["budget"]) == (method, mode, budget)}
+    return [by_task[t] for t in TASKS]
+
+
+def acc_groups(method: str, mode: str, budget: int | None) -> list[list[float]]:
+    return [r["accuracies"] for r in cell_records(method, mode, budget)]     # per task, each sample's accuracy
+
+
+mean = lambda xs: sum(xs) / len(xs)                                     # noqa: E731
+cell_mean = lambda method, mode, budget, key: mean([r[key] for r in cell_records(method, mode, budget)])  # noqa: E731
+print(f"{'mode':<19}{'keep':>5}  {'selection':<20}| acc host -> selection, difference [95% paired]  "
+      f"| KL host -> selection")
+for mode in MODES:
+    for ratio, b in zip(COMPARE_RATIOS, budgets):
+        for host, crit in HOSTS_C:
+            d = describe(*paired_difference(acc_groups(crit, mode, b), acc_groups(host, mode, b)))
+            print(f"{mode:<19}{ratio:>5}  {crit:<20}| {cell_mean(host, mode, b, 'accuracy'):.2f} -> "
+                  f"{cell_mean(crit, mode, b, 'accuracy'):.2f}  {d:<34}| {cell_mean(host, mode, b, 'kl'):.3f} -> "
+                  f"{cell_mean(crit, mode, b, 'kl'):.3f}")
+        print()
+print(f"\n{len(TASKS)} tasks x {N_SAMPLES} samples per mode, {LENGTH} tokens, seed 0: {time.time() - t_cmp:.0f} s")
+
+# %%
+def style(label: str) -> dict:
+    """Colour by reading (host, pooled, literal, kvpress), line and marker by host (SnapKV, AdaKV)."""
+    reading = ("host " if label not in HOST_OF else "") + ("kvpress" if "kvpress" in label else "literal"
+                                                           if "literal" in label else "pooled")
+    color = {"host pooled": "black", "host kvpress": "gray", "pooled": "C0", "literal": "C3", "kvpress": "C2"}[reading]
+    return dict(color=color, ls="--" if "adakv" in label else "-", marker="s" if "adakv" in label else "o")
+
+
+def pretty(label: str) -> str:
+    """'crit(adakv) literal' -> 'CriticalAdaKV, literal'."""
+    host = "AdaKV" if "adakv" in label else "SnapKV"
+    if label not in HOST_OF:
+        return host + (", kvpress" if "kvpress" in label else "")
+    return f"Critical{host}, " + ("kvpress" if "kvpress" in label else "literal" if "literal" in label else "pooled")
+
+
+FAMILIES = [(host, [v.label for v in METHODS_C if ("adakv" in v.label) == (host == "AdaKV")])
+            for host in ("SnapKV", "AdaKV")]                     # five lines per panel: a host and its variants
+PANELS = [(mode, host, family) for mode in MODES for host, family in FAMILIES]
+fig, axes = plt.subplots(2, len(PANELS), figsize=(16, 7.5), dpi=80, sharex=True, sharey="row", squeeze=False)
+for col, (mode, host, family) in enumerate(PANELS):
+    for j, method in enumerate(family):
+        xs = [r + 0.006 * (j - 2) for r in COMPARE_RATIOS]             # side by side: the lines overlap
+        accs = [cell_mean(method, mode, b, "accuracy") for b in budgets]
+        n = [sum(len(g) for g in acc_groups(method, mode, b)) for b in budgets]                  # answers per point
+        lo, hi = zip(*[wilson(a, k) for a, k in zip(accs, n)])
+        axes[0, col].errorbar(xs, accs, yerr=[[a - x for a, x in zip(accs, lo)], [x - a for a, x in zip(accs, hi)]],
+                              capsize=3, label=pretty(method), **style(method))
+        axes[1, col].plot(xs, [cell_mean(method, mode, b, "kl") for b in budgets], label=pretty(method),
+                          **style(method))
+    axes[0, col].set(title=f"over {host}: {mode.replace('_', ' ')}", ylim=(-0.03, 1.03))
+    axes[1, col].set(xlabel="keep ratio")
+    for row in range(2):
+        axes[row, col].grid(alpha=0.3)
+axes[0, 0].set(ylabel="accuracy (mean over tasks, 95% interval)")
+axes[1, 0].set(ylabel="KL(full || method)")
+for col in range(len(FAMILIES)):
+    axes[0, col].legend(fontsize=7, loc="upper left")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The figure shows, over each host and in each mode, the two readings on either side of their host in KL
+# (blue, the pooled stage 2, below the black host line; red, the literal one, above it) and all of them close
+# in accuracy. Accuracy on this model is low for every prompt-compressing method (SnapKV is the weak baseline
+# here, see the README). With the pooled stage 2 it is level with the host, within noise in all eight (host,
+# keep ratio, mode) cells of the table, and the KL is below the host's in all eight. With the literal stage 2
+# accuracy is lower in seven of the eight cells, beyond noise in two, both after the context at keep ratio 0.5,
+# and the KL is above the host's in all eight. kvpress's settings, against their own hosts (gray): accuracy
+# within noise everywhere, KL lower in seven of eight. The table's KL has no interval (the records keep means
+# only); section 2.2 has the paired intervals for the question in the prompt. Keep ratio 0.1 is left out here:
+# every method answers 0.00-0.04 there (section 2.2). The paper's LongBench gains are small too (SnapKV on
+# Llama-3.1-8B, b = 256: 45.09 -> 45.66 of 100), on 7-8B models with far more concentrated attention.
+#
+# ## 4. What the paper claims, what we measure
+#
+# On the bundled model, the pooled reading (the authors' code) first:
+#
+# * **Lower perturbation in most heads** (§5.1): not reproduced in either reading (section 2.1). Algorithm 1
+#   loses to attention top-k even with the true query (the lesson's section 2), and Assumption 1 fails in most
+#   heads (section 2.3): the model's attention is too spread out.
+# * **Lower final-layer perturbation** (§5.2): reproduced at keep ratio 0.25, by little (lower beyond noise for
+#   both pooled selections); at 0.1 the hidden state is lost for every method.
+# * **Better answers** (Tables 1 and 3): in KL, reproduced with the pooled reading at keep ratio 0.25 (lower
+#   beyond noise over both hosts); in accuracy within noise (level with the hosts). The literal reading raises
+#   the KL beyond noise over both hosts and lowers accuracy beyond noise in two cells after the context
+#   (section 3).
+# * **`alpha = 0` slightly worse than 0.25, both better than SnapKV** (Appendix D): 0 and 0.25 about equal,
+#   both lower than SnapKV in KL beyond noise; accuracy within noise.
+# * **kvpress's settings** (not in the paper), against SnapKV and AdaKV at kvpress's settings: KL lower but
+#   within noise at keep ratio 0.25; at 0.1 the selection is its host.
+#
+# The summary below is computed from the cells above (the committed notebook is a normal run; tiny mode prints
+# smaller, noisier numbers).
+
+# %%
+for ratio in HEAD_RATIOS:
+    sw = torch.stack(res[("critical_kv", ratio)]["sigma_window"])
+    sd = torch.stack(res[("critical_kv", ratio)]["sigma_decode"])
+    print(f"keep ratio {ratio}:")
+    print(f"  heads with lower perturbation: CriticalSnapKV {headwise[(ratio, 'critical_kv')]:.0%}, "
+          f"CriticalAdaKV {headwise[(ratio, 'critical_kv(adakv)')]:.0%}; literal reading "
+          f"{headwise[(ratio, 'critical_kv literal')]:.0%} and {headwise[(ratio, 'crit(adakv) literal')]:.0%}; "
+          f"kvpress {headwise[(ratio, 'critical_kv kvpress')]:.0%} and {headwise[(ratio, 'crit(adakv) kvpress')]:.0%}"
+          "   (paper: ~74%)")
+    for host, crit in PAIRS[:6]:
+        print(f"  final hidden perturbation {host} {mean(res[(host, ratio)]['pert']):.3f} -> {crit} "
+              f"{mean(res[(crit, ratio)]['pert']):.3f}; KL {mean(res[(host, ratio)]['kl']):.3f} -> "
+              f"{mean(res[(crit, ratio)]['kl']):.3f} ({versus(res, crit, host, ratio, 'kl', N_SAMPLES)})")
+    print(f"  Assumption 1 (sigma > 0.5): {float((sw > 0.5).float().mean()):.0%} of (sample, head) on Abar, "
+          f"{float((sd > 0.5).float().mean()):.0%} on the decode query; layer 0: "
+          f"{float((sd[:, 0] > 0.5).float().mean()):.0%}")
+    print("  alpha ablation, final perturbation / accuracy: " + ", ".join(
+        f"{lab} {mean(res[(lab, ratio)]['pert']):.3f} / {mean(res[(lab, ratio)]['acc']):.2f}"
+        for lab in ["alpha=0", "critical_kv", "alpha=1"]))
+print(f"\nnotebook run time: {time.time() - T0:.0f} s")
+
+# %% [markdown]
+# ## 5. On the real model: SmolLM2-135M
+#
+# Sections 1-4 ran on the bundled 0.87M-parameter model trained on synthetic retrieval, whose attention is
+# spread out. SmolLM2-135M-Instruct is a real, if small, language model: 30 layers, 9 query heads sharing 3 KV
+# heads, hidden size 576. The lesson's section 4 shows what the two readings keep of one of its passages and
+# runs Algorithm 1 with the true query on it. This section re-measures the paper's claims on it with the same
+# library code: the heads with a lower perturbation, the final hidden state, accuracy and KL in both modes,
+# Assumption 1, and the claims in numbers. The variants are those of section 3; budgets are per layer and KV
+# head.
+
+# %%
+t_real = time.time()                                              # one torch thread, as above: on a shared
+                                                                  # 2-core machine two threads can be slower
+real, rtok, rcard = load("smollm2-135m")
+rcfg = real.config
+G_REAL = rcfg.n_head // rcfg.n_kv_head                            # 3 query heads per KV head
+W_O_REAL = [block.attn.o_proj.weight.detach() for block in real.blocks]   # (576, 9*64) per layer
+
+LENGTH_REAL = 256 if TINY else 512                                # tokens per sample
+SUITE_REAL = ["passkey", "niah_single_docs"]                 # the full cache answers both at 512 tokens
+TASKS_REAL = SUITE_REAL[:1] if TINY else SUITE_REAL
+N_REAL = 1 if TINY else 3                                         # samples per task (and mode in §5.2)
+RATIOS_REAL = [0.25] if TINY else [0.1, 0.25]
+BUDGETS_REAL = [round(r * LENGTH_REAL) for r in RATIOS_REAL]      # 51 and 128 of 512 tokens
+VARIANTS_REAL = {k: v for k, v in VARIANTS.items() if not k.startswith("alpha")}   # the ten of §3
+print(f"SmolLM2-135M: {rcfg.n_layer} layers, {rcfg.n_head} query heads, {rcfg.n_kv_head} KV heads, "
+      f"d_model {rcfg.d_model}; suite {TASKS_REAL}, {LENGTH_REAL} tokens, {N_REAL} sample(s) per task, "
+      f"keep ratios {RATIOS_REAL}")
+
+# %% [markdown]
+# ### 5.1 Head-wise: in how many of the 270 heads is the perturbation lower?
+#
+# The measurement of section 2.1: every selection and its host traced on the same samples (question in the
+# prompt; `harness.traces` runs the prompt once for all of them), the per-head perturbation
+# `L_h = ||(o_full,h - o_h) W_O^(h)||_1` at the first decode step, and the fraction of the (layer, query head)
+# pairs where the selection's mean over samples is below the host's, as the paper's §5.1 (Figure 2) counts. The
+# same traces give the final hidden state's relative error and the KL of section 5.2, and CriticalSnapKV's
+# stage-1 sets for section 5.3. Each selection is compared with its own host: kvpress's with SnapKV and AdaKV
+# at kvpress's settings.
+
+# %%
+res_r = {}                             # (label, ratio) -> {metric: [one value per sample]}
+t_loop = time.time()
+for task in TASKS_REAL:
+    for i in range(N_REAL):
+        s = make_sample(task, rtok, LENGTH_REAL, seed=i)
+        keys = [(label, ratio) for ratio in RATIOS_REAL for label in VARIANTS_REAL]
+        policies = [make_policy(VARIANTS_REAL[label][0], budget=round(ratio * LENGTH_REAL), **VARIANTS_REAL[label][1])
+                    for label, ratio in keys]
+        full, *trs = traces(real, s, MODE, [None] + policies, [True] + [False] * len(policies))
+        for (label, ratio), policy, tr in zip(keys, policies, trs):
+            m = compare_traces(full, tr, G_REAL)
+            r = res_r.setdefault((label, ratio), {})
+            r.setdefault("head_l1", []).append(torch.stack(
+                [projected_output_l1(full.outs[l], tr.outs[l], W_O_REAL[l]) for l in range(rcfg.n_layer)]))  # (L, H)
+            r.setdefault("pert", []).append(m["perturbation"])
+            r.setdefault("kl", []).append(m["kl"])
+            if label == "critical_kv":    # Assumption 1 on the window attention and on the decode query
+                r.setdefault("sigma_window", []).append(torch.stack([policy.last[l]["sigma"][0]
+                                                                     for l in range(rcfg.n_layer)]))   # (L, H)
+                dec = torch.zeros(rcfg.n_layer, rcfg.n_head)
+                for l in range(rcfg.n_layer):
+                    stage1 = policy.last[l]["stage1_pos"][0]              # (H_kv, T) positions, -1 elsewhere
+                    for h in range(rcfg.n_head):
+                        in_stage1 = torch.isin(full.attended[l][h // G_REAL], stage1[h // G_REAL])
+                        dec[l, h] = assumption1_sigma(full.probs[l][h], in_stage1)
+                r.setdefault("sigma_decode", []).append(dec)
+print(f"{len(VARIANTS_REAL)} variants x {len(RATIOS_REAL)} keep ratios x {len(TASKS_REAL) * N_REAL} samples: "
+      f"{time.time() - t_loop:.0f} s")
+
+# %%
+PAIRS_REAL = PAIRS[:6]                                             # each selection with its host
+BLOCKS = [range(0, 10), range(10, 20), range(20, rcfg.n_layer)]   # layers 0-9, 10-19, 20-29
+gen = torch.Generator().manual_seed(0)                            # bootstrap: draw each task's samples again
+BOOT = (torch.randint(N_REAL, (1000, len(TASKS_REAL), N_REAL), generator=gen)
+        + torch.arange(len(TASKS_REAL))[:, None] * N_REAL).flatten(1)   # (1000, S) sample indices
+print(f"{'keep':>5}  {'selection':<19}{'vs':<15}| {'heads lower (mean)':>18} {'95% interval':>14} "
+      f"{'triples lower':>13} | triples lower in layers 0-9 / 10-19 / 20-29")
+headwise_r, headwise_ci = {}, {}
+for ratio in RATIOS_REAL:
+    for host, crit in PAIRS_REAL:
+        a = torch.stack(res_r[(host, ratio)]["head_l1"])              # (S, L, H)
+        c = torch.stack(res_r[(crit, ratio)]["head_l1"])
+        headwise_r[(ratio, crit)] = float((c.mean(0) < a.mean(0)).float().mean())
+        boot = (c[BOOT].mean(1) < a[BOOT].mean(1)).float().mean((1, 2))   # (1000,) the fraction, resampled
+        lo, hi = headwise_ci[(ratio, crit)] = torch.quantile(boot, torch.tensor([0.025, 0.975])).tolist()
+        blocks = " / ".join(f"{float((c < a)[:, list(b)].float().mean()):.2f}" for b in BLOCKS)
+        print(f"{ratio:>5}  {crit:<19}{host:<15}| {headwise_r[(ratio, crit)]:>18.3f}   [{lo:.2f}, {hi:.2f}] "
+              f"{float((c < a).float().mean()):>13.3f} | {blocks}")
+print(f"(heads lower: of the {rcfg.n_layer} x {rcfg.n_head} (layer, query head) pairs, by their mean over "
+      f"{len(TASKS_REAL) * N_REAL} samples, with a 95% bootstrap interval over the samples; triples: every "
+      "(sample, layer, head); paper: 74.3%)")
+
+# %%
+ratio = RATIOS_REAL[-1]
+fig = plt.figure(figsize=(15, 4.2 * len(RATIOS_REAL) + 0.8), dpi=80)
+grid = fig.add_gridspec(len(RATIOS_REAL), 3, width_ratios=[1.4, 1, 1])
+ax0 = fig.add_subplot(grid[:, 0])
+a = torch.stack(res_r[("snapkv", ratio)]["head_l1"]).mean(0)        # (L, H) mean over samples
+c = torch.stack(res_r[("critical_kv", ratio)]["head_l1"]).mean(0)
+layer_of = torch.arange(rcfg.n_layer)[:, None].expand_as(a)          # (L, H) each head's layer
+points = ax0.scatter(a.flatten().tolist(), c.flatten().tolist(), c=layer_of.flatten().tolist(), cmap="viridis",
+                     s=14, label="one (layer, query head)")
+top = float(torch.cat([a, c]).max()) * 1.05
+ax0.plot([0, top], [0, top], "k--", lw=0.8, label="equal perturbation")
+ax0.set(xscale="log", yscale="log", xlabel="SnapKV: per-head L (mean over samples)",
+        ylabel="CriticalSnapKV: per-head L",
+        title=f"keep ratio {ratio}: {headwise_r[(ratio, 'critical_kv')]:.0%} of heads below the diagonal")
+fig.colorbar(points, ax=ax0, label="layer")
+ax0.legend(fontsize=8, loc="upper left")
+BY_HOST = [(name, [(host, crit) for host, crit in PAIRS_REAL if ("adakv" in host) == (name == "AdaKV")])
+           for name in ("SnapKV", "AdaKV")]                          # three selections per panel
+for row, ratio in enumerate(RATIOS_REAL):
+    for col, (name, pairs) in enumerate(BY_HOST, start=1):
+        ax = fig.add_subplot(grid[row, col])
+        for host, crit in pairs:
+            a = torch.stack(res_r[(host, ratio)]["head_l1"])            # (S, L, H)
+            c = torch.stack(res_r[(crit, ratio)]["head_l1"])
+            st = style(crit)
+            ax.plot((c < a).float().mean((0, 2)).tolist(), marker=".", ls=st["ls"], color=st["color"],
+                    label=pretty(crit))
+        ax.axhline(0.743, color="gray", lw=1, label="paper: 74.3% of heads")
+        ax.axhline(0.5, color="black", lw=0.6, ls="--")
+        ax.set(xlabel="layer", ylabel="fraction of (sample, query head)\nwith lower L", ylim=(-0.02, 1.02),
+               title=f"over {name}, keep ratio {ratio}: where L is lower")
+        ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The figure shows, at left, CriticalSnapKV's per-head perturbation against SnapKV's at keep ratio 0.25 and,
+# per layer, how often each selection is below its host, over each host, against the paper's 74.3% and the
+# coin toss. Partly reproduced, in both readings. By heads ("heads lower" in the table), the pooled stage 2 is
+# below its host in 0.400-0.704 of the 270 heads and the literal one in 0.419-0.785, with wide bootstrap
+# intervals over six samples: better than on the bundled model (section 2.1: 0.31-0.56), and as high as the
+# paper's 74.3% in one or two of the four (host, keep ratio) cells. Counted per (sample, layer, head), the
+# literal reading wins a little more often than the pooled one at the first decode step, in all four cells. At
+# kvpress's settings the selection is lower in 0.648 and 0.707 of the heads at keep ratio 0.25 and equals its
+# host at 0.1, where kvpress's window takes the whole budget.
+#
+# ### 5.2 The final hidden state, KL and accuracy
+#
+# The paper's §5.2 (Figure 3) reports a lower final-layer output perturbation with the selection at every
+# budget, and its Tables 1 and 3 small gains in answer quality. First the traces of section 5.1, sample by
+# sample (question in the prompt): the final hidden state's relative error at the first decode step and the
+# answer's KL, each selection's paired difference from its host, and in how many samples it is below.
+
+# %%
+n_r = len(TASKS_REAL) * N_REAL
+
+
+def versus_host(label: str, ratio: float, key: str) -> str:
+    """The selection minus its host, paired sample by sample: difference [95% interval], verdict, count below."""
+    host = HOST_OF[label]
+    below = sum(x < y for x, y in zip(res_r[(label, ratio)][key], res_r[(host, ratio)][key]))
+    return f"{versus(res_r, label, host, ratio, key, N_REAL):<34} {below}/{n_r}"
+
+
+print(f"{'keep':>5}  {'variant':<19}| {'final pert':>10}  {'vs host: difference [95%], below in':<44}| "
+      f"{'KL':>6}  vs host")
+for ratio in RATIOS_REAL:
+    for label in VARIANTS_REAL:
+        is_host = label not in HOST_OF
+        print(f"{ratio:>5}  {label:<19}| {mean(res_r[(label, ratio)]['pert']):>10.3f}  "
+              f"{'' if is_host else versus_host(label, ratio, 'pert'):<44}| {mean(res_r[(label, ratio)]['kl']):>6.3f}  "
+              f"{'' if is_host else versus_host(label, ratio, 'kl')}")
+print(f"mean over {n_r} samples, question in the prompt, {LENGTH_REAL} tokens; difference from the host (snapkv or "
+      "adakv) with its 95% paired bootstrap interval; 'below in': samples where the selection is lower")
+
+# %% [markdown]
+# Then `methods.evaluation.compare.run` in both modes, with greedy answers: accuracy per task, KL and `pert`
+# (the same final hidden state error) per cell, and `format_intervals`: each cell's 95% interval, its paired
+# difference from the full cache, and which methods are within noise of the best at each keep ratio.
+
+# %%
+t_cmp = time.time()
+METHODS_REAL = [Variant(label, spec, opts) for label, (spec, opts) in VARIANTS_REAL.items()]
+records_r = run(real, rtok, METHODS_REAL, BUDGETS_REAL, TASKS_REAL, MODES, N_REAL, LENGTH_REAL, seed=0,
+                progress=False, workers=1)
+print(format_tables(records_r))
+print(format_intervals(records_r))
+print(f"\n{N_REAL} samples per task and mode, {LENGTH_REAL} tokens, seed 0: {time.time() - t_cmp:.0f} s")
+
+# %%
+mean_of = lambda key, method, mode, budget: mean([r[key] for r in records_r              # noqa: E731
+                                                 if (r["method"], r["mode"], r["budget"]) == (method, mode, budget)])
+FAMILIES_REAL = [(host, [label for label in VARIANTS_REAL if ("adakv" in label) == (host == "AdaKV")])
+                 for host in ("SnapKV", "AdaKV")]                # five lines per panel: a host and its variants
+PANELS_REAL = [(mode, host, family) for mode in MODES for host, family in FAMILIES_REAL]
+fig, axes = plt.subplots(3, len(PANELS_REAL), figsize=(16, 9), dpi=80, sharex=True, sharey="row", squeeze=False)
+for col, (mode, host, family) in enumerate(PANELS_REAL):
+    for j, label in enumerate(family):
+        xs = [r + 0.004 * (j - 2) for r in RATIOS_REAL]               # side by side: several lines coincide
+        accs = [mean_of("accuracy", label, mode, b) for b in BUDGETS_REAL]
+        n = [sum(len(r["accuracies"]) for r in records_r if (r["method"], r["mode"], r["budget"]) == (label, mode, b))
+             for b in BUDGETS_REAL]                                   # answers per point
+        lo, hi = zip(*[wilson(a, k) for a, k in zip(accs, n)])
+        axes[0, col].errorbar(xs, accs, yerr=[[a - x for a, x in zip(accs, lo)], [x - a for a, x in zip(accs, hi)]],
+                              capsize=2, label=pretty(label), **style(label))
+        for row, key in [(1, "kl"), (2, "perturbation")]:
+            axes[row, col].plot(xs, [mean_of(key, label, mode, b) for b in BUDGETS_REAL], label=pretty(label),
+                                **style(label))
+    axes[0, col].axhline(mean_of("accuracy", "full", mode, None), color="black", lw=0.8, ls=":")   # the full cache
+    axes[0, col].set(title=f"over {host}: {mode.replace('_', ' ')}", ylim=(-0.03, 1.1))
+    axes[2, col].set(xlabel="keep ratio")
+    for row in range(3):
+        axes[row, col].grid(alpha=0.3)
+axes[0, 0].set(ylabel="accuracy (mean over tasks, 95%\ninterval; dotted: the full cache)")
+axes[1, 0].set(ylabel="KL(full || method)")
+axes[2, 0].set(ylabel="final hidden state\nrelative error")
+for col in range(len(FAMILIES_REAL)):
+    axes[0, col].legend(fontsize=7, loc="center right")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The figure shows, over each host and in each mode, accuracy with its interval, the answer's KL and the final
+# hidden state's error against the keep ratio; the tables above carry the numbers.
+#
+# **Final-layer perturbation (§5.2): reproduced in direction, small, in both readings.** With the question in
+# the prompt every selection of either reading lowers the final hidden state's error at both keep ratios:
+# beyond noise in three of the four (host, keep ratio) cells with the pooled stage 2 and in two with the
+# literal one.
+#
+# **KL: the readings part ways.** The pooled stage 2 lowers the answer's KL, beyond noise in three of the four
+# cells with the question in the prompt; the literal one raises it in all four, every interval above 0. After
+# the context (the table's KL, means only) the pooled reading is below its host in three of the four cells,
+# the literal one level or above. kvpress's settings lower the KL beyond noise over both their hosts at keep
+# ratio 0.25 and equal their hosts at 0.1. Those hosts are far behind ours here (KL 1.252 against SnapKV's
+# 0.572 at 0.25): with budgets of 51 and 128, kvpress's wider window leaves little or nothing for the rest of
+# the prompt.
+#
+# **Accuracy (Tables 1 and 3): inconclusive.** The full cache answers every sample; every compressed cell scores
+# 0.00-0.33 with the question in the prompt and 0.17 after the context, and `format_intervals` puts every
+# method within noise of the best at each keep ratio: six answers per cell cannot show gains as small as the
+# paper's.
+#
+# Why the perturbation falls in both readings while the KL falls only in one: the paper's §5.1-5.2 measure the
+# *first* decode step, whose query reads the question like the observation window's queries, the ones stage 2
+# ranks by in either reading. The KL averages over every answer token, and the later ones copy the value
+# digits, which the literal reading drops in the early layers (the lesson's section 4.2) and the pooled one
+# keeps with the key next to them.
+#
+# ### 5.3 Assumption 1 on SmolLM2
+#
+# As in section 2.3: `sigma`, the attention mass on CriticalSnapKV's stage-1 set, on the window attention
+# `Abar` (un-pooled) and on the first decode query of the full cache, per layer. Stage 1 is the same in both
+# readings, and so is `sigma`.
+
+# %%
+print(f"{'keep':>5} | {'sigma > 0.5 on Abar':>19} {'mean':>6} | {'sigma > 0.5, decode query':>25} {'mean':>6} | "
+      f"decode query, layers 0 / 1-9 / 10-19 / 20-29")
+for ratio in RATIOS_REAL:
+    sw = torch.stack(res_r[("critical_kv", ratio)]["sigma_window"])   # (S, L, H)
+    sd = torch.stack(res_r[("critical_kv", ratio)]["sigma_decode"])
+    blocks = " / ".join(f"{float((sd[:, list(b)] > 0.5).float().mean()):.2f}"
+                        for b in [range(0, 1), range(1, 10), range(10, 20), range(20, rcfg.n_layer)])
+    print(f"{ratio:>5} | {float((sw > 0.5).float().mean()):>19.3f} {float(sw.mean()):>6.2f} | "
+          f"{float((sd > 0.5).float().mean()):>25.3f} {float(sd.mean()):>6.2f} | {blocks}")
+
+fig, ax = plt.subplots(figsize=(8, 3.6), dpi=80)
+for ratio in RATIOS_REAL:
+    for key, name in [("sigma_window", "window Abar"), ("sigma_decode", "first decode query")]:
+        s = torch.stack(res_r[("critical_kv", ratio)][key])             # (S, L, H)
+        ax.plot((s > 0.5).float().mean((0, 2)).tolist(), marker=".", ls="-" if key == "sigma_decode" else ":",
+                label=f"{name}, keep {ratio}")
+ax.set(xlabel="layer", ylabel="fraction of (sample, head)\nwith sigma > 0.5", ylim=(-0.02, 1.02),
+       title="Assumption 1: stage 1 secures more than half of the attention")
+ax.legend(fontsize=8)
+ax.grid(alpha=0.3)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The figure shows, per layer, how often the stage-1 set carries more than half of the attention, on the window
+# attention and on the decode query, at both keep ratios. Reproduced, with the paper's exception: it holds in
+# 0.705 (keep ratio 0.1) and 0.892 (0.25) of the (sample, head) pairs on the window attention and in 0.719 and
+# 0.862 on the decode query, against 17-46% on the bundled model (section 4). Where it fails is layer 0
+# (0.22-0.24 on the decode query), as the paper finds for some of its first-layer heads (Appendix A, Figure 4),
+# and at keep ratio 0.1 layers 1-9 (0.48).
+#
+# ### 5.4 The claims on SmolLM2, in numbers
+#
+# SmolLM2-135M, `passkey` and `niah_single_docs`, 512 tokens, 3 samples per task (and per mode in section 5.2),
+# keep ratios 0.1 and 0.25 (budgets 51 and 128, SnapKV's window included); the pooled stage 2 first, the
+# literal reading after it:
+#
+# * **Lower output perturbation in most heads** (§5.1, Figure 2; paper: 74.3% of heads). Pooled: CriticalSnapKV
+#   61.1% (keep 0.1) and 56.7% (0.25) of the 270 heads, CriticalAdaKV 40.0% and 70.4%. Literal: 70.0% and
+#   41.9%, 52.6% and 78.5%. *Partly reproduced* in both: near the paper in one or two of the four cells.
+# * **Lower final-layer perturbation** (§5.2, Figure 3; paper: at every budget). Lower in all four cells with
+#   the question in the prompt in both readings, beyond noise in three (pooled) and two (literal). *Reproduced
+#   in direction*, by little.
+# * **Better answers** (the paper's Tables 1 and 3: +0.57 of 100 for SnapKV on Llama-3.1-8B, b = 256).
+#   Accuracy: every difference within noise (six answers per cell), *inconclusive*. KL: with the pooled stage
+#   2, lower in all four cells (differences -0.024 to -0.097), beyond noise in three: *reproduced*. With the
+#   literal one, higher in all four, beyond noise: *not reproduced*.
+# * **Assumption 1 holds, except in some first-layer heads** (Appendix A, Figure 4). In 0.705 (0.1) and 0.892
+#   (0.25) of the (sample, head) pairs on the window attention; layer 0: 0.22-0.24 on the decode query.
+#   *Reproduced*.
+# * **kvpress's settings** (not in the paper), against SnapKV and AdaKV at kvpress's settings: KL lower at keep
+#   0.25 over both hosts, beyond noise (-0.110 and -0.107), heads lower 64.8% and 70.7%; at 0.1 the selection is
+#   its host (kvpress's window takes the whole budget). Those hosts are far behind ours on this model (KL 1.252
+#   against 0.572 at 0.25).
+# * **Algorithm 1 beats attention top-k with the true query** (Theorem 3's argument): measured in the lesson
+#   (its section 4.1), slightly, where it loses on the bundled model.
+#
+# The cell below prints these numbers from the runs above.
+
+# %%
+for ratio, budget in zip(RATIOS_REAL, BUDGETS_REAL):
+    sw = torch.stack(res_r[("critical_kv", ratio)]["sigma_window"])
+    sd = torch.stack(res_r[("critical_kv", ratio)]["sigma_decode"])
+    print(f"SmolLM2-135M, keep ratio {ratio} ({budget} of {LENGTH_REAL} tokens):")
+    print(f"  §5.1 heads with lower perturbation (of {rcfg.n_layer * rcfg.n_head}; paper 74.3%): " + ", ".join(
+        f"{crit} {headwise_r[(ratio, crit)]:.1%} [{headwise_ci[(ratio, crit)][0]:.0%}, "
+        f"{headwise_ci[(ratio, crit)][1]:.0%}]" for _, crit in PAIRS_REAL))
+    for host, crit in PAIRS_REAL:
+        print(f"  §5.2 final hidden perturbation (question in prompt) {host} {mean(res_r[(host, ratio)]['pert']):.3f}"
+              f" -> {crit} {mean(res_r[(crit, ratio)]['pert']):.3f} ({versus_host(crit, ratio, 'pert')}); "
+              f"KL {mean(res_r[(host, ratio)]['kl']):.3f} -> {mean(res_r[(crit, ratio)]['kl']):.3f} "
+              f"({versus_host(crit, ratio, 'kl')})")
+    for mode in MODES:
+        print(f"  accuracy, {mode}: " + ", ".join(
+            f"{label} {mean_of('accuracy', label, mode, budget):.2f}" for label in VARIANTS_REAL)
+            + f" (full {mean_of('accuracy', 'full', mode, None):.2f}; {n_r} answers per cell)")
+    print(f"  Assumption 1 (sigma > 0.5): {float((sw > 0.5).float().mean()):.0%} of (sample, head) on Abar, "
+          f"{float((sd > 0.5).float().mean()):.0%} on the decode query")
+print(f"\nSmolLM2 run time: {time.time() - t_real:.0f} s")
+
+# %%
+from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
+
+print_run_time()
