@@ -7,7 +7,11 @@ Two tiers, the pytest documentation's way. Bare ``python -m pytest`` runs the fa
 no notebook execution, no benchmark, one option set per method in the contract matrix (under a minute on
 two cores). ``--runslow`` adds the slow tier (``@pytest.mark.slow``: commands in subprocesses, notebooks,
 the linter, the real model, the whole contract matrix). Timing benchmarks (``@pytest.mark.bench``) run
-only with ``--runbench``. A fast-tier test that starts a subprocess fails, saying it belongs to the slow one.
+only with ``--runbench``, and the heavy end-to-end checks (``@pytest.mark.heavy``: re-running the committed
+real-model results, every assignment's shipped-function mutants and student notebook; the slow tier keeps
+one or two of each) only with ``--runheavy``, to keep the slow tier near CI's half hour on two cores; run
+them before committing a results file or a course change.
+A fast-tier test that starts a subprocess fails, saying it belongs to the slow one.
 
 No checkpoint is downloaded: equivalence tests (cached vs uncached, policy path vs plain path) only need
 *some* fixed weights, so a seeded random init is enough.
@@ -41,11 +45,15 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true",
                      help="also run the slow tier: subprocesses, notebooks, the linter, the whole contract matrix")
     parser.addoption("--runbench", action="store_true", help="also run the timing benchmarks (marker bench)")
+    parser.addoption("--runheavy", action="store_true",
+                     help="also run the heavy end-to-end checks (marker heavy): re-running the committed real-model "
+                          "results, every assignment's shipped-function mutants and student notebook")
 
 
 def pytest_collection_modifyitems(config, items):
     skips = {"slow": (config.getoption("--runslow"), pytest.mark.skip(reason="slow tier: run with --runslow")),
-             "bench": (config.getoption("--runbench"), pytest.mark.skip(reason="benchmark: run with --runbench"))}
+             "bench": (config.getoption("--runbench"), pytest.mark.skip(reason="benchmark: run with --runbench")),
+             "heavy": (config.getoption("--runheavy"), pytest.mark.skip(reason="heavy check: run with --runheavy"))}
     for item in items:
         for marker, (wanted, skip) in skips.items():
             if marker in item.keywords and not wanted:

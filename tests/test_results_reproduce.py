@@ -111,6 +111,7 @@ def test_compare_default_reproduces():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("name, method", [("compare_smollm2.json", "critical_kv"),
                                           ("compare_smollm2_kvpress.json", "chunkkv")])
 def test_compare_smollm2_reproduces(name, method):
@@ -120,6 +121,7 @@ def test_compare_smollm2_reproduces(name, method):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_language_modelling_reproduces():
     """SmolLM2-135M's language-modelling table: a decode-time method and a prompt compressor at keep 0.5."""
     records, args, model, tok = recorded_model("lm_smollm2.json", language_modelling)
@@ -133,6 +135,7 @@ def test_language_modelling_reproduces():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_kvreviver_ablation_reproduces():
     """KVReviver's ablation table (SmolLM2, the language-modelling protocol): the shipped method and the one
     without swaps at 51 slots, side by side, against the committed rows (swaps counted exactly)."""

@@ -203,7 +203,8 @@ def test_student_copy_gets_zero_and_leaks_nothing(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n if n == "cache" else pytest.param(n, marks=pytest.mark.heavy)
+                                  for n in NAMES])                  # one in the slow tier, all with --runheavy
 def test_a_call_to_a_shipped_function_scores_nothing(name):
     """The hand-written mutants that make a region call a function shipped with the copy (a reference, a kernel,
     another method's helper): each is killed (its task loses at least half its points). A function that

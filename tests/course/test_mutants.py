@@ -308,6 +308,7 @@ def test_real_grading_kills_an_empty_region_and_spares_the_reference(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_command_grades_one_tasks_hand_mutants(tmp_path, capsys):
     name, task = "cache", "group_scores"          # few mutants, quick tests
     n = sum(m.task == task for m in mutants.hand(name))

@@ -194,7 +194,8 @@ def test_instructor_pack_has_the_mutants_and_their_report(tmp_path, monkeypatch)
 # -- slow: each student notebook executed in quick mode ---------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n if n in ("cache", "baselines") else pytest.param(n, marks=pytest.mark.heavy)
+                                  for n in NAMES])           # two in the slow tier, all eight with --runheavy
 def test_student_notebook_runs_but_the_cells_of_unfinished_tasks(name, tmp_path):
     from nbclient import NotebookClient
 

@@ -316,6 +316,7 @@ def test_repair_shrinks_crowded_estimates_towards_the_mean():
 # SmolLM2
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_smollm2_true_kv_is_the_full_cache_and_no_swaps_swaps_nothing(smollm2):
     model, tok = smollm2
     variants = [v for v in ab.VARIANTS if v.name in ("true K/V", "no swaps", "shipped")]

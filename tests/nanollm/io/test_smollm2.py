@@ -136,6 +136,7 @@ def test_bf16_costs_little(smollm2_file, smollm2):
     assert kl < 0.02 and agree > 0.85, (kl, agree)
 
 
+@pytest.mark.heavy
 def test_full_cache_answers_its_default_suite(smollm2, smollm2_file):
     """The tasks its card names as its default suite are ones the full cache answers (>= 0.8; measured at
     1k-4k tokens in results/smollm2_full_cache_*.json): here 3 samples of each at 1k, question in the prompt."""
