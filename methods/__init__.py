@@ -12,7 +12,7 @@ iterate over it: registering a method here puts it under the contract tests and 
 
 Two kinds of entries besides the full cache:
 * scorers (``nanollm.policy.ScoringPolicy``): StreamingLLM, H2O, SnapKV, Scissorhands. They rank entries.
-* wrappers (``nanollm.policy.PolicyWrapper``): AdaKV, ChunkKV, CriticalKV. They take an ``inner`` scorer and
+* wrappers (``nanollm.wrapper.PolicyWrapper``): AdaKV, ChunkKV, CriticalKV. They take an ``inner`` scorer and
   change how its scores become a selection. A wrapper named alone uses its ``default_inner``.
 * policies of their own: KVReviver (a count sketch behind the storage), the full cache.
 
@@ -29,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 
 from nanollm.checks import check_budget
-from nanollm.policy import CachePolicy, PolicyWrapper, ScoringPolicy
+from nanollm.policy import CachePolicy, ScoringPolicy
+from nanollm.wrapper import PolicyWrapper
 
 from .adakv import AdaKVPolicy
 from .chunkkv import ChunkKVPolicy

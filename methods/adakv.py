@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from nanollm.checks import check_budget, check_number
-from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext
+from nanollm.policy import ScoringPolicy, StepContext
+from nanollm.wrapper import PolicyWrapper
 
 
 def adaptive_keep_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from nanollm.checks import check_budget, check_flag, check_int
-from nanollm.policy import PolicyWrapper, ScoringPolicy, StepContext
+from nanollm.policy import ScoringPolicy, StepContext
+from nanollm.wrapper import PolicyWrapper
 
 from .adakv import mask_to_indices
 from .snapkv import SnapKVPolicy

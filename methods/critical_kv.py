@@ -35,7 +35,7 @@ names the first author as its reviewer) multiplies the norms by the host's *pool
 stage 1 ranks by. Pooling spreads a needle's vote to its neighbours, so the pooled reading keeps the
 digits around a retrieved key that the un-pooled one drops (notebook 04 shows both). We run the authors'
 reading by default (``stage2="host"``) and keep the literal one as an ablation (``stage2="window"``).
-As a wrapper (``nanollm.policy.PolicyWrapper``), for every KV head j of a layer being compressed:
+As a wrapper (``nanollm.wrapper.PolicyWrapper``), for every KV head j of a layer being compressed:
 
     b_j     = inner.head_budgets(ctx)[j]           # uniform (SnapKV) or AdaKV's share of the layer's pool
     keep_j  = inner's protected entries            # SnapKV's observation window, H2O's recent tokens, sinks
@@ -70,7 +70,8 @@ import torch
 from torch import Tensor
 
 from nanollm.checks import check_budget, check_number, is_int
-from nanollm.policy import Needs, PolicyWrapper, ScoringPolicy, StepContext
+from nanollm.policy import Needs, ScoringPolicy, StepContext
+from nanollm.wrapper import PolicyWrapper
 
 from .adakv import mask_to_indices
 from .snapkv import SnapKVPolicy

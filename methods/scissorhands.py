@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from nanollm.checks import check_budget, check_int, check_number
-from nanollm.policy import Needs, ScoringPolicy, StepContext, group_mean, select_topk
+from nanollm.policy import Needs, ScoringPolicy, StepContext, select_topk
 
 LOW = "scissorhands_low"      # per-slot ring buffer of the last w low/high flags, (B, H_kv, T, w) bool
 COUNT = "scissorhands_count"  # per-slot number of low flags in that buffer (the counter I), (B, H_kv, T)
@@ -42,6 +42,15 @@ DEFAULT_RECENT = 10           # cold-compress's recent window (methods/README.md
 
 # ---------------------------------------------------------------------------------------------------------
 # The rule, as pure functions
+
+def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
+    """(B, H, ...) -> (B, H_kv, ...): the mean over the G query heads that read each KV head (h // G); x itself
+    when G = 1."""
+    B, H = x.shape[:2]
+    if H == n_kv_head:                  # one query head per KV head: nothing to average
+        return x
+    return x.view(B, n_kv_head, H // n_kv_head, *x.shape[2:]).mean(dim=2)
+
 
 def low_flags(attn: Tensor, visible: Tensor, threshold: float | None = None) -> Tensor:
     """Which attended tokens were unimportant for each query (Algorithm 2's indicator).

@@ -9,7 +9,8 @@ from .checks import check_budget
 from .config import PRESETS, ModelConfig, preset
 from .generation import decode_step, extend, generate, prefill
 from .model import Transformer
-from .policy import CachePolicy, FullCache, PolicyWrapper, ScoringPolicy, StepContext, select_topk
+from .policy import CachePolicy, FullCache, ScoringPolicy, StepContext, select_topk
+from .wrapper import PolicyWrapper
 
 
 def load(name_or_path, device: str = "cpu", dtype=None):

@@ -13,7 +13,6 @@ names one in ``ATTENTION`` or as ``"package.module:Class"``.
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import check_attention_path
 from .config import ModelConfig
 from .policy import Needs
 from .storage import LayerKV
@@ -183,15 +183,4 @@ def attention_class(name: str) -> type[nn.Module]:
     """The module ``config.attention`` names: a key of ``ATTENTION`` or ``"package.module:Class"``."""
     if name in ATTENTION:
         return ATTENTION[name]
-    if ":" not in name:
-        raise ValueError(f"unknown attention module {name!r}; choose one of {sorted(ATTENTION)} or give "
-                         "'package.module:Class'")
-    module_name, _, class_name = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"attention module {name!r} cannot be imported: {e}") from e
-    for method in ("new_storage", "attend_entries", "forward"):
-        if not hasattr(cls, method):
-            raise ValueError(f"attention module {name!r} has no {method}(); see nanollm/attention.py")
-    return cls
+    return check_attention_path(name, ATTENTION)     # "package.module:Class", imported and checked

@@ -8,6 +8,7 @@ numbers: ``budget=True`` is a mistake, not a budget of one.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -57,6 +58,19 @@ def check_flag(name: str, value) -> bool:
     return value
 
 
+def check_choice(name: str, value, choices) -> None:
+    """One of ``choices`` (a preset's name, say); the error lists them."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {sorted(choices)}")
+
+
+def check_fields(d: dict, known) -> None:
+    """A dict read as a ``ModelConfig`` names only its fields ``known``."""
+    unknown = set(d) - set(known)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; known: {sorted(known)}")
+
+
 def check_config(c) -> None:
     """A ``ModelConfig``'s values make a model: positive sizes, whole groups of query heads, even RoPE pairs, and
     every field of its type (a config read from a file could hold ``"tie_embeddings": "no"``, which is true)."""
@@ -104,6 +118,37 @@ def check_rope_scaling(scaling) -> None:
                              f"low_freq_factor ({scaling['low_freq_factor']})")
 
 
+def check_attention_path(name: str, known) -> type:
+    """The attention module a ``"package.module:Class"`` name gives (a name that is not a key of ``known``,
+    the registry ``attention.ATTENTION``), imported, and holding what the decoder calls; else a one-line error."""
+    if ":" not in name:
+        raise ValueError(f"unknown attention module {name!r}; choose one of {sorted(known)} or give "
+                         "'package.module:Class'")
+    module_name, _, class_name = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"attention module {name!r} cannot be imported: {e}") from e
+    for method in ("new_storage", "attend_entries", "forward"):
+        if not hasattr(cls, method):
+            raise ValueError(f"attention module {name!r} has no {method}(); see nanollm/attention.py")
+    return cls
+
+
+def check_needs(rows, col_sums) -> None:
+    """A ``policy.Needs``: ``rows`` an int >= 0 or None (every row), ``col_sums`` True or False."""
+    if rows is not None:
+        check_int("Needs.rows", rows, 0, what=" or None (every row)")
+    check_flag("Needs.col_sums", col_sums)
+
+
+def check_state(name: str, values, pos) -> None:
+    """Per-slot state ``values`` (B, H_kv, T, ...) for a storage whose positions are ``pos`` (B, H_kv, T)."""
+    if values.shape[:3] != pos.shape:
+        raise ValueError(f"state {name!r} must have shape (B, H_kv, T, ...) = {tuple(pos.shape)} "
+                         f"+ ..., got {tuple(values.shape)}")
+
+
 def check_finite_weights(state: dict, where) -> None:
     """Every floating-point tensor of a loaded state dict is finite: a NaN or infinite weight makes every
     logit NaN, so generation would crash in sampling and greedy decoding and scores would report nonsense.
@@ -134,6 +179,25 @@ def check_ids(ids, config, device, start: int = 0) -> None:
     if start + ids.shape[1] > config.max_seq_len:
         raise ValueError(f"{start} tokens seen + {ids.shape[1]} new = {start + ids.shape[1]} exceeds the model's "
                          f"maximum positions max_seq_len={config.max_seq_len}")
+
+
+def check_prefill(cache) -> None:
+    """``prefill`` starts a sequence: its cache has seen nothing yet."""
+    if cache.seen != 0:
+        raise ValueError(f"prefill needs an empty cache, this one has seen {cache.seen} tokens; "
+                         "use extend() to continue a sequence or cache.reset() to start a new one")
+
+
+def check_extend(cache) -> None:
+    """``extend`` continues a sequence: its cache holds a prefix."""
+    if cache.seen == 0:
+        raise ValueError("extend needs a cache that already holds a prefix; use prefill() first")
+
+
+def check_one_token(token) -> None:
+    """``decode_step``'s token, made (B, 1): one per row."""
+    if token.dim() != 2 or token.shape[1] != 1:
+        raise ValueError(f"decode_step takes one token per row, shape (B,) or (B, 1); got {tuple(token.shape)}")
 
 
 # Sampling divides the logits by the temperature: below this, logits / temperature can overflow to inf and the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .checks import check_config
+from .checks import check_choice, check_config, check_fields
 
 
 @dataclass
@@ -59,10 +59,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; known: "
-                             f"{sorted(f.name for f in dataclasses.fields(cls))}")
+        check_fields(d, [f.name for f in dataclasses.fields(cls)])
         return cls(**d)
 
 
@@ -84,6 +81,5 @@ PRESETS: dict[str, dict] = {
 
 def preset(name: str, **overrides) -> ModelConfig:
     """A fresh config from a named preset, with optional field overrides: ``preset("TINY", n_layer=4)``."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    check_choice("preset", name, PRESETS)
     return ModelConfig(**{**PRESETS[name], **overrides})

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .cache import KVCache
-from .checks import check_generation
+from .checks import check_extend, check_generation, check_one_token, check_prefill
 from .model import Transformer
 from .policy import CachePolicy
 
@@ -24,17 +24,14 @@ from .policy import CachePolicy
 @torch.no_grad()
 def prefill(model: Transformer, ids: Tensor, cache: KVCache) -> Tensor:
     """Run the prompt ids (B, T) through an empty cache. Returns logits (B, T, vocab)."""
-    if cache.seen != 0:
-        raise ValueError(f"prefill needs an empty cache, this one has seen {cache.seen} tokens; "
-                         "use extend() to continue a sequence or cache.reset() to start a new one")
+    check_prefill(cache)
     return model(ids, cache=cache)
 
 
 @torch.no_grad()
 def extend(model: Transformer, ids: Tensor, cache: KVCache) -> Tensor:
     """Append a chunk ids (B, Tn) to an existing cache (positions continue from cache.seen). Logits (B, Tn, V)."""
-    if cache.seen == 0:
-        raise ValueError("extend needs a cache that already holds a prefix; use prefill() first")
+    check_extend(cache)
     return model(ids, cache=cache)
 
 
@@ -43,8 +40,7 @@ def decode_step(model: Transformer, token: Tensor, cache: KVCache) -> Tensor:
     """Feed one token per row, token (B,) or (B, 1). Returns the next-token logits (B, vocab)."""
     if token.dim() == 1:
         token = token[:, None]
-    if token.dim() != 2 or token.shape[1] != 1:
-        raise ValueError(f"decode_step takes one token per row, shape (B,) or (B, 1); got {tuple(token.shape)}")
+    check_one_token(token)
     return extend(model, token, cache)[:, -1]
 
 

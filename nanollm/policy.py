@@ -20,8 +20,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .checks import check_budget, check_flag, check_int
+from .checks import check_budget, check_needs
 from .config import ModelConfig
+from .slots import select_lowest
 from .storage import LayerKV
 
 
@@ -33,9 +34,7 @@ class Needs:
     col_sums: bool = False      # ctx.col_sums: the attention each entry received, summed over the queries
 
     def __post_init__(self) -> None:
-        if self.rows is not None:
-            check_int("Needs.rows", self.rows, 0, what=" or None (every row)")
-        check_flag("Needs.col_sums", self.col_sums)
+        check_needs(self.rows, self.col_sums)
 
     def __or__(self, other: "Needs") -> "Needs":          # everything either asks for
         rows = None if self.rows is None or other.rows is None else max(self.rows, other.rows)
@@ -102,33 +101,6 @@ class CachePolicy:
 
 class FullCache(CachePolicy):
     """Keep every token: the reference every method is compared with."""
-
-
-def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
-    """(B, H, ...) -> (B, H_kv, ...): the mean over the G query heads that read each KV head (h // G); x itself
-    when G = 1."""
-    B, H = x.shape[:2]
-    if H == n_kv_head:                  # one query head per KV head: nothing to average
-        return x
-    return x.view(B, n_kv_head, H // n_kv_head, *x.shape[2:]).mean(dim=2)
-
-
-def select_lowest(scores: Tensor, pos: Tensor, stays: Tensor, n: int) -> Tensor:
-    """(B, H_kv, T) scores -> (B, H_kv, n) slots of each head's n lowest, never one where ``stays``: what
-    ``select_topk`` drops (NaN as -inf), ties to the later position, as ``select_topk`` on slots in position
-    order. No sort: the n-th lowest score, the slots below it, then the latest positions tied on it."""
-    s = torch.where(stays, float("inf"), torch.nan_to_num(scores.float(), nan=float("-inf")))
-    if n == 1:                                                           # a decode step: one argmin
-        slot = s.argmin(dim=-1, keepdim=True)                            # (B, H_kv, 1) the first lowest
-        if int((s == s.gather(-1, slot)).sum(-1).max()) == 1:           # no tie: that one
-            return slot
-    nth = s.topk(n, dim=-1, largest=False).values[..., -1:]               # (B, H_kv, 1) the n-th lowest
-    out = s < nth                                                        # (B, H_kv, T) all of these go
-    missing = n - out.sum(-1, keepdim=True)                              # (B, H_kv, 1) the rest: tied on nth
-    latest = torch.where(s == nth, pos, -1).topk(n, dim=-1).indices      # (B, H_kv, n) tied, latest first
-    first = torch.arange(n, device=s.device) < missing                   # (B, H_kv, n) the first `missing`
-    out.scatter_(-1, latest, first | out.gather(-1, latest))
-    return out.nonzero()[:, -1].view(*s.shape[:2], n)                    # exactly n per head, ascending
 
 
 def select_topk(scores: Tensor, budget: int, pos: Tensor | None = None) -> Tensor:
@@ -217,29 +189,3 @@ class ScoringPolicy(CachePolicy):
 
     def protected_positions(self, n_prompt: int, seen: int) -> list[int]:
         return sorted({p for r in self.protected(n_prompt, seen) for p in r})
-
-
-class PolicyWrapper:
-    """A policy built around another, ``inner``: a subclass (a dataclass with an ``inner`` field) defines
-    what it changes, and every other attribute is the inner policy's. Around a scoring policy the hooks are
-    the scorer's (``ScoringPolicy.step``) with the wrapper's ``select``: AdaKV, ChunkKV and CriticalKV
-    change only how the inner scores become a kept set."""
-
-    inner: CachePolicy
-    default_inner: ClassVar[str] = "snapkv"
-    evicts_in_place: ClassVar[bool] = False     # its own ``select`` decides: it compacts at every compression
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "inner":      # not set yet (dataclass init, copy)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    on_prefill = on_decode = ScoringPolicy.step      # the inner scorer's hooks, with this wrapper's select
-
-    def check_inner(self, default) -> None:
-        """``default()`` if no inner policy was given; it must rank entries, with the same budget."""
-        self.inner = default() if self.inner is None else self.inner
-        if not isinstance(self.inner, (ScoringPolicy, PolicyWrapper)):
-            raise ValueError(f"inner must be a scoring policy, got {type(self.inner).__name__}")
-        if self.inner.budget != self.budget:
-            raise ValueError(f"inner budget {self.inner.budget} differs from the wrapper's budget {self.budget}")

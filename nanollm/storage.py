@@ -18,24 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .checks import check_state
+from .slots import StateViews, gather_slots
+
 MIN_CAPACITY = 64           # slots of room left by the first append and by keep
-
-
-def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
-    """t (B, H_kv, S, ...) -> (B, H_kv, K, ...): the slots idx (B, H_kv, K) of every head, as rows of a flat
-    (B*H_kv*S, -1) view (one index_select: on CPU much faster than gather with an expanded index)."""
-    B, H_kv, S = t.shape[:3]
-    rows = (torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * S + idx).reshape(-1)
-    return t.reshape(B * H_kv * S, -1).index_select(0, rows).view(B, H_kv, idx.shape[-1], *t.shape[3:])
-
-
-class StateViews(dict):
-    """name -> (B, H_kv, T, ...) view of a state's buffer. Assigning to a name writes into the buffer, so
-    ``kv.state[name] += x`` and ``kv.state[name] = x`` both update the storage (a new name: ``set_state``)."""
-
-    def __setitem__(self, name: str, value: Tensor) -> None:
-        if value is not self[name]:
-            self[name].copy_(value)
 
 
 class LayerKV:
@@ -62,7 +48,7 @@ class LayerKV:
 
     @property
     def state(self) -> StateViews:
-        return StateViews({name: t[:, :, :self.n] for name, t in self._state.items()})
+        return StateViews({name: t[:, :, :self.n] for name, t in self._state.items()})   # writes go to the buffer
 
     def __len__(self) -> int:
         return self.n - (0 if self.free is None else self.free.shape[-1])   # slots in use, less those emptied
@@ -140,9 +126,7 @@ class LayerKV:
 
     def set_state(self, name: str, values: Tensor, fill: float = 0.0) -> None:
         """Per-slot ``values`` (B, H_kv, T, ...) under ``name``; slots added later start at ``fill``."""
-        if values.shape[:3] != self.pos.shape:
-            raise ValueError(f"state {name!r} must have shape (B, H_kv, T, ...) = {tuple(self.pos.shape)} "
-                             f"+ ..., got {tuple(values.shape)}")
+        check_state(name, values, self.pos)
         self._state[name] = values.new_full((*values.shape[:2], self.capacity(), *values.shape[3:]), fill)
         self._state[name][:, :, :self.n], self.fill[name] = values, fill
 

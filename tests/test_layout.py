@@ -101,14 +101,14 @@ def test_the_library_never_imports_the_fast_paths():
 
 
 def test_the_reading_path_is_short_and_imports_only_itself():
-    """The files nanollm/README.md lists as the reading path: at most 990 lines in all, docstrings included,
-    importing nothing of the project but each other and the option checks."""
+    """The files nanollm/README.md lists as the reading path: at most 900 lines in all, docstrings included,
+    importing nothing of the project but each other, the option checks and the slots' fast paths."""
     readme = (ROOT / "nanollm" / "README.md").read_text()
     listed = [name for name in READING_PATH if f"`{name}.py`" in readme]
     assert listed == list(READING_PATH), f"nanollm/README.md must list the reading path: {READING_PATH}"
     lines = sum(len((ROOT / "nanollm" / f"{name}.py").read_text().splitlines()) for name in READING_PATH)
-    assert lines <= 990, f"the reading path has {lines} lines, more than 990"
-    allowed = {f"nanollm.{name}" for name in READING_PATH} | {"nanollm.checks"}
+    assert lines <= 900, f"the reading path has {lines} lines, more than 900"
+    allowed = {f"nanollm.{name}" for name in READING_PATH} | {"nanollm.checks", "nanollm.slots"}
     for name in READING_PATH:
         assert GRAPH[f"nanollm.{name}"] <= allowed, f"nanollm/{name}.py imports {GRAPH[f'nanollm.{name}'] - allowed}"
 

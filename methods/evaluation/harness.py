@@ -53,7 +53,8 @@ from nanollm.cache import KVCache, LayerKV
 from nanollm.data.evaluate import answer_length, cut_at, digits_per_token
 from nanollm.data.tasks import Sample, match_settled, string_match_all
 from nanollm.generation import extend, generate, prefill
-from nanollm.policy import CachePolicy, FullCache, Needs, PolicyWrapper, StepContext
+from nanollm.policy import CachePolicy, FullCache, Needs, StepContext
+from nanollm.wrapper import PolicyWrapper
 
 from .side_by_side import FanOut, SharedPrefillUnsupported, step_many
 

@@ -38,7 +38,8 @@ import torch
 import nanollm.attention as attention
 from methods import METHODS, make_policy, method_options, scorers, wrappers
 from nanollm import FullCache, KVCache, Transformer, decode_step, extend, prefill, preset
-from nanollm.policy import CachePolicy, Needs, PolicyWrapper, ScoringPolicy, select_topk
+from nanollm.policy import CachePolicy, Needs, ScoringPolicy, select_topk
+from nanollm.wrapper import PolicyWrapper
 from tests.methods.knorm import KnormPolicy
 
 # Per-method option sets: [easy, hard, ...]. Defaults are the paper's; "hard" ones push the edge cases.

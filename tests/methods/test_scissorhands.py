@@ -35,6 +35,7 @@ from methods.scissorhands import (
     COUNT,
     LOW,
     ScissorhandsPolicy,
+    group_mean,
     keep_score,
     low_flags,
     n_dropped,
@@ -43,7 +44,6 @@ from methods.scissorhands import (
     unimportance,
 )
 from nanollm import KVCache, LayerKV, StepContext, decode_step, extend, prefill, preset
-from nanollm.policy import group_mean
 
 
 @pytest.fixture(scope="module")
