@@ -1,7 +1,8 @@
 """
-README.md as written: its set-up is what CI runs, the package then imports from anywhere, its Python blocks
-run, its commands name only flags the commands have, and its sample output of ``python -m nanollm.cli.bench`` is
-what the bench prints for those numbers.
+The Markdown pages as written: README.md's set-up is what CI runs and the package then imports from anywhere;
+on every page (``PAGES``), the Python blocks run, the commands name only flags the commands have, the sample
+output of ``python -m nanollm.cli.bench`` is what the bench prints for those numbers, and a notebook section a
+page points at exists.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ import pytest
 
 from nanollm.cli.bench import BenchResult, BenchRow, fit_line, format_result
 from nanollm.config import preset
+from tests.test_quoted_numbers import PAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+ALL = "\n".join((ROOT / page).read_text() for page in PAGES)         # every page, the front page first
 
 
-def code_blocks(language: str) -> list[str]:
-    """The fenced blocks of README.md opened with ```language (``""``: blocks without a language)."""
+def code_blocks(language: str, text: str = ALL) -> list[str]:
+    """The fenced blocks of ``text`` (every page) opened with ```language (``""``: blocks without a language)."""
     blocks, lang, lines = [], None, []
-    for line in README.splitlines(keepends=True):
+    for line in text.splitlines(keepends=True):
         if not line.startswith("```"):
             lines.append(line)
         elif lang is None:                       # an opening fence
@@ -48,7 +51,7 @@ def python(args: list[str], cwd: Path, importable: bool = True) -> subprocess.Co
 
 
 def test_ci_runs_the_readme_setup_and_tests():
-    setup = [line.split("#")[0].strip() for line in code_blocks("bash")[0].splitlines()]
+    setup = [line.split("#")[0].strip() for line in code_blocks("bash", README)[0].splitlines()]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for line in ("pip install -r requirements.txt && pip install -e .", "python -m nanollm.cli.fetch smollm2-135m",
                  "python -m pytest -q --runslow"):
@@ -72,13 +75,13 @@ def test_python_block_runs(block, tmp_path):
 
 
 def readme_commands() -> list[list[str]]:
-    """Every ``python -m ...`` command of README.md, from its shell blocks and its inline code."""
+    """Every ``python -m ...`` command of every page, from its shell blocks and its inline code."""
     lines = [line for block in code_blocks("bash") for line in block.splitlines()]
-    lines += re.findall(r"`(python -m [^`]+)`", README)
+    lines += re.findall(r"`(python -m [^`]+)`", ALL)
     commands = []
     for line in lines:
         line = line.split(" #")[0].strip()
-        for part in line.split("&&"):
+        for part in re.split(r"&&|, then ", line):        # "a && b", a model card's "a, then b"
             words = shlex.split(part)
             if words[:2] == ["python", "-m"] and words[2] != "pytest":
                 commands.append(words[2:])
@@ -88,11 +91,11 @@ def readme_commands() -> list[list[str]]:
 HELP_TEXTS = """
 import contextlib, io, json, runpy, sys
 out = {}
-for name in sys.argv[1:]:
-    sys.argv, text = [name, "--help"], io.StringIO()
-    with contextlib.redirect_stdout(text):
+for name in sys.argv[1:]:                       # "module" or "module subcommand"
+    sys.argv, text = [*name.split(), "--help"], io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO()):
         try:
-            runpy.run_module(name, run_name="__main__")
+            runpy.run_module(name.split()[0], run_name="__main__")
         except SystemExit:
             pass
     out[name] = text.getvalue()
@@ -102,17 +105,20 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_commands_use_flags_that_exist(tmp_path):
+    """A command's flags are in its ``--help``, or in its subcommand's (``match3 train --attention``)."""
     commands = readme_commands()
     modules = sorted({c[0] for c in commands})
     assert {"methods.compare", "nanollm.cli.train", "nanollm.cli.card", "nanollm.cli.bench"} <= set(modules)
-    result = python(["-c", HELP_TEXTS, *modules], tmp_path)
+    subcommands = sorted({f"{c[0]} {c[1]}" for c in commands if len(c) > 1 and re.fullmatch(r"[a-z]+", c[1])})
+    result = python(["-c", HELP_TEXTS, *modules, *subcommands], tmp_path)
     assert result.returncode == 0, result.stderr
     helps = json.loads(result.stdout)
     for module, *args in commands:
         assert helps[module].startswith("usage:"), f"{module} printed no help"
+        sub = helps.get(f"{module} {args[0]}", "") if args else ""
         for flag in (a.split("=")[0] for a in args if a.startswith("--")):
-            assert re.search(rf"(?<![\w-]){flag}(?![\w-])", helps[module]), \
-                f"README: `python -m {module}` has no flag {flag}"
+            assert re.search(rf"(?<![\w-]){flag}(?![\w-])", helps[module] + sub), \
+                f"`python -m {module}` has no flag {flag}"
 
 
 def test_bench_output_is_what_the_bench_prints():
@@ -147,8 +153,10 @@ def test_section_references_exist():
     patterns = [r"`(\d\d_[a-z_]+)`,? (?:§|section )(\d+(?:\.\d+)?[a-z]?)",
                 r"[Nn]otebook (\d\d),? (?:§|section )(\d+(?:\.\d+)?[a-z]?)"]
     for pattern in patterns:
-        for m in re.finditer(pattern, README):
-            name = next((k for k in sections if k.startswith(m.group(1))), m.group(1))
-            if m.group(2) not in sections.get(name, set()):
-                wrong.append(f"{m.group(0)} (line {README[:m.start()].count(chr(10)) + 1})")
-    assert not wrong, f"README points at sections the notebooks do not have: {wrong}"
+        for page in PAGES:
+            text = (ROOT / page).read_text()
+            for m in re.finditer(pattern, text):
+                name = next((k for k in sections if k.startswith(m.group(1))), m.group(1))
+                if m.group(2) not in sections.get(name, set()):
+                    wrong.append(f"{page}: {m.group(0)} (line {text[:m.start()].count(chr(10)) + 1})")
+    assert not wrong, f"pages point at sections the notebooks do not have: {wrong}"

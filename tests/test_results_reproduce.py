@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,6 +151,24 @@ def test_kvreviver_ablation_reproduces():
     again = ablation.lm_ablation(model, tok, variants, [0.2], committed["full"]["length"])
     assert_rows_equal(again, committed, "variant", ("budget", "swaps", "scored_tokens"), ("kl", "top1_agreement"),
                       logs=("ppl_ratio",))
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_the_front_pages_generation_reproduces():
+    """The README's compression example (``results/generate_smollm2_passkey.txt``): each of its commands, run
+    again, prints what the file holds (greedy decoding: the same tokens)."""
+    fetched("smollm2-135m")
+    text = (RESULTS / "generate_smollm2_passkey.txt").read_text()
+    runs = text.split("\n$ ")[1:]
+    assert len(runs) == 2
+    for run in runs:
+        command, _, printed = run.partition("\n")
+        words = shlex.split(command)
+        out = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "2"})
+        assert out.returncode == 0, out.stderr[-500:]
+        assert out.stdout.strip() == printed.strip(), f"{command}: prints\n{out.stdout[-400:]}"
 
 
 def test_every_results_file_says_where_it_came_from():

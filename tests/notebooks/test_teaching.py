@@ -33,7 +33,7 @@ import pytest
 from course.assignments import ASSIGNMENTS
 from course.markers import find_regions
 from course.mutants import graded_regions
-from tests.test_quoted_numbers import output_text
+from tests.quoting import in_text, output_text, prose_numbers, sentence_numbers, sentences
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 _spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
@@ -186,58 +186,7 @@ def test_a_lesson_points_at_its_lab_and_the_lab_at_its_lesson(stem):
 
 # -- quoted numbers -----------------------------------------------------------------------------------------
 
-QUOTED = re.compile(r"(?<![\w.§$/^+-])-?\d(?:[\d,]*\d)?(?:\.\d+)?%?(?![\w])")
-NAMING = re.compile(r"(?:§|\b(?:sections?|eqs?\.|equations?|tables?|figures?|figs?\.|algorithms?|theorems?|"
-                    r"lemmas?|corollar(?:y|ies)|appendix|app\.|definitions?|def\.|cells?|arxiv:?|exercises?|steps?|"
-                    r"notebooks?|lessons?|labs?))\s*$",
-                    re.I)
-SKIP = [re.compile(p, re.S) for p in (r"\$\$.*?\$\$", r"\$[^$\n]+\$", r"`[^`]*`", r"\]\([^)]*\)", r"https?://\S+")]
-
-
 SECTION_CUE = re.compile(r"(?:§|\bsections?\s)\s*(\d+)", re.I)
-
-
-def sentences(markdown: str) -> list[str]:
-    """A markdown cell's sentences about a run: headings, math, code spans, links and sentences that quote a
-    source dropped."""
-    markdown = "\n".join(re.sub(r"^\s*\d+\.\s", " ", line) for line in markdown.splitlines()
-                         if not line.startswith("#"))              # headings, and list items' numbers
-    for pattern in SKIP:
-        markdown = pattern.sub(" ", markdown)
-    return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z(*])|\n\n", markdown)
-            if not re.search(r"\b(?:the paper|paper's|papers'|the authors|et al|data ?sheet)", s, re.I)]
-
-
-def sentence_numbers(sentence: str) -> list[str]:
-    """The numbers a sentence states (a decimal, a percentage or an integer), less those that name something."""
-    found = []
-    for m in QUOTED.finditer(sentence):
-        number = m.group().rstrip("%").replace(",", "")
-        if re.match(r"[-–]\d+(?:\.\d+)?%", sentence[m.end():]) and not m.group().endswith("%"):
-            number += "%"                                 # "83-84%": a range of percentages
-        if number.rstrip(".") in ("", "-") or re.fullmatch(r"(19|20)\d\d", number):
-            continue                                      # a year
-        head = sentence[:m.start()]
-        while (shorter := re.sub(r"\d[\d.]*\s*(?:,|and|or|-|–|to)\s*$", "", head)) != head:
-            head = shorter                                # "sections 6.1 and 6.2": the cue before the list
-        if NAMING.search(head):
-            continue                                      # "§6.3", "section 2.3", "Table 2", "arXiv 2306.14048"
-        found.append(m.group() if not number.endswith("%") or m.group().endswith("%") else m.group() + "%")
-    return found
-
-
-def prose_numbers(markdown: str) -> list[str]:
-    """The numbers a markdown cell states about a run (see the module's docstring for what is skipped)."""
-    return [n for sentence in sentences(markdown) for n in sentence_numbers(sentence)]
-
-
-def in_text(number: str, text: str) -> bool:
-    """``number`` as the prose writes it (0.92, 1,024, 70.5%) is printed or set somewhere in ``text``: as
-    written (1,024 also as 1024), a percentage as a percentage (70.5% or 70.5 %)."""
-    plain = number.rstrip("%").replace(",", "")
-    forms = {plain, number.rstrip("%")}
-    end = r"\s?%" if number.endswith("%") else r"(?![\d])"
-    return any(re.search(rf"(?<![\d.]){re.escape(f)}{end}", text) for f in forms)
 
 
 def section_of(line: str, current: int) -> int:
