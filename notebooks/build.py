@@ -45,6 +45,7 @@ cells of its ``.py`` source, and ``execute`` to run it headlessly with ``NANOLLM
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -196,6 +197,33 @@ def table() -> str:
     return "\n".join(rows)
 
 
+FIGURE_RULES = NOTEBOOKS.parent / "tests" / "notebooks" / "figure_rules.py"
+
+
+@contextlib.contextmanager
+def figure_rules(nb: nbformat.NotebookNode):
+    """Run ``nb`` with the figure rules the tests hold it to (titles, labels, intervals, at most five series a
+    panel: ``tests/notebooks/figure_rules.py``), so a normal build fails on a figure that breaks one, as the
+    quick-mode test does. The two cells it adds are gone afterwards, and the execution counts as if they had
+    never been."""
+    if not FIGURE_RULES.exists():                          # a copy without the tests
+        yield
+        return
+    first = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
+    nb.cells.insert(first + 1, nbformat.v4.new_code_cell(FIGURE_RULES.read_text()))
+    nb.cells.append(nbformat.v4.new_code_cell("assert not _FIGURE_PROBLEMS, _FIGURE_PROBLEMS"))
+    try:
+        yield
+    finally:
+        del nb.cells[-1], nb.cells[first + 1]
+        for count, cell in enumerate((c for c in nb.cells if c.cell_type == "code"), start=1):
+            if cell.get("execution_count") is not None:
+                cell.execution_count = count
+                for out in cell.outputs:
+                    if "execution_count" in out:
+                        out.execution_count = count
+
+
 def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int = 600) -> Path | None:
     """Convert ``path`` (.py) to the .ipynb beside it, executing it unless ``run`` is False.
 
@@ -205,7 +233,8 @@ def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int =
     nb = read_percent(path)
     if run:
         t0 = time.perf_counter()
-        execute(nb, tiny=tiny, timeout=timeout, folder=path.resolve().parent)
+        with figure_rules(nb):
+            execute(nb, tiny=tiny, timeout=timeout, folder=path.resolve().parent)
         seconds = time.perf_counter() - t0
         print(f"{path.name}: executed{' (tiny mode)' if tiny else ''} in {seconds:.1f} s")
     if tiny:

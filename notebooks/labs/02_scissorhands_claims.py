@@ -205,16 +205,6 @@ for label in ["w=400", "w=32", "w=8", "m=16"]:
 # 1999` weights, keep the top `B`, measure the mass dropped, average over draws.
 
 # %%
-rows_table = [(5, 3, 0.05, 0.5), (5, 3, 0.05, 0.7), (5, 3, 0.05, 0.9), (1000, 3, 0.05, 0.5), (5, 3, 0.10, 0.5)]
-print(" u/b  k   eps  B/T | simulated dropped mass | Delta_max (closed form) | intermediate form | Thm 4.1")
-for u, k, eps, keep in rows_table:
-    mc, se = simulate_dropped_mass(keep, k, 1.0, float(u), T=2000, seeds=MC_SEEDS)
-    print(f"{u:4} {k:2} {eps:5.2f} {keep:4.1f} | {mc:8.3f} +- {se:.3f}        | "
-          f"{dropped_mass_bound(keep, k, eps):12.3f}"
-          f"            | {intermediate_dropped_mass_bound(keep, k, eps, 1.0, float(u)):10.3f}        | "
-          f"{theorem41_bound(keep, k, eps):.3f}")
-
-# %%
 eps = 0.05
 keeps = torch.linspace(0.08, 0.98, 10 if TINY else 46).tolist()
 fig, axes = plt.subplots(1, 2, figsize=(13, 4))
@@ -236,6 +226,21 @@ plt.tight_layout()
 plt.show()
 print(f"closed form negative exactly for B/T < eps + (1 - eps) / (k / (k - 1))^(k - 1): "
       f"{eps + (1 - eps) / 1.5 ** 2:.3f} at k = 3, {eps + (1 - eps) / torch.e:.3f} as k grows (eps = {eps})")
+
+# %% [markdown]
+# The figure shows the attention mass a top-`B` cache drops, simulated, beside the closed form `Delta_max` and
+# the proof's intermediate form, against `B/T` at `k = 3` for `u = 5 b` and `u = 1000 b`. The table gives the
+# same quantities, and Theorem 4.1's output bound, at a few settings, with the simulation's standard error.
+
+# %%
+rows_table = [(5, 3, 0.05, 0.5), (5, 3, 0.05, 0.7), (5, 3, 0.05, 0.9), (1000, 3, 0.05, 0.5), (5, 3, 0.10, 0.5)]
+print(" u/b  k   eps  B/T | simulated dropped mass | Delta_max (closed form) | intermediate form | Thm 4.1")
+for u, k, eps, keep in rows_table:
+    mc, se = simulate_dropped_mass(keep, k, 1.0, float(u), T=2000, seeds=MC_SEEDS)
+    print(f"{u:4} {k:2} {eps:5.2f} {keep:4.1f} | {mc:8.3f} +- {se:.3f}        | "
+          f"{dropped_mass_bound(keep, k, eps):12.3f}"
+          f"            | {intermediate_dropped_mass_bound(keep, k, eps, 1.0, float(u)):10.3f}        | "
+          f"{theorem41_bound(keep, k, eps):.3f}")
 
 # %% [markdown]
 # The intermediate form lies above the simulation everywhere. The closed form does not: it is below the
@@ -312,15 +317,6 @@ def toy_runs(qk, seeds):
 
 qks = [1e2, 1e3, 1e4, 1e5]
 toy_results = {qk: toy_runs(qk, TOY_SEEDS) for qk in qks}
-print(f"B / T_max = {TOY_B / TOY_T}, {TOY_SEEDS} prompts; at the last step:")
-for qk, r in toy_results.items():
-    k_fit = sorted(f[0] for f in r["fits"])[len(r["fits"]) // 2]
-    ub = sorted(f[2] / f[1] for f in r["fits"])[len(r["fits"]) // 2]
-    bound = theorem41_bound(TOY_B / TOY_T, max(k_fit, 2.05), 0.05)
-    print(f"lQ lK = {qk:7.0e}: largest weight {sum(r['peak']) / len(r['peak']):.3f}, fitted k {k_fit:.2f} "
-          f"(u/b {ub:.3g}) | E|x - x~|: oracle {r['oracle'][-1]:.3f}, counter {r['counter'][-1]:.3f} | "
-          f"dropped mass: oracle {r['drop_oracle'][-1]:.3f}, counter {r['drop_counter'][-1]:.3f} | "
-          f"Thm 4.1 bound at the fitted k {bound:.3f}")
 
 # %%
 fig, axes = plt.subplots(2, len(qks), figsize=(16, 6.5), sharex=True, sharey="row", layout="constrained")
@@ -341,6 +337,23 @@ axes[1, 0].set_ylabel("attention mass outside the kept set")
 fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
 fig.suptitle("The theorem's model with unit-norm tokens, mean over prompts: error (top), mass dropped (bottom)")
 plt.show()
+
+# %% [markdown]
+# The figure shows, for each logit scale, how far the oracle's and the counter cache's tokens drift from the
+# full cache's as generation goes on, beside Theorem 4.1's bound at two values of `k` (top), and how much
+# attention mass each cache leaves outside its kept set (bottom). The table gives the values at the last
+# step, with the power law fitted to the full cache's weights and the bound it would give.
+
+# %%
+print(f"B / T_max = {TOY_B / TOY_T}, {TOY_SEEDS} prompts; at the last step:")
+for qk, r in toy_results.items():
+    k_fit = sorted(f[0] for f in r["fits"])[len(r["fits"]) // 2]
+    ub = sorted(f[2] / f[1] for f in r["fits"])[len(r["fits"]) // 2]
+    bound = theorem41_bound(TOY_B / TOY_T, max(k_fit, 2.05), 0.05)
+    print(f"lQ lK = {qk:7.0e}: largest weight {sum(r['peak']) / len(r['peak']):.3f}, fitted k {k_fit:.2f} "
+          f"(u/b {ub:.3g}) | E|x - x~|: oracle {r['oracle'][-1]:.3f}, counter {r['counter'][-1]:.3f} | "
+          f"dropped mass: oracle {r['drop_oracle'][-1]:.3f}, counter {r['drop_counter'][-1]:.3f} | "
+          f"Thm 4.1 bound at the fitted k {bound:.3f}")
 
 # %% [markdown]
 # Read together: where attention is near-uniform (`lambda_Q lambda_K` up to `1e3`, largest weight about

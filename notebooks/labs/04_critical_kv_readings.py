@@ -239,16 +239,11 @@ PAIRS = [("snapkv", "critical_kv"), ("snapkv", "critical_kv literal"), ("snapkv 
          ("adakv", "critical_kv(adakv)"), ("adakv", "crit(adakv) literal"), ("adakv kvpress", "crit(adakv) kvpress"),
          ("snapkv", "alpha=0"), ("snapkv", "alpha=1")]            # (host, selection): kvpress's against its own host
 HOST_OF = {crit: host for host, crit in PAIRS}
-print(f"{'keep':>5}  {'selection':<20}{'vs':<15}| {'heads lower (mean)':>18} {'triples lower':>13} {'equal':>6} | "
-      f"lower per layer (triples)")
-headwise = {}
+headwise = {}                         # (ratio, selection) -> fraction of (layer, head) pairs lower by their mean
 for ratio in HEAD_RATIOS:
     for host, crit in PAIRS:
         a, c = torch.stack(res[(host, ratio)]["head_l1"]), torch.stack(res[(crit, ratio)]["head_l1"])   # (S, L, H)
         headwise[(ratio, crit)] = float((c.mean(0) < a.mean(0)).float().mean())
-        per_layer = " ".join(f"{float(x):.2f}" for x in (c < a).float().mean((0, 2)))
-        print(f"{ratio:>5}  {crit:<20}{host:<15}| {headwise[(ratio, crit)]:>18.2f} "
-              f"{float((c < a).float().mean()):>13.2f} {float((c == a).float().mean()):>6.2f} | {per_layer}")
 
 # %%
 READINGS = [("critical_kv", "pooled stage 2 (default)"), ("critical_kv literal", "literal stage 2")]
@@ -270,7 +265,21 @@ plt.show()
 
 # %% [markdown]
 # The figure shows each head's mean perturbation with the selection against SnapKV's, for both readings; most
-# points sit on or above the diagonal. Not reproduced at our scale, in either reading: the share of heads with
+# points sit on or above the diagonal. The table counts them for every selection against its host, and per
+# layer.
+
+# %%
+print(f"{'keep':>5}  {'selection':<20}{'vs':<15}| {'heads lower (mean)':>18} {'triples lower':>13} {'equal':>6} | "
+      f"lower per layer (triples)")
+for ratio in HEAD_RATIOS:
+    for host, crit in PAIRS:
+        a, c = torch.stack(res[(host, ratio)]["head_l1"]), torch.stack(res[(crit, ratio)]["head_l1"])   # (S, L, H)
+        per_layer = " ".join(f"{float(x):.2f}" for x in (c < a).float().mean((0, 2)))
+        print(f"{ratio:>5}  {crit:<20}{host:<15}| {headwise[(ratio, crit)]:>18.2f} "
+              f"{float((c < a).float().mean()):>13.2f} {float((c == a).float().mean()):>6.2f} | {per_layer}")
+
+# %% [markdown]
+# Not reproduced at our scale, in either reading: the share of heads with
 # a lower perturbation ("heads lower" in the table) is between 0.31 and 0.56 for both readings over both hosts,
 # far from the 74% of the paper. Counted per (sample, layer, head), it is a coin toss at keep ratio 0.1 and a
 # loss at 0.25, where both readings lose most in layer 0 (0.15-0.17 of its triples lower), the layer where
@@ -382,17 +391,7 @@ def acc_groups(method: str, mode: str, budget: int | None) -> list[list[float]]:
 
 mean = lambda xs: sum(xs) / len(xs)                                     # noqa: E731
 cell_mean = lambda method, mode, budget, key: mean([r[key] for r in cell_records(method, mode, budget)])  # noqa: E731
-print(f"{'mode':<19}{'keep':>5}  {'selection':<20}| acc host -> selection, difference [95% paired]  "
-      f"| KL host -> selection")
-for mode in MODES:
-    for ratio, b in zip(COMPARE_RATIOS, budgets):
-        for host, crit in HOSTS_C:
-            d = describe(*paired_difference(acc_groups(crit, mode, b), acc_groups(host, mode, b)))
-            print(f"{mode:<19}{ratio:>5}  {crit:<20}| {cell_mean(host, mode, b, 'accuracy'):.2f} -> "
-                  f"{cell_mean(crit, mode, b, 'accuracy'):.2f}  {d:<34}| {cell_mean(host, mode, b, 'kl'):.3f} -> "
-                  f"{cell_mean(crit, mode, b, 'kl'):.3f}")
-        print()
-print(f"\n{len(TASKS)} tasks x {N_SAMPLES} samples per mode, {LENGTH} tokens, seed 0: {time.time() - t_cmp:.0f} s")
+print(f"{len(TASKS)} tasks x {N_SAMPLES} samples per mode, {LENGTH} tokens, seed 0: {time.time() - t_cmp:.0f} s")
 
 # %%
 def style(label: str) -> dict:
@@ -439,7 +438,23 @@ plt.show()
 # %% [markdown]
 # The figure shows, over each host and in each mode, the two readings on either side of their host in KL
 # (blue, the pooled stage 2, below the black host line; red, the literal one, above it) and all of them close
-# in accuracy. Accuracy on this model is low for every prompt-compressing method (SnapKV is the weak baseline
+# in accuracy. The table gives each selection's accuracy and KL beside its host's, with the paired interval
+# of the accuracy difference.
+
+# %%
+print(f"{'mode':<19}{'keep':>5}  {'selection':<20}| acc host -> selection, difference [95% paired]  "
+      f"| KL host -> selection")
+for mode in MODES:
+    for ratio, b in zip(COMPARE_RATIOS, budgets):
+        for host, crit in HOSTS_C:
+            d = describe(*paired_difference(acc_groups(crit, mode, b), acc_groups(host, mode, b)))
+            print(f"{mode:<19}{ratio:>5}  {crit:<20}| {cell_mean(host, mode, b, 'accuracy'):.2f} -> "
+                  f"{cell_mean(crit, mode, b, 'accuracy'):.2f}  {d:<34}| {cell_mean(host, mode, b, 'kl'):.3f} -> "
+                  f"{cell_mean(crit, mode, b, 'kl'):.3f}")
+        print()
+
+# %% [markdown]
+# Accuracy on this model is low for every prompt-compressing method (SnapKV is the weak baseline
 # here, see the README). With the pooled stage 2 it is level with the host, within noise in all eight (host,
 # keep ratio, mode) cells of the table, and the KL is below the host's in all eight. With the literal stage 2
 # accuracy is lower in seven of the eight cells, beyond noise in two, both after the context at keep ratio 0.5,
@@ -569,22 +584,14 @@ BLOCKS = [range(0, 10), range(10, 20), range(20, rcfg.n_layer)]   # layers 0-9, 
 gen = torch.Generator().manual_seed(0)                            # bootstrap: draw each task's samples again
 BOOT = (torch.randint(N_REAL, (1000, len(TASKS_REAL), N_REAL), generator=gen)
         + torch.arange(len(TASKS_REAL))[:, None] * N_REAL).flatten(1)   # (1000, S) sample indices
-print(f"{'keep':>5}  {'selection':<19}{'vs':<15}| {'heads lower (mean)':>18} {'95% interval':>14} "
-      f"{'triples lower':>13} | triples lower in layers 0-9 / 10-19 / 20-29")
-headwise_r, headwise_ci = {}, {}
+headwise_r, headwise_ci = {}, {}      # (ratio, selection) -> fraction of heads lower; its 95% bootstrap interval
 for ratio in RATIOS_REAL:
     for host, crit in PAIRS_REAL:
         a = torch.stack(res_r[(host, ratio)]["head_l1"])              # (S, L, H)
         c = torch.stack(res_r[(crit, ratio)]["head_l1"])
         headwise_r[(ratio, crit)] = float((c.mean(0) < a.mean(0)).float().mean())
         boot = (c[BOOT].mean(1) < a[BOOT].mean(1)).float().mean((1, 2))   # (1000,) the fraction, resampled
-        lo, hi = headwise_ci[(ratio, crit)] = torch.quantile(boot, torch.tensor([0.025, 0.975])).tolist()
-        blocks = " / ".join(f"{float((c < a)[:, list(b)].float().mean()):.2f}" for b in BLOCKS)
-        print(f"{ratio:>5}  {crit:<19}{host:<15}| {headwise_r[(ratio, crit)]:>18.3f}   [{lo:.2f}, {hi:.2f}] "
-              f"{float((c < a).float().mean()):>13.3f} | {blocks}")
-print(f"(heads lower: of the {rcfg.n_layer} x {rcfg.n_head} (layer, query head) pairs, by their mean over "
-      f"{len(TASKS_REAL) * N_REAL} samples, with a 95% bootstrap interval over the samples; triples: every "
-      "(sample, layer, head); paper: 74.3%)")
+        headwise_ci[(ratio, crit)] = torch.quantile(boot, torch.tensor([0.025, 0.975])).tolist()
 
 # %%
 ratio = RATIOS_REAL[-1]
@@ -625,7 +632,25 @@ plt.show()
 # %% [markdown]
 # The figure shows, at left, CriticalSnapKV's per-head perturbation against SnapKV's at keep ratio 0.25 and,
 # per layer, how often each selection is below its host, over each host, against the paper's 74.3% and the
-# coin toss. Partly reproduced, in both readings. By heads ("heads lower" in the table), the pooled stage 2 is
+# coin toss. The table counts the heads for every selection, with a bootstrap interval.
+
+# %%
+print(f"{'keep':>5}  {'selection':<19}{'vs':<15}| {'heads lower (mean)':>18} {'95% interval':>14} "
+      f"{'triples lower':>13} | triples lower in layers 0-9 / 10-19 / 20-29")
+for ratio in RATIOS_REAL:
+    for host, crit in PAIRS_REAL:
+        a = torch.stack(res_r[(host, ratio)]["head_l1"])              # (S, L, H)
+        c = torch.stack(res_r[(crit, ratio)]["head_l1"])
+        lo, hi = headwise_ci[(ratio, crit)]
+        blocks = " / ".join(f"{float((c < a)[:, list(b)].float().mean()):.2f}" for b in BLOCKS)
+        print(f"{ratio:>5}  {crit:<19}{host:<15}| {headwise_r[(ratio, crit)]:>18.3f}   [{lo:.2f}, {hi:.2f}] "
+              f"{float((c < a).float().mean()):>13.3f} | {blocks}")
+print(f"(heads lower: of the {rcfg.n_layer} x {rcfg.n_head} (layer, query head) pairs, by their mean over "
+      f"{len(TASKS_REAL) * N_REAL} samples, with a 95% bootstrap interval over the samples; triples: every "
+      "(sample, layer, head); paper: 74.3%)")
+
+# %% [markdown]
+# Partly reproduced, in both readings. By heads ("heads lower" in the table), the pooled stage 2 is
 # below its host in 0.400-0.704 of the 270 heads and the literal one in 0.419-0.785, with wide bootstrap
 # intervals over six samples: better than on the bundled model (section 2.1: 0.31-0.56), and as high as the
 # paper's 74.3% in one or two of the four (host, keep ratio) cells. Counted per (sample, layer, head), the
@@ -636,45 +661,16 @@ plt.show()
 # ### 5.2 The final hidden state, KL and accuracy
 #
 # The paper's §5.2 (Figure 3) reports a lower final-layer output perturbation with the selection at every
-# budget, and its Tables 1 and 3 small gains in answer quality. First the traces of section 5.1, sample by
-# sample (question in the prompt): the final hidden state's relative error at the first decode step and the
-# answer's KL, each selection's paired difference from its host, and in how many samples it is below.
-
-# %%
-n_r = len(TASKS_REAL) * N_REAL
-
-
-def versus_host(label: str, ratio: float, key: str) -> str:
-    """The selection minus its host, paired sample by sample: difference [95% interval], verdict, count below."""
-    host = HOST_OF[label]
-    below = sum(x < y for x, y in zip(res_r[(label, ratio)][key], res_r[(host, ratio)][key]))
-    return f"{versus(res_r, label, host, ratio, key, N_REAL):<34} {below}/{n_r}"
-
-
-print(f"{'keep':>5}  {'variant':<19}| {'final pert':>10}  {'vs host: difference [95%], below in':<44}| "
-      f"{'KL':>6}  vs host")
-for ratio in RATIOS_REAL:
-    for label in VARIANTS_REAL:
-        is_host = label not in HOST_OF
-        print(f"{ratio:>5}  {label:<19}| {mean(res_r[(label, ratio)]['pert']):>10.3f}  "
-              f"{'' if is_host else versus_host(label, ratio, 'pert'):<44}| {mean(res_r[(label, ratio)]['kl']):>6.3f}  "
-              f"{'' if is_host else versus_host(label, ratio, 'kl')}")
-print(f"mean over {n_r} samples, question in the prompt, {LENGTH_REAL} tokens; difference from the host (snapkv or "
-      "adakv) with its 95% paired bootstrap interval; 'below in': samples where the selection is lower")
-
-# %% [markdown]
-# Then `methods.evaluation.compare.run` in both modes, with greedy answers: accuracy per task, KL and `pert`
-# (the same final hidden state error) per cell, and `format_intervals`: each cell's 95% interval, its paired
-# difference from the full cache, and which methods are within noise of the best at each keep ratio.
+# budget, and its Tables 1 and 3 small gains in answer quality. `methods.evaluation.compare.run` runs every
+# variant in both modes, with greedy answers, and measures accuracy per task, KL and `pert` (the same final
+# hidden state error) per cell; the figure draws them against the keep ratio.
 
 # %%
 t_cmp = time.time()
 METHODS_REAL = [Variant(label, spec, opts) for label, (spec, opts) in VARIANTS_REAL.items()]
 records_r = run(real, rtok, METHODS_REAL, BUDGETS_REAL, TASKS_REAL, MODES, N_REAL, LENGTH_REAL, seed=0,
                 progress=False, workers=1)
-print(format_tables(records_r))
-print(format_intervals(records_r))
-print(f"\n{N_REAL} samples per task and mode, {LENGTH_REAL} tokens, seed 0: {time.time() - t_cmp:.0f} s")
+print(f"{N_REAL} samples per task and mode, {LENGTH_REAL} tokens, seed 0: {time.time() - t_cmp:.0f} s")
 
 # %%
 mean_of = lambda key, method, mode, budget: mean([r[key] for r in records_r              # noqa: E731
@@ -710,8 +706,43 @@ plt.show()
 
 # %% [markdown]
 # The figure shows, over each host and in each mode, accuracy with its interval, the answer's KL and the final
-# hidden state's error against the keep ratio; the tables above carry the numbers.
-#
+# hidden state's error against the keep ratio; the tables below carry the numbers. First the traces of
+# section 5.1, sample by sample (question in the prompt): the final hidden state's relative error at the first
+# decode step and the answer's KL, each selection's paired difference from its host, and in how many samples
+# it is below.
+
+# %%
+n_r = len(TASKS_REAL) * N_REAL
+
+
+def versus_host(label: str, ratio: float, key: str) -> str:
+    """The selection minus its host, paired sample by sample: difference [95% interval], verdict, count below."""
+    host = HOST_OF[label]
+    below = sum(x < y for x, y in zip(res_r[(label, ratio)][key], res_r[(host, ratio)][key]))
+    return f"{versus(res_r, label, host, ratio, key, N_REAL):<34} {below}/{n_r}"
+
+
+print(f"{'keep':>5}  {'variant':<19}| {'final pert':>10}  {'vs host: difference [95%], below in':<44}| "
+      f"{'KL':>6}  vs host")
+for ratio in RATIOS_REAL:
+    for label in VARIANTS_REAL:
+        is_host = label not in HOST_OF
+        print(f"{ratio:>5}  {label:<19}| {mean(res_r[(label, ratio)]['pert']):>10.3f}  "
+              f"{'' if is_host else versus_host(label, ratio, 'pert'):<44}| {mean(res_r[(label, ratio)]['kl']):>6.3f}  "
+              f"{'' if is_host else versus_host(label, ratio, 'kl')}")
+print(f"mean over {n_r} samples, question in the prompt, {LENGTH_REAL} tokens; difference from the host (snapkv or "
+      "adakv) with its 95% paired bootstrap interval; 'below in': samples where the selection is lower")
+
+# %% [markdown]
+# Then the records of `methods.evaluation.compare.run` behind the figure, in both modes: accuracy per task, KL
+# and `pert` per cell (`format_tables`), and `format_intervals`: each cell's 95% interval, its paired difference
+# from the full cache, and which methods are within noise of the best at each keep ratio.
+
+# %%
+print(format_tables(records_r))
+print(format_intervals(records_r))
+
+# %% [markdown]
 # **Final-layer perturbation (§5.2): reproduced in direction, small, in both readings.** With the question in
 # the prompt every selection of either reading lowers the final hidden state's error at both keep ratios:
 # beyond noise in three of the four (host, keep ratio) cells with the pooled stage 2 and in two with the
@@ -743,16 +774,6 @@ plt.show()
 # readings, and so is `sigma`.
 
 # %%
-print(f"{'keep':>5} | {'sigma > 0.5 on Abar':>19} {'mean':>6} | {'sigma > 0.5, decode query':>25} {'mean':>6} | "
-      f"decode query, layers 0 / 1-9 / 10-19 / 20-29")
-for ratio in RATIOS_REAL:
-    sw = torch.stack(res_r[("critical_kv", ratio)]["sigma_window"])   # (S, L, H)
-    sd = torch.stack(res_r[("critical_kv", ratio)]["sigma_decode"])
-    blocks = " / ".join(f"{float((sd[:, list(b)] > 0.5).float().mean()):.2f}"
-                        for b in [range(0, 1), range(1, 10), range(10, 20), range(20, rcfg.n_layer)])
-    print(f"{ratio:>5} | {float((sw > 0.5).float().mean()):>19.3f} {float(sw.mean()):>6.2f} | "
-          f"{float((sd > 0.5).float().mean()):>25.3f} {float(sd.mean()):>6.2f} | {blocks}")
-
 fig, ax = plt.subplots(figsize=(8, 3.6), dpi=80)
 for ratio in RATIOS_REAL:
     for key, name in [("sigma_window", "window Abar"), ("sigma_decode", "first decode query")]:
@@ -765,6 +786,16 @@ ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
 plt.tight_layout()
 plt.show()
+
+print(f"{'keep':>5} | {'sigma > 0.5 on Abar':>19} {'mean':>6} | {'sigma > 0.5, decode query':>25} {'mean':>6} | "
+      f"decode query, layers 0 / 1-9 / 10-19 / 20-29")
+for ratio in RATIOS_REAL:
+    sw = torch.stack(res_r[("critical_kv", ratio)]["sigma_window"])   # (S, L, H)
+    sd = torch.stack(res_r[("critical_kv", ratio)]["sigma_decode"])
+    blocks = " / ".join(f"{float((sd[:, list(b)] > 0.5).float().mean()):.2f}"
+                        for b in [range(0, 1), range(1, 10), range(10, 20), range(20, rcfg.n_layer)])
+    print(f"{ratio:>5} | {float((sw > 0.5).float().mean()):>19.3f} {float(sw.mean()):>6.2f} | "
+          f"{float((sd > 0.5).float().mean()):>25.3f} {float(sd.mean()):>6.2f} | {blocks}")
 
 # %% [markdown]
 # The figure shows, per layer, how often the stage-1 set carries more than half of the attention, on the window

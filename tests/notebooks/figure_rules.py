@@ -7,14 +7,18 @@ A figure needs a title (its own or a panel's); both axes named somewhere in it (
 label, or text tick labels such as category names); a legend when a panel has two or more labelled series;
 a colour bar when it shows an image; titles and axis labels in words, not code names (no ``snake_case``);
 error bars (or a shaded band) on every line or bar of accuracy, which always has an interval here (Wilson's
-or the bootstrap's); and log axes whose tick labels a reader can read (at least two labelled major ticks in
-view, or a formatter of the notebook's own, instead of matplotlib's "6x10^0" minor labels alone).
+or the bootstrap's); log axes whose tick labels a reader can read (at least two labelled major ticks in
+view, or a formatter of the notebook's own, instead of matplotlib's "6x10^0" minor labels alone); and at
+most five labelled data series in a panel (more are small multiples: one panel per group; a reference
+line or band does not count).
 """
 
 import re
 
 from matplotlib.backend_bases import FigureCanvasBase
+from matplotlib.collections import PathCollection
 from matplotlib.container import BarContainer, ErrorbarContainer
+from matplotlib.lines import Line2D
 from matplotlib.ticker import LogFormatter
 
 _FIGURE_PROBLEMS = []
@@ -65,6 +69,20 @@ def _log_ticks_readable(ax, axis):
     return sum(lo <= t <= hi for t in obj.get_majorticklocs()) >= 2
 
 
+MAX_SERIES = 5
+
+
+def _series(ax):
+    """The labelled data series of a panel: lines of three or more points, bar groups, error bars and
+    scatters; reference marks (a horizontal or vertical line, a shaded span) do not count."""
+    handles, labels = ax.get_legend_handles_labels()
+    def data(h):
+        if isinstance(h, Line2D):
+            return len(h.get_xdata()) > 2
+        return isinstance(h, (BarContainer, ErrorbarContainer, PathCollection))
+    return len({label for h, label in zip(handles, labels) if not label.startswith("_") and data(h)})
+
+
 def _check_figure(fig):
     """Figure-level rules: a title; every axis named somewhere (a label, or text tick labels); a legend when
     some panel has two or more labelled series; a colour bar when there are images."""
@@ -91,6 +109,8 @@ def _check_figure(fig):
                  if _SNAKE.search(text)]
     problems += [f"panel {ax.get_title()[:40]!r} plots accuracy without error bars or a band"
                  for ax in axes if _plots_accuracy(ax) and not _has_interval(ax)]
+    problems += [f"panel {ax.get_title()[:40]!r} has {n} labelled series: at most {MAX_SERIES} a panel, draw "
+                 "small multiples" for ax in axes if (n := _series(ax)) > MAX_SERIES]
     problems += [f"panel {ax.get_title()[:40]!r}: its log {a} axis shows fewer than two labelled major ticks; "
                  "widen the limits or set a formatter" for ax in axes for a in "xy" if not _log_ticks_readable(ax, a)]
     return [f"figure {name[:50]!r}: {p}" for p in problems]

@@ -106,3 +106,19 @@ def test_prose_only_keeps_the_outputs_and_refuses_changed_code(tmp_path: Path) -
     source.write_text(text.replace("print(", "print('changed'); print(", 1))
     with pytest.raises(ValueError, match="code cell 0 .*differs"):
         build.prose_only(source)
+
+
+def test_a_normal_build_runs_the_figure_rules_and_leaves_no_trace() -> None:
+    """``build.figure_rules`` adds the rules after the first code cell and their check at the end while the
+    notebook runs, then takes both away and numbers the code cells as if they had never been there."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# T"), nbformat.v4.new_code_cell("a = 1"),
+                                         nbformat.v4.new_code_cell("print(a)")])
+    with build.figure_rules(nb):
+        sources = [cell.source for cell in nb.cells]
+        assert sources[2] == FIGURE_RULES and sources[-1].startswith("assert not _FIGURE_PROBLEMS")
+        for count, cell in enumerate((c for c in nb.cells if c.cell_type == "code"), start=1):
+            cell.execution_count = count                                  # as a kernel would number them
+            cell.outputs = [nbformat.v4.new_output("execute_result", data={"text/plain": "1"},
+                                                   execution_count=count)]
+    assert [cell.source for cell in nb.cells] == ["# T", "a = 1", "print(a)"]
+    assert [(c.execution_count, c.outputs[0].execution_count) for c in nb.cells[1:]] == [(1, 1), (2, 2)]

@@ -148,6 +148,49 @@ def test_every_figure_is_followed_by_its_takeaway(stem):
                      "they show"
 
 
+def prints_table(out: dict) -> bool:
+    """An output that is a table: a data frame, or printed text with three or more rows of columns."""
+    text = "".join(out.get("text", "")) or "".join(out.get("data", {}).get("text/plain", ""))
+    return "text/html" in out.get("data", {}) or sum(" | " in line for line in text.splitlines()) >= 3
+
+
+def tables_before_pictures(cells: list[dict]) -> list[tuple[int, int]]:
+    """(section, cell) of the first table of each section or subsection (a '## ' or '### ' heading) that draws
+    a figure only after it; a section is numbered by the cell that starts it."""
+    first_table, drew, wrong, sec = {}, set(), [], 0
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "code":
+            if re.search(r"^###? ", "".join(cell["source"]), re.M):
+                sec = i
+            continue
+        for out in cell.get("outputs", []):
+            if "image/png" in out.get("data", {}):
+                drew.add(sec)
+                if sec in first_table:
+                    wrong.append((sec, first_table[sec]))
+            elif prints_table(out) and sec not in drew:
+                first_table.setdefault(sec, i)
+    return sorted(set(wrong))
+
+
+@pytest.mark.parametrize("stem", NAMES)
+def test_a_section_shows_its_picture_before_its_tables(stem):
+    wrong = tables_before_pictures(committed(stem))
+    assert not wrong, f"{stem}: (section, cell) of tables printed before their section's figure: {wrong}; " \
+                      "draw the picture first, then the table that details it"
+
+
+def test_the_picture_rule_sees_a_table_first():
+    table = {"output_type": "stream", "text": ["a | b\n", "1 | 2\n", "3 | 4\n"]}
+    picture = {"output_type": "display_data", "data": {"image/png": "x"}}
+    cells = [{"cell_type": "markdown", "source": ["## 1. Results"]},
+             {"cell_type": "code", "source": ["t"], "outputs": [table]},
+             {"cell_type": "code", "source": ["f"], "outputs": [picture]}]
+    assert tables_before_pictures(cells) == [(0, 1)]
+    cells[1], cells[2] = cells[2], cells[1]
+    assert tables_before_pictures(cells) == []
+
+
 # -- a lesson's length, and its lab ------------------------------------------------------------------------
 
 def minutes(path: Path) -> float:
