@@ -25,10 +25,17 @@ cached-vs-uncached differences stay around 3e-6 (well under the 1e-5 tolerance).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 import pytest
 import torch
+
+# A shell without job control (a script, ``bash -c "... &"``) starts a background command with SIGINT ignored,
+# and processes inherit an ignored signal: the commands the Ctrl-C tests start would then never hear it. A
+# handler, unlike an ignored signal, is reset to the default when a child starts, so restore Python's own.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Triton kernels (kernels/) are checked in Triton's CPU interpreter where there is no GPU. The variable is
 # read when a kernel is defined, so it is set here, before any test module imports a kernel.

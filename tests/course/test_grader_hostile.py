@@ -256,8 +256,10 @@ def test_an_interrupted_grade_leaves_nothing_behind(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-m", "course.grade", "cache", "--student", str(copy), "-k",
                              "group_scores"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 45                # well inside the sleeping test's 60 s limit (PER_TEST_S)
-    while not [p for p in processes_naming("student_process") if p != proc.pid] and time.monotonic() < deadline:
+    student = (ROOT / "course" / "student_process.py").read_text()[:200]    # its command line holds its code
+    while not [p for p in processes_naming(student) if p != proc.pid] and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert time.monotonic() < deadline, "the student's process did not start within 45 s"
     time.sleep(5)                                   # the student's process imports and reaches its sleep
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
