@@ -292,7 +292,7 @@ for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0
 
 # %% [markdown]
 # The last line shows the failure mode AdaKV's safeguard exists for: a head whose scores are on a larger scale
-# takes most of the pool (11 of the 12 entries), and only the safeguard leaves the other head anything.
+# takes most of the pool (11 entries; the other head keeps 1), and only the safeguard leaves the other head anything.
 #
 # ## 3. Real passages with SmolLM2-135M
 #

@@ -174,8 +174,8 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 
 # %% [markdown]
 # Dropping tokens wins at equal bytes in every head once k >= 4: k kept tokens keep k^2 pairs for the bytes of
-# 2k pair rows, and this model's attention is spread (half of a head's mass takes 41-147 pairs in three of
-# the four heads). Pairs win only at the smallest budget (k = 2), in two heads: the concentrated one (half
+# 2k pair rows, and this model's attention is spread (half of a head's mass takes 41-147 pairs, except in the
+# concentrated head). Pairs win only at the smallest budget (k = 2), in two heads: the concentrated one (half
 # its mass in 2 pairs; error 0.68 vs 1.14) and the second head (1.77 vs 2.36). Errors above 1 are no bug:
 # the exact outputs of the spread heads average many value products and are small, so a few kept pairs
 # miss them by more than their own size. The two-matrix cache's finer granularity does not pay for its bytes here; it

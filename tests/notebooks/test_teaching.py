@@ -18,6 +18,8 @@ only numbers its own committed run printed.
   quick-mode run, cannot sit in the text. Not checked: numbers that name something (sections, equations,
   tables, figures, algorithms, theorems, cells, years, arXiv ids), headings, numbers in math, code spans or
   links, and numbers in a sentence that quotes a source ("the paper reports ...", "its data sheet").
+* **Counts**: a fraction of things ("7 of the 8 cells", in words or digits) is printed as a fraction by an
+  output that names the things, and a maximum ("one or two heads at best") as a maximum.
 """
 
 from __future__ import annotations
@@ -315,3 +317,101 @@ def test_a_number_counts_only_in_its_own_section_or_one_its_sentence_names():
     assert unquoted("", cells) == [(4, "25%"), (7, "3"), (7, "0.27")]      # the exercises may quote any section
     assert in_text("70.5%", "share 70.5 %") and in_text("1,024", "1024 heads") and not in_text("0.7", "0.71")
     assert not in_text("25%", "keep ratio 0.25")                 # a percentage is quoted as printed
+
+
+# -- counts: "3 of the 5 samples", "one or two heads at best" ---------------------------------------------------
+# A presence check cannot vouch for a count: 05 once said "3 of the 5 samples" where its section printed
+# "value 3/5" (digits of a passkey), and "one or two heads of a layer at best" where its printed counts reached
+# three. Two shapes of count are therefore held to more than presence:
+# * a fraction of things ("N of the M cells", words or digits) must be printed as a fraction ("N of M", "N/M")
+#   in one cell's output that also names the things; a threshold ("in at least two of the three rows") is a
+#   rule, not a count, and is not checked;
+# * a maximum of a count ("N heads at best", "at most N layers") must be printed as a maximum: a cell's output
+#   with "max", "most", "best", "largest" or "highest" shortly before N.
+
+NUMBER_WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+COUNT = rf"(?:\d+|{'|'.join(NUMBER_WORDS)})"
+GLUE = {"the", "of", "a", "an", "in", "and", "or", "at", "to", "its", "their", "by", "for", "with", "on", "is",
+        "are", "was", "were", "per", "that", "which", "from", "as", "than", "all", "each", "every", "it", "them"}
+FRACTION = re.compile(rf"(?<!at least )(?<![\w.-])({COUNT})\s+(?:out\s+)?of\s+(?:the\s+|its\s+|their\s+)?"
+                      rf"({COUNT})(?![\w.,-]\d)((?:\s+[\w'-]+){{1,3}})", re.I)
+MAXIMUM = re.compile(rf"\b(?:at best|at most|no more than|never more than)\s+({COUNT})(?:\s+or\s+({COUNT}))?\s+[a-z]|"
+                     rf"(?<![\w.-])({COUNT})(?:\s+or\s+({COUNT}))?\s+[a-z][\w ,'-]{{0,40}}?\bat best\b", re.I)
+
+
+def count_value(count: str) -> str:
+    """'seven' -> '7'; digits as they are."""
+    return str(NUMBER_WORDS.index(count.lower())) if count.lower() in NUMBER_WORDS else count
+
+
+def things(words: str) -> list[str]:
+    """The words a count counts ('cells', 'prompt tokens'), singular, up to the first glue word."""
+    out = []
+    for word in words.split():
+        word = word.strip("()'").lower()
+        if word in GLUE or not word.isalpha():
+            break
+        out.append(word[:-1] if word.endswith("s") else word)
+    return out
+
+
+def unprinted_counts(sentence: str, outputs: list[str]) -> list[str]:
+    """The fractions and maxima of counts in ``sentence`` that no single output in ``outputs`` prints as such."""
+    missing = []
+    for m in FRACTION.finditer(sentence):
+        part, whole, nouns = count_value(m.group(1)), count_value(m.group(2)), things(m.group(3))
+        fraction = re.compile(rf"(?<![\d.]){part}\s*(?:of(?: the| its)?|/)\s*{whole}(?![\d])")
+        if nouns and not any(fraction.search(out) and any(n in out.lower() for n in nouns) for out in outputs):
+            missing.append(" ".join(m.group().split()))
+    for m in MAXIMUM.finditer(sentence):
+        top = max(int(count_value(g)) for g in m.groups() if g)
+        most = re.compile(rf"(?:max|most|best|largest|highest)\D{{0,40}}(?<![\d.]){top}(?![\d])", re.I)
+        if not any(most.search(out) for out in outputs):
+            missing.append(" ".join(m.group().split()))
+    return missing
+
+
+def unprinted(cells: list[dict]) -> list[tuple[int, str]]:
+    """(cell, count) for every fraction or maximum the prose states that no output of its section prints as
+    such (nor of a section its sentence names; the exercises and appendix answer to the whole notebook)."""
+    pieces = parts(cells)
+    outputs: dict[int, list[str]] = {-1: []}
+    for i, sec, _ in pieces:
+        if cells[i]["cell_type"] == "code":
+            printed = "\n".join("".join(out.get("text", "")) or "".join(out.get("data", {}).get("text/plain", ""))
+                                for out in cells[i].get("outputs", []))
+            outputs.setdefault(sec, []).append(printed)
+            outputs[-1].append(printed)
+    missing = []
+    for i, sec, text in pieces:
+        if cells[i]["cell_type"] == "markdown":
+            for sentence in sentences(text):
+                named = {sec} | {int(n) for n in SECTION_CUE.findall(sentence)}
+                scope = [out for s in named for out in outputs.get(s, [])]
+                missing += [(i, count) for count in unprinted_counts(sentence, scope)]
+    return missing
+
+
+@pytest.mark.parametrize("stem", NAMES)
+def test_a_count_the_prose_states_is_printed_as_a_count(stem):
+    missing = unprinted(committed(stem))
+    assert not missing, f"{stem}: fractions or maxima of counts that no output of their section prints as such " \
+                        f"(cell, words): {missing[:8]}; print the count, or say what the output shows"
+
+
+def test_the_count_check_catches_counts_read_off_a_figure_or_another_count():
+    def code(out):
+        return {"cell_type": "code", "source": ["..."], "outputs": [{"output_type": "stream", "text": [out]}]}
+
+    def md(text):
+        return {"cell_type": "markdown", "source": [text]}
+    heads = "KV heads (of 3) holding the value whole, per layer:\n  snapkv 0 1 2 3 2 1\n"
+    cells = [md("## 1. Needle"), code("L0 KV0: '___815'   value 3/5\n" + heads),
+             md("SnapKV holds it in one or two heads of a layer at best."),          # the printed counts reach 3
+             md("In 3 of the 5 samples the needle lies in the window."),              # 3/5 counts digits, not samples
+             md("Alone in at least two of the three rows, a token comes back."),      # a threshold: not checked
+             md("## 2. Table"), code("lower in 7 of 8 cells\nmax heads per layer: 3\n"),
+             md("Accuracy is lower in seven of the eight cells."), md("Three heads at best."),
+             md("Lower in three of the eight cells.")]
+    assert unprinted(cells) == [(2, "one or two heads of a layer at best"), (3, "3 of the 5 samples the needle"),
+                                (9, "three of the eight cells")]
