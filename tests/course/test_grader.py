@@ -201,28 +201,31 @@ def test_the_json_says_what_failed_and_where_and_notes_changed_adapters(tmp_path
 
 @pytest.mark.slow
 def test_a_crash_and_a_swallowed_timeout_fail_alone(tmp_path):
-    """One task's code kills the interpreter on a decode step; another loops forever, catching every exception
-    (as a student's code that swallows a time-limit exception would). Everything else is the reference."""
+    """One task's code kills the interpreter on a decode step; another loops forever on the public test's six
+    slots, catching every exception (as a student's code that swallows a time-limit exception would). Everything
+    else is the reference, and passes: the per-test limit (6 s) is well above the slowest test's time under load
+    (300 appends, about 2 s at load 2.3), and one test alone pays it."""
     out = student_copy(tmp_path)
     shutil.copy2(ROOT / "nanollm" / "storage.py", out / "nanollm" / "storage.py")        # append: solved
     attention = out / "nanollm" / "attention.py"
     put(attention, "group_scores", ["if q.shape[2] == 1:", "    __import__('os').abort()",
                                     *reference("nanollm/attention.py", "group_scores")])
-    put(attention, "mask", ["while True:", "    try:", "        sum(range(10 ** 5))", "    except BaseException:",
-                            "        pass"])
+    put(attention, "mask", ["while kp.shape[-1] == 6:", "    try:", "        sum(range(10 ** 5))",
+                            "    except BaseException:", "        pass",
+                            *reference("nanollm/attention.py", "mask")])
     t0 = time.perf_counter()
-    summary = grade.grade("cache", out, per_test_s=2)
+    summary = grade.grade("cache", out, per_test_s=6)
     elapsed = time.perf_counter() - t0
     results = summary["results"]
     by_name = {r["name"]: r for r in results}
     assert by_name["test_append_then_read"]["status"] == "passed", "a test before the crash keeps its pass"
     crashed = [r for r in results if "the process running your code stopped (exit code -6)" in r["output"]]
-    stopped = [r for r in results if r["output"].startswith("ran over 2 s, in nanollm/attention.py, line ")]
-    assert crashed and stopped, [(r["name"], r["output"]) for r in results]
-    assert all(r["status"] == "passed" or r in crashed or r in stopped for r in results), \
-        [(r["name"], r["output"]) for r in results if r["status"] != "passed"]
+    stopped = [r for r in results if r["output"].startswith("ran over 6 s, in nanollm/attention.py, line ")]
+    assert [r["name"] for r in crashed] == ["test_decode_step_scores_with_gqa"], results
+    assert [r["name"] for r in stopped] == ["test_masked_attention_sees_only_the_past"], results
+    assert [(r["name"], r["output"]) for r in results if r["status"] != "passed" and r not in crashed + stopped] == []
     assert summary["score"] == sum(r["max_score"] for r in results if r["status"] == "passed") > 0
-    assert elapsed < grade.run_limit_s(len(results), 2), f"the run took {elapsed:.0f} s"
+    assert elapsed < grade.run_limit_s(len(results), 6), f"the run took {elapsed:.0f} s"
 
 
 @pytest.mark.slow
