@@ -23,6 +23,12 @@ from course.markers import MarkerError, find_regions, strip
 
 NAMES = sorted(ASSIGNMENTS)
 GRADE_LIMIT_S = 90
+
+
+def some_in_the_slow_tier(*kept: str) -> list:
+    """Every assignment, those not ``kept`` marked heavy: the slow tier grades the library's assignment (cache)
+    and at most one method's, ``--runheavy`` all of them (run it after changing an assignment's tests)."""
+    return [n if n in kept else pytest.param(n, marks=pytest.mark.heavy) for n in NAMES]
 SHEET_SECTIONS = ("## Goal", "## Read", "## Tasks", "## Budget", "## Written questions")
 
 
@@ -166,8 +172,8 @@ def test_reference_solution_gets_full_marks(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
-def test_student_copy_gets_zero_and_leaks_nothing(name, tmp_path):
+@pytest.mark.parametrize("name", some_in_the_slow_tier("cache", "chunkkv"))
+def test_student_copy_gets_zero(name, tmp_path):
     out = tmp_path / "copy"
     handout.main([name, "--out", str(out)])
     t0 = time.perf_counter()
@@ -178,6 +184,12 @@ def test_student_copy_gets_zero_and_leaks_nothing(name, tmp_path):
     assert not wrong, f"{name}: student-copy tests must fail with NotImplementedError, got {wrong}"
     assert elapsed < GRADE_LIMIT_S, f"grading {name}'s student copy took {elapsed:.0f} s"
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_student_copy_leaks_nothing(name, tmp_path):
+    out = tmp_path / "copy"
+    handout.main([name, "--out", str(out)])
     assert not list(out.rglob("test_hidden.py")), "hidden tests must not be in a student copy"
     for path, lines in region_lines(name).items():
         rel = path.relative_to(ROOT)
@@ -203,8 +215,7 @@ def test_student_copy_gets_zero_and_leaks_nothing(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n if n == "cache" else pytest.param(n, marks=pytest.mark.heavy)
-                                  for n in NAMES])                  # one in the slow tier, all with --runheavy
+@pytest.mark.parametrize("name", some_in_the_slow_tier("cache"))
 def test_a_call_to_a_shipped_function_scores_nothing(name):
     """The hand-written mutants that make a region call a function shipped with the copy (a reference, a kernel,
     another method's helper): each is killed (its task loses at least half its points). A function that
@@ -231,7 +242,7 @@ def test_instructor_pack_has_every_solution(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", some_in_the_slow_tier("cache", "baselines"))
 def test_doing_nothing_scores_nothing(name, tmp_path):
     """Every solution replaced by ``pass``: no test may pass (each checks that the work was done)."""
     handout.student_copy(ASSIGNMENTS[name], tmp_path / "copy", stub="pass")

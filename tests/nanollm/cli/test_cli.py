@@ -2,9 +2,9 @@
 The command lines, used the way a new user would, mistakes included.
 
 * Every bad input is rejected before any work: one line ``error: ...`` on stderr that names the flag or
-  file, exit status 2, no traceback, and no file created or changed. Each case runs as a subprocess
-  (``python -m ...``) in an empty temporary folder, which also checks that the commands work from outside
-  the repository.
+  file, exit status 2, no traceback, and no file created or changed. Each case runs as ``python -m ...``
+  would, in a process of its own (a fork of one that has imported torch: forked.py) in an empty temporary
+  folder, which also checks that the commands work from outside the repository.
 * Every file is written atomically: a write that fails part-way (a full disk, simulated with the file-size
   limit ``RLIMIT_FSIZE``, or an error raised mid-write) leaves the previous file and no temporary file.
 * A training run interrupted between saves resumes to exactly the weights of an uninterrupted run.
@@ -39,10 +39,15 @@ ROOT = Path(__file__).resolve().parents[3]
 BUNDLED = ROOT / "nanollm" / "checkpoints" / "retrieval-llama"
 
 
+def cli_env() -> dict[str, str]:
+    """The environment of a command: this checkout importable, one torch thread (as in the rest of the suite)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p),
+                OMP_NUM_THREADS="1")
+
+
 def run_cli(args: list[str], cwd: Path, file_size_limit: int | None = None, timeout: int = 120):
     """``python ARGS`` in ``cwd`` with this checkout importable; optionally with a file-size limit (a full disk)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p),
-               OMP_NUM_THREADS="1")          # one torch thread, as in the rest of the suite (conftest.py)
+    env = cli_env()
 
     def limit_file_size():                  # runs in the child: writes past the limit fail with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -50,6 +55,23 @@ def run_cli(args: list[str], cwd: Path, file_size_limit: int | None = None, time
 
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout, preexec_fn=limit_file_size if file_size_limit else None)
+
+
+@pytest.fixture(scope="module")
+def run_forked():
+    """``run_cli`` without the import of torch each time: the command runs in a fork of a process that has
+    imported it (forked.py), with its own argv, folder, output and exit status."""
+    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forked.py"))], env=cli_env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(args: list[str], cwd: Path, timeout: int = 60) -> subprocess.CompletedProcess:
+        server.stdin.write(json.dumps({"args": args, "cwd": str(cwd), "timeout": timeout}) + "\n")
+        server.stdin.flush()
+        done = json.loads(server.stdout.readline())
+        return subprocess.CompletedProcess(args, done["returncode"], done["stdout"], done["stderr"])
+    yield run
+    server.stdin.close()
+    server.wait(timeout=30)
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -181,13 +203,13 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=[NO_CUDA] if c[3] is NO_CUDA else [])
                                   for c in BAD_INPUTS])
-def test_bad_input_is_one_error_line_and_changes_nothing(case, folders, tmp_path):
+def test_bad_input_is_one_error_line_and_changes_nothing(case, folders, tmp_path, run_forked):
     _, args, names, setup = case
     if setup is not None and setup is not NO_CUDA:
         setup(tmp_path)
     args = [a.format(**folders) for a in args]
     before, bundled = snapshot(tmp_path), snapshot(BUNDLED)
-    result = run_cli(args, cwd=tmp_path, timeout=60)
+    result = run_forked(args, cwd=tmp_path, timeout=60)
     assert_one_error_line(result, *names)
     assert snapshot(tmp_path) == before, "the folder it ran in changed"
     assert snapshot(BUNDLED) == bundled, "the bundled checkpoint changed"
