@@ -45,7 +45,7 @@ def is_a_book(folder: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = cli.ArgumentParser(prog="python book/build.py", description=__doc__.split("\n\n")[0].strip())
+    p = cli.ArgumentParser(prog="python book/build.py", description=__doc__.split("\n\n")[0].strip().rstrip(":") + ".")
     p.add_argument("--out", default=str(OUT),
                    help="the folder to write the site to: new, empty, or one this command wrote before "
                         "(default _build/book)")
