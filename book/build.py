@@ -2,10 +2,10 @@
 Build the book: the lessons, their labs, the course sheets and the folders' guides as a website that works
 offline, from the committed files (nothing is executed, nothing is fetched)::
 
-    pip install -e .[book] && npm ci --prefix book      # once: Sphinx, myst-nb, the theme; MathJax from npm
+    pip install -e ".[book]" && npm ci --prefix book    # once: Sphinx, myst-nb, the theme; MathJax from npm
     python book/build.py                                # writes _build/book/ (open _build/book/index.html)
 
-The pages are the repository's own files, read where they live (``book/conf.py`` lists them): the notebooks
+The pages are the repository's own files, read where they live (``book/pages.py`` lists them): the notebooks
 with their committed outputs, figures included, and the Markdown guides. Sphinx turns them into pages with
 navigation, search and the equations typeset by MathJax, which the site serves itself. A warning fails the
 build, so a link to a page or a section that does not exist cannot reach the site.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from nanollm import cli  # noqa: E402
 
 OUT = ROOT / "_build" / "book"
-EXTRA = ["sphinx", "myst_nb", "sphinx_book_theme"]           # pip install -e .[book]
+EXTRA = ["sphinx", "myst_nb", "sphinx_book_theme"]           # pip install -e ".[book]"
 MATHJAX = BOOK / "node_modules" / "mathjax" / "es5" / "startup.js"    # npm ci --prefix book
 
 
@@ -33,7 +34,7 @@ def missing() -> list[str]:
     """What the book needs and this machine lacks, by the command that installs it."""
     lacks = []
     if any(importlib.util.find_spec(name) is None for name in EXTRA):
-        lacks.append("its Python packages (pip install -e .[book])")
+        lacks.append('its Python packages (pip install -e ".[book]")')
     if not MATHJAX.is_file():
         lacks.append("MathJax (npm ci --prefix book)")
     return lacks
@@ -56,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
             cli.fail("the book needs " + " and ".join(lacks))
         from sphinx.cmd.build import build_main
         t0 = time.time()
-        code = build_main(["-b", "html", "-c", str(BOOK), "-E", "-a", "-W", "--keep-going", "-q",
-                           "-d", str(out / ".doctrees"), str(ROOT), str(out)])
+        with tempfile.TemporaryDirectory(prefix="book-doctrees-") as doctrees:    # Sphinx's working files
+            code = build_main(["-b", "html", "-c", str(BOOK), "-E", "-a", "-W", "--keep-going", "-q",
+                               "-d", doctrees, str(ROOT), str(out)])
         if code:
             cli.fail("the book did not build (Sphinx's messages are above; a warning fails the build)")
         pages = sum(1 for _ in out.rglob("*.html"))

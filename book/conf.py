@@ -11,6 +11,7 @@ from outside the site is enabled (``tests/book/test_book.py`` checks every built
 from __future__ import annotations
 
 import posixpath
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -30,8 +31,8 @@ MATHJAX = BOOK / "node_modules" / "mathjax" / "es5"          # npm's mathjax@3.2
 MATHJAX_PARTS = ["startup.js", "core.js", "input/tex.js", "input/tex/extensions", "output/chtml.js",
                  "output/chtml/fonts/tex.js", "output/chtml/fonts/woff-v2", "a11y/assistive-mml.js"]
 
-project = "nanokv: KV-cache compression from scratch"
-author = "the nanokv authors"
+project = "nanoKV: KV-cache compression from scratch"
+author = "the nanoKV authors"
 copyright = "2026, " + author
 root_doc = "book/index"
 include_patterns = PAGES
@@ -41,11 +42,12 @@ extensions = ["myst_nb"]
 nb_execution_mode = "off"                      # the committed outputs, as the tests checked them
 nb_ipywidgets_js = {}                          # no widget scripts (they would come from a CDN)
 nb_custom_formats = {".ipynb": "reader.read_notebook"}     # an exercise's answer stays collapsed
+nb_code_prompt_show, nb_code_prompt_hide = "Show the answer", "Hide the answer"    # the only collapsed cells
 myst_enable_extensions = ["dollarmath", "amsmath"]
 myst_heading_anchors = 3                       # the pages link to each other's sections by their slugs
 
 html_theme = "sphinx_book_theme"
-html_title = "nanokv"
+html_title = "nanoKV"
 html_theme_options = {"show_toc_level": 2, "use_download_button": False, "use_fullscreen_button": False}
 html_static_path: list[str] = []
 html_copy_source = False
@@ -56,7 +58,7 @@ mathjax3_config = {"loader": {"load": ["input/tex", "output/chtml", "a11y/assist
 
 HOME = """<!DOCTYPE html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="0; url=book/index.html">
-<title>nanokv</title></head><body><a href="book/index.html">nanokv: the book</a></body></html>
+<title>nanoKV</title></head><body><a href="book/index.html">nanoKV: the book</a></body></html>
 """
 
 
@@ -93,6 +95,20 @@ class FolderLinks(SphinxPostTransform):
             node.replace_self(make_refnode(self.app.builder, here, page, None, node[0].deepcopy()))
 
 
+ANSWER_BEGIN = re.compile(r"^([ \t]*)<!-- BEGIN SOLUTION \[[^\]]*\][^>]*-->[ \t]*$", flags=re.M)
+ANSWER_END = re.compile(r"^([ \t]*)<!-- END SOLUTION -->[ \t]*$", flags=re.M)
+
+
+def collapse_answers(app, docname: str, source: list[str]) -> None:
+    """A course sheet's model answers (its ``<!-- BEGIN SOLUTION -->`` regions, which a student copy drops)
+    are shown collapsed, as the lessons' answers are: the reader opens one with a click. The file is not
+    changed; only the text the book reads."""
+    if re.fullmatch(r"course/[^/]+/sheet", docname):
+        text = ANSWER_BEGIN.sub(r'\1<details class="answer"><summary>Model answer</summary>\n', source[0])
+        source[0] = ANSWER_END.sub(r"\n\1</details>", text)
+
+
 def setup(app):
     app.add_post_transform(FolderLinks)
+    app.connect("source-read", collapse_answers)
     app.connect("build-finished", finish)

@@ -5,9 +5,10 @@ stylesheet or font from outside the site) and in headless Chromium (the equation
 sources hold; every image loads; no request leaves the site; each lesson lists the others; search finds each
 method's lesson by its name).
 
-They need the book's extra (``pip install -e .[book] && npm ci --prefix book``) and Chromium (Debian's
-``chromium`` package; Playwright drives it, no browser is downloaded). Where one is missing they skip with one
-line saying what; CI installs both and sets ``NANOKV_BOOK=required``, so there a missing one fails instead.
+They run in the slow tier (``--runslow``) and need the book's extra (``pip install -e ".[book]" && npm ci
+--prefix book``) and Chromium (Debian's ``chromium`` package, found on the PATH, or the browser that
+``NANOKV_CHROMIUM`` names; Playwright drives it, no browser is downloaded). Where one is missing they skip
+with one line saying what; CI installs both and sets ``NANOKV_BOOK=required``, so there a missing one fails.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
+from course.assignments import ASSIGNMENTS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,7 +40,8 @@ def load(name: str):
 
 
 build, pages = load("build"), load("pages")
-CHROMIUM = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).is_file()), None)
+CHROMIUM = os.environ.get("NANOKV_CHROMIUM") or next(filter(None, map(shutil.which, ("chromium", "chromium-browser"))),
+                                                      None)          # NANOKV_CHROMIUM: another Chromium or Chrome
 # The lessons, and the word a reader would search for to find each method's lesson.
 LESSONS = sorted(Path(p).relative_to(ROOT).as_posix() for p in glob.glob(str(ROOT / "notebooks/[0-9][0-9]_*.ipynb")))
 SEARCHES = {"StreamingLLM": "notebooks/01_baselines", "SnapKV": "notebooks/01_baselines",
@@ -48,9 +52,9 @@ SEARCHES = {"StreamingLLM": "notebooks/01_baselines", "SnapKV": "notebooks/01_ba
 def lacking() -> list[str]:
     lacks = build.missing()
     if importlib.util.find_spec("playwright") is None:
-        lacks.append("Playwright (pip install -e .[book])")
+        lacks.append('Playwright (pip install -e ".[book]")')
     if CHROMIUM is None:
-        lacks.append("Chromium (apt-get install chromium)")
+        lacks.append("Chromium (apt-get install chromium, or NANOKV_CHROMIUM=its path)")
     return lacks
 
 
@@ -86,6 +90,41 @@ def test_every_page_is_built(site):
     assert sorted(set(committed) - set(sources())) == []
     assert [p for p in sources() if not html_of(site, p).is_file()] == []
     assert 'url=book/index.html' in (site / "index.html").read_text()
+    figures = subprocess.run(["git", "ls-files", "results/*.png"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert [f for f in figures if not (site / "_images" / Path(f).name).is_file()] == [], "a committed figure no " \
+        "page shows"
+
+
+@pytest.mark.slow
+def test_the_home_page_lists_the_assignments_in_the_lessons_order(site):
+    home = (site / "book" / "index.html").read_text()
+    listed = list(dict.fromkeys(re.findall(r'href="\.\./course/(\w+)/sheet\.html"', home)))  # page, then sidebar
+    assert listed == sorted(ASSIGNMENTS, key=lambda name: ASSIGNMENTS[name].notebook), listed
+
+
+@pytest.mark.slow
+def test_answers_are_collapsed(site):
+    """Every exercise's answer in a lesson or lab (a cell the notebook collapses) and every model answer of a
+    course sheet is in a closed <details> of its page, output included."""
+    wrong = []
+    for source in sources():
+        if source.endswith(".ipynb"):
+            cells = json.loads((ROOT / source).read_text())["cells"]
+            want = sum(1 for c in cells if c.get("metadata", {}).get("jupyter", {}).get("source_hidden"))
+            kind = '<details class="admonition hide above-input"'
+        elif source.startswith("course/") and source.endswith("sheet.md"):
+            want, kind = (ROOT / source).read_text().count("<!-- BEGIN SOLUTION"), '<details class="answer">'
+        else:
+            continue
+        page = html_of(site, source).read_text()
+        if page.count(kind) != want or "<details open" in page:
+            wrong.append(f"{source}: {want} answers, {page.count(kind)} collapsed")
+        if kind.startswith("<details class=\"admonition") and want:     # the answer's output is inside it too
+            last = page.rsplit(kind, 1)[1]
+            if "cell_output" in last.split("</details>", 1)[1].split('<div class="cell')[0]:
+                wrong.append(f"{source}: an answer's output is outside its collapsed block")
+    assert wrong == []
 
 
 # -- offline: what a built file would load from outside the site ----------------------------------------------
@@ -93,8 +132,9 @@ def test_every_page_is_built(site):
 SCHEME = r"(?:https?:)?//"
 LOADS = [
     # an element that loads what its src / href names: a script, stylesheet, font (preload), image, frame
-    re.compile(r"<(?:script|link|img|iframe|source|embed|object|video|audio)\b[^>]*?\b(?:src|href|data)\s*=\s*"
-               rf"[\"']?{SCHEME}[^\"'\s>]+", re.I),
+    re.compile(r"<(?:script|link|img|image|use|iframe|source|embed|object|video|audio)\b[^>]*?"
+               rf"\b(?:src|href|xlink:href|data|srcset|poster)\s*=\s*[\"']?{SCHEME}[^\"'\s>]+", re.I),
+    re.compile(rf"http-equiv=[\"']?refresh[\"']?\s+content=[\"'][^\"']*url=[\"']?{SCHEME}[^\"'\s>]+", re.I),
     re.compile(rf"url\(\s*[\"']?{SCHEME}[^\"')\s]+", re.I),                            # CSS url(...)
     re.compile(rf"@import\s+[\"']{SCHEME}[^\"']+", re.I),                              # CSS @import "..."
     # a script building the address of a script, stylesheet or font
@@ -109,7 +149,7 @@ def outside_loads(folder: Path) -> list[str]:
     stylesheet, script or source map would load (a link a reader clicks, to a paper, is not one)."""
     found = []
     for path in sorted(folder.rglob("*")):
-        if path.suffix in (".html", ".css", ".js", ".mjs", ".map", ".json") and path.is_file():
+        if path.suffix in (".html", ".svg", ".css", ".js", ".mjs", ".map", ".json") and path.is_file():
             text = path.read_text(errors="replace")
             urls = {re.search(rf"{SCHEME}[^\"'`)\s>]+", m.group(0)).group(0) for rule in LOADS
                     for m in rule.finditer(text)}
@@ -127,6 +167,7 @@ def test_the_offline_check_finds_what_a_page_would_fetch(tmp_path):
     (tmp_path / "page.html").write_text(
         '<script src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"></script>\n'
         "<link rel='stylesheet' href='//fonts.googleapis.com/css?family=Lato'>\n"
+        '<img srcset="https://example.org/a.png 2x"> <meta http-equiv="refresh" content="0; url=https://example.org/">\n'
         '<a href="https://arxiv.org/abs/2305.17118">the paper</a> <img src="data:image/png;base64,AAAA">\n')
     (tmp_path / "style.css").write_text(
         '@import "https://example.org/theme.css";\n'
@@ -137,7 +178,8 @@ def test_the_offline_check_finds_what_a_page_would_fetch(tmp_path):
     assert outside_loads(tmp_path) == [
         "app.js: https://example.org/x/loader.js", "app.js: https://unpkg.com/some-package",
         "page.html: //fonts.googleapis.com/css?family=Lato",
-        "page.html: https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js",
+        "page.html: https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js", "page.html: https://example.org/",
+        "page.html: https://example.org/a.png",
         "style.css: https://example.org/lato.woff2", "style.css: https://example.org/theme.css"]
 
 
@@ -176,7 +218,9 @@ def broken_links(site: Path) -> list[str]:
             path = (page.parent / unquote(parts.path)).resolve() if parts.path else page
             if path.is_dir():
                 path = path / "index.html"
-            if not path.is_file():
+            if not path.is_relative_to(site.resolve()):
+                broken.append(f"{page.relative_to(site)} -> {target}: outside the site")
+            elif not path.is_file():
                 broken.append(f"{page.relative_to(site)} -> {target}: no such file")
             elif parts.fragment and path.suffix == ".html" and unquote(parts.fragment) not in parsed(path, pages).ids:
                 broken.append(f"{page.relative_to(site)} -> {target}: no such anchor")
@@ -190,30 +234,34 @@ def test_every_internal_link_resolves(site):
 
 def test_the_link_check_finds_a_missing_page_and_a_missing_anchor(tmp_path):
     (tmp_path / "a.html").write_text('<h1 id="top">A</h1><a href="b.html#top">b</a><a href="b.html#nowhere">b</a>'
-                                     '<img src="_images/gone.png"><a href="#top">up</a><a href="https://x.org">x</a>')
+                                     '<img src="_images/gone.png"><a href="#top">up</a><a href="https://x.org">x</a>'
+                                     '<a href="../a.html">out</a><a href="/etc/hostname">out</a>')
     (tmp_path / "b.html").write_text('<section id="top"><a href="a.html">a</a></section>')
     assert broken_links(tmp_path) == ["a.html -> b.html#nowhere: no such anchor",
-                                      "a.html -> _images/gone.png: no such file"]
+                                      "a.html -> _images/gone.png: no such file",
+                                      "a.html -> ../a.html: outside the site",
+                                      "a.html -> /etc/hostname: outside the site"]
 
 
 # -- in the browser -----------------------------------------------------------------------------------------
 
-def math_in(markdown: str) -> tuple[int, int]:
-    """(display, inline) equations in Markdown as the book's parser reads it: $$...$$ and $...$ (which may
-    wrap to the next line of its paragraph), outside code."""
-    text = re.sub(r"^(```|~~~).*?^\1", "", markdown, flags=re.S | re.M)         # fenced code
-    text = re.sub(r"`[^`\n]+`", "", text)                                        # code spans
-    display = len(re.findall(r"\$\$.+?\$\$", text, flags=re.S))
-    text = re.sub(r"\$\$.+?\$\$", "", text, flags=re.S)
-    inline = r"(?<![\\$])\$(?=\S)(?:[^$\n]|\n(?!\s*\n))+?(?<![\\\s])\$"         # within a paragraph
-    return display, len(re.findall(inline, text))
+DISPLAY = {"math_block", "math_block_label", "amsmath", "math_inline_double"}    # MyST's docutils math_block
+INLINE = {"math_inline", "math_single"}                                           # ... and its math
 
 
-def markdown_of(source: str) -> str:
+def math_in(source: str) -> tuple[int, int]:
+    """(display, inline) equations of a page's source, as MyST's parser reads them with the book's settings
+    (each notebook cell on its own, as myst-nb reads them)."""
+    from markdown_it.renderer import RendererHTML
+    from myst_parser.config.main import MdParserConfig
+    from myst_parser.parsers.mdit import create_md_parser
+    conf = load("conf")
+    md = create_md_parser(MdParserConfig(enable_extensions=set(conf.myst_enable_extensions)), RendererHTML)
     text = (ROOT / source).read_text()
-    if source.endswith(".ipynb"):
-        text = "\n\n".join("".join(c["source"]) for c in json.loads(text)["cells"] if c["cell_type"] == "markdown")
-    return text
+    texts = ["".join(c["source"]) for c in json.loads(text)["cells"] if c["cell_type"] == "markdown"] \
+        if source.endswith(".ipynb") else [text]
+    tokens = [t for text in texts for token in md.parse(text) for t in [token, *(token.children or [])]]
+    return sum(t.type in DISPLAY for t in tokens), sum(t.type in INLINE for t in tokens)
 
 
 @pytest.fixture(scope="module")
@@ -243,17 +291,19 @@ def in_the_browser(browser, site: Path, source: str) -> tuple[list[str], dict]:
     """What is wrong with a page as Chromium shows it (the equations, the images, requests that leave the
     site), and what it saw."""
     page = browser.new_page()
-    away = []
+    away, failed = [], []
     page.on("request", lambda r: away.append(r.url) if not r.url.startswith(("file:", "data:", "blob:")) else None)
+    page.on("requestfailed", lambda r: failed.append(r.url))         # a file of the site that is not there
     try:
         page.goto(html_of(site, source).as_uri(), wait_until="load")
-        display, inline = math_in(markdown_of(source))
-        typeset = page.evaluate(TYPESET) if display + inline else True
+        display, inline = math_in(source)
+        typeset = page.evaluate(TYPESET)                                # waits for the typesetting where it runs
         seen = page.evaluate(LOOK)
     finally:
         page.close()
     problems = [f"requested {url}" for url in away] + [f"image did not load: {src}" for src in seen["unloaded"]]
-    if not typeset:
+    problems += [f"could not load {url}" for url in failed if url not in away]
+    if display + inline and not typeset:
         problems.append("MathJax did not start")
     if (seen["display"], seen["inline"]) != (display, inline):
         problems.append(f"typeset {seen['display']} display and {seen['inline']} inline equations; the source "
@@ -286,12 +336,17 @@ def test_pages_in_the_browser(site, browser):
 
 @pytest.mark.slow
 def test_without_its_mathjax_the_site_fails_the_browser_check(site, browser, tmp_path):
-    """The site serves MathJax itself: a copy without it shows its equations as raw TeX, and the check says so."""
+    """The site serves MathJax itself: a copy without it shows its equations as raw TeX, and the check says so;
+    a copy without MathJax's fonts typesets them in the wrong glyphs, and the check says so too."""
     copy = tmp_path / "site"
     shutil.copytree(site, copy, ignore=shutil.ignore_patterns("_images", "_downloads"))
     shutil.rmtree(copy / "_static" / "mathjax")
     problems, _ = in_the_browser(browser, copy, "notebooks/02_scissorhands.ipynb")
     assert "MathJax did not start" in problems and any(p.startswith("typeset 0 display and 0 inline") for p in problems)
+    shutil.copytree(site / "_static" / "mathjax", copy / "_static" / "mathjax",      # its fonts alone missing:
+                    ignore=shutil.ignore_patterns("woff-v2"))                         # the math is typeset, badly
+    problems, _ = in_the_browser(browser, copy, "notebooks/02_scissorhands.ipynb")
+    assert any(p.startswith("could not load") and p.endswith(".woff") for p in problems), problems
 
 
 @pytest.mark.slow
