@@ -58,6 +58,19 @@ def test_ci_runs_the_readme_setup_and_tests():
         assert line in setup and line in ci, line
 
 
+def test_the_timings_table_is_the_record():
+    """The README's table of measured times says what ``results/timings.json`` holds: each step's median and
+    runs with their load, as the record's entry of that step has them."""
+    record = json.loads((ROOT / "results" / "timings.json").read_text())
+    steps = {"install": "install", "fast tier": "fast_tier", "slow tier (CI)": "slow_tier", "main job": "main_job"}
+    rows = {m[0]: m[1:] for m in re.findall(r"^\| ([^|]+?) \| [^|]+ \| ([\d.]+) s \| ([^|]+?) \|$", README, flags=re.M)}
+    assert sorted(rows) == sorted(steps), rows
+    for step, key in steps.items():
+        entry = record[key]
+        runs = ", ".join(f"{r['s']} s at load {r['load']}" for r in entry["runs"])
+        assert rows[step] == (f"{entry['median_s']}", runs), f"README's {step!r} row: {rows[step]}, the record: {entry}"
+
+
 @pytest.mark.slow
 def test_package_imports_from_anywhere(tmp_path):
     """After the README's set-up (``pip install -e .``), nanollm and methods import from any folder."""
