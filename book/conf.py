@@ -49,11 +49,14 @@ myst_heading_anchors = 3                       # the pages link to each other's 
 html_theme = "sphinx_book_theme"
 html_title = "nanoKV"
 html_theme_options = {"show_toc_level": 2, "use_download_button": False, "use_fullscreen_button": False}
-html_static_path: list[str] = []
+html_static_path = ["static"]                  # book.css: a wide equation scrolls instead of being cut off
+html_css_files = ["book.css"]
 html_copy_source = False
 html_show_sourcelink = False
 mathjax_path = "mathjax/startup.js"             # relative to _static: served by the site itself
-mathjax3_config = {"loader": {"load": ["input/tex", "output/chtml", "a11y/assistive-mml"]}}
+# textmacros: \_ and the like inside \text{...}, as LaTeX reads them (n_\text{kv\_head} in 00)
+mathjax3_config = {"loader": {"load": ["input/tex", "output/chtml", "a11y/assistive-mml", "[tex]/textmacros"]},
+                   "tex": {"packages": {"[+]": ["textmacros"]}}}
 
 
 HOME = """<!DOCTYPE html>

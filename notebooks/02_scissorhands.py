@@ -325,8 +325,8 @@ plt.show()
 
 # %% [markdown]
 # Scissorhands keeps a block of the most recent tokens in every layer, and little else. The reason is the
-# counter's age: a token at position `p` has been seen by only `N - p` queries, so it cannot have more than `N
-# - p` low flags, whereas a context token far back had up to `w = 400` chances to be below average, and was,
+# counter's age: a token at position `p` has been seen by only `N - p` queries, so it cannot have more than
+# `N - p` low flags, whereas a context token far back had up to `w = 400` chances to be below average, and was,
 # almost every time. The needle's value is a good example: it is heavy for the few queries that look it up,
 # and below average for almost all of the rest. The counters of its tokens, against the largest counter that
 # was still kept, per layer and KV head (and H2O's rank of the same tokens, out of the prompt):

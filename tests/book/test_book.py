@@ -279,6 +279,9 @@ LOOK = """() => ({
     display: document.querySelectorAll('mjx-container[display="true"]').length,
     inline: document.querySelectorAll('mjx-container:not([display="true"])').length,
     errors: Array.from(document.querySelectorAll('mjx-merror')).map(e => e.textContent.slice(0, 80)),
+    raw: Array.from(document.querySelectorAll('mjx-container'))                     // its text holds a backslash
+        .map(c => (c.querySelector('mjx-assistive-mml') || c).textContent)
+        .filter(t => t.includes(String.fromCharCode(92))),
     images: document.images.length,
     unloaded: Array.from(document.images).filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src),
     nav: Array.from(document.querySelectorAll('nav.bd-links a:not(.current)')).map(a => a.href),
@@ -309,14 +312,15 @@ def in_the_browser(browser, site: Path, source: str) -> tuple[list[str], dict]:
         problems.append(f"typeset {seen['display']} display and {seen['inline']} inline equations; the source "
                         f"has {display} and {inline}")
     problems += [f"MathJax could not read: {e}" for e in seen["errors"]]
+    problems += [f"an equation shows a TeX command as text: {t[:80]}" for t in seen["raw"]]
     return problems, seen
 
 
 @pytest.mark.slow
 def test_pages_in_the_browser(site, browser):
-    """Every page: its equations typeset (as many display and inline ones as its source), no error in one, every
-    image loaded, no request outside the site. Each lesson's page lists every other lesson, marks itself, and
-    links the pages before and after it."""
+    """Every page: its equations typeset (as many display and inline ones as its source), no error in one and
+    no TeX command left as text in one (a backslash), every image loaded, no request outside the site. Each
+    lesson's page lists every other lesson, marks itself, and links the pages before and after it."""
     problems, totals = [], {"display": 0, "inline": 0, "images": 0}
     lessons = {html_of(site, lesson).as_uri() for lesson in LESSONS}
     for source in sources():

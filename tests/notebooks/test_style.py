@@ -78,3 +78,22 @@ def test_metrics_point_to_the_glossary(path):
     text = path.read_text()
     if path.stem != "01_baselines" and re.search(r"\bKL\b", text) and re.search(r"\b(acc|keep ratio)\b", text):
         assert "glossary" in text, f"{path.name} uses the tables' metrics: point to the glossary in notebook 01"
+
+
+def wrapped_into_a_list(markdown: str) -> list[str]:
+    """Lines that Markdown reads as a new list item though the sentence goes on: a line wrapped inside a code
+    span (the line before leaves a backtick open) that starts with '- ', '+ ', '* ' or '1. '."""
+    lines = markdown.splitlines()
+    return [f"{before[-30:]} | {line[:30]}" for before, line in zip(lines, lines[1:])
+            if before.count("`") % 2 and re.match(r"\s*([-+*]|1[.)])\s", line)]
+
+
+@pytest.mark.parametrize("path", SOURCES + LABS, ids=lambda p: p.stem)
+def test_no_wrapped_line_starts_a_list(path):
+    wrong = [w for cell in build.read_percent(path).cells if cell.cell_type == "markdown"
+             for w in wrapped_into_a_list(cell.source)]
+    assert not wrong, f"{path.name}: a line wrapped inside `code` starts with a list marker: {wrong}"
+
+
+def test_the_wrap_check_finds_the_list_a_wrap_made():
+    assert wrapped_into_a_list("more than `N\n- p` low flags\n\nand `x`\n- a list") == ["more than `N | - p` low flags"]
