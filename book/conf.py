@@ -48,7 +48,8 @@ myst_heading_anchors = 3                       # the pages link to each other's 
 
 html_theme = "sphinx_book_theme"
 html_title = "nanoKV"
-html_theme_options = {"show_toc_level": 2, "use_download_button": False, "use_fullscreen_button": False}
+html_theme_options = {"show_toc_level": 2, "use_download_button": False, "use_fullscreen_button": False,
+                      "navbar_persistent": []}      # one search field, the sidebar's (not a second in the header)
 html_static_path = ["static"]                  # book.css: a wide equation scrolls instead of being cut off
 html_css_files = ["book.css"]
 html_copy_source = False
