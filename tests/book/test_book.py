@@ -13,6 +13,7 @@ with one line saying what; CI installs both and sets ``NANOKV_BOOK=required``, s
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import json
@@ -78,6 +79,12 @@ def sources() -> list[str]:
                    for p in glob.glob(str(ROOT / pattern))})
 
 
+def committed(*patterns: str) -> list[str]:
+    """The repository's committed files matching ``patterns`` (git's pathspecs)."""
+    return subprocess.run(["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
 def html_of(site: Path, source: str) -> Path:
     return site / Path(source).with_suffix(".html")
 
@@ -85,15 +92,11 @@ def html_of(site: Path, source: str) -> Path:
 @pytest.mark.slow
 def test_every_page_is_built(site):
     """Every committed notebook and Markdown file is a page of the book (a new guide cannot be left out)."""
-    committed = subprocess.run(["git", "ls-files", "*.ipynb", "*.md"], cwd=ROOT, capture_output=True, text=True,
-                               check=True).stdout.split()
-    assert sorted(set(committed) - set(sources())) == []
+    assert sorted(set(committed("*.ipynb", "*.md")) - set(sources())) == []
     assert [p for p in sources() if not html_of(site, p).is_file()] == []
     assert 'url=book/index.html' in (site / "index.html").read_text()
-    figures = subprocess.run(["git", "ls-files", "results/*.png"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()
-    assert [f for f in figures if not (site / "_images" / Path(f).name).is_file()] == [], "a committed figure no " \
-        "page shows"
+    unshown = [f for f in committed("results/*.png") if not (site / "_images" / Path(f).name).is_file()]
+    assert unshown == [], "a committed figure no page shows"
 
 
 @pytest.mark.slow
@@ -167,7 +170,8 @@ def test_the_offline_check_finds_what_a_page_would_fetch(tmp_path):
     (tmp_path / "page.html").write_text(
         '<script src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"></script>\n'
         "<link rel='stylesheet' href='//fonts.googleapis.com/css?family=Lato'>\n"
-        '<img srcset="https://example.org/a.png 2x"> <meta http-equiv="refresh" content="0; url=https://example.org/">\n'
+        '<img srcset="https://example.org/a.png 2x">\n'
+        '<meta http-equiv="refresh" content="0; url=https://example.org/">\n'
         '<a href="https://arxiv.org/abs/2305.17118">the paper</a> <img src="data:image/png;base64,AAAA">\n')
     (tmp_path / "style.css").write_text(
         '@import "https://example.org/theme.css";\n'
@@ -249,14 +253,20 @@ DISPLAY = {"math_block", "math_block_label", "amsmath", "math_inline_double"}   
 INLINE = {"math_inline", "math_single"}                                           # ... and its math
 
 
-def math_in(source: str) -> tuple[int, int]:
-    """(display, inline) equations of a page's source, as MyST's parser reads them with the book's settings
-    (each notebook cell on its own, as myst-nb reads them)."""
+@functools.cache
+def myst_parser():
+    """MyST's Markdown parser with the book's extensions (built once: it reads book/conf.py)."""
     from markdown_it.renderer import RendererHTML
     from myst_parser.config.main import MdParserConfig
     from myst_parser.parsers.mdit import create_md_parser
     conf = load("conf")
-    md = create_md_parser(MdParserConfig(enable_extensions=set(conf.myst_enable_extensions)), RendererHTML)
+    return create_md_parser(MdParserConfig(enable_extensions=set(conf.myst_enable_extensions)), RendererHTML)
+
+
+def math_in(source: str) -> tuple[int, int]:
+    """(display, inline) equations of a page's source, as MyST's parser reads them with the book's settings
+    (each notebook cell on its own, as myst-nb reads them)."""
+    md = myst_parser()
     text = (ROOT / source).read_text()
     texts = ["".join(c["source"]) for c in json.loads(text)["cells"] if c["cell_type"] == "markdown"] \
         if source.endswith(".ipynb") else [text]
