@@ -104,11 +104,13 @@ def make_policy(name: str, budget: int, inner: str | None = None, **options) -> 
 
     ``inner`` (optional) names the scorer inside a wrapper: ``make_policy("adakv", 64, inner="h2o")`` is
     ``make_policy("adakv(h2o)", 64)``. Each option goes to the outermost policy of the chain that has it.
-    Raises ValueError for an unknown method or option (naming the valid ones) and for ``budget <= 0``.
+    Raises ValueError for an unknown method or option (naming the valid ones) and for ``budget <= 0``;
+    ``"full"`` keeps everything, and takes ``budget=None``.
     """
     spec = name if inner is None else f"{name}({inner})"
     chain = method_chain(spec)
-    check_budget(budget)
+    if chain != ["full"] or budget is not None:          # the full cache alone may go without a budget
+        check_budget(budget)
     n_named = spec.count("(") + 1                       # the rest of the chain are default inner scorers
     left, own = dict(options), []
     for i, n in enumerate(chain):

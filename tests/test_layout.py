@@ -100,6 +100,26 @@ def test_the_library_never_imports_the_fast_paths():
     assert not wrong, f"the library must not import fastpath/: {sorted(wrong)}"
 
 
+EVALUATION_PLAIN_PATH = ("task", "engine", "protocol", "metrics")
+
+
+def test_the_evaluation_s_plain_path_is_short_and_never_reaches_the_fast_paths():
+    """methods/evaluation's plain path (task, engine, protocol with its main loop, metrics): at most 450 lines
+    in all, docstrings included, and nothing it imports, at any depth, is fastpath/ or the fast engine."""
+    plain = [f"methods.evaluation.{name}" for name in EVALUATION_PLAIN_PATH]
+    lines = sum(len(MODULES[name].read_text().splitlines()) for name in plain)
+    assert lines <= 450, f"the evaluation's plain path has {lines} lines, more than 450"
+    seen, todo = set(), list(plain)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += GRAPH[name]
+    fast = sorted(n for n in seen if n.startswith("fastpath") or n in ("methods.evaluation.side_by_side",
+                                                                       "methods.evaluation.harness"))
+    assert not fast, f"the evaluation's plain path reaches {fast}"
+
+
 def test_the_reading_path_is_short_and_imports_only_itself():
     """The files nanollm/README.md lists as the reading path: at most 900 lines in all, docstrings included,
     importing nothing of the project but each other, the option checks and the slots' fast paths."""

@@ -1,17 +1,38 @@
 """
 Measuring the methods against the full cache on the same model, prompts and decoding.
 
-    harness.py        one sample through the full cache and every method: traces, metrics, greedy answers
-    side_by_side.py   one prompt pass and one decode step for many caches at once, each cache's numbers
-                      the same whichever caches run beside it (``FanOut``, ``step_many``)
-    shards.py         one evaluation over several processes or machines (``torchrun``)
-    compare.py        the main job's engine: every method x budget x task x mode, records, tables, plot
+The plain path, read in this order (``README.md`` here tells how to add a method, a task or a metric):
+
+    task.py           a task: its samples, prompt chunks, reference answer, answer length and scorer
+    engine.py         the plain engine: fill caches with a prompt, step them by one token
+    protocol.py       teacher forcing, then greedy answers from forks; ``run_job``, the main loop
+    metrics.py        one entry per metric: what it reads, how it reduces; ``rescore`` from a records file
+
+Beside it:
+
+    side_by_side.py   the fast engine (``--engine fast``, the default): one prompt pass and one decode
+                      step for many caches at once, each cache's numbers the same whichever run beside it
+    harness.py        the protocol as the notebooks call it (model and sample in, traces out)
+    compare.py        the main job: every method x budget x task x mode, records, tables, plot
                       (the command is ``python -m methods.compare``)
+    shards.py         one evaluation over several processes or machines (``torchrun``)
     intervals.py      95% intervals of the accuracies, and which differences are within noise
     language_modelling.py  perplexity and KL under compression over a long natural text
-                      (``python -m methods.evaluation.language_modelling``)
     bench.py          decode-step time and bytes read at long contexts (``python -m methods.evaluation.bench``)
     throughput.py     many caches decoded one by one against batched (``python -m methods.evaluation.throughput``)
     viz.py            pictures of which tokens a cache kept
     generate.py       ``python -m methods.evaluation.generate``: nanollm's generation command with ``--method``
+
+A keep ratio, in every command, is a budget as a fraction of the tokens a method compresses (the sample's
+length; the prefix in ``language_modelling``): ``budget_for`` turns one into the other.
 """
+
+
+def budget_for(keep_ratio: float, tokens: int) -> int:
+    """The budget (tokens kept per layer per KV head) of a keep ratio over ``tokens``: at least one."""
+    return max(1, round(keep_ratio * tokens))
+
+
+def keep_ratio(budget: int | None, tokens: int) -> float:
+    """The keep ratio a budget realises over ``tokens``, to four decimals (None, the full cache: 1.0)."""
+    return 1.0 if budget is None else round(budget / tokens, 4)

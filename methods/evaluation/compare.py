@@ -2,15 +2,19 @@
 Compare every KV-cache method with full attention: ``python -m methods.compare --help``.
 
 For each task, sample and mode, the full cache and every method at every budget run on the identical
-sample (``harness.traces``: one prompt pass serves them all, since the prompt's attention is exact
-whatever the method); ``harness.compare_traces`` measures each against the full cache.
-Results are averaged per (method, budget, task, mode), printed as tables, and optionally written as JSON
-records and an accuracy-vs-keep-ratio plot. Everything is deterministic for a seed.
+sample (``protocol.run_job``: teacher forcing, then greedy answers) on one engine (``--engine``: the plain
+one, or the fast one of ``side_by_side.py``), and ``metrics.measure`` measures each against the full cache.
+Results are reduced per (method, budget, task, mode) (``metrics.reduce``), printed as tables, and
+optionally written as JSON records, with every greedy answer, and an accuracy-vs-keep-ratio plot.
+Everything is deterministic for a seed.
 
 The (task, sample, mode) jobs are independent, so ``--workers`` processes run them side by side (one
 torch thread each: a tiny model is dispatch-bound). The results come back in job order and are averaged
 in that order, so the records are the same as a single process's, number for number, except the two
 timings (``compress_ms``, ``decode_ms_per_token``), which no two runs share anyway.
+
+Add a method by registering it (``methods/__init__.py``), a task by one class (``task.py``), a metric by one
+entry (``metrics.py``); ``methods/evaluation/README.md`` shows each.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import pickle
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -30,15 +33,18 @@ from tqdm import tqdm
 from nanollm import cli, load
 from nanollm.cli.provenance import header, provenance
 from nanollm.data.evaluate import MODES
-from nanollm.data.tasks import ALL_TASKS, LM_TASKS, TASKS, make_sample
+from nanollm.data.tasks import ALL_TASKS, LM_TASKS
 from nanollm.io.checkpoint import load_card, load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text
 
-from .. import METHODS, make_policy, method_chain
+from .. import METHODS, method_chain
 from ..presets import PRESETS, preset_options
-from . import shards
-from .harness import Cell, compare_traces, greedy_accuracies, traces
+from . import budget_for, keep_ratio, shards
 from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
+from .metrics import reduce
+from .protocol import Variant, run_job
+from .side_by_side import make_engine
+from .task import TASKS
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
@@ -47,32 +53,19 @@ DEFAULT_LENGTH = 512
 DEFAULT_SAMPLES = 10
 
 
-@dataclass(frozen=True)
-class Variant:
-    """A method with options under its own name in the records, for ablations:
-    ``Variant("chunkkv c=5", "chunkkv", {"chunk_size": 5})``."""
-    label: str
-    spec: str
-    options: dict = field(default_factory=dict)
+_ENGINE: dict = {}      # per process: the engine of the last model, built once (the fast one copies weights)
 
 
-def run_job(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
+def engine_for(name: str, model):
+    if _ENGINE.get("key") != (name, id(model)):
+        _ENGINE.update(key=(name, id(model)), engine=make_engine(name, model))
+    return _ENGINE["engine"]
+
+
+def one_job(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int, engine: str,
             job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
-    """One (task, sample index, mode): the full cache, then every method at every budget, on one sample.
-    Returns [(cell key, metrics)] in a fixed order."""
-    task, i, mode = job
-    group = model.config.group_size
-    sample = make_sample(task, tok, length, seed=seed + i)
-    keys = [(v.label, budget, task, mode) for v in variants if v.spec != "full" for budget in budgets]
-    policies = [make_policy(v.spec, budget=budget, **v.options)
-                for v in variants if v.spec != "full" for budget in budgets]
-    # one prompt pass for the full cache and every method, then their answers side by side (harness.traces,
-    # harness.greedy_accuracies): the same traces and answers as one method at a time, in less time
-    trs = traces(model, sample, mode, [None] + policies, [True] + [False] * len(policies))
-    full = trs[0]
-    accs = [acc for acc, _ in greedy_accuracies(model, tok, sample, trs, until_scored=True)]   # scores only
-    return [(key, {"accuracy": acc, **compare_traces(full, tr, group)})
-            for key, acc, tr in zip([("full", None, task, mode)] + keys, accs, trs)]
+    """``protocol.run_job`` on this process's engine."""
+    return run_job(engine_for(engine, model), tok, variants, budgets, length, seed, job)
 
 
 _WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker
@@ -85,11 +78,11 @@ def _init_worker(threads: int, shared: str) -> None:
 
 
 def _run_job_in_worker(job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
-    return run_job(*_WORKER["shared"], job)
+    return one_job(*_WORKER["shared"], job)
 
 
 def in_workers(jobs: list[tuple], shared: tuple, workers: int, tick) -> list:
-    """``run_job`` of every job in ``workers`` processes, in job order however they finish (passed through
+    """``one_job`` of every job in ``workers`` processes, in job order however they finish (passed through
     ``tick``, the progress bar).
 
     The processes are fresh interpreters ("spawn": safe with torch threads). The model travels as plain
@@ -117,16 +110,16 @@ def default_workers() -> int:
 
 def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str], modes: list[str],
         samples: int, length: int, seed: int = 0, progress: bool = True, workers: int = 1,
-        rank: int = 0, world: int = 1) -> list[dict]:
+        rank: int = 0, world: int = 1, engine: str = "fast") -> list[dict]:
     """All records: one per (method, budget, task, mode), plus method "full" per (task, mode).
 
     ``methods`` are method specs (``"snapkv"``, ``"adakv(h2o)"``), recorded under their spelling, or
     ``Variant``s, recorded under their label. ``workers`` > 1 runs the jobs in that many processes (one
     torch thread each); the records are the same (see the module docstring). Under ``torchrun``, process
     ``rank`` of ``world`` runs its share of the jobs and rank 0 returns every record (``shards``); the
-    other ranks return []."""
+    other ranks return []. ``engine``: "fast" or "plain" (the same records to float rounding)."""
     variants = [m if isinstance(m, Variant) else Variant(m, m) for m in methods]
-    shared = (model, tok, variants, budgets, length, seed)
+    shared = (model, tok, variants, budgets, length, seed, engine)
     jobs = [(t, i, m) for t in tasks for i in range(samples) for m in modes]
     mine = shards.share(jobs, rank, world)
     workers = min(workers, len(mine))
@@ -138,23 +131,18 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
                 yield job_results
 
         if workers <= 1:
-            results = list(tick(run_job(*shared, job) for job in mine))
+            results = list(tick(one_job(*shared, job) for job in mine))
         else:
             results = in_workers(mine, shared, workers, tick)
     results = shards.gather(results, len(jobs), rank, world)
     if results is None:                                  # not rank 0: its results went there
         return []
-    cells: dict[tuple, Cell] = {}
+    cells: dict[tuple, list[dict]] = {}                  # per record, its samples' metrics in job order
     for job_results in results:
         for key, metrics in job_results:
-            cells.setdefault(key, Cell()).add(metrics)
-    records = []
-    for (name, budget, task, mode), cell in cells.items():
-        m = cell.means()
-        records.append({"method": name, "budget": budget,
-                        "keep_ratio": 1.0 if budget is None else round(budget / length, 4),
-                        "task": task, "mode": mode, "length": length, **m})
-    return records
+            cells.setdefault(key, []).append(metrics)
+    return [{"method": name, "budget": budget, "keep_ratio": keep_ratio(budget, length), "task": task,
+             "mode": mode, "length": length, **reduce(values)} for (name, budget, task, mode), values in cells.items()]
 
 
 def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], list[float]]:
@@ -244,7 +232,7 @@ def format_tables(records: list[dict]) -> str:
         marks = versus_best(records, mode) if all("accuracies" in r for r in rows) else {}
         w = max(14, 1 + max(len(k[0]) for k in keys))                 # the method column fits every name
         head = f"{'method':<{w}}{'keep':>6}{'budget':>7} " + "".join(f"{s:>11}" for s in short) + \
-            f"{'mean acc':>9}{'KL':>8}{'pert':>7}{'lost':>6}{'KV KiB':>8}{'ms/tok':>7}" + \
+            f"{'mean acc':>9}{'KL':>8}{'pert':>7}{'lost':>6}{'KV KiB':>8}{'step ms':>8}" + \
             ("  vs best" if marks else "")
         lines += [f"\n[{mode}]", head, "-" * len(head)]
         for method, ratio, budget in keys:
@@ -255,7 +243,7 @@ def format_tables(records: list[dict]) -> str:
                          + "".join(f"{a:>11.2f}" for a in accs)
                          + f"{sum(accs) / len(accs):>9.2f}{mean('kl'):>8.3f}{mean('perturbation'):>7.3f}"
                          f"{mean('lost_mass'):>6.2f}{max(r['kv_bytes'] for r in sel.values()) / 1024:>8.0f}"
-                         f"{mean('decode_ms_per_token'):>7.1f}"
+                         f"{mean('decode_ms_per_token'):>8.1f}"
                          + (f"  {marks.get((method, ratio), ''):<11}".rstrip() if marks else ""))
     return "\n".join(lines)
 
@@ -362,7 +350,8 @@ def parser() -> cli.ArgumentParser:
                        help="budgets in tokens per layer per KV head, instead of --keep-ratios")
     ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
                     help=f"tasks (default: the checkpoint card's default suite, else {' '.join(DEFAULT_TASKS)}; "
-                         f"all: {', '.join(TASKS)}; for real language models: {', '.join(LM_TASKS)})")
+                         f"all: {', '.join(TASKS)}; for real language models: {', '.join(LM_TASKS)}; "
+                         "docs_continuation is read from real text, methods/evaluation/task.py)")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES,
                     help="question_in_prompt: the question is in the prompt when the cache is compressed; "
                          "question_after_context: the context is compressed first and the question arrives "
@@ -384,6 +373,10 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
                     help="torch CPU threads of a single-process run, at most the CPU cores (default 1: a tiny "
                          "model is dispatch-bound, so more threads only add synchronisation)")
+    ap.add_argument("--engine", choices=["fast", "plain"], default="fast",
+                    help="fast: one prompt pass for all the caches of a sample and their decode steps side by side "
+                         "(side_by_side.py); plain: nanollm's own prefill and forward, one cache at a time "
+                         "(engine.py), slower; the records agree to float rounding (default %(default)s)")
     ap.add_argument("--workers", type=cli.threads_or_workers, default=None,
                     help="processes running samples side by side, one torch thread each, at most the CPU cores; "
                          "the records are the same as with 1, timings aside (default: the CPUs available, here "
@@ -411,9 +404,9 @@ def main(argv: list[str] | None = None) -> None:
         if tok is None:
             cli.fail(f"--checkpoint {args.checkpoint} has no supported tokenizer, which the synthetic tasks need")
         tasks = args.tasks or card.get("default_suite") or DEFAULT_TASKS
-        bad = [t for t in tasks if t not in ALL_TASKS]
+        bad = [t for t in tasks if t not in TASKS]
         if bad:
-            cli.fail(f"--tasks: unknown task(s) {bad}; choose from {ALL_TASKS}")
+            cli.fail(f"--tasks: unknown task(s) {bad}; choose from {list(TASKS)}")
         length = args.length if args.length is not None else \
             min(card.get("default_length") or DEFAULT_LENGTH, config.max_seq_len)
         samples = args.samples or card.get("default_samples") or DEFAULT_SAMPLES
@@ -421,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
             cli.fail(f"--length must be in [1, {config.max_seq_len}] (the model's maximum positions), got {length}")
         for task in tasks:
             try:
-                make_sample(task, tok, length, seed=args.seed)
+                TASKS[task].sample(tok, length, args.seed)
             except ValueError as e:
                 cli.fail(f"--length {length}: {e}")
         if args.budgets is not None:
@@ -430,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
             ratios = args.keep_ratios or DEFAULT_KEEP_RATIOS
             if any(not 0 < r <= 1 for r in ratios):
                 cli.fail(f"--keep-ratios must lie in (0, 1], got {ratios}")
-            budgets = [max(1, round(r * length)) for r in ratios]
+            budgets = [budget_for(r, length) for r in ratios]
         if any(b <= 0 for b in budgets):
             cli.fail(f"--budgets must be positive, got {budgets}")
 
@@ -456,6 +449,10 @@ def launcher(world: int, prog: str) -> str:
 def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, world, device) -> None:
     """``main`` after every argument is checked: load, run (this rank's share under torchrun), report."""
     model, tok, card = load(args.checkpoint, device=device)
+    try:
+        engine_for(args.engine, model)                 # a model the fast engine does not take: one line, now
+    except ValueError as e:
+        cli.fail(str(e))
     t0 = time.time()
     workers = args.workers or (default_workers() if device == "cpu" and world == 1 else 1)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -463,13 +460,13 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
                       dtype=dtype, seed=args.seed)
     if rank != 0:                            # the other ranks run their share and send it to rank 0
         run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed, progress=False,
-            workers=workers, rank=rank, world=world)
+            workers=workers, rank=rank, world=world, engine=args.engine)
         return
     options = "; ".join(f"{v.label}: {', '.join(f'{k}={x}' for k, x in v.options.items()) or 'defaults'}"
                         for v in variants)
     print(header(prov) + f"\n# methods' options: {args.preset} ({options})", flush=True)
     records = run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed,
-                  progress=not args.quiet, workers=workers, rank=rank, world=world)
+                  progress=not args.quiet, workers=workers, rank=rank, world=world, engine=args.engine)
     for r in records:
         r["preset"] = args.preset
     print(format_tables(records))
@@ -477,10 +474,12 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     print(format_pairwise(records))
     print(f"\n{samples} samples per task and mode, {length} tokens, seed {args.seed}, "
           f"{time.time() - t0:.0f} s with {workers} worker(s)"
-          + (f" in each of {world} processes" if world > 1 else "") + ". acc = string_match_all of the greedy answer; "
-          "KL = mean next-token "
+          + (f" in each of {world} processes" if world > 1 else "") + f", {args.engine} engine. acc = the task's "
+          "score of the greedy answer (string_match_all for RULER's tasks); KL = mean next-token "
           "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
-          "decode step; lost = full-attention mass on entries the method dropped at that step.")
+          "decode step; lost = full-attention mass on entries the method dropped at that step; step ms = the "
+          "engine's decode step time given to the cache per answer token (fast engine: its own attention plus "
+          "an equal share of the step all the caches shared; compare within one run).")
     if args.json:
         atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records,
                                                  "pairwise": pairwise(records)},

@@ -29,8 +29,8 @@ for one another.
 
 Per row: perplexity exp(mean NLL) of the scored tokens, its ratio to the full cache's, the mean
 KL(full || method) of the next-token distributions, and how often the method's top-1 token equals the
-full cache's. Every cache steps through ``side_by_side.step_many``, so its numbers are those of a run on
-its own; everything is deterministic.
+full cache's. The caches are filled and stepped by an engine (``--engine``, as in ``methods.compare``: the
+fast one steps them side by side, each with the numbers of a run on its own); everything is deterministic.
 """
 
 from __future__ import annotations
@@ -44,20 +44,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from fastpath.lean import LeanDecoder
 from nanollm import cli, load
 from nanollm.cache import KVCache
 from nanollm.cli.provenance import header, provenance
 from nanollm.data.tasks import docs_paragraphs
-from nanollm.generation import prefill
 from nanollm.io.checkpoint import load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text
-from nanollm.policy import CachePolicy, FullCache
 
 from .. import METHODS, KVReviverPolicy, make_policy
 from ..presets import PRESETS, preset_options
+from . import budget_for
 from .compare import check_methods_flag
-from .side_by_side import FanOut, SharedPrefillUnsupported, step_many
+from .side_by_side import make_engine
 
 DEFAULT_KEEP_RATIOS = [0.1, 0.2, 0.5]
 DEFAULT_LENGTH = 512
@@ -92,30 +90,13 @@ class Scores:
         self.n += 1
 
 
-def prefill_all(model, ids: Tensor, policies: list[CachePolicy]) -> list[KVCache]:
-    """Caches holding ``ids`` (1, T), each through its policy: one shared prompt pass when it can serve them
-    all (``FanOut``), else one pass per cache."""
-    caches = [KVCache(model.config, policy=p) for p in policies]
-    try:
-        prefill(model, ids, KVCache(model.config, policy=FanOut(caches)))
-        for cache in caches:
-            cache.seen = ids.shape[1]
-    except SharedPrefillUnsupported:
-        caches = [KVCache(model.config, policy=p) for p in policies]
-        for cache in caches:
-            prefill(model, ids, cache)
-    return caches
-
-
-def stream_scored(lean: LeanDecoder, ids: list[int], caches: list[KVCache], start: int, score_from: int,
-            on_logp, bar) -> None:
-    """Step ``ids[start:-1]`` into every cache side by side (the step fed ``ids[p]`` predicts ``ids[p + 1]``);
-    for each predicted position from ``score_from`` on, hand each cache's log-probabilities to
+def stream_scored(engine, ids: list[int], caches: list[KVCache], start: int, score_from: int,
+                  on_logp, bar) -> None:
+    """Step ``ids[start:-1]`` into every cache (the step fed ``ids[p]`` predicts ``ids[p + 1]``); for each
+    predicted position from ``score_from`` on, hand each cache's log-probabilities to
     ``on_logp(cache index, predicted position, logp)``."""
-    dev = next(lean.model.parameters()).device
     for p in range(start, len(ids) - 1):
-        token = torch.tensor([ids[p]], device=dev)
-        logits, _ = step_many(lean, [token] * len(caches), caches)            # (n_caches, V)
+        logits, _, _ = engine.step(caches, [ids[p]] * len(caches))             # (n_caches, V)
         if p + 1 >= score_from:
             logp = F.log_softmax(logits.float(), dim=-1)
             for i in range(len(caches)):
@@ -127,19 +108,19 @@ def budgets_and_fill(keep_ratios: list[float], length: int) -> tuple[dict, dict]
     """Per keep ratio: the budget, ``round(keep * length / 2)`` (at least 1; keep > 1, for tests, gives a budget
     past the prefix), and the tokens of a decode-time run's first pass, ``min(budget, length / 2)``."""
     half = length // 2
-    budgets = {k: max(1, round(k * half)) for k in keep_ratios}
+    budgets = {k: budget_for(k, half) for k in keep_ratios}
     return budgets, {k: min(budgets[k], half) for k in keep_ratios}
 
 
 def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = DEFAULT_LENGTH,
-        progress: bool = True, options: dict[str, dict] | None = None) -> list[dict]:
+        progress: bool = True, options: dict[str, dict] | None = None, engine: str = "fast") -> list[dict]:
     """One record per (method, keep ratio), plus "full": perplexity, KL and top-1 agreement over the
     second half of the text (see the module docstring). A keep ratio above 1 (for tests) gives a budget
     past the prefix; at ``keep * length / 2 >= length`` every method is the full cache. ``options``: method
-    -> its options for ``make_policy`` (e.g. ``methods.presets.preset_options``); default none."""
+    -> its options for ``make_policy`` (e.g. ``methods.presets.preset_options``); default none. ``engine``:
+    "fast" or "plain" (``make_engine``)."""
     options = options or {}
-    lean = LeanDecoder(model)
-    dev = next(model.parameters()).device
+    engine = make_engine(engine, model)
     ids = text_ids(tok, length)
     half = length // 2
     prompt_methods = [m for m in methods if m != "full" and not decodes_as_it_goes(m)]
@@ -151,8 +132,8 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
 
     # 1. the full cache and the prompt compressors: the prefix in one pass, then the scored half
     rows = [("full", 1.0, None)] + [(m, k, budgets[k]) for m in prompt_methods for k in keep_ratios]
-    policies = [FullCache() if b is None else make_policy(m, budget=b, **options.get(m, {})) for m, _, b in rows]
-    caches = prefill_all(model, torch.tensor([ids[:half]], device=dev), policies)
+    policies = [make_policy(m, budget=b, **options.get(m, {})) for m, _, b in rows]
+    caches, _ = engine.fill(policies, [ids[:half]])
     full_logp: dict[int, Tensor] = {}                # position -> (V,) the full cache's log-probabilities
     scores = {row: Scores() for row in rows}
 
@@ -161,7 +142,7 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
             full_logp[pos] = logp.clone()
         scores[rows[i]].add(logp, full_logp[pos], ids[pos])
 
-    stream_scored(lean, ids, caches, half, half + 1, first_group, bar)
+    stream_scored(engine, ids, caches, half, half + 1, first_group, bar)
     per_token = caches[0].nbytes() / (length - 1)        # the full cache's bytes per token after the last step
     size = lambda c: round((c.nbytes() + c.policy.slot_nbytes()) / per_token)    # noqa: E731  token equivalents
     sizes = {row: size(cache) for row, cache in zip(rows, caches)}
@@ -171,11 +152,10 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
         group = [(m, k, budgets[k]) for m in stream_methods]
         if not group:
             continue
-        caches = prefill_all(model, torch.tensor([ids[:fill[k]]], device=dev),
-                              [make_policy(m, budget=b, **options.get(m, {})) for m, _, b in group])
+        caches, _ = engine.fill([make_policy(m, budget=b, **options.get(m, {})) for m, _, b in group], [ids[:fill[k]]])
         for row in group:
             scores[row] = Scores()
-        stream_scored(lean, ids, caches, fill[k], half + 1,
+        stream_scored(engine, ids, caches, fill[k], half + 1,
                 lambda i, pos, logp: scores[group[i]].add(logp, full_logp[pos], ids[pos]), bar)
         sizes.update({row: size(cache) for row, cache in zip(group, caches)})
     bar.close()
@@ -248,6 +228,10 @@ def parser() -> cli.ArgumentParser:
                     help=f"tokens of text (default {DEFAULT_LENGTH}, or the model's maximum positions if smaller)")
     ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
                     help="torch CPU threads (default %(default)s; the numbers do not depend on it)")
+    ap.add_argument("--engine", choices=["fast", "plain"], default="fast",
+                    help="fast: one prompt pass for all the caches and their decode steps side by side; plain: "
+                         "nanollm's own prefill and forward, one cache at a time, slower; the numbers agree to "
+                         "float rounding (default %(default)s)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="ours",
                     help="the methods' options: ours (the papers' settings) or kvpress (kvpress 0.5.5's defaults "
                          "for the methods it has, methods/presets.py) (default %(default)s)")
@@ -282,13 +266,17 @@ def main(argv: list[str] | None = None) -> None:
             cli.fail(f"--length {length}: {e}")
         torch.set_num_threads(args.threads)
         model, tok, _ = load(args.checkpoint)
+        try:
+            make_engine(args.engine, model)
+        except ValueError as e:
+            cli.fail(str(e))
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         prov = provenance(argv, prog=ap.prog, threads=args.threads, dtype=dtype, seed=None)
         options = {m: preset_options(m, args.preset) for m in methods if m != "full"}
         print(header(prov) + f"\n# methods' options: {args.preset}", flush=True)
         t0 = time.time()
         records = run(model, tok, ["full"] + [m for m in methods if m != "full"], args.keep_ratios, length,
-                      progress=not args.quiet, options=options)
+                      progress=not args.quiet, options=options, engine=args.engine)
         print(format_table(records))
         print(f"\n{length} tokens of Python's help topics; scored: the last {records[0]['scored_tokens']} "
               f"predictions; budget = keep x {length // 2} (the prefix). {time.time() - t0:.0f} s. ppl = "

@@ -1,6 +1,8 @@
 """
-Many caches, one pass: how ``methods.compare`` runs the full cache and every method on a sample without
-running the model once per method, and still gives each cache the same numbers whichever caches run beside it.
+The fast engine: ``engine.PlainEngine``'s two operations (fill the caches with a prompt, step them by one
+token) for many caches at once, without running the model once per cache, and still giving each cache
+the same numbers whichever caches run beside it. ``--engine fast`` (the default) of ``methods.compare``,
+``language_modelling`` and ``throughput``; ``make_engine`` builds either engine by name.
 
 * ``FanOut``: the policy of one prompt pass that serves many caches. The prompt's attention is exact
   whatever the method, so one pass computes the keys, values and outputs for all of them; at each layer
@@ -33,7 +35,10 @@ from torch import Tensor
 from fastpath.lean import LeanDecoder
 from nanollm.attention import prompt_statistics, rope_cos_sin
 from nanollm.cache import KVCache, LayerKV
+from nanollm.generation import extend, prefill
 from nanollm.policy import CachePolicy, Needs, StepContext
+
+from .engine import PlainEngine
 
 ROWS = 16     # the rows of every product in step_many: 25 caches take two blocks (see the module docstring)
 
@@ -47,11 +52,11 @@ def blocked_linear(t: Tensor, w: Tensor, rows: int = ROWS) -> Tensor:
 
 
 class SharedPrefillUnsupported(Exception):
-    """A policy or model the shared prompt pass cannot serve (``traces`` then runs the prompts one by one)."""
+    """A policy the shared prompt pass cannot serve (``FastEngine.fill`` then runs the prompts one by one)."""
 
 
 class FanOut(CachePolicy):
-    """The policy of one prompt pass that serves many caches (``harness.traces``).
+    """The policy of one prompt pass that serves many caches (``FastEngine.fill``).
 
     The prompt's attention is exact whatever the method (a policy compresses only after a layer's prompt
     attention), so every method's prompt pass computes the same keys, values and outputs, layer after
@@ -137,3 +142,62 @@ def step_many(lean: LeanDecoder, tokens: list[Tensor], caches: list[KVCache],
     for cache in caches:
         cache.seen += 1
     return logits, h
+
+
+class FastEngine:
+    """``PlainEngine``'s ``fill`` and ``step``, fast, with the same numbers to float rounding (a test compares
+    ``methods.compare``'s records under both):
+
+    * ``fill``: one prompt pass for every cache (``FanOut``), when it can serve every policy; else one pass
+      per cache, as the plain engine does. A further chunk (the question after the context) is
+      ``extend``-ed onto each cache.
+    * ``step``: all the caches in one ``step_many`` of the lean decoder (``fastpath/lean.py``). The seconds
+      given to a cache are its own attention (storage, attention, its policy's hooks) plus an equal share
+      of the rest of the step, the products and element-wise work done once for every row: they add up to
+      the step's time, and shrink as more caches share it.
+
+    It takes the models ``LeanDecoder`` takes (llama flavour, standard attention); ``make_engine`` says so in
+    one line for another model. The policies' hooks interleave, cache after cache and layer after layer,
+    so a policy must not draw from the global random generator; no registered method does."""
+    name = "fast"
+
+    def __init__(self, model) -> None:
+        self.model, self.lean = model, LeanDecoder(model)
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def fill(self, policies: list[CachePolicy], chunks: list[list[int]]) -> tuple[list[KVCache], Tensor]:
+        first = torch.tensor([chunks[0]], device=self.device)
+        caches = [KVCache(self.model.config, policy=p) for p in policies]
+        try:
+            logits = [prefill(self.model, first, KVCache(self.model.config, policy=FanOut(caches)))] * len(caches)
+            for cache in caches:
+                cache.seen = first.shape[1]
+        except SharedPrefillUnsupported:                 # start again, one prompt pass per cache
+            caches = [KVCache(self.model.config, policy=p) for p in policies]    # a new cache resets its policy
+            logits = [prefill(self.model, first, cache) for cache in caches]
+        for n, chunk in ((n, c) for n in range(len(caches)) for c in chunks[1:]):
+            logits[n] = extend(self.model, torch.tensor([chunk], device=self.device), caches[n])
+        return caches, torch.stack([lg[0, -1] for lg in logits])
+
+    @torch.no_grad()
+    def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:
+        own = [0.0] * len(caches)
+        t0 = time.perf_counter()
+        logits, hidden = step_many(self.lean, [torch.tensor([t], device=self.device) for t in tokens], caches, own)
+        shared = (time.perf_counter() - t0 - sum(own)) / len(caches)
+        return logits, hidden, [s + shared for s in own]
+
+
+ENGINES = {"plain": PlainEngine, "fast": FastEngine}
+
+
+def make_engine(name: str, model):
+    """The engine ``name`` ("plain" or "fast") for ``model``; a ValueError of one line for a model the fast
+    engine does not take (the same rule for every command: no silent fallback)."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
+    try:
+        return ENGINES[name](model)
+    except ValueError as e:
+        raise ValueError(f"--engine fast: {e}; --engine plain runs any model") from None

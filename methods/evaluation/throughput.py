@@ -4,13 +4,13 @@ Decoding many caches at once: what one batched step saves over stepping each cac
 
 ``methods.compare`` decodes the full cache and every method at every keep ratio on each sample: 25 caches of
 one sample by default. Stepped one by one (``LeanDecoder.step``), every cache's step reads every weight
-matrix; stepped together (``side_by_side.step_many``), the matrix products run over all caches' rows in
-blocks of ``side_by_side.ROWS``, so a step reads the weights once per block. What cannot be shared is each
-cache's attention and its policy's hooks, so the speedup is at most
+matrix; stepped together (the fast engine's step, ``side_by_side.step_many``), the matrix products run over
+all caches' rows in blocks of ``side_by_side.ROWS``, so a step reads the weights once per block. What
+cannot be shared is each cache's attention and its policy's hooks, so the speedup is at most
 
     (n x products of one row + attention of all caches) / (products of the blocks + attention of all caches)
 
-Both ways run here side by side in one run: the same caches (one prompt pass serves them all, as in
+Both ways run here side by side in one run: the same caches (filled by the fast engine, as in
 ``methods.compare``), copied afresh before every timed repetition, the repetitions alternating. Printed:
 each way's time per step of all caches, caches x steps per second, the speedup, the batched step's split
 into its shared part (products, element-wise work) and the caches' own attention (by method, and the speedup
@@ -30,28 +30,17 @@ import torch
 from tqdm import tqdm
 
 from fastpath.lean import LeanDecoder
-from nanollm import cli, load, prefill
+from nanollm import cli, load
 from nanollm.cache import KVCache
 from nanollm.cli.bench import decode_weight_bytes, read_bandwidth
 from nanollm.cli.provenance import header, provenance
 from nanollm.data.tasks import make_sample
 from nanollm.io.files import atomic_write_text
-from nanollm.policy import FullCache
 
 from .. import METHODS, make_policy, method_chain
+from . import budget_for
 from .compare import DEFAULT_KEEP_RATIOS
-from .side_by_side import ROWS, FanOut, step_many
-
-
-def prefilled(model, ids: torch.Tensor, specs: list[tuple[str, int | None]]) -> list[KVCache]:
-    """One cache per (method, budget) (``"full"``: the full cache), all holding the prompt ``ids`` (1, T)
-    from one shared prompt pass, as ``methods.compare`` fills them."""
-    caches = [KVCache(model.config, policy=FullCache() if name == "full" else make_policy(name, budget=budget))
-              for name, budget in specs]
-    prefill(model, ids, KVCache(model.config, policy=FanOut(caches)))
-    for cache in caches:
-        cache.seen = ids.shape[1]
-    return caches
+from .side_by_side import ROWS, FastEngine, step_many
 
 
 def sync(device: torch.device) -> None:
@@ -73,16 +62,15 @@ def one_by_one(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> t
 
 
 @torch.no_grad()
-def batched(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> tuple[float, list[float], torch.Tensor]:
-    """Seconds to feed ``tokens`` to every cache with ``step_many``, the seconds of that spent in each cache's
-    own attention, and the last step's logits."""
-    device = lean.model.tok_emb.weight.device
+def batched(engine: FastEngine, caches: list[KVCache], tokens: list[int]) -> tuple[float, list[float], torch.Tensor]:
+    """Seconds to feed ``tokens`` to every cache with the fast engine's step (``step_many``), the seconds of
+    that spent in each cache's own attention, and the last step's logits."""
     own = [0.0] * len(caches)                      # on a GPU without a sync per cache: launch time, roughly
-    sync(device)
+    sync(engine.device)
     t0 = time.perf_counter()
     for token in tokens:
-        logits, _ = step_many(lean, [torch.tensor([token], device=device)] * len(caches), caches, own)
-    sync(device)
+        logits, _ = step_many(engine.lean, [torch.tensor([token], device=engine.device)] * len(caches), caches, own)
+    sync(engine.device)
     return time.perf_counter() - t0, own, logits
 
 
@@ -91,18 +79,17 @@ def run(model, tok, task: str, methods: list[str], keep_ratios: list[float], len
     """Time both ways of decoding every (method, keep ratio) cache of one ``task`` sample; every number of
     the report (see the module docstring)."""
     sample = make_sample(task, tok, length - steps, seed=0)
-    ids = torch.tensor([sample.prompt_ids], device=next(model.parameters()).device)           # (1, T)
-    specs = [("full", None)] + [(m, max(1, round(r * length))) for m in methods if m != "full" for r in keep_ratios]
+    specs = [("full", None)] + [(m, budget_for(r, length)) for m in methods if m != "full" for r in keep_ratios]
     tokens = (sample.target_ids * steps)[:steps]                # the answer's tokens, fed as decoding would
-    lean = LeanDecoder(model)
+    engine = FastEngine(model)
     t0 = time.perf_counter()
-    caches = prefilled(model, ids, specs)
+    caches, _ = engine.fill([make_policy(m, budget=b) for m, b in specs], [sample.prompt_ids])
     prefill_s = time.perf_counter() - t0
     times = {"one_by_one": [], "batched": [], "own": [], "own_each": []}
     bar = tqdm(range(repeats), desc="throughput", unit="repeat", disable=not progress, dynamic_ncols=True)
     for _ in bar:                                # alternate the two ways: a slow spell of the machine hits both
-        s1, single = one_by_one(lean, copy.deepcopy(caches), tokens)
-        s2, own_each, together = batched(lean, copy.deepcopy(caches), tokens)
+        s1, single = one_by_one(engine.lean, copy.deepcopy(caches), tokens)
+        s2, own_each, together = batched(engine, copy.deepcopy(caches), tokens)
         times["one_by_one"].append(s1), times["batched"].append(s2), times["own"].append(sum(own_each))
         times["own_each"].append(own_each)
     one, both, own = (statistics.median(times[k]) / steps for k in ("one_by_one", "batched", "own"))
@@ -110,11 +97,11 @@ def run(model, tok, task: str, methods: list[str], keep_ratios: list[float], len
     for (name, _), *per_repeat in zip(specs, *times["own_each"]):
         own_by_method[name] = own_by_method.get(name, 0.0) + statistics.median(per_repeat) / steps * 1e3
     weights = decode_weight_bytes(model)
-    bandwidth = read_bandwidth(bandwidth_mib, device=ids.device) * 1e9                             # bytes / s
+    bandwidth = read_bandwidth(bandwidth_mib, device=engine.device) * 1e9                             # bytes / s
     n = len(caches)
     blocks = -(-n // ROWS)
     return {
-        "device": str(ids.device), "length": length, "prompt_tokens": ids.shape[1], "steps": steps,
+        "device": str(engine.device), "length": length, "prompt_tokens": len(sample.prompt_ids), "steps": steps,
         "repeats": repeats, "caches": n,
         "configurations": [f"{m}" if b is None else f"{m}@{b}" for m, b in specs], "rows_per_block": ROWS,
         "prefill_s": prefill_s,

@@ -14,9 +14,6 @@ Modes (``MODES``):
 
 from __future__ import annotations
 
-import functools
-import re
-
 import torch
 from tqdm import tqdm
 
@@ -44,23 +41,6 @@ def check_mode(mode: str) -> str:
 def cut_at(ids: list[int], stop_id: int | None) -> list[int]:
     """The ids before the first ``stop_id`` (all of them if it does not occur, or is None)."""
     return ids[:ids.index(stop_id)] if stop_id is not None and stop_id in ids else ids
-
-
-@functools.lru_cache(maxsize=8)
-def digits_per_token(tok, n_vocab: int) -> int:
-    """The longest run of ASCII digits in the text of any one token id below ``n_vocab`` (1 for tokenizers
-    that split numbers into digits, as SmolLM2's and ours do): n more tokens add at most n times this many
-    digits in a row (``tasks.match_settled``), since the decoded text of a sequence is the texts of its
-    tokens one after the other (byte-level BPE, cut on character boundaries). An id ``tok`` cannot decode
-    counts as unbounded."""
-    longest = 0
-    for i in range(n_vocab):
-        try:
-            text = tok.decode([i])
-        except KeyError:                               # not a token of this tokenizer: assume the worst
-            return n_vocab
-        longest = max([longest] + [len(run) for run in re.findall(r"[0-9]+", text)])
-    return longest
 
 
 def answer_length(model, sample, max_new_tokens: int | None = None) -> int:

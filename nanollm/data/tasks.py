@@ -112,41 +112,6 @@ def string_match_all(prediction: str, answers: list[str]) -> float:
     return sum(1 for a in answers if _matches(pred, a.lower())) / len(answers)
 
 
-def match_settled(prediction: str, answers: list[str], digit_run: int) -> bool:
-    """Whether ``string_match_all(prediction + more, answers)`` equals ``string_match_all(prediction, answers)``
-    for every continuation ``more`` that holds no run of more than ``digit_run`` ASCII digits (a greedy
-    answer with n tokens left, each of at most D digits in a row: n * D). Then generating further cannot
-    change the score. Each answer must be settled, one of:
-
-    * found for good: a match whose right end is inside the prediction (or an answer that does not end in a
-      digit), so no continuation can extend its number;
-    * out of reach: an answer of L ASCII digits not found, when even the longest start of it that the
-      prediction ends with (s digits) leaves more than ``digit_run`` digits to write (L - s > digit_run).
-
-    Never settled: a match of an answer ending in a digit at the very end of the prediction (a further digit,
-    any character ``str.isdigit`` accepts, would undo it); an answer that is not digits and not found; an
-    answer with a non-ASCII character (lowercasing can depend on what follows, e.g. a final sigma, and the
-    digit bound counts ASCII digits only); a prediction holding U+FFFD (an undecoded byte, whose character
-    may not be known yet). The prediction must be a prefix of the whole answer's text, as a byte-level
-    decoding that stops on a character boundary (no U+FFFD) guarantees."""
-    pred = prediction.lower()
-    if "\ufffd" in pred:
-        return False
-    for a in answers:
-        a = a.lower()
-        if not a.isascii():
-            return False
-        ends = _matches(pred, a)
-        if any(end < len(pred) or not a[-1].isdigit() for end in ends):
-            continue                                                    # found for good
-        if ends or not a.isdigit():
-            return False                                                # found only at the end, or not digits
-        started = max(k for k in range(len(a)) if pred.endswith(a[:k]))   # k = 0 always qualifies
-        if len(a) - started <= digit_run:
-            return False                                                # may still be written
-    return True
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Pieces
 

@@ -1,4 +1,5 @@
-"""The evaluation harness and the compare CLI, on a tiny random-init checkpoint (no training needed)."""
+"""The evaluation's protocol (through the notebooks' API, ``harness.py``), its two engines, its records and the
+compare CLI, on a tiny random-init checkpoint (no training needed)."""
 
 import json
 
@@ -8,16 +9,10 @@ import torch
 from methods import METHODS, make_policy
 from methods.evaluation.compare import main as compare_main
 from methods.evaluation.compare import run
-from methods.evaluation.harness import (
-    compare_traces,
-    greedy_from_trace,
-    greedy_from_traces,
-    trace,
-    traces,
-)
+from methods.evaluation.harness import compare_traces, greedy_from_traces, trace, traces
 from nanollm import CachePolicy, LayerKV, preset
-from nanollm.data.evaluate import MODES, answer_ids, answer_length, digits_per_token
-from nanollm.data.tasks import corpus, make_sample, match_settled, string_match_all
+from nanollm.data.evaluate import MODES, answer_ids
+from nanollm.data.tasks import corpus, make_sample
 from nanollm.generation import prefill
 from nanollm.io import checkpoint
 from nanollm.io.tokenizer import Tokenizer
@@ -113,50 +108,8 @@ def test_greedy_from_the_trace_equals_a_fresh_greedy_answer(loaded, method):
             s.target_ids = target
             tr = trace(model, s, mode, policy())
             assert tr.fork[0] == m
-            assert greedy_from_trace(model, tok, s, tr) == fresh, (mode, m)
-
-
-@pytest.mark.parametrize("mode, run", [(MODES[0], None), (MODES[1], None), (MODES[0], 2)])
-def test_answers_until_scored_keep_every_score(loaded, mode, run, monkeypatch):
-    """``until_scored`` stops an answer once its score is settled: every method's score is the whole answer's,
-    its answer a prefix of the whole answer, and some answers do stop early, each exactly where the tokens
-    left (the answer length minus those written), times the digits a token may hold, can no longer change
-    its score. (``run`` 2: a looser bound than the tokenizer's 1, still exact; it tells tokens from digits.)"""
-    import methods.evaluation.harness as harness
-    model, tok, _ = loaded
-    policies = [None] + [make_policy(n, budget=b) for n in sorted(METHODS) if n != "full" for b in (30, 120)]
-    if run is None:
-        run = digits_per_token(tok, model.config.vocab_size)
-    else:
-        monkeypatch.setattr(harness, "digits_per_token", lambda tok, n_vocab: run)
-    stopped = 0
-    for seed in range(3):
-        s = make_sample("niah_single_noise", tok, LENGTH, seed=seed)
-        n_new = answer_length(model, s)
-        trs = traces(model, s, mode, policies, [False] * len(policies))
-        whole = greedy_from_traces(model, tok, s, trs)
-        until = greedy_from_traces(model, tok, s, trs, until_scored=True)
-        for ids, ids_u, tr in zip(whole, until, trs):
-            assert ids[:len(ids_u)] == ids_u
-            assert string_match_all(tok.decode(ids_u), s.answers) == string_match_all(tok.decode(ids), s.answers)
-            if len(ids_u) < len(ids):                  # stopped early: settled there, not one token before
-                stopped += 1
-                assert match_settled(tok.decode(ids_u), s.answers, (n_new - len(ids_u)) * run)
-                if len(ids_u) - 1 > tr.fork[0]:       # the token before was generated, and checked, too
-                    assert not match_settled(tok.decode(ids_u[:-1]), s.answers, (n_new - len(ids_u) + 1) * run)
-    assert stopped > 5
-
-
-def test_digits_per_token(loaded):
-    model, tok, _ = loaded
-    assert digits_per_token(tok, model.config.vocab_size) == 1          # our tokenizer splits numbers into digits
-
-    class Vocab:                                                         # ids 0..2: "a", "12", " 2019x3"
-        def decode(self, ids):
-            return {0: "a", 1: "12", 2: " 2019x3"}[ids[0]]               # KeyError past them, as tiktoken
-    assert digits_per_token(Vocab(), 3) == 4                             # the longest run, inside a token
-    assert digits_per_token(Vocab(), 4) == 4                             # id 3 cannot be decoded: unbounded
-    assert digits_per_token(Vocab(), 2) == 2
+            assert greedy_from_traces(model, tok, s, [tr]) == [fresh], (mode, m)
+            assert tr.fork is None and tr.prediction == tok.decode(fresh)    # the fork is used once
 
 
 @pytest.mark.slow
@@ -292,15 +245,15 @@ def same_trace(a, b) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_one_prompt_pass_gives_the_same_traces(loaded, mode, monkeypatch):
-    """``traces`` (one prompt pass for every policy, ``harness.FanOut``, then the answers side by side,
-    ``LeanDecoder.step_many``) equals separate ``trace`` calls bit for bit: the full cache and every registered
-    method at two budgets; with a policy the shared pass cannot serve, it falls back to one pass per policy,
-    with the same result."""
-    import methods.evaluation.harness as harness
+    """The fast engine's ``traces`` (one prompt pass for every policy, ``side_by_side.FanOut``, then the
+    answers side by side, ``step_many``) equals separate ``trace`` calls bit for bit: the full cache and every
+    registered method at two budgets; with a policy the shared pass cannot serve, it falls back to one pass
+    per policy, with the same result. The greedy continuations side by side are each the one alone."""
+    import methods.evaluation.side_by_side as side_by_side
     model, tok, _ = loaded
     s = make_sample("niah_single_noise", tok, LENGTH, seed=6)
     passes = []
-    monkeypatch.setattr(harness, "prefill", lambda *a: passes.append(1) or prefill(*a))
+    monkeypatch.setattr(side_by_side, "prefill", lambda *a: passes.append(1) or prefill(*a))
 
     def policies(extra=()):
         return [None] + [make_policy(n, budget=b) for n in sorted(METHODS) if n != "full" for b in (30, 120)] + \
@@ -312,14 +265,30 @@ def test_one_prompt_pass_gives_the_same_traces(loaded, mode, monkeypatch):
     alone = [trace(model, s, mode, p, f) for p, f in zip(policies(), flags)]
     for a, b in zip(shared, alone):
         same_trace(a, b)
-    # the greedy continuations side by side are each the continuation alone
-    answers = greedy_from_traces(model, tok, s, shared)
-    assert answers == [greedy_from_trace(model, tok, s, b) for b in alone]
-    continued = sum(len(a) > tr.fork[0] + 1 for a, tr in zip(answers, shared))   # generated past the fork
-    assert continued > 5
     passes.clear()
     with_fallback = traces(model, s, mode, policies([RebuildAlways()]), flags + [False])
     assert len(passes) == 1 + len(flags) + 1                          # the shared pass gave up: one each
     for a, b in zip(with_fallback, shared):
         same_trace(a, b)
     same_trace(with_fallback[-1], trace(model, s, mode, RebuildAlways()))
+    forks = [tr.fork[0] for tr in shared]
+    answers = greedy_from_traces(model, tok, s, shared)
+    assert answers == [greedy_from_traces(model, tok, s, [b])[0] for b in alone]
+    assert sum(len(a) > m + 1 for a, m in zip(answers, forks)) > 5   # generated past the fork
+    assert greedy_from_traces(model, tok, s, shared) == answers       # kept: asked again, the same
+
+
+def test_the_plain_and_fast_engines_trace_alike(loaded):
+    """The two engines of every trace: the same storage, the same fork, logits and hidden state to float
+    rounding (the plain one runs the model's own forward per cache, the fast one lean products in blocks)."""
+    model, tok, _ = loaded
+    s = make_sample("niah_single_noise", tok, LENGTH, seed=7)
+    policies = lambda: [None, make_policy("h2o", budget=40), make_policy("snapkv", budget=40)]   # noqa: E731
+    fast = traces(model, s, MODES[1], policies(), [True, False, False])
+    plain = traces(model, s, MODES[1], policies(), [True, False, False], engine="plain")
+    for a, b in zip(fast, plain):
+        assert torch.allclose(a.logits, b.logits, atol=1e-4) and torch.allclose(a.hidden, b.hidden, atol=1e-5)
+        assert (a.kv_bytes, a.extra_bytes, a.fork[0]) == (b.kv_bytes, b.extra_bytes, b.fork[0])
+        assert all(torch.equal(a.pos[k], b.pos[k]) for k in a.pos)
+    assert greedy_from_traces(model, tok, s, fast) == greedy_from_traces(model, tok, s, plain)
+    assert type(fast[0].engine).__name__ == "FastEngine" and type(plain[0].engine).__name__ == "PlainEngine"

@@ -1,0 +1,55 @@
+"""
+An engine: the two things an evaluation asks of the model, for a list of caches (one per policy).
+
+    caches, logits = engine.fill(policies, chunks)           # each cache holds the prompt; logits (N, V)
+    logits, hidden, seconds = engine.step(caches, tokens)    # one more token into each cache
+
+``PlainEngine``: nanollm's reading path, one cache after another (``prefill`` and ``extend``, the model's
+forward). ``side_by_side.FastEngine``: the same numbers to float rounding, faster. ``--engine`` picks one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from nanollm.cache import KVCache
+from nanollm.generation import extend, prefill
+from nanollm.policy import CachePolicy
+
+
+class PlainEngine:
+    name = "plain"
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def fill(self, policies: list[CachePolicy], chunks: list[list[int]]) -> tuple[list[KVCache], Tensor]:
+        """A cache per policy holding the prompt: ``chunks[0]`` in one prompt pass, each later chunk ``extend``-ed
+        onto the (maybe compressed) cache. Returns the caches and each one's last logits (N, V)."""
+        caches, last = [], []
+        for policy in policies:
+            cache = KVCache(self.model.config, policy=policy)
+            logits = prefill(self.model, torch.tensor([chunks[0]], device=self.device), cache)
+            for chunk in chunks[1:]:
+                logits = extend(self.model, torch.tensor([chunk], device=self.device), cache)
+            caches.append(cache)
+            last.append(logits[0, -1])
+        return caches, torch.stack(last)
+
+    @torch.no_grad()
+    def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:
+        """``tokens[n]`` into ``caches[n]``: the logits (N, V), the final hidden states (N, D) and the seconds
+        of each cache's step."""
+        logits, hidden, seconds = [], [], []
+        for cache, token in zip(caches, tokens):
+            t0 = time.perf_counter()
+            lg, h = self.model(torch.tensor([[token]], device=self.device), cache=cache, return_hidden=True)
+            seconds.append(time.perf_counter() - t0)
+            logits.append(lg[0, -1])
+            hidden.append(h[0, -1])
+        return torch.stack(logits), torch.stack(hidden), seconds

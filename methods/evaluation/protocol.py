@@ -1,0 +1,186 @@
+"""
+The protocol: one sample through the full cache and every method, on one engine (``engine.py``).
+
+1. **Teacher forcing** (``teacher_force``). Every cache is filled with the same prompt, then fed the
+   *reference* answer one token at a time, so the full cache and every method see exactly the same tokens
+   and their next-token distributions can be compared position by position. The first decode step (the
+   one that feeds the first answer token: the first moment a prompt compression can show) is recorded
+   in detail by a ``Probe`` around each policy.
+2. **Greedy answers from forks** (``continue_greedy``). Greedy decoding from the same prefix gives the
+   same logits as the teacher-forced trace, so as long as the trace's argmax is the reference token,
+   greedy decoding *is* the trace. At the first answer position where it is not, teacher forcing keeps a
+   copy of the cache (policy included, ``Trace.fork``); the greedy answer is the reference up to there,
+   then the method's own tokens from that copy, up to the end-of-text token or the task's answer length.
+   This is the answer a fresh ``nanollm.data.evaluate.answer`` gives (tested token for token).
+
+``run_job``, the main loop of ``methods.compare``: one (task, sample, mode), every method at every budget.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from nanollm.cache import KVCache, LayerKV
+from nanollm.data.evaluate import cut_at
+from nanollm.policy import CachePolicy, Needs, StepContext
+from nanollm.wrapper import PolicyWrapper
+
+from .. import make_policy
+from .metrics import measure
+from .task import TASKS, Task
+
+
+class Probe(PolicyWrapper):
+    """Wraps a policy (everything is the inner policy's): times its hooks and, while ``recording``, keeps
+    per layer what the step attended, for batch row 0: the last query's attention output ``outs`` (H, d),
+    the positions stored exactly ``pos`` (H_kv, T) and, with ``record_probs``, the attention probabilities
+    ``probs`` (H, T) over the positions ``attended`` (H_kv, T)."""
+
+    def __init__(self, inner: CachePolicy, record_probs: bool = False) -> None:
+        self.inner, self.record_probs, self.recording, self.compress_s = inner, record_probs, False, 0.0
+        self.outs, self.pos, self.probs, self.attended = {}, {}, {}, {}
+
+    def needs(self, phase: str) -> Needs:
+        needs = self.inner.needs(phase)
+        return needs | Needs(rows=1) if self.record_probs and self.recording else needs
+
+    def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
+        if self.recording:
+            self.pos[layer] = self.inner.exact_positions(layer, store)[0].clone()
+        return self.inner.attend_kv(layer, store)
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.compress_s = 0.0
+
+    def on_prefill(self, ctx: StepContext) -> None:
+        t0 = time.perf_counter()
+        self.inner.on_prefill(ctx)
+        self.compress_s += time.perf_counter() - t0
+
+    def on_decode(self, ctx: StepContext) -> None:
+        if self.recording:
+            self.outs[ctx.layer] = ctx.out[0, :, -1].clone()
+            if self.record_probs:
+                self.probs[ctx.layer] = ctx.probs[0, :, -1].clone()
+                self.attended[ctx.layer] = ctx.attended_pos[0].clone()
+        t0 = time.perf_counter()
+        self.inner.on_decode(ctx)
+        self.compress_s += time.perf_counter() - t0
+
+
+@dataclass
+class Trace:
+    """One cache's teacher-forced answer; ``continue_greedy`` adds its greedy answer."""
+    probe: Probe
+    cache: KVCache
+    logits: list = field(default_factory=list)   # logits[m] (V,) predicts the reference's token m; stacked at the end
+    hidden: Tensor | None = None       # (D,) final hidden state at the first decode step
+    kv_bytes: int = 0                  # peak K/V bytes, with the slots a policy keeps outside the storage
+    extra_bytes: int = 0               # peak bytes of the policy's own structures (H2O's scores, side tables)
+    step_s: float = 0.0
+    fork: tuple | None = None          # (m, cache): greedy's cache after the answer's first m tokens
+    engine: object = None
+    prediction_ids: list | None = None   # the greedy answer's ids, up to the end-of-text token
+    prediction: str | None = None        # ... and its text
+
+    outs, pos = property(lambda self: self.probe.outs), property(lambda self: self.probe.pos)
+    probs, attended = property(lambda self: self.probe.probs), property(lambda self: self.probe.attended)
+    compress_ms = property(lambda self: self.probe.compress_s * 1e3)
+    decode_ms_per_token = property(lambda self: self.step_s * 1e3 / max(1, len(self.logits) - 1))
+
+    def measure_bytes(self) -> None:
+        self.kv_bytes = max(self.kv_bytes, self.cache.nbytes() + self.probe.inner.slot_nbytes())
+        self.extra_bytes = max(self.extra_bytes, self.cache.state_nbytes() + self.probe.inner.extra_nbytes())
+
+    def add(self, logits: Tensor, reference: list[int]) -> None:
+        """The next logits; keep a copy of the cache at the first position greedy leaves the reference."""
+        self.logits.append(logits)
+        m = len(self.logits) - 1
+        if self.fork is None and int(logits.argmax()) != reference[m]:
+            self.fork = (m, copy.deepcopy(self.cache))
+            self.fork[1].policy = self.fork[1].policy.inner      # a plain cache with the method
+
+
+@torch.no_grad()
+def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePolicy],
+                  record_probs: list[bool]) -> list[Trace]:
+    """Each policy's trace: the prompt, then the reference answer token by token (see the module doc)."""
+    if len(record_probs) != len(policies):
+        raise ValueError(f"one record_probs flag per policy: {len(policies)} policies, {len(record_probs)} flags")
+    probes = [Probe(p, r) for p, r in zip(policies, record_probs)]
+    caches, logits = engine.fill(probes, task.chunks(sample, mode))
+    reference = task.reference(sample)
+    trs = [Trace(probe, cache, engine=engine) for probe, cache in zip(probes, caches)]
+    for tr, lg in zip(trs, logits):
+        tr.measure_bytes()
+        tr.add(lg, reference)
+    for j, token in enumerate(reference[:-1]):
+        for probe in probes:
+            probe.recording = j == 0
+        logits, hidden, seconds = engine.step(caches, [token] * len(caches))
+        for n, tr in enumerate(trs):
+            tr.hidden = hidden[n] if tr.hidden is None else tr.hidden
+            tr.step_s += seconds[n]
+            tr.add(logits[n], reference)
+            tr.measure_bytes()
+    for tr in trs:
+        tr.probe.recording = False
+        tr.logits = torch.stack(tr.logits)                      # (n_answer, V)
+        if tr.fork is None:                                     # greedy follows the whole reference
+            tr.cache.policy = tr.probe.inner
+            tr.fork = (len(tr.logits) - 1, tr.cache)
+    return trs
+
+
+@torch.no_grad()
+def continue_greedy(task: Task, sample, trs: list[Trace], tok) -> list[list[int]]:
+    """Each trace's greedy answer ids, continued from its fork, all of them stepped together on their engine
+    (each cache's numbers do not depend on the others); kept on the trace, so a second call costs nothing."""
+    todo = [tr for tr in trs if tr.prediction_ids is None]
+    n_new = task.answer_length(trs[0].engine.model, sample) if todo else 0
+    reference, running = task.reference(sample), []       # running: [trace, its cache, its answer so far]
+    for tr in todo:
+        m, cache = tr.fork
+        answer = reference[:n_new] if m >= n_new else reference[:m] + [int(tr.logits[m].argmax())]
+        if m < n_new and answer[-1] != tok.eot_id and len(answer) < n_new:
+            running.append((tr, cache, answer))
+        tr.prediction_ids, tr.fork = answer, None               # the fork is used once, as it is
+    while running:
+        logits, _, _ = running[0][0].engine.step([r[1] for r in running], [r[2][-1] for r in running])
+        for (tr, _, answer), lg in zip(running, logits):
+            answer.append(int(lg.argmax()))
+        running = [r for r in running if r[2][-1] != tok.eot_id and len(r[2]) < n_new]
+    for tr in todo:
+        tr.prediction_ids = cut_at(tr.prediction_ids, tok.eot_id)
+        tr.prediction = tok.decode(tr.prediction_ids)
+    return [tr.prediction_ids for tr in trs]
+
+
+@dataclass(frozen=True)
+class Variant:      # a method with options, under its own name: Variant("chunkkv c=5", "chunkkv", {"chunk_size": 5})
+    label: str
+    spec: str
+    options: dict = field(default_factory=dict)
+
+
+FULL = Variant("full", "full")
+
+
+def run_job(engine, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
+            job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
+    """One (task, sample index, mode) of ``methods.compare``: the full cache, then every other variant at
+    every budget, on one sample. Returns [(cell key, one sample's metrics)] in a fixed order."""
+    name, i, mode = job
+    task = TASKS[name]
+    sample = task.sample(tok, length, seed + i)
+    rows = [(FULL, None)] + [(v, b) for v in variants if v.spec != "full" for b in budgets]
+    policies = [make_policy(v.spec, budget=b, **v.options) for v, b in rows]
+    trs = teacher_force(engine, task, sample, mode, policies, [True] + [False] * (len(policies) - 1))
+    continue_greedy(task, sample, trs, tok)
+    return [((v.label, b, name, mode), measure(trs[0], tr, task, sample)) for (v, b), tr in zip(rows, trs)]
