@@ -492,11 +492,12 @@ print(f"notebook ran in {time.time() - t_start:.0f} s")
 # ## Appendix: metrics glossary
 #
 # The tables of `python -m methods.compare` (and of every notebook) have one row per method and keep ratio,
-# and the columns below, all computed by `methods/evaluation/harness.py`. For each sample and mode, `traces`
-# runs the prompt, then feeds the **reference** answer one token at a time (teacher forcing) through the full
-# cache and through each method's cache, so all of them see the same tokens; `compare_traces` measures a
-# method's trace against the full cache's. `tests/methods/evaluation/test_glossary.py` recomputes each metric
-# by hand from two traces, as worded here, and checks that the library agrees.
+# and the columns below, each one entry of `METRICS` in `methods/evaluation/metrics.py`. For each sample and
+# mode, `traces` (`methods/evaluation/harness.py`) runs the prompt, then feeds the **reference** answer one
+# token at a time (teacher forcing) through the full cache and through each method's cache, so all of them
+# see the same tokens; `compare_traces` measures a method's trace against the full cache's.
+# `tests/methods/evaluation/test_glossary.py` recomputes each metric by hand from two traces, as worded
+# here, and checks that the library agrees.
 #
 # ### A.1 Budget and keep ratio
 #
@@ -558,11 +559,11 @@ print(f"notebook ran in {time.time() - t_start:.0f} s")
 # method rebuilds approximately (KVReviver) counts as lost. It is a share in [0, 1]: 0 means that nothing the
 # full cache attends was dropped.
 #
-# ### A.7 KV KiB and ms/tok
+# ### A.7 KV KiB and step ms
 #
 # `KV KiB`: the peak bytes of stored keys and values over all layers during a trace (AdaKV's padding slots
 # included, see `methods/adakv.py`); a table cell is the largest peak over the row's samples and tasks, where
-# the other columns are means. `ms/tok`: a rough time per decode step, all the methods of a sample stepping
+# the other columns are means. `step ms`: a rough time per decode step, all the methods of a sample stepping
 # side by side; `python -m methods.evaluation.bench` is the benchmark.
 
 # %% [markdown]

@@ -379,7 +379,7 @@ for v in width_variants:
 #
 # Decode time per token at batch 1, as the paper measures it (about 2x slower than the full cache on a
 # GPU): each method traced *alone* on the same samples (`harness.trace`: the prompt, then the reference
-# answer one token at a time), against the full cache traced alone. (The `ms/tok` column of the tables
+# answer one token at a time), against the full cache traced alone. (The `step ms` column of the tables
 # above is not this: `run` steps all methods side by side and shares the work that is the same for all
 # of them, so its numbers are mostly each method's own attention.) Then the memory of one compressed
 # sample.

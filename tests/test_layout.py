@@ -103,12 +103,23 @@ def test_the_library_never_imports_the_fast_paths():
 EVALUATION_PLAIN_PATH = ("task", "engine", "protocol", "metrics")
 
 
+def evaluation_plain_path_lines() -> tuple[dict, int]:
+    """Each plain-path file's lines, and the plain path's: all of them but the tasks defined beside ``Task``
+    in task.py (tasks are what the plain path runs, as methods are: ``DocsContinuation`` is the example)."""
+    counts = {name: len((ROOT / "methods" / "evaluation" / f"{name}.py").read_text().splitlines())
+              for name in EVALUATION_PLAIN_PATH}
+    tree = ast.parse((ROOT / "methods" / "evaluation" / "task.py").read_text())
+    tasks = sum(node.end_lineno - node.lineno + 1 for node in tree.body if isinstance(node, ast.ClassDef)
+                and any(getattr(base, "id", None) == "Task" for base in node.bases))
+    return counts, sum(counts.values()) - tasks
+
+
 def test_the_evaluation_s_plain_path_is_short_and_never_reaches_the_fast_paths():
-    """methods/evaluation's plain path (task, engine, protocol with its main loop, metrics): at most 450 lines
-    in all, docstrings included, and nothing it imports, at any depth, is fastpath/ or the fast engine."""
-    plain = [f"methods.evaluation.{name}" for name in EVALUATION_PLAIN_PATH]
-    lines = sum(len(MODULES[name].read_text().splitlines()) for name in plain)
+    """methods/evaluation's plain path (task, engine, protocol with its main loop, metrics): at most 450 lines,
+    docstrings included, and nothing it imports, at any depth, is fastpath/ or the fast engine."""
+    _, lines = evaluation_plain_path_lines()
     assert lines <= 450, f"the evaluation's plain path has {lines} lines, more than 450"
+    plain = [f"methods.evaluation.{name}" for name in EVALUATION_PLAIN_PATH]
     seen, todo = set(), list(plain)
     while todo:
         name = todo.pop()
@@ -118,6 +129,20 @@ def test_the_evaluation_s_plain_path_is_short_and_never_reaches_the_fast_paths()
     fast = sorted(n for n in seen if n.startswith("fastpath") or n in ("methods.evaluation.side_by_side",
                                                                        "methods.evaluation.harness"))
     assert not fast, f"the evaluation's plain path reaches {fast}"
+
+
+def test_the_evaluation_readme_counts_the_plain_path_s_lines():
+    """methods/evaluation/README.md gives each plain-path file's lines, the plain path's, and the lines of the
+    task read from text (the class, docstring included): the counts it shows are the files' own."""
+    import re
+    readme = " ".join((ROOT / "methods" / "evaluation" / "README.md").read_text().split())
+    counts, lines = evaluation_plain_path_lines()
+    for name, n in counts.items():
+        assert f"`{name}.py` ({n} lines)" in readme, (name, n)
+    assert f"({lines} lines without the tasks" in readme, lines
+    task = (ROOT / "methods" / "evaluation" / "task.py").read_text()
+    body = re.search(r"\nclass DocsContinuation.*?\n(?=\n\n\S)", task, re.S).group(0).strip("\n")
+    assert f"is {len(body.splitlines())} lines with its docstring" in readme, len(body.splitlines())
 
 
 def test_the_reading_path_is_short_and_imports_only_itself():

@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from fastpath.lean import LeanDecoder
 from nanollm import cli, load
 from nanollm.cache import KVCache
 from nanollm.cli.provenance import header, provenance
@@ -48,11 +47,12 @@ from nanollm.data.tasks import docs_paragraphs
 from nanollm.generation import prefill
 from nanollm.io.checkpoint import load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text
-from nanollm.policy import CachePolicy, FullCache
+from nanollm.policy import CachePolicy
 from nanollm.storage import LayerKV
 
 from .. import make_policy
-from ..evaluation.language_modelling import Scores, budgets_and_fill, prefill_all, stream_scored, text_ids
+from ..evaluation.language_modelling import Scores, budgets_and_fill, stream_scored, text_ids
+from ..evaluation.side_by_side import make_engine
 from ..kvreviver import KVReviverPolicy, VagueSketch, allocate, fisher_information
 
 DEFAULT_KEEP_RATIOS = [0.2, 0.5]
@@ -305,28 +305,27 @@ def lm_ablation(model, tok, variants: list[Variant], keep_ratios: list[float], l
     scores: the full cache over the prefix then the scored half, each decode-time cache filled with its
     budget's first tokens then stepped; every variant here compresses as it decodes). One record per
     (variant, keep ratio) and one for the full cache."""
-    lean = LeanDecoder(model)
-    dev = next(model.parameters()).device
+    engine = make_engine("fast", model)
     ids, half, context = text_ids(tok, length), length // 2, context or {}
     budgets, fill = budgets_and_fill(keep_ratios, length)
     bar = bar if bar is not None else tqdm(disable=True)
-    full = prefill_all(model, torch.tensor([ids[:half]], device=dev), [FullCache()])
+    full, _ = engine.fill([make_policy("full", budget=None)], [ids[:half]])
     full_logp, full_scores = {}, Scores()
 
     def on_full(i: int, pos: int, logp: Tensor) -> None:
         full_logp[pos] = logp.clone()
         full_scores.add(logp, logp, ids[pos])
 
-    stream_scored(lean, ids, full, half, half + 1, on_full, bar)
+    stream_scored(engine, ids, full, half, half + 1, on_full, bar)
     full_ppl = math.exp(full_scores.nll / full_scores.n)
     records = [{"kind": "lm", "variant": "full", "keep_ratio": 1.0, "budget": None, "length": length,
                 "scored_tokens": full_scores.n, "perplexity": full_ppl, "ppl_ratio": 1.0, "kl": 0.0,
                 "top1_agreement": 1.0, "swaps": 0}]
     for k in keep_ratios:
         policies = [v.make(budgets[k], context) for v in variants]
-        caches = prefill_all(model, torch.tensor([ids[:fill[k]]], device=dev), policies)
+        caches, _ = engine.fill(policies, [ids[:fill[k]]])
         scores = [Scores() for _ in variants]
-        stream_scored(lean, ids, caches, fill[k], half + 1,
+        stream_scored(engine, ids, caches, fill[k], half + 1,
                 lambda i, pos, logp: scores[i].add(logp, full_logp[pos], ids[pos]), bar)
         for v, policy, s in zip(variants, policies, scores):
             ppl = math.exp(s.nll / s.n)

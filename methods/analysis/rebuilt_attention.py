@@ -30,7 +30,7 @@ from torch import Tensor
 from nanollm.cache import KVCache
 from nanollm.policy import CachePolicy
 
-from ..evaluation.harness import Trace
+from ..evaluation.protocol import Trace
 
 
 def rebuilt_mask(method: Trace, layer: int) -> Tensor:

@@ -83,6 +83,7 @@ from nanollm.model import Transformer
 from nanollm.policy import CachePolicy, StepContext
 
 from .. import METHODS, make_policy, method_chain
+from . import budget_for
 
 DEFAULT_CONTEXTS = [4096, 8192, 16384, 32768]
 DEFAULT_KEEP_RATIOS = [0.1, 0.25]
@@ -99,13 +100,8 @@ def bench_config(max_seq_len: int) -> ModelConfig:
                        max_seq_len=max_seq_len)
 
 
-def budget_for(keep_ratio: float, context: int) -> int:
-    """Tokens kept per layer per KV head at this keep ratio."""
-    return max(1, round(keep_ratio * context))
-
-
 @dataclass(frozen=True)
-class Variant:
+class BenchCase:
     """What one cache runs: the plain full cache (``keep_ratio`` None) or a method at a keep ratio."""
 
     method: str                         # a method spec, or "full" with keep_ratio None: the plain cache
@@ -241,7 +237,7 @@ def error_note(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
 
-def build_rows(model: Transformer, config: ModelConfig, context: int, variants: list[Variant],
+def build_rows(model: Transformer, config: ModelConfig, context: int, variants: list[BenchCase],
                prompt_queries: int, gen: torch.Generator, time_limit_s: float, bar) -> list[Row]:
     """A filled cache per variant (the same random K/V and queries for all), compressed by its method's
     prefill hooks."""
@@ -285,7 +281,7 @@ def time_steps(model: Transformer, config: ModelConfig, rows: list[Row], warmup:
                 row.fail("skipped", f"stopped after {i + 1} steps: one took {ms / 1e3:.1f} s > --time-limit")
 
 
-def bench_context(model: Transformer, config: ModelConfig, context: int, variants: list[Variant],
+def bench_context(model: Transformer, config: ModelConfig, context: int, variants: list[BenchCase],
                   prompt_queries: int, warmup: int, steps: int, seed: int, time_limit_s: float,
                   bar=None) -> tuple[list[Row], float | None]:
     """Every variant at one context: compression cost, decode step times, bytes read per step; and the
@@ -437,7 +433,7 @@ def run_bench(contexts: list[int] = DEFAULT_CONTEXTS, methods: list[str] | None 
     contexts = sorted(set(contexts))
     methods = [m for m in METHODS if m != "full"] if methods is None else list(dict.fromkeys(methods))
     keep_ratios = list(dict.fromkeys(keep_ratios))
-    variants = [Variant("full")] + [Variant(m, r) for m in methods for r in keep_ratios]
+    variants = [BenchCase("full")] + [BenchCase(m, r) for m in methods for r in keep_ratios]
     max_seq_len = max(contexts[-1] + warmup + steps + 1, prefill_context, FIXED_COST_CONTEXT + steps + 2)
     if checkpoint is None:
         config, model = bench_config(max_seq_len), None

@@ -43,7 +43,7 @@ from . import budget_for, keep_ratio, shards
 from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 from .metrics import reduce
 from .protocol import Variant, run_job
-from .side_by_side import make_engine
+from .side_by_side import ENGINES, make_engine
 from .task import TASKS
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
@@ -373,7 +373,7 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
                     help="torch CPU threads of a single-process run, at most the CPU cores (default 1: a tiny "
                          "model is dispatch-bound, so more threads only add synchronisation)")
-    ap.add_argument("--engine", choices=["fast", "plain"], default="fast",
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="fast",
                     help="fast: one prompt pass for all the caches of a sample and their decode steps side by side "
                          "(side_by_side.py); plain: nanollm's own prefill and forward, one cache at a time "
                          "(engine.py), slower; the records agree to float rounding (default %(default)s)")

@@ -18,14 +18,20 @@ from .. import make_policy
 from .metrics import lost_mass, measure
 from .protocol import Trace, continue_greedy, teacher_force
 from .side_by_side import make_engine
-from .task import TASKS
+from .task import TASKS, Task
+
+
+def task_of(sample: Sample) -> Task:
+    """The sample's task; for a sample made by hand, the synthetic tasks' defaults (its chunks, reference,
+    answer length and scorer read only the sample)."""
+    return TASKS.get(sample.task) or Task(sample.task)
 
 
 def traces(model, sample: Sample, mode: str, policies: list[CachePolicy | None], record_probs: list[bool],
            engine: str = "fast") -> list[Trace]:
     """``protocol.teacher_force`` of one sample for several policies (None: the full cache)."""
     full = [make_policy("full", budget=None) if p is None else p for p in policies]
-    return teacher_force(make_engine(engine, model), TASKS[sample.task], sample, mode, full, record_probs)
+    return teacher_force(make_engine(engine, model), task_of(sample), sample, mode, full, record_probs)
 
 
 def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None, record_probs: bool = False,
@@ -35,13 +41,13 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None, r
 
 def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace]) -> list[list[int]]:
     """Each trace's greedy answer ids, up to the end-of-text token (``protocol.continue_greedy``)."""
-    return continue_greedy(TASKS[sample.task], sample, trs, tok)
+    return continue_greedy(task_of(sample), sample, trs, tok)
 
 
 def greedy_accuracies(model, tok, sample: Sample, trs: list[Trace]) -> list[tuple[float, str]]:
     """The task's score of each trace's greedy answer, and the answer."""
     greedy_from_traces(model, tok, sample, trs)
-    return [(TASKS[sample.task].score(tr.prediction, sample), tr.prediction) for tr in trs]
+    return [(task_of(sample).score(tr.prediction, sample), tr.prediction) for tr in trs]
 
 
 def greedy_accuracy(model, tok, sample: Sample, tr: Trace) -> tuple[float, str]:

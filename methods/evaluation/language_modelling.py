@@ -55,7 +55,7 @@ from .. import METHODS, KVReviverPolicy, make_policy
 from ..presets import PRESETS, preset_options
 from . import budget_for
 from .compare import check_methods_flag
-from .side_by_side import make_engine
+from .side_by_side import ENGINES, make_engine
 
 DEFAULT_KEEP_RATIOS = [0.1, 0.2, 0.5]
 DEFAULT_LENGTH = 512
@@ -228,7 +228,7 @@ def parser() -> cli.ArgumentParser:
                     help=f"tokens of text (default {DEFAULT_LENGTH}, or the model's maximum positions if smaller)")
     ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
                     help="torch CPU threads (default %(default)s; the numbers do not depend on it)")
-    ap.add_argument("--engine", choices=["fast", "plain"], default="fast",
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="fast",
                     help="fast: one prompt pass for all the caches and their decode steps side by side; plain: "
                          "nanollm's own prefill and forward, one cache at a time, slower; the numbers agree to "
                          "float rounding (default %(default)s)")

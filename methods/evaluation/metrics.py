@@ -1,25 +1,17 @@
 """
-The metrics: one ``Metric`` entry each, in ``METRICS``. An entry says what it reads (its function gets
-the full cache's trace, the method's trace, the task and the sample), how its per-sample values reduce to
-a record's value, and whether it needs the greedy answer (``protocol.continue_greedy``) or only the
-teacher-forced trace. A new metric is one entry here; it lands in every record of ``methods.compare``.
+The metrics: one ``Metric`` entry each, in ``METRICS``: what it reads (its function gets the full cache's
+trace, the method's trace, the task and the sample), how its per-sample values reduce to a record's, and
+whether it needs the greedy answer or only the teacher-forced trace. A new metric is one entry here.
 
-* ``accuracy``: the task's score of the greedy answer (``Task.score``: RULER's ``string_match_all`` for
-  the synthetic tasks); its per-sample values are kept too (``accuracies``, for the intervals and tests);
-* ``kl``: mean next-token KL(full || method) over the answer positions;
-* ``perturbation``: relative error ||h_full - h|| / ||h_full|| of the final hidden state at the first
-  decode step (the first moment a prompt compression can show: prompt attention itself is exact);
-* ``attn_l1``: per layer and query head, ||o_full - o||_1 of the attention output at that step;
-* ``lost_mass``: the full-attention probability mass, at that step, on positions whose raw key and value
-  the method does not hold (mean over layers and heads). An entry a method *rebuilds* (KVReviver's sketch)
-  counts as lost: its error shows in ``attn_l1``, ``perturbation`` and ``kl`` instead;
-* ``kv_bytes``: peak K/V bytes over all layers, with the slots a policy keeps outside the storage (a
-  sketch's cells); ``extra_bytes``: peak bytes of what else it keeps (H2O's scores, side tables);
-* ``compress_ms``: time in the policy's hooks; ``decode_ms_per_token``: the engine's step time given to
-  this cache per answer token. The plain engine steps each cache alone; the fast one steps them together
-  and gives each its own attention plus an equal share of the rest: a shared-step time, to compare
-  within one run, not a benchmark (that is ``bench.py``);
-* ``predictions``: the greedy answers' text, to score anew from a records file (``rescore``).
+accuracy: the task's score of the greedy answer (``accuracies``: each sample's). kl: mean next-token
+KL(full || method) over the answer. perturbation: ||h_full - h|| / ||h_full|| of the final hidden state at
+the first decode step (where a prompt compression first shows). attn_l1: ||o_full - o||_1 of the attention
+output there, per layer and query head. lost_mass: the full attention's mass there on positions whose raw
+key and value the method does not hold (a rebuilt entry counts as lost; its error shows in the others).
+kv_bytes: peak K/V bytes, sketch cells included; extra_bytes: peak bytes of the rest (H2O's scores).
+compress_ms: time in the policy's hooks. decode_ms_per_token: the engine's step time given to the cache per
+answer token (the fast engine: its own attention plus an equal share of the shared step; not a benchmark).
+predictions, references: each sample's greedy answer and reference answers, to score anew (``rescore``).
 """
 
 from __future__ import annotations
@@ -75,6 +67,7 @@ METRICS = [
     Metric("compress_ms", lambda f, m, task, s: m.compress_ms),
     Metric("decode_ms_per_token", lambda f, m, task, s: m.decode_ms_per_token),
     Metric("predictions", lambda f, m, task, s: m.prediction, reduce="list", answer=True),
+    Metric("references", lambda f, m, task, s: s.answers, reduce="list", answer=True),
 ]
 
 
@@ -90,7 +83,10 @@ def reduce(values: list[dict], metrics: list[Metric] = METRICS) -> dict:
     for m in metrics:
         xs = [v[m.name] for v in values]
         if m.reduce == "mean":
-            out[m.name] = sum(xs) / len(xs)
+            total = 0.0
+            for x in xs:                                     # in sample order (sum() may round otherwise)
+                total += x
+            out[m.name] = total / len(xs)
         elif m.reduce == "max":
             out[m.name] = max(xs)
         elif m.reduce == "mean_each":                        # summed in float32 in sample order, as recorded
@@ -98,24 +94,34 @@ def reduce(values: list[dict], metrics: list[Metric] = METRICS) -> dict:
             for x in xs[1:]:
                 total = total + torch.tensor(x)
             out[m.name] = (total / len(xs)).tolist()
-        else:
+        elif m.reduce == "list":
             out[m.name] = xs
+        else:
+            raise ValueError(f"metric {m.name!r}: unknown reduce {m.reduce!r}")
         if m.keep:
             out[m.keep] = xs
     return out
 
 
 def rescore(records: list[dict], tok, seed: int, metric: Metric = METRICS[0]) -> list[list]:
-    """Per record of ``methods.compare`` (with its ``predictions``): ``metric`` of each sample's answer,
-    from the records alone: each sample is made again from its task, length and seed (the run's ``seed``
-    plus the sample's index), and ``metric.value`` gets a trace that holds only the prediction."""
+    """Per record of ``methods.compare``: an answer-level ``metric`` of each sample's kept answer, from the
+    records alone. Each sample is made again from its task, length and seed (the run's ``seed`` plus its
+    index) and must have the record's ``references`` (else a ValueError: this code or tokenizer makes
+    other samples); ``metric.value`` gets a trace that holds only the answer."""
+    if not metric.answer:
+        raise ValueError(f"metric {metric.name!r} reads the traces, which a records file does not keep")
+
     class Answer:
         def __init__(self, text: str) -> None:
             self.prediction = text
-    samples: dict = {}                         # (task, length, seed): each sample made once for all its records
+    out, samples = [], {}                      # samples: (task, length, seed) -> each made once for all records
     for r in records:
-        for i in range(len(r["predictions"])):
-            if (r["task"], r["length"], seed + i) not in samples:
-                samples[r["task"], r["length"], seed + i] = TASKS[r["task"]].sample(tok, r["length"], seed + i)
-    return [[metric.value(None, Answer(text), TASKS[r["task"]], samples[r["task"], r["length"], seed + i])
-             for i, text in enumerate(r["predictions"])] for r in records]
+        keys = [(r["task"], r["length"], seed + i) for i in range(len(r["predictions"]))]
+        for key, refs in zip(keys, r["references"]):
+            if key not in samples:
+                samples[key] = TASKS[key[0]].sample(tok, key[1], key[2])
+            if samples[key].answers != refs:
+                raise ValueError(f"sample {key} is not the one the records were made from: {refs}")
+        out.append([metric.value(None, Answer(text), TASKS[k[0]], samples[k])
+                    for text, k in zip(r["predictions"], keys)])
+    return out

@@ -1,17 +1,13 @@
 """
 The protocol: one sample through the full cache and every method, on one engine (``engine.py``).
 
-1. **Teacher forcing** (``teacher_force``). Every cache is filled with the same prompt, then fed the
-   *reference* answer one token at a time, so the full cache and every method see exactly the same tokens
-   and their next-token distributions can be compared position by position. The first decode step (the
-   one that feeds the first answer token: the first moment a prompt compression can show) is recorded
-   in detail by a ``Probe`` around each policy.
-2. **Greedy answers from forks** (``continue_greedy``). Greedy decoding from the same prefix gives the
-   same logits as the teacher-forced trace, so as long as the trace's argmax is the reference token,
-   greedy decoding *is* the trace. At the first answer position where it is not, teacher forcing keeps a
-   copy of the cache (policy included, ``Trace.fork``); the greedy answer is the reference up to there,
-   then the method's own tokens from that copy, up to the end-of-text token or the task's answer length.
-   This is the answer a fresh ``nanollm.data.evaluate.answer`` gives (tested token for token).
+1. **Teacher forcing** (``teacher_force``): every cache gets the same prompt, then the *reference* answer one
+   token at a time, so all see the same tokens and their next-token distributions compare position by
+   position. A ``Probe`` around each policy records the first decode step (where a compression first shows).
+2. **Greedy answers from forks** (``continue_greedy``): while the trace's argmax is the reference token,
+   greedy decoding *is* the trace. Where it first is not, teacher forcing keeps a copy of the cache
+   (``Trace.fork``); the greedy answer is the reference up to there, then the method's own tokens from that
+   copy, to the end-of-text token or the answer length: a fresh ``evaluate.answer``'s (tested).
 
 ``run_job``, the main loop of ``methods.compare``: one (task, sample, mode), every method at every budget.
 """
@@ -36,10 +32,9 @@ from .task import TASKS, Task
 
 
 class Probe(PolicyWrapper):
-    """Wraps a policy (everything is the inner policy's): times its hooks and, while ``recording``, keeps
-    per layer what the step attended, for batch row 0: the last query's attention output ``outs`` (H, d),
-    the positions stored exactly ``pos`` (H_kv, T) and, with ``record_probs``, the attention probabilities
-    ``probs`` (H, T) over the positions ``attended`` (H_kv, T)."""
+    """Wraps a policy: times its hooks and, while ``recording``, keeps per layer, for batch row 0, the last
+    query's attention output ``outs`` (H, d), the positions stored exactly ``pos`` (H_kv, T) and, with
+    ``record_probs``, the probabilities ``probs`` (H, T) over the positions ``attended`` (H_kv, T)."""
 
     def __init__(self, inner: CachePolicy, record_probs: bool = False) -> None:
         self.inner, self.record_probs, self.recording, self.compress_s = inner, record_probs, False, 0.0
@@ -78,7 +73,7 @@ class Probe(PolicyWrapper):
 class Trace:
     """One cache's teacher-forced answer; ``continue_greedy`` adds its greedy answer."""
     probe: Probe
-    cache: KVCache
+    cache: KVCache | None              # while teacher forcing
     logits: list = field(default_factory=list)   # logits[m] (V,) predicts the reference's token m; stacked at the end
     hidden: Tensor | None = None       # (D,) final hidden state at the first decode step
     kv_bytes: int = 0                  # peak K/V bytes, with the slots a policy keeps outside the storage
@@ -135,6 +130,7 @@ def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePol
         if tr.fork is None:                                     # greedy follows the whole reference
             tr.cache.policy = tr.probe.inner
             tr.fork = (len(tr.logits) - 1, tr.cache)
+        tr.cache = None                                         # greedy needs only the fork
     return trs
 
 

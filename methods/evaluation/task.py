@@ -1,11 +1,9 @@
 """
 A task: what the evaluation asks of one kind of sample. A new task is one class, named in ``TASKS``.
 
-    task = TASKS["niah_multikey"]
-    sample = task.sample(tok, 512, seed=0)
+    task = TASKS["niah_multikey"]; sample = task.sample(tok, 512, seed=0)
     task.chunks(sample, "question_after_context")   # [context ids, question ids]: fed one after the other
-    task.reference(sample)                          # the answer's ids: fed one at a time (teacher forcing)
-    task.score(" 4821733", sample)                  # the greedy answer's text -> a score in [0, 1]
+    task.reference(sample)                          # the answer's ids, fed one at a time (teacher forcing)
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ class DocsContinuation(Task):
     def sample(self, tok, length: int, seed: int) -> Sample:
         rng, paragraphs = random.Random(f"{self.name}/{seed}"), docs_paragraphs()
         start = rng.randrange(len(paragraphs))
-        text = "\n".join(paragraphs[(start + k) % len(paragraphs)] for k in range(1 + length // 40))
+        text = " ".join(paragraphs[(start + k) % len(paragraphs)] for k in range(1 + length // 40))   # one line
         context_ids = tok.encode(text)[:length - self.ROOM]
         words = tok.decode(context_ids).split()
         if len(words) // 2 <= self.CUE + self.ANSWER:
@@ -77,7 +75,7 @@ class DocsContinuation(Task):
         return min(len(sample.target_ids) + 4, model.config.max_seq_len - len(sample.prompt_ids) + 1)
 
     def score(self, prediction: str, sample: Sample) -> float:
-        said, want = prediction.split(), sample.answers[0].split()
+        said, want = ([w.strip('"\'.,;:') for w in text.split()] for text in (prediction, sample.answers[0]))
         n = 0
         while n < min(len(said), len(want)) and said[n] == want[n]:
             n += 1

@@ -40,7 +40,7 @@ from nanollm.io.files import atomic_write_text
 from .. import METHODS, make_policy, method_chain
 from . import budget_for
 from .compare import DEFAULT_KEEP_RATIOS
-from .side_by_side import ROWS, FastEngine, step_many
+from .side_by_side import ROWS, FastEngine, make_engine, step_many
 
 
 def sync(device: torch.device) -> None:
@@ -81,7 +81,7 @@ def run(model, tok, task: str, methods: list[str], keep_ratios: list[float], len
     sample = make_sample(task, tok, length - steps, seed=0)
     specs = [("full", None)] + [(m, budget_for(r, length)) for m in methods if m != "full" for r in keep_ratios]
     tokens = (sample.target_ids * steps)[:steps]                # the answer's tokens, fed as decoding would
-    engine = FastEngine(model)
+    engine = make_engine("fast", model)
     t0 = time.perf_counter()
     caches, _ = engine.fill([make_policy(m, budget=b) for m, b in specs], [sample.prompt_ids])
     prefill_s = time.perf_counter() - t0
@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> dict:
             cli.fail(f"--length {args.length}: {e}")
         torch.set_num_threads(args.threads)
         model, tok, _ = load(args.checkpoint, device=args.device)
+        try:
+            make_engine("fast", model)                 # the fast engine's step is what this command times
+        except ValueError as e:
+            cli.fail(str(e))
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         prov = provenance(argv, prog=ap.prog, threads=args.threads, dtype=dtype, seed=0)
         print(header(prov), flush=True)

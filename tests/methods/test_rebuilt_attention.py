@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from methods import make_policy
 from methods.analysis.rebuilt_attention import key_norm_ratio, rebuilt_attention_mass, rebuilt_mask
-from methods.evaluation.harness import Trace, traces
+from methods.evaluation.harness import traces
 from nanollm import KVCache, extend, prefill, preset
 from nanollm.data.tasks import Sample
 
 
-def hand_trace(probs: torch.Tensor, attended: torch.Tensor, exact: torch.Tensor) -> Trace:
-    """A one-layer trace with the given first-step probabilities (H, T), attended and exact positions."""
-    return Trace(logits=torch.zeros(1, 4), hidden=torch.zeros(4), outs={}, pos={0: exact}, probs={0: probs},
-                 attended={0: attended}, kv_bytes=0, extra_bytes=0, compress_ms=0.0, decode_ms_per_token=0.0)
+def hand_trace(probs: torch.Tensor, attended: torch.Tensor, exact: torch.Tensor) -> SimpleNamespace:
+    """What the analysis reads of a one-layer ``Trace``: the first step's probabilities (H, T), attended and
+    exact positions."""
+    return SimpleNamespace(pos={0: exact}, probs={0: probs}, attended={0: attended})
 
 
 def test_masses_by_hand():

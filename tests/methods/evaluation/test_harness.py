@@ -161,7 +161,7 @@ def test_cli_help_documents_every_flag(capsys):
         compare_main(["--help"])
     text = capsys.readouterr().out
     for flag in ["--methods", "--budgets", "--keep-ratios", "--tasks", "--modes", "--samples", "--length",
-                 "--seed", "--device", "--json", "--plot", "--checkpoint", "--threads", "--preset"]:
+                 "--seed", "--device", "--json", "--plot", "--checkpoint", "--threads", "--preset", "--engine"]:
         assert flag in text
 
 

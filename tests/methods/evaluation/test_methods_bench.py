@@ -21,7 +21,7 @@ import torch
 
 from methods import make_policy
 from methods.evaluation.bench import (
-    Variant,
+    BenchCase,
     bench_config,
     bench_context,
     compress_as_prefill,
@@ -87,7 +87,7 @@ def test_bytes_read_are_what_the_storage_holds(model) -> None:
     """kv_bytes is the storage at the moment a step attends: the whole cache for the full cache and SnapKV
     (nothing is evicted after the prompt), one entry per head more than what H2O keeps after its eviction."""
     T, warmup, steps = 256, 1, 2
-    variants = [Variant("full"), Variant("snapkv", 0.25), Variant("h2o", 0.25)]
+    variants = [BenchCase("full"), BenchCase("snapkv", 0.25), BenchCase("h2o", 0.25)]
     rows, fixed_ms = bench_context(model, CONFIG, T, variants, prompt_queries=16, warmup=warmup, steps=steps,
                                    seed=0, time_limit_s=60.0)
     full, snap, h2o = rows
@@ -127,14 +127,14 @@ def test_a_failing_method_is_reported_not_hidden(model, monkeypatch) -> None:
             raise RuntimeError("broken on purpose")
 
     monkeypatch.setattr("methods.evaluation.bench.make_policy", lambda spec, budget: Broken(budget=budget))
-    rows, _ = bench_context(model, CONFIG, 128, [Variant("full"), Variant("snapkv", 0.25)], prompt_queries=8,
+    rows, _ = bench_context(model, CONFIG, 128, [BenchCase("full"), BenchCase("snapkv", 0.25)], prompt_queries=8,
                             warmup=1, steps=1, seed=0, time_limit_s=60.0)
     assert rows[0].status == "ok"
     assert rows[1].status == "error" and "broken on purpose" in rows[1].note and rows[1].cache is None
 
 
 def test_a_slow_method_is_stopped_and_reported(model) -> None:
-    rows, _ = bench_context(model, CONFIG, 128, [Variant("full"), Variant("h2o", 0.5)], prompt_queries=8,
+    rows, _ = bench_context(model, CONFIG, 128, [BenchCase("full"), BenchCase("h2o", 0.5)], prompt_queries=8,
                             warmup=0, steps=3, seed=0, time_limit_s=1e-9)     # every step is "too slow"
     assert all(r.status == "skipped" and "--time-limit" in r.note and len(r.step_ms_all) == 1 for r in rows)
 
