@@ -4,8 +4,8 @@ An engine: the two things an evaluation asks of the model, for a list of caches 
     caches, logits = engine.fill(policies, chunks)           # each cache holds the prompt; logits (N, V)
     logits, hidden, seconds = engine.step(caches, tokens)    # one more token into each cache
 
-``PlainEngine``: nanollm's reading path, one cache after another (``prefill`` and ``extend``, the model's
-forward). ``side_by_side.FastEngine``: the same numbers to float rounding, faster. ``--engine`` picks one.
+``PlainEngine``: nanollm's reading path (``prefill``, ``extend``, the model's forward), one cache after
+another; ``side_by_side.FastEngine``: the same numbers to float rounding, faster. ``--engine`` picks one.
 """
 
 from __future__ import annotations
@@ -29,22 +29,24 @@ class PlainEngine:
 
     @torch.no_grad()
     def fill(self, policies: list[CachePolicy], chunks: list[list[int]]) -> tuple[list[KVCache], Tensor]:
-        """A cache per policy holding the prompt: ``chunks[0]`` in one prompt pass, each later chunk ``extend``-ed
-        onto the (maybe compressed) cache. Returns the caches and each one's last logits (N, V)."""
+        """A cache per policy holding the prompt (``chunks[0]`` prefilled, the rest extended); last logits (N, V)."""
         caches, last = [], []
         for policy in policies:
             cache = KVCache(self.model.config, policy=policy)
             logits = prefill(self.model, torch.tensor([chunks[0]], device=self.device), cache)
-            for chunk in chunks[1:]:
-                logits = extend(self.model, torch.tensor([chunk], device=self.device), cache)
             caches.append(cache)
-            last.append(logits[0, -1])
+            last.append(self.extend_rest(cache, logits, chunks))
         return caches, torch.stack(last)
+
+    def extend_rest(self, cache: KVCache, logits: Tensor, chunks: list[list[int]]) -> Tensor:
+        """``extend`` the chunks after the first onto a cache that holds the first; the last logits (V,)."""
+        for chunk in chunks[1:]:
+            logits = extend(self.model, torch.tensor([chunk], device=self.device), cache)
+        return logits[0, -1]
 
     @torch.no_grad()
     def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:
-        """``tokens[n]`` into ``caches[n]``: the logits (N, V), the final hidden states (N, D) and the seconds
-        of each cache's step."""
+        """``tokens[n]`` into ``caches[n]``: logits (N, V), final hidden states (N, D), each cache's seconds."""
         logits, hidden, seconds = [], [], []
         for cache, token in zip(caches, tokens):
             t0 = time.perf_counter()

@@ -17,6 +17,7 @@ predictions, references: each sample's greedy answer and reference answers, to s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -110,10 +111,6 @@ def rescore(records: list[dict], tok, seed: int, metric: Metric = METRICS[0]) ->
     other samples); ``metric.value`` gets a trace that holds only the answer."""
     if not metric.answer:
         raise ValueError(f"metric {metric.name!r} reads the traces, which a records file does not keep")
-
-    class Answer:
-        def __init__(self, text: str) -> None:
-            self.prediction = text
     out, samples = [], {}                      # samples: (task, length, seed) -> each made once for all records
     for r in records:
         keys = [(r["task"], r["length"], seed + i) for i in range(len(r["predictions"]))]
@@ -122,6 +119,6 @@ def rescore(records: list[dict], tok, seed: int, metric: Metric = METRICS[0]) ->
                 samples[key] = TASKS[key[0]].sample(tok, key[1], key[2])
             if samples[key].answers != refs:
                 raise ValueError(f"sample {key} is not the one the records were made from: {refs}")
-        out.append([metric.value(None, Answer(text), TASKS[k[0]], samples[k])
+        out.append([metric.value(None, SimpleNamespace(prediction=text), TASKS[k[0]], samples[k])
                     for text, k in zip(r["predictions"], keys)])
     return out

@@ -35,7 +35,7 @@ from torch import Tensor
 from fastpath.lean import LeanDecoder
 from nanollm.attention import prompt_statistics, rope_cos_sin
 from nanollm.cache import KVCache, LayerKV
-from nanollm.generation import extend, prefill
+from nanollm.generation import prefill
 from nanollm.policy import CachePolicy, Needs, StepContext
 
 from .engine import PlainEngine
@@ -144,12 +144,12 @@ def step_many(lean: LeanDecoder, tokens: list[Tensor], caches: list[KVCache],
     return logits, h
 
 
-class FastEngine:
+class FastEngine(PlainEngine):
     """``PlainEngine``'s ``fill`` and ``step``, fast, with the same numbers to float rounding (a test compares
     ``methods.compare``'s records under both):
 
-    * ``fill``: one prompt pass for every cache (``FanOut``), when it can serve every policy; else one pass
-      per cache, as the plain engine does. A further chunk (the question after the context) is
+    * ``fill``: one prompt pass for every cache (``FanOut``), when it can serve every policy; else the plain
+      engine's ``fill``, one pass per cache. A further chunk (the question after the context) is
       ``extend``-ed onto each cache.
     * ``step``: all the caches in one ``step_many`` of the lean decoder (``fastpath/lean.py``). The seconds
       given to a cache are its own attention (storage, attention, its policy's hooks) plus an equal share
@@ -162,23 +162,20 @@ class FastEngine:
     name = "fast"
 
     def __init__(self, model) -> None:
-        self.model, self.lean = model, LeanDecoder(model)
-        self.device = next(model.parameters()).device
+        super().__init__(model)
+        self.lean = LeanDecoder(model)
 
     @torch.no_grad()
     def fill(self, policies: list[CachePolicy], chunks: list[list[int]]) -> tuple[list[KVCache], Tensor]:
-        first = torch.tensor([chunks[0]], device=self.device)
         caches = [KVCache(self.model.config, policy=p) for p in policies]
         try:
-            logits = [prefill(self.model, first, KVCache(self.model.config, policy=FanOut(caches)))] * len(caches)
-            for cache in caches:
-                cache.seen = first.shape[1]
-        except SharedPrefillUnsupported:                 # start again, one prompt pass per cache
-            caches = [KVCache(self.model.config, policy=p) for p in policies]    # a new cache resets its policy
-            logits = [prefill(self.model, first, cache) for cache in caches]
-        for n, chunk in ((n, c) for n in range(len(caches)) for c in chunks[1:]):
-            logits[n] = extend(self.model, torch.tensor([chunk], device=self.device), caches[n])
-        return caches, torch.stack([lg[0, -1] for lg in logits])
+            logits = prefill(self.model, torch.tensor([chunks[0]], device=self.device),
+                             KVCache(self.model.config, policy=FanOut(caches)))
+        except SharedPrefillUnsupported:                 # one prompt pass per cache; a new cache resets its policy
+            return super().fill(policies, chunks)
+        for cache in caches:
+            cache.seen = len(chunks[0])
+        return caches, torch.stack([self.extend_rest(cache, logits, chunks) for cache in caches])
 
     @torch.no_grad()
     def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:

@@ -253,7 +253,9 @@ def test_one_prompt_pass_gives_the_same_traces(loaded, mode, monkeypatch):
     model, tok, _ = loaded
     s = make_sample("niah_single_noise", tok, LENGTH, seed=6)
     passes = []
-    monkeypatch.setattr(side_by_side, "prefill", lambda *a: passes.append(1) or prefill(*a))
+    import methods.evaluation.engine as engine
+    for module in (side_by_side, engine):                             # the shared pass, and the fallback's
+        monkeypatch.setattr(module, "prefill", lambda *a: passes.append(1) or prefill(*a))
 
     def policies(extra=()):
         return [None] + [make_policy(n, budget=b) for n in sorted(METHODS) if n != "full" for b in (30, 120)] + \
