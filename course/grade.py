@@ -151,7 +151,7 @@ def pytest_sessionfinish(session, exitstatus):
 BOOT = '''\
 import sys
 sys.path[:0] = [{tests!r}]
-sys.path += {site_dirs!r}
+sys.path += {site_dirs!r} + [{reference!r}]          # last: the instructor's library (oracle.reference)
 try:
     import ctypes
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)            # PR_SET_DUMPABLE = 0
@@ -375,7 +375,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
                 args = ["-q", "-p", "no:cacheprovider", "-c", str(here / "pytest.ini"), "--rootdir", str(here),
                         "--continue-on-collection-errors", *[node[n] for n in remaining]]
                 cmd = [sys.executable, "-I", "-S", "-B", "-c",
-                       BOOT.format(tests=str(here), site_dirs=site_dirs(), args=args)]
+                       BOOT.format(tests=str(here), site_dirs=site_dirs(), reference=str(ROOT), args=args)]
                 before = len(results.read())
                 code, why = watch(cmd, here, env, results, out / "log.txt", per_test_s, t0 + limit)
                 log = (out / "log.txt").read_text(errors="replace")

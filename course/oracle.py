@@ -22,6 +22,50 @@ def points(n: float, task: str | None = None):
     return mark
 
 
+def mismatches(got: Tensor, want: Tensor, atol: float = 0.0, rtol: float = 0.0) -> Tensor:
+    """A bool tensor of the places where ``got`` is wrong: off ``want`` by more than ``atol + rtol * |want|``,
+    or NaN / inf where ``want`` does not hold the same NaN or the same infinity (a comparison such as
+    ``(got - want).abs() > tol`` is False for NaN, so it would pass a NaN answer)."""
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    if not (got.is_floating_point() or want.is_floating_point()):
+        return got != want
+    got, want = got.double(), want.double()
+    special = (got.isnan() & want.isnan()) | (got.isinf() & (got == want))    # the same NaN or infinity
+    close = got.isfinite() & want.isfinite() & ((got - want).abs() <= atol + rtol * want.abs())
+    return ~(close | special)
+
+
+def written(t: Tensor) -> Tensor:
+    """Mark a tensor the test passes as one the student's code is graded for writing into (an output buffer, a
+    sketch's cells): its writes come back into ``t``. Any other tensor a test passes keeps the test's values
+    whatever the student's code does to its copy. Compute the expected values before the call, from a clone."""
+    t.takes_writes = True
+    return t
+
+
+def reference(module: str):
+    """A module of the instructor's own library (the reference solution), imported here in the test process,
+    which never runs the student's code: a test runs the reference policy with the student's function in
+    place of the graded one (``with patched(reference("methods.x"), f=A.adapter)``), so no reference function
+    ever reaches the student's process."""
+    import importlib
+    return importlib.import_module(module)
+
+
+@contextmanager
+def patched(module, **functions):
+    """Within: the reference library ``module`` (a module object) calls these functions in place of its own
+    (the student's, through the adapters: each call is answered by the student's process)."""
+    saved = {name: getattr(module, name) for name in functions}
+    try:
+        for name, f in functions.items():
+            setattr(module, name, f)
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(module, name, f)
+
+
 def address(t: Tensor) -> int:
     """Where the student's code holds the tensor ``t`` (its ``data_ptr`` there: the tests get copies)."""
     return getattr(t, "student_address", None) or t.data_ptr()

@@ -159,10 +159,9 @@ class Connection:
             return [self.encode(v) for v in value]
         if isinstance(value, dict):
             return {"dict": {k: self.encode(v) for k, v in value.items()}}
-        if callable(value):
-            key = next(self.ids)
-            self.callbacks[key] = value
-            return {"callback": key}
+        if callable(value):                        # a reference would be the student's to keep and call
+            raise TypeError("the tests pass no function to the student's code (run the reference here, with the "
+                            "student's function in its place: oracle.reference and oracle.patched)")
         raise TypeError(f"cannot pass a {type(value).__name__} to the student's code")
 
     def decode(self, value):

@@ -105,8 +105,11 @@ def receive(fd: int):
 
 class Mirrors:
     """Tensors that crossed between the two processes. Each side holds its own copy under a shared key; a
-    change made in place on one side reaches the other with the next message, so writing into a tensor the
-    other side passed or handed out works as in one process. The student's side compares each copy with what
+    change the tests make in place reaches the student's process with the next message, and so does a change the
+    student's code makes to a tensor it handed out (a cache's storage). A change the student's code makes to a
+    tensor the tests passed in never reaches the tests' copy: a test's inputs stay what it made, so the expected
+    value it computes from them afterwards cannot be fed; if the student's code returns that tensor, the test
+    gets its new values in a tensor of its own. The student's side compares each copy with what
     was last sent or received (a kernel writes without telling torch); the tests' side, whose writes are torch
     operations, compares version counters. Keys: the test process makes odd ones, the student's even."""
 
@@ -116,6 +119,7 @@ class Mirrors:
         self.recent: list = []     # tensors received since our last message: alive until it is sent (a write
         #                            into a temporary that is then dropped still reaches the other side)
         self.theirs: set[int] = set()                  # the keys the other side still holds (its last message)
+        self.rewritten: dict[int, object] = {}         # the tests' side: its inputs as the student's code left them
 
     def encode(self, t) -> dict:
         import weakref
@@ -133,6 +137,8 @@ class Mirrors:
     def decode(self, d: dict):
         import weakref
         key = d["key"]
+        if key in self.rewritten:                     # the tests' input, written by the student's code: its new
+            return self.rewritten[key]                # values, in a tensor of their own (the input is unchanged)
         held = self.table.get(key)
         if held is not None and held[0]() is not None:
             return held[0]()                          # our own tensor, back from the other side
@@ -177,6 +183,7 @@ class Mirrors:
 
     def receive(self, message: dict) -> None:
         """Take the other side's changes and what it holds."""
+        self.rewritten.clear()                        # what this message's values refer to
         self.apply(message.get("changes"))
         self.theirs = set(message.get("held", ()))
 
@@ -191,6 +198,10 @@ class Mirrors:
             t = held[0]() if held is not None else None
             if t is None:
                 continue
+            if self.tests_side and key % 2 == 1 and not getattr(t, "takes_writes", False):
+                # a tensor the tests passed (not marked by oracle.written): the student's write never reaches
+                self.rewritten[key] = value           # it (a test's expected value cannot be fed); the new values
+                continue                              # come back only as what the student's code returns
             with torch.no_grad():
                 if t.shape == value.shape and t.dtype == value.dtype:
                     t.copy_(value)
