@@ -151,7 +151,8 @@ def pytest_sessionfinish(session, exitstatus):
 BOOT = '''\
 import sys
 sys.path[:0] = [{tests!r}]
-sys.path += {site_dirs!r} + [{reference!r}]          # last: the instructor's library (oracle.reference)
+sys.path += {site_dirs!r} + {reference!r}          # last: the instructor's library (oracle.reference), where the
+#                                                   hidden tests are: a student copy has none, nor a reference
 try:
     import ctypes
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)            # PR_SET_DUMPABLE = 0
@@ -341,6 +342,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
     """Run the assignment's tests against ``student`` (only those of ``tasks`` if given); (results, seconds,
     pytest's output, the user the student's code ran as)."""
     tests = assignment.tests(hidden)
+    reference = [str(ROOT)] if any(t.name == "test_hidden.py" for t in tests) else []     # oracle.reference
     with tempfile.TemporaryDirectory(prefix=f"grade-{assignment.name}-") as tmp, \
             tempfile.TemporaryDirectory(prefix="grade-results-") as out, \
             tempfile.TemporaryDirectory(prefix="grade-copy-") as copy, \
@@ -375,7 +377,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
                 args = ["-q", "-p", "no:cacheprovider", "-c", str(here / "pytest.ini"), "--rootdir", str(here),
                         "--continue-on-collection-errors", *[node[n] for n in remaining]]
                 cmd = [sys.executable, "-I", "-S", "-B", "-c",
-                       BOOT.format(tests=str(here), site_dirs=site_dirs(), reference=str(ROOT), args=args)]
+                       BOOT.format(tests=str(here), site_dirs=site_dirs(), reference=reference, args=args)]
                 before = len(results.read())
                 code, why = watch(cmd, here, env, results, out / "log.txt", per_test_s, t0 + limit)
                 log = (out / "log.txt").read_text(errors="replace")

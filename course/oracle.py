@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -49,6 +50,10 @@ def reference(module: str):
     place of the graded one (``with patched(reference("methods.x"), f=A.adapter)``), so no reference function
     ever reaches the student's process."""
     import importlib
+    import sys
+    if not any((Path(p) / "course" / "oracle.py").exists() for p in sys.path[1:]):
+        raise ImportError("no reference library: the hidden tests' grader has it, a student copy does not (a "
+                          "public test must not use oracle.reference)")
     return importlib.import_module(module)
 
 
