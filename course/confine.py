@@ -15,12 +15,15 @@ What keeps a graded copy's code away from its grade (Linux; elsewhere the first 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -136,6 +139,116 @@ def parents() -> dict[int, int]:
             except (OSError, ValueError, IndexError):
                 continue                            # gone meanwhile
     return out
+
+
+# -- the room the student's code runs in (course/jail.py) ---------------------------------------------------
+
+JAIL = Path(__file__).with_name("jail.py")
+PROJECT = ("nanollm", "methods", "kernels", "course", "tests")     # the library and its tests, in site-packages
+
+
+def is_inside(path: str, folder: str) -> bool:
+    path, folder = os.path.normpath(path), os.path.normpath(folder)
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def installed_library(site_dirs: list[str], root: Path) -> list[str]:
+    """What site-packages holds of this project: its packages installed as files, the editable install's
+    finder, ``.pth`` and metadata (``direct_url.json`` names the instructor's checkout), and their caches."""
+    found = []
+    for folder in site_dirs:
+        for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            path = os.path.join(folder, entry)
+            ours = entry in PROJECT or entry.startswith(("__editable__", "nanokv-", "nanokv.")) \
+                or entry.endswith(".egg-link")
+            if not ours and entry.endswith((".pth", ".dist-info", ".egg-info")):
+                try:
+                    text = open(path).read(1 << 16) if os.path.isfile(path) else \
+                        open(os.path.join(path, "direct_url.json")).read(1 << 16)
+                    ours = str(root) in text
+                except OSError:
+                    pass
+            if ours:
+                found.append(path)
+        cache = os.path.join(folder, "__pycache__")
+        if os.path.isdir(cache):
+            found += [os.path.join(cache, e) for e in sorted(os.listdir(cache)) if e.startswith("__editable__")]
+    return found
+
+
+def jail_spec(root: str, read: list[str], write: list[str], hide: list[str], user: str) -> dict:
+    """What course/jail.py builds: ``read`` and ``write`` bound into a new root (under the empty folder
+    ``root``), and of ``hide`` what one of them would show (a path inside a bound folder) masked."""
+    mask = [h for h in hide if any(is_inside(h, folder) for folder in [*read, *write, *JAIL_SYSTEM])]
+    return {"root": root, "read": read, "write": write, "mask": mask, "user": user}
+
+
+JAIL_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # as jail.SYSTEM
+
+
+def jailed(spec: dict, cmd: list[str]) -> list[str]:
+    """``cmd`` run inside the room ``spec`` describes."""
+    return [sys.executable, "-I", "-S", "-B", "-c", JAIL.read_text(), json.dumps(spec), "--", *cmd]
+
+
+def jail_works(spec: dict) -> str | None:
+    """None if a room like ``spec`` can be built here and Python runs in it, reading its packages (as
+    ``spec["user"]``); else why not, in one line."""
+    if not sys.platform.startswith("linux"):
+        return f"no private file system on {sys.platform}"
+    check = "import os, sys; [os.listdir(p) for p in sys.argv[1:]]"
+    cmd = jailed({**spec, "root": tempfile.mkdtemp(prefix="jail-probe-", dir=os.path.dirname(spec["root"]))},
+                 [sys.executable, "-I", "-S", "-B", "-c", check, *spec["read"]])
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                              cwd=spec["write"][0] if spec["write"] else "/", env={"PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"jail: {e}"
+    if done.returncode == 0:
+        return None
+    lines = [s for s in (done.stderr or "").splitlines() if s.strip()]
+    return lines[-1] if lines else f"the probe exited with code {done.returncode}"
+
+
+def room(parent: Path, copy: Path, home: Path, site_dirs: list[str], root: Path) -> tuple[dict | None, str]:
+    """The room for a student's process (course/jail.py): (its spec, how the code runs there), or (None, why it
+    cannot be built here). ``copy`` is bound read-only, ``home`` writable, Python and ``site_dirs`` read-only;
+    the instructor's checkout ``root`` and the library installed in site-packages are hidden. As root the code
+    runs as nobody where nobody can read Python's files in the room, else as root without capabilities."""
+    python = [sys.base_prefix, sys.prefix, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
+              os.path.dirname(os.path.realpath(sys.executable))]
+    read = list(dict.fromkeys([*python, *site_dirs, str(copy)]))
+    hide = list(dict.fromkeys([str(root), str(root.resolve()), *installed_library(site_dirs, root)]))
+    users = {"nobody": "nobody", "drop": "root without capabilities"} if os.geteuid() == 0 else \
+        {"keep": "the grader's user"}
+    why = ""
+    for user, who in users.items():
+        if user == "nobody":
+            os.chown(home, NOBODY, NOBODY)
+        folder = Path(tempfile.mkdtemp(prefix="room-", dir=parent))
+        spec = jail_spec(str(folder), read, [str(home)], hide, user)
+        why = jail_works(spec)
+        if why is None:
+            return spec, f"{who}, in a private file system (the copy and Python only)"
+        if user == "nobody":
+            os.chown(home, 0, 0)
+    return None, why
+
+
+def readable_unconfined(root: Path, nobody: bool) -> list[str]:
+    """What of the grader's a student's code outside the room can read: the instructor's checkout (the
+    solutions, the hidden tests) unless it runs as nobody and the checkout is closed to others."""
+    secret = root / "course" / "oracle.py"
+    return [str(root)] if not nobody or readable_by_others(secret) else []
+
+
+def unconfined(root: Path, nobody: bool, why: str) -> str:
+    """How the student's code runs where no room can be built (``why``), and what it can read, in a line."""
+    who = "as nobody" if nobody else "as root without capabilities" if os.geteuid() == 0 else "as the grader's user"
+    seen = readable_unconfined(root, nobody)
+    return (f"{who} (no private file system: {why}): it could read " +
+            (f"{', '.join(seen)} (the solutions and the hidden tests)" if seen else "what every user may") +
+            ("" if nobody else ", and write what that user may"))
 
 
 def readable_by_others(path: Path) -> bool:

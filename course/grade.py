@@ -61,6 +61,8 @@ RESTART_S = 5            # what a fresh test process costs (starting Python, imp
 START_S = 60             # a test process may take this long to import and collect the tests
 POLL_S = 0.05            # how often the grader reads the results pipe
 MESSAGE_LINES, MESSAGE_CHARS = 10, 1500     # a failure's message in the JSON
+PUBLIC_CHARS = 800       # a public test's message, which the student sees (it may quote values the code returned)
+STUDENT_CHARS = 160      # a line of the student's own exception in a public test's message (two lines at most)
 
 # The scratch folder's conftest.py. The tests run here, in a process that never runs the student's code:
 # ``adapters`` is course/remote.py's stand-in, which asks the student's process (course/student_process.py);
@@ -79,7 +81,7 @@ import remote
 RESULTS_FD = {results_fd!r}
 DUMP = {dump!r}
 sys.modules["adapters"] = remote.connect({student!r}, {adapters!r}, {site_dirs!r}, DUMP, {per_dump_s!r}, {home!r},
-                                         {nobody!r})
+                                         {nobody!r}, jail={jail!r})
 
 
 def record(kind, name, message=""):
@@ -88,13 +90,17 @@ def record(kind, name, message=""):
         data = data[os.write(RESULTS_FD, data):]
 
 
-def describe(excinfo):
-    """An exception as its type and message (the student's: with the file and line it came from)."""
+def describe(excinfo, public=False):
+    """An exception as its type and message (the student's: with the file and line it came from; in a public
+    test, whose message the student sees, an excerpt of {student_chars} characters a line, two lines)."""
     e = excinfo.value
     if isinstance(e, pytest.Collector.CollectError) and e.__cause__ is not None:
         e = e.__cause__                                  # the error behind "could not import the test file"
     if getattr(e, "course_text", None):
-        return e.course_text
+        lines = e.course_text.splitlines()
+        if public:
+            lines = [s[:{student_chars}] for s in lines[:1] + lines[1:][-1:]]    # its first and last lines, cut
+        return "\\n".join(lines)
     text = "".join(traceback.format_exception_only(type(e), e)).strip()
     lines = text.splitlines()
     said = next((i for i, line in enumerate(lines) if i and line.startswith("assert ")), None)
@@ -107,7 +113,7 @@ def describe(excinfo):
 def pytest_runtest_makereport(item, call):
     report = yield
     if call.excinfo is not None:
-        report.course_message = describe(call.excinfo)
+        report.course_message = describe(call.excinfo, public=item.path.name == "test_public.py")
     return report
 
 
@@ -338,7 +344,7 @@ def tests_folder(parent: Path, tests: list[Path], conftest: str) -> Path:
 
 
 def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_test_s: float = PER_TEST_S,
-              tasks: tuple[str, ...] | None = None) -> tuple[list[Result], float, str, str]:
+              tasks: tuple[str, ...] | None = None, require_room: bool = False) -> tuple[list[Result], float, str, str]:
     """Run the assignment's tests against ``student`` (only those of ``tasks`` if given); (results, seconds,
     pytest's output, the user the student's code ran as)."""
     tests = assignment.tests(hidden)
@@ -350,16 +356,24 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
         tmp, out, copy, home = Path(tmp), Path(out), Path(copy), Path(home)
         copy.chmod(0o755)
         scratch = confine.scratch_copy(student, copy / "copy")
-        nobody = confine.can_run_as_nobody([sys.executable, sysconfig.get_paths()["stdlib"], *site_dirs()])
+        spec, runs_as = confine.room(tmp, scratch, home, site_dirs(), ROOT)   # course/jail.py
+        nobody = spec is None and confine.can_run_as_nobody([sys.executable, sysconfig.get_paths()["stdlib"],
+                                                            *site_dirs()])
+        if spec is None:                       # no room here: the student's code runs unconfined
+            if require_room:
+                raise SystemExit(f"error: the student's code cannot be confined here ({runs_as}); it could read "
+                                 f"{', '.join(confine.readable_unconfined(ROOT, nobody))}")
+            runs_as = "UNCONFINED: " + confine.unconfined(ROOT, nobody, runs_as)
         if nobody:                             # the student's process runs as nobody: its own home, nothing else
             os.chown(home, confine.NOBODY, confine.NOBODY)
         dump = out / "dump.txt"
         dump.touch()
         results = Pipe()
         conftest = CONFTEST.format(
-            results_fd=results.write_fd, dump=str(dump), student=str(scratch),
+            results_fd=results.write_fd, dump=str(dump), student=str(scratch), student_chars=STUDENT_CHARS,
             adapters=str(scratch / "course" / assignment.name / "adapters.py"), site_dirs=site_dirs(),
-            per_dump_s=per_test_s * 0.8, home=str(home), nobody=nobody)
+            per_dump_s=per_test_s * 0.8, home=str(home), nobody=nobody,
+            jail=confine.jailed(spec, []) if spec else None)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
         env.update({"OMP_NUM_THREADS": "1"})
         env.setdefault("TRITON_INTERPRET", "1")      # no GPU: the kernels run in Triton's interpreter
@@ -396,7 +410,6 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
                 status, text = outcomes[name]
                 results.append(Result(name, visibility, pts, pts if status == "passed" else 0.0, status, text,
                                       task or ""))
-    runs_as = "nobody" if nobody else "root" if os.geteuid() == 0 else "the grader's user"
     return results, seconds, "\n".join(logs), runs_as
 
 
@@ -456,10 +469,8 @@ def notes(summary: dict, public_only: bool = False) -> list[str]:
     """What the grade comes with: the hidden tests' absence, adapters that differ from the repository's."""
     out = [] if summary["hidden_tests"] or public_only else \
         ["hidden tests: not in this copy (the instructor's grader has them); the score is out of the public points"]
-    if summary.get("runs_as") == "root":
-        out.append("note: the student's code ran as root without capabilities (the user nobody cannot read this "
-                   "Python or its packages): it could read and write the files root owns; see the README's threat "
-                   "model")
+    if summary.get("runs_as", "").startswith("UNCONFINED"):
+        out.append(f"note: the student's code ran {summary['runs_as']}; see course/README.md, threat model")
     return out + [f"note: the student's {f} differs from this repository's: read it (the tests reach the code "
                   "only through the adapters)" for f in summary["changed_adapters"]]
 
@@ -498,15 +509,36 @@ def gradescope(results: list[Result], seconds: float, note: str) -> dict:
 QUOTE = 40      # characters in a row of the hidden tests' text that withhold a public test's message
 
 
+def decodings(text: str) -> list[str]:
+    """``text`` and what its base64 and hex runs decode to (a message that carries a file encoded)."""
+    import base64
+    import binascii
+    out = [text]
+    for run in re.findall(r"[A-Za-z0-9+/=_-]{24,}", text):
+        for decode in (lambda r: base64.b64decode(r + "=" * (-len(r) % 4), altchars=b"-_" if "-" in r or "_" in r
+                                                  else None), binascii.unhexlify):
+            try:
+                out.append(decode(run).decode(errors="replace"))
+            except (ValueError, binascii.Error):
+                pass
+    return out
+
+
 def withhold_hidden_text(results: list[Result], assignment: Assignment) -> None:
-    """A public test's message is shown to the student: one that quotes the hidden tests (code that read them
-    from disk and raised them) is replaced by a note, so no submission pages through them verbatim."""
+    """A public test's message is shown to the student: it is cut to ``PUBLIC_CHARS`` (with at most two short
+    lines of the student's own exception: the conftest), and one that quotes the hidden tests, as they are or
+    in base64 or hex (code that read them and raised them), is replaced by a note. The student's process cannot
+    read them in its room (course/jail.py); this holds where it runs unconfined."""
     words = [" ".join(t.read_text().split()) for t in assignment.tests(hidden=True) if t.name == "test_hidden.py"]
     quotes = {w[i:i + QUOTE] for w in words for i in range(len(w) - QUOTE + 1)}
     for r in results:
-        said = " ".join(r.output.split())
-        if r.visibility == "public" and any(said[i:i + QUOTE] in quotes for i in range(len(said) - QUOTE + 1)):
-            r.output = "(the message quoted the grader's hidden tests: withheld)"
+        if r.visibility != "public":
+            continue
+        r.output = r.output if len(r.output) <= PUBLIC_CHARS else r.output[:PUBLIC_CHARS - 3] + "..."
+        for said in map(lambda t: " ".join(t.split()), decodings(r.output)):
+            if any(said[i:i + QUOTE] in quotes for i in range(len(said) - QUOTE + 1)):
+                r.output = "(the message quoted the grader's hidden tests: withheld)"
+                break
 
 
 def task_names(assignment: Assignment, hidden: bool = True) -> list[str]:
@@ -515,7 +547,7 @@ def task_names(assignment: Assignment, hidden: bool = True) -> list[str]:
 
 
 def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_s: float = PER_TEST_S,
-          tasks: tuple[str, ...] | None = None) -> dict:
+          tasks: tuple[str, ...] | None = None, require_room: bool = False) -> dict:
     """Grade ``name`` against ``student`` (default: this repository), only ``tasks`` if given. Returns a
     summary dict."""
     assignment = get(name)
@@ -529,7 +561,7 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
     if tasks is not None and set(tasks) - set(task_names(assignment, hidden)):
         raise SystemExit(f"error: no task {sorted(set(tasks) - set(task_names(assignment, hidden)))[0]!r} in "
                          f"{name!r}; its tasks: {', '.join(task_names(assignment, hidden)) or '(none)'}")
-    results, seconds, log, runs_as = run_tests(assignment, student, hidden, per_test_s, tasks)
+    results, seconds, log, runs_as = run_tests(assignment, student, hidden, per_test_s, tasks, require_room)
     withhold_hidden_text(results, assignment)
     has_hidden = any(r.visibility == "hidden" for r in results)
     return {"assignment": name, "student": str(student), "results": [asdict(r) for r in results],
@@ -553,16 +585,22 @@ def check_new_file(path: Path) -> None:
 
 
 def write_new_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all, and never over a file: one that appeared while grading
-    (another run's, say) stays, and the command ends in one line."""
+    """Write ``text`` to ``path`` whole or not at all, and never over a file. A file that appeared there while
+    grading was not written by this grader (it was not there when the flags were checked): it is removed, so no
+    grade but the grader's is ever found at ``path``, and the command fails in one line."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:100]}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.link(tmp, path)                        # fails if the name exists: atomic, and never replaces
     except FileExistsError:
-        raise SystemExit(f"error: {path} appeared while grading (another run?); it was left as it is and these "
-                         "results were not written") from None
+        try:
+            path.unlink()
+            what = "removed it"
+        except OSError as e:
+            what = f"could not remove it ({e.strerror}): do not use it"
+        raise SystemExit(f"error: {path} appeared while grading, not written by this grader (the student's code, or "
+                         f"another run): {what}; no grade was written") from None
     finally:
         os.unlink(tmp)
 
@@ -588,13 +626,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-k", "--task", action="append", default=None, metavar="TASK",
                    help="grade only this task's tests (repeatable); the tasks are the sheet's (e.g. window_vote)")
     p.add_argument("--log", action="store_true", help="print pytest's own output after the table")
+    p.add_argument("--require-confinement", action="store_true",
+                   help="refuse to grade, in one line naming what the student's code could read, where its private "
+                        "file system cannot be built (without it, such a grade says it ran unconfined)")
     args = p.parse_args(argv)
     if args.json is not None:                       # every flag is checked before any test runs
         check_new_file(args.json)
     if not (math.isfinite(args.per_test_s) and args.per_test_s > 0):
         raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {args.per_test_s}")
     summary = grade(args.assignment, args.student, hidden=not args.public_only, per_test_s=args.per_test_s,
-                    tasks=None if args.task is None else tuple(args.task))
+                    tasks=None if args.task is None else tuple(args.task), require_room=args.require_confinement)
     results = [Result(**r) for r in summary["results"]]
     print(f"assignment {args.assignment!r}, student copy {summary['student']}\n")
     print(table(results))

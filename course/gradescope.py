@@ -3,20 +3,26 @@ Package an assignment's autograder for Gradescope.
 
     python -m course.gradescope cache --out dist        # writes dist/cache-autograder.zip
 
-The zip holds what Gradescope's autograder needs and nothing of the solutions:
+The zip holds what Gradescope's autograder needs, the reference solution among it (an autograder is the
+instructors' alone: students see none of its files):
 
 * ``setup.sh``: run once when Gradescope builds the image; makes a virtual environment and installs
   ``requirements.txt``, the versions installed where the zip was made (torch, numpy, pytest, tqdm, triton);
 * ``run_autograder``: run for each submission, a student copy of the repository (the whole folder, uploaded
   as it is or zipped in a folder); it copies the submission into a scratch folder and runs
-  ``python -m course.grade NAME --student COPY --json RESULTS`` with the hidden tests, so Gradescope reads
-  ``/autograder/results/results.json``. Its paths come from environment variables, with Gradescope's
+  ``python -m course.grade NAME --student COPY --json RESULTS`` with the hidden tests into its private
+  scratch folder, then moves the grade to ``/autograder/results/results.json``, which Gradescope reads (a
+  results file that appeared there while grading was not the grader's: it is removed and the grade is 0,
+  "not graded"). Its paths come from environment variables, with Gradescope's
   defaults: ``AUTOGRADER_SOURCE`` (``/autograder/source``, where the zip is unpacked),
   ``AUTOGRADER_SUBMISSION`` (``/autograder/submission``), ``AUTOGRADER_RESULTS``
   (``/autograder/results/results.json``) and ``AUTOGRADER_PYTHON`` (the environment ``setup.sh`` made);
 * ``grader/``: the grader's own files (``course/grade.py`` and what it imports, ``oracle.py``), the
-  assignment's adapters (to notice a student's changed ones), its public and hidden tests; nothing of the
-  library, so no solution;
+  assignment's adapters (to notice a student's changed ones), its public and hidden tests, and the library's
+  Python files, the reference solution: the hidden tests run its policies in the test process with the
+  student's function in place of the graded one. ``run_autograder`` makes the folder readable by root alone,
+  and the student's code runs in a private file system that does not hold it (course/jail.py) where the
+  machine allows one;
 * ``README.md``: how to upload it.
 """
 
@@ -35,6 +41,7 @@ from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refus
 GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "course/markers.py",
           "course/oracle.py", "course/model_adapters.py", "course/confine.py", "course/remote.py",
           "course/student_process.py")      # grade.py, what it imports, what the tests use
+LIBRARY = ("nanollm", "methods", "kernels")     # the reference library, for the hidden tests' test process
 PINNED = ("torch", "numpy", "pytest", "tqdm", "triton")     # what the grader and the library import
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -78,7 +85,8 @@ fi
 # the grader's files (the hidden tests) readable by root alone: the student's code runs as nobody
 chmod -R go-rwx "$source_dir"
 
-# grade a scratch copy, so the upload stays as it came
+# grade a scratch copy, so the upload stays as it came; the grade is written in the private scratch folder
+# and moved into place after grading, so only the grader's results can reach Gradescope
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/copy" "$(dirname "$results")"
@@ -86,11 +94,20 @@ cp -R "$root/." "$work/copy/"
 rm -f "$results"
 cd "$source_dir/grader"
 status=0
-"$python" -m course.grade {name} --student "$work/copy" --json "$results" 2> "$work/stderr" || status=$?
+"$python" -m course.grade {name} --student "$work/copy" --json "$work/results.json" 2> "$work/stderr" || status=$?
 cat "$work/stderr" >&2
-if [ "$status" -ne 0 ] && [ ! -f "$results" ]; then     # refused (not a copy of {name!r}?): say why, score 0
+why=""
+if [ -e "$results" ] || [ -L "$results" ]; then          # written while grading, not by the grader: no grade
+    rm -f "$results"
+    why="a results file appeared while grading (not written by the grader)"
+elif [ "$status" -ne 0 ] || [ ! -f "$work/results.json" ]; then     # refused (not a copy of {name!r}?)
+    why="$(tail -n 3 "$work/stderr")"
+fi
+if [ -n "$why" ]; then                                    # say why, score 0
     "$python" -c 'import json, sys; json.dump({{"score": 0, "output": "not graded: " + sys.argv[1]}},
-                  open(sys.argv[2], "w"))' "$(tail -n 3 "$work/stderr")" "$results"
+                  open(sys.argv[2], "x"))' "$why" "$results"
+else
+    mv "$work/results.json" "$results"
 fi
 """
 
@@ -126,10 +143,17 @@ def contents(assignment: Assignment) -> dict[str, tuple[str | bytes, int]]:
              "requirements.txt": (requirements(), 0o644),
              "README.md": (README.format(name=assignment.name, title=assignment.title,
                                          python=sys.version.split()[0]), 0o644)}
-    for rel in [*GRADER, *(str(p.relative_to(ROOT)) for p in [assignment.folder / "adapters.py",
-                                                               *assignment.tests(hidden=True)])]:
+    for rel in [*GRADER, *reference_library(), *(str(p.relative_to(ROOT)) for p in [assignment.folder / "adapters.py",
+                                                                                   *assignment.tests(hidden=True)])]:
         files[f"grader/{rel}"] = ((ROOT / rel).read_bytes(), 0o644)
     return files
+
+
+def reference_library() -> list[str]:
+    """The library's Python files (the reference solution): the hidden tests run its policies in the test
+    process with the student's function in place of the graded one (oracle.reference)."""
+    return sorted(str(f.relative_to(ROOT)) for package in LIBRARY for f in (ROOT / package).rglob("*.py")
+                  if "__pycache__" not in f.parts)
 
 
 def write_zip(assignment: Assignment, out: Path) -> Path:

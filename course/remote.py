@@ -53,9 +53,10 @@ class Connection:
     """The student's process and the pipes to it."""
 
     def __init__(self, student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,
-                 home: str | None, nobody: bool, python: str = sys.executable):
+                 home: str | None, nobody: bool, python: str = sys.executable, jail: list[str] | None = None):
         self.args = (student, adapters_file, json.dumps(site_dirs), str(dump_after_s))
         self.dump, self.home, self.nobody, self.python = dump, home, nobody, python
+        self.jail = jail                           # the command that runs another in the room (course/jail.py)
         self.proc: subprocess.Popen | None = None
         self.callbacks: dict[int, object] = {}
         self.ids = itertools.count(1)
@@ -75,7 +76,9 @@ class Connection:
         if self.home:
             env["TMPDIR"] = self.home
         drop = {}
-        if self.nobody:                            # the grader runs as root: the student's code runs as nobody
+        if self.jail:                              # the room: its own root, processes, user (course/jail.py)
+            cmd = [*self.jail, *cmd]
+        elif self.nobody:                          # the grader runs as root: the student's code runs as nobody
             drop = {"user": 65534, "group": 65534, "extra_groups": []}
         elif os.geteuid() == 0:                    # root, but nobody cannot read Python: root without capabilities
             drop = {"preexec_fn": no_capabilities}
@@ -271,8 +274,8 @@ class Adapters(types.ModuleType):
 
 
 def connect(student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,
-            home: str | None, nobody: bool) -> Adapters:
+            home: str | None, nobody: bool, jail: list[str] | None = None) -> Adapters:
     """The stand-in, its student's process started now (so that starting it counts in no test's time)."""
-    connection = Connection(student, adapters_file, site_dirs, dump, dump_after_s, home, nobody)
+    connection = Connection(student, adapters_file, site_dirs, dump, dump_after_s, home, nobody, jail=jail)
     connection.start()
     return Adapters(connection)

@@ -1,0 +1,192 @@
+"""
+The room a student's code runs in while it is graded (Linux): a file system that holds the copy, its home folder
+and the interpreter with its packages, and nothing else of the machine.
+
+The grader starts the student's process as ``python -I -S -B -c <this file's text> SPEC -- COMMAND...``. This
+program, alone and single-threaded, then:
+
+1. leaves the grader's namespaces for new ones (``unshare``): mounts (what it mounts nobody else sees), process
+   ids (it sees no other process, so it can signal, trace or open through ``/proc`` none of the grader's),
+   network and IPC (no socket or shared memory reaches another process); as an ordinary user it makes a user
+   namespace first, which lets it mount without being root;
+2. forks: the child is process 1 of the new process-id namespace; the parent waits for it, exits as it did, and
+   takes it along if killed (``PR_SET_PDEATHSIG``); when process 1 ends, the kernel ends every process it left;
+3. builds a new root in an empty ``tmpfs``: read-only bind mounts of the system's programs and libraries
+   (``/usr``, ``/etc``, ``/bin``...), of Python (its prefix, standard library and site-packages: SPEC's
+   ``read``), writable ones of SPEC's ``write`` (the copy's home); a fresh ``/tmp``, ``/dev`` with
+   null, zero, full, random, urandom, and ``/proc`` of the new namespace; then hides SPEC's ``mask``: a path
+   of the grader's that a bind mount above would show (the instructor's checkout, the library installed in
+   site-packages, its editable finder) is covered by an empty read-only folder or ``/dev/null``;
+4. makes that its root (``pivot_root``) and unmounts the old one, so no path leads back to the machine's files;
+5. drops privileges: as root, to the user ``nobody`` (SPEC ``"user": "nobody"``) or to root without any
+   capability (``"drop"``: it cannot mount, trace or override file permissions, so it cannot undo 1-4); as an
+   ordinary user it stays that user, whose capabilities in the user namespace end with the ``exec``;
+6. runs COMMAND (``execve``) with the environment and in the folder it was started with (a path of the new
+   root: SPEC binds it).
+
+Any step that fails ends the program with exit code 125 and one line on standard error saying which; the
+grader then grades unconfined and says so in the grade (``course.grade``'s note). SPEC is JSON:
+``{"root": a new empty folder, "read": [...], "write": [...], "mask": [...], "user": "nobody"|"drop"|"keep"}``.
+"""
+
+import ctypes
+import json
+import os
+import platform
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+CLONE_NEWNET, CLONE_NEWIPC = 0x40000000, 0x08000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 24, 38, 47
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # programs and libraries
+#          (course/confine.py JAIL_SYSTEM: the same)
+DEVICES = ("null", "zero", "full", "random", "urandom")
+NOBODY = 65534
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Failed(Exception):
+    """A step that failed: its name and why."""
+
+
+def check(result: int, step: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise Failed(f"{step}: {os.strerror(errno)}")
+
+
+def mount(source, target, fstype, flags, data=None) -> None:
+    check(libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                     data and data.encode()), f"mount {target}")
+
+
+def enter_namespaces() -> None:
+    """New mount, pid, network and IPC namespaces; as an ordinary user inside a user namespace of its own, where
+    it keeps its own uid and gid."""
+    uid, gid = os.getuid(), os.getgid()
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
+    check(libc.unshare(flags | (CLONE_NEWUSER if uid != 0 else 0)), "unshare")
+    if uid != 0:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+
+
+def place(source: str, root: str) -> str:
+    """The path ``source`` has under ``root``, created as what it is (a folder or an empty file); a link keeps
+    its target (``/lib -> usr/lib``), so it is made as the same link."""
+    target = root + source
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.islink(source) and not os.path.lexists(target):
+        os.symlink(os.readlink(source), target)
+    elif os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    elif not os.path.lexists(target):
+        open(target, "w").close()
+    return target
+
+
+def bind(source: str, root: str, writable: bool) -> None:
+    if not os.path.lexists(source):
+        return
+    target = place(source, root)
+    if os.path.islink(source):
+        return                                       # the link itself; what it points to is bound on its own
+    mount(source, target, None, MS_BIND | MS_REC)
+    if not writable:
+        mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def build_root(spec: dict) -> None:
+    """Step 3: the new root's mounts, under ``spec["root"]``."""
+    root = spec["root"]
+    mount(None, "/", None, MS_REC | MS_PRIVATE)       # nothing mounted here reaches the grader's namespace
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
+    for d in ("tmp", "dev", "proc"):
+        os.makedirs(f"{root}/{d}")
+    mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    paths = [(p, False) for p in (*SYSTEM, *spec["read"])] + [(p, True) for p in spec["write"]]
+    for source, writable in sorted(paths, key=lambda pw: pw[0].count("/")):    # a folder before what is in it
+        bind(os.path.normpath(source), root, writable)
+    for path in spec["mask"]:
+        target = root + os.path.normpath(path)
+        if not os.path.lexists(target) or os.path.islink(target):
+            continue                                 # not shown by any bind mount: nothing to hide
+        if os.path.isdir(target):
+            mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "mode=555")
+        else:
+            mount("/dev/null", target, None, MS_BIND)
+    mount("tmpfs", f"{root}/dev", "tmpfs", MS_NOSUID, "mode=755")
+    for name in DEVICES:
+        open(f"{root}/dev/{name}", "w").close()
+        mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
+    os.makedirs(f"{root}/dev/shm")
+    mount("tmpfs", f"{root}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def enter_root(root: str) -> None:
+    """Step 4: ``root`` becomes ``/``; the old root is unmounted, so nothing of it can be reached."""
+    if SYS_PIVOT_ROOT is None:
+        raise Failed(f"pivot_root: unknown on {platform.machine()}")
+    os.chdir(root)
+    check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH), "unmount the old root")
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def drop_privileges(user: str) -> None:
+    """Step 5: as root, to nobody or to no capability at all; no new privileges either way (no setuid program)."""
+    if user == "nobody":
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    elif user == "drop":
+        check(libc.prctl(PR_CAP_AMBIENT, 4, 0, 0, 0), "clear the ambient capabilities")    # CLEAR_ALL
+        for cap in range(64):
+            libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)     # past the last capability it fails: nothing to drop
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
+
+
+def child(spec: dict, command: list[str]) -> None:
+    cwd = os.getcwd()
+    build_root(spec)
+    enter_root(spec["root"])
+    drop_privileges(spec["user"])
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)     # the parent killed: this goes too (set after the
+    #                                                           change of user, which clears it)
+    os.chdir(cwd)
+    os.execve(command[0], command, dict(os.environ))
+
+
+def main(argv: list[str]) -> None:
+    spec, command = json.loads(argv[0]), argv[2:]
+    try:
+        enter_namespaces()
+        pid = os.fork()
+    except (Failed, OSError) as e:
+        print(f"jail: {e}", file=sys.stderr, flush=True)
+        os._exit(125)
+    if pid == 0:
+        try:
+            child(spec, command)
+        except (Failed, OSError) as e:
+            print(f"jail: {e}", file=sys.stderr, flush=True)
+        os._exit(125)
+    os.closerange(3, 1 << 16)        # the pipes are the child's alone: its death reaches the tests as end of file
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
