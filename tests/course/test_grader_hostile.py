@@ -15,6 +15,7 @@ of its own; each now scores what the work deserves, and the ``--json`` on disk s
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -23,13 +24,14 @@ import sys
 import tempfile
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from course import confine, grade, remote
-from course.assignments import ROOT
-from tests.course.test_grader import put, refused, student_copy
+from course import confine, grade, gradescope, remote
+from course.assignments import ASSIGNMENTS, ROOT
+from tests.course.test_grader import put, reference, refused, student_copy
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +59,12 @@ def marker_folder() -> Path:
 
 
 FORGE = """
-import atexit, glob, json, os, sys
-open({marker!r} + "/" + {name!r}, "w").write("ran")
+import atexit, builtins, glob, json, os, sys
+builtins.FORGED = getattr(builtins, "FORGED", []) + [{name!r}]     # seen by the graded code, if this ran there
+try:
+    open({marker!r} + "/" + {name!r}, "w").write("ran")            # seen by this test, if this ran outside a room
+except OSError:
+    pass
 def forge():
     for path in glob.glob("/tmp/grade-results-*/*") + [a for a in sys.argv if a.endswith(".json")]:
         try:
@@ -77,38 +83,65 @@ def test_files_python_or_pytest_would_run_never_run(tmp_path, capsys):
     for rel in ("sitecustomize.py", "usercustomize.py", "conftest.py", "course/conftest.py",
                 "course/cache/conftest.py", "course/cache/sitecustomize.py", "nanollm/sitecustomize.py"):
         (copy / rel).write_text(FORGE.format(marker=str(markers), name=rel.replace("/", "_")))
-    (copy / "forge.pth").write_text(f"import os; open({str(markers / 'pth')!r}, 'w').write('ran')\n")
+    (copy / "forge.pth").write_text("import builtins; builtins.FORGED = getattr(builtins, 'FORGED', []) + ['pth']\n")
+    put(copy / "nanollm" / "attention.py", "group_scores", [
+        "import builtins",
+        "raise NotImplementedError(f'start-up files that ran here: {getattr(builtins, \"FORGED\", [])}')"])
     results, printed = graded(capsys, copy, tmp_path / "r.json")
     assert results["score"] == 0 and all(t["status"] == "failed" for t in results["tests"]), printed
     assert not list(markers.iterdir()), f"ran: {sorted(p.name for p in markers.iterdir())}"
+    said = [t["output"] for t in results["tests"] if "group_scores" in t["name"]]
+    assert said and all("start-up files that ran here: []" in o for o in said), said
     same_as_printed(results, printed)
+
+
+def processes_naming(text: str) -> list[int]:
+    """Processes whose command line holds ``text``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
 
 
 def test_a_daemon_is_gone_before_the_grade_is_written(tmp_path, capsys):
-    """The student's code starts a daemon (double fork, a session of its own) that waits for the results file
-    and writes full marks into it: it is killed with the run, and the file on disk keeps what was printed."""
-    copy, markers, out = student_copy(tmp_path), marker_folder(), tmp_path / "r.json"
+    """The student's code starts a daemon (double fork, a session of its own, a program of its own) that waits
+    for the results file and writes full marks into it: it is seen running while the copy is graded, it is
+    gone once the grade is written, and the file on disk keeps what was printed."""
+    copy, out, token = student_copy(tmp_path), tmp_path / "r.json", f"daemon-{os.getpid()}-{time.time_ns()}"
     forged = json.dumps({"score": 27, "tests": []})
+    waits = (f"import os, time\nwhile True:\n    time.sleep(0.05)\n    if os.path.exists({str(out)!r}):\n"
+             f"        open({str(out)!r}, 'w').write({forged!r})\n")
     put(copy / "nanollm" / "storage.py", "append", [
-        "import os, time",
+        "import os, sys",
         "if os.fork() == 0:",
         "    os.setsid()",
         "    if os.fork() == 0:",
-        f"        open({str(markers / 'pid')!r}, 'w').write(str(os.getpid()))",
-        "        while True:",
-        "            time.sleep(0.05)",
-        f"            if os.path.exists({str(out)!r}):",
-        f"                open({str(out)!r}, 'w').write({forged!r})",
+        f"        os.execv(sys.executable, [sys.executable, '-c', {waits!r}, {token!r}])",
         "    os._exit(0)",
         "raise NotImplementedError('not done')"])
-    results, printed = graded(capsys, copy, out, "-k", "append")
-    assert (markers / "pid").exists(), "the daemon never started: the test proves nothing"
-    pid = int((markers / "pid").read_text())
-    time.sleep(2)
+    seen, done = [], threading.Event()
+
+    def look():
+        while not done.is_set() and not seen:
+            seen.extend(processes_naming(token))
+            time.sleep(0.05)
+    watcher = threading.Thread(target=look)
+    watcher.start()
+    try:
+        results, printed = graded(capsys, copy, out, "-k", "append")
+    finally:
+        done.set()
+        watcher.join()
+    assert seen, "the daemon never ran: the test proves nothing"
+    time.sleep(1)
+    assert not processes_naming(token), "the daemon outlived the grade"
     assert json.loads(out.read_text()) == results and results["score"] == 0, out.read_text()[:200]
     same_as_printed(results, printed)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
 
 
 def test_library_code_cannot_reach_the_tests_or_the_results(tmp_path, capsys):
@@ -147,18 +180,62 @@ def test_library_code_cannot_reach_the_tests_or_the_results(tmp_path, capsys):
     same_as_printed(results, printed)
 
 
-def test_a_public_message_never_quotes_the_hidden_tests(tmp_path, capsys):
-    """Code that finds the hidden tests on disk (readable to it unless it runs as nobody) and raises them as the
-    message of a public test, whose output the student sees: the message is withheld."""
+# A walk of the whole file system, less the kernel's folders and the system's and Python's own packages (to
+# keep the tests short; site-packages is searched through its finder and metadata instead).
+WALK_SKIP = "SKIP = ('/proc', '/sys', '/dev', '/usr/share', '/usr/include', '/usr/lib', '/usr/lib64')"
+LOOK_FOR_HIDDEN_TESTS = [
+    "import base64, glob, os",
+    WALK_SKIP,
+    "found = glob.glob('/tmp/grade-*/round-*/test_hidden.py') + [{hidden!r}]",
+    "for folder, subfolders, files in os.walk('/'):",
+    "    subfolders[:] = [s for s in subfolders if os.path.join(folder, s) not in SKIP and 'site-packages' not in folder]",
+    "    found += [os.path.join(folder, f) for f in files if f == 'test_hidden.py']",
+    "for path in found:",
+    "    try:",
+    "        text = open(path).read()",
+    "    except (OSError, ValueError):",
+    "        continue",
+    "    raise RuntimeError(base64.b64encode(text[1200:2400].encode()).decode())",
+    "raise RuntimeError('found no hidden tests')"]
+
+
+def leaks(results: dict) -> list[str]:
+    """The public messages that quote the cache's hidden tests, as they are or in base64 or hex."""
+    words = " ".join((ROOT / "course" / "cache" / "test_hidden.py").read_text().split())
+    quotes = {words[i:i + grade.QUOTE] for i in range(len(words) - grade.QUOTE + 1)}
+    return [t["output"] for t in results["tests"] if t["visibility"] == "visible"
+            for said in map(lambda x: " ".join(x.split()), grade.decodings(t["output"]))
+            if any(said[i:i + grade.QUOTE] in quotes for i in range(len(said) - grade.QUOTE + 1))]
+
+
+def test_the_hidden_tests_cannot_leave_through_a_public_message(tmp_path, capsys):
+    """Code that looks for the hidden tests everywhere (the grader's scratch folders, the instructor's checkout,
+    the whole file system) and raises them base64-encoded as the message of a public test, which the student
+    sees: in its room it finds none; where it runs unconfined, the message is withheld."""
     copy = student_copy(tmp_path)
-    put(copy / "nanollm" / "attention.py", "group_scores", [
-        "import glob",
-        f"found = glob.glob('/tmp/grade-*/round-*/test_hidden.py') + [{str(ROOT / 'course/cache/test_hidden.py')!r}]",
-        "raise RuntimeError(open(found[0]).read()[1200:2700])"])
+    put(copy / "nanollm" / "attention.py", "group_scores",
+        [line.format(hidden=str(ROOT / "course" / "cache" / "test_hidden.py")) for line in LOOK_FOR_HIDDEN_TESTS])
     results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
     public = [t for t in results["tests"] if t["visibility"] == "visible"]
-    assert public and all(t["output"] == "(the message quoted the grader's hidden tests: withheld)" for t in public)
+    assert public and not leaks(results), leaks(results)[:1]
+    if "UNCONFINED" not in results["output"]:
+        assert all("found no hidden tests" in t["output"] for t in public), public[0]["output"]
     same_as_printed(results, printed)
+
+
+def test_a_public_message_is_bounded_and_never_quotes_the_hidden_tests():
+    """What the student sees of a public test: at most ``PUBLIC_CHARS``; a message quoting the hidden tests
+    verbatim, in base64 or in hex is withheld; the test's own words stay."""
+    hidden = (ROOT / "course" / "cache" / "test_hidden.py").read_text()[1500:1700]
+    said = {"plain": hidden, "base64": base64.b64encode(hidden.encode()).decode(),
+            "urlsafe": base64.urlsafe_b64encode(hidden.encode()).decode().rstrip("="), "hex": hidden.encode().hex(),
+            "long": "x" * 5000, "honest": "AssertionError: expected [0, 2, 5], got [0, 2, 4]"}
+    results = [grade.Result(name, "public", 1, 0, "failed", text) for name, text in said.items()]
+    grade.withhold_hidden_text(results, ASSIGNMENTS["cache"])
+    out = {r.name: r.output for r in results}
+    for name in ("plain", "base64", "urlsafe", "hex"):
+        assert out[name] == "(the message quoted the grader's hidden tests: withheld)", (name, out[name][:100])
+    assert len(out["long"]) == grade.PUBLIC_CHARS and out["honest"] == said["honest"]
 
 
 def test_the_students_process_holds_no_capabilities_as_root(tmp_path, capsys):
@@ -170,8 +247,8 @@ def test_the_students_process_holds_no_capabilities_as_root(tmp_path, capsys):
     put(copy / "nanollm" / "attention.py", "group_scores", [
         "import os",
         "caps = [s.split()[1] for s in open('/proc/self/status') if s.startswith('CapEff')][0]",
-        "parent = 'closed'",
-        "for name in [f'fd/{n}' for n in os.listdir(f'/proc/{os.getppid()}/fd')] + ['mem']:",
+        "parent, proc = 'closed', f'/proc/{os.getppid()}'",
+        "for name in ([f'fd/{n}' for n in os.listdir(f'{proc}/fd')] if os.path.isdir(f'{proc}/fd') else []) + ['mem']:",
         "    try:",
         "        os.close(os.open(f'/proc/{os.getppid()}/{name}', os.O_WRONLY | os.O_NONBLOCK))",
         "        parent = 'open'",
@@ -215,35 +292,22 @@ def test_as_root_the_students_process_runs_as_nobody(tmp_path):
         connection.close()
 
 
-def test_json_is_never_written_over_a_file_that_appeared(tmp_path, capsys):
-    """A file created at the ``--json`` path while grading (another run's) is left as it is; the grade ends
-    in one line instead of 'wrote'."""
+def test_a_results_file_that_appears_while_grading_fails_the_grade(tmp_path, capsys):
+    """A file created at the ``--json`` path while grading (by code that reached it, or another run) is not the
+    grader's: it is removed and the grade fails in one line; nothing is left at the path."""
     copy, out = student_copy(tmp_path), tmp_path / "r.json"
-    threading.Timer(1.0, lambda: out.write_text("another run's results")).start()
+    threading.Timer(1.0, lambda: out.write_text('{"score": 27}')).start()
     with pytest.raises(SystemExit) as e:
         grade.main(["cache", "--student", str(copy), "--json", str(out), "-k", "mask"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "appeared while grading" in err and err.count("\n") == 1, err
-    assert out.read_text() == "another run's results"
+    assert e.value.code == 2 and "appeared while grading" in err and "removed it" in err and err.count("\n") == 1, err
+    assert not out.exists(), "the planted results were kept"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".r.json")], "a temporary file was left"
     assert "name" in refused(capsys, grade.main, ["cache", "--json", str(tmp_path / ("x" * 300 + ".json"))])
 
 
 def leftovers(prefixes: tuple[str, ...]) -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(prefixes)}
-
-
-def processes_naming(text: str) -> list[int]:
-    """Processes whose command line holds ``text``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.append(int(entry))
-            except OSError:
-                pass
-    return found
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -284,3 +348,119 @@ def test_an_interrupted_handout_leaves_no_half_written_folder(tmp_path):
         pytest.skip("the copy was written before the signal arrived (a fast machine): nothing to check")
     assert proc.returncode == 130 and err.strip() == "error: interrupted", (proc.returncode, err[-500:])
     assert not list(tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
+
+
+# -- round two: what the student's process can reach, and what the tests hand it -----------------------------
+
+def solution_seeker(needle: str, call: str) -> list[str]:
+    """Graded code that looks for the instructor's file holding ``needle`` (a line of the reference solution):
+    through the editable install's finder and ``direct_url.json`` in site-packages (never imported, so no import
+    check sees them), at the checkout's own path, and by walking the whole file system; it runs the file it
+    finds and answers with it (``call``), else raises 'no solution found'."""
+    return [
+        "import glob, os, re, sys",
+        WALK_SKIP,
+        "places = [" + repr(str(ROOT)) + "]",
+        "for folder in [p for p in sys.path if p.endswith('site-packages')]:",
+        "    for name in glob.glob(folder + '/__editable__*') + glob.glob(folder + '/*.dist-info/direct_url.json'):",
+        "        try:",
+        "            places += re.findall(r'(/[^\\'\"\\s]+)', open(name).read())",
+        "        except OSError:",
+        "            pass",
+        "for folder, subfolders, files in os.walk('/'):",
+        "    subfolders[:] = [s for s in subfolders if os.path.join(folder, s) not in SKIP and 'site-packages' not in folder]",
+        "    places += [os.path.join(folder, f) for f in files if f.endswith('.py')]",
+        "for place in places:",
+        "    for path in [place, place + '/nanollm/attention.py', place + '/attention.py']:",
+        "        try:",
+        "            text = open(path).read()",
+        "        except (OSError, ValueError):",
+        "            continue",
+        f"        if {needle[:20]!r} + {needle[20:]!r} in text:",     # not the needle itself: this file holds it
+        "            found = {'__name__': 'nanollm.found', '__package__': 'nanollm'}",    # its relative imports
+        "            exec(compile(text, path, 'exec'), found)",
+        f"            return {call}",
+        "raise RuntimeError('no solution found')"]
+
+
+def test_the_solutions_are_out_of_the_students_reach(tmp_path, capsys):
+    """The graded code looks for the instructor's solution everywhere (the editable install's finder, the
+    checkout's path, the whole file system) and answers with it: it finds none, and scores 0."""
+    needle = reference("nanollm/attention.py", "group_scores")[-1].strip()[:40]
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "attention.py", "group_scores",
+        solution_seeker(needle, "found['group_scores'](q, k)"))
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
+    assert results["tests"] and results["score"] == 0, printed
+    if "UNCONFINED" not in results["output"]:
+        assert all("no solution found" in t["output"] for t in results["tests"]), results["tests"][0]["output"]
+    same_as_printed(results, printed)
+
+
+def test_a_write_into_the_tests_inputs_never_feeds_the_expected_value(tmp_path, capsys):
+    """The graded code zeros the test's q and k in place and answers the scores of zeros: the test's expected
+    value comes from its own inputs, so the answer fails."""
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "attention.py", "group_scores", [
+        "import torch",
+        "q.zero_()",
+        "k.zero_()",
+        "B, H, C, d = q.shape",
+        "return torch.zeros(B, k.shape[1], H // k.shape[1], C, k.shape[2], dtype=q.dtype)"])
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
+    assert results["tests"] and results["score"] == 0, printed
+    same_as_printed(results, printed)
+
+
+def test_no_function_of_the_tests_crosses_into_the_students_process():
+    """A test cannot hand the student's code a function (a reference it could keep and call later): the call
+    fails before anything is sent, and no assignment's test file tries."""
+    connection = remote.Connection("/nonexistent", "/nonexistent", [], "/dev/null", 60.0, None, nobody=False)
+    for value in (len, lambda x: x, [1, print], {"f": abs}):
+        with pytest.raises(TypeError, match="pass no function"):
+            connection.encode(value)
+    for path in sorted((ROOT / "course").glob("*/test_*.py")):
+        text = path.read_text()
+        assert "A.using(" not in text and 'harness("subclass"' not in text, path
+
+
+def test_the_gradescope_package_grades_a_hostile_copy_zero(tmp_path):
+    """Through ``run_autograder``: a copy that looks for the solutions and the hidden tests, zeros the tests'
+    inputs and writes full marks at the results path scores 0 with nothing leaked; a results file that appears
+    while grading (here planted by a wrapper around the grader's Python, as code that reached it would) is
+    removed and the grade is 0, 'not graded'."""
+    source, results = tmp_path / "source", tmp_path / "results" / "results.json"
+    with zipfile.ZipFile(gradescope.write_zip(ASSIGNMENTS["cache"], tmp_path / "dist")) as z:
+        z.extractall(source)
+    copy = student_copy(tmp_path)
+    needle = reference("nanollm/attention.py", "group_scores")[-1].strip()[:40]
+    put(copy / "nanollm" / "attention.py", "group_scores", solution_seeker(needle, "found['group_scores'](q, k)"))
+    forged = json.dumps({"score": 27, "tests": []})
+    put(copy / "nanollm" / "storage.py", "append", [
+        "import os",
+        "for path in ['/autograder/results/results.json', " + repr(str(results)) + "]:",
+        "    try:",
+        "        open(path, 'w').write(" + repr(forged) + ")",
+        "    except OSError:",
+        "        pass",
+        *[line.format(hidden=str(source / "grader" / "course" / "cache" / "test_hidden.py"))
+          for line in LOOK_FOR_HIDDEN_TESTS]])
+
+    def run_autograder(python: str) -> dict:
+        results.unlink(missing_ok=True)
+        env = {**os.environ, "AUTOGRADER_SOURCE": str(source), "AUTOGRADER_SUBMISSION": str(copy),
+               "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": python}
+        run = subprocess.run(["bash", str(source / "run_autograder")], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0 and results.exists(), run.stdout[-2000:] + run.stderr[-2000:]
+        return json.loads(results.read_text())
+
+    graded_copy = run_autograder(sys.executable)
+    assert graded_copy.get("tests") and graded_copy["score"] == 0, graded_copy
+    assert not leaks(graded_copy), leaks(graded_copy)[:1]
+    planting = tmp_path / "python"
+    planting.write_text(f"#!/bin/bash\n{sys.executable} \"$@\"\nstatus=$?\n"        # after the grader's own run
+                        f"[ \"$2\" != course.grade ] || echo '{forged}' > {str(results)!r}\nexit $status\n")
+    planting.chmod(0o755)
+    planted = run_autograder(str(planting))
+    assert planted["score"] == 0 and "appeared while grading" in planted["output"], planted
