@@ -141,7 +141,18 @@ class Mirrors:
             return self.rewritten[key]                # values, in a tensor of their own (the input is unchanged)
         held = self.table.get(key)
         if held is not None and held[0]() is not None:
-            return held[0]()                          # our own tensor, back from the other side
+            t = held[0]()                             # our own tensor, back from the other side
+            if self.tests_side and key % 2 == 1:      # as the student's code left it (encoding it there made its
+                sent = unpack(d["tensor"])            # change no change): its values, the input unchanged
+                if not (sent.shape == t.shape and sent.dtype == t.dtype and same(sent, t.detach())):
+                    if not getattr(t, "takes_writes", False):
+                        return sent
+                    with _torch().no_grad():           # an output buffer the test marked: it takes the write
+                        if sent.shape == t.shape and sent.dtype == t.dtype:
+                            t.copy_(sent)
+                        else:
+                            t.set_(sent)
+            return t
         t = unpack(d["tensor"])
         self.recent.append(t)
         t.mirror_key = key

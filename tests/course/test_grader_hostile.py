@@ -464,3 +464,32 @@ def test_the_gradescope_package_grades_a_hostile_copy_zero(tmp_path):
     planting.chmod(0o755)
     planted = run_autograder(str(planting))
     assert planted["score"] == 0 and "appeared while grading" in planted["output"], planted
+
+
+def test_the_students_writes_into_a_tests_input_stay_in_its_process(tmp_path):
+    """The student's process writes into tensors a test passed: the test's own tensors keep its values (an
+    expected value computed from them afterwards cannot be fed), unless the test marked one as an output
+    (``oracle.written``); a written input the code returns comes back with its new values, in a tensor of its
+    own."""
+    import torch
+    from course.oracle import written
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text(
+        "def zero(t):\n    t.zero_()\n    return 0\n"
+        "def double(t):\n    t.mul_(2)\n    return t\n")
+    connection = remote.Connection(str(folder), str(folder / "course" / "x" / "adapters.py"), grade.site_dirs(),
+                                   str(tmp_path / "dump.txt"), 60.0, None, nobody=False)
+    adapters = remote.Adapters(connection)
+    try:
+        q = torch.ones(3)
+        adapters.zero(q)
+        assert q.tolist() == [1.0, 1.0, 1.0], "the student's write reached the test's input"
+        out = written(torch.ones(3))
+        adapters.zero(out)
+        assert out.tolist() == [0.0, 0.0, 0.0], "a buffer marked as the graded output must take the write"
+        v = torch.ones(2)
+        got = adapters.double(v)
+        assert v.tolist() == [1.0, 1.0] and got.tolist() == [2.0, 2.0] and got is not v, (v, got)
+    finally:
+        connection.close()
