@@ -493,3 +493,15 @@ def test_the_students_writes_into_a_tests_input_stay_in_its_process(tmp_path):
         assert v.tolist() == [1.0, 1.0] and got.tolist() == [2.0, 2.0] and got is not v, (v, got)
     finally:
         connection.close()
+
+
+def test_where_no_room_can_be_built_the_grade_says_so(tmp_path, capsys, monkeypatch):
+    """Where the student's room cannot be built (a container that forbids namespaces), the grade says in a note
+    that the code ran unconfined and what it could read; ``--require-confinement`` refuses to grade instead."""
+    monkeypatch.setattr(confine, "jail_works", lambda spec: "jail: unshare: Operation not permitted")
+    copy = student_copy(tmp_path)
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "mask")
+    assert "UNCONFINED" in results["output"] and "unshare: Operation not permitted" in results["output"], results
+    assert "UNCONFINED" in printed and results["score"] == 0
+    err = refused(capsys, grade.main, ["cache", "--student", str(copy), "-k", "mask", "--require-confinement"])
+    assert "cannot be confined here" in err and "Operation not permitted" in err, err
