@@ -60,6 +60,7 @@ RUN_BASE_S = 60          # the whole run: this, plus (the per-test limit + RESTA
 RESTART_S = 5            # what a fresh test process costs (starting Python, importing torch)
 START_S = 60             # a test process may take this long to import and collect the tests
 POLL_S = 0.05            # how often the grader reads the results pipe
+DUMP_TAIL = 1 << 20      # bytes of the end of the student's output read to find where a stopped test was
 MESSAGE_LINES, MESSAGE_CHARS = 10, 1500     # a failure's message in the JSON
 PUBLIC_CHARS = 800       # a public test's message, which the student sees (it may quote values the code returned)
 STUDENT_CHARS = 160      # a line of the student's own exception in a public test's message (two lines at most)
@@ -256,7 +257,11 @@ def read_results(path: Path) -> Progress:
 def where_it_was(dump: Path, student: Path) -> str:
     """The deepest line of the student's code in the last traceback dump (written just before a test's time
     limit), as ", in FILE, line N (FUNCTION)"; "" if there is none."""
-    text = dump.read_text(errors="replace") if dump.exists() else ""
+    text = ""
+    if dump.exists():                                     # its end only: the student's output may be huge
+        with dump.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - DUMP_TAIL))
+            text = f.read(DUMP_TAIL).decode(errors="replace")
     for filename, line, function in re.findall(r'File "(.+?)", line (\d+) in (\S+)', text.split("Timeout (")[-1]):
         path = Path(filename)
         if student in path.parents:

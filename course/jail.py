@@ -18,7 +18,8 @@ program, alone and single-threaded, then:
    of the grader's that a bind mount above would show (the instructor's checkout, the library installed in
    site-packages, its editable finder) is covered by an empty read-only folder or ``/dev/null``;
 4. makes that its root (``pivot_root``) and unmounts the old one, so no path leads back to the machine's files;
-5. drops privileges: as root, to the user ``nobody`` (SPEC ``"user": "nobody"``) or to root without any
+5. limits the size of any file it writes (``FILE_BYTES``: its output goes to the grader's dump file), and
+   drops privileges: as root, to the user ``nobody`` (SPEC ``"user": "nobody"``) or to root without any
    capability (``"drop"``: it cannot mount, trace or override file permissions, so it cannot undo 1-4); as an
    ordinary user it stays that user, whose capabilities in the user namespace end with the ``exec``;
 6. runs COMMAND (``execve``) with the environment and in the folder it was started with (a path of the new
@@ -33,6 +34,7 @@ import ctypes
 import json
 import os
 import platform
+import resource
 import signal
 import sys
 
@@ -47,6 +49,7 @@ SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"
 #          (course/confine.py JAIL_SYSTEM: the same)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 NOBODY = 65534
+FILE_BYTES = 256 << 20               # the largest file the student's code may write (its output included)
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -160,6 +163,8 @@ def child(spec: dict, command: list[str]) -> None:
     build_root(spec)
     enter_root(spec["root"])
     drop_privileges(spec["user"])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_BYTES, FILE_BYTES))   # no file it writes (its output to
+    #                                                           the grader's dump among them) fills the disk
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)     # the parent killed: this goes too (set after the
     #                                                           change of user, which clears it)
     os.chdir(cwd)

@@ -505,3 +505,23 @@ def test_where_no_room_can_be_built_the_grade_says_so(tmp_path, capsys, monkeypa
     assert "UNCONFINED" in printed and results["score"] == 0
     err = refused(capsys, grade.main, ["cache", "--student", str(copy), "-k", "mask", "--require-confinement"])
     assert "cannot be confined here" in err and "Operation not permitted" in err, err
+
+
+def test_the_students_output_cannot_fill_the_disk(tmp_path, capsys):
+    """The graded code prints 300 MB (its output goes to the grader's dump file): the room caps any file it
+    writes at ``jail.FILE_BYTES``, so the write fails (Python ignores SIGXFSZ: ``File too large``) or stops its
+    process instead of filling TMPDIR."""
+    from course import jail
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "attention.py", "group_scores", [
+        "import sys",
+        "chunk = 'x' * (1 << 20)",
+        f"for _ in range({(jail.FILE_BYTES >> 20) + 44}):",
+        "    sys.stdout.write(chunk)",
+        "sys.stdout.flush()",
+        "raise RuntimeError('wrote it all')"])
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
+    if "UNCONFINED" in results["output"]:
+        pytest.skip("no room here: nothing caps the output")
+    assert results["tests"] and all("File too large" in t["output"] or "process running your code stopped" in
+                                    t["output"] for t in results["tests"]), results["tests"][0]["output"]
