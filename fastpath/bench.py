@@ -23,6 +23,10 @@ The cases and the targets they check (ratios, all measured in this one run):
                materialising reference
 
     python -m fastpath.bench --json results/kernels_bench.json
+
+``--e2e`` times whole decode steps instead (``fastpath/e2e.py``): the lean step against the graph step of
+``fastpath/graph.py`` on the TINYLLAMA_1B shape, full cache against keep 0.1, and transformers' StaticCache
+step, in one run (``bash fastpath/gpu_check.sh OUT.json`` runs it with the tests a GPU must pass).
 """
 
 from __future__ import annotations
@@ -239,10 +243,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="cache dtype for the attention cases (default bf16)")
     p.add_argument("--json", type=cli.output_file, default=None, help="also write the rows to this JSON file")
+    p.add_argument("--e2e", action="store_true",
+                   help="time whole decode steps instead (fastpath/e2e.py): lean vs graph step, full cache vs keep "
+                        "0.1, transformers' StaticCache step; --cases is ignored")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="with --e2e: also time transformers' step under torch.compile(mode='reduce-overhead')")
+    p.add_argument("--hf-only", action="store_true", help="with --e2e: time transformers' step alone")
+    p.add_argument("--length", type=cli.positive_int, default=None,
+                   help="with --e2e: this context length only (default 8192 and 32768; --quick: 64 and 256)")
     args = p.parse_args(argv)
     with cli.errors(args.debug):
         EAGER.clear()
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.e2e or args.hf_compile or args.hf_only or args.length:
+            return end_to_end(args, argv, p.prog, device)
         kernels_on = device == "cuda" and HAS_TRITON
         if not kernels_on:
             print("no CUDA device (or no Triton): the kernels run only in Triton's CPU interpreter, which checks "
@@ -272,6 +286,24 @@ def main(argv: list[str] | None = None) -> None:
             report["provenance"] = provenance(argv, prog=p.prog, threads=torch.get_num_threads(), dtype=str(dtype),
                                               seed=None)
             files.atomic_write_text(args.json, json.dumps(report, indent=1))
+
+
+def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:
+    """``--e2e``: ``fastpath.e2e.run``, its report written to ``--json`` with the provenance."""
+    from fastpath import e2e
+    if not args.e2e:
+        cli.fail("--hf-compile, --hf-only and --length go with --e2e")
+    if device != "cuda":
+        print("no CUDA device: timing the steps on the CPU, which says nothing about a GPU "
+              "(bash fastpath/gpu_check.sh runs this on one)")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = dtype if device == "cuda" else torch.float32
+    report = e2e.run(device, args.quick, dtype, hf_compile=args.hf_compile, hf_only=args.hf_only,
+                     lengths=(args.length,) if args.length else None)
+    if args.json:
+        report["provenance"] = provenance(argv, prog=prog, threads=torch.get_num_threads(), dtype=str(dtype),
+                                          seed=0)
+        files.atomic_write_text(args.json, json.dumps(report, indent=1))
 
 
 def format_row(r: dict) -> str:

@@ -1,0 +1,291 @@
+"""
+Whole decode steps, timed: the lean step against the graph step, the full cache against keep 0.1.
+
+    python -m fastpath.bench --e2e --json results/decode_e2e.json     # on a GPU: bash fastpath/gpu_check.sh
+    python -m fastpath.bench --e2e --quick --json /tmp/e2e.json       # tiny shapes, fp32: runs on a CPU
+
+The shape is the TINYLLAMA_1B preset's (22 layers, 32 query heads sharing 4 KV heads of 64 dims, d_model
+2048, vocab 32000), random weights in bf16, 16 sequences of 8,192 and of 32,768 tokens. For each length:
+the full cache (the plain cache: no policy), and SnapKV, StreamingLLM and H2O keeping 0.1 of it. A cache
+is filled with random entries of the kept shape, positions as the method keeps them (its window, its sinks
+and recent tokens, H2O's scores), and no prompt runs: which tokens are kept does not change a step's time,
+and a 16 x 32k prompt would cost most of the run.
+
+Each path takes ``WARM`` steps (the graph step captures its graph there), then ``REPEATS`` blocks of
+``STEPS`` steps, the device synchronised around each block: the median block over ``STEPS`` is the
+step's time, the host's launch work included (what the graph removes). ``bytes`` is what a step must
+read: the weights (every matrix but the embedding table, of which it reads B rows) and the K/V it
+attends over. At the copy bandwidth measured in the same run (a device-to-device copy of 1 GiB) that is
+``at_copy_bw_ms``, the step's floor; ``fixed_ms`` = ms - at_copy_bw_ms is what it costs beyond moving its
+bytes, and ``fit`` draws a line through the two lengths (ms = fixed + bytes / rate). The graph step reads
+C = kept + room slots and their positions, a little more than it is credited with. transformers'
+``StaticCache`` step of the same shape (its own random weights, ``sdpa`` attention, eager; compiled
+with ``--hf-compile``) is timed in the same run when transformers is importable, else skipped with a line.
+
+Every number is the device's it ran on, printed and recorded with it. The GPU numbers are still to be
+measured: this file was built and run on a CPU (``--quick``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import statistics
+import time
+
+import torch
+
+from methods import make_policy
+from methods.h2o import STATE as H2O_STATE
+from nanollm import KVCache, preset
+from nanollm.model import Transformer
+from nanollm.storage import LayerKV
+
+from .graph import GraphDecoder
+
+PRESET, LENGTHS, BATCH, KEEP = "TINYLLAMA_1B", (8192, 32768), 16, 0.1
+QUICK_SHAPE = dict(vocab_size=1024, n_layer=2, n_head=8, n_kv_head=2, d_model=256, d_ff=512)
+QUICK_LENGTHS, QUICK_BATCH = (64, 256), 2
+METHODS_TIMED = ("full", "snapkv", "streaming_llm", "h2o")
+WARM, STEPS, REPEATS = 3, 8, 3          # steps per path: 27 (a few ms each on a GPU); WARM > graph.WARMUP
+QUICK_STEPS, QUICK_REPEATS = 2, 2
+ROOM = WARM + STEPS * REPEATS + 5       # new tokens a cache has room for
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy (read + write), median of 10: the practical ceiling of a step."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(10):
+        if device == "cuda":                       # events: the copy alone, no host round trip
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            y.copy_(x)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            y.copy_(x)
+            times.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / statistics.median(times)
+
+
+def step_ms(step, token: torch.Tensor, device: str, quick: bool) -> tuple[float, list[float]]:
+    """Median milliseconds per step over ``REPEATS`` blocks of ``STEPS`` (fewer if quick), after ``WARM``."""
+    steps, repeats = (QUICK_STEPS, QUICK_REPEATS) if quick else (STEPS, REPEATS)
+    for _ in range(WARM):
+        step(token)
+    blocks = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(token)
+        sync(device)
+        blocks.append((time.perf_counter() - t0) * 1e3 / steps)
+    return statistics.median(blocks), blocks
+
+
+def random_model(cfg, dtype: torch.dtype, device: str) -> Transformer:
+    with torch.device(device):                          # initialised where it runs: seconds, not minutes
+        model = Transformer(cfg)
+    return model.to(dtype).eval()
+
+
+def kept_positions(method: str, S: int, K: int, B: int, H_kv: int, device: str, g) -> torch.Tensor:
+    """(B, H_kv, K) positions a method holds after a prompt of S tokens: all of them; StreamingLLM's 4 sinks
+    and latest; SnapKV's window (32) or H2O's recent half and, per head, a random choice of the rest."""
+    if K == S:
+        return torch.arange(S, device=device).expand(B, H_kv, S)
+    if method == "streaming_llm":
+        pos = torch.cat([torch.arange(4, device=device), torch.arange(S - (K - 4), S, device=device)])
+        return pos.expand(B, H_kv, K)
+    w = min(32, K // 2) if method == "snapkv" else K // 2
+    chosen = torch.rand(B, H_kv, S - w, generator=g, device=device).topk(K - w, dim=-1).indices.sort(-1).values
+    return torch.cat([chosen, torch.arange(S - w, S, device=device).expand(B, H_kv, w)], dim=-1)
+
+
+def synthetic_cache(cfg, method: str, B: int, S: int, dtype: torch.dtype, device: str) -> KVCache:
+    """A cache as after a prompt of S tokens under ``method`` (random entries), with room for ``ROOM`` more."""
+    budget = None if method == "full" else max(8, int(KEEP * S))
+    cache = KVCache(cfg, None if budget is None else make_policy(method, budget))
+    K = S if budget is None else budget
+    H_kv, d = cfg.n_kv_head, cfg.head_dim
+    g = torch.Generator(device=device).manual_seed(S)
+    for i in range(cfg.n_layer):
+        k = torch.zeros(B, H_kv, K + ROOM, d, dtype=dtype, device=device)
+        v = torch.zeros_like(k)
+        k[:, :, :K].normal_(generator=g)
+        v[:, :, :K].normal_(generator=g)
+        pos = torch.full((B, H_kv, K + ROOM), -1, dtype=torch.long, device=device)
+        pos[:, :, :K] = kept_positions(method, S, K, B, H_kv, device, g)
+        store = LayerKV(k, v, pos)
+        store.n = K                                     # K slots in use, ROOM to spare: appends write in place
+        if method == "h2o":
+            store.set_state(H2O_STATE, torch.rand(B, H_kv, K, generator=g, device=device), fill=0.0)
+        cache.layers[i] = store
+    cache.seen = S
+    return cache
+
+
+def weight_bytes(model: Transformer, graph: GraphDecoder, B: int) -> int:
+    """Bytes of the weights one step reads: the stacked matrices and norms, the final norm, the LM head,
+    and B rows of the embedding table."""
+    layers = sum(t.nbytes for norm1, wqkv, wo, norm2, wgu, wd, _ in graph.lean.layers
+                 for t in (norm1.weight, wqkv, wo, norm2.weight, wgu, wd))
+    emb = model.tok_emb.weight
+    return layers + model.final_norm.weight.nbytes + model.lm_head.weight.nbytes + B * emb[0].nbytes
+
+
+def row(path: str, method: str, S: int, entries: int, ms: tuple, weights: int, kv: int, bandwidth: float,
+        **extra) -> dict:
+    nbytes = weights + kv
+    ideal = nbytes / bandwidth * 1e3
+    return {"path": path, "method": method, "length": S, "entries": entries, "ms": ms[0], "ms_blocks": ms[1],
+            "bytes": nbytes, "weight_bytes": weights, "kv_bytes": kv, "at_copy_bw_ms": ideal,
+            "fixed_ms": ms[0] - ideal, "fraction_of_copy_bw": ideal / ms[0], **extra}
+
+
+def ours(cfg, model: Transformer, graph: GraphDecoder, B: int, S: int, dtype, device: str, bandwidth: float,
+         methods, quick: bool) -> list[dict]:
+    """The lean and the graph step of every method at one length."""
+    rows = []
+    token = torch.randint(0, cfg.vocab_size, (B,), generator=torch.Generator().manual_seed(0)).to(device)
+    weights = weight_bytes(model, graph, B)
+    for method in methods:
+        for path in ("lean", "graph"):
+            try:
+                rows.append(one_path(path, cfg, method, graph, token, B, S, dtype, device, quick, weights,
+                                     bandwidth))
+            except Exception as e:                      # noqa: BLE001  (recorded: the other cases still run)
+                rows.append({"path": path, "method": method, "length": S, "error": f"{type(e).__name__}: {e}"})
+            graph.forget()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def one_path(path: str, cfg, method: str, graph: GraphDecoder, token, B: int, S: int, dtype, device: str,
+             quick: bool, weights: int, bandwidth: float) -> dict:
+    """One method's step at one length on one path, on a fresh cache."""
+    cache = synthetic_cache(cfg, method, B, S, dtype, device)
+    K = cache.layers[0].n
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv = 2 * cfg.n_layer * B * cfg.n_kv_head * (K + 1) * cfg.head_dim * elem    # K, V of the entries + the new
+    if path == "lean":
+        return row(path, method, S, K, step_ms(functools.partial(graph.lean.step, cache=cache), token, device,
+                                               quick), weights, kv, bandwidth)
+    if not graph.start(cache, ROOM):
+        raise RuntimeError(f"{method} fell back to the lean step: {graph.fallback}")
+    del cache                                           # the static buffers hold their own copy
+    ms = step_ms(graph.step, token, device, quick)
+    return row(path, method, S, K, ms, weights, kv, bandwidth, capacity=graph.kv.k.shape[3],
+               replayed=graph.current.graph is not None)
+
+
+def transformers_static(cfg, B: int, S: int, dtype, device: str, bandwidth: float, compiled: bool,
+                        quick: bool) -> dict | str:
+    """transformers' ``StaticCache`` decode step of the same shape, or a line saying why it was skipped."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    except ImportError as e:
+        return f"skipped: transformers is not importable ({e})"
+    hcfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                       num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                       num_key_value_heads=cfg.n_kv_head, max_position_embeddings=S + ROOM,
+                       rope_theta=cfg.rope_base, rms_norm_eps=cfg.norm_eps,
+                       tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa")
+    with torch.device(device):
+        hf = LlamaForCausalLM(hcfg)
+    hf = hf.to(dtype).eval()
+    cache = StaticCache(config=hcfg, max_cache_len=S + ROOM)
+    g = torch.Generator(device=device).manual_seed(S)
+    for i in range(cfg.n_layer):                        # the prompt's entries, random: no prompt runs
+        shape = (B, cfg.n_kv_head, S, cfg.head_dim)
+        cache.update(torch.randn(shape, generator=g, device=device, dtype=dtype),
+                     torch.randn(shape, generator=g, device=device, dtype=dtype), i)
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True) if compiled else hf.forward
+    token = torch.zeros(B, 1, dtype=torch.long, device=device)
+    with torch.no_grad():
+        ms = step_ms(functools.partial(forward, use_cache=True, **{name: cache}), token, device, quick)
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = sum(p.nbytes for n, p in hf.named_parameters() if "embed_tokens" not in n) + B * cfg.d_model * elem
+    kv = 2 * cfg.n_layer * B * cfg.n_kv_head * (S + 1) * cfg.head_dim * elem
+    out = row("transformers_static" + ("_compiled" if compiled else ""), "full", S, S, ms, weights, kv, bandwidth,
+              transformers=__import__("transformers").__version__)
+    del hf, cache
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def fit(rows: list[dict]) -> dict:
+    """Per (method, path), the line through its two lengths: ms = fixed_ms + bytes / (GB_per_s * 1e6)."""
+    out = {}
+    for key in sorted({(r["method"], r["path"]) for r in rows}):
+        pts = sorted((r["bytes"], r["ms"]) for r in rows if (r["method"], r["path"]) == key)
+        if len(pts) < 2 or pts[-1][0] == pts[0][0]:
+            continue
+        (b0, t0), (b1, t1) = pts[0], pts[-1]
+        slope = (t1 - t0) / (b1 - b0)                                   # ms per byte
+        out[f"{key[0]} {key[1]}"] = ({"fixed_ms": t0 - slope * b0, "GB_per_s": 1e-6 / slope} if slope > 0 else
+                                     {"fixed_ms": None, "GB_per_s": None, "why": "the longer step was not slower"})
+    return out
+
+
+def format_row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['path']:>20} {r['method']:>13} S={r['length']:<6} FAILED: {r['error']}"
+    return (f"{r['path']:>20} {r['method']:>13} S={r['length']:<6} {r['entries']:>6} entries: {r['ms']:8.3f} ms/step; "
+            f"{r['bytes'] / 1e9:.3f} GB -> {r['at_copy_bw_ms']:.3f} ms at copy bw "
+            f"({100 * r['fraction_of_copy_bw']:.0f}%), fixed {r['fixed_ms']:.3f} ms")
+
+
+def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, hf_only: bool = False,
+        lengths: tuple | None = None) -> dict:
+    """Every case at both lengths (or at ``lengths``); the report (printed as it goes)."""
+    B = QUICK_BATCH if quick else BATCH
+    lengths = lengths or (QUICK_LENGTHS if quick else LENGTHS)
+    cfg = preset(PRESET, max_seq_len=max(lengths) + ROOM, **(QUICK_SHAPE if quick else {}))
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    bandwidth = copy_bandwidth(device, (1 << 30) if device == "cuda" and not quick else (1 << 26))
+    print(f"e2e decode steps measured on {name} ({device}) in this run, {dtype}: every number below is this "
+          f"device's. Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {PRESET}{' (quick: shrunk)' if quick else ''} "
+          f"shape, batch {B}, lengths {lengths}, keep {KEEP}")
+    rows, hf = [], []
+    model = graph = None
+    if not hf_only:
+        torch.manual_seed(0)
+        model = random_model(cfg, dtype, device)
+        graph = GraphDecoder(model)
+    for S in lengths:
+        if not hf_only:
+            for r in ours(cfg, model, graph, B, S, dtype, device, bandwidth, METHODS_TIMED, quick):
+                rows.append(r)
+                print(format_row(r))
+        for compiled in ([True] if hf_only and hf_compile else [False, True] if hf_compile else [False]):
+            try:
+                r = transformers_static(cfg, B, S, dtype, device, bandwidth, compiled, quick)
+            except Exception as e:                      # noqa: BLE001  (another transformers: say so, go on)
+                r = f"failed ({'compiled' if compiled else 'eager'}, S={S}): {type(e).__name__}: {e}"
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            hf.append(r)
+            print(format_row(r) if isinstance(r, dict) else f"transformers StaticCache step: {r}")
+    return {"device": device, "device_name": name, "copy_bandwidth": bandwidth, "dtype": str(dtype),
+            "preset": PRESET, "quick": quick, "batch": B, "lengths": list(lengths), "keep": KEEP,
+            "config": cfg.to_dict(),
+            "steps": {"warm": WARM, "steps": QUICK_STEPS if quick else STEPS,
+                      "repeats": QUICK_REPEATS if quick else REPEATS},
+            "rows": rows, "transformers": hf,
+            "fit": fit([r for r in rows + hf if isinstance(r, dict) and "ms" in r]),
+            "note": f"measured on {name}; numbers from another device are not comparable"}

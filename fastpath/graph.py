@@ -1,0 +1,369 @@
+"""
+A decode step a CUDA graph can capture: fixed shapes, counters on the device, no host in the loop.
+
+The lean step (``lean.py``) already does few, large operations, but its cache grows (``LayerKV.append``
+reallocates), its policies read numbers back to the host (``bool(...)``, ``int(...)``, ``.tolist()``) and
+branch on them, so every step is launched from Python, kernel by kernel. A CUDA graph records one step's
+kernels once and replays them per token with a single launch; it can only do so if the step has the same
+shapes and the same kernels every time and never waits for the host. So here a prefilled ``KVCache`` is
+copied once into a ``StaticKV`` of fixed capacity, and ``GraphDecoder.decode`` is the step over it:
+
+    k, v      (L, B, H_kv, C, d)   every layer's entries; C = entries after the prompt + new tokens
+    pos       (L, B, H_kv, C)      each slot's position, -1 = empty (padding, room, evicted)
+    slot      (L, B, H_kv)         where each head writes its next entry (a device tensor)
+    position  (1,)                 the next token's position, ``KVCache.seen`` (a device tensor)
+    score     (L, B, H_kv, C)      H2O's accumulated attention, fp32 (only for H2O)
+
+One step: the embedding, RoPE from ``position``, the stacked products of ``LeanDecoder.forward``; per layer
+the new k, v and position are scattered into ``slot``, the attention runs over all C slots with the
+positions as the mask (empty slots get probability 0: ``nanollm.attention.attend``'s mask with every
+stored position in the query's past), then the counters advance in place. No ``.item()``, no Python
+``if`` on a tensor: the Python loop over layers is the same every step, so the graph is too.
+
+Which methods decode on it (``eviction_rule``, from what a policy declares, wrappers included):
+
+* prefill-only methods (the full cache, SnapKV, AdaKV, ChunkKV, CriticalKV and their wrappings): no
+  ``attend_kv`` of their own, nothing observed or compressed at a decode step (``compress_on`` without
+  "decode", ``needs("decode")`` empty): the step writes at ``slot`` and ``slot += 1``.
+* StreamingLLM and H2O, the lean path's eviction as tensor operations after the step's attention, which saw
+  budget + 1 entries (so C = budget + 1 once full): the slot to empty is chosen per head, its position set
+  to -1, and the next token is written there (``LayerKV.evict`` then ``append``). StreamingLLM empties
+  the oldest position after the sinks (its ring holds the non-sink slots in position order); H2O adds the
+  step's attention (the mean over each KV head's G query heads) to ``score``, then empties the lowest
+  score outside the recent window, the later position on a tie (``nanollm.slots.select_lowest``).
+* anything else (Scissorhands, KVReviver, a wrapper around H2O or StreamingLLM, a policy unknown here)
+  falls back to the lean step over its ``KVCache``, and ``start`` prints one line saying so.
+
+On a CUDA device each shape is captured once, following PyTorch's recipe ("CUDA Graphs" in its CUDA
+semantics notes, https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs): warm-up on a side stream,
+``torch.cuda.graph`` capture over static input and output tensors, then ``replay``. The first ``WARMUP``
+steps of a shape run eagerly on a side stream (they are real steps), the next is captured and every step
+after it is a replay; another sequence of the same shape is copied into the same buffers and replays the
+same graph. On a CPU the same function runs eagerly (``tests/fastpath`` check it equals the lean step, and
+that ``torch.compile(fullgraph=True)`` traces it without a break).
+
+Logits equal the lean step's to float rounding: fp32 within 1e-5 (the softmax runs over C slots instead of
+the stored ones, the extra ones at exactly 0); bf16 within 2% of the largest |logit| (``BF16_TOL``, a few
+bf16 roundings: both paths round every product to bf16, the softmax sums in another order; on a CPU the
+two agree to 0 or one rounding). StreamingLLM and H2O keep the lean path's positions; H2O compares float
+sums, so a near-tie the two orders round differently could pick another token (never seen in the tests,
+which compare the kept positions after every step).
+
+What it costs (on a GPU, ``python -m fastpath.bench --e2e``, ``fastpath/gpu_check.sh``): still to be
+measured; this file was built and tested on a CPU.
+
+    graph = GraphDecoder(model)
+    logits = prefill(model, ids, cache)[:, -1]           # the prompt: the reading path
+    graph.start(cache, max_new_tokens=32)                # copy the cache into fixed-capacity buffers
+    logits = graph.step(token)                           # each new token: captured once, then replayed
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from methods import METHODS
+from methods.h2o import STATE as H2O_STATE
+from methods.h2o import H2OPolicy
+from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
+from nanollm.attention import group_scores, rope_cos_sin
+from nanollm.cache import KVCache
+from nanollm.generation import generate
+from nanollm.model import Transformer
+from nanollm.policy import CachePolicy, Needs, ScoringPolicy
+from nanollm.storage import LayerKV
+
+from .lean import LeanDecoder
+
+WARMUP = 2              # eager steps on a side stream before a shape is captured (PyTorch's recipe: a few)
+BF16_TOL = 2e-2         # bf16: |graph - lean| <= BF16_TOL * max |logit|, a few bf16 roundings (2^-8 each)
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What a decode step empties after its attention: ``kind`` "none" (nothing: prefill-only methods),
+    "sinks" (StreamingLLM: the oldest position at or after ``n_sink``) or "heavy" (H2O: the lowest score
+    outside the ``n_recent`` latest), once a head holds more than ``budget`` entries."""
+
+    kind: str = "none"
+    budget: int = 0
+    n_sink: int = 0          # StreamingLLM's S = min(n_sink, budget - 1), as ``sinks_and_recent``
+    n_recent: int = 0        # H2O's recent window
+
+    def capacity(self, n: int, max_new_tokens: int) -> int:
+        """Slots a layer holding n slots after the prompt needs for ``max_new_tokens`` more: every new token
+        a slot of its own, or, evicting, at most budget + 1 (the step attends over budget + 1, then empties
+        one, which the next token takes)."""
+        if self.kind == "none":
+            return n + max_new_tokens
+        return max(n, min(n + max_new_tokens, self.budget + 1))
+
+
+def policy_chain(policy: CachePolicy | None) -> list:
+    """The policy and the policies it wraps, outermost first (``[]`` for the plain cache)."""
+    chain = []
+    while policy is not None:
+        chain.append(policy)
+        policy = getattr(policy, "inner", None)
+    return chain
+
+
+def spec_of(policy: CachePolicy | None) -> str:
+    """The method spec of a policy, e.g. ``critical_kv(adakv(snapkv))``; the class name if unregistered."""
+    names = {cls: name for name, cls in METHODS.items()}
+    chain = policy_chain(policy)
+    if not chain:
+        return "the plain cache"
+    spec = [names.get(type(p), type(p).__name__) for p in chain]
+    return "(".join(spec) + ")" * (len(spec) - 1)
+
+
+def decodes_as_stored(policy: CachePolicy | None) -> bool:
+    """Whether a decode step under ``policy`` only appends and attends over the storage, as declared: no
+    policy in the chain rebuilds the entries (``attend_kv``) or has a decode hook of its own, no scorer
+    observes anything, ``compress_on`` has no "decode" and ``needs("decode")`` asks for nothing."""
+    chain = policy_chain(policy)
+    for p in chain:
+        cls = type(p)
+        if getattr(cls, "attend_kv", CachePolicy.attend_kv) is not CachePolicy.attend_kv:
+            return False
+        if getattr(cls, "on_decode", CachePolicy.on_decode) not in (CachePolicy.on_decode, ScoringPolicy.step):
+            return False
+        if getattr(cls, "observe", ScoringPolicy.observe) is not ScoringPolicy.observe:
+            return False
+    return not chain or ("decode" not in getattr(policy, "compress_on", ()) and policy.needs("decode") == Needs())
+
+
+def eviction_rule(policy: CachePolicy | None) -> Eviction | str:
+    """The in-graph rule of a policy's decode steps, or why there is none (a str: it falls back)."""
+    if decodes_as_stored(policy):
+        return Eviction("none")
+    if type(policy) is StreamingLLMPolicy and policy.evicts_in_place:
+        sinks = sinks_and_recent(policy.budget, policy.n_sink, policy.budget + 1)[0]
+        return Eviction("sinks", policy.budget, n_sink=sinks.stop)
+    if type(policy) is H2OPolicy and policy.evicts_in_place:
+        return Eviction("heavy", policy.budget, n_recent=policy.n_recent)
+    if any(getattr(type(p), "attend_kv", CachePolicy.attend_kv) is not CachePolicy.attend_kv
+           for p in policy_chain(policy)):
+        return "it rebuilds the entries it attends to at every step (attend_kv)"
+    return "its decode-time compression has no tensor form over fixed shapes here"
+
+
+@dataclass
+class StaticKV:
+    """Every layer's entries in fixed-capacity buffers, and the counters, all on the device (shapes in the
+    module docstring). Built from a prefilled ``KVCache`` by ``allocate`` then ``load``."""
+
+    k: Tensor
+    v: Tensor
+    pos: Tensor
+    slot: Tensor
+    position: Tensor
+    score: Tensor | None = None
+
+    @staticmethod
+    def shape(cache: KVCache, max_new_tokens: int, rule: Eviction) -> tuple:
+        """(L, B, H_kv, C, d, dtype, device) of the buffers for ``cache``, checked: a prefix is stored, every
+        layer is a ``LayerKV`` with no slot waiting to be refilled (as after ``prefill`` or ``extend``)."""
+        if cache.seen == 0:
+            raise ValueError("a decode step needs a cache that already holds a prefix; use prefill() first")
+        for store in cache.layers:
+            if type(store) is not LayerKV or store.k is None:
+                raise ValueError(f"the graph step copies LayerKV storage, got {type(store).__name__}")
+            if store.free is not None:
+                raise ValueError("start the graph step on a cache right after prefill() or extend(): this one "
+                                 "has slots emptied by a decode step, waiting for the next token")
+        B, H_kv, _, d = cache.layers[0].k.shape
+        C = max(rule.capacity(store.n, max_new_tokens) for store in cache.layers)
+        k = cache.layers[0].k
+        return len(cache.layers), B, H_kv, C, d, k.dtype, k.device
+
+    @classmethod
+    def allocate(cls, L: int, B: int, H_kv: int, C: int, d: int, dtype: torch.dtype, device,
+                 rule: Eviction) -> "StaticKV":
+        # zeros, not empty: an empty slot's v is multiplied by its probability 0, and 0 * NaN would be NaN
+        return cls(k=torch.zeros(L, B, H_kv, C, d, dtype=dtype, device=device),
+                   v=torch.zeros(L, B, H_kv, C, d, dtype=dtype, device=device),
+                   pos=torch.full((L, B, H_kv, C), -1, dtype=torch.long, device=device),
+                   slot=torch.zeros(L, B, H_kv, dtype=torch.long, device=device),
+                   position=torch.zeros(1, dtype=torch.long, device=device),
+                   score=(torch.zeros(L, B, H_kv, C, dtype=torch.float32, device=device)
+                          if rule.kind == "heavy" else None))
+
+    def load(self, cache: KVCache) -> None:
+        """Copy the cache in, in place (a captured graph keeps reading these same buffers): layer i's n slots
+        first, the rest empty; its next token goes to slot n; the position is ``cache.seen``."""
+        self.pos.fill_(-1)
+        for i, store in enumerate(cache.layers):
+            n = store.n
+            self.k[i, :, :, :n] = store.k
+            self.v[i, :, :, :n] = store.v
+            self.pos[i, :, :, :n] = store.pos
+            self.slot[i] = n
+            if self.score is not None:
+                self.score[i].zero_()
+                self.score[i, :, :, :n] = store.state[H2O_STATE]
+        self.position.fill_(cache.seen)
+
+
+class _Shape:
+    """What one captured shape keeps alive: the buffers, the static token, the graph and its output."""
+
+    def __init__(self, kv: StaticKV, token: Tensor) -> None:
+        self.kv, self.token = kv, token
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Tensor | None = None
+        self.warm = 0
+
+
+class GraphDecoder:
+    """Decode steps of a Llama-flavour ``Transformer`` over a ``StaticKV``, captured in a CUDA graph per
+    shape on a GPU, eager on a CPU; policies without an in-graph rule decode with the lean step."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.lean = LeanDecoder(model)                  # the stacked weights, and the fallback
+        self.model, self.config = model, model.config
+        self.shapes: dict[tuple, _Shape] = {}           # (L, B, H_kv, C, d, dtype, device, rule) -> buffers
+        self.captures = 0                               # graphs captured so far (one per shape)
+        self.source = None                              # a weak reference to the cache start() took
+        self.cache: KVCache | None = None               # that cache, held only where the lean step decodes it
+        self.fallback: str | None = None                # why the current sequence decodes with the lean step
+        self.current: _Shape | None = None
+        self.rule = Eviction()
+        self.seen = self.left = 0                       # host-side mirrors: tokens seen, steps left
+
+    @property
+    def kv(self) -> StaticKV | None:
+        return None if self.current is None else self.current.kv
+
+    def start(self, cache: KVCache, max_new_tokens: int) -> bool:
+        """Take a prefilled cache for up to ``max_new_tokens`` steps: copy it into the buffers of its shape
+        (allocated on first use) and return True, or print why its policy falls back to the lean step and
+        return False. From here ``step`` feeds this sequence; the cache itself is left as it was (and, on the
+        graph path, not kept: drop it to free its memory)."""
+        self.source, self.cache, self.current = weakref.ref(cache), None, None
+        self.seen, self.left = cache.seen, max_new_tokens
+        rule = eviction_rule(cache.policy)
+        if isinstance(rule, str):
+            self.cache, self.fallback = cache, rule
+            print(f"graph step: {spec_of(cache.policy)} falls back to the lean step ({rule})")
+            return False
+        self.fallback, self.rule = None, rule
+        shape = StaticKV.shape(cache, max_new_tokens, rule)
+        key = (*shape, rule)
+        if key not in self.shapes:
+            L, B, H_kv, C, d, dtype, device = shape
+            self.shapes[key] = _Shape(StaticKV.allocate(L, B, H_kv, C, d, dtype, device, rule),
+                                      torch.zeros(B, dtype=torch.long, device=device))
+        self.current = self.shapes[key]
+        self.current.kv.load(cache)
+        return True
+
+    def took(self, cache: KVCache) -> bool:
+        """Whether ``cache`` is the one the last ``start`` took."""
+        return self.source is not None and self.source() is cache
+
+    def forget(self) -> None:
+        """Drop every shape's buffers and graphs (their memory goes back to the allocator)."""
+        self.shapes.clear()
+        self.source = self.cache = self.current = None
+
+    @torch.no_grad()
+    def step(self, token: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Logits (B, V) after feeding ``token`` (B,) or (B, 1) to the sequence ``start`` took (``cache``, if
+        given, must be that one: ``generate``'s ``step`` signature)."""
+        if self.source is None or (cache is not None and not self.took(cache)):
+            raise ValueError("call start(cache, max_new_tokens) with this cache first")
+        if self.fallback is not None:
+            return self.lean.step(token, self.cache)
+        if self.left <= 0:
+            raise ValueError("the static cache is full: start() it with a larger max_new_tokens")
+        if self.seen + 1 > self.config.max_seq_len:
+            raise ValueError(f"{self.seen} tokens seen + 1 new exceeds the model's max_seq_len="
+                             f"{self.config.max_seq_len}")
+        cur = self.current
+        cur.token.copy_(token.reshape(-1))
+        out = self._replay(cur) if cur.token.is_cuda else self.decode(cur.token)
+        self.seen += 1
+        self.left -= 1
+        return out
+
+    def _replay(self, cur: _Shape) -> Tensor:
+        """The step on a GPU: eager warm-up steps on a side stream, then one capture, then replays."""
+        if cur.graph is None and cur.warm < WARMUP:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.decode(cur.token)
+            torch.cuda.current_stream().wait_stream(side)
+            cur.warm += 1
+            return out.clone()
+        if cur.graph is None:                   # capture records the kernels without running them
+            cur.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cur.graph):
+                cur.out = self.decode(cur.token)
+            self.captures += 1
+        cur.graph.replay()
+        return cur.out.clone()                  # the graph's output is overwritten by the next replay
+
+    def decode(self, token: Tensor) -> Tensor:
+        """The step itself, what a graph captures: logits (B, V) for ``token`` (B,) over ``self.kv``,
+        updated in place. Fixed shapes, no host synchronisation, no branch on tensor data."""
+        kv = self.current.kv
+        x = F.embedding(token, self.model.tok_emb.weight)                             # (B, D)
+        cos, sin = rope_cos_sin(kv.position, self.lean.inv_freq, x.dtype)            # (1, d) each
+        logits, _ = self.lean.forward(x, cos, sin, F.linear, self._attend)
+        kv.position += 1
+        return logits
+
+    def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Layer i: q (B, H, 1, d), the new k, v (B, H_kv, 1, d). Write, attend over C slots, evict.
+        Returns (B, H, 1, d)."""
+        kv, rule = self.current.kv, self.rule
+        B, H, _, d = q.shape
+        H_kv = k.shape[1]
+        kb, vb, pos, slot = kv.k[i], kv.v[i], kv.pos[i], kv.slot[i]       # views (B, H_kv, C, d), (B, H_kv, C)
+        at = slot[:, :, None]                                              # (B, H_kv, 1)
+        kb.scatter_(2, at[..., None].expand(B, H_kv, 1, d), k)             # LayerKV.append / write
+        vb.scatter_(2, at[..., None].expand(B, H_kv, 1, vb.shape[-1]), v)
+        pos.scatter_(2, at, kv.position.expand(B, H_kv, 1))
+        scores = group_scores(q, kb)[:, :, :, 0]                           # (B, H_kv, G, C)
+        valid = pos >= 0                                                   # every stored position is past
+        probs = torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), dim=-1)
+        out = (probs @ vb).view(B, H, 1, d)
+        if rule.kind == "none":
+            slot += 1
+            return out
+        if rule.kind == "sinks":                # the oldest position after the sinks (StreamingLLM's ring)
+            after_sinks = pos.masked_fill(pos < rule.n_sink, torch.iinfo(pos.dtype).max)
+            victim = after_sinks.argmin(dim=-1)                                        # (B, H_kv)
+        else:                                   # H2O: accumulate, then the lowest score outside the window
+            score = kv.score[i]
+            score.scatter_(2, at, 0.0)                       # the new entry starts at 0 (its fill value)...
+            score += probs.float().mean(dim=2)               # ...and every entry gets what it received now
+            stays = (pos < 0) | (pos >= kv.position + 1 - rule.n_recent)              # empty or recent
+            s = torch.where(stays, float("inf"), torch.nan_to_num(score, nan=float("-inf")))
+            lowest = s == s.amin(dim=-1, keepdim=True)
+            victim = torch.where(lowest, pos, -1).argmax(dim=-1)     # ties: the later position (select_lowest)
+        over = valid.sum(-1) > rule.budget                                             # (B, H_kv)
+        held = pos.gather(2, victim[..., None])                                        # (B, H_kv, 1)
+        pos.scatter_(2, victim[..., None], torch.where(over[..., None], -1, held))     # LayerKV.evict
+        slot.copy_(torch.where(over, victim, slot + 1))      # the next token takes the emptied slot
+        return out
+
+    def generate(self, ids: Tensor, max_new_tokens: int, policy: CachePolicy | None = None,
+                 cache: KVCache | None = None, stop_ids: list[int] | tuple = ()) -> Tensor:
+        """Greedy continuation (B, n) of ids (B, T), as ``nanollm.generate``: the prompt through the reading
+        path, every new token through ``step``."""
+        cache = cache if cache is not None else KVCache(self.config, policy=policy)
+
+        def step(token: Tensor, c: KVCache) -> Tensor:
+            if not self.took(c):
+                self.start(c, max_new_tokens)
+            return self.step(token, c)
+        return generate(self.model, ids, max_new_tokens, cache=cache, stop_ids=stop_ids, step=step)

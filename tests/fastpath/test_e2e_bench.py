@@ -1,0 +1,47 @@
+"""``python -m fastpath.bench --e2e`` in its tiny mode on a CPU: every case, both paths, the report with its
+provenance (the GPU run is ``fastpath/gpu_check.sh``)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from fastpath import bench, e2e
+
+
+@pytest.mark.slow
+def test_e2e_quick_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "e2e.json"
+    bench.main(["--e2e", "--quick", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "no CUDA device" in text and "measured on CPU (cpu)" in text
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["quick"] and report["provenance"]["command"].endswith(str(out))
+    cases = {(r["path"], r["method"], r["length"]) for r in report["rows"]}
+    assert cases == {(p, m, S) for p in ("lean", "graph") for m in e2e.METHODS_TIMED for S in e2e.QUICK_LENGTHS}
+    for r in report["rows"]:
+        assert r["ms"] > 0 and r["bytes"] == r["weight_bytes"] + r["kv_bytes"] > 0
+        assert r["at_copy_bw_ms"] == pytest.approx(r["bytes"] / report["copy_bandwidth"] * 1e3)
+        assert r["entries"] == (r["length"] if r["method"] == "full" else max(8, int(0.1 * r["length"])))
+        if r["path"] == "graph":                      # StreamingLLM and H2O: budget + 1 slots once full
+            assert r["capacity"] == r["entries"] + (1 if r["method"] in ("streaming_llm", "h2o") else e2e.ROOM)
+    if importlib.util.find_spec("transformers"):
+        assert [r["path"] for r in report["transformers"]] == ["transformers_static"] * 2
+    else:
+        assert all(r.startswith("skipped: transformers") for r in report["transformers"])
+
+
+@pytest.mark.parametrize("flags", [["--hf-only"], ["--hf-compile"], ["--length", "64"]])
+def test_e2e_flags_are_checked(capsys, flags):
+    with pytest.raises(SystemExit):
+        bench.main(flags)
+    assert "go with --e2e" in capsys.readouterr().err
+
+
+def test_the_fit_draws_a_line_through_two_lengths():
+    rows = [{"method": "full", "path": "graph", "bytes": b, "ms": 1.0 + b / 1e9} for b in (1e9, 3e9)]
+    rows += [{"method": "h2o", "path": "lean", "bytes": b, "ms": 5.0} for b in (1e9, 3e9)]
+    got = e2e.fit(rows)
+    assert got["full graph"]["fixed_ms"] == pytest.approx(1.0) and got["full graph"]["GB_per_s"] == pytest.approx(1e3)
+    assert got["h2o lean"]["fixed_ms"] is None
