@@ -18,6 +18,15 @@ MUTANTS = [
            "range(seen - R, seen)", "range(max(0, seen - R), seen)"),
     Mutant("the window ends at seen + 1", "sinks_and_recent",
            "range(max(0, seen - R), seen + 1)", "range(max(0, seen - R), seen)"),
+    Mutant("an unclamped window: R = budget - n_sink from seen - R (the sinks' cut ignored, before position 0)",
+           "sinks_and_recent",
+           "S = min(n_sink, budget - 1)\n"
+           "R = budget - n_sink\n"
+           "return [range(0, min(S, seen)), range(seen - R, seen)]"),
+    Mutant("the window kept at least 1 beside uncut sinks (S = n_sink: more than the budget)", "sinks_and_recent",
+           "S = n_sink\n"
+           "R = max(budget - S, 1)\n"
+           "return [range(0, min(S, seen)), range(max(0, seen - R), seen)]"),
 
     # h2o_observe: Algorithm 1's accumulated attention
     Mutant("H2O's GQA heads grouped as view(B, G, H_kv, T)", "h2o_observe",

@@ -9,7 +9,7 @@ task one test sweeps every regime and is worth half of the task's points.
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import points, reference
 from test_public import check_close
 
 # -- StreamingLLM ---------------------------------------------------------------------------------------
@@ -49,26 +49,30 @@ def test_streaming_llm_ranges_in_every_regime():
 @points(1, task="sinks_and_recent")
 def test_streaming_llm_decodes_with_sinks_and_window():
     """Prefill, decode steps and an extend chunk through a StreamingLLM cache on a GQA model: after every step
-    each layer, row and KV head holds exactly the 3 sinks and the 4 most recent tokens."""
+    each layer, row and KV head holds exactly the S sinks and the R most recent tokens: 3 sinks and 4 recent
+    (budget 7), then 4 sinks asked for with a budget of 3 (cut to 2 so that the newest token fits, R = 1)."""
     model = A.tiny_model()
     ids = torch.randint(0, 512, (2, 21), generator=torch.Generator().manual_seed(2))
-    cache = A.new_cache(model, A.streaming_policy(7, 3))
-    A.run_prefill(model, ids[:, :12], cache)
-    seen = 12
-    for chunk in (1, 1, 3, 1, 2, 1):
-        if chunk == 1:
-            A.run_decode(model, ids[:, seen], cache)
-        else:
-            A.run_extend(model, ids[:, seen:seen + chunk], cache)
-        seen += chunk
-        want = [0, 1, 2] + list(range(seen - 4, seen))
-        for layer in range(2):
-            pos = A.kept_positions(cache, layer)
-            for b in range(2):
-                for h in range(pos.shape[1]):
-                    got = sorted(p for p in pos[b, h].tolist() if p >= 0)      # any slot order; -1 = empty
-                    assert got == want, (f"after {seen} tokens layer {layer} row {b} KV head {h} holds {got}, "
-                                         f"expected the sinks 0, 1, 2 and the 4 most recent {want[3:]}")
+    for budget, n_sink, prompt, chunks in [(7, 3, 12, (1, 1, 3, 1, 2, 1)), (3, 4, 6, (1, 2, 1))]:
+        S = min(n_sink, budget - 1)
+        cache = A.new_cache(model, A.streaming_policy(budget, n_sink))
+        A.run_prefill(model, ids[:, :prompt], cache)
+        seen = prompt
+        for chunk in chunks:
+            if chunk == 1:
+                A.run_decode(model, ids[:, seen], cache)
+            else:
+                A.run_extend(model, ids[:, seen:seen + chunk], cache)
+            seen += chunk
+            want = list(range(S)) + list(range(seen - (budget - S), seen))
+            for layer in range(2):
+                pos = A.kept_positions(cache, layer)
+                for b in range(2):
+                    for h in range(pos.shape[1]):
+                        got = sorted(p for p in pos[b, h].tolist() if p >= 0)      # any slot order; -1 = empty
+                        assert got == want, (f"budget {budget}, n_sink {n_sink}: after {seen} tokens layer {layer} "
+                                             f"row {b} KV head {h} holds {got}, expected the sinks {want[:S]} and "
+                                             f"the {budget - S} most recent {want[S:]}")
 
 
 # -- H2O ------------------------------------------------------------------------------------------------
@@ -122,8 +126,8 @@ def h2o_run(G: int, seed: int, budget: int, n_recent: int, chunks: list[int]) ->
         slots = A.storage_positions(store)
         want = torch.tensor([[[score[b][j].get(p, 0.0) for p in slots[b, j].tolist()] for j in range(H_kv)]
                              for b in range(B)])
-        check_close(A.h2o_scores(store).masked_fill(slots < 0, 0.0), want, what, "a slot's score is the attention "
-                    "it received, averaged over its KV head's query heads, summed over every step since it arrived",
+        check_close(A.h2o_scores(store).masked_fill(slots < 0, 0.0), want, what, "a slot's score: the mean over its KV "
+                    "head's query heads of the attention it received, summed over every step since it arrived",
                     axes=("row", "KV head", "slot"))
         for b in range(B):                                                     # the oracle's own keys
             for j in range(H_kv):
@@ -143,12 +147,14 @@ def test_h2o_scores_over_steps_with_evictions():
 @points(2, task="h2o_observe")
 def test_h2o_scores_are_the_attention_received():
     """A GQA model with a budget covering the sequence (nothing evicted): after a prefill, decode steps and an
-    extend chunk, every score is the attention its slot received, averaged over its KV head's query heads
-    and summed over the steps, recorded by a cache that runs no code of the assignment."""
+    extend chunk, every score is the mean over its KV head's query heads of the attention its slot received,
+    summed over the steps, recorded here by the instructor's library (the same seeded model and prompt,
+    a cache that keeps everything) rather than by your adapters."""
     model = A.tiny_model(seed=1)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
     chunks = [10, 1, 3, 1, 1]
-    received = A.received_by_step(model, ids, chunks)
+    R = reference("course.baselines.adapters")                               # in this process, not yours
+    received = R.received_by_step(R.tiny_model(seed=1), ids, chunks)
     cache = A.new_cache(model, A.h2o_policy(64))
     A.run_prefill(model, ids[:, :10], cache)
     seen = 10
@@ -164,8 +170,8 @@ def test_h2o_scores_are_the_attention_received():
             B, H, T = sums.shape
             want[..., :T] += sums.double().view(B, 2, H // 2, T).mean(2)
         check_close(A.h2o_scores(cache.layers[layer]), want, f"H2O's scores in layer {layer} after {seen} tokens",
-                    "the attention each slot received, averaged over its KV head's query heads, summed over the "
-                    "steps", axes=("row", "KV head", "position"), tol=1e-4)
+                    "per slot, the mean over its KV head's query heads of the attention it received, summed over "
+                    "the steps", axes=("row", "KV head", "position"), tol=1e-4)
 
 
 # -- SnapKV ---------------------------------------------------------------------------------------------

@@ -33,10 +33,14 @@ def positions(ranges) -> list[int]:
 @points(2, task="sinks_and_recent")
 def test_streaming_llm_keeps_sinks_and_recent():
     for budget, n_sink, seen, want in [(8, 4, 20, [0, 1, 2, 3, 16, 17, 18, 19]),     # S = 4 sinks, R = 4 recent
-                                       (6, 2, 30, [0, 1, 26, 27, 28, 29])]:
+                                       (6, 2, 30, [0, 1, 26, 27, 28, 29]),
+                                       (3, 4, 20, [0, 1, 19]),             # the sinks cut to S = 2, R = 1
+                                       (8, 4, 3, [0, 1, 2])]:              # fewer tokens than the budget
         got = positions(A.streaming_ranges(budget, n_sink, seen))
+        S = min(n_sink, budget - 1)
         assert got == want, (f"budget {budget}, n_sink {n_sink}, after {seen} tokens: the ranges name {got}, "
-                             f"expected the sinks and the most recent tokens {want}")
+                             f"expected the sinks and the most recent tokens {want} (S = {S} sinks, the newest "
+                             f"token must fit; R = {budget - S} recent; only positions 0..{seen - 1} exist)")
     pos = torch.arange(20).expand(1, 2, 20).clone()
     pos[0, 1, 17] = -1                                                   # an empty slot is never kept
     keep = A.streaming_mask(pos, seen=20, budget=8, n_sink=4)

@@ -33,7 +33,7 @@ def test_merge_ranges_far_apart():
     bounds = [(3 * i, 3 * i + 1 + i % 3) for i in range(45)]
     check_merge(*merge_case(3, 3, 32, bounds, seed=3, shifts=[(-1) ** i * 150.0 for i in range(45)]),
                 tag="45 ranges far apart")
-    check_merge(*far_below_zero_case(seed=7), tag="3 query heads, rows of scores near -300 and +300")
+    check_merge(*far_below_zero_case(seed=7), tag="rows of scores near -300 and +300, 3 query heads, seed 7")
 
 
 @points(2, task="merge_splits")

@@ -52,7 +52,7 @@ def output_by_loop(P, V1, V2):
 @points(4, task="pair_scores")
 def test_pair_scores_over_heads_and_non_square_grids():
     """Rows x heads (2, 3), 2 queries, n1 = 6 first keys by n2 = 5 second keys, d = 16; scales 1/sqrt(d) and
-    0.37; three seeds: S[t, a, b] = scale <q_t, K1[a] * K2[b]>, and never the Kronecker product."""
+    0.37; three seeds: S[t, a, b] = scale * <q_t, K1[a] * K2[b]>, and never the Kronecker product."""
     for seed, (n1, n2, scale) in enumerate([(6, 5, 0.25), (6, 5, 0.37), (3, 7, 1.0)]):
         q, K1, K2 = random(2, 3, 2, 16, seed=seed), random(2, 3, n1, 16, seed=10 + seed), \
             random(2, 3, n2, 16, seed=20 + seed)
@@ -61,7 +61,8 @@ def test_pair_scores_over_heads_and_non_square_grids():
         assert got.shape == want.shape, f"n1={n1}, n2={n2}: S has shape {tuple(got.shape)}, expected " \
             f"(..., Tq, n1, n2) = {tuple(want.shape)}"
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
-            f"n1={n1}, n2={n2}, scale {scale}: S[t, a, b] = scale <q_t, K1[a] * K2[b]>: " + first_difference(got, want)
+            f"n1={n1}, n2={n2}, scale {scale}: S[t, a, b] = scale * <q_t, K1[a] * K2[b]>: " \
+            + first_difference(got, want)
 
 
 # -- task pair_softmax ------------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def test_factored_output_over_heads_and_non_square_grids():
             assert got.shape == want.shape, f"o has shape {tuple(got.shape)}, expected (..., Tq, d) = " \
                 f"{tuple(want.shape)}"
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
-                f"n1={n1}, n2={n2}, {what}: o_t = sum over (a, b) of P[t, a, b] V1[a] * V2[b]: " \
+                f"n1={n1}, n2={n2}, {what}: o_t = sum_(a, b) P[t, a, b] V1[a] * V2[b]: " \
                 + first_difference(got, want)
 
 
@@ -141,15 +142,15 @@ def test_two_cache_pairs_grow_by_the_new_rows_only():
         Kt, Vt, pa, pb = A.two_cache_pairs(cache)
         want = sorted((int(a), int(b)) for a in POSITIONS[:n] for b in POSITIONS[:n])
         got = sorted(zip(pa.tolist(), pb.tolist()))
-        assert got == want, f"after {n} tokens the pair rows' positions (a, b) must be each pair of stored tokens " \
-            f"once: {len(got)} rows, {len(set(got))} distinct, expected {len(want)}; e.g. missing " \
+        assert got == want, f"after {n} tokens the positions (a, b) of the pair rows must be each pair of stored " \
+            f"tokens once: {len(got)} rows, {len(set(got))} distinct, expected {len(want)}; e.g. missing " \
             f"{sorted(set(want) - set(got))[:3]}, extra {sorted(set(got) - set(want))[:3]}"
         a, b = [index[int(p)] for p in pa], [index[int(p)] for p in pb]
         want_k, want_v = k1[:, :, a] * k2[:, :, b], v1[:, :, a] * v2[:, :, b]
         assert Kt.shape == want_k.shape and torch.allclose(Kt, want_k), \
-            f"after {n} tokens: the K~ row of pair (a, b) is K1[a] * K2[b]: " + first_difference(Kt, want_k)
+            f"after {n} tokens: pair (a, b)'s K~ row is K1[a] * K2[b]: " + first_difference(Kt, want_k)
         assert Vt.shape == want_v.shape and torch.allclose(Vt, want_v), \
-            f"after {n} tokens: the V~ row of pair (a, b) is V1[a] * V2[b]: " + first_difference(Vt, want_v)
+            f"after {n} tokens: pair (a, b)'s V~ row is V1[a] * V2[b]: " + first_difference(Vt, want_v)
         if before is not None:
             P = before[0].shape[2]
             same = all(torch.equal(x[..., :P, :] if x.dim() == 4 else x[:P], y) for x, y in

@@ -74,8 +74,6 @@ def test_two_cache_holds_every_pair_once():
     A.two_cache_append(cache, k1[:, :, 3:], k2[:, :, 3:], v1[:, :, 3:], v2[:, :, 3:], torch.tensor([3]))
     Kt, Vt, pa, pb = A.two_cache_pairs(cache)
     P = before[0].shape[2]
-    assert all(torch.equal(x[..., :P, :] if x.dim() == 4 else x[:P], y) for x, y in zip((Kt, Vt, pa, pb), before)), \
-        f"the {P} pair rows of the first 3 tokens moved or changed: the new pairs go after them (Def. 3.8)"
     assert sorted(zip(pa.tolist(), pb.tolist())) == [(a, b) for a in range(4) for b in range(4)], \
         f"the pair rows' positions (a, b) must be every pair of the 4 tokens once; got {list(zip(pa, pb))}"
     want_k, want_v = k1[:, :, pa] * k2[:, :, pb], v1[:, :, pa] * v2[:, :, pb]
@@ -83,3 +81,5 @@ def test_two_cache_holds_every_pair_once():
         "the K~ row of pair (a, b) is K1[a] * K2[b]: " + first_difference(Kt, want_k)
     assert Vt.shape == want_v.shape and torch.allclose(Vt, want_v), \
         "the V~ row of pair (a, b) is V1[a] * V2[b]: " + first_difference(Vt, want_v)
+    assert all(torch.equal(x[..., :P, :] if x.dim() == 4 else x[:P], y) for x, y in zip((Kt, Vt, pa, pb), before)), \
+        f"the {P} pair rows of the first 3 tokens moved or changed: the new pairs go after them (Def. 3.8)"
