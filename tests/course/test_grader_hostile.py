@@ -183,12 +183,14 @@ def test_library_code_cannot_reach_the_tests_or_the_results(tmp_path, capsys):
 # A walk of the whole file system, less the kernel's folders and the system's and Python's own packages (to
 # keep the tests short; site-packages is searched through its finder and metadata instead).
 WALK_SKIP = "SKIP = ('/proc', '/sys', '/dev', '/usr/share', '/usr/include', '/usr/lib', '/usr/lib64')"
+WALK_PRUNE = "    subfolders[:] = [s for s in subfolders if os.path.join(folder, s) not in SKIP and 'site-packages' " \
+             "not in folder]"
 LOOK_FOR_HIDDEN_TESTS = [
     "import base64, glob, os",
     WALK_SKIP,
     "found = glob.glob('/tmp/grade-*/round-*/test_hidden.py') + [{hidden!r}]",
     "for folder, subfolders, files in os.walk('/'):",
-    "    subfolders[:] = [s for s in subfolders if os.path.join(folder, s) not in SKIP and 'site-packages' not in folder]",
+    WALK_PRUNE,
     "    found += [os.path.join(folder, f) for f in files if f == 'test_hidden.py']",
     "for path in found:",
     "    try:",
@@ -368,7 +370,7 @@ def solution_seeker(needle: str, call: str) -> list[str]:
         "        except OSError:",
         "            pass",
         "for folder, subfolders, files in os.walk('/'):",
-        "    subfolders[:] = [s for s in subfolders if os.path.join(folder, s) not in SKIP and 'site-packages' not in folder]",
+        WALK_PRUNE,
         "    places += [os.path.join(folder, f) for f in files if f.endswith('.py')]",
         "for place in places:",
         "    for path in [place, place + '/nanollm/attention.py', place + '/attention.py']:",
@@ -472,6 +474,7 @@ def test_the_students_writes_into_a_tests_input_stay_in_its_process(tmp_path):
     (``oracle.written``); a written input the code returns comes back with its new values, in a tensor of its
     own."""
     import torch
+
     from course.oracle import written
     folder = tmp_path / "copy"
     (folder / "course" / "x").mkdir(parents=True)
@@ -525,3 +528,35 @@ def test_the_students_output_cannot_fill_the_disk(tmp_path, capsys):
         pytest.skip("no room here: nothing caps the output")
     assert results["tests"] and all("File too large" in t["output"] or "process running your code stopped" in
                                     t["output"] for t in results["tests"]), results["tests"][0]["output"]
+
+
+def test_a_policy_that_never_calls_the_graded_function_fails(tmp_path, capsys):
+    """Scissorhands' policy in the copy calls a private, correct ranking instead of the graded ``keep_score``
+    (left a stub): the tests that follow the reference run the instructor's policy with the student's
+    ``keep_score``, so the task keeps nothing (2 points kept on the old grader, which compared two runs of the
+    student's own policy)."""
+    copy = student_copy(tmp_path, "scissorhands")
+    path = copy / "methods" / "scissorhands.py"
+    mine = "\n".join("    " + line if line else line
+                     for line in reference("methods/scissorhands.py", "keep_score"))
+    text = path.read_text().replace("keep_score(ctx.kv.state", "_mine(ctx.kv.state") \
+        .replace("keep_score(counts, attn, pos), pos, seen)", "_mine(counts, attn, pos), pos, seen)")
+    path.write_text(text + f"\n\ndef _mine(counts, attn, pos):\n{mine}\n")
+    assert "_mine(ctx.kv.state" in text and "_mine(counts, attn, pos), pos" in text, "the policy's calls moved"
+    grade.main(["scissorhands", "--student", str(copy), "--json", str(tmp_path / "r.json"), "-k", "keep_score"])
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["tests"] and results["score"] == 0, capsys.readouterr().out
+
+
+def test_a_nan_answer_fails(tmp_path, capsys):
+    """CriticalKV's renormalised attention and perturbation (Eq. 5-6) answered in the right shapes, full of NaN:
+    every comparison counts NaN as wrong unless the reference has NaN there (the task kept 5 / 5 on the old
+    grader, whose ``abs(got - want) > tol`` is False for NaN)."""
+    copy = student_copy(tmp_path, "critical_kv")
+    for shape in ("attn.shape", "attn.shape[:-1]"):         # renormalized_attention, then output_perturbation
+        put(copy / "methods" / "critical_kv.py", "output_perturbation",
+            ["import torch", f"return torch.full({shape}, float('nan'), dtype=attn.dtype)"])
+    grade.main(["critical_kv", "--student", str(copy), "--json", str(tmp_path / "r.json"), "-k",
+                "output_perturbation"])
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["tests"] and results["score"] == 0, capsys.readouterr().out
