@@ -1,11 +1,13 @@
 """Hidden tests of the ``chunkkv`` assignment (the grader's; not in a student copy).
 
-Each task is graded alone: the references below (loops, written without the library) stand in for the task
-a test does not grade, through ``adapters.using``."""
+The references below are loops written without the library. The tests of the policy run the instructor's
+ChunkKV here, in the test process, with the student's function in place of the graded one (and the
+instructor's for the other task, so each task is graded alone), and compare with the same run of the
+instructor's alone."""
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import patched, points, reference
 
 # ---------------------------------------------------------------------------------------------------------
 # References, by loops over plain Python numbers
@@ -44,6 +46,9 @@ def chunk_keep_by_loop(scores, pos, free, n_free, chunk_size, shared, remainder)
     return torch.tensor(keep, dtype=torch.bool)
 
 
+ADAPTER = {"chunk_keep_mask": "chunk_mask", "holds_position": "holds"}     # the adapter of each library function
+
+
 def holds_by_pairs(chosen, pos, seen):
     """Every slot against every chosen position of its head."""
     return (pos[..., :, None] == chosen[..., None, :]).any(-1) & (pos >= 0)
@@ -62,21 +67,29 @@ def instance(g, B, H, T, seen, chunk_size):
     return scores, pos, free, n_free
 
 
-def kept_per_step(options, references, spec="chunkkv", seed=0, n_prompt=30, n_new=0):
+def kept_per_step(options, task=None, spec="chunkkv", seed=0, n_prompt=30, n_new=0):
     """The sorted positions every layer keeps after the prefill and after each decode step (the tokens are
-    given; two prompts), per (batch row, KV head), with ``references`` in place of the library's functions."""
-    model = A.tiny_model(seed=seed)
+    given; two prompts), per (batch row, KV head), of the instructor's policy run here in the test process with
+    the student's ``task`` (None: none of the student's) in place of its own; and how many times the policy
+    called the student's ``task``."""
+    K, R = reference("methods.chunkkv"), reference("course.model_adapters")
+    calls = []
+
+    def student(*args):
+        calls.append(1)
+        return getattr(A, ADAPTER[task])(*args)
+    model = R.tiny_model(seed=seed)
     ids = torch.randint(0, 512, (2, n_prompt + n_new), generator=torch.Generator().manual_seed(seed + 1))
-    cache = A.new_cache(model, spec, **options)
+    cache = R.new_cache(model, spec, **options)
     steps = []
-    with A.using(**references):
-        A.run_prefill(model, ids[:, :n_prompt], cache)
+    with patched(K, **({task: student} if task else {})):
+        R.run_prefill(model, ids[:, :n_prompt], cache)
         for t in range(n_prompt, n_prompt + n_new + 1):
-            steps.append([[sorted(set(A.kept_positions(cache, layer)[b, h].tolist()) - {-1})
+            steps.append([[sorted(set(R.kept_positions(cache, layer)[b, h].tolist()) - {-1})
                            for b in range(2) for h in range(2)] for layer in range(2)])
             if t < n_prompt + n_new:
-                A.run_decode(model, ids[:, t], cache)
-    return steps
+                R.run_decode(model, ids[:, t], cache)
+    return steps, len(calls)
 
 
 def step_name(step):
@@ -149,15 +162,16 @@ def test_kept_chunks_follow_the_reference():
             ("chunkkv", {"budget": 3, "chunk_size": 4, "window": 4, "reuse": 1}, 0),    # budget below the window
             ("chunkkv(h2o)", {"budget": 13, "chunk_size": 4, "reuse": 1, "per_head": True}, 4)):   # evicts each step
         for seed in (0, 1):
-            got = kept_per_step(options, {}, spec=spec, seed=seed, n_new=n_new)
-            want = kept_per_step(options, {"chunk_keep_mask": chunk_keep_by_loop}, spec=spec, seed=seed, n_new=n_new)
+            got, calls = kept_per_step(options, "chunk_keep_mask", spec=spec, seed=seed, n_new=n_new)
+            assert calls, f"{spec} {options}: the policy never called your chunk_keep_mask (the test should make it)"
+            want, _ = kept_per_step(options, spec=spec, seed=seed, n_new=n_new)
             for step, (g, w) in enumerate(zip(got, want)):
                 for layer in range(2):
                     for bh in range(4):
                         assert g[layer][bh] == w[layer][bh], (
                             f"{spec} {options}, seed {seed}, after {step_name(step)}: layer {layer}, batch row "
-                            f"{bh // 2}, KV head {bh % 2} keeps {g[layer][bh]}; with the test's reference "
-                            f"chunk_keep_mask it keeps {w[layer][bh]}")
+                            f"{bh // 2}, KV head {bh % 2} keeps {g[layer][bh]} with your chunk_keep_mask; with the "
+                            f"reference chunk_keep_mask it keeps {w[layer][bh]}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -188,8 +202,9 @@ def test_holds_against_every_pair():
 def test_reusing_layers_keep_the_first_layers_positions():
     for spec, options, n_new in (("chunkkv", {"budget": 14, "chunk_size": 4, "window": 4, "per_head": True}, 0),
                                  ("chunkkv(h2o)", {"budget": 13, "chunk_size": 4, "per_head": True}, 5)):
-        steps = kept_per_step({**options, "reuse": 2}, {"chunk_keep_mask": chunk_keep_by_loop}, spec=spec,
-                              n_new=n_new)
+        # the instructor's policy with your holds_position: layer 0 selects, layer 1 looks its positions up
+        steps, calls = kept_per_step({**options, "reuse": 2}, "holds_position", spec=spec, n_new=n_new)
+        assert calls, f"{spec} {options} with reuse = 2: the policy never called your holds_position"
         for step, kept in enumerate(steps):
             for bh in range(4):
                 assert kept[1][bh] == kept[0][bh], (

@@ -57,6 +57,30 @@ MUTANTS = [
     Mutant("the budget counted after stage 1 (n_first + budget kept)", "two_stage",
            "(ranks(s2) < (budgets + n_first)[..., None])", "(ranks(s2) < budgets[..., None])"),
     Mutant("empty slots compete", "two_stage", "return s", "return s.masked_fill(~valid, float(\"-inf\"))"),
+    Mutant("empty slots ranked with NaN and -inf, not below them", "two_stage",
+           "return torch.nan_to_num(s.float().masked_fill(~valid, float(\"-inf\")), nan=lowest, neginf=lowest)",
+           "s = torch.nan_to_num(s.float(), nan=lowest, neginf=lowest)\n"
+           "    return s.masked_fill(~valid, float(\"-inf\"))"),
+    Mutant("empty slots compete for the budget (ranked last, kept when the budget exceeds the valid entries)",
+           "two_stage",
+           "valid = torch.ones_like(first, dtype=torch.bool) if valid is None else valid\n"
+           "lead = first.shape[:-1]\n"
+           "budgets = torch.as_tensor(budgets, device=first.device).expand(lead)\n"
+           "n_first = torch.minimum(torch.as_tensor(n_first, device=first.device).expand(lead), budgets)\n"
+           "lowest = torch.finfo(torch.float32).min\n"
+           "\n"
+           "def ranking(s: Tensor) -> Tensor:\n"
+           "    s = torch.nan_to_num(s.float(), nan=lowest, neginf=lowest)\n"
+           "    return s.masked_fill(~valid, float(\"-inf\"))\n"
+           "\n"
+           "def ranks(scores: Tensor) -> Tensor:\n"
+           "    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices\n"
+           "    steps = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)\n"
+           "    return torch.empty_like(order).scatter_(-1, order, steps)\n"
+           "\n"
+           "stage1 = (ranks(ranking(first)) < n_first[..., None]) & valid\n"
+           "s2 = ranking(second).masked_fill(stage1, float(\"inf\"))\n"
+           "keep = ranks(s2) < budgets[..., None]"),
     Mutant("stage 2 by the first ranking", "two_stage",
            "s2 = ranking(first).masked_fill", "s2 = ranking(second).masked_fill"),
     Mutant("ties to the later entry", "two_stage",

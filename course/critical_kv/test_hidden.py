@@ -1,13 +1,14 @@
 """Hidden tests of the ``critical_kv`` assignment (the grader's; not in a student copy).
 
-Each task is graded alone: the references below (loops, written without the library) stand in for the task
-a test does not grade, through ``adapters.using``."""
+The references below are loops written without the library. The test of the policy runs the instructor's
+CriticalKV here, in the test process, with the student's two_stage_masks in place of its own, and compares
+with the same run of the instructor's alone."""
 
 import math
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import mismatches, patched, points, reference
 
 LOWEST = torch.finfo(torch.float32).min
 
@@ -73,10 +74,6 @@ def two_stage_by_loop(first, second, budgets, n_first, valid=None):
     return torch.tensor(stage1).view(first.shape), torch.tensor(keep).view(first.shape)
 
 
-def loop_two_stage_masks(first, second, budgets, n_first, valid=None):
-    return two_stage_by_loop(first, second, budgets, n_first, valid)
-
-
 def instance(g, shape, n, D):
     """Attention that differs per row (softmax of random logits), projected values, kept sets of every size."""
     attn = torch.softmax(torch.randn(*shape, n, generator=g) * 2, -1)
@@ -88,8 +85,9 @@ def instance(g, shape, n, D):
 
 
 def first_bad(got, want, rtol=1e-5, atol=1e-6):
-    """The first index where got and want differ beyond the tolerance, or None."""
-    bad = ((got.double() - want).abs() > atol + rtol * want.abs()).nonzero()
+    """The first index where got and want differ beyond the tolerance (NaN or inf where want has none: wrong), or
+    None."""
+    bad = mismatches(got, want, atol=atol, rtol=rtol).nonzero()
     return tuple(bad[0].tolist()) if len(bad) else None
 
 
@@ -217,20 +215,28 @@ def test_alpha_one_is_attention_topk_and_alpha_zero_is_a_times_p():
     assert got.shape[-1] == 16, f"a budget of 40 over 16 entries keeps all 16, got {got.shape[-1]}"
 
 
-def kept_per_step(spec, options, references, seed=0, n_prompt=24, n_new=0):
-    """The sorted positions every layer and KV head keeps after the prefill and after each decode step."""
-    model = A.tiny_model(seed=seed)
+def kept_per_step(spec, options, students, seed=0, n_prompt=24, n_new=0):
+    """The sorted positions every layer and KV head keeps after the prefill and after each decode step of the
+    instructor's policy, run here in the test process, calling the student's two_stage_masks if ``students`` (the
+    instructor's otherwise); and how many times it called the student's."""
+    C, R = reference("methods.critical_kv"), reference("course.model_adapters")
+    calls = []
+
+    def student_two_stage_masks(*args):
+        calls.append(1)
+        return A.stages(*args)
+    model = R.tiny_model(seed=seed)
     ids = torch.randint(0, 512, (1, n_prompt + n_new), generator=torch.Generator().manual_seed(seed + 3))
-    cache = A.new_cache(model, spec, **options)
+    cache = R.new_cache(model, spec, **options)
     steps = []
-    with A.using(**references):
-        A.run_prefill(model, ids[:, :n_prompt], cache)
+    with patched(C, **({"two_stage_masks": student_two_stage_masks} if students else {})):
+        R.run_prefill(model, ids[:, :n_prompt], cache)
         for t in range(n_prompt, n_prompt + n_new + 1):
-            steps.append([[sorted(set(A.kept_positions(cache, layer)[0, h].tolist()) - {-1}) for h in range(2)]
+            steps.append([[sorted(set(R.kept_positions(cache, layer)[0, h].tolist()) - {-1}) for h in range(2)]
                           for layer in range(2)])
             if t < n_prompt + n_new:
-                A.run_decode(model, ids[:, t], cache)
-    return steps
+                R.run_decode(model, ids[:, t], cache)
+    return steps, len(calls)
 
 
 @points(2, task="two_stage")
@@ -238,12 +244,13 @@ def test_critical_kv_keeps_the_reference_entries():
     for spec, options, n_new in (("critical_kv", {"budget": 10, "window": 4, "alpha": 0.25}, 0),
                                  ("critical_kv(adakv(snapkv))", {"budget": 9, "window": 3, "alpha": 0.5}, 0),
                                  ("critical_kv(h2o)", {"budget": 8, "alpha": 0.4}, 4)):
-        got = kept_per_step(spec, options, {}, n_new=n_new)
-        want = kept_per_step(spec, options, {"two_stage_masks": loop_two_stage_masks}, n_new=n_new)
+        got, calls = kept_per_step(spec, options, students=True, n_new=n_new)
+        assert calls, f"{spec} {options}: the policy never called your two_stage_masks (the test should make it)"
+        want, _ = kept_per_step(spec, options, students=False, n_new=n_new)
         for step, (g, w) in enumerate(zip(got, want)):
             for layer in range(2):
                 for h in range(2):
                     assert g[layer][h] == w[layer][h], (
                         f"{spec} {options}: after {'the prefill of 24' if step == 0 else f'decode step {step}'}, "
-                        f"layer {layer}, KV head {h} (GQA: 2 query heads each) keeps {g[layer][h]}; with the test's "
-                        f"reference two_stage_masks it keeps {w[layer][h]}")
+                        f"layer {layer}, KV head {h} (GQA: 2 query heads each) keeps {g[layer][h]} with your "
+                        f"two_stage_masks; with the reference two_stage_masks it keeps {w[layer][h]}")

@@ -76,6 +76,10 @@ def test_two_stages():
     stage1, keep = A.stages(first, second, 3, 2, valid)
     assert torch.nonzero(keep[0]).flatten().tolist() == [0, 2, 3], (
         f"entry 1 is not valid (an empty slot): stage 1 takes 0, 2; stage 2 takes 3; got {keep[0].int().tolist()}")
+    stage1, keep = A.stages(first, second, 8, 2, valid)
+    assert keep[0].tolist() == valid[0].tolist(), (
+        f"a budget of 8 over 5 valid entries is cut to the 5: they are all kept, never the empty slot 1; expected "
+        f"{valid[0].int().tolist()}, got {keep[0].int().tolist()}")
     stage1, keep = A.stages(first, second, 2, 5)
     assert stage1[0].tolist() == keep[0].tolist() == [True, True, False, False, False, False], (
         f"n_first = 5 over a budget of 2 is cut to the budget: stage 1 and the kept set are entries [0, 1]; got "

@@ -38,6 +38,14 @@ MUTANTS = [
            "return (-counts).double().masked_fill(pos < 0, float(\"-inf\"))"),
     Mutant("the score in float16", "keep_score",
            "score = (rank - counts * T).half()", "score = (rank - counts * T).double()"),
+    Mutant("attention ranked by a double argsort (equal attentions ranked by slot, the later higher)", "keep_score",
+           "a.argsort(dim=-1, stable=True).argsort(dim=-1)", "torch.searchsorted(a.sort(dim=-1).values, a)"),
+    Mutant("lexicographic order by two stable argsorts, ranked by argsort (equal keys by slot, the earlier higher)",
+           "keep_score",
+           "by_attn = attn.float().argsort(dim=-1, descending=True, stable=True)\n"
+           "order = by_attn.gather(-1, counts.gather(-1, by_attn).argsort(dim=-1, stable=True))\n"
+           "rank = order.argsort(dim=-1)\n"
+           "return (counts.shape[-1] - 1 - rank).double().masked_fill(pos < 0, float(\"-inf\"))"),
 
     # n_dropped: m at a time
     Mutant("m not cut to budget - n_recent", "n_dropped", "m = drop", "m = min(drop, budget - n_recent)"),

@@ -1,11 +1,15 @@
 """Hidden tests of the ``scissorhands`` assignment (the grader's; not in a student copy).
 
-Each task is graded alone: the references below (loops, written without the library) stand in for the tasks
-a test does not grade, through ``adapters.using``."""
+The references below are loops written without the library. The tests of the evictions run the instructor's
+policy here, in the test process, with the student's function in place of the graded one (and the instructor's
+for the other tasks, so each task is graded alone), and compare with the same run of the instructor's alone."""
+
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import patched, points, reference
 
 # ---------------------------------------------------------------------------------------------------------
 # References, by loops over plain Python numbers
@@ -40,44 +44,84 @@ def n_dropped_by_loop(n_slots, budget, drop, n_recent):
     return dropped
 
 
-REFERENCES = {"low_flags": low_flags_by_loop, "keep_score": keep_score_by_pairs, "n_dropped": n_dropped_by_loop}
+# ---------------------------------------------------------------------------------------------------------
+# The policy: the instructor's Scissorhands, run here in the test process. For the task a test grades it calls
+# the student's function (each call answered by the student's process), for the others its own, so each task is
+# graded alone; the same run with no function of the student's is what the policy must keep.
+
+ADAPTER = {"low_flags": "unimportant", "keep_score": "keep_order", "n_dropped": "tokens_to_drop"}
 
 
-def others(task):
-    """The references of every task but ``task``."""
-    return {name: f for name, f in REFERENCES.items() if name != task}
+@contextmanager
+def students(task):
+    """Within: the instructor's ``methods.scissorhands`` calls the student's ``task`` (None: none of the
+    student's) in place of its own. Yields the list of those calls, to check the policy made some."""
+    calls = []
+
+    def student(*args):
+        calls.append(1)
+        return getattr(A, ADAPTER[task])(*args)
+    with patched(reference("methods.scissorhands"), **({task: student} if task else {})):
+        yield calls
 
 
-def kept_per_step(task, references, options, seed=0, n_prompt=14, n_new=6):
-    """The sorted positions every layer and KV head keeps after the prefill and after each decode step (the
-    tokens are given, not generated, so two runs stay aligned), with ``references`` in place of the library's."""
-    model = A.tiny_model(seed=seed)
+def kept_per_step(task, options, seed=0, n_prompt=14, n_new=6):
+    """The sorted positions every layer and KV head keeps after the prefill and after each decode step of the
+    instructor's Scissorhands with the student's ``task`` (the tokens are given, not generated, so two runs stay
+    aligned), and how many times the policy called the student's ``task``."""
+    R = reference("course.model_adapters")
+    model = R.tiny_model(seed=seed)
     ids = torch.randint(0, 512, (1, n_prompt + n_new), generator=torch.Generator().manual_seed(seed + 1))
-    cache = A.new_cache(model, "scissorhands", **options)
+    cache = R.new_cache(model, "scissorhands", **options)
     steps = []
-    with A.using(**references):
-        A.run_prefill(model, ids[:, :n_prompt], cache)
+    with students(task) as calls:
+        R.run_prefill(model, ids[:, :n_prompt], cache)
         for t in range(n_prompt, n_prompt + n_new + 1):
-            steps.append([[sorted(set(A.kept_positions(cache, layer)[0, h].tolist()) - {-1}) for h in range(2)]
+            steps.append([[sorted(set(R.kept_positions(cache, layer)[0, h].tolist()) - {-1}) for h in range(2)]
                           for layer in range(2)])
             if t < n_prompt + n_new:
-                A.run_decode(model, ids[:, t], cache)
-    return steps
+                R.run_decode(model, ids[:, t], cache)
+    return steps, len(calls)
 
 
-def assert_same_evictions(task, options, seeds=(0, 1)):
-    """A decode with the student's ``task`` (and the references for the rest) keeps, at every step, what the same
-    decode keeps with the reference of ``task`` too."""
+def kept_by_hand(task, options, seed=0, n_prompt=10, n_new=12, n_head=8, n_kv_head=4):
+    """The same for one layer (the only one in each step's list) of the instructor's policy driven by hand: the
+    attention of each query head is a random row of multiples of 1/8 over the slots its query sees, so counters
+    and attentions tie exactly; with m > 1 a decode step ranks by ``keep_score`` and later tokens refill the
+    emptied slots, so slot order is not position order."""
+    S, N = reference("methods.scissorhands"), reference("nanollm")
+    g = torch.Generator().manual_seed(seed)
+    policy, kv, steps = S.ScissorhandsPolicy(**options), N.LayerKV(), []
+    with students(task) as calls:
+        for s in range(n_new + 1):
+            q_pos = torch.arange(n_prompt) if s == 0 else torch.tensor([n_prompt + s - 1])   # the step's tokens
+            kv.append(torch.zeros(1, n_kv_head, len(q_pos), 2), torch.zeros(1, n_kv_head, len(q_pos), 2), q_pos)
+            kp = kv.pos.repeat_interleave(n_head // n_kv_head, dim=1)[0]                 # (H, T) per query head
+            sees = (kp[:, None, :] >= 0) & (kp[:, None, :] <= q_pos[None, :, None])      # (H, Tq, T)
+            probs = torch.stack([dyadic_rows(g, len(q_pos), sees[h], parts=8) for h in range(n_head)])[None]
+            w = min(policy.history_window, len(q_pos))                                    # the rows it needs
+            policy.step(SimpleNamespace(kv=kv, probs=probs[:, :, -w:], q_pos=q_pos, q=probs.new_zeros(1, n_head,
+                        len(q_pos), 2), phase="prefill" if s == 0 else "decode", seen=n_prompt + s, layer=0))
+            steps.append([[sorted(set(kv.pos[0, h].tolist()) - {-1}) for h in range(n_kv_head)]])
+    return steps, len(calls)
+
+
+def assert_same_evictions(task, options, seeds=(0, 1), by_hand=False):
+    """A decode of the instructor's policy with the student's ``task`` keeps, at every step, what the same decode
+    keeps with the instructor's ``task``: through the tiny model, or one layer driven by hand (``by_hand``)."""
+    run, what = (kept_by_hand, "driven by hand (exact ties)") if by_hand else (kept_per_step, "of the tiny model")
     for seed in seeds:
-        got = kept_per_step(task, others(task), options, seed)
-        want = kept_per_step(task, REFERENCES, options, seed)
+        got, calls = run(task, options, seed)
+        assert calls, f"{options}, seed {seed}: the policy never called your {task} (the test should make it)"
+        want, _ = run(None, options, seed)
         for step, (g, w) in enumerate(zip(got, want)):
-            for layer in range(2):
-                for h in range(2):
+            for layer in range(len(w)):
+                for h in range(len(w[layer])):
                     assert g[layer][h] == w[layer][h], (
-                        f"{options}, seed {seed}: after {'the prefill' if step == 0 else f'decode step {step}'}, "
-                        f"layer {layer}, KV head {h} keeps positions {g[layer][h]}; with the test's reference "
-                        f"{task} in place of yours the same decode keeps {w[layer][h]}")
+                        f"{options}, seed {seed}, a decode {what}: after "
+                        f"{'the prefill' if step == 0 else f'decode step {step}'}, layer {layer}, KV head {h} keeps "
+                        f"positions {g[layer][h]} with your {task}; with the reference {task} the same decode keeps "
+                        f"{w[layer][h]}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,6 +200,7 @@ def test_eviction_follows_the_low_flags():
     assert_same_evictions("low_flags", {"budget": 8, "history_window": 4, "n_recent": 2})
     assert_same_evictions("low_flags", {"budget": 9, "history_window": 6, "n_recent": 1, "threshold": 0.08},
                           seeds=(2,))
+    assert_same_evictions("low_flags", {"budget": 6, "history_window": 4, "n_recent": 1, "drop": 2}, by_hand=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -200,6 +245,7 @@ def test_keep_score_orders_by_the_counters_then_the_attention():
 def test_eviction_follows_the_keep_score():
     assert_same_evictions("keep_score", {"budget": 8, "history_window": 4, "n_recent": 2})
     assert_same_evictions("keep_score", {"budget": 6, "history_window": 20, "n_recent": 0, "drop": 2}, seeds=(2,))
+    assert_same_evictions("keep_score", {"budget": 6, "history_window": 4, "n_recent": 1, "drop": 2}, by_hand=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,7 +270,8 @@ def test_decode_drops_m_at_a_time():
     for options in ({"budget": 8, "history_window": 4, "n_recent": 2, "drop": 3},
                     {"budget": 8, "history_window": 4, "n_recent": 5, "drop": 6}):     # m cut to 3
         m = min(options["drop"], options["budget"] - options["n_recent"])
-        steps = kept_per_step("n_dropped", others("n_dropped"), options)
+        steps, calls = kept_per_step("n_dropped", options)
+        assert calls, f"{options}: the policy never called your n_dropped"
         size = 13
         for step, kept in enumerate(steps):
             seen = 14 + step

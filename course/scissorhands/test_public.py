@@ -41,24 +41,32 @@ def test_low_flags_use_each_querys_uniform_level():
 
 @points(2, task="keep_score")
 def test_fewer_low_flags_first_then_higher_attention():
-    counts = torch.tensor([[[3, 0, 1, 1, 0, 2], [400, 400, 399, 0, 400, 400]]])
-    attn = torch.tensor([[[0.9, 0.1, 0.3, 0.2, 0.4, 0.05], [0.5, 0.50000006, 0.0, 0.0, 0.25, 0.75]]])
-    pos = torch.tensor([[[0, 1, 2, 3, -1, 5], [4, 0, 1, 2, 3, 5]]])
+    counts = torch.tensor([[[3, 0, 1, 1, 0, 2], [400, 400, 399, 0, 400, 400], [2, 1, 2, 1, 0, 2]]])
+    attn = torch.tensor([[[0.9, 0.1, 0.3, 0.2, 0.4, 0.05], [0.5, 0.50000006, 0.0, 0.0, 0.25, 0.75],
+                          [0.25, 0.5, 0.25, 0.5, 0.125, 0.25]]])
+    pos = torch.tensor([[[0, 1, 2, 3, -1, 5], [4, 0, 1, 2, 3, 5], [0, 1, 2, 3, 4, 5]]])
     # head 0: slot 1 (no flag), 2 and 3 (one flag each, 2 has more attention), 5 (two), 0 (three); 4 is empty
     # head 1: slot 3 (no flag), slot 2 (399), then the 400s by attention: 5, 1 (0.50000006), 0 (0.5), 4
-    want = [[1, 2, 3, 5, 0], [3, 2, 5, 1, 0, 4]]
+    # head 2: slot 4 (no flag), then slots 1 and 3 (one flag, attention 0.5 each: a tie), then 0, 2 and 5 (a tie)
+    want = [[[1], [2], [3], [5], [0]], [[3], [2], [5], [1], [0], [4]], [[4], [1, 3], [0, 2, 5]]]   # best first
     score = A.keep_order(counts, attn, pos)
     assert score.shape == counts.shape, f"keep_score returns (B, H_kv, T) = {tuple(counts.shape)}, got {score.shape}"
     assert score[0, 0, 4] == float("-inf"), f"an empty slot (pos -1) scores -inf, got {float(score[0, 0, 4])}"
+
+    def slot(s, h, i):
+        return (f"slot {i} (I = {int(counts[0, h, i])}, attention {float(attn[0, h, i]):.8g}, score "
+                f"{float(s[0, h, i])})")
     for kind, s in (("", score), (" (in float32, as select_topk ranks it)", score.float())):
-        for h in range(2):
-            order = want[h]
-            for better, worse in zip(order, order[1:]):
-                assert s[0, h, better] > s[0, h, worse], (
-                    f"fewer low flags first, then the higher attention{kind}: KV head {h}, slot {better} "
-                    f"(I = {int(counts[0, h, better])}, attention {float(attn[0, h, better]):.8g}) must score above "
-                    f"slot {worse} (I = {int(counts[0, h, worse])}, attention {float(attn[0, h, worse]):.8g}); got "
-                    f"{float(s[0, h, better])} and {float(s[0, h, worse])}")
+        for h in range(3):
+            for group in want[h]:
+                for i in group[1:]:
+                    assert s[0, h, i] == s[0, h, group[0]], (
+                        f"equal counters and equal attention score equal{kind}: KV head {h}, {slot(s, h, group[0])} "
+                        f"and {slot(s, h, i)}")
+            for better, worse in zip(want[h], want[h][1:]):
+                assert s[0, h, better[0]] > s[0, h, worse[0]], (
+                    f"fewer low flags first, then the higher attention{kind}: KV head {h}, {slot(s, h, better[0])} "
+                    f"must score above {slot(s, h, worse[0])}")
 
 
 @points(2, task="n_dropped")
