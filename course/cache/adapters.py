@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import sys
-from contextlib import contextmanager
 
-import torch
 from torch import Tensor
 
 
@@ -70,67 +69,6 @@ def storage_state(store, name: str) -> Tensor:
     return store.state[name]
 
 
-def tiny_model(flavour: str = "llama", seed: int = 0):
-    """A seeded random model in fp32 (TINY: 2 layers, 4 query heads over 2 KV heads in the Llama flavour; TINY_GPT2:
-    multi-head), weight matrices drawn with std 0.1."""
-    gen = torch.Generator().manual_seed(seed)
-    model = nanollm("model").Transformer(nanollm("config").preset("TINY" if flavour == "llama" else "TINY_GPT2"))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model.float().eval()
-
-
-def new_cache(model):
-    """An empty plain cache (no policy) for ``model``."""
-    return nanollm("cache").KVCache(model.config)
-
-
-def layer_storage(cache, layer: int):
-    """Layer ``layer``'s storage in the cache (what ``new_storage`` makes)."""
-    return cache.layers[layer]
-
-
-def kept_positions(cache, layer: int) -> Tensor:
-    """Positions layer ``layer`` holds (B, H_kv, T)."""
-    return cache.layers[layer].pos
-
-
-def run_prefill(model, ids: Tensor, cache) -> Tensor:
-    """Logits (B, T, V) of the prompt, filling the cache."""
-    return nanollm("generation").prefill(model, ids, cache)
-
-
-def run_extend(model, ids: Tensor, cache) -> Tensor:
-    """Logits (B, Tn, V) of a chunk appended to the cache."""
-    return nanollm("generation").extend(model, ids, cache)
-
-
-def run_decode(model, token: Tensor, cache) -> Tensor:
-    """Next-token logits (B, V) after feeding token (B,)."""
-    return nanollm("generation").decode_step(model, token, cache)
-
-
-@torch.no_grad()
-def uncached_logits(model, ids: Tensor) -> Tensor:
-    """One forward pass over the whole sequence without a cache (B, T, V): it never touches the cache."""
-    return model(ids)
-
-
-@contextmanager
-def attention_over_entries(fn):
-    """Within: the decoder's attention over stored entries (every step after the prompt) is ``fn(q, k, v, q_pos,
-    k_pos) -> out`` (B, H, Tq, d), the tests' own, so decoding grades the storage alone."""
-    attention = nanollm("attention")
-    saved = attention.attend
-    attention.attend = lambda q, k, v, q_pos, k_pos, needs=None, chunk=None: (fn(q, k, v, q_pos, k_pos), None, None)
-    try:
-        yield
-    finally:
-        attention.attend = saved
-
-
 # -- tasks group_scores and mask: the attention (nanollm/attention.py) ------------------------------------
 
 def scores(q: Tensor, k: Tensor) -> Tensor:
@@ -138,15 +76,28 @@ def scores(q: Tensor, k: Tensor) -> Tensor:
     return nanollm("attention").group_scores(q, k)
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, group_scores,
-                     chunk: int | None = None, rows: int = 0) -> tuple[Tensor, Tensor | None]:
-    """``attend`` with the mask built from positions, its scores from ``group_scores`` (the tests' own, so the
-    mask is graded alone): q (B, H, Tq, d), k, v (B, H_kv, Tk, d), q_pos (Tq,), k_pos (B, H_kv, Tk) with -1 for an
-    empty slot; queries in chunks of ``chunk``. Returns out (B, H, Tq, d) and the probabilities of the last
-    ``rows`` queries (B, H, rows, Tk), or None when rows is 0."""
+def scores_for_the_mask(q: Tensor, k: Tensor) -> Tensor:
+    """q k^T / sqrt(d) one query head at a time, head h against KV head h // G -> (B, H_kv, G, C, T): the scores
+    ``masked_attention`` gives ``attend`` in place of your ``group_scores``, so that the mask is graded alone
+    (given code, not a task)."""
+    B, H, C, d = q.shape
+    H_kv = k.shape[1]
+    G = H // H_kv
+    out = q.new_empty(B, H_kv, G, C, k.shape[2])
+    for h in range(H):
+        out[:, h // G, h % G] = q[:, h] @ k[:, h // G].transpose(-1, -2) / math.sqrt(d)
+    return out
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, chunk: int | None = None,
+                     rows: int = 0) -> tuple[Tensor, Tensor | None]:
+    """``attend`` with the mask built from positions, its scores from ``scores_for_the_mask`` (not your
+    ``group_scores``: the mask is graded alone): q (B, H, Tq, d), k, v (B, H_kv, Tk, d), q_pos (Tq,), k_pos
+    (B, H_kv, Tk) with -1 for an empty slot; queries in chunks of ``chunk``. Returns out (B, H, Tq, d) and the
+    probabilities of the last ``rows`` queries (B, H, rows, Tk), or None when rows is 0."""
     attention, policy = nanollm("attention"), nanollm("policy")
     saved = attention.group_scores
-    attention.group_scores = group_scores
+    attention.group_scores = scores_for_the_mask
     try:
         out, probs, _ = attention.attend(q, k, v, q_pos, k_pos, policy.Needs(rows=rows), chunk=chunk)
     finally:

@@ -1,13 +1,13 @@
 """Hidden tests of the ``cache`` assignment (the grader's; not in a student copy). Each task is graded alone,
-against oracles written here: the storage against ``torch.cat`` (and, in the decoder, with the tests' own
-attention), the scores against a loop over heads, the masked attention against a loop over queries, heads and
-the slots each may see (with the tests' own scores)."""
+against oracles written here: the storage against ``torch.cat`` (and inside the instructor's decoder, run in
+this process, its attention reading your storage), the scores against a loop over heads, the masked attention
+against a loop over queries, heads and the slots each may see (with the adapters' scores, not yours)."""
 
 import math
 
 import adapters as A
 import torch
-from oracle import address, points
+from oracle import address, points, reference
 from test_public import randn, scores_by_loop
 
 ROOM = 64          # the first append leaves at least this much room (nanollm.storage.MIN_CAPACITY)
@@ -63,7 +63,7 @@ def append(store, k, v, pos, what):
         assert new_cap >= 2 * cap, f"{what}: a full buffer of {cap} slots grew to {new_cap}: at least double it"
     assert new_cap <= 2 * total + ROOM, f"{what}: {total} slots in use hold a capacity of {new_cap}: double, no more"
     room = A.storage_room_positions(store)
-    assert (room == -1).all(), f"{what}: the room past the slots in use must be empty (position -1), got " \
+    assert (room == -1).all(), f"{what}: the slots past those in use must all be empty (-1), got " \
         f"{room[room != -1][:3].tolist()}"
     return address(got) != where
 
@@ -161,52 +161,59 @@ def test_append_after_keep_and_with_state():
         f"a state grows with the buffers, its numbers kept and new slots at its fill: got shape {tuple(score.shape)}"
 
 
-def oracle_attention(q, k, v, q_pos, k_pos):
-    """Full attention with the mask from positions, the test's own (B, H, Tq, d)."""
-    G = q.shape[1] // k.shape[1]
-    k, v, kp = (t.repeat_interleave(G, dim=1) for t in (k, v, k_pos))
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    visible = (kp[:, :, None, :] >= 0) & (kp[:, :, None, :] <= q_pos[:, None])
-    return torch.softmax(s.masked_fill(~visible, -math.inf), dim=-1) @ v
-
-
 @points(3, task="append")
 def test_cached_decoding_equals_uncached_with_the_tests_attention():
     """The storage inside the decoder (Llama: RoPE, GQA; GPT-2: learned positions): a prompt, a chunk of 3
     tokens, then 5 greedy steps through the cache give the logits of one uncached pass over the sequence. The
-    attention over stored entries is the test's, so only the storage is graded."""
+    decoder and its attention are the instructor's, run here; only the storage is yours."""
     for flavour in ("llama", "gpt2"):
         decode_through_the_storage(flavour)
 
 
+def storage_of_yours():
+    """The instructor's layer storage (``LayerKV``, in this process) whose entries your storage keeps: each
+    append goes to your storage, and the instructor's attention reads the slots in use that your storage then
+    holds (its keys, values and positions)."""
+    class YourStorage(reference("nanollm.storage").LayerKV):
+        def __init__(self):
+            super().__init__()
+            self.yours = A.new_storage()
+
+        def append(self, k, v, pos):
+            A.storage_append(self.yours, k, v, pos)
+            self._k, self._v, self._pos = A.storage_contents(self.yours)
+            self.n = self._k.shape[2]
+    return YourStorage()
+
+
 def decode_through_the_storage(flavour):
-    model = A.tiny_model(flavour, seed=3)
+    R = reference("course.model_adapters")              # the instructor's model, decoder and uncached pass
+    model = R.tiny_model(flavour, seed=3)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
-    cache = A.new_cache(model)
-    with A.attention_over_entries(oracle_attention):
-        A.run_prefill(model, ids[:, :6], cache)
-        where = address(A.storage_contents(A.layer_storage(cache, 0))[0])
-        logits = A.run_extend(model, ids[:, 6:], cache)[:, -1]
-        for step in range(6):
-            want = A.uncached_logits(model, ids)[:, -1]
-            assert torch.allclose(logits, want, rtol=1e-4, atol=1e-5), \
-                f"{flavour}, {ids.shape[1]} tokens: cached logits differ from the uncached pass: " \
-                + first_difference(logits, want)
-            if step == 5:
-                break
-            token = logits.argmax(-1)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-            logits = A.run_decode(model, token, cache)
-    assert address(A.storage_contents(A.layer_storage(cache, 0))[0]) == where, \
+    cache = reference("nanollm.cache").KVCache(model.config, new_storage=lambda config: storage_of_yours())
+    yours = [layer.yours for layer in cache.layers]
+    R.run_prefill(model, ids[:, :6], cache)
+    where = address(A.storage_contents(yours[0])[0])
+    logits = R.run_extend(model, ids[:, 6:], cache)[:, -1]
+    for step in range(6):
+        want = R.uncached_logits(model, ids)[:, -1]
+        assert torch.allclose(logits, want, rtol=1e-4, atol=1e-5), \
+            f"{flavour}, {ids.shape[1]} tokens: cached logits differ from the uncached pass: " \
+            + first_difference(logits, want)
+        if step == 5:
+            break
+        token = logits.argmax(-1)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        logits = R.run_decode(model, token, cache)
+    assert address(A.storage_contents(yours[0])[0]) == where, \
         f"{flavour}: 14 tokens fit in the room the prompt's append left, yet the entries moved: write in place"
-    kept = A.kept_positions(cache, 1)
+    kept = A.storage_contents(yours[1])[2]
     assert kept[1, 0].tolist() == list(range(ids.shape[1])), \
         f"layer 1 stores the positions {kept[1, 0].tolist()}"
     more = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(4))
-    with A.attention_over_entries(oracle_attention):                     # outgrows the room that is left
-        logits = A.run_extend(model, more, cache)[:, -1]
+    logits = R.run_extend(model, more, cache)[:, -1]                     # outgrows the room that is left
     ids = torch.cat([ids, more], dim=1)
-    want = A.uncached_logits(model, ids)[:, -1]
+    want = R.uncached_logits(model, ids)[:, -1]
     assert torch.allclose(logits, want, rtol=1e-4, atol=1e-5), \
         f"{flavour}: after a 64-token chunk larger than the room left, cached logits differ from the uncached " \
         "pass: " + first_difference(logits, want)
@@ -217,7 +224,7 @@ def decode_through_the_storage(flavour):
 @points(4, task="group_scores")
 def test_group_scores_against_a_loop_over_heads():
     """A chunk of 4 queries over 7 keys, every head different, G = 3 (GQA), 6 (one KV head) and 1 (multi-head):
-    the scores are q k^T / sqrt(d), query head kv * G + g in [:, kv, g]."""
+    the scores are q k^T / sqrt(d), with query head kv * G + g's in [:, kv, g]."""
     for seed, (H, H_kv) in enumerate([(6, 2), (6, 1), (3, 3), (6, 2)]):
         q, k = randn(2, H, 4, 16, seed=seed), randn(2, H_kv, 7, 16, seed=seed + 9) * 2
         got = A.scores(q, k)
@@ -272,8 +279,8 @@ def test_mask_from_positions_against_a_loop():
     positions the slots hold, G = 2, 3 and 1: a query at p sees exactly the slots at positions 0..p."""
     for seed, (H, H_kv) in enumerate([(4, 2), (6, 2), (2, 2), (4, 2)]):
         q, k, v, q_pos, k_pos = scattered(2, H, H_kv, 3, 12, 8, seed)
-        got, probs = A.masked_attention(q, k, v, q_pos, k_pos, scores_by_loop, rows=3)
         want, want_probs = attention_by_loop(q, k, v, q_pos, k_pos)
+        got, probs = A.masked_attention(q, k, v, q_pos, k_pos, rows=3)
         where = f"H={H}, H_kv={H_kv}, query positions {q_pos.tolist()}, row 0 KV head 0 slot positions " \
             f"{k_pos[0, 0].tolist()}: a query at p sees the slots at 0..p (never -1)"
         assert got.shape == want.shape, f"the output has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
@@ -290,7 +297,7 @@ def test_mask_probabilities_in_chunks_of_queries():
     q, k, v, q_pos, k_pos = scattered(2, 6, 2, 5, 14, 8, seed=7)
     want_out, want_probs = attention_by_loop(q, k, v, q_pos, k_pos)
     for chunk in (1, 2, None):
-        out, probs = A.masked_attention(q, k, v, q_pos, k_pos, scores_by_loop, chunk=chunk, rows=5)
+        out, probs = A.masked_attention(q, k, v, q_pos, k_pos, chunk=chunk, rows=5)
         assert probs is not None and probs.shape == want_probs.shape, \
             f"chunk {chunk}: probabilities of shape {None if probs is None else tuple(probs.shape)}, expected " \
             f"(B, H, Tq, Tk) = {tuple(want_probs.shape)}"
@@ -302,6 +309,6 @@ def test_mask_probabilities_in_chunks_of_queries():
         assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-4), \
             f"chunk {chunk}: the output: " + first_difference(out, want_out)
     one = slice(4, 5)
-    out, probs = A.masked_attention(q[:, :, one], k, v, q_pos[one], k_pos, scores_by_loop, rows=1)
+    out, probs = A.masked_attention(q[:, :, one], k, v, q_pos[one], k_pos, rows=1)
     assert torch.allclose(out, want_out[:, :, one], rtol=1e-5, atol=1e-4), \
         "a decode step (one query): " + first_difference(out, want_out[:, :, one])

@@ -1,6 +1,7 @@
 """Public tests of the ``cache`` assignment, one per task: the storage, the grouped scores, the masked attention.
 Run them with ``python -m course.grade cache`` (they reach your code through ``adapters.py``). Each task is
-graded alone: a test of the mask brings its own scores."""
+graded alone: a test of the mask runs ``attend`` with the adapters' own scores (``scores_for_the_mask``), not
+your ``group_scores``."""
 
 import math
 
@@ -97,7 +98,7 @@ def test_masked_attention_sees_only_the_past():
     q, k, v = randn(1, 4, 3, 16, seed=2), randn(1, 2, 6, 16, seed=3), randn(1, 2, 6, 16, seed=4)
     k_pos = torch.tensor([0, 3, 7, 9, 10, 11]).expand(1, 2, 6)
     q_pos = torch.tensor([9, 10, 11])
-    got, _ = A.masked_attention(q, k, v, q_pos, k_pos, scores_by_loop)
     want = attention_by_loop(q, k, v, q_pos, k_pos)
+    got, _ = A.masked_attention(q, k, v, q_pos, k_pos)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), \
         "query at p sees the slots at positions 0..p, its own included: " + first_difference(got, want)

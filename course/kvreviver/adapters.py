@@ -25,14 +25,10 @@ def count_sketch():
 
 # -- the sketch's method (methods/kvreviver.py) -------------------------------------------------------------
 
-def sketch_class() -> type:
-    """The sketch class (``VagueSketch``): the tests subclass it to swap in an oracle for one operation."""
-    return kvreviver().VagueSketch
-
-
 def new_sketch(rows: int, width: int, n_kv_head: int, head_dim: int, seed: int = 0, injective: bool = False):
-    """An empty count sketch: ``rows`` rows of ``width`` cells, each cell a key and a value (n_kv_head, d)."""
-    return sketch_class()(rows, width, n_kv_head, head_dim, seed, injective)
+    """An empty count sketch (``VagueSketch``): ``rows`` rows of ``width`` cells, each cell a key and a value
+    (n_kv_head, d); its hashes' coefficients drawn from ``seed``."""
+    return kvreviver().VagueSketch(rows, width, n_kv_head, head_dim, seed, injective)
 
 
 def hashes(sketch, pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -82,45 +78,3 @@ def reference_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) ->
 def kernel_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, block_n: int) -> tuple[Tensor, Tensor]:
     """The same with the Triton kernel, ``block_n`` tokens per program."""
     return count_sketch().sketch_query_triton(key, value, cells, signs, block_n=block_n)
-
-
-# -- KVReviver around the sketch (given code) -----------------------------------------------------------------
-
-def tiny_model(seed: int = 0):
-    """A seeded random model in fp32 (TINY: 2 layers, 4 query heads over 2 KV heads)."""
-    from course.model_adapters import tiny_model
-    return tiny_model("llama", seed)
-
-
-def kvreviver_cache(model, budget: int, sketch: type | None = None, **options):
-    """A cache run by KVReviver at ``budget``; its sketches are of class ``sketch`` (default: ``VagueSketch``)."""
-    from course.model_adapters import new_cache
-    cache = new_cache(model, "kvreviver", budget, **options)
-    if sketch is not None:
-        cache.policy.sketch_class = sketch
-    return cache
-
-
-def sketches(cache, layer: int) -> list:
-    """The sketches of a layer, one per sequence (and selection group)."""
-    return cache.policy._sketch.get(layer, [])
-
-
-def kept_positions(cache, layer: int) -> Tensor:
-    """Positions a layer holds raw (B, H_kv, T)."""
-    return cache.layers[layer].pos
-
-
-def run_prefill(model, ids: Tensor, cache) -> Tensor:
-    from course.model_adapters import run_prefill
-    return run_prefill(model, ids, cache)
-
-
-def run_decode(model, token: Tensor, cache) -> Tensor:
-    from course.model_adapters import run_decode
-    return run_decode(model, token, cache)
-
-
-def uncached_logits(model, ids: Tensor) -> Tensor:
-    from course.model_adapters import uncached_logits
-    return uncached_logits(model, ids)

@@ -1,67 +1,121 @@
 """Hidden tests of the ``kvreviver`` assignment (the grader's; not in a student copy): any number of rows and
-cells, several inserts and deletes, and KVReviver itself over several decode steps, with one operation of the
-sketch yours and the other the brute-force oracle of test_public.py."""
+cells, several inserts and deletes, and KVReviver itself over several decode steps: the instructor's policy,
+run in this process, with one operation of its sketch yours (each call checked against the instructor's own on
+the same cells) and the other the instructor's. The expected cells and estimates come from the instructor's
+hashes (``VagueSketch.buckets`` and ``signs`` of the reference library), never from your sketch's."""
 
 import adapters as A
 import torch
-from oracle import assert_greedy_is_uncached, points
-from test_public import INSERTS, QUERIES, brute_insert, brute_query, check_insert, check_query, without
+from oracle import assert_greedy_is_uncached, points, reference
+from test_public import (
+    INSERTS,
+    QUERIES,
+    check_cells,
+    check_estimates,
+    check_insert,
+    check_query,
+    check_untouched,
+    without,
+)
 
 
-def oracle_sketch(insert=True, query=True):
-    """Your ``VagueSketch`` (its hashes and cells) with ``insert`` and / or ``query`` done by the oracle (a
-    subclass made beside your code, whose methods call these functions of the test)."""
-    def oracle_insert(self, pos, k, v, sign=1.0):
-        cells, signs = A.hashes(self, pos)
-        brute_insert(*A.cells(self), cells, signs, sign * k.float(), sign * v.float())
+def reference_hashes(rows, width, seed, pos):
+    """(cells, signs) (rows, n) of positions pos (n,) by the instructor's ``VagueSketch`` of that seed."""
+    sketch = reference("methods.kvreviver").VagueSketch(rows, width, 1, 1, seed)
+    return sketch.buckets(pos), sketch.signs(pos)
 
-    def oracle_query(self, pos):
-        cells, signs = A.hashes(self, pos)
-        return brute_query(*A.cells(self), cells, signs)
 
-    methods = {**({"insert": oracle_insert} if insert else {}), **({"query": oracle_query} if query else {})}
-    return A.harness("subclass", A.sketch_class(), methods)
+def sketch_with_yours(operation, calls):
+    """The instructor's ``VagueSketch`` class, in this process, with your ``operation`` ("insert" or "query") in
+    place of its own: each sketch keeps one of yours (the same rows, width and seed) and, at each call of the
+    operation, writes its cells into yours, runs yours on them, checks the result against its own operation on
+    the same cells (the instructor's hashes), and goes on with yours. ``calls`` counts your calls."""
+    base = reference("methods.kvreviver").VagueSketch
+
+    class WithYours(base):
+        def __init__(self, rows, width, n_kv_head, head_dim, seed, injective=False, device=None):
+            super().__init__(rows, width, n_kv_head, head_dim, seed, injective, device)
+            self.yours = A.new_sketch(rows, width, n_kv_head, head_dim, seed=seed, injective=injective)
+
+        def insert(self, pos, k, v, sign=1.0):
+            if operation != "insert":
+                return super().insert(pos, k, v, sign)
+            calls.append(pos.numel())
+            your_k, your_v = A.cells(self.yours)                 # your sketch's own tensors: our writes reach them
+            your_k.copy_(self.key), your_v.copy_(self.value)
+            super().insert(pos, k, v, sign)                      # the expected cells
+            (A.insert if sign > 0 else A.delete)(self.yours, pos, k, v)
+            got_k, got_v = A.cells(self.yours)
+            what = f"KVReviver's call {len(calls)} of your {'delete' if sign < 0 else 'insert'} (positions " \
+                f"{pos.tolist()[:8]}, {self.rows} x {self.width} cells)"
+            cells = self.buckets(pos)
+            check_cells(f"{what}, keys", got_k, self.key, cells)
+            check_cells(f"{what}, values (g_i(J) v_J)", got_v, self.value, cells)
+            self.key.copy_(got_k), self.value.copy_(got_v)       # the policy goes on with your cells
+
+        def query(self, pos):
+            if operation != "query":
+                return super().query(pos)
+            calls.append(pos.numel())
+            your_k, your_v = A.cells(self.yours)
+            your_k.copy_(self.key), your_v.copy_(self.value)
+            want_k, want_v = super().query(pos)                  # the expected estimates
+            got_k, got_v = A.query(self.yours, pos)
+            what = f"KVReviver's call {len(calls)} of your query (positions {pos.tolist()[:8]}, {self.rows} x " \
+                f"{self.width} cells)"
+            check_untouched(what, self.yours, self.key, self.value)
+            cells, signs = self.buckets(pos), self.signs(pos)
+            check_estimates(f"{what}, keys", got_k, want_k, self.key, cells, signs, values=False)
+            check_estimates(f"{what}, values", got_v, want_v, self.value, cells, signs, values=True)
+            return got_k, got_v                                  # the policy goes on with your estimates
+
+    return WithYours
 
 
 def run_side_by_side(yours, budget=16, steps=6, seed=7, **options):
-    """KVReviver on the tiny model with your sketch operation (``yours``: insert or query) and with the oracle
-    alone, fed the same tokens (a 28-token prompt, then ``steps`` decode steps): the logits of every step and
-    the sketches' cells at the end must agree."""
-    model = A.tiny_model(seed=seed)
+    """The instructor's KVReviver on the tiny model, run here, with your sketch operation (``yours``: insert or
+    query) and without (the reference alone), fed the same tokens (a 28-token prompt, then ``steps`` decode
+    steps): each of your calls matches the instructor's on the same cells, and the logits of every step and the
+    sketches' cells at the end agree."""
+    R = reference("course.model_adapters")
+    model = R.tiny_model("llama", seed=seed)
     ids = torch.randint(0, 512, (1, 28 + steps), generator=torch.Generator().manual_seed(seed))
-    caches = {"yours": A.kvreviver_cache(model, budget, oracle_sketch(**{yours: False}), **options),
-              "oracle": A.kvreviver_cache(model, budget, oracle_sketch(), **options)}
+    caches = {"yours": R.new_cache(model, "kvreviver", budget, **options),
+              "reference": R.new_cache(model, "kvreviver", budget, **options)}
+    calls = []
+    caches["yours"].policy.sketch_class = sketch_with_yours(yours, calls)
     logits = {}
     with without(*(INSERTS if yours == "insert" else QUERIES)):
         for name, cache in caches.items():
-            out = [A.run_prefill(model, ids[:, :28], cache)[:, -1]]
-            out += [A.run_decode(model, ids[:, t], cache) for t in range(28, 28 + steps)]
+            out = [R.run_prefill(model, ids[:, :28], cache)[:, -1]]
+            out += [R.run_decode(model, ids[:, t], cache) for t in range(28, 28 + steps)]
             logits[name] = out
-    assert A.sketches(caches["oracle"], 0), "the run must evict tokens into the sketch"
-    for step, (got, want) in enumerate(zip(logits["yours"], logits["oracle"])):
+    sketches = {name: cache.policy._sketch for name, cache in caches.items()}
+    assert sketches["reference"].get(0), "the run must evict tokens into the sketch"
+    assert calls, f"KVReviver never called your {yours}"
+    for step, (got, want) in enumerate(zip(logits["yours"], logits["reference"])):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
-            (f"KVReviver with your {yours} and the oracle's {'query' if yours == 'insert' else 'insert'}: the logits "
-             f"of step {step} (0 = prefill) differ from the oracle sketch's by "
+            (f"KVReviver with your {yours} and the instructor's {'query' if yours == 'insert' else 'insert'}: the "
+             f"logits of step {step} (0 = prefill) differ from the instructor's sketch's by "
              f"{(got - want).abs().max().item():.3g}")
     for layer in range(2):
-        for s, (mine, theirs) in enumerate(zip(A.sketches(caches["yours"], layer),
-                                               A.sketches(caches["oracle"], layer))):
-            for part, got, want in zip(("keys", "values"), A.cells(mine), A.cells(theirs)):
+        for mine, theirs in zip(sketches["yours"][layer], sketches["reference"][layer]):
+            for part, got, want in (("keys", mine.key, theirs.key), ("values", mine.value, theirs.value)):
                 assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
                     (f"KVReviver with your {yours}: after {steps} decode steps the {part} of layer {layer}'s "
-                     f"sketch differ from the oracle's by {(got - want).abs().max().item():.3g}")
+                     f"sketch differ from the instructor's by {(got - want).abs().max().item():.3g}")
 
 
 @points(3, task="insert")
 def test_insert_for_any_number_of_rows_and_cells():
     """One row; one cell per row (every token in it); five rows: several inserts, fp16 tokens, deletes."""
     for rows, width, batches, seed in ((1, 3, (7,), 4), (2, 1, (5, 6), 5), (5, 3, (9, 4), 6)):
-        check_insert(rows, width, batches, seed)
+        check_insert(rows, width, batches, seed, hashes=reference_hashes)
 
 
 @points(2, task="insert")
 def test_kvreviver_evicts_into_your_sketch():
-    """Six decode steps of eviction into a 3 x 3 sketch (many tokens a cell), queried by the oracle."""
+    """Six decode steps of eviction into a 3 x 3 sketch (many tokens a cell), queried by the instructor's."""
     run_side_by_side("insert", sketch_width=3)
 
 
@@ -70,17 +124,21 @@ def test_query_for_any_number_of_rows():
     """One row (the cell itself), two and four rows (the lower median), three and five rows, 10 tokens over 3
     cells."""
     for rows, seed in ((1, 4), (2, 5), (5, 6), (3, 7), (4, 9)):
-        check_query(rows, width=3, n=10, seed=seed)
+        check_query(rows, width=3, n=10, seed=seed, hashes=reference_hashes)
 
 
 @points(2, task="query")
 def test_kvreviver_rebuilds_from_your_sketch():
     """With an injective hash (a cell per token) KVReviver is exactly full attention: the uncached forward pass,
-    greedy over three decode steps; with collisions (3 x 3 cells), your query equals the oracle's."""
-    model = A.tiny_model(seed=6)
+    greedy over three decode steps; with collisions (3 x 3 cells), your query equals the instructor's."""
+    R = reference("course.model_adapters")
+    model = R.tiny_model("llama", seed=6)
     ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(5))
-    cache = A.kvreviver_cache(model, 20, oracle_sketch(query=False), sketch_width=64, injective_hash=True)
+    cache = R.new_cache(model, "kvreviver", 20, sketch_width=64, injective_hash=True)
+    calls = []
+    cache.policy.sketch_class = sketch_with_yours("query", calls)
     with without(*QUERIES):
-        assert_greedy_is_uncached(A, model, ids, cache, 3, what="KVReviver with an exact sketch and your query,")
-    assert A.kept_positions(cache, 0).shape[-1] < ids.shape[1] + 3, "tokens must have been evicted into the sketch"
+        assert_greedy_is_uncached(R, model, ids, cache, 3, what="KVReviver with an exact sketch and your query,")
+    assert calls, "KVReviver never called your query"
+    assert cache.layers[0].pos.shape[-1] < ids.shape[1] + 3, "tokens must have been evicted into the sketch"
     run_side_by_side("query", sketch_width=3, seed=8)

@@ -5,18 +5,41 @@ Run them with ``python -m course.grade kvreviver``.
 
 Each task is graded alone: a test of ``query`` writes the cells itself (no ``insert``), and while one
 implementation runs, the others of the same operation in kernels/count_sketch.py are taken away (they raise),
-so each must compute its answer itself.
+so each must compute its answer itself. The expected cells and estimates use hashes computed here
+(``sketch_hashes``), never your sketch's methods.
 """
 
 import adapters as A
 import torch
-from oracle import points, taken_away
+from oracle import mismatches, points, taken_away, written
 
 H_KV, D = 2, 3                      # a cell holds a whole token (keys or values of every KV head): 6 numbers
 
 
 def randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+PRIME = 2_147_483_647              # the modulus of the sketch's universal hashes (methods/kvreviver.py)
+
+
+def sketch_hashes(rows, width, seed, pos):
+    """(cells h_i(J), signs g_i(J)), both (rows, n), of positions pos (n,), computed here as ``VagueSketch``'s
+    given ``buckets`` and ``signs`` do: h_i(J) = (a_i J + c_i) mod PRIME mod width, g_i(J) = 1 - 2 ((a'_i J +
+    c'_i) mod PRIME mod 2), the coefficients drawn from the seed."""
+    coef = torch.randint(1, PRIME, (4, rows, 1), generator=torch.Generator().manual_seed(seed))
+    J = pos.view(1, -1).long()
+    return (coef[0] * J + coef[1]) % PRIME % width, 1.0 - 2.0 * ((coef[2] * J + coef[3]) % PRIME % 2).float()
+
+
+def check_hashes(sketch, pos, cells, signs):
+    """Your sketch hashes pos as the expected values assume (its ``buckets`` and ``signs`` are given code)."""
+    got_cells, got_signs = A.hashes(sketch, pos)
+    assert torch.equal(got_cells.long(), cells) and got_signs.shape == signs.shape \
+        and not mismatches(got_signs, signs).any(), \
+        f"your sketch's given hashes changed: positions {pos.tolist()[:6]} go to cells {got_cells[:, :6].tolist()} " \
+        f"with signs {got_signs[:, :6].tolist()}, expected {cells[:, :6].tolist()} and {signs[:, :6].tolist()} " \
+        "(VagueSketch.buckets and signs, with the coefficients drawn from the seed)"
 
 
 def random_hashes(rows, n, width, seed):
@@ -68,9 +91,9 @@ def without(*names):
 # -- checks with messages that say what went wrong -----------------------------------------------------------
 
 def check_cells(what, got, want, cells, atol=1e-5):
-    """got == want, cell by cell, or an error naming the first wrong cell and the tokens sent to it."""
+    """got == want, cell by cell (NaN is wrong), or an error naming the first wrong cell and the tokens sent to it."""
     assert got.shape == want.shape, f"{what}: the cells have shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    bad = ~torch.isclose(got, want, rtol=1e-5, atol=atol)
+    bad = mismatches(got, want, atol=atol, rtol=1e-5)
     if bad.any():
         i, c, h, e = (int(x) for x in bad.nonzero()[0])
         tokens = (cells[i] == c).nonzero().flatten().tolist()
@@ -80,10 +103,10 @@ def check_cells(what, got, want, cells, atol=1e-5):
 
 
 def check_estimates(what, got, want, key, cells, signs, values):
-    """got == want, token by token, or an error naming the first wrong token and its rows' cells."""
+    """got == want, token by token (NaN is wrong), or an error naming the first wrong token and its rows' cells."""
     assert tuple(got.shape) == tuple(want.shape), \
         f"{what}: the estimates have shape {tuple(got.shape)}, expected (n, H_kv, d) = {tuple(want.shape)}"
-    bad = ~torch.isclose(got, want, rtol=1e-5, atol=1e-6)
+    bad = mismatches(got, want, atol=1e-6, rtol=1e-5)
     if bad.any():
         j, h, e = (int(x) for x in bad.nonzero()[0])
         read = [(float(signs[i, j]) if values else 1.0) * key[i, int(cells[i, j]), h, e].item()
@@ -94,9 +117,18 @@ def check_estimates(what, got, want, key, cells, signs, values):
                              f"{'signed values' if values else 'keys'} {[round(x, 4) for x in read]}")
 
 
-def check_insert(rows, width, batches, seed, delete=True):
+def check_untouched(what, sketch, key, value):
+    """A query reads the sketch's cells and leaves them as they were (key, value)."""
+    got_k, got_v = A.cells(sketch)
+    assert torch.equal(got_k, key) and torch.equal(got_v, value), \
+        f"{what}: a query reads the cells and leaves them as they were; after yours " \
+        f"{int(mismatches(got_k, key).sum() + mismatches(got_v, value).sum())} numbers of the cells changed"
+
+
+def check_insert(rows, width, batches, seed, delete=True, hashes=sketch_hashes):
     """Tokens inserted in ``batches`` (sizes) into an empty sketch, then (``delete``) the first batch's first
-    half deleted, by all three implementations against the oracle."""
+    half deleted, by all three implementations against the oracle, on the hashes ``hashes(rows, width, seed,
+    pos)`` (the plain function and the kernel write into the test's cells: ``written``)."""
     sketch = A.new_sketch(rows, width, H_KV, D, seed=seed)
     pos, start = [], 100 + seed
     for b, n in enumerate(batches):
@@ -107,10 +139,11 @@ def check_insert(rows, width, batches, seed, delete=True):
     if len(batches) > 1:                 # a batch of fp16 tokens: the cells stay fp32
         toks[1] = tuple(t.half() for t in toks[1])
     want_k, want_v = torch.zeros(rows, width, H_KV, D), torch.zeros(rows, width, H_KV, D)
-    ref_k, ref_v = torch.zeros(rows, width, H_KV, D), torch.zeros(rows, width, H_KV, D)
-    ker_k, ker_v = torch.zeros(rows, width, H_KV, D), torch.zeros(rows, width, H_KV, D)
+    ref_k, ref_v = written(torch.zeros(rows, width, H_KV, D)), written(torch.zeros(rows, width, H_KV, D))
+    ker_k, ker_v = written(torch.zeros(rows, width, H_KV, D)), written(torch.zeros(rows, width, H_KV, D))
     for p, (k, v) in zip(pos, toks):
-        cells, signs = A.hashes(sketch, p)
+        cells, signs = hashes(rows, width, seed, p)
+        check_hashes(sketch, p, cells, signs)
         brute_insert(want_k, want_v, cells, signs, k, v)
         with without(*INSERTS):
             A.insert(sketch, p, k, v)
@@ -119,7 +152,7 @@ def check_insert(rows, width, batches, seed, delete=True):
         with without(INSERTS[0]):
             A.kernel_insert(ker_k, ker_v, cells, signs, k, v, block_n=4)
     every = torch.cat(pos)
-    all_cells, _ = A.hashes(sketch, every)
+    all_cells, _ = hashes(rows, width, seed, every)
     for what, (got_k, got_v) in (("reference_sketch_insert", (ref_k, ref_v)),
                                  ("sketch_insert_triton (the kernel)", (ker_k, ker_v))):
         check_cells(f"{what}, keys", got_k, want_k, all_cells)
@@ -128,7 +161,7 @@ def check_insert(rows, width, batches, seed, delete=True):
         half = len(pos[0]) // 2
         p, (k, v) = pos[0][:half], (t[:half] for t in toks[0])
         k, v = k.clone(), v.clone()
-        cells, signs = A.hashes(sketch, p)
+        cells, signs = hashes(rows, width, seed, p)
         brute_insert(want_k, want_v, cells, signs, -k, -v)
         with without(*INSERTS):
             A.delete(sketch, p, k, v)
@@ -138,17 +171,20 @@ def check_insert(rows, width, batches, seed, delete=True):
     check_cells(f"{what}, values (g_i(J) v_J)", got_v, want_v, all_cells)
 
 
-def check_query(rows, width, n, seed):
-    """Random cells (not from an insert) read back at n positions by all three implementations."""
+def check_query(rows, width, n, seed, hashes=sketch_hashes):
+    """Random cells (not from an insert) read back at n positions by all three implementations; the sketch's
+    expected estimates on the hashes ``hashes(rows, width, seed, pos)``."""
     sketch = A.new_sketch(rows, width, H_KV, D, seed=seed)
-    key, value = A.cells(sketch)
-    key.copy_(randn(rows, width, H_KV, D, seed=seed))
-    value.copy_(randn(rows, width, H_KV, D, seed=seed + 1))
+    key, value = randn(rows, width, H_KV, D, seed=seed), randn(rows, width, H_KV, D, seed=seed + 1)
+    cells_k, cells_v = A.cells(sketch)          # your sketch's own tensors: the test's writes reach them
+    cells_k.copy_(key), cells_v.copy_(value)    # (every expected value comes from the test's key and value)
     pos = torch.arange(7, 7 + 5 * n, 5)
-    cells, signs = A.hashes(sketch, pos)
+    cells, signs = hashes(rows, width, seed, pos)
+    check_hashes(sketch, pos, cells, signs)
     want_k, want_v = brute_query(key, value, cells, signs)
     with without(*QUERIES):
         got = A.query(sketch, pos)
+    check_untouched(f"VagueSketch.query, {rows} rows", sketch, key, value)
     ref_cells, ref_signs = random_hashes(rows, n, width, seed)          # the functions take any hashes
     ref_want = brute_query(key, value, ref_cells, ref_signs)
     with without(*QUERIES[1:]):
