@@ -9,8 +9,9 @@ program, alone and single-threaded, then:
    ids (it sees no other process, so it can signal, trace or open through ``/proc`` none of the grader's),
    network and IPC (no socket or shared memory reaches another process); as an ordinary user it makes a user
    namespace first, which lets it mount without being root;
-2. forks: the child is process 1 of the new process-id namespace; the parent waits for it, exits as it did, and
-   takes it along if killed (``PR_SET_PDEATHSIG``); when process 1 ends, the kernel ends every process it left;
+2. forks: the child is process 1 of the new process-id namespace; the parent waits for it, exits as the
+   student's code did, and takes it along if killed (``PR_SET_PDEATHSIG``); when process 1 ends, the kernel
+   ends every process left in the namespace;
 3. builds a new root in an empty ``tmpfs``: read-only bind mounts of the system's programs and libraries
    (``/usr``, ``/etc``, ``/bin``...), of Python (its prefix, standard library and site-packages: SPEC's
    ``read``), writable ones of SPEC's ``write`` (the copy's home); a fresh ``/tmp``, ``/dev`` with
@@ -22,8 +23,9 @@ program, alone and single-threaded, then:
    drops privileges: as root, to the user ``nobody`` (SPEC ``"user": "nobody"``) or to root without any
    capability (``"drop"``: it cannot mount, trace or override file permissions, so it cannot undo 1-4); as an
    ordinary user it stays that user, whose capabilities in the user namespace end with the ``exec``;
-6. runs COMMAND (``execve``) with the environment and in the folder it was started with (a path of the new
-   root: SPEC binds it).
+6. runs COMMAND (``execve``) as process 2, with the environment and in the folder it was started with (a
+   path of the new root: SPEC binds it); process 1 only waits for it (a process 1 ignores the signals it has no
+   handler for, which the student's code must not), then passes its wait status on.
 
 Any step that fails ends the program with exit code 125 and one line on standard error saying which; the
 grader then grades unconfined and says so in the grade (``course.grade``'s note). SPEC is JSON:
@@ -43,7 +45,7 @@ CLONE_NEWNET, CLONE_NEWIPC = 0x40000000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 24, 38, 47
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 4, 24, 38, 47
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # programs and libraries
 #          (course/confine.py JAIL_SYSTEM: the same)
@@ -158,7 +160,11 @@ def drop_privileges(user: str) -> None:
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
 
 
-def child(spec: dict, command: list[str]) -> None:
+def init(spec: dict, command: list[str], status_w: int) -> None:
+    """Process 1 of the new namespaces: builds the room, then starts COMMAND as process 2 and waits for it. A
+    process 1 ignores every signal it has no handler for (``abort()`` would not end it), so the student's code
+    is not that process; when it ends, this one sends its wait status to the parent and exits, and the kernel
+    ends every process left in the namespace."""
     cwd = os.getcwd()
     build_root(spec)
     enter_root(spec["root"])
@@ -168,26 +174,40 @@ def child(spec: dict, command: list[str]) -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)     # the parent killed: this goes too (set after the
     #                                                           change of user, which clears it)
     os.chdir(cwd)
-    os.execve(command[0], command, dict(os.environ))
+    pid = os.fork()
+    if pid == 0:
+        os.execve(command[0], command, dict(os.environ))   # the status pipe closes here (not inheritable)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)                 # the student's code cannot trace this process
+    os.closerange(0, status_w)
+    os.closerange(status_w + 1, 1 << 16)
+    _, status = os.waitpid(pid, 0)
+    os.write(status_w, status.to_bytes(4, "little"))
+    os._exit(0)
 
 
 def main(argv: list[str]) -> None:
     spec, command = json.loads(argv[0]), argv[2:]
     try:
         enter_namespaces()
+        status_r, status_w = os.pipe()                      # process 1 -> here: the student's wait status
         pid = os.fork()
     except (Failed, OSError) as e:
         print(f"jail: {e}", file=sys.stderr, flush=True)
         os._exit(125)
     if pid == 0:
         try:
-            child(spec, command)
+            os.close(status_r)
+            init(spec, command, status_w)
         except (Failed, OSError) as e:
             print(f"jail: {e}", file=sys.stderr, flush=True)
         os._exit(125)
-    os.closerange(3, 1 << 16)        # the pipes are the child's alone: its death reaches the tests as end of file
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
+    os.close(status_w)
+    os.closerange(3, status_r)       # the pipes are the student's alone: its death reaches the tests as end of file
+    os.closerange(status_r + 1, 1 << 16)
+    _, own = os.waitpid(pid, 0)
+    said = os.read(status_r, 4)
+    status = int.from_bytes(said, "little") if len(said) == 4 else own      # the student's, else process 1's
+    if os.WIFSIGNALED(status):                                               # end as the student's code did
         signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
