@@ -17,7 +17,6 @@ nor signal its processes (see the README's threat model).
 from __future__ import annotations
 
 import builtins
-import itertools
 import json
 import os
 import subprocess
@@ -58,8 +57,6 @@ class Connection:
         self.dump, self.home, self.nobody, self.python = dump, home, nobody, python
         self.jail = jail                           # the command that runs another in the room (course/jail.py)
         self.proc: subprocess.Popen | None = None
-        self.callbacks: dict[int, object] = {}
-        self.ids = itertools.count(1)
         self.mirrors = wire.Mirrors(first_key=1)
         self.generation = 0                        # which student's process the handles belong to
         self.forget = lambda: None                 # what the adapters stand-in drops when that process stops
@@ -105,35 +102,21 @@ class Connection:
         return RuntimeError(f"the process running your code stopped (exit code {code}) in this test")
 
     def request(self, op: str, target: int | None = None, name: str | None = None, args=(), kwargs=None):
-        """Ask the student's process (``op``: getattr, call, method, list, harness) and wait for its answer,
-        running the tests' functions it calls back meanwhile."""
+        """Ask the student's process (``op``: getattr, call, method, list, harness) and wait for its answer."""
         if self.proc is None:
             self.start()
         message = {"op": op, "target": target, "name": name, "args": self.encode(list(args)),
                    "kwargs": self.encode(dict(kwargs or {}))}
         try:
             self.post(message)
-            while True:
-                answer = self.get()
-                if "callback" in answer:
-                    self.run_callback(answer)
-                    continue
-                if "error" in answer:
-                    raise student_exception(answer["error"])
-                return self.decode(answer["ok"])
+            answer = self.get()
+            if "error" in answer:
+                raise student_exception(answer["error"])
+            return self.decode(answer["ok"])
         except (EOFError, BrokenPipeError, OSError) as e:
             if isinstance(e, OSError) and not isinstance(e, BrokenPipeError) and self.proc and self.proc.poll() is None:
                 raise
             raise self.stopped() from None
-
-    def run_callback(self, answer: dict) -> None:
-        """The student's code called one of the tests' functions: run it here and send back its value."""
-        f = self.callbacks[answer["callback"]]
-        try:
-            reply = {"op": "reply", "ok": self.encode(f(*self.decode(answer["args"]), **self.decode(answer["kwargs"])))}
-        except Exception as e:                     # noqa: BLE001  (the test's function failed: tell the student's code)
-            reply = {"op": "reply", "error": f"{type(e).__name__}: {e}"}
-        self.post(reply)
 
     def post(self, message: dict) -> None:
         message["changes"], message["held"] = self.mirrors.changes(), self.mirrors.held()

@@ -14,7 +14,7 @@ started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD
   (numbers, strings, bytes, lists, tuples, dicts; a tensor as its type's name, shape and bytes), read by an
   unpickler that looks up no class, so reading a message runs no code. Anything else a call returns (a
   model, a cache, a function) stays here and crosses as a handle: ``{"handle": id}``.
-  A function of the tests' passed in crosses as ``{"callback": id}``: calling it asks the test process.
+  No function crosses from the tests (course/remote.py refuses one): nothing here can call the tests back.
 * Standard output and error go to the grader's dump file; when a test starts, a timer is set that writes
   where the code is to it (``faulthandler``) shortly before the test's time limit.
 
@@ -367,13 +367,10 @@ class Server:
         return {"handle": key, "type": type(value).__name__, "callable": callable(value)}
 
     def decode(self, value):
-        """A received value: handles back to their objects, callbacks to functions that ask the tests."""
+        """A received value: handles back to their objects."""
         if isinstance(value, dict):
             if "handle" in value:
                 return self.objects[value["handle"]]
-            if "callback" in value:
-                key = value["callback"]
-                return lambda *args, **kwargs: self.callback(key, args, kwargs)
             if "tuple" in value:
                 return tuple(self.decode(v) for v in value["tuple"])
             if "dict" in value:
@@ -385,13 +382,6 @@ class Server:
         if isinstance(value, list):
             return [self.decode(v) for v in value]
         return value
-
-    def callback(self, key: int, args, kwargs):
-        """Call a function of the tests': ask the test process, answer its requests until it replies."""
-        with quiet():
-            message = {"callback": key, "args": self.encode(list(args)), "kwargs": self.encode(kwargs)}
-        self.post(message)
-        return self.serve(until_reply=True)
 
     def harness(self, name: str, args: list):
         """The tests' own tools, run beside the student's code (a watch holds for honest mistakes only)."""
@@ -435,9 +425,6 @@ class Server:
                 module, attr, f = self.taken.pop()
                 setattr(module, attr, f)
             return None
-        if name == "subclass":                 # args: a class, {method name: the tests' function}
-            base, methods = args
-            return type(f"Oracle{base.__name__}", (base,), {n: _method(f) for n, f in methods.items()})
         raise ValueError(f"no harness operation {name!r}")
 
     def answer(self, request: dict):
@@ -459,18 +446,10 @@ class Server:
             return list(target)
         raise ValueError(f"no operation {op!r}")
 
-    def serve(self, until_reply: bool = False):
-        """Answer requests; with ``until_reply``, return the value of the reply to a callback."""
+    def serve(self):
+        """Answer the test process's requests until it closes the connection."""
         while True:
             request = self.get()
-            if request.get("op") == "reply":
-                if not until_reply:
-                    raise RuntimeError("a reply nobody asked for")
-                if "error" in request:
-                    raise AssertionError(request["error"])
-                with quiet():
-                    return self.decode(request["ok"])
-            top = not until_reply
             try:
                 value = self.answer(request)
                 wrong = borrowed(self.student)
@@ -479,15 +458,9 @@ class Server:
                 with quiet():
                     reply = {"ok": self.encode(value)}
             except BaseException as e:      # noqa: BLE001  (the student's exception, whatever it is, is the answer)
-                if isinstance(e, EOFError) and not top:
-                    raise
                 reply = {"error": {"type": type(e).__name__, "builtin": type(e).__module__ == "builtins",
                                    "text": describe(e, self.student)}}
             self.post(reply)
-
-
-def _method(f):
-    return lambda self, *args, **kwargs: f(self, *args, **kwargs)
 
 
 class Taken:
