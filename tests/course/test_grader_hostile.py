@@ -560,3 +560,20 @@ def test_a_nan_answer_fails(tmp_path, capsys):
                 "output_perturbation"])
     results = json.loads((tmp_path / "r.json").read_text())
     assert results["tests"] and results["score"] == 0, capsys.readouterr().out
+
+
+def test_a_sketch_whose_given_hash_was_changed_fails(tmp_path, capsys):
+    """KVReviver's copy changes the given hash (every token to cell 0) and writes insert and query right for
+    it: the expected cells and estimates come from the tests' own hashes (the instructor's sketch in the hidden
+    tests), never from the student's, so the sketch fails wherever the hashes matter."""
+    copy = student_copy(tmp_path, "kvreviver")
+    path = copy / "methods" / "kvreviver.py"
+    text = path.read_text()
+    given = "        return (self.coef[0] * J + self.coef[1]) % PRIME % self.width\n"
+    assert text.count(given) == 1, "buckets moved"
+    path.write_text(text.replace(given, "        return J * 0 + torch.zeros(self.rows, 1, dtype=torch.long)\n"))
+    for task in ("insert", "query"):
+        put(path, task, reference("methods/kvreviver.py", task))
+    grade.main(["kvreviver", "--student", str(copy), "--json", str(tmp_path / "r.json"), "-k", "query"])
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["tests"] and results["score"] == 0, capsys.readouterr().out
