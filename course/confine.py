@@ -59,6 +59,7 @@ def confined():
     try:
         yield
     finally:
+        reap_strays()
         with LOCK:
             RUNS["active"] -= 1
             if RUNS["active"] == 0:
@@ -77,6 +78,7 @@ def start(cmd: list[str], **popen) -> subprocess.Popen:
 def end(proc: subprocess.Popen) -> None:
     """End a test process and every process below it, and any process that left its parent to become ours
     (a daemon: it can only come from a graded copy); other runs' test processes are spared."""
+    reap_strays()                                    # what an earlier run's processes left
     with LOCK:
         RUNS["tests"].discard(proc.pid)
         alive = {proc.pid} if proc.poll() is None else set()    # once reaped, its pid may be another's
@@ -112,6 +114,23 @@ def end(proc: subprocess.Popen) -> None:
             if done:
                 break
             time.sleep(0.005)
+
+
+def reap_strays() -> None:
+    """Reap the processes that ended after becoming ours (as a subreaper's: a student's process whose parents
+    were killed first) and that no ``Popen`` waits for: none is left a zombie by a long run of many grades
+    (``course.mutants``). Other runs' test processes are spared: their ``Popen`` reaps them."""
+    me = os.getpid()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) in RUNS["tests"] | RUNS["spare"]:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state, ppid = f.read().decode(errors="replace").rsplit(")", 1)[1].split()[:2]
+            if state == "Z" and int(ppid) == me:
+                os.waitpid(int(entry), os.WNOHANG)
+        except (OSError, ValueError, ChildProcessError):
+            continue
 
 
 def children(pid: int) -> set[int]:

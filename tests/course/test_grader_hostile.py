@@ -577,3 +577,20 @@ def test_a_sketch_whose_given_hash_was_changed_fails(tmp_path, capsys):
     grade.main(["kvreviver", "--student", str(copy), "--json", str(tmp_path / "r.json"), "-k", "query"])
     results = json.loads((tmp_path / "r.json").read_text())
     assert results["tests"] and results["score"] == 0, capsys.readouterr().out
+
+
+def test_grades_in_one_process_leave_no_zombie(tmp_path):
+    """The student's processes end below the room's own (course/jail.py) and become the grader's when their
+    parents are killed first: a process that grades many copies (``course.mutants``) reaps them all."""
+    copy = student_copy(tmp_path)
+    for _ in range(2):
+        grade.grade("cache", copy, tasks=("group_scores",))
+    me, zombies = os.getpid(), []
+    for entry in [e for e in os.listdir("/proc") if e.isdigit()]:
+        try:
+            state, ppid = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if state == "Z" and int(ppid) == me:
+            zombies.append(int(entry))
+    assert not zombies, f"zombies left by grading: {zombies}"
