@@ -109,8 +109,10 @@ def end(proc: subprocess.Popen) -> None:
         while time.monotonic() < deadline:
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                break                                # not our child: its parent reaps it
+            except ChildProcessError:                # not our child yet (its killed parent is not reaped), or
+                if not os.path.exists(f"/proc/{pid}"):       # gone: its parent reaped it
+                    break
+                done = 0
             if done:
                 break
             time.sleep(0.005)
