@@ -176,7 +176,8 @@ def test_grader_writes_gradescope_json(tmp_path, capsys):
     results = json.loads((tmp_path / "results.json").read_text())
     tests = results["tests"]
     assert results["score"] == sum(t["max_score"] for t in tests) > 0
-    assert results["output"] in ("", grade.notes({"hidden_tests": True, "changed_adapters": [], "runs_as": "root"})[0])
+    unconfined = grade.notes({"hidden_tests": True, "changed_adapters": [], "runs_as": "UNCONFINED: as root"})
+    assert results["output"] in ("", unconfined[0]), results["output"]      # a note only where no room was built
     assert {t["visibility"] for t in tests} == {"visible", "after_published"}
     assert all(t["status"] == "passed" and set(t) >= {"name", "score", "max_score", "output"} for t in tests)
     printed = capsys.readouterr().out
