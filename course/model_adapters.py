@@ -10,29 +10,11 @@ imports what it needs from here.
 
 from __future__ import annotations
 
-import importlib
-from contextlib import contextmanager
-
 import torch
 from torch import Tensor
 
 # The library is imported inside each function, when a test first needs it: a student file that does not
 # import then fails only the tests that use it, and an assignment's adapters can re-export these at their top.
-
-
-@contextmanager
-def patched(module: str, **functions):
-    """Inside the block, the library module ``module`` (e.g. ``"methods.chunkkv"``) calls these functions in place
-    of its own: a test passes its own references for the tasks it does not grade."""
-    target = importlib.import_module(module)
-    saved = {name: getattr(target, name) for name in functions}
-    try:
-        for name, f in functions.items():
-            setattr(target, name, f)
-        yield
-    finally:
-        for name, f in saved.items():
-            setattr(target, name, f)
 
 
 def tiny_model(flavour: str = "llama", seed: int = 0):
