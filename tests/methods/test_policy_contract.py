@@ -157,7 +157,7 @@ def check_cache(cache: KVCache, policy: CachePolicy, n_prompt: int) -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,opts", cases())
+@pytest.mark.parametrize("name,opts", list(cases()))
 def test_identity_at_full_budget(model, name, opts):
     seq = make_seq(1)
     ref, ref_kept = run_script(model, KVCache(model.config, FullCache()), seq)
@@ -170,7 +170,7 @@ def test_identity_at_full_budget(model, name, opts):
 
 
 @pytest.mark.parametrize("budget", [1, 3, 12, 30])
-@pytest.mark.parametrize("name,opts", cases())
+@pytest.mark.parametrize("name,opts", list(cases()))
 def test_budget_and_wellformed(model, name, opts, budget):
     policy = make_policy(name, budget, **opts)
     cache = KVCache(model.config, policy)
@@ -179,7 +179,7 @@ def test_budget_and_wellformed(model, name, opts, budget):
         assert torch.isfinite(x).all(), f"step {step}: non-finite logits at budget {budget}"
 
 
-@pytest.mark.parametrize("name,opts", cases())
+@pytest.mark.parametrize("name,opts", list(cases()))
 def test_prompt_shorter_than_default_windows(model, name, opts):
     """A 20-token prompt (shorter than SnapKV's 32-token window) compressed to 8 entries per head."""
     n_prompt = 20
@@ -204,7 +204,7 @@ def top_k_cases():
 
 
 @pytest.mark.parametrize("budget", [3, 12, 30])
-@pytest.mark.parametrize("name,opts", top_k_cases())
+@pytest.mark.parametrize("name,opts", list(top_k_cases()))
 def test_kept_entries_are_the_top_scored(model, name, opts, budget):
     """At every compression, each KV head keeps its protected entries and, of the others, the ones with the
     highest score (ties: the earlier position), as many as it keeps: the rule of every scoring policy, whatever
@@ -231,7 +231,7 @@ def test_kept_entries_are_the_top_scored(model, name, opts, budget):
 
 
 @pytest.mark.parametrize("budget", [12, 30])
-@pytest.mark.parametrize("name,opts", cases())
+@pytest.mark.parametrize("name,opts", list(cases()))
 def test_same_on_both_attends(model, name, opts, budget, monkeypatch):
     """Which attend serves the prompt changes nothing a method sees: the prompt through the general masked
     ``attend`` instead of ``attend_prompt`` gives the same logits (fp32, 1e-5) and keeps exactly the same
@@ -252,7 +252,7 @@ def test_same_on_both_attends(model, name, opts, budget, monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: kept positions differ between paths"
 
 
-@pytest.mark.parametrize("name,opts", cases())
+@pytest.mark.parametrize("name,opts", list(cases()))
 def test_rows_of_a_batch_are_independent(model, name, opts):
     """Each row of a batch is compressed as if it ran alone: the same kept positions (valid entries per
     head) and the same logits (fp32, 1e-5) as a one-row run of that row."""
@@ -270,7 +270,7 @@ def test_rows_of_a_batch_are_independent(model, name, opts):
                     assert torch.equal(mine, alone), f"row {r}, step {step}, layer {layer}, head {h}: kept differ"
 
 
-@pytest.mark.parametrize("name,opts", cases())
+@pytest.mark.parametrize("name,opts", list(cases()))
 def test_deterministic(model, name, opts):
     seq = make_seq(3)
     a_logits, a_kept = run_script(model, KVCache(model.config, make_policy(name, 12, **opts)), seq)
@@ -282,7 +282,7 @@ def test_deterministic(model, name, opts):
             assert torch.equal(a, b), "same inputs, same seed: kept entries must be identical"
 
 
-@pytest.mark.parametrize("name,opts", cases())
+@pytest.mark.parametrize("name,opts", list(cases()))
 def test_reset_makes_policy_reusable(model, name, opts):
     seq_a, seq_b = make_seq(4, n_prompt=40), make_seq(5)
     used = make_policy(name, 12, **opts)
@@ -298,7 +298,7 @@ def test_reset_makes_policy_reusable(model, name, opts):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name,opts", cases())
+@pytest.mark.parametrize("name,opts", list(cases()))
 def test_policy_reused_in_a_new_cache(model, name, opts):
     """A policy handed to a second, fresh cache (as ``generate(..., policy=p)`` twice does) behaves as new."""
     seq_a, seq_b = make_seq(7, n_prompt=40), make_seq(8)
