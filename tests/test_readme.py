@@ -80,11 +80,28 @@ def test_package_imports_from_anywhere(tmp_path):
         pytest.skip(f"nanollm is installed from another checkout: {result.stdout.strip()}")
 
 
+def printed_after(block: str) -> str | None:
+    """The output a page shows for a Python block: a ```text block that follows it, with only a paragraph
+    ending in a colon between them (None if the page shows none)."""
+    after = ALL[ALL.index(block) + len(block):].split("```", 2)
+    m = re.fullmatch(r"\n\n([^#]*?:)\n\n", after[1]) if len(after) == 3 else None
+    if m is None or not after[2].startswith("text\n"):
+        return None
+    return after[2][len("text\n"):].split("```", 1)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", code_blocks("python"), ids=lambda b: b.splitlines()[0][:40])
 def test_python_block_runs(block, tmp_path):
+    """Each block runs; where the page shows what it prints, it prints that."""
     result = python(["-c", block], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
+    if (shown := printed_after(block)) is not None:
+        assert result.stdout == shown, result.stdout
+
+
+def test_the_readme_shows_what_its_example_prints():
+    assert any(printed_after(b) for b in code_blocks("python", README))
 
 
 def readme_commands() -> list[list[str]]:
