@@ -20,6 +20,7 @@ Beside it:
     language_modelling.py  perplexity and KL under compression over a long natural text
     bench.py          decode-step time and bytes read at long contexts (``python -m methods.evaluation.bench``)
     throughput.py     many caches decoded one by one against batched (``python -m methods.evaluation.throughput``)
+    rescore.py        the answers a results file keeps, scored again (``python -m methods.evaluation.rescore``)
     viz.py            pictures of which tokens a cache kept
     generate.py       ``python -m methods.evaluation.generate``: nanollm's generation command with ``--method``
 

@@ -19,6 +19,7 @@ entry (``metrics.py``); ``methods/evaluation/README.md`` shows each.
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -51,6 +52,7 @@ DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_
 DEFAULT_KEEP_RATIOS = [0.1, 0.25, 0.5]
 DEFAULT_LENGTH = 512
 DEFAULT_SAMPLES = 10
+MAX_SAMPLES = 10_000    # per task and mode: the default run takes 10, the real model's 30; 10,000 is days of work
 
 
 _ENGINE: dict = {}      # per process: the engine of the last model, built once (the fast one copies weights)
@@ -319,6 +321,21 @@ def plot(records: list[dict], path: str) -> None:
     cli.save_figure(fig, path)                  # png/pdf/svg by suffix; the old figure stays if writing fails
 
 
+def samples_flag(text: str) -> int:
+    """``--samples``: a positive integer, at most ``MAX_SAMPLES`` (a larger count is refused before the list of
+    jobs is made, which for 10^12 samples alone would not fit in memory)."""
+    value = cli.positive_int(text)
+    if value > MAX_SAMPLES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SAMPLES}, got {value}")
+    return value
+
+
+def results_bytes(config, jobs: int, caches: int) -> int:
+    """About the memory the per-sample results of a run hold before they are reduced to records: per job and
+    cache, 2 KiB of metrics and answers, and the attention error per layer and query head (32 bytes each)."""
+    return jobs * caches * (2048 + 32 * config.n_layer * config.n_head)
+
+
 def check_methods_flag(specs: list[str]) -> None:
     """``--methods``: a one-line error naming the first bad method spec, before any work starts."""
     for m in specs:
@@ -356,9 +373,9 @@ def parser() -> cli.ArgumentParser:
                     help="question_in_prompt: the question is in the prompt when the cache is compressed; "
                          "question_after_context: the context is compressed first and the question arrives "
                          "later through extend (default: both)")
-    ap.add_argument("--samples", type=cli.positive_int, default=None,
-                    help=f"samples per task and mode (default: the checkpoint card's, 30 for smollm2-135m, else "
-                         f"{DEFAULT_SAMPLES})")
+    ap.add_argument("--samples", type=samples_flag, default=None,
+                    help=f"samples per task and mode, at most {MAX_SAMPLES} (default: the checkpoint card's, 30 for "
+                         f"smollm2-135m, else {DEFAULT_SAMPLES})")
     ap.add_argument("--length", type=int, default=None,
                     help="tokens per sample, context + question + answer (default: the checkpoint card's, 2048 "
                          f"for smollm2-135m, else {DEFAULT_LENGTH}, or the model's maximum positions if smaller; "
@@ -410,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
         length = args.length if args.length is not None else \
             min(card.get("default_length") or DEFAULT_LENGTH, config.max_seq_len)
         samples = args.samples or card.get("default_samples") or DEFAULT_SAMPLES
+        if not isinstance(samples, int) or not 0 < samples <= MAX_SAMPLES:
+            cli.fail(f"--samples must be in [1, {MAX_SAMPLES}], got {samples!r} (the checkpoint card's default)")
         if not 0 < length <= config.max_seq_len:
             cli.fail(f"--length must be in [1, {config.max_seq_len}] (the model's maximum positions), got {length}")
         for task in tasks:
@@ -417,6 +436,8 @@ def main(argv: list[str] | None = None) -> None:
                 TASKS[task].sample(tok, length, args.seed)
             except ValueError as e:
                 cli.fail(f"--length {length}: {e}")
+            except ImportError as e:               # the tasks read from Python's help topics, without pydoc_data
+                cli.fail(f"--tasks {task}: the task reads the module {e.name}, which this Python lacks ({e})")
         if args.budgets is not None:
             budgets = args.budgets
         else:
@@ -426,6 +447,9 @@ def main(argv: list[str] | None = None) -> None:
             budgets = [budget_for(r, length) for r in ratios]
         if any(b <= 0 for b in budgets):
             cli.fail(f"--budgets must be positive, got {budgets}")
+        caches = 1 + len([m for m in methods if m != "full"]) * len(budgets)
+        cli.check_fits(f"--samples {samples} ({len(tasks)} task(s), {len(args.modes)} mode(s), {caches} caches "
+                       "each)", results_bytes(config, samples * len(tasks) * len(args.modes), caches))
 
         variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]
         torch.set_num_threads(args.threads)

@@ -113,6 +113,8 @@ def rescore(records: list[dict], tok, seed: int, metric: Metric = METRICS[0]) ->
         raise ValueError(f"metric {metric.name!r} reads the traces, which a records file does not keep")
     out, samples = [], {}                      # samples: (task, length, seed) -> each made once for all records
     for r in records:
+        if len(r["references"]) != len(r["predictions"]):
+            raise ValueError(f"a record has {len(r['predictions'])} predictions but {len(r['references'])} references")
         keys = [(r["task"], r["length"], seed + i) for i in range(len(r["predictions"]))]
         for key, refs in zip(keys, r["references"]):
             if key not in samples:

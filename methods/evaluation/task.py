@@ -54,6 +54,8 @@ class DocsContinuation(Task):
         super().__init__("docs_continuation")
 
     def sample(self, tok, length: int, seed: int) -> Sample:
+        if length <= self.ROOM:
+            raise ValueError(f"length {length} is too short for task {self.name!r}")
         rng, paragraphs = random.Random(f"{self.name}/{seed}"), docs_paragraphs()
         start = rng.randrange(len(paragraphs))
         text = " ".join(paragraphs[(start + k) % len(paragraphs)] for k in range(1 + length // 40))   # one line
@@ -65,7 +67,7 @@ class DocsContinuation(Task):
         cue, answer = " ".join(words[at:at + self.CUE]), " ".join(words[at + self.CUE:at + self.CUE + self.ANSWER])
         question = f'\n\nQuoted from the text above: "{cue}'
         question_ids, target_ids = tok.encode(question), tok.encode(" " + answer) + [tok.eot_id]
-        context_ids = context_ids[:length - len(question_ids) - len(target_ids)]
+        context_ids = context_ids[:max(0, length - len(question_ids) - len(target_ids))]
         if f"{cue} {answer}" not in " ".join(tok.decode(context_ids).split()):
             raise ValueError(f"length {length} is too short for task {self.name!r}")
         return Sample(self.name, tok.decode(context_ids), question, [answer], " " + answer,

@@ -143,6 +143,18 @@ def format_result(r: dict) -> str:
     ])
 
 
+def check_bandwidth_mib(mib: int, device: str) -> None:
+    """``--bandwidth-mib``: the tensor it names must fit in the memory of the machine, or of the GPU, before the
+    model loads (``torch.ones`` of 10^12 MiB would end in a traceback)."""
+    need = mib * 2**20
+    cli.check_fits(f"--bandwidth-mib {mib}", need)
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        if need > free:
+            cli.fail(f"--bandwidth-mib {mib} needs {need / 2**30:,.1f} GiB on {device}, which has "
+                     f"{free / 2**30:.1f} GiB free")
+
+
 def parser() -> cli.ArgumentParser:
     ap = cli.ArgumentParser(
         prog="python -m methods.evaluation.throughput",
@@ -168,7 +180,8 @@ def parser() -> cli.ArgumentParser:
                     help="torch CPU threads, for the steps and the bandwidth measurement, at most the CPU cores "
                          "(default %(default)s)")
     ap.add_argument("--bandwidth-mib", type=cli.positive_int, default=512, metavar="MIB",
-                    help="size of the fp32 tensor whose x.sum() measures the read bandwidth (default %(default)s)")
+                    help="size of the fp32 tensor whose x.sum() measures the read bandwidth, at most the memory of "
+                         "the machine (of the GPU with --device cuda) (default %(default)s)")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
                     help="write the numbers and their provenance to PATH (default: none)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -180,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
         cli.check_outputs({"--json": args.json}, inputs=[args.checkpoint])
+        check_bandwidth_mib(args.bandwidth_mib, args.device)
         from nanollm.data.tasks import ALL_TASKS
         from nanollm.io.checkpoint import load_card, load_config, load_tokenizer
         methods = args.methods or [m for m in METHODS if m != "full"]
