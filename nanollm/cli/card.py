@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import platform
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -42,16 +43,33 @@ def _work(args):
 
 def measure(folder: str, tasks: list[str], lengths: list[int], n_samples: int, seed: int,
             workers: int = 1) -> dict:
-    """accuracy[task][str(length)][mode] with the full cache, n_samples per cell (seeds seed..seed+n-1)."""
+    """accuracy[task][str(length)][mode] with the full cache, n_samples per cell (seeds seed..seed+n-1).
+
+    ``workers`` > 1 measures the cells in that many processes, started without Ctrl-C
+    (``cli.workers_without_ctrl_c``): on Ctrl-C or SIGTERM this process stops them (``Pool.terminate``, by
+    the ``with`` block) and prints its one ``error: interrupted`` line, not a traceback from each worker.
+    They are fresh interpreters ("spawn"): a forked worker would keep this process's signal handlers, and
+    inside ``workers_without_ctrl_c`` those note SIGTERM instead of stopping, so ``terminate`` would wait
+    for ever. Their tqdm lock is this process's (tqdm's way for worker processes): one each would be a
+    semaphore that a stopped worker leaves to the resource tracker, which then warns of it after the
+    ``error: interrupted`` line.
+    """
+    from .. import cli
     jobs = [(str(folder), t, L, m, n_samples, seed) for t in tasks for L in lengths for m in MODES]
     acc: dict = {}
-    if workers > 1:
-        with mp.get_context("fork").Pool(workers) as pool:
-            results = list(tqdm(pool.imap_unordered(_work, jobs), total=len(jobs), desc="card"))
-    else:
-        results = [_work(job) for job in tqdm(jobs, desc="card")]
-    for task, length, mode, a in results:
-        acc.setdefault(task, {}).setdefault(str(length), {})[mode] = a
+    # the bar is closed (and the workers stopped) before the line of an error or Ctrl-C, not after it
+    with tqdm(total=len(jobs), desc="card") as bar, ExitStack() as stack:
+        if workers > 1:
+            ctx = mp.get_context("spawn")
+            tqdm_lock = ctx.RLock()
+            with cli.workers_without_ctrl_c():     # a Ctrl-C meanwhile is raised at its end, the pool in the stack
+                pool = stack.enter_context(ctx.Pool(workers, initializer=tqdm.set_lock, initargs=(tqdm_lock,)))
+            results = pool.imap_unordered(_work, jobs)
+        else:
+            results = map(_work, jobs)
+        for task, length, mode, a in results:
+            acc.setdefault(task, {}).setdefault(str(length), {})[mode] = a
+            bar.update(1)
     return acc
 
 

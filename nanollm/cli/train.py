@@ -14,11 +14,12 @@ Each batch has one length, drawn from the current stage; the batch size is set s
 from it, bit for bit (sample seeds derive from the step number; ``tests/nanollm/cli/test_cli.py`` checks that an
 interrupted and resumed run ends with the same weights as an uninterrupted one). A run folder is never
 reused silently: an existing run needs ``--resume`` (continue) or ``--force`` (start over), and every file
-is replaced atomically.
+is replaced atomically. A run that fails before its first save (a full disk, Ctrl-C) removes what it created.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import io
 import json
@@ -93,6 +94,30 @@ TRAIN_PRESETS = {
                         tokens_per_step=512, warmup=2,
                         eval_every=2, eval_samples=1, save_every=2, tokenizer_corpus_bytes=50_000),
 }
+
+
+MAX_LR = 1.0      # the largest --lr taken: AdamW moves every weight by about lr a step, and weights start at ~0.02;
+                  # far above it (1e300) AdamW's step size does not fit a float32 (a traceback from the optimizer)
+
+
+def step_memory(cfg: TrainConfig) -> int:
+    """Bytes that one optimizer step needs at least: the logits of its ``tokens_per_step`` tokens over the
+    vocabulary and their gradient, in float32 (the activations of the layers come on top). ``--tokens-per-step``
+    is checked against the machine's memory with it before any work: a trillion would grow the first batch
+    until memory runs out."""
+    return cfg.tokens_per_step * preset(cfg.preset, **cfg.model_overrides).vocab_size * 4 * 2
+
+
+def seed(text: str) -> int:
+    """``--seed``: an integer that ``torch.manual_seed`` takes, from -2**63 to 2**64 - 1."""
+    try:
+        value = int(text)
+    except ValueError:                         # not an integer, or one of more than 4300 digits
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r:.40}") from None
+    if not -2**63 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be from -2**63 to 2**64 - 1 (what torch.manual_seed takes), "
+                                         f"got {text:.40}")
+    return value
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -248,94 +273,97 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
     if force:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    tok_path = out / "tokenizer.json"
-    if resume and tok_path.exists():
-        tok = Tokenizer.load(tok_path)
-    elif init is not None:
-        from ..io.checkpoint import load_tokenizer
-        tok = load_tokenizer(init)
-        tok.save(tok_path)
-    else:
-        tok = Tokenizer.train(corpus(cfg.tokenizer_corpus_bytes, seed=cfg.seed), mcfg.vocab_size)
-        tok.save(tok_path)
-    model = Transformer(mcfg).to(device)
-    if init is not None and not resuming:
-        from ..io.checkpoint import load
-        start, _, _ = load(init)                   # its shape was checked above (check_init)
-        model.load_state_dict(start.state_dict())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    # every task of every stage must fit the stage's shortest length: fail now, not hours in
-    for n_steps, lo, hi, _, *stage_tasks in cfg.stages:
-        for entry in (stage_tasks[0] if stage_tasks else cfg.tasks):
-            name, options = parse_task(entry)
-            make_sample(name, tok, lo, seed=0, **options)
-    state_path = out / "state.pt"
-    step, stage, stage_start, elapsed = 0, 0, 0, 0.0
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        try:
-            opt.load_state_dict(saved["opt"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{state_path}: opt does not fit the optimizer: {str(e)[:200]}") from None
-        step, stage, stage_start, elapsed = (saved[k] for k in ("step", "stage", "stage_start", "elapsed"))
-    files.atomic_write_text(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
-    # the log keeps the steps of the saved state; a resumed run writes the steps after it again
-    files.atomic_write_text(out / "log.jsonl", "".join(_log_lines_until(out / "log.jsonl", step)))
-    log = open(out / "log.jsonl", "a")
+    # a run that fails before it has saved a state (a full disk, Ctrl-C, a bad --init) leaves nothing behind;
+    # one that has saved a state keeps its folder, to be resumed
+    with files.removed_on_failure(out, RUN_FILES, keep=(out / "state.pt").exists):
+        out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        tok_path = out / "tokenizer.json"
+        if resume and tok_path.exists():
+            tok = Tokenizer.load(tok_path)
+        elif init is not None:
+            from ..io.checkpoint import load_tokenizer
+            tok = load_tokenizer(init)
+            tok.save(tok_path)
+        else:
+            tok = Tokenizer.train(corpus(cfg.tokenizer_corpus_bytes, seed=cfg.seed), mcfg.vocab_size)
+            tok.save(tok_path)
+        model = Transformer(mcfg).to(device)
+        if init is not None and not resuming:
+            from ..io.checkpoint import load
+            start, _, _ = load(init)                   # its shape was checked above (check_init)
+            model.load_state_dict(start.state_dict())
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        # every task of every stage must fit the stage's shortest length: fail now, not hours in
+        for n_steps, lo, hi, _, *stage_tasks in cfg.stages:
+            for entry in (stage_tasks[0] if stage_tasks else cfg.tasks):
+                name, options = parse_task(entry)
+                make_sample(name, tok, lo, seed=0, **options)
+        state_path = out / "state.pt"
+        step, stage, stage_start, elapsed = 0, 0, 0, 0.0
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+            try:
+                opt.load_state_dict(saved["opt"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"{state_path}: opt does not fit the optimizer: {str(e)[:200]}") from None
+            step, stage, stage_start, elapsed = (saved[k] for k in ("step", "stage", "stage_start", "elapsed"))
+        files.atomic_write_text(out / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
+        # the log keeps the steps of the saved state; a resumed run writes the steps after it again
+        files.atomic_write_text(out / "log.jsonl", "".join(_log_lines_until(out / "log.jsonl", step)))
+        log = open(out / "log.jsonl", "a")
 
-    def save():
-        buffer = io.BytesIO()                  # serialised first: a failed write is then a plain OSError
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "stage": stage,
-                    "stage_start": stage_start, "elapsed": elapsed, "model_config": mcfg.to_dict()}, buffer)
-        files.atomic_write_bytes(state_path, buffer.getvalue())     # a crash never leaves half a file
+        def save():
+            buffer = io.BytesIO()                  # serialised first: a failed write is then a plain OSError
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "stage": stage,
+                        "stage_start": stage_start, "elapsed": elapsed, "model_config": mcfg.to_dict()}, buffer)
+            files.atomic_write_bytes(state_path, buffer.getvalue())     # a crash never leaves half a file
 
-    last = cfg.total_steps if max_steps is None else min(cfg.total_steps, max_steps)
-    bar = tqdm(total=last, initial=step, disable=quiet, dynamic_ncols=True)
-    model.train()
-    t0 = time.time() - elapsed
-    while step < last and stage < len(cfg.stages):
-        n_steps, lo, hi, target_acc, *stage_tasks = cfg.stages[stage]
-        tasks = stage_tasks[0] if stage_tasks else cfg.tasks
-        rng = random.Random(f"{cfg.seed}/{step}")
-        length = rng.randint(lo, hi)
-        n = max(1, cfg.tokens_per_step // length)
-        ids, targets, answer = make_batch(tok, tasks, length, n, seed=rng.randrange(1 << 40))
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        loss, ans_loss, acc = loss_fn(model, ids.to(device), targets.to(device), answer.to(device),
-                                      cfg.lm_loss_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        step += 1
-        elapsed = time.time() - t0
-        bar.update(1)
-        bar.set_postfix(stage=stage, len=length, ans_loss=f"{ans_loss.item():.3f}", acc=f"{acc.item():.2f}")
-        record = {"step": step, "stage": stage, "length": length, "loss": loss.item(),
-                  "ans_loss": ans_loss.item(), "acc": acc.item(), "lr": lr_at(step - 1, cfg), "time": elapsed}
-        if step % cfg.eval_every == 0 or step - stage_start >= n_steps:
-            record["eval"] = quick_eval(model, tok, cfg, tasks, hi, seed=10**9 + step)
-            mean = sum(record["eval"].values()) / len(record["eval"])
-            record["eval_mean"] = mean
-            bar.write(f"step {step} stage {stage} (len {lo}-{hi}) eval exact-match {mean:.2f}: " +
-                      " ".join(f"{k}={v:.2f}" for k, v in record["eval"].items()))
-            if mean >= target_acc or step - stage_start >= n_steps:
-                stage, stage_start = stage + 1, step
-                record["advance"] = stage
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        if step % cfg.save_every == 0:
-            save()
-    save()
-    bar.close()
-    log.close()
-    return state_path
+        last = cfg.total_steps if max_steps is None else min(cfg.total_steps, max_steps)
+        bar = tqdm(total=last, initial=step, disable=quiet, dynamic_ncols=True)
+        model.train()
+        t0 = time.time() - elapsed
+        while step < last and stage < len(cfg.stages):
+            n_steps, lo, hi, target_acc, *stage_tasks = cfg.stages[stage]
+            tasks = stage_tasks[0] if stage_tasks else cfg.tasks
+            rng = random.Random(f"{cfg.seed}/{step}")
+            length = rng.randint(lo, hi)
+            n = max(1, cfg.tokens_per_step // length)
+            ids, targets, answer = make_batch(tok, tasks, length, n, seed=rng.randrange(1 << 40))
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            loss, ans_loss, acc = loss_fn(model, ids.to(device), targets.to(device), answer.to(device),
+                                          cfg.lm_loss_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            step += 1
+            elapsed = time.time() - t0
+            bar.update(1)
+            bar.set_postfix(stage=stage, len=length, ans_loss=f"{ans_loss.item():.3f}", acc=f"{acc.item():.2f}")
+            record = {"step": step, "stage": stage, "length": length, "loss": loss.item(),
+                      "ans_loss": ans_loss.item(), "acc": acc.item(), "lr": lr_at(step - 1, cfg), "time": elapsed}
+            if step % cfg.eval_every == 0 or step - stage_start >= n_steps:
+                record["eval"] = quick_eval(model, tok, cfg, tasks, hi, seed=10**9 + step)
+                mean = sum(record["eval"].values()) / len(record["eval"])
+                record["eval_mean"] = mean
+                bar.write(f"step {step} stage {stage} (len {lo}-{hi}) eval exact-match {mean:.2f}: " +
+                          " ".join(f"{k}={v:.2f}" for k, v in record["eval"].items()))
+                if mean >= target_acc or step - stage_start >= n_steps:
+                    stage, stage_start = stage + 1, step
+                    record["advance"] = stage
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            if step % cfg.save_every == 0:
+                save()
+        save()
+        bar.close()
+        log.close()
+        return state_path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -360,13 +388,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="stop after this many optimizer steps in total, counting the steps of a resumed run "
                          "(default: the whole curriculum)")
     ap.add_argument("--lr", type=cli.positive_float, default=None,
-                    help="peak learning rate, at least the recipe's final rate min_lr (default: the recipe's, "
-                         "5e-4 for retrieval-llama)")
+                    help=f"peak learning rate, at least the recipe's final rate min_lr and at most {MAX_LR:g} "
+                         "(default: the recipe's, 5e-4 for retrieval-llama)")
     ap.add_argument("--tokens-per-step", type=cli.positive_int, default=None,
-                    help="tokens per optimizer step, at least the recipe's longest sample (default: the "
-                         "recipe's, 6144 for retrieval-llama)")
-    ap.add_argument("--seed", type=int, default=None,
-                    help="seed of the data, the init and the tokenizer (default: the recipe's, 0)")
+                    help="tokens per optimizer step, at least the recipe's longest sample and at most what this "
+                         "machine's memory holds (default: the recipe's, 6144 for retrieval-llama)")
+    ap.add_argument("--seed", type=seed, default=None,
+                    help="seed of the data, the init and the tokenizer, from -2**63 to 2**64 - 1 (default: the "
+                         "recipe's, 0)")
     ap.add_argument("--device", type=cli.device, default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu or cuda (default: cuda when available, else cpu)")
     ap.add_argument("--threads", type=cli.threads_or_workers, default=None,
@@ -386,10 +415,14 @@ def main(argv: list[str] | None = None) -> None:
                 setattr(cfg, name, getattr(args, name))
         if cfg.lr < cfg.min_lr:
             cli.fail(f"--lr {cfg.lr} is below the recipe's final learning rate min_lr={cfg.min_lr}")
+        if cfg.lr > MAX_LR:
+            cli.fail(f"--lr {cfg.lr:g} is above {MAX_LR:g}, the largest learning rate taken (the recipe's is "
+                     f"{TRAIN_PRESETS[args.preset].lr:g})")
         longest = max(stage[2] for stage in cfg.stages)
         if cfg.tokens_per_step < longest:
             cli.fail(f"--tokens-per-step {cfg.tokens_per_step} is less than the recipe's longest samples "
                      f"({longest} tokens)")
+        cli.check_fits(f"--tokens-per-step {cfg.tokens_per_step:,} (its logits alone)", step_memory(cfg))
         check_run_folder(args.out, cfg, args.resume, args.force)
         if args.init is not None and not (args.resume and (Path(args.out) / "state.pt").exists()):
             check_init(args.init, cfg)

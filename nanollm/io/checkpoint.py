@@ -40,7 +40,7 @@ from ..checks import check_finite_weights, is_int
 from ..config import ModelConfig
 from ..model import Transformer
 from . import fetch, safetensors
-from .files import atomic_write_text, open_data_file, read_json
+from .files import atomic_write_text, open_data_file, read_json, removed_on_failure
 from .hf import check_state, config_from_hf, meta_tensors, model_from_state
 from .tokenizer import Tokenizer
 
@@ -72,20 +72,25 @@ def resolve(name_or_path: str | Path) -> Path:
                      f"(bundled: {bundled()}) and not a fetchable model ({sorted(fetch.REMOTES)})")
 
 
+CHECKPOINT_FILES = ("nanollm_config.json", "model.safetensors", "tokenizer.json", "card.json", "README.md")
+
+
 def save(model: Transformer, tok: Tokenizer | None, folder: str | Path, card: dict | None = None) -> None:
     """Write a checkpoint folder; ``tok=None`` for a model whose tokens are not text (no tokenizer.json:
-    load it with ``load_model``)."""
+    load it with ``load_model``). A failed save (a full disk, Ctrl-C) removes the files and folders it
+    created (``files.removed_on_failure``)."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(folder / "nanollm_config.json", json.dumps(model.config.to_dict(), indent=1))
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         state.pop("lm_head.weight")
-    safetensors.save_file(state, folder / "model.safetensors", metadata={"format": "pt", "source": "nanollm"})
-    if tok is not None:
-        tok.save(folder / "tokenizer.json")
-    if card is not None:
-        write_card(folder, card)
+    with removed_on_failure(folder, CHECKPOINT_FILES):
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / "nanollm_config.json", json.dumps(model.config.to_dict(), indent=1))
+        safetensors.save_file(state, folder / "model.safetensors", metadata={"format": "pt", "source": "nanollm"})
+        if tok is not None:
+            tok.save(folder / "tokenizer.json")
+        if card is not None:
+            write_card(folder, card)
 
 
 def write_card(folder: str | Path, card: dict) -> None:

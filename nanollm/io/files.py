@@ -132,3 +132,39 @@ def read_json(path: str | Path, kind: str, max_mb: float | None = MAX_JSON_MB):
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except RecursionError:
         raise ValueError(f"{path}: JSON nested too deeply to be a {kind}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Undoing a failed command's new files
+
+@contextmanager
+def removed_on_failure(folder: str | Path, names, keep=None):
+    """``with removed_on_failure(folder, ["a.json", "b.bin"]):`` around writing those files into ``folder``.
+
+    If the block fails (an error, a full disk, Ctrl-C), what it created is removed: the files of ``names``
+    that were not there before, then ``folder`` and the parents that did not exist before, if they are empty.
+    What the user had stays: a folder that existed, a file of ``names`` that existed (replaced whole or not at
+    all, by ``atomic_open``), any other file. ``keep()``, if given, is asked after the failure: true keeps
+    everything (a training run whose saved state can be resumed).
+    """
+    folder = Path(folder)
+    made, parent = [], folder
+    while not os.path.lexists(parent) and parent != parent.parent:      # deepest first
+        made.append(parent)
+        parent = parent.parent
+    new = [folder / name for name in names if not os.path.lexists(folder / name)]
+    try:
+        yield
+    except BaseException:
+        if keep is None or not keep():
+            for path in new:
+                try:
+                    path.unlink()
+                except OSError:                       # never created
+                    pass
+            for path in made:
+                try:
+                    path.rmdir()
+                except OSError:                       # never created, or it holds other files
+                    pass
+        raise

@@ -52,7 +52,7 @@ from ..attention import rope_inv_freq
 from ..checks import LLAMA3_SCALING, check_finite_weights, check_rope_scaling, is_int
 from ..config import ModelConfig
 from ..model import Transformer
-from .files import atomic_write_text, read_json
+from .files import atomic_write_text, read_json, removed_on_failure
 from .safetensors import DTYPES, load_file, load_sharded, load_torch_bin, read_header, save_file, shards
 
 # model_type -> architectures we can build; anything else raises a clear error
@@ -478,6 +478,9 @@ def model_from_state(config: ModelConfig, sd: dict[str, Tensor], dtype: torch.dt
     return model.eval()
 
 
+HF_EXPORT_FILES = ("tokenizer.json", "model.safetensors", "config.json")     # what export_hf writes
+
+
 def export_hf(model: Transformer, path: str | os.PathLike, dtype: torch.dtype | None = None,
               tokenizer=None) -> None:
     """Write ``model`` as a Hugging Face folder: ``config.json`` + ``model.safetensors``.
@@ -503,11 +506,12 @@ def export_hf(model: Transformer, path: str | os.PathLike, dtype: torch.dtype | 
             hf_config["eos_token_id"] = tokenizer.eot_id
         tokenizer_file = json.dumps(tokenizer_json(ranks, pattern, special))
     tensors = {k: v.to(dtype) for k, v in state_to_hf(model).items()}
-    os.makedirs(path, exist_ok=True)
-    if tokenizer_file is not None:
-        atomic_write_text(os.path.join(path, "tokenizer.json"), tokenizer_file)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt", "source": "nanollm"})
-    atomic_write_text(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    with removed_on_failure(path, HF_EXPORT_FILES):      # a full disk, Ctrl-C: nothing it created is left
+        os.makedirs(path, exist_ok=True)
+        if tokenizer_file is not None:
+            atomic_write_text(os.path.join(path, "tokenizer.json"), tokenizer_file)
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt", "source": "nanollm"})
+        atomic_write_text(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
 
 
 def is_nanollm_export(folder: str | os.PathLike) -> bool:
