@@ -39,6 +39,14 @@ they open the cell; it still runs and checks itself.
 Each ``.ipynb`` is written atomically (a temporary file, then renamed), and only after its notebook ran
 without an error; tiny mode never writes, so the committed notebooks keep their full-size outputs.
 
+Whatever stops a build or ``--table`` ends in one ``error:`` line naming the file: a cell that raises (the cell
+and its error), a cell past ``--timeout``, a kernel that dies, cell tags that are not a list of strings, a source
+without cells, a committed notebook that is not a valid one or has no title, a ``build_record.json`` that is not
+an object of runs with ``run_s`` seconds. Ctrl-C or SIGTERM stops the kernel and ends in ``error: interrupted``
+(exit status 130). Every file is read through ``nanollm.io.files``: a FIFO or a link to ``/dev/zero`` is
+refused before a byte is read. Any ``.py`` in the percent format can be built (``--tiny`` to run it without
+writing); only the notebooks under ``notebooks/`` are noted in ``build_record.json``.
+
 ``tests/notebooks/test_notebooks.py`` uses ``read_percent`` to check that each committed ``.ipynb`` still has the
 cells of its ``.py`` source, and ``execute`` to run it headlessly with ``NANOLLM_TINY=1``.
 """
@@ -47,14 +55,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
+import signal
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 from nanollm import cli
 from nanollm.io import files
@@ -86,21 +99,41 @@ def _uncomment(line: str) -> str:
     return line[1:] if line.startswith("#") else line
 
 
+def cell_tags(text: str | None, where: str) -> list[str]:
+    """The tags of a cell marker's ``tags=[...]``: a JSON list of distinct strings without commas (what a
+    notebook's cell tags may be); a ValueError naming ``where`` (file:line) otherwise."""
+    if not text:
+        return []
+    try:
+        tags = json.loads(text)
+    except ValueError:
+        tags = None
+    if not (isinstance(tags, list) and all(isinstance(t, str) and t and "," not in t for t in tags)
+            and len(set(tags)) == len(tags)):
+        raise ValueError(f"{where}: cell tags must be a JSON list of distinct strings without commas, "
+                         f'like tags=["raises-exception"], not {text[:80]}')
+    return tags
+
+
 def read_percent(path: str | Path) -> nbformat.NotebookNode:
-    """Parse a ``py:percent`` file into a notebook (no outputs). Cell ids are deterministic: cell-0, cell-1, ..."""
-    lines = Path(path).read_text().splitlines()
+    """Parse a ``py:percent`` file into a notebook (no outputs). Cell ids are deterministic: cell-0, cell-1, ...
+
+    The file is read through ``nanollm.io.files`` (a FIFO or a link to /dev/zero is refused before a byte is
+    read); a file without cells, or with a marker or tags that do not parse, is a ValueError naming the line."""
+    lines = files.read_text(path, "notebook source").splitlines()
     cells: list[tuple[str, list[str], list[str]]] = []     # (kind, lines, tags)
     for n, line in enumerate(lines, 1):
         if line.startswith("# %%"):
             m = MARKER.match(line)
             if m is None:
                 raise ValueError(f"{path}:{n}: cannot parse cell marker {line!r}")
-            tags = json.loads(m["tags"]) if m["tags"] else []
-            cells.append(("markdown" if m["kind"] else "code", [], tags))
+            cells.append(("markdown" if m["kind"] else "code", [], cell_tags(m["tags"], f"{path}:{n}")))
         elif cells:
             cells[-1][1].append(line)
         elif line.strip():
             raise ValueError(f"{path}:{n}: text before the first '# %%' cell marker")
+    if not cells:
+        raise ValueError(f"{path}: no cells: a notebook source has '# %%' cell markers (py:percent format)")
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
     exercises = False                                      # past the '## Exercises' heading
@@ -145,17 +178,56 @@ def kernel_env(tiny: bool) -> dict[str, str]:
     return env
 
 
+def last_words(kernel_log) -> str:
+    """The last line a dead kernel wrote to its stderr (``kernel_log``), leaving out the kernel application's own
+    log lines ("[IPKernelApp] WARNING | ..."): what a crash printed, or ""."""
+    kernel_log.seek(0)
+    lines = [line.strip() for line in kernel_log.read().decode(errors="replace").splitlines()]
+    said = [line for line in lines if line and not line.startswith("[IPKernelApp]")]
+    return said[-1][:200] if said else ""
+
+
 def execute(nb: nbformat.NotebookNode, tiny: bool = False, timeout: int = 600,
             folder: Path = NOTEBOOKS) -> nbformat.NotebookNode:
     """Run every cell in a fresh ``python3`` kernel started in ``folder`` (the notebook's own, as Jupyter
-    does); raises on the first error.
+    does); raises on the first error (nbclient's ``CellExecutionError``, ``DeadKernelError``, ...).
 
     ``timeout`` is per cell, in seconds. Returns the notebook with its outputs (also filled in place).
+
+    Ctrl-C or SIGTERM is a ``KeyboardInterrupt``, as anywhere else. nbclient catches both signals itself while
+    it runs: it stops the kernel (so the running cell fails as if the kernel died, and its second cleanup then
+    trips an assertion), and removes its handlers afterwards, leaving SIGTERM's default; the handlers that were
+    set before are put back here. The kernel's own log (its stderr: a warning on every start, a traceback
+    when it is stopped mid-cell) goes to a temporary file, whose last words a dead kernel's error quotes.
     """
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                             resources={"metadata": {"path": str(folder)}})
-    client.execute(env=kernel_env(tiny))
+    on_main = threading.current_thread() is threading.main_thread()     # where signal handlers can be set
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+    with tempfile.TemporaryFile() as kernel_log:
+        try:
+            client.execute(env=kernel_env(tiny), stderr=kernel_log)
+        except DeadKernelError:
+            if not stopped_by_a_signal(client):
+                words = last_words(kernel_log)
+                raise DeadKernelError("the kernel died" + (f" ({words})" if words else "")) from None
+        except Exception:
+            if not stopped_by_a_signal(client):
+                raise
+        finally:
+            for s, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(s, handler)
+    if stopped_by_a_signal(client):                      # whatever the run ended in, or if it ended well
+        raise KeyboardInterrupt
     return nb
+
+
+def stopped_by_a_signal(client: NotebookClient) -> bool:
+    """Whether nbclient's own handler of Ctrl-C or SIGTERM ran: it keeps the kernel's shutdown it started as
+    ``_async_cleanup_kernel_future`` (a private name, as of nbclient 0.11: the Ctrl-C tests of
+    ``tests/notebooks/test_hostile_build.py`` fail if it changes)."""
+    return getattr(client, "_async_cleanup_kernel_future", None) is not None
 
 
 def error_outputs(nb: nbformat.NotebookNode) -> list[str]:
@@ -173,26 +245,69 @@ def name_of(path: Path) -> str:
     return str(path.resolve().relative_to(NOTEBOOKS).with_suffix(""))
 
 
+def read_notebook(path: Path) -> nbformat.NotebookNode:
+    """A committed ``.ipynb``, read through ``nanollm.io.files`` (a FIFO or a link to /dev/zero is refused before a
+    byte is read) and checked against nbformat's schema: a ValueError naming the file if it is not a valid
+    version-4 notebook."""
+    data = files.read_json(path, "notebook")
+    if not (isinstance(data, dict) and data.get("nbformat") == 4 and type(data.get("nbformat_minor")) is int):
+        raise ValueError(f'{path}: not a Jupyter notebook of version 4 (a JSON object with "nbformat": 4 and '
+                         'an integer "nbformat_minor")')
+    try:
+        nbformat.validate(nbformat.from_dict(data))
+    except nbformat.ValidationError as e:
+        raise ValueError(f"{path}: not a valid notebook: {e.message[:200]}") from None
+    return nbformat.reads(json.dumps(data), as_version=4)
+
+
+def read_runs() -> dict:
+    """``build_record.json``'s entries ({} where there is none), read through ``nanollm.io.files`` and checked:
+    a JSON object whose every value is an object with ``run_s``, a number of seconds >= 0. A ValueError naming
+    the file and the entry otherwise."""
+    if not RECORD.exists():
+        return {}
+    runs = files.read_json(RECORD, "build record")
+    if not isinstance(runs, dict):
+        raise ValueError(f"{RECORD}: holds a JSON {type(runs).__name__}, not an object of the notebooks' runs")
+    for name, run in runs.items():
+        seconds = run.get("run_s") if isinstance(run, dict) else None
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+            raise ValueError(f"{RECORD}: the entry {name!r} is not an object with run_s, a number of seconds >= 0")
+    return runs
+
+
 def record(path: Path, seconds: float) -> None:
     """Note a normal run of ``path`` in ``build_record.json``: seconds, date, the machine's load (1-minute
-    average at the end: a run beside other work takes longer) and cores. The README's table is made from it."""
-    runs = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    average at the end: a run beside other work takes longer) and cores. The README's table is made from it.
+    Only the project's own notebooks (those under ``notebooks/``) are noted."""
+    if not path.resolve().is_relative_to(NOTEBOOKS):
+        return
+    runs = read_runs()
     runs[name_of(path)] = {"run_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
                            "load": round(os.getloadavg()[0], 1), "cores": os.cpu_count()}
     files.atomic_write_text(RECORD, json.dumps(dict(sorted(runs.items())), indent=1) + "\n")
 
 
+def title_of(nb: nbformat.NotebookNode, path: Path) -> str:
+    """A notebook's title for the table: its first cell's heading, ``# NN Title``, without the number; a
+    ValueError naming the notebook where there is none."""
+    heading = nb.cells[0].source.splitlines()[0] if nb.cells and nb.cells[0].source.strip() else ""
+    number_and_title = heading.lstrip("# ").split(" ", 1)
+    if len(number_and_title) < 2 or not number_and_title[1].strip():
+        raise ValueError(f"{path}: no title: its first cell must begin with a heading '# NN Title'")
+    return number_and_title[1]
+
+
 def table() -> str:
     """The README's notebook table: each lesson and lab, its title, reading minutes (``reading_minutes`` of the
     committed notebook) and the minutes of its last normal run (``build_record.json``)."""
-    runs = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    runs = read_runs()
     rows = ["| notebook | what it is | reading, min | normal run, min |", "|---|---|---|---|"]
     for path in sources():
-        nb = nbformat.read(path.with_suffix(".ipynb"), as_version=4)
-        title = nb.cells[0].source.splitlines()[0].lstrip("# ").split(" ", 1)[1]
+        nb = read_notebook(path.with_suffix(".ipynb"))
         run = runs.get(name_of(path))
         minutes = f"{run['run_s'] / 60:.1f}" if run else "not recorded"
-        rows.append(f"| [`{name_of(path)}`](notebooks/{name_of(path)}.ipynb) | {title} | "
+        rows.append(f"| [`{name_of(path)}`](notebooks/{name_of(path)}.ipynb) | {title_of(nb, path)} | "
                     f"{reading_minutes(nb):.0f} | {minutes} |")
     return "\n".join(rows)
 
@@ -206,10 +321,10 @@ def figure_rules(nb: nbformat.NotebookNode):
     panel: ``tests/notebooks/figure_rules.py``), so a normal build fails on a figure that breaks one, as the
     quick-mode test does. The two cells it adds are gone afterwards, and the execution counts as if they had
     never been."""
-    if not FIGURE_RULES.exists():                          # a copy without the tests
+    first = next((i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"), None)
+    if not FIGURE_RULES.exists() or first is None:        # a copy without the tests; a notebook without code
         yield
         return
-    first = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
     nb.cells.insert(first + 1, nbformat.v4.new_code_cell(FIGURE_RULES.read_text()))
     nb.cells.append(nbformat.v4.new_code_cell("assert not _FIGURE_PROBLEMS, _FIGURE_PROBLEMS"))
     try:
@@ -224,6 +339,19 @@ def figure_rules(nb: nbformat.NotebookNode):
                         out.execution_count = count
 
 
+def failure(nb: nbformat.NotebookNode, error: Exception, timeout: int) -> str:
+    """What stopped a run, in a line: the cell that raised (its error, as stored in its outputs), the cell that
+    ran out of time, or the kernel's death."""
+    if isinstance(error, CellExecutionError):
+        raised = [line for line in error_outputs(nb) if line.endswith(f": {error.ename}: {error.evalue}")]
+        if not raised:                                 # the figure rules' cells, gone again: a figure broke them
+            return f"a figure breaks the figure rules: {error.evalue}"[:300]
+        return raised[-1][:300]                        # an earlier one may be a "raises-exception" cell's
+    if isinstance(error, CellTimeoutError):
+        return f"a cell ran longer than --timeout {timeout} s"
+    return f"{error}, so the notebook stopped (a cell ended Python: os._exit, a crash, or memory ran out)"
+
+
 def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int = 600) -> Path | None:
     """Convert ``path`` (.py) to the .ipynb beside it, executing it unless ``run`` is False.
 
@@ -233,8 +361,11 @@ def build(path: str | Path, run: bool = True, tiny: bool = False, timeout: int =
     nb = read_percent(path)
     if run:
         t0 = time.perf_counter()
-        with figure_rules(nb):
-            execute(nb, tiny=tiny, timeout=timeout, folder=path.resolve().parent)
+        try:
+            with figure_rules(nb):
+                execute(nb, tiny=tiny, timeout=timeout, folder=path.resolve().parent)
+        except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
+            raise ValueError(f"{path}: {failure(nb, e, timeout)}; nothing written") from None
         seconds = time.perf_counter() - t0
         print(f"{path.name}: executed{' (tiny mode)' if tiny else ''} in {seconds:.1f} s")
     if tiny:
@@ -258,7 +389,7 @@ def prose_only(path: str | Path) -> Path:
     outputs included; nothing runs. A ValueError if the code cells differ from the source's."""
     path = Path(path)
     out = path.with_suffix(".ipynb")
-    nb, committed = read_percent(path), nbformat.read(out, as_version=4)
+    nb, committed = read_percent(path), read_notebook(out)
     if code_cells(nb) != code_cells(committed):
         changed = next((i for i, (a, b) in enumerate(zip(code_cells(nb), code_cells(committed))) if a != b),
                        min(len(code_cells(nb)), len(code_cells(committed))))
@@ -311,11 +442,13 @@ def main(argv: list[str] | None = None) -> None:
             if missing:
                 cli.fail(f"--prose-only updates committed notebooks; none at {', '.join(missing)}")
             for path in paths:
-                if code_cells(read_percent(path)) != code_cells(nbformat.read(path.with_suffix(".ipynb"), 4)):
+                if code_cells(read_percent(path)) != code_cells(read_notebook(path.with_suffix(".ipynb"))):
                     prose_only(path)          # raises the one-line error naming the first changed cell
             for path in paths:
                 print(f"wrote {prose_only(path)} (its outputs kept)")
             return
+        if not (args.tiny or args.no_execute):
+            read_runs()                       # a broken build_record.json is refused before the first run
         for path in paths:
             out = build(path, run=not args.no_execute, tiny=args.tiny, timeout=args.timeout)
             print(f"wrote {out}" if out else f"{path.name}: ran in tiny mode; nothing written")

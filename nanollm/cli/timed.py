@@ -7,6 +7,17 @@ read just before it, and the entry ``--name`` of the JSON file ``--record`` gets
 command, the date, the core count and the commit. Other entries of the file stay as they are. The README's
 measured times (install, test tiers, the main job) are read from this file, so a time on a page is a median
 of runs someone made, on a machine whose load is written beside it.
+
+``--record`` must be a timings record: a new or empty file, or a JSON object whose every value is an entry
+as this command writes it (a number ``median_s``; ``runs``, ``command``, ``date``, ``cores``, ``commit`` and a
+hand-written ``note`` where present, each of its type; no other field). Anything else (a model card, another
+command's results, a file in the bundled checkpoints however its path is spelled) is refused before the
+command runs. The entry is merged under a lock on the record's folder, with the record read again just before
+it is written, so two runs with different names and the same record both keep their entries.
+
+The command's standard input is empty (a timed run does not wait for typing), and it runs in a process group
+of its own: Ctrl-C or SIGTERM stops it and whatever it started, then ends in ``error: interrupted`` (exit
+status 130).
 """
 
 from __future__ import annotations
@@ -15,15 +26,34 @@ import argparse
 import json
 import os
 import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, suppress
 from datetime import date
 from pathlib import Path
 
-from ..io.files import atomic_write_text
-from .provenance import git_commit
+from .. import cli
+from ..io import files
+from .provenance import ROOT, git_commit
+
+try:
+    import fcntl
+except ImportError:           # Windows: no lock (one timed run at a time by hand)
+    fcntl = None
+
+# The folders a timings record may never be in: the checkpoints shipped with the package and with the
+# tensor-attention method.
+BUNDLED = (cli.bundled_dir(), ROOT / "methods" / "tensor_attention" / "checkpoints")
+
+# The fields of a timings entry and their JSON types; ``median_s`` is the one every entry has.
+ENTRY_FIELDS = {"median_s": (int, float), "runs": list, "command": str, "date": str, "cores": int,
+                "commit": str, "note": str}
+
+STOP_GRACE_S = 5          # after SIGTERM, the seconds an interrupted command gets before SIGKILL
 
 
 def load_average() -> float:
@@ -34,13 +64,134 @@ def load_average() -> float:
         return 0.0
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The record
+
+def json_kind(value) -> str:
+    """What JSON calls the kind of a value read from it: object, array, string, number, true/false, null."""
+    kinds = {dict: "object", list: "array", str: "string", bool: "true/false", int: "number", float: "number"}
+    return kinds.get(type(value), "null")
+
+
+def entry_problem(entry) -> str | None:
+    """What keeps ``entry`` (a value of a record read back) from being a timings entry; None if nothing."""
+    if not isinstance(entry, dict):
+        return f"is a JSON {json_kind(entry)}, not an object"
+    median = entry.get("median_s")
+    if isinstance(median, bool) or not isinstance(median, (int, float)):
+        return "has no number median_s"
+    for field, value in entry.items():
+        if field not in ENTRY_FIELDS:
+            return f"has a field {field!r} that no timings entry has"
+        if isinstance(value, bool) or not isinstance(value, ENTRY_FIELDS[field]):
+            return f"has a {field} of the wrong kind (a JSON {json_kind(value)})"
+    return None
+
+
+def read_record(path: Path) -> dict:
+    """The entries of the timings record ``path``: {} for a new or empty file. A file that is not a timings
+    record (see the module's docstring), or not a regular file (a FIFO, a link to /dev/zero: refused before
+    a byte is read), is a one-line error naming it."""
+    if not path.exists():
+        return {}
+    text = files.read_text(path, "timings record")
+    if not text.strip():
+        return {}
+    try:
+        entries = json.loads(text)
+    except (ValueError, RecursionError):
+        cli.fail(f"--record {path}: not JSON, so not a timings record; give a new file or a timings record")
+    if not isinstance(entries, dict):
+        cli.fail(f"--record {path}: holds a JSON {json_kind(entries)}, not a timings record (an object of "
+                 "entries)")
+    for name, entry in entries.items():
+        problem = entry_problem(entry)
+        if problem:
+            cli.fail(f"--record {path}: not a timings record: its entry {name!r} {problem}")
+    return entries
+
+
+def check_record_path(path: Path) -> None:
+    """Before any run: ``--record`` can be written (its folder exists and is writable, its name fits) and is
+    neither in the bundled checkpoints (links followed) nor anything but a regular file."""
+    if not path.parent.is_dir():
+        cli.fail(f"--record {path}: no folder {path.parent}")
+    for folder in BUNDLED:
+        if cli._overlap(path, folder) or cli._linked_into(path, folder):
+            cli.fail(f"--record {path} lies in the bundled checkpoints ({folder}); give another path")
+    try:
+        cli.output_file(str(path))
+    except argparse.ArgumentTypeError as e:
+        cli.fail(f"--record {e}")
+
+
+@contextmanager
+def locked(folder: Path):
+    """Hold an exclusive lock on ``folder`` (``flock`` on the folder itself, so no lock file is left behind):
+    another ``timed`` writing a record there waits for it."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                                  # closing releases the lock
+
+
+def add_entry(path: Path, name: str, entry: dict) -> None:
+    """Write ``entry`` as ``name`` into the record ``path``, keeping the entries it holds now: read again
+    under the lock, just before the (atomic) write, so an entry another run added meanwhile stays."""
+    with locked(path.parent):
+        entries = read_record(path)
+        entries[name] = entry
+        try:
+            files.atomic_write_text(path, json.dumps(entries, indent=1) + "\n")
+        except OSError as e:                        # a full disk, a read-only mount
+            cli.fail(f"--record {path}: cannot write it: {e.strerror or e}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The runs
+
+def check_command(command: list[str]) -> None:
+    """Before any run: the command's program exists and may be run."""
+    if shutil.which(command[0]) is None:
+        cli.fail(f"{command[0]}: no such command (not found, or not an executable file)")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End ``process`` and what it started (its process group): SIGTERM, then SIGKILL after a grace time."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(STOP_GRACE_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def run_once(command: list[str]) -> int:
+    """Run ``command`` to its end in a process group of its own; its exit status. Interrupted (Ctrl-C,
+    SIGTERM), it is stopped with all it started before the interruption goes on."""
+    try:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as e:                            # which() found it, yet it cannot be started
+        cli.fail(f"{command[0]}: cannot run it: {e.strerror or e}")
+    try:
+        return process.wait()
+    except BaseException:
+        stop(process)
+        raise
+
+
 def time_runs(command: list[str], repeats: int) -> list[dict]:
     """Run ``command`` ``repeats`` times; each run's seconds and the load before it. A failing run ends it all."""
     runs = []
     for i in range(repeats):
         load = load_average()
         t0 = time.perf_counter()
-        code = subprocess.run(command).returncode
+        code = run_once(command)
         seconds = round(time.perf_counter() - t0, 1)
         print(f"run {i + 1}/{repeats}: {seconds} s (load {load}), exit {code}", file=sys.stderr)
         if code != 0:
@@ -50,35 +201,31 @@ def time_runs(command: list[str], repeats: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m nanollm.cli.timed", description=__doc__.split("\n\n")[0].strip())
+    p = cli.ArgumentParser(prog="python -m nanollm.cli.timed", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--name", required=True, help="the entry of the record this measurement replaces or adds")
     p.add_argument("--repeats", type=int, default=3, help="runs of the command, one after another (default 3)")
-    p.add_argument("--record", required=True, help="the JSON file to add the entry to (created if absent; its "
-                                                   "other entries are kept)")
+    p.add_argument("--record", required=True, help="the timings record (JSON) to add the entry to (created if "
+                                                   "absent; its other entries are kept)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command to time")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     record = Path(args.record)
-    if not command:
-        p.error("give the command to time after --")
-    if not 1 <= args.repeats <= 20:
-        p.error(f"--repeats must be 1 to 20, not {args.repeats}")
-    if not record.parent.is_dir():
-        p.error(f"--record: no folder {record.parent}")
-    if record.exists() and not record.is_file():
-        p.error(f"--record: {record} is not a file")
-    try:
-        entries = json.loads(record.read_text()) if record.exists() else {}
-    except (ValueError, UnicodeDecodeError):
-        p.error(f"--record: {record} is not JSON")
-    if not isinstance(entries, dict):
-        p.error(f"--record: {record} is not a JSON object of entries")
-    runs = time_runs(command, args.repeats)
-    entries[args.name] = {"median_s": statistics.median(r["s"] for r in runs), "runs": runs,
-                          "command": shlex.join(command), "date": date.today().isoformat(),
-                          "cores": os.cpu_count(), "commit": git_commit()}
-    atomic_write_text(record, json.dumps(entries, indent=1) + "\n")
-    print(f"{args.name}: median {entries[args.name]['median_s']} s of {len(runs)} run(s) -> {record}")
+    with cli.errors(args.debug):
+        if not args.name.strip():
+            cli.fail("--name must not be empty")
+        if not command:
+            cli.fail("give the command to time after --")
+        if not 1 <= args.repeats <= 20:
+            cli.fail(f"--repeats must be 1 to 20, not {args.repeats}")
+        check_record_path(record)
+        read_record(record)                         # refused now, not after the runs
+        check_command(command)
+        runs = time_runs(command, args.repeats)
+        entry = {"median_s": statistics.median(r["s"] for r in runs), "runs": runs,
+                 "command": shlex.join(command), "date": date.today().isoformat(),
+                 "cores": os.cpu_count(), "commit": git_commit()}
+        add_entry(record, args.name, entry)
+    print(f"{args.name}: median {entry['median_s']} s of {len(runs)} run(s) -> {record}")
 
 
 if __name__ == "__main__":
