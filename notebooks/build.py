@@ -33,8 +33,10 @@ A lesson is a 30-minute read: the paper's question and equation, the method buil
 the library, a toy picture, the method on the real model, exercises. The research a lesson grew (variants,
 ablations, audits of the paper's claims) lives in its lab, ``labs/NN_*.py``, built and tested the same way. An
 exercise's code cell that holds its answer (a ``# BEGIN SOLUTION`` region past the ``## Exercises`` heading)
-is written collapsed (``metadata.jupyter.source_hidden``): a reader sees the exercise, not its answer, until
-they open the cell; it still runs and checks itself.
+is written collapsed, its code and its output (``metadata.jupyter.source_hidden`` and ``outputs_hidden``): a
+reader sees the exercise, not its answer, until they open the cell; it still runs and checks itself. The
+course's region markers stay in the ``.py`` (the student copy is cut from it) and become cell tags on the page
+(``solution:cache:append``), so the lesson shows only its code.
 
 Each ``.ipynb`` is written atomically (a temporary file, then renamed), and only after its notebook ran
 without an error; tiny mode never writes, so the committed notebooks keep their full-size outputs.
@@ -115,8 +117,31 @@ def cell_tags(text: str | None, where: str) -> list[str]:
     return tags
 
 
-def read_percent(path: str | Path) -> nbformat.NotebookNode:
+SOLUTION_LINE = re.compile(r"^[ \t]*# (?:BEGIN SOLUTION \[(?P<id>[a-z0-9_:]+)\].*|END SOLUTION)\s*$")
+SOLUTION_TAG = "solution:"            # a page cell that holds a region of the course: "solution:cache:append"
+
+
+def on_the_page(cell: nbformat.NotebookNode) -> None:
+    """A code cell as the reader sees it: the course's region markers (``# BEGIN SOLUTION [cache:append] hint``,
+    ``# END SOLUTION``) are taken out of its code and become cell tags (``solution:cache:append``), out of the
+    reader's way, as ``needs:`` tags are. The student copy is cut from the ``.py``, which keeps the markers."""
+    kept, ids = [], []
+    for line in cell.source.splitlines():
+        m = SOLUTION_LINE.match(line)
+        if m is None:
+            kept.append(line)
+        elif m["id"]:
+            ids.append(m["id"])
+    if ids:
+        cell.source = "\n".join(kept)
+        cell.metadata["tags"] = [*cell.metadata.get("tags", []), *dict.fromkeys(SOLUTION_TAG + i for i in ids)]
+
+
+def read_percent(path: str | Path, page: bool = True) -> nbformat.NotebookNode:
     """Parse a ``py:percent`` file into a notebook (no outputs). Cell ids are deterministic: cell-0, cell-1, ...
+
+    ``page``: the cells as the committed ``.ipynb`` shows them (``on_the_page``); ``page=False`` keeps the
+    course's region markers in the code, for the course's tools that cut a student copy.
 
     The file is read through ``nanollm.io.files`` (a FIFO or a link to /dev/zero is refused before a byte is
     read); a file without cells, or with a marker or tags that do not parse, is a ValueError naming the line."""
@@ -155,7 +180,10 @@ def read_percent(path: str | Path) -> nbformat.NotebookNode:
         elif kind == "markdown" and any(line.startswith("## ") for line in cell.source.splitlines()):
             exercises = False
         if kind == "code" and exercises and "# BEGIN SOLUTION" in cell.source:
-            cell.metadata["jupyter"] = {"source_hidden": True}      # an exercise's answer: collapsed until opened
+            # an exercise's answer: its code and what it prints stay collapsed until the reader opens them
+            cell.metadata["jupyter"] = {"source_hidden": True, "outputs_hidden": True}
+        if kind == "code" and page:
+            on_the_page(cell)
         nb.cells.append(cell)
     return nb
 

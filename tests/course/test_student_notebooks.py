@@ -37,9 +37,9 @@ def needed(source: str) -> list[str] | None:
 
 
 def reference_cells(name: str) -> tuple[list, list]:
-    """(the cells of the notebook's source, the committed notebook's cells)."""
+    """(the cells of the notebook's source, with the course's markers; the committed notebook's cells)."""
     source = ROOT / "notebooks" / f"{ASSIGNMENTS[name].notebook}.py"
-    return handout.notebook_builder().read_percent(source).cells, nbformat.read(source.with_suffix(".ipynb"), 4).cells
+    return handout.notebook_builder().read_percent(source, page=False).cells, nbformat.read(source.with_suffix(".ipynb"), 4).cells
 
 
 def exercise(name: str, source: str) -> bool:
@@ -214,8 +214,8 @@ def test_student_notebook_runs_but_the_cells_of_unfinished_tasks(name, tmp_path)
                    resources={"metadata": {"path": str(copy / "notebooks")}}).execute(env=env)
     print(f"{a.notebook}: the student copy's notebook in {time.perf_counter() - t0:.1f} s (quick mode)")
 
-    _, committed = reference_cells(name)
-    for i, (cell, ref) in enumerate(zip(nb.cells, committed)):
+    reference, _ = reference_cells(name)                 # the source's cells, with the course's markers
+    for i, (cell, ref) in enumerate(zip(nb.cells, reference)):
         if cell.cell_type != "code":
             continue
         errors = [o for o in cell.outputs if o.output_type == "error"]

@@ -66,7 +66,7 @@ def assignment_of(stem: str):
 
 
 def cells_of(stem: str) -> list:
-    return build.read_percent(NOTEBOOKS / f"{stem}.py").cells
+    return build.read_percent(NOTEBOOKS / f"{stem}.py", page=False).cells       # with the course's markers
 
 
 def build_it_cells(stem: str) -> list[tuple[int, str, str]]:
