@@ -345,10 +345,12 @@ for layer in range(model.config.n_layer):
               f"{int(I[h, kept[h]].max())}; H2O ranks {h2o_rank[h, v:end].tolist()} of {N}")
 
 # %% [markdown]
-# The needle's counters run up to 241, while the largest counter still kept is between 34 and 102: the value
-# was below average for most of the queries after it, so by the count it is among the least important
-# tokens of the prompt. H2O, which sums attention instead of counting, ranks the same tokens high where a
-# head retrieves them (5-21 of 501 in layer 0's first KV head). A count of below-average steps ignores how
+# The needle's counters run up to 241, while the largest counter still kept is between 34 and 102. In layers 1
+# and 3, and in layer 2's first KV head, every digit's counter is above the largest kept one: the value was
+# below average for most of the queries after it, so by the count it is among the least important tokens
+# there. In layer 0 and in layer 2's second KV head some digits sit at or below the largest kept counter. H2O,
+# which sums attention instead of counting, ranks the same tokens high where a head retrieves them (ranks 5 to
+# 21 of 501, counting from 0, in layer 0's first KV head). A count of below-average steps ignores how
 # strongly the few retrieving queries attend a token; the lab shows that removing the age effect (a short
 # window) does not save the needle either.
 
