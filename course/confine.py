@@ -88,7 +88,8 @@ def end(proc: subprocess.Popen) -> None:
         for _ in range(200):
             table = parents()
             strays = {pid for pid, ppid in table.items() if ppid == me} - RUNS["spare"] - RUNS["tests"]
-            new = (below(table, alive) | strays | alive) - found
+            new = (below(table, alive | strays) | strays | alive) - found   # and what is below a stray (the
+            #    room's process 1 below its wrapper, whose test process ended first): else it dies unreaped
             if not new:
                 break
             for pid in new:

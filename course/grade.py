@@ -5,8 +5,8 @@ Grade one assignment: run its public and hidden tests against a student copy and
     python -m course.grade cache --student ~/hw-cache --json results.json
     python -m course.grade baselines -k window_vote               # one task's tests
 
-Three processes, so that nothing the student's code does can reach the grade (the README's threat
-model): this one (the grader) starts the test process, which starts the student's process. The test process
+Three processes, so that nothing the student's code does can reach the grade (course/README.md, section
+"Threat model"): this one (the grader) starts the test process, which starts the student's process. The test process
 runs the tests in a scratch folder that holds only them, ``oracle.py`` and the stand-in for the adapters
 (course/remote.py); it never runs the student's code. The student's process (course/student_process.py)
 runs a scratch copy of the student's files: the library is the copy's, reached only through the copy's
@@ -60,7 +60,11 @@ RUN_BASE_S = 60          # the whole run: this, plus (the per-test limit + RESTA
 RESTART_S = 5            # what a fresh test process costs (starting Python, importing torch)
 START_S = 60             # a test process may take this long to import and collect the tests
 POLL_S = 0.05            # how often the grader reads the results pipe
+MIN_PER_TEST_S = 10 * POLL_S    # the shortest time limit the grader enforces: it sees a test run over its limit
+#                                 up to one poll late, a tenth of this (so 5e-324 s or 1e-9 s are refused, not
+#                                 noise that lets some tests through)
 DUMP_TAIL = 1 << 20      # bytes of the end of the student's output read to find where a stopped test was
+LOG_HEAD, LOG_TAIL = 64 << 10, 1 << 20      # what the grader reads of pytest's output (its start and its end)
 MESSAGE_LINES, MESSAGE_CHARS = 10, 1500     # a failure's message in the JSON
 PUBLIC_CHARS = 800       # a public test's message, which the student sees (it may quote values the code returned)
 STUDENT_CHARS = 160      # a line of the student's own exception in a public test's message (two lines at most)
@@ -124,7 +128,7 @@ def pytest_exception_interact(node, call, report):
 
 
 def pytest_runtest_logstart(nodeid, location):
-    open(DUMP, "w").close()                             # the student's process writes where it is, near the limit
+    sys.modules["adapters"]._connection.output.clear()  # the student's process writes where it is, near the limit
     try:
         sys.modules["adapters"].harness("test_started")
     except Exception:
@@ -215,10 +219,40 @@ def message(text: str) -> str:
 
 
 def first_line(text: str, width: int = 200) -> str:
-    """The first non-empty line of a failure, and the line saying how far off a tensor was, if there is one."""
+    """The first non-empty line of a failure, and the line saying how far off a tensor was, if there is one,
+    in at most ``width`` characters (cut at a word: ``shorten``)."""
     lines = [s.strip() for s in text.splitlines() if s.strip()]
-    line = " ".join(lines[:1] + [s for s in lines[1:] if s.startswith("Greatest absolute difference")][:1])
-    return line if len(line) <= width else line[:width - 3] + "..."
+    return shorten(" ".join(lines[:1] + [s for s in lines[1:] if s.startswith("Greatest absolute difference")][:1]),
+                   width)
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters: cut after the last whole word that fits, then "…" (mid-word
+    only where one word fills more than half the width)."""
+    if len(text) <= width:
+        return text
+    cut = text[:width - 1]
+    space = cut.rfind(" ")
+    if space > width // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:.") + "…"
+
+
+def read_bounded(path: Path, head: int = LOG_HEAD, tail: int = LOG_TAIL) -> str:
+    """A file's first ``head`` and last ``tail`` bytes, with a line counting what lies between: what a
+    process wrote costs the grader a bounded read, however long it is."""
+    if not path.exists():
+        return ""
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        if size <= head + tail:
+            return f.read().decode(errors="replace")
+        start = f.read(head)
+        f.seek(size - tail)
+        end = f.read(tail)
+    return (start.decode(errors="replace") + f"\n[... {size - head - tail} bytes left out ...]\n"
+            + end.decode(errors="replace"))
 
 
 @dataclass
@@ -399,7 +433,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
                        BOOT.format(tests=str(here), site_dirs=site_dirs(), reference=reference, args=args)]
                 before = len(results.read())
                 code, why = watch(cmd, here, env, results, out / "log.txt", per_test_s, t0 + limit)
-                log = (out / "log.txt").read_text(errors="replace")
+                log = read_bounded(out / "log.txt")
                 logs.append(log if why is None else f"{log}\n(stopped by the grader: {why})")
                 found = parse_results(results.read()[before:])
                 outcomes.update(round_outcomes(remaining, node, found, code, why, log, per_test_s, limit,
@@ -475,7 +509,8 @@ def notes(summary: dict, public_only: bool = False) -> list[str]:
     out = [] if summary["hidden_tests"] or public_only else \
         ["hidden tests: not in this copy (the instructor's grader has them); the score is out of the public points"]
     if summary.get("runs_as", "").startswith("UNCONFINED"):
-        out.append(f"note: the student's code ran {summary['runs_as']}; see course/README.md, threat model")
+        out.append(f"note: the student's code ran {summary['runs_as']}; see course/README.md, section \"Threat "
+                   "model\"")
     return out + [f"note: the student's {f} differs from this repository's: read it (the tests reach the code "
                   "only through the adapters)" for f in summary["changed_adapters"]]
 
@@ -556,13 +591,14 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
     """Grade ``name`` against ``student`` (default: this repository), only ``tasks`` if given. Returns a
     summary dict."""
     assignment = get(name)
-    student = (student or ROOT).expanduser().resolve()
+    student = Path(student or ROOT).expanduser()
+    check_name(student, "--student")
+    student = student.resolve()
     if not student.is_dir():
         raise SystemExit(f"error: no folder {student}")
     if not (student / "course" / name / "adapters.py").exists():
         raise SystemExit(f"error: {student} has no course/{name}/adapters.py; is it a student copy of {name!r}?")
-    if not (math.isfinite(per_test_s) and per_test_s > 0):
-        raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {per_test_s}")
+    check_per_test_s(per_test_s)
     if tasks is not None and set(tasks) - set(task_names(assignment, hidden)):
         raise SystemExit(f"error: no task {sorted(set(tasks) - set(task_names(assignment, hidden)))[0]!r} in "
                          f"{name!r}; its tasks: {', '.join(task_names(assignment, hidden)) or '(none)'}")
@@ -575,14 +611,35 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
             "changed_adapters": adapter_changes(assignment, student), "runs_as": runs_as}
 
 
+def check_per_test_s(per_test_s: float) -> None:
+    """``--per-test-s``: a finite number of seconds the grader can enforce (``MIN_PER_TEST_S`` or more)."""
+    if not (math.isfinite(per_test_s) and per_test_s > 0):
+        raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {per_test_s}")
+    if per_test_s < MIN_PER_TEST_S:
+        raise SystemExit(f"error: --per-test-s {per_test_s:g} is below {MIN_PER_TEST_S:g} s, the shortest limit the "
+                         f"grader enforces (it checks the running test every {POLL_S:g} s)")
+
+
+def check_name(path: Path, flag: str) -> None:
+    """Every name in ``path`` fits the file system (``NAME_MAX`` bytes of the nearest existing folder, 255 on
+    most): checked before any work, so a longer one is a line naming the flag, not a traceback from the first
+    ``stat``."""
+    base = next((p for p in [path, *path.parents] if os.path.isdir(p)), Path("/"))
+    try:
+        longest = os.pathconf(base, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):         # no pathconf (Windows), or no answer
+        longest = 255
+    for name in path.parts:
+        if len(os.fsencode(name)) > longest:
+            raise SystemExit(f"error: {flag}: the name {name[:40]}... has {len(os.fsencode(name))} bytes; this file "
+                             f"system takes at most {longest}")
+
+
 def check_new_file(path: Path) -> None:
     """``--json``: a new file in an existing, writable folder, with a name the file system takes."""
+    check_name(path, "--json")
     if not path.parent.is_dir():
         raise SystemExit(f"error: --json {path}: the folder {path.parent} does not exist")
-    longest = os.pathconf(path.parent, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
-    if len(os.fsencode(path.name)) > longest:
-        raise SystemExit(f"error: --json: the name {path.name[:40]}... has {len(os.fsencode(path.name))} bytes; "
-                         f"this file system takes at most {longest}")
     if path.exists() or path.is_symlink():
         raise SystemExit(f"error: {path} exists; name a new file (nothing is overwritten)")
     if not os.access(path.parent, os.W_OK):
@@ -593,7 +650,11 @@ def write_new_file(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all, and never over a file. A file that appeared there while
     grading was not written by this grader (it was not there when the flags were checked): it is removed, so no
     grade but the grader's is ever found at ``path``, and the command fails in one line."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:100]}.", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:100]}.", dir=path.parent)
+    except OSError as e:
+        raise SystemExit(f"error: --json {path}: cannot write there ({e.strerror or e}); no grade was written") \
+            from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -606,8 +667,14 @@ def write_new_file(path: Path, text: str) -> None:
             what = f"could not remove it ({e.strerror}): do not use it"
         raise SystemExit(f"error: {path} appeared while grading, not written by this grader (the student's code, or "
                          f"another run): {what}; no grade was written") from None
+    except OSError as e:                          # a full disk, a file size limit, a folder gone read-only
+        raise SystemExit(f"error: --json {path}: writing the grade failed ({e.strerror or e}); no grade was "
+                         "written (the table above is the grade)") from None
     finally:
-        os.unlink(tmp)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 @command_line
@@ -625,7 +692,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="write Gradescope-style results here: a new file in an existing folder")
     p.add_argument("--public-only", action="store_true", help="run only the public tests")
     p.add_argument("--per-test-s", type=float, default=PER_TEST_S,
-                   help=f"time limit of one test in seconds, positive and finite (default {PER_TEST_S}); the "
+                   help=f"time limit of one test in seconds, {MIN_PER_TEST_S:g} or more (default {PER_TEST_S}); the "
                         f"grader stops a test that runs over it, and the whole run after {RUN_BASE_S} s + "
                         f"(this + {RESTART_S} s) per test")
     p.add_argument("-k", "--task", action="append", default=None, metavar="TASK",
@@ -637,8 +704,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.json is not None:                       # every flag is checked before any test runs
         check_new_file(args.json)
-    if not (math.isfinite(args.per_test_s) and args.per_test_s > 0):
-        raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {args.per_test_s}")
+    check_per_test_s(args.per_test_s)
     summary = grade(args.assignment, args.student, hidden=not args.public_only, per_test_s=args.per_test_s,
                     tasks=None if args.task is None else tuple(args.task), require_room=args.require_confinement)
     results = [Result(**r) for r in summary["results"]]

@@ -37,6 +37,7 @@ import zipfile
 from pathlib import Path
 
 from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse
+from .grade import check_name
 
 GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "course/markers.py",
           "course/oracle.py", "course/model_adapters.py", "course/confine.py", "course/remote.py",
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     assignment = get(args.assignment)
     if not assignment.tests(hidden=True):
         raise SystemExit(f"error: assignment {assignment.name!r} has no tests")
+    check_name(args.out.expanduser(), "--out")
     path = write_zip(assignment, args.out.expanduser().resolve())
     print(f"wrote {path}: upload it as the autograder of {assignment.name!r} (README.md inside says how)")
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from . import lesson
 from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse
+from .grade import check_name
 from .markers import MD_BEGIN, find_regions, strip
 
 INSTRUCTOR_ONLY = ("test_hidden.py", "mutants.py")      # in each assignment's folder: never in a student copy
@@ -64,8 +65,10 @@ def notebook_builder():
 
 
 def check_out(out: Path) -> Path:
-    """The output folder, made absolute; a one-line error if it is not empty or lies inside the repository
-    (where the repository's own tests and linter would pick the copy up)."""
+    """The output folder, made absolute; a one-line error if a name in it is longer than the file system takes,
+    if it is not empty or if it lies inside the repository (where the repository's own tests and linter would
+    pick the copy up)."""
+    check_name(out.expanduser(), "--out")
     out = out.expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SystemExit(f"error: {out} exists and is not empty; name a new folder (nothing is overwritten)")
@@ -136,7 +139,8 @@ def lesson_notebook(assignment: Assignment, out: Path) -> list[Path]:
                          f"`python notebooks/build.py notebooks/{source.name}`")
     solution = solution_lines(assignment)
     for cell, old, new in zip(nb.cells, reference, student):
-        if cell.cell_type == "code" and any(r.assignment == assignment.name for r in find_regions(source, old.source)):
+        if cell.cell_type == "code" and any(t.split(":")[1] == assignment.name for t in old.metadata.get("tags", [])
+                                            if t.startswith(build.SOLUTION_TAG)):
             cell.outputs, cell.execution_count = [], None          # a stripped exercise
         elif cell.cell_type == "code" and any(line in printed(cell) for line in solution):
             cell.outputs, cell.execution_count = [], None          # it printed a solution (07 prints its kernel)

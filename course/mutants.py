@@ -742,8 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         per_test_s = float(args.per_test_s)
     except ValueError:
         per_test_s = float("nan")
-    if not 0 < per_test_s < float("inf"):
-        raise SystemExit(f"error: --per-test-s must be a positive, finite number of seconds, got {args.per_test_s}")
+    grader.check_per_test_s(per_test_s)          # positive, finite, and no shorter than the grader enforces
     if args.task is not None:
         if len(names) != 1:
             raise SystemExit("error: --task needs one assignment, not all")

@@ -11,7 +11,11 @@ process holds it), plain data, a ``Remote`` handle for any other object (its att
 The student's process is started on the first call and restarted after it dies (the call that was running
 fails: "the process running your code stopped"). When the grader runs as root (and the user ``nobody`` can
 read Python and its packages), the student's process runs as ``nobody``: it cannot read the grader's files
-nor signal its processes (see the README's threat model).
+nor signal its processes (course/README.md, section "Threat model").
+
+What the student's code prints (standard output and error) comes through a pipe into ``Output``, which keeps
+the dump file bounded whatever the code writes: its first ``HEAD_BYTES`` and its last ``TAIL_BYTES`` (where
+the code was when a test ran over its time), with a line counting what was left out between them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -48,13 +53,83 @@ def student_exception(error: dict) -> Exception:
     return e
 
 
+HEAD_BYTES = 64 << 10        # the start of the student's output kept in the dump file
+TAIL_BYTES = 1 << 20         # and its end (the grader reads this much of the end: course/grade.py DUMP_TAIL)
+
+
+class Output:
+    """The student's output, kept in the dump file within bounds: the first ``HEAD_BYTES``, then the last
+    ``TAIL_BYTES`` to ``2 * TAIL_BYTES`` (rewritten each time it passes twice, so a byte costs two writes at
+    most) after a line saying how many bytes were left out. Memory and file hold under
+    ``HEAD_BYTES + 2 * TAIL_BYTES`` and a chunk, however much the code writes. A write that fails (a full
+    disk) loses that part of the dump, never the draining: the student's process never blocks on it."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.lock = threading.Lock()
+        self.clear()
+
+    def clear(self) -> None:
+        """An empty dump (a test starts)."""
+        with self.lock:
+            self.head, self.tail, self.left_out = bytearray(), bytearray(), 0
+            try:
+                os.ftruncate(self.fd, 0)
+            except OSError:
+                pass
+
+    def add(self, data: bytes) -> None:
+        with self.lock:
+            take = data[:HEAD_BYTES - len(self.head)]
+            if take:
+                self.write(take, len(self.head))
+                self.head += take
+                data = data[len(take):]
+            if not data:
+                return
+            self.tail += data
+            if len(self.tail) <= 2 * TAIL_BYTES:
+                self.write(data, len(self.head) + len(self.note()) + len(self.tail) - len(data))
+                return
+            cut = len(self.tail) - TAIL_BYTES
+            del self.tail[:cut]
+            self.left_out += cut
+            try:
+                os.ftruncate(self.fd, len(self.head))
+            except OSError:
+                pass
+            self.write(self.note() + self.tail, len(self.head))
+
+    def note(self) -> bytes:
+        return f"\n[... {self.left_out} bytes of output left out ...]\n".encode() if self.left_out else b""
+
+    def write(self, data: bytes, offset: int) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                n = os.pwrite(self.fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError:
+            pass
+
+    def drain(self, fd: int) -> None:
+        """Read the pipe ``fd`` until its end (the student's process and all it started have closed it)."""
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                self.add(chunk)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 class Connection:
     """The student's process and the pipes to it."""
 
     def __init__(self, student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,
                  home: str | None, nobody: bool, python: str = sys.executable, jail: list[str] | None = None):
         self.args = (student, adapters_file, json.dumps(site_dirs), str(dump_after_s))
-        self.dump, self.home, self.nobody, self.python = dump, home, nobody, python
+        self.output, self.home, self.nobody, self.python = Output(dump), home, nobody, python
         self.jail = jail                           # the command that runs another in the room (course/jail.py)
         self.proc: subprocess.Popen | None = None
         self.mirrors = wire.Mirrors(first_key=1)
@@ -79,17 +154,26 @@ class Connection:
             drop = {"user": 65534, "group": 65534, "extra_groups": []}
         elif os.geteuid() == 0:                    # root, but nobody cannot read Python: root without capabilities
             drop = {"preexec_fn": no_capabilities}
-        with open(self.dump, "ab") as err:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+        printed_r, printed_w = os.pipe()           # what the code prints: into the bounded dump
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=printed_w,
                                          pass_fds=(request_r, answer_w), env=env, cwd=self.home or "/",
                                          start_new_session=True, **drop)
-        os.close(request_r)
-        os.close(answer_w)
+        except BaseException:
+            os.close(printed_r)
+            raise
+        finally:
+            for fd in (request_r, answer_w, printed_w):
+                os.close(fd)
+        threading.Thread(target=self.output.drain, args=(printed_r,), daemon=True).start()
         self.fd_out, self.fd_in = request_w, answer_r
 
-    def stopped(self) -> RuntimeError:
-        """The student's process died: this call fails, the next one starts a fresh process."""
+    def stopped(self, why: str | None = None) -> RuntimeError:
+        """The student's process died, or sent what cannot be read (``why``: it is killed): this call fails, the
+        next one starts a fresh process."""
         proc, self.proc = self.proc, None
+        if why is not None and proc is not None:
+            proc.kill()
         self.generation += 1
         self.mirrors = wire.Mirrors(first_key=1)
         self.forget()
@@ -99,6 +183,8 @@ class Connection:
             except OSError:
                 pass
         code = proc.wait() if proc is not None else None
+        if why is not None:
+            return RuntimeError(f"your code's answer was refused ({why}); the process running it was stopped")
         return RuntimeError(f"the process running your code stopped (exit code {code}) in this test")
 
     def request(self, op: str, target: int | None = None, name: str | None = None, args=(), kwargs=None):
@@ -113,6 +199,8 @@ class Connection:
             if "error" in answer:
                 raise student_exception(answer["error"])
             return self.decode(answer["ok"])
+        except wire.MessageRefused as e:
+            raise self.stopped(str(e)) from None
         except (EOFError, BrokenPipeError, OSError) as e:
             if isinstance(e, OSError) and not isinstance(e, BrokenPipeError) and self.proc and self.proc.poll() is None:
                 raise

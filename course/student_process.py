@@ -10,13 +10,19 @@ started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD
   ``.pth`` file of anyone's runs; ``sys.path`` is set here: the copy, the standard library, and the
   grader's site-packages folders (SITE_DIRS, a JSON list). The copy's adapters are loaded from their file
   (ADAPTERS) as the module ``adapters``; the tests' folder is on no path of this process.
-* Messages travel on two pipes (IN_FD, OUT_FD): each is 8 bytes of length, then a pickle of plain data
-  (numbers, strings, bytes, lists, tuples, dicts; a tensor as its type's name, shape and bytes), read by an
-  unpickler that looks up no class, so reading a message runs no code. Anything else a call returns (a
-  model, a cache, a function) stays here and crosses as a handle: ``{"handle": id}``.
+* Messages travel on two pipes (IN_FD, OUT_FD): each is its parts' count and lengths (8 bytes each), then
+  a pickle of plain data (numbers, strings, bytes, lists, tuples, dicts; a tensor as its type's name, shape
+  and bytes), then each tensor's bytes (pickle protocol 5's out-of-band buffers, so a tensor is copied
+  neither into the pickle nor out of it). The reader refuses a message of more than ``MAX_MESSAGE`` bytes
+  from its lengths alone, before allocating anything, and reads each part into a buffer of its size: a
+  message costs about its size once. The unpickler looks up no class, so reading a message runs no code.
+  Anything else a call returns (a model, a cache, a function) stays here and crosses as a handle:
+  ``{"handle": id}``.
   No function crosses from the tests (course/remote.py refuses one): nothing here can call the tests back.
-* Standard output and error go to the grader's dump file; when a test starts, a timer is set that writes
-  where the code is to it (``faulthandler``) shortly before the test's time limit.
+* Standard output and error go to a pipe the test process drains into the grader's dump file, keeping its
+  start and its end (course/remote.py ``Output``); when a test starts, a timer is set that writes where the
+  code is to it (``faulthandler``) shortly before the test's time limit. No file this process writes grows
+  past ``FILE_BYTES`` (as in the room, course/jail.py; here also where the code runs unconfined).
 
 The import guard below refuses the repository's own tests and the course's oracle and test files: a mistake
 an honest copy can make (they hold reference implementations). It is no defence against a hostile student,
@@ -31,19 +37,30 @@ import io
 import json
 import os
 import pickle
+import resource
 import struct
 import sys
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
-HEADER = struct.Struct("<Q")         # a message's length in bytes
-MAX_MESSAGE = 1 << 31                # 2 GiB: a longer message ends the connection
+LENGTH = struct.Struct("<Q")         # a message's count of parts, then each part's length in bytes
+MAX_MESSAGE = 64 << 20               # 64 MiB: the largest message either side sends or reads; the eight
+#                                      assignments' public and hidden tests, run on the reference, exchange
+#                                      310,955 bytes at most (course/README.md, section "Limits"), 200 times
+#                                      less; a longer one is refused from its header, before it is read
+MAX_PARTS = 1 << 16                  # the pickle and the bytes of at most 65535 tensors
+CHUNK = 1 << 20                      # a part is read into its buffer this many bytes at a time at most
 TEXT_CHARS = 4000                    # an error's text is cut to this many characters
+FILE_BYTES = 256 << 20               # the largest file the student's code may write (course/jail.py FILE_BYTES)
 PACKAGES = ("nanollm", "methods", "kernels", "course")
 
 
 # -- messages (both sides) --------------------------------------------------------------------------------
+
+class MessageRefused(EOFError):
+    """A message over the bounds (``MAX_MESSAGE``, ``MAX_PARTS``): the connection ends, as at the end of file."""
+
 
 class PlainData(pickle.Unpickler):
     """Reads a pickle of plain data only (numbers, strings, lists, tuples, dicts): it names no class, so none
@@ -53,54 +70,84 @@ class PlainData(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}: a message may hold plain data and tensors only")
 
 
+def too_large(n: int) -> str:
+    return f"a message of {n} bytes, more than MAX_MESSAGE = {MAX_MESSAGE >> 20} MiB"
+
+
 def send(fd: int, obj) -> None:
-    """Write one message: its length, then a pickle of plain data (tensors as ``pack`` writes them; anything
-    else would name a class, which the reader refuses)."""
-    body = pickle.dumps(obj, protocol=4)
-    data = HEADER.pack(len(body)) + body
+    """Write one message: its parts' count and lengths, a pickle of plain data (tensors as ``pack`` writes
+    them; anything else would name a class, which the reader refuses), then each tensor's bytes as they are.
+    One over the bounds raises ``ValueError`` before anything is written."""
+    buffers = []
+    body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    parts = [memoryview(body), *(b.raw() for b in buffers)]
+    size = sum(p.nbytes for p in parts)
+    if size > MAX_MESSAGE:
+        raise ValueError(too_large(size))
+    if len(parts) > MAX_PARTS:
+        raise ValueError(f"cannot send more than {MAX_PARTS - 1} tensors in one message")
+    write_all(fd, LENGTH.pack(len(parts)) + b"".join(LENGTH.pack(p.nbytes) for p in parts))
+    for part in parts:
+        write_all(fd, part)
+
+
+def write_all(fd: int, data) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
 
 
 def pack(t) -> dict:
-    """A tensor as plain data: its type's name, shape and bytes."""
+    """A tensor as plain data: its type's name, shape and bytes (a buffer the message carries out of band)."""
     torch = _torch()
     flat = torch.empty(t.numel(), dtype=t.dtype)
     flat.copy_(t.detach().reshape(-1))                # plain strides, whatever t's were (expanded, a view)
-    raw = flat.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    raw = pickle.PickleBuffer(flat.view(torch.uint8).numpy()) if t.numel() else b""
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": raw}
 
 
 def unpack(d: dict):
-    """The tensor ``pack`` wrote (a new tensor of its own)."""
+    """The tensor ``pack`` wrote (a new tensor of its own, on the bytes the message was read into). Its bytes
+    must be what its type and shape take: a few bytes never become a large tensor."""
     torch = _torch()
     dtype = getattr(torch, d["dtype"], None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"no tensor type {d['dtype']!r}")
-    shape = [int(n) for n in d["shape"]]
-    if not d["bytes"]:
+    shape, raw = [int(n) for n in d["shape"]], d["bytes"]
+    numel = 1
+    for n in shape:
+        numel *= n
+    if min(shape, default=0) < 0 or numel * dtype.itemsize != len(raw):
+        raise ValueError(f"a tensor of shape {shape} and type {d['dtype']} with {len(raw)} bytes")
+    if not raw:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(d["bytes"]), dtype=dtype).reshape(shape)
+    data = raw if isinstance(raw, bytearray) else bytearray(raw)     # the buffer it was read into, or a copy
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def read_exactly(fd: int, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
+def read_exactly(fd: int, n: int) -> bytearray:
+    """``n`` bytes, read in chunks into one buffer allocated once."""
+    buffer = bytearray(n)
+    view, got = memoryview(buffer), 0
+    while got < n:
+        read = os.readv(fd, [view[got:got + CHUNK]])
+        if not read:
             raise EOFError("the other process closed the connection")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+        got += read
+    return buffer
 
 
 def receive(fd: int):
-    """Read one message (plain data: no class is looked up, no code runs while reading it)."""
-    (n,) = HEADER.unpack(read_exactly(fd, HEADER.size))
-    if n > MAX_MESSAGE or n < 1:
-        raise EOFError(f"a message of {n} bytes")
-    return PlainData(io.BytesIO(read_exactly(fd, n))).load()
+    """Read one message (plain data: no class is looked up, no code runs while reading it). One over the
+    bounds is refused from its lengths, before anything is allocated for it."""
+    (count,) = LENGTH.unpack(read_exactly(fd, LENGTH.size))
+    if not 1 <= count <= MAX_PARTS:
+        raise MessageRefused(f"a message of {count} parts (1 to {MAX_PARTS})")
+    lengths = struct.unpack(f"<{count}Q", read_exactly(fd, count * LENGTH.size))
+    if sum(lengths) > MAX_MESSAGE or lengths[0] < 1:
+        raise MessageRefused(too_large(sum(lengths)) if lengths[0] else "a message without its pickle")
+    body, *tensors = [read_exactly(fd, n) for n in lengths]
+    return PlainData(io.BytesIO(body), buffers=tensors).load()
 
 
 class Mirrors:
@@ -460,7 +507,11 @@ class Server:
             except BaseException as e:      # noqa: BLE001  (the student's exception, whatever it is, is the answer)
                 reply = {"error": {"type": type(e).__name__, "builtin": type(e).__module__ == "builtins",
                                    "text": describe(e, self.student)}}
-            self.post(reply)
+            try:
+                self.post(reply)
+            except ValueError as e:         # an answer over MAX_MESSAGE, not sent: the call fails saying so
+                self.post({"error": {"type": "ValueError", "builtin": True,
+                                     "text": f"ValueError: your code's answer was refused ({e})"}})
 
 
 class Taken:
@@ -477,6 +528,14 @@ class Taken:
         return self
 
 
+def limit_file_size(n: int) -> None:
+    """No file this process (or one it starts) writes grows past ``n`` bytes: a write beyond fails with
+    ``File too large`` (Python ignores SIGXFSZ). Lowered for good: the code cannot raise it again."""
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    n = n if hard == resource.RLIM_INFINITY else min(n, hard)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
+
+
 def main(argv: list[str]) -> None:
     student, adapters_file, site_dirs, fd_in, fd_out, dump_after_s = argv
     student = Path(student)
@@ -485,6 +544,7 @@ def main(argv: list[str]) -> None:
     for name in list(sys.modules):
         CHECKED[name] = False                      # what Python itself loaded before any of the copy's code
     fd_in, fd_out = int(fd_in), int(fd_out)
+    limit_file_size(FILE_BYTES)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(2, 1)                                  # print() goes to the dump file, never to the messages

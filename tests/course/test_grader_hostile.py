@@ -514,22 +514,22 @@ def test_where_no_room_can_be_built_the_grade_says_so(tmp_path, capsys, monkeypa
     assert "cannot be confined here" in err and "Operation not permitted" in err, err
 
 
-def test_the_students_output_cannot_fill_the_disk(tmp_path, capsys):
-    """The graded code prints 300 MB (its output goes to the grader's dump file): the room caps any file it
-    writes at ``jail.FILE_BYTES``, so the write fails (Python ignores SIGXFSZ: ``File too large``) or stops its
-    process instead of filling TMPDIR."""
+def test_the_students_files_cannot_fill_the_disk(tmp_path, capsys):
+    """The graded code writes 300 MB into a file of its own: the room caps any file it writes at
+    ``jail.FILE_BYTES``, so the write fails (Python ignores SIGXFSZ: ``File too large``) or stops its process
+    instead of filling TMPDIR. (What it prints goes through a bounded pipe: ``test_hostile_grade5.py``.)"""
     from course import jail
     copy = student_copy(tmp_path)
     put(copy / "nanollm" / "attention.py", "group_scores", [
-        "import sys",
+        "import tempfile",
         "chunk = 'x' * (1 << 20)",
-        f"for _ in range({(jail.FILE_BYTES >> 20) + 44}):",
-        "    sys.stdout.write(chunk)",
-        "sys.stdout.flush()",
+        "with open(tempfile.gettempdir() + '/big', 'w') as f:",
+        f"    for _ in range({(jail.FILE_BYTES >> 20) + 44}):",
+        "        f.write(chunk)",
         "raise RuntimeError('wrote it all')"])
     results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
     if "UNCONFINED" in results["output"]:
-        pytest.skip("no room here: nothing caps the output")
+        pytest.skip("no room here: nothing caps the files")
     assert results["tests"] and all("File too large" in t["output"] or "process running your code stopped" in
                                     t["output"] for t in results["tests"]), results["tests"][0]["output"]
 

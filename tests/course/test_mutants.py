@@ -280,6 +280,7 @@ def test_command_line_errors(tmp_path, capsys):
     assert "--only must be hand or catalogue" in refused(capsys, ["cache", "--only", "both"])
     assert "--jobs must be a whole number" in refused(capsys, ["cache", "--jobs", "0"])
     assert "--per-test-s must be a positive, finite" in refused(capsys, ["cache", "--per-test-s", "nan"])
+    assert "below 0.5 s, the shortest limit" in refused(capsys, ["cache", "--per-test-s", "5e-324"])
     assert "--task needs one assignment" in refused(capsys, ["all", "--task", "mask"])
     assert "no task 'nope' in 'cache'; its tasks: append" in refused(capsys, ["cache", "--task", "nope"])
     (tmp_path / "report.txt").write_text("")
