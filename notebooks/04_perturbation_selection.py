@@ -317,11 +317,11 @@ for name, score in stage2.items():                                    # (H_kv, T
 # attention (mean over query heads) on the six digits; what they attend to is the key before them
 # ("royal-field"). Pooling moves some of the key's vote onto the digits next to it (0.007), so the pooled stage
 # 2 puts the value's first digit at rank 216 of 494 (counting from 0) in KV head 1, where the literal one puts
-# it at rank 493, the last. The first answer token's query puts 0.519 of its attention on the digits. Pooling lets a value ride
-# along with the key the window retrieved; the literal reading sees only the key. Neither ranks most digits
-# high: on this sample the observation window is a poor stand-in for the decoding query, and both stages of
-# both readings inherit that. We take the authors' code as the default, since it is what they ran, and keep
-# the literal reading as the ablation.
+# it at rank 493, the last. The first answer token's query puts 0.519 of its attention on the digits. Pooling
+# lets a value ride along with the key the window retrieved; the literal reading sees only the key. Neither
+# ranks most digits high: on this sample the observation window is a poor stand-in for the decoding query, and
+# both stages of both readings inherit that. We take the authors' code as the default, since it is what they
+# ran, and keep the literal reading as the ablation.
 
 # %% [markdown]
 # ## 4. On a real model: SmolLM2-135M

@@ -39,7 +39,8 @@ def needed(source: str) -> list[str] | None:
 def reference_cells(name: str) -> tuple[list, list]:
     """(the cells of the notebook's source, with the course's markers; the committed notebook's cells)."""
     source = ROOT / "notebooks" / f"{ASSIGNMENTS[name].notebook}.py"
-    return handout.notebook_builder().read_percent(source, page=False).cells, nbformat.read(source.with_suffix(".ipynb"), 4).cells
+    return (handout.notebook_builder().read_percent(source, page=False).cells,
+            nbformat.read(source.with_suffix(".ipynb"), 4).cells)
 
 
 def exercise(name: str, source: str) -> bool:
