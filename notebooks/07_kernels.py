@@ -1,169 +1,132 @@
 # %% [markdown]
 # # 07 Kernels: decoding is reading, so read less
 #
-# A decode step of a long-context model spends its time *loading the KV cache*, not computing with it.
-# This notebook makes that argument with numbers (the roofline), then walks through the Triton kernels in
-# `kernels/`, each next to the PyTorch reference it must match:
+# A decode step of a long-context model spends its time *loading the KV cache*, not computing with it. This
+# lesson makes that argument with numbers, then reads the Triton kernels of `kernels/`, each next to the
+# PyTorch reference it must match:
 #
-# 1. the roofline of a decode step: bytes, FLOPs, and why compression is a speed-up only when it reads
-#    fewer bytes;
-# 2. the bytes of *storing* a token: the textbook `torch.cat` append against nanollm's in-place storage,
-#    measured beside the attention;
-# 3. `decode_attention.py`: split-K ("flash-decoding") attention over a contiguous cache, and the same
-#    kernel gathering per-head selected rows (what SnapKV/AdaKV-style selections need) without a copy;
-# 4. `count_sketch.py`: KVReviver's sketch, and a fused rebuild-then-attend;
-# 5. `tensor_decode.py`: tensor attention over the four-matrix cache in tiles, with an online softmax over
-#    pairs;
-# 6. the benchmark: what `python -m fastpath.bench` measures, and what was measured on an H100.
+# 1. the roofline of a decode step: compression speeds decoding up only when it reads fewer bytes;
+# 2. the bytes of *storing* a token: a `torch.cat` append against storage that grows in place;
+# 3. split-K ("flash-decoding") attention: the online softmax by hand, Triton's programming model, the kernel,
+#    and the same kernel reading per-head selected rows without a copy;
+# 4. KVReviver's count sketch, rebuilt and attended in one kernel;
+# 5. tensor attention, in tiles;
+# 6. what the kernels reached on an H100.
 #
-# Without a GPU the kernels run in Triton's *interpreter* (`TRITON_INTERPRET=1`): the same kernel code,
-# executed block by block with NumPy, exact and very slow. That is how this notebook and the tests check
-# them on a laptop.
-#
-# **Without Triton** (macOS, or a minimal install) the notebook still runs: the roofline, every PyTorch
-# reference, the committed H100 results and the exercises need only PyTorch. The cells that launch a
-# kernel print one line saying that they skipped it, and why.
+# Without a GPU the kernels run in Triton's *interpreter* (`TRITON_INTERPRET=1`, set below): the same code,
+# run block by block with NumPy, exact and slow. Without Triton (macOS) every cell still runs; a cell that
+# would launch a kernel says it skipped it.
 
-# %%
-import os
-import sys
+# %% tags=["setup"]
+from preamble import TINY
+from torch import cuda
 
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-if not os.path.isdir("kernels") and os.path.isdir(os.path.join("..", "kernels")):
-    sys.path.insert(0, os.path.abspath(".."))      # opened from notebooks/: make the repo importable
+if not cuda.is_available():                        # no GPU: Triton runs the kernels in its interpreter, on NumPy
+    import os
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # set before the first kernel is defined
 
 import torch
 
-if not torch.cuda.is_available():                  # before any kernel is defined: run them in the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import json
-import math
-from pathlib import Path
-
-import matplotlib.pyplot as plt
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
-
 import kernels
-from kernels.decode_attention import (
-    decode_attention_triton,
-    reference_decode_attention,
-    reference_selected_decode_attention,
-    selected_decode_attention_triton,
-)
-from methods.evaluation.viz import print_mode
 
-ROOT = Path(kernels.__file__).resolve().parents[1]          # the repository (for results/)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"    # every tensor below is made on it
+DEVICE = "cuda" if cuda.is_available() else "cpu"          # every tensor below is made on it
 RUN_KERNELS = kernels.HAS_TRITON                           # the cells that launch a kernel need Triton
-
-
-def skipped(what: str) -> None:
-    """The one line a kernel cell prints instead of running without Triton."""
-    print(f"skipped: {what} (Triton is not installed: the kernels need it; the references above do not)")
-
-
-print(f"tiny mode: {TINY}; device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; "
-      f"interpreter: {kernels.interpreting()}")
-print_mode(TINY)                                   # quick mode: the text describes another run
+print(f"device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; interpreter: {kernels.interpreting()}")
 
 # %% [markdown]
 # ## 1. The roofline of a decode step
 #
+# The symbols of this lesson (those all the lessons share, and the online softmax's of section 3):
+#
+# | symbol | meaning | in the code |
+# |---|---|---|
+# | $T$ | tokens in the cache, the context of one sequence | `T`, `contexts` |
+# | $L$ | layers | `L` |
+# | $H$, $H_{kv}$ | query heads, KV heads | `H`, `H_kv` |
+# | $G = H / H_{kv}$ | query heads that read one KV head | `G` |
+# | $d$ | numbers per head | `d` |
+# | $b$ | bytes per stored number: 2 in bf16, 4 in fp32 | `b` |
+# | $q$, $k_n$, $v_n$ | one head's query, and the key and value of stored token $n$ | `q`, `k`, `v` |
+# | $x_n$ | the score of token $n$: $q \cdot k_n / \sqrt{d}$ | `s` |
+# | $m$, $m'$ | the running max of the scores, before and after a block | `m`, `m_new` |
+# | $z$, $z'$ | the running sum $\sum_n e^{x_n - m}$, before and after a block | `l` |
+# | $\tilde o$, $\tilde o'$ | the running output $\sum_n e^{x_n - m} v_n$, not yet divided by $z$ | `a` |
+# | $r$; $m_r$, $z_r$, $\tilde o_r$ | a range of tokens; its $m$, $z$, $\tilde o$ at the end of the range | `ranges` |
+# | $M$ | the largest $m_r$ | `M` |
+# | $o$ | the attention output, $\sum_n \mathrm{softmax}_n(x)\, v_n$ | `ref`, `got` |
+#
 # One new token per sequence. For each layer and KV head the step reads every cached key and value once
-# (`2 S d` numbers) and does about `4 G S d` FLOPs with them (`q.k` and `p.v` for the `G` query heads that
-# share the KV head). Its arithmetic intensity is `4 G S d / (2 S d b) = 2 G / b` FLOP per byte: 4 for
-# Llama-3-8B's groups of 4 query heads (32 query heads, 8 KV heads) in bf16 (b = 2). An H100 does about
-# 990 TFLOP/s of bf16 matrix math against about 3.35 TB/s of HBM bandwidth (its data sheet), a ridge of
-# about 300 FLOP/byte (printed below: 296): decode sits 74x below it. The time is
-# `bytes / bandwidth`, whatever the arithmetic.
+# ($2Td$ numbers) and does about $4GTd$ FLOPs with them ($q \cdot k_n$ and the weighted sum of the $v_n$, for
+# the $G$ query heads that share the KV head). Its arithmetic intensity is $4GTd / (2Tdb) = 2G/b$ FLOP per
+# byte. Llama-3-8B has groups of 4 query heads (32 query heads, 8 KV heads) and its data sheet's H100 does
+# about 990 TFLOP/s of bf16 matrix math against about 3.35 TB/s of memory bandwidth. The step's time is
+# `bytes / bandwidth`, whatever the arithmetic:
 
 # %%
-def decode_bytes(B, L, H_kv, S, d, b):
-    """K and V bytes a decode step reads, whole model."""
-    return 2 * B * L * H_kv * S * d * b
+def decode_bytes(L, H_kv, T, d, b, batch=1):
+    """K and V bytes one decode step reads: every layer, KV head and cached token of ``batch`` sequences."""
+    return 2 * batch * L * H_kv * T * d * b
 
 
 L, H, H_kv, d, b = 32, 32, 8, 128, 2               # a Llama-3-8B shape, bf16
+G = H // H_kv
 weights = 8.0e9 * b                                # ~8B parameters, read once per step
 BW = 3.35e12                                       # H100 SXM data-sheet bandwidth, bytes/s
 RIDGE = 990e12 / BW                                # FLOP per byte where compute would start to bound
+kv_32k = decode_bytes(L, H_kv, 32768, d, b)
+print(f"KV bytes per token: {decode_bytes(L, H_kv, 1, d, b) // 1024} KiB; at 32k tokens a step reads "
+      f"{kv_32k / 1e9:.2f} GB of KV cache = {kv_32k / BW * 1e3:.2f} ms at {BW / 1e12:.2f} TB/s")
+print(f"arithmetic intensity 2G/b = {2 * G / b:.0f} FLOP/byte; the H100's ridge: ~{RIDGE:.0f}, "
+      f"{RIDGE / (2 * G / b):.0f}x higher")
+print(f"at batch 1 the cache reads as many bytes as the weights ({weights / BW * 1e3:.2f} ms) at "
+      f"{weights / decode_bytes(L, H_kv, 1, d, b) / 1e3:.0f}k tokens of context")
+
+# %% [markdown]
+# Decode sits far below the ridge, the intensity at which compute would start to bound (the factor printed
+# above). Drawn against the context, with the weights for comparison:
+
+# %%
+import matplotlib.pyplot as plt
+
 contexts = [2**k for k in range(10, 18)]
-kv_ms = [decode_bytes(1, L, H_kv, S, d, b) / BW * 1e3 for S in contexts]
-w_ms = weights / BW * 1e3
-kv_32k = decode_bytes(1, L, H_kv, 32768, d, b)                  # bytes of K/V a step reads at 32k tokens
-intensity = 2 * (H // H_kv) / b
-print(f"KV bytes per token: {decode_bytes(1, L, H_kv, 1, d, b) // 1024} KiB; at 32k tokens a step reads "
-      f"{kv_32k / 1e9:.2f} GB of KV cache = {kv_32k / BW * 1e3:.2f} ms "
-      f"at {BW / 1e12:.2f} TB/s (weights: {w_ms:.2f} ms)")
-print(f"arithmetic intensity 2G/b = {intensity:.0f} FLOP/byte (the H100's ridge: ~{RIDGE:.0f}, "
-      f"{RIDGE / intensity:.0f}x higher)")
-print(f"at batch 1 the cache reads as many bytes as the weights at "
-      f"{weights / decode_bytes(1, L, H_kv, 1, d, b) / 1e3:.0f}k tokens of context")
-fig, ax = plt.subplots(figsize=(7, 3.5))
+kv_ms = [decode_bytes(L, H_kv, T, d, b) / BW * 1e3 for T in contexts]
+fig, ax = plt.subplots(figsize=(8, 3.5))
 ax.loglog(contexts, kv_ms, "o-", label="KV cache, full")
-ax.loglog(contexts, [m * 0.1 for m in kv_ms], "o--", label="KV cache, keep 10%")
-ax.axhline(w_ms, color="k", ls=":", label="weights (batch 1)")
+ax.loglog(contexts, [ms * 0.1 for ms in kv_ms], "o--", label="KV cache, keep 10%")
+ax.axhline(weights / BW * 1e3, color="k", ls=":", label="weights (batch 1)")
 ax.set(xlabel="context tokens", ylabel="ms per decode step (floor)",
-       title="bandwidth floor of a decode step, Llama-3-8B shape on an H100 (data sheet)")
-ax.legend(fontsize=8)
+       title="bandwidth floor of a decode step, Llama-3-8B shape, H100")
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
 ax.grid(True, which="both", alpha=0.3)
+plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# At batch 1 the weights dominate until the cache is as large as the model (printed above: about 122k
-# tokens); at batch B the cache is B times larger and dominates much sooner. Keeping 10% of the cache cuts
-# its floor 10x, *if* the kernel reads only the kept rows: computing full attention and masking the
-# dropped ones moves every byte and saves nothing.
+# The figure shows the least time a decode step can take at each context length: the solid line reads the
+# whole cache, the dashed one a tenth of it, and the dotted line is the weights' read. At batch 1 the
+# weights dominate until the cache is as large as the model (printed above: about 122k tokens); a batch of
+# sequences multiplies the cache and it dominates much sooner. Keeping 10% of the cache cuts its floor
+# tenfold, *if* the kernel reads only the kept rows: full attention with the dropped rows masked moves every
+# byte and saves nothing.
 
 # %% [markdown]
 # ## 2. Storing a token without copying the cache
 #
 # If a step's time is its bytes over the bandwidth, the bytes spent *storing* the new token count too. The
-# textbook way to add its entry is `k = torch.cat([k, k_new], dim=2)`. It allocates a new tensor and
-# copies the whole layer, at every token: the step reads and writes every stored byte once more on top of
-# the attention's read, and a generation of T tokens copies O(T^2) bytes in total.
+# textbook append, `k = torch.cat([k, k_new], dim=2)`, allocates a new tensor and copies the whole layer at
+# every token: the step reads and writes every stored byte once more, and a generation of $T$ tokens copies
+# $O(T^2)$ bytes. nanollm's `LayerKV` (lesson 00) writes the new entries in place into buffers that double
+# when full: $O(T)$ bytes over a whole generation.
 #
-# nanollm's `LayerKV` (`nanollm/storage.py`, the `append` task of the `cache` assignment) instead keeps
-# `k`, `v`, `pos` as views of the first T slots of larger buffers. `append` writes the new entries in place
-# after them; only when a buffer is full does it allocate one twice as large and copy once. Over a
-# generation every entry is copied about once on average: O(T) in total, nothing per step. Watch the
-# buffer's capacity as tokens arrive:
-
-# %%
-from nanollm.storage import LayerKV
-
-store = LayerKV()
-slots, capacity, moves, ptr = [], [], 0, None
-for t in range(300):
-    store.append(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), torch.tensor([t]))
-    moves += store.k.data_ptr() != ptr                 # a new buffer: the stored entries were copied
-    ptr = store.k.data_ptr()
-    slots.append(len(store))
-    capacity.append(store.capacity())
-plt.figure(figsize=(5.5, 3.2), dpi=80)
-plt.plot(slots, label="slots in use (T)")
-plt.step(range(300), capacity, where="post", label="buffer capacity")
-plt.xlabel("tokens appended")
-plt.ylabel("slots per head")
-plt.title("LayerKV: capacity doubles when full, slots grow by one")
-plt.legend()
-plt.show()
-print(f"300 appends, {moves} buffer allocations (the first one included); final capacity {store.capacity()}")
-
-# %% [markdown]
-# The buffer is reallocated only when the slots in use reach its capacity, a handful of times (printed
-# above) for 300 tokens, and each time the capacity doubles; every other append writes one row in place.
-#
-# What the copy costs, measured on this machine's CPU: one layer shaped like a model whose cache dominates
-# the bytes (8 KV heads of dimension 32, fp32), at several context lengths. Per token we time the textbook
-# `torch.cat` append, `LayerKV.append`, and the attention of one query per head over the stored entries
-# (`reference_decode_attention`, what a decode step must read anyway).
+# Measured on this machine's CPU for one layer (8 KV heads of dimension 32, fp32), the time per new token of
+# the `torch.cat` append, of `LayerKV.append`, and of the attention of one query per head over the stored
+# entries (`reference_decode_attention`: what the step reads anyway), each the median of 9 repeats:
 
 # %%
 import time
 
-COPY_CONTEXTS = [256, 1024] if TINY else [1024, 4096, 16384]   # context lengths for the append timings
+from kernels.decode_attention import reference_decode_attention
+from nanollm.storage import LayerKV
 
 
 def timed_ms(fn, repeats=9):
@@ -172,88 +135,81 @@ def timed_ms(fn, repeats=9):
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    q1, median, q3 = torch.tensor(times).quantile(torch.tensor([0.25, 0.5, 0.75]), interpolation="midpoint")
-    return 1e3 * median.item(), 1e3 * q1.item(), 1e3 * q3.item()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return tuple(torch.tensor(times).quantile(torch.tensor([0.5, 0.25, 0.75]), interpolation="midpoint").tolist())
 
 
-threads = torch.get_num_threads()
-torch.set_num_threads(1)                                       # one thread: steadier timings on a shared machine
+COPY_CONTEXTS = [256, 1024] if TINY else [1024, 4096, 16384]   # tokens stored
 rows = []
 for T in COPY_CONTEXTS:
-    k_, v_ = torch.randn(1, 8, T, 32), torch.randn(1, 8, T, 32)          # (B, H_kv, T, d)
+    k_, v_ = torch.randn(1, 8, T, 32), torch.randn(1, 8, T, 32)          # (1, H_kv, T, d)
     new_k, new_v = torch.randn(1, 8, 1, 32), torch.randn(1, 8, 1, 32)
     store = LayerKV()
     store.append(k_, v_, torch.arange(T))
-    q_ = torch.randn(1, 8, 32)                                           # (B, H, d)
-    cat_ms = timed_ms(lambda: (torch.cat([k_, new_k], dim=2), torch.cat([v_, new_v], dim=2)))
-    append_ms = timed_ms(lambda: store.append(new_k, new_v, torch.tensor([len(store)])))
-    attend_ms = timed_ms(lambda: reference_decode_attention(q_, store.k, store.v))
-    rows.append((T, cat_ms, append_ms, attend_ms))
-torch.set_num_threads(threads)
+    q_ = torch.randn(1, 8, 32)                                           # (1, H, d)
+    rows.append((T, timed_ms(lambda: (torch.cat([k_, new_k], dim=2), torch.cat([v_, new_v], dim=2))),
+                 timed_ms(lambda: store.append(new_k, new_v, torch.tensor([len(store)]))),
+                 timed_ms(lambda: reference_decode_attention(q_, store.k, store.v))))
 
-fig, ax = plt.subplots(figsize=(6.5, 3.6), dpi=80)
-for j, name in enumerate(["torch.cat append (copies the layer)", "in-place append (LayerKV)",
-                          "attention over the entries"]):
+# %%
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+fig, ax = plt.subplots(figsize=(8, 3.6))
+for j, name in enumerate(["torch.cat append", "in-place append (LayerKV)", "attention over the entries"]):
     ax.plot(COPY_CONTEXTS, [r[j + 1][0] for r in rows], "os^"[j] + "-", label=name)
     ax.fill_between(COPY_CONTEXTS, [r[j + 1][1] for r in rows], [r[j + 1][2] for r in rows], alpha=0.2)
 ax.set_xscale("log", base=2)
+ax.set_xticks(COPY_CONTEXTS, [str(T) for T in COPY_CONTEXTS])
 ax.set_yscale("log")
-ax.xaxis.set_major_locator(FixedLocator(COPY_CONTEXTS))
-ax.yaxis.set_major_locator(FixedLocator([0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30]))
-for axis in (ax.xaxis, ax.yaxis):
-    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.set_minor_formatter(NullFormatter())
-ax.set(xlabel="tokens stored (T)", ylabel="ms per new token (median, quartile band)",
+ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+ax.yaxis.set_minor_formatter(NullFormatter())
+ax.set(xlabel="tokens stored (T)", ylabel="ms per new token",
        title="storing one token vs reading the cache, one layer, CPU")
-ax.legend(loc="upper left", fontsize=8)
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+plt.tight_layout()
 plt.show()
-T, (cat_ms, *_), (append_ms, *_), (attend_ms, *_) = rows[-1]
-print(f"at {T} tokens: torch.cat append {cat_ms / attend_ms:.1f}x the attention's time, in-place append "
-      f"{attend_ms / append_ms:.0f}x less than the attention; torch.cat / attention over all lengths: "
-      f"{', '.join(f'{cat[0] / att[0]:.1f}x' for _, cat, _, att in rows)}")
+print("torch.cat append / attention, by tokens stored: "
+      + ", ".join(f"{T}: {cat[0] / att[0]:.1f}x" for T, cat, _, att in rows)
+      + f"; in-place append at {rows[-1][0]}: {rows[-1][3][0] / rows[-1][2][0]:.0f}x less than the attention")
 
 # %% [markdown]
-# The in-place append stays flat at every length, while the `torch.cat` append grows with the context
-# like the attention does and, at the longest context, costs more than the attention itself (the ratios
-# printed above). The copy reads *and writes* every stored byte, twice the bytes the attention reads, and
-# allocates a new tensor each time; a large one may also cost fresh memory from the operating system. On
-# the machine that built this notebook (two cores shared with other work) the ratio moves a lot from run
-# to run, so read it as "at least the order of the attention", not as a fixed factor. With it, a decode
-# step at least doubles its memory traffic, and a method that keeps a tenth of the tokens would look
-# *better* than it is, because its small cache is also cheap to copy. (`python -m methods.evaluation.bench`
-# measures whole decode steps: bytes read per step, the achieved GB/s against the machine's measured
-# bandwidth, and the speedup of each compression method over the full cache.)
+# The figure shows the time per new token of each way to store it, and of the attention it feeds, as the cache
+# grows: each line is the median of the repeats, its shaded band their first to third quartile. The in-place
+# append stays flat; the `torch.cat` append grows with the context as the attention does and, at the longer
+# contexts, costs about as much or more (the ratios printed under the figure, which move from run to run on a
+# shared machine): it reads *and writes* every stored byte. With it, a step at least doubles its memory
+# traffic, and a method that keeps a tenth of the tokens looks *better* than it is, its small cache being
+# cheap to copy.
 
 # %% [markdown]
 # ## 3. Decode attention, split along the sequence
 #
-# `decode_attention_triton(q, k, v)`: one program per (sequence, KV head, range of tokens). Each program
-# loads its group's G query heads once and walks its range in blocks of `BLOCK_N` tokens. It never holds
-# a whole row of scores: an **online softmax** keeps a running max $m$, a running sum $\ell$ and an output
-# accumulator $a$, and for each block of scores $s_n$ (keys $k_n$, values $v_n$) updates them
-# (FlashAttention, §3.1, Algorithm 1):
+# `decode_attention_triton(q, k, v)` cuts a decode step's attention into independent pieces, one per
+# (sequence, KV head, range of tokens); Triton runs them in parallel (section 3.1). Each piece loads its
+# group's $G$ query heads once and walks its range in blocks of tokens. It never holds a whole row of
+# scores: an **online softmax** keeps a running max $m$, a running sum $z$ and a running output $\tilde o$,
+# and for each block of scores $x_n$ (with their values $v_n$) updates them (FlashAttention, §3.1,
+# Algorithm 1):
 #
-# $$m' = \max\big(m, \max_n s_n\big), \qquad \ell' = e^{m - m'}\,\ell + \sum_n e^{s_n - m'}, \qquad
-# a' = e^{m - m'}\,a + \sum_n e^{s_n - m'}\,v_n$$
+# $$m' = \max\big(m, \max_n x_n\big), \qquad z' = e^{m - m'}\,z + \sum_n e^{x_n - m'}, \qquad
+# \tilde o' = e^{m - m'}\,\tilde o + \sum_n e^{x_n - m'}\,v_n$$
 #
-# Each range ends with its own $(m_r, \ell_r, a_r)$; a small reduction (`merge_splits`) **merges** the
-# ranges exactly, rescaling each to the largest max $M$:
-#
-# $$M = \max_r m_r, \qquad \text{out} = \frac{\sum_r e^{m_r - M}\,a_r}{\sum_r e^{m_r - M}\,\ell_r}$$
-#
-# Below, both by hand (no Triton needed), checked against the plain softmax of the reference; then the
-# kernel's own loop, printed from `kernels/decode_attention.py`.
+# The factor $e^{m - m'}$ rescales what was summed under the old max to the new one, so at the end of the
+# tokens $o = \tilde o / z$, the softmax-weighted sum exactly. First the update by hand on a toy cache of 50
+# tokens (no Triton needed), checked against the plain softmax of the reference:
 
 # %%
+import math
+
 g = torch.Generator().manual_seed(0)
-B_, H_, Hkv_, S_, d_ = 1, 4, 2, 50, 16
-q = torch.randn(B_, H_, d_, generator=g).to(DEVICE)
-k = torch.randn(B_, Hkv_, S_, d_, generator=g).to(DEVICE)
-v = torch.randn(B_, Hkv_, S_, d_, generator=g).to(DEVICE)
-ref = reference_decode_attention(q, k, v)                        # (B, H, d): softmax over all 50 tokens
+H_, Hkv_, T_, d_ = 4, 2, 50, 16                                  # a toy cache: 2 KV heads, G = 2
+G_ = H_ // Hkv_
+q = torch.randn(1, H_, d_, generator=g).to(DEVICE)               # (1, H, d): the new token's queries
+k = torch.randn(1, Hkv_, T_, d_, generator=g).to(DEVICE)         # (1, H_kv, T, d)
+v = torch.randn(1, Hkv_, T_, d_, generator=g).to(DEVICE)
+ref = reference_decode_attention(q, k, v)                        # (1, H, d): softmax over all 50 tokens
 
-
+# %%
 # BEGIN SOLUTION [kernels:online_softmax] FlashAttention §3.1: per block, the new max; rescale l and a by exp(m - m')
 def online_softmax(q, k, v, block):
     """One range: q (G, d), already scaled; k, v (n, d) in blocks of ``block`` -> m (G,), l (G,), a (G, d)."""
@@ -270,6 +226,20 @@ def online_softmax(q, k, v, block):
 # END SOLUTION
 
 
+qh = q[0, :G_] / math.sqrt(d_)                                   # KV head 0's query heads, scaled
+m, l, a = online_softmax(qh, k[0, 0], v[0, 0], block=8)          # all 50 tokens, in blocks of 8
+got = a / l[:, None]                                             # o = (running output) / (running sum)
+assert torch.allclose(got, ref[0, :G_], rtol=1e-5, atol=1e-6), f"off by {(got - ref[0, :G_]).abs().max():.1e}"
+print("online softmax over blocks of 8, divided by the running sum at the end == softmax over all 50 tokens")
+
+# %% [markdown]
+# The kernel also splits the tokens of one KV head into ranges, so that a long cache keeps every core of the
+# GPU busy even at batch 1. Each range $r$ ends with its own $(m_r, z_r, \tilde o_r)$, and a small reduction
+# (`merge_splits`) **merges** them exactly, rescaling each to the largest max $M$:
+#
+# $$M = \max_r m_r, \qquad o = \frac{\sum_r e^{m_r - M}\,\tilde o_r}{\sum_r e^{m_r - M}\,z_r}$$
+
+# %%
 # BEGIN SOLUTION [kernels:merge_splits] FlashAttention §3.1: weigh each range by exp(m_r - M), then divide the sums
 def merge(ranges):
     """[(m, l, a)] of the ranges -> out (G, d)."""
@@ -279,34 +249,64 @@ def merge(ranges):
 # END SOLUTION
 
 
-G_ = H_ // Hkv_
 for h in range(Hkv_):                                            # each KV head with its group of query heads
     qh = q[0, h * G_:(h + 1) * G_] / math.sqrt(d_)
     ranges = [online_softmax(qh, k[0, h, lo:hi], v[0, h, lo:hi], block=8) for lo, hi in ((0, 25), (25, 50))]
     got, want = merge(ranges), ref[0, h * G_:(h + 1) * G_]
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), f"KV head {h}: off by {(got - want).abs().max():.1e}"
-print("online softmax over blocks of 8, two ranges merged by hand == softmax over all 50 tokens, for each head")
+print("two ranges of 25 tokens, merged by hand == softmax over all 50 tokens, for each KV head")
 
 # %% [markdown]
-# The kernel runs the same update, with `tl.` operations on blocks loaded from the cache. Its loop, as the
-# file has it (`m_safe` guards a range with no valid token yet, where $e^{m - m'}$ would be $e^{-\infty +
-# \infty}$; both products of a block are `tl.dot`s, the G query heads padded to the 16 rows a tensor-core
-# tile needs: wasted arithmetic the step can afford, since loading K and V bounds it). In a student copy of
-# the `kernels` assignment this cell comes without its output: run, it prints your own kernel.
+# ### 3.1 Triton's programming model
+#
+# A Triton kernel is a Python function under `@triton.jit`, launched on a *grid*: `kernel[(n0, n1)](...)`
+# starts one *program* per point of the grid, all running the same code at once. The decode kernel's grid is
+# (sequences x KV heads, ranges), and nothing in it loops over heads or ranges: the grid does. A program
+# learns which point it is from `tl.program_id(axis)`.
+#
+# A program works on whole *blocks*. `tl.arange(0, BLOCK_N)` is a vector of offsets; a pointer plus offsets,
+# like `k_ptr + rows[:, None] * stride_ks + dim[None, :]`, is a block of addresses (here a `BLOCK_N x D` tile of
+# keys, `stride_ks` the distance between two tokens' rows); `tl.load` reads the whole block at once and
+# `tl.store` writes one. The last block of a range may run past its end, so both take a `mask`: entries where it
+# is false are not read (they get `other`) or not written. Block sizes are `tl.constexpr` arguments, fixed
+# when the kernel is compiled (once per value), since they set the tiles' shapes; `tl.arange` wants a power
+# of two. On the tiles, `tl.dot`, `tl.max`, `tl.sum` and `tl.exp` work in registers.
+#
+# The kernel, as `kernels/decode_attention.py` has it (its comment-only lines left out):
 
 # %%
-source = (ROOT / "kernels" / "decode_attention.py").read_text().splitlines()
-first = source.index("    def _decode_split_kernel(") - 1                 # the @triton.jit line above it
-loop = next(i for i in range(first, len(source)) if source[i].strip().startswith("for first in range("))
-end = next(i for i in range(loop, len(source)) if source[i].strip().startswith("out = "))
-shown = source[first:first + 2] + ["        ..."] + source[loop - 5:end]
-print("\n".join(line for line in shown if "SOLUTION" not in line))      # the course's markers left out
+from pathlib import Path
+
+
+def jit_function_source(path, name):
+    """The text of the ``@triton.jit`` function ``name`` in the file ``path``, without its comment-only lines."""
+    lines = Path(path).read_text().splitlines()
+    start = lines.index(f"    def {name}(") - 1                         # the @triton.jit line above it
+    end = next(i for i in range(start + 2, len(lines)) if lines[i] and not lines[i].startswith(" "))
+    return "\n".join(line for line in lines[start:end] if not line.lstrip().startswith("#")).rstrip()
+
+
+print(jit_function_source(Path(kernels.__file__).parent / "decode_attention.py", "_decode_split_kernel"))
 
 # %% [markdown]
-# Then the kernel itself against the reference, with one, two and four ranges per KV head (`merge_splits`
-# reduces them):
+# Read it in three parts. `program_id` picks the (sequence, KV head) and the range; the queries of the group
+# are loaded once, padded to `G_PAD` rows with a mask. The loop is the update of section 3 on blocks of
+# `BLOCK_N` tokens; `m_safe` guards a range with no valid token yet, where $e^{m - m'}$ would be
+# $e^{-\infty + \infty}$, and both products of a block are `tl.dot`s, the $G$ query heads padded to the 16 rows
+# a tensor-core tile needs (wasted arithmetic the step can afford, since loading K and V bounds it). Last,
+# `tl.store` writes the range's $m$, $z$, $\tilde o$ for `merge_splits`. Run against the reference, with one,
+# two and four ranges per KV head (neither the ranges nor `block_n` may change the output beyond rounding:
+# they only change the order of the sums):
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
+from kernels.decode_attention import decode_attention_triton
+
+
+def skipped(what: str) -> None:
+    """The one line a kernel cell prints instead of running without Triton."""
+    print(f"skipped: {what} (Triton is not installed: the kernels need it; the references above do not)")
+
+
 if RUN_KERNELS:
     for splits in (1, 2, 4):
         out = decode_attention_triton(q, k, v, block_n=16, splits=splits)
@@ -315,19 +315,20 @@ else:
     skipped("decode_attention_triton with 1, 2 and 4 ranges against the reference")
 
 # %% [markdown]
-# ### 3.1 Selected rows
+# ### 3.2 Selected rows
 #
-# A method that keeps a different set of tokens per head (SnapKV, AdaKV) can either copy the kept rows
-# into a compact cache, or give the kernel the indices: `selected_decode_attention_triton` loads
-# `idx[b, h, n]` and then row `idx[...]` of K and V, inside the kernel; `-1` entries are padding (AdaKV's
-# ragged budgets). Bytes read: the kept rows plus 4 bytes of index per row. The reference gathers first;
-# below it is checked against attending, head by head, over the kept rows copied out by hand.
+# A method that keeps a different set of tokens per head (SnapKV, AdaKV) can either copy the kept rows into a
+# compact cache, or give the kernel the indices: `selected_decode_attention_triton` loads `idx[b, h, n]` and
+# then row `idx[...]` of K and V, inside the kernel (the `GATHER` branch above); `-1` entries are padding
+# (AdaKV's ragged budgets). Bytes read: the kept rows plus 4 bytes of index per row. The reference gathers
+# first; below it is checked against attending, head by head, over the kept rows copied out by hand.
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
-idx = torch.stack([torch.randperm(S_, generator=g)[:12] for _ in range(Hkv_)])[None].to(DEVICE)  # (1, H_kv, 12)
+from kernels.decode_attention import reference_selected_decode_attention, selected_decode_attention_triton
+
+idx = torch.stack([torch.randperm(T_, generator=g)[:12] for _ in range(Hkv_)])[None].to(DEVICE)  # (1, H_kv, 12)
 idx[0, 1, 8:] = -1                                                                     # a shorter head
 sel_ref = reference_selected_decode_attention(q, k, v, idx)
-G_ = H_ // Hkv_
 by_hand = torch.cat([reference_decode_attention(q[:, h * G_:(h + 1) * G_],          # the group's query heads
                                                 k[:, h:h + 1, idx[0, h][idx[0, h] >= 0]],
                                                 v[:, h:h + 1, idx[0, h][idx[0, h] >= 0]])
@@ -342,30 +343,21 @@ else:
 # %% [markdown]
 # ## 4. The count sketch (KVReviver)
 #
-# KVReviver (`methods/kvreviver.py`) sums evicted tokens into a count sketch: cells `key`, `value` of
-# shape (r, b, H_kv, d); token J lands in cell `h_i(J)` of every row i (values with a sign `g_i(J)`), and is
-# rebuilt as the element-wise median over the rows. Three kernels in `kernels/count_sketch.py`:
-#
-# * **insert**: one program per block of tokens adds them into their cells with atomic adds, so two tokens
-#   that share a cell in the same batch both count;
-# * **query**: gathers the r cells of each token and takes the median in registers;
-# * **fused decode**: attention over raw tokens *and* sketch tokens, rebuilding each sketch token's key and
-#   value in registers as it streams past: the rebuilt cache is never written. The PyTorch path writes
-#   all of it (n tokens x H_kv x d, keys and values) before attending.
+# KVReviver (lesson 06) sums evicted tokens into a count sketch: cells `key`, `value` of shape
+# `(rows, width, H_kv, d)`; a token lands in one cell of every row (its value with a sign) and is rebuilt as
+# the element-wise median over the rows. `kernels/count_sketch.py` has three kernels: **insert** (one program
+# per block of tokens, atomic adds, so two tokens that share a cell both count), **query** (each token's
+# cells gathered and their median taken in registers), and a **fused decode** that attends over raw and
+# sketch tokens, rebuilding each sketch token's key and value in registers as it streams past: the rebuilt
+# cache is never written, where the PyTorch path writes all of it before attending.
 #
 # Below, a sketch filled by the method's own class, queried through the reference and the kernels:
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
-from kernels.count_sketch import (
-    reference_sketch_decode_attention,
-    reference_sketch_query,
-    sketch_decode_attention_triton,
-    sketch_query_triton,
-)
+from kernels.count_sketch import reference_sketch_decode_attention, reference_sketch_query
 from methods.kvreviver import VagueSketch
 
-r = 3                                                     # sketch rows; Hkv_ = 2 KV heads of d_ = 16, as above
-sketch = VagueSketch(rows=r, width=5, n_kv_head=Hkv_, head_dim=d_, seed=0, device=DEVICE)
+sketch = VagueSketch(rows=3, width=5, n_kv_head=Hkv_, head_dim=d_, seed=0, device=DEVICE)   # 3 rows of 5 cells
 pos = torch.arange(20, device=DEVICE)
 k_tok, v_tok = (torch.randn(20, Hkv_, d_, generator=g).to(DEVICE) for _ in range(2))
 sketch.insert(pos, k_tok, v_tok)                          # 20 tokens in 5 cells per row: collisions
@@ -375,10 +367,18 @@ k_def, v_def = reference_sketch_query(sketch.key, sketch.value, cells, signs)
 print(f"reference_sketch_query vs VagueSketch.query: max diff {(k_def - k_ref).abs().max():.1e} (keys), "
       f"{(v_def - v_ref).abs().max():.1e} (values); the sketch's own error on values: "
       f"{(v_ref - v_tok).abs().mean():.2f} mean |v^ - v| (5 cells for 20 tokens)")
-q1 = torch.randn(4, d_, generator=g).to(DEVICE)           # 4 query heads, GQA group 2
+q1 = torch.randn(4, d_, generator=g).to(DEVICE)           # 4 query heads, G = 2
 k_raw, v_raw = (torch.randn(Hkv_, 7, d_, generator=g).to(DEVICE) for _ in range(2))
 unfused = reference_sketch_decode_attention(q1, k_raw, v_raw, sketch.key, sketch.value, cells, signs, d_ ** -0.5)
 print(f"rebuild in PyTorch then attend: output {tuple(unfused.shape)} over 7 raw + 20 sketch tokens per KV head")
+
+# %% [markdown]
+# The two kernels against these references: the query kernel against the class's own query, and the fused
+# rebuild-then-attend against rebuilding in PyTorch first.
+
+# %% tags=["needs:online_softmax", "needs:merge_splits"]
+from kernels.count_sketch import sketch_decode_attention_triton, sketch_query_triton
+
 if RUN_KERNELS:
     k_hat, v_hat = sketch_query_triton(sketch.key, sketch.value, cells, signs)
     print(f"query kernel vs VagueSketch.query: max diff {(k_hat - k_ref).abs().max():.1e} (keys), "
@@ -389,23 +389,21 @@ else:
     skipped("sketch_query_triton and the fused sketch_decode_attention_triton against their references")
 
 # %% [markdown]
-# What fusing saves: the PyTorch path writes the rebuilt keys and values (2 n d numbers per KV head) and
-# reads them back; the fused kernel reads the cells and writes nothing. What it does not save: each
-# rebuilt token still gathers 2r cells (r = 3 rows, for its key and its value), in fp32, where a raw token
-# is one bf16 key and one bf16 value: $2r \times 4 / (2 \times 2) = 6$ times the bytes. So rebuilding a token costs
-# *more* than attending to a raw one. On the H100 (section 6) the fused decode was 10.3x faster than the
-# unfused PyTorch path, and yet ran at 0.19x the speed of dense decode over all tokens: the sketch saves
-# memory, not time.
+# What fusing saves: the rebuilt keys and values, written and read back by the PyTorch path. What it does
+# not: a rebuilt token gathers one fp32 cell per row for its key and one for its value, $2 \times 3 \times 4 = 24$
+# bytes a number with 3 rows, where a raw bf16 key and value take $2 \times 2 = 4$: six times the bytes. On the H100
+# (section 6) the fused decode was 10.3x faster than the unfused PyTorch path, yet 0.19x the speed of dense
+# decode over all tokens: the sketch saves memory, not time.
 
 # %% [markdown]
 # ## 5. Tensor attention over the four-matrix cache
 #
-# The factored decode step of `methods/tensor_attention/attention.py` still writes an i x i score matrix per head.
-# `kernels/tensor_decode.py` never does: each program takes a tile of BLOCK_A rows of K1, V1 and streams
-# every tile of BLOCK_B rows of K2, V2 past it, computing the tile's scores `(q * K1_a) @ K2_b^T` with one
-# `tl.dot`, folding them into one running max, one running sum and one output accumulator for *all* pairs
-# (the online softmax, over pairs instead of tokens), and adding `sum_a V1[a] * (p @ V2_b)[a]`. Programs
-# split the a axis; a tiny second kernel merges their partials.
+# The factored decode step of lesson 03 (`methods/tensor_attention/attention.py`) still writes an `i x i`
+# score matrix per head. `kernels/tensor_decode.py` never does: each program takes a tile of `BLOCK_A` rows
+# of `K1`, `V1` and streams every tile of `BLOCK_B` rows of `K2`, `V2` past it, scoring the tile's pairs
+# `(q * K1_a) @ K2_b^T` with one `tl.dot` and folding them into one running max, sum and output for *all*
+# pairs: section 3's online softmax, over pairs instead of tokens. Programs split the `a` axis; a tiny second
+# kernel merges their partials.
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
 from kernels.tensor_decode import peak_memory_bytes, reference_tensor_decode, tensor_decode_triton
@@ -433,18 +431,20 @@ for n in (256, 1024, 4096):
 # ## 6. The benchmark
 #
 # `python -m fastpath.bench --json results/kernels_bench.json` times, side by side in one run, each kernel,
-# its PyTorch reference and (for dense decode) `scaled_dot_product_attention`, with the bytes each step must
-# move, the achieved GB/s and its fraction of a device-to-device copy measured in the same run. On a GPU it
-# checks the targets below and prints met / NOT met.
+# its PyTorch reference and (for dense decode) `scaled_dot_product_attention` (SDPA), with the bytes each step
+# must move, the achieved GB/s, and its fraction of a device-to-device copy measured in the same run. On a GPU
+# it checks the targets below and prints met / NOT met.
 #
 # ### 6.1 What was measured on an H100
 #
 # The committed run, `results/kernels_bench_h100.json` (one H100, bf16), read here; no GPU or Triton needed:
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
-h100 = json.loads((ROOT / "results" / "kernels_bench_h100.json").read_text())
+import json
+
+h100 = json.loads((Path(kernels.__file__).parents[1] / "results" / "kernels_bench_h100.json").read_text())
 impls = ["reference", "sdpa", "materialising", "factored_reference", "triton"]
-fig, ax = plt.subplots(figsize=(10, 3.6))
+fig, ax = plt.subplots(figsize=(10, 3.8))
 width = 0.8 / len(impls)
 for j, impl in enumerate(impls):
     xs = [i for i, r in enumerate(h100["rows"]) if impl in r["GB/s"]]
@@ -453,10 +453,11 @@ for j, impl in enumerate(impls):
 ax.axhline(h100["copy_bandwidth"] / 1e9, color="k", ls=":", label="device copy (same run)")
 ax.set_yscale("log")
 ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-ax.set_xticks(range(len(h100["rows"])), [r["case"].replace(" S=", "\nS=") for r in h100["rows"]], fontsize=8)
+cases = [r["case"].replace(" B=", "\nB=").replace(" S=", "\nS=") for r in h100["rows"]]      # one item a line
+ax.set_xticks(range(len(cases)), cases, fontsize=9)
 ax.set(xlabel="benchmark case", ylabel="achieved GB/s (log)",
        title="kernels vs PyTorch references: the committed H100 run, bf16")
-ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))       # beside the bars, not over them
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))       # beside the bars, not over them
 plt.tight_layout()
 plt.show()
 print(f"device: {h100['device']} (H100), dtype {h100['dtype']}, "
@@ -467,33 +468,25 @@ dense_1x = next(r for r in h100["rows"] if r["case"] == "dense B=1 S=131072")
 print(f"dense 1 x 128k exactly: the kernel at {dense_1x['ms']['sdpa'] / dense_1x['ms']['triton']:.3f}x SDPA's speed")
 
 # %% [markdown]
-# On the dense cases the Triton kernel reads about as fast as SDPA and the device's own copy, far above the
-# PyTorch reference; on the sketch and tensor cases every bar is far below the copy line, because those
-# steps are not a plain read of the cache. The targets printed under the figure, one by one:
+# The figure shows the memory bandwidth each implementation reached in each case, one colour per
+# implementation (the legend), against the dotted line of a plain device-to-device copy. On the dense cases
+# the Triton kernel reads about as fast as SDPA and the copy, far above the PyTorch reference; the sketch and
+# tensor steps are not a plain read of the cache, and stay far below the line. The targets:
 #
-# * **dense split decode** reads at 98% of the copy bandwidth at 8 x 32k (target 75%: met). At 1 x 128k it
-#   is at 1.00x SDPA's speed when rounded, 0.995x exactly: a tie in practice, but the target "not slower
-#   than SDPA" is NOT met by the letter, and the JSON says so.
-# * **selected-index decode** at keep 0.1 of 32k: 8.0x faster than the full-cache kernel, and 1.04x the
-#   time of the same kernel over a compacted cache of the same rows (both met): gathering in the kernel
-#   costs almost nothing over copying first.
-# * **fused sketch decode** at a budget of a quarter of the tokens: 10.3x faster than the unfused PyTorch
-#   path (met), but 0.19x the speed of dense decode over all tokens (NOT met): section 4's six times the
-#   bytes per rebuilt token.
-# * **factored tensor decode** at i = 1024: 182x faster and 31790x less peak memory than materialising
-#   (met). Its GB/s are low because it is not bandwidth-bound: it does i^2 d work per head on i d bytes.
-#
-# The sketch and tensor inputs fit in the H100's L2 cache (50 MB in its data sheet), so their GB/s are not
-# HBM bandwidth (`fastpath/bench.py`'s docstring). What lets the decode kernel read near the bandwidth: both
-# of its products go through `tl.dot` (the group's query heads padded to 16 rows, so the tensor cores take
-# them), and its split merge is one launch; a kernel that multiplies with broadcasts and sums in registers
-# leaves the tensor cores idle and reads at a fraction of it.
+# * **dense**: 98% of the copy bandwidth at 8 x 32k (met); at 1 x 128k 1.00x SDPA's speed when rounded, 0.995x
+#   exactly: a tie in practice, but "not slower than SDPA" is NOT met by the letter.
+# * **selected rows** at keep 0.1 of 32k: 8.0x faster than the full cache, and 1.04x the time of the same
+#   kernel over a compacted copy of the rows (both met): gathering in the kernel costs almost nothing.
+# * **fused sketch**: 10.3x faster than the unfused PyTorch path (met), but 0.19x the speed of dense decode
+#   (NOT met): section 4's six times the bytes per rebuilt token.
+# * **factored tensor decode** at i = 1024: 182x faster and 31790x less peak memory than materialising (met);
+#   it does $i^2 d$ work on $i d$ bytes, so its GB/s say little. (The sketch and tensor inputs also fit in the
+#   H100's 50 MB L2 cache, per its data sheet.)
 #
 # ### 6.2 On this machine
 #
-# What the benchmark does on the machine running this notebook: on a CPU it times the references only
-# (the kernels run only in the interpreter, which is for correctness, not speed), so its numbers are the
-# CPU side of the roofline argument; on a GPU with Triton it times the kernels too.
+# On a CPU the benchmark times the references only (the interpreter is for correctness, not speed), the CPU
+# side of the roofline argument; on a GPU with Triton it times the kernels too.
 
 # %%
 from fastpath import bench
@@ -506,15 +499,17 @@ else:
 # %% [markdown]
 # ## Exercises
 #
-# The exercises read the committed H100 run (`h100`, section 6.1) and the roofline's numbers (section 1);
-# none needs a GPU or Triton. Each code cell checks your answer against an independent computation.
+# The exercises read the committed H100 run (`h100`, section 6.1) and the roofline of section 1; none needs
+# a GPU or Triton. Write your answer in a new cell; the collapsed cell under each exercise holds one, with a
+# check against an independent computation.
 #
 # ### Exercise 1: the bytes of a dense decode step
 #
-# The case `dense B=8 S=32768` is one layer of a Llama-3-8B decode step: B = 8 sequences of S = 32768
-# tokens, 32 query heads, 8 KV heads of dimension 128, bf16. The bench counts what the step must move at
-# least: K and V read once, the queries read once, the output written once. Compute that count from the
-# shape, then the kernel's achieved GB/s from its time in milliseconds.
+# The case `dense B=8 S=32768` is one layer of a Llama-3-8B decode step: 8 sequences of 32768 tokens, 32
+# query heads, 8 KV heads of dimension 128, bf16. The benchmark counts what the step must move at least: K
+# and V read once, the queries read once, the output written once. Compute that count from the shape, then
+# the kernel's achieved GB/s from its time in milliseconds, `["ms"]["triton"]` of the case's row in
+# `h100["rows"]` (`ex1_bytes`, `ex1_gbs`).
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
 dense = next(row for row in h100["rows"] if row["case"] == "dense B=8 S=32768")
@@ -531,10 +526,10 @@ print(f"{ex1_bytes:,} bytes in {dense['ms']['triton']:.3f} ms = {ex1_gbs:.0f} GB
 # %% [markdown]
 # ### Exercise 2: what selected-index decode must read
 #
-# The case `selected keep 0.1 B=8 S=32768` keeps K = 3276 rows per (sequence, KV head) and gives the kernel
-# their indices as int32. Count the bytes it must move (kept keys and values, indices, queries, output), and
-# the ratio of the dense case's bytes to it: the speed-up the roofline promises. Compare it with the
-# measured 8.0x (`h100["targets"]`).
+# The case `selected keep 0.1 B=8 S=32768` keeps 3276 rows per (sequence, KV head) and gives the kernel their
+# indices as int32. Count the bytes it must move (kept keys and values, indices, queries, output), and the
+# ratio of the dense case's bytes to it (`ex2_bytes`, `ex2_promise`): the speed-up the roofline promises.
+# Compare it with the measured 8.0x (`h100["targets"]`).
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
 sel = next(row for row in h100["rows"] if row["case"].startswith("selected"))
@@ -551,27 +546,20 @@ print(f"roofline promise {ex2_promise:.1f}x; measured {h100['targets']['selected
 # ### Exercise 3: where the cache overtakes the weights
 #
 # Section 1 found that at batch 1 the KV cache of the Llama-3-8B shape reads as many bytes as the weights
-# (`weights`, 16 GB in bf16) at about 122k tokens. At batch 8, from how many tokens of context per sequence
-# does the cache read more bytes than the weights? Give a whole number of tokens.
+# (`weights`, 16 GB in bf16) at about 122k tokens. At a batch of 8 sequences, from how many tokens of context
+# per sequence does the cache read more bytes than the weights? Give a whole number of tokens (`ex3_tokens`).
 
 # %%
 # BEGIN SOLUTION [kernels] the smallest S with 2 x 8 x 32 layers x 8 KV heads x S x 128 x 2 bytes > weights
 ex3_tokens = math.floor(weights / (2 * 8 * 32 * 8 * 128 * 2)) + 1
 # END SOLUTION
-llama_8 = lambda S: decode_bytes(8, 32, 8, S, 128, 2)       # noqa: E731  (batch 8, the Llama-3-8B shape, bf16)
+llama_8 = lambda T: decode_bytes(32, 8, T, 128, 2, batch=8)       # noqa: E731  (8 sequences, Llama-3-8B, bf16)
 assert llama_8(ex3_tokens) > weights >= llama_8(ex3_tokens - 1), \
     f"at {ex3_tokens} tokens the cache reads {llama_8(ex3_tokens) / 1e9:.2f} GB against " \
-    f"{weights / 1e9:.0f} GB of weights: look for the first S where it is larger (decode_bytes, section 1)"
+    f"{weights / 1e9:.0f} GB of weights: look for the first T where it is larger (decode_bytes, section 1)"
 print(f"batch 8: the cache outweighs the weights from {ex3_tokens:,} tokens per sequence")
 
-# %% [markdown]
-# ### Exercise 4: a kernel on a GPU (open)
-#
-# On a machine with an NVIDIA GPU (sm_80 or newer) and Triton, run `python -m fastpath.bench` and compare
-# its table with section 6.1. Which targets does your GPU meet? Then change `block_n` in section 3's kernel
-# call (16, 32, 64) in the interpreter: does the answer change, and why must it not?
-
 # %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
+from methods.evaluation.viz import print_run_time  # the whole lesson, from its first cell
 
 print_run_time()
