@@ -1,71 +1,38 @@
 # %% [markdown]
 # # 01 Baselines: four ways to choose what a KV cache keeps
 #
-# Every results table in this project compares a method against the full cache and against four
-# baselines: **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**. They are the four simplest answers to
-# the question every KV-cache method answers: with room for `budget` entries per layer and KV head,
-# which tokens stay?
+# A compressed KV cache has room for a fixed number of entries per layer and KV head, the *budget*, and must
+# choose which tokens stay. Four simple rules answer that question, and every later method in this course is
+# compared against them: **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**.
 #
 # **You will learn**
 #
-# 1. what each baseline keeps of one small attention matrix, in a picture;
+# 1. what each rule keeps of one small attention matrix, in a picture;
 # 2. each rule written from its paper in a few lines, checked against the library;
 # 3. how often each answers on real passages with a real model, SmolLM2-135M.
 #
-# The metrics of the results tables (acc, KL, pert, lost, ...) are defined in the glossary, this notebook's
-# appendix, which the later notebooks link to. Code: `methods/streaming_llm.py`, `methods/h2o.py`,
-# `methods/snapkv.py`, `methods/adakv.py` (the methods), `methods/evaluation/harness.py` (the metrics).
+# The metrics of the course's results tables (acc, KL, lost, ...) are defined in the appendix, the glossary.
 
-# %%
-import math
-import os
-import sys
-import time
+# %% tags=["setup"]
+from preamble import TINY
 
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-if not os.path.isdir("methods") and os.path.isdir(os.path.join("..", "methods")):
-    sys.path.insert(0, os.path.abspath(".."))      # opened from notebooks/: make the repo importable
+from nanollm import load
 
-import matplotlib.pyplot as plt
-import torch
-import torch.nn.functional as F
-
-from methods import make_policy
-from methods.adakv import adaptive_keep_mask, mask_to_indices
-from methods.analysis.persistence import record_attention
-from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import needle_spans, print_mode
-from methods.h2o import STATE as H2O_SCORE
-from methods.h2o import H2OPolicy, received_attention
-from methods.snapkv import SnapKVPolicy, snapkv_scores
-from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
-from nanollm import KVCache, decode_step, load, prefill, select_topk
-from nanollm.data.evaluate import MODES, answer
-from nanollm.data.tasks import make_sample, string_match_all
-
-torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
-t_start = time.time()
-model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter model, 4 layers, 2 KV heads
-LENGTH = 256 if TINY else 512                      # tokens per sample, in the exercises
-BUDGET = LENGTH // 4                               # keep ratio 0.25, in exercise 4
-SPECS = ["streaming_llm", "h2o", "snapkv", "adakv"]    # the four baselines, with their default options
-NAMES = {"full": "full cache", "streaming_llm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "adakv": "AdaKV"}
-G = model.config.group_size                        # query heads per KV head
-print(f"the bundled model: {model.config.n_layer} layers, {model.config.n_head} query heads sharing "
-      f"{model.config.n_kv_head} KV heads; samples of {LENGTH} tokens in the exercises")
-print_mode(TINY)                                   # quick mode: the text describes another run
+model, tok, _ = load("retrieval-llama")    # the bundled model: 0.87M parameters, 4 layers, 4 query heads, 2 KV heads
 
 # %% [markdown]
-# ## 1. What each baseline keeps, on a toy layer
+# ## 1. What each rule reads: a toy layer
 #
 # A toy layer first: sixteen prompt tokens, 4 query heads sharing 2 KV heads (query heads 0-1 read KV head 0,
 # 2-3 read KV head 1), and a made-up causal attention. Every query puts weight on token 0, a *sink*; the
 # queries at positions 6-11 attend token 5, an early *heavy hitter*; the last four queries (the *observation
-# window*, `w = 4` here) attend token 9 in KV head 0's query heads and spread over tokens 2, 3, 7 and 8 in
-# KV head 1's.
+# window*) attend token 9 in KV head 0's query heads and spread over tokens 2, 3, 7 and 8 in KV head 1's.
 
 # %%
-T_TOY, H_TOY, HKV_TOY, W_TOY, B_TOY = 16, 4, 2, 4, 6
+import matplotlib.pyplot as plt
+import torch
+
+T_TOY, H_TOY, HKV_TOY, W_TOY, B_TOY = 16, 4, 2, 4, 6      # tokens, query heads, KV heads, window, budget
 logits = torch.zeros(1, H_TOY, T_TOY, T_TOY)
 logits[..., 0] += 3.0                                             # a sink for every query
 logits[:, :, 6:12, 5] += 4.0                                      # an early heavy hitter
@@ -73,9 +40,6 @@ logits[:, :2, 12:, 9] += 5.0                                      # window of KV
 logits[:, 2:, 12:, [2, 3, 7, 8]] += 3.0                           # window of KV head 1: spread out
 causal = torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril()
 toy_probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)    # (1, H, T, T) the prompt's attention
-toy_pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)               # (1, H_kv, T) positions of the slots
-demo_ids = torch.randint(model.config.vocab_size, (1, 22), generator=torch.Generator().manual_seed(0))
-demo_maps = record_attention(model, demo_ids)           # the bundled model's attention: n_layer x (H, 22, 22)
 
 fig, axes = plt.subplots(1, H_TOY, figsize=(14, 3.6), sharey=True)
 for h, ax in enumerate(axes):
@@ -89,72 +53,52 @@ fig.colorbar(im, ax=axes, label="attention probability", shrink=0.8)
 plt.show()
 
 # %% [markdown]
-# The sink is the dark first column of every head, the heavy hitter the block in column 5, and below the
-# dotted line the window's rows, which differ between the two KV heads. The four baselines read this matrix
-# in four ways: **StreamingLLM** ignores it and keeps the first tokens and the most recent ones; **H2O**
-# keeps the columns with the most attention in total; **SnapKV** keeps the columns the window's rows attend;
-# **AdaKV** takes SnapKV's scores but lets one KV head use more than its share. With 6 entries per KV head:
-
-# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-h2o_scores = received_attention(toy_probs.sum(2), HKV_TOY)             # column sums, GQA group mean
-snap = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")
-snapkv = SnapKVPolicy(B_TOY, window=W_TOY, kernel=3)
-
-
-def kept_by(policy, scores):      # a scorer's rank (its protected slots at +inf), then each head's top budget
-    return select_topk(policy.rank(scores, toy_pos, T_TOY), B_TOY)
-
-
-ada = adaptive_keep_mask(snapkv.rank(snap, toy_pos, T_TOY), B_TOY, n_safe=int(0.2 * B_TOY))  # window first
-toy_kept = {
-    "StreamingLLM (2 sinks)": kept_by(StreamingLLMPolicy(B_TOY, n_sink=2), toy_pos.float()),
-    "H2O (3 recent)": kept_by(H2OPolicy(B_TOY, n_recent=B_TOY // 2), h2o_scores),
-    "SnapKV (w = 4, pool 3)": kept_by(snapkv, snap),
-    "AdaKV (over SnapKV)": mask_to_indices(ada),
-}
-toy_image = torch.zeros(len(toy_kept) * HKV_TOY, T_TOY)
-for i, idx in enumerate(toy_kept.values()):
-    for h in range(HKV_TOY):
-        toy_image[i * HKV_TOY + h, idx[0, h][idx[0, h] >= 0]] = 1.0
-fig, ax = plt.subplots(figsize=(10, 3.4))
-im = ax.imshow(toy_image.numpy(), cmap="Greys", vmin=-0.15, vmax=1.3, aspect="auto", interpolation="nearest")
-ax.set_yticks(range(len(toy_image)), [f"{n}, KV {h}" for n in toy_kept for h in range(HKV_TOY)], fontsize=8)
-for row in range(HKV_TOY, len(toy_image), HKV_TOY):
-    ax.axhline(row - 0.5, color="tab:gray", lw=0.8)
-ax.set(title=f"What each rule keeps of the toy layer: {B_TOY} of {T_TOY} tokens per KV head (AdaKV: on average)",
-       xlabel="token position", xticks=range(T_TOY))
-cb = fig.colorbar(im, ax=ax, ticks=[0, 1])
-cb.ax.set_yticklabels(["evicted", "kept"])
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# StreamingLLM keeps the same positions in both KV heads, whatever the attention says. H2O keeps the sink and
-# the heavy hitter (token 5) in both heads, its 3 recent tokens, and one token the window attended (9 in KV
-# head 0, 2 in KV head 1). SnapKV never sees token 5, which the window does not attend: after the window it
-# has room for two prefix tokens per head, token 9 and its pooled neighbour 8 in KV head 0, and in KV head 1,
-# whose window spreads its attention, the sink and its neighbour 1. AdaKV ranks the layer's (head, token)
-# pairs together: KV head 0's plateau around token 9 outranks what KV head 1 has after its sink, so KV head 0
-# gets 7 entries and KV head 1 gets 5.
+# The figure shows the toy's attention, one panel per query head: a row is a query, a column the token it
+# attends, darker is more probability, and the dotted blue line marks where the window starts. The sink is the
+# dark first column, the heavy hitter the block in column 5, and the window's rows differ between the KV heads.
+#
+# The four rules read this matrix in four ways. **StreamingLLM** ignores it and keeps the first tokens and the
+# most recent ones. **H2O** keeps the columns with the most attention in total. **SnapKV** keeps the columns
+# the window's rows attend. **AdaKV** takes SnapKV's scores but lets one KV head use more than its share.
+# Section 2 writes each rule; §2.5 shows what each keeps of this toy.
 #
 # ## 2. Build them: each rule in a few lines
 #
-# Each rule below is written from its paper, run on the toy, and compared with the library's function
-# (`methods/`). In a student copy of the notebook these four cells are tasks 1-4 of the assignment
-# `baselines` (`course/baselines/sheet.md`); the cells after them run once the tasks are done.
+# Each rule below is written from its paper, run on the toy, and compared with the library's function. The
+# symbols (the course's shared table is `notebooks/README.md`):
+#
+# | symbol | meaning | in the code |
+# |---|---|---|
+# | $T$ | tokens seen: the prompt, then each generated one | `seen`, `T` |
+# | $B$ | the budget: entries kept per layer and KV head | `budget` |
+# | $S$ | sinks: tokens kept at the start | `n_sink` |
+# | $w$ | the observation window: the prompt's last tokens | `window` |
+# | $H$, $h$ | query heads, and one of them | `H`, `h` |
+# | $H_{kv}$, $j$ | KV heads, and one of them | `n_kv_head`, `j` |
+# | $G$, $\mathcal{G}_j$ | $H / H_{kv}$; the query heads of KV head $j$ | `G` |
+# | $t$; $n$, $n'$ | a query's position; tokens' positions | `probs` rows; columns |
+# | $a^h_{t,n}$ | the attention of head $h$'s query $t$ on token $n$ | `probs[h, t, n]` |
+# | $s_{j,n}$, $\tilde s_{j,n}$ | token $n$'s score in KV head $j$ (higher stays); AdaKV's | `scores`, `ranked` |
+# | $u^h_n$ | SnapKV's vote for token $n$ in query head $h$ | `votes` |
+# | $P$ | SnapKV's pooling width | `kernel` |
+# | $n_\text{safe}$ | AdaKV's safeguard: entries a KV head keeps first | `n_safe` |
 #
 # ### 2.1 StreamingLLM: attention sinks and a recent window
 #
 # Xiao et al., ICLR 2024, [arXiv 2309.17453](https://arxiv.org/abs/2309.17453). Softmax attention has to put
-# its mass somewhere, and trained models dump the surplus on the first few tokens whatever they say (§3.1);
-# evicting those sinks breaks the model. So the rolling cache of §3.2 keeps the first `S = 4` tokens and the
-# `R = budget - S` most recent ones. No attention is read; the kept set depends only on positions, and it
-# rolls at every decode step. After `T` tokens seen:
+# its mass somewhere, and trained models dump the surplus on the first few tokens, whatever they say (§3.1);
+# evicting those sinks breaks the model. So the rolling cache of §3.2 keeps the first $S$ tokens ($S = 4$ by
+# default) and the $B - S$ most recent ones. No attention is read: the kept set depends only on positions,
+# and it rolls at every decode step. After $T$ tokens:
 #
-# $$\text{keep} \;=\; \{0, \dots, S-1\} \;\cup\; \{T-R, \dots, T-1\}, \qquad R = \text{budget} - S
-# \qquad \text{(§3.2)}$$
+# $$\text{keep} \;=\; \{0, \dots, S-1\} \;\cup\; \{T-(B-S), \dots, T-1\} \qquad \text{(§3.2)}$$
+#
+# A budget of $S$ or less keeps $B - 1$ sinks, so that the newest token always fits.
 
 # %%
+from methods.streaming_llm import sinks_and_recent
+
+
 # BEGIN SOLUTION [baselines:sinks_and_recent] §3.2: the first S positions and the last budget - S ones
 def streaming_keep(seen, budget, n_sink):
     """The positions StreamingLLM keeps after `seen` tokens, ascending."""
@@ -173,19 +117,21 @@ print("StreamingLLM on the toy (2 sinks) keeps", streaming_keep(T_TOY, B_TOY, 2)
 # ### 2.2 H2O: heavy hitters by accumulated attention
 #
 # Zhang et al., NeurIPS 2023, [arXiv 2306.14048](https://arxiv.org/abs/2306.14048), §4 and Algorithm 1. A few
-# tokens ("heavy hitters") receive most of the attention, and a token attended a lot so far tends to stay
-# important. Every cached token `j` carries the attention it has received: the prompt's column sums, then
-# each decode step's probabilities added on, averaged over the `G` query heads of its KV head. The cache
-# keeps the `budget // 2` most recent tokens and the highest scores among the others, at every step:
+# tokens, the *heavy hitters*, receive most of the attention, and a token attended a lot so far tends to stay
+# important. So every cached token carries the attention it has received from every query so far (the
+# prompt's rows, then each decode step's), averaged over the $G$ query heads of its KV head:
 #
-# $$s_j \;=\; \frac{1}{G} \sum_{h \in \text{group}(j)} \; \sum_{\text{steps}} \;
-# \sum_{i \,\in\, \text{queries of the step}} A_h[i, j] \qquad \text{(Algorithm 1, §4)}$$
+# $$s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \sum_{t=n}^{T-1} a^h_{t,n}
+# \qquad \text{(Algorithm 1, §4)}$$
 #
-# The check runs the toy as a 13-token prompt and three decode steps, and a 20-token prompt and two decode steps
-# of the bundled model through the library's H2O cache (a budget that evicts nothing, so the scores can be
-# compared slot by slot).
+# At every step the cache keeps its `budget // 2` most recent tokens and, among the others, the highest
+# scores. The code adds the scores up step by step, as the cache does: `steps` holds the prompt's attention,
+# then one row per decoded token. The check runs the toy as a 13-token prompt and three decode steps.
 
 # %%
+from methods.h2o import received_attention
+
+
 # BEGIN SOLUTION [baselines:h2o_observe] Algorithm 1: attention received, summed over queries and steps, mean per group
 def h2o_scores(steps, n_kv_head):
     """steps: each step's attention (H, n_queries, T_step), T_step growing -> (H_kv, T) accumulated scores."""
@@ -203,6 +149,24 @@ def h2o_scores(steps, n_kv_head):
 toy_steps = [toy_probs[0, :, :13, :13]] + [toy_probs[0, :, i:i + 1, :i + 1] for i in range(13, T_TOY)]
 assert torch.allclose(h2o_scores(toy_steps, HKV_TOY), received_attention(toy_probs.sum(2), HKV_TOY)[0]), \
     "the toy's accumulated scores differ from its column sums, mean over each KV head's query heads"
+print("H2O's scores on the toy, KV head 0:", [round(x, 2) for x in h2o_scores(toy_steps, HKV_TOY)[0].tolist()])
+
+# %% [markdown]
+# The same check on the bundled model: a 20-token prompt and two decode steps through the library's H2O cache,
+# with a budget that evicts nothing, so that the scores can be compared slot by slot. `record_attention`
+# returns each layer's full attention matrix for the 22 tokens (§2.3 uses them too).
+
+# %%
+from methods.analysis.persistence import record_attention
+
+demo_ids = torch.randint(model.config.vocab_size, (1, 22), generator=torch.Generator().manual_seed(0))
+demo_maps = record_attention(model, demo_ids)                        # n_layer x (H, 22, 22)
+
+# %% tags=["needs:h2o_observe"]
+from methods.h2o import STATE as H2O_SCORE
+from methods.h2o import H2OPolicy
+from nanollm import KVCache, decode_step, prefill
+
 cache = KVCache(model.config, H2OPolicy(budget=64))                  # the library's H2O, nothing evicted
 prefill(model, demo_ids[:, :20], cache)
 for t in (20, 21):
@@ -211,23 +175,29 @@ for layer, a in enumerate(demo_maps):
     steps = [a[:, :20, :20], a[:, 20:21, :21], a[:, 21:22, :22]]     # the prompt's rows, then one row per step
     assert torch.allclose(h2o_scores(steps, model.config.n_kv_head), cache.layers[layer].state[H2O_SCORE][0],
                           atol=1e-5), f"layer {layer}: the scores differ from the library's H2O cache"
-print("H2O's scores on the toy, KV head 0:", [round(x, 2) for x in h2o_scores(toy_steps, HKV_TOY)[0].tolist()])
+print(f"the scores agree with the library's H2O cache in all {len(demo_maps)} layers")
 
 # %% [markdown]
 # ### 2.3 SnapKV: the observation window votes, once, at prefill
 #
-# Li et al., NeurIPS 2024, [arXiv 2404.14469](https://arxiv.org/abs/2404.14469). The last `w = 32` prompt
-# tokens (the *observation window*, which usually holds the question) vote: each earlier token's score is the
-# attention the window's queries give it, summed over the window (§4.1); a max pooling of width `K = 7`
-# then lets a strong token's neighbours come with it (§4.2). Each KV head keeps the whole window plus its
-# top-voted prefix tokens. It compresses **the prompt only, once**: tokens decoded or extended later are all
-# kept. For a prefix token `j < T - w`:
+# Li et al., NeurIPS 2024, [arXiv 2404.14469](https://arxiv.org/abs/2404.14469). The prompt's last $w$ tokens
+# ($w = 32$ by default), the observation window, which usually holds the question, vote: each earlier token's
+# vote $u^h_n$ is the attention the window's queries give it (§4.1). A max pooling of width $P$ ($P = 7$ by
+# default) then lets a strong token's neighbours come with it (§4.2), and the mean over the group gives the
+# KV head's score. For a prefix token $n < T - w$:
 #
-# $$v_h[j] = \sum_{i=T-w}^{T-1} A_h[i, j], \qquad
-# s[j] \;=\; \frac{1}{G} \sum_{h \in \text{group}} \; \max_{|k - j| \le \lfloor K/2 \rfloor} v_h[k]
+# $$u^h_n = \sum_{t=T-w}^{T-1} a^h_{t,n}, \qquad
+# s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \max_{|n' - n| \le \lfloor P/2 \rfloor} u^h_{n'}
 # \qquad \text{(§4.1, §4.2)}$$
+#
+# Each KV head keeps the whole window and its $B - w$ best-scored prefix tokens. SnapKV compresses **the
+# prompt only, once**: the tokens decoded later are all kept. The check compares the scores with the
+# library's on the toy and on the bundled model's attention of §2.2.
 
 # %%
+from methods.snapkv import snapkv_scores
+
+
 # BEGIN SOLUTION [baselines:window_vote] §4.1: the window's rows vote for the prefix; §4.2: max pooling; mean per group
 def snapkv_votes(probs, n_kv_head, window, kernel):
     """probs (H, T, T) one layer's prompt attention -> (H_kv, T - window) the prefix tokens' pooled votes."""
@@ -246,23 +216,31 @@ for layer, a in enumerate(demo_maps):                               # the bundle
     library = snapkv_scores(a[None], model.config.n_kv_head, window=8, kernel=7, pooling="max")[0, :, :22 - 8]
     assert torch.allclose(snapkv_votes(a, model.config.n_kv_head, 8, 7), library, atol=1e-6), f"layer {layer} differs"
 votes = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)
-print("SnapKV's votes on the toy's prefix, KV head 1:", [round(x, 2) for x in votes[1].tolist()])
+print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in votes[1].tolist()])
 
 # %% [markdown]
 # ### 2.4 AdaKV: one budget pool per layer, shared by the heads
 #
 # Feng et al., NeurIPS 2025, [arXiv 2407.11550](https://arxiv.org/abs/2407.11550), the adaptive allocation
 # (Algorithm 1), as NVIDIA's kvpress library realises it. A head whose attention is concentrated needs few
-# entries, a head whose attention is spread out needs many. AdaKV takes any scorer's per-head scores `s_j`
-# (SnapKV's, by default: `adakv` = `adakv(snapkv)`), gives every head its own top `n_safe = int(0.2 * budget)`
-# (the safeguard), then keeps the layer-wide top `H_kv * budget` (head, token) pairs, so heads end up with
-# unequal counts:
+# entries, a head whose attention is spread out needs many. AdaKV takes any rule's scores $s_{j,n}$ (SnapKV's
+# by default), lets every KV head keep its own best $n_\text{safe} = \lfloor 0.2 B \rfloor$ first (the
+# *safeguard*), then keeps the layer's $H_{kv} B$ best (head, token) pairs, so the heads end up with unequal
+# counts:
 #
-# $$\tilde s_j[t] = +\infty \ \text{ for } t \in \operatorname{top}_{n_\text{safe}}(s_j), \qquad
-# \text{keep} = \operatorname{top}_{H_{kv} \cdot \text{budget}} \big\{ \tilde s_j[t] \big\}_{j,\,t}
+# $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
+# s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
 # \qquad \text{(Algorithm 1)}$$
+#
+# In the code, `t` runs over the token positions ($n$ above). The check compares it with the library's
+# `adaptive_keep_mask` on heads of equal scale, then with KV head 0's scores ten times larger.
 
 # %%
+import math
+
+from methods.adakv import adaptive_keep_mask
+
+
 # BEGIN SOLUTION [baselines:adakv] Algorithm 1: every head's own best n_safe first, then the layer's best H_kv * budget
 def adakv_keep(scores, budget, n_safe):
     """scores (H_kv, T) one layer's per-head scores -> (H_kv, T) bool: the (head, token) pairs AdaKV keeps."""
@@ -286,89 +264,150 @@ for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0
     for n_safe in (0, 1, B_TOY):
         assert torch.equal(adakv_keep(scores, B_TOY, n_safe), adaptive_keep_mask(scores[None], B_TOY, n_safe)[0]), \
             f"scale {scale}, safeguard {n_safe}: another choice than the library's"
-    print(f"KV head 0's scores x{scale:g}: entries per KV head {adakv_keep(scores, B_TOY, 1).sum(-1).tolist()} "
-          f"(safeguard 1), {adakv_keep(scores, B_TOY, B_TOY).sum(-1).tolist()} (safeguard = budget)")
-
+    print(f"KV head 0's scores x{scale:g}: entries per KV head {adakv_keep(scores, B_TOY, 0).sum(-1).tolist()} "
+          f"(no safeguard), {adakv_keep(scores, B_TOY, 1).sum(-1).tolist()} (safeguard 1)")
 
 # %% [markdown]
-# The last line shows the failure mode AdaKV's safeguard exists for: a head whose scores are on a larger scale
-# takes most of the pool (11 entries; the other head keeps 1), and only the safeguard leaves the other head anything.
+# The pool goes to the highest scores, wherever they are: even at equal scale the heads split it 4 and 8.
+# The second line shows the failure mode the safeguard exists for: KV head 0's larger scores take the whole
+# pool without it (12 entries, none for KV head 1), and a safeguard of 1 leaves KV head 1 its best token.
+#
+# ### 2.5 What each rule keeps of the toy
+#
+# With the four rules built, the library's versions run on the toy layer of section 1, with room for 6 entries
+# per KV head: StreamingLLM with 2 sinks, H2O with its 3 most recent tokens, SnapKV with the 4-token window
+# and a pooling width of 3, AdaKV over SnapKV's scores with a safeguard of 1. A policy's `rank` sets its
+# protected slots (sinks, recent tokens, window) to $+\infty$ over its scores, and `select_topk` keeps each
+# KV head's best $B$.
+
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+from methods.adakv import mask_to_indices
+from methods.snapkv import SnapKVPolicy
+from methods.streaming_llm import StreamingLLMPolicy
+from nanollm import select_topk
+
+toy_pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)               # (1, H_kv, T) positions of the slots
+snap = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")
+snapkv = SnapKVPolicy(B_TOY, window=W_TOY, kernel=3)
+
+
+def kept_by(policy, scores):      # a rule's ranking (its protected slots at +inf), then each head's top budget
+    return select_topk(policy.rank(scores, toy_pos, T_TOY), B_TOY)
+
+
+ada = adaptive_keep_mask(snapkv.rank(snap, toy_pos, T_TOY), B_TOY, n_safe=int(0.2 * B_TOY))  # window first
+toy_kept = {
+    "StreamingLLM (2 sinks)": kept_by(StreamingLLMPolicy(B_TOY, n_sink=2), toy_pos.float()),
+    "H2O (3 recent)": kept_by(H2OPolicy(B_TOY, n_recent=B_TOY // 2), received_attention(toy_probs.sum(2), HKV_TOY)),
+    "SnapKV (w = 4, pool 3)": kept_by(snapkv, snap),
+    "AdaKV (over SnapKV)": mask_to_indices(ada),
+}
+
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+toy_image = torch.zeros(len(toy_kept) * HKV_TOY, T_TOY)              # one row per rule and KV head
+for i, idx in enumerate(toy_kept.values()):
+    for h in range(HKV_TOY):
+        toy_image[i * HKV_TOY + h, idx[0, h][idx[0, h] >= 0]] = 1.0
+fig, ax = plt.subplots(figsize=(10, 3.4))
+im = ax.imshow(toy_image.numpy(), cmap="Greys", vmin=-0.15, vmax=1.3, aspect="auto", interpolation="nearest")
+ax.set_yticks(range(len(toy_image)), [f"{n}, KV {h}" for n in toy_kept for h in range(HKV_TOY)], fontsize=9)
+for row in range(HKV_TOY, len(toy_image), HKV_TOY):
+    ax.axhline(row - 0.5, color="tab:gray", lw=0.8)
+ax.set(title=f"What each rule keeps of the toy layer: {B_TOY} of {T_TOY} tokens per KV head (AdaKV: on average)",
+       xlabel="token position", xticks=range(T_TOY))
+cb = fig.colorbar(im, ax=ax, ticks=[0, 1])
+cb.ax.set_yticklabels(["evicted", "kept"])
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The figure shows, for each rule and KV head (one row each, the rules separated by grey lines), the toy's
+# positions it keeps in black and those it evicts in light grey. StreamingLLM keeps the same positions in both
+# KV heads, whatever the attention says. H2O keeps the sink and the heavy hitter (token 5) in both heads, its
+# 3 recent tokens, and one token the window attended (9 in KV head 0, 2 in KV head 1). SnapKV never sees token
+# 5, which the window does not attend: after the window it has room for two prefix tokens per head, token 9
+# and its pooled neighbour 8 in KV head 0, and in KV head 1, whose window spreads its attention, the sink and
+# its neighbour 1. AdaKV ranks the layer's (head, token) pairs together: KV head 0's plateau around token 9
+# outranks what KV head 1 has after its sink, so KV head 0 gets 7 entries and KV head 1 gets 5.
 #
 # ## 3. Real passages with SmolLM2-135M
 #
-# From here on the notebook uses the library's four methods, on a real model reading natural text:
-# SmolLM2-135M (30 layers, 9 query heads sharing 3 KV heads) on `niah_single_docs` prompts, consecutive
-# paragraphs of Python's documentation with one magic-number sentence inside and the question at the end of
-# the prompt. Each baseline keeps a quarter of the sample's length. Each seed puts the needle at another depth
-# among other paragraphs; every passage gets one greedy answer per method, scored as the tables score it (acc,
-# see the glossary).
+# Now the library's four rules on a real model reading natural text: SmolLM2-135M (30 layers, 9 query heads
+# sharing 3 KV heads) on `niah_single_docs` prompts, paragraphs of Python's documentation with one
+# magic-number sentence inside (the *needle*) and the question at the end. Each seed puts the needle at
+# another depth. Each rule keeps a quarter of the sample's length; every passage gets one greedy answer per
+# cache, scored as the tables score it (acc, see the glossary).
 
-# %%
-real, real_tok, real_card = load("smollm2-135m")         # 30 layers, 9 query heads, 3 KV heads (its card), fp32
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+from methods import make_policy
+from methods.evaluation.viz import needle_spans
+from nanollm.data.evaluate import MODES, answer
+from nanollm.data.tasks import make_sample, string_match_all
+
+real, real_tok, _ = load("smollm2-135m")                 # 30 layers, 9 query heads, 3 KV heads (its card), fp32
 LENGTH_REAL = 192 if TINY else 320                       # a passage of a few hundred tokens
 BUDGET_REAL = LENGTH_REAL // 4                           # keep ratio 0.25
 PASSAGES = 2 if TINY else 8                              # seeds 1, 2, ...
-print(f"{PASSAGES} passages of at most {LENGTH_REAL} tokens, budget {BUDGET_REAL} entries per layer and KV head")
-
-# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-t0 = time.time()
-real_acc, real_answers = {s: [] for s in ["full"] + SPECS}, {}
+NAMES = {"full": "full cache", "streaming_llm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "adakv": "AdaKV"}
+real_acc = {spec: [] for spec in NAMES}                  # spec: 1 (answered) or 0 per passage
 for seed in range(1, PASSAGES + 1):
     s = make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=seed)
-    for spec in ["full"] + SPECS:
+    for spec in NAMES:
         policy = None if spec == "full" else make_policy(spec, budget=BUDGET_REAL)
         said = answer(real, real_tok, s, MODES[0], policy, max_new_tokens=len(s.target_ids))
         real_acc[spec].append(string_match_all(said, s.answers))
-        real_answers[spec, seed] = said
     n, (_, s_v, s_end) = len(s.prompt_ids), needle_spans(s, real_tok)[0]
     who = ", ".join(NAMES[x] for x in real_acc if real_acc[x][-1] == 1) or "none"
     print(f"passage {seed}: {n} tokens, value at {s_v}-{s_end - 1}; recent tokens from {n - (BUDGET_REAL - 4)} "
           f"(StreamingLLM), from {n - BUDGET_REAL // 2} (H2O); answered by {who}")
+
+# %% [markdown]
+# Each line gives a passage's length, where the needle's value sits, and where the recent tokens start. Below:
+# the share each cache answers, and each rule's paired difference from the full cache and from H2O (the
+# glossary, A.3, defines both intervals).
+
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+from methods.evaluation.intervals import describe, paired_difference, wilson
+
 n_ok = {spec: int(sum(a)) for spec, a in real_acc.items()}
 bounds = {spec: wilson(n_ok[spec] / PASSAGES, PASSAGES) for spec in real_acc}
-fig, ax = plt.subplots(figsize=(7, 3.6))
-x = range(len(real_acc))
 means = [n_ok[s] / PASSAGES for s in real_acc]
-ax.bar(x, means, color=["black"] + [f"C{i}" for i in range(len(SPECS))], alpha=0.8,
+fig, ax = plt.subplots(figsize=(7, 3.6))
+ax.bar(range(len(real_acc)), means, color=["black"] + [f"C{i}" for i in range(len(real_acc) - 1)], alpha=0.8,
        yerr=[[m - bounds[s][0] for m, s in zip(means, real_acc)], [bounds[s][1] - m for m, s in zip(means, real_acc)]],
        capsize=4)
-ax.set_xticks(list(x), [NAMES[s] for s in real_acc])
+ax.set_xticks(range(len(real_acc)), [NAMES[s] for s in real_acc])
 ax.set(title=f"SmolLM2-135M, {PASSAGES} passages, keep 0.25: share answered (95% Wilson interval)",
        ylabel="accuracy (share of passages)", ylim=(0, 1.05), xlabel="cache")
 plt.tight_layout()
 plt.show()
-for spec in SPECS:
-    lo_, hi_ = bounds[spec]
-    against_h2o = "" if spec == "h2o" else \
-        f"; against H2O: {describe(*paired_difference([real_acc[spec]], [real_acc['h2o']]))}"
-    print(f"{NAMES[spec]:13} answers {n_ok[spec]} of {PASSAGES} [{lo_:.2f}, {hi_:.2f}]; against the full cache "
-          f"({n_ok['full']} of {PASSAGES}): {describe(*paired_difference([real_acc[spec]], [real_acc['full']]))}"
-          + against_h2o)
-print(f"({time.time() - t0:.0f} s)")
-
+for spec in list(NAMES)[1:]:
+    against = [("the full cache", "full")] + ([("H2O", "h2o")] if spec != "h2o" else [])
+    print(f"{NAMES[spec]:13} answers {n_ok[spec]} of {PASSAGES}; "
+          + "; ".join(f"against {name}: {describe(*paired_difference([real_acc[spec]], [real_acc[o]]))}"
+                      for name, o in against))
 
 # %% [markdown]
-# The bars are the share of the passages each cache answers, with its 95% interval: StreamingLLM answers 4 of
-# the 8 passages, H2O 3, SnapKV and AdaKV 2, against the full cache's 7. Every baseline is distinguishably
-# below the full cache, and with 8 passages none is distinguishable from H2O (each paired 95% interval
-# contains 0). What decides is where the needle sits: StreamingLLM answers exactly the passages whose value
-# lies in its recent window, H2O exactly those whose value lies in its recent half (the last `budget // 2`
-# tokens), and no baseline answers the three passages whose needle is near the start (1, 5 and 6).
+# The bars are the share of the passages each cache answers (the full cache in black, one colour per rule),
+# with their 95% intervals: of the 8 passages, StreamingLLM answers 4, H2O 3, SnapKV and AdaKV 2, and the
+# full cache 7. Every rule is distinguishably below the full cache, and none is distinguishable from H2O.
+# What decides is where the needle sits: StreamingLLM answers exactly the passages whose value lies in its
+# recent window, H2O exactly those whose value lies in its recent half (the last `budget // 2` tokens), and no
+# rule answers the three passages whose needle is near the start (1, 5 and 6).
 #
-# **Verdict**: on real text the four baselines keep what is recent or what every query attends (for H2O, the
-# start of the passage), and lose an old fact. On the bundled model, trained on needles, H2O's accumulated
-# attention does keep an old needle's value, and H2O leads the other three from keep 0.25 up (the lab): one
-# model's ranking of the baselines does not carry over to another.
-
-# %% [markdown]
+# **Verdict**: on real text the four rules keep what is recent or what every query attends, and lose an old
+# fact. On the bundled model, trained on needles, H2O does keep an old needle's value and leads the other
+# three from keep 0.25 up (the lab): one model's ranking of the baselines does not carry over to another.
+#
 # ## Exercises
 #
-# Exercises 1-3 check themselves: write the missing lines, run the cell, and the `assert` after them tells
-# you whether the library agrees. Work on a copy of the notebook (see the README).
+# Each exercise's cell sets up the data and ends with a placeholder, `... = None`: replace `None` with your
+# lines and run the cell; it tells you whether your answer agrees with the library's cache. The collapsed
+# cell after it holds an answer, its check and hints.
 #
 # ### Exercise 1: StreamingLLM's kept positions after decoding
 #
-# A prompt, then five decoded tokens, through a StreamingLLM cache with `budget = 40` and `n_sink = 4`.
+# A prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`.
 # Compute, with tensor operations and from `ex_seen`, `EX_BUDGET` and `EX_SINKS` only, the positions every
 # layer and KV head must hold now: `expected`, a 1-D tensor of positions in ascending order.
 
@@ -378,7 +417,12 @@ def entries_per_head(cache, layer=0):
     return (pos >= 0).sum(-1).tolist()
 
 
-ex_sample = make_sample("niah_single_prose", tok, LENGTH, seed=7)
+def holds(cache, positions):               # does every layer and KV head hold exactly these positions?
+    return all(torch.equal(kv.pos[0, h][kv.pos[0, h] >= 0].sort().values, positions)
+               for kv in cache.layers for h in range(kv.pos.shape[1]))
+
+
+ex_sample = make_sample("niah_single_prose", tok, 256 if TINY else 512, seed=7)
 EX_BUDGET, EX_SINKS = 40, 4
 ex_cache = KVCache(model.config, make_policy("streaming_llm", budget=EX_BUDGET, n_sink=EX_SINKS))
 prefill(model, torch.tensor([ex_sample.prompt_ids]), ex_cache)
@@ -386,13 +430,16 @@ for token in ex_sample.target_ids[:5]:
     decode_step(model, torch.tensor([token]), ex_cache)
 ex_seen = ex_cache.seen
 print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {entries_per_head(ex_cache)}")
+expected = None                            # your answer: a 1-D tensor of positions, ascending
+if expected is not None:
+    print("your answer agrees with the cache:", holds(ex_cache, expected))
 
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 # BEGIN SOLUTION [baselines] the sinks (never the whole budget: the newest token must fit), then the most recent
 n_s = min(EX_SINKS, EX_BUDGET - 1)
 expected = torch.cat([torch.arange(n_s), torch.arange(ex_seen - (EX_BUDGET - n_s), ex_seen)])
 # END SOLUTION
-assert all(torch.equal(kv.pos[0, h][kv.pos[0, h] >= 0].sort().values, expected) for kv in ex_cache.layers
-           for h in range(kv.pos.shape[1])), \
+assert holds(ex_cache, expected), \
     "some layer or KV head holds other positions than `expected`: the sinks are positions 0..S-1 and the " \
     "window is the last budget - S positions *seen* (prompt and decoded tokens), ending at ex_seen - 1"
 print("Exercise 1: correct,", expected.tolist())
@@ -403,15 +450,13 @@ print("Exercise 1: correct,", expected.tolist())
 # `ex_maps[l]` is the full-cache attention of the prompt in layer `l`, shape `(H, N, N)` (row = query,
 # column = key). Compute H2O's prefill scores `ex_scores[l]`, shape `(H_kv, N)` (section 2.2, with tensor
 # operations this time), then `ex_kept[l]`, shape `(H_kv, EX_H2O_BUDGET)`: the positions H2O keeps,
-# ascending: the `n_recent = budget // 2` most recent ones and the highest-scored of the others. The checks
-# compare them with `ex_h2o_all` (a budget that keeps everything, so its per-slot scores are the prefill
-# scores of every position) and with `ex_h2o` (the budget applied).
+# ascending: the `budget // 2` most recent ones and the highest-scored of the others. The checks compare them
+# with the library's caches `ex_h2o_all` (nothing evicted) and `ex_h2o`.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 ex_ids = torch.tensor([ex_sample.prompt_ids])
-ex_N = ex_ids.shape[1]
+ex_N, H_kv, G = ex_ids.shape[1], model.config.n_kv_head, model.config.group_size
 ex_maps = record_attention(model, ex_ids)                          # n_layer x (H, N, N)
-H_kv = model.config.n_kv_head
 EX_H2O_BUDGET = 64
 ex_h2o_all = KVCache(model.config, make_policy("h2o", budget=ex_N))
 prefill(model, ex_ids, ex_h2o_all)
@@ -419,6 +464,20 @@ ex_h2o = KVCache(model.config, make_policy("h2o", budget=EX_H2O_BUDGET))
 prefill(model, ex_ids, ex_h2o)
 print(f"{ex_N} prompt tokens, {len(ex_maps)} layers, attention {tuple(ex_maps[0].shape)}, G = {G}")
 
+
+def same_scores(ex_scores):                # each layer's scores equal the library's prefill scores?
+    return all(torch.allclose(s, kv.state[H2O_SCORE][0], atol=1e-4) for s, kv in zip(ex_scores, ex_h2o_all.layers))
+
+
+def same_kept(kept, cache):                # each layer keeps the positions the library's cache holds?
+    return all(torch.equal(k, kv.pos[0]) for k, kv in zip(kept, cache.layers))
+
+
+ex_scores = ex_kept = None                 # your answer: two lists, one tensor per layer
+if ex_scores is not None:
+    print("scores agree:", same_scores(ex_scores), "| kept positions agree:", same_kept(ex_kept, ex_h2o))
+
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 # BEGIN SOLUTION [baselines] attention received, summed over queries, averaged per GQA group; the recent half stays
 ex_scores = [a.sum(1).view(H_kv, G, ex_N).mean(1) for a in ex_maps]
 ex_kept = []
@@ -427,10 +486,10 @@ for s in ex_scores:
     s[:, ex_N - EX_H2O_BUDGET // 2:] = float("inf")                  # the recent window is always kept
     ex_kept.append(s.topk(EX_H2O_BUDGET, dim=-1).indices.sort(-1).values)
 # END SOLUTION
-assert all(torch.allclose(s, kv.state[H2O_SCORE][0], atol=1e-4) for s, kv in zip(ex_scores, ex_h2o_all.layers)), \
+assert same_scores(ex_scores), \
     "ex_scores differ from H2O's prefill scores: sum over the queries (dim 1 of (H, N, N)), not the keys, " \
     "then the mean (not the sum) over each group of G query heads"
-assert all(torch.equal(k, kv.pos[0]) for k, kv in zip(ex_kept, ex_h2o.layers)), \
+assert same_kept(ex_kept, ex_h2o), \
     "ex_kept differs from what H2O kept: the last budget // 2 positions always stay, the rest are the " \
     "highest scores of the older positions, sorted ascending per KV head"
 print("Exercise 2: correct; layer 0, KV head 0 keeps", ex_kept[0][0, :12].tolist(), "...")
@@ -444,11 +503,17 @@ print("Exercise 2: correct; layer 0, KV head 0 keeps", ex_kept[0][0, :12].tolist
 # prefix positions (on equal votes the earlier position wins: a *stable* descending sort), and the window.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+import torch.nn.functional as F
+
 EX_SNAP_BUDGET, EX_W = 64, 32
 ex_snap = KVCache(model.config, make_policy("snapkv", budget=EX_SNAP_BUDGET, window=EX_W, kernel=7, pooling="max"))
 prefill(model, ex_ids, ex_snap)
 print(f"SnapKV keeps {entries_per_head(ex_snap)} entries per KV head in layer 0 of a {ex_N}-token prompt")
+ex_snap_kept = None                        # your answer: a list, one tensor per layer
+if ex_snap_kept is not None:
+    print("kept positions agree:", same_kept(ex_snap_kept, ex_snap))
 
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 # BEGIN SOLUTION [baselines] window rows over prefix columns, summed; max_pool1d(7, 1, 3); group mean; stable top-k
 ex_snap_kept = []
 for a in ex_maps:
@@ -459,7 +524,7 @@ for a in ex_maps:
     window = torch.arange(ex_N - EX_W, ex_N).expand(H_kv, EX_W)
     ex_snap_kept.append(torch.cat([top.sort(-1).values, window], dim=-1))
 # END SOLUTION
-assert all(torch.equal(k, kv.pos[0]) for k, kv in zip(ex_snap_kept, ex_snap.layers)), \
+assert same_kept(ex_snap_kept, ex_snap), \
     "ex_snap_kept differs from SnapKV's kept positions: votes come from the last w query rows over the " \
     "prefix columns only; pool before the group mean; ties go to the earlier position; the window is kept whole"
 print("Exercise 3: correct; layer 3, KV head 1 keeps the prefix positions",
@@ -467,110 +532,64 @@ print("Exercise 3: correct; layer 3, KV head 1 keeps the prefix positions",
 
 
 # %% [markdown]
-# ### Exercise 4: what the safeguard does
-#
-# AdaKV gives every head its own top `int(alpha_safeguard * budget)` entries before the layer-wide
-# ranking (`alpha_safeguard = 0.2` by default). Build `make_policy("adakv", budget=BUDGET,
-# alpha_safeguard=a)` for `a` in `0.0, 0.2, 1.0`, prefill the needle prompt
-# `make_sample("niah_single_noise", tok, LENGTH, seed=1)` (the one the lab's section 1 studies), and print
-# `entries_per_head(cache, layer)` for every layer. Which value of `a` makes AdaKV exactly SnapKV (compare
-# the kept positions with `torch.equal`)? With `a = 0`, does some head lose its whole budget except the
-# observation window, and does the greedy answer (`answer(model, tok, sample, MODES[0], policy)`) change?
-#
-# ### Exercise 5: StreamingLLM without sinks, H2O without a recent window
-#
-# On the same needle, measure KL and lost (the glossary, A.4 and A.6) with `traces` and `compare_traces` from
-# `methods.evaluation.harness`, as the lab's section 1.2 does, for `make_policy("streaming_llm",
-# budget=BUDGET, n_sink=0)` and `make_policy("h2o", budget=BUDGET, n_recent=0)` against the defaults. How do
-# KL and lost change? §3.1 of the StreamingLLM paper says a window without sinks collapses; does it on this
-# model, at this budget?
-
-# %%
-print(f"notebook ran in {time.time() - t_start:.0f} s")
-
-# %% [markdown]
 # ## Appendix: metrics glossary
 #
-# The tables of `python -m methods.compare` (and of every notebook) have one row per method and keep ratio,
-# and the columns below, each one entry of `METRICS` in `methods/evaluation/metrics.py`. For each sample and
-# mode, `traces` (`methods/evaluation/harness.py`) runs the prompt, then feeds the **reference** answer one
-# token at a time (teacher forcing) through the full cache and through each method's cache, so all of them
-# see the same tokens; `compare_traces` measures a method's trace against the full cache's.
-# `tests/methods/evaluation/test_glossary.py` recomputes each metric by hand from two traces, as worded
-# here, and checks that the library agrees.
+# The course's results tables (`python -m methods.compare`) have one row per method and keep ratio, and the
+# columns below (`METRICS` in `methods/evaluation/metrics.py`). For each sample and mode, `traces`
+# (`methods/evaluation/harness.py`) runs the prompt, then feeds the **reference** answer one token at a time
+# through the full cache and through each method's cache, so that all of them see the same tokens;
+# `compare_traces` measures a method's trace against the full cache's.
 #
 # ### A.1 Budget and keep ratio
 #
-# * **budget**: tokens kept per layer and KV head, protected tokens (sinks, recent or observation windows)
-#   included. For AdaKV it is the *average* per KV head: the layer keeps `H_kv * budget` entries, split
-#   unequally. SnapKV and AdaKV compress the prompt only, so what comes after it (the decoded answer, and in
-#   the second mode below the question) is appended and kept on top of `budget`. StreamingLLM and H2O bring
-#   every layer back to `budget` after every step.
-# * **keep ratio** (`keep`): `budget / tokens seen` (`nanollm/policy.py`). A table's `keep` is
-#   `round(budget / length, 4)`, with `length` the requested sample length, an upper bound on its tokens
-#   (context, question and answer); so `budget = round(keep * length)`, e.g. `round(0.1 * 512) = 51`. The
-#   prompt is shorter than `length`, so a prefill method keeps a slightly larger share of the prompt (the
-#   lab's section 1 prints it).
+# * **budget**: entries kept per layer and KV head, protected tokens included; for AdaKV, the *average* per
+#   KV head. SnapKV and AdaKV compress the prompt only and keep what comes after it on top of `budget`;
+#   StreamingLLM and H2O bring every layer back to `budget` after every step.
+# * **keep ratio** (`keep`): `budget / length`, with `length` the requested sample length, an upper bound on
+#   its tokens; so `budget = round(keep * length)`, e.g. `round(0.1 * 512) = 51`.
 #
 # ### A.2 The two modes
 #
-# * **question_in_prompt**: `prefill(context + question)`, then decode. The cache is compressed with the
-#   question in it, so SnapKV's observation window is essentially the question.
+# * **question_in_prompt**: `prefill(context + question)`, then decode: SnapKV's window is the question.
 # * **question_after_context**: `prefill(context)`, compressed before the question is known, then
-#   `extend(question)` onto the compressed cache, then decode. An evicted fact cannot come back when the
-#   question asks for it, and SnapKV's window is the end of the context, not the question.
+#   `extend(question)`, then decode: an evicted fact cannot come back when the question asks for it.
 #
 # ### A.3 acc
 #
 # RULER's `string_match_all` of the **greedy** answer (`nanollm/data/tasks.py`): the fraction of the
-# reference strings found in the answer, case-insensitive, a digit string only as a whole number (`12345` is
-# not found inside `123456`). The answer is decoded up to the end-of-text token or the task's answer length.
-# A table cell is the mean over samples, `mean acc` the mean over tasks, and its interval is Wilson's over all
-# the row's answers. A difference between two rows is distinguishable when its paired 95% bootstrap interval
-# excludes 0 (`methods/evaluation/intervals.py`).
+# reference strings found in the answer, case-insensitive, a digit string only as a whole number. A table cell
+# is the mean over samples, with Wilson's 95% interval. A difference between two rows is *distinguishable*
+# when its paired 95% bootstrap interval excludes 0 (`methods/evaluation/intervals.py`).
 #
 # ### A.4 KL
 #
-# `KL(full || method)` of the next-token distributions, in nats, averaged over the answer positions: at
-# position `m` both caches have seen the prompt and the reference answer's first `m` tokens, and
-#
-# $$\text{KL} = \frac{1}{M} \sum_{m} \sum_{v} p_\text{full}(v \mid m)
-# \big(\log p_\text{full}(v \mid m) - \log p_\text{method}(v \mid m)\big).$$
-#
-# It does not depend on greedy decoding going right, so it separates methods that all answer wrong.
+# `KL(full || method)` of the next-token distributions in nats, averaged over the answer positions:
+# $\sum_x p_\text{full}(x) \big(\log p_\text{full}(x) - \log p_\text{method}(x)\big)$ over the vocabulary's
+# tokens $x$. It does not need the greedy answer to be right, so it separates methods that all answer wrong.
 #
 # ### A.5 pert (and attn_l1)
 #
-# `pert`: the relative error of the **final hidden state** (after the final norm, the input of the output
-# layer) at the **first decode step**, the step that feeds the first answer token:
-# `pert = ||h_full - h_method||_2 / ||h_full||_2`. With the question in the prompt it is the first step where a
-# prefill compression can show, since the prompt's own attention is exact (after the context, the question's
-# `extend` already reads the compressed cache). The records also hold `attn_l1`, not a table column: per layer
-# and query head at the same step, `||o_full - o_method||_1` of the head's output before `W_O`. CriticalKV
-# (notebook 04) minimises a bound on a related quantity, that difference projected through each head's slice
-# of `W_O` (its Eq. 5).
+# `pert`: `||h_full - h_method||_2 / ||h_full||_2`, the relative error of the final hidden state (the input of
+# the output layer) at the first decode step. The records also hold `attn_l1`: per layer and query head at the
+# same step, `||o_full - o_method||_1` of the head's output before `W_O`.
 #
 # ### A.6 lost
 #
-# The full cache's attention mass, at the first decode step, on the positions the method does **not** hold
-# exactly: for each layer and query head, the sum of `p_full(j)` over the positions `j` whose raw key and value
-# are not in the method's storage of that head's KV group, then the mean over layers and query heads. It uses
-# the full cache's probabilities, not the method's (which renormalise over what was kept), and an entry a
-# method rebuilds approximately (KVReviver) counts as lost. It is a share in [0, 1]: 0 means that nothing the
-# full cache attends was dropped.
+# The full cache's attention mass at the first decode step on the positions the method does **not** hold
+# exactly (an entry rebuilt approximately counts as lost), averaged over layers and query heads: 0 means that
+# nothing the full cache attends was dropped.
 #
 # ### A.7 KV KiB and step ms
 #
-# `KV KiB`: the peak bytes of stored keys and values over all layers during a trace (AdaKV's padding slots
-# included, see `methods/adakv.py`); a table cell is the largest peak over the row's samples and tasks, where
-# the other columns are means. `step ms`: a rough time per decode step, all the methods of a sample stepping
-# side by side; `python -m methods.evaluation.bench` is the benchmark.
+# `KV KiB`: the peak bytes of stored keys and values during a trace, the largest over the row's samples.
+# `step ms`: a rough time per decode step (`python -m methods.evaluation.bench` is the benchmark).
 
 # %% [markdown]
-# **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb) takes the library's four
-# baselines further: which positions each keeps of one needle on the bundled model, and why SnapKV keeps the
-# question's key but not the answer; one SmolLM2 passage up close, token by token; and accuracy, KL and memory
-# on the bundled model's task suite at three keep ratios in both modes, with paired intervals.
+# **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb) takes the four rules
+# further: which positions each keeps of one needle on the bundled model, and why SnapKV keeps the question's
+# key but not the answer; how AdaKV's safeguard and StreamingLLM's sinks change what is kept; one SmolLM2
+# passage up close, token by token; and accuracy, KL and memory on the bundled model's task suite at three keep
+# ratios in both modes, with paired intervals.
 
 # %%
 from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
