@@ -6,98 +6,82 @@
 # Sanford, Hsu & Telgarsky (NeurIPS 2023, [arXiv 2306.02896](https://arxiv.org/abs/2306.02896)) and Alman &
 # Song (ICLR 2024, [arXiv 2310.04064](https://arxiv.org/abs/2310.04064)).
 #
-# A standard attention query scores single tokens. A **tensor attention** query scores *pairs* of tokens:
-# each token has two keys and two values, the query at step t scores the pair (a, b) with
-# `<q_t, k1_a * k2_b>`, a softmax runs over all t^2 pairs, and the output mixes `v1_a * v2_b`. Decoding
-# needs a cache, and there are two ways to keep it:
+# An ordinary attention query scores single tokens. A **tensor attention** query scores *pairs* of tokens:
+# every token carries two keys and two values, and one softmax runs over all pairs of cached tokens. With
+# $T$ cached tokens of $d$ numbers per head, the cache can be kept in two ways:
 #
-# * **four matrices** `K1, K2, V1, V2` ($4nd$ numbers), the pairs formed when needed;
-# * **two matrices** `K~ = K1 (/) K2`, `V~ = V1 (/) V2` holding every pair row ($2n^2d$ numbers).
+# * **four matrices**: every token's two keys and two values, $4Td$ numbers; the pairs are formed when needed;
+# * **two matrices**: one key row and one value row for every *pair* of tokens, about $2T^2d$ numbers.
 #
-# The paper proves memory lower bounds for both when d >= C log n (Omega(n d) bits given four matrices,
-# Omega(n^2 d) bits given two, Theorems 4.1/4.2; the second is about arbitrary pair rows, not rows built
-# from n tokens' factors) and says the two-matrix cache is faster by Omega(n^2 d) per step (Theorem 4.3).
+# Chen et al. prove that neither layout compresses much (Theorems 4.1 and 4.2: $\Omega(Td)$ bits given four
+# matrices, $\Omega(T^2d)$ given two, the second for arbitrary pair rows rather than rows built from $T$
+# tokens' keys and values) and that the two-matrix cache is faster, by $\Omega(T^2d)$ time a decode step
+# (Theorem 4.3). This lesson asks: **what does each layout cost on a real machine, and does attending to
+# pairs pay off on a task that needs them?**
 #
 # **You will learn**
 #
-# 1. the definition written by hand (pair scores, one softmax over all pairs) and checked against the
-#    library; three ways of computing one decode step agree (and reduce to ordinary attention when
-#    `k2 = v2 = 1`);
-# 2. a tensor-attention decoder: the same nanollm model, another attention module, three cache layouts;
-# 3. the trade-off measured: memory grows like n vs n^2, but time per step like n^2 for *every* path,
-#    so the claimed speed gap only holds against a four-matrix cache that rebuilds the pairs each step;
-# 4. a task where pairs matter (Match3): a trained tensor model vs a standard one of the same size.
+# 1. tensor attention written by hand, checked against the library, and three ways of computing one decode
+#    step that give the same output;
+# 2. a decoder built on it, whose three cache layouts produce the same tokens;
+# 3. the trade-off measured: memory grows like $T$ against $T^2$, but the time of a step grows far faster than
+#    $T$ on every path;
+# 4. a task where pairs matter (Match3): a trained tensor model against a standard one of the same size.
 #
-# Its lab takes the paper's other claims further: the memory lower bound run as an experiment, an
-# approximate cache (SubGen), and dropping tokens against dropping pairs.
-#
-# Code: `methods/tensor_attention/attention.py` (the module and the caches), `methods/tensor_attention/bench.py`
-# (the measurement), `methods/tensor_attention/match3.py` (task, training, checkpoints). Section 1 writes the
-# pair scores and their softmax by hand; the rest imports the library.
+# The library: `methods/tensor_attention/attention.py` (the module and the caches), `bench.py` (the
+# measurement) and `match3.py` (the task and its two models) in the same folder.
 
-# %%
-import os
-import sys
-
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-if not os.path.isdir("methods") and os.path.isdir(os.path.join("..", "methods")):
-    sys.path.insert(0, os.path.abspath(".."))      # opened from notebooks/: make the repo importable
-
-import math
-
-import matplotlib.pyplot as plt
-import matplotlib.ticker
-import torch
-
-from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import print_mode
-from methods.tensor_attention import (
-    LAYOUTS,
-    TENSOR_ATTENTION,
-    four_cache_attention,
-    kron_rows,
-    match3,
-    naive_four_cache_attention,
-    pair_scores,
-    pair_softmax,
-    tensor_cache,
-    two_cache_attention,
-)
-from methods.tensor_attention.bench import measure, table
-from nanollm import generate
-from nanollm.attention import attend
-from nanollm.config import preset
-from nanollm.generation import decode_step, extend, prefill
-from nanollm.model import Transformer
-
-torch.set_num_threads(1)                           # tiny tensors: one thread is fastest and least noisy
-LENGTHS = [16, 32, 64, 128] if TINY else [32, 64, 128, 256, 512, 1024]   # section 3
-EVAL_SEQUENCES = 200 if TINY else 2000             # section 4
-print(f"tiny mode: {TINY}")
-print_mode(TINY)                                   # quick mode: the text describes another run
+# %% tags=["setup"]
+from preamble import TINY  # noqa: I001 (the repository importable before any other import)
 
 # %% [markdown]
 # ## 1. One decode step, built by hand
 #
-# In tensor attention a query scores *pairs* of cached tokens: the pair (a, b) gets the inner product of
-# the query with the elementwise product of token a's first key and token b's second key, one softmax
-# runs over all n^2 pairs at once (not row by row), and the output mixes the elementwise products of the
-# two values. For the query `q` of one decode step over n cached tokens (Chen et al., Definition 3.6;
-# `scale = 1/sqrt(d)`):
+# The symbols of this lesson: the course's shared ones (`notebooks/README.md`) and its own.
 #
-# $$S[a, b] = \mathrm{scale}\,\big\langle q,\; K_1[a] \odot K_2[b] \big\rangle, \qquad
-#   P = \operatorname{softmax}_{(a, b)}(S), \qquad
-#   o = \sum_{a, b} P[a, b]\; V_1[a] \odot V_2[b].$$
+# | symbol | meaning | in the code |
+# |---|---|---|
+# | $T$ | tokens in the cache (the paper's $n$) | `n` |
+# | $t$ | the current step: the position of the query's token | `t` |
+# | $d$ | numbers per head | `d` |
+# | $q_t$ | the query of step $t$, $d$ numbers | `q` |
+# | $K_1$, $K_2$ | a head's two keys per token, $T \times d$ each; $K_1[a]$ is token $a$'s first key | `K1`, `K2` |
+# | $V_1$, $V_2$ | a head's two values per token, $T \times d$ each | `V1`, `V2` |
+# | $a$, $b$ | the positions of the two tokens of a pair, $0 \le a, b < T$ | `a`, `b` |
+# | $\odot$ | elementwise product (a vector and a matrix: the vector times each row) | `*` |
+# | $Z_{ab}$ | the score of the pair $(a, b)$; $Z$ is $T \times T$ | `S`, `pair_scores` |
+# | $P_{ab}$ | the attention weight of the pair: one softmax over all $T^2$ pairs | `P`, `pair_softmax` |
+# | $o_t$ | the head's output at step $t$, $d$ numbers | `factored`, `naive`, `two` |
+# | $\tilde K$ | the pair keys, $T^2 \times d$: row $(a, b)$ is $K_1[a] \odot K_2[b]$ | `kron_rows`, `Kt` |
+# | $\tilde V$ | the pair values, $T^2 \times d$: row $(a, b)$ is $V_1[a] \odot V_2[b]$ | `kron_rows`, `Vt` |
 #
-# The scores and the softmax, written out with two loops for one query on a random toy (n = 50 tokens,
-# d = 16), against the library's `pair_scores` (which never forms the n^2 x d products) and `pair_softmax`:
+# Tensor attention for one query (Chen et al., Definition 3.6; the scaling by $1/\sqrt d$ is ours, as in
+# ordinary attention):
+#
+# $$Z_{ab} = \frac{\big\langle q_t,\; K_1[a] \odot K_2[b] \big\rangle}{\sqrt d}, \qquad
+#   P = \operatorname{softmax}_{(a, b)}(Z), \qquad
+#   o_t = \sum_{a=0}^{T-1} \sum_{b=0}^{T-1} P_{ab}\; V_1[a] \odot V_2[b].$$
+#
+# The softmax runs over all $T^2$ pairs at once, not row by row. A random toy of one head, 50 tokens of 16
+# numbers, in float64 so that two ways of computing agree to rounding:
 
 # %%
+import math
+
+import torch
+
 g = torch.Generator().manual_seed(0)
 n, d = 50, 16
-K1, K2, V1, V2 = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) for _ in range(4))   # (batch, head, n, d)
+K1, K2, V1, V2 = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) for _ in range(4))   # (1, 1, n, d)
 q = torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64)                                   # one query
 scale = 1 / math.sqrt(d)
+
+# %% [markdown]
+# The scores and their softmax, written with two loops, against the library's `pair_scores` (which never
+# forms the $T^2 \times d$ products) and `pair_softmax`:
+
+# %%
+from methods.tensor_attention import pair_scores, pair_softmax
 
 
 # BEGIN SOLUTION [tensor_attention:pair_softmax] score each pair (a, b) in two loops, then ONE softmax over all n^2
@@ -121,16 +105,27 @@ print(f"{n * n} pairs: scores and probabilities by hand equal the library's; the
       f"{P_hand.sum():.3f} over all pairs, and the largest row sum is {P_hand.sum(1).max():.3f}")
 
 # %% [markdown]
-# The library computes the same numbers in three ways, two of them without loops (Definition 3.1 defines
-# `kron_rows(K1, K2)`, one row `K1[a] * K2[b]` per pair):
+# The library computes $o_t$ in three ways, none with loops:
 #
-# * **naive four-matrix**: build `K1 (/) K2` and `V1 (/) V2` (n^2 rows each), then ordinary attention over
-#   the pair rows. This is what Theorem 4.3 charges the four-matrix cache at every step.
-# * **factored four-matrix**: `S = (K1 * q) @ K2^T` is the n x n score matrix, and
-#   `o = sum_a V1[a] * (P @ V2)[a]`; nothing of size n^2 d is ever formed.
-# * **two-matrix**: the pair rows are already stored; ordinary attention over them.
+# * **naive four-matrix**: build $\tilde K = K_1 \oslash K_2$ and $\tilde V = V_1 \oslash V_2$ from the four
+#   matrices ($T^2$ rows each; $\oslash$ is Definition 3.1's column-wise Kronecker product, the library's
+#   `kron_rows`), then ordinary attention over the pair rows. This is what Theorem 4.3 charges the
+#   four-matrix cache at every step.
+# * **factored four-matrix**: a pair's score is $\sum_j q_j K_1[a]_j K_2[b]_j / \sqrt d$ ($j$ runs over the $d$
+#   coordinates), so the whole score matrix and the output factor into two matrix products, and nothing of
+#   size $T^2 d$ is ever formed:
+#
+#   $$Z = \frac{(K_1 \odot q_t)\, K_2^\top}{\sqrt d}, \qquad o_t = \sum_{a=0}^{T-1} \big(V_1 \odot (P\,V_2)\big)[a].$$
+#
+# * **two-matrix**: the pair rows $\tilde K$, $\tilde V$ are already stored; ordinary attention over them.
+#
+# The three agree, and with second keys and values of ones ($K_2 = V_2 = 1$) tensor attention is nanollm's
+# ordinary attention (lesson 00's `attend`) over $K_1$, $V_1$:
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
+from methods.tensor_attention import four_cache_attention, kron_rows, naive_four_cache_attention, two_cache_attention
+from nanollm.attention import attend
+
 naive = naive_four_cache_attention(q, K1, K2, V1, V2, scale)
 factored = four_cache_attention(q, K1, K2, V1, V2, scale)
 two = two_cache_attention(q, kron_rows(K1, K2), kron_rows(V1, V2), scale)
@@ -138,33 +133,50 @@ print(f"fp64, n = {n}: |naive - factored| = {(naive - factored).abs().max():.1e}
       f"|two - factored| = {(two - factored).abs().max():.1e}")
 
 ones = torch.ones_like(K2)
-standard, _, _ = attend(q, K1, V1, torch.tensor([n - 1]), torch.arange(n).expand(1, 1, n))
+standard, _, _ = attend(q, K1, V1, torch.tensor([n - 1]), torch.arange(n).expand(1, 1, n))   # query at n - 1
 print(f"k2 = v2 = 1: |tensor attention - nanollm's standard attention| = "
       f"{(four_cache_attention(q, K1, ones, V1, ones, scale) - standard).abs().max():.1e}")
 
 # %% [markdown]
-# Why the ones reduce it: with `k2_b = 1` every pair (a, b) scores `<q, k1_a>`, so the softmax over the
-# n^2 pairs is the ordinary softmax over a, spread evenly over b; with `v2_b = 1` the output is
-# `sum_a p_a v1_a`. The module uses this: its second key and value are `1 + projection(x)`, so a freshly
-# initialised layer (projections near zero) starts as ordinary attention and learns to use pairs.
+# Why the ones reduce it: with $K_2[b] = 1$ every pair $(a, b)$ scores $\langle q_t, K_1[a]\rangle/\sqrt d$,
+# so the softmax over the $T^2$ pairs is the ordinary softmax over $a$, spread evenly over $b$; with
+# $V_2[b] = 1$ the output is that softmax's weighted sum of the rows of $V_1$. The module uses this: its
+# second key and value are `1 + projection(x)`, so a freshly initialised layer (projections near zero)
+# starts as ordinary attention and learns to use pairs.
 
 # %% [markdown]
 # ## 2. A tensor-attention decoder
 #
-# The module plugs into the nanollm decoder through `ModelConfig.attention`; norms, MLP, embeddings and
-# generation are the same code as for every other model in this repository. Rotary embeddings do not give
-# pair scores that depend only on distances (`<R_t q, R_a k1 * k2_b>` is not a function of `t - a`), so the
-# tensor model uses learned absolute positions (the GPT-2 flavour). The cache layout is chosen per cache:
-# `tensor_cache(config, "four" | "four-naive" | "two")`.
+# The module plugs into lesson 00's nanollm decoder through `ModelConfig.attention`; norms, MLP, embeddings
+# and generation are the same code as for every other model of the course. Rotary embeddings (RoPE, lesson
+# 00) rotate a query and a key by their positions so that a score depends only on their distance; with a
+# pair of keys that no longer holds (the elementwise product with the second key breaks the rotation), so
+# the tensor model uses learned absolute positions (the GPT-2 flavour). A toy decoder with random weights,
+# larger than at initialisation so that pairs matter:
 
-# %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
+# %%
+from methods.tensor_attention import LAYOUTS, TENSOR_ATTENTION, tensor_cache
+from nanollm.config import preset
+from nanollm.model import Transformer
+
 config = preset("TINY_GPT2", attention=TENSOR_ATTENTION, max_seq_len=64)
 torch.manual_seed(0)
 model = Transformer(config).eval()
-with torch.no_grad():                              # random weights larger than the init: pairs matter
+with torch.no_grad():
     for p in model.parameters():
         p.normal_(0, 0.3)
-x = torch.randint(0, config.vocab_size, (1, 40), generator=g)
+x = torch.randint(0, config.vocab_size, (1, 40), generator=g)          # one sequence of 40 tokens
+
+# %% [markdown]
+# The cache layout is chosen per cache: `tensor_cache(config, layout)`, with `layout` a name from
+# `LAYOUTS`: `"four"` (factored), `"four-naive"` or `"two"`. Each layout runs lesson 00's cached path
+# (`prefill` the first 20 tokens, `extend` by 10, then 10 single `decode_step`s) and is compared with the
+# uncached forward pass, which computes every query at once; then greedy generation through each layout:
+
+# %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
+from nanollm import generate
+from nanollm.generation import decode_step, extend, prefill
+
 with torch.no_grad():
     full = model(x)                                # the training path: all queries at once, causal pairs
     for layout in LAYOUTS:
@@ -180,83 +192,96 @@ print("greedy tokens identical for every layout:", all(torch.equal(t, tokens[0])
 # %% [markdown]
 # ## 3. The trade-off, measured
 #
-# One layer (4 heads x 16 dims, fp32) filled with i random tokens, then decode steps (append the new
-# token's rows, attend with its query) on each path. Left: stored bytes. Right: time per step, the median
-# of 7 steps, slopes fitted over the longer half of the lengths.
+# `measure` (from `methods/tensor_attention/bench.py`) fills one layer (4 heads of 16 numbers, fp32) with
+# $T$ random tokens, then runs 7 decode steps on each path (append the new token's rows, attend with its
+# query) and records the bytes stored and the median time of a step. Both are drawn on log-log axes, where
+# growth like $T$ is a line of slope 1 and growth like $T^2$ a line of slope 2; the legends give the slopes,
+# fitted over all lengths for memory and over the longer half for time.
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
-timing = measure(LENGTHS)
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-for k, style in (("four", "o-"), ("two", "s-")):
-    ax1.loglog(timing["lengths"], [b / 2**20 for b in timing[k]["bytes"]], style,
+import matplotlib.pyplot as plt
+
+from methods.tensor_attention.bench import measure, table
+
+lengths = [16, 32, 64, 128] if TINY else [32, 64, 128, 256, 512, 1024]
+timing = measure(lengths)             # per path: bytes stored, ms per step and its quartiles, at each length
+colour = {"four-naive": "tab:red", "four": "tab:blue", "two": "tab:orange"}
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6))
+for k in ("four", "two"):
+    ax1.loglog(lengths, [b / 2**20 for b in timing[k]["bytes"]], "o-", color=colour[k],
                label=f"{k}-matrix (slope {timing[k]['bytes_slope']:.2f})")
-ax1.set(xlabel="tokens i", ylabel="stored MiB (one layer)", title="memory: 4 i d  vs  2 i^2 d + 4 i d")
-for k, style in (("four-naive", "^-"), ("four", "o-"), ("two", "s-")):
-    ax2.loglog(timing["lengths"], timing[k]["ms"], style, label=f"{k} (slope {timing[k]['time_slope']:.2f})")
-    ax2.fill_between(timing["lengths"], *zip(*timing[k]["iqr_ms"]), alpha=0.2)      # quartiles of the steps
-ax2.set(xlabel="tokens i", ylabel="ms per decode step", title="time per decode step")
+ax1.set(xlabel="tokens T", ylabel="stored MiB (one layer)", title="memory")
+for k in ("four-naive", "four", "two"):
+    ax2.loglog(lengths, timing[k]["ms"], "o-", color=colour[k], label=f"{k} (slope {timing[k]['time_slope']:.2f})")
+    ax2.fill_between(lengths, *zip(*timing[k]["iqr_ms"]), color=colour[k], alpha=0.2)   # quartiles of the steps
+ax2.set(xlabel="tokens T", ylabel="ms per decode step", title="time per decode step")
 for ax in (ax1, ax2):
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_xticks(timing["lengths"])
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-# times vary by machine: label 1, 2 and 5 of every decade so a narrow range still shows readable ticks
-ax2.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
-ax2.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-ax2.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks(lengths, [str(i) for i in lengths])
+    ax.minorticks_off()
 fig.tight_layout()
 plt.show()
-print(table(timing))
-last = -1
-print(f"at i = {timing['lengths'][last]}: two-matrix cache "
-      f"{timing['two']['bytes'][last] / timing['four']['bytes'][last]:.0f}x the bytes of the four-matrix cache; "
-      "naive four / two = "
-      f"{timing['four-naive']['ms'][last] / timing['two']['ms'][last]:.1f}x the time, factored four / two = "
-      f"{timing['four']['ms'][last] / timing['two']['ms'][last]:.2f}x")
 
 # %% [markdown]
-# Memory grows like i for the four-matrix cache and like i^2 for the two-matrix one, and time per step
-# like i^2 on every path. The timings move from run to run (page faults on fresh buffers, a shared CPU;
-# `python -m methods.tensor_attention.bench` gives another draw each time), so read the slopes and the
-# orders of magnitude printed above, not their second digit:
+# The figure shows, for one layer, the bytes each cache stores (left) and the time of one decode step on
+# each path (right), against the number of cached tokens $T$. Blue is the four-matrix cache attended the
+# factored way, red the same cache with the pair rows rebuilt at every step (naive), orange the two-matrix
+# cache; the shaded band around each time curve spans the quartiles of its 7 timed steps (where a band is
+# wide, that length's time moved with the machine's load). The table gives the numbers:
+
+# %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
+print(table(timing))
+last = -1
+print(f"at T = {lengths[last]}: two-matrix cache "
+      f"{timing['two']['bytes'][last] / timing['four']['bytes'][last]:.0f}x the bytes of the four-matrix cache; "
+      f"naive four / two = {timing['four-naive']['ms'][last] / timing['two']['ms'][last]:.1f}x the time, "
+      f"factored four / two = {timing['four']['ms'][last] / timing['two']['ms'][last]:.2f}x")
+
+# %% [markdown]
+# Timings move from run to run (a shared CPU; `python -m methods.tensor_attention.bench` gives another draw),
+# so read the slopes and the orders of magnitude, not the second digit:
 #
-# * **Memory**: slope 1.00 for the four-matrix cache and 1.98 for the two-matrix one (its 4 i d of factors
-#   bend the line just below 2). At 1024 tokens the two-matrix cache is 513x larger: (2 i^2 + 4 i) d
-#   against 4 i d (525312 KiB against 1024 KiB).
-# * **Time**: every path's fitted slope is well above 1: no layout escapes the i^2 d arithmetic of
-#   scoring every pair. A slope above 2 means a pair costs more at the longest lengths than at the short
-#   ones: there the step's matrices outgrow the CPU's caches and their numbers come from main memory. The
-#   bands are the quartiles of the 7 timed steps; where a band is wide, that length's median moved with
-#   the machine's load.
-# * **Theorem 4.3 holds against the naive path only**: rebuilding both Kronecker products every step is
-#   several times slower than the two-matrix cache at the longest lengths, and the gap between them grows
-#   about like i^2, the Omega(n^2 d) of the theorem.
-# * **The factored four-matrix path beats the two-matrix path** at the longest lengths (the last column
-#   of the table is below 1). Both do about 2 i^2 d multiply-adds per head, but the two-matrix path streams
-#   2 i^2 d stored floats from memory at every step, while the factored path reads 4 i d and works on an
-#   i x i score matrix per head. On this CPU the trade-off "less memory, more time" does not exist: the
-#   four-matrix cache wins on both. (A GPU has other constants; not measured here.)
+# * **Memory**: slope 1.00 for the four-matrix cache and 1.98 for the two-matrix one, which also keeps the
+#   four factor matrices (the next token's pairs need them) and so bends just below 2. At 1024 tokens the
+#   two-matrix cache is 513x larger.
+# * **Time**: every path's fitted slope is well above 1. No layout escapes the $T^2 d$ arithmetic of scoring
+#   every pair. A slope above 2 means that a step got dearer per pair at the longer lengths: its matrices
+#   outgrew the CPU's caches, or the machine got busier while those lengths ran (the bands show where).
+# * **Theorem 4.3 holds against the naive path only**: rebuilding $\tilde K$ and $\tilde V$ at every step is
+#   several times slower than the two-matrix cache at the longest lengths, and the gap between the two
+#   ("additive gap" in the table) grows about like $T^2$, the $\Omega(T^2d)$ of the theorem.
+# * **The factored four-matrix path beats the two-matrix path** at every length (the last column is below 1).
+#   Both do about $2T^2d$ multiply-adds a head, but the two-matrix path reads $2T^2d$ stored numbers from
+#   memory at every step, while the factored path reads $4Td$ and works on a $T \times T$ score matrix. On
+#   this CPU the trade-off "less memory, more time" does not exist: the four-matrix cache wins on both.
 
 # %% [markdown]
 # ## 4. Where pairs matter: Match3
 #
-# Sanford et al. (§4) prove that Match3, "does some pair of numbers complete this one to 0 mod M?", needs a
-# large standard attention layer, while one tensor head computes it. `methods/tensor_attention/match3.py` makes it
-# causal and dense: `BOS x_1 L_1 x_2 L_2 ...`, where `L_i` says whether `x_a + x_b + x_i = 0 (mod 32)` for some
-# `a <= b <= i`. Two bundled models, trained with the same budget (3000 steps, the curves printed below) by
-# `python -m methods.tensor_attention.match3 train --attention tensor|standard`: a tensor-attention decoder and a
-# standard one with the same number of parameters (its MLP is wider by the two extra projections' worth). Same
-# parameters and steps, not the same compute: a tensor layer costs O(T^3) per sequence, a standard one O(T^2). One
-# seed each, and a learning rate tuned for neither. Sanford et al.'s lower bound is for a single standard layer;
-# this baseline has two layers and MLPs, so the comparison tests more than the theorem.
+# Sanford et al. (§4) prove that Match3, "does some pair of numbers complete this one to 0 modulo M?", needs
+# a large standard attention layer, while one tensor head computes it. `match3.py` makes it causal and dense: a
+# sequence `BOS x_1 L_1 x_2 L_2 ...` of 12 numbers $x_i$ between 0 and 31, where the label `L_i` is YES if
+# $x_a + x_b + x_i = 0 \pmod{32}$ for some $a \le b \le i$, else NO. A model reads $x_i$ and predicts `L_i`.
+#
+# Two bundled models were trained with the same budget (3000 steps; the curves are printed below): a
+# tensor-attention decoder and a standard one with the same number of parameters (its MLP is wider by the two
+# extra projections' worth). Same parameters and steps, not the same compute: a tensor layer costs $O(T^3)$ a
+# sequence, a standard one $O(T^2)$. One seed each, and a learning rate tuned for neither. Sanford et al.'s
+# lower bound is for one standard layer; this baseline has two layers and MLPs, so the comparison tests more
+# than the theorem. The *majority baseline* guesses, at each position, the label that is more frequent there.
+# Accuracy is measured teacher-forced (the model sees the true earlier labels) and greedy (it reads its own
+# earlier labels, decoding through the cache); "card" is the accuracy the checkpoint recorded when trained.
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
+from methods.tensor_attention import match3
+
+n_eval = 200 if TINY else 2000                    # fresh sequences to evaluate on
 tensor_model, tensor_card = match3.load("match3-tensor")
 standard_model, standard_card = match3.load("match3-standard")
 baseline = match3.majority_baseline()
 for name, m, card in (("tensor", tensor_model, tensor_card), ("standard", standard_model, standard_card)):
-    r4 = match3.evaluate(m, n_seq=EVAL_SEQUENCES)
+    r4 = match3.evaluate(m, n_seq=n_eval)
     print(f"{name:>8} attention, {m.num_params():,} parameters: label accuracy {r4['accuracy']:.3f} "
           f"(teacher-forced), {r4['greedy_accuracy']:.3f} (greedy, reading its own labels); "
           f"majority-per-position baseline {baseline:.3f}; card: {card['accuracy']:.3f}")
@@ -264,52 +289,67 @@ for name, m, card in (("tensor", tensor_model, tensor_card), ("standard", standa
           + ", ".join(f"{h['step']}: {h['accuracy']:.3f}" for h in card["history"]))
 
 # %% [markdown]
-# Accuracy by position: early positions are easy (few pairs: mostly NO), late ones too (many pairs: mostly
-# YES); the middle is where a model must actually find the pair.
+# Accuracy by position, with 95% intervals (Wilson's, for a proportion): early positions are easy (few
+# pairs: mostly NO), late ones too (many pairs: mostly YES); the middle is where a model must find the pair.
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
-ids, targets = match3.batch(EVAL_SEQUENCES, match3.N_NUMBERS, seed=10**6)
-fig, ax = plt.subplots(figsize=(7, 3.5))
+from methods.evaluation.intervals import wilson
+
+ids, targets = match3.batch(n_eval, match3.N_NUMBERS, seed=10**6)
 truth = ids[:, 2::2]                                        # (sequences, numbers): the true labels
 yes = (truth == match3.YES).float().mean(0)
+majority = torch.maximum(yes, 1 - yes)                      # the majority guess's accuracy at each position
 positions = torch.arange(1, match3.N_NUMBERS + 1)
-ax.plot(positions, torch.maximum(yes, 1 - yes), "k--", label="majority per position")
 right = {}                                                  # (sequences, numbers): label right or wrong
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.plot(positions, majority, "k--", label="majority per position")
 for shift, (name, m) in zip((-0.08, 0.08), (("tensor", tensor_model), ("standard", standard_model))):
     with torch.no_grad():
         right[name] = (m(ids).argmax(-1)[:, 1::2] == truth).float()
-    by_position = right[name].mean(0)
-    lo, hi = zip(*(wilson(a, len(ids)) for a in by_position.tolist()))
-    ax.errorbar(positions + shift, by_position, yerr=[by_position - torch.tensor(lo), torch.tensor(hi) - by_position],
-                fmt="o-", capsize=2, label=f"{name} attention")
-    print(f"{name:>8} attention, accuracy by position 1-{match3.N_NUMBERS}: "
-          + " ".join(f"{a:.2f}" for a in by_position.tolist()))
-print("majority per position:         " + " ".join(f"{a:.2f}" for a in torch.maximum(yes, 1 - yes).tolist()))
-ax.set(xlabel="position i of the number", ylabel="label accuracy (95% interval)", title="Match3 (mod 32), by position",
-       xticks=positions.tolist())
-ax.legend()
+    acc = right[name].mean(0)
+    lo, hi = (torch.tensor(v) for v in zip(*(wilson(a, len(ids)) for a in acc.tolist())))
+    ax.errorbar(positions + shift, acc, yerr=[acc - lo, hi - acc], fmt="o-", capsize=2, label=f"{name} attention")
+ax.set(xlabel="position i of the number", ylabel="label accuracy (95% interval)",
+       title="Match3 (mod 32), by position", xticks=positions.tolist())
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
 ax.grid(alpha=0.3)
 plt.show()
+
+# %% [markdown]
+# The figure shows the teacher-forced label accuracy at each of the 12 positions: blue for the tensor model,
+# orange for the standard one, each with its 95% interval as error bars, and the dashed black line for the
+# majority guess. The same numbers follow, then the difference of the two models paired over the same
+# sequences, with its 95% interval (`paired_difference`); `describe` calls it "higher" when the interval lies
+# above 0, "lower" below, "within noise" when it covers 0:
+
+# %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
+from methods.evaluation.intervals import describe, paired_difference
+
+for name in right:
+    print(f"{name:>8} attention, accuracy by position 1-{match3.N_NUMBERS}: "
+          + " ".join(f"{a:.2f}" for a in right[name].mean(0).tolist()))
+print("majority per position:         " + " ".join(f"{a:.2f}" for a in majority.tolist()))
 gap, lo, hi = paired_difference([right["tensor"].mean(1).tolist()], [right["standard"].mean(1).tolist()])
 print(f"tensor - standard label accuracy, paired over the same {len(ids)} sequences: {describe(gap, lo, hi, 3)}")
 
 # %% [markdown]
 # Tensor attention is right more often than standard attention at every position from 3 on, and the gap
 # is in the middle positions, where the majority guess is a coin flip (0.51 at position 6): there the
-# tensor model is right at a rate of 0.92 and the standard one 0.81, at position 7 0.91 vs 0.74. Over all
-# labels of the 2000 fresh sequences (`python -m methods.tensor_attention.match3 eval match3-tensor
-# match3-standard` gives the same), tensor attention scores 0.944, standard attention 0.874 and the
-# majority baseline 0.766; the difference is distinguishable (the paired 95% interval over the sequences,
-# printed above, excludes 0). The standard model is far above the baseline too (two layers and MLPs can
-# check a few pairs), but its training curve stays between 0.864 and 0.872 from step 1800 on, while the
-# tensor model is still climbing at the end of the budget (0.907 at step 1800, 0.946 at step 3000). Both
-# are single runs with one seed: the interval covers the evaluation sequences, not another training run.
+# tensor model is right at a rate of 0.92 and the standard one 0.81, at position 7 0.91 against 0.74. Over
+# all labels of the 2000 fresh sequences, tensor attention scores 0.944, standard attention 0.874 and the
+# majority baseline 0.766; the paired interval excludes 0. The standard model is far above the baseline too
+# (two layers and MLPs can check a few pairs), but its training curve stays between 0.864 and 0.872 from
+# step 1800 on, while the tensor model is still climbing at the end of the budget (0.907 at step 1800, 0.946
+# at step 3000). Both are single runs with one seed: the interval covers the evaluation sequences, not
+# another training run.
 #
 # Greedy decoding through each cache layout gives the same labels (the three paths compute the same
 # numbers, up to float rounding that never flips an argmax here):
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
-xs = torch.tensor([match3.random_numbers(match3.N_NUMBERS, __import__("random").Random(s)) for s in range(64)])
+import random
+
+xs = torch.tensor([match3.random_numbers(match3.N_NUMBERS, random.Random(s)) for s in range(64)])
 decoded = {layout: match3.greedy_labels(tensor_model, xs, layout) for layout in LAYOUTS}
 print("identical labels for every layout:", all(torch.equal(v, decoded["four"]) for v in decoded.values()))
 example = xs[0].tolist()
@@ -320,23 +360,29 @@ print("decoded:", ["Y" if t == match3.YES else "n" for t in decoded["two"][0].to
 # %% [markdown]
 # ## 5. And on the real model?
 #
-# The other method notebooks end with a section on SmolLM2-135M, a pretrained model. This one cannot:
-# tensor attention is a different attention *module*, not a policy over a standard cache, and SmolLM2 was trained with
-# standard softmax attention. Swapping its attention for a tensor one
-# would need a model trained that way (as the Match3 models of section 4 were), and no pretrained tensor-
-# attention model exists that runs here. So the claims of this notebook are measured on the models it
-# trains and bundles, and the README's SmolLM2 table marks them "does not apply".
+# The other method lessons end on SmolLM2-135M, a pretrained model. This one cannot: tensor attention is a
+# different attention *module*, not a policy over a standard cache, and SmolLM2 was trained with standard
+# attention. No pretrained tensor-attention model runs here, so this lesson's claims are measured on the
+# models it trains and bundles.
 
 # %% [markdown]
 # ## Exercises
 #
+# Exercises 1 and 2 check themselves: each answer sits in a collapsed cell under its exercise, to open once
+# you have tried. Exercises 3 and 4 are questions to experiment with.
+#
 # ### Exercise 1: the naive step by hand
 #
-# Section 1 built the pair probabilities; now the naive four-matrix path of Theorem 4.3, without
-# `kron_rows`: build the n^2 pair rows `Kt` and `Vt` of the toy of section 1 (row `a * n + b` holds
-# `K1[a] * K2[b]`, likewise for V), then one ordinary attention of `q` over those rows (scores scaled by
-# `scale`, a softmax, a weighted sum). Call the output `by_hand`, a vector of `d` numbers; the check
-# compares it with `factored` from section 1.
+# Section 1 checked the library's naive four-matrix path; now write it yourself, without `kron_rows`, on
+# the toy of section 1 (`q`, `K1`, `K2`, `V1`, `V2`, `scale`, `n`, `d`; the toy's tensors are
+# `(1, 1, n, d)`, so take `[0, 0]`). Replace the three `None` of the cell below: `Kt` and `Vt`, the $T^2$
+# pair rows, then `by_hand`, one ordinary attention of `q` over them (scores scaled by `scale`, a softmax, a
+# weighted sum). The answer cell compares `by_hand` with `factored` from section 1.
+
+# %%
+Kt = None             # (n * n, d): row a * n + b holds K1[a] * K2[b]
+Vt = None             # (n * n, d): row a * n + b holds V1[a] * V2[b]
+by_hand = None        # (d,): softmax of the n * n scaled scores of q against Kt, times Vt
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
 # BEGIN SOLUTION [tensor_attention] broadcast K1[:, None] * K2[None] to (n, n, d), flatten, softmax(scale Kt q) @ Vt
@@ -352,11 +398,16 @@ print(f"{n * n} pair rows of {d} numbers each; |by_hand - factored| = {(by_hand 
 # %% [markdown]
 # ### Exercise 2: the bytes of the two caches
 #
-# Section 3's table gives the stored bytes of one layer (4 heads x 16 dims, fp32) for each length `i`.
-# Write them as formulas: the four-matrix cache stores `K1, K2, V1, V2` (`4 i d` numbers per head), the
-# two-matrix cache stores the `i^2` pair rows of `K~` and `V~` and, to make the next token's pairs, the
-# four factor matrices as well. Fill `four_bytes` and `two_bytes` (lists, one entry per length of
-# `timing["lengths"]`).
+# Section 3's table gives the bytes one layer stores at each length. Write them as formulas in the length `i`
+# (the $T$ of the math): the four-matrix cache stores $K_1$, $K_2$, $V_1$, $V_2$ for each of the 4 heads; the
+# two-matrix cache stores the pair rows of $\tilde K$ and $\tilde V$ and, to form the next token's pairs, the
+# four factor matrices as well. Replace the two `None` below by lists, one entry for each `i` in
+# `timing["lengths"]`.
+
+# %%
+HEADS, DIM, FP32 = 4, 16, 4     # section 3's layer: 4 heads of d = 16 numbers, 4 bytes a number
+four_bytes = None               # [bytes of the four-matrix cache for i in timing["lengths"]]
+two_bytes = None                # [bytes of the two-matrix cache for i in timing["lengths"]]
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
 # BEGIN SOLUTION [tensor_attention] per head: 4 i d factor numbers, plus 2 i^2 d pair-row numbers for two; 4 bytes each
@@ -373,29 +424,24 @@ print("the formulas give every measured byte count")
 # %% [markdown]
 # ### Exercise 3: is the naive path memory-bound?
 #
-# Time a decode step with the naive path at i = 1024 and count its bytes moved: it builds two n^2 d
-# matrices per step. Is it memory-bound? Compare with the two-matrix path, which *reads* as many bytes.
+# At every step the naive path builds $\tilde K$ and $\tilde V$, two $T^2 \times d$ matrices, and then reads
+# them. Count the bytes it writes and reads at $T$ = 1024 for the layer of section 3, divide by its time a
+# step from the table, and compare that rate with what your machine's memory can move. Do the same for the
+# two-matrix path, which reads as many stored bytes at every step: which of the two is limited by memory?
 #
-# ### Exercise 4: a pair-level heavy-hitter policy
+# ### Exercise 4: a longer training budget
 #
-# Token eviction on a four-matrix cache removes whole rows *and columns* of the score matrix S; the
-# two-matrix cache can drop single pairs. Write a pair-level "heavy hitter" policy for `TwoCache` (keep the
-# pairs with the largest accumulated attention) and compare its error with token eviction at the same
-# number of stored bytes (the lab's section 3 does it with an oracle).
-#
-# ### Exercise 5: a longer training budget
-#
-# Train `python -m methods.tensor_attention.match3 train --attention standard --steps 10000 --out runs/m3-long`:
-# does a longer budget let standard attention catch up at this size? What about `n_layer=4`?
-#
-# ### Exercise 6: a larger modulus
-#
-# Change the modulus `M` in `methods/tensor_attention/match3.py` to 64: which model degrades first?
+# Train the standard model for longer,
+# `python -m methods.tensor_attention.match3 train --attention standard --steps 10000 --out runs/m3-long`,
+# then compare it with the tensor model:
+# `python -m methods.tensor_attention.match3 eval runs/m3-long match3-tensor`. Does a longer budget let
+# standard attention catch up at this size? Section 4's training curves are a first clue.
 
 # %% [markdown]
 # **Go further**: [labs/03_tensor_attention_bounds.ipynb](labs/03_tensor_attention_bounds.ipynb) runs the
 # memory lower bound of Theorem 4.1 as an Index-problem experiment, measures SubGen's error against its
-# memory, and compares dropping tokens with dropping pairs on the Match3 model at equal bytes.
+# memory, and compares dropping tokens with dropping pairs on the Match3 model at equal bytes (a pair-level
+# eviction policy a two-matrix cache allows and a four-matrix one does not).
 
 # %%
 from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
