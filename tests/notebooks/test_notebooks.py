@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -50,20 +52,44 @@ def test_notebook_matches_its_py_source(path: Path) -> None:
 FIGURE_RULES = build.FIGURE_RULES.read_text()
 
 
-@pytest.mark.parametrize("path", IPYNBS, ids=lambda p: str(p.relative_to(NOTEBOOKS)))
-def test_notebook_runs_in_tiny_mode(path: Path) -> None:
-    """The notebook runs in tiny mode, and every figure it draws keeps ``figure_rules.py``'s rules."""
+def tiny_run(path: Path) -> tuple[nbformat.NotebookNode, BaseException | None, float]:
+    """``path`` run in tiny mode with the figure rules, as a normal build runs them: (the notebook with its
+    outputs, the error that stopped it or None, seconds)."""
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
-    with build.figure_rules(nb):                                # the rules' cells, as a normal build runs them
-        build.execute(nb, tiny=True, timeout=CELL_TIMEOUT_S, folder=path.parent)     # raises on the first error
+    try:
+        with build.figure_rules(nb):
+            build.execute(nb, tiny=True, timeout=CELL_TIMEOUT_S, folder=path.parent)
+    except Exception as e:                                       # raised again by the notebook's own test
+        return nb, e, time.perf_counter() - t0
+    return nb, None, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(request) -> dict:
+    """Every notebook the session's tiny-mode tests name, run at once, one kernel per core (a kernel computes on
+    one thread), the longest first: the notebooks are most of the slow tier's time, and a core each halves it
+    on two. Each test then checks its own notebook's run."""
+    chosen = [item.callspec.params["path"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_notebook_runs_in_tiny_mode"]
+    runs = json.loads(build.RECORD.read_text())
+    chosen.sort(key=lambda p: -runs.get(build.name_of(p.with_suffix(".py")), {}).get("run_s", 0))
+    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(chosen)))) as pool:
+        return dict(zip(chosen, pool.map(tiny_run, chosen)))
+
+
+@pytest.mark.parametrize("path", IPYNBS, ids=lambda p: str(p.relative_to(NOTEBOOKS)))
+def test_notebook_runs_in_tiny_mode(path: Path, tiny_runs) -> None:
+    """The notebook runs in tiny mode, and every figure it draws keeps ``figure_rules.py``'s rules."""
+    nb, error, seconds = tiny_runs[path]
+    if error is not None:
+        raise error
     assert not build.error_outputs(nb)
     first_code = next(cell for cell in nb.cells if cell.cell_type == "code")
-    assert 'TINY = os.environ.get("NANOLLM_TINY") == "1"' in first_code.source
     printed = "".join(out.get("text", "") for out in first_code.outputs)
     assert QUICK_MODE in printed, f"{path.name}: the first cell must say, in quick mode, that the text describes " \
-                                  "another run (print_mode(TINY))"
-    print(f"{path.name}: {time.perf_counter() - t0:.1f} s in tiny mode")
+                                  "another run (notebooks/preamble.py does)"
+    print(f"{path.name}: {seconds:.1f} s in tiny mode")
 
 
 @pytest.mark.parametrize("path", build.sources(), ids=lambda p: str(p.relative_to(NOTEBOOKS)))
