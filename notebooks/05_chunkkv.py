@@ -6,9 +6,9 @@
 #
 # Token-level selection ranks every token on its own. A fact in the context ("the special magic number
 # for calm-otter is: `4821733`") is several tokens, and a ranking can keep some of them and drop others:
-# the key survives, the value's digits do not. ChunkKV ranks **chunks** of `c` consecutive tokens by the
-# sum of their votes and keeps whole chunks (Algorithm 1); and because the kept sets of adjacent layers
-# then look alike, a layer can reuse the indices of the layer before it (Algorithm 2).
+# the key survives, the value's digits do not. ChunkKV ranks **chunks** of consecutive tokens by the sum of
+# their votes and keeps whole chunks (Algorithm 1); and because the kept sets of adjacent layers then look
+# alike, a layer can reuse the indices of the layer before it (Algorithm 2).
 #
 # **You will learn**
 #
@@ -17,63 +17,59 @@
 # 3. whether adjacent layers keep similar sets, the observation behind index reuse;
 # 4. whether whole chunks answer better than single tokens with the same votes on a real model, SmolLM2-135M.
 #
-# Code: `methods/chunkkv.py` (the method), `methods/evaluation/viz.py` (the pictures),
-# `methods/evaluation/compare.py` (the evaluation loop). Apart from the cell that builds Algorithm 1, this
-# notebook only imports them.
+# The method's code is `methods/chunkkv.py`; apart from the cell that builds Algorithm 1, this notebook only
+# imports the library.
 
-# %%
-import os
-import sys
+# %% tags=["setup"]
+from preamble import TINY
 
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-if not os.path.isdir("methods") and os.path.isdir(os.path.join("..", "methods")):
-    sys.path.insert(0, os.path.abspath(".."))      # opened from notebooks/: make the repo importable
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # section 4 runs 2 threads: on a busy machine, threads that
-                                                   # spin while they wait for each other take ten times longer
+from nanollm import load
 
-import matplotlib.pyplot as plt
-import torch
-from matplotlib import ticker
-from matplotlib.patches import Patch
-
-from methods import make_policy
-from methods.analysis.layer_similarity import adjacent_layer_jaccard, kept_positions
-from methods.chunkkv import chunk_keep_mask
-from methods.evaluation.compare import Variant, run
-from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import kept_mask, kept_text, needle_spans, plot_kept, print_mode
-from nanollm import KVCache, generate, load, prefill
-from nanollm.data.evaluate import MODES
-from nanollm.data.tasks import make_sample
-
-torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
 model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter model, 4 layers, 2 KV heads
-LENGTH = 256 if TINY else 512                      # tokens per sample
-SAMPLES = 1 if TINY else 10                        # samples per task and mode (accuracy and KL)
-ABLATION_SAMPLES = 1 if TINY else 5                # samples per task and mode in the ablations
-TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
-print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, {LENGTH} tokens")
-print_mode(TINY)                                   # quick mode: the text describes another run
 
 # %% [markdown]
 # ## 1. Algorithm 1: whole chunks, ranked by their summed votes
 #
-# ChunkKV scores tokens as SnapKV does: the vote $s_j$ of token $j$ is the attention it receives from the
-# queries of the observation window (the last $w$ prompt tokens), summed over those queries and, for one
-# index set per layer, over the layer's KV heads. It then cuts the positions into a fixed grid of chunks of
-# $c$ tokens, scores each chunk by the sum of its votes, and keeps whole chunks, best first, while they fit in
-# the room the budget $B$ leaves beside the protected window (the paper's §3, Algorithm 1):
+# ChunkKV scores tokens as SnapKV does (notebook 01): the queries of the observation window vote for the
+# earlier tokens by the attention they give them. It cuts the positions into a fixed grid of chunks, scores
+# each chunk by its summed votes, and keeps whole chunks, best first, while they fit in the room the budget
+# leaves beside the window (the paper's §3, Algorithm 1). The symbols (the course's shared table in
+# `notebooks/README.md`, and this lesson's own):
 #
-# $$S_k \;=\; \sum_{j \,:\, \lfloor \mathrm{pos}_j / c \rfloor = k} s_j, \qquad
+# | symbol | meaning | in the code |
+# |---|---|---|
+# | $T$ | tokens of the prompt | `T` |
+# | $n$ | a token's position, $0 \le n < T$ | the index into `votes` |
+# | $t$ | a voting query's position, one of the last $w$ | in the library's scorer |
+# | $H_{kv}$, $g$ | a layer's KV heads, and one of them | `n_kv_head` |
+# | $G$, $h \in g$ | the query heads that read KV head $g$, and one of them | in the library's scorer |
+# | $a^{h}_{t,n}$ | attention weight of query $t$ on token $n$ in query head $h$ | in the library's scorer |
+# | $w$ | the observation window: the last $w$ prompt tokens, whose queries vote; always kept | `window` |
+# | $s_n$ | the vote of token $n$ (one per layer: summed over its heads) | `votes` |
+# | $c$ | tokens per chunk | `c` (the library's `chunk_size`) |
+# | $k$, $\mathcal{C}_k$ | a chunk, and its positions $kc, \dots, kc + c - 1$ | `k`, `chunks[k]` |
+# | $S_k$ | the score of chunk $k$ | `S` |
+# | $B$ | the budget: tokens kept per layer and KV head, the window included | `budget`, `BUDGET` |
+# | $B - w$ | the room: how many tokens the chunks may fill | `room` |
+#
+# $$s_n \;=\; \sum_{g=1}^{H_{kv}} \frac{1}{G} \sum_{h \in g} \; \sum_{t=T-w}^{T-1} a^{h}_{t,n}, \qquad
+#   S_k \;=\; \sum_{n \in \mathcal{C}_k} s_n, \qquad
 #   \text{keep chunks in decreasing order of } S_k \text{ while }
-#   \sum_{\text{kept } k} |\text{chunk}_k| \;\le\; B - w .$$
+#   \sum_{\text{kept } k} |\mathcal{C}_k| \;\le\; B - w .$$
 #
-# In the code, $s_j$ is `scores`, $\lfloor \mathrm{pos}_j / c \rfloor$ is `pos // chunk_size`, $S_k$ is
-# `chunk_score` and $B - w$ is `n_free`. The cell below writes the choice for one head whose tokens are all
-# free, and checks it against the library's `chunk_keep_mask` on a 12-token toy (chunks of 4 with summed votes
-# `.4`, `.5`, `.7`) and on random heads.
+# The sum over $g$ gives one ranking per layer: all KV heads of a layer keep the same chunks. The cell below
+# writes the choice from the votes of the tokens outside the window and checks it on a 12-token toy (chunks
+# of 4 with summed votes `.4`, `.5`, `.7`) against the library's `chunk_keep_mask`, which takes a layer's KV
+# heads at once: `library_keeps` asks it for one head, with the room (`n_free` there), `shared=True` (one
+# ranking per layer) and `remainder="none"` (room too small for a whole chunk stays empty; section 1.1 says
+# what the library does with it by default).
 
 # %%
+import torch
+
+from methods.chunkkv import chunk_keep_mask
+
+
 # BEGIN SOLUTION [chunkkv:chunk_ranking] §3, Algorithm 1, one head: S_k sums a chunk's votes; whole chunks, best first
 def choose_chunks(votes, c, room):
     """The kept positions (sorted) of one head: whole chunks of c tokens, best summed vote first, while they fit."""
@@ -90,7 +86,7 @@ def choose_chunks(votes, c, room):
 
 
 def library_keeps(votes, c, room):
-    """The library's choice for the same head: every token free, no remainder."""
+    """The library's choice for the same head: every token outside the window, no remainder."""
     T = len(votes)
     keep = chunk_keep_mask(votes.view(1, 1, T), torch.arange(T).view(1, 1, T), torch.ones(1, 1, T, dtype=torch.bool),
                            torch.tensor([[room]]), c, shared=True, remainder="none")          # (1, 1, T) bool
@@ -98,7 +94,13 @@ def library_keeps(votes, c, room):
 
 
 toy = torch.tensor([.1, .1, .1, .1, .5, 0, 0, 0, .2, .2, .2, .1])   # 12 votes: 3 chunks of 4
+assert choose_chunks(toy, 4, 9) == library_keeps(toy, 4, 9), f"built {choose_chunks(toy, 4, 9)}"
 print(f"chunks of 4, room for 9 tokens: the toy keeps {choose_chunks(toy, 4, 9)} (chunk 2, then chunk 1)")
+
+# %% [markdown]
+# The same check on 200 random heads, where the number of tokens, the chunk size and the room vary:
+
+# %% tags=["needs:chunk_ranking"]
 gen = torch.Generator().manual_seed(0)
 cases = [(toy, 4, 9), (toy, 1, 9), (toy, 5, 9)]
 for _ in range(200):                                                  # random heads: T, c and room vary
@@ -117,36 +119,39 @@ print(f"the built choice equals the library's on {len(cases)} heads (the toy, th
 # tokens elsewhere. Room for 8 tokens, chosen by the library one token at a time (`c = 1`) and in chunks of 4.
 
 # %% tags=["needs:chunk_ranking"]
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
 needle = torch.tensor([.01, .10, .02, .01, .02, .09, .01, .02, .05, .30, .25, .07,    # 24 votes: the key at 8-10,
                        .06, .05, .04, .02, .01, .02, .11, .01, .01, .04, .01, .09])   # its value's digits at 11-14
 T, ROOM, KEY, VALUE = len(needle), 8, (8, 11), (11, 15)
 fig, axes = plt.subplots(2, 1, figsize=(10, 4.6), sharex=True, sharey=True, layout="constrained")
 for ax, c in zip(axes, [1, 4]):
-    keep = chunk_keep_mask(needle.view(1, 1, T), torch.arange(T).view(1, 1, T), torch.ones(1, 1, T, dtype=torch.bool),
-                           torch.tensor([[ROOM]]), c, shared=True, remainder="none")[0, 0]      # (T,) bool
+    keep = torch.tensor(library_keeps(needle, c, ROOM))                # the kept positions
     ax.axvspan(KEY[0] - 0.5, KEY[1] - 0.5, color="orange", alpha=0.25, lw=0)
     ax.axvspan(VALUE[0] - 0.5, VALUE[1] - 0.5, color="red", alpha=0.25, lw=0)
-    ax.bar(range(T), needle, color=["black" if k else "lightgray" for k in keep.tolist()], edgecolor="gray")
+    ax.bar(range(T), needle, color=["black" if n in keep else "lightgray" for n in range(T)], edgecolor="gray")
     for start in range(0, T, c) if c > 1 else []:                     # the chunk grid and each chunk's S_k
         ax.axvline(start - 0.5, color="tab:blue", ls=":", lw=1)
-        ax.text(start + c / 2 - 0.5, 0.33, f"S = {needle[start:start + c].sum():.2f}", ha="center", fontsize=8)
-    digits = int(keep[VALUE[0]:VALUE[1]].sum())
+        ax.text(start + c / 2 - 0.5, 0.33, f"S = {needle[start:start + c].sum():.2f}", ha="center", fontsize=9)
+    digits = sum(int(n in keep) for n in range(*VALUE))
     ax.set(title=f"chunks of {c}: {digits} of the value's 4 digits kept", ylabel="window vote", ylim=(0, 0.38))
 axes[1].set(xlabel="token position", xticks=range(0, T, 2))
 fig.legend(handles=[Patch(color="black", label="kept"), Patch(color="lightgray", label="evicted"),
                     Patch(color="orange", alpha=0.25, label="key"), Patch(color="red", alpha=0.25, label="value")],
-           loc="outside right upper", fontsize=8)
+           loc="outside right upper", fontsize=9)
 plt.show()
 
 # %% [markdown]
-# One token at a time (top), the room goes to the key's two loud tokens and to the loud tokens elsewhere, and
-# the value keeps only its first digits; in chunks of 4 (bottom) the two best chunks are the key's and the
-# value's, so the fact is kept whole. The grid is fixed: had the value started one position later, its last
-# digit would sit in the next chunk (the lab meets this case on SmolLM2's passkey).
+# The two panels show the same 24 votes (bar heights) and which tokens each rule keeps: black bars are kept,
+# grey ones evicted; the orange band is the key, the red band its value; in the bottom panel the dotted blue
+# lines cut the chunk grid and each chunk is labelled with its score $S_k$. One token at a time (top), the
+# room goes to the key's two loud tokens and to the loud tokens elsewhere, and the value keeps only its first
+# digits; in chunks of 4 (bottom) the two best chunks are the key's and the value's, so the fact is kept whole.
 #
-# The library adds two things around this choice. The observation window is protected: it is always kept,
-# and the room is the budget minus the window. What is left after the whole chunks (less than a chunk) goes
-# by default to the best single tokens of the other chunks (`remainder="tokens"`), so the budget is met exactly.
+# Around this choice the library keeps the window, and by default gives what is left of the room after the
+# whole chunks (less than a chunk) to the best single tokens of the other chunks (`remainder="tokens"`), so
+# the budget is met exactly.
 #
 # ## 2. One needle, kept whole or in pieces
 #
@@ -155,8 +160,13 @@ plt.show()
 # paper's scoring: the window's raw attention, chunks of 10, reuse depth 2) and H2O each answer it.
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
+from methods import make_policy
+from nanollm import KVCache, generate, prefill
+from nanollm.data.tasks import make_sample
+
+LENGTH = 256 if TINY else 512                      # tokens per sample
 sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)
-ids = torch.tensor([sample.prompt_ids])
+ids = torch.tensor([sample.prompt_ids])            # (1, T) the prompt, question included
 BUDGET = LENGTH // 2
 specs = ["snapkv", "chunkkv", "h2o"]
 caches = {}
@@ -166,24 +176,36 @@ for spec in specs:
     caches[spec] = KVCache(model.config, make_policy(spec, budget=BUDGET))
     prefill(model, ids, caches[spec])
     print(f"{spec:8} answers {tok.decode(out[0].tolist())!r:28} expected {sample.answers}")
+
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
+from methods.evaluation.viz import needle_spans, plot_kept
+
 spans = needle_spans(sample, tok)                                  # (start, value start, end) of the needle
-fig, axes = plt.subplots(len(specs), 1, figsize=(11, 2.2 * len(specs)), sharex=True)
+fig, axes = plt.subplots(len(specs), 1, figsize=(11, 2.4 * len(specs)), sharex=True)
 for ax, spec in zip(axes, specs):
     plot_kept(ax, caches[spec], len(sample.prompt_ids), spans, title=spec,
               window=caches[spec].policy.inner.window if spec == "chunkkv" else (32 if spec == "snapkv" else 0))
     ax.set_ylabel("layer, KV head")
-    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=7)
+    ax.tick_params(labelsize=9)
+    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=9)
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# SnapKV's kept set is many thin stripes and ChunkKV's is runs of ten tokens that hold the needle's value
-# (red) whole in every layer, where SnapKV's deeper layers miss digits. Dark = kept, red = the value's digits, orange =
-# the words in front of it, dotted line = the start of the observation window. A model that attends to the
-# key then finds an incomplete value. (H2O keeps a recent window of `budget // 2` tokens plus heavy hitters;
-# it holds this needle too.) The same needle as text, then the count over more samples than this one:
+# Each panel is one method's kept set: a row per (layer, KV head), a column per prompt position, dark = kept,
+# light = evicted; the red band is the needle's value, the orange band the words in front of it, the dotted
+# blue line the start of the observation window. SnapKV keeps many thin stripes, and its deeper layers miss
+# digits of the value; ChunkKV keeps runs of ten tokens that hold the value whole in every layer. (H2O keeps
+# a recent window of `budget // 2` tokens plus heavy hitters; it holds this needle too.) The same needle as
+# text, then the count over more samples:
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
+from methods.evaluation.viz import kept_mask, kept_text
+
+SAMPLES = 1 if TINY else 10                        # samples per single-needle task
+TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
+
+
 def value_kept_whole(spec, budget, n_samples, **options):
     """(samples, n_layer, H_kv) bool: whether each layer and KV head keeps the needle's value whole, over the
     single-needle tasks of the suite (the question in the prompt)."""
@@ -212,29 +234,35 @@ print(f"Over {len(whole['snapkv'])} single-needle samples at this budget, the va
 #
 # ## 3. Do adjacent layers keep the same tokens?
 #
-# Algorithm 2 rests on an observation: with chunks, the kept index sets of adjacent layers overlap much
+# Algorithm 2 reuses indices across layers: with reuse depth `reuse` = 2, layer 0 chooses its chunks and
+# layer 1 keeps the same positions, layer 2 chooses and layer 3 copies it, and so on; the copying layers skip
+# the scoring. It rests on an observation: with chunks, the kept index sets of adjacent layers overlap much
 # more than with token-level selection (the paper: 44-58% Jaccard similarity for ChunkKV, 15-28% for SnapKV
-# and H2O, on 7B-8B models). Measured here without reuse (`reuse=1`, every layer chooses), keeping a quarter
-# of each prompt, over the NIAH tasks of the default suite, question in the prompt; per KV head, then averaged.
-# Twice: over every kept position, and over the positions before the last 64 of the prompt only, since
-# every layer keeps its protected window (the observation window of SnapKV and ChunkKV, H2O's recent
-# tokens; all inside the last 64) and that shared part inflates the first number.
+# and H2O, on 7B-8B models). Measured here without reuse (`reuse=1`), keeping a quarter of each prompt of the
+# suite's NIAH tasks, per KV head, then averaged; twice: over every kept position, and over the positions
+# before the last 64 only, since every layer keeps its protected window (SnapKV's and ChunkKV's observation
+# window, H2O's recent tokens; all in the last 64) and that shared part inflates the first number.
 
 # %% tags=["needs:chunk_ranking"]
-def mean_jaccard(spec, n_samples, model=model, tok=tok, tasks=TASKS, length=LENGTH, **options):
+from methods.analysis.layer_similarity import adjacent_layer_jaccard, kept_positions
+
+JACCARD_SAMPLES = 1 if TINY else 5                 # samples per NIAH task
+
+
+def mean_jaccard(spec, n_samples, **options):
     every, selected = [], []
-    for task in [t for t in tasks if t.startswith("niah")]:
+    for task in [t for t in TASKS if t.startswith("niah")]:
         for i in range(n_samples):
-            s = make_sample(task, tok, length, seed=i)
-            cache = KVCache(model.config, make_policy(spec, budget=length // 4, **options))
+            s = make_sample(task, tok, LENGTH, seed=i)
+            cache = KVCache(model.config, make_policy(spec, budget=LENGTH // 4, **options))
             prefill(model, torch.tensor([s.prompt_ids]), cache)
             every.append(adjacent_layer_jaccard(kept_positions(cache)))
             selected.append(adjacent_layer_jaccard(kept_positions(cache), below=len(s.prompt_ids) - 64))
     return torch.tensor(every).mean(0), torch.tensor(selected).mean(0)   # one value per adjacent layer pair
 
 
-jac = {"snapkv": mean_jaccard("snapkv", ABLATION_SAMPLES), "h2o": mean_jaccard("h2o", ABLATION_SAMPLES),
-       "chunkkv (reuse=1)": mean_jaccard("chunkkv", ABLATION_SAMPLES, reuse=1)}
+jac = {"snapkv": mean_jaccard("snapkv", JACCARD_SAMPLES), "h2o": mean_jaccard("h2o", JACCARD_SAMPLES),
+       "chunkkv (reuse=1)": mean_jaccard("chunkkv", JACCARD_SAMPLES, reuse=1)}
 print("adjacent-layer Jaccard, layer pairs (0,1) (1,2) (2,3), and the mean")
 for name, (every, selected) in jac.items():
     print(f"{name:18} all kept: {[round(x, 2) for x in every.tolist()]} mean {every.mean():.2f}   "
@@ -243,21 +271,17 @@ for name, (every, selected) in jac.items():
 # %% [markdown]
 # On this 4-layer model adjacent layers agree only moderately. Outside the windows, ChunkKV's kept sets
 # overlap more than SnapKV's (0.30 against 0.20) but no more than H2O's (0.29), and well below the paper's
-# 44-58%. With overlaps this moderate, a layer that reuses its neighbour's indices (Algorithm 2) keeps many
-# positions it would not have chosen itself: section 4.2 measures what that costs on SmolLM2. The lab repeats
-# this measurement on SmolLM2, where ChunkKV's sets are the most alike of the three, and shows why reuse even
-# helps on the bundled model.
+# 44-58%. A layer that reuses its neighbour's indices (Algorithm 2) then keeps many positions it would not
+# have chosen itself: section 4 measures what that costs on SmolLM2. The lab repeats this measurement on
+# SmolLM2, where ChunkKV's sets are the most alike of the three.
 #
-# ## 4. On the real model: SmolLM2-135M
+# ## 4. On the real model: chunks or tokens, with the same scoring
 #
-# The bundled model was trained on synthetic needles. The paper's headline claim is about real language
-# models: **with the same votes, keeping whole chunks answers better than keeping the best single tokens.**
-# This section tests it on SmolLM2-135M (30 layers, 9 query heads sharing 3 KV heads, trained on natural
-# text) with its default task suite: RULER's passkey (a five-digit number hidden in a repeated filler, "The
-# grass is green. ...") and a single magic-number needle in paragraphs of Python's documentation
-# (`niah_single_docs`). Prompts of 512 tokens; every method keeps `budget` entries per layer and KV head. The
-# model has about 155 times the parameters of the bundled one (printed below) and is compute-bound, so these
-# cells use both CPU cores.
+# The paper's headline claim is about real language models: **with the same votes, keeping whole chunks
+# answers better than keeping the best single tokens.** This section tests it on SmolLM2-135M (trained on
+# natural text, about 155 times the bundled model's parameters, so these cells use both CPU cores) with its
+# default suite: RULER's passkey (a five-digit number hidden in a repeated filler, "The grass is green. ...")
+# and a magic-number needle in paragraphs of Python's documentation (`niah_single_docs`), 512-token prompts.
 
 # %%
 torch.set_num_threads(2)                             # 135M parameters: the matrix products use both cores
@@ -266,63 +290,12 @@ LENGTH_REAL = 256 if TINY else 512                   # tokens per sample
 SAMPLES_REAL = 1 if TINY else 5                      # samples per task and mode (accuracy)
 TASKS_REAL = ["passkey", "niah_single_docs"]          # the full cache answers both at 512 tokens
 KEEP_RATIOS_REAL = [0.25] if TINY else [0.1, 0.25, 0.5]
-SHOW_LAYERS = [0, 10, 20, 29]                        # the layers section 4.1 prints (30 x 3 KV heads: too many)
-H_KV = real.config.n_kv_head
-print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query heads, {H_KV} KV heads, "
-      f"{real.num_params() / model.num_params():.0f}x the parameters of the bundled model; "
+print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query heads, {real.config.n_kv_head} "
+      f"KV heads, {real.num_params() / model.num_params():.0f}x the parameters of the bundled model; "
       f"tasks {TASKS_REAL}; {LENGTH_REAL} tokens, {SAMPLES_REAL} samples per task and mode")
 
 # %% [markdown]
-# ### 4.1 One passkey, kept whole or in pieces
-#
-# The first passkey sample, compressed to a quarter of its prompt by SnapKV and by ChunkKV as the paper runs
-# it (raw window attention, chunks of 10, reuse depth 2). The needle states the number twice ("The pass key is
-# 51815. Remember it. 51815 is the pass key."); the second cell prints the first statement as each method keeps
-# it in layers 0, 10, 20 and 29 (`_` = an evicted token; SmolLM2 writes one token per digit), then, for every
-# layer, how many of the 3 KV heads keep all the value's digits.
-
-# %% tags=["needs:chunk_ranking", "needs:holds_position"]
-real_sample = make_sample("passkey", real_tok, LENGTH_REAL, seed=0)
-real_ids = torch.tensor([real_sample.prompt_ids])                  # (1, T) the prompt, question included
-REAL_BUDGET = LENGTH_REAL // 4                                     # keep ratio 0.25
-real_caches = {}
-for spec in ["snapkv", "chunkkv"]:
-    out = generate(real, real_ids, max_new_tokens=len(real_sample.target_ids),
-                   policy=make_policy(spec, budget=REAL_BUDGET))
-    real_caches[spec] = KVCache(real.config, make_policy(spec, budget=REAL_BUDGET))
-    prefill(real, real_ids, real_caches[spec])
-    print(f"{spec:8} answers {real_tok.decode(out[0].tolist())!r:24} expected {real_sample.answers}")
-
-# %% tags=["needs:chunk_ranking", "needs:holds_position"]
-real_span = needle_spans(real_sample, real_tok)[0]                 # (start, value start, end) in the prompt
-whole_real = {spec: kept_mask(cache, real_span[2])[:, :, real_span[1]:].all(-1)   # (n_layer, H_kv) value kept whole
-              for spec, cache in real_caches.items()}
-for spec, cache in real_caches.items():
-    lines = kept_text(real_tok, real_sample.prompt_ids, cache, real_span).splitlines()
-    shown = [lines[0]] + [line for line in lines[1:] if int(line[1:line.index(" ")]) in SHOW_LAYERS]
-    print(f"--- {spec}: value kept whole by {int(whole_real[spec].sum())} of {whole_real[spec].numel()} "
-          f"(layer, KV head) pairs, in {int(whole_real[spec].any(-1).sum())} of {real.config.n_layer} layers "
-          "by at least one KV head")
-    print("\n".join(shown))
-print(f"\nthe value: prompt positions {real_span[1]}-{real_span[2] - 1}; KV heads (of {H_KV}) holding it whole, "
-      f"layers 0-{real.config.n_layer - 1}:")
-for spec, w in whole_real.items():
-    print(f"  {spec:8} " + " ".join(str(int(n)) for n in w.sum(-1)))
-
-# %% [markdown]
-# The paper's argument (its Figure 1: token-level selection fragments a fact) holds on this passkey. SnapKV
-# keeps the value whole in 38 of the 90 (layer, KV head) pairs and answers a truncated number (`518`); ChunkKV
-# keeps it whole in 66 and answers `51815`. Where a SnapKV head misses the whole value it holds pieces
-# (`___815`, `5____`) or nothing; ChunkKV's choice is the same in the three KV heads of a layer (one ranking
-# per layer) and in both layers of a reuse pair. Two limits show as well. A layer that ranks the needle's
-# chunks low loses the value in all its heads (layers 0-5, the 0s of the last line), where SnapKV keeps it
-# whole in one head of layers 3-5. And chunks are fixed positions, not facts: the value sits at positions
-# 376-380, across the chunk boundary at 380, so layer 20 and the layer that reuses its choice keep `5181` and
-# drop the last digit.
-#
-# ### 4.2 Chunks or tokens, with the same scoring
-#
-# The headline claim over samples. Four variants, both modes, keep ratios 0.1, 0.25 and 0.5:
+# Four variants, keep ratios 0.1, 0.25 and 0.5:
 #
 # * `chunkkv c=10 r=1`: chunks of 10, every layer selects (Algorithm 1 alone);
 # * `chunkkv c=10 r=2`: plus index reuse over pairs of layers (Algorithm 2; the paper's setting);
@@ -330,13 +303,42 @@ for spec, w in whole_real.items():
 #   (SnapKV without pooling, one index set per layer);
 # * `snapkv`: SnapKV as published (max-pooled votes, one index set per KV head).
 #
-# The metrics (accuracy, KL, keep ratio) and the two modes are defined in the glossary of notebook 01
-# (01_baselines). Every accuracy is drawn with its 95% Wilson interval, and two methods are *distinguishable*
-# when the paired 95% interval of their difference excludes 0 (`describe` prints the difference, its interval
-# and that verdict). With `SAMPLES_REAL` samples per task and mode, each point is a handful of answers: read
-# the error bars before the means. The next cell holds the helpers that read the records.
+# One library call runs them: `run(model, tok, variants, budgets, tasks, modes, samples, length)` from
+# `methods/evaluation/compare.py`. For every task, sample and mode (question in the prompt, or after the
+# context) it runs the full cache and every variant at every budget on the same sample: each cache reads the
+# prompt, then the reference answer token by token, so a variant's next-token distributions compare with the
+# full cache's position by position (the KL); then each answers greedily, scored right or wrong (the
+# accuracy). It returns one record per (method, keep ratio, task, mode) with the mean `accuracy`, each
+# sample's (`accuracies`) and the mean `kl`; the full cache's are under the method `"full"`. The metrics and
+# the modes are defined in the glossary at the end of notebook 01 (01_baselines).
+
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
+from methods.evaluation.compare import Variant, run
+from nanollm.data.evaluate import MODES
+
+real_variants = [Variant("chunkkv c=10 r=1", "chunkkv", {"chunk_size": 10, "reuse": 1}),
+                 Variant("chunkkv c=10 r=2", "chunkkv", {"chunk_size": 10, "reuse": 2}),
+                 Variant("chunkkv c=1 r=1", "chunkkv", {"chunk_size": 1, "reuse": 1}),
+                 Variant("snapkv", "snapkv")]
+real_budgets = [max(1, round(r * LENGTH_REAL)) for r in KEEP_RATIOS_REAL]
+real_records = run(real, real_tok, real_variants, real_budgets, TASKS_REAL, MODES, SAMPLES_REAL, LENGTH_REAL,
+                   progress=False, workers=1)
+real_ratios = sorted({r["keep_ratio"] for r in real_records if r["method"] != "full"})   # 51/512 = 0.0996
+print(f"{len(real_records)} records, modes {MODES}, keep ratios {[round(k, 3) for k in real_ratios]}; one:")
+print({k: v for k, v in real_records[1].items() if k in ("method", "keep_ratio", "task", "mode", "accuracy",
+                                                        "accuracies", "kl")})
+
+# %% [markdown]
+# Every accuracy is drawn with its 95% Wilson interval; two methods are *distinguishable* when the paired
+# 95% interval of their difference excludes 0 (`describe` prints the difference, its interval and that
+# verdict). Each point is a handful of answers: read the error bars before the means. The helpers:
 
 # %%
+from matplotlib import ticker
+
+from methods.evaluation.intervals import describe, paired_difference, wilson
+
+
 def rows_of(records, method, ratio, mode, tasks=None):
     return sorted((r for r in records if r["method"] == method and r["keep_ratio"] == ratio and r["mode"] == mode
                    and (tasks is None or r["task"] in tasks)), key=lambda r: r["task"])
@@ -367,18 +369,8 @@ def readable_log(ax):
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
 
-
-STYLES = ["o-", "s--", "^-.", "v:"]                 # distinct markers and dashes: some lines coincide
-
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
-real_variants = [Variant("chunkkv c=10 r=1", "chunkkv", {"chunk_size": 10, "reuse": 1}),
-                 Variant("chunkkv c=10 r=2", "chunkkv", {"chunk_size": 10, "reuse": 2}),
-                 Variant("chunkkv c=1 r=1", "chunkkv", {"chunk_size": 1, "reuse": 1}),
-                 Variant("snapkv", "snapkv")]
-real_budgets = [max(1, round(r * LENGTH_REAL)) for r in KEEP_RATIOS_REAL]
-real_records = run(real, real_tok, real_variants, real_budgets, TASKS_REAL, MODES, SAMPLES_REAL, LENGTH_REAL,
-                   progress=False, workers=1)
-real_ratios = sorted({r["keep_ratio"] for r in real_records if r["method"] != "full"})   # 51/512 = 0.0996
+STYLES = ["o-", "s--", "^-.", "v:"]                 # distinct markers and dashes: some lines coincide
 real_full = {mode: mean_over_tasks(real_records, "full", 1.0, mode) for mode in MODES}
 fig, axes = plt.subplots(1, 4, figsize=(16, 3.8), layout="constrained")
 for col, mode in enumerate(MODES):
@@ -389,20 +381,22 @@ for col, mode in enumerate(MODES):
                            yerr=[sum((e[0] for _, e in bars), []), sum((e[1] for _, e in bars), [])], label=v.label)
         axes[2 + col].plot(real_ratios, [mean_over_tasks(real_records, v.label, k, mode, "kl") for k in real_ratios],
                            style, label=v.label)
-    axes[col].set(title=f"SmolLM2, accuracy, {mode.replace('_', ' ')}", xlabel="keep ratio", xticks=real_ratios,
-                  xticklabels=[f"{k:.2f}" for k in real_ratios], ylabel="accuracy (mean over tasks)",
+    axes[col].set(title=f"accuracy, {mode.replace('_', ' ')}", ylabel="accuracy (mean over tasks)",
                   ylim=(-0.05, 1.05))
-    axes[2 + col].set(title=f"SmolLM2, KL, {mode.replace('_', ' ')}", xlabel="keep ratio", xticks=real_ratios,
-                      xticklabels=[f"{k:.2f}" for k in real_ratios], ylabel="KL to the full cache (nats)")
+    axes[2 + col].set(title=f"KL, {mode.replace('_', ' ')}", ylabel="KL to the full cache (nats)")
     readable_log(axes[2 + col])
-fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8)
+for ax in axes:
+    ax.set(xlabel="keep ratio", xticks=real_ratios, xticklabels=[f"{k:.2f}" for k in real_ratios])
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=9)
 plt.show()
 
 # %% [markdown]
-# With the question in the prompt, chunks of 10 (both reuse depths) come within noise of the full cache at
-# keep 0.25 and 0.5 while single tokens and SnapKV stay far below it, and their KL is far lower;
-# after the context the lines are closer, and at keep 0.1 every method sits near the floor. The paired
-# comparisons, and per variant the passkey's accuracy and the KL:
+# The figure shows SmolLM2's accuracy (left two panels: mean over the two tasks, bars = 95% Wilson intervals)
+# and KL to the full cache (right two, log scale) against the keep ratio, per mode; the dashed black line is
+# the full cache, each variant has its own marker and dash (legend below). With the question in the prompt,
+# chunks of 10 (both reuse depths) come within noise of the full cache at keep 0.25 and 0.5, single tokens
+# and SnapKV stay far below, and the KL says the same; after the context the lines are closer, and at keep
+# 0.1 every method sits near the floor. The paired comparisons, and the passkey's accuracy and the KL:
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
 comparisons = [("chunks vs tokens", "chunkkv c=10 r=1", "chunkkv c=1 r=1"),
@@ -438,25 +432,24 @@ for mode in MODES:
 # **With the question after the context the gain is smaller**: +0.40 [+0.10, +0.70] at keep 0.5 (0.70 vs
 # 0.30 for both token-level rows), +0.20 [+0.00, +0.40], within noise, at 0.25, none at 0.1. The scoring
 # window then holds the end of the context, not the question, so its votes need not point at the needle.
-# Every row in this mode scores at least 0.30, even at keep 0.1: some samples are answered whatever is kept
-# (a needle inside the protected window at the end of the context would be), so read 0.30 as a floor shared
-# by all rows. Reuse depth 2 costs nothing measurable: reuse 2 minus reuse 1 is within noise in every cell.
+# Every row in this mode scores at least 0.30, even at keep 0.1 (some samples are answered whatever is kept):
+# a floor shared by all rows. Reuse depth 2 costs nothing measurable: reuse 2 minus reuse 1 is within noise in
+# every cell.
 #
 # **Verdict: reproduced** on SmolLM2-135M at keep 0.25 and 0.5 with the question in the prompt, partly after
 # the context (distinguishable at 0.5 only), not at 0.1 where no method answers. The gaps are much larger
-# than the paper's (up to 8.7 points on LongBench) because both tasks have five-digit values, and a value
-# kept in pieces is simply wrong; with so few samples every interval is wide, so read the sign and the
-# intervals, not the second decimal.
+# than the paper's (up to 8.7 points on LongBench) because a five-digit value kept in pieces is simply
+# wrong; with so few samples, read the sign and the intervals, not the second decimal.
 #
 # ## Exercises
 #
-# ### Exercise 1: when does a chunk hold the whole value?
+# ### Exercise 1: when does one chunk hold the whole value?
 #
-# A chunk keeps a fact whole only if the fact does not straddle the chunk grid (`pos // c`). Write
-# `in_one_chunk(v, end, c)`: whether the value at prompt positions `[v, end)` lies inside one chunk of `c`
-# positions. The cell checks it against the library (every vote on the value, room for one chunk) on the
-# needles of section 2's task, then prints, per chunk size, the share of values that one chunk can hold;
-# compare with the lab's chunk-size ablation.
+# Write `in_one_chunk(v, end, c)`: whether one chunk of `c` positions (the grid of section 1) can hold the
+# whole value at prompt positions `[v, end)`. Before you run anything, guess what share of section 2's
+# needle values one chunk of 1, 5, 10 or 20 tokens can hold. The answer cell below holds one answer; it
+# checks it against the library (every vote on the value, room for one chunk) on those needles and prints
+# the shares. Compare them with the lab's chunk-size ablation.
 
 # %% tags=["needs:chunk_ranking"]
 # BEGIN SOLUTION [chunkkv] the value lies in one chunk when its first and its last position have the same chunk index
@@ -484,30 +477,20 @@ for c in [1, 5, 10, 20]:
 print("share of needle values inside one chunk: " + ", ".join(f"c={c}: {x:.1f}" for c, x in share.items()))
 
 # %% [markdown]
-# ### Exercise 2: pooled votes
-#
-# Rerun section 2 with `make_policy("chunkkv(snapkv)", budget=BUDGET)`: the same chunks built from max-pooled
-# votes. Does pooling before chunking help or hurt this sample? Why might smoothing twice matter?
-#
-# ### Exercise 3: a ranking per KV head
+# ### Exercise 2: a ranking per KV head
 #
 # Set `per_head=True` and rerun section 3: how similar are adjacent layers when every KV head ranks its
-# own chunks?
+# own chunks (the equation's $s_n$ without the sum over $g$)?
 #
-# ### Exercise 4: the smallest budget
+# ### Exercise 3: the smallest budget
 #
 # Find the smallest budget at which ChunkKV still answers the sample of section 2, and compare with
-# `make_policy("h2o", ...)`. Which part of ChunkKV's budget is the observation window?
-#
-# ### Exercise 5: chunks of accumulated attention
-#
-# Add `chunkkv(h2o)` (chunks of accumulated attention, compressed at every step) to the lab's accuracy
-# comparison. What changes when the question comes after the context, where SnapKV-style methods never see it?
+# `make_policy("h2o", ...)`. Which part of ChunkKV's budget is the observation window, and how much room
+# does that leave for chunks?
 #
 # **Go further**: [labs/05_chunkkv_claims.ipynb](labs/05_chunkkv_claims.ipynb) holds the rest of the
-# research: accuracy and KL against SnapKV and H2O on the bundled model, the chunk-size and reuse-depth
-# ablations (and why reuse helps a small model), one passkey kept whole or in pieces on SmolLM2, and how alike
-# SmolLM2's adjacent layers' kept sets are.
+# research: ChunkKV against SnapKV and H2O on the bundled model, the chunk-size and reuse-depth ablations,
+# one passkey kept whole or in pieces on SmolLM2, and how alike SmolLM2's adjacent layers' kept sets are.
 
 # %%
 from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell

@@ -10,7 +10,8 @@ What every lesson and lab does before its first idea, kept here so that the note
 * ``TINY`` is True when ``NANOLLM_TINY=1``: the notebook then uses smaller prompts, models and sample counts,
   a check that it runs (CI does this). Its prose describes the committed normal run, so it says which run this
   is, and the clock the last cell reads (``print_run_time``) starts here.
-* torch uses one thread and a fixed seed, so two runs of a notebook print the same numbers.
+* torch uses one thread and a fixed seed, so two runs of a notebook print the same numbers; where a cell asks
+  for more threads, idle ones sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # the rep
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)                           # the packages importable without an install
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: idle threads sleep, not spin (a
+#                                                      lesson that runs two threads stays fast on a busy machine)
 import torch  # noqa: E402
 
 from methods.evaluation.viz import print_mode  # noqa: E402
