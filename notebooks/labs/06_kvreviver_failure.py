@@ -234,9 +234,9 @@ plt.show()
 # ## 2. The two granularities on the bundled model
 #
 # The lesson's section 4.1 found the Recent / Candidate rule alone (no sketch) far below H2O on the bundled
-# model, with one selection per layer. The four KVReviver rows of the lesson's SmolLM2 comparison (with and
-# without the sketch, per layer and per KV head) on the bundled model, question after context, keep ratio
-# 0.25, the NIAH tasks, next to H2O:
+# model, with one selection per layer. Here are four KVReviver variants (with and without the sketch, per
+# layer and per KV head) on the bundled model, question after context, keep ratio 0.25, the NIAH tasks, next
+# to H2O:
 
 # %%
 granularity_variants = [Variant("kvreviver", "kvreviver"),
