@@ -3,7 +3,8 @@ How the book reads a committed notebook: as Jupyter wrote it, with two changes t
 
 * A code cell written collapsed (``metadata.jupyter.source_hidden``: an exercise's answer, see
   ``notebooks/build.py``) is shown collapsed in the book too, its output with it (myst-nb's ``hide-cell`` tag:
-  the reader opens it with a click; the output of an answer's check can state the answer).
+  the reader opens it with a click; the output of an answer's check can state the answer). A lesson's set-up
+  cell (tagged ``setup``: its imports) is shown collapsed too, its output in sight.
 * An output is data, shown as data: text (escaped) or a picture (an ``<img>``). myst-nb would copy an output
   of type ``text/html``, ``text/markdown`` (which may hold HTML) or ``application/javascript`` into the page as
   it is, and the reader's browser would run any script in it. The committed lessons hold no such output (only
@@ -57,8 +58,14 @@ def read_notebook(text: str) -> nbformat.NotebookNode:
     notebook = parse(text)
     show_as_data(notebook)
     for cell in notebook.cells:
+        tags = cell.get("metadata", {}).get("tags", [])
         if cell.get("metadata", {}).get("jupyter", {}).get("source_hidden"):
-            tags = cell.metadata.setdefault("tags", [])
-            if "hide-cell" not in tags:
-                tags.append("hide-cell")
+            hide = "hide-cell"                   # an exercise's answer: its code and its output
+        elif "setup" in tags:
+            hide = "hide-input"                  # a lesson's first cell: imports; what it prints stays in sight
+        else:
+            continue
+        tags = cell.metadata.setdefault("tags", [])
+        if hide not in tags:
+            tags.append(hide)
     return notebook

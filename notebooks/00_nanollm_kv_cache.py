@@ -552,8 +552,3 @@ assert all(len(kv) == slots_at_end for kv in end.layers), \
     f"the layers hold {[len(kv) for kv in end.layers]} slots: StreamingLLM evicts after every step"
 print("hook calls:", counted, "| slots per layer at the end:", [len(kv) for kv in end.layers])
 print("yours:", calls_yours, "|", slots_yours)
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

@@ -590,8 +590,3 @@ print("Exercise 3: correct; layer 3, KV head 1 keeps the prefix positions",
 # key but not the answer; how AdaKV's safeguard and StreamingLLM's sinks change what is kept; one SmolLM2
 # passage up close, token by token; and accuracy, KL and memory on the bundled model's task suite at three keep
 # ratios in both modes, with paired intervals.
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

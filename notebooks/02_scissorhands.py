@@ -512,8 +512,3 @@ print({k: round(v, 3) for k, v in first_nonnegative.items()})
 # against StreamingLLM and H2O on the bundled model's tasks, the history-window and drop-count ablation
 # (Exercise 3's answer), Theorem 4.1 made executable (the closed form against a simulation, and the
 # theorem's own one-head model), the paper's Figure 10 on both models, and persistence on SmolLM2.
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

@@ -442,8 +442,3 @@ print("the formulas give every measured byte count")
 # memory lower bound of Theorem 4.1 as an Index-problem experiment, measures SubGen's error against its
 # memory, and compares dropping tokens with dropping pairs on the Match3 model at equal bytes (a pair-level
 # eviction policy a two-matrix cache allows and a four-matrix one does not).
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

@@ -548,8 +548,3 @@ print(f"the pooled reading keeps at least as many digits in "
 # lowers the perturbation (the paper's §5.1); measures accuracy and the other metrics, the $\alpha$ ablation
 # and Assumption 1; and sets each of the paper's claims against what we measure, on both models. CriticalKV
 # also wraps H2O, which has no window: `python -m methods.compare --methods h2o "critical_kv(h2o)"`.
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

@@ -491,8 +491,3 @@ print("share of needle values inside one chunk: " + ", ".join(f"c={c}: {x:.1f}" 
 # **Go further**: [labs/05_chunkkv_claims.ipynb](labs/05_chunkkv_claims.ipynb) holds the rest of the
 # research: ChunkKV against SnapKV and H2O on the bundled model, the chunk-size and reuse-depth ablations,
 # one passkey kept whole or in pieces on SmolLM2, and how alike SmolLM2's adjacent layers' kept sets are.
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

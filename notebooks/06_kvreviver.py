@@ -581,8 +581,3 @@ print(f"{int(came_back.sum())} of {len(big_pos)} tokens come back exactly, as pr
 # sketch, per layer and per KV head, against H2O on the bundled model; one part of KVReviver changed at a
 # time under language modelling (true keys and values, no swaps, wider sketches, the appendix's per-layer
 # budgets, a repair of ours); and Lemma 2 measured at the paper's own setting.
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

@@ -558,8 +558,3 @@ assert llama_8(ex3_tokens) > weights >= llama_8(ex3_tokens - 1), \
     f"at {ex3_tokens} tokens the cache reads {llama_8(ex3_tokens) / 1e9:.2f} GB against " \
     f"{weights / 1e9:.0f} GB of weights: look for the first T where it is larger (decode_bytes, section 1)"
 print(f"batch 8: the cache outweighs the weights from {ex3_tokens:,} tokens per sequence")
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole lesson, from its first cell
-
-print_run_time()

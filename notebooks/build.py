@@ -29,9 +29,10 @@ with their outputs, without running anything: for an edit of the prose of a note
 It refuses when a code cell differs (its source, its tags, or the number and order of code cells), since the
 outputs would then no longer be the code's.
 
-A lesson is a 30-minute read: the paper's question and equation, the method built by hand and checked against
-the library, a toy picture, the method on the real model, exercises. The research a lesson grew (variants,
-ablations, audits of the paper's claims) lives in its lab, ``labs/NN_*.py``, built and tested the same way. An
+A lesson is at most 55 minutes of work (``reading_minutes``): the paper's question and equation, the method
+built by hand and checked against the library, a toy picture, the method on the real model, exercises. The
+research behind a lesson (variants, ablations, audits of the paper's claims) lives in its lab,
+``labs/NN_*.py``, built and tested the same way. An
 exercise's code cell that holds its answer (a ``# BEGIN SOLUTION`` region past the ``## Exercises`` heading)
 is written collapsed, its code and its output (``metadata.jupyter.source_hidden`` and ``outputs_hidden``): a
 reader sees the exercise, not its answer, until they open the cell; it still runs and checks itself. The
@@ -90,7 +91,7 @@ def sources() -> list[Path]:
 
 
 def lessons() -> list[Path]:
-    """The lessons' sources, 00 to 07: each a 30-minute read; the research they grew lives in their labs."""
+    """The lessons' sources, 00 to 07: each at most 55 minutes of work; the research behind them lives in their labs."""
     return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 
 
@@ -188,14 +189,18 @@ def read_percent(path: str | Path, page: bool = True) -> nbformat.NotebookNode:
     return nb
 
 
-WORDS_PER_MINUTE, MINUTES_PER_CODE_CELL = 200, 1.0
+WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MINUTES_PER_EXERCISE = 180, 10, 5
+EXERCISE = re.compile(r"^### Exercise \d", flags=re.M)
 
 
 def reading_minutes(nb: nbformat.NotebookNode) -> float:
-    """How long a student takes to read a notebook: its markdown words at 200 a minute, plus a minute for each
-    code cell (reading it, running it, looking at what it printed)."""
+    """How long a student takes to work through a notebook: its markdown words at 180 a minute, its non-blank
+    lines of code at 10 a minute (reading a line, running its cell, looking at what it printed; answers
+    included, since a reader opens them), and 5 minutes for each exercise (a ``### Exercise N`` heading)."""
     words = sum(len(cell.source.split()) for cell in nb.cells if cell.cell_type == "markdown")
-    return words / WORDS_PER_MINUTE + MINUTES_PER_CODE_CELL * sum(cell.cell_type == "code" for cell in nb.cells)
+    code = sum(1 for cell in nb.cells if cell.cell_type == "code" for line in cell.source.splitlines() if line.strip())
+    exercises = sum(len(EXERCISE.findall(cell.source)) for cell in nb.cells if cell.cell_type == "markdown")
+    return words / WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE + MINUTES_PER_EXERCISE * exercises
 
 
 def kernel_env(tiny: bool) -> dict[str, str]:
@@ -330,7 +335,7 @@ def table() -> str:
     """The README's notebook table: each lesson and lab, its title, reading minutes (``reading_minutes`` of the
     committed notebook) and the minutes of its last normal run (``build_record.json``)."""
     runs = read_runs()
-    rows = ["| notebook | what it is | reading, min | normal run, min |", "|---|---|---|---|"]
+    rows = ["| notebook | what it is | work, min | normal run, min |", "|---|---|---|---|"]
     for path in sources():
         nb = read_notebook(path.with_suffix(".ipynb"))
         run = runs.get(name_of(path))

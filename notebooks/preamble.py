@@ -9,7 +9,7 @@ What every lesson and lab does before its first idea, kept here so that the note
   notebook from ``notebooks/`` or ``notebooks/labs/`` without the package installed.
 * ``TINY`` is True when ``NANOLLM_TINY=1``: the notebook then uses smaller prompts, models and sample counts,
   a check that it runs (CI does this). Its prose describes the committed normal run, so it says which run this
-  is, and the clock the last cell reads (``print_run_time``) starts here.
+  is.
 * torch uses one thread and a fixed seed, so two runs of a notebook print the same numbers; where a cell asks
   for more threads, idle ones sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``).
 """

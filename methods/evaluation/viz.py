@@ -16,9 +16,6 @@ Used by the method notebooks. Two views of one compressed cache:
 
 from __future__ import annotations
 
-import os
-import time
-
 import torch
 from torch import Tensor
 
@@ -28,21 +25,9 @@ QUICK_MODE = ("Quick mode (NANOLLM_TINY=1): smaller models, prompts and sample c
               "committed normal run; the numbers printed here, and the stories they tell, may differ from it.")
 
 
-_STARTED: list[float] = []          # when the notebook's first cell ran (print_mode)
-
-
 def print_mode(tiny: bool) -> None:
     """Every notebook's first cell says which run this is: in quick mode, that its prose describes another."""
-    _STARTED[:] = [time.perf_counter()]
     print(QUICK_MODE if tiny else "Normal run: the numbers the text quotes are this run's.")
-
-
-def print_run_time() -> None:
-    """Every notebook's last cell: how long the whole notebook took, from its first cell (``print_mode``)."""
-    if not _STARTED:
-        raise RuntimeError("print_run_time() times the notebook from print_mode(), which has not run")
-    print(f"This notebook ran in {time.perf_counter() - _STARTED[0]:.0f} s "
-          f"({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}).")
 
 
 def _find(seq: list[int], sub: list[int]) -> int:

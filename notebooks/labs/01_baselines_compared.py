@@ -404,9 +404,3 @@ for other in ("snapkv", "adakv"):
 # * **The budget is not the memory**: SnapKV and AdaKV keep the decoded answer (and, after the context, the
 #   question) beyond `budget`, and AdaKV pads its shorter heads, so at keep 0.25 they store 368 and 422 KiB
 #   with the question in the prompt against 256 for StreamingLLM and H2O.
-
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

@@ -606,8 +606,3 @@ plt.show()
 # * **On SmolLM2 the 5x claim does not reproduce**: in the lesson's language-modelling run (its section 4)
 #   Scissorhands is the best of the three methods at 5x compression, but perplexity still rises well above
 #   the full cache's.
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

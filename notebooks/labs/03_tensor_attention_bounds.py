@@ -182,8 +182,3 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 # would for attention that puts
 # its mass on a handful of pairs. (Both choices are oracles that know the attention; a real policy must
 # estimate it, as H2O or SnapKV do for tokens.)
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

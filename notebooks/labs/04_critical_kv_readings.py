@@ -876,8 +876,3 @@ for ratio, budget in zip(RATIOS_REAL, BUDGETS_REAL):
     print(f"  Assumption 1 (sigma > 0.5): {float((sw > 0.5).float().mean()):.0%} of (sample, head) on Abar, "
           f"{float((sd > 0.5).float().mean()):.0%} on the decode query")
 print(f"\nSmolLM2 run time: {time.time() - t_real:.0f} s")
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

@@ -417,8 +417,3 @@ plt.show()
 #   pairs of layers is within noise of no reuse (the lesson's section 4.2), as the paper reports.
 # * **The headline claim holds on the real model** (the lesson's section 4.2): with the question in the prompt,
 #   whole chunks answer where single tokens with the same votes do not; after the context the gain is smaller.
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

@@ -534,8 +534,3 @@ for name, mse in repair_mse.items():
 # * It is slower per decoded token than the full cache (the lesson's section 5 prints by how much): every
 #   step rebuilds every evicted position from the sketch and attends over all of them, so at long contexts
 #   it falls far behind (`python -m methods.evaluation.bench`).
-
-# %%
-from methods.evaluation.viz import print_run_time  # the whole notebook, from its first cell
-
-print_run_time()

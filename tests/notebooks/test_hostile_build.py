@@ -62,7 +62,7 @@ def project(tmp_path, monkeypatch) -> Path:
 
 def test_the_table_of_the_copy(project, capsys):
     build.main(["--table"])
-    assert "| [`00_lesson`](notebooks/00_lesson.ipynb) | A title | 1 | 1.0 |" in capsys.readouterr().out
+    assert "| [`00_lesson`](notebooks/00_lesson.ipynb) | A title | 0 | 1.0 |" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------------------

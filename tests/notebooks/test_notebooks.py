@@ -93,11 +93,12 @@ def test_notebook_runs_in_tiny_mode(path: Path, tiny_runs) -> None:
 
 
 @pytest.mark.parametrize("path", build.sources(), ids=lambda p: str(p.relative_to(NOTEBOOKS)))
-def test_the_last_cell_prints_the_notebooks_run_time(path: Path) -> None:
-    """Each lesson and lab ends by printing how long it ran (``print_run_time``), so its committed outputs say
-    what a normal run costs."""
-    last = [c for c in build.read_percent(path).cells if c.cell_type == "code"][-1]
-    assert "print_run_time()" in last.source, f"{path.name}: end with a cell that calls print_run_time()"
+def test_no_notebook_prints_how_long_its_build_ran(path: Path) -> None:
+    """How long a build took is the README's table (``build_record.json``), not a lesson's page."""
+    nb = nbformat.read(path.with_suffix(".ipynb"), as_version=4)
+    printed = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+               and any("ran in" in str(o.get("text", "")) for o in c.outputs)]
+    assert not printed, f"{path.name}: cells {printed} print the run's time"
 
 
 def test_the_readmes_notebook_table_is_the_build_record() -> None:

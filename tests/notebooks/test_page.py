@@ -12,6 +12,7 @@ code and prose, not the course's machinery, and an exercise's answer stays out o
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import nbformat
@@ -80,3 +81,77 @@ def test_the_page_moves_markers_into_tags_and_hides_answers(tmp_path):
     assert answers(nb) == [3]
     raw = build.read_percent(src, page=False)
     assert "# BEGIN SOLUTION [cache:append] hint" in raw.cells[1].source and "tags" not in raw.cells[1].metadata
+
+
+# -- the lessons: a short set-up, short cells, no course words, a notation list -------------------------------
+
+LESSONS = [p for p in build.lessons() if p.with_suffix(".ipynb").exists()]
+SETUP_LINES, CELL_LINES = 12, 25
+SHARED_NOTATION = NOTEBOOKS / "README.md"
+COURSE_WORDS = re.compile(r"\bassignments?\b|student copy|tests/\S+\.py|course\.(?:grade|handout)|"
+                          r"\btook \d[\d.,]* s\b|research this lesson grew|SOLUTION|# needs:", flags=re.I)
+
+
+def code_lines(cell) -> int:
+    return sum(1 for line in cell.source.splitlines() if line.strip())
+
+
+def shown_text(cell) -> str:
+    """What the reader sees of a cell: its source, and the text its outputs print (an answer's are hidden)."""
+    if cell.metadata.get("jupyter", {}).get("outputs_hidden"):
+        return cell.source
+    return cell.source + "\n" + "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", ""))
+                                          for o in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("source", LESSONS, ids=lambda p: p.stem)
+def test_a_lesson_opens_with_one_short_set_up_cell(source):
+    first = next(c for c in committed(source).cells if c.cell_type == "code")
+    assert "setup" in first.metadata.get("tags", []) and first.source.startswith("from preamble import TINY"), \
+        f"{source.stem}: the first code cell is the set-up, tagged setup, importing notebooks/preamble.py"
+    assert code_lines(first) <= SETUP_LINES, f"{source.stem}: a {code_lines(first)}-line set-up cell"
+
+
+@pytest.mark.parametrize("source", LESSONS, ids=lambda p: p.stem)
+def test_no_code_cell_of_a_lesson_is_long(source):
+    long = {i: code_lines(c) for i, c in enumerate(committed(source).cells)
+            if c.cell_type == "code" and code_lines(c) > CELL_LINES}
+    assert not long, f"{source.stem}: cells over {CELL_LINES} non-blank lines (cell: lines): {long}"
+
+
+@pytest.mark.parametrize("source", LESSONS, ids=lambda p: p.stem)
+def test_no_course_machinery_on_a_lesson_s_page(source):
+    found = [(i, m.group(0)) for i, c in enumerate(committed(source).cells)
+             for m in COURSE_WORDS.finditer(shown_text(c))]
+    assert not found, f"{source.stem}: course or build words a reader sees (cell, words): {found[:8]}"
+
+
+def notation(text: str) -> dict[str, str]:
+    """The rows of the ``| symbol | meaning | in the code |`` tables in ``text``: symbol -> code names."""
+    rows = {}
+    for table in re.findall(r"^\| symbol \| meaning \| in the code \|\n\|[-| ]+\|\n((?:\|.*\|\n?)+)", text, re.M):
+        for row in table.strip().splitlines():
+            cols = [c.strip() for c in row.strip("|").split("|")]
+            if len(cols) == 3:
+                rows[cols[0]] = cols[2]
+    return rows
+
+
+@pytest.mark.parametrize("source", LESSONS, ids=lambda p: p.stem)
+def test_a_lesson_s_notation_comes_before_its_math_and_names_its_code(source):
+    cells = committed(source).cells
+    markdown = [c.source for c in cells if c.cell_type == "markdown"]
+    table_at = next((i for i, text in enumerate(markdown) if notation(text)), None)
+    math_at = next((i for i, text in enumerate(markdown) if "$$" in text), None)
+    assert table_at is not None, f"{source.stem}: no notation list (| symbol | meaning | in the code |)"
+    assert math_at is None or table_at <= math_at, f"{source.stem}: the notation list comes after the first equation"
+    code = "\n".join(c.source for c in cells if c.cell_type == "code")
+    for symbol, names in notation(markdown[table_at]).items():
+        for name in re.findall(r"`([A-Za-z_][\w.]*)", names):
+            assert re.search(rf"\b{re.escape(name.split('.')[-1])}\b", code), \
+                f"{source.stem}: the notation maps {symbol} to `{name}`, which no code cell uses"
+
+
+def test_the_shared_notation_table_parses():
+    rows = notation(SHARED_NOTATION.read_text())
+    assert {"$B$", "$T$", "$d$", "$H_{kv}$"} <= set(rows), sorted(rows)
