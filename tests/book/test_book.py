@@ -109,21 +109,25 @@ def test_the_home_page_lists_the_assignments_in_the_lessons_order(site):
 @pytest.mark.slow
 def test_answers_are_collapsed(site):
     """Every exercise's answer in a lesson or lab (a cell the notebook collapses) and every model answer of a
-    course sheet is in a closed <details> of its page, output included."""
+    course sheet is in a closed <details> of its page, output included; a lesson's set-up cell is collapsed
+    too, its code only."""
     wrong = []
     for source in sources():
         if source.endswith(".ipynb"):
             cells = json.loads((ROOT / source).read_text())["cells"]
             want = sum(1 for c in cells if c.get("metadata", {}).get("jupyter", {}).get("source_hidden"))
+            setup = sum(1 for c in cells if "setup" in c.get("metadata", {}).get("tags", []))   # code only
             kind = '<details class="admonition hide above-input"'
         elif source.startswith("course/") and source.endswith("sheet.md"):
             want, kind = (ROOT / source).read_text().count("<!-- BEGIN SOLUTION"), '<details class="answer">'
+            setup = 0
         else:
             continue
         page = html_of(site, source).read_text()
-        if page.count(kind) != want or "<details open" in page:
-            wrong.append(f"{source}: {want} answers, {page.count(kind)} collapsed")
-        for block in page.split(kind)[1:] if kind.startswith("<details class=\"admonition") else []:
+        if page.count(kind) != want + setup or "<details open" in page:
+            wrong.append(f"{source}: {want} answers and {setup} set-up cell, {page.count(kind)} collapsed")
+        answers = page.split(kind)[1 + setup:]                          # the set-up cell comes first; its output
+        for block in answers if kind.startswith("<details class=\"admonition") else []:       # stays in sight
             after = re.split(r'<div class="cell[ "]', block.split("</details>", 1)[1])[0]   # the rest of its cell
             if "cell_output" in after:                                   # the answer's output is inside it too
                 wrong.append(f"{source}: an answer's output is outside its collapsed block")
