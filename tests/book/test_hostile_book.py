@@ -221,7 +221,8 @@ def test_a_notebook_nbformat_cannot_read_is_one_line_and_leaves_no_log(tmp_path,
 
 @pytest.mark.slow
 @needs_the_book
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", [pytest.param(signal.SIGINT, id="ctrl-c"),       # SIGTERM with --runheavy
+                                 pytest.param(signal.SIGTERM, id="sigterm", marks=pytest.mark.heavy)])
 def test_an_interrupted_build_leaves_the_earlier_book_as_it_was(built, tmp_path, how):
     """Ctrl-C left a half-written --out (no .buildinfo yet) that the next build refused to write over."""
     folder = tmp_path / "dir"

@@ -215,7 +215,7 @@ def test_student_copy_leaks_nothing(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", some_in_the_slow_tier("cache"))
+@pytest.mark.parametrize("name", some_in_the_slow_tier())          # a mutants run: all with --runheavy
 def test_a_call_to_a_shipped_function_scores_nothing(name):
     """The hand-written mutants that make a region call a function shipped with the copy (a reference, a kernel,
     another method's helper): each is killed (its task loses at least half its points). A function that

@@ -292,6 +292,7 @@ def test_command_line_errors(tmp_path, capsys):
 # -- for real (slow) ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.heavy                       # a mutants run: with --runheavy
 def test_real_grading_kills_an_empty_region_and_spares_the_reference(tmp_path):
     """Two mutants of cache's mask graded for real, in parallel: the reference written back (it keeps every
     point: nothing to kill) and a region that raises (it loses them all). The repository is not touched."""

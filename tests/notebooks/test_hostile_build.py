@@ -155,7 +155,8 @@ def test_a_cell_that_fails_or_kills_the_kernel_is_one_line(tmp_path, capsys, cod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, id="ctrl-c"),       # SIGTERM with --runheavy
+                                 pytest.param(signal.SIGTERM, id="sigterm", marks=pytest.mark.heavy)])
 def test_an_interrupted_cell_is_one_line_and_stops_the_kernel(tmp_path, sig):
     started = tmp_path / "kernel.pid"
     code = f"import os, pathlib, time\npathlib.Path({str(started)!r}).write_text(str(os.getpid()))\ntime.sleep(120)"

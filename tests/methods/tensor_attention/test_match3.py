@@ -48,6 +48,7 @@ def bundled():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy                       # a re-run of committed results: with --runheavy
 def test_bundled_cards_reproduce(bundled):
     """The cards' numbers come from ``evaluate`` with its defaults: measuring again gives them back."""
     for model, card in bundled.values():

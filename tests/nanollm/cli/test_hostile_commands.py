@@ -329,7 +329,8 @@ def jobs_done(p, err: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [["--workers", "2"], []], ids=["--workers 2", "default workers"])
-@pytest.mark.parametrize("when", [started, jobs_done], ids=["as the workers start", "mid-run"])
+@pytest.mark.parametrize("when", [pytest.param(started, id="as the workers start", marks=pytest.mark.heavy),
+                                  pytest.param(jobs_done, id="mid-run")])        # CI's time: one moment
 def test_ctrl_c_stops_compare_and_its_workers_in_one_line(workers, when, tmp_path):
     assert_interrupted(*interrupt(COMPARE + workers, signal.SIGINT, when, tmp_path))
     assert list(tmp_path.glob("compare-*")) == []          # the workers' copy of the model is removed

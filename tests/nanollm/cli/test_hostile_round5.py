@@ -136,8 +136,10 @@ def jobs_done(p, err: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("when", [bar_shown(0), bar_shown(0.5), bar_shown(2), jobs_done],
-                         ids=["as the workers start", "0.5 s later", "2 s later", "mid-run"])
+@pytest.mark.parametrize("when", [pytest.param(bar_shown(0), id="as the workers start", marks=pytest.mark.heavy),
+                                  pytest.param(bar_shown(0.5), id="0.5 s later", marks=pytest.mark.heavy),
+                                  pytest.param(bar_shown(2), id="2 s later", marks=pytest.mark.heavy),
+                                  pytest.param(jobs_done, id="mid-run")])       # CI: one moment; --runheavy: all
 def test_ctrl_c_stops_card_and_its_workers_in_one_line(tmp_path, when):
     ck = Path(shutil.copytree(BUNDLED, tmp_path / "ck"))
     temporary = tmp_path / "tmp"

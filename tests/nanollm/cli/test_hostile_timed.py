@@ -243,7 +243,8 @@ def gone(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("sh") or not shutil.which("sleep"), reason="needs sh and sleep")
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, id="ctrl-c"),       # SIGTERM with --runheavy
+                                 pytest.param(signal.SIGTERM, id="sigterm", marks=pytest.mark.heavy)])
 def test_an_interrupted_run_is_one_line_and_stops_the_command(tmp_path, sig):
     """The command is a shell that starts ``sleep`` and waits for it: both are stopped, nothing is recorded."""
     pidfile, record = tmp_path / "sleep.pid", tmp_path / "t.json"
