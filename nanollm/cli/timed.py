@@ -32,18 +32,13 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from datetime import date
 from pathlib import Path
 
 from .. import cli
 from ..io import files
 from .provenance import ROOT, git_commit
-
-try:
-    import fcntl
-except ImportError:           # Windows: no lock (one timed run at a time by hand)
-    fcntl = None
 
 # The folders a timings record may never be in: the checkpoints shipped with the package and with the
 # tensor-attention method.
@@ -125,23 +120,10 @@ def check_record_path(path: Path) -> None:
         cli.fail(f"--record {e}")
 
 
-@contextmanager
-def locked(folder: Path):
-    """Hold an exclusive lock on ``folder`` (``flock`` on the folder itself, so no lock file is left behind):
-    another ``timed`` writing a record there waits for it."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)                                  # closing releases the lock
-
-
 def add_entry(path: Path, name: str, entry: dict) -> None:
     """Write ``entry`` as ``name`` into the record ``path``, keeping the entries it holds now: read again
     under the lock, just before the (atomic) write, so an entry another run added meanwhile stays."""
-    with locked(path.parent):
+    with files.locked_folder(path.parent):
         entries = read_record(path)
         entries[name] = entry
         try:

@@ -29,15 +29,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-
-try:
-    import fcntl
-except ImportError:           # Windows: no lock (one fetch at a time by hand)
-    fcntl = None
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import files
 from .files import new_file_mode
 
 
@@ -196,24 +191,12 @@ def fetch(name: str, source: str | Path | None = None, quiet: bool = False) -> P
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        with _locked(folder):
+        with files.locked_folder(folder):
             _remove_leftovers(folder, r)
             return _fetch_into(folder, r, source, quiet)
     finally:
         if created and folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()                            # a refused fetch leaves no empty folder behind
-
-
-@contextmanager
-def _locked(folder: Path):
-    """Hold an exclusive lock on ``folder`` (one fetch at a time; another waits for it)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)                                  # closing releases the lock
 
 
 def _remove_leftovers(folder: Path, r: Remote) -> None:

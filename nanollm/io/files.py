@@ -23,6 +23,11 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:           # Windows: no lock (one writer at a time by hand)
+    fcntl = None
+
 
 def new_file_mode(path: Path) -> int:
     """The permission bits the written file gets: those of the file it replaces, else the umask's default."""
@@ -168,3 +173,16 @@ def removed_on_failure(folder: str | Path, names, keep=None):
                 except OSError:                       # never created, or it holds other files
                     pass
         raise
+
+
+@contextmanager
+def locked_folder(folder: str | Path):
+    """Hold an exclusive lock on ``folder`` (``flock`` on the folder itself, so no lock file is left behind):
+    another process taking the same lock waits for it. Used by a fetch and by ``timed``'s merge of a record."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                                  # closing releases the lock
