@@ -57,14 +57,13 @@ def run_cli(args: list[str], cwd: Path, file_size_limit: int | None = None, time
                           timeout=timeout, preexec_fn=limit_file_size if file_size_limit else None)
 
 
-@pytest.fixture(scope="module")
-def run_forked():
-    """``run_cli`` without the import of torch each time: the command runs in a fork of a process that has
-    imported it (forked.py), with its own argv, folder, output and exit status."""
+def fork_server(preexec_fn=None, default_timeout: int = 60):
+    """A ``forked.py`` server (``preexec_fn`` runs in it before it starts) and a ``run(args, cwd)`` that has it
+    fork a command: yields ``run``, then stops the server (a fixture's body)."""
     server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forked.py"))], env=cli_env(),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
 
-    def run(args: list[str], cwd: Path, timeout: int = 60) -> subprocess.CompletedProcess:
+    def run(args: list[str], cwd: Path, timeout: int = default_timeout) -> subprocess.CompletedProcess:
         server.stdin.write(json.dumps({"args": args, "cwd": str(cwd), "timeout": timeout}) + "\n")
         server.stdin.flush()
         done = json.loads(server.stdout.readline())
@@ -72,6 +71,13 @@ def run_forked():
     yield run
     server.stdin.close()
     server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def run_forked():
+    """``run_cli`` without the import of torch each time: the command runs in a fork of a process that has
+    imported it (forked.py), with its own argv, folder, output and exit status."""
+    yield from fork_server()
 
 
 def snapshot(folder: Path) -> dict[str, str]:

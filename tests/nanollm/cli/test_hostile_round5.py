@@ -13,13 +13,10 @@ The model commands (``train``, ``card``, ``hf``) against sizes, a full disk and 
 
 from __future__ import annotations
 
-import json
 import re
 import resource
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +24,7 @@ import pytest
 
 from nanollm.cli import train as train_cli
 from tests.course.test_grader import refused
-from tests.nanollm.cli.test_cli import BUNDLED, cli_env, snapshot
+from tests.nanollm.cli.test_cli import BUNDLED, fork_server, snapshot
 from tests.nanollm.cli.test_hostile_commands import assert_interrupted, interrupt, no_work
 
 # ----------------------------------------------------------------------------------------------------------
@@ -80,17 +77,7 @@ def run_full():
     def limit_file_size():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (FULL_DISK, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forked.py"))], env=cli_env(),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=limit_file_size)
-
-    def run(args: list[str], cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
-        server.stdin.write(json.dumps({"args": args, "cwd": str(cwd), "timeout": timeout}) + "\n")
-        server.stdin.flush()
-        done = json.loads(server.stdout.readline())
-        return subprocess.CompletedProcess(args, done["returncode"], done["stdout"], done["stderr"])
-    yield run
-    server.stdin.close()
-    server.wait(timeout=30)
+    yield from fork_server(limit_file_size, default_timeout=120)
 
 
 MODEL_COMMANDS = {
