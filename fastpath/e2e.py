@@ -1,5 +1,6 @@
 """
-Whole decode steps, timed: the lean step against the graph step, the full cache against keep 0.1.
+Whole decode steps, timed: the lean step, the graph step and the fused graph step, the full cache against
+keep 0.1.
 
     python -m fastpath.bench --e2e --json results/decode_e2e.json     # on a GPU: bash fastpath/gpu_check.sh
     python -m fastpath.bench --e2e --quick --json /tmp/e2e.json       # tiny shapes, fp32: runs on a CPU
@@ -11,7 +12,10 @@ is filled with random entries of the kept shape, positions as the method keeps t
 and recent tokens, H2O's scores), and no prompt runs: which tokens are kept does not change a step's time,
 and a 16 x 32k prompt would cost most of the run.
 
-Each path takes ``WARM`` steps (the graph step captures its graph there), then ``REPEATS`` blocks of
+Three paths: ``lean`` (``lean.py``, launched from Python), ``graph`` (``graph.py``, captured in a CUDA graph;
+its attention the masked split-K kernel, H2O's in PyTorch) and ``fused`` (``fused.py``: the graph step with
+its element-wise work compiled by inductor, on a CPU traced by dynamo alone). Each path takes ``WARM``
+steps (the graph step captures its graph there, the fused one compiles first: ``warm_s``), then ``REPEATS`` blocks of
 ``STEPS`` steps, the device synchronised around each block: the median block over ``STEPS`` is the
 step's time, the host's launch work included (what the graph removes). ``bytes`` is what a step must
 read: the weights (every matrix but the embedding table, of which it reads B rows) and the K/V it
@@ -41,6 +45,7 @@ from nanollm import KVCache, preset
 from nanollm.model import Transformer
 from nanollm.storage import LayerKV
 
+from .fused import FusedGraphDecoder
 from .graph import GraphDecoder
 
 PRESET, LENGTHS, BATCH, KEEP = "TINYLLAMA_1B", (8192, 32768), 16, 0.1
@@ -78,11 +83,16 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     return 2 * x.nbytes / statistics.median(times)
 
 
-def step_ms(step, token: torch.Tensor, device: str, quick: bool) -> tuple[float, list[float]]:
-    """Median milliseconds per step over ``REPEATS`` blocks of ``STEPS`` (fewer if quick), after ``WARM``."""
+def step_ms(step, token: torch.Tensor, device: str, quick: bool) -> tuple[float, list[float], float]:
+    """Median milliseconds per step over ``REPEATS`` blocks of ``STEPS`` (fewer if quick), after ``WARM``
+    steps; the blocks; the seconds the warm steps took (compiling and capturing)."""
     steps, repeats = (QUICK_STEPS, QUICK_REPEATS) if quick else (STEPS, REPEATS)
+    sync(device)
+    t0 = time.perf_counter()
     for _ in range(WARM):
         step(token)
+    sync(device)
+    warm_s = time.perf_counter() - t0
     blocks = []
     for _ in range(repeats):
         sync(device)
@@ -91,7 +101,7 @@ def step_ms(step, token: torch.Tensor, device: str, quick: bool) -> tuple[float,
             step(token)
         sync(device)
         blocks.append((time.perf_counter() - t0) * 1e3 / steps)
-    return statistics.median(blocks), blocks
+    return statistics.median(blocks), blocks, warm_s
 
 
 def random_model(cfg, dtype: torch.dtype, device: str) -> Transformer:
@@ -150,24 +160,27 @@ def row(path: str, method: str, S: int, entries: int, ms: tuple, weights: int, k
     nbytes = weights + kv
     ideal = nbytes / bandwidth * 1e3
     return {"path": path, "method": method, "length": S, "entries": entries, "ms": ms[0], "ms_blocks": ms[1],
-            "bytes": nbytes, "weight_bytes": weights, "kv_bytes": kv, "at_copy_bw_ms": ideal,
+            "warm_s": ms[2], "bytes": nbytes, "weight_bytes": weights, "kv_bytes": kv, "at_copy_bw_ms": ideal,
             "fixed_ms": ms[0] - ideal, "fraction_of_copy_bw": ideal / ms[0], **extra}
 
 
-def ours(cfg, model: Transformer, graph: GraphDecoder, B: int, S: int, dtype, device: str, bandwidth: float,
+PATHS = ("lean", "graph", "fused")
+
+
+def ours(cfg, model: Transformer, decoders: dict, B: int, S: int, dtype, device: str, bandwidth: float,
          methods, quick: bool) -> list[dict]:
-    """The lean and the graph step of every method at one length."""
+    """Every path's step (``decoders``: path -> its decoder) of every method at one length."""
     rows = []
     token = torch.randint(0, cfg.vocab_size, (B,), generator=torch.Generator().manual_seed(0)).to(device)
-    weights = weight_bytes(model, graph, B)
+    weights = weight_bytes(model, decoders["graph"], B)
     for method in methods:
-        for path in ("lean", "graph"):
+        for path, decoder in decoders.items():
             try:
-                rows.append(one_path(path, cfg, method, graph, token, B, S, dtype, device, quick, weights,
+                rows.append(one_path(path, cfg, method, decoder, token, B, S, dtype, device, quick, weights,
                                      bandwidth))
             except Exception as e:                      # noqa: BLE001  (recorded: the other cases still run)
                 rows.append({"path": path, "method": method, "length": S, "error": f"{type(e).__name__}: {e}"})
-            graph.forget()
+            decoder.forget()
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -175,7 +188,8 @@ def ours(cfg, model: Transformer, graph: GraphDecoder, B: int, S: int, dtype, de
 
 def one_path(path: str, cfg, method: str, graph: GraphDecoder, token, B: int, S: int, dtype, device: str,
              quick: bool, weights: int, bandwidth: float) -> dict:
-    """One method's step at one length on one path, on a fresh cache."""
+    """One method's step at one length on one path, on a fresh cache (``graph``: the path's decoder; the lean
+    path steps its ``lean``)."""
     cache = synthetic_cache(cfg, method, B, S, dtype, device)
     K = cache.layers[0].n
     elem = torch.empty((), dtype=dtype).element_size()
@@ -262,14 +276,16 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
           f"device's. Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {PRESET}{' (quick: shrunk)' if quick else ''} "
           f"shape, batch {B}, lengths {lengths}, keep {KEEP}")
     rows, hf = [], []
-    model = graph = None
+    model = decoders = None
+    fused_backend = None if device == "cuda" else "eager"      # inductor on a GPU; on a CPU, traced alone
     if not hf_only:
         torch.manual_seed(0)
         model = random_model(cfg, dtype, device)
         graph = GraphDecoder(model)
+        decoders = {"lean": graph, "graph": graph, "fused": FusedGraphDecoder(model, backend=fused_backend)}
     for S in lengths:
         if not hf_only:
-            for r in ours(cfg, model, graph, B, S, dtype, device, bandwidth, METHODS_TIMED, quick):
+            for r in ours(cfg, model, decoders, B, S, dtype, device, bandwidth, METHODS_TIMED, quick):
                 rows.append(r)
                 print(format_row(r))
         for compiled in ([True] if hf_only and hf_compile else [False, True] if hf_compile else [False]):
@@ -286,6 +302,6 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
             "config": cfg.to_dict(),
             "steps": {"warm": WARM, "steps": QUICK_STEPS if quick else STEPS,
                       "repeats": QUICK_REPEATS if quick else REPEATS},
-            "rows": rows, "transformers": hf,
+            "fused_backend": fused_backend or "inductor", "rows": rows, "transformers": hf,
             "fit": fit([r for r in rows + hf if isinstance(r, dict) and "ms" in r]),
             "note": f"measured on {name}; numbers from another device are not comparable"}

@@ -17,7 +17,10 @@ copied once into a ``StaticKV`` of fixed capacity, and ``GraphDecoder.decode`` i
 One step: the embedding, RoPE from ``position``, the stacked products of ``LeanDecoder.forward``; per layer
 the new k, v and position are scattered into ``slot``, the attention runs over all C slots with the
 positions as the mask (empty slots get probability 0: ``nanollm.attention.attend``'s mask with every
-stored position in the query's past), then the counters advance in place. No ``.item()``, no Python
+stored position in the query's past), then the counters advance in place. Where ``kernels.serves`` says so
+(CUDA and Triton) the attention is the split-K kernel's over the same buffers, empty slots masked by their
+position (``kernels.decode_attention.masked_decode_attention_triton``); H2O, which needs the probabilities
+themselves, keeps the two products and the softmax. No ``.item()``, no Python
 ``if`` on a tensor: the Python loop over layers is the same every step, so the graph is too.
 
 Which methods decode on it (``eviction_rule``, from what a policy declares, wrappers included):
@@ -67,6 +70,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import kernels
+from kernels.decode_attention import masked_decode_attention_triton
 from methods import METHODS
 from methods.h2o import STATE as H2O_STATE
 from methods.h2o import H2OPolicy
@@ -332,10 +337,13 @@ class GraphDecoder:
         kb.scatter_(2, at[..., None].expand(B, H_kv, 1, d), k)             # LayerKV.append / write
         vb.scatter_(2, at[..., None].expand(B, H_kv, 1, vb.shape[-1]), v)
         pos.scatter_(2, at, kv.position.expand(B, H_kv, 1))
-        scores = group_scores(q, kb)[:, :, :, 0]                           # (B, H_kv, G, C)
         valid = pos >= 0                                                   # every stored position is past
-        probs = torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), dim=-1)
-        out = (probs @ vb).view(B, H, 1, d)
+        if rule.kind != "heavy" and d >= 16 and d & (d - 1) == 0 and kernels.serves(q):
+            out = masked_decode_attention_triton(q[:, :, 0], kb, vb, pos).unsqueeze(2)   # (B, H, 1, d)
+        else:                                   # on a CPU, or H2O, which adds up the probabilities
+            scores = group_scores(q, kb)[:, :, :, 0]                       # (B, H_kv, G, C)
+            probs = torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), dim=-1)
+            out = (probs @ vb).view(B, H, 1, d)
         if rule.kind == "none":
             slot += 1
             return out

@@ -12,7 +12,10 @@ and a KV-cache method speeds decoding up exactly by reading fewer bytes. Two ker
 * over a **contiguous** cache k, v (B, H_kv, S, d): the full cache, or a compressed one stored compactly;
 * over **selected indices** idx (B, H_kv, K): each KV head reads only its K chosen rows of the full cache,
   gathered inside the kernel (no compacted copy is written; -1 entries are padding, as AdaKV's ragged
-  per-head budgets leave them).
+  per-head budgets leave them);
+* over a contiguous buffer with **empty slots**, pos (B, H_kv, S) holding each slot's position and -1 where
+  the slot is empty: the fixed-capacity buffers of ``fastpath/graph.py``, where a CUDA graph needs the same
+  shapes at every step, so the room not yet written and the slots an eviction emptied are masked, not cut.
 
 How the work is split (flash-decoding). One query token gives too little parallelism per (sequence, KV
 head) for a long cache, so the tokens are cut into ``splits`` ranges and each program handles one
@@ -32,11 +35,12 @@ fp32 accumulation; an fp32 cache multiplies in IEEE fp32, so the tests hold at 1
 
     out = decode_attention_triton(q, k, v)                   # q (B, H, d), k, v (B, H_kv, S, d) -> (B, H, d)
     out = selected_decode_attention_triton(q, k, v, idx)     # idx (B, H_kv, K) rows of k, v per head
+    out = masked_decode_attention_triton(q, k, v, pos)       # pos (B, H_kv, S): -1 marks an empty slot
 
-each beside its reference (``reference_decode_attention``, ``reference_selected_decode_attention``: the same
-arguments, any device). ``fastpath.attention.attend_step`` calls the first where ``kernels.serves`` says so.
-Each is two launches, which ``decode_partials_triton`` (the ranges' m, l, acc) and ``merge_splits_triton``
-make one at a time.
+each beside its reference (``reference_decode_attention``, ``reference_selected_decode_attention``,
+``reference_masked_decode_attention``: the same arguments, any device). ``fastpath.attention.attend_step``
+calls the first where ``kernels.serves`` says so, ``fastpath/graph.py`` the third. Each is two launches,
+which ``decode_partials_triton`` (the ranges' m, l, acc) and ``merge_splits_triton`` make one at a time.
 """
 
 from __future__ import annotations
@@ -105,6 +109,21 @@ def reference_selected_decode_attention(q: Tensor, k: Tensor, v: Tensor, idx: Te
     return (torch.softmax(s, dim=-1) @ vs).view(B, H, d).to(q.dtype)
 
 
+def reference_masked_decode_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor,
+                                      scale: float | None = None) -> Tensor:
+    """The same over the slots of k, v whose position ``pos`` (B, H_kv, S) is >= 0 (-1: an empty slot, never
+    attended). Every (sequence, KV head) must hold at least one entry."""
+    check_decode_args(q, k, v)
+    if pos.shape != k.shape[:3]:
+        raise ValueError(f"pos must have shape (B, H_kv, S) = {tuple(k.shape[:3])}, got {tuple(pos.shape)}")
+    B, H, d = q.shape
+    H_kv = k.shape[1]
+    scale = default_scale(scale, d)
+    s = q.float().view(B, H_kv, H // H_kv, d) @ k.float().transpose(-1, -2) * scale     # (B, H_kv, G, S)
+    s = s.masked_fill((pos < 0)[:, :, None, :], float("-inf"))
+    return (torch.softmax(s, dim=-1) @ v.float()).view(B, H, d).to(q.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The kernel: one program per (sequence, KV head, range of tokens)
 
@@ -112,14 +131,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, idx_ptr, m_ptr, l_ptr, acc_ptr,
+        q_ptr, k_ptr, v_ptr, idx_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
         n_tokens, tokens_per_split, scale,
         stride_qb, stride_qh,                       # q (B, H, d), last stride 1
         stride_kb, stride_kh, stride_ks,            # k (B, H_kv, S, d), last stride 1
         stride_vb, stride_vh, stride_vs,            # v likewise
         stride_ib, stride_ih,                       # idx (B, H_kv, K), last stride 1 (GATHER only)
+        stride_pb, stride_ph,                       # pos (B, H_kv, S), last stride 1 (MASKED only)
         H_kv: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-        BLOCK_N: tl.constexpr, GATHER: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_N: tl.constexpr, GATHER: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)         # which (sequence, KV head); int64: large caches
         split = tl.program_id(1)                   # which range of tokens
@@ -145,6 +165,9 @@ if HAS_TRITON:
                 rows = tl.where(valid, rows, 0)
             else:
                 rows = n
+                if MASKED:                        # a slot whose position is -1 is empty
+                    p = tl.load(pos_ptr + b * stride_pb + h * stride_ph + n, mask=valid, other=-1)
+                    valid = valid & (p >= 0)
             kb = tl.load(k_ptr + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + dim[None, :],
                          mask=valid[:, None], other=0.0)                              # (BLOCK_N, D)
             vb = tl.load(v_ptr + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + dim[None, :],
@@ -223,17 +246,18 @@ if HAS_TRITON:
 
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | None, block_n: int | None,
-            splits: int | None, num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
-    m, l, acc = decode_partials_triton(q, k, v, idx, scale, block_n, splits, num_warps, num_stages)
+            splits: int | None, num_warps: int | None = None, num_stages: int | None = None,
+            pos: Tensor | None = None) -> Tensor:
+    m, l, acc = decode_partials_triton(q, k, v, idx, scale, block_n, splits, num_warps, num_stages, pos)
     return merge_splits_triton(m, l, acc, q.dtype).view(q.shape)      # rows (b, h_kv, g) = (b, h)
 
 
 def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None = None, scale: float | None = None,
                            block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                           num_stages: int | None = None, pos: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The split kernel alone (no checks of the arguments): each (sequence, KV head) row's ranges' running max
     m and sum l (B * H_kv, splits, G) and output acc (B * H_kv, splits, G, d), fp32; a range with no valid
-    token has m = -inf, l = 0, acc = 0."""
+    token has m = -inf, l = 0, acc = 0. ``pos`` (B, H_kv, S), if given, masks the slots at -1 (not with idx)."""
     if not HAS_TRITON:
         raise RuntimeError("the decode kernels need triton; use reference_decode_attention or "
                            "reference_selected_decode_attention")
@@ -262,12 +286,17 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
     if idx is not None and (idx.dtype != torch.int32 or not idx.is_contiguous()):
         idx = idx.to(torch.int32).contiguous()
     ix = idx if idx is not None else m                                        # any pointer when not gathering
+    if pos is not None and pos.stride(-1) != 1:
+        pos = pos.contiguous()
+    px = pos if pos is not None else m                                        # any pointer when not masking
     launch = {k_: v_ for k_, v_ in (("num_warps", num_warps), ("num_stages", num_stages)) if v_ is not None}
     _decode_split_kernel[(B * H_kv, splits)](
-        q, k, v, ix, m, l, acc, n_tokens, per_split, scale,
+        q, k, v, ix, px, m, l, acc, n_tokens, per_split, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ix.stride(0) if idx is not None else 0, ix.stride(1) if idx is not None else 0,
-        H_kv=H_kv, G=G, G_PAD=G_PAD, D=d, BLOCK_N=block_n, GATHER=idx is not None, DOT_FP32=dot_fp32, **launch)
+        px.stride(0) if pos is not None else 0, px.stride(1) if pos is not None else 0,
+        H_kv=H_kv, G=G, G_PAD=G_PAD, D=d, BLOCK_N=block_n, GATHER=idx is not None, MASKED=pos is not None,
+        DOT_FP32=dot_fp32, **launch)
     return m, l, acc
 
 
@@ -300,3 +329,14 @@ def selected_decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tenso
     if validate:
         check_decode_args(q, k, v, idx)
     return _launch(q, k, v, idx, scale, block_n, splits, num_warps, num_stages)
+
+
+def masked_decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None = None,
+                                   block_n: int | None = None, splits: int | None = None) -> Tensor:
+    """The kernel over a contiguous buffer whose slots at position -1 in ``pos`` (B, H_kv, S) are empty.
+    Shapes as ``reference_masked_decode_attention``. Only the shapes are checked (the values would need the
+    host to wait for the GPU, which a CUDA graph cannot): a (sequence, KV head) with no entry gets NaN."""
+    check_decode_args(q, k, v)
+    if pos.shape != k.shape[:3]:
+        raise ValueError(f"pos must have shape (B, H_kv, S) = {tuple(k.shape[:3])}, got {tuple(pos.shape)}")
+    return _launch(q, k, v, None, scale, block_n, splits, pos=pos)

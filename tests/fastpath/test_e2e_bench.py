@@ -17,14 +17,16 @@ def test_e2e_quick_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "no CUDA device" in text and "measured on CPU (cpu)" in text
     report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["quick"] and report["fused_backend"] == "eager"
     assert report["device"] == "cpu" and report["quick"] and report["provenance"]["command"].endswith(str(out))
     cases = {(r["path"], r["method"], r["length"]) for r in report["rows"]}
-    assert cases == {(p, m, S) for p in ("lean", "graph") for m in e2e.METHODS_TIMED for S in e2e.QUICK_LENGTHS}
+    assert cases == {(p, m, S) for p in e2e.PATHS for m in e2e.METHODS_TIMED for S in e2e.QUICK_LENGTHS}
     for r in report["rows"]:
         assert r["ms"] > 0 and r["bytes"] == r["weight_bytes"] + r["kv_bytes"] > 0
         assert r["at_copy_bw_ms"] == pytest.approx(r["bytes"] / report["copy_bandwidth"] * 1e3)
         assert r["entries"] == (r["length"] if r["method"] == "full" else max(8, int(0.1 * r["length"])))
-        if r["path"] == "graph":                      # StreamingLLM and H2O: budget + 1 slots once full
+        assert r["warm_s"] > 0
+        if r["path"] != "lean":                       # StreamingLLM and H2O: budget + 1 slots once full
             assert r["capacity"] == r["entries"] + (1 if r["method"] in ("streaming_llm", "h2o") else e2e.ROOM)
     if importlib.util.find_spec("transformers"):
         assert [r["path"] for r in report["transformers"]] == ["transformers_static"] * 2

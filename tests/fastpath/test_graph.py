@@ -2,10 +2,14 @@
 and falls back to it, saying so, where a method has no in-graph rule."""
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import fastpath.graph as graph_module
+import kernels
+import kernels.decode_attention as kernel_module
 from fastpath.graph import BF16_TOL, GraphDecoder, eviction_rule
 from fastpath.lean import LeanDecoder
 from methods import make_policy
@@ -176,6 +180,34 @@ def test_clear_errors(tiny_model, make_model):
         graph.step(tokens()[:, 12])
 
 
+# -- the attention through the kernel -----------------------------------------------------------------------
+
+through_kernels = pytest.mark.skipif(
+    not kernels.HAS_TRITON or not kernels.interpreting(),
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on a machine without a GPU)")
+
+
+@through_kernels
+@pytest.mark.parametrize("spec,budget", [(None, 12), ("adakv", 12), ("streaming_llm", 8)])
+def test_the_kernel_attends_over_the_buffers_with_empty_slots(tiny_model, spec, budget, monkeypatch):
+    """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), the
+    step's attention is the masked split-K kernel over the fixed buffers: the room not yet written, AdaKV's
+    per-head padding and StreamingLLM's emptied slots are masked by position, and the logits stay the lean
+    step's (which attends in PyTorch) within 1e-5."""
+    calls = []
+    real = kernel_module.masked_decode_attention_triton
+
+    def counted(*args, **kw):
+        calls.append(args[1].shape)
+        return real(*args, **kw)
+    monkeypatch.setattr(graph_module, "masked_decode_attention_triton", counted)
+    monkeypatch.setattr(graph_module, "kernels", SimpleNamespace(serves=lambda t: True))   # the graph step's only
+    ref, out, cache, graph = steps_both(tiny_model, tokens(28), spec, budget)
+    assert len(calls) == 8 * tiny_model.config.n_layer                      # every layer of every step
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert_same_entries(cache, graph)
+
+
 # -- the step as one graph ------------------------------------------------------------------------------------
 
 def compiled_steps(model, spec, backend):
@@ -250,10 +282,28 @@ def test_bf16_on_a_gpu(make_model, tiny_cfg, spec, monkeypatch):
 
 
 @cuda
-def test_the_step_never_waits_for_the_host(make_model, tiny_cfg):
-    """Eager on CUDA under torch's sync debug mode "error": no operation of the step synchronises."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", [None, "snapkv", "streaming_llm"])
+def test_captured_with_the_kernel_on_a_gpu(make_model, tiny_cfg, spec, dtype):
+    """The default on CUDA: the masked split-K kernel inside the captured graph (the lean step takes the
+    contiguous kernel with the plain cache, PyTorch with a policy): fp32 within 1e-5, bf16 within BF16_TOL."""
+    model = make_model(tiny_cfg, seed=1).cuda().to(dtype)
+    ref, out, cache, graph = steps_both(model, tokens(34, 2).cuda(), spec)
+    assert graph.captures == 1 and graph.current.graph is not None
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    else:
+        assert (out.float() - ref.float()).abs().max() <= BF16_TOL * ref.float().abs().max()
+    assert_same_entries(cache, graph)
+
+
+@cuda
+@pytest.mark.parametrize("spec", ["h2o", None, "streaming_llm"])
+def test_the_step_never_waits_for_the_host(make_model, tiny_cfg, spec):
+    """Eager on CUDA under torch's sync debug mode "error": no operation of the step synchronises (H2O's
+    step in PyTorch; the others through the kernel)."""
     model = make_model(tiny_cfg, seed=0).cuda()
-    cache = KVCache(model.config, make_policy("h2o", 12))
+    cache = KVCache(model.config, make_policy(spec, 12) if spec else None)
     with torch.no_grad():
         prefill(model, tokens().cuda()[:, :20], cache)
     graph = GraphDecoder(model)

@@ -12,7 +12,9 @@ import kernels
 import kernels.decode_attention as dec
 from kernels.decode_attention import (
     decode_attention_triton,
+    masked_decode_attention_triton,
     reference_decode_attention,
+    reference_masked_decode_attention,
     reference_selected_decode_attention,
     selected_decode_attention_triton,
 )
@@ -84,6 +86,31 @@ def test_a_range_of_padding_only(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [None, 3])
+def test_masked_matches_reference_and_the_filled_slots(device, splits):
+    """A fixed-capacity buffer (fastpath/graph.py): slots at position -1 are empty (the room not yet written,
+    a slot an eviction emptied, a whole range of them), and the rest equals the contiguous kernel over the
+    filled slots alone."""
+    q, k, v = cache(2, 4, 2, 45, 16, device=device)
+    pos = torch.arange(45).repeat(2, 2, 1)
+    pos[:, :, 30:] = -1                           # room not yet written
+    pos[0, 1, 3] = pos[1, 0, 17] = -1             # emptied by an eviction
+    pos[1, 1, :16] = -1                           # a range of empty slots only (block_n 16)
+    pos = pos.to(device)
+    out = masked_decode_attention_triton(q, k, v, pos, block_n=16, splits=splits)
+    torch.testing.assert_close(out, reference_masked_decode_attention(q, k, v, pos), rtol=0, atol=1e-5)
+    for b in range(2):
+        for h in range(2):
+            kept = (pos[b, h] >= 0).nonzero()[:, 0]
+            one = masked_decode_attention_triton(q[b:b + 1, 2 * h:2 * h + 2], k[b:b + 1, h:h + 1],
+                                                 v[b:b + 1, h:h + 1], pos[b:b + 1, h:h + 1], block_n=16)
+            ref = decode_attention_triton(q[b:b + 1, 2 * h:2 * h + 2], k[b:b + 1, h:h + 1, kept],
+                                          v[b:b + 1, h:h + 1, kept], block_n=16)
+            torch.testing.assert_close(one, ref, rtol=0, atol=1e-5)
+            torch.testing.assert_close(out[b, 2 * h:2 * h + 2], ref[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_loose(device, dtype):
     q, k, v = cache(1, 4, 2, 33, 16, dtype=dtype, device=device)
@@ -108,6 +135,10 @@ def test_clear_errors():
         selected_decode_attention_triton(q, k, v, torch.tensor([[[0, 10], [1, 2]]]))
     with pytest.raises(ValueError, match=">= the cache length"):
         reference_selected_decode_attention(q, k, v, torch.tensor([[[0, 10], [1, 2]]]))
+    with pytest.raises(ValueError, match="pos must have shape"):
+        masked_decode_attention_triton(q, k, v, torch.zeros(1, 2, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="pos must have shape"):
+        reference_masked_decode_attention(q, k, v, torch.zeros(1, 2, dtype=torch.long))
 
 
 @pytest.mark.parametrize("device", DEVICES)

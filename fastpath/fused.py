@@ -1,0 +1,86 @@
+"""
+The graph step with its small operations fused: what is left of a step's fixed cost.
+
+A CUDA graph removes the host from a decode step (``graph.py``) but not the step's number of kernels: per
+layer two norms, RoPE, the residual adds and SiLU-times-up are a dozen element-wise kernels over a few
+kilobytes (B rows of d_model), each a few microseconds however little it reads. Over 22 layers that is a
+fixed cost of the order of a millisecond, which a compressed cache does not shrink. Here the element-wise
+work between two matrix products is compiled by ``torch.compile`` (inductor: one generated kernel for each
+run of element-wise operations; the products stay cuBLAS's), one function before a layer's attention and
+one after it:
+
+    before   x (R, D) -> q (R, H, 1, d), k, v (R, H_kv, 1, d):  norm, the stacked q/k/v product, RoPE
+    after    x, y (R, H*d) -> x:  + o_proj(y), norm, gate/up product, silu(gate) * up, down product, + x
+
+Every layer has the same shapes, so each function compiles once (the first eager step, seconds on a GPU)
+and serves all layers, every method and every length of a run; the attention between them is the graph
+step's own (``GraphDecoder._attend``: the kernel, the writes, the eviction), and the whole step is still
+captured and replayed as ``GraphDecoder`` does. The arithmetic is the lean step's, in the same order
+within each operation, so the logits agree to float rounding (tested in fp32 at 1e-5 with the ``eager``
+backend on a CPU, which traces the same functions without generating code).
+
+    fused = FusedGraphDecoder(model)                     # as GraphDecoder; backend=None is inductor
+    fused.start(cache, max_new_tokens=32)
+    logits = fused.step(token)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nanollm.attention import apply_rope, rope_cos_sin
+from nanollm.model import Transformer
+
+from .graph import GraphDecoder
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``nanollm.model.RMSNorm`` as a function: normalised in fp32, rounded back, times the weight."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def before_attention(x: Tensor, norm_w: Tensor, wqkv: Tensor, cos: Tensor, sin: Tensor, eps: float, H: int,
+                     H_kv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x (R, D) -> q (R, H, 1, d), k, v (R, H_kv, 1, d): ``LeanDecoder.forward`` up to its attention."""
+    R = x.shape[0]
+    qkv = F.linear(rms_norm(x, norm_w, eps), wqkv).view(R, H + 2 * H_kv, -1)     # (R, H + 2 H_kv, d)
+    qk = apply_rope(qkv[:, :H + H_kv], cos, sin)
+    return qk[:, :H, None], qk[:, H:, None], qkv[:, H + H_kv:, None]
+
+
+def after_attention(x: Tensor, y: Tensor, wo: Tensor, norm_w: Tensor, wgu: Tensor, wd: Tensor,
+                    eps: float) -> Tensor:
+    """x (R, D), the heads' outputs y (R, H*d) -> x (R, D): the rest of the layer."""
+    x = x + F.linear(y, wo)
+    gate, up = F.linear(rms_norm(x, norm_w, eps), wgu).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, wd)
+
+
+def head(x: Tensor, norm_w: Tensor, w: Tensor, eps: float) -> Tensor:
+    """The final norm and the LM head: x (R, D) -> logits (R, V)."""
+    return F.linear(rms_norm(x, norm_w, eps), w)
+
+
+class FusedGraphDecoder(GraphDecoder):
+    """``GraphDecoder`` whose layers run ``before_attention`` and ``after_attention`` compiled."""
+
+    def __init__(self, model: Transformer, backend: str | None = None) -> None:
+        super().__init__(model)
+        options = {"dynamic": False} if backend is None else {"dynamic": False, "backend": backend}
+        self.before, self.after, self.head = (torch.compile(f, **options)
+                                              for f in (before_attention, after_attention, head))
+
+    def decode(self, token: Tensor) -> Tensor:
+        """``GraphDecoder.decode`` with the compiled pieces: logits (B, V), ``self.kv`` updated in place."""
+        kv, cfg = self.current.kv, self.config
+        x = F.embedding(token, self.model.tok_emb.weight)                             # (B, D)
+        cos, sin = rope_cos_sin(kv.position, self.lean.inv_freq, x.dtype)            # (1, d) each
+        for i, (norm1, wqkv, wo, norm2, wgu, wd, attn) in enumerate(self.lean.layers):
+            q, k, v = self.before(x, norm1.weight, wqkv, cos, sin, norm1.eps, cfg.n_head, cfg.n_kv_head)
+            y = self._attend(i, attn, q, k, v).reshape(x.shape[0], -1)               # (B, H*d)
+            x = self.after(x, y, wo, norm2.weight, wgu, wd, norm2.eps)
+        logits = self.head(x, self.model.final_norm.weight, self.model.lm_head.weight, self.model.final_norm.eps)
+        kv.position += 1
+        return logits

@@ -1,0 +1,49 @@
+"""The fused graph step (fastpath/fused.py): the graph step with its element-wise work compiled, the same
+logits and the same kept entries as the lean step."""
+
+import pytest
+import torch
+
+from fastpath.fused import FusedGraphDecoder
+from tests.fastpath.test_graph import assert_same_entries, steps_both, tokens
+
+
+@pytest.mark.parametrize("spec", [None, "snapkv", "streaming_llm", "h2o"])
+def test_the_fused_step_is_the_lean_step(tiny_model, spec):
+    """Traced by dynamo without generating code (backend "eager": the same functions, seconds on a CPU); fp32
+    within 1e-5 over 14 steps, the kept positions equal after them."""
+    torch._dynamo.reset()
+    fused = FusedGraphDecoder(tiny_model, backend="eager")
+    ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, graph=fused)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert_same_entries(cache, graph)
+
+
+@pytest.mark.slow
+def test_the_fused_step_with_inductor(tiny_model):
+    """inductor (C++ on a CPU) generates the fused functions; they serve every layer (one compile each) and
+    match the lean step."""
+    torch._dynamo.reset()
+    fused = FusedGraphDecoder(tiny_model)
+    ref, out, cache, graph = steps_both(tiny_model, tokens(), "streaming_llm", graph=fused)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert_same_entries(cache, graph)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_step_captured_on_a_gpu(make_model, tiny_cfg, dtype):
+    """Compiled by inductor on the first eager step, captured with the rest of the step, replayed."""
+    from fastpath.graph import BF16_TOL
+    torch._dynamo.reset()
+    model = make_model(tiny_cfg, seed=1).cuda().to(dtype)
+    fused = FusedGraphDecoder(model)
+    ref, out, cache, graph = steps_both(model, tokens(34, 3).cuda(), "snapkv", graph=fused)
+    assert graph.captures == 1
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    else:
+        assert (out.float() - ref.float()).abs().max() <= BF16_TOL * ref.float().abs().max()
