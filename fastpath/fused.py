@@ -13,9 +13,11 @@ one after it:
     after    x, y (R, H*d) -> x:  + o_proj(y), norm, gate/up product, silu(gate) * up, down product, + x
 
 Every layer has the same shapes, so each function compiles once (the first eager step, seconds on a GPU)
-and serves all layers, every method and every length of a run; the attention between them is the graph
-step's own (``GraphDecoder._attend``: the kernel, the writes, the eviction), and the whole step is still
-captured and replayed as ``GraphDecoder`` does. The arithmetic is the lean step's, in the same order
+and serves all layers, every method and every length of a run. The attention between them is the graph
+step's own (``GraphDecoder._attend``), its small pieces compiled too: the writes into the buffers,
+StreamingLLM's eviction, and H2O's whole attention (its softmax, the scores it adds up, the slot it
+empties), which compile once per capacity C. The split-K kernel stays as it is, and the whole step is
+still captured and replayed as ``GraphDecoder`` does. The arithmetic is the lean step's, in the same order
 within each operation, so the logits agree to float rounding (tested in fp32 at 1e-5 with the ``eager``
 backend on a CPU, which traces the same functions without generating code).
 
@@ -33,7 +35,7 @@ from torch import Tensor
 from nanollm.attention import apply_rope, rope_cos_sin
 from nanollm.model import Transformer
 
-from .graph import GraphDecoder
+from .graph import GraphDecoder, attend_heavy, evict_sinks, write_entry
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -71,6 +73,9 @@ class FusedGraphDecoder(GraphDecoder):
         options = {"dynamic": False} if backend is None else {"dynamic": False, "backend": backend}
         self.before, self.after, self.head = (torch.compile(f, **options)
                                               for f in (before_attention, after_attention, head))
+        # the attention's own small pieces (graph.py): the writes, StreamingLLM's eviction, H2O's whole step
+        self.write, self.evict_sinks, self.attend_heavy = (torch.compile(f, **options)
+                                                           for f in (write_entry, evict_sinks, attend_heavy))
 
     def decode(self, token: Tensor) -> Tensor:
         """``GraphDecoder.decode`` with the compiled pieces: logits (B, V), ``self.kv`` updated in place."""
@@ -82,5 +87,5 @@ class FusedGraphDecoder(GraphDecoder):
             y = self._attend(i, attn, q, k, v).reshape(x.shape[0], -1)               # (B, H*d)
             x = self.after(x, y, wo, norm2.weight, wgu, wd, norm2.eps)
         logits = self.head(x, self.model.final_norm.weight, self.model.lm_head.weight, self.model.final_norm.eps)
-        kv.position += 1
+        self.advance(kv)
         return logits

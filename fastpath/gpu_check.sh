@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the graph step (fastpath/graph.py, fastpath/fused.py) must show on a GPU, in one command on one
-# H100 or H200, under ten minutes by design (each stage has its own time limit; they sum to 500 s):
+# H100 or H200, under ten minutes by design (each stage has its own time limit; they sum to 420 s):
 #
 #     bash fastpath/gpu_check.sh results/decode_e2e.json
 #
@@ -25,14 +25,14 @@ python -c "import transformers; print('transformers', transformers.__version__)"
 status=0
 
 echo "== 1/3 end-to-end decode steps -> $out"
-timeout 240 python -m fastpath.bench --e2e --json "$out" || { echo "e2e FAILED or ran out of time (rc $?)"; status=1; }
+timeout 200 python -m fastpath.bench --e2e --json "$out" || { echo "e2e FAILED or ran out of time (rc $?)"; status=1; }
 
 echo "== 2/3 tests (tests/fastpath, tests/kernels) on $(python -c 'import torch; print(torch.cuda.get_device_name())')"
-timeout 180 python -m pytest -q -p no:cacheprovider tests/fastpath tests/kernels \
+timeout 150 python -m pytest -q -p no:cacheprovider tests/fastpath tests/kernels \
     || { echo "tests FAILED or ran out of time (rc $?)"; status=1; }
 
 hf="${out%.json}.hf_compiled_8192.json"
 echo "== 3/3 transformers' StaticCache step at 8192 tokens, compiled -> $hf"
-timeout 80 python -m fastpath.bench --e2e --hf-only --hf-compile --length 8192 --json "$hf" \
-    || echo "transformers compiled step at 8192: not timed (rc $?: failed, or its compile ran past 80 s)"
+timeout 70 python -m fastpath.bench --e2e --hf-only --hf-compile --length 8192 --json "$hf" \
+    || echo "transformers compiled step at 8192: not timed (rc $?: failed, or its compile ran past 70 s)"
 exit $status

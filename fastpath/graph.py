@@ -226,6 +226,57 @@ class _Shape:
         self.warm = 0
 
 
+# -- a layer's attention over the buffers, in pieces: views of layer i's k, v (B, H_kv, C, d), pos (B, H_kv, C),
+# slot (B, H_kv), score (B, H_kv, C); position (1,); updated in place
+
+def write_entry(kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, k: Tensor, v: Tensor, position: Tensor) -> None:
+    """The new entry k, v (B, H_kv, 1, d) and its position into each head's ``slot`` (``LayerKV.append``)."""
+    B, H_kv, _, d = kb.shape
+    at = slot[:, :, None]                                                  # (B, H_kv, 1)
+    kb.scatter_(2, at[..., None].expand(B, H_kv, 1, d), k)
+    vb.scatter_(2, at[..., None].expand(B, H_kv, 1, vb.shape[-1]), v)
+    pos.scatter_(2, at, position.expand(B, H_kv, 1))
+
+
+def attend_masked(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """q (B, H, 1, d) over every slot whose position is >= 0 (each is in the query's past): the output
+    (B, H, 1, d) and the probabilities (B, H_kv, G, C), empty slots at exactly 0."""
+    B, H, _, d = q.shape
+    scores = group_scores(q, kb)[:, :, :, 0]                               # (B, H_kv, G, C)
+    probs = torch.softmax(scores.masked_fill((pos < 0)[:, :, None], float("-inf")), dim=-1)
+    return (probs @ vb).view(B, H, 1, d), probs
+
+
+def empty_one(pos: Tensor, slot: Tensor, victim: Tensor, budget: int) -> None:
+    """Where a head holds more than ``budget`` entries, empty its slot ``victim`` (B, H_kv) (``LayerKV.evict``)
+    and send the next token there; elsewhere the next token takes the next slot."""
+    over = (pos >= 0).sum(-1) > budget                                     # (B, H_kv)
+    held = pos.gather(2, victim[..., None])                                # (B, H_kv, 1)
+    pos.scatter_(2, victim[..., None], torch.where(over[..., None], -1, held))
+    slot.copy_(torch.where(over, victim, slot + 1))
+
+
+def evict_sinks(pos: Tensor, slot: Tensor, n_sink: int, budget: int) -> None:
+    """StreamingLLM: the oldest position at or after the sinks (its ring holds the rest in position order)."""
+    after_sinks = pos.masked_fill(pos < n_sink, torch.iinfo(pos.dtype).max)
+    empty_one(pos, slot, after_sinks.argmin(dim=-1), budget)
+
+
+def attend_heavy(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, score: Tensor, position: Tensor,
+                 n_recent: int, budget: int) -> Tensor:
+    """H2O: attend, add what each entry received (the mean over each KV head's G query heads) to its score,
+    then empty the lowest score outside the ``n_recent`` latest, the later position on a tie
+    (``nanollm.slots.select_lowest``). Returns the output (B, H, 1, d)."""
+    out, probs = attend_masked(q, kb, vb, pos)
+    score.scatter_(2, slot[:, :, None], 0.0)             # the new entry starts at 0 (its fill value)...
+    score += probs.float().mean(dim=2)                   # ...and every entry gets what it received now
+    stays = (pos < 0) | (pos >= position + 1 - n_recent)                               # empty or recent
+    s = torch.where(stays, float("inf"), torch.nan_to_num(score, nan=float("-inf")))
+    lowest = s == s.amin(dim=-1, keepdim=True)
+    empty_one(pos, slot, torch.where(lowest, pos, -1).argmax(dim=-1), budget)
+    return out
+
+
 class GraphDecoder:
     """Decode steps of a Llama-flavour ``Transformer`` over a ``StaticKV``, captured in a CUDA graph per
     shape on a GPU, eager on a CPU; policies without an in-graph rule decode with the lean step."""
@@ -323,46 +374,35 @@ class GraphDecoder:
         x = F.embedding(token, self.model.tok_emb.weight)                             # (B, D)
         cos, sin = rope_cos_sin(kv.position, self.lean.inv_freq, x.dtype)            # (1, d) each
         logits, _ = self.lean.forward(x, cos, sin, F.linear, self._attend)
-        kv.position += 1
+        self.advance(kv)
         return logits
+
+    def advance(self, kv: StaticKV) -> None:
+        """After a step: the next position; without eviction, every layer's next slot (one kernel for all)."""
+        kv.position += 1
+        if self.rule.kind == "none":            # a branch on the rule, fixed for the sequence, not on data
+            kv.slot += 1
+
+    # the pieces of a layer's attention, as attributes so that ``fused.py`` can swap in compiled ones
+    write, attend_heavy, evict_sinks = staticmethod(write_entry), staticmethod(attend_heavy), \
+        staticmethod(evict_sinks)
 
     def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Layer i: q (B, H, 1, d), the new k, v (B, H_kv, 1, d). Write, attend over C slots, evict.
         Returns (B, H, 1, d)."""
         kv, rule = self.current.kv, self.rule
-        B, H, _, d = q.shape
-        H_kv = k.shape[1]
         kb, vb, pos, slot = kv.k[i], kv.v[i], kv.pos[i], kv.slot[i]       # views (B, H_kv, C, d), (B, H_kv, C)
-        at = slot[:, :, None]                                              # (B, H_kv, 1)
-        kb.scatter_(2, at[..., None].expand(B, H_kv, 1, d), k)             # LayerKV.append / write
-        vb.scatter_(2, at[..., None].expand(B, H_kv, 1, vb.shape[-1]), v)
-        pos.scatter_(2, at, kv.position.expand(B, H_kv, 1))
-        valid = pos >= 0                                                   # every stored position is past
-        if rule.kind != "heavy" and d >= 16 and d & (d - 1) == 0 and kernels.serves(q):
+        self.write(kb, vb, pos, slot, k, v, kv.position)
+        if rule.kind == "heavy":                # H2O adds up the probabilities: the attention in PyTorch
+            return self.attend_heavy(q, kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent, rule.budget)
+        d = q.shape[-1]
+        if d >= 16 and d & (d - 1) == 0 and kernels.serves(q):
             out = masked_decode_attention_triton(q[:, :, 0], kb, vb, pos).unsqueeze(2)   # (B, H, 1, d)
-        else:                                   # on a CPU, or H2O, which adds up the probabilities
-            scores = group_scores(q, kb)[:, :, :, 0]                       # (B, H_kv, G, C)
-            probs = torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), dim=-1)
-            out = (probs @ vb).view(B, H, 1, d)
-        if rule.kind == "none":
-            slot += 1
-            return out
-        if rule.kind == "sinks":                # the oldest position after the sinks (StreamingLLM's ring)
-            after_sinks = pos.masked_fill(pos < rule.n_sink, torch.iinfo(pos.dtype).max)
-            victim = after_sinks.argmin(dim=-1)                                        # (B, H_kv)
-        else:                                   # H2O: accumulate, then the lowest score outside the window
-            score = kv.score[i]
-            score.scatter_(2, at, 0.0)                       # the new entry starts at 0 (its fill value)...
-            score += probs.float().mean(dim=2)               # ...and every entry gets what it received now
-            stays = (pos < 0) | (pos >= kv.position + 1 - rule.n_recent)              # empty or recent
-            s = torch.where(stays, float("inf"), torch.nan_to_num(score, nan=float("-inf")))
-            lowest = s == s.amin(dim=-1, keepdim=True)
-            victim = torch.where(lowest, pos, -1).argmax(dim=-1)     # ties: the later position (select_lowest)
-        over = valid.sum(-1) > rule.budget                                             # (B, H_kv)
-        held = pos.gather(2, victim[..., None])                                        # (B, H_kv, 1)
-        pos.scatter_(2, victim[..., None], torch.where(over[..., None], -1, held))     # LayerKV.evict
-        slot.copy_(torch.where(over, victim, slot + 1))      # the next token takes the emptied slot
-        return out
+        else:
+            out = attend_masked(q, kb, vb, pos)[0]
+        if rule.kind == "sinks":
+            self.evict_sinks(pos, slot, rule.n_sink, rule.budget)
+        return out                              # (rule "none": every layer's slot advances after the step)
 
     def generate(self, ids: Tensor, max_new_tokens: int, policy: CachePolicy | None = None,
                  cache: KVCache | None = None, stop_ids: list[int] | tuple = ()) -> Tensor:

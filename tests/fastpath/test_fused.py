@@ -20,12 +20,13 @@ def test_the_fused_step_is_the_lean_step(tiny_model, spec):
 
 
 @pytest.mark.slow
-def test_the_fused_step_with_inductor(tiny_model):
-    """inductor (C++ on a CPU) generates the fused functions; they serve every layer (one compile each) and
-    match the lean step."""
+@pytest.mark.parametrize("spec", ["streaming_llm", "h2o"])
+def test_the_fused_step_with_inductor(tiny_model, spec):
+    """inductor (C++ on a CPU) generates the fused functions, the in-place writes and evictions included;
+    they serve every layer (one compile each) and match the lean step."""
     torch._dynamo.reset()
     fused = FusedGraphDecoder(tiny_model)
-    ref, out, cache, graph = steps_both(tiny_model, tokens(), "streaming_llm", graph=fused)
+    ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, graph=fused)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
 
