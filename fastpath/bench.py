@@ -47,7 +47,7 @@ try:         # torch and Triton take seconds to load: a Ctrl-C meanwhile ends as
         reference_selected_decode_attention,
         selected_decode_attention_triton,
     )
-    from nanollm import cli
+    from nanollm import PRESETS, cli
     from nanollm.cli.provenance import provenance
     from nanollm.io import files
 except KeyboardInterrupt:
@@ -249,13 +249,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-compile", action="store_true",
                    help="with --e2e: also time transformers' step under torch.compile(mode='reduce-overhead')")
     p.add_argument("--hf-only", action="store_true", help="with --e2e: time transformers' step alone")
-    p.add_argument("--length", type=cli.positive_int, default=None,
-                   help="with --e2e: this context length only (default 8192 and 32768; --quick: 64 and 256)")
+    p.add_argument("--length", type=cli.positive_int, nargs="+", default=None,
+                   help="with --e2e: these context lengths (default 8192 and 32768; --quick: 64 and 256)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="with --e2e: the model's shape, random weights (default TINYLLAMA_1B; SMOLLM2_135M is "
+                        "SmolLM2-135M's)")
+    p.add_argument("--batch", type=cli.positive_int, default=None,
+                   help="with --e2e: sequences decoded side by side (default 16; --quick: 2)")
     args = p.parse_args(argv)
     with cli.errors(args.debug):
         EAGER.clear()
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if args.e2e or args.hf_compile or args.hf_only or args.length:
+        if args.e2e or args.hf_compile or args.hf_only or args.length or args.preset or args.batch:
             return end_to_end(args, argv, p.prog, device)
         kernels_on = device == "cuda" and HAS_TRITON
         if not kernels_on:
@@ -292,14 +297,15 @@ def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:
     """``--e2e``: ``fastpath.e2e.run``, its report written to ``--json`` with the provenance."""
     from fastpath import e2e
     if not args.e2e:
-        cli.fail("--hf-compile, --hf-only and --length go with --e2e")
+        cli.fail("--hf-compile, --hf-only, --length, --preset and --batch go with --e2e")
     if device != "cuda":
         print("no CUDA device: timing the steps on the CPU, which says nothing about a GPU "
               "(bash fastpath/gpu_check.sh runs this on one)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     dtype = dtype if device == "cuda" else torch.float32
     report = e2e.run(device, args.quick, dtype, hf_compile=args.hf_compile, hf_only=args.hf_only,
-                     lengths=(args.length,) if args.length else None)
+                     lengths=tuple(args.length) if args.length else None, preset_name=args.preset or e2e.PRESET,
+                     batch=args.batch)
     if args.json:
         report["provenance"] = provenance(argv, prog=prog, threads=torch.get_num_threads(), dtype=str(dtype),
                                           seed=0)

@@ -265,15 +265,17 @@ def format_row(r: dict) -> str:
 
 
 def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, hf_only: bool = False,
-        lengths: tuple | None = None) -> dict:
-    """Every case at both lengths (or at ``lengths``); the report (printed as it goes)."""
-    B = QUICK_BATCH if quick else BATCH
+        lengths: tuple | None = None, preset_name: str = PRESET, batch: int | None = None) -> dict:
+    """Every case at both lengths (or at ``lengths``), the ``preset_name`` shape (TINYLLAMA_1B unless given;
+    ``SMOLLM2_135M`` is SmolLM2-135M's) with ``batch`` sequences (16 unless given); the report (printed as it
+    goes)."""
+    B = batch or (QUICK_BATCH if quick else BATCH)
     lengths = lengths or (QUICK_LENGTHS if quick else LENGTHS)
-    cfg = preset(PRESET, max_seq_len=max(lengths) + ROOM, **(QUICK_SHAPE if quick else {}))
+    cfg = preset(preset_name, max_seq_len=max(lengths) + ROOM, **(QUICK_SHAPE if quick else {}))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     bandwidth = copy_bandwidth(device, (1 << 30) if device == "cuda" and not quick else (1 << 26))
     print(f"e2e decode steps measured on {name} ({device}) in this run, {dtype}: every number below is this "
-          f"device's. Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {PRESET}{' (quick: shrunk)' if quick else ''} "
+          f"device's. Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {preset_name}{' (quick: shrunk)' if quick else ''} "
           f"shape, batch {B}, lengths {lengths}, keep {KEEP}")
     rows, hf = [], []
     model = decoders = None
@@ -298,7 +300,7 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
             hf.append(r)
             print(format_row(r) if isinstance(r, dict) else f"transformers StaticCache step: {r}")
     return {"device": device, "device_name": name, "copy_bandwidth": bandwidth, "dtype": str(dtype),
-            "preset": PRESET, "quick": quick, "batch": B, "lengths": list(lengths), "keep": KEEP,
+            "preset": preset_name, "quick": quick, "batch": B, "lengths": list(lengths), "keep": KEEP,
             "config": cfg.to_dict(),
             "steps": {"warm": WARM, "steps": QUICK_STEPS if quick else STEPS,
                       "repeats": QUICK_REPEATS if quick else REPEATS},

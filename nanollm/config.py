@@ -65,7 +65,7 @@ class ModelConfig:
 
 # Presets as keyword arguments, so derived fields (d_ff, bias) follow an override. TINY (tests, quick mode)
 # has GQA (4 query heads share 2 KV heads), so grouping bugs show; SMALL is the bundled model's shape;
-# the last two are real models' shapes, for memory arithmetic.
+# the last three are real models' shapes, for memory arithmetic and timing with random weights.
 PRESETS: dict[str, dict] = {
     "TINY": dict(flavour="llama", vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=256),
     "TINY_GPT2": dict(flavour="gpt2", vocab_size=512, n_layer=2, n_head=4, n_kv_head=4, d_model=64,
@@ -76,6 +76,8 @@ PRESETS: dict[str, dict] = {
                       max_seq_len=1024),
     "TINYLLAMA_1B": dict(flavour="llama", vocab_size=32000, n_layer=22, n_head=32, n_kv_head=4, d_model=2048,
                          d_ff=5632, max_seq_len=2048, tie_embeddings=False),
+    "SMOLLM2_135M": dict(flavour="llama", vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, d_model=576,
+                         d_ff=1536, max_seq_len=8192, rope_base=100000.0),
 }
 
 
