@@ -20,7 +20,7 @@ positions as the mask (empty slots get probability 0: ``nanollm.attention.attend
 stored position in the query's past), then the counters advance in place. Where ``kernels.serves`` says so
 (CUDA and Triton) the attention is the split-K kernel's over the same buffers, empty slots masked by their
 position (``kernels.decode_attention.masked_decode_attention_triton``); H2O, which needs the probabilities
-themselves, keeps the two products and the softmax. No ``.item()``, no Python
+themselves, takes its output from the kernel too and computes the probabilities beside it. No ``.item()``, no Python
 ``if`` on a tensor: the Python loop over layers is the same every step, so the graph is too.
 
 Which methods decode on it (``eviction_rule``, from what a policy declares, wrappers included):
@@ -63,6 +63,7 @@ measured; this file was built and tested on a CPU.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -262,14 +263,31 @@ def evict_sinks(pos: Tensor, slot: Tensor, n_sink: int, budget: int) -> None:
     empty_one(pos, slot, after_sinks.argmin(dim=-1), budget)
 
 
+def received_attention(q: Tensor, kb: Tensor, pos: Tensor) -> Tensor:
+    """What each slot received from the step's query (B, H, 1, d), averaged over each KV head's G query
+    heads: (B, H_kv, C), empty slots 0. The probabilities of ``attend_masked``, with the product taken as
+    slots x heads (C x G, a tall product the GPU libraries tile well) instead of G x C."""
+    B, H, _, d = q.shape
+    H_kv = kb.shape[1]
+    qg = q.reshape(B, H_kv, H // H_kv, d) / math.sqrt(d)                  # (B, H_kv, G, d)
+    scores = kb @ qg.transpose(-1, -2)                                     # (B, H_kv, C, G)
+    probs = torch.softmax(scores.masked_fill((pos < 0)[..., None], float("-inf")), dim=-2)
+    return probs.float().mean(dim=-1)
+
+
 def attend_heavy(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, score: Tensor, position: Tensor,
-                 n_recent: int, budget: int) -> Tensor:
+                 n_recent: int, budget: int, output: bool = True) -> Tensor | None:
     """H2O: attend, add what each entry received (the mean over each KV head's G query heads) to its score,
     then empty the lowest score outside the ``n_recent`` latest, the later position on a tie
-    (``nanollm.slots.select_lowest``). Returns the output (B, H, 1, d)."""
-    out, probs = attend_masked(q, kb, vb, pos)
+    (``nanollm.slots.select_lowest``). Returns the output (B, H, 1, d), or None with ``output=False`` (the
+    kernel attends instead; only the probabilities are computed here)."""
+    if output:
+        out, probs = attend_masked(q, kb, vb, pos)
+        received = probs.float().mean(dim=2)                               # (B, H_kv, C)
+    else:
+        out, received = None, received_attention(q, kb, pos)
     score.scatter_(2, slot[:, :, None], 0.0)             # the new entry starts at 0 (its fill value)...
-    score += probs.float().mean(dim=2)                   # ...and every entry gets what it received now
+    score += received                                    # ...and every entry gets what it received now
     stays = (pos < 0) | (pos >= position + 1 - n_recent)                               # empty or recent
     s = torch.where(stays, float("inf"), torch.nan_to_num(score, nan=float("-inf")))
     lowest = s == s.amin(dim=-1, keepdim=True)
@@ -393,12 +411,16 @@ class GraphDecoder:
         kv, rule = self.current.kv, self.rule
         kb, vb, pos, slot = kv.k[i], kv.v[i], kv.pos[i], kv.slot[i]       # views (B, H_kv, C, d), (B, H_kv, C)
         self.write(kb, vb, pos, slot, k, v, kv.position)
-        if rule.kind == "heavy":                # H2O adds up the probabilities: the attention in PyTorch
-            return self.attend_heavy(q, kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent, rule.budget)
         d = q.shape[-1]
         if d >= 16 and d & (d - 1) == 0 and kernels.serves(q):
             out = masked_decode_attention_triton(q[:, :, 0], kb, vb, pos).unsqueeze(2)   # (B, H, 1, d)
         else:
+            out = None
+        if rule.kind == "heavy":                # H2O adds up the probabilities: computed in PyTorch
+            heavy = self.attend_heavy(q, kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent, rule.budget,
+                                      output=out is None)
+            return heavy if out is None else out
+        if out is None:
             out = attend_masked(q, kb, vb, pos)[0]
         if rule.kind == "sinks":
             self.evict_sinks(pos, slot, rule.n_sink, rule.budget)

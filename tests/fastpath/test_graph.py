@@ -188,12 +188,13 @@ through_kernels = pytest.mark.skipif(
 
 
 @through_kernels
-@pytest.mark.parametrize("spec,budget", [(None, 12), ("adakv", 12), ("streaming_llm", 8)])
+@pytest.mark.parametrize("spec,budget", [(None, 12), ("adakv", 12), ("streaming_llm", 8), ("h2o", 8)])
 def test_the_kernel_attends_over_the_buffers_with_empty_slots(tiny_model, spec, budget, monkeypatch):
     """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), the
     step's attention is the masked split-K kernel over the fixed buffers: the room not yet written, AdaKV's
-    per-head padding and StreamingLLM's emptied slots are masked by position, and the logits stay the lean
-    step's (which attends in PyTorch) within 1e-5."""
+    per-head padding and StreamingLLM's emptied slots are masked by position (H2O's probabilities come from
+    ``received_attention`` beside it), and the logits and kept entries stay the lean step's (which attends
+    in PyTorch) within 1e-5."""
     calls = []
     real = kernel_module.masked_decode_attention_triton
 
@@ -206,6 +207,20 @@ def test_the_kernel_attends_over_the_buffers_with_empty_slots(tiny_model, spec, 
     assert len(calls) == 8 * tiny_model.config.n_layer                      # every layer of every step
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
+
+
+def test_received_attention_is_the_mean_of_the_probabilities():
+    """H2O's statistic from the tall product (slots x heads) equals the mean over each group's query heads of
+    ``attend_masked``'s probabilities, empty slots at 0."""
+    g = torch.Generator().manual_seed(0)
+    B, H, H_kv, C, d = 2, 8, 2, 11, 16
+    q, kb, vb = torch.randn(B, H, 1, d, generator=g), torch.randn(B, H_kv, C, d, generator=g), \
+        torch.randn(B, H_kv, C, d, generator=g)
+    pos = torch.arange(C).repeat(B, H_kv, 1)
+    pos[0, 1, 3] = pos[1, 0, 9:] = -1
+    got = graph_module.received_attention(q, kb, pos)
+    torch.testing.assert_close(got, graph_module.attend_masked(q, kb, vb, pos)[1].mean(dim=2), rtol=0, atol=1e-6)
+    assert (got[pos < 0] == 0).all() and got.shape == (B, H_kv, C)
 
 
 # -- the step as one graph ------------------------------------------------------------------------------------
@@ -282,8 +297,8 @@ def test_bf16_on_a_gpu(make_model, tiny_cfg, spec, monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("spec", [None, "snapkv", "streaming_llm"])
+@pytest.mark.parametrize("dtype,spec", [(dtype, spec) for dtype in (torch.float32, torch.bfloat16)
+                                         for spec in (None, "snapkv", "streaming_llm")] + [(torch.float32, "h2o")])
 def test_captured_with_the_kernel_on_a_gpu(make_model, tiny_cfg, spec, dtype):
     """The default on CUDA: the masked split-K kernel inside the captured graph (the lean step takes the
     contiguous kernel with the plain cache, PyTorch with a policy): fp32 within 1e-5, bf16 within BF16_TOL."""
