@@ -10,14 +10,15 @@ fastpath: the same decoder, faster, plugged in from above. The reading path (``n
     graph.py       ``GraphDecoder``: a decode step over fixed-capacity buffers with its counters on the device,
                    captured once per shape in a CUDA graph and replayed per token (eager on a CPU); prefill-only
                    methods, StreamingLLM and H2O decode on it, the others fall back to the lean step, saying so
-    e2e.py         whole decode steps timed (``python -m fastpath.bench --e2e``): lean vs graph step, full
-                   cache vs keep 0.1, transformers' StaticCache step, at the copy bandwidth of the same run
-    gpu_check.sh   what a GPU must show, in one command under ten minutes: the tests, then ``--e2e``
+    fused.py       ``FusedGraphDecoder``: the graph step with its element-wise work compiled by inductor
+    e2e.py         whole decode steps timed (``python -m fastpath.bench --e2e``): lean, graph and fused step,
+                   full cache vs keep 0.1, transformers' StaticCache step, at the copy bandwidth of the same run
+    gpu_check.sh   what a GPU must show, in one command under ten minutes: ``--e2e``, then the tests
 
 Each computes what the reading path computes: ``tests/fastpath/`` compares them (bit for bit on CPU where
 the arithmetic is the same, at float tolerance where the kernels or stacked products sum in another order).
 
-The graph step was built and tested on a CPU (its logits equal the lean step's; ``torch.compile`` with
-``fullgraph=True`` traces it whole in the slow tier). What it gains on a GPU is still to be measured:
-``bash fastpath/gpu_check.sh results/decode_e2e.json`` on an H100 or H200.
+The graph and fused steps are tested on a CPU (their logits equal the lean step's; ``torch.compile`` with
+``fullgraph=True`` traces the graph step whole in the slow tier) and on a GPU, where ``fastpath/README.md``
+has what they measured (``bash fastpath/gpu_check.sh results/decode_e2e.json`` on an H100 or H200).
 """

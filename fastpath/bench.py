@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--e2e", action="store_true",
                    help="time whole decode steps instead (fastpath/e2e.py): lean vs graph step, full cache vs keep "
                         "0.1, transformers' StaticCache step; --cases is ignored")
+    p.add_argument("--summary", default=None, metavar="REPORT.json",
+                   help="print an --e2e report's ratios (speed-ups over the full cache, fraction of the copy "
+                        "bandwidth, against transformers, the targets) computed from its step times; runs nothing")
     p.add_argument("--hf-compile", action="store_true",
                    help="with --e2e: also time transformers' step under torch.compile(mode='reduce-overhead')")
     p.add_argument("--hf-only", action="store_true", help="with --e2e: time transformers' step alone")
@@ -260,6 +263,14 @@ def main(argv: list[str] | None = None) -> None:
     with cli.errors(args.debug):
         EAGER.clear()
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.summary:
+            from fastpath import e2e
+            report = json.loads(files.read_text(args.summary, "an --e2e report"))
+            try:
+                print("\n".join(e2e.summary(report, rows_too=True)))
+            except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
+                cli.fail(f"{args.summary} is not a report of python -m fastpath.bench --e2e ({type(e).__name__}: {e})")
+            return
         if args.e2e or args.hf_compile or args.hf_only or args.length or args.preset or args.batch:
             return end_to_end(args, argv, p.prog, device)
         kernels_on = device == "cuda" and HAS_TRITON

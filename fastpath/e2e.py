@@ -26,8 +26,9 @@ C = kept + room slots and their positions, a little more than it is credited wit
 ``StaticCache`` step of the same shape (its own random weights, ``sdpa`` attention, eager; compiled
 with ``--hf-compile``) is timed in the same run when transformers is importable, else skipped with a line.
 
-Every number is the device's it ran on, printed and recorded with it. The GPU numbers are still to be
-measured: this file was built and run on a CPU (``--quick``).
+Every number is the device's it ran on, printed and recorded with it; ``summary`` prints the ratios and the
+targets from a report's step times (``python -m fastpath.bench --summary REPORT.json``). The H100's report
+is ``results/decode_e2e_h100.json``, read in ``fastpath/README.md``.
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
                     torch.cuda.empty_cache()
             hf.append(r)
             print(format_row(r) if isinstance(r, dict) else f"transformers StaticCache step: {r}")
-    return {"device": device, "device_name": name, "copy_bandwidth": bandwidth, "dtype": str(dtype),
+    report = {"device": device, "device_name": name, "copy_bandwidth": bandwidth, "dtype": str(dtype),
             "preset": preset_name, "quick": quick, "batch": B, "lengths": list(lengths), "keep": KEEP,
             "config": cfg.to_dict(),
             "steps": {"warm": WARM, "steps": QUICK_STEPS if quick else STEPS,
@@ -307,3 +308,61 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
             "fused_backend": fused_backend or "inductor", "rows": rows, "transformers": hf,
             "fit": fit([r for r in rows + hf if isinstance(r, dict) and "ms" in r]),
             "note": f"measured on {name}; numbers from another device are not comparable"}
+    print("\n".join(summary(report)))
+    return report
+
+
+# The targets of a run at the full shape (TINYLLAMA_1B, 16 sequences, bf16): the full cache's fraction of the
+# copy bandwidth at every length, and keep 0.1's speed-up over the full cache on the same path, per length.
+FULL_FRACTION = 0.5
+SPEEDUP_TARGETS = {8192: {"snapkv": 1.5, "streaming_llm": 1.5, "h2o": 1.3},
+                   32768: {"snapkv": 3.0, "streaming_llm": 3.0, "h2o": 2.5}}
+VS_TRANSFORMERS = 10.0
+
+
+def summary(report: dict, rows_too: bool = False) -> list[str]:
+    """A report's rows as the ratios a reader asks for, each computed here from the recorded step times (with
+    ``rows_too``, first the rows themselves and the fixed cost and rate of each line through two lengths): per
+    length and path, the full cache's fraction of the copy bandwidth, keep 0.1's speed-up over the full
+    cache on the same path, the full cache against transformers' StaticCache step (eager, and compiled if a
+    row has it); then the targets above, met or not, for the best of the graph and fused paths."""
+    rows = {(r["path"], r["method"], r["length"]): r for r in report["rows"] if "ms" in r}
+    hf = {(r["path"], r["length"]): r for r in report.get("transformers", []) if isinstance(r, dict)}
+    lines, best = [], {}
+    if rows_too:                                # what was measured, each row's time at the copy bandwidth
+        lines += [f"measured on {report['device_name']}, copy bandwidth {report['copy_bandwidth'] / 1e9:.0f} GB/s, "
+                  f"{report['preset']}, batch {report['batch']}, {report['dtype']}"]
+        lines += [format_row(r) for r in report["rows"] + report.get("transformers", []) if isinstance(r, dict)]
+        lines += [f"fit {key}: fixed {f['fixed_ms']:.3f} ms + bytes at {f['GB_per_s']:.0f} GB/s"
+                  for key, f in report.get("fit", {}).items() if f.get("fixed_ms") is not None and
+                  not key.endswith(" lean") and "transformers" not in key]
+    for S in report["lengths"]:
+        for path in PATHS:
+            full = rows.get((path, "full", S))
+            if full is None:
+                continue
+            ups = {m: full["ms"] / rows[(path, m, S)]["ms"] for m in METHODS_TIMED[1:] if (path, m, S) in rows}
+            vs = {name: hf[(name, S)]["ms"] / full["ms"] for name in ("transformers_static",
+                  "transformers_static_compiled") if (name, S) in hf}
+            lines.append(f"S={S:<6} {path:>5}: full {full['ms']:.3f} ms = {100 * full['fraction_of_copy_bw']:.0f}% of "
+                         f"the copy bandwidth; keep {report['keep']}: "
+                         + ", ".join(f"{m} {x:.2f}x" for m, x in ups.items())
+                         + "".join(f"; {x:.2f}x faster than {name}" for name, x in vs.items()))
+            if path != "lean":
+                best.setdefault(S, []).append((full["fraction_of_copy_bw"], ups, vs, path))
+    if report["preset"] != PRESET or report["batch"] != BATCH or report["quick"]:
+        return lines
+    for S, targets in SPEEDUP_TARGETS.items():
+        if S not in best:
+            continue
+        for fraction, ups, vs, path in best[S]:
+            met = [f"full {fraction:.1%} >= {FULL_FRACTION:.0%} of copy bw: "
+                   f"{'met' if fraction >= FULL_FRACTION else 'not met'}"]
+            met += [f"{m} {ups.get(m, 0):.3f}x >= {t}x: {'met' if ups.get(m, 0) >= t else 'not met'}"
+                    for m, t in targets.items()]
+            if "transformers_static" in vs:
+                x = vs["transformers_static"]
+                met.append(f"{x:.3f}x transformers_static >= {VS_TRANSFORMERS:.0f}x: "
+                           f"{'met' if x >= VS_TRANSFORMERS else 'not met'}")
+            lines.append(f"targets S={S} {path}: " + "; ".join(met))
+    return lines

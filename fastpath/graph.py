@@ -52,8 +52,10 @@ two agree to 0 or one rounding). StreamingLLM and H2O keep the lean path's posit
 sums, so a near-tie the two orders round differently could pick another token (never seen in the tests,
 which compare the kept positions after every step).
 
-What it costs (on a GPU, ``python -m fastpath.bench --e2e``, ``fastpath/gpu_check.sh``): still to be
-measured; this file was built and tested on a CPU.
+What it costs on a GPU (``python -m fastpath.bench --e2e``, measured on an H100 in ``fastpath/README.md``):
+the host's launch work is gone, so a step is its kernels' time; with 16 sequences of 32,768 tokens the
+full cache reads at two thirds of the copy bandwidth, and what does not shrink with the cache (about 30
+small kernels a layer) is what ``fused.py`` cuts.
 
     graph = GraphDecoder(model)
     logits = prefill(model, ids, cache)[:, -1]           # the prompt: the reading path

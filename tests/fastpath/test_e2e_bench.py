@@ -3,10 +3,13 @@ provenance (the GPU run is ``fastpath/gpu_check.sh``)."""
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
 from fastpath import bench, e2e
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -47,3 +50,24 @@ def test_the_fit_draws_a_line_through_two_lengths():
     got = e2e.fit(rows)
     assert got["full graph"]["fixed_ms"] == pytest.approx(1.0) and got["full graph"]["GB_per_s"] == pytest.approx(1e3)
     assert got["h2o lean"]["fixed_ms"] is None
+
+
+def test_the_summary_of_the_committed_gpu_run():
+    """``--summary`` computes the ratios the pages quote from the committed H100 report's step times: the
+    full cache's fraction of the copy bandwidth, keep 0.1's speed-ups, transformers, and the targets."""
+    report = json.loads((ROOT / "results" / "decode_e2e_h100.json").read_text())
+    lines = e2e.summary(report)
+    fused = {r["length"]: r for r in report["rows"] if r["path"] == "fused" and r["method"] == "full"}
+    assert f"S=8192   fused: full {fused[8192]['ms']:.3f} ms = 58% of the copy bandwidth" in "\n".join(lines)
+    snap = [r["ms"] for r in report["rows"] if (r["path"], r["method"], r["length"]) == ("fused", "snapkv", 8192)]
+    assert f"snapkv {fused[8192]['ms'] / snap[0]:.2f}x" in lines[2]
+    targets = [line for line in lines if line.startswith("targets ")]
+    assert len(targets) == 4 and all(t.count(": met") + t.count(": not met") == 5 for t in targets)
+
+
+def test_the_summary_refuses_what_is_not_a_report(tmp_path, capsys):
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"rows": [{"path": "lean"}]}))
+    with pytest.raises(SystemExit):
+        bench.main(["--summary", str(bad)])
+    assert "is not a report of python -m fastpath.bench --e2e" in capsys.readouterr().err
