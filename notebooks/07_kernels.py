@@ -11,7 +11,7 @@
 #    and the same kernel reading per-head selected rows without a copy;
 # 4. KVReviver's count sketch, rebuilt and attended in one kernel;
 # 5. tensor attention, in tiles;
-# 6. what the kernels reached on an H100.
+# 6. what the kernels reached on an H100, and what a whole decode step reached there.
 #
 # Without a GPU the kernels run in Triton's *interpreter* (`TRITON_INTERPRET=1`, set below): the same code,
 # run block by block with NumPy, exact and slow. Without Triton (macOS) every cell still runs; a cell that
@@ -468,8 +468,7 @@ dense_1x = next(r for r in h100["rows"] if r["case"] == "dense B=1 S=131072")
 print(f"dense 1 x 128k exactly: the kernel at {dense_1x['ms']['sdpa'] / dense_1x['ms']['triton']:.3f}x SDPA's speed")
 
 # %% [markdown]
-# The figure shows the memory bandwidth each implementation reached in each case, one colour per
-# implementation (the legend), against the dotted line of a plain device-to-device copy. On the dense cases
+# Each bar is the bandwidth an implementation reached, against the dotted line of a plain copy. On the dense cases
 # the Triton kernel reads about as fast as SDPA and the copy, far above the PyTorch reference; the sketch and
 # tensor steps are not a plain read of the cache, and stay far below the line. The targets:
 #
@@ -480,8 +479,7 @@ print(f"dense 1 x 128k exactly: the kernel at {dense_1x['ms']['sdpa'] / dense_1x
 # * **fused sketch**: 10.3x faster than the unfused PyTorch path (met), but 0.19x the speed of dense decode
 #   (NOT met): section 4's six times the bytes per rebuilt token.
 # * **factored tensor decode** at i = 1024: 182x faster and 31790x less peak memory than materialising (met);
-#   it does $i^2 d$ work on $i d$ bytes, so its GB/s say little. (The sketch and tensor inputs also fit in the
-#   H100's 50 MB L2 cache, per its data sheet.)
+#   it does $i^2 d$ work on $i d$ bytes, so its GB/s say little.
 #
 # ### 6.2 On this machine
 #
@@ -489,12 +487,38 @@ print(f"dense 1 x 128k exactly: the kernel at {dense_1x['ms']['sdpa'] / dense_1x
 # side of the roofline argument; on a GPU with Triton it times the kernels too.
 
 # %%
-from fastpath import bench
+from fastpath import bench, e2e
 
 if TINY:
     bench.main(["--quick", "--cases", "dense", "tensor"])
 else:
     bench.main(["--quick"])
+
+# %% [markdown]
+# ### 6.3 The whole step on a GPU
+#
+# A fast kernel is not yet a fast step. Launched from Python (`fastpath/lean.py`), a step spends its time
+# launching kernels; replayed from a CUDA graph (`fastpath/graph.py`), then with small operations fused
+# (`fastpath/fused.py`), it approaches its bytes. The H100 run, TINYLLAMA_1B's shape in bf16
+# (`results/decode_e2e_h100.json`; more in `fastpath/README.md`):
+
+# %%
+run = json.loads((Path(kernels.__file__).parents[1] / "results" / "decode_e2e_h100.json").read_text())
+rows = {p: [r for r in run["rows"] if r["path"] == p and r["length"] == 32768] for p in ("lean", "graph", "fused")}
+methods = [r["method"] for r in rows["lean"]]
+fig, ax = plt.subplots(figsize=(9, 3.4))
+for p, style in (("lean", "o-"), ("graph", "s-"), ("fused", "^-")):
+    ax.plot(methods, [r["ms"] for r in rows[p]], style, label=f"{p} step")
+ax.plot(methods, [r["at_copy_bw_ms"] for r in rows["lean"]], "k:", label="its bytes at the copy bandwidth")
+ax.set(yscale="log", xlabel="method", ylabel="ms per step (log)",
+       title="16 x 32,768 tokens on an H100: full cache vs keep 0.1")
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))     # beside the lines, not over them
+plt.show()
+print("\n".join(line for line in e2e.summary(run) if "S=32768" in line))
+
+# %% [markdown]
+# Launching is the lean step's cost; in a graph the full cache reads near the copy bandwidth and
+# keeping a tenth pays, less than its bytes promise: a millisecond of small kernels does not shrink.
 
 # %% [markdown]
 # ## Exercises
