@@ -13,9 +13,10 @@ and recent tokens, H2O's scores), and no prompt runs: which tokens are kept does
 and a 16 x 32k prompt would cost most of the run.
 
 Three paths: ``lean`` (``lean.py``, launched from Python), ``graph`` (``graph.py``, captured in a CUDA graph;
-its attention the masked split-K kernel, H2O's in PyTorch) and ``fused`` (``fused.py``: the graph step with
-its element-wise work compiled by inductor, on a CPU traced by dynamo alone). Each path takes ``WARM``
-steps (the graph step captures its graph there, the fused one compiles first: ``warm_s``), then ``REPEATS`` blocks of
+its attention the masked split-K kernel; H2O's probabilities, which it adds up, beside it in PyTorch) and
+``fused`` (``fused.py``: the graph step with its element-wise work compiled by inductor, on a CPU traced by
+dynamo alone). Each path takes ``WARM`` steps (the graph step captures its graph there, the fused one
+compiles first: ``warm_s``), then ``REPEATS`` blocks of
 ``STEPS`` steps, the device synchronised around each block: the median block over ``STEPS`` is the
 step's time, the host's launch work included (what the graph removes). ``bytes`` is what a step must
 read: the weights (every matrix but the embedding table, of which it reads B rows) and the K/V it
@@ -325,10 +326,10 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
     ``rows_too``, first the rows themselves and the fixed cost and rate of each line through two lengths): per
     length and path, the full cache's fraction of the copy bandwidth, keep 0.1's speed-up over the full
     cache on the same path, the full cache against transformers' StaticCache step (eager, and compiled if a
-    row has it); then the targets above, met or not, for the best of the graph and fused paths."""
+    row has it); then the targets above, met or not, for the graph and the fused path each."""
     rows = {(r["path"], r["method"], r["length"]): r for r in report["rows"] if "ms" in r}
     hf = {(r["path"], r["length"]): r for r in report.get("transformers", []) if isinstance(r, dict)}
-    lines, best = [], {}
+    lines, steps = [], {}
     if rows_too:                                # what was measured, each row's time at the copy bandwidth
         lines += [f"measured on {report['device_name']}, copy bandwidth {report['copy_bandwidth'] / 1e9:.0f} GB/s, "
                   f"{report['preset']}, batch {report['batch']}, {report['dtype']}"]
@@ -349,13 +350,13 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
                          + ", ".join(f"{m} {x:.2f}x" for m, x in ups.items())
                          + "".join(f"; {x:.2f}x faster than {name}" for name, x in vs.items()))
             if path != "lean":
-                best.setdefault(S, []).append((full["fraction_of_copy_bw"], ups, vs, path))
+                steps.setdefault(S, []).append((full["fraction_of_copy_bw"], ups, vs, path))
     if report["preset"] != PRESET or report["batch"] != BATCH or report["quick"]:
         return lines
     for S, targets in SPEEDUP_TARGETS.items():
-        if S not in best:
+        if S not in steps:
             continue
-        for fraction, ups, vs, path in best[S]:
+        for fraction, ups, vs, path in steps[S]:
             met = [f"full {fraction:.1%} >= {FULL_FRACTION:.0%} of copy bw: "
                    f"{'met' if fraction >= FULL_FRACTION else 'not met'}"]
             met += [f"{m} {ups.get(m, 0):.3f}x >= {t}x: {'met' if ups.get(m, 0) >= t else 'not met'}"

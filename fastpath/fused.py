@@ -22,6 +22,10 @@ still captured and replayed as ``GraphDecoder`` does. The arithmetic is the lean
 within each operation, so the logits agree to float rounding (tested in fp32 at 1e-5 with the ``eager``
 backend on a CPU, which traces the same functions without generating code).
 
+Each compiled function specialises on its shapes and on the Python numbers it is given (a budget, a recent
+window, C): dynamo compiles it again for each new combination, up to its recompile limit (8 by default),
+after which that function runs uncompiled, still correct.
+
     fused = FusedGraphDecoder(model)                     # as GraphDecoder; backend=None is inductor
     fused.start(cache, max_new_tokens=32)
     logits = fused.step(token)
@@ -75,8 +79,8 @@ class FusedGraphDecoder(GraphDecoder):
         self.before, self.after, self.head = (torch.compile(f, **options)
                                               for f in (before_attention, after_attention, head))
         # the attention's own small pieces (graph.py): StreamingLLM's eviction and H2O's probabilities and
-        # eviction. Not the writes: a compiled in-place scatter into a view of the buffers copies the whole
-        # buffer back (measured: a full-cache step of 32,768 tokens 3.4x slower on an H100)
+        # eviction. Not the writes: compiled, an in-place scatter into a layer's view of the buffers became a
+        # copy of that whole view (results/decode_profile_h100_32k.txt, 16-25 us twice a layer)
         self.evict_sinks, self.attend_heavy = (torch.compile(f, **options) for f in (evict_sinks, attend_heavy))
 
     def decode(self, token: Tensor) -> Tensor:

@@ -54,8 +54,8 @@ which compare the kept positions after every step).
 
 What it costs on a GPU (``python -m fastpath.bench --e2e``, measured on an H100 in ``fastpath/README.md``):
 the host's launch work is gone, so a step is its kernels' time; with 16 sequences of 32,768 tokens the
-full cache reads at two thirds of the copy bandwidth, and what does not shrink with the cache (about 30
-small kernels a layer) is what ``fused.py`` cuts.
+full cache reads at two thirds of the copy bandwidth, and what does not shrink with the cache (the many
+small kernels of each layer: norms, RoPE, residual adds, writes) is what ``fused.py`` cuts.
 
     graph = GraphDecoder(model)
     logits = prefill(model, ids, cache)[:, -1]           # the prompt: the reading path
@@ -403,9 +403,11 @@ class GraphDecoder:
         if self.rule.kind == "none":            # a branch on the rule, fixed for the sequence, not on data
             kv.slot += 1
 
-    # the pieces of a layer's attention, as attributes so that ``fused.py`` can swap in compiled ones
-    write, attend_heavy, evict_sinks = staticmethod(write_entry), staticmethod(attend_heavy), \
-        staticmethod(evict_sinks)
+    # The pieces of a layer's attention (the functions above), held as attributes so that ``fused.py`` can
+    # put compiled versions of some of them in their place.
+    write = staticmethod(write_entry)
+    attend_heavy = staticmethod(attend_heavy)
+    evict_sinks = staticmethod(evict_sinks)
 
     def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Layer i: q (B, H, 1, d), the new k, v (B, H_kv, 1, d). Write, attend over C slots, evict.
@@ -418,10 +420,12 @@ class GraphDecoder:
             out = masked_decode_attention_triton(q[:, :, 0], kb, vb, pos).unsqueeze(2)   # (B, H, 1, d)
         else:
             out = None
-        if rule.kind == "heavy":                # H2O adds up the probabilities: computed in PyTorch
-            heavy = self.attend_heavy(q, kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent, rule.budget,
-                                      output=out is None)
-            return heavy if out is None else out
+        if rule.kind == "heavy":
+            # H2O needs the probabilities themselves: attend_heavy computes them (and the output too, where
+            # the kernel did not), adds them to the scores and evicts
+            computed = self.attend_heavy(q, kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent,
+                                         rule.budget, output=out is None)
+            return out if out is not None else computed
         if out is None:
             out = attend_masked(q, kb, vb, pos)[0]
         if rule.kind == "sinks":

@@ -166,8 +166,8 @@ if HAS_TRITON:
             else:
                 rows = n
                 if MASKED:                        # a slot whose position is -1 is empty
-                    p = tl.load(pos_ptr + b * stride_pb + h * stride_ph + n, mask=valid, other=-1)
-                    valid = valid & (p >= 0)
+                    slot_pos = tl.load(pos_ptr + b * stride_pb + h * stride_ph + n, mask=valid, other=-1)
+                    valid = valid & (slot_pos >= 0)
             kb = tl.load(k_ptr + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + dim[None, :],
                          mask=valid[:, None], other=0.0)                              # (BLOCK_N, D)
             vb = tl.load(v_ptr + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + dim[None, :],
@@ -259,8 +259,8 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
     m and sum l (B * H_kv, splits, G) and output acc (B * H_kv, splits, G, d), fp32; a range with no valid
     token has m = -inf, l = 0, acc = 0. ``pos`` (B, H_kv, S), if given, masks the slots at -1 (not with idx)."""
     if not HAS_TRITON:
-        raise RuntimeError("the decode kernels need triton; use reference_decode_attention or "
-                           "reference_selected_decode_attention")
+        raise RuntimeError("the decode kernels need triton; use reference_decode_attention, "
+                           "reference_selected_decode_attention or reference_masked_decode_attention")
     B, H, d = q.shape
     H_kv = k.shape[1]
     G = H // H_kv
@@ -286,6 +286,8 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
     if idx is not None and (idx.dtype != torch.int32 or not idx.is_contiguous()):
         idx = idx.to(torch.int32).contiguous()
     ix = idx if idx is not None else m                                        # any pointer when not gathering
+    if pos is not None and idx is not None:
+        raise ValueError("give idx (selected rows) or pos (empty slots masked), not both")
     if pos is not None and pos.stride(-1) != 1:
         pos = pos.contiguous()
     px = pos if pos is not None else m                                        # any pointer when not masking

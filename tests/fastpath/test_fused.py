@@ -22,8 +22,8 @@ def test_the_fused_step_is_the_lean_step(tiny_model, spec):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["streaming_llm", "h2o"])
 def test_the_fused_step_with_inductor(tiny_model, spec):
-    """inductor (C++ on a CPU) generates the fused functions, the in-place writes and evictions included;
-    they serve every layer (one compile each) and match the lean step."""
+    """inductor (C++ on a CPU) generates the fused functions, the evictions' in-place writes included; they
+    serve every layer (one compile each) and match the lean step."""
     torch._dynamo.reset()
     fused = FusedGraphDecoder(tiny_model)
     ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, graph=fused)

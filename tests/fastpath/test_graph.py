@@ -25,7 +25,7 @@ def tokens(n: int = 34, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 512, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
-def steps_both(model, x, spec=None, budget=12, n_prompt=20, graph=None, **options):
+def steps_both(model, x, spec=None, budget=12, n_prompt=20, graph=None, check_entries=True, **options):
     """Logits (B, steps, V) of the lean step and of the graph step over the same tokens, each with its own
     cache; and the lean cache and the graph decoder, to compare what they hold."""
     def new_cache():
@@ -40,6 +40,8 @@ def steps_both(model, x, spec=None, budget=12, n_prompt=20, graph=None, **option
     for t in range(n_prompt, x.shape[1]):
         ref.append(lean.step(x[:, t], ca))
         out.append(graph.step(x[:, t]))
+        if check_entries and graph.fallback is None:    # the same entries kept after every step
+            assert_same_entries(ca, graph)
     return torch.stack(ref, 1), torch.stack(out, 1), ca, graph
 
 
@@ -112,7 +114,7 @@ def test_the_comparison_sees_an_off_by_one(tiny_model, mistake):
         original(cache, n)
         getattr(graph.kv, mistake).sub_(1)
     graph.start = start_off_by_one
-    _, wrong, _, _ = steps_both(tiny_model, x, "snapkv", graph=graph)
+    _, wrong, _, _ = steps_both(tiny_model, x, "snapkv", graph=graph, check_entries=False)
     assert (wrong - ref).abs().max() > 1e-2
 
 
@@ -187,14 +189,21 @@ through_kernels = pytest.mark.skipif(
     reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on a machine without a GPU)")
 
 
+def fused_eager(model):
+    from fastpath.fused import FusedGraphDecoder
+    torch._dynamo.reset()
+    return FusedGraphDecoder(model, backend="eager")
+
+
 @through_kernels
+@pytest.mark.parametrize("make_graph", [GraphDecoder, fused_eager], ids=["graph", "fused"])
 @pytest.mark.parametrize("spec,budget", [(None, 12), ("adakv", 12), ("streaming_llm", 8), ("h2o", 8)])
-def test_the_kernel_attends_over_the_buffers_with_empty_slots(tiny_model, spec, budget, monkeypatch):
+def test_the_kernel_attends_over_the_buffers_with_empty_slots(tiny_model, spec, budget, make_graph, monkeypatch):
     """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), the
     step's attention is the masked split-K kernel over the fixed buffers: the room not yet written, AdaKV's
     per-head padding and StreamingLLM's emptied slots are masked by position (H2O's probabilities come from
     ``received_attention`` beside it), and the logits and kept entries stay the lean step's (which attends
-    in PyTorch) within 1e-5."""
+    in PyTorch) within 1e-5; the fused step's compiled pieces (traced by dynamo alone here) likewise."""
     calls = []
     real = kernel_module.masked_decode_attention_triton
 
@@ -203,7 +212,7 @@ def test_the_kernel_attends_over_the_buffers_with_empty_slots(tiny_model, spec, 
         return real(*args, **kw)
     monkeypatch.setattr(graph_module, "masked_decode_attention_triton", counted)
     monkeypatch.setattr(graph_module, "kernels", SimpleNamespace(serves=lambda t: True))   # the graph step's only
-    ref, out, cache, graph = steps_both(tiny_model, tokens(28), spec, budget)
+    ref, out, cache, graph = steps_both(tiny_model, tokens(28), spec, budget, graph=make_graph(tiny_model))
     assert len(calls) == 8 * tiny_model.config.n_layer                      # every layer of every step
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
@@ -315,8 +324,8 @@ def test_captured_with_the_kernel_on_a_gpu(make_model, tiny_cfg, spec, dtype):
 @cuda
 @pytest.mark.parametrize("spec", ["h2o", None, "streaming_llm"])
 def test_the_step_never_waits_for_the_host(make_model, tiny_cfg, spec):
-    """Eager on CUDA under torch's sync debug mode "error": no operation of the step synchronises (H2O's
-    step in PyTorch; the others through the kernel)."""
+    """Eager on CUDA under torch's sync debug mode "error": no operation of the step synchronises (the kernel
+    for every rule; H2O's probabilities and eviction beside it)."""
     model = make_model(tiny_cfg, seed=0).cuda()
     cache = KVCache(model.config, make_policy(spec, 12) if spec else None)
     with torch.no_grad():

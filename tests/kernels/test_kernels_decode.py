@@ -99,6 +99,10 @@ def test_masked_matches_reference_and_the_filled_slots(device, splits):
     pos = pos.to(device)
     out = masked_decode_attention_triton(q, k, v, pos, block_n=16, splits=splits)
     torch.testing.assert_close(out, reference_masked_decode_attention(q, k, v, pos), rtol=0, atol=1e-5)
+    strided = torch.full((2, 2, 45, 2), -7, device=device)[..., 0]       # the same positions, not contiguous
+    strided.copy_(pos)
+    torch.testing.assert_close(masked_decode_attention_triton(q, k, v, strided, block_n=16, splits=splits), out,
+                               rtol=0, atol=0)
     for b in range(2):
         for h in range(2):
             kept = (pos[b, h] >= 0).nonzero()[:, 0]
@@ -139,6 +143,9 @@ def test_clear_errors():
         masked_decode_attention_triton(q, k, v, torch.zeros(1, 2, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="pos must have shape"):
         reference_masked_decode_attention(q, k, v, torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="not both"):
+        dec.decode_partials_triton(q, k, v, idx=torch.zeros(1, 2, 3, dtype=torch.long),
+                                   pos=torch.zeros(1, 2, 10, dtype=torch.long))
 
 
 @pytest.mark.parametrize("device", DEVICES)
