@@ -430,7 +430,7 @@ for n in (256, 1024, 4096):
 # %% [markdown]
 # ## 6. The benchmark
 #
-# `python -m fastpath.bench --json results/kernels_bench.json` times, side by side in one run, each kernel,
+# `python -m fastpath.bench --json results/kernels_bench.json` times each kernel,
 # its PyTorch reference and (for dense decode) `scaled_dot_product_attention` (SDPA), with the bytes each step
 # must move, the achieved GB/s, and its fraction of a device-to-device copy measured in the same run. On a GPU
 # it checks the targets below and prints met / NOT met.
@@ -473,13 +473,13 @@ print(f"dense 1 x 128k exactly: the kernel at {dense_1x['ms']['sdpa'] / dense_1x
 # tensor steps are not a plain read of the cache, and stay far below the line. The targets:
 #
 # * **dense**: 98% of the copy bandwidth at 8 x 32k (met); at 1 x 128k 1.00x SDPA's speed when rounded, 0.995x
-#   exactly: a tie in practice, but "not slower than SDPA" is NOT met by the letter.
+#   exactly: a tie, but "not slower than SDPA" is NOT met by the letter.
 # * **selected rows** at keep 0.1 of 32k: 8.0x faster than the full cache, and 1.04x the time of the same
 #   kernel over a compacted copy of the rows (both met): gathering in the kernel costs almost nothing.
 # * **fused sketch**: 10.3x faster than the unfused PyTorch path (met), but 0.19x the speed of dense decode
 #   (NOT met): section 4's six times the bytes per rebuilt token.
 # * **factored tensor decode** at i = 1024: 182x faster and 31790x less peak memory than materialising (met);
-#   it does $i^2 d$ work on $i d$ bytes, so its GB/s say little.
+#   it does $i^2 d$ work on $i d$ bytes, so its GB/s say little. (Both inputs fit in the H100's 50 MB L2.)
 #
 # ### 6.2 On this machine
 #
@@ -499,8 +499,8 @@ else:
 #
 # A fast kernel is not yet a fast step. Launched from Python (`fastpath/lean.py`), a step spends its time
 # launching kernels; replayed from a CUDA graph (`fastpath/graph.py`), then with small operations fused
-# (`fastpath/fused.py`), it approaches its bytes. The H100 run, TINYLLAMA_1B's shape in bf16
-# (`results/decode_e2e_h100.json`; more in `fastpath/README.md`):
+# (`fastpath/fused.py`), it nears its bytes. The H100 run, TINYLLAMA_1B's shape
+# (`results/decode_e2e_h100.json`; `fastpath/README.md`):
 
 # %%
 run = json.loads((Path(kernels.__file__).parents[1] / "results" / "decode_e2e_h100.json").read_text())
@@ -517,8 +517,8 @@ plt.show()
 print("\n".join(line for line in e2e.summary(run) if "S=32768" in line))
 
 # %% [markdown]
-# Launching is the lean step's cost; in a graph the full cache reads near the copy bandwidth and
-# keeping a tenth pays, less than its bytes promise: a millisecond of small kernels does not shrink.
+# Launching is the lean step's cost; in a graph the full cache reads at two thirds of the copy bandwidth,
+# and keeping a tenth pays less than its bytes promise: a millisecond of small kernels does not shrink.
 
 # %% [markdown]
 # ## Exercises

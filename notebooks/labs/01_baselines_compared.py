@@ -11,37 +11,17 @@
 #
 # The metrics (acc, KL, pert, lost, KV KiB) are defined in the glossary, the lesson's appendix.
 
-# %%
-import os
-import sys
-import time
-from pathlib import Path
+# %% tags=["setup"]
+from preamble import TINY
 
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-ROOT = next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "methods").is_dir()), None)
-if ROOT is not None and str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))                  # opened from notebooks/labs/: make the repo importable
+from nanollm import load
 
-import matplotlib.pyplot as plt
-import torch
-from matplotlib.colors import LogNorm
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
-from matplotlib.ticker import FormatStrFormatter, NullFormatter
-
-from methods import make_policy
-from methods.analysis.persistence import record_attention
-from methods.evaluation.compare import run
-from methods.evaluation.harness import compare_traces, greedy_accuracies, traces
-from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import kept_mask, kept_text, needle_spans, plot_kept, print_mode
-from methods.snapkv import snapkv_scores
-from nanollm import KVCache, load, prefill
-from nanollm.data.evaluate import MODES, answer
-from nanollm.data.tasks import make_sample
-
-torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
 model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter model, 4 layers, 2 KV heads
+
+# %% [markdown]
+# The lab's settings (`TINY`, the quick check CI runs, makes them smaller):
+
+# %%
 LENGTH = 256 if TINY else 512                      # tokens per sample
 BUDGET = LENGTH // 4                               # keep ratio 0.25 for section 1
 SAMPLES = 1 if TINY else 10                        # samples per task and mode in section 3
@@ -51,7 +31,6 @@ SPECS = ["streaming_llm", "h2o", "snapkv", "adakv"]    # the four baselines, wit
 NAMES = {"full": "full cache", "streaming_llm": "StreamingLLM", "h2o": "H2O", "snapkv": "SnapKV", "adakv": "AdaKV"}
 G = model.config.group_size                        # query heads per KV head
 print(f"tasks: {TASKS}; {SAMPLES} samples per task and mode, {LENGTH} tokens, budget {BUDGET} in section 1")
-print_mode(TINY)                                   # quick mode: the text describes another run
 
 # %% [markdown]
 # ## 1. One needle on the bundled model
@@ -64,6 +43,16 @@ print_mode(TINY)                                   # quick mode: the text descri
 # ### 1.1 Which positions survive
 
 # %%
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from methods import make_policy
+from methods.evaluation.viz import needle_spans, plot_kept
+from nanollm import KVCache, prefill
+from nanollm.data.tasks import make_sample
+
 sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)
 N = len(sample.prompt_ids)
 ids = torch.tensor([sample.prompt_ids])
@@ -83,7 +72,7 @@ def kept_legend(fig, window=True):
                Patch(color="red", alpha=0.5, label="needle value")]
     if window:
         handles.append(Line2D([], [], color="tab:blue", ls=":", label="observation window starts"))
-    fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=3, bbox_to_anchor=(0.5, 0.0), frameon=False)
+    fig.legend(handles=handles, fontsize=9, loc="lower center", ncol=3, bbox_to_anchor=(0.5, 0.0), frameon=False)
 
 
 def plot_four(caches, n_tokens, spans, fig_height, tick_every=1):
@@ -93,10 +82,10 @@ def plot_four(caches, n_tokens, spans, fig_height, tick_every=1):
         if tick_every > 1:
             H_kv = cache.layers[0].pos.shape[1]
             ticks = range(0, len(cache.layers), tick_every)
-            ax.set_yticks([layer * H_kv for layer in ticks], [f"L{layer} KV0" for layer in ticks], fontsize=7)
+            ax.set_yticks([layer * H_kv for layer in ticks], [f"L{layer} KV0" for layer in ticks], fontsize=9)
         ax.set_ylabel("layer, KV head")
         cb = fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01)
-        cb.ax.set_yticklabels(["evicted", "kept"], fontsize=7)
+        cb.ax.set_yticklabels(["evicted", "kept"], fontsize=9)
     kept_legend(fig)
     plt.tight_layout(rect=(0, 0.03, 1, 1))
     plt.show()
@@ -119,6 +108,10 @@ plot_four(caches, N, spans, 9)
 # full cache, and its KV head's strip under each method (`_` = evicted).
 
 # %%
+from methods.evaluation.harness import compare_traces, greedy_accuracies, traces
+from methods.evaluation.viz import kept_text
+from nanollm.data.evaluate import MODES, answer
+
 trs = traces(model, sample, MODES[0], [None] + [make_policy(s, budget=BUDGET) for s in SPECS],
              [True] + [False] * len(SPECS))
 full_tr, method_trs = trs[0], dict(zip(SPECS, trs[1:]))
@@ -155,16 +148,20 @@ for spec in SPECS:
 # cache):
 
 # %%
+from matplotlib.colors import LogNorm
+
+from methods.analysis.persistence import record_attention
+
 prompt_maps = record_attention(model, ids)                              # n_layer x (H, N, N)
 lo, hi = max(1, start - 4), min(N - 32, end + 4)                        # the needle and a few tokens around it
 rows = torch.cat([prompt_maps[L_RET][H_RET, N - 32:, lo:hi], full_tr.probs[L_RET][H_RET:H_RET + 1, lo:hi]])
 fig, ax = plt.subplots(figsize=(11, 6))
 im = ax.imshow(rows.clamp(min=1e-4).numpy(), cmap="magma_r", norm=LogNorm(1e-4, 1), aspect="auto",
                interpolation="nearest")
-ax.set_xticks(range(hi - lo), [repr(tok.decode([t]))[1:-1] for t in sample.prompt_ids[lo:hi]], rotation=90, fontsize=8)
+ax.set_xticks(range(hi - lo), [repr(tok.decode([t]))[1:-1] for t in sample.prompt_ids[lo:hi]], rotation=90, fontsize=9)
 for i in range(v - lo, end - lo):
     ax.get_xticklabels()[i].set_color("red")
-ax.set_yticks(range(0, 33, 4), [f"window query {i}" for i in range(0, 32, 4)] + ["first answer step"], fontsize=8)
+ax.set_yticks(range(0, 33, 4), [f"window query {i}" for i in range(0, 32, 4)] + ["first answer step"], fontsize=9)
 ax.axhline(31.5, color="tab:blue", lw=1.5)
 ax.set(title=f"The retrieving head (layer {L_RET}, query head {H_RET}): what the window's queries and the first "
        "answer step attend", xlabel="prompt token around the needle (the value in red)", ylabel="query")
@@ -183,6 +180,8 @@ plt.show()
 
 
 # %%
+from methods.snapkv import snapkv_scores
+
 for layer, a in enumerate(prompt_maps):
     kv_head = int(on_value[layer].argmax()) // G
     raw = snapkv_scores(a[None], model.config.n_kv_head, 32, 1, "max")[0, kv_head]    # (N,) unpooled votes
@@ -226,6 +225,8 @@ print(f"passage 1: {len(passage.prompt_ids)} tokens, budget {BUDGET_REAL} entrie
 # Then the passage, and what each method keeps of it:
 
 # %%
+from methods.evaluation.viz import kept_mask
+
 real_sample = make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=1)
 real_ids = torch.tensor([real_sample.prompt_ids])
 N_REAL = len(real_sample.prompt_ids)
@@ -260,7 +261,7 @@ share = torch.stack([kept_mask(real_caches[s], N_REAL)[..., lo:hi].float().mean(
 fig, ax = plt.subplots(figsize=(13, 3.2))
 im = ax.imshow(share.numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
 ax.set_xticks(range(hi - lo), [repr(real_tok.decode([t]))[1:-1] for t in real_sample.prompt_ids[lo:hi]],
-              rotation=90, fontsize=8)
+              rotation=90, fontsize=9)
 ax.set_yticks(range(len(SPECS)), [NAMES[s] for s in SPECS])
 ax.set(title=f"SmolLM2-135M: share of the 90 strips that keep each token (positions {lo}-{hi - 1})",
        xlabel="token (the needle's value is red)")
@@ -292,7 +293,11 @@ for spec, row in zip(SPECS, share):
 # interval; KL is averaged over the samples.
 
 # %%
-t0 = time.time()
+from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+from methods.evaluation.compare import run
+from methods.evaluation.intervals import wilson
+
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 records = run(model, tok, SPECS, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
 ratios = sorted({r["keep_ratio"] for r in records if r["method"] != "full"})
@@ -342,7 +347,6 @@ handles, labels = axes[0].get_legend_handles_labels()
 fig.legend(handles, labels, loc="lower center", ncol=5, bbox_to_anchor=(0.5, 0.0), frameon=False)
 plt.tight_layout(rect=(0, 0.07, 1, 1))
 plt.show()
-print(f"({time.time() - t0:.0f} s)")
 
 
 # %% [markdown]
@@ -355,6 +359,8 @@ print(f"({time.time() - t0:.0f} s)")
 # interval excludes 0, within noise otherwise.
 
 # %%
+from methods.evaluation.intervals import describe, paired_difference
+
 for mode in MODES:
     print(f"[{mode}]\n{'method':14} {'keep':>5} {'acc [95% Wilson]':>18} {'KL':>7} {'KV KiB':>7}")
     for spec in ["full"] + SPECS:

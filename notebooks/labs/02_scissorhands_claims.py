@@ -19,41 +19,21 @@
 # (the bound, the Monte Carlo, the single-head model), `methods/evaluation/compare.py` (the evaluation loop),
 # `methods/evaluation/viz.py` (pictures of kept tokens).
 
+# %% tags=["setup"]
+from preamble import TINY
+
+from nanollm import load
+
+model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter model, 4 layers, 2 KV heads
+
+# %% [markdown]
+# The lab's settings (`TINY`, the quick check CI runs, makes them smaller):
+
 # %%
-import os
-import sys
-import time
-
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-REPO = os.path.join("..", "..")
-if not os.path.isdir("methods") and os.path.isdir(os.path.join(REPO, "methods")):
-    sys.path.insert(0, os.path.abspath(REPO))      # opened from notebooks/labs/: make the repo importable
-
-import matplotlib.pyplot as plt
-import matplotlib.ticker
 import torch
 
-from methods import make_policy
-from methods.analysis.persistence import block_cosine, heavy, persistence_halves, persistence_step, record_attention
-from methods.analysis.scissorhands_theory import (
-    dropped_mass_bound,
-    failure_probability,
-    fit_power_law,
-    intermediate_dropped_mass_bound,
-    make_toy_model,
-    run_toy,
-    simulate_dropped_mass,
-    theorem41_bound,
-)
-from methods.evaluation.compare import Variant, run
-from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import kept_mask, kept_text, needle_spans, plot_kept, print_mode
-from nanollm import KVCache, load, prefill
-from nanollm.data.evaluate import MODES
 from nanollm.data.tasks import make_sample
 
-torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
-model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter model, 4 layers, 2 KV heads
 LENGTH = 256 if TINY else 512                      # tokens per sample
 SAMPLES = 1 if TINY else 5                         # samples per task and mode (accuracy and KL)
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
@@ -64,7 +44,6 @@ MC_SEEDS = 20 if TINY else 200                     # Monte-Carlo draws per point
 ids = torch.tensor([make_sample("niah_single_noise", tok, LENGTH, seed=0).prompt_ids])   # the lesson's prompt
 layers = range(model.config.n_layer)
 print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, {LENGTH} tokens")
-print_mode(TINY)                                   # quick mode: the text describes another run
 
 # %% [markdown]
 # ## 1. Accuracy and KL against StreamingLLM and H2O
@@ -76,13 +55,21 @@ print_mode(TINY)                                   # quick mode: the text descri
 # otherwise; both intervals are at the level the glossary states.
 
 # %%
-t0 = time.time()
+from methods.evaluation.compare import run
+from nanollm.data.evaluate import MODES
+
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 METHODS_SHOWN = ["streaming_llm", "h2o", "scissorhands"]
 records = run(model, tok, METHODS_SHOWN, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
-print(f"{len(records)} rows (method, keep ratio, task, mode) in {time.time() - t0:.0f} s")
+print(f"{len(records)} rows (method, keep ratio, task, mode)")
 
 # %%
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+
+from methods.evaluation.intervals import describe, paired_difference, wilson
+
+
 def rows_of(records, method, ratio, mode, tasks=None):
     return [r for r in records if r["method"] == method and r["keep_ratio"] == ratio and r["mode"] == mode
             and (tasks is None or r["task"] in tasks)]
@@ -120,7 +107,7 @@ for col, mode in enumerate(MODES):
     axes[2 + col].set_yticks([0.1, 0.3, 1, 3, 10])
     axes[2 + col].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     axes[2 + col].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center", fontsize=8)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center", fontsize=9)
 fig.suptitle("Scissorhands against StreamingLLM and H2O on the bundled model")
 plt.show()
 for mode in MODES:
@@ -171,6 +158,8 @@ print(f"scissorhands' state per slot: {W_DEFAULT} flags (one byte each) + an int
 # default `w = 400` sample by sample).
 
 # %%
+from methods.evaluation.compare import Variant
+
 ablation = run(model, tok, [Variant(f"w={w}", "scissorhands", {"history_window": w}) for w in [400, 32, 8]]
                + [Variant("m=16", "scissorhands", {"drop": 16})], [BUDGET], TASKS, MODES[:1], SAMPLES, LENGTH,
                progress=False)
@@ -205,6 +194,12 @@ for label in ["w=400", "w=32", "w=8", "m=16"]:
 # 1999` weights, keep the top `B`, measure the mass dropped, average over draws.
 
 # %%
+from methods.analysis.scissorhands_theory import (
+    dropped_mass_bound,
+    intermediate_dropped_mass_bound,
+    simulate_dropped_mass,
+)
+
 eps = 0.05
 keeps = torch.linspace(0.08, 0.98, 10 if TINY else 46).tolist()
 fig, axes = plt.subplots(1, 2, figsize=(13, 4))
@@ -221,7 +216,7 @@ for ax, u in zip(axes, [5.0, 1000.0]):
     ax.axhline(0, color="gray", lw=0.8)
     ax.set(title=f"k = 3, u = {u:g} b, eps = {eps}", xlabel="B / T", ylabel="attention mass dropped",
            ylim=(-0.3, 1))
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
 plt.tight_layout()
 plt.show()
 print(f"closed form negative exactly for B/T < eps + (1 - eps) / (k / (k - 1))^(k - 1): "
@@ -233,6 +228,8 @@ print(f"closed form negative exactly for B/T < eps + (1 - eps) / (k / (k - 1))^(
 # same quantities, and Theorem 4.1's output bound, at a few settings, with the simulation's standard error.
 
 # %%
+from methods.analysis.scissorhands_theory import theorem41_bound
+
 rows_table = [(5, 3, 0.05, 0.5), (5, 3, 0.05, 0.7), (5, 3, 0.05, 0.9), (1000, 3, 0.05, 0.5), (5, 3, 0.10, 0.5)]
 print(" u/b  k   eps  B/T | simulated dropped mass | Delta_max (closed form) | intermediate form | Thm 4.1")
 for u, k, eps, keep in rows_table:
@@ -256,6 +253,8 @@ for u, k, eps, keep in rows_table:
 # something once `T_min` is enormous:
 
 # %%
+from methods.analysis.scissorhands_theory import failure_probability
+
 for t_min in [10 ** 3, 10 ** 4, 10 ** 5, 10 ** 6]:
     p = failure_probability(t_min, 2 * t_min, 0.5, 3, 0.1, 1.0, 5.0)
     print(f"T_min = {t_min:>8}, T_max = 2 T_min: failure probability bound {p:.3g} -> "
@@ -281,6 +280,8 @@ for t_min in [10 ** 3, 10 ** 4, 10 ** 5, 10 ** 6]:
 # Run as written, the generated tokens shrink and every cache agrees (the bound holds trivially):
 
 # %%
+from methods.analysis.scissorhands_theory import make_toy_model, run_toy
+
 T0, TOY_B = (16 if TINY else 64), TOY_T // 2         # prompt tokens, budget (B / T_max = 0.5)
 toy = make_toy_model(qk_norm=1e4, seed=0)
 print(f"spectral product lambda_V lambda_O (1 + l1 l2)(1 + lQ lK) = {toy.spectral_product():.3f}")
@@ -298,6 +299,9 @@ print(f"as written: largest generated |x| = {raw_full['x'][T0:].norm(dim=-1).max
 # near one-hot at `1e5`.
 
 # %%
+from methods.analysis.scissorhands_theory import fit_power_law
+
+
 def toy_runs(qk, seeds):
     m = make_toy_model(qk_norm=qk, seed=0)
     out = {"oracle": [], "counter": [], "drop_oracle": [], "drop_counter": [], "fits": [], "peak": []}
@@ -334,7 +338,7 @@ for col, qk in enumerate(qks):                     # one column per logit scale:
     axes[1, col].set_xlabel("t")
 axes[0, 0].set_ylabel("error |x - x~| at step t")
 axes[1, 0].set_ylabel("attention mass outside the kept set")
-fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
+fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)
 fig.suptitle("The theorem's model with unit-norm tokens, mean over prompts: error (top), mass dropped (bottom)")
 plt.show()
 
@@ -375,6 +379,8 @@ for qk, r in toy_results.items():
 # single needle in noise).
 
 # %%
+from methods.analysis.persistence import block_cosine
+
 cos = block_cosine(model, ids)
 fig, axes = plt.subplots(1, 2, figsize=(10, 3))
 axes[0].bar(layers, [r["cos_mlp"] for r in cos])
@@ -425,6 +431,10 @@ print(f"{REAL_SUITE} at {LENGTH_REAL} tokens, budget {BUDGET_REAL}; persistence 
 # 487). One strip per layer and KV head (90 of them; the ticks name every fifth layer's first KV head).
 
 # %%
+from methods import make_policy
+from methods.evaluation.viz import needle_spans, plot_kept
+from nanollm import KVCache, prefill
+
 real_samples = {"niah_single_docs, seed 0": make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=0),
                 "passkey, seed 3": make_sample("passkey", real_tok, LENGTH_REAL, seed=3)}
 real_caches = {}                                   # (sample, method) -> KVCache compressed to BUDGET_REAL
@@ -438,9 +448,9 @@ for ax, (name, spec) in zip(axes.flat, real_caches):
     smp = real_samples[name]
     plot_kept(ax, real_caches[name, spec], len(smp.prompt_ids), needle_spans(smp, real_tok),
               title=f"{spec}, {name.replace('_', ' ')}")
-    ax.set_yticks([l * real_model.config.n_kv_head for l in ticks], [f"L{l} KV0" for l in ticks], fontsize=8)
+    ax.set_yticks([l * real_model.config.n_kv_head for l in ticks], [f"L{l} KV0" for l in ticks], fontsize=9)
     ax.set_ylabel("layer, KV head (kept: dark)")
-    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=7)
+    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=9)
 plt.tight_layout()
 plt.show()
 
@@ -451,6 +461,8 @@ plt.show()
 # sentence as each cache holds it in two layers.
 
 # %%
+from methods.evaluation.viz import kept_mask, kept_text
+
 SHOWN_LAYERS = [10, 29]
 for (name, spec), cache in real_caches.items():
     smp = real_samples[name]
@@ -489,6 +501,9 @@ for spec in ["scissorhands", "h2o"]:
 # Scissorhands' low flag) and at three times it.
 
 # %%
+from methods.analysis.persistence import heavy, persistence_halves, persistence_step, record_attention
+
+
 def persistence_by_layer(model, tok, tasks, length, n_samples, levels=(1, 3)):
     """Per level and layer: step ratio and base (delta = 1 and 50), sequence ratio and base, and the
     fraction of the tokens heavy at a step (steps >= 64); means over heads and prompts (``n_samples`` per
@@ -524,7 +539,7 @@ def plot_persistence(pers, n_layer):
         ax.axhline(0.95, color="gray", ls=":", lw=1)
         ax.set(title=title, xlabel="layer", ylim=(0, 1.05), xticks=ticks)
     axes[0].set_ylabel("persistence ratio")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)
     fig.suptitle("Persistence of importance (dotted: the paper's 95%)")
     plt.show()
 

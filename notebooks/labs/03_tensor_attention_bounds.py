@@ -13,29 +13,12 @@
 # Code: `methods/tensor_attention/index_problem.py`, `methods/tensor_attention/subgen.py`,
 # `methods/tensor_attention/attention.py`.
 
-# %%
-import os
-import sys
+# %% tags=["setup"]
+from preamble import TINY
 
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-REPO = next((p for p in (".", "..", os.path.join("..", "..")) if os.path.isdir(os.path.join(p, "methods"))), ".")
-if os.path.abspath(REPO) not in sys.path:
-    sys.path.insert(0, os.path.abspath(REPO))      # opened from notebooks/labs/: make the repo importable
+from methods.tensor_attention import match3
 
-import math
-
-import matplotlib.pyplot as plt
-import matplotlib.ticker
-import torch
-
-from methods.evaluation.intervals import wilson
-from methods.evaluation.viz import print_mode
-from methods.tensor_attention import four_cache_attention, match3, pair_scores, pair_softmax
-
-torch.set_num_threads(1)                           # tiny tensors: one thread is fastest and least noisy
 tensor_model, tensor_card = match3.load("match3-tensor")      # the lesson's section 4 model (section 3 here)
-print(f"tiny mode: {TINY}")
-print_mode(TINY)                                   # quick mode: the text describes another run
 
 # %% [markdown]
 # ## 1. The memory lower bound, run: the Index problem
@@ -49,6 +32,10 @@ print_mode(TINY)                                   # quick mode: the text descri
 # information limit from Fano's inequality (no s-bit cache can be right on more than this fraction):
 
 # %%
+import matplotlib.pyplot as plt
+import torch
+
+from methods.evaluation.intervals import wilson
 from methods.tensor_attention.index_problem import accuracy_vs_bits, fano_accuracy, make_instance, retrieve
 
 inst = make_instance(128, seed=0)
@@ -69,7 +56,7 @@ for scheme, style in (("rows", "o"), ("majority", "s")):
                 label={"rows": "keep k of n token rows", "majority": "groups share a majority sign"}[scheme])
 ax.set(xlabel="bits of x the cache keeps (s)", ylabel="Bob's accuracy over the n bits (95% interval)",
        title="Index problem on a tensor-attention cache, n = 128")
-ax.legend(fontsize=8)
+ax.legend(fontsize=9)
 ax.grid(alpha=0.3)
 plt.show()
 for r in rows5:
@@ -95,6 +82,8 @@ for r in rows5:
 # rows through such a sketch; error against the exact output vs the bytes the sketch keeps:
 
 # %%
+import matplotlib.ticker
+
 from methods.tensor_attention.subgen import error_vs_memory
 
 rows6 = error_vs_memory(n=24 if TINY else 32, seeds=1 if TINY else 4)
@@ -109,7 +98,7 @@ for axis in (ax.xaxis, ax.yaxis):                          # ticks at 1, 2, 5 x 
     axis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
     axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
     axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))     # beside the data
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1))     # beside the data
 ax.grid(True, which="both", alpha=0.3)
 plt.show()
 print(f"exact caches: four-matrix {rows6[0]['four_cache_bytes']:,} bytes, "
@@ -138,6 +127,10 @@ for r in rows6:
 # output at equal bytes:
 
 # %%
+import math
+
+from methods.tensor_attention import four_cache_attention, pair_scores, pair_softmax
+
 captured = {}
 block = tensor_model.blocks[1]
 hook = block.attn.register_forward_hook(lambda mod, inp, out: captured.update(x=inp[0]))

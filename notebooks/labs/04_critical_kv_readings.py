@@ -24,39 +24,24 @@
 # `methods/critical_kv.py`, `methods/evaluation/harness.py` (traces against the full cache),
 # `methods/evaluation/compare.py` (accuracy tables).
 
+# %% tags=["setup"]
+from preamble import TINY
+
+from nanollm import load
+
+model, tok, card = load("retrieval-llama")
+
+# %% [markdown]
+# The lab's settings (`TINY`, the quick check CI runs, makes them smaller):
+
 # %%
-import os
-import sys
-import time
-from pathlib import Path
-
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-REPO = next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "nanollm").is_dir()), None)
-if REPO is not None and str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))                  # opened from notebooks/labs/: make the repo importable
-
-import matplotlib.pyplot as plt
 import torch
 
-from methods import make_policy
-from methods.critical_kv import assumption1_sigma, projected_output_l1, projected_value_norms
-from methods.evaluation.compare import Variant, format_intervals, format_tables, run
-from methods.evaluation.harness import compare_traces, greedy_accuracy, trace, traces
-from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import print_mode
 from methods.presets import preset_options
-from methods.snapkv import pool1d
-from nanollm import KVCache, load, prefill
-from nanollm.data.evaluate import MODES, answer
-from nanollm.data.tasks import make_sample
 
-torch.set_num_threads(1)
-torch.manual_seed(0)
-model, tok, card = load("retrieval-llama")
 cfg = model.config
 G = cfg.n_head // cfg.n_kv_head                                  # query heads per KV head
 W_O = [block.attn.o_proj.weight.detach() for block in model.blocks]   # (D, H*d) per layer
-
 LENGTH = 256 if TINY else 512                                    # tokens per sample
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
 N_SAMPLES = 1 if TINY else 5                                     # samples per task (seeds 0..N-1)
@@ -66,9 +51,7 @@ MODE = "question_in_prompt"                                      # the head-wise
 LITERAL = {"stage2": "window"}                                   # Algorithm 2 line 9 read literally (the ablation)
 KVPRESS = preset_options("critical_kv", "kvpress")               # kvpress's CriticalKVPress settings
 KVPRESS_ADA = preset_options("critical_kv(adakv(snapkv))", "kvpress")    # and its CriticalAdaKVPress
-T0 = time.time()
 print(f"tiny mode: {TINY}; {len(TASKS)} task(s) x {N_SAMPLES} sample(s), {LENGTH} tokens; torch {torch.__version__}")
-print_mode(TINY)                                   # quick mode: the text describes another run
 print(f"kvpress's settings: CriticalSnapKV {KVPRESS}; CriticalAdaKV {KVPRESS_ADA}")
 
 # %% [markdown]
@@ -79,6 +62,11 @@ print(f"kvpress's settings: CriticalSnapKV {KVPRESS}; CriticalAdaKV {KVPRESS_ADA
 # digits does each variant keep, per layer and KV head, and what does it answer?
 
 # %%
+from methods import make_policy
+from nanollm import KVCache, prefill
+from nanollm.data.evaluate import answer
+from nanollm.data.tasks import make_sample
+
 sample = make_sample("niah_single_noise", tok, 512, seed=1)
 value_ids = tok.encode(sample.answers[0])
 start = next(i for i in range(len(sample.context_ids)) if sample.context_ids[i:i + len(value_ids)] == value_ids)
@@ -122,6 +110,12 @@ print("\ncells: value digits kept / 6 (tokens of the 12 before them kept)")
 # `P`, one line per query head.
 
 # %%
+import matplotlib.pyplot as plt
+
+from methods.critical_kv import projected_value_norms
+from methods.evaluation.harness import trace
+from methods.snapkv import pool1d
+
 layer = 3
 policy = make_policy("critical_kv", budget=256)
 prefill(model, ids, KVCache(cfg, policy))
@@ -146,7 +140,7 @@ axes[3].set_xticks(range(len(span)), [repr(tok.decode([sample.prompt_ids[p]]))[1
                    rotation=90)
 for ax in axes:
     ax.axvspan(14 - 0.5, 14 + len(value_ids) - 0.5, color="gold", alpha=0.3)
-axes[0].legend(fontsize=7, ncol=2)
+axes[0].legend(fontsize=9, ncol=2)
 plt.tight_layout()
 plt.show()
 mass = lambda a: float(a[:, digits].sum(-1).mean())                 # noqa: E731  mean over query heads
@@ -181,6 +175,9 @@ for name, score in stage2.items():                                    # (H_kv, T
 # records Assumption 1's `sigma` for CriticalSnapKV (stage 1, and so `sigma`, is the same in both readings).
 
 # %%
+from methods.critical_kv import assumption1_sigma, projected_output_l1
+from methods.evaluation.harness import compare_traces, greedy_accuracy
+
 VARIANTS = {                          # label -> (method spec, options)
     "snapkv": ("snapkv", {}),
     "critical_kv": ("critical_kv", {}),                               # pooled stage 2 (the authors' code)
@@ -196,7 +193,6 @@ VARIANTS = {                          # label -> (method spec, options)
     "alpha=1": ("critical_kv", {"alpha": 1.0}),                       # stage 1 only: SnapKV itself
 }
 res = {}                              # (label, ratio) -> {metric: [one value per sample]}
-t_loop = time.time()
 for task in TASKS:
     for i in range(N_SAMPLES):
         s = make_sample(task, tok, LENGTH, seed=i)
@@ -223,8 +219,7 @@ for task in TASKS:
                             in_stage1 = torch.isin(full.attended[l][h // G], stage1[h // G])
                             dec[l, h] = assumption1_sigma(full.probs[l][h], in_stage1)
                     r.setdefault("sigma_decode", []).append(dec)
-print(f"{len(VARIANTS)} variants x {len(HEAD_RATIOS)} keep ratios x {len(TASKS) * N_SAMPLES} samples: "
-      f"{time.time() - t_loop:.0f} s")
+print(f"{len(VARIANTS)} variants x {len(HEAD_RATIOS)} keep ratios x {len(TASKS) * N_SAMPLES} samples")
 
 # %% [markdown]
 # ### 2.1 Head-wise: in how many heads is the perturbation lower with the selection?
@@ -259,7 +254,7 @@ for row, (crit, reading) in enumerate(READINGS):
         ax.plot([0, top], [0, top], "k--", lw=0.8)
         ax.set(xlabel="SnapKV: per-head L (mean over samples)", ylabel=f"CriticalSnapKV, {reading}:\nper-head L",
                title=f"{reading}, keep {ratio}: {headwise[(ratio, crit)]:.0%} of heads below")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=9)
 plt.tight_layout()
 plt.show()
 
@@ -294,6 +289,8 @@ for ratio in HEAD_RATIOS:
 # than SnapKV. Per layer, `sum_h L_h` shows where the difference builds up.
 
 # %%
+from methods.evaluation.intervals import describe, paired_difference
+
 print(f"{'keep':>5}  {'variant':<20}| {'final pert':>10} {'KL':>7} {'acc':>6} | {'sum_h L_h per layer':>28}")
 for ratio in HEAD_RATIOS:
     for label in VARIANTS:
@@ -372,7 +369,9 @@ for ratio in HEAD_RATIOS:
 # the two hosts and each with its selections, in both modes.
 
 # %%
-t_cmp = time.time()
+from methods.evaluation.compare import Variant, run
+from nanollm.data.evaluate import MODES
+
 METHODS_C = [Variant(label, *VARIANTS[label]) for label in VARIANTS if not label.startswith("alpha")]
 HOSTS_C = [(host, crit) for host, crit in PAIRS[:6]]                 # (host, with a selection)
 budgets = [round(r * LENGTH) for r in COMPARE_RATIOS]
@@ -391,9 +390,12 @@ def acc_groups(method: str, mode: str, budget: int | None) -> list[list[float]]:
 
 mean = lambda xs: sum(xs) / len(xs)                                     # noqa: E731
 cell_mean = lambda method, mode, budget, key: mean([r[key] for r in cell_records(method, mode, budget)])  # noqa: E731
-print(f"{len(TASKS)} tasks x {N_SAMPLES} samples per mode, {LENGTH} tokens, seed 0: {time.time() - t_cmp:.0f} s")
+print(f"{len(TASKS)} tasks x {N_SAMPLES} samples per mode, {LENGTH} tokens, seed 0")
 
 # %%
+from methods.evaluation.intervals import wilson
+
+
 def style(label: str) -> dict:
     """Colour by reading (host, pooled, literal, kvpress), line and marker by host (SnapKV, AdaKV)."""
     reading = ("host " if label not in HOST_OF else "") + ("kvpress" if "kvpress" in label else "literal"
@@ -431,7 +433,7 @@ for col, (mode, host, family) in enumerate(PANELS):
 axes[0, 0].set(ylabel="accuracy (mean over tasks, 95% interval)")
 axes[1, 0].set(ylabel="KL(full || method)")
 for col in range(len(FAMILIES)):
-    axes[0, col].legend(fontsize=7, loc="upper left")
+    axes[0, col].legend(fontsize=9, loc="upper left")
 plt.tight_layout()
 plt.show()
 
@@ -517,7 +519,6 @@ for ratio in HEAD_RATIOS:
     print("  alpha ablation, final perturbation / accuracy: " + ", ".join(
         f"{lab} {mean(res[(lab, ratio)]['pert']):.3f} / {mean(res[(lab, ratio)]['acc']):.2f}"
         for lab in ["alpha=0", "critical_kv", "alpha=1"]))
-print(f"\nnotebook run time: {time.time() - T0:.0f} s")
 
 # %% [markdown]
 # ## 5. On the real model: SmolLM2-135M
@@ -531,8 +532,6 @@ print(f"\nnotebook run time: {time.time() - T0:.0f} s")
 # head.
 
 # %%
-t_real = time.time()                                              # one torch thread, as above: on a shared
-                                                                  # 2-core machine two threads can be slower
 real, rtok, rcard = load("smollm2-135m")
 rcfg = real.config
 G_REAL = rcfg.n_head // rcfg.n_kv_head                            # 3 query heads per KV head
@@ -561,8 +560,9 @@ print(f"SmolLM2-135M: {rcfg.n_layer} layers, {rcfg.n_head} query heads, {rcfg.n_
 # at kvpress's settings.
 
 # %%
+from methods.evaluation.harness import traces
+
 res_r = {}                             # (label, ratio) -> {metric: [one value per sample]}
-t_loop = time.time()
 for task in TASKS_REAL:
     for i in range(N_REAL):
         s = make_sample(task, rtok, LENGTH_REAL, seed=i)
@@ -587,8 +587,7 @@ for task in TASKS_REAL:
                         in_stage1 = torch.isin(full.attended[l][h // G_REAL], stage1[h // G_REAL])
                         dec[l, h] = assumption1_sigma(full.probs[l][h], in_stage1)
                 r.setdefault("sigma_decode", []).append(dec)
-print(f"{len(VARIANTS_REAL)} variants x {len(RATIOS_REAL)} keep ratios x {len(TASKS_REAL) * N_REAL} samples: "
-      f"{time.time() - t_loop:.0f} s")
+print(f"{len(VARIANTS_REAL)} variants x {len(RATIOS_REAL)} keep ratios x {len(TASKS_REAL) * N_REAL} samples")
 
 # %%
 PAIRS_REAL = PAIRS[:6]                                             # each selection with its host
@@ -621,7 +620,7 @@ ax0.set(xscale="log", yscale="log", xlabel="SnapKV: per-head L (mean over sample
         ylabel="CriticalSnapKV: per-head L",
         title=f"keep ratio {ratio}: {headwise_r[(ratio, 'critical_kv')]:.0%} of heads below the diagonal")
 fig.colorbar(points, ax=ax0, label="layer")
-ax0.legend(fontsize=8, loc="upper left")
+ax0.legend(fontsize=9, loc="upper left")
 BY_HOST = [(name, [(host, crit) for host, crit in PAIRS_REAL if ("adakv" in host) == (name == "AdaKV")])
            for name in ("SnapKV", "AdaKV")]                          # three selections per panel
 for row, ratio in enumerate(RATIOS_REAL):
@@ -637,7 +636,7 @@ for row, ratio in enumerate(RATIOS_REAL):
         ax.axhline(0.5, color="black", lw=0.6, ls="--")
         ax.set(xlabel="layer", ylabel="fraction of (sample, query head)\nwith lower L", ylim=(-0.02, 1.02),
                title=f"over {name}, keep ratio {ratio}: where L is lower")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=9)
 plt.tight_layout()
 plt.show()
 
@@ -678,11 +677,10 @@ print(f"(heads lower: of the {rcfg.n_layer} x {rcfg.n_head} (layer, query head) 
 # hidden state error) per cell; the figure draws them against the keep ratio.
 
 # %%
-t_cmp = time.time()
 METHODS_REAL = [Variant(label, spec, opts) for label, (spec, opts) in VARIANTS_REAL.items()]
 records_r = run(real, rtok, METHODS_REAL, BUDGETS_REAL, TASKS_REAL, MODES, N_REAL, LENGTH_REAL, seed=0,
                 progress=False, workers=1)
-print(f"{N_REAL} samples per task and mode, {LENGTH_REAL} tokens, seed 0: {time.time() - t_cmp:.0f} s")
+print(f"{N_REAL} samples per task and mode, {LENGTH_REAL} tokens, seed 0")
 
 # %%
 mean_of = lambda key, method, mode, budget: mean([r[key] for r in records_r              # noqa: E731
@@ -712,7 +710,7 @@ axes[0, 0].set(ylabel="accuracy (mean over tasks, 95%\ninterval; dotted: the ful
 axes[1, 0].set(ylabel="KL(full || method)")
 axes[2, 0].set(ylabel="final hidden state\nrelative error")
 for col in range(len(FAMILIES_REAL)):
-    axes[0, col].legend(fontsize=7, loc="center right")
+    axes[0, col].legend(fontsize=9, loc="center right")
 plt.tight_layout()
 plt.show()
 
@@ -762,6 +760,8 @@ for reading in ("pooled stage 2", "literal stage 2"):                  # the cel
 # from the full cache, and which methods are within noise of the best at each keep ratio.
 
 # %%
+from methods.evaluation.compare import format_intervals, format_tables
+
 print(format_tables(records_r))
 print(format_intervals(records_r))
 
@@ -805,7 +805,7 @@ for ratio in RATIOS_REAL:
                 label=f"{name}, keep {ratio}")
 ax.set(xlabel="layer", ylabel="fraction of (sample, head)\nwith sigma > 0.5", ylim=(-0.02, 1.02),
        title="Assumption 1: stage 1 secures more than half of the attention")
-ax.legend(fontsize=8)
+ax.legend(fontsize=9)
 ax.grid(alpha=0.3)
 plt.tight_layout()
 plt.show()
@@ -875,4 +875,3 @@ for ratio, budget in zip(RATIOS_REAL, BUDGETS_REAL):
             + f" (full {mean_of('accuracy', 'full', mode, None):.2f}; {n_r} answers per cell)")
     print(f"  Assumption 1 (sigma > 0.5): {float((sw > 0.5).float().mean()):.0%} of (sample, head) on Abar, "
           f"{float((sd > 0.5).float().mean()):.0%} on the decode query")
-print(f"\nSmolLM2 run time: {time.time() - t_real:.0f} s")

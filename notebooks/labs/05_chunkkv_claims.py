@@ -15,44 +15,23 @@
 # Code: `methods/chunkkv.py` (the method), `methods/evaluation/viz.py` (the pictures),
 # `methods/evaluation/compare.py` (the evaluation loop).
 
-# %%
-import os
-import sys
-from pathlib import Path
+# %% tags=["setup"]
+from preamble import TINY
 
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-ROOT = next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "methods" / "chunkkv.py").exists()), None)
-if ROOT is not None and str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))                  # opened from notebooks/labs/: make the repository importable
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # section 3 runs 2 threads: on a busy machine, threads that
-                                                   # spin while they wait for each other take ten times longer
+from nanollm import load
 
-from types import SimpleNamespace
-
-import matplotlib.pyplot as plt
-import torch
-from matplotlib import ticker
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
-
-from methods import make_policy
-from methods.analysis.layer_similarity import adjacent_layer_jaccard, kept_positions
-from methods.evaluation.compare import Variant, run
-from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import kept_mask, kept_text, needle_spans, plot_kept, print_mode
-from nanollm import KVCache, generate, load, prefill
-from nanollm.data.evaluate import MODES
-from nanollm.data.tasks import make_sample
-
-torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
 model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter model, 4 layers, 2 KV heads
+
+# %% [markdown]
+# The lab's settings (`TINY`, the quick check CI runs, makes them smaller):
+
+# %%
 LENGTH = 256 if TINY else 512                      # tokens per sample
 SAMPLES = 1 if TINY else 10                        # samples per task and mode (accuracy and KL)
 ABLATION_SAMPLES = 1 if TINY else 5                # samples per task and mode in the ablations
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
 KEEP_RATIOS = [0.25] if TINY else [0.1, 0.25, 0.5]
 print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, {LENGTH} tokens")
-print_mode(TINY)                                   # quick mode: the text describes another run
 
 # %% [markdown]
 # ## 1. Accuracy and KL against SnapKV and H2O
@@ -69,6 +48,17 @@ print_mode(TINY)                                   # quick mode: the text descri
 # are adjacent layers' kept sets?).
 
 # %%
+import torch
+from matplotlib import ticker
+
+from methods import make_policy
+from methods.analysis.layer_similarity import adjacent_layer_jaccard, kept_positions
+from methods.evaluation.intervals import describe, paired_difference, wilson
+from methods.evaluation.viz import kept_mask, needle_spans
+from nanollm import KVCache, prefill
+from nanollm.data.tasks import make_sample
+
+
 def value_kept_whole(spec, budget, n_samples, **options):
     """(samples, n_layer, H_kv) bool: whether each layer and KV head keeps the needle's value whole, over the
     single-needle tasks of the suite (the question in the prompt)."""
@@ -136,6 +126,11 @@ def readable_log(ax):
 STYLES = ["o-", "s--", "^-.", "v:"]                 # distinct markers and dashes: some lines coincide
 
 # %%
+import matplotlib.pyplot as plt
+
+from methods.evaluation.compare import run
+from nanollm.data.evaluate import MODES
+
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 methods = ["snapkv", "h2o", "chunkkv", "chunkkv(snapkv)"]
 records = run(model, tok, methods, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
@@ -155,7 +150,7 @@ for col, mode in enumerate(MODES):
     axes[2 + col].set(title=f"KL to the full cache, {mode.replace('_', ' ')}", xlabel="keep ratio", xticks=ratios,
                       xticklabels=[f"{k:.2f}" for k in ratios], ylabel="KL (nats, mean over tasks)")
     readable_log(axes[2 + col])
-fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)
 plt.show()
 
 # %% [markdown]
@@ -193,6 +188,8 @@ for mode in MODES:
 # choosing for itself (`reuse=1`), how often does each layer keep the needle's value whole?
 
 # %%
+from methods.evaluation.compare import Variant
+
 budget = round(0.25 * LENGTH)
 sizes, depths = [1, 5, 10, 20], [1, 2, 4]
 ablation = run(model, tok, [Variant(f"c={c}", "chunkkv", {"chunk_size": c, "reuse": 1}) for c in sizes]
@@ -209,12 +206,12 @@ for ax, labels, ticks, name in [(axes[0], [f"c={c}" for c in sizes], sizes, "chu
                     label=mode.replace("_", " "))
     ax.set(xticks=range(len(labels)), xticklabels=ticks, xlabel=name, ylabel="accuracy (mean over tasks)",
            ylim=(-0.05, 1.05), title=f"ChunkKV at keep 0.25: {name.split(' (')[0]}")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=9, loc="upper left")
 for n, style in zip(depths, STYLES):
     axes[2].plot(range(model.config.n_layer), by_layer[n].tolist(), style, label=f"reuse {n}")
 axes[2].set(title="needle values kept whole, per layer", xlabel="layer", xticks=range(model.config.n_layer),
             ylabel="share of single-needle samples", ylim=(-0.05, 1.05))
-axes[2].legend(fontsize=8, loc="lower left")
+axes[2].legend(fontsize=9, loc="lower left")
 plt.show()
 for mode in MODES:
     print(mode, " ".join(f"c={c}: acc {mean_over_tasks(ablation, f'c={c}', 0.25, mode):.2f} "
@@ -276,6 +273,8 @@ print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query h
 # token per digit).
 
 # %%
+from nanollm import generate
+
 real_sample = make_sample("passkey", real_tok, LENGTH_REAL, seed=0)
 real_ids = torch.tensor([real_sample.prompt_ids])                  # (1, T) the prompt, question included
 REAL_BUDGET = LENGTH_REAL // 4                                     # keep ratio 0.25
@@ -288,6 +287,14 @@ for spec in ["snapkv", "chunkkv"]:
     print(f"{spec:8} answers {real_tok.decode(out[0].tolist())!r:24} expected {real_sample.answers}")
 
 # %%
+from types import SimpleNamespace
+
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from methods.evaluation.viz import plot_kept
+
+
 def some_layers(cache, layers):
     """The cache seen through a few of its layers (``plot_kept`` reads only ``.layers``)."""
     return SimpleNamespace(layers=[cache.layers[layer] for layer in layers])
@@ -302,18 +309,18 @@ for ax, (spec, cache) in zip(axes, real_caches.items()):
     plot_kept(ax, some_layers(cache, SHOW_LAYERS), len(real_sample.prompt_ids), [real_span], title=spec,
               window=window)
     ax.set_ylabel("layer, KV head")
-    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=7)
+    fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=9)
     ax.set_yticks(range(len(SHOW_LAYERS) * H_KV), [f"L{la} KV{h}" for la in SHOW_LAYERS for h in range(H_KV)],
-                  fontsize=7)
+                  fontsize=9)
 axes[0].legend(handles=[Patch(color="black", label="kept"), Patch(color="orange", alpha=0.4, label="needle's wording"),
                         Patch(color="red", alpha=0.5, label="value (5 digits)"),
                         Line2D([], [], color="tab:blue", ls=":", label="observation window starts")],
-               fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.12), ncol=4)
+               fontsize=9, loc="lower left", bbox_to_anchor=(0.0, 1.12), ncol=4)
 for (spec, w), style in zip(whole_real.items(), STYLES):           # all 30 layers: KV heads holding the value
     axes[2].plot(range(real.config.n_layer), w.sum(-1).tolist(), style, ms=4, label=spec)
 axes[2].set(xlabel="layer", ylabel="KV heads with the\nwhole value", yticks=range(H_KV + 1),
             title="KV heads (of 3) that keep all five digits of the value, per layer")
-axes[2].legend(fontsize=8, loc="lower right")
+axes[2].legend(fontsize=9, loc="lower right")
 plt.tight_layout()
 plt.show()
 
@@ -326,6 +333,8 @@ plt.show()
 # layers 0, 10, 20 and 29 (`_` = evicted):
 
 # %%
+from methods.evaluation.viz import kept_text
+
 for spec, cache in real_caches.items():
     lines = kept_text(real_tok, real_sample.prompt_ids, cache, real_span).splitlines()
     shown = [lines[0]] + [line for line in lines[1:] if int(line[1:line.index(" ")]) in SHOW_LAYERS]
@@ -382,7 +391,7 @@ for ax, part, title in [(axes[0], 0, "every kept position"), (axes[1], 1, "outsi
         ax.plot(range(len(pair[part])), pair[part].tolist(), "o-", ms=3, label=name)
     ax.set(title=f"SmolLM2-135M, {title}", xlabel="layer l of the pair (l, l+1)", ylim=(0, 1))
 axes[0].set_ylabel("Jaccard of kept positions")
-fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=7)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=9)
 plt.show()
 
 # %% [markdown]

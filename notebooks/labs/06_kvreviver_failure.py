@@ -11,41 +11,21 @@
 #    at the paper's own setting, the appendix's per-layer budgets, and a repair of ours;
 # 4. what this says at our scale.
 
-# %%
-import os
-import sys
+# %% tags=["setup"]
+from preamble import TINY
 
-TINY = os.environ.get("NANOLLM_TINY") == "1"      # CI runs the notebook in a quick tiny mode
-REPO = os.path.abspath(os.path.join("..", ".."))
-if not os.path.isdir("methods") and os.path.isdir(os.path.join(REPO, "methods")):
-    sys.path.insert(0, REPO)                       # opened from notebooks/labs/: make the repo importable
+from nanollm import load
 
-import math
-
-import matplotlib.pyplot as plt
-import torch
-from matplotlib.colors import ListedColormap
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
-from matplotlib.ticker import NullFormatter, StrMethodFormatter
-
-from methods import make_policy
-from methods.analysis.rebuilt_attention import key_norm_ratio, rebuilt_attention_mass
-from methods.evaluation.compare import Variant, format_intervals, run
-from methods.evaluation.harness import traces
-from methods.evaluation.viz import kept_mask, needle_spans, print_mode
-from methods.kvreviver import VagueSketch
-from nanollm import KVCache, extend, load, prefill
-from nanollm.data.tasks import make_sample
-
-torch.set_num_threads(1)                           # a tiny model is dispatch-bound: one thread is fastest
 model, tok, card = load("retrieval-llama")         # the lesson's bundled model: 4 layers, 2 KV heads
+
+# %% [markdown]
+# The lab's settings (`TINY`, the quick check CI runs, makes them smaller):
+
+# %%
 LENGTH = 256 if TINY else 512
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
 niah = [t for t in TASKS if t.startswith("niah")][:3]          # the NIAH tasks of the lesson's section 4.1
 print(f"tiny mode: {TINY}; bundled model: tasks {niah}, {LENGTH} tokens")
-print_mode(TINY)                                   # quick mode: the text describes another run
-
 
 # %% [markdown]
 # ## 1. SmolLM2: what stays raw, and where the attention goes
@@ -61,6 +41,10 @@ print_mode(TINY)                                   # quick mode: the text descri
 #   is the same newest positions in every head.
 
 # %%
+import torch
+
+from nanollm import KVCache, extend, prefill
+
 real, real_tok, real_card = load("smollm2-135m")
 LENGTH_REAL = 256 if TINY else 512
 SAMPLES_REAL = 1 if TINY else 3                   # samples per task and mode
@@ -94,6 +78,15 @@ def compress_real(sample, policy=None):
 # picture, for both budgets).
 
 # %%
+import matplotlib.pyplot as plt
+from matplotlib.colors import ListedColormap
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from methods import make_policy
+from methods.evaluation.viz import kept_mask, needle_spans
+from nanollm.data.tasks import make_sample
+
 passage = make_sample("passkey", real_tok, LENGTH_REAL, seed=0)
 LAYERS_SHOWN = [0, 10, 20, 29]
 N_REAL = len(passage.prompt_ids)
@@ -113,17 +106,17 @@ for ax, (name, (policy_view, cache_view)) in zip(axes, views.items()):
     im = ax.imshow(img.reshape(-1, N_REAL).numpy(), aspect="auto", cmap=colours, vmin=0, vmax=2,
                    interpolation="nearest")
     bar = fig.colorbar(im, ax=ax, ticks=[1 / 3, 1, 5 / 3], pad=0.01)
-    bar.ax.set_yticklabels(["sketch", "Candidate", "Recent"], fontsize=7)
+    bar.ax.set_yticklabels(["sketch", "Candidate", "Recent"], fontsize=9)
     for x in (key_span[1] - 0.5, key_span[2] - 0.5):
         ax.axvline(x, color="red", lw=0.8)
     ax.set_yticks(range(len(LAYERS_SHOWN) * real.config.n_kv_head),
-                  [f"L{l} KV{h}" for l in LAYERS_SHOWN for h in range(real.config.n_kv_head)], fontsize=7)
+                  [f"L{l} KV{h}" for l in LAYERS_SHOWN for h in range(real.config.n_kv_head)], fontsize=9)
     ax.set(title=f"KVReviver, {name}, {budget_view} slots per KV head", ylabel="layer, KV head")
 axes[-1].set_xlabel("position (context, then question)")
 fig.legend(handles=[Patch(color="#e8e8e8", label="only in the sketch (Vague)"),
                     Patch(color="tab:blue", label="raw: Candidate"), Patch(color="tab:orange", label="raw: Recent"),
                     Line2D([], [], color="red", lw=0.8, label="the pass key's digits (between the lines)")],
-           fontsize=8, loc="lower center", ncol=4)
+           fontsize=9, loc="lower center", ncol=4)
 plt.tight_layout(rect=(0, 0.06, 1, 1))
 plt.show()
 
@@ -156,6 +149,9 @@ for budget in BUDGETS_REAL:
 # the real keys of the same positions.
 
 # %%
+from methods.analysis.rebuilt_attention import key_norm_ratio, rebuilt_attention_mass
+from methods.evaluation.harness import traces
+
 mass_samples = [make_sample(t, real_tok, LENGTH_REAL, seed=0) for t in TASKS_REAL]
 configs = {(name, budget): opts for budget in BUDGETS_REAL for name, opts in GRANULARITIES.items()}
 masses = {key: [] for key in configs}        # key -> per sample, per layer: rebuilt_attention_mass's rows
@@ -196,6 +192,8 @@ for key in configs:
 
 
 # %%
+from matplotlib.ticker import NullFormatter, StrMethodFormatter
+
 fig, axes = plt.subplots(1, len(BUDGETS_REAL) + 1, figsize=(5 * (len(BUDGETS_REAL) + 1), 3.8), squeeze=False)
 layers = range(real.config.n_layer)
 for ax, budget in zip(axes[0], BUDGETS_REAL):
@@ -205,7 +203,7 @@ for ax, budget in zip(axes[0], BUDGETS_REAL):
             label="full cache, same positions")
     ax.set(title=f"mass on rebuilt entries, keep {budget / LENGTH_REAL:.2f}", xlabel="layer",
            ylabel="attention probability (mean over heads)", ylim=(-0.03, 1.03))
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=9, loc="upper right")
 ax = axes[0][-1]
 for key in configs:
     per_head = key[0] != "shared"
@@ -217,7 +215,7 @@ ax.set(title="rebuilt key length / real key length", xlabel="layer", ylabel="rat
 ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
 ax.yaxis.set_minor_formatter(NullFormatter())
 ax.set_yticks([20, 50, 100, 200, 500, 1000])
-ax.legend(fontsize=7, loc="upper right")
+ax.legend(fontsize=9, loc="upper right")
 plt.tight_layout()
 plt.show()
 
@@ -239,6 +237,8 @@ plt.show()
 # to H2O:
 
 # %%
+from methods.evaluation.compare import Variant, format_intervals, run
+
 granularity_variants = [Variant("kvreviver", "kvreviver"),
                         Variant("kvreviver per-head", "kvreviver", {"per_kv_head": True}),
                         Variant("kvr no sketch", "kvreviver", {"sketch_width": 0}),
@@ -306,6 +306,8 @@ ABL_BUDGETS = sorted({b for _, b in lm_rows})
 
 
 # %%
+import math
+
 ABL_VARIANTS = list(dict.fromkeys(v for v, _ in lm_rows))
 fig, ax = plt.subplots(figsize=(8.5, 5.2))
 ys = torch.arange(len(ABL_VARIANTS), dtype=torch.float32)
@@ -323,7 +325,7 @@ ax.set_yticks(ys.tolist(), [v + (" (ours)" if lm_rows[v, ABL_BUDGETS[0]].get("ou
 ax.invert_yaxis()
 ax.set(title="SmolLM2-135M, language modelling: one part of KVReviver changed at a time",
        xlabel="perplexity / full cache's (log; 1 = the full cache)")
-ax.legend(fontsize=8, loc="lower right")
+ax.legend(fontsize=9, loc="lower right")
 plt.tight_layout()
 plt.show()
 
@@ -381,13 +383,13 @@ axes[0].semilogy(layers_l2, [r["key_mse"] for r in repaired_rows], "^-", ms=4, m
 axes[0].set(title=f"reconstruction error, {shipped_rows[0]['length']} tokens, {shipped_rows[0]['budget']} slots",
             xlabel="layer", ylabel="MSE / per-coordinate variance (log)")
 axes[0].yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
-axes[0].legend(fontsize=7, loc="upper left", ncol=2)
+axes[0].legend(fontsize=9, loc="upper left", ncol=2)
 axes[0].set_ylim(0.1, 1e7)
 axes[1].plot(layers_l2, [r["key_mean_ratio"] for r in shipped_rows], "o-", ms=4, label="keys")
 axes[1].plot(layers_l2, [r["value_mean_ratio"] for r in shipped_rows], "s-", ms=4, label="values")
 axes[1].set(title="how far from zero-mean the analysis assumes", xlabel="layer",
             ylabel="norm of the mean / rms norm", ylim=(0, 1))
-axes[1].legend(fontsize=8)
+axes[1].legend(fontsize=9)
 plt.tight_layout()
 plt.show()
 
@@ -433,7 +435,7 @@ ax.set_yscale("log")
 ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
 ax.set(title="slots per layer: the appendix's Fisher allocation against the uniform split", xlabel="layer",
        ylabel="slots (log)")
-ax.legend(fontsize=7, ncol=2)
+ax.legend(fontsize=9, ncol=2)
 plt.tight_layout()
 plt.show()
 
@@ -467,6 +469,8 @@ k_all, v_all = full.layers[2].k[0].transpose(0, 1), full.layers[2].v[0].transpos
 
 
 # %%
+from methods.kvreviver import VagueSketch
+
 repair_widths = [4, 16, 64, 256]
 a = k_all.shape[0]
 repair = {"plain (the paper's)": VagueSketch, "centred keys (ours)": CentredKeySketch,
@@ -488,7 +492,7 @@ ax.axhline(1, color="grey", ls=":", label="error of the mean key")
 ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
 ax.set(title=f"key reconstruction on the bundled model, {a} tokens", xlabel="tokens per cell a / b",
        ylabel="MSE / per-coordinate variance")
-ax.legend(fontsize=7)
+ax.legend(fontsize=9)
 plt.tight_layout()
 plt.show()
 for name, mse in repair_mse.items():

@@ -83,13 +83,16 @@ def test_the_page_moves_markers_into_tags_and_hides_answers(tmp_path):
     assert "# BEGIN SOLUTION [cache:append] hint" in raw.cells[1].source and "tags" not in raw.cells[1].metadata
 
 
-# -- the lessons: a short set-up, short cells, no course words, a notation list -------------------------------
+# -- lessons and labs: a short set-up, no course words; lessons: short cells, a notation list ----------------
 
 LESSONS = [p for p in build.lessons() if p.with_suffix(".ipynb").exists()]
 SETUP_LINES, CELL_LINES = 12, 25
 SHARED_NOTATION = NOTEBOOKS / "README.md"
 COURSE_WORDS = re.compile(r"\bassignments?\b|student copy|tests/\S+\.py|course\.(?:grade|handout)|"
-                          r"\btook \d[\d.,]* s\b|research this lesson grew|SOLUTION|# needs:", flags=re.I)
+                          r"research this lesson grew|SOLUTION|# needs:|"
+                          # how long the build's run took: "took 284 s", "in 114 s", "(169 s)", "run time: 60 s"
+                          r"\btook \d[\d.,]* s\b|\bin \d[\d.,]* (?-i:s)\b|\(\d[\d.,]* (?-i:s)\)|run time: \d",
+                          flags=re.I)
 
 
 def code_lines(cell) -> int:
@@ -104,8 +107,10 @@ def shown_text(cell) -> str:
                                           for o in cell.get("outputs", []))
 
 
-@pytest.mark.parametrize("source", LESSONS, ids=lambda p: p.stem)
-def test_a_lesson_opens_with_one_short_set_up_cell(source):
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_a_notebook_opens_with_one_short_set_up_cell(source):
+    """Lessons and labs alike: the first code cell is the set-up, at most 12 lines, its first line the
+    preamble's import (the rest of what every notebook needs is in ``notebooks/preamble.py``)."""
     first = next(c for c in committed(source).cells if c.cell_type == "code")
     assert "setup" in first.metadata.get("tags", []) and first.source.startswith("from preamble import TINY"), \
         f"{source.stem}: the first code cell is the set-up, tagged setup, importing notebooks/preamble.py"
@@ -119,8 +124,8 @@ def test_no_code_cell_of_a_lesson_is_long(source):
     assert not long, f"{source.stem}: cells over {CELL_LINES} non-blank lines (cell: lines): {long}"
 
 
-@pytest.mark.parametrize("source", LESSONS, ids=lambda p: p.stem)
-def test_no_course_machinery_on_a_lesson_s_page(source):
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_no_course_machinery_on_the_page(source):
     found = [(i, m.group(0)) for i, c in enumerate(committed(source).cells)
              for m in COURSE_WORDS.finditer(shown_text(c))]
     assert not found, f"{source.stem}: course or build words a reader sees (cell, words): {found[:8]}"
@@ -155,3 +160,36 @@ def test_a_lesson_s_notation_comes_before_its_math_and_names_its_code(source):
 def test_the_shared_notation_table_parses():
     rows = notation(SHARED_NOTATION.read_text())
     assert {"$B$", "$T$", "$d$", "$H_{kv}$"} <= set(rows), sorted(rows)
+
+
+# -- figures a reader can read ----------------------------------------------------------------------------------
+
+SMALL_TEXT = re.compile(r"\b(?:fontsize|labelsize)\s*=\s*(?:(\d+(?:\.\d+)?)\b|[\"'](?:xx-small|x-small|small)[\"'])")
+PANELS = re.compile(r"\bsubplots\(\s*(\d+)\s*,\s*(\d+)\b")
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_no_figure_text_under_9_points(source):
+    """Every size a notebook sets for a figure's text is at least 9 points (matplotlib's "small" is 8.3)."""
+    small = [m.group(0) for m in SMALL_TEXT.finditer(source.read_text()) if m.group(1) is None or float(m.group(1)) < 9]
+    assert not small, f"{source.stem}: figure text under 9 points: {small}"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_no_figure_of_more_than_four_panels(source):
+    """A grid of subplots written with numbers holds at most four panels (grids sized by a variable are not
+    checked here)."""
+    big = [m.group(0) for m in PANELS.finditer(source.read_text()) if int(m.group(1)) * int(m.group(2)) > 4]
+    assert not big, f"{source.stem}: figures of more than four panels: {big}"
+
+
+def test_the_figure_checks_catch_small_text_and_big_grids():
+    assert [m.group(0) for m in SMALL_TEXT.finditer('ax.legend(fontsize=8); ax.tick_params(labelsize="small")')] \
+        == ["fontsize=8", 'labelsize="small"']
+    assert PANELS.search("plt.subplots(3, 2, figsize=(9, 9))").groups() == ("3", "2")
+
+
+def test_the_course_words_catch_run_times_not_shapes():
+    found = [m.group(0) for m in COURSE_WORDS.finditer("120 rows in 114 s; (169 s); run time: 342 s; took 21 s")]
+    assert found == ["in 114 s", "(169 s)", "run time: 3", "took 21 s"]
+    assert not COURSE_WORDS.search("torch.randint(N, (1000, S)) in 3 Steps")
