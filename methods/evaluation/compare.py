@@ -45,7 +45,8 @@ from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signe
 from .metrics import reduce
 from .protocol import Variant, run_job
 from .side_by_side import ENGINES, make_engine
-from .task import TASKS
+from .task import TASKS, Task
+from .task_file import FileTask
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]
@@ -110,14 +111,15 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str], modes: list[str],
+def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str | Task], modes: list[str],
         samples: int, length: int, seed: int = 0, progress: bool = True, workers: int = 1,
         rank: int = 0, world: int = 1, engine: str = "fast") -> list[dict]:
     """All records: one per (method, budget, task, mode), plus method "full" per (task, mode).
 
     ``methods`` are method specs (``"snapkv"``, ``"adakv(h2o)"``), recorded under their spelling, or
-    ``Variant``s, recorded under their label. ``workers`` > 1 runs the jobs in that many processes (one
-    torch thread each); the records are the same (see the module docstring). Under ``torchrun``, process
+    ``Variant``s, recorded under their label; ``tasks`` are names of ``TASKS`` or ``Task``s (``FileTask``).
+    ``workers`` > 1 runs the jobs in that many processes (one torch thread each); the records are the same
+    (see the module docstring). Under ``torchrun``, process
     ``rank`` of ``world`` runs its share of the jobs and rank 0 returns every record (``shards``); the
     other ranks return []. ``engine``: "fast" or "plain" (the same records to float rounding)."""
     variants = [m if isinstance(m, Variant) else Variant(m, m) for m in methods]
@@ -369,6 +371,10 @@ def parser() -> cli.ArgumentParser:
                     help=f"tasks (default: the checkpoint card's default suite, else {' '.join(DEFAULT_TASKS)}; "
                          f"all: {', '.join(TASKS)}; for real language models: {', '.join(LM_TASKS)}; "
                          "docs_continuation is read from real text, methods/evaluation/task.py)")
+    ap.add_argument("--task-file", nargs="+", default=[], metavar="PATH",
+                    help="tasks read from JSON Lines files (context, question, answers; optionally scorer and "
+                         "answer_tokens: methods/evaluation/task_file.py), each named file:<its stem>, run after "
+                         "the --tasks (none by default when a file is given); sample i is item --seed + i")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES,
                     help="question_in_prompt: the question is in the prompt when the cache is compressed; "
                          "question_after_context: the context is compressed first and the question arrives "
@@ -420,10 +426,19 @@ def main(argv: list[str] | None = None) -> None:
         tok = load_tokenizer(args.checkpoint)
         if tok is None:
             cli.fail(f"--checkpoint {args.checkpoint} has no supported tokenizer, which the synthetic tasks need")
-        tasks = args.tasks or card.get("default_suite") or DEFAULT_TASKS
-        bad = [t for t in tasks if t not in TASKS]
+        file_tasks = []
+        for path in args.task_file:
+            try:
+                file_tasks.append(FileTask(path))
+            except (OSError, ValueError) as e:
+                cli.fail(f"--task-file: {e}")
+        names = args.tasks or ([] if file_tasks else card.get("default_suite") or DEFAULT_TASKS)
+        bad = [t for t in names if t not in TASKS]
         if bad:
             cli.fail(f"--tasks: unknown task(s) {bad}; choose from {list(TASKS)}")
+        tasks = [TASKS[t] for t in names] + file_tasks
+        if len({t.name for t in tasks}) < len(tasks):
+            cli.fail(f"--task-file: two tasks share a name: {[t.name for t in tasks]}")
         length = args.length if args.length is not None else \
             min(card.get("default_length") or DEFAULT_LENGTH, config.max_seq_len)
         samples = args.samples or card.get("default_samples") or DEFAULT_SAMPLES
@@ -432,12 +447,15 @@ def main(argv: list[str] | None = None) -> None:
         if not 0 < length <= config.max_seq_len:
             cli.fail(f"--length must be in [1, {config.max_seq_len}] (the model's maximum positions), got {length}")
         for task in tasks:
+            if isinstance(task, FileTask) and not 0 <= args.seed <= args.seed + samples - 1 < len(task.items):
+                cli.fail(f"--samples {samples} from --seed {args.seed} asks for items {args.seed} to "
+                         f"{args.seed + samples - 1} of {task.path}, which holds {len(task.items)}")
             try:
-                TASKS[task].sample(tok, length, args.seed)
+                task.sample(tok, length, args.seed)
             except ValueError as e:
                 cli.fail(f"--length {length}: {e}")
             except ImportError as e:               # the tasks read from Python's help topics, without pydoc_data
-                cli.fail(f"--tasks {task}: the task reads the module {e.name}, which this Python lacks ({e})")
+                cli.fail(f"--tasks {task.name}: the task reads the module {e.name}, which this Python lacks ({e})")
         if args.budgets is not None:
             budgets = args.budgets
         else:
@@ -491,8 +509,11 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     print(header(prov) + f"\n# methods' options: {args.preset} ({options})", flush=True)
     records = run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed,
                   progress=not args.quiet, workers=workers, rank=rank, world=world, engine=args.engine)
+    files = {t.name: t for t in tasks if isinstance(t, FileTask)}
     for r in records:
-        r["preset"] = args.preset
+        r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed, engine=args.engine)
+        if r["task"] in files:
+            r.update(task_file=files[r["task"]].path, task_file_sha256=files[r["task"]].sha256)
     print(format_tables(records))
     print(format_intervals(records))
     print(format_pairwise(records))

@@ -169,11 +169,13 @@ FULL = Variant("full", "full")
 
 
 def run_job(engine, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
-            job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
+            job: tuple[str | Task, int, str]) -> list[tuple[tuple, dict]]:
     """One (task, sample index, mode) of ``methods.compare``: the full cache, then every other variant at
-    every budget, on one sample. Returns [(cell key, one sample's metrics)] in a fixed order."""
-    name, i, mode = job
-    task = TASKS[name]
+    every budget, on one sample. The task is a name of ``TASKS`` or a ``Task`` (one read from a file).
+    Returns [(cell key, one sample's metrics)] in a fixed order."""
+    task, i, mode = job
+    task = TASKS[task] if isinstance(task, str) else task
+    name = task.name
     sample = task.sample(tok, length, seed + i)
     rows = [(FULL, None)] + [(v, b) for v in variants if v.spec != "full" for b in budgets]
     policies = [make_policy(v.spec, budget=b, **v.options) for v, b in rows]

@@ -1,5 +1,6 @@
 """
-A task: what the evaluation asks of one kind of sample. A new task is one class, named in ``TASKS``.
+A task: what the evaluation asks of one kind of sample. A new task is one class, named in ``TASKS``; a task
+read from a JSON Lines file is ``task_file.FileTask`` (``--task-file`` on ``methods.compare``).
 
     task = TASKS["niah_multikey"]; sample = task.sample(tok, 512, seed=0)
     task.chunks(sample, "question_after_context")   # [context ids, question ids]: fed one after the other
@@ -10,13 +11,17 @@ from __future__ import annotations
 
 import random
 
-from nanollm.data.evaluate import MODES, answer_length, check_mode
+from nanollm.data.evaluate import ANSWER_TOKENS, MODES, answer_length, check_mode
 from nanollm.data.tasks import ALL_TASKS, Sample, docs_paragraphs, make_sample, string_match_all
 
 
 class Task:
     """A synthetic task of ``nanollm.data.tasks`` (RULER's style), scored by RULER's ``string_match_all``.
-    Subclasses change what they need; every method has a default that fits a ``tasks.Sample``."""
+    Subclasses change what they need; every method has a default that fits a ``tasks.Sample``.
+    ``answer_tokens``: the most tokens a greedy answer may take (a new task sets it on its class; the
+    built-in ones have theirs in ``nanollm.data.evaluate.ANSWER_TOKENS``)."""
+
+    answer_tokens: int | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -35,8 +40,11 @@ class Task:
         return sample.target_ids
 
     def answer_length(self, model, sample: Sample) -> int:
-        """The most tokens a greedy answer may take."""
-        return answer_length(model, sample)
+        """The most tokens a greedy answer may take, cut to the room the model's positions leave."""
+        allowed = self.answer_tokens or ANSWER_TOKENS.get(self.name)
+        if allowed is None:
+            raise ValueError(f"task {self.name!r} has no answer length: set answer_tokens on its class")
+        return answer_length(model, sample, max_new_tokens=allowed)
 
     def score(self, prediction: str, sample: Sample) -> float:       # the greedy answer's text -> [0, 1]
         return string_match_all(prediction, sample.answers)

@@ -1,0 +1,125 @@
+"""A task read from a file (``task_file.py``): the committed example, exported from a built-in task, runs as
+that task does (the same answers and scores, both modes); a context too long is cut in its middle; every bad
+item is one line naming its line; the file travels to worker processes as its path and is refused if it
+changed; ``--task-file`` on ``methods.compare`` checks its items against ``--samples`` before any work."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from methods.evaluation import compare, task_file
+from methods.evaluation.task import TASKS, Task
+from methods.evaluation.task_file import SCORERS, FileTask, export, read_items
+from nanollm import load
+from nanollm.data.evaluate import MODES
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "methods" / "evaluation" / "examples" / "niah_single_noise.jsonl"
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load("retrieval-llama")
+
+
+def test_the_example_file_is_the_built_in_task_s_export(bundled):
+    """The committed example is what ``python -m methods.evaluation.task_file niah_single_noise`` writes."""
+    model, tok, _ = bundled
+    lines = [json.dumps(item) + "\n" for item in export(TASKS["niah_single_noise"], model, tok, 512, range(8))]
+    assert EXAMPLE.read_text() == "".join(lines)
+
+
+def test_a_file_task_runs_as_the_built_in_task_it_was_exported_from(bundled):
+    model, tok, _ = bundled
+    torch.set_num_threads(1)
+    kw = dict(methods=["snapkv", "streaming_llm"], budgets=[64], modes=MODES, samples=3, length=512,
+              progress=False, engine="plain")
+    built_in = compare.run(model, tok, tasks=["niah_single_noise"], **kw)
+    from_file = compare.run(model, tok, tasks=[FileTask(EXAMPLE)], **kw)
+    assert [r["task"] for r in from_file] == ["file:niah_single_noise"] * len(built_in)
+    timed = {"task", "compress_ms", "decode_ms_per_token"}                # the name, and two clock readings
+    for a, b in zip(built_in, from_file):
+        assert {k: v for k, v in a.items() if k not in timed} == {k: v for k, v in b.items() if k not in timed}
+    assert len({tuple(r["accuracies"]) for r in built_in}) > 1            # the methods differ: not vacuous
+
+
+def write(tmp_path: Path, *items, name: str = "mine.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join((i if isinstance(i, str) else json.dumps(i)) + "\n" for i in items))
+    return path
+
+
+GOOD = {"context": "The capital of France is Paris. " * 3, "question": "What is the capital of France?",
+        "answers": ["Paris"]}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "line 2: not JSON"),
+    ("[1, 2]", "line 2: an item is a JSON object"),
+    ({"context": "x", "answers": ["a"]}, "line 2: no 'question'"),
+    (GOOD | {"answer": "Paris"}, "line 2: unknown field 'answer'"),
+    (GOOD | {"answers": "Paris"}, "line 2: 'answers' is a list, not str"),
+    (GOOD | {"answers": []}, "line 2: 'answers' is a list of one or more non-empty strings"),
+    (GOOD | {"scorer": "rouge"}, "line 2: unknown scorer 'rouge'"),
+    (GOOD | {"answer_tokens": True}, "line 2: 'answer_tokens' is a int, not bool"),
+    (GOOD | {"answer_tokens": 0}, "line 2: 'answer_tokens' is from 1 to 4096"),
+])
+def test_a_bad_item_is_one_line_naming_its_line(tmp_path, bad, message):
+    with pytest.raises(ValueError, match=message):
+        read_items(write(tmp_path, GOOD, bad))
+
+
+def test_a_long_context_is_cut_in_its_middle_and_scorers_and_lengths_follow_the_item(bundled, tmp_path):
+    model, tok, _ = bundled
+    long = {"context": " ".join(f"w{i}" for i in range(400)), "question": " Which word comes first?",
+            "answers": ["w0", "first"], "scorer": "string_match_part", "answer_tokens": 5}
+    task = FileTask(write(tmp_path, long, GOOD))
+    s = task.sample(tok, 128, seed=0)
+    full = tok.encode(long["context"])
+    room = 128 - len(s.question_ids) - len(s.target_ids)
+    assert s.context_ids == full[:room // 2] + full[len(full) - (room - room // 2):] and s.n_tokens == 128
+    assert s.target == " w0" and task.answer_length(model, s) == 5
+    assert task.score("it is w0", s) == 1.0 and task.score("no", s) == 0.0          # any reference: part
+    g = task.sample(tok, 128, seed=1)
+    assert g.context_ids == tok.encode(GOOD["context"]) and task.answer_length(model, g) == len(g.target_ids) + 8
+    assert task.score("Paris", g) == SCORERS["string_match_all"]("Paris", ["Paris"]) == 1.0
+    with pytest.raises(ValueError, match="holds 2 items; sample 2"):
+        task.sample(tok, 128, seed=2)
+
+
+def test_a_file_task_pickles_as_its_path_and_refuses_a_changed_file(tmp_path):
+    path = write(tmp_path, GOOD)
+    task = FileTask(path)
+    blob = pickle.dumps(task)
+    assert b"capital" not in blob and pickle.loads(blob).items == task.items
+    path.write_text(json.dumps(GOOD | {"answers": ["Lyon"]}) + "\n")
+    task_file._ITEMS.clear()                           # as in a worker process, which reads the file itself
+    with pytest.raises(ValueError, match="changed since the run began"):
+        pickle.loads(blob).items
+
+
+def test_a_code_task_without_an_answer_length_is_refused(bundled):
+    model, tok, _ = bundled
+
+    class Mine(Task):
+        def sample(self, tok, length, seed):
+            return TASKS["passkey"].sample(tok, length, seed)
+
+    with pytest.raises(ValueError, match="set answer_tokens on its class"):
+        Mine("mine").answer_length(model, Mine("mine").sample(tok, 256, 0))
+    Mine.answer_tokens = 12
+    assert Mine("mine").answer_length(model, Mine("mine").sample(tok, 256, 0)) == 12
+
+
+def test_compare_checks_the_file_against_samples_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--task-file", str(EXAMPLE), "--samples", "9", "--methods", "snapkv"])
+    err = capsys.readouterr().err
+    assert "asks for items 0 to 8" in err and "which holds 8" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit):
+        compare.main(["--task-file", str(write(tmp_path, "{oops")), "--methods", "snapkv"])
+    assert "--task-file" in capsys.readouterr().err
