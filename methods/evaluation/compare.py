@@ -24,6 +24,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -42,7 +43,7 @@ from .. import METHODS, method_chain
 from ..presets import PRESETS, preset_options
 from . import budget_for, keep_ratio, shards
 from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
-from .metrics import reduce
+from .metrics import METRICS, reduce
 from .protocol import Variant, run_job
 from .side_by_side import ENGINES, make_engine
 from .task import TASKS, Task
@@ -160,6 +161,36 @@ def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], li
     return {k: [a for t in tasks for a in v[t]] for k, v in by_key.items() if set(v) == set(tasks)}
 
 
+# Below this mean accuracy of the full cache on a (task, mode), the task says nothing of the methods: what they
+# lose cannot show (every record of that cell is flagged "degenerate" and a warning line printed). 0.1 is two
+# right answers in twenty; the bundled model's default suite scores 0.70-1.00 with the full cache.
+DEGENERATE = 0.1
+
+
+def degenerate_cells(records: list[dict]) -> dict[tuple[str, str], float]:
+    """{(task, mode): the full cache's mean accuracy} where it is below ``DEGENERATE``."""
+    return {(r["task"], r["mode"]): r["accuracy"] for r in records
+            if r["method"] == "full" and r["accuracy"] < DEGENERATE}
+
+
+def flag_degenerate(records: list[dict]) -> list[str]:
+    """Marks every record ``degenerate`` (True or False) and returns a warning line per degenerate cell."""
+    bad = degenerate_cells(records)
+    for r in records:
+        r["degenerate"] = (r["task"], r["mode"]) in bad
+    return [f"warning: the full cache scores {acc:.2f} on {task} [{mode}], below {DEGENERATE}: the methods' "
+            "accuracies there say nothing of what they lose (records flagged degenerate)"
+            for (task, mode), acc in bad.items()]
+
+
+# What the tables show of METRICS; the others are named in one line as JSON-only.
+SHOWN = {"accuracy", "kl", "perturbation", "lost_mass", "kv_bytes", "decode_ms_per_token"}
+
+
+def json_only() -> str:
+    return "in the JSON only: " + ", ".join(m.name for m in METRICS if m.name not in SHOWN)
+
+
 def p_value(p: float) -> str:
     """A p-value in a table: two decimals, or one significant digit below 0.01 ("5e-04"); never rounded up
     to the level ``ALPHA`` when below it (0.0499 is "<0.05", not "0.05")."""
@@ -178,6 +209,8 @@ def versus_best(records: list[dict], mode: str) -> dict[tuple[str, float], str]:
         if len(at) < 2:
             continue
         best, p = best_and_ties(at)
+        if not any(at[best]):                          # every answer wrong: no best among ties at zero
+            continue
         marks[(best, ratio)] = "best"
         for name, pv in p.items():
             marks[(name, ratio)] = f"tie p={p_value(pv)}" if pv >= ALPHA else f"p={p_value(pv)}"
@@ -288,6 +321,9 @@ def format_intervals(records: list[dict]) -> str:
             if len(at) < 2:
                 continue
             best, p = best_and_ties(at)
+            if not any(at[best]):
+                lines.append(f"keep {ratio:.2f}: no best, every method answers nothing right")
+                continue
             ties = [f"{name} (p={p_value(pv)})" for name, pv in sorted(p.items(), key=lambda x: -x[1]) if pv >= ALPHA]
             lines.append(f"keep {ratio:.2f}: best {best} ({means[(best, ratio)]:.2f}); not distinguishable from it "
                          "(exact paired test, p >= 0.05): " + (", ".join(ties) if ties else "none"))
@@ -514,7 +550,10 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
         r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed, engine=args.engine)
         if r["task"] in files:
             r.update(task_file=files[r["task"]].path, task_file_sha256=files[r["task"]].sha256)
+    for line in flag_degenerate(records):
+        print(line, file=sys.stderr)
     print(format_tables(records))
+    print(json_only())
     print(format_intervals(records))
     print(format_pairwise(records))
     print(f"\n{samples} samples per task and mode, {length} tokens, seed {args.seed}, "
