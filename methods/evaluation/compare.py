@@ -60,16 +60,16 @@ MAX_SAMPLES = 10_000    # per task and mode: the default run takes 10, the real 
 _ENGINE: dict = {}      # per process: the engine of the last model, built once (the fast one copies weights)
 
 
-def engine_for(name: str, model):
-    if _ENGINE.get("key") != (name, id(model)):
-        _ENGINE.update(key=(name, id(model)), engine=make_engine(name, model))
+def engine_for(name: str, alone: bool = False, model=None):
+    if _ENGINE.get("key") != (name, alone, id(model)):
+        _ENGINE.update(key=(name, alone, id(model)), engine=make_engine(name, model, alone))
     return _ENGINE["engine"]
 
 
-def one_job(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int, engine: str,
-            job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
-    """``protocol.run_job`` on this process's engine."""
-    return run_job(engine_for(engine, model), tok, variants, budgets, length, seed, job)
+def one_job(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
+            engine: tuple[str, bool], job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
+    """``protocol.run_job`` on this process's engine (``engine``: its name, and whether it times alone)."""
+    return run_job(engine_for(*engine, model=model), tok, variants, budgets, length, seed, job)
 
 
 _WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker
@@ -114,7 +114,7 @@ def default_workers() -> int:
 
 def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str | Task], modes: list[str],
         samples: int, length: int, seed: int = 0, progress: bool = True, workers: int = 1,
-        rank: int = 0, world: int = 1, engine: str = "fast") -> list[dict]:
+        rank: int = 0, world: int = 1, engine: str = "fast", time_alone: bool = False) -> list[dict]:
     """All records: one per (method, budget, task, mode), plus method "full" per (task, mode).
 
     ``methods`` are method specs (``"snapkv"``, ``"adakv(h2o)"``), recorded under their spelling, or
@@ -122,9 +122,11 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
     ``workers`` > 1 runs the jobs in that many processes (one torch thread each); the records are the same
     (see the module docstring). Under ``torchrun``, process
     ``rank`` of ``world`` runs its share of the jobs and rank 0 returns every record (``shards``); the
-    other ranks return []. ``engine``: "fast" or "plain" (the same records to float rounding)."""
+    other ranks return []. ``engine``: "fast" or "plain" (the same records to float rounding); ``time_alone``:
+    the fast engine steps each cache alone, so that ``decode_ms_per_token`` is its own (else a share).
+    Every record names the engine and says how its step time was taken (``step_timing``)."""
     variants = [m if isinstance(m, Variant) else Variant(m, m) for m in methods]
-    shared = (model, tok, variants, budgets, length, seed, engine)
+    shared = (model, tok, variants, budgets, length, seed, (engine, time_alone))
     jobs = [(t, i, m) for t in tasks for i in range(samples) for m in modes]
     mine = shards.share(jobs, rank, world)
     workers = min(workers, len(mine))
@@ -146,8 +148,10 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
     for job_results in results:
         for key, metrics in job_results:
             cells.setdefault(key, []).append(metrics)
+    timing = "alone" if engine == "plain" or time_alone else "share"
     return [{"method": name, "budget": budget, "keep_ratio": keep_ratio(budget, length), "task": task,
-             "mode": mode, "length": length, **reduce(values)} for (name, budget, task, mode), values in cells.items()]
+             "mode": mode, "length": length, **reduce(values), "engine": engine, "step_timing": timing}
+            for (name, budget, task, mode), values in cells.items()]
 
 
 def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], list[float]]:
@@ -436,6 +440,10 @@ def parser() -> cli.ArgumentParser:
                     help="fast: one prompt pass for all the caches of a sample and their decode steps side by side "
                          "(side_by_side.py); plain: nanollm's own prefill and forward, one cache at a time "
                          "(engine.py), slower; the records agree to float rounding (default %(default)s)")
+    ap.add_argument("--time-alone", action="store_true",
+                    help="the fast engine steps each cache alone, so that step ms is the cache's own decode time "
+                         "(slower; the same records otherwise); by default the caches share a step and each "
+                         "gets its own attention's time plus an equal share of the rest")
     ap.add_argument("--workers", type=cli.threads_or_workers, default=None,
                     help="processes running samples side by side, one torch thread each, at most the CPU cores; "
                          "the records are the same as with 1, timings aside (default: the CPUs available, here "
@@ -528,7 +536,7 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     """``main`` after every argument is checked: load, run (this rank's share under torchrun), report."""
     model, tok, card = load(args.checkpoint, device=device)
     try:
-        engine_for(args.engine, model)                 # a model the fast engine does not take: one line, now
+        engine_for(args.engine, args.time_alone, model)   # a model the fast engine does not take: one line, now
     except ValueError as e:
         cli.fail(str(e))
     t0 = time.time()
@@ -538,16 +546,18 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
                       dtype=dtype, seed=args.seed)
     if rank != 0:                            # the other ranks run their share and send it to rank 0
         run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed, progress=False,
-            workers=workers, rank=rank, world=world, engine=args.engine)
+            workers=workers, rank=rank, world=world, engine=args.engine,
+            time_alone=args.time_alone)
         return
     options = "; ".join(f"{v.label}: {', '.join(f'{k}={x}' for k, x in v.options.items()) or 'defaults'}"
                         for v in variants)
     print(header(prov) + f"\n# methods' options: {args.preset} ({options})", flush=True)
     records = run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed,
-                  progress=not args.quiet, workers=workers, rank=rank, world=world, engine=args.engine)
+                  progress=not args.quiet, workers=workers, rank=rank, world=world, engine=args.engine,
+                  time_alone=args.time_alone)
     files = {t.name: t for t in tasks if isinstance(t, FileTask)}
     for r in records:
-        r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed, engine=args.engine)
+        r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed)
         if r["task"] in files:
             r.update(task_file=files[r["task"]].path, task_file_sha256=files[r["task"]].sha256)
     for line in flag_degenerate(records):
@@ -562,8 +572,10 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
           "score of the greedy answer (string_match_all for RULER's tasks); KL = mean next-token "
           "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
           "decode step; lost = full-attention mass on entries the method dropped at that step; step ms = the "
-          "engine's decode step time given to the cache per answer token (fast engine: its own attention plus "
-          "an equal share of the step all the caches shared; compare within one run).")
+          "engine's decode step time given to the cache per answer token ("
+          + ("its own step, timed alone)." if args.engine == "plain" or args.time_alone else
+             "a share: its own attention plus an equal share of the step all the caches shared; compare within "
+             "one run, or time each cache alone with --time-alone)."))
     if args.json:
         atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records,
                                                  "pairwise": pairwise(records)},

@@ -21,16 +21,20 @@ from nanollm.policy import CachePolicy
 
 
 class PlainEngine:
+    """``prompt_passes``: how many prompt passes the last ``fill`` ran; ``caches_per_step``: how many caches
+    the last ``step`` ran at once (their time is shared among them when more than one)."""
     name = "plain"
 
     def __init__(self, model) -> None:
         self.model = model
         self.device = next(model.parameters()).device
+        self.prompt_passes, self.caches_per_step = 0, 0
 
     @torch.no_grad()
     def fill(self, policies: list[CachePolicy], chunks: list[list[int]]) -> tuple[list[KVCache], Tensor]:
         """A cache per policy holding the prompt (``chunks[0]`` prefilled, the rest extended); last logits (N, V)."""
         caches, last = [], []
+        self.prompt_passes = len(policies)
         for policy in policies:
             cache = KVCache(self.model.config, policy=policy)
             logits = prefill(self.model, torch.tensor([chunks[0]], device=self.device), cache)
@@ -48,6 +52,7 @@ class PlainEngine:
     def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:
         """``tokens[n]`` into ``caches[n]``: logits (N, V), final hidden states (N, D), each cache's seconds."""
         logits, hidden, seconds = [], [], []
+        self.caches_per_step = 1
         for cache, token in zip(caches, tokens):
             t0 = time.perf_counter()
             lg, h = self.model(torch.tensor([[token]], device=self.device), cache=cache, return_hidden=True)

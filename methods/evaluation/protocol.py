@@ -81,6 +81,8 @@ class Trace:
     step_s: float = 0.0
     fork: tuple | None = None          # (m, cache): greedy's cache after the answer's first m tokens
     engine: object = None
+    prompt_passes: int = 0             # the engine's prompt passes for this sample (the fast engine: 1, shared)
+    caches_per_step: int = 0           # the most caches a teacher-forced step ran at once (step_s is their share)
     prediction_ids: list | None = None   # the greedy answer's ids, up to the end-of-text token
     prediction: str | None = None        # ... and its text
 
@@ -111,7 +113,8 @@ def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePol
     probes = [Probe(p, r) for p, r in zip(policies, record_probs)]
     caches, logits = engine.fill(probes, task.chunks(sample, mode))
     reference = task.reference(sample)
-    trs = [Trace(probe, cache, engine=engine) for probe, cache in zip(probes, caches)]
+    trs = [Trace(probe, cache, engine=engine, prompt_passes=engine.prompt_passes)
+           for probe, cache in zip(probes, caches)]
     for tr, lg in zip(trs, logits):
         tr.measure_bytes()
         tr.add(lg, reference)
@@ -122,6 +125,7 @@ def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePol
         for n, tr in enumerate(trs):
             tr.hidden = hidden[n] if tr.hidden is None else tr.hidden
             tr.step_s += seconds[n]
+            tr.caches_per_step = max(tr.caches_per_step, engine.caches_per_step)
             tr.add(logits[n], reference)
             tr.measure_bytes()
     for tr in trs:

@@ -24,7 +24,9 @@ that the step agrees with ``LeanDecoder.step`` to float rounding (which runs one
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import random
 import time
 from dataclasses import replace
 
@@ -158,43 +160,72 @@ class FastEngine(PlainEngine):
 
     It takes the models ``LeanDecoder`` takes (llama flavour, standard attention); ``make_engine`` says so in
     one line for another model. The policies' hooks interleave, cache after cache and layer after layer,
-    so a policy must not draw from the global random generator; no registered method does."""
+    so a policy must not draw from the global random generator (its draws would depend on the caches beside
+    it): every ``fill`` and ``step`` checks that torch's and Python's global generators are where they were,
+    and raises if not. ``alone=True`` steps the caches one at a time, so that each cache's seconds are its
+    own step's, not a share (slower; the numbers are the same)."""
     name = "fast"
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, alone: bool = False) -> None:
         super().__init__(model)
         self.lean = LeanDecoder(model)
+        self.alone = alone
 
     @torch.no_grad()
     def fill(self, policies: list[CachePolicy], chunks: list[list[int]]) -> tuple[list[KVCache], Tensor]:
         caches = [KVCache(self.model.config, policy=p) for p in policies]
         try:
-            logits = prefill(self.model, torch.tensor([chunks[0]], device=self.device),
-                             KVCache(self.model.config, policy=FanOut(caches)))
+            with global_generators_untouched("the shared prompt pass"):
+                logits = prefill(self.model, torch.tensor([chunks[0]], device=self.device),
+                                 KVCache(self.model.config, policy=FanOut(caches)))
         except SharedPrefillUnsupported:                 # one prompt pass per cache; a new cache resets its policy
             return super().fill(policies, chunks)
         for cache in caches:
             cache.seen = len(chunks[0])
+        self.prompt_passes = 1
         return caches, torch.stack([self.extend_rest(cache, logits, chunks) for cache in caches])
 
     @torch.no_grad()
     def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:
+        tokens = [torch.tensor([t], device=self.device) for t in tokens]
+        if self.alone:                                   # each cache's own step, timed alone
+            self.caches_per_step, outs, seconds = 1, [], []
+            for token, cache in zip(tokens, caches):
+                t0 = time.perf_counter()
+                outs.append(step_many(self.lean, [token], [cache]))
+                seconds.append(time.perf_counter() - t0)
+            return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), seconds
         own = [0.0] * len(caches)
+        self.caches_per_step = len(caches)
         t0 = time.perf_counter()
-        logits, hidden = step_many(self.lean, [torch.tensor([t], device=self.device) for t in tokens], caches, own)
+        with global_generators_untouched("a decode step"):
+            logits, hidden = step_many(self.lean, tokens, caches, own)
         shared = (time.perf_counter() - t0 - sum(own)) / len(caches)
         return logits, hidden, [s + shared for s in own]
+
+
+@contextlib.contextmanager
+def global_generators_untouched(what: str):
+    """Raises if the code in the block moved torch's global random generator or Python's ``random``: the fast
+    engine runs the policies' hooks interleaved, so a draw there would depend on the other caches."""
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    yield
+    if not torch.equal(torch.get_rng_state(), torch_state) or random.getstate() != python_state:
+        raise RuntimeError(f"a policy drew from the global random generator during {what}: the fast engine runs "
+                           "every cache's hooks interleaved, so the draw would depend on the caches beside it; "
+                           "give the policy a torch.Generator of its own, or run --engine plain")
 
 
 ENGINES = {"plain": PlainEngine, "fast": FastEngine}
 
 
-def make_engine(name: str, model):
+def make_engine(name: str, model, alone: bool = False):
     """The engine ``name`` ("plain" or "fast") for ``model``; a ValueError of one line for a model the fast
-    engine does not take (the same rule for every command: no silent fallback)."""
+    engine does not take (the same rule for every command: no silent fallback). ``alone``: the fast engine
+    steps the caches one at a time (see ``FastEngine``); the plain engine always does."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
     try:
-        return ENGINES[name](model)
+        return FastEngine(model, alone=alone) if name == "fast" else ENGINES[name](model)
     except ValueError as e:
         raise ValueError(f"--engine fast: {e}; --engine plain runs any model") from None

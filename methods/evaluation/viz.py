@@ -8,6 +8,9 @@ Used by the method notebooks. Two views of one compressed cache:
 * ``plot_kept``: a strip per (layer, KV head) over the whole prompt, kept tokens dark, the needle's
   positions highlighted.
 
+And one picture of the hypothesis Scissorhands rests on: ``plot_persistence``, the persistence ratios that
+``methods.analysis.persistence.persistence_by_layer`` measures, per layer.
+
     cache = KVCache(model.config, make_policy("snapkv", budget=256))
     prefill(model, torch.tensor([sample.prompt_ids]), cache)
     spans = needle_spans(sample, tok)
@@ -26,8 +29,10 @@ QUICK_MODE = ("Quick mode (NANOLLM_TINY=1): smaller models, prompts and sample c
 
 
 def print_mode(tiny: bool) -> None:
-    """Every notebook's first cell says which run this is: in quick mode, that its prose describes another."""
-    print(QUICK_MODE if tiny else "Normal run: the numbers the text quotes are this run's.")
+    """A notebook's first cell warns in quick mode that its prose describes another run; a normal run, whose
+    numbers the prose quotes, prints nothing."""
+    if tiny:
+        print(QUICK_MODE)
 
 
 def _find(seq: list[int], sub: list[int]) -> int:
@@ -89,6 +94,31 @@ def plot_kept(ax, cache: KVCache, n_tokens: int, spans: list[tuple[int, int, int
         ax.axvspan(v - 0.5, end - 0.5, color="red", alpha=0.35, lw=0)
     if window:
         ax.axvline(T - window - 0.5, color="tab:blue", ls=":", lw=1)
-    ax.set_yticks(range(L * H_kv), [f"L{l} KV{h}" for l in range(L) for h in range(H_kv)], fontsize=7)
+    every = -(-L * H_kv // 16)                                         # at most 16 row labels, each legible
+    rows = range(0, L * H_kv, every)
+    ax.set_yticks(rows, [f"L{r // H_kv} KV{r % H_kv}" for r in rows], fontsize=9)
     kept = int(mask.sum()) / (L * H_kv)
     ax.set(title=f"{title}  ({kept:.0f} of {T} positions kept per head)", xlabel="prompt position")
+
+
+def plot_persistence(pers: dict[float, Tensor], title: str = "Persistence of importance (dotted: the paper's 95%)"):
+    """Three panels (step to step at delta = 1 and 50, over the sequence), one line per level and layer for the
+    ratio (solid) and one for its base rate (dashed, paler); ``pers`` is ``persistence_by_layer``'s result.
+    Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    n_layer = next(iter(pers.values())).shape[0]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True, layout="constrained")
+    colours = dict(zip(pers, ["tab:blue", "tab:red", "tab:green"]))
+    for ax, (col, panel) in zip(axes, [(0, "step to step, delta = 1"), (2, "step to step, delta = 50"),
+                                       (4, "over the sequence (second half vs first)")]):
+        for level, table in pers.items():
+            ax.plot(range(n_layer), table[:, col], "o-", color=colours[level], label=f"ratio, level {level:g}")
+            ax.plot(range(n_layer), table[:, col + 1], "o--", color=colours[level], alpha=0.5,
+                    label=f"base rate, level {level:g}")
+        ax.axhline(0.95, color="gray", ls=":", lw=1)
+        ax.set(title=panel, xlabel="layer", ylim=(0, 1.05), xticks=range(0, n_layer, max(1, n_layer // 6)))
+    axes[0].set_ylabel("persistence ratio")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)
+    fig.suptitle(title)
+    return fig
