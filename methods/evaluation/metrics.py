@@ -13,7 +13,8 @@ compress_ms: time in the policy's hooks. decode_ms_per_token: the engine's step 
 answer token (the fast engine: its own attention plus an equal share of the shared step; not a benchmark).
 prompt_passes: the engine's passes over the prompt (the fast engine's shared pass is 1; more is its fallback,
 one per cache); caches_per_step: how many caches shared a decode step (1: step ms is the cache's own time).
-predictions, references: each sample's greedy answer and reference answers, to score anew (``rescore``).
+predictions, prediction_ids, references: each sample's greedy answer (its text and its token ids) and
+reference answers, to score anew (``rescore``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ METRICS = [
     Metric("prompt_passes", lambda f, m, task, s: m.prompt_passes, reduce="max"),
     Metric("caches_per_step", lambda f, m, task, s: m.caches_per_step, reduce="max"),
     Metric("predictions", lambda f, m, task, s: m.prediction, reduce="list", answer=True),
+    Metric("prediction_ids", lambda f, m, task, s: m.prediction_ids, reduce="list", answer=True),
     Metric("references", lambda f, m, task, s: s.answers, reduce="list", answer=True),
 ]
 
@@ -108,23 +110,48 @@ def reduce(values: list[dict], metrics: list[Metric] = METRICS) -> dict:
     return out
 
 
+def task_of(record: dict):
+    """The record's task: a name of ``TASKS``, or the file the record names (``task_file``), which must be the
+    one the run read (its SHA-256)."""
+    if "task_file" not in record:
+        return TASKS[record["task"]]
+    from .task_file import FileTask
+    task = FileTask(record["task_file"])
+    if task.sha256 != record.get("task_file_sha256"):
+        raise ValueError(f"{record['task_file']} is not the task file the run read (its SHA-256 differs)")
+    return task
+
+
 def rescore(records: list[dict], tok, seed: int, metric: Metric = METRICS[0]) -> list[list]:
     """Per record of ``methods.compare``: an answer-level ``metric`` of each sample's kept answer, from the
-    records alone. Each sample is made again from its task, length and seed (the run's ``seed`` plus its
-    index) and must have the record's ``references`` (else a ValueError: this code or tokenizer makes
-    other samples); ``metric.value`` gets a trace that holds only the answer."""
+    records alone. Each sample is made again from its task, length and seed (the record's ``seed``, else
+    the run's ``seed``, plus its index) and must have the record's ``references`` (else a ValueError: this
+    code or tokenizer makes other samples). ``metric.value`` gets what a live run hands it of the answers:
+    the method's and the full cache's (the "full" record of the same task, mode and length; None without
+    one), each with ``prediction`` and ``prediction_ids`` (kept, or the text encoded again in files written
+    before the ids were kept)."""
     if not metric.answer:
         raise ValueError(f"metric {metric.name!r} reads the traces, which a records file does not keep")
-    out, samples = [], {}                      # samples: (task, length, seed) -> each made once for all records
+    out, samples, tasks = [], {}, {}           # samples: (task, length, seed) -> each made once for all records
+    full = {(r["task"], r["mode"], r["length"]): r for r in records if r["method"] == "full"}
+
+    def answers(r: dict, i: int) -> SimpleNamespace:
+        ids = r["prediction_ids"][i] if "prediction_ids" in r else tok.encode(r["predictions"][i])
+        return SimpleNamespace(prediction=r["predictions"][i], prediction_ids=ids)
+
     for r in records:
         if len(r["references"]) != len(r["predictions"]):
             raise ValueError(f"a record has {len(r['predictions'])} predictions but {len(r['references'])} references")
-        keys = [(r["task"], r["length"], seed + i) for i in range(len(r["predictions"]))]
+        if r["task"] not in tasks:
+            tasks[r["task"]] = task_of(r)
+        task, first = tasks[r["task"]], r.get("seed", seed)
+        keys = [(r["task"], r["length"], first + i) for i in range(len(r["predictions"]))]
         for key, refs in zip(keys, r["references"]):
             if key not in samples:
-                samples[key] = TASKS[key[0]].sample(tok, key[1], key[2])
+                samples[key] = task.sample(tok, key[1], key[2])
             if samples[key].answers != refs:
                 raise ValueError(f"sample {key} is not the one the records were made from: {refs}")
-        out.append([metric.value(None, SimpleNamespace(prediction=text), TASKS[k[0]], samples[k])
-                    for text, k in zip(r["predictions"], keys)])
+        base = full.get((r["task"], r["mode"], r["length"]))
+        out.append([metric.value(answers(base, i) if base else None, answers(r, i), task, samples[k])
+                    for i, k in enumerate(keys)])
     return out

@@ -31,15 +31,17 @@ from nanollm.io.checkpoint import load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text, read_json
 
 from . import compare
-from .metrics import METRICS, Metric, rescore
+from .metrics import METRICS, Metric, rescore, task_of
 from .task import TASKS
 
-# The answer-level metrics this command offers: the task's own score, which the records store, and two that
-# only need the answer (examples of a metric added after the run).
+# The answer-level metrics this command offers: the task's own score, which the records store, and four
+# added after the run (examples): on the answer's text, its token ids, and the full cache's answer beside it.
 SCORES: dict[str, Metric] = {m.name: m for m in [
     next(m for m in METRICS if m.name == "accuracy"),
     Metric("exact_match", lambda f, m, task, s: float(m.prediction.strip() == s.target.strip()), answer=True),
     Metric("answer_words", lambda f, m, task, s: float(len(m.prediction.split())), answer=True),
+    Metric("answer_tokens", lambda f, m, task, s: float(len(m.prediction_ids)), answer=True),
+    Metric("same_as_full", lambda f, m, task, s: float(f is not None and m.prediction == f.prediction), answer=True),
 ]}
 
 
@@ -99,8 +101,17 @@ def check_records(records, path: Path, max_length: int, scores: list[str]) -> No
                 cli.fail(f"{where}: no {name!r}")
         if not isinstance(r["method"], str):
             cli.fail(f"{where}: 'method' must be a string, got {shown(r['method'])}")
-        if not isinstance(r["task"], str) or r["task"] not in TASKS:
+        if "task_file" in r:
+            if not isinstance(r["task_file"], str) or not Path(r["task_file"]).is_file():
+                cli.fail(f"{where}: 'task_file' {shown(r['task_file'])} is not a file here")
+        elif not isinstance(r["task"], str) or r["task"] not in TASKS:
             cli.fail(f"{where}: 'task' {shown(r['task'])} is not a task here; the tasks are {', '.join(TASKS)}")
+        if "seed" in r and not is_int(r["seed"]):
+            cli.fail(f"{where}: 'seed' must be an integer, got {shown(r['seed'])}")
+        ids = r.get("prediction_ids")
+        if ids is not None and not (isinstance(ids, list) and len(ids) == len(r["predictions"]) and all(
+                isinstance(a, list) and all(is_int(t) for t in a) for a in ids)):
+            cli.fail(f"{where}: 'prediction_ids' must be a list of token-id lists, one per prediction")
         if not isinstance(r["mode"], str) or r["mode"] not in MODES:
             cli.fail(f"{where}: 'mode' {shown(r['mode'])} is not one of {', '.join(MODES)}")
         if not is_number(r["keep_ratio"]):
@@ -150,7 +161,7 @@ def check_lengths(records: list[dict], path: Path, tok, seed: int) -> None:
             continue
         seen.add(key)
         try:
-            TASKS[r["task"]].sample(tok, r["length"], seed)
+            task_of(r).sample(tok, r["length"], r.get("seed", seed))
         except ValueError as e:
             cli.fail(f"{path}: record {i}: 'length' {r['length']}: {e}")
         except ImportError as e:
@@ -213,8 +224,9 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("results", type=Path, metavar="RESULTS.json", help="a methods.compare results file")
     ap.add_argument("--metric", nargs="+", choices=list(SCORES), default=["accuracy"], metavar="NAME",
                     help=f"answer-level metrics: {', '.join(SCORES)} (accuracy: the task's own score, which the "
-                         "records store; exact_match: the answer is the reference text; answer_words: the "
-                         "answer's words) (default: accuracy)")
+                         "records store; exact_match: the answer is the reference text; answer_words, "
+                         "answer_tokens: the answer's words, its tokens; same_as_full: the answer is the full "
+                         "cache's) (default: accuracy)")
     ap.add_argument("--checkpoint", default=None,
                     help="the checkpoint whose tokenizer made the samples (default: the one the file's "
                          "provenance.command names, else methods.compare's default)")

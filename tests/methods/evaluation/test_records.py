@@ -100,3 +100,18 @@ def test_the_fast_engine_names_the_model_it_does_not_take(make_model):
         make_engine("fast", model)
     assert "--engine plain" in str(e.value) and "\n" not in str(e.value)
     assert make_engine("plain", model).name == "plain"
+
+
+def test_a_rescore_hands_a_metric_the_ids_and_the_full_cache_s_answer():
+    """What a live run hands an answer-level metric, rebuilt from the file: the answer's text and token ids,
+    and the full cache's answer for the same sample (compare_default.json keeps no ids: they are the text
+    encoded again, which for these answers gives the ids back)."""
+    saved = json.loads(COMMITTED.read_text())
+    records, seed = saved["records"], saved["provenance"]["seed"]
+    tok = load_tokenizer("retrieval-llama")
+    ids = Metric("ids", lambda f, m, task, s: float(tok.decode(m.prediction_ids) == m.prediction), answer=True)
+    assert all(all(v == 1.0 for v in row) for row in rescore(records, tok, seed, ids))
+    same = Metric("same", lambda f, m, task, s: float(m.prediction == f.prediction), answer=True)
+    scored = rescore(records, tok, seed, same)
+    assert all(all(v == 1.0 for v in row) for r, row in zip(records, scored) if r["method"] == "full")
+    assert 0 < sum(map(sum, scored)) < sum(map(len, scored))          # methods answer otherwise, sometimes

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from methods.evaluation import compare, task_file
+from methods.evaluation import compare, rescore, task_file
 from methods.evaluation.task import TASKS, Task
 from methods.evaluation.task_file import SCORERS, FileTask, export, read_items
 from nanollm import load
@@ -123,3 +123,22 @@ def test_compare_checks_the_file_against_samples_before_any_work(tmp_path, capsy
     with pytest.raises(SystemExit):
         compare.main(["--task-file", str(write(tmp_path, "{oops")), "--methods", "snapkv"])
     assert "--task-file" in capsys.readouterr().err
+
+
+def test_a_file_task_s_results_rescore_from_the_file_they_name(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    compare.main(["--task-file", str(EXAMPLE), "--samples", "2", "--methods", "snapkv", "--keep-ratios", "0.25",
+                  "--length", "512", "--workers", "1", "--quiet", "--json", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert {(r["task"], r["task_file"], r["seed"], r["engine"]) for r in records} == \
+        {("file:niah_single_noise", str(EXAMPLE), 0, "fast")}
+    assert all(len(r["prediction_ids"]) == 2 for r in records)
+    capsys.readouterr()
+    rescore.main([str(out), "--metric", "accuracy", "answer_tokens", "same_as_full"])
+    assert "accuracy: the same as stored in 4 of 4 records" in capsys.readouterr().out     # both modes
+    data = json.loads(out.read_text())
+    data["records"][0]["task_file_sha256"] = "0" * 64                  # another file than the run read
+    out.write_text(json.dumps(data))
+    with pytest.raises(SystemExit):
+        rescore.main([str(out)])
+    assert "is not the task file the run read" in capsys.readouterr().err
