@@ -24,8 +24,11 @@ Beside it:
     viz.py            pictures of which tokens a cache kept
     generate.py       ``python -m methods.evaluation.generate``: nanollm's generation command with ``--method``
 
-A keep ratio, in every command, is a budget as a fraction of the tokens a method compresses (the sample's
-length; the prefix in ``language_modelling``): ``budget_for`` turns one into the other.
+A keep ratio R, in every command, sets a budget: ``budget_for(R, N)`` entries per layer and KV head, N the
+command's context length (``--length`` in ``compare``, the context in ``bench``, the text's first half in
+``language_modelling``). ``compare`` keeps one budget for every sample of a run, and records beside the
+ratio it asked for (``keep_ratio``) the share of each sample's compressed tokens it kept
+(``realised_keep_ratio``), which is larger: a prompt is shorter than ``--length`` (README.md, "Keep ratio").
 """
 
 

@@ -149,9 +149,13 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
         for key, metrics in job_results:
             cells.setdefault(key, []).append(metrics)
     timing = "alone" if engine == "plain" or time_alone else "share"
-    return [{"method": name, "budget": budget, "keep_ratio": keep_ratio(budget, length), "task": task,
-             "mode": mode, "length": length, **reduce(values), "engine": engine, "step_timing": timing}
-            for (name, budget, task, mode), values in cells.items()]
+    records = [{"method": name, "budget": budget, "keep_ratio": keep_ratio(budget, length), "task": task,
+                "mode": mode, "length": length, **reduce(values), "engine": engine, "step_timing": timing}
+               for (name, budget, task, mode), values in cells.items()]
+    for r in records:                 # the share of the compressed tokens the budget keeps, sample by sample
+        n = r["compressed_tokens"]
+        r["realised_keep_ratio"] = round(sum(min(1.0, (r["budget"] or t) / t) for t in n) / len(n), 4)
+    return records
 
 
 def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], list[float]]:
@@ -261,8 +265,9 @@ def format_pairwise(records: list[dict]) -> str:
 
 
 def format_tables(records: list[dict]) -> str:
-    """One table per mode: rows method @ keep ratio, columns accuracy per task, then mean metrics, and (with
-    per-sample accuracies) how each method stands against its keep ratio's best (``versus_best``)."""
+    """One table per mode: rows method @ keep ratio (and the share of the compressed tokens kept, mean over
+    tasks), columns accuracy per task, then mean metrics, and (with per-sample accuracies) how each method
+    stands against its keep ratio's best (``versus_best``)."""
     lines = []
     tasks = sorted({r["task"] for r in records}, key=lambda t: ALL_TASKS.index(t) if t in ALL_TASKS else 99)
     for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
@@ -272,7 +277,7 @@ def format_tables(records: list[dict]) -> str:
         short = [t.replace("niah_", "").replace("single_", "s_")[:10] for t in tasks]
         marks = versus_best(records, mode) if all("accuracies" in r for r in rows) else {}
         w = max(14, 1 + max(len(k[0]) for k in keys))                 # the method column fits every name
-        head = f"{'method':<{w}}{'keep':>6}{'budget':>7} " + "".join(f"{s:>11}" for s in short) + \
+        head = f"{'method':<{w}}{'keep':>6}{'kept':>6}{'budget':>7} " + "".join(f"{s:>11}" for s in short) + \
             f"{'mean acc':>9}{'KL':>8}{'pert':>7}{'lost':>6}{'KV KiB':>8}{'step ms':>8}" + \
             ("  vs best" if marks else "")
         lines += [f"\n[{mode}]", head, "-" * len(head)]
@@ -280,7 +285,8 @@ def format_tables(records: list[dict]) -> str:
             sel = {r["task"]: r for r in rows if (r["method"], r["keep_ratio"], r["budget"]) == (method, ratio, budget)}
             accs = [sel[t]["accuracy"] if t in sel else float("nan") for t in tasks]
             mean = lambda k: sum(r[k] for r in sel.values()) / len(sel)   # noqa: E731
-            lines.append(f"{method:<{w}}{ratio:>6.2f}{budget if budget is not None else '-':>7} "
+            kept = mean("realised_keep_ratio") if all("realised_keep_ratio" in r for r in sel.values()) else ratio
+            lines.append(f"{method:<{w}}{ratio:>6.2f}{kept:>6.2f}{budget if budget is not None else '-':>7} "
                          + "".join(f"{a:>11.2f}" for a in accs)
                          + f"{sum(accs) / len(accs):>9.2f}{mean('kl'):>8.3f}{mean('perturbation'):>7.3f}"
                          f"{mean('lost_mass'):>6.2f}{max(r['kv_bytes'] for r in sel.values()) / 1024:>8.0f}"
@@ -355,7 +361,7 @@ def plot(records: list[dict], path: str) -> None:
             bounds = [wilson(min(1.0, max(0.0, a)), n) for a, n in zip(accs, answers)]
             err = [[a - lo for a, (lo, _) in zip(accs, bounds)], [hi - a for a, (_, hi) in zip(accs, bounds)]]
             ax.errorbar(ratios, accs, yerr=err, marker="o", capsize=3, label=method)
-        ax.set(title=mode.replace("_", " "), xlabel="keep ratio (budget / context tokens)",
+        ax.set(title=mode.replace("_", " "), xlabel="keep ratio (budget / --length)",
                ylabel="accuracy (mean over tasks, 95% interval)", ylim=(-0.03, 1.03))
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
@@ -403,8 +409,10 @@ def parser() -> cli.ArgumentParser:
                          "registered name)")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--keep-ratios", nargs="+", type=float, default=None, metavar="R",
-                       help="budgets as fractions of --length, each in (0, 1]: budget = round(R * length) tokens "
-                            f"per layer per KV head (default {' '.join(map(str, DEFAULT_KEEP_RATIOS))})")
+                       help="keep ratios, each in (0, 1]: budget = round(R * --length) entries per layer and KV "
+                            "head, one budget for every sample; the records keep R and the share of each sample's "
+                            "compressed tokens kept (realised_keep_ratio, larger: a prompt is shorter than "
+                            f"--length) (default {' '.join(map(str, DEFAULT_KEEP_RATIOS))})")
     group.add_argument("--budgets", nargs="+", type=int, default=None, metavar="B",
                        help="budgets in tokens per layer per KV head, instead of --keep-ratios")
     ap.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
@@ -568,11 +576,12 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     print(format_pairwise(records))
     print(f"\n{samples} samples per task and mode, {length} tokens, seed {args.seed}, "
           f"{time.time() - t0:.0f} s with {workers} worker(s)"
-          + (f" in each of {world} processes" if world > 1 else "") + f", {args.engine} engine. acc = the task's "
-          "score of the greedy answer (string_match_all for RULER's tasks); KL = mean next-token "
-          "KL(full || method) over the answer; pert = relative error of the final hidden state at the first "
-          "decode step; lost = full-attention mass on entries the method dropped at that step; step ms = the "
-          "engine's decode step time given to the cache per answer token ("
+          + (f" in each of {world} processes" if world > 1 else "") + f", {args.engine} engine. keep = budget / "
+          "--length; kept = the share of each sample's compressed tokens the budget keeps (mean over the samples "
+          "and tasks); acc = the task's score of the greedy answer (string_match_all for RULER's tasks); "
+          "KL = mean next-token KL(full || method) over the answer; pert = relative error of the final hidden "
+          "state at the first decode step; lost = full-attention mass on entries the method dropped at that step; "
+          "step ms = the engine's decode step time given to the cache per answer token ("
           + ("its own step, timed alone)." if args.engine == "plain" or args.time_alone else
              "a share: its own attention plus an equal share of the step all the caches shared; compare within "
              "one run, or time each cache alone with --time-alone)."))

@@ -11,8 +11,10 @@ key and value the method does not hold (a rebuilt entry counts as lost; its erro
 kv_bytes: peak K/V bytes, sketch cells included; extra_bytes: peak bytes of the rest (H2O's scores).
 compress_ms: time in the policy's hooks. decode_ms_per_token: the engine's step time given to the cache per
 answer token (the fast engine: its own attention plus an equal share of the shared step; not a benchmark).
-prompt_passes: the engine's passes over the prompt (the fast engine's shared pass is 1; more is its fallback,
-one per cache); caches_per_step: how many caches shared a decode step (1: step ms is the cache's own time).
+compressed_tokens: each sample's prompt tokens the method compressed (the whole prompt, or the context
+when the question comes after it). prompt_passes: the engine's passes over the prompt (the fast engine's
+shared pass is 1; more is its fallback, one per cache); caches_per_step: how many caches shared a decode
+step (1: step ms is the cache's own time).
 predictions, prediction_ids, references: each sample's greedy answer (its text and its token ids) and
 reference answers, to score anew (``rescore``).
 """
@@ -70,6 +72,7 @@ METRICS = [
     Metric("extra_bytes", lambda f, m, task, s: m.extra_bytes, reduce="max"),
     Metric("compress_ms", lambda f, m, task, s: m.compress_ms),
     Metric("decode_ms_per_token", lambda f, m, task, s: m.decode_ms_per_token),
+    Metric("compressed_tokens", lambda f, m, task, s: m.compressed, reduce="list"),
     Metric("prompt_passes", lambda f, m, task, s: m.prompt_passes, reduce="max"),
     Metric("caches_per_step", lambda f, m, task, s: m.caches_per_step, reduce="max"),
     Metric("predictions", lambda f, m, task, s: m.prediction, reduce="list", answer=True),

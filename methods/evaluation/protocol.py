@@ -81,6 +81,7 @@ class Trace:
     step_s: float = 0.0
     fork: tuple | None = None          # (m, cache): greedy's cache after the answer's first m tokens
     engine: object = None
+    compressed: int = 0                # the prompt tokens the method compresses (the first chunk)
     prompt_passes: int = 0             # the engine's prompt passes for this sample (the fast engine: 1, shared)
     caches_per_step: int = 0           # the most caches a teacher-forced step ran at once (step_s is their share)
     prediction_ids: list | None = None   # the greedy answer's ids, up to the end-of-text token
@@ -111,9 +112,10 @@ def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePol
     if len(record_probs) != len(policies):
         raise ValueError(f"one record_probs flag per policy: {len(policies)} policies, {len(record_probs)} flags")
     probes = [Probe(p, r) for p, r in zip(policies, record_probs)]
-    caches, logits = engine.fill(probes, task.chunks(sample, mode))
+    chunks = task.chunks(sample, mode)
+    caches, logits = engine.fill(probes, chunks)
     reference = task.reference(sample)
-    trs = [Trace(probe, cache, engine=engine, prompt_passes=engine.prompt_passes)
+    trs = [Trace(probe, cache, engine=engine, compressed=len(chunks[0]), prompt_passes=engine.prompt_passes)
            for probe, cache in zip(probes, caches)]
     for tr, lg in zip(trs, logits):
         tr.measure_bytes()

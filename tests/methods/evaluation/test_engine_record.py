@@ -83,3 +83,20 @@ def test_the_fast_engine_refuses_a_policy_that_draws_from_the_global_generator(b
         traces(bundled, "fast", subclassed(hook, draw))
     traces(bundled, "plain", subclassed(hook, draw))                # one cache at a time: no refusal
     traces(bundled, "fast", subclassed(hook, lambda self, ctx: None))  # the same hook, drawing nothing
+
+
+def test_records_keep_the_ratio_asked_and_the_share_of_each_prompt_kept(bundled):
+    """``keep_ratio`` is budget / --length; ``realised_keep_ratio`` the mean over samples of budget / tokens
+    compressed (the prompt, or only the context when the question comes after it), from the samples by hand."""
+    model, tok, _ = bundled
+    records = compare.run(model, tok, ["snapkv"], [64], ["niah_single_noise"], MODES, 3, 256, progress=False)
+    task = TASKS["niah_single_noise"]
+    for r in records:
+        samples = [task.sample(tok, 256, i) for i in range(3)]
+        n = [len(s.prompt_ids) if r["mode"] == MODES[0] else len(s.context_ids) for s in samples]
+        assert r["compressed_tokens"] == n
+        want = 1.0 if r["method"] == "full" else sum(min(1.0, 64 / t) for t in n) / 3
+        assert r["realised_keep_ratio"] == round(want, 4)
+        assert r["keep_ratio"] == (1.0 if r["method"] == "full" else 0.25)
+    kept = {r["mode"]: r["realised_keep_ratio"] for r in records if r["method"] == "snapkv"}
+    assert 0.25 < kept[MODES[0]] < kept[MODES[1]]            # a prompt is shorter than 256; a context shorter still
