@@ -45,6 +45,9 @@ class LeanDecoder:
         if cfg.flavour != "llama" or not all(type(b.attn) is CausalSelfAttention for b in model.blocks):
             raise ValueError("LeanDecoder takes a llama-flavour model with the standard attention "
                              f"(got flavour {cfg.flavour!r}, attention {cfg.attention!r})")
+        if cfg.bias or cfg.qkv_bias:
+            raise ValueError("LeanDecoder takes a model without biases in its linear layers (this one has them: "
+                             "Qwen2's on q, k, v, or a llama with attention_bias)")
         self.model, self.config = model, cfg
         self.inv_freq = model.inv_freq.to(model.tok_emb.weight.device)                # RoPE's theta_i, (d/2,)
         with torch.no_grad():

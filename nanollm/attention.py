@@ -142,9 +142,9 @@ class CausalSelfAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         H, H_kv, d, D = config.n_head, config.n_kv_head, config.head_dim, config.d_model
-        self.q_proj = nn.Linear(D, H * d, bias=config.bias)
-        self.k_proj = nn.Linear(D, H_kv * d, bias=config.bias)
-        self.v_proj = nn.Linear(D, H_kv * d, bias=config.bias)
+        self.q_proj = nn.Linear(D, H * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(D, H_kv * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(D, H_kv * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * d, D, bias=config.bias)            # W_O, shape (D, H*d)
 
     @classmethod

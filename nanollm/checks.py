@@ -83,6 +83,8 @@ def check_config(c) -> None:
     check_flag("tie_embeddings", c.tie_embeddings)
     if c.bias is not None:
         check_flag("bias", c.bias)
+    if c.qkv_bias is not None:
+        check_flag("qkv_bias", c.qkv_bias)
     if not isinstance(c.extra, dict):
         raise ValueError(f"extra must be a dict of notes, got {c.extra!r:.100}")
     if c.n_head % c.n_kv_head != 0:

@@ -29,6 +29,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True     # lm_head shares the token embedding matrix
     bias: bool | None = None        # biases in linear layers; None = flavour default (gpt2 yes, llama no)
+    qkv_bias: bool | None = None    # biases on the query, key and value projections (Qwen2: there only); None = bias
     attention: str = "causal"       # attention module: a name in attention.ATTENTION or "package.module:Class"
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a real checkpoint came from)
 
@@ -36,6 +37,8 @@ class ModelConfig:
         check_config(self)
         if self.bias is None:
             self.bias = self.flavour == "gpt2"
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
         if self.d_ff == 0:
             if self.flavour == "gpt2":
                 self.d_ff = 4 * self.d_model
@@ -55,7 +58,11 @@ class ModelConfig:
         return 2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_element
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, ``qkv_bias`` only where it differs from ``bias`` (a Qwen2): earlier files lack it."""
+        d = dataclasses.asdict(self)
+        if d["qkv_bias"] == d["bias"]:
+            del d["qkv_bias"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

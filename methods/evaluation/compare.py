@@ -36,12 +36,14 @@ from nanollm import cli, load
 from nanollm.cli.provenance import header, provenance
 from nanollm.data.evaluate import MODES
 from nanollm.data.tasks import ALL_TASKS, LM_TASKS
+from nanollm.io.chat import chat_template, chat_wrap
 from nanollm.io.checkpoint import load_card, load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text
 
 from .. import METHODS, method_chain
 from ..presets import PRESETS, preset_options
 from . import budget_for, keep_ratio, shards
+from .chat import ChatTask
 from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 from .metrics import METRICS, reduce
 from .protocol import Variant, run_job
@@ -423,6 +425,13 @@ def parser() -> cli.ArgumentParser:
                     help="tasks read from JSON Lines files (context, question, answers; optionally scorer and "
                          "answer_tokens: methods/evaluation/task_file.py), each named file:<its stem>, run after "
                          "the --tasks (none by default when a file is given); sample i is item --seed + i")
+    ap.add_argument("--chat-template", action="store_true",
+                    help="wrap every prompt in the checkpoint's chat template (an instruct model's, read from its "
+                         "folder or GGUF file): context and question one user message, the answer the "
+                         "assistant's turn (methods/evaluation/chat.py); refused for a checkpoint without one")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the weights' and the caches' dtype (default %(default)s); bfloat16 halves the memory and "
+                         "moves the logits by bf16's rounding (see nanollm/io/README.md)")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES,
                     help="question_in_prompt: the question is in the prompt when the cache is compressed; "
                          "question_after_context: the context is compressed first and the question arrives "
@@ -489,6 +498,15 @@ def main(argv: list[str] | None = None) -> None:
         if bad:
             cli.fail(f"--tasks: unknown task(s) {bad}; choose from {list(TASKS)}")
         tasks = [TASKS[t] for t in names] + file_tasks
+        if args.chat_template:
+            template = chat_template(args.checkpoint)
+            if template is None:
+                cli.fail(f"--chat-template: checkpoint {args.checkpoint} has no chat template")
+            try:
+                prefix, suffix = chat_wrap(template, **special_tokens(tok))
+            except Exception as e:                     # a template is code of the checkpoint's: any error, one line
+                cli.fail(f"--chat-template: the checkpoint's template does not render ({e})")
+            tasks = [ChatTask(t, tok, prefix, suffix) for t in tasks]
         if len({t.name for t in tasks}) < len(tasks):
             cli.fail(f"--task-file: two tasks share a name: {[t.name for t in tasks]}")
         length = args.length if args.length is not None else \
@@ -499,7 +517,8 @@ def main(argv: list[str] | None = None) -> None:
         if not 0 < length <= config.max_seq_len:
             cli.fail(f"--length must be in [1, {config.max_seq_len}] (the model's maximum positions), got {length}")
         for task in tasks:
-            if isinstance(task, FileTask) and not 0 <= args.seed <= args.seed + samples - 1 < len(task.items):
+            if isinstance(getattr(task, "task", task), FileTask) and not \
+                    0 <= args.seed <= args.seed + samples - 1 < len(task.items):
                 cli.fail(f"--samples {samples} from --seed {args.seed} asks for items {args.seed} to "
                          f"{args.seed + samples - 1} of {task.path}, which holds {len(task.items)}")
             try:
@@ -542,7 +561,7 @@ def launcher(world: int, prog: str) -> str:
 
 def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, world, device) -> None:
     """``main`` after every argument is checked: load, run (this rank's share under torchrun), report."""
-    model, tok, card = load(args.checkpoint, device=device)
+    model, tok, card = load(args.checkpoint, device=device, dtype=getattr(torch, args.dtype))
     try:
         engine_for(args.engine, args.time_alone, model)   # a model the fast engine does not take: one line, now
     except ValueError as e:
@@ -563,9 +582,10 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     records = run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed,
                   progress=not args.quiet, workers=workers, rank=rank, world=world, engine=args.engine,
                   time_alone=args.time_alone)
-    files = {t.name: t for t in tasks if isinstance(t, FileTask)}
+    files = {t.name: getattr(t, "task", t) for t in tasks if isinstance(getattr(t, "task", t), FileTask)}
     for r in records:
-        r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed)
+        r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
+                 chat_template=args.chat_template)
         if r["task"] in files:
             r.update(task_file=files[r["task"]].path, task_file_sha256=files[r["task"]].sha256)
     for line in flag_degenerate(records):
@@ -593,3 +613,10 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     if args.plot:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")
+
+
+def special_tokens(tok) -> dict:
+    """The special tokens a chat template may name (``bos_token``, ``eos_token``), as text: the end-of-text
+    token's, the only one nanollm's tokenizers know by role."""
+    eot = tok.decode([tok.eot_id]) if getattr(tok, "eot_id", None) is not None else ""
+    return {"bos_token": "", "eos_token": eot}

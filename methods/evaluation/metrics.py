@@ -125,14 +125,14 @@ def task_of(record: dict):
     return task
 
 
-def rescore(records: list[dict], tok, seed: int, metric: Metric = METRICS[0]) -> list[list]:
+def rescore(records: list[dict], tok, seed: int, metric: Metric = METRICS[0], chat=None) -> list[list]:
     """Per record of ``methods.compare``: an answer-level ``metric`` of each sample's kept answer, from the
     records alone. Each sample is made again from its task, length and seed (the record's ``seed``, else
     the run's ``seed``, plus its index) and must have the record's ``references`` (else a ValueError: this
     code or tokenizer makes other samples). ``metric.value`` gets what a live run hands it of the answers:
     the method's and the full cache's (the "full" record of the same task, mode and length; None without
     one), each with ``prediction`` and ``prediction_ids`` (kept, or the text encoded again in files written
-    before the ids were kept)."""
+    before the ids were kept). ``chat(task)``: the task in the chat template, for records run with one."""
     if not metric.answer:
         raise ValueError(f"metric {metric.name!r} reads the traces, which a records file does not keep")
     out, samples, tasks = [], {}, {}           # samples: (task, length, seed) -> each made once for all records
@@ -145,9 +145,12 @@ def rescore(records: list[dict], tok, seed: int, metric: Metric = METRICS[0]) ->
     for r in records:
         if len(r["references"]) != len(r["predictions"]):
             raise ValueError(f"a record has {len(r['predictions'])} predictions but {len(r['references'])} references")
-        if r["task"] not in tasks:
-            tasks[r["task"]] = task_of(r)
-        task, first = tasks[r["task"]], r.get("seed", seed)
+        key = (r["task"], bool(r.get("chat_template")))
+        if key not in tasks:
+            if key[1] and chat is None:
+                raise ValueError(f"record of {r['task']} ran in a chat template: rescoring it needs chat=")
+            tasks[key] = chat(task_of(r)) if key[1] else task_of(r)
+        task, first = tasks[key], r.get("seed", seed)
         keys = [(r["task"], r["length"], first + i) for i in range(len(r["predictions"]))]
         for key, refs in zip(keys, r["references"]):
             if key not in samples:

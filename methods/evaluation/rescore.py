@@ -27,10 +27,12 @@ from pathlib import Path
 from nanollm import cli
 from nanollm.cli.provenance import provenance
 from nanollm.data.evaluate import MODES
+from nanollm.io.chat import chat_template, chat_wrap
 from nanollm.io.checkpoint import load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text, read_json
 
 from . import compare
+from .chat import ChatTask
 from .metrics import METRICS, Metric, rescore, task_of
 from .task import TASKS
 
@@ -160,6 +162,8 @@ def check_lengths(records: list[dict], path: Path, tok, seed: int) -> None:
         if key in seen:
             continue
         seen.add(key)
+        if r.get("chat_template"):                  # its samples are shorter by the template: made when scored
+            continue
         try:
             task_of(r).sample(tok, r["length"], r.get("seed", seed))
         except ValueError as e:
@@ -256,7 +260,14 @@ def main(argv: list[str] | None = None) -> None:
         check_lengths(records, args.results, tok, seed)
         print(f"# rescoring the {len(records)} records of {args.results} (seed {seed}, the tokenizer of "
               f"{checkpoint}): {', '.join(names)}", flush=True)
-        scored = {name: rescore(records, tok, seed, SCORES[name]) for name in names}
+        chat = None
+        if any(r.get("chat_template") for r in records):          # the run wrapped its prompts: so do we
+            template = chat_template(checkpoint)
+            if template is None:
+                cli.fail(f"{args.results}: its records ran in a chat template, which {checkpoint} lacks")
+            prefix, suffix = chat_wrap(template, **compare.special_tokens(tok))
+            chat = lambda task: ChatTask(task, tok, prefix, suffix)           # noqa: E731
+        scored = {name: rescore(records, tok, seed, SCORES[name], chat) for name in names}
         print(format_table(records, scored))
         print(summary(records, scored))
         if args.json:

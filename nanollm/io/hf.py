@@ -58,7 +58,8 @@ from .safetensors import DTYPES, load_file, load_sharded, load_torch_bin, read_h
 # model_type -> architectures we can build; anything else raises a clear error
 SUPPORTED = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"),
              "llama": ("LlamaForCausalLM",),
-             "mistral": ("MistralForCausalLM",)}
+             "mistral": ("MistralForCausalLM",),
+             "qwen2": ("Qwen2ForCausalLM",)}
 # Weight files, in the order Hugging Face prefers them
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
                 "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -252,16 +253,21 @@ def _gpt2_config(f: Fields) -> ModelConfig:
 
 
 def _llama_config(f: Fields) -> ModelConfig:
+    """Llama, Mistral and Qwen2 (a Llama with biases on the query, key and value projections, and a sliding
+    window only when ``use_sliding_window`` says so)."""
     if f.text("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {f.cfg['hidden_act']!r} is not supported; Llama models use 'silu'")
+    qwen2 = f.cfg["model_type"] == "qwen2"
     window = f.integer("sliding_window", None, low=0)
     max_pos = f.integer("max_position_embeddings", 2048)
-    if window is not None and window < max_pos:
+    if qwen2 and f.flag("use_sliding_window", False):
+        raise ValueError(f"sliding-window attention (use_sliding_window, sliding_window={window}) is not supported")
+    if not qwen2 and window is not None and window < max_pos:
         raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
     attn_bias, mlp_bias = f.flag("attention_bias", False), f.flag("mlp_bias", False)
     if attn_bias != mlp_bias:
         raise ValueError(f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported: nanollm "
-                         "has biases in every linear layer or in none")
+                         "has biases in every linear layer, in none, or (Qwen2) on q, k and v only")
     d_model, n_head, vocab = f.integer("hidden_size"), f.integer("num_attention_heads"), f.integer("vocab_size")
     if f.integer("head_dim", None) not in (None, d_model // n_head):
         raise ValueError(f"head_dim={f.cfg['head_dim']} != hidden_size / num_attention_heads = "
@@ -271,7 +277,8 @@ def _llama_config(f: Fields) -> ModelConfig:
         flavour="llama", vocab_size=vocab, n_layer=f.integer("num_hidden_layers"), n_head=n_head,
         n_kv_head=f.integer("num_key_value_heads", n_head), d_model=d_model, d_ff=f.integer("intermediate_size"),
         max_seq_len=max_pos, rope_base=theta, rope_scaling=scaling, norm_eps=f.number("rms_norm_eps", 1e-6),
-        tie_embeddings=f.flag("tie_word_embeddings", False), bias=attn_bias, extra=_extra(f, vocab))
+        tie_embeddings=f.flag("tie_word_embeddings", False), bias=attn_bias, qkv_bias=qwen2 or attn_bias,
+        extra=_extra(f, vocab))
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
@@ -297,6 +304,18 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
             "reorder_and_upcast_attn": False, "initializer_range": 0.02,
             "tie_word_embeddings": config.tie_embeddings, "use_cache": True, "torch_dtype": torch_dtype,
             **tokens}
+    if config.bias and not config.qkv_bias:
+        raise ValueError("biases in every linear layer but the query, key and value projections: no Hugging Face "
+                         "architecture has them so")
+    if config.qkv_bias and not config.bias:        # biases on q, k, v only: Qwen2's layout
+        return {
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": config.vocab_size,
+            "hidden_size": config.d_model, "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layer,
+            "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
+            "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
+            "rope_theta": config.rope_base, "rope_scaling": config.rope_scaling, "hidden_act": "silu",
+            "use_sliding_window": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+            "tie_word_embeddings": config.tie_embeddings, "use_cache": True, "torch_dtype": torch_dtype, **tokens}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
         "hidden_size": config.d_model, "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layer,
@@ -318,12 +337,13 @@ def _llama_names(config: ModelConfig) -> dict[str, str]:
     if not config.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
     suffixes = ["weight", "bias"] if config.bias else ["weight"]
+    qkv_suffixes = ["weight", "bias"] if config.qkv_bias else ["weight"]
     for i in range(config.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         names[ours + "attn_norm.weight"] = theirs + "input_layernorm.weight"
         names[ours + "mlp_norm.weight"] = theirs + "post_attention_layernorm.weight"
         for proj in ("q", "k", "v", "o"):
-            for s in suffixes:
+            for s in (qkv_suffixes if proj != "o" else suffixes):
                 names[ours + f"attn.{proj}_proj.{s}"] = theirs + f"self_attn.{proj}_proj.{s}"
         for proj in ("gate", "up", "down"):
             for s in suffixes:

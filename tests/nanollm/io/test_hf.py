@@ -23,6 +23,7 @@ CONFIGS = {
     "llama_mqa_untied_llama3": dict(flavour="llama", n_head=4, n_kv_head=1, tie_embeddings=False,
                                     rope_base=500000.0, norm_eps=1e-6, rope_scaling=LLAMA3_SCALING),
     "llama_bias": dict(flavour="llama", n_head=4, n_kv_head=4, bias=True),
+    "qwen2_qkv_bias": dict(flavour="llama", n_head=4, n_kv_head=2, qkv_bias=True, rope_base=1000000.0),
     "gpt2_tied": dict(flavour="gpt2", n_head=4, n_kv_head=4),
     "gpt2_untied": dict(flavour="gpt2", n_head=4, n_kv_head=4, tie_embeddings=False, d_ff=48),
 }
@@ -56,8 +57,9 @@ def test_export_load_round_trip_is_exact(tmp_path, name):
     export_hf(model, tmp_path)
     assert is_hf_folder(tmp_path) and not is_hf_folder(tmp_path / "nope")
     loaded, hf_config = load_hf(tmp_path)
-    assert hf_config["model_type"] == model.config.flavour
-    assert loaded.config.rope_scaling == model.config.rope_scaling
+    assert hf_config["model_type"] == ("qwen2" if name.startswith("qwen2") else model.config.flavour)
+    assert (loaded.config.rope_scaling, loaded.config.bias, loaded.config.qkv_bias) == \
+        (model.config.rope_scaling, model.config.bias, model.config.qkv_bias)
     assert loaded.num_params() == model.num_params()
     if model.config.tie_embeddings:
         assert loaded.lm_head.weight is loaded.tok_emb.weight
@@ -178,7 +180,8 @@ def test_transformers_loads_the_export(tmp_path, name):
     model = random_model(name)
     export_hf(model, tmp_path / "ours")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
-    assert type(hf).__name__ == ("GPT2LMHeadModel" if model.config.flavour == "gpt2" else "LlamaForCausalLM")
+    assert type(hf).__name__ == ("GPT2LMHeadModel" if model.config.flavour == "gpt2" else "Qwen2ForCausalLM"
+                                 if model.config.qkv_bias and not model.config.bias else "LlamaForCausalLM")
     x = ids()
     with torch.no_grad():
         ours, theirs = model(x), hf(x).logits
@@ -187,3 +190,41 @@ def test_transformers_loads_the_export(tmp_path, name):
     # and back: a folder written by transformers' own save_pretrained loads into the same model
     hf.save_pretrained(tmp_path / "theirs")
     assert_same_logits(model, load_hf(tmp_path / "theirs")[0])
+
+
+@pytest.mark.parametrize("name", ["qwen2_qkv_bias", "llama_mqa_untied_llama3", "llama_gqa_tied"])
+def test_a_folder_transformers_wrote_loads_in_bf16_with_its_logits(tmp_path, name):
+    """In bf16, the logits of a folder transformers saved, read by nanollm and by transformers itself: equal
+    to 0.02 (bf16's rounding; these tiny models agree exactly, another summation order would not), with the
+    same argmax, and both within 0.25 of the fp32 model's."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    model = random_model(name)
+    export_hf(model, tmp_path / "ours")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").save_pretrained(tmp_path / "theirs")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "theirs", dtype=torch.bfloat16).eval()
+    ours = load_hf(tmp_path / "theirs", dtype=torch.bfloat16)[0]
+    assert ours.tok_emb.weight.dtype == hf.dtype == torch.bfloat16
+    x = ids()
+    with torch.no_grad():
+        theirs, mine, full = hf(x).logits.float(), ours(x).float(), model(x)
+    torch.testing.assert_close(mine, theirs, atol=0.02, rtol=0)
+    assert torch.equal(mine.argmax(-1), theirs.argmax(-1))
+    assert (mine - full).abs().max() < 0.25 and (mine - full).abs().max() > 0       # bf16, not fp32 in disguise
+
+
+def test_an_unsupported_architecture_is_one_line_naming_it():
+    base = {"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 64}
+    with pytest.raises(ValueError, match="model_type 'phi3' is not supported; supported: gpt2, llama, mistral, qwen2"):
+        config_from_hf({"model_type": "phi3", **base})
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        config_from_hf({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, **base})
+    qwen = config_from_hf({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16, **base})
+    assert (qwen.bias, qwen.qkv_bias) == (False, True)
+
+
+def test_the_fast_engine_refuses_a_model_with_biases_in_one_line():
+    from methods.evaluation.side_by_side import make_engine
+    with pytest.raises(ValueError, match="without biases .*--engine plain runs any model"):
+        make_engine("fast", random_model("qwen2_qkv_bias"))
