@@ -137,6 +137,41 @@ def test_language_modelling_reproduces():
                       ("ppl_ratio", "kl", "top1_agreement"))
 
 
+COLLAPSED = 100.0        # a perplexity ratio above this is a collapsed cache: its value is an order of magnitude
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_language_modelling_s_collapsed_rows_reproduce_in_order_of_magnitude():
+    """KVReviver's rows of the language-modelling table, the kind the table holds beside the decode-time and
+    prompt rows: a collapsed cache (perplexity ratio in the 1e4-1e6) is the exp of a mean of large negative
+    log-likelihoods, which the order of a sum moves, so it reproduces in its order of magnitude, and the rest
+    of its row (the budget, the cache) exactly. The spread across the two engines and one or two threads is
+    printed: the quoting resolution of ``methods/evaluation/smollm2.md``."""
+    records, args, model, tok = recorded_model("lm_smollm2.json", language_modelling)
+    committed = {r["keep_ratio"]: r for r in records if r["method"] == "kvreviver"}
+    runs = {}
+    for engine in ("fast", "plain"):
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            rows = language_modelling.run(model, tok, ["kvreviver"], sorted(committed), committed[0.1]["length"],
+                                          progress=False, engine=engine,
+                                          options={"kvreviver": preset_options("kvreviver", args.preset)})
+            runs[(engine, threads)] = {r["keep_ratio"]: r for r in rows if r["method"] == "kvreviver"}
+    torch.set_num_threads(1)
+    for ratio, c in committed.items():
+        values = [run[ratio]["ppl_ratio"] for run in runs.values()]
+        print(f"kvreviver keep {ratio}: committed ppl/full {c['ppl_ratio']:.3g}; fast/plain x 1/2 threads "
+              f"{min(values):.3g} to {max(values):.3g}")
+        for run in runs.values():
+            assert [run[ratio][k] for k in ("budget", "cache_at_end", "scored_tokens")] == \
+                [c[k] for k in ("budget", "cache_at_end", "scored_tokens")]
+            if c["ppl_ratio"] > COLLAPSED:
+                assert abs(math.log10(run[ratio]["ppl_ratio"]) - math.log10(c["ppl_ratio"])) < 0.5, (ratio, values)
+            else:
+                assert run[ratio]["ppl_ratio"] == pytest.approx(c["ppl_ratio"], rel=1e-3), (ratio, values)
+
+
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_kvreviver_ablation_reproduces():
