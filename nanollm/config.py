@@ -37,8 +37,7 @@ class ModelConfig:
         check_config(self)
         if self.bias is None:
             self.bias = self.flavour == "gpt2"
-        if self.qkv_bias is None:
-            self.qkv_bias = self.bias
+        self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
         if self.d_ff == 0:
             if self.flavour == "gpt2":
                 self.d_ff = 4 * self.d_model
@@ -57,12 +56,8 @@ class ModelConfig:
         """Bytes one token adds to a full cache of the standard attention: K and V of every layer and KV head."""
         return 2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_element
 
-    def to_dict(self) -> dict:
-        """The fields, ``qkv_bias`` only where it differs from ``bias`` (a Qwen2): earlier files lack it."""
-        d = dataclasses.asdict(self)
-        if d["qkv_bias"] == d["bias"]:
-            del d["qkv_bias"]
-        return d
+    def to_dict(self) -> dict:                      # qkv_bias only where it differs from bias (a Qwen2)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "qkv_bias" or v != self.bias}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -75,10 +70,8 @@ class ModelConfig:
 # the last three are real models' shapes, for memory arithmetic and timing with random weights.
 PRESETS: dict[str, dict] = {
     "TINY": dict(flavour="llama", vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=256),
-    "TINY_GPT2": dict(flavour="gpt2", vocab_size=512, n_layer=2, n_head=4, n_kv_head=4, d_model=64,
-                      max_seq_len=256),
-    "SMALL": dict(flavour="llama", vocab_size=1024, n_layer=4, n_head=4, n_kv_head=2, d_model=128,
-                  max_seq_len=1024),
+    "TINY_GPT2": dict(flavour="gpt2", vocab_size=512, n_layer=2, n_head=4, n_kv_head=4, d_model=64, max_seq_len=256),
+    "SMALL": dict(flavour="llama", vocab_size=1024, n_layer=4, n_head=4, n_kv_head=2, d_model=128, max_seq_len=1024),
     "GPT2_124M": dict(flavour="gpt2", vocab_size=50257, n_layer=12, n_head=12, n_kv_head=12, d_model=768,
                       max_seq_len=1024),
     "TINYLLAMA_1B": dict(flavour="llama", vocab_size=32000, n_layer=22, n_head=32, n_kv_head=4, d_model=2048,

@@ -15,6 +15,8 @@
 # 5. at which moments of a generation the cache lets a compression method act.
 #
 # The model is nanollm's `TINY` preset with random weights: the cache does not care what the weights are.
+# (Two things share the name: `preset("TINY")` is that model's shape; the `TINY` the first cell imports is
+# True only in a quick check of the notebook (`NANOLLM_TINY=1`), where some cells use smaller sizes.)
 # Code: `nanollm/storage.py`, `nanollm/cache.py`, `nanollm/generation.py`.
 
 # %% tags=["setup"]
@@ -40,8 +42,8 @@ model = Transformer(config).eval()            # random weights (seeded)
 #   its attention reads the stored ones;
 # * `extend(model, ids, cache)` does the same for a chunk of new tokens (a question appended to a document).
 #
-# Below, the model generates 8 tokens after a 4-token prompt both ways, and a hook on layer 0's key
-# projection counts the rows it computes at each step.
+# Below, 8 more tokens follow a 4-token prompt (random ids stand in for generated ones), run both ways, and a
+# hook on layer 0's key projection counts the rows it computes at each step.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 import torch
@@ -195,20 +197,21 @@ print(f"{len(calls)} calls of layer 0 recorded, of {[q.shape[2] for q, *_ in cal
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 # BEGIN SOLUTION [cache:append] write k, v and pos into the next free slots of the buffers; count them in `used`
 def append(k, v, pos):
-    """Write a step's keys and values (B, H_kv, T, d) at positions pos (T,) into the next free slots."""
+    """Write a step's keys and values (batch, H_kv, n_new, d) at positions pos (n_new,) into the next free slots."""
     global used
-    T = k.shape[2]
-    k_buf[:, :, used:used + T], v_buf[:, :, used:used + T], pos_buf[:, :, used:used + T] = k, v, pos
-    used += T
+    n_new = k.shape[2]                                         # the step's new tokens
+    end = used + n_new
+    k_buf[:, :, used:end], v_buf[:, :, used:end], pos_buf[:, :, used:end] = k, v, pos
+    used = end
 # END SOLUTION
 
 
 # BEGIN SOLUTION [cache:mask] Vaswani §3.2.1 (Eq. 1): repeat each KV head for its query heads, mask from positions
 def attend(q, q_pos):
-    """Queries q (B, H, Tq, d) at positions q_pos (Tq,) over every stored entry -> (B, H, Tq, d)."""
+    """Queries q (batch, H, Tq, d) at positions q_pos (Tq,) over every stored entry -> (batch, H, Tq, d)."""
     group = q.shape[1] // config.n_kv_head                     # query heads per KV head (GQA)
     k, v, pos = (t[:, :, :used].repeat_interleave(group, dim=1) for t in (k_buf, v_buf, pos_buf))
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5      # (B, H, Tq, used)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5      # (batch, H, Tq, used)
     visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= q_pos[:, None])   # the mask M
     return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
 # END SOLUTION
@@ -251,7 +254,8 @@ for name in ["TINY", "SMALL", "GPT2_124M", "TINYLLAMA_1B"]:
 
 # %% [markdown]
 # TinyLlama's 32 query heads share 4 KV heads: its cache is 8 times smaller than with MHA. The formula is not
-# an estimate: `cache.nbytes()` counts the bytes of the tensors actually stored. For the 10-token cache of
+# an estimate: `cache.nbytes()` counts the bytes of the keys and values in the slots in use (the stored
+# positions beside them, one integer a slot and head, are left out). For the 10-token cache of
 # section 1 (fp32):
 
 # %% tags=["needs:append"]
@@ -292,8 +296,8 @@ for name in ["TINY", "TINY_GPT2"]:
 # ## 4. What the cache buys: time per decode step
 #
 # `nanollm.cli.bench.run_bench` times, at each context length, one cached `decode_step` against one uncached
-# forward over the whole prefix, interleaved, on one thread of the machine that built this page: read the
-# ratios, not the milliseconds.
+# forward over the whole prefix, interleaved, on one thread: read the ratios, not the milliseconds, which
+# depend on the machine.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from nanollm.cli.bench import run_bench
@@ -379,8 +383,9 @@ for t, n in [(5, 2), (1005, 1002), (5, 4)]:
 # `evict(idx)` instead, which moves nothing: the dropped slots get position $-1$ and the next append
 # writes into them. Slots then stop following positions, harmless for the same two reasons.
 #
-# Below, a 12-token prompt; in layer 0 each KV head keeps the first 2 tokens, the three most recent and a
-# different middle token (head 1 one fewer: an empty slot), then one more token is decoded.
+# Below, a 12-token prompt; in layer 0 KV head 0 keeps the first 2 tokens, a middle one (5) and the three most
+# recent, KV head 1 the first 2, another middle one (7), the two most recent and an empty slot ($-1$); then
+# one more token is decoded.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 cache = KVCache(config)

@@ -232,7 +232,7 @@ print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in v
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
 # \qquad \text{(Algorithm 1)}$$
 #
-# In the code, `t` runs over the token positions ($n$ above). The check compares it with the library's
+# The check compares it with the library's
 # `adaptive_keep_mask` on heads of equal scale, then with KV head 0's scores ten times larger.
 
 # %%
@@ -245,15 +245,15 @@ from methods.adakv import adaptive_keep_mask
 def adakv_keep(scores, budget, n_safe):
     """scores (H_kv, T) one layer's per-head scores -> (H_kv, T) bool: the (head, token) pairs AdaKV keeps."""
     H_kv, T = scores.shape
-    pairs = [(j, t) for j in range(H_kv) for t in range(T)]      # the whole layer, head by head
+    pairs = [(j, n) for j in range(H_kv) for n in range(T)]      # the whole layer, head by head
     ranked = scores.clone()
     for j in range(H_kv):                                        # the safeguard: each head's own best n_safe
-        best = sorted(range(T), key=lambda t: -scores[j, t])[:n_safe]   # stable: ties go to the earlier token
+        best = sorted(range(T), key=lambda n: -scores[j, n])[:n_safe]   # stable: ties go to the earlier token
         ranked[j, best] = math.inf
-    pairs = sorted(pairs, key=lambda jt: -ranked[jt])            # one ranking for the layer (stable)
+    pairs = sorted(pairs, key=lambda jn: -ranked[jn])            # one ranking for the layer (stable)
     keep = torch.zeros(H_kv, T, dtype=torch.bool)
-    for j, t in pairs[:H_kv * budget]:
-        keep[j, t] = True
+    for j, n in pairs[:H_kv * budget]:
+        keep[j, n] = True
     return keep
 # END SOLUTION
 
@@ -335,8 +335,10 @@ plt.show()
 # Now the library's four rules on a real model reading natural text: SmolLM2-135M (30 layers, 9 query heads
 # sharing 3 KV heads) on `niah_single_docs` prompts, paragraphs of Python's documentation with one
 # magic-number sentence inside (the *needle*) and the question at the end. Each seed puts the needle at
-# another depth. Each rule keeps a quarter of the sample's length; every passage gets one greedy answer per
-# cache, scored as the tables score it (acc, see the glossary).
+# another depth. Each rule keeps $B$ = `LENGTH_REAL // 4` entries per layer and KV head, a quarter of the
+# length asked for; a passage comes out shorter (its length is printed), so the share kept is larger, up to
+# a half. Every passage gets one greedy answer per cache, with the question at the end of the prompt
+# (`MODES[0]`; the glossary, A.2, has both modes), scored as the tables score it (acc, see the glossary).
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from methods import make_policy

@@ -32,7 +32,7 @@
 # measurement) and `match3.py` (the task and its two models) in the same folder.
 
 # %% tags=["setup"]
-from preamble import TINY  # noqa: I001 (the repository importable before any other import)
+from preamble import TINY  # the repository importable before any other import
 
 # %% [markdown]
 # ## 1. One decode step, built by hand
@@ -344,7 +344,8 @@ print(f"tensor - standard label accuracy, paired over the same {len(ids)} sequen
 # another training run.
 #
 # Greedy decoding through each cache layout gives the same labels (the three paths compute the same
-# numbers, up to float rounding that never flips an argmax here):
+# numbers, up to float rounding that never flips an argmax here), right or wrong: in the example below all
+# three say Y at position 7 (counting from 0), where the truth is n.
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
 import random

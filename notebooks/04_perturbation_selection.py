@@ -14,14 +14,14 @@
 # 1. the output perturbation, its bound, and Algorithm 1, written out and checked against the library;
 # 2. whether Algorithm 1 lowers the perturbation when it knows the true query, and why that depends on how
 #    concentrated the attention is;
-# 3. the two readings of Algorithm 2 inside SnapKV, and why pooling decides whether a needle's value survives;
+# 3. the two readings of Algorithm 2 inside SnapKV, and how pooling changes whether a needle's value is kept;
 # 4. what changes on a real language model, SmolLM2-135M.
 #
 # Code: `methods/critical_kv.py`. A *keep ratio* is the share of the prompt each KV head keeps (notebook 01's
 # glossary).
 
 # %% tags=["setup"]
-from preamble import TINY  # noqa: I001 (the repository importable before any other import)
+from preamble import TINY  # the repository importable before any other import
 
 import matplotlib.pyplot as plt
 import torch
@@ -37,8 +37,9 @@ import torch
 # | $T$, $n$ | entries in the cache, and one of them | `T` |
 # | $A$, $A_n$ | the query's attention over the $T$ entries ($A_n = a_{t,n}$) | `attn`, `A` |
 # | $V$, $v_n$ | the head's stored values, $T \times d$ | `v` |
-# | $W_O$ | the output projection ($D \times D$); for one head, its $d$ columns | `W_O` |
-# | $V W_O$, $P_n$ | the projected values, and $P_n = \|v_n W_O\|_1$, the size of what entry $n$ adds | `vw`, `P` |
+# | $W_O$ | the output projection, $D \times D$ | `W_O` |
+# | $W_O^{(h)}$ | the $d$ rows of $W_O$ that head $h$'s output meets, $d \times D$ | in `projected_values` |
+# | $V W_O^{(h)}$, $P_n$ | projected values ($T \times D$); $P_n = \|v_n W_O^{(h)}\|_1$, entry $n$'s size | `vw`, `P` |
 # | $B$ | the budget: entries kept | `b` |
 # | $\mathcal{N}$, $\mathcal{N}_n$ | the keep mask: 1 for a kept entry, 0 for an evicted one | `keep` |
 # | $m$ | the kept attention mass, $\sum_n \mathcal{N}_n A_n$ | `m` |
@@ -48,12 +49,12 @@ import torch
 # | $\alpha$, $\sigma$ | stage 1's share of $B$, and the mass stage 1 keeps | `alpha` |
 # | $\bar{A}$, $\bar{A}'$ | SnapKV's window attention, and its pooled vote (section 3) | `abar`, `pooled` |
 #
-# The head adds $A V W_O$ to the layer's output (Eq. 2). CriticalKV evicts entries with a mask
+# The head adds $A V W_O^{(h)}$ to the layer's output (Eq. 2). CriticalKV evicts entries with a mask
 # $\mathcal{N}$; the softmax over the kept entries is the old attention renormalised (Theorem 1, Eq. 6), and
 # the output moves by the perturbation $\mathcal{L}$ (Eq. 5):
 #
 # $$A' = \frac{\mathcal{N} \odot A}{\sum_n \mathcal{N}_n A_n} \quad \text{(Eq. 6)}, \qquad
-# \mathcal{L} = \big\|(A - A')\, V W_O\big\|_1 \quad \text{(Eq. 5)}.$$
+# \mathcal{L} = \big\|(A - A')\, V W_O^{(h)}\big\|_1 \quad \text{(Eq. 5)}.$$
 #
 # **The bound (§3.3, Theorem 2).** The triangle inequality splits $\mathcal{L}$ entry by entry:
 # $\mathcal{L} \le \sum_n |A_n - A'_n|\, P_n$. An evicted entry has $A'_n = 0$ and adds $A_n P_n$; a kept one
@@ -87,9 +88,11 @@ print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.3f}  (>= 0: 
 # **From the bound to Algorithm 1 (§3.4-3.5).** If the kept mass $m$ exceeds one half, the factor $2 - 1/m$
 # is positive, and keeping entries with a large $A_n P_n$ lowers $\theta$. Algorithm 1 therefore works in two
 # stages. Stage 1 keeps the $\lfloor \alpha B \rfloor$ entries with the most attention; Assumption 1 says their
-# mass $\sigma$ already exceeds one half. **Theorem 3** then freezes the factor at its stage-1 value: since
-# $m \ge \sigma$, $\theta$ is at most $C' - (2 - 1/\sigma) \sum_n \mathcal{N}''_n A_n P_n$, where $C'$ is
-# fixed by stage 1 and $\mathcal{N}''$ marks what stage 2 adds. Stage 2 minimises that by filling the rest of
+# mass $\sigma$ already exceeds one half. Split the mask as $\mathcal{N} = \mathcal{N}' + \mathcal{N}''$:
+# $\mathcal{N}'$ marks stage 1's entries, $\mathcal{N}''$ those stage 2 adds. **Theorem 3** then freezes the
+# factor at its stage-1 value: since $m \ge \sigma$, $\theta$ is at most $C' - (2 - 1/\sigma) \sum_n
+# \mathcal{N}''_n A_n P_n$, where $C' = C - (2 - 1/\sigma) \sum_n \mathcal{N}'_n A_n P_n$ is fixed once stage 1
+# has chosen. Stage 2 minimises that by filling the rest of
 # the budget with the largest $A_n P_n$: *Theorem 3's ranking*. Here is Algorithm 1 for one head (its
 # comments write $A_i$, $P_i$ and $n$ entries, as the paper does), checked against the library's
 # `perturbation_constrained_select` on random heads:
@@ -129,7 +132,7 @@ print(f"Algorithm 1 written out keeps the library's entries in all {n_heads} ran
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound", "needs:two_stage"]
 attn = torch.tensor([0.5, 0.2, 0.18, 0.12], dtype=torch.float64)                # (4,) one query's attention A
 vw = torch.tensor([[1.0], [0.1], [-2.0], [1.0]], dtype=torch.float64) \
-    @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                           # (4, 2) V W_O
+    @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                           # (4, 2) V W_O^(h)
 P = vw.abs().sum(-1)                                                            # (4,) P_n
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), dpi=80, sharey=True)
 for ax, (name, alpha) in zip(axes, [("attention top-2", 1.0), ("Algorithm 1, alpha = 0.5", 0.5)]):
@@ -198,6 +201,7 @@ def topk_vs_algorithm1(A: torch.Tensor, vw: torch.Tensor, b: int) -> list[float]
 from methods.critical_kv import projected_values
 from methods.evaluation.harness import trace
 from nanollm import KVCache, decode_step, prefill
+from nanollm.data.tasks import make_sample
 
 MODE = "question_in_prompt"                                          # the question at the end of the prompt
 
@@ -208,7 +212,7 @@ def algorithm1_vs_topk(model, tok, tasks: list[str], n_samples: int, length: int
     for task in tasks:
         for i in range(n_samples):
             s = make_sample(task, tok, length, seed=i)
-            full = trace(model, s, MODE, None, record_probs=True)        # first decode step's attention
+            full = trace(model, s, MODE, None, record_probs=True)        # policy None: the full cache
             cache = KVCache(cfg)
             prefill(model, torch.tensor([s.prompt_ids]), cache)
             decode_step(model, torch.tensor([s.target_ids[0]]), cache)  # the same step: its values
@@ -246,7 +250,6 @@ def summarise(rows: dict, ratios: list[float], blocks: list[tuple[str, list[int]
 
 # %%
 from nanollm import load
-from nanollm.data.tasks import make_sample
 
 model, tok, card = load("retrieval-llama")                       # the bundled model
 cfg = model.config
@@ -260,14 +263,16 @@ summarise(alg1, RATIOS, [(str(l), [l]) for l in range(cfg.n_layer)] + [("all", r
 
 # %% [markdown]
 # On this model Algorithm 1 loses to attention top-k even with the true query: over all layers it lowers
-# $\mathcal{L}$ in 0.30 (keep ratio 0.1) and 0.26 (0.25) of the (sample, head) pairs, its mean $\mathcal{L}$
+# $\mathcal{L}$ in 0.29 (keep ratio 0.1) and 0.26 (0.25) of the (sample, head) pairs, its mean $\mathcal{L}$
 # is higher in every layer, and it lowers even the bound $\theta$ less often still. Theorem 3 freezes the
 # factor $2 - 1/m$ at $2 - 1/\sigma$, as if $m$ were fixed; but every entry stage 2 picks for its value
 # instead of its attention lowers $m$, and $\theta$, like $\mathcal{L} = (1 - m)\,
 # \| o_\text{dropped} - o_\text{kept} \|_1$, grows as $m$ falls. That cost is small only where attention is
 # concentrated, as the paper assumes (§3.5: "a small subset of cache entries accounts for the majority of the
 # attention weights"). Here it mostly is not: a tenth of the entries by attention keeps 0.51-0.67 of the mass
-# in layers 0, 2 and 3. Only layer 1 is concentrated (0.90), and it is where Algorithm 1 comes closest.
+# in layers 0, 2 and 3. Only layer 1 is concentrated (0.90), and there the two mean $\mathcal{L}$ are closest
+# (0.394 against 0.417 at keep 0.1, 0.226 against 0.234 at 0.25); its win fraction leads at keep 0.1 (0.39)
+# but not at 0.25 (0.31, against 0.35 in layers 2 and 3).
 
 # %% [markdown]
 # ## 3. Inside SnapKV: the two readings of Algorithm 2's stage 2
@@ -311,13 +316,16 @@ prefill(model, ids, KVCache(cfg, policy))
 abar = policy.last[layer]["abar"][0]                                  # (H, T) window attention, not pooled
 pooled = pool1d(abar, policy.inner.kernel, policy.inner.pooling)      # (H, T) SnapKV's pooled vote
 full = trace(model, sample, MODE, None, record_probs=True)           # full cache, first decode step
-mass = lambda a: float(a[:, digits].sum(-1).mean())                 # noqa: E731  mean over query heads
+mass = lambda a: float(a[:, digits].sum(-1).mean())                 # mean over query heads
 print(f"layer {layer}: attention mass on the 6 digits, mean over query heads: window Abar {mass(abar):.3f}, "
       f"pooled vote {mass(pooled):.3f}, first answer query {mass(full.probs[layer]):.3f}")
 
 # %% [markdown]
 # Then the rank each stage-2 score gives each digit, per KV head (0 = ranked first; a KV head's score is the
-# mean over the query heads that read it).
+# mean over the query heads that read it). The two average differently, as the library does: SnapKV's pooled
+# vote exists only per KV head (it averages its query heads' votes), so the pooled score multiplies it by the
+# heads' mean $P_n$, a product of means; $\bar{A}$ is per query head, so the literal score pairs each head's
+# $\bar{A}_n$ with its own $P_n$ and averages the products.
 
 # %% tags=["needs:two_stage"]
 from methods.critical_kv import projected_value_norms
@@ -376,9 +384,11 @@ summarise(alg1_r, RATIOS, [("0", [0]), ("1-9", range(1, 10)), ("10-19", range(10
 # %% [markdown]
 # With the true query, Algorithm 1 now wins slightly more often than it loses: lower $\mathcal{L}$ than
 # attention top-k in 0.517 (keep ratio 0.1) and 0.604 (0.25) of the (sample, head) pairs over all layers.
-# The difference is concentration: attention top-k keeps 0.93 and 0.97 of the mass, so the entries stage 2
-# picks for their values cost little of it. In layer 0, whose attention is spread out, Algorithm 1 still
-# loses.
+# Attention is more concentrated than on the bundled model: over all layers attention top-k keeps 0.93 and
+# 0.97 of the mass, so the entries stage 2 picks for their values cost little of it. Concentration alone does
+# not rank the layers, though: at keep ratio 0.1 top-k keeps 0.89 in layers 1-9, where Algorithm 1 wins most
+# often (0.650), and 0.96 in layers 20-29, where it wins least of the three blocks (0.424). In layer 0, the
+# least concentrated (0.58), Algorithm 1 still loses.
 #
 # ### 4.2 What the two readings keep of a real passage
 #
@@ -438,15 +448,18 @@ plt.show()
 # needle's sentence in blocks (pooling keeps a strong token's neighbours); the pooled stage 2 keeps a little
 # more: the value complete in 33 of the 90 (layer, KV head) pairs, against 26 for SnapKV. The literal reading
 # spends its stage-2 budget on isolated tokens all over the prompt (the speckled strip): the value complete in
-# 13 pairs, and 0.4 of the 4 digits per KV head in layers 0-9 against 2.9. Section 3's finding holds on a real
-# model: the pooled vote points at the value through the key next to it; the un-pooled window attention does
-# not. SnapKV and both readings still answer 6122 here, and kvpress's settings answer "61".
+# 13 pairs, and 0.4 of the 4 digits per KV head in layers 0-9 against 2.9. Section 3's finding holds for what
+# is kept on a real model: the pooled vote points at the value through the key next to it; the un-pooled window
+# attention does so less often. SnapKV and both readings still answer 6122 here, and kvpress's settings answer "61".
 #
-# **Verdict.** The criterion needs concentrated attention: with the true query Algorithm 1 beats attention
-# top-k on SmolLM2, slightly, and loses on the bundled model. Inside a host, the observation window decides
-# what stage 2 sees, and only the pooled reading, the one the authors ran, keeps the value next to a retrieved
-# key; read literally, line 9 throws it away. Whether that moves the answers, and by how much, the lab
-# measures.
+# **Verdict.** With the true query Algorithm 1 beats attention top-k on SmolLM2, slightly, and loses on the
+# bundled model, whose attention is spread out; concentration is not the whole story (section 4.1). Inside a
+# host, the observation window decides what stage 2 sees. Pooling helps keep the value but does not secure it:
+# our pooled default keeps it complete in 33 of the 90 (layer, KV head) pairs and the literal reading in 13,
+# but kvpress's settings, the authors' code (also pooled, with half the budget by attention, a wider window and
+# average pooling), keep it complete in only 5 and answer "61". Nor do kept digits decide this answer: the
+# literal reading still answers 6122. Whether the readings move the answers over many samples, and by how
+# much, the lab measures.
 
 # %% [markdown]
 # ## Exercises
@@ -461,7 +474,7 @@ plt.show()
 # %%
 ex_attn = torch.tensor([0.5, 0.2, 0.18, 0.12], dtype=torch.float64)                 # A, the hand example
 ex_vw = torch.tensor([[1.0], [0.1], [-2.0], [1.0]], dtype=torch.float64) \
-    @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                             # V W_O, one row per entry
+    @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                             # V W_O^(h), one row per entry
 ex_keep = torch.tensor([False, True, True, False])                                  # the mask N: entries 1, 2
 my_L, my_theta = None, None                                                         # your code
 
@@ -470,12 +483,12 @@ my_L, my_theta = None, None                                                     
 kept = ex_attn * ex_keep                                  # N*A
 m_kept = kept.sum()                                       # the kept attention mass
 my_L = float(((ex_attn - kept / m_kept) @ ex_vw).abs().sum())
-P_ex = ex_vw.abs().sum(-1)                                # ||V_i W_O||_1
+P_ex = ex_vw.abs().sum(-1)                                # P_n = ||v_n W_O^(h)||_1
 my_theta = float((ex_attn * P_ex).sum() - (2 - 1 / m_kept) * (kept * P_ex).sum())
 # END SOLUTION
 assert abs(my_L - float(output_perturbation(ex_attn, ex_keep, ex_vw))) < 1e-9, \
     f"my_L = {my_L:.4f}, the library's L = {float(output_perturbation(ex_attn, ex_keep, ex_vw)):.4f}: " \
-    "renormalise the kept attention (A' sums to 1) and take the L1 norm of (A - A') V W_O"
+    "renormalise the kept attention (A' sums to 1) and take the L1 norm of (A - A') V W_O^(h)"
 assert abs(my_theta - float(perturbation_bound(ex_attn, ex_keep, ex_vw.abs().sum(-1)))) < 1e-9, \
     f"my_theta = {my_theta:.4f} differs from Theorem 2's bound: C = sum(A*P), then minus (2 - 1/m) sum(N*A*P)"
 print(f"kept mass {float(m_kept):.2f}: L = {my_L:.3f}, theta = {my_theta:.3f}, 2 - 1/m = {float(2 - 1 / m_kept):.2f}")
@@ -484,32 +497,32 @@ print(f"kept mass {float(m_kept):.2f}: L = {my_L:.3f}, theta = {my_theta:.3f}, 2
 # ### Exercise 2: concentrated attention
 #
 # Sections 2 and 4 say the criterion needs concentrated attention. Test that on random heads of 64 entries
-# and a budget of 16: for each temperature in `(0.5, 1, 2, 4, 8)`, draw 200 heads with attention
-# `torch.softmax(temperature * torch.randn(64))` and projected values `torch.randn(64, 8)` with each row
-# scaled by `exp` of a standard normal (so that some entries are much larger than others), and store in
-# `wins[temperature]` the fraction of heads where Algorithm 1 ($\alpha = 0.25$) has a lower $\mathcal{L}$ than
-# attention top-k ($\alpha = 1$), using `perturbation_constrained_select` and `output_perturbation`. Does
-# concentrated attention make Algorithm 1 win?
+# and a budget of 16: for each sharpness in `(0.5, 1, 2, 4, 8)` (it multiplies the logits: larger is more
+# concentrated), draw 200 heads with attention `torch.softmax(sharpness * torch.randn(64))` and projected
+# values `torch.randn(64, 8)` with each row scaled by `exp` of a standard normal (so that some entries are
+# much larger than others), and store in `wins[sharpness]` the fraction of heads where Algorithm 1
+# ($\alpha = 0.25$) has a lower $\mathcal{L}$ than attention top-k ($\alpha = 1$), using
+# `perturbation_constrained_select` and `output_perturbation`. Does concentrated attention make Algorithm 1 win?
 
 # %% tags=["needs:output_perturbation", "needs:two_stage"]
-# BEGIN SOLUTION [critical_kv] per temperature: 200 heads; keep 16 with alpha 1 and 0.25; count where L is lower
+# BEGIN SOLUTION [critical_kv] per sharpness: 200 heads; keep 16 with alpha 1 and 0.25; count where L is lower
 g = torch.Generator().manual_seed(0)
 wins = {}
-for temperature in (0.5, 1, 2, 4, 8):
+for sharpness in (0.5, 1, 2, 4, 8):
     won, top_mass = 0, 0.0
     for _ in range(200):
-        attn = torch.softmax(temperature * torch.randn(64, generator=g, dtype=torch.float64), -1)
+        attn = torch.softmax(sharpness * torch.randn(64, generator=g, dtype=torch.float64), -1)
         vw = torch.randn(64, 8, generator=g, dtype=torch.float64) * torch.randn(64, 1, generator=g).exp()
         keeps = [torch.zeros(64, dtype=torch.bool).index_fill(0, perturbation_constrained_select(
             attn, vw.abs().sum(-1), 16, alpha), True) for alpha in (1.0, 0.25)]
         won += float(output_perturbation(attn, keeps[1], vw)) < float(output_perturbation(attn, keeps[0], vw))
         top_mass += float(attn.topk(16).values.sum()) / 200
-    wins[temperature] = won / 200
-    print(f"temperature {temperature}: top-16 keeps {top_mass:.2f} of the mass; Algorithm 1's L lower in "
-          f"{wins[temperature]:.2f} of the heads")
+    wins[sharpness] = won / 200
+    print(f"sharpness {sharpness}: top-16 keeps {top_mass:.2f} of the mass; Algorithm 1's L lower in "
+          f"{wins[sharpness]:.2f} of the heads")
 # END SOLUTION
 assert set(wins) == {0.5, 1, 2, 4, 8} and all(0 <= w <= 1 for w in wins.values()), \
-    "wins maps each temperature to the fraction of the 200 heads where Algorithm 1's L is lower"
+    "wins maps each sharpness to the fraction of the 200 heads where Algorithm 1's L is lower"
 
 # %% [markdown]
 # ### Exercise 3: the two readings of Algorithm 2 line 9

@@ -41,23 +41,23 @@ model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter
 # | $T$ | tokens of the prompt | `T` |
 # | $n$ | a token's position, $0 \le n < T$ | the index into `votes` |
 # | $t$ | a voting query's position, one of the last $w$ | in the library's scorer |
-# | $H_{kv}$, $g$ | a layer's KV heads, and one of them | `n_kv_head` |
-# | $G$, $h \in g$ | the query heads that read KV head $g$, and one of them | in the library's scorer |
+# | $H_{kv}$, $j$ | a layer's KV heads, and one of them | `n_kv_head` |
+# | $\mathcal{H}_j$, $h$ | the $G = H / H_{kv}$ query heads that read KV head $j$, and one | in the library's scorer |
 # | $a^{h}_{t,n}$ | attention weight of query $t$ on token $n$ in query head $h$ | in the library's scorer |
 # | $w$ | the observation window: the last $w$ prompt tokens, whose queries vote; always kept | `window` |
 # | $s_n$ | the vote of token $n$ (one per layer: summed over its heads) | `votes` |
 # | $c$ | tokens per chunk | `c` (the library's `chunk_size`) |
-# | $k$, $\mathcal{C}_k$ | a chunk, and its positions $kc, \dots, kc + c - 1$ | `k`, `chunks[k]` |
-# | $S_k$ | the score of chunk $k$ | `S` |
+# | $i$, $\mathcal{C}_i$ | a chunk's index, and its positions $ic, \dots, ic + c - 1$ | `i`, `chunks[i]` |
+# | $\sigma_i$ | the score of chunk $i$ | `chunk_score[i]` |
 # | $B$ | the budget: tokens kept per layer and KV head, the window included | `budget`, `BUDGET` |
 # | $B - w$ | the room: how many tokens the chunks may fill | `room` |
 #
-# $$s_n \;=\; \sum_{g=1}^{H_{kv}} \frac{1}{G} \sum_{h \in g} \; \sum_{t=T-w}^{T-1} a^{h}_{t,n}, \qquad
-#   S_k \;=\; \sum_{n \in \mathcal{C}_k} s_n, \qquad
-#   \text{keep chunks in decreasing order of } S_k \text{ while }
-#   \sum_{\text{kept } k} |\mathcal{C}_k| \;\le\; B - w .$$
+# $$s_n \;=\; \sum_{j=1}^{H_{kv}} \frac{1}{G} \sum_{h \in \mathcal{H}_j} \; \sum_{t=T-w}^{T-1} a^{h}_{t,n}, \qquad
+#   \sigma_i \;=\; \sum_{n \in \mathcal{C}_i} s_n, \qquad
+#   \text{keep chunks in decreasing order of } \sigma_i \text{ while }
+#   \sum_{\text{kept } i} |\mathcal{C}_i| \;\le\; B - w .$$
 #
-# The sum over $g$ gives one ranking per layer: all KV heads of a layer keep the same chunks. The cell below
+# The sum over $j$ gives one ranking per layer: all KV heads of a layer keep the same chunks. The cell below
 # writes the choice from the votes of the tokens outside the window and checks it on a 12-token toy (chunks
 # of 4 with summed votes `.4`, `.5`, `.7`) against the library's `chunk_keep_mask`, which takes a layer's KV
 # heads at once: `library_keeps` asks it for one head, with the room (`n_free` there), `shared=True` (one
@@ -70,17 +70,17 @@ import torch
 from methods.chunkkv import chunk_keep_mask
 
 
-# BEGIN SOLUTION [chunkkv:chunk_ranking] §3, Algorithm 1, one head: S_k sums a chunk's votes; whole chunks, best first
+# BEGIN SOLUTION [chunkkv:chunk_ranking] §3, Algorithm 1, one head: sigma_i: chunk i's summed votes; whole chunks first
 def choose_chunks(votes, c, room):
     """The kept positions (sorted) of one head: whole chunks of c tokens, best summed vote first, while they fit."""
     T = len(votes)                                                     # votes: (T,) one vote per free token
-    chunks = [list(range(start, min(start + c, T))) for start in range(0, T, c)]   # chunk k: [k c, k c + c)
-    S = [float(votes[chunk].sum()) for chunk in chunks]               # S_k: the chunk's summed vote
+    chunks = [list(range(start, min(start + c, T))) for start in range(0, T, c)]   # chunk i: [i c, i c + c)
+    chunk_score = [float(votes[chunk].sum()) for chunk in chunks]     # sigma_i: the chunk's summed vote
     kept = []
-    for k in sorted(range(len(chunks)), key=lambda k: -S[k]):         # best first (ties: the earlier chunk)
-        if len(kept) + len(chunks[k]) > room:
+    for i in sorted(range(len(chunks)), key=lambda i: -chunk_score[i]):   # best first (ties: the earlier chunk)
+        if len(kept) + len(chunks[i]) > room:
             break                                                      # the first chunk that does not fit ends it
-        kept += chunks[k]
+        kept += chunks[i]
     return sorted(kept)
 # END SOLUTION
 
@@ -131,9 +131,9 @@ for ax, c in zip(axes, [1, 4]):
     ax.axvspan(KEY[0] - 0.5, KEY[1] - 0.5, color="orange", alpha=0.25, lw=0)
     ax.axvspan(VALUE[0] - 0.5, VALUE[1] - 0.5, color="red", alpha=0.25, lw=0)
     ax.bar(range(T), needle, color=["black" if n in keep else "lightgray" for n in range(T)], edgecolor="gray")
-    for start in range(0, T, c) if c > 1 else []:                     # the chunk grid and each chunk's S_k
+    for start in range(0, T, c) if c > 1 else []:                     # the chunk grid and each chunk's sigma_i
         ax.axvline(start - 0.5, color="tab:blue", ls=":", lw=1)
-        ax.text(start + c / 2 - 0.5, 0.33, f"S = {needle[start:start + c].sum():.2f}", ha="center", fontsize=9)
+        ax.text(start + c / 2 - 0.5, 0.33, rf"$\sigma$ = {needle[start:start + c].sum():.2f}", ha="center", fontsize=9)
     digits = sum(int(n in keep) for n in range(*VALUE))
     ax.set(title=f"chunks of {c}: {digits} of the value's 4 digits kept", ylabel="window vote", ylim=(0, 0.38))
 axes[1].set(xlabel="token position", xticks=range(0, T, 2))
@@ -145,7 +145,7 @@ plt.show()
 # %% [markdown]
 # The two panels show the same 24 votes (bar heights) and which tokens each rule keeps: black bars are kept,
 # grey ones evicted; the orange band is the key, the red band its value; in the bottom panel the dotted blue
-# lines cut the chunk grid and each chunk is labelled with its score $S_k$. One token at a time (top), the
+# lines cut the chunk grid and each chunk is labelled with its score $\sigma_i$. One token at a time (top), the
 # room goes to the key's two loud tokens and to the loud tokens elsewhere, and the value keeps only its first
 # digits; in chunks of 4 (bottom) the two best chunks are the key's and the value's, so the fact is kept whole.
 #
@@ -157,7 +157,8 @@ plt.show()
 #
 # A single-needle sample of the bundled model's default suite, compressed to half its length per layer and
 # KV head (the cell prints the sizes). SnapKV (observation window 32, max pooling over 7), ChunkKV (the
-# paper's scoring: the window's raw attention, chunks of 10, reuse depth 2) and H2O each answer it.
+# paper's scoring: the window's raw attention, chunks of 10, and reuse depth 2, where the upper layer of each
+# pair keeps the positions the lower one chooses; section 3) and H2O each answer it.
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
 from methods import make_policy
@@ -195,9 +196,10 @@ plt.show()
 # Each panel is one method's kept set: a row per (layer, KV head), a column per prompt position, dark = kept,
 # light = evicted; the red band is the needle's value, the orange band the words in front of it, the dotted
 # blue line the start of the observation window. SnapKV keeps many thin stripes, and its deeper layers miss
-# digits of the value; ChunkKV keeps runs of ten tokens that hold the value whole in every layer. (H2O keeps
-# a recent window of `budget // 2` tokens plus heavy hitters; it holds this needle too.) The same needle as
-# text, then the count over more samples:
+# digits of the value: it answers 9999999, where ChunkKV and H2O answer 196238. ChunkKV keeps runs of ten
+# tokens that hold the value whole in every layer. (H2O keeps a recent window of `budget // 2` tokens plus
+# heavy hitters; it holds this needle too.) The same needle as text, one line per (layer, KV head) with `_` in
+# place of each evicted token, then the count over more samples:
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
 from methods.evaluation.viz import kept_mask, kept_text
@@ -279,12 +281,12 @@ for name, (every, selected) in jac.items():
 #
 # The paper's headline claim is about real language models: **with the same votes, keeping whole chunks
 # answers better than keeping the best single tokens.** This section tests it on SmolLM2-135M (trained on
-# natural text, about 155 times the bundled model's parameters, so these cells use both CPU cores) with its
+# natural text, about 155 times the bundled model's parameters) with its
 # default suite: RULER's passkey (a five-digit number hidden in a repeated filler, "The grass is green. ...")
 # and a magic-number needle in paragraphs of Python's documentation (`niah_single_docs`), 512-token prompts.
 
 # %%
-torch.set_num_threads(2)                             # 135M parameters: the matrix products use both cores
+torch.set_num_threads(2)                             # two threads for the larger model's matrix products
 real, real_tok, real_card = load("smollm2-135m")     # 30 layers, 9 query heads, 3 KV heads, fp32
 LENGTH_REAL = 256 if TINY else 512                   # tokens per sample
 SAMPLES_REAL = 1 if TINY else 5                      # samples per task and mode (accuracy)
@@ -480,7 +482,7 @@ print("share of needle values inside one chunk: " + ", ".join(f"c={c}: {x:.1f}" 
 # ### Exercise 2: a ranking per KV head
 #
 # Set `per_head=True` and rerun section 3: how similar are adjacent layers when every KV head ranks its
-# own chunks (the equation's $s_n$ without the sum over $g$)?
+# own chunks (the equation's $s_n$ without the sum over $j$)?
 #
 # ### Exercise 3: the smallest budget
 #

@@ -29,7 +29,7 @@ model, tok, card = load("retrieval-llama")     # the bundled model (notebook 00)
 #
 # A count sketch (Charikar, Chen and Farach-Colton, 2002) keeps many items, each adding a number to its own
 # total, in a small fixed table of $r$ rows of $b$ cells (buckets), and answers "what is item $J$'s total?"
-# approximately. Each row $i$ has two hash functions of the item: a *bucket hash* $h_i(J)$, which picks one
+# approximately. Each row $i$ has two hash functions of the item: a *bucket hash* $c_i(J)$, which picks one
 # of the row's cells, and a *sign hash* $g_i(J) = \pm 1$. The lesson's symbols (the shared ones are in the
 # [course's notation table](README.md)):
 #
@@ -38,29 +38,29 @@ model, tok, card = load("retrieval-llama")     # the bundled model (notebook 00)
 # | $r$, $i$ | rows of the sketch, and one of them | `rows`, `i` |
 # | $b$ | cells (buckets) per row | `width` |
 # | $J$ | an item: a token, named by its position | `J`, `pos` |
-# | $h_i(J)$ | row $i$'s bucket hash: the cell of $J$ in row $i$, from 0 to $b - 1$ | `h`, `buckets` |
+# | $c_i(J)$ | row $i$'s bucket hash: the cell of $J$ in row $i$, from 0 to $b - 1$ | `h`, `buckets` |
 # | $g_i(J)$ | row $i$'s sign hash, $+1$ or $-1$ | `g`, `signs` |
 # | $u_J$, $\hat u_J$ | the number item $J$ adds, and the sketch's estimate of it | |
 # | $C[i, c]$ | the number in cell $c$ of row $i$ | |
 # | $k_J$, $v_J$ | token $J$'s key and value, $d$ numbers each | `k`, `v` |
 # | $C^K$, $C^V$ | KVReviver's cells: sums of keys, signed sums of values | `cell_k`, `cell_v` |
 # | $\hat k_J$, $\hat v_J$ | the key and value the sketch gives back for $J$ | `est_k`, `est_v` |
-# | $a$ | tokens in the sketch | `a` |
+# | $m$ | tokens in the sketch | `m` |
 # | $N = r b$ | cells in all | |
-# | $V_{ij}$ | a coordinate of $\hat v_J$, as the paper writes it | |
+# | $\hat v_{J,j}$ | coordinate $j$ of $\hat v_J$ | |
 # | $\sigma_v^2$ | a value coordinate's variance over the tokens | `v.var(0)` |
 # | $B$ | the budget: slots per layer and KV head | `budget` |
 #
 # Item $J$ adds $g_i(J)\,u_J$ to its cell in every row; a query reads its $r$ cells back, undoes the sign, and
 # takes the median:
 #
-# $$C[i, h_i(J)] \mathrel{+}= g_i(J)\,u_J \ \text{ for every row } i, \qquad
-# \hat u_J = \operatorname{median}_i\ g_i(J)\,C[i, h_i(J)]$$
+# $$C[i, c_i(J)] \mathrel{+}= g_i(J)\,u_J \ \text{ for every row } i, \qquad
+# \hat u_J = \operatorname{median}_i\ g_i(J)\,C[i, c_i(J)]$$
 #
 # **Its error.** Row $i$ reads $u_J$ plus every other item in $J$'s cell, each times a random sign. So a
 # row's error is zero on average, and its variance is the sum of the other items' $u^2$ over $b$ (another
-# item lands in $J$'s cell with probability $1/b$): with $a$ items of mean square $\sigma^2$, about
-# $(a/b)\,\sigma^2$. Without signs the errors would not cancel: a row would read $u_J$ plus the plain sum of
+# item lands in $J$'s cell with probability $1/b$): with $m$ items of mean square $\sigma^2$, about
+# $(m/b)\,\sigma^2$. Without signs the errors would not cancel: a row would read $u_J$ plus the plain sum of
 # its neighbours, too large on average.
 #
 # **Median or mean.** The mean of the $r$ rows has $r$ times less variance, but one row where $J$ shares
@@ -75,8 +75,8 @@ model, tok, card = load("retrieval-llama")     # the bundled model (notebook 00)
 # its cell in every row; querying it (Algorithm 2) takes the element-wise median of its cells over the rows,
 # the value times the sign again:
 #
-# $$C^K[i, h_i(J)] \mathrel{+}= k_J,\quad C^V[i, h_i(J)] \mathrel{+}= g_i(J)\,v_J \qquad\qquad
-# \hat k_J = \operatorname{median}_i C^K[i, h_i(J)],\quad \hat v_J = \operatorname{median}_i\, g_i(J)\,C^V[i, h_i(J)]$$
+# $$C^K[i, c_i(J)] \mathrel{+}= k_J,\quad C^V[i, c_i(J)] \mathrel{+}= g_i(J)\,v_J \qquad\qquad
+# \hat k_J = \operatorname{median}_i C^K[i, c_i(J)],\quad \hat v_J = \operatorname{median}_i\, g_i(J)\,C^V[i, c_i(J)]$$
 #
 # Values are a count sketch as in section 1.1. Keys get no sign (the paper: the softmax would not keep them
 # unbiased anyway), so a key's error is a plain sum of other keys. A toy: six tokens with keys 1 to 6 and
@@ -164,13 +164,13 @@ print("values ", toy_v.flatten().int().tolist(), "-> estimates", est_v.flatten()
 #
 # ## 2. Reconstruction error vs tokens per cell
 #
-# With $a$ tokens in $b$ cells a row, one row's value error has variance about $(a/b)\,\sigma_v^2$
+# With $m$ tokens in $b$ cells a row, one row's value error has variance about $(m/b)\,\sigma_v^2$
 # (section 1.1), and the median of three rows about 0.448 times that (the paper's Lemma 2: the median of
 # three normal variables). The paper's bound (its Mathematical Analysis section; likewise for keys), with
 # $N = r b$ cells:
 #
-# $$P\left(\operatorname{Var}(\text{median of } V_{ij}) > \frac{a\pi}{N}\,\sigma_v^2\right) <
-# \exp\left(-\frac{a}{N}\right)$$
+# $$P\left(\operatorname{Var}(\hat v_{J,j}) > \frac{m\pi}{N}\,\sigma_v^2\right) <
+# \exp\left(-\frac{m}{N}\right)$$
 #
 # Measured on real keys and values: the first 128 tokens of layer 2 of the bundled model on one prompt,
 # relative to their per-coordinate variance.
@@ -183,8 +183,8 @@ LENGTH = 256 if TINY else 512                               # prompt tokens
 sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)
 full = KVCache(model.config)                                # the full cache: every token kept
 prefill(model, torch.tensor([sample.context_ids]), full)
-k, v = (x[0, :, :128].transpose(0, 1) for x in (full.layers[2].k, full.layers[2].v))   # (a, H_kv, d)
-a = k.shape[0]
+k, v = (x[0, :, :128].transpose(0, 1) for x in (full.layers[2].k, full.layers[2].v))   # (m, H_kv, d)
+m = k.shape[0]
 
 
 # %% tags=["needs:insert", "needs:query"]
@@ -194,8 +194,8 @@ for b in widths:
     runs = []
     for seed in range(5):                                   # five draws of the hashes
         s = VagueSketch(3, b, k.shape[1], k.shape[2], seed=seed)
-        s.insert(torch.arange(a), k, v)
-        kh, vh = s.query(torch.arange(a))
+        s.insert(torch.arange(m), k, v)
+        kh, vh = s.query(torch.arange(m))
         runs.append((float(((vh - v) ** 2).mean() / v.var(0).mean()),
                      float(((kh - k) ** 2).mean() / k.var(0).mean())))
     err[b] = tuple(sum(x) / 5 for x in zip(*runs))
@@ -204,32 +204,33 @@ for b in widths:
 # %% tags=["needs:insert", "needs:query"]
 import math
 
-x = torch.tensor([a / b for b in widths])                   # tokens per cell
+x = torch.tensor([m / b for b in widths])                   # tokens per cell
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
 for j, (ax, name) in enumerate(zip(axes, ["values (signed)", "keys (summed, no signs)"])):
     ax.loglog(x, [err[b][j] for b in widths], "o", label="measured, median of 3 rows")
-    ax.loglog(x, 0.448 * x, "--", label="0.448 a/b (Lemma 2)")
-    ax.loglog(x, math.pi * x / 3, "-", lw=0.8, label="a pi / N (the bound, N = 3b)")
-    ax.set(title=name, xlabel="tokens per cell a / b", ylabel="MSE / per-coordinate variance")
+    ax.loglog(x, 0.448 * x, "--", label="0.448 m/b (Lemma 2)")
+    ax.loglog(x, math.pi * x / 3, "-", lw=0.8, label="m pi / N (the bound, N = 3b)")
+    ax.set(title=name, xlabel="tokens per cell m / b", ylabel="MSE / per-coordinate variance")
 fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3)
 plt.tight_layout(rect=(0, 0.08, 1, 1))
 plt.show()
-print(f"a = {a} tokens: at a/b = 32 (b = 4) values {err[4][0]:.2f} (Lemma 2: {0.448 * 32:.2f}) and keys "
-      f"{err[4][1]:.2f}; at a/b = 1 (b = 128) values {err[128][0]:.2f} (Lemma 2: {0.448:.3f}), keys {err[128][1]:.2f}")
+print(f"m = {m} tokens: at m/b = 32 (b = 4) values {err[4][0]:.2f} (Lemma 2: {0.448 * 32:.2f}) and keys "
+      f"{err[4][1]:.2f}; at m/b = 1 (b = 128) values {err[128][0]:.2f} (Lemma 2: {0.448:.3f}), keys {err[128][1]:.2f}")
 
 
 # %% [markdown]
 # The figure shows the measured error (dots) against Lemma 2 (dashed) and the bound (solid), values left,
-# keys right. The value errors follow Lemma 2 (about 0.448 a/b of the variance) and stay under the bound.
-# The key errors grow far faster, with the square of a/b once a cell holds more than a few tokens: an
-# unsigned sum also carries the mean all keys share, a/b times over.
+# keys right. The value errors follow Lemma 2 (about 0.448 m/b of the variance) and stay under the bound.
+# The key errors grow far faster, with the square of m/b once a cell holds more than a few tokens: an
+# unsigned sum also carries the mean all keys share, m/b times over.
 #
 # ## 3. What the key error does to attention
 #
 # KVReviver shares a budget of $B$ slots per layer (and KV head) out as the paper's Tables 2-3 do: 45% to
 # Recent, 45% to Candidate, 10% to the sketch's cells. After each step (Algorithm 3) Recent's oldest token
 # moves to Candidate, Candidate's lowest-scored (by accumulated attention) into the sketch, and a sketched
-# token that scores higher than Candidate's lowest, by the paper's ReplaceRate, is revived into Candidate.
+# token whose score beats Candidate's lowest times the paper's *ReplaceRate* (a margin factor, `replace_rate`,
+# so that two tokens of about equal score do not swap back and forth) is revived into Candidate.
 # Before each attention (Algorithm 4) the layer's cache is rebuilt for every position: raw from Recent and
 # Candidate, from the sketch for the rest (`policy.attend_kv`). With a quarter of our prompt as budget,
 # `policy.parts` counts each part's tokens and the sketch's cells; the rebuilt keys' length is printed
@@ -375,7 +376,11 @@ plt.show()
 # %% [markdown]
 # The figure shows each method's accuracy per keep ratio (mean over the tasks, bars: 95% interval; the
 # points of a ratio shifted apart so that equal ones stay visible), the full cache's dashed. The table
-# gives each task and the KL; under it, KVReviver minus H2O with a paired 95% interval.
+# gives each task and the KL; under it, KVReviver minus H2O with a paired 95% interval. Its `vs best`
+# compares each row with its keep ratio's most accurate method (`best`): the p-value of an exact paired test
+# of their answers, `tie` where the test cannot tell the two apart. SnapKV's `KV KiB` exceeds the others' at
+# the same budget (282 against 102 at keep 0.1) because it compresses the prompt once and keeps every later
+# token, the question and the answer, on top of its budget (notebook 01, appendix A.1).
 
 # %% tags=["needs:insert", "needs:query"]
 from methods.evaluation.compare import format_tables
@@ -455,10 +460,16 @@ print(f"  full cache, all layers:             {full.nbytes() / 1024:7.1f} KiB")
 
 
 # %% [markdown]
-# KVReviver is slower per decoded token than the full cache, H2O about as fast (CPU timings move from run to
-# run): every step rebuilds every evicted position and attends over all of them, so at long contexts it
-# falls far behind (`python -m methods.evaluation.bench`). Its memory is the raw slots plus the small
-# sketch, but each attention also builds a transient rebuilt cache as large as one layer's full cache.
+# Traced alone (the ratios printed above), KVReviver decodes a few times slower than the full cache and H2O
+# a little slower; CPU timings move from run to run. Each of these timings is a whole decode step, the layers'
+# weight products included, which every method pays alike. The tables' `step ms` (sections 4 and 6) measure
+# something else: `compare.run` steps the full cache and all the methods' caches of a prompt together, and
+# gives each cache the time of its own attention (storage, attention, the policy's hooks) plus an equal share
+# of the rest of the step. That isolates the attention, so the gaps between methods are wider there.
+# Either way, every KVReviver step rebuilds every evicted position and attends over all of them, so at
+# long contexts it falls far behind (`python -m methods.evaluation.bench`). Its memory is the raw slots
+# plus the small sketch, but each attention also builds a transient rebuilt cache as large as one layer's
+# full cache.
 #
 # ## 6. On a pretrained model: SmolLM2-135M
 #
@@ -500,7 +511,8 @@ plt.show()
 
 # %% [markdown]
 # The figure shows each method's accuracy (mean over the two tasks, bars: 95% interval), circles at keep
-# 0.1, squares at 0.25; the dotted line is the full cache. The table is the question after the context;
+# 0.1, squares at 0.25; the dotted line is the full cache. Its two panels are identical: on these prompts no
+# method's accuracy changes with where the question comes. The table is the question after the context;
 # under it, KVReviver minus the full cache with a paired 95% interval.
 
 # %% tags=["needs:insert", "needs:query"]
@@ -516,11 +528,14 @@ for mode in MODES_REAL:
 # KVReviver answers no question, in either mode, at either budget (0.00, below the full cache's 1.00,
 # distinguishable: the paired interval excludes 0), where StreamingLLM reaches 0.67 at keep 0.25. The
 # paper's claim is **not reproduced** here. Caveats: 512-token contexts (the paper: 2k and 32k), a 135M
-# model, 3 prompts per task and mode, so the intervals are wide.
+# model, 3 prompts per task and mode: the figure's Wilson intervals are wide. The paired intervals are one
+# point, -1.00 [-1.00, -1.00], because KVReviver misses every answer the full cache gets, so resampling the
+# prompts never changes the difference. In the table KVReviver's KL grows with the budget, from 3.102 at keep
+# 0.1 to 7.476 at keep 0.25, where H2O's and StreamingLLM's fall; this lesson does not explain why.
 #
 # ## 7. What this says at our scale
 #
-# * For **values** the sketch behaves as its analysis says: signed sums, an error near 0.448 a/b of the
+# * For **values** the sketch behaves as its analysis says: signed sums, an error near 0.448 m/b of the
 #   variance (section 2).
 # * **Keys** break it: summed without signs, they rebuild tens of times too long, and each head's attention
 #   to the sketch is all or nothing (section 3).

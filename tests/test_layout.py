@@ -136,7 +136,7 @@ def test_the_evaluation_readme_states_the_plain_path_s_limit():
     their counts, which a new task beside ``Task`` would change)."""
     readme = " ".join((ROOT / "methods" / "evaluation" / "README.md").read_text().split())
     assert all(f"`{name}.py`" in readme for name in EVALUATION_PLAIN_PATH)
-    assert "at most 500 lines together" in readme
+    assert "`lines <= 500`" in readme
 
 
 def test_the_reading_path_is_short_and_imports_only_itself():

@@ -89,6 +89,33 @@ def persistence_halves(hv: Tensor, split: int) -> tuple[Tensor, Tensor, Tensor]:
     return ratio.float(), early.float().mean(-1), late.float().mean(-1)
 
 
+PERSISTENCE_COLUMNS = ("step ratio, delta 1", "base rate", "step ratio, delta 50", "base rate", "sequence ratio",
+                       "base rate", "share heavy at a step")
+
+
+def persistence_by_layer(model, prompts: list[list[int]], levels: tuple[float, ...] = (1, 3),
+                         start: int = 64) -> dict[float, Tensor]:
+    """Both persistence measurements for every layer, at each ``level``: {level: (n_layer, 7)}, the columns of
+    ``PERSISTENCE_COLUMNS`` (the step-to-step ratio and its base rate at delta = 1 and 50, over steps >= ``start``;
+    the sequence-level ratio and base rate, split at the middle; the share of the tokens heavy at a step),
+    each the mean over a layer's query heads, then over the ``prompts`` (lists of token ids)."""
+    out: dict[float, list[Tensor]] = {level: [] for level in levels}
+    for ids in prompts:
+        maps = record_attention(model, torch.tensor([ids]))                   # n_layer x (H, N, N)
+        for level in levels:
+            rows = []
+            for attn in maps:
+                hv = heavy(attn, level)                                         # (H, N, N) bool
+                N = hv.shape[-1]
+                r1, b1 = persistence_step(hv, 1, start)
+                r50, b50 = persistence_step(hv, 50, start)
+                rh, bh, _ = persistence_halves(hv, N // 2)
+                share = (hv.sum(-1) / torch.arange(1, N + 1))[:, start:].mean(-1)             # (H,)
+                rows.append(torch.stack([r1, b1, r50, b50, rh, bh, share]).mean(-1))     # (7,): mean over heads
+            out[level].append(torch.stack(rows))                                 # (n_layer, 7)
+    return {level: torch.stack(tables).mean(0) for level, tables in out.items()}
+
+
 @torch.no_grad()
 def block_cosine(model, ids: Tensor) -> list[dict]:
     """Appendix A.2's check, per layer: cosine similarity and norms of the MLP sub-block's input h and

@@ -101,10 +101,10 @@ def plot_kept(ax, cache: KVCache, n_tokens: int, spans: list[tuple[int, int, int
     ax.set(title=f"{title}  ({kept:.0f} of {T} positions kept per head)", xlabel="prompt position")
 
 
-def plot_persistence(pers: dict[float, Tensor], title: str = "Persistence of importance (dotted: the paper's 95%)"):
+def plot_persistence(pers: dict[float, Tensor], paper: float, title: str):
     """Three panels (step to step at delta = 1 and 50, over the sequence), one line per level and layer for the
-    ratio (solid) and one for its base rate (dashed, paler); ``pers`` is ``persistence_by_layer``'s result.
-    Returns the figure."""
+    ratio (solid) and one for its base rate (dashed, paler), and the paper's level ``paper`` dotted; ``pers``
+    is ``persistence_by_layer``'s result. Returns the figure."""
     import matplotlib.pyplot as plt
 
     n_layer = next(iter(pers.values())).shape[0]
@@ -116,7 +116,7 @@ def plot_persistence(pers: dict[float, Tensor], title: str = "Persistence of imp
             ax.plot(range(n_layer), table[:, col], "o-", color=colours[level], label=f"ratio, level {level:g}")
             ax.plot(range(n_layer), table[:, col + 1], "o--", color=colours[level], alpha=0.5,
                     label=f"base rate, level {level:g}")
-        ax.axhline(0.95, color="gray", ls=":", lw=1)
+        ax.axhline(paper, color="gray", ls=":", lw=1)
         ax.set(title=panel, xlabel="layer", ylim=(0, 1.05), xticks=range(0, n_layer, max(1, n_layer // 6)))
     axes[0].set_ylabel("persistence ratio")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)

@@ -83,7 +83,8 @@ def measure(lengths: list[int], steps: int = 7) -> dict:
 
 
 def table(r: dict) -> str:
-    lines = [f"one layer, {r['heads']} heads x {r['head_dim']} dims, fp32, {r['threads']} threads; "
+    threads = f"{r['threads']} thread" + ("s" if r["threads"] > 1 else "")
+    lines = [f"one layer, {r['heads']} heads x {r['head_dim']} dims, fp32, {threads}; "
              f"median of {r['steps']} decode steps (append + attend)",
              f"{'length':>7} | {'four-naive ms':>13} {'four ms':>9} {'two ms':>9} | {'four KiB':>9} {'two KiB':>10}"
              f" | naive/two  four/two"]

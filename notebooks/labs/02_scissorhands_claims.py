@@ -216,7 +216,7 @@ for ax, u in zip(axes, [5.0, 1000.0]):
     ax.axhline(0, color="gray", lw=0.8)
     ax.set(title=f"k = 3, u = {u:g} b, eps = {eps}", xlabel="B / T", ylabel="attention mass dropped",
            ylim=(-0.3, 1))
-    ax.legend(fontsize=9)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 print(f"closed form negative exactly for B/T < eps + (1 - eps) / (k / (k - 1))^(k - 1): "
@@ -323,29 +323,29 @@ qks = [1e2, 1e3, 1e4, 1e5]
 toy_results = {qk: toy_runs(qk, TOY_SEEDS) for qk in qks}
 
 # %%
-fig, axes = plt.subplots(2, len(qks), figsize=(16, 6.5), sharex=True, sharey="row", layout="constrained")
 steps = torch.arange(1, TOY_T + 1)
-for col, qk in enumerate(qks):                     # one column per logit scale: at most four lines a panel
-    r = toy_results[qk]
-    axes[0, col].plot(steps[T0:], r["oracle"][T0:], label="oracle")
-    axes[0, col].plot(steps[T0:], r["counter"][T0:], ls="--", label="counter cache")
-    for k, ls in [(3, ":"), (10, "-.")]:
-        axes[0, col].axhline(theorem41_bound(TOY_B / TOY_T, k, 0.05), color="black", ls=ls,
-                             label=f"Thm 4.1 bound, k = {k}")
-    axes[1, col].plot(steps[T0:], r["drop_oracle"][T0:], label="oracle")
-    axes[1, col].plot(steps[T0:], r["drop_counter"][T0:], ls="--", label="counter cache")
-    axes[0, col].set_title(f"lQ lK = {qk:.0e}")
-    axes[1, col].set_xlabel("t")
-axes[0, 0].set_ylabel("error |x - x~| at step t")
-axes[1, 0].set_ylabel("attention mass outside the kept set")
-fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)
-fig.suptitle("The theorem's model with unit-norm tokens, mean over prompts: error (top), mass dropped (bottom)")
-plt.show()
+for row, ylabel in [("error", "error |x - x~| at step t"), ("dropped", "attention mass outside the kept set")]:
+    fig, axes = plt.subplots(1, len(qks), figsize=(16, 3.6), sharey=True, layout="constrained")
+    for ax, qk in zip(axes, qks):                  # one panel per logit scale: at most four lines a panel
+        r = toy_results[qk]
+        prefix = "" if row == "error" else "drop_"
+        ax.plot(steps[T0:], r[prefix + "oracle"][T0:], label="oracle")
+        ax.plot(steps[T0:], r[prefix + "counter"][T0:], ls="--", label="counter cache")
+        if row == "error":
+            for k, ls in [(3, ":"), (10, "-.")]:
+                ax.axhline(theorem41_bound(TOY_B / TOY_T, k, 0.05), color="black", ls=ls,
+                           label=f"Thm 4.1 bound, k = {k}")
+        ax.set(title=f"lQ lK = {qk:.0e}", xlabel="t")
+    axes[0].set_ylabel(ylabel)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)
+    fig.suptitle("The theorem's model with unit-norm tokens, mean over prompts: "
+                 + ("error against the full cache" if row == "error" else "attention mass dropped"))
+    plt.show()
 
 # %% [markdown]
-# The figure shows, for each logit scale, how far the oracle's and the counter cache's tokens drift from the
-# full cache's as generation goes on, beside Theorem 4.1's bound at two values of `k` (top), and how much
-# attention mass each cache leaves outside its kept set (bottom). The table gives the values at the last
+# The figures show, for each logit scale, how far the oracle's and the counter cache's tokens drift from the
+# full cache's as generation goes on, beside Theorem 4.1's bound at two values of `k` (the first), and how
+# much attention mass each cache leaves outside its kept set (the second). The table gives the values at the last
 # step, with the power law fitted to the full cache's weights and the bound it would give.
 
 # %%
@@ -388,7 +388,7 @@ axes[0].set(title="cosine of x and F(x)", xlabel="layer", ylabel="cos(x, F(x))",
 axes[1].plot(layers, [r["norm_in"] for r in cos], "o-", label="|x|")
 axes[1].plot(layers, [r["norm_out"] for r in cos], "o-", label="|F(x)|")
 axes[1].set(title="norms", xlabel="layer", ylabel="mean over positions", xticks=list(layers))
-axes[1].legend()
+axes[1].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 for layer, r in enumerate(cos):
@@ -501,50 +501,12 @@ for spec in ["scissorhands", "h2o"]:
 # Scissorhands' low flag) and at three times it.
 
 # %%
-from methods.analysis.persistence import heavy, persistence_halves, persistence_step, record_attention
+from methods.analysis.persistence import persistence_by_layer
+from methods.evaluation.viz import plot_persistence
 
-
-def persistence_by_layer(model, tok, tasks, length, n_samples, levels=(1, 3)):
-    """Per level and layer: step ratio and base (delta = 1 and 50), sequence ratio and base, and the
-    fraction of the tokens heavy at a step (steps >= 64); means over heads and prompts (``n_samples`` per
-    task). Returns {level: (n_layer, 7)}."""
-    out = {level: [] for level in levels}
-    for task in tasks:
-        for i in range(n_samples):
-            s = make_sample(task, tok, length, seed=i)
-            maps = record_attention(model, torch.tensor([s.prompt_ids]))      # n_layer x (H, N, N)
-            for level in levels:
-                per_layer = []
-                for a in maps:
-                    hv = heavy(a, level)
-                    r1, b1 = persistence_step(hv, 1, start=64)
-                    r50, b50 = persistence_step(hv, 50, start=64)
-                    rh, bh, _ = persistence_halves(hv, hv.shape[-1] // 2)
-                    share = (hv.sum(-1) / torch.arange(1, hv.shape[-1] + 1))[:, 64:].mean(-1)   # (H,)
-                    per_layer.append(torch.stack([r1, b1, r50, b50, rh, bh, share]).mean(-1))   # mean over heads
-                out[level].append(torch.stack(per_layer))
-    return {level: torch.stack(p).mean(0) for level, p in out.items()}     # (n_layer, 7) per level
-
-
-def plot_persistence(pers, n_layer):
-    """Ratio (solid) and base rate (dashed) per layer, levels 1 and 3: step to step and over the sequence."""
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True, layout="constrained")
-    ticks = list(range(0, n_layer, max(1, n_layer // 6)))
-    for ax, (col, title) in zip(axes, [(0, "step to step, delta = 1"), (2, "step to step, delta = 50"),
-                                       (4, "over the sequence (second half vs first)")]):
-        for level, color in [(1, "tab:blue"), (3, "tab:red")]:
-            ax.plot(range(n_layer), pers[level][:, col], "o-", color=color, label=f"ratio, level {level}")
-            ax.plot(range(n_layer), pers[level][:, col + 1], "o--", color=color, alpha=0.5,
-                    label=f"base rate, level {level}")
-        ax.axhline(0.95, color="gray", ls=":", lw=1)
-        ax.set(title=title, xlabel="layer", ylim=(0, 1.05), xticks=ticks)
-    axes[0].set_ylabel("persistence ratio")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)
-    fig.suptitle("Persistence of importance (dotted: the paper's 95%)")
-    plt.show()
-
-# %%
-real_pers = persistence_by_layer(real_model, real_tok, REAL_TASKS, LENGTH_REAL, REAL_PERSISTENCE_SAMPLES)
+real_prompts = [make_sample(task, real_tok, LENGTH_REAL, seed=i).prompt_ids for task in REAL_TASKS
+                for i in range(REAL_PERSISTENCE_SAMPLES)]
+real_pers = persistence_by_layer(real_model, real_prompts, levels=(1, 3), start=64)
 columns = ["step delta=1 ratio", "base", "step delta=50 ratio", "base", "sequence ratio", "base",
            "heavy share"]
 for level, p in real_pers.items():
@@ -553,7 +515,8 @@ for level, p in real_pers.items():
         print(f"  {name:22} {col.min():20.2f} {col.median():7.2f} {col.max():5.2f}")
     print(f"  layers with a sequence ratio > 0.95: {int((p[:, 4] > 0.95).sum())} of {p.shape[0]}; "
           f"with a base rate > 0.95: {int((p[:, 5] > 0.95).sum())}")
-plot_persistence(real_pers, real_model.config.n_layer)
+plot_persistence(real_pers, paper=0.95, title="Persistence of importance on SmolLM2 (dotted: the paper's 95%)")
+plt.show()
 
 # %% [markdown]
 # Step to step, importance persists on SmolLM2 far above chance. Of the tokens above the uniform level at one
@@ -587,7 +550,7 @@ axes[0].set(title="cosine of x and F(x), SmolLM2-135M", xlabel="layer", ylabel="
 axes[1].plot(real_layers, [r["norm_in"] for r in real_cos], "o-", label="|x|")
 axes[1].plot(real_layers, [r["norm_out"] for r in real_cos], "o-", label="|F(x)|")
 axes[1].set(title="norms", xlabel="layer", ylabel="mean over positions", yscale="log")
-axes[1].legend()
+axes[1].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 

@@ -56,7 +56,7 @@ for scheme, style in (("rows", "o"), ("majority", "s")):
                 label={"rows": "keep k of n token rows", "majority": "groups share a majority sign"}[scheme])
 ax.set(xlabel="bits of x the cache keeps (s)", ylabel="Bob's accuracy over the n bits (95% interval)",
        title="Index problem on a tensor-attention cache, n = 128")
-ax.legend(fontsize=9)
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 ax.grid(alpha=0.3)
 plt.show()
 for r in rows5:
@@ -154,7 +154,7 @@ for k_tok in (2, 4, 8, 12, 16):
     top = P.flatten(-2).topk(n_pairs, dim=-1).indices
     allowed = torch.zeros_like(P.flatten(-2), dtype=torch.bool).scatter_(-1, top, True).view_as(P)[:, :, None]
     out_pair = four_cache_attention(q_, K1_, K2_, V1_, V2_, scale_, allowed)
-    err = lambda o: ((o - exact).norm(dim=-1) / exact.norm(dim=-1))[..., 0].mean(0)    # noqa: E731  (H,)
+    err = lambda o: ((o - exact).norm(dim=-1) / exact.norm(dim=-1))[..., 0].mean(0)    # H,
     rows.append((k_tok, n_pairs, err(out_tok), err(out_pair)))
 ranked = P.flatten(-2).sort(-1, descending=True).values.cumsum(-1)
 half = (ranked < 0.5).sum(-1).float().median(0).values                      # (H,) pairs holding half the mass

@@ -140,10 +140,10 @@ axes[3].set_xticks(range(len(span)), [repr(tok.decode([sample.prompt_ids[p]]))[1
                    rotation=90)
 for ax in axes:
     ax.axvspan(14 - 0.5, 14 + len(value_ids) - 0.5, color="gold", alpha=0.3)
-axes[0].legend(fontsize=9, ncol=2)
+axes[0].legend(fontsize=9, ncol=2, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
-mass = lambda a: float(a[:, digits].sum(-1).mean())                 # noqa: E731  mean over query heads
+mass = lambda a: float(a[:, digits].sum(-1).mean())                 # mean over query heads
 print(f"layer {layer}: attention mass on the 6 digits, mean over query heads: window Abar {mass(abar):.3f}, "
       f"pooled vote {mass(pooled):.3f}, first answer query {mass(full.probs[layer]):.3f}")
 T_s = len(sample.prompt_ids)
@@ -254,7 +254,7 @@ for row, (crit, reading) in enumerate(READINGS):
         ax.plot([0, top], [0, top], "k--", lw=0.8)
         ax.set(xlabel="SnapKV: per-head L (mean over samples)", ylabel=f"CriticalSnapKV, {reading}:\nper-head L",
                title=f"{reading}, keep {ratio}: {headwise[(ratio, crit)]:.0%} of heads below")
-        ax.legend(fontsize=9)
+        ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 
@@ -306,7 +306,7 @@ print(f"mean over {n} samples ({len(TASKS)} tasks x {N_SAMPLES}), question in th
 
 def versus(results: dict, label: str, host: str, ratio: float, key: str, per_task: int) -> str:
     """``label`` minus ``host``, paired sample by sample (each task's samples resampled): "d [95%] verdict"."""
-    split = lambda xs: [xs[t:t + per_task] for t in range(0, len(xs), per_task)]      # noqa: E731
+    split = lambda xs: [xs[t:t + per_task] for t in range(0, len(xs), per_task)]
     return describe(*paired_difference(split(results[(label, ratio)][key]), split(results[(host, ratio)][key])),
                     decimals=3)
 
@@ -388,8 +388,8 @@ def acc_groups(method: str, mode: str, budget: int | None) -> list[list[float]]:
     return [r["accuracies"] for r in cell_records(method, mode, budget)]     # per task, each sample's accuracy
 
 
-mean = lambda xs: sum(xs) / len(xs)                                     # noqa: E731
-cell_mean = lambda method, mode, budget, key: mean([r[key] for r in cell_records(method, mode, budget)])  # noqa: E731
+mean = lambda xs: sum(xs) / len(xs)
+cell_mean = lambda method, mode, budget, key: mean([r[key] for r in cell_records(method, mode, budget)])
 print(f"{len(TASKS)} tasks x {N_SAMPLES} samples per mode, {LENGTH} tokens, seed 0")
 
 # %%
@@ -414,31 +414,53 @@ def pretty(label: str) -> str:
 
 FAMILIES = [(host, [v.label for v in METHODS_C if ("adakv" in v.label) == (host == "AdaKV")])
             for host in ("SnapKV", "AdaKV")]                     # five lines per panel: a host and its variants
-PANELS = [(mode, host, family) for mode in MODES for host, family in FAMILIES]
-fig, axes = plt.subplots(2, len(PANELS), figsize=(16, 7.5), dpi=80, sharex=True, sharey="row", squeeze=False)
-for col, (mode, host, family) in enumerate(PANELS):
-    for j, method in enumerate(family):
-        xs = [r + 0.006 * (j - 2) for r in COMPARE_RATIOS]             # side by side: the lines overlap
-        accs = [cell_mean(method, mode, b, "accuracy") for b in budgets]
-        n = [sum(len(g) for g in acc_groups(method, mode, b)) for b in budgets]                  # answers per point
-        lo, hi = zip(*[wilson(a, k) for a, k in zip(accs, n)])
-        axes[0, col].errorbar(xs, accs, yerr=[[a - x for a, x in zip(accs, lo)], [x - a for a, x in zip(accs, hi)]],
-                              capsize=3, label=pretty(method), **style(method))
-        axes[1, col].plot(xs, [cell_mean(method, mode, b, "kl") for b in budgets], label=pretty(method),
-                          **style(method))
-    axes[0, col].set(title=f"over {host}: {mode.replace('_', ' ')}", ylim=(-0.03, 1.03))
-    axes[1, col].set(xlabel="keep ratio")
-    for row in range(2):
-        axes[row, col].grid(alpha=0.3)
-axes[0, 0].set(ylabel="accuracy (mean over tasks, 95% interval)")
-axes[1, 0].set(ylabel="KL(full || method)")
-for col in range(len(FAMILIES)):
-    axes[0, col].legend(fontsize=9, loc="upper left")
-plt.tight_layout()
-plt.show()
+
+
+def family_figure(families, ratios, value, ylabel, title, reference=None):
+    """One quantity in a 2 x 2 grid: a row per mode, a column per host, a line per selection over that host.
+    ``value(label, mode, ratio)`` gives (y, interval or None) per point; ``reference(mode)``, if given, is the
+    full cache's level, a dotted black line."""
+    fig, axes = plt.subplots(len(MODES), len(families), figsize=(13, 7), dpi=80, sharex=True, sharey=True,
+                             squeeze=False, layout="constrained")
+    for row, mode in enumerate(MODES):
+        for col, (host, family) in enumerate(families):
+            ax = axes[row, col]
+            for j, label in enumerate(family):
+                xs = [r + 0.005 * (j - 2) for r in ratios]                # side by side: the lines overlap
+                ys, intervals = zip(*[value(label, mode, r) for r in ratios])
+                if intervals[0] is None:
+                    ax.plot(xs, ys, label=pretty(label), **style(label))
+                else:
+                    err = [[y - lo for y, (lo, _) in zip(ys, intervals)], [hi - y for y, (_, hi) in zip(ys, intervals)]]
+                    ax.errorbar(xs, ys, yerr=err, capsize=3, label=pretty(label), **style(label))
+            if reference is not None:
+                ax.axhline(reference(mode), color="black", lw=0.8, ls=":")
+            ax.set(title=f"over {host}: {mode.replace('_', ' ')}")
+            ax.grid(alpha=0.3)
+        axes[row, 0].set_ylabel(ylabel)
+    for col in range(len(families)):
+        axes[-1, col].set_xlabel("keep ratio")
+        fig.legend(*axes[0, col].get_legend_handles_labels(), loc="outside lower " + ("left" if col == 0 else "right"),
+                   fontsize=9, ncol=2)
+    fig.suptitle(title)
+    plt.show()
+
+
+def accuracy_point(method, mode, ratio):
+    """Mean accuracy over the tasks and its Wilson interval over every answer of the cell."""
+    b = budgets[COMPARE_RATIOS.index(ratio)]
+    acc = cell_mean(method, mode, b, "accuracy")
+    return acc, wilson(acc, sum(len(g) for g in acc_groups(method, mode, b)))
+
+
+family_figure(FAMILIES, COMPARE_RATIOS, accuracy_point, "accuracy (mean over tasks,\n95% interval)",
+              "Accuracy of every selection beside its host, the bundled model")
+family_figure(FAMILIES, COMPARE_RATIOS,
+              lambda method, mode, ratio: (cell_mean(method, mode, budgets[COMPARE_RATIOS.index(ratio)], "kl"), None),
+              "KL(full || method)", "The answer's KL divergence from the full cache, the bundled model")
 
 # %% [markdown]
-# The figure shows, over each host and in each mode, the two readings on either side of their host in KL
+# The figures show, over each host and in each mode, the two readings on either side of their host in KL
 # (blue, the pooled stage 2, below the black host line; red, the literal one, above it) and all of them close
 # in accuracy. The table gives each selection's accuracy and KL beside its host's, with the paired interval
 # of the accuracy difference.
@@ -606,9 +628,7 @@ for ratio in RATIOS_REAL:
 
 # %%
 ratio = RATIOS_REAL[-1]
-fig = plt.figure(figsize=(15, 4.2 * len(RATIOS_REAL) + 0.8), dpi=80)
-grid = fig.add_gridspec(len(RATIOS_REAL), 3, width_ratios=[1.4, 1, 1])
-ax0 = fig.add_subplot(grid[:, 0])
+fig, ax0 = plt.subplots(figsize=(8, 5), dpi=80)
 a = torch.stack(res_r[("snapkv", ratio)]["head_l1"]).mean(0)        # (L, H) mean over samples
 c = torch.stack(res_r[("critical_kv", ratio)]["head_l1"]).mean(0)
 layer_of = torch.arange(rcfg.n_layer)[:, None].expand_as(a)          # (L, H) each head's layer
@@ -620,12 +640,23 @@ ax0.set(xscale="log", yscale="log", xlabel="SnapKV: per-head L (mean over sample
         ylabel="CriticalSnapKV: per-head L",
         title=f"keep ratio {ratio}: {headwise_r[(ratio, 'critical_kv')]:.0%} of heads below the diagonal")
 fig.colorbar(points, ax=ax0, label="layer")
-ax0.legend(fontsize=9, loc="upper left")
+ax0.legend(fontsize=9, loc="lower left", bbox_to_anchor=(0.0, 1.08), ncol=2)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The figure shows each (layer, query head) of SmolLM2 as a point: its perturbation with SnapKV's selection
+# across, with CriticalSnapKV's up, coloured by layer; a point below the dashed diagonal is a head the
+# selection helps. Per layer, how often each selection is below its host:
+
+# %%
 BY_HOST = [(name, [(host, crit) for host, crit in PAIRS_REAL if ("adakv" in host) == (name == "AdaKV")])
            for name in ("SnapKV", "AdaKV")]                          # three selections per panel
+fig, axes = plt.subplots(len(RATIOS_REAL), len(BY_HOST), figsize=(13, 3.6 * len(RATIOS_REAL) + 1), dpi=80,
+                         sharex=True, sharey=True, squeeze=False, layout="constrained")
 for row, ratio in enumerate(RATIOS_REAL):
-    for col, (name, pairs) in enumerate(BY_HOST, start=1):
-        ax = fig.add_subplot(grid[row, col])
+    for col, (name, pairs) in enumerate(BY_HOST):
+        ax = axes[row, col]
         for host, crit in pairs:
             a = torch.stack(res_r[(host, ratio)]["head_l1"])            # (S, L, H)
             c = torch.stack(res_r[(crit, ratio)]["head_l1"])
@@ -634,16 +665,19 @@ for row, ratio in enumerate(RATIOS_REAL):
                     label=pretty(crit))
         ax.axhline(0.743, color="gray", lw=1, label="paper: 74.3% of heads")
         ax.axhline(0.5, color="black", lw=0.6, ls="--")
-        ax.set(xlabel="layer", ylabel="fraction of (sample, query head)\nwith lower L", ylim=(-0.02, 1.02),
-               title=f"over {name}, keep ratio {ratio}: where L is lower")
-        ax.legend(fontsize=9)
-plt.tight_layout()
+        ax.set(ylim=(-0.02, 1.02), title=f"over {name}, keep ratio {ratio}: where L is lower")
+        axes[-1, col].set_xlabel("layer")
+    axes[row, 0].set_ylabel("fraction of (sample, query head)\nwith lower L")
+for col in range(len(BY_HOST)):
+    fig.legend(*axes[0, col].get_legend_handles_labels(), loc="outside lower " + ("left" if col == 0 else "right"),
+               fontsize=9, ncol=2)
+fig.suptitle("Per layer, how often each selection perturbs less than its host (dashed: half)")
 plt.show()
 
 # %% [markdown]
-# The figure shows, at left, CriticalSnapKV's per-head perturbation against SnapKV's at keep ratio 0.25 and,
-# per layer, how often each selection is below its host, over each host, against the paper's 74.3% and the
-# coin toss. The table counts the heads for every selection, with a bootstrap interval.
+# The figure shows, per layer, how often each selection is below its host, over each host (a column) and at
+# each keep ratio (a row), against the paper's 74.3% and the coin toss. The table counts the heads for every
+# selection, with a bootstrap interval.
 
 # %%
 print(f"{'keep':>5}  {'selection':<19}{'vs':<15}| {'heads lower (mean)':>18} {'95% interval':>14} "
@@ -683,39 +717,30 @@ records_r = run(real, rtok, METHODS_REAL, BUDGETS_REAL, TASKS_REAL, MODES, N_REA
 print(f"{N_REAL} samples per task and mode, {LENGTH_REAL} tokens, seed 0")
 
 # %%
-mean_of = lambda key, method, mode, budget: mean([r[key] for r in records_r              # noqa: E731
+mean_of = lambda key, method, mode, budget: mean([r[key] for r in records_r
                                                  if (r["method"], r["mode"], r["budget"]) == (method, mode, budget)])
 FAMILIES_REAL = [(host, [label for label in VARIANTS_REAL if ("adakv" in label) == (host == "AdaKV")])
                  for host in ("SnapKV", "AdaKV")]                # five lines per panel: a host and its variants
-PANELS_REAL = [(mode, host, family) for mode in MODES for host, family in FAMILIES_REAL]
-fig, axes = plt.subplots(3, len(PANELS_REAL), figsize=(16, 9), dpi=80, sharex=True, sharey="row", squeeze=False)
-for col, (mode, host, family) in enumerate(PANELS_REAL):
-    for j, label in enumerate(family):
-        xs = [r + 0.004 * (j - 2) for r in RATIOS_REAL]               # side by side: several lines coincide
-        accs = [mean_of("accuracy", label, mode, b) for b in BUDGETS_REAL]
-        n = [sum(len(r["accuracies"]) for r in records_r if (r["method"], r["mode"], r["budget"]) == (label, mode, b))
-             for b in BUDGETS_REAL]                                   # answers per point
-        lo, hi = zip(*[wilson(a, k) for a, k in zip(accs, n)])
-        axes[0, col].errorbar(xs, accs, yerr=[[a - x for a, x in zip(accs, lo)], [x - a for a, x in zip(accs, hi)]],
-                              capsize=2, label=pretty(label), **style(label))
-        for row, key in [(1, "kl"), (2, "perturbation")]:
-            axes[row, col].plot(xs, [mean_of(key, label, mode, b) for b in BUDGETS_REAL], label=pretty(label),
-                                **style(label))
-    axes[0, col].axhline(mean_of("accuracy", "full", mode, None), color="black", lw=0.8, ls=":")   # the full cache
-    axes[0, col].set(title=f"over {host}: {mode.replace('_', ' ')}", ylim=(-0.03, 1.1))
-    axes[2, col].set(xlabel="keep ratio")
-    for row in range(3):
-        axes[row, col].grid(alpha=0.3)
-axes[0, 0].set(ylabel="accuracy (mean over tasks, 95%\ninterval; dotted: the full cache)")
-axes[1, 0].set(ylabel="KL(full || method)")
-axes[2, 0].set(ylabel="final hidden state\nrelative error")
-for col in range(len(FAMILIES_REAL)):
-    axes[0, col].legend(fontsize=9, loc="center right")
-plt.tight_layout()
-plt.show()
+
+
+def real_accuracy(label, mode, ratio):
+    b = BUDGETS_REAL[RATIOS_REAL.index(ratio)]
+    acc = mean_of("accuracy", label, mode, b)
+    n = sum(len(r["accuracies"]) for r in records_r if (r["method"], r["mode"], r["budget"]) == (label, mode, b))
+    return acc, wilson(acc, n)                                            # n: answers in the point
+
+
+family_figure(FAMILIES_REAL, RATIOS_REAL, real_accuracy, "accuracy (mean over tasks,\n95% interval)",
+              "Accuracy of every selection beside its host, SmolLM2 (dotted: the full cache)",
+              reference=lambda mode: mean_of("accuracy", "full", mode, None))
+for key, ylabel, what in [("kl", "KL(full || method)", "The answer's KL divergence from the full cache"),
+                          ("perturbation", "final hidden state\nrelative error", "The final hidden state's error")]:
+    family_figure(FAMILIES_REAL, RATIOS_REAL,
+                  lambda label, mode, ratio: (mean_of(key, label, mode, BUDGETS_REAL[RATIOS_REAL.index(ratio)]), None),
+                  ylabel, f"{what}, SmolLM2")
 
 # %% [markdown]
-# The figure shows, over each host and in each mode, accuracy with its interval, the answer's KL and the final
+# The figures show, over each host and in each mode, accuracy with its interval, the answer's KL and the final
 # hidden state's error against the keep ratio; the tables below carry the numbers. First the traces of
 # section 5.1, sample by sample (question in the prompt): the final hidden state's relative error at the first
 # decode step and the answer's KL, each selection's paired difference from its host, and in how many samples
@@ -805,7 +830,7 @@ for ratio in RATIOS_REAL:
                 label=f"{name}, keep {ratio}")
 ax.set(xlabel="layer", ylabel="fraction of (sample, head)\nwith sigma > 0.5", ylim=(-0.02, 1.02),
        title="Assumption 1: stage 1 secures more than half of the attention")
-ax.legend(fontsize=9)
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 ax.grid(alpha=0.3)
 plt.tight_layout()
 plt.show()

@@ -111,7 +111,7 @@ def error_bar(records, method, ratio, mode):
 def compared(records, a, b, ratio, mode, tasks=None):
     """'mean a - mean b = difference [95% interval] verdict', paired sample by sample (the noise rule)."""
     ga, gb = accuracies(records, a, ratio, mode, tasks), accuracies(records, b, ratio, mode, tasks)
-    mean = lambda groups: sum(sum(g) / len(g) for g in groups) / len(groups)   # noqa: E731
+    mean = lambda groups: sum(sum(g) / len(g) for g in groups) / len(groups)
     return f"{mean(ga):.2f} - {mean(gb):.2f} = {describe(*paired_difference(ga, gb))}"
 
 
@@ -206,12 +206,12 @@ for ax, labels, ticks, name in [(axes[0], [f"c={c}" for c in sizes], sizes, "chu
                     label=mode.replace("_", " "))
     ax.set(xticks=range(len(labels)), xticklabels=ticks, xlabel=name, ylabel="accuracy (mean over tasks)",
            ylim=(-0.05, 1.05), title=f"ChunkKV at keep 0.25: {name.split(' (')[0]}")
-    ax.legend(fontsize=9, loc="upper left")
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 for n, style in zip(depths, STYLES):
     axes[2].plot(range(model.config.n_layer), by_layer[n].tolist(), style, label=f"reuse {n}")
 axes[2].set(title="needle values kept whole, per layer", xlabel="layer", xticks=range(model.config.n_layer),
             ylabel="share of single-needle samples", ylim=(-0.05, 1.05))
-axes[2].legend(fontsize=9, loc="lower left")
+axes[2].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.show()
 for mode in MODES:
     print(mode, " ".join(f"c={c}: acc {mean_over_tasks(ablation, f'c={c}', 0.25, mode):.2f} "
@@ -320,7 +320,7 @@ for (spec, w), style in zip(whole_real.items(), STYLES):           # all 30 laye
     axes[2].plot(range(real.config.n_layer), w.sum(-1).tolist(), style, ms=4, label=spec)
 axes[2].set(xlabel="layer", ylabel="KV heads with the\nwhole value", yticks=range(H_KV + 1),
             title="KV heads (of 3) that keep all five digits of the value, per layer")
-axes[2].legend(fontsize=9, loc="lower right")
+axes[2].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 

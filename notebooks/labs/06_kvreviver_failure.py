@@ -194,7 +194,7 @@ for key in configs:
 # %%
 from matplotlib.ticker import NullFormatter, StrMethodFormatter
 
-fig, axes = plt.subplots(1, len(BUDGETS_REAL) + 1, figsize=(5 * (len(BUDGETS_REAL) + 1), 3.8), squeeze=False)
+fig, axes = plt.subplots(1, len(BUDGETS_REAL) + 1, figsize=(5.5 * (len(BUDGETS_REAL) + 1), 4.2), squeeze=False)
 layers = range(real.config.n_layer)
 for ax, budget in zip(axes[0], BUDGETS_REAL):
     for name, style in [("shared", dict(marker="o", ls="-")), ("per KV head", dict(marker="s", ls="--", mfc="none"))]:
@@ -203,7 +203,7 @@ for ax, budget in zip(axes[0], BUDGETS_REAL):
             label="full cache, same positions")
     ax.set(title=f"mass on rebuilt entries, keep {budget / LENGTH_REAL:.2f}", xlabel="layer",
            ylabel="attention probability (mean over heads)", ylim=(-0.03, 1.03))
-    ax.legend(fontsize=9, loc="upper right")
+axes[0][0].legend(fontsize=9, loc="upper center", bbox_to_anchor=(1.1, -0.16), ncol=3)   # both panels' lines
 ax = axes[0][-1]
 for key in configs:
     per_head = key[0] != "shared"
@@ -215,7 +215,7 @@ ax.set(title="rebuilt key length / real key length", xlabel="layer", ylabel="rat
 ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
 ax.yaxis.set_minor_formatter(NullFormatter())
 ax.set_yticks([20, 50, 100, 200, 500, 1000])
-ax.legend(fontsize=9, loc="upper right")
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 
@@ -325,7 +325,7 @@ ax.set_yticks(ys.tolist(), [v + (" (ours)" if lm_rows[v, ABL_BUDGETS[0]].get("ou
 ax.invert_yaxis()
 ax.set(title="SmolLM2-135M, language modelling: one part of KVReviver changed at a time",
        xlabel="perplexity / full cache's (log; 1 = the full cache)")
-ax.legend(fontsize=9, loc="lower right")
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 
@@ -383,13 +383,13 @@ axes[0].semilogy(layers_l2, [r["key_mse"] for r in repaired_rows], "^-", ms=4, m
 axes[0].set(title=f"reconstruction error, {shipped_rows[0]['length']} tokens, {shipped_rows[0]['budget']} slots",
             xlabel="layer", ylabel="MSE / per-coordinate variance (log)")
 axes[0].yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
-axes[0].legend(fontsize=9, loc="upper left", ncol=2)
+axes[0].legend(fontsize=9, ncol=2, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 axes[0].set_ylim(0.1, 1e7)
 axes[1].plot(layers_l2, [r["key_mean_ratio"] for r in shipped_rows], "o-", ms=4, label="keys")
 axes[1].plot(layers_l2, [r["value_mean_ratio"] for r in shipped_rows], "s-", ms=4, label="values")
 axes[1].set(title="how far from zero-mean the analysis assumes", xlabel="layer",
             ylabel="norm of the mean / rms norm", ylim=(0, 1))
-axes[1].legend(fontsize=9)
+axes[1].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 
@@ -435,7 +435,7 @@ ax.set_yscale("log")
 ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
 ax.set(title="slots per layer: the appendix's Fisher allocation against the uniform split", xlabel="layer",
        ylabel="slots (log)")
-ax.legend(fontsize=9, ncol=2)
+ax.legend(fontsize=9, ncol=2, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 
@@ -492,7 +492,7 @@ ax.axhline(1, color="grey", ls=":", label="error of the mean key")
 ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
 ax.set(title=f"key reconstruction on the bundled model, {a} tokens", xlabel="tokens per cell a / b",
        ylabel="MSE / per-coordinate variance")
-ax.legend(fontsize=9)
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 for name, mse in repair_mse.items():

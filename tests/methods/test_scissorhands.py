@@ -13,6 +13,7 @@ from methods.analysis.persistence import (
     AttentionRecorder,
     block_cosine,
     heavy,
+    persistence_by_layer,
     persistence_halves,
     persistence_step,
     record_attention,
@@ -329,6 +330,25 @@ def test_record_attention_is_the_model_attention(tiny):
         decode_step(tiny, ids[:, i], cache)
     for layer in range(tiny.config.n_layer):
         torch.testing.assert_close(recorder.matrix(layer), maps[layer], atol=1e-5, rtol=0)
+
+
+def test_persistence_by_layer_is_the_mean_of_the_measurements_over_heads_then_prompts(tiny):
+    """The table's every column is the measurement of one layer averaged over its query heads (checked by hand
+    for both layers at level 1 and 2), and two prompts give the mean of their two tables."""
+    a, b = prompt(70, seed=1, batch=1)[0].tolist(), prompt(70, seed=2, batch=1)[0].tolist()
+    one = persistence_by_layer(tiny, [a], levels=(1, 2), start=4)
+    assert set(one) == {1, 2} and one[1].shape == (tiny.config.n_layer, 7)
+    maps = record_attention(tiny, torch.tensor([a]))
+    for level in (1, 2):
+        for layer, attn in enumerate(maps):
+            hv = heavy(attn, level)
+            r50, b50 = persistence_step(hv, 50, start=4)
+            rh, bh, _ = persistence_halves(hv, 35)
+            share = (hv.sum(-1) / torch.arange(1, 71))[:, 4:].mean(-1)
+            want = torch.stack([*persistence_step(hv, 1, start=4), r50, b50, rh, bh, share]).mean(-1)
+            torch.testing.assert_close(one[level][layer], want)
+    two = persistence_by_layer(tiny, [a, b], levels=(1,), start=4)
+    torch.testing.assert_close(two[1], (one[1] + persistence_by_layer(tiny, [b], levels=(1,), start=4)[1]) / 2)
 
 
 def test_block_cosine_is_one_without_an_mlp(make_model):

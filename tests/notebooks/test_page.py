@@ -90,6 +90,8 @@ SETUP_LINES, CELL_LINES = 12, 25
 SHARED_NOTATION = NOTEBOOKS / "README.md"
 COURSE_WORDS = re.compile(r"\bassignments?\b|student copy|tests/\S+\.py|course\.(?:grade|handout)|"
                           r"research this lesson grew|SOLUTION|# needs:|"
+                          # linter and test-runner comments, the build machine, a project's targets
+                          r"# noqa|\bpytest\b|machine that built|committed run|(?-i:\bNOT met\b)|"
                           # how long the build's run took: "took 284 s", "in 114 s", "(169 s)", "run time: 60 s"
                           r"\btook \d[\d.,]* s\b|\bin \d[\d.,]* (?-i:s)\b|\(\d[\d.,]* (?-i:s)\)|run time: \d",
                           flags=re.I)
@@ -193,3 +195,9 @@ def test_the_course_words_catch_run_times_not_shapes():
     found = [m.group(0) for m in COURSE_WORDS.finditer("120 rows in 114 s; (169 s); run time: 342 s; took 21 s")]
     assert found == ["in 114 s", "(169 s)", "run time: 3", "took 21 s"]
     assert not COURSE_WORDS.search("torch.randint(N, (1000, S)) in 3 Steps")
+
+
+def test_the_course_words_catch_linter_comments_and_targets_not_prose():
+    found = [m.group(0) for m in COURSE_WORDS.finditer("x = 1  # noqa: E731; run pytest; SnapKV 2.4x: NOT met")]
+    assert found == ["# noqa", "pytest", "NOT met"]
+    assert not COURSE_WORDS.search("the paper's 5x is not met on this model")
