@@ -169,7 +169,7 @@ print("values ", toy_v.flatten().int().tolist(), "-> estimates", est_v.flatten()
 # three normal variables). The paper's bound (its Mathematical Analysis section; likewise for keys), with
 # $N = r b$ cells:
 #
-# $$P\left(\operatorname{Var}(\hat v_{J,j}) > \frac{m\pi}{N}\,\sigma_v^2\right) <
+# $$\Pr\left(\operatorname{Var}(\hat v_{J,j}) > \frac{m\pi}{N}\,\sigma_v^2\right) <
 # \exp\left(-\frac{m}{N}\right)$$
 #
 # Measured on real keys and values: the first 128 tokens of layer 2 of the bundled model on one prompt,

@@ -134,14 +134,61 @@ def test_no_course_machinery_on_the_page(source):
 
 
 def notation(text: str) -> dict[str, str]:
-    """The rows of the ``| symbol | meaning | in the code |`` tables in ``text``: symbol -> code names."""
+    """The rows of the ``| symbol | meaning | in the code |`` tables in ``text``: symbol -> code names (a
+    norm's ``\\|`` inside a cell is not a column's edge)."""
     rows = {}
     for table in re.findall(r"^\| symbol \| meaning \| in the code \|\n\|[-| ]+\|\n((?:\|.*\|\n?)+)", text, re.M):
         for row in table.strip().splitlines():
-            cols = [c.strip() for c in row.strip("|").split("|")]
+            cols = [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
             if len(cols) == 3:
                 rows[cols[0]] = cols[2]
     return rows
+
+
+# LaTeX that names no symbol of the lesson: words (\text{...}), operators and functions, delimiters, spacing,
+# accents, set and order relations, and two constants (e and pi)
+WORDS = re.compile(r"\\(?:text|operatorname|mathrm|textbf|mathbf|mathbb)\{[^{}]*\}")
+NOT_SYMBOLS = set("""exp log ln max min sum prod frac tfrac dfrac sqrt left right big Big bigg Bigg quad qquad cdot
+    cdots ldots dots le leq ge geq ne neq in notin to mid infty approx lfloor rfloor lceil rceil begin end cases
+    arg argmax argmin top hat tilde bar vec odot oslash otimes times sim Vert vert lvert rvert langle rangle pm
+    forall cup cap setminus subseteq subset emptyset lbrace rbrace circ colon displaystyle mathrel mathcal
+    overline underbrace overbrace equiv propto gg ll rightarrow leftarrow Rightarrow iff implies partial Pr
+    limits nolimits prime mod bmod pmod binom choose softmax pi e""".split())
+
+
+def equation_symbols(latex: str) -> set[str]:
+    """The symbols of some LaTeX: single letters (a subscript's too), Greek letters and calligraphic letters."""
+    found = set()
+    for m in re.finditer(r"\\mathcal\{([A-Za-z])\}|\\([A-Za-z]+)|(?<![\\A-Za-z])([A-Za-z])(?![A-Za-z])",
+                         WORDS.sub(" ", latex)):
+        name = "mathcal " + m.group(1) if m.group(1) else m.group(2) or m.group(3)
+        if name not in NOT_SYMBOLS:
+            found.add(name)
+    return found
+
+
+def undefined_symbols(markdown: list[str], shared: str) -> list[tuple[int, str]]:
+    """(markdown cell, symbol) for each symbol of a displayed equation that neither the lesson's notation list
+    nor the shared table names."""
+    defined = set().union(*[equation_symbols(symbol) for text in markdown + [shared] for symbol in notation(text)])
+    return sorted({(i, name) for i, text in enumerate(markdown) for eq in re.findall(r"\$\$(.+?)\$\$", text, re.S)
+                   for name in equation_symbols(eq) - defined})
+
+
+@pytest.mark.parametrize("source", LESSONS, ids=lambda p: p.stem)
+def test_every_symbol_of_a_displayed_equation_is_in_a_notation_list(source):
+    markdown = [c.source for c in committed(source).cells if c.cell_type == "markdown"]
+    missing = undefined_symbols(markdown, SHARED_NOTATION.read_text())
+    assert not missing, f"{source.stem}: symbols of displayed equations that no notation list names (markdown " \
+                        f"cell, symbol): {missing[:10]}"
+
+
+def test_the_symbol_check_catches_an_undefined_symbol():
+    table = "| symbol | meaning | in the code |\n|---|---|---|\n| $W_O^{(h)}$, $\\|x\\|_1$ | a norm | `w` |\n"
+    assert notation(table) == {"$W_O^{(h)}$, $\\|x\\|_1$": "`w`"}
+    eq = "$$\\mathcal{L} = \\big\\|(A - A') W_O^{(h)} x\\big\\|_1 \\quad \\text{(Eq. 5)}, \\; e^{\\lambda}$$"
+    assert equation_symbols(eq[2:-2]) == {"mathcal L", "A", "W", "O", "h", "x", "lambda"}
+    assert undefined_symbols([table, eq], "") == [(1, "A"), (1, "lambda"), (1, "mathcal L")]
 
 
 @pytest.mark.parametrize("source", LESSONS, ids=lambda p: p.stem)
