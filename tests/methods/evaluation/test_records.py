@@ -58,7 +58,7 @@ def test_a_committed_file_rescores_to_its_numbers():
     exact = Metric("exact", lambda f, m, task, s: float(m.prediction == s.target), answer=True)   # one of ours
     assert sum(map(sum, rescore(records, tok, seed, exact))) < sum(map(sum, again))
     with pytest.raises(ValueError, match="not the one the records were made from"):
-        rescore(records, tok, seed + 1)                                  # other samples than the file's
+        rescore([{**r, "seed": r["seed"] + 1} for r in records], tok, seed)    # other samples than the file's
     with pytest.raises(ValueError, match="reads the traces"):
         rescore(records, tok, seed, METRICS[1])
 
