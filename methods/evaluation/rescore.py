@@ -110,10 +110,6 @@ def check_records(records, path: Path, max_length: int, scores: list[str]) -> No
             cli.fail(f"{where}: 'task' {shown(r['task'])} is not a task here; the tasks are {', '.join(TASKS)}")
         if "seed" in r and not is_int(r["seed"]):
             cli.fail(f"{where}: 'seed' must be an integer, got {shown(r['seed'])}")
-        ids = r.get("prediction_ids")
-        if ids is not None and not (isinstance(ids, list) and len(ids) == len(r["predictions"]) and all(
-                isinstance(a, list) and all(is_int(t) for t in a) for a in ids)):
-            cli.fail(f"{where}: 'prediction_ids' must be a list of token-id lists, one per prediction")
         if not isinstance(r["mode"], str) or r["mode"] not in MODES:
             cli.fail(f"{where}: 'mode' {shown(r['mode'])} is not one of {', '.join(MODES)}")
         if not is_number(r["keep_ratio"]):
@@ -133,6 +129,10 @@ def check_records(records, path: Path, max_length: int, scores: list[str]) -> No
         if len(references) != len(predictions):
             cli.fail(f"{where}: {len(predictions)} predictions but {len(references)} references; "
                      "each sample has both")
+        ids = r.get("prediction_ids")
+        if ids is not None and not (isinstance(ids, list) and len(ids) == len(r["predictions"]) and all(
+                isinstance(a, list) and all(is_int(t) for t in a) for a in ids)):
+            cli.fail(f"{where}: 'prediction_ids' must be a list of token-id lists, one per prediction")
         for name in scores:
             metric = SCORES[name]
             if name in r and not is_number(r[name]):
