@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels_on = device == "cuda" and HAS_TRITON
         if not kernels_on:
             print("no CUDA device (or no Triton): the kernels run only in Triton's CPU interpreter, which checks "
-                  "correctness (pytest tests/kernels), not speed. Timing the PyTorch references only; "
+                  "correctness (the kernel tests), not speed. Timing the PyTorch references only; "
                   "run this on a GPU for the kernel numbers.")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         if device == "cpu" and dtype != torch.float32:

@@ -480,14 +480,9 @@ print(f"tensor i = 1024: {ten['ms']['materialising'] / ten['ms']['triton']:.0f}x
 # the materialising tensor one reach 0 GB/s, their work far larger than the few MiB they must move.
 
 # %%
-from contextlib import redirect_stdout
-from io import StringIO
-
 from fastpath import bench, e2e
 
-with redirect_stdout(StringIO()) as printed:              # its lines, less its CPU note
-    bench.main(["--quick", "--cases", "dense", "tensor"] if TINY else ["--quick"])
-print("\n".join(line for line in printed.getvalue().splitlines() if not line.startswith("no CUDA")))
+bench.main(["--quick", "--cases", "dense", "tensor"] if TINY else ["--quick"])
 
 # %% [markdown]
 # ### 6.3 The whole step on a GPU

@@ -431,7 +431,7 @@ def parser() -> cli.ArgumentParser:
                          "assistant's turn (methods/evaluation/chat.py); refused for a checkpoint without one")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the weights' and the caches' dtype (default %(default)s); bfloat16 halves the memory and "
-                         "moves the logits by bf16's rounding (see nanollm/io/README.md)")
+                         "moves the logits by bf16's rounding (see nanollm/README.md)")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES,
                     help="question_in_prompt: the question is in the prompt when the cache is compressed; "
                          "question_after_context: the context is compressed first and the question arrives "
