@@ -228,3 +228,28 @@ def test_the_fast_engine_refuses_a_model_with_biases_in_one_line():
     from methods.evaluation.side_by_side import make_engine
     with pytest.raises(ValueError, match="without biases .*--engine plain runs any model"):
         make_engine("fast", random_model("qwen2_qkv_bias"))
+
+
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"])
+def test_a_folder_of_random_weights_transformers_built_loads_with_its_logits(tmp_path, arch):
+    """Each architecture built by transformers itself from its config class (random weights, no download),
+    saved as safetensors, read by nanollm: the same logits in fp32 (Llama with Llama-3's RoPE scaling,
+    Qwen2 with its q/k/v biases, Mistral without a sliding window)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    config = {"MistralForCausalLM": lambda: transformers.MistralConfig(**common, sliding_window=None),
+              "Qwen2ForCausalLM": lambda: transformers.Qwen2Config(**common, use_sliding_window=False),
+              "LlamaForCausalLM": lambda: transformers.LlamaConfig(**common, rope_theta=500000.0,
+                                                                   rope_scaling=LLAMA3_SCALING)}[arch]()
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():                          # every tensor random, biases and norms included
+            p.add_(torch.randn(p.shape) * 0.1)
+    hf.save_pretrained(tmp_path)
+    ours, _ = load_hf(tmp_path)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-5, rtol=0)
