@@ -205,7 +205,7 @@ def test_a_file_that_is_no_object_is_refused(monkeypatch, capsys, tmp_path, comm
     assert "not a methods.compare results file" in err, err
 
 
-@pytest.mark.parametrize("name", ["compare_smollm2.json", "compare_smollm2_kvpress.json"])
+@pytest.mark.parametrize("name", ["compare_smollm2.json"])
 def test_a_committed_file_without_predictions_is_refused_so(monkeypatch, capsys, name):
     no_work(monkeypatch, rescore, "rescore", "load_tokenizer")
     err = refused(capsys, rescore.main, [str(RESULTS / name)])
