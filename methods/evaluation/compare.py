@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
         if not 0 < length <= config.max_seq_len:
             cli.fail(f"--length must be in [1, {config.max_seq_len}] (the model's maximum positions), got {length}")
         for task in tasks:
-            if isinstance(getattr(task, "task", task), FileTask) and not \
+            if file_task(task) and not \
                     0 <= args.seed <= args.seed + samples - 1 < len(task.items):
                 cli.fail(f"--samples {samples} from --seed {args.seed} asks for items {args.seed} to "
                          f"{args.seed + samples - 1} of {task.path}, which holds {len(task.items)}")
@@ -582,7 +582,7 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     records = run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed,
                   progress=not args.quiet, workers=workers, rank=rank, world=world, engine=args.engine,
                   time_alone=args.time_alone)
-    files = {t.name: getattr(t, "task", t) for t in tasks if isinstance(getattr(t, "task", t), FileTask)}
+    files = {t.name: file_task(t) for t in tasks if file_task(t)}
     for r in records:
         r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
                  chat_template=args.chat_template)
@@ -613,6 +613,12 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     if args.plot:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")
+
+
+def file_task(task: Task) -> FileTask | None:
+    """The task read from a file behind ``task`` (itself, or the one a ``ChatTask`` wraps), else None."""
+    inner = getattr(task, "task", task)
+    return inner if isinstance(inner, FileTask) else None
 
 
 def special_tokens(tok) -> dict:

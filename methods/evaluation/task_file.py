@@ -85,6 +85,7 @@ def read_items(path: Path) -> list[dict]:
 
 
 _ITEMS: dict[tuple[str, str], list[dict]] = {}     # per process: (path, sha256) -> items, read once
+_BY_SAMPLE: dict[tuple[str, str], dict] = {}       # ... and (question, answers) -> its item, for scoring
 
 
 class FileTask(Task):
@@ -126,8 +127,11 @@ class FileTask(Task):
                       context_ids=context_ids, question_ids=question_ids, target_ids=target_ids)
 
     def item_of(self, sample: Sample) -> dict:
-        return next(item for item in self.items if item["answers"] == sample.answers
-                    and item["question"] == sample.question)
+        """The item a sample was made from (a dict lookup: scoring runs once per answer)."""
+        key = (self.path, self.sha256)
+        if key not in _BY_SAMPLE:
+            _BY_SAMPLE[key] = {(item["question"], tuple(item["answers"])): item for item in reversed(self.items)}
+        return _BY_SAMPLE[key][(sample.question, tuple(sample.answers))]
 
     def answer_length(self, model, sample: Sample) -> int:
         item = self.item_of(sample)
