@@ -45,16 +45,23 @@ def command_line(args: list[str] | None = None, prog: str | None = None) -> str:
 
 
 def head_commit(root: Path = ROOT) -> str | None:
-    """The checked-out commit, read from ``.git`` (no git needed): HEAD, a loose ref, or packed-refs."""
-    git = root / ".git"
+    """The checked-out commit, read from ``.git`` (no git needed): HEAD, a loose ref, or packed-refs. In a
+    ``git worktree`` checkout ``.git`` is a file naming the worktree's own folder (its HEAD), whose
+    ``commondir`` names the repository's folder (the refs)."""
+    git = common = root / ".git"
     try:
+        if git.is_file():                                 # "gitdir: /repo/.git/worktrees/NAME"
+            git = (root / git.read_text().strip().removeprefix("gitdir: ")).resolve()
+            common = (git / (git / "commondir").read_text().strip()).resolve() \
+                if (git / "commondir").is_file() else git
         head = (git / "HEAD").read_text().strip()
         if not head.startswith("ref: "):
             return head                                   # a detached HEAD is the commit itself
         ref = head[5:]
-        if (git / ref).is_file():
-            return (git / ref).read_text().strip()
-        for line in (git / "packed-refs").read_text().splitlines():
+        for folder in (git, common):
+            if (folder / ref).is_file():
+                return (folder / ref).read_text().strip()
+        for line in (common / "packed-refs").read_text().splitlines():
             if line.endswith(" " + ref):
                 return line.split()[0]
     except OSError:
