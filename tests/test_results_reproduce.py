@@ -92,17 +92,19 @@ def rerun_compare_cell(name: str, methods: list[str], keep_ratio: float, task: s
     records, args, model, tok = recorded_model(name, compare)
     committed = {r["method"]: r for r in records if r["task"] == task and r["mode"] == mode
                  and r["method"] in methods + ["full"] and r["keep_ratio"] in (keep_ratio, 1.0)}
-    budget = committed[methods[0]]["budget"]
+    budgets = [committed[methods[0]]["budget"]] if methods else []        # no method: the full cache alone
     length, samples = committed["full"]["length"], committed["full"]["n_samples"]
     variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]
     first = None if first is None or samples <= first else first
-    again = compare.run(model, tok, variants, [budget], [task], [mode], first or samples, length, args.seed,
+    again = compare.run(model, tok, variants, budgets, [task], [mode], first or samples, length, args.seed,
                         progress=False)
+    answers = ("accuracies", "predictions") if "predictions" in committed["full"] else ("accuracies",)
     if first is None:
-        assert_rows_equal(again, committed, "method", ("accuracies", "kv_bytes"), METRICS)
+        assert_rows_equal(again, committed, "method", answers + ("kv_bytes",), METRICS)
     else:
-        assert {r["method"]: r["accuracies"] for r in again} == \
-            {m: r["accuracies"][:first] for m, r in committed.items()}
+        for field in answers:
+            assert {r["method"]: r[field] for r in again} == \
+                {m: r[field][:first] for m, r in committed.items()}, field
 
 
 @pytest.mark.slow
@@ -115,12 +117,25 @@ def test_compare_default_reproduces():
 
 @pytest.mark.slow
 @pytest.mark.heavy
-@pytest.mark.parametrize("name, method", [("compare_smollm2.json", "critical_kv"),
-                                          ("compare_smollm2_kvpress.json", "chunkkv")])
-def test_compare_smollm2_reproduces(name, method):
-    """SmolLM2-135M, our settings and kvpress's: one method at keep 0.25 on passkey, question in the prompt
-    (for the 30-sample run at 2k tokens, the first 10 samples' answers: each takes seconds)."""
-    rerun_compare_cell(name, [method], 0.25, "passkey", "question_in_prompt", first=10)
+@pytest.mark.parametrize("name, methods, keep, task, mode, first", [
+    # the main job (2k tokens, 30 samples: the first samples' answers, each takes seconds): a prompt compressor
+    # with the question in the prompt; a decode-time evictor and KVReviver with the question after the context
+    ("compare_smollm2.json", ["critical_kv"], 0.25, "passkey", "question_in_prompt", 10),
+    ("compare_smollm2.json", ["h2o", "kvreviver"], 0.1, "niah_single_docs", "question_after_context", 3),
+    # kvpress's settings (512 tokens, 10 samples): every method, the wrapper too, in both modes
+    ("compare_smollm2_kvpress.json", ["chunkkv"], 0.25, "passkey", "question_in_prompt", None),
+    ("compare_smollm2_kvpress.json", ["streaming_llm", "snapkv", "adakv", "critical_kv", "critical_kv(adakv(snapkv))"],
+     0.1, "niah_single_docs", "question_after_context", None),
+    # the full cache's accuracy at three lengths and over 30 samples (nanollm/README.md's table)
+    ("smollm2_full_cache_1024.json", [], 1.0, "niah_multivalue_docs", "question_in_prompt", None),
+    ("smollm2_full_cache_2048.json", [], 1.0, "niah_multiquery_docs", "question_after_context", None),
+    ("smollm2_full_cache_4096.json", [], 1.0, "passkey", "question_in_prompt", 2),
+    ("smollm2_full_cache_2048_30samples.json", [], 1.0, "vt", "question_in_prompt", 4),
+])
+def test_compare_smollm2_reproduces(name, methods, keep, task, mode, first):
+    """SmolLM2-135M's tables from methods.compare: each kind of row (the full cache, a prompt compressor, a
+    decode-time evictor, KVReviver, a wrapper; both modes) in one cell of the file that holds it."""
+    rerun_compare_cell(name, methods, keep, task, mode, first=first)
 
 
 @pytest.mark.slow
@@ -190,6 +205,45 @@ def test_kvreviver_ablation_reproduces():
 
 @pytest.mark.slow
 @pytest.mark.heavy
+def test_kvreviver_ablation_s_fisher_and_lemma_rows_reproduce():
+    """The ablation file's other two kinds of row: the Fisher information per layer that sets the "Fisher
+    budgets" variant, and Lemma 2's predicted and measured reconstruction errors per layer and policy."""
+    from methods.analysis import kvreviver_ablation as ablation
+    records, args, model, tok = recorded_model("kvreviver_ablation.json", ablation)
+    fisher = next(r for r in records if r["kind"] == "fisher")
+    calib = ablation.calibration_ids(tok)
+    assert (len(calib), ablation.CALIBRATION_FROM) == (fisher["calibration_tokens"], fisher["calibration_from"])
+    assert ablation.fisher_information(model, calib) == pytest.approx(fisher["fisher"], rel=1e-4)
+    committed = {(r["policy"], r["layer"]): r for r in records if r["kind"] == "lemma2"}
+    again = ablation.lemma2(model, tok, args.lemma_length, args.lemma_keep,
+                            {"shipped": ablation.KVReviverPolicy, "centred+shrunk": ablation.CentredShrunk})
+    assert {(r["policy"], r["layer"]) for r in again} == set(committed)
+    for r in again:
+        c = committed[(r["policy"], r["layer"])]
+        exact = ("length", "budget", "tokens_in_sketch", "width", "rows")
+        assert [r[k] for k in exact] == [c[k] for k in exact], (r["policy"], r["layer"])
+        for k in ("predicted", "bound", "key_mse", "value_mse", "key_error_norm", "value_error_norm",
+                  "key_mean_ratio", "value_mean_ratio"):
+            assert r[k] == pytest.approx(c[k], rel=1e-4, abs=1e-6), (r["policy"], r["layer"], k)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_row_of_the_course_mutants_report_reproduces(tmp_path):
+    """``results/course_mutants.txt``: one task's row (the cache assignment's group scores, hand-written and
+    catalogue mutants) graded again gives the committed mutants and kills."""
+    from course import mutants
+    row = re.search(r"^== cache: .*?^   group_scores +(\d+) +(\d+)$",
+                    (RESULTS / "course_mutants.txt").read_text(), re.M | re.S)
+    assert row, "results/course_mutants.txt has no cache / group_scores row"
+    out = tmp_path / "report.txt"
+    assert mutants.main(["cache", "--task", "group_scores", "--jobs", "2", "--quiet", "--out", str(out)]) == 0
+    again = re.search(r"^   group_scores +(\d+) +(\d+)$", out.read_text(), re.M)
+    assert again and again.groups() == row.groups(), out.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_front_pages_generation_reproduces():
     """The README's compression example (``results/generate_smollm2_passkey.txt``): each of its commands, run
     again, prints what the file holds (greedy decoding: the same tokens)."""
@@ -204,6 +258,74 @@ def test_the_front_pages_generation_reproduces():
                              env={**os.environ, "OMP_NUM_THREADS": "2"})
         assert out.returncode == 0, out.stderr[-500:]
         assert out.stdout.strip() == printed.strip(), f"{command}: prints\n{out.stdout[-400:]}"
+
+
+HERE = "tests/test_results_reproduce.py::"
+LOG = "log: a before/after run of a past change, kept as what it showed then (results/README.md)"
+TIMING = "timing: one machine's run; timed again, its numbers move with the machine"
+GPU = "gpu: measured on a lent GPU; fastpath/gpu_check.sh runs it again on a CUDA machine"
+# How each committed results file is checked at HEAD: the tests that re-run its rows (each kind of row it
+# holds), or why none does. A file a run prints beside another ("beside NAME") is checked through it.
+CHECKED_BY = {
+    "compare_default.json": (HERE + "test_compare_default_reproduces",),
+    "compare_default.txt": "beside compare_default.json",
+    "compare_smollm2.json": (HERE + "test_compare_smollm2_reproduces",),
+    "compare_smollm2.txt": "beside compare_smollm2.json",
+    "compare_smollm2.png": "beside compare_smollm2.json",
+    "compare_smollm2_kvpress.json": (HERE + "test_compare_smollm2_reproduces",),
+    "compare_smollm2_kvpress.txt": "beside compare_smollm2_kvpress.json",
+    "compare_smollm2_kvpress.png": "beside compare_smollm2_kvpress.json",
+    "smollm2_full_cache_1024.json": (HERE + "test_compare_smollm2_reproduces",),
+    "smollm2_full_cache_2048.json": (HERE + "test_compare_smollm2_reproduces",),
+    "smollm2_full_cache_4096.json": (HERE + "test_compare_smollm2_reproduces",),
+    "smollm2_full_cache_2048_30samples.json": (HERE + "test_compare_smollm2_reproduces",),
+    "smollm2_full_cache_2048_30samples.txt": "beside smollm2_full_cache_2048_30samples.json",
+    "lm_smollm2.json": (HERE + "test_language_modelling_reproduces",
+                        HERE + "test_language_modelling_s_collapsed_rows_reproduce_in_order_of_magnitude"),
+    "lm_smollm2.txt": "beside lm_smollm2.json",
+    "lm_smollm2.png": "beside lm_smollm2.json",
+    "lm_smollm2_kvreviver_spread.txt":
+        (HERE + "test_language_modelling_s_collapsed_rows_reproduce_in_order_of_magnitude",),
+    "kvreviver_ablation.json": (HERE + "test_kvreviver_ablation_reproduces",
+                                HERE + "test_kvreviver_ablation_s_fisher_and_lemma_rows_reproduce"),
+    "kvreviver_ablation.txt": "beside kvreviver_ablation.json",
+    "generate_smollm2_passkey.txt": (HERE + "test_the_front_pages_generation_reproduces",),
+    "course_mutants.txt": (HERE + "test_a_row_of_the_course_mutants_report_reproduces",),
+    "match3_eval.txt": ("tests/methods/tensor_attention/test_match3.py::test_bundled_cards_reproduce",),
+    "peer_kvpress.txt": ("tests/methods/test_kvpress_peer.py::test_same_kept_positions_as_kvpress",
+                         "tests/methods/test_kvpress_peer.py::"
+                         "test_chunkkv_differs_only_in_the_chunk_straddling_the_window"),
+    **dict.fromkeys(["compare_2samples_before_shared_prompt.txt", "compare_2samples_after_shared_prompt.txt",
+                     "compare_2samples_before_side_by_side.txt", "compare_2samples_after_side_by_side.txt",
+                     "compare_4methods_2samples_before.txt", "compare_4methods_2samples_after.txt",
+                     "full_cache_step_32k_before_after.txt"], LOG),
+    **dict.fromkeys(["methods_bench_1thread.json", "methods_bench_1thread.png", "methods_bench_2threads_32k.json",
+                     "methods_bench_smollm2.json", "nanollm_bench_vs_transformers.json", "speed_smollm2_bf16.json",
+                     "speed_smollm2_fp32.json", "tensor_bench_1thread.json", "tensor_bench_1thread.png",
+                     "throughput_smollm2.json", "throughput_smollm2.txt", "timings.json"], TIMING),
+    **dict.fromkeys(["decode_e2e_h100.json", "decode_e2e_h100_summary.txt", "decode_e2e_hf_compiled_8192_h100.json",
+                     "decode_e2e_smollm2_b16_h100.json", "decode_e2e_smollm2_b1_h100.json",
+                     "decode_profile_h100_32k.txt", "decode_tests_h100.txt", "kernels_bench_h100.json",
+                     "kernels_tests_h100.txt"], GPU),
+}
+
+
+def test_every_results_file_is_re_run_or_says_why():
+    """Each file in results/ is in ``CHECKED_BY``: the tests named there exist (a renamed test fails here), a
+    file "beside" another names one that tests re-run, and nothing listed is gone."""
+    files = {p.name for p in RESULTS.iterdir() if p.name != "README.md"}
+    assert files - set(CHECKED_BY) == set(), "results files that no test re-runs and no line explains"
+    assert set(CHECKED_BY) - files == set(), "CHECKED_BY names files that are not in results/"
+    for name, how in CHECKED_BY.items():
+        if isinstance(how, str):
+            kind, _, rest = how.partition(" ")
+            assert how in (LOG, TIMING, GPU) or kind == "beside", (name, how)
+            if kind == "beside":
+                assert isinstance(CHECKED_BY.get(rest), tuple), (name, how)
+            continue
+        for test in how:
+            path, _, function = test.partition("::")
+            assert re.search(rf"^def {function}\(", (ROOT / path).read_text(), re.M), (name, test)
 
 
 def test_every_results_file_says_where_it_came_from():
