@@ -10,6 +10,7 @@ the same step with less per-call work:
   gate and up projections: 4 linear calls per layer instead of 7;
 * no ``nn.Module`` calls, no id checks after the first token, RoPE from the model's table, applied to q
   and k in one call;
+* biases, where a model has them (Qwen2's on q, k and v), are added after the stacked products;
 * the attention is ``fastpath.attention``'s: with a plain cache the step appends and attends itself; with
   a policy it goes through ``KVCache.attend``, so every policy's hooks run unchanged;
 * ``forward`` takes the products and the attention as functions, so the evaluation can step many caches
@@ -37,6 +38,11 @@ from nanollm.model import RMSNorm, Transformer
 from .attention import SPLIT_HEADS_FROM, FastAttention, attend_heads, attend_step
 
 
+def _plus(t: Tensor, bias: Tensor | None) -> Tensor:
+    """A product's bias added after it (the same sum as ``F.linear`` with the bias, to float rounding)."""
+    return t if bias is None else t + bias
+
+
 class LeanDecoder:
     """Decode steps of a Llama-flavour ``Transformer`` with the standard attention, with stacked weights."""
 
@@ -45,9 +51,6 @@ class LeanDecoder:
         if cfg.flavour != "llama" or not all(type(b.attn) is CausalSelfAttention for b in model.blocks):
             raise ValueError("LeanDecoder takes a llama-flavour model with the standard attention "
                              f"(got flavour {cfg.flavour!r}, attention {cfg.attention!r})")
-        if cfg.bias or cfg.qkv_bias:
-            raise ValueError("LeanDecoder takes a model without biases in its linear layers (this one has them: "
-                             "Qwen2's on q, k, v, or a llama with attention_bias)")
         self.model, self.config = model, cfg
         self.inv_freq = model.inv_freq.to(model.tok_emb.weight.device)                # RoPE's theta_i, (d/2,)
         with torch.no_grad():
@@ -60,6 +63,12 @@ class LeanDecoder:
                     a.o_proj.weight, b.mlp_norm,
                     torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),                # 2F x D
                     m.down_proj.weight, FastAttention(a)))
+            # the biases of the same products (Qwen2's on q, k, v; a llama with attention_bias), else None
+            self.biases = [(torch.cat([b.attn.q_proj.bias, b.attn.k_proj.bias, b.attn.v_proj.bias])
+                            if cfg.qkv_bias else None,
+                            b.attn.o_proj.bias, torch.cat([b.mlp.gate_proj.bias, b.mlp.up_proj.bias])
+                            if cfg.bias else None, b.mlp.down_proj.bias) for b in model.blocks]
+        self.biased = bool(cfg.bias or cfg.qkv_bias)
 
     @staticmethod
     def _norm(norm: RMSNorm, x: Tensor) -> Tensor:
@@ -121,16 +130,17 @@ class LeanDecoder:
         H, H_kv, d = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         R = x.shape[0]
         for i, (norm1, wqkv, wo, norm2, wgu, wd, attn) in enumerate(self.layers):
+            bqkv, bo, bgu, bd = self.biases[i]                                         # None: no bias
             h = self._norm(norm1, x)                                                   # (R, D)
-            qkv = linear(h, wqkv).view(R, H + 2 * H_kv, d)
+            qkv = _plus(linear(h, wqkv), bqkv).view(R, H + 2 * H_kv, d)
             qk = apply_rope(qkv[:, :H + H_kv], cos, sin)          # q and k rotated together (element-wise)
             q = qk[:, :H, None]                                                        # (R, H, 1, d)
             k, v = qk[:, H:, None], qkv[:, H + H_kv:, None]                            # (R, H_kv, 1, d)
             y = attend(i, attn, q, k, v).reshape(R, H * d)      # (R, H, 1, d): the heads side by side
-            x = x + linear(y, wo)
+            x = x + _plus(linear(y, wo), bo)
             h = self._norm(norm2, x)
-            gate, up = linear(h, wgu).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, wd)
+            gate, up = _plus(linear(h, wgu), bgu).chunk(2, dim=-1)
+            x = x + _plus(linear(F.silu(gate) * up, wd), bd)
         h = self._norm(self.model.final_norm, x)                                      # (R, D)
         return linear(h, self.model.lm_head.weight), h                                # (R, V), (R, D)
 

@@ -36,6 +36,20 @@ def test_lean_step_equals_decode_step(make_model, name):
         assert torch.equal(la.pos, lb.pos)
 
 
+@pytest.mark.parametrize("bias, qkv_bias", [(True, True), (False, True)])   # a llama with attention_bias; Qwen2
+def test_lean_step_adds_the_biases(make_model, bias, qkv_bias):
+    model = make_model(preset("TINY", bias=bias, qkv_bias=qkv_bias), seed=4)
+    with torch.no_grad():                       # make_model leaves the biases at zero: draw them too
+        for i, (name, p) in enumerate(model.named_parameters()):
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    assert LeanDecoder(model).biased
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref, lean, _ = steps_both(model, x, "snapkv")
+    torch.testing.assert_close(lean, ref, rtol=0, atol=1e-5)
+    assert not torch.allclose(ref, steps_both(make_model(preset("TINY"), seed=4), x, "snapkv")[0])
+
+
 def test_lean_generate_equals_generate(make_model):
     model = make_model(preset("TINY"), seed=2)
     x = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))

@@ -224,10 +224,26 @@ def test_an_unsupported_architecture_is_one_line_naming_it():
     assert (qwen.bias, qwen.qkv_bias) == (False, True)
 
 
-def test_the_fast_engine_refuses_a_model_with_biases_in_one_line():
+@pytest.mark.parametrize("name", ["qwen2_qkv_bias", "llama_bias"])
+def test_the_fast_engine_runs_a_model_with_biases_as_the_plain_one(name):
+    """Qwen2's q/k/v biases (and a llama's attention_bias): the evaluation's two engines fill the same
+    caches and step them to the same logits; the graph step, which has no biases, refuses in one line."""
+    from fastpath.graph import GraphDecoder
+    from methods import make_policy
     from methods.evaluation.side_by_side import make_engine
-    with pytest.raises(ValueError, match="without biases .*--engine plain runs any model"):
-        make_engine("fast", random_model("qwen2_qkv_bias"))
+    model = random_model(name)
+    chunks, tokens = [ids(16)[0].tolist(), ids(20)[1, 16:].tolist()], [5, 7]
+    out = {}
+    for engine in ("plain", "fast"):
+        e = make_engine(engine, model)
+        caches, last = e.fill([make_policy("full", 8), make_policy("snapkv", 8)], chunks)
+        out[engine] = [last]
+        for t in tokens:
+            out[engine] += e.step(caches, [t, t])[:2]
+    for a, b in zip(out["plain"], out["fast"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="the graph step takes a model without biases"):
+        GraphDecoder(model)
 
 
 @pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"])
