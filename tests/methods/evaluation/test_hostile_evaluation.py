@@ -205,14 +205,18 @@ def test_a_file_that_is_no_object_is_refused(monkeypatch, capsys, tmp_path, comm
     assert "not a methods.compare results file" in err, err
 
 
-@pytest.mark.parametrize("name", ["compare_smollm2.json"])
-def test_a_committed_file_without_predictions_is_refused_so(monkeypatch, capsys, name):
+def test_a_file_without_predictions_is_refused_so(monkeypatch, capsys, tmp_path):
+    """A results file written before the records kept every answer (the committed ones were re-run since)."""
     no_work(monkeypatch, rescore, "rescore", "load_tokenizer")
-    err = refused(capsys, rescore.main, [str(RESULTS / name)])
-    assert name in err and "no predictions" in err, err
+    saved = json.loads(COMMITTED.read_text())
+    for r in saved["records"]:
+        del r["predictions"]
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    err = refused(capsys, rescore.main, [str(tmp_path / "old.json")])
+    assert "old.json" in err and "no predictions" in err, err
 
 
-@pytest.mark.parametrize("name", ["kvreviver_ablation.json", "smollm2_full_cache_2048.json", "timings.json"])
+@pytest.mark.parametrize("name", ["kvreviver_ablation.json", "methods_bench_1thread.json", "timings.json"])
 def test_a_results_file_of_another_command_is_refused(monkeypatch, capsys, name):
     no_work(monkeypatch, rescore, "rescore", "load_tokenizer")
     err = refused(capsys, rescore.main, [str(RESULTS / name)])
@@ -235,6 +239,33 @@ def test_rescore_gives_the_committed_numbers_back(capsys, tmp_path):
     saved, again = json.loads(COMMITTED.read_text()), json.loads(out.read_text())
     assert again["provenance"]["seed"] == saved["provenance"]["seed"] == 0
     assert [r["accuracy_each"] for r in again["records"]] == [r["accuracies"] for r in saved["records"]]
+
+
+def compare_files() -> list[str]:
+    """The committed results files methods.compare wrote (their provenance says so)."""
+    names = []
+    for path in sorted(RESULTS.glob("*.json")):
+        saved = json.loads(path.read_text())
+        command = saved.get("provenance", {}).get("command", "") if isinstance(saved, dict) else ""
+        if command.startswith("python -m methods.compare "):
+            names.append(path.name)
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", compare_files())
+def test_every_committed_compare_file_rescores_to_its_numbers(capsys, tmp_path, name):
+    """Each results file of methods.compare keeps its answers, and the command scores them again, from the
+    file and the tokenizer alone, to the accuracy every record stores."""
+    saved = json.loads((RESULTS / name).read_text())
+    checkpoint = saved["records"][0]["checkpoint"]
+    try:
+        load_tokenizer(checkpoint)
+    except (OSError, ValueError) as e:
+        pytest.skip(f"{checkpoint} is not here ({e})")
+    rescore.main([str(RESULTS / name), "--metric", "accuracy", "--json", str(tmp_path / "again.json")])
+    n = len(saved["records"])
+    assert f"accuracy: the same as stored in {n} of {n} records" in capsys.readouterr().out
 
 
 def test_the_library_refuses_a_record_with_an_extra_reference():
