@@ -13,7 +13,8 @@ fastpath: the same decoder, faster, plugged in from above. The reading path (``n
     fused.py       ``FusedGraphDecoder``: the graph step with its element-wise work compiled by inductor
     e2e.py         whole decode steps timed (``python -m fastpath.bench --e2e``): lean, graph and fused step,
                    full cache vs keep 0.1, transformers' StaticCache step, at the copy bandwidth of the same run
-    gpu_check.sh   what a GPU must show, in one command under ten minutes: ``--e2e``, then the tests
+    gpu_check.sh   what a GPU must show, in stages of under ten minutes: ``--e2e``, the tests, the main job
+                   (``compare``), the fast tier (``suite``)
 
 Each computes what the reading path computes: ``tests/fastpath/`` compares them (bit for bit on CPU where
 the arithmetic is the same, at float tolerance where the kernels or stacked products sum in another order).

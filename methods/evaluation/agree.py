@@ -1,0 +1,125 @@
+"""
+Do two ``methods.compare`` results files say the same? The check behind "the GPU run equals the CPU run",
+"bf16 moves nothing that matters", "the plain and fast engines agree":
+
+    python -m methods.evaluation.agree results/compare_default.json /tmp/cuda.json
+    python -m methods.evaluation.agree A.json B.json --tol 1e-3
+
+Records are matched by (method, budget, task, mode); the two files must hold the same cells. For each field:
+
+* the answers and what they count (``predictions``, ``prediction_ids``, ``accuracies``, ``references``,
+  ``kv_bytes``, ``extra_bytes``, ``compressed_tokens``, ``n_samples``): equal, record by record;
+* the float metrics (``kl``, ``perturbation``, ``lost_mass``, ``attn_l1``): the largest absolute difference
+  over the records, which must be at most ``--tol`` (default 1e-3);
+* the timings (``compress_ms``, ``decode_ms_per_token``) and the run's settings (``engine``, ``dtype``, ...):
+  not compared (they are what one changes between the two runs).
+
+Prints one line per field and a last line ``agree`` or ``differ: FIELDS``; exits with status 0 or 1. A file
+that is not a compare results file, or two files of different cells, is one ``error:`` line (status 2).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from nanollm import cli
+from nanollm.io.files import read_json
+
+KEY = ("method", "budget", "task", "mode")
+EXACT = ("predictions", "prediction_ids", "accuracies", "references", "kv_bytes", "extra_bytes",
+         "compressed_tokens", "n_samples")
+CLOSE = ("kl", "perturbation", "lost_mass", "attn_l1")
+
+
+def cells(path: Path) -> dict[tuple, dict]:
+    """The file's records by (method, budget, task, mode); one line and exit for anything else."""
+    data = read_json(path, "results file")
+    records = data.get("records") if isinstance(data, dict) else None
+    if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
+        cli.fail(f"{path}: not a methods.compare results file (a JSON object with a list of 'records')")
+    by_key = {}
+    for i, r in enumerate(records):
+        if not all(k in r for k in KEY):
+            cli.fail(f"{path}: record {i} lacks {', '.join(k for k in KEY if k not in r)}")
+        key = tuple(r[k] for k in KEY)
+        if key in by_key:
+            cli.fail(f"{path}: two records of {key}")
+        by_key[key] = r
+    return by_key
+
+
+def flat(x) -> list[float]:
+    """A metric's numbers in order: a number, or a (nested) list of them (``attn_l1``: one per layer)."""
+    return [v for item in x for v in flat(item)] if isinstance(x, list) else [float(x)]
+
+
+def largest_gap(a, b) -> float:
+    """The largest |a - b| over two values of one metric (inf where their shapes differ or one is missing)."""
+    if a is None or b is None:
+        return 0.0 if a is b else math.inf
+    xs, ys = flat(a), flat(b)
+    if len(xs) != len(ys):
+        return math.inf
+    return max((abs(x - y) if not (math.isnan(x) and math.isnan(y)) else 0.0 for x, y in zip(xs, ys)),
+               default=0.0)
+
+
+def compare_files(a: dict[tuple, dict], b: dict[tuple, dict], tol: float) -> tuple[list[str], list[str]]:
+    """The printed lines and the names of the fields that differ."""
+    lines, differ = [], []
+    for field in EXACT:
+        keys = [k for k in a if field in a[k] or field in b[k]]
+        if not keys:
+            continue
+        same = sum(a[k].get(field) == b[k].get(field) for k in keys)
+        lines.append(f"{field:<20} equal in {same} of {len(keys)} records")
+        if same < len(keys):
+            differ.append(field)
+            first = next(k for k in keys if a[k].get(field) != b[k].get(field))
+            lines.append(f"{'':<20} first that differs: {'/'.join(map(str, first))}")
+    for field in CLOSE:
+        keys = [k for k in a if field in a[k] or field in b[k]]
+        if not keys:
+            continue
+        gap = max(largest_gap(a[k].get(field), b[k].get(field)) for k in keys)
+        ok = gap <= tol
+        lines.append(f"{field:<20} largest difference {gap:.3g} over {len(keys)} records "
+                     f"({'within' if ok else 'beyond'} {tol:g})")
+        if not ok:
+            differ.append(field)
+    return lines, differ
+
+
+def parser() -> cli.ArgumentParser:
+    ap = cli.ArgumentParser(
+        prog="python -m methods.evaluation.agree",
+        description="Check that two methods.compare results files say the same: every answer, accuracy and "
+                    "byte count equal record by record, the float metrics (KL, perturbation, lost mass, "
+                    "attn_l1) within --tol; timings and settings are not compared. Exit status 0: they agree; "
+                    "1: they differ (the fields are named).")
+    ap.add_argument("a", type=Path, metavar="A.json", help="a methods.compare results file (--json of a run)")
+    ap.add_argument("b", type=Path, metavar="B.json", help="another, of the same cells")
+    ap.add_argument("--tol", type=cli.positive_float, default=1e-3,
+                    help="largest absolute difference allowed in a float metric (default 1e-3)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    with cli.errors(args.debug):
+        a, b = cells(args.a), cells(args.b)
+        if set(a) != set(b):
+            only = sorted(set(a) ^ set(b), key=str)[0]
+            side = args.a if only in a else args.b
+            cli.fail(f"the files hold different cells: {'/'.join(map(str, only))} is only in {side} "
+                     f"({len(set(a) - set(b))} only in A, {len(set(b) - set(a))} only in B)")
+        lines, differ = compare_files(a, b, args.tol)
+        print(f"# {args.a} against {args.b}: {len(a)} records")
+        print("\n".join(lines))
+        print("agree" if not differ else f"differ: {', '.join(differ)}")
+        return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""``methods.evaluation.agree``: two compare files agree when every answer and byte count is equal and the
+float metrics lie within the tolerance; a plausible difference in each kind of field is caught and named."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from methods.evaluation import agree
+from tests.course.test_grader import refused
+
+COMMITTED = Path(__file__).resolve().parents[3] / "results" / "compare_default.json"
+
+
+@pytest.fixture(scope="module")
+def saved() -> dict:
+    return json.loads(COMMITTED.read_text())
+
+
+def written(tmp_path: Path, data: dict, name: str = "b.json") -> str:
+    (tmp_path / name).write_text(json.dumps(data))
+    return str(tmp_path / name)
+
+
+def test_a_file_agrees_with_itself(capsys):
+    assert agree.main([str(COMMITTED), str(COMMITTED)]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("\nagree") and "predictions          equal in 300 of 300 records" in out, out
+
+
+@pytest.mark.parametrize("field, change", [
+    ("predictions", lambda r: r["predictions"].__setitem__(3, r["predictions"][3] + "0")),
+    ("accuracies", lambda r: r["accuracies"].__setitem__(0, 1.0 - r["accuracies"][0])),
+    ("kv_bytes", lambda r: r.__setitem__("kv_bytes", r["kv_bytes"] + 2)),
+    ("kl", lambda r: r.__setitem__("kl", r["kl"] + 2e-3)),
+    ("attn_l1", lambda r: r["attn_l1"][-1].__setitem__(0, r["attn_l1"][-1][0] - 5e-3)),
+])
+def test_a_difference_in_one_record_is_caught_and_named(capsys, tmp_path, saved, field, change):
+    other = copy.deepcopy(saved)
+    change(other["records"][7])
+    assert agree.main([str(COMMITTED), written(tmp_path, other)]) == 1
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(f"differ: {field}"), out
+
+
+def test_the_tolerance_lets_a_float_metric_move_and_nothing_else(capsys, tmp_path, saved):
+    other = copy.deepcopy(saved)
+    for r in other["records"]:
+        r["kl"] += 5e-3
+        r["decode_ms_per_token"] *= 3                  # timings and settings are not compared
+        r["engine"] = "plain"
+    b = written(tmp_path, other)
+    assert agree.main([str(COMMITTED), b]) == 1
+    assert agree.main([str(COMMITTED), b, "--tol", "1e-2"]) == 0
+    assert "kl                   largest difference 0.005 over 300 records (within 0.01)" in capsys.readouterr().out
+
+
+def test_files_of_other_cells_or_no_records_are_refused_in_one_line(capsys, tmp_path, saved):
+    other = copy.deepcopy(saved)
+    del other["records"][5]
+    err = refused(capsys, agree.main, [str(COMMITTED), written(tmp_path, other)])
+    assert "the files hold different cells" in err and "0 only in B" in err, err
+    err = refused(capsys, agree.main, [str(COMMITTED), written(tmp_path, {"rows": []}, "x.json")])
+    assert "not a methods.compare results file" in err, err
+    twice = copy.deepcopy(saved)
+    twice["records"].append(twice["records"][0])
+    err = refused(capsys, agree.main, [written(tmp_path, twice, "t.json"), str(COMMITTED)])
+    assert "two records of" in err, err
