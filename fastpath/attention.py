@@ -2,9 +2,11 @@
 A decode step's attention without the reading path's mask, and with the Triton kernel where it serves.
 
 ``nanollm.attention.attend`` builds a mask from positions at every step, which keeps it right after any
-eviction. A decode step over storage with no empty slot needs none: its one query (the newest entry) sees
-every stored entry, so the mask is all True and the step is two products and a softmax. The arithmetic is
-that of ``attend`` with an all-True mask, so the numbers are the same bit for bit on CPU.
+eviction. A decode step needs less: its one query (the newest entry) sees every stored entry but the empty
+slots (position -1), so the step is two products and a softmax, with the empty slots' scores set to -inf.
+That mask is applied whether or not a slot is empty: asking first would make the host wait for the device
+at every layer of every step. The arithmetic is that of ``attend``, so the numbers are the same bit for bit
+on CPU.
 
 On a CUDA tensor where ``kernels.serves`` says so, the output comes from the split-K kernel of
 ``kernels/decode_attention.py`` (the probabilities a policy asks for are still computed here).
@@ -23,22 +25,27 @@ from nanollm.storage import LayerKV
 SPLIT_HEADS_FROM = 4096     # cached tokens from which a CPU step with several threads goes head by head
 
 
-def step_probs(q: Tensor, k: Tensor) -> Tensor:
-    """q (B, H, 1, d), k (B, H_kv, T, d) -> (B, H_kv, G, T): one query per head over every entry, no mask."""
-    return torch.softmax(group_scores(q, k)[:, :, :, 0], dim=-1)
+def step_probs(q: Tensor, k: Tensor, pos: Tensor | None = None) -> Tensor:
+    """q (B, H, 1, d), k (B, H_kv, T, d) -> (B, H_kv, G, T): one query per head over every entry, but the
+    empty slots where ``pos`` (B, H_kv, T) is -1 (no mask without pos)."""
+    scores = group_scores(q, k)[:, :, :, 0]                                      # (B, H_kv, G, T)
+    if pos is not None:
+        scores = scores.masked_fill((pos < 0)[:, :, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1)
 
 
-def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs()) -> tuple[Tensor, Tensor | None,
-                                                                                  Tensor | None]:
-    """One query per row over entries it may all see: q (B, H, 1, d); k, v (B, H_kv, T, d). Returns as
-    ``nanollm.attention.attend``."""
+def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs(),
+                pos: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One query per row over entries it may all see, but the empty slots where ``pos`` (B, H_kv, T), if
+    given, is -1: q (B, H, 1, d); k, v (B, H_kv, T, d). Returns as ``nanollm.attention.attend``."""
     B, H, _, d = q.shape
     if d >= 16 and d & (d - 1) == 0 and not q.requires_grad and kernels.serves(q):
-        from kernels.decode_attention import decode_attention_triton  # needs Triton: imported here
-        out = decode_attention_triton(q[:, :, 0], k, v).unsqueeze(2)             # (B, H, 1, d)
-        probs = step_probs(q, k) if needs != Needs() else None
+        from kernels.decode_attention import decode_attention_triton, masked_decode_attention_triton
+        out = (decode_attention_triton(q[:, :, 0], k, v) if pos is None              # (B, H, 1, d)
+               else masked_decode_attention_triton(q[:, :, 0], k, v, pos)).unsqueeze(2)
+        probs = step_probs(q, k, pos) if needs != Needs() else None
     else:
-        probs = step_probs(q, k)                                                 # (B, H_kv, G, T)
+        probs = step_probs(q, k, pos)                                            # (B, H_kv, G, T)
         out = (probs @ v).view(B, H, 1, d)
     if probs is None:
         return out, None, None
@@ -64,9 +71,9 @@ def attend_heads(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def attend_entries(q: Tensor, entries: LayerKV, q_pos: Tensor,
                    needs: Needs = Needs()) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """``CausalSelfAttention.attend_entries`` with a mask-free (or kernel) decode step where it applies."""
-    if q.shape[2] == 1 and not bool((entries.pos < 0).any()):      # no empty slot, nothing after the query
-        return attend_step(q, entries.k, entries.v, needs)
+    """``CausalSelfAttention.attend_entries`` with the decode step above (or its kernel) where it applies."""
+    if q.shape[2] == 1:               # one query: it sees every entry but the empty slots, all before it
+        return attend_step(q, entries.k, entries.v, needs, entries.pos)
     return CausalSelfAttention.attend_entries(q, entries, q_pos, needs)
 
 
