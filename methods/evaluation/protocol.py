@@ -96,11 +96,11 @@ class Trace:
         self.kv_bytes = max(self.kv_bytes, self.cache.nbytes() + self.probe.inner.slot_nbytes())
         self.extra_bytes = max(self.extra_bytes, self.cache.state_nbytes() + self.probe.inner.extra_nbytes())
 
-    def add(self, logits: Tensor, reference: list[int]) -> None:
-        """The next logits; keep a copy of the cache at the first position greedy leaves the reference."""
+    def add(self, logits: Tensor, top: int, reference: list[int]) -> None:
+        """The next logits and their argmax; keep a copy of the cache where greedy leaves the reference."""
         self.logits.append(logits)
         m = len(self.logits) - 1
-        if self.fork is None and int(logits.argmax()) != reference[m]:
+        if self.fork is None and top != reference[m]:
             self.fork = (m, copy.deepcopy(self.cache))
             self.fork[1].policy = self.fork[1].policy.inner      # a plain cache with the method
 
@@ -117,18 +117,19 @@ def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePol
     reference = task.reference(sample)
     trs = [Trace(probe, cache, engine=engine, compressed=len(chunks[0]), prompt_passes=engine.prompt_passes)
            for probe, cache in zip(probes, caches)]
-    for tr, lg in zip(trs, logits):
+    for tr, lg, top in zip(trs, logits, logits.argmax(-1).tolist()):      # one wait for the device per step
         tr.measure_bytes()
-        tr.add(lg, reference)
+        tr.add(lg, top, reference)
     for j, token in enumerate(reference[:-1]):
         for probe in probes:
             probe.recording = j == 0
         logits, hidden, seconds = engine.step(caches, [token] * len(caches))
-        for n, tr in enumerate(trs):
+        for n, top in enumerate(logits.argmax(-1).tolist()):
+            tr = trs[n]
             tr.hidden = hidden[n] if tr.hidden is None else tr.hidden
             tr.step_s += seconds[n]
             tr.caches_per_step = max(tr.caches_per_step, engine.caches_per_step)
-            tr.add(logits[n], reference)
+            tr.add(logits[n], top, reference)
             tr.measure_bytes()
     for tr in trs:
         tr.probe.recording = False
@@ -155,8 +156,8 @@ def continue_greedy(task: Task, sample, trs: list[Trace], tok) -> list[list[int]
         tr.prediction_ids, tr.fork = answer, None               # the fork is used once, as it is
     while running:
         logits, _, _ = running[0][0].engine.step([r[1] for r in running], [r[2][-1] for r in running])
-        for (tr, _, answer), lg in zip(running, logits):
-            answer.append(int(lg.argmax()))
+        for (tr, _, answer), top in zip(running, logits.argmax(-1).tolist()):
+            answer.append(top)
         running = [r for r in running if r[2][-1] != tok.eot_id and len(r[2]) < n_new]
     for tr in todo:
         tr.prediction_ids = cut_at(tr.prediction_ids, tok.eot_id)
