@@ -12,9 +12,8 @@ scored now (``-`` for a metric the file does not store).
 
 A results file is data from anywhere, so every record is checked before any work: each field the command reads
 is there and of its type, the length is one the model's positions hold, there are as many references as
-predictions, at most ``compare.MAX_SAMPLES``; a failure is one line naming the record and the field. Files
-written before ``methods.compare`` kept the answers (``results/compare_smollm2.json``) have nothing to rescore,
-and are refused so.
+predictions, at most ``compare.MAX_SAMPLES``; a failure is one line naming the record and the field. A file
+written before ``methods.compare`` kept the answers has nothing to rescore, and is refused so.
 """
 
 from __future__ import annotations
