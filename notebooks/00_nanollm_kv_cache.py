@@ -495,9 +495,9 @@ print(f"{len(policy.log)} hook calls; slots per layer at the end: {[len(kv) for 
 #
 # ## Exercises
 #
-# Exercises 1 and 3 ask for numbers: write yours in place of each `...` in the cell under the question and
-# run it. The collapsed cell below it is the answer: it computes the numbers, checks them against the library
-# with an `assert` and prints them beside yours. Exercise 2 is a question to think about.
+# Each exercise asks for numbers: write yours in place of each `...` in the cell under the question and run
+# it. The collapsed cell below it is the answer: it computes the numbers, checks them against the library
+# with an `assert` and prints them beside yours.
 #
 # ### Exercise 1: memory arithmetic
 #
@@ -528,10 +528,34 @@ print(f"GQA: {gib_gqa:.0f} GiB | MHA: {gib_mha:.0f} GiB ({gib_mha / gib_gqa:.0f}
 # %% [markdown]
 # ### Exercise 2: break it on purpose
 #
-# After the `keep` of section 5.2, suppose the new token were given the number of slots in use (`len(kv)`)
-# as its position instead of `cache.seen`. What would its scores with the kept keys get wrong (section 5.1),
-# and what else would go wrong with positions?
+# In section 5.2 the new token came after the `keep`: 12 tokens seen, 6 slots in use. Suppose it had been
+# given the slots in use, 6, as its position instead of `cache.seen`, 12.
 #
+# * (a) What distance would its query see to the key at position 11, and what is the true one (section 5.1)?
+# * (b) A query at position $p$ sees the entries at positions $s$ with $0 \le s \le p$ (the mask $M$). Of
+#   the six keys KV head 0 kept (positions 0, 1, 5, 9, 10 and 11), how many would the new token still see?
+
+# %%
+distance_wrong_yours, distance_true_yours, visible_yours = ..., ..., ...    # (a) query at 6, at 12; (b)
+
+# %% tags=["needs:group_scores", "needs:mask"]
+from nanollm.attention import attend
+from nanollm.policy import Needs
+
+# BEGIN SOLUTION [cache] the distance is the query's position minus the key's; the mask hides later positions
+distance_wrong, distance_true, visible = 6 - 11, 12 - 11, 3    # (b) 0, 1, 5: the keys at 9, 10, 11 look later
+# END SOLUTION
+score = lambda t, n: float((rotated(q, t) * rotated(k, n)).sum())    # section 5.1's q at t, its k at n
+for t, distance in [(6, distance_wrong), (12, distance_true)]:
+    assert abs(score(t, 11) - score(500 + distance, 500)) < 1e-4, f"(a) a query at {t}, a key at 11: {t} - 11"
+_, probs, _ = attend(torch.randn(1, config.n_head, 1, config.head_dim), kv.k[:, :, :6], kv.v[:, :, :6],
+                     torch.tensor([6]), kv.pos[:, :, :6], Needs(rows=1))      # a query at position 6
+seen = int((probs[0, 0, 0] > 0).sum())                   # query head 0 reads KV head 0
+assert visible == seen, f"(b) the mask lets a query at 6 see {seen} of {kv.pos[0, 0, :6].tolist()}"
+print(f"(a) {distance_wrong} instead of {distance_true}: the key looks {-distance_wrong} positions ahead | "
+      f"(b) {seen} of 6 keys visible | yours: {distance_wrong_yours}, {distance_true_yours}, {visible_yours}")
+
+# %% [markdown]
 # ### Exercise 3: count the hook calls
 #
 # Predict, without running it, the hook calls for the SMALL preset (4 layers) with the logged StreamingLLM

@@ -361,12 +361,10 @@ print("decoded:", ["Y" if t == match3.YES else "n" for t in decoded["two"][0].to
 # %% [markdown]
 # ## 5. And on the real model?
 #
-# How this lesson sits beside the others: lessons 01 and 02 keep the layout of an ordinary cache and drop
-# tokens from it (StreamingLLM, H2O, Scissorhands); this lesson keeps every token and asks what the layout
-# itself costs, and Chen et al.'s lower bounds say neither layout can be squeezed much while keeping every
-# token. Dropping tokens still works on the four-matrix cache: a token is one row of each of its four
-# matrices, as in an ordinary cache, so an eviction rule applies unchanged. In the two-matrix cache a token
-# sits in every pair row that contains it, so dropping one token means dropping all of those rows.
+# Beside the other lessons: 01 and 02 drop tokens from an ordinary cache (StreamingLLM, H2O, Scissorhands);
+# this one keeps every token and asks what the layout costs, and Chen et al.'s bounds say neither layout
+# shrinks much that way. An eviction rule still applies unchanged to the four-matrix cache (a token is one
+# row of each matrix); in the two-matrix cache, dropping a token drops every pair row that holds it.
 #
 # The other method lessons end on SmolLM2-135M, a pretrained model. This one cannot: tensor attention is a
 # different attention *module*, not a policy over a standard cache, and SmolLM2 was trained with standard
