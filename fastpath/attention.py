@@ -3,10 +3,10 @@ A decode step's attention without the reading path's mask, and with the Triton k
 
 ``nanollm.attention.attend`` builds a mask from positions at every step, which keeps it right after any
 eviction. A decode step needs less: its one query (the newest entry) sees every stored entry but the empty
-slots (position -1), so the step is two products and a softmax, with the empty slots' scores set to -inf.
-That mask is applied whether or not a slot is empty: asking first would make the host wait for the device
-at every layer of every step. The arithmetic is that of ``attend``, so the numbers are the same bit for bit
-on CPU.
+slots (position -1) and any after its own position (a storage never holds one, but the rule is the reading
+path's), so the step is two products and a softmax, with the hidden entries' scores set to -inf. That mask
+is applied whether or not an entry is hidden: asking first would make the host wait for the device at every
+layer of every step. The arithmetic is that of ``attend``, so the numbers are the same bit for bit on CPU.
 
 On a CUDA tensor where ``kernels.serves`` says so, the output comes from the split-K kernel of
 ``kernels/decode_attention.py`` (the probabilities a policy asks for are still computed here).
@@ -26,8 +26,8 @@ SPLIT_HEADS_FROM = 4096     # cached tokens from which a CPU step with several t
 
 
 def step_probs(q: Tensor, k: Tensor, pos: Tensor | None = None) -> Tensor:
-    """q (B, H, 1, d), k (B, H_kv, T, d) -> (B, H_kv, G, T): one query per head over every entry, but the
-    empty slots where ``pos`` (B, H_kv, T) is -1 (no mask without pos)."""
+    """q (B, H, 1, d), k (B, H_kv, T, d) -> (B, H_kv, G, T): one query per head over every entry, but those
+    where ``pos`` (B, H_kv, T), the query's visibility of each entry, is -1 (no mask without pos)."""
     scores = group_scores(q, k)[:, :, :, 0]                                      # (B, H_kv, G, T)
     if pos is not None:
         scores = scores.masked_fill((pos < 0)[:, :, None, :], float("-inf"))
@@ -36,8 +36,9 @@ def step_probs(q: Tensor, k: Tensor, pos: Tensor | None = None) -> Tensor:
 
 def attend_step(q: Tensor, k: Tensor, v: Tensor, needs: Needs = Needs(),
                 pos: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """One query per row over entries it may all see, but the empty slots where ``pos`` (B, H_kv, T), if
-    given, is -1: q (B, H, 1, d); k, v (B, H_kv, T, d). Returns as ``nanollm.attention.attend``."""
+    """One query per row over entries it may all see, but those where ``pos`` (B, H_kv, T), if given, is -1
+    (an empty slot, or one the caller hides): q (B, H, 1, d); k, v (B, H_kv, T, d). Returns as
+    ``nanollm.attention.attend``."""
     B, H, _, d = q.shape
     if d >= 16 and d & (d - 1) == 0 and not q.requires_grad and kernels.serves(q):
         from kernels.decode_attention import decode_attention_triton, masked_decode_attention_triton
@@ -72,8 +73,9 @@ def attend_heads(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 def attend_entries(q: Tensor, entries: LayerKV, q_pos: Tensor,
                    needs: Needs = Needs()) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``CausalSelfAttention.attend_entries`` with the decode step above (or its kernel) where it applies."""
-    if q.shape[2] == 1:               # one query: it sees every entry but the empty slots, all before it
-        return attend_step(q, entries.k, entries.v, needs, entries.pos)
+    if q.shape[2] == 1:               # one query: it sees every entry at 0 <= position <= its own
+        visible = entries.pos.masked_fill(entries.pos > q_pos, -1)       # (B, H_kv, T): -1 hides an entry
+        return attend_step(q, entries.k, entries.v, needs, visible)
     return CausalSelfAttention.attend_entries(q, entries, q_pos, needs)
 
 

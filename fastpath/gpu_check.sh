@@ -19,7 +19,7 @@
 #            process, and 8 sharing it), their records checked equal (methods.evaluation.agree) and their
 #            seconds printed; SmolLM2-135M's main job (2,048 tokens, 30 samples per task and mode) on the GPU
 #            in 8 processes against the committed CPU run results/compare_smollm2.json, where its file is
-#            here (3 x 80 + 330 s); JSON files to OUT's .compare/;
+#            here (3 x 70 + 270 s, 30 s to fetch it, 20 s per check); JSON files to OUT's .compare/;
 #   suite    the whole fast tier (python -m pytest -q) on the CUDA machine (400 s).
 #
 # SmolLM2's file (98 MB) is over what one call to a lent machine carries (64 MiB). Split it into the ignored
@@ -75,32 +75,37 @@ hf() {
 }
 
 compare() {
-    local dir="${out%.json}.compare"
+    local dir="${out%.json}.compare" first=""
     mkdir -p "$dir"
-    # the CPU with a worker per core (its default), the GPU with one process, then with 8 sharing it: a
+    # the CPU with a worker per core (its default), the GPU with one process, then with up to 8 sharing it: a
     # step of the evaluation is launch-bound, so processes launching side by side may fill the GPU
     local many=$(( $(nproc) < 8 ? $(nproc) : 8 ))              # --workers is at most the CPU cores
     for run in "cpu $(nproc)" "$gpu 1" "$gpu $many"; do
         set -- $run
-        echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 -> $dir/bundled_$1_$2.json"
-        timeout 80 python -m methods.compare --samples 2 --device "$1" --workers "$2" --json "$dir/bundled_$1_$2.json" \
-            --quiet | tail -n 3 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
-        [ "$1" = cpu ] || python -m methods.evaluation.agree "$dir/bundled_cpu_$(nproc).json" "$dir/bundled_$1_$2.json" \
-            | tail -n 6 || status=1
+        local json="$dir/bundled_$1_$2.json"
+        echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 -> $json"
+        timeout 70 python -m methods.compare --samples 2 --device "$1" --workers "$2" --json "$json" --quiet \
+            | tail -n 3 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
+        if [ -z "$first" ]; then first=$json
+        else timeout 20 python -m methods.evaluation.agree "$first" "$json" | tail -n 6 || status=1; fi
     done
-    if ls .gpu_cache/smollm2.a? >/dev/null 2>&1; then            # the parts carried here: join and fetch them
-        cat .gpu_cache/smollm2.a? > .gpu_cache/smollm2.gguf
-        export NANOLLM_CACHE=$PWD/.gpu_cache/models
-        python -m nanollm.cli.fetch smollm2-135m --from .gpu_cache/smollm2.gguf || status=1
+    # SmolLM2: fetched into .gpu_cache/models by an earlier call, or carried in two parts (the top of this
+    # script) and fetched now; that cache folder is set for these commands only (later stages keep theirs)
+    local models=$PWD/.gpu_cache/models
+    local here="from nanollm.io.checkpoint import load_config; load_config('smollm2-135m')"
+    if ! NANOLLM_CACHE=$models python -c "$here" 2>/dev/null && [ -f .gpu_cache/smollm2.aa ] && [ -f .gpu_cache/smollm2.ab ]; then
+        cat .gpu_cache/smollm2.aa .gpu_cache/smollm2.ab > .gpu_cache/smollm2.gguf
+        NANOLLM_CACHE=$models timeout 30 python -m nanollm.cli.fetch smollm2-135m --from .gpu_cache/smollm2.gguf || status=1
     fi
-    if python -c "from nanollm.io.checkpoint import load_config; load_config('smollm2-135m')" 2>/dev/null; then
-        echo "== compare: SmolLM2-135M's main job on $device, 8 processes -> $dir/smollm2_$gpu.json"
-        timeout 330 python -m methods.compare --checkpoint smollm2-135m --device "$gpu" --workers "$many" \
-            --json "$dir/smollm2_$gpu.json" --quiet | tail -n 3 \
+    if NANOLLM_CACHE=$models python -c "$here" 2>/dev/null; then
+        echo "== compare: SmolLM2-135M's main job on $device, $many processes -> $dir/smollm2_$gpu.json"
+        NANOLLM_CACHE=$models timeout 270 python -m methods.compare --checkpoint smollm2-135m --device "$gpu" \
+            --workers "$many" --json "$dir/smollm2_$gpu.json" --quiet | tail -n 3 \
             || { echo "SmolLM2 compare FAILED or ran out of time (rc $?)"; status=1; }
-        python -m methods.evaluation.agree results/compare_smollm2.json "$dir/smollm2_$gpu.json" || status=1
+        timeout 20 python -m methods.evaluation.agree results/compare_smollm2.json "$dir/smollm2_$gpu.json" || status=1
     else
-        echo "compare: SmolLM2-135M is not here (see the top of this script to bring it): its main job not run"
+        echo "compare: SmolLM2-135M is not here (both parts .gpu_cache/smollm2.aa and .ab: the top of this" \
+             "script): its main job not run"
     fi
 }
 

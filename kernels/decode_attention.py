@@ -39,7 +39,8 @@ fp32 accumulation; an fp32 cache multiplies in IEEE fp32, so the tests hold at 1
 
 each beside its reference (``reference_decode_attention``, ``reference_selected_decode_attention``,
 ``reference_masked_decode_attention``: the same arguments, any device). ``fastpath.attention.attend_step``
-calls the first where ``kernels.serves`` says so, ``fastpath/graph.py`` the third. Each is two launches,
+calls the first for a plain cache and the third for a policy's entries where ``kernels.serves`` says so,
+``fastpath/graph.py`` the third. Each is two launches,
 which ``decode_partials_triton`` (the ranges' m, l, acc) and ``merge_splits_triton`` make one at a time.
 """
 

@@ -91,7 +91,9 @@ def rerun_compare_cell(name: str, methods: list[str], keep_ratio: float, task: s
     committed ones, one by one."""
     records, args, model, tok = recorded_model(name, compare)
     committed = {r["method"]: r for r in records if r["task"] == task and r["mode"] == mode
-                 and r["method"] in methods + ["full"] and r["keep_ratio"] in (keep_ratio, 1.0)}
+                 and r["method"] in methods + ["full"]            # a record's ratio is budget / length, rounded
+                 and (r["method"] == "full" or math.isclose(r["keep_ratio"], keep_ratio, abs_tol=2e-3))}
+    assert set(committed) == set(methods) | {"full"}, f"{name} has no cell {task} / {mode} / keep {keep_ratio}"
     budgets = [committed[methods[0]]["budget"]] if methods else []        # no method: the full cache alone
     length, samples = committed["full"]["length"], committed["full"]["n_samples"]
     variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]

@@ -10,7 +10,8 @@ Records are matched by (method, budget, task, mode); the two files must hold the
 * the answers and what they count (``predictions``, ``prediction_ids``, ``accuracies``, ``references``,
   ``kv_bytes``, ``extra_bytes``, ``compressed_tokens``, ``n_samples``): equal, record by record;
 * the float metrics (``kl``, ``perturbation``, ``lost_mass``, ``attn_l1``): the largest absolute difference
-  over the records, which must be at most ``--tol`` (default 1e-3);
+  over the records, which must be at most ``--tol`` (default 1e-3); NaN in both files agrees, NaN against a
+  number does not; a field one file lacks differs;
 * the timings (``compress_ms``, ``decode_ms_per_token``) and the run's settings (``engine``, ``dtype``, ...):
   not compared (they are what one changes between the two runs).
 
@@ -49,9 +50,19 @@ def cells(path: Path) -> dict[tuple, dict]:
     return by_key
 
 
-def flat(x) -> list[float]:
-    """A metric's numbers in order: a number, or a (nested) list of them (``attn_l1``: one per layer)."""
-    return [v for item in x for v in flat(item)] if isinstance(x, list) else [float(x)]
+def flat(x) -> list[float | None]:
+    """A metric's numbers in order: a number, or a (nested) list of them (``attn_l1``: one per layer); None
+    for anything that is not a number."""
+    if isinstance(x, list):
+        return [v for item in x for v in flat(item)]
+    return [float(x)] if isinstance(x, (int, float)) and not isinstance(x, bool) else [None]
+
+
+def gap(x: float | None, y: float | None) -> float:
+    """|x - y|: 0 for two NaNs (a metric undefined in both runs), inf for NaN or a non-number against another."""
+    if x is None or y is None or math.isnan(x) or math.isnan(y):
+        return 0.0 if x is not None and y is not None and math.isnan(x) and math.isnan(y) else math.inf
+    return abs(x - y)
 
 
 def largest_gap(a, b) -> float:
@@ -61,8 +72,7 @@ def largest_gap(a, b) -> float:
     xs, ys = flat(a), flat(b)
     if len(xs) != len(ys):
         return math.inf
-    return max((abs(x - y) if not (math.isnan(x) and math.isnan(y)) else 0.0 for x, y in zip(xs, ys)),
-               default=0.0)
+    return max((gap(x, y) for x, y in zip(xs, ys)), default=0.0)
 
 
 def compare_files(a: dict[tuple, dict], b: dict[tuple, dict], tol: float) -> tuple[list[str], list[str]]:

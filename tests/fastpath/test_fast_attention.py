@@ -22,13 +22,18 @@ def test_mask_free_step_is_attend_with_nothing_masked(needs):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_empty_slots_take_the_masked_path():
+@pytest.mark.parametrize("pos", [[[0, 1, 2, 3, 4, 5], [0, 2, 4, -1, -1, -1]],     # empty slots
+                                 [[0, 1, 2, 3, 4, 5], [0, 2, 4, 7, 9, 5]]])      # entries after the query
+def test_a_decode_step_hides_what_the_reading_path_hides(pos):
+    """Empty slots and positions after the query's (5) get no attention, as in ``attend``, bit for bit."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 1, 8, generator=g)
     entries = LayerKV(torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g),
-                      torch.tensor([[[0, 1, 2, 3, 4, 5], [0, 2, 4, -1, -1, -1]]]))
-    out = attend_entries(q, entries, torch.tensor([6]))[0]
-    assert torch.equal(out, attend(q, entries.k, entries.v, torch.tensor([6]), entries.pos)[0])
+                      torch.tensor([pos]))
+    out, probs, _ = attend_entries(q, entries, torch.tensor([5]), Needs(rows=1))
+    ref, ref_probs, _ = attend(q, entries.k, entries.v, torch.tensor([5]), entries.pos, Needs(rows=1))
+    assert torch.equal(out, ref) and torch.equal(probs, ref_probs)
+    assert probs[0, 2:, 0, 3:5].sum() == 0                  # KV head 1: slots 3 and 4 hidden in both
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))

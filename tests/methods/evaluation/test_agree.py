@@ -46,6 +46,26 @@ def test_a_difference_in_one_record_is_caught_and_named(capsys, tmp_path, saved,
     assert out.rstrip().endswith(f"differ: {field}"), out
 
 
+@pytest.mark.parametrize("change", [
+    lambda r: r.__setitem__("kl", float("nan")),                                  # NaN against a number
+    lambda r: r["attn_l1"][1].__setitem__(2, float("nan")),                       # ... inside the list
+    lambda r: r["attn_l1"][0].__setitem__(0, None),                               # not a number
+    lambda r: r.pop("lost_mass"),                                                 # missing in one file
+])
+def test_nan_none_or_a_missing_field_differs(capsys, tmp_path, saved, change):
+    other = copy.deepcopy(saved)
+    change(other["records"][3])
+    assert agree.main([str(COMMITTED), written(tmp_path, other)]) == 1
+    assert "differ:" in capsys.readouterr().out
+
+
+def test_nan_in_both_files_agrees(capsys, tmp_path, saved):
+    both = copy.deepcopy(saved)
+    both["records"][3]["kl"] = float("nan")
+    a = written(tmp_path, both, "a.json")
+    assert agree.main([a, written(tmp_path, both)]) == 0
+
+
 def test_the_tolerance_lets_a_float_metric_move_and_nothing_else(capsys, tmp_path, saved):
     other = copy.deepcopy(saved)
     for r in other["records"]:

@@ -38,6 +38,12 @@ def test_a_worktree_names_its_own_branch_s_commit_from_the_shared_refs(tmp_path)
     assert head_commit(worktree(tmp_path, "ref: refs/heads/feature")) == BRANCH
 
 
+def test_a_worktree_finds_a_loose_ref_in_the_shared_folder(tmp_path):
+    repo = repository(tmp_path)
+    (repo / ".git" / "refs" / "heads" / "topic").write_text(DETACHED + "\n")
+    assert head_commit(worktree(tmp_path, "ref: refs/heads/topic")) == DETACHED
+
+
 def test_a_worktree_on_a_detached_head_names_it(tmp_path):
     repository(tmp_path)
     assert head_commit(worktree(tmp_path, DETACHED)) == DETACHED
