@@ -23,7 +23,7 @@
 #   suite    the whole fast tier (python -m pytest -q) on the CUDA machine (400 s).
 #
 # SmolLM2's file (98 MB) is over what one call to a lent machine carries (64 MiB). Split it into the ignored
-# folder .gpu_cache/ here, `split -b 48M ~/.cache/nanollm/SmolLM2-135M-Instruct.Q4_1.gguf .gpu_cache/smollm2.`,
+# folder .gpu_cache/ here, `split -b 48M ~/.cache/nanollm/smollm2-135m/*.gguf .gpu_cache/smollm2.` (two parts),
 # carry .gpu_cache/smollm2.aa in one call and .gpu_cache/smollm2.ab in the next (a warm machine keeps the
 # first): the compare stage joins the parts and fetches the model from them.
 #
