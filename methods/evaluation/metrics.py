@@ -38,12 +38,11 @@ def kl(full, method) -> float:
 
 def lost_mass(full, method, group_size: int) -> float:
     """Mean over layers and query heads of the full attention mass on positions the method did not attend
-    exactly (not in its storage). Summed on the CPU: on a GPU, each head's sum would make the host wait."""
+    exactly (not in its storage)."""
     lost = []
     for layer, probs in full.probs.items():                      # probs (H, T) over full positions
-        probs = probs.cpu()
-        full_pos = full.attended[layer][0].cpu()                 # (T,) the full cache attends every position
-        kept = method.pos[layer].cpu()                           # (H_kv, Tm) stored exactly, -1 = empty
+        full_pos = full.attended[layer][0]                       # (T,) the full cache attends every position
+        kept = method.pos[layer]                                 # (H_kv, Tm) stored exactly, -1 = empty
         keeps = [torch.isin(full_pos, kept_h) for kept_h in kept]   # per KV head: (T,) stored exactly
         for h in range(probs.shape[0]):
             lost.append(float(probs[h][~keeps[h // group_size]].sum()))

@@ -124,8 +124,7 @@ def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePol
         for probe in probes:
             probe.recording = j == 0
         logits, hidden, seconds = engine.step(caches, [token] * len(caches))
-        for n, top in enumerate(logits.argmax(-1).tolist()):
-            tr = trs[n]
+        for n, (tr, top) in enumerate(zip(trs, logits.argmax(-1).tolist())):
             tr.hidden = hidden[n] if tr.hidden is None else tr.hidden
             tr.step_s += seconds[n]
             tr.caches_per_step = max(tr.caches_per_step, engine.caches_per_step)
@@ -133,6 +132,8 @@ def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePol
             tr.measure_bytes()
     for tr in trs:
         tr.probe.recording = False
+        for records in (tr.probe.outs, tr.probe.pos, tr.probe.probs, tr.probe.attended):   # once, for the
+            records.update({layer: t.cpu() for layer, t in records.items()})     # metrics' sums (no GPU waits)
         tr.logits = torch.stack(tr.logits)                      # (n_answer, V)
         if tr.fork is None:                                     # greedy follows the whole reference
             tr.cache.policy = tr.probe.inner
