@@ -15,9 +15,10 @@ one after it:
 Every layer has the same shapes, so each function compiles once (the first eager step, seconds on a GPU)
 and serves all layers, every method and every length of a run. The attention between them is the graph
 step's own (``GraphDecoder._attend``), its small pieces compiled too: StreamingLLM's eviction and H2O's
-probabilities, the scores it adds up and the slot it empties, which compile once per capacity C. (Not
+probabilities, the scores it adds up and the slot it empties, which compile once per capacity C. Not
 the writes into the buffers: compiled, an in-place write into a view of a large buffer becomes a copy of
-the whole buffer.) The split-K kernel stays as it is, and the whole step is
+the whole buffer; the three scatters of a layer's write are one Triton launch instead
+(``kernels/cache_write.py``). The split-K kernel stays as it is, and the whole step is
 still captured and replayed as ``GraphDecoder`` does. The arithmetic is the lean step's, in the same order
 within each operation, so the logits agree to float rounding (tested in fp32 at 1e-5 with the ``eager``
 backend on a CPU, which traces the same functions without generating code).
@@ -37,10 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import kernels
+from kernels.cache_write import write_entry_triton
 from nanollm.attention import apply_rope, rope_cos_sin
 from nanollm.model import Transformer
 
-from .graph import GraphDecoder, attend_heavy, evict_sinks
+from .graph import GraphDecoder, attend_heavy, evict_sinks, write_entry
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -65,6 +68,16 @@ def after_attention(x: Tensor, y: Tensor, wo: Tensor, norm_w: Tensor, wgu: Tenso
     return x + F.linear(F.silu(gate) * up, wd)
 
 
+def write_in_one_launch(kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, k: Tensor, v: Tensor,
+                        position: Tensor) -> None:
+    """``graph.write_entry`` (three scatters, three launches) as one kernel launch where ``kernels.serves``
+    says so (``kernels/cache_write.py``; the same buffers bit for bit)."""
+    if kernels.serves(kb):
+        write_entry_triton(kb, vb, pos, slot, k, v, position)
+    else:
+        write_entry(kb, vb, pos, slot, k, v, position)
+
+
 def head(x: Tensor, norm_w: Tensor, w: Tensor, eps: float) -> Tensor:
     """The final norm and the LM head: x (R, D) -> logits (R, V)."""
     return F.linear(rms_norm(x, norm_w, eps), w)
@@ -82,6 +95,7 @@ class FusedGraphDecoder(GraphDecoder):
         # eviction. Not the writes: compiled, an in-place scatter into a layer's view of the buffers became a
         # copy of that whole view (results/decode_profile_h100_32k.txt, 16-25 us twice a layer)
         self.evict_sinks, self.attend_heavy = (torch.compile(f, **options) for f in (evict_sinks, attend_heavy))
+        self.write = write_in_one_launch            # the writes: one Triton launch a layer instead of three
 
     def decode(self, token: Tensor) -> Tensor:
         """``GraphDecoder.decode`` with the compiled pieces: logits (B, V), ``self.kv`` updated in place."""

@@ -308,7 +308,8 @@ CHECKED_BY = {
     **dict.fromkeys(["decode_e2e_h100.json", "decode_e2e_h100_summary.txt", "decode_e2e_hf_compiled_8192_h100.json",
                      "decode_e2e_smollm2_b16_h100.json", "decode_e2e_smollm2_b1_h100.json",
                      "decode_profile_h100_32k.txt", "decode_tests_h100.txt", "kernels_bench_h100.json",
-                     "kernels_tests_h100.txt"], GPU),
+                     "kernels_tests_h100.txt", "decode_e2e_h200.json", "decode_e2e_h200_summary.txt",
+                     "decode_tests_h200.txt", "compare_gpu_h200.txt"], GPU),
 }
 
 

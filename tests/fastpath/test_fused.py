@@ -1,9 +1,13 @@
 """The fused graph step (fastpath/fused.py): the graph step with its element-wise work compiled, the same
 logits and the same kept entries as the lean step."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+import fastpath.fused as fused_module
+import kernels
 from fastpath.fused import FusedGraphDecoder
 from tests.fastpath.test_graph import assert_same_entries, steps_both, tokens
 
@@ -15,6 +19,27 @@ def test_the_fused_step_is_the_lean_step(tiny_model, spec):
     torch._dynamo.reset()
     fused = FusedGraphDecoder(tiny_model, backend="eager")
     ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, graph=fused)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert_same_entries(cache, graph)
+
+
+@pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
+@pytest.mark.parametrize("spec", [None, "streaming_llm", "h2o"])
+def test_the_writes_in_one_launch(tiny_model, spec, monkeypatch):
+    """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), every
+    layer's write is the one-launch kernel; the logits and the kept entries stay the lean step's."""
+    calls = []
+    real = fused_module.write_entry_triton
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+    monkeypatch.setattr(fused_module, "write_entry_triton", counted)
+    monkeypatch.setattr(fused_module, "kernels", SimpleNamespace(serves=lambda t: True))
+    torch._dynamo.reset()
+    ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, graph=FusedGraphDecoder(tiny_model, backend="eager"))
+    assert len(calls) == 14 * tiny_model.config.n_layer                     # every layer of every step
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
 
