@@ -23,7 +23,8 @@
 #            SMOLLM2_WORKERS processes (default: 8, at most the cores) for at most SMOLLM2_LIMIT seconds (300),
 #            where its file is here (below), checked
 #            against the committed CPU run results/compare_smollm2.json (30 s to fetch, 300 s, 20 s);
-#   suite    the whole fast tier (python -m pytest -q) on the CUDA machine (400 s).
+#   suite    the whole fast tier (python -m pytest -q) on the CUDA machine, with the packages the image lacks
+#            installed from .gpu_cache/wheels where that folder is carried (fastpath/gpu_wheels.sh) (400 s).
 #
 # SmolLM2's file (98 MB, 90 MB compressed) is over what one call to a lent machine carries (64 MiB, the
 # working tree's 20 MB included). Compress and split it into the ignored folder .gpu_cache/ here:
@@ -136,6 +137,14 @@ smollm2() {
 }
 
 suite() {
+    # the packages the suite needs that the image lacks, carried as wheels (fastpath/gpu_wheels.sh)
+    if [ -d .gpu_cache/wheels ] && ls .gpu_cache/wheels/*.whl >/dev/null 2>&1; then
+        python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .gpu_cache/wheels/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH \
+            || echo "suite: the carried wheels did not install"
+    else
+        echo "suite: no wheels carried (fastpath/gpu_wheels.sh): the tests of the notebooks, the linter and GGUF will fail"
+    fi
     echo "== suite: the fast tier on $device"
     timeout -k 10 400 python -m pytest -q -p no:cacheprovider || { echo "the fast tier FAILED or ran out of time (rc $?)"; status=1; }
 }

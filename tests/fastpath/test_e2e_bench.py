@@ -76,3 +76,15 @@ def test_the_summary_refuses_what_is_not_a_report(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--summary", str(bad)])
     assert "is not a report of python -m fastpath.bench --e2e" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_gpu_scripts_parse_and_refuse_an_unknown_stage(tmp_path):
+    """The scripts a lent GPU runs parse here, and a misspelt stage stops before any work with one line."""
+    import subprocess
+    for script in ("fastpath/gpu_check.sh", "fastpath/gpu_wheels.sh"):
+        assert subprocess.run(["bash", "-n", script], cwd=ROOT).returncode == 0, script
+    run = subprocess.run(["bash", "fastpath/gpu_check.sh", str(tmp_path / "x.json"), "bench", "compre"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout.strip().startswith("unknown stage 'compre'")
+    assert not list(tmp_path.iterdir())

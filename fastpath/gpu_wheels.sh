@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The Python packages the test suite needs that a lent GPU machine's image lacks (it has torch, triton,
+# transformers, pytest, matplotlib, tiktoken, but not the notebook packages, ruff or gguf), downloaded here
+# as wheels for its Python (3.12, x86-64 Linux) into the ignored folder .gpu_cache/wheels, at the versions
+# this machine has installed (the ones the suite is tested with). gpu_check.sh's suite stage installs
+# them there (with --target, beside the image's own packages) when that folder is carried:
+#
+#     bash fastpath/gpu_wheels.sh            # here, where PyPI is reachable (about 25 MB)
+#     # then carry .gpu_cache/wheels in the call that runs: bash fastpath/gpu_check.sh OUT.json suite
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# what the suite imports, and what those import, less what the image already holds
+names="nbformat nbclient ipykernel jupytext ruff gguf traitlets jupyter_core jupyter_client pyzmq tornado comm
+debugpy ipython jedi parso prompt_toolkit wcwidth stack_data executing asttokens pure_eval decorator
+matplotlib-inline pexpect ptyprocess mdit-py-plugins jsonschema jsonschema-specifications referencing rpds-py
+fastjsonschema platformdirs backcall pickleshare"
+pins=$(python - $names <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+out = []
+for name in sys.argv[1:]:
+    try:
+        out.append(f"{name}=={version(name)}")
+    except PackageNotFoundError:          # not needed by this machine's versions (backcall: older IPython)
+        print(f"gpu_wheels: {name} is not installed here, skipped", file=sys.stderr)
+print(" ".join(out))
+PY
+)
+mkdir -p .gpu_cache/wheels
+python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 -d .gpu_cache/wheels $pins
+echo "gpu_wheels: $(ls .gpu_cache/wheels | wc -l) wheels, $(du -sh .gpu_cache/wheels | cut -f1), in .gpu_cache/wheels"
