@@ -53,7 +53,7 @@ python -c "import torch, triton; print('torch', torch.__version__, '| triton', t
 python -c "import transformers; print('transformers', transformers.__version__)" || true
 echo "stages: ${stages[*]}"
 status=0
-device=$(python -c "import torch; print(torch.cuda.get_device_name() if '$gpu' == 'cuda' else 'the CPU (dry run)')")
+device=$(python -c "import torch; print('the CPU (dry run)' if '$gpu' == 'cpu' else torch.cuda.get_device_name('$gpu'))")
 
 bench() {
     echo "== bench: end-to-end decode steps -> $out"
@@ -93,13 +93,16 @@ compare() {
         local json="$dir/bundled_$1_$2.json"
         echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 -> $json"
         local t0=$SECONDS
-        # output to a file, not a pipe (a worker left behind would hold a pipe open); SIGKILL 10 s after SIGTERM
+        rm -f "$json"
+        # output to a file, not a pipe (a worker left behind would hold a pipe open); timeout signals the
+        # command's whole process group (its workers too), and sends SIGKILL 10 s after SIGTERM
         timeout -k 10 60 python -m methods.compare --samples 2 --device "$1" --workers "$2" --json "$json" --quiet \
             > "$json.log" 2>&1 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$json.log"
         echo "--device $1 --workers $2: $((SECONDS - t0)) s wall"
-        if [ -z "$first" ]; then first=$json
-        elif [ -f "$json" ]; then timeout -k 5 20 python -m methods.evaluation.agree "$first" "$json" | tail -n 6 || status=1; fi
+        if [ ! -f "$json" ]; then :                            # nothing to check
+        elif [ -z "$first" ]; then first=$json
+        else timeout -k 5 20 python -m methods.evaluation.agree "$first" "$json" | tail -n 6 || status=1; fi
     done
 }
 
@@ -113,13 +116,14 @@ smollm2() {
     local here="from nanollm.io.checkpoint import load_config; load_config('smollm2-135m')"
     if ! NANOLLM_CACHE=$models python -c "$here" 2>/dev/null && [ -f .gpu_cache/smollm2.xz.aa ] && [ -f .gpu_cache/smollm2.xz.ab ]; then
         cat .gpu_cache/smollm2.xz.aa .gpu_cache/smollm2.xz.ab \
-            | python -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
-            > .gpu_cache/smollm2.gguf
+            | timeout -k 5 60 python -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+            > .gpu_cache/smollm2.gguf || { echo "smollm2: the parts did not decompress"; rm -f .gpu_cache/smollm2.gguf; status=1; return; }
         NANOLLM_CACHE=$models timeout -k 10 30 python -m nanollm.cli.fetch smollm2-135m --from .gpu_cache/smollm2.gguf || status=1
     fi
     if NANOLLM_CACHE=$models python -c "$here" 2>/dev/null; then
         echo "== smollm2: SmolLM2-135M's main job on $device, $many processes -> $dir/smollm2_$gpu.json"
         local t0=$SECONDS
+        rm -f "$dir/smollm2_$gpu.json"
         # the progress bar to a file beside the report: a run stopped at its time limit still says how far it got
         NANOLLM_CACHE=$models timeout -k 10 "${SMOLLM2_LIMIT:-300}" python -m methods.compare --checkpoint smollm2-135m \
             --device "$gpu" --workers "$many" --json "$dir/smollm2_$gpu.json" > "$dir/smollm2_$gpu.log" \
@@ -133,6 +137,7 @@ smollm2() {
     else
         echo "smollm2: SmolLM2-135M is not here (both parts .gpu_cache/smollm2.xz.aa and .ab: the top of this" \
              "script): its main job not run"
+        status=1
     fi
 }
 

@@ -9,11 +9,13 @@
 #     # then carry .gpu_cache/wheels in the call that runs: bash fastpath/gpu_check.sh OUT.json suite
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# what the suite imports, and what those import, less what the image already holds
-names="nbformat nbclient ipykernel jupytext ruff gguf traitlets jupyter_core jupyter_client pyzmq tornado comm
-debugpy ipython jedi parso prompt_toolkit wcwidth stack_data executing asttokens pure_eval decorator
-matplotlib-inline pexpect ptyprocess mdit-py-plugins jsonschema jsonschema-specifications referencing rpds-py
-fastjsonschema platformdirs backcall pickleshare"
+# what the suite imports (the first line), and what those require on Python 3.12 on Linux at this machine's
+# versions, walked through their metadata, less what the image already holds (attrs, markdown-it-py, mdurl,
+# psutil, pyyaml, jinja2, packaging, pygments, python-dateutil, typing-extensions, numpy, tqdm, ...)
+names="nbformat nbclient ipykernel jupytext ruff gguf
+traitlets jupyter_core jupyter_client pyzmq tornado comm nest-asyncio2 debugpy ipython jedi parso prompt_toolkit
+wcwidth stack_data executing asttokens pure_eval decorator matplotlib-inline pexpect ptyprocess mdit-py-plugins
+jsonschema jsonschema-specifications referencing rpds-py fastjsonschema platformdirs backcall pickleshare"
 pins=$(python - $names <<'PY'
 import sys
 from importlib.metadata import PackageNotFoundError, version

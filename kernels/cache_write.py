@@ -6,10 +6,16 @@ a CUDA graph sees the same shapes at every step. Each step writes one entry per 
 new key and value into the slot ``slot`` points to, and the step's position beside them, so the attention
 (``decode_attention.py``'s masked kernel) sees the entry and an eviction can find it.
 
-In PyTorch that is three scatters, three kernel launches, each moving a few kilobytes: on a GPU each costs
-its launch, not its bytes, and a 22-layer step pays 66 of them. Here one program per (sequence, KV head)
-reads its slot, copies the key's and the value's d elements and stores the position: one launch a layer.
-The copy is exact, so the buffers are the same bit for bit as after the scatters.
+In PyTorch that is three scatters, three kernels, each moving a few kilobytes. Inside a CUDA graph nothing
+is launched from the host, but each kernel still costs the GPU a few microseconds to start and finish
+however little it moves, so a 22-layer step pays for 66 of them in the fixed cost that a compressed cache
+does not shrink (``fastpath/README.md``). ``torch.compile`` cannot fuse them into the step's other small
+kernels: compiled, an in-place write into a layer's view of the buffers became a copy of the whole view
+(``results/decode_profile_h100_32k.txt``). Here one program per (sequence, KV head) reads its slot, copies
+the key's d and the value's d_v elements and stores the position: one kernel a layer instead of three
+(44 fewer a step; not yet timed on a GPU). The copy is exact, so the buffers are the same bit for bit as
+after the scatters. Unlike the scatters, it cannot check the slot's value (that would need the host to
+read it): a slot outside [0, C) writes out of bounds.
 
     write_entry_triton(kb, vb, pos, slot, k, v, position)    # in place; shapes as reference_write_entry
 
@@ -19,6 +25,7 @@ where ``kernels.serves`` says so.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from . import HAS_TRITON, next_pow2
@@ -32,6 +39,9 @@ def check_write_args(kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, k: Tenso
                      position: Tensor) -> None:
     """One-line errors for shapes, dtypes and devices that do not fit (the values are not checked: a slot
     outside [0, C) would need the host to read it, which a CUDA graph cannot)."""
+    if slot.dtype != torch.long or pos.dtype != torch.long or position.dtype != torch.long:
+        raise ValueError(f"slot, pos and position must be int64 (torch.long), got {slot.dtype}, {pos.dtype}, "
+                         f"{position.dtype}")
     B, H_kv, C, d = kb.shape
     want = {"vb": (vb.shape[:3], (B, H_kv, C)), "pos": (pos.shape, (B, H_kv, C)), "slot": (slot.shape, (B, H_kv)),
             "k": (k.shape, (B, H_kv, 1, d)), "v": (v.shape, (B, H_kv, 1, vb.shape[-1])), "position": (position.shape, (1,))}
@@ -74,9 +84,9 @@ if HAS_TRITON:
         stride_kb, stride_kh, stride_vb, stride_vh,  # k, v (B, H_kv, 1, d), last stride 1
         H_kv: tl.constexpr, D: tl.constexpr, D_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)         # int64: offsets into large buffers
         b, h = bh // H_kv, bh % H_kv
-        s = tl.load(slot_ptr + b * stride_sb + h * stride_sh).to(tl.int64)   # this head's slot; int64: large buffers
+        s = tl.load(slot_ptr + b * stride_sb + h * stride_sh)                 # this head's slot (int64)
         dk = tl.arange(0, BLOCK_D)                 # d rounded up to a power of two (tl.arange's sizes)
         key = tl.load(k_ptr + b * stride_kb + h * stride_kh + dk, mask=dk < D)
         tl.store(kb_ptr + b * stride_kbb + h * stride_kbh + s * stride_kbs + dk, key, mask=dk < D)

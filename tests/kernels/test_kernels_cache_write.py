@@ -17,23 +17,27 @@ pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpret
 DEVICES = (["cpu"] if kernels.interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def buffers(B, H_kv, C, d, dtype, device, seed=0):
-    """Buffers already holding entries, each head's slot drawn on its own, and a new entry sliced out of a
-    (B, H + 2 H_kv, d) tensor as ``fused.before_attention`` returns it."""
+def buffers(B, H_kv, C, d, dtype, device, seed=0, d_v=None):
+    """Layer 1's views of buffers for 3 layers, already holding entries (values of d_v elements, keys of d),
+    each head's slot drawn on its own, and a new entry sliced out of larger tensors (the key as
+    ``fused.before_attention`` returns it), so that no stride is another's."""
+    d_v = d_v or d
     g = torch.Generator().manual_seed(seed)
-    kb, vb = (torch.randn(B, H_kv, C, d, generator=g).to(device, dtype) for _ in range(2))
+    kb = torch.randn(3, B, H_kv, C, d, generator=g).to(device, dtype)[1]                 # (B, H_kv, C, d)
+    vb = torch.randn(3, B, H_kv, C, d_v, generator=g).to(device, dtype)[1]                # (B, H_kv, C, d_v)
     pos = torch.randint(-1, 50, (B, H_kv, C), generator=g).to(device)
     slot = torch.randint(0, C, (B, H_kv), generator=g).to(device)
-    qkv = torch.randn(B, 4 + 2 * H_kv, d, generator=g).to(device, dtype)
-    k, v = qkv[:, 4:4 + H_kv, None], qkv[:, 4 + H_kv:, None]                  # (B, H_kv, 1, d), strided rows
+    k = torch.randn(B, 4 + 2 * H_kv, d, generator=g).to(device, dtype)[:, 4:4 + H_kv, None]   # (B, H_kv, 1, d)
+    v = torch.randn(B, H_kv + 1, d_v, generator=g).to(device, dtype)[:, 1:, None]   # its own strides
     return kb, vb, pos, slot, k, v, torch.tensor([57], device=device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,H_kv,C,d", [(2, 3, 7, 16), (1, 2, 5, 48), (3, 1, 1, 64)])
-def test_the_kernel_writes_what_the_scatters_write(device, dtype, B, H_kv, C, d):
-    args = buffers(B, H_kv, C, d, dtype, device)
+@pytest.mark.parametrize("B,H_kv,C,d,d_v", [(2, 3, 7, 16, 16), (1, 2, 5, 48, 48), (3, 1, 1, 64, 64),
+                                            (2, 2, 6, 48, 24)])
+def test_the_kernel_writes_what_the_scatters_write(device, dtype, B, H_kv, C, d, d_v):
+    args = buffers(B, H_kv, C, d, dtype, device, d_v=d_v)
     assert B == 1 or not args[4].is_contiguous()
     expected = [t.clone() for t in args[:4]]
     reference_write_entry(*expected, *args[4:])
@@ -44,6 +48,7 @@ def test_the_kernel_writes_what_the_scatters_write(device, dtype, B, H_kv, C, d)
     b, h = torch.meshgrid(torch.arange(B), torch.arange(H_kv), indexing="ij")
     s = args[3].cpu()
     assert torch.equal(args[0].cpu()[b, h, s], args[4][:, :, 0].cpu())
+    assert torch.equal(args[1].cpu()[b, h, s], args[5][:, :, 0].cpu())
     assert (args[2].cpu()[b, h, s] == 57).all()
 
 
@@ -52,6 +57,8 @@ def test_one_line_errors(device):
     kb, vb, pos, slot, k, v, position = buffers(2, 3, 7, 16, torch.float32, device)
     with pytest.raises(ValueError, match="slot must have shape"):
         write_entry_triton(kb, vb, pos, slot[:1], k, v, position)
+    with pytest.raises(ValueError, match="int64"):
+        write_entry_triton(kb, vb, pos, slot.int(), k, v, position)
     with pytest.raises(ValueError, match="dtypes"):
         write_entry_triton(kb, vb, pos, slot, k.double(), v, position)
     with pytest.raises(ValueError, match="stride 1"):
