@@ -9,15 +9,11 @@ work between two matrix products is compiled by ``torch.compile`` (inductor: one
 run of element-wise operations; the products stay cuBLAS's), one function before a layer's attention and
 one after it:
 
-    before   x, m (R, D) -> x + m, q (R, H, 1, d), k, v (R, H_kv, 1, d):  + m, norm, the q/k/v product, RoPE
-    after    x, y (R, H*d) -> x, m:  + o_proj(y), norm, gate/up product, silu(gate) * up, m = down product
+    before   x (R, D) -> q (R, H, 1, d), k, v (R, H_kv, 1, d):  norm, the stacked q/k/v product, RoPE
+    after    x, y (R, H*d) -> x:  + o_proj(y), norm, gate/up product, silu(gate) * up, down product, + x
 
-The MLP's output m is added to the residual stream by the next layer's ``before`` (and by ``head`` after
-the last layer), not at the end of ``after``: there the add shares one generated kernel with the norm that
-follows it, where at the end of ``after`` it would be a kernel of its own after the down product.
-
-Every layer has the same shapes, so each function compiles once (``before`` twice: the first layer has no
-m yet), on the first eager step (seconds on a GPU), and serves all layers, every method and every length of a run. The attention between them is the graph
+Every layer has the same shapes, so each function compiles once (the first eager step, seconds on a GPU)
+and serves all layers, every method and every length of a run. The attention between them is the graph
 step's own (``GraphDecoder._attend``), its small pieces compiled too: StreamingLLM's eviction and H2O's
 probabilities, the scores it adds up and the slot it empties, which compile once per capacity C. Not
 the writes into the buffers: compiled, an in-place write into a view of a large buffer becomes a copy of
@@ -55,26 +51,21 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def before_attention(x: Tensor, m: Tensor | None, norm_w: Tensor, wqkv: Tensor, cos: Tensor, sin: Tensor,
-                     eps: float, H: int, H_kv: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x (R, D) and the previous layer's MLP output m (R, D), None before the first layer -> x + m, q (R, H, 1,
-    d), k, v (R, H_kv, 1, d): ``LeanDecoder.forward`` from the previous layer's last residual add up to the
-    attention."""
-    if m is not None:                     # dynamo compiles one version for None, one for a tensor
-        x = x + m
+def before_attention(x: Tensor, norm_w: Tensor, wqkv: Tensor, cos: Tensor, sin: Tensor, eps: float, H: int,
+                     H_kv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x (R, D) -> q (R, H, 1, d), k, v (R, H_kv, 1, d): ``LeanDecoder.forward`` up to its attention."""
     R = x.shape[0]
     qkv = F.linear(rms_norm(x, norm_w, eps), wqkv).view(R, H + 2 * H_kv, -1)     # (R, H + 2 H_kv, d)
     qk = apply_rope(qkv[:, :H + H_kv], cos, sin)
-    return x, qk[:, :H, None], qk[:, H:, None], qkv[:, H + H_kv:, None]
+    return qk[:, :H, None], qk[:, H:, None], qkv[:, H + H_kv:, None]
 
 
 def after_attention(x: Tensor, y: Tensor, wo: Tensor, norm_w: Tensor, wgu: Tensor, wd: Tensor,
-                    eps: float) -> tuple[Tensor, Tensor]:
-    """x (R, D), the heads' outputs y (R, H*d) -> x (R, D), the MLP's output m (R, D): the rest of the layer,
-    but for its last residual add, x + m, which the next ``before_attention`` (or ``head``) makes."""
+                    eps: float) -> Tensor:
+    """x (R, D), the heads' outputs y (R, H*d) -> x (R, D): the rest of the layer."""
     x = x + F.linear(y, wo)
     gate, up = F.linear(rms_norm(x, norm_w, eps), wgu).chunk(2, dim=-1)
-    return x, F.linear(F.silu(gate) * up, wd)
+    return x + F.linear(F.silu(gate) * up, wd)
 
 
 def write_in_one_launch(kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, k: Tensor, v: Tensor,
@@ -87,9 +78,9 @@ def write_in_one_launch(kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, k: Te
         write_entry(kb, vb, pos, slot, k, v, position)
 
 
-def head(x: Tensor, m: Tensor, norm_w: Tensor, w: Tensor, eps: float) -> Tensor:
-    """The last layer's residual add, the final norm and the LM head: x, m (R, D) -> logits (R, V)."""
-    return F.linear(rms_norm(x + m, norm_w, eps), w)
+def head(x: Tensor, norm_w: Tensor, w: Tensor, eps: float) -> Tensor:
+    """The final norm and the LM head: x (R, D) -> logits (R, V)."""
+    return F.linear(rms_norm(x, norm_w, eps), w)
 
 
 class FusedGraphDecoder(GraphDecoder):
@@ -111,11 +102,10 @@ class FusedGraphDecoder(GraphDecoder):
         kv, cfg = self.current.kv, self.config
         x = F.embedding(token, self.model.tok_emb.weight)                             # (B, D)
         cos, sin = rope_cos_sin(kv.position, self.lean.inv_freq, x.dtype)            # (1, d) each
-        m = None                                                                      # the MLP's output, not yet added
         for i, (norm1, wqkv, wo, norm2, wgu, wd, attn) in enumerate(self.lean.layers):
-            x, q, k, v = self.before(x, m, norm1.weight, wqkv, cos, sin, norm1.eps, cfg.n_head, cfg.n_kv_head)
+            q, k, v = self.before(x, norm1.weight, wqkv, cos, sin, norm1.eps, cfg.n_head, cfg.n_kv_head)
             y = self._attend(i, attn, q, k, v).reshape(x.shape[0], -1)               # (B, H*d)
-            x, m = self.after(x, y, wo, norm2.weight, wgu, wd, norm2.eps)
-        logits = self.head(x, m, self.model.final_norm.weight, self.model.lm_head.weight, self.model.final_norm.eps)
+            x = self.after(x, y, wo, norm2.weight, wgu, wd, norm2.eps)
+        logits = self.head(x, self.model.final_norm.weight, self.model.lm_head.weight, self.model.final_norm.eps)
         self.advance(kv)
         return logits
