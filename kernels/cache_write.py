@@ -43,8 +43,9 @@ def check_write_args(kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, k: Tenso
         raise ValueError(f"slot, pos and position must be int64 (torch.long), got {slot.dtype}, {pos.dtype}, "
                          f"{position.dtype}")
     B, H_kv, C, d = kb.shape
-    want = {"vb": (vb.shape[:3], (B, H_kv, C)), "pos": (pos.shape, (B, H_kv, C)), "slot": (slot.shape, (B, H_kv)),
-            "k": (k.shape, (B, H_kv, 1, d)), "v": (v.shape, (B, H_kv, 1, vb.shape[-1])), "position": (position.shape, (1,))}
+    want = {"vb": (vb.shape[:3], (B, H_kv, C)), "pos": (pos.shape, (B, H_kv, C)),
+            "slot": (slot.shape, (B, H_kv)), "k": (k.shape, (B, H_kv, 1, d)),
+            "v": (v.shape, (B, H_kv, 1, vb.shape[-1])), "position": (position.shape, (1,))}
     for name, (got, shape) in want.items():
         if tuple(got) != tuple(shape):
             raise ValueError(f"{name} must have shape {tuple(shape)} (after kb's {tuple(kb.shape)}), got {tuple(got)}")

@@ -65,7 +65,9 @@ def pytest_collection_modifyitems(config, items):
              "heavy": (config.getoption("--runheavy"), pytest.mark.skip(reason="heavy check: run with --runheavy"))}
     for item in items:
         for marker, (wanted, skip) in skips.items():
-            if marker in item.keywords and not wanted:
+            # the marker itself, not a keyword: a keyword is also the name of a folder above the test, so a
+            # checkout in a folder named slow would make every test slow
+            if item.get_closest_marker(marker) is not None and not wanted:
                 item.add_marker(skip)
 
 
@@ -97,7 +99,7 @@ def started_by_a_compiler() -> bool:
 @pytest.fixture(autouse=True)
 def no_subprocess_in_the_fast_tier(request, monkeypatch):
     """The fast tier starts no process: a test that does is marked slow (the compilers' own are theirs)."""
-    if "slow" in request.keywords:
+    if request.node.get_closest_marker("slow") is not None:
         return
     popen_init = subprocess.Popen.__init__
 

@@ -38,7 +38,8 @@ def test_the_writes_in_one_launch(tiny_model, spec, monkeypatch):
     monkeypatch.setattr(fused_module, "write_entry_triton", counted)
     monkeypatch.setattr(fused_module, "kernels", SimpleNamespace(serves=lambda t: True))
     torch._dynamo.reset()
-    ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, graph=FusedGraphDecoder(tiny_model, backend="eager"))
+    fused = FusedGraphDecoder(tiny_model, backend="eager")
+    ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, graph=fused)
     assert len(calls) == 14 * tiny_model.config.n_layer                     # every layer of every step
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
