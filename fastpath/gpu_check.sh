@@ -110,10 +110,12 @@ smollm2() {
     local dir="${out%.json}.compare"
     mkdir -p "$dir"
     local many=${SMOLLM2_WORKERS:-$(( $(nproc) < 8 ? $(nproc) : 8 ))}
-    # fetched into .gpu_cache/models by an earlier call, or carried in two compressed parts (the top of this
-    # script) and fetched now; that cache folder is set for these commands only (later stages keep theirs)
-    local models=$PWD/.gpu_cache/models
+    # the usual cache (python -m nanollm.cli.fetch smollm2-135m); else .gpu_cache/models, fetched there by an
+    # earlier call or now from two compressed parts (the top of this script); that folder is set for these
+    # commands only (later stages keep theirs)
     local here="from nanollm.io.checkpoint import load_config; load_config('smollm2-135m')"
+    local models=${NANOLLM_CACHE:-}
+    if ! python -c "$here" 2>/dev/null; then models=$PWD/.gpu_cache/models; fi
     if ! NANOLLM_CACHE=$models python -c "$here" 2>/dev/null && [ -f .gpu_cache/smollm2.xz.aa ] && [ -f .gpu_cache/smollm2.xz.ab ]; then
         cat .gpu_cache/smollm2.xz.aa .gpu_cache/smollm2.xz.ab \
             | timeout -k 5 60 python -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
