@@ -70,7 +70,7 @@ def after_attention(x: Tensor, y: Tensor, wo: Tensor, norm_w: Tensor, wgu: Tenso
 
 def write_in_one_launch(kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, k: Tensor, v: Tensor,
                         position: Tensor) -> None:
-    """``graph.write_entry`` (three scatters, three launches) as one kernel launch where ``kernels.serves``
+    """``graph.write_entry`` (three scatters, three kernels) as one Triton kernel where ``kernels.serves``
     says so (``kernels/cache_write.py``; the same buffers bit for bit)."""
     if kernels.serves(kb):
         write_entry_triton(kb, vb, pos, slot, k, v, position)
@@ -95,7 +95,7 @@ class FusedGraphDecoder(GraphDecoder):
         # eviction. Not the writes: compiled, an in-place scatter into a layer's view of the buffers became a
         # copy of that whole view (results/decode_profile_h100_32k.txt, 16-25 us twice a layer)
         self.evict_sinks, self.attend_heavy = (torch.compile(f, **options) for f in (evict_sinks, attend_heavy))
-        self.write = write_in_one_launch            # the writes: one Triton launch a layer instead of three
+        self.write = write_in_one_launch            # the writes: one Triton kernel a layer instead of three
 
     def decode(self, token: Tensor) -> Tensor:
         """``GraphDecoder.decode`` with the compiled pieces: logits (B, V), ``self.kv`` updated in place."""
