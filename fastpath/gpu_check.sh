@@ -16,12 +16,13 @@
 #            compared with the lean step; the split-K kernel in both) and tests/kernels (100 s; 50 s on an H200);
 #   hf       transformers' StaticCache step under torch.compile(mode="reduce-overhead") at 8,192 tokens, to
 #            OUT's .hf_compiled_8192.json sibling; a compile that runs out of its time says so (70 s);
-#   compare  the bundled model's suite (2 samples) on the CPU (a worker per core) and on the GPU (one process,
-#            and 8 sharing it), their records checked equal (methods.evaluation.agree) and their seconds
-#            printed, JSON files to OUT's .compare/ sibling (3 x 60 s + 2 x 20 s);
+#   compare  the bundled model's suite (2 samples) on the CPU (a worker per core, the fast engine) and on the
+#            GPU (one process with the fast engine, one with the batched engine, then 8 processes sharing it with
+#            the batched one), their records checked equal (methods.evaluation.agree) and their seconds
+#            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s);
 #   smollm2  SmolLM2-135M's main job (2,048 tokens, 30 samples per task and mode) on the GPU in
-#            SMOLLM2_WORKERS processes (default: 8, at most the cores) for at most SMOLLM2_LIMIT seconds (300),
-#            where its file is here (below), checked
+#            SMOLLM2_WORKERS processes (default: 8, at most the cores) with the SMOLLM2_ENGINE engine (default:
+#            batched) for at most SMOLLM2_LIMIT seconds (300), where its file is here (below), checked
 #            against the committed CPU run results/compare_smollm2.json (30 s to fetch, 300 s, 20 s);
 #   suite    the whole fast tier (python -m pytest -q) on the CUDA machine, with the packages the image lacks
 #            installed from .gpu_cache/wheels where that folder is carried (fastpath/gpu_wheels.sh) (400 s).
@@ -88,18 +89,18 @@ compare() {
     # the CPU with a worker per core (its default), the GPU with one process, then with up to 8 sharing it: a
     # step of the evaluation is launch-bound, so processes launching side by side may fill the GPU
     local many=$(( $(nproc) < 8 ? $(nproc) : 8 ))              # --workers is at most the CPU cores
-    for run in "cpu $(nproc)" "$gpu 1" "$gpu $many"; do
+    for run in "cpu $(nproc) fast" "$gpu 1 fast" "$gpu 1 batched" "$gpu $many batched"; do
         set -- $run
-        local json="$dir/bundled_$1_$2.json"
-        echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 -> $json"
+        local json="$dir/bundled_$1_$2_$3.json"
+        echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 --engine $3 -> $json"
         local t0=$SECONDS
         rm -f "$json"
         # output to a file, not a pipe (a worker left behind would hold a pipe open); timeout signals the
         # command's whole process group (its workers too), and sends SIGKILL 10 s after SIGTERM
-        timeout -k 10 60 python -m methods.compare --samples 2 --device "$1" --workers "$2" --json "$json" --quiet \
+        timeout -k 10 60 python -m methods.compare --samples 2 --device "$1" --workers "$2" --engine "$3" --json "$json" --quiet \
             > "$json.log" 2>&1 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$json.log"
-        echo "--device $1 --workers $2: $((SECONDS - t0)) s wall"
+        echo "--device $1 --workers $2 --engine $3: $((SECONDS - t0)) s wall"
         if [ ! -f "$json" ]; then :                            # nothing to check
         elif [ -z "$first" ]; then first=$json
         else timeout -k 5 20 python -m methods.evaluation.agree "$first" "$json" | tail -n 6 || status=1; fi
@@ -123,12 +124,12 @@ smollm2() {
         NANOLLM_CACHE=$models timeout -k 10 30 python -m nanollm.cli.fetch smollm2-135m --from .gpu_cache/smollm2.gguf || status=1
     fi
     if NANOLLM_CACHE=$models python -c "$here" 2>/dev/null; then
-        echo "== smollm2: SmolLM2-135M's main job on $device, $many processes -> $dir/smollm2_$gpu.json"
+        echo "== smollm2: SmolLM2-135M's main job on $device, $many processes, ${SMOLLM2_ENGINE:-batched} engine -> $dir/smollm2_$gpu.json"
         local t0=$SECONDS
         rm -f "$dir/smollm2_$gpu.json"
         # the progress bar to a file beside the report: a run stopped at its time limit still says how far it got
         NANOLLM_CACHE=$models timeout -k 10 "${SMOLLM2_LIMIT:-300}" python -m methods.compare --checkpoint smollm2-135m \
-            --device "$gpu" --workers "$many" --json "$dir/smollm2_$gpu.json" > "$dir/smollm2_$gpu.log" \
+            --device "$gpu" --workers "$many" --engine "${SMOLLM2_ENGINE:-batched}" --json "$dir/smollm2_$gpu.json" > "$dir/smollm2_$gpu.log" \
             2> "$dir/smollm2_${gpu}_progress.txt" || { echo "SmolLM2 compare FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$dir/smollm2_$gpu.log"
         echo "SmolLM2's main job: $((SECONDS - t0)) s wall; the end of its progress bar and errors:"

@@ -51,8 +51,8 @@ from nanollm.policy import CachePolicy
 from nanollm.storage import LayerKV
 
 from .. import make_policy
+from ..evaluation.engines import make_engine
 from ..evaluation.language_modelling import Scores, budgets_and_fill, stream_scored, text_ids
-from ..evaluation.side_by_side import make_engine
 from ..kvreviver import KVReviverPolicy, VagueSketch, allocate, fisher_information
 
 DEFAULT_KEEP_RATIOS = [0.2, 0.5]

@@ -44,10 +44,10 @@ from .. import METHODS, method_chain
 from ..presets import PRESETS, preset_options
 from . import budget_for, keep_ratio, shards
 from .chat import ChatTask
+from .engines import ENGINES, make_engine
 from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 from .metrics import METRICS, reduce
 from .protocol import Variant, run_job
-from .side_by_side import ENGINES, make_engine
 from .task import TASKS, Task
 from .task_file import FileTask
 
@@ -124,8 +124,9 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
     ``workers`` > 1 runs the jobs in that many processes (one torch thread each); the records are the same
     (see the module docstring). Under ``torchrun``, process
     ``rank`` of ``world`` runs its share of the jobs and rank 0 returns every record (``shards``); the
-    other ranks return []. ``engine``: "fast" or "plain" (the same records to float rounding); ``time_alone``:
-    the fast engine steps each cache alone, so that ``decode_ms_per_token`` is its own (else a share).
+    other ranks return []. ``engine``: "fast", "batched" or "plain" (the same records to float rounding);
+    ``time_alone``: the fast engine steps each cache alone, so that ``decode_ms_per_token`` is its own (else a
+    share).
     Every record names the engine and says how its step time was taken (``step_timing``)."""
     variants = [m if isinstance(m, Variant) else Variant(m, m) for m in methods]
     shared = (model, tok, variants, budgets, length, seed, (engine, time_alone))
@@ -455,8 +456,10 @@ def parser() -> cli.ArgumentParser:
                          "model is dispatch-bound, so more threads only add synchronisation)")
     ap.add_argument("--engine", choices=sorted(ENGINES), default="fast",
                     help="fast: one prompt pass for all the caches of a sample and their decode steps side by side "
-                         "(side_by_side.py); plain: nanollm's own prefill and forward, one cache at a time "
-                         "(engine.py), slower; the records agree to float rounding (default %(default)s)")
+                         "(side_by_side.py); batched: the fast engine with the caches' attention batched too, "
+                         "their entries in shared buffers (batched.py: fewer, larger operations, for a GPU); "
+                         "plain: nanollm's own prefill and forward, one cache at a time (engine.py), slower; the "
+                         "records agree to float rounding (default %(default)s)")
     ap.add_argument("--time-alone", action="store_true",
                     help="the fast engine steps each cache alone, so that step ms is the cache's own decode time "
                          "(slower; the same records otherwise); by default the caches share a step and each "

@@ -3,13 +3,16 @@ An engine: the two things an evaluation asks of the model, for a list of caches 
 
     caches, logits = engine.fill(policies, chunks)           # each cache holds the prompt; logits (N, V)
     logits, hidden, seconds = engine.step(caches, tokens)    # one more token into each cache
+    copy = engine.fork(cache)                                # a cache to go on with apart (greedy's fork)
 
 ``PlainEngine``: nanollm's reading path (``prefill``, ``extend``, the model's forward), one cache after
-another; ``side_by_side.FastEngine``: the same numbers to float rounding, faster. ``--engine`` picks one.
+another; ``side_by_side.FastEngine`` and ``batched.BatchedEngine``: the same numbers to float rounding,
+faster (on a CPU, and on a GPU). ``--engine`` picks one.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -60,3 +63,7 @@ class PlainEngine:
             logits.append(lg[0, -1])
             hidden.append(h[0, -1])
         return torch.stack(logits), torch.stack(hidden), seconds
+
+    def fork(self, cache: KVCache) -> KVCache:
+        """A copy of ``cache`` that shares nothing with it (``protocol.Trace``: greedy goes on from it)."""
+        return copy.deepcopy(cache)

@@ -15,9 +15,9 @@ from nanollm.data.tasks import Sample
 from nanollm.policy import CachePolicy
 
 from .. import make_policy
+from .engines import make_engine
 from .metrics import measure
 from .protocol import Trace, continue_greedy, teacher_force
-from .side_by_side import make_engine
 from .task import TASKS, Task
 
 

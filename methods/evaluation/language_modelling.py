@@ -55,7 +55,7 @@ from .. import METHODS, KVReviverPolicy, make_policy
 from ..presets import PRESETS, preset_options
 from . import budget_for
 from .compare import check_methods_flag
-from .side_by_side import ENGINES, make_engine
+from .engines import ENGINES, make_engine
 
 DEFAULT_KEEP_RATIOS = [0.1, 0.2, 0.5]
 DEFAULT_LENGTH = 512

@@ -14,7 +14,6 @@ The protocol: one sample through the full cache and every method, on one engine 
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 
@@ -101,7 +100,7 @@ class Trace:
         self.logits.append(logits)
         m = len(self.logits) - 1
         if self.fork is None and top != reference[m]:
-            self.fork = (m, copy.deepcopy(self.cache))
+            self.fork = (m, self.engine.fork(self.cache))
             self.fork[1].policy = self.fork[1].policy.inner      # a plain cache with the method
 
 

@@ -2,7 +2,7 @@
 The fast engine: ``engine.PlainEngine``'s two operations (fill the caches with a prompt, step them by one
 token) for many caches at once, without running the model once per cache, and still giving each cache
 the same numbers whichever caches run beside it. ``--engine fast`` (the default) of ``methods.compare``,
-``language_modelling`` and ``throughput``; ``make_engine`` builds either engine by name.
+``language_modelling`` and ``throughput``; ``engines.make_engine`` builds an engine by name.
 
 * ``FanOut``: the policy of one prompt pass that serves many caches. The prompt's attention is exact
   whatever the method, so one pass computes the keys, values and outputs for all of them; at each layer
@@ -158,7 +158,7 @@ class FastEngine(PlainEngine):
       of the rest of the step, the products and element-wise work done once for every row: they add up to
       the step's time, and shrink as more caches share it.
 
-    It takes the models ``LeanDecoder`` takes (llama flavour, standard attention); ``make_engine`` says so in
+    It takes the models ``LeanDecoder`` takes (llama flavour, standard attention); ``engines.make_engine`` says so in
     one line for another model. The policies' hooks interleave, cache after cache and layer after layer,
     so a policy must not draw from the global random generator (its draws would depend on the caches beside
     it): every ``fill`` and ``step`` checks that torch's and Python's global generators are where they were,
@@ -214,18 +214,3 @@ def global_generators_untouched(what: str):
         raise RuntimeError(f"a policy drew from the global random generator during {what}: the fast engine runs "
                            "every cache's hooks interleaved, so the draw would depend on the caches beside it; "
                            "give the policy a torch.Generator of its own, or run --engine plain")
-
-
-ENGINES = {"plain": PlainEngine, "fast": FastEngine}
-
-
-def make_engine(name: str, model, alone: bool = False):
-    """The engine ``name`` ("plain" or "fast") for ``model``; a ValueError of one line for a model the fast
-    engine does not take (the same rule for every command: no silent fallback). ``alone``: the fast engine
-    steps the caches one at a time (see ``FastEngine``); the plain engine always does."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
-    try:
-        return FastEngine(model, alone=alone) if name == "fast" else ENGINES[name](model)
-    except ValueError as e:
-        raise ValueError(f"--engine fast: {e}; --engine plain runs any model") from None

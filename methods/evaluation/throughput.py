@@ -40,7 +40,8 @@ from nanollm.io.files import atomic_write_text
 from .. import METHODS, make_policy, method_chain
 from . import budget_for
 from .compare import DEFAULT_KEEP_RATIOS
-from .side_by_side import ROWS, FastEngine, make_engine, step_many
+from .engines import make_engine
+from .side_by_side import ROWS, FastEngine, step_many
 
 
 def sync(device: torch.device) -> None:

@@ -13,8 +13,8 @@ import torch
 
 from methods import make_policy
 from methods.evaluation import compare
+from methods.evaluation.engines import make_engine
 from methods.evaluation.protocol import teacher_force
-from methods.evaluation.side_by_side import make_engine
 from methods.evaluation.task import TASKS
 from nanollm import load
 from nanollm.data.evaluate import MODES

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from methods.evaluation import compare
+from methods.evaluation.engines import make_engine
 from methods.evaluation.metrics import METRICS, Metric, rescore
-from methods.evaluation.side_by_side import make_engine
 from methods.evaluation.task import TASKS, DocsContinuation
 from nanollm import load, preset
 from nanollm.data.evaluate import MODES

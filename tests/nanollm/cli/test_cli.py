@@ -396,7 +396,8 @@ def test_train_force_starts_over(tmp_path):
 COMMANDS = ["nanollm.cli.generate", "methods.evaluation.generate", "nanollm.cli.train", "nanollm.cli.card",
             "nanollm.cli.bench", "nanollm.cli.hf", "nanollm.cli.tokenizer", "methods.compare",
             "methods.evaluation.bench", "methods.evaluation.language_modelling", "methods.evaluation.peer_kvpress",
-            "methods.evaluation.throughput", "methods.evaluation.rescore", "nanollm.cli.timed",
+            "methods.evaluation.throughput", "methods.evaluation.rescore", "methods.evaluation.launches",
+            "nanollm.cli.timed",
             "notebooks/build.py"]
 DUMP_PARSERS = """
 import importlib, importlib.util, json, sys

@@ -230,7 +230,7 @@ def test_the_fast_engine_runs_a_model_with_biases_as_the_plain_one(name):
     caches and step them to the same logits; the graph step, which has no biases, refuses in one line."""
     from fastpath.graph import GraphDecoder
     from methods import make_policy
-    from methods.evaluation.side_by_side import make_engine
+    from methods.evaluation.engines import make_engine
     model = random_model(name)
     chunks, tokens = [ids(16)[0].tolist(), ids(20)[1, 16:].tolist()], [5, 7]
     out = {}

@@ -1,0 +1,275 @@
+"""
+The batched engine: the fast engine's decode step (``side_by_side.py``) with the caches' attention batched
+too, for a GPU. ``--engine batched``.
+
+The fast engine runs the matrix products of a step once for all the caches, but each cache's attention on
+its own: its write, its attention and its policy's hook, a few dozen small operations per cache, layer and
+step. On a CPU each costs a few microseconds; on a GPU each is a kernel launch of several, plus the host's
+work to launch it, so a step of 25 caches of a 30-layer model is tens of thousands of launches and the
+evaluation runs slower on a GPU than on the CPU beside it. Here the caches of a step share their storage:
+
+    k, v   (N, H_kv, C, d)   per layer and group: N caches' entries, one row each; C slots
+    pos    (N, H_kv, C)      their positions; -1 = empty (evicted, or beyond the slots the cache uses)
+
+Each cache's ``LayerKV`` is made a view of its row (``_k = k[r:r+1]``: ``Group.adopt``), so its policy reads,
+scores and evicts in place as before, and the group's buffers see every change. A step, per layer and group:
+
+1. the new entries of every row are written with one scatter per buffer (``Group.write``), each row at the
+   slot ``LayerKV.append`` would pick: the first slot its policy emptied, else the one after its last;
+2. one attention over every row and all C slots, the positions masking the empty ones
+   (``fastpath.attention.attend_step``: the Triton kernel on a GPU), as the graph step does
+   (``fastpath/graph.py``);
+3. each cache's policy hook (``on_decode``) on its own row, with its own slices of the output and of the
+   probabilities: what ``KVCache.attend`` would give it.
+
+Caches are grouped by size (``bucket``), so that a cache of 200 entries is not padded to the full cache's
+2,000. A cache whose policy rebuilds the entries it attends to (``attend_kv``: KVReviver) keeps its own
+storage and attends on its own, as in the fast engine. A cache's storage that a hook replaced (``keep``,
+``replace``), a cache that fills its row, or another set of caches makes the next step group them again.
+
+Numbers: the same arithmetic over more slots, the extra ones at probability exactly 0, so each cache's
+logits agree with the fast engine's to float rounding (tested: every record of ``methods.compare`` within
+1e-4, every answer the same). Unlike the fast engine's, a cache's last bits depend on the caches grouped
+with it (the slots C of its group, and the rows of the products), so ``--time-alone`` is refused here.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastpath.attention import attend_step
+from fastpath.lean import LeanDecoder
+from nanollm.attention import rope_cos_sin
+from nanollm.cache import KVCache, LayerKV
+from nanollm.policy import CachePolicy, Needs, StepContext
+
+from .protocol import Probe
+from .side_by_side import FastEngine, global_generators_untouched
+
+MIN_SLOTS = 64          # the smallest group: a few decode steps of room beyond a small cache
+
+
+def bucket(n: int) -> int:
+    """The slots C of a group whose largest cache uses n slots: n + 1 rounded up to a quarter of n's power
+    of two (at least ``MIN_SLOTS``), so that caches of similar sizes share a group and padding stays within
+    about a quarter: 51 -> 64, 205 -> 256, 1,030 -> 1,280, 2,060 -> 2,560."""
+    step = max(MIN_SLOTS, 1 << max(0, n.bit_length() - 3))
+    return -(-(n + 1) // step) * step
+
+
+def rebuilds_entries(policy: CachePolicy | None) -> bool:
+    """Whether a policy (or one it wraps) attends to entries it rebuilds (``attend_kv``), not its storage."""
+    while policy is not None:
+        hook = getattr(type(policy), "attend_kv", CachePolicy.attend_kv)
+        if hook not in (CachePolicy.attend_kv, Probe.attend_kv):         # Probe passes its inner's through
+            return True
+        policy = getattr(policy, "inner", None)
+    return False
+
+
+class Group:
+    """Caches of about one size, their layers' entries in shared buffers (shapes in the module docstring)."""
+
+    def __init__(self, caches: list[KVCache], slots: int) -> None:
+        self.caches, self.C = caches, slots
+        first, L = caches[0].layers[0], len(caches[0].layers)
+        N, (_, H_kv, _, d), d_v = len(caches), first.k.shape, first.v.shape[-1]
+        # zeros, not empty: an empty slot's v is multiplied by its probability 0, and 0 * NaN would be NaN
+        self.k = [first.k.new_zeros(N, H_kv, slots, d) for _ in range(L)]
+        self.v = [first.v.new_zeros(N, H_kv, slots, d_v) for _ in range(L)]
+        self.pos = [first.pos.new_full((N, H_kv, slots), -1) for _ in range(L)]
+        for r, cache in enumerate(caches):
+            for i, store in enumerate(cache.layers):
+                self.adopt(i, r, store)
+
+    def adopt(self, i: int, r: int, store: LayerKV) -> None:
+        """Copy layer i's storage into row r, then make the storage a view of that row (its per-slot state
+        gets C slots too), so that its policy's reads and writes are the group's."""
+        n = store.n
+        self.k[i][r, :, :n], self.v[i][r, :, :n], self.pos[i][r, :, :n] = store.k[0], store.v[0], store.pos[0]
+        state = {}
+        for name, t in store._state.items():
+            state[name] = t.new_full((*t.shape[:2], self.C, *t.shape[3:]), store.fill[name])
+            state[name][:, :, :n] = t[:, :, :n]
+        store._k, store._v, store._pos = self.k[i][r:r + 1], self.v[i][r:r + 1], self.pos[i][r:r + 1]
+        store._state = state
+
+    def holds(self) -> bool:
+        """Whether every cache's storage is still its row (no hook replaced it) with room for one more entry."""
+        for r, cache in enumerate(self.caches):
+            for i, store in enumerate(cache.layers):
+                if store._k is None or store._k.data_ptr() != self.k[i][r].data_ptr() or store.capacity() != self.C:
+                    return False
+                if store.free is None and store.n + 1 > self.C:
+                    return False
+        return True
+
+    def write(self, i: int, k: Tensor, v: Tensor, pos: Tensor) -> None:
+        """The step's entries k, v (N, H_kv, 1, d) at positions pos (N,) into layer i, each row at the slot
+        ``LayerKV.append`` would use (the first its policy emptied, else the one after its last), whose
+        per-slot state goes back to its fill value; the storages' counters move as ``append``'s would."""
+        N, H_kv = k.shape[:2]
+        after, emptied = [], []                       # each row's next slot; (row, its emptied slots) pairs
+        for r, cache in enumerate(self.caches):
+            store = cache.layers[i]
+            if store.free is not None:                # an emptied slot first, as LayerKV.append
+                slot = store.free[..., :1]                                       # (1, H_kv, 1)
+                store.free = store.free[..., 1:] if store.free.shape[-1] > 1 else None
+                emptied.append((r, slot))
+                after.append(0)
+            else:
+                slot = store.n
+                store.n += 1
+                after.append(slot)
+            for name, t in store._state.items():     # an emptied slot's state back to its fill value (those
+                if not isinstance(slot, int):         # after n hold it already: ``adopt`` fills them)
+                    t.scatter_(2, slot.view(1, H_kv, 1, *[1] * (t.dim() - 3)).expand(1, H_kv, 1, *t.shape[3:]),
+                               store.fill[name])
+        slots = torch.tensor(after, device=k.device).view(N, 1).expand(N, H_kv)
+        if emptied:
+            slots = slots.clone()
+            rows = torch.tensor([r for r, _ in emptied], device=k.device)
+            slots[rows] = torch.cat([s.view(1, H_kv) for _, s in emptied])
+        at = slots[:, :, None]                                                   # (N, H_kv, 1)
+        self.k[i].scatter_(2, at[..., None].expand_as(k), k)
+        self.v[i].scatter_(2, at[..., None].expand_as(v), v)
+        self.pos[i].scatter_(2, at, pos.view(N, 1, 1).expand(N, H_kv, 1))
+
+
+def needs_of(policy: CachePolicy | None) -> Needs:
+    return Needs() if policy is None else policy.needs("decode")
+
+
+class BatchedEngine(FastEngine):
+    """``FastEngine`` (its ``fill``: one prompt pass for every cache) with every decode step batched across
+    the caches as the module docstring says. ``step``'s seconds: each cache's own hook time plus an equal
+    share of the rest of the step."""
+    name = "batched"
+
+    def __init__(self, model, alone: bool = False) -> None:
+        if alone:
+            raise ValueError("--time-alone steps each cache on its own: use --engine fast")
+        super().__init__(model)
+        self.groups: list[Group] = []                 # the last step's groups, and its caches' ids
+        self.ids: tuple = ()
+
+    def fork(self, cache: KVCache) -> KVCache:
+        """A copy of ``cache`` that shares nothing with it (``Trace.add``): its layers' used slots only, so
+        that a cache in a group is not copied with the whole group's buffers."""
+        saved = [(s._k, s._v, s._pos) for s in cache.layers]
+        for s in cache.layers:
+            if s._k is not None:
+                s._k, s._v, s._pos = s.k.clone(), s.v.clone(), s.pos.clone()
+        try:
+            return copy.deepcopy(cache)
+        finally:
+            for s, (k, v, pos) in zip(cache.layers, saved):
+                s._k, s._v, s._pos = k, v, pos
+
+    def arrange(self, caches: list[KVCache]) -> tuple[list[Group], list[int]]:
+        """The groups of this step's caches (last step's, while they still hold), and the caches that attend
+        on their own (rebuilt entries, or a storage the groups do not take)."""
+        alone = [n for n, c in enumerate(caches) if rebuilds_entries(c.policy) or not groupable(c)]
+        ids = tuple(id(c) for c in caches)
+        if ids == self.ids and all(g.holds() for g in self.groups):
+            return self.groups, alone
+        by_size: dict[int, list[KVCache]] = {}
+        for n, cache in enumerate(caches):
+            if n not in alone:
+                by_size.setdefault(bucket(max(s.n for s in cache.layers)), []).append(cache)
+        self.groups = [Group(members, slots) for slots, members in sorted(by_size.items())]
+        self.ids = ids
+        return self.groups, alone
+
+    @torch.no_grad()
+    def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:
+        if len(caches) != len(tokens) or len({id(c) for c in caches}) != len(caches):
+            raise ValueError("one token per cache, each cache once")
+        for cache in caches:
+            self.lean.check_step(cache)
+        t0 = time.perf_counter()
+        groups, alone = self.arrange(caches)
+        index = {id(c): n for n, c in enumerate(caches)}
+        order = [index[id(c)] for g in groups for c in g.caches] + alone        # the step's rows, by group
+        own = [0.0] * len(caches)
+        with global_generators_untouched("a decode step"):
+            logits, hidden = step_batched(self.lean, [tokens[n] for n in order], [caches[n] for n in order],
+                                          groups, own)
+        back = torch.tensor([order.index(n) for n in range(len(caches))], device=logits.device)
+        own = [own[order.index(n)] for n in range(len(caches))]
+        self.caches_per_step = len(caches)
+        shared = (time.perf_counter() - t0 - sum(own)) / len(caches)
+        return logits[back], hidden[back], [s + shared for s in own]
+
+
+def groupable(cache: KVCache) -> bool:
+    """Whether a cache's storage can live in a group: every layer a one-sequence ``LayerKV`` holding entries."""
+    return all(type(s) is LayerKV and s.k is not None and s.k.shape[0] == 1 for s in cache.layers)
+
+
+@torch.no_grad()
+def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], groups: list[Group],
+                 own_seconds: list[float]) -> tuple[Tensor, Tensor]:
+    """One decode step: ``tokens[n]`` into ``caches[n]``, the groups' caches first in their order, then those
+    that attend alone. Returns logits (N, V) and final hidden states (N, D) in that order; each cache's
+    hook time is added to ``own_seconds[n]``."""
+    model = lean.model
+    device = model.tok_emb.weight.device
+    ids = torch.tensor(tokens, device=device)                                          # (N,)
+    row_pos = torch.tensor([c.seen for c in caches], device=device)                   # (N,) each row's position
+    x = F.embedding(ids, model.tok_emb.weight)                                         # (N, D)
+    cos, sin = rope_cos_sin(row_pos, lean.inv_freq, x.dtype)                          # (N, d) each
+    cos, sin = cos[:, None], sin[:, None]                                              # (N, 1, d)
+    spans, first = [], 0                                                               # each group's rows
+    for g in groups:
+        spans.append(slice(first, first + len(g.caches)))
+        first += len(g.caches)
+    alone = range(first, len(caches))
+
+    def attend(i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:               # (N, H, 1, d)
+        outs = []
+        for g, rows in zip(groups, spans):
+            g.write(i, k[rows], v[rows], row_pos[rows])
+            needs = Needs()
+            for cache in g.caches:                    # what the storage's attend_kv sees (Probe records it)
+                if cache.policy is not None and cache.policy.attend_kv(i, cache.layers[i]) is not cache.layers[i]:
+                    raise RuntimeError(f"{type(cache.policy).__name__} rebuilt its entries in a group")
+                needs = needs | needs_of(cache.policy)
+            qp = row_pos[rows].view(-1, 1, 1)
+            visible = g.pos[i].masked_fill(g.pos[i] > qp, -1)    # (n, H_kv, C): what each row's query sees
+            out, probs, col_sums = attend_step(q[rows], g.k[i], g.v[i], needs, visible)
+            for r, cache in enumerate(g.caches):
+                if cache.policy is not None:
+                    t0 = time.perf_counter()
+                    hook(i, attn, cache, q[rows][r:r + 1], row_pos[rows][r:r + 1], out[r:r + 1],
+                         probs, col_sums, r)
+                    own_seconds[rows.start + r] += time.perf_counter() - t0
+            outs.append(out)
+        for n in alone:                               # storage of its own: the fast engine's way
+            t0 = time.perf_counter()
+            outs.append(lean.attend(caches[n], i, attn, q[n:n + 1], k[n:n + 1], v[n:n + 1], row_pos[n:n + 1]))
+            own_seconds[n] += time.perf_counter() - t0
+        return torch.cat(outs)
+
+    logits, h = lean.forward(x, cos, sin, F.linear, attend)
+    for cache in caches:
+        cache.seen += 1
+    return logits, h
+
+
+def hook(i: int, attn, cache: KVCache, q: Tensor, q_pos: Tensor, out: Tensor, probs: Tensor | None,
+         col_sums: Tensor | None, r: int) -> None:
+    """Cache ``cache``'s decode hook at layer i, with the context ``KVCache.attend`` gives it: its row r's
+    output, and the probabilities and column sums it asks for over its own n slots."""
+    store, needs = cache.layers[i], needs_of(cache.policy)
+    n = store.n
+    ctx = StepContext(layer=i, phase="decode", q=q, q_pos=q_pos,
+                      probs=probs[r:r + 1, ..., :n] if needs.rows != 0 else None, out=out, kv=store,
+                      attn=attn, config=cache.config, seen=cache.seen + 1, attended_pos=store.pos,
+                      col_sums=col_sums[r:r + 1, :, :n] if needs.col_sums else None)
+    cache.policy.on_decode(ctx)

@@ -1,0 +1,143 @@
+"""
+How many tensor operations one sample of the main job runs, and where: ``python -m methods.evaluation.launches``.
+
+On a GPU every operation that computes (not a view) is a kernel launch, a few microseconds of the host's
+time and at least one or two of the GPU's, however small the tensors. A decode step of a small model moves
+few bytes, so the number of launches, not the bytes, sets the evaluation's time there. This command runs one
+(task, sample, mode) of ``methods.compare`` on the CPU under a ``TorchDispatchMode`` that counts every aten
+operation, and splits the count by phase and by who ran it:
+
+* phase: ``fill`` (the prompt pass, the methods' compression, the question's ``extend``), ``step`` (the
+  teacher-forced and greedy decode steps), ``fork`` (greedy's copies of the caches), ``rest`` (metrics);
+* in a step: ``policy: <class>`` (a method's hooks, found on the Python stack as the innermost policy
+  object that is not the evaluation's ``Probe``), ``attention and storage`` (writing the new entries and
+  attending, per cache or per group) and ``model`` (the products, norms and everything shared).
+
+A CPU count stands in for a GPU's launches: the same Python runs the same operations on either device (the
+Triton kernels of a GPU replace a few operations each by one launch, so a GPU launches somewhat fewer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanollm import cli, load
+from nanollm.cli.provenance import header, provenance
+from nanollm.data.evaluate import MODES
+from nanollm.io.files import atomic_write_text
+from nanollm.policy import CachePolicy
+from nanollm.wrapper import PolicyWrapper
+
+from .. import METHODS
+from . import budget_for
+from .compare import one_job
+from .engines import ENGINES
+from .protocol import Probe, Variant
+from .task import TASKS
+
+VIEWS = {"slice", "view", "expand", "select", "_unsafe_view", "unsqueeze", "squeeze", "as_strided", "t",
+         "transpose", "permute", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind", "unflatten",
+         "narrow", "lift_fresh", "view_as_real", "view_as_complex", "_reshape_alias"}   # no kernel: metadata only
+STORAGE = {"attend", "write", "attend_entries", "attend_step", "append", "adopt"}   # per cache or per group
+
+
+class Counter(TorchDispatchMode):
+    """Counts aten operations that compute, by (phase, who), the phase set by the engine's wrapped methods."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase, self.counts, self.views = "rest", collections.Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in VIEWS:
+            self.views += 1
+        else:
+            self.counts[self.phase, who(sys._getframe(1)) if self.phase == "step" else ""] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def who(frame) -> str:
+    """In a decode step: the innermost policy running (not ``Probe``), else attention and storage, else model."""
+    storage = False
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, (CachePolicy, PolicyWrapper)) and not isinstance(owner, Probe):
+            return f"policy: {type(owner).__name__}"
+        storage |= frame.f_code.co_name in STORAGE
+        frame = frame.f_back
+    return "attention and storage" if storage else "model"
+
+
+def count(model, tok, engine: str, task: str, mode: str, length: int, seed: int) -> Counter:
+    """One job of ``methods.compare`` (every method at keep 0.1, 0.25 and 0.5), counted (after a warm-up job)."""
+    variants = [Variant(name, name) for name in METHODS]
+    budgets = [budget_for(r, length) for r in (0.1, 0.25, 0.5)]
+    job = lambda i: one_job(model, tok, variants, budgets, length, seed, (engine, False), (task, i, mode))  # noqa: E731
+    job(0)
+    counter = Counter()
+    cls = ENGINES[engine]
+    originals = {name: getattr(cls, name) for name in ("fill", "step", "fork")}
+
+    def phased(name, f):
+        def run(self, *a, **k):
+            before, counter.phase = counter.phase, name
+            try:
+                return f(self, *a, **k)
+            finally:
+                counter.phase = before
+        return run
+    try:
+        for name, f in originals.items():
+            setattr(cls, name, phased(name, f))
+        with counter:
+            job(1)
+    finally:
+        for name, f in originals.items():
+            setattr(cls, name, f)
+    return counter
+
+
+def report(counter: Counter) -> list[str]:
+    total = sum(counter.counts.values())
+    lines = [f"{'phase':6} {'who':32} {'operations':>10} {'share':>6}"]
+    for (phase, whom), n in sorted(counter.counts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{phase:6} {whom or '-':32} {n:10,d} {n / total:6.1%}")
+    lines.append(f"{'all':6} {'operations that compute':32} {total:10,d}")
+    lines.append(f"{'all':6} {'views (no kernel)':32} {counter.views:10,d}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.ArgumentParser(prog="python -m methods.evaluation.launches", description=__doc__.split("\n", 2)[2],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="retrieval-llama",
+                    help="checkpoint name, as methods.compare takes it (default %(default)s)")
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="fast", help="the engine (default %(default)s)")
+    ap.add_argument("--task", choices=sorted(TASKS), default="niah_multikey", help="the task (default %(default)s)")
+    ap.add_argument("--mode", choices=MODES, default=MODES[1], help="the mode (default %(default)s)")
+    ap.add_argument("--length", type=cli.positive_int, default=512, help="sample tokens (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
+    ap.add_argument("--out", type=cli.output_file, default=None, metavar="PATH",
+                    help="also write the report, with its provenance, to PATH (default: none)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    with cli.errors(args.debug):
+        model, tok, _ = load(args.checkpoint)
+        counter = count(model, tok, args.engine, args.task, args.mode, args.length, args.seed)
+        text = "\n".join([f"one job of methods.compare: {args.checkpoint}, {args.task}, {args.mode}, {args.length} "
+                          f"tokens, every method at keep 0.1 / 0.25 / 0.5, --engine {args.engine}, sample "
+                          f"{args.seed + 1} (after a warm-up one)", *report(counter)])
+        print(text)
+        if args.out is not None:
+            prov = provenance(threads=1, dtype="float32", seed=args.seed)
+            atomic_write_text(args.out, header(prov) + "\n\n" + text + "\n")
+            print(f"report written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
