@@ -20,6 +20,9 @@
 #            GPU (one process with the fast engine, one with the batched engine, then 8 processes sharing it with
 #            the batched one), their records checked equal (methods.evaluation.agree) and their seconds
 #            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s);
+#   launches one job of the bundled model's suite with each engine, on the GPU then on the CPU: its tensor
+#            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
+#            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
 #   smollm2  SmolLM2-135M's main job (2,048 tokens, 30 samples per task and mode) on the GPU in
 #            SMOLLM2_WORKERS processes (default: 8, at most the cores) with the SMOLLM2_ENGINE engine (default:
 #            batched) for at most SMOLLM2_LIMIT seconds (300), where its file is here (below), checked
@@ -37,12 +40,12 @@
 # commands on the CPU instead (a dry run of the script before a lent machine's minutes are spent on it).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-out=$(realpath -m "${1:?usage: bash fastpath/gpu_check.sh OUT.json [bench] [smolbench] [tests] [hf] [compare] [smollm2] [suite]}")
+out=$(realpath -m "${1:?usage: bash fastpath/gpu_check.sh OUT.json [bench] [smolbench] [tests] [hf] [compare] [launches] [smollm2] [suite]}")
 shift
 stages=("${@:-bench smolbench tests hf}")
 stages=(${stages[*]})
 for s in "${stages[@]}"; do
-    case "$s" in bench|smolbench|tests|hf|compare|smollm2|suite) ;; *) echo "unknown stage '$s': bench, smolbench, tests, hf, compare, smollm2, suite"; exit 2;; esac
+    case "$s" in bench|smolbench|tests|hf|compare|launches|smollm2|suite) ;; *) echo "unknown stage '$s': bench, smolbench, tests, hf, compare, launches, smollm2, suite"; exit 2;; esac
 done
 cd "$(dirname "$0")/.."                      # the repository root
 gpu=${GPU_CHECK_DEVICE:-cuda}
@@ -142,6 +145,18 @@ smollm2() {
              "script): its main job not run"
         status=1
     fi
+}
+
+launches() {
+    local dir="${out%.json}.launches"
+    mkdir -p "$dir"
+    for run in "$gpu fast" "$gpu batched" "cpu fast" "cpu batched"; do
+        set -- $run
+        echo "== launches: one job of the bundled model's suite, --device $1 --engine $2 -> $dir/bundled_$1_$2.txt"
+        timeout -k 10 60 python -m methods.evaluation.launches --device "$1" --engine "$2" --out "$dir/bundled_$1_$2.txt" \
+            > "$dir/bundled_$1_$2.log" 2>&1 || { echo "launches on $1 FAILED or ran out of time (rc $?)"; status=1; }
+        tail -n 4 "$dir/bundled_$1_$2.log"
+    done
 }
 
 suite() {

@@ -11,7 +11,10 @@ operation, and splits the count by phase and by who ran it:
   teacher-forced and greedy decode steps), ``fork`` (greedy's copies of the caches), ``rest`` (metrics);
 * in a step: ``policy: <class>`` (a method's hooks, found on the Python stack as the innermost policy
   object that is not the evaluation's ``Probe``), ``attention and storage`` (writing the new entries and
-  attending, per cache or per group) and ``model`` (the products, norms and everything shared).
+  attending, per cache or per group) and ``model`` (the products, norms and everything shared);
+* and among them the host's waits: an operation whose result the host reads (``int(t)``, ``bool(t)``,
+  ``.item()``, ``.tolist()``, ``nonzero``, indexing by a boolean mask). On a GPU the host stops there until
+  every kernel launched before it has run, so launching cannot run ahead of the GPU.
 
 A CPU count stands in for a GPU's launches: the same Python runs the same operations on either device (the
 Triton kernels of a GPU replace a few operations each by one launch, so a GPU launches somewhat fewer).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,21 +48,47 @@ VIEWS = {"slice", "view", "expand", "select", "_unsafe_view", "unsqueeze", "sque
          "transpose", "permute", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind", "unflatten",
          "narrow", "lift_fresh", "view_as_real", "view_as_complex", "_reshape_alias"}   # no kernel: metadata only
 STORAGE = {"attend", "write", "attend_entries", "attend_step", "append", "adopt"}   # per cache or per group
+# operations whose result's size or value the host reads (int(t), bool(t), t.item(), nonzero, a boolean mask's
+# index, ...): on a GPU the host waits there for every kernel launched before them; t.tolist() is counted too
+WAITS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "equal",
+         "repeat_interleave"}
 
 
 class Counter(TorchDispatchMode):
-    """Counts aten operations that compute, by (phase, who), the phase set by the engine's wrapped methods."""
+    """Counts aten operations that compute, and the host's waits among them, by (phase, who); the phase is
+    set by the engine's wrapped methods."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.phase, self.counts, self.views = "rest", collections.Counter(), 0
+        self.phase, self.counts, self.waits, self.views = "rest", collections.Counter(), collections.Counter(), 0
+
+    def key(self, frame) -> tuple[str, str]:
+        return self.phase, who(frame) if self.phase == "step" else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in VIEWS:
+        name = func.overloadpacket.__name__
+        if name in VIEWS:
             self.views += 1
         else:
-            self.counts[self.phase, who(sys._getframe(1)) if self.phase == "step" else ""] += 1
+            key = self.key(sys._getframe(1))
+            self.counts[key] += 1
+            boolean_index = name == "index" and any(getattr(t, "dtype", None) == torch.bool for t in args[1])
+            if name in WAITS or boolean_index:
+                self.waits[key] += 1
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        tolist = self.tolist = torch.Tensor.tolist
+
+        def counted(t, *a, **k):                 # the host reads a tensor's values: no aten operation shows it
+            self.waits[self.key(sys._getframe(1))] += 1
+            return tolist(t, *a, **k)
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.tolist
+        return super().__exit__(*exc)
 
 
 def who(frame) -> str:
@@ -74,12 +104,14 @@ def who(frame) -> str:
 
 
 def count(model, tok, engine: str, task: str, mode: str, length: int, seed: int) -> Counter:
-    """One job of ``methods.compare`` (every method at keep 0.1, 0.25 and 0.5), counted (after a warm-up job)."""
+    """One job of ``methods.compare`` (every method at keep 0.1, 0.25 and 0.5) after a warm-up job: timed
+    (``counter.seconds``), then run again, counted."""
     variants = [Variant(name, name) for name in METHODS]
     budgets = [budget_for(r, length) for r in (0.1, 0.25, 0.5)]
     job = lambda i: one_job(model, tok, variants, budgets, length, seed, (engine, False), (task, i, mode))  # noqa: E731
     job(0)
     counter = Counter()
+    counter.seconds = timed(lambda: job(1), model)
     cls = ENGINES[engine]
     originals = {name: getattr(cls, name) for name in ("fill", "step", "fork")}
 
@@ -102,13 +134,26 @@ def count(model, tok, engine: str, task: str, mode: str, length: int, seed: int)
     return counter
 
 
+def timed(f, model) -> float:
+    """Seconds ``f()`` takes, the device synchronised before and after."""
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    f()
+    sync()
+    return time.perf_counter() - t0
+
+
 def report(counter: Counter) -> list[str]:
+    """One line per (phase, who), the most operations first: operations, their share, the host's waits."""
     total = sum(counter.counts.values())
-    lines = [f"{'phase':6} {'who':32} {'operations':>10} {'share':>6}"]
-    for (phase, whom), n in sorted(counter.counts.items(), key=lambda kv: -kv[1]):
-        lines.append(f"{phase:6} {whom or '-':32} {n:10,d} {n / total:6.1%}")
-    lines.append(f"{'all':6} {'operations that compute':32} {total:10,d}")
+    lines = [f"{'phase':6} {'who':32} {'operations':>10} {'share':>6} {'host waits':>10}"]
+    for key, n in sorted(counter.counts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{key[0]:6} {key[1] or '-':32} {n:10,d} {n / total:6.1%} {counter.waits[key]:10,d}")
+    lines.append(f"{'all':6} {'operations that compute':32} {total:10,d} {'':6} {sum(counter.waits.values()):10,d}")
     lines.append(f"{'all':6} {'views (no kernel)':32} {counter.views:10,d}")
+    lines.append(f"the same job not counted: {counter.seconds:.2f} s, {counter.seconds / total * 1e6:.1f} us per "
+                 "operation that computes (its views, and the Python around it, included)")
     return lines
 
 
@@ -122,16 +167,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mode", choices=MODES, default=MODES[1], help="the mode (default %(default)s)")
     ap.add_argument("--length", type=cli.positive_int, default=512, help="sample tokens (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
+    ap.add_argument("--device", type=cli.device, default="cpu",
+                    help="torch device the job runs on; the count is the same on any (default %(default)s)")
     ap.add_argument("--out", type=cli.output_file, default=None, metavar="PATH",
                     help="also write the report, with its provenance, to PATH (default: none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with cli.errors(args.debug):
-        model, tok, _ = load(args.checkpoint)
+        model, tok, _ = load(args.checkpoint, device=args.device)
         counter = count(model, tok, args.engine, args.task, args.mode, args.length, args.seed)
-        text = "\n".join([f"one job of methods.compare: {args.checkpoint}, {args.task}, {args.mode}, {args.length} "
-                          f"tokens, every method at keep 0.1 / 0.25 / 0.5, --engine {args.engine}, sample "
-                          f"{args.seed + 1} (after a warm-up one)", *report(counter)])
+        text = "\n".join([f"one job of methods.compare on {args.device}: {args.checkpoint}, {args.task}, "
+                          f"{args.mode}, {args.length} tokens, every method at keep 0.1 / 0.25 / 0.5, --engine "
+                          f"{args.engine}, sample {args.seed + 1} (after a warm-up one)", *report(counter)])
         print(text)
         if args.out is not None:
             prov = provenance(threads=1, dtype="float32", seed=args.seed)

@@ -126,4 +126,7 @@ def test_launches_counts_the_work_the_batched_engine_shares():
     assert fast["fill", ""] == batched["fill", ""] > 0
     for who in ("attention and storage", "model"):
         assert batched["step", who] < fast["step", who], who
-    assert report(counters[0])[-2].split()[-1] == f"{sum(fast.values()):,d}"      # the total line
+    total = next(line for line in report(counters[0]) if "operations that compute" in line)
+    waits = sum(counters[0].waits.values())
+    assert total.split()[4:6] == [f"{sum(fast.values()):,d}", f"{waits:,d}"]
+    assert sum(counters[1].waits.values()) > 0 and counters[1].seconds > 0
