@@ -16,6 +16,8 @@
 #            compared with the lean step; the split-K kernel in both) and tests/kernels (100 s; 50 s on an H200);
 #   hf       transformers' StaticCache step under torch.compile(mode="reduce-overhead") at 8,192 tokens, to
 #            OUT's .hf_compiled_8192.json sibling; a compile that runs out of its time says so (70 s);
+#   profile  the fused step's kernels per method, 8,192 and 32,768 tokens (python -m fastpath.profile): each
+#            kernel's launches and device time per step, to OUT's .profile.txt sibling (150 s);
 #   compare  the bundled model's suite (2 samples) on the CPU (a worker per core, the fast engine) and on the
 #            GPU (one process with the fast engine, one with the batched engine, then 8 processes sharing it with
 #            the batched one), their records checked equal (methods.evaluation.agree) and their seconds
@@ -40,12 +42,12 @@
 # commands on the CPU instead (a dry run of the script before a lent machine's minutes are spent on it).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-out=$(realpath -m "${1:?usage: bash fastpath/gpu_check.sh OUT.json [bench] [smolbench] [tests] [hf] [compare] [launches] [smollm2] [suite]}")
+out=$(realpath -m "${1:?usage: bash fastpath/gpu_check.sh OUT.json [bench] [smolbench] [tests] [hf] [profile] [compare] [launches] [smollm2] [suite]}")
 shift
 stages=("${@:-bench smolbench tests hf}")
 stages=(${stages[*]})
 for s in "${stages[@]}"; do
-    case "$s" in bench|smolbench|tests|hf|compare|launches|smollm2|suite) ;; *) echo "unknown stage '$s': bench, smolbench, tests, hf, compare, launches, smollm2, suite"; exit 2;; esac
+    case "$s" in bench|smolbench|tests|hf|profile|compare|launches|smollm2|suite) ;; *) echo "unknown stage '$s': bench, smolbench, tests, hf, profile, compare, launches, smollm2, suite"; exit 2;; esac
 done
 cd "$(dirname "$0")/.."                      # the repository root
 gpu=${GPU_CHECK_DEVICE:-cuda}
@@ -84,6 +86,15 @@ hf() {
     echo "== hf: transformers' StaticCache step at 8192 tokens, compiled -> $hf"
     timeout -k 10 70 python -m fastpath.bench --e2e --hf-only --hf-compile --length 8192 --json "$hf" \
         || echo "transformers compiled step at 8192: not timed (rc $?: failed, or its compile ran past 70 s)"
+}
+
+profile() {
+    local txt="${out%.json}.profile.txt"
+    mkdir -p "$(dirname "$txt")"
+    echo "== profile: the fused step's kernels per method -> $txt"
+    timeout -k 10 150 python -m fastpath.profile --out "$txt" $([ "$gpu" = cpu ] && echo --quick) > "$txt.log" 2>&1 \
+        || { echo "profile FAILED or ran out of time (rc $?)"; status=1; }
+    grep -E "tokens: " "$txt.log"
 }
 
 compare() {

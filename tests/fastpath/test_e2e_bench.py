@@ -3,6 +3,7 @@ provenance (the GPU run is ``fastpath/gpu_check.sh``)."""
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,17 @@ def test_the_gpu_scripts_parse_and_refuse_an_unknown_stage(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 2 and run.stdout.strip().startswith("unknown stage 'compre'")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_profile_names_each_method_s_operations(tmp_path):
+    """``python -m fastpath.profile --quick`` on the CPU (its dry run): a table per method whose rows add up,
+    H2O's step doing more than the full cache's (its scores and its eviction), and the provenance in --out."""
+    from fastpath import profile
+    out = tmp_path / "profile.txt"
+    profile.main(["--quick", "--methods", "full", "h2o", "--out", str(out)])
+    text = out.read_text()
+    assert text.startswith("# command: ") and "full at 64 tokens" in text and "h2o at 64 tokens" in text
+    per_step = {m: float(re.search(rf"{m} at 64 tokens: (\d+) operators", text).group(1)) for m in ("full", "h2o")}
+    assert per_step["h2o"] > per_step["full"] > 0
+    assert "aten::mm" in text and "aten::view " not in text

@@ -397,8 +397,7 @@ COMMANDS = ["nanollm.cli.generate", "methods.evaluation.generate", "nanollm.cli.
             "nanollm.cli.bench", "nanollm.cli.hf", "nanollm.cli.tokenizer", "methods.compare",
             "methods.evaluation.bench", "methods.evaluation.language_modelling", "methods.evaluation.peer_kvpress",
             "methods.evaluation.throughput", "methods.evaluation.rescore", "methods.evaluation.launches",
-            "nanollm.cli.timed",
-            "notebooks/build.py"]
+            "fastpath.profile", "nanollm.cli.timed", "notebooks/build.py"]
 DUMP_PARSERS = """
 import importlib, importlib.util, json, sys
 from nanollm import cli

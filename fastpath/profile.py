@@ -1,0 +1,136 @@
+"""
+Where a fused decode step's time goes, kernel by kernel: ``python -m fastpath.profile``.
+
+``python -m fastpath.bench --e2e`` times whole steps and splits each into the time its bytes need at the
+copy bandwidth and a fixed rest; this says what the rest is made of. For each method it builds the e2e
+benchmark's synthetic cache (``e2e.synthetic_cache``: the same shape, keep 0.1), starts the fused step on it
+(``fused.py``), takes ``e2e.WARM`` steps (compiling its pieces), then records ``--steps`` more with
+``torch.profiler`` and prints, the most time first, each kernel's launches per step and its time per step,
+and the step's kernels in all. The recorded steps run eagerly (``decode``), not replayed from a CUDA graph:
+the same kernels a graph would replay, each timed on the device, without the host's launch time.
+
+    python -m fastpath.profile --length 32768 --methods full h2o         # on a GPU: bash fastpath/gpu_check.sh
+    python -m fastpath.profile --quick                                   # tiny shapes, on a CPU: its operators
+
+On a CPU the profiler records operators, not kernels, each timed on the host: a dry run of the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanollm import cli, preset
+from nanollm.cli.provenance import header, provenance
+from nanollm.io.files import atomic_write_text
+
+from . import e2e
+from .fused import FusedGraphDecoder
+
+TOP = 15                # kernels listed per method
+
+
+def device_time(event) -> float:
+    """An averaged event's own time on the device in microseconds (the attribute's name moved in torch 2.5)."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, name):
+            return getattr(event, name)
+    return 0.0
+
+
+def kernels_of(prof, device: str) -> dict[str, tuple[int, float]]:
+    """name -> (launches, microseconds) of the recorded device kernels (on a CPU: the operators, their own
+    host time, the views and other metadata calls left out)."""
+    out: dict[str, tuple[int, float]] = {}
+    for e in prof.key_averages():
+        if device == "cuda":
+            us = device_time(e)
+            if e.device_type == torch.autograd.DeviceType.CUDA or (us > 0 and not e.key.startswith("aten::")):
+                out[e.key] = (e.count, us)
+        elif e.key.startswith("aten::") and e.self_cpu_time_total > 0 and e.key not in VIEWS:
+            out[e.key] = (e.count, e.self_cpu_time_total)
+    return out
+
+
+VIEWS = {f"aten::{n}" for n in ("view", "slice", "select", "expand", "unsqueeze", "squeeze", "as_strided",
+                                "transpose", "permute", "t", "alias", "_unsafe_view", "reshape", "empty",
+                                "empty_strided", "detach", "lift_fresh", "split", "chunk", "unbind", "narrow")}
+
+
+def profile_method(cfg, model, decoder: FusedGraphDecoder, method: str, B: int, S: int, dtype, device: str,
+                   steps: int) -> list[str]:
+    """The table of one method's step (see the module docstring)."""
+    cache = e2e.synthetic_cache(cfg, method, B, S, dtype, device)
+    if not decoder.start(cache, e2e.ROOM):
+        raise RuntimeError(f"{method} fell back to the lean step: {decoder.fallback}")
+    del cache
+    token = torch.zeros(B, dtype=torch.long, device=device)
+    decoder.current.token.copy_(token)
+    for _ in range(e2e.WARM):
+        decoder.decode(decoder.current.token)
+    e2e.sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            decoder.decode(decoder.current.token)
+        e2e.sync(device)
+    kernels = kernels_of(prof, device)
+    decoder.forget()
+    total_n = sum(n for n, _ in kernels.values()) / steps
+    total_us = sum(us for _, us in kernels.values()) / steps
+    what = "kernels" if device == "cuda" else "operators (a CPU dry run)"
+    lines = [f"{method} at {S} tokens: {total_n:.0f} {what} per step, {total_us / 1e3:.3f} ms of their own time "
+             f"per step ({cfg.n_layer} layers)",
+             f"  {'per step':>8} {'us/step':>9} {'share':>6}  name"]
+    for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]:
+        lines.append(f"  {n / steps:8.1f} {us / steps:9.1f} {us / max(total_us * steps, 1e-9):6.1%}  {name[:90]}")
+    return lines
+
+
+def run(device: str, quick: bool, lengths: tuple, methods: list[str], steps: int) -> list[str]:
+    B = e2e.QUICK_BATCH if quick else e2e.BATCH
+    dtype = torch.float32 if quick else torch.bfloat16
+    cfg = preset(e2e.PRESET, max_seq_len=max(lengths) + e2e.ROOM, **(e2e.QUICK_SHAPE if quick else {}))
+    torch.manual_seed(0)
+    model = e2e.random_model(cfg, dtype, device)
+    decoder = FusedGraphDecoder(model, backend=None if device == "cuda" else "eager")
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    lines = [f"the fused step's {'kernels' if device == 'cuda' else 'operators'} on {name}: {e2e.PRESET}"
+             f"{' (quick: shrunk)' if quick else ''} shape, batch {B}, {dtype}, keep {e2e.KEEP}, {steps} steps "
+             f"recorded after {e2e.WARM}"]
+    for S in lengths:
+        for method in methods:
+            lines += [""] + profile_method(cfg, model, decoder, method, B, S, dtype, device, steps)
+            print("\n".join(lines[-TOP - 3:]), flush=True)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.ArgumentParser(prog="python -m fastpath.profile", description=__doc__.split("\n", 2)[2],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--length", type=cli.positive_int, nargs="+", default=None,
+                    help="context lengths (default 8192 and 32768; --quick: 64)")
+    ap.add_argument("--methods", nargs="+", choices=e2e.METHODS_TIMED, default=list(e2e.METHODS_TIMED),
+                    help="the caches: the full one and methods at keep 0.1 (default: all four)")
+    ap.add_argument("--steps", type=cli.positive_int, default=2, help="steps recorded (default %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes in fp32: seconds on a CPU (a dry run)")
+    ap.add_argument("--device", type=cli.device, default=None,
+                    help="cuda where there is one, else cpu (default: that choice)")
+    ap.add_argument("--out", type=cli.output_file, default=None, metavar="PATH",
+                    help="also write the tables, with their provenance, to PATH (default: none)")
+    args = ap.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    lengths = tuple(args.length or ((64,) if args.quick else e2e.LENGTHS))
+    with cli.errors(args.debug):
+        lines = run(device, args.quick, lengths, args.methods, args.steps)
+        if args.out is not None:
+            prov = provenance(threads=torch.get_num_threads(), dtype="float32" if args.quick else "bfloat16",
+                              seed=0)
+            atomic_write_text(args.out, header(prov) + "\n\n" + "\n".join(lines) + "\n")
+            print(f"tables written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
