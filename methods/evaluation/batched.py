@@ -15,7 +15,8 @@ Each cache's ``LayerKV`` is made a view of its row (``_k = k[r:r+1]``: ``Group.a
 scores and evicts in place as before, and the group's buffers see every change. A step, per layer and group:
 
 1. the new entries of every row are written with one scatter per buffer (``Group.write``), each row at the
-   slot ``LayerKV.append`` would pick: the first slot its policy emptied, else the one after its last;
+   slot ``LayerKV.append`` would pick: the first slot its policy emptied (whose per-slot state, where the
+   policy keeps some, goes back to its fill value: a scatter per cache), else the one after its last;
 2. one attention over every row and all C slots, the positions masking the empty ones
    (``fastpath.attention.attend_step``: the Triton kernel on a GPU), as the graph step does
    (``fastpath/graph.py``);
@@ -24,12 +25,14 @@ scores and evicts in place as before, and the group's buffers see every change. 
 
 Caches are grouped by size (``bucket``), so that a cache of 200 entries is not padded to the full cache's
 2,000. A cache whose policy rebuilds the entries it attends to (``attend_kv``: KVReviver) keeps its own
-storage and attends on its own, as in the fast engine. A cache's storage that a hook replaced (``keep``,
-``replace``), a cache that fills its row, or another set of caches makes the next step group them again.
+storage and attends on its own, as in the fast engine. A layer's storage that a hook replaced (``keep``
+compacts) is copied back into its row at the next step; a cache that outgrows its row, or another set of
+caches, makes the next step group them again. The host never waits for the GPU inside a step: the
+integers it sends (tokens, positions, slots) go through pinned memory.
 
 Numbers: the same arithmetic over more slots, the extra ones at probability exactly 0, so each cache's
 logits agree with the fast engine's to float rounding (tested: every record of ``methods.compare`` within
-1e-4, every answer the same). Unlike the fast engine's, a cache's last bits depend on the caches grouped
+1e-5, every answer the same). Unlike the fast engine's, a cache's last bits depend on the caches grouped
 with it (the slots C of its group, and the rows of the products), so ``--time-alone`` is refused here.
 """
 
@@ -88,10 +91,11 @@ class Group:
                 self.adopt(i, r, store)
 
     def adopt(self, i: int, r: int, store: LayerKV) -> None:
-        """Copy layer i's storage into row r, then make the storage a view of that row (its per-slot state
-        gets C slots too), so that its policy's reads and writes are the group's."""
+        """Copy layer i's storage into row r (the slots after its n emptied), then make the storage a view of
+        that row (its per-slot state gets C slots too), so that its policy's reads and writes are the group's."""
         n = store.n
         self.k[i][r, :, :n], self.v[i][r, :, :n], self.pos[i][r, :, :n] = store.k[0], store.v[0], store.pos[0]
+        self.pos[i][r, :, n:] = -1                    # a row adopted again may hold older entries there
         state = {}
         for name, t in store._state.items():
             state[name] = t.new_full((*t.shape[:2], self.C, *t.shape[3:]), store.fill[name])
@@ -99,13 +103,18 @@ class Group:
         store._k, store._v, store._pos = self.k[i][r:r + 1], self.v[i][r:r + 1], self.pos[i][r:r + 1]
         store._state = state
 
-    def holds(self) -> bool:
-        """Whether every cache's storage is still its row (no hook replaced it) with room for one more entry."""
+    def refit(self) -> bool:
+        """Whether every cache can take a step in its row: a storage a hook replaced (``keep`` compacts, a
+        method may ``replace``) is adopted again, in place; False when one no longer fits its row."""
         for r, cache in enumerate(self.caches):
             for i, store in enumerate(cache.layers):
-                if store._k is None or store._k.data_ptr() != self.k[i][r].data_ptr() or store.capacity() != self.C:
-                    return False
-                if store.free is None and store.n + 1 > self.C:
+                ours = (self.k[i][r], self.v[i][r], self.pos[i][r])
+                if store._k is None or any(t is None or t.data_ptr() != o.data_ptr()
+                                           for t, o in zip((store._k, store._v, store._pos), ours)):
+                    if store._k is None or type(store) is not LayerKV or store.n + 1 > self.C:
+                        return False
+                    self.adopt(i, r, store)
+                if store.capacity() != self.C or (store.free is None and store.n + 1 > self.C):
                     return False
         return True
 
@@ -114,34 +123,51 @@ class Group:
         ``LayerKV.append`` would use (the first its policy emptied, else the one after its last), whose
         per-slot state goes back to its fill value; the storages' counters move as ``append``'s would."""
         N, H_kv = k.shape[:2]
-        after, emptied = [], []                       # each row's next slot; (row, its emptied slots) pairs
+        after, emptied, firsts = [], [], []           # each row's next slot, whether it takes an emptied one
         for r, cache in enumerate(self.caches):
             store = cache.layers[i]
             if store.free is not None:                # an emptied slot first, as LayerKV.append
                 slot = store.free[..., :1]                                       # (1, H_kv, 1)
                 store.free = store.free[..., 1:] if store.free.shape[-1] > 1 else None
-                emptied.append((r, slot))
-                after.append(0)
+                after.append(0), emptied.append(1), firsts.append(slot.view(1, H_kv))
             else:
                 slot = store.n
                 store.n += 1
-                after.append(slot)
+                after.append(slot), emptied.append(0), firsts.append(self.none(H_kv, k.device))
             for name, t in store._state.items():     # an emptied slot's state back to its fill value (those
                 if not isinstance(slot, int):         # after n hold it already: ``adopt`` fills them)
                     t.scatter_(2, slot.view(1, H_kv, 1, *[1] * (t.dim() - 3)).expand(1, H_kv, 1, *t.shape[3:]),
                                store.fill[name])
-        slots = torch.tensor(after, device=k.device).view(N, 1).expand(N, H_kv)
-        if emptied:
-            slots = slots.clone()
-            rows = torch.tensor([r for r, _ in emptied], device=k.device)
-            slots[rows] = torch.cat([s.view(1, H_kv) for _, s in emptied])
+        after, emptied = to_device([after, emptied], k.device)                  # (N,) each
+        slots = torch.where(emptied[:, None] == 1, torch.cat(firsts), after[:, None])   # (N, H_kv)
         at = slots[:, :, None]                                                   # (N, H_kv, 1)
         self.k[i].scatter_(2, at[..., None].expand_as(k), k)
         self.v[i].scatter_(2, at[..., None].expand_as(v), v)
         self.pos[i].scatter_(2, at, pos.view(N, 1, 1).expand(N, H_kv, 1))
 
 
+    _none: dict = {}
+
+    @classmethod
+    def none(cls, H_kv: int, device) -> Tensor:
+        """(1, H_kv) zeros on ``device``, made once: a row that takes no emptied slot, in ``write``'s cat."""
+        key = (H_kv, str(device))
+        if key not in cls._none:
+            cls._none[key] = torch.zeros(1, H_kv, dtype=torch.long, device=device)
+        return cls._none[key]
+
+
+def to_device(rows: list[list[int]], device) -> Tensor:
+    """Host integers as a (len(rows), n) int64 tensor on ``device``. To a GPU through pinned memory without
+    waiting: a copy from ordinary host memory makes the host wait for every kernel launched before it."""
+    t = torch.tensor(rows, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def needs_of(policy: CachePolicy | None) -> Needs:
+    """What a cache's policy asks of a decode step's attention (nothing for the plain cache)."""
     return Needs() if policy is None else policy.needs("decode")
 
 
@@ -158,26 +184,33 @@ class BatchedEngine(FastEngine):
         self.groups: list[Group] = []                 # the last step's groups, and its caches' ids
         self.ids: tuple = ()
 
+    @torch.no_grad()
+    def fill(self, policies: list[CachePolicy], chunks: list[list[int]]) -> tuple[list[KVCache], Tensor]:
+        self.groups, self.ids = [], ()                # a new sample: the last one's buffers go back
+        return super().fill(policies, chunks)
+
     def fork(self, cache: KVCache) -> KVCache:
-        """A copy of ``cache`` that shares nothing with it (``Trace.add``): its layers' used slots only, so
-        that a cache in a group is not copied with the whole group's buffers."""
-        saved = [(s._k, s._v, s._pos) for s in cache.layers]
+        """A copy of ``cache`` that shares nothing with it (``Trace.add``): its layers' used slots only, state
+        included, so that a cache in a group is not copied with the whole group's buffers."""
+        saved = [(s._k, s._v, s._pos, s._state) for s in cache.layers]
         for s in cache.layers:
             if s._k is not None:
                 s._k, s._v, s._pos = s.k.clone(), s.v.clone(), s.pos.clone()
+                s._state = {name: t[:, :, :s.n].clone() for name, t in s._state.items()}
         try:
             return copy.deepcopy(cache)
         finally:
-            for s, (k, v, pos) in zip(cache.layers, saved):
-                s._k, s._v, s._pos = k, v, pos
+            for s, (k, v, pos, state) in zip(cache.layers, saved):
+                s._k, s._v, s._pos, s._state = k, v, pos, state
 
     def arrange(self, caches: list[KVCache]) -> tuple[list[Group], list[int]]:
         """The groups of this step's caches (last step's, while they still hold), and the caches that attend
         on their own (rebuilt entries, or a storage the groups do not take)."""
         alone = [n for n, c in enumerate(caches) if rebuilds_entries(c.policy) or not groupable(c)]
         ids = tuple(id(c) for c in caches)
-        if ids == self.ids and all(g.holds() for g in self.groups):
+        if ids == self.ids and all(g.refit() for g in self.groups):
             return self.groups, alone
+        self.groups = []                              # the old buffers go back before the new are made
         by_size: dict[int, list[KVCache]] = {}
         for n, cache in enumerate(caches):
             if n not in alone:
@@ -188,8 +221,8 @@ class BatchedEngine(FastEngine):
 
     @torch.no_grad()
     def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:
-        if len(caches) != len(tokens) or len({id(c) for c in caches}) != len(caches):
-            raise ValueError("one token per cache, each cache once")
+        if not caches or len(caches) != len(tokens) or len({id(c) for c in caches}) != len(caches):
+            raise ValueError(f"one token per cache, each cache once: {len(tokens)} tokens, {len(caches)} caches")
         for cache in caches:
             self.lean.check_step(cache)
         t0 = time.perf_counter()
@@ -200,7 +233,7 @@ class BatchedEngine(FastEngine):
         with global_generators_untouched("a decode step"):
             logits, hidden = step_batched(self.lean, [tokens[n] for n in order], [caches[n] for n in order],
                                           groups, own)
-        back = torch.tensor([order.index(n) for n in range(len(caches))], device=logits.device)
+        back = to_device([[order.index(n) for n in range(len(caches))]], logits.device)[0]
         own = [own[order.index(n)] for n in range(len(caches))]
         self.caches_per_step = len(caches)
         shared = (time.perf_counter() - t0 - sum(own)) / len(caches)
@@ -220,8 +253,7 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
     hook time is added to ``own_seconds[n]``."""
     model = lean.model
     device = model.tok_emb.weight.device
-    ids = torch.tensor(tokens, device=device)                                          # (N,)
-    row_pos = torch.tensor([c.seen for c in caches], device=device)                   # (N,) each row's position
+    ids, row_pos = to_device([tokens, [c.seen for c in caches]], device)             # (N,) each: token, position
     x = F.embedding(ids, model.tok_emb.weight)                                         # (N, D)
     cos, sin = rope_cos_sin(row_pos, lean.inv_freq, x.dtype)                          # (N, d) each
     cos, sin = cos[:, None], sin[:, None]                                              # (N, 1, d)

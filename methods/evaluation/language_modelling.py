@@ -118,7 +118,7 @@ def run(model, tok, methods: list[str], keep_ratios: list[float], length: int = 
     second half of the text (see the module docstring). A keep ratio above 1 (for tests) gives a budget
     past the prefix; at ``keep * length / 2 >= length`` every method is the full cache. ``options``: method
     -> its options for ``make_policy`` (e.g. ``methods.presets.preset_options``); default none. ``engine``:
-    "fast" or "plain" (``make_engine``)."""
+    "fast", "batched" or "plain" (``engines.make_engine``)."""
     options = options or {}
     engine = make_engine(engine, model)
     ids = text_ids(tok, length)
@@ -229,9 +229,10 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
                     help="torch CPU threads (default %(default)s; the numbers do not depend on it)")
     ap.add_argument("--engine", choices=sorted(ENGINES), default="fast",
-                    help="fast: one prompt pass for all the caches and their decode steps side by side; plain: "
-                         "nanollm's own prefill and forward, one cache at a time, slower; the numbers agree to "
-                         "float rounding (default %(default)s)")
+                    help="fast: one prompt pass for all the caches and their decode steps side by side; batched: "
+                         "the same with the caches' attention batched too (for a GPU); plain: nanollm's own "
+                         "prefill and forward, one cache at a time, slower; the numbers agree to float rounding "
+                         "(default %(default)s)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="ours",
                     help="the methods' options: ours (the papers' settings) or kvpress (kvpress 0.5.5's defaults "
                          "for the methods it has, methods/presets.py) (default %(default)s)")

@@ -13,8 +13,9 @@ operation, and splits the count by phase and by who ran it:
   object that is not the evaluation's ``Probe``), ``attention and storage`` (writing the new entries and
   attending, per cache or per group) and ``model`` (the products, norms and everything shared);
 * and among them the host's waits: an operation whose result the host reads (``int(t)``, ``bool(t)``,
-  ``.item()``, ``.tolist()``, ``nonzero``, indexing by a boolean mask). On a GPU the host stops there until
-  every kernel launched before it has run, so launching cannot run ahead of the GPU.
+  ``.item()``, ``.tolist()``, ``nonzero``, indexing by a boolean mask), and on a GPU a copy between host and
+  device that is not ``non_blocking``. On a GPU the host stops there until every kernel launched before it
+  has run, so launching cannot run ahead of the GPU.
 
 A CPU count stands in for a GPU's launches: the same Python runs the same operations on either device (the
 Triton kernels of a GPU replace a few operations each by one launch, so a GPU launches somewhat fewer).
@@ -73,7 +74,7 @@ class Counter(TorchDispatchMode):
             key = self.key(sys._getframe(1))
             self.counts[key] += 1
             boolean_index = name == "index" and any(getattr(t, "dtype", None) == torch.bool for t in args[1])
-            if name in WAITS or boolean_index:
+            if name in WAITS or boolean_index or waited_copy(name, args, kwargs or {}):
                 self.waits[key] += 1
         return func(*args, **(kwargs or {}))
 
@@ -89,6 +90,19 @@ class Counter(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.Tensor.tolist = self.tolist
         return super().__exit__(*exc)
+
+
+def waited_copy(name: str, args, kwargs) -> bool:
+    """A copy between the host and a GPU that the host waits for: not ``non_blocking`` (a copy from ordinary
+    host memory to a GPU waits too; ``torch.tensor(values, device="cuda")`` is one). Only a GPU run has them."""
+    if name == "_to_copy" and isinstance(args[0], torch.Tensor) and kwargs.get("device") is not None:
+        src, dst, non_blocking = args[0].device, torch.device(kwargs["device"]), kwargs.get("non_blocking", False)
+    elif name == "copy_" and isinstance(args[1], torch.Tensor):
+        src, dst = args[1].device, args[0].device
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    else:
+        return False
+    return (src.type == "cpu") != (dst.type == "cpu") and not non_blocking
 
 
 def who(frame) -> str:

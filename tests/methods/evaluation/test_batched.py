@@ -12,7 +12,7 @@ import torch
 from fastpath.lean import LeanDecoder
 from methods import make_policy
 from methods.evaluation import compare
-from methods.evaluation.batched import BatchedEngine, bucket
+from methods.evaluation.batched import BatchedEngine, Group, bucket
 from methods.evaluation.engines import make_engine
 from nanollm import KVCache, load, prefill, preset
 from nanollm.data.evaluate import MODES
@@ -34,13 +34,17 @@ def fresh(model, setups):
     return caches, streams
 
 
-def test_a_batched_step_is_each_cache_s_own_step(make_model):
+def test_a_batched_step_is_each_cache_s_own_step(make_model, monkeypatch):
     """Every cache's logits and final hidden state within 1e-5 of ``LeanDecoder.step_with_hidden`` on the same
     cache alone, and the same positions in every slot of every layer after every step (the slot each entry
-    is written to, the slots each policy empties). A step over fewer caches regroups them."""
+    is written to, the slots each policy empties). A storage a hook compacts (adakv(h2o)) is copied back into
+    its row, not regrouped with the others; a cache that outgrows its row, or a step over fewer caches,
+    regroups them."""
     torch.manual_seed(0)
     model = make_model(preset("TINY"), seed=3)
     lean, engine = LeanDecoder(model), BatchedEngine(model)
+    made, init = [], Group.__init__
+    monkeypatch.setattr(Group, "__init__", lambda self, *a: (made.append(a[1]), init(self, *a))[1])
     ours, streams = fresh(model, SETUPS)
     theirs, _ = fresh(model, SETUPS)
     grew = False
@@ -62,6 +66,8 @@ def test_a_batched_step_is_each_cache_s_own_step(make_model):
                 for name in la.state:                         # H2O's scores, Scissorhands' counts
                     torch.testing.assert_close(la.state[name], lb.state[name], rtol=1e-5, atol=1e-5)
     assert grew                                              # the plain cache of 63 outgrew its 64 slots
+    assert made == [64, 64, 128, 64, 128]     # the groups' slots, three arrangements: the first, the plain cache's
+    #                                           growth, fewer caches (not one per step for adakv(h2o)'s compaction)
     assert len(engine.groups) > 1                            # caches of different sizes, different groups
     assert all(ours[7].policy._sketch.values())              # KVReviver stepped over entries rebuilt from its sketch
     assert any(len(la) < la.n for la in ours[2].layers)      # H2O emptied slots in place, refilled by the writes
@@ -130,3 +136,19 @@ def test_launches_counts_the_work_the_batched_engine_shares():
     waits = sum(counters[0].waits.values())
     assert total.split()[4:6] == [f"{sum(fast.values()):,d}", f"{waits:,d}"]
     assert sum(counters[1].waits.values()) > 0 and counters[1].seconds > 0
+
+
+def test_a_storage_compacted_by_a_hook_goes_back_into_its_row(make_model):
+    """``Group.refit``: a layer whose storage a hook compacted (``keep``: new buffers of fewer slots) is copied
+    back into its row, the slots after its last emptied (they held the dropped entries), and is a view again."""
+    model = make_model(preset("TINY"), seed=3)
+    engine = BatchedEngine(model)
+    caches, streams = fresh(model, SETUPS[1:3])
+    engine.step(caches, [s[0] for s in streams])
+    group, store = engine.groups[0], caches[0].layers[1]
+    n = store.n
+    store.keep(torch.arange(0, n, 3).expand(1, store.k.shape[1], -1))          # every third entry
+    assert store.k.data_ptr() != group.k[1][0].data_ptr()
+    assert group.refit()
+    assert store.k.data_ptr() == group.k[1][0].data_ptr() and store.n == len(range(0, n, 3))
+    assert torch.equal(group.pos[1][0, :, :store.n], store.pos[0]) and (group.pos[1][0, :, store.n:] == -1).all()
