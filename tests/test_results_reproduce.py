@@ -246,6 +246,22 @@ def test_a_row_of_the_course_mutants_report_reproduces(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.heavy
+def test_the_launch_count_reproduces():
+    """``results/launches_smollm2_batched.txt``: one SmolLM2 job counted again gives the committed table, row
+    by row (operations and host waits are the code's, not the machine's; the time in its last line is)."""
+    from methods.evaluation import launches
+    fetched("smollm2-135m")
+    text = (RESULTS / "launches_smollm2_batched.txt").read_text()
+    torch.set_num_threads(1)
+    model, tok, _ = load("smollm2-135m")
+    counter = launches.count(model, tok, "batched", "niah_single_docs", "question_after_context", 2048, 0)
+    again = launches.report(counter)[:-1]                  # without the timing line
+    committed = text.split("\n")[text.split("\n").index(again[0]):][:len(again)]
+    assert again == committed
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_front_pages_generation_reproduces():
     """The README's compression example (``results/generate_smollm2_passkey.txt``): each of its commands, run
     again, prints what the file holds (greedy decoding: the same tokens)."""
@@ -310,6 +326,8 @@ CHECKED_BY = {
                      "decode_profile_h100_32k.txt", "decode_tests_h100.txt", "kernels_bench_h100.json",
                      "kernels_tests_h100.txt", "decode_e2e_h200.json", "decode_e2e_h200_summary.txt",
                      "decode_tests_h200.txt", "compare_gpu_h200.txt"], GPU),
+    "launches_smollm2_batched.txt": (HERE + "test_the_launch_count_reproduces",),
+    "launches_smollm2_fast.txt": "beside launches_smollm2_batched.txt",
 }
 
 
