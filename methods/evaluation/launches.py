@@ -15,7 +15,8 @@ operation, and splits the count by phase and by who ran it:
 * and among them the host's waits: an operation whose result the host reads (``int(t)``, ``bool(t)``,
   ``.item()``, ``.tolist()``, ``nonzero``, indexing by a boolean mask), and on a GPU a copy between host and
   device that is not ``non_blocking``. On a GPU the host stops there until every kernel launched before it
-  has run, so launching cannot run ahead of the GPU.
+  has run, so launching cannot run ahead of the GPU. (The evaluation moves some tensors to the host before
+  reading them, the probes' records the metrics sum: counted here, they are no wait on a GPU.)
 
 A CPU count stands in for a GPU's launches: the same Python runs the same operations on either device (the
 Triton kernels of a GPU replace a few operations each by one launch, so a GPU launches somewhat fewer). The
