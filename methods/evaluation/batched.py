@@ -5,8 +5,9 @@ too, for a GPU. ``--engine batched``.
 The fast engine runs the matrix products of a step once for all the caches, but each cache's attention on
 its own: its write, its attention and its policy's hook, a few dozen small operations per cache, layer and
 step. On a CPU each costs a few microseconds; on a GPU each is a kernel launch of several, plus the host's
-work to launch it, so a step of 25 caches of a 30-layer model is tens of thousands of launches and the
-evaluation runs slower on a GPU than on the CPU beside it. Here the caches of a step share their storage:
+work to launch it, so a step of 25 caches of a 30-layer model is tens of thousands of launches (on an
+H200's machine the bundled model's evaluation ran no faster on the GPU than on its CPU cores). Here the
+caches of a step share their storage:
 
     k, v   (N, H_kv, C, d)   per layer and group: N caches' entries, one row each; C slots
     pos    (N, H_kv, C)      their positions; -1 = empty (evicted, or beyond the slots the cache uses)
@@ -27,8 +28,9 @@ Caches are grouped by size (``bucket``), so that a cache of 200 entries is not p
 2,000. A cache whose policy rebuilds the entries it attends to (``attend_kv``: KVReviver) keeps its own
 storage and attends on its own, as in the fast engine. A layer's storage that a hook replaced (``keep``
 compacts) is copied back into its row at the next step; a cache that outgrows its row, or another set of
-caches, makes the next step group them again. The host never waits for the GPU inside a step: the
-integers it sends (tokens, positions, slots) go through pinned memory.
+caches, makes the next step group them again. The engine's own writes and attention never make the host
+wait for the GPU (the integers it sends, tokens, positions and slots, go through pinned memory); the
+policies' hooks still may.
 
 Numbers: the same arithmetic over more slots, the extra ones at probability exactly 0, so each cache's
 logits agree with the fast engine's to float rounding (tested: every record of ``methods.compare`` within

@@ -3,9 +3,9 @@ How many tensor operations one sample of the main job runs, and where: ``python 
 
 On a GPU every operation that computes (not a view) is a kernel launch, a few microseconds of the host's
 time and at least one or two of the GPU's, however small the tensors. A decode step of a small model moves
-few bytes, so the number of launches, not the bytes, sets the evaluation's time there. This command runs one
-(task, sample, mode) of ``methods.compare`` on the CPU under a ``TorchDispatchMode`` that counts every aten
-operation, and splits the count by phase and by who ran it:
+few bytes, so the number of launches, more than the bytes, is likely to set the evaluation's time there.
+This command runs one (task, sample, mode) of ``methods.compare`` (on the CPU unless ``--device``) under a
+``TorchDispatchMode`` that counts every aten operation, and splits the count by phase and by who ran it:
 
 * phase: ``fill`` (the prompt pass, the methods' compression, the question's ``extend``), ``step`` (the
   teacher-forced and greedy decode steps), ``fork`` (greedy's copies of the caches), ``rest`` (metrics);
@@ -15,8 +15,9 @@ operation, and splits the count by phase and by who ran it:
 * and among them the host's waits: an operation whose result the host reads (``int(t)``, ``bool(t)``,
   ``.item()``, ``.tolist()``, ``nonzero``, indexing by a boolean mask), and on a GPU a copy between host and
   device that is not ``non_blocking``. On a GPU the host stops there until every kernel launched before it
-  has run, so launching cannot run ahead of the GPU. (The evaluation moves some tensors to the host before
-  reading them, the probes' records the metrics sum: counted here, they are no wait on a GPU.)
+  has run, so launching cannot run ahead of the GPU. The CPU's count differs from a GPU's both ways: the
+  host-device copies count only on a GPU, and the probes' records the metrics read (the ``rest`` phase) are
+  on the host already in a GPU run, so reading them is no wait there.
 
 A CPU count stands in for a GPU's launches: the same Python runs the same operations on either device (the
 Triton kernels of a GPU replace a few operations each by one launch, so a GPU launches somewhat fewer). The
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=cli.positive_int, default=512, help="sample tokens (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
     ap.add_argument("--device", type=cli.device, default="cpu",
-                    help="torch device the job runs on; the count is the same on any (default %(default)s)")
+                    help="torch device the job runs on; the operations are the same on any, the host's waits for a "
+                         "copy between host and GPU count only on a GPU (default %(default)s)")
     ap.add_argument("--out", type=cli.output_file, default=None, metavar="PATH",
                     help="also write the report, with its provenance, to PATH (default: none)")
     args = ap.parse_args(argv)
