@@ -181,7 +181,7 @@ class ScissorhandsPolicy(ScoringPolicy):
         w, state = self.history_window, kv.state
         flags = low_flags(attn, visible, self.threshold)[:, :, -w:]           # (B, H_kv, <=w, T)
         if len(q_pos) == 1:                                                    # a decode step: one column
-            column = state[LOW][..., int(q_pos[0]) % w]                        # (B, H_kv, T) view, flags out
+            column = state[LOW][..., (ctx.seen - 1) % w]     # (B, H_kv, T) view, flags out (the query is at seen - 1)
             state[COUNT].sub_(column.int()).add_(flags[:, :, 0])               # - flags out + flags in
             column.copy_(flags[:, :, 0])                                       # = push_history's one column
         else:
