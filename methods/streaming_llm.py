@@ -26,11 +26,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
 from nanollm.checks import check_budget, check_int
 from nanollm.policy import ScoringPolicy, StepContext
+from nanollm.slots import to_device
 
 
 def sinks_and_recent(budget: int, n_sink: int, seen: int) -> list[range]:
@@ -77,7 +77,7 @@ class StreamingLLMPolicy(ScoringPolicy):
         B, H_kv = ctx.kv.pos.shape[:2]
         out = [ring.popleft() for _ in range(len(ctx.kv) - self.n_keep(ctx))]
         ring.extend(out)        # the recent end: the next tokens are written into the emptied slots
-        return torch.tensor(out, device=ctx.kv.pos.device).expand(B, H_kv, -1)
+        return to_device(out, ctx.kv.pos.device).expand(B, H_kv, -1)     # (B, H_kv, E); no wait on a GPU
 
     def reset(self) -> None:
         self._ring = {}

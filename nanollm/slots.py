@@ -5,6 +5,7 @@ views of its per-slot state.
     gather_slots(t, idx)                  t's slots idx of every head: ``LayerKV.keep`` compacting the storage
     select_lowest(scores, pos, stays, n)  the slots ``select_topk`` would drop, without a sort:
                                           ``ScoringPolicy.evict`` at a one-token decode step
+    to_device(values, device)             slot numbers from the host, without the host waiting for a GPU
     StateViews                            ``LayerKV.state``: assigning to a name writes into the buffer
 """
 
@@ -37,6 +38,16 @@ def select_lowest(scores: Tensor, pos: Tensor, stays: Tensor, n: int) -> Tensor:
     first = torch.arange(n, device=s.device) < missing                   # (B, H_kv, n) the first `missing`
     out.scatter_(-1, latest, first | out.gather(-1, latest))
     return out.nonzero()[:, -1].view(*s.shape[:2], n)                    # exactly n per head, ascending
+
+
+def to_device(values: list, device) -> Tensor:
+    """Host integers (a list, or a list of equal lists) as an int64 tensor on ``device``. To a GPU through
+    pinned memory, without waiting: a copy from ordinary host memory makes the host wait until every kernel
+    launched before it has run."""
+    t = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class StateViews(dict):

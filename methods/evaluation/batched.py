@@ -52,6 +52,7 @@ from fastpath.lean import LeanDecoder
 from nanollm.attention import rope_cos_sin
 from nanollm.cache import KVCache, LayerKV
 from nanollm.policy import CachePolicy, Needs, StepContext
+from nanollm.slots import to_device
 
 from .protocol import Probe
 from .side_by_side import FastEngine, global_generators_untouched
@@ -157,15 +158,6 @@ class Group:
         if key not in cls._none:
             cls._none[key] = torch.zeros(1, H_kv, dtype=torch.long, device=device)
         return cls._none[key]
-
-
-def to_device(rows: list[list[int]], device) -> Tensor:
-    """Host integers as a (len(rows), n) int64 tensor on ``device``. To a GPU through pinned memory without
-    waiting: a copy from ordinary host memory makes the host wait for every kernel launched before it."""
-    t = torch.tensor(rows, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def needs_of(policy: CachePolicy | None) -> Needs:
