@@ -139,6 +139,13 @@ class VagueSketch:
         return self.key.nbytes + self.value.nbytes
 
 
+def c_first(scores: Tensor, recent: Tensor) -> Tensor:
+    """(T,) the slots of C by ascending score (ties by slot, NaN last, as a stable sort leaves them), then R's
+    slots (``recent``, (T,) bool): C's order without picking its slots out, which would make the host wait."""
+    order = scores.argsort(stable=True)
+    return order[recent[order].to(torch.uint8).argsort(stable=True)]
+
+
 class Split(NamedTuple):
     """How one layer's slot budget is shared out: b cells per sketch row, C's and R's budgets, R's slack."""
     budget: int
@@ -190,6 +197,9 @@ class KVReviverPolicy(CachePolicy):
     _recent: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _sketch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _approx: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # revived, bool
+    # per layer, at the end of its last compression: (positions seen, raw slots kept), so that the host knows
+    # how many positions the next rebuild covers without reading the device (a GPU would make it wait)
+    _compressed_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     rebuilt_nbytes: int = field(default=0, init=False, repr=False, compare=False)
     sketch_class: ClassVar[type] = VagueSketch       # fastpath.sketch.use_kernels sets the kernels' one
     swaps: int = field(default=0, init=False, repr=False, compare=False)
@@ -289,11 +299,14 @@ class KVReviverPolicy(CachePolicy):
         B, H_kv, _, d = store.k.shape
         S = self.groups(H_kv)
         G = H_kv // S                                   # KV heads per group
-        seen = int(store.pos.max()) + 1                 # positions 0..seen-1 (the new tokens included)
+        seen_then, kept_then = self._compressed_at[layer]
+        seen = seen_then + store.n - kept_then          # positions 0..seen-1: those appended since, included
         raw_pos = store.pos[:, ::G]                     # (B, S, T) each group's raw positions (its first head's)
         raw = torch.zeros(B, S, seen, dtype=torch.bool, device=store.pos.device)
         raw.scatter_(2, raw_pos, True)                                           # (B, S, N) in R or C
-        vague = torch.arange(seen, device=raw.device).expand(B, S, seen)[~raw].view(B, S, -1)   # (B, S, n_V)
+        # (B, S, n_V) the other positions, ascending: a stable sort puts them first (no host wait, as a mask's
+        # index would make: the host knows there are seen - T)
+        vague = (~raw).to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :seen - store.n]
         # every position 0..N-1 is raw or vague exactly once per head: write each entry at its position's slot
         k = store.k.new_empty(B, H_kv, seen, d)
         v = store.v.new_empty(B, H_kv, seen, store.v.shape[-1])
@@ -367,7 +380,8 @@ class KVReviverPolicy(CachePolicy):
                                                    self.injective_hash, store.k.device)
                                    for _ in range(B * S)] if split.width > 0 else []   # no cells: V forgets
         recent_from = ctx.seen - self._recent[layer]                             # R = positions >= this
-        n_out = int((store.pos[0, 0] < recent_from).sum()) - split.candidate     # same in every row, head
+        # every position from recent_from on is raw (R: appended, never moved), so C holds the other T - R
+        n_out = T - self._recent[layer] - split.candidate                        # same in every row, head
         scores, approx = self.by_group(self._scores[layer]), self.by_group(self._approx[layer])   # (B, S, N)
         new_k, new_v, new_pos = [], [], []
         for b in range(B):
@@ -383,6 +397,7 @@ class KVReviverPolicy(CachePolicy):
         T_new = new_pos[0].shape[-1]                                             # the same in every group
         store.replace(torch.cat(new_k).view(B, H_kv, T_new, d), torch.cat(new_v).view(B, H_kv, T_new, -1),
                       torch.cat(new_pos).view(B, H_kv, T_new))
+        self._compressed_at[layer] = (ctx.seen, T_new)
 
     def _overflow(self, sketch: VagueSketch | None, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
                   recent_from: int, n_out: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -391,13 +406,13 @@ class KVReviverPolicy(CachePolicy):
         p (T,). Returns the kept entries, in their order (those given when ``n_out <= 0``)."""
         if n_out <= 0:
             return k, v, p
-        c_slots = (p < recent_from).nonzero().flatten()
-        out = c_slots[scores[p[c_slots]].argsort(stable=True)[:n_out]]
+        out = c_first(scores[p], p >= recent_from)[:n_out]                       # C's n_out lowest
         if sketch is not None:
             sketch.insert(p[out], k[:, out].transpose(0, 1), v[:, out].transpose(0, 1))
-        keep = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
-        keep[out] = False
-        return k[:, keep], v[:, keep], p[keep]
+        keep = torch.ones(p.shape[0], dtype=torch.uint8, device=p.device)
+        keep[out] = 0
+        kept = keep.argsort(descending=True, stable=True)[:p.shape[0] - n_out]   # the other slots, ascending
+        return k[:, kept], v[:, kept], p[kept]
 
     def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
               recent_from: int, approx: Tensor, max_swaps: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -409,18 +424,22 @@ class KVReviverPolicy(CachePolicy):
         that fails. The sketch is then updated swap by swap, as the loop does: a revived token's estimate is
         read after the step's earlier swaps changed the cells it may share with them (a small sketch shares
         many). Returns the entries in position order (those given, untouched, when nothing is swapped)."""
-        in_raw = torch.zeros(scores.shape[0], dtype=torch.bool, device=p.device)
-        in_raw[p] = True
-        cand = (p < recent_from).nonzero().flatten()                             # C's slots
-        vague = (~in_raw).nonzero().flatten()                                    # V's positions
-        n = min(max_swaps, cand.numel(), vague.numel())
-        if n == 0 or not scores[p[cand]].min() * self.replace_rate < scores[vague].max():
-            return k, v, p                                                       # the first pair fails
-        c_scores, c_order = scores[p[cand]].sort(stable=True)                   # C ascending, ties by slot
+        n_vague = scores.shape[0] - p.shape[0]                                   # every other position
+        n = min(max_swaps, p.shape[0], n_vague)
+        if n == 0:
+            return k, v, p
+        in_raw = torch.zeros(scores.shape[0], dtype=torch.uint8, device=p.device)
+        in_raw[p] = 1
+        vague = in_raw.argsort(stable=True)[:n_vague]                            # V's positions, ascending
+        c_order = c_first(scores[p], p >= recent_from)                          # (T,) C ascending, then R
+        # a pair with one of R's slots fails (its score +inf), as a pair past C's end did
+        c_scores = scores[p][c_order].masked_fill(p[c_order] >= recent_from, float("inf"))
         v_scores, v_order = scores[vague].sort(descending=True, stable=True)   # V descending, by position
         wins = c_scores[:n] * self.replace_rate < v_scores[:n]                  # (n,) each pair's test
         m = int(wins.sum())                     # a prefix: C ascends, V descends, so once a pair fails all do
-        c, j = cand[c_order[:m]], vague[v_order[:m]]                             # (m,) C's slots, V's positions
+        if m == 0:
+            return k, v, p                                                       # the first pair fails
+        c, j = c_order[:m], vague[v_order[:m]]                                   # (m,) C's slots, V's positions
         k, v, p = k.clone(), v.clone(), p.clone()
         self._exchange(sketch, c, j, k, v, p)
         approx[j] = True                                                         # a view of the table, in place
@@ -452,7 +471,7 @@ class KVReviverPolicy(CachePolicy):
         return store.pos.masked_fill(approx.repeat_interleave(G, dim=1), -1)   # tokens newer than the table: raw
 
     def reset(self) -> None:
-        self._scores, self._recent, self._sketch, self._approx = {}, {}, {}, {}
+        self._scores, self._recent, self._sketch, self._approx, self._compressed_at = {}, {}, {}, {}, {}
         self.rebuilt_nbytes, self.swaps = 0, 0
 
     def slot_nbytes(self) -> int:
