@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastpath.lean import LeanDecoder
 from kernels.count_sketch import reference_sketch_insert, reference_sketch_query
 from methods import make_policy
 from methods.kvreviver import KVReviverPolicy, VagueSketch
@@ -338,3 +339,33 @@ def test_per_kv_head_rows_are_independent(model):
     for a, b in zip(out, out_1):
         torch.testing.assert_close(a[1:], b, rtol=0, atol=1e-5)
     assert all(torch.equal(a.pos[1:], b.pos) for a, b in zip(cache.layers, cache_1.layers))
+
+
+def test_a_decode_step_reads_the_device_once_a_layer(make_model):
+    """On a GPU the host waits wherever it reads a tensor (``int(t)``, ``.item()``, ``nonzero``, a boolean
+    mask's index). KVReviver's decode step reads one number per layer, whether any swap wins, with swaps
+    happening (the full cache's step reads none): counted on the CPU, operation by operation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            mask = name == "index" and any(getattr(t, "dtype", None) == torch.bool for t in args[1])
+            self.n += name in ("_local_scalar_dense", "nonzero", "masked_select") or mask
+            return func(*args, **(kwargs or {}))
+
+    model = make_model(preset("TINY"), seed=3)
+    lean = LeanDecoder(model)
+    ids = torch.randint(0, 512, (1, 80), generator=torch.Generator().manual_seed(0))
+    reads = {}
+    for name, options in (("full", {"budget": None}), ("kvreviver", {"budget": 40, "replace_rate": 1.0})):
+        cache = KVCache(model.config, make_policy(name, **options))
+        prefill(model, ids[:, :60], cache)
+        with Reads() as r:
+            for t in range(60, 80):
+                lean.step(ids[:, t], cache)
+        reads[name] = r.n
+    assert cache.policy.swaps > 0 and len(cache.policy._sketch) == model.config.n_layer
+    assert reads == {"full": 0, "kvreviver": 20 * model.config.n_layer}
