@@ -196,6 +196,7 @@ def test_fused_decode_equals_kvreviver_attend_kv(device):
     k_raw, v_raw = randn(H_KV, 7, D, seed=32, device=device), randn(H_KV, 7, D, seed=33, device=device)
     policy = KVReviverPolicy(budget=64, sketch_width=WIDTH)
     policy._sketch[0] = [sketch]
+    policy._compressed_at[0] = (N, 7)       # what a compression leaves: N positions seen, 7 of them raw
     store = LayerKV(k_raw[None], v_raw[None], raw_pos.view(1, 1, -1).expand(1, H_KV, -1))
     rebuilt = policy.attend_kv(0, store)
     q = randn(H, D, seed=34, device=device)
