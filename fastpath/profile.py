@@ -22,6 +22,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from methods.evaluation import launches
 from nanollm import cli, preset
 from nanollm.cli.provenance import header, provenance
 from nanollm.io.files import atomic_write_text
@@ -54,9 +55,8 @@ def kernels_of(prof, device: str) -> dict[str, tuple[int, float]]:
     return out
 
 
-VIEWS = {f"aten::{n}" for n in ("view", "slice", "select", "expand", "unsqueeze", "squeeze", "as_strided",
-                                "transpose", "permute", "t", "alias", "_unsafe_view", "reshape", "empty",
-                                "empty_strided", "detach", "lift_fresh", "split", "chunk", "unbind", "narrow")}
+# the operators that launch nothing: launches.py's views, and the allocations and reshapes above them
+VIEWS = {f"aten::{n}" for n in launches.VIEWS | {"reshape", "empty", "empty_strided"}}
 
 
 def profile_method(cfg, model, decoder: FusedGraphDecoder, method: str, B: int, S: int, dtype, device: str,

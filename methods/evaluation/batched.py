@@ -41,6 +41,7 @@ with it (the slots C of its group, and the rows of the products), so ``--time-al
 from __future__ import annotations
 
 import copy
+import functools
 import time
 
 import torch
@@ -227,8 +228,11 @@ class BatchedEngine(FastEngine):
         with global_generators_untouched("a decode step"):
             logits, hidden = step_batched(self.lean, [tokens[n] for n in order], [caches[n] for n in order],
                                           groups, own)
-        back = to_device([[order.index(n) for n in range(len(caches))]], logits.device)[0]
-        own = [own[order.index(n)] for n in range(len(caches))]
+        row_of = [0] * len(caches)                    # the caller's cache n is the step's row row_of[n]
+        for row, n in enumerate(order):
+            row_of[n] = row
+        back = to_device(row_of, logits.device)
+        own = [own[row] for row in row_of]
         self.caches_per_step = len(caches)
         shared = (time.perf_counter() - t0 - sum(own)) / len(caches)
         return logits[back], hidden[back], [s + shared for s in own]
@@ -261,18 +265,19 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
         outs = []
         for g, rows in zip(groups, spans):
             g.write(i, k[rows], v[rows], row_pos[rows])
-            needs = Needs()
+            each = [needs_of(cache.policy) for cache in g.caches]   # what each policy reads (Probe's may change)
             for cache in g.caches:                    # what the storage's attend_kv sees (Probe records it)
                 if cache.policy is not None and cache.policy.attend_kv(i, cache.layers[i]) is not cache.layers[i]:
                     raise RuntimeError(f"{type(cache.policy).__name__} rebuilt its entries in a group")
-                needs = needs | needs_of(cache.policy)
+            needs = functools.reduce(Needs.__or__, each, Needs())
             qp = row_pos[rows].view(-1, 1, 1)
             visible = g.pos[i].masked_fill(g.pos[i] > qp, -1)    # (n, H_kv, C): what each row's query sees
             out, probs, col_sums = attend_step(q[rows], g.k[i], g.v[i], needs, visible)
             for r, cache in enumerate(g.caches):
                 if cache.policy is not None:
                     t0 = time.perf_counter()
-                    hook(i, attn, cache, q[rows][r:r + 1], row_pos[rows][r:r + 1], out[r:r + 1],
+                    row = rows.start + r
+                    hook(i, attn, cache, each[r], q[row:row + 1], row_pos[row:row + 1], out[r:r + 1],
                          probs, col_sums, r)
                     own_seconds[rows.start + r] += time.perf_counter() - t0
             outs.append(out)
@@ -288,11 +293,11 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
     return logits, h
 
 
-def hook(i: int, attn, cache: KVCache, q: Tensor, q_pos: Tensor, out: Tensor, probs: Tensor | None,
-         col_sums: Tensor | None, r: int) -> None:
+def hook(i: int, attn, cache: KVCache, needs: Needs, q: Tensor, q_pos: Tensor, out: Tensor,
+         probs: Tensor | None, col_sums: Tensor | None, r: int) -> None:
     """Cache ``cache``'s decode hook at layer i, with the context ``KVCache.attend`` gives it: its row r's
-    output, and the probabilities and column sums it asks for over its own n slots."""
-    store, needs = cache.layers[i], needs_of(cache.policy)
+    output, and the probabilities and column sums it asks for (``needs``) over its own n slots."""
+    store = cache.layers[i]
     n = store.n
     ctx = StepContext(layer=i, phase="decode", q=q, q_pos=q_pos,
                       probs=probs[r:r + 1, ..., :n] if needs.rows != 0 else None, out=out, kv=store,

@@ -16,6 +16,7 @@ from methods.evaluation.batched import BatchedEngine, Group, bucket
 from methods.evaluation.engines import make_engine
 from nanollm import KVCache, load, prefill, preset
 from nanollm.data.evaluate import MODES
+from tests.methods.evaluation.test_records import assert_same_records
 
 # (method, prompt tokens, budget): evicting in place, compacting (adakv(h2o) keeps at every step), rebuilding
 # from a sketch (kvreviver attends alone), none, and a plain cache of 63 that fills its group of 64 slots
@@ -101,18 +102,10 @@ def test_the_batched_and_fast_engines_give_the_same_records():
     modes: the same answers and bytes, KL, perturbation, lost mass and attention error within 1e-5."""
     torch.set_num_threads(1)
     model, tok, _ = load("retrieval-llama")
-    kw = dict(methods=None, budgets=[51, 128], tasks=["niah_multikey"], modes=MODES, samples=2, length=512,
-              progress=False)
-    kw["methods"] = list(compare.METHODS)
+    kw = dict(methods=list(compare.METHODS), budgets=[51, 128], tasks=["niah_multikey"], modes=MODES, samples=2,
+              length=512, progress=False)
     fast, batched = compare.run(model, tok, **kw), compare.run(model, tok, engine="batched", **kw)
-    assert [(r["method"], r["budget"], r["mode"]) for r in fast] == \
-        [(r["method"], r["budget"], r["mode"]) for r in batched]
-    for a, b in zip(fast, batched):
-        assert (a["accuracies"], a["predictions"], a["kv_bytes"], a["extra_bytes"]) == \
-            (b["accuracies"], b["predictions"], b["kv_bytes"], b["extra_bytes"]), a["method"]
-        for k in ("kl", "perturbation", "lost_mass"):
-            assert a[k] == pytest.approx(b[k], abs=1e-5), (a["method"], k)
-        assert torch.allclose(torch.tensor(a["attn_l1"]), torch.tensor(b["attn_l1"]), atol=1e-5)
+    assert_same_records(batched, fast, ("method", "budget", "mode"))
     assert batched[0]["engine"] == "batched" and any(r["kl"] > 0.1 for r in batched)
 
 

@@ -24,6 +24,18 @@ ROOT = Path(__file__).resolve().parents[3]
 COMMITTED = ROOT / "results" / "compare_default.json"
 
 
+def assert_same_records(ours: list[dict], theirs: list[dict], keys: tuple[str, ...]) -> None:
+    """Two engines' records of one run, row by row (``keys`` name the rows): the same answers and bytes, and
+    KL, perturbation, lost mass and attention error within 1e-5."""
+    assert [tuple(r[k] for k in keys) for r in ours] == [tuple(r[k] for k in keys) for r in theirs]
+    for a, b in zip(ours, theirs):
+        assert (a["accuracies"], a["predictions"], a["kv_bytes"], a["extra_bytes"]) == \
+            (b["accuracies"], b["predictions"], b["kv_bytes"], b["extra_bytes"]), a["method"]
+        for k in ("kl", "perturbation", "lost_mass"):
+            assert a[k] == pytest.approx(b[k], abs=1e-5), (a["method"], k)
+        assert torch.allclose(torch.tensor(a["attn_l1"]), torch.tensor(b["attn_l1"]), atol=1e-5)
+
+
 @pytest.mark.slow
 def test_the_plain_and_fast_engines_give_the_same_records():
     """``--engine plain`` against ``--engine fast`` (the default) on the bundled model, which is far from logit
@@ -34,13 +46,7 @@ def test_the_plain_and_fast_engines_give_the_same_records():
     kw = dict(methods=["h2o", "snapkv", "chunkkv"], budgets=[128], tasks=["niah_multikey"], modes=MODES,
               samples=2, length=512, progress=False)
     fast, plain = compare.run(model, tok, **kw), compare.run(model, tok, engine="plain", **kw)
-    assert [(r["method"], r["mode"]) for r in fast] == [(r["method"], r["mode"]) for r in plain]
-    for a, b in zip(fast, plain):
-        assert (a["accuracies"], a["predictions"], a["kv_bytes"], a["extra_bytes"]) == \
-            (b["accuracies"], b["predictions"], b["kv_bytes"], b["extra_bytes"]), a["method"]
-        for k in ("kl", "perturbation", "lost_mass"):
-            assert a[k] == pytest.approx(b[k], abs=1e-5), (a["method"], k)
-        assert torch.allclose(torch.tensor(a["attn_l1"]), torch.tensor(b["attn_l1"]), atol=1e-5)
+    assert_same_records(fast, plain, ("method", "mode"))
     assert any(r["kl"] > 0.1 for r in fast) and len({tuple(r["accuracies"]) for r in fast}) > 1   # not vacuous
 
 
