@@ -21,7 +21,9 @@
 #   compare  the bundled model's suite (2 samples) on the CPU (a worker per core, the fast engine) and on the
 #            GPU (one process with the fast engine, one with the batched engine, then 8 processes sharing it with
 #            the batched one), their records checked equal (methods.evaluation.agree) and their seconds
-#            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s);
+#            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s); COMPARE_RUNS="DEVICE WORKERS
+#            ENGINE; ..." names other runs (the first is the one the others are checked against), COMPARE_LIMIT
+#            another limit per run in seconds;
 #   launches one job of the bundled model's suite with each engine, on the GPU then on the CPU: its tensor
 #            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
 #            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
@@ -103,7 +105,10 @@ compare() {
     # the CPU with a worker per core (its default), the GPU with one process, then with up to 8 sharing it: a
     # step of the evaluation is launch-bound, so processes launching side by side may fill the GPU
     local many=$(( $(nproc) < 8 ? $(nproc) : 8 ))              # --workers is at most the CPU cores
-    for run in "cpu $(nproc) fast" "$gpu 1 fast" "$gpu 1 batched" "$gpu $many batched"; do
+    local runs=${COMPARE_RUNS:-"cpu $(nproc) fast; $gpu 1 fast; $gpu 1 batched; $gpu $many batched"}
+    local list
+    IFS=';' read -ra list <<< "$runs"
+    for run in "${list[@]}"; do
         set -- $run
         local json="$dir/bundled_$1_$2_$3.json"
         echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 --engine $3 -> $json"
@@ -111,7 +116,7 @@ compare() {
         rm -f "$json"
         # output to a file, not a pipe (a worker left behind would hold a pipe open); timeout signals the
         # command's whole process group (its workers too), and sends SIGKILL 10 s after SIGTERM
-        timeout -k 10 60 python -m methods.compare --samples 2 --device "$1" --workers "$2" --engine "$3" --json "$json" --quiet \
+        timeout -k 10 "${COMPARE_LIMIT:-60}" python -m methods.compare --samples 2 --device "$1" --workers "$2" --engine "$3" --json "$json" --quiet \
             > "$json.log" 2>&1 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$json.log"
         echo "--device $1 --workers $2 --engine $3: $((SECONDS - t0)) s wall"
