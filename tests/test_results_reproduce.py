@@ -325,7 +325,8 @@ CHECKED_BY = {
                      "decode_e2e_smollm2_b16_h100.json", "decode_e2e_smollm2_b1_h100.json",
                      "decode_profile_h100_32k.txt", "decode_tests_h100.txt", "kernels_bench_h100.json",
                      "kernels_tests_h100.txt", "decode_e2e_h200.json", "decode_e2e_h200_summary.txt",
-                     "decode_tests_h200.txt", "compare_gpu_h200.txt"], GPU),
+                     "decode_tests_h200.txt", "compare_gpu_h200.txt", "launches_bundled_h200_fast.txt",
+                     "launches_bundled_h200_batched.txt"], GPU),
     "launches_smollm2_batched.txt": (HERE + "test_the_launch_count_reproduces",),
     "launches_smollm2_fast.txt": "beside launches_smollm2_batched.txt",
 }
