@@ -14,8 +14,10 @@ one after it:
 
 Every layer has the same shapes, so each function compiles once (the first eager step, seconds on a GPU)
 and serves all layers, every method and every length of a run. The attention between them is the graph
-step's own (``GraphDecoder._attend``), its small pieces compiled too: StreamingLLM's eviction and H2O's
-probabilities, the scores it adds up and the slot it empties, which compile once per capacity C. Not
+step's own (``GraphDecoder._attend``), its small pieces compiled too: StreamingLLM's eviction and, where no
+kernel serves, H2O's probabilities, the scores it adds up and the slot it empties, which compile once per
+capacity C; where the kernels serve, H2O's whole layer is three launches that read the keys once
+(``kernels/heavy_hitters.py``: the split kernel keeps its scores, the merge, one update kernel). Not
 the writes into the buffers: compiled, an in-place write into a view of a large buffer becomes a copy of
 the whole buffer; the three scatters of a layer's write are one Triton launch instead
 (``kernels/cache_write.py``). The split-K kernel stays as it is, and the whole step is
@@ -40,6 +42,7 @@ from torch import Tensor
 
 import kernels
 from kernels.cache_write import write_entry_triton
+from kernels.heavy_hitters import heavy_attend_triton
 from nanollm.attention import apply_rope, rope_cos_sin
 from nanollm.model import Transformer
 
@@ -96,6 +99,19 @@ class FusedGraphDecoder(GraphDecoder):
         # copy of that whole view (results/decode_profile_h100_32k.txt, 16-25 us twice a layer)
         self.evict_sinks, self.attend_heavy = (torch.compile(f, **options) for f in (evict_sinks, attend_heavy))
         self.write = write_in_one_launch            # the writes: one Triton kernel a layer instead of three
+
+    def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``GraphDecoder._attend``, but for H2O where ``kernels.serves`` says so: the write, then its
+        attention, scores and eviction in three launches that read the keys once
+        (``kernels/heavy_hitters.py``), not the kernel's output beside ``attend_heavy``'s second pass."""
+        d = q.shape[-1]
+        if self.rule.kind != "heavy" or d < 16 or d & (d - 1) or not kernels.serves(q):
+            return super()._attend(i, attn, q, k, v)
+        kv, rule = self.current.kv, self.rule
+        kb, vb, pos, slot = kv.k[i], kv.v[i], kv.pos[i], kv.slot[i]       # views (B, H_kv, C, d), (B, H_kv, C)
+        self.write(kb, vb, pos, slot, k, v, kv.position)
+        return heavy_attend_triton(q[:, :, 0], kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent,
+                                   rule.budget).unsqueeze(2)                                # (B, H, 1, d)
 
     def decode(self, token: Tensor) -> Tensor:
         """``GraphDecoder.decode`` with the compiled pieces: logits (B, V), ``self.kv`` updated in place."""

@@ -132,7 +132,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, idx_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+        q_ptr, k_ptr, v_ptr, idx_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, s_ptr,
         n_tokens, tokens_per_split, scale,
         stride_qb, stride_qh,                       # q (B, H, d), last stride 1
         stride_kb, stride_kh, stride_ks,            # k (B, H_kv, S, d), last stride 1
@@ -141,6 +141,7 @@ if HAS_TRITON:
         stride_pb, stride_ph,                       # pos (B, H_kv, S), last stride 1 (MASKED only)
         H_kv: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
         BLOCK_N: tl.constexpr, GATHER: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
+        SCORES: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)         # which (sequence, KV head); int64: large caches
         split = tl.program_id(1)                   # which range of tokens
@@ -180,6 +181,9 @@ if HAS_TRITON:
             else:
                 s = tl.dot(q, tl.trans(kb))
             s = tl.where(valid[None, :], s, float("-inf"))                            # padding: never attended
+            if SCORES:                            # kept for H2O (heavy_hitters.py): the scaled scores, fp32
+                tl.store(s_ptr + (bh * G + g)[:, None] * n_tokens + n[None, :], s,
+                         mask=(g < G)[:, None] & (n < end)[None, :])                  # (B * H_kv, G, n_tokens)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             # a range with no valid token so far keeps m = -inf; exp(-inf - -inf) would be nan
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -255,10 +259,13 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
 
 def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None = None, scale: float | None = None,
                            block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, pos: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                           num_stages: int | None = None, pos: Tensor | None = None,
+                           scores: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The split kernel alone (no checks of the arguments): each (sequence, KV head) row's ranges' running max
     m and sum l (B * H_kv, splits, G) and output acc (B * H_kv, splits, G, d), fp32; a range with no valid
-    token has m = -inf, l = 0, acc = 0. ``pos`` (B, H_kv, S), if given, masks the slots at -1 (not with idx)."""
+    token has m = -inf, l = 0, acc = 0. ``pos`` (B, H_kv, S), if given, masks the slots at -1 (not with idx).
+    ``scores``, if given (B * H_kv, G, S), contiguous fp32, receives every token's scaled score q.k / sqrt(d)
+    as the kernel computed it, -inf where masked: what H2O needs beside the output (``heavy_hitters.py``)."""
     if not HAS_TRITON:
         raise RuntimeError("the decode kernels need triton; use reference_decode_attention, "
                            "reference_selected_decode_attention or reference_masked_decode_attention")
@@ -292,14 +299,18 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
     if pos is not None and pos.stride(-1) != 1:
         pos = pos.contiguous()
     px = pos if pos is not None else m                                        # any pointer when not masking
+    if scores is not None and (scores.shape != (B * H_kv, G, n_tokens) or scores.dtype != torch.float32
+                               or not scores.is_contiguous()):
+        raise ValueError(f"scores must be a contiguous fp32 tensor of shape {(B * H_kv, G, n_tokens)}")
+    sx = scores if scores is not None else m                                  # any pointer when not keeping them
     launch = {k_: v_ for k_, v_ in (("num_warps", num_warps), ("num_stages", num_stages)) if v_ is not None}
     _decode_split_kernel[(B * H_kv, splits)](
-        q, k, v, ix, px, m, l, acc, n_tokens, per_split, scale,
+        q, k, v, ix, px, m, l, acc, sx, n_tokens, per_split, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ix.stride(0) if idx is not None else 0, ix.stride(1) if idx is not None else 0,
         px.stride(0) if pos is not None else 0, px.stride(1) if pos is not None else 0,
         H_kv=H_kv, G=G, G_PAD=G_PAD, D=d, BLOCK_N=block_n, GATHER=idx is not None, MASKED=pos is not None,
-        DOT_FP32=dot_fp32, **launch)
+        DOT_FP32=dot_fp32, SCORES=scores is not None, **launch)
     return m, l, acc
 
 

@@ -45,6 +45,31 @@ def test_the_writes_in_one_launch(tiny_model, spec, monkeypatch):
     assert_same_entries(cache, graph)
 
 
+@pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
+@pytest.mark.parametrize("budget,n_recent", [(8, None), (12, 2), (8, 0)])
+def test_h2o_reads_the_keys_once(tiny_model, budget, n_recent, monkeypatch):
+    """Where the kernels serve (patched as above), every layer of H2O's step is ``heavy_attend_triton`` (the
+    split kernel keeping its scores, the merge, the update kernel), never ``attend_heavy``'s second pass;
+    the logits within 1e-5 and the kept positions equal to the lean step's after every step."""
+    calls = []
+    real = fused_module.heavy_attend_triton
+
+    def counted(*args):
+        calls.append(args[1].shape)
+        return real(*args)
+    monkeypatch.setattr(fused_module, "heavy_attend_triton", counted)
+    monkeypatch.setattr(fused_module, "kernels", SimpleNamespace(serves=lambda t: True))
+    torch._dynamo.reset()
+    fused = FusedGraphDecoder(tiny_model, backend="eager")
+    fused.attend_heavy = None                                               # a call to it fails
+    options = {} if n_recent is None else {"n_recent": n_recent}
+    ref, out, cache, graph = steps_both(tiny_model, tokens(), "h2o", budget, graph=fused, **options)
+    assert len(calls) == 14 * tiny_model.config.n_layer
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert_same_entries(cache, graph)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["streaming_llm", "h2o"])
 def test_the_fused_step_with_inductor(tiny_model, spec):
@@ -62,7 +87,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 @pytest.mark.parametrize("dtype,spec", [(torch.float32, "snapkv"), (torch.bfloat16, "snapkv"),
-                                        (torch.float32, "streaming_llm"), (torch.float32, "h2o")])
+                                        (torch.float32, "streaming_llm"), (torch.float32, "h2o"),
+                                        (torch.bfloat16, "h2o")])
 def test_the_fused_step_captured_on_a_gpu(make_model, tiny_cfg, dtype, spec):
     """Compiled by inductor on the first eager step, captured with the rest of the step, replayed."""
     from fastpath.graph import BF16_TOL

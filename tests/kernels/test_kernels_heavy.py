@@ -1,0 +1,102 @@
+"""H2O's step in three launches (kernels/heavy_hitters.py) against its PyTorch reference: the same output, the
+same scores, the same slot emptied.
+
+Without a GPU the kernels run in Triton's interpreter (``tests/conftest.py`` sets TRITON_INTERPRET=1). Each
+case has heads over their budget and heads under it, empty slots, a recent window, and a stale score in the
+slot the step just wrote (which must start again from 0).
+"""
+
+import pytest
+import torch
+
+import kernels
+from kernels.heavy_hitters import heavy_attend_triton, reference_heavy_attend
+
+pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
+                                reason="no way to run a Triton kernel: triton is not installed, or there is no "
+                                       "CUDA device and TRITON_INTERPRET is not 1")
+DEVICES = (["cpu"] if kernels.interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def state(B, H, H_kv, C, d, device, dtype=torch.float32, seed=0, uniform=False):
+    """A step's arguments: buffers with a few empty slots per head (more in head 0, so that it is under
+    budget where the others are over), each head's entries at distinct earlier positions, and the step's
+    new entry at position C + 40 already written into its slot (as the fused step writes before attending)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.zeros(B, H, d) if uniform else torch.randn(B, H, d, generator=g)
+    kb, vb = torch.randn(B, H_kv, C, d, generator=g), torch.randn(B, H_kv, C, d, generator=g)
+    now = C + 40                                                         # the step's position
+    pos = torch.stack([torch.stack([torch.randperm(now, generator=g)[:C] for _ in range(H_kv)]) for _ in range(B)])
+    empty = torch.rand(B, H_kv, C, generator=g) < 0.2
+    empty[:, 0, : C // 2] = True                                         # head 0: few entries
+    pos = pos.masked_fill(empty, -1)
+    slot = torch.randint(0, C, (B, H_kv), generator=g)
+    pos.scatter_(2, slot[..., None], now)                                # the new entry, written
+    score = torch.zeros(B, H_kv, C) if uniform else torch.rand(B, H_kv, C, generator=g) * 3
+    score.scatter_(2, slot[..., None], 100.0)                            # stale: the slot's last tenant's
+    args = [q.to(dtype), kb.to(dtype), vb.to(dtype), pos, slot, score, torch.tensor([now])]
+    return [t.to(device) for t in args]
+
+
+def both(args, n_recent, budget, splits=None):
+    """The reference and the kernels, each on its own copy of the state: (output, score, pos, slot) each."""
+    ref = [t.clone() for t in args]
+    got = [t.clone() for t in args]
+    out_ref = reference_heavy_attend(*ref, n_recent, budget)
+    out = heavy_attend_triton(*got, n_recent, budget, splits=splits)
+    return (out_ref, ref[5], ref[3], ref[4]), (out, got[5], got[3], got[4])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B,H,H_kv,C,d", [(2, 8, 2, 37, 16), (1, 4, 4, 300, 32), (2, 6, 2, 9, 16)])
+@pytest.mark.parametrize("n_recent", [0, 5, 10_000])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_kernels_do_what_the_reference_does(device, B, H, H_kv, C, d, n_recent, splits):
+    """fp32: the output and scores within 1e-5, the positions and next slots equal (300 slots: two blocks of
+    the update kernel; 10,000 recent: every entry stays, so the latest one is emptied; 3 ranges a head, whose
+    maxima and sums the update kernel merges)."""
+    args = state(B, H, H_kv, C, d, device)
+    budget = (C * 3) // 5
+    want, got = both(args, n_recent, budget, splits)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    over = (args[3] >= 0).sum(-1) > budget
+    assert over.any() and not over.all()                                 # both kinds of head were tried
+    assert torch.equal(want[3][~over], args[4][~over] + 1)                # under budget: the next slot
+    assert (want[1].gather(2, args[4][..., None]) < 100).all()           # the stale score was reset
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ties_go_to_the_latest_position(device):
+    """A zero query gives every entry the same probability and every score the same sum: the slot emptied
+    is the one holding the latest position outside the recent window, as ``select_lowest`` picks."""
+    args = state(2, 4, 2, 40, 16, device, uniform=True)
+    want, got = both(args, 3, 10)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    pos = args[3]
+    outside = pos.masked_fill((pos < 0) | (pos >= 80 + 1 - 3), -1)
+    assert torch.equal(want[3], outside.argmax(-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16(device):
+    """A bf16 cache: the output within bf16's rounding; the scores within 1e-3 (on a GPU the scaled query
+    enters the product rounded to bf16, which the reference's fp32 product does not: about 2^-8 of each
+    score); the same slot emptied on these random values."""
+    args = state(2, 8, 2, 37, 16, device, dtype=torch.bfloat16)
+    want, got = both(args, 5, 20)
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=0, atol=2e-2)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-3)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_line_errors(device):
+    q, kb, vb, pos, slot, score, position = state(2, 8, 2, 9, 16, device)
+    with pytest.raises(ValueError, match="score must be fp32"):
+        heavy_attend_triton(q, kb, vb, pos, slot, score.double(), position, 3, 4)
+    with pytest.raises(ValueError, match="slot must have shape"):
+        heavy_attend_triton(q, kb, vb, pos, slot[:1], score, position, 3, 4)
+    with pytest.raises(ValueError, match="int64"):
+        heavy_attend_triton(q, kb, vb, pos.int(), slot, score, position, 3, 4)
