@@ -125,10 +125,12 @@ if HAS_TRITON:
 
         written = tl.load(slot_ptr + b * stride_sb + h * stride_sh)         # the slot this step wrote
         recent_from = tl.load(position_ptr) + 1 - n_recent                  # positions >= this stay
-        best = float("inf")                        # the lowest score so far, its position and slot
-        best_pos = -2
-        best_slot = 0
-        held = 0
+        # the lowest score so far, its position and slot, and the entries held: typed as the loop makes them
+        # (a GPU compiler rejects a loop-carried value whose type changes; the interpreter would not notice)
+        best = tl.full([], float("inf"), tl.float32)
+        best_pos = tl.full([], -2, tl.int64)
+        best_slot = tl.full([], 0, tl.int32)
+        held = tl.full([], 0, tl.int32)
         for first in range(0, C, BLOCK_C):
             c = first + tl.arange(0, BLOCK_C)
             inside = c < C
@@ -144,8 +146,8 @@ if HAS_TRITON:
             v = tl.where(stays, float("inf"), tl.where(total != total, float("-inf"), total))  # nan -> -inf
             low = tl.min(v, axis=0)
             tie = v == low
-            low_pos = tl.max(tl.where(tie, p, -2), axis=0)                  # the latest of the block's lowest
-            low_slot = tl.min(tl.where(tie & (p == low_pos), c, C), axis=0)  # its first slot
+            low_pos = tl.max(tl.where(tie, p, -2), axis=0).to(tl.int64)     # the latest of the block's lowest
+            low_slot = tl.min(tl.where(tie & (p == low_pos), c, C), axis=0).to(tl.int32)   # its first slot
             take = (low < best) | ((low == best) & (low_pos > best_pos))
             best = tl.where(take, low, best)
             best_pos = tl.where(take, low_pos, best_pos)
