@@ -42,6 +42,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    FP32_MAX = tl.constexpr(3.4028234663852886e38)     # torch.finfo(torch.float32).max: nan_to_num's +inf
+
 
 def check_heavy_args(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, score: Tensor,
                      position: Tensor) -> None:
@@ -143,7 +145,10 @@ if HAS_TRITON:
             p = tl.load(pos_ptr + b * stride_pb + h * stride_ph + c, mask=inside, other=-2)
             held += tl.sum((p >= 0).to(tl.int32), axis=0)
             stays = (p < 0) | (p >= recent_from)
-            v = tl.where(stays, float("inf"), tl.where(total != total, float("-inf"), total))  # nan -> -inf
+            # as torch.nan_to_num(total, nan=-inf) (select_lowest's): NaN -> -inf, +-inf -> the largest and
+            # lowest finite fp32 (sums of probabilities are finite: this only keeps the reference's order)
+            v = tl.where(total == float("inf"), FP32_MAX, tl.where(total == float("-inf"), -FP32_MAX, total))
+            v = tl.where(stays, float("inf"), tl.where(total != total, float("-inf"), v))
             low = tl.min(v, axis=0)
             tie = v == low
             low_pos = tl.max(tl.where(tie, p, -2), axis=0).to(tl.int64)     # the latest of the block's lowest
@@ -162,8 +167,12 @@ def heavy_attend_triton(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Te
                         splits: int | None = None) -> Tensor:
     """``reference_heavy_attend`` in three launches (the split kernel keeping the scores, the merge,
     ``_heavy_update_kernel``): always the kernels, on a CUDA tensor or, under ``TRITON_INTERPRET=1``, a CPU
-    one. pos, score and slot are updated in place, so their last dimension must have stride 1. ``splits``:
-    ranges per (sequence, KV head), None for the split kernel's default."""
+    one. pos, score and slot are updated in place; pos and score must have stride 1 in their last
+    dimension. ``splits``: ranges per (sequence, KV head), None for the split kernel's default.
+
+    The update kernel walks a head's C slots in one program, so it has B * H_kv programs: enough at the
+    benchmark's 16 sequences, few for one sequence of a long cache (not timed yet; splitting the slots over
+    programs with a second reduction would be the next step)."""
     if not HAS_TRITON:
         raise RuntimeError("heavy_attend_triton needs triton; use reference_heavy_attend")
     check_heavy_args(q, kb, vb, pos, slot, score, position)

@@ -1,9 +1,9 @@
 """H2O's step in three launches (kernels/heavy_hitters.py) against its PyTorch reference: the same output, the
 same scores, the same slot emptied.
 
-Without a GPU the kernels run in Triton's interpreter (``tests/conftest.py`` sets TRITON_INTERPRET=1). Each
-case has heads over their budget and heads under it, empty slots, a recent window, and a stale score in the
-slot the step just wrote (which must start again from 0).
+Without a GPU the kernels run in Triton's interpreter (``tests/conftest.py`` sets TRITON_INTERPRET=1). The
+cases have empty slots, a recent window, a stale score in the slot the step just wrote (which must start
+again from 0), and (but for the ties) heads over their budget beside heads under it.
 """
 
 import pytest
@@ -53,8 +53,8 @@ def both(args, n_recent, budget, splits=None):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_the_kernels_do_what_the_reference_does(device, B, H, H_kv, C, d, n_recent, splits):
     """fp32: the output and scores within 1e-5, the positions and next slots equal (300 slots: two blocks of
-    the update kernel; 10,000 recent: every entry stays, so the latest one is emptied; 3 ranges a head, whose
-    maxima and sums the update kernel merges)."""
+    the update kernel; 10,000 recent: every entry stays, so the latest one is emptied; splits=3: up to 3
+    ranges a head, whose maxima and sums the update kernel merges)."""
     args = state(B, H, H_kv, C, d, device)
     budget = (C * 3) // 5
     want, got = both(args, n_recent, budget, splits)
@@ -68,23 +68,51 @@ def test_the_kernels_do_what_the_reference_does(device, B, H, H_kv, C, d, n_rece
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ties_go_to_the_latest_position(device):
+@pytest.mark.parametrize("C,splits", [(40, 1), (300, 3)])
+def test_ties_go_to_the_latest_position(device, C, splits):
     """A zero query gives every entry the same probability and every score the same sum: the slot emptied
-    is the one holding the latest position outside the recent window, as ``select_lowest`` picks."""
-    args = state(2, 4, 2, 40, 16, device, uniform=True)
-    want, got = both(args, 3, 10)
+    is the one holding the latest position outside the recent window, as ``select_lowest`` picks, also when
+    the tied slots lie in different blocks and ranges. Every head holds the two positions on either side of
+    the window's edge (the step's position - 3 and - 2, with 3 recent), so the edge is checked exactly."""
+    args = state(2, 4, 2, C, 16, device, uniform=True)
+    pos, slot, now = args[3], args[4], C + 40
+    for row, edge in ((0, now - 3), (C - 1, now - 2)):                   # first block and last
+        taken = pos == edge
+        pos.masked_fill_(taken, -1)                                      # each position once a head
+        at = torch.full_like(slot, row).masked_fill(slot == row, row + (1 if row == 0 else -1))
+        pos.scatter_(2, at[..., None], edge)
+    want, got = both(args, 3, 10, splits)
     assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
-    pos = args[3]
-    outside = pos.masked_fill((pos < 0) | (pos >= 80 + 1 - 3), -1)
-    assert torch.equal(want[3], outside.argmax(-1))
+    assert (want[2].gather(2, slot[..., None]) == now).all()            # the new entry stays
+    assert torch.equal(want[3], (pos == now - 3).int().argmax(-1))       # the edge's outer side is emptied
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_and_infinite_scores_are_ordered_as_the_reference_orders_them(device):
+    """A NaN score counts as -inf (emptied first), an infinite one as the largest or lowest finite number
+    (``torch.nan_to_num``'s defaults), in the kernel as in the reference: scores never get there in a run,
+    but the two must not differ where they do."""
+    for values in ((float("nan"), float("-inf")), (float("inf"),), (float("-inf"), -1e30)):
+        args = state(2, 8, 2, 37, 16, device, seed=3)
+        pos, score = args[3], args[5]
+        old = (pos >= 0) & (pos < 20)                                    # outside any recent window here
+        for i, value in enumerate(values):
+            first = old.int().argmax(-1, keepdim=True)                   # a held, old slot per head
+            score.scatter_(2, first, value)
+            old.scatter_(2, first, False)
+        if values == (float("inf"),):
+            score.masked_fill_((pos >= 0) & (pos < 77 + 1 - 5), float("inf"))  # every candidate infinite
+        want, got = both(args, 5, 20)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5, equal_nan=True)
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]), values
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16(device):
     """A bf16 cache: the output within bf16's rounding; the scores within 1e-3 (on a GPU the scaled query
-    enters the product rounded to bf16, which the reference's fp32 product does not: about 2^-8 of each
-    score); the same slot emptied on these random values."""
-    args = state(2, 8, 2, 37, 16, device, dtype=torch.bfloat16)
+    enters the product rounded to bf16, which the reference's fp32 product does not; d = 32, whose scale
+    1/sqrt(32) is not a power of two, so that rounding happens); the same slot emptied on these values."""
+    args = state(2, 8, 2, 37, 32, device, dtype=torch.bfloat16)
     want, got = both(args, 5, 20)
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=0, atol=2e-2)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-3)
