@@ -21,9 +21,10 @@ capacity C; where the kernels serve, H2O's whole layer is three launches that re
 the writes into the buffers: compiled, an in-place write into a view of a large buffer becomes a copy of
 the whole buffer; the three scatters of a layer's write are one Triton launch instead
 (``kernels/cache_write.py``). The split-K kernel is the graph step's (for H2O, its variant that keeps
-the scores), and the whole step is still captured and replayed as ``GraphDecoder`` does. The arithmetic is the lean step's, in the same order
-within each operation, so the logits agree to float rounding (tested in fp32 at 1e-5 with the ``eager``
-backend on a CPU, which traces the same functions without generating code).
+the scores), and the whole step is still captured and replayed as ``GraphDecoder`` does. The arithmetic
+is the lean step's, in the same order within each operation, so the logits agree to float rounding
+(tested in fp32 at 1e-5 with the ``eager`` backend on a CPU, which traces the same functions without
+generating code).
 
 Each compiled function specialises on its shapes and on the Python numbers it is given (a budget, a recent
 window, C): dynamo compiles it again for each new combination, up to its recompile limit (8 by default),
@@ -95,8 +96,9 @@ class FusedGraphDecoder(GraphDecoder):
         self.before, self.after, self.head = (torch.compile(f, **options)
                                               for f in (before_attention, after_attention, head))
         # the attention's own small pieces (graph.py): StreamingLLM's eviction, and H2O's probabilities and
-        # eviction where no kernel serves (_attend below). Not the writes: compiled, an in-place scatter into a layer's view of the buffers became a
-        # copy of that whole view (results/decode_profile_h100_32k.txt, 16-25 us twice a layer)
+        # eviction where no kernel serves (_attend below). Not the writes: compiled, an in-place scatter into
+        # a layer's view of the buffers became a copy of that whole view (results/decode_profile_h100_32k.txt,
+        # 16-25 us twice a layer)
         self.evict_sinks, self.attend_heavy = (torch.compile(f, **options) for f in (evict_sinks, attend_heavy))
         self.write = write_in_one_launch            # the writes: one Triton kernel a layer instead of three
 
