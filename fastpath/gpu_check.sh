@@ -22,8 +22,9 @@
 #            GPU (one process with the fast engine, one with the batched engine, then 8 processes sharing it with
 #            the batched one), their records checked equal (methods.evaluation.agree) and their seconds
 #            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s); COMPARE_RUNS="DEVICE WORKERS
-#            ENGINE; ..." names other runs (the first is the one the others are checked against), COMPARE_LIMIT
-#            another limit per run in seconds;
+#            ENGINE [VAR=VALUE]; ..." names other runs (the first is the one the others are checked against; a
+#            fourth word sets a variable for that run, as NANOKV_NO_TRITON=1: PyTorch's attention instead of the
+#            Triton kernels), COMPARE_LIMIT another limit per run in seconds;
 #   launches one job of the bundled model's suite with each engine, on the GPU then on the CPU: its tensor
 #            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
 #            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
@@ -110,16 +111,16 @@ compare() {
     IFS=';' read -ra list <<< "$runs"
     for run in "${list[@]}"; do
         set -- $run
-        local json="$dir/bundled_$1_$2_$3.json"
-        echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 --engine $3 -> $json"
+        local setting=${4:-} json="$dir/bundled_$1_$2_$3${4:+_${4%%=*}}.json"
+        echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 --engine $3 ${setting:+($setting) }-> $json"
         local t0=$SECONDS
         rm -f "$json"
         # output to a file, not a pipe (a worker left behind would hold a pipe open); timeout signals the
         # command's whole process group (its workers too), and sends SIGKILL 10 s after SIGTERM
-        timeout -k 10 "${COMPARE_LIMIT:-60}" python -m methods.compare --samples 2 --device "$1" --workers "$2" --engine "$3" --json "$json" --quiet \
+        env $setting timeout -k 10 "${COMPARE_LIMIT:-60}" python -m methods.compare --samples 2 --device "$1" --workers "$2" --engine "$3" --json "$json" --quiet \
             > "$json.log" 2>&1 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$json.log"
-        echo "--device $1 --workers $2 --engine $3: $((SECONDS - t0)) s wall"
+        echo "--device $1 --workers $2 --engine $3${setting:+ $setting}: $((SECONDS - t0)) s wall"
         if [ ! -f "$json" ]; then :                            # nothing to check
         elif [ -z "$first" ]; then first=$json
         else timeout -k 5 20 python -m methods.evaluation.agree "$first" "$json" | tail -n 6 || status=1; fi
