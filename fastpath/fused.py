@@ -14,14 +14,16 @@ one after it:
 
 Every layer has the same shapes, so each function compiles once (the first eager step, seconds on a GPU)
 and serves all layers, every method and every length of a run. The attention between them is the graph
-step's own (``GraphDecoder._attend``), its small pieces compiled too: StreamingLLM's eviction and, where no
-kernel serves, H2O's probabilities, the scores it adds up and the slot it empties, which compile once per
-capacity C; where the kernels serve, H2O's whole layer is three launches that read the keys once
-(``kernels/heavy_hitters.py``: the split kernel keeps its scores, the merge, one update kernel). Not
-the writes into the buffers: compiled, an in-place write into a view of a large buffer becomes a copy of
-the whole buffer; the three scatters of a layer's write are one Triton launch instead
-(``kernels/cache_write.py``). The split-K kernel is the graph step's (for H2O, its variant that keeps
-the scores), and the whole step is still captured and replayed as ``GraphDecoder`` does. The arithmetic
+step's own (``GraphDecoder._attend``). Where the kernels serve, an evicting method's layer is three
+launches whose eviction uses what the attention kernel read: H2O's (``kernels/heavy_hitters.py``: the split
+kernel keeps its scores, the merge, one update kernel) and StreamingLLM's (``kernels/streaming.py``: the
+split kernel keeps each range's oldest entry, the merge, one kernel that empties the oldest). Elsewhere
+their small pieces are compiled: StreamingLLM's eviction, H2O's probabilities, the scores it adds up and
+the slot it empties, which compile once per capacity C. Not the writes into the buffers: compiled, an
+in-place write into a view of a large buffer becomes a copy of the whole buffer; the three scatters of a
+layer's write are one Triton launch instead (``kernels/cache_write.py``). The split-K kernel is the graph
+step's (for H2O and StreamingLLM, its variants that keep the scores or the oldest entries), and the whole
+step is still captured and replayed as ``GraphDecoder`` does. The arithmetic
 is the lean step's, in the same order within each operation, so the logits agree to float rounding
 (tested in fp32 at 1e-5 with the ``eager`` backend on a CPU, which traces the same functions without
 generating code).
@@ -44,6 +46,7 @@ from torch import Tensor
 import kernels
 from kernels.cache_write import write_entry_triton
 from kernels.heavy_hitters import heavy_attend_triton
+from kernels.streaming import sinks_attend_triton
 from nanollm.attention import apply_rope, rope_cos_sin
 from nanollm.model import Transformer
 
@@ -95,25 +98,30 @@ class FusedGraphDecoder(GraphDecoder):
         options = {"dynamic": False} if backend is None else {"dynamic": False, "backend": backend}
         self.before, self.after, self.head = (torch.compile(f, **options)
                                               for f in (before_attention, after_attention, head))
-        # the attention's own small pieces (graph.py): StreamingLLM's eviction, and H2O's probabilities and
-        # eviction where no kernel serves (_attend below). Not the writes: compiled, an in-place scatter into
+        # the attention's own small pieces (graph.py) where no kernel serves (_attend below): StreamingLLM's
+        # eviction, H2O's probabilities and eviction. Not the writes: compiled, an in-place scatter into
         # a layer's view of the buffers became a copy of that whole view (results/decode_profile_h100_32k.txt,
         # 16-25 us twice a layer)
         self.evict_sinks, self.attend_heavy = (torch.compile(f, **options) for f in (evict_sinks, attend_heavy))
         self.write = write_in_one_launch            # the writes: one Triton kernel a layer instead of three
 
     def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """``GraphDecoder._attend``, but for H2O where ``kernels.serves`` says so: the write, then its
-        attention, scores and eviction in three launches that read the keys once
-        (``kernels/heavy_hitters.py``), not the kernel's output beside ``attend_heavy``'s second pass."""
+        """``GraphDecoder._attend``, but for H2O and StreamingLLM where ``kernels.serves`` says so: the write,
+        then the attention and the eviction in three launches, the eviction's choice made from what the
+        attention kernel reads (``kernels/heavy_hitters.py``: the scores, not a second pass over the keys;
+        ``kernels/streaming.py``: the positions, not a reduction of its own)."""
         d = q.shape[-1]
-        if self.rule.kind != "heavy" or d < 16 or d & (d - 1) or not kernels.serves(q):
+        if self.rule.kind not in ("heavy", "sinks") or d < 16 or d & (d - 1) or not kernels.serves(q):
             return super()._attend(i, attn, q, k, v)
         kv, rule = self.current.kv, self.rule
         kb, vb, pos, slot = kv.k[i], kv.v[i], kv.pos[i], kv.slot[i]       # views (B, H_kv, C, d), (B, H_kv, C)
         self.write(kb, vb, pos, slot, k, v, kv.position)
-        return heavy_attend_triton(q[:, :, 0], kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent,
-                                   rule.budget).unsqueeze(2)                                # (B, H, 1, d)
+        if rule.kind == "heavy":
+            out = heavy_attend_triton(q[:, :, 0], kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent,
+                                      rule.budget)
+        else:
+            out = sinks_attend_triton(q[:, :, 0], kb, vb, pos, slot, rule.n_sink, rule.budget)
+        return out.unsqueeze(2)                                                            # (B, H, 1, d)
 
     def decode(self, token: Tensor) -> Tensor:
         """``GraphDecoder.decode`` with the compiled pieces: logits (B, V), ``self.kv`` updated in place."""

@@ -132,8 +132,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, idx_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, s_ptr,
-        n_tokens, tokens_per_split, scale,
+        q_ptr, k_ptr, v_ptr, idx_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, s_ptr, ev_ptr,
+        n_tokens, tokens_per_split, scale, n_sink,
         stride_qb, stride_qh,                       # q (B, H, d), last stride 1
         stride_kb, stride_kh, stride_ks,            # k (B, H_kv, S, d), last stride 1
         stride_vb, stride_vh, stride_vs,            # v likewise
@@ -141,7 +141,7 @@ if HAS_TRITON:
         stride_pb, stride_ph,                       # pos (B, H_kv, S), last stride 1 (MASKED only)
         H_kv: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
         BLOCK_N: tl.constexpr, GATHER: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
-        SCORES: tl.constexpr,
+        SCORES: tl.constexpr, EVICT: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)         # which (sequence, KV head); int64: large caches
         split = tl.program_id(1)                   # which range of tokens
@@ -158,6 +158,10 @@ if HAS_TRITON:
         acc = tl.zeros([G_PAD, D], tl.float32)                                       # running output
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_tokens)
+        none = tl.full([], 2**63 - 1, tl.int64)    # EVICT: no position after the sinks in this range yet
+        oldest = none                              # EVICT: the range's oldest position after the sinks...
+        oldest_slot = tl.full([], 0, tl.int32)     # ...its slot (the first slot if there is none)...
+        held = tl.full([], 0, tl.int32)            # ...and its entries
         for first in range(start, end, BLOCK_N):
             n = first + tl.arange(0, BLOCK_N)                                         # (BLOCK_N,)
             valid = n < end
@@ -170,6 +174,13 @@ if HAS_TRITON:
                 if MASKED:                        # a slot whose position is -1 is empty
                     slot_pos = tl.load(pos_ptr + b * stride_pb + h * stride_ph + n, mask=valid, other=-1)
                     valid = valid & (slot_pos >= 0)
+                    if EVICT:                     # StreamingLLM's choice, from the positions read anyway
+                        later = tl.where(valid & (slot_pos >= n_sink), slot_pos, none)
+                        low = tl.min(later, axis=0)
+                        at = tl.min(tl.where(later == low, n, n_tokens), axis=0).to(tl.int32)
+                        oldest_slot = tl.where(low < oldest, at, oldest_slot)
+                        oldest = tl.minimum(low, oldest)
+                        held += tl.sum(valid.to(tl.int32), axis=0)
             kb = tl.load(k_ptr + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + dim[None, :],
                          mask=valid[:, None], other=0.0)                              # (BLOCK_N, D)
             vb = tl.load(v_ptr + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + dim[None, :],
@@ -201,6 +212,11 @@ if HAS_TRITON:
         tl.store(m_ptr + out, m, mask=g < G)                                          # the G real heads
         tl.store(l_ptr + out, l, mask=g < G)
         tl.store(acc_ptr + out[:, None] * D + dim[None, :], acc, mask=(g < G)[:, None])
+        if EVICT:                                  # (B * H_kv, splits, 3): oldest, its slot, entries held
+            part = (bh * tl.num_programs(1) + split) * 3
+            tl.store(ev_ptr + part, oldest)
+            tl.store(ev_ptr + part + 1, oldest_slot.to(tl.int64))
+            tl.store(ev_ptr + part + 2, held.to(tl.int64))
 
 
 def default_block_n(dtype: torch.dtype) -> int:
@@ -260,12 +276,16 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
 def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None = None, scale: float | None = None,
                            block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, pos: Tensor | None = None,
-                           scores: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                           scores: Tensor | None = None, evict: Tensor | None = None,
+                           n_sink: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The split kernel alone (no checks of the arguments): each (sequence, KV head) row's ranges' running max
     m and sum l (B * H_kv, splits, G) and output acc (B * H_kv, splits, G, d), fp32; a range with no valid
     token has m = -inf, l = 0, acc = 0. ``pos`` (B, H_kv, S), if given, masks the slots at -1 (not with idx).
     ``scores``, if given (B * H_kv, G, S), contiguous fp32, receives every token's scaled score q.k / sqrt(d)
-    as the kernel computed it, -inf where masked: what H2O needs beside the output (``heavy_hitters.py``)."""
+    as the kernel computed it, -inf where masked: what H2O needs beside the output (``heavy_hitters.py``).
+    ``evict``, if given (B * H_kv, splits, 3), contiguous int64, with pos: each range's oldest position at or
+    after ``n_sink`` (2^63 - 1 where none), its slot, and the entries it holds: StreamingLLM's choice of the
+    slot to empty, read from the positions the kernel loads anyway (``streaming.py``)."""
     if not HAS_TRITON:
         raise RuntimeError("the decode kernels need triton; use reference_decode_attention, "
                            "reference_selected_decode_attention or reference_masked_decode_attention")
@@ -303,14 +323,18 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
                                or not scores.is_contiguous()):
         raise ValueError(f"scores must be a contiguous fp32 tensor of shape {(B * H_kv, G, n_tokens)}")
     sx = scores if scores is not None else m                                  # any pointer when not keeping them
+    if evict is not None and (pos is None or evict.shape != (B * H_kv, splits, 3) or evict.dtype != torch.long
+                              or not evict.is_contiguous()):
+        raise ValueError(f"evict needs pos and a contiguous int64 tensor of shape {(B * H_kv, splits, 3)}")
+    ex = evict if evict is not None else m                                    # any pointer when not evicting
     launch = {k_: v_ for k_, v_ in (("num_warps", num_warps), ("num_stages", num_stages)) if v_ is not None}
     _decode_split_kernel[(B * H_kv, splits)](
-        q, k, v, ix, px, m, l, acc, sx, n_tokens, per_split, scale,
+        q, k, v, ix, px, m, l, acc, sx, ex, n_tokens, per_split, scale, int(n_sink),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ix.stride(0) if idx is not None else 0, ix.stride(1) if idx is not None else 0,
         px.stride(0) if pos is not None else 0, px.stride(1) if pos is not None else 0,
         H_kv=H_kv, G=G, G_PAD=G_PAD, D=d, BLOCK_N=block_n, GATHER=idx is not None, MASKED=pos is not None,
-        DOT_FP32=dot_fp32, SCORES=scores is not None, **launch)
+        DOT_FP32=dot_fp32, SCORES=scores is not None, EVICT=evict is not None, **launch)
     return m, l, acc
 
 

@@ -70,6 +70,32 @@ def test_h2o_reads_the_keys_once(tiny_model, budget, n_recent, monkeypatch):
     assert_same_entries(cache, graph)
 
 
+@pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
+@pytest.mark.parametrize("budget,n_sink", [(8, None), (12, 2), (8, 0)])
+def test_streaming_llm_evicts_from_what_the_kernel_read(tiny_model, budget, n_sink, monkeypatch):
+    """Where the kernels serve (patched as above), every layer of StreamingLLM's step is
+    ``sinks_attend_triton`` (the split kernel keeping each range's oldest entry, the merge, the eviction
+    kernel), never the compiled ``evict_sinks``; the logits within 1e-5 and the kept positions equal to the
+    lean step's after every step."""
+    calls = []
+    real = fused_module.sinks_attend_triton
+
+    def counted(*args):
+        calls.append(args[1].shape)
+        return real(*args)
+    monkeypatch.setattr(fused_module, "sinks_attend_triton", counted)
+    monkeypatch.setattr(fused_module, "kernels", SimpleNamespace(serves=lambda t: True))
+    torch._dynamo.reset()
+    fused = FusedGraphDecoder(tiny_model, backend="eager")
+    fused.evict_sinks = None                                                # a call to it fails
+    options = {} if n_sink is None else {"n_sink": n_sink}
+    ref, out, cache, graph = steps_both(tiny_model, tokens(), "streaming_llm", budget, graph=fused, **options)
+    assert len(calls) == 14 * tiny_model.config.n_layer
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert_same_entries(cache, graph)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["streaming_llm", "h2o"])
 def test_the_fused_step_with_inductor(tiny_model, spec):
