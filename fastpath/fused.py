@@ -109,7 +109,7 @@ class FusedGraphDecoder(GraphDecoder):
         """``GraphDecoder._attend``, but for H2O and StreamingLLM where ``kernels.serves`` says so: the write,
         then the attention and the eviction in three launches, the eviction's choice made from what the
         attention kernel reads (``kernels/heavy_hitters.py``: the scores, not a second pass over the keys;
-        ``kernels/streaming.py``: the positions, not a reduction of its own)."""
+        ``kernels/streaming.py``: the positions, each range's oldest reduced from them as they are loaded)."""
         d = q.shape[-1]
         if self.rule.kind not in ("heavy", "sinks") or d < 16 or d & (d - 1) or not kernels.serves(q):
             return super()._attend(i, attn, q, k, v)

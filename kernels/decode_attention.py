@@ -158,10 +158,11 @@ if HAS_TRITON:
         acc = tl.zeros([G_PAD, D], tl.float32)                                       # running output
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, n_tokens)
-        none = tl.full([], 2**63 - 1, tl.int64)    # EVICT: no position after the sinks in this range yet
-        oldest = none                              # EVICT: the range's oldest position after the sinks...
-        oldest_slot = tl.full([], 0, tl.int32)     # ...its slot (the first slot if there is none)...
-        held = tl.full([], 0, tl.int32)            # ...and its entries
+        # EVICT, per column of the blocks (reduced once, after the loop): the oldest position after the
+        # sinks (2^63 - 1: none), its slot (0, the head's first slot, where there is none) and the entries
+        oldest = tl.full([BLOCK_N], 2**63 - 1, tl.int64)
+        oldest_slot = tl.zeros([BLOCK_N], tl.int32)
+        held = tl.zeros([BLOCK_N], tl.int32)
         for first in range(start, end, BLOCK_N):
             n = first + tl.arange(0, BLOCK_N)                                         # (BLOCK_N,)
             valid = n < end
@@ -175,12 +176,10 @@ if HAS_TRITON:
                     slot_pos = tl.load(pos_ptr + b * stride_pb + h * stride_ph + n, mask=valid, other=-1)
                     valid = valid & (slot_pos >= 0)
                     if EVICT:                     # StreamingLLM's choice, from the positions read anyway
-                        later = tl.where(valid & (slot_pos >= n_sink), slot_pos, none)
-                        low = tl.min(later, axis=0)
-                        at = tl.min(tl.where(later == low, n, n_tokens), axis=0).to(tl.int32)
-                        oldest_slot = tl.where(low < oldest, at, oldest_slot)
-                        oldest = tl.minimum(low, oldest)
-                        held += tl.sum(valid.to(tl.int32), axis=0)
+                        later = tl.where(valid & (slot_pos >= n_sink), slot_pos, 2**63 - 1)
+                        oldest_slot = tl.where(later < oldest, n, oldest_slot)     # the earlier slot on a tie
+                        oldest = tl.minimum(later, oldest)
+                        held += valid.to(tl.int32)
             kb = tl.load(k_ptr + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + dim[None, :],
                          mask=valid[:, None], other=0.0)                              # (BLOCK_N, D)
             vb = tl.load(v_ptr + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + dim[None, :],
@@ -214,9 +213,11 @@ if HAS_TRITON:
         tl.store(acc_ptr + out[:, None] * D + dim[None, :], acc, mask=(g < G)[:, None])
         if EVICT:                                  # (B * H_kv, splits, 3): oldest, its slot, entries held
             part = (bh * tl.num_programs(1) + split) * 3
-            tl.store(ev_ptr + part, oldest)
-            tl.store(ev_ptr + part + 1, oldest_slot.to(tl.int64))
-            tl.store(ev_ptr + part + 2, held.to(tl.int64))
+            low = tl.min(oldest, axis=0)
+            at = tl.min(tl.where(oldest == low, oldest_slot, n_tokens), axis=0)    # the first slot of the oldest
+            tl.store(ev_ptr + part, low)
+            tl.store(ev_ptr + part + 1, at.to(tl.int64))
+            tl.store(ev_ptr + part + 2, tl.sum(held, axis=0).to(tl.int64))
 
 
 def default_block_n(dtype: torch.dtype) -> int:

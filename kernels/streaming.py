@@ -62,8 +62,8 @@ def reference_sinks_attend(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot:
                            budget: int, scale: float | None = None) -> Tensor:
     """q (B, H, d) over the slots of kb, vb (B, H_kv, C, d) whose position in pos (B, H_kv, C) is >= 0. Then,
     in place, where a head holds more than ``budget`` entries: its oldest position at or after ``n_sink``
-    (the first such slot if it has none) set to -1, and ``slot`` (B, H_kv) pointed there; elsewhere ``slot``
-    moves to the next slot. Returns (B, H, d)."""
+    (the head's slot 0 if it holds none, as ``argmin`` gives) set to -1, and ``slot`` (B, H_kv) pointed
+    there; elsewhere ``slot`` moves to the next slot. Returns (B, H, d)."""
     check_sinks_args(q, kb, vb, pos, slot)
     out = reference_masked_decode_attention(q, kb, vb, pos, scale)
     later = pos.masked_fill(pos < n_sink, torch.iinfo(pos.dtype).max)  # sinks and empty slots never go

@@ -290,6 +290,8 @@ print(jit_function_source(Path(kernels.__file__).parent / "decode_attention.py",
 #   `MASKED` skips slots whose position, read at `pos_ptr`, is -1: the empty slots of fixed-size buffers.
 # * `DOT_FP32` (fp32 caches, and bf16 in the interpreter): products in true fp32, `input_precision="ieee"`,
 #   not rounded to TF32 as `tl.dot` does by default.
+# * `SCORES`, `EVICT` (off here): keep what H2O's and StreamingLLM's evictions need, each slot's score
+#   (`s_ptr`) or each range's oldest entry (`ev_ptr`).
 # * `tl.num_programs(1)`: the grid's size along axis 1, the ranges per KV head; it places the partials.
 #
 # Run against the reference, with one, two and four ranges and two block sizes (neither may change the

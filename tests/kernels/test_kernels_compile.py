@@ -73,10 +73,10 @@ UPDATE_ARGS = {"s_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "score_ptr"
 @needs_nvidia
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("keeps", ["scores", "oldest"])
+@pytest.mark.parametrize("keeps", ["nothing", "scores", "oldest"])
 def test_the_masked_split_kernel_compiles(arch, dtype, keeps):
-    """The masked split kernel as H2O's step launches it (its scores kept) and as StreamingLLM's does (each
-    range's oldest entry kept), in bf16 (tensor cores) and fp32."""
+    """The masked split kernel as the graph step launches it, as H2O's step does (its scores kept) and as
+    StreamingLLM's does (each range's oldest entry kept), in bf16 (tensor cores) and fp32."""
     compile_for("kernels.decode_attention", "_decode_split_kernel",
                 {**SPLIT_ARGS, **{p: "*" + dtype for p in ("q_ptr", "k_ptr", "v_ptr")}},
                 {"H_kv": 4, "G": 8, "G_PAD": 16, "D": 64, "BLOCK_N": 64 if dtype == "bf16" else 32,

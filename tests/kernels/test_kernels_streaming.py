@@ -77,10 +77,13 @@ def test_the_oldest_entry_is_found_in_any_range(device, where):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16(device):
-    """A bf16 cache: the output within bf16's rounding, the same slots (the choice reads positions only)."""
-    args = state(2, 8, 2, 37, 32, device, dtype=torch.bfloat16)
-    want, got = both(args, 4, 20)
+@pytest.mark.parametrize("C,splits", [(37, None), (300, 64)])
+def test_bf16(device, C, splits):
+    """A bf16 cache: the output within bf16's rounding, the same slots (the choice reads positions only).
+    300 slots, a range per block: 5 of bf16's 64-token blocks, which ``sinks_attend_triton`` must size its
+    buffer for (fp32's 32-token blocks would make 10)."""
+    args = state(2, 8, 2, C, 32, device, dtype=torch.bfloat16)
+    want, got = both(args, 4, (C * 3) // 5, splits)
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=0, atol=2e-2)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
