@@ -127,12 +127,13 @@ if HAS_TRITON:
 
         written = tl.load(slot_ptr + b * stride_sb + h * stride_sh)         # the slot this step wrote
         recent_from = tl.load(position_ptr) + 1 - n_recent                  # positions >= this stay
-        # the lowest score so far, its position and slot, and the entries held: typed as the loop makes them
-        # (a GPU compiler rejects a loop-carried value whose type changes; the interpreter would not notice)
-        best = tl.full([], float("inf"), tl.float32)
-        best_pos = tl.full([], -2, tl.int64)
-        best_slot = tl.full([], 0, tl.int32)
-        held = tl.full([], 0, tl.int32)
+        # per column of the blocks (reduced once, after the loop): the lowest score so far, its position and
+        # slot, and the entries held; typed as the loop makes them (a GPU compiler rejects a loop-carried
+        # value whose type changes, which the interpreter would not notice)
+        best = tl.full([BLOCK_C], float("inf"), tl.float32)
+        best_pos = tl.full([BLOCK_C], -2, tl.int64)
+        best_slot = tl.zeros([BLOCK_C], tl.int32)
+        held = tl.zeros([BLOCK_C], tl.int32)
         for first in range(0, C, BLOCK_C):
             c = first + tl.arange(0, BLOCK_C)
             inside = c < C
@@ -142,24 +143,23 @@ if HAS_TRITON:
             at = score_ptr + b * stride_cb + h * stride_ch + c
             total = tl.where(c == written, 0.0, tl.load(at, mask=inside, other=0.0)) + received
             tl.store(at, total, mask=inside)
-            p = tl.load(pos_ptr + b * stride_pb + h * stride_ph + c, mask=inside, other=-2)
-            held += tl.sum((p >= 0).to(tl.int32), axis=0)
+            p = tl.load(pos_ptr + b * stride_pb + h * stride_ph + c, mask=inside, other=-2)   # -2: past C
+            held += (p >= 0).to(tl.int32)
             stays = (p < 0) | (p >= recent_from)
             # as torch.nan_to_num(total, nan=-inf) (select_lowest's): NaN -> -inf, +-inf -> the largest and
             # lowest finite fp32 (sums of probabilities are finite: this only keeps the reference's order)
             v = tl.where(total == float("inf"), FP32_MAX, tl.where(total == float("-inf"), -FP32_MAX, total))
             v = tl.where(stays, float("inf"), tl.where(total != total, float("-inf"), v))
-            low = tl.min(v, axis=0)
-            tie = v == low
-            low_pos = tl.max(tl.where(tie, p, -2), axis=0).to(tl.int64)     # the latest of the block's lowest
-            low_slot = tl.min(tl.where(tie & (p == low_pos), c, C), axis=0).to(tl.int32)   # its first slot
-            take = (low < best) | ((low == best) & (low_pos > best_pos))
-            best = tl.where(take, low, best)
-            best_pos = tl.where(take, low_pos, best_pos)
-            best_slot = tl.where(take, low_slot, best_slot)
-        over = held > budget
-        tl.store(pos_ptr + b * stride_pb + h * stride_ph + best_slot, -1, mask=over)
-        tl.store(slot_ptr + b * stride_sb + h * stride_sh, tl.where(over, best_slot, written + 1))
+            take = (v < best) | ((v == best) & (p > best_pos))              # lower, or as low and later
+            best = tl.where(take, v, best)
+            best_pos = tl.where(take, p, best_pos)
+            best_slot = tl.where(take, c, best_slot)
+        low = tl.min(best, axis=0)                                          # the lowest score...
+        low_pos = tl.max(tl.where(best == low, best_pos, -2), axis=0)       # ...the latest position holding it...
+        victim = tl.min(tl.where((best == low) & (best_pos == low_pos), best_slot, C), axis=0)   # ...its slot
+        over = tl.sum(held, axis=0) > budget
+        tl.store(pos_ptr + b * stride_pb + h * stride_ph + victim, -1, mask=over)
+        tl.store(slot_ptr + b * stride_sb + h * stride_sh, tl.where(over, victim, written + 1))
 
 
 def heavy_attend_triton(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, score: Tensor,
