@@ -30,8 +30,9 @@
 #            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
 #            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
 #   smollm2  SmolLM2-135M's main job (2,048 tokens, 30 samples per task and mode) on the GPU in
-#            SMOLLM2_WORKERS processes (default: 8, at most the cores) with the SMOLLM2_ENGINE engine (default:
-#            batched) for at most SMOLLM2_LIMIT seconds (300), where its file is here (below), checked
+#            SMOLLM2_WORKERS processes (default: one per core, as methods.compare's own default) with the
+#            SMOLLM2_ENGINE engine (default: batched) for at most SMOLLM2_LIMIT seconds (300), where its file is
+#            here (below), checked
 #            against the committed CPU run results/compare_smollm2.json (30 s to fetch, 300 s, 20 s);
 #   suite    the whole fast tier (python -m pytest -q) on the CUDA machine, with the packages the image lacks
 #            installed from .gpu_cache/wheels where that folder is carried (fastpath/gpu_wheels.sh) (400 s).
@@ -131,7 +132,7 @@ compare() {
 smollm2() {
     local dir="${out%.json}.compare"
     mkdir -p "$dir"
-    local many=${SMOLLM2_WORKERS:-$(( $(nproc) < 8 ? $(nproc) : 8 ))}
+    local many=${SMOLLM2_WORKERS:-$(nproc)}
     # the usual cache (python -m nanollm.cli.fetch smollm2-135m); else .gpu_cache/models, fetched there by an
     # earlier call or now from two compressed parts (the top of this script); that folder is set for these
     # commands only (later stages keep theirs)

@@ -3,7 +3,8 @@ Compare every KV-cache method with full attention: ``python -m methods.compare -
 
 For each task, sample and mode, the full cache and every method at every budget run on the identical
 sample (``protocol.run_job``: teacher forcing, then greedy answers) on one engine (``--engine``: the plain
-one, or the fast one of ``side_by_side.py``), and ``metrics.measure`` measures each against the full cache.
+one, the fast one of ``side_by_side.py`` or the batched one of ``batched.py``, the default on a GPU), and
+``metrics.measure`` measures each against the full cache.
 Results are reduced per (method, budget, task, mode) (``metrics.reduce``), printed as tables, and
 optionally written as JSON records, with every greedy answer, and an accuracy-vs-keep-ratio plot.
 Everything is deterministic for a seed.
@@ -112,6 +113,18 @@ def in_workers(jobs: list[tuple], shared: tuple, workers: int, tick) -> list:
 def default_workers() -> int:
     """The CPUs this process may use."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def engine_and_workers(engine: str | None, workers: int | None, device: str, world: int,
+                       time_alone: bool) -> tuple[str, int]:
+    """The engine and the worker processes of a run whose command names none. On a CPU: the fast engine, a
+    worker per CPU. On a GPU: the batched engine (fewer, larger operations; unless ``--time-alone``, which it
+    refuses) and a worker per CPU too, processes sharing the GPU, since a step of these small models is bound
+    by launching operations from the host, one core each (fastpath/README.md has the measurements). Under
+    torchrun (``world`` > 1): one worker per rank."""
+    gpu = str(device).startswith("cuda")
+    engine = engine or ("batched" if gpu and not time_alone else "fast")
+    return engine, workers or (default_workers() if world == 1 else 1)
 
 
 def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str | Task], modes: list[str],
@@ -454,20 +467,22 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("--threads", type=cli.threads_or_workers, default=1,
                     help="torch CPU threads of a single-process run, at most the CPU cores (default 1: a tiny "
                          "model is dispatch-bound, so more threads only add synchronisation)")
-    ap.add_argument("--engine", choices=sorted(ENGINES), default="fast",
+    ap.add_argument("--engine", choices=sorted(ENGINES), default=None,
                     help="fast: one prompt pass for all the caches of a sample and their decode steps side by side "
                          "(side_by_side.py); batched: the fast engine with the caches' attention batched too, "
                          "their entries in shared buffers (batched.py: fewer, larger operations, for a GPU); "
                          "plain: nanollm's own prefill and forward, one cache at a time (engine.py), slower; the "
-                         "records agree to float rounding (default %(default)s)")
+                         "records agree to float rounding (default: batched on a GPU, fast on a CPU or with "
+                         "--time-alone)")
     ap.add_argument("--time-alone", action="store_true",
                     help="the fast engine steps each cache alone, so that step ms is the cache's own decode time "
                          "(slower; the same records otherwise); by default the caches share a step and each "
                          "gets its own attention's time plus an equal share of the rest")
     ap.add_argument("--workers", type=cli.threads_or_workers, default=None,
                     help="processes running samples side by side, one torch thread each, at most the CPU cores; "
-                         "the records are the same as with 1, timings aside (default: the CPUs available, here "
-                         f"{default_workers()})")
+                         "the records are the same as with 1, timings aside; on a GPU they share it, each with "
+                         "its own copy of the model there (default: the CPUs available, here "
+                         f"{default_workers()}; one per rank under torchrun)")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
                     help="write the records as a JSON list to PATH (default: none)")
     ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
@@ -564,13 +579,13 @@ def launcher(world: int, prog: str) -> str:
 
 def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, world, device) -> None:
     """``main`` after every argument is checked: load, run (this rank's share under torchrun), report."""
+    args.engine, workers = engine_and_workers(args.engine, args.workers, device, world, args.time_alone)
     model, tok, card = load(args.checkpoint, device=device, dtype=getattr(torch, args.dtype))
     try:
         engine_for(args.engine, args.time_alone, model)   # a model the fast engine does not take: one line, now
     except ValueError as e:
         cli.fail(str(e))
     t0 = time.time()
-    workers = args.workers or (default_workers() if device == "cpu" and world == 1 else 1)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     prov = provenance(argv, prog=launcher(world, ap.prog), threads=args.threads if workers <= 1 else 1,
                       dtype=dtype, seed=args.seed)

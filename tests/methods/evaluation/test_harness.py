@@ -156,6 +156,19 @@ def test_cli_json_plot_and_errors(ckpt, tmp_path, capsys):
     assert stop.value.code == 2 and "no checkpoint" in capsys.readouterr().err
 
 
+def test_a_gpu_run_takes_the_batched_engine_and_a_worker_per_cpu():
+    """Where the command names neither: on a CPU the fast engine, on a GPU the batched one (but the fast one
+    with --time-alone, which the batched refuses); a worker per CPU on either, one per rank under torchrun;
+    what the command names is kept."""
+    from methods.evaluation.compare import default_workers, engine_and_workers
+    cpus = default_workers()
+    assert engine_and_workers(None, None, "cpu", 1, False) == ("fast", cpus)
+    assert engine_and_workers(None, None, "cuda", 1, False) == ("batched", cpus)
+    assert engine_and_workers(None, None, "cuda:1", 1, True) == ("fast", cpus)
+    assert engine_and_workers(None, None, "cuda", 4, False) == ("batched", 1)
+    assert engine_and_workers("plain", 3, "cuda", 1, False) == ("plain", 3)
+
+
 def test_cli_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit):
         compare_main(["--help"])
