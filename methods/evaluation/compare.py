@@ -115,16 +115,28 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def engine_and_workers(engine: str | None, workers: int | None, device: str, world: int,
-                       time_alone: bool) -> tuple[str, int]:
+def engine_and_workers(engine: str | None, workers: int | None, device: str, world: int, time_alone: bool,
+                       copies_that_fit: int | None = None) -> tuple[str, int]:
     """The engine and the worker processes of a run whose command names none. On a CPU: the fast engine, a
     worker per CPU. On a GPU: the batched engine (fewer, larger operations; unless ``--time-alone``, which it
     refuses) and a worker per CPU too, processes sharing the GPU, since a step of these small models is bound
-    by launching operations from the host, one core each (fastpath/README.md has the measurements). Under
-    torchrun (``world`` > 1): one worker per rank."""
+    by launching operations from the host, one core each (fastpath/README.md has the measurements); but no
+    more workers than ``copies_that_fit`` (each holds the model on the GPU: a large model gets one, whose
+    steps are the GPU's work anyway). Under torchrun (``world`` > 1): one worker per rank."""
     gpu = str(device).startswith("cuda")
     engine = engine or ("batched" if gpu and not time_alone else "fast")
-    return engine, workers or (default_workers() if world == 1 else 1)
+    if workers or world > 1:
+        return engine, workers or 1
+    if gpu and copies_that_fit is not None:
+        return engine, max(1, min(default_workers(), copies_that_fit))
+    return engine, default_workers()
+
+
+def copies_that_fit(model, device) -> int:
+    """How many more copies of ``model``'s weights half of its GPU's memory holds, beside this one (room for
+    the workers' caches and CUDA's own memory left in the other half)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(0.5 * torch.cuda.get_device_properties(torch.device(device)).total_memory // max(1, weights)) - 1
 
 
 def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str | Task], modes: list[str],
@@ -482,7 +494,8 @@ def parser() -> cli.ArgumentParser:
                     help="processes running samples side by side, one torch thread each, at most the CPU cores; "
                          "the records are the same as with 1, timings aside; on a GPU they share it, each with "
                          "its own copy of the model there (default: the CPUs available, here "
-                         f"{default_workers()}; one per rank under torchrun)")
+                         f"{default_workers()}; on a GPU no more than half its memory holds copies of the model; "
+                         "one per rank under torchrun)")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
                     help="write the records as a JSON list to PATH (default: none)")
     ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
@@ -579,8 +592,9 @@ def launcher(world: int, prog: str) -> str:
 
 def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, world, device) -> None:
     """``main`` after every argument is checked: load, run (this rank's share under torchrun), report."""
-    args.engine, workers = engine_and_workers(args.engine, args.workers, device, world, args.time_alone)
     model, tok, card = load(args.checkpoint, device=device, dtype=getattr(torch, args.dtype))
+    room = copies_that_fit(model, device) if str(device).startswith("cuda") else None
+    args.engine, workers = engine_and_workers(args.engine, args.workers, device, world, args.time_alone, room)
     try:
         engine_for(args.engine, args.time_alone, model)   # a model the fast engine does not take: one line, now
     except ValueError as e:

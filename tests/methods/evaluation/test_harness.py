@@ -158,8 +158,8 @@ def test_cli_json_plot_and_errors(ckpt, tmp_path, capsys):
 
 def test_a_gpu_run_takes_the_batched_engine_and_a_worker_per_cpu():
     """Where the command names neither: on a CPU the fast engine, on a GPU the batched one (but the fast one
-    with --time-alone, which the batched refuses); a worker per CPU on either, one per rank under torchrun;
-    what the command names is kept."""
+    with --time-alone, which the batched refuses); a worker per CPU on either, on a GPU no more than copies of
+    the model fit there; one per rank under torchrun; what the command names is kept."""
     from methods.evaluation.compare import default_workers, engine_and_workers
     cpus = default_workers()
     assert engine_and_workers(None, None, "cpu", 1, False) == ("fast", cpus)
@@ -167,6 +167,20 @@ def test_a_gpu_run_takes_the_batched_engine_and_a_worker_per_cpu():
     assert engine_and_workers(None, None, "cuda:1", 1, True) == ("fast", cpus)
     assert engine_and_workers(None, None, "cuda", 4, False) == ("batched", 1)
     assert engine_and_workers("plain", 3, "cuda", 1, False) == ("plain", 3)
+    assert engine_and_workers(None, None, "cuda", 1, False, copies_that_fit=0) == ("batched", 1)   # a large model
+    assert engine_and_workers(None, None, "cuda", 1, False, copies_that_fit=10**6) == ("batched", cpus)
+
+
+def test_copies_of_the_model_that_half_a_gpu_holds(make_model, monkeypatch):
+    """Half the GPU's memory over the model's weights, less the copy already there (the device's memory
+    stubbed: no GPU needed)."""
+    from types import SimpleNamespace
+
+    from methods.evaluation.compare import copies_that_fit
+    model = make_model(preset("TINY"), seed=0)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=10 * weights))
+    assert copies_that_fit(model, "cuda") == 4
 
 
 def test_cli_help_documents_every_flag(capsys):
