@@ -20,7 +20,7 @@
 #   profile  the fused step's kernels per method, 8,192 and 32,768 tokens (python -m fastpath.profile): each
 #            kernel's launches and device time per step, to OUT's .profile.txt sibling (150 s);
 #   compare  the bundled model's suite (2 samples) on the CPU (a worker per core, the fast engine) and on the
-#            GPU (one process with the fast engine, one with the batched engine, then 8 processes sharing it with
+#            GPU (one process with the fast engine, one with the batched engine, then a worker per core sharing it with
 #            the batched one), their records checked equal (methods.evaluation.agree) and their seconds
 #            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s); COMPARE_RUNS="DEVICE WORKERS
 #            ENGINE [VAR=VALUE]; ..." names other runs (the first is the one the others are checked against; a
@@ -105,9 +105,10 @@ profile() {
 compare() {
     local dir="${out%.json}.compare" first=""
     mkdir -p "$dir"
-    # the CPU with a worker per core (its default), the GPU with one process, then with up to 8 sharing it: a
-    # step of the evaluation is launch-bound, so processes launching side by side may fill the GPU
-    local many=$(( $(nproc) < 8 ? $(nproc) : 8 ))              # --workers is at most the CPU cores
+    # the CPU with a worker per core (its default), the GPU with one process, then with a worker per core
+    # sharing it (methods.compare's default there): a step of the evaluation is launch-bound, so processes
+    # launching side by side fill the GPU better
+    local many=$(nproc)                                          # --workers is at most the CPU cores
     local runs=${COMPARE_RUNS:-"cpu $(nproc) fast; $gpu 1 fast; $gpu 1 batched; $gpu $many batched"}
     local list
     IFS=';' read -ra list <<< "$runs"
