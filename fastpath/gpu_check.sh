@@ -44,7 +44,8 @@
 # keeps the first): the smollm2 stage joins the parts, decompresses them and fetches the model.
 #
 # Every number it prints is the device's it ran on (the reports name it). GPU_CHECK_DEVICE=cpu runs a stage's
-# commands on the CPU instead (a dry run of the script before a lent machine's minutes are spent on it).
+# commands on the CPU instead (a dry run of the script before a lent machine's minutes are spent on it; bench
+# and profile then take their tiny --quick shapes: tests, bench and profile together took 56 s on 2 cores).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=$(realpath -m "${1:?usage: bash fastpath/gpu_check.sh OUT.json [bench] [smolbench] [tests] [hf] [profile] [compare] [launches] [smollm2] [suite]}")
@@ -68,7 +69,8 @@ device=$(python -c "import torch; print('the CPU (dry run)' if '$gpu' == 'cpu' e
 
 bench() {
     echo "== bench: end-to-end decode steps -> $out"
-    timeout -k 10 200 python -m fastpath.bench --e2e --json "$out" || { echo "e2e FAILED or ran out of time (rc $?)"; status=1; }
+    timeout -k 10 200 python -m fastpath.bench --e2e --json "$out" $([ "$gpu" = cpu ] && echo --quick) \
+        || { echo "e2e FAILED or ran out of time (rc $?)"; status=1; }
 }
 
 smolbench() {
