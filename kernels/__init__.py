@@ -98,6 +98,15 @@ def split_ranges(n_units: int, splits: int) -> tuple[int, int]:
     return per, -(-n_units // per)
 
 
+def reference_empty_one(pos: torch.Tensor, slot: torch.Tensor, victim: torch.Tensor, budget: int) -> None:
+    """The evicting references' last step, in place: where a head holds more than ``budget`` entries (pos
+    (B, H_kv, C) >= 0), its slot ``victim`` (B, H_kv) is emptied (position -1) and ``slot`` (B, H_kv) points
+    there for the next token; elsewhere ``slot`` moves to the next slot."""
+    over = (pos >= 0).sum(-1) > budget
+    pos.scatter_(2, victim[..., None], torch.where(over[..., None], -1, pos.gather(2, victim[..., None])))
+    slot.copy_(torch.where(over, victim, slot + 1))
+
+
 def default_scale(scale: float | None, d: int) -> float:
     """The attention scale: 1 / sqrt(d) unless given."""
     return 1.0 / math.sqrt(d) if scale is None else float(scale)

@@ -274,6 +274,17 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
     return merge_splits_triton(m, l, acc, q.dtype).view(q.shape)      # rows (b, h_kv, g) = (b, h)
 
 
+def split_plan(q: Tensor, k: Tensor, n_tokens: int, block_n: int | None = None,
+               splits: int | None = None) -> tuple[int, int, int]:
+    """How the split kernel cuts n_tokens: (tokens per block, blocks per range, ranges), every range whole
+    blocks and at least one (``split_ranges``); None takes the defaults (``default_block_n``, and
+    ``fill_splits`` for the ranges). A caller sizing a buffer per range asks here, as the launcher does."""
+    block_n = block_n or default_block_n(k.dtype)
+    blocks_per_split, splits = split_ranges(triton.cdiv(n_tokens, block_n),
+                                            splits or fill_splits(q, q.shape[0] * k.shape[1]))
+    return block_n, blocks_per_split, splits
+
+
 def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None = None, scale: float | None = None,
                            block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, pos: Tensor | None = None,
@@ -293,7 +304,8 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
     B, H, d = q.shape
     H_kv = k.shape[1]
     G = H // H_kv
-    block_n = block_n or default_block_n(k.dtype)
+    n_tokens = idx.shape[2] if idx is not None else k.shape[2]
+    block_n, blocks_per_split, splits = split_plan(q, k, n_tokens, block_n, splits)
     if d & (d - 1) or d < 16:
         raise ValueError(f"the kernels take a head dimension that is a power of two >= 16, got {d}")
     if block_n & (block_n - 1) or block_n < 16:
@@ -302,9 +314,6 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
     q = q.contiguous() if q.stride(-1) != 1 else q
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    n_tokens = idx.shape[2] if idx is not None else k.shape[2]
-    splits = splits or fill_splits(q, B * H_kv)             # split_ranges keeps every range >= 1 block
-    blocks_per_split, splits = split_ranges(triton.cdiv(n_tokens, block_n), splits)
     per_split = block_n * blocks_per_split                                     # whole blocks per range
     G_PAD = max(16, next_pow2(G))                                              # tl.dot's smallest tile
     # fp32 caches multiply in IEEE fp32; so does bf16 in the CPU interpreter, whose bf16 tl.dot multiplies

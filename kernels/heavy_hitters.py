@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, default_scale, next_pow2
+from . import HAS_TRITON, default_scale, next_pow2, reference_empty_one
 from .decode_attention import check_decode_args, decode_partials_triton, merge_splits_triton
 
 if HAS_TRITON:
@@ -83,10 +83,7 @@ def reference_heavy_attend(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot:
     stays = (pos < 0) | (pos >= position + 1 - n_recent)                  # empty, or in the recent window
     lowest = torch.where(stays, float("inf"), torch.nan_to_num(score, nan=float("-inf")))
     ties = lowest == lowest.amin(dim=-1, keepdim=True)
-    victim = torch.where(ties, pos, -1).argmax(dim=-1)                    # (B, H_kv): the latest of the lowest
-    over = (pos >= 0).sum(-1) > budget
-    pos.scatter_(2, victim[..., None], torch.where(over[..., None], -1, pos.gather(2, victim[..., None])))
-    slot.copy_(torch.where(over, victim, slot + 1))
+    reference_empty_one(pos, slot, torch.where(ties, pos, -1).argmax(dim=-1), budget)   # the latest lowest
     return out
 
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HAS_TRITON, fill_splits, split_ranges
+from . import HAS_TRITON, reference_empty_one
 from .decode_attention import (
     check_decode_args,
     decode_partials_triton,
-    default_block_n,
     merge_splits_triton,
     reference_masked_decode_attention,
+    split_plan,
 )
 
 if HAS_TRITON:
@@ -67,10 +67,7 @@ def reference_sinks_attend(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot:
     check_sinks_args(q, kb, vb, pos, slot)
     out = reference_masked_decode_attention(q, kb, vb, pos, scale)
     later = pos.masked_fill(pos < n_sink, torch.iinfo(pos.dtype).max)  # sinks and empty slots never go
-    victim = later.argmin(dim=-1)                                        # (B, H_kv): the oldest after them
-    over = (pos >= 0).sum(-1) > budget
-    pos.scatter_(2, victim[..., None], torch.where(over[..., None], -1, pos.gather(2, victim[..., None])))
-    slot.copy_(torch.where(over, victim, slot + 1))
+    reference_empty_one(pos, slot, later.argmin(dim=-1), budget)         # the oldest after them
     return out
 
 
@@ -117,8 +114,7 @@ def sinks_attend_triton(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Te
         raise ValueError("pos must have stride 1 in its last dimension (it is updated in place)")
     B, H, d = q.shape
     H_kv, C = kb.shape[1], kb.shape[2]
-    # the ranges the split kernel will cut (the same two functions, which give the same count again)
-    splits = split_ranges(triton.cdiv(C, default_block_n(kb.dtype)), splits or fill_splits(q, B * H_kv))[1]
+    splits = split_plan(q, kb, C, splits=splits)[2]                     # the ranges the split kernel cuts
     ev = torch.empty(B * H_kv, splits, 3, device=q.device, dtype=torch.long)
     m, l, acc = decode_partials_triton(q, kb, vb, scale=scale, splits=splits, pos=pos, evict=ev, n_sink=n_sink)
     out = merge_splits_triton(m, l, acc, q.dtype).view(B, H, d)

@@ -45,52 +45,35 @@ def test_the_writes_in_one_launch(tiny_model, spec, monkeypatch):
     assert_same_entries(cache, graph)
 
 
+# each evicting method's kernels, the step's compiled piece they replace, and the option set beside the budget
+EVICTING = {"h2o": ("heavy_attend_triton", "attend_heavy", "n_recent"),
+            "streaming_llm": ("sinks_attend_triton", "evict_sinks", "n_sink")}
+
+
 @pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
                     reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
-@pytest.mark.parametrize("budget,n_recent", [(8, None), (12, 2), (8, 0)])
-def test_h2o_reads_the_keys_once(tiny_model, budget, n_recent, monkeypatch):
+@pytest.mark.parametrize("spec", sorted(EVICTING))
+@pytest.mark.parametrize("budget,option", [(8, None), (12, 2), (8, 0)])
+def test_evictions_use_what_the_attention_kernel_read(tiny_model, spec, budget, option, monkeypatch):
     """Where the kernels serve (patched as above), every layer of H2O's step is ``heavy_attend_triton`` (the
-    split kernel keeping its scores, the merge, the update kernel), never ``attend_heavy``'s second pass;
-    the logits within 1e-5 and the kept positions equal to the lean step's after every step."""
+    split kernel keeping its scores, the merge, the update kernel), never ``attend_heavy``'s second pass, and
+    every layer of StreamingLLM's is ``sinks_attend_triton`` (the split kernel keeping each range's oldest
+    entry, the merge, the eviction kernel), never the compiled ``evict_sinks``; the logits within 1e-5 and the
+    kept positions equal to the lean step's after every step."""
+    launcher, replaced, name = EVICTING[spec]
     calls = []
-    real = fused_module.heavy_attend_triton
+    real = getattr(fused_module, launcher)
 
     def counted(*args):
         calls.append(args[1].shape)
         return real(*args)
-    monkeypatch.setattr(fused_module, "heavy_attend_triton", counted)
+    monkeypatch.setattr(fused_module, launcher, counted)
     monkeypatch.setattr(fused_module, "kernels", SimpleNamespace(serves=lambda t: True))
     torch._dynamo.reset()
     fused = FusedGraphDecoder(tiny_model, backend="eager")
-    fused.attend_heavy = None                                               # a call to it fails
-    options = {} if n_recent is None else {"n_recent": n_recent}
-    ref, out, cache, graph = steps_both(tiny_model, tokens(), "h2o", budget, graph=fused, **options)
-    assert len(calls) == 14 * tiny_model.config.n_layer
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
-    assert_same_entries(cache, graph)
-
-
-@pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
-                    reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
-@pytest.mark.parametrize("budget,n_sink", [(8, None), (12, 2), (8, 0)])
-def test_streaming_llm_evicts_from_what_the_kernel_read(tiny_model, budget, n_sink, monkeypatch):
-    """Where the kernels serve (patched as above), every layer of StreamingLLM's step is
-    ``sinks_attend_triton`` (the split kernel keeping each range's oldest entry, the merge, the eviction
-    kernel), never the compiled ``evict_sinks``; the logits within 1e-5 and the kept positions equal to the
-    lean step's after every step."""
-    calls = []
-    real = fused_module.sinks_attend_triton
-
-    def counted(*args):
-        calls.append(args[1].shape)
-        return real(*args)
-    monkeypatch.setattr(fused_module, "sinks_attend_triton", counted)
-    monkeypatch.setattr(fused_module, "kernels", SimpleNamespace(serves=lambda t: True))
-    torch._dynamo.reset()
-    fused = FusedGraphDecoder(tiny_model, backend="eager")
-    fused.evict_sinks = None                                                # a call to it fails
-    options = {} if n_sink is None else {"n_sink": n_sink}
-    ref, out, cache, graph = steps_both(tiny_model, tokens(), "streaming_llm", budget, graph=fused, **options)
+    setattr(fused, replaced, None)                                          # a call to it fails
+    options = {} if option is None else {name: option}
+    ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, budget, graph=fused, **options)
     assert len(calls) == 14 * tiny_model.config.n_layer
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
