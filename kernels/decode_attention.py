@@ -191,9 +191,6 @@ if HAS_TRITON:
             else:
                 s = tl.dot(q, tl.trans(kb))
             s = tl.where(valid[None, :], s, float("-inf"))                            # padding: never attended
-            if SCORES:                            # kept for H2O (heavy_hitters.py): the scaled scores, fp32
-                tl.store(s_ptr + (bh * G + g)[:, None] * n_tokens + n[None, :], s,
-                         mask=(g < G)[:, None] & (n < end)[None, :])                  # (B * H_kv, G, n_tokens)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             # a range with no valid token so far keeps m = -inf; exp(-inf - -inf) would be nan
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -206,6 +203,9 @@ if HAS_TRITON:
                 acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             m = m_new
             # END SOLUTION
+            if SCORES:                            # kept for H2O (heavy_hitters.py): the block's scores s, fp32
+                tl.store(s_ptr + (bh * G + g)[:, None] * n_tokens + n[None, :], s,
+                         mask=(g < G)[:, None] & (n < end)[None, :])                  # (B * H_kv, G, n_tokens)
 
         out = (bh * tl.num_programs(1) + split) * G + g                              # partials' rows
         tl.store(m_ptr + out, m, mask=g < G)                                          # the G real heads
