@@ -81,12 +81,16 @@ class VagueSketch:
         self.value = torch.zeros_like(self.key)
         g = torch.Generator().manual_seed(seed)
         self.coef = torch.randint(1, PRIME, (4, rows, 1), generator=g).to(device)   # a, c (bucket); a', c' (sign)
+        self.covered = 0                    # positions below it are hashed once, in the tables (``cover``)
+        self.cell_table = self.sign_table = None
 
     def buckets(self, pos: Tensor) -> Tensor:
         """h_i(J) for every row i: pos (n,) -> (r, n)."""
         J = pos.view(1, -1).long()
         if self.injective:
             return J.expand(self.rows, -1)
+        if self.covered:                    # every position asked is below ``covered`` (the caller's promise)
+            return self.cell_table.index_select(1, J[0])
         return (self.coef[0] * J + self.coef[1]) % PRIME % self.width
 
     def signs(self, pos: Tensor) -> Tensor:
@@ -94,7 +98,25 @@ class VagueSketch:
         J = pos.view(1, -1).long()
         if self.injective:
             return torch.ones(self.rows, J.shape[1], device=J.device)
+        if self.covered:
+            return self.sign_table.index_select(1, J[0])
         return 1.0 - 2.0 * ((self.coef[2] * J + self.coef[3]) % PRIME % 2).float()
+
+    def cover(self, n: int) -> None:
+        """Hash every position below ``n`` once, into tables that ``buckets`` and ``signs`` then read: one
+        lookup each instead of 4 and 7 operations (on a GPU each is a kernel launch, and a decode step hashes
+        every evicted position again to rebuild it). The caller promises to ask for no position at or above
+        ``n`` until it covers more: ``n`` is a count the host knows (positions seen), so no host wait. The
+        tables grow by doubling; their values are the formulas', so nothing else changes. They are not counted
+        in the method's memory (``slot_nbytes``, ``extra_nbytes``): like RoPE's angles, a cache of a function of
+        the position, which a kernel computes where it needs it (``kernels/count_sketch.py`` takes them as
+        tensors, so ``fastpath.sketch`` reads the same tables)."""
+        if self.injective or n <= self.covered:
+            return
+        J = torch.arange(max(n, 2 * self.covered, 256), device=self.coef.device)
+        self.covered = 0                                                 # hash by the formulas
+        self.cell_table, self.sign_table = self.buckets(J), self.signs(J)   # (r, n) each
+        self.covered = J.numel()
 
     def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
         """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
@@ -301,6 +323,8 @@ class KVReviverPolicy(CachePolicy):
         G = H_kv // S                                   # KV heads per group
         seen_then, kept_then = self._compressed_at[layer]
         seen = seen_then + store.n - kept_then          # positions 0..seen-1: those appended since, included
+        for sketch in sketches:
+            sketch.cover(seen)                          # hash tables for every position asked below
         raw_pos = store.pos[:, ::G]                     # (B, S, T) each group's raw positions (its first head's)
         raw = torch.zeros(B, S, seen, dtype=torch.bool, device=store.pos.device)
         raw.scatter_(2, raw_pos, True)                                           # (B, S, N) in R or C
@@ -379,6 +403,8 @@ class KVReviverPolicy(CachePolicy):
             self._sketch[layer] = [self.sketch_class(self.rows, split.width, G, d, self.seed + layer,
                                                    self.injective_hash, store.k.device)
                                    for _ in range(B * S)] if split.width > 0 else []   # no cells: V forgets
+        for sketch in self._sketch[layer]:
+            sketch.cover(ctx.seen)                                               # hash tables (positions < seen)
         recent_from = ctx.seen - self._recent[layer]                             # R = positions >= this
         # every position from recent_from on is raw (R: appended, never moved), so C holds the other T - R
         n_out = T - self._recent[layer] - split.candidate                        # same in every row, head
@@ -406,12 +432,11 @@ class KVReviverPolicy(CachePolicy):
         p (T,). Returns the kept entries, in their order (those given when ``n_out <= 0``)."""
         if n_out <= 0:
             return k, v, p
-        out = c_first(scores[p], p >= recent_from)[:n_out]                       # C's n_out lowest
+        order = c_first(scores[p], p >= recent_from)                             # (T,) C ascending, then R
+        out = order[:n_out]                                                      # C's n_out lowest
         if sketch is not None:
             sketch.insert(p[out], k[:, out].transpose(0, 1), v[:, out].transpose(0, 1))
-        keep = torch.ones(p.shape[0], dtype=torch.uint8, device=p.device)
-        keep[out] = 0
-        kept = keep.argsort(descending=True, stable=True)[:p.shape[0] - n_out]   # the other slots, ascending
+        kept = order[n_out:].sort().values                                       # the other slots, ascending
         return k[:, kept], v[:, kept], p[kept]
 
     def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
@@ -427,6 +452,13 @@ class KVReviverPolicy(CachePolicy):
         n_vague = scores.shape[0] - p.shape[0]                                   # every other position
         n = min(max_swaps, p.shape[0], n_vague)
         if n == 0:
+            return k, v, p
+        # the loop's first test, alone: does V's best beat C's lowest? Most steps swap nothing, and this asks
+        # 10 operations where the whole decision asks 22 (on a GPU, each a launch). NaN as the order below
+        # ranks it: V's NaN first (the max is NaN: no swap), C's NaN after every number (an empty C: +inf).
+        c_low = scores[p].masked_fill(p >= recent_from, float("inf")).nan_to_num(nan=float("inf")).amin()
+        v_best = scores.index_fill(0, p, float("-inf")).amax()                   # a raw position is not in V
+        if not bool(c_low * self.replace_rate < v_best):
             return k, v, p
         in_raw = torch.zeros(scores.shape[0], dtype=torch.uint8, device=p.device)
         in_raw[p] = 1

@@ -1,9 +1,10 @@
 """
 How many tensor operations one sample of the main job runs, and where: ``python -m methods.evaluation.launches``.
 
-On a GPU every operation that computes (not a view) is a kernel launch, a few microseconds of the host's
-time and at least one or two of the GPU's, however small the tensors. A decode step of a small model moves
-few bytes, so the number of launches, more than the bytes, is likely to set the evaluation's time there.
+On a GPU every operation that computes is a kernel launch, a few microseconds of the host's time and at
+least one or two of the GPU's, however small the tensors; views and allocations (``empty``, ``set_``: the
+caching allocator's work) launch nothing and are counted apart. A decode step of a small model moves few
+bytes, so the number of launches, more than the bytes, is likely to set the evaluation's time there.
 This command runs one (task, sample, mode) of ``methods.compare`` (on the CPU unless ``--device``) under a
 ``TorchDispatchMode`` that counts every aten operation, and splits the count by phase and by who ran it:
 
@@ -52,6 +53,9 @@ from .task import TASKS
 VIEWS = {"slice", "view", "expand", "select", "_unsafe_view", "unsqueeze", "squeeze", "as_strided", "t",
          "transpose", "permute", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind", "unflatten",
          "narrow", "lift_fresh", "view_as_real", "view_as_complex", "_reshape_alias"}   # no kernel: metadata only
+# allocations and storage swaps: the caching allocator hands out memory, no kernel runs (a deep copy of a tensor
+# is mostly these: empty, set_, then one copy_); counted apart, like the views
+ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "set_", "resize_"}
 STORAGE = {"attend", "write", "attend_entries", "attend_step", "append", "adopt"}   # per cache or per group
 # operations whose result's size or value the host reads (int(t), bool(t), t.item(), nonzero, a boolean mask's
 # index, ...): on a GPU the host waits there for every kernel launched before them; t.tolist() is counted too
@@ -65,7 +69,8 @@ class Counter(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.phase, self.counts, self.waits, self.views = "rest", collections.Counter(), collections.Counter(), 0
+        self.phase, self.counts, self.waits = "rest", collections.Counter(), collections.Counter()
+        self.views = self.allocations = 0
 
     def key(self, frame) -> tuple[str, str]:
         return self.phase, who(frame) if self.phase == "step" else ""
@@ -74,6 +79,8 @@ class Counter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in VIEWS:
             self.views += 1
+        elif name in ALLOCATIONS:
+            self.allocations += 1
         else:
             key = self.key(sys._getframe(1))
             self.counts[key] += 1
@@ -173,8 +180,9 @@ def report(counter: Counter) -> list[str]:
         lines.append(f"{key[0]:6} {key[1] or '-':32} {n:10,d} {n / total:6.1%} {counter.waits[key]:10,d}")
     lines.append(f"{'all':6} {'operations that compute':32} {total:10,d} {'':6} {sum(counter.waits.values()):10,d}")
     lines.append(f"{'all':6} {'views (no kernel)':32} {counter.views:10,d}")
+    lines.append(f"{'all':6} {'allocations (no kernel)':32} {counter.allocations:10,d}")
     lines.append(f"the same job not counted: {counter.seconds:.2f} s, {counter.seconds / total * 1e6:.1f} us per "
-                 "operation that computes (its views, and the Python around it, included)")
+                 "operation that computes (its views, allocations and the Python around it, included)")
     return lines
 
 

@@ -52,6 +52,19 @@ def test_sketch_arithmetic_is_the_kernels_reference(rows):
         assert torch.equal(own, ref)
 
 
+def test_covered_hashes_are_the_formulas():
+    """``cover(n)`` hashes positions 0..n-1 once into tables; ``buckets`` and ``signs`` then read them, to the
+    same values as the formulas, at the table's first and last positions too, and after it grows."""
+    plain = VagueSketch(rows=3, width=7, n_kv_head=1, head_dim=2, seed=5)
+    tabled = VagueSketch(rows=3, width=7, n_kv_head=1, head_dim=2, seed=5)
+    for n in (1, 300, 1000):
+        tabled.cover(n)
+        assert tabled.covered >= n
+        pos = torch.cat([torch.arange(n), torch.tensor([0, n - 1])])
+        assert torch.equal(tabled.buckets(pos), plain.buckets(pos))
+        assert torch.equal(tabled.signs(pos), plain.signs(pos))
+
+
 def test_insert_then_delete_restores_the_cells():
     s = VagueSketch(rows=3, width=5, n_kv_head=2, head_dim=4, seed=1)
     k, v = tokens(20, seed=1)
@@ -126,6 +139,20 @@ def script(model, policy: CachePolicy | None, check=None):
     return out, cache
 
 
+def test_the_policy_hashes_through_tables_to_the_same_cache(model):
+    """A decode with a sketch hashes through the tables (covered up to the positions seen), and its outputs and
+    kept entries are those of the same policy hashing by the formulas (a sketch that never covers)."""
+    policy = KVReviverPolicy(budget=16, sketch_width=4)
+    out, cache = script(model, policy)
+    sketches = [s for layer in policy._sketch.values() for s in layer]
+    assert sketches and all(s.covered >= 49 for s in sketches)
+    formulas = KVReviverPolicy(budget=16, sketch_width=4)
+    formulas.sketch_class = type("Formulas", (VagueSketch,), {"cover": lambda self, n: None})
+    out_f, cache_f = script(model, formulas)
+    assert all(torch.equal(a, b) for a, b in zip(out, out_f))
+    assert all(torch.equal(a.k, b.k) and torch.equal(a.pos, b.pos) for a, b in zip(cache.layers, cache_f.layers))
+
+
 def test_budget_covering_the_sequence_is_the_full_cache(model):
     full, _ = script(model, None)
     out, cache = script(model, make_policy("kvreviver", 49))
@@ -193,6 +220,28 @@ def test_accounting_swaps_and_scores_after_every_step(model):
     for total, want in zip(totals, expected):
         torch.testing.assert_close(total, torch.full_like(total, float(want)), rtol=1e-5, atol=1e-3)
     assert policy.swaps >= 0
+
+
+@pytest.mark.parametrize("c_scores, v_scores, swapped", [
+    ([1.0, 2.0], [0.5, 1.1 + 1e-5], [4]),          # V's best beats C's lowest by the rate, barely: one swap
+    ([1.0, 2.0], [0.5, 1.1], []),                  # ties the test: no swap
+    ([1.0, 2.0], [2.3, 2.4], [3, 4]),              # both pairs win (C's i-th lowest with V's i-th highest)
+    ([float("nan"), 1.0], [0.5, 1.2], [4]),        # C's NaN ranks after every number: 1.0 is its lowest
+    ([1.0, 2.0], [float("nan"), 5.0], []),         # V's NaN ranks first, and no number beats it: no swap
+])
+def test_the_swap_decision_by_hand(c_scores, v_scores, swapped):
+    """Algorithm 3's swap loop on one group: C holds positions 0, 1, R position 2 (its score 0.0, below every
+    other, is never C's lowest), V positions 3, 4; rate 1.1. The positions revived are those expected."""
+    policy = KVReviverPolicy(budget=64)
+    sketch = VagueSketch(rows=3, width=4, n_kv_head=1, head_dim=2, seed=0)
+    sketch.cover(5)
+    scores = torch.tensor(c_scores + [0.0] + v_scores)                   # (N,) by position
+    p = torch.tensor([0, 1, 2])                                          # raw positions, in slot order
+    k, v = torch.zeros(1, 3, 2), torch.zeros(1, 3, 2)
+    approx = torch.zeros(5, dtype=torch.bool)
+    _, _, p_new = policy._swap(sketch, scores, k, v, p, 2, approx, max_swaps=2)
+    assert sorted(set(p_new.tolist()) - {0, 1, 2}) == swapped
+    assert approx.nonzero().view(-1).tolist() == swapped
 
 
 def test_memory_reports(model):
@@ -343,8 +392,9 @@ def test_per_kv_head_rows_are_independent(model):
 
 def test_a_decode_step_reads_the_device_once_a_layer(make_model):
     """On a GPU the host waits wherever it reads a tensor (``int(t)``, ``.item()``, ``nonzero``, a boolean
-    mask's index). KVReviver's decode step reads one number per layer, whether any swap wins, with swaps
-    happening (the full cache's step reads none): counted on the CPU, operation by operation."""
+    mask's index). KVReviver's decode step reads one number per layer, whether V's best beats C's lowest, and a
+    second where it does (how many swaps win): with swaps happening, more than one read a layer and step and at
+    most one more per swap (the full cache's step reads none): counted on the CPU, operation by operation."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Reads(TorchDispatchMode):
@@ -363,9 +413,11 @@ def test_a_decode_step_reads_the_device_once_a_layer(make_model):
     for name, options in (("full", {"budget": None}), ("kvreviver", {"budget": 40, "replace_rate": 1.0})):
         cache = KVCache(model.config, make_policy(name, **options))
         prefill(model, ids[:, :60], cache)
+        swaps = getattr(cache.policy, "swaps", 0)
         with Reads() as r:
             for t in range(60, 80):
                 lean.step(ids[:, t], cache)
-        reads[name] = r.n
-    assert cache.policy.swaps > 0 and len(cache.policy._sketch) == model.config.n_layer
-    assert reads == {"full": 0, "kvreviver": 20 * model.config.n_layer}
+        reads[name], swaps = r.n, getattr(cache.policy, "swaps", 0) - swaps
+    L = model.config.n_layer
+    assert swaps > 0 and len(cache.policy._sketch) == L
+    assert reads["full"] == 0 and 20 * L < reads["kvreviver"] <= 20 * L + swaps
