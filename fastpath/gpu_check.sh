@@ -25,14 +25,16 @@
 #            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s); COMPARE_RUNS="DEVICE WORKERS
 #            ENGINE [VAR=VALUE]; ..." names other runs (the first is the one the others are checked against; a
 #            fourth word sets a variable for that run, as NANOKV_NO_TRITON=1: PyTorch's attention instead of the
-#            Triton kernels), COMPARE_LIMIT another limit per run in seconds;
+#            Triton kernels; MPS=1: the run's processes share the GPU through NVIDIA's Multi-Process Service,
+#            a daemon of this script's own, quit after the run; skipped where it cannot start), COMPARE_LIMIT
+#            another limit per run in seconds;
 #   launches one job of the bundled model's suite with each engine, on the GPU then on the CPU: its tensor
 #            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
 #            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
 #   smollm2  SmolLM2-135M's main job (2,048 tokens, 30 samples per task and mode) on the GPU in
 #            SMOLLM2_WORKERS processes (default: one per core, as methods.compare's own default) with the
-#            SMOLLM2_ENGINE engine (default: batched) for at most SMOLLM2_LIMIT seconds (300), where its file is
-#            here (below), checked
+#            SMOLLM2_ENGINE engine (default: batched) for at most SMOLLM2_LIMIT seconds (300), through MPS
+#            where SMOLLM2_MPS=1 (as compare's MPS=1), where its file is here (below), checked
 #            against the committed CPU run results/compare_smollm2.json (30 s to fetch, 300 s, 20 s);
 #   suite    the whole fast tier (python -m pytest -q) on the CUDA machine, with the packages the image lacks
 #            installed from .gpu_cache/wheels where that folder is carried (fastpath/gpu_wheels.sh) (400 s).
@@ -65,6 +67,27 @@ python -c "import torch, triton; print('torch', torch.__version__, '| triton', t
 python -c "import transformers; print('transformers', transformers.__version__)" || true
 echo "stages: ${stages[*]}"
 status=0
+mps_dir=""
+mps_start() {
+    # NVIDIA's Multi-Process Service for one run, where the machine has it: a control daemon of this script's
+    # own (its pipes and logs in a temporary folder) through which the processes sharing the GPU run their
+    # kernels side by side, where without it they take turns in time slices. It changes no setting of the
+    # GPU, and is quit after the run (and when the script exits). Fails where it cannot start.
+    [ "$gpu" = cuda ] && command -v nvidia-cuda-mps-control > /dev/null || return 1
+    mps_dir=$(mktemp -d)
+    export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { mps_stop; return 1; }
+}
+mps_stop() {
+    [ -n "$mps_dir" ] || return 0
+    echo quit | nvidia-cuda-mps-control 2> /dev/null
+    sleep 1
+    rm -rf "$mps_dir"
+    mps_dir=""
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+trap mps_stop EXIT
 device=$(python -c "import torch; print('the CPU (dry run)' if '$gpu' == 'cpu' else torch.cuda.get_device_name('$gpu'))")
 
 bench() {
@@ -118,6 +141,10 @@ compare() {
         set -- $run
         local setting=${4:-} json="$dir/bundled_$1_$2_$3${4:+_${4%%=*}}.json"
         echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 --engine $3 ${setting:+($setting) }-> $json"
+        if [ "$setting" = MPS=1 ] && ! mps_start; then
+            echo "MPS=1: no MPS control daemon could start here (nvidia-cuda-mps-control, on a GPU): run skipped"
+            continue
+        fi
         local t0=$SECONDS
         rm -f "$json"
         # output to a file, not a pipe (a worker left behind would hold a pipe open); timeout signals the
@@ -126,6 +153,7 @@ compare() {
             > "$json.log" 2>&1 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$json.log"
         echo "--device $1 --workers $2 --engine $3${setting:+ $setting}: $((SECONDS - t0)) s wall"
+        mps_stop
         if [ ! -f "$json" ]; then :                            # nothing to check
         elif [ -z "$first" ]; then first=$json
         else timeout -k 5 20 python -m methods.evaluation.agree "$first" "$json" | tail -n 6 || status=1; fi
@@ -148,8 +176,11 @@ smollm2() {
             > .gpu_cache/smollm2.gguf || { echo "smollm2: the parts did not decompress"; rm -f .gpu_cache/smollm2.gguf; status=1; return; }
         NANOLLM_CACHE=$models timeout -k 10 30 python -m nanollm.cli.fetch smollm2-135m --from .gpu_cache/smollm2.gguf || status=1
     fi
-    if NANOLLM_CACHE=$models python -c "$here" 2>/dev/null; then
-        echo "== smollm2: SmolLM2-135M's main job on $device, $many processes, ${SMOLLM2_ENGINE:-batched} engine -> $dir/smollm2_$gpu.json"
+    if [ "${SMOLLM2_MPS:-0}" = 1 ] && ! mps_start; then
+        echo "SMOLLM2_MPS=1: no MPS control daemon could start here (nvidia-cuda-mps-control, on a GPU): not run"
+        status=1
+    elif NANOLLM_CACHE=$models python -c "$here" 2>/dev/null; then
+        echo "== smollm2: SmolLM2-135M's main job on $device, $many processes, ${SMOLLM2_ENGINE:-batched} engine${mps_dir:+, through MPS} -> $dir/smollm2_$gpu.json"
         local t0=$SECONDS
         rm -f "$dir/smollm2_$gpu.json"
         # the progress bar to a file beside the report: a run stopped at its time limit still says how far it got
@@ -159,6 +190,7 @@ smollm2() {
         tail -n 3 "$dir/smollm2_$gpu.log"
         echo "SmolLM2's main job: $((SECONDS - t0)) s wall; the end of its progress bar and errors:"
         tail -c 1000 "$dir/smollm2_${gpu}_progress.txt" | tr '\r' '\n' | grep . | tail -n 4
+        mps_stop
         if [ -f "$dir/smollm2_$gpu.json" ]; then
             timeout -k 5 20 python -m methods.evaluation.agree results/compare_smollm2.json "$dir/smollm2_$gpu.json" | tail -n 12 || status=1
         fi

@@ -146,13 +146,53 @@ def step_many(lean: LeanDecoder, tokens: list[Tensor], caches: list[KVCache],
     return logits, h
 
 
+@torch.no_grad()
+def extend_many(lean: LeanDecoder, chunk: Tensor, caches: list[KVCache]) -> Tensor:
+    """``extend`` the same chunk of tokens (T,) onto each of several one-sequence caches that have seen the same
+    number of tokens (the question after a shared prompt), side by side as ``step_many`` steps them: each
+    cache's T rows one after the other, the products over all N * T rows in blocks, the attention (and its
+    policy's hooks) per cache over its T queries, as ``extend`` runs it. Returns the logits of each cache's
+    last position (N, V).
+
+    A cache's numbers do not depend on the caches beside it (bit for bit, tested) and agree with ``extend``
+    (the model's own forward pass, its products over T rows) to float rounding."""
+    if not caches or len({id(c) for c in caches}) != len(caches):
+        raise ValueError("extend_many needs caches, each once")
+    seen, T = caches[0].seen, chunk.numel()
+    for cache in caches:
+        if cache.seen == 0 or cache.seen != seen or cache.layers[0].k.shape[0] != 1:
+            raise ValueError("extend_many extends one-sequence caches that hold prefixes of the same length")
+    if T == 0 or seen + T > lean.config.max_seq_len:
+        raise ValueError(f"a chunk of {T} tokens after {seen} seen: at least one, and at most the model's "
+                         f"max_seq_len={lean.config.max_seq_len} in all")
+    N, device = len(caches), lean.model.tok_emb.weight.device
+    x = F.embedding(chunk.view(-1).to(device).repeat(N), lean.model.tok_emb.weight)   # (N * T, D) cache by cache
+    pos = torch.arange(seen, seen + T, device=device)                                  # (T,) every cache's
+    cos, sin = rope_cos_sin(pos, lean.inv_freq, x.dtype)                               # (T, d) each
+    cos, sin = cos.repeat(N, 1)[:, None], sin.repeat(N, 1)[:, None]                    # (N * T, 1, d) each
+
+    def attend(i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:               # (N * T, H, 1, d)
+        outs = []
+        for n, cache in enumerate(caches):
+            rows = slice(n * T, (n + 1) * T)
+            as_chunk = lambda t: t[rows].transpose(0, 2)                                # noqa: E731 (1, H, T, d)
+            out = cache.attend(i, attn, as_chunk(q), pos, (as_chunk(k), as_chunk(v)))  # causal over the chunk
+            outs.append(out.transpose(0, 2))                                           # (T, H, 1, d)
+        return torch.cat(outs)
+
+    logits, _ = lean.forward(x, cos, sin, blocked_linear, attend)                      # (N * T, V)
+    for cache in caches:
+        cache.seen += T
+    return logits.view(N, T, -1)[:, -1]
+
+
 class FastEngine(PlainEngine):
     """``PlainEngine``'s ``fill`` and ``step``, fast, with the same numbers to float rounding (a test compares
     ``methods.compare``'s records under both):
 
     * ``fill``: one prompt pass for every cache (``FanOut``), when it can serve every policy; else the plain
       engine's ``fill``, one pass per cache. A further chunk (the question after the context) is
-      ``extend``-ed onto each cache.
+      extended onto every cache at once (``extend_many``: one pass, the attention per cache).
     * ``step``: all the caches in one ``step_many`` of the lean decoder (``fastpath/lean.py``). The seconds
       given to a cache are its own attention (storage, attention, its policy's hooks) plus an equal share
       of the rest of the step, the products and element-wise work done once for every row: they add up to
@@ -183,7 +223,10 @@ class FastEngine(PlainEngine):
         for cache in caches:
             cache.seen = len(chunks[0])
         self.prompt_passes = 1
-        return caches, torch.stack([self.extend_rest(cache, logits, chunks) for cache in caches])
+        last = logits[0, -1].repeat(len(caches), 1)                                       # (N, V)
+        for chunk in chunks[1:]:                         # the question after the context: every cache at once
+            last = extend_many(self.lean, torch.tensor(chunk), caches)
+        return caches, last
 
     @torch.no_grad()
     def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:

@@ -11,8 +11,8 @@ import torch
 
 from fastpath.lean import LeanDecoder
 from methods import make_policy
-from methods.evaluation.side_by_side import ROWS, blocked_linear, step_many
-from nanollm import KVCache, prefill, preset
+from methods.evaluation.side_by_side import ROWS, blocked_linear, extend_many, step_many
+from nanollm import KVCache, extend, prefill, preset
 
 
 def test_step_many_is_each_cache_stepped_alone(make_model):
@@ -76,6 +76,58 @@ def test_step_many_is_each_cache_stepped_alone(make_model):
         step_many(lean, [torch.tensor([1])], [c, others[0]])
     with pytest.raises(ValueError, match="appears twice"):
         step_many(lean, [torch.tensor([1]), torch.tensor([2])], [c, c])
+
+
+def test_extend_many_is_each_cache_extended_alone(make_model):
+    """extend_many (the question after a shared prompt, onto every cache at once) gives each cache exactly what
+    it gives that cache alone, beside any others in any order (logits, entries, policy state, bit for bit),
+    and agrees with ``extend``, the model's own pass, to float rounding with the same entries kept."""
+    model = make_model(preset("TINY"), seed=3)
+    lean = LeanDecoder(model)
+    names = [None, "h2o", "snapkv", "kvreviver", "scissorhands", "streaming_llm"]
+    ids = torch.randint(0, 512, (1, 48), generator=torch.Generator().manual_seed(1))
+    prompt, chunk = ids[:, :36], ids[0, 36:]                                    # a 12-token question
+
+    def fresh(order):
+        caches = [KVCache(model.config, make_policy(names[j], budget=20) if names[j] else None) for j in order]
+        for cache in caches:
+            prefill(model, prompt, cache)
+        return caches
+
+    alone = [(fresh([j]), None) for j in range(len(names))]
+    alone = [(c, extend_many(lean, chunk, c)) for c, _ in alone]
+    for order in ([1, 2], list(range(len(names))), [5, 3, 0, 4]):
+        caches = fresh(order)
+        logits = extend_many(lean, chunk, caches)
+        for row, (j, b) in enumerate(zip(order, caches)):
+            a = alone[j][0][0]
+            assert torch.equal(logits[row], alone[j][1][0]), (order, j)
+            assert a.seen == b.seen == 48
+            for la, lb in zip(a.layers, b.layers):
+                assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v) and torch.equal(la.pos, lb.pos)
+                assert all(torch.equal(la.state[n], lb.state[n]) for n in la.state)
+    for j in range(len(names)):                                                 # the model's own pass
+        [cache] = fresh([j])
+        want = extend(model, chunk[None], cache)[0, -1]
+        torch.testing.assert_close(alone[j][1][0], want, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(a.pos, b.pos) for a, b in zip(alone[j][0][0].layers, cache.layers))
+    assert alone[3][0][0].policy._sketch                                        # KVReviver compressed into its sketch
+
+
+def test_extend_many_checks_before_any_cache_changes(make_model):
+    model = make_model(preset("TINY"), seed=3)
+    lean = LeanDecoder(model)
+    a, b, pair = KVCache(model.config), KVCache(model.config), KVCache(model.config)
+    prefill(model, torch.arange(10)[None], a)
+    prefill(model, torch.arange(12)[None], b)
+    prefill(model, torch.arange(20).view(2, 10), pair)
+    k0 = a.layers[0].k.clone()
+    for caches, chunk in (([a, b], torch.arange(3)), ([a, pair], torch.arange(3)), ([a, a], torch.arange(3)),
+                          ([a], torch.arange(0)), ([a, KVCache(model.config)], torch.arange(3)),
+                          ([a], torch.zeros(model.config.max_seq_len, dtype=torch.long)), ([], torch.arange(3))):
+        with pytest.raises(ValueError, match="extend_many|a chunk of"):
+            extend_many(lean, chunk, caches)
+    assert a.seen == 10 and torch.equal(a.layers[0].k, k0)
 
 
 def test_a_step_reads_each_weight_once_per_block_of_rows(make_model, monkeypatch):
