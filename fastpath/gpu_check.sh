@@ -72,17 +72,25 @@ mps_start() {
     # NVIDIA's Multi-Process Service for one run, where the machine has it: a control daemon of this script's
     # own (its pipes and logs in a temporary folder) through which the processes sharing the GPU run their
     # kernels side by side, where without it they take turns in time slices. It changes no setting of the
-    # GPU, and is quit after the run (and when the script exits). Fails where it cannot start.
+    # GPU, and is quit after the run (and when the script exits). Fails, its log printed, where a CUDA
+    # context cannot be made through it.
     [ "$gpu" = cuda ] && command -v nvidia-cuda-mps-control > /dev/null || return 1
     mps_dir=$(mktemp -d)
     export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d || { mps_stop; return 1; }
+    if ! nvidia-cuda-mps-control -d || ! timeout -k 5 60 python -c "import torch; torch.zeros(1, device='cuda')"; then
+        mps_stop log
+        return 1
+    fi
 }
-mps_stop() {
+mps_stop() {                                   # "log": print the daemon's logs first
     [ -n "$mps_dir" ] || return 0
+    [ "${1:-}" = log ] && tail -n 20 "$CUDA_MPS_LOG_DIRECTORY"/*.log 2> /dev/null
     echo quit | nvidia-cuda-mps-control 2> /dev/null
-    sleep 1
+    for _ in $(seq 30); do                     # until the daemon is gone (its control pipe removed)
+        [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || break
+        sleep 1
+    done
     rm -rf "$mps_dir"
     mps_dir=""
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
@@ -143,6 +151,7 @@ compare() {
         echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 --engine $3 ${setting:+($setting) }-> $json"
         if [ "$setting" = MPS=1 ] && ! mps_start; then
             echo "MPS=1: no MPS control daemon could start here (nvidia-cuda-mps-control, on a GPU): run skipped"
+            [ -n "$first" ] || echo "(the next run is the one the others are checked against)"
             continue
         fi
         local t0=$SECONDS
@@ -153,7 +162,7 @@ compare() {
             > "$json.log" 2>&1 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$json.log"
         echo "--device $1 --workers $2 --engine $3${setting:+ $setting}: $((SECONDS - t0)) s wall"
-        mps_stop
+        mps_stop $([ -f "$json" ] || echo log)
         if [ ! -f "$json" ]; then :                            # nothing to check
         elif [ -z "$first" ]; then first=$json
         else timeout -k 5 20 python -m methods.evaluation.agree "$first" "$json" | tail -n 6 || status=1; fi
@@ -176,10 +185,14 @@ smollm2() {
             > .gpu_cache/smollm2.gguf || { echo "smollm2: the parts did not decompress"; rm -f .gpu_cache/smollm2.gguf; status=1; return; }
         NANOLLM_CACHE=$models timeout -k 10 30 python -m nanollm.cli.fetch smollm2-135m --from .gpu_cache/smollm2.gguf || status=1
     fi
-    if [ "${SMOLLM2_MPS:-0}" = 1 ] && ! mps_start; then
+    if ! NANOLLM_CACHE=$models python -c "$here" 2>/dev/null; then
+        echo "smollm2: SmolLM2-135M is not here (both parts .gpu_cache/smollm2.xz.aa and .ab: the top of this" \
+             "script): its main job not run"
+        status=1
+    elif [ "${SMOLLM2_MPS:-0}" = 1 ] && ! mps_start; then
         echo "SMOLLM2_MPS=1: no MPS control daemon could start here (nvidia-cuda-mps-control, on a GPU): not run"
         status=1
-    elif NANOLLM_CACHE=$models python -c "$here" 2>/dev/null; then
+    else
         echo "== smollm2: SmolLM2-135M's main job on $device, $many processes, ${SMOLLM2_ENGINE:-batched} engine${mps_dir:+, through MPS} -> $dir/smollm2_$gpu.json"
         local t0=$SECONDS
         rm -f "$dir/smollm2_$gpu.json"
@@ -190,14 +203,10 @@ smollm2() {
         tail -n 3 "$dir/smollm2_$gpu.log"
         echo "SmolLM2's main job: $((SECONDS - t0)) s wall; the end of its progress bar and errors:"
         tail -c 1000 "$dir/smollm2_${gpu}_progress.txt" | tr '\r' '\n' | grep . | tail -n 4
-        mps_stop
+        mps_stop $([ -f "$dir/smollm2_$gpu.json" ] || echo log)
         if [ -f "$dir/smollm2_$gpu.json" ]; then
             timeout -k 5 20 python -m methods.evaluation.agree results/compare_smollm2.json "$dir/smollm2_$gpu.json" | tail -n 12 || status=1
         fi
-    else
-        echo "smollm2: SmolLM2-135M is not here (both parts .gpu_cache/smollm2.xz.aa and .ab: the top of this" \
-             "script): its main job not run"
-        status=1
     fi
 }
 

@@ -89,9 +89,9 @@ class VagueSketch:
         J = pos.view(1, -1).long()
         if self.injective:
             return J.expand(self.rows, -1)
-        if self.covered:                    # every position asked is below ``covered`` (the caller's promise)
+        if self.covered:        # the caller promised every J < covered (else an IndexError; on a GPU, an assert)
             return self.cell_table.index_select(1, J[0])
-        return (self.coef[0] * J + self.coef[1]) % PRIME % self.width
+        return self.hash_cells(J)
 
     def signs(self, pos: Tensor) -> Tensor:
         """g_i(J) in {+1, -1}: (n,) -> (r, n)."""
@@ -100,6 +100,14 @@ class VagueSketch:
             return torch.ones(self.rows, J.shape[1], device=J.device)
         if self.covered:
             return self.sign_table.index_select(1, J[0])
+        return self.hash_signs(J)
+
+    def hash_cells(self, J: Tensor) -> Tensor:
+        """The bucket hash h_i(J) = ((a_i J + c_i) mod p) mod b: J (1, n) int64 -> (r, n)."""
+        return (self.coef[0] * J + self.coef[1]) % PRIME % self.width
+
+    def hash_signs(self, J: Tensor) -> Tensor:
+        """The sign hash g_i(J) = 1 - 2 (((a'_i J + c'_i) mod p) mod 2): J (1, n) int64 -> (r, n) of +-1."""
         return 1.0 - 2.0 * ((self.coef[2] * J + self.coef[3]) % PRIME % 2).float()
 
     def cover(self, n: int) -> None:
@@ -109,14 +117,12 @@ class VagueSketch:
         ``n`` until it covers more: ``n`` is a count the host knows (positions seen), so no host wait. The
         tables grow by doubling; their values are the formulas', so nothing else changes. They are not counted
         in the method's memory (``slot_nbytes``, ``extra_nbytes``): like RoPE's angles, a cache of a function of
-        the position, which a kernel computes where it needs it (``kernels/count_sketch.py`` takes them as
-        tensors, so ``fastpath.sketch`` reads the same tables)."""
+        the position, which a fused kernel could compute from the four coefficients instead."""
         if self.injective or n <= self.covered:
             return
-        J = torch.arange(max(n, 2 * self.covered, 256), device=self.coef.device)
-        self.covered = 0                                                 # hash by the formulas
-        self.cell_table, self.sign_table = self.buckets(J), self.signs(J)   # (r, n) each
-        self.covered = J.numel()
+        J = torch.arange(max(n, 2 * self.covered, 256), device=self.coef.device).view(1, -1)
+        self.cell_table, self.sign_table = self.hash_cells(J), self.hash_signs(J)   # (r, n) each
+        self.covered = J.shape[1]
 
     def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
         """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
@@ -448,15 +454,18 @@ class KVReviverPolicy(CachePolicy):
         rate >= 1), so the i-th swap pairs C's i-th lowest with V's i-th highest, for the pairs before the first
         that fails. The sketch is then updated swap by swap, as the loop does: a revived token's estimate is
         read after the step's earlier swaps changed the cells it may share with them (a small sketch shares
-        many). Returns the entries in position order (those given, untouched, when nothing is swapped)."""
+        many). A NaN score, which a model's attention never gives, is ranked as the loop's comparisons leave
+        it: a NaN at the top of V stops the loop at once; C's NaN come after its numbers (``c_first``).
+        Returns the entries in position order (those given, untouched, when nothing is swapped)."""
         n_vague = scores.shape[0] - p.shape[0]                                   # every other position
         n = min(max_swaps, p.shape[0], n_vague)
         if n == 0:
             return k, v, p
         # the loop's first test, alone: does V's best beat C's lowest? Most steps swap nothing, and this asks
-        # 10 operations where the whole decision asks 22 (on a GPU, each a launch). NaN as the order below
+        # 11 operations where the whole decision asks 22 (on a GPU, each a launch). NaN as the order below
         # ranks it: V's NaN first (the max is NaN: no swap), C's NaN after every number (an empty C: +inf).
-        c_low = scores[p].masked_fill(p >= recent_from, float("inf")).nan_to_num(nan=float("inf")).amin()
+        s_raw = scores[p]                                                        # (T,) by slot
+        c_low = s_raw.masked_fill((p >= recent_from) | s_raw.isnan(), float("inf")).amin()
         v_best = scores.index_fill(0, p, float("-inf")).amax()                   # a raw position is not in V
         if not bool(c_low * self.replace_rate < v_best):
             return k, v, p
@@ -468,7 +477,8 @@ class KVReviverPolicy(CachePolicy):
         c_scores = scores[p][c_order].masked_fill(p[c_order] >= recent_from, float("inf"))
         v_scores, v_order = scores[vague].sort(descending=True, stable=True)   # V descending, by position
         wins = c_scores[:n] * self.replace_rate < v_scores[:n]                  # (n,) each pair's test
-        m = int(wins.sum())                     # a prefix: C ascends, V descends, so once a pair fails all do
+        # a prefix: C ascends, V descends (no NaN in V: the test above stopped there), so once a pair fails all do
+        m = int(wins.sum())
         if m == 0:
             return k, v, p                                                       # the first pair fails
         c, j = c_order[:m], vague[v_order[:m]]                                   # (m,) C's slots, V's positions

@@ -210,9 +210,14 @@ class BatchedEngine(FastEngine):
         for n, cache in enumerate(caches):
             if n not in alone:
                 by_size.setdefault(bucket(max(s.n for s in cache.layers)), []).append(cache)
-        self.groups = [Group(members, slots) for slots, members in sorted(by_size.items())]
+        self.groups = [Group(members, slots) for slots, members in self.merge(by_size)]
         self.ids = ids
         return self.groups, alone
+
+    @staticmethod
+    def merge(by_size: dict[int, list[KVCache]]) -> list[tuple[int, list[KVCache]]]:
+        """The groups (slots, caches) from the caches by size: one group per size, smallest first."""
+        return sorted(by_size.items())
 
     @torch.no_grad()
     def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:
@@ -291,6 +296,21 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
     for cache in caches:
         cache.seen += 1
     return logits, h
+
+
+class OneGroupEngine(BatchedEngine):
+    """The batched engine with every cache that can share storage in one group, as large as the largest
+    (``--engine one-group``): each cache's row padded to the largest cache's slots. A step then runs the
+    group's writes and attention once per layer, where the batched engine runs them once per size (five to
+    seven sizes in a step of ``methods.compare``'s 25 caches), for more bytes read: on a CPU the bytes cost
+    more than the operations saved; on a GPU, where a step of a small model is bound by its launches, the
+    trade may go the other way (``fastpath/README.md`` says whether it was measured)."""
+    name = "one-group"
+
+    @staticmethod
+    def merge(by_size: dict[int, list[KVCache]]) -> list[tuple[int, list[KVCache]]]:
+        """One group of every cache, the smallest first, with the largest size's slots."""
+        return [(max(by_size), [c for size in sorted(by_size) for c in by_size[size]])] if by_size else []
 
 
 def hook(i: int, attn, cache: KVCache, needs: Needs, q: Tensor, q_pos: Tensor, out: Tensor,

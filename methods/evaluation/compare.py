@@ -483,6 +483,8 @@ def parser() -> cli.ArgumentParser:
                     help="fast: one prompt pass for all the caches of a sample and their decode steps side by side "
                          "(side_by_side.py); batched: the fast engine with the caches' attention batched too, "
                          "their entries in shared buffers (batched.py: fewer, larger operations, for a GPU); "
+                         "one-group: the batched engine with every cache in one group, padded to the largest (fewer "
+                         "operations still, more bytes: an experiment for a GPU); "
                          "plain: nanollm's own prefill and forward, one cache at a time (engine.py), slower; the "
                          "records agree to float rounding (default: batched on a GPU, fast on a CPU or with "
                          "--time-alone)")

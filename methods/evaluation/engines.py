@@ -4,15 +4,17 @@ The engines by name, for every command's ``--engine``: ``make_engine(name, model
     plain     engine.PlainEngine: nanollm's reading path, one cache after another
     fast      side_by_side.FastEngine: one prompt pass for every cache, the products of a step shared
     batched   batched.BatchedEngine: the fast engine with the caches' attention batched too (for a GPU)
+    one-group batched.OneGroupEngine: the batched engine with every cache in one group (fewer, larger
+              operations, more bytes: an experiment for a GPU)
 """
 
 from __future__ import annotations
 
-from .batched import BatchedEngine
+from .batched import BatchedEngine, OneGroupEngine
 from .engine import PlainEngine
 from .side_by_side import FastEngine
 
-ENGINES = {"plain": PlainEngine, "fast": FastEngine, "batched": BatchedEngine}
+ENGINES = {"plain": PlainEngine, "fast": FastEngine, "batched": BatchedEngine, "one-group": OneGroupEngine}
 
 
 def make_engine(name: str, model, alone: bool = False):
@@ -23,8 +25,8 @@ def make_engine(name: str, model, alone: bool = False):
         raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
     if name == "plain":
         return PlainEngine(model)
-    if name == "batched" and alone:
-        raise ValueError("--time-alone steps each cache on its own, the batched engine steps them together: "
+    if name in ("batched", "one-group") and alone:
+        raise ValueError(f"--time-alone steps each cache on its own, the {name} engine steps them together: "
                          "use --engine fast")
     try:
         return ENGINES[name](model, alone=alone)

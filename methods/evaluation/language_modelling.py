@@ -230,7 +230,8 @@ def parser() -> cli.ArgumentParser:
                     help="torch CPU threads (default %(default)s; the numbers do not depend on it)")
     ap.add_argument("--engine", choices=sorted(ENGINES), default="fast",
                     help="fast: one prompt pass for all the caches and their decode steps side by side; batched: "
-                         "the same with the caches' attention batched too (for a GPU); plain: nanollm's own "
+                         "the same with the caches' attention batched too (for a GPU); one-group: batched, every "
+                         "cache in one group (an experiment for a GPU); plain: nanollm's own "
                          "prefill and forward, one cache at a time, slower; the numbers agree to float rounding "
                          "(default %(default)s)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="ours",

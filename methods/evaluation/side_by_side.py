@@ -7,6 +7,8 @@ the same numbers whichever caches run beside it. ``--engine fast`` (the default)
 * ``FanOut``: the policy of one prompt pass that serves many caches. The prompt's attention is exact
   whatever the method, so one pass computes the keys, values and outputs for all of them; at each layer
   every cache gets its own copy of the storage and the statistics its policy asks for.
+* ``extend_many``: a chunk after the shared prompt (the question after the context) onto every cache in one
+  pass, as ``step_many`` runs a step: the products over all rows, the attention per cache.
 * ``step_many``: one decode step for many caches. The element-wise work (embedding, RMSNorm, RoPE, SiLU,
   residual adds) treats every row on its own, so it runs once over all rows; the attention runs per cache
   (each has its own storage and policy); the matrix products run once over all rows, in blocks of exactly
@@ -162,11 +164,10 @@ def extend_many(lean: LeanDecoder, chunk: Tensor, caches: list[KVCache]) -> Tens
     for cache in caches:
         if cache.seen == 0 or cache.seen != seen or cache.layers[0].k.shape[0] != 1:
             raise ValueError("extend_many extends one-sequence caches that hold prefixes of the same length")
-    if T == 0 or seen + T > lean.config.max_seq_len:
-        raise ValueError(f"a chunk of {T} tokens after {seen} seen: at least one, and at most the model's "
-                         f"max_seq_len={lean.config.max_seq_len} in all")
     N, device = len(caches), lean.model.tok_emb.weight.device
-    x = F.embedding(chunk.view(-1).to(device).repeat(N), lean.model.tok_emb.weight)   # (N * T, D) cache by cache
+    ids = chunk.view(1, -1).to(device)                                                 # (1, T)
+    lean.model.check_ids(ids, seen)                  # extend's checks: at least one id, in the vocabulary, fits
+    x = F.embedding(ids[0].repeat(N), lean.model.tok_emb.weight)                       # (N * T, D) cache by cache
     pos = torch.arange(seen, seen + T, device=device)                                  # (T,) every cache's
     cos, sin = rope_cos_sin(pos, lean.inv_freq, x.dtype)                               # (T, d) each
     cos, sin = cos.repeat(N, 1)[:, None], sin.repeat(N, 1)[:, None]                    # (N * T, 1, d) each
@@ -174,9 +175,9 @@ def extend_many(lean: LeanDecoder, chunk: Tensor, caches: list[KVCache]) -> Tens
     def attend(i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:               # (N * T, H, 1, d)
         outs = []
         for n, cache in enumerate(caches):
-            rows = slice(n * T, (n + 1) * T)
-            as_chunk = lambda t: t[rows].transpose(0, 2)                                # noqa: E731 (1, H, T, d)
-            out = cache.attend(i, attn, as_chunk(q), pos, (as_chunk(k), as_chunk(v)))  # causal over the chunk
+            def own(t: Tensor) -> Tensor:                 # cache n's T rows as one sequence: (1, H, T, d)
+                return t[n * T:(n + 1) * T].transpose(0, 2)
+            out = cache.attend(i, attn, own(q), pos, (own(k), own(v)))               # causal over the chunk
             outs.append(out.transpose(0, 2))                                           # (T, H, 1, d)
         return torch.cat(outs)
 
@@ -225,7 +226,8 @@ class FastEngine(PlainEngine):
         self.prompt_passes = 1
         last = logits[0, -1].repeat(len(caches), 1)                                       # (N, V)
         for chunk in chunks[1:]:                         # the question after the context: every cache at once
-            last = extend_many(self.lean, torch.tensor(chunk), caches)
+            with global_generators_untouched("the pass over the question"):
+                last = extend_many(self.lean, torch.tensor(chunk), caches)
         return caches, last
 
     @torch.no_grad()

@@ -222,24 +222,31 @@ def test_accounting_swaps_and_scores_after_every_step(model):
     assert policy.swaps >= 0
 
 
-@pytest.mark.parametrize("c_scores, v_scores, swapped", [
-    ([1.0, 2.0], [0.5, 1.1 + 1e-5], [4]),          # V's best beats C's lowest by the rate, barely: one swap
-    ([1.0, 2.0], [0.5, 1.1], []),                  # ties the test: no swap
-    ([1.0, 2.0], [2.3, 2.4], [3, 4]),              # both pairs win (C's i-th lowest with V's i-th highest)
-    ([float("nan"), 1.0], [0.5, 1.2], [4]),        # C's NaN ranks after every number: 1.0 is its lowest
-    ([1.0, 2.0], [float("nan"), 5.0], []),         # V's NaN ranks first, and no number beats it: no swap
+INF, LOWEST = float("inf"), torch.finfo(torch.float32).min
+
+
+@pytest.mark.parametrize("c_scores, v_scores, rate, recent_from, swapped", [
+    ([1.0, 2.0], [0.5, 1.1 + 1e-5], 1.1, 2, [4]),    # V's best beats C's lowest by the rate, barely: one swap
+    ([1.0, 2.0], [0.5, 1.1], 1.1, 2, []),            # ties the test: no swap
+    ([1.0, 2.0], [2.3, 2.4], 1.1, 2, [3, 4]),        # both pairs win (C's i-th lowest with V's i-th highest)
+    ([float("nan"), 1.0], [0.5, 1.2], 1.1, 2, [4]),  # C's NaN ranks after every number: 1.0 is its lowest
+    ([1.0, 2.0], [float("nan"), 5.0], 1.1, 2, []),   # V's NaN ranks first, and no number beats it: no swap
+    ([-INF, 2.0], [LOWEST, -INF], 1.0, 2, [3]),      # -inf in C: beaten by any number, the lowest float too
+    ([1.0, 2.0], [INF, 0.5], 1.0, 2, [3]),           # +inf in V beats C's lowest
+    ([1.0, 2.0], [INF, 0.5], 1.0, 0, []),            # ... but C is empty (every raw slot in R): no pair to test
 ])
-def test_the_swap_decision_by_hand(c_scores, v_scores, swapped):
-    """Algorithm 3's swap loop on one group: C holds positions 0, 1, R position 2 (its score 0.0, below every
-    other, is never C's lowest), V positions 3, 4; rate 1.1. The positions revived are those expected."""
-    policy = KVReviverPolicy(budget=64)
+def test_the_swap_decision_by_hand(c_scores, v_scores, rate, recent_from, swapped):
+    """Algorithm 3's swap loop on one group: C holds positions 0, 1 (none where ``recent_from`` is 0), R
+    position 2 (its score 0.0, below every other, is never C's lowest), V positions 3, 4. The positions
+    revived are those expected."""
+    policy = KVReviverPolicy(budget=64, replace_rate=rate)
     sketch = VagueSketch(rows=3, width=4, n_kv_head=1, head_dim=2, seed=0)
     sketch.cover(5)
     scores = torch.tensor(c_scores + [0.0] + v_scores)                   # (N,) by position
     p = torch.tensor([0, 1, 2])                                          # raw positions, in slot order
     k, v = torch.zeros(1, 3, 2), torch.zeros(1, 3, 2)
     approx = torch.zeros(5, dtype=torch.bool)
-    _, _, p_new = policy._swap(sketch, scores, k, v, p, 2, approx, max_swaps=2)
+    _, _, p_new = policy._swap(sketch, scores, k, v, p, recent_from, approx, max_swaps=2)
     assert sorted(set(p_new.tolist()) - {0, 1, 2}) == swapped
     assert approx.nonzero().view(-1).tolist() == swapped
 
@@ -390,7 +397,7 @@ def test_per_kv_head_rows_are_independent(model):
     assert all(torch.equal(a.pos[1:], b.pos) for a, b in zip(cache.layers, cache_1.layers))
 
 
-def test_a_decode_step_reads_the_device_once_a_layer(make_model):
+def test_a_decode_step_reads_the_device_once_a_layer_and_once_more_where_a_swap_wins(make_model):
     """On a GPU the host waits wherever it reads a tensor (``int(t)``, ``.item()``, ``nonzero``, a boolean
     mask's index). KVReviver's decode step reads one number per layer, whether V's best beats C's lowest, and a
     second where it does (how many swaps win): with swaps happening, more than one read a layer and step and at

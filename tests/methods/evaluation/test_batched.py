@@ -12,7 +12,7 @@ import torch
 from fastpath.lean import LeanDecoder
 from methods import make_policy
 from methods.evaluation import compare
-from methods.evaluation.batched import BatchedEngine, Group, bucket
+from methods.evaluation.batched import BatchedEngine, Group, OneGroupEngine, bucket
 from methods.evaluation.engines import make_engine
 from nanollm import KVCache, load, prefill, preset
 from nanollm.data.evaluate import MODES
@@ -35,15 +35,17 @@ def fresh(model, setups):
     return caches, streams
 
 
-def test_a_batched_step_is_each_cache_s_own_step(make_model, monkeypatch):
+@pytest.mark.parametrize("engine_class, slots_made", [(BatchedEngine, [64, 64, 128, 64, 128]),
+                                                      (OneGroupEngine, [64, 128, 128])])
+def test_a_batched_step_is_each_cache_s_own_step(make_model, monkeypatch, engine_class, slots_made):
     """Every cache's logits and final hidden state within 1e-5 of ``LeanDecoder.step_with_hidden`` on the same
     cache alone, and the same positions in every slot of every layer after every step (the slot each entry
     is written to, the slots each policy empties). A storage a hook compacts (adakv(h2o)) is copied back into
     its row, not regrouped with the others; a cache that outgrows its row, or a step over fewer caches,
-    regroups them."""
+    regroups them. The one-group engine: the same, every cache that shares storage in one group."""
     torch.manual_seed(0)
     model = make_model(preset("TINY"), seed=3)
-    lean, engine = LeanDecoder(model), BatchedEngine(model)
+    lean, engine = LeanDecoder(model), engine_class(model)
     made, init = [], Group.__init__
     monkeypatch.setattr(Group, "__init__", lambda self, *a: (made.append(a[1]), init(self, *a))[1])
     ours, streams = fresh(model, SETUPS)
@@ -67,9 +69,9 @@ def test_a_batched_step_is_each_cache_s_own_step(make_model, monkeypatch):
                 for name in la.state:                         # H2O's scores, Scissorhands' counts
                     torch.testing.assert_close(la.state[name], lb.state[name], rtol=1e-5, atol=1e-5)
     assert grew                                              # the plain cache of 63 outgrew its 64 slots
-    assert made == [64, 64, 128, 64, 128]     # the groups' slots, three arrangements: the first, the plain cache's
+    assert made == slots_made                 # the groups' slots, three arrangements: the first, the plain cache's
     #                                           growth, fewer caches (not one per step for adakv(h2o)'s compaction)
-    assert len(engine.groups) > 1                            # caches of different sizes, different groups
+    assert (len(engine.groups) == 1) == (engine_class is OneGroupEngine)   # by size, or all in one
     assert all(ours[7].policy._sketch.values())              # KVReviver stepped over entries rebuilt from its sketch
     assert any(len(la) < la.n for la in ours[2].layers)      # H2O emptied slots in place, refilled by the writes
 
@@ -107,6 +109,9 @@ def test_the_batched_and_fast_engines_give_the_same_records():
     fast, batched = compare.run(model, tok, **kw), compare.run(model, tok, engine="batched", **kw)
     assert_same_records(batched, fast, ("method", "budget", "mode"))
     assert batched[0]["engine"] == "batched" and any(r["kl"] > 0.1 for r in batched)
+    one = compare.run(model, tok, engine="one-group", **kw)
+    assert_same_records(one, fast, ("method", "budget", "mode"))
+    assert one[0]["engine"] == "one-group"
 
 
 @pytest.mark.slow
@@ -117,14 +122,15 @@ def test_launches_counts_the_work_the_batched_engine_shares():
     from methods.evaluation.launches import count, report
     torch.set_num_threads(1)
     model, tok, _ = load("retrieval-llama")
-    counters = [count(model, tok, e, "niah_multikey", MODES[1], 512, 0) for e in ("fast", "batched")]
-    fast, batched = (c.counts for c in counters)
+    counters = [count(model, tok, e, "niah_multikey", MODES[1], 512, 0) for e in ("fast", "batched", "one-group")]
+    fast, batched, one = (c.counts for c in counters)
     hooks = {key for key in fast if key[1].startswith("policy: ")}
     assert {"policy: KVReviverPolicy", "policy: H2OPolicy"} <= {w for _, w in hooks}
-    assert all(fast[key] == batched[key] for key in hooks)
-    assert fast["fill", ""] == batched["fill", ""] > 0
+    assert all(fast[key] == batched[key] == one[key] for key in hooks)
+    assert fast["fill", ""] == batched["fill", ""] == one["fill", ""] > 0
     for who in ("attention and storage", "model"):
         assert batched["step", who] < fast["step", who], who
+    assert one["step", "attention and storage"] < batched["step", "attention and storage"]   # one group, not 3-7
     total = next(line for line in report(counters[0]) if "operations that compute" in line)
     waits = sum(counters[0].waits.values())
     assert total.split()[4:6] == [f"{sum(fast.values()):,d}", f"{waits:,d}"]

@@ -58,10 +58,10 @@ def subclassed(hook: str, body):
     return policy
 
 
-def traces(bundled, engine, policy):
+def traces(bundled, engine, policy, mode=MODES[0]):
     model, tok, _ = bundled
     task = TASKS["niah_single_noise"]
-    return teacher_force(make_engine(engine, model), task, task.sample(tok, 256, 0), MODES[0],
+    return teacher_force(make_engine(engine, model), task, task.sample(tok, 256, 0), mode,
                          [make_policy("full", budget=None), policy], [True, False])
 
 
@@ -83,6 +83,13 @@ def test_the_fast_engine_refuses_a_policy_that_draws_from_the_global_generator(b
         traces(bundled, "fast", subclassed(hook, draw))
     traces(bundled, "plain", subclassed(hook, draw))                # one cache at a time: no refusal
     traces(bundled, "fast", subclassed(hook, lambda self, ctx: None))  # the same hook, drawing nothing
+
+
+def test_a_draw_in_the_pass_over_the_question_is_refused_there(bundled):
+    """With the question after the context, the fast engine extends every cache at once (``extend_many``), the
+    hooks interleaved cache by cache: a draw there is refused before any decode step."""
+    with pytest.raises(RuntimeError, match="during the pass over the question"):
+        traces(bundled, "fast", subclassed("on_decode", lambda self, ctx: torch.rand(1)), MODES[1])
 
 
 def test_records_keep_the_ratio_asked_and_the_share_of_each_prompt_kept(bundled):

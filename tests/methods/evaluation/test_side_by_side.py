@@ -80,8 +80,9 @@ def test_step_many_is_each_cache_stepped_alone(make_model):
 
 def test_extend_many_is_each_cache_extended_alone(make_model):
     """extend_many (the question after a shared prompt, onto every cache at once) gives each cache exactly what
-    it gives that cache alone, beside any others in any order (logits, entries, policy state, bit for bit),
-    and agrees with ``extend``, the model's own pass, to float rounding with the same entries kept."""
+    it gives that cache alone, beside any others in any order (logits, entries, per-slot state, bit for bit),
+    and agrees with ``extend``, the model's own pass, to float rounding with the same entries kept; a chunk of
+    one token too."""
     model = make_model(preset("TINY"), seed=3)
     lean = LeanDecoder(model)
     names = [None, "h2o", "snapkv", "kvreviver", "scissorhands", "streaming_llm"]
@@ -112,6 +113,10 @@ def test_extend_many_is_each_cache_extended_alone(make_model):
         torch.testing.assert_close(alone[j][1][0], want, rtol=1e-5, atol=1e-5)
         assert all(torch.equal(a.pos, b.pos) for a, b in zip(alone[j][0][0].layers, cache.layers))
     assert alone[3][0][0].policy._sketch                                        # KVReviver compressed into its sketch
+    for j in range(len(names)):                                                 # one token
+        [a], [b] = fresh([j]), fresh([j])
+        torch.testing.assert_close(extend_many(lean, chunk[:1], [a])[0], extend(model, chunk[None, :1], b)[0, -1],
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_extend_many_checks_before_any_cache_changes(make_model):
@@ -124,8 +129,9 @@ def test_extend_many_checks_before_any_cache_changes(make_model):
     k0 = a.layers[0].k.clone()
     for caches, chunk in (([a, b], torch.arange(3)), ([a, pair], torch.arange(3)), ([a, a], torch.arange(3)),
                           ([a], torch.arange(0)), ([a, KVCache(model.config)], torch.arange(3)),
+                          ([a], torch.tensor([model.config.vocab_size])),
                           ([a], torch.zeros(model.config.max_seq_len, dtype=torch.long)), ([], torch.arange(3))):
-        with pytest.raises(ValueError, match="extend_many|a chunk of"):
+        with pytest.raises(ValueError, match="extend_many|at least one token|exceeds|must lie in"):
             extend_many(lean, chunk, caches)
     assert a.seen == 10 and torch.equal(a.layers[0].k, k0)
 
