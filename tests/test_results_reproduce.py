@@ -329,6 +329,8 @@ CHECKED_BY = {
                      "launches_bundled_h200_batched.txt"], GPU),
     "launches_smollm2_batched.txt": (HERE + "test_the_launch_count_reproduces",),
     "launches_smollm2_fast.txt": "beside launches_smollm2_batched.txt",
+    "launches_smollm2_one-group.txt": "beside launches_smollm2_batched.txt",
+    "launches_smollm2_batched_22ea94c.txt": LOG,
 }
 
 
