@@ -230,6 +230,14 @@ class FastEngine(PlainEngine):
                 last = extend_many(self.lean, torch.tensor(chunk), caches)
         return caches, last
 
+    def extend_rest(self, cache: KVCache, logits: Tensor, chunks: list[list[int]]) -> Tensor:
+        """The fallback ``fill`` (one prompt pass per cache) extends each cache as the shared one does, with
+        ``extend_many``, so that both give a cache the same numbers, bit for bit."""
+        last = logits[0, -1]
+        for chunk in chunks[1:]:
+            last = extend_many(self.lean, torch.tensor(chunk), [cache])[0]
+        return last
+
     @torch.no_grad()
     def step(self, caches: list[KVCache], tokens: list[int]) -> tuple[Tensor, Tensor, list[float]]:
         tokens = [torch.tensor([t], device=self.device) for t in tokens]
