@@ -301,7 +301,7 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
 class OneGroupEngine(BatchedEngine):
     """The batched engine with every cache that can share storage in one group, as large as the largest
     (``--engine one-group``): each cache's row padded to the largest cache's slots. A step then runs the
-    group's writes and attention once per layer, where the batched engine runs them once per size (five to
+    group's writes and attention once per layer, where the batched engine runs them once per size (three to
     seven sizes in a step of ``methods.compare``'s 25 caches), for more bytes read: on a CPU the bytes cost
     more than the operations saved; on a GPU, where a step of a small model is bound by its launches, the
     trade may go the other way (``fastpath/README.md`` says whether it was measured)."""
