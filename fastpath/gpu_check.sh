@@ -13,8 +13,8 @@
 #   smolbench  the same for SmolLM2-135M's shape (random weights) with 1 and 16 sequences of 2,048 and 8,192
 #            tokens, to OUT's .smollm2_b1.json and .smollm2_b16.json siblings (120 s);
 #   tests    the tests a GPU changes: tests/fastpath (the graph and fused steps captured and replayed on CUDA,
-#            compared with the lean step; the split-K kernel in both) and tests/kernels (160 s; 65 s on an H200
-#            before the tests of H2O's and StreamingLLM's kernels);
+#            compared with the lean step; the split-K kernel in both) and tests/kernels, their output also to
+#            OUT's .tests.txt sibling (160 s; 65 s on an H200 before the tests of H2O's and StreamingLLM's kernels);
 #   hf       transformers' StaticCache step under torch.compile(mode="reduce-overhead") at 8,192 tokens, to
 #            OUT's .hf_compiled_8192.json sibling; a compile that runs out of its time says so (70 s);
 #   profile  the fused step's kernels per method, 8,192 and 32,768 tokens (python -m fastpath.profile): each
@@ -23,8 +23,9 @@
 #            GPU (one process with the fast engine, one with the batched engine, then a worker per core sharing it with
 #            the batched one), their records checked equal (methods.evaluation.agree) and their seconds
 #            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s); COMPARE_RUNS="DEVICE WORKERS
-#            ENGINE [VAR=VALUE]; ..." names other runs (the first is the one the others are checked against; a
-#            fourth word sets a variable for that run, as NANOKV_NO_TRITON=1: PyTorch's attention instead of the
+#            ENGINE [VAR=VALUE]; ..." names other runs (DEVICE cuda is the CPU in a dry run; the first run is the
+#            one the others are checked against; a fourth word sets a variable for that run, as
+#            NANOKV_NO_TRITON=1: PyTorch's attention instead of the
 #            Triton kernels; MPS=1: the run's processes share the GPU through NVIDIA's Multi-Process Service,
 #            a daemon of this script's own, quit after the run; skipped where it cannot start), COMPARE_LIMIT
 #            another limit per run in seconds;
@@ -114,8 +115,10 @@ smolbench() {
 }
 
 tests() {
-    echo "== tests: tests/fastpath, tests/kernels on $device"
-    timeout -k 10 160 python -m pytest -q -p no:cacheprovider tests/fastpath tests/kernels \
+    local txt="${out%.json}.tests.txt"
+    mkdir -p "$(dirname "$txt")"
+    echo "== tests: tests/fastpath, tests/kernels on $device -> $txt"
+    timeout -k 10 160 python -m pytest -q -p no:cacheprovider tests/fastpath tests/kernels 2>&1 | tee "$txt" \
         || { echo "tests FAILED or ran out of time (rc $?)"; status=1; }
 }
 
@@ -147,6 +150,7 @@ compare() {
     IFS=';' read -ra list <<< "$runs"
     for run in "${list[@]}"; do
         set -- $run
+        [ "$1" = cuda ] && set -- "$gpu" "${@:2}"            # a dry run (GPU_CHECK_DEVICE=cpu) on the CPU
         local setting=${4:-} json="$dir/bundled_$1_$2_$3${4:+_${4%%=*}}.json"
         echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 --engine $3 ${setting:+($setting) }-> $json"
         if [ "$setting" = MPS=1 ] && ! mps_start; then
