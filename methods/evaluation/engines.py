@@ -25,7 +25,7 @@ def make_engine(name: str, model, alone: bool = False):
         raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
     if name == "plain":
         return PlainEngine(model)
-    if name in ("batched", "one-group") and alone:
+    if issubclass(ENGINES[name], BatchedEngine) and alone:
         raise ValueError(f"--time-alone steps each cache on its own, the {name} engine steps them together: "
                          "use --engine fast")
     try:

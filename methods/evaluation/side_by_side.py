@@ -224,18 +224,19 @@ class FastEngine(PlainEngine):
         for cache in caches:
             cache.seen = len(chunks[0])
         self.prompt_passes = 1
-        last = logits[0, -1].repeat(len(caches), 1)                                       # (N, V)
-        for chunk in chunks[1:]:                         # the question after the context: every cache at once
-            with global_generators_untouched("the pass over the question"):
-                last = extend_many(self.lean, torch.tensor(chunk), caches)
-        return caches, last
+        return caches, self.extend_all(caches, logits[0, -1].repeat(len(caches), 1), chunks)
 
     def extend_rest(self, cache: KVCache, logits: Tensor, chunks: list[list[int]]) -> Tensor:
-        """The fallback ``fill`` (one prompt pass per cache) extends each cache as the shared one does, with
-        ``extend_many``, so that both give a cache the same numbers, bit for bit."""
-        last = logits[0, -1]
+        """The fallback ``fill`` (one prompt pass per cache) extends each cache as the shared one does, so
+        that both give a cache the same numbers, bit for bit."""
+        return self.extend_all([cache], logits[0, -1][None], chunks)[0]
+
+    def extend_all(self, caches: list[KVCache], last: Tensor, chunks: list[list[int]]) -> Tensor:
+        """The chunks after the first (the question after the context) onto every cache at once
+        (``extend_many``); ``last`` (N, V) the logits before them. Returns the last logits (N, V)."""
         for chunk in chunks[1:]:
-            last = extend_many(self.lean, torch.tensor(chunk), [cache])[0]
+            with global_generators_untouched("the pass over the question"):
+                last = extend_many(self.lean, torch.tensor(chunk), caches)
         return last
 
     @torch.no_grad()
