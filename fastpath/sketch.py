@@ -3,6 +3,7 @@ KVReviver's count sketch on the Triton kernels of ``kernels/count_sketch.py``.
 
     policy = make_policy("kvreviver", budget=256)
     use_kernels(policy)          # its sketches insert and query with the kernels where kernels.serves says so
+    use_kernels_on(policies, t)  # the same for each of them, when kernels.serves(t) (the evaluation's engines)
 
 ``KernelSketch`` is ``methods.kvreviver.VagueSketch`` with ``insert`` and ``query`` taken by the kernels on a
 CUDA tensor (atomic adds; a gather and a median in registers), and the sketch's own PyTorch elsewhere.
@@ -15,6 +16,7 @@ from torch import Tensor
 
 import kernels
 from methods.kvreviver import KVReviverPolicy, VagueSketch
+from nanollm.policy import CachePolicy
 
 
 class KernelSketch(VagueSketch):
@@ -34,7 +36,23 @@ class KernelSketch(VagueSketch):
         return sketch_query_triton(self.key, self.value, self.buckets(pos).int(), self.signs(pos))
 
 
-def use_kernels(policy: KVReviverPolicy) -> KVReviverPolicy:
-    """Let ``policy`` build its sketches as ``KernelSketch`` (before its first compression)."""
-    policy.sketch_class = KernelSketch
+def use_kernels(policy: CachePolicy) -> CachePolicy:
+    """Let ``policy``, or the ``KVReviverPolicy`` it wraps (``inner``, as ``PolicyWrapper`` holds it), build
+    its sketches as ``KernelSketch`` (before its first compression). Only the plain sketch is replaced: a
+    subclass's own (an ablation's) stays as it is. Any other policy is returned untouched."""
+    inner = policy
+    while not isinstance(inner, KVReviverPolicy):
+        inner = getattr(inner, "inner", None)
+        if inner is None:
+            return policy
+    if inner.sketch_class is VagueSketch:
+        inner.sketch_class = KernelSketch
     return policy
+
+
+def use_kernels_on(policies: list[CachePolicy], t: Tensor) -> None:
+    """``use_kernels`` on every policy when ``kernels.serves(t)`` (a tensor of the device they will run on):
+    how the evaluation's fast engines take the sketch's kernels on a GPU, and leave it alone elsewhere."""
+    if kernels.serves(t):
+        for policy in policies:
+            use_kernels(policy)

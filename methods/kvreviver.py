@@ -225,6 +225,8 @@ class KVReviverPolicy(CachePolicy):
     _recent: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _sketch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _approx: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # revived, bool
+    # per layer: the buffers (scores, revived) that _scores and _approx view, with room for later positions
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # per layer, at the end of its last compression: (positions seen, raw slots kept), so that the host knows
     # how many positions the next rebuild covers without reading the device (a GPU would make it wait)
     _compressed_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -363,15 +365,18 @@ class KVReviverPolicy(CachePolicy):
         H_kv = ctx.kv.pos.shape[1]
         lead = (B, H_kv) if self.per_kv_head else (B,)                           # a table's leading axes
         if ctx.phase == "prefill":                     # a new sequence: fresh scores, no sketch yet
-            self._scores[ctx.layer] = torch.zeros(*lead, ctx.seen, device=ctx.q.device)
-            self._approx[ctx.layer] = torch.zeros(*lead, ctx.seen, dtype=torch.bool, device=ctx.q.device)
+            self._tables[ctx.layer] = (torch.zeros(*lead, ctx.seen, device=ctx.q.device),
+                                       torch.zeros(*lead, ctx.seen, dtype=torch.bool, device=ctx.q.device))
             self._recent[ctx.layer] = 0
             self._sketch.pop(ctx.layer, None)
-        else:                                          # new positions start at 0
-            old, approx = self._scores[ctx.layer], self._approx[ctx.layer]
-            self._scores[ctx.layer] = torch.cat([old, old.new_zeros(*lead, ctx.seen - old.shape[-1])], dim=-1)
-            self._approx[ctx.layer] = torch.cat([approx, approx.new_zeros(*lead, ctx.seen - approx.shape[-1])],
-                                                dim=-1)
+        elif ctx.seen > self._tables[ctx.layer][0].shape[-1]:   # full: twice the room, new positions at 0
+            self._tables[ctx.layer] = tuple(torch.cat([t, t.new_zeros(*lead, max(ctx.seen, 2 * t.shape[-1])
+                                                                       - t.shape[-1])], dim=-1)
+                                            for t in self._tables[ctx.layer])
+        # the tables by position 0..seen-1: views of the buffers, whose positions past seen are still 0 (a step
+        # adds a position without copying the tables: on a GPU a cat and a fill, two launches, per layer)
+        scores, approx = self._tables[ctx.layer]
+        self._scores[ctx.layer], self._approx[ctx.layer] = scores[..., :ctx.seen], approx[..., :ctx.seen]
         attended = ctx.attended_pos if ctx.attended_pos is not None else ctx.kv.pos   # (B, H_kv, T_att)
         if self.per_kv_head:                                                     # (B, H_kv, T_att) per group
             received = ctx.col_sums.reshape(B, H_kv, H // H_kv, -1).sum(dim=2)
@@ -427,8 +432,9 @@ class KVReviverPolicy(CachePolicy):
                                          split.candidate)
                 new_k.append(k), new_v.append(v), new_pos.append(p.expand(G, -1))
         T_new = new_pos[0].shape[-1]                                             # the same in every group
-        store.replace(torch.cat(new_k).view(B, H_kv, T_new, d), torch.cat(new_v).view(B, H_kv, T_new, -1),
-                      torch.cat(new_pos).view(B, H_kv, T_new))
+        k, v, p = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (new_k, new_v, new_pos))
+        # a slot of room after them: the next step's new entry is written in place, not into new buffers
+        store.replace(k.view(B, H_kv, T_new, d), v.view(B, H_kv, T_new, -1), p.view(B, H_kv, T_new), room=1)
         self._compressed_at[layer] = (ctx.seen, T_new)
 
     def _overflow(self, sketch: VagueSketch | None, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
@@ -462,11 +468,12 @@ class KVReviverPolicy(CachePolicy):
         if n == 0:
             return k, v, p
         # the loop's first test, alone: does V's best beat C's lowest? Most steps swap nothing, and this asks
-        # 11 operations where the whole decision asks 22 (on a GPU, each a launch). NaN as the order below
+        # 10 operations where the whole decision asks 22 (on a GPU, each a launch). NaN as the order below
         # ranks it: V's NaN first (the max is NaN: no swap), C's NaN after every number (an empty C: +inf).
-        s_raw = scores[p]                                                        # (T,) by slot
-        c_low = s_raw.masked_fill((p >= recent_from) | s_raw.isnan(), float("inf")).amin()
-        v_best = scores.index_fill(0, p, float("-inf")).amax()                   # a raw position is not in V
+        inf = float("inf")
+        s_raw = scores[p].nan_to_num(nan=inf, posinf=inf, neginf=-inf)          # (T,) by slot, NaN as +inf
+        c_low = s_raw.masked_fill(p >= recent_from, inf).amin()
+        v_best = scores.index_fill(0, p, -inf).amax()                            # a raw position is not in V
         if not bool(c_low * self.replace_rate < v_best):
             return k, v, p
         in_raw = torch.zeros(scores.shape[0], dtype=torch.uint8, device=p.device)
@@ -514,6 +521,7 @@ class KVReviverPolicy(CachePolicy):
 
     def reset(self) -> None:
         self._scores, self._recent, self._sketch, self._approx, self._compressed_at = {}, {}, {}, {}, {}
+        self._tables = {}
         self.rebuilt_nbytes, self.swaps = 0, 0
 
     def slot_nbytes(self) -> int:

@@ -200,12 +200,14 @@ class ScissorhandsPolicy(ScoringPolicy):
             return super().evict(ctx)
         state = ctx.kv.state
         pos, counts, attn = ctx.kv.pos, state[COUNT], state[ATTN]                # (B, H_kv, T) each
-        candidate = (pos >= 0) & (pos < ctx.seen - self.n_recent)                 # held, not recent
-        counts = torch.where(candidate, counts, -1)                               # a candidate counts >= 0
-        most = candidate & (counts == counts.amax(dim=-1, keepdim=True))          # the most low flags
-        attn = torch.where(most, attn.nan_to_num(nan=float("inf")), float("inf"))  # NaN: ranked last
-        least = most & (attn == attn.amin(dim=-1, keepdim=True))                  # then the least attention
-        return torch.where(least, pos, -1).argmax(dim=-1, keepdim=True)           # then the latest position
+        # `out`: the slots ruled out so far (each masked tensor op is one launch on a GPU: no `where`, whose
+        # scalar is a launch of its own, and no `~`)
+        out = (pos < 0) | (pos >= ctx.seen - self.n_recent)                      # empty or recent: no candidate
+        counts = counts.masked_fill(out, -1)                                      # a candidate counts >= 0
+        out |= counts != counts.amax(dim=-1, keepdim=True)                        # fewer than the most low flags
+        attn = attn.nan_to_num(nan=float("inf")).masked_fill(out, float("inf"))  # NaN: ranked last
+        out |= attn != attn.amin(dim=-1, keepdim=True)                            # more than the least attention
+        return pos.masked_fill(out, -1).argmax(dim=-1, keepdim=True)              # then the latest position
 
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         return [range(max(0, seen - self.n_recent), seen)]                    # the n_recent most recent

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastpath.lean import LeanDecoder
+from fastpath.sketch import use_kernels_on
 from nanollm.attention import prompt_statistics, rope_cos_sin
 from nanollm.cache import KVCache, LayerKV
 from nanollm.generation import prefill
@@ -198,6 +199,10 @@ class FastEngine(PlainEngine):
       given to a cache are its own attention (storage, attention, its policy's hooks) plus an equal share
       of the rest of the step, the products and element-wise work done once for every row: they add up to
       the step's time, and shrink as more caches share it.
+    * on a GPU where the kernels serve (``kernels.serves``), KVReviver's sketch inserts and queries on its
+      Triton kernels (``fastpath/sketch.py``): one launch each where the PyTorch sketch takes about ten. Its
+      atomic adds sum a cell's tokens in an order that may change from run to run, so its records are equal
+      to the CPU's to float rounding, as the attention kernel's are.
 
     It takes the models ``LeanDecoder`` takes (llama flavour, standard attention); ``engines.make_engine`` says so in
     one line for another model. The policies' hooks interleave, cache after cache and layer after layer,
@@ -214,6 +219,7 @@ class FastEngine(PlainEngine):
 
     @torch.no_grad()
     def fill(self, policies: list[CachePolicy], chunks: list[list[int]]) -> tuple[list[KVCache], Tensor]:
+        use_kernels_on(policies, self.model.tok_emb.weight)     # on a GPU: KVReviver's sketch on its kernels
         caches = [KVCache(self.model.config, policy=p) for p in policies]
         try:
             with global_generators_untouched("the shared prompt pass"):

@@ -118,3 +118,52 @@ def test_kvreviver_sketch(kernels_everywhere, monkeypatch, make_model):
     monkeypatch.setattr(kernels, "serves", lambda t: False)
     without = run(model, x, KVCache(model.config, make_policy("kvreviver", 64)))
     torch.testing.assert_close(with_kernels, without, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@through_kernels
+@pytest.mark.parametrize("engine", ["fast", "batched"])
+def test_the_evaluation_sketches_on_the_kernels_where_they_serve(monkeypatch, engine):
+    """The fast engines give KVReviver the sketch's kernels where they serve (``use_kernels_on``, patched here
+    for the sketch alone): its records are those of the PyTorch sketch, to float rounding (the atomic adds sum
+    in another order). A wrapped KVReviver is reached; an ablation's own sketch is left alone."""
+    import fastpath.sketch
+    from methods.analysis.kvreviver_ablation import CentredSketch
+    from methods.evaluation import compare
+    from methods.evaluation.protocol import Probe
+    from nanollm import load
+    from nanollm.data.evaluate import MODES
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok, _ = load("retrieval-llama", device=device)
+
+    def records(kernels_serve: bool) -> list[dict]:
+        queried = []
+        query = fastpath.sketch.KernelSketch.query
+
+        def counted(self, pos):
+            queried.append(len(pos))
+            return query(self, pos)
+        with monkeypatch.context() as m:
+            serves = (lambda t: t.is_cuda or kernels.interpreting()) if kernels_serve else (lambda t: False)
+            m.setattr(fastpath.sketch, "kernels", SimpleNamespace(serves=serves))
+            m.setattr(fastpath.sketch.KernelSketch, "query", counted)
+            out = compare.run(model, tok, ["kvreviver"], [48], ["niah_single_noise"], MODES[:1], 1, 192,
+                              engine=engine, progress=False)
+        assert bool(queried) == kernels_serve
+        return out
+
+    with_kernels, without = records(True), records(False)
+    assert len(with_kernels) == len(without) == 2                  # the full cache and KVReviver
+    for a, b in zip(with_kernels, without):
+        assert a.keys() == b.keys()
+        for key in a.keys() - {"compress_ms", "decode_ms_per_token"}:    # the times differ, of course
+            if isinstance(a[key], float):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), key
+            else:
+                assert a[key] == b[key], key
+
+    wrapped, own = Probe(make_policy("kvreviver", 64)), make_policy("kvreviver", 64)
+    own.sketch_class = CentredSketch
+    fastpath.sketch.use_kernels(wrapped), fastpath.sketch.use_kernels(own)
+    assert wrapped.inner.sketch_class is fastpath.sketch.KernelSketch and own.sketch_class is CentredSketch
