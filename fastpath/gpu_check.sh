@@ -25,7 +25,7 @@
 #            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s); COMPARE_RUNS="DEVICE WORKERS
 #            ENGINE [VAR=VALUE]; ..." names other runs (DEVICE cuda is the CPU in a dry run; the first run is the
 #            one the others are checked against; a fourth word sets a variable for that run, as
-#            NANOKV_NO_TRITON=1: PyTorch's attention instead of the
+#            NANOKV_NO_TRITON=1: PyTorch's attention and sketch instead of the
 #            Triton kernels; MPS=1: the run's processes share the GPU through NVIDIA's Multi-Process Service,
 #            a daemon of this script's own, quit after the run; skipped where it cannot start), COMPARE_LIMIT
 #            another limit per run in seconds;

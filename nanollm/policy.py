@@ -144,10 +144,12 @@ class ScoringPolicy(CachePolicy):
 
     def rank(self, scores: Tensor, pos: Tensor, seen: int) -> Tensor:
         """``scores`` (B, H_kv, T) as selection ranks them: protected slots +inf, empty slots -inf."""
-        protected = torch.zeros_like(pos, dtype=torch.bool)
-        for r in self.protected(seen, seen):
-            protected |= (pos >= r.start) & (pos < r.stop)
-        return scores.float().masked_fill(protected, float("inf")).masked_fill(pos < 0, float("-inf"))
+        ranked = scores.float()
+        for r in self.protected(seen, seen):        # held positions are in [0, seen): a bound past them is
+            inside = (pos >= r.start) if r.stop >= seen else (pos < r.stop) if r.start <= 0 else \
+                (pos >= r.start) & (pos < r.stop)   # no test (an empty slot's -inf comes last, over it)
+            ranked = ranked.masked_fill(inside, float("inf"))
+        return ranked.masked_fill(pos < 0, float("-inf"))
 
     def keep_scores(self, ctx: StepContext) -> Tensor:
         return self.rank(self.score(ctx), ctx.kv.pos, ctx.seen)

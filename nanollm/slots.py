@@ -2,7 +2,7 @@
 What the reading path calls by what it does, and need not read: two fast paths over a layer's slots, and the
 views of its per-slot state.
 
-    gather_slots(t, idx)                  t's slots idx of every head: ``LayerKV.keep`` compacting the storage
+    gather_slots(ts, idx)                 the slots idx of every head of each t: ``LayerKV.keep`` compacting
     select_lowest(scores, pos, stays, n)  the slots ``select_topk`` would drop, without a sort:
                                           ``ScoringPolicy.evict`` at a one-token decode step
     to_device(values, device)             slot numbers from the host, without the host waiting for a GPU
@@ -15,12 +15,14 @@ import torch
 from torch import Tensor
 
 
-def gather_slots(t: Tensor, idx: Tensor) -> Tensor:
-    """t (B, H_kv, S, ...) -> (B, H_kv, K, ...): the slots idx (B, H_kv, K) of every head, as rows of a flat
-    (B*H_kv*S, -1) view (one index_select: on CPU much faster than gather with an expanded index)."""
-    B, H_kv, S = t.shape[:3]
+def gather_slots(ts: list[Tensor], idx: Tensor) -> list[Tensor]:
+    """Each t of ts (B, H_kv, S, ...) -> (B, H_kv, K, ...): the slots idx (B, H_kv, K) of every head, as rows
+    of a flat (B*H_kv*S, -1) view: one index_select per tensor (on CPU much faster than gather with an
+    expanded index), the rows computed once for all of them (on a GPU, three launches fewer a tensor)."""
+    B, H_kv, S = ts[0].shape[:3]
     rows = (torch.arange(B * H_kv, device=idx.device).view(B, H_kv, 1) * S + idx).reshape(-1)
-    return t.reshape(B * H_kv * S, -1).index_select(0, rows).view(B, H_kv, idx.shape[-1], *t.shape[3:])
+    return [t.reshape(B * H_kv * S, -1).index_select(0, rows).view(B, H_kv, idx.shape[-1], *t.shape[3:])
+            for t in ts]
 
 
 def select_lowest(scores: Tensor, pos: Tensor, stays: Tensor, n: int) -> Tensor:

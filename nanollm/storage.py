@@ -113,9 +113,10 @@ class LayerKV:
         K = idx.shape[-1]
         empty = idx < 0
         with_room = torch.nn.functional.pad(idx.clamp(min=0), (0, MIN_CAPACITY))   # (B, H_kv, K + room)
-        self._k, self._v, self._pos = (gather_slots(t, with_room) for t in (self._k, self._v, self._pos))
+        self._k, self._v, self._pos, *states = gather_slots([self._k, self._v, self._pos, *self._state.values()],
+                                                            with_room)
         self._pos[:, :, K:] = -1
-        self._state = {name: gather_slots(t, with_room) for name, t in self._state.items()}
+        self._state = dict(zip(self._state, states))
         self.n, self.free = K, None
         if empty.any():
             self.k.masked_fill_(empty[..., None], 0.0)
