@@ -432,9 +432,15 @@ class KVReviverPolicy(CachePolicy):
                                          split.candidate)
                 new_k.append(k), new_v.append(v), new_pos.append(p.expand(G, -1))
         T_new = new_pos[0].shape[-1]                                             # the same in every group
-        k, v, p = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (new_k, new_v, new_pos))
-        # a slot of room after them: the next step's new entry is written in place, not into new buffers
-        store.replace(k.view(B, H_kv, T_new, d), v.view(B, H_kv, T_new, -1), p.view(B, H_kv, T_new), room=1)
+        # buffers of one slot more (its position -1): the next step's new entry is written there, in place,
+        # not into buffers of twice the size with every entry copied over (``LayerKV.append``)
+        k = store.k.new_empty(B * S, G, T_new + 1, d)
+        v = store.v.new_empty(B * S, G, T_new + 1, store.v.shape[-1])
+        p = store.pos.new_full((B * S, G, T_new + 1), -1)
+        for buffer, parts in ((k, new_k), (v, new_v), (p, new_pos)):
+            buffer[:, :, :T_new] = parts[0] if len(parts) == 1 else torch.stack(parts)
+        store.replace(k.view(B, H_kv, T_new + 1, d), v.view(B, H_kv, T_new + 1, -1), p.view(B, H_kv, T_new + 1),
+                      n=T_new)
         self._compressed_at[layer] = (ctx.seen, T_new)
 
     def _overflow(self, sketch: VagueSketch | None, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,

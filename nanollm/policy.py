@@ -144,12 +144,10 @@ class ScoringPolicy(CachePolicy):
 
     def rank(self, scores: Tensor, pos: Tensor, seen: int) -> Tensor:
         """``scores`` (B, H_kv, T) as selection ranks them: protected slots +inf, empty slots -inf."""
-        ranked = scores.float()
-        for r in self.protected(seen, seen):        # held positions are in [0, seen): a bound past them is
-            inside = (pos >= r.start) if r.stop >= seen else (pos < r.stop) if r.start <= 0 else \
-                (pos >= r.start) & (pos < r.stop)   # no test (an empty slot's -inf comes last, over it)
-            ranked = ranked.masked_fill(inside, float("inf"))
-        return ranked.masked_fill(pos < 0, float("-inf"))
+        ranked, inf = scores.float(), float("inf")
+        for r in self.protected(seen, seen):    # positions held are < seen: a range up to seen needs no stop test
+            ranked = ranked.masked_fill((pos >= r.start) & (pos < r.stop) if r.stop < seen else pos >= r.start, inf)
+        return ranked.masked_fill(pos < 0, -inf)
 
     def keep_scores(self, ctx: StepContext) -> Tensor:
         return self.rank(self.score(ctx), ctx.kv.pos, ctx.seen)

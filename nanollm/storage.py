@@ -112,9 +112,8 @@ class LayerKV:
         state moves with the entries; the new buffers keep ``MIN_CAPACITY`` slots of room."""
         K = idx.shape[-1]
         empty = idx < 0
-        with_room = torch.nn.functional.pad(idx.clamp(min=0), (0, MIN_CAPACITY))   # (B, H_kv, K + room)
-        self._k, self._v, self._pos, *states = gather_slots([self._k, self._v, self._pos, *self._state.values()],
-                                                            with_room)
+        at = torch.nn.functional.pad(idx.clamp(min=0), (0, MIN_CAPACITY))          # (B, H_kv, K + room)
+        self._k, self._v, self._pos, *states = gather_slots([self._k, self._v, self._pos, *self._state.values()], at)
         self._pos[:, :, K:] = -1
         self._state = dict(zip(self._state, states))
         self.n, self.free = K, None
@@ -131,18 +130,9 @@ class LayerKV:
         self._state[name] = values.new_full((*values.shape[:2], self.capacity(), *values.shape[3:]), fill)
         self._state[name][:, :, :self.n], self.fill[name] = values, fill
 
-    def replace(self, k: Tensor, v: Tensor, pos: Tensor, room: int = 0) -> None:
-        """Overwrite every entry (a method that rebuilds them); its per-slot state is dropped. ``room``: empty
-        slots after the entries, into new buffers they are copied to, so that the next ``append`` of up to that
-        many entries writes in place (a method that replaces its entries at every step: no reallocation)."""
-        if room:
-            B, H_kv, T = pos.shape
-            buffers = (k.new_empty(B, H_kv, T + room, k.shape[-1]), v.new_empty(B, H_kv, T + room, v.shape[-1]),
-                       pos.new_full((B, H_kv, T + room), -1))
-            for buffer, t in zip(buffers, (k, v, pos)):
-                buffer[:, :, :T] = t
-            k, v, pos = buffers
-        self._k, self._v, self._pos, self.n, self.free = k, v, pos, pos.shape[2] - room, None
+    def replace(self, k: Tensor, v: Tensor, pos: Tensor, n: int | None = None) -> None:
+        """Overwrite every entry (rebuilt by a method), the state dropped; n < T: n entries, then room (pos -1)."""
+        self._k, self._v, self._pos, self.n, self.free = k, v, pos, k.shape[2] if n is None else n, None
         self._state, self.fill = {}, {}
 
     def counts(self) -> Tensor:

@@ -77,19 +77,19 @@ def test_keep_leaves_room_and_views_show_the_kept_slots():
 
 
 @pytest.mark.parametrize("room", [0, 1, 3])
-def test_replace_leaves_the_room_asked_and_the_next_append_writes_there(room):
+def test_replace_with_room_and_the_next_append_writes_there(room):
     kv = LayerKV()
     kv.append(torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4), torch.arange(4))
     kv.set_state("score", torch.ones(1, 2, 4), fill=0.0)
-    k, v, pos = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5), torch.tensor([[[0, 2, 3], [1, 2, 3]]])
-    kv.replace(k, v, pos, room=room)
+    k, v = torch.randn(1, 2, 3 + room, 4), torch.randn(1, 2, 3 + room, 5)
+    pos = torch.tensor([[[0, 2, 3] + [-1] * room, [1, 2, 3] + [-1] * room]])
+    kv.replace(k, v, pos, n=3 if room else None)
     assert len(kv) == 3 and kv.capacity() == 3 + room and kv.state == {}
-    assert torch.equal(kv.k, k) and torch.equal(kv.v, v) and torch.equal(kv.pos, pos)   # the views: the 3 only
-    assert (kv._pos[:, :, 3:] == -1).all()                      # the room holds no entry
+    assert torch.equal(kv.k, k[:, :, :3]) and torch.equal(kv.pos, pos[:, :, :3])    # the views: the 3 only
     buffer = kv.k.data_ptr()
     kv.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 5), torch.tensor([4]))
     assert (kv.k.data_ptr() == buffer) == (room >= 1), "an append within the room must not move the entries"
-    assert kv.pos[0, 0].tolist() == [0, 2, 3, 4] and torch.equal(kv.v[:, :, :3], v)
+    assert kv.pos[0, 0].tolist() == [0, 2, 3, 4] and torch.equal(kv.v[:, :, :3], v[:, :, :3])
 
 
 # ---------------------------------------------------------------------------------------------------------
