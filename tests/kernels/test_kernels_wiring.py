@@ -120,13 +120,13 @@ def test_kvreviver_sketch(kernels_everywhere, monkeypatch, make_model):
     torch.testing.assert_close(with_kernels, without, rtol=0, atol=1e-4)
 
 
-@pytest.mark.slow
 @through_kernels
-@pytest.mark.parametrize("engine", ["fast", "batched"])
+@pytest.mark.parametrize("engine", [pytest.param("fast", marks=pytest.mark.slow), "batched"])
 def test_the_evaluation_sketches_on_the_kernels_where_they_serve(monkeypatch, engine):
     """The fast engines give KVReviver the sketch's kernels where they serve (``use_kernels_on``, patched here
     for the sketch alone): its records are those of the PyTorch sketch, to float rounding (the atomic adds sum
-    in another order). A wrapped KVReviver is reached; an ablation's own sketch is left alone."""
+    in another order). A wrapped KVReviver is reached; an ablation's own sketch is left alone. (In the fast
+    tier with the batched engine, so that ``fastpath/gpu_check.sh``'s tests stage runs it on a GPU.)"""
     import fastpath.sketch
     from methods.analysis.kvreviver_ablation import CentredSketch
     from methods.evaluation import compare
