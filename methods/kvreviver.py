@@ -226,6 +226,7 @@ class KVReviverPolicy(CachePolicy):
     _sketch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _approx: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # revived, bool
     # per layer: the buffers (scores, revived) that _scores and _approx view, with room for later positions
+    # (so a table read at one step is updated in place by the next: clone it to keep it)
     _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # per layer, at the end of its last compression: (positions seen, raw slots kept), so that the host knows
     # how many positions the next rebuild covers without reading the device (a GPU would make it wait)
@@ -432,8 +433,9 @@ class KVReviverPolicy(CachePolicy):
                                          split.candidate)
                 new_k.append(k), new_v.append(v), new_pos.append(p.expand(G, -1))
         T_new = new_pos[0].shape[-1]                                             # the same in every group
-        # buffers of one slot more (its position -1): the next step's new entry is written there, in place,
-        # not into buffers of twice the size with every entry copied over (``LayerKV.append``)
+        # buffers of one slot more (its position -1; its k and v unset, written by the next append before any
+        # read): the next step's new entry goes there, in place, not into buffers of twice the size with every
+        # entry copied over (``LayerKV.append``)
         k = store.k.new_empty(B * S, G, T_new + 1, d)
         v = store.v.new_empty(B * S, G, T_new + 1, store.v.shape[-1])
         p = store.pos.new_full((B * S, G, T_new + 1), -1)

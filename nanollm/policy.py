@@ -143,9 +143,10 @@ class ScoringPolicy(CachePolicy):
         return []
 
     def rank(self, scores: Tensor, pos: Tensor, seen: int) -> Tensor:
-        """``scores`` (B, H_kv, T) as selection ranks them: protected slots +inf, empty slots -inf."""
+        """``scores`` (B, H_kv, T) as selection ranks them: protected slots +inf, empty slots -inf. Every held
+        position is below ``seen`` (the tokens seen), so a protected range up to ``seen`` is tested from its start."""
         ranked, inf = scores.float(), float("inf")
-        for r in self.protected(seen, seen):    # positions held are < seen: a range up to seen needs no stop test
+        for r in self.protected(seen, seen):
             ranked = ranked.masked_fill((pos >= r.start) & (pos < r.stop) if r.stop < seen else pos >= r.start, inf)
         return ranked.masked_fill(pos < 0, -inf)
 

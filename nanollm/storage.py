@@ -110,8 +110,7 @@ class LayerKV:
     def keep(self, idx: Tensor) -> None:
         """Keep only the slots idx (B, H_kv, K) of each head, in that order; -1 makes an empty slot. The
         state moves with the entries; the new buffers keep ``MIN_CAPACITY`` slots of room."""
-        K = idx.shape[-1]
-        empty = idx < 0
+        K, empty = idx.shape[-1], idx < 0
         at = torch.nn.functional.pad(idx.clamp(min=0), (0, MIN_CAPACITY))          # (B, H_kv, K + room)
         self._k, self._v, self._pos, *states = gather_slots([self._k, self._v, self._pos, *self._state.values()], at)
         self._pos[:, :, K:] = -1
@@ -131,7 +130,7 @@ class LayerKV:
         self._state[name][:, :, :self.n], self.fill[name] = values, fill
 
     def replace(self, k: Tensor, v: Tensor, pos: Tensor, n: int | None = None) -> None:
-        """Overwrite every entry (rebuilt by a method), the state dropped; n < T: n entries, then room (pos -1)."""
+        """Overwrite every entry (rebuilt by a method), the state dropped; n: entries in use, then room (pos -1)."""
         self._k, self._v, self._pos, self.n, self.free = k, v, pos, k.shape[2] if n is None else n, None
         self._state, self.fill = {}, {}
 
