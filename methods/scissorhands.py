@@ -116,6 +116,21 @@ def n_dropped(n_slots: int, budget: int, drop: int, n_recent: int) -> int:
     # END SOLUTION
 
 
+def evict_one(pos: Tensor, counts: Tensor, attn: Tensor, recent_from: int | Tensor) -> Tensor:
+    """The slot each head drops at a one-token decode step (m = 1), (B, H_kv, 1): among the held slots before
+    ``recent_from`` (an int, or (B, 1, 1) for rows of their own), the most low flags, then the lowest
+    attention of the step's last query (NaN last), then the latest position; a few passes, no sort.
+    pos, counts, attn : (B, H_kv, T), -1 in pos for an empty slot."""
+    # `out`: the slots ruled out so far (each masked tensor op is one launch on a GPU: no `where`, whose
+    # scalar is a launch of its own, and no `~`)
+    out = (pos < 0) | (pos >= recent_from)                                    # empty or recent: no candidate
+    counts = counts.masked_fill(out, -1)                                      # a candidate counts >= 0
+    out |= counts != counts.amax(dim=-1, keepdim=True)                        # fewer than the most low flags
+    attn = attn.nan_to_num(nan=float("inf")).masked_fill(out, float("inf"))  # NaN: ranked last
+    out |= attn != attn.amin(dim=-1, keepdim=True)                            # more than the least attention
+    return pos.masked_fill(out, -1).argmax(dim=-1, keepdim=True)              # then the latest position
+
+
 def scissorhands_keep(counts: Tensor, attn: Tensor, pos: Tensor, seen: int, budget: int, drop: int = 1,
                       n_recent: int = 0) -> Tensor:
     """The whole rule (Algorithm 2) on one layer's tables, counts, attn, pos (B, H_kv, T): idx (B, H_kv, K)
@@ -199,15 +214,7 @@ class ScissorhandsPolicy(ScoringPolicy):
         if len(ctx.kv) - self.n_keep(ctx) != 1:
             return super().evict(ctx)
         state = ctx.kv.state
-        pos, counts, attn = ctx.kv.pos, state[COUNT], state[ATTN]                # (B, H_kv, T) each
-        # `out`: the slots ruled out so far (each masked tensor op is one launch on a GPU: no `where`, whose
-        # scalar is a launch of its own, and no `~`)
-        out = (pos < 0) | (pos >= ctx.seen - self.n_recent)                      # empty or recent: no candidate
-        counts = counts.masked_fill(out, -1)                                      # a candidate counts >= 0
-        out |= counts != counts.amax(dim=-1, keepdim=True)                        # fewer than the most low flags
-        attn = attn.nan_to_num(nan=float("inf")).masked_fill(out, float("inf"))  # NaN: ranked last
-        out |= attn != attn.amin(dim=-1, keepdim=True)                            # more than the least attention
-        return pos.masked_fill(out, -1).argmax(dim=-1, keepdim=True)              # then the latest position
+        return evict_one(ctx.kv.pos, state[COUNT], state[ATTN], ctx.seen - self.n_recent)
 
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         return [range(max(0, seen - self.n_recent), seen)]                    # the n_recent most recent

@@ -22,7 +22,9 @@ scores and evicts in place as before, and the group's buffers see every change. 
    (``fastpath.attention.attend_step``: the Triton kernel on a GPU), as the graph step does
    (``fastpath/graph.py``);
 3. each cache's policy hook (``on_decode``) on its own row, with its own slices of the output and of the
-   probabilities: what ``KVCache.attend`` would give it.
+   probabilities: what ``KVCache.attend`` would give it; or, for H2O's or Scissorhands' caches side by side
+   in the group (its rows are ordered so), one hook over their rows at once, to the same numbers
+   (``row_hooks.py``; their per-slot state lives in one buffer per layer and name, a row each).
 
 Caches are grouped by size (``bucket``), so that a cache of 200 entries is not padded to the full cache's
 2,000. A cache whose policy rebuilds the entries it attends to (``attend_kv``: KVReviver) keeps its own
@@ -55,6 +57,7 @@ from nanollm.cache import KVCache, LayerKV
 from nanollm.policy import CachePolicy, Needs, StepContext
 from nanollm.slots import to_device
 
+from . import row_hooks
 from .protocol import Probe
 from .side_by_side import FastEngine, global_generators_untouched
 
@@ -90,6 +93,16 @@ class Group:
         self.k = [first.k.new_zeros(N, H_kv, slots, d) for _ in range(L)]
         self.v = [first.v.new_zeros(N, H_kv, slots, d_v) for _ in range(L)]
         self.pos = [first.pos.new_full((N, H_kv, slots), -1) for _ in range(L)]
+        # per layer and state name: the rows from the first cache holding it to the last, in one buffer, a row
+        # each (a method's caches side by side then step as one: ``row_hooks.py``): name -> (first row, buffer)
+        self.state: list[dict[str, tuple[int, Tensor]]] = []
+        for i in range(L):
+            rows: dict[str, list] = {}
+            for r, cache in enumerate(caches):
+                for name, t in cache.layers[i]._state.items():
+                    rows.setdefault(name, [r, r, t])[1] = r
+            self.state.append({name: (lo, t.new_empty(hi - lo + 1, H_kv, slots, *t.shape[3:]))
+                               for name, (lo, hi, t) in rows.items()})
         for r, cache in enumerate(caches):
             for i, store in enumerate(cache.layers):
                 self.adopt(i, r, store)
@@ -101,8 +114,14 @@ class Group:
         self.k[i][r, :, :n], self.v[i][r, :, :n], self.pos[i][r, :, :n] = store.k[0], store.v[0], store.pos[0]
         self.pos[i][r, :, n:] = -1                    # a row adopted again may hold older entries there
         state = {}
-        for name, t in store._state.items():
-            state[name] = t.new_full((*t.shape[:2], self.C, *t.shape[3:]), store.fill[name])
+        for name, t in store._state.items():          # its row of the group's buffer (a state made since: its own)
+            lo, buffer = self.state[i].get(name, (r, None))
+            if buffer is None or not 0 <= r - lo < len(buffer) or buffer.shape[3:] != t.shape[3:] \
+                    or buffer.dtype != t.dtype:
+                state[name] = t.new_empty((*t.shape[:2], self.C, *t.shape[3:]))
+            else:
+                state[name] = buffer[r - lo:r - lo + 1]
+            state[name][:, :, n:] = store.fill[name]
             state[name][:, :, :n] = t[:, :, :n]
         store._k, store._v, store._pos = self.k[i][r:r + 1], self.v[i][r:r + 1], self.pos[i][r:r + 1]
         store._state = state
@@ -210,7 +229,7 @@ class BatchedEngine(FastEngine):
         for n, cache in enumerate(caches):
             if n not in alone:
                 by_size.setdefault(bucket(max(s.n for s in cache.layers)), []).append(cache)
-        self.groups = [Group(members, slots) for slots, members in self.merge(by_size)]
+        self.groups = [Group(row_hooks.side_by_side(members), slots) for slots, members in self.merge(by_size)]
         self.ids = ids
         return self.groups, alone
 
@@ -278,8 +297,17 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
             qp = row_pos[rows].view(-1, 1, 1)
             visible = g.pos[i].masked_fill(g.pos[i] > qp, -1)    # (n, H_kv, C): what each row's query sees
             out, probs, col_sums = attend_step(q[rows], g.k[i], g.v[i], needs, visible)
+            together = set()                          # rows whose caches' hooks run at once (row_hooks.py)
+            for run in row_hooks.runs(g.caches, i) if row_hooks.ENABLED else ():
+                a, b = run.start, run.stop
+                seconds = row_hooks.step_rows(g, i, run, attn, q[rows][a:b], row_pos[rows.start + a:rows.start + a + 1],
+                                              out[a:b], None if probs is None else probs[a:b],
+                                              None if col_sums is None else col_sums[a:b])
+                for r in run:
+                    own_seconds[rows.start + r] += seconds / len(run)
+                together.update(run)
             for r, cache in enumerate(g.caches):
-                if cache.policy is not None:
+                if cache.policy is not None and r not in together:
                     t0 = time.perf_counter()
                     row = rows.start + r
                     hook(i, attn, cache, each[r], q[row:row + 1], row_pos[row:row + 1], out[r:r + 1],

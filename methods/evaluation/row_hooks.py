@@ -1,0 +1,131 @@
+"""
+A method's caches side by side in a group, given their decode hook at once (``batched.py``'s step).
+
+A job of ``methods.compare`` runs each method at three keep ratios, and with ``--engine one-group`` their
+caches sit in consecutive rows of one group. H2O's and Scissorhands' decode hooks are a few dozen small
+operations per cache and layer (on a GPU, a kernel launch each), the same for each of the three but for
+the recent window's length. Here the rows of such caches run the method's own ``observe`` once, over a
+``LayerKV`` that views all their rows, then drop one slot per row and KV head at once:
+
+    H2O            its scores += what each slot received;  the lowest score outside the recent window
+    Scissorhands   its low-flag counters and ring buffer;   ``scissorhands.evict_one``
+
+with each row's recent window as a (rows, 1, 1) threshold. Every operation treats each row on its own, so
+each cache gets the numbers its own hook would give, bit for bit (``tests/methods/evaluation/
+test_row_hooks.py`` compares the records). A step takes this path only for rows whose hook would do
+exactly this: a ``Probe`` that is not recording around one of these methods, the same rule but for the
+budget and the recent window, the same tokens seen, and one token per head to drop; any other cache runs
+its own hook as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from torch import Tensor
+
+from methods.h2o import STATE, H2OPolicy
+from methods.scissorhands import ATTN, COUNT, ScissorhandsPolicy, evict_one, n_dropped
+from nanollm.cache import KVCache
+from nanollm.policy import StepContext
+from nanollm.slots import select_lowest, to_device
+from nanollm.storage import LayerKV
+
+from .protocol import Probe
+
+METHODS = (H2OPolicy, ScissorhandsPolicy)
+ENABLED = True          # False: every cache runs its own hook (the tests compare the two)
+
+
+def method(cache: KVCache):
+    """The H2O or Scissorhands policy a cache's idle ``Probe`` wraps, else None."""
+    probe = cache.policy
+    if not isinstance(probe, Probe) or probe.recording or type(probe.inner) not in METHODS:
+        return None
+    return probe.inner
+
+
+def rule(policy) -> tuple:
+    """What must be equal for two policies to step as one: the class and every field but the budget and the
+    recent window."""
+    fields = dataclasses.asdict(policy)
+    return (type(policy), *(v for k, v in sorted(fields.items()) if k not in ("budget", "n_recent")))
+
+
+def side_by_side(caches: list[KVCache]) -> list[KVCache]:
+    """``caches`` in a group's row order: those of one method and rule adjacent, in the order their first
+    appears, the others where they are (a row's numbers do not depend on its place in the group)."""
+    first: dict = {}
+    for n, cache in enumerate(caches):
+        inner = getattr(cache.policy, "inner", None)
+        first.setdefault(rule(inner) if type(inner) in METHODS else n, n)
+    key = [first[rule(c.policy.inner) if type(getattr(c.policy, "inner", None)) in METHODS else n]
+           for n, c in enumerate(caches)]
+    return [caches[n] for n in sorted(range(len(caches)), key=lambda n: (key[n], n))]
+
+
+def drops_one(policy, store: LayerKV) -> bool:
+    """Whether the policy's hook, after this step's write, drops exactly one slot per head in place."""
+    n = len(store)
+    if isinstance(policy, H2OPolicy):
+        return n == policy.budget + 1
+    return n > policy.budget and n_dropped(n, policy.budget, policy.drop, policy.n_recent) == 1
+
+
+def runs(caches: list[KVCache], i: int) -> list[range]:
+    """The runs of at least two consecutive rows whose caches step as one at layer i (the module docstring)."""
+    keys = []
+    for cache in caches:
+        policy = method(cache)
+        ok = policy is not None and policy.evicts_in_place and drops_one(policy, cache.layers[i])
+        keys.append((rule(policy), cache.seen) if ok else None)
+    out, start = [], 0
+    for r in range(1, len(caches) + 1):
+        if r == len(caches) or keys[r] is None or keys[r] != keys[start]:
+            if keys[start] is not None and r - start >= 2:
+                out.append(range(start, r))
+            start = r
+    return out
+
+
+_WINDOWS: dict = {}
+
+
+def recent_windows(n_recent: list[int], device) -> Tensor:
+    """(n, 1, 1) the rows' recent windows on ``device``, made once per set (the host sends nothing per step)."""
+    key = (tuple(n_recent), str(device))
+    if key not in _WINDOWS:
+        _WINDOWS[key] = to_device(n_recent, device).view(-1, 1, 1)
+    return _WINDOWS[key]
+
+
+def step_rows(group, i: int, rows: range, attn, q: Tensor, q_pos: Tensor, out: Tensor, probs: Tensor | None,
+              col_sums: Tensor | None) -> float:
+    """The hook of the caches in ``rows`` of ``group`` at layer i, at once; q, out (n, H, 1, d) and probs,
+    col_sums ((n, H, 1, C), (n, H, C)) are the rows' own. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    caches = [group.caches[r] for r in rows]
+    policies = [method(c) for c in caches]
+    a, b, first = rows.start, rows.stop, caches[0].layers[i]
+    kv = LayerKV(group.k[i][a:b], group.v[i][a:b], group.pos[i][a:b])             # every slot of the rows
+    kv._state = {name: buffer[a - lo:b - lo] for name, (lo, buffer) in group.state[i].items() if name in first._state}
+    kv.fill = dict(first.fill)
+    seen = caches[0].seen + 1                                                    # with this step's token
+    ctx = StepContext(layer=i, phase="decode", q=q, q_pos=q_pos, probs=probs, out=out, kv=kv, attn=attn,
+                      config=caches[0].config, seen=seen, attended_pos=kv.pos, col_sums=col_sums)
+    policies[0].observe(ctx)                                                     # the rows' own, at once
+    recent_from = seen - recent_windows([p.n_recent for p in policies], kv.pos.device)        # (n, 1, 1)
+    if isinstance(policies[0], H2OPolicy):                                       # ``ScoringPolicy.evict``
+        idx = select_lowest(kv.state[STATE], kv.pos, (kv.pos < 0) | (kv.pos >= recent_from), 1)
+    else:                                                                        # ``ScissorhandsPolicy.evict``
+        idx = evict_one(kv.pos, kv.state[COUNT], kv.state[ATTN], recent_from)
+    kv._pos.scatter_(2, idx, -1)                                                 # each row's ``LayerKV.evict``
+    for r, cache in enumerate(caches):
+        store = cache.layers[i]
+        store.free = idx[r:r + 1] if store.free is None else torch.cat([store.free, idx[r:r + 1]], dim=-1)
+    seconds = time.perf_counter() - t0
+    for cache in caches:
+        cache.policy.compress_s += seconds / len(caches)                        # as ``Probe.on_decode`` times
+    return seconds

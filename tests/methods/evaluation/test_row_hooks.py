@@ -1,0 +1,81 @@
+"""``row_hooks``: a method's caches side by side in a group, their decode hook run once over their rows, give
+every cache the numbers its own hook gives, bit for bit: ``methods.compare``'s records with the rows stepped
+at once equal those with every cache stepping alone, in every field but the times."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from methods import make_policy
+from methods.evaluation import compare, row_hooks
+from methods.evaluation.engines import make_engine
+from methods.evaluation.protocol import Probe
+from nanollm import load
+from nanollm.data.evaluate import MODES
+
+TIMES = {"compress_ms", "decode_ms_per_token"}
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    torch.set_num_threads(1)
+    return load("retrieval-llama")
+
+
+def records(bundled, engine: str) -> list[dict]:
+    model, tok, _ = bundled
+    return compare.run(model, tok, ["h2o", "scissorhands", "snapkv"], [40, 56, 72], ["niah_single_noise"],
+                       MODES, 1, 256, engine=engine, progress=False)
+
+
+@pytest.mark.parametrize("engine", ["one-group", "batched"])
+def test_rows_stepped_at_once_give_every_record_bit_for_bit(bundled, monkeypatch, engine):
+    runs = []
+    step_rows = row_hooks.step_rows
+
+    def counted(group, i, rows, *args):
+        runs.append(tuple(type(row_hooks.method(group.caches[r])).__name__ for r in rows))
+        return step_rows(group, i, rows, *args)
+    monkeypatch.setattr(row_hooks, "step_rows", counted)
+    together = records(bundled, engine)
+    if engine == "one-group":                     # H2O's three caches and Scissorhands' three, at once
+        assert {run for run in runs} == {("H2OPolicy",) * 3, ("ScissorhandsPolicy",) * 3}
+    monkeypatch.setattr(row_hooks, "ENABLED", False)
+    runs.clear()
+    alone = records(bundled, engine)
+    assert runs == []
+    assert len(together) == len(alone) == 2 * (1 + 3 * 3)
+    for a, b in zip(together, alone):
+        assert {k: v for k, v in a.items() if k not in TIMES} == {k: v for k, v in b.items() if k not in TIMES}
+
+
+def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkeypatch):
+    """What the records cannot see: every cache's storage (positions, emptied slots, per-slot state) and
+    logits after each step, with the rows at once and alone."""
+    model, _, _ = bundled
+    prompt = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+
+    calls, step_rows = [], row_hooks.step_rows
+    monkeypatch.setattr(row_hooks, "step_rows", lambda *args: calls.append(args[2]) or step_rows(*args))
+
+    def stepped(enabled: bool) -> list:
+        monkeypatch.setattr(row_hooks, "ENABLED", enabled)
+        engine = make_engine("one-group", model)
+        policies = [Probe(make_policy(m, budget=b)) for m in ("h2o", "scissorhands") for b in (40, 56, 72)]
+        caches, _ = engine.fill(policies, [prompt.tolist()])
+        seen = []
+        for t in prompt[:5].tolist():
+            logits, _, _ = engine.step(caches, [t] * len(caches))
+            seen.append([logits] + [(s.pos.clone(), None if s.free is None else s.free.clone(),
+                                     {k: v.clone() for k, v in s.state.items()}) for c in caches for s in c.layers])
+        return seen
+
+    together = stepped(True)
+    assert len(calls) == 2 * 5 * model.config.n_layer         # both methods, at every step and layer
+    for a, b in zip(together, stepped(False)):
+        assert torch.equal(a[0], b[0])
+        for (pos_a, free_a, state_a), (pos_b, free_b, state_b) in zip(a[1:], b[1:]):
+            assert torch.equal(pos_a, pos_b) and (free_a is None) == (free_b is None)
+            assert free_a is None or torch.equal(free_a, free_b)
+            assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
