@@ -103,6 +103,8 @@ class Group:
                     rows.setdefault(name, [r, r, t])[1] = r
             self.state.append({name: (lo, t.new_empty(hi - lo + 1, H_kv, slots, *t.shape[3:]))
                                for name, (lo, hi, t) in rows.items()})
+        self.fill = [{name: c.layers[i].fill[name] for c in caches for name in c.layers[i]._state} for i in range(L)]
+        self.in_buffer: list[set] = [set() for _ in range(L)]      # per layer, (row, name) whose state is there
         for r, cache in enumerate(caches):
             for i, store in enumerate(cache.layers):
                 self.adopt(i, r, store)
@@ -117,10 +119,12 @@ class Group:
         for name, t in store._state.items():          # its row of the group's buffer (a state made since: its own)
             lo, buffer = self.state[i].get(name, (r, None))
             if buffer is None or not 0 <= r - lo < len(buffer) or buffer.shape[3:] != t.shape[3:] \
-                    or buffer.dtype != t.dtype:
+                    or buffer.dtype != t.dtype or store.fill[name] != self.fill[i][name]:
                 state[name] = t.new_empty((*t.shape[:2], self.C, *t.shape[3:]))
+                self.in_buffer[i].discard((r, name))
             else:
                 state[name] = buffer[r - lo:r - lo + 1]
+                self.in_buffer[i].add((r, name))
             state[name][:, :, n:] = store.fill[name]
             state[name][:, :, :n] = t[:, :, :n]
         store._k, store._v, store._pos = self.k[i][r:r + 1], self.v[i][r:r + 1], self.pos[i][r:r + 1]
@@ -158,11 +162,12 @@ class Group:
                 store.n += 1
                 after.append(slot), emptied.append(0), firsts.append(self.none(H_kv, k.device))
             for name, t in store._state.items():     # an emptied slot's state back to its fill value (those
-                if not isinstance(slot, int):         # after n hold it already: ``adopt`` fills them)
-                    t.scatter_(2, slot.view(1, H_kv, 1, *[1] * (t.dim() - 3)).expand(1, H_kv, 1, *t.shape[3:]),
-                               store.fill[name])
+                if not isinstance(slot, int) and (r, name) not in self.in_buffer[i]:   # after n hold it already:
+                    fill(t, slot.view(1, H_kv), store.fill[name])                     # ``adopt`` fills them)
         after, emptied = to_device([after, emptied], k.device)                  # (N,) each
         slots = torch.where(emptied[:, None] == 1, torch.cat(firsts), after[:, None])   # (N, H_kv)
+        for name, (lo, buffer) in self.state[i].items():   # the buffers' rows at once, each at its slot (at n:
+            fill(buffer, slots[lo:lo + len(buffer)], self.fill[i][name])   # the fill value it holds already)
         at = slots[:, :, None]                                                   # (N, H_kv, 1)
         self.k[i].scatter_(2, at[..., None].expand_as(k), k)
         self.v[i].scatter_(2, at[..., None].expand_as(v), v)
@@ -178,6 +183,12 @@ class Group:
         if key not in cls._none:
             cls._none[key] = torch.zeros(1, H_kv, dtype=torch.long, device=device)
         return cls._none[key]
+
+
+def fill(t: Tensor, slots: Tensor, value: float) -> None:
+    """Per-slot state t (n, H_kv, C, ...) set to ``value`` at each row and head's slot ``slots`` (n, H_kv)."""
+    n, H_kv = slots.shape
+    t.scatter_(2, slots.view(n, H_kv, 1, *[1] * (t.dim() - 3)).expand(n, H_kv, 1, *t.shape[3:]), value)
 
 
 def needs_of(policy: CachePolicy | None) -> Needs:
