@@ -11,8 +11,9 @@ This command runs one (task, sample, mode) of ``methods.compare`` (on the CPU un
 * phase: ``fill`` (the prompt pass, the methods' compression, the question's ``extend``), ``step`` (the
   teacher-forced and greedy decode steps), ``fork`` (greedy's copies of the caches), ``rest`` (metrics);
 * in a step: ``policy: <class>`` (a method's hooks, found on the Python stack as the innermost policy
-  object that is not the evaluation's ``Probe``), ``attention and storage`` (writing the new entries and
-  attending, per cache or per group) and ``model`` (the products, norms and everything shared);
+  object that is not the evaluation's ``Probe``, or the method of the rows ``row_hooks`` steps at once),
+  ``attention and storage`` (writing the new entries and attending, per cache or per group) and ``model``
+  (the products, norms and everything shared);
 * and among them the host's waits: an operation whose result the host reads (``int(t)``, ``bool(t)``,
   ``.item()``, ``.tolist()``, ``nonzero``, indexing by a boolean mask), and on a GPU a copy between host and
   device that is not ``non_blocking``. On a GPU the host stops there until every kernel launched before it
@@ -121,6 +122,8 @@ def who(frame) -> str:
     storage = False
     while frame is not None:
         owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "step_rows":      # row_hooks.py: the hook of several caches of one method
+            owner = frame.f_locals.get("policies", [None])[0]
         if isinstance(owner, (CachePolicy, PolicyWrapper)) and not isinstance(owner, Probe):
             return f"policy: {type(owner).__name__}"
         storage |= frame.f_code.co_name in STORAGE

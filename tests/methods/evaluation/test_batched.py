@@ -117,8 +117,10 @@ def test_the_batched_and_fast_engines_give_the_same_records():
 @pytest.mark.slow
 def test_launches_counts_the_work_the_batched_engine_shares():
     """``launches.count`` on one job of the bundled model: the policies' hooks run the same operations under
-    both engines (each hook on its own cache, alone), and the batched engine runs fewer in the attention
-    and storage (a write and an attention per group, not per cache) and in the model (no padded blocks)."""
+    the fast and batched engines (each hook on its own cache, alone), and the batched engine runs fewer in
+    the attention and storage (a write and an attention per group, not per cache) and in the model (no
+    padded blocks); with one group, H2O's and Scissorhands' hooks run fewer (their caches at once,
+    ``row_hooks.py``), the others the same."""
     from methods.evaluation.launches import count, report
     torch.set_num_threads(1)
     model, tok, _ = load("retrieval-llama")
@@ -126,7 +128,10 @@ def test_launches_counts_the_work_the_batched_engine_shares():
     fast, batched, one = (c.counts for c in counters)
     hooks = {key for key in fast if key[1].startswith("policy: ")}
     assert {"policy: KVReviverPolicy", "policy: H2OPolicy"} <= {w for _, w in hooks}
-    assert all(fast[key] == batched[key] == one[key] for key in hooks)
+    assert all(fast[key] == batched[key] for key in hooks)
+    at_once = {("step", "policy: H2OPolicy"), ("step", "policy: ScissorhandsPolicy")}
+    assert all(one[key] < batched[key] for key in at_once) and at_once <= hooks
+    assert all(one[key] == batched[key] for key in hooks - at_once)
     assert fast["fill", ""] == batched["fill", ""] == one["fill", ""] > 0
     for who in ("attention and storage", "model"):
         assert batched["step", who] < fast["step", who], who
