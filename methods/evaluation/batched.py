@@ -311,7 +311,7 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
             together = set()                          # rows whose caches' hooks run at once (row_hooks.py)
             for run in row_hooks.runs(g.caches, i) if row_hooks.ENABLED else ():
                 a, b = run.start, run.stop
-                seconds = row_hooks.step_rows(g, i, run, attn, q[rows][a:b], row_pos[rows.start + a:rows.start + a + 1],
+                seconds = row_hooks.step_rows(g, i, run, attn, q[rows][a:b], row_pos[rows.start + a:rows.start + b],
                                               out[a:b], None if probs is None else probs[a:b],
                                               None if col_sums is None else col_sums[a:b])
                 for r in run:

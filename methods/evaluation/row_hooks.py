@@ -10,12 +10,13 @@ the recent window's length. Here the rows of such caches run the method's own ``
     H2O            its scores += what each slot received;  the lowest score outside the recent window
     Scissorhands   its low-flag counters and ring buffer;   ``scissorhands.evict_one``
 
-with each row's recent window as a (rows, 1, 1) threshold. Every operation treats each row on its own, so
-each cache gets the numbers its own hook would give, bit for bit (``tests/methods/evaluation/
-test_row_hooks.py`` compares the records). A step takes this path only for rows whose hook would do
-exactly this: a ``Probe`` that is not recording around one of these methods, the same rule but for the
-budget and the recent window, the same tokens seen, and one token per head to drop; any other cache runs
-its own hook as before.
+with each row's recent window as a (rows, 1, 1) threshold from its own position. Every operation treats
+each row on its own, so each cache gets the numbers its own hook would give, bit for bit
+(``tests/methods/evaluation/test_row_hooks.py`` compares the records and the storage). A step takes this
+path only for rows whose hook would do exactly this: one of these methods, bare (greedy's caches) or in a
+``Probe`` that is not recording, the same rule but for the budget and the recent window, one token per head
+to drop, and for Scissorhands the same tokens seen (its ring buffer's column); any other cache runs its own
+hook as before.
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ METHODS = (H2OPolicy, ScissorhandsPolicy)
 ENABLED = True          # False: every cache runs its own hook (the tests compare the two)
 
 
+def unwrapped(cache: KVCache):
+    """The cache's H2O or Scissorhands policy, bare (greedy's caches) or in a ``Probe``, else None."""
+    policy = cache.policy.inner if isinstance(cache.policy, Probe) else cache.policy
+    return policy if type(policy) in METHODS else None
+
+
 def method(cache: KVCache):
-    """The H2O or Scissorhands policy a cache's idle ``Probe`` wraps, else None."""
-    probe = cache.policy
-    if not isinstance(probe, Probe) or probe.recording or type(probe.inner) not in METHODS:
-        return None
-    return probe.inner
+    """``unwrapped(cache)`` where its hook would do only what ``step_rows`` does (a ``Probe`` that records
+    does more), else None."""
+    return None if isinstance(cache.policy, Probe) and cache.policy.recording else unwrapped(cache)
 
 
 def rule(policy) -> tuple:
@@ -58,12 +63,10 @@ def side_by_side(caches: list[KVCache]) -> list[KVCache]:
     """``caches`` in a group's row order: those of one method and rule adjacent, in the order their first
     appears, the others where they are (a row's numbers do not depend on its place in the group)."""
     first: dict = {}
-    for n, cache in enumerate(caches):
-        inner = getattr(cache.policy, "inner", None)
-        first.setdefault(rule(inner) if type(inner) in METHODS else n, n)
-    key = [first[rule(c.policy.inner) if type(getattr(c.policy, "inner", None)) in METHODS else n]
-           for n, c in enumerate(caches)]
-    return [caches[n] for n in sorted(range(len(caches)), key=lambda n: (key[n], n))]
+    keys = [n if unwrapped(c) is None else rule(unwrapped(c)) for n, c in enumerate(caches)]
+    for n, key in enumerate(keys):
+        first.setdefault(key, n)
+    return [caches[n] for n in sorted(range(len(caches)), key=lambda n: (first[keys[n]], n))]
 
 
 def drops_one(policy, store: LayerKV) -> bool:
@@ -80,7 +83,8 @@ def runs(caches: list[KVCache], i: int) -> list[range]:
     for cache in caches:
         policy = method(cache)
         ok = policy is not None and policy.evicts_in_place and drops_one(policy, cache.layers[i])
-        keys.append((rule(policy), cache.seen) if ok else None)
+        # Scissorhands' ring buffer takes the step's column from the tokens seen: the same in every row
+        keys.append((rule(policy), cache.seen if isinstance(policy, ScissorhandsPolicy) else None) if ok else None)
     out, start = [], 0
     for r in range(1, len(caches) + 1):
         if r == len(caches) or keys[r] is None or keys[r] != keys[start]:
@@ -93,18 +97,19 @@ def runs(caches: list[KVCache], i: int) -> list[range]:
 _WINDOWS: dict = {}
 
 
-def recent_windows(n_recent: list[int], device) -> Tensor:
-    """(n, 1, 1) the rows' recent windows on ``device``, made once per set (the host sends nothing per step)."""
-    key = (tuple(n_recent), str(device))
+def shifts(values: list[int], device) -> Tensor:
+    """(n, 1, 1) the rows' ``1 - n_recent`` on ``device``, made once per set (the host sends nothing per step)."""
+    key = (tuple(values), str(device))
     if key not in _WINDOWS:
-        _WINDOWS[key] = to_device(n_recent, device).view(-1, 1, 1)
+        _WINDOWS[key] = to_device(values, device).view(-1, 1, 1)
     return _WINDOWS[key]
 
 
-def step_rows(group, i: int, rows: range, attn, q: Tensor, q_pos: Tensor, out: Tensor, probs: Tensor | None,
+def step_rows(group, i: int, rows: range, attn, q: Tensor, positions: Tensor, out: Tensor, probs: Tensor | None,
               col_sums: Tensor | None) -> float:
-    """The hook of the caches in ``rows`` of ``group`` at layer i, at once; q, out (n, H, 1, d) and probs,
-    col_sums ((n, H, 1, C), (n, H, C)) are the rows' own. Returns the seconds it took."""
+    """The hook of the caches in ``rows`` of ``group`` at layer i, at once; q, out (n, H, 1, d), the new
+    tokens' positions (n,), and probs, col_sums ((n, H, 1, C), (n, H, C)) are the rows' own. Returns the
+    seconds it took."""
     t0 = time.perf_counter()
     caches = [group.caches[r] for r in rows]
     policies = [method(c) for c in caches]
@@ -112,11 +117,12 @@ def step_rows(group, i: int, rows: range, attn, q: Tensor, q_pos: Tensor, out: T
     kv = LayerKV(group.k[i][a:b], group.v[i][a:b], group.pos[i][a:b])             # every slot of the rows
     kv._state = {name: buffer[a - lo:b - lo] for name, (lo, buffer) in group.state[i].items() if name in first._state}
     kv.fill = dict(first.fill)
-    seen = caches[0].seen + 1                                                    # with this step's token
-    ctx = StepContext(layer=i, phase="decode", q=q, q_pos=q_pos, probs=probs, out=out, kv=kv, attn=attn,
+    seen = caches[0].seen + 1                    # with this step's token (Scissorhands: every row's; H2O: unread)
+    ctx = StepContext(layer=i, phase="decode", q=q, q_pos=positions[:1], probs=probs, out=out, kv=kv, attn=attn,
                       config=caches[0].config, seen=seen, attended_pos=kv.pos, col_sums=col_sums)
     policies[0].observe(ctx)                                                     # the rows' own, at once
-    recent_from = seen - recent_windows([p.n_recent for p in policies], kv.pos.device)        # (n, 1, 1)
+    # each row's seen - n_recent: its token's position + 1 - n_recent
+    recent_from = positions.view(-1, 1, 1) + shifts([1 - p.n_recent for p in policies], kv.pos.device)  # (n, 1, 1)
     if isinstance(policies[0], H2OPolicy):                                       # ``ScoringPolicy.evict``
         idx = select_lowest(kv.state[STATE], kv.pos, (kv.pos < 0) | (kv.pos >= recent_from), 1)
     else:                                                                        # ``ScissorhandsPolicy.evict``
@@ -127,5 +133,6 @@ def step_rows(group, i: int, rows: range, attn, q: Tensor, q_pos: Tensor, out: T
         store.free = idx[r:r + 1] if store.free is None else torch.cat([store.free, idx[r:r + 1]], dim=-1)
     seconds = time.perf_counter() - t0
     for cache in caches:
-        cache.policy.compress_s += seconds / len(caches)                        # as ``Probe.on_decode`` times
+        if isinstance(cache.policy, Probe):
+            cache.policy.compress_s += seconds / len(caches)                    # as ``Probe.on_decode`` times
     return seconds
