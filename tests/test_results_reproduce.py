@@ -333,6 +333,7 @@ CHECKED_BY = {
     "launches_smollm2_batched_22ea94c.txt": LOG,
     "agree_22ea94c_7f225c6.txt": LOG,
     "agree_7f225c6_602d281.txt": LOG,
+    "agree_row_hooks_89e7d65.txt": LOG,
 }
 
 

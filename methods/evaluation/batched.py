@@ -341,14 +341,17 @@ class OneGroupEngine(BatchedEngine):
     """The batched engine with every cache that can share storage in one group, as large as the largest
     (``--engine one-group``): each cache's row padded to the largest cache's slots. A step then runs the
     group's writes and attention once per layer, where the batched engine runs them once per size (three to
-    seven sizes in a step of ``methods.compare``'s 25 caches), for more bytes read: on a CPU the bytes cost
-    more than the operations saved; on a GPU, where a step of a small model is bound by its launches, the
-    trade may go the other way (``fastpath/README.md`` says whether it was measured)."""
+    seven sizes in a step of ``methods.compare``'s 25 caches), for more bytes read; and a method's caches
+    at the three keep ratios, side by side in the group, take H2O's or Scissorhands' hook at once
+    (``row_hooks.py``), over their padded rows. On a CPU the bytes cost more than the operations saved; on
+    a GPU, where a step of a small model is bound by its launches, the trade may go the other way
+    (``fastpath/README.md`` says whether it was measured)."""
     name = "one-group"
 
     @staticmethod
     def merge(by_size: dict[int, list[KVCache]]) -> list[tuple[int, list[KVCache]]]:
-        """One group of every cache, the smallest first, with the largest size's slots."""
+        """One group of every cache, the smallest first (``arrange`` then puts a method's side by side), with
+        the largest size's slots."""
         return [(max(by_size), [c for size in sorted(by_size) for c in by_size[size]])] if by_size else []
 
 

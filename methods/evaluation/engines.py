@@ -5,7 +5,7 @@ The engines by name, for every command's ``--engine``: ``make_engine(name, model
     fast      side_by_side.FastEngine: one prompt pass for every cache, the products of a step shared
     batched   batched.BatchedEngine: the fast engine with the caches' attention batched too (for a GPU)
     one-group batched.OneGroupEngine: the batched engine with every cache in one group (fewer, larger
-              operations, more bytes: an experiment for a GPU)
+              operations, more bytes; H2O's and Scissorhands' caches hooked at once: an experiment for a GPU)
 """
 
 from __future__ import annotations
