@@ -104,7 +104,6 @@ class Group:
             self.state.append({name: (lo, t.new_empty(hi - lo + 1, H_kv, slots, *t.shape[3:]))
                                for name, (lo, hi, t) in rows.items()})
         self.fill = [{name: c.layers[i].fill[name] for c in caches for name in c.layers[i]._state} for i in range(L)]
-        self.in_buffer: list[set] = [set() for _ in range(L)]      # per layer, (row, name) whose state is there
         for r, cache in enumerate(caches):
             for i, store in enumerate(cache.layers):
                 self.adopt(i, r, store)
@@ -121,14 +120,19 @@ class Group:
             if buffer is None or not 0 <= r - lo < len(buffer) or buffer.shape[3:] != t.shape[3:] \
                     or buffer.dtype != t.dtype or store.fill[name] != self.fill[i][name]:
                 state[name] = t.new_empty((*t.shape[:2], self.C, *t.shape[3:]))
-                self.in_buffer[i].discard((r, name))
             else:
                 state[name] = buffer[r - lo:r - lo + 1]
-                self.in_buffer[i].add((r, name))
             state[name][:, :, n:] = store.fill[name]
             state[name][:, :, :n] = t[:, :, :n]
         store._k, store._v, store._pos = self.k[i][r:r + 1], self.v[i][r:r + 1], self.pos[i][r:r + 1]
         store._state = state
+
+    def holds(self, i: int, r: int, name: str, t: Tensor) -> bool:
+        """Whether state ``t`` of row r at layer i is that row of the group's buffer for ``name`` (not a tensor
+        of its own: one made since, by ``set_state``, or one the buffer's shape does not fit)."""
+        lo, buffer = self.state[i].get(name, (r, None))
+        return buffer is not None and 0 <= r - lo < len(buffer) and t.shape[1:] == buffer.shape[1:] \
+            and t.data_ptr() == buffer[r - lo].data_ptr()
 
     def refit(self) -> bool:
         """Whether every cache can take a step in its row: a storage a hook replaced (``keep`` compacts, a
@@ -162,7 +166,7 @@ class Group:
                 store.n += 1
                 after.append(slot), emptied.append(0), firsts.append(self.none(H_kv, k.device))
             for name, t in store._state.items():     # an emptied slot's state back to its fill value (those
-                if not isinstance(slot, int) and (r, name) not in self.in_buffer[i]:   # after n hold it already:
+                if not isinstance(slot, int) and not self.holds(i, r, name, t):       # after n hold it already:
                     fill(t, slot.view(1, H_kv), store.fill[name])                     # ``adopt`` fills them)
         after, emptied = to_device([after, emptied], k.device)                  # (N,) each
         slots = torch.where(emptied[:, None] == 1, torch.cat(firsts), after[:, None])   # (N, H_kv)
@@ -309,7 +313,7 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
             visible = g.pos[i].masked_fill(g.pos[i] > qp, -1)    # (n, H_kv, C): what each row's query sees
             out, probs, col_sums = attend_step(q[rows], g.k[i], g.v[i], needs, visible)
             together = set()                          # rows whose caches' hooks run at once (row_hooks.py)
-            for run in row_hooks.runs(g.caches, i) if row_hooks.ENABLED else ():
+            for run in row_hooks.runs(g, i) if row_hooks.ENABLED else ():
                 a, b = run.start, run.stop
                 seconds = row_hooks.step_rows(g, i, run, attn, q[rows][a:b], row_pos[rows.start + a:rows.start + b],
                                               out[a:b], None if probs is None else probs[a:b],

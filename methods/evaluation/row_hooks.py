@@ -11,12 +11,16 @@ the recent window's length. Here the rows of such caches run the method's own ``
     Scissorhands   its low-flag counters and ring buffer;   ``scissorhands.evict_one``
 
 with each row's recent window as a (rows, 1, 1) threshold from its own position. Every operation treats
-each row on its own, so each cache gets the numbers its own hook would give, bit for bit
-(``tests/methods/evaluation/test_row_hooks.py`` compares the records and the storage). A step takes this
-path only for rows whose hook would do exactly this: one of these methods, bare (greedy's caches) or in a
-``Probe`` that is not recording, the same rule but for the budget and the recent window, one token per head
-to drop, and for Scissorhands the same tokens seen (its ring buffer's column); any other cache runs its own
-hook as before.
+each row on its own, so each cache gets the numbers its own hook would give, to the last bit on the
+models checked (``tests/methods/evaluation/test_row_hooks.py`` compares records and storage on the bundled
+model, ``results/agree_row_hooks_89e7d65.txt`` records on SmolLM2 too: 2 and 3 query heads per KV head).
+One caveat: the mean over a KV head's query heads runs here over the group's padded row, in the own hook
+over the cache's slots, and on a CPU a mean over 5 or more heads can round 1 ulp apart between the two
+lengths (a near-tie may then evict another token: float rounding, as between the batched engine and the
+fast one). A step takes this path only for rows whose hook would do exactly this, their state in the
+group's buffers: one of these methods, bare (greedy's caches) or in a ``Probe`` that is not recording, the
+same rule but for the budget and the recent window, one token per head to drop, and for Scissorhands the
+same tokens seen (its ring buffer's column); any other cache runs its own hook as before.
 """
 
 from __future__ import annotations
@@ -77,12 +81,14 @@ def drops_one(policy, store: LayerKV) -> bool:
     return n > policy.budget and n_dropped(n, policy.budget, policy.drop, policy.n_recent) == 1
 
 
-def runs(caches: list[KVCache], i: int) -> list[range]:
-    """The runs of at least two consecutive rows whose caches step as one at layer i (the module docstring)."""
-    keys = []
-    for cache in caches:
-        policy = method(cache)
-        ok = policy is not None and policy.evicts_in_place and drops_one(policy, cache.layers[i])
+def runs(group, i: int) -> list[range]:
+    """The runs of at least two consecutive rows of ``group`` whose caches step as one at layer i (the module
+    docstring), each cache's state held in the group's buffers (``Group.holds``)."""
+    keys, caches = [], group.caches
+    for r, cache in enumerate(caches):
+        policy, store = method(cache), cache.layers[i]
+        ok = policy is not None and policy.evicts_in_place and drops_one(policy, store) and \
+            all(group.holds(i, r, name, t) for name, t in store._state.items())
         # Scissorhands' ring buffer takes the step's column from the tokens seen: the same in every row
         keys.append((rule(policy), cache.seen if isinstance(policy, ScissorhandsPolicy) else None) if ok else None)
     out, start = [], 0

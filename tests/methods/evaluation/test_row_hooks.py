@@ -51,12 +51,15 @@ def test_rows_stepped_at_once_give_every_record_bit_for_bit(bundled, monkeypatch
         assert {k: v for k, v in a.items() if k not in TIMES} == {k: v for k, v in b.items() if k not in TIMES}
 
 
-@pytest.mark.parametrize("probe, uneven", [(True, False), (False, True)], ids=["in probes", "bare, uneven"])
-def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkeypatch, probe, uneven):
+@pytest.mark.parametrize("probe, uneven, odd", [(True, False, False), (False, True, False), (True, False, True)],
+                         ids=["in probes", "bare, uneven", "other windows, a state set again"])
+def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkeypatch, probe, uneven, odd):
     """What the records cannot see: every cache's storage (positions, emptied slots, per-slot state) and
     logits after each step, with the rows at once and alone; the policies in probes (teacher forcing), or
     bare (greedy) with the first of each method a token ahead (its seen differs: H2O's rows still go at once,
-    Scissorhands' only with those of its own seen)."""
+    Scissorhands' only with those of its own seen); or two Scissorhands caches of another ring buffer than
+    the first's (their state does not fit the group's buffer: they hook alone), and an H2O cache whose state
+    is set again between steps (a tensor of its own: alone too)."""
     model, _, _ = bundled
     prompt = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
     calls, step_rows = [], row_hooks.step_rows
@@ -66,22 +69,47 @@ def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkey
         monkeypatch.setattr(row_hooks, "ENABLED", enabled)
         engine = make_engine("one-group", model)
         policies = [make_policy(m, budget=b) for m in ("h2o", "scissorhands") for b in (40, 56, 72)]
+        if odd:
+            policies[4:] = [make_policy("scissorhands", budget=b, history_window=16) for b in (40, 56)]
         caches, _ = engine.fill([Probe(p) if probe else p for p in policies], [prompt.tolist()])
         if uneven:                                  # the first H2O and Scissorhands caches a token ahead
             engine.step([caches[0], caches[3]], [7, 7])
         seen = []
         for t in prompt[:5].tolist():
             logits, _, _ = engine.step(caches, [t] * len(caches))
+            for store in caches[0].layers if odd and t % 2 else ():    # H2O's first: its scores set again
+                store.set_state("h2o_score", store.state["h2o_score"].clone(), fill=0.0)
             seen.append([logits] + [(s.pos.clone(), None if s.free is None else s.free.clone(),
                                      {k: v.clone() for k, v in s.state.items()}) for c in caches for s in c.layers])
         return seen
 
     together = stepped(True)
     L = model.config.n_layer
-    assert sorted(calls) == ([2] * 5 * L + [3] * 5 * L if uneven else [3] * 2 * 5 * L)
+    if odd:                                         # H2O's three or, after a state set again, two; no Scissorhands
+        assert calls and set(calls) <= {2, 3} and len(calls) <= 5 * L
+    else:
+        assert sorted(calls) == ([2] * 5 * L + [3] * 5 * L if uneven else [3] * 2 * 5 * L)
     for a, b in zip(together, stepped(False)):
         assert torch.equal(a[0], b[0])
         for (pos_a, free_a, state_a), (pos_b, free_b, state_b) in zip(a[1:], b[1:]):
             assert torch.equal(pos_a, pos_b) and (free_a is None) == (free_b is None)
             assert free_a is None or torch.equal(free_a, free_b)
             assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+def test_a_state_set_again_is_reset_where_the_next_token_goes(bundled):
+    """A state a policy sets again between steps is a tensor of its own, no longer its row of the group's
+    buffer (``Group.holds``): the step's write still resets it at the emptied slot the new token takes."""
+    model, _, _ = bundled
+    prompt = torch.randint(0, model.config.vocab_size, (120,), generator=torch.Generator().manual_seed(1))
+    engine = make_engine("one-group", model)
+    caches, _ = engine.fill([make_policy("h2o", budget=b) for b in (40, 56)], [prompt.tolist()])
+    engine.step(caches, [5, 5])                                     # each drops a slot per head: free
+    store = caches[0].layers[0]
+    slot = store.free[0, :, 0]                                      # (H_kv,) where the next token goes
+    store.set_state("h2o_score", torch.full_like(store.state["h2o_score"], 5.0), fill=0.0)
+    engine.step(caches, [6, 6])
+    scores = store.state["h2o_score"][0]                            # (H_kv, T)
+    new = scores[torch.arange(len(slot)), slot]
+    assert (new < 5).all(), "the new token's score starts at the fill value, not at the old one"
+    assert (scores >= 5).sum() == scores.numel() - len(slot)        # every other slot kept what was set
