@@ -168,10 +168,12 @@ class Group:
             for name, t in store._state.items():     # an emptied slot's state back to its fill value (those
                 if not isinstance(slot, int) and not self.holds(i, r, name, t):       # after n hold it already:
                     fill(t, slot.view(1, H_kv), store.fill[name])                     # ``adopt`` fills them)
+        took = emptied                                # on the host: the rows that took an emptied slot
         after, emptied = to_device([after, emptied], k.device)                  # (N,) each
         slots = torch.where(emptied[:, None] == 1, torch.cat(firsts), after[:, None])   # (N, H_kv)
-        for name, (lo, buffer) in self.state[i].items():   # the buffers' rows at once, each at its slot (at n:
-            fill(buffer, slots[lo:lo + len(buffer)], self.fill[i][name])   # the fill value it holds already)
+        for name, (lo, buffer) in self.state[i].items():   # the buffers' rows at once, each at its slot, where
+            if any(took[lo:lo + len(buffer)]):              # one took an emptied slot (at n: the fill value is
+                fill(buffer, slots[lo:lo + len(buffer)], self.fill[i][name])   # there already)
         at = slots[:, :, None]                                                   # (N, H_kv, 1)
         self.k[i].scatter_(2, at[..., None].expand_as(k), k)
         self.v[i].scatter_(2, at[..., None].expand_as(v), v)

@@ -59,8 +59,8 @@ def method(cache: KVCache):
 def rule(policy) -> tuple:
     """What must be equal for two policies to step as one: the class and every field but the budget and the
     recent window."""
-    fields = dataclasses.asdict(policy)
-    return (type(policy), *(v for k, v in sorted(fields.items()) if k not in ("budget", "n_recent")))
+    return (type(policy), *(getattr(policy, f.name) for f in dataclasses.fields(policy)
+                            if f.name not in ("budget", "n_recent")))
 
 
 def side_by_side(caches: list[KVCache]) -> list[KVCache]:
