@@ -115,10 +115,12 @@ class LeanDecoder:
             return attend_heads(q, store.k, store.v) if split else attend_step(q, store.k, store.v)[0]
         return cache.attend(i, attn, q, pos, (k, v))   # policies: their hooks
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, linear, attend) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, linear, attend,
+                logits_of: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The layers of one decode step over R rows (one position each): x (R, D) embedded tokens, cos and
-        sin their rotations ((1, d) for one shared position, or (R, 1, d)). Returns logits (R, V) and the
-        final normalised hidden states (R, D).
+        sin their rotations ((1, d) for one shared position, or (R, 1, d)). Returns logits (R, V), or only of
+        the rows ``logits_of`` (the vocabulary's product is the largest: skipped for rows nobody reads), and
+        the final normalised hidden states (R, D).
 
         ``linear(t, w)`` computes every matrix product and ``attend(i, attn, q, k, v)`` layer i's attention;
         ``step_with_hidden`` passes ``F.linear`` and its cache's attention. Everything else here is
@@ -142,7 +144,8 @@ class LeanDecoder:
             gate, up = _plus(linear(h, wgu), bgu).chunk(2, dim=-1)
             x = x + _plus(linear(F.silu(gate) * up, wd), bd)
         h = self._norm(self.model.final_norm, x)                                      # (R, D)
-        return linear(h, self.model.lm_head.weight), h                                # (R, V), (R, D)
+        wanted = h if logits_of is None else h[logits_of]
+        return linear(wanted, self.model.lm_head.weight), h                           # (R, V), (R, D)
 
     def generate(self, ids: Tensor, max_new_tokens: int, cache: KVCache | None = None,
                  stop_ids: list[int] | tuple = ()) -> Tensor:

@@ -182,10 +182,11 @@ def extend_many(lean: LeanDecoder, chunk: Tensor, caches: list[KVCache]) -> Tens
             outs.append(out.transpose(0, 2))                                           # (T, H, 1, d)
         return torch.cat(outs)
 
-    logits, _ = lean.forward(x, cos, sin, blocked_linear, attend)                      # (N * T, V)
+    last = torch.arange(T - 1, N * T, T, device=device)                                # each cache's last row
+    logits, _ = lean.forward(x, cos, sin, blocked_linear, attend, logits_of=last)      # (N, V)
     for cache in caches:
         cache.seen += T
-    return logits.view(N, T, -1)[:, -1]
+    return logits
 
 
 class FastEngine(PlainEngine):
