@@ -25,10 +25,10 @@
 #            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s); COMPARE_RUNS="DEVICE WORKERS
 #            ENGINE [VAR=VALUE]; ..." names other runs (DEVICE cuda is the CPU in a dry run; the first run is the
 #            one the others are checked against; a fourth word sets a variable for that run, as
-#            NANOKV_NO_TRITON=1: PyTorch's attention and sketch instead of the
-#            Triton kernels; MPS=1: the run's processes share the GPU through NVIDIA's Multi-Process Service,
-#            a daemon of this script's own, quit after the run; skipped where it cannot start), COMPARE_LIMIT
-#            another limit per run in seconds;
+#            NANOKV_NO_TRITON=1: PyTorch's attention and sketch instead of the Triton kernels; MPS=1: the
+#            run's processes share the GPU through NVIDIA's Multi-Process Service, a daemon of this script's
+#            own, quit after the run; skipped where it cannot start), COMPARE_LIMIT another limit per run in
+#            seconds;
 #   launches one job of the bundled model's suite with each engine, on the GPU then on the CPU: its tensor
 #            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
 #            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
