@@ -20,12 +20,27 @@ from nanollm.policy import CachePolicy
 
 
 class KernelSketch(VagueSketch):
+    def cover(self, n: int) -> None:
+        """``VagueSketch.cover``, the bucket table also kept as int32, the kernels' type: a lookup is then
+        one launch, not a lookup and a conversion."""
+        covered = self.covered
+        super().cover(n)
+        if self.covered != covered:
+            self.cells32 = self.cell_table.int()
+
+    def cells(self, pos: Tensor) -> Tensor:
+        """``buckets(pos).int()``: (r, n) int32."""
+        if self.covered:
+            return self.cells32.index_select(1, pos.view(-1).long())
+        return self.buckets(pos).int()
+
     def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
         if not kernels.serves(self.key):
             return super().insert(pos, k, v, sign)
         from kernels.count_sketch import sketch_insert_triton
-        sketch_insert_triton(self.key, self.value, self.buckets(pos).int(), self.signs(pos),
-                             sign * k.float(), sign * v.float())
+        if sign != 1.0:                           # the kernel reads k and v in their own dtype, as fp32
+            k, v = sign * k.float(), sign * v.float()
+        sketch_insert_triton(self.key, self.value, self.cells(pos), self.signs(pos), k, v)
 
     def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         if not kernels.serves(self.key):
@@ -33,7 +48,7 @@ class KernelSketch(VagueSketch):
         from kernels.count_sketch import MAX_ROWS, sketch_query_triton
         if self.rows > MAX_ROWS:
             return super().query(pos)
-        return sketch_query_triton(self.key, self.value, self.buckets(pos).int(), self.signs(pos))
+        return sketch_query_triton(self.key, self.value, self.cells(pos), self.signs(pos))
 
 
 def use_kernels(policy: CachePolicy) -> CachePolicy:

@@ -335,11 +335,11 @@ class KVReviverPolicy(CachePolicy):
         for sketch in sketches:
             sketch.cover(seen)                          # hash tables for every position asked below
         raw_pos = store.pos[:, ::G]                     # (B, S, T) each group's raw positions (its first head's)
-        raw = torch.zeros(B, S, seen, dtype=torch.bool, device=store.pos.device)
-        raw.scatter_(2, raw_pos, True)                                           # (B, S, N) in R or C
-        # (B, S, n_V) the other positions, ascending: a stable sort puts them first (no host wait, as a mask's
+        in_v = torch.ones(B, S, seen, dtype=torch.uint8, device=store.pos.device)
+        in_v.scatter_(2, raw_pos, 0)                                             # (B, S, N) 1: not in R or C
+        # (B, S, n_V) V's positions, ascending: a stable sort puts them first (no host wait, as a mask's
         # index would make: the host knows there are seen - T)
-        vague = (~raw).to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :seen - store.n]
+        vague = in_v.argsort(dim=-1, descending=True, stable=True)[..., :seen - store.n]
         # every position 0..N-1 is raw or vague exactly once per head: write each entry at its position's slot
         k = store.k.new_empty(B, H_kv, seen, d)
         v = store.v.new_empty(B, H_kv, seen, store.v.shape[-1])
@@ -353,7 +353,7 @@ class KVReviverPolicy(CachePolicy):
                     k_hat, v_hat = sketches[b * S + s].query(part)              # (n, G, d) each
                     k[b, heads].index_copy_(1, part, k_hat.transpose(0, 1).to(k.dtype))
                     v[b, heads].index_copy_(1, part, v_hat.transpose(0, 1).to(v.dtype))
-        pos = torch.arange(seen, device=raw.device).expand(B, H_kv, seen)
+        pos = torch.arange(seen, device=in_v.device).expand(B, H_kv, seen)
         rebuilt = LayerKV(k, v, pos)                    # every position 0..seen-1 once, in order
         self.rebuilt_nbytes = max(self.rebuilt_nbytes, rebuilt.nbytes())
         return rebuilt
