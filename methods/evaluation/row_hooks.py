@@ -10,7 +10,8 @@ the recent window's length. Here the rows of such caches run the method's own ``
     H2O            its scores += what each slot received;  the lowest score outside the recent window
     Scissorhands   its low-flag counters and ring buffer;   ``scissorhands.evict_one``
 
-with each row's recent window as a (rows, 1, 1) threshold from its own position. Every operation treats
+with each row's recent window as a (rows, 1, 1) threshold from its own position (and Scissorhands' flags
+into each row's own column of its ring buffer, ``observe_rows``). Every operation treats
 each row on its own, so each cache gets the numbers its own hook would give, to the last bit on the
 models checked (``tests/methods/evaluation/test_row_hooks.py`` compares records and storage on the bundled
 model, ``results/agree_row_hooks_89e7d65.txt`` records on SmolLM2 too: 2 and 3 query heads per KV head).
@@ -19,8 +20,8 @@ over the cache's slots, and on a CPU a mean over 5 or more heads can round 1 ulp
 lengths (a near-tie may then evict another token: float rounding, as between the batched engine and the
 fast one). A step takes this path only for rows whose hook would do exactly this, their state in the
 group's buffers: one of these methods, bare (greedy's caches) or in a ``Probe`` that is not recording, the
-same rule but for the budget and the recent window, one token per head to drop, and for Scissorhands the
-same tokens seen (its ring buffer's column); any other cache runs its own hook as before.
+same rule but for the budget and the recent window, and one token per head to drop; any other cache runs
+its own hook as before.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from methods.h2o import STATE, H2OPolicy
-from methods.scissorhands import ATTN, COUNT, ScissorhandsPolicy, evict_one, n_dropped
+from methods.scissorhands import ATTN, COUNT, LOW, ScissorhandsPolicy, evict_one, group_mean, low_flags, n_dropped
 from nanollm.cache import KVCache
 from nanollm.policy import StepContext
 from nanollm.slots import select_lowest, to_device
@@ -89,8 +90,7 @@ def runs(group, i: int) -> list[range]:
         policy, store = method(cache), cache.layers[i]
         ok = policy is not None and policy.evicts_in_place and drops_one(policy, store) and \
             all(group.holds(i, r, name, t) for name, t in store._state.items())
-        # Scissorhands' ring buffer takes the step's column from the tokens seen: the same in every row
-        keys.append((rule(policy), cache.seen if isinstance(policy, ScissorhandsPolicy) else None) if ok else None)
+        keys.append(rule(policy) if ok else None)
     out, start = [], 0
     for r in range(1, len(caches) + 1):
         if r == len(caches) or keys[r] is None or keys[r] != keys[start]:
@@ -111,6 +111,19 @@ def shifts(values: list[int], device) -> Tensor:
     return _WINDOWS[key]
 
 
+def observe_rows(policy: ScissorhandsPolicy, kv: LayerKV, probs: Tensor, positions: Tensor) -> None:
+    """``ScissorhandsPolicy.observe`` at a decode step over the rows of ``kv``, each row's flags into its own
+    column of the ring buffer: (its token's position) mod w, where ``observe`` takes one column, from the
+    tokens seen, for every row. probs (n, H, 1, C); positions (n,)."""
+    state = kv.state
+    attn = group_mean(probs.float(), kv.pos.shape[1])                           # (n, H_kv, 1, C)
+    flags = low_flags(attn, (kv.pos >= 0)[:, :, None], policy.threshold)[:, :, 0]   # (n, H_kv, C)
+    at = (positions % policy.history_window).view(-1, 1, 1, 1).expand(*state[LOW].shape[:3], 1)   # (n, H_kv, C, 1)
+    state[COUNT].sub_(state[LOW].gather(3, at)[..., 0].int()).add_(flags)      # - flags out + flags in
+    state[LOW].scatter_(3, at, flags[..., None])
+    state[ATTN].copy_(attn[:, :, -1])                                           # the step's last query
+
+
 def step_rows(group, i: int, rows: range, attn, q: Tensor, positions: Tensor, out: Tensor, probs: Tensor | None,
               col_sums: Tensor | None) -> float:
     """The hook of the caches in ``rows`` of ``group`` at layer i, at once; q, out (n, H, 1, d), the new
@@ -123,15 +136,16 @@ def step_rows(group, i: int, rows: range, attn, q: Tensor, positions: Tensor, ou
     kv = LayerKV(group.k[i][a:b], group.v[i][a:b], group.pos[i][a:b])             # every slot of the rows
     kv._state = {name: buffer[a - lo:b - lo] for name, (lo, buffer) in group.state[i].items() if name in first._state}
     kv.fill = dict(first.fill)
-    seen = caches[0].seen + 1                    # with this step's token (Scissorhands: every row's; H2O: unread)
-    ctx = StepContext(layer=i, phase="decode", q=q, q_pos=positions[:1], probs=probs, out=out, kv=kv, attn=attn,
-                      config=caches[0].config, seen=seen, attended_pos=kv.pos, col_sums=col_sums)
-    policies[0].observe(ctx)                                                     # the rows' own, at once
     # each row's seen - n_recent: its token's position + 1 - n_recent
     recent_from = positions.view(-1, 1, 1) + shifts([1 - p.n_recent for p in policies], kv.pos.device)  # (n, 1, 1)
     if isinstance(policies[0], H2OPolicy):                                       # ``ScoringPolicy.evict``
+        ctx = StepContext(layer=i, phase="decode", q=q, q_pos=positions[:1], probs=probs, out=out, kv=kv,
+                          attn=attn, config=caches[0].config, seen=caches[0].seen + 1, attended_pos=kv.pos,
+                          col_sums=col_sums)                                     # (seen: H2O's observe reads none)
+        policies[0].observe(ctx)                                                 # the rows' own, at once
         idx = select_lowest(kv.state[STATE], kv.pos, (kv.pos < 0) | (kv.pos >= recent_from), 1)
     else:                                                                        # ``ScissorhandsPolicy.evict``
+        observe_rows(policies[0], kv, probs, positions)
         idx = evict_one(kv.pos, kv.state[COUNT], kv.state[ATTN], recent_from)
     kv._pos.scatter_(2, idx, -1)                                                 # each row's ``LayerKV.evict``
     for r, cache in enumerate(caches):
