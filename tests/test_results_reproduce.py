@@ -335,6 +335,7 @@ CHECKED_BY = {
     "agree_7f225c6_602d281.txt": LOG,
     "agree_row_hooks_89e7d65.txt": LOG,
     "agree_7f225c6_82f90e5.txt": LOG,
+    "agree_82f90e5_9eecbf6.txt": LOG,
 }
 
 
