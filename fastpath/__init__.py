@@ -9,7 +9,8 @@ fastpath: the same decoder, faster, plugged in from above. The reading path (``n
     sketch.py      KVReviver's count sketch on the Triton kernels of ``kernels/count_sketch.py``
     graph.py       ``GraphDecoder``: a decode step over fixed-capacity buffers with its counters on the device,
                    captured once per shape in a CUDA graph and replayed per token (eager on a CPU); prefill-only
-                   methods, StreamingLLM and H2O decode on it, the others fall back to the lean step, saying so
+                   methods, StreamingLLM, H2O and Scissorhands decode on it, the others fall back to the lean
+                   step, saying so
     fused.py       ``FusedGraphDecoder``: the graph step with its element-wise work compiled by inductor
     e2e.py         whole decode steps timed (``python -m fastpath.bench --e2e``): lean, graph and fused step,
                    full cache vs keep 0.1, transformers' StaticCache step, at the copy bandwidth of the same run

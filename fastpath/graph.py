@@ -13,6 +13,8 @@ copied once into a ``StaticKV`` of fixed capacity, and ``GraphDecoder.decode`` i
     slot      (L, B, H_kv)         where each head writes its next entry (a device tensor)
     position  (1,)                 the next token's position, ``KVCache.seen`` (a device tensor)
     score     (L, B, H_kv, C)      H2O's accumulated attention, fp32 (only for H2O)
+    low       (L, B, H_kv, C, w)   Scissorhands' ring buffer of low flags, bool; count (L, B, H_kv, C) int32,
+                                   its counters; attn (L, B, H_kv, C) fp32, the last query's attention
 
 One step: the embedding, RoPE from ``position``, the stacked products of ``LeanDecoder.forward``; per layer
 the new k, v and position are scattered into ``slot``, the attention runs over all C slots with the
@@ -28,14 +30,20 @@ Which methods decode on it (``eviction_rule``, from what a policy declares, wrap
 * prefill-only methods (the full cache, SnapKV, AdaKV, ChunkKV, CriticalKV and their wrappings): no
   ``attend_kv`` of their own, nothing observed or compressed at a decode step (``compress_on`` without
   "decode", ``needs("decode")`` empty): the step writes at ``slot`` and ``slot += 1``.
-* StreamingLLM and H2O, the lean path's eviction as tensor operations after the step's attention, which saw
-  budget + 1 entries (so C = budget + 1 once full): the slot to empty is chosen per head, its position set
-  to -1, and the next token is written there (``LayerKV.evict`` then ``append``). StreamingLLM empties
+* StreamingLLM, H2O and Scissorhands, the lean path's eviction as tensor operations after the step's
+  attention, which saw budget + 1 entries (so C = budget + 1 once full): the slot to empty is chosen per
+  head, its position set to -1, and the next token is written there (``LayerKV.evict`` then ``append``).
+  StreamingLLM empties
   the oldest position after the sinks (its ring holds the non-sink slots in position order); H2O adds the
   step's attention (the mean over each KV head's G query heads) to ``score``, then empties the lowest
   score outside the recent window, the later position on a tie (``nanollm.slots.select_lowest``).
-* anything else (Scissorhands, KVReviver, a wrapper around H2O or StreamingLLM, a policy unknown here)
-  falls back to the lean step over its ``KVCache``, and ``start`` prints one line saying so.
+  Scissorhands (dropping one token at a time, m = 1, its default) pushes the step's low flags into column
+  ``position mod w`` of its ring buffer, moves the counters by the flags in and out, keeps the step's
+  attention, then empties the slot ``scissorhands.evict_one`` picks (the most low flags outside the recent
+  window, then the least attention, then the later position): the lean path's ``observe`` and ``evict``.
+* anything else (KVReviver, Scissorhands dropping m > 1 at a time, a wrapper around a decode-time method, a
+  policy unknown here) falls back to the lean step over its ``KVCache``, and ``start`` prints one line
+  saying so.
 
 On a CUDA device each shape is captured once, following PyTorch's recipe ("CUDA Graphs" in its CUDA
 semantics notes, https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs): warm-up on a side stream,
@@ -48,9 +56,9 @@ that ``torch.compile(fullgraph=True)`` traces it without a break).
 Logits equal the lean step's to float rounding: fp32 within 1e-5 (the softmax runs over C slots instead of
 the stored ones, the extra ones at exactly 0); bf16 within 2% of the largest |logit| (``BF16_TOL``, a few
 bf16 roundings: both paths round every product to bf16, the softmax sums in another order; on a CPU the
-two agree to 0 or one rounding). StreamingLLM and H2O keep the lean path's positions; H2O compares float
-sums, so a near-tie the two orders round differently could pick another token (never seen in the tests,
-which compare the kept positions after every step).
+two agree to 0 or one rounding). StreamingLLM, H2O and Scissorhands keep the lean path's positions; H2O
+and Scissorhands compare float attention, so a near-tie the two orders round differently could pick another
+token (never seen in the tests, which compare the kept positions after every step).
 
 What it costs on a GPU (``python -m fastpath.bench --e2e``, measured on an H100 in ``fastpath/README.md``):
 the host's launch work is gone, so a step is its kernels' time; with 16 sequences of 32,768 tokens the
@@ -79,6 +87,10 @@ from kernels.decode_attention import masked_decode_attention_triton
 from methods import METHODS
 from methods.h2o import STATE as H2O_STATE
 from methods.h2o import H2OPolicy
+from methods.scissorhands import ATTN as SC_ATTN
+from methods.scissorhands import COUNT as SC_COUNT
+from methods.scissorhands import LOW as SC_LOW
+from methods.scissorhands import ScissorhandsPolicy, evict_one, low_flags
 from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
 from nanollm.attention import group_scores, rope_cos_sin
 from nanollm.cache import KVCache
@@ -96,13 +108,16 @@ BF16_TOL = 2e-2         # bf16: |graph - lean| <= BF16_TOL * max |logit|, a few 
 @dataclass(frozen=True)
 class Eviction:
     """What a decode step empties after its attention: ``kind`` "none" (nothing: prefill-only methods),
-    "sinks" (StreamingLLM: the oldest position at or after ``n_sink``) or "heavy" (H2O: the lowest score
-    outside the ``n_recent`` latest), once a head holds more than ``budget`` entries."""
+    "sinks" (StreamingLLM: the oldest position at or after ``n_sink``), "heavy" (H2O: the lowest score
+    outside the ``n_recent`` latest) or "scissors" (Scissorhands: the most low flags outside the ``n_recent``
+    latest), once a head holds more than ``budget`` entries."""
 
     kind: str = "none"
     budget: int = 0
     n_sink: int = 0          # StreamingLLM's S = min(n_sink, budget - 1), as ``sinks_and_recent``
-    n_recent: int = 0        # H2O's recent window
+    n_recent: int = 0        # H2O's and Scissorhands' recent window
+    window: int = 0          # Scissorhands' w, the queries its ring buffer remembers
+    threshold: float | None = None   # Scissorhands' tau (None: 1 / entries attended)
 
     def capacity(self, n: int, max_new_tokens: int) -> int:
         """Slots a layer holding n slots after the prompt needs for ``max_new_tokens`` more: every new token
@@ -157,6 +172,11 @@ def eviction_rule(policy: CachePolicy | None) -> Eviction | str:
         return Eviction("sinks", policy.budget, n_sink=sinks.stop)
     if type(policy) is H2OPolicy and policy.evicts_in_place:
         return Eviction("heavy", policy.budget, n_recent=policy.n_recent)
+    if type(policy) is ScissorhandsPolicy and policy.evicts_in_place:
+        if min(policy.drop, policy.budget - policy.n_recent) != 1:
+            return "it drops m > 1 tokens at a time, then none for m - 1 steps (the step handles m = 1)"
+        return Eviction("scissors", policy.budget, n_recent=policy.n_recent, window=policy.history_window,
+                        threshold=policy.threshold)
     if any(getattr(type(p), "attend_kv", CachePolicy.attend_kv) is not CachePolicy.attend_kv
            for p in policy_chain(policy)):
         return "it rebuilds the entries it attends to at every step (attend_kv)"
@@ -174,6 +194,9 @@ class StaticKV:
     slot: Tensor
     position: Tensor
     score: Tensor | None = None
+    low: Tensor | None = None
+    count: Tensor | None = None
+    attn: Tensor | None = None
 
     @staticmethod
     def shape(cache: KVCache, max_new_tokens: int, rule: Eviction) -> tuple:
@@ -196,13 +219,18 @@ class StaticKV:
     def allocate(cls, L: int, B: int, H_kv: int, C: int, d: int, dtype: torch.dtype, device,
                  rule: Eviction) -> "StaticKV":
         # zeros, not empty: an empty slot's v is multiplied by its probability 0, and 0 * NaN would be NaN
+        per_slot = (L, B, H_kv, C)
+        scissors = rule.kind == "scissors"
         return cls(k=torch.zeros(L, B, H_kv, C, d, dtype=dtype, device=device),
                    v=torch.zeros(L, B, H_kv, C, d, dtype=dtype, device=device),
                    pos=torch.full((L, B, H_kv, C), -1, dtype=torch.long, device=device),
                    slot=torch.zeros(L, B, H_kv, dtype=torch.long, device=device),
                    position=torch.zeros(1, dtype=torch.long, device=device),
                    score=(torch.zeros(L, B, H_kv, C, dtype=torch.float32, device=device)
-                          if rule.kind == "heavy" else None))
+                          if rule.kind == "heavy" else None),
+                   low=torch.zeros(*per_slot, rule.window, dtype=torch.bool, device=device) if scissors else None,
+                   count=torch.zeros(per_slot, dtype=torch.int32, device=device) if scissors else None,
+                   attn=torch.zeros(per_slot, dtype=torch.float32, device=device) if scissors else None)
 
     def load(self, cache: KVCache) -> None:
         """Copy the cache in, in place (a captured graph keeps reading these same buffers): layer i's n slots
@@ -217,6 +245,10 @@ class StaticKV:
             if self.score is not None:
                 self.score[i].zero_()
                 self.score[i, :, :, :n] = store.state[H2O_STATE]
+            for buffer, name in ((self.low, SC_LOW), (self.count, SC_COUNT), (self.attn, SC_ATTN)):
+                if buffer is not None:                  # Scissorhands' state; its fill values are 0
+                    buffer[i].zero_()
+                    buffer[i, :, :, :n] = store.state[name]
         self.position.fill_(cache.seen)
 
 
@@ -291,6 +323,32 @@ def attend_heavy(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, s
     s = torch.where(stays, float("inf"), torch.nan_to_num(score, nan=float("-inf")))
     lowest = s == s.amin(dim=-1, keepdim=True)
     empty_one(pos, slot, torch.where(lowest, pos, -1).argmax(dim=-1), budget)
+    return out
+
+
+def attend_scissors(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, low: Tensor, count: Tensor,
+                    attn: Tensor, position: Tensor, rule: Eviction, output: bool = True) -> Tensor | None:
+    """Scissorhands (``ScissorhandsPolicy.observe`` then ``evict``): attend; the new entry's counter and ring
+    buffer start empty (their fill values); the step's low flags (attention below the threshold, among the
+    slots held) go into column ``position mod w`` of the ring buffer, each counter moving by its flag in and
+    the flag that column held; the step's attention is kept; then the slot ``evict_one`` picks is emptied.
+    low (B, H_kv, C, w), count and attn (B, H_kv, C) are updated in place. Returns the output (B, H, 1, d),
+    or None with ``output=False`` (the kernel attends instead; only the probabilities are computed here)."""
+    if output:
+        out, probs = attend_masked(q, kb, vb, pos)
+        received = probs.float().mean(dim=2)                               # (B, H_kv, C) the group mean
+    else:
+        out, received = None, received_attention(q, kb, pos)
+    at = slot[:, :, None]                                                  # (B, H_kv, 1) the new entry's slot
+    count.scatter_(2, at, 0)
+    low.scatter_(2, at[..., None].expand(*at.shape, low.shape[-1]), False)
+    held = pos >= 0                                                        # the step's query saw every one
+    flags = low_flags(received[:, :, None], held[:, :, None], rule.threshold)[:, :, 0]     # (B, H_kv, C)
+    column = (position % rule.window).view(1, 1, 1, 1).expand(*low.shape[:3], 1)          # (B, H_kv, C, 1)
+    count.sub_(low.gather(3, column)[..., 0].int()).add_(flags)           # - flags out + flags in
+    low.scatter_(3, column, flags[..., None])
+    attn.copy_(received)
+    empty_one(pos, slot, evict_one(pos, count, attn, position + 1 - rule.n_recent)[..., 0], rule.budget)
     return out
 
 
@@ -407,6 +465,7 @@ class GraphDecoder:
     # put compiled versions of some of them in their place.
     write = staticmethod(write_entry)
     attend_heavy = staticmethod(attend_heavy)
+    attend_scissors = staticmethod(attend_scissors)
     evict_sinks = staticmethod(evict_sinks)
 
     def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -425,6 +484,10 @@ class GraphDecoder:
             # the kernel did not), adds them to the scores and evicts
             computed = self.attend_heavy(q, kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent,
                                          rule.budget, output=out is None)
+            return out if out is not None else computed
+        if rule.kind == "scissors":             # the same: Scissorhands' flags need the probabilities
+            computed = self.attend_scissors(q, kb, vb, pos, slot, kv.low[i], kv.count[i], kv.attn[i], kv.position,
+                                            rule, output=out is None)
             return out if out is not None else computed
         if out is None:
             out = attend_masked(q, kb, vb, pos)[0]

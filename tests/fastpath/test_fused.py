@@ -12,7 +12,7 @@ from fastpath.fused import FusedGraphDecoder
 from tests.fastpath.test_graph import assert_same_entries, steps_both, tokens
 
 
-@pytest.mark.parametrize("spec", [None, "snapkv", "streaming_llm", "h2o"])
+@pytest.mark.parametrize("spec", [None, "snapkv", "streaming_llm", "h2o", "scissorhands"])
 def test_the_fused_step_is_the_lean_step(tiny_model, spec):
     """Traced by dynamo without generating code (backend "eager": the same functions, seconds on a CPU); fp32
     within 1e-5 over 14 steps, the kept positions equal after them."""
@@ -25,7 +25,7 @@ def test_the_fused_step_is_the_lean_step(tiny_model, spec):
 
 @pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
                     reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
-@pytest.mark.parametrize("spec", [None, "streaming_llm", "h2o"])
+@pytest.mark.parametrize("spec", [None, "streaming_llm", "h2o", "scissorhands"])
 def test_the_writes_in_one_launch(tiny_model, spec, monkeypatch):
     """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), every
     layer's write is the one-launch kernel; the logits and the kept entries stay the lean step's."""
@@ -80,7 +80,7 @@ def test_evictions_use_what_the_attention_kernel_read(tiny_model, spec, budget, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["streaming_llm", "h2o"])
+@pytest.mark.parametrize("spec", ["streaming_llm", "h2o", "scissorhands"])
 def test_the_fused_step_with_inductor(tiny_model, spec):
     """inductor (C++ on a CPU) generates the fused functions, the evictions' in-place writes included; they
     serve every layer (one compile each) and match the lean step."""
@@ -96,7 +96,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 @pytest.mark.parametrize("dtype,spec", [(torch.float32, "snapkv"), (torch.bfloat16, "snapkv"),
-                                        (torch.float32, "streaming_llm"), (torch.float32, "h2o")])
+                                        (torch.float32, "streaming_llm"), (torch.float32, "h2o"),
+                                        (torch.float32, "scissorhands")])
 def test_the_fused_step_captured_on_a_gpu(make_model, tiny_cfg, dtype, spec):
     """Compiled by inductor on the first eager step, captured with the rest of the step, replayed."""
     from fastpath.graph import BF16_TOL

@@ -18,7 +18,7 @@ from nanollm.generation import prefill
 
 PREFILL_ONLY = [None, "full", "snapkv", "adakv", "chunkkv", "critical_kv", "critical_kv(adakv(snapkv))",
                 "chunkkv(snapkv)", "adakv(chunkkv)"]
-FALLBACK = ["scissorhands", "kvreviver", "adakv(h2o)", "chunkkv(streaming_llm)"]
+FALLBACK = ["kvreviver", "adakv(h2o)", "chunkkv(streaming_llm)", "adakv(scissorhands)"]
 
 
 def tokens(n: int = 34, seed: int = 0) -> torch.Tensor:
@@ -67,16 +67,48 @@ def test_prefill_only_methods_decode_in_the_graph_step(tiny_model, spec):
 @pytest.mark.parametrize("spec,n_prompt,options", [
     ("streaming_llm", 20, {}), ("streaming_llm", 8, {}), ("streaming_llm", 20, {"n_sink": 0}),
     ("streaming_llm", 20, {"n_sink": 30}),                     # more sinks than the budget: cut to budget - 1
-    ("h2o", 20, {}), ("h2o", 8, {}), ("h2o", 20, {"n_recent": 0}), ("h2o", 20, {"n_recent": 12})])
+    ("h2o", 20, {}), ("h2o", 8, {}), ("h2o", 20, {"n_recent": 0}), ("h2o", 20, {"n_recent": 12}),
+    ("scissorhands", 20, {}), ("scissorhands", 8, {}), ("scissorhands", 20, {"n_recent": 0}),
+    ("scissorhands", 20, {"history_window": 3}),              # the ring buffer wraps within the 20 steps
+    ("scissorhands", 20, {"history_window": 5, "threshold": 0.05})])
 def test_decode_time_eviction_in_the_graph_step(tiny_model, spec, n_prompt, options):
-    """StreamingLLM and H2O evict inside the step: the same logits and, after every step, the same kept
-    positions as the lean step's policy (a prompt of 8 below the budget 12 fills the room first)."""
+    """StreamingLLM, H2O and Scissorhands evict inside the step: the same logits and, after every step, the
+    same kept positions as the lean step's policy (a prompt of 8 below the budget 12 fills the room first);
+    Scissorhands' counters and ring buffer also hold what the lean policy's do, slot for slot."""
     x = tokens(40)
     ref, out, cache, graph = steps_both(tiny_model, x, spec, 12, n_prompt, **options)
-    assert graph.fallback is None and graph.rule.kind == {"streaming_llm": "sinks", "h2o": "heavy"}[spec]
+    assert graph.fallback is None
+    assert graph.rule.kind == {"streaming_llm": "sinks", "h2o": "heavy", "scissorhands": "scissors"}[spec]
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
     assert graph.kv.k.shape[3] == 13 and all(len(p) == 12 for row in held(graph.kv.pos[0]) for p in row)
+    if spec == "scissorhands":
+        assert_same_state(cache, graph)
+
+
+def assert_same_state(cache: KVCache, graph: GraphDecoder) -> None:
+    """Scissorhands' per-slot state in the graph's buffers, by position, equals the lean cache's."""
+    from methods.scissorhands import ATTN, COUNT, LOW
+    for i, store in enumerate(cache.layers):
+        for name, buffer in ((LOW, graph.kv.low[i]), (COUNT, graph.kv.count[i]), (ATTN, graph.kv.attn[i])):
+            lean = by_position(store.pos, store.state[name])
+            ours = by_position(graph.kv.pos[i], buffer)
+            assert lean.keys() == ours.keys(), name
+            for key in lean:
+                torch.testing.assert_close(ours[key], lean[key], rtol=0, atol=1e-6, msg=f"layer {i} {name} {key}")
+
+
+def by_position(pos: torch.Tensor, state: torch.Tensor) -> dict:
+    """(B, H_kv, T) positions and (B, H_kv, T, ...) per-slot state -> {(row, head, position): its state}."""
+    return {(b, h, p): state[b, h, t] for b, row in enumerate(pos.tolist()) for h, head in enumerate(row)
+            for t, p in enumerate(head) if p >= 0}
+
+
+def test_scissorhands_dropping_several_at_a_time_falls_back(tiny_model, capsys):
+    """m = 2 drops two tokens, then none for a step: not the step's one-slot rule, so the lean step."""
+    ref, out, _, graph = steps_both(tiny_model, tokens(26), "scissorhands", drop=2)
+    assert "m > 1" in capsys.readouterr().out and graph.fallback is not None
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("spec", FALLBACK)
@@ -140,7 +172,7 @@ def test_generate_equals_the_lean_generate(tiny_model, spec):
     assert torch.equal(graph.generate(x, 12, policy=make_policy(spec, 10) if spec else None), lean)
 
 
-@pytest.mark.parametrize("spec", [None, "snapkv", "adakv", "streaming_llm", "h2o"])
+@pytest.mark.parametrize("spec", [None, "snapkv", "adakv", "streaming_llm", "h2o", "scissorhands"])
 def test_bf16_within_the_documented_tolerance(make_model, tiny_cfg, spec):
     """bf16: within BF16_TOL of the largest |logit| (both paths round every product to bf16)."""
     model = make_model(tiny_cfg, seed=1).to(torch.bfloat16)
@@ -197,13 +229,15 @@ def fused_eager(model):
 
 @through_kernels
 @pytest.mark.parametrize("make_graph", [GraphDecoder, fused_eager], ids=["graph", "fused"])
-@pytest.mark.parametrize("spec,budget", [(None, 12), ("adakv", 12), ("streaming_llm", 8), ("h2o", 8)])
+@pytest.mark.parametrize("spec,budget", [(None, 12), ("adakv", 12), ("streaming_llm", 8), ("h2o", 8),
+                                         ("scissorhands", 8)])
 def test_the_kernel_attends_over_the_buffers_with_empty_slots(tiny_model, spec, budget, make_graph, monkeypatch):
     """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), the
     step's attention is the masked split-K kernel over the fixed buffers: the room not yet written, AdaKV's
-    per-head padding and StreamingLLM's emptied slots are masked by position (H2O's probabilities come from
-    ``received_attention`` beside it), and the logits and kept entries stay the lean step's (which attends
-    in PyTorch) within 1e-5; the fused step's compiled pieces (traced by dynamo alone here) likewise."""
+    per-head padding and StreamingLLM's emptied slots are masked by position (H2O's and Scissorhands'
+    probabilities come from ``received_attention`` beside it), and the logits and kept entries stay the lean
+    step's (which attends in PyTorch) within 1e-5; the fused step's compiled pieces (traced by dynamo alone
+    here) likewise."""
     calls = []
     real = kernel_module.masked_decode_attention_triton
 
@@ -254,7 +288,7 @@ def compiled_steps(model, spec, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["snapkv", "streaming_llm", "h2o"])
+@pytest.mark.parametrize("spec", ["snapkv", "streaming_llm", "h2o", "scissorhands"])
 def test_the_step_traces_as_one_graph(tiny_model, spec):
     """Dynamo traces the step of every rule whole (fullgraph=True; AOT autograd's functionalisation of the
     in-place writes included), and the traced step matches the lean one."""
@@ -280,7 +314,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
-@pytest.mark.parametrize("spec", [None, "snapkv", "critical_kv(adakv(snapkv))", "streaming_llm", "h2o"])
+@pytest.mark.parametrize("spec", [None, "snapkv", "critical_kv(adakv(snapkv))", "streaming_llm", "h2o",
+                                  "scissorhands"])
 def test_captured_and_replayed_on_a_gpu(make_model, tiny_cfg, spec, monkeypatch):
     """fp32 on CUDA: the first steps eager, one capture, then replays; the lean step's logits within 1e-5 (its
     attention in PyTorch too, NANOKV_NO_TRITON=1, so both sum alike); a second sequence of the same shape
@@ -307,7 +342,8 @@ def test_bf16_on_a_gpu(make_model, tiny_cfg, spec, monkeypatch):
 
 @cuda
 @pytest.mark.parametrize("dtype,spec", [(dtype, spec) for dtype in (torch.float32, torch.bfloat16)
-                                         for spec in (None, "snapkv", "streaming_llm")] + [(torch.float32, "h2o")])
+                                         for spec in (None, "snapkv", "streaming_llm")]
+                         + [(torch.float32, "h2o"), (torch.float32, "scissorhands")])
 def test_captured_with_the_kernel_on_a_gpu(make_model, tiny_cfg, spec, dtype):
     """The default on CUDA: the masked split-K kernel inside the captured graph (the lean step takes the
     contiguous kernel with the plain cache, PyTorch with a policy): fp32 within 1e-5, bf16 within BF16_TOL."""
@@ -322,7 +358,7 @@ def test_captured_with_the_kernel_on_a_gpu(make_model, tiny_cfg, spec, dtype):
 
 
 @cuda
-@pytest.mark.parametrize("spec", ["h2o", None, "streaming_llm"])
+@pytest.mark.parametrize("spec", ["h2o", None, "streaming_llm", "scissorhands"])
 def test_the_step_never_waits_for_the_host(make_model, tiny_cfg, spec):
     """Eager on CUDA under torch's sync debug mode "error": no operation of the step synchronises (the kernel
     for every rule; H2O's probabilities and eviction beside it)."""
