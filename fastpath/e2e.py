@@ -7,15 +7,15 @@ keep 0.1.
 
 The shape is the TINYLLAMA_1B preset's (22 layers, 32 query heads sharing 4 KV heads of 64 dims, d_model
 2048, vocab 32000), random weights in bf16, 16 sequences of 8,192 and of 32,768 tokens. For each length:
-the full cache (the plain cache: no policy), and SnapKV, StreamingLLM and H2O keeping 0.1 of it. A cache
-is filled with random entries of the kept shape, positions as the method keeps them (its window, its sinks
-and recent tokens, H2O's scores), and no prompt runs: which tokens are kept does not change a step's time,
-and a 16 x 32k prompt would cost most of the run.
+the full cache (the plain cache: no policy), and SnapKV, StreamingLLM, H2O and Scissorhands keeping 0.1 of
+it. A cache is filled with random entries of the kept shape, positions as the method keeps them (its window,
+its sinks and recent tokens, H2O's scores, Scissorhands' counters and ring buffer), and no prompt runs:
+which tokens are kept does not change a step's time, and a 16 x 32k prompt would cost most of the run.
 
 Three paths: ``lean`` (``lean.py``, launched from Python), ``graph`` (``graph.py``, captured in a CUDA graph;
-its attention the masked split-K kernel; H2O's probabilities, which it adds up, beside it in PyTorch) and
-``fused`` (``fused.py``: the graph step with its element-wise work compiled by inductor, on a CPU traced by
-dynamo alone). Each path takes ``WARM`` steps (the graph step captures its graph there, the fused one
+its attention the masked split-K kernel; H2O's and Scissorhands' probabilities, which they use, beside it in
+PyTorch) and ``fused`` (``fused.py``: the graph step with its element-wise work compiled by inductor, on a
+CPU traced by dynamo alone). Each path takes ``WARM`` steps (the graph step captures its graph there, the fused one
 compiles first: ``warm_s``), then ``REPEATS`` blocks of
 ``STEPS`` steps, the device synchronised around each block: the median block over ``STEPS`` is the
 step's time, the host's launch work included (what the graph removes). ``bytes`` is what a step must
@@ -43,6 +43,7 @@ import torch
 
 from methods import make_policy
 from methods.h2o import STATE as H2O_STATE
+from methods.scissorhands import ATTN, COUNT, LOW
 from nanollm import KVCache, preset
 from nanollm.model import Transformer
 from nanollm.storage import LayerKV
@@ -53,7 +54,7 @@ from .graph import GraphDecoder
 PRESET, LENGTHS, BATCH, KEEP = "TINYLLAMA_1B", (8192, 32768), 16, 0.1
 QUICK_SHAPE = dict(vocab_size=1024, n_layer=2, n_head=8, n_kv_head=2, d_model=256, d_ff=512)
 QUICK_LENGTHS, QUICK_BATCH = (64, 256), 2
-METHODS_TIMED = ("full", "snapkv", "streaming_llm", "h2o")
+METHODS_TIMED = ("full", "snapkv", "streaming_llm", "h2o", "scissorhands")
 WARM, STEPS, REPEATS = 3, 8, 3          # steps per path: 27 (a few ms each on a GPU); WARM > graph.WARMUP
 QUICK_STEPS, QUICK_REPEATS = 2, 2
 ROOM = WARM + STEPS * REPEATS + 5       # new tokens a cache has room for
@@ -114,13 +115,14 @@ def random_model(cfg, dtype: torch.dtype, device: str) -> Transformer:
 
 def kept_positions(method: str, S: int, K: int, B: int, H_kv: int, device: str, g) -> torch.Tensor:
     """(B, H_kv, K) positions a method holds after a prompt of S tokens: all of them; StreamingLLM's 4 sinks
-    and latest; SnapKV's window (32) or H2O's recent half and, per head, a random choice of the rest."""
+    and latest; SnapKV's window (32), H2O's recent half or Scissorhands' recent 10 and, per head, a random
+    choice of the rest."""
     if K == S:
         return torch.arange(S, device=device).expand(B, H_kv, S)
     if method == "streaming_llm":
         pos = torch.cat([torch.arange(4, device=device), torch.arange(S - (K - 4), S, device=device)])
         return pos.expand(B, H_kv, K)
-    w = min(32, K // 2) if method == "snapkv" else K // 2
+    w = {"snapkv": min(32, K // 2), "scissorhands": min(10, K - 1)}.get(method, K // 2)
     chosen = torch.rand(B, H_kv, S - w, generator=g, device=device).topk(K - w, dim=-1).indices.sort(-1).values
     return torch.cat([chosen, torch.arange(S - w, S, device=device).expand(B, H_kv, w)], dim=-1)
 
@@ -143,6 +145,11 @@ def synthetic_cache(cfg, method: str, B: int, S: int, dtype: torch.dtype, device
         store.n = K                                     # K slots in use, ROOM to spare: appends write in place
         if method == "h2o":
             store.set_state(H2O_STATE, torch.rand(B, H_kv, K, generator=g, device=device), fill=0.0)
+        if method == "scissorhands":                    # a random history of low flags, its counts, attention
+            low = torch.rand(B, H_kv, K, cache.policy.history_window, generator=g, device=device) < 0.5
+            store.set_state(LOW, low, fill=False)
+            store.set_state(COUNT, low.sum(-1, dtype=torch.int32), fill=0)
+            store.set_state(ATTN, torch.rand(B, H_kv, K, generator=g, device=device), fill=0.0)
         cache.layers[i] = store
     cache.seen = S
     return cache

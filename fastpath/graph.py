@@ -13,8 +13,9 @@ copied once into a ``StaticKV`` of fixed capacity, and ``GraphDecoder.decode`` i
     slot      (L, B, H_kv)         where each head writes its next entry (a device tensor)
     position  (1,)                 the next token's position, ``KVCache.seen`` (a device tensor)
     score     (L, B, H_kv, C)      H2O's accumulated attention, fp32 (only for H2O)
-    low       (L, B, H_kv, C, w)   Scissorhands' ring buffer of low flags, bool; count (L, B, H_kv, C) int32,
-                                   its counters; attn (L, B, H_kv, C) fp32, the last query's attention
+    low       (L, B, H_kv, w, C)   Scissorhands' ring buffer of low flags, bool, a query's flags a row of C
+                                   (the lean path keeps (T, w) per head); count (L, B, H_kv, C) int32, its
+                                   counters; attn (L, B, H_kv, C) fp32, the last query's attention
 
 One step: the embedding, RoPE from ``position``, the stacked products of ``LeanDecoder.forward``; per layer
 the new k, v and position are scattered into ``slot``, the attention runs over all C slots with the
@@ -37,7 +38,7 @@ Which methods decode on it (``eviction_rule``, from what a policy declares, wrap
   the oldest position after the sinks (its ring holds the non-sink slots in position order); H2O adds the
   step's attention (the mean over each KV head's G query heads) to ``score``, then empties the lowest
   score outside the recent window, the later position on a tie (``nanollm.slots.select_lowest``).
-  Scissorhands (dropping one token at a time, m = 1, its default) pushes the step's low flags into column
+  Scissorhands (dropping one token at a time, m = 1, its default) writes the step's low flags over row
   ``position mod w`` of its ring buffer, moves the counters by the flags in and out, keeps the step's
   attention, then empties the slot ``scissorhands.evict_one`` picks (the most low flags outside the recent
   window, then the least attention, then the later position): the lean path's ``observe`` and ``evict``.
@@ -228,7 +229,7 @@ class StaticKV:
                    position=torch.zeros(1, dtype=torch.long, device=device),
                    score=(torch.zeros(L, B, H_kv, C, dtype=torch.float32, device=device)
                           if rule.kind == "heavy" else None),
-                   low=torch.zeros(*per_slot, rule.window, dtype=torch.bool, device=device) if scissors else None,
+                   low=torch.zeros(L, B, H_kv, rule.window, C, dtype=torch.bool, device=device) if scissors else None,
                    count=torch.zeros(per_slot, dtype=torch.int32, device=device) if scissors else None,
                    attn=torch.zeros(per_slot, dtype=torch.float32, device=device) if scissors else None)
 
@@ -245,10 +246,11 @@ class StaticKV:
             if self.score is not None:
                 self.score[i].zero_()
                 self.score[i, :, :, :n] = store.state[H2O_STATE]
-            for buffer, name in ((self.low, SC_LOW), (self.count, SC_COUNT), (self.attn, SC_ATTN)):
-                if buffer is not None:                  # Scissorhands' state; its fill values are 0
-                    buffer[i].zero_()
-                    buffer[i, :, :, :n] = store.state[name]
+            if self.low is not None:                    # Scissorhands' state; its fill values are 0
+                self.low[i].zero_(), self.count[i].zero_(), self.attn[i].zero_()
+                self.low[i, :, :, :, :n] = store.state[SC_LOW].transpose(-1, -2)     # (B, H_kv, w, n)
+                self.count[i, :, :, :n] = store.state[SC_COUNT]
+                self.attn[i, :, :, :n] = store.state[SC_ATTN]
         self.position.fill_(cache.seen)
 
 
@@ -330,23 +332,24 @@ def attend_scissors(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor
                     attn: Tensor, position: Tensor, rule: Eviction, output: bool = True) -> Tensor | None:
     """Scissorhands (``ScissorhandsPolicy.observe`` then ``evict``): attend; the new entry's counter and ring
     buffer start empty (their fill values); the step's low flags (attention below the threshold, among the
-    slots held) go into column ``position mod w`` of the ring buffer, each counter moving by its flag in and
-    the flag that column held; the step's attention is kept; then the slot ``evict_one`` picks is emptied.
-    low (B, H_kv, C, w), count and attn (B, H_kv, C) are updated in place. Returns the output (B, H, 1, d),
+    slots held) replace row ``position mod w`` of the ring buffer, each counter moving by its flag in and the
+    flag that row held; the step's attention is kept; then the slot ``evict_one`` picks is emptied.
+    low (B, H_kv, w, C), count and attn (B, H_kv, C) are updated in place. Returns the output (B, H, 1, d),
     or None with ``output=False`` (the kernel attends instead; only the probabilities are computed here)."""
     if output:
         out, probs = attend_masked(q, kb, vb, pos)
         received = probs.float().mean(dim=2)                               # (B, H_kv, C) the group mean
     else:
         out, received = None, received_attention(q, kb, pos)
+    B, H_kv, w, C = low.shape
     at = slot[:, :, None]                                                  # (B, H_kv, 1) the new entry's slot
     count.scatter_(2, at, 0)
-    low.scatter_(2, at[..., None].expand(*at.shape, low.shape[-1]), False)
+    low.scatter_(3, at[:, :, None].expand(B, H_kv, w, 1), False)
     held = pos >= 0                                                        # the step's query saw every one
-    flags = low_flags(received[:, :, None], held[:, :, None], rule.threshold)[:, :, 0]     # (B, H_kv, C)
-    column = (position % rule.window).view(1, 1, 1, 1).expand(*low.shape[:3], 1)          # (B, H_kv, C, 1)
-    count.sub_(low.gather(3, column)[..., 0].int()).add_(flags)           # - flags out + flags in
-    low.scatter_(3, column, flags[..., None])
+    flags = low_flags(received[:, :, None], held[:, :, None], rule.threshold)            # (B, H_kv, 1, C)
+    row = position % w                                                     # (1,) the ring buffer's oldest row
+    count.sub_(low.index_select(2, row)[:, :, 0].int()).add_(flags[:, :, 0])   # - flags out + flags in
+    low.index_copy_(2, row, flags)
     attn.copy_(received)
     empty_one(pos, slot, evict_one(pos, count, attn, position + 1 - rule.n_recent)[..., 0], rule.budget)
     return out

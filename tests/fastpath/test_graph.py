@@ -90,7 +90,8 @@ def assert_same_state(cache: KVCache, graph: GraphDecoder) -> None:
     """Scissorhands' per-slot state in the graph's buffers, by position, equals the lean cache's."""
     from methods.scissorhands import ATTN, COUNT, LOW
     for i, store in enumerate(cache.layers):
-        for name, buffer in ((LOW, graph.kv.low[i]), (COUNT, graph.kv.count[i]), (ATTN, graph.kv.attn[i])):
+        low = graph.kv.low[i].transpose(-1, -2)                            # (B, H_kv, C, w) as the lean path's
+        for name, buffer in ((LOW, low), (COUNT, graph.kv.count[i]), (ATTN, graph.kv.attn[i])):
             lean = by_position(store.pos, store.state[name])
             ours = by_position(graph.kv.pos[i], buffer)
             assert lean.keys() == ours.keys(), name
