@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=cli.positive_int, nargs="+", default=None,
                     help="context lengths (default 8192 and 32768; --quick: 64)")
     ap.add_argument("--methods", nargs="+", choices=e2e.METHODS_TIMED, default=list(e2e.METHODS_TIMED),
-                    help="the caches: the full one and methods at keep 0.1 (default: all four)")
+                    help="the caches: the full one and methods at keep 0.1 (default: all five)")
     ap.add_argument("--steps", type=cli.positive_int, default=2, help="steps recorded (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in fp32: seconds on a CPU (a dry run)")
     ap.add_argument("--device", type=cli.device, default=None,
