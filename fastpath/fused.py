@@ -19,8 +19,9 @@ launches whose eviction uses what the attention kernel read: H2O's (``kernels/he
 kernel keeps its scores, the merge, one update kernel) and StreamingLLM's (``kernels/streaming.py``: the
 split kernel keeps each range's oldest entry, the merge, one kernel that empties the oldest). Elsewhere
 their small pieces are compiled: StreamingLLM's eviction, H2O's probabilities, the scores it adds up and
-the slot it empties, and Scissorhands' (which has no kernel of its own: its probabilities, counters, ring
-buffer and the slot it empties), which compile once per capacity C. Not the writes into the buffers: compiled, an
+the slot it empties, which compile once per capacity C; Scissorhands' step (no kernel of its own) stays the
+graph step's, uncompiled: its writes go into a ring buffer of w flags per slot, which compiled would be
+copied whole. Not the writes into the buffers: compiled, an
 in-place write into a view of a large buffer becomes a copy of the whole buffer; the three scatters of a
 layer's write are one Triton launch instead (``kernels/cache_write.py``). The split-K kernel is the graph
 step's (for H2O and StreamingLLM, its variants that keep the scores or the oldest entries), and the whole
@@ -51,7 +52,7 @@ from kernels.streaming import sinks_attend_triton
 from nanollm.attention import apply_rope, rope_cos_sin
 from nanollm.model import Transformer
 
-from .graph import GraphDecoder, attend_heavy, attend_scissors, evict_sinks, write_entry
+from .graph import GraphDecoder, attend_heavy, evict_sinks, write_entry
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -100,11 +101,11 @@ class FusedGraphDecoder(GraphDecoder):
         self.before, self.after, self.head = (torch.compile(f, **options)
                                               for f in (before_attention, after_attention, head))
         # the attention's own small pieces (graph.py) where no kernel serves (_attend below): StreamingLLM's
-        # eviction, H2O's and Scissorhands' probabilities and eviction. Not the writes: compiled, an in-place
-        # scatter into a layer's view of the buffers became a copy of that whole view
-        # (results/decode_profile_h100_32k.txt, 16-25 us twice a layer)
-        self.evict_sinks, self.attend_heavy, self.attend_scissors = (
-            torch.compile(f, **options) for f in (evict_sinks, attend_heavy, attend_scissors))
+        # eviction, H2O's probabilities and eviction. Not the writes: compiled, an in-place scatter into a
+        # layer's view of the buffers became a copy of that whole view (results/decode_profile_h100_32k.txt,
+        # 16-25 us twice a layer); nor Scissorhands' step, whose writes go into its ring buffer, w times the
+        # size of H2O's scores (inductor on a CPU copied the whole buffer three times a layer)
+        self.evict_sinks, self.attend_heavy = (torch.compile(f, **options) for f in (evict_sinks, attend_heavy))
         self.write = write_in_one_launch            # the writes: one Triton kernel a layer instead of three
 
     def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
