@@ -164,7 +164,7 @@ def test_one_shape_one_set_of_buffers(tiny_model):
     assert len(graph.shapes) == 2
 
 
-@pytest.mark.parametrize("spec", [None, "snapkv", "h2o"])
+@pytest.mark.parametrize("spec", [None, "snapkv", "h2o", "scissorhands"])
 def test_generate_equals_the_lean_generate(tiny_model, spec):
     x = tokens(16, 3)
     lean = LeanDecoder(tiny_model).generate(x, 12, cache=KVCache(tiny_model.config, make_policy(spec, 10)
