@@ -96,7 +96,7 @@ from methods.h2o import H2OPolicy
 from methods.scissorhands import ATTN as SC_ATTN
 from methods.scissorhands import COUNT as SC_COUNT
 from methods.scissorhands import LOW as SC_LOW
-from methods.scissorhands import ScissorhandsPolicy, evict_one, low_flags
+from methods.scissorhands import ScissorhandsPolicy, evict_one, low_flags, push_column
 from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
 from nanollm.attention import group_scores, rope_cos_sin
 from nanollm.cache import KVCache
@@ -227,13 +227,12 @@ class StaticKV:
         # zeros, not empty: an empty slot's v is multiplied by its probability 0, and 0 * NaN would be NaN
         per_slot = (L, B, H_kv, C)
         scissors = rule.kind == "scissors"
-        return cls(k=torch.zeros(L, B, H_kv, C, d, dtype=dtype, device=device),
-                   v=torch.zeros(L, B, H_kv, C, d, dtype=dtype, device=device),
-                   pos=torch.full((L, B, H_kv, C), -1, dtype=torch.long, device=device),
+        return cls(k=torch.zeros(*per_slot, d, dtype=dtype, device=device),
+                   v=torch.zeros(*per_slot, d, dtype=dtype, device=device),
+                   pos=torch.full(per_slot, -1, dtype=torch.long, device=device),
                    slot=torch.zeros(L, B, H_kv, dtype=torch.long, device=device),
                    position=torch.zeros(1, dtype=torch.long, device=device),
-                   score=(torch.zeros(L, B, H_kv, C, dtype=torch.float32, device=device)
-                          if rule.kind == "heavy" else None),
+                   score=torch.zeros(per_slot, dtype=torch.float32, device=device) if rule.kind == "heavy" else None,
                    low=torch.zeros(L, B, H_kv, rule.window, C, dtype=torch.bool, device=device) if scissors else None,
                    count=torch.zeros(per_slot, dtype=torch.int32, device=device) if scissors else None,
                    attn=torch.zeros(per_slot, dtype=torch.float32, device=device) if scissors else None)
@@ -251,9 +250,9 @@ class StaticKV:
             if self.score is not None:
                 self.score[i].zero_()
                 self.score[i, :, :, :n] = store.state[H2O_STATE]
-            if self.low is not None:                    # Scissorhands' state; its fill values are 0 (attn is
-                self.low[i].zero_(), self.count[i].zero_(), self.attn[i].zero_()   # overwritten before it is
-                # read, copied for the tests that compare the state with the lean step's)
+            if self.low is not None:                    # Scissorhands' state, its fill values 0 (attn is read
+                for t in (self.low[i], self.count[i], self.attn[i]):   # only after a step overwrites it:
+                    t.zero_()                                          # copied for the tests' comparison)
                 self.low[i, :, :, :, :n] = store.state[SC_LOW].transpose(-1, -2)     # (B, H_kv, w, n)
                 self.count[i, :, :, :n] = store.state[SC_COUNT]
                 self.attn[i, :, :, :n] = store.state[SC_ATTN]
@@ -352,10 +351,8 @@ def attend_scissors(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor
     count.scatter_(2, at, 0)
     low.scatter_(3, at[:, :, None].expand(B, H_kv, w, 1), False)
     held = pos >= 0                                                        # the step's query saw every one
-    flags = low_flags(received[:, :, None], held[:, :, None], rule.threshold)            # (B, H_kv, 1, C)
-    row = position % w                                                     # (1,) the ring buffer's oldest row
-    count.sub_(low.index_select(2, row)[:, :, 0].int()).add_(flags[:, :, 0])   # - flags out + flags in
-    low.index_copy_(2, row, flags)
+    flags = low_flags(received[:, :, None], held[:, :, None], rule.threshold)[:, :, 0]     # (B, H_kv, C)
+    push_column(low.transpose(-1, -2), count, flags, position % w)        # its column: a contiguous row of C
     attn.copy_(received)
     empty_one(pos, slot, evict_one(pos, count, attn, position + 1 - rule.n_recent)[..., 0], rule.budget)
     return out

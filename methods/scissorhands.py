@@ -81,6 +81,21 @@ def push_history(history: Tensor, flags: Tensor, q_pos: Tensor) -> None:
         history[..., q_pos[-w:] % w] = rows.transpose(2, 3)                    # distinct columns
 
 
+def push_column(history: Tensor, counts: Tensor, flags: Tensor, column: int | Tensor) -> None:
+    """A decode step's flags (B, H_kv, T) over one column of the ring buffer, in place, the counters moved by
+    the flags in minus the flags that column held (``unimportance`` kept up to date without a sum over w).
+    history : (B, H_kv, T, w) bool; counts : (B, H_kv, T) int32; column : the query's position mod w, an int,
+    or a tensor of one per row (B,) or for all (1,) (rows of their own, or a counter on the device)."""
+    if isinstance(column, int):
+        out = history[..., column]                                             # (B, H_kv, T) a view
+        counts.sub_(out.int()).add_(flags)
+        out.copy_(flags)
+    else:
+        at = column.view(-1, 1, 1, 1).expand(*history.shape[:3], 1)           # (B, H_kv, T, 1)
+        counts.sub_(history.gather(3, at)[..., 0].int()).add_(flags)
+        history.scatter_(3, at, flags[..., None])
+
+
 def unimportance(history: Tensor) -> Tensor:
     """(B, H_kv, T, w) ring buffer -> (B, H_kv, T) long, low flags among the last w queries (the counter I)."""
     return history.sum(-1)
@@ -195,10 +210,8 @@ class ScissorhandsPolicy(ScoringPolicy):
             kv.set_state(ATTN, torch.zeros(B, H_kv, T, device=pos.device), fill=0.0)
         w, state = self.history_window, kv.state
         flags = low_flags(attn, visible, self.threshold)[:, :, -w:]           # (B, H_kv, <=w, T)
-        if len(q_pos) == 1:                                                    # a decode step: one column
-            column = state[LOW][..., (ctx.seen - 1) % w]     # (B, H_kv, T) view, flags out (the query is at seen - 1)
-            state[COUNT].sub_(column.int()).add_(flags[:, :, 0])               # - flags out + flags in
-            column.copy_(flags[:, :, 0])                                       # = push_history's one column
+        if len(q_pos) == 1:                                    # a decode step: one column (the query is at seen - 1)
+            push_column(state[LOW], state[COUNT], flags[:, :, 0], (ctx.seen - 1) % w)
         else:
             leaving = state[LOW][..., q_pos[-w:] % w].sum(dim=-1, dtype=torch.int32)   # (B, H_kv, T)
             state[COUNT].add_(flags.sum(dim=2, dtype=torch.int32) - leaving)   # flags in - flags out

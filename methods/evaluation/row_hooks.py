@@ -4,14 +4,14 @@ A method's caches side by side in a group, given their decode hook at once (``ba
 A job of ``methods.compare`` runs each method at three keep ratios, and with ``--engine one-group`` their
 caches sit in consecutive rows of one group. H2O's and Scissorhands' decode hooks are a few dozen small
 operations per cache and layer (on a GPU, a kernel launch each), the same for each of the three but for
-the recent window's length. Here the rows of such caches run the method's own ``observe`` once, over a
-``LayerKV`` that views all their rows, then drop one slot per row and KV head at once:
+the recent window's length. Here the rows of such caches observe the step once, over a ``LayerKV`` that
+views all their rows (H2O's own ``observe``; Scissorhands' ``observe_rows``, its ``observe`` with a column
+of the ring buffer per row), then drop one slot per row and KV head at once:
 
     H2O            its scores += what each slot received;  the lowest score outside the recent window
     Scissorhands   its low-flag counters and ring buffer;   ``scissorhands.evict_one``
 
-with each row's recent window as a (rows, 1, 1) threshold from its own position (and Scissorhands' flags
-into each row's own column of its ring buffer, ``observe_rows``). Every operation treats
+with each row's recent window as a (rows, 1, 1) threshold from its own position. Every operation treats
 each row on its own, so each cache gets the numbers its own hook would give, to the last bit on the
 models checked (``tests/methods/evaluation/test_row_hooks.py`` compares records and storage on the bundled
 model, ``results/agree_row_hooks_89e7d65.txt`` records on SmolLM2 too: 2 and 3 query heads per KV head).
@@ -33,7 +33,17 @@ import torch
 from torch import Tensor
 
 from methods.h2o import STATE, H2OPolicy
-from methods.scissorhands import ATTN, COUNT, LOW, ScissorhandsPolicy, evict_one, group_mean, low_flags, n_dropped
+from methods.scissorhands import (
+    ATTN,
+    COUNT,
+    LOW,
+    ScissorhandsPolicy,
+    evict_one,
+    group_mean,
+    low_flags,
+    n_dropped,
+    push_column,
+)
 from nanollm.cache import KVCache
 from nanollm.policy import StepContext
 from nanollm.slots import select_lowest, to_device
@@ -118,9 +128,7 @@ def observe_rows(policy: ScissorhandsPolicy, kv: LayerKV, probs: Tensor, positio
     state = kv.state
     attn = group_mean(probs.float(), kv.pos.shape[1])                           # (n, H_kv, 1, C)
     flags = low_flags(attn, (kv.pos >= 0)[:, :, None], policy.threshold)[:, :, 0]   # (n, H_kv, C)
-    at = (positions % policy.history_window).view(-1, 1, 1, 1).expand(*state[LOW].shape[:3], 1)   # (n, H_kv, C, 1)
-    state[COUNT].sub_(state[LOW].gather(3, at)[..., 0].int()).add_(flags)      # - flags out + flags in
-    state[LOW].scatter_(3, at, flags[..., None])
+    push_column(state[LOW], state[COUNT], flags, positions % policy.history_window)
     state[ATTN].copy_(attn[:, :, -1])                                           # the step's last query
 
 
