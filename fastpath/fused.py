@@ -16,15 +16,16 @@ Every layer has the same shapes, so each function compiles once (the first eager
 and serves all layers, every method and every length of a run. The attention between them is the graph
 step's own (``GraphDecoder._attend``). Where the kernels serve, an evicting method's layer is three
 launches whose eviction uses what the attention kernel read: H2O's (``kernels/heavy_hitters.py``: the split
-kernel keeps its scores, the merge, one update kernel) and StreamingLLM's (``kernels/streaming.py``: the
-split kernel keeps each range's oldest entry, the merge, one kernel that empties the oldest). Elsewhere
-their small pieces are compiled: StreamingLLM's eviction, H2O's probabilities, the scores it adds up and
-the slot it empties, which compile once per capacity C; Scissorhands' step (no kernel of its own) stays the
-graph step's, uncompiled: its writes go into a ring buffer of w flags per slot, which compiled would be
-copied whole. Not the writes into the buffers: compiled, an
+kernel keeps its scores, the merge, one update kernel), Scissorhands' (``kernels/scissorhands.py``: the same
+scores, the merge, one kernel for its flags, ring buffer, counters and eviction) and StreamingLLM's
+(``kernels/streaming.py``: the split kernel keeps each range's oldest entry, the merge, one kernel that
+empties the oldest). Elsewhere H2O's and StreamingLLM's small pieces are compiled: StreamingLLM's eviction,
+H2O's probabilities, the scores it adds up and the slot it empties, which compile once per capacity C;
+Scissorhands' step stays the graph step's, uncompiled: its writes go into a ring buffer of w flags per slot,
+which compiled would be copied whole. Not the writes into the buffers: compiled, an
 in-place write into a view of a large buffer becomes a copy of the whole buffer; the three scatters of a
 layer's write are one Triton launch instead (``kernels/cache_write.py``). The split-K kernel is the graph
-step's (for H2O and StreamingLLM, its variants that keep the scores or the oldest entries), and the whole
+step's (for the evicting methods, its variants that keep the scores or the oldest entries), and the whole
 step is still captured and replayed as ``GraphDecoder`` does. The arithmetic
 is the lean step's, in the same order within each operation, so the logits agree to float rounding
 (tested in fp32 at 1e-5 with the ``eager`` backend on a CPU, which traces the same functions without
@@ -48,6 +49,7 @@ from torch import Tensor
 import kernels
 from kernels.cache_write import write_entry_triton
 from kernels.heavy_hitters import heavy_attend_triton
+from kernels.scissorhands import scissors_attend_triton
 from kernels.streaming import sinks_attend_triton
 from nanollm.attention import apply_rope, rope_cos_sin
 from nanollm.model import Transformer
@@ -109,12 +111,13 @@ class FusedGraphDecoder(GraphDecoder):
         self.write = write_in_one_launch            # the writes: one Triton kernel a layer instead of three
 
     def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """``GraphDecoder._attend``, but for H2O and StreamingLLM where ``kernels.serves`` says so: the write,
-        then the attention and the eviction in three launches, the eviction's choice made from what the
-        attention kernel reads (``kernels/heavy_hitters.py``: the scores, not a second pass over the keys;
-        ``kernels/streaming.py``: the positions, each range's oldest reduced from them as they are loaded)."""
+        """``GraphDecoder._attend``, but for H2O, Scissorhands and StreamingLLM where ``kernels.serves`` says
+        so: the write, then the attention and the eviction in three launches, the eviction's choice made from
+        what the attention kernel reads (``kernels/heavy_hitters.py`` and ``kernels/scissorhands.py``: the
+        scores, not a second pass over the keys; ``kernels/streaming.py``: the positions, each range's oldest
+        reduced from them as they are loaded)."""
         d = q.shape[-1]
-        if self.rule.kind not in ("heavy", "sinks") or d < 16 or d & (d - 1) or not kernels.serves(q):
+        if self.rule.kind not in ("heavy", "scissors", "sinks") or d < 16 or d & (d - 1) or not kernels.serves(q):
             return super()._attend(i, attn, q, k, v)
         kv, rule = self.current.kv, self.rule
         kb, vb, pos, slot = kv.k[i], kv.v[i], kv.pos[i], kv.slot[i]       # views (B, H_kv, C, d), (B, H_kv, C)
@@ -122,6 +125,9 @@ class FusedGraphDecoder(GraphDecoder):
         if rule.kind == "heavy":
             out = heavy_attend_triton(q[:, :, 0], kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent,
                                       rule.budget)
+        elif rule.kind == "scissors":
+            out = scissors_attend_triton(q[:, :, 0], kb, vb, pos, slot, kv.low[i], kv.count[i], kv.attn[i],
+                                         kv.position, rule.n_recent, rule.budget, rule.threshold)
         else:
             out = sinks_attend_triton(q[:, :, 0], kb, vb, pos, slot, rule.n_sink, rule.budget)
         return out.unsqueeze(2)                                                            # (B, H, 1, d)

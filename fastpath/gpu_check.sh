@@ -7,14 +7,15 @@
 #     bash fastpath/gpu_check.sh results/decode_e2e.json smollm2
 #
 #   bench    python -m fastpath.bench --e2e: the lean, graph and fused steps, full cache vs keep 0.1 for
-#            SnapKV, StreamingLLM and H2O, TINYLLAMA_1B shape in bf16, 16 x 8,192 and 16 x 32,768 tokens, the
-#            copy bandwidth measured in the same run, transformers' StaticCache step (eager); the report, with
-#            provenance, to OUT (a 200 s limit; 64 s on an H200);
+#            SnapKV, StreamingLLM, H2O and Scissorhands, TINYLLAMA_1B shape in bf16, 16 x 8,192 and
+#            16 x 32,768 tokens, the copy bandwidth measured in the same run, transformers' StaticCache step
+#            (eager); the report, with provenance, to OUT (a 160 s limit; 64 s on an H200 without Scissorhands);
 #   smolbench  the same for SmolLM2-135M's shape (random weights) with 1 and 16 sequences of 2,048 and 8,192
-#            tokens, to OUT's .smollm2_b1.json and .smollm2_b16.json siblings (120 s);
+#            tokens, to OUT's .smollm2_b1.json and .smollm2_b16.json siblings (2 x 90 s);
 #   tests    the tests a GPU changes: tests/fastpath (the graph and fused steps captured and replayed on CUDA,
 #            compared with the lean step; the split-K kernel in both) and tests/kernels, their output also to
-#            OUT's .tests.txt sibling (160 s; 65 s on an H200 before the tests of H2O's and StreamingLLM's kernels);
+#            OUT's .tests.txt sibling (200 s, then an interrupt, on which pytest still prints what ran and
+#            failed; 65 s on an H200 before the tests of the evictions' kernels);
 #   hf       transformers' StaticCache step under torch.compile(mode="reduce-overhead") at 8,192 tokens, to
 #            OUT's .hf_compiled_8192.json sibling; a compile that runs out of its time says so (70 s);
 #   profile  the fused step's kernels per method, 8,192 and 32,768 tokens (python -m fastpath.profile): each
@@ -102,7 +103,7 @@ device=$(python -c "import torch; print('the CPU (dry run)' if '$gpu' == 'cpu' e
 
 bench() {
     echo "== bench: end-to-end decode steps -> $out"
-    timeout -k 10 200 python -m fastpath.bench --e2e --json "$out" $([ "$gpu" = cpu ] && echo --quick) \
+    timeout -k 10 160 python -m fastpath.bench --e2e --json "$out" $([ "$gpu" = cpu ] && echo --quick) \
         || { echo "e2e FAILED or ran out of time (rc $?)"; status=1; }
 }
 
@@ -110,7 +111,7 @@ smolbench() {
     for batch in 1 16; do
         smol="${out%.json}.smollm2_b$batch.json"
         echo "== bench (cont.) SmolLM2-135M's shape, $batch sequences of 2,048 and 8,192 tokens -> $smol"
-        timeout -k 10 60 python -m fastpath.bench --e2e --preset SMOLLM2_135M --batch "$batch" --length 2048 8192 \
+        timeout -k 10 90 python -m fastpath.bench --e2e --preset SMOLLM2_135M --batch "$batch" --length 2048 8192 \
             --json "$smol" || { echo "SmolLM2 e2e FAILED or ran out of time (rc $?)"; status=1; }
     done
 }
@@ -119,7 +120,7 @@ tests() {
     local txt="${out%.json}.tests.txt"
     mkdir -p "$(dirname "$txt")"
     echo "== tests: tests/fastpath, tests/kernels on $device -> $txt"
-    timeout -k 10 160 python -m pytest -q -p no:cacheprovider tests/fastpath tests/kernels 2>&1 | tee "$txt" \
+    timeout -s INT -k 10 200 python -m pytest -q -p no:cacheprovider tests/fastpath tests/kernels 2>&1 | tee "$txt" \
         || { echo "tests FAILED or ran out of time (rc $?)"; status=1; }
 }
 

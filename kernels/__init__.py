@@ -11,6 +11,8 @@ Triton kernels for the memory-bound path of decoding, each beside the PyTorch re
                           launch where three scatters take three (the fused step's writes)
     heavy_hitters.py      H2O's decode step over those buffers: attention, the scores it adds up and the
                           slot it empties, in three launches that read the keys once
+    scissorhands.py       Scissorhands' decode step over those buffers: attention, each slot's low flag into
+                          its ring buffer and counter, and the slot it empties, in three launches
     streaming.py          StreamingLLM's decode step over those buffers: attention and the oldest entry
                           after the sinks emptied, chosen from the positions the attention reads
 
@@ -23,7 +25,7 @@ and exact; ``tests/conftest.py`` sets it there) and compare them with the refere
 
 The switch. The reading path (``nanollm/``) never calls a kernel. The fast paths plug them in from above
 (``fastpath/attention.py`` for a decode step's attention, ``fastpath/sketch.py`` for KVReviver's sketch,
-``fastpath/fused.py`` for the fused step's writes, H2O and StreamingLLM, and ``FourCache.attend`` in
+``fastpath/fused.py`` for the fused step's writes, H2O, Scissorhands and StreamingLLM, and ``FourCache.attend`` in
 ``methods/tensor_attention/attention.py``), each asking one function,
 ``serves(tensor)``: true on a CUDA tensor of an sm_80 or newer GPU when Triton is importable, never when
 ``NANOKV_NO_TRITON=1`` (to compare or debug), false on a CPU tensor even under the interpreter, which is

@@ -47,6 +47,7 @@ def test_the_writes_in_one_launch(tiny_model, spec, monkeypatch):
 
 # each evicting method's kernels, the step's compiled piece they replace, and the option set beside the budget
 EVICTING = {"h2o": ("heavy_attend_triton", "attend_heavy", "n_recent"),
+            "scissorhands": ("scissors_attend_triton", "attend_scissors", "n_recent"),
             "streaming_llm": ("sinks_attend_triton", "evict_sinks", "n_sink")}
 
 
@@ -56,10 +57,12 @@ EVICTING = {"h2o": ("heavy_attend_triton", "attend_heavy", "n_recent"),
 @pytest.mark.parametrize("budget,option", [(8, None), (12, 2), (8, 0)])
 def test_evictions_use_what_the_attention_kernel_read(tiny_model, spec, budget, option, monkeypatch):
     """Where the kernels serve (patched as above), every layer of H2O's step is ``heavy_attend_triton`` (the
-    split kernel keeping its scores, the merge, the update kernel), never ``attend_heavy``'s second pass, and
-    every layer of StreamingLLM's is ``sinks_attend_triton`` (the split kernel keeping each range's oldest
-    entry, the merge, the eviction kernel), never the compiled ``evict_sinks``; the logits within 1e-5 and the
-    kept positions equal to the lean step's after every step."""
+    split kernel keeping its scores, the merge, the update kernel), never ``attend_heavy``'s second pass;
+    every layer of Scissorhands' is ``scissors_attend_triton`` (the same scores, the merge, its update
+    kernel), never ``attend_scissors``; and every layer of StreamingLLM's is ``sinks_attend_triton`` (the
+    split kernel keeping each range's oldest entry, the merge, the eviction kernel), never the compiled
+    ``evict_sinks``; the logits within 1e-5 and the kept positions equal to the lean step's after every step
+    (and Scissorhands' counters and ring buffer: ``steps_both``)."""
     launcher, replaced, name = EVICTING[spec]
     calls = []
     real = getattr(fused_module, launcher)
@@ -77,6 +80,21 @@ def test_evictions_use_what_the_attention_kernel_read(tiny_model, spec, budget, 
     assert len(calls) == 14 * tiny_model.config.n_layer
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
+
+
+@pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
+@pytest.mark.parametrize("options", [{"history_window": 3}, {"history_window": 4, "threshold": 0.05}])
+def test_scissorhands_kernel_with_a_wrapping_ring(tiny_model, options, monkeypatch):
+    """Scissorhands through its kernels with a ring of 3 or 4 rows, which 14 steps wrap several times (each
+    step's row overwrites flags still counted), the uniform level or a given tau: the lean step's logits,
+    kept positions, counters and ring buffer after every step."""
+    monkeypatch.setattr(fused_module, "kernels", SimpleNamespace(serves=lambda t: True))
+    torch._dynamo.reset()
+    fused = FusedGraphDecoder(tiny_model, backend="eager")
+    fused.attend_scissors = None                                             # a call to it fails
+    ref, out, cache, graph = steps_both(tiny_model, tokens(), "scissorhands", 8, graph=fused, **options)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
