@@ -274,10 +274,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.e2e or args.hf_compile or args.hf_only or args.length or args.preset or args.batch:
             return end_to_end(args, argv, p.prog, device)
         kernels_on = device == "cuda" and HAS_TRITON
-        if not kernels_on:
+        if not kernels_on:                     # a GPU's timer is Triton's (timer): without it, the CPU's
+            device = "cpu"
             print("no CUDA device (or no Triton): the kernels run only in Triton's CPU interpreter, which checks "
-                  "correctness (the kernel tests), not speed. Timing the PyTorch references only; "
-                  "run this on a GPU for the kernel numbers.")
+                  "correctness (the kernel tests), not speed. Timing the PyTorch references only, on the CPU; "
+                  "run this on a GPU with Triton for the kernel numbers.")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         if device == "cpu" and dtype != torch.float32:
             dtype = torch.float32

@@ -179,9 +179,9 @@ def loss_fn(model: Transformer, ids, targets, answer, lm_weight: float):
 def quick_eval(model, tok, cfg: TrainConfig, tasks: list[str], length: int, seed: int) -> dict:
     """Teacher-forced exact match of the whole answer, per task (fast; equals greedy-decoding exact match)."""
     model.eval()
-    out = {}
+    out, device = {}, next(model.parameters()).device
     for task in tasks:
-        ids, targets, answer = make_batch(tok, [task], length, cfg.eval_samples, seed)
+        ids, targets, answer = (t.to(device) for t in make_batch(tok, [task], length, cfg.eval_samples, seed))
         out[task] = float(loss_fn(model, ids, targets, answer, 0.0)[2])
     model.train()
     return out
@@ -369,7 +369,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, device: str = "cpu", resume: bo
 def main(argv: list[str] | None = None) -> None:
     ap = cli.ArgumentParser(
         prog="python -m nanollm.cli.train",
-        description="Train a nanollm model on the synthetic long-context tasks (CPU by default, CUDA if asked). "
+        description="Train a nanollm model on the synthetic long-context tasks (on CUDA where present, else the CPU). "
                     "Writes OUT/tokenizer.json, OUT/train_config.json, OUT/log.jsonl (one line per step) and a "
                     "resumable OUT/state.pt, saved every save_every steps of the recipe (100; 2 for 'tiny'); "
                     "--export writes a loadable checkpoint folder (weights, config, tokenizer) at the end.")
