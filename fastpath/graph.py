@@ -310,7 +310,7 @@ def received_attention(q: Tensor, kb: Tensor, pos: Tensor) -> Tensor:
     qg = q.reshape(B, H_kv, H // H_kv, d) / math.sqrt(d)                  # (B, H_kv, G, d)
     scores = kb @ qg.transpose(-1, -2)                                     # (B, H_kv, C, G)
     probs = torch.softmax(scores.masked_fill((pos < 0)[..., None], float("-inf")), dim=-2)
-    return probs.float().mean(dim=-1)
+    return probs.float().sum(dim=-1) / probs.shape[-1]                    # as scissorhands.group_mean
 
 
 def attend_heavy(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, score: Tensor, position: Tensor,
@@ -343,7 +343,7 @@ def attend_scissors(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor
     or None with ``output=False`` (the kernel attends instead; only the probabilities are computed here)."""
     if output:
         out, probs = attend_masked(q, kb, vb, pos)
-        received = probs.float().mean(dim=2)                               # (B, H_kv, C) the group mean
+        received = probs.float().sum(dim=2) / probs.shape[2]               # (B, H_kv, C): group_mean's
     else:
         out, received = None, received_attention(q, kb, pos)
     B, H_kv, w, C = low.shape

@@ -139,7 +139,8 @@ if HAS_TRITON:
             received = tl.sum(tl.exp(s - M[:, None]) / L[:, None], axis=0) / G         # empty slot: 0
             at = score_ptr + b * stride_cb + h * stride_ch + c
             total = tl.where(c == written, 0.0, tl.load(at, mask=inside, other=0.0)) + received
-            tl.store(at, total, mask=inside)
+            tl.debug_barrier()                     # every thread's loads before any store: a block smaller
+            tl.store(at, total, mask=inside)       # than the threads holds each slot in several of them
             p = tl.load(pos_ptr + b * stride_pb + h * stride_ph + c, mask=inside, other=-2)   # -2: past C
             held += (p >= 0).to(tl.int32)
             stays = (p < 0) | (p >= recent_from)

@@ -22,14 +22,19 @@ the counters and the choice a dozen small kernels a layer, which a CUDA graph st
    row ``position mod w`` of the ring buffer, the counter moved by the flag in minus the flag that row held,
    a kept for the next step's tie-break, and the running choice of the slot to empty. Where the head holds
    more than ``budget`` entries that slot's position becomes -1 and the next token goes there; elsewhere
-   the next token takes the next slot.
+   the next token takes the next slot. An empty slot's flag is 0 (its counter falls as its old flags
+   leave the ring); a head with no candidate at all (every entry recent) would empty its slot 0, as the
+   reference's ``argmax`` does, which a budget above ``n_recent`` never lets happen.
 
-The ring buffer of a head is (w, C): a step reads and writes one contiguous row of C flags. The divisions
-that make a and 1/n round to nearest, as PyTorch's do, so a flag is the reference's wherever a is: a GPU's
-default fp32 division may be an ulp off, which on a uniform attention (every a exactly 1/n) would flip
-every flag.
+The ring buffer of a head is (w, C): a step reads and writes one contiguous row of C flags. A flag is a
+decision: an a an ulp lower can flip it where a is exactly at its threshold, as on a uniform attention,
+whose every a is 1/n. So the two divisions, the group's sum by G and 1 by n, round to nearest as PyTorch's
+divisions do on every device (the library's group mean is that division too: ``scissorhands.group_mean``),
+where Triton's default fp32 division may be 2 ulp off; and the group's G values are added in the
+reference's order up to G = 4 (a tree here). Elsewhere a differs from the reference's in the exponentials'
+last bits (a GPU's are approximations), which can flip a flag only that close to its threshold.
 
-    out = scissors_attend_triton(q, kb, vb, pos, slot, low, count, attn, position, n_recent, budget)
+    out = scissors_attend_triton(q, kb, vb, pos, slot, low, count, attn, position, n_recent, budget, threshold)
 
 beside its reference ``reference_scissors_attend`` (the same arguments and updates in PyTorch, any device).
 ``fastpath/fused.py`` calls it for Scissorhands where ``kernels.serves`` says so.
@@ -88,7 +93,7 @@ def reference_scissors_attend(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, sl
     s = q.float().view(B, H_kv, H // H_kv, d) @ kb.float().transpose(-1, -2) * default_scale(scale, d)
     probs = torch.softmax(s.masked_fill((pos < 0)[:, :, None], float("-inf")), dim=-1)   # (B, H_kv, G, C)
     out = (probs @ vb.float()).view(B, H, d).to(q.dtype)
-    received = probs.mean(dim=2)                                          # (B, H_kv, C), empty slots 0
+    received = probs.sum(dim=2) / probs.shape[2]                          # (B, H_kv, C), empty slots 0
     count.scatter_(2, slot[:, :, None], 0)                                # the new entry starts empty...
     low.scatter_(3, slot[:, :, None, None].expand(B, H_kv, w, 1), False)  # ...in every row of its ring
     held = pos >= 0
@@ -185,7 +190,8 @@ if HAS_TRITON:
             was = tl.where(c == written, 0, tl.load(at_low, mask=inside, other=0).to(tl.int32))
             at_count = count_ptr + b * stride_cb + h * stride_ch + c
             k = tl.where(c == written, 0, tl.load(at_count, mask=inside, other=0)) + flag - was
-            tl.store(at_count, k, mask=inside)
+            tl.debug_barrier()                     # every thread's loads before any store: a block smaller
+            tl.store(at_count, k, mask=inside)     # than the threads holds each slot in several of them
             tl.store(at_low, flag.to(tl.uint8), mask=inside)
             tl.store(attn_ptr + b * stride_ab + h * stride_ah + c, a, mask=inside)
             a = tl.where(a != a, float("inf"), a)                           # NaN: ranked last
@@ -230,7 +236,7 @@ def scissors_attend_triton(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot:
     flags = low.view(torch.uint8)                                     # the same bytes, a type Triton stores
     _scissors_update_kernel[(B * H_kv,)](
         s, m, l, flags, count, attn, pos, slot, position, m.shape[1], C, w, int(n_recent), int(budget),
-        0.0 if threshold is None else float(threshold),
+        0.0 if threshold is None else float(threshold),              # tau; with UNIFORM the kernel's 1/n
         flags.stride(0), flags.stride(1), flags.stride(2), count.stride(0), count.stride(1),
         attn.stride(0), attn.stride(1), pos.stride(0), pos.stride(1), slot.stride(0), slot.stride(1),
         H_kv=H_kv, G=G, G_PAD=next_pow2(G), BLOCK_S=32, BLOCK_C=min(256, max(16, next_pow2(C))),

@@ -45,11 +45,13 @@ DEFAULT_RECENT = 10           # cold-compress's recent window (methods/README.md
 
 def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
     """(B, H, ...) -> (B, H_kv, ...): the mean over the G query heads that read each KV head (h // G); x itself
-    when G = 1."""
+    when G = 1. The sum divided by G, which rounds alike on every device (CUDA's ``mean`` multiplies by 1/G,
+    an ulp away for G = 3: enough to flip a flag where the attention is exactly 1/n)."""
     B, H = x.shape[:2]
     if H == n_kv_head:                  # one query head per KV head: nothing to average
         return x
-    return x.view(B, n_kv_head, H // n_kv_head, *x.shape[2:]).mean(dim=2)
+    G = H // n_kv_head
+    return x.view(B, n_kv_head, G, *x.shape[2:]).sum(dim=2) / G
 
 
 def low_flags(attn: Tensor, visible: Tensor, threshold: float | None = None) -> Tensor:

@@ -8,6 +8,8 @@ one row and of more rows than one block of the kernel, and (but for the ties) he
 beside heads under it.
 """
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -20,7 +22,30 @@ pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpret
 DEVICES = (["cpu"] if kernels.interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def state(B, H, H_kv, C, d, w, device, dtype=torch.float32, seed=0, uniform=False):
+class Args(NamedTuple):
+    """A step's arguments, in the launcher's order."""
+    q: torch.Tensor          # (B, H, d)
+    kb: torch.Tensor         # (B, H_kv, C, d)
+    vb: torch.Tensor
+    pos: torch.Tensor        # (B, H_kv, C) int64, -1 = empty
+    slot: torch.Tensor       # (B, H_kv) the slot the step wrote
+    low: torch.Tensor        # (B, H_kv, w, C) bool, the ring buffers
+    count: torch.Tensor      # (B, H_kv, C) int32, their counters
+    attn: torch.Tensor       # (B, H_kv, C) fp32, the last step's attention
+    position: torch.Tensor   # (1,) the step's position
+
+
+class After(NamedTuple):
+    """What a step returns and leaves."""
+    out: torch.Tensor
+    low: torch.Tensor
+    count: torch.Tensor
+    attn: torch.Tensor
+    pos: torch.Tensor
+    slot: torch.Tensor
+
+
+def state(B, H, H_kv, C, d, w, device, dtype=torch.float32, seed=0, uniform=False) -> Args:
     """A step's arguments: buffers with a few empty slots per head (more in head 0, so that it is under
     budget where the others are over), each head's entries at distinct earlier positions, random rings of
     flags with their counters, and the step's new entry at position C + 40 already written into its slot
@@ -40,26 +65,26 @@ def state(B, H, H_kv, C, d, w, device, dtype=torch.float32, seed=0, uniform=Fals
     count = low.sum(2, dtype=torch.int32)
     count.scatter_(2, slot[..., None], 1000)
     attn = torch.rand(B, H_kv, C, generator=g)
-    args = [q.to(dtype), kb.to(dtype), vb.to(dtype), pos, slot, low, count, attn, torch.tensor([now])]
-    return [t.to(device) for t in args]
+    args = Args(q.to(dtype), kb.to(dtype), vb.to(dtype), pos, slot, low, count, attn, torch.tensor([now]))
+    return Args(*(t.to(device) for t in args))
 
 
-def both(args, n_recent, budget, threshold=None, splits=None):
-    """The reference and the kernels, each on its own copy of the state: (output, low, count, attn, pos,
-    slot) each."""
-    ref = [t.clone() for t in args]
-    got = [t.clone() for t in args]
+def both(args: Args, n_recent, budget, threshold=None, splits=None) -> tuple[After, After]:
+    """The reference and the kernels, each on its own copy of the state: (want, got)."""
+    ref, got = Args(*(t.clone() for t in args)), Args(*(t.clone() for t in args))
     out_ref = reference_scissors_attend(*ref, n_recent, budget, threshold)
     out = scissors_attend_triton(*got, n_recent, budget, threshold, splits=splits)
-    return (out_ref, *ref[5:8], ref[3], ref[4]), (out, *got[5:8], got[3], got[4])
+    return (After(out_ref, ref.low, ref.count, ref.attn, ref.pos, ref.slot),
+            After(out, got.low, got.count, got.attn, got.pos, got.slot))
 
 
-def assert_same(got, want):
-    """The output and attention within 1e-5 (fp32); the flags, counters, positions and next slots equal."""
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
-    torch.testing.assert_close(got[3], want[3], rtol=0, atol=1e-5)
-    for name, a, b in zip(("low", "count", "pos", "slot"), got[1:3] + got[4:], want[1:3] + want[4:]):
-        assert torch.equal(a, b), name
+def assert_same(got: After, want: After, atol=1e-5):
+    """The output and attention within ``atol`` (NaN where NaN); the flags, counters, positions and next
+    slots equal."""
+    torch.testing.assert_close(got.out, want.out, rtol=0, atol=atol, equal_nan=True)
+    torch.testing.assert_close(got.attn, want.attn, rtol=0, atol=1e-5, equal_nan=True)
+    for name in ("low", "count", "pos", "slot"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -74,12 +99,12 @@ def test_the_kernels_do_what_the_reference_does(device, B, H, H_kv, C, d, w, n_r
     budget = (C * 3) // 5
     want, got = both(args, n_recent, budget)
     assert_same(got, want)
-    over = (args[3] >= 0).sum(-1) > budget
+    over = (args.pos >= 0).sum(-1) > budget
     assert over.any() and not over.all()                                 # both kinds of head were tried
-    assert torch.equal(want[5][~over], args[4][~over] + 1)                # under budget: the next slot
-    new = args[4][:, :, None, None].expand(B, H_kv, w, 1)
-    assert (want[1].gather(3, new).sum((2, 3)) <= 1).all()               # the new entry's ring: its one flag
-    assert torch.equal(want[2], want[1].sum(2, dtype=torch.int32))        # counters = flags in the ring
+    assert torch.equal(want.slot[~over], args.slot[~over] + 1)            # under budget: the next slot
+    new = args.slot[:, :, None, None].expand(B, H_kv, w, 1)
+    assert (want.low.gather(3, new).sum((2, 3)) <= 1).all()              # the new entry's ring: its one flag
+    assert torch.equal(want.count, want.low.sum(2, dtype=torch.int32))   # counters = flags in the ring
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -92,21 +117,21 @@ def test_splits_and_a_given_threshold(device, splits, threshold):
     want, got = both(args, 5, 150, threshold, splits)
     assert_same(got, want)
     if threshold == 1.0:
-        held = args[3] >= 0
-        row = int(args[8] % 7)
-        assert torch.equal(want[1][:, :, row], held)
+        assert torch.equal(want.low[:, :, int(args.position % 7)], args.pos >= 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("C,splits", [(40, 1), (300, 3)])
-def test_ties_go_to_the_least_attention_then_the_latest_position(device, C, splits):
-    """A zero query gives every entry the same probability, exactly 1/n: no flag is low, so equal counters
-    stay equal; the slot emptied is then the one holding the latest position outside the recent window, also
-    when the tied slots lie in different blocks and ranges. Every head holds the two positions on either
-    side of the window's edge (the step's position - 3 and - 2, with 3 recent), so the edge is checked
-    exactly. Then one counter higher than the rest, and it goes whatever its position."""
-    args = state(2, 4, 2, C, 16, 5, device, uniform=True)
-    pos, slot, now = args[3], args[4], C + 40
+@pytest.mark.parametrize("H", [4, 6])
+def test_ties_go_to_the_least_attention_then_the_latest_position(device, C, splits, H):
+    """A zero query gives every entry the same probability, exactly 1/n, and the same group mean (G = 2, or
+    3, whose mean can round below 1/n: the flags are then all set, in the kernel as in the reference), so
+    equal counters stay equal; the slot emptied is then the one holding the latest position outside the
+    recent window, also when the tied slots lie in different blocks and ranges. Every head holds the two
+    positions on either side of the window's edge (the step's position - 3 and - 2, with 3 recent), so the
+    edge is checked exactly. Then one counter higher than the rest, and it goes whatever its position."""
+    args = state(2, H, 2, C, 16, 5, device, uniform=True)
+    pos, slot, now = args.pos, args.slot, C + 40
     for row, edge in ((0, now - 3), (C - 1, now - 2)):                   # first block and last
         taken = pos == edge
         pos.masked_fill_(taken, -1)                                      # each position once a head
@@ -114,16 +139,34 @@ def test_ties_go_to_the_least_attention_then_the_latest_position(device, C, spli
         pos.scatter_(2, at[..., None], edge)
     want, got = both(args, 3, 10, splits=splits)
     assert_same(got, want)
-    assert not want[1].any()                                             # 1/n is not below 1/n
-    assert (want[4].gather(2, slot[..., None]) == now).all()            # the new entry stays
-    assert torch.equal(want[5], (pos == now - 3).int().argmax(-1))       # the edge's outer side is emptied
+    flags = want.low[:, :, now % 5][pos >= 0]
+    assert flags.all() or not flags.any()                                # one flag for every entry
+    assert (want.pos.gather(2, slot[..., None]) == now).all()           # the new entry stays
+    assert torch.equal(want.slot, (pos == now - 3).int().argmax(-1))     # the edge's outer side is emptied
     oldest = pos.masked_fill(pos < 0, now).argmin(-1, keepdim=True)     # each head's oldest entry...
-    args[6].scatter_(2, oldest, 2)                                       # ...has the most flags
-    args[5][:, :, 0].scatter_(2, oldest, True)
-    args[5][:, :, 1].scatter_(2, oldest, True)
+    args.count.scatter_(2, oldest, 2)                                    # ...has the most flags
+    args.low[:, :, 0].scatter_(2, oldest, True)
+    args.low[:, :, 1].scatter_(2, oldest, True)
     want, got = both(args, 3, 10, splits=splits)
     assert_same(got, want)
-    assert torch.equal(want[5], oldest[..., 0])
+    assert torch.equal(want.slot, oldest[..., 0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")     # the interpreter's NaN
+def test_a_nan_attention_is_kept_and_ranked_last(device):
+    """A NaN in a query makes its group's attention NaN: kept as NaN (the reference's ``copy_``), flagged
+    not low (NaN < tau is false), and ranked as the least candidate (NaN last): the latest position goes."""
+    args = state(2, 8, 2, 37, 16, 5, device)
+    args.q[0, 4:] = float("nan")                                         # sequence 0, KV head 1's group
+    args.low[0, 1] = False
+    args.count[0, 1] = 0
+    want, got = both(args, 5, 20)
+    assert_same(got, want)
+    assert want.attn[0, 1].isnan().all() and not want.attn[:, 0].isnan().any()
+    assert not want.low[0, 1].any()
+    held = (args.pos[0, 1] >= 0) & (args.pos[0, 1] < args.position + 1 - 5)
+    assert int(want.slot[0, 1]) == int(args.pos[0, 1].masked_fill(~held, -1).argmax())     # over budget here
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -136,24 +179,19 @@ def test_bf16(device):
     attention at least 1% from 1/n; among the candidates with the most flags, the least attention 30%
     below the next)."""
     args = state(2, 8, 2, 37, 16, 5, device, dtype=torch.bfloat16, seed=1)
-    for i in (0, 1):                                                     # q and kb: exact in bf16
-        args[i] = (args[i].float() * 4).round().clamp(-8, 8).div(4).to(torch.bfloat16)
-    want, got = both(args, 5, 20)
-    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=0, atol=2e-2)
-    torch.testing.assert_close(got[3], want[3], rtol=0, atol=1e-5)
-    for a, b in zip(got[1:3] + got[4:], want[1:3] + want[4:]):
-        assert torch.equal(a, b)
+    exact = [(t.float() * 4).round().clamp(-8, 8).div(4).to(torch.bfloat16) for t in (args.q, args.kb)]
+    want, got = both(args._replace(q=exact[0], kb=exact[1]), 5, 20)
+    assert_same(got, want, atol=2e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_line_errors(device):
-    q, kb, vb, pos, slot, low, count, attn, position = state(2, 8, 2, 9, 16, 3, device)
+    a = state(2, 8, 2, 9, 16, 3, device)
     with pytest.raises(ValueError, match="count int32"):
-        scissors_attend_triton(q, kb, vb, pos, slot, low, count.long(), attn, position, 3, 4)
+        scissors_attend_triton(*a._replace(count=a.count.long()), 3, 4)
     with pytest.raises(ValueError, match="low must have shape"):
-        scissors_attend_triton(q, kb, vb, pos, slot, low[:, :, :, :4], count, attn, position, 3, 4)
+        scissors_attend_triton(*a._replace(low=a.low[:, :, :, :4]), 3, 4)
     with pytest.raises(ValueError, match="slot must have shape"):
-        scissors_attend_triton(q, kb, vb, pos, slot[:1], low, count, attn, position, 3, 4)
+        scissors_attend_triton(*a._replace(slot=a.slot[:1]), 3, 4)
     with pytest.raises(ValueError, match="stride 1"):
-        scissors_attend_triton(q, kb, vb, pos, slot, low.transpose(2, 3).contiguous().transpose(2, 3), count,
-                               attn, position, 3, 4)
+        scissors_attend_triton(*a._replace(low=a.low.transpose(2, 3).contiguous().transpose(2, 3)), 3, 4)
