@@ -336,6 +336,7 @@ CHECKED_BY = {
     "agree_row_hooks_89e7d65.txt": LOG,
     "agree_7f225c6_82f90e5.txt": LOG,
     "agree_82f90e5_9eecbf6.txt": LOG,
+    "agree_4a64570_13ea08b.txt": LOG,
 }
 
 
