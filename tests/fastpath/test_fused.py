@@ -113,16 +113,18 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
-@pytest.mark.parametrize("dtype,spec", [(torch.float32, "snapkv"), (torch.bfloat16, "snapkv"),
-                                        (torch.float32, "streaming_llm"), (torch.float32, "h2o"),
-                                        (torch.float32, "scissorhands")])
-def test_the_fused_step_captured_on_a_gpu(make_model, tiny_cfg, dtype, spec):
-    """Compiled by inductor on the first eager step, captured with the rest of the step, replayed."""
+@pytest.mark.parametrize("dtype,spec,options", [(torch.float32, "snapkv", {}), (torch.bfloat16, "snapkv", {}),
+                                                (torch.float32, "streaming_llm", {}), (torch.float32, "h2o", {}),
+                                                (torch.float32, "scissorhands", {}),
+                                                (torch.float32, "scissorhands", {"history_window": 3})])
+def test_the_fused_step_captured_on_a_gpu(make_model, tiny_cfg, dtype, spec, options):
+    """Compiled by inductor on the first eager step, captured with the rest of the step, replayed (the
+    evictions on their kernels; Scissorhands also with a ring of 3 rows, which the steps wrap)."""
     from fastpath.graph import BF16_TOL
     torch._dynamo.reset()
     model = make_model(tiny_cfg, seed=1).cuda().to(dtype)
     fused = FusedGraphDecoder(model)
-    ref, out, cache, graph = steps_both(model, tokens(34, 3).cuda(), spec, graph=fused)
+    ref, out, cache, graph = steps_both(model, tokens(34, 3).cuda(), spec, graph=fused, **options)
     assert graph.captures == 1
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
