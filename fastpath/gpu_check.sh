@@ -21,9 +21,10 @@
 #   profile  the fused step's kernels per method, 8,192 and 32,768 tokens (python -m fastpath.profile): each
 #            kernel's launches and device time per step, to OUT's .profile.txt sibling (150 s);
 #   compare  the bundled model's suite (2 samples) on the CPU (a worker per core, the fast engine) and on the
-#            GPU (one process with the fast engine, one with the batched engine, then a worker per core sharing it with
-#            the batched one), their records checked equal (methods.evaluation.agree) and their seconds
-#            printed, JSON files to OUT's .compare/ sibling (4 x 60 s + 3 x 20 s); COMPARE_RUNS="DEVICE WORKERS
+#            GPU (a worker per core sharing it, with the batched engine, then with one group), their records
+#            checked equal (methods.evaluation.agree) and their seconds printed, JSON files to OUT's .compare/
+#            sibling (3 x 60 s + 2 x 20 s; one process on the GPU did not finish in 90 s on an H200, so
+#            none by default); COMPARE_RUNS="DEVICE WORKERS
 #            ENGINE [VAR=VALUE]; ..." names other runs (DEVICE cuda is the CPU in a dry run; the first run is the
 #            one the others are checked against; a fourth word sets a variable for that run, as
 #            NANOKV_NO_TRITON=1: PyTorch's attention and sketch instead of the Triton kernels; MPS=1: the
@@ -76,12 +77,17 @@ mps_start() {
     # own (its pipes and logs in a temporary folder) through which the processes sharing the GPU run their
     # kernels side by side, where without it they take turns in time slices. It changes no setting of the
     # GPU, and is quit after the run (and when the script exits). Fails, its log printed, where a CUDA
-    # context cannot be made through it.
+    # context cannot be made through it, or one is made without it (a client that cannot reach the daemon
+    # runs as without MPS): the daemon must then list the server that serves that context.
     [ "$gpu" = cuda ] && command -v nvidia-cuda-mps-control > /dev/null || return 1
     mps_dir=$(mktemp -d)
     export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if ! nvidia-cuda-mps-control -d || ! timeout -k 5 60 python -c "import torch; torch.zeros(1, device='cuda')"; then
+    # the daemon without this script's output streams: one left holding them would hold the call open
+    if ! nvidia-cuda-mps-control -d < /dev/null > /dev/null 2>&1 \
+        || ! timeout -k 5 30 python -c "import torch; torch.zeros(1, device='cuda')" \
+        || [ -z "$(echo get_server_list | timeout 10 nvidia-cuda-mps-control 2> /dev/null)" ]; then
+        echo "MPS: no server serves a CUDA context through the daemon"
         mps_stop log
         return 1
     fi
@@ -89,7 +95,7 @@ mps_start() {
 mps_stop() {                                   # "log": print the daemon's logs first
     [ -n "$mps_dir" ] || return 0
     [ "${1:-}" = log ] && tail -n 20 "$CUDA_MPS_LOG_DIRECTORY"/*.log 2> /dev/null
-    echo quit | nvidia-cuda-mps-control 2> /dev/null
+    echo quit | timeout 10 nvidia-cuda-mps-control > /dev/null 2>&1
     for _ in $(seq 30); do                     # until the daemon is gone (its control pipe removed)
         [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || break
         sleep 1
@@ -145,11 +151,11 @@ profile() {
 compare() {
     local dir="${out%.json}.compare" first=""
     mkdir -p "$dir"
-    # the CPU with a worker per core (its default), the GPU with one process, then with a worker per core
-    # sharing it (methods.compare's default there): a step of the evaluation is launch-bound, so processes
+    # the CPU with a worker per core (its default), the GPU with a worker per core sharing it (methods.compare's
+    # default there), groups by size then one group: a step of the evaluation is launch-bound, so processes
     # launching side by side fill the GPU better
     local many=$(nproc)                                          # --workers is at most the CPU cores
-    local runs=${COMPARE_RUNS:-"cpu $(nproc) fast; $gpu 1 fast; $gpu 1 batched; $gpu $many batched"}
+    local runs=${COMPARE_RUNS:-"cpu $(nproc) fast; $gpu $many batched; $gpu $many one-group"}
     local list
     IFS=';' read -ra list <<< "$runs"
     for run in "${list[@]}"; do

@@ -105,6 +105,27 @@ def test_insert_rejects_a_non_fp32_or_misshaped_sketch():
 
 
 # ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_token_of_a_wider_head_in_and_out(device):
+    """One token at a time, as KVReviver's swaps query and insert (blocks of one token), with SmolLM2's
+    3 KV heads of 64 dimensions (192 features a token, not a power of two: a masked block of 256)."""
+    s = VagueSketch(rows=3, width=WIDTH, n_kv_head=3, head_dim=64, seed=2, device=device)
+    s.insert(torch.arange(9, device=device), randn(9, 3, 64, seed=6, device=device),
+             randn(9, 3, 64, seed=7, device=device))
+    pos = torch.tensor([40], device=device)
+    cells, signs = hashes(s, pos)
+    k, v = randn(1, 3, 64, seed=8, device=device), randn(1, 3, 64, seed=9, device=device)
+    key, value, ref_key, ref_value = s.key.clone(), s.value.clone(), s.key.clone(), s.value.clone()
+    cs.sketch_insert_triton(key, value, cells, signs, k, v)
+    cs.reference_sketch_insert(ref_key, ref_value, cells, signs, k, v)
+    torch.testing.assert_close(key, ref_key, rtol=0, atol=ATOL)
+    torch.testing.assert_close(value, ref_value, rtol=0, atol=ATOL)
+    got, want = cs.sketch_query_triton(key, value, cells, signs), cs.reference_sketch_query(key, value, cells, signs)
+    for g, r in zip(got, want):
+        assert g.shape == (1, 3, 64)
+        torch.testing.assert_close(g, r, rtol=0, atol=ATOL)
+
+
 # Query
 
 @pytest.mark.parametrize("device", DEVICES)
