@@ -2,7 +2,7 @@
 # Everything a GPU must show, on one H100 or H200, in stages of under ten minutes each (each step has its own
 # time limit):
 #
-#     bash fastpath/gpu_check.sh results/decode_e2e.json                 # the default stages: bench smolbench tests hf
+#     bash fastpath/gpu_check.sh results/decode_e2e.json                 # the default stages: bench tests hf
 #     bash fastpath/gpu_check.sh results/decode_e2e.json tests compare   # one call per few stages
 #     bash fastpath/gpu_check.sh results/decode_e2e.json smollm2
 #
@@ -41,9 +41,10 @@
 #            file is here (below), checked
 #            against the committed CPU run results/compare_smollm2.json (30 s to fetch, 300 s, 20 s);
 #   suite    the whole fast tier (python -m pytest -q) on the CUDA machine, with the packages the image lacks
-#            installed from .gpu_cache/wheels where that folder is carried (fastpath/gpu_wheels.sh) (400 s, then
-#            an interrupt: pytest prints what ran); SUITE_ARGS="--runslow -m slow" runs the slow tier's own
-#            tests instead (the rest of the slow tier is the fast one), SUITE_LIMIT another limit in seconds.
+#            installed from .gpu_cache/wheels where that folder is carried (fastpath/gpu_wheels.sh) (60 s),
+#            its output also to OUT's .suite.txt sibling (400 s, then an interrupt: pytest prints what ran);
+#            SUITE_ARGS="--runslow -m slow" runs the slow tier's own tests instead (the rest of the slow tier
+#            is the fast one), SUITE_LIMIT another limit in seconds.
 #
 # SmolLM2's file (98 MB, 90 MB compressed) is over what one call to a lent machine carries (64 MiB, the
 # working tree's 20 MB included). Compress and split it into the ignored folder .gpu_cache/ here:
@@ -58,7 +59,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=$(realpath -m "${1:?usage: bash fastpath/gpu_check.sh OUT.json [bench] [smolbench] [tests] [hf] [profile] [compare] [launches] [smollm2] [suite]}")
 shift
-stages=("${@:-bench smolbench tests hf}")
+stages=("${@:-bench tests hf}")
 stages=(${stages[*]})
 for s in "${stages[@]}"; do
     case "$s" in bench|smolbench|tests|hf|profile|compare|launches|smollm2|suite) ;; *) echo "unknown stage '$s': bench, smolbench, tests, hf, profile, compare, launches, smollm2, suite"; exit 2;; esac
@@ -241,16 +242,18 @@ launches() {
 }
 
 suite() {
+    local txt="${out%.json}.suite.txt"
+    mkdir -p "$(dirname "$txt")"
     # the packages the suite needs that the image lacks, carried as wheels (fastpath/gpu_wheels.sh)
     if [ -d .gpu_cache/wheels ] && ls .gpu_cache/wheels/*.whl >/dev/null 2>&1; then
-        python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        timeout -k 5 60 python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .gpu_cache/wheels/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH \
             || echo "suite: the carried wheels did not install"
     else
         echo "suite: no wheels carried (fastpath/gpu_wheels.sh): the tests of the notebooks, the linter and GGUF will fail"
     fi
-    echo "== suite: python -m pytest -q ${SUITE_ARGS:-(the fast tier)} on $device"
-    timeout -s INT -k 10 "${SUITE_LIMIT:-400}" python -m pytest -q -p no:cacheprovider ${SUITE_ARGS:-} \
+    echo "== suite: python -m pytest -q ${SUITE_ARGS:-(the fast tier)} on $device -> $txt"
+    timeout -s INT -k 10 "${SUITE_LIMIT:-400}" python -m pytest -q -p no:cacheprovider ${SUITE_ARGS:-} 2>&1 | tee "$txt" \
         || { echo "the suite FAILED or ran out of time (rc $?)"; status=1; }
 }
 

@@ -30,9 +30,10 @@ The ring buffer of a head is (w, C): a step reads and writes one contiguous row 
 decision: an a an ulp lower can flip it where a is exactly at its threshold, as on a uniform attention,
 whose every a is 1/n. So the two divisions, the group's sum by G and 1 by n, round to nearest as PyTorch's
 divisions do on every device (the library's group mean is that division too: ``scissorhands.group_mean``),
-where Triton's default fp32 division may be 2 ulp off; and the group's G values are added in the
-reference's order up to G = 4 (a tree here). Elsewhere a differs from the reference's in the exponentials'
-last bits (a GPU's are approximations), which can flip a flag only that close to its threshold.
+where Triton's default fp32 division may be 2 ulp off; equal values, as a uniform attention's, sum alike in
+any order. Elsewhere a differs from the reference's in the order of the group's sum (Triton's reduction)
+and the exponentials' last bits (a GPU's are approximations), which can flip a flag only that close to
+its threshold.
 
     out = scissors_attend_triton(q, kb, vb, pos, slot, low, count, attn, position, n_recent, budget, threshold)
 

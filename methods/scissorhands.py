@@ -45,8 +45,8 @@ DEFAULT_RECENT = 10           # cold-compress's recent window (methods/README.md
 
 def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
     """(B, H, ...) -> (B, H_kv, ...): the mean over the G query heads that read each KV head (h // G); x itself
-    when G = 1. The sum divided by G, which rounds alike on every device (CUDA's ``mean`` multiplies by 1/G,
-    an ulp away for G = 3: enough to flip a flag where the attention is exactly 1/n)."""
+    when G = 1. The sum divided by G: a division rounds alike on every device, where CUDA's ``mean``
+    multiplies by 1/G, an ulp away for G = 3 (enough to flip a flag where the attention is exactly 1/n)."""
     B, H = x.shape[:2]
     if H == n_kv_head:                  # one query head per KV head: nothing to average
         return x

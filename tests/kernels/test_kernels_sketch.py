@@ -104,7 +104,6 @@ def test_insert_rejects_a_non_fp32_or_misshaped_sketch():
         cs.reference_sketch_insert(key.float(), key.float(), cells[:2], signs[:2], k, k)
 
 
-# ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_token_of_a_wider_head_in_and_out(device):
     """One token at a time, as KVReviver's swaps query and insert (blocks of one token), with SmolLM2's
@@ -126,6 +125,7 @@ def test_one_token_of_a_wider_head_in_and_out(device):
         torch.testing.assert_close(g, r, rtol=0, atol=ATOL)
 
 
+# ---------------------------------------------------------------------------------------------------------
 # Query
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -85,6 +85,17 @@ def test_group_mean_gqa():
     assert not low_flags(attn, torch.ones(1, 1, 1, 2, dtype=torch.bool)).any()
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_group_mean_rounds_as_one_division_on_every_device(device):
+    """Three query heads giving each of 19 tokens exactly 1/19: their mean is the sum divided by 3, which
+    rounds an ulp below 1/19 (every token low) on every device. CUDA's ``mean`` multiplies by 1/3 and gets
+    1/19 (no token low): the lean step would flag otherwise than the graph step and the kernel there."""
+    probs = torch.full((1, 3, 1, 19), 1 / 19, device=device)
+    attn = group_mean(probs, n_kv_head=1)
+    assert torch.equal(attn, probs.sum(1, keepdim=True) / 3)
+    assert low_flags(attn, torch.ones_like(attn, dtype=torch.bool)).all()
+
+
 def test_history_is_a_sliding_window_of_w_queries():
     """w = 3, 2 tokens. Flags of token 0 at queries 4, 5, 6, 7: low, low, high, low; token 1: high, low,
     low, low. Query q writes column q % 3, so query 7 overwrites query 4: the counter covers 5, 6, 7:
