@@ -266,6 +266,29 @@ if HAS_TRITON:
         tl.store(out_ptr + (r * G + g) * D + dim, o.to(out_ptr.dtype.element_ty))
         # END SOLUTION
 
+    @triton.jit
+    def softmax_totals(m_ptr, l_ptr, bh, n_splits, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Each query head's softmax max M and sum L over all ranges of row ``bh`` of the partials m, l
+        (R, splits, G), as the merge combines them: (G_PAD,) each, the padding heads at 0 and 1. For the
+        kernels that need the probabilities themselves, exp(s - M) / L (``heavy_hitters.py``,
+        ``scissorhands.py``)."""
+        g = tl.arange(0, G_PAD)
+        real = g < G                               # the group's query heads (G_PAD: a power of two)
+        sp = tl.arange(0, BLOCK_S)
+        M = tl.full([G_PAD], float("-inf"), tl.float32)
+        for first in range(0, n_splits, BLOCK_S):
+            ok = ((first + sp) < n_splits)[:, None] & real[None, :]
+            rows = (bh * n_splits + first + sp)[:, None] * G + g[None, :]               # (BLOCK_S, G_PAD)
+            M = tl.maximum(M, tl.max(tl.load(m_ptr + rows, mask=ok, other=float("-inf")), axis=0))
+        M = tl.where(real, M, 0.0)                 # padding rows: any finite number
+        L = tl.zeros([G_PAD], tl.float32)
+        for first in range(0, n_splits, BLOCK_S):
+            ok = ((first + sp) < n_splits)[:, None] & real[None, :]
+            rows = (bh * n_splits + first + sp)[:, None] * G + g[None, :]
+            w = tl.exp(tl.load(m_ptr + rows, mask=ok, other=float("-inf")) - M[None, :])  # empty range: 0
+            L += tl.sum(w * tl.load(l_ptr + rows, mask=ok, other=0.0), axis=0)
+        return M, tl.where(real, L, 1.0)
+
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | None, block_n: int | None,
             splits: int | None, num_warps: int | None = None, num_stages: int | None = None,

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from . import HAS_TRITON, default_scale, next_pow2, reference_empty_one
-from .decode_attention import check_decode_args, decode_partials_triton, merge_splits_triton
+from .decode_attention import check_decode_args, decode_partials_triton, merge_splits_triton, softmax_totals
 
 if HAS_TRITON:
     import triton
@@ -106,21 +106,7 @@ if HAS_TRITON:
         b, h = bh // H_kv, bh % H_kv
         g = tl.arange(0, G_PAD)
         real = g < G                               # the group's query heads (G_PAD: a power of two)
-        sp = tl.arange(0, BLOCK_S)
-        # each query head's softmax max M and sum L over all ranges, from the partials (as the merge)
-        M = tl.full([G_PAD], float("-inf"), tl.float32)
-        for first in range(0, n_splits, BLOCK_S):
-            ok = ((first + sp) < n_splits)[:, None] & real[None, :]
-            rows = (bh * n_splits + first + sp)[:, None] * G + g[None, :]               # (BLOCK_S, G_PAD)
-            M = tl.maximum(M, tl.max(tl.load(m_ptr + rows, mask=ok, other=float("-inf")), axis=0))
-        M = tl.where(real, M, 0.0)                 # padding rows: any finite number
-        L = tl.zeros([G_PAD], tl.float32)
-        for first in range(0, n_splits, BLOCK_S):
-            ok = ((first + sp) < n_splits)[:, None] & real[None, :]
-            rows = (bh * n_splits + first + sp)[:, None] * G + g[None, :]
-            w = tl.exp(tl.load(m_ptr + rows, mask=ok, other=float("-inf")) - M[None, :])  # empty range: 0
-            L += tl.sum(w * tl.load(l_ptr + rows, mask=ok, other=0.0), axis=0)
-        L = tl.where(real, L, 1.0)
+        M, L = softmax_totals(m_ptr, l_ptr, bh, n_splits, G, G_PAD, BLOCK_S)   # (G_PAD,) each
 
         written = tl.load(slot_ptr + b * stride_sb + h * stride_sh)         # the slot this step wrote
         recent_from = tl.load(position_ptr) + 1 - n_recent                  # positions >= this stay

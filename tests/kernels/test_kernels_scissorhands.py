@@ -15,6 +15,7 @@ import torch
 
 import kernels
 from kernels.scissorhands import reference_scissors_attend, scissors_attend_triton
+from tests.kernels.test_kernels_heavy import state as heavy_state
 
 pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
                                 reason="no way to run a Triton kernel: triton is not installed, or there is no "
@@ -46,27 +47,19 @@ class After(NamedTuple):
 
 
 def state(B, H, H_kv, C, d, w, device, dtype=torch.float32, seed=0, uniform=False) -> Args:
-    """A step's arguments: buffers with a few empty slots per head (more in head 0, so that it is under
-    budget where the others are over), each head's entries at distinct earlier positions, random rings of
-    flags with their counters, and the step's new entry at position C + 40 already written into its slot
-    (as the fused step writes before attending), its ring all set and its counter stale."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.zeros(B, H, d) if uniform else torch.randn(B, H, d, generator=g)
-    kb, vb = torch.randn(B, H_kv, C, d, generator=g), torch.randn(B, H_kv, C, d, generator=g)
-    now = C + 40                                                         # the step's position
-    pos = torch.stack([torch.stack([torch.randperm(now, generator=g)[:C] for _ in range(H_kv)]) for _ in range(B)])
-    empty = torch.rand(B, H_kv, C, generator=g) < 0.2
-    empty[:, 0, : C // 2] = True                                         # head 0: few entries
-    pos = pos.masked_fill(empty, -1)
-    slot = torch.randint(0, C, (B, H_kv), generator=g)
-    pos.scatter_(2, slot[..., None], now)                                # the new entry, written
+    """H2O's step (``test_kernels_heavy.state``: a few empty slots per head, more in head 0, so that it is
+    under budget where the others are over; the new entry at position C + 40 already written into its slot),
+    with Scissorhands' state instead of H2O's scores: random rings of flags with their counters, the new
+    entry's ring all set and its counter stale, and a last attention."""
+    q, kb, vb, pos, slot, _, position = heavy_state(B, H, H_kv, C, d, device, dtype, seed, uniform)
+    g = torch.Generator().manual_seed(seed + 1)
+    at = slot.cpu()
     low = torch.zeros(B, H_kv, w, C, dtype=torch.bool) if uniform else torch.rand(B, H_kv, w, C, generator=g) < 0.4
-    low.scatter_(3, slot[:, :, None, None].expand(B, H_kv, w, 1), True)  # stale: the slot's last tenant's
+    low.scatter_(3, at[:, :, None, None].expand(B, H_kv, w, 1), True)   # stale: the slot's last tenant's
     count = low.sum(2, dtype=torch.int32)
-    count.scatter_(2, slot[..., None], 1000)
+    count.scatter_(2, at[..., None], 1000)
     attn = torch.rand(B, H_kv, C, generator=g)
-    args = Args(q.to(dtype), kb.to(dtype), vb.to(dtype), pos, slot, low, count, attn, torch.tensor([now]))
-    return Args(*(t.to(device) for t in args))
+    return Args(q, kb, vb, pos, slot, *(t.to(device) for t in (low, count, attn)), position)
 
 
 def both(args: Args, n_recent, budget, threshold=None, splits=None) -> tuple[After, After]:
