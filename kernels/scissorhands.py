@@ -47,11 +47,13 @@ import torch
 from torch import Tensor
 
 from . import HAS_TRITON, default_scale, next_pow2, reference_empty_one
-from .decode_attention import check_decode_args, decode_partials_triton, merge_splits_triton, softmax_totals
+from .decode_attention import check_decode_args, decode_partials_triton, merge_splits_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from .decode_attention import softmax_totals  # a Triton function: defined only with triton
 
 
 def check_scissors_args(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, low: Tensor, count: Tensor,
