@@ -129,7 +129,7 @@ tests() {
     local txt="${out%.json}.tests.txt"
     mkdir -p "$(dirname "$txt")"
     echo "== tests: tests/fastpath, tests/kernels on $device -> $txt"
-    timeout -s INT -k 10 200 python -m pytest -q -p no:cacheprovider tests/fastpath tests/kernels 2>&1 | tee "$txt" \
+    timeout -s INT -k 10 200 python -m pytest -q -rs -p no:cacheprovider tests/fastpath tests/kernels 2>&1 | tee "$txt" \
         || { echo "tests FAILED or ran out of time (rc $?)"; status=1; }
 }
 

@@ -35,8 +35,8 @@ def test_a_file_agrees_with_itself(capsys):
     ("predictions", lambda r: r["predictions"].__setitem__(3, r["predictions"][3] + "0")),
     ("accuracies", lambda r: r["accuracies"].__setitem__(0, 1.0 - r["accuracies"][0])),
     ("kv_bytes", lambda r: r.__setitem__("kv_bytes", r["kv_bytes"] + 2)),
-    ("kl", lambda r: r.__setitem__("kl", r["kl"] + 2e-3)),
-    ("attn_l1", lambda r: r["attn_l1"][-1].__setitem__(0, r["attn_l1"][-1][0] - 5e-3)),
+    ("kl", lambda r: r.__setitem__("kl", r["kl"] + 2e-3 * max(1.0, r["kl"]))),
+    ("attn_l1", lambda r: r["attn_l1"][-1].__setitem__(0, r["attn_l1"][-1][0] * (1 - 2e-3))),
 ])
 def test_a_difference_in_one_record_is_caught_and_named(capsys, tmp_path, saved, field, change):
     other = copy.deepcopy(saved)
@@ -75,7 +75,22 @@ def test_the_tolerance_lets_a_float_metric_move_and_nothing_else(capsys, tmp_pat
     b = written(tmp_path, other)
     assert agree.main([str(COMMITTED), b]) == 1
     assert agree.main([str(COMMITTED), b, "--tol", "1e-2"]) == 0
-    assert "kl                   largest difference 0.005 over 300 records (within 0.01)" in capsys.readouterr().out
+    assert "kl                   largest difference 0.005 (relative above 1) over 300 records (within 0.01)" \
+        in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, moved, agrees", [
+    (17.08992, 17.08873, True),       # a GPU's KVReviver record against the CPU's: 1.2e-3 apart, 6.9e-5 of it
+    (17.08992, 17.0557, False),       # 2e-3 of it
+    (0.9, 0.9012, False),             # up to 1 the difference is absolute
+    (0.9, 0.9008, True),
+])
+def test_a_float_metric_is_compared_absolutely_up_to_1_and_relatively_above(capsys, tmp_path, saved, value,
+                                                                            moved, agrees):
+    a, b = copy.deepcopy(saved), copy.deepcopy(saved)
+    a["records"][7]["attn_l1"][0][0], b["records"][7]["attn_l1"][0][0] = value, moved
+    assert agree.main([written(tmp_path, a, "a.json"), written(tmp_path, b)]) == (0 if agrees else 1)
+    assert capsys.readouterr().out.rstrip().endswith("agree" if agrees else "differ: attn_l1")
 
 
 def test_files_of_other_cells_or_no_records_are_refused_in_one_line(capsys, tmp_path, saved):
