@@ -165,12 +165,10 @@ print("torch.cat append / attention, by tokens stored: "
       + f"; in-place append at {rows[-1][0]}: {rows[-1][3][0] / rows[-1][2][0]:.0f}x less than the attention")
 
 # %% [markdown]
-# The figure shows the time per new token of each way to store it, and of the attention it feeds (the median
-# of the repeats; shaded, their first to third quartile). The in-place
-# append stays flat; the `torch.cat` append grows with the context as the attention does and, at the longer
-# contexts, costs about as much or more (the ratios under the figure move from run to run): it reads *and
-# writes* every stored byte. With it, a step at least doubles its memory traffic, and a method that keeps a
-# tenth of the tokens looks *better* than it is, its small cache being cheap to copy.
+# The figure shows each way's time per new token, and that of the attention it feeds (medians; shaded, the
+# quartiles). The in-place append stays flat; the `torch.cat` append grows with the context as the attention
+# does, and at the longer contexts costs as much or more: it reads *and writes* every stored byte. A step then
+# at least doubles its memory traffic, and a method keeping a tenth of the tokens looks *better* than it is.
 
 # %% [markdown]
 # ## 3. Decode attention, split along the sequence
@@ -463,17 +461,16 @@ print(f"tensor i = 1024: {ten['ms']['materialising'] / ten['ms']['triton']:.0f}x
       f"{ten['peak_bytes']['materialising'] / ten['peak_bytes']['triton']:.0f}x less peak memory than materialising")
 
 # %% [markdown]
-# Each bar is the bandwidth an implementation reached, against the dotted line of a plain copy: the dense
-# kernel reads about as fast as SDPA and the copy; the sketch and tensor steps are not a plain read of the
-# cache. The ratios, beside what the bytes allow:
+# Each bar is the bandwidth an implementation reached, against the dotted line of a plain copy. What the
+# printed ratios say, beside what the bytes allow:
 #
-# * **dense**: 98% of the copy bandwidth at 8 x 32k; at 1 x 128k 0.995x SDPA's speed, a tie on the same bytes.
-# * **selected rows** at keep 0.1 of 32k: 8.0x faster than the full cache, which has 10.0x the K and V bytes;
-#   and 1.04x the time of the same kernel over a compacted copy: gathering in the kernel costs almost nothing.
-# * **fused sketch**: 10.3x faster than the unfused PyTorch path, but 0.19x the speed of dense decode, near the
-#   0.21x its gathered bytes allow: section 4's six times the bytes per rebuilt token.
-# * **factored tensor decode** at i = 1024: 182x faster and 31790x less peak memory than materialising;
-#   it does $i^2 d$ work on $i d$ bytes, so its GB/s say little. (Both inputs fit in the H100's L2 cache.)
+# * **dense** reads about as fast as SDPA and the copy: a tie on the same bytes.
+# * **selected rows** come close to the tenfold their bytes allow, and gathering in the kernel costs almost
+#   nothing against a compacted copy.
+# * **fused sketch** beats the unfused PyTorch path but runs near the fraction of dense speed its gathered
+#   bytes allow: section 4's six times the bytes per rebuilt token.
+# * **factored tensor decode** does $i^2 d$ work on $i d$ bytes, so its GB/s say little; its time and peak
+#   memory against materialising do. (Both inputs fit in the H100's L2 cache.)
 #
 # ### 6.2 On this machine
 #
@@ -489,16 +486,14 @@ bench.main(["--quick", "--cases", "dense", "tensor"] if TINY else ["--quick"])
 # %% [markdown]
 # ### 6.3 The whole step on a GPU
 #
-# A fast kernel is not yet a fast step. `fastpath/` runs a model's decode step three ways: **lean**
-# (`lean.py`) launches it from Python, kernel by kernel; **graph** (`graph.py`) keeps the cache in
-# fixed-size buffers (hence `MASKED`) and replays the whole step from a CUDA graph; **fused** (`fused.py`)
-# also compiles the small element-wise kernels into a few (`torch.compile`). The H100 run
-# (`results/decode_e2e_h100.json`) decodes 16 sequences on TinyLlama's shape, random weights (22 layers, 32
-# query heads, 4 KV heads of dimension 64); `transformers_static` is transformers' `LlamaForCausalLM` decode
-# step with its `StaticCache`:
+# A fast kernel is not yet a fast step. `fastpath/` runs a decode step three ways: **lean** (`lean.py`)
+# launches it from Python, kernel by kernel; **graph** (`graph.py`) keeps the cache in fixed-size buffers
+# (hence `MASKED`) and replays the step from a CUDA graph; **fused** (`fused.py`) also fuses the small
+# kernels, each eviction one Triton kernel a layer. Timed on an H200 (`results/decode_e2e_h200.json`): 16
+# sequences, TinyLlama's shape; `transformers_static` is transformers' step with its `StaticCache`:
 
 # %%
-run = json.loads((Path(kernels.__file__).parents[1] / "results" / "decode_e2e_h100.json").read_text())
+run = json.loads((Path(kernels.__file__).parents[1] / "results" / "decode_e2e_h200.json").read_text())
 rows = {p: [r for r in run["rows"] if r["path"] == p and r["length"] == 32768] for p in ("lean", "graph", "fused")}
 methods = [r["method"] for r in rows["lean"]]
 fig, ax = plt.subplots(figsize=(9, 3.4))
@@ -506,18 +501,28 @@ for p, style in (("lean", "o-"), ("graph", "s-"), ("fused", "^-")):
     ax.plot(methods, [r["ms"] for r in rows[p]], style, label=f"{p} step")
 ax.plot(methods, [r["at_copy_bw_ms"] for r in rows["lean"]], "k:", label="its bytes at the copy bandwidth")
 ax.set(yscale="log", xlabel="method", ylabel="ms per step (log)",
-       title="16 x 32,768 tokens on an H100: full cache vs keep 0.1")
+       title="16 x 32,768 tokens on an H200: full cache vs keep 0.1")
 ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
 plt.show()
 print("\n".join(line for line in e2e.summary(run) if line.startswith("S=32768")))
-c, (full, kept) = run["config"], rows["graph"][:2]          # the model; the full cache, SnapKV at keep 0.1
-print(f"{run['batch']} sequences; {c['n_layer']} layers, {c['n_head']} query heads, {c['n_kv_head']} KV heads of "
-      f"dimension {c['d_model'] // c['n_head']}; keep 0.1 reads {full['bytes'] / kept['bytes']:.2f}x fewer bytes")
+full, kept = rows["graph"][:2]                              # the full cache, SnapKV at keep 0.1
+print(f"keep 0.1 reads {full['bytes'] / kept['bytes']:.2f}x fewer bytes")
 
 # %% [markdown]
-# Launching is the lean step's cost; in a graph the full cache reads at two thirds of the copy bandwidth,
-# and keeping a tenth pays less than its bytes promise (4.27x fewer, at best 2.84x faster): a millisecond of
-# small kernels does not shrink.
+# Launching is the lean step's cost. In a graph the full cache reads at half the copy bandwidth, fused at
+# 58%, and keeping a tenth pays, less than its bytes promise (4.27x fewer, at best 3.09x faster): small
+# kernels in every layer do not shrink with the cache.
+#
+# On this CPU (tiny shapes, `python -m fastpath.bench --e2e --quick`) no launch is saved: the graph step
+# takes the lean step's time, the fused one longer (its fusions are not compiled here).
+
+# %%
+import contextlib
+import io
+
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):   # its table's rows
+    cpu_run = e2e.run("cpu", quick=True, dtype=torch.float32)
+print("\n".join(line for line in e2e.summary(cpu_run) if line.startswith("S=")))
 
 # %% [markdown]
 # ## Exercises

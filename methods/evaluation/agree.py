@@ -111,8 +111,8 @@ def parser() -> cli.ArgumentParser:
         prog="python -m methods.evaluation.agree",
         description="Check that two methods.compare results files say the same: every answer, accuracy and "
                     "byte count equal record by record, the float metrics (KL, perturbation, lost mass, "
-                    "attn_l1) within --tol (absolute up to 1, relative above); timings and settings are not compared. Exit status 0: they agree; "
-                    "1: they differ (the fields are named).")
+                    "attn_l1) within --tol (absolute up to 1, relative above); timings and settings are not "
+                    "compared. Exit status 0: they agree; 1: they differ (the fields are named).")
     ap.add_argument("a", type=Path, metavar="A.json", help="a methods.compare results file (--json of a run)")
     ap.add_argument("b", type=Path, metavar="B.json", help="another, of the same cells")
     ap.add_argument("--tol", type=cli.positive_float, default=1e-3,

@@ -78,14 +78,27 @@ def one_job(model, tok, variants: list[Variant], budgets: list[int], length: int
 _WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker
 
 
-def _init_worker(threads: int, shared: str) -> None:
+def _init_worker(threads: int, shared: str, workers: int = 1) -> None:
     torch.set_num_threads(threads)
+    _WORKER["workers"] = workers
     with open(shared, "rb") as f:
         _WORKER["shared"] = pickle.load(f)
 
 
 def _run_job_in_worker(job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
-    return one_job(*_WORKER["shared"], job)
+    try:
+        return one_job(*_WORKER["shared"], job)
+    except torch.OutOfMemoryError:          # one line from the command (cli.errors), not every worker's traceback
+        raise cli.UsageError(out_of_memory(_WORKER.get("workers", 1))) from None
+
+
+def out_of_memory(workers: int) -> str:
+    """What to do when a worker's GPU memory runs out: the processes share the GPU, each holding the model,
+    its caches and CUDA's own memory (SmolLM2's main job with one group held 7 to 10 GiB a worker on an H200:
+    fastpath/README.md)."""
+    held = f", this one holding {torch.cuda.memory_reserved() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
+    return (f"the GPU ran out of memory with {workers} worker processes sharing it{held}: run with fewer "
+            f"--workers (or --engine batched, whose groups by size pad less than one group)")
 
 
 def in_workers(jobs: list[tuple], shared: tuple, workers: int, tick) -> list:
@@ -106,7 +119,7 @@ def in_workers(jobs: list[tuple], shared: tuple, workers: int, tick) -> list:
         with open(blob, "wb") as f:
             pickle.dump(shared, f)
         with cli.workers_without_ctrl_c():         # a Ctrl-C that came meanwhile is raised at its end,
-            pool = stack.enter_context(ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob)))
+            pool = stack.enter_context(ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob, workers)))
         return list(tick(pool.imap(_run_job_in_worker, jobs)))    # ... with the pool in the stack
 
 

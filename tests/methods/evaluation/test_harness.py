@@ -321,3 +321,21 @@ def test_the_plain_and_fast_engines_trace_alike(loaded):
         assert all(torch.equal(a.pos[k], b.pos[k]) for k in a.pos)
     assert greedy_from_traces(model, tok, s, fast) == greedy_from_traces(model, tok, s, plain)
     assert type(fast[0].engine).__name__ == "FastEngine" and type(plain[0].engine).__name__ == "PlainEngine"
+
+
+def test_a_worker_out_of_gpu_memory_is_one_line_that_names_the_workers(monkeypatch, capsys):
+    """A worker whose GPU memory runs out (SmolLM2's main job, one group in 16 processes on an H200) raises
+    one ``error:`` line through ``cli.errors`` that says what to change, not its traceback."""
+    from methods.evaluation import compare
+    from nanollm import cli
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
+    monkeypatch.setattr(compare, "one_job", out_of_memory)
+    monkeypatch.setitem(compare._WORKER, "shared", ())
+    monkeypatch.setitem(compare._WORKER, "workers", 16)
+    with pytest.raises(SystemExit) as stop, cli.errors():
+        compare._run_job_in_worker(("niah_single_noise", 0, "question_in_prompt"))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert "ran out of memory with 16 worker processes" in err and "fewer --workers" in err, err
