@@ -112,7 +112,7 @@ class FusedGraphDecoder(GraphDecoder):
 
     def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """``GraphDecoder._attend``, but for H2O, Scissorhands and StreamingLLM where ``kernels.serves`` says
-        so: the write, then the attention and the eviction in three launches, the eviction's choice made from
+        so: the write, then the attention and the eviction in three or four launches, the eviction's choice made from
         what the attention kernel reads (``kernels/heavy_hitters.py`` and ``kernels/scissorhands.py``: the
         scores, not a second pass over the keys; ``kernels/streaming.py``: the positions, each range's oldest
         reduced from them as they are loaded)."""

@@ -10,7 +10,7 @@ Triton kernels for the memory-bound path of decoding, each beside the PyTorch re
     cache_write.py        a decode step's new entry into each head's slot of fixed-capacity buffers: one
                           launch where three scatters take three (the fused step's writes)
     heavy_hitters.py      H2O's decode step over those buffers: attention, the scores it adds up and the
-                          slot it empties, in three launches that read the keys once
+                          slot it empties, in four launches that read the keys once
     scissorhands.py       Scissorhands' decode step over those buffers: attention, each slot's low flag into
                           its ring buffer and counter, and the slot it empties, in three launches
     streaming.py          StreamingLLM's decode step over those buffers: attention and the oldest entry

@@ -1,6 +1,6 @@
 """
 H2O's decode step over fixed-capacity buffers: attend, add what each entry received to its score, empty the
-lowest. Three launches a layer, the keys read once.
+lowest. Four launches a layer, the keys read once.
 
 H2O (Zhang et al., 2023, Algorithm 1) keeps, beside each cached entry, the attention it has received so far,
 and when the cache is over its budget it evicts the entry with the lowest sum outside a window of recent
@@ -14,13 +14,21 @@ graph still pays, and twice the keys' bytes. Here:
    s = q.k / sqrt(d) for each query head of the group into S (B * H_kv, G, C), fp32, -inf where the slot
    is empty;
 2. the merge kernel turns the ranges' partials into the output, as before;
-3. one program per (sequence, KV head) of ``_heavy_update_kernel`` takes each query head's softmax max M
-   and sum L from the same partials (the merge's formula), then walks the slots once: the probability
-   p = exp(s - M) / L of each query head, their mean over the group (what the slot received), added to the
-   slot's score (the slot just written starts from 0), and the running choice of the slot to empty: the
-   lowest score among the entries outside the ``n_recent`` latest positions, the latest position on a tie
-   (``nanollm.slots.select_lowest``). Where the head holds more than ``budget`` entries, that slot's
+3. ``_heavy_score_kernel``, one program per block of BLOCK_C slots of a (sequence, KV head), takes each
+   query head's softmax max M and sum L from the same partials (the merge's formula), then for each slot of
+   its block: the probability p = exp(s - M) / L of each query head, their mean over the group (what the
+   slot received), added to the slot's score (the slot just written starts from 0). It writes its block's
+   candidate to empty: the lowest score among the entries outside the ``n_recent`` latest positions, the
+   latest position on a tie (``nanollm.slots.select_lowest``), and how many entries the block holds;
+4. ``_heavy_evict_kernel``, one program per (sequence, KV head), picks among its blocks' candidates in the
+   same order and counts their entries: where the head holds more than ``budget``, the chosen slot's
    position becomes -1 and the next token goes there; elsewhere the next token takes the next slot.
+
+Why two kernels for the update: one program walking a head's slots in turn leaves most of the GPU idle (16
+sequences x 4 KV heads are 64 programs) and waits on each block's loads; on an H200 it took 41% of H2O's
+step at 32,768 tokens (``fastpath/README.md``). Split into blocks, the scoring can run on every
+multiprocessor, and the choice among a few candidates a head is one small launch (this split has not been
+timed on a GPU yet: the 41% is the single walk's, at commit fd79573).
 
 S is G x C fp32 numbers a head, written once and read once, instead of the C x d keys read again.
 
@@ -90,14 +98,15 @@ def reference_heavy_attend(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The kernel: one program per (sequence, KV head), after the split and merge kernels
+# The kernels: after the split and merge, one program per block of a head's slots, then one per head
 
 if HAS_TRITON:
 
     @triton.jit
-    def _heavy_update_kernel(
+    def _heavy_score_kernel(
         s_ptr, m_ptr, l_ptr, score_ptr, pos_ptr, slot_ptr, position_ptr,
-        n_splits, C, n_recent, budget,
+        low_ptr, low_pos_ptr, low_slot_ptr, held_ptr,   # (B * H_kv, n_blocks) each: a block's candidate, count
+        n_splits, C, n_recent, n_blocks,
         stride_cb, stride_ch,                       # score (B, H_kv, C), last stride 1
         stride_pb, stride_ph,                       # pos (B, H_kv, C), last stride 1
         stride_sb, stride_sh,                       # slot (B, H_kv)
@@ -105,6 +114,7 @@ if HAS_TRITON:
         BLOCK_C: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)         # int64: offsets into large buffers
+        blk = tl.program_id(1)                     # this program's block of the head's slots
         b, h = bh // H_kv, bh % H_kv
         g = tl.arange(0, G_PAD)
         real = g < G                               # the group's query heads (G_PAD: a power of two)
@@ -112,38 +122,51 @@ if HAS_TRITON:
 
         written = tl.load(slot_ptr + b * stride_sb + h * stride_sh)         # the slot this step wrote
         recent_from = tl.load(position_ptr) + 1 - n_recent                  # positions >= this stay
-        # per column of the blocks (reduced once, after the loop): the lowest score so far, its position and
-        # slot, and the entries held; typed as the loop makes them (a GPU compiler rejects a loop-carried
-        # value whose type changes, which the interpreter would not notice)
-        best = tl.full([BLOCK_C], float("inf"), tl.float32)
-        best_pos = tl.full([BLOCK_C], -2, tl.int64)
-        best_slot = tl.zeros([BLOCK_C], tl.int32)
-        held = tl.zeros([BLOCK_C], tl.int32)
-        for first in range(0, C, BLOCK_C):
-            c = first + tl.arange(0, BLOCK_C)
-            inside = c < C
-            s = tl.load(s_ptr + (bh * G + g)[:, None] * C + c[None, :], mask=real[:, None] & inside[None, :],
-                        other=float("-inf"))                                          # (G_PAD, BLOCK_C)
-            received = tl.sum(tl.exp(s - M[:, None]) / L[:, None], axis=0) / G         # empty slot: 0
-            at = score_ptr + b * stride_cb + h * stride_ch + c
-            total = tl.where(c == written, 0.0, tl.load(at, mask=inside, other=0.0)) + received
-            tl.debug_barrier()                     # every thread's loads before any store: a block smaller
-            tl.store(at, total, mask=inside)       # than the threads holds each slot in several of them
-            p = tl.load(pos_ptr + b * stride_pb + h * stride_ph + c, mask=inside, other=-2)   # -2: past C
-            held += (p >= 0).to(tl.int32)
-            stays = (p < 0) | (p >= recent_from)
-            # as torch.nan_to_num(total, nan=-inf) (select_lowest's): NaN -> -inf, +-inf -> the largest and
-            # lowest finite fp32 (sums of probabilities are finite: this only keeps the reference's order)
-            v = tl.where(total == float("inf"), FP32_MAX, tl.where(total == float("-inf"), -FP32_MAX, total))
-            v = tl.where(stays, float("inf"), tl.where(total != total, float("-inf"), v))
-            take = (v < best) | ((v == best) & (p > best_pos))              # lower, or as low and later
-            best = tl.where(take, v, best)
-            best_pos = tl.where(take, p, best_pos)
-            best_slot = tl.where(take, c, best_slot)
-        low = tl.min(best, axis=0)                                          # the lowest score...
-        low_pos = tl.max(tl.where(best == low, best_pos, -2), axis=0)       # ...the latest position holding it...
-        victim = tl.min(tl.where((best == low) & (best_pos == low_pos), best_slot, C), axis=0)   # ...its slot
-        over = tl.sum(held, axis=0) > budget
+        c = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = c < C
+        s = tl.load(s_ptr + (bh * G + g)[:, None] * C + c[None, :], mask=real[:, None] & inside[None, :],
+                    other=float("-inf"))                                              # (G_PAD, BLOCK_C)
+        received = tl.sum(tl.exp(s - M[:, None]) / L[:, None], axis=0) / G             # empty slot: 0
+        at = score_ptr + b * stride_cb + h * stride_ch + c
+        total = tl.where(c == written, 0.0, tl.load(at, mask=inside, other=0.0)) + received
+        tl.debug_barrier()                         # every thread's loads before any store: a block smaller
+        tl.store(at, total, mask=inside)           # than the threads holds each slot in several of them
+        p = tl.load(pos_ptr + b * stride_pb + h * stride_ph + c, mask=inside, other=-2)   # -2: past C
+        stays = (p < 0) | (p >= recent_from)
+        # as torch.nan_to_num(total, nan=-inf) (select_lowest's): NaN -> -inf, +-inf -> the largest and lowest
+        # finite fp32 (sums of probabilities are finite: this only keeps the reference's order)
+        v = tl.where(total == float("inf"), FP32_MAX, tl.where(total == float("-inf"), -FP32_MAX, total))
+        v = tl.where(stays, float("inf"), tl.where(total != total, float("-inf"), v))
+        low = tl.min(v, axis=0)                                             # the block's lowest score...
+        low_pos = tl.max(tl.where(v == low, p, -2), axis=0)                 # ...the latest position holding it...
+        victim = tl.min(tl.where((v == low) & (p == low_pos), c, C), axis=0)   # ...its slot
+        out = bh * n_blocks + blk
+        tl.store(low_ptr + out, low)
+        tl.store(low_pos_ptr + out, low_pos)
+        tl.store(low_slot_ptr + out, victim)
+        tl.store(held_ptr + out, tl.sum((p >= 0).to(tl.int32), axis=0))
+
+    @triton.jit
+    def _heavy_evict_kernel(
+        low_ptr, low_pos_ptr, low_slot_ptr, held_ptr, pos_ptr, slot_ptr,
+        n_blocks, C, budget,
+        stride_pb, stride_ph,                       # pos (B, H_kv, C), last stride 1
+        stride_sb, stride_sh,                       # slot (B, H_kv)
+        H_kv: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H_kv, bh % H_kv
+        k = tl.arange(0, BLOCK_K)                  # the head's blocks (BLOCK_K: a power of two >= n_blocks)
+        there = k < n_blocks
+        at = bh * n_blocks + k
+        v = tl.load(low_ptr + at, mask=there, other=float("inf"))
+        p = tl.load(low_pos_ptr + at, mask=there, other=-2)
+        c = tl.load(low_slot_ptr + at, mask=there, other=C)
+        low = tl.min(v, axis=0)                                             # the lowest over the blocks, the
+        low_pos = tl.max(tl.where(v == low, p, -2), axis=0)                 # latest position holding it, its
+        victim = tl.min(tl.where((v == low) & (p == low_pos), c, C), axis=0)   # slot: as one walk would choose
+        over = tl.sum(tl.load(held_ptr + at, mask=there, other=0), axis=0) > budget
+        written = tl.load(slot_ptr + b * stride_sb + h * stride_sh)
         tl.store(pos_ptr + b * stride_pb + h * stride_ph + victim, -1, mask=over)
         tl.store(slot_ptr + b * stride_sb + h * stride_sh, tl.where(over, victim, written + 1))
 
@@ -151,14 +174,11 @@ if HAS_TRITON:
 def heavy_attend_triton(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, score: Tensor,
                         position: Tensor, n_recent: int, budget: int, scale: float | None = None,
                         splits: int | None = None) -> Tensor:
-    """``reference_heavy_attend`` in three launches (the split kernel keeping the scores, the merge,
-    ``_heavy_update_kernel``): always the kernels, on a CUDA tensor or, under ``TRITON_INTERPRET=1``, a CPU
-    one. pos, score and slot are updated in place; pos and score must have stride 1 in their last
-    dimension. ``splits``: ranges per (sequence, KV head), None for the split kernel's default.
-
-    The update kernel walks a head's C slots in one program, so it has B * H_kv programs: enough at the
-    benchmark's 16 sequences, few for one sequence of a long cache (not timed yet; splitting the slots over
-    programs with a second reduction would be the next step)."""
+    """``reference_heavy_attend`` in four launches (the split kernel keeping the scores, the merge,
+    ``_heavy_score_kernel`` over blocks of slots, ``_heavy_evict_kernel``): always the kernels, on a CUDA
+    tensor or, under ``TRITON_INTERPRET=1``, a CPU one. pos, score and slot are updated in place; pos and
+    score must have stride 1 in their last dimension. ``splits``: ranges per (sequence, KV head), None for the
+    split kernel's default."""
     if not HAS_TRITON:
         raise RuntimeError("heavy_attend_triton needs triton; use reference_heavy_attend")
     check_heavy_args(q, kb, vb, pos, slot, score, position)
@@ -170,8 +190,17 @@ def heavy_attend_triton(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Te
     s = torch.empty(B * H_kv, G, C, device=q.device, dtype=torch.float32)
     m, l, acc = decode_partials_triton(q, kb, vb, scale=scale, splits=splits, pos=pos, scores=s)
     out = merge_splits_triton(m, l, acc, q.dtype).view(B, H, d)
-    _heavy_update_kernel[(B * H_kv,)](
-        s, m, l, score, pos, slot, position, m.shape[1], C, int(n_recent), int(budget),
+    BLOCK_C = min(256, max(16, next_pow2(C)))
+    n_blocks = triton.cdiv(C, BLOCK_C)
+    low = torch.empty(B * H_kv, n_blocks, device=q.device, dtype=torch.float32)      # each block's candidate:
+    low_pos = torch.empty(B * H_kv, n_blocks, device=q.device, dtype=torch.long)     # its score, position,
+    low_slot = torch.empty(B * H_kv, n_blocks, device=q.device, dtype=torch.int32)   # slot, and the block's
+    held = torch.empty(B * H_kv, n_blocks, device=q.device, dtype=torch.int32)       # entries held
+    _heavy_score_kernel[(B * H_kv, n_blocks)](
+        s, m, l, score, pos, slot, position, low, low_pos, low_slot, held, m.shape[1], C, int(n_recent), n_blocks,
         score.stride(0), score.stride(1), pos.stride(0), pos.stride(1), slot.stride(0), slot.stride(1),
-        H_kv=H_kv, G=G, G_PAD=next_pow2(G), BLOCK_S=32, BLOCK_C=min(256, max(16, next_pow2(C))))
+        H_kv=H_kv, G=G, G_PAD=next_pow2(G), BLOCK_S=32, BLOCK_C=BLOCK_C)
+    _heavy_evict_kernel[(B * H_kv,)](
+        low, low_pos, low_slot, held, pos, slot, n_blocks, C, int(budget),
+        pos.stride(0), pos.stride(1), slot.stride(0), slot.stride(1), H_kv=H_kv, BLOCK_K=max(16, next_pow2(n_blocks)))
     return out

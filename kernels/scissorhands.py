@@ -209,7 +209,8 @@ def scissors_attend_triton(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot:
     CPU one. low, count, attn, pos and slot are updated in place; each must have stride 1 in its last
     dimension. ``splits``: ranges per (sequence, KV head), None for the split kernel's default.
 
-    As H2O's, the update kernel walks a head's C slots in one program: B * H_kv programs."""
+    The update kernel walks a head's C slots in one program: B * H_kv programs (H2O's is split over blocks of
+    slots, ``heavy_hitters.py``; this one's flags need the head's count of entries before any block)."""
     if not HAS_TRITON:
         raise RuntimeError("scissors_attend_triton needs triton; use reference_scissors_attend")
     check_scissors_args(q, kb, vb, pos, slot, low, count, attn, position)

@@ -1,4 +1,4 @@
-"""H2O's step in three launches (kernels/heavy_hitters.py) against its PyTorch reference: the same output, the
+"""H2O's step in four launches (kernels/heavy_hitters.py) against its PyTorch reference: the same output, the
 same scores, the same slot emptied.
 
 Without a GPU the kernels run in Triton's interpreter (``tests/conftest.py`` sets TRITON_INTERPRET=1). The
@@ -65,6 +65,20 @@ def test_the_kernels_do_what_the_reference_does(device, B, H, H_kv, C, d, n_rece
     assert over.any() and not over.all()                                 # both kinds of head were tried
     assert torch.equal(want[3][~over], args[4][~over] + 1)                # under budget: the next slot
     assert (want[1].gather(2, args[4][..., None]) < 100).all()           # the stale score was reset
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_head_is_over_its_budget_by_all_its_blocks_together(device):
+    """300 slots are two blocks of 256 and 44 for the kernel that scores them, each block counting its own
+    entries: a budget no block's count exceeds, but the sum of a head's blocks does, still empties a slot."""
+    args = state(1, 4, 4, 300, 32, device)
+    held = args[3] >= 0
+    budget = int(torch.stack([held[..., :256].sum(-1), held[..., 256:].sum(-1)]).max())   # no block over it
+    over = held.sum(-1) > budget
+    assert over.sum() >= 2                                               # but heads over it, all blocks counted
+    want, got = both(args, 5, budget)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    assert (want[2] < 0).sum() == (args[3] < 0).sum() + over.sum()       # one slot emptied per head over
 
 
 @pytest.mark.parametrize("device", DEVICES)
