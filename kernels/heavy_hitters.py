@@ -25,10 +25,11 @@ graph still pays, and twice the keys' bytes. Here:
    position becomes -1 and the next token goes there; elsewhere the next token takes the next slot.
 
 Why two kernels for the update: one program walking a head's slots in turn leaves most of the GPU idle (16
-sequences x 4 KV heads are 64 programs) and waits on each block's loads; on an H200 it took 41% of H2O's
-step at 32,768 tokens (``fastpath/README.md``). Split into blocks, the scoring can run on every
-multiprocessor, and the choice among a few candidates a head is one small launch (this split has not been
-timed on a GPU yet: the 41% is the single walk's, at commit fd79573).
+sequences x 4 KV heads are 64 programs) and waits on each block's loads; on an H200 it took 41% of the
+kernel time of H2O's fused step at 32,768 tokens (``fastpath/README.md``). Split into blocks, the scoring
+can run on every multiprocessor, and the choice among a few candidates a head is one small launch. This
+split has not run on a GPU yet (the interpreter's tests, and a compile for sm_80 and sm_90): the 41% is the
+single walk's, at commit fd79573.
 
 S is G x C fp32 numbers a head, written once and read once, instead of the C x d keys read again.
 

@@ -489,7 +489,7 @@ bench.main(["--quick", "--cases", "dense", "tensor"] if TINY else ["--quick"])
 # A fast kernel is not yet a fast step. `fastpath/` runs a decode step three ways: **lean** (`lean.py`)
 # launches it from Python, kernel by kernel; **graph** (`graph.py`) keeps the cache in fixed-size buffers
 # (hence `MASKED`) and replays the step from a CUDA graph; **fused** (`fused.py`) also fuses the small
-# kernels, each eviction one Triton kernel a layer. Timed on an H200 (`results/decode_e2e_h200.json`): 16
+# kernels, each eviction its own Triton kernels. Timed on an H200 (`results/decode_e2e_h200.json`): 16
 # sequences, TinyLlama's shape; `transformers_static` is transformers' step with its `StaticCache`:
 
 # %%
@@ -510,7 +510,7 @@ print(f"keep 0.1 reads {full['bytes'] / kept['bytes']:.2f}x fewer bytes")
 
 # %% [markdown]
 # Launching is the lean step's cost. In a graph the full cache reads at half the copy bandwidth, fused at
-# 58%, and keeping a tenth pays, less than its bytes promise (4.27x fewer, at best 3.09x faster): small
+# 58%, where keeping a tenth pays, less than its bytes promise (4.27x fewer, at best 3.09x faster): small
 # kernels in every layer do not shrink with the cache.
 #
 # On this CPU (tiny shapes, `python -m fastpath.bench --e2e --quick`) no launch is saved: the graph step
