@@ -97,6 +97,9 @@ def out_of_memory(workers: int) -> str:
     its caches and CUDA's own memory (SmolLM2's main job with one group held 7 to 10 GiB a worker on an H200:
     fastpath/README.md)."""
     held = f", this one holding {torch.cuda.memory_reserved() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
+    if workers <= 1:
+        return (f"the GPU ran out of memory{held}: the model and its caches do not fit (a shorter --length, fewer "
+                f"--methods or --budgets)")
     return (f"the GPU ran out of memory with {workers} worker processes sharing it{held}: run with fewer "
             f"--workers (or --engine batched, whose groups by size pad less than one group)")
 
@@ -179,7 +182,10 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
                 yield job_results
 
         if workers <= 1:
-            results = list(tick(one_job(*shared, job) for job in mine))
+            try:
+                results = list(tick(one_job(*shared, job) for job in mine))
+            except torch.OutOfMemoryError:                # one line (cli.errors), as from a worker
+                raise cli.UsageError(out_of_memory(1)) from None
         else:
             results = in_workers(mine, shared, workers, tick)
     results = shards.gather(results, len(jobs), rank, world)

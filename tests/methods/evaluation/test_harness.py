@@ -339,3 +339,20 @@ def test_a_worker_out_of_gpu_memory_is_one_line_that_names_the_workers(monkeypat
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1, err
     assert "ran out of memory with 16 worker processes" in err and "fewer --workers" in err, err
+    assert "a shorter --length" in compare.out_of_memory(1)                 # one process: what fits is the work
+
+
+def test_one_process_out_of_gpu_memory_is_one_line_too(monkeypatch, capsys):
+    """Without workers the same: the run stops with one ``error:`` line that names what to shrink."""
+    from methods.evaluation import compare
+    from nanollm import cli, load
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
+    monkeypatch.setattr(compare, "one_job", out_of_memory)
+    model, tok, _ = load("retrieval-llama")
+    with pytest.raises(SystemExit) as stop, cli.errors():
+        compare.run(model, tok, ["full"], [48], ["niah_single_noise"], ["question_in_prompt"], 1, 192,
+                    progress=False)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "a shorter --length" in err, err
