@@ -72,6 +72,19 @@ def test_the_summary_of_the_committed_gpu_run():
     assert "snapkv 2.836x >= 3.0x: not met" in targets["targets S=32768 fused"]
 
 
+@pytest.mark.parametrize("summary", ["decode_e2e_h200_summary.txt", "decode_e2e_h100_summary.txt"])
+def test_the_committed_summaries_are_what_summary_prints(summary, capsys):
+    """Each committed summary holds, after each of its ``$ python -m fastpath.bench --summary REPORT`` lines,
+    exactly what that command prints now: a change to the ratios' code (or a report) without the summary
+    made again fails here."""
+    text = (ROOT / "results" / summary).read_text()
+    runs = re.findall(r"^\$ python -m fastpath\.bench --summary (\S+)\n(.*?)(?=^\$ |\Z)", text, re.M | re.S)
+    assert len(runs) >= 3, summary
+    for report, printed in runs:
+        bench.main(["--summary", str(ROOT / report)])
+        assert capsys.readouterr().out.strip() == printed.strip(), report
+
+
 def test_the_summary_refuses_what_is_not_a_report(tmp_path, capsys):
     bad = tmp_path / "other.json"
     bad.write_text(json.dumps({"rows": [{"path": "lean"}]}))
