@@ -55,6 +55,15 @@ if HAS_TRITON:
 
     FP32_MAX = tl.constexpr(3.4028234663852886e38)     # torch.finfo(torch.float32).max: nan_to_num's +inf
 
+    @triton.jit
+    def lowest_latest(v, p, c, C):
+        """Of candidates with scores v, positions p and slots c (each a vector): the lowest score, the latest
+        position holding it, and its slot (the smallest, should two hold it): ``select_lowest``'s order. A
+        lexicographic choice, so choosing per block and then among the blocks gives the same slot."""
+        low = tl.min(v, axis=0)
+        low_pos = tl.max(tl.where(v == low, p, -2), axis=0)
+        return low, low_pos, tl.min(tl.where((v == low) & (p == low_pos), c, C), axis=0)
+
 
 def check_heavy_args(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, score: Tensor,
                      position: Tensor) -> None:
@@ -138,9 +147,7 @@ if HAS_TRITON:
         # finite fp32 (sums of probabilities are finite: this only keeps the reference's order)
         v = tl.where(total == float("inf"), FP32_MAX, tl.where(total == float("-inf"), -FP32_MAX, total))
         v = tl.where(stays, float("inf"), tl.where(total != total, float("-inf"), v))
-        low = tl.min(v, axis=0)                                             # the block's lowest score...
-        low_pos = tl.max(tl.where(v == low, p, -2), axis=0)                 # ...the latest position holding it...
-        victim = tl.min(tl.where((v == low) & (p == low_pos), c, C), axis=0)   # ...its slot
+        low, low_pos, victim = lowest_latest(v, p, c, C)                    # the block's candidate
         out = bh * n_blocks + blk
         tl.store(low_ptr + out, low)
         tl.store(low_pos_ptr + out, low_pos)
@@ -163,9 +170,7 @@ if HAS_TRITON:
         v = tl.load(low_ptr + at, mask=there, other=float("inf"))
         p = tl.load(low_pos_ptr + at, mask=there, other=-2)
         c = tl.load(low_slot_ptr + at, mask=there, other=C)
-        low = tl.min(v, axis=0)                                             # the lowest over the blocks, the
-        low_pos = tl.max(tl.where(v == low, p, -2), axis=0)                 # latest position holding it, its
-        victim = tl.min(tl.where((v == low) & (p == low_pos), c, C), axis=0)   # slot: as one walk would choose
+        victim = lowest_latest(v, p, c, C)[2]                               # among the blocks' candidates
         over = tl.sum(tl.load(held_ptr + at, mask=there, other=0), axis=0) > budget
         written = tl.load(slot_ptr + b * stride_sb + h * stride_sh)
         tl.store(pos_ptr + b * stride_pb + h * stride_ph + victim, -1, mask=over)

@@ -71,8 +71,12 @@ def engine_for(name: str, alone: bool = False, model=None):
 
 def one_job(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
             engine: tuple[str, bool], job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
-    """``protocol.run_job`` on this process's engine (``engine``: its name, and whether it times alone)."""
-    return run_job(engine_for(*engine, model=model), tok, variants, budgets, length, seed, job)
+    """``protocol.run_job`` on this process's engine (``engine``: its name, and whether it times alone); the GPU's
+    memory running out is one line from the command (``cli.errors``), not a traceback from each worker."""
+    try:
+        return run_job(engine_for(*engine, model=model), tok, variants, budgets, length, seed, job)
+    except torch.OutOfMemoryError:
+        raise cli.UsageError(out_of_memory(_WORKER.get("workers", 1))) from None
 
 
 _WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker
@@ -86,10 +90,7 @@ def _init_worker(threads: int, shared: str, workers: int = 1) -> None:
 
 
 def _run_job_in_worker(job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
-    try:
-        return one_job(*_WORKER["shared"], job)
-    except torch.OutOfMemoryError:          # one line from the command (cli.errors), not every worker's traceback
-        raise cli.UsageError(out_of_memory(_WORKER.get("workers", 1))) from None
+    return one_job(*_WORKER["shared"], job)
 
 
 def out_of_memory(workers: int) -> str:
@@ -182,10 +183,7 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
                 yield job_results
 
         if workers <= 1:
-            try:
-                results = list(tick(one_job(*shared, job) for job in mine))
-            except torch.OutOfMemoryError:                # one line (cli.errors), as from a worker
-                raise cli.UsageError(out_of_memory(1)) from None
+            results = list(tick(one_job(*shared, job) for job in mine))
         else:
             results = in_workers(mine, shared, workers, tick)
     results = shards.gather(results, len(jobs), rank, world)
