@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-compile", action="store_true",
                    help="with --e2e: also time transformers' step under torch.compile(mode='reduce-overhead')")
     p.add_argument("--hf-only", action="store_true", help="with --e2e: time transformers' step alone")
+    p.add_argument("--no-tune", action="store_true",
+                   help="with --e2e: launch the split kernel with its defaults, where on a GPU each length first "
+                        "times its launches and takes the fastest (fastpath/tune.py)")
     p.add_argument("--length", type=cli.positive_int, nargs="+", default=None,
                    help="with --e2e: these context lengths (default 8192 and 32768; --quick: 64 and 256)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
             except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
                 cli.fail(f"{args.summary} is not a report of python -m fastpath.bench --e2e ({type(e).__name__}: {e})")
             return
-        if args.e2e or args.hf_compile or args.hf_only or args.length or args.preset or args.batch:
+        if args.e2e or args.hf_compile or args.hf_only or args.length or args.preset or args.batch or args.no_tune:
             return end_to_end(args, argv, p.prog, device)
         kernels_on = device == "cuda" and HAS_TRITON
         if not kernels_on:                     # a GPU's timer is Triton's (timer): without it, the CPU's
@@ -309,7 +312,7 @@ def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:
     """``--e2e``: ``fastpath.e2e.run``, its report written to ``--json`` with the provenance."""
     from fastpath import e2e
     if not args.e2e:
-        cli.fail("--hf-compile, --hf-only, --length, --preset and --batch go with --e2e")
+        cli.fail("--hf-compile, --hf-only, --length, --preset, --batch and --no-tune go with --e2e")
     if device != "cuda":
         print("no CUDA device: timing the steps on the CPU, which says nothing about a GPU "
               "(bash fastpath/gpu_check.sh runs this on one)")
@@ -317,7 +320,7 @@ def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:
     dtype = dtype if device == "cuda" else torch.float32
     report = e2e.run(device, args.quick, dtype, hf_compile=args.hf_compile, hf_only=args.hf_only,
                      lengths=tuple(args.length) if args.length else None, preset_name=args.preset or e2e.PRESET,
-                     batch=args.batch)
+                     batch=args.batch, tune=not args.no_tune)
     if args.json:
         report["provenance"] = provenance(argv, prog=prog, threads=torch.get_num_threads(), dtype=str(dtype),
                                           seed=0)

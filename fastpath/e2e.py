@@ -27,6 +27,8 @@ C = kept + room slots and their positions, a little more than it is credited wit
 ``StaticCache`` step of the same shape (its own random weights, ``sdpa`` attention, eager; compiled
 with ``--hf-compile``) is timed in the same run when transformers is importable, else skipped with a line.
 
+On a GPU the split kernel's launch is first chosen at each length by timing it (``tune.py``: tokens per block,
+programs per SM, warps and stages), its sweep recorded in the report (``--no-tune``: the defaults).
 Every number is the device's it ran on, printed and recorded with it; ``summary`` prints the ratios and the
 targets from a report's step times (``python -m fastpath.bench --summary REPORT.json``). The H100's report
 is ``results/decode_e2e_h100.json``, read in ``fastpath/README.md``.
@@ -50,6 +52,8 @@ from nanollm.storage import LayerKV
 
 from .fused import FusedGraphDecoder
 from .graph import GraphDecoder
+from .tune import summary as tune_summary
+from .tune import tune_attention
 
 PRESET, LENGTHS, BATCH, KEEP = "TINYLLAMA_1B", (8192, 32768), 16, 0.1
 QUICK_SHAPE = dict(vocab_size=1024, n_layer=2, n_head=8, n_kv_head=2, d_model=256, d_ff=512)
@@ -274,10 +278,12 @@ def format_row(r: dict) -> str:
 
 
 def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, hf_only: bool = False,
-        lengths: tuple | None = None, preset_name: str = PRESET, batch: int | None = None) -> dict:
+        lengths: tuple | None = None, preset_name: str = PRESET, batch: int | None = None,
+        tune: bool = True) -> dict:
     """Every case at both lengths (or at ``lengths``), the ``preset_name`` shape (TINYLLAMA_1B unless given;
     ``SMOLLM2_135M`` is SmolLM2-135M's) with ``batch`` sequences (16 unless given); the report (printed as it
-    goes)."""
+    goes). With ``tune``, on a GPU, the split kernel's launch is first timed and chosen at each length
+    (``fastpath/tune.py``), and every step of that length launches it so."""
     B = batch or (QUICK_BATCH if quick else BATCH)
     lengths = lengths or (QUICK_LENGTHS if quick else LENGTHS)
     cfg = preset(preset_name, max_seq_len=max(lengths) + ROOM, **(QUICK_SHAPE if quick else {}))
@@ -294,7 +300,12 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
         model = random_model(cfg, dtype, device)
         graph = GraphDecoder(model)
         decoders = {"lean": graph, "graph": graph, "fused": FusedGraphDecoder(model, backend=fused_backend)}
+    tuned = {}
     for S in lengths:
+        if tune and device == "cuda" and not quick and not hf_only:
+            tuned[str(S)] = sweep = tune_attention(B, cfg.n_head, cfg.n_kv_head, S, cfg.head_dim, dtype, device,
+                                                   room=ROOM, bandwidth=bandwidth)
+            print("\n".join(tune_summary(sweep)))
         if not hf_only:
             for r in ours(cfg, model, decoders, B, S, dtype, device, bandwidth, METHODS_TIMED, quick):
                 rows.append(r)
@@ -313,7 +324,7 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
             "config": cfg.to_dict(),
             "steps": {"warm": WARM, "steps": QUICK_STEPS if quick else STEPS,
                       "repeats": QUICK_REPEATS if quick else REPEATS},
-            "fused_backend": fused_backend or "inductor", "rows": rows, "transformers": hf,
+            "fused_backend": fused_backend or "inductor", "tuned": tuned, "rows": rows, "transformers": hf,
             "fit": fit([r for r in rows + hf if isinstance(r, dict) and "ms" in r]),
             "note": f"measured on {name}; numbers from another device are not comparable"}
     print("\n".join(summary(report)))
@@ -344,6 +355,12 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
         lines += [f"fit {key}: fixed {f['fixed_ms']:.3f} ms + bytes at {f['GB_per_s']:.0f} GB/s"
                   for key, f in report.get("fit", {}).items() if f.get("fixed_ms") is not None and
                   not key.endswith(" lean") and "transformers" not in key]
+    for S, sweep in report.get("tuned", {}).items():              # the split kernel's launch at each length
+        best, default = sweep["best"], sweep["default"]
+        lines.append(f"S={S:<6} tuned: {best['block_n']} tokens a block, {best['per_sm']} programs per SM, "
+                     f"{best['num_warps']} warps, {best['num_stages']} stages: the split kernel alone "
+                     f"{best['ms'] * 1e3:.1f} us against the default launch's "
+                     + (f"{default['ms'] * 1e3:.1f} us" if "ms" in default else default.get("error", "(not timed)")))
     for S in report["lengths"]:
         for path in PATHS:
             full = rows.get((path, "full", S))

@@ -9,7 +9,8 @@
 #   bench    python -m fastpath.bench --e2e: the lean, graph and fused steps, full cache vs keep 0.1 for
 #            SnapKV, StreamingLLM, H2O and Scissorhands, TINYLLAMA_1B shape in bf16, 16 x 8,192 and
 #            16 x 32,768 tokens, the copy bandwidth measured in the same run, transformers' StaticCache step
-#            (eager); the report, with provenance, to OUT (a 160 s limit; 64 s on an H200 without Scissorhands);
+#            (eager), the split kernel's launch first timed and chosen at each length (fastpath/tune.py); the
+#            report, with provenance, to OUT (a 220 s limit; 64 s on an H200 without Scissorhands or tuning);
 #   smolbench  the same for SmolLM2-135M's shape (random weights) with 1 and 16 sequences of 2,048 and 8,192
 #            tokens, to OUT's .smollm2_b1.json and .smollm2_b16.json siblings (2 x 90 s);
 #   tests    the tests a GPU changes: tests/fastpath (the graph and fused steps captured and replayed on CUDA,
@@ -18,8 +19,9 @@
 #            failed; 65 s on an H200 before the tests of the evictions' kernels);
 #   hf       transformers' StaticCache step under torch.compile(mode="reduce-overhead") at 8,192 tokens, to
 #            OUT's .hf_compiled_8192.json sibling; a compile that runs out of its time says so (70 s);
-#   profile  the fused step's kernels per method, 8,192 and 32,768 tokens (python -m fastpath.profile): each
-#            kernel's launches and device time per step, to OUT's .profile.txt sibling (150 s);
+#   profile  the fused step's kernels per method, 8,192 and 32,768 tokens (python -m fastpath.profile), the
+#            split kernel tuned as the bench tunes it: each kernel's launches and device time per step, to
+#            OUT's .profile.txt sibling (190 s);
 #   compare  the bundled model's suite (2 samples) on the CPU (a worker per core, the fast engine) and on the
 #            GPU (a worker per core sharing it, with the batched engine, then with one group), their records
 #            checked equal (methods.evaluation.agree) and their seconds printed, JSON files to OUT's .compare/
@@ -112,7 +114,7 @@ device=$(python -c "import torch; print('the CPU (dry run)' if '$gpu' == 'cpu' e
 
 bench() {
     echo "== bench: end-to-end decode steps -> $out"
-    timeout -k 10 160 python -m fastpath.bench --e2e --json "$out" $([ "$gpu" = cpu ] && echo --quick) \
+    timeout -k 10 220 python -m fastpath.bench --e2e --json "$out" $([ "$gpu" = cpu ] && echo --quick) \
         || { echo "e2e FAILED or ran out of time (rc $?)"; status=1; }
 }
 
@@ -144,8 +146,8 @@ profile() {
     local txt="${out%.json}.profile.txt"
     mkdir -p "$(dirname "$txt")"
     echo "== profile: the fused step's kernels per method -> $txt"
-    # the four caches its 150 s were planned for (Scissorhands' too by hand: python -m fastpath.profile)
-    timeout -k 10 150 python -m fastpath.profile --out "$txt" --methods full snapkv streaming_llm h2o \
+    # the four caches its 190 s were planned for (Scissorhands' too by hand: python -m fastpath.profile)
+    timeout -k 10 190 python -m fastpath.profile --out "$txt" --methods full snapkv streaming_llm h2o \
         $([ "$gpu" = cpu ] && echo --quick) > "$txt.log" 2>&1 \
         || { echo "profile FAILED or ran out of time (rc $?)"; status=1; }
     grep -E "tokens: " "$txt.log"

@@ -12,7 +12,9 @@ the same kernels a graph would replay, each timed on the device, without the hos
     python -m fastpath.profile --length 32768 --methods full h2o         # on a GPU: bash fastpath/gpu_check.sh
     python -m fastpath.profile --quick                                   # tiny shapes, on a CPU: its operators
 
-On a CPU the profiler records operators, not kernels, each timed on the host: a dry run of the command.
+On a GPU the split kernel's launch is first chosen at each length as the e2e bench chooses it
+(``tune.py``), its sweep's summary printed. On a CPU the profiler records operators, not kernels, each timed
+on the host: a dry run of the command.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from nanollm.io.files import atomic_write_text
 
 from . import e2e
 from .fused import FusedGraphDecoder
+from .tune import summary as tune_summary
+from .tune import tune_attention
 
 TOP = 15                # kernels listed per method
 
@@ -101,6 +105,9 @@ def run(device: str, quick: bool, lengths: tuple, methods: list[str], steps: int
              f"{' (quick: shrunk)' if quick else ''} shape, batch {B}, {dtype}, keep {e2e.KEEP}, {steps} steps "
              f"recorded after {e2e.WARM}"]
     for S in lengths:
+        if device == "cuda" and not quick:            # the split kernel launched as the e2e bench launches it
+            lines += [""] + tune_summary(tune_attention(B, cfg.n_head, cfg.n_kv_head, S, cfg.head_dim, dtype, device,
+                                                        room=e2e.ROOM))
         for method in methods:
             lines += [""] + profile_method(cfg, model, decoder, method, B, S, dtype, device, steps)
             print("\n".join(lines[-TOP - 3:]), flush=True)

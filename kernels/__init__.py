@@ -79,11 +79,11 @@ def sm_count(t: torch.Tensor) -> int:
     return _properties(t.device.index)[1]
 
 
-def fill_splits(t: torch.Tensor, rows: int) -> int:
-    """Ranges per row (per (sequence, KV head)) that give every SM of the GPU holding ``t`` two programs;
-    one in the interpreter, which runs programs one after another. ``split_ranges`` then keeps every range
-    at least one block long. (How much the count matters on a GPU: the README's kernel section.)"""
-    programs = 2 * sm_count(t) if t.is_cuda else 1
+def fill_splits(t: torch.Tensor, rows: int, per_sm: int = 2) -> int:
+    """Ranges per row (per (sequence, KV head)) that give every SM of the GPU holding ``t`` ``per_sm``
+    programs; one in the interpreter, which runs programs one after another. ``split_ranges`` then keeps every
+    range at least one block long. (How much the count matters on a GPU: the README's kernel section.)"""
+    programs = per_sm * sm_count(t) if t.is_cuda else 1
     return -(-programs // rows)
 
 

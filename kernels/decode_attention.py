@@ -42,9 +42,13 @@ each beside its reference (``reference_decode_attention``, ``reference_selected_
 calls the first for a plain cache and the third for a policy's entries where ``kernels.serves`` says so,
 ``fastpath/graph.py`` the third. Each is two launches,
 which ``decode_partials_triton`` (the ranges' m, l, acc) and ``merge_splits_triton`` make one at a time.
+How a launch is cut (tokens per block, programs per SM, warps, pipeline stages) is given by the caller, or
+read from ``TUNED``, which ``fastpath/tune.py`` fills with what it timed fastest on the GPU at hand.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -225,6 +229,28 @@ def default_block_n(dtype: torch.dtype) -> int:
     return 32 if dtype == torch.float32 else 64
 
 
+class Launch(NamedTuple):
+    """How the split kernel is launched: tokens per block, programs per SM (the number of ranges follows
+    from it, ``fill_splits``), and Triton's ``num_warps`` and ``num_stages`` (None: Triton's defaults)."""
+    block_n: int
+    per_sm: int
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+DEFAULT_PER_SM = 2
+# Launch settings by (head dimension, cache dtype) that a caller above timed on the GPU at hand and chose
+# (``fastpath/tune.py``); a launch whose settings are not given explicitly takes them from here, else the
+# defaults (``default_block_n``, ``DEFAULT_PER_SM`` programs per SM, Triton's warps and stages).
+TUNED: dict[tuple[int, torch.dtype], Launch] = {}
+
+
+def launch_settings(k: Tensor) -> Launch:
+    """The settings a launch over the cache ``k`` (..., d) takes when none are given: ``TUNED``'s or the
+    defaults."""
+    return TUNED.get((k.shape[-1], k.dtype)) or Launch(default_block_n(k.dtype), DEFAULT_PER_SM)
+
+
 def merge_splits(m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
     """The reduction in PyTorch (the reference): partials m, l (R, splits, G) and acc (R, splits, G, d) ->
     (R, G, d) in fp32. A range with no token (m = -inf, l = 0, acc = 0) adds nothing."""
@@ -300,11 +326,13 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, scale: float | 
 def split_plan(q: Tensor, k: Tensor, n_tokens: int, block_n: int | None = None,
                splits: int | None = None) -> tuple[int, int, int]:
     """How the split kernel cuts n_tokens: (tokens per block, blocks per range, ranges), every range whole
-    blocks and at least one (``split_ranges``); None takes the defaults (``default_block_n``, and
-    ``fill_splits`` for the ranges). A caller sizing a buffer per range asks here, as the launcher does."""
-    block_n = block_n or default_block_n(k.dtype)
+    blocks and at least one (``split_ranges``); None takes ``launch_settings`` (tuned, or the defaults), the
+    ranges from its programs per SM (``fill_splits``). A caller sizing a buffer per range asks here, as the
+    launcher does."""
+    settings = launch_settings(k)
+    block_n = block_n or settings.block_n
     blocks_per_split, splits = split_ranges(triton.cdiv(n_tokens, block_n),
-                                            splits or fill_splits(q, q.shape[0] * k.shape[1]))
+                                            splits or fill_splits(q, q.shape[0] * k.shape[1], settings.per_sm))
     return block_n, blocks_per_split, splits
 
 
@@ -360,6 +388,8 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
                               or not evict.is_contiguous()):
         raise ValueError(f"evict needs pos and a contiguous int64 tensor of shape {(B * H_kv, splits, 3)}")
     ex = evict if evict is not None else m                                    # any pointer when not evicting
+    settings = launch_settings(k)
+    num_warps, num_stages = num_warps or settings.num_warps, num_stages or settings.num_stages
     launch = {k_: v_ for k_, v_ in (("num_warps", num_warps), ("num_stages", num_stages)) if v_ is not None}
     _decode_split_kernel[(B * H_kv, splits)](
         q, k, v, ix, px, m, l, acc, sx, ex, n_tokens, per_split, scale, int(n_sink),
@@ -385,7 +415,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, scale: float | None
                             num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     """The kernel over a contiguous cache (always the Triton path). Shapes as ``reference_decode_attention``.
     ``block_n`` tokens per block, ``splits`` ranges per (sequence, KV head), ``num_warps`` and
-    ``num_stages`` (Triton's launch options): None takes the defaults above."""
+    ``num_stages`` (Triton's launch options): None takes ``launch_settings`` (``TUNED``'s, or the defaults)."""
     check_decode_args(q, k, v)
     return _launch(q, k, v, None, scale, block_n, splits, num_warps, num_stages)
 

@@ -1,0 +1,160 @@
+"""
+The split kernel's launch, chosen by timing it on the GPU at hand: ``python -m fastpath.tune``.
+
+How a launch of the decode kernel is cut decides how many bytes each SM has in flight: tokens per block
+(``block_n``), programs per SM (the number of ranges each (sequence, KV head) is split into follows from
+it), and Triton's ``num_warps`` and ``num_stages`` (how many blocks a program loads ahead). The defaults, 64
+tokens a block and two programs per SM, read 128-dimensional heads at about the copy bandwidth; a block of
+64-dimensional heads holds half the bytes, and TinyLlama's heads read more slowly inside the fused step
+(``fastpath/README.md``). Rather than guess a better cut, ``tune_attention`` times every candidate on the
+step's own shape (the masked kernel over fixed-capacity buffers, as ``graph.py`` launches it), checks each
+candidate's output against the default launch's, and records the fastest in
+``kernels.decode_attention.TUNED``. Every later launch for that head dimension and dtype whose settings are
+not given reads it there: the graph and fused steps captured after it, H2O's, Scissorhands' and
+StreamingLLM's kernels too (their ranges are the split kernel's).
+
+    python -m fastpath.tune                                   # TINYLLAMA_1B's heads, 16 x 8,192 tokens, bf16
+    python -m fastpath.tune --length 32768 --json /tmp/tune.json
+
+``python -m fastpath.bench --e2e`` tunes so at each length before it times the steps (on a GPU; ``--no-tune``
+keeps the defaults) and records the sweep in its report. A CPU has nothing to time: Triton's interpreter
+runs the programs one after another (the tests give the function a timer of their own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from kernels.decode_attention import TUNED, Launch, launch_settings, masked_decode_attention_triton, split_plan
+from nanollm import cli, preset
+
+# every cut tried: tokens per block x programs per SM x warps x pipeline stages, 90 launches of 18 compiled
+# variants (the ranges are an argument, not compiled in)
+CANDIDATES = tuple(Launch(b, s, w, st) for b in (32, 64, 128) for s in (1, 2, 4, 8, 16) for w in (2, 4, 8)
+                   for st in (2, 3))
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}   # against the default launch
+
+
+def gpu_ms(fn) -> float:
+    """Median milliseconds of ``fn`` captured in a CUDA graph and replayed (as the decode step runs it)."""
+    import triton.testing
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def tune_attention(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtype, device: str = "cuda",
+                   room: int = 0, candidates=CANDIDATES, time_ms=None, bandwidth: float | None = None) -> dict:
+    """Time the masked split kernel over B sequences of S entries (and ``room`` empty slots after them, as the
+    graph step's buffers hold), H query heads sharing H_kv KV heads of d dims, with the default launch and
+    with each of ``candidates``; set ``TUNED[(d, dtype)]`` to the fastest whose output equals the default
+    launch's within ``TOLERANCE``. ``time_ms(fn)`` times a call (default: ``gpu_ms``, a CUDA device only).
+    Returns the sweep: the shape, its K/V bytes, the default's and the chosen launch's rows, and every row
+    (its launch, ranges, ms, largest difference from the default's output, or its error)."""
+    if time_ms is None:
+        if not str(device).startswith("cuda"):
+            raise ValueError("tuning times the kernel on a GPU: on a CPU, Triton's interpreter runs its programs "
+                             "one after another, so there is nothing to time")
+        time_ms = gpu_ms
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B, H, d, generator=g, device=device).to(dtype)                # (B, H, d)
+    k = torch.randn(B, H_kv, S + room, d, generator=g, device=device).to(dtype)   # (B, H_kv, C, d)
+    v = torch.randn(B, H_kv, S + room, d, generator=g, device=device).to(dtype)
+    pos = torch.arange(S + room, device=device).masked_fill(torch.arange(S + room, device=device) >= S, -1)
+    pos = pos.expand(B, H_kv, S + room).contiguous()                               # (B, H_kv, C): room empty
+    key, kv_bytes = (d, dtype), 2 * B * H_kv * S * d * k.element_size()
+
+    def attend():
+        return masked_decode_attention_triton(q, k, v, pos)
+
+    saved = TUNED.pop(key, None)
+    try:
+        default = launch_settings(k)                        # with TUNED cleared: the defaults
+        reference = attend().float()
+        rows = []
+        for launch in (default,) + tuple(c for c in candidates if c != default):
+            TUNED[key] = launch
+            row = {**launch._asdict(), "splits": split_plan(q, k, S + room)[2], "default": launch == default}
+            try:
+                row["max_diff"] = float((attend().float() - reference).abs().max())
+                if row["max_diff"] <= TOLERANCE[dtype]:
+                    row["ms"] = time_ms(attend)
+                    row["GB_per_s"] = kv_bytes / (row["ms"] / 1e3) / 1e9
+                else:
+                    row["error"] = f"output differs from the default launch's by {row['max_diff']:.3g}"
+            except Exception as e:                          # noqa: BLE001  (one that does not compile: recorded)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            rows.append(row)
+    finally:
+        TUNED.pop(key, None)
+        if saved is not None:
+            TUNED[key] = saved
+    timed = [r for r in rows if "ms" in r]
+    if not timed:
+        raise RuntimeError("no launch of the split kernel ran: " + "; ".join(r.get("error", "") for r in rows[:3]))
+    best = min(timed, key=lambda r: r["ms"])
+    TUNED[key] = Launch(best["block_n"], best["per_sm"], best["num_warps"], best["num_stages"])
+    for r in timed:
+        if bandwidth:
+            r["fraction_of_copy_bw"] = kv_bytes / (r["ms"] / 1e3) / bandwidth
+    return {"shape": {"batch": B, "heads": H, "kv_heads": H_kv, "entries": S, "room": room, "head_dim": d,
+                      "dtype": str(dtype)},
+            "kv_bytes": kv_bytes, "default": rows[0], "best": best, "rows": rows}
+
+
+def describe(launch: dict) -> str:
+    """One launch's row in words: its cut, and its time where it has one."""
+    cut = (f"{launch['block_n']} tokens a block, {launch['per_sm']} programs per SM ({launch['splits']} ranges), "
+           f"{launch['num_warps'] or 'default'} warps, {launch['num_stages'] or 'default'} stages")
+    if "ms" not in launch:
+        return f"{cut}: {launch.get('error', 'not timed')}"
+    share = f" = {launch['fraction_of_copy_bw']:.0%} of the copy bandwidth" if "fraction_of_copy_bw" in launch else ""
+    return f"{cut}: {launch['ms'] * 1e3:.1f} us, {launch['GB_per_s']:.0f} GB/s{share}"
+
+
+def summary(sweep: dict) -> list[str]:
+    """The sweep's default and chosen launch, and its speed-up."""
+    s, best, default = sweep["shape"], sweep["best"], sweep["default"]
+    lines = [f"the split kernel over {s['batch']} x {s['kv_heads']} KV heads x {s['entries']} entries of "
+             f"{s['head_dim']} dims, {s['dtype']} ({sweep['kv_bytes'] / 1e6:.0f} MB of K/V), "
+             f"{sum('ms' in r for r in sweep['rows'])} launches timed",
+             f"  default: {describe(default)}", f"  chosen:  {describe(best)}"]
+    if "ms" in default:
+        lines.append(f"  the chosen launch is {default['ms'] / best['ms']:.2f}x the default's speed")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    from fastpath.e2e import BATCH, LENGTHS, PRESET, ROOM, copy_bandwidth
+    ap = cli.ArgumentParser(prog="python -m fastpath.tune", description=__doc__.split("\n", 2)[2],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default=PRESET, help="the model whose heads are timed (default %(default)s)")
+    ap.add_argument("--length", type=cli.positive_int, default=LENGTHS[0],
+                    help="entries per sequence (default %(default)s)")
+    ap.add_argument("--batch", type=cli.positive_int, default=BATCH, help="sequences (default %(default)s)")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the cache's (default bf16)")
+    ap.add_argument("--json", type=cli.output_file, default=None, help="also write the sweep to this JSON file")
+    args = ap.parse_args(argv)
+    with cli.errors(args.debug):
+        if not torch.cuda.is_available():
+            cli.fail("tuning times the kernel on a GPU, and there is none here")
+        cfg = preset(args.preset, max_seq_len=args.length + ROOM)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        bandwidth = copy_bandwidth("cuda", 1 << 30)
+        sweep = tune_attention(args.batch, cfg.n_head, cfg.n_kv_head, args.length, cfg.head_dim, dtype, "cuda",
+                               room=ROOM, bandwidth=bandwidth)
+        sweep.update(device_name=torch.cuda.get_device_name(), copy_bandwidth=bandwidth, preset=args.preset)
+        print(f"measured on {sweep['device_name']}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, {args.preset}")
+        print("\n".join(summary(sweep)))
+        if args.json is not None:
+            from nanollm.cli.provenance import provenance
+            from nanollm.io.files import atomic_write_text
+            sweep["provenance"] = provenance(argv, prog=ap.prog, threads=torch.get_num_threads(), dtype=str(dtype),
+                                             seed=0)
+            atomic_write_text(args.json, json.dumps(sweep, indent=1) + "\n")
+            print(f"sweep written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

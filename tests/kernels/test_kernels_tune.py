@@ -1,0 +1,103 @@
+"""The split kernel's launch settings: ``kernels.decode_attention.TUNED`` read by every launch that gives none, and
+``fastpath.tune`` choosing them (in Triton's interpreter on a CPU, with a timer of the test's own)."""
+
+import json
+
+import pytest
+import torch
+
+import kernels
+import kernels.decode_attention as dec
+from fastpath import e2e, tune
+from kernels.decode_attention import Launch, masked_decode_attention_triton, reference_masked_decode_attention
+
+pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
+                                reason="no way to run a Triton kernel: triton is not installed, or there is no "
+                                       "CUDA device and TRITON_INTERPRET is not 1")
+DEVICE = "cpu" if kernels.interpreting() else "cuda"
+SHAPE = dict(B=2, H=4, H_kv=2, S=40, d=16, dtype=torch.float32, device=DEVICE, room=5)
+
+
+@pytest.fixture(autouse=True)
+def untuned(monkeypatch):
+    """Every test starts and ends with nothing tuned."""
+    monkeypatch.setattr(dec, "TUNED", {})
+    monkeypatch.setattr(tune, "TUNED", dec.TUNED)
+
+
+def fake_timer(costs: dict):
+    """A timer that reads which launch is being timed from ``TUNED`` (the tuner sets it before each call) and
+    returns that launch's cost in ``costs`` (by tokens per block), after running the call once."""
+    def time_ms(fn):
+        fn()
+        return costs[dec.TUNED[(16, torch.float32)].block_n]
+    return time_ms
+
+
+def test_a_launch_without_settings_reads_them_from_tuned():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 16, generator=g).to(DEVICE)
+    k, v = (torch.randn(1, 2, 70, 16, generator=g).to(DEVICE) for _ in range(2))
+    pos = torch.arange(70, device=DEVICE).expand(1, 2, 70).clone()
+    pos[..., 60:] = -1
+    assert dec.split_plan(q, k, 70)[0] == 32                                      # the default for fp32
+    dec.TUNED[(16, torch.float32)] = Launch(16, 2)
+    assert dec.split_plan(q, k, 70)[0] == 16                                      # 5 blocks of 16 tokens
+    assert dec.split_plan(q, k, 70, block_n=64)[0] == 64                         # given settings win
+    assert dec.split_plan(q.to(torch.bfloat16), k.to(torch.bfloat16), 70)[0] == 64   # another dtype: untouched
+    torch.testing.assert_close(masked_decode_attention_triton(q, k, v, pos),
+                               reference_masked_decode_attention(q, k, v, pos), rtol=0, atol=1e-5)
+
+
+def test_the_fastest_correct_launch_is_chosen_and_recorded():
+    candidates = (Launch(16, 1, 4, 2), Launch(64, 2, 4, 3))
+    sweep = tune.tune_attention(**SHAPE, candidates=candidates, time_ms=fake_timer({32: 3.0, 16: 1.0, 64: 2.0}))
+    assert dec.TUNED[(16, torch.float32)] == Launch(16, 1, 4, 2)
+    assert [r["block_n"] for r in sweep["rows"]] == [32, 16, 64]                 # the default first
+    assert sweep["default"]["default"] and sweep["best"]["ms"] == 1.0
+    assert all(r["max_diff"] <= 1e-5 for r in sweep["rows"])
+    assert sweep["kv_bytes"] == 2 * 2 * 2 * 40 * 16 * 4                          # the S entries' K and V
+    json.dumps(sweep)                                                             # it goes into a report
+    lines = tune.summary(sweep)
+    assert "16 tokens a block" in lines[2] and "3.00x the default's speed" in lines[3]
+
+
+def test_a_launch_that_fails_is_recorded_not_chosen():
+    """block_n 24 is not a power of two: the launcher refuses it. The timer would rank it fastest."""
+    sweep = tune.tune_attention(**SHAPE, candidates=(Launch(24, 1),), time_ms=fake_timer({32: 2.0, 24: 0.1}))
+    assert dec.TUNED[(16, torch.float32)].block_n == 32
+    assert "power of two" in sweep["rows"][1]["error"] and "ms" not in sweep["rows"][1]
+
+
+def test_a_launch_whose_output_differs_is_not_timed(monkeypatch):
+    """A launch that computed something else must not win on its speed: here every launch with 16 tokens a
+    block is made to return a wrong output."""
+    real = tune.masked_decode_attention_triton
+
+    def wrong_at_16(q, k, v, pos):
+        out = real(q, k, v, pos)
+        tuned = dec.TUNED.get((16, torch.float32))               # none while the default's output is taken
+        return out + 1e-3 if tuned is not None and tuned.block_n == 16 else out
+    monkeypatch.setattr(tune, "masked_decode_attention_triton", wrong_at_16)
+    sweep = tune.tune_attention(**SHAPE, candidates=(Launch(16, 1),), time_ms=fake_timer({32: 2.0, 16: 0.1}))
+    assert dec.TUNED[(16, torch.float32)].block_n == 32
+    assert "differs from the default launch's" in sweep["rows"][1]["error"]
+
+
+def test_nothing_that_runs_leaves_tuned_as_it_was():
+    dec.TUNED[(16, torch.float32)] = Launch(16, 4)
+    with pytest.raises(RuntimeError, match="no launch"):
+        tune.tune_attention(**SHAPE, candidates=(), time_ms=lambda fn: 1 / 0)   # the default's timing fails too
+    assert dec.TUNED[(16, torch.float32)] == Launch(16, 4)
+
+
+def test_a_cpu_has_nothing_to_time():
+    with pytest.raises(ValueError, match="on a GPU"):
+        tune.tune_attention(1, 2, 1, 8, 16, torch.float32, "cpu")
+
+
+def test_the_e2e_summary_says_what_was_tuned():
+    sweep = tune.tune_attention(**SHAPE, candidates=(Launch(16, 1, 4, 2),), time_ms=fake_timer({32: 3.0, 16: 1.5}))
+    report = {"tuned": {"40": sweep}, "rows": [], "lengths": [], "preset": "x", "batch": 2, "quick": True}
+    assert e2e.summary(report) == ["S=40     tuned: 16 tokens a block, 1 programs per SM, 4 warps, 2 stages: the "
+                                   "split kernel alone 1500.0 us against the default launch's 3000.0 us"]
