@@ -13,7 +13,7 @@ fastpath: the same decoder, faster, plugged in from above. The reading path (``n
                    step, saying so
     fused.py       ``FusedGraphDecoder``: the graph step with its element-wise work compiled by inductor
     tune.py        the split kernel's launch (tokens per block, programs per SM, warps, stages) timed on
-                   the GPU at hand, the fastest kept for every later launch (``python -m fastpath.tune``)
+                   the GPU at hand, the fastest kept for every later launch (``python -m fastpath.bench --tune``)
     e2e.py         whole decode steps timed (``python -m fastpath.bench --e2e``): lean, graph and fused step,
                    full cache vs keep 0.1, transformers' StaticCache step, at the copy bandwidth of the same run
     gpu_check.sh   what a GPU must show, in stages of under ten minutes: ``--e2e``, the tests, the main job

@@ -27,6 +27,7 @@ The cases and the targets they check (ratios, all measured in this one run):
 ``--e2e`` times whole decode steps instead (``fastpath/e2e.py``): the lean step against the graph step of
 ``fastpath/graph.py`` on the TINYLLAMA_1B shape, full cache against keep 0.1, and transformers' StaticCache
 step, in one run (``bash fastpath/gpu_check.sh OUT.json`` runs it with the tests a GPU must pass).
+``--tune`` times the split kernel's launches alone on that shape (``fastpath/tune.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ try:         # torch and Triton take seconds to load: a Ctrl-C meanwhile ends as
         reference_selected_decode_attention,
         selected_decode_attention_triton,
     )
-    from nanollm import PRESETS, cli
+    from nanollm import PRESETS, cli, preset
     from nanollm.cli.provenance import provenance
     from nanollm.io import files
 except KeyboardInterrupt:
@@ -252,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-compile", action="store_true",
                    help="with --e2e: also time transformers' step under torch.compile(mode='reduce-overhead')")
     p.add_argument("--hf-only", action="store_true", help="with --e2e: time transformers' step alone")
+    p.add_argument("--tune", action="store_true",
+                   help="time the split kernel's launches on the e2e shape instead (fastpath/tune.py; its --length, "
+                        "--preset, --batch, --dtype) and print the default and the fastest; a GPU only")
     p.add_argument("--no-tune", action="store_true",
                    help="with --e2e: launch the split kernel with its defaults, where on a GPU each length first "
                         "times its launches and takes the fastest (fastpath/tune.py)")
@@ -274,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
             except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
                 cli.fail(f"{args.summary} is not a report of python -m fastpath.bench --e2e ({type(e).__name__}: {e})")
             return
+        if args.tune:
+            return tuning(args, argv, p.prog, device)
         if args.e2e or args.hf_compile or args.hf_only or args.length or args.preset or args.batch or args.no_tune:
             return end_to_end(args, argv, p.prog, device)
         kernels_on = device == "cuda" and HAS_TRITON
@@ -306,6 +312,28 @@ def main(argv: list[str] | None = None) -> None:
             report["provenance"] = provenance(argv, prog=p.prog, threads=torch.get_num_threads(), dtype=str(dtype),
                                               seed=None)
             files.atomic_write_text(args.json, json.dumps(report, indent=1))
+
+
+def tuning(args, argv: list[str] | None, prog: str, device: str) -> None:
+    """``--tune``: ``fastpath.tune.tune_attention`` on the e2e shape (its first ``--length``), the sweep written
+    to ``--json`` with the provenance."""
+    from fastpath import e2e, tune
+    if args.e2e or args.hf_compile or args.hf_only or args.no_tune:
+        cli.fail("--tune times the split kernel alone: not with --e2e, --hf-compile, --hf-only or --no-tune")
+    if device != "cuda" or not HAS_TRITON:
+        cli.fail("--tune times the kernel on a GPU with Triton, and there is none here")
+    S, name = (args.length or e2e.LENGTHS)[0], args.preset or e2e.PRESET
+    cfg = preset(name, max_seq_len=S + e2e.ROOM)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    bandwidth = copy_bandwidth(device, 1 << 30)
+    sweep = tune.tune_attention(args.batch or e2e.BATCH, cfg.n_head, cfg.n_kv_head, S, cfg.head_dim, dtype, device,
+                                room=e2e.ROOM, bandwidth=bandwidth)
+    sweep.update(device_name=torch.cuda.get_device_name(), copy_bandwidth=bandwidth, preset=name)
+    print(f"measured on {sweep['device_name']}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, {name}")
+    print("\n".join(tune.summary(sweep)))
+    if args.json:
+        sweep["provenance"] = provenance(argv, prog=prog, threads=torch.get_num_threads(), dtype=str(dtype), seed=0)
+        files.atomic_write_text(args.json, json.dumps(sweep, indent=1))
 
 
 def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:

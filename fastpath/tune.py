@@ -1,5 +1,5 @@
 """
-The split kernel's launch, chosen by timing it on the GPU at hand: ``python -m fastpath.tune``.
+The split kernel's launch, chosen by timing it on the GPU at hand: ``python -m fastpath.bench --tune``.
 
 How a launch of the decode kernel is cut decides how many bytes each SM has in flight: tokens per block
 (``block_n``), programs per SM (the number of ranges each (sequence, KV head) is split into follows from
@@ -13,8 +13,8 @@ candidate's output against the default launch's, and records the fastest in
 not given reads it there: the graph and fused steps captured after it, H2O's, Scissorhands' and
 StreamingLLM's kernels too (their ranges are the split kernel's).
 
-    python -m fastpath.tune                                   # TINYLLAMA_1B's heads, 16 x 8,192 tokens, bf16
-    python -m fastpath.tune --length 32768 --json /tmp/tune.json
+    python -m fastpath.bench --tune                           # TINYLLAMA_1B's heads, 16 x 8,192 tokens, bf16
+    python -m fastpath.bench --tune --length 32768 --json /tmp/tune.json
 
 ``python -m fastpath.bench --e2e`` tunes so at each length before it times the steps (on a GPU; ``--no-tune``
 keeps the defaults) and records the sweep in its report. A CPU has nothing to time: Triton's interpreter
@@ -23,13 +23,9 @@ runs the programs one after another (the tests give the function a timer of thei
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
 
 from kernels.decode_attention import TUNED, Launch, launch_settings, masked_decode_attention_triton, split_plan
-from nanollm import cli, preset
 
 # every cut tried: tokens per block x programs per SM x warps x pipeline stages, 90 launches of 18 compiled
 # variants (the ranges are an argument, not compiled in)
@@ -123,38 +119,3 @@ def summary(sweep: dict) -> list[str]:
     if "ms" in default:
         lines.append(f"  the chosen launch is {default['ms'] / best['ms']:.2f}x the default's speed")
     return lines
-
-
-def main(argv: list[str] | None = None) -> None:
-    from fastpath.e2e import BATCH, LENGTHS, PRESET, ROOM, copy_bandwidth
-    ap = cli.ArgumentParser(prog="python -m fastpath.tune", description=__doc__.split("\n", 2)[2],
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default=PRESET, help="the model whose heads are timed (default %(default)s)")
-    ap.add_argument("--length", type=cli.positive_int, default=LENGTHS[0],
-                    help="entries per sequence (default %(default)s)")
-    ap.add_argument("--batch", type=cli.positive_int, default=BATCH, help="sequences (default %(default)s)")
-    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the cache's (default bf16)")
-    ap.add_argument("--json", type=cli.output_file, default=None, help="also write the sweep to this JSON file")
-    args = ap.parse_args(argv)
-    with cli.errors(args.debug):
-        if not torch.cuda.is_available():
-            cli.fail("tuning times the kernel on a GPU, and there is none here")
-        cfg = preset(args.preset, max_seq_len=args.length + ROOM)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-        bandwidth = copy_bandwidth("cuda", 1 << 30)
-        sweep = tune_attention(args.batch, cfg.n_head, cfg.n_kv_head, args.length, cfg.head_dim, dtype, "cuda",
-                               room=ROOM, bandwidth=bandwidth)
-        sweep.update(device_name=torch.cuda.get_device_name(), copy_bandwidth=bandwidth, preset=args.preset)
-        print(f"measured on {sweep['device_name']}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, {args.preset}")
-        print("\n".join(summary(sweep)))
-        if args.json is not None:
-            from nanollm.cli.provenance import provenance
-            from nanollm.io.files import atomic_write_text
-            sweep["provenance"] = provenance(argv, prog=ap.prog, threads=torch.get_num_threads(), dtype=str(dtype),
-                                             seed=0)
-            atomic_write_text(args.json, json.dumps(sweep, indent=1) + "\n")
-            print(f"sweep written to {args.json}")
-
-
-if __name__ == "__main__":
-    main()

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastpath import bench, e2e
 
@@ -44,6 +45,17 @@ def test_e2e_flags_are_checked(capsys, flags):
     with pytest.raises(SystemExit):
         bench.main(flags)
     assert "go with --e2e" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,says", [(["--tune", "--e2e"], "times the split kernel alone"),
+                                        (["--tune"], "on a GPU")])
+def test_tune_flags_are_checked(capsys, flags, says):
+    if "--e2e" not in flags and torch.cuda.is_available():
+        pytest.skip("a GPU tunes")
+    with pytest.raises(SystemExit):
+        bench.main(flags)
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
 
 
 def test_the_fit_draws_a_line_through_two_lengths():
