@@ -27,20 +27,21 @@
 #            checked equal (methods.evaluation.agree) and their seconds printed, JSON files to OUT's .compare/
 #            sibling (3 x 60 s + 2 x 20 s; one process on the GPU did not finish in 90 s on an H200, so
 #            none by default); COMPARE_RUNS="DEVICE WORKERS
-#            ENGINE [VAR=VALUE]; ..." names other runs (DEVICE cuda is the CPU in a dry run; the first run is the
-#            one the others are checked against; a fourth word sets a variable for that run, as
-#            NANOKV_NO_TRITON=1: PyTorch's attention and sketch instead of the Triton kernels; MPS=1: the
+#            ENGINE [VAR=VALUE,...]; ..." names other runs (DEVICE cuda is the CPU in a dry run; the first run is
+#            the one the others are checked against; a fourth word sets variables for that run, comma-separated,
+#            as NANOKV_NO_TRITON=1: PyTorch's attention and sketch instead of the Triton kernels; MPS=1: the
 #            run's processes share the GPU through NVIDIA's Multi-Process Service, a daemon of this script's
-#            own, quit after the run; skipped where it cannot start), COMPARE_LIMIT another limit per run in
-#            seconds;
+#            own, quit after the run; skipped where it cannot start; TOGETHER=K: methods.compare --together K,
+#            each process stepping K samples side by side), COMPARE_LIMIT another limit per run in seconds;
 #   launches one job of the bundled model's suite with each engine, on the GPU then on the CPU: its tensor
 #            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
 #            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
 #   smollm2  SmolLM2-135M's main job (2,048 tokens, 30 samples per task and mode) on the GPU in
 #            SMOLLM2_WORKERS processes (default: one per core, as methods.compare's own default) with the
 #            SMOLLM2_ENGINE engine (default: batched) for at most SMOLLM2_LIMIT seconds (300), through MPS
-#            where SMOLLM2_MPS=1 (as compare's MPS=1; without it, saying so, where it cannot start), where its
-#            file is here (below), checked
+#            where SMOLLM2_MPS=1 (as compare's MPS=1; without it, saying so, where it cannot start), each
+#            process stepping SMOLLM2_TOGETHER samples side by side (default 1), where its file is here
+#            (below), checked
 #            against the committed CPU run results/compare_smollm2.json (30 s to fetch, 300 s, 20 s);
 #   suite    the whole fast tier (python -m pytest -q) on the CUDA machine, with the packages the image lacks
 #            installed from .gpu_cache/wheels where that folder is carried (fastpath/gpu_wheels.sh) (60 s),
@@ -166,9 +167,13 @@ compare() {
     for run in "${list[@]}"; do
         set -- $run
         [ "$1" = cuda ] && set -- "$gpu" "${@:2}"            # a dry run (GPU_CHECK_DEVICE=cpu) on the CPU
-        local setting=${4:-} json="$dir/bundled_$1_$2_$3${4:+_${4%%=*}}.json"
+        local setting=${4:-} json="$dir/bundled_$1_$2_$3${4:+_${4//[=,]/_}}.json" envs=() together=1 mps=0
+        local kv
+        for kv in ${setting//,/ }; do                            # MPS=1 and TOGETHER=K here, the rest to env
+            case "$kv" in MPS=1) mps=1;; TOGETHER=*) together=${kv#TOGETHER=};; *) envs+=("$kv");; esac
+        done
         echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 --engine $3 ${setting:+($setting) }-> $json"
-        if [ "$setting" = MPS=1 ] && ! mps_start; then
+        if [ "$mps" = 1 ] && ! mps_start; then
             echo "MPS=1: no MPS control daemon could start here (nvidia-cuda-mps-control, on a GPU): run skipped"
             [ -n "$first" ] || echo "(the next run is the one the others are checked against)"
             continue
@@ -177,7 +182,7 @@ compare() {
         rm -f "$json"
         # output to a file, not a pipe (a worker left behind would hold a pipe open); timeout signals the
         # command's whole process group (its workers too), and sends SIGKILL 10 s after SIGTERM
-        env $setting timeout -k 10 "${COMPARE_LIMIT:-60}" python -m methods.compare --samples 2 --device "$1" --workers "$2" --engine "$3" --json "$json" --quiet \
+        env ${envs[@]+"${envs[@]}"} timeout -k 10 "${COMPARE_LIMIT:-60}" python -m methods.compare --samples 2 --device "$1" --workers "$2" --engine "$3" --together "$together" --json "$json" --quiet \
             > "$json.log" 2>&1 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$json.log"
         echo "--device $1 --workers $2 --engine $3${setting:+ $setting}: $((SECONDS - t0)) s wall"
@@ -214,12 +219,12 @@ smollm2() {
         if [ "${SMOLLM2_MPS:-0}" = 1 ] && ! mps_start; then
             echo "SMOLLM2_MPS=1: no MPS control daemon could start here (nvidia-cuda-mps-control, on a GPU): the job runs without it"
         fi
-        echo "== smollm2: SmolLM2-135M's main job on $device, $many processes, ${SMOLLM2_ENGINE:-batched} engine${mps_dir:+, through MPS} -> $dir/smollm2_$gpu.json"
+        echo "== smollm2: SmolLM2-135M's main job on $device, $many processes, ${SMOLLM2_ENGINE:-batched} engine, ${SMOLLM2_TOGETHER:-1} sample(s) together${mps_dir:+, through MPS} -> $dir/smollm2_$gpu.json"
         local t0=$SECONDS
         rm -f "$dir/smollm2_$gpu.json"
         # the progress bar to a file beside the report: a run stopped at its time limit still says how far it got
         NANOLLM_CACHE=$models timeout -k 10 "${SMOLLM2_LIMIT:-300}" python -m methods.compare --checkpoint smollm2-135m \
-            --device "$gpu" --workers "$many" --engine "${SMOLLM2_ENGINE:-batched}" --json "$dir/smollm2_$gpu.json" > "$dir/smollm2_$gpu.log" \
+            --device "$gpu" --workers "$many" --engine "${SMOLLM2_ENGINE:-batched}" --together "${SMOLLM2_TOGETHER:-1}" --json "$dir/smollm2_$gpu.json" > "$dir/smollm2_$gpu.log" \
             2> "$dir/smollm2_${gpu}_progress.txt" || { echo "SmolLM2 compare FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$dir/smollm2_$gpu.log"
         echo "SmolLM2's main job: $((SECONDS - t0)) s wall; the end of its progress bar and errors:"

@@ -127,6 +127,38 @@ class Group:
         store._k, store._v, store._pos = self.k[i][r:r + 1], self.v[i][r:r + 1], self.pos[i][r:r + 1]
         store._state = state
 
+    def narrowed(self, keep: list[int]) -> "Group":
+        """This group's caches at rows ``keep`` (ascending) as a group of their own, with the same slots: each
+        buffer's rows gathered with one index (state buffers too, each from its rows in ``keep``), and the
+        caches' storages made views of their new rows, as ``adopt`` leaves them. ``self`` with every row kept."""
+        if len(keep) == len(self.caches):
+            return self
+        new = Group.__new__(Group)
+        new.caches, new.C, new.fill = [self.caches[r] for r in keep], self.C, self.fill
+        rows = to_device(keep, self.k[0].device)                                 # (n,) no host wait
+        new.k, new.v, new.pos = ([t.index_select(0, rows) for t in ts] for ts in (self.k, self.v, self.pos))
+        new.state = []
+        for layer in self.state:                      # name -> (first row, buffer) over the rows kept in its range
+            state = {}
+            for name, (lo, buffer) in layer.items():
+                inside = [n for n, r in enumerate(keep) if lo <= r < lo + len(buffer)]   # consecutive n
+                if inside:
+                    at = to_device([keep[n] - lo for n in inside], buffer.device)
+                    state[name] = (inside[0], buffer.index_select(0, at))
+            new.state.append(state)
+        for n, (r, cache) in enumerate(zip(keep, new.caches)):
+            for i, store in enumerate(cache.layers):
+                old = (self.k[i][r], self.v[i][r], self.pos[i][r])
+                if store._k is None or any(t is None or t.data_ptr() != o.data_ptr()
+                                           for t, o in zip((store._k, store._v, store._pos), old)):
+                    continue                           # a storage a hook replaced: ``refit`` adopts it anew
+                store._k, store._v, store._pos = new.k[i][n:n + 1], new.v[i][n:n + 1], new.pos[i][n:n + 1]
+                for name, t in store._state.items():   # a state of the group's buffer: its new row (one of its
+                    if self.holds(i, r, name, t):      # own, made since, stays its own)
+                        lo, buffer = new.state[i][name]
+                        store._state[name] = buffer[n - lo:n - lo + 1]
+        return new
+
     def holds(self, i: int, r: int, name: str, t: Tensor) -> bool:
         """Whether state ``t`` of row r at layer i is that row of the group's buffer for ``name`` (not a tensor
         of its own: one made since, by ``set_state``, or one the buffer's shape does not fit)."""
@@ -241,6 +273,15 @@ class BatchedEngine(FastEngine):
         ids = tuple(id(c) for c in caches)
         if ids == self.ids and all(g.refit() for g in self.groups):
             return self.groups, alone
+        grouped = {id(c) for n, c in enumerate(caches) if n not in alone}
+        if grouped and grouped <= {id(c) for g in self.groups for c in g.caches}:
+            # fewer caches than the last step's (a job, or a greedy answer, ended): each group keeps the rows of
+            # those still stepped, gathered once per buffer, where new groups would copy each cache in
+            kept = [[r for r, c in enumerate(g.caches) if id(c) in grouped] for g in self.groups]
+            narrowed = [g.narrowed(rows) for g, rows in zip(self.groups, kept) if rows]
+            if all(g.refit() for g in narrowed):
+                self.groups, self.ids = narrowed, ids
+                return self.groups, alone
         self.groups = []                              # the old buffers go back before the new are made
         by_size: dict[int, list[KVCache]] = {}
         for n, cache in enumerate(caches):

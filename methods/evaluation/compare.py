@@ -12,7 +12,9 @@ Everything is deterministic for a seed.
 The (task, sample, mode) jobs are independent, so ``--workers`` processes run them side by side (one
 torch thread each: a tiny model is dispatch-bound). The results come back in job order and are averaged
 in that order, so the records are the same as a single process's, number for number, except the two
-timings (``compress_ms``, ``decode_ms_per_token``), which no two runs share anyway.
+timings (``compress_ms``, ``decode_ms_per_token``), which no two runs share anyway. ``--together K`` has
+each process step K samples side by side (``protocol.run_jobs``): fewer operations a sample, the same
+records (to float rounding on the batched engines).
 
 Add a method by registering it (``methods/__init__.py``), a task by one class (``task.py``), a metric by one
 entry (``metrics.py``); ``methods/evaluation/README.md`` shows each.
@@ -48,7 +50,7 @@ from .chat import ChatTask
 from .engines import ENGINES, make_engine
 from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 from .metrics import METRICS, reduce
-from .protocol import Variant, run_job
+from .protocol import Variant, run_jobs
 from .task import TASKS, Task
 from .task_file import FileTask
 
@@ -71,12 +73,18 @@ def engine_for(name: str, alone: bool = False, model=None):
 
 def one_job(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
             engine: tuple[str, bool], job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
-    """``protocol.run_job`` on this process's engine (``engine``: its name, and whether it times alone); the GPU's
+    """``protocol.run_job`` on this process's engine (``engine``: its name, and whether it times alone)."""
+    return some_jobs(model, tok, variants, budgets, length, seed, engine, [job])[0]
+
+
+def some_jobs(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
+              engine: tuple[str, bool], jobs: list[tuple[str, int, str]]) -> list[list[tuple[tuple, dict]]]:
+    """``protocol.run_jobs``: the jobs side by side on this process's engine, each one's result; the GPU's
     memory running out is one line from the command (``cli.errors``), not a traceback from each worker."""
     try:
-        return run_job(engine_for(*engine, model=model), tok, variants, budgets, length, seed, job)
+        return run_jobs(engine_for(*engine, model=model), tok, variants, budgets, length, seed, jobs)
     except torch.OutOfMemoryError:
-        raise cli.UsageError(out_of_memory(_WORKER.get("workers", 1))) from None
+        raise cli.UsageError(out_of_memory(_WORKER.get("workers", 1), len(jobs))) from None
 
 
 _WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker
@@ -89,25 +97,26 @@ def _init_worker(threads: int, shared: str, workers: int = 1) -> None:
         _WORKER["shared"] = pickle.load(f)
 
 
-def _run_job_in_worker(job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
-    return one_job(*_WORKER["shared"], job)
+def _run_jobs_in_worker(jobs: list[tuple[str, int, str]]) -> list[list[tuple[tuple, dict]]]:
+    return some_jobs(*_WORKER["shared"], jobs)
 
 
-def out_of_memory(workers: int) -> str:
+def out_of_memory(workers: int, together: int = 1) -> str:
     """What to do when a worker's GPU memory runs out: the processes share the GPU, each holding the model,
     its caches and CUDA's own memory (SmolLM2's main job with one group held 7 to 10 GiB a worker on an H200:
-    fastpath/README.md)."""
+    fastpath/README.md), each sample stepped together with others holding its own caches."""
     held = f", this one holding {torch.cuda.memory_reserved() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
+    fewer = f"a smaller --together (each process holds {together} samples' caches), " if together > 1 else ""
     if workers <= 1:
-        return (f"the GPU ran out of memory{held}: the model and its caches do not fit (a shorter --length, fewer "
-                f"--methods or --budgets)")
+        return (f"the GPU ran out of memory{held}: the model and its caches do not fit ({fewer}a shorter --length, "
+                f"fewer --methods or --budgets)")
     return (f"the GPU ran out of memory with {workers} worker processes sharing it{held}: run with fewer "
-            f"--workers (or --engine batched, whose groups by size pad less than one group)")
+            f"--workers ({fewer}or --engine batched, whose groups by size pad less than one group)")
 
 
-def in_workers(jobs: list[tuple], shared: tuple, workers: int, tick) -> list:
-    """``one_job`` of every job in ``workers`` processes, in job order however they finish (passed through
-    ``tick``, the progress bar).
+def in_workers(batches: list[list[tuple]], shared: tuple, workers: int, tick) -> list:
+    """``some_jobs`` of every batch of jobs in ``workers`` processes, in order however they finish (passed
+    through ``tick``, the progress bar).
 
     The processes are fresh interpreters ("spawn": safe with torch threads). The model travels as plain
     pickled bytes (a few MB), not through torch's shared-memory files, in a temporary file each worker reads
@@ -124,7 +133,7 @@ def in_workers(jobs: list[tuple], shared: tuple, workers: int, tick) -> list:
             pickle.dump(shared, f)
         with cli.workers_without_ctrl_c():         # a Ctrl-C that came meanwhile is raised at its end,
             pool = stack.enter_context(ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob, workers)))
-        return list(tick(pool.imap(_run_job_in_worker, jobs)))    # ... with the pool in the stack
+        return list(tick(pool.imap(_run_jobs_in_worker, batches)))   # ... with the pool in the stack
 
 
 def default_workers() -> int:
@@ -158,7 +167,8 @@ def copies_that_fit(model, device) -> int:
 
 def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str | Task], modes: list[str],
         samples: int, length: int, seed: int = 0, progress: bool = True, workers: int = 1,
-        rank: int = 0, world: int = 1, engine: str = "fast", time_alone: bool = False) -> list[dict]:
+        rank: int = 0, world: int = 1, engine: str = "fast", time_alone: bool = False,
+        together: int = 1) -> list[dict]:
     """All records: one per (method, budget, task, mode), plus method "full" per (task, mode).
 
     ``methods`` are method specs (``"snapkv"``, ``"adakv(h2o)"``), recorded under their spelling, or
@@ -168,24 +178,27 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
     ``rank`` of ``world`` runs its share of the jobs and rank 0 returns every record (``shards``); the
     other ranks return []. ``engine``: "fast", "batched" or "plain" (the same records to float rounding);
     ``time_alone``: the fast engine steps each cache alone, so that ``decode_ms_per_token`` is its own (else a
-    share).
+    share). ``together``: each process steps that many samples side by side (``protocol.run_jobs``: the same
+    records, bit for bit on the fast engine, to float rounding on the batched ones; the step times shared by
+    more caches).
     Every record names the engine and says how its step time was taken (``step_timing``)."""
     variants = [m if isinstance(m, Variant) else Variant(m, m) for m in methods]
     shared = (model, tok, variants, budgets, length, seed, (engine, time_alone))
     jobs = [(t, i, m) for t in tasks for i in range(samples) for m in modes]
     mine = shards.share(jobs, rank, world)
-    workers = min(workers, len(mine))
+    batches = [mine[i:i + together] for i in range(0, len(mine), together)]         # stepped side by side
+    workers = min(workers, len(batches))
     # a with block: the bar is closed before the line of an error or Ctrl-C, not after it
     with tqdm(total=len(mine), disable=not progress, desc="compare", unit="sample", dynamic_ncols=True) as bar:
         def tick(results):
-            for job_results in results:
-                bar.update(1)
-                yield job_results
+            for batch_results in results:
+                bar.update(len(batch_results))
+                yield from batch_results
 
         if workers <= 1:
-            results = list(tick(one_job(*shared, job) for job in mine))
+            results = list(tick(some_jobs(*shared, batch) for batch in batches))
         else:
-            results = in_workers(mine, shared, workers, tick)
+            results = in_workers(batches, shared, workers, tick)
     results = shards.gather(results, len(jobs), rank, world)
     if results is None:                                  # not rank 0: its results went there
         return []
@@ -515,6 +528,11 @@ def parser() -> cli.ArgumentParser:
                          "its own copy of the model there (default: the CPUs available, here "
                          f"{default_workers()}; on a GPU no more than half its memory holds copies of the model; "
                          "one per rank under torchrun)")
+    ap.add_argument("--together", type=cli.positive_int, default=1, metavar="K",
+                    help="samples each process steps side by side: one decode step of the model for every cache of "
+                         "K samples, so that each operation serves more caches (a GPU launches each); the same "
+                         "records, bit for bit with the fast engine, to float rounding with the batched ones, the "
+                         "step times shared by more caches; K samples' caches held at once (default %(default)s)")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
                     help="write the records as a JSON list to PATH (default: none)")
     ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
@@ -625,14 +643,14 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     if rank != 0:                            # the other ranks run their share and send it to rank 0
         run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed, progress=False,
             workers=workers, rank=rank, world=world, engine=args.engine,
-            time_alone=args.time_alone)
+            time_alone=args.time_alone, together=args.together)
         return
     options = "; ".join(f"{v.label}: {', '.join(f'{k}={x}' for k, x in v.options.items()) or 'defaults'}"
                         for v in variants)
     print(header(prov) + f"\n# methods' options: {args.preset} ({options})", flush=True)
     records = run(model, tok, variants, budgets, tasks, args.modes, samples, length, args.seed,
                   progress=not args.quiet, workers=workers, rank=rank, world=world, engine=args.engine,
-                  time_alone=args.time_alone)
+                  time_alone=args.time_alone, together=args.together)
     files = {t.name: file_task(t) for t in tasks if file_task(t)}
     for r in records:
         r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
@@ -647,7 +665,9 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     print(format_pairwise(records))
     print(f"\n{samples} samples per task and mode, {length} tokens, seed {args.seed}, "
           f"{time.time() - t0:.0f} s with {workers} worker(s)"
-          + (f" in each of {world} processes" if world > 1 else "") + f", {args.engine} engine. keep = budget / "
+          + (f" in each of {world} processes" if world > 1 else "")
+          + (f", {args.together} samples stepped together" if args.together > 1 else "")
+          + f", {args.engine} engine. keep = budget / "
           "--length; kept = the share of each sample's compressed tokens the budget keeps (mean over the samples "
           "and tasks); acc = the task's score of the greedy answer (string_match_all for RULER's tasks); "
           "KL = mean next-token KL(full || method) over the answer; pert = relative error of the final hidden "

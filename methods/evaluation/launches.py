@@ -46,7 +46,7 @@ from nanollm.wrapper import PolicyWrapper
 
 from .. import METHODS, kvreviver
 from . import budget_for
-from .compare import one_job
+from .compare import some_jobs
 from .engines import ENGINES
 from .protocol import Probe, Variant
 from .task import TASKS
@@ -131,14 +131,17 @@ def who(frame) -> str:
     return "attention and storage" if storage else "model"
 
 
-def count(model, tok, engine: str, task: str, mode: str, length: int, seed: int) -> Counter:
+def count(model, tok, engine: str, task: str, mode: str, length: int, seed: int, together: int = 1) -> Counter:
     """One job of ``methods.compare`` (every method at keep 0.1, 0.25 and 0.5) after a warm-up job: timed
-    (``counter.seconds``), then run again, counted."""
+    (``counter.seconds``), then run again, counted. ``together`` > 1: that many jobs (samples 1, 2, ...)
+    stepped side by side (``--together``), counted and timed together (``counter.samples``)."""
     variants = [Variant(name, name) for name in METHODS]
     budgets = [budget_for(r, length) for r in (0.1, 0.25, 0.5)]
-    job = lambda i: one_job(model, tok, variants, budgets, length, seed, (engine, False), (task, i, mode))  # noqa: E731
+    samples = [[(task, 0, mode)], [(task, i, mode) for i in range(1, together + 1)]]   # the warm-up; the counted
+    job = lambda i: some_jobs(model, tok, variants, budgets, length, seed, (engine, False), samples[i])  # noqa: E731
     job(0)
     counter = Counter()
+    counter.samples = together
     counter.seconds = timed(lambda: job(1), model)
     cls = ENGINES[engine]
     originals = {name: getattr(cls, name) for name in ("fill", "step", "fork")}
@@ -176,16 +179,22 @@ def timed(f, model) -> float:
 
 
 def report(counter: Counter) -> list[str]:
-    """One line per (phase, who), the most operations first: operations, their share, the host's waits."""
+    """One line per (phase, who), the most operations first: operations, their share, the host's waits; per
+    sample where several were stepped together (their totals divided by their number)."""
+    k = getattr(counter, "samples", 1)
     total = sum(counter.counts.values())
     lines = [f"{'phase':6} {'who':32} {'operations':>10} {'share':>6} {'host waits':>10}"]
     for key, n in sorted(counter.counts.items(), key=lambda kv: -kv[1]):
-        lines.append(f"{key[0]:6} {key[1] or '-':32} {n:10,d} {n / total:6.1%} {counter.waits[key]:10,d}")
-    lines.append(f"{'all':6} {'operations that compute':32} {total:10,d} {'':6} {sum(counter.waits.values()):10,d}")
-    lines.append(f"{'all':6} {'views (no kernel)':32} {counter.views:10,d}")
-    lines.append(f"{'all':6} {'allocations (no kernel)':32} {counter.allocations:10,d}")
-    lines.append(f"the same job not counted: {counter.seconds:.2f} s, {counter.seconds / total * 1e6:.1f} us per "
+        lines.append(f"{key[0]:6} {key[1] or '-':32} {n // k:10,d} {n / total:6.1%} {counter.waits[key] // k:10,d}")
+    lines.append(f"{'all':6} {'operations that compute':32} {total // k:10,d} {'':6} "
+                 f"{sum(counter.waits.values()) // k:10,d}")
+    lines.append(f"{'all':6} {'views (no kernel)':32} {counter.views // k:10,d}")
+    lines.append(f"{'all':6} {'allocations (no kernel)':32} {counter.allocations // k:10,d}")
+    what = "the same job not counted: " if k == 1 else f"the same {k} samples stepped together, not counted: a sample "
+    lines.append(f"{what}{counter.seconds / k:.2f} s, {counter.seconds / total * 1e6:.1f} us per "
                  "operation that computes (its views, allocations and the Python around it, included)")
+    if k > 1:
+        lines.insert(0, f"(every count per sample: the totals of {k} samples stepped together, divided by {k})")
     return lines
 
 
@@ -199,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mode", choices=MODES, default=MODES[1], help="the mode (default %(default)s)")
     ap.add_argument("--length", type=cli.positive_int, default=512, help="sample tokens (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="first sample seed (default %(default)s)")
+    ap.add_argument("--together", type=cli.positive_int, default=1, metavar="K",
+                    help="count K samples stepped side by side, as methods.compare --together K runs them, and "
+                         "report per sample (default %(default)s)")
     ap.add_argument("--device", type=cli.device, default="cpu",
                     help="torch device the job runs on; the operations are the same on any, the host's waits for a "
                          "copy between host and GPU count only on a GPU (default %(default)s)")
@@ -208,10 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     with cli.errors(args.debug):
         model, tok, _ = load(args.checkpoint, device=args.device)
-        counter = count(model, tok, args.engine, args.task, args.mode, args.length, args.seed)
+        counter = count(model, tok, args.engine, args.task, args.mode, args.length, args.seed, args.together)
+        which = f"sample {args.seed + 1}" if args.together == 1 else \
+            f"samples {args.seed + 1} to {args.seed + args.together} stepped together (--together {args.together})"
         text = "\n".join([f"one job of methods.compare on {args.device}: {args.checkpoint}, {args.task}, "
                           f"{args.mode}, {args.length} tokens, every method at keep 0.1 / 0.25 / 0.5, --engine "
-                          f"{args.engine}, sample {args.seed + 1} (after a warm-up one)", *report(counter)])
+                          f"{args.engine}, {which} (after a warm-up one)", *report(counter)])
         print(text)
         if args.out is not None:
             prov = provenance(threads=1, dtype="float32", seed=args.seed)

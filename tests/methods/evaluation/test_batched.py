@@ -35,14 +35,14 @@ def fresh(model, setups):
     return caches, streams
 
 
-@pytest.mark.parametrize("engine_class, slots_made", [(BatchedEngine, [64, 64, 128, 64, 128]),
-                                                      (OneGroupEngine, [64, 128, 128])])
+@pytest.mark.parametrize("engine_class, slots_made", [(BatchedEngine, [64, 64, 128]), (OneGroupEngine, [64, 128])])
 def test_a_batched_step_is_each_cache_s_own_step(make_model, monkeypatch, engine_class, slots_made):
     """Every cache's logits and final hidden state within 1e-5 of ``LeanDecoder.step_with_hidden`` on the same
     cache alone, and the same positions in every slot of every layer after every step (the slot each entry
     is written to, the slots each policy empties). A storage a hook compacts (adakv(h2o)) is copied back into
-    its row, not regrouped with the others; a cache that outgrows its row, or a step over fewer caches,
-    regroups them. The one-group engine: the same, every cache that shares storage in one group."""
+    its row, not regrouped with the others; a cache that outgrows its row regroups them; a step over fewer
+    caches narrows each group to the rows still stepped (``Group.narrowed``: no group made anew). The
+    one-group engine: the same, every cache that shares storage in one group."""
     torch.manual_seed(0)
     model = make_model(preset("TINY"), seed=3)
     lean, engine = LeanDecoder(model), engine_class(model)
@@ -69,8 +69,10 @@ def test_a_batched_step_is_each_cache_s_own_step(make_model, monkeypatch, engine
                 for name in la.state:                         # H2O's scores, Scissorhands' counts
                     torch.testing.assert_close(la.state[name], lb.state[name], rtol=1e-5, atol=1e-5)
     assert grew                                              # the plain cache of 63 outgrew its 64 slots
-    assert made == slots_made                 # the groups' slots, three arrangements: the first, the plain cache's
-    #                                           growth, fewer caches (not one per step for adakv(h2o)'s compaction)
+    assert made == slots_made                 # the groups' slots, two arrangements: the first, the plain cache's
+    #                                           growth (none per step for adakv(h2o)'s compaction, nor fewer caches)
+    grouped = [c for g in engine.groups for c in g.caches]   # fewer caches: the groups narrowed to those stepped
+    assert {id(c) for c in grouped} == {id(ours[j]) for j in range(0, len(SETUPS), 2) if j != 7}   # (7: KVReviver)
     assert (len(engine.groups) == 1) == (engine_class is OneGroupEngine)   # by size, or all in one
     assert all(ours[7].policy._sketch.values())              # KVReviver stepped over entries rebuilt from its sketch
     assert any(len(la) < la.n for la in ours[2].layers)      # H2O emptied slots in place, refilled by the writes

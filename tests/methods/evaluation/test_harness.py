@@ -331,12 +331,12 @@ def test_a_worker_out_of_gpu_memory_is_one_line_that_names_the_workers(monkeypat
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
-    monkeypatch.setattr(compare, "run_job", out_of_memory)
+    monkeypatch.setattr(compare, "run_jobs", out_of_memory)
     monkeypatch.setattr(compare, "engine_for", lambda *args, **kwargs: None)
     monkeypatch.setitem(compare._WORKER, "shared", (None, None, [], [], 192, 0, ("batched", False)))
     monkeypatch.setitem(compare._WORKER, "workers", 16)
     with pytest.raises(SystemExit) as stop, cli.errors():
-        compare._run_job_in_worker(("niah_single_noise", 0, "question_in_prompt"))
+        compare._run_jobs_in_worker([("niah_single_noise", 0, "question_in_prompt")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1, err
     assert "ran out of memory with 16 worker processes" in err and "fewer --workers" in err, err
@@ -350,7 +350,7 @@ def test_one_process_out_of_gpu_memory_is_one_line_too(monkeypatch, capsys):
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
-    monkeypatch.setattr(compare, "run_job", out_of_memory)
+    monkeypatch.setattr(compare, "run_jobs", out_of_memory)
     model, tok, _ = load("retrieval-llama")
     with pytest.raises(SystemExit) as stop, cli.errors():
         compare.run(model, tok, ["full"], [48], ["niah_single_noise"], ["question_in_prompt"], 1, 192,
