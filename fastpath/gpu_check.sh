@@ -16,13 +16,14 @@
 #   tests    the tests a GPU changes: tests/fastpath (the graph and fused steps captured and replayed on CUDA,
 #            compared with the lean step; the split-K kernel in both) and tests/kernels, their output also to
 #            OUT's .tests.txt sibling (200 s, then an interrupt, on which pytest still prints what ran and
-#            failed; 65 s on an H200 before the tests of the evictions' kernels);
+#            failed; 65 s on an H200 before the tests of the evictions' kernels; TESTS="PATHS" runs those
+#            test files instead);
 #   hf       transformers' StaticCache step under torch.compile(mode="reduce-overhead") at 8,192 tokens, to
 #            OUT's .hf_compiled_8192.json sibling; a compile that runs out of its time says so (70 s);
 #   profile  the fused step's kernels per method, 8,192 and 32,768 tokens (python -m fastpath.profile), the
 #            split kernel tuned as the bench tunes it: each kernel's launches and device time per step, to
 #            OUT's .profile.txt sibling (190 s);
-#   compare  the bundled model's suite (2 samples) on the CPU (a worker per core, the fast engine) and on the
+#   compare  the bundled model's suite (COMPARE_SAMPLES samples, default 2) on the CPU (a worker per core, the fast engine) and on the
 #            GPU (a worker per core sharing it, with the batched engine, then with one group), their records
 #            checked equal (methods.evaluation.agree) and their seconds printed, JSON files to OUT's .compare/
 #            sibling (3 x 60 s + 2 x 20 s; one process on the GPU did not finish in 90 s on an H200, so
@@ -131,8 +132,8 @@ smolbench() {
 tests() {
     local txt="${out%.json}.tests.txt"
     mkdir -p "$(dirname "$txt")"
-    echo "== tests: tests/fastpath, tests/kernels on $device -> $txt"
-    timeout -s INT -k 10 200 python -m pytest -q -rs -p no:cacheprovider tests/fastpath tests/kernels 2>&1 | tee "$txt" \
+    echo "== tests: ${TESTS:-tests/fastpath tests/kernels} on $device -> $txt"
+    timeout -s INT -k 10 200 python -m pytest -q -rs -p no:cacheprovider ${TESTS:-tests/fastpath tests/kernels} 2>&1 | tee "$txt" \
         || { echo "tests FAILED or ran out of time (rc $?)"; status=1; }
 }
 
@@ -172,7 +173,7 @@ compare() {
         for kv in ${setting//,/ }; do                            # MPS=1 and TOGETHER=K here, the rest to env
             case "$kv" in MPS=1) mps=1;; TOGETHER=*) together=${kv#TOGETHER=};; *) envs+=("$kv");; esac
         done
-        echo "== compare: the bundled model's suite, 2 samples, --device $1 --workers $2 --engine $3 ${setting:+($setting) }-> $json"
+        echo "== compare: the bundled model's suite, ${COMPARE_SAMPLES:-2} samples, --device $1 --workers $2 --engine $3 ${setting:+($setting) }-> $json"
         if [ "$mps" = 1 ] && ! mps_start; then
             echo "MPS=1: no MPS control daemon could start here (nvidia-cuda-mps-control, on a GPU): run skipped"
             [ -n "$first" ] || echo "(the next run is the one the others are checked against)"
@@ -182,7 +183,7 @@ compare() {
         rm -f "$json"
         # output to a file, not a pipe (a worker left behind would hold a pipe open); timeout signals the
         # command's whole process group (its workers too), and sends SIGKILL 10 s after SIGTERM
-        env ${envs[@]+"${envs[@]}"} timeout -k 10 "${COMPARE_LIMIT:-60}" python -m methods.compare --samples 2 --device "$1" --workers "$2" --engine "$3" --together "$together" --json "$json" --quiet \
+        env ${envs[@]+"${envs[@]}"} timeout -k 10 "${COMPARE_LIMIT:-60}" python -m methods.compare --samples "${COMPARE_SAMPLES:-2}" --device "$1" --workers "$2" --engine "$3" --together "$together" --json "$json" --quiet \
             > "$json.log" 2>&1 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$json.log"
         echo "--device $1 --workers $2 --engine $3${setting:+ $setting}: $((SECONDS - t0)) s wall"

@@ -15,6 +15,7 @@ Beside it:
     batched.py        the batched engine (``--engine batched``): the caches' attention batched too, for a GPU
     engines.py        the engines by name (``make_engine``)
     launches.py       the tensor operations (a GPU's launches) of one sample of the main job, by phase and method
+    together.py       several samples' decode steps taken as one (``--together``)
     harness.py        the protocol as the notebooks call it (model and sample in, traces out)
     compare.py        the main job: every method x budget x task x mode, records, tables, plot
                       (the command is ``python -m methods.compare``)

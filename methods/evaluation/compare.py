@@ -50,9 +50,10 @@ from .chat import ChatTask
 from .engines import ENGINES, make_engine
 from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 from .metrics import METRICS, reduce
-from .protocol import Variant, run_jobs
+from .protocol import Variant
 from .task import TASKS, Task
 from .task_file import FileTask
+from .together import run_jobs
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
 DEFAULT_TASKS = ["niah_single_prose", "niah_multikey", "niah_multivalue", "niah_multiquery"]

@@ -17,7 +17,7 @@ from nanollm.policy import CachePolicy
 from .. import make_policy
 from .engines import make_engine
 from .metrics import measure
-from .protocol import Trace, continue_greedy, teacher_force
+from .protocol import Trace, continue_greedy, drive, teacher_force
 from .task import TASKS, Task
 
 
@@ -31,7 +31,8 @@ def traces(model, sample: Sample, mode: str, policies: list[CachePolicy | None],
            engine: str = "fast") -> list[Trace]:
     """``protocol.teacher_force`` of one sample for several policies (None: the full cache)."""
     full = [make_policy("full", budget=None) if p is None else p for p in policies]
-    return teacher_force(make_engine(engine, model), task_of(sample), sample, mode, full, record_probs)
+    engine = make_engine(engine, model)
+    return drive(engine, teacher_force(engine, task_of(sample), sample, mode, full, record_probs))
 
 
 def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None, record_probs: bool = False,
@@ -41,7 +42,7 @@ def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None, r
 
 def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace]) -> list[list[int]]:
     """Each trace's greedy answer ids, up to the end-of-text token (``protocol.continue_greedy``)."""
-    return continue_greedy(task_of(sample), sample, trs, tok)
+    return drive(trs[0].engine if trs else None, continue_greedy(task_of(sample), sample, trs, tok))
 
 
 def greedy_accuracies(model, tok, sample: Sample, trs: list[Trace]) -> list[tuple[float, str]]:

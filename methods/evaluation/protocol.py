@@ -10,13 +10,8 @@ The protocol: one sample through the full cache and every method, on one engine 
    copy, to the end-of-text token or the answer length: a fresh ``evaluate.answer``'s (tested).
 
 ``run_job``, the main loop of ``methods.compare``: one (task, sample, mode), every method at every budget.
-``run_jobs`` runs several side by side: each job is a generator that yields the decode steps it asks for
-(its caches and their tokens) and is sent back the logits, so that one ``engine.step`` takes the steps of
-every job still running (``run_together``). On the fast engine a cache's numbers do not depend on the caches
-stepped beside it, so the records are those of the jobs run one at a time, bit for bit (timings aside); on
-the batched engines, to float rounding. What it saves is operations: the model's products, and on the
-batched engines the writes, the attention and H2O's and Scissorhands' hooks, run once for every job's
-caches (a GPU launches each).
+Each phase is a generator of the decode steps it asks for (``Steps``), which ``drive`` runs on the engine,
+so that ``together.py`` can run several jobs' steps as one.
 """
 
 from __future__ import annotations
@@ -112,58 +107,28 @@ class Trace:
             self.fork[1].policy = self.fork[1].policy.inner      # a plain cache with the method
 
 
-# A job's decode steps: it yields (caches, tokens), one token per cache, and is sent (logits (N, V), hidden
-# states (N, D), seconds per cache) of that step; or it yields BARRIER, and goes on (sent None) once every job
-# still running has reached one; what it returns is the job's result.
+# A job's decode steps: it yields (caches, tokens), a token per cache, and is sent that step's (logits (N, V), hidden
+# states (N, D), seconds per cache), or yields BARRIER (together.py) and is sent None; it returns its result.
 Steps = Generator[tuple[list[KVCache], list[int]] | None, tuple[Tensor, Tensor, list[float]] | None, object]
 BARRIER = None
 
 
-@torch.no_grad()
-def run_together(engine, jobs: list[Steps]) -> list:
-    """Drive several jobs' steps at once: at each round, every job still running asks for one step, and one
-    ``engine.step`` takes all of them, the caches one job after another; each job is sent its own rows. A job
-    at a ``BARRIER`` (``job_steps``: between teacher forcing and the greedy answers) waits until the others
-    reach one, so that the jobs' new caches (greedy's forks) join the steps together, at one round, where
-    the batched engines group them once. Returns what each job returned, in order."""
-    results, pending = [None] * len(jobs), {}
-
-    def advance(n: int, sent) -> None:                  # job n's next request, or its result
+def drive(engine, steps: Steps):
+    """Run one job's steps on ``engine``, each step as it asks; its result."""
+    sent = None
+    while True:
         try:
-            pending[n] = jobs[n].send(sent)
+            request = steps.send(sent)
         except StopIteration as done:
-            results[n] = done.value
-            pending.pop(n, None)
-
-    for n in range(len(jobs)):                          # each runs up to its first step (its prompt is filled)
-        advance(n, None)
-    while pending:
-        order = [n for n in pending if pending[n] is not BARRIER]
-        if not order:                                   # every job still running waits: they all go on
-            for n in list(pending):
-                advance(n, None)
-            continue
-        caches = [c for n in order for c in pending[n][0]]
-        tokens = [t for n in order for t in pending[n][1]]
-        logits, hidden, seconds = engine.step(caches, tokens)
-        first = 0
-        for n in order:
-            rows = slice(first, first + len(pending[n][0]))
-            first = rows.stop
-            advance(n, (logits[rows], hidden[rows], seconds[rows]))
-    return results
-
-
-def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePolicy],
-                  record_probs: list[bool]) -> list[Trace]:
-    """Each policy's trace: the prompt, then the reference answer token by token (see the module doc)."""
-    return run_together(engine, [teacher_force_steps(engine, task, sample, mode, policies, record_probs)])[0]
+            return done.value
+        sent = None if request is BARRIER else engine.step(*request)
 
 
 @torch.no_grad()
-def teacher_force_steps(engine, task: Task, sample, mode: str, policies: list[CachePolicy],
-                        record_probs: list[bool]) -> Steps:
-    """``teacher_force`` as a job's steps (``Steps``): it fills its caches, then yields each step."""
+def teacher_force(engine, task: Task, sample, mode: str, policies: list[CachePolicy],
+                  record_probs: list[bool]) -> Steps:
+    """Each policy's trace: the prompt, then the reference answer token by token (see the module doc); steps,
+    its result the traces: ``drive(engine, teacher_force(engine, ...))``."""
     if len(record_probs) != len(policies):
         raise ValueError(f"one record_probs flag per policy: {len(policies)} policies, {len(record_probs)} flags")
     probes = [Probe(p, r) for p, r in zip(policies, record_probs)]
@@ -197,15 +162,11 @@ def teacher_force_steps(engine, task: Task, sample, mode: str, policies: list[Ca
     return trs
 
 
-def continue_greedy(task: Task, sample, trs: list[Trace], tok) -> list[list[int]]:
-    """Each trace's greedy answer ids, continued from its fork, all of them stepped together on their engine
-    (each cache's numbers do not depend on the others); kept on the trace, so a second call costs nothing."""
-    return run_together(trs[0].engine if trs else None, [greedy_steps(task, sample, trs, tok)])[0]
-
-
 @torch.no_grad()
-def greedy_steps(task: Task, sample, trs: list[Trace], tok) -> Steps:
-    """``continue_greedy`` as a job's steps (``Steps``)."""
+def continue_greedy(task: Task, sample, trs: list[Trace], tok) -> Steps:
+    """Each trace's greedy answer ids, continued from its fork, all of them stepped together on their engine
+    (each cache's numbers do not depend on the others); kept on the trace, so a second call costs nothing.
+    Steps, its result the ids: ``drive(trs[0].engine, continue_greedy(...))``."""
     todo = [tr for tr in trs if tr.prediction_ids is None]
     n_new = task.answer_length(trs[0].engine.model, sample) if todo else 0
     reference, running = task.reference(sample), []       # running: [trace, its cache, its answer so far]
@@ -237,30 +198,16 @@ FULL = Variant("full", "full")
 
 
 def run_job(engine, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
-            job: tuple[str | Task, int, str]) -> list[tuple[tuple, dict]]:
+            job: tuple[str | Task, int, str]) -> Steps:
     """One (task, sample index, mode) of ``methods.compare``: the full cache, then every other variant at
-    every budget, on one sample. The task is a name of ``TASKS`` or a ``Task`` (one read from a file).
-    Returns [(cell key, one sample's metrics)] in a fixed order."""
-    return run_jobs(engine, tok, variants, budgets, length, seed, [job])[0]
-
-
-def run_jobs(engine, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
-             jobs: list[tuple[str | Task, int, str]]) -> list[list[tuple[tuple, dict]]]:
-    """``run_job`` of each of ``jobs``, their decode steps taken together (``run_together``); each job's
-    result, in order."""
-    return run_together(engine, [job_steps(engine, tok, variants, budgets, length, seed, job) for job in jobs])
-
-
-def job_steps(engine, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
-              job: tuple[str | Task, int, str]) -> Steps:
-    """``run_job`` as a job's steps (``Steps``): teacher forcing, then the greedy answers, then the metrics."""
+    every budget, on one sample. The task is a name of ``TASKS`` or a ``Task`` (one read from a file). Steps,
+    its result [(cell key, one sample's metrics)] in a fixed order: ``drive(engine, run_job(engine, ...))``."""
     task, i, mode = job
     task = TASKS[task] if isinstance(task, str) else task
-    name = task.name
     sample = task.sample(tok, length, seed + i)
     rows = [(FULL, None)] + [(v, b) for v in variants if v.spec != "full" for b in budgets]
     policies = [make_policy(v.spec, budget=b, **v.options) for v, b in rows]
-    trs = yield from teacher_force_steps(engine, task, sample, mode, policies, [True] + [False] * (len(policies) - 1))
-    yield BARRIER                                       # the jobs' forks join the steps at one round
-    yield from greedy_steps(task, sample, trs, tok)
-    return [((v.label, b, name, mode), measure(trs[0], tr, task, sample)) for (v, b), tr in zip(rows, trs)]
+    trs = yield from teacher_force(engine, task, sample, mode, policies, [True] + [False] * (len(policies) - 1))
+    yield BARRIER                                       # jobs run together: their forks join at one round
+    yield from continue_greedy(task, sample, trs, tok)
+    return [((v.label, b, task.name, mode), measure(trs[0], tr, task, sample)) for (v, b), tr in zip(rows, trs)]

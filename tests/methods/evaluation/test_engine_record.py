@@ -14,7 +14,7 @@ import torch
 from methods import make_policy
 from methods.evaluation import compare
 from methods.evaluation.engines import make_engine
-from methods.evaluation.protocol import teacher_force
+from methods.evaluation.protocol import drive, teacher_force
 from methods.evaluation.task import TASKS
 from nanollm import load
 from nanollm.data.evaluate import MODES
@@ -61,8 +61,9 @@ def subclassed(hook: str, body):
 def traces(bundled, engine, policy, mode=MODES[0]):
     model, tok, _ = bundled
     task = TASKS["niah_single_noise"]
-    return teacher_force(make_engine(engine, model), task, task.sample(tok, 256, 0), mode,
-                         [make_policy("full", budget=None), policy], [True, False])
+    engine = make_engine(engine, model)
+    return drive(engine, teacher_force(engine, task, task.sample(tok, 256, 0), mode,
+                                       [make_policy("full", budget=None), policy], [True, False]))
 
 
 def test_the_fast_engine_s_fallback_is_recorded(bundled):

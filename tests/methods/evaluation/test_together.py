@@ -1,5 +1,5 @@
 """
-Samples stepped side by side (``protocol.run_jobs``, ``methods.compare --together``): each job's records are
+Samples stepped side by side (``together.run_jobs``, ``methods.compare --together``): each job's records are
 those of the job run alone, bit for bit on the fast engine (timings aside), to float rounding on the
 batched engines; the jobs' steps go through one ``engine.step`` each round.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from methods.evaluation import compare, protocol
+from methods.evaluation import compare, protocol, together
 from methods.evaluation.engines import make_engine
 from methods.evaluation.protocol import Variant
 from nanollm import load
@@ -42,14 +42,14 @@ def test_jobs_stepped_together_give_each_job_its_own_records(bundled, monkeypatc
     steps, real = [], engine.step
     monkeypatch.setattr(engine, "step", lambda caches, tokens: (steps.append(len(caches)), real(caches, tokens))[1])
     args = (tok, VARIANTS, [40, 96], 256, 0)
-    alone = [protocol.run_job(engine, *args, job) for job in JOBS]
+    alone = [protocol.drive(engine, protocol.run_job(engine, *args, job)) for job in JOBS]
     n_alone, sizes_alone = len(steps), list(steps)
     steps.clear()
-    together = protocol.run_jobs(engine, *args, JOBS)
-    assert without_timings(together) == without_timings(alone)
+    stepped = together.run_jobs(engine, *args, JOBS)
+    assert without_timings(stepped) == without_timings(alone)
     assert len(steps) < n_alone and max(steps) > max(sizes_alone)       # rounds over more caches, fewer of them
     assert sum(steps) == sum(sizes_alone)                               # every cache's every step, once
-    assert len({len(job) for job in together}) == 1 and len(together) == len(JOBS)
+    assert len({len(job) for job in stepped}) == 1 and len(stepped) == len(JOBS)
 
 
 def test_a_job_with_no_step_left_returns_at_once():
@@ -68,7 +68,7 @@ def test_a_job_with_no_step_left_returns_at_once():
         def step(self, caches, tokens):
             return torch.tensor(tokens, dtype=torch.float), torch.zeros(len(tokens), 1), [0.0] * len(tokens)
     log = []
-    assert protocol.run_together(Engine(), [none(), two(log), two(log)]) == ["done", "two", "two"]
+    assert together.run_together(Engine(), [none(), two(log), two(log)]) == ["done", "two", "two"]
     assert log == [[0.0], [0.0], [1.0], [1.0]]                          # each job its own row
 
 
