@@ -53,7 +53,7 @@ from nanollm.storage import LayerKV
 from .fused import FusedGraphDecoder
 from .graph import GraphDecoder
 from .tune import summary as tune_summary
-from .tune import tune_attention
+from .tune import tune_or_say_why
 
 PRESET, LENGTHS, BATCH, KEEP = "TINYLLAMA_1B", (8192, 32768), 16, 0.1
 QUICK_SHAPE = dict(vocab_size=1024, n_layer=2, n_head=8, n_kv_head=2, d_model=256, d_ff=512)
@@ -303,8 +303,8 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
     tuned = {}
     for S in lengths:
         if tune and device == "cuda" and not quick and not hf_only:
-            tuned[str(S)] = sweep = tune_attention(B, cfg.n_head, cfg.n_kv_head, S, cfg.head_dim, dtype, device,
-                                                   room=ROOM, bandwidth=bandwidth)
+            tuned[str(S)] = sweep = tune_or_say_why(B, cfg.n_head, cfg.n_kv_head, S, cfg.head_dim, dtype, device,
+                                                    room=ROOM, bandwidth=bandwidth)
             print("\n".join(tune_summary(sweep)))
         if not hf_only:
             for r in ours(cfg, model, decoders, B, S, dtype, device, bandwidth, METHODS_TIMED, quick):
@@ -356,6 +356,9 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
                   for key, f in report.get("fit", {}).items() if f.get("fixed_ms") is not None and
                   not key.endswith(" lean") and "transformers" not in key]
     for S, sweep in report.get("tuned", {}).items():              # the split kernel's launch at each length
+        if "error" in sweep:
+            lines.append(f"S={S:<6} {sweep['error']}")
+            continue
         best, default = sweep["best"], sweep["default"]
         lines.append(f"S={S:<6} tuned: {best['block_n']} tokens a block, {best['per_sm']} programs per SM, "
                      f"{best['num_warps']} warps, {best['num_stages']} stages: the split kernel alone "

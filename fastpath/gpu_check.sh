@@ -12,7 +12,8 @@
 #            (eager), the split kernel's launch first timed and chosen at each length (fastpath/tune.py); the
 #            report, with provenance, to OUT (a 220 s limit; 64 s on an H200 without Scissorhands or tuning);
 #   smolbench  the same for SmolLM2-135M's shape (random weights) with 1 and 16 sequences of 2,048 and 8,192
-#            tokens, to OUT's .smollm2_b1.json and .smollm2_b16.json siblings (2 x 90 s);
+#            tokens, to OUT's .smollm2_b1.json and .smollm2_b16.json siblings (2 x 90 s; the split kernel's
+#            launch not tuned: --no-tune, as it was measured);
 #   tests    the tests a GPU changes: tests/fastpath (the graph and fused steps captured and replayed on CUDA,
 #            compared with the lean step; the split-K kernel in both) and tests/kernels, their output also to
 #            OUT's .tests.txt sibling (200 s, then an interrupt, on which pytest still prints what ran and
@@ -124,7 +125,7 @@ smolbench() {
     for batch in 1 16; do
         smol="${out%.json}.smollm2_b$batch.json"
         echo "== bench (cont.) SmolLM2-135M's shape, $batch sequences of 2,048 and 8,192 tokens -> $smol"
-        timeout -k 10 90 python -m fastpath.bench --e2e --preset SMOLLM2_135M --batch "$batch" --length 2048 8192 \
+        timeout -k 10 90 python -m fastpath.bench --e2e --no-tune --preset SMOLLM2_135M --batch "$batch" --length 2048 8192 \
             --json "$smol" || { echo "SmolLM2 e2e FAILED or ran out of time (rc $?)"; status=1; }
     done
 }

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import serves
 from kernels.decode_attention import TUNED, Launch, launch_settings, masked_decode_attention_triton, split_plan
 
 # every cut tried: tokens per block x programs per SM x warps x pipeline stages, 90 launches of 18 compiled
@@ -99,6 +100,18 @@ def tune_attention(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtype
             "kv_bytes": kv_bytes, "default": rows[0], "best": best, "rows": rows}
 
 
+def tune_or_say_why(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtype, device: str, room: int,
+                    bandwidth: float | None = None) -> dict:
+    """``tune_attention`` where the kernels serve this device (``kernels.serves``), its sweep; else, or where the
+    sweep fails, ``{"error": why}`` and the defaults stay: a bench or profile goes on with them."""
+    if not serves(torch.empty(0, device=device, dtype=dtype)):
+        return {"error": "not tuned: the Triton kernels do not serve here (no sm_80+ GPU, or NANOKV_NO_TRITON=1)"}
+    try:
+        return tune_attention(B, H, H_kv, S, d, dtype, device, room=room, bandwidth=bandwidth)
+    except Exception as e:                                  # noqa: BLE001  (recorded; the defaults are launched)
+        return {"error": f"not tuned ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
+
+
 def describe(launch: dict) -> str:
     """One launch's row in words: its cut, and its time where it has one."""
     cut = (f"{launch['block_n']} tokens a block, {launch['per_sm']} programs per SM ({launch['splits']} ranges), "
@@ -110,7 +123,9 @@ def describe(launch: dict) -> str:
 
 
 def summary(sweep: dict) -> list[str]:
-    """The sweep's default and chosen launch, and its speed-up."""
+    """The sweep's default and chosen launch, and its speed-up (or why there is no sweep)."""
+    if "error" in sweep:
+        return [f"the split kernel's launch: {sweep['error']}"]
     s, best, default = sweep["shape"], sweep["best"], sweep["default"]
     lines = [f"the split kernel over {s['batch']} x {s['kv_heads']} KV heads x {s['entries']} entries of "
              f"{s['head_dim']} dims, {s['dtype']} ({sweep['kv_bytes'] / 1e6:.0f} MB of K/V), "

@@ -245,9 +245,11 @@ DEFAULT_PER_SM = 2
 TUNED: dict[tuple[int, torch.dtype], Launch] = {}
 
 
-def launch_settings(k: Tensor) -> Launch:
+def launch_settings(k: Tensor, block_n: int | None = None) -> Launch:
     """The settings a launch over the cache ``k`` (..., d) takes when none are given: ``TUNED``'s or the
-    defaults."""
+    defaults; with ``block_n`` given, the defaults for it (the tuned warps and stages go with the tuned block)."""
+    if block_n is not None:
+        return Launch(block_n, DEFAULT_PER_SM)
     return TUNED.get((k.shape[-1], k.dtype)) or Launch(default_block_n(k.dtype), DEFAULT_PER_SM)
 
 
@@ -329,8 +331,8 @@ def split_plan(q: Tensor, k: Tensor, n_tokens: int, block_n: int | None = None,
     blocks and at least one (``split_ranges``); None takes ``launch_settings`` (tuned, or the defaults), the
     ranges from its programs per SM (``fill_splits``). A caller sizing a buffer per range asks here, as the
     launcher does."""
-    settings = launch_settings(k)
-    block_n = block_n or settings.block_n
+    settings = launch_settings(k, block_n)
+    block_n = settings.block_n
     blocks_per_split, splits = split_ranges(triton.cdiv(n_tokens, block_n),
                                             splits or fill_splits(q, q.shape[0] * k.shape[1], settings.per_sm))
     return block_n, blocks_per_split, splits
@@ -356,6 +358,7 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
     H_kv = k.shape[1]
     G = H // H_kv
     n_tokens = idx.shape[2] if idx is not None else k.shape[2]
+    settings = launch_settings(k, block_n)                                   # before block_n takes its value
     block_n, blocks_per_split, splits = split_plan(q, k, n_tokens, block_n, splits)
     if d & (d - 1) or d < 16:
         raise ValueError(f"the kernels take a head dimension that is a power of two >= 16, got {d}")
@@ -388,7 +391,6 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
                               or not evict.is_contiguous()):
         raise ValueError(f"evict needs pos and a contiguous int64 tensor of shape {(B * H_kv, splits, 3)}")
     ex = evict if evict is not None else m                                    # any pointer when not evicting
-    settings = launch_settings(k)
     num_warps, num_stages = num_warps or settings.num_warps, num_stages or settings.num_stages
     launch = {k_: v_ for k_, v_ in (("num_warps", num_warps), ("num_stages", num_stages)) if v_ is not None}
     _decode_split_kernel[(B * H_kv, splits)](

@@ -13,7 +13,7 @@ The (task, sample, mode) jobs are independent, so ``--workers`` processes run th
 torch thread each: a tiny model is dispatch-bound). The results come back in job order and are averaged
 in that order, so the records are the same as a single process's, number for number, except the two
 timings (``compress_ms``, ``decode_ms_per_token``), which no two runs share anyway. ``--together K`` has
-each process step K samples side by side (``protocol.run_jobs``): fewer operations a sample, the same
+each process step K samples side by side (``together.run_jobs``): fewer operations a sample, the same
 records (to float rounding on the batched engines).
 
 Add a method by registering it (``methods/__init__.py``), a task by one class (``task.py``), a metric by one
@@ -80,7 +80,7 @@ def one_job(model, tok, variants: list[Variant], budgets: list[int], length: int
 
 def some_jobs(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
               engine: tuple[str, bool], jobs: list[tuple[str, int, str]]) -> list[list[tuple[tuple, dict]]]:
-    """``protocol.run_jobs``: the jobs side by side on this process's engine, each one's result; the GPU's
+    """``together.run_jobs``: the jobs side by side on this process's engine, each one's result; the GPU's
     memory running out is one line from the command (``cli.errors``), not a traceback from each worker."""
     try:
         return run_jobs(engine_for(*engine, model=model), tok, variants, budgets, length, seed, jobs)
@@ -179,7 +179,7 @@ def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: lis
     ``rank`` of ``world`` runs its share of the jobs and rank 0 returns every record (``shards``); the
     other ranks return []. ``engine``: "fast", "batched" or "plain" (the same records to float rounding);
     ``time_alone``: the fast engine steps each cache alone, so that ``decode_ms_per_token`` is its own (else a
-    share). ``together``: each process steps that many samples side by side (``protocol.run_jobs``: the same
+    share). ``together``: each process steps that many samples side by side (``together.run_jobs``: the same
     records, bit for bit on the fast engine, to float rounding on the batched ones; the step times shared by
     more caches).
     Every record names the engine and says how its step time was taken (``step_timing``)."""

@@ -137,7 +137,10 @@ def count(model, tok, engine: str, task: str, mode: str, length: int, seed: int,
     stepped side by side (``--together``), counted and timed together (``counter.samples``)."""
     variants = [Variant(name, name) for name in METHODS]
     budgets = [budget_for(r, length) for r in (0.1, 0.25, 0.5)]
-    samples = [[(task, 0, mode)], [(task, i, mode) for i in range(1, together + 1)]]   # the warm-up; the counted
+    # the warm-up: sample 0 and, with together > 1, as many more samples as the counted run steps together (its
+    # shapes made once, as in a run's later samples: samples together + 1, ...); the counted: samples 1, 2, ...
+    samples = [[(task, i, mode) for i in [0, *range(together + 1, 2 * together)]],
+               [(task, i, mode) for i in range(1, together + 1)]]
     job = lambda i: some_jobs(model, tok, variants, budgets, length, seed, (engine, False), samples[i])  # noqa: E731
     job(0)
     counter = Counter()

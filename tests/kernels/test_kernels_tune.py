@@ -44,6 +44,7 @@ def test_a_launch_without_settings_reads_them_from_tuned():
     dec.TUNED[(16, torch.float32)] = Launch(16, 2)
     assert dec.split_plan(q, k, 70)[0] == 16                                      # 5 blocks of 16 tokens
     assert dec.split_plan(q, k, 70, block_n=64)[0] == 64                         # given settings win
+    assert dec.launch_settings(k, 64) == Launch(64, dec.DEFAULT_PER_SM)           # with the defaults, not TUNED's
     assert dec.split_plan(q.to(torch.bfloat16), k.to(torch.bfloat16), 70)[0] == 64   # another dtype: untouched
     torch.testing.assert_close(masked_decode_attention_triton(q, k, v, pos),
                                reference_masked_decode_attention(q, k, v, pos), rtol=0, atol=1e-5)
@@ -101,3 +102,13 @@ def test_the_e2e_summary_says_what_was_tuned():
     report = {"tuned": {"40": sweep}, "rows": [], "lengths": [], "preset": "x", "batch": 2, "quick": True}
     assert e2e.summary(report) == ["S=40     tuned: 16 tokens a block, 1 programs per SM, 4 warps, 2 stages: the "
                                    "split kernel alone 1500.0 us against the default launch's 3000.0 us"]
+
+
+def test_where_the_kernels_do_not_serve_a_bench_goes_on_untuned():
+    """On a CPU (or NANOKV_NO_TRITON=1) the e2e bench's tuning says why it did not tune, in its report and its
+    summary, and leaves the defaults; so does a sweep that fails."""
+    sweep = tune.tune_or_say_why(1, 2, 1, 8, 16, torch.float32, "cpu", room=0)
+    assert "do not serve" in sweep["error"] and not dec.TUNED
+    assert tune.summary(sweep) == [f"the split kernel's launch: {sweep['error']}"]
+    report = {"tuned": {"8": sweep}, "rows": [], "lengths": [], "preset": "x", "batch": 1, "quick": True}
+    assert e2e.summary(report) == [f"S=8      {sweep['error']}"]
