@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
             f"samples {args.seed + 1} to {args.seed + args.together} stepped together (--together {args.together})"
         text = "\n".join([f"one job of methods.compare on {args.device}: {args.checkpoint}, {args.task}, "
                           f"{args.mode}, {args.length} tokens, every method at keep 0.1 / 0.25 / 0.5, --engine "
-                          f"{args.engine}, {which} (after a warm-up one)", *report(counter)])
+                          f"{args.engine}, {which} (after a warm-up {'one' if args.together == 1 else 'of as many'})",
+                          *report(counter)])
         print(text)
         if args.out is not None:
             prov = provenance(threads=1, dtype="float32", seed=args.seed)
