@@ -332,6 +332,7 @@ CHECKED_BY = {
     "launches_smollm2_batched.txt": (HERE + "test_the_launch_count_reproduces",),
     "launches_smollm2_fast.txt": "beside launches_smollm2_batched.txt",
     "launches_smollm2_one-group.txt": "beside launches_smollm2_batched.txt",
+    "launches_smollm2_one-group_together2.txt": "beside launches_smollm2_batched.txt",
     "launches_smollm2_batched_22ea94c.txt": LOG,
     "agree_22ea94c_7f225c6.txt": LOG,
     "agree_7f225c6_602d281.txt": LOG,
