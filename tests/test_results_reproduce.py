@@ -340,6 +340,7 @@ CHECKED_BY = {
     "agree_7f225c6_82f90e5.txt": LOG,
     "agree_82f90e5_9eecbf6.txt": LOG,
     "agree_4a64570_13ea08b.txt": LOG,
+    "agree_eea8c21_47f26a8.txt": LOG,
 }
 
 
