@@ -57,6 +57,7 @@ except KeyboardInterrupt:
     sys.stderr.write("error: interrupted\n")
     raise SystemExit(130) from None
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}     # --dtype's choices
 EAGER: list[str] = []      # what could not be timed in a CUDA graph (it synchronises with the host)
 
 
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
             print("no CUDA device (or no Triton): the kernels run only in Triton's CPU interpreter, which checks "
                   "correctness (the kernel tests), not speed. Timing the PyTorch references only, on the CPU; "
                   "run this on a GPU with Triton for the kernel numbers.")
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        dtype = DTYPES[args.dtype]
         if device == "cpu" and dtype != torch.float32:
             dtype = torch.float32
         bandwidth = copy_bandwidth(device, (1 << 30) if device == "cuda" and not args.quick else (1 << 26))
@@ -324,7 +325,7 @@ def tuning(args, argv: list[str] | None, prog: str, device: str) -> None:
         cli.fail("--tune times the kernel on a GPU with Triton, and there is none here")
     S, name = (args.length or e2e.LENGTHS)[0], args.preset or e2e.PRESET
     cfg = preset(name, max_seq_len=S + e2e.ROOM)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     bandwidth = copy_bandwidth(device, 1 << 30)
     sweep = tune.tune_attention(args.batch or e2e.BATCH, cfg.n_head, cfg.n_kv_head, S, cfg.head_dim, dtype, device,
                                 room=e2e.ROOM, bandwidth=bandwidth)
@@ -344,7 +345,7 @@ def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:
     if device != "cuda":
         print("no CUDA device: timing the steps on the CPU, which says nothing about a GPU "
               "(bash fastpath/gpu_check.sh runs this on one)")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     dtype = dtype if device == "cuda" else torch.float32
     report = e2e.run(device, args.quick, dtype, hf_compile=args.hf_compile, hf_only=args.hf_only,
                      lengths=tuple(args.length) if args.length else None, preset_name=args.preset or e2e.PRESET,

@@ -148,9 +148,7 @@ class Group:
             new.state.append(state)
         for n, (r, cache) in enumerate(zip(keep, new.caches)):
             for i, store in enumerate(cache.layers):
-                old = (self.k[i][r], self.v[i][r], self.pos[i][r])
-                if store._k is None or any(t is None or t.data_ptr() != o.data_ptr()
-                                           for t, o in zip((store._k, store._v, store._pos), old)):
+                if not self.in_row(i, r, store):
                     continue                           # a storage a hook replaced: ``refit`` adopts it anew
                 store._k, store._v, store._pos = new.k[i][n:n + 1], new.v[i][n:n + 1], new.pos[i][n:n + 1]
                 for name, t in store._state.items():   # a state of the group's buffer: its new row (one of its
@@ -158,6 +156,12 @@ class Group:
                         lo, buffer = new.state[i][name]
                         store._state[name] = buffer[n - lo:n - lo + 1]
         return new
+
+    def in_row(self, i: int, r: int, store: LayerKV) -> bool:
+        """Whether layer i's storage ``store`` is still row r of the group's buffers (not one a hook replaced)."""
+        ours = (self.k[i][r], self.v[i][r], self.pos[i][r])
+        return store._k is not None and all(t is not None and t.data_ptr() == o.data_ptr()
+                                            for t, o in zip((store._k, store._v, store._pos), ours))
 
     def holds(self, i: int, r: int, name: str, t: Tensor) -> bool:
         """Whether state ``t`` of row r at layer i is that row of the group's buffer for ``name`` (not a tensor
@@ -171,9 +175,7 @@ class Group:
         method may ``replace``) is adopted again, in place; False when one no longer fits its row."""
         for r, cache in enumerate(self.caches):
             for i, store in enumerate(cache.layers):
-                ours = (self.k[i][r], self.v[i][r], self.pos[i][r])
-                if store._k is None or any(t is None or t.data_ptr() != o.data_ptr()
-                                           for t, o in zip((store._k, store._v, store._pos), ours)):
+                if not self.in_row(i, r, store):
                     if store._k is None or type(store) is not LayerKV or store.n + 1 > self.C:
                         return False
                     self.adopt(i, r, store)

@@ -72,12 +72,6 @@ def engine_for(name: str, alone: bool = False, model=None):
     return _ENGINE["engine"]
 
 
-def one_job(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
-            engine: tuple[str, bool], job: tuple[str, int, str]) -> list[tuple[tuple, dict]]:
-    """``protocol.run_job`` on this process's engine (``engine``: its name, and whether it times alone)."""
-    return some_jobs(model, tok, variants, budgets, length, seed, engine, [job])[0]
-
-
 def some_jobs(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
               engine: tuple[str, bool], jobs: list[tuple[str, int, str]]) -> list[list[tuple[tuple, dict]]]:
     """``together.run_jobs``: the jobs side by side on this process's engine, each one's result; the GPU's
