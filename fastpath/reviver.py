@@ -35,7 +35,10 @@ made a job of SmolLM2's KVReviver caches slower on this project's 2-core machine
 
 The storages hold views of one buffer per step (each layer's, with a slot of room for the next token), so
 the next step stacks nothing: it reads that buffer as it is. The sketches' cells are views of one buffer
-too, which their own ``insert`` and ``query`` (the Triton kernels on a GPU) update in place.
+too. Tokens go into every sketch by one call of the sketches' own ``insert``, and the estimates come out by
+one call of their own ``query``, on a ``Routed`` sketch whose cells are all of theirs and which sends each
+token to the cells its own sketch's hashes name (no arithmetic of the sketch is written here again: on a
+GPU the Triton kernels of ``fastpath/sketch.py``, one launch for every layer).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from torch import Tensor
 
 from fastpath.sketch import KernelSketch
 from methods import kvreviver
-from methods.kvreviver import KVReviverPolicy, VagueSketch, lower_median
+from methods.kvreviver import KVReviverPolicy, VagueSketch
 from nanollm.policy import CachePolicy, StepContext
 from nanollm.storage import LayerKV
 
@@ -77,7 +80,7 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
         layer, a sketch with cells already made (so ``_compress`` goes the whole way), plain sketches (an
         ablation's own may work otherwise) and the shapes of the layers already waiting."""
         sketches = self._sketch.get(ctx.layer)
-        if self.layer_budgets is not None or not sketches or ctx.kv.free is not None:
+        if self.layer_budgets is not None or not sketches or ctx.kv.free is not None or sketches[0].injective:
             return False
         if any(type(s) not in (VagueSketch, KernelSketch) for s in sketches):
             return False
@@ -164,7 +167,7 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
         sketches = [s for layer in layers for s in self._sketch[layer]]          # X, row by row
         for sketch in sketches:
             sketch.cover(seen)                                                   # hash tables (positions < seen)
-        key, value, cells, signs, offsets = self._stacked(layers, sketches)
+        key, value, cells, signs = self._stacked(layers, sketches)
         k, v, p = self._stored(layers, stores, X, G, T, d, dv)                   # (X, G, T, d), (X, G, T, dv), (X, T)
         scores = torch.stack([self.by_group(self._scores[layer]) for layer in layers]).view(X, -1)   # (X, N)
         recent_from = seen - recent
@@ -178,7 +181,7 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
             at = p.gather(1, out)                                                # their positions
             k_out = k.gather(2, out[:, None, :, None].expand(X, G, n_out, d)).transpose(1, 2)    # (X, n, G, d)
             v_out = v.gather(2, out[:, None, :, None].expand(X, G, n_out, dv)).transpose(1, 2)
-            self._insert(key, value, cells, signs, offsets, at, k_out, v_out)
+            self._insert(sketches[0], key, value, cells, signs, at, k_out, v_out)
             kept = order[:, n_out:].sort(dim=1).values                           # (X, T2) ascending slots
             T = kept.shape[1]
             k = k.gather(2, kept[:, None, :, None].expand(X, G, T, d))
@@ -196,38 +199,43 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
             self._compressed_at[layer] = (seen, T)
         self._buffers = (layers, [(store._k, store._v, store._pos) for store in stores], k_buf, v_buf, p_buf)
         if not k_buf.is_cpu or kvreviver.REBUILD_CHUNK >= seen - T:             # (see the module docstring)
-            k_all, v_all, pos = self._rebuild(key, value, cells, signs, offsets, k_buf, v_buf, p_buf[:, 0, :T], seen)
+            k_all, v_all, pos = self._rebuild(sketches[0], key, value, cells, signs, k_buf, v_buf, p_buf[:, 0, :T],
+                                              seen)
             self._rebuilt = (layers, [store._k for store in stores], k_all.view(L, B, H_kv, seen + 1, d),
                              v_all.view(L, B, H_kv, seen + 1, dv), pos.expand(B, H_kv, seen + 1))
 
     @staticmethod
-    def _rebuild(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, offsets: Tensor, k: Tensor, v: Tensor,
-                 p: Tensor, seen: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _rebuild(sketch: VagueSketch, key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor,
+                 v: Tensor, p: Tensor, seen: int) -> tuple[Tensor, Tensor, Tensor]:
         """Algorithm 4 for the next step, every row at once: k, v (X, G, seen + 1, d) holding each position
-        0..seen-1 once, in order, raw where the storage holds it, else the sketch's estimate (``VagueSketch.query``:
-        the lower median over its rows), and slot ``seen`` left for the next step's entry; their positions
-        (seen + 1,). The storage: k, v (X, G, T + 1, d), whose last slot (room) goes to slot ``seen`` too, and
-        positions p (X, T). Entries are copied as rows of a flat view, one index per (row, head, position): on
-        a CPU a scatter over an index as large as the entries is several times slower."""
+        0..seen-1 once, in order, raw where the storage holds it, else row x's sketch's estimate, and slot
+        ``seen`` left for the next step's entry; their positions (seen + 1,). The storage: k, v (X, G, T + 1, d),
+        whose last slot (room) goes to slot ``seen`` too, and positions p (X, T). The estimates are the
+        sketches' own ``query`` (the class of ``sketch``) over one sketch of r rows whose cells are all of
+        theirs (key, value (X * r, b, G, d) copied row-major: (r, X * b)), each position sent to its own
+        sketch's cells. Entries are copied as rows of a flat view, one index per (row, head, position): on a
+        CPU a scatter over an index as large as the entries is several times slower."""
         X, G, T1, d = k.shape
-        dv, r, n_v = v.shape[-1], cells.shape[1], seen - (T1 - 1)
+        r, b, dv, n_v = cells.shape[1], key.shape[1], v.shape[-1], seen - (T1 - 1)
         k_all, v_all = k.new_empty(X, G, seen + 1, d), v.new_empty(X, G, seen + 1, dv)
         heads = torch.arange(X * G, device=p.device).view(X, G, 1) * (seen + 1)   # (X, G, 1) each row-head's first
         raw = heads + torch.cat([p, p.new_full((X, 1), seen)], dim=1)[:, None, :]   # (X, G, T + 1)
         k_all.view(-1, d).index_copy_(0, raw.view(-1), k.reshape(-1, d))        # raw entries, as stored
         v_all.view(-1, dv).index_copy_(0, raw.view(-1), v.reshape(-1, dv))
+        if n_v == 0:
+            return k_all, v_all, torch.arange(seen + 1, device=p.device)
         in_v = torch.ones(X, seen, dtype=torch.uint8, device=p.device)
         in_v.scatter_(1, p, 0)                                                   # 1: not in R or C
         vague = in_v.argsort(dim=1, descending=True, stable=True)[:, :n_v]      # (X, n_V) V's positions
         where = vague[:, None, :].expand(X, r, n_v)
-        idx = (offsets + cells.gather(2, where)).reshape(-1)                     # (X * r * n_V,) their cells
-        g = signs.gather(2, where)[..., None, None]                              # (X, r, n_V, 1, 1)
-        k_hat = key.view(-1, G, d).index_select(0, idx).view(X, r, n_v, G, d)
-        v_hat = value.view(-1, G, dv).index_select(0, idx).view(X, r, n_v, G, dv) * g
+        first = torch.arange(X, device=p.device).view(1, X, 1) * b              # each sketch's first cell in a row
+        to = (first + cells.gather(2, where).transpose(0, 1)).reshape(r, -1)     # (r, X * n_V)
+        by_row = [t.view(X, r, b, *t.shape[2:]).transpose(0, 1).reshape(r, X * b, *t.shape[2:]) for t in (key, value)]
+        one = routed(sketch, *by_row, to, signs.gather(2, where).transpose(0, 1).reshape(r, -1))
+        k_hat, v_hat = one.query(vague.reshape(-1))                              # (X * n_V, G, d) each
         at = (heads.view(X, 1, G) + vague[:, :, None]).view(-1)                 # (X * n_V * G,) as the estimates
-        for out, hat in ((k_all, k_hat), (v_all, v_hat)):                        # the median over the r rows
-            est = lower_median(hat.transpose(0, 1))                              # (X, n_V, G, d)
-            out.view(-1, out.shape[-1]).index_copy_(0, at, est.to(out.dtype).view(-1, out.shape[-1]))
+        k_all.view(-1, d).index_copy_(0, at, k_hat.to(k_all.dtype).view(-1, d))
+        v_all.view(-1, dv).index_copy_(0, at, v_hat.to(v_all.dtype).view(-1, dv))
         return k_all, v_all, torch.arange(seen + 1, device=p.device)
 
     def _stored(self, layers, stores, X, G, T, d, dv) -> tuple[Tensor, Tensor, Tensor]:
@@ -245,40 +253,40 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
         return k, v, p
 
     def _stacked(self, layers, sketches) -> tuple:
-        """The sketches' cells as rows of one buffer each, key and value (X, r, b, G, d), with each sketch's
-        own ``key`` and ``value`` made views of its row (moved there once); their hash tables as rows,
-        cells and signs (X, r, covered), remade when a table grows; each row's first cell (X, r, 1)."""
+        """The sketches' cells in one buffer each, key and value (X * r, b, G, d): sketch x's rows are rows
+        x * r, ..., and its own ``key`` and ``value`` views of them (moved there once, contiguous as before);
+        their hash tables as rows, cells and signs (X, r, covered), remade when a table grows."""
         if self._cells is None or self._cells[0] != layers or any(
-                s.key is not own for s, own in zip(sketches, self._cells[4])):
-            key, value = torch.stack([s.key for s in sketches]), torch.stack([s.value for s in sketches])
+                s.key is not own for s, own in zip(sketches, self._cells[3])):
+            key, value = torch.cat([s.key for s in sketches]), torch.cat([s.value for s in sketches])
+            r = sketches[0].rows
             for x, s in enumerate(sketches):
-                s.key, s.value = key[x], value[x]
-            X, r, b = key.shape[:3]
-            offsets = (torch.arange(X * r, device=key.device) * b).view(X, r, 1)
-            self._cells, self._tables_at = (layers, key, value, offsets, [s.key for s in sketches]), None
-        layers, key, value, offsets, _ = self._cells
+                s.key, s.value = key[x * r:(x + 1) * r], value[x * r:(x + 1) * r]
+            self._cells, self._tables_at = (layers, key, value, [s.key for s in sketches]), None
+        layers, key, value, _ = self._cells
         covered = sketches[0].covered
         if self._tables_at is None or self._tables_at[0] != covered:
             cells = torch.stack([s.cell_table for s in sketches])               # (X, r, covered)
-            signs = torch.stack([s.sign_table for s in sketches]).to(value.dtype)
+            signs = torch.stack([s.sign_table for s in sketches])
             self._tables_at = (covered, cells, signs)
-        return key, value, self._tables_at[1], self._tables_at[2], offsets
+        return key, value, self._tables_at[1], self._tables_at[2]
 
     @staticmethod
-    def _insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, offsets: Tensor, at: Tensor,
+    def _insert(sketch: VagueSketch, key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, at: Tensor,
                 k: Tensor, v: Tensor) -> None:
-        """``VagueSketch.insert`` for every row at once: tokens at positions ``at`` (X, n) with k (X, n, G, d),
-        v (X, n, G, dv) added into each row's cells; a cell's tokens summed in the order ``insert`` sums them."""
-        X, r = cells.shape[:2]
-        n = at.shape[1]
+        """Row x's tokens at positions ``at[x]`` (X, n), k (X, n, G, d), v (X, n, G, dv), into row x's sketch,
+        for every row at once: the sketches' own ``insert`` (the class of ``sketch``) over one sketch row
+        whose cells are all of theirs (key, value (X * r, b, G, d) flat), each token given once per sketch row
+        and sent to the cell that row's hash names. A cell's tokens are summed in the order each sketch's
+        own ``insert`` sums them."""
+        X, r, n = cells.shape[0], cells.shape[1], at.shape[1]
+        (b, G, d), dv = key.shape[1:], value.shape[-1]
         where = at[:, None, :].expand(X, r, n)
-        idx = (offsets + cells.gather(2, where)).reshape(-1)                     # (X * r * n,) flat cells
-        g = signs.gather(2, where)[..., None, None]                              # (X, r, n, 1, 1)
-        G, d, dv = k.shape[2], key.shape[-1], value.shape[-1]
-        k_rows = k.float().to(key.dtype)[:, None].expand(X, r, n, G, d)
-        v_rows = v.float().to(value.dtype)[:, None] * g
-        key.view(-1, G, d).index_add_(0, idx, k_rows.reshape(-1, G, d))
-        value.view(-1, G, dv).index_add_(0, idx, v_rows.reshape(-1, G, dv))
+        first = torch.arange(X * r, device=at.device).view(X, r, 1) * b         # each sketch row's first cell
+        to = (first + cells.gather(2, where)).view(1, -1)                        # (1, X * r * n) cell of (x, i, j)
+        one = routed(sketch, key.view(1, -1, G, d), value.view(1, -1, G, dv), to, signs.gather(2, where).view(1, -1))
+        one.insert(where.reshape(-1), k[:, None].expand(X, r, n, G, d).reshape(-1, G, d),
+                   v[:, None].expand(X, r, n, G, dv).reshape(-1, G, dv))
 
     def _swaps(self, layers, sketches, scores: Tensor, k: Tensor, v: Tensor, p: Tensor, recent_from: int,
                max_swaps: int, B: int, S: int) -> None:
@@ -299,6 +307,35 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
             row_scores, approx = self.by_group(self._scores[layer])[b, s], self.by_group(self._approx[layer])[b, s]
             kx, vx, px = self._swap(sketches[x], row_scores, k[x], v[x], p[x, 0], recent_from, approx, max_swaps)
             k[x], v[x], p[x] = kx, vx, px
+
+
+class Routed:
+    """A sketch over cells that other sketches own, each token sent to the cells and signs ``route`` names
+    rather than hashed: a sketch's own ``insert`` and ``query`` (PyTorch's, or the Triton kernels of
+    ``KernelSketch``) run for many sketches at once. Made by ``routed``."""
+
+    def buckets(self, pos: Tensor) -> Tensor:
+        return self.route[0]
+
+    def signs(self, pos: Tensor) -> Tensor:
+        return self.route[1]
+
+
+class RoutedSketch(Routed, VagueSketch):
+    pass
+
+
+class RoutedKernelSketch(Routed, KernelSketch):
+    pass
+
+
+def routed(sketch: VagueSketch, key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) -> VagueSketch:
+    """A sketch of ``sketch``'s class with cells key, value (r, W, G, d) whose tokens go to ``cells`` (r, n)
+    with ``signs`` (r, n), in the order given."""
+    one = object.__new__(RoutedKernelSketch if isinstance(sketch, KernelSketch) else RoutedSketch)
+    one.rows, one.width, one.injective, one.covered = cells.shape[0], key.shape[1], False, 0
+    one.key, one.value, one.route = key, value, (cells, signs.to(value.dtype))
+    return one
 
 
 def every_layer_at_once(policy: CachePolicy) -> CachePolicy:

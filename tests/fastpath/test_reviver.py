@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fastpath.sketch
+import kernels
 from fastpath import reviver
 from fastpath.lean import LeanDecoder
-from fastpath.reviver import KVReviverLayersAtOnce, every_layer_at_once, every_layer_at_once_on
+from fastpath.reviver import KVReviverLayersAtOnce, RoutedKernelSketch, every_layer_at_once, every_layer_at_once_on
+from fastpath.sketch import KernelSketch, use_kernels
 from methods import kvreviver, make_policy
 from methods.analysis.kvreviver_ablation import SwapsAtOnce
 from methods.kvreviver import KVReviverPolicy
@@ -186,3 +190,31 @@ def test_what_is_not_batched_stays_as_it_was(model):
     every_layer_at_once_on([ablation, h2o])
     assert type(ablation) is SwapsAtOnce and type(h2o) is type(make_policy("h2o", budget=30))
     assert reviver.every_layer_at_once(h2o) is h2o
+
+
+@pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
+                    reason="no way to run a Triton kernel: triton is not installed, or there is no CUDA device "
+                           "and TRITON_INTERPRET is not 1")
+def test_the_sketch_kernels_insert_and_rebuild_every_layer_at_once(model, monkeypatch):
+    """With the sketch on its Triton kernels (``fastpath/sketch.py``; here through Triton's interpreter), every
+    layer's tokens go into the sketches by one kernel insert, and the next step's estimates come from one
+    kernel query: the entries, cells and outputs of the PyTorch sketch within float rounding (atomic adds)."""
+    monkeypatch.setattr(fastpath.sketch, "kernels",
+                        SimpleNamespace(serves=lambda t: t.is_cuda or kernels.interpreting()))
+    calls = []
+    for name in ("insert", "query"):
+        def counted(self, *a, _name=name, _f=getattr(KernelSketch, name), **k):
+            calls.append((_name, type(self)))
+            return _f(self, *a, **k)
+        monkeypatch.setattr(KernelSketch, name, counted)
+    options = {"budget": 30, "replace_rate": 1.0}
+    plain = script(model, make_policy("kvreviver", **options), 2)
+    policy = every_layer_at_once(use_kernels(make_policy("kvreviver", **options)))
+    at_once = script(model, policy, 2)
+    assert ("insert", RoutedKernelSketch) in calls and ("query", RoutedKernelSketch) in calls
+    assert policy.swaps == plain[-1][-1] > 0
+    flat = [t for t in torch.utils._pytree.tree_leaves(at_once) if isinstance(t, torch.Tensor)]
+    expected = [t for t in torch.utils._pytree.tree_leaves(plain) if isinstance(t, torch.Tensor)]
+    assert len(flat) == len(expected)
+    for a, b in zip(flat, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
