@@ -341,6 +341,8 @@ CHECKED_BY = {
     "agree_82f90e5_9eecbf6.txt": LOG,
     "agree_4a64570_13ea08b.txt": LOG,
     "agree_eea8c21_47f26a8.txt": LOG,
+    "agree_e4fc73c_c110db0.txt": LOG,
+    "launches_smollm2_one-group_37fc1cd.txt": LOG,
 }
 
 
