@@ -129,7 +129,7 @@ def test_launches_counts_the_work_the_batched_engine_shares():
     counters = [count(model, tok, e, "niah_multikey", MODES[1], 512, 0) for e in ("fast", "batched", "one-group")]
     fast, batched, one = (c.counts for c in counters)
     hooks = {key for key in fast if key[1].startswith("policy: ")}
-    assert {"policy: KVReviverPolicy", "policy: H2OPolicy"} <= {w for _, w in hooks}
+    assert {"policy: KVReviverLayersAtOnce", "policy: H2OPolicy"} <= {w for _, w in hooks}   # (fastpath/reviver.py)
     assert all(fast[key] == batched[key] for key in hooks)
     at_once = {("step", "policy: H2OPolicy"), ("step", "policy: ScissorhandsPolicy")}
     assert all(one[key] < batched[key] for key in at_once) and at_once <= hooks
