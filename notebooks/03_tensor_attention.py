@@ -199,8 +199,6 @@ print("greedy tokens identical for every layout:", all(torch.equal(t, tokens[0])
 # fitted over all lengths for memory and over the longer half for time.
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
-import math
-
 import matplotlib.pyplot as plt
 
 from methods.tensor_attention.bench import measure, table
@@ -217,9 +215,6 @@ for k in ("four-naive", "four", "two"):
     ax2.loglog(lengths, timing[k]["ms"], "o-", color=colour[k], label=f"{k} (slope {timing[k]['time_slope']:.2f})")
     ax2.fill_between(lengths, *zip(*timing[k]["iqr_ms"]), color=colour[k], alpha=0.2)   # quartiles of the steps
 ax2.set(xlabel="tokens T", ylabel="ms per decode step", title="time per decode step")
-drawn = [t for k in colour for t in timing[k]["ms"] + [q for iqr in timing[k]["iqr_ms"] for q in iqr]]
-low = math.floor(math.log10(min(drawn)))            # whole decades: a labelled tick at each end, however fast
-ax2.set_ylim(10.0**low, 10.0**max(low + 1, math.ceil(math.log10(max(drawn)))))
 for ax in (ax1, ax2):
     ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     ax.grid(True, which="both", alpha=0.3)
