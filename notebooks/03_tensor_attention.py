@@ -201,7 +201,7 @@ print("greedy tokens identical for every layout:", all(torch.equal(t, tokens[0])
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
 import matplotlib.pyplot as plt
 
-from methods.tensor_attention.bench import measure, table
+from methods.tensor_attention.bench import decades, measure, table
 
 lengths = [16, 32, 64, 128] if TINY else [32, 64, 128, 256, 512, 1024]
 timing = measure(lengths)             # per path: bytes stored, ms per step and its quartiles, at each length
@@ -214,7 +214,7 @@ ax1.set(xlabel="tokens T", ylabel="stored MiB (one layer)", title="memory")
 for k in ("four-naive", "four", "two"):
     ax2.loglog(lengths, timing[k]["ms"], "o-", color=colour[k], label=f"{k} (slope {timing[k]['time_slope']:.2f})")
     ax2.fill_between(lengths, *zip(*timing[k]["iqr_ms"]), color=colour[k], alpha=0.2)   # quartiles of the steps
-ax2.set(xlabel="tokens T", ylabel="ms per decode step", title="time per decode step")
+ax2.set(xlabel="tokens T", ylabel="ms per decode step", title="time per decode step", ylim=decades(timing))
 for ax in (ax1, ax2):
     ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     ax.grid(True, which="both", alpha=0.3)

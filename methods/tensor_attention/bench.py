@@ -100,6 +100,14 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def decades(r: dict) -> tuple[float, float]:
+    """Limits of a log axis for every time ``measure`` drew (medians and quartiles of every path): whole
+    decades around them, at least one, so the axis has a labelled tick at each end however fast the machine."""
+    drawn = [t for k in ("four-naive", "four", "two") for t in r[k]["ms"] + [q for iqr in r[k]["iqr_ms"] for q in iqr]]
+    low = math.floor(math.log10(min(drawn)))
+    return 10.0**low, 10.0**max(low + 1, math.ceil(math.log10(max(drawn))))
+
+
 def plot(r: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
