@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastpath.sketch
 import kernels
@@ -21,6 +20,7 @@ from methods import kvreviver, make_policy
 from methods.analysis.kvreviver_ablation import SwapsAtOnce
 from methods.kvreviver import KVReviverPolicy
 from nanollm import KVCache, decode_step, extend, prefill, preset
+from tests.methods.test_kvreviver import Reads
 
 
 @pytest.fixture(scope="module")
@@ -136,17 +136,6 @@ def test_the_lean_step_and_a_fork(model):
         assert equal(state(cache.policy, cache), before)
         caches.append((outs, state(fork.policy, fork)))
     assert equal(caches[0], caches[1])
-
-
-class Reads(TorchDispatchMode):
-    """Counts the operations whose result the host reads (on a GPU, a wait)."""
-    n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        mask = name == "index" and any(getattr(t, "dtype", None) == torch.bool for t in args[1])
-        self.n += name in ("_local_scalar_dense", "nonzero", "masked_select") or mask
-        return func(*args, **(kwargs or {}))
 
 
 def test_one_host_wait_a_step(make_model, monkeypatch):

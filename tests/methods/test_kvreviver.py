@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastpath.lean import LeanDecoder
 from kernels.count_sketch import reference_sketch_insert, reference_sketch_query
@@ -397,22 +398,22 @@ def test_per_kv_head_rows_are_independent(model):
     assert all(torch.equal(a.pos[1:], b.pos) for a, b in zip(cache.layers, cache_1.layers))
 
 
+class Reads(TorchDispatchMode):
+    """Counts the operations whose result the host reads (on a GPU, a wait)."""
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        mask = name == "index" and any(getattr(t, "dtype", None) == torch.bool for t in args[1])
+        self.n += name in ("_local_scalar_dense", "nonzero", "masked_select") or mask
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_decode_step_reads_the_device_once_a_layer_and_once_more_where_a_swap_wins(make_model):
     """On a GPU the host waits wherever it reads a tensor (``int(t)``, ``.item()``, ``nonzero``, a boolean
     mask's index). KVReviver's decode step reads one number per layer, whether V's best beats C's lowest, and a
     second where it does (how many swaps win): with swaps happening, more than one read a layer and step and at
     most one more per swap (the full cache's step reads none): counted on the CPU, operation by operation."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Reads(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            mask = name == "index" and any(getattr(t, "dtype", None) == torch.bool for t in args[1])
-            self.n += name in ("_local_scalar_dense", "nonzero", "masked_select") or mask
-            return func(*args, **(kwargs or {}))
-
     model = make_model(preset("TINY"), seed=3)
     lean = LeanDecoder(model)
     ids = torch.randint(0, 512, (1, 80), generator=torch.Generator().manual_seed(0))
