@@ -43,9 +43,9 @@ def lost_mass(full, method, group_size: int) -> float:
     for layer, probs in full.probs.items():                      # probs (H, T) over full positions
         full_pos = full.attended[layer][0]                       # (T,) the full cache attends every position
         kept = method.pos[layer]                                 # (H_kv, Tm) stored exactly, -1 = empty
-        keeps = [torch.isin(full_pos, kept_h) for kept_h in kept]   # per KV head: (T,) stored exactly
-        for h in range(probs.shape[0]):
-            lost.append(float(probs[h][~keeps[h // group_size]].sum()))
+        keeps = torch.stack([torch.isin(full_pos, kept_h) for kept_h in kept])[:, None]   # (H_kv, 1, T) stored
+        lost.append(torch.where(keeps, 0, probs.view(len(kept), group_size, -1)).sum(-1))  # (H_kv, G): h = j*G + g
+    lost = torch.cat(lost).flatten().tolist()                    # layer by layer, query head by head: one read
     return sum(lost) / len(lost)
 
 
