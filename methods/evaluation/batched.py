@@ -23,8 +23,9 @@ scores and evicts in place as before, and the group's buffers see every change. 
    (``fastpath/graph.py``);
 3. each cache's policy hook (``on_decode``) on its own row, with its own slices of the output and of the
    probabilities: what ``KVCache.attend`` would give it; or, for H2O's or Scissorhands' caches side by side
-   in the group (its rows are ordered so), one hook over their rows at once, to the same numbers
-   (``row_hooks.py``; their per-slot state lives in one buffer per layer and name, a row each).
+   in the group (its rows are ordered so), one hook over their rows and every layer at once, after the
+   last layer's attention, to the same numbers (``row_hooks.py``; their positions and per-slot state live
+   in one buffer per name, a row each, its layers side by side).
 
 Caches are grouped by size (``bucket``), so that a cache of 200 entries is not padded to the full cache's
 2,000. A cache whose policy rebuilds the entries it attends to (``attend_kv``: KVReviver) keeps its own
@@ -92,17 +93,27 @@ class Group:
         # zeros, not empty: an empty slot's v is multiplied by its probability 0, and 0 * NaN would be NaN
         self.k = [first.k.new_zeros(N, H_kv, slots, d) for _ in range(L)]
         self.v = [first.v.new_zeros(N, H_kv, slots, d_v) for _ in range(L)]
-        self.pos = [first.pos.new_full((N, H_kv, slots), -1) for _ in range(L)]
+        # positions: a row's layers side by side (N, L, H_kv, C), pos[i] the view of layer i (N, H_kv, C), so that
+        # a hook can take a row's every layer at once (``row_hooks.step_layers``)
+        self.pos_rows = first.pos.new_full((N, L, H_kv, slots), -1)
+        self.pos = list(self.pos_rows.unbind(1))
         # per layer and state name: the rows from the first cache holding it to the last, in one buffer, a row
-        # each (a method's caches side by side then step as one: ``row_hooks.py``): name -> (first row, buffer)
-        self.state: list[dict[str, tuple[int, Tensor]]] = []
-        for i in range(L):
-            rows: dict[str, list] = {}
+        # each (a method's caches side by side then step as one: ``row_hooks.py``): name -> (first row, buffer);
+        # a name with the same rows, shape and type at every layer: views of one buffer (rows, L, H_kv, C, ...)
+        # in ``state_rows``, as ``pos_rows``
+        rows = [{} for _ in range(L)]
+        for i, layer in enumerate(rows):
             for r, cache in enumerate(caches):
                 for name, t in cache.layers[i]._state.items():
-                    rows.setdefault(name, [r, r, t])[1] = r
-            self.state.append({name: (lo, t.new_empty(hi - lo + 1, H_kv, slots, *t.shape[3:]))
-                               for name, (lo, hi, t) in rows.items()})
+                    layer.setdefault(name, [r, r, t])[1] = r
+        kind = lambda lo, hi, t: (lo, hi, t.shape[3:], t.dtype)                # noqa: E731
+        self.state_rows = {name: (lo, t.new_empty(hi - lo + 1, L, H_kv, slots, *t.shape[3:]))
+                           for name, (lo, hi, t) in rows[0].items()
+                           if all(name in layer and kind(*layer[name]) == kind(lo, hi, t) for layer in rows)}
+        self.state: list[dict[str, tuple[int, Tensor]]] = [
+            {name: (lo, self.state_rows[name][1][:, i] if name in self.state_rows else
+                    t.new_empty(hi - lo + 1, H_kv, slots, *t.shape[3:])) for name, (lo, hi, t) in layer.items()}
+            for i, layer in enumerate(rows)]
         self.fill = [{name: c.layers[i].fill[name] for c in caches for name in c.layers[i]._state} for i in range(L)]
         for r, cache in enumerate(caches):
             for i, store in enumerate(cache.layers):
@@ -136,15 +147,24 @@ class Group:
         new = Group.__new__(Group)
         new.caches, new.C, new.fill = [self.caches[r] for r in keep], self.C, self.fill
         rows = to_device(keep, self.k[0].device)                                 # (n,) no host wait
-        new.k, new.v, new.pos = ([t.index_select(0, rows) for t in ts] for ts in (self.k, self.v, self.pos))
+        new.k, new.v = ([t.index_select(0, rows) for t in ts] for ts in (self.k, self.v))
+        new.pos_rows = self.pos_rows.index_select(0, rows)
+        new.pos = list(new.pos_rows.unbind(1))
+
+        def kept(lo: int, buffer: Tensor) -> tuple[int, Tensor] | None:   # the rows kept in the buffer's range
+            inside = [n for n, r in enumerate(keep) if lo <= r < lo + len(buffer)]     # consecutive n
+            return (inside[0], buffer.index_select(0, to_device([keep[n] - lo for n in inside], buffer.device))) \
+                if inside else None
+        new.state_rows = {name: at for name, (lo, b) in self.state_rows.items() if (at := kept(lo, b)) is not None}
         new.state = []
-        for layer in self.state:                      # name -> (first row, buffer) over the rows kept in its range
+        for i, layer in enumerate(self.state):        # name -> (first row, buffer) over the rows kept in its range
             state = {}
             for name, (lo, buffer) in layer.items():
-                inside = [n for n, r in enumerate(keep) if lo <= r < lo + len(buffer)]   # consecutive n
-                if inside:
-                    at = to_device([keep[n] - lo for n in inside], buffer.device)
-                    state[name] = (inside[0], buffer.index_select(0, at))
+                if name in self.state_rows:
+                    if name in new.state_rows:
+                        state[name] = (new.state_rows[name][0], new.state_rows[name][1][:, i])
+                elif (at := kept(lo, buffer)) is not None:
+                    state[name] = at
             new.state.append(state)
         for n, (r, cache) in enumerate(zip(keep, new.caches)):
             for i, store in enumerate(cache.layers):
@@ -344,6 +364,7 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
         spans.append(slice(first, first + len(g.caches)))
         first += len(g.caches)
     alone = range(first, len(caches))
+    L, waiting = model.config.n_layer, {id(g): [] for g in groups}     # hooks waiting for the last layer
 
     def attend(i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:               # (N, H, 1, d)
         outs = []
@@ -357,15 +378,16 @@ def step_batched(lean: LeanDecoder, tokens: list[int], caches: list[KVCache], gr
             qp = row_pos[rows].view(-1, 1, 1)
             visible = g.pos[i].masked_fill(g.pos[i] > qp, -1)    # (n, H_kv, C): what each row's query sees
             out, probs, col_sums = attend_step(q[rows], g.k[i], g.v[i], needs, visible)
-            together = set()                          # rows whose caches' hooks run at once (row_hooks.py)
-            for run in row_hooks.runs(g, i) if row_hooks.ENABLED else ():
+            together = set()                          # rows whose caches' hooks run at once (row_hooks.py),
+            for run in row_hooks.runs(g, i) if row_hooks.ENABLED else ():   # after the step's last layer
                 a, b = run.start, run.stop
-                seconds = row_hooks.step_rows(g, i, run, attn, q[rows][a:b], row_pos[rows.start + a:rows.start + b],
-                                              out[a:b], None if probs is None else probs[a:b],
-                                              None if col_sums is None else col_sums[a:b])
+                waiting[id(g)].append((i, run, (attn, q[rows][a:b], row_pos[rows.start + a:rows.start + b], out[a:b],
+                                                None if probs is None else probs[a:b],
+                                                None if col_sums is None else col_sums[a:b])))
+                together.update(run)
+            for run, seconds in row_hooks.catch_up(g, waiting[id(g)]) if i == L - 1 else ():
                 for r in run:
                     own_seconds[rows.start + r] += seconds / len(run)
-                together.update(run)
             for r, cache in enumerate(g.caches):
                 if cache.policy is not None and r not in together:
                     t0 = time.perf_counter()

@@ -122,7 +122,7 @@ def who(frame) -> str:
     storage = False
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if frame.f_code.co_name == "step_rows":      # row_hooks.py: the hook of several caches of one method
+        if frame.f_code.co_name in ("step_rows", "step_layers"):   # row_hooks.py: several caches of one method
             owner = frame.f_locals.get("policies", [None])[0]
         if isinstance(owner, (CachePolicy, PolicyWrapper)) and not isinstance(owner, Probe):
             return f"policy: {type(owner).__name__}"

@@ -11,7 +11,14 @@ of the ring buffer per row), then drop one slot per row and KV head at once:
     H2O            its scores += what each slot received;  the lowest score outside the recent window
     Scissorhands   its low-flag counters and ring buffer;   ``scissorhands.evict_one``
 
-with each row's recent window as a (rows, 1, 1) threshold from its own position. Every operation treats
+with each row's recent window as a (rows, 1, 1) threshold from its own position.
+
+They also wait for the step's last layer (``catch_up``): a step's later layers read nothing an earlier
+layer's hook changes, so one hook can take every layer, each (cache, layer) a row of its own
+(``step_layers``). The group keeps a row's positions and per-slot state with its layers side by side
+(``Group.pos_rows``, ``state_rows``: (rows, L, H_kv, C, ...)), so those rows are a view, and the hooks of
+a step are a few dozen operations in all where they were that many per layer. Rows whose run or state
+differs between layers take a hook per layer (``step_rows``), as before. Every operation treats
 each row on its own, so each cache gets the numbers its own hook would give, to the last bit on the
 models checked (``tests/methods/evaluation/test_row_hooks.py`` compares records and storage on the bundled
 model, ``results/agree_row_hooks_89e7d65.txt`` records on SmolLM2 too: 2 and 3 query heads per KV head).
@@ -132,6 +139,42 @@ def observe_rows(policy: ScissorhandsPolicy, kv: LayerKV, probs: Tensor, positio
     state[ATTN].copy_(attn[:, :, -1])                                           # the step's last query
 
 
+def evict_rows(policies: list, kv: LayerKV, ctx: StepContext, windows: list[int]) -> Tensor:
+    """The hook of ``policies`` (one method and rule, a row of ``kv`` each) at once: each row observes the
+    step and drops one slot per KV head (the module docstring). ``ctx`` gives the rows' probabilities, column
+    sums and token positions ``q_pos`` (n,); ``windows`` each row's ``1 - n_recent``. Returns the slots
+    dropped (n, H_kv, 1), already emptied in ``kv``."""
+    recent_from = ctx.q_pos.view(-1, 1, 1) + shifts(windows, kv.pos.device)      # (n, 1, 1): seen - n_recent
+    if isinstance(policies[0], H2OPolicy):                                       # ``ScoringPolicy.evict``
+        policies[0].observe(ctx)                                                 # the rows' own, at once
+        idx = select_lowest(kv.state[STATE], kv.pos, (kv.pos < 0) | (kv.pos >= recent_from), 1)
+    else:                                                                        # ``ScissorhandsPolicy.evict``
+        observe_rows(policies[0], kv, ctx.probs, ctx.q_pos)
+        idx = evict_one(kv.pos, kv.state[COUNT], kv.state[ATTN], recent_from)
+    kv._pos.scatter_(2, idx, -1)                                                 # each row's ``LayerKV.evict``
+    return idx
+
+
+def emptied(caches: list[KVCache], layers: list[int], idx: Tensor) -> None:
+    """Each cache's slots ``idx`` (n * len(layers), H_kv, 1), its layers' rows in turn, into the free slots
+    of those layers' storages (as ``LayerKV.evict`` leaves them)."""
+    j = 0
+    for cache in caches:
+        for i in layers:
+            store = cache.layers[i]
+            store.free = idx[j:j + 1] if store.free is None else torch.cat([store.free, idx[j:j + 1]], dim=-1)
+            j += 1
+
+
+def timed(caches: list[KVCache], t0: float) -> float:
+    """The seconds since ``t0``, shared by the caches' probes as ``Probe.on_decode`` times them."""
+    seconds = time.perf_counter() - t0
+    for cache in caches:
+        if isinstance(cache.policy, Probe):
+            cache.policy.compress_s += seconds / len(caches)
+    return seconds
+
+
 def step_rows(group, i: int, rows: range, attn, q: Tensor, positions: Tensor, out: Tensor, probs: Tensor | None,
               col_sums: Tensor | None) -> float:
     """The hook of the caches in ``rows`` of ``group`` at layer i, at once; q, out (n, H, 1, d), the new
@@ -144,23 +187,57 @@ def step_rows(group, i: int, rows: range, attn, q: Tensor, positions: Tensor, ou
     kv = LayerKV(group.k[i][a:b], group.v[i][a:b], group.pos[i][a:b])             # every slot of the rows
     kv._state = {name: buffer[a - lo:b - lo] for name, (lo, buffer) in group.state[i].items() if name in first._state}
     kv.fill = dict(first.fill)
-    # each row's seen - n_recent: its token's position + 1 - n_recent
-    recent_from = positions.view(-1, 1, 1) + shifts([1 - p.n_recent for p in policies], kv.pos.device)  # (n, 1, 1)
-    if isinstance(policies[0], H2OPolicy):                                       # ``ScoringPolicy.evict``
-        ctx = StepContext(layer=i, phase="decode", q=q, q_pos=positions[:1], probs=probs, out=out, kv=kv,
-                          attn=attn, config=caches[0].config, seen=caches[0].seen + 1, attended_pos=kv.pos,
-                          col_sums=col_sums)                                     # (seen: H2O's observe reads none)
-        policies[0].observe(ctx)                                                 # the rows' own, at once
-        idx = select_lowest(kv.state[STATE], kv.pos, (kv.pos < 0) | (kv.pos >= recent_from), 1)
-    else:                                                                        # ``ScissorhandsPolicy.evict``
-        observe_rows(policies[0], kv, probs, positions)
-        idx = evict_one(kv.pos, kv.state[COUNT], kv.state[ATTN], recent_from)
-    kv._pos.scatter_(2, idx, -1)                                                 # each row's ``LayerKV.evict``
-    for r, cache in enumerate(caches):
-        store = cache.layers[i]
-        store.free = idx[r:r + 1] if store.free is None else torch.cat([store.free, idx[r:r + 1]], dim=-1)
-    seconds = time.perf_counter() - t0
-    for cache in caches:
-        if isinstance(cache.policy, Probe):
-            cache.policy.compress_s += seconds / len(caches)                    # as ``Probe.on_decode`` times
-    return seconds
+    ctx = StepContext(layer=i, phase="decode", q=q, q_pos=positions, probs=probs, out=out, kv=kv, attn=attn,
+                      config=caches[0].config, seen=caches[0].seen + 1, attended_pos=kv.pos, col_sums=col_sums)
+    emptied(caches, [i], evict_rows(policies, kv, ctx, [1 - p.n_recent for p in policies]))
+    return timed(caches, t0)
+
+
+def stacked(group, rows: range) -> bool:
+    """Whether every layer's rows ``rows`` sit in ``group``'s buffers across layers (``Group.pos_rows`` and
+    ``state_rows``: a row's layers side by side), so that one hook can take every layer of them at once."""
+    first = group.caches[rows.start].layers[0]
+    return all(name in group.state_rows for name in first._state)
+
+
+def step_layers(group, rows: range, steps: list[tuple]) -> float:
+    """``step_rows`` of every layer at once: ``steps[i]`` is layer i's (attn, q, positions, out, probs,
+    col_sums) as ``step_rows`` takes them. Each row's layers become rows of their own, (cache, layer) in the order of
+    the buffers ``Group.pos_rows`` and ``state_rows``, viewed without a copy: one hook for the whole step
+    where each layer took its own (a step's later layers read nothing an earlier layer's hook changes, so
+    the hooks may wait until the last layer's attention). Returns the seconds it took."""
+    t0 = time.perf_counter()
+    caches = [group.caches[r] for r in rows]
+    policies = [method(c) for c in caches]
+    a, b, L, first = rows.start, rows.stop, len(steps), caches[0].layers[0]
+    kv = LayerKV(pos=group.pos_rows[a:b].flatten(0, 1))                          # (n * L, H_kv, C) a view
+    kv.n = kv._pos.shape[2]                                                      # (K and V: these hooks read none)
+    kv._state = {name: buffer[a - lo:b - lo].flatten(0, 1) for name, (lo, buffer) in group.state_rows.items()
+                 if name in first._state}
+    kv.fill = dict(first.fill)
+
+    def joined(n: int) -> Tensor | None:                                         # layers' (n, ...) -> (n * L, ...)
+        return None if steps[0][n] is None else torch.stack([s[n] for s in steps], 1).flatten(0, 1)
+    positions = steps[0][2][:, None].expand(-1, L).reshape(-1)                   # (n * L,) a row's, every layer
+    ctx = StepContext(layer=None, phase="decode", q=joined(1), q_pos=positions, probs=joined(4), out=joined(3),
+                      kv=kv, attn=None, config=caches[0].config, seen=caches[0].seen + 1, attended_pos=kv.pos,
+                      col_sums=joined(5))                                        # (layer, attn: the rows' own differ)
+    windows = [1 - p.n_recent for p in policies for _ in range(L)]
+    emptied(caches, list(range(L)), evict_rows(policies, kv, ctx, windows))
+    return timed(caches, t0)
+
+
+def catch_up(group, waiting: list[tuple]) -> list[tuple[range, float]]:
+    """The hooks that waited for a step's last layer, ``waiting`` [(layer, rows, (attn, q, positions, out,
+    probs, col_sums))] in layer order: each run of rows at every layer in one ``step_layers`` where its buffers allow,
+    else layer by layer (``step_rows``). Returns (rows, seconds) per call."""
+    L, by_rows = len(group.caches[0].layers), {}
+    for i, rows, args in waiting:
+        by_rows.setdefault(rows, []).append((i, args))
+    done = []
+    for rows, steps in by_rows.items():
+        if [i for i, _ in steps] == list(range(L)) and stacked(group, rows):
+            done.append((rows, step_layers(group, rows, [args for _, args in steps])))
+        else:
+            done += [(rows, step_rows(group, i, rows, *args)) for i, args in steps]
+    return done

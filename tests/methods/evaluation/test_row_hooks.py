@@ -32,12 +32,12 @@ def records(bundled, engine: str) -> list[dict]:
 @pytest.mark.parametrize("engine", ["one-group", "batched"])
 def test_rows_stepped_at_once_give_every_record_bit_for_bit(bundled, monkeypatch, engine):
     runs = []
-    step_rows = row_hooks.step_rows
+    evict_rows = row_hooks.evict_rows
 
-    def counted(group, i, rows, *args):
-        runs.append(tuple(type(row_hooks.method(group.caches[r])).__name__ for r in rows))
-        return step_rows(group, i, rows, *args)
-    monkeypatch.setattr(row_hooks, "step_rows", counted)
+    def counted(policies, *args):
+        runs.append(tuple(type(p).__name__ for p in policies))
+        return evict_rows(policies, *args)
+    monkeypatch.setattr(row_hooks, "evict_rows", counted)
     together = records(bundled, engine)
     assert all(len(set(run)) == 1 for run in runs)                 # one method a run
     if engine == "one-group":                     # H2O's three caches and Scissorhands' three, at once
@@ -51,8 +51,10 @@ def test_rows_stepped_at_once_give_every_record_bit_for_bit(bundled, monkeypatch
         assert {k: v for k, v in a.items() if k not in TIMES} == {k: v for k, v in b.items() if k not in TIMES}
 
 
-@pytest.mark.parametrize("probe, uneven, odd", [(True, False, False), (False, True, False), (True, False, True)],
-                         ids=["in probes", "bare, uneven", "other windows, a state set again"])
+@pytest.mark.parametrize("probe, uneven, odd", [(True, False, None), (False, True, None), (True, False, "every"),
+                                                (True, False, "one")],
+                         ids=["in probes", "bare, uneven", "other windows, a state set again",
+                              "other windows, one layer's state set again"])
 def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkeypatch, probe, uneven, odd):
     """What the records cannot see: every cache's storage (positions, emptied slots, per-slot state) and
     logits after each step, with the rows at once and alone; the policies in probes (teacher forcing), or
@@ -60,11 +62,13 @@ def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkey
     Scissorhands' flags each into its row's own column of the ring buffer); or two Scissorhands caches of
     another ring buffer than
     the first's (their state does not fit the group's buffer: they hook alone), and an H2O cache whose state
-    is set again between steps (a tensor of its own: alone too)."""
+    is set again between steps (a tensor of its own: alone too), at every layer (the other two still take
+    every layer at once) or at one (the others then take a hook per layer: ``catch_up``'s fallback)."""
     model, _, _ = bundled
     prompt = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
-    calls, step_rows = [], row_hooks.step_rows
-    monkeypatch.setattr(row_hooks, "step_rows", lambda *args: calls.append(len(args[2])) or step_rows(*args))
+    calls, evict_rows = [], row_hooks.evict_rows           # (caches, layers) of each hook over rows at once
+    monkeypatch.setattr(row_hooks, "evict_rows", lambda policies, kv, *args: calls.append(
+        (len(policies), len(kv.pos) // len(policies))) or evict_rows(policies, kv, *args))
 
     def stepped(enabled: bool) -> list:
         monkeypatch.setattr(row_hooks, "ENABLED", enabled)
@@ -78,18 +82,20 @@ def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkey
         seen = []
         for t in prompt[:5].tolist():
             logits, _, _ = engine.step(caches, [t] * len(caches))
-            for store in caches[0].layers if odd and t % 2 else ():    # H2O's first: its scores set again
-                store.set_state("h2o_score", store.state["h2o_score"].clone(), fill=0.0)
+            for store in caches[0].layers[:None if odd == "every" else 1] if odd and t % 2 else ():   # H2O's first:
+                store.set_state("h2o_score", store.state["h2o_score"].clone(), fill=0.0)            # scores set again
             seen.append([logits] + [(s.pos.clone(), None if s.free is None else s.free.clone(),
                                      {k: v.clone() for k, v in s.state.items()}) for c in caches for s in c.layers])
         return seen
 
     together = stepped(True)
     L = model.config.n_layer
-    if odd:                                         # H2O's three or, after a state set again, two; no Scissorhands
-        assert calls and set(calls) <= {2, 3} and len(calls) <= 5 * L
-    else:
-        assert sorted(calls) == [3] * 2 * 5 * L
+    if odd == "every":                              # H2O's three or, after a state set again, two; no Scissorhands
+        assert (2, L) in calls and set(calls) <= {(3, L), (2, L)} and len(calls) == 5
+    elif odd == "one":                              # after it, layer 0's two and the other layers' three, each alone
+        assert {(2, 1), (3, 1)} <= set(calls) <= {(3, L), (2, 1), (3, 1)}
+    else:                                           # each step: each method's three caches at every layer at once
+        assert calls == [(3, L)] * 2 * 5
     for a, b in zip(together, stepped(False)):
         assert torch.equal(a[0], b[0])
         for (pos_a, free_a, state_a), (pos_b, free_b, state_b) in zip(a[1:], b[1:]):
