@@ -343,6 +343,8 @@ CHECKED_BY = {
     "agree_eea8c21_47f26a8.txt": LOG,
     "agree_e4fc73c_c110db0.txt": LOG,
     "launches_smollm2_one-group_37fc1cd.txt": LOG,
+    "launches_smollm2_one-group_c110db0.txt": LOG,
+    "agree_e8e02a6_be67f97.txt": LOG,
 }
 
 

@@ -17,11 +17,14 @@ They also wait for the step's last layer (``catch_up``): a step's later layers r
 layer's hook changes, so one hook can take every layer, each (cache, layer) a row of its own
 (``step_layers``). The group keeps a row's positions and per-slot state with its layers side by side
 (``Group.pos_rows``, ``state_rows``: (rows, L, H_kv, C, ...)), so those rows are a view, and the hooks of
-a step are a few dozen operations in all where they were that many per layer. Rows whose run or state
+a step are a few dozen operations in all where they were that many per layer. The price is memory: each
+layer's probabilities or column sums are kept until the last layer (a group's, every row's: about 120 MB
+in a SmolLM2 job's group of 22 caches, 30 layers, 9 heads, 2,560 slots). Rows whose run or state
 differs between layers take a hook per layer (``step_rows``), as before. Every operation treats
 each row on its own, so each cache gets the numbers its own hook would give, to the last bit on the
 models checked (``tests/methods/evaluation/test_row_hooks.py`` compares records and storage on the bundled
-model, ``results/agree_row_hooks_89e7d65.txt`` records on SmolLM2 too: 2 and 3 query heads per KV head).
+model, ``results/agree_row_hooks_89e7d65.txt`` records on SmolLM2 too: 2 and 3 query heads per KV head;
+``results/agree_e8e02a6_be67f97.txt`` every layer at once against a hook per layer, on both models).
 One caveat: the mean over a KV head's query heads runs here over the group's padded row, in the own hook
 over the cache's slots, and on a CPU a mean over 5 or more heads can round 1 ulp apart between the two
 lengths (a near-tie may then evict another token: float rounding, as between the batched engine and the
@@ -200,28 +203,34 @@ def stacked(group, rows: range) -> bool:
     return all(name in group.state_rows for name in first._state)
 
 
+def as_rows(t: Tensor) -> Tensor:
+    """(n, L, ...) -> (n * L, ...), a view (``view`` raises where a copy would be needed: the hooks write in it)."""
+    return t.view(-1, *t.shape[2:])
+
+
 def step_layers(group, rows: range, steps: list[tuple]) -> float:
     """``step_rows`` of every layer at once: ``steps[i]`` is layer i's (attn, q, positions, out, probs,
-    col_sums) as ``step_rows`` takes them. Each row's layers become rows of their own, (cache, layer) in the order of
-    the buffers ``Group.pos_rows`` and ``state_rows``, viewed without a copy: one hook for the whole step
-    where each layer took its own (a step's later layers read nothing an earlier layer's hook changes, so
+    col_sums) as ``step_rows`` takes them. Each row's layers become rows of their own, (cache, layer) in the
+    order of the buffers ``Group.pos_rows`` and ``state_rows``, viewed without a copy: one hook for the whole
+    step where each layer took its own (a step's later layers read nothing an earlier layer's hook changes, so
     the hooks may wait until the last layer's attention). Returns the seconds it took."""
     t0 = time.perf_counter()
     caches = [group.caches[r] for r in rows]
     policies = [method(c) for c in caches]
     a, b, L, first = rows.start, rows.stop, len(steps), caches[0].layers[0]
-    kv = LayerKV(pos=group.pos_rows[a:b].flatten(0, 1))                          # (n * L, H_kv, C) a view
+    kv = LayerKV(pos=as_rows(group.pos_rows[a:b]))                               # (n * L, H_kv, C)
     kv.n = kv._pos.shape[2]                                                      # (K and V: these hooks read none)
-    kv._state = {name: buffer[a - lo:b - lo].flatten(0, 1) for name, (lo, buffer) in group.state_rows.items()
+    kv._state = {name: as_rows(buffer[a - lo:b - lo]) for name, (lo, buffer) in group.state_rows.items()
                  if name in first._state}
     kv.fill = dict(first.fill)
 
-    def joined(n: int) -> Tensor | None:                                         # layers' (n, ...) -> (n * L, ...)
-        return None if steps[0][n] is None else torch.stack([s[n] for s in steps], 1).flatten(0, 1)
+    def joined(n: int, needed: bool) -> Tensor | None:                           # layers' (n, ...) -> (n * L, ...)
+        return None if steps[0][n] is None or not needed else as_rows(torch.stack([s[n] for s in steps], 1))
     positions = steps[0][2][:, None].expand(-1, L).reshape(-1)                   # (n * L,) a row's, every layer
-    ctx = StepContext(layer=None, phase="decode", q=joined(1), q_pos=positions, probs=joined(4), out=joined(3),
+    needs = policies[0].needs("decode")                       # Scissorhands' probabilities, H2O's column sums
+    ctx = StepContext(layer=None, phase="decode", q=None, q_pos=positions, probs=joined(4, needs.rows != 0), out=None,
                       kv=kv, attn=None, config=caches[0].config, seen=caches[0].seen + 1, attended_pos=kv.pos,
-                      col_sums=joined(5))                                        # (layer, attn: the rows' own differ)
+                      col_sums=joined(5, needs.col_sums))               # (layer, q, out, attn: these hooks read none)
     windows = [1 - p.n_recent for p in policies for _ in range(L)]
     emptied(caches, list(range(L)), evict_rows(policies, kv, ctx, windows))
     return timed(caches, t0)

@@ -52,9 +52,9 @@ def test_rows_stepped_at_once_give_every_record_bit_for_bit(bundled, monkeypatch
 
 
 @pytest.mark.parametrize("probe, uneven, odd", [(True, False, None), (False, True, None), (True, False, "every"),
-                                                (True, False, "one")],
+                                                (True, False, "one"), (False, False, "narrowed")],
                          ids=["in probes", "bare, uneven", "other windows, a state set again",
-                              "other windows, one layer's state set again"])
+                              "other windows, one layer's state set again", "a cache ends"])
 def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkeypatch, probe, uneven, odd):
     """What the records cannot see: every cache's storage (positions, emptied slots, per-slot state) and
     logits after each step, with the rows at once and alone; the policies in probes (teacher forcing), or
@@ -63,7 +63,8 @@ def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkey
     another ring buffer than
     the first's (their state does not fit the group's buffer: they hook alone), and an H2O cache whose state
     is set again between steps (a tensor of its own: alone too), at every layer (the other two still take
-    every layer at once) or at one (the others then take a hook per layer: ``catch_up``'s fallback)."""
+    every layer at once) or at one (the others then take a hook per layer: ``catch_up``'s fallback); or, after
+    two steps, the first H2O cache no longer stepped (the group narrowed: the other two go on at once)."""
     model, _, _ = bundled
     prompt = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
     calls, evict_rows = [], row_hooks.evict_rows           # (caches, layers) of each hook over rows at once
@@ -74,15 +75,17 @@ def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkey
         monkeypatch.setattr(row_hooks, "ENABLED", enabled)
         engine = make_engine("one-group", model)
         policies = [make_policy(m, budget=b) for m in ("h2o", "scissorhands") for b in (40, 56, 72)]
-        if odd:
+        if odd in ("every", "one"):
             policies[4:] = [make_policy("scissorhands", budget=b, history_window=16) for b in (40, 56)]
         caches, _ = engine.fill([Probe(p) if probe else p for p in policies], [prompt.tolist()])
         if uneven:                                  # the first H2O and Scissorhands caches a token ahead
             engine.step([caches[0], caches[3]], [7, 7])
         seen = []
-        for t in prompt[:5].tolist():
+        for n, t in enumerate(prompt[:5].tolist()):
+            if odd == "narrowed" and n == 2:
+                caches = caches[1:]
             logits, _, _ = engine.step(caches, [t] * len(caches))
-            for store in caches[0].layers[:None if odd == "every" else 1] if odd and t % 2 else ():   # H2O's first:
+            for store in caches[0].layers[:None if odd == "every" else 1] if odd in ("every", "one") and t % 2 else ():
                 store.set_state("h2o_score", store.state["h2o_score"].clone(), fill=0.0)            # scores set again
             seen.append([logits] + [(s.pos.clone(), None if s.free is None else s.free.clone(),
                                      {k: v.clone() for k, v in s.state.items()}) for c in caches for s in c.layers])
@@ -92,6 +95,8 @@ def test_the_storage_after_each_step_is_the_one_each_hook_leaves(bundled, monkey
     L = model.config.n_layer
     if odd == "every":                              # H2O's three or, after a state set again, two; no Scissorhands
         assert (2, L) in calls and set(calls) <= {(3, L), (2, L)} and len(calls) == 5
+    elif odd == "narrowed":                         # H2O's three, then two; Scissorhands' three
+        assert calls == [(3, L)] * 2 * 2 + [(2, L), (3, L)] * 3
     elif odd == "one":                              # after it, layer 0's two and the other layers' three, each alone
         assert {(2, 1), (3, 1)} <= set(calls) <= {(3, L), (2, 1), (3, 1)}
     else:                                           # each step: each method's three caches at every layer at once
