@@ -23,6 +23,7 @@ entry (``metrics.py``); ``methods/evaluation/README.md`` shows each.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -74,12 +75,30 @@ def engine_for(name: str, alone: bool = False, model=None):
 
 def some_jobs(model, tok, variants: list[Variant], budgets: list[int], length: int, seed: int,
               engine: tuple[str, bool], jobs: list[tuple[str, int, str]]) -> list[list[tuple[tuple, dict]]]:
-    """``together.run_jobs``: the jobs side by side on this process's engine, each one's result; the GPU's
-    memory running out is one line from the command (``cli.errors``), not a traceback from each worker."""
-    try:
-        return run_jobs(engine_for(*engine, model=model), tok, variants, budgets, length, seed, jobs)
-    except torch.OutOfMemoryError:
-        raise cli.UsageError(out_of_memory(_WORKER.get("workers", 1), len(jobs))) from None
+    """``together.run_jobs``: the jobs side by side on this process's engine, each one's result. On a GPU that
+    processes share, each gives back the memory it no longer uses after each batch (``give_back``), and a
+    batch whose memory runs out is run once more, from its start, after giving back what the failed try
+    held (the others' peaks may have passed: their jobs' numbers do not depend on when they run); a second
+    time is one line from the command (``cli.errors``), not a traceback from each worker."""
+    for last in (False, True):
+        try:
+            return run_jobs(engine_for(*engine, model=model), tok, variants, budgets, length, seed, jobs)
+        except torch.OutOfMemoryError:
+            if last:
+                raise cli.UsageError(out_of_memory(_WORKER.get("workers", 1), len(jobs))) from None
+        finally:
+            give_back()
+
+
+def give_back() -> None:
+    """Where this process has used a GPU: the engine's last buffers dropped and the CUDA allocator's free
+    blocks returned, so that the processes sharing the GPU hold what they use, not each its own peak."""
+    if torch.cuda.is_initialized():
+        engine = _ENGINE.get("engine")
+        if hasattr(engine, "groups"):                 # the batched engines: the last step's groups
+            engine.groups, engine.ids = [], ()
+        gc.collect()                                  # a failed try's tensors, held in reference cycles
+        torch.cuda.empty_cache()
 
 
 _WORKER: dict = {}      # in a worker process: the arguments every job shares, set once by _init_worker

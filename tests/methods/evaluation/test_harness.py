@@ -2,6 +2,7 @@
 compare CLI, on a tiny random-init checkpoint (no training needed)."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -341,6 +342,29 @@ def test_a_worker_out_of_gpu_memory_is_one_line_that_names_the_workers(monkeypat
     assert stop.value.code == 2 and err.count("\n") == 1, err
     assert "ran out of memory with 16 worker processes" in err and "fewer --workers" in err, err
     assert "a shorter --length" in compare.out_of_memory(1)                 # one process: what fits is the work
+
+
+def test_a_batch_out_of_gpu_memory_runs_once_more_after_the_memory_goes_back(monkeypatch):
+    """On a GPU that workers share, a batch whose memory runs out is run again from its start, after the
+    process gives back what it held (its engine's last groups, the allocator's free blocks), and again after
+    every batch; a batch that runs out twice stops the command (the test above)."""
+    from methods.evaluation import compare
+    tries, given_back = [], []
+
+    def run_jobs(*args):
+        tries.append(args[-1])
+        if len(tries) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
+        return ["the batch's results"]
+    engine = types.SimpleNamespace(groups=["a group"], ids=(1,))
+    monkeypatch.setattr(compare, "run_jobs", run_jobs)
+    monkeypatch.setattr(compare, "engine_for", lambda *args, **kwargs: engine)
+    monkeypatch.setitem(compare._ENGINE, "engine", engine)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: given_back.append(list(engine.groups)))
+    jobs = [("niah_single_noise", 0, "question_in_prompt")]
+    assert compare.some_jobs(None, None, [], [], 192, 0, ("batched", False), jobs) == ["the batch's results"]
+    assert tries == [jobs, jobs] and given_back == [[], []]      # after the failed try, and after the batch
 
 
 def test_one_process_out_of_gpu_memory_is_one_line_too(monkeypatch, capsys):
