@@ -271,8 +271,12 @@ class BatchedEngine(FastEngine):
 
     @torch.no_grad()
     def fill(self, policies: list[CachePolicy], chunks: list[list[int]]) -> tuple[list[KVCache], Tensor]:
-        self.groups, self.ids = [], ()                # a new sample: the last one's buffers go back
+        self.release()                                # a new sample
         return super().fill(policies, chunks)
+
+    def release(self) -> None:
+        """The last step's groups dropped, so that their buffers go back (a new sample, or a batch's end)."""
+        self.groups, self.ids = [], ()
 
     def fork(self, cache: KVCache) -> KVCache:
         """A copy of ``cache`` that shares nothing with it (``Trace.add``): its layers' used slots only, state

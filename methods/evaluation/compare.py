@@ -94,9 +94,8 @@ def give_back() -> None:
     """Where this process has used a GPU: the engine's last buffers dropped and the CUDA allocator's free
     blocks returned, so that the processes sharing the GPU hold what they use, not each its own peak."""
     if torch.cuda.is_initialized():
-        engine = _ENGINE.get("engine")
-        if hasattr(engine, "groups"):                 # the batched engines: the last step's groups
-            engine.groups, engine.ids = [], ()
+        if hasattr(_ENGINE.get("engine"), "release"):     # the batched engines: the last step's groups
+            _ENGINE["engine"].release()
         gc.collect()                                  # a failed try's tensors, held in reference cycles
         torch.cuda.empty_cache()
 

@@ -356,7 +356,8 @@ def test_a_batch_out_of_gpu_memory_runs_once_more_after_the_memory_goes_back(mon
         if len(tries) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
         return ["the batch's results"]
-    engine = types.SimpleNamespace(groups=["a group"], ids=(1,))
+    engine = types.SimpleNamespace(groups=["a group"])
+    engine.release = lambda: setattr(engine, "groups", [])
     monkeypatch.setattr(compare, "run_jobs", run_jobs)
     monkeypatch.setattr(compare, "engine_for", lambda *args, **kwargs: engine)
     monkeypatch.setitem(compare._ENGINE, "engine", engine)
