@@ -281,16 +281,12 @@ class BatchedEngine(FastEngine):
     def fork(self, cache: KVCache) -> KVCache:
         """A copy of ``cache`` that shares nothing with it (``Trace.add``): its layers' used slots only, state
         included, so that a cache in a group is not copied with the whole group's buffers."""
-        saved = [(s._k, s._v, s._pos, s._state) for s in cache.layers]
+        copies = {}                                    # deepcopy's memo: each buffer's used slots, copied once
         for s in cache.layers:
             if s._k is not None:
-                s._k, s._v, s._pos = s.k.clone(), s.v.clone(), s.pos.clone()
-                s._state = {name: t[:, :, :s.n].clone() for name, t in s._state.items()}
-        try:
-            return copy.deepcopy(cache)
-        finally:
-            for s, (k, v, pos, state) in zip(cache.layers, saved):
-                s._k, s._v, s._pos, s._state = k, v, pos, state
+                copies |= {id(s._k): s.k.clone(), id(s._v): s.v.clone(), id(s._pos): s.pos.clone()}
+                copies |= {id(t): t[:, :, :s.n].clone() for t in s._state.values()}
+        return copy.deepcopy(cache, copies)
 
     def arrange(self, caches: list[KVCache]) -> tuple[list[Group], list[int]]:
         """The groups of this step's caches (last step's, while they still hold), and the caches that attend

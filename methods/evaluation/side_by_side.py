@@ -44,6 +44,7 @@ from nanollm.cache import KVCache, LayerKV
 from nanollm.generation import prefill
 from nanollm.policy import CachePolicy, Needs, StepContext
 
+from . import prefill_layers
 from .engine import PlainEngine
 
 ROWS = 16     # the rows of every product in step_many: 25 caches take two blocks (see the module docstring)
@@ -79,6 +80,7 @@ class FanOut(CachePolicy):
 
     def __init__(self, caches: list[KVCache]) -> None:
         self.caches = caches
+        self.runs: dict[Needs, prefill_layers.Run] = {}  # the caches that take layers at once: what waits
 
     def needs(self, phase: str) -> Needs:
         return Needs()                                   # the shared pass computes only the output
@@ -88,17 +90,29 @@ class FanOut(CachePolicy):
         if not isinstance(store, LayerKV) or not torch.equal(store.pos, ctx.q_pos.expand_as(store.pos)):
             raise SharedPrefillUnsupported("not a plain causal prompt over LayerKV storage")
         stats: dict[Needs, tuple] = {}
+        waiting: dict[Needs, list[KVCache]] = {}         # prefill_layers.py: these caches' hooks wait
+
+        def statistics(needs: Needs) -> tuple:           # (probs, col_sums), as attend() computes them
+            if needs not in stats:
+                stats[needs] = (None, None) if needs == Needs() else prompt_statistics(ctx.q, store.k, needs)
+            return stats[needs]
         for cache in self.caches:
+            needs = cache.policy.needs("prefill")
+            if prefill_layers.waits(cache):
+                waiting.setdefault(needs, []).append(cache)
+                continue
             own = copy.deepcopy(store)
             if cache.policy.attend_kv(ctx.layer, own) is not own:
                 raise SharedPrefillUnsupported("a policy attends to rebuilt entries at prefill")
-            needs = cache.policy.needs("prefill")
-            if needs not in stats:                       # (probs, col_sums), as attend() computes them
-                stats[needs] = (None, None) if needs == Needs() else prompt_statistics(ctx.q, own.k, needs)
-            probs, col_sums = (None if t is None else t.clone() for t in stats[needs])
+            probs, col_sums = (None if t is None else t.clone() for t in statistics(needs))
             cache.policy.on_prefill(replace(ctx, q=ctx.q.clone(), out=ctx.out.clone(), kv=own, probs=probs,
                                             col_sums=col_sums, attended_pos=own.pos))
             cache.layers[ctx.layer] = own
+        for needs, caches in waiting.items():            # a run of layers waits, then one hook takes them all
+            run = self.runs.setdefault(needs, prefill_layers.Run(needs))
+            run.add(ctx.layer, store, statistics(needs))
+            if ctx.layer == len(caches[0].layers) - 1 or run.held >= prefill_layers.HELD_BYTES:
+                prefill_layers.compress(caches, self.runs.pop(needs), ctx)
 
 
 @torch.no_grad()

@@ -1,0 +1,130 @@
+"""``prefill_layers``: in the shared prompt pass, H2O's, Scissorhands', SnapKV's and StreamingLLM's prefill hooks
+take a run of layers at once, each layer a batch row, and give every cache the storage and the records its
+hook gives it layer by layer, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from methods import make_policy
+from methods.evaluation import compare, prefill_layers
+from methods.evaluation.engines import make_engine
+from methods.evaluation.protocol import Probe
+from nanollm import load
+from nanollm.data.evaluate import MODES
+
+TIMES = {"compress_ms", "decode_ms_per_token"}
+WAIT = ("h2o", "scissorhands", "snapkv", "streaming_llm")
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    torch.set_num_threads(1)
+    return load("retrieval-llama")
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Each hook over layers at once: (its method, its layers)."""
+    seen, compress = [], prefill_layers.compress
+
+    def counted(caches, run, ctx):
+        seen.extend((type(c.policy.inner if isinstance(c.policy, Probe) else c.policy).__name__, tuple(run.layers))
+                    for c in caches)
+        return compress(caches, run, ctx)
+    monkeypatch.setattr(prefill_layers, "compress", counted)
+    return seen
+
+
+def storage(cache) -> list[tuple]:
+    """Everything a layer's storage holds: its entries, its room (positions -1; the keys and values there are
+    never read, and unset where the storage grew), per-slot state and fill values."""
+    return [(s.n, s.capacity(), s.k, s.v, s._pos, s.free, dict(s._state), dict(s.fill)) for s in cache.layers]
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("held", [None, 1, 300_000], ids=["every layer at once", "a layer a run", "runs by bytes"])
+@pytest.mark.parametrize("probe", [True, False], ids=["in probes", "bare"])
+def test_each_layer_holds_what_its_own_hook_leaves(bundled, monkeypatch, runs, held, probe):
+    """After the fill, every layer of every cache holds the same entries, positions, per-slot state, slots
+    of room and fill values as with each layer's own hook (compressed, or within its budget at 160), for
+    runs of every layer, of one, and of as many as ``HELD_BYTES`` allows (300 kB: H2O's layers, about 115 kB
+    each here, in runs of three and one, Scissorhands', with 150 rows of probabilities each, alone); the
+    other caches (AdaKV, a recording probe) take no part."""
+    model, _, _ = bundled
+    prompt = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(0)).tolist()
+    L = model.config.n_layer
+
+    def filled(enabled: bool) -> list:
+        monkeypatch.setattr(prefill_layers, "ENABLED", enabled)
+        if held is not None:
+            monkeypatch.setattr(prefill_layers, "HELD_BYTES", held)
+        policies = [make_policy(m, budget=b) for m in (*WAIT, "adakv") for b in (40, 72, 160)]   # 160: no compression
+        policies = [Probe(p) if probe else p for p in policies]
+        recording = Probe(make_policy("h2o", budget=40))
+        recording.recording = True
+        caches, logits = make_engine("one-group", model).fill([*policies, recording], [prompt, prompt[:9]])
+        return [logits] + [storage(c) for c in caches]
+
+    together = filled(True)
+    by_method: dict = {}
+    for name, layers in runs:
+        by_method.setdefault(name, []).append(layers)
+    assert len(by_method) == len(WAIT)
+    for name, layers in by_method.items():          # each cache's layers once, in runs of consecutive layers
+        assert sorted(i for run in layers for i in run) == sorted(list(range(L)) * 3)
+        assert all(run == tuple(range(run[0], run[0] + len(run))) for run in layers)
+    lengths = {name: sorted({len(r) for r in layers}) for name, layers in by_method.items()}
+    if held is None:
+        assert all(n == [L] for n in lengths.values())
+    elif held == 1:
+        assert all(n == [1] for n in lengths.values())
+    else:
+        assert lengths["H2OPolicy"] == [1, 3] and lengths["ScissorhandsPolicy"] == [1]
+    runs.clear()
+    alone = filled(False)
+    assert runs == []
+    assert len(together) == len(alone) == 1 + 5 * 3 + 1
+    for a, b in zip(together, alone):
+        assert same(a, b)
+
+
+def test_the_records_are_those_of_a_hook_per_layer(bundled, monkeypatch, runs):
+    """``methods.compare``'s records, every field but the times, with the layers at once and with a hook per
+    layer, both modes, on the engines that share the prompt pass."""
+    model, tok, _ = bundled
+
+    def records(engine: str) -> list[dict]:
+        out = compare.run(model, tok, [*WAIT, "adakv", "kvreviver"], [40, 72], ["niah_single_noise"], MODES, 1,
+                          256, engine=engine, progress=False)
+        return [{k: v for k, v in r.items() if k not in TIMES} for r in out]
+    for engine in ("one-group", "fast"):
+        monkeypatch.setattr(prefill_layers, "ENABLED", True)
+        runs.clear()
+        together = records(engine)
+        assert len(runs) == len(MODES) * len(WAIT) * 2            # each cache once: every layer in one run
+        monkeypatch.setattr(prefill_layers, "ENABLED", False)
+        runs.clear()
+        alone = records(engine)
+        assert runs == [] and together == alone
+
+
+def test_a_hook_that_reads_one_layers_queries_fails_rather_than_read_them(bundled, monkeypatch):
+    """The run's context holds no queries, outputs or attention module: a method that read them at prefill
+    (one layer's, for every row) would fail loudly, not compress every layer by one layer's numbers."""
+    model, _, _ = bundled
+    policy = make_policy("h2o", budget=40)
+    observe = type(policy).observe
+    monkeypatch.setattr(type(policy), "observe", lambda self, ctx: observe(self, ctx) or ctx.q.shape)
+    with pytest.raises(AttributeError):
+        make_engine("one-group", model).fill([policy], [list(range(100))])
