@@ -1,12 +1,12 @@
 """
-The prompt's compression with many layers at once, in the fast engines' shared prompt pass (``FanOut``).
+The prompt's compression, and the question's hooks, with many layers at once, in the fast engines' fill.
 
-After each layer's attention over the prompt, ``FanOut`` gives every cache its own copy of the layer's
-storage and runs that cache's prefill hook: for SmolLM2's 30 layers and a job's 24 compressed caches, 720
-hooks of a few dozen small operations each (on a GPU, a kernel launch each). A layer's compression changes
-nothing a later layer's prompt pass reads (the prompt's attention is exact, over the uncompressed keys), so
-a hook may wait. Here the caches of the methods in ``METHODS`` wait, layer after layer, and then one hook
-takes a run of layers at once, each layer a batch row of one ``LayerKV``:
+After each layer's attention over the prompt, ``FanOut`` (the shared prompt pass) gives every cache its own
+copy of the layer's storage and runs that cache's prefill hook: for SmolLM2's 30 layers and a job's 24
+compressed caches, 720 hooks of a few dozen small operations each (on a GPU, a kernel launch each). A
+layer's compression changes nothing a later layer's prompt pass reads (the prompt's attention is exact,
+over the uncompressed keys), so a hook may wait. Here the caches of the methods in ``METHODS`` wait, layer
+after layer, and then one hook takes a run of layers at once, each layer a batch row of one ``LayerKV``:
 
     k, v, pos   the run's layers' storage, side by side   (L, H_kv, T, d), (L, H_kv, T)
     probs       their statistics (the rows or the column sums the method needs), side by side
@@ -18,13 +18,19 @@ and keeps as many, so each layer gets the entries, state and buffers its own hoo
 (``tests/methods/evaluation/test_prefill_layers.py`` compares the storage and the records). Each layer's
 storage then views its row of the run's buffers.
 
+The question after the context (``extend_many``) is the same: its hook at a layer (H2O's, Scissorhands' and
+StreamingLLM's; SnapKV's does nothing there) changes only that layer's storage, so a ``Later`` stands in
+for the policy during the pass, keeps each layer's context, and ``catch_up`` runs the hook over the
+layers' storage stacked, where it stacks (as many slots and the same state in each; else a hook a layer).
+
 The statistics wait with the layers: a run ends at the last layer or when what it holds (each layer's
 storage and statistics, which the hook copies) reaches ``HELD_BYTES``, so a method that reads many rows
-(Scissorhands' 400) takes a few layers a run, and a long prompt fewer. The run's context has ``layer`` set
+(Scissorhands' 400) takes a few layers a run, and a long prompt fewer. The prompt's run has ``layer`` set
 to its first layer and ``q``, ``out`` and ``attn`` set to None: these methods read none of them at prefill
-(StreamingLLM drops a layer's ring of slots when it compacts, and a new cache has none), and a method that
-did would fail rather than read one layer's. Any other cache (the wrappers, whose kept slots are padded to
-the longest head of the whole batch; KVReviver; a ``Probe`` that records) runs its hook layer by layer.
+(StreamingLLM drops a layer's ring of slots when it compacts, and a fill's cache has none), and a method
+that did would fail rather than read one layer's (the question's run has its queries and outputs, stacked:
+a hook there reads their shape). Any other cache (the wrappers, whose kept slots are padded to the longest
+head of the whole batch; KVReviver; a ``Probe`` that records) runs its hooks layer by layer.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from methods.scissorhands import ScissorhandsPolicy
 from methods.snapkv import SnapKVPolicy
 from methods.streaming_llm import StreamingLLMPolicy
 from nanollm.cache import KVCache
-from nanollm.policy import Needs, StepContext
+from nanollm.policy import CachePolicy, Needs, StepContext
 from nanollm.storage import LayerKV
 
 from .protocol import Probe
@@ -49,14 +55,15 @@ HELD_BYTES = 128 << 20      # what a run holds before its hook runs: the layers'
 ENABLED = True              # False: every cache runs its hook layer by layer (the tests compare the two)
 
 
-def waits(cache: KVCache) -> bool:
-    """Whether the cache's prefill hook is one of ``METHODS``' own, bare or in a ``Probe`` that times it only."""
+def waits(cache: KVCache, phase: str = "prefill") -> bool:
+    """Whether the cache's hook of ``phase`` is one of ``METHODS``' own, bare or in a ``Probe`` that times it
+    only, and (a question's chunk) one that compresses there: SnapKV's does nothing after the prompt."""
     policy = cache.policy
     if isinstance(policy, Probe):
         if policy.recording:
             return False
         policy = policy.inner
-    return ENABLED and type(policy) in METHODS
+    return ENABLED and type(policy) in METHODS and phase in policy.compress_on
 
 
 @dataclass
@@ -73,19 +80,30 @@ class Run:
         self.layers.append(layer)
         self.stores.append(store)
         self.stats.append(stats)
-        self.held += sum(t.nbytes for t in (store._k, store._v, store._pos, *stats) if t is not None)
+        self.held += nbytes(store, *stats)
+
+
+def nbytes(store: LayerKV, *stats: Tensor | None) -> int:
+    """What a layer adds to a run: its storage's buffers (which the hook copies) and its statistics."""
+    return sum(t.nbytes for t in (store._k, store._v, store._pos, *store._state.values(), *stats) if t is not None)
+
+
+def stackable(stores: list[LayerKV]) -> bool:
+    """Whether the layers' storage can be batch rows of one: one sequence each, as many slots, the same room,
+    none emptied, the same per-slot state."""
+    first = stores[0]
+    kind = lambda s: (s.n, s.capacity(), s._k.shape[0], s.fill, {n: (t.shape, t.dtype) for n, t in s._state.items()})  # noqa: E731
+    return first._k.shape[0] == 1 and all(s.free is None and kind(s) == kind(first) for s in stores)
 
 
 def stacked(stores: list[LayerKV]) -> LayerKV:
-    """A new ``LayerKV`` holding the layers' storage as batch rows: buffers (L, H_kv, capacity, ...), room
-    included, as a copy of each would hold it."""
+    """A new ``LayerKV`` holding the layers' storage (``stackable``) as batch rows: buffers (L, H_kv,
+    capacity, ...), room included, as a copy of each would hold it."""
     first = stores[0]
-    if any(s._k.shape[0] != 1 or s.n != first.n or s.capacity() != first.capacity() or s.free is not None
-           or s._state for s in stores):
-        raise ValueError("a run of layers needs one sequence, as many slots in each, none emptied, no state")
     out = LayerKV()
     out._k, out._v, out._pos = (torch.cat([getattr(s, name) for s in stores]) for name in ("_k", "_v", "_pos"))
-    out.n = first.n
+    out._state = {name: torch.cat([s._state[name] for s in stores]) for name in first._state}
+    out.n, out.fill = first.n, dict(first.fill)
     return out
 
 
@@ -102,6 +120,8 @@ def row(store: LayerKV, j: int) -> LayerKV:
 def compress(caches: list[KVCache], run: Run, ctx: StepContext) -> None:
     """Each cache's prefill hook over the run's layers at once (``ctx``: the run's last layer's context,
     for the fields every layer shares); each layer of the cache then views its row."""
+    if not stackable(run.stores) or run.stores[0]._state:
+        raise ValueError("a run of the prompt's layers holds one sequence, as many slots in each, no state")
     probs, col_sums = (None if run.stats[0][n] is None else torch.cat([s[n] for s in run.stats]) for n in (0, 1))
     for cache in caches:
         own = stacked(run.stores)
@@ -110,3 +130,49 @@ def compress(caches: list[KVCache], run: Run, ctx: StepContext) -> None:
             probs=None if probs is None else probs.clone(), col_sums=None if col_sums is None else col_sums.clone()))
         for j, layer in enumerate(run.layers):
             cache.layers[layer] = row(own, j)
+
+
+class Later(CachePolicy):
+    """A cache's policy while ``extend_many`` passes a chunk (the question) over it: it attends as the
+    policy would, and keeps each layer's context for one hook over every layer at the pass's end
+    (``catch_up``)."""
+
+    def __init__(self, policy: CachePolicy) -> None:
+        self.policy, self.contexts = policy, []
+
+    def needs(self, phase: str) -> Needs:
+        return self.policy.needs(phase)
+
+    def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
+        return self.policy.attend_kv(layer, store)
+
+    def on_decode(self, ctx: StepContext) -> None:
+        self.contexts.append(ctx)
+
+
+def catch_up(cache: KVCache, later: Later) -> None:
+    """The chunk's hooks of the layers ``later`` kept, a run of layers at a time (a run ends at the last
+    layer or at ``HELD_BYTES``, as at prefill); the cache gets its own policy back."""
+    cache.policy, run, held = later.policy, [], 0
+    for n, ctx in enumerate(later.contexts):
+        run.append(ctx)
+        held += nbytes(ctx.kv, ctx.probs, ctx.col_sums)
+        if n == len(later.contexts) - 1 or held >= HELD_BYTES:
+            hook(cache, run)
+            run, held = [], 0
+
+
+def hook(cache: KVCache, contexts: list[StepContext]) -> None:
+    """One hook over the layers of ``contexts`` where their storage stacks (each layer then views its row),
+    else a hook per layer."""
+    stores = [c.kv for c in contexts]
+    if len(contexts) < 2 or not stackable(stores):
+        for ctx in contexts:
+            cache.policy.on_decode(ctx)
+        return
+    own = stacked(stores)
+    cat = lambda name: None if getattr(contexts[0], name) is None else torch.cat([getattr(c, name) for c in contexts])  # noqa: E731
+    cache.policy.on_decode(replace(contexts[-1], layer=contexts[0].layer, q=cat("q"), out=cat("out"), attn=None,
+                                   kv=own, attended_pos=own.pos, probs=cat("probs"), col_sums=cat("col_sums")))
+    for j, ctx in enumerate(contexts):
+        cache.layers[ctx.layer] = row(own, j)

@@ -198,7 +198,16 @@ def extend_many(lean: LeanDecoder, chunk: Tensor, caches: list[KVCache]) -> Tens
         return torch.cat(outs)
 
     last = torch.arange(T - 1, N * T, T, device=device)                                # each cache's last row
-    logits, _ = lean.forward(x, cos, sin, blocked_linear, attend, logits_of=last)      # (N, V)
+    later = {n: prefill_layers.Later(c.policy) for n, c in enumerate(caches) if prefill_layers.waits(c, "decode")}
+    for n, stand_in in later.items():                # their hooks wait for the last layer (prefill_layers.py)
+        caches[n].policy = stand_in
+    try:
+        logits, _ = lean.forward(x, cos, sin, blocked_linear, attend, logits_of=last)  # (N, V)
+    finally:
+        for n, stand_in in later.items():
+            caches[n].policy = stand_in.policy
+    for n, stand_in in later.items():
+        prefill_layers.catch_up(caches[n], stand_in)
     for cache in caches:
         cache.seen += T
     return logits

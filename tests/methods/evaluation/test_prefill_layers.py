@@ -1,6 +1,7 @@
 """``prefill_layers``: in the shared prompt pass, H2O's, Scissorhands', SnapKV's and StreamingLLM's prefill hooks
-take a run of layers at once, each layer a batch row, and give every cache the storage and the records its
-hook gives it layer by layer, bit for bit."""
+take a run of layers at once, each layer a batch row, and so do the question's hooks after it (H2O's,
+Scissorhands', StreamingLLM's), and give every cache the storage and the records its hooks give it layer by
+layer, bit for bit."""
 
 from __future__ import annotations
 
@@ -37,6 +38,27 @@ def runs(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def question(monkeypatch):
+    """Each hook over the question's layers: (its method, its layers)."""
+    seen, hook = [], prefill_layers.hook
+
+    def counted(cache, contexts):
+        seen.append((type(cache.policy.inner if isinstance(cache.policy, Probe) else cache.policy).__name__,
+                     tuple(c.layer for c in contexts)))
+        return hook(cache, contexts)
+    monkeypatch.setattr(prefill_layers, "hook", counted)
+    return seen
+
+
+@pytest.fixture
+def stacks(monkeypatch):
+    """The layers each stacked storage takes (a run's, at prefill or at the question)."""
+    seen, stacked = [], prefill_layers.stacked
+    monkeypatch.setattr(prefill_layers, "stacked", lambda stores: seen.append(len(stores)) or stacked(stores))
+    return seen
+
+
 def storage(cache) -> list[tuple]:
     """Everything a layer's storage holds: its entries, its room (positions -1; the keys and values there are
     never read, and unset where the storage grew), per-slot state and fill values."""
@@ -55,12 +77,13 @@ def same(a, b) -> bool:
 
 @pytest.mark.parametrize("held", [None, 1, 300_000], ids=["every layer at once", "a layer a run", "runs by bytes"])
 @pytest.mark.parametrize("probe", [True, False], ids=["in probes", "bare"])
-def test_each_layer_holds_what_its_own_hook_leaves(bundled, monkeypatch, runs, held, probe):
+def test_each_layer_holds_what_its_own_hook_leaves(bundled, monkeypatch, runs, question, stacks, held, probe):
     """After the fill, every layer of every cache holds the same entries, positions, per-slot state, slots
     of room and fill values as with each layer's own hook (compressed, or within its budget at 160), for
     runs of every layer, of one, and of as many as ``HELD_BYTES`` allows (300 kB: H2O's layers, about 115 kB
     each here, in runs of three and one, Scissorhands', with 150 rows of probabilities each, alone); the
-    other caches (AdaKV, a recording probe) take no part."""
+    other caches (AdaKV, a recording probe) take no part. The question's hooks (9 tokens, after the prompt's
+    150) take every layer at once, 300 kB being more than a layer holds then."""
     model, _, _ = bundled
     prompt = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(0)).tolist()
     L = model.config.n_layer
@@ -77,23 +100,28 @@ def test_each_layer_holds_what_its_own_hook_leaves(bundled, monkeypatch, runs, h
         return [logits] + [storage(c) for c in caches]
 
     together = filled(True)
-    by_method: dict = {}
-    for name, layers in runs:
-        by_method.setdefault(name, []).append(layers)
-    assert len(by_method) == len(WAIT)
-    for name, layers in by_method.items():          # each cache's layers once, in runs of consecutive layers
-        assert sorted(i for run in layers for i in run) == sorted(list(range(L)) * 3)
-        assert all(run == tuple(range(run[0], run[0] + len(run))) for run in layers)
-    lengths = {name: sorted({len(r) for r in layers}) for name, layers in by_method.items()}
-    if held is None:
-        assert all(n == [L] for n in lengths.values())
-    elif held == 1:
-        assert all(n == [1] for n in lengths.values())
-    else:
-        assert lengths["H2OPolicy"] == [1, 3] and lengths["ScissorhandsPolicy"] == [1]
-    runs.clear()
+    for hooks, methods in ((runs, WAIT), (question, ("h2o", "scissorhands", "streaming_llm"))):
+        by_method: dict = {}
+        for name, layers in hooks:
+            by_method.setdefault(name, []).append(layers)
+        assert sorted(by_method) == sorted(type(make_policy(m, budget=40)).__name__ for m in methods)
+        for name, layers in by_method.items():      # each cache's layers once, in runs of consecutive layers
+            assert sorted(i for run in layers for i in run) == sorted(list(range(L)) * 3)
+            assert all(run == tuple(range(run[0], run[0] + len(run))) for run in layers)
+        lengths = {name: sorted({len(r) for r in layers}) for name, layers in by_method.items()}
+        if held is None:
+            assert all(n == [L] for n in lengths.values())
+        elif held == 1:
+            assert all(n == [1] for n in lengths.values())
+        elif hooks is runs:
+            assert lengths["H2OPolicy"] == [1, 3] and lengths["ScissorhandsPolicy"] == [1]
+        else:                                       # the question's storage: smaller, Scissorhands' ring buffer
+            assert lengths["H2OPolicy"] == [1, 3, 4] and 2 in lengths["ScissorhandsPolicy"]
+    several = [len(layers) for _, layers in question if len(layers) > 1]
+    assert sorted(stacks) == sorted([len(layers) for _, layers in runs] + several)   # the question: runs of several
+    runs.clear(), question.clear(), stacks.clear()
     alone = filled(False)
-    assert runs == []
+    assert runs == question == stacks == []
     assert len(together) == len(alone) == 1 + 5 * 3 + 1
     for a, b in zip(together, alone):
         assert same(a, b)
@@ -128,3 +156,26 @@ def test_a_hook_that_reads_one_layers_queries_fails_rather_than_read_them(bundle
     monkeypatch.setattr(type(policy), "observe", lambda self, ctx: observe(self, ctx) or ctx.q.shape)
     with pytest.raises(AttributeError):
         make_engine("one-group", model).fill([policy], [list(range(100))])
+
+
+def test_a_question_over_layers_that_do_not_stack_takes_a_hook_a_layer(bundled, monkeypatch, question, stacks):
+    """Where the layers' storage differs (here one layer's H2O scores set again in float64), the question's
+    hooks run layer by layer for that cache, the others' at once, each cache's storage still what its own
+    hooks leave."""
+    model, _, _ = bundled
+    prompt = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def extended(enabled: bool) -> list:
+        monkeypatch.setattr(prefill_layers, "ENABLED", enabled)
+        engine = make_engine("one-group", model)
+        caches, logits = engine.fill([make_policy("h2o", budget=b) for b in (40, 72)], [prompt])
+        store = caches[0].layers[1]
+        store.set_state("h2o_score", store.state["h2o_score"].double(), fill=0.0)
+        logits = engine.extend_all(caches, logits, [prompt, prompt[:9]])
+        return [logits] + [storage(c) for c in caches]
+
+    together = extended(True)
+    L = model.config.n_layer
+    assert question == [("H2OPolicy", tuple(range(L)))] * 2 and stacks == [L] * 3    # the prompt's two, one question
+    question.clear(), stacks.clear()
+    assert same(together, extended(False)) and question == stacks == []
