@@ -344,7 +344,9 @@ CHECKED_BY = {
     "agree_e4fc73c_c110db0.txt": LOG,
     "launches_smollm2_one-group_37fc1cd.txt": LOG,
     "launches_smollm2_one-group_c110db0.txt": LOG,
+    "launches_smollm2_one-group_838797e.txt": LOG,
     "agree_e8e02a6_be67f97.txt": LOG,
+    "agree_dc6c1fd_e2a2ddc.txt": LOG,
 }
 
 
