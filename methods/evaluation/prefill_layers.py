@@ -18,19 +18,26 @@ and keeps as many, so each layer gets the entries, state and buffers its own hoo
 (``tests/methods/evaluation/test_prefill_layers.py`` compares the storage and the records). Each layer's
 storage then views its row of the run's buffers.
 
-The question after the context (``extend_many``) is the same: its hook at a layer (H2O's, Scissorhands' and
-StreamingLLM's; SnapKV's does nothing there) changes only that layer's storage, so a ``Later`` stands in
-for the policy during the pass, keeps each layer's context, and ``catch_up`` runs the hook over the
-layers' storage stacked, where it stacks (as many slots and the same state in each; else a hook a layer).
+The question after the context (``extend_many``) is the same for H2O's and Scissorhands' hooks, which
+change only their layer's storage: a ``Later`` stands in for the policy during the pass, keeps each layer's
+context, and runs the hook over the kept layers' storage stacked, where it stacks (as many slots and the
+same state in each; else a hook a layer). StreamingLLM's does not wait there: it keeps a ring of slots per
+layer in the policy itself, and a hook over stacked layers would update the first layer's ring only (at
+the prompt a new cache has no ring yet, and none is made there). SnapKV's hook does nothing after the prompt.
 
-The statistics wait with the layers: a run ends at the last layer or when what it holds (each layer's
-storage and statistics, which the hook copies) reaches ``HELD_BYTES``, so a method that reads many rows
-(Scissorhands' 400) takes a few layers a run, and a long prompt fewer. The prompt's run has ``layer`` set
-to its first layer and ``q``, ``out`` and ``attn`` set to None: these methods read none of them at prefill
-(StreamingLLM drops a layer's ring of slots when it compacts, and a fill's cache has none), and a method
-that did would fail rather than read one layer's (the question's run has its queries and outputs, stacked:
-a hook there reads their shape). Any other cache (the wrappers, whose kept slots are padded to the longest
-head of the whole batch; KVReviver; a ``Probe`` that records) runs its hooks layer by layer.
+What waits is bounded: a run ends at the last layer or at the layer that brings what it holds (the
+layers' storage, which the hook copies, and their statistics) to ``HELD_BYTES``. So a method that reads
+many rows (Scissorhands' 400) takes a few layers a run, and a long prompt fewer. At the prompt each kind
+of statistics (a ``Needs``) has its run, and the hook copies what its run holds once more (the storage
+stacked, the statistics for each cache): a few times ``HELD_BYTES`` at most, for the time of a hook. The
+prompt's run has ``layer`` set to its first layer and ``q``, ``out`` and ``attn`` set to None: these methods
+read none of them at prefill, and a method that did would fail rather than read one layer's; the
+question's run has its queries and outputs, stacked (a hook there reads their shape). Any other cache (the
+wrappers, whose kept slots are padded to the longest head of the whole batch; KVReviver; a ``Probe`` that
+records; a prompt of several sequences) runs its hooks layer by layer.
+
+On a CPU each row's numbers are those of its own hook to the last bit (tested); a GPU may split a
+reduction over rows differently for a batch of 30 rows than for one, so there they agree to float rounding.
 """
 
 from __future__ import annotations
@@ -50,20 +57,21 @@ from nanollm.storage import LayerKV
 
 from .protocol import Probe
 
-METHODS = (H2OPolicy, ScissorhandsPolicy, SnapKVPolicy, StreamingLLMPolicy)
-HELD_BYTES = 128 << 20      # what a run holds before its hook runs: the layers' storage and statistics
+METHODS = (H2OPolicy, ScissorhandsPolicy, SnapKVPolicy, StreamingLLMPolicy)   # at the prompt
+CHUNK_METHODS = (H2OPolicy, ScissorhandsPolicy)     # at the question (the module docstring says why not the others)
+HELD_BYTES = 128 << 20      # a run ends at the layer whose storage and statistics bring it to this many bytes
 ENABLED = True              # False: every cache runs its hook layer by layer (the tests compare the two)
 
 
 def waits(cache: KVCache, phase: str = "prefill") -> bool:
-    """Whether the cache's hook of ``phase`` is one of ``METHODS``' own, bare or in a ``Probe`` that times it
-    only, and (a question's chunk) one that compresses there: SnapKV's does nothing after the prompt."""
+    """Whether the cache's hook of ``phase`` is the own hook of one of ``METHODS`` (a prompt) or of
+    ``CHUNK_METHODS`` (a later chunk), bare or in a ``Probe`` that only times it."""
     policy = cache.policy
     if isinstance(policy, Probe):
         if policy.recording:
             return False
         policy = policy.inner
-    return ENABLED and type(policy) in METHODS and phase in policy.compress_on
+    return ENABLED and type(policy) in (METHODS if phase == "prefill" else CHUNK_METHODS)
 
 
 @dataclass
@@ -92,7 +100,10 @@ def stackable(stores: list[LayerKV]) -> bool:
     """Whether the layers' storage can be batch rows of one: one sequence each, as many slots, the same room,
     none emptied, the same per-slot state."""
     first = stores[0]
-    kind = lambda s: (s.n, s.capacity(), s._k.shape[0], s.fill, {n: (t.shape, t.dtype) for n, t in s._state.items()})  # noqa: E731
+
+    def kind(s: LayerKV) -> tuple:
+        return (s.n, s.fill, *((t.shape, t.dtype) for t in (s._k, s._v, s._pos)),
+                {name: (t.shape, t.dtype) for name, t in s._state.items()})
     return first._k.shape[0] == 1 and all(s.free is None and kind(s) == kind(first) for s in stores)
 
 
@@ -134,11 +145,11 @@ def compress(caches: list[KVCache], run: Run, ctx: StepContext) -> None:
 
 class Later(CachePolicy):
     """A cache's policy while ``extend_many`` passes a chunk (the question) over it: it attends as the
-    policy would, and keeps each layer's context for one hook over every layer at the pass's end
-    (``catch_up``)."""
+    policy would and keeps each layer's context; when what they hold reaches ``HELD_BYTES``, and at the last
+    layer (``catch_up``), the policy's hook runs once over the kept layers."""
 
-    def __init__(self, policy: CachePolicy) -> None:
-        self.policy, self.contexts = policy, []
+    def __init__(self, cache: KVCache) -> None:
+        self.cache, self.policy, self.contexts, self.held = cache, cache.policy, [], 0
 
     def needs(self, phase: str) -> Needs:
         return self.policy.needs(phase)
@@ -148,31 +159,31 @@ class Later(CachePolicy):
 
     def on_decode(self, ctx: StepContext) -> None:
         self.contexts.append(ctx)
+        self.held += nbytes(ctx.kv, ctx.q, ctx.out, ctx.probs, ctx.col_sums)
+        if self.held >= HELD_BYTES:
+            self.run()
+
+    def run(self) -> None:
+        """The policy's hook over the kept layers: at once where their storage stacks (each layer then views
+        its row), else a hook a layer."""
+        contexts, stores = self.contexts, [c.kv for c in self.contexts]
+        self.contexts, self.held = [], 0
+        if len(contexts) < 2 or not stackable(stores):
+            for ctx in contexts:
+                self.policy.on_decode(ctx)
+            return
+        own = stacked(stores)
+
+        def cat(name: str) -> Tensor | None:            # the layers' tensors side by side, as their storage
+            return None if getattr(contexts[0], name) is None else torch.cat([getattr(c, name) for c in contexts])
+        self.policy.on_decode(replace(contexts[-1], layer=contexts[0].layer, q=cat("q"), out=cat("out"),
+                                      attn=None, kv=own, attended_pos=own.pos, probs=cat("probs"),
+                                      col_sums=cat("col_sums")))
+        for j, ctx in enumerate(contexts):
+            self.cache.layers[ctx.layer] = row(own, j)
 
 
-def catch_up(cache: KVCache, later: Later) -> None:
-    """The chunk's hooks of the layers ``later`` kept, a run of layers at a time (a run ends at the last
-    layer or at ``HELD_BYTES``, as at prefill); the cache gets its own policy back."""
-    cache.policy, run, held = later.policy, [], 0
-    for n, ctx in enumerate(later.contexts):
-        run.append(ctx)
-        held += nbytes(ctx.kv, ctx.probs, ctx.col_sums)
-        if n == len(later.contexts) - 1 or held >= HELD_BYTES:
-            hook(cache, run)
-            run, held = [], 0
-
-
-def hook(cache: KVCache, contexts: list[StepContext]) -> None:
-    """One hook over the layers of ``contexts`` where their storage stacks (each layer then views its row),
-    else a hook per layer."""
-    stores = [c.kv for c in contexts]
-    if len(contexts) < 2 or not stackable(stores):
-        for ctx in contexts:
-            cache.policy.on_decode(ctx)
-        return
-    own = stacked(stores)
-    cat = lambda name: None if getattr(contexts[0], name) is None else torch.cat([getattr(c, name) for c in contexts])  # noqa: E731
-    cache.policy.on_decode(replace(contexts[-1], layer=contexts[0].layer, q=cat("q"), out=cat("out"), attn=None,
-                                   kv=own, attended_pos=own.pos, probs=cat("probs"), col_sums=cat("col_sums")))
-    for j, ctx in enumerate(contexts):
-        cache.layers[ctx.layer] = row(own, j)
+def catch_up(later: Later) -> None:
+    """After the pass: the hook over the layers still kept; the cache gets its own policy back."""
+    later.cache.policy = later.policy
+    later.run()

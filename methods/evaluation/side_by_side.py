@@ -6,9 +6,11 @@ the same numbers whichever caches run beside it. ``--engine fast`` (the default)
 
 * ``FanOut``: the policy of one prompt pass that serves many caches. The prompt's attention is exact
   whatever the method, so one pass computes the keys, values and outputs for all of them; at each layer
-  every cache gets its own copy of the storage and the statistics its policy asks for.
+  every cache gets its own copy of the storage and the statistics its policy asks for (some methods' hooks
+  wait and take several layers at once: ``prefill_layers.py``).
 * ``extend_many``: a chunk after the shared prompt (the question after the context) onto every cache in one
-  pass, as ``step_many`` runs a step: the products over all rows, the attention per cache.
+  pass, as ``step_many`` runs a step: the products over all rows, the attention per cache (H2O's and
+  Scissorhands' hooks there take several layers at once too).
 * ``step_many``: one decode step for many caches. The element-wise work (embedding, RMSNorm, RoPE, SiLU,
   residual adds) treats every row on its own, so it runs once over all rows; the attention runs per cache
   (each has its own storage and policy); the matrix products run once over all rows, in blocks of exactly
@@ -70,8 +72,10 @@ class FanOut(CachePolicy):
     layer; only the policies' hooks differ. This policy lets the pass compute the outputs alone, and at
     each layer hands every cache its own copy of the layer's storage and the statistics its policy asks
     for (``prompt_statistics`` with that policy's ``needs``: the very call ``attention.attend_prompt`` makes for
-    it), then runs that policy's ``on_prefill``. Each policy sees exactly what its own prompt pass would
-    show it (a test compares them bit for bit), for one forward pass instead of one per method.
+    it), then runs that policy's ``on_prefill``. Each policy sees what its own prompt pass would show it
+    (a test compares them bit for bit), for one forward pass instead of one per method. The caches that
+    ``prefill_layers.waits`` names are the exception: their hooks wait and take a run of layers at once,
+    with the statistics but not the queries and outputs, which those methods do not read at prefill.
 
     Two assumptions, which every registered method meets: a policy's prefill hook does not draw from the
     global random generator (the hooks of different policies now interleave, layer by layer), and
@@ -98,7 +102,7 @@ class FanOut(CachePolicy):
             return stats[needs]
         for cache in self.caches:
             needs = cache.policy.needs("prefill")
-            if prefill_layers.waits(cache):
+            if prefill_layers.waits(cache) and store.k.shape[0] == 1:
                 waiting.setdefault(needs, []).append(cache)
                 continue
             own = copy.deepcopy(store)
@@ -198,16 +202,16 @@ def extend_many(lean: LeanDecoder, chunk: Tensor, caches: list[KVCache]) -> Tens
         return torch.cat(outs)
 
     last = torch.arange(T - 1, N * T, T, device=device)                                # each cache's last row
-    later = {n: prefill_layers.Later(c.policy) for n, c in enumerate(caches) if prefill_layers.waits(c, "decode")}
-    for n, stand_in in later.items():                # their hooks wait for the last layer (prefill_layers.py)
-        caches[n].policy = stand_in
+    later = [prefill_layers.Later(c) for c in caches if prefill_layers.waits(c, "decode")]
+    for stand_in in later:                           # their hooks wait, to run over layers at once
+        stand_in.cache.policy = stand_in
     try:
         logits, _ = lean.forward(x, cos, sin, blocked_linear, attend, logits_of=last)  # (N, V)
     finally:
-        for n, stand_in in later.items():
-            caches[n].policy = stand_in.policy
-    for n, stand_in in later.items():
-        prefill_layers.catch_up(caches[n], stand_in)
+        for stand_in in later:
+            stand_in.cache.policy = stand_in.policy
+    for stand_in in later:
+        prefill_layers.catch_up(stand_in)
     for cache in caches:
         cache.seen += T
     return logits

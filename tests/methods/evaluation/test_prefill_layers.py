@@ -1,7 +1,7 @@
 """``prefill_layers``: in the shared prompt pass, H2O's, Scissorhands', SnapKV's and StreamingLLM's prefill hooks
-take a run of layers at once, each layer a batch row, and so do the question's hooks after it (H2O's,
-Scissorhands', StreamingLLM's), and give every cache the storage and the records its hooks give it layer by
-layer, bit for bit."""
+take a run of layers at once, each layer a batch row, and so do the question's hooks after it (H2O's and
+Scissorhands'), and give every cache the storage and the records its hooks give it layer by layer, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -41,13 +41,14 @@ def runs(monkeypatch):
 @pytest.fixture
 def question(monkeypatch):
     """Each hook over the question's layers: (its method, its layers)."""
-    seen, hook = [], prefill_layers.hook
+    seen, run = [], prefill_layers.Later.run
 
-    def counted(cache, contexts):
-        seen.append((type(cache.policy.inner if isinstance(cache.policy, Probe) else cache.policy).__name__,
-                     tuple(c.layer for c in contexts)))
-        return hook(cache, contexts)
-    monkeypatch.setattr(prefill_layers, "hook", counted)
+    def counted(later):
+        if later.contexts:
+            seen.append((type(later.policy.inner if isinstance(later.policy, Probe) else later.policy).__name__,
+                         tuple(c.layer for c in later.contexts)))
+        return run(later)
+    monkeypatch.setattr(prefill_layers.Later, "run", counted)
     return seen
 
 
@@ -83,7 +84,7 @@ def test_each_layer_holds_what_its_own_hook_leaves(bundled, monkeypatch, runs, q
     runs of every layer, of one, and of as many as ``HELD_BYTES`` allows (300 kB: H2O's layers, about 115 kB
     each here, in runs of three and one, Scissorhands', with 150 rows of probabilities each, alone); the
     other caches (AdaKV, a recording probe) take no part. The question's hooks (9 tokens, after the prompt's
-    150) take every layer at once, 300 kB being more than a layer holds then."""
+    150: H2O's and Scissorhands') go by the same bound, over smaller storage."""
     model, _, _ = bundled
     prompt = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(0)).tolist()
     L = model.config.n_layer
@@ -100,7 +101,7 @@ def test_each_layer_holds_what_its_own_hook_leaves(bundled, monkeypatch, runs, q
         return [logits] + [storage(c) for c in caches]
 
     together = filled(True)
-    for hooks, methods in ((runs, WAIT), (question, ("h2o", "scissorhands", "streaming_llm"))):
+    for hooks, methods in ((runs, WAIT), (question, ("h2o", "scissorhands"))):
         by_method: dict = {}
         for name, layers in hooks:
             by_method.setdefault(name, []).append(layers)
@@ -158,10 +159,11 @@ def test_a_hook_that_reads_one_layers_queries_fails_rather_than_read_them(bundle
         make_engine("one-group", model).fill([policy], [list(range(100))])
 
 
-def test_a_question_over_layers_that_do_not_stack_takes_a_hook_a_layer(bundled, monkeypatch, question, stacks):
-    """Where the layers' storage differs (here one layer's H2O scores set again in float64), the question's
-    hooks run layer by layer for that cache, the others' at once, each cache's storage still what its own
-    hooks leave."""
+@pytest.mark.parametrize("odd", ["state", "room"])
+def test_a_question_over_layers_that_do_not_stack_takes_a_hook_a_layer(bundled, monkeypatch, question, stacks, odd):
+    """Where the layers' storage differs (one layer's H2O scores set again in float64, or its buffers with 8
+    slots more room), the question's hooks run layer by layer for that cache, the others' at once, each
+    cache's storage still what its own hooks leave."""
     model, _, _ = bundled
     prompt = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(2)).tolist()
 
@@ -170,7 +172,12 @@ def test_a_question_over_layers_that_do_not_stack_takes_a_hook_a_layer(bundled, 
         engine = make_engine("one-group", model)
         caches, logits = engine.fill([make_policy("h2o", budget=b) for b in (40, 72)], [prompt])
         store = caches[0].layers[1]
-        store.set_state("h2o_score", store.state["h2o_score"].double(), fill=0.0)
+        if odd == "state":
+            store.set_state("h2o_score", store.state["h2o_score"].double(), fill=0.0)
+        else:                                       # the buffers of a storage that grew: more room, positions -1
+            more = lambda t, value: torch.cat([t, t.new_full((*t.shape[:2], 8, *t.shape[3:]), value)], 2)  # noqa: E731
+            store._k, store._v, store._pos = more(store._k, 0.0), more(store._v, 0.0), more(store._pos, -1)
+            store._state = {name: more(t, store.fill[name]) for name, t in store._state.items()}
         logits = engine.extend_all(caches, logits, [prompt, prompt[:9]])
         return [logits] + [storage(c) for c in caches]
 
@@ -179,3 +186,31 @@ def test_a_question_over_layers_that_do_not_stack_takes_a_hook_a_layer(bundled, 
     assert question == [("H2OPolicy", tuple(range(L)))] * 2 and stacks == [L] * 3    # the prompt's two, one question
     question.clear(), stacks.clear()
     assert same(together, extended(False)) and question == stacks == []
+
+
+def test_several_chunks_then_decode_steps_as_with_a_hook_per_layer(bundled, monkeypatch, question):
+    """A question in chunks of 1 and 70 tokens after the prompt, then decode steps, the runs' ends moving as
+    the storage grows (``HELD_BYTES`` two and a half of a layer's): every cache's positions and the logits
+    are those of a hook per layer. StreamingLLM, whose policy keeps a ring of slots per layer, waits at the
+    prompt only (a stacked hook at a later chunk would reset the first layer's ring alone, and a later
+    layer would evict by a stale ring)."""
+    model, _, _ = bundled
+    prompt = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    one, _ = make_engine("fast", model).fill([make_policy("h2o", budget=40)], [prompt])
+    monkeypatch.setattr(prefill_layers, "HELD_BYTES", int(2.5 * prefill_layers.nbytes(one[0].layers[0])))
+
+    def decoded(enabled: bool) -> list:
+        monkeypatch.setattr(prefill_layers, "ENABLED", enabled)
+        engine = make_engine("fast", model)
+        policies = [make_policy(m, budget=40) for m in ("h2o", "scissorhands", "streaming_llm")]
+        caches, logits = engine.fill(policies, [prompt, prompt[:1], prompt[10:80]])
+        out = [logits]
+        for _ in range(4):
+            logits, _, _ = engine.step(caches, logits.argmax(-1).tolist())
+            out += [logits] + [s.pos.clone() for c in caches for s in c.layers]
+        return out + [{layer: list(ring) for layer, ring in policies[2]._ring.items()}]
+
+    together = decoded(True)
+    assert {name for name, _ in question} == {"H2OPolicy", "ScissorhandsPolicy"}
+    assert any(1 < len(layers) < bundled[0].config.n_layer for _, layers in question)
+    assert same(together, decoded(False))
