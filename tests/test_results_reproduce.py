@@ -346,7 +346,8 @@ CHECKED_BY = {
     "launches_smollm2_one-group_c110db0.txt": LOG,
     "launches_smollm2_one-group_838797e.txt": LOG,
     "agree_e8e02a6_be67f97.txt": LOG,
-    "agree_dc6c1fd_e2a2ddc.txt": LOG,
+    "agree_dc6c1fd_3f0fd0f.txt": LOG,
+    "peak_memory_dc6c1fd_3f0fd0f.txt": LOG,
 }
 
 
