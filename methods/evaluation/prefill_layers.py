@@ -77,8 +77,7 @@ def waits(cache: KVCache, phase: str = "prefill") -> bool:
 @dataclass
 class Run:
     """Consecutive layers of the prompt pass, waiting for one hook: their storage (the shared pass's, which
-    no one changes) and the statistics ``needs`` asks for."""
-    needs: Needs
+    no one changes) and the statistics the waiting caches' ``needs`` ask for."""
     layers: list[int] = field(default_factory=list)
     stores: list[LayerKV] = field(default_factory=list)
     stats: list[tuple[Tensor | None, Tensor | None]] = field(default_factory=list)
@@ -128,25 +127,31 @@ def row(store: LayerKV, j: int) -> LayerKV:
     return out
 
 
+def over_rows(cache: KVCache, hook, stores: list[LayerKV], layers: list[int], ctx: StepContext, **rows) -> None:
+    """``hook`` (the cache's policy's) once over the layers' storage stacked (``stacked``), with ``ctx``'s
+    fields every layer shares and the layers' tensors ``rows`` side by side; each layer then views its row."""
+    own = stacked(stores)
+    hook(replace(ctx, layer=layers[0], attn=None, kv=own, attended_pos=own.pos, **rows))
+    for j, layer in enumerate(layers):
+        cache.layers[layer] = row(own, j)
+
+
 def compress(caches: list[KVCache], run: Run, ctx: StepContext) -> None:
     """Each cache's prefill hook over the run's layers at once (``ctx``: the run's last layer's context,
-    for the fields every layer shares); each layer of the cache then views its row."""
+    for the fields every layer shares), without the queries and outputs."""
     if not stackable(run.stores) or run.stores[0]._state:
         raise ValueError("a run of the prompt's layers holds one sequence, as many slots in each, no state")
     probs, col_sums = (None if run.stats[0][n] is None else torch.cat([s[n] for s in run.stats]) for n in (0, 1))
     for cache in caches:
-        own = stacked(run.stores)
-        cache.policy.on_prefill(replace(
-            ctx, layer=run.layers[0], q=None, out=None, attn=None, kv=own, attended_pos=own.pos,
-            probs=None if probs is None else probs.clone(), col_sums=None if col_sums is None else col_sums.clone()))
-        for j, layer in enumerate(run.layers):
-            cache.layers[layer] = row(own, j)
+        probs_, col_sums_ = (None if t is None else t.clone() for t in (probs, col_sums))   # the cache's own
+        over_rows(cache, cache.policy.on_prefill, run.stores, run.layers, ctx, q=None, out=None, probs=probs_,
+                  col_sums=col_sums_)
 
 
 class Later(CachePolicy):
     """A cache's policy while ``extend_many`` passes a chunk (the question) over it: it attends as the
-    policy would and keeps each layer's context; when what they hold reaches ``HELD_BYTES``, and at the last
-    layer (``catch_up``), the policy's hook runs once over the kept layers."""
+    policy would and keeps each layer's context; when what they hold reaches ``HELD_BYTES``, and after the
+    pass (``run``), the policy's hook runs once over the kept layers."""
 
     def __init__(self, cache: KVCache) -> None:
         self.cache, self.policy, self.contexts, self.held = cache, cache.policy, [], 0
@@ -172,18 +177,8 @@ class Later(CachePolicy):
             for ctx in contexts:
                 self.policy.on_decode(ctx)
             return
-        own = stacked(stores)
 
         def cat(name: str) -> Tensor | None:            # the layers' tensors side by side, as their storage
             return None if getattr(contexts[0], name) is None else torch.cat([getattr(c, name) for c in contexts])
-        self.policy.on_decode(replace(contexts[-1], layer=contexts[0].layer, q=cat("q"), out=cat("out"),
-                                      attn=None, kv=own, attended_pos=own.pos, probs=cat("probs"),
-                                      col_sums=cat("col_sums")))
-        for j, ctx in enumerate(contexts):
-            self.cache.layers[ctx.layer] = row(own, j)
-
-
-def catch_up(later: Later) -> None:
-    """After the pass: the hook over the layers still kept; the cache gets its own policy back."""
-    later.cache.policy = later.policy
-    later.run()
+        over_rows(self.cache, self.policy.on_decode, stores, [c.layer for c in contexts], contexts[-1],
+                  **{name: cat(name) for name in ("q", "out", "probs", "col_sums")})

@@ -113,7 +113,7 @@ class FanOut(CachePolicy):
                                             col_sums=col_sums, attended_pos=own.pos))
             cache.layers[ctx.layer] = own
         for needs, caches in waiting.items():            # a run of layers waits, then one hook takes them all
-            run = self.runs.setdefault(needs, prefill_layers.Run(needs))
+            run = self.runs.setdefault(needs, prefill_layers.Run())
             run.add(ctx.layer, store, statistics(needs))
             if ctx.layer == len(caches[0].layers) - 1 or run.held >= prefill_layers.HELD_BYTES:
                 prefill_layers.compress(caches, self.runs.pop(needs), ctx)
@@ -210,8 +210,8 @@ def extend_many(lean: LeanDecoder, chunk: Tensor, caches: list[KVCache]) -> Tens
     finally:
         for stand_in in later:
             stand_in.cache.policy = stand_in.policy
-    for stand_in in later:
-        prefill_layers.catch_up(stand_in)
+    for stand_in in later:                           # the layers still kept
+        stand_in.run()
     for cache in caches:
         cache.seen += T
     return logits
