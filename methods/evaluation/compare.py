@@ -606,8 +606,6 @@ def main(argv: list[str] | None = None) -> None:
                 task.sample(tok, length, args.seed)
             except ValueError as e:
                 cli.fail(f"--length {length}: {e}")
-            except ImportError as e:               # the tasks read from Python's help topics, without pydoc_data
-                cli.fail(f"--tasks {task.name}: the task reads the module {e.name}, which this Python lacks ({e})")
         if args.budgets is not None:
             budgets = args.budgets
         else:

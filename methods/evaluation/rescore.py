@@ -167,8 +167,6 @@ def check_lengths(records: list[dict], path: Path, tok, seed: int) -> None:
             task_of(r).sample(tok, r["length"], r.get("seed", seed))
         except ValueError as e:
             cli.fail(f"{path}: record {i}: 'length' {r['length']}: {e}")
-        except ImportError as e:
-            cli.fail(f"{path}: record {i}: task {r['task']!r} reads the module {e.name}, which this Python lacks")
 
 
 def printable(text: str, width: int = 30) -> str:

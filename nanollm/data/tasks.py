@@ -50,6 +50,7 @@ import functools
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .words import ADJECTIVES, CWE_WORDS, NAMES, NOISE_LINE, NOUNS, PLACES, VERBS
 
@@ -137,11 +138,23 @@ def _prose(rng: random.Random) -> str:
             f"near {rng.choice(PLACES)}.")
 
 
+DOCS_FILE = Path(__file__).with_name("docs_paragraphs.txt")
+
+
 @functools.cache
 def docs_paragraphs() -> tuple[str, ...]:
-    """The prose paragraphs of Python's help topics (``pydoc_data.topics``), topics in name order, each on
-    one line: paragraphs that start at the margin with a letter and have at least 80 characters (indented
-    code, grammar rules and headings are left out). 721 paragraphs, 190 KB, on Python 3.11."""
+    """The documentation haystack: 721 prose paragraphs of Python's help topics, one a line, read from
+    ``docs_paragraphs.txt`` beside this file (190 KB). The file is what ``paragraphs_from_pydoc`` gives on
+    Python 3.11; it is committed because that text changes between Python versions, and every sample of the
+    ``_docs`` tasks would change with it (the committed results were made on 3.11)."""
+    return tuple(DOCS_FILE.read_text(encoding="utf-8").rstrip("\n").split("\n"))
+
+
+def paragraphs_from_pydoc() -> tuple[str, ...]:
+    """How ``docs_paragraphs.txt`` was made: the prose paragraphs of this Python's help topics
+    (``pydoc_data.topics``, which ships with CPython), topics in name order, each on one line: paragraphs
+    that start at the margin with a letter and have at least 80 characters (indented code, grammar rules and
+    headings are left out). Python's documentation is under the PSF License."""
     from pydoc_data.topics import topics
     out = []
     for name in sorted(topics):

@@ -3,10 +3,12 @@ deterministic, fill their length, show both modes the same tokens, hold their an
 finds it, and the documentation haystack is a run of consecutive paragraphs of one manual."""
 
 import re
+import sys
 
 import pytest
 
 from nanollm.data.evaluate import ANSWER_TOKENS
+from nanollm.data import tasks
 from nanollm.data.tasks import LM_TASKS, TASKS, corpus, docs_paragraphs, make_sample, string_match_all
 from nanollm.io.tokenizer import Tokenizer
 
@@ -22,6 +24,21 @@ def test_the_documentation_haystack():
     docs = docs_paragraphs()
     assert len(docs) > 500 and all(len(p) >= 80 and "\n" not in p and p[0].isalpha() for p in docs)
     assert docs is docs_paragraphs()                                  # read once
+
+
+def test_the_haystack_is_the_same_on_every_python(monkeypatch, tok):
+    """The paragraphs come from the committed file, not from this Python's help topics, whose wording changes
+    between versions (on 3.12 every sample of the ``_docs`` tasks was other than on 3.11): a Python without
+    ``pydoc_data`` makes the same samples. On 3.11 the file is what ``paragraphs_from_pydoc`` gives."""
+    before = make_sample("niah_single_docs", tok, 1024, seed=4)
+    monkeypatch.setitem(sys.modules, "pydoc_data", None)               # its import now fails
+    monkeypatch.delitem(sys.modules, "pydoc_data.topics", raising=False)
+    monkeypatch.setattr(tasks, "docs_paragraphs", tasks.docs_paragraphs.__wrapped__)   # read anew
+    assert len(tasks.docs_paragraphs()) == 721
+    assert make_sample("niah_single_docs", tok, 1024, seed=4) == before
+    monkeypatch.undo()
+    if sys.version_info[:2] == (3, 11):
+        assert tasks.paragraphs_from_pydoc() == docs_paragraphs()
 
 
 @pytest.mark.parametrize("task", NEW)
