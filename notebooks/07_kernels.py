@@ -509,8 +509,8 @@ full, kept = rows["graph"][:2]                              # the full cache, Sn
 print(f"keep 0.1 reads {full['bytes'] / kept['bytes']:.2f}x fewer bytes")
 
 # %% [markdown]
-# Launching is the lean step's cost. In a graph the full cache reads at half the copy bandwidth, fused at
-# 58%, where keeping a tenth pays, less than its bytes promise (4.27x fewer, at best 3.09x faster): small
+# Launching is the lean step's cost. In a graph the full cache reads at 65% of the copy bandwidth, fused at
+# 80%, where keeping a tenth pays, less than its bytes promise (4.27x fewer, at best 2.51x faster): small
 # kernels in every layer do not shrink with the cache.
 #
 # On this CPU (tiny shapes, `python -m fastpath.bench --e2e --quick`) no launch is saved: the graph step
