@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -169,6 +170,19 @@ def engine_and_workers(engine: str | None, workers: int | None, device: str, wor
     if gpu and copies_that_fit is not None:
         return engine, max(1, min(default_workers(), copies_that_fit))
     return engine, default_workers()
+
+
+def without_mps(device, workers: int) -> str | None:
+    """A line for a run of several processes on one GPU without NVIDIA's Multi-Process Service: their kernels
+    then take turns in time slices, where through MPS they run side by side (on an H200 the bundled model's
+    suite took less time through it: fastpath/README.md). None where MPS's control daemon is running (its
+    pipe ``control`` in ``CUDA_MPS_PIPE_DIRECTORY``, else ``/tmp/nvidia-mps``) or the run is not such a run."""
+    if not str(device).startswith("cuda") or workers <= 1:
+        return None
+    if (Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps") / "control").exists():
+        return None
+    return (f"note: {workers} worker processes share the GPU without NVIDIA's MPS, so their kernels take turns; "
+            "start its daemon (nvidia-cuda-mps-control -d) to run them side by side (fastpath/README.md)")
 
 
 def copies_that_fit(model, device) -> int:
@@ -656,6 +670,8 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
             workers=workers, rank=rank, world=world, engine=args.engine,
             time_alone=args.time_alone, together=args.together)
         return
+    if note := without_mps(device, workers):
+        print(note, file=sys.stderr)
     options = "; ".join(f"{v.label}: {', '.join(f'{k}={x}' for k, x in v.options.items()) or 'defaults'}"
                         for v in variants)
     print(header(prov) + f"\n# methods' options: {args.preset} ({options})", flush=True)

@@ -172,6 +172,18 @@ def test_a_gpu_run_takes_the_batched_engine_and_a_worker_per_cpu():
     assert engine_and_workers(None, None, "cuda", 1, False, copies_that_fit=10**6) == ("batched", cpus)
 
 
+def test_several_processes_on_a_gpu_without_mps_are_told_of_it(monkeypatch, tmp_path):
+    """A line where several workers share a GPU and MPS's control daemon is not running (its pipe absent);
+    none where it runs, for one worker, or on a CPU."""
+    from methods.evaluation.compare import without_mps
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    note = without_mps("cuda", 12)
+    assert note and "12 worker processes" in note and "nvidia-cuda-mps-control -d" in note
+    assert without_mps("cuda:0", 1) is None and without_mps("cpu", 12) is None
+    (tmp_path / "control").touch()                          # the daemon's control pipe
+    assert without_mps("cuda", 12) is None
+
+
 def test_copies_of_the_model_that_half_a_gpu_holds(make_model, monkeypatch):
     """Half the GPU's memory over the model's weights, less the copy already there (the device's memory
     stubbed: no GPU needed)."""

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from nanollm.data.evaluate import ANSWER_TOKENS
 from nanollm.data import tasks
+from nanollm.data.evaluate import ANSWER_TOKENS
 from nanollm.data.tasks import LM_TASKS, TASKS, corpus, docs_paragraphs, make_sample, string_match_all
 from nanollm.io.tokenizer import Tokenizer
 
