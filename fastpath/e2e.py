@@ -360,10 +360,15 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
             lines.append(f"S={S:<6} {sweep['error']}")
             continue
         best, default = sweep["best"], sweep["default"]
+
+        def share(launch: dict) -> str:                            # of the copy bandwidth, where it was measured
+            f = launch.get("fraction_of_copy_bw")
+            return "" if f is None else f" ({f:.0%} of the copy bandwidth)"
         lines.append(f"S={S:<6} tuned: {best['block_n']} tokens a block, {best['per_sm']} programs per SM, "
                      f"{best['num_warps']} warps, {best['num_stages']} stages: the split kernel alone "
-                     f"{best['ms'] * 1e3:.1f} us against the default launch's "
-                     + (f"{default['ms'] * 1e3:.1f} us" if "ms" in default else default.get("error", "(not timed)")))
+                     f"{best['ms'] * 1e3:.1f} us{share(best)} against the default launch's "
+                     + (f"{default['ms'] * 1e3:.1f} us{share(default)}" if "ms" in default
+                        else default.get("error", "(not timed)")))
     for S in report["lengths"]:
         for path in PATHS:
             full = rows.get((path, "full", S))

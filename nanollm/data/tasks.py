@@ -33,9 +33,9 @@ them, so its haystack should read like text it knows:
     vt, cwe             as above
 
 The documentation haystack is the text of Python's help topics (``pydoc_data.topics``, which ships with
-CPython), prose paragraphs only, committed as ``docs_paragraphs.txt`` (their wording changes between Python
-versions, and every sample with it), taken in order from a random starting paragraph, so a sample reads as
-a stretch of one manual.
+CPython), prose paragraphs only, committed as ``docs_paragraphs.txt`` (Python 3.11's: the wording changes
+between versions, and every sample would change with it), taken in order from a random starting paragraph,
+so a sample reads as a stretch of one manual.
 
 Values are 4-7 digit numbers (one token per digit), so answers span several tokens. The scorer is
 RULER's ``string_match_all``: the fraction of reference strings found in the prediction.

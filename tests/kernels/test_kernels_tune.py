@@ -102,6 +102,12 @@ def test_the_e2e_summary_says_what_was_tuned():
     report = {"tuned": {"40": sweep}, "rows": [], "lengths": [], "preset": "x", "batch": 2, "quick": True}
     assert e2e.summary(report) == ["S=40     tuned: 16 tokens a block, 1 programs per SM, 4 warps, 2 stages: the "
                                    "split kernel alone 1500.0 us against the default launch's 3000.0 us"]
+    kv = sweep["kv_bytes"]                                  # with the copy bandwidth: each launch's share of it
+    sweep = tune.tune_attention(**SHAPE, candidates=(Launch(16, 1, 4, 2),), time_ms=fake_timer({32: 3.0, 16: 1.5}),
+                                bandwidth=kv / 2e-3)        # the bytes in 2 ms: 1.5 ms is 133%, 3 ms 67%
+    report["tuned"]["40"] = sweep
+    assert e2e.summary(report)[0].endswith("alone 1500.0 us (133% of the copy bandwidth) against the default "
+                                           "launch's 3000.0 us (67% of the copy bandwidth)")
 
 
 def test_where_the_kernels_do_not_serve_a_bench_goes_on_untuned():
