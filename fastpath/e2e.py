@@ -28,7 +28,8 @@ C = kept + room slots and their positions, a little more than it is credited wit
 with ``--hf-compile``) is timed in the same run when transformers is importable, else skipped with a line.
 
 On a GPU the split kernel's launch is first chosen at each length by timing it (``tune.py``: tokens per block,
-programs per SM, warps and stages), its sweep recorded in the report (``--no-tune``: the defaults).
+programs per SM, warps and stages), on the full cache's slots and on those of the caches that keep a tenth,
+its sweeps recorded in the report (``--no-tune``: the defaults).
 Every number is the device's it ran on, printed and recorded with it; ``summary`` prints the ratios and the
 targets from a report's step times (``python -m fastpath.bench --summary REPORT.json``). The H100's report
 is ``results/decode_e2e_h100.json``, read in ``fastpath/README.md``.
@@ -131,9 +132,14 @@ def kept_positions(method: str, S: int, K: int, B: int, H_kv: int, device: str, 
     return torch.cat([chosen, torch.arange(S - w, S, device=device).expand(B, H_kv, w)], dim=-1)
 
 
+def kept(S: int) -> int:
+    """The budget of a method that keeps ``KEEP`` of a prompt of S tokens."""
+    return max(8, int(KEEP * S))
+
+
 def synthetic_cache(cfg, method: str, B: int, S: int, dtype: torch.dtype, device: str) -> KVCache:
     """A cache as after a prompt of S tokens under ``method`` (random entries), with room for ``ROOM`` more."""
-    budget = None if method == "full" else max(8, int(KEEP * S))
+    budget = None if method == "full" else kept(S)
     cache = KVCache(cfg, None if budget is None else make_policy(method, budget))
     K = S if budget is None else budget
     H_kv, d = cfg.n_kv_head, cfg.head_dim
@@ -303,9 +309,10 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
     tuned = {}
     for S in lengths:
         if tune and device == "cuda" and not quick and not hf_only:
-            tuned[str(S)] = sweep = tune_or_say_why(B, cfg.n_head, cfg.n_kv_head, S, cfg.head_dim, dtype, device,
-                                                    room=ROOM, bandwidth=bandwidth)
-            print("\n".join(tune_summary(sweep)))
+            for key, entries in ((str(S), S), (f"{S} keep", kept(S))):   # the full cache's slots, then a tenth's
+                tuned[key] = sweep = tune_or_say_why(B, cfg.n_head, cfg.n_kv_head, entries, cfg.head_dim, dtype,
+                                                     device, room=ROOM, bandwidth=bandwidth)
+                print("\n".join(tune_summary(sweep)))
         if not hf_only:
             for r in ours(cfg, model, decoders, B, S, dtype, device, bandwidth, METHODS_TIMED, quick):
                 rows.append(r)
@@ -355,16 +362,18 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
         lines += [f"fit {key}: fixed {f['fixed_ms']:.3f} ms + bytes at {f['GB_per_s']:.0f} GB/s"
                   for key, f in report.get("fit", {}).items() if f.get("fixed_ms") is not None and
                   not key.endswith(" lean") and "transformers" not in key]
-    for S, sweep in report.get("tuned", {}).items():              # the split kernel's launch at each length
+    for key, sweep in report.get("tuned", {}).items():            # the split kernel's launch at each length
+        S, keep = key.split()[0], key.endswith(" keep")            # "8192": the full cache; "8192 keep": a tenth
         if "error" in sweep:
-            lines.append(f"S={S:<6} {sweep['error']}")
+            lines.append(f"S={S:<6} {sweep['error']}{' (keep)' if keep else ''}")
             continue
         best, default = sweep["best"], sweep["default"]
 
         def share(launch: dict) -> str:                            # of the copy bandwidth, where it was measured
             f = launch.get("fraction_of_copy_bw")
             return "" if f is None else f" ({f:.0%} of the copy bandwidth)"
-        lines.append(f"S={S:<6} tuned: {best['block_n']} tokens a block, {best['per_sm']} programs per SM, "
+        lines.append(f"S={S:<6} tuned{' at ' + str(sweep['shape']['entries']) + ' entries' if keep else ''}: "
+                     f"{best['block_n']} tokens a block, {best['per_sm']} programs per SM, "
                      f"{best['num_warps']} warps, {best['num_stages']} stages: the split kernel alone "
                      f"{best['ms'] * 1e3:.1f} us{share(best)} against the default launch's "
                      + (f"{default['ms'] * 1e3:.1f} us{share(default)}" if "ms" in default

@@ -106,8 +106,9 @@ def run(device: str, quick: bool, lengths: tuple, methods: list[str], steps: int
              f"recorded after {e2e.WARM}"]
     for S in lengths:
         if device == "cuda" and not quick:            # the split kernel launched as the e2e bench launches it
-            lines += [""] + tune_summary(tune_or_say_why(B, cfg.n_head, cfg.n_kv_head, S, cfg.head_dim, dtype,
-                                                         device, room=e2e.ROOM))
+            for entries in (S, e2e.kept(S)):
+                lines += [""] + tune_summary(tune_or_say_why(B, cfg.n_head, cfg.n_kv_head, entries, cfg.head_dim,
+                                                             dtype, device, room=e2e.ROOM))
         for method in methods:
             lines += [""] + profile_method(cfg, model, decoder, method, B, S, dtype, device, steps)
             print("\n".join(lines[-TOP - 3:]), flush=True)

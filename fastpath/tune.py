@@ -9,15 +9,17 @@ tokens a block and two programs per SM, read 128-dimensional heads at about the 
 (``fastpath/README.md``). Rather than guess a better cut, ``tune_attention`` times every candidate on the
 step's own shape (the masked kernel over fixed-capacity buffers, as ``graph.py`` launches it), checks each
 candidate's output against the default launch's, and records the fastest in
-``kernels.decode_attention.TUNED``. Every later launch for that head dimension and dtype whose settings are
-not given reads it there: the graph and fused steps captured after it, H2O's, Scissorhands' and
-StreamingLLM's kernels too (their ranges are the split kernel's).
+``kernels.decode_attention.TUNED`` under the head dimension, dtype and number of slots it was timed on. Every
+later launch for that head dimension and dtype whose settings are not given reads it there, the one timed
+on the number of slots nearest its cache's: the graph and fused steps captured after it, H2O's,
+Scissorhands' and StreamingLLM's kernels too (their ranges are the split kernel's).
 
     python -m fastpath.bench --tune                           # TINYLLAMA_1B's heads, 16 x 8,192 tokens, bf16
     python -m fastpath.bench --tune --length 32768 --json /tmp/tune.json
 
-``python -m fastpath.bench --e2e`` tunes so at each length before it times the steps (on a GPU; ``--no-tune``
-keeps the defaults) and records the sweep in its report. A CPU has nothing to time: Triton's interpreter
+``python -m fastpath.bench --e2e`` tunes so at each length before it times the steps, for the full cache and
+for the caches that keep a tenth (on a GPU; ``--no-tune`` keeps the defaults), and records the sweeps in its
+report. A CPU has nothing to time: Triton's interpreter
 runs the programs one after another (the tests give the function a timer of their own).
 """
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from kernels import serves
-from kernels.decode_attention import TUNED, Launch, launch_settings, masked_decode_attention_triton, split_plan
+from kernels.decode_attention import TUNED, Launch, default_launch, masked_decode_attention_triton, split_plan
 
 # every cut tried: tokens per block x programs per SM x warps x pipeline stages, 90 launches of 18 compiled
 # variants (the ranges are an argument, not compiled in)
@@ -45,10 +47,11 @@ def tune_attention(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtype
                    room: int = 0, candidates=CANDIDATES, time_ms=None, bandwidth: float | None = None) -> dict:
     """Time the masked split kernel over B sequences of S entries (and ``room`` empty slots after them, as the
     graph step's buffers hold), H query heads sharing H_kv KV heads of d dims, with the default launch and
-    with each of ``candidates``; set ``TUNED[(d, dtype)]`` to the fastest whose output equals the default
-    launch's within ``TOLERANCE``. ``time_ms(fn)`` times a call (default: ``gpu_ms``, a CUDA device only).
-    Returns the sweep: the shape, its K/V bytes, the default's and the chosen launch's rows, and every row
-    (its launch, ranges, ms, largest difference from the default's output, or its error)."""
+    with each of ``candidates``; set ``TUNED[(d, dtype, S + room)]`` to the fastest whose output equals the
+    default launch's within ``TOLERANCE`` (settings tuned on other numbers of slots are kept). ``time_ms(fn)``
+    times a call (default: ``gpu_ms``, a CUDA device only). Returns the sweep: the shape, its K/V bytes, the
+    default's and the chosen launch's rows, and every row (its launch, ranges, ms, largest difference from the
+    default's output, or its error)."""
     if time_ms is None:
         if not str(device).startswith("cuda"):
             raise ValueError("tuning times the kernel on a GPU: on a CPU, Triton's interpreter runs its programs "
@@ -60,14 +63,14 @@ def tune_attention(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtype
     v = torch.randn(B, H_kv, S + room, d, generator=g, device=device).to(dtype)
     pos = torch.arange(S + room, device=device).masked_fill(torch.arange(S + room, device=device) >= S, -1)
     pos = pos.expand(B, H_kv, S + room).contiguous()                               # (B, H_kv, C): room empty
-    key, kv_bytes = (d, dtype), 2 * B * H_kv * S * d * k.element_size()
+    key, kv_bytes = (d, dtype, S + room), 2 * B * H_kv * S * d * k.element_size()
 
-    def attend():
+    def attend():                                           # launched as TUNED[key] says
         return masked_decode_attention_triton(q, k, v, pos)
 
     saved = TUNED.pop(key, None)
     try:
-        default = launch_settings(k)                        # with TUNED cleared: the defaults
+        default = TUNED[key] = default_launch(dtype)
         reference = attend().float()
         rows = []
         for launch in (default,) + tuple(c for c in candidates if c != default):

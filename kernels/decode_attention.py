@@ -48,6 +48,7 @@ read from ``TUNED``, which ``fastpath/tune.py`` fills with what it timed fastest
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -239,18 +240,29 @@ class Launch(NamedTuple):
 
 
 DEFAULT_PER_SM = 2
-# Launch settings by (head dimension, cache dtype) that a caller above timed on the GPU at hand and chose
-# (``fastpath/tune.py``); a launch whose settings are not given explicitly takes them from here, else the
-# defaults (``default_block_n``, ``DEFAULT_PER_SM`` programs per SM, Triton's warps and stages).
-TUNED: dict[tuple[int, torch.dtype], Launch] = {}
+# Launch settings by (head dimension, cache dtype, slots) that a caller above timed on the GPU at hand and
+# chose (``fastpath/tune.py``); a launch whose settings are not given explicitly takes them from here (those
+# timed on the nearest number of slots), else the defaults (``default_launch``).
+TUNED: dict[tuple[int, torch.dtype, int], Launch] = {}
+
+
+def default_launch(dtype: torch.dtype) -> Launch:
+    """``default_block_n`` tokens a block, ``DEFAULT_PER_SM`` programs per SM, Triton's warps and stages."""
+    return Launch(default_block_n(dtype), DEFAULT_PER_SM)
 
 
 def launch_settings(k: Tensor, block_n: int | None = None) -> Launch:
-    """The settings a launch over the cache ``k`` (..., d) takes when none are given: ``TUNED``'s or the
-    defaults; with ``block_n`` given, the defaults for it (the tuned warps and stages go with the tuned block)."""
+    """The settings a launch over the cache ``k`` (..., slots, d) takes when none are given: ``TUNED``'s for
+    its head size and dtype, timed on the number of slots nearest its own (by ratio: a cache of 900 slots
+    takes those of 819 before those of 8,192), or the defaults; with ``block_n`` given, the defaults for it
+    (the tuned warps and stages go with the tuned block)."""
     if block_n is not None:
         return Launch(block_n, DEFAULT_PER_SM)
-    return TUNED.get((k.shape[-1], k.dtype)) or Launch(default_block_n(k.dtype), DEFAULT_PER_SM)
+    slots = max(1, k.shape[-2])
+    timed = [key for key in TUNED if key[:2] == (k.shape[-1], k.dtype)]
+    if not timed:
+        return default_launch(k.dtype)
+    return TUNED[min(timed, key=lambda key: (abs(math.log(slots / key[2])), key[2]))]
 
 
 def merge_splits(m: Tensor, l: Tensor, acc: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpret
                                        "CUDA device and TRITON_INTERPRET is not 1")
 DEVICE = "cpu" if kernels.interpreting() else "cuda"
 SHAPE = dict(B=2, H=4, H_kv=2, S=40, d=16, dtype=torch.float32, device=DEVICE, room=5)
+KEY = (16, torch.float32, 45)                # SHAPE's head size, dtype and slots: where its sweep is recorded
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +31,7 @@ def fake_timer(costs: dict):
     returns that launch's cost in ``costs`` (by tokens per block), after running the call once."""
     def time_ms(fn):
         fn()
-        return costs[dec.TUNED[(16, torch.float32)].block_n]
+        return costs[dec.TUNED[KEY].block_n]
     return time_ms
 
 
@@ -41,7 +42,7 @@ def test_a_launch_without_settings_reads_them_from_tuned():
     pos = torch.arange(70, device=DEVICE).expand(1, 2, 70).clone()
     pos[..., 60:] = -1
     assert dec.split_plan(q, k, 70)[0] == 32                                      # the default for fp32
-    dec.TUNED[(16, torch.float32)] = Launch(16, 2)
+    dec.TUNED[(16, torch.float32, 70)] = Launch(16, 2)
     assert dec.split_plan(q, k, 70)[0] == 16                                      # 5 blocks of 16 tokens
     assert dec.split_plan(q, k, 70, block_n=64)[0] == 64                         # given settings win
     assert dec.launch_settings(k, 64) == Launch(64, dec.DEFAULT_PER_SM)           # with the defaults, not TUNED's
@@ -50,10 +51,32 @@ def test_a_launch_without_settings_reads_them_from_tuned():
                                reference_masked_decode_attention(q, k, v, pos), rtol=0, atol=1e-5)
 
 
+def test_a_cache_takes_the_launch_timed_on_the_nearest_number_of_slots():
+    """Settings are kept by the slots they were timed on (a full cache's and a tenth's differ); a cache takes
+    those of the nearest number by ratio, the defaults where none was timed for its head size and dtype."""
+    dec.TUNED[(16, torch.float32, 40)] = Launch(16, 8)
+    dec.TUNED[(16, torch.float32, 400)] = Launch(64, 1)
+    slots = lambda n, dtype=torch.float32: torch.empty(1, 2, n, 16, dtype=dtype)   # noqa: E731
+    assert dec.launch_settings(slots(40)) == Launch(16, 8)
+    assert dec.launch_settings(slots(100)) == Launch(16, 8)                       # 2.5x from 40, 4x from 400
+    assert dec.launch_settings(slots(150)) == Launch(64, 1)                       # 3.75x from 40, 2.7x from 400
+    assert dec.launch_settings(slots(5000)) == Launch(64, 1)
+    assert dec.launch_settings(slots(40, torch.bfloat16)) == dec.default_launch(torch.bfloat16)
+
+
+def test_a_sweep_keeps_what_other_numbers_of_slots_chose():
+    """Tuning one cache's slots leaves another's settings, and its default row and reference are the
+    defaults, not the settings tuned on other slots."""
+    dec.TUNED[(16, torch.float32, 400)] = Launch(16, 8)
+    sweep = tune.tune_attention(**SHAPE, candidates=(Launch(16, 1),), time_ms=fake_timer({32: 2.0, 16: 1.0}))
+    assert sweep["default"]["block_n"] == 32 and dec.TUNED[KEY] == Launch(16, 1)
+    assert dec.TUNED[(16, torch.float32, 400)] == Launch(16, 8)
+
+
 def test_the_fastest_correct_launch_is_chosen_and_recorded():
     candidates = (Launch(16, 1, 4, 2), Launch(64, 2, 4, 3))
     sweep = tune.tune_attention(**SHAPE, candidates=candidates, time_ms=fake_timer({32: 3.0, 16: 1.0, 64: 2.0}))
-    assert dec.TUNED[(16, torch.float32)] == Launch(16, 1, 4, 2)
+    assert dec.TUNED[KEY] == Launch(16, 1, 4, 2)
     assert [r["block_n"] for r in sweep["rows"]] == [32, 16, 64]                 # the default first
     assert sweep["default"]["default"] and sweep["best"]["ms"] == 1.0
     assert all(r["max_diff"] <= 1e-5 for r in sweep["rows"])
@@ -66,7 +89,7 @@ def test_the_fastest_correct_launch_is_chosen_and_recorded():
 def test_a_launch_that_fails_is_recorded_not_chosen():
     """block_n 24 is not a power of two: the launcher refuses it. The timer would rank it fastest."""
     sweep = tune.tune_attention(**SHAPE, candidates=(Launch(24, 1),), time_ms=fake_timer({32: 2.0, 24: 0.1}))
-    assert dec.TUNED[(16, torch.float32)].block_n == 32
+    assert dec.TUNED[KEY].block_n == 32
     assert "power of two" in sweep["rows"][1]["error"] and "ms" not in sweep["rows"][1]
 
 
@@ -77,19 +100,19 @@ def test_a_launch_whose_output_differs_is_not_timed(monkeypatch):
 
     def wrong_at_16(q, k, v, pos):
         out = real(q, k, v, pos)
-        tuned = dec.TUNED.get((16, torch.float32))               # none while the default's output is taken
+        tuned = dec.TUNED.get(KEY)               # none while the default's output is taken
         return out + 1e-3 if tuned is not None and tuned.block_n == 16 else out
     monkeypatch.setattr(tune, "masked_decode_attention_triton", wrong_at_16)
     sweep = tune.tune_attention(**SHAPE, candidates=(Launch(16, 1),), time_ms=fake_timer({32: 2.0, 16: 0.1}))
-    assert dec.TUNED[(16, torch.float32)].block_n == 32
+    assert dec.TUNED[KEY].block_n == 32
     assert "differs from the default launch's" in sweep["rows"][1]["error"]
 
 
 def test_nothing_that_runs_leaves_tuned_as_it_was():
-    dec.TUNED[(16, torch.float32)] = Launch(16, 4)
+    dec.TUNED[KEY] = Launch(16, 4)
     with pytest.raises(RuntimeError, match="no launch"):
         tune.tune_attention(**SHAPE, candidates=(), time_ms=lambda fn: 1 / 0)   # the default's timing fails too
-    assert dec.TUNED[(16, torch.float32)] == Launch(16, 4)
+    assert dec.TUNED[KEY] == Launch(16, 4)
 
 
 def test_a_cpu_has_nothing_to_time():
@@ -108,6 +131,8 @@ def test_the_e2e_summary_says_what_was_tuned():
     report["tuned"]["40"] = sweep
     assert e2e.summary(report)[0].endswith("alone 1500.0 us (133% of the copy bandwidth) against the default "
                                            "launch's 3000.0 us (67% of the copy bandwidth)")
+    report["tuned"]["400 keep"] = sweep                     # a tenth of 400 tokens kept: SHAPE's 40 entries
+    assert e2e.summary(report)[1].startswith("S=400    tuned at 40 entries: 16 tokens a block")
 
 
 def test_where_the_kernels_do_not_serve_a_bench_goes_on_untuned():
