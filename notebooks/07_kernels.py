@@ -4,8 +4,8 @@
 # A decode step of a long-context model spends its time *loading the KV cache*, not computing with it. This
 # lesson makes that argument with numbers (the roofline; the bytes of *storing* a token), then reads the
 # Triton kernels of `kernels/`, each next to the PyTorch reference it must match: split-K ("flash-decoding")
-# attention, KVReviver's count sketch and tensor attention; last, what they and a whole decode step reached
-# on an H100.
+# attention, KVReviver's count sketch and tensor attention; last, what they reached on an H100 and a whole
+# decode step on an H200.
 #
 # Without a GPU the kernels run in Triton's *interpreter* (`TRITON_INTERPRET=1`, set below): the same code,
 # run block by block with NumPy, exact and slow. Without Triton (macOS) a cell that would launch a kernel
@@ -368,7 +368,7 @@ unfused = reference_sketch_decode_attention(q1, k_raw, v_raw, sketch.key, sketch
 print(f"rebuild in PyTorch then attend: output {tuple(unfused.shape)} over 7 raw + 20 sketch tokens per KV head")
 
 # %% [markdown]
-# The query kernel and the fused kernel against them:
+# Both kernels against them:
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
 from kernels.count_sketch import sketch_decode_attention_triton, sketch_query_triton
@@ -461,22 +461,21 @@ print(f"tensor i = 1024: {ten['ms']['materialising'] / ten['ms']['triton']:.0f}x
       f"{ten['peak_bytes']['materialising'] / ten['peak_bytes']['triton']:.0f}x less peak memory than materialising")
 
 # %% [markdown]
-# Each bar is the bandwidth an implementation reached, against the dotted line of a plain copy. What the
-# printed ratios say, beside what the bytes allow:
+# Each bar is an implementation's bandwidth, the dotted line a plain copy's. The printed ratios, against the
+# bytes:
 #
-# * **dense** reads about as fast as SDPA and the copy: a tie on the same bytes.
-# * **selected rows** come close to the tenfold their bytes allow, and gathering in the kernel costs almost
-#   nothing against a compacted copy.
-# * **fused sketch** beats the unfused PyTorch path but runs near the fraction of dense speed its gathered
-#   bytes allow: section 4's six times the bytes per rebuilt token.
+# * **dense** reads as fast as SDPA and the copy: a tie on the same bytes.
+# * **selected rows** come close to the tenfold their bytes allow; gathering in the kernel costs almost nothing.
+# * **fused sketch** beats unfused PyTorch but runs near the fraction of dense speed its gathered bytes allow
+#   (section 4's six times the bytes per rebuilt token).
 # * **factored tensor decode** does $i^2 d$ work on $i d$ bytes, so its GB/s say little; its time and peak
-#   memory against materialising do. (Both inputs fit in the H100's L2 cache.)
+#   memory against materialising do (both inputs fit in the L2 cache).
 #
 # ### 6.2 On this machine
 #
-# On a CPU the benchmark times the PyTorch references only (the interpreter checks correctness, not speed),
-# which says little about a GPU: SDPA is slower than the plain reference there, and the sketch reference and
-# the materialising tensor one reach 0 GB/s, their work far larger than the few MiB they must move.
+# On a CPU the benchmark times only the PyTorch references (the interpreter checks correctness, not speed):
+# SDPA is slower than the plain reference here, and the sketch and materialising references reach 0 GB/s,
+# their work far above the few MiB they move.
 
 # %%
 from fastpath import bench, e2e
@@ -486,35 +485,37 @@ bench.main(["--quick", "--cases", "dense", "tensor"] if TINY else ["--quick"])
 # %% [markdown]
 # ### 6.3 The whole step on a GPU
 #
-# A fast kernel is not yet a fast step. `fastpath/` runs a decode step three ways: **lean** (`lean.py`)
+# A fast kernel is not yet a fast step; `fastpath/` runs a decode step three ways: **lean** (`lean.py`)
 # launches it from Python, kernel by kernel; **graph** (`graph.py`) keeps the cache in fixed-size buffers
-# (hence `MASKED`) and replays the step from a CUDA graph; **fused** (`fused.py`) also fuses the small
-# kernels, each eviction its own Triton kernels. Timed on an H200 (`results/decode_e2e_h200.json`): 16
-# sequences, TinyLlama's shape; `transformers_static` is transformers' step with its `StaticCache`:
+# (`MASKED`), so a CUDA graph records the step's kernels once and replays them in one launch;
+# **fused** (`fused.py`) also compiles each layer's small element-wise kernels into a few. Timed by `python -m
+# fastpath.bench --e2e` on an H200 (`results/decode_e2e_h200.json`): 16 sequences, TinyLlama's shape;
+# `transformers_static`: transformers' step. `snapkv 2.51x`: the full cache's step time over SnapKV's:
 
 # %%
 run = json.loads((Path(kernels.__file__).parents[1] / "results" / "decode_e2e_h200.json").read_text())
 rows = {p: [r for r in run["rows"] if r["path"] == p and r["length"] == 32768] for p in ("lean", "graph", "fused")}
-methods = [r["method"] for r in rows["lean"]]
 fig, ax = plt.subplots(figsize=(9, 3.4))
 for p, style in (("lean", "o-"), ("graph", "s-"), ("fused", "^-")):
-    ax.plot(methods, [r["ms"] for r in rows[p]], style, label=f"{p} step")
-ax.plot(methods, [r["at_copy_bw_ms"] for r in rows["lean"]], "k:", label="its bytes at the copy bandwidth")
+    ax.plot([r["method"] for r in rows[p]], [r["ms"] for r in rows[p]], style, label=f"{p} step")
+ax.plot([r["method"] for r in rows["lean"]], [r["at_copy_bw_ms"] for r in rows["lean"]], "k:",
+        label="its bytes at the copy bandwidth")
 ax.set(yscale="log", xlabel="method", ylabel="ms per step (log)",
        title="16 x 32,768 tokens on an H200: full cache vs keep 0.1")
 ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
 plt.show()
 print("\n".join(line for line in e2e.summary(run) if line.startswith("S=32768") and "tuned" not in line))
 full, kept = rows["graph"][:2]                              # the full cache, SnapKV at keep 0.1
-print(f"keep 0.1 reads {full['bytes'] / kept['bytes']:.2f}x fewer bytes")
+print(f"keep 0.1 reads {full['bytes'] / kept['bytes']:.2f}x fewer bytes (the weights' in both): "
+      f"{full['at_copy_bw_ms']:.2f} -> {kept['at_copy_bw_ms']:.2f} ms at the copy bandwidth")
 
 # %% [markdown]
-# Launching is the lean step's cost. In a graph the full cache reads at 65% of the copy bandwidth, fused at
-# 80%; fused, a tenth pays for every method, less than its bytes promise (4.27x fewer, at best 2.51x
-# faster): small kernels in every layer do not shrink with the cache.
+# Lean, every keep ratio is below 1x: launches set its time. In a graph the full cache reads at 65% of the copy
+# bandwidth, fused at 80%; above the dotted line is a fixed cost of small kernels in every layer, as large
+# with a tenth: fused, a tenth pays for every method, less than its bytes promise (4.27x fewer, at best 2.51x).
 #
-# On this CPU (tiny shapes, `python -m fastpath.bench --e2e --quick`) no launch is saved: the graph step
-# takes the lean step's time, the fused one longer (its fusions are not compiled here).
+# On this CPU (tiny shapes, `--e2e --quick`) no launch is saved: graph is no faster than lean, fused slower
+# (not compiled here).
 
 # %%
 import contextlib
@@ -527,8 +528,7 @@ print("\n".join(line for line in e2e.summary(cpu_run) if line.startswith("S=")))
 # %% [markdown]
 # ## Exercises
 #
-# The exercises read the H100 run (`h100`, section 6.1) and the roofline of section 1; none needs
-# a GPU or Triton. Write your answer in a new cell; the collapsed cell under each exercise holds one, checked.
+# The exercises read the H100 run (`h100`, section 6.1) and section 1's roofline; none needs a GPU. Write your answer in a new cell; the collapsed cell under each exercise holds one, checked.
 #
 # ### Exercise 1: the bytes of a dense decode step
 #
