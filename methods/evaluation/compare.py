@@ -3,7 +3,7 @@ Compare every KV-cache method with full attention: ``python -m methods.compare -
 
 For each task, sample and mode, the full cache and every method at every budget run on the identical
 sample (``protocol.run_job``: teacher forcing, then greedy answers) on one engine (``--engine``: the plain
-one, the fast one of ``side_by_side.py`` or the batched one of ``batched.py``, the default on a GPU), and
+one, the fast one of ``side_by_side.py``, or the batched ones of ``batched.py``: one group is the default on a GPU), and
 ``metrics.measure`` measures each against the full cache.
 Results are reduced per (method, budget, task, mode) (``metrics.reduce``), printed as tables, and
 optionally written as JSON records, with every greedy answer, and an accuracy-vs-keep-ratio plot.
@@ -156,19 +156,19 @@ def default_workers() -> int:
 
 
 def engine_and_workers(engine: str | None, workers: int | None, device: str, world: int, time_alone: bool,
-                       copies_that_fit: int | None = None) -> tuple[str, int]:
+                       that_fit: int | None = None) -> tuple[str, int]:
     """The engine and the worker processes of a run whose command names none. On a CPU: the fast engine, a
-    worker per CPU. On a GPU: the batched engine (fewer, larger operations; unless ``--time-alone``, which it
-    refuses) and a worker per CPU too, processes sharing the GPU, since a step of these small models is bound
-    by launching operations from the host, one core each (fastpath/README.md has the measurements); but no
-    more workers than ``copies_that_fit`` (each holds the model on the GPU: a large model gets one, whose
+    worker per CPU. On a GPU: the one-group engine (the fewest operations; faster than groups by size on an
+    H200, fastpath/README.md; unless ``--time-alone``, which it refuses) and a worker per CPU too, processes
+    sharing the GPU, since a step of these small models is bound by launching operations from the host, one
+    core each; but no more workers than ``that_fit`` (``workers_that_fit``: a large model gets one, whose
     steps are the GPU's work anyway). Under torchrun (``world`` > 1): one worker per rank."""
     gpu = str(device).startswith("cuda")
-    engine = engine or ("batched" if gpu and not time_alone else "fast")
+    engine = engine or ("one-group" if gpu and not time_alone else "fast")
     if workers or world > 1:
         return engine, workers or 1
-    if gpu and copies_that_fit is not None:
-        return engine, max(1, min(default_workers(), copies_that_fit))
+    if gpu and that_fit is not None:
+        return engine, max(1, min(default_workers(), that_fit))
     return engine, default_workers()
 
 
@@ -185,11 +185,22 @@ def without_mps(device, workers: int) -> str | None:
             "start its daemon (nvidia-cuda-mps-control -d) to run them side by side (fastpath/README.md)")
 
 
-def copies_that_fit(model, device) -> int:
-    """How many more copies of ``model``'s weights half of its GPU's memory holds, beside this one (room for
-    the workers' caches and CUDA's own memory left in the other half)."""
+# What a worker holds on the GPU besides its weights, in multiples of its caches' K/V: one group pads every
+# cache to the largest and holds its old and new buffers while it regroups, the question's pass and
+# KVReviver's rebuilt entries add more. SmolLM2-135M's main job (25 caches of 2,048 tokens, fp32) held up to
+# 10.21 GiB a worker on an H200, four times its caches' K/V and CUDA's own memory (fastpath/README.md); 12
+# workers of it ran there, 16 ran out. An estimate from that job, with a tenth of the GPU left spare.
+HELD_PER_CACHE, CUDA_OWN, SPARE = 4, 2**30, 0.1
+
+
+def workers_that_fit(model, device, caches: int, length: int) -> int:
+    """How many workers the GPU's memory holds, each with the model's weights and ``caches`` caches of
+    ``length`` tokens in the model's dtype (``HELD_PER_CACHE`` times their K/V, and ``CUDA_OWN``); at least one."""
+    cfg = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return int(0.5 * torch.cuda.get_device_properties(torch.device(device)).total_memory // max(1, weights)) - 1
+    kv = cfg.kv_bytes_per_token(next(model.parameters()).element_size()) * length
+    worker = weights + HELD_PER_CACHE * caches * kv + CUDA_OWN
+    return max(1, int((1 - SPARE) * torch.cuda.get_device_properties(torch.device(device)).total_memory // worker))
 
 
 def run(model, tok, methods: list[str | Variant], budgets: list[int], tasks: list[str | Task], modes: list[str],
@@ -541,9 +552,9 @@ def parser() -> cli.ArgumentParser:
                          "(side_by_side.py); batched: the fast engine with the caches' attention batched too, "
                          "their entries in shared buffers (batched.py: fewer, larger operations, for a GPU); "
                          "one-group: the batched engine with every cache in one group, padded to the largest (fewer "
-                         "operations still, more bytes: an experiment for a GPU); "
+                         "operations still, more bytes: the fastest measured on a GPU); "
                          "plain: nanollm's own prefill and forward, one cache at a time (engine.py), slower; the "
-                         "records agree to float rounding (default: batched on a GPU, fast on a CPU or with "
+                         "records agree to float rounding (default: one-group on a GPU, fast on a CPU or with "
                          "--time-alone)")
     ap.add_argument("--time-alone", action="store_true",
                     help="the fast engine steps each cache alone, so that step ms is the cache's own decode time "
@@ -655,7 +666,8 @@ def launcher(world: int, prog: str) -> str:
 def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, world, device) -> None:
     """``main`` after every argument is checked: load, run (this rank's share under torchrun), report."""
     model, tok, card = load(args.checkpoint, device=device, dtype=getattr(torch, args.dtype))
-    room = copies_that_fit(model, device) if str(device).startswith("cuda") else None
+    caches = (1 + len(variants) * len(budgets)) * args.together               # a worker's: the full cache's too
+    room = workers_that_fit(model, device, caches, length) if str(device).startswith("cuda") else None
     args.engine, workers = engine_and_workers(args.engine, args.workers, device, world, args.time_alone, room)
     try:
         engine_for(args.engine, args.time_alone, model)   # a model the fast engine does not take: one line, now

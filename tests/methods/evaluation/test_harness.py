@@ -157,19 +157,19 @@ def test_cli_json_plot_and_errors(ckpt, tmp_path, capsys):
     assert stop.value.code == 2 and "no checkpoint" in capsys.readouterr().err
 
 
-def test_a_gpu_run_takes_the_batched_engine_and_a_worker_per_cpu():
-    """Where the command names neither: on a CPU the fast engine, on a GPU the batched one (but the fast one
-    with --time-alone, which the batched refuses); a worker per CPU on either, on a GPU no more than copies of
-    the model fit there; one per rank under torchrun; what the command names is kept."""
+def test_a_gpu_run_takes_the_one_group_engine_and_a_worker_per_cpu():
+    """Where the command names neither: on a CPU the fast engine, on a GPU one group (but the fast engine with
+    --time-alone, which the batched ones refuse); a worker per CPU on either, on a GPU no more than fit in its
+    memory; one per rank under torchrun; what the command names is kept."""
     from methods.evaluation.compare import default_workers, engine_and_workers
     cpus = default_workers()
     assert engine_and_workers(None, None, "cpu", 1, False) == ("fast", cpus)
-    assert engine_and_workers(None, None, "cuda", 1, False) == ("batched", cpus)
+    assert engine_and_workers(None, None, "cuda", 1, False) == ("one-group", cpus)
     assert engine_and_workers(None, None, "cuda:1", 1, True) == ("fast", cpus)
-    assert engine_and_workers(None, None, "cuda", 4, False) == ("batched", 1)
+    assert engine_and_workers(None, None, "cuda", 4, False) == ("one-group", 1)
     assert engine_and_workers("plain", 3, "cuda", 1, False) == ("plain", 3)
-    assert engine_and_workers(None, None, "cuda", 1, False, copies_that_fit=0) == ("batched", 1)   # a large model
-    assert engine_and_workers(None, None, "cuda", 1, False, copies_that_fit=10**6) == ("batched", cpus)
+    assert engine_and_workers("batched", None, "cuda", 1, False, that_fit=1) == ("batched", 1)   # a large model
+    assert engine_and_workers(None, None, "cuda", 1, False, that_fit=10**6) == ("one-group", cpus)
 
 
 def test_several_processes_on_a_gpu_without_mps_are_told_of_it(monkeypatch, tmp_path):
@@ -184,16 +184,25 @@ def test_several_processes_on_a_gpu_without_mps_are_told_of_it(monkeypatch, tmp_
     assert without_mps("cuda", 12) is None
 
 
-def test_copies_of_the_model_that_half_a_gpu_holds(make_model, monkeypatch):
-    """Half the GPU's memory over the model's weights, less the copy already there (the device's memory
-    stubbed: no GPU needed)."""
+def test_workers_that_a_gpu_holds(make_model, monkeypatch):
+    """The GPU's memory, less a tenth, over what one worker holds: its weights, four times its caches' K/V and
+    CUDA's own; at least one (the device's memory stubbed: no GPU needed). SmolLM2's shape on an H200's
+    143,771 MiB gives the 12 workers that ran its main job there (fastpath/README.md)."""
     from types import SimpleNamespace
 
-    from methods.evaluation.compare import copies_that_fit
+    from methods.evaluation import compare
     model = make_model(preset("TINY"), seed=0)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=10 * weights))
-    assert copies_that_fit(model, "cuda") == 4
+    kv = model.config.kv_bytes_per_token(4) * 100                    # one cache of 100 tokens, fp32
+    worker = weights + 4 * 3 * kv + 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=int(5 * worker / 0.9) + 1))
+    assert compare.workers_that_fit(model, "cuda", 3, 100) == 5
+    assert compare.workers_that_fit(model, "cuda", 3, 10**7) == 1                # caches beyond the GPU: one
+    smollm2 = SimpleNamespace(config=SimpleNamespace(kv_bytes_per_token=lambda b: 2 * 30 * 3 * 64 * b),
+                              parameters=lambda: iter([torch.empty(134_515_008, device="meta")]))   # 135M, fp32
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=143771 << 20))
+    assert compare.workers_that_fit(smollm2, "cuda", 25, 2048) == 12
 
 
 def test_cli_help_documents_every_flag(capsys):
