@@ -40,8 +40,8 @@
 #            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
 #            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
 #   smollm2  SmolLM2-135M's main job (2,048 tokens, 30 samples per task and mode) on the GPU in
-#            SMOLLM2_WORKERS processes (default: one per core, as methods.compare's own default) with the
-#            SMOLLM2_ENGINE engine (default: batched) for at most SMOLLM2_LIMIT seconds (300), through MPS
+#            SMOLLM2_WORKERS processes with the SMOLLM2_ENGINE engine (defaults: methods.compare's own, one
+#            group and the workers its memory holds) for at most SMOLLM2_LIMIT seconds (300), through MPS
 #            where SMOLLM2_MPS=1 (as compare's MPS=1; without it, saying so, where it cannot start), each
 #            process stepping SMOLLM2_TOGETHER samples side by side (default 1), where its file is here
 #            (below), checked
@@ -199,7 +199,7 @@ compare() {
 smollm2() {
     local dir="${out%.json}.compare"
     mkdir -p "$dir"
-    local many=${SMOLLM2_WORKERS:-$(nproc)}
+    local many=${SMOLLM2_WORKERS:-}
     # the usual cache (python -m nanollm.cli.fetch smollm2-135m); else .gpu_cache/models, fetched there by an
     # earlier call or now from two compressed parts (the top of this script); that folder is set for these
     # commands only (later stages keep theirs)
@@ -222,12 +222,12 @@ smollm2() {
         if [ "${SMOLLM2_MPS:-0}" = 1 ] && ! mps_start; then
             echo "SMOLLM2_MPS=1: no MPS control daemon could start here (nvidia-cuda-mps-control, on a GPU): the job runs without it"
         fi
-        echo "== smollm2: SmolLM2-135M's main job on $device, $many processes, ${SMOLLM2_ENGINE:-batched} engine, ${SMOLLM2_TOGETHER:-1} sample(s) together${mps_dir:+, through MPS} -> $dir/smollm2_$gpu.json"
+        echo "== smollm2: SmolLM2-135M's main job on $device, ${many:-the default number of} processes, ${SMOLLM2_ENGINE:-the default} engine, ${SMOLLM2_TOGETHER:-1} sample(s) together${mps_dir:+, through MPS} -> $dir/smollm2_$gpu.json"
         local t0=$SECONDS
         rm -f "$dir/smollm2_$gpu.json"
         # the progress bar to a file beside the report: a run stopped at its time limit still says how far it got
         NANOLLM_CACHE=$models timeout -k 10 "${SMOLLM2_LIMIT:-300}" python -m methods.compare --checkpoint smollm2-135m \
-            --device "$gpu" --workers "$many" --engine "${SMOLLM2_ENGINE:-batched}" --together "${SMOLLM2_TOGETHER:-1}" --json "$dir/smollm2_$gpu.json" > "$dir/smollm2_$gpu.log" \
+            --device "$gpu" ${many:+--workers "$many"} ${SMOLLM2_ENGINE:+--engine "$SMOLLM2_ENGINE"} --together "${SMOLLM2_TOGETHER:-1}" --json "$dir/smollm2_$gpu.json" > "$dir/smollm2_$gpu.log" \
             2> "$dir/smollm2_${gpu}_progress.txt" || { echo "SmolLM2 compare FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$dir/smollm2_$gpu.log"
         echo "SmolLM2's main job: $((SECONDS - t0)) s wall; the end of its progress bar and errors:"
