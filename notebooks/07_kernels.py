@@ -528,7 +528,8 @@ print("\n".join(line for line in e2e.summary(cpu_run) if line.startswith("S=")))
 # %% [markdown]
 # ## Exercises
 #
-# The exercises read the H100 run (`h100`, section 6.1) and section 1's roofline; none needs a GPU. Write your answer in a new cell; the collapsed cell under each exercise holds one, checked.
+# The exercises read the H100 run (`h100`, section 6.1) and section 1's roofline; none needs a GPU. Write
+# your answer in a new cell; the collapsed cell under each exercise holds one, checked.
 #
 # ### Exercise 1: the bytes of a dense decode step
 #
