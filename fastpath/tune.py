@@ -106,12 +106,14 @@ def tune_attention(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtype
 def tune_or_say_why(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtype, device: str, room: int,
                     bandwidth: float | None = None) -> dict:
     """``tune_attention`` where the kernels serve this device (``kernels.serves``), its sweep; else, or where the
-    sweep fails, ``{"error": why}`` and the defaults stay: a bench or profile goes on with them."""
+    sweep fails, ``{"error": why}`` and the defaults: where the sweep fails, they are recorded for its slots,
+    so that its caches do not take what another number of slots chose; a bench or profile goes on with them."""
     if not serves(torch.empty(0, device=device, dtype=dtype)):
         return {"error": "not tuned: the Triton kernels do not serve here (no sm_80+ GPU, or NANOKV_NO_TRITON=1)"}
     try:
         return tune_attention(B, H, H_kv, S, d, dtype, device, room=room, bandwidth=bandwidth)
     except Exception as e:                                  # noqa: BLE001  (recorded; the defaults are launched)
+        TUNED[(d, dtype, S + room)] = default_launch(dtype)
         return {"error": f"not tuned ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
 
 

@@ -251,14 +251,15 @@ def default_launch(dtype: torch.dtype) -> Launch:
     return Launch(default_block_n(dtype), DEFAULT_PER_SM)
 
 
-def launch_settings(k: Tensor, block_n: int | None = None) -> Launch:
+def launch_settings(k: Tensor, block_n: int | None = None, slots: int | None = None) -> Launch:
     """The settings a launch over the cache ``k`` (..., slots, d) takes when none are given: ``TUNED``'s for
-    its head size and dtype, timed on the number of slots nearest its own (by ratio: a cache of 900 slots
-    takes those of 819 before those of 8,192), or the defaults; with ``block_n`` given, the defaults for it
-    (the tuned warps and stages go with the tuned block)."""
+    its head size and dtype, timed on the number of slots nearest its own (``slots``: the rows the kernel
+    walks, all of ``k``'s unless given; by ratio: 900 slots take the settings of 819 before those of 8,192),
+    or the defaults; with ``block_n`` given, the defaults for it (the tuned warps and stages go with the
+    tuned block)."""
     if block_n is not None:
         return Launch(block_n, DEFAULT_PER_SM)
-    slots = max(1, k.shape[-2])
+    slots = max(1, k.shape[-2] if slots is None else slots)
     timed = [key for key in TUNED if key[:2] == (k.shape[-1], k.dtype)]
     if not timed:
         return default_launch(k.dtype)
@@ -343,7 +344,7 @@ def split_plan(q: Tensor, k: Tensor, n_tokens: int, block_n: int | None = None,
     blocks and at least one (``split_ranges``); None takes ``launch_settings`` (tuned, or the defaults), the
     ranges from its programs per SM (``fill_splits``). A caller sizing a buffer per range asks here, as the
     launcher does."""
-    settings = launch_settings(k, block_n)
+    settings = launch_settings(k, block_n, n_tokens)
     block_n = settings.block_n
     blocks_per_split, splits = split_ranges(triton.cdiv(n_tokens, block_n),
                                             splits or fill_splits(q, q.shape[0] * k.shape[1], settings.per_sm))
@@ -370,7 +371,7 @@ def decode_partials_triton(q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None =
     H_kv = k.shape[1]
     G = H // H_kv
     n_tokens = idx.shape[2] if idx is not None else k.shape[2]
-    settings = launch_settings(k, block_n)                                   # before block_n takes its value
+    settings = launch_settings(k, block_n, n_tokens)                         # before block_n takes its value
     block_n, blocks_per_split, splits = split_plan(q, k, n_tokens, block_n, splits)
     if d & (d - 1) or d < 16:
         raise ValueError(f"the kernels take a head dimension that is a power of two >= 16, got {d}")

@@ -86,7 +86,7 @@ def some_jobs(model, tok, variants: list[Variant], budgets: list[int], length: i
             return run_jobs(engine_for(*engine, model=model), tok, variants, budgets, length, seed, jobs)
         except torch.OutOfMemoryError:
             if last:
-                raise cli.UsageError(out_of_memory(_WORKER.get("workers", 1), len(jobs))) from None
+                raise cli.UsageError(out_of_memory(_WORKER.get("workers", 1), len(jobs), engine[0])) from None
         finally:
             give_back()
 
@@ -115,17 +115,19 @@ def _run_jobs_in_worker(jobs: list[tuple[str, int, str]]) -> list[list[tuple[tup
     return some_jobs(*_WORKER["shared"], jobs)
 
 
-def out_of_memory(workers: int, together: int = 1) -> str:
+def out_of_memory(workers: int, together: int = 1, engine: str = "one-group") -> str:
     """What to do when a worker's GPU memory runs out: the processes share the GPU, each holding the model,
     its caches and CUDA's own memory (SmolLM2's main job with one group held 7 to 10 GiB a worker on an H200:
-    fastpath/README.md), each sample stepped together with others holding its own caches."""
+    fastpath/README.md), each sample stepped together with others holding its own caches; one group pads
+    every cache to the largest, where groups by size (``--engine batched``) pad less."""
     held = f", this one holding {torch.cuda.memory_reserved() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
-    fewer = f"a smaller --together (each process holds {together} samples' caches), " if together > 1 else ""
+    other = [f"a smaller --together (each process holds {together} samples' caches)"] if together > 1 else []
+    other += ["--engine batched, whose groups by size pad less than one group"] if engine == "one-group" else []
     if workers <= 1:
-        return (f"the GPU ran out of memory{held}: the model and its caches do not fit ({fewer}a shorter --length, "
-                f"fewer --methods or --budgets)")
+        return (f"the GPU ran out of memory{held}: the model and its caches do not fit ("
+                + ", ".join(other + ["a shorter --length, fewer --methods or --budgets"]) + ")")
     return (f"the GPU ran out of memory with {workers} worker processes sharing it{held}: run with fewer "
-            f"--workers ({fewer}or --engine batched, whose groups by size pad less than one group)")
+            f"--workers" + (f" (or {'; or '.join(other)})" if other else ""))
 
 
 def in_workers(batches: list[list[tuple]], shared: tuple, workers: int, tick) -> list:
@@ -191,6 +193,12 @@ def without_mps(device, workers: int) -> str | None:
 # 10.21 GiB a worker on an H200, four times its caches' K/V and CUDA's own memory (fastpath/README.md); 12
 # workers of it ran there, 16 ran out. An estimate from that job, with a tenth of the GPU left spare.
 HELD_PER_CACHE, CUDA_OWN, SPARE = 4, 2**30, 0.1
+
+
+def caches_per_worker(variants: list[Variant], budgets: list[int], together: int = 1) -> int:
+    """The caches a worker holds at once: a sample's rows of ``protocol.run_job`` (the full cache, then every
+    other variant at every budget), ``together`` samples of them."""
+    return (1 + sum(v.spec != "full" for v in variants) * len(budgets)) * together
 
 
 def workers_that_fit(model, device, caches: int, length: int) -> int:
@@ -564,7 +572,8 @@ def parser() -> cli.ArgumentParser:
                     help="processes running samples side by side, one torch thread each, at most the CPU cores; "
                          "the records are the same as with 1, timings aside; on a GPU they share it, each with "
                          "its own copy of the model there (default: the CPUs available, here "
-                         f"{default_workers()}; on a GPU no more than half its memory holds copies of the model; "
+                         f"{default_workers()}; on a GPU no more than its memory holds by an estimate, "
+                         "workers_that_fit; "
                          "one per rank under torchrun)")
     ap.add_argument("--together", type=cli.positive_int, default=1, metavar="K",
                     help="samples each process steps side by side: one decode step of the model for every cache of "
@@ -666,7 +675,7 @@ def launcher(world: int, prog: str) -> str:
 def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, world, device) -> None:
     """``main`` after every argument is checked: load, run (this rank's share under torchrun), report."""
     model, tok, card = load(args.checkpoint, device=device, dtype=getattr(torch, args.dtype))
-    caches = (1 + len(variants) * len(budgets)) * args.together               # a worker's: the full cache's too
+    caches = caches_per_worker(variants, budgets, args.together)
     room = workers_that_fit(model, device, caches, length) if str(device).startswith("cuda") else None
     args.engine, workers = engine_and_workers(args.engine, args.workers, device, world, args.time_alone, room)
     try:

@@ -62,6 +62,18 @@ def test_a_cache_takes_the_launch_timed_on_the_nearest_number_of_slots():
     assert dec.launch_settings(slots(150)) == Launch(64, 1)                       # 3.75x from 40, 2.7x from 400
     assert dec.launch_settings(slots(5000)) == Launch(64, 1)
     assert dec.launch_settings(slots(40, torch.bfloat16)) == dec.default_launch(torch.bfloat16)
+    assert dec.launch_settings(slots(5000), slots=45) == Launch(16, 8)          # the rows a gather walks
+
+
+def test_a_sweep_that_fails_leaves_the_defaults_for_its_slots(monkeypatch):
+    """Not the settings another number of slots chose: a tenth's caches whose sweep failed would otherwise
+    take the full cache's."""
+    dec.TUNED[(16, torch.float32, 400)] = Launch(16, 8)
+    monkeypatch.setattr(tune, "serves", lambda t: True)
+    monkeypatch.setattr(tune, "tune_attention", lambda *a, **k: 1 / 0)
+    sweep = tune.tune_or_say_why(2, 4, 2, 40, 16, torch.float32, DEVICE, room=5)
+    assert "ZeroDivisionError" in sweep["error"]
+    assert dec.launch_settings(torch.empty(1, 2, 45, 16)) == dec.default_launch(torch.float32)
 
 
 def test_a_sweep_keeps_what_other_numbers_of_slots_chose():
@@ -100,7 +112,7 @@ def test_a_launch_whose_output_differs_is_not_timed(monkeypatch):
 
     def wrong_at_16(q, k, v, pos):
         out = real(q, k, v, pos)
-        tuned = dec.TUNED.get(KEY)               # none while the default's output is taken
+        tuned = dec.TUNED.get(KEY)               # the launch being tried (the default's first)
         return out + 1e-3 if tuned is not None and tuned.block_n == 16 else out
     monkeypatch.setattr(tune, "masked_decode_attention_triton", wrong_at_16)
     sweep = tune.tune_attention(**SHAPE, candidates=(Launch(16, 1),), time_ms=fake_timer({32: 2.0, 16: 0.1}))

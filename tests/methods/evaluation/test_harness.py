@@ -203,6 +203,9 @@ def test_workers_that_a_gpu_holds(make_model, monkeypatch):
                               parameters=lambda: iter([torch.empty(134_515_008, device="meta")]))   # 135M, fp32
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=143771 << 20))
     assert compare.workers_that_fit(smollm2, "cuda", 25, 2048) == 12
+    variants = [compare.Variant(m, m) for m in ["full", "streaming_llm", "h2o", "snapkv", "adakv(h2o)"]]
+    assert compare.caches_per_worker(variants, [10, 20, 40]) == 1 + 4 * 3      # the full cache once
+    assert compare.caches_per_worker(variants, [10, 20, 40], together=2) == 2 * 13
 
 
 def test_cli_help_documents_every_flag(capsys):
@@ -363,6 +366,8 @@ def test_a_worker_out_of_gpu_memory_is_one_line_that_names_the_workers(monkeypat
     assert stop.value.code == 2 and err.count("\n") == 1, err
     assert "ran out of memory with 16 worker processes" in err and "fewer --workers" in err, err
     assert "a shorter --length" in compare.out_of_memory(1)                 # one process: what fits is the work
+    assert "--engine batched" in compare.out_of_memory(1) and "--engine batched" in compare.out_of_memory(16)
+    assert "--engine batched" not in compare.out_of_memory(16, engine="batched")   # not to one running it
 
 
 def test_a_batch_out_of_gpu_memory_runs_once_more_after_the_memory_goes_back(monkeypatch):
