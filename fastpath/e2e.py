@@ -53,8 +53,8 @@ from nanollm.storage import LayerKV
 
 from .fused import FusedGraphDecoder
 from .graph import GraphDecoder
+from .tune import copy_share, tune_or_say_why
 from .tune import summary as tune_summary
-from .tune import tune_or_say_why
 
 PRESET, LENGTHS, BATCH, KEEP = "TINYLLAMA_1B", (8192, 32768), 16, 0.1
 QUICK_SHAPE = dict(vocab_size=1024, n_layer=2, n_head=8, n_kv_head=2, d_model=256, d_ff=512)
@@ -135,6 +135,14 @@ def kept_positions(method: str, S: int, K: int, B: int, H_kv: int, device: str, 
 def kept(S: int) -> int:
     """The budget of a method that keeps ``KEEP`` of a prompt of S tokens."""
     return max(8, int(KEEP * S))
+
+
+def tune_at(cfg, B: int, S: int, dtype: torch.dtype, device: str, bandwidth: float | None = None) -> dict:
+    """The split kernel's launch timed and chosen (``tune.py``) on the full cache's slots at length S and on
+    those of the caches that keep a tenth: their sweeps, keyed as a report records them ("8192", "8192 keep")."""
+    return {key: tune_or_say_why(B, cfg.n_head, cfg.n_kv_head, entries, cfg.head_dim, dtype, device, room=ROOM,
+                                 bandwidth=bandwidth)
+            for key, entries in ((str(S), S), (f"{S} keep", kept(S)))}
 
 
 def synthetic_cache(cfg, method: str, B: int, S: int, dtype: torch.dtype, device: str) -> KVCache:
@@ -309,9 +317,8 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
     tuned = {}
     for S in lengths:
         if tune and device == "cuda" and not quick and not hf_only:
-            for key, entries in ((str(S), S), (f"{S} keep", kept(S))):   # the full cache's slots, then a tenth's
-                tuned[key] = sweep = tune_or_say_why(B, cfg.n_head, cfg.n_kv_head, entries, cfg.head_dim, dtype,
-                                                     device, room=ROOM, bandwidth=bandwidth)
+            for key, sweep in tune_at(cfg, B, S, dtype, device, bandwidth).items():
+                tuned[key] = sweep
                 print("\n".join(tune_summary(sweep)))
         if not hf_only:
             for r in ours(cfg, model, decoders, B, S, dtype, device, bandwidth, METHODS_TIMED, quick):
@@ -346,6 +353,11 @@ SPEEDUP_TARGETS = {8192: {"snapkv": 1.5, "streaming_llm": 1.5, "h2o": 1.3},
 VS_TRANSFORMERS = 10.0
 
 
+def share(launch: dict) -> str:
+    """" (80% of the copy bandwidth)" after a timed launch, where its run measured the copy bandwidth."""
+    return f" ({copy_share(launch)})" if "fraction_of_copy_bw" in launch else ""
+
+
 def summary(report: dict, rows_too: bool = False) -> list[str]:
     """A report's rows as the ratios a reader asks for, each computed here from the recorded step times (with
     ``rows_too``, first the rows themselves and the fixed cost and rate of each line through two lengths): per
@@ -368,10 +380,6 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
             lines.append(f"S={S:<6} {sweep['error']}{' (keep)' if keep else ''}")
             continue
         best, default = sweep["best"], sweep["default"]
-
-        def share(launch: dict) -> str:                            # of the copy bandwidth, where it was measured
-            f = launch.get("fraction_of_copy_bw")
-            return "" if f is None else f" ({f:.0%} of the copy bandwidth)"
         lines.append(f"S={S:<6} tuned{' at ' + str(sweep['shape']['entries']) + ' entries' if keep else ''}: "
                      f"{best['block_n']} tokens a block, {best['per_sm']} programs per SM, "
                      f"{best['num_warps']} warps, {best['num_stages']} stages: the split kernel alone "

@@ -32,7 +32,6 @@ from nanollm.io.files import atomic_write_text
 from . import e2e
 from .fused import FusedGraphDecoder
 from .tune import summary as tune_summary
-from .tune import tune_or_say_why
 
 TOP = 15                # kernels listed per method
 
@@ -106,9 +105,8 @@ def run(device: str, quick: bool, lengths: tuple, methods: list[str], steps: int
              f"recorded after {e2e.WARM}"]
     for S in lengths:
         if device == "cuda" and not quick:            # the split kernel launched as the e2e bench launches it
-            for entries in (S, e2e.kept(S)):
-                lines += [""] + tune_summary(tune_or_say_why(B, cfg.n_head, cfg.n_kv_head, entries, cfg.head_dim,
-                                                             dtype, device, room=e2e.ROOM))
+            for sweep in e2e.tune_at(cfg, B, S, dtype, device).values():
+                lines += [""] + tune_summary(sweep)
         for method in methods:
             lines += [""] + profile_method(cfg, model, decoder, method, B, S, dtype, device, steps)
             print("\n".join(lines[-TOP - 3:]), flush=True)

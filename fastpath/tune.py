@@ -123,8 +123,13 @@ def describe(launch: dict) -> str:
            f"{launch['num_warps'] or 'default'} warps, {launch['num_stages'] or 'default'} stages")
     if "ms" not in launch:
         return f"{cut}: {launch.get('error', 'not timed')}"
-    share = f" = {launch['fraction_of_copy_bw']:.0%} of the copy bandwidth" if "fraction_of_copy_bw" in launch else ""
+    share = f" = {copy_share(launch)}" if "fraction_of_copy_bw" in launch else ""
     return f"{cut}: {launch['ms'] * 1e3:.1f} us, {launch['GB_per_s']:.0f} GB/s{share}"
+
+
+def copy_share(launch: dict) -> str:
+    """A timed launch's share of the copy bandwidth measured in the same run ("" where none was given)."""
+    return f"{launch['fraction_of_copy_bw']:.0%} of the copy bandwidth" if "fraction_of_copy_bw" in launch else ""
 
 
 def summary(sweep: dict) -> list[str]:

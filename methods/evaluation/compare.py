@@ -649,11 +649,10 @@ def main(argv: list[str] | None = None) -> None:
             budgets = [budget_for(r, length) for r in ratios]
         if any(b <= 0 for b in budgets):
             cli.fail(f"--budgets must be positive, got {budgets}")
-        caches = 1 + len([m for m in methods if m != "full"]) * len(budgets)
+        variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]
+        caches = caches_per_worker(variants, budgets)
         cli.check_fits(f"--samples {samples} ({len(tasks)} task(s), {len(args.modes)} mode(s), {caches} caches "
                        "each)", results_bytes(config, samples * len(tasks) * len(args.modes), caches))
-
-        variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]
         torch.set_num_threads(args.threads)
         rank, world, device = shards.start(args.device) if shards.launched() else (0, 1, args.device)
         try:
