@@ -65,8 +65,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def before_attention(x: Tensor, norm_w: Tensor, wqkv: Tensor, cos: Tensor, sin: Tensor, eps: float, H: int,
                      H_kv: int) -> tuple[Tensor, Tensor, Tensor]:
     """x (R, D) -> q (R, H, 1, d), k, v (R, H_kv, 1, d): ``LeanDecoder.forward`` up to its attention."""
-    R = x.shape[0]
-    qkv = F.linear(rms_norm(x, norm_w, eps), wqkv).view(R, H + 2 * H_kv, -1)     # (R, H + 2 H_kv, d)
+    return heads_with_rope(F.linear(rms_norm(x, norm_w, eps), wqkv), cos, sin, H, H_kv)
+
+
+def heads_with_rope(qkv: Tensor, cos: Tensor, sin: Tensor, H: int, H_kv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The stacked product qkv (R, (H + 2 H_kv) d) -> q (R, H, 1, d), k, v (R, H_kv, 1, d), q and k rotated."""
+    qkv = qkv.view(qkv.shape[0], H + 2 * H_kv, -1)                                  # (R, H + 2 H_kv, d)
     qk = apply_rope(qkv[:, :H + H_kv], cos, sin)
     return qk[:, :H, None], qk[:, H:, None], qkv[:, H + H_kv:, None]
 
@@ -100,6 +104,7 @@ class FusedGraphDecoder(GraphDecoder):
     def __init__(self, model: Transformer, backend: str | None = None) -> None:
         super().__init__(model)
         options = {"dynamic": False} if backend is None else {"dynamic": False, "backend": backend}
+        self.compile_options = options                  # a subclass compiles its own pieces with the same
         self.before, self.after, self.head = (torch.compile(f, **options)
                                               for f in (before_attention, after_attention, head))
         # the attention's own small pieces (graph.py) where no kernel serves (_attend below): StreamingLLM's

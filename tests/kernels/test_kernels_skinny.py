@@ -1,0 +1,111 @@
+"""The skinny matmul kernel (kernels/skinny_matmul.py) against its PyTorch references.
+
+Without a GPU the kernel runs in Triton's interpreter (``tests/conftest.py`` sets TRITON_INTERPRET=1). The
+shapes cover rows under, at and over one tile of 16 (the rest masked, or a second row of programs), K that is
+and is not a multiple of the step along it, N that is and is not a multiple of the columns per program, and
+inputs that are views with a row stride of their own (as the fused step passes the attention's output).
+"""
+
+import pytest
+import torch
+
+import kernels
+from kernels.skinny_matmul import (
+    TOLERANCE,
+    SkinnyLaunch,
+    linear_add_triton,
+    norm_linear_triton,
+    norm_swiglu_triton,
+    reference_linear_add,
+    reference_norm_linear,
+    reference_norm_swiglu,
+)
+
+pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
+                                reason="no way to run a Triton kernel: triton is not installed, or there is no "
+                                       "CUDA device and TRITON_INTERPRET is not 1")
+DEVICES = (["cpu"] if kernels.interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
+SMALL = SkinnyLaunch(16, 32, 4, 2)          # small blocks: several programs and steps along K even here
+SHAPES = [(1, 64, 16), (3, 100, 40), (16, 64, 48), (20, 96, 32)]          # (M, K, N)
+
+
+def inputs(M, K, N, dtype, device, seed=0, w_rows=None):
+    """x (M, K) as a view with a row stride of K + 3, the norm's weight g (K,) around 1, w (w_rows or N, K) and
+    a residual r (M, N), all at scales that keep the outputs away from 0 and from overflow."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K + 3, generator=g)[:, 1:K + 1]
+    norm_w = 1 + 0.2 * torch.randn(K, generator=g)
+    w = torch.randn(w_rows or N, K, generator=g) / K ** 0.5
+    r = torch.randn(M, N, generator=g)
+    return [t.to(device, dtype) for t in (x, norm_w, w, r)]
+
+
+def close(got, want, dtype):
+    scale = want.abs().max().clamp_min(1e-6)
+    err = float((got.float() - want.float()).abs().max() / scale)
+    assert err <= TOLERANCE[dtype], f"max |kernel - reference| = {err:.3g} of max |reference| (tolerance {TOLERANCE[dtype]})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_norm_linear(device, dtype, M, K, N):
+    x, g, w, _ = inputs(M, K, N, dtype, device)
+    got = norm_linear_triton(x, g, 1e-5, w, launch=SMALL)
+    assert got.shape == (M, N) and got.dtype == dtype
+    close(got, reference_norm_linear(x, g, 1e-5, w), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_norm_swiglu(device, dtype, M, K, N):
+    x, g, w, _ = inputs(M, K, N, dtype, device, w_rows=2 * N)
+    got = norm_swiglu_triton(x, g, 1e-5, w, launch=SMALL)
+    assert got.shape == (M, N)
+    close(got, reference_norm_swiglu(x, g, 1e-5, w), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_linear_add(device, dtype, M, K, N):
+    y, _, w, r = inputs(M, K, N, dtype, device)
+    got = linear_add_triton(y, w, r, launch=SMALL)
+    close(got, reference_linear_add(y, w, r), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_default_launch_and_a_wide_one(device):
+    """The launch taken when none is given (16 columns, a step of 256 along K: here one step), and 64 columns
+    over an N of 40 (one program, most of it masked)."""
+    x, g, w, r = inputs(5, 300, 40, torch.float32, device)
+    close(norm_linear_triton(x, g, 1e-6, w), reference_norm_linear(x, g, 1e-6, w), torch.float32)
+    close(linear_add_triton(x, w, r, launch=SkinnyLaunch(64, 128, 4, 2)), reference_linear_add(x, w, r),
+          torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_norm_is_the_rows_own(device):
+    """A plausible mistake, a norm over the whole block or without eps, is caught: rows of very different sizes,
+    one of them all zeros (its output is 0, as x / sqrt(0 + eps) * 0 is)."""
+    x, g, w, _ = inputs(4, 64, 16, torch.float32, device)
+    x = x * torch.tensor([[1e-3], [1.0], [1e3], [0.0]], device=device)
+    got = norm_linear_triton(x, g, 1e-5, w, launch=SMALL)
+    close(got, reference_norm_linear(x, g, 1e-5, w), torch.float32)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_line_errors(device):
+    x, g, w, r = inputs(2, 32, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="share K"):
+        norm_linear_triton(x, g, 1e-5, w[:, :16])
+    with pytest.raises(ValueError, match="even number of rows"):
+        norm_swiglu_triton(x, g, 1e-5, w[:15])
+    with pytest.raises(ValueError, match="norm's weight"):
+        norm_linear_triton(x, g[:8], 1e-5, w)
+    with pytest.raises(ValueError, match="residual"):
+        linear_add_triton(x, w, r[:, :8])
+    with pytest.raises(ValueError, match="dtype"):
+        linear_add_triton(x.double(), w, r)
