@@ -12,9 +12,12 @@ fastpath: the same decoder, faster, plugged in from above. The reading path (``n
                    methods, StreamingLLM, H2O and Scissorhands decode on it, the others fall back to the lean
                    step, saying so
     fused.py       ``FusedGraphDecoder``: the graph step with its element-wise work compiled by inductor
+    skinny.py      ``SkinnyGraphDecoder``: the fused step with its products, and the norms, SwiGLU and residual
+                   adds around them, in ``kernels/skinny_matmul.py``
     tune.py        the split kernel's launch (tokens per block, programs per SM, warps, stages) timed on
-                   the GPU at hand, the fastest kept for every later launch (``python -m fastpath.bench --tune``)
-    e2e.py         whole decode steps timed (``python -m fastpath.bench --e2e``): lean, graph and fused step,
+                   the GPU at hand, the fastest kept for every later launch (``python -m fastpath.bench --tune``);
+                   the skinny kernel's per product
+    e2e.py         whole decode steps timed (``python -m fastpath.bench --e2e``): lean, graph, fused and skinny step,
                    full cache vs keep 0.1, transformers' StaticCache step, at the copy bandwidth of the same run
     gpu_check.sh   what a GPU must show, in stages of under ten minutes: ``--e2e``, the tests, the main job
                    (``compare``), the fast tier (``suite``)
@@ -22,7 +25,7 @@ fastpath: the same decoder, faster, plugged in from above. The reading path (``n
 Each computes what the reading path computes: ``tests/fastpath/`` compares them (bit for bit on CPU where
 the arithmetic is the same, at float tolerance where the kernels or stacked products sum in another order).
 
-The graph and fused steps are tested on a CPU (their logits equal the lean step's; ``torch.compile`` with
+The graph, fused and skinny steps are tested on a CPU (their logits equal the lean step's; ``torch.compile`` with
 ``fullgraph=True`` traces the graph step whole in the slow tier) and on a GPU, where ``fastpath/README.md``
 has what they measured (``bash fastpath/gpu_check.sh results/decode_e2e.json`` on an H100 or H200).
 """

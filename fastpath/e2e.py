@@ -12,10 +12,12 @@ it. A cache is filled with random entries of the kept shape, positions as the me
 its sinks and recent tokens, H2O's scores, Scissorhands' counters and ring buffer), and no prompt runs:
 which tokens are kept does not change a step's time, and a 16 x 32k prompt would cost most of the run.
 
-Three paths: ``lean`` (``lean.py``, launched from Python), ``graph`` (``graph.py``, captured in a CUDA graph;
+Four paths: ``lean`` (``lean.py``, launched from Python), ``graph`` (``graph.py``, captured in a CUDA graph;
 its attention the masked split-K kernel; H2O's and Scissorhands' probabilities, which they use, beside it in
-PyTorch) and ``fused`` (``fused.py``: the graph step with its element-wise work compiled by inductor, on a
-CPU traced by dynamo alone). Each path takes ``WARM`` steps (the graph step captures its graph there, the fused one
+PyTorch), ``fused`` (``fused.py``: the graph step with its element-wise work compiled by inductor, on a
+CPU traced by dynamo alone) and ``skinny`` (``skinny.py``: the fused step with its matrix products, and the
+norms, SwiGLU and residual adds around them, in the skinny kernel; on a CPU, where the kernels do not serve,
+the fused step again). Each path takes ``WARM`` steps (the graph step captures its graph there, the fused one
 compiles first: ``warm_s``), then ``REPEATS`` blocks of
 ``STEPS`` steps, the device synchronised around each block: the median block over ``STEPS`` is the
 step's time, the host's launch work included (what the graph removes). ``bytes`` is what a step must
@@ -29,7 +31,8 @@ with ``--hf-compile``) is timed in the same run when transformers is importable,
 
 On a GPU the split kernel's launch is first chosen at each length by timing it (``tune.py``: tokens per block,
 programs per SM, warps and stages), on the full cache's slots and on those of the caches that keep a tenth,
-its sweeps recorded in the report (``--no-tune``: the defaults).
+its sweeps recorded in the report (``--no-tune``: the defaults); so is the skinny kernel's launch, once per
+run, on each product of the step (``tune.tune_skinny``), beside cuBLAS's product alone.
 Every number is the device's it ran on, printed and recorded with it; ``summary`` prints the ratios and the
 targets from a report's step times (``python -m fastpath.bench --summary REPORT.json``). The H100's report
 is ``results/decode_e2e_h100.json``, read in ``fastpath/README.md``.
@@ -53,7 +56,8 @@ from nanollm.storage import LayerKV
 
 from .fused import FusedGraphDecoder
 from .graph import GraphDecoder
-from .tune import copy_share, tune_or_say_why
+from .skinny import SkinnyGraphDecoder
+from .tune import copy_share, skinny_summary, tune_or_say_why, tune_skinny_or_say_why
 from .tune import summary as tune_summary
 
 PRESET, LENGTHS, BATCH, KEEP = "TINYLLAMA_1B", (8192, 32768), 16, 0.1
@@ -191,7 +195,7 @@ def row(path: str, method: str, S: int, entries: int, ms: tuple, weights: int, k
             "fixed_ms": ms[0] - ideal, "fraction_of_copy_bw": ideal / ms[0], **extra}
 
 
-PATHS = ("lean", "graph", "fused")
+PATHS = ("lean", "graph", "fused", "skinny")
 
 
 def ours(cfg, model: Transformer, decoders: dict, B: int, S: int, dtype, device: str, bandwidth: float,
@@ -313,8 +317,12 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
         torch.manual_seed(0)
         model = random_model(cfg, dtype, device)
         graph = GraphDecoder(model)
-        decoders = {"lean": graph, "graph": graph, "fused": FusedGraphDecoder(model, backend=fused_backend)}
-    tuned = {}
+        decoders = {"lean": graph, "graph": graph, "fused": FusedGraphDecoder(model, backend=fused_backend),
+                    "skinny": SkinnyGraphDecoder(model, backend=fused_backend)}
+    tuned, skinny_tuned = {}, {}
+    if tune and device == "cuda" and not quick and not hf_only:
+        skinny_tuned = tune_skinny_or_say_why(cfg, B, dtype, device, bandwidth)
+        print("\n".join(skinny_summary(skinny_tuned)))
     for S in lengths:
         if tune and device == "cuda" and not quick and not hf_only:
             for key, sweep in tune_at(cfg, B, S, dtype, device, bandwidth).items():
@@ -338,7 +346,8 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
             "config": cfg.to_dict(),
             "steps": {"warm": WARM, "steps": QUICK_STEPS if quick else STEPS,
                       "repeats": QUICK_REPEATS if quick else REPEATS},
-            "fused_backend": fused_backend or "inductor", "tuned": tuned, "rows": rows, "transformers": hf,
+            "fused_backend": fused_backend or "inductor", "tuned": tuned, "skinny_tuned": skinny_tuned,
+            "rows": rows, "transformers": hf,
             "fit": fit([r for r in rows + hf if isinstance(r, dict) and "ms" in r]),
             "note": f"measured on {name}; numbers from another device are not comparable"}
     print("\n".join(summary(report)))
@@ -363,7 +372,7 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
     ``rows_too``, first the rows themselves and the fixed cost and rate of each line through two lengths): per
     length and path, the full cache's fraction of the copy bandwidth, keep 0.1's speed-up over the full
     cache on the same path, the full cache against transformers' StaticCache step (eager, and compiled if a
-    row has it); then the targets above, met or not, for the graph and the fused path each."""
+    row has it); then the targets above, met or not, for every path but the lean one."""
     rows = {(r["path"], r["method"], r["length"]): r for r in report["rows"] if "ms" in r}
     hf = {(r["path"], r["length"]): r for r in report.get("transformers", []) if isinstance(r, dict)}
     lines, steps = [], {}
@@ -386,6 +395,8 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
                      f"{best['ms'] * 1e3:.1f} us{share(best)} against the default launch's "
                      + (f"{default['ms'] * 1e3:.1f} us{share(default)}" if "ms" in default
                         else default.get("error", "(not timed)")))
+    if report.get("skinny_tuned"):                                # the skinny kernel's products, once per run
+        lines += skinny_summary(report["skinny_tuned"])
     for S in report["lengths"]:
         for path in PATHS:
             full = rows.get((path, "full", S))

@@ -6,12 +6,13 @@
 #     bash fastpath/gpu_check.sh results/decode_e2e.json tests compare   # one call per few stages
 #     bash fastpath/gpu_check.sh results/decode_e2e.json smollm2
 #
-#   bench    python -m fastpath.bench --e2e: the lean, graph and fused steps, full cache vs keep 0.1 for
+#   bench    python -m fastpath.bench --e2e: the lean, graph, fused and skinny steps, full cache vs keep 0.1 for
 #            SnapKV, StreamingLLM, H2O and Scissorhands, TINYLLAMA_1B shape in bf16, 16 x 8,192 and
 #            16 x 32,768 tokens, the copy bandwidth measured in the same run, transformers' StaticCache step
 #            (eager), the split kernel's launch first timed and chosen at each length, on the full cache's
-#            slots and a tenth's (fastpath/tune.py); the report, with provenance, to OUT (a 280 s limit; 64 s
-#            on an H200 without Scissorhands or tuning);
+#            slots and a tenth's (fastpath/tune.py), and the skinny kernel's on each product of the step, beside
+#            cuBLAS's; the report, with provenance, to OUT (a 400 s limit; 64 s on an H200 for three paths
+#            without Scissorhands or tuning);
 #   smolbench  the same for SmolLM2-135M's shape (random weights) with 1 and 16 sequences of 2,048 and 8,192
 #            tokens, to OUT's .smollm2_b1.json and .smollm2_b16.json siblings (2 x 90 s; the split kernel's
 #            launch not tuned: --no-tune, as it was measured);
@@ -22,9 +23,9 @@
 #            test files instead);
 #   hf       transformers' StaticCache step under torch.compile(mode="reduce-overhead") at 8,192 tokens, to
 #            OUT's .hf_compiled_8192.json sibling; a compile that runs out of its time says so (70 s);
-#   profile  the fused step's kernels per method, 8,192 and 32,768 tokens (python -m fastpath.profile), the
-#            split kernel tuned as the bench tunes it: each kernel's launches and device time per step, to
-#            OUT's .profile.txt sibling (190 s);
+#   profile  the skinny step's kernels per method (PROFILE_PATH=fused: the fused step's), 8,192 and 32,768
+#            tokens (python -m fastpath.profile), the kernels tuned as the bench tunes them: each kernel's
+#            launches and device time per step, to OUT's .profile.txt sibling (250 s);
 #   compare  the bundled model's suite (COMPARE_SAMPLES samples, default 2) on the CPU (a worker per core, the fast engine) and on the
 #            GPU (a worker per core sharing it, with the batched engine, then with one group), their records
 #            checked equal (methods.evaluation.agree) and their seconds printed, JSON files to OUT's .compare/
@@ -71,6 +72,7 @@ for s in "${stages[@]}"; do
     case "$s" in bench|smolbench|tests|hf|profile|compare|launches|smollm2|suite) ;; *) echo "unknown stage '$s': bench, smolbench, tests, hf, profile, compare, launches, smollm2, suite"; exit 2;; esac
 done
 cd "$(dirname "$0")/.."                      # the repository root
+mkdir -p "$(dirname "$out")"                 # OUT's folder, for every stage's files
 gpu=${GPU_CHECK_DEVICE:-cuda}
 if [ "$gpu" = cuda ]; then
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script is for a GPU')" || exit 2
@@ -118,7 +120,7 @@ device=$(python -c "import torch; print('the CPU (dry run)' if '$gpu' == 'cpu' e
 
 bench() {
     echo "== bench: end-to-end decode steps -> $out"
-    timeout -k 10 280 python -m fastpath.bench --e2e --json "$out" $([ "$gpu" = cpu ] && echo --quick) \
+    timeout -k 10 400 python -m fastpath.bench --e2e --json "$out" $([ "$gpu" = cpu ] && echo --quick) \
         || { echo "e2e FAILED or ran out of time (rc $?)"; status=1; }
 }
 
@@ -149,9 +151,10 @@ hf() {
 profile() {
     local txt="${out%.json}.profile.txt"
     mkdir -p "$(dirname "$txt")"
-    echo "== profile: the fused step's kernels per method -> $txt"
-    # the four caches its 190 s were planned for (Scissorhands' too by hand: python -m fastpath.profile)
-    timeout -k 10 190 python -m fastpath.profile --out "$txt" --methods full snapkv streaming_llm h2o \
+    echo "== profile: the ${PROFILE_PATH:-skinny} step's kernels per method -> $txt"
+    # the four caches its 250 s were planned for (Scissorhands' too by hand: python -m fastpath.profile)
+    timeout -k 10 250 python -m fastpath.profile --out "$txt" --path "${PROFILE_PATH:-skinny}" \
+        --methods full snapkv streaming_llm h2o \
         $([ "$gpu" = cpu ] && echo --quick) > "$txt.log" 2>&1 \
         || { echo "profile FAILED or ran out of time (rc $?)"; status=1; }
     grep -E "tokens: " "$txt.log"

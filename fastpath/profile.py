@@ -4,17 +4,19 @@ Where a fused decode step's time goes, kernel by kernel: ``python -m fastpath.pr
 ``python -m fastpath.bench --e2e`` times whole steps and splits each into the time its bytes need at the
 copy bandwidth and a fixed rest; this says what the rest is made of. For each method it builds the e2e
 benchmark's synthetic cache (``e2e.synthetic_cache``: the same shape, keep 0.1), starts the fused step on it
-(``fused.py``), takes ``e2e.WARM`` steps (compiling its pieces), then records ``--steps`` more with
-``torch.profiler`` and prints, the most time first, each kernel's launches per step and its time per step,
-and the step's kernels in all. The recorded steps run eagerly (``decode``), not replayed from a CUDA graph:
-the same kernels a graph would replay, each timed on the device, without the host's launch time.
+(``fused.py``; ``--path skinny``: the skinny step, ``skinny.py``), takes ``e2e.WARM`` steps (compiling its
+pieces), then records ``--steps`` more with ``torch.profiler`` and prints, the most time first, each kernel's
+launches per step and its time per step, and the step's kernels in all. The recorded steps run eagerly
+(``decode``), not replayed from a CUDA graph: the same kernels a graph would replay, each timed on the device,
+without the host's launch time.
 
     python -m fastpath.profile --length 32768 --methods full h2o         # on a GPU: bash fastpath/gpu_check.sh
+    python -m fastpath.profile --path skinny --methods full snapkv       # the products in the skinny kernel
     python -m fastpath.profile --quick                                   # tiny shapes, on a CPU: its operators
 
 On a GPU the split kernel's launch is first chosen at each length as the e2e bench chooses it
-(``tune.py``), its sweep's summary printed. On a CPU the profiler records operators, not kernels, each timed
-on the host: a dry run of the command.
+(``tune.py``), its sweep's summary printed; for the skinny step, the skinny kernel's launches too, once. On a
+CPU the profiler records operators, not kernels, each timed on the host: a dry run of the command.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from nanollm.io.files import atomic_write_text
 
 from . import e2e
 from .fused import FusedGraphDecoder
+from .skinny import SkinnyGraphDecoder
+from .tune import skinny_summary, tune_skinny_or_say_why
 from .tune import summary as tune_summary
 
 TOP = 15                # kernels listed per method
@@ -92,17 +96,22 @@ def profile_method(cfg, model, decoder: FusedGraphDecoder, method: str, B: int, 
     return lines
 
 
-def run(device: str, quick: bool, lengths: tuple, methods: list[str], steps: int) -> list[str]:
+PATHS = {"fused": FusedGraphDecoder, "skinny": SkinnyGraphDecoder}
+
+
+def run(device: str, quick: bool, lengths: tuple, methods: list[str], steps: int, path: str = "fused") -> list[str]:
     B = e2e.QUICK_BATCH if quick else e2e.BATCH
     dtype = torch.float32 if quick else torch.bfloat16
     cfg = preset(e2e.PRESET, max_seq_len=max(lengths) + e2e.ROOM, **(e2e.QUICK_SHAPE if quick else {}))
     torch.manual_seed(0)
     model = e2e.random_model(cfg, dtype, device)
-    decoder = FusedGraphDecoder(model, backend=None if device == "cuda" else "eager")
+    decoder = PATHS[path](model, backend=None if device == "cuda" else "eager")
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    lines = [f"the fused step's {'kernels' if device == 'cuda' else 'operators'} on {name}: {e2e.PRESET}"
+    lines = [f"the {path} step's {'kernels' if device == 'cuda' else 'operators'} on {name}: {e2e.PRESET}"
              f"{' (quick: shrunk)' if quick else ''} shape, batch {B}, {dtype}, keep {e2e.KEEP}, {steps} steps "
              f"recorded after {e2e.WARM}"]
+    if path == "skinny" and device == "cuda" and not quick:     # the products launched as the e2e bench does
+        lines += [""] + skinny_summary(tune_skinny_or_say_why(cfg, B, dtype, device))
     for S in lengths:
         if device == "cuda" and not quick:            # the split kernel launched as the e2e bench launches it
             for sweep in e2e.tune_at(cfg, B, S, dtype, device).values():
@@ -120,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="context lengths (default 8192 and 32768; --quick: 64)")
     ap.add_argument("--methods", nargs="+", choices=e2e.METHODS_TIMED, default=list(e2e.METHODS_TIMED),
                     help="the caches: the full one and methods at keep 0.1 (default: all five)")
+    ap.add_argument("--path", choices=sorted(PATHS), default="fused",
+                    help="the step profiled: fused (fused.py) or skinny (skinny.py, its products in the skinny "
+                         "kernel; on a CPU the fused step) (default %(default)s)")
     ap.add_argument("--steps", type=cli.positive_int, default=2, help="steps recorded (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in fp32: seconds on a CPU (a dry run)")
     ap.add_argument("--device", type=cli.device, default=None,
@@ -130,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     lengths = tuple(args.length or ((64,) if args.quick else e2e.LENGTHS))
     with cli.errors(args.debug):
-        lines = run(device, args.quick, lengths, args.methods, args.steps)
+        lines = run(device, args.quick, lengths, args.methods, args.steps, args.path)
         if args.out is not None:
             prov = provenance(threads=torch.get_num_threads(), dtype="float32" if args.quick else "bfloat16",
                               seed=0)

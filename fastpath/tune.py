@@ -19,8 +19,11 @@ Scissorhands' and StreamingLLM's kernels too (their ranges are the split kernel'
 
 ``python -m fastpath.bench --e2e`` tunes so at each length before it times the steps, for the full cache and
 for the caches that keep a tenth (on a GPU; ``--no-tune`` keeps the defaults), and records the sweeps in its
-report. A CPU has nothing to time: Triton's interpreter
-runs the programs one after another (the tests give the function a timer of their own).
+report. It also tunes the skinny kernel (``kernels/skinny_matmul.py``) on each product of the step
+(``tune_skinny``: columns per program, the step along K, warps, stages), timing cuBLAS's product alone beside
+it, and keeps the fastest launch per product in ``SKINNY_TUNED`` for the ``skinny`` path. A CPU has nothing to
+time: Triton's interpreter runs the programs one after another (the tests give the function a timer of their
+own).
 """
 
 from __future__ import annotations
@@ -29,6 +32,18 @@ import torch
 
 from kernels import serves
 from kernels.decode_attention import TUNED, Launch, default_launch, masked_decode_attention_triton, split_plan
+from kernels.skinny_matmul import (
+    DEFAULT_LAUNCH,
+    SKINNY_TUNED,
+    SkinnyLaunch,
+    linear_add_triton,
+    norm_linear_triton,
+    norm_swiglu_triton,
+    reference_linear_add,
+    reference_norm_linear,
+    reference_norm_swiglu,
+)
+from kernels.skinny_matmul import TOLERANCE as SKINNY_TOLERANCE
 
 # every cut tried: tokens per block x programs per SM x warps x pipeline stages, 90 launches of 18 compiled
 # variants (the ranges are an argument, not compiled in)
@@ -143,4 +158,122 @@ def summary(sweep: dict) -> list[str]:
              f"  default: {describe(default)}", f"  chosen:  {describe(best)}"]
     if "ms" in default:
         lines.append(f"  the chosen launch is {default['ms'] / best['ms']:.2f}x the default's speed")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The skinny kernel's launches (kernels/skinny_matmul.py), one per product of a decode step
+
+# columns per program x the step along K x stages with 4 warps, and four more: a wider block, deeper pipelines
+# and longer steps with 8 warps (a program of 16 columns holds few bytes in flight, so depth may matter)
+SKINNY_CANDIDATES = tuple(SkinnyLaunch(n, k, 4, st) for n in (16, 32) for k in (128, 256, 512)
+                          for st in (2, 3, 4)) + (SkinnyLaunch(64, 256, 4, 3), SkinnyLaunch(16, 256, 4, 5),
+                                                  SkinnyLaunch(16, 512, 8, 3), SkinnyLaunch(16, 1024, 8, 2))
+
+
+def step_products(cfg) -> dict[str, tuple[str, int, int]]:
+    """A decode step's products for a Llama-flavour config: name -> (the skinny kernel's variant, N, K)."""
+    qkv = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+    return {"qkv": ("norm_linear", qkv, cfg.d_model), "o": ("linear_add", cfg.d_model, cfg.n_head * cfg.head_dim),
+            "gate_up": ("norm_swiglu", cfg.d_ff, cfg.d_model), "down": ("linear_add", cfg.d_model, cfg.d_ff),
+            "head": ("norm_linear", cfg.vocab_size, cfg.d_model)}
+
+
+def tune_skinny(cfg, B: int, dtype: torch.dtype, device: str = "cuda", candidates=SKINNY_CANDIDATES,
+                time_ms=None, bandwidth: float | None = None) -> dict:
+    """For each product of a decode step of ``cfg`` over B rows (``step_products``): time cuBLAS's product
+    alone (``F.linear``, what the fused step runs, without the small kernels around it), the skinny kernel's
+    default launch and each of ``candidates`` (norm, SwiGLU and residual included); set
+    ``SKINNY_TUNED[(variant, N, K, dtype)]`` to the fastest whose output equals the reference's within the
+    kernel's ``TOLERANCE``. ``time_ms(fn)`` times a call (default: ``gpu_ms``, a CUDA device only). Returns,
+    per product, its shape, weight bytes, cuBLAS's row, the default's and the chosen launch's rows, and every
+    row (its launch, ms, or its error)."""
+    if time_ms is None:
+        if not str(device).startswith("cuda"):
+            raise ValueError("tuning times the kernel on a GPU: on a CPU, Triton's interpreter runs its programs "
+                             "one after another, so there is nothing to time")
+        time_ms = gpu_ms
+    g = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    for name, (variant, N, K) in step_products(cfg).items():
+        rows_of_w = 2 * N if variant == "norm_swiglu" else N
+        x = torch.randn(B, K, generator=g, device=device).to(dtype)
+        w = (torch.randn(rows_of_w, K, generator=g, device=device) / K ** 0.5).to(dtype)
+        norm_w = (1 + 0.1 * torch.randn(K, generator=g, device=device)).to(dtype)
+        r = torch.randn(B, N, generator=g, device=device).to(dtype)
+        kernel, reference = {
+            "norm_linear": (lambda launch: norm_linear_triton(x, norm_w, 1e-5, w, launch),
+                            lambda: reference_norm_linear(x, norm_w, 1e-5, w)),
+            "norm_swiglu": (lambda launch: norm_swiglu_triton(x, norm_w, 1e-5, w, launch),
+                            lambda: reference_norm_swiglu(x, norm_w, 1e-5, w)),
+            "linear_add": (lambda launch: linear_add_triton(x, w, r, launch),
+                           lambda: reference_linear_add(x, w, r))}[variant]
+        want = reference().float()
+        scale = float(want.abs().max().clamp_min(1e-6))
+
+        def timed(fn) -> dict:
+            ms = time_ms(fn)
+            row = {"ms": ms, "GB_per_s": w.nbytes / (ms / 1e3) / 1e9}
+            if bandwidth:
+                row["fraction_of_copy_bw"] = w.nbytes / (ms / 1e3) / bandwidth
+            return row
+
+        rows = []
+        for launch in (DEFAULT_LAUNCH,) + tuple(c for c in candidates if c != DEFAULT_LAUNCH):
+            row = {**launch._asdict(), "default": launch == DEFAULT_LAUNCH}
+            try:
+                row["max_diff"] = float((kernel(launch).float() - want).abs().max()) / scale
+                if row["max_diff"] <= SKINNY_TOLERANCE[dtype]:
+                    row.update(timed(lambda launch=launch: kernel(launch)))
+                else:
+                    row["error"] = f"output differs from the reference's by {row['max_diff']:.3g} of its largest"
+            except Exception as e:                      # noqa: BLE001  (one that does not compile: recorded)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            rows.append(row)
+        cublas = {"what": "F.linear alone (cuBLAS), without the norm, SwiGLU or residual around it",
+                  **timed(lambda: torch.nn.functional.linear(x, w))}
+        entry = {"variant": variant, "rows": B, "N": N, "K": K, "dtype": str(dtype), "weight_bytes": w.nbytes,
+                 "cublas": cublas, "default": rows[0], "sweep": rows}
+        ran = [row for row in rows if "ms" in row]
+        if ran:
+            best = min(ran, key=lambda row: row["ms"])
+            SKINNY_TUNED[(variant, N, K, dtype)] = SkinnyLaunch(best["block_n"], best["block_k"], best["num_warps"],
+                                                                best["num_stages"])
+            entry["best"] = best
+        else:
+            entry["error"] = "no launch ran: " + "; ".join(row.get("error", "") for row in rows[:3])
+        out[name] = entry
+    return out
+
+
+def tune_skinny_or_say_why(cfg, B: int, dtype: torch.dtype, device: str, bandwidth: float | None = None) -> dict:
+    """``tune_skinny`` where the kernels serve this device, else (or where it fails) ``{"error": why}``: the
+    skinny step then launches the kernel's defaults."""
+    if not serves(torch.empty(0, device=device, dtype=dtype)):
+        return {"error": "not tuned: the Triton kernels do not serve here (no sm_80+ GPU, or NANOKV_NO_TRITON=1)"}
+    try:
+        return tune_skinny(cfg, B, dtype, device, bandwidth=bandwidth)
+    except Exception as e:                                  # noqa: BLE001  (recorded; the defaults are launched)
+        return {"error": f"not tuned ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
+
+
+def skinny_summary(sweeps: dict) -> list[str]:
+    """Per product: cuBLAS's product alone against the skinny kernel's default and chosen launch."""
+    if "error" in sweeps:
+        return [f"the skinny kernel's launches: {sweeps['error']}"]
+
+    def said(row: dict) -> str:
+        share = f", {row['fraction_of_copy_bw']:.0%} of the copy bandwidth" if "fraction_of_copy_bw" in row else ""
+        return f"{row['ms'] * 1e3:.1f} us{share}" if "ms" in row else row.get("error", "not timed")
+
+    lines = []
+    for name, s in sweeps.items():
+        head = (f"{name:>7} ({s['variant']}, {s['rows']} x {s['K']} -> {s['N']}, {s['weight_bytes'] / 1e6:.1f} MB of "
+                f"weight): cuBLAS's product alone {said(s['cublas'])}; the skinny kernel")
+        if "best" not in s:
+            lines.append(f"{head}: {s.get('error', 'not timed')}")
+            continue
+        b = s["best"]
+        lines.append(f"{head} {said(b)} ({b['block_n']} columns a program, {b['block_k']} a step along K, "
+                     f"{b['num_warps']} warps, {b['num_stages']} stages; default launch {said(s['default'])})")
     return lines

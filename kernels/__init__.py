@@ -15,6 +15,8 @@ Triton kernels for the memory-bound path of decoding, each beside the PyTorch re
                           its ring buffer and counter, and the slot it empties, in three launches
     streaming.py          StreamingLLM's decode step over those buffers: attention and the oldest entry
                           after the sinks emptied, chosen from the positions the attention reads
+    skinny_matmul.py      a decode step's products, a few rows times a weight read once, with the norm
+                          before them, SwiGLU or the residual add after them in the same launch
 
 The files are leaves, as in the Triton tutorials: tensors in, tensors out, importing only torch, triton
 and this module. Each holds, in this order, the PyTorch reference (``reference_*``: the plain definition,
@@ -25,7 +27,8 @@ and exact; ``tests/conftest.py`` sets it there) and compare them with the refere
 
 The switch. The reading path (``nanollm/``) never calls a kernel. The fast paths plug them in from above
 (``fastpath/attention.py`` for a decode step's attention, ``fastpath/sketch.py`` for KVReviver's sketch,
-``fastpath/fused.py`` for the fused step's writes, H2O, Scissorhands and StreamingLLM, and ``FourCache.attend`` in
+``fastpath/fused.py`` for the fused step's writes, H2O, Scissorhands and StreamingLLM, ``fastpath/skinny.py``
+for the skinny step's products, and ``FourCache.attend`` in
 ``methods/tensor_attention/attention.py``), each asking one function,
 ``serves(tensor)``: true on a CUDA tensor of an sm_80 or newer GPU when Triton is importable, never when
 ``NANOKV_NO_TRITON=1`` (to compare or debug), false on a CPU tensor even under the interpreter, which is

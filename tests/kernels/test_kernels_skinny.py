@@ -43,7 +43,8 @@ def inputs(M, K, N, dtype, device, seed=0, w_rows=None):
 def close(got, want, dtype):
     scale = want.abs().max().clamp_min(1e-6)
     err = float((got.float() - want.float()).abs().max() / scale)
-    assert err <= TOLERANCE[dtype], f"max |kernel - reference| = {err:.3g} of max |reference| (tolerance {TOLERANCE[dtype]})"
+    assert err <= TOLERANCE[dtype], (f"max |kernel - reference| = {err:.3g} of max |reference| "
+                                     f"(tolerance {TOLERANCE[dtype]})")
 
 
 @pytest.mark.parametrize("device", DEVICES)

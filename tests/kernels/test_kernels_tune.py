@@ -155,3 +155,33 @@ def test_where_the_kernels_do_not_serve_a_bench_goes_on_untuned():
     assert tune.summary(sweep) == [f"the split kernel's launch: {sweep['error']}"]
     report = {"tuned": {"8": sweep}, "rows": [], "lengths": [], "preset": "x", "batch": 1, "quick": True}
     assert e2e.summary(report) == [f"S=8      {sweep['error']}"]
+
+
+def test_the_skinny_products_are_tuned_one_by_one(monkeypatch):
+    """``tune_skinny`` times, for each product of a step, the kernel's default launch, each candidate and
+    cuBLAS's product alone (a timer of the test's own, by call order), checks each output against the
+    reference, and keeps the fastest per (variant, N, K, dtype), which a launch without settings then takes."""
+    import kernels.skinny_matmul as sk
+    from nanollm import preset
+    monkeypatch.setattr(sk, "SKINNY_TUNED", {})
+    monkeypatch.setattr(tune, "SKINNY_TUNED", sk.SKINNY_TUNED)
+    cfg = preset("TINY")
+    fast, slow = sk.SkinnyLaunch(32, 32, 4, 2), sk.SkinnyLaunch(16, 64, 4, 2)
+    costs = iter([3.0, 1.0, 2.0, 5.0] * 5)              # per product: default, fast, slow, cuBLAS
+
+    def time_ms(fn):
+        fn()
+        return next(costs)
+    sweeps = tune.tune_skinny(cfg, 3, torch.float32, DEVICE, candidates=(fast, slow), time_ms=time_ms)
+    assert list(sweeps) == ["qkv", "o", "gate_up", "down", "head"]
+    for name, (variant, N, K) in tune.step_products(cfg).items():
+        s = sweeps[name]
+        assert (s["variant"], s["N"], s["K"]) == (variant, N, K)
+        assert s["cublas"]["ms"] == 5.0 and s["default"]["ms"] == 3.0
+        assert all(row["max_diff"] <= sk.TOLERANCE[torch.float32] for row in s["sweep"])
+        assert sk.SKINNY_TUNED[(variant, N, K, torch.float32)] == fast
+    assert tune.step_products(cfg)["gate_up"] == ("norm_swiglu", cfg.d_ff, cfg.d_model)
+    lines = tune.skinny_summary(sweeps)
+    assert len(lines) == 5 and "32 columns a program" in lines[0]
+    with pytest.raises(ValueError, match="on a GPU"):
+        tune.tune_skinny(cfg, 3, torch.float32, "cpu")
