@@ -164,11 +164,12 @@ def summary(sweep: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------
 # The skinny kernel's launches (kernels/skinny_matmul.py), one per product of a decode step
 
-# columns per program x the step along K x stages with 4 warps, and four more: a wider block, deeper pipelines
-# and longer steps with 8 warps (a program of 16 columns holds few bytes in flight, so depth may matter)
-SKINNY_CANDIDATES = tuple(SkinnyLaunch(n, k, 4, st) for n in (16, 32) for k in (128, 256, 512)
-                          for st in (2, 3, 4)) + (SkinnyLaunch(64, 256, 4, 3), SkinnyLaunch(16, 256, 4, 5),
-                                                  SkinnyLaunch(16, 512, 8, 3), SkinnyLaunch(16, 1024, 8, 2))
+# columns per program x the step along K x pipeline stages with 4 warps, then wider blocks, deeper pipelines
+# and longer steps with 8 warps: 18 launches of each of the three variants (a program of 16 columns holds few
+# bytes in flight, so depth may matter; a wider one reads the step's rows of x from L2 fewer times)
+SKINNY_CANDIDATES = tuple(SkinnyLaunch(n, k, 4, st) for n in (16, 32) for k in (128, 256, 512) for st in (3, 4)) + (
+    SkinnyLaunch(64, 256, 4, 3), SkinnyLaunch(64, 128, 4, 4), SkinnyLaunch(16, 256, 4, 5), SkinnyLaunch(32, 256, 4, 5),
+    SkinnyLaunch(16, 512, 8, 3), SkinnyLaunch(16, 1024, 8, 2))
 
 
 def step_products(cfg) -> dict[str, tuple[str, int, int]]:

@@ -23,7 +23,10 @@ the one rounding to the output's dtype.
 One program per BLOCK_N output columns (and per 16 rows, the smallest tile ``tl.dot`` takes: fewer rows
 are masked), walking K in steps of BLOCK_K: a weight of N rows is read by N / BLOCK_N programs side by side,
 each once. There is no split along K, so each output is reduced in one program, in one order, with no
-second kernel; a product of few columns (N / BLOCK_N under the GPU's SMs) then leaves SMs idle. The
+second kernel; a product of few columns (N / BLOCK_N under the GPU's SMs) then leaves SMs idle. Each step's
+blocks of x and w are loaded ``num_stages`` steps ahead (Triton turns the loads into asynchronous copies,
+``cp.async``, where it knows the pointers and strides are multiples of 16 bytes, as at a launch over
+TinyLlama's or SmolLM2's shapes: the slow tier compiles the kernel for an H100 without one to check). The
 launch (BLOCK_N, BLOCK_K, warps, stages) is chosen per product by timing (``tune_skinny`` in
 ``fastpath/tune.py``) and kept in ``SKINNY_TUNED``.
 

@@ -6,6 +6,8 @@ and is not a multiple of the step along it, N that is and is not a multiple of t
 inputs that are views with a row stride of their own (as the fused step passes the attention's output).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpret
                                 reason="no way to run a Triton kernel: triton is not installed, or there is no "
                                        "CUDA device and TRITON_INTERPRET is not 1")
 DEVICES = (["cpu"] if kernels.interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = SkinnyLaunch(16, 32, 4, 2)          # small blocks: several programs and steps along K even here
 SHAPES = [(1, 64, 16), (3, 100, 40), (16, 64, 48), (20, 96, 32)]          # (M, K, N)
 
@@ -110,3 +113,57 @@ def test_one_line_errors(device):
         linear_add_triton(x, w, r[:, :8])
     with pytest.raises(ValueError, match="dtype"):
         linear_add_triton(x.double(), w, r)
+
+
+# compiles the kernel for sm_90 in a process of its own: Triton's interpreter, which the tests set on a CPU,
+# replaces the language's functions (tl.sum among them) for the whole process
+COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.skinny_matmul as sk
+variant = sys.argv[1]
+args = ["x_ptr", "g_ptr", "w_ptr", "r_ptr", "out_ptr", "M", "N", "K", "eps", "stride_xm", "stride_wn", "stride_rm",
+        "stride_om"]
+signature = {a: "*bf16" if a.endswith("_ptr") else "fp32" if a == "eps" else "i32" for a in args}
+launch = sk.DEFAULT_LAUNCH
+constexprs = {"NORM": variant != "linear_add", "SWIGLU": variant == "norm_swiglu", "RESIDUAL": variant == "linear_add",
+              "DOT_FP32": False, "BLOCK_M": sk.BLOCK_M, "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k}
+signature.update({name: "constexpr" for name in constexprs})
+fn = sk._skinny_kernel
+attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args if a != "eps"}
+try:
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+except RuntimeError as e:
+    print(json.dumps({"skip": str(e).splitlines()[0]}))
+    raise SystemExit(0)
+ptx = compiled.asm["ptx"]
+print(json.dumps({"cp.async": ptx.count("cp.async"), "mma": ptx.count("mma.sync")}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["norm_linear", "norm_swiglu", "linear_add"])
+def test_the_kernel_compiles_for_a_hopper_gpu_with_its_loads_pipelined(variant):
+    """Compiled here, without a GPU, for an H100/H200 (sm_90) as a bf16 launch of the default settings would
+    be (pointers, sizes and strides divisible by 16, as Triton specialises them at a launch): it compiles, its
+    products are on the tensor cores, and its loads of x and w are asynchronous copies (``cp.async``), the
+    pipelining its ``num_stages`` asks for, without which a program waits for every block it loads (the
+    slow tier: a process of its own, and ptxas in another)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    done = subprocess.run([sys.executable, "-c", COMPILE, variant], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in got:                                # a Triton without the NVIDIA backend or its ptxas
+        pytest.skip(f"cannot compile for sm_90 here: {got['skip']}")
+    assert got["mma"] > 0, "the products are not on the tensor cores"
+    assert got["cp.async"] > 0, "the loads are not pipelined"
