@@ -347,13 +347,16 @@ def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:
               "(bash fastpath/gpu_check.sh runs this on one)")
     dtype = DTYPES[args.dtype]
     dtype = dtype if device == "cuda" else torch.float32
-    report = e2e.run(device, args.quick, dtype, hf_compile=args.hf_compile, hf_only=args.hf_only,
-                     lengths=tuple(args.length) if args.length else None, preset_name=args.preset or e2e.PRESET,
-                     batch=args.batch, tune=not args.no_tune)
-    if args.json:
+
+    def write(report: dict) -> None:                 # after each length too: a run cut short keeps what it measured
         report["provenance"] = provenance(argv, prog=prog, threads=torch.get_num_threads(), dtype=str(dtype),
                                           seed=0)
         files.atomic_write_text(args.json, json.dumps(report, indent=1))
+    report = e2e.run(device, args.quick, dtype, hf_compile=args.hf_compile, hf_only=args.hf_only,
+                     lengths=tuple(args.length) if args.length else None, preset_name=args.preset or e2e.PRESET,
+                     batch=args.batch, tune=not args.no_tune, save=write if args.json else None)
+    if args.json:
+        write(report)
 
 
 def format_row(r: dict) -> str:

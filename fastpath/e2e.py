@@ -47,6 +47,7 @@ import time
 
 import torch
 
+import kernels
 from methods import make_policy
 from methods.h2o import STATE as H2O_STATE
 from methods.scissorhands import ATTN, COUNT, LOW
@@ -232,8 +233,11 @@ def one_path(path: str, cfg, method: str, graph: GraphDecoder, token, B: int, S:
         raise RuntimeError(f"{method} fell back to the lean step: {graph.fallback}")
     del cache                                           # the static buffers hold their own copy
     ms = step_ms(graph.step, token, device, quick)
+    # the skinny path is the fused step where its kernels do not serve (a CPU, NANOKV_NO_TRITON=1, fp16): say which
+    served = ({"skinny_kernels": kernels.serves(graph.model.tok_emb.weight) and dtype != torch.float16}
+              if path == "skinny" else {})
     return row(path, method, S, K, ms, weights, kv, bandwidth, capacity=graph.kv.k.shape[3],
-               replayed=graph.current.graph is not None)
+               replayed=graph.current.graph is not None, **served)
 
 
 def transformers_static(cfg, B: int, S: int, dtype, device: str, bandwidth: float, compiled: bool,
@@ -297,11 +301,13 @@ def format_row(r: dict) -> str:
 
 def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, hf_only: bool = False,
         lengths: tuple | None = None, preset_name: str = PRESET, batch: int | None = None,
-        tune: bool = True) -> dict:
+        tune: bool = True, save=None) -> dict:
     """Every case at both lengths (or at ``lengths``), the ``preset_name`` shape (TINYLLAMA_1B unless given;
     ``SMOLLM2_135M`` is SmolLM2-135M's) with ``batch`` sequences (16 unless given); the report (printed as it
     goes). With ``tune``, on a GPU, the split kernel's launch is first timed and chosen at each length
-    (``fastpath/tune.py``), and every step of that length launches it so."""
+    (``fastpath/tune.py``), and every step of that length launches it so. ``save(report)``, if given, is called
+    after every length but the last with the report so far (``"complete": False``), so that a run cut short
+    keeps the lengths it measured."""
     B = batch or (QUICK_BATCH if quick else BATCH)
     lengths = lengths or (QUICK_LENGTHS if quick else LENGTHS)
     cfg = preset(preset_name, max_seq_len=max(lengths) + ROOM, **(QUICK_SHAPE if quick else {}))
@@ -319,7 +325,18 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
         graph = GraphDecoder(model)
         decoders = {"lean": graph, "graph": graph, "fused": FusedGraphDecoder(model, backend=fused_backend),
                     "skinny": SkinnyGraphDecoder(model, backend=fused_backend)}
-    tuned, skinny_tuned = {}, {}
+    tuned, skinny_tuned, done = {}, {}, []
+
+    def report_of(measured: list, complete: bool) -> dict:
+        return {"device": device, "device_name": name, "copy_bandwidth": bandwidth, "dtype": str(dtype),
+                "preset": preset_name, "quick": quick, "batch": B, "lengths": list(measured), "keep": KEEP,
+                "config": cfg.to_dict(),
+                "steps": {"warm": WARM, "steps": QUICK_STEPS if quick else STEPS,
+                          "repeats": QUICK_REPEATS if quick else REPEATS},
+                "fused_backend": fused_backend or "inductor", "tuned": tuned, "skinny_tuned": skinny_tuned,
+                "rows": rows, "transformers": hf, "complete": complete,
+                "fit": fit([r for r in rows + hf if isinstance(r, dict) and "ms" in r]),
+                "note": f"measured on {name}; numbers from another device are not comparable"}
     if tune and device == "cuda" and not quick and not hf_only:
         skinny_tuned = tune_skinny_or_say_why(cfg, B, dtype, device, bandwidth)
         print("\n".join(skinny_summary(skinny_tuned)))
@@ -341,15 +358,10 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
                     torch.cuda.empty_cache()
             hf.append(r)
             print(format_row(r) if isinstance(r, dict) else f"transformers StaticCache step: {r}")
-    report = {"device": device, "device_name": name, "copy_bandwidth": bandwidth, "dtype": str(dtype),
-            "preset": preset_name, "quick": quick, "batch": B, "lengths": list(lengths), "keep": KEEP,
-            "config": cfg.to_dict(),
-            "steps": {"warm": WARM, "steps": QUICK_STEPS if quick else STEPS,
-                      "repeats": QUICK_REPEATS if quick else REPEATS},
-            "fused_backend": fused_backend or "inductor", "tuned": tuned, "skinny_tuned": skinny_tuned,
-            "rows": rows, "transformers": hf,
-            "fit": fit([r for r in rows + hf if isinstance(r, dict) and "ms" in r]),
-            "note": f"measured on {name}; numbers from another device are not comparable"}
+        if save is not None and S != lengths[-1]:       # what is measured so far, should a later length not end
+            save(report_of(done + [S], False))
+        done.append(S)
+    report = report_of(done, True)
     print("\n".join(summary(report)))
     return report
 
@@ -397,6 +409,9 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
                         else default.get("error", "(not timed)")))
     if report.get("skinny_tuned"):                                # the skinny kernel's products, once per run
         lines += skinny_summary(report["skinny_tuned"])
+    if any(r.get("skinny_kernels") is False for r in rows.values()):
+        lines.append("skinny: its kernels did not serve here (no sm_80+ GPU with Triton, NANOKV_NO_TRITON=1 or fp16), "
+                     "so its rows time the fused step again")
     for S in report["lengths"]:
         for path in PATHS:
             full = rows.get((path, "full", S))

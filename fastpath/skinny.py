@@ -16,10 +16,11 @@ weight once for the step's few rows and takes in what surrounds it, so a layer b
     linear_add      x + down(...)
 
 and the LM head is ``norm_linear`` with the final norm. Everything else is the fused step's, captured and
-replayed as the graph step is. Where the kernels do not serve (a CPU, ``NANOKV_NO_TRITON=1``) the step is
-the fused step's, unchanged. The logits equal the lean step's to float rounding: fp32 within 1e-5 (the
-tests route the kernels through Triton's interpreter on a CPU); bf16 within ``BF16_TOL``, as the fused
-step's (the kernel rounds in other places: ``kernels/skinny_matmul.py``).
+replayed as the graph step is. Where the kernels do not serve (a CPU, ``NANOKV_NO_TRITON=1``), and for an fp16
+model (``kernels/skinny_matmul.py`` says why), the step is the fused step's, unchanged. The logits equal the
+lean step's to float rounding: fp32 within 1e-5 (the tests route the kernels through Triton's interpreter on a
+CPU); bf16 within ``BF16_TOL``, as the fused step's (the kernel rounds in other places:
+``kernels/skinny_matmul.py``).
 
 Each product's launch (columns per program, the step along K, warps, stages) is the one ``fastpath.tune``'s
 ``tune_skinny`` timed fastest on the step's shapes, else the kernel's default; ``python -m fastpath.bench
@@ -54,7 +55,8 @@ class SkinnyGraphDecoder(FusedGraphDecoder):
     def decode(self, token: Tensor) -> Tensor:
         """``FusedGraphDecoder.decode`` with the products in the skinny kernel: logits (B, V), ``self.kv``
         updated in place."""
-        if not kernels.serves(self.model.tok_emb.weight):
+        w = self.model.tok_emb.weight
+        if not kernels.serves(w) or w.dtype == torch.float16:      # fp16: the kernel's folded norm could overflow
             return super().decode(token)
         kv, cfg = self.current.kv, self.config
         x = F.embedding(token, self.model.tok_emb.weight)                             # (B, D)

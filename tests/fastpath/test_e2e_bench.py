@@ -17,11 +17,20 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_e2e_quick_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    written, write = [], bench.files.atomic_write_text
+
+    def recorded(path, text):                         # each write of the report: after the first length, at the end
+        written.append(json.loads(text)["complete"])
+        write(path, text)
+    monkeypatch.setattr(bench.files, "atomic_write_text", recorded)
     out = tmp_path / "e2e.json"
     bench.main(["--e2e", "--quick", "--json", str(out)])
     text = capsys.readouterr().out
     assert "no CUDA device" in text and "measured on CPU (cpu)" in text
+    assert written == [False, True]
+    assert "skinny: its kernels did not serve here" in text
     report = json.loads(out.read_text())
+    assert all(r["skinny_kernels"] is False for r in report["rows"] if r["path"] == "skinny")
     assert report["device"] == "cpu" and report["quick"] and report["fused_backend"] == "eager"
     assert report["provenance"]["command"].endswith(str(out))
     cases = {(r["path"], r["method"], r["length"]) for r in report["rows"]}

@@ -113,6 +113,8 @@ def test_one_line_errors(device):
         linear_add_triton(x, w, r[:, :8])
     with pytest.raises(ValueError, match="dtype"):
         linear_add_triton(x.double(), w, r)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        norm_linear_triton(x.half(), g.half(), 1e-5, w.half())
 
 
 # compiles the kernel for sm_90 in a process of its own: Triton's interpreter, which the tests set on a CPU,
@@ -125,7 +127,7 @@ from triton.compiler import ASTSource
 import kernels.skinny_matmul as sk
 variant = sys.argv[1]
 args = ["x_ptr", "g_ptr", "w_ptr", "r_ptr", "out_ptr", "M", "N", "K", "eps", "stride_xm", "stride_wn", "stride_rm",
-        "stride_om"]
+        "stride_om", "up_offset"]
 signature = {a: "*bf16" if a.endswith("_ptr") else "fp32" if a == "eps" else "i32" for a in args}
 launch = sk.DEFAULT_LAUNCH
 constexprs = {"NORM": variant != "linear_add", "SWIGLU": variant == "norm_swiglu", "RESIDUAL": variant == "linear_add",

@@ -185,3 +185,16 @@ def test_the_skinny_products_are_tuned_one_by_one(monkeypatch):
     assert len(lines) == 5 and "32 columns a program" in lines[0]
     with pytest.raises(ValueError, match="on a GPU"):
         tune.tune_skinny(cfg, 3, torch.float32, "cpu")
+
+
+def test_timings_walk_through_copies_that_l2_does_not_hold(monkeypatch):
+    """A timing reads its input from copies three times the L2's size in all (at most 64, one on a CPU or where
+    torch gives no size): a layer's weights and K/V, read once a step, are never in L2 in a real step."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(tune.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(L2_cache_size=50_000_000))
+    assert tune.copies_past_l2(8_000_000, "cuda") == 19                         # 150 MB / 8 MB, rounded up
+    assert tune.copies_past_l2(200_000_000, "cuda") == 1
+    assert tune.copies_past_l2(1_000, "cuda") == tune.MAX_COPIES
+    assert tune.copies_past_l2(8_000_000, "cpu") == 1
+    monkeypatch.setattr(tune.torch.cuda, "get_device_properties", lambda d: SimpleNamespace())
+    assert tune.copies_past_l2(8_000_000, "cuda:0") == 1
