@@ -75,10 +75,11 @@ def test_where_the_kernels_do_not_serve_it_is_the_fused_step(tiny_model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,spec", [(torch.float32, None), (torch.float32, "snapkv"), (torch.bfloat16, "snapkv"),
                                         (torch.float32, "h2o"), (torch.float32, "streaming_llm"),
-                                        (torch.bfloat16, "scissorhands")])
+                                        (torch.float32, "scissorhands"), (torch.bfloat16, None)])
 def test_the_skinny_step_captured_on_a_gpu(make_model, tiny_cfg, dtype, spec):
     """Captured with the rest of the step and replayed: the lean step's logits (fp32 within 1e-5, bf16 within
-    the graph step's tolerance) and, in fp32, its kept positions."""
+    the graph step's tolerance) and, in fp32, its kept positions (Scissorhands in fp32 only: in bf16 a slot
+    near its threshold may flag otherwise, as in the fused step's tests)."""
     from fastpath.graph import BF16_TOL
     torch._dynamo.reset()
     model = with_norm_weights(make_model(tiny_cfg, seed=1)).cuda().to(dtype)
