@@ -31,8 +31,8 @@ launch (BLOCK_N, BLOCK_K, warps, stages) is chosen per product by timing (``tune
 
 Rounding. In fp32 the kernel computes what the references compute, in another order (to about 1e-6
 relative). In bf16 the references round as the model does (the normalised x, then x * g, each product's
-output, then silu(gate) * up, then the residual sum: each to bf16); the kernel rounds x * g / rms(x)'s
-unscaled part once for the tensor cores and the output once, so the two differ by a few bf16 roundings
+output, then silu(gate) * up, then the residual sum: each to bf16); the kernel rounds x * g (before the
+scale) once for the tensor cores and the output once, so the two differ by a few bf16 roundings
 (``TOLERANCE``). Not fp16: x * g, rounded before the scale, could exceed its range where x / rms(x) * g does
 not (the launchers refuse it; the skinny step leaves an fp16 model to the fused step).
 
