@@ -57,6 +57,7 @@ except KeyboardInterrupt:
     sys.stderr.write("error: interrupted\n")
     raise SystemExit(130) from None
 
+PATHS_ALL = ("lean", "graph", "fused", "skinny")          # --paths' choices, e2e.PATHS (imported late: e2e is heavy)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}     # --dtype's choices
 EAGER: list[str] = []      # what could not be timed in a CUDA graph (it synchronises with the host)
 
@@ -246,8 +247,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="cache dtype for the attention cases (default bf16)")
     p.add_argument("--json", type=cli.output_file, default=None, help="also write the rows to this JSON file")
     p.add_argument("--e2e", action="store_true",
-                   help="time whole decode steps instead (fastpath/e2e.py): lean vs graph step, full cache vs keep "
-                        "0.1, transformers' StaticCache step; --cases is ignored")
+                   help="time whole decode steps instead (fastpath/e2e.py): the lean, graph, fused and skinny steps, "
+                        "full cache vs keep 0.1, transformers' StaticCache step; --cases is ignored")
+    p.add_argument("--paths", nargs="+", choices=["lean", "graph", "fused", "skinny"], default=None,
+                   help="with --e2e: only these steps (default all four)")
     p.add_argument("--summary", default=None, metavar="REPORT.json",
                    help="print an --e2e report's ratios (speed-ups over the full cache, fraction of the copy "
                         "bandwidth, against transformers, the targets) computed from its step times; runs nothing")
@@ -281,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
             return
         if args.tune:
             return tuning(args, argv, p.prog, device)
-        if args.e2e or args.hf_compile or args.hf_only or args.length or args.preset or args.batch or args.no_tune:
+        if (args.e2e or args.hf_compile or args.hf_only or args.length or args.preset or args.batch or args.no_tune
+                or args.paths):
             return end_to_end(args, argv, p.prog, device)
         kernels_on = device == "cuda" and HAS_TRITON
         if not kernels_on:                     # a GPU's timer is Triton's (timer): without it, the CPU's
@@ -341,7 +345,7 @@ def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:
     """``--e2e``: ``fastpath.e2e.run``, its report written to ``--json`` with the provenance."""
     from fastpath import e2e
     if not args.e2e:
-        cli.fail("--hf-compile, --hf-only, --length, --preset, --batch and --no-tune go with --e2e")
+        cli.fail("--hf-compile, --hf-only, --length, --preset, --batch, --paths and --no-tune go with --e2e")
     if device != "cuda":
         print("no CUDA device: timing the steps on the CPU, which says nothing about a GPU "
               "(bash fastpath/gpu_check.sh runs this on one)")
@@ -354,7 +358,8 @@ def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:
         files.atomic_write_text(args.json, json.dumps(report, indent=1))
     report = e2e.run(device, args.quick, dtype, hf_compile=args.hf_compile, hf_only=args.hf_only,
                      lengths=tuple(args.length) if args.length else None, preset_name=args.preset or e2e.PRESET,
-                     batch=args.batch, tune=not args.no_tune, save=write if args.json else None)
+                     batch=args.batch, tune=not args.no_tune, save=write if args.json else None,
+                     paths=tuple(args.paths) if args.paths else PATHS_ALL)
     if args.json:
         write(report)
 

@@ -204,7 +204,7 @@ def ours(cfg, model: Transformer, decoders: dict, B: int, S: int, dtype, device:
     """Every path's step (``decoders``: path -> its decoder) of every method at one length."""
     rows = []
     token = torch.randint(0, cfg.vocab_size, (B,), generator=torch.Generator().manual_seed(0)).to(device)
-    weights = weight_bytes(model, decoders["graph"], B)
+    weights = weight_bytes(model, next(iter(decoders.values())), B)
     for method in methods:
         for path, decoder in decoders.items():
             try:
@@ -301,13 +301,13 @@ def format_row(r: dict) -> str:
 
 def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, hf_only: bool = False,
         lengths: tuple | None = None, preset_name: str = PRESET, batch: int | None = None,
-        tune: bool = True, save=None) -> dict:
+        tune: bool = True, save=None, paths: tuple = None) -> dict:
     """Every case at both lengths (or at ``lengths``), the ``preset_name`` shape (TINYLLAMA_1B unless given;
     ``SMOLLM2_135M`` is SmolLM2-135M's) with ``batch`` sequences (16 unless given); the report (printed as it
     goes). With ``tune``, on a GPU, the split kernel's launch is first timed and chosen at each length
     (``fastpath/tune.py``), and every step of that length launches it so. ``save(report)``, if given, is called
     after every length but the last with the report so far (``"complete": False``), so that a run cut short
-    keeps the lengths it measured."""
+    keeps the lengths it measured. ``paths``: the steps timed (default ``PATHS``, all four)."""
     B = batch or (QUICK_BATCH if quick else BATCH)
     lengths = lengths or (QUICK_LENGTHS if quick else LENGTHS)
     cfg = preset(preset_name, max_seq_len=max(lengths) + ROOM, **(QUICK_SHAPE if quick else {}))
@@ -323,8 +323,10 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
         torch.manual_seed(0)
         model = random_model(cfg, dtype, device)
         graph = GraphDecoder(model)
-        decoders = {"lean": graph, "graph": graph, "fused": FusedGraphDecoder(model, backend=fused_backend),
-                    "skinny": SkinnyGraphDecoder(model, backend=fused_backend)}
+        makers = {"lean": lambda: graph, "graph": lambda: graph,
+                  "fused": lambda: FusedGraphDecoder(model, backend=fused_backend),
+                  "skinny": lambda: SkinnyGraphDecoder(model, backend=fused_backend)}
+        decoders = {path: makers[path]() for path in (paths or PATHS)}
     tuned, skinny_tuned, done = {}, {}, []
 
     def report_of(measured: list, complete: bool) -> dict:
@@ -334,10 +336,10 @@ def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, 
                 "steps": {"warm": WARM, "steps": QUICK_STEPS if quick else STEPS,
                           "repeats": QUICK_REPEATS if quick else REPEATS},
                 "fused_backend": fused_backend or "inductor", "tuned": tuned, "skinny_tuned": skinny_tuned,
-                "rows": rows, "transformers": hf, "complete": complete,
+                "paths": list(decoders or []), "rows": rows, "transformers": hf, "complete": complete,
                 "fit": fit([r for r in rows + hf if isinstance(r, dict) and "ms" in r]),
                 "note": f"measured on {name}; numbers from another device are not comparable"}
-    if tune and device == "cuda" and not quick and not hf_only:
+    if tune and device == "cuda" and not quick and not hf_only and "skinny" in decoders:
         skinny_tuned = tune_skinny_or_say_why(cfg, B, dtype, device, bandwidth)
         print("\n".join(skinny_summary(skinny_tuned)))
     for S in lengths:

@@ -11,8 +11,9 @@
 #            16 x 32,768 tokens, the copy bandwidth measured in the same run, transformers' StaticCache step
 #            (eager), the split kernel's launch first timed and chosen at each length, on the full cache's
 #            slots and a tenth's (fastpath/tune.py), and the skinny kernel's on each product of the step, beside
-#            cuBLAS's; the report, with provenance, to OUT (a 400 s limit; 64 s on an H200 for three paths
-#            without Scissorhands or tuning);
+#            cuBLAS's; the report, with provenance, to OUT, written after each length (a 400 s limit; 64 s on
+#            an H200 for three paths without Scissorhands or tuning); BENCH_PATHS="fused skinny" times only
+#            those steps (--paths);
 #   smolbench  the same for SmolLM2-135M's shape (random weights) with 1 and 16 sequences of 2,048 and 8,192
 #            tokens, to OUT's .smollm2_b1.json and .smollm2_b16.json siblings (2 x 90 s; the split kernel's
 #            launch not tuned: --no-tune, as it was measured);
@@ -121,6 +122,7 @@ device=$(python -c "import torch; print('the CPU (dry run)' if '$gpu' == 'cpu' e
 bench() {
     echo "== bench: end-to-end decode steps -> $out"
     timeout -k 10 400 python -m fastpath.bench --e2e --json "$out" $([ "$gpu" = cpu ] && echo --quick) \
+        $([ -n "${BENCH_PATHS:-}" ] && echo --paths $BENCH_PATHS) \
         || { echo "e2e FAILED or ran out of time (rc $?)"; status=1; }
 }
 

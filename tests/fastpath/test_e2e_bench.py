@@ -49,7 +49,21 @@ def test_e2e_quick_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
         assert all(r.startswith("skipped: transformers") for r in report["transformers"])
 
 
-@pytest.mark.parametrize("flags", [["--hf-only"], ["--hf-compile"], ["--length", "64"]])
+@pytest.mark.slow
+def test_e2e_times_the_paths_it_is_given(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "e2e.json"
+    bench.main(["--e2e", "--quick", "--paths", "fused", "skinny", "--length", "64", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["paths"] == ["fused", "skinny"] and report["complete"]
+    assert {r["path"] for r in report["rows"]} == {"fused", "skinny"} and report["lengths"] == [64]
+
+
+def test_the_bench_offers_every_path():
+    assert bench.PATHS_ALL == e2e.PATHS
+
+
+@pytest.mark.parametrize("flags", [["--hf-only"], ["--hf-compile"], ["--length", "64"], ["--paths", "fused"]])
 def test_e2e_flags_are_checked(capsys, flags):
     with pytest.raises(SystemExit):
         bench.main(flags)
