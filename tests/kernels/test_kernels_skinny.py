@@ -125,35 +125,35 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.skinny_matmul as sk
-variant = sys.argv[1]
 args = ["x_ptr", "g_ptr", "w_ptr", "r_ptr", "out_ptr", "M", "N", "K", "eps", "stride_xm", "stride_wn", "stride_rm",
         "stride_om", "up_offset"]
-signature = {a: "*bf16" if a.endswith("_ptr") else "fp32" if a == "eps" else "i32" for a in args}
-launch = sk.DEFAULT_LAUNCH
-constexprs = {"NORM": variant != "linear_add", "SWIGLU": variant == "norm_swiglu", "RESIDUAL": variant == "linear_add",
-              "DOT_FP32": False, "BLOCK_M": sk.BLOCK_M, "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k}
-signature.update({name: "constexpr" for name in constexprs})
-fn = sk._skinny_kernel
+launch, fn, out = sk.DEFAULT_LAUNCH, sk._skinny_kernel, {}
 attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args if a != "eps"}
-try:
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
-except RuntimeError as e:
-    print(json.dumps({"skip": str(e).splitlines()[0]}))
-    raise SystemExit(0)
-ptx = compiled.asm["ptx"]
-print(json.dumps({"cp.async": ptx.count("cp.async"), "mma": ptx.count("mma.sync")}))
+for variant in sys.argv[1:]:
+    signature = {a: "*bf16" if a.endswith("_ptr") else "fp32" if a == "eps" else "i32" for a in args}
+    constexprs = {"NORM": variant != "linear_add", "SWIGLU": variant == "norm_swiglu",
+                  "RESIDUAL": variant == "linear_add", "DOT_FP32": False, "BLOCK_M": sk.BLOCK_M,
+                  "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k}
+    signature.update({name: "constexpr" for name in constexprs})
+    try:
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    except RuntimeError as e:
+        print(json.dumps({"skip": str(e).splitlines()[0]}))
+        raise SystemExit(0)
+    ptx = compiled.asm["ptx"]
+    out[variant] = {"cp.async": ptx.count("cp.async"), "mma": ptx.count("mma.sync")}
+print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["norm_linear", "norm_swiglu", "linear_add"])
-def test_the_kernel_compiles_for_a_hopper_gpu_with_its_loads_pipelined(variant):
-    """Compiled here, without a GPU, for an H100/H200 (sm_90) as a bf16 launch of the default settings would
-    be (pointers, sizes and strides divisible by 16, as Triton specialises them at a launch): it compiles, its
-    products are on the tensor cores, and its loads of x and w are asynchronous copies (``cp.async``), the
-    pipelining its ``num_stages`` asks for, without which a program waits for every block it loads (the
-    slow tier: a process of its own, and ptxas in another)."""
+def test_the_kernel_compiles_for_a_hopper_gpu_with_its_loads_pipelined():
+    """Each variant compiled here, without a GPU, for an H100/H200 (sm_90) as a bf16 launch of the default
+    settings would be (pointers, sizes and strides divisible by 16, as Triton specialises them at a launch):
+    it compiles, its products are on the tensor cores, and its loads of x and w are asynchronous copies
+    (``cp.async``), the pipelining its ``num_stages`` asks for, without which a program waits for every block
+    it loads (the slow tier: a process of its own, and ptxas in another)."""
     import json
     import os
     import subprocess
@@ -161,11 +161,14 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_its_loads_pipelined(variant):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    done = subprocess.run([sys.executable, "-c", COMPILE, variant], capture_output=True, text=True, env=env,
+    variants = ["norm_linear", "norm_swiglu", "linear_add"]
+    done = subprocess.run([sys.executable, "-c", COMPILE, *variants], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     if "skip" in got:                                # a Triton without the NVIDIA backend or its ptxas
         pytest.skip(f"cannot compile for sm_90 here: {got['skip']}")
-    assert got["mma"] > 0, "the products are not on the tensor cores"
-    assert got["cp.async"] > 0, "the loads are not pipelined"
+    assert sorted(got) == sorted(variants)
+    for variant, counts in got.items():
+        assert counts["mma"] > 0, f"{variant}: the products are not on the tensor cores"
+        assert counts["cp.async"] > 0, f"{variant}: the loads are not pipelined"
