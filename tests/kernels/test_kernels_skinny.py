@@ -153,7 +153,8 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_its_loads_pipelined():
     settings would be (pointers, sizes and strides divisible by 16, as Triton specialises them at a launch):
     it compiles, its products are on the tensor cores, and its loads of x and w are asynchronous copies
     (``cp.async``), the pipelining its ``num_stages`` asks for, without which a program waits for every block
-    it loads (the slow tier: a process of its own, and ptxas in another)."""
+    it loads (the slow tier: a process of its own, and ptxas in another). ``test_kernels_compile.py`` compiles
+    every launch the tests make, at their tiny shapes; this asks what only the real shapes' alignment gives."""
     import json
     import os
     import subprocess
