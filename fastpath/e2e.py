@@ -47,7 +47,6 @@ import time
 
 import torch
 
-import kernels
 from methods import make_policy
 from methods.h2o import STATE as H2O_STATE
 from methods.scissorhands import ATTN, COUNT, LOW
@@ -57,7 +56,7 @@ from nanollm.storage import LayerKV
 
 from .fused import FusedGraphDecoder
 from .graph import GraphDecoder
-from .skinny import SkinnyGraphDecoder
+from .skinny import SkinnyGraphDecoder, kernels_serve
 from .tune import copy_share, skinny_summary, tune_or_say_why, tune_skinny_or_say_why
 from .tune import summary as tune_summary
 
@@ -234,8 +233,7 @@ def one_path(path: str, cfg, method: str, graph: GraphDecoder, token, B: int, S:
     del cache                                           # the static buffers hold their own copy
     ms = step_ms(graph.step, token, device, quick)
     # the skinny path is the fused step where its kernels do not serve (a CPU, NANOKV_NO_TRITON=1, fp16): say which
-    served = ({"skinny_kernels": kernels.serves(graph.model.tok_emb.weight) and dtype != torch.float16}
-              if path == "skinny" else {})
+    served = {"skinny_kernels": kernels_serve(graph.model)} if path == "skinny" else {}
     return row(path, method, S, K, ms, weights, kv, bandwidth, capacity=graph.kv.k.shape[3],
                replayed=graph.current.graph is not None, **served)
 

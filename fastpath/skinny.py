@@ -45,6 +45,13 @@ from nanollm.model import Transformer
 from .fused import FusedGraphDecoder, heads_with_rope
 
 
+def kernels_serve(model: Transformer) -> bool:
+    """Whether the skinny step runs its kernels for ``model``: where ``kernels.serves`` its weights, and not in
+    fp16, where the kernel's folded norm could overflow (elsewhere it is the fused step)."""
+    w = model.tok_emb.weight
+    return kernels.serves(w) and w.dtype != torch.float16
+
+
 class SkinnyGraphDecoder(FusedGraphDecoder):
     """``FusedGraphDecoder`` whose products are the skinny kernel's where ``kernels.serves`` says so."""
 
@@ -55,8 +62,7 @@ class SkinnyGraphDecoder(FusedGraphDecoder):
     def decode(self, token: Tensor) -> Tensor:
         """``FusedGraphDecoder.decode`` with the products in the skinny kernel: logits (B, V), ``self.kv``
         updated in place."""
-        w = self.model.tok_emb.weight
-        if not kernels.serves(w) or w.dtype == torch.float16:      # fp16: the kernel's folded norm could overflow
+        if not kernels_serve(self.model):
             return super().decode(token)
         kv, cfg = self.current.kv, self.config
         x = F.embedding(token, self.model.tok_emb.weight)                             # (B, D)

@@ -60,6 +60,21 @@ def gpu_ms(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
+def timer_or_gpu(time_ms, device):
+    """``time_ms`` if given, else ``gpu_ms`` on a CUDA device; on a CPU there is nothing to time."""
+    if time_ms is not None:
+        return time_ms
+    if not str(device).startswith("cuda"):
+        raise ValueError("tuning times the kernel on a GPU: on a CPU, Triton's interpreter runs its programs "
+                         "one after another, so there is nothing to time")
+    return gpu_ms
+
+
+def said(e: Exception) -> str:
+    """An exception in one line, as a sweep records a launch that failed."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 MAX_COPIES = 64
 
 
@@ -83,11 +98,7 @@ def tune_attention(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtype
     times a call (default: ``gpu_ms``, a CUDA device only). Returns the sweep: the shape, its K/V bytes, the
     default's and the chosen launch's rows, and every row (its launch, ranges, ms, largest difference from the
     default's output, or its error)."""
-    if time_ms is None:
-        if not str(device).startswith("cuda"):
-            raise ValueError("tuning times the kernel on a GPU: on a CPU, Triton's interpreter runs its programs "
-                             "one after another, so there is nothing to time")
-        time_ms = gpu_ms
+    time_ms = timer_or_gpu(time_ms, device)
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(B, H, d, generator=g, device=device).to(dtype)                # (B, H, d)
     k = torch.randn(B, H_kv, S + room, d, generator=g, device=device).to(dtype)   # (B, H_kv, C, d)
@@ -123,7 +134,7 @@ def tune_attention(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtype
                 else:
                     row["error"] = f"output differs from the default launch's by {row['max_diff']:.3g}"
             except Exception as e:                          # noqa: BLE001  (one that does not compile: recorded)
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                row["error"] = said(e)
             rows.append(row)
     finally:
         TUNED.pop(key, None)
@@ -153,7 +164,7 @@ def tune_or_say_why(B: int, H: int, H_kv: int, S: int, d: int, dtype: torch.dtyp
         return tune_attention(B, H, H_kv, S, d, dtype, device, room=room, bandwidth=bandwidth)
     except Exception as e:                                  # noqa: BLE001  (recorded; the defaults are launched)
         TUNED[(d, dtype, S + room)] = default_launch(dtype)
-        return {"error": f"not tuned ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
+        return {"error": f"not tuned ({said(e)})"}
 
 
 def describe(launch: dict) -> str:
@@ -215,11 +226,7 @@ def tune_skinny(cfg, B: int, dtype: torch.dtype, device: str = "cuda", candidate
     kernel's ``TOLERANCE``. ``time_ms(fn)`` times a call (default: ``gpu_ms``, a CUDA device only). Returns,
     per product, its shape, weight bytes, cuBLAS's row, the default's and the chosen launch's rows, and every
     row (its launch, ms, or its error)."""
-    if time_ms is None:
-        if not str(device).startswith("cuda"):
-            raise ValueError("tuning times the kernel on a GPU: on a CPU, Triton's interpreter runs its programs "
-                             "one after another, so there is nothing to time")
-        time_ms = gpu_ms
+    time_ms = timer_or_gpu(time_ms, device)
     g = torch.Generator(device=device).manual_seed(0)
     out = {}
     for name, (variant, N, K) in step_products(cfg).items():
@@ -258,7 +265,7 @@ def tune_skinny(cfg, B: int, dtype: torch.dtype, device: str = "cuda", candidate
                 else:
                     row["error"] = f"output differs from the reference's by {row['max_diff']:.3g} of its largest"
             except Exception as e:                      # noqa: BLE001  (one that does not compile: recorded)
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                row["error"] = said(e)
             rows.append(row)
         cublas = {"what": "F.linear alone (cuBLAS), without the norm, SwiGLU or residual around it",
                   **timed(lambda wc: torch.nn.functional.linear(x, wc))}
@@ -284,7 +291,7 @@ def tune_skinny_or_say_why(cfg, B: int, dtype: torch.dtype, device: str, bandwid
     try:
         return tune_skinny(cfg, B, dtype, device, bandwidth=bandwidth)
     except Exception as e:                                  # noqa: BLE001  (recorded; the defaults are launched)
-        return {"error": f"not tuned ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
+        return {"error": f"not tuned ({said(e)})"}
 
 
 def skinny_summary(sweeps: dict) -> list[str]:

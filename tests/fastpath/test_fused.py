@@ -9,7 +9,7 @@ import torch
 import fastpath.fused as fused_module
 import kernels
 from fastpath.fused import FusedGraphDecoder
-from tests.fastpath.test_graph import assert_same_entries, steps_both, tokens
+from tests.fastpath.test_graph import assert_lean_logits, assert_same_entries, steps_both, tokens
 
 
 @pytest.mark.parametrize("spec", [None, "snapkv", "streaming_llm", "h2o", "scissorhands"])
@@ -120,14 +120,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_the_fused_step_captured_on_a_gpu(make_model, tiny_cfg, dtype, spec, options):
     """Compiled by inductor on the first eager step, captured with the rest of the step, replayed (the
     evictions on their kernels; Scissorhands also with a ring of 3 rows, which the steps wrap)."""
-    from fastpath.graph import BF16_TOL
     torch._dynamo.reset()
     model = make_model(tiny_cfg, seed=1).cuda().to(dtype)
     fused = FusedGraphDecoder(model)
     ref, out, cache, graph = steps_both(model, tokens(34, 3).cuda(), spec, graph=fused, **options)
     assert graph.captures == 1
+    assert_lean_logits(out, ref, dtype)
     if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
         assert_same_entries(cache, graph)
-    else:
-        assert (out.float() - ref.float()).abs().max() <= BF16_TOL * ref.float().abs().max()

@@ -11,7 +11,7 @@ import fastpath.skinny as skinny_module
 import kernels
 from fastpath.fused import FusedGraphDecoder
 from fastpath.skinny import SkinnyGraphDecoder
-from tests.fastpath.test_graph import assert_same_entries, steps_both, tokens
+from tests.fastpath.test_graph import assert_lean_logits, assert_same_entries, steps_both, tokens
 
 STEPS = 7                   # decode steps compared in the interpreter (each launches every kernel of every layer)
 interpreter = pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
@@ -83,14 +83,11 @@ def test_the_skinny_step_captured_on_a_gpu(make_model, tiny_cfg, dtype, spec):
     """Captured with the rest of the step and replayed: the lean step's logits (fp32 within 1e-5, bf16 within
     the graph step's tolerance) and, in fp32, its kept positions (Scissorhands in fp32 only: in bf16 a slot
     near its threshold may flag otherwise, as in the fused step's tests)."""
-    from fastpath.graph import BF16_TOL
     torch._dynamo.reset()
     model = with_norm_weights(make_model(tiny_cfg, seed=1)).cuda().to(dtype)
     skinny = SkinnyGraphDecoder(model)
     ref, out, cache, graph = steps_both(model, tokens(34, 3).cuda(), spec, graph=skinny)
     assert graph.captures == 1
+    assert_lean_logits(out, ref, dtype)
     if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
         assert_same_entries(cache, graph)
-    else:
-        assert (out.float() - ref.float()).abs().max() <= BF16_TOL * ref.float().abs().max()
