@@ -17,11 +17,13 @@ import re
 import shlex
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 
+from methods.analysis.kvreviver_rounding import sums_in_float64
 from methods.evaluation import compare, language_modelling
 from methods.evaluation.compare import Variant
 from methods.presets import preset_options
@@ -138,6 +140,16 @@ def test_compare_smollm2_reproduces(name, methods, keep, task, mode, first):
     """SmolLM2-135M's tables from methods.compare: each kind of row (the full cache, a prompt compressor, a
     decode-time evictor, KVReviver, a wrapper; both modes) in one cell of the file that holds it."""
     rerun_compare_cell(name, methods, keep, task, mode, first=first)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", ["kvreviver_rounding_plain.json", "kvreviver_rounding_float64.json"])
+def test_kvreviver_rounding_reproduces(name):
+    """KVReviver's records with its sketch's sums in fp32 and in float64 (``methods.analysis.kvreviver_rounding``,
+    the files' commands): the first three answers of the cell where the third moved between the two."""
+    with sums_in_float64() if "float64" in name else nullcontext():
+        rerun_compare_cell(name, ["kvreviver"], 0.1, "passkey", "question_in_prompt", first=3)
 
 
 @pytest.mark.slow
@@ -307,6 +319,9 @@ CHECKED_BY = {
     "kvreviver_ablation.json": (HERE + "test_kvreviver_ablation_reproduces",
                                 HERE + "test_kvreviver_ablation_s_fisher_and_lemma_rows_reproduce"),
     "kvreviver_ablation.txt": "beside kvreviver_ablation.json",
+    "kvreviver_rounding_plain.json": (HERE + "test_kvreviver_rounding_reproduces",),
+    "kvreviver_rounding_float64.json": (HERE + "test_kvreviver_rounding_reproduces",),
+    "kvreviver_rounding_smollm2.txt": "beside kvreviver_rounding_float64.json",
     "generate_smollm2_passkey.txt": (HERE + "test_the_front_pages_generation_reproduces",),
     "course_mutants.txt": (HERE + "test_a_row_of_the_course_mutants_report_reproduces",),
     "match3_eval.txt": ("tests/methods/tensor_attention/test_match3.py::test_bundled_cards_reproduce",),

@@ -4,6 +4,7 @@ Do two ``methods.compare`` results files say the same? The check behind "the GPU
 
     python -m methods.evaluation.agree results/compare_default.json /tmp/cuda.json
     python -m methods.evaluation.agree A.json B.json --tol 1e-3
+    python -m methods.evaluation.agree A.json B.json --records   # and a line per record that differs
 
 Records are matched by (method, budget, task, mode); the two files must hold the same cells. For each field:
 
@@ -21,6 +22,9 @@ Records are matched by (method, budget, task, mode); the two files must hold the
 
 Prints one line per field and a last line ``agree`` or ``differ: FIELDS``; exits with status 0 or 1. A file
 that is not a compare results file, or two files of different cells, is one ``error:`` line (status 2).
+With ``--records``, each record that differs also gets a line before the last one: its cell, how many of its
+answers differ, its accuracy in A and in B, each float metric's largest difference, and any other field that
+differs.
 """
 
 from __future__ import annotations
@@ -106,6 +110,29 @@ def compare_files(a: dict[tuple, dict], b: dict[tuple, dict], tol: float) -> tup
     return lines, differ
 
 
+def record_lines(a: dict[tuple, dict], b: dict[tuple, dict], tol: float) -> list[str]:
+    """A line for each record that differs (``--records``), in A's order."""
+    lines = []
+    for key, x in a.items():
+        y = b[key]
+        exact = [f for f in EXACT if x.get(f) != y.get(f)]
+        gaps = {f: largest_gap(x.get(f), y.get(f)) for f in CLOSE if f in x or f in y}
+        if not exact and all(g <= tol for g in gaps.values()):
+            continue
+        ids_a, ids_b = x.get("prediction_ids"), y.get("prediction_ids")
+        if isinstance(ids_a, list) and isinstance(ids_b, list) and len(ids_a) == len(ids_b):
+            answers = f"answers {sum(p != q for p, q in zip(ids_a, ids_b))} of {len(ids_a)} differ"
+        else:
+            answers = "answers not comparable"
+        acc = " / ".join(f"{r['accuracy']:.3f}" if isinstance(r.get("accuracy"), (int, float)) else "?"
+                         for r in (x, y))
+        metrics = "  ".join(f"{f} {g:.2g}" for f, g in gaps.items())
+        other = [f for f in exact if f not in ("predictions", "prediction_ids")]
+        lines.append(f"{'/'.join(map(str, key))}  {answers}  accuracy {acc}  {metrics}"
+                     + (f"  also: {', '.join(other)}" if other else ""))
+    return lines
+
+
 def parser() -> cli.ArgumentParser:
     ap = cli.ArgumentParser(
         prog="python -m methods.evaluation.agree",
@@ -118,6 +145,9 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("--tol", type=cli.positive_float, default=1e-3,
                     help="largest difference allowed in a float metric, absolute for values up to 1 and relative to "
                          "the value above 1 (default 1e-3)")
+    ap.add_argument("--records", action="store_true",
+                    help="also a line per record that differs: its cell, how many answers differ, its accuracy in "
+                         "A and B, each float metric's largest difference and any other field that differs")
     return ap
 
 
@@ -133,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         lines, differ = compare_files(a, b, args.tol)
         print(f"# {args.a} against {args.b}: {len(a)} records")
         print("\n".join(lines))
+        if args.records:
+            print("\n".join(record_lines(a, b, args.tol) or ["(no record differs)"]))
         print("agree" if not differ else f"differ: {', '.join(differ)}")
         return 1 if differ else 0
 

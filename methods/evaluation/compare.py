@@ -589,8 +589,10 @@ def parser() -> cli.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """The command; ``prog`` names it in its errors and records where another module runs it."""
     ap = parser()
+    ap.prog = prog or ap.prog
     args = ap.parse_args(argv)
 
     with cli.errors(args.debug):

@@ -104,3 +104,21 @@ def test_files_of_other_cells_or_no_records_are_refused_in_one_line(capsys, tmp_
     twice["records"].append(twice["records"][0])
     err = refused(capsys, agree.main, [written(tmp_path, twice, "t.json"), str(COMMITTED)])
     assert "two records of" in err, err
+
+
+def test_records_names_each_record_that_differs_with_its_answers_and_gaps(capsys, tmp_path, saved):
+    other = copy.deepcopy(saved)
+    r = other["records"][7]
+    r["prediction_ids"][2] = r["prediction_ids"][2] + [0]                       # one answer of the record
+    r["kl"] += 5e-3 * max(1.0, r["kl"])
+    other["records"][9]["kv_bytes"] += 2                                        # another record, a count only
+    assert agree.main(["--records", str(COMMITTED), written(tmp_path, other)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    cell = lambda rec: "/".join(str(rec[k]) for k in agree.KEY)                  # noqa: E731
+    line7 = next(line for line in lines if line.startswith(cell(r) + "  "))
+    assert f"answers 1 of {len(r['prediction_ids'])} differ" in line7 and "kl 0.005" in line7, line7
+    line9 = next(line for line in lines if line.startswith(cell(other["records"][9]) + "  "))
+    assert "answers 0 of" in line9 and line9.endswith("also: kv_bytes"), line9
+    assert sum("answers" in line for line in lines) == 2 and lines[-1] == "differ: prediction_ids, kv_bytes, kl"
+    assert agree.main(["--records", str(COMMITTED), str(COMMITTED)]) == 0
+    assert "(no record differs)\nagree" in capsys.readouterr().out

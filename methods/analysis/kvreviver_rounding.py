@@ -1,0 +1,89 @@
+"""
+Do KVReviver's records move when only the rounding of its sketch's sums changes? A question a CPU can answer.
+
+On a GPU the main job's records of KVReviver differ from the CPU's in a few answers, where every other
+method's are the CPU's (``fastpath/README.md``). A GPU rounds differently everywhere, but KVReviver has one
+thing of its own: its count sketch (Algorithm 1) adds many tokens into each cell, and a GPU adds them with
+atomic adds, in an order of its own. This module asks whether a change of that size, alone, moves the records
+on the CPU: it runs ``methods.compare`` with one change, each ``VagueSketch.insert`` taking its sums in
+float64 and rounding once to the cells' fp32. The tokens, their cells and their signs are the same; a cell
+moves by a few units in its last place, as it would under another order of the same additions.
+``methods.evaluation.agree --records`` against a plain run of the same command says which records moved:
+
+    python -m methods.compare --checkpoint smollm2-135m --methods kvreviver --keep-ratios 0.1 \\
+        --tasks niah_single_docs passkey niah_multikey_docs --samples 10 --workers 1 --json plain.json
+    python -m methods.analysis.kvreviver_rounding --checkpoint smollm2-135m --methods kvreviver \\
+        --keep-ratios 0.1 --tasks niah_single_docs passkey niah_multikey_docs --samples 10 --json float64.json
+    python -m methods.evaluation.agree --records plain.json float64.json
+
+It takes ``methods.compare``'s options and runs in one process on the CPU: ``--workers 1`` (its default here;
+more workers would start fresh interpreters, without the change) and ``--device cpu`` (on a GPU the sketch
+is the Triton kernels', which the change does not reach).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from methods.evaluation import compare
+from methods.kvreviver import VagueSketch
+from nanollm import cli
+
+PROG = "python -m methods.analysis.kvreviver_rounding"
+
+
+def float64_insert(self: VagueSketch, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
+    """``VagueSketch.insert`` with its sums in float64: each cell's old value and the tokens sent to it, in
+    every row, added in float64 and rounded once to the cell's dtype (the plain insert adds them one by one
+    in fp32). pos (n,); k, v (n, H_kv, d)."""
+    cells, signs = self.buckets(pos), self.signs(pos)                     # (r, n) each
+    k, v = sign * k.double(), sign * v.double()
+    r, n = cells.shape
+    rows = torch.arange(self.rows, device=cells.device).view(-1, 1)
+    idx = (rows * self.width + cells.long()).reshape(-1)                   # (r * n,): row i's cell c
+    g = signs.double()[..., None, None]                                    # (r, n, 1, 1): g_i(J)
+    for cell, add in ((self.key, k.unsqueeze(0).expand(r, n, *k.shape[1:])),   # k_J, to every row
+                      (self.value, v.unsqueeze(0) * g)):                   # g_i(J) v_J
+        flat = (-1, *cell.shape[2:])                                       # the cells as (r * b) rows
+        total = cell.double()
+        total.view(flat).index_add_(0, idx, add.reshape(flat))
+        cell.copy_(total)
+
+
+@contextmanager
+def sums_in_float64():
+    """Every KVReviver sketch in this process inserts with ``float64_insert`` (the kernels' ``KernelSketch``
+    off a GPU and the fast engines' routed sketches inherit it), until the block ends."""
+    plain = VagueSketch.insert
+    VagueSketch.insert = float64_insert
+    try:
+        yield
+    finally:
+        VagueSketch.insert = plain
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = compare.parser()
+    ap.prog = PROG
+    ap.description = ("methods.compare with KVReviver's sketch summing in float64, rounded once to fp32: does a "
+                      "change of a few units in a cell's last place move its records? Compare with a plain run "
+                      "of the same options (python -m methods.evaluation.agree --records). One process, on the "
+                      "CPU.")
+    args = ap.parse_args(argv)
+    with cli.errors(args.debug):
+        if args.workers not in (None, 1):
+            cli.fail(f"--workers {args.workers}: the change reaches this process only; run with --workers 1")
+        if torch.device(args.device).type != "cpu":
+            cli.fail(f"--device {args.device}: on a GPU the sketch is the Triton kernels', which this does not "
+                     "change; run on the CPU")
+    with sums_in_float64():
+        compare.main(argv + ([] if args.workers else ["--workers", "1"]), prog=PROG)
+
+
+if __name__ == "__main__":
+    main()
