@@ -340,16 +340,14 @@ def routed(sketch: VagueSketch, key: Tensor, value: Tensor, cells: Tensor, signs
 
 def every_layer_at_once(policy: CachePolicy) -> CachePolicy:
     """Make ``policy``, or the ``KVReviverPolicy`` it wraps (``inner``), an ``KVReviverLayersAtOnce``: the same
-    object, fields and state, its decode hook batched over the layers. Only a plain ``KVReviverPolicy`` with
-    the plain sketch or the kernels' (an ablation's subclass keeps its own hooks, and a sketch class of one's
-    own its ``insert`` and ``query``, which the batched hook's routed sketches would bypass); any other policy
-    is returned untouched."""
+    object, fields and state, its decode hook batched over the layers. Only a plain ``KVReviverPolicy`` (an
+    ablation's subclass keeps its own hooks); any other policy is returned untouched."""
     inner = policy
     while not isinstance(inner, KVReviverPolicy):
         inner = getattr(inner, "inner", None)
         if inner is None:
             return policy
-    if type(inner) is KVReviverPolicy and inner.sketch_class in (VagueSketch, KernelSketch):
+    if type(inner) is KVReviverPolicy:
         inner.__class__ = KVReviverLayersAtOnce
         inner._waiting, inner._cells, inner._tables_at, inner._buffers, inner._rebuilt = [], None, None, None, None
     return policy

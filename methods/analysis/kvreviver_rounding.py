@@ -2,13 +2,15 @@
 Do KVReviver's records move when only the rounding of its sketch's sums changes? A question a CPU can answer.
 
 On a GPU the main job's records of KVReviver differ from the CPU's in a few answers, where every other
-method's are the CPU's (``fastpath/README.md``). A GPU rounds differently everywhere, but KVReviver has one
-thing of its own: its count sketch (Algorithm 1) adds many tokens into each cell, and a GPU adds them with
-atomic adds, in an order of its own. This module asks whether a change of that size, alone, moves the records
-on the CPU: it runs ``methods.compare`` with one change, each ``VagueSketch.insert`` taking its sums in
-float64 and rounding once to the cells' fp32. The tokens, their cells and their signs are the same; a cell
-moves by a few units in its last place, as it would under another order of the same additions.
-``methods.evaluation.agree --records`` against a plain run of the same command says which records moved:
+method's are the CPU's (``fastpath/README.md``). A GPU rounds differently everywhere, and KVReviver's count
+sketch (Algorithm 1) adds many tokens into each cell, where the GPU adds them with atomic adds, in an order
+of its own. This module asks whether a change of rounding in those sums alone moves the records, on the
+CPU: it runs ``methods.compare`` with one change, each ``VagueSketch.insert`` call taking its sums in float64
+and rounding them once to the cells' fp32, where the plain insert rounds after every token it adds. At each
+insert the tokens, their cells and their signs are the same; a cell's value moves by the rounding error of
+its sum (fp32's relative precision, 6e-8, times a few of its terms' sizes): a more accurate rounding of the
+same sum, not a reordering of it, but a change of the same size as one. ``methods.evaluation.agree
+--records`` against a plain run of the same command says which records moved:
 
     python -m methods.compare --checkpoint smollm2-135m --methods kvreviver --keep-ratios 0.1 \\
         --tasks niah_single_docs passkey niah_multikey_docs --samples 10 --workers 1 --json plain.json
@@ -18,7 +20,8 @@ moves by a few units in its last place, as it would under another order of the s
 
 It takes ``methods.compare``'s options and runs in one process on the CPU: ``--workers 1`` (its default here;
 more workers would start fresh interpreters, without the change) and ``--device cpu`` (on a GPU the sketch
-is the Triton kernels', which the change does not reach).
+runs on the Triton kernels where they serve, which the change does not reach). It is slower than the plain
+run: each insert copies its cells to float64 and back.
 """
 
 from __future__ import annotations

@@ -119,15 +119,17 @@ def record_lines(a: dict[tuple, dict], b: dict[tuple, dict], tol: float) -> list
         gaps = {f: largest_gap(x.get(f), y.get(f)) for f in CLOSE if f in x or f in y}
         if not exact and all(g <= tol for g in gaps.values()):
             continue
-        ids_a, ids_b = x.get("prediction_ids"), y.get("prediction_ids")
-        if isinstance(ids_a, list) and isinstance(ids_b, list) and len(ids_a) == len(ids_b):
-            answers = f"answers {sum(p != q for p, q in zip(ids_a, ids_b))} of {len(ids_a)} differ"
-        else:
-            answers = "answers not comparable"
+        answers, counted = "answers not comparable", ()
+        for field in ("prediction_ids", "predictions"):               # the token ids, else the texts
+            got_a, got_b = x.get(field), y.get(field)
+            if isinstance(got_a, list) and isinstance(got_b, list) and len(got_a) == len(got_b):
+                answers = f"answers {sum(p != q for p, q in zip(got_a, got_b))} of {len(got_a)} differ"
+                counted = ("predictions", "prediction_ids")
+                break
         acc = " / ".join(f"{r['accuracy']:.3f}" if isinstance(r.get("accuracy"), (int, float)) else "?"
                          for r in (x, y))
         metrics = "  ".join(f"{f} {g:.2g}" for f, g in gaps.items())
-        other = [f for f in exact if f not in ("predictions", "prediction_ids")]
+        other = [f for f in exact if f not in counted]
         lines.append(f"{'/'.join(map(str, key))}  {answers}  accuracy {acc}  {metrics}"
                      + (f"  also: {', '.join(other)}" if other else ""))
     return lines

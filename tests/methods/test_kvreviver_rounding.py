@@ -1,8 +1,11 @@
 """``methods.analysis.kvreviver_rounding``: the float64 insert is KVReviver's insert to fp32 rounding (and not
 bit for bit: it is a change of rounding), in the plain and the fast engines' routed layouts; the change is
-undone after its block; the command refuses what would run without it."""
+undone after its block; the command refuses what would run without it; the committed report is what
+``agree --records`` prints of the two committed runs."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 from fastpath.reviver import routed
 from methods.analysis import kvreviver_rounding
 from methods.analysis.kvreviver_rounding import float64_insert, sums_in_float64
+from methods.evaluation import agree
 from methods.kvreviver import VagueSketch
 from tests.course.test_grader import refused
 
@@ -68,3 +72,13 @@ def test_the_command_refuses_workers_it_cannot_reach(capsys, tmp_path):
     err = refused(capsys, kvreviver_rounding.main, ["--workers", "2", "--json", str(tmp_path / "x.json")])
     assert "--workers 2" in err and "--workers 1" in err, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_committed_report_is_what_agree_prints_of_the_two_committed_runs(capsys, monkeypatch):
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)                               # the report names the files as the repository's
+    files = ["results/kvreviver_rounding_plain.json", "results/kvreviver_rounding_float64.json"]
+    assert agree.main(["--records", *files]) == 1
+    printed = capsys.readouterr().out
+    assert printed in (root / "results" / "kvreviver_rounding_smollm2.txt").read_text()
+    assert "full/" not in printed                          # the full cache's records agree

@@ -122,3 +122,11 @@ def test_records_names_each_record_that_differs_with_its_answers_and_gaps(capsys
     assert sum("answers" in line for line in lines) == 2 and lines[-1] == "differ: prediction_ids, kv_bytes, kl"
     assert agree.main(["--records", str(COMMITTED), str(COMMITTED)]) == 0
     assert "(no record differs)\nagree" in capsys.readouterr().out
+    texts = copy.deepcopy(saved)                                                # a file without token ids
+    for data in (texts, other):
+        data["records"][7].pop("prediction_ids")
+    texts["records"][7]["predictions"][4] += "0"
+    other["records"][7]["predictions"][4] += "1"
+    agree.main(["--records", written(tmp_path, texts, "a.json"), written(tmp_path, other)])
+    line7 = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(cell(r) + "  "))
+    assert "answers 1 of" in line7 and "also" not in line7, line7               # counted from the texts
