@@ -37,36 +37,32 @@ from methods.kvreviver import VagueSketch
 from nanollm import cli
 
 PROG = "python -m methods.analysis.kvreviver_rounding"
+PLAIN_INSERT = VagueSketch.insert        # Algorithm 1 as methods/kvreviver.py has it (float64_insert runs it)
 
 
 def float64_insert(self: VagueSketch, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
-    """``VagueSketch.insert`` with its sums in float64: each cell's old value and the tokens sent to it, in
-    every row, added in float64 and rounded once to the cell's dtype (the plain insert adds them one by one
-    in fp32). pos (n,); k, v (n, H_kv, d)."""
-    cells, signs = self.buckets(pos), self.signs(pos)                     # (r, n) each
-    k, v = sign * k.double(), sign * v.double()
-    r, n = cells.shape
-    rows = torch.arange(self.rows, device=cells.device).view(-1, 1)
-    idx = (rows * self.width + cells.long()).reshape(-1)                   # (r * n,): row i's cell c
-    g = signs.double()[..., None, None]                                    # (r, n, 1, 1): g_i(J)
-    for cell, add in ((self.key, k.unsqueeze(0).expand(r, n, *k.shape[1:])),   # k_J, to every row
-                      (self.value, v.unsqueeze(0) * g)):                   # g_i(J) v_J
-        flat = (-1, *cell.shape[2:])                                       # the cells as (r * b) rows
-        total = cell.double()
-        total.view(flat).index_add_(0, idx, add.reshape(flat))
-        cell.copy_(total)
+    """``VagueSketch.insert`` itself on float64 copies of the cells, which are then rounded once back to the
+    cells' dtype: the insert converts the tokens to its cells' dtype, so every sum is taken in float64 (the
+    plain insert adds the tokens one by one in fp32). pos (n,); k, v (n, H_kv, d)."""
+    key, value = self.key, self.value
+    self.key, self.value = key.double(), value.double()
+    try:
+        PLAIN_INSERT(self, pos, k, v, sign)
+        key.copy_(self.key)
+        value.copy_(self.value)
+    finally:
+        self.key, self.value = key, value
 
 
 @contextmanager
 def sums_in_float64():
     """Every KVReviver sketch in this process inserts with ``float64_insert`` (the kernels' ``KernelSketch``
     off a GPU and the fast engines' routed sketches inherit it), until the block ends."""
-    plain = VagueSketch.insert
     VagueSketch.insert = float64_insert
     try:
         yield
     finally:
-        VagueSketch.insert = plain
+        VagueSketch.insert = PLAIN_INSERT
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = compare.parser()
     ap.prog = PROG
     ap.description = ("methods.compare with KVReviver's sketch summing in float64, rounded once to fp32: does a "
-                      "change of a few units in a cell's last place move its records? Compare with a plain run "
+                      "change of rounding in its cells move its records? Compare with a plain run "
                       "of the same options (python -m methods.evaluation.agree --records). One process, on the "
                       "CPU.")
     args = ap.parse_args(argv)
