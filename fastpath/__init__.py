@@ -12,8 +12,8 @@ fastpath: the same decoder, faster, plugged in from above. The reading path (``n
                    methods, StreamingLLM, H2O and Scissorhands decode on it, the others fall back to the lean
                    step, saying so
     fused.py       ``FusedGraphDecoder``: the graph step with its element-wise work compiled by inductor
-    skinny.py      ``SkinnyGraphDecoder``: the fused step with its products, and the norms, SwiGLU and residual
-                   adds around them, in ``kernels/skinny_matmul.py``
+    skinny.py      ``SkinnyGraphDecoder``: the fused step with its products, and the norms, SwiGLU, residual
+                   adds, RoPE and the write around them, in ``kernels/skinny_matmul.py`` and ``skinny_qkv.py``
     tune.py        the split kernel's launch (tokens per block, programs per SM, warps, stages) timed on
                    the GPU at hand, the fastest kept for every later launch (``python -m fastpath.bench --tune``);
                    the skinny kernel's per product

@@ -12,22 +12,21 @@ it. A cache is filled with random entries of the kept shape, positions as the me
 its sinks and recent tokens, H2O's scores, Scissorhands' counters and ring buffer), and no prompt runs:
 which tokens are kept does not change a step's time, and a 16 x 32k prompt would cost most of the run.
 
-Four paths: ``lean`` (``lean.py``, launched from Python), ``graph`` (``graph.py``, captured in a CUDA graph;
-its attention the masked split-K kernel; H2O's and Scissorhands' probabilities, which they use, beside it in
-PyTorch), ``fused`` (``fused.py``: the graph step with its element-wise work compiled by inductor, on a
-CPU traced by dynamo alone) and ``skinny`` (``skinny.py``: the fused step with its matrix products, and the
-norms, SwiGLU and residual adds around them, in the skinny kernel; on a CPU, where the kernels do not serve,
-the fused step again). Each path takes ``WARM`` steps (the graph step captures its graph there, the fused one
-compiles first: ``warm_s``), then ``REPEATS`` blocks of
-``STEPS`` steps, the device synchronised around each block: the median block over ``STEPS`` is the
-step's time, the host's launch work included (what the graph removes). ``bytes`` is what a step must
-read: the weights (every matrix but the embedding table, of which it reads B rows) and the K/V it
-attends over. At the copy bandwidth measured in the same run (a device-to-device copy of 1 GiB) that is
-``at_copy_bw_ms``, the step's floor; ``fixed_ms`` = ms - at_copy_bw_ms is what it costs beyond moving its
+Four paths: ``lean`` (``lean.py``, launched from Python), ``graph`` (``graph.py``, captured in a CUDA graph; its
+attention the masked split-K kernel; H2O's and Scissorhands' probabilities, which they use, beside it in PyTorch),
+``fused`` (``fused.py``: the graph step with its element-wise work compiled by inductor, on a CPU traced by dynamo
+alone) and ``skinny`` (``skinny.py``: the fused step with its matrix products, and the norms, SwiGLU, residual
+adds, RoPE and the cache's write around them, in the skinny kernels; on a CPU, where the kernels do not serve, the
+fused step again). Each path takes ``WARM`` steps (the graph step captures its graph there, the fused one compiles
+first: ``warm_s``), then ``REPEATS`` blocks of ``STEPS`` steps, the device synchronised around each block: the
+median block over ``STEPS`` is the step's time, the host's launch work included (what the graph removes).
+``bytes`` is what a step must read: the weights (every matrix but the embedding table, of which it reads B rows)
+and the K/V it attends over. At the copy bandwidth measured in the same run (a device-to-device copy of 1 GiB)
+that is ``at_copy_bw_ms``, the step's floor; ``fixed_ms`` = ms - at_copy_bw_ms is what it costs beyond moving its
 bytes, and ``fit`` draws a line through the two lengths (ms = fixed + bytes / rate). The graph step reads
-C = kept + room slots and their positions, a little more than it is credited with. transformers'
-``StaticCache`` step of the same shape (its own random weights, ``sdpa`` attention, eager; compiled
-with ``--hf-compile``) is timed in the same run when transformers is importable, else skipped with a line.
+C = kept + room slots and their positions, a little more than it is credited with. transformers' ``StaticCache``
+step of the same shape (its own random weights, ``sdpa`` attention, eager; compiled with ``--hf-compile``) is
+timed in the same run when transformers is importable, else skipped with a line.
 
 On a GPU the split kernel's launch is first chosen at each length by timing it (``tune.py``: tokens per block,
 programs per SM, warps and stages), on the full cache's slots and on those of the caches that keep a tenth,

@@ -115,18 +115,17 @@ class FusedGraphDecoder(GraphDecoder):
         self.evict_sinks, self.attend_heavy = (torch.compile(f, **options) for f in (evict_sinks, attend_heavy))
         self.write = write_in_one_launch            # the writes: one Triton kernel a layer instead of three
 
-    def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """``GraphDecoder._attend``, but for H2O, Scissorhands and StreamingLLM where ``kernels.serves`` says
-        so: the write, then the attention and the eviction in three or four launches, the eviction's choice made from
-        what the attention kernel reads (``kernels/heavy_hitters.py`` and ``kernels/scissorhands.py``: the
-        scores, not a second pass over the keys; ``kernels/streaming.py``: the positions, each range's oldest
-        reduced from them as they are loaded)."""
+    def _attend_written(self, i: int, attn, q: Tensor) -> Tensor:
+        """``GraphDecoder._attend_written``, but for H2O, Scissorhands and StreamingLLM where ``kernels.serves``
+        says so: after the write, the attention and the eviction in three launches (H2O's four), the eviction's
+        choice made from what the attention kernel reads (``kernels/heavy_hitters.py`` and ``kernels/scissorhands.py``:
+        the scores, not a second pass over the keys; ``kernels/streaming.py``: the positions, each range's
+        oldest reduced from them as they are loaded)."""
         d = q.shape[-1]
         if self.rule.kind not in ("heavy", "scissors", "sinks") or d < 16 or d & (d - 1) or not kernels.serves(q):
-            return super()._attend(i, attn, q, k, v)
+            return super()._attend_written(i, attn, q)
         kv, rule = self.current.kv, self.rule
         kb, vb, pos, slot = kv.k[i], kv.v[i], kv.pos[i], kv.slot[i]       # views (B, H_kv, C, d), (B, H_kv, C)
-        self.write(kb, vb, pos, slot, k, v, kv.position)
         if rule.kind == "heavy":
             out = heavy_attend_triton(q[:, :, 0], kb, vb, pos, slot, kv.score[i], kv.position, rule.n_recent,
                                       rule.budget)

@@ -477,9 +477,14 @@ class GraphDecoder:
     def _attend(self, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Layer i: q (B, H, 1, d), the new k, v (B, H_kv, 1, d). Write, attend over C slots, evict.
         Returns (B, H, 1, d)."""
+        kv = self.current.kv
+        self.write(kv.k[i], kv.v[i], kv.pos[i], kv.slot[i], k, v, kv.position)
+        return self._attend_written(i, attn, q)
+
+    def _attend_written(self, i: int, attn, q: Tensor) -> Tensor:
+        """``_attend`` once layer i's buffers hold the step's entry: attend over C slots, evict."""
         kv, rule = self.current.kv, self.rule
         kb, vb, pos, slot = kv.k[i], kv.v[i], kv.pos[i], kv.slot[i]       # views (B, H_kv, C, d), (B, H_kv, C)
-        self.write(kb, vb, pos, slot, k, v, kv.position)
         d = q.shape[-1]
         if d >= 16 and d & (d - 1) == 0 and kernels.serves(q):
             out = masked_decode_attention_triton(q[:, :, 0], kb, vb, pos).unsqueeze(2)   # (B, H, 1, d)

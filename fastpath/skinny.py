@@ -1,5 +1,5 @@
 """
-The fused step with its matrix products in the skinny kernel: a layer in eight launches instead of fourteen.
+The fused step with its matrix products in the skinny kernel: a layer in six launches instead of fourteen.
 
 What the fused step (``fused.py``) leaves of a step's fixed cost is mostly its matrix products and the small
 kernels beside them. Per layer, on an H200 (``results/decode_profile_h200.txt``): the norm before the q/k/v
@@ -8,12 +8,12 @@ along K and followed by a reduction), the residual copied before each product th
 RoPE, the write, the split attention and its merge: 14 launches. ``kernels/skinny_matmul.py`` reads each
 weight once for the step's few rows and takes in what surrounds it, so a layer becomes
 
-    norm_linear     x -> qkv              the norm folded into the product
-    heads_with_rope qkv -> q, k, v        compiled (inductor): one element-wise kernel
-    the write, the split attention, the merge     as in the fused step (and its evictions' kernels)
-    linear_add      x + o_proj(y)         the residual added in the product's epilogue
-    norm_swiglu     x -> silu(gate) * up  the norm and SiLU-times-up around the gate/up product
-    linear_add      x + down(...)
+    norm_qkv_rope_write   x -> q; k, v into the buffers   the norm, RoPE and the cache's write folded into the
+                                                          product (``kernels/skinny_qkv.py``)
+    the split attention and its merge                     as in the fused step (and its evictions' kernels)
+    linear_add            x + o_proj(y)                   the residual added in the product's epilogue
+    norm_swiglu           x -> silu(gate) * up            the norm and SiLU-times-up around the gate/up product
+    linear_add            x + down(...)
 
 and the LM head is ``norm_linear`` with the final norm. Everything else is the fused step's, captured and
 replayed as the graph step is. Where the kernels do not serve (a CPU, ``NANOKV_NO_TRITON=1``), and for an fp16
@@ -39,10 +39,11 @@ from torch import Tensor
 
 import kernels
 from kernels.skinny_matmul import linear_add_triton, norm_linear_triton, norm_swiglu_triton
+from kernels.skinny_qkv import norm_qkv_rope_write_triton
 from nanollm.attention import rope_cos_sin
 from nanollm.model import Transformer
 
-from .fused import FusedGraphDecoder, heads_with_rope
+from .fused import FusedGraphDecoder
 
 
 def kernels_serve(model: Transformer) -> bool:
@@ -55,22 +56,18 @@ def kernels_serve(model: Transformer) -> bool:
 class SkinnyGraphDecoder(FusedGraphDecoder):
     """``FusedGraphDecoder`` whose products are the skinny kernel's where ``kernels.serves`` says so."""
 
-    def __init__(self, model: Transformer, backend: str | None = None) -> None:
-        super().__init__(model, backend)
-        self.rope = torch.compile(heads_with_rope, **self.compile_options)
-
     def decode(self, token: Tensor) -> Tensor:
         """``FusedGraphDecoder.decode`` with the products in the skinny kernel: logits (B, V), ``self.kv``
         updated in place."""
         if not kernels_serve(self.model):
             return super().decode(token)
-        kv, cfg = self.current.kv, self.config
+        kv = self.current.kv
         x = F.embedding(token, self.model.tok_emb.weight)                             # (B, D)
         cos, sin = rope_cos_sin(kv.position, self.lean.inv_freq, x.dtype)            # (1, d) each
         for i, (norm1, wqkv, wo, norm2, wgu, wd, attn) in enumerate(self.lean.layers):
-            qkv = norm_linear_triton(x, norm1.weight, norm1.eps, wqkv)               # (B, (H + 2 H_kv) d)
-            q, k, v = self.rope(qkv, cos, sin, cfg.n_head, cfg.n_kv_head)
-            y = self._attend(i, attn, q, k, v).reshape(x.shape[0], -1)               # (B, H*d)
+            q = norm_qkv_rope_write_triton(x, norm1.weight, norm1.eps, wqkv, cos, sin, kv.k[i], kv.v[i], kv.pos[i],
+                                           kv.slot[i], kv.position)                  # (B, H, d), k and v written
+            y = self._attend_written(i, attn, q[:, :, None]).reshape(x.shape[0], -1)  # (B, H*d)
             x = linear_add_triton(y, wo, x)                                          # x + o_proj(y)
             x = linear_add_triton(norm_swiglu_triton(x, norm2.weight, norm2.eps, wgu), wd, x)
         norm = self.model.final_norm

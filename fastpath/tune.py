@@ -46,6 +46,7 @@ from kernels.skinny_matmul import (
     reference_norm_swiglu,
 )
 from kernels.skinny_matmul import TOLERANCE as SKINNY_TOLERANCE
+from kernels.skinny_qkv import norm_qkv_rope_write_triton, reference_norm_qkv_rope_write
 
 # every cut tried: tokens per block x programs per SM x warps x pipeline stages, 90 launches of 18 compiled
 # variants (the ranges are an argument, not compiled in)
@@ -208,9 +209,10 @@ SKINNY_CANDIDATES = tuple(SkinnyLaunch(n, k, 4, st) for n in (16, 32) for k in (
 
 
 def step_products(cfg) -> dict[str, tuple[str, int, int]]:
-    """A decode step's products for a Llama-flavour config: name -> (the skinny kernel's variant, N, K)."""
+    """A decode step's products for a Llama-flavour config: name -> (the skinny kernel's variant, N, K); the q/k/v
+    product is ``kernels/skinny_qkv.py``'s, with RoPE and the cache's write."""
     qkv = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
-    return {"qkv": ("norm_linear", qkv, cfg.d_model), "o": ("linear_add", cfg.d_model, cfg.n_head * cfg.head_dim),
+    return {"qkv": ("qkv_rope_write", qkv, cfg.d_model), "o": ("linear_add", cfg.d_model, cfg.n_head * cfg.head_dim),
             "gate_up": ("norm_swiglu", cfg.d_ff, cfg.d_model), "down": ("linear_add", cfg.d_model, cfg.d_ff),
             "head": ("norm_linear", cfg.vocab_size, cfg.d_model)}
 
@@ -218,9 +220,10 @@ def step_products(cfg) -> dict[str, tuple[str, int, int]]:
 def tune_skinny(cfg, B: int, dtype: torch.dtype, device: str = "cuda", candidates=SKINNY_CANDIDATES,
                 time_ms=None, bandwidth: float | None = None) -> dict:
     """For each product of a decode step of ``cfg`` over B rows (``step_products``): time cuBLAS's product
-    alone (``F.linear``; the fused step runs it with the norm, SiLU-times-up or residual around it as other
-    kernels, and inductor may call another cuBLAS kernel to add the residual), the skinny kernel's default
-    launch and each of ``candidates`` (norm, SwiGLU and residual included), each over copies of the weight
+    alone (``F.linear``; the fused step runs it with the norm, SiLU-times-up, residual, RoPE or write around it
+    as other kernels, and inductor may call another cuBLAS kernel to add the residual), the skinny kernel's
+    default launch and each of ``candidates`` (norm, SwiGLU, residual, RoPE and write included: the q/k/v
+    product writes into buffers of 8 slots a head), each over copies of the weight
     that L2 does not hold (``copies_past_l2``); set
     ``SKINNY_TUNED[(variant, N, K, dtype)]`` to the fastest whose output equals the reference's within the
     kernel's ``TOLERANCE``. ``time_ms(fn)`` times a call (default: ``gpu_ms``, a CUDA device only). Returns,
@@ -235,7 +238,16 @@ def tune_skinny(cfg, B: int, dtype: torch.dtype, device: str = "cuda", candidate
         w = (torch.randn(rows_of_w, K, generator=g, device=device) / K ** 0.5).to(dtype)
         norm_w = (1 + 0.1 * torch.randn(K, generator=g, device=device)).to(dtype)
         r = torch.randn(B, N, generator=g, device=device).to(dtype)
+        cos, sin = torch.randn(2, 1, cfg.head_dim, generator=g, device=device).to(dtype)   # RoPE's, any angles
+        buffers = (torch.zeros(B, cfg.n_kv_head, 8, cfg.head_dim, device=device, dtype=dtype),      # kb, vb, pos,
+                   torch.zeros(B, cfg.n_kv_head, 8, cfg.head_dim, device=device, dtype=dtype),      # slot, position:
+                   torch.full((B, cfg.n_kv_head, 8), -1, device=device, dtype=torch.long),           # 8 slots a head
+                   torch.zeros(B, cfg.n_kv_head, device=device, dtype=torch.long),
+                   torch.zeros(1, device=device, dtype=torch.long))
         kernel, reference = {
+            "qkv_rope_write": (lambda launch, w: norm_qkv_rope_write_triton(x, norm_w, 1e-5, w, cos, sin, *buffers,
+                                                                            launch),
+                               lambda: reference_norm_qkv_rope_write(x, norm_w, 1e-5, w, cos, sin, *buffers)),
             "norm_linear": (lambda launch, w: norm_linear_triton(x, norm_w, 1e-5, w, launch),
                             lambda: reference_norm_linear(x, norm_w, 1e-5, w)),
             "norm_swiglu": (lambda launch, w: norm_swiglu_triton(x, norm_w, 1e-5, w, launch),
@@ -267,7 +279,7 @@ def tune_skinny(cfg, B: int, dtype: torch.dtype, device: str = "cuda", candidate
             except Exception as e:                      # noqa: BLE001  (one that does not compile: recorded)
                 row["error"] = said(e)
             rows.append(row)
-        cublas = {"what": "F.linear alone (cuBLAS), without the norm, SwiGLU or residual around it",
+        cublas = {"what": "F.linear alone (cuBLAS), without the norm, SwiGLU, residual, RoPE or write around it",
                   **timed(lambda wc: torch.nn.functional.linear(x, wc))}
         entry = {"variant": variant, "rows": B, "N": N, "K": K, "dtype": str(dtype), "weight_bytes": w.nbytes,
                  "cublas": cublas, "default": rows[0], "sweep": rows}

@@ -89,21 +89,18 @@ def reference_linear_add(y: Tensor, w: Tensor, x: Tensor) -> Tensor:
 if HAS_TRITON:
 
     @triton.jit
-    def _skinny_kernel(
-        x_ptr, g_ptr, w_ptr, r_ptr, out_ptr,
-        M, N, K, eps,
-        stride_xm, stride_wn, stride_rm, stride_om,   # x (M, K), w (N or 2N, K), r and out (M, N); last strides 1
-        up_offset,                                    # SwiGLU: N * stride_wn, where the up rows start (int64 if large)
-        NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_FP32: tl.constexpr,
+    def _products(
+        x_ptr, g_ptr, w_rows, up_offset, rm, mask_m, mask_n, K, eps, stride_xm,
+        NORM: tl.constexpr, TWO: tl.constexpr, DOT_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)            # this program's output columns
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)            # its rows
+        """A program's products, walking K: rows rm of x (M, K) times the weight's rows at ``w_rows`` (BLOCK_N, 1
+        pointers), and with TWO, times the rows ``up_offset`` further on too (a second accumulator over the same
+        x); with NORM, x times g and each output scaled by its row's 1 / rms(x). Returns two (BLOCK_M, BLOCK_N)
+        fp32 accumulators (the second zeros without TWO)."""
         rk = tl.arange(0, BLOCK_K)
-        mask_m, mask_n = rm < M, rn < N
-        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn             # (BLOCK_N, 1): int64, large weights
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)               # SwiGLU's second half
+        two = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)                        # each row's sum of squares (NORM)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
@@ -118,16 +115,33 @@ if HAS_TRITON:
                 acc += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")        # (BLOCK_M, BLOCK_N)
             else:
                 acc += tl.dot(a.to(w.dtype), tl.trans(w))
-            if SWIGLU:                                                    # the up rows, N rows further down
+            if TWO:                                                       # the second rows, up_offset further on
                 wu = tl.load(w_rows + up_offset + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
                 if DOT_FP32:
-                    up += tl.dot(a, tl.trans(wu.to(tl.float32)), input_precision="ieee")
+                    two += tl.dot(a, tl.trans(wu.to(tl.float32)), input_precision="ieee")
                 else:
-                    up += tl.dot(a.to(wu.dtype), tl.trans(wu))
+                    two += tl.dot(a.to(wu.dtype), tl.trans(wu))
         if NORM:                                                          # 1 / rms(x), one scale per row
             inv = 1.0 / tl.sqrt_rn(ss / K + eps)                        # IEEE square root, as torch's
             acc = acc * inv[:, None]
-            up = up * inv[:, None]
+            two = two * inv[:, None]
+        return acc, two
+
+    @triton.jit
+    def _skinny_kernel(
+        x_ptr, g_ptr, w_ptr, r_ptr, out_ptr,
+        M, N, K, eps,
+        stride_xm, stride_wn, stride_rm, stride_om,   # x (M, K), w (N or 2N, K), r and out (M, N); last strides 1
+        up_offset,                                    # SwiGLU: N * stride_wn, where the up rows start (int64 if large)
+        NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)            # this program's output columns
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)            # its rows
+        mask_m, mask_n = rm < M, rn < N
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn             # (BLOCK_N, 1): int64, large weights
+        acc, up = _products(x_ptr, g_ptr, w_rows, up_offset, rm, mask_m, mask_n, K, eps, stride_xm,
+                            NORM, SWIGLU, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)               # up: SwiGLU's half
         if SWIGLU:
             acc = acc / (1.0 + tl.exp(-acc)) * up                         # silu(gate) * up
         out_mask = mask_m[:, None] & mask_n[None, :]
@@ -149,7 +163,9 @@ DEFAULT_LAUNCH = SkinnyLaunch(16, 256, 4, 3)   # 16 columns: the most programs a
 SKINNY_TUNED: dict[tuple[str, int, int, torch.dtype], SkinnyLaunch] = {}
 
 
-def _check(x: Tensor, w: Tensor, rows_of_w: int, name: str) -> None:
+def check_product(x: Tensor, w: Tensor, rows_of_w: int, name: str) -> None:
+    """One-line errors for operands a launch cannot take: x (M, K) and w (N, K), N a multiple of ``rows_of_w``,
+    one dtype (fp32 or bf16) and one device."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"{name}: x (M, K) and w (N, K) must share K, got {tuple(x.shape)} and {tuple(w.shape)}")
     if w.shape[0] % rows_of_w:
@@ -191,7 +207,7 @@ def _launch(variant: str, x: Tensor, w: Tensor, g: Tensor | None, eps: float, r:
 def norm_linear_triton(x: Tensor, g: Tensor, eps: float, w: Tensor, launch: SkinnyLaunch | None = None) -> Tensor:
     """``reference_norm_linear`` in one launch (always the kernel: a CUDA tensor or, under
     ``TRITON_INTERPRET=1``, a CPU one)."""
-    _check(x, w, 1, "norm_linear")
+    check_product(x, w, 1, "norm_linear")
     if g.shape != (x.shape[1],):
         raise ValueError(f"norm_linear: the norm's weight must have shape ({x.shape[1]},), got {tuple(g.shape)}")
     return _launch("norm_linear", x, w, g, eps, None, launch)
@@ -199,7 +215,7 @@ def norm_linear_triton(x: Tensor, g: Tensor, eps: float, w: Tensor, launch: Skin
 
 def norm_swiglu_triton(x: Tensor, g: Tensor, eps: float, w: Tensor, launch: SkinnyLaunch | None = None) -> Tensor:
     """``reference_norm_swiglu`` in one launch: w (2N, K), the gate's N rows then the up's."""
-    _check(x, w, 2, "norm_swiglu")
+    check_product(x, w, 2, "norm_swiglu")
     if g.shape != (x.shape[1],):
         raise ValueError(f"norm_swiglu: the norm's weight must have shape ({x.shape[1]},), got {tuple(g.shape)}")
     return _launch("norm_swiglu", x, w, g, eps, None, launch)
@@ -207,7 +223,7 @@ def norm_swiglu_triton(x: Tensor, g: Tensor, eps: float, w: Tensor, launch: Skin
 
 def linear_add_triton(y: Tensor, w: Tensor, x: Tensor, launch: SkinnyLaunch | None = None) -> Tensor:
     """``reference_linear_add`` in one launch: x + y @ w^T, the residual x (M, N) added before the rounding."""
-    _check(y, w, 1, "linear_add")
+    check_product(y, w, 1, "linear_add")
     if x.shape != (y.shape[0], w.shape[0]) or x.dtype != y.dtype:
         raise ValueError(f"linear_add: the residual must be ({y.shape[0]}, {w.shape[0]}) in {y.dtype}, got "
                          f"{tuple(x.shape)} in {x.dtype}")

@@ -47,22 +47,24 @@ def counting(monkeypatch, names):
 @pytest.mark.parametrize("spec", [None, "snapkv", "streaming_llm", "h2o", "scissorhands"])
 def test_the_skinny_step_is_the_lean_step(make_model, tiny_cfg, spec, monkeypatch):
     """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), every
-    product of every step is the skinny kernel's: per layer one norm_linear (q/k/v), two linear_add (o_proj,
-    down) and one norm_swiglu, and one norm_linear for the LM head; the logits within 1e-5 of the lean step's
-    in fp32 over 7 steps (the evicting methods, at a budget of 12, evict at each), the kept positions equal
-    (the evicting methods on their own kernels too). Every norm has a weight of its own, so that one taken for
-    another shows."""
-    calls = counting(monkeypatch, ["norm_linear_triton", "norm_swiglu_triton", "linear_add_triton"])
+    product of every step is the skinny kernel's: per layer one norm_qkv_rope_write (q/k/v, RoPE and the write
+    into the buffers; the step's own write never runs), two linear_add (o_proj, down) and one norm_swiglu, and
+    one norm_linear for the LM head; the logits within 1e-5 of the lean step's in fp32 over 7 steps (the
+    evicting methods, at a budget of 12, evict at each), the kept positions equal (the evicting methods on their
+    own kernels too). Every norm has a weight of its own, so that one taken for another shows."""
+    calls = counting(monkeypatch, ["norm_qkv_rope_write_triton", "norm_linear_triton", "norm_swiglu_triton",
+                                   "linear_add_triton"])
     serves = SimpleNamespace(serves=lambda t: True)
     monkeypatch.setattr(skinny_module, "kernels", serves)
     monkeypatch.setattr(fused_module, "kernels", serves)
     torch._dynamo.reset()
     model = with_norm_weights(make_model(tiny_cfg, seed=0))
     skinny = SkinnyGraphDecoder(model, backend="eager")
+    skinny.write = lambda *args: pytest.fail("the skinny step wrote its entry a second time")
     ref, out, cache, graph = steps_both(model, tokens(STEPS + 20), spec, graph=skinny)     # a prompt of 20
     L = model.config.n_layer
-    assert calls == {"norm_linear_triton": STEPS * (L + 1), "norm_swiglu_triton": STEPS * L,
-                     "linear_add_triton": STEPS * 2 * L}
+    assert calls == {"norm_qkv_rope_write_triton": STEPS * L, "norm_linear_triton": STEPS,
+                     "norm_swiglu_triton": STEPS * L, "linear_add_triton": STEPS * 2 * L}
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
 

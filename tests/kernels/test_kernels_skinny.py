@@ -125,15 +125,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.skinny_matmul as sk
-args = ["x_ptr", "g_ptr", "w_ptr", "r_ptr", "out_ptr", "M", "N", "K", "eps", "stride_xm", "stride_wn", "stride_rm",
-        "stride_om", "up_offset"]
-launch, fn, out = sk.DEFAULT_LAUNCH, sk._skinny_kernel, {}
-attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args if a != "eps"}
+import kernels.skinny_qkv as sq
+launch, out = sk.DEFAULT_LAUNCH, {}
+sizes = {"BLOCK_M": sk.BLOCK_M, "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k}
 for variant in sys.argv[1:]:
-    signature = {a: "*bf16" if a.endswith("_ptr") else "fp32" if a == "eps" else "i32" for a in args}
-    constexprs = {"NORM": variant != "linear_add", "SWIGLU": variant == "norm_swiglu",
-                  "RESIDUAL": variant == "linear_add", "DOT_FP32": False, "BLOCK_M": sk.BLOCK_M,
-                  "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k}
+    if variant == "qkv_rope_write":                 # TinyLlama's heads: 32 of q, 4 of k and of v, 64 dims
+        fn = sq._qkv_rope_write_kernel
+        constexprs = {"H": 32, "H_KV": 4, "D": 64, "DOT_FP32": False, **sizes}
+    else:
+        fn = sk._skinny_kernel
+        constexprs = {"NORM": variant != "linear_add", "SWIGLU": variant == "norm_swiglu",
+                      "RESIDUAL": variant == "linear_add", "DOT_FP32": False, **sizes}
+    args = [a for a in fn.arg_names if a not in constexprs]
+    signature = {a: ("*i64" if a in ("pos_ptr", "slot_ptr", "position_ptr") else "*bf16") if a.endswith("_ptr")
+                 else "fp32" if a == "eps" else "i32" for a in args}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args if a != "eps"}
     signature.update({name: "constexpr" for name in constexprs})
     try:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
@@ -149,12 +155,13 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_the_kernel_compiles_for_a_hopper_gpu_with_its_loads_pipelined():
-    """Each variant compiled here, without a GPU, for an H100/H200 (sm_90) as a bf16 launch of the default
-    settings would be (pointers, sizes and strides divisible by 16, as Triton specialises them at a launch):
-    it compiles, its products are on the tensor cores, and its loads of x and w are asynchronous copies
-    (``cp.async``), the pipelining its ``num_stages`` asks for, without which a program waits for every block
-    it loads (the slow tier: a process of its own, and ptxas in another). ``test_kernels_compile.py`` compiles
-    every launch the tests make, at their tiny shapes; this asks what only the real shapes' alignment gives."""
+    """Each variant, and ``kernels/skinny_qkv.py``'s kernel, compiled here, without a GPU, for an H100/H200
+    (sm_90) as a bf16 launch of the default settings would be (pointers, sizes and strides divisible by 16, as
+    Triton specialises them at a launch): it compiles, its products are on the tensor cores, and its loads of x
+    and w are asynchronous copies (``cp.async``), the pipelining its ``num_stages`` asks for, without which a
+    program waits for every block it loads (the slow tier: a process of its own, and ptxas in another).
+    ``test_kernels_compile.py`` compiles every launch the tests make, at their tiny shapes; this asks what only
+    the real shapes' alignment gives."""
     import json
     import os
     import subprocess
@@ -162,7 +169,7 @@ def test_the_kernel_compiles_for_a_hopper_gpu_with_its_loads_pipelined():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    variants = ["norm_linear", "norm_swiglu", "linear_add"]
+    variants = ["norm_linear", "norm_swiglu", "linear_add", "qkv_rope_write"]     # the last: skinny_qkv.py's
     done = subprocess.run([sys.executable, "-c", COMPILE, *variants], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -181,6 +181,8 @@ def test_the_skinny_products_are_tuned_one_by_one(monkeypatch):
         assert all(row["max_diff"] <= sk.TOLERANCE[torch.float32] for row in s["sweep"])
         assert sk.SKINNY_TUNED[(variant, N, K, torch.float32)] == fast
     assert tune.step_products(cfg)["gate_up"] == ("norm_swiglu", cfg.d_ff, cfg.d_model)
+    assert tune.step_products(cfg)["qkv"] == ("qkv_rope_write", (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim,
+                                              cfg.d_model)               # the skinny step's, RoPE and write in it
     lines = tune.skinny_summary(sweeps)
     assert len(lines) == 5 and "32 columns a program" in lines[0]
     with pytest.raises(ValueError, match="on a GPU"):
