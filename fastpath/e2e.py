@@ -54,7 +54,7 @@ from nanollm.model import Transformer
 from nanollm.storage import LayerKV
 
 from .fused import FusedGraphDecoder
-from .graph import GraphDecoder
+from .graph import BF16_TOL, GraphDecoder
 from .skinny import SkinnyGraphDecoder, kernels_serve
 from .tune import copy_share, skinny_summary, tune_or_say_why, tune_skinny_or_say_why
 from .tune import summary as tune_summary
@@ -199,15 +199,26 @@ PATHS = ("lean", "graph", "fused", "skinny")
 
 def ours(cfg, model: Transformer, decoders: dict, B: int, S: int, dtype, device: str, bandwidth: float,
          methods, quick: bool) -> list[dict]:
-    """Every path's step (``decoders``: path -> its decoder) of every method at one length."""
+    """Every path's step (``decoders``: path -> its decoder) of every method at one length. Each row also
+    records how far its first step's logits are from those of the first path that ran the same method
+    (``logits_vs``: the largest difference over the largest |logit|): every path computes the same step from
+    the same cache and token, so a kernel that computes something else shows there, not only in its time."""
     rows = []
     token = torch.randint(0, cfg.vocab_size, (B,), generator=torch.Generator().manual_seed(0)).to(device)
     weights = weight_bytes(model, next(iter(decoders.values())), B)
     for method in methods:
+        first = None                                    # (path, its first step's logits in fp32)
         for path, decoder in decoders.items():
             try:
-                rows.append(one_path(path, cfg, method, decoder, token, B, S, dtype, device, quick, weights,
-                                     bandwidth))
+                r, logits = one_path(path, cfg, method, decoder, token, B, S, dtype, device, quick, weights,
+                                     bandwidth)
+                if first is None:
+                    first = (path, logits)
+                else:
+                    scale = float(first[1].abs().max().clamp_min(1e-30))
+                    r["logits_vs"] = {"path": first[0],
+                                      "max_diff": float((logits - first[1]).abs().max()) / scale}
+                rows.append(r)
             except Exception as e:                      # noqa: BLE001  (recorded: the other cases still run)
                 rows.append({"path": path, "method": method, "length": S, "error": f"{type(e).__name__}: {e}"})
             decoder.forget()
@@ -217,24 +228,34 @@ def ours(cfg, model: Transformer, decoders: dict, B: int, S: int, dtype, device:
 
 
 def one_path(path: str, cfg, method: str, graph: GraphDecoder, token, B: int, S: int, dtype, device: str,
-             quick: bool, weights: int, bandwidth: float) -> dict:
+             quick: bool, weights: int, bandwidth: float) -> tuple[dict, torch.Tensor]:
     """One method's step at one length on one path, on a fresh cache (``graph``: the path's decoder; the lean
-    path steps its ``lean``)."""
+    path steps its ``lean``): its row, and its first step's logits (B, V) in fp32."""
     cache = synthetic_cache(cfg, method, B, S, dtype, device)
     K = cache.layers[0].n
     elem = torch.empty((), dtype=dtype).element_size()
     kv = 2 * cfg.n_layer * B * cfg.n_kv_head * (K + 1) * cfg.head_dim * elem    # K, V of the entries + the new
+    extra = {}
     if path == "lean":
-        return row(path, method, S, K, step_ms(functools.partial(graph.lean.step, cache=cache), token, device,
-                                               quick), weights, kv, bandwidth)
-    if not graph.start(cache, ROOM):
-        raise RuntimeError(f"{method} fell back to the lean step: {graph.fallback}")
-    del cache                                           # the static buffers hold their own copy
-    ms = step_ms(graph.step, token, device, quick)
-    # the skinny path is the fused step where its kernels do not serve (a CPU, NANOKV_NO_TRITON=1, fp16): say which
-    served = {"skinny_kernels": kernels_serve(graph.model)} if path == "skinny" else {}
-    return row(path, method, S, K, ms, weights, kv, bandwidth, capacity=graph.kv.k.shape[3],
-               replayed=graph.current.graph is not None, **served)
+        step = functools.partial(graph.lean.step, cache=cache)
+    else:
+        if not graph.start(cache, ROOM):
+            raise RuntimeError(f"{method} fell back to the lean step: {graph.fallback}")
+        del cache                                       # the static buffers hold their own copy
+        step = graph.step
+    kept = []
+
+    def step_keeping_the_first(t: torch.Tensor) -> torch.Tensor:
+        out = step(t)
+        if not kept:                                    # copied now: a replay writes its output buffer again
+            kept.append(out.float().clone())
+        return out
+    ms = step_ms(step_keeping_the_first, token, device, quick)
+    if path != "lean":
+        # the skinny path is the fused step where its kernels do not serve (a CPU, NANOKV_NO_TRITON=1, fp16)
+        served = {"skinny_kernels": kernels_serve(graph.model)} if path == "skinny" else {}
+        extra = dict(capacity=graph.kv.k.shape[3], replayed=graph.current.graph is not None, **served)
+    return row(path, method, S, K, ms, weights, kv, bandwidth, **extra), kept[0]
 
 
 def transformers_static(cfg, B: int, S: int, dtype, device: str, bandwidth: float, compiled: bool,
@@ -378,6 +399,20 @@ def share(launch: dict) -> str:
     return f" ({copy_share(launch)})" if "fraction_of_copy_bw" in launch else ""
 
 
+def logits_summary(report: dict) -> list[str]:
+    """Per path, the largest gap of its first steps' logits from the first path's (``ours``), over the largest
+    |logit|, and whether it is within what the tests allow between two paths (fp32 1e-5, else ``BF16_TOL``)."""
+    worst: dict[str, dict] = {}
+    for r in report["rows"]:
+        if "logits_vs" in r and r["logits_vs"]["max_diff"] >= worst.get(r["path"], {"max_diff": -1.0})["max_diff"]:
+            worst[r["path"]] = {**r["logits_vs"], "method": r["method"], "length": r["length"]}
+    allowed = 1e-5 if report["dtype"] == str(torch.float32) else BF16_TOL
+    return [f"{path}: its first step's logits differ from {w['path']}'s by at most {w['max_diff']:.2g} of the "
+            f"largest |logit| ({w['method']}, S={w['length']})"
+            + ("" if w["max_diff"] <= allowed else f": more than the {allowed:g} the tests allow, not the same step")
+            for path, w in worst.items()]
+
+
 def summary(report: dict, rows_too: bool = False) -> list[str]:
     """A report's rows as the ratios a reader asks for, each computed here from the recorded step times (with
     ``rows_too``, first the rows themselves and the fixed cost and rate of each line through two lengths): per
@@ -408,6 +443,7 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
                         else default.get("error", "(not timed)")))
     if report.get("skinny_tuned"):                                # the skinny kernel's products, once per run
         lines += skinny_summary(report["skinny_tuned"])
+    lines += logits_summary(report)
     if any(r.get("skinny_kernels") is False for r in rows.values()):
         lines.append("skinny: its kernels did not serve here (no sm_80+ GPU with Triton, NANOKV_NO_TRITON=1 or fp16), "
                      "so its rows time the fused step again")

@@ -29,6 +29,7 @@ def test_e2e_quick_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
     assert "no CUDA device" in text and "measured on CPU (cpu)" in text
     assert written == [False, True]
     assert "skinny: its kernels did not serve here" in text
+    assert "skinny: its first step's logits differ from lean's by at most" in text
     report = json.loads(out.read_text())
     assert all(r["skinny_kernels"] is False for r in report["rows"] if r["path"] == "skinny")
     assert report["device"] == "cpu" and report["quick"] and report["fused_backend"] == "eager"
@@ -40,6 +41,10 @@ def test_e2e_quick_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
         assert r["at_copy_bw_ms"] == pytest.approx(r["bytes"] / report["copy_bandwidth"] * 1e3)
         assert r["entries"] == (r["length"] if r["method"] == "full" else max(8, int(0.1 * r["length"])))
         assert r["warm_s"] > 0
+        if r["path"] == "lean":                       # the first path: the others' logits are compared with its
+            assert "logits_vs" not in r
+        else:
+            assert r["logits_vs"]["path"] == "lean" and r["logits_vs"]["max_diff"] <= 1e-5
         if r["path"] != "lean":                       # the evicting methods: budget + 1 slots once full
             evicting = r["method"] in ("streaming_llm", "h2o", "scissorhands")
             assert r["capacity"] == r["entries"] + (1 if evicting else e2e.ROOM)
@@ -47,6 +52,22 @@ def test_e2e_quick_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
         assert [r["path"] for r in report["transformers"]] == ["transformers_static"] * 2
     else:
         assert all(r.startswith("skipped: transformers") for r in report["transformers"])
+
+
+def test_a_path_whose_logits_are_not_the_first_path_s_is_named():
+    """The summary names, per path, its largest gap from the first path's first-step logits, and says where it
+    is more than the tests allow between two paths (a kernel that computes another step: its time means
+    nothing)."""
+    rows = [{"path": "fused", "method": "full", "length": 8},
+            {"path": "skinny", "method": "full", "length": 8, "logits_vs": {"path": "fused", "max_diff": 0.004}},
+            {"path": "skinny", "method": "h2o", "length": 8, "logits_vs": {"path": "fused", "max_diff": 0.3}}]
+    report = {"rows": rows, "dtype": str(torch.bfloat16)}
+    assert e2e.logits_summary(report) == [
+        "skinny: its first step's logits differ from fused's by at most 0.3 of the largest |logit| (h2o, S=8): "
+        "more than the 0.02 the tests allow, not the same step"]
+    rows[2]["logits_vs"]["max_diff"] = 0.001
+    assert e2e.logits_summary(report)[0].endswith("by at most 0.004 of the largest |logit| (full, S=8)")
+    assert e2e.logits_summary({"rows": rows, "dtype": str(torch.float32)})[0].endswith("not the same step")
 
 
 @pytest.mark.slow
