@@ -107,11 +107,11 @@ class FusedGraphDecoder(GraphDecoder):
         self.compile_options = options                  # a subclass compiles its own pieces with the same
         self.before, self.after, self.head = (torch.compile(f, **options)
                                               for f in (before_attention, after_attention, head))
-        # the attention's own small pieces (graph.py) where no kernel serves (_attend below): StreamingLLM's
-        # eviction, H2O's probabilities and eviction. Not the writes: compiled, an in-place scatter into a
-        # layer's view of the buffers became a copy of that whole view (results/decode_profile_h100_32k.txt,
-        # 16-25 us twice a layer); nor Scissorhands' step, whose writes go into its ring buffer, w times the
-        # size of H2O's scores (inductor on a CPU copied the whole buffer three times a layer)
+        # the attention's own small pieces (graph.py) where no kernel serves (_attend_written below): StreamingLLM's
+        # eviction, H2O's probabilities and eviction. Not the writes: compiled, an in-place scatter into a layer's view
+        # of the buffers became a copy of that whole view (results/decode_profile_h100_32k.txt, 16-25 us twice a layer);
+        # nor Scissorhands' step, whose writes go into its ring buffer, w times the size of H2O's scores (inductor on a
+        # CPU copied the whole buffer three times a layer)
         self.evict_sinks, self.attend_heavy = (torch.compile(f, **options) for f in (evict_sinks, attend_heavy))
         self.write = write_in_one_launch            # the writes: one Triton kernel a layer instead of three
 

@@ -201,7 +201,7 @@ def summary(sweep: dict) -> list[str]:
 # The skinny kernel's launches (kernels/skinny_matmul.py), one per product of a decode step
 
 # columns per program x the step along K x pipeline stages with 4 warps, then wider blocks, deeper pipelines
-# and longer steps with 8 warps: 18 launches of each of the three variants (a program of 16 columns holds few
+# and longer steps with 8 warps: 18 launches of each of the four variants (a program of 16 columns holds few
 # bytes in flight, so depth may matter; a wider one reads the step's rows of x from L2 fewer times)
 SKINNY_CANDIDATES = tuple(SkinnyLaunch(n, k, 4, st) for n in (16, 32) for k in (128, 256, 512) for st in (3, 4)) + (
     SkinnyLaunch(64, 256, 4, 3), SkinnyLaunch(64, 128, 4, 4), SkinnyLaunch(16, 256, 4, 5), SkinnyLaunch(32, 256, 4, 5),
@@ -241,19 +241,30 @@ def tune_skinny(cfg, B: int, dtype: torch.dtype, device: str = "cuda", candidate
         cos, sin = torch.randn(2, 1, cfg.head_dim, generator=g, device=device).to(dtype)   # RoPE's, any angles
         buffers = (torch.zeros(B, cfg.n_kv_head, 8, cfg.head_dim, device=device, dtype=dtype),      # kb, vb, pos,
                    torch.zeros(B, cfg.n_kv_head, 8, cfg.head_dim, device=device, dtype=dtype),      # slot, position:
-                   torch.full((B, cfg.n_kv_head, 8), -1, device=device, dtype=torch.long),           # 8 slots a head
-                   torch.zeros(B, cfg.n_kv_head, device=device, dtype=torch.long),
+                   torch.full((B, cfg.n_kv_head, 8), -1, device=device, dtype=torch.long),           # 8 slots a head,
+                   torch.zeros(B, cfg.n_kv_head, device=device, dtype=torch.long),                   # writing to 0
                    torch.zeros(1, device=device, dtype=torch.long))
+
+        def qkv(launch, w, buf=buffers):                # the q/k/v product: q returned, k and v written into buf
+            return norm_qkv_rope_write_triton(x, norm_w, 1e-5, w, cos, sin, *buf, launch)
+
+        def entry_written(write) -> torch.Tensor:       # q and the k, v that write(*buf) put into buffers of its own
+            kb, vb, pos, slot, position = (t.clone() for t in buffers)
+            q = write(kb, vb, pos, slot, position)
+            return torch.cat([q.flatten(1), kb[:, :, 0].flatten(1), vb[:, :, 0].flatten(1)], dim=1)
         kernel, reference = {
-            "qkv_rope_write": (lambda launch, w: norm_qkv_rope_write_triton(x, norm_w, 1e-5, w, cos, sin, *buffers,
-                                                                            launch),
-                               lambda: reference_norm_qkv_rope_write(x, norm_w, 1e-5, w, cos, sin, *buffers)),
+            "qkv_rope_write": (qkv, lambda: entry_written(
+                lambda *buf: reference_norm_qkv_rope_write(x, norm_w, 1e-5, w, cos, sin, *buf))),
             "norm_linear": (lambda launch, w: norm_linear_triton(x, norm_w, 1e-5, w, launch),
                             lambda: reference_norm_linear(x, norm_w, 1e-5, w)),
             "norm_swiglu": (lambda launch, w: norm_swiglu_triton(x, norm_w, 1e-5, w, launch),
                             lambda: reference_norm_swiglu(x, norm_w, 1e-5, w)),
             "linear_add": (lambda launch, w: linear_add_triton(x, w, r, launch),
                            lambda: reference_linear_add(x, w, r))}[variant]
+        # what is checked against the reference: the output, and for q/k/v the entries written too (the timed
+        # calls write into the same buffers, so that a call is the kernel alone)
+        checked = ((lambda launch: entry_written(lambda *buf: qkv(launch, w, buf))) if variant == "qkv_rope_write"
+                   else (lambda launch: kernel(launch, w)))
         want = reference().float()
         scale = float(want.abs().max().clamp_min(1e-6))
         # timed over copies of the weight, one a call, none in L2 when its turn comes (copies_past_l2); the
@@ -271,7 +282,7 @@ def tune_skinny(cfg, B: int, dtype: torch.dtype, device: str = "cuda", candidate
         for launch in (DEFAULT_LAUNCH,) + tuple(c for c in candidates if c != DEFAULT_LAUNCH):
             row = {**launch._asdict(), "default": launch == DEFAULT_LAUNCH}
             try:
-                row["max_diff"] = float((kernel(launch, w).float() - want).abs().max()) / scale
+                row["max_diff"] = float((checked(launch).float() - want).abs().max()) / scale
                 if row["max_diff"] <= SKINNY_TOLERANCE[dtype]:
                     row.update(timed(lambda wc, launch=launch: kernel(launch, wc)))
                 else:

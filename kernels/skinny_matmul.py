@@ -9,7 +9,7 @@ residual) that each cost a few microseconds however little they move (``results/
 on an H200). Here one kernel reads a block of the weight's rows once and does what a layer does around
 the product:
 
-    norm_linear     rms_norm(x) * g @ W^T          x (M, K), g (K,), W (N, K) -> (M, N)   q/k/v, the LM head
+    norm_linear     rms_norm(x) * g @ W^T          x (M, K), g (K,), W (N, K) -> (M, N)   the LM head
     norm_swiglu     silu(h @ Wg^T) * (h @ Wu^T)    h = rms_norm(x) * g, W = [Wg; Wu] (2N, K) -> (M, N)
     linear_add      x + y @ W^T                    y (M, K), W (N, K), x (M, N) -> (M, N)   o_proj, down
 
@@ -17,7 +17,8 @@ The norm is folded into the product: (x / rms(x)) * g @ W^T = (1 / rms(x)) * ((x
 row, so each program accumulates x's sum of squares beside the product as it walks K and scales its
 output at the end; no normalised copy of x is written. SwiGLU's two halves are two accumulators over the
 same rows of x, so gate and up never leave the kernel. The residual is added to the accumulator before
-the one rounding to the output's dtype.
+the one rounding to the output's dtype. The q/k/v product is ``norm_linear`` with RoPE and the cache's write
+in its epilogue, in a kernel of its own (``skinny_qkv.py``) that runs this one's loop (``_products``).
 
 One program per BLOCK_N output columns (and per 16 rows, the smallest tile ``tl.dot`` takes: fewer rows
 are masked), walking K in steps of BLOCK_K: a weight of N rows is read by N / BLOCK_N programs side by side,

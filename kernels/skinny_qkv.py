@@ -11,16 +11,17 @@ RoPE rotates each pair (x_i, x_{i+d/2}) of a head (``nanollm.attention.apply_rop
 
     lo' = lo cos_i - hi sin_i        hi' = hi cos_{i+d/2} + lo sin_{i+d/2}        for i < d/2
 
-so a program that holds both halves of a pair can rotate it in registers. The kernel counts the weight's rows
-in pairs: its "columns" are the first halves of every head (q's H heads, then k's H_kv, then v's H_kv; the
-weight's rows in that order, as ``fastpath/lean.py`` stacks them), a column c = (head, i) standing for rows
-head * d + i and head * d + d/2 + i. Each program accumulates a block of those rows and the rows d/2 further
-on, the second accumulator of ``skinny_matmul.py``'s SwiGLU (``_products``, the same loop). Then, per column:
+so a program that holds both halves of a pair can rotate it in registers. The weight's rows are q's H heads,
+then k's H_kv, then v's H_kv, d rows each (as ``fastpath/lean.py`` stacks them); a pair (head, i), i < d/2,
+is rows head * d + i and head * d + d/2 + i. Each program takes BLOCK_N rows of the weight as BLOCK_N / 2
+pairs, a pair's two rows side by side in its tile, and multiplies them as ``skinny_matmul.py``'s
+``norm_linear`` does (``_products``, the same loop); its output's columns, two by two, are then split into the
+pairs' first and second halves. Then, per pair:
 
-    a q head      rotated, stored into q (M, H, d)
-    a k head      rotated, stored into kb at its KV head's slot ``slot[m, h]``, and (by its column i = 0) the
+    of a q head   rotated, stored into q (M, H, d)
+    of a k head   rotated, stored into kb at its KV head's slot ``slot[m, h]``, and (by its pair i = 0) the
                   step's position into pos there
-    a v head      stored into vb at the slot, as it is
+    of a v head   stored into vb at the slot, as it is
 
 The stores go where the write kernel would put them, so the buffers after a launch are what
 ``norm_linear`` + RoPE + ``cache_write.write_entry_triton`` leave, to float rounding (the write itself is exact).
@@ -31,8 +32,9 @@ it cannot check a slot's value (the host would have to read it): a slot outside 
     q = norm_qkv_rope_write_triton(x, g, eps, w, cos, sin, kb, vb, pos, slot, position)   # beside
     q = reference_norm_qkv_rope_write(x, g, eps, w, cos, sin, kb, vb, pos, slot, position)
 
-Its launch (columns per program, counted in pairs as SwiGLU's, the step along K, warps, stages) is chosen as the
-other products' are (``SKINNY_TUNED[("qkv_rope_write", N, K, dtype)]``, N the weight's rows).
+Its launch (rows of the weight per program, the step along K, warps, stages) is chosen as the other products'
+are (``SKINNY_TUNED[("qkv_rope_write", N, K, dtype)]``, N the weight's rows): 16 rows a program give a
+TinyLlama-shaped q/k/v product (2,560 rows) 160 programs, as ``norm_linear`` would have.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def reference_norm_qkv_rope_write(x: Tensor, g: Tensor, eps: float, w: Tensor, c
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The kernel: one program per BLOCK_N pairs of rows (and per 16 rows of x)
+# The kernel: one program per BLOCK_N rows of the weight, BLOCK_N / 2 pairs (and per 16 rows of x)
 
 if HAS_TRITON:
 
@@ -87,13 +89,20 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         HALF: tl.constexpr = D // 2
-        c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)             # this program's pairs (head, i)
-        head, i = c // HALF, c % HALF
+        N_PAIRS = (H + 2 * H_KV) * HALF
+        # the program's BLOCK_N rows of the weight are BLOCK_N / 2 pairs, each pair's two rows side by side: row
+        # 2p + j of the tile is pair p's row head * D + i + j * HALF (j = 0 the first half, 1 the second)
+        r = tl.arange(0, BLOCK_N)
+        pair = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+        w_rows = w_ptr + ((pair // HALF) * D + pair % HALF + (r % 2) * HALF).to(tl.int64)[:, None] * stride_wn
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)            # its rows (the step's sequences)
-        mask_m, mask_n = rm < M, c < (H + 2 * H_KV) * HALF
-        w_rows = w_ptr + (head * D + i).to(tl.int64)[:, None] * stride_wn  # each pair's first row
-        lo, hi = _products(x_ptr, g_ptr, w_rows, HALF * stride_wn, rm, mask_m, mask_n, K, eps, stride_xm,
-                           True, True, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)       # (BLOCK_M, BLOCK_N) each
+        mask_m = rm < M
+        acc, _ = _products(x_ptr, g_ptr, w_rows, 0, rm, mask_m, pair < N_PAIRS, K, eps, stride_xm,
+                           True, False, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)            # (BLOCK_M, BLOCK_N)
+        lo, hi = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))    # each pair's halves: (BLOCK_M, BLOCK_N / 2)
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)    # the pairs (head, i), in order
+        head, i = c // HALF, c % HALF
+        mask_n = c < N_PAIRS
         # RoPE on q's and k's heads; v's as they are
         cos_lo = tl.load(cos_ptr + i).to(tl.float32)[None, :]
         cos_hi = tl.load(cos_ptr + HALF + i).to(tl.float32)[None, :]
@@ -111,9 +120,9 @@ if HAS_TRITON:
         tl.store(at, lo, mask=store)
         tl.store(at + HALF, hi, mask=store)
         # k's and v's into their KV head's slot
-        h = tl.where(is_k, head - H, tl.where(is_v, head - H - H_KV, 0))[None, :]   # (1, BLOCK_N) the KV head
+        h = tl.where(is_k, head - H, tl.where(is_v, head - H - H_KV, 0))[None, :]   # (1, BLOCK_N / 2) KV head
         kv = mask_m[:, None] & (mask_n & (head >= H))[None, :]
-        s = tl.load(slot_ptr + rows * stride_sb + h * stride_sh, mask=kv, other=0)  # (BLOCK_M, BLOCK_N) int64
+        s = tl.load(slot_ptr + rows * stride_sb + h * stride_sh, mask=kv, other=0)  # (BLOCK_M, BLOCK_N / 2) int64
         at = kb_ptr + rows * stride_kbb + h * stride_kbh + s * stride_kbs + i[None, :]
         tl.store(at, lo, mask=kv & is_k[None, :])
         tl.store(at + HALF, hi, mask=kv & is_k[None, :])
@@ -146,8 +155,8 @@ def norm_qkv_rope_write_triton(x: Tensor, g: Tensor, eps: float, w: Tensor, cos:
                          f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     if len({t.device for t in (x, g, cos, sin, kb)}) != 1:
         raise ValueError("norm_qkv_rope_write: x, g, cos, sin and the buffers must be on one device")
-    new = torch.empty(M, H_kv, 1, d, device=x.device, dtype=x.dtype)           # stands in for k and v: shapes
-    check_write_args(kb, vb, pos, slot, new, new, position)
+    entry = x[:, :1, None, None].expand(M, H_kv, 1, d)      # a view standing in for k and v: their shape, dtype
+    check_write_args(kb, vb, pos, slot, entry, entry, position)
     if kb.stride(-1) != 1 or vb.stride(-1) != 1 or pos.stride(-1) != 1:
         raise ValueError("the buffers kb, vb and pos must have stride 1 in their last dimension")
     launch = launch or SKINNY_TUNED.get(("qkv_rope_write", w.shape[0], K, w.dtype), DEFAULT_LAUNCH)
@@ -156,7 +165,7 @@ def norm_qkv_rope_write_triton(x: Tensor, g: Tensor, eps: float, w: Tensor, cos:
     cos, sin = cos.reshape(d).contiguous(), sin.reshape(d).contiguous()
     q = torch.empty(M, H, d, device=x.device, dtype=x.dtype)
     dot_fp32 = w.dtype == torch.float32 or not w.is_cuda         # as skinny_matmul's launches
-    grid = (triton.cdiv((H + 2 * H_kv) * d // 2, launch.block_n), triton.cdiv(M, BLOCK_M))
+    grid = (triton.cdiv((H + 2 * H_kv) * d, launch.block_n), triton.cdiv(M, BLOCK_M))
     _qkv_rope_write_kernel[grid](
         x, g, w, cos, sin, q, kb, vb, pos, slot, position, M, K, float(eps),
         x.stride(0), w.stride(0), q.stride(0), kb.stride(0), kb.stride(1), kb.stride(2),

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,6 +69,22 @@ def test_a_path_whose_logits_are_not_the_first_path_s_is_named():
     rows[2]["logits_vs"]["max_diff"] = 0.001
     assert e2e.logits_summary(report)[0].endswith("by at most 0.004 of the largest |logit| (full, S=8)")
     assert e2e.logits_summary({"rows": rows, "dtype": str(torch.float32)})[0].endswith("not the same step")
+    rows[1]["logits_vs"]["max_diff"] = float("inf")          # what ours records where a path's logits hold a NaN
+    assert e2e.logits_summary(report)[0].endswith("(full, S=8): more than the 0.02 the tests allow, not the same step")
+    assert e2e.logits_summary({"rows": rows[:1]}) == []
+
+
+def test_a_path_with_nan_logits_is_recorded_as_infinitely_far(monkeypatch):
+    """``ours`` records inf where a path's first logits hold a NaN (a broken kernel's usual output), which the
+    summary then names; a NaN gap would compare as neither more nor less than the tolerance."""
+    calls = iter([torch.ones(2, 3), torch.tensor([[1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]])])
+    monkeypatch.setattr(e2e, "weight_bytes", lambda *a: 0)
+    monkeypatch.setattr(e2e, "one_path", lambda path, *a: ({"path": path, "method": "full", "length": 8},
+                                                           next(calls)))
+    decoders = {"fused": SimpleNamespace(forget=lambda: None), "skinny": SimpleNamespace(forget=lambda: None)}
+    cfg = SimpleNamespace(vocab_size=10)
+    rows = e2e.ours(cfg, None, decoders, 2, 8, torch.float32, "cpu", 1.0, ["full"], True)
+    assert "logits_vs" not in rows[0] and rows[1]["logits_vs"] == {"path": "fused", "max_diff": float("inf")}
 
 
 @pytest.mark.slow

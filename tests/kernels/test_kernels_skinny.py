@@ -139,7 +139,10 @@ for variant in sys.argv[1:]:
     args = [a for a in fn.arg_names if a not in constexprs]
     signature = {a: ("*i64" if a in ("pos_ptr", "slot_ptr", "position_ptr") else "*bf16") if a.endswith("_ptr")
                  else "fp32" if a == "eps" else "i32" for a in args}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args if a != "eps"}
+    # the ints a launch at these shapes passes as multiples of 16; not eps, nor slot's and pos's strides over
+    # KV heads (4, 1, C) and sequences (4 H_kv, H_kv C), C = budget + 1 for an evicting cache
+    odd = ("eps", "stride_sb", "stride_sh", "stride_ph", "stride_pb")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args if a not in odd}
     signature.update({name: "constexpr" for name in constexprs})
     try:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),

@@ -75,6 +75,17 @@ def test_q_and_the_written_entries(device, dtype, M, K, H, H_kv, d):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_program_across_heads_and_a_masked_tail(device, dtype):
+    """32 rows a program over heads of 16 dims: each program holds two heads (one of them q's last and k's
+    first), and the last one half of a program, the rest masked."""
+    args = inputs(5, 40, 3, 1, 16, dtype, device)                   # 5 heads of 16 rows: 2.5 programs
+    want, got = both(args, SkinnyLaunch(32, 32, 4, 2))
+    for a, b in zip(got, want):
+        close(a, b, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_default_launch_and_a_wide_one(device):
     """The launch taken when none is given, and 64 pairs a program over 40 (one program, most of it masked)."""
     args = inputs(5, 70, 3, 1, 16, torch.float32, device)
