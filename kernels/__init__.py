@@ -17,13 +17,16 @@ Triton kernels for the memory-bound path of decoding, each beside the PyTorch re
                           after the sinks emptied, chosen from the positions the attention reads
     skinny_matmul.py      a decode step's products, a few rows times a weight read once, with the norm
                           before them, SwiGLU or the residual add after them in the same launch
+    skinny_qkv.py         the q/k/v product the same way, with RoPE and the new entry's write into the
+                          buffers in its epilogue
 
-The files are leaves, as in the Triton tutorials: tensors in, tensors out, importing only torch, triton
-and this module. Each holds, in this order, the PyTorch reference (``reference_*``: the plain definition,
-any device, no Triton needed), the ``@triton.jit`` kernel, and the launcher (``*_triton``: always the
-kernel, on a CUDA tensor or, under ``TRITON_INTERPRET=1``, on a CPU one). They decide nothing: tests in
-``tests/kernels/`` call the launchers directly (in Triton's interpreter on a machine without a GPU: slow
-and exact; ``tests/conftest.py`` sets it there) and compare them with the references.
+The files are leaves, as in the Triton tutorials: tensors in, tensors out, importing only torch, triton and
+this package (a file may run another's reference or kernel). Each holds, in this order, the PyTorch
+reference (``reference_*``: the plain definition, any device, no Triton needed), the ``@triton.jit`` kernel,
+and the launcher (``*_triton``: always the kernel, on a CUDA tensor or, under ``TRITON_INTERPRET=1``, on a
+CPU one). They decide nothing: tests in ``tests/kernels/`` call the launchers directly (in Triton's
+interpreter on a machine without a GPU: slow and exact; ``tests/conftest.py`` sets it there) and compare
+them with the references.
 
 The switch. The reading path (``nanollm/``) never calls a kernel. The fast paths plug them in from above
 (``fastpath/attention.py`` for a decode step's attention, ``fastpath/sketch.py`` for KVReviver's sketch,
