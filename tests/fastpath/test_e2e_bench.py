@@ -190,3 +190,31 @@ def test_the_profile_names_each_method_s_operations(tmp_path):
     per_step = {m: float(re.search(rf"{m} at 64 tokens: (\d+) operators", text).group(1)) for m in ("full", "h2o")}
     assert per_step["h2o"] > per_step["full"] > 0
     assert "aten::mm" in text and "aten::view " not in text
+
+
+def test_transformers_compiled_step_copies_the_kv_heads():
+    """What ``fastpath/README.md`` says of transformers' compiled ``StaticCache`` step, on the installed version:
+    under ``torch.compile`` its decode step hands ``scaled_dot_product_attention`` keys and values copied out to
+    every query head (H, not H_kv, heads), with a mask over the cache's slots. A version that keeps the heads
+    grouped there fails this test, and the README's account of that baseline's time is then to be redone."""
+    transformers = pytest.importorskip("transformers")
+    import inspect
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    cache = transformers.StaticCache(config=cfg, max_cache_len=40)
+    cache.update(torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8), 0)       # a prompt of 16: (B, H_kv, T, d)
+    calls = []
+
+    def backend(gm, example_inputs):                    # the traced graph's attention calls, their shapes
+        for node in gm.graph.nodes:
+            if "scaled_dot_product" in str(node.target):
+                shape = lambda a: tuple(a.meta["example_value"].shape)          # noqa: E731
+                calls.append(([shape(a) for a in node.args[:3]], shape(node.kwargs["attn_mask"])))
+        return gm.forward
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    step = torch.compile(model.forward, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        step(input_ids=torch.zeros(2, 1, dtype=torch.long), use_cache=True, **{name: cache})
+    assert calls == [([(2, 8, 1, 8), (2, 8, 40, 8), (2, 8, 40, 8)], (2, 1, 1, 40))]
