@@ -115,20 +115,20 @@ if HAS_TRITON:
         is_q, is_k, is_v = head < H, (head >= H) & (head < H + H_KV), head >= H + H_KV
         rows = rm.to(tl.int64)[:, None]                                    # int64: offsets into large buffers
         # q's heads into q (M, H * D)
-        at = q_ptr + rows * stride_qm + (head * D + i)[None, :]
+        q_at = q_ptr + rows * stride_qm + (head * D + i)[None, :]
         store = mask_m[:, None] & (mask_n & is_q)[None, :]
-        tl.store(at, lo, mask=store)
-        tl.store(at + HALF, hi, mask=store)
+        tl.store(q_at, lo, mask=store)
+        tl.store(q_at + HALF, hi, mask=store)
         # k's and v's into their KV head's slot
         h = tl.where(is_k, head - H, tl.where(is_v, head - H - H_KV, 0))[None, :]   # (1, BLOCK_N / 2) KV head
         kv = mask_m[:, None] & (mask_n & (head >= H))[None, :]
         s = tl.load(slot_ptr + rows * stride_sb + h * stride_sh, mask=kv, other=0)  # (BLOCK_M, BLOCK_N / 2) int64
-        at = kb_ptr + rows * stride_kbb + h * stride_kbh + s * stride_kbs + i[None, :]
-        tl.store(at, lo, mask=kv & is_k[None, :])
-        tl.store(at + HALF, hi, mask=kv & is_k[None, :])
-        at = vb_ptr + rows * stride_vbb + h * stride_vbh + s * stride_vbs + i[None, :]
-        tl.store(at, lo, mask=kv & is_v[None, :])
-        tl.store(at + HALF, hi, mask=kv & is_v[None, :])
+        k_at = kb_ptr + rows * stride_kbb + h * stride_kbh + s * stride_kbs + i[None, :]
+        tl.store(k_at, lo, mask=kv & is_k[None, :])
+        tl.store(k_at + HALF, hi, mask=kv & is_k[None, :])
+        v_at = vb_ptr + rows * stride_vbb + h * stride_vbh + s * stride_vbs + i[None, :]
+        tl.store(v_at, lo, mask=kv & is_v[None, :])
+        tl.store(v_at + HALF, hi, mask=kv & is_v[None, :])
         first = kv & (is_k & (i == 0))[None, :]                            # one store of the position a head
         tl.store(pos_ptr + rows * stride_pb + h * stride_ph + s, tl.zeros_like(s) + tl.load(position_ptr), mask=first)
 
