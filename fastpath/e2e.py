@@ -204,8 +204,9 @@ def ours(cfg, model: Transformer, decoders: dict, B: int, S: int, dtype, device:
     records how far its first step's logits are from those of the first path that ran the same method
     (``logits_vs``: the largest difference over the largest |logit|, inf where either has a NaN or an inf):
     every path computes the same step from the same cache and token, so a kernel that computes something else
-    shows there, not only in its time. Only the first step: an eviction that goes wrong shows in the steps
-    after it, which ``tests/fastpath`` compare."""
+    shows there, not only in its time. Only the first step, which the graph paths run eagerly before they
+    capture (the capture itself is not checked here), and whose eviction shows only in the steps after it:
+    ``tests/fastpath`` compare those."""
     rows = []
     token = torch.randint(0, cfg.vocab_size, (B,), generator=torch.Generator().manual_seed(0)).to(device)
     weights = weight_bytes(model, next(iter(decoders.values())), B)

@@ -29,7 +29,8 @@ sequences x 4 KV heads are 64 programs) and waits on each block's loads; on an H
 kernel time of H2O's fused step at 32,768 tokens (``fastpath/README.md``). Split into blocks, the scoring
 can run on every multiprocessor, and the choice among a few candidates a head is one small launch. The 41%
 is the single walk's, at commit fd79573; split, at 9fc034d, its tests passed on the H200 and H2O's fused step
-there took 1.893 ms at 32,768 tokens where the single walk's had taken 3.150 ms (``fastpath/README.md``).
+there took 1.893 ms at 32,768 tokens where the single walk's had taken 3.150 ms (the attention kernel's launch
+was tuned between the two as well: ``fastpath/README.md``).
 
 S is G x C fp32 numbers a head, written once and read once, instead of the C x d keys read again.
 

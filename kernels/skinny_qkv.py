@@ -4,8 +4,9 @@ Skinny q/k/v: a layer's q/k/v product with RoPE and the cache's write in its epi
 Before its attention a decode layer normalises x, multiplies it by the stacked q/k/v weight, rotates q and k by
 the step's RoPE angles, and writes the new key, value and position into each KV head's slot of the buffers
 (``cache_write.py``). ``skinny_matmul.py``'s ``norm_linear`` does the first two in one kernel; RoPE and the
-write are two more kernels a layer, each a few microseconds however little it moves. Here the product's
-program rotates and writes what it has just computed, so those two launches go.
+write are two more kernels a layer, each one to two microseconds however little it moves
+(``results/decode_profile_h200.txt``). Here the product's program rotates and writes what it has just computed,
+so those two launches go.
 
 RoPE rotates each pair (x_i, x_{i+d/2}) of a head (``nanollm.attention.apply_rope``):
 
@@ -33,7 +34,7 @@ it cannot check a slot's value (the host would have to read it): a slot outside 
     q = reference_norm_qkv_rope_write(x, g, eps, w, cos, sin, kb, vb, pos, slot, position)
 
 Its launch (rows of the weight per program, the step along K, warps, stages) is chosen as the other products'
-are (``SKINNY_TUNED[("qkv_rope_write", N, K, dtype)]``, N the weight's rows): 16 rows a program give a
+are (``SKINNY_TUNED[("qkv_rope_write", N, K, dtype)]``, N the weight's rows): 16 rows of the weight a program give a
 TinyLlama-shaped q/k/v product (2,560 rows) 160 programs, as ``norm_linear`` would have.
 """
 
