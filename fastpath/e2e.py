@@ -198,29 +198,41 @@ def row(path: str, method: str, S: int, entries: int, ms: tuple, weights: int, k
 PATHS = ("lean", "graph", "fused", "skinny")
 
 
+# the methods whose evictions rank entries by the attention they received, which rounding can reorder: two paths'
+# caches may part after a few steps, so only their first steps' logits are compared
+RANKED_BY_ATTENTION = ("h2o", "scissorhands")
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|: inf where either holds a NaN or an inf."""
+    x = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    return x if math.isfinite(x) else math.inf
+
+
 def ours(cfg, model: Transformer, decoders: dict, B: int, S: int, dtype, device: str, bandwidth: float,
          methods, quick: bool) -> list[dict]:
     """Every path's step (``decoders``: path -> its decoder) of every method at one length. Each row also
-    records how far its first step's logits are from those of the first path that ran the same method
-    (``logits_vs``: the largest difference over the largest |logit|, inf where either has a NaN or an inf):
-    every path computes the same step from the same cache and token, so a kernel that computes something else
-    shows there, not only in its time. Only the first step, which the graph paths run eagerly before they
-    capture (the capture itself is not checked here), and whose eviction shows only in the steps after it:
-    ``tests/fastpath`` compare those."""
+    records how far its logits are from those of the first path that ran the same method (``logits_vs``, as
+    ``gap``): every path computes the same steps from the same cache and token, so a kernel that computes
+    something else shows there, not only in its time. At the first step (``max_diff``), which the graph paths run
+    before they capture their graph, and at the last (``last_max_diff``; on a GPU a replay), for the methods whose
+    evictions do not rank by attention (``RANKED_BY_ATTENTION``; ``tests/fastpath`` compare theirs step by
+    step)."""
     rows = []
     token = torch.randint(0, cfg.vocab_size, (B,), generator=torch.Generator().manual_seed(0)).to(device)
     weights = weight_bytes(model, next(iter(decoders.values())), B)
     for method in methods:
-        first = None                                    # (path, its first step's logits in fp32)
+        first = None                                    # (path, its first and last steps' logits in fp32)
         for path, decoder in decoders.items():
             try:
-                r, logits = one_path(path, cfg, method, decoder, token, B, S, dtype, device, quick, weights,
-                                     bandwidth)
+                r, logits, last = one_path(path, cfg, method, decoder, token, B, S, dtype, device, quick, weights,
+                                           bandwidth)
                 if first is None:
-                    first = (path, logits)
+                    first = (path, logits, last)
                 else:
-                    gap = float((logits - first[1]).abs().max() / first[1].abs().max().clamp_min(1e-30))
-                    r["logits_vs"] = {"path": first[0], "max_diff": gap if math.isfinite(gap) else math.inf}
+                    r["logits_vs"] = {"path": first[0], "max_diff": gap(logits, first[1])}
+                    if method not in RANKED_BY_ATTENTION:
+                        r["logits_vs"]["last_max_diff"] = gap(last, first[2])
                 rows.append(r)
             except Exception as e:                      # noqa: BLE001  (recorded: the other cases still run)
                 rows.append({"path": path, "method": method, "length": S, "error": f"{type(e).__name__}: {e}"})
@@ -231,9 +243,9 @@ def ours(cfg, model: Transformer, decoders: dict, B: int, S: int, dtype, device:
 
 
 def one_path(path: str, cfg, method: str, graph: GraphDecoder, token, B: int, S: int, dtype, device: str,
-             quick: bool, weights: int, bandwidth: float) -> tuple[dict, torch.Tensor]:
+             quick: bool, weights: int, bandwidth: float) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """One method's step at one length on one path, on a fresh cache (``graph``: the path's decoder; the lean
-    path steps its ``lean``): its row, and its first step's logits (B, V) in fp32."""
+    path steps its ``lean``): its row, and its first and last steps' logits (B, V) in fp32."""
     cache = synthetic_cache(cfg, method, B, S, dtype, device)
     K = cache.layers[0].n
     elem = torch.empty((), dtype=dtype).element_size()
@@ -246,19 +258,20 @@ def one_path(path: str, cfg, method: str, graph: GraphDecoder, token, B: int, S:
             raise RuntimeError(f"{method} fell back to the lean step: {graph.fallback}")
         del cache                                       # the static buffers hold their own copy
         step = graph.step
-    kept = []
+    kept, last = [], []
 
-    def step_keeping_the_first(t: torch.Tensor) -> torch.Tensor:
+    def step_keeping_logits(t: torch.Tensor) -> torch.Tensor:
         out = step(t)
         if not kept:                                    # copied now: a replay writes its output buffer again
             kept.append(out.float().clone())
+        last[:] = [out]                                 # after the last step, its output (copied below)
         return out
-    ms = step_ms(step_keeping_the_first, token, device, quick)
+    ms = step_ms(step_keeping_logits, token, device, quick)
     if path != "lean":
         # the skinny path is the fused step where its kernels do not serve (a CPU, NANOKV_NO_TRITON=1, fp16)
         served = {"skinny_kernels": kernels_serve(graph.model)} if path == "skinny" else {}
         extra = dict(capacity=graph.kv.k.shape[3], replayed=graph.current.graph is not None, **served)
-    return row(path, method, S, K, ms, weights, kv, bandwidth, **extra), kept[0]
+    return row(path, method, S, K, ms, weights, kv, bandwidth, **extra), kept[0], last[0].float().clone()
 
 
 def transformers_static(cfg, B: int, S: int, dtype, device: str, bandwidth: float, compiled: bool,
@@ -403,19 +416,22 @@ def share(launch: dict) -> str:
 
 
 def logits_summary(report: dict) -> list[str]:
-    """Per path, the largest gap of its first steps' logits from the first path's (``ours``), over the largest
-    |logit|, and whether it is within what the tests allow between two paths (fp32 1e-5, else ``BF16_TOL``)."""
-    worst: dict[str, dict] = {}
-    for r in report["rows"]:
-        if "logits_vs" in r and r["logits_vs"]["max_diff"] >= worst.get(r["path"], {"max_diff": -1.0})["max_diff"]:
-            worst[r["path"]] = {**r["logits_vs"], "method": r["method"], "length": r["length"]}
-    if not worst:
-        return []
+    """Per path, the largest gap of its first steps' logits, and of its last steps', from the first path's
+    (``ours``), over the largest |logit|, and whether each is within what the tests allow between two paths
+    (fp32 1e-5, else ``BF16_TOL``)."""
     allowed = 1e-5 if report.get("dtype") == str(torch.float32) else BF16_TOL
-    return [f"{path}: its first step's logits differ from {w['path']}'s by at most {w['max_diff']:.2g} of the "
-            f"largest |logit| ({w['method']}, S={w['length']})"
-            + ("" if w["max_diff"] <= allowed else f": more than the {allowed:g} the tests allow, not the same step")
-            for path, w in worst.items()]
+    lines = []
+    for key, when in (("max_diff", "first step"), ("last_max_diff", "last step")):
+        worst: dict[str, dict] = {}
+        for r in report["rows"]:
+            x = r.get("logits_vs", {}).get(key)
+            if x is not None and x >= worst.get(r["path"], {"x": -1.0})["x"]:
+                worst[r["path"]] = {"x": x, "vs": r["logits_vs"]["path"], "method": r["method"], "length": r["length"]}
+        lines += [f"{path}: its {when}'s logits differ from {w['vs']}'s by at most {w['x']:.2g} of the largest "
+                  f"|logit| ({w['method']}, S={w['length']})"
+                  + ("" if w["x"] <= allowed else f": more than the {allowed:g} the tests allow, not the same step")
+                  for path, w in worst.items()]
+    return lines
 
 
 def summary(report: dict, rows_too: bool = False) -> list[str]:

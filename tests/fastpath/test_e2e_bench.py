@@ -31,6 +31,7 @@ def test_e2e_quick_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
     assert written == [False, True]
     assert "skinny: its kernels did not serve here" in text
     assert "skinny: its first step's logits differ from lean's by at most" in text
+    assert "skinny: its last step's logits differ from lean's by at most" in text
     report = json.loads(out.read_text())
     assert all(r["skinny_kernels"] is False for r in report["rows"] if r["path"] == "skinny")
     assert report["device"] == "cpu" and report["quick"] and report["fused_backend"] == "eager"
@@ -46,6 +47,10 @@ def test_e2e_quick_runs_on_a_cpu(tmp_path, capsys, monkeypatch):
             assert "logits_vs" not in r
         else:
             assert r["logits_vs"]["path"] == "lean" and r["logits_vs"]["max_diff"] <= 1e-5
+            if r["method"] in e2e.RANKED_BY_ATTENTION:     # their caches may part: the first step alone
+                assert "last_max_diff" not in r["logits_vs"]
+            else:
+                assert r["logits_vs"]["last_max_diff"] <= 1e-5
         if r["path"] != "lean":                       # the evicting methods: budget + 1 slots once full
             evicting = r["method"] in ("streaming_llm", "h2o", "scissorhands")
             assert r["capacity"] == r["entries"] + (1 if evicting else e2e.ROOM)
@@ -77,14 +82,16 @@ def test_a_path_whose_logits_are_not_the_first_path_s_is_named():
 def test_a_path_with_nan_logits_is_recorded_as_infinitely_far(monkeypatch):
     """``ours`` records inf where a path's first logits hold a NaN (a broken kernel's usual output), which the
     summary then names; a NaN gap would compare as neither more nor less than the tolerance."""
-    calls = iter([torch.ones(2, 3), torch.tensor([[1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]])])
+    nan = torch.tensor([[1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]])
+    calls = iter([(torch.ones(2, 3), torch.ones(2, 3)), (nan, torch.ones(2, 3))])      # (first, last) a path
     monkeypatch.setattr(e2e, "weight_bytes", lambda *a: 0)
     monkeypatch.setattr(e2e, "one_path", lambda path, *a: ({"path": path, "method": "full", "length": 8},
-                                                           next(calls)))
+                                                           *next(calls)))
     decoders = {"fused": SimpleNamespace(forget=lambda: None), "skinny": SimpleNamespace(forget=lambda: None)}
     cfg = SimpleNamespace(vocab_size=10)
     rows = e2e.ours(cfg, None, decoders, 2, 8, torch.float32, "cpu", 1.0, ["full"], True)
-    assert "logits_vs" not in rows[0] and rows[1]["logits_vs"] == {"path": "fused", "max_diff": float("inf")}
+    assert "logits_vs" not in rows[0]
+    assert rows[1]["logits_vs"] == {"path": "fused", "max_diff": float("inf"), "last_max_diff": 0.0}
 
 
 @pytest.mark.slow
