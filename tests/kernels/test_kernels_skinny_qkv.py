@@ -10,14 +10,13 @@ import pytest
 import torch
 
 import kernels
-from kernels.skinny_matmul import TOLERANCE, SkinnyLaunch
+from kernels.skinny_matmul import SkinnyLaunch
 from kernels.skinny_qkv import norm_qkv_rope_write_triton, reference_norm_qkv_rope_write
+from tests.kernels.test_kernels_skinny import DEVICES, SMALL, close  # the product kernels' devices, launch, check
 
 pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
                                 reason="no way to run a Triton kernel: triton is not installed, or there is no "
                                        "CUDA device and TRITON_INTERPRET is not 1")
-DEVICES = (["cpu"] if kernels.interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
-SMALL = SkinnyLaunch(16, 32, 4, 2)          # small blocks: several programs and steps along K even here
 SHAPES = [(1, 48, 4, 2, 16), (3, 40, 2, 1, 64), (20, 64, 6, 2, 16)]        # (M, K, H, H_kv, d)
 C = 7                                       # slots a head
 
@@ -47,13 +46,6 @@ def both(args, launch=SMALL):
     q_ref = reference_norm_qkv_rope_write(x, g, 1e-5, w, cos, sin, *ref, slot, position)
     q_got = norm_qkv_rope_write_triton(x, g, 1e-5, w, cos, sin, *got, slot, position, launch=launch)
     return (q_ref, *ref), (q_got, *got)
-
-
-def close(got, want, dtype):
-    scale = want.abs().max().clamp_min(1e-6)
-    err = float((got.float() - want.float()).abs().max() / scale)
-    assert err <= TOLERANCE[dtype], (f"max |kernel - reference| = {err:.3g} of max |reference| "
-                                     f"(tolerance {TOLERANCE[dtype]})")
 
 
 @pytest.mark.parametrize("device", DEVICES)
