@@ -96,7 +96,7 @@ from methods.h2o import H2OPolicy
 from methods.scissorhands import ATTN as SC_ATTN
 from methods.scissorhands import COUNT as SC_COUNT
 from methods.scissorhands import LOW as SC_LOW
-from methods.scissorhands import ScissorhandsPolicy, evict_one, low_flags, push_column
+from methods.scissorhands import ScissorhandsPolicy, divided, evict_one, low_flags, push_column
 from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
 from nanollm.attention import group_scores, rope_cos_sin
 from nanollm.cache import KVCache
@@ -310,7 +310,7 @@ def received_attention(q: Tensor, kb: Tensor, pos: Tensor) -> Tensor:
     qg = q.reshape(B, H_kv, H // H_kv, d) / math.sqrt(d)                  # (B, H_kv, G, d)
     scores = kb @ qg.transpose(-1, -2)                                     # (B, H_kv, C, G)
     probs = torch.softmax(scores.masked_fill((pos < 0)[..., None], float("-inf")), dim=-2)
-    return probs.float().sum(dim=-1) / probs.shape[-1]                    # as scissorhands.group_mean
+    return divided(probs.float().sum(dim=-1), probs.shape[-1])             # as scissorhands.group_mean
 
 
 def attend_heavy(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, score: Tensor, position: Tensor,
@@ -343,7 +343,7 @@ def attend_scissors(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor
     or None with ``output=False`` (the kernel attends instead; only the probabilities are computed here)."""
     if output:
         out, probs = attend_masked(q, kb, vb, pos)
-        received = probs.float().sum(dim=2) / probs.shape[2]               # (B, H_kv, C): group_mean's
+        received = divided(probs.float().sum(dim=2), probs.shape[2])       # (B, H_kv, C): group_mean's
     else:
         out, received = None, received_attention(q, kb, pos)
     B, H_kv, w, C = low.shape

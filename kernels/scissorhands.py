@@ -29,8 +29,9 @@ the counters and the choice a dozen small kernels a layer, which a CUDA graph st
 The ring buffer of a head is (w, C): a step reads and writes one contiguous row of C flags. A flag is a
 decision: an a an ulp lower can flip it where a is exactly at its threshold, as on a uniform attention,
 whose every a is 1/n. So the two divisions, the group's sum by G and 1 by n, round to nearest as PyTorch's
-divisions do on every device (the library's group mean is that division too: ``scissorhands.group_mean``),
-where Triton's default fp32 division may be 2 ulp off; equal values, as a uniform attention's, sum alike in
+division by a tensor does on every device (the library's group mean is that division too:
+``scissorhands.divided``; by a Python number, CUDA multiplies by its reciprocal instead), where Triton's
+default fp32 division may be 2 ulp off; equal values, as a uniform attention's, sum alike in
 any order. Elsewhere a differs from the reference's in the order of the group's sum (Triton's reduction)
 and the exponentials' last bits (a GPU's are approximations), which can flip a flag only that close to
 its threshold.
@@ -96,7 +97,8 @@ def reference_scissors_attend(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, sl
     s = q.float().view(B, H_kv, H // H_kv, d) @ kb.float().transpose(-1, -2) * default_scale(scale, d)
     probs = torch.softmax(s.masked_fill((pos < 0)[:, :, None], float("-inf")), dim=-1)   # (B, H_kv, G, C)
     out = (probs @ vb.float()).view(B, H, d).to(q.dtype)
-    received = probs.sum(dim=2) / probs.shape[2]                          # (B, H_kv, C), empty slots 0
+    G = torch.full((), probs.shape[2], dtype=probs.dtype, device=probs.device)   # a tensor: CUDA divides by it
+    received = probs.sum(dim=2) / G                                       # (B, H_kv, C), empty slots 0
     count.scatter_(2, slot[:, :, None], 0)                                # the new entry starts empty...
     low.scatter_(3, slot[:, :, None, None].expand(B, H_kv, w, 1), False)  # ...in every row of its ring
     held = pos >= 0

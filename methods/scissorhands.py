@@ -43,15 +43,22 @@ DEFAULT_RECENT = 10           # cold-compress's recent window (methods/README.md
 # ---------------------------------------------------------------------------------------------------------
 # The rule, as pure functions
 
+def divided(total: Tensor, n: int) -> Tensor:
+    """``total / n`` rounded as one division on every device. Not written so: on CUDA, PyTorch divides by a
+    Python number by multiplying by its reciprocal (as CUDA's ``mean`` does), which for n = 3 can land an
+    ulp away, enough to flip a flag where the attention is exactly 1/n. A divisor tensor on total's device
+    is divided by, there as on a CPU."""
+    return total / torch.full((), n, dtype=total.dtype, device=total.device)
+
+
 def group_mean(x: Tensor, n_kv_head: int) -> Tensor:
     """(B, H, ...) -> (B, H_kv, ...): the mean over the G query heads that read each KV head (h // G); x itself
-    when G = 1. The sum divided by G: a division rounds alike on every device, where CUDA's ``mean``
-    multiplies by 1/G, an ulp away for G = 3 (enough to flip a flag where the attention is exactly 1/n)."""
+    when G = 1. The sum divided by G (``divided``), which rounds alike on every device and in the kernel."""
     B, H = x.shape[:2]
     if H == n_kv_head:                  # one query head per KV head: nothing to average
         return x
     G = H // n_kv_head
-    return x.view(B, n_kv_head, G, *x.shape[2:]).sum(dim=2) / G
+    return divided(x.view(B, n_kv_head, G, *x.shape[2:]).sum(dim=2), G)
 
 
 def low_flags(attn: Tensor, visible: Tensor, threshold: float | None = None) -> Tensor:

@@ -275,6 +275,21 @@ def test_received_attention_is_the_mean_of_the_probabilities():
     assert (got[pos < 0] == 0).all() and got.shape == (B, H_kv, C)
 
 
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_received_attention_rounds_as_the_cpu_on_every_device(device):
+    """A zero query gives each of 19 slots exactly 1/19 from each of 3 query heads; their mean is the sum
+    divided by 3, an ulp below 1/19, on every device, so Scissorhands' graph step flags every slot low as
+    the lean step and the kernel do (on CUDA, a division by a Python number would multiply by 1/3 and get
+    1/19: no slot low)."""
+    B, H, H_kv, C, d = 1, 3, 1, 19, 16
+    q = torch.zeros(B, H, 1, d, device=device)
+    kb = torch.randn(B, H_kv, C, d, generator=torch.Generator().manual_seed(0)).to(device)
+    pos = torch.arange(C, device=device).repeat(B, H_kv, 1)
+    got = graph_module.received_attention(q, kb, pos)
+    assert torch.equal(got.cpu(), graph_module.received_attention(q.cpu(), kb.cpu(), pos.cpu()))
+    assert (got < 1.0 / C).all()                                           # every slot below fp32's 1/19
+
 # -- the step as one graph ------------------------------------------------------------------------------------
 
 def compiled_steps(model, spec, backend):

@@ -84,7 +84,8 @@ MODEL_COMMANDS = {
     "hf": ["-m", "nanollm.cli.hf", "retrieval-llama", "{out}"],
     "card --out": ["-m", "nanollm.cli.card", "retrieval-llama", "--out", "{out}", "--tasks", "niah_single_noise",
                    "--lengths", "256", "--samples", "1", "--workers", "1"],
-    "train": ["-m", "nanollm.cli.train", "--preset", "tiny", "--out", "{out}", "--max-steps", "2", "--quiet"],
+    "train": ["-m", "nanollm.cli.train", "--preset", "tiny", "--out", "{out}", "--max-steps", "2", "--quiet",
+              "--device", "cpu"],                           # not CUDA where the machine has it
 }
 
 
