@@ -33,6 +33,7 @@ class Assignment:
     title: str
     library: tuple[str, ...]     # library files with solution regions, relative to the root
     notebook: str                # the notebook of the topic (its exercises may hold regions too)
+    interpreter: bool = False    # its tests run Triton kernels, in Triton's CPU interpreter
 
     @property
     def folder(self) -> Path:
@@ -68,9 +69,10 @@ ASSIGNMENTS = {a.name: a for a in [
                ("methods/critical_kv.py",), "04_perturbation_selection"),
     Assignment("chunkkv", "ChunkKV: keep whole chunks", ("methods/chunkkv.py",), "05_chunkkv"),
     Assignment("kvreviver", "KVReviver: a count sketch of evicted tokens",
-               ("methods/kvreviver.py", "kernels/count_sketch.py"), "06_kvreviver"),
+               ("methods/kvreviver.py", "kernels/count_sketch.py"), "06_kvreviver", interpreter=True),
     Assignment("kernels", "Split-K decode attention in Triton",
-               ("kernels/decode_attention.py", "kernels/count_sketch.py", "kernels/tensor_decode.py"), "07_kernels"),
+               ("kernels/decode_attention.py", "kernels/count_sketch.py", "kernels/tensor_decode.py"), "07_kernels",
+               interpreter=True),
 ]}
 
 

@@ -382,10 +382,30 @@ def tests_folder(parent: Path, tests: list[Path], conftest: str) -> Path:
     return here
 
 
+def interpreter_refusal(assignment: Assignment) -> str | None:
+    """Why the assignment cannot be graded here, in one line, where its tests would run Triton kernels in an
+    interpreter that cannot run them (``kernels.interpreter_problem``: a known clash of Triton and numpy);
+    None elsewhere."""
+    if not assignment.interpreter or os.environ.get("TRITON_INTERPRET", "1") != "1":
+        return None
+    # imported here: it imports torch, which only the assignments that need it pay for
+    import kernels
+    problem = kernels.interpreter_problem()
+    return (f"the {assignment.name} assignment's tests run Triton kernels in its CPU interpreter, and {problem}"
+            if problem else None)
+
+
+def check_interpreter(assignment: Assignment) -> None:
+    """``interpreter_refusal`` as a one-line error, before any test runs."""
+    if why := interpreter_refusal(assignment):
+        raise SystemExit(f"error: {why}")
+
+
 def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_test_s: float = PER_TEST_S,
               tasks: tuple[str, ...] | None = None, require_room: bool = False) -> tuple[list[Result], float, str, str]:
     """Run the assignment's tests against ``student`` (only those of ``tasks`` if given); (results, seconds,
     pytest's output, the user the student's code ran as)."""
+    check_interpreter(assignment)
     tests = assignment.tests(hidden)
     reference = [str(ROOT)] if any(t.name == "test_hidden.py" for t in tests) else []     # oracle.reference
     with tempfile.TemporaryDirectory(prefix=f"grade-{assignment.name}-") as tmp, \

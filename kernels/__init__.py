@@ -59,6 +59,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def major_minor(version: str) -> tuple[int, int]:
+    """"3.6.0+git1234" -> (3, 6)."""
+    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's CPU interpreter cannot run these kernels here, in one line, or None where it can (the
+    installed versions, unless given). Triton before 3.7 takes a loop's bound as an int in a way numpy 2.4
+    refuses (triton-lang/triton#9171, fixed in 3.7), so every kernel with a loop fails in its interpreter
+    with "only 0-dimensional arrays can be converted to Python scalars"."""
+    if triton_version is None:
+        if not HAS_TRITON:
+            return "Triton is not installed (pip install -r requirements.txt, on Linux)"
+        triton_version = triton.__version__
+    if numpy_version is None:
+        import numpy
+        numpy_version = numpy.__version__
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s CPU interpreter cannot run under numpy {numpy_version} "
+                f"(triton-lang/triton#9171): install triton>=3.7 or numpy<2.4")
+    return None
+
+
 def serves(t: torch.Tensor) -> bool:
     """Whether the library's hot paths take a kernel for tensor ``t`` (see the module docstring): a CUDA
     tensor of an sm_80+ GPU with Triton importable, and ``NANOKV_NO_TRITON`` not set to 1."""

@@ -59,6 +59,14 @@ def pytest_addoption(parser):
                           "results, every assignment's shipped-function mutants and student notebook")
 
 
+def pytest_report_header(config):
+    """Where the kernel tests run in Triton's interpreter and it cannot run them here, say why at the top."""
+    import kernels
+    if kernels.interpreting() and (problem := kernels.interpreter_problem()):
+        return f"the kernel tests will fail: {problem}"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     skips = {"slow": (config.getoption("--runslow"), pytest.mark.skip(reason="slow tier: run with --runslow")),
              "bench": (config.getoption("--runbench"), pytest.mark.skip(reason="benchmark: run with --runbench")),

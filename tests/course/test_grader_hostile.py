@@ -570,6 +570,8 @@ def test_a_sketch_whose_given_hash_was_changed_fails(tmp_path, capsys):
     """KVReviver's copy changes the given hash (every token to cell 0) and writes insert and query right for
     it: the expected cells and estimates come from the tests' own hashes (the instructor's sketch in the hidden
     tests), never from the student's, so the sketch fails wherever the hashes matter."""
+    if why := grade.interpreter_refusal(ASSIGNMENTS["kvreviver"]):   # the grader refuses, in one line
+        pytest.skip(why)
     copy = student_copy(tmp_path, "kvreviver")
     path = copy / "methods" / "kvreviver.py"
     text = path.read_text()

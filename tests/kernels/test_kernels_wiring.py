@@ -167,3 +167,14 @@ def test_the_evaluation_sketches_on_the_kernels_where_they_serve(monkeypatch, en
     own.sketch_class = CentredSketch
     fastpath.sketch.use_kernels(wrapped), fastpath.sketch.use_kernels(own)
     assert wrapped.inner.sketch_class is fastpath.sketch.KernelSketch and own.sketch_class is CentredSketch
+
+
+def test_the_interpreter_problem_names_the_clash():
+    """Triton before 3.7 under numpy 2.4 or later: its interpreter fails every kernel with a loop
+    (triton-lang/triton#9171); any other pair of versions is fine."""
+    said = kernels.interpreter_problem("3.6.0", "2.5.2")
+    assert said and "triton-lang/triton#9171" in said and "triton>=3.7 or numpy<2.4" in said
+    assert kernels.interpreter_problem("3.6.0", "2.3.5") is None
+    assert kernels.interpreter_problem("3.7.0", "2.5.2") is None
+    assert kernels.interpreter_problem("3.10.0+git1234", "2.4.0") is None     # 3.10 comes after 3.7
+    assert kernels.interpreter_problem("3.2.0", "2.4.0rc1") is not None
