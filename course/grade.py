@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
 import json
 import math
 import os
@@ -382,15 +383,27 @@ def tests_folder(parent: Path, tests: list[Path], conftest: str) -> Path:
     return here
 
 
+def child_version(name: str) -> str | None:
+    """The version of package ``name`` that the test and student processes import (from ``site_dirs``, the
+    first found), or None where they find none."""
+    for dist in importlib.metadata.distributions(path=site_dirs()):
+        if (dist.metadata["Name"] or "").lower() == name:
+            return dist.version
+    return None
+
+
 def interpreter_refusal(assignment: Assignment) -> str | None:
     """Why the assignment cannot be graded here, in one line, where its tests would run Triton kernels in an
-    interpreter that cannot run them (``kernels.interpreter_problem``: a known clash of Triton and numpy);
-    None elsewhere."""
+    interpreter that cannot run them (``kernels.interpreter_problem``, for the Triton and numpy the test and
+    student processes import: a known clash of the two); None elsewhere. It imports this repository's
+    ``kernels`` (and torch) into the grader's process, for these assignments only."""
     if not assignment.interpreter or os.environ.get("TRITON_INTERPRET", "1") != "1":
         return None
-    # imported here: it imports torch, which only the assignments that need it pay for
+    versions = child_version("triton"), child_version("numpy")
+    if None in versions:                            # no Triton (macOS) or no numpy: not this clash
+        return None
     import kernels
-    problem = kernels.interpreter_problem()
+    problem = kernels.interpreter_problem(*versions)
     return (f"the {assignment.name} assignment's tests run Triton kernels in its CPU interpreter, and {problem}"
             if problem else None)
 

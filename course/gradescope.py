@@ -37,7 +37,7 @@ import zipfile
 from pathlib import Path
 
 from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse
-from .grade import check_name
+from .grade import check_name, interpreter_refusal
 
 GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "course/markers.py",
           "course/oracle.py", "course/model_adapters.py", "course/confine.py", "course/remote.py",
@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     assignment = get(args.assignment)
     if not assignment.tests(hidden=True):
         raise SystemExit(f"error: assignment {assignment.name!r} has no tests")
+    if why := interpreter_refusal(assignment):       # the zip pins the versions installed here
+        raise SystemExit(f"error: {why}; the zip would pin these versions, and every grade would fail")
     check_name(args.out.expanduser(), "--out")
     path = write_zip(assignment, args.out.expanduser().resolve())
     print(f"wrote {path}: upload it as the autograder of {assignment.name!r} (README.md inside says how)")

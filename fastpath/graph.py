@@ -62,7 +62,7 @@ two agree to 0 or one rounding). StreamingLLM, H2O and Scissorhands keep the lea
 and Scissorhands compare float attention, so a near-tie the two orders round differently could pick another
 token (never seen in the tests, which compare the kept positions after every step, in fp32 and in bf16 on a
 CPU). Scissorhands compares every slot's attention with 1 / n at every step: in bf16 on a GPU, where the
-kernel attends and its probabilities come from another product (``received_attention``), a few slots near
+kernel attends and its probabilities come from another product (``slot_probabilities``), a few slots near
 that level can flag otherwise than in the lean step, so its counters, and then what it keeps, may drift
 from the lean step's (its GPU tests compare them in fp32 only).
 
@@ -301,16 +301,22 @@ def evict_sinks(pos: Tensor, slot: Tensor, n_sink: int, budget: int) -> None:
     empty_one(pos, slot, after_sinks.argmin(dim=-1), budget)
 
 
-def received_attention(q: Tensor, kb: Tensor, pos: Tensor) -> Tensor:
-    """What each slot received from the step's query (B, H, 1, d), averaged over each KV head's G query
-    heads: (B, H_kv, C), empty slots 0. The probabilities of ``attend_masked``, with the product taken as
-    slots x heads (C x G, a tall product the GPU libraries tile well) instead of G x C."""
+def slot_probabilities(q: Tensor, kb: Tensor, pos: Tensor) -> Tensor:
+    """What each slot received from each query head of the step's query (B, H, 1, d): (B, H_kv, C, G) fp32,
+    empty slots 0. The probabilities of ``attend_masked``, with the product taken as slots x heads (C x G, a
+    tall product the GPU libraries tile well) instead of G x C."""
     B, H, _, d = q.shape
     H_kv = kb.shape[1]
     qg = q.reshape(B, H_kv, H // H_kv, d) / math.sqrt(d)                  # (B, H_kv, G, d)
     scores = kb @ qg.transpose(-1, -2)                                     # (B, H_kv, C, G)
-    probs = torch.softmax(scores.masked_fill((pos < 0)[..., None], float("-inf")), dim=-2)
-    return divided(probs.float().sum(dim=-1), probs.shape[-1])             # as scissorhands.group_mean
+    return torch.softmax(scores.masked_fill((pos < 0)[..., None], float("-inf")), dim=-2).float()
+
+
+def received_attention(q: Tensor, kb: Tensor, pos: Tensor) -> Tensor:
+    """H2O's statistic: what each slot received, averaged over each KV head's G query heads (B, H_kv, C),
+    rounded as a ``mean`` rounds on each device (on CUDA, the sum times 1/G), as the lean step's."""
+    probs = slot_probabilities(q, kb, pos)
+    return probs.sum(dim=-1) / probs.shape[-1]
 
 
 def attend_heavy(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, score: Tensor, position: Tensor,
@@ -344,8 +350,8 @@ def attend_scissors(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor
     if output:
         out, probs = attend_masked(q, kb, vb, pos)
         received = divided(probs.float().sum(dim=2), probs.shape[2])       # (B, H_kv, C): group_mean's
-    else:
-        out, received = None, received_attention(q, kb, pos)
+    else:                                                                  # the same division
+        out, received = None, divided(slot_probabilities(q, kb, pos).sum(dim=-1), q.shape[1] // kb.shape[1])
     B, H_kv, w, C = low.shape
     at = slot[:, :, None]                                                  # (B, H_kv, 1) the new entry's slot
     count.scatter_(2, at, 0)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 
 import torch
 
@@ -59,25 +60,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def major_minor(version: str) -> tuple[int, int]:
-    """"3.6.0+git1234" -> (3, 6)."""
-    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+def major_minor(version: str) -> tuple[int, int] | None:
+    """"3.6.0+git1234" -> (3, 6); None where the version does not start with two numbers ("dev")."""
+    m = re.match(r"v?(\d+)\.(\d+)", version)
+    return (int(m[1]), int(m[2])) if m else None
 
 
 def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
-    """Why Triton's CPU interpreter cannot run these kernels here, in one line, or None where it can (the
-    installed versions, unless given). Triton before 3.7 takes a loop's bound as an int in a way numpy 2.4
-    refuses (triton-lang/triton#9171, fixed in 3.7), so every kernel with a loop fails in its interpreter
-    with "only 0-dimensional arrays can be converted to Python scalars"."""
+    """Why Triton's CPU interpreter cannot run these kernels here, in one line, or None where it can, or where
+    Triton or numpy is missing, or a version does not say (the installed versions, unless given). Triton before
+    3.7 takes a loop's bound as an int in a way numpy 2.4 refuses (triton-lang/triton#9171, fixed in 3.7), so
+    every kernel with a loop fails in its interpreter with "only 0-dimensional arrays can be converted to
+    Python scalars"."""
     if triton_version is None:
-        if not HAS_TRITON:
-            return "Triton is not installed (pip install -r requirements.txt, on Linux)"
+        if not HAS_TRITON:                          # macOS, or a minimal install: not this clash
+            return None
         triton_version = triton.__version__
     if numpy_version is None:
-        import numpy
+        try:
+            import numpy
+        except ImportError:
+            return None
         numpy_version = numpy.__version__
-    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
+    triton_at, numpy_at = major_minor(triton_version), major_minor(numpy_version)
+    if triton_at and numpy_at and triton_at < (3, 7) and numpy_at >= (2, 4):
         return (f"Triton {triton_version}'s CPU interpreter cannot run under numpy {numpy_version} "
                 f"(triton-lang/triton#9171): install triton>=3.7 or numpy<2.4")
     return None

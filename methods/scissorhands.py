@@ -44,10 +44,11 @@ DEFAULT_RECENT = 10           # cold-compress's recent window (methods/README.md
 # The rule, as pure functions
 
 def divided(total: Tensor, n: int) -> Tensor:
-    """``total / n`` rounded as one division on every device. Not written so: on CUDA, PyTorch divides by a
-    Python number by multiplying by its reciprocal (as CUDA's ``mean`` does), which for n = 3 can land an
-    ulp away, enough to flip a flag where the attention is exactly 1/n. A divisor tensor on total's device
-    is divided by, there as on a CPU."""
+    """``total / n`` rounded as one division, eagerly on every device, for fp32 (or fp64) totals. Not written
+    so: on CUDA, PyTorch divides by a Python number by multiplying by its reciprocal (as CUDA's ``mean``
+    does), which for n = 3 can land an ulp away, enough to flip a flag where the attention is exactly 1/n.
+    By a divisor tensor on total's device it divides, there as on a CPU (on a GPU the divisor's fill is a
+    launch of its own; compiled, inductor may take the divisor for a constant and multiply again)."""
     return total / torch.full((), n, dtype=total.dtype, device=total.device)
 
 

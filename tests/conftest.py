@@ -63,7 +63,7 @@ def pytest_report_header(config):
     """Where the kernel tests run in Triton's interpreter and it cannot run them here, say why at the top."""
     import kernels
     if kernels.interpreting() and (problem := kernels.interpreter_problem()):
-        return f"the kernel tests will fail: {problem}"
+        return f"the kernel tests with loops will fail: {problem}"
     return None
 
 

@@ -25,6 +25,13 @@ NAMES = sorted(ASSIGNMENTS)
 GRADE_LIMIT_S = 90
 
 
+def graded_here(name: str) -> None:
+    """Skip, saying why, where the grader refuses to grade ``name`` here (``grade.interpreter_refusal``: its
+    tests run Triton kernels in an interpreter that cannot run them; ``test_grader.py`` checks the refusal)."""
+    if why := grade.interpreter_refusal(ASSIGNMENTS[name]):
+        pytest.skip(why)
+
+
 def some_in_the_slow_tier(*kept: str) -> list:
     """Every assignment, those not ``kept`` marked heavy: the slow tier grades the library's assignment (cache)
     and at most one method's, ``--runheavy`` all of them (run it after changing an assignment's tests)."""
@@ -162,8 +169,7 @@ def test_no_hint_quotes_its_solution(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_reference_solution_gets_full_marks(name):
-    if why := grade.interpreter_refusal(ASSIGNMENTS[name]):     # the grader refuses, in one line (test_grader.py)
-        pytest.skip(why)
+    graded_here(name)
     t0 = time.perf_counter()
     summary = grade.grade(name)
     elapsed = time.perf_counter() - t0
@@ -176,6 +182,7 @@ def test_reference_solution_gets_full_marks(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", some_in_the_slow_tier("cache", "chunkkv"))
 def test_student_copy_gets_zero(name, tmp_path):
+    graded_here(name)
     out = tmp_path / "copy"
     handout.main([name, "--out", str(out)])
     t0 = time.perf_counter()
@@ -224,6 +231,7 @@ def test_a_call_to_a_shipped_function_scores_nothing(name):
     computes the answer is a region of the same task, so in a student copy it raises too; graded here on the
     reference, the points such a mutant keeps are those of the task's other implementations' tests (kvreviver:
     2 of 8), or the call computes something else (baselines: CriticalKV's mean window attention keeps 3 of 10)."""
+    graded_here(name)
     calls = [m for m in mutants.hand(name) if " calls " in f" {m.name} "]
     if not calls:
         pytest.skip(f"course/{name}/mutants.py: no function shipped with the copy computes a task's answer")
@@ -247,6 +255,7 @@ def test_instructor_pack_has_every_solution(tmp_path):
 @pytest.mark.parametrize("name", some_in_the_slow_tier("cache", "baselines"))
 def test_doing_nothing_scores_nothing(name, tmp_path):
     """Every solution replaced by ``pass``: no test may pass (each checks that the work was done)."""
+    graded_here(name)
     handout.student_copy(ASSIGNMENTS[name], tmp_path / "copy", stub="pass")
     summary = grade.grade(name, tmp_path / "copy")
     passed = [r["name"] for r in summary["results"] if r["status"] == "passed"]

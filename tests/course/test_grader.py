@@ -102,23 +102,29 @@ def test_command_line_errors(tmp_path, capsys, monkeypatch):
     assert "--out" in refused(capsys, gradescope.main, ["cache"])
 
 
-
-def test_an_interpreter_that_cannot_run_the_kernels_is_refused_in_one_line(capsys, monkeypatch):
+def test_an_interpreter_that_cannot_run_the_kernels_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     """Where Triton's CPU interpreter cannot run the kernels (``kernels.interpreter_problem``: Triton before
     3.7 under numpy 2.4 or later), grading an assignment whose tests run them stops before anything is copied
-    or started, in one line that says what to install; the other assignments, and a grade that does not use
-    the interpreter (TRITON_INTERPRET=0), are not refused."""
-    import kernels
-    problem = kernels.interpreter_problem("3.6.0", "2.5.2")
-    monkeypatch.setattr(kernels, "interpreter_problem", lambda: problem)
+    or started, in one line that says what to install, and so is a Gradescope zip that would pin that pair;
+    the other assignments, other versions and a grade that does not use the interpreter (TRITON_INTERPRET=0)
+    are not refused."""
+    versions = {"triton": "3.6.0", "numpy": "2.5.2"}            # what the graded processes would import
+    monkeypatch.setattr(grade, "child_version", versions.get)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)       # the grader's default: the interpreter
     monkeypatch.setattr(grade.confine, "scratch_copy", lambda *a: pytest.fail("graded despite the interpreter"))
     err = refused(capsys, grade.main, ["kernels"])
     assert "the kernels assignment's tests run Triton kernels in its CPU interpreter" in err, err
     assert "triton>=3.7" in err, err
     assert "numpy<2.4" in refused(capsys, grade.main, ["kvreviver"])
+    assert "would pin" in refused(capsys, gradescope.main, ["kernels", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())                         # no zip written
     assert grade.interpreter_refusal(ASSIGNMENTS["cache"]) is None
+    versions["numpy"] = "2.3.5"
+    assert grade.interpreter_refusal(ASSIGNMENTS["kernels"]) is None
+    versions["numpy"] = "2.5.2"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert grade.interpreter_refusal(ASSIGNMENTS["kernels"]) is None
+
 
 # -- what is recorded, and how a failure reads -----------------------------------------------------------------
 

@@ -244,7 +244,7 @@ def test_the_kernel_attends_over_the_buffers_with_empty_slots(tiny_model, spec, 
     """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), the
     step's attention is the masked split-K kernel over the fixed buffers: the room not yet written, AdaKV's
     per-head padding and StreamingLLM's emptied slots are masked by position (H2O's and Scissorhands'
-    probabilities come from ``received_attention`` beside it), and the logits and kept entries stay the lean
+    probabilities come from ``slot_probabilities`` beside it), and the logits and kept entries stay the lean
     step's (which attends in PyTorch) within 1e-5; the fused step's compiled pieces (traced by dynamo alone
     here) likewise."""
     calls = []
@@ -277,18 +277,31 @@ def test_received_attention_is_the_mean_of_the_probabilities():
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_received_attention_rounds_as_the_cpu_on_every_device(device):
-    """A zero query gives each of 19 slots exactly 1/19 from each of 3 query heads; their mean is the sum
-    divided by 3, an ulp below 1/19, on every device, so Scissorhands' graph step flags every slot low as
-    the lean step and the kernel do (on CUDA, a division by a Python number would multiply by 1/3 and get
-    1/19: no slot low)."""
-    B, H, H_kv, C, d = 1, 3, 1, 19, 16
-    q = torch.zeros(B, H, 1, d, device=device)
-    kb = torch.randn(B, H_kv, C, d, generator=torch.Generator().manual_seed(0)).to(device)
-    pos = torch.arange(C, device=device).repeat(B, H_kv, 1)
-    got = graph_module.received_attention(q, kb, pos)
-    assert torch.equal(got.cpu(), graph_module.received_attention(q.cpu(), kb.cpu(), pos.cpu()))
-    assert (got < 1.0 / C).all()                                           # every slot below fp32's 1/19
+@pytest.mark.parametrize("output", [True, False], ids=["attending", "beside the kernel"])
+def test_scissorhands_flags_a_uniform_attention_low_on_every_device(device, output):
+    """A zero query gives each of 19 slots exactly 1/19 from each of 3 query heads; their mean, the sum divided
+    by 3, rounds an ulp below 1/19 on every device, so the graph step flags every slot low, as the lean step
+    (``scissorhands.group_mean``) and the kernel do, whether it attends or only computes the probabilities
+    beside the kernel (on CUDA, a division by a Python number would multiply by 1/3 and get 1/19: none low)."""
+    B, H, H_kv, C, d, w = 1, 3, 1, 19, 16, 4
+
+    def step(dev):
+        g = torch.Generator().manual_seed(0)
+        q = torch.zeros(B, H, 1, d, device=dev)
+        kb, vb = (torch.randn(B, H_kv, C, d, generator=g).to(dev) for _ in range(2))
+        pos = torch.arange(C, device=dev).repeat(B, H_kv, 1)                 # every slot held
+        slot = torch.full((B, H_kv), C - 1, device=dev)                      # the step's entry: the last
+        low = torch.zeros(B, H_kv, w, C, dtype=torch.bool, device=dev)
+        count = torch.zeros(B, H_kv, C, dtype=torch.int32, device=dev)
+        attn = torch.zeros(B, H_kv, C, device=dev)
+        rule = graph_module.Eviction("scissors", budget=C - 1, n_recent=2, window=w)
+        graph_module.attend_scissors(q, kb, vb, pos, slot, low, count, attn, torch.tensor([C - 1], device=dev),
+                                     rule, output=output)
+        return low[:, :, (C - 1) % w], attn
+    flags, attn = step(device)
+    assert flags.all()                                                     # every slot below fp32's 1/19
+    assert torch.equal(attn.cpu(), step("cpu")[1])
+
 
 # -- the step as one graph ------------------------------------------------------------------------------------
 
