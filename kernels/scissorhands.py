@@ -97,8 +97,8 @@ def reference_scissors_attend(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, sl
     s = q.float().view(B, H_kv, H // H_kv, d) @ kb.float().transpose(-1, -2) * default_scale(scale, d)
     probs = torch.softmax(s.masked_fill((pos < 0)[:, :, None], float("-inf")), dim=-1)   # (B, H_kv, G, C)
     out = (probs @ vb.float()).view(B, H, d).to(q.dtype)
-    G = torch.full((), probs.shape[2], dtype=probs.dtype, device=probs.device)   # a tensor: CUDA divides by it
-    received = probs.sum(dim=2) / G                                       # (B, H_kv, C), empty slots 0
+    by = torch.full((), probs.shape[2], dtype=probs.dtype, device=probs.device)  # G as a tensor: CUDA divides
+    received = probs.sum(dim=2) / by                                      # (B, H_kv, C), empty slots 0
     count.scatter_(2, slot[:, :, None], 0)                                # the new entry starts empty...
     low.scatter_(3, slot[:, :, None, None].expand(B, H_kv, w, 1), False)  # ...in every row of its ring
     held = pos >= 0
