@@ -20,16 +20,10 @@ import pytest
 from course import grade, handout, mutants
 from course.assignments import ASSIGNMENTS, ROOT, scanned_files
 from course.markers import MarkerError, find_regions, strip
+from tests.course.test_grader import graded_here
 
 NAMES = sorted(ASSIGNMENTS)
 GRADE_LIMIT_S = 90
-
-
-def graded_here(name: str) -> None:
-    """Skip, saying why, where the grader refuses to grade ``name`` here (``grade.interpreter_refusal``: its
-    tests run Triton kernels in an interpreter that cannot run them; ``test_grader.py`` checks the refusal)."""
-    if why := grade.interpreter_refusal(ASSIGNMENTS[name]):
-        pytest.skip(why)
 
 
 def some_in_the_slow_tier(*kept: str) -> list:

@@ -38,6 +38,13 @@ def refused(capsys, main, argv) -> str:
     return err
 
 
+def graded_here(name: str) -> None:
+    """Skip, saying why, where the grader refuses to grade ``name`` here (``grade.interpreter_refusal``: its
+    tests run Triton kernels in an interpreter that cannot run them; checked below)."""
+    if why := grade.interpreter_refusal(ASSIGNMENTS[name]):
+        pytest.skip(why)
+
+
 def student_copy(tmp_path: Path, name: str = "cache") -> Path:
     """The untouched student copy of ``name``."""
     out = tmp_path / f"{name}-copy"
