@@ -51,11 +51,13 @@
 #   suite    the whole fast tier (python -m pytest -q) on the CUDA machine, with the packages the image lacks
 #            installed from .gpu_cache/wheels where that folder is carried (fastpath/gpu_wheels.sh) (60 s),
 #            and the project installed as the README's set-up does (pip install -e ., without its dependencies),
-#            its output also to OUT's .suite.txt sibling (400 s, then an interrupt: pytest prints what ran);
-#            SUITE_ARGS="--runslow -m slow" runs the slow tier's own tests instead (the rest of the slow tier
-#            is the fast one), SUITE_LIMIT another limit in seconds. JupyterLab is not among the wheels: with
-#            what it needs (30 MB) beside the tree (21 MB) and the wheels (25 MB) it is over what a call
-#            carries, so on a lent machine the slow tier's test_jupyterlab_is_installed fails for that alone.
+#            its output also to OUT's .suite.txt sibling (400 s, then an interrupt: pytest prints what ran),
+#            in SUITE_WORKERS processes (8; pytest-xdist, among the wheels, a test file to a process);
+#            SUITE_ARGS="--runslow" runs the slow tier (what CI runs; a dry run on 2 CPU cores in 2 processes
+#            passed in 688 s; CI, in one, 1,204 s with the book), SUITE_LIMIT another limit in seconds.
+#            JupyterLab is not among the wheels: with what it needs (30 MB) beside the tree (21 MB) and the
+#            wheels (25 MB) it is over what a call carries, so on a lent machine the slow tier's
+#            test_jupyterlab_is_installed fails for that alone.
 #            Its Triton (3.6) and numpy (2.5) clash in Triton's interpreter, where the course grades the kernels
 #            and kvreviver assignments: those grades skip, saying why (kernels.interpreter_problem).
 #
@@ -275,8 +277,18 @@ suite() {
     # the project itself, as the README's set-up installs it: a slow test imports it from another folder
     PIP_BREAK_SYSTEM_PACKAGES=1 timeout -k 5 60 python -m pip install -q --no-index --no-deps --no-build-isolation -e . \
         || echo "suite: pip install -e . failed: the tests that import the library from another folder will fail"
-    echo "== suite: python -m pytest -q ${SUITE_ARGS:-(the fast tier)} on $device -> $txt"
-    timeout -s INT -k 10 "${SUITE_LIMIT:-400}" python -m pytest -q -p no:cacheprovider ${SUITE_ARGS:-} 2>&1 | tee "$txt" \
+    # SUITE_WORKERS processes where pytest-xdist is importable (it is among the wheels; default 8, 0 for one), a
+    # test file's tests all in one of them (--dist loadfile): a module's fixture, as the one that runs every
+    # notebook at once, would otherwise run again in each process that draws one of its tests
+    local workers=${SUITE_WORKERS:-8} parallel=()
+    if [ "$workers" -gt 1 ] && python -c "import xdist" 2> /dev/null; then
+        parallel=(-n "$workers" --dist loadfile)
+    elif [ "$workers" -gt 1 ]; then
+        echo "suite: pytest-xdist is not installed (fastpath/gpu_wheels.sh): the tests run in one process"
+    fi
+    echo "== suite: python -m pytest -q ${parallel[*]+${parallel[*]} }${SUITE_ARGS:-(the fast tier)} on $device -> $txt"
+    timeout -s INT -k 10 "${SUITE_LIMIT:-400}" \
+        python -m pytest -q -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} ${SUITE_ARGS:-} 2>&1 | tee "$txt" \
         || { echo "the suite FAILED or ran out of time (rc $?)"; status=1; }
 }
 

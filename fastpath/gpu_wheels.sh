@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Python packages the test suite needs that a lent GPU machine's image lacks (it has torch, triton,
-# transformers, pytest, matplotlib, tiktoken, but not the notebook packages, ruff or gguf), downloaded here
+# transformers, pytest, matplotlib, tiktoken, but not the notebook packages, ruff or gguf), and pytest-xdist,
+# which runs the suite in several processes there (the project does not need it), downloaded here
 # as wheels for its Python (3.12, x86-64 Linux) into the ignored folder .gpu_cache/wheels, at the versions
 # this machine has installed (the ones the suite is tested with). gpu_check.sh's suite stage installs
 # them there (with --target, beside the image's own packages) when that folder is carried:
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 # what the suite imports (the first line), and what those require on Python 3.12 on Linux at this machine's
 # versions, walked through their metadata, less what the image already holds (attrs, markdown-it-py, mdurl,
 # psutil, pyyaml, jinja2, packaging, pygments, python-dateutil, typing-extensions, numpy, tqdm, ...)
-names="nbformat nbclient ipykernel jupytext ruff gguf
+names="nbformat nbclient ipykernel jupytext ruff gguf pytest-xdist execnet
 traitlets jupyter_core jupyter_client pyzmq tornado comm nest-asyncio2 debugpy ipython jedi parso prompt_toolkit
 wcwidth stack_data executing asttokens pure_eval decorator matplotlib-inline pexpect ptyprocess mdit-py-plugins
 jsonschema jsonschema-specifications referencing rpds-py fastjsonschema platformdirs backcall pickleshare"
