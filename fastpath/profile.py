@@ -22,6 +22,7 @@ CPU the profiler records operators, not kernels, each timed on the host: a dry r
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -48,6 +49,11 @@ def device_time(event) -> float:
     return 0.0
 
 
+# what the profiler records beside the kernels, with device time of its own: the host's calls into CUDA (a
+# Triton launch is a cuLaunchKernelEx, once per kernel it launches) and the profiler's own buffer requests
+NOT_KERNELS = re.compile(r"^(cu|cuda)[A-Z]|^Activity Buffer Request$")
+
+
 def kernels_of(prof, device: str) -> dict[str, tuple[int, float]]:
     """name -> (launches, microseconds) of the recorded device kernels (on a CPU: the operators, their own
     host time, the views and other metadata calls left out)."""
@@ -55,6 +61,8 @@ def kernels_of(prof, device: str) -> dict[str, tuple[int, float]]:
     for e in prof.key_averages():
         if device == "cuda":
             us = device_time(e)
+            if NOT_KERNELS.match(e.key):
+                continue
             if e.device_type == torch.autograd.DeviceType.CUDA or (us > 0 and not e.key.startswith("aten::")):
                 out[e.key] = (e.count, us)
         elif e.key.startswith("aten::") and e.self_cpu_time_total > 0 and e.key not in VIEWS:

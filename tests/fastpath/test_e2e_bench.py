@@ -185,6 +185,26 @@ def test_the_gpu_scripts_parse_and_refuse_an_unknown_stage(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_the_profile_counts_kernels_not_the_host_s_calls_that_launch_them():
+    """On a GPU the profiler also records each Triton launch's ``cuLaunchKernelEx`` (a host call, given device
+    time of its own) and its buffer requests: counted as kernels, they made the H200's full cache at 8,192
+    tokens 476 "kernels" a step where the other profiles count 320. Rows as that profile recorded them."""
+    from fastpath import profile
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(key, count, us, device_type):
+        return SimpleNamespace(key=key, count=count, self_device_time_total=us, device_type=device_type)
+    recorded = [event("_decode_split_kernel", 44, 2428.0, cuda),
+                event("Memcpy DtoD (Device -> Device)", 88, 98.2, cuda),
+                event("cuLaunchKernelEx", 310, 69.8, cpu), event("cudaLaunchKernel", 200, 3.0, cpu),
+                event("Activity Buffer Request", 1, 6.2, cuda), event("aten::mm", 88, 0.0, cpu),
+                event("nvjet_sm90_tst_128x16_64x11_4x1_v_bz_TNT", 44, 604.0, cpu)]
+    kernels = profile.kernels_of(SimpleNamespace(key_averages=lambda: recorded), "cuda")
+    assert sorted(kernels) == ["Memcpy DtoD (Device -> Device)", "_decode_split_kernel",
+                               "nvjet_sm90_tst_128x16_64x11_4x1_v_bz_TNT"]
+    assert kernels["_decode_split_kernel"] == (44, 2428.0)
+
+
 @pytest.mark.slow
 def test_the_profile_names_each_method_s_operations(tmp_path):
     """``python -m fastpath.profile --quick`` on the CPU (its dry run): a table per method whose rows add up,
