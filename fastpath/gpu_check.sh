@@ -70,6 +70,24 @@
 # Every number it prints is the device's it ran on (the reports name it). GPU_CHECK_DEVICE=cpu runs a stage's
 # commands on the CPU instead (a dry run of the script before a lent machine's minutes are spent on it; bench
 # and profile then take their tiny --quick shapes: tests, bench and profile together took 56 s on 2 cores).
+# On a lent machine (this project's: 15 minutes a session, the machine started by the first call, calls of at
+# most ten minutes, each carrying the tree and the ignored paths it names, 64 MiB in all, and sending back what
+# is under $OUT), the next lease's calls, in this order, as far as the minutes go; each ends the script within
+# the call with a timeout and sends back one archive:
+#   1. the bench, the skinny step beside the fused one (the lean and graph steps left out for time): the skinny
+#      step's time and its rows' logits_vs (do its never-run kernels give the fused step's logits?), and
+#      whether the targets of keep 0.1 move with the launch now tuned on a tenth's slots too;
+#   2. with what the status says is left, less a minute, the whole slow tier, carrying .gpu_cache/wheels;
+#   3. in a lease after: the profile (what is left of the fixed cost), carrying .gpu_cache/smollm2.xz.aa; then
+#      SmolLM2's main job with the command's defaults, carrying .gpu_cache/smollm2.xz.ab (the warm machine
+#      keeps the first part).
+#     BENCH_PATHS="fused skinny" timeout -k 5 420 bash fastpath/gpu_check.sh /tmp/g1/decode_e2e.json bench; tar -C /tmp/g1 -czf $OUT/call1.tgz .
+#     SUITE_ARGS=--runslow SUITE_LIMIT=300 timeout -k 5 390 bash fastpath/gpu_check.sh /tmp/g0/decode_e2e.json suite; tar -C /tmp/g0 -czf $OUT/call0.tgz .
+#     timeout -k 5 300 bash fastpath/gpu_check.sh /tmp/g2/decode_e2e.json profile; tar -C /tmp/g2 -czf $OUT/call2.tgz .
+#     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True SMOLLM2_MPS=1 SMOLLM2_LIMIT=240 timeout -k 5 400 bash fastpath/gpu_check.sh /tmp/g3/decode_e2e.json smollm2; tar -C /tmp/g3 -czf $OUT/call3.tgz .
+# Then: the bench's report replaces results/decode_e2e_h200.json (the one it replaces kept beside it, named by
+# its commit), its summary results/decode_e2e_h200_summary.txt, and fastpath/README.md and lesson 07 quote them.
+#
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=$(realpath -m "${1:?usage: bash fastpath/gpu_check.sh OUT.json [bench] [smolbench] [tests] [hf] [profile] [compare] [launches] [smollm2] [suite]}")
