@@ -27,7 +27,7 @@
 #   profile  the skinny step's kernels per method (PROFILE_PATH=fused: the fused step's), 8,192 and 32,768
 #            tokens (python -m fastpath.profile), the kernels tuned as the bench tunes them: each kernel's
 #            launches and device time per step, to OUT's .profile.txt sibling (250 s);
-#   compare  the bundled model's suite (COMPARE_SAMPLES samples, default 2) on the CPU (a worker per core, the fast engine) and on the
+#   compare  the bundled model's main job (COMPARE_SAMPLES samples, default 2) on the CPU (a worker per core, the fast engine) and on the
 #            GPU (a worker per core sharing it, with the batched engine, then with one group), their records
 #            checked equal (methods.evaluation.agree) and their seconds printed, JSON files to OUT's .compare/
 #            sibling (3 x 60 s + 2 x 20 s; one process on the GPU did not finish in 90 s on an H200, so
@@ -38,7 +38,7 @@
 #            run's processes share the GPU through NVIDIA's Multi-Process Service, a daemon of this script's
 #            own, quit after the run; skipped where it cannot start; TOGETHER=K: methods.compare --together K,
 #            each process stepping K samples side by side), COMPARE_LIMIT another limit per run in seconds;
-#   launches one job of the bundled model's suite with each engine, on the GPU then on the CPU: its tensor
+#   launches one job of the bundled model's main job with each engine, on the GPU then on the CPU: its tensor
 #            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
 #            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
 #   smollm2  SmolLM2-135M's main job (2,048 tokens, 30 samples per task and mode) on the GPU in
@@ -205,7 +205,7 @@ compare() {
         for kv in ${setting//,/ }; do                            # MPS=1 and TOGETHER=K here, the rest to env
             case "$kv" in MPS=1) mps=1;; TOGETHER=*) together=${kv#TOGETHER=};; *) envs+=("$kv");; esac
         done
-        echo "== compare: the bundled model's suite, ${COMPARE_SAMPLES:-2} samples, --device $1 --workers $2 --engine $3 ${setting:+($setting) }-> $json"
+        echo "== compare: the bundled model's main job, ${COMPARE_SAMPLES:-2} samples, --device $1 --workers $2 --engine $3 ${setting:+($setting) }-> $json"
         if [ "$mps" = 1 ] && ! mps_start; then
             echo "MPS=1: no MPS control daemon could start here (nvidia-cuda-mps-control, on a GPU): run skipped"
             [ -n "$first" ] || echo "(the next run is the one the others are checked against)"
@@ -274,7 +274,7 @@ launches() {
     mkdir -p "$dir"
     for run in "$gpu fast" "$gpu batched" "cpu fast" "cpu batched"; do
         set -- $run
-        echo "== launches: one job of the bundled model's suite, --device $1 --engine $2 -> $dir/bundled_$1_$2.txt"
+        echo "== launches: one job of the bundled model's main job, --device $1 --engine $2 -> $dir/bundled_$1_$2.txt"
         timeout -k 10 60 python -m methods.evaluation.launches --device "$1" --engine "$2" --out "$dir/bundled_$1_$2.txt" \
             > "$dir/bundled_$1_$2.log" 2>&1 || { echo "launches on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 4 "$dir/bundled_$1_$2.log"
