@@ -85,8 +85,11 @@
 #     SUITE_ARGS=--runslow SUITE_LIMIT=300 timeout -k 5 390 bash fastpath/gpu_check.sh /tmp/g0/decode_e2e.json suite; tar -C /tmp/g0 -czf $OUT/call0.tgz .
 #     timeout -k 5 300 bash fastpath/gpu_check.sh /tmp/g2/decode_e2e.json profile; tar -C /tmp/g2 -czf $OUT/call2.tgz .
 #     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True SMOLLM2_MPS=1 SMOLLM2_LIMIT=240 timeout -k 5 400 bash fastpath/gpu_check.sh /tmp/g3/decode_e2e.json smollm2; tar -C /tmp/g3 -czf $OUT/call3.tgz .
-# Then: the bench's report replaces results/decode_e2e_h200.json (the one it replaces kept beside it, named by
-# its commit), its summary results/decode_e2e_h200_summary.txt, and fastpath/README.md and lesson 07 quote them.
+# Then: call 1's report, which has only the fused and skinny steps, goes beside results/decode_e2e_h200.json
+# (whose lean and graph steps lesson 07 plots) as results/decode_e2e_h200_skinny.json, named in
+# tests/test_results_reproduce.py's CHECKED_BY, its summary (python -m fastpath.bench --summary) added to
+# results/decode_e2e_h200_summary.txt (test_the_committed_summaries_are_what_summary_prints reads them), and
+# fastpath/README.md's targets table and lesson 07's section 6.3 say what it changed.
 #
 set -uo pipefail
 export PYTHONUNBUFFERED=1
