@@ -275,7 +275,6 @@ def test_received_attention_is_the_mean_of_the_probabilities():
     assert (got[pos < 0] == 0).all() and got.shape == (B, H_kv, C)
 
 
-
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("output", [True, False], ids=["attending", "beside the kernel"])
 def test_scissorhands_flags_a_uniform_attention_low_on_every_device(device, output):
