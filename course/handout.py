@@ -45,15 +45,17 @@ MUTANTS_REPORT = ROOT / "results" / "course_mutants.txt"    # ``python -m course
 
 def repository_files() -> list[str]:
     """The files of the repository, relative to the root: what git tracks plus new files it does not
-    ignore (so an uncommitted change is handed out as it is); without git, every file but caches."""
+    ignore (so an uncommitted change is handed out as it is); without git, every file but what .gitignore names."""
     try:
         out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.split("\n")
         return sorted({f for f in out if f and (ROOT / f).is_file()})
     except (OSError, subprocess.CalledProcessError):
-        skip = {".git", "__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
-        return sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
-                      if p.is_file() and not skip & set(p.parts) and not any(s.endswith(".egg-info") for s in p.parts))
+        skip = {".git", "__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".ruff_cache", "node_modules", "_build"}
+        top = {"runs", "build", ".gpu_cache"}                  # ignored at the root only (.gitignore)
+        files = [p.relative_to(ROOT) for p in ROOT.rglob("*") if p.is_file()]
+        return sorted(str(f) for f in files if not skip & set(f.parts) and f.parts[0] not in top
+                      and not any(s.endswith(".egg-info") for s in f.parts))
 
 
 def notebook_builder():

@@ -217,6 +217,22 @@ def test_student_copy_leaks_nothing(name, tmp_path):
             assert (out / rel).read_bytes() == src.read_bytes(), f"{rel} changed in the student copy"
 
 
+def test_without_git_a_copy_takes_every_file_but_what_git_ignores(tmp_path, monkeypatch):
+    """A tree without git (a copy of it sent to a lent GPU machine): the handout copies its files, not the caches,
+    the carried wheels or a training run that ``.gitignore`` keeps out of a checkout."""
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+    kept = ["README.md", "nanollm/model.py", "notebooks/build/figure.py"]         # a folder named build below the root
+    ignored = [".gpu_cache/wheels/torch.whl", "runs/tiny/ckpt.pt", "build/lib/x.py", "nanollm/__pycache__/m.pyc",
+               "book/node_modules/a/index.js", "nanokv.egg-info/PKG-INFO", "book/_build/index.html"]
+    for rel in kept + ignored:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    monkeypatch.setattr(handout, "ROOT", tmp_path)
+    monkeypatch.setattr(handout.subprocess, "run", no_git)
+    assert handout.repository_files() == sorted(kept)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", some_in_the_slow_tier())          # a mutants run: all with --runheavy
 def test_a_call_to_a_shipped_function_scores_nothing(name):

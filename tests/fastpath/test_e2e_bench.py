@@ -211,7 +211,7 @@ def test_the_profile_names_each_method_s_operations(tmp_path):
     H2O's step doing more than the full cache's (its scores and its eviction), and the provenance in --out."""
     from fastpath import profile
     out = tmp_path / "profile.txt"
-    profile.main(["--quick", "--methods", "full", "h2o", "--out", str(out)])
+    profile.main(["--quick", "--device", "cpu", "--methods", "full", "h2o", "--out", str(out)])
     text = out.read_text()
     assert text.startswith("# command: ") and "full at 64 tokens" in text and "h2o at 64 tokens" in text
     per_step = {m: float(re.search(rf"{m} at 64 tokens: (\d+) operators", text).group(1)) for m in ("full", "h2o")}

@@ -22,7 +22,7 @@ QWEN_STYLE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m[
 CHECKING = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}" + QWEN_STYLE
 
 
-def test_smollm2_s_template_renders_as_transformers_renders_it():
+def test_smollm2_s_template_renders_as_transformers_renders_it(smollm2_file):
     transformers = pytest.importorskip("transformers")
     from transformers.utils.chat_template_utils import render_jinja_template
     template = chat_template("smollm2-135m")
@@ -44,7 +44,7 @@ def test_a_template_that_refuses_or_hides_the_message_is_one_error():
         chat_wrap("{{ 'no message here' }}")
 
 
-def test_a_chat_task_wraps_the_prompt_in_both_modes_and_fits_its_length():
+def test_a_chat_task_wraps_the_prompt_in_both_modes_and_fits_its_length(smollm2_file):
     tok = load_tokenizer("smollm2-135m")
     prefix, suffix = chat_wrap(chat_template("smollm2-135m"))
     task = ChatTask(TASKS["passkey"], tok, prefix, suffix)
@@ -64,7 +64,7 @@ def test_compare_refuses_a_checkpoint_without_a_template(capsys):
 
 
 @pytest.mark.slow
-def test_compare_in_smollm2_s_template_in_bf16_and_its_records_rescore(tmp_path, capsys):
+def test_compare_in_smollm2_s_template_in_bf16_and_its_records_rescore(tmp_path, capsys, smollm2_file):
     """A short run of SmolLM2-135M in its chat template, in bf16: the records say so, and rescore wraps the
     samples the same way to find the references again."""
     torch.set_num_threads(1)
