@@ -54,7 +54,9 @@
 #            its output also to OUT's .suite.txt sibling (400 s, then an interrupt: pytest prints what ran),
 #            in SUITE_WORKERS processes (8; pytest-xdist, among the wheels, a test file to a process);
 #            SUITE_ARGS="--runslow" runs the slow tier (what CI runs; a dry run on 2 CPU cores in 2 processes
-#            passed in 688 s; CI, in one, 1,204 s with the book), SUITE_LIMIT another limit in seconds.
+#            passed in 688 s; CI, in one, 1,204 s with the book; its longest files, as CI runs them, are
+#            tests/course/test_grader_hostile.py and tests/notebooks/test_notebooks.py, 131 s and 125 s on this
+#            project's 2 cores), SUITE_LIMIT another limit in seconds.
 #            JupyterLab is not among the wheels: with what it needs (30 MB) beside the tree (21 MB) and the
 #            wheels (25 MB) it is over what a call carries, so on a lent machine the slow tier's
 #            test_jupyterlab_is_installed fails for that alone. Nor is SmolLM2's file there: the notebooks and
