@@ -20,6 +20,7 @@ import pytest
 from course import handout, lesson
 from course.assignments import ASSIGNMENTS, ROOT
 from course.markers import find_regions
+from tests.notebooks.test_notebooks import missing_model
 
 NAMES = sorted(ASSIGNMENTS)
 CELL_TIMEOUT_S = 120
@@ -197,12 +198,12 @@ def test_instructor_pack_has_the_mutants_and_their_report(tmp_path, monkeypatch)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n if n in ("cache", "baselines") else pytest.param(n, marks=pytest.mark.heavy)
                                   for n in NAMES])           # two in the slow tier, all eight with --runheavy
-def test_student_notebook_runs_but_the_cells_of_unfinished_tasks(name, tmp_path, request):
+def test_student_notebook_runs_but_the_cells_of_unfinished_tasks(name, tmp_path):
     from nbclient import NotebookClient
 
     a = ASSIGNMENTS[name]
-    if '"smollm2-135m"' in (ROOT / "notebooks" / f"{a.notebook}.py").read_text():
-        request.getfixturevalue("smollm2_file")          # skipped where the model is not fetched
+    if why := missing_model(ROOT / "notebooks" / f"{a.notebook}.py"):
+        pytest.skip(why)
     copy = tmp_path / "copy"
     handout.student_copy(a, copy)
     assert not list(copy.glob("course/*/test_hidden.py")) and not list(copy.glob("course/*/mutants.py"))
