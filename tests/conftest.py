@@ -24,6 +24,7 @@ cached-vs-uncached differences stay around 3e-6 (well under the 1e-5 tolerance).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import signal
@@ -173,13 +174,23 @@ def tiny_gpt2_model(device: torch.device) -> Transformer:
     return make_model(preset("TINY_GPT2"), seed=0).to(device)
 
 
+@functools.cache
+def smollm2_missing() -> str | None:
+    """Why SmolLM2-135M-Instruct cannot be loaded here (its GGUF file is not fetched), or None where it can.
+    Asked once a session: ``is_fetched`` reads the whole file for its SHA-256."""
+    from nanollm.io import fetch
+    if fetch.is_fetched("smollm2-135m"):
+        return None
+    return (f"smollm2-135m is not fetched ({fetch.target('smollm2-135m')}): run "
+            "`python -m nanollm.cli.fetch smollm2-135m` (the README's set-up does)")
+
+
 @pytest.fixture(scope="session")
 def smollm2_file():
     """The path of SmolLM2-135M-Instruct's GGUF file in the cache; the test is skipped if it is not fetched."""
     from nanollm.io import fetch
-    if not fetch.is_fetched("smollm2-135m"):
-        pytest.skip(f"smollm2-135m is not fetched ({fetch.target('smollm2-135m')}): run "
-                    "`python -m nanollm.cli.fetch smollm2-135m` (the README's set-up does)")
+    if why := smollm2_missing():
+        pytest.skip(why)
     return fetch.target("smollm2-135m")                     # is_fetched checked its size and SHA-256
 
 

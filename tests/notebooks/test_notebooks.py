@@ -9,7 +9,6 @@ These tests execute each committed notebook in a fresh ``python3`` kernel (nbcli
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
@@ -21,6 +20,7 @@ import nbformat
 import pytest
 
 from methods.evaluation.viz import QUICK_MODE
+from tests.conftest import smollm2_missing
 
 pytestmark = pytest.mark.slow        # notebooks in a kernel: the fast tier (-m "not slow") skips them
 
@@ -36,17 +36,11 @@ _spec.loader.exec_module(build)
 IPYNBS = [p.with_suffix(".ipynb") for p in build.sources() if p.with_suffix(".ipynb").exists()]
 
 
-@functools.cache
-def smollm2_fetched() -> bool:
-    from nanollm.io import fetch
-    return fetch.is_fetched("smollm2-135m")
-
-
 def missing_model(path: Path) -> str | None:
     """Why ``path`` cannot run here: it loads SmolLM2-135M, whose file is not fetched (as on a machine that got the
     tree without it); None where it can. The README's set-up fetches it, so CI runs every notebook."""
-    if '"smollm2-135m"' in path.with_suffix(".py").read_text() and not smollm2_fetched():
-        return "it loads smollm2-135m, which is not fetched: run `python -m nanollm.cli.fetch smollm2-135m`"
+    if '"smollm2-135m"' in path.with_suffix(".py").read_text() and (why := smollm2_missing()):
+        return f"it loads smollm2-135m: {why}"
     return None
 
 
