@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The Python packages the test suite needs that a lent GPU machine's image lacks (it has torch, triton,
-# transformers, pytest, matplotlib, tiktoken, but not the notebook packages, ruff or gguf), and pytest-xdist,
-# which runs the suite in several processes there (the project does not need it), downloaded here
-# as wheels for its Python (3.12, x86-64 Linux) into the ignored folder .gpu_cache/wheels, at the versions
-# this machine has installed (the ones the suite is tested with; pytest-xdist and its execnet at their newest
-# where this machine lacks them, as a fresh one does). gpu_check.sh's suite stage installs
+# transformers, pytest, matplotlib, tiktoken, but not the notebook packages, ruff, gguf or pytest-xdist, which
+# runs the suite in several processes), downloaded here as wheels for its Python (3.12, x86-64 Linux) into
+# the ignored folder .gpu_cache/wheels, at the versions this machine has installed (the ones the suite is
+# tested with; requirements.txt's, the README's set-up installs them). gpu_check.sh's suite stage installs
 # them there (with --target, beside the image's own packages) when that folder is carried:
 #
 #     bash fastpath/gpu_wheels.sh            # here, where PyPI is reachable (about 25 MB)
@@ -26,11 +25,8 @@ for name in sys.argv[1:]:
     try:
         out.append(f"{name}=={version(name)}")
     except PackageNotFoundError:
-        if name in ("pytest-xdist", "execnet"):   # the GPU run's tools, not the project's: the newest
-            out.append(name)
-            print(f"gpu_wheels: {name} is not installed here, its newest wheel taken", file=sys.stderr)
-        else:                                     # not needed by this machine's versions (backcall: older IPython)
-            print(f"gpu_wheels: {name} is not installed here, skipped", file=sys.stderr)
+        # not needed by this machine's versions (backcall: older IPython)
+        print(f"gpu_wheels: {name} is not installed here, skipped", file=sys.stderr)
 print(" ".join(out))
 PY
 )

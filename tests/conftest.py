@@ -4,13 +4,14 @@ SmolLM2-135M-Instruct, when it has been fetched (``python -m nanollm.cli.fetch s
 README's set-up): its tests are skipped, saying so, where it has not.
 
 Two tiers, the pytest documentation's way. Bare ``python -m pytest`` runs the fast tier: no subprocess,
-no notebook execution, no benchmark, one option set per method in the contract matrix (under a minute on
-two cores). ``--runslow`` adds the slow tier (``@pytest.mark.slow``: commands in subprocesses, notebooks,
-the linter, the real model, the whole contract matrix). Timing benchmarks (``@pytest.mark.bench``) run
+no notebook execution, no benchmark, one option set per method in the contract matrix. ``--runslow`` adds
+the slow tier (``@pytest.mark.slow``: commands in subprocesses, notebooks, the linter, the real model, the
+whole contract matrix). Timing benchmarks (``@pytest.mark.bench``) run
 only with ``--runbench``, and the heavy end-to-end checks (``@pytest.mark.heavy``: re-running the committed
 real-model results, every assignment's shipped-function mutants and student notebook; the slow tier keeps
-one or two of each) only with ``--runheavy``, to keep the slow tier near CI's half hour on two cores; run
-them before committing a results file or a course change.
+one or two of each) only with ``--runheavy``, to keep the slow tier well within CI's half hour on two cores
+(CI runs it in two processes, ``-n 2 --dist loadfile``); run them before committing a results file or a course
+change.
 A fast-tier test that starts a subprocess fails, saying it belongs to the slow one.
 
 No checkpoint is downloaded: equivalence tests (cached vs uncached, policy path vs plain path) only need

@@ -54,7 +54,8 @@ def test_ci_runs_the_readme_setup_and_tests():
     setup = [line.split("#")[0].strip() for line in code_blocks("bash", README)[0].splitlines()]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for line in ("pip install -r requirements.txt && pip install -e .", "python -m nanollm.cli.fetch smollm2-135m",
-                 'pip install -e ".[book]" && npm ci --prefix book', "python -m pytest -q --runslow"):
+                 'pip install -e ".[book]" && npm ci --prefix book',
+                 "python -m pytest -q -n 2 --dist loadfile --runslow"):
         assert line in setup and (line in ci or f"{line} || exit 1" in ci), line
 
 
