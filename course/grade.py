@@ -67,6 +67,7 @@ MIN_PER_TEST_S = 10 * POLL_S    # the shortest time limit the grader enforces: i
 DUMP_TAIL = 1 << 20      # bytes of the end of the student's output read to find where a stopped test was
 LOG_HEAD, LOG_TAIL = 64 << 10, 1 << 20      # what the grader reads of pytest's output (its start and its end)
 MESSAGE_LINES, MESSAGE_CHARS = 10, 1500     # a failure's message in the JSON
+SEEDS = 1 << 31          # ``--seed`` takes 0 <= N < SEEDS; without it, a fresh one each run (``new_seed``)
 PUBLIC_CHARS = 800       # a public test's message, which the student sees (it may quote values the code returned)
 STUDENT_CHARS = 160      # a line of the student's own exception in a public test's message (two lines at most)
 
@@ -415,9 +416,11 @@ def check_interpreter(assignment: Assignment) -> None:
 
 
 def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_test_s: float = PER_TEST_S,
-              tasks: tuple[str, ...] | None = None, require_room: bool = False) -> tuple[list[Result], float, str, str]:
-    """Run the assignment's tests against ``student`` (only those of ``tasks`` if given); (results, seconds,
-    pytest's output, the user the student's code ran as)."""
+              tasks: tuple[str, ...] | None = None, require_room: bool = False,
+              seed: int | None = None) -> tuple[list[Result], float, str, str]:
+    """Run the assignment's tests against ``student`` (only those of ``tasks`` if given) on inputs drawn from
+    ``seed`` (``COURSE_SEED`` in the test process; ``oracle.seed``); (results, seconds, pytest's output, the
+    user the student's code ran as)."""
     check_interpreter(assignment)
     tests = assignment.tests(hidden)
     reference = [str(ROOT)] if any(t.name == "test_hidden.py" for t in tests) else []     # oracle.reference
@@ -447,7 +450,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
             per_dump_s=per_test_s * 0.8, home=str(home), nobody=nobody,
             jail=confine.jailed(spec, []) if spec else None)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
-        env.update({"OMP_NUM_THREADS": "1"})
+        env.update({"OMP_NUM_THREADS": "1", "COURSE_SEED": str(new_seed() if seed is None else seed)})
         env.setdefault("TRITON_INTERPRET", "1")      # no GPU: the kernels run in Triton's interpreter
         node = {n: f"{t.name}::{n}" for t in tests for n, (_, task) in marks_of(t).items()   # name -> node id
                 if tasks is None or task in tasks}
@@ -483,6 +486,13 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
                 results.append(Result(name, visibility, pts, pts if status == "passed" else 0.0, status, text,
                                       task or ""))
     return results, seconds, "\n".join(logs), runs_as
+
+
+def new_seed() -> int:
+    """A seed no copy can know in advance: the tests' random inputs are drawn from it (``oracle.seed``), so a
+    table of answers recorded from an earlier run earns nothing."""
+    import secrets
+    return secrets.randbelow(SEEDS)
 
 
 def function(test: str) -> str:
@@ -620,9 +630,9 @@ def task_names(assignment: Assignment, hidden: bool = True) -> list[str]:
 
 
 def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_s: float = PER_TEST_S,
-          tasks: tuple[str, ...] | None = None, require_room: bool = False) -> dict:
-    """Grade ``name`` against ``student`` (default: this repository), only ``tasks`` if given. Returns a
-    summary dict."""
+          tasks: tuple[str, ...] | None = None, require_room: bool = False, seed: int | None = None) -> dict:
+    """Grade ``name`` against ``student`` (default: this repository), only ``tasks`` if given, on inputs drawn
+    from ``seed`` (default: a fresh one). Returns a summary dict."""
     assignment = get(name)
     student = Path(student or ROOT).expanduser()
     check_name(student, "--student")
@@ -635,13 +645,21 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
     if tasks is not None and set(tasks) - set(task_names(assignment, hidden)):
         raise SystemExit(f"error: no task {sorted(set(tasks) - set(task_names(assignment, hidden)))[0]!r} in "
                          f"{name!r}; its tasks: {', '.join(task_names(assignment, hidden)) or '(none)'}")
-    results, seconds, log, runs_as = run_tests(assignment, student, hidden, per_test_s, tasks, require_room)
+    check_seed(seed)
+    seed = new_seed() if seed is None else seed
+    results, seconds, log, runs_as = run_tests(assignment, student, hidden, per_test_s, tasks, require_room, seed)
     withhold_hidden_text(results, assignment)
     has_hidden = any(r.visibility == "hidden" for r in results)
     return {"assignment": name, "student": str(student), "results": [asdict(r) for r in results],
             "score": sum(r.score for r in results), "max_score": sum(r.max_score for r in results),
             "seconds": seconds, "hidden_tests": has_hidden, "log": log,
-            "changed_adapters": adapter_changes(assignment, student), "runs_as": runs_as}
+            "changed_adapters": adapter_changes(assignment, student), "runs_as": runs_as, "seed": seed}
+
+
+def check_seed(seed: int | None) -> None:
+    """``--seed``: an integer 0 <= N < ``SEEDS``."""
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEEDS):
+        raise SystemExit(f"error: --seed must be an integer from 0 to {SEEDS - 1}, got {seed}")
 
 
 def check_per_test_s(per_test_s: float) -> None:
@@ -730,6 +748,9 @@ def main(argv: list[str] | None = None) -> None:
                         f"(this + {RESTART_S} s) per test")
     p.add_argument("-k", "--task", action="append", default=None, metavar="TASK",
                    help="grade only this task's tests (repeatable); the tasks are the sheet's (e.g. window_vote)")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"draw the tests' random inputs from this seed (0 to {SEEDS - 1}; default: a fresh one each "
+                        "run, printed with the score, so a failure can be run again on the same inputs)")
     p.add_argument("--log", action="store_true", help="print pytest's own output after the table")
     p.add_argument("--require-confinement", action="store_true",
                    help="refuse to grade, in one line naming what the student's code could read, where its private "
@@ -738,12 +759,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.json is not None:                       # every flag is checked before any test runs
         check_new_file(args.json)
     check_per_test_s(args.per_test_s)
+    check_seed(args.seed)
     summary = grade(args.assignment, args.student, hidden=not args.public_only, per_test_s=args.per_test_s,
-                    tasks=None if args.task is None else tuple(args.task), require_room=args.require_confinement)
+                    tasks=None if args.task is None else tuple(args.task), require_room=args.require_confinement,
+                    seed=args.seed)
     results = [Result(**r) for r in summary["results"]]
     print(f"assignment {args.assignment!r}, student copy {summary['student']}\n")
     print(table(results))
-    print(f"\nscore: {summary['score']:g} / {summary['max_score']:g} in {summary['seconds']:.1f} s")
+    print(f"\nscore: {summary['score']:g} / {summary['max_score']:g} in {summary['seconds']:.1f} s (inputs from "
+          f"--seed {summary['seed']})")
     said = notes(summary, args.public_only)
     for line in said:
         print(line)
