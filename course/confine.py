@@ -8,8 +8,8 @@ What keeps a graded copy's code away from its grade (Linux; elsewhere the first 
 * ``end``: a test process and every process below it, and any process that left its parent (a daemon, now
   the grader's child), are frozen (SIGSTOP, so none can start another), then killed and reaped, before the
   grader reads the outcome or writes anything;
-* ``scratch_copy``: the copy's files (no links, no .git, no virtual environment) in a folder of their own,
-  readable by the user ``nobody``, who runs the student's code when the grader runs as root.
+* ``scratch_copy``: the copy's files (no links, no .git, no virtual environment, no tests) in a folder of
+  their own, readable by the user ``nobody``, who runs the student's code when the grader runs as root.
 """
 
 from __future__ import annotations
@@ -208,9 +208,14 @@ def jail_spec(root: str, read: list[str], write: list[str], hide: list[str], use
 JAIL_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # as jail.SYSTEM
 
 
-def jailed(spec: dict, cmd: list[str]) -> list[str]:
-    """``cmd`` run inside the room ``spec`` describes."""
-    return [sys.executable, "-I", "-S", "-B", "-c", JAIL.read_text(), json.dumps(spec), "--", *cmd]
+def jailed(cmd: list[str]) -> list[str]:
+    """``cmd`` run inside a room: the room's spec goes to this command's standard input (``spec_bytes``)."""
+    return [sys.executable, "-I", "-S", "-B", "-c", JAIL.read_text(), "--", *cmd]
+
+
+def spec_bytes(spec: dict) -> bytes:
+    """What course/jail.py reads on its standard input (never an argument: ``/proc/1/cmdline`` is readable)."""
+    return json.dumps(spec).encode()
 
 
 def jail_works(spec: dict) -> str | None:
@@ -219,16 +224,16 @@ def jail_works(spec: dict) -> str | None:
     if not sys.platform.startswith("linux"):
         return f"no private file system on {sys.platform}"
     check = "import os, sys; [os.listdir(p) for p in sys.argv[1:]]"
-    cmd = jailed({**spec, "root": tempfile.mkdtemp(prefix="jail-probe-", dir=os.path.dirname(spec["root"]))},
-                 [sys.executable, "-I", "-S", "-B", "-c", check, *spec["read"]])
+    probe = {**spec, "root": tempfile.mkdtemp(prefix="jail-probe-", dir=os.path.dirname(spec["root"]))}
+    cmd = jailed([sys.executable, "-I", "-S", "-B", "-c", check, *spec["read"]])
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        done = subprocess.run(cmd, capture_output=True, timeout=60, input=spec_bytes(probe),
                               cwd=spec["write"][0] if spec["write"] else "/", env={"PATH": "/usr/bin:/bin"})
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"jail: {e}"
     if done.returncode == 0:
         return None
-    lines = [s for s in (done.stderr or "").splitlines() if s.strip()]
+    lines = [s for s in done.stderr.decode(errors="replace").splitlines() if s.strip()]
     return lines[-1] if lines else f"the probe exited with code {done.returncode}"
 
 
@@ -236,24 +241,21 @@ def room(parent: Path, copy: Path, home: Path, site_dirs: list[str], root: Path)
     """The room for a student's process (course/jail.py): (its spec, how the code runs there), or (None, why it
     cannot be built here). ``copy`` is bound read-only, ``home`` writable, Python and ``site_dirs`` read-only;
     the instructor's checkout ``root`` and the library installed in site-packages are hidden. As root the code
-    runs as nobody where nobody can read Python's files in the room, else as root without capabilities."""
+    runs as nobody, which must be able to read Python's files in the room; never as root."""
     python = [sys.base_prefix, sys.prefix, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
               os.path.dirname(os.path.realpath(sys.executable))]
     read = list(dict.fromkeys([*python, *site_dirs, str(copy)]))
     hide = list(dict.fromkeys([str(root), str(root.resolve()), *installed_library(site_dirs, root)]))
-    users = {"nobody": "nobody", "drop": "root without capabilities"} if os.geteuid() == 0 else \
-        {"keep": "the grader's user"}
-    why = ""
-    for user, who in users.items():
-        if user == "nobody":
-            os.chown(home, NOBODY, NOBODY)
-        folder = Path(tempfile.mkdtemp(prefix="room-", dir=parent))
-        spec = jail_spec(str(folder), read, [str(home)], hide, user)
-        why = jail_works(spec)
-        if why is None:
-            return spec, f"{who}, in a private file system (the copy and Python only)"
-        if user == "nobody":
-            os.chown(home, 0, 0)
+    user, who = ("nobody", "nobody") if os.geteuid() == 0 else ("keep", "the grader's user")
+    if user == "nobody":
+        os.chown(home, NOBODY, NOBODY)
+    folder = Path(tempfile.mkdtemp(prefix="room-", dir=parent))
+    spec = jail_spec(str(folder), read, [str(home)], hide, user)
+    why = jail_works(spec)
+    if why is None:
+        return spec, f"{who}, in a private file system (the copy and Python only)"
+    if user == "nobody":
+        os.chown(home, 0, 0)
     return None, why
 
 
@@ -265,8 +267,9 @@ def readable_unconfined(root: Path, nobody: bool) -> list[str]:
 
 
 def unconfined(root: Path, nobody: bool, why: str) -> str:
-    """How the student's code runs where no room can be built (``why``), and what it can read, in a line."""
-    who = "as nobody" if nobody else "as root without capabilities" if os.geteuid() == 0 else "as the grader's user"
+    """How the student's code runs where no room can be built (``why``), and what it can read, in a line (never
+    as root: ``as_root_refusal``)."""
+    who = "as nobody" if nobody else "as the grader's user"
     seen = readable_unconfined(root, nobody)
     return (f"{who} (no private file system: {why}): it could read " +
             (f"{', '.join(seen)} (the solutions and the hidden tests)" if seen else "what every user may") +
@@ -283,18 +286,53 @@ def readable_by_others(path: Path) -> bool:
         return False
 
 
+def unreadable_by_others(paths: list[str]) -> str | None:
+    """The first of ``paths``, or of the folders above one, that a user with no relation to its owner cannot
+    read or search (with its mode), else None. Inside a folder it looks one level deep (a site-packages of
+    mode 755 whose packages are 700 is found by its first package)."""
+    for p in paths:
+        path = Path(p).resolve()
+        inside = sorted(path.iterdir())[:50] if path.is_dir() and os.access(path, os.R_OK) else []
+        for q in [*reversed(path.parents), path, *inside]:
+            try:
+                mode = q.stat().st_mode
+            except OSError:
+                continue
+            if not mode & (0o005 if stat.S_ISDIR(mode) else 0o004):
+                return f"{q} (mode {stat.S_IMODE(mode):o})"
+    return None
+
+
+def as_root_refusal(python_paths: list[str], why: str) -> str:
+    """Why a grader running as root refuses to grade (the student's code would have to run as root), and what to
+    change, in a line."""
+    blocked = unreadable_by_others(python_paths)
+    return ("the grader runs as root and the student's code never does, but the user nobody cannot read Python "
+            f"and its packages{f': {blocked}' if blocked else f' ({why})'}; make them readable to other users "
+            "(chmod o+rx on each folder above them, chmod -R o+rX on Python's prefix and site-packages; a "
+            "virtual environment made under umask 022), or grade as an ordinary user")
+
+
 def can_run_as_nobody(paths: list[str]) -> bool:
     """Root can run the student's code as ``nobody`` when nobody can read Python and its packages."""
     return os.geteuid() == 0 and all(readable_by_others(Path(p)) for p in paths)
 
 
+def not_for_the_graded_code(rel: Path) -> bool:
+    """The copy's tests and the course's oracle and tests (``rel``: a path in the copy): they hold reference
+    implementations, so the graded code is not given them at all (the import guard in course/student_process.py
+    stops an honest import only: the student's code can take it off)."""
+    return (rel.parts[0] == "tests" or rel.name == "conftest.py" or rel == Path("course", "oracle.py")
+            or (rel.parts[0] == "course" and rel.name.startswith("test_") and rel.suffix == ".py"))
+
+
 def scratch_copy(student: Path, out: Path, max_bytes: int = 2 << 30) -> Path:
-    """The copy's regular files under ``out`` (readable by every user), without links, caches, .git and virtual
-    environments; at most ``max_bytes`` in all."""
+    """The copy's regular files under ``out`` (readable by every user), without links, caches, .git, virtual
+    environments, and the tests and oracle (``not_for_the_graded_code``); at most ``max_bytes`` in all."""
     total = 0
     for src in sorted(student.rglob("*")) if student != out else []:
         rel = src.relative_to(student)
-        if SKIP & set(rel.parts) or any(p.endswith(".egg-info") for p in rel.parts):
+        if SKIP & set(rel.parts) or any(p.endswith(".egg-info") for p in rel.parts) or not_for_the_graded_code(rel):
             continue
         if any((student / Path(*rel.parts[:i]) / "pyvenv.cfg").exists() for i in range(1, len(rel.parts))):
             continue                                # inside a virtual environment

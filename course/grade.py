@@ -15,7 +15,8 @@ and tests; a module of the library imported from anywhere but the copy fails the
 ``python -I -S`` (no site module, so no ``sitecustomize``, ``usercustomize`` or ``.pth`` file runs, and no
 ``PYTHON*`` variable counts). Each test's start and outcome reach the grader over a pipe that only the test
 process holds; before anything is written, every process the run started is frozen and killed, daemons
-included. As root (Gradescope), the student's process runs as ``nobody`` where that user can read Python.
+included. As root (Gradescope), the student's process runs as ``nobody``, never as root: where that user cannot
+read Python and its packages, the grader refuses in one line saying what to change.
 Nothing of the student copy or of this repository is written to. A library file that does not import fails
 the tasks whose code is in it; every failure reads as its exception's type and message (a syntax error with
 its file and line) and the line of the student's code it came from.
@@ -88,11 +89,11 @@ import remote
 RESULTS_FD = {results_fd!r}
 DUMP = {dump!r}
 sys.modules["adapters"] = remote.connect({student!r}, {adapters!r}, {site_dirs!r}, DUMP, {per_dump_s!r}, {home!r},
-                                         {nobody!r}, jail={jail!r})
+                                         {nobody!r}, jail={jail!r}, room={room!r})
 
 
-def record(kind, name, message=""):
-    data = (json.dumps({{"kind": kind, "name": name, "message": message[:20000]}}) + "\\n").encode()
+def record(kind, name, message="", cause=""):
+    data = (json.dumps({{"kind": kind, "name": name, "message": message[:20000], "cause": cause}}) + "\\n").encode()
     while data:
         data = data[os.write(RESULTS_FD, data):]
 
@@ -121,7 +122,15 @@ def pytest_runtest_makereport(item, call):
     report = yield
     if call.excinfo is not None:
         report.course_message = describe(call.excinfo, public=item.path.name == "test_public.py")
+        report.course_cause = cause(call.excinfo)
     return report
+
+
+def cause(excinfo):
+    """The kind of a failure, a word the grader turns into a hidden test's message of its own: the student's
+    code raised, the test's check failed, or anything else."""
+    e = excinfo.value
+    return "raised" if getattr(e, "course_text", None) else "wrong" if isinstance(e, AssertionError) else "error"
 
 
 def pytest_exception_interact(node, call, report):
@@ -143,7 +152,8 @@ def pytest_runtest_logreport(report):
     if report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
         record("failed", name, getattr(report, "course_message", None)
-               or (crash.message if crash is not None else str(report.longrepr).splitlines()[-1]))
+               or (crash.message if crash is not None else str(report.longrepr).splitlines()[-1]),
+               getattr(report, "course_cause", "error"))
     elif report.skipped:
         record("failed", name, f"the test was skipped: {{report.longrepr}}")
     elif report.when == "call" and report.passed:
@@ -185,6 +195,7 @@ class Result:
     status: str            # "passed" or "failed"
     output: str            # the failure's message, a few lines ("" when passed)
     task: str = ""         # the sheet's task the test grades
+    cause: str = ""        # a failure's kind (``HIDDEN_SAYS``): what a hidden test's JSON says instead of output
 
 
 def marks_of(path: Path) -> dict[str, tuple[float, str | None]]:
@@ -264,6 +275,7 @@ class Progress:
     running: str | None = None          # the test that started last and has no outcome (a crash or a stop)
     starts: int = 0                     # how many tests have started, in all
     collect: dict[str, str] = field(default_factory=dict)                 # test file -> why it did not import
+    causes: dict[str, str] = field(default_factory=dict)    # test -> "raised", "wrong" or "error" (its failure)
 
 
 def parse_results(text: str) -> Progress:
@@ -272,7 +284,7 @@ def parse_results(text: str) -> Progress:
     for line in text.splitlines():
         try:
             rec = json.loads(line)
-            kind, name, text = rec["kind"], rec["name"], rec["message"]
+            kind, name, text, why = rec["kind"], rec["name"], rec["message"], rec.get("cause", "")
         except (ValueError, KeyError, TypeError):
             continue                                    # a line cut short by a kill
         if kind == "start":
@@ -281,6 +293,8 @@ def parse_results(text: str) -> Progress:
             p.collect.setdefault(name, text)
         elif p.outcomes.get(name, ("",))[0] != "failed":          # the first failure of a test is its outcome
             p.outcomes[name] = (kind, message(text) if kind == "failed" else "")
+            if kind == "failed" and why in HIDDEN_SAYS:
+                p.causes.setdefault(function(name), why)
             p.running = None if name == p.running else p.running
     return p
 
@@ -432,8 +446,10 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
         copy.chmod(0o755)
         scratch = confine.scratch_copy(student, copy / "copy")
         spec, runs_as = confine.room(tmp, scratch, home, site_dirs(), ROOT)   # course/jail.py
-        nobody = spec is None and confine.can_run_as_nobody([sys.executable, sysconfig.get_paths()["stdlib"],
-                                                            *site_dirs()])
+        python = [sys.executable, sysconfig.get_paths()["stdlib"], *site_dirs()]
+        nobody = spec is None and os.geteuid() == 0 and confine.unreadable_by_others(python) is None
+        if spec is None and os.geteuid() == 0 and not nobody:      # never as root: refused, saying what to change
+            raise SystemExit(f"error: {confine.as_root_refusal(python, runs_as)}")
         if spec is None:                       # no room here: the student's code runs unconfined
             if require_room:
                 raise SystemExit(f"error: the student's code cannot be confined here ({runs_as}); it could read "
@@ -448,14 +464,14 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
             results_fd=results.write_fd, dump=str(dump), student=str(scratch), student_chars=STUDENT_CHARS,
             adapters=str(scratch / "course" / assignment.name / "adapters.py"), site_dirs=site_dirs(),
             per_dump_s=per_test_s * 0.8, home=str(home), nobody=nobody,
-            jail=confine.jailed(spec, []) if spec else None)
+            jail=confine.jailed([]) if spec else None, room=confine.spec_bytes(spec).decode() if spec else None)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
         env.update({"OMP_NUM_THREADS": "1", "COURSE_SEED": str(new_seed() if seed is None else seed)})
         env.setdefault("TRITON_INTERPRET", "1")      # no GPU: the kernels run in Triton's interpreter
         node = {n: f"{t.name}::{n}" for t in tests for n, (_, task) in marks_of(t).items()   # name -> node id
                 if tasks is None or task in tasks}
         limit = run_limit_s(len(node), per_test_s)
-        outcomes, logs, t0 = {}, [], time.monotonic()
+        outcomes, causes, logs, t0 = {}, {}, [], time.monotonic()
         try:
             while remaining := [n for n in node if n not in outcomes]:
                 if time.monotonic() - t0 > limit - 1:
@@ -472,6 +488,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
                 log = read_bounded(out / "log.txt")
                 logs.append(log if why is None else f"{log}\n(stopped by the grader: {why})")
                 found = parse_results(results.read()[before:])
+                causes.update({n: c for n, c in found.causes.items() if n not in causes})
                 outcomes.update(round_outcomes(remaining, node, found, code, why, log, per_test_s, limit,
                                                where_it_was(dump, scratch)))
         finally:
@@ -484,7 +501,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
             if name in outcomes:
                 status, text = outcomes[name]
                 results.append(Result(name, visibility, pts, pts if status == "passed" else 0.0, status, text,
-                                      task or ""))
+                                      task or "", causes.get(name, "") if status == "failed" else ""))
     return results, seconds, "\n".join(logs), runs_as
 
 
@@ -584,9 +601,31 @@ def gradescope(results: list[Result], seconds: float, note: str) -> dict:
         "visibility": "visible",
         "stdout_visibility": "hidden",
         "tests": [{"name": f"{r.visibility}: {r.name}" + (f" (task {r.task})" if r.task else ""),
-                   "score": r.score, "max_score": r.max_score, "status": r.status, "output": r.output,
+                   "score": r.score, "max_score": r.max_score, "status": r.status,
+                   "output": r.output if r.visibility == "public" else hidden_output(r),
                    "visibility": "visible" if r.visibility == "public" else "after_published"} for r in results],
     }
+
+
+HIDDEN_SAYS = {"raised": "your code raised an exception in this test",
+               "wrong": "wrong answer: the test's check failed",
+               "error": "the test failed on what your code returned"}
+
+
+def hidden_output(r: Result) -> str:
+    """What the student sees of a hidden test once grades are published: words the grader writes (the kind of
+    failure; the test's name and points stand beside it), never text or bytes the student's code produced (its
+    exception, the values it returned, the inputs it was given). The full message stays in the grader's table,
+    for the instructor."""
+    if r.status == "passed":
+        return ""
+    if r.cause in HIDDEN_SAYS:
+        return HIDDEN_SAYS[r.cause]
+    if "ran over" in r.output or "reached its limit" in r.output:
+        return "ran over its time limit: the grader stopped it"
+    if "stopped" in r.output:
+        return "a process stopped in this test (the one running your code, or the test's)"
+    return "failed: the test could not run to its end"
 
 
 QUOTE = 40      # characters in a row of the hidden tests' text that withhold a public test's message

@@ -7,7 +7,9 @@ The zip holds what Gradescope's autograder needs, the reference solution among i
 instructors' alone: students see none of its files):
 
 * ``setup.sh``: run once when Gradescope builds the image; makes a virtual environment and installs
-  ``requirements.txt``, the versions installed where the zip was made (torch, numpy, pytest, tqdm, triton);
+  ``requirements.txt``, the versions installed where the zip was made (torch, numpy, pytest, tqdm, triton),
+  readable by every user: the student's code runs as ``nobody``, never as root, and the grader refuses to
+  grade where nobody cannot read Python;
 * ``run_autograder``: run for each submission, a student copy of the repository (the whole folder, uploaded
   as it is or zipped in a folder); it copies the submission into a scratch folder and runs
   ``python -m course.grade NAME --student COPY --json RESULTS`` with the hidden tests into its private
@@ -52,6 +54,7 @@ SETUP = """\
 # pinned requirements in a virtual environment (run_autograder uses it).
 set -euo pipefail
 cd "$(dirname "$0")"
+umask 022                                   # the student's code runs as nobody, which must read Python
 venv="${AUTOGRADER_VENV:-/autograder/venv}"
 if ! python3 -m venv "$venv"; then          # the base image lacks Python or its venv module
     apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-pip
@@ -59,6 +62,9 @@ if ! python3 -m venv "$venv"; then          # the base image lacks Python or its
 fi
 "$venv/bin/pip" install --no-cache-dir --upgrade pip
 "$venv/bin/pip" install --no-cache-dir -r requirements.txt
+chmod -R o+rX "$venv"                       # and should an image's umask have been stricter
+dir="$venv"
+while dir="$(dirname "$dir")" && [ "$dir" != / ]; do chmod o+x "$dir"; done
 """
 
 RUN = """\

@@ -2,8 +2,9 @@
 The room a student's code runs in while it is graded (Linux): a file system that holds the copy, its home folder
 and the interpreter with its packages, and nothing else of the machine.
 
-The grader starts the student's process as ``python -I -S -B -c <this file's text> SPEC -- COMMAND...``. This
-program, alone and single-threaded, then:
+The grader starts the student's process as ``python -I -S -B -c <this file's text> -- COMMAND...`` and writes
+SPEC to its standard input (not its arguments: ``/proc/1/cmdline`` in the room would show the grader's paths it
+masks). This program, alone and single-threaded, reads SPEC, puts ``/dev/null`` in its place, then:
 
 1. leaves the grader's namespaces for new ones (``unshare``): mounts (what it mounts nobody else sees), process
    ids (it sees no other process, so it can signal, trace or open through ``/proc`` none of the grader's),
@@ -15,21 +16,23 @@ program, alone and single-threaded, then:
 3. builds a new root in an empty ``tmpfs``: read-only bind mounts of the system's programs and libraries
    (``/usr``, ``/etc``, ``/bin``...), of Python (its prefix, standard library and site-packages: SPEC's
    ``read``), writable ones of SPEC's ``write`` (the copy's home); a fresh ``/tmp``, ``/dev`` with
-   null, zero, full, random, urandom, and ``/proc`` of the new namespace; then hides SPEC's ``mask``: a path
+   null, zero, full, random, urandom, and ``/proc`` of the new namespace, whose kernel settings
+   (``/proc/sys``, ``/proc/sysrq-trigger`` and the like) are read-only; then hides SPEC's ``mask``: a path
    of the grader's that a bind mount above would show (the instructor's checkout, the library installed in
    site-packages, its editable finder) is covered by an empty read-only folder or ``/dev/null``;
 4. makes that its root (``pivot_root``) and unmounts the old one, so no path leads back to the machine's files;
 5. limits the size of any file it writes (``FILE_BYTES``: its output goes to the grader's dump file), and
-   drops privileges: as root, to the user ``nobody`` (SPEC ``"user": "nobody"``) or to root without any
-   capability (``"drop"``: it cannot mount, trace or override file permissions, so it cannot undo 1-4); as an
-   ordinary user it stays that user, whose capabilities in the user namespace end with the ``exec``;
+   drops privileges: as root, to the user ``nobody`` (SPEC ``"user": "nobody"``); as an ordinary user it
+   stays that user (``"keep"``), whose capabilities in the user namespace end with the ``exec``. It never
+   runs COMMAND as uid 0: root's uid may write the machine's kernel settings whatever its capabilities (a
+   program in ``/proc/sys/kernel/core_pattern`` would run as full root at the next crash);
 6. runs COMMAND (``execve``) as process 2, with the environment and in the folder it was started with (a
    path of the new root: SPEC binds it); process 1 only waits for it (a process 1 ignores the signals it has no
    handler for, which the student's code must not), then passes its wait status on.
 
 Any step that fails ends the program with exit code 125 and one line on standard error saying which; the
 grader then grades unconfined and says so in the grade (``course.grade``'s note). SPEC is JSON:
-``{"root": a new empty folder, "read": [...], "write": [...], "mask": [...], "user": "nobody"|"drop"|"keep"}``.
+``{"root": a new empty folder, "read": [...], "write": [...], "mask": [...], "user": "nobody"|"keep"}``.
 """
 
 import ctypes
@@ -45,11 +48,12 @@ CLONE_NEWNET, CLONE_NEWIPC = 0x40000000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 4, 24, 38, 47
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # programs and libraries
 #          (course/confine.py JAIL_SYSTEM: the same)
 DEVICES = ("null", "zero", "full", "random", "urandom")
+KERNEL_SETTINGS = ("sys", "sysrq-trigger", "irq", "bus", "fs")     # of /proc: read-only in the room
 NOBODY = 65534
 FILE_BYTES = 256 << 20               # the largest file the student's code may write (its output included)
 
@@ -134,6 +138,11 @@ def build_root(spec: dict) -> None:
     os.makedirs(f"{root}/dev/shm")
     mount("tmpfs", f"{root}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
     mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for name in KERNEL_SETTINGS:                      # the machine's settings: nobody may write them, and the
+        target = f"{root}/proc/{name}"                # room does not rely on that alone
+        if os.path.lexists(target):
+            mount(target, target, None, MS_BIND | MS_REC)
+            mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def enter_root(root: str) -> None:
@@ -148,16 +157,14 @@ def enter_root(root: str) -> None:
 
 
 def drop_privileges(user: str) -> None:
-    """Step 5: as root, to nobody or to no capability at all; no new privileges either way (no setuid program)."""
+    """Step 5: as root, to nobody; no new privileges either way (no setuid program). Never uid 0."""
     if user == "nobody":
         os.setgroups([])
         os.setgid(NOBODY)
         os.setuid(NOBODY)
-    elif user == "drop":
-        check(libc.prctl(PR_CAP_AMBIENT, 4, 0, 0, 0), "clear the ambient capabilities")    # CLEAR_ALL
-        for cap in range(64):
-            libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)     # past the last capability it fails: nothing to drop
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
+    if 0 in (*os.getresuid(), *os.getresgid()):
+        raise Failed(f"user {user!r}: the student's code would run as root (uid or gid 0); refused")
 
 
 def init(spec: dict, command: list[str], status_w: int) -> None:
@@ -174,10 +181,10 @@ def init(spec: dict, command: list[str], status_w: int) -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)     # the parent killed: this goes too (set after the
     #                                                           change of user, which clears it)
     os.chdir(cwd)
-    pid = os.fork()
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)   # the student's code cannot trace this process (from before the
+    pid = os.fork()                           # fork: its exec makes the child dumpable again, this stays not)
     if pid == 0:
         os.execve(command[0], command, dict(os.environ))   # the status pipe closes here (not inheritable)
-    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)                 # the student's code cannot trace this process
     os.closerange(0, status_w)
     os.closerange(status_w + 1, 1 << 16)
     _, status = os.waitpid(pid, 0)
@@ -185,8 +192,24 @@ def init(spec: dict, command: list[str], status_w: int) -> None:
     os._exit(0)
 
 
+def read_spec() -> dict:
+    """SPEC from standard input (to its end), which then reads ``/dev/null``."""
+    chunks = []
+    while chunk := os.read(0, 1 << 16):
+        chunks.append(chunk)
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    return json.loads(b"".join(chunks))
+
+
 def main(argv: list[str]) -> None:
-    spec, command = json.loads(argv[0]), argv[2:]
+    command = argv[1:]                                      # after the "--"
+    try:
+        spec = read_spec()
+    except (OSError, ValueError) as e:
+        print(f"jail: no room specification on standard input ({e})", file=sys.stderr, flush=True)
+        os._exit(125)
     try:
         enter_namespaces()
         status_r, status_w = os.pipe()                      # process 1 -> here: the student's wait status

@@ -9,9 +9,9 @@ process holds it), plain data, a ``Remote`` handle for any other object (its att
 ``len`` and indexing go to the student's process too), or an exception of the same type name and message.
 
 The student's process is started on the first call and restarted after it dies (the call that was running
-fails: "the process running your code stopped"). When the grader runs as root (and the user ``nobody`` can
-read Python and its packages), the student's process runs as ``nobody``: it cannot read the grader's files
-nor signal its processes (course/README.md, section "Threat model").
+fails: "the process running your code stopped"). When the grader runs as root, the student's process runs as
+``nobody``, never as root: it cannot read the grader's files, signal its processes nor write the machine's
+kernel settings (course/README.md, section "Threat model").
 
 What the student's code prints (standard output and error) comes through a pipe into ``Output``, which keeps
 the dump file bounded whatever the code writes: its first ``HEAD_BYTES`` and its last ``TAIL_BYTES`` (where
@@ -37,6 +37,12 @@ else:                                            # the test process: beside the 
 
 class StudentError(Exception):
     """An exception raised by the student's code; its class takes the exception's type name."""
+
+
+class InputChanged(AssertionError):
+    """The student's code wrote into a tensor a test passed it (not an output buffer, ``oracle.written``): a
+    graded function leaves its inputs as they were. The wire sees the write (course/student_process.py
+    ``Mirrors``), so no test needs to ask."""
 
 
 def student_exception(error: dict) -> Exception:
@@ -127,10 +133,12 @@ class Connection:
     """The student's process and the pipes to it."""
 
     def __init__(self, student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,
-                 home: str | None, nobody: bool, python: str = sys.executable, jail: list[str] | None = None):
+                 home: str | None, nobody: bool, python: str = sys.executable, jail: list[str] | None = None,
+                 room: str | None = None):
         self.args = (student, adapters_file, json.dumps(site_dirs), str(dump_after_s))
         self.output, self.home, self.nobody, self.python = Output(dump), home, nobody, python
         self.jail = jail                           # the command that runs another in the room (course/jail.py)
+        self.room = room                           # the room's spec, written to that command's standard input
         self.proc: subprocess.Popen | None = None
         self.mirrors = wire.Mirrors(first_key=1)
         self.generation = 0                        # which student's process the handles belong to
@@ -152,13 +160,17 @@ class Connection:
             cmd = [*self.jail, *cmd]
         elif self.nobody:                          # the grader runs as root: the student's code runs as nobody
             drop = {"user": 65534, "group": 65534, "extra_groups": []}
-        elif os.geteuid() == 0:                    # root, but nobody cannot read Python: root without capabilities
-            drop = {"preexec_fn": no_capabilities}
+        elif os.geteuid() == 0:                    # never as root (course.grade refuses before this)
+            raise RuntimeError("refused to run the student's code as root: nobody cannot read Python")
         printed_r, printed_w = os.pipe()           # what the code prints: into the bounded dump
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=printed_w,
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if self.jail else subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=printed_w,
                                          pass_fds=(request_r, answer_w), env=env, cwd=self.home or "/",
                                          start_new_session=True, **drop)
+            if self.jail:                          # the room's spec, then the end of its input
+                with self.proc.stdin:
+                    self.proc.stdin.write((self.room or "").encode())
         except BaseException:
             os.close(printed_r)
             raise
@@ -198,7 +210,10 @@ class Connection:
             answer = self.get()
             if "error" in answer:
                 raise student_exception(answer["error"])
-            return self.decode(answer["ok"])
+            value = self.decode(answer["ok"])
+            if op != "harness" and self.mirrors.rewritten:
+                raise InputChanged(changed_inputs(self.mirrors.rewritten.values()))
+            return value
         except wire.MessageRefused as e:
             raise self.stopped(str(e)) from None
         except (EOFError, BrokenPipeError, OSError) as e:
@@ -264,18 +279,11 @@ class Connection:
                 self.proc.kill()
 
 
-def no_capabilities() -> None:
-    """In the child, before it starts Python: no capability survives (the bounding and ambient sets emptied, no
-    new privileges), so root's process cannot attach to others, read their memory or open their pipes through
-    /proc, nor override file permissions."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
-    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    for cap in range(64):
-        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "cannot drop privileges")
+def changed_inputs(tensors) -> str:
+    """The message of ``InputChanged``: which tensors (their shapes and types), never their values."""
+    said = ", ".join(f"shape {list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in list(tensors)[:3])
+    return (f"your code wrote into a tensor the test passed it ({said}): a graded function must leave its inputs "
+            "as they were (write into a copy: .clone(), or an out-of-place operation)")
 
 
 class Remote:
@@ -345,8 +353,9 @@ class Adapters(types.ModuleType):
 
 
 def connect(student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,
-            home: str | None, nobody: bool, jail: list[str] | None = None) -> Adapters:
+            home: str | None, nobody: bool, jail: list[str] | None = None, room: str | None = None) -> Adapters:
     """The stand-in, its student's process started now (so that starting it counts in no test's time)."""
-    connection = Connection(student, adapters_file, site_dirs, dump, dump_after_s, home, nobody, jail=jail)
+    connection = Connection(student, adapters_file, site_dirs, dump, dump_after_s, home, nobody, jail=jail,
+                            room=room)
     connection.start()
     return Adapters(connection)

@@ -193,6 +193,7 @@ class Mirrors:
                 sent = unpack(d["tensor"])            # change no change): its values, the input unchanged
                 if not (sent.shape == t.shape and sent.dtype == t.dtype and same(sent, t.detach())):
                     if not getattr(t, "takes_writes", False):
+                        self.rewritten[key] = sent    # the tests' side fails the call (remote.InputChanged)
                         return sent
                     with _torch().no_grad():           # an output buffer the test marked: it takes the write
                         if sent.shape == t.shape and sent.dtype == t.dtype:

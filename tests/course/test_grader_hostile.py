@@ -31,7 +31,7 @@ import pytest
 
 from course import confine, grade, gradescope, remote
 from course.assignments import ASSIGNMENTS, ROOT
-from tests.course.test_grader import graded_here, put, reference, refused, student_copy
+from tests.course.test_grader import graded_here, put, reference, refused, student_copy, toy_connection
 
 pytestmark = pytest.mark.slow
 
@@ -240,9 +240,9 @@ def test_a_public_message_is_bounded_and_never_quotes_the_hidden_tests():
     assert len(out["long"]) == grade.PUBLIC_CHARS and out["honest"] == said["honest"]
 
 
-def test_the_students_process_holds_no_capabilities_as_root(tmp_path, capsys):
-    """As root with a Python the user nobody cannot read (this machine's), the student's process runs without
-    capabilities: it cannot open its parent's pipes or memory through /proc."""
+def test_the_students_process_never_runs_as_root(tmp_path, capsys):
+    """As root, the student's process runs as nobody (never as uid 0, with or without capabilities): it holds no
+    capability and cannot open its parent's pipes or memory through /proc."""
     if os.geteuid() != 0:
         pytest.skip("the grader runs as root only on Gradescope-like machines; here it is an ordinary user")
     copy = student_copy(tmp_path)
@@ -263,10 +263,7 @@ def test_the_students_process_holds_no_capabilities_as_root(tmp_path, capsys):
         "raise RuntimeError(f'uid {os.getuid()} caps {caps} parent fds {parent}')"])
     results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
     said = results["tests"][0]["output"]
-    if "uid 65534" in said:
-        assert "parent fds closed" in said, said
-    else:
-        assert "caps 0000000000000000 parent fds closed" in said, said
+    assert "uid 65534 caps 0000000000000000 parent fds closed" in said, said
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not confine.readable_by_others(Path("/usr/bin/python3")),
@@ -473,10 +470,10 @@ def test_the_gradescope_package_grades_a_hostile_copy_zero(tmp_path):
 
 
 def test_the_students_writes_into_a_tests_input_stay_in_its_process(tmp_path):
-    """The student's process writes into tensors a test passed: the test's own tensors keep its values (an
-    expected value computed from them afterwards cannot be fed), unless the test marked one as an output
-    (``oracle.written``); a written input the code returns comes back with its new values, in a tensor of its
-    own."""
+    """The student's process writes into tensors a test passed: the call fails (a graded function leaves its
+    inputs as they were: ``remote.InputChanged``) and the test's own tensors keep its values (an expected value
+    computed from them afterwards cannot be fed), unless the test marked one as an output (``oracle.written``),
+    which takes the write."""
     import torch
 
     from course.oracle import written
@@ -485,28 +482,34 @@ def test_the_students_writes_into_a_tests_input_stay_in_its_process(tmp_path):
     (folder / "course" / "x" / "adapters.py").write_text(
         "def zero(t):\n    t.zero_()\n    return 0\n"
         "def double(t):\n    t.mul_(2)\n    return t\n")
-    connection = remote.Connection(str(folder), str(folder / "course" / "x" / "adapters.py"), grade.site_dirs(),
-                                   str(tmp_path / "dump.txt"), 60.0, None, nobody=False)
+    connection = toy_connection(tmp_path, folder)
     adapters = remote.Adapters(connection)
     try:
         q = torch.ones(3)
-        adapters.zero(q)
+        with pytest.raises(remote.InputChanged):
+            adapters.zero(q)
         assert q.tolist() == [1.0, 1.0, 1.0], "the student's write reached the test's input"
         out = written(torch.ones(3))
         adapters.zero(out)
         assert out.tolist() == [0.0, 0.0, 0.0], "a buffer marked as the graded output must take the write"
         v = torch.ones(2)
-        got = adapters.double(v)
-        assert v.tolist() == [1.0, 1.0] and got.tolist() == [2.0, 2.0] and got is not v, (v, got)
+        with pytest.raises(remote.InputChanged):
+            adapters.double(v)
+        assert v.tolist() == [1.0, 1.0], v
     finally:
         connection.close()
 
 
 def test_where_no_room_can_be_built_the_grade_says_so(tmp_path, capsys, monkeypatch):
     """Where the student's room cannot be built (a container that forbids namespaces), the grade says in a note
-    that the code ran unconfined and what it could read; ``--require-confinement`` refuses to grade instead."""
+    that the code ran unconfined and what it could read; ``--require-confinement`` refuses to grade instead. As
+    root with a Python nobody cannot read, it refuses in one line: the code would run as root."""
     monkeypatch.setattr(confine, "jail_works", lambda spec: "jail: unshare: Operation not permitted")
     copy = student_copy(tmp_path)
+    if os.geteuid() == 0 and confine.unreadable_by_others([sys.executable, *grade.site_dirs()]):
+        err = refused(capsys, grade.main, ["cache", "--student", str(copy), "-k", "mask"])
+        assert err.startswith("error: the grader runs as root") and "nobody cannot read" in err, err
+        return
     results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "mask")
     assert "UNCONFINED" in results["output"] and "unshare: Operation not permitted" in results["output"], results
     assert "UNCONFINED" in printed and results["score"] == 0

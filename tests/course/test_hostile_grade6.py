@@ -1,0 +1,206 @@
+"""
+The grader against a hostile student, round three (course/README.md, section "Threat model"): the machine the
+grade runs on, and what the student sees of the hidden tests.
+
+* The student's code never runs as uid 0: as root, the grader runs it as ``nobody``, or refuses in one line
+  saying what to change where nobody cannot read Python (a virtual environment made under umask 077); in its
+  room the kernel's settings (``/proc/sys``, ``/proc/sysrq-trigger``) are read-only and ``/proc/1/cmdline``
+  names none of the grader's paths; the copy's own tests and the course's oracle are not in the room at all.
+* A hidden test's JSON output (what Gradescope shows once grades are published) is the grader's words only:
+  inputs the student's code plants in an exception reach no part of it.
+* A graded function that writes into a tensor the test passed it fails (the wire sees the write).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from course import gradescope, remote
+from course.assignments import ASSIGNMENTS, ROOT
+from tests.course.test_grader import put, student_copy, toy_connection
+from tests.course.test_grader_hostile import graded, marker_folder
+
+pytestmark = pytest.mark.slow
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the uid-0 attacks need a grader running as root")
+
+# What the graded code tries on the machine, said in one short line (a public test's message shows it): its
+# uids, which kernel settings it could open for writing (it writes nothing), which are mounted read-only, and
+# whether process 1 names one of the grader's paths.
+PROBE = [
+    "import os",
+    "def opened(path):",
+    "    try:",
+    "        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))",
+    "        return True",
+    "    except OSError:",
+    "        return False",
+    "settings = ['/proc/sys/kernel/core_pattern', '/proc/sys/vm/drop_caches', '/proc/sys/kernel/hostname',",
+    "            '/proc/sysrq-trigger']",
+    "writable = [p.rsplit('/', 1)[1] for p in settings if opened(p)]",
+    "mounts = [line.split() for line in open('/proc/self/mountinfo')]",
+    "ro = sorted(m[4] for m in mounts if m[4] in ('/proc/sys', '/proc/sysrq-trigger') and 'ro' in m[5].split(','))",
+    "try:",
+    "    first = open('/proc/1/cmdline', 'rb').read()",
+    "except OSError:",
+    "    first = b''",
+    "host = [w for w in ('\"mask\": [\"/', '\"root\": \"/', '__editable__', {root!r}) if w.encode() in first]",
+    "open({marker!r} + '/ran', 'w').close() if os.path.isdir({marker!r}) else None",
+    "raise RuntimeError(f'uid {{os.getuid()}} {{os.geteuid()}} gid {{os.getgid()}} writable {{writable}} ro {{ro}} "
+    "host {{host}}')",
+]
+
+
+def probing_copy(tmp_path: Path, marker: Path) -> Path:
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "attention.py", "group_scores",
+        [line.format(root=str(ROOT), marker=str(marker)) for line in PROBE])
+    return copy
+
+
+def probe_said(results: dict) -> str:
+    said = [t["output"] for t in results["tests"] if t["visibility"] == "visible" and "group_scores" in t["name"]]
+    assert said and "uid " in said[0], results
+    return said[0]
+
+
+@as_root
+def test_in_its_room_the_code_runs_as_nobody_and_cannot_write_the_kernels_settings(tmp_path, capsys):
+    """As root, the graded code runs as nobody; it can open none of core_pattern, drop_caches, hostname and
+    sysrq-trigger for writing, finds /proc/sys and /proc/sysrq-trigger mounted read-only, and process 1's
+    command line names none of the grader's paths (its room's spec reaches it on standard input)."""
+    marker = marker_folder()
+    results, printed = graded(capsys, probing_copy(tmp_path, marker), tmp_path / "r.json", "-k", "group_scores")
+    said = probe_said(results)
+    if "UNCONFINED" in results["output"]:
+        pytest.skip("no room here")
+    assert "uid 65534 65534 gid 65534" in said and "writable []" in said, said
+    assert "ro ['/proc/sys', '/proc/sysrq-trigger']" in said or "ro ['/proc/sys']" in said, said
+    assert "host []" in said, said
+
+
+def venv_nobody_cannot_read(tmp_path: Path) -> Path:
+    """A virtual environment made under umask 077 (its files root's alone), with this Python's packages: the
+    grader's Python, run from it, is one the user nobody cannot read."""
+    venv = tmp_path / "venv077"
+    subprocess.run(["bash", "-c", f"umask 077 && {sys.executable} -m venv --without-pip --system-site-packages "
+                                  f"{venv}"], check=True, timeout=120)
+    return venv / "bin" / "python"
+
+
+@as_root
+def test_as_root_with_a_python_nobody_cannot_read_the_grader_refuses_in_one_line(tmp_path):
+    """The grader runs as root from a Python nobody cannot read: it grades nothing (the code never runs, so never
+    as root without capabilities, which may still write core_pattern) and says in one line what to change."""
+    marker = marker_folder()
+    copy, out = probing_copy(tmp_path, marker), tmp_path / "r.json"
+    run = subprocess.run([str(venv_nobody_cannot_read(tmp_path)), "-m", "course.grade", "cache", "--student",
+                          str(copy), "-k", "group_scores", "--json", str(out)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    err = run.stderr.strip()
+    assert run.returncode != 0 and not out.exists(), (run.returncode, run.stdout[-1500:], err[-1500:])
+    assert err.startswith("error: the grader runs as root") and "\n" not in err, err
+    assert "nobody cannot read" in err and "chmod" in err and "(mode 7" in err, err
+    assert not (marker / "ran").exists(), "the student's code ran"
+
+
+@as_root
+def test_through_run_autograder_the_code_never_runs_as_root(tmp_path):
+    """Through the Gradescope package's ``run_autograder``, as root: with a Python nobody can read the probe runs
+    as nobody and writes nothing; with one nobody cannot read, the grade is 0, "not graded", saying why."""
+    source, results = tmp_path / "source", tmp_path / "results" / "results.json"
+    with zipfile.ZipFile(gradescope.write_zip(ASSIGNMENTS["cache"], tmp_path / "dist")) as z:
+        z.extractall(source)
+    copy = probing_copy(tmp_path, marker_folder())
+
+    def run_autograder(python: str) -> dict:
+        results.unlink(missing_ok=True)
+        env = {**os.environ, "AUTOGRADER_SOURCE": str(source), "AUTOGRADER_SUBMISSION": str(copy),
+               "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": python}
+        run = subprocess.run(["bash", str(source / "run_autograder")], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0 and results.exists(), run.stdout[-2000:] + run.stderr[-2000:]
+        return json.loads(results.read_text())
+
+    graded_copy = run_autograder(sys.executable)
+    said = probe_said(graded_copy)
+    assert "uid 0" not in said and "writable []" in said, said
+    refused = run_autograder(str(venv_nobody_cannot_read(tmp_path)))
+    assert refused["score"] == 0 and "not graded" in refused["output"], refused
+    assert "the grader runs as root" in refused["output"] and "chmod" in refused["output"], refused
+
+
+def test_the_setup_makes_the_graders_python_readable_by_nobody(tmp_path):
+    """``setup.sh`` installs under umask 022 and opens the environment and the folders above it to other users, so
+    that ``run_autograder`` runs the code as nobody and never refuses for want of a readable Python."""
+    with zipfile.ZipFile(gradescope.write_zip(ASSIGNMENTS["cache"], tmp_path / "dist")) as z:
+        setup = z.read("setup.sh").decode()
+    assert "umask 022" in setup and 'chmod -R o+rX "$venv"' in setup and "chmod o+x" in setup, setup
+
+
+def test_the_copys_tests_and_the_oracle_are_not_in_the_room(tmp_path, capsys):
+    """Code that takes the import guard off (it runs in the student's process, so it can) still finds neither the
+    copy's own tests nor the course's oracle and test files: the grader never gives them to the graded code."""
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "attention.py", "group_scores", [
+        "import os, sys",
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'Guard' not in type(f).__name__ and 'guard' not in "
+        "type(f).__name__.lower()]",
+        "here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))",
+        "found = [p for p in ('tests', 'tests/course/test_grader.py', 'course/oracle.py', 'course/cache/test_public.py')"
+        " if os.path.exists(os.path.join(here, p))]",
+        "try:",
+        "    import tests.course.test_grader",
+        "    found.append('imported tests')",
+        "except Exception:",
+        "    pass",
+        "raise RuntimeError(f'found {found}')"])
+    results, _ = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
+    said = [t["output"] for t in results["tests"] if t["visibility"] == "visible"]
+    assert said and all("found []" in s for s in said), said
+
+
+def test_nothing_the_code_produced_reaches_a_hidden_tests_output(tmp_path, capsys):
+    """The graded code raises what the tests gave it (the inputs' bytes in base64, behind a marker) in every call:
+    the hidden tests' JSON outputs hold the grader's words only, and the marker is nowhere in them."""
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "attention.py", "group_scores", [
+        "import base64",
+        "raise RuntimeError('PLANTED ' + base64.b64encode(q.detach().numpy().tobytes()[:600]).decode())"])
+    results, _ = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
+    hidden = [t for t in results["tests"] if t["visibility"] == "after_published"]
+    public = [t for t in results["tests"] if t["visibility"] == "visible"]
+    assert hidden and public and any("PLANTED" in t["output"] for t in public), results   # the plant works
+    from course import grade
+    for t in hidden:
+        assert "PLANTED" not in t["output"] and t["output"] in grade.HIDDEN_SAYS.values(), t
+
+
+def test_a_graded_function_that_writes_into_its_input_fails(tmp_path):
+    """A function that masks its input in place (``masked_fill_`` on the caller's tensor) fails the call, with a
+    message naming the tensor's shape; the test's tensor keeps its values."""
+    import torch
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text(
+        "import torch\n"
+        "def masked(t):\n    return t.masked_fill_(t > 1, float('-inf'))\n"
+        "def fresh(t):\n    return t.masked_fill(t > 1, float('-inf'))\n")
+    from course import grade
+    connection = toy_connection(tmp_path, folder)
+    adapters = remote.Adapters(connection)
+    try:
+        t = torch.arange(4.0)
+        with pytest.raises(remote.InputChanged, match=r"wrote into a tensor the test passed it \(shape \[4\] float32"):
+            adapters.masked(t)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert adapters.fresh(t).tolist() == [0.0, 1.0, float("-inf"), float("-inf")]
+    finally:
+        connection.close()
