@@ -136,6 +136,7 @@ class Connection:
                  home: str | None, nobody: bool, python: str = sys.executable, jail: list[str] | None = None,
                  room: str | None = None):
         self.args = (student, adapters_file, json.dumps(site_dirs), str(dump_after_s))
+        self.settings = (student, site_dirs, dump, dump_after_s, home, nobody, python, jail, room)
         self.output, self.home, self.nobody, self.python = Output(dump), home, nobody, python
         self.jail = jail                           # the command that runs another in the room (course/jail.py)
         self.room = room                           # the room's spec, written to that command's standard input
@@ -143,6 +144,7 @@ class Connection:
         self.mirrors = wire.Mirrors(first_key=1)
         self.generation = 0                        # which student's process the handles belong to
         self.forget = lambda: None                 # what the adapters stand-in drops when that process stops
+        self.siblings: list[Connection] = []       # the kernels' own process (``kernels_alone``), closed with this
 
     def start(self) -> None:
         request_r, request_w = os.pipe()           # requests: we write, the child reads
@@ -179,6 +181,15 @@ class Connection:
                 os.close(fd)
         threading.Thread(target=self.output.drain, args=(printed_r,), daemon=True).start()
         self.fd_out, self.fd_in = request_w, answer_r
+
+    def kernels_alone(self) -> Connection:
+        """A connection to a process of its own, started as this one (the same room and user), that serves the
+        copy's Triton kernels alone (course/student_process.py ``KernelsAlone``); its output has a dump of its
+        own."""
+        student, site_dirs, dump, dump_after_s, home, nobody, python, jail, room = self.settings
+        other = Connection(student, "", site_dirs, f"{dump}.kernels", dump_after_s, home, nobody, python, jail, room)
+        self.siblings.append(other)
+        return other
 
     def stopped(self, why: str | None = None) -> RuntimeError:
         """The student's process died, or sent what cannot be read (``why``: it is killed): this call fails, the
@@ -270,6 +281,8 @@ class Connection:
         return value
 
     def close(self) -> None:
+        for other in self.siblings:
+            other.close()
         if self.proc is not None:
             for fd in (self.fd_in, self.fd_out):
                 os.close(fd)
@@ -277,6 +290,75 @@ class Connection:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class Watch:
+    """What the student's process and every process below it spend while a block runs, read by the test process
+    from /proc (Linux), where the student's code cannot reach: ``cpu_s``, the CPU seconds (user and system, those
+    of processes that ended and were waited for included), and ``peak_bytes``, how far the resident memory of
+    each process rose above where it stood at the start, at its highest, added over the processes (a process
+    started within counts whole). Points that rest on how an answer was computed (in place, without a large
+    intermediate) are read here, never from what the student's process says."""
+
+    def __init__(self, connection: Connection):
+        self.connection, self.cpu_s, self.peak_bytes = connection, 0.0, 0
+
+    def __enter__(self) -> Watch:
+        if self.connection.proc is None:
+            self.connection.start()
+        self.cpu0 = sum(map(cpu_ticks, self.tree()))
+        self.rss0 = {}
+        for pid in self.tree():
+            try:
+                with open(f"/proc/{pid}/clear_refs", "w") as f:
+                    f.write("5")                # its peak resident set ("high water mark") starts again from now
+            except OSError as e:
+                raise RuntimeError(f"the grader cannot watch the process running your code ({e.strerror})") from None
+            self.rss0[pid] = status_kib(pid, "VmHWM")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        tree = self.tree()
+        self.cpu_s = (sum(map(cpu_ticks, tree)) - self.cpu0) / os.sysconf("SC_CLK_TCK")
+        self.peak_bytes = 1024 * sum(max(0, status_kib(pid, "VmHWM") - self.rss0.get(pid, 0)) for pid in tree)
+
+    def tree(self) -> list[int]:
+        """The process the test started (the room's wrapper, or the student's process) and all below it."""
+        top = self.connection.proc.pid
+        table = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat", "rb") as f:
+                        text = f.read().decode(errors="replace")
+                    table[int(entry)] = int(text[text.rindex(")") + 2:].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+        found, frontier = [top], {top}
+        while frontier:
+            frontier = {pid for pid, parent in table.items() if parent in frontier and pid not in found}
+            found += sorted(frontier)
+        return found
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime + cutime + cstime of a process, in clock ticks (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+        fields = text[text.rindex(")") + 2:].split()
+        return sum(int(fields[i]) for i in (11, 12, 13, 14))       # fields 14-17 of proc(5)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def status_kib(pid: int, key: str) -> int:
+    """A line of /proc/PID/status in KiB (``VmHWM``, ``VmRSS``); 0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith(key + ":")), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def changed_inputs(tensors) -> str:
@@ -350,6 +432,20 @@ class Adapters(types.ModuleType):
     def harness(self, name: str, *args):
         """The tests' watches, run beside the student's code (course/student_process.py ``Server.harness``)."""
         return self._connection.request("harness", None, name, args)
+
+    def launch(self, file: str, kernel: str, grid, *args, **meta) -> None:
+        """``kernel[grid](*args, **meta)``: the copy's ``@triton.jit`` function ``kernel`` of ``file`` (a path in
+        the copy), launched with the arguments the test's own wrapper computed, in a process that imports none
+        of the copy's modules and checks the kernel is Triton's language alone. Mark the tensors it writes with
+        ``oracle.written``."""
+        if "_kernels" not in vars(self):
+            self._kernels = self._connection.kernels_alone()
+        self._kernels.request("method", 0, "launch", [file, kernel, [int(g) for g in grid], list(args), meta])
+
+    def watch(self) -> Watch:
+        """Within: what the student's process and every process below it spend, read from outside it
+        (``Watch``): no number it reports about itself counts."""
+        return Watch(self._connection)
 
 
 def connect(student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,

@@ -4,7 +4,8 @@ The process a student's code runs in while it is graded, and the messages it exc
 ``course.grade`` runs the tests in one process and the student's code in another, this one, so that nothing
 the student's code does (a ``sitecustomize.py``, a monkeypatch, a daemon) can reach the tests, the oracle or
 the results: the test process asks, this process answers (course/remote.py is the asking side). It is
-started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_TEST_S``:
+started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_TEST_S``; with
+ADAPTERS empty it serves the copy's Triton kernels alone (``KernelsAlone``), importing none of its modules:
 
 * ``-I -S``: no ``site`` module and no ``PYTHON*`` variables, so no ``sitecustomize``, ``usercustomize`` or
   ``.pth`` file of anyone's runs; ``sys.path`` is set here: the copy, the standard library, and the
@@ -31,6 +32,7 @@ whose code runs in this process and can undo it; the defence is that the grade i
 
 from __future__ import annotations
 
+import ast
 import faulthandler
 import importlib.util
 import io
@@ -40,6 +42,7 @@ import pickle
 import resource
 import struct
 import sys
+import textwrap
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -367,12 +370,16 @@ def describe(e: BaseException, student: Path) -> str:
 class Server:
     """Answers the test process's requests with the student's code."""
 
-    def __init__(self, student: Path, adapters_file: Path, fd_in: int, fd_out: int, dump_after_s: float):
+    def __init__(self, student: Path, adapters_file: Path | None, fd_in: int, fd_out: int, dump_after_s: float):
         self.student, self.fd_in, self.fd_out, self.dump_after_s = student, fd_in, fd_out, dump_after_s
         self.objects: dict[int, object] = {}
         self.mirrors = Mirrors(first_key=2)
         self.largest: list = []               # the tensor watches started (harness "largest_start")
         self.taken: list = []                 # library functions taken away (harness "take_away")
+        self.adapters_error = None
+        if adapters_file is None:             # the kernels alone: none of the copy's modules is imported
+            self.objects[0] = KernelsAlone(student)
+            return
         try:
             spec = importlib.util.spec_from_file_location("adapters", adapters_file)
             module = importlib.util.module_from_spec(spec)
@@ -381,8 +388,6 @@ class Server:
             self.objects[0] = module
         except BaseException as e:            # noqa: BLE001  (every call will report it)
             self.adapters_error = e
-        else:
-            self.adapters_error = None
 
     def post(self, message: dict) -> None:
         with quiet():
@@ -529,6 +534,118 @@ class Taken:
         return self
 
 
+# -- the copy's Triton kernels alone (a process of their own) ----------------------------------------------------
+
+JIT_BUILTINS = {"range": range, "min": min, "max": max, "float": float, "int": int, "bool": bool, "abs": abs,
+                "NotImplementedError": NotImplementedError}
+FORBIDDEN = (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal, ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef,
+             ast.ClassDef, ast.With, ast.AsyncWith, ast.Try, ast.Yield, ast.YieldFrom, ast.Await, ast.Delete,
+             ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.NamedExpr)
+
+
+class NotTriton(Exception):
+    """A graded kernel that is not written in Triton's language alone."""
+
+
+def is_jit(decorator: ast.expr) -> bool:
+    """``@triton.jit`` or ``@triton.jit(...)`` with constant arguments."""
+    call = decorator if isinstance(decorator, ast.Call) else None
+    target = call.func if call else decorator
+    return (isinstance(target, ast.Attribute) and target.attr == "jit" and isinstance(target.value, ast.Name)
+            and target.value.id == "triton" and all(isinstance(k.value, ast.Constant) for k in
+                                                     (call.keywords if call else [])) and not (call and call.args))
+
+
+def jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    """The ``@triton.jit`` functions of a file, at its top level or in its top-level ``if`` blocks."""
+    found, nodes = {}, list(tree.body)
+    while nodes:
+        node = nodes.pop(0)
+        if isinstance(node, ast.If):
+            nodes[:0] = node.body + node.orelse
+        elif isinstance(node, ast.FunctionDef) and node.decorator_list and all(map(is_jit, node.decorator_list)):
+            found[node.name] = node
+    return found
+
+
+def check_triton_only(fn: ast.FunctionDef, kernels: set[str], tl_names: set[str], where: str) -> None:
+    """Raise ``NotTriton`` unless ``fn`` reads only its arguments, its own variables, ``tl.<a language name>``,
+    the file's other kernels and a few built-ins: no import, no module of Python's or torch's, no attribute
+    that starts with ``_`` (the way out of a value to its module). On a GPU Triton's compiler refuses the rest;
+    in its CPU interpreter this check does."""
+    local = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+    local |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    for node in ast.walk(fn):
+        line = f"{where}, line {getattr(node, 'lineno', fn.lineno)}"
+        if isinstance(node, FORBIDDEN) and node is not fn:
+            raise NotTriton(f"{line}: {type(node).__name__} is not Triton's language")
+        if isinstance(node, ast.Attribute):
+            if node.attr.startswith("_"):
+                raise NotTriton(f"{line}: .{node.attr}: no attribute starting with _ in a kernel")
+            if isinstance(node.value, ast.Name) and node.value.id == "tl" and node.attr not in tl_names:
+                raise NotTriton(f"{line}: tl.{node.attr} is not a name of triton.language")
+            if isinstance(node.value, ast.Name) and node.value.id == "triton" and node not in fn.decorator_list \
+                    and not any(node is getattr(d, "func", None) for d in fn.decorator_list):
+                raise NotTriton(f"{line}: triton.{node.attr}: a kernel uses tl (triton.language) only")
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local | kernels \
+                | set(JIT_BUILTINS) | {"tl", "triton"}:
+            raise NotTriton(f"{line}: {node.id} is neither an argument, a variable of the kernel, another kernel "
+                            "of the file nor tl")
+
+
+def language_names() -> set[str]:
+    """What ``tl.<name>`` may be: triton.language's public names that are not modules."""
+    import types
+
+    import triton.language as tl
+    return {n for n in dir(tl) if not n.startswith("_") and not isinstance(getattr(tl, n), types.ModuleType)}
+
+
+class KernelsAlone:
+    """Serves the tests' launches of the copy's ``@triton.jit`` functions, in a process that imports none of
+    the copy's modules: each file's kernels are read from its source (the syntax tree, never run as the
+    copy's module), checked to be Triton's language alone (``check_triton_only``), compiled into a namespace
+    holding only ``tl`` and the file's other kernels, and launched with the grid and arguments the test's own
+    wrapper computed. A body in PyTorch behind the copy's Python wrapper, or a reference captured at import,
+    is never reached: the wrapper is the grader's."""
+
+    def __init__(self, student: Path):
+        self.student, self.files = student, {}
+
+    def kernels_of(self, file: str) -> dict:
+        if file not in self.files:
+            import linecache
+
+            import triton
+            import triton.language as tl
+            path = (self.student / file).resolve()
+            if self.student not in path.parents or path.suffix != ".py":
+                raise NotTriton(f"{file}: not a Python file of the copy")
+            text = path.read_text()
+            tree = ast.parse(text, file)
+            found = jit_functions(tree)
+            names = language_names()
+            for fn in found.values():
+                check_triton_only(fn, set(found), names, file)
+            name = f"<the copy's kernels: {file}>"
+            blocks = [textwrap.dedent("\n".join(text.splitlines()[fn.decorator_list[0].lineno - 1:fn.end_lineno]))
+                      for fn in found.values()]
+            source = "\n\n".join(blocks) + "\n"
+            linecache.cache[name] = (len(source), None, source.splitlines(True), name)   # Triton reads the source
+            space = {"tl": tl, "triton": triton, "__builtins__": dict(JIT_BUILTINS)}
+            exec(compile(source, name, "exec"), space)
+            self.files[file] = {k: space[k] for k in found}
+        return self.files[file]
+
+    def launch(self, file: str, kernel: str, grid: list[int], args: list, meta: dict) -> None:
+        """``kernel[grid](*args, **meta)``, the kernel from the copy's ``file``; its writes into the tensors the
+        test marked (``oracle.written``) reach the test."""
+        kernels = self.kernels_of(file)
+        if kernel not in kernels:
+            raise NotTriton(f"{file} has no @triton.jit function {kernel!r}")
+        kernels[kernel][tuple(int(g) for g in grid)](*args, **meta)
+
+
 def limit_file_size(n: int) -> None:
     """No file this process (or one it starts) writes grows past ``n`` bytes: a write beyond fails with
     ``File too large`` (Python ignores SIGXFSZ). Lowered for good: the code cannot raise it again."""
@@ -540,8 +657,9 @@ def limit_file_size(n: int) -> None:
 def main(argv: list[str]) -> None:
     student, adapters_file, site_dirs, fd_in, fd_out, dump_after_s = argv
     student = Path(student)
-    sys.path[:] = [str(student)] + [p for p in sys.path if p] + json.loads(site_dirs)
-    ALLOWED.extend(Path(p).resolve() for p in sys.path[1:])
+    copy = [str(student)] if adapters_file else []       # the kernels alone: nothing of the copy is importable
+    sys.path[:] = copy + [p for p in sys.path if p] + json.loads(site_dirs)
+    ALLOWED.extend(Path(p).resolve() for p in sys.path[len(copy):])
     for name in list(sys.modules):
         CHECKED[name] = False                      # what Python itself loaded before any of the copy's code
     fd_in, fd_out = int(fd_in), int(fd_out)
@@ -552,7 +670,7 @@ def main(argv: list[str]) -> None:
     sys.dont_write_bytecode = True
     sys.meta_path.insert(0, Refused())
     faulthandler.enable()
-    server = Server(student, Path(adapters_file), fd_in, fd_out, float(dump_after_s))
+    server = Server(student, Path(adapters_file) if adapters_file else None, fd_in, fd_out, float(dump_after_s))
     try:
         server.serve()
     except EOFError:

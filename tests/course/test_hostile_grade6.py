@@ -204,3 +204,102 @@ def test_a_graded_function_that_writes_into_its_input_fails(tmp_path):
         assert adapters.fresh(t).tolist() == [0.0, 1.0, float("-inf"), float("-inf")]
     finally:
         connection.close()
+
+
+def test_what_the_code_spends_is_read_from_outside_its_process(tmp_path):
+    """``adapters.watch()`` reads the student's process tree from /proc: a call that fills 256 MB and spins for
+    a second shows both; a small call shows neither; the code cannot make its own numbers count (it reports
+    nothing), and work done in a child process counts too."""
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text(
+        "import subprocess, sys, time, torch\n"
+        "def big():\n    x = torch.ones(64 << 20)\n    return float(x.sum())\n"
+        "def small():\n    return float(torch.ones(1000).sum())\n"
+        "def spin(s):\n    t = time.process_time()\n    while time.process_time() - t < s:\n        pass\n"
+        "def child(s):\n    subprocess.run([sys.executable, '-c', f'import time\\nt = time.process_time()\\n"
+        "while time.process_time() - t < {s}: pass'], check=True)\n")
+    connection = toy_connection(tmp_path, folder)
+    adapters = remote.Adapters(connection)
+    try:
+        adapters.small()
+        with adapters.watch() as big:
+            adapters.big()
+        with adapters.watch() as small:
+            adapters.small()
+        with adapters.watch() as spin:
+            adapters.spin(1.0)
+        with adapters.watch() as child:
+            adapters.child(1.0)
+    finally:
+        connection.close()
+    assert big.peak_bytes > 200 << 20 and small.peak_bytes < 32 << 20, (big.peak_bytes, small.peak_bytes)
+    assert spin.cpu_s > 0.9 and small.cpu_s < 0.5 and child.cpu_s > 0.9, (spin.cpu_s, small.cpu_s, child.cpu_s)
+
+
+KERNEL_FILE = '''
+import os, torch, triton
+import triton.language as tl
+open({marker!r} + "/imported", "w").close()            # the module's own code: never run by the launcher
+
+
+@triton.jit
+def double_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, _twice(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+
+@triton.jit
+def _twice(x):
+    return x * 2.0
+
+
+@triton.jit
+def stub_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    raise NotImplementedError("kernels, task double: not written")
+
+
+def stub(x):                                            # the wrapper answers in PyTorch: never reached
+    return x * 2
+
+
+@triton.jit
+def torch_inside(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    {inside}
+'''
+
+
+@pytest.mark.parametrize("inside", ["import torch", "y = torch.ones(3)", "y = tl.core", "y = x_ptr.__class__",
+                                    "y = [i for i in range(3)]", "y = os.getcwd()"])
+def test_the_copys_kernels_run_alone_and_in_triton_only(tmp_path, inside):
+    """``adapters.launch`` runs a kernel of the copy's file with the test's own grid and arguments, in a process
+    that never imports the copy's module (its top-level code does not run): the kernel's writes come back; a
+    stub kernel behind a PyTorch wrapper fails; a kernel that reaches past Triton's language (an import,
+    torch, a module through tl, a dunder, Python's comprehensions, os) is refused naming its line."""
+    pytest.importorskip("triton")
+    import torch
+
+    from course.oracle import written
+    marker = marker_folder()
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text("")
+    (folder / "kernels").mkdir()
+    (folder / "kernels" / "k.py").write_text(KERNEL_FILE.format(marker=str(marker), inside=inside))
+    connection = toy_connection(tmp_path, folder)
+    adapters = remote.Adapters(connection)
+    try:
+        x = torch.arange(10.0)
+        with pytest.raises(Exception, match="is not Triton's language|not a name of triton.language|no attribute "
+                                            "starting with _|is neither an argument"):
+            adapters.launch("kernels/k.py", "double_kernel", [3], x, written(torch.zeros(10)), 10, BLOCK=4)
+        (folder / "kernels" / "k.py").write_text(KERNEL_FILE.format(marker=str(marker), inside="pass"))
+        adapters = remote.Adapters(connection)          # a fresh launcher process reads the file again
+        y = written(torch.zeros(10))
+        adapters.launch("kernels/k.py", "double_kernel", [3], x, y, 10, BLOCK=4)
+        assert y.tolist() == [2.0 * i for i in range(10)], y
+        with pytest.raises(Exception, match="NotImplementedError.*not written"):
+            adapters.launch("kernels/k.py", "stub_kernel", [3], x, written(torch.zeros(10)), 10, BLOCK=4)
+    finally:
+        connection.close()
+    assert not (marker / "imported").exists(), "the launcher ran the copy's module"
