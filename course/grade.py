@@ -387,11 +387,11 @@ def site_dirs() -> list[str]:
 
 def tests_folder(parent: Path, tests: list[Path], conftest: str) -> Path:
     """A new folder (only this user can read it) holding the tests, the oracle, the stand-in for the adapters,
-    the conftest and an empty pytest.ini."""
+    the grader's wrappers of the copy's kernels (``launchers.py``), the conftest and an empty pytest.ini."""
     here = Path(tempfile.mkdtemp(prefix="round-", dir=parent))
     for t in tests:
         shutil.copy2(t, here / t.name)
-    for f in ("oracle.py", "remote.py", "student_process.py"):
+    for f in ("oracle.py", "remote.py", "student_process.py", "launchers.py"):
         shutil.copy2(COURSE / f, here / f)
     (here / "conftest.py").write_text(conftest)
     (here / "pytest.ini").write_text("[pytest]\naddopts =\n")

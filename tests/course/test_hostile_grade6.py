@@ -303,3 +303,51 @@ def test_the_copys_kernels_run_alone_and_in_triton_only(tmp_path, inside):
     finally:
         connection.close()
     assert not (marker / "imported").exists(), "the launcher ran the copy's module"
+
+
+def test_the_graders_kernel_wrappers_give_the_librarys_answers_on_the_reference(tmp_path):
+    """course/launchers.py launches the reference's kernels (copied as a student's copy would hold them) with
+    the grader's own grids and buffers: each agrees with the library's PyTorch reference."""
+    pytest.importorskip("triton")
+    import shutil
+    import sys as _sys
+
+    import torch
+
+    from kernels import count_sketch, decode_attention
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text("")
+    shutil.copytree(ROOT / "kernels", folder / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    _sys.path.insert(0, str(ROOT / "course"))
+    try:
+        import launchers
+    finally:
+        _sys.path.remove(str(ROOT / "course"))
+    connection = toy_connection(tmp_path, folder)
+    A = remote.Adapters(connection)
+    g = torch.Generator().manual_seed(0)
+    try:
+        q, k, v = (torch.randn(*s, generator=g) for s in ((1, 4, 16), (1, 2, 40, 16), (1, 2, 40, 16)))
+        m, l, acc = launchers.decode_partials(A, q, k, v, None, 16, 3)
+        want = decode_attention.reference_decode_attention(q, k, v).reshape(2, 2, 16)
+        for merge in (launchers.merge_kernel, launchers.merge_tensor_kernel, launchers.merge_sketch_kernel):
+            got = merge(A, m, l, acc)
+            assert torch.allclose(got, want, atol=1e-5), (merge.__name__, (got - want).abs().max())
+        m2, l2, acc2 = launchers.sketch_partials(A, q[0], k[0], v[0], 0.25, 16, 2)
+        got = (acc2 * torch.exp2(m2 - m2.max(1, keepdim=True).values)[..., None]).sum(1) / \
+            (l2 * torch.exp2(m2 - m2.max(1, keepdim=True).values)).sum(1)[..., None]
+        assert torch.allclose(got, want.view(2, 2, 16), atol=1e-5), (got - want).abs().max()
+        key, value = torch.zeros(3, 5, 2, 16), torch.zeros(3, 5, 2, 16)
+        cells, signs = torch.randint(0, 5, (3, 7), generator=g), torch.randint(0, 2, (3, 7), generator=g) * 2 - 1
+        kt, vt = torch.randn(7, 2, 16, generator=g), torch.randn(7, 2, 16, generator=g)
+        ref_k, ref_v = key.clone(), value.clone()
+        count_sketch.reference_sketch_insert(ref_k, ref_v, cells, signs, kt, vt)
+        from course.oracle import written
+        launchers.sketch_insert(A, written(key), written(value), cells, signs, kt, vt)
+        assert torch.allclose(key, ref_k, atol=1e-5) and torch.allclose(value, ref_v, atol=1e-5)
+        got = launchers.sketch_query(A, key, value, cells, signs)
+        for g_, w_ in zip(got, count_sketch.reference_sketch_query(ref_k, ref_v, cells, signs)):
+            assert torch.allclose(g_, w_, atol=1e-5), (g_ - w_).abs().max()
+    finally:
+        connection.close()
