@@ -1,13 +1,17 @@
 """
 What the assignments' tests compare against: full attention in a few lines of PyTorch, written without the
-library; greedy decoding through a cache checked step by step against the uncached forward pass; and the
-``points`` decorator. The grader copies this file next to the tests, so a student's
-copy of the library can never change the oracle.
+library; greedy decoding through a cache checked step by step against the uncached forward pass; the
+``points`` decorator; ``assert_close``, the one comparison every test makes (shape and dtype first, then the
+values, NaN and infinity included); and ``generator``, the random inputs of each test drawn from the grading
+run's seed (``COURSE_SEED``). The grader copies this file next to the tests, so a student's copy of the library
+can never change the oracle.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,6 +38,56 @@ def mismatches(got: Tensor, want: Tensor, atol: float = 0.0, rtol: float = 0.0) 
     special = (got.isnan() & want.isnan()) | (got.isinf() & (got == want))    # the same NaN or infinity
     close = got.isfinite() & want.isfinite() & ((got - want).abs() <= atol + rtol * want.abs())
     return ~(close | special)
+
+
+def check_tensor(got, shape: tuple[int, ...], dtype: torch.dtype, what: str = "the answer") -> None:
+    """``got`` is a tensor of exactly this shape and dtype, or an AssertionError saying which differs. Checked
+    before any value: an answer of shape (0, *shape) broadcasts against the expected one, so a comparison of
+    values alone (``torch.allclose``, ``mismatches(...).any()``) finds nothing wrong in it."""
+    if not isinstance(got, Tensor):
+        raise AssertionError(f"{what}: expected a tensor of shape {tuple(shape)} ({dtype}), got "
+                             f"{type(got).__name__}")
+    if tuple(got.shape) != tuple(shape):
+        raise AssertionError(f"{what}: expected shape {tuple(shape)}, got {tuple(got.shape)}")
+    if got.dtype != dtype:
+        raise AssertionError(f"{what}: expected dtype {dtype}, got {got.dtype} (shape {tuple(shape)})")
+
+
+def number(x) -> str:
+    """One entry of a tensor, short: 0.1235, 3, True, nan, inf."""
+    x = x.item() if isinstance(x, Tensor) else x
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+def assert_close(got, want: Tensor, atol: float = 0.0, rtol: float = 0.0, what: str = "the answer") -> None:
+    """``got`` equals ``want`` within ``atol + rtol * |want|`` (exactly, by default: integers, booleans, values
+    exact in binary), with ``want``'s shape and dtype; NaN and infinity only where ``want`` has the same
+    (``mismatches``). Otherwise an AssertionError that says what was checked (``what``, the tolerance), how many
+    places differ and the first one: every test compares through this function, so no answer of another shape
+    or dtype passes by broadcasting or by a comparison that is False for NaN."""
+    want = torch.as_tensor(want)
+    check_tensor(got, want.shape, want.dtype, what)
+    bad = mismatches(got, want, atol, rtol)
+    if bad.any():
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        tol = "exactly" if atol == rtol == 0 else f"within atol {atol:g} + rtol {rtol:g} * |expected|"
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} entries differ (compared {tol}); the "
+                             f"first at {list(at)}: got {number(got[at])}, expected {number(want[at])}")
+
+
+def seed(*salt) -> int:
+    """The seed of one test's random inputs: the grading run's ``COURSE_SEED`` (``course.grade`` draws a fresh one
+    each run unless ``--seed N``; 0 where it is not set) mixed with ``salt`` (the test's name, a case number), so
+    that no two tests draw the same numbers and no copy can know the inputs before the run: a table of answers
+    recorded from an earlier run's calls earns nothing on another seed."""
+    run = int(os.environ.get("COURSE_SEED", "0"))
+    digest = hashlib.sha256(repr((run, *salt)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2          # below 2**62: any seed torch or Python takes
+
+
+def generator(*salt) -> torch.Generator:
+    """A ``torch.Generator`` seeded with ``seed(*salt)``: draw every random input of a test from it."""
+    return torch.Generator().manual_seed(seed(*salt))
 
 
 def written(t: Tensor) -> Tensor:
@@ -131,5 +185,5 @@ def assert_greedy_is_uncached(adapters, model, ids: Tensor, cache, n_new: int, w
     """Every greedy step's logits through the cache equal one uncached forward pass over the sequence (the
     oracle for the cache: the uncached pass never touches it)."""
     for step, (logits, seq) in enumerate(greedy(adapters, model, ids, cache, n_new)):
-        torch.testing.assert_close(logits, adapters.uncached_logits(model, seq)[:, -1], rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: f"{what} step {step} (0 = prefill): cached != uncached\n{m}")
+        assert_close(logits, adapters.uncached_logits(model, seq)[:, -1], rtol=1e-4, atol=1e-5,
+                     what=f"{what} step {step} (0 = prefill): the logits through the cache against the uncached pass")
