@@ -21,8 +21,9 @@ already computes the answer. Two sources:
 
 A mutant is *killed* when the task whose region it changes loses at least half of that task's points. Each
 one is graded alone, in a scratch copy of the repository outside it: the mutated file is written, only its
-task's tests run (``course.grade``), the file is restored. The report lists per assignment the mutants, the
-kills and the survivors with the task's tests that passed (those should have caught them).
+task's tests run (``course.grade``, their random inputs drawn from one fixed seed, ``SEED``, so that a run
+can be repeated), the file is restored. The report lists per assignment the mutants, the kills and the
+survivors with the task's tests that passed (those should have caught them).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from .markers import Region
 
 CAP = 15                 # catalogue mutants per region at most (chosen round-robin over the operators)
 PER_TEST_S = 30          # a mutant's test time limit (a mutant may loop forever)
+SEED = 0                 # every grade here draws the tests' inputs from this seed (``course.grade --seed``), so
+                         # the kill table comes out the same each run
 
 
 @dataclass(frozen=True)
@@ -583,7 +586,7 @@ def copy_repository(out: Path) -> Path:
 
 def grade_task(name: str, student: Path, task: str, per_test_s: float) -> list[dict]:
     """The results (``course.grade``'s dicts) of ``task``'s tests against ``student``."""
-    return grader.grade(name, student, tasks=(task,), per_test_s=per_test_s)["results"]
+    return grader.grade(name, student, tasks=(task,), per_test_s=per_test_s, seed=SEED)["results"]
 
 
 def outcome(planned: Planned, results: list[dict], seconds: float = 0.0) -> Outcome:
@@ -627,7 +630,7 @@ def run_mutants(name: str, planned: list[Planned], jobs: int = 1, per_test_s: fl
         copies: queue.Queue[Path] = queue.Queue()
         for student in made:
             copies.put(student)
-        reference = grader.grade(name, made[0], tasks=tasks, per_test_s=per_test_s)["results"]
+        reference = grader.grade(name, made[0], tasks=tasks, per_test_s=per_test_s, seed=SEED)["results"]
         report.reference_failures = [f"{r['name']} ({r['task']}): {r['output']}" for r in reference
                                      if r["status"] != "passed"]
         if report.reference_failures:      # every mutant would look killed
@@ -683,7 +686,8 @@ def render(report: Report) -> str:
     operators = {name for name, _ in OPERATORS}
     by_catalogue = sum(o.mutant.source in operators for o in out)
     lines = [f"== {report.assignment}: {len(out)} mutants ({len(out) - by_catalogue} hand, {by_catalogue} "
-             f"catalogue), {report.killed} killed ({rate(report.killed, len(out))}) in {report.seconds:.0f} s"]
+             f"catalogue), {report.killed} killed ({rate(report.killed, len(out))}) in {report.seconds:.0f} s "
+             f"(inputs from --seed {SEED})"]
     if out and report.killed < 0.9 * len(out):
         lines.append("   below the 90% the course asks for")
     for failure in report.reference_failures:
