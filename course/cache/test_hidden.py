@@ -7,40 +7,25 @@ import math
 
 import adapters as A
 import torch
-from oracle import address, points, reference
+from oracle import address, assert_close, check_tensor, generator, points, reference
 from test_public import randn, scores_by_loop
 
 ROOM = 64          # the first append leaves at least this much room (nanollm.storage.MIN_CAPACITY)
-
-
-def first_difference(got, want) -> str:
-    """Where two tensors of one shape differ most: 'at [i, j, ...] got x, expected y'."""
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    i = (got.double() - want.double()).abs().nan_to_num(math.inf).flatten().argmax().item()
-    at = [int(c) for c in torch.unravel_index(torch.tensor(i), got.shape)]
-    return f"at {at} got {got.flatten()[i].item():.4g}, expected {want.flatten()[i].item():.4g}"
 
 
 # -- task append ------------------------------------------------------------------------------------------
 
 def check_state(store, name, want, what):
     """A per-slot state keeps its numbers and its new slots start at its fill value."""
-    got = A.storage_state(store, name)
-    assert got.shape == want.shape, f"{what}: state {name!r} has shape {tuple(got.shape)} for " \
-        f"{tuple(want.shape)}: every append adds its slots to every state"
-    assert torch.equal(got, want), f"{what}: state {name!r} keeps its numbers, new slots at its fill: " \
-        + first_difference(got, want)
+    assert_close(A.storage_state(store, name), want, what=f"{what}: state {name!r}, which keeps its numbers, its "
+                 "dtype and its new slots at its fill (every append adds its slots to every state)")
 
 
 def check_contents(store, k, v, pos, what):
     """The storage holds exactly k, v, pos (B, H_kv, T, ...) in its slots in use."""
     got_k, got_v, got_pos = A.storage_contents(store)
     for name, got, want in (("keys", got_k, k), ("values", got_v, v), ("positions", got_pos, pos)):
-        assert got.shape == want.shape and got.dtype == want.dtype, \
-            f"{what}: the stored {name} are {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
-        assert torch.equal(got, want), f"{what}: the stored {name} are not the appended ones in order: " \
-            + first_difference(got, want)
+        assert_close(got, want, what=f"{what}: the stored {name}, the appended ones in order, in their dtype")
 
 
 def append(store, k, v, pos, what):
@@ -62,13 +47,12 @@ def append(store, k, v, pos, what):
     else:
         assert new_cap >= 2 * cap, f"{what}: a full buffer of {cap} slots grew to {new_cap}: at least double it"
     assert new_cap <= 2 * total + ROOM, f"{what}: {total} slots in use hold a capacity of {new_cap}: double, no more"
-    room = A.storage_room_positions(store)
-    assert (room == -1).all(), f"{what}: the slots past those in use must all be empty (-1), got " \
-        f"{room[room != -1][:3].tolist()}"
+    assert_close(A.storage_room_positions(store), torch.full((*got.shape[:2], new_cap - total), -1),
+                 what=f"{what}: the positions of the {new_cap - total} slots past those in use, all empty (-1)")
     return address(got) != where
 
 
-@points(3, task="append")
+@points(2, task="append")
 def test_append_writes_in_place_and_doubles_when_full():
     """300 one-token appends, then a chunk of 1000: an append that fits moves nothing, a full buffer at least
     doubles (O(1) copies per token, amortised), grows enough for the chunk, and never holds more than about twice
@@ -94,14 +78,13 @@ def test_append_writes_in_place_and_doubles_when_full():
 @points(3, task="append")
 def test_append_chunks_of_any_size_positions_as_given():
     """Chunks of 5, 1, 70, 3, 59 (exactly filling the buffer), 71 and 600 (more than twice the capacity) tokens,
-    values narrower than keys,
-    positions out of order and -1 (an empty slot): stored as given, per row and KV head; states set after the
-    first chunk grow with every later one."""
+    bfloat16 keys and values narrower than the keys, positions out of order and -1 (an empty slot): stored as
+    given, in their dtype, per row and KV head; states set after the first chunk grow with every later one."""
     store, B, H_kv = A.new_storage(), 2, 3
     ks, vs, ps, seen = [], [], [], 0
     for i, n in enumerate([5, 1, 70, 3, 59, 71, 600]):
-        k, v = randn(B, H_kv, n, 8, seed=i), randn(B, H_kv, n, 6, seed=10 + i)
-        pos = torch.randperm(n, generator=torch.Generator().manual_seed(i)) + seen
+        k, v = randn(B, H_kv, n, 8, seed=i, dtype=torch.bfloat16), randn(B, H_kv, n, 6, seed=10 + i, dtype=torch.bfloat16)
+        pos = torch.randperm(n, generator=generator("cache chunk positions", i)) + seen
         pos[0] = -1
         what = f"chunk {i} ({n} tokens after {seen})"
         append(store, k, v, pos, what)
@@ -119,49 +102,71 @@ def test_append_chunks_of_any_size_positions_as_given():
 
 @points(2, task="append")
 def test_append_after_keep_and_with_state():
-    """After an eviction (``keep``, with an empty slot) the next tokens go after the kept ones; a method's
-    per-slot state keeps its numbers and new slots start at the state's fill value."""
+    """After an eviction (``keep`` of any three slots per head, in any order, one of them empty) the next tokens go
+    after the kept ones; a method's per-slot state keeps its numbers and new slots start at the state's fill
+    value."""
     store = A.new_storage()
     k, v = randn(1, 2, 10, 4), randn(1, 2, 10, 3, seed=1)
     A.storage_append(store, k, v, torch.arange(10))
     A.storage_set_state(store, "score", torch.arange(20.0).view(1, 2, 10), fill=-7.0)
     A.storage_set_state(store, "flags", torch.ones(1, 2, 10, 3, dtype=torch.bool), fill=False)
     A.storage_append(store, randn(1, 2, 2, 4, seed=2), randn(1, 2, 2, 3, seed=3), torch.tensor([10, 11]))
-    score = A.storage_state(store, "score")
-    want = torch.cat([torch.arange(20.0).view(1, 2, 10), torch.full((1, 2, 2), -7.0)], dim=2)
-    assert torch.equal(score, want), "a state keeps its numbers and its new slots start at its fill: " \
-        + first_difference(score, want)
-    flags = A.storage_state(store, "flags")
-    assert flags.shape == (1, 2, 12, 3) and flags[:, :, :10].all() and not flags[:, :, 10:].any(), \
-        f"a (B, H_kv, T, 3) state grows by the new slots at its fill: got shape {tuple(flags.shape)}"
-    idx = torch.tensor([[[1, 4, 7], [0, -1, 11]]])
+    score = torch.cat([torch.arange(20.0).view(1, 2, 10), torch.full((1, 2, 2), -7.0)], dim=2)
+    check_state(store, "score", score, "two tokens after a state was set")
+    check_state(store, "flags", torch.arange(12).view(1, 1, 12, 1).expand(1, 2, 12, 3) < 10,
+                "a (B, H_kv, T, 3) bool state, two tokens after it was set")
+    g = generator("cache keep")
+    idx = torch.stack([torch.randperm(12, generator=g)[:3] for _ in range(2)])[None]     # (1, 2, 3), any order
+    idx[0, 1, int(torch.randint(0, 3, (1,), generator=g))] = -1                          # an empty slot
+    kept = torch.where(idx >= 0, idx, -1)                    # slot s held position s: the positions kept
+    kept_score = torch.where(idx >= 0, score.gather(2, idx.clamp(min=0)), -7.0)
     A.storage_keep(store, idx)
     kk, vv, pp = (t.clone() for t in A.storage_contents(store))
     new_k, new_v = randn(1, 2, 3, 4, seed=4), randn(1, 2, 3, 3, seed=5)
     append(store, new_k, new_v, torch.tensor([12, 13, 14]), "3 tokens after keep (which leaves room)")
-    check_contents(store, torch.cat([kk, new_k], 2), torch.cat([vv, new_v], 2),
-                   torch.cat([pp, torch.tensor([12, 13, 14]).expand(1, 2, 3)], 2), "appending after keep")
-    assert A.storage_contents(store)[2][0, 1].tolist() == [0, -1, 11, 12, 13, 14]
-    score = A.storage_state(store, "score")
-    assert score[0, :, 3:].eq(-7.0).all() and score[0, 0, :3].tolist() == [1.0, 4.0, 7.0], \
-        f"after keep and append the state is {score[0].tolist()}"
+    want_pos = torch.cat([kept, torch.tensor([12, 13, 14]).expand(1, 2, 3)], 2)
+    check_contents(store, torch.cat([kk, new_k], 2), torch.cat([vv, new_v], 2), want_pos,
+                   f"appending after keep of the slots {idx[0].tolist()}")
+    check_state(store, "score", torch.cat([kept_score, torch.full((1, 2, 3), -7.0)], 2),
+                f"after keep of the slots {idx[0].tolist()} and 3 tokens")
     room = A.storage_capacity(store) - 6
     append(store, randn(1, 2, room, 4, seed=6), randn(1, 2, room, 3, seed=7), torch.arange(15, 15 + room),
            f"{room} tokens exactly filling the room")
     append(store, randn(1, 2, 1, 4, seed=8), randn(1, 2, 1, 3, seed=9), torch.tensor([15 + room]),
            "one token past a full buffer")
-    assert A.storage_contents(store)[2][0, 1, :7].tolist() == [0, -1, 11, 12, 13, 14, 15]
+    assert_close(A.storage_contents(store)[2][..., :7], torch.cat([want_pos, torch.full((1, 2, 1), 15)], 2),
+                 what="after keep, 3 tokens, the room filled and one more: the first 7 slots' positions")
     left = A.storage_capacity(store) - (7 + room)                            # room after the reallocation
     big = left + 5
     append(store, randn(1, 2, big, 4, seed=10), randn(1, 2, big, 3, seed=11), torch.arange(16 + room, 16 + room + big),
            f"{big} tokens, more than the {left} slots of room left")
-    score, T = A.storage_state(store, "score"), 7 + room + big
-    kept = score[0, 0, :3].tolist() if score.dim() == 3 else None
-    assert score.shape == (1, 2, T) and score[0, :, 3:].eq(-7.0).all() and kept == [1.0, 4.0, 7.0], \
-        f"a state grows with the buffers, its numbers kept and new slots at its fill: got shape {tuple(score.shape)}"
+    check_state(store, "score", torch.cat([kept_score, torch.full((1, 2, 4 + room + big), -7.0)], 2),
+                "a state grows with the buffers, its numbers kept and new slots at its fill")
 
 
-@points(3, task="append")
+@points(2, task="append")
+def test_append_keeps_the_keys_dtype():
+    """float16, bfloat16 and float64 keys and values (a model run in half precision, a float64 check): chunks of 3,
+    70 (past the first capacity) and 1 token, with a float32 state beside them: what is stored and read back has
+    the keys' dtype and their exact values (buffers made in float32 whatever the keys widen half precision and
+    round float64), and the state keeps its own dtype."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        store, ks, vs, ps, seen = A.new_storage(), [], [], [], 0
+        for i, n in enumerate([3, 70, 1]):
+            k, v = randn(2, 2, n, 8, seed=50 + i, dtype=dtype), randn(2, 2, n, 4, seed=60 + i, dtype=dtype)
+            pos = torch.arange(seen, seen + n)
+            what = f"{dtype} keys and values, chunk {i} ({n} tokens after {seen})"
+            append(store, k, v, pos, what)
+            ks.append(k), vs.append(v), ps.append(pos.expand(2, 2, n))
+            seen += n
+            check_contents(store, torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(ps, 2), what)
+            if i == 0:
+                A.storage_set_state(store, "score", torch.arange(12.0).view(2, 2, 3), fill=0.25)
+        check_state(store, "score", torch.cat([torch.arange(12.0).view(2, 2, 3), torch.full((2, 2, 71), 0.25)], 2),
+                    f"a float32 state beside {dtype} keys")
+
+
+@points(2, task="append")
 def test_cached_decoding_equals_uncached_with_the_tests_attention():
     """The storage inside the decoder (Llama: RoPE, GQA; GPT-2: learned positions): a prompt, a chunk of 3
     tokens, then 5 greedy steps through the cache give the logits of one uncached pass over the sequence. The
@@ -189,17 +194,15 @@ def storage_of_yours():
 def decode_through_the_storage(flavour):
     R = reference("course.model_adapters")              # the instructor's model, decoder and uncached pass
     model = R.tiny_model(flavour, seed=3)
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=generator("cache decode", flavour))
     cache = reference("nanollm.cache").KVCache(model.config, new_storage=lambda config: storage_of_yours())
     yours = [layer.yours for layer in cache.layers]
     R.run_prefill(model, ids[:, :6], cache)
     where = address(A.storage_contents(yours[0])[0])
     logits = R.run_extend(model, ids[:, 6:], cache)[:, -1]
     for step in range(6):
-        want = R.uncached_logits(model, ids)[:, -1]
-        assert torch.allclose(logits, want, rtol=1e-4, atol=1e-5), \
-            f"{flavour}, {ids.shape[1]} tokens: cached logits differ from the uncached pass: " \
-            + first_difference(logits, want)
+        assert_close(logits, R.uncached_logits(model, ids)[:, -1], rtol=1e-4, atol=1e-5,
+                     what=f"{flavour}, {ids.shape[1]} tokens: the cached logits against the uncached pass")
         if step == 5:
             break
         token = logits.argmax(-1)
@@ -207,16 +210,14 @@ def decode_through_the_storage(flavour):
         logits = R.run_decode(model, token, cache)
     assert address(A.storage_contents(yours[0])[0]) == where, \
         f"{flavour}: 14 tokens fit in the room the prompt's append left, yet the entries moved: write in place"
-    kept = A.storage_contents(yours[1])[2]
-    assert kept[1, 0].tolist() == list(range(ids.shape[1])), \
-        f"layer 1 stores the positions {kept[1, 0].tolist()}"
-    more = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(4))
+    assert_close(A.storage_contents(yours[1])[2], torch.arange(ids.shape[1]).expand(2, model.config.n_kv_head, ids.shape[1]),
+                 what=f"{flavour}: the positions layer 1 stores")
+    more = torch.randint(0, model.config.vocab_size, (2, 64), generator=generator("cache decode more", flavour))
     logits = R.run_extend(model, more, cache)[:, -1]                     # outgrows the room that is left
     ids = torch.cat([ids, more], dim=1)
-    want = R.uncached_logits(model, ids)[:, -1]
-    assert torch.allclose(logits, want, rtol=1e-4, atol=1e-5), \
-        f"{flavour}: after a 64-token chunk larger than the room left, cached logits differ from the uncached " \
-        "pass: " + first_difference(logits, want)
+    assert_close(logits, R.uncached_logits(model, ids)[:, -1], rtol=1e-4, atol=1e-5,
+                 what=f"{flavour}: after a 64-token chunk larger than the room left, the cached logits against the "
+                 "uncached pass")
 
 
 # -- task group_scores ------------------------------------------------------------------------------------
@@ -227,15 +228,9 @@ def test_group_scores_against_a_loop_over_heads():
     the scores are q k^T / sqrt(d), with query head kv * G + g's in [:, kv, g]."""
     for seed, (H, H_kv) in enumerate([(6, 2), (6, 1), (3, 3), (6, 2)]):
         q, k = randn(2, H, 4, 16, seed=seed), randn(2, H_kv, 7, 16, seed=seed + 9) * 2
-        got = A.scores(q, k)
-        G = H // H_kv
-        assert tuple(got.shape) == (2, H_kv, G, 4, 7), \
-            f"H={H}, H_kv={H_kv}: scores have shape {tuple(got.shape)}, expected (B, H_kv, G, C, T) = (2, {H_kv}, " \
-            f"{G}, 4, 7)"
-        want = scores_by_loop(q, k)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), \
-            f"H={H}, H_kv={H_kv}: q k^T / sqrt(d) with query head kv * G + g in [:, kv, g]: " \
-            + first_difference(got, want)
+        assert_close(A.scores(q, k), scores_by_loop(q, k), rtol=1e-5, atol=1e-5,
+                     what=f"H={H}, H_kv={H_kv}: the scores (B, H_kv, G, C, T), q k^T / sqrt(d) with query head "
+                     "kv * G + g in [:, kv, g]")
 
 
 # -- task mask --------------------------------------------------------------------------------------------
@@ -258,7 +253,7 @@ def attention_by_loop(q, k, v, q_pos, k_pos):
 def scattered(B, H, H_kv, Tq, Tk, d, seed):
     """Queries at the last Tq positions over Tk slots whose positions differ per row and KV head, out of
     order, with empty slots (-1) that hold garbage; one slot at position 0 and the queries' own positions kept."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator("cache scattered", seed)
     q, k, v = torch.randn(B, H, Tq, d, generator=g), torch.randn(B, H_kv, Tk, d, generator=g), \
         torch.randn(B, H_kv, Tk, d, generator=g)
     q_pos = torch.arange(Tk + 4 - Tq, Tk + 4)
@@ -282,12 +277,9 @@ def test_mask_from_positions_against_a_loop():
         want, want_probs = attention_by_loop(q, k, v, q_pos, k_pos)
         got, probs = A.masked_attention(q, k, v, q_pos, k_pos, rows=3)
         where = f"H={H}, H_kv={H_kv}, query positions {q_pos.tolist()}, row 0 KV head 0 slot positions " \
-            f"{k_pos[0, 0].tolist()}: a query at p sees the slots at 0..p (never -1)"
-        assert got.shape == want.shape, f"the output has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), f"{where}; the output " + first_difference(got, want)
-        assert probs is not None and probs.shape == want_probs.shape and \
-            torch.allclose(probs, want_probs, rtol=1e-5, atol=1e-6), \
-            f"{where}; the probabilities (B, H, Tq, Tk) " + first_difference(probs, want_probs)
+            f"{k_pos[0, 0].tolist()} (a query at p sees the slots at 0..p, never -1)"
+        assert_close(got, want, rtol=1e-5, atol=1e-4, what=f"{where}: the output")
+        assert_close(probs, want_probs, rtol=1e-5, atol=1e-6, what=f"{where}: the probabilities (B, H, Tq, Tk)")
 
 
 @points(3, task="mask")
@@ -298,17 +290,12 @@ def test_mask_probabilities_in_chunks_of_queries():
     want_out, want_probs = attention_by_loop(q, k, v, q_pos, k_pos)
     for chunk in (1, 2, None):
         out, probs = A.masked_attention(q, k, v, q_pos, k_pos, chunk=chunk, rows=5)
-        assert probs is not None and probs.shape == want_probs.shape, \
-            f"chunk {chunk}: probabilities of shape {None if probs is None else tuple(probs.shape)}, expected " \
-            f"(B, H, Tq, Tk) = {tuple(want_probs.shape)}"
         hidden = want_probs == 0
-        assert (probs[hidden] == 0).all(), \
-            f"chunk {chunk}: {int((probs[hidden] != 0).sum())} probabilities on slots the query may not see"
-        assert torch.allclose(probs, want_probs, rtol=1e-5, atol=1e-6), \
-            f"chunk {chunk}: the probabilities: " + first_difference(probs, want_probs)
-        assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-4), \
-            f"chunk {chunk}: the output: " + first_difference(out, want_out)
+        check_tensor(probs, want_probs.shape, want_probs.dtype, f"chunk {chunk}: the probabilities (B, H, Tq, Tk)")
+        assert_close(probs.masked_fill(~hidden, 0.0), torch.zeros_like(want_probs),
+                     what=f"chunk {chunk}: the probabilities on the slots each query may not see, all exactly 0")
+        assert_close(probs, want_probs, rtol=1e-5, atol=1e-6, what=f"chunk {chunk}: the probabilities")
+        assert_close(out, want_out, rtol=1e-5, atol=1e-4, what=f"chunk {chunk}: the output")
     one = slice(4, 5)
     out, probs = A.masked_attention(q[:, :, one], k, v, q_pos[one], k_pos, rows=1)
-    assert torch.allclose(out, want_out[:, :, one], rtol=1e-5, atol=1e-4), \
-        "a decode step (one query): " + first_difference(out, want_out[:, :, one])
+    assert_close(out, want_out[:, :, one], rtol=1e-5, atol=1e-4, what="a decode step (one query): the output")
