@@ -3,13 +3,15 @@
 Each task is graded alone: its tests build what it reads themselves (hand-made attention, a storage, a tiny
 model) and compare with an oracle written here, by loops, never with another task's code. Inputs are
 chosen where mistakes show: query heads that differ within and across GQA groups, group sizes 1 to 3, several
-decode and extend steps with evictions, budgets below the window and the sinks, several seeds. For each
-task one test sweeps every regime and is worth half of the task's points.
+decode and extend steps with evictions, budgets below the window and the sinks, several cases, all drawn from
+the run's seed (``oracle.generator``). For each task one test sweeps every regime and is worth half of the
+task's points (AdaKV's allocation and its ties test 2 points each, so that a ranking that breaks ties another
+way loses half the task).
 """
 
 import adapters as A
 import torch
-from oracle import points, reference
+from oracle import assert_close, check_tensor, generator, points, reference
 from test_public import check_close
 
 # -- StreamingLLM ---------------------------------------------------------------------------------------
@@ -21,29 +23,38 @@ def streaming_oracle(budget: int, n_sink: int, seen: int) -> list[int]:
     return [p for p in range(seen) if p < S or p >= seen - R]
 
 
+def short(positions: list[int], n: int = 12) -> str:
+    """A list of positions, its first ``n`` and the count of the rest."""
+    return str(positions) if len(positions) <= n else f"{str(positions[:n])[:-1]}, ... ({len(positions) - n} more)]"
+
+
 @points(3, task="sinks_and_recent")
 def test_streaming_llm_ranges_in_every_regime():
     """Fewer tokens than the budget, exactly the budget, more; budgets below the sinks (the sinks shrink so
-    the newest token fits), no sinks, a budget of 1; and the keep mask over heads holding different
-    positions with empty slots."""
-    for budget in (1, 2, 3, 4, 5, 8):
-        for n_sink in (0, 1, 2, 4, 6):
-            for seen in (1, 2, 3, 5, 8, 9, 13, 30):
-                got = sorted({p for r in A.streaming_ranges(budget, n_sink, seen) for p in r})
-                want = streaming_oracle(budget, n_sink, seen)
-                S = min(n_sink, budget - 1)
-                assert got == want, (f"budget {budget}, n_sink {n_sink}, seen {seen}: the ranges name "
-                                     f"{got}, expected {want} (S = {S} sinks from position 0, R = {budget - S} "
-                                     "most recent, only positions already seen)")
-    pos = torch.tensor([[list(range(12)), [0, 1, 2, 5, 7, 8, 9, 10, 11, -1, -1, -1]]])   # (1, 2, 12)
+    the newest token fits), no sinks, a budget of 1; budgets, sinks and lengths drawn from the run's seed; and
+    the keep mask over heads holding different positions in any slot order, with empty slots."""
+    g = generator("streaming regimes")
+
+    def draw(low, high):
+        return int(torch.randint(low, high, (1,), generator=g))
+    cases = [(budget, n_sink, seen) for budget in (1, 2, 3, 4, 5, 8) for n_sink in (0, 1, 2, 4, 6)
+             for seen in (1, 2, 3, 5, 8, 9, 13, 30)]
+    cases += [(draw(1, 65), draw(0, 10), draw(1, 2000)) for _ in range(40)]
+    for budget, n_sink, seen in cases:
+        got = sorted({p for r in A.streaming_ranges(budget, n_sink, seen) for p in r})
+        want = streaming_oracle(budget, n_sink, seen)
+        S = min(n_sink, budget - 1)
+        assert got == want, (f"budget {budget}, n_sink {n_sink}, seen {seen}: the ranges name {short(got)}, expected "
+                             f"{short(want)} (S = {S} sinks from position 0, R = {budget - S} most recent, only "
+                             "positions already seen)")
+    held = [list(range(12)), [0, 1, 2, 5, 7, 8, 9, 10, 11, -1, -1, -1]]
+    pos = torch.tensor([[h[i] for i in torch.randperm(12, generator=g).tolist()] for h in held])[None]   # (1, 2, 12)
     for budget, n_sink in [(5, 2), (3, 4), (4, 0)]:
         keep = A.streaming_mask(pos, seen=12, budget=budget, n_sink=n_sink)
-        want = set(streaming_oracle(budget, n_sink, 12))
-        for h in range(2):
-            got = sorted(int(pos[0, h, t]) for t in range(12) if keep[0, h, t])
-            expected = sorted(int(p) for p in pos[0, h] if int(p) in want)
-            assert got == expected, (f"budget {budget}, n_sink {n_sink}: KV head {h} holding positions "
-                                     f"{pos[0, h].tolist()} protects {got}, expected {expected} (never an empty slot)")
+        want = torch.tensor([[[int(p) in set(streaming_oracle(budget, n_sink, 12)) for p in h] for h in pos[0]]])
+        assert_close(keep, want, what=f"budget {budget}, n_sink {n_sink}, after 12 tokens, KV heads holding the "
+                     f"positions {pos[0].tolist()}: the keep mask (B, H_kv, T), True at the slots of the sinks and the "
+                     "most recent, never at an empty slot (-1)")
 
 
 @points(1, task="sinks_and_recent")
@@ -52,7 +63,7 @@ def test_streaming_llm_decodes_with_sinks_and_window():
     each layer, row and KV head holds exactly the S sinks and the R most recent tokens: 3 sinks and 4 recent
     (budget 7), then 4 sinks asked for with a budget of 3 (cut to 2 so that the newest token fits, R = 1)."""
     model = A.tiny_model()
-    ids = torch.randint(0, 512, (2, 21), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 512, (2, 21), generator=generator("streaming decode"))
     for budget, n_sink, prompt, chunks in [(7, 3, 12, (1, 1, 3, 1, 2, 1)), (3, 4, 6, (1, 2, 1))]:
         S = min(n_sink, budget - 1)
         cache = A.new_cache(model, A.streaming_policy(budget, n_sink))
@@ -82,7 +93,7 @@ def h2o_run(G: int, seed: int, budget: int, n_recent: int, chunks: list[int]) ->
     with hand-made attention (every query head different), against a brute-force H2O: per (row, KV head) a
     dict position -> score; after each step the recent positions, then the best scores (ties: earlier). The
     storage may hold them in any slot order (a decode step refills the slot it emptied)."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator("h2o run", seed)
     B, H_kv, d = 3, 2, 4                        # B != H_kv: a mix-up of the two shows
     H = G * H_kv
     policy = A.h2o_policy(budget, n_recent)
@@ -151,7 +162,7 @@ def test_h2o_scores_are_the_attention_received():
     summed over the steps, recorded here by the instructor's library (the same seeded model and prompt,
     a cache that keeps everything) rather than by your adapters."""
     model = A.tiny_model(seed=1)
-    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 512, (2, 16), generator=generator("h2o received"))
     chunks = [10, 1, 3, 1, 1]
     R = reference("course.baselines.adapters")                               # in this process, not yours
     received = R.received_by_step(R.tiny_model(seed=1), ids, chunks)
@@ -212,7 +223,7 @@ def test_snapkv_scores_in_every_regime():
     rows than the window, kernels 1, 3 and 5, max and average pooling, two seeds: the scores themselves
     against loops."""
     for seed in (0, 1):
-        g = torch.Generator().manual_seed(seed)
+        g = generator("snapkv regimes", seed)
         for H_kv, G in [(2, 1), (2, 2), (2, 3), (1, 3)]:
             for T, window in [(13, 4), (9, 9), (7, 10), (16, 3)]:
                 R = min(T, window + 2)
@@ -232,7 +243,7 @@ def test_snapkv_scores_in_every_regime():
 def test_snapkv_pooling():
     """Widths 1 to 7 (also wider than the sequence), max and average (the zero padding counts), any leading
     shape."""
-    g = torch.Generator().manual_seed(5)
+    g = generator("snapkv pooling")
     for shape in [(9,), (2, 3, 11), (1, 4)]:
         x = torch.rand(*shape, generator=g)
         for kernel in (1, 3, 5, 7):
@@ -248,13 +259,15 @@ def test_snapkv_pooling():
 @points(2, task="window_vote")
 def test_snapkv_keeps_the_window_and_each_heads_top_votes():
     """Budgets above the window, equal to it, below it, covering the prompt; 2 query heads per KV head."""
-    g = torch.Generator().manual_seed(4)
+    g = generator("snapkv select")
     T, w = 16, 4
     probs = window_rows(g, 2, 4, w, T)
     for pooling in ("max", "avg"):
         scores = snapkv_oracle(probs, 2, w, 3, pooling)
         for budget in (9, 4, 2, 16):
             got = A.snapkv_select(probs, 2, budget, w, kernel=3, pooling=pooling)
+            check_tensor(got, (2, 2, min(budget, T)), torch.long, f"SnapKV, budget {budget}, window {w}, {pooling} "
+                         "pooling: the kept token indices (B, H_kv, K)")
             for b in range(2):
                 for h in range(2):
                     window = list(range(T - min(w, budget), T)) if T > budget else list(range(T))
@@ -284,8 +297,7 @@ def adakv_oracle(scores: torch.Tensor, budget: int, n_safe: int) -> list[set]:
 
 def check_adakv(scores: torch.Tensor, budget: int, n_safe: int, what: str) -> None:
     mask = A.adakv_mask(scores, budget, n_safe)
-    assert tuple(mask.shape) == tuple(scores.shape), f"{what}: mask of shape {tuple(mask.shape)}, expected " \
-                                                     f"{tuple(scores.shape)}"
+    check_tensor(mask, scores.shape, torch.bool, f"{what}: the keep mask (B, H_kv, T)")
     for b, want in enumerate(adakv_oracle(scores, budget, n_safe)):
         got = {(h, t) for h, t in torch.nonzero(mask[b]).tolist()}
         if got != want:
@@ -296,30 +308,35 @@ def check_adakv(scores: torch.Tensor, budget: int, n_safe: int, what: str) -> No
                                  f"{n_safe} best first, then the layer's best, {budget} per head on average)")
 
 
-@points(3, task="adakv")
+@points(2, task="adakv")
 def test_adakv_allocates_across_heads_with_a_safeguard():
     """Heads of very different scales, so that the safeguard changes what is kept (checked here); safeguards
-    0, 1, 2 and the whole budget; 2 and 4 KV heads; several seeds; the last head of row 1 has two empty slots
-    (NaN scores, as a cache's unused slots have: never kept)."""
-    for seed in range(3):
-        g = torch.Generator().manual_seed(seed)
+    0, 1, 2 and the whole budget; 2 and 4 KV heads; three cases, the last with each head's scores of eight values
+    only (ties within a head: the earlier slot); the last head of row 1 has two empty slots (NaN scores, as a
+    cache's unused slots have: never kept)."""
+    for case in range(3):
+        g = generator("adakv allocation", case)
         for H_kv, T, budget, n_safe in [(4, 12, 4, 1), (4, 10, 3, 2), (2, 9, 3, 1), (4, 8, 3, 3), (2, 7, 2, 0)]:
             scale = torch.logspace(0, -3, H_kv).view(1, H_kv, 1)                # head 0 outscores the rest
-            scores = torch.rand(2, H_kv, T, generator=g) * scale
+            scores = torch.rand(2, H_kv, T, generator=g)
+            scores = (scores * 8).ceil() / 8 * scale if case == 2 else scores * scale
             scores[1, -1, -2:] = float("nan")
             if 0 < n_safe < budget:
                 assert adakv_oracle(scores, budget, n_safe) != adakv_oracle(scores, budget, 0)   # the test's own check
             check_adakv(scores, budget, n_safe, f"AdaKV, {H_kv} KV heads, {T} slots, budget {budget}, "
-                                                f"safeguard {n_safe}, seed {seed}")
+                                                f"safeguard {n_safe}, case {case}")
 
 
-@points(1, task="adakv")
+@points(2, task="adakv")
 def test_adakv_ties_infinities_and_nan():
-    """Ties go to the earlier (head, slot); +inf (protected) entries are kept first, NaN counts as -inf, and a
-    budget covering every slot keeps them all."""
-    g = torch.Generator().manual_seed(7)
-    ties = torch.randint(0, 3, (2, 3, 8), generator=g).float() / 2
-    check_adakv(ties, 3, 1, "AdaKV with tied scores")
+    """Ties go to the earlier (head, slot), in the safeguard (a head's best tied) and in the layer's pool (entries
+    of several heads tied at the cut): scores of three values only, several budgets and safeguards; +inf
+    (protected) entries are kept first, NaN counts as -inf, and a budget covering every slot keeps them all."""
+    g = generator("adakv ties")
+    for H_kv, T, budget, n_safe in [(3, 8, 3, 1), (2, 10, 4, 2), (4, 6, 2, 1), (3, 9, 5, 0)]:
+        ties = torch.randint(0, 3, (2, H_kv, T), generator=g).float() / 2
+        check_adakv(ties, budget, n_safe, f"AdaKV with tied scores (0, 0.5 and 1 only), {H_kv} KV heads, {T} slots, "
+                                          f"budget {budget}, safeguard {n_safe}")
     special = torch.rand(2, 3, 8, generator=g)
     special[0, 2, 6:] = float("inf")
     special[1, 0, :3] = float("nan")

@@ -3,26 +3,16 @@ allocation, each on a small case. Run them with ``python -m course.grade baselin
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import assert_close, generator, points
 
 
 def check_close(got, want: torch.Tensor, what: str, why: str = "", axes=("row", "head", "token"),
                 tol: float = 1e-5) -> None:
-    """``got`` equals ``want`` up to float rounding; otherwise an AssertionError that says what is checked,
-    where (the worst entry, by ``axes``), what was got and what was expected, then why (the rule)."""
-    if not isinstance(got, torch.Tensor):
-        raise AssertionError(f"{what}: expected a tensor of shape {tuple(want.shape)}, got {type(got).__name__}")
-    if got.shape != want.shape:
-        raise AssertionError(f"{what}: got shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-    got64, want64 = got.double(), want.double()
-    err = torch.nan_to_num((got64 - want64).abs(), nan=float("inf"))
-    err = torch.where(got64 == want64, torch.zeros_like(err), err)            # equal infinities are equal
-    if bool((err <= tol + tol * want64.abs().nan_to_num(posinf=0.0, neginf=0.0)).all()):
-        return
-    i = tuple(int(x) for x in torch.unravel_index(torch.argmax(err), err.shape))
-    where = ", ".join(f"{a} {n}" for a, n in zip(axes, i))
-    raise AssertionError(f"{what}: {where} got {float(got64[i]):.4g}, expected {float(want64[i]):.4g}"
-                         + (f" ({why})" if why else ""))
+    """``got`` equals ``want`` up to float rounding (``want`` computed in any precision, compared as the float32
+    answer it should be), with its shape and dtype; otherwise an AssertionError that says what is checked, the
+    axes, how many entries differ and the first one (``oracle.assert_close``), then why (the rule)."""
+    assert_close(got, want.float(), atol=tol, rtol=tol,
+                 what=f"{what}, indexed [{', '.join(axes)}]" + (f" ({why})" if why else ""))
 
 
 def positions(ranges) -> list[int]:
@@ -32,28 +22,34 @@ def positions(ranges) -> list[int]:
 
 @points(2, task="sinks_and_recent")
 def test_streaming_llm_keeps_sinks_and_recent():
-    for budget, n_sink, seen, want in [(8, 4, 20, [0, 1, 2, 3, 16, 17, 18, 19]),     # S = 4 sinks, R = 4 recent
-                                       (6, 2, 30, [0, 1, 26, 27, 28, 29]),
-                                       (3, 4, 20, [0, 1, 19]),             # the sinks cut to S = 2, R = 1
-                                       (8, 4, 3, [0, 1, 2])]:              # fewer tokens than the budget
+    """The sinks and the most recent tokens, after a number of tokens drawn from the run's seed: 4 sinks and 4
+    recent, 2 and 4, the sinks cut to 2 so that the newest token fits (R = 1), fewer tokens than the budget; the
+    keep mask over slots holding the positions in any order, with an empty slot."""
+    g = generator("streaming public")
+    later = int(torch.randint(0, 1000, (1,), generator=g))                # how many more tokens were seen
+    for budget, n_sink, seen, sinks, recent in [(8, 4, 20 + later, 4, 4),  # S = 4 sinks, R = 4 recent
+                                                (6, 2, 30 + later, 2, 4),
+                                                (3, 4, 20 + later, 2, 1),  # the sinks cut to S = 2, R = 1
+                                                (8, 4, 1 + later % 7, None, None)]:   # fewer tokens than the budget
+        want = list(range(seen)) if sinks is None else list(range(sinks)) + list(range(seen - recent, seen))
         got = positions(A.streaming_ranges(budget, n_sink, seen))
         S = min(n_sink, budget - 1)
         assert got == want, (f"budget {budget}, n_sink {n_sink}, after {seen} tokens: the ranges name {got}, "
                              f"expected the sinks and the most recent tokens {want} (S = {S} sinks, the newest "
                              f"token must fit; R = {budget - S} recent; only positions 0..{seen - 1} exist)")
-    pos = torch.arange(20).expand(1, 2, 20).clone()
-    pos[0, 1, 17] = -1                                                   # an empty slot is never kept
-    keep = A.streaming_mask(pos, seen=20, budget=8, n_sink=4)
-    assert not keep[0, 1, 17], "an empty slot (position -1) must never be protected"
-    got = torch.nonzero(keep[0, 0]).flatten().tolist()
-    assert got == [0, 1, 2, 3, 16, 17, 18, 19], f"KV head 0 protects slots {got}, expected 0..3 and 16..19"
+    pos = torch.stack([torch.randperm(20, generator=g) for _ in range(2)])[None]    # (1, 2, 20): any slot order
+    pos[0, 1, int(torch.randint(0, 20, (1,), generator=g))] = -1          # an empty slot is never kept
+    want = (pos >= 0) & ((pos < 4) | (pos >= 16))
+    assert_close(A.streaming_mask(pos, seen=20, budget=8, n_sink=4), want,
+                 what=f"budget 8, 4 sinks, after 20 tokens, KV head 0 holding the positions {pos[0, 0].tolist()}: the "
+                 "keep mask (B, H_kv, T), True at the slots of positions 0..3 and 16..19, never at an empty slot (-1)")
 
 
 @points(2, task="h2o_observe")
 def test_h2o_scores_accumulate():
     """Prefill: the scores are what each slot received (mean over the KV head's query heads); decode: they
     grow by what each slot received; new slots start at 0. 4 query heads over 2 KV heads, all different."""
-    g = torch.Generator().manual_seed(0)
+    g = generator("h2o public")
     policy = A.h2o_policy(100)
     store = A.new_storage(torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 5, 4, generator=g), torch.arange(5))
     c0 = torch.rand(1, 4, 5, generator=g) * torch.tensor([1.0, 2.0, 4.0, 8.0]).view(1, 4, 1)
@@ -72,7 +68,9 @@ def test_h2o_scores_accumulate():
 
 @points(2, task="window_vote")
 def test_snapkv_vote_sums_pools_and_averages():
-    """Two query heads per KV head, three window queries, max pooling of width 3, by hand."""
+    """Two query heads per KV head, three window queries, max pooling of width 3, by hand; the attention scaled
+    by a factor, the window's queries and the group's two heads in an order, drawn from the run's seed (the
+    vote scales with the attention; a sum over the queries and a mean over the heads ignore their order)."""
     probs = torch.zeros(1, 2, 3, 6)                                      # (B, H, w, Tp)
     probs[0, 0, :, 1] = torch.tensor([0.1, 0.2, 0.3])                    # head 0: token 1, 0.6 summed
     probs[0, 0, 2, 5] = 0.2                                              #         token 5, 0.2
@@ -80,7 +78,11 @@ def test_snapkv_vote_sums_pools_and_averages():
     # summed over the window: head 0 [0, .6, 0, 0, 0, .2], head 1 [0, 0, 0, 1.4, 0, 0]
     # max-pooled (width 3):   head 0 [.6, .6, .6, 0, .2, .2], head 1 [0, 0, 1.4, 1.4, 1.4, 0]; then the mean
     want = torch.tensor([[[0.3, 0.3, 1.0, 0.7, 0.8, 0.1]]])
-    check_close(A.snapkv_vote(probs, 1, kernel=3, pooling="max"), want, "SnapKV's vote",
+    g = generator("snapkv public")
+    scale = 0.5 + float(torch.rand(1, generator=g))
+    probs = probs[:, torch.randperm(2, generator=g)][:, :, torch.randperm(3, generator=g)] * scale
+    check_close(A.snapkv_vote(probs, 1, kernel=3, pooling="max"), want * scale,
+                f"SnapKV's vote of the attention above times {scale:.4f}",
                 "the window's attention summed over its queries, max-pooled along the tokens, then averaged over "
                 "the KV head's query heads", axes=("row", "KV head", "token"))
 
@@ -88,9 +90,20 @@ def test_snapkv_vote_sums_pools_and_averages():
 @points(1, task="adakv")
 def test_adakv_shares_the_budget_with_a_safeguard():
     """Two KV heads, 5 slots, budget 2 (the layer keeps 4), one safeguarded entry per head: head 1's best
-    (slot 3, 0.05) is below all of head 0's, yet the safeguard keeps it; head 0 keeps its best 3."""
-    scores = torch.tensor([[[.9, .8, .7, .6, .5], [.01, .02, .03, .05, .04]]])
-    got = A.adakv_mask(scores, budget=2, n_safe=1)
-    want = [[[True, True, True, False, False], [False, False, False, True, False]]]
-    assert got.tolist() == want, (f"AdaKV kept {got.int().tolist()}, expected {[[int(x) for x in h] for h in want[0]]} "
-                                  "(each head's best entry first, here head 1's slot 3; then the layer's best)")
+    (0.05) is below all of head 0's, yet the safeguard keeps it; head 0 keeps its best 3, the last of them one
+    of two tied at 0.7: the earlier slot. Two rows of the same scores, scaled, each head's slots in an order
+    drawn from the run's seed (the ranking ignores both; the tie goes to whichever slot comes first)."""
+    g = generator("adakv public")
+    order = torch.stack([torch.randperm(5, generator=g) for _ in range(4)]).view(2, 2, 5)   # slot i holds old order[i]
+    scale = 0.5 + float(torch.rand(1, generator=g))
+    scores = torch.tensor([[.9, .8, .7, .7, .5], [.01, .02, .03, .05, .04]]).expand(2, 2, 5).gather(-1, order) * scale
+    want = torch.zeros(2, 2, 5, dtype=torch.bool)
+    for b in range(2):
+        was = order[b].tolist()                                          # was[h][i]: the old slot now at i
+        first_07 = min(was[0].index(2), was[0].index(3))                 # of the two 0.7s, the earlier slot now
+        want[b, 0, [was[0].index(0), was[0].index(1), first_07]] = True
+        want[b, 1, was[1].index(3)] = True
+    assert_close(A.adakv_mask(scores, budget=2, n_safe=1), want,
+                 what=f"AdaKV on the scores {[[round(x, 4) for x in h] for h in scores[0].tolist()]} (row 0), budget "
+                 "2, one safeguarded entry per head: the keep mask (B, H_kv, T), each head's best entry first (here "
+                 "head 1's 0.05), then the layer's best, ties to the earlier slot")
