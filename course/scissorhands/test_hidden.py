@@ -2,14 +2,15 @@
 
 The references below are loops written without the library. The tests of the evictions run the instructor's
 policy here, in the test process, with the student's function in place of the graded one (and the instructor's
-for the other tasks, so each task is graded alone), and compare with the same run of the instructor's alone."""
+for the other tasks, so each task is graded alone), and compare with the same run of the instructor's alone.
+Every random input is drawn from the run's seed (``oracle.generator``)."""
 
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import adapters as A
 import torch
-from oracle import patched, points, reference
+from oracle import assert_close, check_tensor, generator, patched, points, reference
 
 # ---------------------------------------------------------------------------------------------------------
 # References, by loops over plain Python numbers
@@ -71,7 +72,7 @@ def kept_per_step(task, options, seed=0, n_prompt=14, n_new=6):
     aligned), and how many times the policy called the student's ``task``."""
     R = reference("course.model_adapters")
     model = R.tiny_model(seed=seed)
-    ids = torch.randint(0, 512, (1, n_prompt + n_new), generator=torch.Generator().manual_seed(seed + 1))
+    ids = torch.randint(0, 512, (1, n_prompt + n_new), generator=generator("scissorhands prompt", seed))
     cache = R.new_cache(model, "scissorhands", **options)
     steps = []
     with students(task) as calls:
@@ -90,7 +91,7 @@ def kept_by_hand(task, options, seed=0, n_prompt=10, n_new=12, n_head=8, n_kv_he
     and attentions tie exactly; with m > 1 a decode step ranks by ``keep_score`` and later tokens refill the
     emptied slots, so slot order is not position order."""
     S, N = reference("methods.scissorhands"), reference("nanollm")
-    g = torch.Generator().manual_seed(seed)
+    g = generator("scissorhands by hand", seed)
     policy, kv, steps = S.ScissorhandsPolicy(**options), N.LayerKV(), []
     with students(task) as calls:
         for s in range(n_new + 1):
@@ -140,7 +141,7 @@ def dyadic_rows(g, n_rows, visible, parts=16):
 
 @points(3, task="low_flags")
 def test_low_flags_against_a_loop():
-    g = torch.Generator().manual_seed(0)
+    g = generator("low flags loop")
     B, H_kv, Tn, T = 2, 3, 5, 9
     visible = torch.rand(B, H_kv, Tn, T, generator=g) < 0.7           # any pattern: holes, evicted, not causal
     visible[0, 0, 0] = False                                            # a query that attended nothing
@@ -150,22 +151,18 @@ def test_low_flags_against_a_loop():
     attn[1, 2] = dyadic_rows(g, Tn, visible[1, 2])                     # some entries exactly at the level
     attn[1, 1, :, :] = torch.where(visible[1, 1], 0.125, 0.0)           # exactly the threshold below
     for threshold in (None, 0.125, 0.3):
-        got, want = A.unimportant(attn, visible, threshold), low_flags_by_loop(attn, visible, threshold)
-        assert got.shape == want.shape, f"low_flags returns the shape of attn {tuple(want.shape)}, got {got.shape}"
-        bad = (got != want).nonzero()
-        if len(bad):
-            b, h, i, j = bad[0].tolist()
-            n = int(visible[b, h, i].sum())
+        def detail(at):
+            n = int(visible[at[:3]].sum())
             tau = f"1/{n} (the query attended {n} slots)" if threshold is None else f"{threshold}"
-            raise AssertionError(
-                f"threshold={threshold}: batch {b}, KV head {h}, query {i}, slot {j}: attended "
-                f"{bool(visible[b, h, i, j])}, attention {float(attn[b, h, i, j]):.6g}, tau = {tau}: low means "
-                f"attended and strictly below tau; got {bool(got[b, h, i, j])}, expected {bool(want[b, h, i, j])}")
+            return f"attended {bool(visible[at])}, attention {float(attn[at]):.6g}, tau = {tau}"
+        assert_close(A.unimportant(attn, visible, threshold), low_flags_by_loop(attn, visible, threshold),
+                     detail=detail, what=f"threshold={threshold}: the low flags (B, H_kv, Tn, T), low meaning "
+                     "attended and strictly below tau")
 
 
 @points(2, task="low_flags")
 def test_counters_over_several_steps_count_the_last_w_queries():
-    g = torch.Generator().manual_seed(1)
+    g = generator("counters")
     B, H, H_kv, T, Tn, n_decode, w = 2, 4, 2, 6, 4, 5, 3
     steps, rows = [], []                  # rows: (query position, probabilities (B, H, T_final)) in order
     for s in range(n_decode + 1):
@@ -184,15 +181,10 @@ def test_counters_over_several_steps_count_the_last_w_queries():
             seen = torch.ones(B, H_kv, 1, q + 1, dtype=torch.bool)
             flags = low_flags_by_loop(attn[:, :, None], seen, threshold)[:, :, 0]
             want[..., :q + 1] += flags.long()
-        assert got.shape == want.shape, f"counters shaped (B, H_kv, T) = {tuple(want.shape)}, got {got.shape}"
-        bad = (got.long() != want).nonzero()
-        if len(bad):
-            b, h, j = bad[0].tolist()
-            raise AssertionError(
-                f"threshold={threshold}, w = {w}, after a prompt and {n_decode} decode steps (GQA: 4 query heads over "
-                f"2 KV heads, the group's mean attention): the counter of position {j} (batch {b}, KV head {h}) counts "
-                f"its low flags among the last {w} queries, the slots each query attended only; got "
-                f"{int(got[b, h, j])}, expected {int(want[b, h, j])}")
+        assert_close(got, want.int(), what=(
+            f"threshold={threshold}, w = {w}, after a prompt and {n_decode} decode steps (GQA: 4 query heads over "
+            f"2 KV heads, the group's mean attention): the counters (B, H_kv, T), each position's low flags among "
+            f"the last {w} queries, the slots each query attended only"))
 
 
 @points(2, task="low_flags")
@@ -208,7 +200,7 @@ def test_eviction_follows_the_low_flags():
 
 @points(3, task="keep_score")
 def test_keep_score_orders_by_the_counters_then_the_attention():
-    g = torch.Generator().manual_seed(3)
+    g = generator("keep score loop")
     B, H_kv, T = 2, 3, 40
     counts = torch.randint(0, 6, (B, H_kv, T), generator=g) * 80            # up to w = 400, many ties
     attn = torch.rand(B, H_kv, T, generator=g)
@@ -220,9 +212,10 @@ def test_keep_score_orders_by_the_counters_then_the_attention():
     pos[0, 2, 5:9] = -1                                                      # empty slots
     got = A.keep_order(counts, attn, pos)
     want = keep_score_by_pairs(counts, attn, pos)
-    assert got.shape == want.shape, f"keep_score returns (B, H_kv, T) = {tuple(want.shape)}, got {got.shape}"
+    check_tensor(got, want.shape, torch.float64, "keep_score's scores (B, H_kv, T)")
     empty = pos < 0
-    assert (got[empty] == float("-inf")).all(), "an empty slot (pos -1) scores -inf"
+    assert_close(got.masked_fill(~empty, 0.0), torch.zeros_like(want).masked_fill(empty, float("-inf")),
+                 what="keep_score's scores, the stored slots' set to 0 here: -inf at every empty slot (pos -1)")
     assert torch.isfinite(got[~empty]).all(), "a stored slot has a finite score"
     for kind, s in (("", got.double()), (" in float32 (select_topk ranks a float32 copy)", got.float().double())):
         for b in range(B):
@@ -253,16 +246,22 @@ def test_eviction_follows_the_keep_score():
 
 @points(3, task="n_dropped")
 def test_n_dropped_against_a_loop():
-    for budget in range(1, 13):
-        for n_recent in range(budget):
-            for drop in range(1, 9):
-                for n_slots in range(0, 31):
-                    got, want = A.tokens_to_drop(n_slots, budget, drop, n_recent), \
-                        n_dropped_by_loop(n_slots, budget, drop, n_recent)
-                    assert got == want, (
-                        f"n_dropped(n_slots={n_slots}, budget={budget}, drop={drop}, n_recent={n_recent}): "
-                        f"m = min(drop, budget - n_recent) = {min(drop, budget - n_recent)} tokens at a time, as "
-                        f"many times as it takes to hold at most {budget}: expected {want}, got {got}")
+    """Every small case (budgets up to 12, up to 30 slots), and cases of up to a few thousand slots drawn from the
+    run's seed."""
+    g = generator("n_dropped loop")
+    small = [(n_slots, budget, drop, n_recent) for budget in range(1, 13) for n_recent in range(budget)
+             for drop in range(1, 9) for n_slots in range(0, 31)]
+    drawn = []
+    for _ in range(200):
+        budget, drop = (int(x) for x in torch.randint(1, 2000, (2,), generator=g))
+        n_recent = int(torch.randint(0, budget, (1,), generator=g))
+        drawn.append((int(torch.randint(0, 3 * budget + 50, (1,), generator=g)), budget, drop, n_recent))
+    for n_slots, budget, drop, n_recent in small + drawn:
+        got, want = A.tokens_to_drop(n_slots, budget, drop, n_recent), n_dropped_by_loop(n_slots, budget, drop, n_recent)
+        assert isinstance(got, int) and got == want, (
+            f"n_dropped(n_slots={n_slots}, budget={budget}, drop={drop}, n_recent={n_recent}): m = min(drop, budget - "
+            f"n_recent) = {min(drop, budget - n_recent)} tokens at a time, as many times as it takes to hold at most "
+            f"{budget}: expected {want}, got {got!r}")
 
 
 @points(2, task="n_dropped")

@@ -3,17 +3,22 @@ Run them with ``python -m course.grade scissorhands``."""
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import assert_close, check_tensor, generator, points
 
 
-def first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, ...] | None:
-    """The index of the first entry where two tensors of the same shape differ, or None."""
-    diff = (got != want).nonzero()
-    return tuple(diff[0].tolist()) if len(diff) else None
+def permuted(g, *tensors, dims=(1, 2, 3)):
+    """The tensors with the same random order along each of ``dims`` (drawn from ``g``): heads, queries, slots.
+    A rule that looks at each query's row as a whole gives the permuted answer of the permuted input."""
+    for dim in dims:
+        order = torch.randperm(tensors[0].shape[dim], generator=g)
+        tensors = tuple(t.index_select(dim, order) for t in tensors)
+    return tensors
 
 
 @points(2, task="low_flags")
 def test_low_flags_use_each_querys_uniform_level():
+    """A hand case (its heads, queries and slots in an order drawn from the run's seed), then a threshold drawn
+    from it."""
     # 2 KV heads, 2 queries, 4 slots; values exact in binary, so "equal to the level" is exactly equal
     attn = torch.tensor([[[[0.25, 0.125, 0.5, 0.125], [0.5, 0.5, 0.0, 0.0]],
                           [[0.5, 0.25, 0.25, 0.0], [0.0625, 0.4375, 0.25, 0.25]]]])
@@ -23,24 +28,23 @@ def test_low_flags_use_each_querys_uniform_level():
     # are never low; head 1: query 0 saw 3 (level 1/3), query 1 saw 4 (level 1/4)
     want = torch.tensor([[[[False, True, False, True], [False, False, False, False]],
                           [[False, True, True, False], [True, False, False, False]]]])
-    got = A.unimportant(attn, visible)
-    assert got.shape == want.shape and got.dtype == torch.bool, \
-        f"low_flags returns a bool tensor shaped like attn {tuple(want.shape)}, got {got.dtype} {tuple(got.shape)}"
-    at = first_difference(got, want)
-    assert at is None, (f"a slot is low when its query attended it and its attention is below 1 / (slots that "
-                        f"query attended): KV head {at[1]}, query {at[2]}, slot {at[3]} (attention {attn[at]:g}, "
-                        f"{int(visible[at[:3]].sum())} slots attended) got {bool(got[at])}, expected {bool(want[at])}")
-    tau = 0.25
-    want = visible & (attn < tau)
-    got = A.unimportant(attn, visible, threshold=tau)
-    at = first_difference(got, want)
-    assert at is None, (f"with threshold={tau} a slot is low when attended and strictly below {tau}: KV head "
-                        f"{at[1]}, query {at[2]}, slot {at[3]} (attention {attn[at]:g}) got {bool(got[at])}, "
-                        f"expected {bool(want[at])}")
+    g = generator("low flags public")
+    attn, visible, want = permuted(g, attn, visible, want)
+
+    def detail(at):
+        return f"attention {attn[at]:g}, {int(visible[at[:3]].sum())} slots attended by that query"
+    assert_close(A.unimportant(attn, visible), want, detail=detail,
+                 what="the low flags (B, H_kv, Tn, T), a bool tensor shaped like attn: a slot is low when its query "
+                 "attended it and its attention is below 1 / (slots that query attended)")
+    tau = 0.05 + 0.5 * float(torch.rand(1, generator=g))
+    assert_close(A.unimportant(attn, visible, threshold=tau), visible & (attn < tau), detail=detail,
+                 what=f"with threshold={tau:.6g}, the low flags: a slot is low when attended and strictly below it")
 
 
 @points(2, task="keep_score")
 def test_fewer_low_flags_first_then_higher_attention():
+    """A hand case of ties and near ties (each head's slots and the heads in an order drawn from the run's seed,
+    the attentions scaled by a power of two, which changes no order)."""
     counts = torch.tensor([[[3, 0, 1, 1, 0, 2], [400, 400, 399, 0, 400, 400], [2, 1, 2, 1, 0, 2]]])
     attn = torch.tensor([[[0.9, 0.1, 0.3, 0.2, 0.4, 0.05], [0.5, 0.50000006, 0.0, 0.0, 0.25, 0.75],
                           [0.25, 0.5, 0.25, 0.5, 0.125, 0.25]]])
@@ -49,9 +53,18 @@ def test_fewer_low_flags_first_then_higher_attention():
     # head 1: slot 3 (no flag), slot 2 (399), then the 400s by attention: 5, 1 (0.50000006), 0 (0.5), 4
     # head 2: slot 4 (no flag), then slots 1 and 3 (one flag, attention 0.5 each: a tie), then 0, 2 and 5 (a tie)
     want = [[[1], [2], [3], [5], [0]], [[3], [2], [5], [1], [0], [4]], [[4], [1, 3], [0, 2, 5]]]   # best first
+    g = generator("keep score public")
+    heads = torch.randperm(3, generator=g)
+    slots = torch.stack([torch.randperm(6, generator=g) for _ in range(3)])[None]     # new slot i: old slots[i]
+    counts, attn, pos = (t[:, heads].gather(-1, slots) for t in (counts, attn, pos))
+    attn = attn * 2.0 ** int(torch.randint(-4, 5, (1,), generator=g))
+    now = [{old: new for new, old in enumerate(slots[0, h].tolist())} for h in range(3)]
+    want = [[[now[h][i] for i in group] for group in want[int(heads[h])]] for h in range(3)]
     score = A.keep_order(counts, attn, pos)
-    assert score.shape == counts.shape, f"keep_score returns (B, H_kv, T) = {tuple(counts.shape)}, got {score.shape}"
-    assert score[0, 0, 4] == float("-inf"), f"an empty slot (pos -1) scores -inf, got {float(score[0, 0, 4])}"
+    check_tensor(score, counts.shape, torch.float64, "keep_score's scores (B, H_kv, T)")
+    empty = pos < 0
+    assert_close(score[empty], torch.full((int(empty.sum()),), float("-inf"), dtype=torch.float64),
+                 what="the scores of the empty slots (pos -1), all -inf")
 
     def slot(s, h, i):
         return (f"slot {i} (I = {int(counts[0, h, i])}, attention {float(attn[0, h, i]):.8g}, score "
@@ -71,6 +84,9 @@ def test_fewer_low_flags_first_then_higher_attention():
 
 @points(2, task="n_dropped")
 def test_tokens_to_drop():
+    """Hand cases, each moved by a number of slots drawn from the run's seed (budget, slots held and recent
+    tokens moved together: what is too many and m stay as they were)."""
+    later = int(torch.randint(0, 10_000, (1,), generator=generator("n_dropped public")))
     cases = [  # n_slots, budget, drop, n_recent, expected, why
         (10, 12, 1, 2, 0, "within budget: nothing to drop"),
         (12, 12, 4, 2, 0, "exactly the budget: nothing to drop"),
@@ -82,6 +98,8 @@ def test_tokens_to_drop():
         (23, 12, 20, 7, 15, "m is cut to budget - n_recent = 5: three compressions for 11 too many"),
     ]
     for n_slots, budget, drop, n_recent, want, why in cases:
+        n_slots, budget, n_recent = n_slots + later, budget + later, n_recent + later
         got = A.tokens_to_drop(n_slots, budget, drop, n_recent)
-        assert got == want, (f"n_dropped(n_slots={n_slots}, budget={budget}, drop={drop}, n_recent={n_recent}): "
-                             f"{why}, so {want}; got {got}")
+        assert isinstance(got, int) and got == want, (
+            f"n_dropped(n_slots={n_slots}, budget={budget}, drop={drop}, n_recent={n_recent}): {why}, so {want}; "
+            f"got {got!r}")
