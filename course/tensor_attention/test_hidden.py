@@ -1,13 +1,14 @@
 """Hidden tests of the ``tensor_attention`` assignment (the grader's; not in a student copy). Each task is graded
 alone against loops over pairs written here: several heads and rows, non-square pair grids, masks, several
-seeds; the two-matrix cache over chunks and single tokens at scattered positions."""
+cases; the two-matrix cache over chunks and single tokens at scattered positions. Every random input is drawn
+from the run's seed (``oracle.generator``)."""
 
 import math
 
 import adapters as A
 import torch
-from oracle import points
-from test_public import first_difference, no_kronecker_product, random  # noqa: F401  (shared helpers)
+from oracle import assert_close, check_tensor, generator, points
+from test_public import no_kronecker_product, random
 
 # -- the oracles: loops over pairs ------------------------------------------------------------------------
 
@@ -57,12 +58,9 @@ def test_pair_scores_over_heads_and_non_square_grids():
         q, K1, K2 = random(2, 3, 2, 16, seed=seed), random(2, 3, n1, 16, seed=10 + seed), \
             random(2, 3, n2, 16, seed=20 + seed)
         got = no_kronecker_product(lambda: A.scores(q, K1, K2, scale), n1, n2, 16, 6, "pair_scores")
-        want = scores_by_loop(q, K1, K2, scale).float()
-        assert got.shape == want.shape, f"n1={n1}, n2={n2}: S has shape {tuple(got.shape)}, expected " \
-            f"(..., Tq, n1, n2) = {tuple(want.shape)}"
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
-            f"n1={n1}, n2={n2}, scale {scale}: S[t, a, b] = scale * <q_t, K1[a] * K2[b]>: " \
-            + first_difference(got, want)
+        assert_close(got, scores_by_loop(q, K1, K2, scale).float(), rtol=1e-4, atol=1e-5,
+                     what=f"n1={n1}, n2={n2}, scale {scale}: the pair scores S (..., Tq, n1, n2), S[t, a, b] = scale * "
+                     "<q_t, K1[a] * K2[b]>")
 
 
 # -- task pair_softmax ------------------------------------------------------------------------------------
@@ -77,15 +75,12 @@ def test_pair_softmax_with_masks_and_large_scores():
     for what, scores, allowed in (("no mask", S, None), ("the causal mask", S, causal),
                                   ("scores of size 100", S * 33, causal)):
         P = A.softmax_over_pairs(scores, allowed)
-        want = softmax_by_loop(scores, allowed).float()
-        assert P.shape == want.shape, f"{what}: P has shape {tuple(P.shape)}, expected {tuple(want.shape)}"
-        assert not P.isnan().any(), f"{what}: P has NaN"
+        assert_close(P, softmax_by_loop(scores, allowed).float(), rtol=1e-4, atol=1e-6,
+                     what=f"{what}: P (..., Tq, n1, n2), P[t, a, b] = exp(S[t, a, b]) / the sum over the allowed pairs "
+                     "(a', b') of query t (0 on a masked pair, never NaN)")
         if allowed is not None:
-            leak = P.masked_select(~allowed.expand(S.shape))
-            assert (leak == 0).all(), f"{what}: {int((leak != 0).sum())} masked pairs got probability > 0"
-        assert torch.allclose(P, want, rtol=1e-4, atol=1e-6), \
-            f"{what}: P[t, a, b] = exp(S[t, a, b]) / sum over the allowed pairs (a', b') of query t: " \
-            + first_difference(P, want)
+            assert_close(P.masked_fill(allowed, 0.0), torch.zeros_like(scores),
+                         what=f"{what}: P on the masked pairs, exactly 0")
 
 
 # -- task factored_output ---------------------------------------------------------------------------------
@@ -100,18 +95,19 @@ def test_factored_output_over_heads_and_non_square_grids():
         V1, V2 = random(2, 3, n1, 8, seed=10 + seed), random(2, 3, n2, 8, seed=20 + seed)
         for what, weights in (("probabilities", P), ("unnormalised weights", P * 3 - 0.2)):
             got = no_kronecker_product(lambda: A.output(weights, V1, V2), n1, n2, 8, 6, "factored_output")
-            want = output_by_loop(weights, V1, V2).float()
-            assert got.shape == want.shape, f"o has shape {tuple(got.shape)}, expected (..., Tq, d) = " \
-                f"{tuple(want.shape)}"
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
-                f"n1={n1}, n2={n2}, {what}: o_t = sum_(a, b) P[t, a, b] V1[a] * V2[b]: " \
-                + first_difference(got, want)
+            assert_close(got, output_by_loop(weights, V1, V2).float(), rtol=1e-4, atol=1e-5,
+                         what=f"n1={n1}, n2={n2}, {what}: the output o (..., Tq, d), o_t = sum_(a, b) P[t, a, b] "
+                         "V1[a] * V2[b]")
 
 
 # -- task two_cache_append --------------------------------------------------------------------------------
 
-POSITIONS = torch.tensor([0, 1, 2, 3, 7, 8, 9, 10, 15])     # scattered, as after a gap in the positions
 CHUNKS = [4, 1, 3, 1]                                       # a prompt, a token, a chunk, a token
+
+
+def scattered_positions(case):
+    """9 increasing positions with gaps (as after a gap in the positions), drawn from the run's seed."""
+    return torch.randperm(200, generator=generator("two cache positions", case))[:9].sort().values
 
 
 def tokens(seed):
@@ -119,12 +115,13 @@ def tokens(seed):
     return [random(2, 3, 9, 8, seed=seed + s) for s in range(4)]
 
 
-def fill(cache, factors, check=None):
-    """Append the tokens chunk by chunk; after each, call check(n tokens stored, rows stored before)."""
+def fill(cache, factors, positions, check=None):
+    """Append the tokens chunk by chunk at ``positions``; after each, call check(n tokens stored, rows stored
+    before)."""
     n = 0
     for m in CHUNKS:
         before = [t.clone() for t in A.two_cache_pairs(cache)] if n else None
-        A.two_cache_append(cache, *(f[:, :, n:n + m] for f in factors), POSITIONS[n:n + m])
+        A.two_cache_append(cache, *(f[:, :, n:n + m] for f in factors), positions[n:n + m])
         n += m
         if check is not None:
             check(n, before)
@@ -135,30 +132,33 @@ def test_two_cache_pairs_grow_by_the_new_rows_only():
     """Chunks of 4, 1, 3 and 1 tokens at scattered positions: after each, every pair of the stored tokens once,
     row (a, b) = K1[a] * K2[b] and V1[a] * V2[b] with its positions; the rows stored before stay where they are."""
     k1, k2, v1, v2 = tokens(0)
+    positions = scattered_positions(0)
     cache = A.new_two_cache()
-    index = {int(p): i for i, p in enumerate(POSITIONS)}
+    index = {int(p): i for i, p in enumerate(positions)}
 
     def check(n, before):
         Kt, Vt, pa, pb = A.two_cache_pairs(cache)
-        want = sorted((int(a), int(b)) for a in POSITIONS[:n] for b in POSITIONS[:n])
+        for name, x in (("a", pa), ("b", pb)):
+            check_tensor(x, (n * n,), positions.dtype, f"after {n} tokens, the positions {name} of the pair rows "
+                         "(a, b), one per row")
+        want = sorted((int(a), int(b)) for a in positions[:n] for b in positions[:n])
         got = sorted(zip(pa.tolist(), pb.tolist()))
         assert got == want, f"after {n} tokens the positions (a, b) of the pair rows must be each pair of stored " \
             f"tokens once: {len(got)} rows, {len(set(got))} distinct, expected {len(want)}; e.g. missing " \
             f"{sorted(set(want) - set(got))[:3]}, extra {sorted(set(got) - set(want))[:3]}"
         a, b = [index[int(p)] for p in pa], [index[int(p)] for p in pb]
-        want_k, want_v = k1[:, :, a] * k2[:, :, b], v1[:, :, a] * v2[:, :, b]
-        assert Kt.shape == want_k.shape and torch.allclose(Kt, want_k), \
-            f"after {n} tokens: pair (a, b)'s K~ row is K1[a] * K2[b]: " + first_difference(Kt, want_k)
-        assert Vt.shape == want_v.shape and torch.allclose(Vt, want_v), \
-            f"after {n} tokens: pair (a, b)'s V~ row is V1[a] * V2[b]: " + first_difference(Vt, want_v)
+        assert_close(Kt, k1[:, :, a] * k2[:, :, b], rtol=1e-5, atol=1e-6,
+                     what=f"after {n} tokens, K~ (B, H, pairs, d): pair (a, b)'s row is K1[a] * K2[b]")
+        assert_close(Vt, v1[:, :, a] * v2[:, :, b], rtol=1e-5, atol=1e-6,
+                     what=f"after {n} tokens, V~ (B, H, pairs, d): pair (a, b)'s row is V1[a] * V2[b]")
         if before is not None:
             P = before[0].shape[2]
-            same = all(torch.equal(x[..., :P, :] if x.dim() == 4 else x[:P], y) for x, y in
-                       zip((Kt, Vt, pa, pb), before))
-            assert same, f"after {n} tokens: the {P} pair rows stored before moved or changed; a two-matrix cache " \
-                "appends the new pairs after them (Def. 3.8: rows computed once)"
+            for name, x, y in zip(("K~", "V~", "a", "b"), (Kt, Vt, pa, pb), before):
+                assert_close(x[..., :P, :] if x.dim() == 4 else x[:P], y, what=f"after {n} tokens, {name} of the {P} "
+                             "pair rows stored before, as they were: a two-matrix cache appends the new pairs after "
+                             "them (Def. 3.8: rows computed once)")
 
-    fill(cache, (k1, k2, v1, v2), check)
+    fill(cache, (k1, k2, v1, v2), positions, check)
 
 
 def attention_by_loop(q, q_pos, k1, k2, v1, v2, pos):
@@ -178,18 +178,20 @@ def attention_by_loop(q, q_pos, k1, k2, v1, v2, pos):
 def test_two_cache_attention_equals_loops_over_pairs():
     """Attention through the two-matrix cache (ordinary attention over its pair rows, masked by their positions)
     after each chunk: the chunk's own queries (each sees the pairs of tokens at or before it) equal loops over
-    pairs; two seeds."""
+    pairs; two cases."""
     for seed in (0, 7):
         k1, k2, v1, v2 = tokens(seed)
         q = random(2, 3, 9, 8, seed=seed + 5)
+        positions = scattered_positions(seed)
         cache = A.new_two_cache()
 
         def check(n, before):
             m = next(c for c, total in zip(CHUNKS, [4, 5, 8, 9]) if total == n)
-            got = A.two_cache_attend(cache, q[:, :, n - m:n], POSITIONS[n - m:n])
-            want = attention_by_loop(q[:, :, n - m:n], POSITIONS[n - m:n], k1[:, :, :n], k2[:, :, :n],
-                                     v1[:, :, :n], v2[:, :, :n], POSITIONS[:n])
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
-                f"seed {seed}, queries at {POSITIONS[n - m:n].tolist()} over {n} tokens: " + first_difference(got, want)
+            got = A.two_cache_attend(cache, q[:, :, n - m:n], positions[n - m:n])
+            want = attention_by_loop(q[:, :, n - m:n], positions[n - m:n], k1[:, :, :n], k2[:, :, :n],
+                                     v1[:, :, :n], v2[:, :, :n], positions[:n])
+            assert_close(got, want, rtol=1e-4, atol=1e-5, what=f"case {seed}, queries at "
+                         f"{positions[n - m:n].tolist()} over {n} tokens at {positions[:n].tolist()}: the output "
+                         "(B, H, Tq, d)")
 
-        fill(cache, (k1, k2, v1, v2), check)
+        fill(cache, (k1, k2, v1, v2), positions, check)
