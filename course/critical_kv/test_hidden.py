@@ -2,13 +2,14 @@
 
 The references below are loops written without the library. The test of the policy runs the instructor's
 CriticalKV here, in the test process, with the student's two_stage_masks in place of its own, and compares
-with the same run of the instructor's alone."""
+with the same run of the instructor's alone. Every random input is drawn from the run's seed
+(``oracle.generator``)."""
 
 import math
 
 import adapters as A
 import torch
-from oracle import mismatches, patched, points, reference
+from oracle import assert_close, check_tensor, generator, patched, points, reference
 
 LOWEST = torch.finfo(torch.float32).min
 
@@ -84,44 +85,31 @@ def instance(g, shape, n, D):
     return attn, projected, keep
 
 
-def first_bad(got, want, rtol=1e-5, atol=1e-6):
-    """The first index where got and want differ beyond the tolerance (NaN or inf where want has none: wrong), or
-    None."""
-    bad = mismatches(got, want, atol=atol, rtol=rtol).nonzero()
-    return tuple(bad[0].tolist()) if len(bad) else None
-
-
 # ---------------------------------------------------------------------------------------------------------
 # output_perturbation
 
 @points(3, task="output_perturbation")
 def test_perturbation_against_a_loop():
-    g = torch.Generator().manual_seed(0)
+    g = generator("perturbation loop")
     for shape, n, D in (((2, 3), 9, 5), ((4,), 16, 1), ((), 7, 3)):
         attn, projected, keep = instance(g, shape, n, D)
-        got = A.perturbation(attn, keep, projected)
-        want = perturbation_by_loop(attn, keep, projected)
-        assert got.shape == want.shape, \
-            f"output_perturbation returns one L per row: shape {tuple(want.shape)} for attn {tuple(attn.shape)}, " \
-            f"got {tuple(got.shape)}"
-        at = first_bad(got, want)
-        assert at is None, (
-            f"attn {tuple(attn.shape)}, projected {tuple(projected.shape)}: row {at} keeps "
-            f"{int(keep[at].sum())} of {n}: L = ||(A - A') V W_O||_1 (an L1 norm over the D = {D} outputs of the "
-            f"change, A' renormalised over the kept); got {float(got[at]):.6f}, expected {float(want[at]):.6f}")
+        assert_close(A.perturbation(attn, keep, projected), perturbation_by_loop(attn, keep, projected).float(),
+                     rtol=1e-5, atol=1e-6, detail=lambda at: f"that row keeps {int(keep[at].sum())} of {n}",
+                     what=f"attn {tuple(attn.shape)}, projected {tuple(projected.shape)}: output_perturbation, one L "
+                     f"per row, L = ||(A - A') V W_O||_1 (an L1 norm over the D = {D} outputs of the change, A' "
+                     "renormalised over the kept)")
 
 
 @points(2, task="output_perturbation")
 def test_renormalized_attention_is_the_masked_softmax():
-    g = torch.Generator().manual_seed(1)
+    g = generator("renormalized loop")
     logits = torch.randn(2, 3, 10, generator=g) * 3
     keep = torch.rand(2, 3, 10, generator=g) > 0.4
     keep[..., 2] = True
-    got = A.renormalized(torch.softmax(logits, -1), keep)
     want = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)       # Theorem 1: a softmax over the kept
-    at = first_bad(got, want.double())
-    assert at is None, (f"Theorem 1: A' is the softmax over the kept entries only (zero elsewhere, summing to 1 over "
-                        f"the kept); entry {at}: got {float(got[at]):.6f}, expected {float(want[at]):.6f}")
+    assert_close(A.renormalized(torch.softmax(logits, -1), keep), want, rtol=1e-5, atol=1e-6,
+                 what="Theorem 1: A' (2, 3, 10) is the softmax over the kept entries only (zero elsewhere, summing to "
+                 "1 over the kept)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -129,35 +117,33 @@ def test_renormalized_attention_is_the_masked_softmax():
 
 @points(2, task="perturbation_bound")
 def test_bound_on_hand_cases():
-    # A = (0.4, 0.3, 0.2, 0.1), P = (1, 5, 2, 10): C = 0.4 + 1.5 + 0.4 + 1 = 3.3
-    attn = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 4, dtype=torch.float64)
-    vnorm = torch.tensor([[1.0, 5.0, 2.0, 10.0]] * 4, dtype=torch.float64)
-    keep = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    # A = (0.4, 0.3, 0.2, 0.1), P = (1, 5, 2, 10): C = 0.4 + 1.5 + 0.4 + 1 = 3.3; the entries in an order and P at
+    # a scale drawn from the run's seed (theta is linear in P)
+    g = generator("bound hand")
+    order, scale = torch.randperm(4, generator=g), 0.5 + float(torch.rand(1, generator=g))
+    attn = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 4, dtype=torch.float64)[:, order]
+    vnorm = torch.tensor([[1.0, 5.0, 2.0, 10.0]] * 4, dtype=torch.float64)[:, order] * scale
+    keep = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 1], [1, 1, 1, 1]], dtype=torch.bool)[:, order]
     # mass 0.7, sum N A P 1.9: 3.3 - (2 - 1/0.7) 1.9; mass 0.3: 3.3 - (2 - 1/0.3) 1.4; mass 0.5: 3.3 - 0 * 1.4; 0
-    want = [3.3 - (2 - 1 / 0.7) * 1.9, 3.3 - (2 - 1 / 0.3) * 1.4, 3.3, 0.0]
-    got = A.bound(attn, keep, vnorm)
-    for r in range(4):
-        assert abs(float(got[r]) - want[r]) < 1e-6, (
-            f"Eq. 8 on A = (0.4, 0.3, 0.2, 0.1), P = (1, 5, 2, 10), keep {keep[r].int().tolist()} (kept mass "
-            f"{float((attn[r] * keep[r]).sum()):.1f}): theta = C - (2 - 1/mass) sum N A P = {want[r]:.6f}, got "
-            f"{float(got[r]):.6f}")
+    want = torch.tensor([3.3 - (2 - 1 / 0.7) * 1.9, 3.3 - (2 - 1 / 0.3) * 1.4, 3.3, 0.0], dtype=torch.float64) * scale
+    assert_close(A.bound(attn, keep, vnorm), want, atol=1e-6, rtol=1e-9,
+                 detail=lambda at: f"keep {keep[at].int().tolist()}, kept mass {float((attn[at] * keep[at]).sum()):.1f}",
+                 what=f"Eq. 8 in float64 on A = {attn[0].tolist()}, P = {[round(x, 5) for x in vnorm[0].tolist()]}: "
+                 "theta = C - (2 - 1/mass) sum N A P, one per row (4,)")
 
 
 @points(3, task="perturbation_bound")
 def test_bound_against_a_loop_and_above_the_perturbation():
-    g = torch.Generator().manual_seed(2)
+    g = generator("bound loop")
     for shape, n, D in (((2, 3), 9, 5), ((5,), 16, 2), ((), 6, 4)):
         attn, projected, keep = instance(g, shape, n, D)
         vnorm = projected.abs().sum(-1)
         got = A.bound(attn, keep, vnorm)
-        want = bound_by_loop(attn, keep, vnorm)
-        assert got.shape == want.shape, \
-            f"perturbation_bound returns one theta per row, {tuple(want.shape)}, got {tuple(got.shape)}"
-        at = first_bad(got, want, rtol=1e-4, atol=1e-5)
-        assert at is None, (
-            f"attn {tuple(attn.shape)}: row {at} keeps {int(keep[at].sum())} of {n} (mass "
-            f"{float((attn[at] * keep[at]).sum()):.3f}): theta = sum A P - (2 - 1/mass) sum N A P; got "
-            f"{float(got[at]):.6f}, expected {float(want[at]):.6f}")
+        assert_close(got, bound_by_loop(attn, keep, vnorm).float(), rtol=1e-4, atol=1e-5,
+                     detail=lambda at: f"that row keeps {int(keep[at].sum())} of {n}, mass "
+                     f"{float((attn[at] * keep[at]).sum()):.3f}",
+                     what=f"attn {tuple(attn.shape)}: perturbation_bound, one theta per row, theta = sum A P - "
+                     "(2 - 1/mass) sum N A P")
         L = perturbation_by_loop(attn, keep, projected)
         assert (L <= got.double() + 1e-4).all(), "Theorem 2: theta is never below the true perturbation L"
 
@@ -167,7 +153,7 @@ def test_bound_against_a_loop_and_above_the_perturbation():
 
 @points(3, task="two_stage")
 def test_two_stage_masks_against_a_loop():
-    g = torch.Generator().manual_seed(3)
+    g = generator("two stage loop")
     for trial in range(30):
         B, H, T = 2, 3, 8 + trial % 9
         first = torch.randn(B, H, T, generator=g)
@@ -183,36 +169,37 @@ def test_two_stage_masks_against_a_loop():
         n_first = torch.randint(0, T, (B, H), generator=g) if trial % 3 else trial % 4
         got = A.stages(first, second, budgets, n_first, valid if trial % 4 else None)
         want = two_stage_by_loop(first, second, budgets, n_first, valid if trial % 4 else None)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise AssertionError(f"two_stage_masks returns two masks (stage 1, kept), got {type(got).__name__}")
         for name, x, y in (("stage1", got[0], want[0]), ("keep", got[1], want[1])):
-            assert x.shape == y.shape and x.dtype == torch.bool, \
-                f"two_stage_masks returns two (..., T) bool masks, {tuple(y.shape)}; {name} is {x.dtype} {x.shape}"
-            bad = (x != y).any(-1).nonzero()
-            if len(bad):
-                b, h = bad[0].tolist()
+            def detail(at, x=x, y=y):
+                b, h = at[:2]
                 bb = budgets if isinstance(budgets, int) else int(budgets[b, h])
                 nf = n_first if isinstance(n_first, int) else int(n_first[b, h])
-                raise AssertionError(
-                    f"trial {trial}, batch {b}, head {h} (budget {bb}, n_first {nf}, "
-                    f"{int(valid[b, h].sum()) if trial % 4 else T} valid of {T}): {name} holds "
-                    f"{x[b, h].nonzero().flatten().tolist()}, expected {y[b, h].nonzero().flatten().tolist()}: stage 1 "
-                    f"is the top n_first valid entries by `first` (capped at the budget, itself capped at the valid "
-                    f"entries), stage 2 the best of the other valid entries by `second`; NaN and -inf rank lowest, "
-                    f"ties go to the earlier entry")
+                return (f"batch {b}, head {h}: budget {bb}, n_first {nf}, "
+                        f"{int(valid[b, h].sum()) if trial % 4 else T} valid of {T}; {name} holds "
+                        f"{x[b, h].nonzero().flatten().tolist()}, expected {y[b, h].nonzero().flatten().tolist()}")
+            assert_close(x, y, detail=detail, what=(
+                f"trial {trial}: {name}, a (..., T) bool mask; stage 1 is the top n_first valid entries by `first` "
+                "(capped at the budget, itself capped at the valid entries), stage 2 the best of the other valid "
+                "entries by `second`; NaN and -inf rank lowest, ties go to the earlier entry"))
 
 
 @points(2, task="two_stage")
 def test_alpha_one_is_attention_topk_and_alpha_zero_is_a_times_p():
-    g = torch.Generator().manual_seed(4)
+    g = generator("alpha")
     attn = torch.softmax(torch.randn(3, 16, generator=g), -1)
     vnorm = torch.rand(3, 16, generator=g) * 3
     for row in range(3):
         for alpha, score, what in ((1.0, attn[row], "the attention top-k"), (0.0, attn[row] * vnorm[row],
                                                                               "the top-k of A * P")):
             want = sorted(score.topk(5).indices.tolist())
-            got = A.select(attn, vnorm, 5, alpha)[row].tolist()
-            assert got == want, f"row {row}, budget 5, alpha = {alpha}: Algorithm 1 is {what}, {want}; got {got}"
-    got = A.select(attn, vnorm, 40, 0.25)
-    assert got.shape[-1] == 16, f"a budget of 40 over 16 entries keeps all 16, got {got.shape[-1]}"
+            got = A.select(attn, vnorm, 5, alpha)
+            check_tensor(got, (3, 5), torch.long, f"budget 5, alpha = {alpha}: the kept entries of each row")
+            assert got[row].tolist() == want, \
+                f"row {row}, budget 5, alpha = {alpha}: Algorithm 1 is {what}, {want}; got {got[row].tolist()}"
+    check_tensor(A.select(attn, vnorm, 40, 0.25), (3, 16), torch.long,
+                 "a budget of 40 over 16 entries keeps all 16: the kept entries of each row")
 
 
 def kept_per_step(spec, options, students, seed=0, n_prompt=24, n_new=0):
@@ -226,7 +213,7 @@ def kept_per_step(spec, options, students, seed=0, n_prompt=24, n_new=0):
         calls.append(1)
         return A.stages(*args)
     model = R.tiny_model(seed=seed)
-    ids = torch.randint(0, 512, (1, n_prompt + n_new), generator=torch.Generator().manual_seed(seed + 3))
+    ids = torch.randint(0, 512, (1, n_prompt + n_new), generator=generator("critical kv prompt", seed))
     cache = R.new_cache(model, spec, **options)
     steps = []
     with patched(C, **({"two_stage_masks": student_two_stage_masks} if students else {})):

@@ -3,7 +3,7 @@ Eq. 8) and Algorithm 1's two stages. Run them with ``python -m course.grade crit
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import assert_close, check_tensor, generator, points
 
 
 def perturbation_by_loop(attn, keep, projected):
@@ -14,84 +14,99 @@ def perturbation_by_loop(attn, keep, projected):
     return sum(abs(sum(d * row[c] for d, row in zip(diff, vw))) for c in range(len(vw[0])))
 
 
+def mask(n, entries):
+    """A (1, n) bool mask, True at ``entries``."""
+    out = torch.zeros(1, n, dtype=torch.bool)
+    out[0, list(entries)] = True
+    return out
+
+
 @points(2, task="output_perturbation")
 def test_perturbation_is_the_l1_change_of_the_output():
-    g = torch.Generator().manual_seed(1)
+    g = generator("perturbation public")
     attn = torch.softmax(torch.randn(3, 8, generator=g) * 2, -1)           # 3 rows (heads), 8 entries
     projected = torch.randn(3, 8, 6, generator=g)                           # rows V_i W_O, D = 6
     keep = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0, 0, 0], [1] * 8], dtype=torch.bool)
-    got = A.perturbation(attn, keep, projected)
-    assert got.shape == (3,), f"output_perturbation returns one L per row, shape (3,), got {tuple(got.shape)}"
-    for r in range(3):
-        want = perturbation_by_loop(attn[r], keep[r], projected[r])
-        assert abs(float(got[r]) - want) <= 1e-5 * (1 + want), (
-            f"row {r} (keeping {int(keep[r].sum())} of 8): L = ||(A - A') V W_O||_1 with A' the attention "
-            f"renormalised over the kept entries; got {float(got[r]):.6f}, expected {want:.6f}")
-    renorm = A.renormalized(attn, keep)
-    want = attn * keep / (attn * keep).sum(-1, keepdim=True)
-    assert torch.allclose(renorm, want, atol=1e-6), (
-        f"renormalized_attention (Theorem 1): A'_i = N_i A_i / sum_j N_j A_j; row 0 got "
-        f"{[round(x, 4) for x in renorm[0].tolist()]}, expected {[round(x, 4) for x in want[0].tolist()]}")
+    keep = keep[:, torch.randperm(8, generator=g)]                          # which entries: drawn
+    want = torch.tensor([perturbation_by_loop(attn[r], keep[r], projected[r]) for r in range(3)])
+    assert_close(A.perturbation(attn, keep, projected), want, atol=1e-5, rtol=1e-5,
+                 detail=lambda at: f"keeping {int(keep[at].sum())} of 8",
+                 what="output_perturbation, one L per row (3,): L = ||(A - A') V W_O||_1 with A' the attention "
+                 "renormalised over the kept entries")
+    assert_close(A.renormalized(attn, keep), attn * keep / (attn * keep).sum(-1, keepdim=True), atol=1e-6,
+                 what="renormalized_attention (Theorem 1), (3, 8): A'_i = N_i A_i / sum_j N_j A_j")
 
 
 @points(2, task="perturbation_bound")
 def test_the_bound_is_eq8_and_holds():
     # a hand case: A = (1/2, 1/4, 1/4), P = (1, 2, 4): C = 2. Keeping entries 0 and 2 (mass 3/4, sum N A P = 3/2):
     # theta = 2 - (2 - 4/3) 3/2 = 1. Keeping entry 1 only (mass 1/4, sum 1/2): theta = 2 - (2 - 4) 1/2 = 3.
-    attn = torch.tensor([[0.5, 0.25, 0.25]] * 3)
-    vnorm = torch.tensor([[1.0, 2.0, 4.0]] * 3)
-    keep = torch.tensor([[True, False, True], [False, True, False], [True, True, True]])
-    got = A.bound(attn, keep, vnorm)
-    for r, want in enumerate([1.0, 3.0, 0.0]):
-        assert abs(float(got[r]) - want) < 1e-6, (
-            f"Eq. 8, theta = C - (2 - 1/sum(N A)) sum(N A P) with C = sum(A P): A = (1/2, 1/4, 1/4), P = (1, 2, 4), "
-            f"keep {keep[r].int().tolist()}: expected {want}, got {float(got[r]):.6f}")
-    g = torch.Generator().manual_seed(1)
-    for seed in range(10):
+    # Here the entries come in an order and P at a scale drawn from the run's seed (theta is linear in P).
+    g = generator("bound public")
+    order, scale = torch.randperm(3, generator=g), 0.5 + float(torch.rand(1, generator=g))
+    attn = torch.tensor([[0.5, 0.25, 0.25]] * 3)[:, order]
+    vnorm = torch.tensor([[1.0, 2.0, 4.0]] * 3)[:, order] * scale
+    keep = torch.tensor([[True, False, True], [False, True, False], [True, True, True]])[:, order]
+    assert_close(A.bound(attn, keep, vnorm), torch.tensor([1.0, 3.0, 0.0]) * scale, atol=1e-6, rtol=1e-6,
+                 detail=lambda at: f"keep {keep[at].int().tolist()}",
+                 what=f"Eq. 8, theta = C - (2 - 1/sum(N A)) sum(N A P) with C = sum(A P), on A = "
+                 f"{attn[0].tolist()}, P = {[round(x, 5) for x in vnorm[0].tolist()]}, one theta per row (3,)")
+    for case in range(10):
         attn = torch.softmax(torch.randn(12, generator=g) * 2, 0)
         projected = torch.randn(12, 5, generator=g)
         keep = torch.rand(12, generator=g) > 0.5
         keep[attn.argmax()] = True
-        theta = float(A.bound(attn, keep, projected.abs().sum(-1)))
+        theta = A.bound(attn, keep, projected.abs().sum(-1))
+        check_tensor(theta, (), torch.float32, f"case {case}: theta of one row of 12 entries")
         L = perturbation_by_loop(attn, keep, projected)
-        assert L <= theta + 1e-5, \
-            f"case {seed}: Theorem 2 bounds the perturbation, but L = {L:.5f} > theta = {theta:.5f}"
+        assert L <= float(theta) + 1e-5, \
+            f"case {case}: Theorem 2 bounds the perturbation, but L = {L:.5f} > theta = {float(theta):.5f}"
 
 
 @points(2, task="two_stage")
 def test_two_stages():
+    """Hand cases, their entries in an order and their scores at scales drawn from the run's seed (neither
+    changes what is kept, only where)."""
+    g = generator("two stages public")
+    order = torch.randperm(6, generator=g)
+    now = {int(old): new for new, old in enumerate(order)}                # old entry -> where it is now
+
+    def at(*old):
+        return sorted(now[i] for i in old)
     first = torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.08, 0.07]])
     second = first * torch.tensor([0.1, 0.1, 0.1, 5.0, 0.1, 4.0])               # A * P ranks 3, 5 first
+    first, second = first[:, order] * (0.5 + torch.rand(1, generator=g)), second[:, order]
     stage1, keep = A.stages(first, second, 4, 2)
-    assert torch.nonzero(stage1[0]).flatten().tolist() == [0, 1], (
-        f"stage 1 keeps the top n_first = 2 by the first ranking: entries [0, 1], got {stage1[0].int().tolist()}")
-    assert torch.nonzero(keep[0]).flatten().tolist() == [0, 1, 3, 5], (
-        f"stage 2 fills the budget of 4 with the best of the rest by the second ranking (3, then 5): expected "
-        f"entries [0, 1, 3, 5], got {keep[0].int().tolist()}")
+    assert_close(stage1, mask(6, at(0, 1)), what=f"scores {[round(x, 4) for x in first[0].tolist()]} (first) and "
+                 f"{[round(x, 4) for x in second[0].tolist()]} (second), budget 4, n_first 2: stage 1, the top "
+                 "n_first = 2 by the first ranking")
+    assert_close(keep, mask(6, at(0, 1, 3, 5)), what="budget 4, n_first 2: the kept set, stage 1 and then the best of "
+                 "the rest by the second ranking up to the budget")
     stage1, keep = A.stages(second, first, 3, 1)                                 # the orders swapped
-    assert torch.nonzero(keep[0]).flatten().tolist() == [0, 1, 3], (
-        f"first ranking A * P (stage 1: entry 3), then attention (0, 1): expected entries [0, 1, 3], got "
-        f"{keep[0].int().tolist()}")
-    valid = torch.tensor([[True, False, True, True, True, True]])
+    assert_close(keep, mask(6, at(0, 1, 3)), what="the rankings swapped, budget 3, n_first 1: the kept set, first "
+                 "A * P (stage 1: its best), then the attention")
+    valid = mask(6, at(0, 2, 3, 4, 5))
     stage1, keep = A.stages(first, second, 3, 2, valid)
-    assert torch.nonzero(keep[0]).flatten().tolist() == [0, 2, 3], (
-        f"entry 1 is not valid (an empty slot): stage 1 takes 0, 2; stage 2 takes 3; got {keep[0].int().tolist()}")
+    assert_close(keep, mask(6, at(0, 2, 3)), what=f"valid entries {valid[0].int().tolist()} (the other an empty "
+                 "slot), budget 3, n_first 2: the kept set, stage 1 among the valid entries, then stage 2")
     stage1, keep = A.stages(first, second, 8, 2, valid)
-    assert keep[0].tolist() == valid[0].tolist(), (
-        f"a budget of 8 over 5 valid entries is cut to the 5: they are all kept, never the empty slot 1; expected "
-        f"{valid[0].int().tolist()}, got {keep[0].int().tolist()}")
+    assert_close(keep, valid, what="a budget of 8 over 5 valid entries is cut to the 5: the kept set, every valid "
+                 "entry, never the empty slot")
     stage1, keep = A.stages(first, second, 2, 5)
-    assert stage1[0].tolist() == keep[0].tolist() == [True, True, False, False, False, False], (
-        f"n_first = 5 over a budget of 2 is cut to the budget: stage 1 and the kept set are entries [0, 1]; got "
-        f"stage 1 {stage1[0].int().tolist()}, kept {keep[0].int().tolist()}")
-    odd = torch.tensor([[0.0, 0.0, -0.5, float("nan"), float("-inf")]])
+    for name, got in (("stage 1", stage1), ("the kept set", keep)):
+        assert_close(got, mask(6, at(0, 1)), what=f"n_first = 5 over a budget of 2 is cut to the budget: {name}")
+    five = torch.randperm(5, generator=g)
+    where = {int(old): new for new, old in enumerate(five)}
+    odd = torch.tensor([[0.0, 0.0, -0.5, float("nan"), float("-inf")]])[:, five]
     for budget, want in ((2, [0, 2]), (4, [0, 2, 3, 4])):
-        _, keep = A.stages(torch.tensor([[0.9, 0.8, 0.1, 0.2, 0.3]]), odd, budget, 1,
-                           torch.tensor([[True, False, True, True, True]]))
-        assert torch.nonzero(keep[0]).flatten().tolist() == want, (
-            f"budget {budget}, stage 1 takes entry 0; by the second ranking -0.5 beats NaN and -inf, which rank "
-            f"lowest among the valid entries but above the empty slot 1: expected entries {want}, got "
-            f"{keep[0].int().tolist()}")
-    vnorm = torch.tensor([0.1, 0.1, 0.1, 5.0, 0.1, 4.0])
-    got = A.select(first[0], vnorm, 4, 0.5).tolist()
-    assert got == [0, 1, 3, 5], f"Algorithm 1, budget 4, alpha 0.5: expected entries [0, 1, 3, 5], got {got}"
+        _, keep = A.stages(torch.tensor([[0.9, 0.8, 0.1, 0.2, 0.3]])[:, five], odd, budget, 1,
+                           torch.tensor([[True, False, True, True, True]])[:, five])
+        assert_close(keep, mask(5, [where[i] for i in want]), what=(
+            f"second scores {odd[0].tolist()}, budget {budget}, stage 1 takes the best first score; by the second "
+            "ranking -0.5 beats NaN and -inf, which rank lowest among the valid entries but above the empty slot: "
+            "the kept set"))
+    vnorm = torch.tensor([0.1, 0.1, 0.1, 5.0, 0.1, 4.0])[order]
+    got = A.select(first[0], vnorm, 4, 0.5)
+    check_tensor(got, (4,), torch.long, "Algorithm 1's kept entries, budget 4")
+    assert got.tolist() == at(0, 1, 3, 5), \
+        f"Algorithm 1, budget 4, alpha 0.5: expected entries {at(0, 1, 3, 5)}, got {got.tolist()}"
