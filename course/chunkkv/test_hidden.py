@@ -3,11 +3,11 @@
 The references below are loops written without the library. The tests of the policy run the instructor's
 ChunkKV here, in the test process, with the student's function in place of the graded one (and the
 instructor's for the other task, so each task is graded alone), and compare with the same run of the
-instructor's alone."""
+instructor's alone. Every random input is drawn from the run's seed (``oracle.generator``)."""
 
 import adapters as A
 import torch
-from oracle import patched, points, reference
+from oracle import assert_close, check_tensor, generator, patched, points, reference
 
 # ---------------------------------------------------------------------------------------------------------
 # References, by loops over plain Python numbers
@@ -79,7 +79,7 @@ def kept_per_step(options, task=None, spec="chunkkv", seed=0, n_prompt=30, n_new
         calls.append(1)
         return getattr(A, ADAPTER[task])(*args)
     model = R.tiny_model(seed=seed)
-    ids = torch.randint(0, 512, (2, n_prompt + n_new), generator=torch.Generator().manual_seed(seed + 1))
+    ids = torch.randint(0, 512, (2, n_prompt + n_new), generator=generator("chunkkv prompt", seed))
     cache = R.new_cache(model, spec, **options)
     steps = []
     with patched(K, **({task: student} if task else {})):
@@ -101,32 +101,44 @@ def step_name(step):
 
 @points(3, task="chunk_ranking")
 def test_chunk_choice_against_a_loop():
-    g = torch.Generator().manual_seed(0)
+    g = generator("chunk choice loop")
     for trial in range(40):
         chunk_size = 1 + trial % 5
         shared, remainder = trial % 2 == 0, ("none", "tokens")[trial // 2 % 2]
         T = 17 + trial % 7
         args = instance(g, 2, 3, T, T + 6, chunk_size)
+        scores, pos, free, n_free = args
         got = A.chunk_mask(*args, chunk_size, shared, remainder)
         want = chunk_keep_by_loop(*args, chunk_size, shared, remainder)
-        assert got.shape == want.shape, f"chunk_keep_mask returns (B, H_kv, T) = {tuple(want.shape)}, got {got.shape}"
-        bad = (got != want).any(-1).nonzero()
-        if len(bad):
-            b, h = bad[0].tolist()
-            scores, pos, free, n_free = args
-            raise AssertionError(
-                f"chunk size {chunk_size}, shared={shared}, remainder={remainder!r}, batch {b}, KV head {h} (positions "
-                f"in any order, protected slots, a last partial chunk; n_free {int(n_free[b, h])}): whole chunks by "
-                f"the sum of their free votes{' added over the KV heads' if shared else ''}, best first until one "
-                f"does not fit; kept positions {sorted(pos[b, h][got[b, h]].tolist())}, expected "
-                f"{sorted(pos[b, h][want[b, h]].tolist())}")
+
+        def detail(at, got=got, want=want, pos=pos, n_free=n_free):
+            b, h = at[:2]
+            return (f"batch {b}, KV head {h}, n_free {int(n_free[b, h])}: kept positions "
+                    f"{sorted(pos[b, h][got[b, h]].tolist())}, expected {sorted(pos[b, h][want[b, h]].tolist())}")
+        assert_close(got, want, detail=detail, what=(
+            f"chunk size {chunk_size}, shared={shared}, remainder={remainder!r} (positions in any order, protected "
+            f"slots, a last partial chunk): the keep mask (B, H_kv, T), whole chunks by the sum of their free votes"
+            f"{' added over the KV heads' if shared else ''}, best first until one does not fit"))
 
 
 @points(2, task="chunk_ranking")
 def test_shared_ranking_sums_votes_over_heads_and_protected_slots_never_compete():
+    """Hand cases, each head's slots in an order and the votes at a power-of-two scale drawn from the run's seed
+    (a chunk is made of positions, and the scale changes no sum nor tie)."""
+    g = generator("shared ranking")
+
+    def drawn(scores, pos, *more):
+        """The same case with each (row, head)'s slots in a drawn order and the votes scaled."""
+        order = torch.stack([torch.randperm(pos.shape[-1], generator=g) for _ in range(pos[..., 0].numel())])
+        order = order.view(pos.shape)
+        scale = 2.0 ** int(torch.randint(-6, 7, (1,), generator=g))
+        return (scores.expand(pos.shape).gather(-1, order) * scale,
+                *(t.expand(pos.shape).gather(-1, order) for t in (pos, *more)))
+
     scores = torch.tensor([[[1.0, 1.0, 0.0, 0.0, 0.2, 0.2], [1.5, 0.0, 1.5, 0.0, 0.0, 0.0]],     # chunks of 2
                            [[1.0, 1.0, 0.0, 0.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0, 0.0, 0.0]]])
     pos = torch.tensor([[0, 1, 2, 3, 4, 5], [4, 1, 5, 0, 2, 3]]).expand(2, 2, 6)  # head 1: positions out of order
+    scores, pos = drawn(scores, pos)
     free = torch.ones(2, 2, 6, dtype=torch.bool)
     n_free = torch.tensor([[2, 2], [2, 2]])
     for shared, want, why in (
@@ -134,23 +146,28 @@ def test_shared_ranking_sums_votes_over_heads_and_protected_slots_never_compete(
              "their slots); each head keeps its own best chunk"),
             (True, [[[4, 5], [4, 5]], [[0, 1], [0, 1]]], "shared: a chunk's votes are added over the heads of the "
              "same batch row, chunk by chunk (row 0: positions [4, 5] get 0.4 + 3.0, [0, 1] 2.0 + 0; row 1: [0, 1] "
-             "2.0, [4, 5] 1.0), and both heads keep the winner")):
+             "2.0, [4, 5] 1.0, times a scale), and both heads keep the winner")):
         mask = A.chunk_mask(scores, pos, free, n_free, 2, shared, "none")
+        check_tensor(mask, pos.shape, torch.bool, "chunk_keep_mask's mask (B, H_kv, T)")
         got = [[sorted(pos[b, h][mask[b, h]].tolist()) for h in range(2)] for b in range(2)]
         assert got == want, f"{why}: kept positions per (row, head) {got}, expected {want}"
-    scores = torch.tensor([[[5.0, 5.0, 0.1, 0.1, 0.2, 0.2]]])
-    free = torch.tensor([[[False, False, True, True, True, True]]])
-    keep = A.chunk_mask(scores, torch.arange(6).view(1, 1, 6), free, torch.tensor([[2]]), 2, False, "none")
-    assert keep[0, 0].tolist() == [False] * 4 + [True] * 2, \
-        f"protected slots (free False) neither compete nor count: expected slots [4, 5], got {keep[0, 0].tolist()}"
-    scores = torch.tensor([[[9.0, 9.0, 1.0, 0.125, 0.125, 0.25, 0.5]]])                # chunks of 3, the last partial
-    free = torch.tensor([[[False, False, True, True, True, True, True]]])
+    scores, pos, free = drawn(torch.tensor([[[5.0, 5.0, 0.1, 0.1, 0.2, 0.2]]]), torch.arange(6).view(1, 1, 6),
+                              torch.tensor([[[False, False, True, True, True, True]]]))
+    keep = A.chunk_mask(scores, pos, free, torch.tensor([[2]]), 2, False, "none")
+    check_tensor(keep, pos.shape, torch.bool, "chunk_keep_mask's mask (B, H_kv, T)")
+    got = sorted(pos[keep].tolist())
+    assert got == [4, 5], f"protected slots (free False) neither compete nor count: expected positions [4, 5], got " \
+        f"{got}"
+    scores, pos, free = drawn(torch.tensor([[[9.0, 9.0, 1.0, 0.125, 0.125, 0.25, 0.5]]]),   # chunks of 3, one partial
+                              torch.arange(7).view(1, 1, 7),
+                              torch.tensor([[[False, False, True, True, True, True, True]]]))
     for n_free, want in ((1, [2]), (2, [2]), (4, [2, 3, 4, 5]), (5, [2, 3, 4, 5, 6])):
-        keep = A.chunk_mask(scores, torch.arange(7).view(1, 1, 7), free, torch.tensor([[n_free]]), 3, False, "none")
-        got = torch.nonzero(keep[0, 0]).flatten().tolist()
+        keep = A.chunk_mask(scores, pos, free, torch.tensor([[n_free]]), 3, False, "none")
+        check_tensor(keep, pos.shape, torch.bool, "chunk_keep_mask's mask (B, H_kv, T)")
+        got = sorted(pos[keep].tolist())
         assert got == want, (
             f"a chunk takes as much room as its free slots (chunk 0: 1, chunk 1: 3, the last: 1); chunks 1 and 2 tie "
-            f"(0.5), the earlier first: with room for {n_free} expected slots {want}, got {got}")
+            f"(0.5 times a scale), the earlier first: with room for {n_free} expected positions {want}, got {got}")
 
 
 @points(2, task="chunk_ranking")
@@ -179,7 +196,7 @@ def test_kept_chunks_follow_the_reference():
 
 @points(3, task="holds_position")
 def test_holds_against_every_pair():
-    g = torch.Generator().manual_seed(1)
+    g = generator("holds loop")
     for trial in range(20):
         B, H, T, K, seen = 2, 3, 12 + trial, 5 + trial % 7, 30 + trial
         pos = torch.stack([torch.randperm(seen, generator=g)[:T] for _ in range(B * H)]).view(B, H, T)
@@ -187,15 +204,11 @@ def test_holds_against_every_pair():
         chosen = torch.stack([torch.randperm(seen, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
         chosen[torch.rand(B, H, K, generator=g) < 0.2] = -1                    # padding
         chosen[0, 0, 0] = seen - 1                                             # the last position
-        got, want = A.holds(chosen, pos, seen), holds_by_pairs(chosen, pos, seen)
-        assert got.shape == want.shape, f"holds_position returns the shape of pos {tuple(want.shape)}, got {got.shape}"
-        bad = (got != want).nonzero()
-        if len(bad):
-            b, h, i = bad[0].tolist()
-            raise AssertionError(
-                f"seen {seen}: batch {b}, KV head {h}, slot {i} holds position {int(pos[b, h, i])}; that head chose "
-                f"{sorted(chosen[b, h].tolist())} (-1 is nothing): expected {bool(want[b, h, i])}, got "
-                f"{bool(got[b, h, i])}")
+        assert_close(A.holds(chosen, pos, seen), holds_by_pairs(chosen, pos, seen),
+                     detail=lambda at, pos=pos, chosen=chosen: f"slot {at[2]} holds position {int(pos[at])}; that "
+                     f"head chose {sorted(chosen[at[:2]].tolist())} (-1 is nothing)",
+                     what=f"seen {seen}: holds_position (B, H_kv, T), whether each slot's position is among those its "
+                     "row and head chose")
 
 
 @points(2, task="holds_position")

@@ -3,76 +3,88 @@ position lookup of layer-wise reuse. Run them with ``python -m course.grade chun
 
 import adapters as A
 import torch
-from oracle import points
+from oracle import assert_close, check_tensor, generator, points
 
-# 2 KV heads, 11 positions, chunks of 4: [0..3], [4..7] and the last, [8..10], has 3 tokens. Head 1 holds the
-# positions in reverse order (slot j holds position 10 - j): a chunk is made of positions, not of slots.
+# 2 KV heads, 11 positions, chunks of 4: [0..3], [4..7] and the last, [8..10], has 3 tokens. Each head holds the
+# positions in its slots in an order of its own (``layout``): a chunk is made of positions, not of slots.
 # Head 0's chunk sums are 0.6, 1.1, 0.9 (means 0.15, 0.275, 0.3; best single votes 0.6, 0.5, 0.3).
 BY_POSITION = torch.tensor([[[0.6, 0.0, 0.0, 0.0, 0.5, 0.2, 0.2, 0.2, 0.3, 0.3, 0.3],
                              [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5]]])
-POS = torch.stack([torch.arange(11), torch.arange(10, -1, -1)])[None]          # (1, 2, 11)
-VOTES = BY_POSITION.gather(-1, POS)                                            # the votes of each slot
-FREE = torch.ones(1, 2, 11, dtype=torch.bool)
 
 
-def kept(mask, h):
+def layout(salt):
+    """(votes of each slot, positions of each slot (1, 2, 11)): the votes above scaled by a power of two (exact:
+    no sum or tie changes), each head's positions in its slots in an order drawn from the run's seed."""
+    g = generator("chunkkv public", salt)
+    pos = torch.stack([torch.randperm(11, generator=g) for _ in range(2)])[None]
+    return BY_POSITION.gather(-1, pos) * 2.0 ** int(torch.randint(-6, 7, (1,), generator=g)), pos
+
+
+def kept(mask, pos, h):
     """The positions a head keeps, sorted."""
-    return sorted(POS[0, h][mask[0, h]].tolist())
+    return sorted(pos[0, h][mask[0, h]].tolist())
 
 
-def check(mask, want, what):
-    assert mask.shape == VOTES.shape and mask.dtype == torch.bool, \
-        f"chunk_keep_mask returns a (B, H_kv, T) = {tuple(VOTES.shape)} bool mask, got {mask.dtype} {tuple(mask.shape)}"
+def check(mask, pos, want, what):
+    check_tensor(mask, pos.shape, torch.bool, "chunk_keep_mask's mask (B, H_kv, T)")
     for h in range(2):
-        assert kept(mask, h) == want[h], f"{what}: KV head {h} keeps positions {kept(mask, h)}, expected {want[h]}"
+        assert kept(mask, pos, h) == want[h], (f"{what}: KV head {h} keeps positions {kept(mask, pos, h)}, expected "
+                                               f"{want[h]} (its slots hold the positions {pos[0, h].tolist()})")
 
 
 @points(2, task="chunk_ranking")
 def test_whole_chunks_by_summed_votes():
-    mask = A.chunk_mask(VOTES, POS, FREE, torch.tensor([[4, 4]]), 4, False, "none")
-    check(mask, [[4, 5, 6, 7], [8, 9, 10]], "room for 4 tokens, per head: a chunk scores the sum of its votes (head "
-          "0: 0.6, 1.1, 0.9, so chunk 1, not the best mean (chunk 2) nor the best single vote (chunk 0)); the "
-          "next chunk does not fit")
-    mask = A.chunk_mask(VOTES, POS, FREE, torch.tensor([[7, 7]]), 4, True, "none")
-    check(mask, [[4, 5, 6, 7, 8, 9, 10]] * 2, "shared: one ranking for the layer, the chunk sums added over the KV "
-          "heads (0.6, 1.1, 2.4): chunks 2 then 1 fill the 7 slots in both heads")
-    free = FREE.clone()
-    free[0, 0, 2:4] = False                                    # protected: chunk 0 of head 0 has 2 free slots
-    mask = A.chunk_mask(VOTES, POS, free, torch.tensor([[6, 6]]), 4, False, "none")
-    check(mask, [[4, 5, 6, 7], [8, 9, 10]], "room for 6, per head: chunks are taken best first while they fit, and "
-          "the first that does not fit ends the choice (head 0: chunk 1 (4 slots), then chunk 2 (3 slots) does "
+    votes, pos = layout("whole chunks")
+    free = torch.ones(1, 2, 11, dtype=torch.bool)
+    mask = A.chunk_mask(votes, pos, free, torch.tensor([[4, 4]]), 4, False, "none")
+    check(mask, pos, [[4, 5, 6, 7], [8, 9, 10]], "room for 4 tokens, per head: a chunk scores the sum of its votes "
+          "(head 0: 0.6, 1.1, 0.9 times a scale, so chunk 1, not the best mean (chunk 2) nor the best single vote "
+          "(chunk 0)); the next chunk does not fit")
+    mask = A.chunk_mask(votes, pos, free, torch.tensor([[7, 7]]), 4, True, "none")
+    check(mask, pos, [[4, 5, 6, 7, 8, 9, 10]] * 2, "shared: one ranking for the layer, the chunk sums added over the "
+          "KV heads (0.6, 1.1, 2.4 times a scale): chunks 2 then 1 fill the 7 slots in both heads")
+    protected = torch.stack([(pos[0, 0] != 2) & (pos[0, 0] != 3), torch.ones(11, dtype=torch.bool)])[None]
+    mask = A.chunk_mask(votes, pos, protected, torch.tensor([[6, 6]]), 4, False, "none")   # head 0's chunk 0: 2 free
+    check(mask, pos, [[4, 5, 6, 7], [8, 9, 10]], "room for 6, per head: chunks are taken best first while they fit, "
+          "and the first that does not fit ends the choice (head 0: chunk 1 (4 slots), then chunk 2 (3 slots) does "
           "not fit, so chunk 0, though only 2 free slots, is not taken)")
-    free = FREE.clone()
-    free[0, 0, 2] = free[0, 0, 5] = free[0, 1, 5] = False     # protected positions 2 and 5: the policy gives +inf
-    votes = VOTES.masked_fill(~free, float("inf"))
-    mask = A.chunk_mask(votes, POS, free, torch.tensor([[6, 7]]), 4, False, "none")
-    check(mask, [[4, 6, 7, 8, 9, 10], [0, 1, 2, 3, 8, 9, 10]], "room for 6 and 7, per head, positions 2 and 5 "
-          "protected (their +inf votes do not count): a chunk is its free slots (head 0: chunk 1 = 4, 6, 7 with 0.9 "
-          "and chunk 2 with 0.9 fill the 6 slots; head 1: chunk 2, then chunks 0 and 1 tie at 0: the earlier, "
-          "chunk 0, fits); a protected slot is never in the mask")
+    free = ~torch.stack([(pos[0, 0] == 2) | (pos[0, 0] == 5), pos[0, 1] == 5])[None]   # positions 2 and 5 protected
+    mask = A.chunk_mask(votes.masked_fill(~free, float("inf")), pos, free, torch.tensor([[6, 7]]), 4, False, "none")
+    check(mask, pos, [[4, 6, 7, 8, 9, 10], [0, 1, 2, 3, 8, 9, 10]], "room for 6 and 7, per head, positions 2 and 5 "
+          "protected (the policy gives them +inf votes, which do not count): a chunk is its free slots (head 0: chunk "
+          "1 = 4, 6, 7 with 0.9 and chunk 2 with 0.9, times a scale, fill the 6 slots; head 1: chunk 2, then chunks "
+          "0 and 1 tie at 0: the earlier, chunk 0, fits); a protected slot is never in the mask")
 
 
 @points(2, task="chunk_ranking")
 def test_the_remainder_is_filled_with_single_tokens():
-    mask = A.chunk_mask(VOTES, POS, FREE, torch.tensor([[6, 6]]), 4, False, "tokens")
-    check(mask, [[0, 4, 5, 6, 7, 8], [5, 6, 7, 8, 9, 10]], "room for 6, remainder 'tokens': the best chunk, then "
-          "the best single tokens of the other chunks, ties to the earlier slot (head 0: position 0 (0.6), then 8, "
-          "the earliest 0.3; head 1: slots 3, 4, 5 (positions 7, 6, 5))")
-    mask = A.chunk_mask(VOTES, POS, FREE, torch.tensor([[6, 6]]), 4, False, "none")
-    check(mask, [[4, 5, 6, 7], [8, 9, 10]], "remainder 'none' leaves the rest of the room empty")
+    votes, pos = layout("remainder")
+    free = torch.ones(1, 2, 11, dtype=torch.bool)
+    slots = [pos[0, h].tolist() for h in range(2)]
+    tail = min(slots[0].index(p) for p in (8, 9, 10))            # head 0: the earliest slot of the three 0.3 votes
+    zeros = sorted(slots[1][i] for i in sorted(slots[1].index(p) for p in range(8))[:3])   # head 1: all at 0
+    mask = A.chunk_mask(votes, pos, free, torch.tensor([[6, 6]]), 4, False, "tokens")
+    check(mask, pos, [sorted([0, 4, 5, 6, 7, slots[0][tail]]), sorted([8, 9, 10] + zeros)],
+          "room for 6, remainder 'tokens': the best chunk, then the best single tokens of the other chunks, ties to "
+          "the earlier slot (head 0: position 0 (0.6), then the earliest slot of the 0.3s of chunk 2; head 1: after "
+          "chunk 2, the three earliest slots of the others, all at 0)")
+    mask = A.chunk_mask(votes, pos, free, torch.tensor([[6, 6]]), 4, False, "none")
+    check(mask, pos, [[4, 5, 6, 7], [8, 9, 10]], "remainder 'none' leaves the rest of the room empty")
 
 
 @points(2, task="holds_position")
 def test_positions_held_by_another_layer():
+    """A hand case, its positions renamed by a permutation drawn from the run's seed (holding a position is the
+    same for any names) and each head's slots in a drawn order."""
     chosen = torch.tensor([[[2, 5, 9, -1], [3, -1, 0, 7]], [[1, 3, 4, 8], [-1, -1, 9, 6]]])   # -1: nothing
     pos = torch.tensor([[[9, 3, 5, -1, 2, 7], [7, 0, -1, 3, 5, 9]], [[9, 3, 5, -1, 2, 7], [6, 0, 1, 3, 5, 9]]])
-    want = [[[True, False, True, False, True, False], [True, True, False, True, False, False]],
-            [[False, True, False, False, False, False], [True, False, False, False, False, True]]]
-    got = A.holds(chosen, pos, seen=10)
-    assert got.shape == pos.shape, f"holds_position returns the shape of pos {tuple(pos.shape)}, got {got.shape}"
-    for b in range(2):
-        for h in range(2):
-            assert got[b, h].tolist() == want[b][h], (
-                f"batch {b}, KV head {h}: slot i holds a chosen position iff pos[i] is among chosen "
-                f"{chosen[b, h].tolist()} of the same row and head (-1 in either is nothing); positions "
-                f"{pos[b, h].tolist()} give {want[b][h]}, got {got[b, h].tolist()}")
+    want = torch.tensor([[[True, False, True, False, True, False], [True, True, False, True, False, False]],
+                         [[False, True, False, False, False, False], [True, False, False, False, False, True]]])
+    g = generator("holds public")
+    name = torch.cat([torch.randperm(1000, generator=g)[:10], torch.tensor([-1])])   # name[-1] = -1: nothing
+    order = torch.stack([torch.randperm(6, generator=g) for _ in range(4)]).view(2, 2, 6)
+    chosen, pos, want = name[chosen], name[pos].gather(-1, order), want.gather(-1, order)
+    assert_close(A.holds(chosen, pos, seen=1000), want,
+                 detail=lambda at: f"slot {at[2]} holds {int(pos[at])}; that head chose {chosen[at[:2]].tolist()}",
+                 what="holds_position (B, H_kv, T): slot i holds a chosen position iff pos[i] is among those chosen by "
+                 "the same row and head (-1 in either is nothing)")
