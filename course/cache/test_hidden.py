@@ -83,7 +83,8 @@ def test_append_chunks_of_any_size_positions_as_given():
     store, B, H_kv = A.new_storage(), 2, 3
     ks, vs, ps, seen = [], [], [], 0
     for i, n in enumerate([5, 1, 70, 3, 59, 71, 600]):
-        k, v = randn(B, H_kv, n, 8, seed=i, dtype=torch.bfloat16), randn(B, H_kv, n, 6, seed=10 + i, dtype=torch.bfloat16)
+        k = randn(B, H_kv, n, 8, seed=i, dtype=torch.bfloat16)
+        v = randn(B, H_kv, n, 6, seed=10 + i, dtype=torch.bfloat16)
         pos = torch.randperm(n, generator=generator("cache chunk positions", i)) + seen
         pos[0] = -1
         what = f"chunk {i} ({n} tokens after {seen})"
@@ -210,7 +211,8 @@ def decode_through_the_storage(flavour):
         logits = R.run_decode(model, token, cache)
     assert address(A.storage_contents(yours[0])[0]) == where, \
         f"{flavour}: 14 tokens fit in the room the prompt's append left, yet the entries moved: write in place"
-    assert_close(A.storage_contents(yours[1])[2], torch.arange(ids.shape[1]).expand(2, model.config.n_kv_head, ids.shape[1]),
+    T = ids.shape[1]
+    assert_close(A.storage_contents(yours[1])[2], torch.arange(T).expand(2, model.config.n_kv_head, T),
                  what=f"{flavour}: the positions layer 1 stores")
     more = torch.randint(0, model.config.vocab_size, (2, 64), generator=generator("cache decode more", flavour))
     logits = R.run_extend(model, more, cache)[:, -1]                     # outgrows the room that is left

@@ -127,7 +127,7 @@ def test_bound_on_hand_cases():
     # mass 0.7, sum N A P 1.9: 3.3 - (2 - 1/0.7) 1.9; mass 0.3: 3.3 - (2 - 1/0.3) 1.4; mass 0.5: 3.3 - 0 * 1.4; 0
     want = torch.tensor([3.3 - (2 - 1 / 0.7) * 1.9, 3.3 - (2 - 1 / 0.3) * 1.4, 3.3, 0.0], dtype=torch.float64) * scale
     assert_close(A.bound(attn, keep, vnorm), want, atol=1e-6, rtol=1e-9,
-                 detail=lambda at: f"keep {keep[at].int().tolist()}, kept mass {float((attn[at] * keep[at]).sum()):.1f}",
+                 detail=lambda at: f"keep {keep[at].int().tolist()}, mass {float((attn[at] * keep[at]).sum()):.1f}",
                  what=f"Eq. 8 in float64 on A = {attn[0].tolist()}, P = {[round(x, 5) for x in vnorm[0].tolist()]}: "
                  "theta = C - (2 - 1/mass) sum N A P, one per row (4,)")
 

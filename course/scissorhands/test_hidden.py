@@ -257,7 +257,8 @@ def test_n_dropped_against_a_loop():
         n_recent = int(torch.randint(0, budget, (1,), generator=g))
         drawn.append((int(torch.randint(0, 3 * budget + 50, (1,), generator=g)), budget, drop, n_recent))
     for n_slots, budget, drop, n_recent in small + drawn:
-        got, want = A.tokens_to_drop(n_slots, budget, drop, n_recent), n_dropped_by_loop(n_slots, budget, drop, n_recent)
+        got = A.tokens_to_drop(n_slots, budget, drop, n_recent)
+        want = n_dropped_by_loop(n_slots, budget, drop, n_recent)
         assert isinstance(got, int) and got == want, (
             f"n_dropped(n_slots={n_slots}, budget={budget}, drop={drop}, n_recent={n_recent}): m = min(drop, budget - "
             f"n_recent) = {min(drop, budget - n_recent)} tokens at a time, as many times as it takes to hold at most "
