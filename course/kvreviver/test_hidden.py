@@ -2,11 +2,12 @@
 cells, several inserts and deletes, and KVReviver itself over several decode steps: the instructor's policy,
 run in this process, with one operation of its sketch yours (each call checked against the instructor's own on
 the same cells) and the other the instructor's. The expected cells and estimates come from the instructor's
-hashes (``VagueSketch.buckets`` and ``signs`` of the reference library), never from your sketch's."""
+hashes (``VagueSketch.buckets`` and ``signs`` of the reference library), never from your sketch's. Every random
+input (tokens, positions, prompts, the sketches' seeds) is drawn from the run's seed (``oracle.generator``)."""
 
 import adapters as A
 import torch
-from oracle import assert_greedy_is_uncached, points, reference
+from oracle import assert_close, assert_greedy_is_uncached, generator, points, reference
 from test_public import (
     INSERTS,
     QUERIES,
@@ -76,10 +77,12 @@ def run_side_by_side(yours, budget=16, steps=6, seed=7, **options):
     """The instructor's KVReviver on the tiny model, run here, with your sketch operation (``yours``: insert or
     query) and without (the reference alone), fed the same tokens (a 28-token prompt, then ``steps`` decode
     steps): each of your calls matches the instructor's on the same cells, and the logits of every step and the
-    sketches' cells at the end agree."""
+    sketches' cells at the end agree. The prompt and the sketches' hashes are drawn from the run's seed."""
     R = reference("course.model_adapters")
     model = R.tiny_model("llama", seed=seed)
-    ids = torch.randint(0, 512, (1, 28 + steps), generator=torch.Generator().manual_seed(seed))
+    g = generator("kvreviver side by side", seed)
+    ids = torch.randint(0, 512, (1, 28 + steps), generator=g)
+    options["seed"] = int(torch.randint(0, 1 << 30, (1,), generator=g))     # the hashes' seed
     caches = {"yours": R.new_cache(model, "kvreviver", budget, **options),
               "reference": R.new_cache(model, "kvreviver", budget, **options)}
     calls = []
@@ -94,23 +97,22 @@ def run_side_by_side(yours, budget=16, steps=6, seed=7, **options):
     assert sketches["reference"].get(0), "the run must evict tokens into the sketch"
     assert calls, f"KVReviver never called your {yours}"
     for step, (got, want) in enumerate(zip(logits["yours"], logits["reference"])):
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
-            (f"KVReviver with your {yours} and the instructor's {'query' if yours == 'insert' else 'insert'}: the "
-             f"logits of step {step} (0 = prefill) differ from the instructor's sketch's by "
-             f"{(got - want).abs().max().item():.3g}")
+        assert_close(got, want, rtol=1e-4, atol=1e-5, what=(
+            f"KVReviver with your {yours} and the instructor's {'query' if yours == 'insert' else 'insert'}: the "
+            f"logits of step {step} (0 = prefill) against those with the instructor's sketch"))
     for layer in range(2):
         for mine, theirs in zip(sketches["yours"][layer], sketches["reference"][layer]):
             for part, got, want in (("keys", mine.key, theirs.key), ("values", mine.value, theirs.value)):
-                assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), \
-                    (f"KVReviver with your {yours}: after {steps} decode steps the {part} of layer {layer}'s "
-                     f"sketch differ from the instructor's by {(got - want).abs().max().item():.3g}")
+                assert_close(got, want, rtol=1e-4, atol=1e-5, what=(
+                    f"KVReviver with your {yours}: after {steps} decode steps the {part} of layer {layer}'s sketch "
+                    "against the instructor's"))
 
 
 @points(3, task="insert")
 def test_insert_for_any_number_of_rows_and_cells():
     """One row; one cell per row (every token in it); five rows: several inserts, fp16 tokens, deletes."""
-    for rows, width, batches, seed in ((1, 3, (7,), 4), (2, 1, (5, 6), 5), (5, 3, (9, 4), 6)):
-        check_insert(rows, width, batches, seed, hashes=reference_hashes)
+    for rows, width, batches, case in ((1, 3, (7,), 4), (2, 1, (5, 6), 5), (5, 3, (9, 4), 6)):
+        check_insert(rows, width, batches, case, hashes=reference_hashes)
 
 
 @points(2, task="insert")
@@ -123,8 +125,8 @@ def test_kvreviver_evicts_into_your_sketch():
 def test_query_for_any_number_of_rows():
     """One row (the cell itself), two and four rows (the lower median), three and five rows, 10 tokens over 3
     cells."""
-    for rows, seed in ((1, 4), (2, 5), (5, 6), (3, 7), (4, 9)):
-        check_query(rows, width=3, n=10, seed=seed, hashes=reference_hashes)
+    for rows, case in ((1, 4), (2, 5), (5, 6), (3, 7), (4, 9)):
+        check_query(rows, width=3, n=10, case=case, hashes=reference_hashes)
 
 
 @points(2, task="query")
@@ -133,7 +135,7 @@ def test_kvreviver_rebuilds_from_your_sketch():
     greedy over three decode steps; with collisions (3 x 3 cells), your query equals the instructor's."""
     R = reference("course.model_adapters")
     model = R.tiny_model("llama", seed=6)
-    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 512, (1, 30), generator=generator("kvreviver exact"))
     cache = R.new_cache(model, "kvreviver", 20, sketch_width=64, injective_hash=True)
     calls = []
     cache.policy.sketch_class = sketch_with_yours("query", calls)

@@ -6,18 +6,25 @@ Run them with ``python -m course.grade kvreviver``.
 Each task is graded alone: a test of ``query`` writes the cells itself (no ``insert``), and while one
 implementation runs, the others of the same operation in kernels/count_sketch.py are taken away (they raise),
 so each must compute its answer itself. The expected cells and estimates use hashes computed here
-(``sketch_hashes``), never your sketch's methods.
+(``sketch_hashes``), never your sketch's methods. The random inputs (tokens, positions, the sketches' seeds) are
+drawn from the run's seed (printed with the score).
 """
 
 import adapters as A
 import torch
-from oracle import mismatches, points, taken_away, written
+from oracle import assert_close, generator, points, taken_away, written
 
 H_KV, D = 2, 3                      # a cell holds a whole token (keys or values of every KV head): 6 numbers
 
 
 def randn(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    """Random numbers of one test's case ``seed``, drawn from the run's seed (``oracle.generator``)."""
+    return torch.randn(*shape, generator=generator("kvreviver", seed))
+
+
+def drawn(low, high, case):
+    """An integer in [low, high) of one test's case, drawn from the run's seed: a sketch's seed, a first position."""
+    return int(torch.randint(low, high, (1,), generator=generator("kvreviver integer", case)))
 
 
 PRIME = 2_147_483_647              # the modulus of the sketch's universal hashes (methods/kvreviver.py)
@@ -35,16 +42,14 @@ def sketch_hashes(rows, width, seed, pos):
 def check_hashes(sketch, pos, cells, signs):
     """Your sketch hashes pos as the expected values assume (its ``buckets`` and ``signs`` are given code)."""
     got_cells, got_signs = A.hashes(sketch, pos)
-    assert torch.equal(got_cells.long(), cells) and got_signs.shape == signs.shape \
-        and not mismatches(got_signs, signs).any(), \
-        f"your sketch's given hashes changed: positions {pos.tolist()[:6]} go to cells {got_cells[:, :6].tolist()} " \
-        f"with signs {got_signs[:, :6].tolist()}, expected {cells[:, :6].tolist()} and {signs[:, :6].tolist()} " \
-        "(VagueSketch.buckets and signs, with the coefficients drawn from the seed)"
+    for name, got, want in (("cells", got_cells, cells), ("signs", got_signs, signs)):
+        assert_close(got, want, what=f"your sketch's given hashes changed: the {name} (rows, n) of positions "
+                     f"{pos.tolist()[:6]}... (VagueSketch.buckets and signs, the coefficients drawn from the seed)")
 
 
 def random_hashes(rows, n, width, seed):
     """cells (rows, n) in [0, width) with every cell of every row used (collisions: n > width), signs +-1."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator("kvreviver hashes", seed)
     cells = torch.stack([torch.randperm(n, generator=g) % width for _ in range(rows)])
     signs = torch.randint(0, 2, (rows, n), generator=g).float() * 2 - 1
     return cells, signs
@@ -92,49 +97,43 @@ def without(*names):
 
 def check_cells(what, got, want, cells, atol=1e-5):
     """got == want, cell by cell (NaN is wrong), or an error naming the first wrong cell and the tokens sent to it."""
-    assert got.shape == want.shape, f"{what}: the cells have shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    bad = mismatches(got, want, atol=atol, rtol=1e-5)
-    if bad.any():
-        i, c, h, e = (int(x) for x in bad.nonzero()[0])
-        tokens = (cells[i] == c).nonzero().flatten().tolist()
-        raise AssertionError(f"{what}: row {i}, cell {c} (tokens {tokens} are hashed there) holds "
-                             f"{got[i, c, h, e].item():.4f} at head {h}, feature {e}, expected "
-                             f"{want[i, c, h, e].item():.4f} (the sum over those tokens)")
+    def detail(at):
+        return f"row {at[0]}, cell {at[1]}, head {at[2]}, feature {at[3]}: the sum over the tokens " \
+            f"{(cells[at[0]] == at[1]).nonzero().flatten().tolist()} hashed there"
+    assert_close(got, want, atol=atol, rtol=1e-5, detail=detail, what=f"{what}: the cells (rows, width, H_kv, d)")
 
 
 def check_estimates(what, got, want, key, cells, signs, values):
     """got == want, token by token (NaN is wrong), or an error naming the first wrong token and its rows' cells."""
-    assert tuple(got.shape) == tuple(want.shape), \
-        f"{what}: the estimates have shape {tuple(got.shape)}, expected (n, H_kv, d) = {tuple(want.shape)}"
-    bad = mismatches(got, want, atol=1e-6, rtol=1e-5)
-    if bad.any():
-        j, h, e = (int(x) for x in bad.nonzero()[0])
+    def detail(at):
+        j, h, e = at
         read = [(float(signs[i, j]) if values else 1.0) * key[i, int(cells[i, j]), h, e].item()
                 for i in range(cells.shape[0])]
-        raise AssertionError(f"{what}: token {j} (cells {cells[:, j].tolist()}, signs {signs[:, j].tolist()}), "
-                             f"head {h}, feature {e}: got {got[j, h, e].item():.4f}, expected "
-                             f"{want[j, h, e].item():.4f}, the lower median of its rows' "
-                             f"{'signed values' if values else 'keys'} {[round(x, 4) for x in read]}")
+        return f"token {j} (cells {cells[:, j].tolist()}, signs {signs[:, j].tolist()}), head {h}, feature {e}: the " \
+            f"lower median of its rows' {'signed values' if values else 'keys'} {[round(x, 4) for x in read]}"
+    assert_close(got, want, atol=1e-6, rtol=1e-5, detail=detail, what=f"{what}: the estimates (n, H_kv, d)")
 
 
 def check_untouched(what, sketch, key, value):
     """A query reads the sketch's cells and leaves them as they were (key, value)."""
     got_k, got_v = A.cells(sketch)
-    assert torch.equal(got_k, key) and torch.equal(got_v, value), \
-        f"{what}: a query reads the cells and leaves them as they were; after yours " \
-        f"{int(mismatches(got_k, key).sum() + mismatches(got_v, value).sum())} numbers of the cells changed"
+    for name, got, want in (("keys", got_k, key), ("values", got_v, value)):
+        assert_close(got, want, what=f"{what}: the {name} cells after the query, as they were (a query reads the "
+                     "cells and leaves them)")
 
 
-def check_insert(rows, width, batches, seed, delete=True, hashes=sketch_hashes):
+def check_insert(rows, width, batches, case, delete=True, hashes=sketch_hashes):
     """Tokens inserted in ``batches`` (sizes) into an empty sketch, then (``delete``) the first batch's first
     half deleted, by all three implementations against the oracle, on the hashes ``hashes(rows, width, seed,
-    pos)`` (the plain function and the kernel write into the test's cells: ``written``)."""
+    pos)`` (the plain function and the kernel write into the test's cells: ``written``). The sketch's seed, the
+    positions and the tokens are those of ``case``, drawn from the run's seed."""
+    seed = drawn(0, 1 << 31, ("sketch", case))
     sketch = A.new_sketch(rows, width, H_KV, D, seed=seed)
-    pos, start = [], 100 + seed
+    pos, start = [], drawn(0, 1 << 20, ("first position", case))
     for b, n in enumerate(batches):
         pos.append(torch.arange(start, start + 3 * n, 3))
         start += 3 * n
-    toks = [(randn(n, H_KV, D, seed=seed + 10 * b), randn(n, H_KV, D, seed=seed + 10 * b + 1))
+    toks = [(randn(n, H_KV, D, seed=("insert", case, b, "k")), randn(n, H_KV, D, seed=("insert", case, b, "v")))
             for b, n in enumerate(batches)]
     if len(batches) > 1:                 # a batch of fp16 tokens: the cells stay fp32
         toks[1] = tuple(t.half() for t in toks[1])
@@ -171,21 +170,25 @@ def check_insert(rows, width, batches, seed, delete=True, hashes=sketch_hashes):
     check_cells(f"{what}, values (g_i(J) v_J)", got_v, want_v, all_cells)
 
 
-def check_query(rows, width, n, seed, hashes=sketch_hashes):
+def check_query(rows, width, n, case, hashes=sketch_hashes):
     """Random cells (not from an insert) read back at n positions by all three implementations; the sketch's
-    expected estimates on the hashes ``hashes(rows, width, seed, pos)``."""
+    expected estimates on the hashes ``hashes(rows, width, seed, pos)``. The sketch's seed, the cells and the
+    positions are those of ``case``, drawn from the run's seed."""
+    seed = drawn(0, 1 << 31, ("sketch", case))
     sketch = A.new_sketch(rows, width, H_KV, D, seed=seed)
-    key, value = randn(rows, width, H_KV, D, seed=seed), randn(rows, width, H_KV, D, seed=seed + 1)
+    key = randn(rows, width, H_KV, D, seed=("cells", case, "k"))
+    value = randn(rows, width, H_KV, D, seed=("cells", case, "v"))
     cells_k, cells_v = A.cells(sketch)          # your sketch's own tensors: the test's writes reach them
     cells_k.copy_(key), cells_v.copy_(value)    # (every expected value comes from the test's key and value)
-    pos = torch.arange(7, 7 + 5 * n, 5)
+    start = drawn(0, 1 << 20, ("first position", case))
+    pos = torch.arange(start, start + 5 * n, 5)
     cells, signs = hashes(rows, width, seed, pos)
     check_hashes(sketch, pos, cells, signs)
     want_k, want_v = brute_query(key, value, cells, signs)
     with without(*QUERIES):
         got = A.query(sketch, pos)
     check_untouched(f"VagueSketch.query, {rows} rows", sketch, key, value)
-    ref_cells, ref_signs = random_hashes(rows, n, width, seed)          # the functions take any hashes
+    ref_cells, ref_signs = random_hashes(rows, n, width, case)          # the functions take any hashes
     ref_want = brute_query(key, value, ref_cells, ref_signs)
     with without(*QUERIES[1:]):
         ref = A.reference_query(key.clone(), value.clone(), ref_cells, ref_signs)
@@ -203,14 +206,14 @@ def check_query(rows, width, n, seed, hashes=sketch_hashes):
 
 @points(3, task="insert")
 def test_insert_sums_every_token_of_a_cell():
-    """14 then 9 tokens into 4 cells per row (3 to 6 tokens a cell), some deleted again: each cell holds the sum
+    """14 then 9 tokens into 4 cells per row (about 6 tokens a cell), some deleted again: each cell holds the sum
     of its tokens' keys, and of their values times the row's sign."""
-    check_insert(rows=3, width=4, batches=(14, 9), seed=1)
+    check_insert(rows=3, width=4, batches=(14, 9), case=1)
 
 
 @points(3, task="query")
 def test_query_is_the_lower_median_of_signed_cells():
     """Cells written by the test: a token's key is the median over the rows of its cells; its value the median
     of the cells times the signs g_i(J) (the lower middle for an even number of rows)."""
-    for rows, seed in ((3, 2), (2, 3), (4, 1)):
-        check_query(rows, width=5, n=12, seed=seed)
+    for rows, case in ((3, 2), (2, 3), (4, 1)):
+        check_query(rows, width=5, n=12, case=case)
