@@ -1,6 +1,7 @@
 """Hidden tests of the ``kernels`` assignment (the grader's; not in a student copy): scores far from 0 (where
 a missing max-subtraction overflows or underflows), more query heads per KV head, ragged ranges, several
-sequences; merges of ranges far apart and of empty ranges anywhere."""
+sequences; merges of ranges far apart and of empty ranges anywhere. Every random input is drawn from the run's
+seed (``test_public.randn``)."""
 
 import torch
 from oracle import points

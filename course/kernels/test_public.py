@@ -4,14 +4,15 @@ plain PyTorch written here. Without a GPU the kernels run in Triton's interprete
 ``TRITON_INTERPRET=1``). Run them with ``python -m course.grade kernels``.
 
 Each task is graded alone: the online-softmax tests merge nothing (they read each range's partials), the
-merge tests build their partials themselves. Each test checks every implementation of its task.
+merge tests build their partials themselves. Each test checks every implementation of its task. The random
+inputs are drawn from the run's seed (printed with the score).
 """
 
 import math
 
 import adapters as A
 import torch
-from oracle import points, taken_away
+from oracle import assert_close, generator, points, taken_away
 
 LOG2E = math.log2(math.e)
 
@@ -27,7 +28,8 @@ MERGE_FUNCTIONS = ("kernels.decode_attention._merge_splits_kernel", "kernels.dec
 
 
 def randn(*shape, seed, scale=1.0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+    """Random numbers of one test's case ``seed``, drawn from the run's seed (``oracle.generator``)."""
+    return torch.randn(*shape, generator=generator("kernels", seed)) * scale
 
 
 def ranges(n, block_n, splits):
@@ -54,23 +56,14 @@ def partials_by_range(s, v, bounds, p_dtype=None):
     return torch.stack(ms), torch.stack(ls), torch.stack(accs)
 
 
-def first_difference(got, want, rtol, atol):
-    """The index of the first entry where got and want differ (inf == inf, nan never equal), or None."""
-    bad = ~torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=False)
-    return None if not bad.any() else tuple(int(x) for x in bad.nonzero()[0])
-
-
 def check_partials(what, got, want, bounds, meaning, rtol=1e-5, atol=1e-5):
     """got, want: (m, l, acc), each (splits, G[, d]) of one (sequence, KV head)."""
     for name, g, w, what_it_is in zip(("m", "l", "acc"), got, want, meaning):
-        assert g.shape == w.shape, f"{what}: {name} has shape {tuple(g.shape)}, expected {tuple(w.shape)}"
-        where = first_difference(g, w, rtol, atol)
-        if where is not None:
-            r, h = where[:2]
-            a, b = bounds[r]
-            at = f", feature {where[2]}" if len(where) > 2 else ""
-            raise AssertionError(f"{what}, range {r} (tokens {a}..{b - 1}), query head {h} of the group{at}: "
-                                 f"{name} = {g[where].item():.6g}, expected {w[where].item():.6g} ({what_it_is})")
+        def detail(at):
+            a, b = bounds[at[0]]
+            feature = f", feature {at[2]}" if len(at) > 2 else ""
+            return f"range {at[0]} (tokens {a}..{b - 1}), query head {at[1]} of the group{feature}"
+        assert_close(g, w, rtol=rtol, atol=atol, detail=detail, what=f"{what}: {name} (splits, G[, d]), {what_it_is}")
 
 
 DECODE_MEANING = ("the max of its scores q k / sqrt(d); -inf for a range without tokens",
@@ -138,7 +131,7 @@ def check_online_softmax(B, H, H_kv, d, n, seed, k_scale=1.0, k_shift=0.0, q_shi
     for dtype in dtypes:
         for splits in (1, 3):
             check_decode(q, k, v, 16, splits, dtype=dtype, tag=tag, rtol=rtol)
-    g = torch.Generator().manual_seed(seed + 3)
+    g = generator("kernels rows", seed)
     K = 3 * 16
     idx = torch.stack([torch.randperm(n, generator=g)[:K] if K <= n else torch.randint(0, n, (K,), generator=g)
                        for _ in range(B * H_kv)]).view(B, H_kv, K)
@@ -187,15 +180,11 @@ def check_merge(m, l, acc, want, tag):
             continue                     # decode_attention.py's kernels take a power-of-two head dimension
         with without(*(MERGE_FUNCTIONS if adapter == "merge" else ())):
             got = getattr(A, adapter)(m.clone(), l.clone(), acc.clone())
-        assert tuple(got.shape) == tuple(want.shape), \
-            f"merge, {name}: the output has shape {tuple(got.shape)}, expected (R, G, d) = {tuple(want.shape)}"
-        where = first_difference(got.float(), want, 1e-4, 1e-5)
-        if where is not None:
-            r, g, e = where
-            raise AssertionError(
-                f"merge ({tag}), {name}: row {r}, query head {g}, feature {e}: got {got[where].item():.6g}, expected "
-                f"{want[where].item():.6g} = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s "
-                f"(ranges' m here: {[round(x, 2) for x in m[r, :, g].tolist()[:6]]}...)")
+        assert_close(got, want, rtol=1e-4, atol=1e-5,
+                     detail=lambda at: f"row {at[0]}, query head {at[1]}, feature {at[2]}; the ranges' m there: "
+                     f"{[round(x, 2) for x in m[at[0], :, at[1]].tolist()[:6]]}...",
+                     what=f"merge ({tag}), {name}: the output (R, G, d) = sum_s exp(m_s - M) acc_s / "
+                     "sum_s exp(m_s - M) l_s, M = max_s m_s")
 
 
 # -- the tests -----------------------------------------------------------------------------------------------
