@@ -93,8 +93,9 @@ def test_perturbation_against_a_loop():
     g = generator("perturbation loop")
     for shape, n, D in (((2, 3), 9, 5), ((4,), 16, 1), ((), 7, 3)):
         attn, projected, keep = instance(g, shape, n, D)
+        # atol: a row that keeps everything has L = 0, which float32 rounding of A - A' makes up to ~3e-6
         assert_close(A.perturbation(attn, keep, projected), perturbation_by_loop(attn, keep, projected).float(),
-                     rtol=1e-5, atol=1e-6, detail=lambda at: f"that row keeps {int(keep[at].sum())} of {n}",
+                     rtol=1e-5, atol=1e-5, detail=lambda at: f"that row keeps {int(keep[at].sum())} of {n}",
                      what=f"attn {tuple(attn.shape)}, projected {tuple(projected.shape)}: output_perturbation, one L "
                      f"per row, L = ||(A - A') V W_O||_1 (an L1 norm over the D = {D} outputs of the change, A' "
                      "renormalised over the kept)")
