@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,12 +60,14 @@ def number(x) -> str:
     return f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
-def assert_close(got, want: Tensor, atol: float = 0.0, rtol: float = 0.0, what: str = "the answer") -> None:
+def assert_close(got, want: Tensor, atol: float = 0.0, rtol: float = 0.0, what: str = "the answer",
+                 detail: Callable[[tuple[int, ...]], str] | None = None) -> None:
     """``got`` equals ``want`` within ``atol + rtol * |want|`` (exactly, by default: integers, booleans, values
     exact in binary), with ``want``'s shape and dtype; NaN and infinity only where ``want`` has the same
     (``mismatches``). Otherwise an AssertionError that says what was checked (``what``, the tolerance), how many
-    places differ and the first one: every test compares through this function, so no answer of another shape
-    or dtype passes by broadcasting or by a comparison that is False for NaN."""
+    places differ and the first one, and ``detail(index)`` of it if given (what that entry means: its query, its
+    slot, the numbers that make it). Every test compares through this function, so no answer of another shape or
+    dtype passes by broadcasting or by a comparison that is False for NaN."""
     want = torch.as_tensor(want)
     check_tensor(got, want.shape, want.dtype, what)
     bad = mismatches(got, want, atol, rtol)
@@ -72,7 +75,8 @@ def assert_close(got, want: Tensor, atol: float = 0.0, rtol: float = 0.0, what: 
         at = tuple(int(i) for i in bad.nonzero()[0])
         tol = "exactly" if atol == rtol == 0 else f"within atol {atol:g} + rtol {rtol:g} * |expected|"
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} entries differ (compared {tol}); the "
-                             f"first at {list(at)}: got {number(got[at])}, expected {number(want[at])}")
+                             f"first at {list(at)}: got {number(got[at])}, expected {number(want[at])}"
+                             + (f" ({detail(at)})" if detail else ""))
 
 
 def seed(*salt) -> int:
