@@ -568,13 +568,13 @@ def jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return found
 
 
-def check_triton_only(fn: ast.FunctionDef, kernels: set[str], tl_names: set[str], where: str) -> None:
-    """Raise ``NotTriton`` unless ``fn`` reads only its arguments, its own variables, ``tl.<a language name>``,
-    the file's other kernels and a few built-ins: no import, no module of Python's or torch's, no attribute
-    that starts with ``_`` (the way out of a value to its module). On a GPU Triton's compiler refuses the rest;
-    in its CPU interpreter this check does."""
-    local = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
-    local |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str) -> None:
+    """Raise ``NotTriton`` unless ``fn`` is Triton's language: no import, no nested function or class, no
+    comprehension, no attribute that starts with ``_`` (the way out of a value to its module), ``tl.<name>``
+    only for a name of triton.language that is not a module. Any other name it reads is an argument, one of
+    its variables, another kernel of the file or a few built-ins: the namespace it runs in holds nothing else
+    (a NameError at run time, ``KernelsAlone.launch``). On a GPU Triton's compiler refuses the rest; in its CPU
+    interpreter, where a kernel runs as Python, this check and that namespace do."""
     for node in ast.walk(fn):
         line = f"{where}, line {getattr(node, 'lineno', fn.lineno)}"
         if isinstance(node, FORBIDDEN) and node is not fn:
@@ -587,10 +587,6 @@ def check_triton_only(fn: ast.FunctionDef, kernels: set[str], tl_names: set[str]
             if isinstance(node.value, ast.Name) and node.value.id == "triton" and node not in fn.decorator_list \
                     and not any(node is getattr(d, "func", None) for d in fn.decorator_list):
                 raise NotTriton(f"{line}: triton.{node.attr}: a kernel uses tl (triton.language) only")
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local | kernels \
-                | set(JIT_BUILTINS) | {"tl", "triton"}:
-            raise NotTriton(f"{line}: {node.id} is neither an argument, a variable of the kernel, another kernel "
-                            "of the file nor tl")
 
 
 def language_names() -> set[str]:
@@ -626,7 +622,7 @@ class KernelsAlone:
             found = jit_functions(tree)
             names = language_names()
             for fn in found.values():
-                check_triton_only(fn, set(found), names, file)
+                check_triton_only(fn, names, file)
             name = f"<the copy's kernels: {file}>"
             blocks = [textwrap.dedent("\n".join(text.splitlines()[fn.decorator_list[0].lineno - 1:fn.end_lineno]))
                       for fn in found.values()]
@@ -643,7 +639,13 @@ class KernelsAlone:
         kernels = self.kernels_of(file)
         if kernel not in kernels:
             raise NotTriton(f"{file} has no @triton.jit function {kernel!r}")
-        kernels[kernel][tuple(int(g) for g in grid)](*args, **meta)
+        try:
+            kernels[kernel][tuple(int(g) for g in grid)](*args, **meta)
+        except Exception as e:                # noqa: BLE001  (Triton's interpreter wraps what the kernel raised)
+            if not (isinstance(e, NameError) or str(e).startswith("NameError(")):
+                raise
+            raise NotTriton(f"{file}, {kernel}: {e}: a kernel reads only its arguments, its variables, tl and the "
+                            "file's other kernels") from None
 
 
 def limit_file_size(n: int) -> None:

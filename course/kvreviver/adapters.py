@@ -5,7 +5,9 @@ your code.
 Each adapter imports the library module it needs when it is called, so a file of yours that fails to import
 fails only the tasks that use it. Each task has three implementations: the sketch's method in
 methods/kvreviver.py (``VagueSketch``), the plain function of kernels/count_sketch.py (``reference_*``) and its
-Triton kernel (``sketch_*_triton``, run in Triton's CPU interpreter by the grader).
+Triton kernel (``_sketch_insert_kernel``, ``_sketch_query_kernel``), which needs no adapter: the grader launches
+your ``@triton.jit`` functions itself, with its own grids and buffers (course/launchers.py, in Triton's CPU
+interpreter), so keep their names and arguments as they are.
 """
 
 from __future__ import annotations
@@ -57,24 +59,14 @@ def query(sketch, pos: Tensor) -> tuple[Tensor, Tensor]:
     return sketch.query(pos)
 
 
-# -- the plain functions and the kernels (kernels/count_sketch.py) ------------------------------------------
+# -- the plain functions (kernels/count_sketch.py) ---------------------------------------------------------
 
 def reference_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor, v: Tensor) -> None:
     """Add n tokens k, v (n, H_kv, d) into key, value (r, b, H_kv, d) in place, at cells (r, n) with signs."""
     count_sketch().reference_sketch_insert(key, value, cells, signs, k, v)
 
 
-def kernel_insert(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, k: Tensor, v: Tensor,
-                  block_n: int) -> None:
-    """The same with the Triton kernel, ``block_n`` tokens per program."""
-    count_sketch().sketch_insert_triton(key, value, cells, signs, k, v, block_n=block_n)
-
-
 def reference_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) -> tuple[Tensor, Tensor]:
     """Estimates (n, H_kv, d) of the tokens at cells (r, n) with signs (r, n)."""
     return count_sketch().reference_sketch_query(key, value, cells, signs)
 
-
-def kernel_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor, block_n: int) -> tuple[Tensor, Tensor]:
-    """The same with the Triton kernel, ``block_n`` tokens per program."""
-    return count_sketch().sketch_query_triton(key, value, cells, signs, block_n=block_n)

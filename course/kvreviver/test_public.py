@@ -3,14 +3,18 @@ each in its three implementations (``VagueSketch``'s method, the plain function 
 kernels/count_sketch.py), against a brute-force count sketch written here, token by token and row by row.
 Run them with ``python -m course.grade kvreviver``.
 
-Each task is graded alone: a test of ``query`` writes the cells itself (no ``insert``), and while one
-implementation runs, the others of the same operation in kernels/count_sketch.py are taken away (they raise),
-so each must compute its answer itself. The expected cells and estimates use hashes computed here
+Each task is graded alone: a test of ``query`` writes the cells itself (no ``insert``). The Triton kernels are
+launched by the grader's own wrappers (``launchers.py``), each ``@triton.jit`` function read from your file
+alone and checked to be Triton's language, so a kernel earns its points by what it computes itself: keep the
+kernels' names and arguments. While one of the two PyTorch implementations (the method, the plain function)
+runs, the other and the kernels are taken away in your process (they raise), so that each computes its answer
+itself (a check of honest mistakes: code in your process could undo it). The expected cells and estimates use hashes computed here
 (``sketch_hashes``), never your sketch's methods. The random inputs (tokens, positions, the sketches' seeds) are
 drawn from the run's seed (printed with the score).
 """
 
 import adapters as A
+import launchers
 import torch
 from oracle import assert_close, generator, points, taken_away, written
 
@@ -148,12 +152,11 @@ def check_insert(rows, width, batches, case, delete=True, hashes=sketch_hashes):
             A.insert(sketch, p, k, v)
         with without(*INSERTS[1:]):
             A.reference_insert(ref_k, ref_v, cells, signs, k, v)
-        with without(INSERTS[0]):
-            A.kernel_insert(ker_k, ker_v, cells, signs, k, v, block_n=4)
+        launchers.sketch_insert(A, ker_k, ker_v, cells, signs, k, v, block_n=4)
     every = torch.cat(pos)
     all_cells, _ = hashes(rows, width, seed, every)
     for what, (got_k, got_v) in (("reference_sketch_insert", (ref_k, ref_v)),
-                                 ("sketch_insert_triton (the kernel)", (ker_k, ker_v))):
+                                 ("_sketch_insert_kernel (the kernel)", (ker_k, ker_v))):
         check_cells(f"{what}, keys", got_k, want_k, all_cells)
         check_cells(f"{what}, values (g_i(J) v_J)", got_v, want_v, all_cells)
     if delete:                           # VagueSketch.delete is insert with sign -1
@@ -192,12 +195,11 @@ def check_query(rows, width, n, case, hashes=sketch_hashes):
     ref_want = brute_query(key, value, ref_cells, ref_signs)
     with without(*QUERIES[1:]):
         ref = A.reference_query(key.clone(), value.clone(), ref_cells, ref_signs)
-    with without(QUERIES[0]):
-        ker = A.kernel_query(key.clone(), value.clone(), ref_cells, ref_signs, block_n=4)
+    ker = launchers.sketch_query(A, key.clone(), value.clone(), ref_cells, ref_signs, block_n=4)
     for what, (k_hat, v_hat), (k_want, v_want), (c, s) in (
             (f"VagueSketch.query, {rows} rows", got, (want_k, want_v), (cells, signs)),
             (f"reference_sketch_query, {rows} rows", ref, ref_want, (ref_cells, ref_signs)),
-            (f"sketch_query_triton (the kernel), {rows} rows", ker, ref_want, (ref_cells, ref_signs))):
+            (f"_sketch_query_kernel (the kernel), {rows} rows", ker, ref_want, (ref_cells, ref_signs))):
         check_estimates(f"{what}, keys", k_hat, k_want, key, c, s, values=False)
         check_estimates(f"{what}, values", v_hat, v_want, value, c, s, values=True)
 
