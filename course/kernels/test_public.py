@@ -10,7 +10,8 @@ inputs are drawn from the run's seed (printed with the score).
 The kernels are launched by the grader's own wrappers (``launchers.py``: the grid, the buffers and the
 arguments of the library's wrappers), each ``@triton.jit`` function read from your file alone and checked to be
 Triton's language: keep the kernels' names and arguments. ``merge_splits`` (PyTorch) is called through the
-adapters.
+adapters, with the merge kernels taken away in your process meanwhile (they raise), so that it computes its
+answer itself (a check of honest mistakes: code in your process could undo it).
 """
 
 import math
@@ -18,9 +19,18 @@ import math
 import adapters as A
 import launchers
 import torch
-from oracle import assert_close, generator, points
+from oracle import assert_close, generator, points, taken_away
 
 LOG2E = math.log2(math.e)
+MERGE_FUNCTIONS = ("kernels.decode_attention._merge_splits_kernel", "kernels.decode_attention.merge_splits_triton",
+                   "kernels.count_sketch._merge_splits_kernel", "kernels.count_sketch.merge_sketch_splits_triton",
+                   "kernels.tensor_decode.tensor_decode_combine_kernel")
+
+
+def pytorch_merge(m, l, acc):
+    """Your ``merge_splits``, with the merge kernels of your library taken away meanwhile."""
+    with taken_away(A, *MERGE_FUNCTIONS):
+        return A.merge(m, l, acc)
 
 
 def randn(*shape, seed, scale=1.0):
@@ -163,7 +173,7 @@ def far_below_zero_case(seed):
                       row_shifts=[-290.0, 310.0, -290.0], head_shifts=[0.0, 250.0, -250.0])
 
 
-MERGES = (("merge_splits (PyTorch)", lambda m, l, acc: A.merge(m, l, acc)),
+MERGES = (("merge_splits (PyTorch)", pytorch_merge),
           ("decode_attention.py's _merge_splits_kernel", lambda *p: launchers.merge_kernel(A, *p)),
           ("count_sketch.py's _merge_splits_kernel", lambda *p: launchers.merge_sketch_kernel(A, *p)),
           ("tensor_decode.py's tensor_decode_combine_kernel", lambda *p: launchers.merge_tensor_kernel(A, *p)))
