@@ -180,12 +180,15 @@ MERGES = (("merge_splits (PyTorch)", pytorch_merge),
 
 
 def check_merge(m, l, acc, want, tag):
-    """Every implementation of the merge against softmax over all ranges' scores at once."""
+    """Every implementation of the merge against softmax over all ranges' scores at once. count_sketch.py's
+    merge works in base 2: m * log2(e) rounded to float32 near |m| = 500 (rows of scores near -300, heads 200
+    apart) puts about 2e-5 of error into every weight, so its outputs get an atol of 1e-4 (the others 1e-5;
+    drawn inputs reached 1.1e-5 there in 40 seeds)."""
     for name, merge in MERGES:
         if name.startswith("decode_attention") and acc.shape[-1] & (acc.shape[-1] - 1):
             continue                     # decode_attention.py's kernels take a power-of-two head dimension
         got = merge(m.clone(), l.clone(), acc.clone())
-        assert_close(got, want, rtol=1e-4, atol=1e-5,
+        assert_close(got, want, rtol=1e-4, atol=1e-4 if name.startswith("count_sketch") else 1e-5,
                      detail=lambda at: f"row {at[0]}, query head {at[1]}, feature {at[2]}; the ranges' m there: "
                      f"{[round(x, 2) for x in m[at[0], :, at[1]].tolist()[:6]]}...",
                      what=f"merge ({tag}), {name}: the output (R, G, d) = sum_s exp(m_s - M) acc_s / "
