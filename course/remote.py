@@ -317,6 +317,10 @@ class Watch:
             self.rss0[pid] = status_kib(pid, "VmHWM")
         return self
 
+    def cpu_so_far(self) -> float:
+        """The CPU seconds spent since the block began (a test may stop a run that is already over its limit)."""
+        return (sum(map(cpu_ticks, self.tree())) - self.cpu0) / os.sysconf("SC_CLK_TCK")
+
     def __exit__(self, *exc) -> None:
         tree = self.tree()
         self.cpu_s = (sum(map(cpu_ticks, tree)) - self.cpu0) / os.sysconf("SC_CLK_TCK")

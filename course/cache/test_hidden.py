@@ -8,7 +8,7 @@ import math
 import adapters as A
 import torch
 from oracle import address, assert_close, check_tensor, generator, points, reference
-from test_public import randn, scores_by_loop
+from test_public import check_amortised_growth, randn, scores_by_loop
 
 ROOM = 64          # the first append leaves at least this much room (nanollm.storage.MIN_CAPACITY)
 
@@ -57,6 +57,7 @@ def test_append_writes_in_place_and_doubles_when_full():
     """300 one-token appends, then a chunk of 1000: an append that fits moves nothing, a full buffer at least
     doubles (O(1) copies per token, amortised), grows enough for the chunk, and never holds more than about twice
     what is stored; a state set after the first."""
+    check_amortised_growth("append_writes_in_place_and_doubles_when_full")
     store, B, H_kv = A.new_storage(), 2, 3
     ks, vs, moves = [], [], 0
     for t in range(300):
@@ -80,6 +81,7 @@ def test_append_chunks_of_any_size_positions_as_given():
     """Chunks of 5, 1, 70, 3, 59 (exactly filling the buffer), 71 and 600 (more than twice the capacity) tokens,
     bfloat16 keys and values narrower than the keys, positions out of order and -1 (an empty slot): stored as
     given, in their dtype, per row and KV head; states set after the first chunk grow with every later one."""
+    check_amortised_growth("append_chunks_of_any_size_positions_as_given")
     store, B, H_kv = A.new_storage(), 2, 3
     ks, vs, ps, seen = [], [], [], 0
     for i, n in enumerate([5, 1, 70, 3, 59, 71, 600]):
@@ -106,6 +108,7 @@ def test_append_after_keep_and_with_state():
     """After an eviction (``keep`` of any three slots per head, in any order, one of them empty) the next tokens go
     after the kept ones; a method's per-slot state keeps its numbers and new slots start at the state's fill
     value."""
+    check_amortised_growth("append_after_keep_and_with_state")
     store = A.new_storage()
     k, v = randn(1, 2, 10, 4), randn(1, 2, 10, 3, seed=1)
     A.storage_append(store, k, v, torch.arange(10))
@@ -151,6 +154,7 @@ def test_append_keeps_the_keys_dtype():
     70 (past the first capacity) and 1 token, with a float32 state beside them: what is stored and read back has
     the keys' dtype and their exact values (buffers made in float32 whatever the keys widen half precision and
     round float64), and the state keeps its own dtype."""
+    check_amortised_growth("append_keeps_the_keys_dtype")
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
         store, ks, vs, ps, seen = A.new_storage(), [], [], [], 0
         for i, n in enumerate([3, 70, 1]):
@@ -172,6 +176,7 @@ def test_cached_decoding_equals_uncached_with_the_tests_attention():
     """The storage inside the decoder (Llama: RoPE, GQA; GPT-2: learned positions): a prompt, a chunk of 3
     tokens, then 5 greedy steps through the cache give the logits of one uncached pass over the sequence. The
     decoder and its attention are the instructor's, run here; only the storage is yours."""
+    check_amortised_growth("cached_decoding_equals_uncached_with_the_tests_attention")
     for flavour in ("llama", "gpt2"):
         decode_through_the_storage(flavour)
 

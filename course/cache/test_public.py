@@ -4,6 +4,7 @@ graded alone: a test of the mask runs ``attend`` with the adapters' own scores (
 your ``group_scores``. The random inputs are drawn from the run's seed (printed with the score)."""
 
 import math
+import time
 
 import adapters as A
 import torch
@@ -13,6 +14,47 @@ from oracle import address, assert_close, generator, points
 def randn(*shape, seed=0, dtype=torch.float32):
     """Random numbers of one test's case ``seed``, drawn from the run's seed (``oracle.generator``)."""
     return torch.randn(*shape, generator=generator("cache", seed), dtype=torch.float64).to(dtype)
+
+
+GROWTH_CHUNKS, GROWTH_TOKENS = 1024, 32   # appends of 32 tokens of 4 KiB: a storage of 128 MiB at the end
+GROWTH_COPIES = 64                          # the CPU your process may spend, in copies of that whole storage
+
+
+def whole_copy_s(nbytes):
+    """The CPU seconds this process takes to copy ``nbytes`` into fresh memory (the least of three)."""
+    times = []
+    for _ in range(3):
+        src = torch.ones(nbytes // 4)
+        t0 = time.process_time()
+        src.clone()
+        times.append(time.process_time() - t0)
+    return max(min(times), 1e-3)
+
+
+def check_amortised_growth(what):
+    """Amortised O(1) copies per token, read from outside your code: the CPU seconds of the process running it
+    (``adapters.watch``, from /proc) while ``GROWTH_CHUNKS`` chunks are appended to a new storage, against what
+    copying the whole final storage once costs this process. A storage that doubles when full copies each token
+    about twice (a few copies of the whole, plus each call's own cost); one that copies everything at each
+    append (``torch.cat``) copies it ``GROWTH_CHUNKS / 2`` times. Nothing your process reports counts here."""
+    B, H_kv, d = 1, 4, 128
+    total = GROWTH_CHUNKS * GROWTH_TOKENS * B * H_kv * 2 * d * 4
+    copy = whole_copy_s(total)
+    limit = GROWTH_COPIES * copy + 0.25
+    store = A.new_storage()
+    g = generator("cache growth", what)
+    with A.watch() as watch:
+        for i in range(GROWTH_CHUNKS):
+            k, v = (torch.randn(B, H_kv, GROWTH_TOKENS, d, generator=g) for _ in range(2))
+            A.storage_append(store, k, v, torch.arange(i * GROWTH_TOKENS, (i + 1) * GROWTH_TOKENS))
+            del k, v                                 # held by the test, each would be compared at every call
+            if i % 32 == 31 and watch.cpu_so_far() > limit:
+                break                                # over the limit already: no need to wait for the rest
+    assert watch.cpu_s < limit, \
+        f"{what}: appending {i + 1} of {GROWTH_CHUNKS} chunks of {GROWTH_TOKENS} tokens ({total >> 20} MiB at the " \
+        f"end) took {watch.cpu_s:.2f} s of CPU in the process running your code, {watch.cpu_s / copy:.0f} times what " \
+        f"copying the whole storage once takes (at most {GROWTH_COPIES} for all): does every append copy what is " \
+        "stored? Grow by doubling: O(1) copies per token, amortised (read from outside your process)"
 
 
 @points(2, task="append")
@@ -44,6 +86,7 @@ def test_append_then_read():
                  "T, d): the appended ones in order, in their dtype")
     assert_close(v, torch.cat(vs, dim=2), what="the stored values: the appended ones in order, in their dtype")
     assert_close(pos, torch.arange(370).expand(2, 3, 370), what="the stored positions, per row and KV head, in order")
+    check_amortised_growth("append")
 
 
 def scores_by_loop(q, k):

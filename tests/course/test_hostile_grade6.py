@@ -351,3 +351,118 @@ def test_the_graders_kernel_wrappers_give_the_librarys_answers_on_the_reference(
             assert torch.allclose(g_, w_, atol=1e-5), (g_ - w_).abs().max()
     finally:
         connection.close()
+
+
+# -- the four forgeries that scored on the last grader: each now earns nothing of what it forged --------------
+
+FAKE_GROWTH = '''
+import __main__
+_encode = __main__.Mirrors.encode
+def _same_address(self, t):                        # every tensor "stays where it was" (the old tests asked this)
+    d = _encode(self, t)
+    d["address"] = 4096
+    return d
+__main__.Mirrors.encode = _same_address
+
+
+def storage_capacity(store):                       # a capacity that "doubles", whatever is held
+    n, cap = len(store), 69
+    while cap < n:
+        cap *= 2
+    return cap
+
+
+def storage_room_positions(store):
+    import torch
+    return torch.full((*store.pos.shape[:2], storage_capacity(store) - len(store)), -1)
+'''
+
+
+def test_a_torch_cat_append_that_reports_in_place_growth_earns_no_append_point(tmp_path, capsys):
+    """The append copies the whole layer at every call (``torch.cat``: O(T^2) copies) while the copy's own
+    process says its tensors never move and its capacity doubles: the CPU its process spends, read from
+    outside, fails every append test (13 / 27 on the old grader, which asked the process)."""
+    from course.cache.mutants import TEXTBOOK_APPEND
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "storage.py", "append", TEXTBOOK_APPEND.splitlines())
+    with (copy / "course" / "cache" / "adapters.py").open("a") as f:
+        f.write(FAKE_GROWTH)
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "append")
+    append = [t for t in results["tests"] if "(task append)" in t["name"]]
+    assert append and all(t["status"] == "failed" for t in append), printed
+    assert "chunks of 32 tokens" in printed, printed
+
+
+def test_kernels_in_pytorch_behind_the_copys_wrappers_earn_no_kernel_point(tmp_path, capsys):
+    """The copy leaves every Triton kernel a stub and answers each kernel's Python wrapper with its PyTorch
+    ``merge_splits`` (16 / 16 on the old grader, whose tests called the wrappers): the grader's own wrappers
+    launch the stubs, so every merge test fails."""
+    from tests.course.test_grader import graded_here, reference
+    graded_here("kernels")
+    copy = student_copy(tmp_path, "kernels")
+    put(copy / "kernels" / "decode_attention.py", "merge_splits",
+        reference("kernels/decode_attention.py", "merge_splits"))
+    with (copy / "kernels" / "decode_attention.py").open("a") as f:
+        f.write("\n\ndef merge_splits_triton(m, l, acc, dtype=torch.float32):\n"
+                "    return merge_splits(m, l, acc).to(dtype)\n")
+    with (copy / "kernels" / "count_sketch.py").open("a") as f:
+        f.write("\n\ndef merge_sketch_splits_triton(m, l, acc, out):\n"
+                "    from kernels.decode_attention import merge_splits\n"
+                "    G, d = out.shape[0] // m.shape[0], out.shape[1]\n"
+                "    got = merge_splits(m[..., :G] / math.log2(math.e), l[..., :G], acc[..., :G, :d])\n"
+                "    return out.copy_(got.reshape(out.shape))\n")
+    with (copy / "kernels" / "tensor_decode.py").open("a") as f:
+        f.write("\n\nclass _Merge:\n"
+                "    def __getitem__(self, grid):\n"
+                "        def run(m, l, acc, out, d, **meta):\n"
+                "            from kernels.decode_attention import merge_splits\n"
+                "            return out.copy_(merge_splits(m[..., None], l[..., None], acc[:, :, None, :d])[:, 0])\n"
+                "        return run\n\n\n"
+                "tensor_decode_combine_kernel = _Merge()\n")
+    out = tmp_path / "r.json"
+    grade_main = __import__("course.grade", fromlist=["main"]).main
+    grade_main(["kernels", "--student", str(copy), "--json", str(out), "-k", "merge_splits"])
+    results = json.loads(out.read_text())
+    assert results["tests"] and results["score"] == 0, capsys.readouterr().out
+
+
+def test_one_pytorch_insert_behind_the_kernels_wrapper_earns_no_kernel_point(tmp_path, capsys):
+    """The copy's PyTorch insert, captured under another name at import, answers the Triton kernel's wrapper
+    (8 / 16 on the old grader, whose tests took the named functions away in the copy's own process): the
+    grader launches the copy's kernel stub itself, so the tests that check the kernel fail."""
+    from tests.course.test_grader import graded_here, reference
+    graded_here("kvreviver")
+    copy = student_copy(tmp_path, "kvreviver")
+    for rel in ("methods/kvreviver.py", "kernels/count_sketch.py"):
+        put(copy / rel, "insert", reference(rel, "insert"))
+    with (copy / "kernels" / "count_sketch.py").open("a") as f:
+        f.write("\n\n_insert = reference_sketch_insert\n\n\n"
+                "def sketch_insert_triton(key, value, cells, signs, k, v, *, block_n=None):\n"
+                "    _insert(key, value, cells, signs, k, v)\n")
+    out = tmp_path / "r.json"
+    grade_main = __import__("course.grade", fromlist=["main"]).main
+    grade_main(["kvreviver", "--student", str(copy), "--json", str(out), "-k", "insert"])
+    results = json.loads(out.read_text())
+    with_kernel = [t for t in results["tests"] if "kvreviver_evicts" not in t["name"]]
+    assert with_kernel and all(t["status"] == "failed" for t in with_kernel), results
+    assert "NotImplementedError" in capsys.readouterr().out
+
+
+def test_a_kronecker_product_the_copy_hides_from_its_own_watch_fails(tmp_path, capsys):
+    """``pair_scores`` through the materialised Kronecker product, with the copy's process answering its own
+    largest-tensor watch with 0 (6 / 24 on the old grader): the memory read from outside its process fails
+    every pair-scores test."""
+    copy = student_copy(tmp_path, "tensor_attention")
+    body = ["kron = K1[:, :, None, :] * K2[:, None, :, :]                  # (B, n1, n2, d): the Kronecker product",
+            "return torch.einsum('...td,...acd->...tac', q, kron) * scale"]
+    path = copy / "methods" / "tensor_attention" / "attention.py"
+    text = path.read_text()
+    put(path, "pair_scores", body)
+    assert path.read_text() != text
+    with (copy / "course" / "tensor_attention" / "adapters.py").open("a") as f:
+        f.write("\nimport __main__\n__main__.Server.harness = lambda self, name, args: 0   # every watch says 0\n")
+    out = tmp_path / "r.json"
+    grade_main = __import__("course.grade", fromlist=["main"]).main
+    grade_main(["tensor_attention", "--student", str(copy), "--json", str(out), "-k", "pair_scores"])
+    results = json.loads(out.read_text())
+    assert results["tests"] and results["score"] == 0, capsys.readouterr().out
