@@ -243,13 +243,15 @@ def test_the_json_says_what_failed_and_where_and_notes_changed_adapters(tmp_path
         f.write("# a student's change\n")
     grade.main(["cache", "--student", str(out), "--json", str(tmp_path / "r.json"), "-k", "group_scores"])
     results = json.loads((tmp_path / "r.json").read_text())
-    failed = [t["output"] for t in results["tests"]]
+    failed = [t["output"] for t in results["tests"] if t["visibility"] == "visible"]
     assert results["score"] == 0 and failed and all(t.startswith("ZeroDivisionError: division by zero\n")
                                                     for t in failed), failed
     assert all("(raised in nanollm/attention.py, line " in t and t.endswith("in group_scores)") for t in failed)
+    hidden = [t["output"] for t in results["tests"] if t["visibility"] != "visible"]
+    assert hidden and all(t == grade.HIDDEN_SAYS["raised"] for t in hidden), hidden     # the grader's words only
     assert "course/cache/adapters.py differs from this repository's" in results["output"]
     table = capsys.readouterr().out
-    assert table.count("ZeroDivisionError") == len(failed), "the table gives one line per test"
+    assert table.count("ZeroDivisionError") == len(failed) + len(hidden), "the table gives one line per test"
 
 
 @pytest.mark.slow
