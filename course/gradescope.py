@@ -43,7 +43,8 @@ from .grade import check_name, interpreter_refusal
 
 GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "course/markers.py",
           "course/oracle.py", "course/model_adapters.py", "course/confine.py", "course/remote.py",
-          "course/student_process.py", "course/jail.py", "course/launchers.py")     # grade.py, what it imports, what the tests use
+          "course/student_process.py", "course/jail.py",
+          "course/launchers.py")     # grade.py, what it imports, what the tests use
 LIBRARY = ("nanollm", "methods", "kernels")     # the reference library, for the hidden tests' test process
 PINNED = ("torch", "numpy", "pytest", "tqdm", "triton")     # what the grader and the library import
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"

@@ -44,7 +44,6 @@ import struct
 import sys
 import textwrap
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 LENGTH = struct.Struct("<Q")         # a message's count of parts, then each part's length in bytes
@@ -316,16 +315,6 @@ class Refused:
         return None
 
 
-QUIET = [False]                     # True while the server packs or unpacks messages (no watch counts that)
-
-
-@contextmanager
-def quiet():
-    QUIET[0], was = True, QUIET[0]
-    try:
-        yield
-    finally:
-        QUIET[0] = was
 CHECKED: dict[str, bool] = {}       # module name -> loaded from outside the student copy
 ALLOWED: list[Path] = []            # where modules may come from besides the copy: the standard library, site dirs
 
@@ -374,7 +363,6 @@ class Server:
         self.student, self.fd_in, self.fd_out, self.dump_after_s = student, fd_in, fd_out, dump_after_s
         self.objects: dict[int, object] = {}
         self.mirrors = Mirrors(first_key=2)
-        self.largest: list = []               # the tensor watches started (harness "largest_start")
         self.taken: list = []                 # library functions taken away (harness "take_away")
         self.adapters_error = None
         if adapters_file is None:             # the kernels alone: none of the copy's modules is imported
@@ -390,14 +378,12 @@ class Server:
             self.adapters_error = e
 
     def post(self, message: dict) -> None:
-        with quiet():
-            message["changes"], message["held"] = self.mirrors.changes(), self.mirrors.held()
-            send(self.fd_out, message)
+        message["changes"], message["held"] = self.mirrors.changes(), self.mirrors.held()
+        send(self.fd_out, message)
 
     def get(self) -> dict:
         message = receive(self.fd_in)
-        with quiet():
-            self.mirrors.receive(message)
+        self.mirrors.receive(message)
         return message
 
     def encode(self, value):
@@ -437,31 +423,11 @@ class Server:
         return value
 
     def harness(self, name: str, args: list):
-        """The tests' own tools, run beside the student's code (a watch holds for honest mistakes only)."""
-        import torch
-        from torch.overrides import TorchFunctionMode
-
+        """The tests' own tools, run beside the student's code (checks of honest mistakes only: code in this
+        process can undo them; what is graded is read from outside it, course/remote.py ``Watch``)."""
         if name == "test_started":             # where the code is goes to the dump shortly before the limit
             faulthandler.dump_traceback_later(self.dump_after_s, exit=False)
             return None
-        if name == "largest_start":           # record the most numbers a tensor made by torch holds
-            class Largest(TorchFunctionMode):
-                numbers = 0
-
-                def __torch_function__(self, func, types, a=(), kw=None):
-                    out = func(*a, **(kw or {}))
-                    for t in () if QUIET[0] else out if isinstance(out, (tuple, list)) else (out,):
-                        if isinstance(t, torch.Tensor):
-                            self.numbers = max(self.numbers, t.untyped_storage().nbytes() // t.element_size())
-                    return out
-            mode = Largest()
-            mode.__enter__()
-            self.largest.append(mode)
-            return None
-        if name == "largest_stop":
-            mode = self.largest.pop()
-            mode.__exit__(None, None, None)
-            return mode.numbers
         if name == "take_away":                # args: names "package.module.function"
             for full in args:
                 where, attr = full.rsplit(".", 1)
@@ -482,8 +448,7 @@ class Server:
 
     def answer(self, request: dict):
         op = request["op"]
-        with quiet():
-            args, kwargs = self.decode(request.get("args", [])), self.decode(request.get("kwargs", {}))
+        args, kwargs = self.decode(request.get("args", [])), self.decode(request.get("kwargs", {}))
         if op == "harness":
             return self.harness(request["name"], args)
         if self.adapters_error is not None:
@@ -508,8 +473,7 @@ class Server:
                 wrong = borrowed(self.student)
                 if wrong:
                     raise RuntimeError(f"imported from outside the student copy {self.student}: {wrong[:3]}")
-                with quiet():
-                    reply = {"ok": self.encode(value)}
+                reply = {"ok": self.encode(value)}
             except BaseException as e:      # noqa: BLE001  (the student's exception, whatever it is, is the answer)
                 reply = {"error": {"type": type(e).__name__, "builtin": type(e).__module__ == "builtins",
                                    "text": describe(e, self.student)}}

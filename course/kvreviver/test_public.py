@@ -8,9 +8,9 @@ launched by the grader's own wrappers (``launchers.py``), each ``@triton.jit`` f
 alone and checked to be Triton's language, so a kernel earns its points by what it computes itself: keep the
 kernels' names and arguments. While one of the two PyTorch implementations (the method, the plain function)
 runs, the other and the kernels are taken away in your process (they raise), so that each computes its answer
-itself (a check of honest mistakes: code in your process could undo it). The expected cells and estimates use hashes computed here
-(``sketch_hashes``), never your sketch's methods. The random inputs (tokens, positions, the sketches' seeds) are
-drawn from the run's seed (printed with the score).
+itself (a check of honest mistakes: code in your process could undo it). The expected cells and estimates use
+hashes computed here (``sketch_hashes``), never your sketch's methods. The random inputs (tokens, positions, the
+sketches' seeds) are drawn from the run's seed (printed with the score).
 """
 
 import adapters as A

@@ -154,8 +154,8 @@ def test_the_copys_tests_and_the_oracle_are_not_in_the_room(tmp_path, capsys):
         "sys.meta_path[:] = [f for f in sys.meta_path if 'Guard' not in type(f).__name__ and 'guard' not in "
         "type(f).__name__.lower()]",
         "here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))",
-        "found = [p for p in ('tests', 'tests/course/test_grader.py', 'course/oracle.py', 'course/cache/test_public.py')"
-        " if os.path.exists(os.path.join(here, p))]",
+        "found = [p for p in ('tests', 'tests/course/test_grader.py', 'course/oracle.py',"
+        " 'course/cache/test_public.py') if os.path.exists(os.path.join(here, p))]",
         "try:",
         "    import tests.course.test_grader",
         "    found.append('imported tests')",
@@ -193,7 +193,6 @@ def test_a_graded_function_that_writes_into_its_input_fails(tmp_path):
         "import torch\n"
         "def masked(t):\n    return t.masked_fill_(t > 1, float('-inf'))\n"
         "def fresh(t):\n    return t.masked_fill(t > 1, float('-inf'))\n")
-    from course import grade
     connection = toy_connection(tmp_path, folder)
     adapters = remote.Adapters(connection)
     try:
