@@ -13,9 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
-
 from oracle import written
+from torch import Tensor
 
 DECODE, SKETCH, TENSOR = "kernels/decode_attention.py", "kernels/count_sketch.py", "kernels/tensor_decode.py"
 LOG2E = math.log2(math.e)

@@ -61,13 +61,13 @@ def unconfined_here() -> bool:
 
 @pytest.mark.slow
 def test_300_mb_of_output_leave_the_dump_tmpdir_and_memory_bounded(tmp_path):
-    """The graded code prints 150 MB to standard output and 150 MB to standard error, unconfined where it may run
-    so (as root, the grader refuses unconfined code nobody can run: then in its room, whose output reaches the
-    grader through the same pipe). Before, all 300 MB landed in TMPDIR (the dump file); now the dump keeps the
-    first 64 KiB and the last 1 to 2 MiB, so TMPDIR grows by the scratch copy and about 2 MiB, and no process of
-    the grader's holds more than a few hundred MB (torch's own); the test fails on the code's own exception. The grader's own peak
-    is its ``VmHWM``, not ``ru_maxrss``: Linux keeps, across exec, the peak of the process that started it (this
-    pytest process, which earlier tests in it may have taken past a GB), where ``VmHWM`` starts at the exec;
+    """The graded code prints 150 MB to standard output and 150 MB to standard error, unconfined where it may run so
+    (as root, the grader refuses unconfined code nobody can run: then in its room, whose output reaches the grader
+    through the same pipe). Before, all 300 MB landed in TMPDIR (the dump file); now the dump keeps the first 64 KiB
+    and the last 1 to 2 MiB, so TMPDIR grows by the scratch copy and about 2 MiB, and no process of the grader's
+    holds more than a few hundred MB (torch's own); the test fails on the code's own exception. The grader's own
+    peak is its ``VmHWM``, not ``ru_maxrss``: Linux keeps, across exec, the peak of the process that started it
+    (this pytest process, which earlier tests in it may have taken past a GB), where ``VmHWM`` starts at the exec;
     its children's ``ru_maxrss`` carries the grader's peak at their start, which is bounded the same way."""
     copy = student_copy(tmp_path)
     put(copy / "nanollm" / "attention.py", "group_scores", [
