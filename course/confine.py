@@ -226,15 +226,24 @@ def jail_works(spec: dict) -> str | None:
     check = "import os, sys; [os.listdir(p) for p in sys.argv[1:]]"
     probe = {**spec, "root": tempfile.mkdtemp(prefix="jail-probe-", dir=os.path.dirname(spec["root"]))}
     cmd = jailed([sys.executable, "-I", "-S", "-B", "-c", check, *spec["read"]])
-    try:
-        done = subprocess.run(cmd, capture_output=True, timeout=60, input=spec_bytes(probe),
-                              cwd=spec["write"][0] if spec["write"] else "/", env={"PATH": "/usr/bin:/bin"})
-    except (OSError, subprocess.TimeoutExpired) as e:
+    try:                          # registered as a run's process: another run's ``end`` must not take it for a stray
+        proc = start(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     cwd=spec["write"][0] if spec["write"] else "/", env={"PATH": "/usr/bin:/bin"})
+    except OSError as e:
         return f"jail: {e}"
-    if done.returncode == 0:
+    try:
+        _, err = proc.communicate(spec_bytes(probe), timeout=60)
+    except subprocess.TimeoutExpired as e:
+        proc.kill()
+        proc.communicate()
+        return f"jail: {e}"
+    finally:
+        with LOCK:
+            RUNS["tests"].discard(proc.pid)
+    if proc.returncode == 0:
         return None
-    lines = [s for s in done.stderr.decode(errors="replace").splitlines() if s.strip()]
-    return lines[-1] if lines else f"the probe exited with code {done.returncode}"
+    lines = [s for s in err.decode(errors="replace").splitlines() if s.strip()]
+    return lines[-1] if lines else f"the probe exited with code {proc.returncode}"
 
 
 def room(parent: Path, copy: Path, home: Path, site_dirs: list[str], root: Path) -> tuple[dict | None, str]:
@@ -305,10 +314,11 @@ def unreadable_by_others(paths: list[str]) -> str | None:
 
 def as_root_refusal(python_paths: list[str], why: str) -> str:
     """Why a grader running as root refuses to grade (the student's code would have to run as root), and what to
-    change, in a line."""
+    change, in a line (``why``: why no room was built)."""
     blocked = unreadable_by_others(python_paths)
-    return ("the grader runs as root and the student's code never does, but the user nobody cannot read Python "
-            f"and its packages{f': {blocked}' if blocked else f' ({why})'}; make them readable to other users "
+    return (f"the grader runs as root and the student's code never does: no room was built ({why}), and outside "
+            f"one the user nobody cannot read Python and its packages{f': {blocked}' if blocked else ''}; make them "
+            "readable to other users "
             "(chmod o+rx on each folder above them, chmod -R o+rX on Python's prefix and site-packages; a "
             "virtual environment made under umask 022), or grade as an ordinary user")
 
