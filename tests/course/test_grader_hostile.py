@@ -428,6 +428,18 @@ def test_no_function_of_the_tests_crosses_into_the_students_process():
         assert "A.using(" not in text and 'harness("subclass"' not in text, path
 
 
+def autograded(source: Path, copy: Path, results: Path, python: str, cwd: Path) -> dict:
+    """The unpacked Gradescope package's ``run_autograder`` on the submission ``copy``, with ``python``: the
+    results file it wrote (removed first)."""
+    results.unlink(missing_ok=True)
+    env = {**os.environ, "AUTOGRADER_SOURCE": str(source), "AUTOGRADER_SUBMISSION": str(copy),
+           "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": python}
+    run = subprocess.run(["bash", str(source / "run_autograder")], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and results.exists(), run.stdout[-2000:] + run.stderr[-2000:]
+    return json.loads(results.read_text())
+
+
 def test_the_gradescope_package_grades_a_hostile_copy_zero(tmp_path):
     """Through ``run_autograder``: a copy that looks for the solutions and the hidden tests, zeros the tests'
     inputs and writes full marks at the results path scores 0 with nothing leaked; a results file that appears
@@ -451,13 +463,7 @@ def test_the_gradescope_package_grades_a_hostile_copy_zero(tmp_path):
           for line in LOOK_FOR_HIDDEN_TESTS]])
 
     def run_autograder(python: str) -> dict:
-        results.unlink(missing_ok=True)
-        env = {**os.environ, "AUTOGRADER_SOURCE": str(source), "AUTOGRADER_SUBMISSION": str(copy),
-               "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": python}
-        run = subprocess.run(["bash", str(source / "run_autograder")], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=300)
-        assert run.returncode == 0 and results.exists(), run.stdout[-2000:] + run.stderr[-2000:]
-        return json.loads(results.read_text())
+        return autograded(source, copy, results, python, tmp_path)
 
     graded_copy = run_autograder(sys.executable)
     assert graded_copy.get("tests") and graded_copy["score"] == 0, graded_copy

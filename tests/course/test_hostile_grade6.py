@@ -25,7 +25,7 @@ import pytest
 from course import gradescope, remote
 from course.assignments import ASSIGNMENTS, ROOT
 from tests.course.test_grader import put, student_copy, toy_connection
-from tests.course.test_grader_hostile import graded, marker_folder
+from tests.course.test_grader_hostile import autograded, graded, marker_folder
 
 pytestmark = pytest.mark.slow
 
@@ -121,13 +121,7 @@ def test_through_run_autograder_the_code_never_runs_as_root(tmp_path):
     copy = probing_copy(tmp_path, marker_folder())
 
     def run_autograder(python: str) -> dict:
-        results.unlink(missing_ok=True)
-        env = {**os.environ, "AUTOGRADER_SOURCE": str(source), "AUTOGRADER_SUBMISSION": str(copy),
-               "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": python}
-        run = subprocess.run(["bash", str(source / "run_autograder")], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=600)
-        assert run.returncode == 0 and results.exists(), run.stdout[-2000:] + run.stderr[-2000:]
-        return json.loads(results.read_text())
+        return autograded(source, copy, results, python, tmp_path)
 
     graded_copy = run_autograder(sys.executable)
     said = probe_said(graded_copy)
@@ -377,6 +371,13 @@ def storage_room_positions(store):
 '''
 
 
+def graded_json(copy: Path, out: Path, name: str, task: str) -> dict:
+    """``course.grade NAME --student COPY -k TASK --json OUT``: the JSON on disk."""
+    from course import grade
+    grade.main([name, "--student", str(copy), "--json", str(out), "-k", task])
+    return json.loads(out.read_text())
+
+
 def test_a_torch_cat_append_that_reports_in_place_growth_earns_no_append_point(tmp_path, capsys):
     """The append copies the whole layer at every call (``torch.cat``: O(T^2) copies) while the copy's own
     process says its tensors never move and its capacity doubles: the CPU its process spends, read from
@@ -418,10 +419,7 @@ def test_kernels_in_pytorch_behind_the_copys_wrappers_earn_no_kernel_point(tmp_p
                 "            return out.copy_(merge_splits(m[..., None], l[..., None], acc[:, :, None, :d])[:, 0])\n"
                 "        return run\n\n\n"
                 "tensor_decode_combine_kernel = _Merge()\n")
-    out = tmp_path / "r.json"
-    grade_main = __import__("course.grade", fromlist=["main"]).main
-    grade_main(["kernels", "--student", str(copy), "--json", str(out), "-k", "merge_splits"])
-    results = json.loads(out.read_text())
+    results = graded_json(copy, tmp_path / "r.json", "kernels", "merge_splits")
     assert results["tests"] and results["score"] == 0, capsys.readouterr().out
 
 
@@ -438,10 +436,7 @@ def test_one_pytorch_insert_behind_the_kernels_wrapper_earns_no_kernel_point(tmp
         f.write("\n\n_insert = reference_sketch_insert\n\n\n"
                 "def sketch_insert_triton(key, value, cells, signs, k, v, *, block_n=None):\n"
                 "    _insert(key, value, cells, signs, k, v)\n")
-    out = tmp_path / "r.json"
-    grade_main = __import__("course.grade", fromlist=["main"]).main
-    grade_main(["kvreviver", "--student", str(copy), "--json", str(out), "-k", "insert"])
-    results = json.loads(out.read_text())
+    results = graded_json(copy, tmp_path / "r.json", "kvreviver", "insert")
     with_kernel = [t for t in results["tests"] if "kvreviver_evicts" not in t["name"]]
     assert with_kernel and all(t["status"] == "failed" for t in with_kernel), results
     assert "NotImplementedError" in capsys.readouterr().out
@@ -460,8 +455,5 @@ def test_a_kronecker_product_the_copy_hides_from_its_own_watch_fails(tmp_path, c
     assert path.read_text() != text
     with (copy / "course" / "tensor_attention" / "adapters.py").open("a") as f:
         f.write("\nimport __main__\n__main__.Server.harness = lambda self, name, args: 0   # every watch says 0\n")
-    out = tmp_path / "r.json"
-    grade_main = __import__("course.grade", fromlist=["main"]).main
-    grade_main(["tensor_attention", "--student", str(copy), "--json", str(out), "-k", "pair_scores"])
-    results = json.loads(out.read_text())
+    results = graded_json(copy, tmp_path / "r.json", "tensor_attention", "pair_scores")
     assert results["tests"] and results["score"] == 0, capsys.readouterr().out
