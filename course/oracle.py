@@ -145,21 +145,6 @@ def taken_away(adapters, *names):
         adapters.harness("give_back")
 
 
-class LargestTensor:
-    """Within: ``numbers`` becomes the most numbers held by a tensor a torch function returned in the
-    student's code."""
-
-    def __init__(self, adapters):
-        self.adapters, self.numbers = adapters, 0
-
-    def __enter__(self):
-        self.adapters.harness("largest_start")
-        return self
-
-    def __exit__(self, *exc):
-        self.numbers = self.adapters.harness("largest_stop")
-
-
 def full_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v, the mask from positions: a query at p sees a key at s iff
     0 <= s <= p. q (B, H, Tq, d); k, v (B, H_kv, Tk, d); q_pos (Tq,); k_pos (B, H_kv, Tk) (-1: empty slot).
