@@ -29,7 +29,11 @@ with their outputs, without running anything: for an edit of the prose of a note
 It refuses when a code cell differs (its source, its tags, or the number and order of code cells), since the
 outputs would then no longer be the code's.
 
-A lesson is at most 55 minutes of work (``reading_minutes``): the paper's question and equation, the method
+A lesson is at most 60 minutes of work for a reader new to the topic, measured, not computed: cold readings
+of the executed notebook (a reader works through it and its exercises and notes the minutes), kept in
+``readings.json`` with the notebook's size when it was read (``size_minutes``, a formula that only serves to
+notice a lesson that grew since; ``tests/notebooks/test_teaching.py`` asks for a new reading then). The lesson
+holds the paper's question and equation, the method
 built by hand and checked against the library, a toy picture, the method on the real model, exercises. The
 research behind a lesson (variants, ablations, audits of the paper's claims) lives in its lab,
 ``labs/NN_*.py``, built and tested the same way. An
@@ -91,7 +95,7 @@ def sources() -> list[Path]:
 
 
 def lessons() -> list[Path]:
-    """The lessons' sources, 00 to 07: each at most 55 minutes of work; the research behind them lives in their labs."""
+    """The lessons' sources, 00 to 07: each at most an hour of work; the research behind them lives in their labs."""
     return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 
 
@@ -193,10 +197,10 @@ WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MINUTES_PER_EXERCISE = 180, 10, 5
 EXERCISE = re.compile(r"^### Exercise \d", flags=re.M)
 
 
-def reading_minutes(nb: nbformat.NotebookNode) -> float:
-    """How long a student takes to work through a notebook: its markdown words at 180 a minute, its non-blank
-    lines of code at 10 a minute (reading a line, running its cell, looking at what it printed; answers
-    included, since a reader opens them), and 5 minutes for each exercise (a ``### Exercise N`` heading)."""
+def size_minutes(nb: nbformat.NotebookNode) -> float:
+    """A notebook's size in nominal minutes: its markdown words at 180 a minute, its non-blank lines of code at 10
+    a minute, and 5 minutes for each exercise (a ``### Exercise N`` heading). Cold readings took about 1.5 times
+    this; it is not the README's "work, min" (``readings.json`` is), only a yardstick for a notebook's growth."""
     words = sum(len(cell.source.split()) for cell in nb.cells if cell.cell_type == "markdown")
     code = sum(1 for cell in nb.cells if cell.cell_type == "code" for line in cell.source.splitlines() if line.strip())
     exercises = sum(len(EXERCISE.findall(cell.source)) for cell in nb.cells if cell.cell_type == "markdown")
@@ -331,17 +335,44 @@ def title_of(nb: nbformat.NotebookNode, path: Path) -> str:
     return number_and_title[1]
 
 
+READINGS = NOTEBOOKS / "readings.json"
+
+
+def read_readings() -> dict:
+    """``readings.json``: per notebook, ``minutes`` (a list: each cold reading's minutes of work, exercises
+    included), ``size`` (``size_minutes`` of the notebook that was read) and ``date``. A ValueError naming the
+    file and the entry where it is not that."""
+    data = json.loads(files.read_text(READINGS)) if READINGS.exists() else {}
+    for name, entry in data.items():
+        ok = isinstance(entry, dict) and isinstance(entry.get("minutes"), list) and entry["minutes"] and all(
+            isinstance(m, (int, float)) and m > 0 for m in entry["minutes"]) and isinstance(
+            entry.get("size"), (int, float))
+        if not ok:
+            raise ValueError(f"{READINGS}: {name!r} needs minutes (a list of positive numbers) and size (a number)")
+    return data
+
+
+def work(entry: dict | None) -> str:
+    """A table cell: the median of the readings, their range and how many ("55 (48-60, 3)"); "not read"."""
+    if not entry:
+        return "not read"
+    m = sorted(entry["minutes"])
+    median = (m[(len(m) - 1) // 2] + m[len(m) // 2]) / 2
+    return f"{median:.0f}" + (f" ({m[0]:.0f}-{m[-1]:.0f}, {len(m)})" if len(m) > 1 else " (1)")
+
+
 def table() -> str:
-    """The README's notebook table: each lesson and lab, its title, reading minutes (``reading_minutes`` of the
-    committed notebook) and the minutes of its last normal run (``build_record.json``)."""
-    runs = read_runs()
-    rows = ["| notebook | what it is | work, min | normal run, min |", "|---|---|---|---|"]
+    """The README's notebook table: each lesson and lab, its title, the minutes of work its cold readings took
+    (``readings.json``: median, range, number of readings) and the minutes of its last normal run
+    (``build_record.json``)."""
+    runs, readings = read_runs(), read_readings()
+    rows = ["| notebook | what it is | work, min (range, readings) | normal run, min |", "|---|---|---|---|"]
     for path in sources():
         nb = read_notebook(path.with_suffix(".ipynb"))
         run = runs.get(name_of(path))
         minutes = f"{run['run_s'] / 60:.1f}" if run else "not recorded"
         rows.append(f"| [`{name_of(path)}`](notebooks/{name_of(path)}.ipynb) | {title_of(nb, path)} | "
-                    f"{reading_minutes(nb):.0f} | {minutes} |")
+                    f"{work(readings.get(name_of(path)))} | {minutes} |")
     return "\n".join(rows)
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from methods.evaluation.viz import QUICK_MODE
 from tests.conftest import smollm2_missing
+from tests.notebooks.test_exercises import probe_findings, with_probes
 
 pytestmark = pytest.mark.slow        # notebooks in a kernel: the fast tier (-m "not slow") skips them
 
@@ -61,10 +62,16 @@ def test_notebook_matches_its_py_source(path: Path) -> None:
 FIGURE_RULES = build.FIGURE_RULES.read_text()
 
 
+LESSONS = [p.with_suffix(".ipynb") for p in build.lessons()]
+
+
 def tiny_run(path: Path) -> tuple[nbformat.NotebookNode, BaseException | None, float]:
-    """``path`` run in tiny mode with the figure rules, as a normal build runs them: (the notebook with its
-    outputs, the error that stopped it or None, seconds)."""
+    """``path`` run in tiny mode with the figure rules, as a normal build runs them, and a lesson with a probe
+    after each exercise (``test_exercises.with_probes``): (the notebook with its outputs, the error that stopped
+    it or None, seconds)."""
     nb = nbformat.read(path, as_version=4)
+    if path in LESSONS:
+        nb = with_probes(nb, path.stem)
     t0 = time.perf_counter()
     try:
         with build.figure_rules(nb):
@@ -79,9 +86,11 @@ def tiny_runs(request) -> dict:
     """Every notebook the session's tiny-mode tests name, run at once, one kernel per core (a kernel computes on
     one thread), the longest first: the notebooks are most of the slow tier's time, and a core each halves it
     on two. Each test then checks its own notebook's run."""
-    chosen = [item.callspec.params["path"] for item in request.session.items
-              if getattr(item, "originalname", None) == "test_notebook_runs_in_tiny_mode"
-              and not missing_model(item.callspec.params["path"])]
+    chosen = list(dict.fromkeys(
+        item.callspec.params["path"] for item in request.session.items
+        if getattr(item, "originalname", None) in ("test_notebook_runs_in_tiny_mode",
+                                                    "test_each_exercise_checks_the_learner")
+        and not missing_model(item.callspec.params["path"])))
     runs = json.loads(build.RECORD.read_text())
     chosen.sort(key=lambda p: -runs.get(build.name_of(p.with_suffix(".py")), {}).get("run_s", 0))
     with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(chosen)))) as pool:
@@ -102,6 +111,19 @@ def test_notebook_runs_in_tiny_mode(path: Path, tiny_runs) -> None:
     assert QUICK_MODE in printed, f"{path.name}: the first cell must say, in quick mode, that the text describes " \
                                   "another run (notebooks/preamble.py does)"
     print(f"{path.name}: {seconds:.1f} s in tiny mode")
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_each_exercise_checks_the_learner(path: Path, tiny_runs) -> None:
+    """In the lesson's tiny run, each exercise's check said "not answered yet" on the untouched stub, passed with
+    the reference's answer in the learner's names, and refused a plausible wrong one with a hint that does not
+    print the answer (``test_exercises.probe_findings``)."""
+    if why := missing_model(path):
+        pytest.skip(why)
+    nb, error, _ = tiny_runs[path]
+    if error is not None:
+        raise error
+    assert not (found := probe_findings(nb)), f"{path.name}:\n  " + "\n  ".join(found)
 
 
 @pytest.mark.parametrize("path", build.sources(), ids=lambda p: str(p.relative_to(NOTEBOOKS)))

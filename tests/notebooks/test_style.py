@@ -2,8 +2,8 @@
 The notebooks read as one course: one heading style (``# NN Title``, ``## N. Section``, ``### N.M
 Subsection``, a last ``## Exercises`` with ``### Exercise N: title``, then at most an ``## Appendix: title``
 with ``### A.N Subsection``), a pointer to the metrics glossary
-wherever the method tables' metrics appear, and at least one exercise that checks itself: a solution region
-of the topic's assignment, followed in its cell by an ``assert`` with a message.
+wherever the method tables' metrics appear (``notebooks/README.md#metrics``), and at least one exercise whose
+reference, a solution region of the topic's assignment, runs the exercise's check.
 """
 
 from __future__ import annotations
@@ -59,25 +59,37 @@ def test_a_lab_keeps_the_heading_style_and_holds_no_solution(path):
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.stem)
 def test_a_self_checking_exercise(path):
+    """The topic's assignment strips at least one exercise's reference, and each such cell runs the exercise's
+    check on its answer (``test_exercises.py`` has the rest of the rules)."""
     assignment = next(a.name for a in ASSIGNMENTS.values() if a.notebook == path.stem)
     regions = [r for r in find_regions(path) if r.assignment == assignment]
     assert regions, f"{path.name}: no exercise with a solution region [{assignment}]"
     lines = path.read_text().splitlines()
+    exercises = lines.index("# ## Exercises")
     for r in regions:
         rest = []
         for line in lines[r.end:]:
             if line.startswith("# %%"):
                 break
             rest.append(line)
-        assert re.search(r"^\s*assert .+,", "\n".join(rest), flags=re.M), \
-            f"{path.name}:{r.begin}: the region's cell must check the answer with an assert and a message"
+        if r.begin > exercises:
+            assert re.search(r"^check_\w+\(reference_\w+", "\n".join(rest), flags=re.M), \
+                f"{path.name}:{r.begin}: the reference's cell must run the exercise's check on its answer"
+        else:                                           # a build-it cell: checked against the library
+            assert re.search(r"^\s*assert .+,", "\n".join(rest), flags=re.M), \
+                f"{path.name}:{r.begin}: the region's cell must check the answer with an assert and a message"
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.stem)
+GLOSSARY = "README.md#metrics"
+
+
+@pytest.mark.parametrize("path", SOURCES + LABS, ids=lambda p: p.stem)
 def test_metrics_point_to_the_glossary(path):
+    """A page that prints the tables' metrics links the book's glossary, ``notebooks/README.md#metrics``."""
     text = path.read_text()
-    if path.stem != "01_baselines" and re.search(r"\bKL\b", text) and re.search(r"\b(acc|keep ratio)\b", text):
-        assert "glossary" in text, f"{path.name} uses the tables' metrics: point to the glossary in notebook 01"
+    if re.search(r"\bKL\b", text) and re.search(r"\b(acc|keep ratio)\b", text):
+        link = GLOSSARY if path.parent.name == "notebooks" else "../" + GLOSSARY
+        assert f"]({link})" in text, f"{path.name} uses the tables' metrics: link the glossary, ]({link})"
 
 
 def wrapped_into_a_list(markdown: str) -> list[str]:

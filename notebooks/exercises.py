@@ -1,0 +1,69 @@
+"""
+A lesson's exercise: a cell where the learner writes, a check that reads only what they wrote, and the
+reference answer out of sight after it. Three code cells, in this order::
+
+    # %%                                      1. the learner's cell: a stub, and one line on what goes there
+    my_keep = None                            # replace None: the kept positions, ascending
+
+    # %%                                      2. the check: a function of the learner's answer, called on it
+    @exercise("Exercise 1")
+    def check_keep(keep):
+        library = scissorhands_keep(...).flatten().tolist()
+        assert len(keep) == len(library), "m tokens go at a time, as often as it takes to get within B"
+        assert keep == library, "of the others, the fewest low flags stay; a tie goes to more attention"
+    check_keep(my_keep)
+
+    # %%                                      3. the reference (collapsed on the page): its own names
+    reference_keep = ...
+    check_keep(reference_keep)
+
+What the check says:
+
+* while an argument is still ``None`` or ``...`` (or a list, tuple or dict holding one), "not answered yet",
+  and the notebook goes on, so a fresh lesson runs from top to bottom;
+* on a wrong answer, it stops the cell with ``NotRightYet`` and the hint of the first ``assert`` that failed:
+  where to look, never the answer;
+* on a right one, "right", and what the check function returns, if anything (a sentence on what it means).
+
+The learner's names start with ``my_`` and the reference's with ``reference_``, the rest the same
+(``my_keep``, ``reference_keep``): the reference never overwrites an answer, the check never reads the
+reference, and the tests (``tests/notebooks/test_exercises.py``) put the reference's answer and a plausible
+wrong one in the learner's place and run the check cell again.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+class NotRightYet(AssertionError):
+    """A learner's answer that fails its exercise's check; the message is the check's hint."""
+
+
+def unanswered(value) -> bool:
+    """Whether ``value`` is still a stub: None or ``...``, or a list, tuple or dict holding one."""
+    if value is None or value is Ellipsis:
+        return True
+    if isinstance(value, dict):
+        return any(unanswered(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(v is None or v is Ellipsis for v in value)
+    return False
+
+
+def exercise(title: str):
+    """Turn ``check(answer, ...)``, a function whose asserts carry hints, into the exercise's check (see above).
+    The check returns nothing, so a cell that ends with it shows only what it printed."""
+    def wrap(check):
+        @functools.wraps(check)
+        def run(*answers):
+            if any(unanswered(a) for a in answers):
+                print(f"{title}: not answered yet (fill in the cell above, then run this cell again)")
+                return
+            try:
+                said = check(*answers)
+            except AssertionError as e:
+                raise NotRightYet(f"{title}: not right yet. {e}") from None
+            print(f"{title}: right." + (f" {said}" if said else ""))
+        return run
+    return wrap
