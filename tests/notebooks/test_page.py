@@ -126,6 +126,27 @@ def test_no_code_cell_of_a_lesson_is_long(source):
     assert not long, f"{source.stem}: cells over {CELL_LINES} non-blank lines (cell: lines): {long}"
 
 
+LABS = [p for p in build.sources() if p.parent == build.LABS and p.with_suffix(".ipynb").exists()]
+TABLE_LINES = 30
+
+
+def printed_lines(cell) -> int:
+    """Lines a code cell prints as text (its streams and plain-text results)."""
+    return sum(len(str(o.get("text", "") or o.get("data", {}).get("text/plain", "")).splitlines())
+               for o in cell.get("outputs", []) if o.output_type in ("stream", "execute_result"))
+
+
+@pytest.mark.parametrize("source", LABS, ids=lambda p: p.stem)
+def test_a_lab_keeps_short_cells_and_short_tables(source):
+    """A lab too: at most 25 non-blank lines of code a cell, and no cell printing more than 30 lines."""
+    cells = committed(source).cells
+    long = {i: code_lines(c) for i, c in enumerate(cells) if c.cell_type == "code" and code_lines(c) > CELL_LINES}
+    assert not long, f"{source.stem}: cells over {CELL_LINES} non-blank lines (cell: lines): {long}"
+    tall = {i: printed_lines(c) for i, c in enumerate(cells) if c.cell_type == "code"
+            and printed_lines(c) > TABLE_LINES}
+    assert not tall, f"{source.stem}: cells printing over {TABLE_LINES} lines (cell: lines): {tall}"
+
+
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_no_course_machinery_on_the_page(source):
     found = [(i, m.group(0)) for i, c in enumerate(committed(source).cells)
