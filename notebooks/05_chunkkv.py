@@ -19,6 +19,10 @@
 #
 # The method's code is `methods/chunkkv.py`; apart from the cell that builds Algorithm 1, this notebook only
 # imports the library.
+#
+# **Before this lesson**: lesson 01 (SnapKV's observation window and its votes, H2O, the two modes) and lesson
+# 02 (eviction to a budget $B$); the symbols are the book's ([notebooks/README.md](README.md)), and the
+# metrics (accuracy, KL, keep ratio, the two modes) are in the [metrics glossary](README.md#metrics).
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -33,14 +37,14 @@ model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter
 # ChunkKV scores tokens as SnapKV does (notebook 01): the queries of the observation window vote for the
 # earlier tokens by the attention they give them. It cuts the positions into a fixed grid of chunks, scores
 # each chunk by its summed votes, and keeps whole chunks, best first, while they fit in the room the budget
-# leaves beside the window (the paper's §3, Algorithm 1). The symbols (the course's shared table in
-# `notebooks/README.md`, and this lesson's own):
+# leaves beside the window (the paper's §3, Algorithm 1). The symbols (the book's shared table in
+# [notebooks/README.md](README.md), and this lesson's own):
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
 # | $T$ | tokens of the prompt | `T` |
 # | $n$ | a token's position, $0 \le n < T$ | the index into `votes` |
-# | $t$ | a voting query's position, one of the last $w$ | in the library's scorer |
+# | $t$ | a voting query's position, one of the last $w$ (here: any of them, not only the newest) | - |
 # | $H_{kv}$, $j$ | a layer's KV heads, and one of them | `n_kv_head` |
 # | $\mathcal{H}_j$, $h$ | the $G = H / H_{kv}$ query heads that read KV head $j$, and one | in the library's scorer |
 # | $a^{h}_{t,n}$ | attention weight of query $t$ on token $n$ in query head $h$ | in the library's scorer |
@@ -198,11 +202,10 @@ plt.show()
 # blue line the start of the observation window. SnapKV keeps many thin stripes, and its deeper layers miss
 # digits of the value: it answers 9999999, where ChunkKV and H2O answer 196238. ChunkKV keeps runs of ten
 # tokens that hold the value whole in every layer. (H2O keeps a recent window of `budget // 2` tokens plus
-# heavy hitters; it holds this needle too.) The same needle as text, one line per (layer, KV head) with `_` in
-# place of each evicted token, then the count over more samples:
+# heavy hitters; it holds this needle too.) The count over more samples:
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
-from methods.evaluation.viz import kept_mask, kept_text
+from methods.evaluation.viz import kept_mask
 
 SAMPLES = 1 if TINY else 10                        # samples per single-needle task
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
@@ -222,9 +225,6 @@ def value_kept_whole(spec, budget, n_samples, **options):
     return torch.stack(whole)
 
 
-for spec in ["snapkv", "chunkkv"]:
-    print(f"--- {spec}")
-    print(kept_text(tok, sample.prompt_ids, caches[spec], spans[0]))
 whole = {spec: value_kept_whole(spec, BUDGET, SAMPLES) for spec in ["snapkv", "chunkkv"]}
 print(f"Over {len(whole['snapkv'])} single-needle samples at this budget, the value is kept whole by "
       f"{whole['snapkv'].float().mean():.0%} of the (layer, KV head) pairs with SnapKV and "
@@ -305,14 +305,10 @@ print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query h
 #   (SnapKV without pooling, one index set per layer);
 # * `snapkv`: SnapKV as published (max-pooled votes, one index set per KV head).
 #
-# One library call runs them: `run(model, tok, variants, budgets, tasks, modes, samples, length)` from
-# `methods/evaluation/compare.py`. For every task, sample and mode (question in the prompt, or after the
-# context) it runs the full cache and every variant at every budget on the same sample: each cache reads the
-# prompt, then the reference answer token by token, so a variant's next-token distributions compare with the
-# full cache's position by position (the KL); then each answers greedily, scored right or wrong (the
-# accuracy). It returns one record per (method, keep ratio, task, mode) with the mean `accuracy`, each
-# sample's (`accuracies`) and the mean `kl`; the full cache's are under the method `"full"`. The metrics and
-# the modes are defined in the glossary at the end of notebook 01 (01_baselines).
+# One library call runs them, `run` from `methods/evaluation/compare.py`: for every task, sample and mode it
+# runs the full cache and every variant at every budget on the same sample, and returns one record per
+# (method, keep ratio, task, mode) with the mean `accuracy`, each sample's (`accuracies`) and the mean `kl`
+# (the [metrics glossary](README.md#metrics) defines them); the full cache's are under the method `"full"`.
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
 from methods.evaluation.compare import Variant, run
@@ -326,19 +322,15 @@ real_budgets = [max(1, round(r * LENGTH_REAL)) for r in KEEP_RATIOS_REAL]
 real_records = run(real, real_tok, real_variants, real_budgets, TASKS_REAL, MODES, SAMPLES_REAL, LENGTH_REAL,
                    progress=False, workers=1)
 real_ratios = sorted({r["keep_ratio"] for r in real_records if r["method"] != "full"})   # 51/512 = 0.0996
-print(f"{len(real_records)} records, modes {MODES}, keep ratios {[round(k, 3) for k in real_ratios]}; one:")
-print({k: v for k, v in real_records[1].items() if k in ("method", "keep_ratio", "task", "mode", "accuracy",
-                                                        "accuracies", "kl")})
+print(f"{len(real_records)} records, modes {MODES}, keep ratios {[round(k, 3) for k in real_ratios]}")
 
 # %% [markdown]
-# Every accuracy is drawn with its 95% Wilson interval; two methods are *distinguishable* when the paired
-# 95% interval of their difference excludes 0 (`describe` prints the difference, its interval and that
-# verdict). Each point is a handful of answers: read the error bars before the means. The helpers:
+# The accuracy and the KL of each variant, mean over the two tasks, then the paired comparisons: two methods
+# are *distinguishable* when the paired 95% interval of their difference excludes 0 (`describe` prints the
+# difference, its interval and that verdict). Each number is a handful of answers: read the intervals.
 
-# %%
-from matplotlib import ticker
-
-from methods.evaluation.intervals import describe, paired_difference, wilson
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
+from methods.evaluation.intervals import describe, paired_difference
 
 
 def rows_of(records, method, ratio, mode, tasks=None):
@@ -356,49 +348,13 @@ def accuracies(records, method, ratio, mode, tasks=None):
     return [r["accuracies"] for r in rows_of(records, method, ratio, mode, tasks)]
 
 
-def error_bar(records, method, ratio, mode):
-    """(mean accuracy over tasks, [[below], [above]]): its 95% Wilson interval as an error bar."""
-    groups = accuracies(records, method, ratio, mode)
-    mean = sum(sum(g) / len(g) for g in groups) / len(groups)
-    lo, hi = wilson(mean, sum(len(g) for g in groups))
-    return mean, [[mean - lo], [hi - mean]]
-
-
-def readable_log(ax):
-    """A log y axis labelled 0.01, 0.1, 1, 2, 5 ... instead of matplotlib's powers of ten."""
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
-    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-
-# %% tags=["needs:chunk_ranking", "needs:holds_position"]
-STYLES = ["o-", "s--", "^-.", "v:"]                 # distinct markers and dashes: some lines coincide
-real_full = {mode: mean_over_tasks(real_records, "full", 1.0, mode) for mode in MODES}
-fig, axes = plt.subplots(1, 4, figsize=(16, 3.8), layout="constrained")
-for col, mode in enumerate(MODES):
-    axes[col].axhline(real_full[mode], color="black", ls="--", label="full cache")
-    for i, (v, style) in enumerate(zip(real_variants, STYLES)):
-        bars = [error_bar(real_records, v.label, k, mode) for k in real_ratios]
-        axes[col].errorbar([k + 0.006 * (i - 1.5) for k in real_ratios], [m for m, _ in bars], fmt=style, capsize=2,
-                           yerr=[sum((e[0] for _, e in bars), []), sum((e[1] for _, e in bars), [])], label=v.label)
-        axes[2 + col].plot(real_ratios, [mean_over_tasks(real_records, v.label, k, mode, "kl") for k in real_ratios],
-                           style, label=v.label)
-    axes[col].set(title=f"accuracy, {mode.replace('_', ' ')}", ylabel="accuracy (mean over tasks)",
-                  ylim=(-0.05, 1.05))
-    axes[2 + col].set(title=f"KL, {mode.replace('_', ' ')}", ylabel="KL to the full cache (nats)")
-    readable_log(axes[2 + col])
-for ax in axes:
-    ax.set(xlabel="keep ratio", xticks=real_ratios, xticklabels=[f"{k:.2f}" for k in real_ratios])
-fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=9)
-plt.show()
-
-# %% [markdown]
-# The figure shows SmolLM2's accuracy (left two panels: mean over the two tasks, bars = 95% Wilson intervals)
-# and KL to the full cache (right two, log scale) against the keep ratio, per mode; the dashed black line is
-# the full cache, each variant has its own marker and dash (legend below). With the question in the prompt,
-# chunks of 10 (both reuse depths) come within noise of the full cache at keep 0.25 and 0.5, single tokens
-# and SnapKV stay far below, and the KL says the same; after the context the lines are closer, and at keep
-# 0.1 every method sits near the floor. The paired comparisons, and the passkey's accuracy and the KL:
+for mode in MODES:
+    print(f"[{mode}] accuracy (KL) at keep " + " / ".join(f"{k:.2f}" for k in real_ratios)
+          + f"; the full cache: {mean_over_tasks(real_records, 'full', 1.0, mode):.2f}")
+    for v in real_variants:
+        print(f"  {v.label:17} " + "   ".join(f"{mean_over_tasks(real_records, v.label, k, mode):.2f} "
+                                           f"({mean_over_tasks(real_records, v.label, k, mode, 'kl'):.3f})"
+                                           for k in real_ratios))
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
 comparisons = [("chunks vs tokens", "chunkkv c=10 r=1", "chunkkv c=1 r=1"),
@@ -406,7 +362,7 @@ comparisons = [("chunks vs tokens", "chunkkv c=10 r=1", "chunkkv c=1 r=1"),
                ("reuse 2 vs reuse 1", "chunkkv c=10 r=2", "chunkkv c=10 r=1"),
                ("chunks vs full", "chunkkv c=10 r=1", "full")]
 for mode in MODES:
-    print(f"[{mode}]")
+    print(f"[{mode}] a - b = paired difference [95% interval] verdict")
     for ratio in real_ratios:
         for label, a, b in comparisons:
             full_ratio = 1.0 if b == "full" else ratio
@@ -416,80 +372,160 @@ for mode in MODES:
     if mode == MODES[0]:                                               # the prose reads these in this mode
         for v in real_variants:
             passkey = [rows_of(real_records, v.label, k, mode, ["passkey"])[0]["accuracy"] for k in real_ratios]
-            kl = [mean_over_tasks(real_records, v.label, k, mode, "kl") for k in real_ratios]
-            print(f"  {v.label:17} passkey accuracy {' / '.join(f'{x:.2f}' for x in passkey)}, "
-                  f"KL {' / '.join(f'{x:.3f}' for x in kl)} (keep " + " / ".join(f"{k:.2f}" for k in real_ratios) + ")")
+            print(f"  {v.label:17} passkey accuracy {' / '.join(f'{x:.2f}' for x in passkey)} (keep "
+                  + " / ".join(f"{k:.2f}" for k in real_ratios) + ")")
 
 # %% [markdown]
 # **With the question in the prompt, chunks beat tokens beyond noise at keep 0.25 and 0.5.** Same scoring,
 # chunks of 10 against chunks of 1: 0.90 vs 0.30 at keep 0.25 (+0.60, 95% interval [+0.50, +0.80]) and
 # 1.00 vs 0.40 at 0.5 (+0.60 [+0.50, +0.80]); against SnapKV +0.60 and +0.40 [+0.10, +0.70]. ChunkKV at
-# 0.25 and 0.5 is within noise of the full cache (-0.10 [-0.30, +0.00] and +0.00). The difference is the
-# passkey: ChunkKV's passkey accuracy is 1.00 at keep 0.25, token-level selection's (c=1 and SnapKV) 0.00;
-# section 2 showed why on the bundled model, the digits survive in pieces. At keep 0.1 nothing works
-# (0.10-0.20, every difference within noise). The KL to the full cache's next-token distributions, a finer
-# measure than right/wrong, says the same: 0.028 for chunks against 1.126 for single tokens and 0.603 for
-# SnapKV at keep 0.25, 0.001 against 0.521 and 0.252 at 0.5.
+# 0.25 and 0.5 is within noise of the full cache. The difference is the passkey: ChunkKV's passkey accuracy
+# is 1.00 at keep 0.25, token-level selection's (c=1 and SnapKV) 0.00; section 2 showed why on the bundled
+# model, the digits survive in pieces. At keep 0.1 nothing works. The KL says the same: 0.028 for chunks
+# against 1.126 for single tokens and 0.603 for SnapKV at keep 0.25.
 #
-# **With the question after the context the gain is smaller**: +0.40 [+0.10, +0.70] at keep 0.5 (0.70 vs
-# 0.30 for both token-level rows), +0.20 [+0.00, +0.40], within noise, at 0.25, none at 0.1. The scoring
-# window then holds the end of the context, not the question, so its votes need not point at the needle.
-# Every row in this mode scores at least 0.30, even at keep 0.1 (some samples are answered whatever is kept):
-# a floor shared by all rows. Reuse depth 2 costs nothing measurable: reuse 2 minus reuse 1 is within noise in
-# every cell.
+# **With the question after the context the gain is smaller**: distinguishable at keep 0.5 only (0.70 vs
+# 0.30 for both token-level rows). The scoring window then holds the end of the context, not the question, so
+# its votes need not point at the needle. Reuse depth 2 costs nothing measurable: reuse 2 minus reuse 1 is
+# within noise in every cell.
 #
 # **Verdict: reproduced** on SmolLM2-135M at keep 0.25 and 0.5 with the question in the prompt, partly after
-# the context (distinguishable at 0.5 only), not at 0.1 where no method answers. The gaps are much larger
-# than the paper's (up to 8.7 points on LongBench) because a five-digit value kept in pieces is simply
-# wrong; with so few samples, read the sign and the intervals, not the second decimal.
+# the context, not at 0.1 where no method answers. The gaps are much larger than the paper's (up to 8.7 points
+# on LongBench) because a five-digit value kept in pieces is simply wrong; with so few samples, read the sign
+# and the intervals, not the second decimal.
 #
 # ## Exercises
 #
+# Each exercise has a cell where you write (replace the `None`), a check cell that reads only your answer
+# (it says "not answered yet" until you do, stops with a hint when the answer is wrong, and says "right"
+# when it is), and the reference answer, collapsed: open it once you are done.
+#
 # ### Exercise 1: when does one chunk hold the whole value?
 #
-# Write `in_one_chunk(v, end, c)`: whether one chunk of `c` positions (the grid of section 1) can hold the
-# whole value at prompt positions `[v, end)`. Before you run anything, guess what share of section 2's
-# needle values one chunk of 1, 5, 10 or 20 tokens can hold. The answer cell below holds one answer; it
-# checks it against the library (every vote on the value, room for one chunk) on those needles and prints
-# the shares. Compare them with the lab's chunk-size ablation.
+# Write `my_in_one_chunk(v, end, c)`: whether one chunk of `c` positions (the grid of section 1: chunk $i$ is
+# positions $ic, \dots, ic + c - 1$) can hold the whole value at prompt positions `[v, end)`. Before you run
+# the check, guess what share of section 2's needle values one chunk of 1, 5, 10 or 20 tokens holds: once your
+# function is right, the check prints the shares. Then, in a sentence: do the shares fit the lab's chunk-size
+# ablation, where bigger chunks answer more?
+
+# %%
+my_in_one_chunk = None          # replace None: a function (v, end, c) -> bool (write def my_in_one_chunk(...))
+
+# %% tags=["needs:chunk_ranking"]
+from exercises import exercise
+
+
+@exercise("Exercise 1")
+def check_in_one_chunk(in_one_chunk):
+    for v in range(24):
+        for end in range(v + 1, v + 8):
+            for c in (1, 2, 3, 4, 5, 10):
+                T = end + c
+                votes = torch.zeros(1, 1, T)
+                votes[..., v:end] = 1.0                                  # every vote on the value
+                keep = chunk_keep_mask(votes, torch.arange(T).view(1, 1, T), torch.ones(1, 1, T, dtype=torch.bool),
+                                       torch.tensor([[c]]), c, shared=True, remainder="none")[0, 0]   # room: one chunk
+                assert bool(in_one_chunk(v, end, c)) == bool(keep[v:end].all()), \
+                    f"chunks of {c}, a value at positions {v} to {end - 1}: your function and the library's one " \
+                    "chunk disagree (end is one past the value's last position)"
+    spans = [needle_spans(make_sample("niah_single_noise", tok, LENGTH, seed=i), tok)[0] for i in range(SAMPLES)]
+    return "share of section 2's needle values inside one chunk: " + ", ".join(
+        f"c={c}: {sum(in_one_chunk(v, end, c) for _, v, end in spans) / len(spans):.1f}" for c in (1, 5, 10, 20))
+
+
+check_in_one_chunk(my_in_one_chunk)
 
 # %% tags=["needs:chunk_ranking"]
 # BEGIN SOLUTION [chunkkv] the value lies in one chunk when its first and its last position have the same chunk index
-def in_one_chunk(v, end, c):
+def reference_in_one_chunk(v, end, c):
     return v // c == (end - 1) // c
 # END SOLUTION
 
 
-share = {}
-for c in [1, 5, 10, 20]:
-    inside = []
-    for seed in range(SAMPLES):
-        s = make_sample("niah_single_noise", tok, LENGTH, seed=seed)
-        _, v, end = needle_spans(s, tok)[0]
-        T = len(s.prompt_ids)
-        votes = torch.zeros(1, 1, T)
-        votes[..., v:end] = 1.0                                        # every vote on the value
-        keep = chunk_keep_mask(votes, torch.arange(T).view(1, 1, T), torch.ones(1, 1, T, dtype=torch.bool),
-                               torch.tensor([[c]]), c, shared=True, remainder="none")[0, 0]   # room for one chunk
-        assert in_one_chunk(v, end, c) == bool(keep[v:end].all()), \
-            f"c = {c}, value at [{v}, {end}): in_one_chunk says {in_one_chunk(v, end, c)}, but one chunk " \
-            f"{'holds' if keep[v:end].all() else 'does not hold'} it whole"
-        inside.append(in_one_chunk(v, end, c))
-    share[c] = sum(inside) / len(inside)
-print("share of needle values inside one chunk: " + ", ".join(f"c={c}: {x:.1f}" for c, x in share.items()))
+check_in_one_chunk(reference_in_one_chunk)
+print("Partly: a chunk of 1 never holds a whole value and chunks of 5 and 10 hold more and more, but in the full "
+      "run chunks of 20 hold no more than chunks of 10, while the lab's ablation finds 20 answering more than 10: "
+      "one chunk holding the value is not the whole story (a bigger chunk also keeps the needle's wording).")
 
 # %% [markdown]
 # ### Exercise 2: a ranking per KV head
 #
-# Set `per_head=True` and rerun section 3: how similar are adjacent layers when every KV head ranks its
-# own chunks (the equation's $s_n$ without the sum over $j$)?
-#
+# `make_policy("chunkkv", ..., per_head=True)` ranks chunks per KV head (the equation's $s_n$ without the sum
+# over $j$). With section 3's `mean_jaccard`, measure ChunkKV without reuse and with a ranking per KV head:
+# the adjacent-layer Jaccard outside the windows, averaged over the layer pairs. Then, in a sentence: are
+# adjacent layers more or less alike than with one ranking per layer (section 3)?
+
+# %%
+my_per_head_jaccard = None      # replace None: a float, ChunkKV reuse=1 per_head=True, outside the windows
+
+# %% tags=["needs:chunk_ranking"]
+@exercise("Exercise 2")
+def check_per_head_jaccard(jaccard):
+    every, outside = (float(x.mean()) for x in mean_jaccard("chunkkv", JACCARD_SAMPLES, reuse=1, per_head=True))
+    assert abs(jaccard - every) > 1e-9, "that is over every kept position: the question is outside the windows"
+    assert abs(jaccard - float(jac["chunkkv (reuse=1)"][1].mean())) > 1e-9, \
+        "that is section 3's one ranking per layer: pass per_head=True"
+    assert abs(jaccard - outside) < 1e-6, \
+        "mean_jaccard's second tensor (outside the windows), averaged, for ChunkKV with reuse=1 and per_head=True"
+
+
+check_per_head_jaccard(my_per_head_jaccard)
+
+# %% tags=["needs:chunk_ranking"]
+# BEGIN SOLUTION [chunkkv] mean_jaccard("chunkkv", JACCARD_SAMPLES, reuse=1, per_head=True)[1].mean()
+reference_per_head_jaccard = float(mean_jaccard("chunkkv", JACCARD_SAMPLES, reuse=1, per_head=True)[1].mean())
+# END SOLUTION
+check_per_head_jaccard(reference_per_head_jaccard)
+per_layer = float(jac["chunkkv (reuse=1)"][1].mean())
+print(f"outside the windows: {reference_per_head_jaccard:.2f} with a ranking per KV head, {per_layer:.2f} with one "
+      f"per layer: adjacent layers are {'less' if reference_per_head_jaccard < per_layer else 'more'} alike")
+
+# %% [markdown]
 # ### Exercise 3: the smallest budget
 #
-# Find the smallest budget at which ChunkKV still answers the sample of section 2, and compare with
-# `make_policy("h2o", ...)`. Which part of ChunkKV's budget is the observation window, and how much room
-# does that leave for chunks?
-#
+# On the grid 8, 16, ..., `BUDGET`, find the smallest budget at which ChunkKV still answers section 2's
+# sample, and the same for H2O (`answers` below says whether a method answers at a budget). Then, in a
+# sentence: which part of ChunkKV's budget is its observation window, and how much room does that leave for
+# chunks?
+
+# %%
+def answers(spec, budget):
+    """Whether the method, keeping `budget` entries per layer and KV head, answers section 2's sample."""
+    out = generate(model, ids, max_new_tokens=len(sample.target_ids), policy=make_policy(spec, budget=budget))
+    return all(a in tok.decode(out[0].tolist()) for a in sample.answers)
+
+
+my_smallest_budget = {"chunkkv": None, "h2o": None}     # replace each None: the smallest budget on the grid
+
+
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
+@exercise("Exercise 3")
+def check_smallest_budget(smallest):
+    assert sorted(smallest) == ["chunkkv", "h2o"], "one budget for 'chunkkv' and one for 'h2o'"
+    for spec, b in smallest.items():
+        assert b in range(8, BUDGET + 1, 8), f"{spec}: a budget on the grid 8, 16, ..., BUDGET"
+        said = [tok.decode(generate(model, ids, max_new_tokens=len(sample.target_ids),
+                                    policy=make_policy(spec, budget=x))[0].tolist()) for x in range(8, b + 1, 8)]
+        right = [all(a in text for a in sample.answers) for text in said]
+        assert right[-1], f"{spec} does not answer at budget {b}: look higher"
+        assert not any(right[:-1]), f"{spec} already answers at a smaller budget on the grid: look lower"
+
+
+check_smallest_budget(my_smallest_budget)
+
+# %% tags=["needs:chunk_ranking", "needs:holds_position"]
+# BEGIN SOLUTION [chunkkv] scan range(8, BUDGET + 1, 8) and keep the first budget at which answers(spec, budget)
+reference_smallest_budget = {spec: next(b for b in range(8, BUDGET + 1, 8) if answers(spec, b))
+                             for spec in ("chunkkv", "h2o")}
+# END SOLUTION
+check_smallest_budget(reference_smallest_budget)
+window = make_policy("chunkkv", budget=BUDGET).inner.window
+room = reference_smallest_budget["chunkkv"] - window
+print(reference_smallest_budget, f"| ChunkKV's budget holds its observation window, the last {window} prompt "
+      f"tokens, always kept: at its smallest budget that leaves {room} tokens of room, {room // 10} whole chunks "
+      "of 10 and the rest as single tokens.")
+
+# %% [markdown]
 # **Go further**: [labs/05_chunkkv_claims.ipynb](labs/05_chunkkv_claims.ipynb) holds the rest of the
 # research: ChunkKV against SnapKV and H2O on the bundled model, the chunk-size and reuse-depth ablations,
 # one passkey kept whole or in pieces on SmolLM2, and how alike SmolLM2's adjacent layers' kept sets are.

@@ -39,11 +39,11 @@ print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, 
 # The default task suite, both modes, three keep ratios. `chunkkv` is the paper's method (raw window
 # attention, chunks of 10, reuse 2); `chunkkv(snapkv)` builds the chunks from SnapKV's max-pooled votes
 # instead (what NVIDIA's kvpress library does). The metrics (accuracy, KL, keep ratio) and the two modes are
-# defined in the glossary of notebook 01 (01_baselines). Every accuracy is drawn with its 95% Wilson interval
+# defined in the [metrics glossary](../README.md#metrics). Every accuracy is drawn with its 95% Wilson interval
 # over the answers behind it, and two methods are *distinguishable* when the paired 95% interval of their
 # difference excludes 0 (`describe` prints the difference, its interval and that verdict).
 #
-# The next cell holds the helpers that read the records, and repeats two functions of the lesson:
+# The next cells hold the helpers that read the records, and repeat two functions of the lesson:
 # `value_kept_whole` (does each layer and KV head keep a needle's value whole?) and `mean_jaccard` (how alike
 # are adjacent layers' kept sets?).
 
@@ -73,6 +73,7 @@ def value_kept_whole(spec, budget, n_samples, **options):
     return torch.stack(whole)
 
 
+# %%
 def mean_jaccard(spec, n_samples, model=model, tok=tok, tasks=TASKS, length=LENGTH, **options):
     every, selected = [], []
     for task in [t for t in tasks if t.startswith("niah")]:
@@ -85,6 +86,10 @@ def mean_jaccard(spec, n_samples, model=model, tok=tok, tasks=TASKS, length=LENG
     return torch.tensor(every).mean(0), torch.tensor(selected).mean(0)   # one value per adjacent layer pair
 
 
+# %% [markdown]
+# The helpers that read the records (`run`'s output, one record per method, keep ratio, task and mode):
+
+# %%
 def rows_of(records, method, ratio, mode, tasks=None):
     return sorted((r for r in records if r["method"] == method and r["keep_ratio"] == ratio and r["mode"] == mode
                    and (tasks is None or r["task"] in tasks)), key=lambda r: r["task"])
@@ -108,6 +113,7 @@ def error_bar(records, method, ratio, mode):
     return mean, [[mean - lo], [hi - mean]]
 
 
+# %%
 def compared(records, a, b, ratio, mode, tasks=None):
     """'mean a - mean b = difference [95% interval] verdict', paired sample by sample (the noise rule)."""
     ga, gb = accuracies(records, a, ratio, mode, tasks), accuracies(records, b, ratio, mode, tasks)
@@ -196,6 +202,8 @@ ablation = run(model, tok, [Variant(f"c={c}", "chunkkv", {"chunk_size": c, "reus
                + [Variant(f"reuse={n}", "chunkkv", {"reuse": n}) for n in depths],
                [budget], TASKS, MODES, ABLATION_SAMPLES, LENGTH, progress=False)
 by_layer = {n: value_kept_whole("chunkkv", budget, SAMPLES, reuse=n).all(-1).float().mean(0) for n in depths}
+
+# %%
 fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), layout="constrained")
 for ax, labels, ticks, name in [(axes[0], [f"c={c}" for c in sizes], sizes, "chunk size c (tokens, reuse 1)"),
                                 (axes[1], [f"reuse={n}" for n in depths], depths, "reuse depth (layers per group)")]:
@@ -213,6 +221,13 @@ axes[2].set(title="needle values kept whole, per layer", xlabel="layer", xticks=
             ylabel="share of single-needle samples", ylim=(-0.05, 1.05))
 axes[2].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.show()
+
+# %% [markdown]
+# The figure shows ChunkKV's accuracy at keep 0.25 against the chunk size (left) and the reuse depth (middle),
+# per mode with their intervals, and (right) the share of single-needle samples whose value each layer keeps
+# whole, per reuse depth. The numbers, and the paired comparisons:
+
+# %%
 for mode in MODES:
     print(mode, " ".join(f"c={c}: acc {mean_over_tasks(ablation, f'c={c}', 0.25, mode):.2f} "
                           f"KL {mean_over_tasks(ablation, f'c={c}', 0.25, mode, 'kl'):.2f} |" for c in sizes))
@@ -234,7 +249,7 @@ for mode in MODES:
 # higher than reuse 1 in both modes, reuse 2 only after the context. The right panel shows why: with every
 # layer choosing for itself (reuse 1), layer 0 keeps the needle's value whole in 0.95 of the single-needle
 # samples and layers 1-3 in 0.10 to 0.40, so a layer that copies layer 0's choice keeps a value it would have
-# dropped. That is a property of this small model, not of reuse: on SmolLM2 (the lesson's section 4.2) reuse
+# dropped. That is a property of this small model, not of reuse: on SmolLM2 (the lesson's section 4) reuse
 # 2 changes nothing measurable. Reuse also cuts the time in the policy's hooks (the compression times printed
 # above, noisy on a shared machine; the paper reports about 20% less at depth 2), but on a 0.87M-parameter
 # model that is a few milliseconds.
@@ -303,6 +318,8 @@ def some_layers(cache, layers):
 real_span = needle_spans(real_sample, real_tok)[0]                 # (start, value start, end) in the prompt
 whole_real = {spec: kept_mask(cache, real_span[2])[:, :, real_span[1]:].all(-1)   # (n_layer, H_kv) value kept whole
               for spec, cache in real_caches.items()}
+
+# %%
 fig, axes = plt.subplots(3, 1, figsize=(11, 8), gridspec_kw={"height_ratios": [1, 1, 0.9]})
 for ax, (spec, cache) in zip(axes, real_caches.items()):
     window = cache.policy.inner.window if spec == "chunkkv" else cache.policy.window
@@ -342,7 +359,9 @@ for spec, cache in real_caches.items():
           f"(layer, KV head) pairs, in {int(whole_real[spec].any(-1).sum())} of {real.config.n_layer} layers "
           "by at least one KV head")
     print("\n".join(shown))
-print(f"\nthe value: prompt positions {real_span[1]}-{real_span[2] - 1}; KV heads (of {H_KV}) holding it whole, "
+
+# %%
+print(f"the value: prompt positions {real_span[1]}-{real_span[2] - 1}; KV heads (of {H_KV}) holding it whole, "
       f"layers 0-{real.config.n_layer - 1}:")
 for spec, w in whole_real.items():
     print(f"  {spec:8} " + " ".join(str(int(n)) for n in w.sum(-1)))
@@ -413,7 +432,7 @@ plt.show()
 # The bundled model is tiny and was trained on synthetic needles whose values are a few single-digit tokens;
 # SmolLM2-135M is a small real model. The numbers behind each point are in the sections named.
 #
-# * **Whole chunks keep facts whole** (the lesson's sections 1, 2 and 4.1; section 3.1 here): with the same
+# * **Whole chunks keep facts whole** (the lesson's sections 1 and 2; section 3.1 here): with the same
 #   votes, ChunkKV keeps a needle's value in nearly every (layer, KV head) pair where SnapKV keeps it in fewer
 #   than half, and it answers more than SnapKV beyond noise at every keep ratio (section 1). H2O, which
 #   accumulates attention over the whole prompt, is better with the question in the prompt and level after the
@@ -423,6 +442,6 @@ plt.show()
 #   the highest of the three and above its single-token control.
 # * **Chunk size and reuse** (section 2): bigger chunks answer more on the bundled model, and deeper reuse
 #   helps there because its first layer is the one whose window finds the value; on SmolLM2 index reuse over
-#   pairs of layers is within noise of no reuse (the lesson's section 4.2), as the paper reports.
-# * **The headline claim holds on the real model** (the lesson's section 4.2): with the question in the prompt,
+#   pairs of layers is within noise of no reuse (the lesson's section 4), as the paper reports.
+# * **The headline claim holds on the real model** (the lesson's section 4): with the question in the prompt,
 #   whole chunks answer where single tokens with the same votes do not; after the context the gain is smaller.
