@@ -11,15 +11,15 @@
 # tokens stay important, in most layers). If that holds, a token that has received *less than average*
 # attention at most of the recent steps is safe to drop. Scissorhands counts, for every cached token, how
 # often it was below average over the recent steps, and drops the tokens with the largest counts
-# (Algorithms 1 and 2 of §4). Theorem 4.1 bounds the error this causes in a one-layer, one-head model.
+# (Algorithms 1 and 2 of §4).
 #
 # **Before this lesson**: lesson 00 (the KV cache, `KVCache`, `prefill`) and lesson 01 (a budget cache that
 # evicts, H2O's accumulated attention, StreamingLLM's recent window, `make_policy`). The symbols are the book's
-# ([notebooks/README.md](README.md)); the metrics (perplexity ratio, KL, top-1 agreement, keep ratio) are in its
+# ([notebooks/README.md](README.md)); the metrics (KL, keep ratio, perplexity ratio, top-1 agreement) are in its
 # [metrics glossary](README.md#metrics).
 #
-# **You will learn** (1) the rule by hand on a toy, checked against the library, and what Theorem 4.1
-# promises about it; (2) whether importance persists in the bundled model; (3) what Scissorhands keeps of a
+# **You will learn** (1) the rule by hand on a toy, checked against the library; (2) whether importance persists
+# in the bundled model; (3) what Scissorhands keeps of a
 # needle, and why; (4) the paper's headline experiment on a real language model, SmolLM2-135M. The method's
 # code is `methods/scissorhands.py`.
 
@@ -29,8 +29,7 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # %% [markdown]
 # ## 1. The idea, built by hand
 #
-# The symbols of this lesson (the first six as in every lesson, the rest Scissorhands' own; the last five
-# belong to Theorem 4.1, section 1.1):
+# The symbols of this lesson ($T$, $t$, $n$, $a$, $B$ and $w$ as in the book's table, the rest Scissorhands' own):
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
@@ -45,11 +44,6 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # | $m$ | tokens dropped at once when the cache is over budget | `drop` |
 # | $\mathrm{low}_{i,n}$ | the low flag: 1 if query $i$ gave token $n$ less than the uniform level | `low_flags` |
 # | $I_n$ | the counter: low flags of token $n$ over the last $w$ queries | `counts`, `unimportance` |
-# | $\beta_{t,n}$ | the compressed model's attention weight of step $t$ on token $n$ (power-law draws) | - |
-# | $\hat{S}_t$ | the tokens the cache keeps at step $t$: the top $B$ of $\beta_{t,n}$ | - |
-# | $k$ | the power law's exponent | `k` |
-# | $\epsilon$ | a slack the bound leaves free, $0 < \epsilon < B/T$: the larger, the likelier the bound holds | `eps` |
-# | $\Delta_{\max}$ | the theorem's bound on the attention mass dropped | `dropped_mass_bound` |
 #
 # Scissorhands keeps a record per cached token: for each of the last $w$ queries, was the token *low*, given
 # less than the uniform level of attention? The query at position $i$ attends the slots $A_i$, so its uniform
@@ -94,7 +88,8 @@ plt.show()
 #
 # The library splits the rule into four functions: `low_flags` (the flags), `push_history` (a ring buffer of
 # each token's last $w$ flags), `unimportance` (the counter $I_n$) and `scissorhands_keep` (Algorithm 2,
-# which also applies $m$). Run on the toy, they decide:
+# which also applies $m$). In a model with grouped-query attention, the flags of a KV head are taken on the mean
+# attention of the query heads that share it. Run on the toy, they decide:
 
 # %%
 from methods.scissorhands import low_flags, push_history, scissorhands_keep, unimportance
@@ -145,50 +140,15 @@ print("random (20 tokens, w = 8, B = 10, r = 2): the same", len(library_keep(ran
 # attention of the last query (`.20` vs `.10`), so token 4 goes. Token 2 was above the level twice and low
 # once: it stays, although the last query gave it only `.08`.
 #
-# With $w = 1$ and $r = 0$ the counter only says "below average *now*", and the tie-break orders the low
-# tokens by their current attention: the tokens dropped are exactly the ones the current query attends
-# least. That is the oracle Theorem 4.1's proof assumes (keep the top $B$ of the current attention), with
-# one difference the theorem glosses over: a real cache cannot take back what it dropped.
-
-# %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
-oracle = scissorhands_keep(low_flags(toy_attn, visible)[:, :, -1].long(), toy_attn[:, :, -1], pos, seen=6,
-                           budget=4)
-print("w = 1, r = 0 keeps", oracle.flatten().tolist(),
-      "| top 4 of the current attention:", sorted(toy_attn[0, 0, -1].topk(4).indices.tolist()))
-
-# %% [markdown]
-# ### 1.1 What Theorem 4.1 promises
-#
-# The paper proves its guarantee for that oracle, in a model of one layer and one head whose tokens have
-# unit norm (Eq. 5-6; the lab runs it). It assumes three things. The attention weights of the compressed
-# model are independent draws from a power law: density $c\,(x + b)^{-k}$ on a bounded interval, with
-# exponent $k > 2$, offset $b > 0$ and $c$ the constant that makes the density integrate to one. The
-# *spectral condition*: with $\lambda$ the largest singular value of a weight matrix,
-# $\lambda_V \lambda_O (1 + \lambda_1 \lambda_2)(1 + \lambda_Q \lambda_K) \le 1/2$ for the value, output,
-# two MLP, query and key matrices, so that one pass through the model shrinks a difference between two
-# inputs. And the kept set $\hat{S}_t$ holds the top $B$ of the current weights $\beta_{t,n}$. Then, for any
-# slack $\epsilon$ between 0 and $B/T$, the attention mass dropped is on average at most (Theorem B.3)
-#
-# $$\mathbb{E}\Big[\sum_{n \notin \hat{S}_t} \beta_{t,n}\Big] \le \Delta_{\max} =
-# \frac{1 - B/T}{0.98\,(1-\epsilon)^2} \left(k - (k-1) \left(\frac{1-\epsilon}{B/T - \epsilon}
-# \right)^{\frac{1}{k-1}}\right) \quad \text{(Eq. 11)},$$
-#
-# and Theorem 4.1 turns it into a bound on the generated tokens,
-# $\mathbb{E}\,\lVert x_t - \tilde{x}_t \rVert \le 2.1 \times 0.98\,\Delta_{\max}$ (the theorem writes it
-# $\tfrac{2.1\,(1 - B/T)}{(1-\epsilon)^2}(\dots)$, the same closed form without the $0.98$), where $x_t$ and
-# $\tilde{x}_t$ are the token the full and the compressed model generate at step $t$; it holds with a
-# probability that approaches one as the number of steps grows. Note what it covers: how much attention mass
-# the top $B$ leave out, not whether the counters find the top $B$. `dropped_mass_bound(B/T, k, eps)` in
-# `methods/analysis/scissorhands_theory.py` computes $\Delta_{\max}$; Exercise 2 asks where it is positive
-# at all.
+# **What the paper proves.** Theorem 4.1 bounds the error of a cache that keeps the top $B$ of the current
+# attention (the rule with $w = 1$, $r = 0$) in a one-layer, one-head model; the lab (section 2) tests it.
 
 # %% [markdown]
 # ## 2. Does importance persist in the bundled model?
 #
-# The bundled model (0.87M parameters, 4 layers, 4 query heads sharing 2 KV heads) reads prompts of `LENGTH`
-# tokens: a single needle (a key and its value, a few digits) hidden in noise, then a question about it. The
-# paper's Figure 1 shows attention maps at three decode positions; the lab draws them for this model. Here we
-# measure persistence directly.
+# The bundled model (0.87M parameters, 4 layers, 4 query heads sharing 2 KV heads) reads samples of at most
+# `LENGTH` tokens, prompt and answer together: a needle (a key and its value, a few digits) hidden in noise,
+# then a question about it. (The paper's Figure 1 shows attention maps; the lab draws them for this model.)
 #
 # Call token $n$ *heavy* for the query at position $i$ if it gets at least `level` times the uniform
 # attention $1/(i+1)$ (`level = 1` is the complement of the low flag; `heavy(a, level)` marks them). Two
@@ -201,13 +161,11 @@ print("w = 1, r = 0 keeps", oracle.flatten().tolist(),
 #   step of the second half finds heavy, the fraction that some step of the first half had already found
 #   heavy; its base rate is the fraction of first-half tokens heavy at some first-half step.
 #
-# `persistence_by_layer(model, prompts)` runs the full cache over each prompt (`record_attention`: each
-# layer's attention, row $i$ what position $i$ attends), applies the two measurements to every query head
-# (steps $i \ge 64$), and averages; it returns, per level, a table of a row per layer and seven columns
-# (`PERSISTENCE_COLUMNS`). `plot_persistence` draws the ratios and their base rates.
+# `persistence_by_layer(model, prompts)` runs the full cache over each prompt, applies both measurements to every
+# query head (steps $i \ge 64$) and averages: per level, a row per layer.
 
 # %%
-from methods.analysis.persistence import PERSISTENCE_COLUMNS, persistence_by_layer
+from methods.analysis.persistence import persistence_by_layer
 from methods.evaluation.viz import needle_spans, plot_persistence
 from nanollm import load
 from nanollm.data.tasks import make_sample
@@ -220,30 +178,27 @@ prompts = [make_sample(task, tok, LENGTH, seed=i).prompt_ids for task in niah fo
 pers = persistence_by_layer(model, prompts, levels=(1, 3), start=64)   # {level: (n_layer, 7)}
 plot_persistence(pers, paper=0.95, title="Persistence of importance (dotted: the paper's 95%)")
 plt.show()
-print(f"{n_prompts} prompts of each of {niah}; columns: {', '.join(PERSISTENCE_COLUMNS)}")
+print(f"{n_prompts} prompts of each of {niah}")
 for level, table in pers.items():
-    print(f"level {level} x uniform, per layer (ratio / base rate)")
+    print(f"level {level} x uniform, per layer: ratio (base rate)")
     for layer, (r1, b1, r50, b50, rh, bh, share) in enumerate(table.tolist()):
-        print(f"  layer {layer}: step delta=1 {r1:.2f} / {b1:.2f}   delta=50 {r50:.2f} / {b50:.2f}   "
-              f"sequence {rh:.2f} / {bh:.2f}   (heavy at a step: {share:.0%} of the tokens)")
+        print(f"  layer {layer}: step delta=1 {r1:.2f} ({b1:.2f})   delta=50 {r50:.2f} ({b50:.2f})   "
+              f"sequence {rh:.2f} ({bh:.2f})   heavy at a step: {share:.0%} of the tokens")
 
 # %% [markdown]
 # The figure shows the persistence ratio (solid) and its base rate (dashed) per layer, blue for heavy at the
 # uniform level, red for heavy at three times it; the dotted grey line is the paper's 95%. Step to step,
-# importance persists well above chance: in every layer the solid line sits above the dashed one of its
-# colour, but nowhere near 95%. Over the sequence, at the uniform level (blue), the ratio does reach the
-# paper's figure in three layers of four, and so does its base rate: with 15-35% of the tokens above the
-# uniform level at any step, almost every early token is "important" at some step, so this reading can hardly
-# fail. At three times the uniform level (red) no layer reaches 95% (0.67-0.91), but the gap between the two
-# lines is widest there, and it is where the persistence shows.
+# importance persists well above chance (each solid line above its dashed one) but nowhere near 95%. Over the
+# sequence, at the uniform level, the ratio reaches the paper's figure in three layers of four, and so does its
+# base rate: with 15-35% of the tokens above the uniform level at any step, almost every early token is
+# "important" at some step, so this reading can hardly fail. At three times the uniform level no layer reaches
+# 95% (0.67-0.91).
 
 # %% [markdown]
 # ## 3. What Scissorhands keeps of a needle
 #
-# One NIAH prompt (seed 0) compressed to a quarter ($B = 128$ entries per layer and KV head) by Scissorhands (the
-# library's defaults: $w = 400$, $r = 10$, $m = 1$) and by H2O (notebook 01: accumulated attention, half of
-# the budget kept for the most recent tokens). `make_policy` builds a method's policy, `KVCache` holds the
-# entries and calls it, and `prefill` runs the prompt through the model into the cache.
+# One NIAH prompt (seed 0) compressed to a quarter ($B = 128$ entries per layer and KV head) by Scissorhands
+# (`make_policy`'s defaults: $w = 400$, $r = 10$, $m = 1$) and by H2O (lesson 01).
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from methods import make_policy
@@ -281,7 +236,8 @@ plt.show()
 # average, and was, almost every time. The needle's value is a good example: it is heavy for the few queries
 # that look it up, and below average for almost all of the rest. The counters of its tokens, against the
 # largest counter that was still kept, per layer and KV head (and H2O's rank of the same tokens, out of the
-# prompt):
+# prompt). `prefill` reads the whole prompt, then drops down to $B$ at once, so a cache that keeps everything
+# holds the very counters the budget cache ranked:
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from methods.h2o import STATE as H2O_SCORE
@@ -359,13 +315,12 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method")
 # tokens: 5x compression when scoring starts, 10x at the last token. There no method keeps the full cache's
 # quality. Scissorhands is the best of the three (perplexity x1.161, KL 0.234, top-1 agreement with the full
 # cache 0.761), ahead of H2O (x1.225) and StreamingLLM (x1.226), but a perplexity 1.161 times the full
-# cache's is not "without compromising model quality": **the 5x claim does not reproduce on SmolLM2**. At
-# keep 0.5 (128 entries, 2x-4x) H2O matches the full cache (x1.004, KL 0.056), and Scissorhands is the worst
-# of the three by perplexity (x1.099, against x1.075 for StreamingLLM), second by KL (0.074 against 0.106).
-#
-# Section 3 showed that Scissorhands' counters keep mostly a recent window, which StreamingLLM keeps by
-# construction, and the two are close here. These are 255 predictions of one text: gaps of a few percent
-# between methods could move on another, while the rise at keep 0.2 and H2O's near-exact match at 0.5 stand.
+# cache's is not "without compromising model quality". At keep 0.5 (128 entries, 2x-4x) H2O matches the full
+# cache's perplexity (x1.004, KL 0.056, yet top-1 agreement 0.878), while Scissorhands is still x1.099, the
+# worst of the three by perplexity (x1.075 for StreamingLLM), second by KL (0.074 against 0.106). At both
+# ratios, then, **the 5x claim does not reproduce on SmolLM2**. These are 255 predictions of one text: gaps of
+# a few percent between methods could move on another; the rise of Scissorhands' perplexity at both ratios is
+# larger than that.
 
 # %% [markdown]
 # ## Exercises
@@ -415,48 +370,7 @@ reference_keep = sorted(best[:n_keep - 1]) + [5]
 check_keep(reference_keep)
 
 # %% [markdown]
-# ### Exercise 2: where Theorem 4.1's closed form turns positive
-#
-# The closed form $\Delta_{\max}$ of Eq. 11 (section 1.1) is negative for small $B/T$: at $k = 3$ (with
-# $\epsilon = 0.05$) it changes sign between 0.471 and 0.473, as the cell below prints. For $k = 5$ and
-# $k = 2.5$ (same $\epsilon$), find on a grid of step 0.001 the smallest $B/T$ at which
-# `dropped_mass_bound(B/T, k, eps)` is non-negative, and write it in `my_first_nonnegative`. Then, in a
-# sentence: is the closed form above the mass a top-$B$ cache really drops from there on? (The lab simulates
-# it.)
-
-# %%
-from methods.analysis.scissorhands_theory import dropped_mass_bound
-
-eps = 0.05
-print("k = 3: Delta_max at B/T =", {kp: round(dropped_mass_bound(kp, 3, eps), 4) for kp in (0.3, 0.471, 0.473, 0.9)})
-my_first_nonnegative = {5: None, 2.5: None}              # replace each None: the smallest B/T with Delta_max >= 0
-
-
-# %%
-@exercise("Exercise 2")
-def check_first_nonnegative(first):
-    assert sorted(first) == [2.5, 5], "one B/T for k = 5 and one for k = 2.5"
-    for k, found in first.items():
-        assert dropped_mass_bound(found, k, eps) >= 0, f"k = {k}: Delta_max is still negative at B/T = {found}"
-        assert found - 0.001 <= eps or dropped_mass_bound(found - 0.001, k, eps) < 0, \
-            f"k = {k}: Delta_max is already non-negative one grid step below B/T = {found}: look lower"
-
-
-check_first_nonnegative(my_first_nonnegative)
-
-# %%
-# BEGIN SOLUTION [scissorhands] scan torch.arange(0.051, 1.0, 0.001) and keep the first B/T with a bound >= 0
-grid = torch.arange(0.051, 1.0, 0.001).tolist()
-reference_first_nonnegative = {k: next(kp for kp in grid if dropped_mass_bound(kp, k, eps) >= 0) for k in (5, 2.5)}
-# END SOLUTION
-check_first_nonnegative(reference_first_nonnegative)
-print({k: round(v, 3) for k, v in reference_first_nonnegative.items()},
-      "| No: just above the sign change the closed form is still below the mass a top-B cache drops (the lab "
-      "simulates it: at k = 3 and B/T = 0.5, 0.053 against 0.121); it passes it only at larger B/T, and below "
-      "the sign change it bounds nothing")
-
-# %% [markdown]
-# ### Exercise 3: a short history window
+# ### Exercise 2: a short history window
 #
 # Section 3 found that the default window ($w = 400$) keeps mostly a recent block: a token far back had many
 # more chances to be below average. Build the same cache with `history_window=8`
@@ -476,7 +390,7 @@ my_recent_share = None                  # replace None: recent_share of the cach
 
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
-@exercise("Exercise 3")
+@exercise("Exercise 2")
 def check_recent_share(share):
     assert 0 <= share <= 1, "a share lies between 0 and 1"
     short = KVCache(model.config, make_policy("scissorhands", budget=BUDGET, history_window=8))
