@@ -352,6 +352,19 @@ def read_readings() -> dict:
     return data
 
 
+def record_reading(path: Path, minutes: list[float]) -> str:
+    """Write ``path``'s cold readings into ``readings.json`` (atomically), with the committed notebook's size."""
+    data = read_readings()
+    size = size_minutes(read_notebook(path.with_suffix(".ipynb")))
+    data[name_of(path)] = {"minutes": [round(m, 1) for m in minutes], "size": round(size, 1),
+                           "date": time.strftime("%Y-%m-%d")}
+    text = json.dumps(dict(sorted(data.items())), indent=1) + "\n"
+    with tempfile.NamedTemporaryFile("w", dir=READINGS.parent, delete=False, suffix=".tmp") as f:
+        f.write(text)
+    os.replace(f.name, READINGS)
+    return f"{name_of(path)}: {work(data[name_of(path)])} minutes (size {size:.1f}) in {READINGS.name}"
+
+
 def work(entry: dict | None) -> str:
     """A table cell: the median of the readings, their range and how many ("55 (48-60, 3)"); "not read"."""
     if not entry:
@@ -485,14 +498,26 @@ def main(argv: list[str] | None = None) -> None:
                     help="take the markdown of each .py into its committed .ipynb, keeping the code cells and "
                          "their outputs; runs nothing, and refuses if a code cell changed")
     ap.add_argument("--table", action="store_true",
-                    help="print the README's notebook table (reading minutes of the committed notebooks, minutes "
-                         "of their last normal run from notebooks/build_record.json) and exit")
+                    help="print the README's notebook table (minutes of work from the cold readings in "
+                         "notebooks/readings.json, minutes of the last normal run from notebooks/build_record.json) "
+                         "and exit")
+    ap.add_argument("--reading", type=float, nargs="+", metavar="MINUTES",
+                    help="record cold readings of the one notebook named: each reading's minutes of work, "
+                         "exercises included (written to notebooks/readings.json with the notebook's size; it "
+                         "replaces that notebook's readings) and exit")
     ap.add_argument("--timeout", type=cli.positive_int, default=600,
                     help="per-cell timeout in seconds (default %(default)s)")
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
         if args.table:
             print(table())
+            return
+        if args.reading:
+            if len(args.paths) != 1 or not Path(args.paths[0]).with_suffix(".ipynb").is_file():
+                cli.fail("--reading records the readings of one built notebook: name its .py source")
+            if min(args.reading) <= 0:
+                cli.fail(f"--reading: minutes must be positive, got {min(args.reading):g}")
+            print(record_reading(Path(args.paths[0]), args.reading))
             return
         if args.tiny + args.no_execute + args.prose_only > 1:
             cli.fail("--tiny, --no-execute and --prose-only are three different builds: give one of them")

@@ -222,6 +222,20 @@ def test_a_notebook_is_read_again_once_it_grew(path):
         "have it read cold again and update notebooks/readings.json"
 
 
+def test_a_reading_is_recorded_with_the_size_of_the_notebook_read(tmp_path, monkeypatch):
+    """``build.py --reading M...`` writes one notebook's readings and its size; the table shows their median,
+    range and count; bad minutes and two notebooks are refused in one line."""
+    monkeypatch.setattr(build, "READINGS", tmp_path / "readings.json")
+    source = NOTEBOOKS / "00_nanollm_kv_cache.py"
+    build.main([str(source), "--reading", "50", "58", "44"])
+    entry = json.loads((tmp_path / "readings.json").read_text())["00_nanollm_kv_cache"]
+    assert entry["minutes"] == [50, 58, 44] and entry["size"] == round(size(source), 1)
+    assert build.work(entry) == "50 (44-58, 3)" and build.work(None) == "not read"
+    for argv in ([str(source), "--reading", "0"], [str(source), str(source), "--reading", "5"]):
+        with pytest.raises(SystemExit):
+            build.main(argv)
+
+
 def test_the_eight_lessons_take_at_most_seven_hours():
     readings = build.read_readings()
     took = {p.stem: sorted(readings[p.stem]["minutes"])[len(readings[p.stem]["minutes"]) // 2] for p in SOURCES}
