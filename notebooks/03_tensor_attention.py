@@ -6,9 +6,8 @@
 # Sanford, Hsu & Telgarsky (NeurIPS 2023, [arXiv 2306.02896](https://arxiv.org/abs/2306.02896)) and Alman &
 # Song (ICLR 2024, [arXiv 2310.04064](https://arxiv.org/abs/2310.04064)).
 #
-# **Before this lesson**: lesson 00 (the KV cache, `prefill`/`extend`/`decode_step`, ordinary attention);
-# no eviction lesson is needed. The symbols are the book's ([notebooks/README.md](README.md)); the metrics,
-# where a lab prints them, are in the [metrics glossary](README.md#metrics).
+# **Before this lesson**: lesson 00 (the KV cache, `prefill`/`extend`/`decode_step`, ordinary attention).
+# Metrics, where the lab prints them: the [metrics glossary](README.md#metrics).
 #
 # An ordinary attention query scores single tokens. A **tensor attention** query scores *pairs* of tokens:
 # every token carries two keys and two values, and one softmax runs over all pairs of cached tokens. With
@@ -21,11 +20,9 @@
 # saves $\Omega(T^2d)$ time a decode step (Theorem 4.3). This lesson asks: **what does each layout cost on a
 # real machine, and does attending to pairs pay off on a task that needs them?**
 #
-# **You will learn**: tensor attention by hand, checked against the library, and three ways of computing one
-# decode step; a decoder built on it, whose three cache layouts produce the same tokens; the trade-off
-# measured, memory growing like $T$ against $T^2$ and time far faster than $T$ on every path; and a task where
-# pairs matter (Match3), a trained tensor model against a standard one of the same size. The library:
-# `methods/tensor_attention/` (`attention.py`, `bench.py`, `match3.py`).
+# **You will learn**: tensor attention by hand, checked against the library; a decoder whose three cache
+# layouts give the same outputs; the time and memory of each layout, measured; and Match3, a task where pairs
+# matter. The library: `methods/tensor_attention/` (`attention.py`, `bench.py`, `match3.py`).
 
 # %% tags=["setup"]
 from preamble import TINY  # the repository importable before any other import
@@ -33,7 +30,7 @@ from preamble import TINY  # the repository importable before any other import
 # %% [markdown]
 # ## 1. One decode step, built by hand
 #
-# The symbols of this lesson: the book's shared ones ([notebooks/README.md](README.md)) and its own.
+# The symbols of this lesson, besides the book's shared ones ([notebooks/README.md](README.md)):
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
@@ -43,23 +40,23 @@ from preamble import TINY  # the repository importable before any other import
 # | $q_t$ | the query of step $t$, $d$ numbers | `q` |
 # | $K_1$, $K_2$ | a head's two keys per token, $T \times d$ each; $K_1[a]$ is token $a$'s first key | `K1`, `K2` |
 # | $V_1$, $V_2$ | a head's two values per token, $T \times d$ each | `V1`, `V2` |
-# | $a$, $b$ | a pair's two token positions, $0 \le a, b < T$ (here: not the book's weight $a_{t,n}$) | `a`, `b` |
+# | $a$, $b$ | a pair's two token positions, $0 \le a, b < T$ | `a`, `b` |
 # | $\odot$ | elementwise product (a vector and a matrix: the vector times each row) | `*` |
+# | $\oslash$ | column-wise Kronecker product: $A \oslash B$ has a row $A[a] \odot B[b]$ per pair | `kron_rows` |
 # | $Z_{ab}$ | the score of the pair $(a, b)$; $Z$ is $T \times T$ | `S`, `pair_scores` |
-# | $P_{ab}$ | the pair's attention weight (the book's $a_{t,n}$, for a pair): one softmax over all $T^2$ pairs | `P` |
+# | $P_{ab}$ | the pair's attention weight: one softmax over all $T^2$ pairs | `P` |
 # | $o_t$ | the head's output at step $t$, $d$ numbers | `factored`, `naive`, `two` |
-# | $\tilde K$ | the pair keys, $T^2 \times d$: row $(a, b)$ is $K_1[a] \odot K_2[b]$ | `kron_rows`, `pair_keys` |
-# | $\tilde V$ | the pair values, $T^2 \times d$: row $(a, b)$ is $V_1[a] \odot V_2[b]$ | `kron_rows`, `pair_values` |
+# | $\tilde K$ | the pair keys $K_1 \oslash K_2$, $T^2 \times d$: row $(a, b)$ is $K_1[a] \odot K_2[b]$ | `pair_keys` |
+# | $\tilde V$ | the pair values $V_1 \oslash V_2$, likewise: row $(a, b)$ is $V_1[a] \odot V_2[b]$ | `pair_values` |
 #
-# Tensor attention for one query (Chen et al., Definition 3.6; the scaling by $1/\sqrt d$ is ours, as in
-# ordinary attention):
+# Tensor attention for one query (Chen et al., Definition 3.6; the $1/\sqrt d$ is ours):
 #
 # $$Z_{ab} = \frac{\big\langle q_t,\; K_1[a] \odot K_2[b] \big\rangle}{\sqrt d}, \qquad
 #   P = \operatorname{softmax}_{(a, b)}(Z), \qquad
 #   o_t = \sum_{a=0}^{T-1} \sum_{b=0}^{T-1} P_{ab}\; V_1[a] \odot V_2[b].$$
 #
-# The softmax runs over all $T^2$ pairs at once, not row by row. A random toy of one head, 50 tokens of 16
-# numbers, in float64 so that two ways of computing agree to rounding:
+# One softmax runs over all $T^2$ pairs, not one per row. A random toy of one head, 50 tokens of 16 numbers,
+# in float64 so that two ways of computing agree to rounding:
 
 # %%
 import math
@@ -73,8 +70,7 @@ q = torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64)                   
 scale = 1 / math.sqrt(d)
 
 # %% [markdown]
-# The scores and their softmax, written with two loops, against the library's `pair_scores` (which never
-# forms the $T^2 \times d$ products) and `pair_softmax`:
+# The scores and their softmax with two loops, against the library's `pair_scores` and `pair_softmax`:
 
 # %%
 from methods.tensor_attention import pair_scores, pair_softmax
@@ -104,19 +100,18 @@ print(f"{n * n} pairs: scores and probabilities by hand equal the library's; the
 # The library computes $o_t$ in three ways, none with loops:
 #
 # * **naive four-matrix**: build $\tilde K = K_1 \oslash K_2$ and $\tilde V = V_1 \oslash V_2$ from the four
-#   matrices ($T^2$ rows each; $\oslash$ is Definition 3.1's column-wise Kronecker product, the library's
-#   `kron_rows`), then ordinary attention over the pair rows. This is what Theorem 4.3 charges the
-#   four-matrix cache at every step.
+#   matrices, then ordinary attention over the pair rows: what Theorem 4.3 charges the four-matrix cache.
 # * **factored four-matrix**: a pair's score is $\sum_j q_j K_1[a]_j K_2[b]_j / \sqrt d$ ($j$ runs over the $d$
-#   coordinates), so the whole score matrix and the output factor into two matrix products, and nothing of
-#   size $T^2 d$ is ever formed:
+#   coordinates), so scores and output factor into matrix products and nothing of size $T^2 d$ is formed:
 #
 #   $$Z = \frac{(K_1 \odot q_t)\, K_2^\top}{\sqrt d}, \qquad o_t = \sum_{a=0}^{T-1} \big(V_1 \odot (P\,V_2)\big)[a].$$
 #
-# * **two-matrix**: the pair rows $\tilde K$, $\tilde V$ are already stored; ordinary attention over them.
+# * **two-matrix**: $\tilde K$ and $\tilde V$ are stored; ordinary attention over them.
 #
-# The three agree, and with second keys and values of ones ($K_2 = V_2 = 1$) tensor attention is nanollm's
-# ordinary attention (lesson 00's `attend`) over $K_1$, $V_1$:
+# The three agree. With second keys and values of ones ($K_2 = V_2 = 1$), tensor attention is ordinary
+# attention over $K_1$, $V_1$: lesson 00's `attend(q, k, v, q_pos, k_pos)`, where a query at position `q_pos`
+# sees the keys whose positions `k_pos` are at or before it (here the query sits at $n - 1$ and sees all $n$).
+# `attend` also returns two optional statistics of the weights, which we drop:
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
 from methods.tensor_attention import four_cache_attention, kron_rows, naive_four_cache_attention, two_cache_attention
@@ -129,23 +124,24 @@ print(f"fp64, n = {n}: |naive - factored| = {(naive - factored).abs().max():.1e}
       f"|two - factored| = {(two - factored).abs().max():.1e}")
 
 ones = torch.ones_like(K2)
-standard, _, _ = attend(q, K1, V1, torch.tensor([n - 1]), torch.arange(n).expand(1, 1, n))   # query at n - 1
+query_position, key_positions = torch.tensor([n - 1]), torch.arange(n).expand(1, 1, n)   # (1,) and (1, 1, n)
+standard, _, _ = attend(q, K1, V1, query_position, key_positions)     # output (1, 1, 1, d); two Nones dropped
 print(f"k2 = v2 = 1: |tensor attention - nanollm's standard attention| = "
       f"{(four_cache_attention(q, K1, ones, V1, ones, scale) - standard).abs().max():.1e}")
 
 # %% [markdown]
 # With $K_2[b] = 1$ every pair $(a, b)$ scores $\langle q_t, K_1[a]\rangle/\sqrt d$: the softmax over pairs is
 # the ordinary one over $a$, spread evenly over $b$. So the module's second key and value are
-# `1 + projection(x)`: a fresh layer starts as ordinary attention and learns to use pairs.
+# `1 + projection(x)`, with the projections initialised near zero: a fresh layer starts as approximately
+# ordinary attention, and learns to use pairs.
 
 # %% [markdown]
 # ## 2. A tensor-attention decoder
 #
 # The module plugs into lesson 00's nanollm decoder through `ModelConfig.attention`; norms, MLP, embeddings
-# and generation are the same code as for every other model of the course. Rotary embeddings (RoPE, lesson
-# 00) rotate a query and a key by their positions so that a score depends only on their distance; with a
-# pair of keys that no longer holds (the elementwise product with the second key breaks the rotation), so
-# the tensor model uses learned absolute positions (the GPT-2 flavour). A toy decoder with random weights,
+# and generation are unchanged. Rotary embeddings (RoPE) make a score depend only on the distance of query and
+# key; the elementwise product with a second key breaks that, so the tensor model uses learned absolute
+# positions (the GPT-2 flavour). A toy decoder with random weights,
 # larger than at initialisation so that pairs matter:
 
 # %%
@@ -162,13 +158,11 @@ with torch.no_grad():
 x = torch.randint(0, config.vocab_size, (1, 40), generator=g)          # one sequence of 40 tokens
 
 # %% [markdown]
-# The cache layout is chosen per cache: `tensor_cache(config, layout)`, with `layout` a name from
-# `LAYOUTS`: `"four"` (factored), `"four-naive"` or `"two"`. Each layout runs lesson 00's cached path
-# (`prefill` the first 20 tokens, `extend` by 10, then 10 single `decode_step`s) and is compared with the
-# uncached forward pass, which computes every query at once; then greedy generation through each layout:
+# The layout is chosen per cache: `tensor_cache(config, layout)`, with `layout` one of `LAYOUTS`: `"four"`
+# (factored), `"four-naive"` or `"two"`. Each runs lesson 00's cached path (`prefill` the first 20 tokens,
+# `extend` by 10, then 10 single `decode_step`s), compared with the uncached forward pass:
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
-from nanollm import generate
 from nanollm.generation import decode_step, extend, prefill
 
 with torch.no_grad():
@@ -180,17 +174,14 @@ with torch.no_grad():
         diff = (torch.cat(steps, 1) - full).abs().max().item()
         print(f"{layout:>10}: cached prefill + extend + decode vs uncached forward: max |diff| {diff:.1e}; "
               f"stored {cache.nbytes() / 1024:.0f} KiB")
-    tokens = [generate(model, x[:, :10], 12, cache=tensor_cache(config, layout)) for layout in LAYOUTS]
-print("greedy tokens identical for every layout:", all(torch.equal(t, tokens[0]) for t in tokens))
 
 # %% [markdown]
 # ## 3. The trade-off, measured
 #
-# `measure` (from `methods/tensor_attention/bench.py`) fills one layer (4 heads of 16 numbers, fp32) with
-# $T$ random tokens, then runs 7 decode steps on each path (append the new token's rows, attend with its
-# query) and records the bytes stored and the median time of a step. Both are drawn on log-log axes, where
-# growth like $T$ is a line of slope 1 and growth like $T^2$ a line of slope 2; the legends give the slopes,
-# fitted over all lengths for memory and over the longer half for time.
+# `measure` (from `bench.py`) fills one layer (4 heads of 16 numbers, fp32) with $T$ random tokens, runs 7
+# decode steps on each path (append the new token's rows, attend with its query), and records the bytes stored
+# and the median time of a step. On log-log axes growth like $T^2$ is a line of slope 2; the legend gives each
+# path's slope, fitted over the longer half of the lengths.
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
 import matplotlib.pyplot as plt
@@ -199,121 +190,95 @@ from methods.tensor_attention.bench import decades, measure, table
 
 lengths = [16, 32, 64, 128] if TINY else [32, 64, 128, 256, 512, 1024]
 timing = measure(lengths)             # per path: bytes stored and ms per step, at each length
-colour = {"four-naive": "tab:red", "four": "tab:blue", "two": "tab:orange"}
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6))
-for k in ("four", "two"):
-    ax1.loglog(lengths, [b / 2**20 for b in timing[k]["bytes"]], "o-", color=colour[k],
-               label=f"{k}-matrix (slope {timing[k]['bytes_slope']:.2f})")
-ax1.set(xlabel="tokens T", ylabel="stored MiB (one layer)", title="memory")
-for k in ("four-naive", "four", "two"):
-    ax2.loglog(lengths, timing[k]["ms"], "o-", color=colour[k], label=f"{k} (slope {timing[k]['time_slope']:.2f})")
-ax2.set(xlabel="tokens T", ylabel="ms per decode step", title="time per decode step", ylim=decades(timing))
-for ax in (ax1, ax2):
-    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    ax.set_xticks(lengths, [str(i) for i in lengths])
-    ax.minorticks_off()
-fig.tight_layout()
+fig, ax = plt.subplots(figsize=(7, 4.2))
+for k, colour in (("four-naive", "tab:red"), ("four", "tab:blue"), ("two", "tab:orange")):
+    ax.loglog(lengths, timing[k]["ms"], "o-", color=colour, label=f"{k} (slope {timing[k]['time_slope']:.2f})")
+ax.set(xlabel="tokens T", ylabel="ms per decode step", title="time per decode step, one layer", ylim=decades(timing))
+ax.set_xticks(lengths, [str(i) for i in lengths])
+ax.minorticks_off()
+ax.legend(fontsize=9)
 plt.show()
 
 # %% [markdown]
-# The figure shows, for one layer, the bytes each cache stores (left) and the time of one decode step on
-# each path (right), against the number of cached tokens $T$. Blue is the four-matrix cache attended the
-# factored way, red the same cache with the pair rows rebuilt at every step (naive), orange the two-matrix
-# cache. The table gives the numbers:
+# The figure shows the time of one decode step against the number of cached tokens $T$: red the four-matrix
+# cache with the pair rows rebuilt at every step (naive), blue the same cache attended the factored way, orange
+# the two-matrix cache. The table gives the numbers, and the bytes each cache stores:
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
 print(table(timing))
-last = -1
-print(f"at T = {lengths[last]}: two-matrix cache "
-      f"{timing['two']['bytes'][last] / timing['four']['bytes'][last]:.0f}x the bytes of the four-matrix cache; "
-      f"naive four / two = {timing['four-naive']['ms'][last] / timing['two']['ms'][last]:.1f}x the time, "
-      f"factored four / two = {timing['four']['ms'][last] / timing['two']['ms'][last]:.2f}x")
+ratio = timing["two"]["bytes"][-1] / timing["four"]["bytes"][-1]
+print(f"at T = {lengths[-1]}: the two-matrix cache stores {ratio:.0f}x the bytes of the four-matrix cache")
 
 # %% [markdown]
-# Timings move from run to run (a shared CPU), so read the slopes and the orders of magnitude:
+# Timings move from run to run (a shared CPU, where one slow length moves a fitted slope a lot), so read the
+# table's rows and orders of magnitude more than the slopes:
 #
-# * **Memory**: slope 1.00 for the four-matrix cache and 1.98 for the two-matrix one (which also keeps the
-#   four factor matrices, for the next token's pairs). At 1024 tokens the two-matrix cache is 513x larger.
-# * **Time**: every path's fitted slope is near 2 or above: no layout escapes the $T^2 d$ arithmetic of
-#   scoring every pair.
-# * **Theorem 4.3 holds against the naive path only**: rebuilding $\tilde K$ and $\tilde V$ at every step is
-#   several times slower than the two-matrix cache, and the gap grows about like $T^2$ ("additive gap").
-# * **The factored four-matrix path beats the two-matrix path** at every length (the last column is below 1):
-#   both do about $2T^2d$ multiply-adds a head, but the two-matrix path reads $2T^2d$ stored numbers at every
-#   step, the factored path $4Td$. On this CPU the four-matrix cache wins on both memory and time.
+# * **Memory**: slope 1.00 for the four-matrix cache, 1.98 for the two-matrix one (which also keeps the four
+#   factor matrices, to form the next token's pairs); 513x larger at 1024 tokens.
+# * **Time**: every path is far slower at the longest length than at the shortest: whatever the layout, a step
+#   scores all $T^2$ pairs.
+# * **Theorem 4.3 holds against the naive path only, and only from 128 tokens on**: below that, naive/two is
+#   about 1; from there, rebuilding $\tilde K$ and $\tilde V$ at every step is several times slower than the
+#   two-matrix cache, and the gap grows with $T$ (the table's "additive gap").
+# * **The factored path beats the two-matrix path**: four/two is below 1, so its gap is negative, at every
+#   length. Both do about $2T^2d$ multiply-adds a head, but the two-matrix path reads $2T^2d$ stored numbers a
+#   step, the factored path $4Td$. On this CPU the four-matrix cache wins on memory and on time.
+#
+# This lesson does not explain the naive path's jump from 64 to 128 tokens, far more than the 4x that $T^2$
+# predicts for twice the tokens.
 
 # %% [markdown]
 # ## 4. Where pairs matter: Match3
 #
-# Sanford et al. (§4) prove that Match3, "does some pair of numbers complete this one to 0 modulo M?", needs
-# a large standard attention layer, while one tensor head computes it. `match3.py` makes it causal: a sequence
-# `BOS x_1 L_1 x_2 L_2 ...` of 12 numbers $x_i$ modulo 32, where the label `L_i` is YES if
-# $x_a + x_b + x_i = 0 \pmod{32}$ for some $a \le b \le i$ (here $a$, $b$ index numbers of the sequence), else
-# NO. A model reads $x_i$ and predicts `L_i`.
+# Sanford et al. (§4) prove that Match3, "do two numbers of the sequence complete this one to 0 modulo M?",
+# needs a large standard attention layer, while one tensor head computes it. `match3.py` makes it causal: a
+# sequence `BOS x_1 L_1 x_2 L_2 ...` of 12 numbers $x_i$ modulo 32, where the label `L_i` is YES if
+# $x_a + x_b + x_i = 0 \pmod{32}$ for some $a \le b \le i$, else NO: the "two numbers" may be one taken twice
+# or $x_i$ itself (even $a = b = i$, $3x_i = 0$). A model reads $x_i$ and predicts `L_i`.
 #
-# Two bundled models were trained for the same number of steps (printed below): a tensor-attention decoder
-# and a standard one with the same number of parameters (a wider MLP). Same parameters and steps, not the same
-# compute (a tensor layer costs $O(T^3)$ a sequence, a standard one $O(T^2)$); one seed each. The *majority
-# baseline* guesses, at each position, the label that is more frequent there. Accuracy is measured
-# teacher-forced (the model sees the true earlier labels) and greedy (it reads its own labels, decoding through
-# the cache); "card" is the accuracy the checkpoint recorded when trained.
+# Two bundled models were trained for the same number of steps, one seed each: a tensor-attention decoder and
+# a standard one with nearly as many parameters (a wider MLP), though not the same compute (a tensor layer
+# costs $O(T^3)$ a sequence). The *majority baseline* guesses, at each position, the label more frequent there.
+# Accuracy is teacher-forced (the model sees the true earlier labels) or greedy (it reads its own labels,
+# through the cache); the two models' difference is paired over the same sequences, with its interval:
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
+from methods.evaluation.intervals import describe, paired_difference
 from methods.tensor_attention import match3
 
 n_eval = 200 if TINY else 2000                    # fresh sequences to evaluate on
 tensor_model, tensor_card = match3.load("match3-tensor")
 standard_model, standard_card = match3.load("match3-standard")
-baseline = match3.majority_baseline()
-print(f"Match3 modulo {match3.M}, {match3.N_NUMBERS} numbers a sequence, {n_eval} fresh sequences")
+ids, _ = match3.batch(n_eval, match3.N_NUMBERS, seed=10**6)       # (sequences, 25): BOS x_1 L_1 x_2 L_2 ...
+print(f"Match3 modulo {match3.M}, {match3.N_NUMBERS} numbers a sequence, {n_eval} fresh sequences; "
+      f"majority baseline {match3.majority_baseline():.3f}")
+right = {}                                        # (sequences, numbers): label right or wrong
 for name, m, card in (("tensor", tensor_model, tensor_card), ("standard", standard_model, standard_card)):
-    r4 = match3.evaluate(m, n_seq=n_eval)
-    print(f"{name:>8} attention, {m.num_params():,} parameters: label accuracy {r4['accuracy']:.3f} "
-          f"(teacher-forced), {r4['greedy_accuracy']:.3f} (greedy); majority baseline {baseline:.3f}; "
-          f"card: {card['accuracy']:.3f} after {card['steps']} training steps")
-
-# %% [markdown]
-# Accuracy by position: early positions are easy (few pairs: mostly NO), late ones too (many pairs: mostly
-# YES); the middle is where a model must find the pair. Then the difference of the two models, paired over
-# the same sequences, with its interval (`paired_difference`; `describe` says "higher" when the interval
-# lies above 0, "within noise" when it covers 0):
-
-# %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
-from methods.evaluation.intervals import describe, paired_difference
-
-ids, targets = match3.batch(n_eval, match3.N_NUMBERS, seed=10**6)
-truth = ids[:, 2::2]                                        # (sequences, numbers): the true labels
-yes = (truth == match3.YES).float().mean(0)
-right = {}                                                  # (sequences, numbers): label right or wrong
-with torch.no_grad():
-    for name, m in (("tensor", tensor_model), ("standard", standard_model)):
-        right[name] = (m(ids).argmax(-1)[:, 1::2] == truth).float()
-        print(f"{name:>8} attention, accuracy by position 1-{match3.N_NUMBERS}: "
-              + " ".join(f"{a:.2f}" for a in right[name].mean(0).tolist()))
-print("majority per position:         " + " ".join(f"{a:.2f}" for a in torch.maximum(yes, 1 - yes).tolist()))
+    with torch.no_grad():     # the output at x_i (positions 1, 3, ...) predicts L_i (the next token: 2, 4, ...)
+        right[name] = (m(ids).argmax(-1)[:, 1::2] == ids[:, 2::2]).float()
+    greedy = match3.evaluate(m, n_seq=n_eval)["greedy_accuracy"]
+    print(f"{name:>8} attention, {m.num_params():,} parameters, {card['steps']} training steps: label accuracy "
+          f"{right[name].mean():.3f} (teacher-forced), {greedy:.3f} (greedy)")
 gap, lo, hi = paired_difference([right["tensor"].mean(1).tolist()], [right["standard"].mean(1).tolist()])
-print(f"tensor - standard label accuracy, paired over the same {len(ids)} sequences: {describe(gap, lo, hi, 3)}")
+print(f"tensor - standard label accuracy, paired over the same {n_eval} sequences: {describe(gap, lo, hi, 3)}")
 
 # %% [markdown]
-# Tensor attention is right more often than standard attention at every position from 3 on, and the gap is
-# in the middle positions, where the majority guess is a coin flip (0.51 at position 6): there the tensor
-# model is right at a rate of 0.92 and the standard one 0.81. Over all labels, tensor attention scores 0.944,
-# standard attention 0.874 and the majority baseline 0.766; the paired interval excludes 0. Both are single
-# runs with one seed: the interval covers the evaluation sequences, not another training run. (The lab draws
-# these accuracies with their intervals, and decodes greedily through each cache layout.)
+# Tensor attention gets 0.944 of the labels right, standard attention 0.874, the majority baseline 0.766, and
+# the paired interval lies above 0. Both are single runs with one seed: the interval covers the evaluation
+# sequences, not another training run. (The lab draws the accuracy by position, with intervals.)
 #
 # ## 5. And on the real model?
 #
 # The other method lessons end on SmolLM2-135M, a pretrained model. This one cannot: tensor attention is a
 # different attention *module*, not a policy over a standard cache, and no pretrained tensor-attention model
 # runs here. An eviction rule (lessons 01 and 02) still applies to the four-matrix cache, a token being one row
-# of each matrix; in the two-matrix cache, dropping a token drops every pair row that holds it.
+# of each matrix; in the two-matrix cache, dropping a token drops every pair row that holds it (the lab
+# compares dropping tokens with dropping pairs).
 #
 # ## Exercises
 #
-# Each exercise has a cell where you write (replace the `None`), a check cell that reads only your answer
-# (it says "not answered yet" until you do, stops with a hint when the answer is wrong, and says "right"
-# when it is), and the reference answer, collapsed: open it once you are done.
+# Each exercise has a cell where you write (replace the `None`), a check cell (it says "not answered yet",
+# gives a hint when the answer is wrong, and "right"), and the reference answer, collapsed.
 #
 # ### Exercise 1: the naive step by hand
 #
@@ -354,56 +319,22 @@ reference_output = (scale * reference_pair_keys @ q[0, 0, 0]).softmax(0) @ refer
 check_naive_step(reference_pair_keys, reference_pair_values, reference_output)
 
 # %% [markdown]
-# ### Exercise 2: the bytes of the two caches
+# ### Exercise 2: is a path limited by memory?
 #
-# Section 3's table gives the KiB one layer stores at each length. Write the bytes as formulas in the length
-# `i` (the $T$ of the math): the four-matrix cache stores $K_1$, $K_2$, $V_1$, $V_2$ for each of the 4 heads;
-# the two-matrix cache stores the pair rows of $\tilde K$ and $\tilde V$ and, to form the next token's pairs,
-# the four factor matrices as well. One entry for each `i` in `timing["lengths"]`.
+# At every step the naive path writes $\tilde K$ and $\tilde V$, $2T^2d$ numbers a head, then reads them once;
+# the two-matrix path reads its stored pair rows, as many numbers. At the longest length of section 3
+# (`timing["lengths"][-1]`), for its layer, compute the rate at which each path moves those bytes, in GB/s
+# ($10^9$ bytes a second): the bytes of one step over the median time of a step, `timing[path]["ms"][-1]`
+# (milliseconds). Then, in a sentence: one CPU core typically streams some 10 to 20 GB/s from memory; which
+# path is limited by memory?
 
 # %%
 HEADS, DIM, FP32 = 4, 16, 4     # section 3's layer: 4 heads of d = 16 numbers, 4 bytes a number
-my_four_bytes = None            # replace None: [bytes of the four-matrix cache for i in timing["lengths"]]
-my_two_bytes = None             # replace None: [bytes of the two-matrix cache for i in timing["lengths"]]
-
-# %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
-@exercise("Exercise 2")
-def check_cache_bytes(four_bytes, two_bytes):
-    lengths = timing["lengths"]
-    assert len(four_bytes) == len(two_bytes) == len(lengths), "one entry for each length in timing['lengths']"
-    assert list(four_bytes) == list(timing["four"]["bytes"]), \
-        "four-matrix: K1, K2, V1, V2, each i x d numbers, for each of the 4 heads, 4 bytes a number"
-    assert list(two_bytes) != [4 * 2 * i * i * 16 * 4 for i in lengths], \
-        "the two-matrix cache also keeps the four factor matrices, to form the next token's pairs"
-    assert list(two_bytes) == list(timing["two"]["bytes"]), \
-        "two-matrix: the pair rows of K~ and V~ (i^2 x d each) and the four factor matrices, for each head"
-
-
-check_cache_bytes(my_four_bytes, my_two_bytes)
-
-# %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
-# BEGIN SOLUTION [tensor_attention] per head: 4 i d factor numbers, plus 2 i^2 d pair-row numbers for two; 4 bytes each
-reference_four_bytes = [HEADS * 4 * i * DIM * FP32 for i in timing["lengths"]]
-reference_two_bytes = [HEADS * (2 * i * i + 4 * i) * DIM * FP32 for i in timing["lengths"]]
-# END SOLUTION
-check_cache_bytes(reference_four_bytes, reference_two_bytes)
-
-# %% [markdown]
-# ### Exercise 3: is a path limited by memory?
-#
-# At every step the naive path writes $\tilde K$ and $\tilde V$, $2T^2d$ numbers a head, and then reads them
-# once; the two-matrix path reads its stored pair rows, as many numbers. At the longest length of section 3
-# (`timing["lengths"][-1]`), for its layer (4 heads, 4 bytes a number), compute the rate at which each path
-# moves those bytes, in GB/s ($10^9$ bytes a second): the bytes of one step divided by the median time of a
-# step, `timing[path]["ms"][-1]` (milliseconds). Then, in a sentence: one CPU core typically streams some 10 to
-# 20 GB/s from memory; which of the two paths is limited by memory?
-
-# %%
 my_naive_gbps = None            # replace None: GB/s the naive path writes and reads at the longest length
 my_two_gbps = None              # replace None: GB/s the two-matrix path reads at the longest length
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
-@exercise("Exercise 3")
+@exercise("Exercise 2")
 def check_rates(naive_gbps, two_gbps):
     longest = timing["lengths"][-1]
     pair_bytes = 4 * 2 * longest * longest * 16 * 4              # K~ and V~ of the 4 heads, 4 bytes a number
@@ -431,49 +362,7 @@ print(f"naive {reference_naive_gbps:.1f} GB/s, two-matrix {reference_two_gbps:.1
       "is what costs (measured on one machine: yours may differ).")
 
 # %% [markdown]
-# ### Exercise 4: would a longer training budget help?
-#
-# Each model's card (`tensor_card`, `standard_card`, section 4) holds its training curve, `card["history"]`:
-# a list of `{"step": ..., "accuracy": ...}`, the accuracy measured along the training. For each model,
-# compute its gain over the second half of training: the accuracy at the last recorded step minus the one at
-# step 1500. Then, in a sentence: which model would a longer budget more likely help, and can these curves
-# say whether standard attention catches up? (To find out, train it longer:
-# `python -m methods.tensor_attention.match3 train --attention standard --steps 10000 --out runs/m3-long`, then
-# `python -m methods.tensor_attention.match3 eval runs/m3-long match3-tensor`.)
-
-# %%
-my_late_gain = {"tensor": None, "standard": None}   # replace each None: last accuracy minus the one at step 1500
-
-# %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
-@exercise("Exercise 4")
-def check_late_gain(gain):
-    assert sorted(gain) == ["standard", "tensor"], "one gain for 'tensor' and one for 'standard'"
-    for name, card in (("tensor", tensor_card), ("standard", standard_card)):
-        curve = card["history"]
-        at = {h["step"]: h["accuracy"] for h in curve}
-        assert abs(gain[name] - (curve[-1]["accuracy"] - curve[0]["accuracy"])) > 1e-9, \
-            f"{name}: that is the gain over the whole curve; start at step 1500"
-        assert abs(gain[name] - (curve[-1]["accuracy"] - at[1500])) < 1e-6, \
-            f"{name}: the accuracy of the last entry of card['history'] minus that of the entry at step 1500"
-
-
-check_late_gain(my_late_gain)
-
-# %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
-# BEGIN SOLUTION [tensor_attention] {h["step"]: h["accuracy"]} per card; the last entry's accuracy minus step 1500's
-reference_late_gain = {}
-for model_name, model_card in (("tensor", tensor_card), ("standard", standard_card)):
-    accuracy_at = {h["step"]: h["accuracy"] for h in model_card["history"]}
-    reference_late_gain[model_name] = model_card["history"][-1]["accuracy"] - accuracy_at[1500]
-# END SOLUTION
-check_late_gain(reference_late_gain)
-print({k: round(v, 3) for k, v in reference_late_gain.items()},
-      "| The standard model's curve is almost flat over its second half, the tensor model's still climbs: a "
-      "longer budget would more likely help the tensor model. A flat curve makes a quick catch-up unlikely, but "
-      "it cannot rule out a late jump: only the longer run answers that.")
-
-# %% [markdown]
 # **Go further**: [labs/03_tensor_attention_bounds.ipynb](labs/03_tensor_attention_bounds.ipynb) runs the
 # memory lower bound of Theorem 4.1 as an Index-problem experiment, measures SubGen's error against its
-# memory, compares dropping tokens with dropping pairs on the Match3 model at equal bytes, and draws Match3's
-# accuracy by position with its intervals.
+# memory, compares dropping tokens with dropping pairs on the Match3 model at equal bytes, draws Match3's
+# accuracy by position with its intervals, and reads the two models' training curves.

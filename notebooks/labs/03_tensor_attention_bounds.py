@@ -9,7 +9,8 @@
 # 2. SubGen-style clustering and sampling as an approximate cache: error against memory;
 # 3. whether dropping tokens or dropping pairs is the better use of a compressed tensor cache's bytes, on the
 #    bundled Match3 tensor model;
-# 4. the Match3 models' accuracy by position, drawn with intervals, and greedy decoding through each layout.
+# 4. the Match3 models' accuracy by position, drawn with intervals, their training curves, and greedy decoding
+#    through each layout.
 #
 # Code: `methods/tensor_attention/index_problem.py`, `methods/tensor_attention/subgen.py`,
 # `methods/tensor_attention/attention.py`.
@@ -190,15 +191,19 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 # estimate it, as H2O or SnapKV do for tokens.)
 
 # %% [markdown]
-# ## 4. Match3 by position, and greedy decoding through each layout
+# ## 4. Match3 by position, training curves, and greedy decoding through each layout
 #
-# The lesson's section 4 prints the two Match3 models' accuracy by position; here it is drawn with 95%
-# intervals (Wilson's, for a proportion), on fresh sequences:
+# The lesson's section 4 prints the two Match3 models' overall accuracy; here it is split by position, with 95%
+# intervals (Wilson's, for a proportion), on the lesson's fresh sequences. Early positions are easy (few pairs:
+# mostly NO), late ones too (many pairs: mostly YES); the middle is where a model must find the pair. In a
+# sequence `BOS x_1 L_1 x_2 L_2 ...` the number $x_i$ sits at an odd position and its label at the next, even
+# one, so the model's output at the odd positions (`[:, 1::2]`) is compared with the tokens at the even ones
+# (`[:, 2::2]`):
 
 # %%
 from methods.tensor_attention import LAYOUTS
 
-standard_model, _ = match3.load("match3-standard")
+standard_model, standard_card = match3.load("match3-standard")
 n_eval = 200 if TINY else 2000                              # fresh sequences, as in the lesson
 ids, _ = match3.batch(n_eval, match3.N_NUMBERS, seed=10**6)
 truth = ids[:, 2::2]                                        # (sequences, numbers): the true labels
@@ -222,6 +227,26 @@ plt.show()
 # and orange for the standard one, with 95% intervals as error bars, and the majority guess dashed: the
 # intervals lie apart from the fourth position on, and overlap at the first three, where both models are
 # nearly always right.
+#
+# Would a longer training budget help either model? Each card holds its training curve, `card["history"]`: one
+# entry `{"step", "loss", "accuracy"}` every tenth of the training, the accuracy on fewer fresh sequences than
+# the card's own (`match3.train` calls `accuracy(model, n_seq=500)`), so the last entry differs a little from
+# the card. The curves, and each model's gain over the second half of training:
+
+# %%
+for name, card in (("tensor", tensor_card), ("standard", standard_card)):
+    curve = card["history"]
+    half = {h["step"]: h["accuracy"] for h in curve}[card["steps"] // 2]
+    print(f"{name:>8}: " + " ".join(f"{h['accuracy']:.3f}" for h in curve) + f" at steps {curve[0]['step']}, "
+          f"{curve[1]['step']}, ..., {curve[-1]['step']}; gain since step {card['steps'] // 2}: "
+          f"{curve[-1]['accuracy'] - half:+.3f}; card, {card['eval_sequences']} sequences: {card['accuracy']:.3f}")
+
+# %% [markdown]
+# The standard model's curve is almost flat over its second half, the tensor model's still climbs: a longer
+# budget would more likely help the tensor model. A flat curve makes a late catch-up of standard attention
+# unlikely but cannot rule it out; only a longer run answers that
+# (`python -m methods.tensor_attention.match3 train --attention standard --steps 10000 --out runs/m3-long`, then
+# `python -m methods.tensor_attention.match3 eval runs/m3-long match3-tensor`).
 #
 # Greedy decoding through each cache layout gives the same labels (the three paths compute the same numbers,
 # up to float rounding that never flips an argmax here), right or wrong:
