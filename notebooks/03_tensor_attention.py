@@ -40,7 +40,7 @@ from preamble import TINY  # the repository importable before any other import
 # | $q_t$ | the query of step $t$, $d$ numbers | `q` |
 # | $K_1$, $K_2$ | a head's two keys per token, $T \times d$ each; $K_1[a]$ is token $a$'s first key | `K1`, `K2` |
 # | $V_1$, $V_2$ | a head's two values per token, $T \times d$ each | `V1`, `V2` |
-# | $a$, $b$ | a pair's two token positions, $0 \le a, b < T$ | `a`, `b` |
+# | $a$, $b$ | here: a pair's two token positions, $0 \le a, b < T$ (not $a_{t,n}$ or bytes) | `a`, `b` |
 # | $\odot$ | elementwise product (a vector and a matrix: the vector times each row) | `*` |
 # | $\oslash$ | column-wise Kronecker product: $A \oslash B$ has a row $A[a] \odot B[b]$ per pair | `kron_rows` |
 # | $Z_{ab}$ | the score of the pair $(a, b)$; $Z$ is $T \times T$ | `S`, `pair_scores` |
