@@ -14,10 +14,13 @@
 # $T$ cached tokens of $d$ numbers per head, the cache can be kept in two ways:
 #
 # * **four matrices**: every token's two keys and two values, $4Td$ numbers; the pairs are formed when needed;
-# * **two matrices**: one key row and one value row for every *pair* of tokens, about $2T^2d$ numbers.
+# * **two matrices**: one key row and one value row for every *pair* of tokens, about $2T^2d$ numbers (plus
+#   the four matrices, to form the next token's pairs).
 #
-# Chen et al. prove that neither layout compresses much (Theorems 4.1 and 4.2) and that the two-matrix cache
-# saves $\Omega(T^2d)$ time a decode step (Theorem 4.3). This lesson asks: **what does each layout cost on a
+# Chen et al. prove lower bounds on the memory any such cache needs (Theorems 4.1 and 4.2; the lab runs them),
+# and that the two-matrix cache saves $\Omega(T^2d)$ time a decode step (Theorem 4.3) against a four-matrix
+# cache that forms every pair row at every step; section 3 shows a four-matrix cache need not. This lesson asks:
+# **what does each layout cost on a
 # real machine, and does attending to pairs pay off on a task that needs them?**
 #
 # **You will learn**: tensor attention by hand, checked against the library; a decoder whose three cache
@@ -97,6 +100,7 @@ print(f"{n * n} pairs: scores and probabilities by hand equal the library's; the
       f"{P_hand.sum():.3f} over all pairs, and the largest row sum is {P_hand.sum(1).max():.3f}")
 
 # %% [markdown]
+# The probabilities sum to 1 over all pairs together, not row by row: no row of $P$ is a distribution of its own.
 # The library computes $o_t$ in three ways, none with loops:
 #
 # * **naive four-matrix**: build $\tilde K = K_1 \oslash K_2$ and $\tilde V = V_1 \oslash V_2$ from the four
@@ -176,6 +180,9 @@ with torch.no_grad():
               f"stored {cache.nbytes() / 1024:.0f} KiB")
 
 # %% [markdown]
+# All three layouts give the uncached outputs. At 40 tokens the two-matrix cache stores 1680 KiB against 80:
+# $T/2$ times as much for the pair rows, plus the four factor matrices it also keeps.
+#
 # ## 3. The trade-off, measured
 #
 # `measure` (from `bench.py`) fills one layer (4 heads of 16 numbers, fp32) with $T$ random tokens, runs 7
@@ -217,8 +224,9 @@ print(f"at T = {lengths[-1]}: the two-matrix cache stores {ratio:.0f}x the bytes
 #   factor matrices, to form the next token's pairs); 513x larger at 1024 tokens.
 # * **Time**: every path is far slower at the longest length than at the shortest: whatever the layout, a step
 #   scores all $T^2$ pairs.
-# * **Theorem 4.3 holds against the naive path only, and only from 128 tokens on**: below that, naive/two is
-#   about 1; from there, rebuilding $\tilde K$ and $\tilde V$ at every step is several times slower than the
+# * **Theorem 4.3's saving shows against the naive path only, and only from 128 tokens on**: below that,
+#   naive/two is at most about 1 (the naive path can be the faster); from there, rebuilding $\tilde K$ and $\tilde V$ at
+#   every step is several times slower than the
 #   two-matrix cache, and the gap grows with $T$ (the table's "additive gap").
 # * **The factored path beats the two-matrix path**: four/two is below 1, so its gap is negative, at every
 #   length. Both do about $2T^2d$ multiply-adds a head, but the two-matrix path reads $2T^2d$ stored numbers a
