@@ -2,8 +2,8 @@
 # # 02 Lab: Scissorhands against its baselines, its theorem and a real model
 #
 # The research behind the lesson [Scissorhands: a budget cache built on the persistence of
-# importance](../02_scissorhands.ipynb): read it first. This lab uses the lesson's rule, its needle and its
-# persistence measurement, and goes on to
+# importance](../02_scissorhands.ipynb): read it first. This lab uses the lesson's rule and its needle, and goes
+# on to
 #
 # 1. accuracy and KL against StreamingLLM and H2O on the bundled model (both modes, three keep ratios), what
 #    the counters cost in memory, and the history window and drop count;
@@ -11,9 +11,12 @@
 #    form and a Monte Carlo, and the theorem's own single-head model with a full, an oracle and a counter
 #    cache: where the bound holds and where it does not;
 # 3. the input and output of the MLP block in the bundled model (the paper's Figure 10);
-# 4. the lesson's measurements on a real language model, SmolLM2-135M: what Scissorhands and H2O keep of a
+# 4. the lesson's needle and section 5's measurements on a real language model, SmolLM2-135M: what
+#    Scissorhands and H2O keep of a
 #    real prompt, the persistence ratio per layer, and the MLP block's cosine;
-# 5. what all this says at our scale.
+# 5. the persistence of importance in the bundled model: the persistence ratio per layer, and one needle's
+#    attention at three decode positions (the paper's Figure 1);
+# 6. what all this says at our scale.
 #
 # Code: `methods/scissorhands.py` (the method and the measurements), `methods/analysis/scissorhands_theory.py`
 # (the bound, the Monte Carlo, the single-head model), `methods/evaluation/compare.py` (the evaluation loop),
@@ -38,7 +41,7 @@ LENGTH = 256 if TINY else 512                      # tokens per sample
 SAMPLES = 1 if TINY else 5                         # samples per task and mode (accuracy and KL)
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
 KEEP_RATIOS = [0.25] if TINY else [0.1, 0.25, 0.5]
-BUDGET = LENGTH // 4                               # a quarter, as in the lesson's section 3
+BUDGET = LENGTH // 4                               # a quarter, as in the lesson's section 2
 TOY_T, TOY_SEEDS = (96, 2) if TINY else (512, 8)   # single-head model: tokens generated, prompts averaged
 MC_SEEDS = 20 if TINY else 200                     # Monte-Carlo draws per point
 ids = torch.tensor([make_sample("niah_single_noise", tok, LENGTH, seed=0).prompt_ids])   # the lesson's prompt
@@ -88,15 +91,30 @@ def versus(records, a, b, ratio, mode, tasks=None):
     return describe(*paired_difference(ga, gb))
 
 
+# %%
+def log_ticks(ax):
+    """A log axis from 0.1 to 10 labelled 0.1, 0.3, 1, 3, 10."""
+    ax.set_yticks([0.1, 0.3, 1, 3, 10])
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
 ratios = sorted({r["keep_ratio"] for r in records if r["method"] != "full"})
+
+
+def accuracy_and_interval(records, method, mode):
+    """Per keep ratio: the mean accuracy, and Wilson's interval as error bars (the lengths below, above)."""
+    acc = [mean_over(records, method, k, mode) for k in ratios]
+    n = [sum(len(r["accuracies"]) for r in rows_of(records, method, k, mode)) for k in ratios]
+    lo, hi = zip(*(wilson(a, m) for a, m in zip(acc, n)))
+    return acc, [[a - low for a, low in zip(acc, lo)], [high - a for a, high in zip(acc, hi)]]
+
+# %%
 fig, axes = plt.subplots(1, 4, figsize=(16, 3.8), layout="constrained")
 for col, mode in enumerate(MODES):
     for shift, method, style in zip((-0.006, 0, 0.006), METHODS_SHOWN, ("o-", "s--", "^:")):   # shifted: bars apart
-        acc = [mean_over(records, method, k, mode) for k in ratios]
-        n = [sum(len(r["accuracies"]) for r in rows_of(records, method, k, mode)) for k in ratios]
-        lo, hi = zip(*(wilson(a, m) for a, m in zip(acc, n)))
-        axes[col].errorbar([k + shift for k in ratios], acc, yerr=[[a - l for a, l in zip(acc, lo)],
-                           [h - a for a, h in zip(acc, hi)]], fmt=style, capsize=3, label=method)
+        acc, bars = accuracy_and_interval(records, method, mode)
+        axes[col].errorbar([k + shift for k in ratios], acc, yerr=bars, fmt=style, capsize=3, label=method)
         axes[2 + col].plot(ratios, [mean_over(records, method, k, mode, "kl") for k in ratios], style, label=method)
     words = mode.replace("_", " ")
     axes[col].set(title=f"accuracy, {words}", xlabel="keep ratio", ylabel="accuracy (mean over tasks)",
@@ -105,9 +123,7 @@ for col, mode in enumerate(MODES):
                       ylabel="KL (nats, mean over tasks)", yscale="log", ylim=(0.1, 20))
     for ax in (axes[col], axes[2 + col]):
         ax.set_xticks(ratios, [f"{k:.2g}" for k in ratios])           # 51 / 512 = 0.0996 reads as 0.1
-    axes[2 + col].set_yticks([0.1, 0.3, 1, 3, 10])
-    axes[2 + col].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    axes[2 + col].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    log_ticks(axes[2 + col])
 fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center", fontsize=9)
 fig.suptitle("Scissorhands against StreamingLLM and H2O on the bundled model")
 plt.show()
@@ -195,11 +211,8 @@ for label in ["w=400", "w=32", "w=8", "m=16"]:
 # 1999` weights, keep the top `B`, measure the mass dropped, average over draws.
 
 # %%
-from methods.analysis.scissorhands_theory import (
-    dropped_mass_bound,
-    intermediate_dropped_mass_bound,
-    simulate_dropped_mass,
-)
+from methods.analysis.scissorhands_theory import dropped_mass_bound, intermediate_dropped_mass_bound
+from methods.analysis.scissorhands_theory import simulate_dropped_mass
 
 eps = 0.05
 keeps = torch.linspace(0.08, 0.98, 10 if TINY else 46).tolist()
@@ -409,14 +422,14 @@ for layer, r in enumerate(cos):
 # are about large pretrained language models, so here are the lesson's measurements on a real one:
 # SmolLM2-135M (30 layers, 9 query heads sharing 3 KV heads, fp32), on its default task suite (`passkey`
 # and `niah_single_docs`, which its full cache solves). The paper's headline experiment, language modelling
-# under a budget, is the lesson's section 4. Same helpers, same library code; only the model, the tokenizer
+# under a budget, is the lesson's section 3. Same helpers, same library code; only the model, the tokenizer
 # and the sizes change.
 
 # %%
 # one thread, as above: on a shared 2-core machine two threads per process spin-wait on each other
 real_model, real_tok, real_card = load("smollm2-135m")     # 30 layers, 9 query heads, 3 KV heads
 LENGTH_REAL = 256 if TINY else 512                 # tokens per sample
-BUDGET_REAL = LENGTH_REAL // 4                     # a quarter, as in the lesson's section 3
+BUDGET_REAL = LENGTH_REAL // 4                     # a quarter, as in the lesson's section 2
 REAL_SUITE = ["passkey", "niah_single_docs"]     # the tasks of this section (the full cache answers both at 512)
 REAL_TASKS = REAL_SUITE[:1] if TINY else REAL_SUITE
 REAL_PERSISTENCE_SAMPLES = 1 if TINY else 2        # prompts per task for the persistence ratio
@@ -485,7 +498,7 @@ for spec in ["scissorhands", "h2o"]:
 # %% [markdown]
 # Scissorhands' kept set on SmolLM2 looks as it did on the bundled model: 0.92-0.93 of the kept entries are
 # among the last 128 prompt positions; most of the rest sit just before that window (young tokens too), and
-# the first token is kept in 77-78 of the 90 strips. The age effect of the lesson's section 3 is the same: an
+# the first token is kept in 77-78 of the 90 strips. The age effect of the lesson's section 2 is the same: an
 # old token had up to 400 queries to be below average, a recent one only a few. So the passkey's early needle
 # is gone from every strip. H2O spreads its entries over the whole prompt (0.52-0.55 recent: its 64-token
 # recent window and a few heavy hitters there) and keeps fragments of that needle in the late layers ("2159"
@@ -565,7 +578,54 @@ plt.show()
 # assumes.
 
 # %% [markdown]
-# ## 5. One needle's attention at three decode positions (the paper's Figure 1)
+# ## 5. Persistence of importance in the bundled model
+#
+# ### 5.1 The persistence ratio, per layer
+#
+# The lesson's premise, measured on the bundled model over prompts of the NIAH tasks.
+# Call token $n$ *heavy* for the query at position $i$ if it gets at least `level` times the uniform
+# attention $1/(i+1)$ (`level = 1` is the complement of the lesson's low flag; `heavy(a, level)` marks them). Two
+# measurements, per query head, averaged over the heads of a layer and over the prompts of the NIAH tasks:
+#
+# * **step to step** (`persistence_step`): of the tokens heavy at step $i$, the fraction still heavy at step
+#   $i + \delta$ ($\delta$: a number of steps, 1 or 50 below), against the base rate (the fraction of *all*
+#   tokens up to $i$ that are heavy at $i + \delta$);
+# * **over the sequence** (`persistence_halves`, our reading of §3.2): of the first half's tokens that some
+#   step of the second half finds heavy, the fraction that some step of the first half had already found
+#   heavy; its base rate is the fraction of first-half tokens heavy at some first-half step.
+#
+# `persistence_by_layer(model, prompts)` runs the full cache over each prompt, applies both measurements to every
+# query head (steps $i \ge 64$) and averages: per level, a row per layer.
+
+
+# %%
+from methods.analysis.persistence import persistence_by_layer
+from methods.evaluation.viz import plot_persistence
+
+n_prompts = 1 if TINY else 4                                      # prompts per NIAH task
+niah = [t for t in card["default_suite"] if t.startswith("niah")][:1 if TINY else None]
+prompts = [make_sample(task, tok, LENGTH, seed=i).prompt_ids for task in niah for i in range(n_prompts)]
+pers = persistence_by_layer(model, prompts, levels=(1, 3), start=64)   # {level: (n_layer, 7)}
+plot_persistence(pers, paper=0.95, title="Persistence of importance (dotted: the paper's 95%)")
+plt.show()
+print(f"{n_prompts} prompts of each of {niah}; 'heavy at a step': the share of tokens heavy for a query")
+for level, table in pers.items():
+    print(f"level {level} x uniform, per layer: ratio (base rate)")
+    for layer, (r1, b1, r50, b50, rh, bh, share) in enumerate(table.tolist()):
+        print(f"  layer {layer}: step delta=1 {r1:.2f} ({b1:.2f})   delta=50 {r50:.2f} ({b50:.2f})   "
+              f"sequence {rh:.2f} ({bh:.2f})   heavy at a step: {share:.0%} of the tokens")
+
+# %% [markdown]
+# The figure shows the persistence ratio (solid) and its base rate (dashed) per layer, blue for heavy at the
+# uniform level, red for heavy at three times it; the dotted grey line is the paper's 95%. Step to step,
+# importance persists above chance (each solid line above its dashed one) but nowhere near 95%. Over the
+# sequence, at the uniform level, the ratio reaches the paper's figure in three layers of four, and so does its
+# base rate: with 15-35% of the tokens above the uniform level at any step, almost every early token is
+# "important" at some step, so this reading can hardly fail. At three times the uniform level no layer reaches
+# 95% (0.67-0.91).
+
+# %% [markdown]
+# ### 5.2 One needle's attention at three decode positions (the paper's Figure 1)
 #
 # The paper's Figure 1 and Figures 6-9 show attention maps at three positions 50 tokens apart. Here, on the
 # bundled model, the lesson's NIAH sample read by the full cache followed by its reference answer (teacher
@@ -633,11 +693,12 @@ for layer, a in enumerate(maps):
 # * **On the bundled model Scissorhands is never better than StreamingLLM** (within noise at the two smaller
 #   keep ratios, distinguishably lower at the largest), and far below H2O (section 1).
 # * **Why: a count of below-average steps ignores how strongly a token is attended.** The needle is heavy for
-#   the few queries that retrieve it and low for all the others (section 5; the lesson's section 3). The counters also
+#   the few queries that retrieve it and low for all the others (section 5.2; the lesson's section 2). The
+#   counters also
 #   favour young tokens, but removing that with a short window does not help (section 1.1).
 # * **The counters cost more memory than the K/V they manage**, at one byte per flag (section 1).
 # * **Persistence holds step to step, well above chance but far from 95%**; the sequence-level reading
-#   reaches 95% only because its base rate does too (the lesson's section 2 and section 4.2 here).
+#   reaches 95% only because its base rate does too (sections 5.1 and 4.2).
 # * **The MLP block turns its input in the bundled model, not in SmolLM2**, where the cosine is close to 1
 #   as in the paper's Figure 10 (sections 3 and 4.3).
 # * **Theorem 4.1's closed form is no upper bound at moderate budgets** (negative below `B/T` = 0.472
