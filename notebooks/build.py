@@ -29,11 +29,11 @@ with their outputs, without running anything: for an edit of the prose of a note
 It refuses when a code cell differs (its source, its tags, or the number and order of code cells), since the
 outputs would then no longer be the code's.
 
-A lesson is at most 60 minutes of work for a reader new to the topic, measured, not computed: cold readings
-of the executed notebook (a reader works through it and its exercises and notes the minutes), kept in
+A lesson aims at an hour of work for a reader new to the topic. Its minutes are measured, not computed: cold
+readings of the executed notebook (a reader works through it and its exercises and notes the minutes), kept in
 ``readings.json`` with the notebook's size when it was read (``size_minutes``, a formula that only serves to
-notice a lesson that grew since; ``tests/notebooks/test_teaching.py`` asks for a new reading then). The lesson
-holds the paper's question and equation, the method
+notice a notebook that grew since; ``tests/notebooks/test_teaching.py`` asks for new readings then; record them
+with ``--reading``). The lesson holds the paper's question and equation, the method
 built by hand and checked against the library, a toy picture, the method on the real model, exercises. The
 research behind a lesson (variants, ablations, audits of the paper's claims) lives in its lab,
 ``labs/NN_*.py``, built and tested the same way. An
@@ -95,7 +95,7 @@ def sources() -> list[Path]:
 
 
 def lessons() -> list[Path]:
-    """The lessons' sources, 00 to 07: each at most an hour of work; the research behind them lives in their labs."""
+    """The lessons' sources, 00 to 07: each about an hour of work; the research behind them lives in their labs."""
     return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 
 
