@@ -192,8 +192,9 @@ plt.show()
 # have more than $T - n$ low flags, whereas a context token far back had up to $w = 400$ chances to be below
 # average, and was, almost every time. The needle's value is a good example: it is heavy for the few queries
 # that look it up, and below average for almost all of the rest. The counters of its tokens, against the
-# largest counter that was still kept, per layer and KV head (and H2O's rank of the same tokens, out of the
-# prompt). `prefill` reads the whole prompt, then drops down to $B$ at once, so a cache that keeps everything
+# largest counter that was still kept, per layer and KV head, and H2O's rank of the same tokens among the
+# prompt's (0 = H2O's highest score; H2O also keeps a recent block, so a rank above $B$ can still be kept).
+# `prefill` reads the whole prompt, then drops down to $B$ at once, so a cache that keeps everything
 # holds the very counters the budget cache ranked:
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
@@ -276,7 +277,8 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method")
 # cache's is not "without compromising model quality". At keep 0.5 (128 entries, 2x-4x) H2O matches the full
 # cache's perplexity (x1.004, KL 0.056, yet top-1 agreement 0.878), while Scissorhands is still x1.099, the
 # worst of the three by perplexity (x1.075 for StreamingLLM), second by KL (0.074 against 0.106). So **the 5x
-# claim does not reproduce on SmolLM2**, and even at 2x-4x Scissorhands costs almost a tenth in perplexity.
+# claim does not reproduce on SmolLM2** (on this text), and even at 2x-4x Scissorhands costs almost a tenth in
+# perplexity.
 # These are 255 predictions of one text: gaps of
 # a few percent between methods could move on another; the rise of Scissorhands' perplexity at both ratios is
 # larger than that.
@@ -290,7 +292,7 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method")
 #
 # ### Exercise 1: dropping m at a time
 #
-# With $m = 3$ (`drop=3`) a full cache drops three tokens at once, so it falls below the budget and has
+# With $m = 3$ (`drop=3`) a cache over its budget drops three tokens at once, so it falls below the budget and has
 # room for the next steps before it compresses again. On the toy of section 1 ($B = 4$, $r = 1$), how
 # many tokens does the cache keep, and which? The cell below computes the counters $I_n$ (`counts`) and the
 # last query's attention (`last`), as lists; compute `my_keep`, the kept positions in ascending order, from

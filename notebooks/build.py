@@ -342,7 +342,7 @@ def read_readings() -> dict:
     """``readings.json``: per notebook, ``minutes`` (a list: each cold reading's minutes of work, exercises
     included), ``size`` (``size_minutes`` of the notebook that was read) and ``date``. A ValueError naming the
     file and the entry where it is not that."""
-    data = json.loads(files.read_text(READINGS)) if READINGS.exists() else {}
+    data = json.loads(files.read_text(READINGS, "readings")) if READINGS.exists() else {}
     for name, entry in data.items():
         ok = isinstance(entry, dict) and isinstance(entry.get("minutes"), list) and entry["minutes"] and all(
             isinstance(m, (int, float)) and m > 0 for m in entry["minutes"]) and isinstance(

@@ -220,6 +220,8 @@ def test_a_reading_is_recorded_with_the_size_of_the_notebook_read(tmp_path, monk
     entry = json.loads((tmp_path / "readings.json").read_text())["00_nanollm_kv_cache"]
     assert entry["minutes"] == [50, 58, 44] and entry["size"] == round(size(source), 1)
     assert build.work(entry) == "50 (44-58, 3)" and build.work(None) == "not read"
+    build.main([str(NOTEBOOKS / "01_baselines.py"), "--reading", "61"])           # beside the first
+    assert sorted(json.loads((tmp_path / "readings.json").read_text())) == ["00_nanollm_kv_cache", "01_baselines"]
     for argv in ([str(source), "--reading", "0"], [str(source), str(source), "--reading", "5"]):
         with pytest.raises(SystemExit):
             build.main(argv)
