@@ -1,15 +1,21 @@
 # %% [markdown]
 # # 06 Lab: KVReviver taken apart, where and why it fails
 #
-# The lesson, [06_kvreviver.ipynb](../06_kvreviver.ipynb), built KVReviver's count sketch and found that the
-# method answers no question after the context, on the bundled model and on SmolLM2-135M. This lab finds out
-# where and why:
+# **Before this lab**: read the lesson, [06_kvreviver.ipynb](../06_kvreviver.ipynb): its count sketch of
+# $R$ rows of $W$ cells holding $E$ tokens, its Recent / Candidate / Vague parts, and its tables. The metrics
+# (acc, KL, keep ratio, KV KiB) are in the [metrics glossary](../README.md#metrics), the shared symbols in
+# the [book's notation table](../README.md).
+#
+# The lesson found that KVReviver answers no question after the context, on the bundled model and on
+# SmolLM2-135M. This lab finds out where and why:
 #
 # 1. on SmolLM2, which tokens stay raw and where the attention of the first answer token goes;
-# 2. the Recent / Candidate rule with one selection per layer or per KV head, on the bundled model;
+# 2. on the bundled model: how often a head's attention to the sketch is all or nothing; the Recent /
+#    Candidate rule with one selection per layer or per KV head; wider sketches;
 # 3. why it breaks, to the end: one part of the method changed at a time under language modelling, Lemma 2
 #    at the paper's own setting, the appendix's per-layer budgets, and a repair of ours;
-# 4. what this says at our scale.
+# 4. the decode time;
+# 5. what this says at our scale.
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -24,7 +30,7 @@ model, tok, card = load("retrieval-llama")         # the lesson's bundled model:
 # %%
 LENGTH = 256 if TINY else 512
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]
-niah = [t for t in TASKS if t.startswith("niah")][:3]          # the NIAH tasks of the lesson's section 4.1
+niah = [t for t in TASKS if t.startswith("niah")][:3]          # the NIAH tasks of section 2.2
 print(f"tiny mode: {TINY}; bundled model: tasks {niah}, {LENGTH} tokens")
 
 # %% [markdown]
@@ -37,8 +43,11 @@ print(f"tiny mode: {TINY}; bundled model: tasks {niah}, {LENGTH} tokens")
 #   layer, chosen by one score per token summed over all 9 query heads; a sketch cell holds a whole token
 #   of all 3 KV heads, so every KV head keeps the same positions;
 # * **per KV head** (`per_kv_head=True`, our option): each KV head keeps its own Candidates, chosen by the
-#   attention its own 3 query heads gave, and its own sketch of the same r x b cells (same hashes). Recent
+#   attention its own 3 query heads gave, and its own sketch of the same $R \times W$ cells (same hashes). Recent
 #   is the same newest positions in every head.
+#
+# (Here $R$ is the sketch's rows, as in the lesson; the printed `R` and `C` of `policy.parts` count the
+# tokens in Recent and Candidate.)
 
 # %%
 import torch
@@ -74,7 +83,7 @@ def compress_real(sample, policy=None):
 # one (layer, KV head) of layers 0, 10, 20 and 29: Recent (the newest tokens, here the question and the end
 # of the context), Candidate (raw, by accumulated attention), and everything else held only by the sketch.
 # The pass key's five digit tokens are marked. The paper's split gives the sketch a tenth of the slots,
-# `b = floor(0.1 budget / 3)` cells per row, so each cell holds about `V / b` tokens (printed below the
+# $W = \lfloor 0.1 B / 3 \rfloor$ cells per row, so each cell holds about $E / W$ tokens (printed below the
 # picture, for both budgets).
 
 # %%
@@ -97,6 +106,8 @@ for name, opts in GRANULARITIES.items():
     policy_view = make_policy("kvreviver", budget_view, **opts)
     views[name] = (policy_view, compress_real(passage, policy_view))
 
+
+# %%
 colours = ListedColormap(["#e8e8e8", "tab:blue", "tab:orange"])    # sketch only, Candidate, Recent
 fig, axes = plt.subplots(len(views), 1, figsize=(11, 4.6), sharex=True)
 for ax, (name, (policy_view, cache_view)) in zip(axes, views.items()):
@@ -120,6 +131,13 @@ fig.legend(handles=[Patch(color="#e8e8e8", label="only in the sketch (Vague)"),
 plt.tight_layout(rect=(0, 0.06, 1, 1))
 plt.show()
 
+
+# %% [markdown]
+# The picture shows which positions each (layer, KV head) keeps raw: Recent (orange) at the end, the
+# Candidates (blue) gathered at the start of the context, and the rest, the pass key's digits among them
+# (between the red lines), held only by the sketch (grey). Counted, with the load of each cell:
+
+# %%
 for name, (policy_view, cache_view) in views.items():
     digits = torch.arange(key_span[1], key_span[2])
     raw = [int(torch.isin(digits, cache_view.layers[layer].pos[0, h]).sum())
@@ -128,14 +146,14 @@ for name, (policy_view, cache_view) in views.items():
 for budget in BUDGETS_REAL:
     policy_cell = make_policy("kvreviver", budget)
     parts = policy_cell.parts(0, compress_real(passage, policy_cell).layers[0])
-    print(f"keep {budget / LENGTH_REAL:.2f} ({budget} slots per KV head): R {parts['R']} + C {parts['C']} raw, sketch "
-          f"{policy_cell.rows} x {policy_cell.width} cells; {parts['V']} tokens in the sketch = "
-          f"{parts['V'] / max(policy_cell.width, 1):.0f} tokens per cell")
+    print(f"keep {budget / LENGTH_REAL:.2f} ({budget} slots per KV head): Recent {parts['R']} + Candidate "
+          f"{parts['C']} raw, sketch R x W = {policy_cell.rows} x {policy_cell.width} cells; E = {parts['V']} tokens "
+          f"in the sketch = {parts['V'] / max(policy_cell.width, 1):.0f} tokens per cell")
 
 
 # %% [markdown]
-# The Candidates gather at the start of the context (accumulated attention favours tokens that many
-# queries have seen), and the pass key is not among them: with the shared selection none of its digits is
+# The Candidates gather at the start of the context because accumulated attention favours tokens that many
+# queries have seen, and the pass key is not among them: with the shared selection none of its digits is
 # raw, with one selection per KV head at most one per head, though the heads do keep different positions.
 # The key can only come back from the sketch, where each cell sums the dozens to hundreds of tokens
 # printed above.
@@ -167,6 +185,7 @@ for s in mass_samples:
         norms[key].append(key_norm_ratio(policy_norm, compress_real(s, policy_norm), full_cache))
 
 
+# %%
 def layer_means(key, field):                 # per layer, the mean over samples
     return [sum(rows[i][field] for rows in masses[key]) / len(masses[key]) for i in range(real.config.n_layer)]
 
@@ -229,31 +248,68 @@ plt.show()
 # them more than 99% in no head. The rebuilt keys are 354x and 73-74x longer than the real keys of the same
 # positions. Per KV head changes neither the tokens per cell nor the key lengths, hence nothing here.
 #
-# ## 2. The two granularities on the bundled model
+# ## 2. The bundled model
 #
-# The lesson's section 4.1 found the Recent / Candidate rule alone (no sketch) far below H2O on the bundled
-# model, with one selection per layer. Here are four KVReviver variants (with and without the sketch, per
-# layer and per KV head) on the bundled model, question after context, keep ratio 0.25, the NIAH tasks, next
-# to H2O:
+# ### 2.1 All or nothing, counted
+#
+# The lesson's section 3 picture showed one prompt: most heads give the entries rebuilt from the sketch
+# nothing, a few give them everything. Counted over one prompt per task of the bundled model, at a quarter of
+# the prompt as budget (question after the context, the first answer token):
+
+# %%
+G, H = model.config.group_size, model.config.n_head
+mass = [r for t in TASKS for r in rebuilt_attention_mass(                # one prompt per task, every layer
+    *traces(model, make_sample(t, tok, LENGTH, seed=1), "question_after_context",
+            [None, make_policy("kvreviver", LENGTH // 4)], [True, True]), G)]
+on_rebuilt = [x for r in mass for x in r["method_heads"]]               # per (prompt, layer, query head)
+full_gives = [x for r in mass for x in r["full_heads"]]
+print(f"Over {len(TASKS)} prompts (one per task) x {model.config.n_layer} layers x {H} query heads: "
+      f"{sum(x > 0.99 for x in on_rebuilt)} of {len(on_rebuilt)} heads put > 99% of their attention on rebuilt "
+      f"entries and {sum(x < 0.01 for x in on_rebuilt)} put < 1%; mean mass on them "
+      f"{sum(on_rebuilt) / len(on_rebuilt):.2f} (the full cache gives those positions "
+      f"{sum(full_gives) / len(full_gives):.2f}, and > 99% in {sum(x > 0.99 for x in full_gives)} heads)")
+
+
+# %% [markdown]
+# Per head it is all or nothing: 16 of the 96 heads put more than 99% of their attention on the rebuilt
+# entries and 71 less than 1%, where the full cache spreads 0.41 of it over those positions on average. In
+# most heads the sketched tokens are as good as evicted; in a few they take everything.
+#
+# ### 2.2 The two granularities, and wider sketches
+#
+# Is the sketch too small, or is the eviction half weak? KVReviver variants on the bundled model, question
+# after context, keep ratio 0.25, the NIAH tasks, next to H2O: with and without the sketch (`sketch_width=0`:
+# tokens leaving Candidate are forgotten), one selection per layer or per KV head, wider sketches *on top of*
+# the budget (32 and 128 cells per row), and an injective hash (one cell per position: exact). A `Variant`
+# is a method with options.
 
 # %%
 from methods.evaluation.compare import Variant, format_intervals, run
 
-granularity_variants = [Variant("kvreviver", "kvreviver"),
-                        Variant("kvreviver per-head", "kvreviver", {"per_kv_head": True}),
-                        Variant("kvr no sketch", "kvreviver", {"sketch_width": 0}),
-                        Variant("kvr no sketch per-head", "kvreviver", {"sketch_width": 0, "per_kv_head": True}),
-                        Variant("h2o", "h2o")]
-bundled = run(model, tok, granularity_variants, [round(0.25 * LENGTH)], niah, ["question_after_context"],
+variants = [Variant("kvreviver", "kvreviver"), Variant("kvreviver per-head", "kvreviver", {"per_kv_head": True}),
+            Variant("kvr no sketch", "kvreviver", {"sketch_width": 0}),
+            Variant("kvr no sketch per-head", "kvreviver", {"sketch_width": 0, "per_kv_head": True}),
+            Variant("kvr W=32 on top", "kvreviver", {"sketch_width": 32}),
+            Variant("kvr W=128 on top", "kvreviver", {"sketch_width": 128}),
+            Variant("kvr injective", "kvreviver", {"sketch_width": LENGTH, "injective_hash": True}),
+            Variant("h2o", "h2o")]
+bundled = run(model, tok, variants, [round(0.25 * LENGTH)], niah, ["question_after_context"],
               1 if TINY else 3, LENGTH, progress=False)
 print(format_intervals(bundled))
+for w in variants:
+    rows = [r for r in bundled if r["method"] == w.label]
+    print(f"{w.label:24} KL {sum(r['kl'] for r in rows) / len(rows):.2f}   "
+          f"KV KiB {max(r['kv_bytes'] for r in rows) / 1024:.0f}")
 
 
 # %% [markdown]
 # The Recent / Candidate rule with no sketch answers nothing with one selection per layer (0.00), and 0.78
 # with one per KV head, within noise of H2O's 0.89: one selection per layer is what makes the eviction half
-# weak on this model. KVReviver per KV head, with its sketch, stays at 0.11: the sketch takes back what the finer
-# selection gained. On SmolLM2 the granularity changes nothing (the lesson's SmolLM2 table).
+# weak on this model. KVReviver per KV head, with its sketch, stays at 0.11: the sketch takes back what the
+# finer selection gained. Only sketches far wider than the paper's split bring accuracy back: 128 extra
+# cells per row answer 0.11, and the injective hash is the full cache (accuracy 1.00, KL 0.00) with more
+# memory than the full cache itself. The machinery is right; the compression is too strong for these keys.
+# On SmolLM2 the granularity changes nothing (the lesson's SmolLM2 table).
 #
 # ## 3. Why it breaks, to the end
 #
@@ -273,7 +329,7 @@ print(format_intervals(bundled))
 #   shipped policy follows the loop, where a token revived later in a step is read after the earlier swaps
 #   changed the cells it shares with them);
 # * **no sketch**: Recent / Candidate alone (tokens leaving Candidate are forgotten), next to H2O;
-# * **width b on top**: b cells per sketch row *on top of* the budget;
+# * **width W on top**: $W$ cells per sketch row *on top of* the budget (the table's `width 8 on top`, ...);
 # * **Fisher budgets**: the appendix's per-layer budgets by the Fisher information of W_K and W_V
 #   (`layer_budgets` in `methods/kvreviver.py`; the appendix gives no formula, our reading is in
 #   `methods/README.md`), the same total;
@@ -351,12 +407,12 @@ plt.show()
 # %% [markdown]
 # ### 3.1 Lemma 2 at the paper's own setting
 #
-# The paper's bound assumes keys and values with i.i.d. zero-mean normal coordinates. With `a` tokens in
-# the sketch and `b` cells per row, a row's estimate of a token carries about `a / b` others, and the
+# The paper's bound assumes keys and values with i.i.d. zero-mean normal coordinates. With $E$ tokens in
+# the sketch and $W$ cells per row, a row's estimate of a token carries about $E / W$ others, and the
 # median of three rows keeps Lemma 2's share of that variance, so the predicted MSE per coordinate over
 # the tokens' variance is
 #
-# $$\frac{\mathrm{E}[(\hat x - x)^2]}{\sigma^2} \approx 0.448\,\frac{a}{b},\qquad
+# $$\frac{\mathrm{E}[(\hat x - x)^2]}{\sigma^2} \approx 0.448\,\frac{E}{W},\qquad
 # \operatorname{Var}\big(\operatorname{median}(X_1, X_2, X_3)\big)
 # = \sigma^2 \int x^2\, 6\,\Phi(x)(1-\Phi(x))\,\phi(x)\,dx$$
 #
@@ -364,20 +420,28 @@ plt.show()
 # median's density is `6 F (1 - F) f`). The command measured it at the paper's setting: the first 2048
 # tokens of the help topics through one prompt pass, a 10% budget split 0.45 / 0.45 / 0.1, the rebuilt
 # cache (Algorithm 4) against the full one at the positions only the sketch holds, per layer. It also
-# measured how far the keys are from zero-mean, `|mean k| / rms |k|` per layer.
+# measured how far the keys are from zero-mean, `|mean k| / rms |k|` per layer. The table prints every fifth
+# layer and the last (the figure shows them all); its `a` is $E$ and its `b` is $W$.
 
 # %%
 lemma_rows = [r for r in ablation_records if r["kind"] == "lemma2"]
-print(format_lemma(lemma_rows))
+last = max(r["layer"] for r in lemma_rows)
+for line in format_lemma(lemma_rows).splitlines():               # every fifth layer's row, and the last
+    first = line[:5].strip()
+    if not first.isdigit() or int(first) % 5 == 0 or int(first) == last:
+        print(line)
 print(f"\nLemma 2's constant, by quadrature: {LEMMA2:.4f}")
+
+
+# %%
 shipped_rows = [r for r in lemma_rows if r["policy"] == "shipped"]
 repaired_rows = [r for r in lemma_rows if r["policy"] == "centred+shrunk"]
 layers_l2 = [r["layer"] for r in shipped_rows]
 fig, axes = plt.subplots(1, 2, figsize=(11.5, 3.8))
 axes[0].semilogy(layers_l2, [r["key_mse"] for r in shipped_rows], "o-", ms=4, label="keys, measured")
 axes[0].semilogy(layers_l2, [r["value_mse"] for r in shipped_rows], "s-", ms=4, label="values, measured")
-axes[0].semilogy(layers_l2, [r["predicted"] for r in shipped_rows], "k--", label="Lemma 2: 0.448 a/b")
-axes[0].semilogy(layers_l2, [r["bound"] for r in shipped_rows], "k:", label="the bound a pi / N")
+axes[0].semilogy(layers_l2, [r["predicted"] for r in shipped_rows], "k--", label="Lemma 2: 0.448 E/W")
+axes[0].semilogy(layers_l2, [r["bound"] for r in shipped_rows], "k:", label="the bound E pi / N")
 axes[0].semilogy(layers_l2, [r["key_mse"] for r in repaired_rows], "^-", ms=4, mfc="none",
                  label="keys, centred+shrunk (ours)")
 axes[0].set(title=f"reconstruction error, {shipped_rows[0]['length']} tokens, {shipped_rows[0]['budget']} slots",
@@ -402,7 +466,7 @@ plt.show()
 # lemma says, it is the load that is hopeless, an error about 11 times a value's length. The keys sit near
 # 1.18e+05, about a thousand times the prediction: the right panel shows why, their mean is 0.74 of their
 # length (median over layers; the values' 0.38) where the analysis assumes 0, and an unsigned sum carries
-# it `a/b` times over. Our centred and shrunk estimates (triangles) come back with 0.99 of a variance for
+# it $E/W$ times over. Our centred and shrunk estimates (triangles) come back with 0.99 of a variance for
 # both: at this load the best a sketch can return is about the mean token.
 
 # %% [markdown]
@@ -451,7 +515,7 @@ plt.show()
 # ### 3.3 A repair of ours (not the paper's): the mean out of a cell, the rest shrunk
 #
 # Two measurements point at the same fix. The keys share a large mean, which an unsigned sum carries
-# `a/b` times over; and with hundreds of tokens per cell even a zero-mean estimate is mostly noise, which
+# $E/W$ times over; and with hundreds of tokens per cell even a zero-mean estimate is mostly noise, which
 # the swap loop then moves into Candidate. `CentredSketch` (in the ablation module) keeps per cell the
 # number of tokens and the sum of their signs, and per sketch the mean key and value, so a query can take
 # the others' mean out of each row's cell; the median over rows is then shrunk towards the mean by
@@ -471,33 +535,37 @@ k_all, v_all = full.layers[2].k[0].transpose(0, 1), full.layers[2].v[0].transpos
 # %%
 from methods.kvreviver import VagueSketch
 
-repair_widths = [4, 16, 64, 256]
-a = k_all.shape[0]
+repair_widths = [4, 16, 64, 256]                            # W, cells per row
+E = k_all.shape[0]                                          # tokens in the sketch
 repair = {"plain (the paper's)": VagueSketch, "centred keys (ours)": CentredKeySketch,
           "centred+shrunk (ours)": CentredSketch}
-repair_mse = {name: [] for name in repair}
-for b in repair_widths:
+repair_mse = {name: [] for name in repair}                  # name -> key MSE / variance per W, mean of 3 seeds
+for W in repair_widths:
     for name, cls in repair.items():
         errs = []
         for seed in range(3):
-            s = cls(3, b, k_all.shape[1], k_all.shape[2], seed=seed)
-            s.insert(torch.arange(a), k_all, v_all)
-            errs.append(float(((s.query(torch.arange(a))[0] - k_all) ** 2).mean() / k_all.var(0).mean()))
+            s = cls(3, W, k_all.shape[1], k_all.shape[2], seed=seed)
+            s.insert(torch.arange(E), k_all, v_all)
+            errs.append(float(((s.query(torch.arange(E))[0] - k_all) ** 2).mean() / k_all.var(0).mean()))
         repair_mse[name].append(sum(errs) / len(errs))
+
+
+# %%
+per_cell = [E / W for W in repair_widths]                   # tokens per cell
 fig, ax = plt.subplots(figsize=(6.5, 3.8))
 for (name, mse), marker in zip(repair_mse.items(), "os^"):
-    ax.loglog([a / b for b in repair_widths], mse, marker=marker, label=name)
-ax.loglog([a / b for b in repair_widths], [LEMMA2 * a / b for b in repair_widths], "k--", label="Lemma 2: 0.448 a/b")
+    ax.loglog(per_cell, mse, marker=marker, label=name)
+ax.loglog(per_cell, [LEMMA2 * x for x in per_cell], "k--", label="Lemma 2: 0.448 E/W")
 ax.axhline(1, color="grey", ls=":", label="error of the mean key")
 ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
-ax.set(title=f"key reconstruction on the bundled model, {a} tokens", xlabel="tokens per cell a / b",
+ax.set(title=f"key reconstruction on the bundled model, {E} tokens", xlabel="tokens per cell E / W",
        ylabel="MSE / per-coordinate variance")
 ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 plt.tight_layout()
 plt.show()
 for name, mse in repair_mse.items():
-    print(f"{name:22} key MSE / variance at a/b = {a / repair_widths[0]:.0f}: {mse[0]:.2f};  at a/b = "
-          f"{a / repair_widths[-1]:.2f}: {mse[-1]:.2f}")
+    print(f"{name:22} key MSE / variance at E/W = {per_cell[0]:.0f}: {mse[0]:.2f};  at E/W = "
+          f"{per_cell[-1]:.2f}: {mse[-1]:.2f}")
 
 
 # %% [markdown]
@@ -510,7 +578,43 @@ for name, mse in repair_mse.items():
 # must hold.
 
 # %% [markdown]
-# ## 4. What this says at our scale
+# ## 4. The decode time
+#
+# The paper measures decoding about 2x slower than the full cache at batch 1 on a GPU. Here each method is
+# traced alone (`harness.trace`) on four prompts of the bundled model, question after the context, against
+# the full cache, at three keep ratios.
+
+# %%
+from methods.evaluation.harness import trace
+
+timing_samples = [make_sample(t, tok, LENGTH, seed=100 + i) for t in card["default_suite"][:2] for i in range(2)]
+KEEP_TIMED = [0.25] if TINY else [0.1, 0.25, 0.5]
+
+
+def alone_ms(policy):                   # mean decode ms per token, the method traced alone, batch 1
+    return sum(trace(model, s, "question_after_context", policy).decode_ms_per_token
+               for s in timing_samples) / len(timing_samples)
+
+
+alone_ms(None)                          # a first pass warms up (allocations, caches): not counted
+full_ms = alone_ms(None)
+for method in ["kvreviver", "h2o"]:
+    for keep in KEEP_TIMED:
+        ms = alone_ms(make_policy(method, budget=round(keep * LENGTH)))
+        print(f"{method:10} keep {keep:.2f}: {ms:5.1f} ms/token = {ms / full_ms:4.1f}x the full cache ({full_ms:.1f})")
+
+
+# %% [markdown]
+# Traced alone (the ratios printed above), KVReviver decodes about twice as slowly as the full cache, as the
+# paper found, and H2O a little slower; CPU timings move from run to run. Each timing is a whole decode
+# step, the layers' weight products included, which every method pays alike; the tables' `step ms` instead
+# give each cache the time of its own attention plus an equal share of the rest, so their gaps are wider.
+# Every KVReviver step
+# rebuilds every evicted position and attends over all of them, so at long contexts it falls far behind
+# (`python -m methods.evaluation.bench`).
+
+# %% [markdown]
+# ## 5. What this says at our scale
 #
 # * **Values** behave as the paper's analysis says: signed sums are unbiased, and the median of three rows
 #   keeps about Lemma 2's share of the collision variance, on the bundled model (the lesson's section 2)
@@ -521,10 +625,10 @@ for name, mse in repair_mse.items():
 #   sketch, so its tokens are as good as evicted, and a few attend to nothing else.
 # * So KVReviver does **not** cure contextual amnesia here, on either model (the lesson's sections 4 and
 #   6); only sketches much wider than the paper's split, given on top of the budget, bring some accuracy
-#   back, and the injective one (exact) reproduces the full cache: the machinery is right, the compression
-#   is too strong for these keys.
+#   back, and the injective one (exact) reproduces the full cache (§2.2): the machinery is right, the
+#   compression is too strong for these keys.
 # * The eviction half is also weak on the bundled model: the Recent / Candidate rule with no sketch scores
-#   0.00 with one selection per layer, and 0.78 with one per KV head, within noise of H2O's 0.89 (§2);
+#   0.00 with one selection per layer, and 0.78 with one per KV head, within noise of H2O's 0.89 (§2.2);
 #   KVReviver per KV head, with its sketch, stays at 0.11. On SmolLM2 the granularity changes nothing.
 # * **Why, to the end** (section 3, SmolLM2 under the language-modelling protocol): with true keys and
 #   values and the same bookkeeping KVReviver is the full cache (x1.0000), so its estimates are the whole
@@ -535,6 +639,5 @@ for name, mse in repair_mse.items():
 #   x3.83e+05 with it, at 51 slots), read one swap after the other or all at once. The appendix's Fisher
 #   budgets (our reading) lower it without curing it (§3.2); our repair, centred and shrunk estimates (not
 #   the paper's), brings the method back to Recent / Candidate alone, about H2O, and no further (§3.3).
-# * It is slower per decoded token than the full cache (the lesson's section 5 prints by how much): every
-#   step rebuilds every evicted position from the sketch and attends over all of them, so at long contexts
-#   it falls far behind (`python -m methods.evaluation.bench`).
+# * It is slower per decoded token than the full cache (§4): every step rebuilds every evicted position
+#   from the sketch and attends over all of them.
