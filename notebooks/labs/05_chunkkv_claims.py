@@ -2,12 +2,12 @@
 # # 05 Lab: ChunkKV's claims, measured
 #
 # The research behind the lesson [05_chunkkv](../05_chunkkv.ipynb). The lesson builds Algorithm 1 (whole
-# chunks ranked by their summed votes), draws what it keeps of a needle, measures how alike adjacent layers'
-# kept sets are on the bundled model, and tests the headline claim (whole chunks answer better than single
-# tokens with the same votes) on SmolLM2-135M. This lab holds the rest:
+# chunks ranked by their summed votes), draws what it keeps of a needle, and tests the headline claim (whole
+# chunks answer better than single tokens with the same votes) on SmolLM2-135M. This lab holds the rest:
 #
 # 1. accuracy and KL against SnapKV and H2O on the bundled model, both modes, three keep ratios;
-# 2. the chunk-size and reuse-depth ablations, and why reuse helps on the bundled model;
+# 2. the chunk-size and reuse-depth ablations, why reuse helps on the bundled model, and whether adjacent
+#    layers keep the same tokens (the observation behind index reuse, Algorithm 2);
 # 3. on SmolLM2-135M: one passkey drawn layer by layer, kept whole or in pieces, and whether adjacent layers
 #    keep the same tokens;
 # 4. what this says at our scale.
@@ -43,9 +43,9 @@ print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, 
 # over the answers behind it, and two methods are *distinguishable* when the paired 95% interval of their
 # difference excludes 0 (`describe` prints the difference, its interval and that verdict).
 #
-# The next cells hold the helpers that read the records, and repeat two functions of the lesson:
-# `value_kept_whole` (does each layer and KV head keep a needle's value whole?) and `mean_jaccard` (how alike
-# are adjacent layers' kept sets?).
+# The next cells hold the helpers that read the records, and two measurements: `value_kept_whole` (does each
+# layer and KV head keep a needle's value whole? the lesson's section 2 counts it) and `mean_jaccard` (how alike
+# are adjacent layers' kept sets? section 2.1).
 
 # %%
 import torch
@@ -249,14 +249,43 @@ for mode in MODES:
 # higher than reuse 1 in both modes, reuse 2 only after the context. The right panel shows why: with every
 # layer choosing for itself (reuse 1), layer 0 keeps the needle's value whole in 0.95 of the single-needle
 # samples and layers 1-3 in 0.10 to 0.40, so a layer that copies layer 0's choice keeps a value it would have
-# dropped. That is a property of this small model, not of reuse: on SmolLM2 (the lesson's section 4) reuse
-# 2 changes nothing measurable. Reuse also cuts the time in the policy's hooks (the compression times printed
-# above, noisy on a shared machine; the paper reports about 20% less at depth 2), but on a 0.87M-parameter
-# model that is a few milliseconds.
+# dropped. That is a property of this small model, whose first layer's window finds the value best; the paper
+# offers reuse as a saving of work, not of accuracy. Reuse also cuts the time in the policy's hooks (the
+# compression times printed above, noisy on a shared machine; the paper reports about 20% less at depth 2),
+# but on a 0.87M-parameter model that is a few milliseconds.
+#
+# ### 2.1 Do adjacent layers keep the same tokens?
+#
+# Algorithm 2 reuses indices across layers: with reuse depth 2, layer 0 chooses its chunks and layer 1 keeps
+# the same positions, layer 2 chooses and layer 3 copies it. It rests on an observation: with chunks, the kept
+# index sets of adjacent layers overlap much more than with token-level selection (the paper: 44-58% Jaccard
+# similarity for ChunkKV, 15-28% for SnapKV and H2O, on 7B-8B models). Measured here without reuse
+# (`reuse=1`), keeping a quarter of each prompt of the suite's NIAH tasks, per KV head, then averaged; twice:
+# over every kept position, and outside the windows only (positions below `len(s.prompt_ids) - 64`), since
+# every layer keeps its protected window (SnapKV's and ChunkKV's observation window, H2O's recent tokens; all
+# within that tail) and that shared part inflates the first number. The last row ranks chunks per KV head
+# (`per_head=True`: the lesson's $s_n$ without the sum over $j$) instead of once per layer.
+
+# %%
+JACCARD_SAMPLES = 1 if TINY else 5                 # samples per NIAH task
+jac = {"snapkv": mean_jaccard("snapkv", JACCARD_SAMPLES), "h2o": mean_jaccard("h2o", JACCARD_SAMPLES),
+       "chunkkv (reuse=1)": mean_jaccard("chunkkv", JACCARD_SAMPLES, reuse=1),
+       "chunkkv per KV head": mean_jaccard("chunkkv", JACCARD_SAMPLES, reuse=1, per_head=True)}
+print("adjacent-layer Jaccard on the bundled model, layer pairs (0,1) (1,2) (2,3), and the mean")
+for name, (every, selected) in jac.items():
+    print(f"{name:20} all kept: {[round(x, 2) for x in every.tolist()]} mean {every.mean():.2f}   "
+          f"outside the windows: {[round(x, 2) for x in selected.tolist()]} mean {selected.mean():.2f}")
+
+# %% [markdown]
+# On this 4-layer model adjacent layers agree only moderately. Outside the windows, ChunkKV's kept sets overlap
+# more than SnapKV's (0.30 against 0.20) and about as much as H2O's (0.29), well below the paper's 44-58%; ranked
+# per KV head they overlap less (0.24). A layer that reuses its neighbour's indices then keeps many positions it
+# would not have chosen itself, which section 2's reuse ablation turns into accuracy. Section 3.2 repeats the
+# measurement on SmolLM2.
 #
 # ## 3. On the real model: SmolLM2-135M
 #
-# The lesson (its section 4) tests the headline claim on SmolLM2-135M (30 layers, 9 query heads sharing 3 KV
+# The lesson (its section 3) tests the headline claim on SmolLM2-135M (30 layers, 9 query heads sharing 3 KV
 # heads, trained on natural text) with its default task suite: RULER's passkey (a five-digit number hidden in a
 # repeated filler, "The grass is green. ...") and a single magic-number needle in paragraphs of Python's
 # documentation (`niah_single_docs`). This section looks at two more things there: one passkey drawn layer by
@@ -379,7 +408,7 @@ for spec, w in whole_real.items():
 #
 # ### 3.2 Do adjacent layers keep the same tokens on SmolLM2?
 #
-# The measurement of the lesson's section 3, unchanged but on SmolLM2: keep ratio 0.25, the NIAH task of the suite
+# The measurement of section 2.1, unchanged but on SmolLM2: keep ratio 0.25, the NIAH task of the suite
 # (`niah_single_docs`), question in the prompt, no reuse (`reuse=1`), Jaccard similarity of the kept
 # positions of layers l and l+1 per KV head, averaged over the 3 KV heads and then over the 29 adjacent
 # pairs; once over every kept position and once before the last 64 prompt positions (outside the protected
@@ -437,11 +466,10 @@ plt.show()
 #   than half, and it answers more than SnapKV beyond noise at every keep ratio (section 1). H2O, which
 #   accumulates attention over the whole prompt, is better with the question in the prompt and level after the
 #   context; no method works at the smallest keep ratio.
-# * **Adjacent layers agree more with chunks, but not at the paper's levels** (the lesson's section 3, section
-#   3.2 here): on the bundled model ChunkKV's overlap is above SnapKV's and level with H2O's; on SmolLM2 it is
-#   the highest of the three and above its single-token control.
+# * **Adjacent layers agree more with chunks, but not at the paper's levels** (sections 2.1 and 3.2): on the
+#   bundled model ChunkKV's overlap is above SnapKV's and level with H2O's; on SmolLM2 it is the highest of the
+#   three and above its single-token control.
 # * **Chunk size and reuse** (section 2): bigger chunks answer more on the bundled model, and deeper reuse
-#   helps there because its first layer is the one whose window finds the value; on SmolLM2 index reuse over
-#   pairs of layers is within noise of no reuse (the lesson's section 4), as the paper reports.
-# * **The headline claim holds on the real model** (the lesson's section 4): with the question in the prompt,
+#   helps there because its first layer is the one whose window finds the value.
+# * **The headline claim holds on the real model** (the lesson's section 3): with the question in the prompt,
 #   whole chunks answer where single tokens with the same votes do not; after the context the gain is smaller.
