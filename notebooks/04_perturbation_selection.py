@@ -11,9 +11,8 @@
 #
 # **Before this lesson** read [01_baselines](01_baselines.ipynb): SnapKV (the observation window's pooled
 # vote, kept once at prefill) and AdaKV (one budget pool per layer, shared by its KV heads) are the hosts
-# CriticalKV runs inside. The lesson assumes the budget, the keep ratio (the share of the prompt each KV head
-# keeps) and the two modes of the [metrics glossary](README.md#metrics), and the book's symbols
-# ([notebooks/README.md](README.md)).
+# CriticalKV runs inside. The keep ratio (the share of the prompt each KV head keeps) is defined in the
+# [metrics glossary](README.md#metrics), the book's shared symbols in [notebooks/README.md](README.md).
 #
 # **You will learn**
 #
@@ -43,7 +42,8 @@ import torch
 # | $V$, $v_n$ | the head's stored values, $T \times d$ | kept in a `KVCache` |
 # | $W_O$ | the output projection, $D \times D$ | `W_O` |
 # | $W_O^{(h)}$ | head $h$'s slice, $d \times D$: `W_O`'s columns $hd$ to $(h+1)d-1$, transposed | inside `vw` |
-# | $V W_O^{(h)}$, $P_n$ | projected values ($T \times D$); $P_n = \|v_n W_O^{(h)}\|_1$, entry $n$'s size | `vw`, `P` |
+# | $V W_O^{(h)}$ | the projected values, $T \times D$ | `vw` |
+# | $P_n$ | $\|v_n W_O^{(h)}\|_1$, entry $n$'s size (this lesson's own; lesson 01's $P$ is a pooling width) | `P` |
 # | $B$ | the budget: entries kept | `b` |
 # | $\mathcal{N}$, $\mathcal{N}_n$ | the keep mask: 1 for a kept entry, 0 for an evicted one | `keep` |
 # | $\mu$ | the kept attention mass, $\sum_n \mathcal{N}_n A_n$ (this lesson's own symbol) | `mu` |
@@ -161,28 +161,19 @@ plt.show()
 # attention (0.18) multiplies a large projected value ($P_2 = 3$), and the output moves by 0.111 instead of
 # 0.694.
 #
-# One identity helps below. The full output is $\mu$ times the kept entries' attention-weighted mean projected
-# value, $o_\text{kept}$, plus $1 - \mu$ times the evicted ones', $o_\text{dropped}$; the compressed output is
-# $o_\text{kept}$, so $\mathcal{L} = (1 - \mu)\, \| o_\text{dropped} - o_\text{kept} \|_1$: the evicted mass
-# times how far the evicted values lie from the kept ones. Attention top-k maximises $\mu$; Algorithm 1 gives
-# up some mass to keep large values. The cell checks the identity on Algorithm 1's choice.
-
-# %% tags=["needs:output_perturbation", "needs:perturbation_bound", "needs:two_stage"]
-keep = torch.tensor([True, False, True, False])                  # Algorithm 1's choice above
-mu = float((attn * keep).sum())
-o_kept = renormalized_attention(attn, keep) @ vw                 # (2,) the kept entries' mean value
-o_dropped = renormalized_attention(attn, ~keep) @ vw             # (2,) the evicted entries' mean value
-print(f"L = {float(output_perturbation(attn, keep, vw)):.6f};  (1 - mu) ||o_dropped - o_kept||_1 = "
-      f"{(1 - mu) * float((o_dropped - o_kept).abs().sum()):.6f}")
-
-# %% [markdown]
-# Does Algorithm 1 lower $\mathcal{L}$ when it knows the true query? The identity says what it risks: every
-# entry stage 2 keeps for its value instead of its attention lowers $\mu$. Theorem 3 freezes the factor
-# $2 - 1/\mu$ at $2 - 1/\sigma$, as if $\mu$ were fixed, so the cost is small only where attention is
-# concentrated, as the paper assumes (§3.5: "a small subset of cache entries accounts for the majority of the
-# attention weights"). The lab tests it at every head's first decode step: Algorithm 1 beats attention top-k,
-# slightly, on SmolLM2-135M, whose attention is concentrated, and loses on the course's bundled model, whose
-# attention is spread out (lab sections 2.4 and 5.5). Exercise 2 tests the same on random heads.
+# **What giving up attention costs.** Write $o_\text{kept}$ and $o_\text{dropped}$ for the attention-weighted
+# mean projected value of the kept and of the evicted entries. The full output is
+# $\mu\, o_\text{kept} + (1 - \mu)\, o_\text{dropped}$ and the compressed one is $o_\text{kept}$, so
+#
+# $$\mathcal{L} = (1 - \mu)\, \| o_\text{dropped} - o_\text{kept} \|_1:$$
+#
+# the evicted mass times how far the evicted values lie from the kept ones. Attention top-k maximises $\mu$;
+# every entry stage 2 keeps for its value instead of its attention lowers it, a cost Theorem 3 leaves out by
+# freezing the factor at $2 - 1/\sigma$. The cost is small only where attention is concentrated, as the paper
+# assumes (§3.5). Exercise 2 tests this on random heads. The lab tests it with the true query at every
+# head's first decode step: Algorithm 1 beats attention top-k, slightly, on SmolLM2-135M, whose attention is
+# concentrated, and loses on the course's bundled model, whose attention is spread out (lab sections 2.4
+# and 5.5).
 #
 # ## 2. Inside SnapKV: the two readings of Algorithm 2's stage 2
 #
@@ -196,53 +187,40 @@ print(f"L = {float(output_perturbation(attn, keep, vw)):.6f};  (1 - mu) ||o_drop
 # $$\text{stage-2 score}_n = \bar{A}'_n P_n \ \ \text{(pooled, the authors' code)}
 # \qquad \text{or} \qquad \bar{A}_n P_n \ \ \text{(literal, Algorithm 2 line 9)}.$$
 #
-# The authors' code is `CriticalKVPress` in kvpress, NVIDIA's open-source library of KV-cache compression
-# methods ("presses"); it runs the pooled reading, our default. The literal reading is the option
-# `stage2="window"`; everything else, stage 1 included, is the same. The difference matters for a needle: the
-# question's queries look at the needle's *key*, the answer copies its *value*, and pooling spreads the key's
-# vote onto the value tokens next to it (the lab's section 1 follows one sample token by token).
+# The authors' code, `CriticalKVPress` in kvpress (NVIDIA's library of KV-cache compression methods), runs
+# the pooled reading, our default; the literal one is the option `stage2="window"`. The difference matters
+# for a needle: the question's queries look at the needle's *key*, the answer copies its *value*, and pooling
+# spreads the key's vote onto the value tokens next to it.
 #
-# On a real model, SmolLM2-135M-Instruct, take a `niah_single_docs` sample: a sentence "The special magic
-# number for KEY is: VALUE." hidden among paragraphs of Python's documentation, the question at the end of
-# the prompt. At keep ratio 0.25, which prompt positions does each selection keep, and what does the model
-# answer? Besides SnapKV and the two readings, the cell runs CriticalSnapKV at kvpress's settings
-# (`preset_options("critical_kv", "kvpress")`: stage 1 takes half of the whole budget, SnapKV's window
-# included, where ours takes a quarter of the budget left after the window; `epsilon`, a constant added to the
-# stage-2 attention estimate, is 0.0001 instead of 0; and SnapKV's window is 64 tokens, its pooling kernel 5
-# wide and averaging, instead of 32, 7 and max).
+# On SmolLM2-135M-Instruct, take a `niah_single_docs` sample: a sentence "The special magic number for KEY
+# is: VALUE." hidden among paragraphs of Python's documentation, the question at the end of the prompt. At
+# keep ratio 0.25, which of the value's digits does each selection keep, and what does the model answer?
 
 # %%
 from methods import make_policy
-from methods.presets import preset_options
+from methods.evaluation.harness import greedy_accuracies, traces
+from methods.evaluation.viz import kept_mask, needle_spans
 from nanollm import KVCache, load, prefill
 from nanollm.data.tasks import make_sample
 
 real, rtok, _ = load("smollm2-135m")
 rcfg = real.config
 LENGTH_REAL, MODE = 256 if TINY else 512, "question_in_prompt"    # tokens per sample; the question in the prompt
-
-KVPRESS = preset_options("critical_kv", "kvpress")                 # CriticalSnapKV at kvpress's settings
-ours = make_policy("snapkv", budget=128)                           # our SnapKV's defaults, for comparison
-print(f"ours: SnapKV window {ours.window}, kernel {ours.kernel}, {ours.pooling} pooling; kvpress's: {KVPRESS}")
-
-# %% tags=["needs:two_stage"]
-from methods.evaluation.harness import greedy_accuracies, traces
-from methods.evaluation.viz import kept_mask, needle_spans
-
-VARIANTS = {"SnapKV": ("snapkv", {}), "pooled (default)": ("critical_kv", {}),
-            "literal": ("critical_kv", {"stage2": "window"}), "kvpress's settings": ("critical_kv", KVPRESS)}
 sample_r = make_sample("niah_single_docs", rtok, LENGTH_REAL, seed=0)
 span = needle_spans(sample_r, rtok)[0]                            # (key start, value start, value end)
 b_view, T_r = round(0.25 * LENGTH_REAL), len(sample_r.prompt_ids)
 print(f"{T_r} prompt tokens, value {sample_r.answers[0]} at positions {span[1]}..{span[2] - 1}; budget {b_view}")
-caches, masks = {}, {}
+
+# %% tags=["needs:two_stage"]
+VARIANTS = {"SnapKV": ("snapkv", {}), "pooled (default)": ("critical_kv", {}),
+            "literal": ("critical_kv", {"stage2": "window"})}
 for label, (spec, opts) in VARIANTS.items():                     # what each one keeps after the prompt
-    caches[label] = KVCache(rcfg, make_policy(spec, budget=b_view, **opts))
-    prefill(real, torch.tensor([sample_r.prompt_ids]), caches[label])
-    masks[label] = kept_mask(caches[label], T_r)[:, :, span[1]:span[2]]   # (L, H_kv, value tokens)
-    print(f"{label}: value complete in {int(masks[label].all(-1).sum())} of {masks[label][..., 0].numel()} "
-          f"(layer, KV head), no digit in {int((~masks[label].any(-1)).sum())}; digits kept per KV head, mean over "
-          "layers 0-9 / 10-19 / 20-29: " + " / ".join(f"{float(masks[label][list(r)].sum(-1).float().mean()):.1f}"
+    cache = KVCache(rcfg, make_policy(spec, budget=b_view, **opts))
+    prefill(real, torch.tensor([sample_r.prompt_ids]), cache)
+    kept = kept_mask(cache, T_r)[:, :, span[1]:span[2]]           # (L, H_kv, value tokens)
+    print(f"{label}: value complete in {int(kept.all(-1).sum())} of {kept[..., 0].numel()} "
+          f"(layer, KV head), no digit in {int((~kept.any(-1)).sum())}; digits kept per KV head, mean over "
+          "layers 0-9 / 10-19 / 20-29: " + " / ".join(f"{float(kept[list(r)].sum(-1).float().mean()):.1f}"
           for r in [range(0, 10), range(10, 20), range(20, rcfg.n_layer)]) + f" of {span[2] - span[1]}")
 policies = [None] + [make_policy(spec, budget=b_view, **opts) for spec, opts in VARIANTS.values()]
 trs = traces(real, sample_r, MODE, policies, [False] * len(policies))   # one prompt pass, answers side by side
@@ -250,37 +228,15 @@ for label, (acc, said) in zip(["full cache", *VARIANTS], greedy_accuracies(real,
     print(f"{label:<19} answers {said.strip()[:40]!r:<44} correct: {acc:.0f}")
 
 # %% [markdown]
-# The figure draws what the first three keep: one strip each, layers 0, 10, 20 and 29, three KV heads each.
-
-# %% tags=["needs:two_stage"]
-from types import SimpleNamespace
-
-from methods.evaluation.viz import plot_kept
-
-SHOW = [0, 10, 20, 29] if rcfg.n_layer == 30 else [0, rcfg.n_layer - 1]
-fig, axes = plt.subplots(3, 1, figsize=(11, 8), dpi=80, layout="constrained")
-for ax, label in zip(axes, ["SnapKV", "pooled (default)", "literal"]):
-    shown = SimpleNamespace(layers=[caches[label].layers[l] for l in SHOW])     # `plot_kept` reads `.layers`
-    plot_kept(ax, shown, T_r, [span], title=label, window=caches[label].policy.window)
-    ax.set_yticks([rcfg.n_kv_head * i + 1 for i in range(len(SHOW))], [f"layer {l}" for l in SHOW], fontsize=10)
-bar = fig.colorbar(axes[0].images[0], ax=axes, ticks=[0, 1], shrink=0.5)
-bar.ax.set_yticklabels(["evicted", "kept"], fontsize=10)
-plt.show()
-
-# %% [markdown]
-# The strips show kept positions dark and evicted ones light (the colour bar), the needle's key shaded light
-# orange and its value digits red, and the start of SnapKV's window as a dotted blue line. SnapKV keeps the
-# needle's sentence in blocks (pooling keeps a strong token's neighbours); the pooled stage 2 keeps a little
-# more: the value complete in 33 of the 90 (layer, KV head) pairs, against 26 for SnapKV. The literal reading
-# spends its stage-2 budget on isolated tokens all over the prompt (the speckled strip): the value complete in
-# 13 pairs, and 0.4 of the 4 digits per KV head in layers 0-9 against 2.9. The pooled vote points at the value
-# through the key next to it; the un-pooled window attention does so less often.
+# The pooled reading keeps a little more of the value than SnapKV: complete in 33 of the 90 (layer, KV head)
+# pairs, against 26. The literal reading keeps it complete in 13, and 0.4 of the 4 digits per KV head in
+# layers 0-9 against 2.9: the pooled vote points at the value through the key next to it, the un-pooled
+# window attention less often.
 #
-# **Verdict.** Inside a host, the observation window decides what stage 2 sees. Pooling helps keep the value
-# but does not secure it: kvpress's settings (also pooled, with half the budget by attention, a wider window
-# and average pooling) keep it complete in only 5 pairs and answer "61". Nor do kept digits decide this
-# answer: SnapKV and both readings answer 6122. Whether the readings move the answers over many samples, and
-# by how much, the lab measures.
+# **Verdict.** Inside a host, the observation window decides what stage 2 sees, and pooling helps stage 2
+# keep a needle's value. Kept digits do not decide this answer, though: SnapKV and both readings answer 6122,
+# as the full cache does. Whether the readings move the answers over many samples, and how the authors' own
+# settings compare, the lab measures.
 
 # %% [markdown]
 # ## Exercises
@@ -402,68 +358,9 @@ print("Concentration helps: Algorithm 1 wins more often as top-16 keeps more of 
       "fewer than half of these random heads: concentrated attention is needed, not enough.")
 
 # %% [markdown]
-# ### Exercise 3: the two readings of Algorithm 2 line 9
-#
-# The default `stage2="host"` multiplies SnapKV's *pooled* vote by the value size; the literal
-# `stage2="window"` multiplies the un-pooled window attention. The cell below loads the bundled model and a
-# single-needle sample (`niah_single_noise`, seed 1): its prompt `ids` and the positions `digits` of the
-# needle's value. Build CriticalSnapKV with a budget of 128 in each reading
-# (`make_policy("critical_kv", budget=128, stage2=...)`), prefill it with `ids`, and count per (layer, KV
-# head) how many of the digits it keeps: `my_kept_digits[reading]`, a list of `n_layer * n_kv_head` counts in
-# the order of `cache.layers` and each layer's KV heads (a layer's kept positions are `cache.layers[l].pos[0]`,
-# one row per KV head). Then, in a sentence: in how many (layer, KV head) does the pooled reading keep at
-# least as many digits, and do the readings still differ with `kernel=1` (no pooling)?
-
-# %%
-model, tok, _ = load("retrieval-llama")                           # the bundled model
-cfg = model.config
-sample = make_sample("niah_single_noise", tok, 512, seed=1)
-value_ids = tok.encode(sample.answers[0])
-start = next(i for i in range(len(sample.context_ids)) if sample.context_ids[i:i + len(value_ids)] == value_ids)
-digits = torch.arange(start, start + len(value_ids))              # positions of the value's digit tokens
-ids = torch.tensor([sample.prompt_ids])                           # (1, T)
-print(f"{len(sample.prompt_ids)} prompt tokens; value {sample.answers[0]} at positions {digits.tolist()}")
-my_kept_digits = {"host": None, "window": None}   # replace each None: digits kept per (layer, KV head), a list
-
-
-# %% tags=["needs:two_stage"]
-@exercise("Exercise 3")
-def check_kept_digits(kept_digits):
-    assert sorted(kept_digits) == ["host", "window"], "one list per reading: keys 'host' and 'window'"
-    for reading, counts in kept_digits.items():
-        assert len(counts) == cfg.n_layer * cfg.n_kv_head, "one count per (layer, KV head), for each reading"
-        cache = KVCache(cfg, make_policy("critical_kv", budget=128, stage2=reading))
-        prefill(model, ids, cache)
-        truth = [int(torch.isin(digits, p).sum()) for layer in cache.layers for p in layer.pos[0]]
-        assert list(counts) == truth, f"stage2={reading!r}: build the policy with budget=128 and stage2={reading!r}, " \
-            "prefill ids, and count the digits in each layer's pos[0] rows, layer by layer"
-
-
-check_kept_digits(my_kept_digits)
-
-# %% tags=["needs:two_stage"]
-# BEGIN SOLUTION [critical_kv] per stage2: prefill make_policy("critical_kv", 128, stage2=...); count isin(digits, p)
-def digits_kept(**options) -> list[int]:
-    cache = KVCache(cfg, make_policy("critical_kv", budget=128, **options))
-    prefill(model, ids, cache)
-    return [int(torch.isin(digits, p).sum()) for layer in cache.layers for p in layer.pos[0]]
-
-
-reference_kept_digits = {reading: digits_kept(stage2=reading) for reading in ("host", "window")}
-# END SOLUTION
-check_kept_digits(reference_kept_digits)
-at_least = sum(h >= w for h, w in zip(reference_kept_digits["host"], reference_kept_digits["window"]))
-unpooled = {reading: digits_kept(stage2=reading, kernel=1) for reading in ("host", "window")}
-print(f"{reference_kept_digits}; the pooled reading keeps at least as many digits in {at_least} of "
-      f"{len(reference_kept_digits['host'])}; with kernel=1: {unpooled}, the same in "
-      f"{sum(h == w for h, w in zip(unpooled['host'], unpooled['window']))} of {len(unpooled['host'])}")
-print("The pooled reading keeps at least as many digits in most (layer, KV head), not all. With kernel=1 the "
-      "pooled vote is the window attention itself, and on this sample the two readings keep the same digits.")
-
-# %% [markdown]
-# **Go further**: the lab [labs/04_critical_kv_readings.ipynb](labs/04_critical_kv_readings.ipynb) follows
-# Exercise 3's sample through every variant over SnapKV and AdaKV; counts, head by head, where the selection
-# lowers the perturbation (the paper's §5.1); tests Algorithm 1 with the true query on both models;
-# measures accuracy and the other metrics, the $\alpha$ ablation and Assumption 1; and sets each of the
-# paper's claims against what we measure, on both models. CriticalKV also wraps H2O, which has no window:
-# `python -m methods.compare --methods h2o "critical_kv(h2o)"`.
+# **Go further**: the lab [labs/04_critical_kv_readings.ipynb](labs/04_critical_kv_readings.ipynb) follows a
+# sample of the bundled model through every variant over SnapKV and AdaKV, kvpress's settings included;
+# counts, head by head, where the selection lowers the perturbation (the paper's §5.1); tests Algorithm 1
+# with the true query on both models; measures accuracy and the other metrics, the $\alpha$ ablation and
+# Assumption 1; and sets each of the paper's claims against what we measure, on both models. CriticalKV also
+# wraps H2O, which has no window: `python -m methods.compare --methods h2o "critical_kv(h2o)"`.

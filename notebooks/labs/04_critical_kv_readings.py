@@ -3,7 +3,7 @@
 #
 # The research behind the lesson
 # [CriticalKV: perturbation-constrained selection](../04_perturbation_selection.ipynb). **Before this lab**
-# read the lesson: it builds Algorithm 1 by hand, tests it with the true query on SmolLM2, and explains the
+# read the lesson: it builds Algorithm 1 by hand, explains why it needs concentrated attention, and sets out the
 # two readings of Algorithm 2's stage 2: the host's pooled vote times the value norm, as the authors' code
 # runs it (our default), and the un-pooled window attention, as line 9 is written (the ablation). Its
 # notation table defines the symbols used here ($A$, $P_n$, $\mathcal{L}$, $\theta$, $\alpha$, $\sigma$,
