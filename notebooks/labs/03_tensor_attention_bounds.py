@@ -25,10 +25,13 @@ tensor_model, tensor_card = match3.load("match3-tensor")      # the lesson's sec
 # %% [markdown]
 # ## 1. The memory lower bound, run: the Index problem
 #
-# Theorem 4.1 says an exact four-matrix cache needs Omega(n d) bits. The proof is a reduction from the
+# Theorem 4.1 says an exact four-matrix cache needs Omega(n d) bits ($n$: the paper's count of cached tokens, the
+# lesson's $T$). The proof is a reduction from the
 # Index problem (Lemma 3.11): Alice holds n bits, writes a cache from them; Bob, given any index j, builds
 # a query and reads x_j off one attention output. Then the cache is a message that tells Bob every bit, so
-# it holds at least n bits. `methods/tensor_attention/index_problem.py` builds such a cache (random +-1 keys, the pair
+# it holds at least n bits; with a value coordinate per bit (d bits a token, as `index_problem.py`'s docstring
+# argues) the same reduction gives n d. This run stores one bit a token, so it shows the n.
+# `methods/tensor_attention/index_problem.py` builds such a cache (random +-1 keys, the pair
 # (j, j) wins Bob's softmax, the bits sit in V1) and compresses it two ways: keep k of the n token rows, or
 # let groups of g tokens share one majority sign. Bob's accuracy against the bits the cache keeps, with the
 # information limit from Fano's inequality (no s-bit cache can be right on more than this fraction):
@@ -127,7 +130,8 @@ for r in rows6:
 # ## 3. Compressing a tensor cache: drop tokens, or drop pairs?
 #
 # Evicting a *token* from a four-matrix cache removes its rows of K1, V1 and K2, V2: a whole row *and*
-# column of the pair matrix S. Only the two-matrix cache can drop single *pairs*. Which is the better use
+# column of the pair matrix $Z$ (`S` in the code). Only the two-matrix cache can drop single *pairs*. Which is the
+# better use
 # of a byte? Keeping k tokens costs 4 k d numbers and keeps k^2 pairs; the same bytes hold only 2k pair
 # rows of the two-matrix cache. On the trained Match3 model (layer 1, the query that decides the last
 # label, 64 sequences; the lesson's section 4 trains and bundles it), with an *oracle* choice for both
@@ -171,7 +175,7 @@ for k_tok in (2, 4, 8, 12, 16):
     err = lambda o: ((o - exact).norm(dim=-1) / exact.norm(dim=-1))[..., 0].mean(0)    # H,
     rows.append((k_tok, n_pairs, err(out_tok), err(out_pair)))
 ranked = P.flatten(-2).sort(-1, descending=True).values.cumsum(-1)
-half = (ranked < 0.5).sum(-1).float().median(0).values                      # (H,) pairs holding half the mass
+half = ((ranked < 0.5).sum(-1) + 1).float().median(0).values                # (H,) pairs to reach half the mass
 print(f"T = {T_} tokens, {T_ * T_} pairs; pairs holding half the attention, median per head: "
       f"{[int(h) for h in half]}")
 print("relative error of the output at equal bytes (4 k d numbers), per head:")
@@ -181,9 +185,9 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 
 # %% [markdown]
 # Dropping tokens wins at equal bytes in every head once k >= 4: k kept tokens keep k^2 pairs for the bytes of
-# 2k pair rows, and this model's attention is spread (half of a head's mass takes 41-147 pairs, except in the
+# 2k pair rows, and this model's attention is spread (half of a head's mass takes 42-148 pairs, except in the
 # concentrated head). Pairs win only at the smallest budget (k = 2), in two heads: the concentrated one (half
-# its mass in 2 pairs; error 0.68 vs 1.14) and the second head (1.77 vs 2.36). Errors above 1 are no bug:
+# its mass in 3 pairs; error 0.68 vs 1.14) and the second head (1.77 vs 2.36). Errors above 1 are no bug:
 # the exact outputs of the spread heads average many value products and are small, so a few kept pairs
 # miss them by more than their own size. The two-matrix cache's finer granularity does not pay for its bytes here; it
 # would for attention that puts
