@@ -1,6 +1,11 @@
 # %% [markdown]
 # # 01 Baselines: four ways to choose what a KV cache keeps
 #
+# **Before this lesson**: lesson 00 ([00_nanollm_kv_cache.ipynb](00_nanollm_kv_cache.ipynb)): the KV cache,
+# its stored positions, `prefill` and `decode_step`, and the policy hooks through which a method evicts. The
+# symbols are the book's ([notebooks/README.md](README.md)); the metrics section 3 prints (acc, its intervals,
+# the two modes) are defined in the [metrics glossary](README.md#metrics).
+#
 # A compressed KV cache has room for a fixed number of entries per layer and KV head, the *budget*, and must
 # choose which tokens stay. Four simple rules answer that question, and every later method in this course is
 # compared against them: **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**.
@@ -10,8 +15,6 @@
 # 1. what each rule keeps of one small attention matrix, in a picture;
 # 2. each rule written from its paper in a few lines, checked against the library;
 # 3. how often each answers on real passages with a real model, SmolLM2-135M.
-#
-# The metrics of the course's results tables (acc, KL, lost, ...) are defined in the appendix, the glossary.
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -53,9 +56,8 @@ fig.colorbar(im, ax=axes, label="attention probability", shrink=0.8)
 plt.show()
 
 # %% [markdown]
-# The figure shows the toy's attention, one panel per query head: a row is a query, a column the token it
-# attends, darker is more probability, and the dotted blue line marks where the window starts. The sink is the
-# dark first column, the heavy hitter the block in column 5, and the window's rows differ between the KV heads.
+# The sink is the dark first column, the heavy hitter the block in column 5, and the window's rows (below the
+# dotted line) differ between the KV heads.
 #
 # The four rules read this matrix in four ways. **StreamingLLM** ignores it and keeps the first tokens and the
 # most recent ones. **H2O** keeps the columns with the most attention in total. **SnapKV** keeps the columns
@@ -65,7 +67,7 @@ plt.show()
 # ## 2. Build them: each rule in a few lines
 #
 # Each rule below is written from its paper, run on the toy, and compared with the library's function. The
-# symbols (the course's shared table is `notebooks/README.md`):
+# symbols (the book's, [notebooks/README.md](README.md), plus a few of the lesson's own):
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
@@ -74,7 +76,7 @@ plt.show()
 # | $S$ | sinks: tokens kept at the start | `n_sink` |
 # | $w$ | the observation window: the prompt's last tokens | `window` |
 # | $H$, $h$ | query heads, and one of them | `H`, `h` |
-# | $H_{kv}$, $j$ | KV heads, and one of them | `n_kv_head`, `j` |
+# | $H_{kv}$, $j$ | KV heads, and one of them (here $j$ is a KV head, not lesson 00's slot) | `n_kv_head`, `j` |
 # | $G$, $\mathcal{G}_j$ | $H / H_{kv}$; the query heads of KV head $j$ | `G` |
 # | $t$; $n$, $n'$ | a query's position; tokens' positions | `probs` rows; columns |
 # | $a^h_{t,n}$ | the attention of head $h$'s query $t$ on token $n$ | `probs[h, t, n]` |
@@ -153,8 +155,7 @@ print("H2O's scores on the toy, KV head 0:", [round(x, 2) for x in h2o_scores(to
 
 # %% [markdown]
 # The same check on the bundled model: a 20-token prompt and two decode steps through the library's H2O cache,
-# with a budget that evicts nothing, so that the scores can be compared slot by slot. `record_attention`
-# returns each layer's full attention matrix for the 22 tokens (§2.3 uses them too).
+# with a budget that evicts nothing. `record_attention` returns each layer's attention for the 22 tokens.
 
 # %%
 from methods.analysis.persistence import record_attention
@@ -232,8 +233,8 @@ print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in v
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
 # \qquad \text{(Algorithm 1)}$$
 #
-# The check compares it with the library's
-# `adaptive_keep_mask` on heads of equal scale, then with KV head 0's scores ten times larger.
+# The check compares it with the library's `adaptive_keep_mask` on heads of equal scale, then with KV head
+# 0's scores ten times larger.
 
 # %%
 import math
@@ -274,11 +275,10 @@ for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0
 #
 # ### 2.5 What each rule keeps of the toy
 #
-# With the four rules built, the library's versions run on the toy layer of section 1, with room for 6 entries
-# per KV head: StreamingLLM with 2 sinks, H2O with its 3 most recent tokens, SnapKV with the 4-token window
-# and a pooling width of 3, AdaKV over SnapKV's scores with a safeguard of 1. A policy's `rank` sets its
-# protected slots (sinks, recent tokens, window) to $+\infty$ over its scores, and `select_topk` keeps each
-# KV head's best $B$.
+# The library's four rules on the toy layer, with room for 6 entries per KV head: StreamingLLM with 2 sinks,
+# H2O with its 3 most recent tokens, SnapKV with the 4-token window and a pooling width of 3, AdaKV over
+# SnapKV's scores with a safeguard of 1. A policy's `rank` sets its protected slots to $+\infty$ over its
+# scores, and `select_topk` keeps each KV head's best $B$.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from methods.adakv import mask_to_indices
@@ -321,9 +321,8 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The figure shows, for each rule and KV head (one row each, the rules separated by grey lines), the toy's
-# positions it keeps in black and those it evicts in light grey. StreamingLLM keeps the same positions in both
-# KV heads, whatever the attention says. H2O keeps the sink and the heavy hitter (token 5) in both heads, its
+# Each row is a rule in one KV head: black kept, light grey evicted. StreamingLLM keeps the same positions in
+# both KV heads, whatever the attention says. H2O keeps the sink and the heavy hitter (token 5) in both heads, its
 # 3 recent tokens, and one token the window attended (9 in KV head 0, 2 in KV head 1). SnapKV never sees token
 # 5, which the window does not attend: after the window it has room for two prefix tokens per head, token 9
 # and its pooled neighbour 8 in KV head 0, and in KV head 1, whose window spreads its attention, the sink and
@@ -334,11 +333,11 @@ plt.show()
 #
 # Now the library's four rules on a real model reading natural text: SmolLM2-135M (30 layers, 9 query heads
 # sharing 3 KV heads) on `niah_single_docs` prompts, paragraphs of Python's documentation with one
-# magic-number sentence inside (the *needle*) and the question at the end. Each seed puts the needle at
-# another depth. Each rule keeps $B$ = `LENGTH_REAL // 4` entries per layer and KV head, a quarter of the
-# length asked for; a passage comes out shorter (its length is printed), so the share kept is larger, up to
-# a half. Every passage gets one greedy answer per cache, with the question at the end of the prompt
-# (`MODES[0]`; the glossary, A.2, has both modes), scored as the tables score it (acc, see the glossary).
+# magic-number sentence inside (the *needle*) and the question at the end; each seed puts the needle at
+# another depth. Each rule keeps $B$ = `LENGTH_REAL // 4` entries per layer and KV head (a passage comes out
+# shorter than `LENGTH_REAL`, so the share kept is larger). Every passage gets one greedy answer per cache,
+# with the question at the end of the prompt (`MODES[0]`; the [glossary](README.md#metrics) has both modes),
+# scored as acc.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from methods import make_policy
@@ -365,63 +364,45 @@ for seed in range(1, PASSAGES + 1):
 
 # %% [markdown]
 # Each line gives a passage's length, where the needle's value sits, and where the recent tokens start. Below:
-# the share each cache answers, and each rule's paired difference from the full cache and from H2O (the
-# glossary, A.3, defines both intervals).
+# how many passages each cache answers, and each rule's paired difference from the full cache (the glossary's
+# acc entry defines both intervals).
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from methods.evaluation.intervals import describe, paired_difference, wilson
 
-n_ok = {spec: int(sum(a)) for spec, a in real_acc.items()}
-bounds = {spec: wilson(n_ok[spec] / PASSAGES, PASSAGES) for spec in real_acc}
-means = [n_ok[s] / PASSAGES for s in real_acc]
-fig, ax = plt.subplots(figsize=(7, 3.6))
-ax.bar(range(len(real_acc)), means, color=["black"] + [f"C{i}" for i in range(len(real_acc) - 1)], alpha=0.8,
-       yerr=[[m - bounds[s][0] for m, s in zip(means, real_acc)], [bounds[s][1] - m for m, s in zip(means, real_acc)]],
-       capsize=4)
-ax.set_xticks(range(len(real_acc)), [NAMES[s] for s in real_acc])
-ax.set(title=f"SmolLM2-135M, {PASSAGES} passages, keep 0.25: share answered (95% Wilson interval)",
-       ylabel="accuracy (share of passages)", ylim=(0, 1.05), xlabel="cache")
-plt.tight_layout()
-plt.show()
-for spec in list(NAMES)[1:]:
-    against = [("the full cache", "full")] + ([("H2O", "h2o")] if spec != "h2o" else [])
-    print(f"{NAMES[spec]:13} answers {n_ok[spec]} of {PASSAGES}; "
-          + "; ".join(f"against {name}: {describe(*paired_difference([real_acc[spec]], [real_acc[o]]))}"
-                      for name, o in against))
+for spec, said in real_acc.items():
+    n_ok = int(sum(said))
+    lo, hi = wilson(n_ok / PASSAGES, PASSAGES)
+    versus = describe(*paired_difference([said], [real_acc["full"]]))
+    print(f"{NAMES[spec]:13} answers {n_ok} of {PASSAGES} (95% Wilson interval [{lo:.2f}, {hi:.2f}])"
+          + ("" if spec == "full" else f"; against the full cache: {versus}"))
 
 # %% [markdown]
-# The bars are the share of the passages each cache answers (the full cache in black, one colour per rule),
-# with their 95% intervals: of the 8 passages, StreamingLLM answers 4, H2O 3, SnapKV and AdaKV 2, and the
-# full cache 7. Every rule is distinguishably below the full cache, and none is distinguishable from H2O.
-# What decides is where the needle sits: StreamingLLM answers exactly the passages whose value lies in its
-# recent window, H2O exactly those whose value lies in its recent half (the last `budget // 2` tokens), and no
-# rule answers the three passages whose needle is near the start (1, 5 and 6).
+# Of the 8 passages StreamingLLM answers 4, H2O 3, SnapKV and AdaKV 2, and the full cache 7; every rule is
+# distinguishably below the full cache. What decides is where the needle sits: StreamingLLM answers exactly
+# the passages whose value lies in its recent window, H2O exactly those whose value lies in its recent half,
+# and no rule answers the three passages whose needle is near the start (1, 5 and 6).
 #
 # **Verdict**: on real text the four rules keep what is recent or what every query attends, and lose an old
-# fact. On the bundled model, trained on needles, H2O does keep an old needle's value and leads the other
-# three from keep 0.25 up (the lab): one model's ranking of the baselines does not carry over to another.
+# fact. On the bundled model, trained on needles, H2O does keep an old needle's value (the lab): one model's
+# ranking of the baselines does not carry over to another.
 #
 # ## Exercises
 #
-# Each exercise's cell sets up the data and ends with a placeholder, `... = None`: replace `None` with your
-# lines and run the cell; it tells you whether your answer agrees with the library's cache. The collapsed
-# cell after it holds an answer, its check and hints.
+# Each exercise has a cell where you write (replace the `None`), a check cell that reads only your answer
+# (it says "not answered yet" until you do, stops with a hint when the answer is wrong, and says "right"
+# when it is), and the reference answer, collapsed: open it once you are done.
 #
 # ### Exercise 1: StreamingLLM's kept positions after decoding
 #
 # A prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`.
 # Compute, with tensor operations and from `ex_seen`, `EX_BUDGET` and `EX_SINKS` only, the positions every
-# layer and KV head must hold now: `expected`, a 1-D tensor of positions in ascending order.
+# layer and KV head must hold now: `my_expected`, a 1-D tensor of positions in ascending order.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 def entries_per_head(cache, layer=0):
-    pos = cache.layers[layer].pos[0]                                     # (H_kv, T), -1 = empty slot
-    return (pos >= 0).sum(-1).tolist()
-
-
-def holds(cache, positions):               # does every layer and KV head hold exactly these positions?
-    return all(torch.equal(kv.pos[0, h][kv.pos[0, h] >= 0].sort().values, positions)
-               for kv in cache.layers for h in range(kv.pos.shape[1]))
+    """The entries each KV head of a layer holds (its slots with a position, not -1)."""
+    return (cache.layers[layer].pos[0] >= 0).sum(-1).tolist()
 
 
 ex_sample = make_sample("niah_single_prose", tok, 256 if TINY else 512, seed=7)
@@ -432,163 +413,125 @@ for token in ex_sample.target_ids[:5]:
     decode_step(model, torch.tensor([token]), ex_cache)
 ex_seen = ex_cache.seen
 print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {entries_per_head(ex_cache)}")
-expected = None                            # your answer: a 1-D tensor of positions, ascending
-if expected is not None:
-    print("your answer agrees with the cache:", holds(ex_cache, expected))
+my_expected = None                  # replace None: a 1-D tensor of the positions every KV head holds, ascending
+
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+from exercises import exercise
+
+
+@exercise("Exercise 1")
+def check_expected(expected):
+    expected = torch.as_tensor(expected)
+    assert expected.shape == (EX_BUDGET,), "one position per entry the cache holds: a 1-D tensor of budget positions"
+    assert torch.equal(expected, expected.sort().values), "list the positions in ascending order"
+    assert torch.equal(expected[:EX_SINKS], torch.arange(EX_SINKS)), "the sinks are the first S positions"
+    held = [kv.pos[0, h][kv.pos[0, h] >= 0].sort().values for kv in ex_cache.layers for h in range(kv.pos.shape[1])]
+    assert all(torch.equal(p, expected) for p in held), \
+        "the recent window is the last B - S positions *seen* (the prompt's and the decoded tokens'), up to ex_seen - 1"
+
+
+check_expected(my_expected)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 # BEGIN SOLUTION [baselines] the sinks (never the whole budget: the newest token must fit), then the most recent
 n_s = min(EX_SINKS, EX_BUDGET - 1)
-expected = torch.cat([torch.arange(n_s), torch.arange(ex_seen - (EX_BUDGET - n_s), ex_seen)])
+reference_expected = torch.cat([torch.arange(n_s), torch.arange(ex_seen - (EX_BUDGET - n_s), ex_seen)])
 # END SOLUTION
-assert holds(ex_cache, expected), \
-    "some layer or KV head holds other positions than `expected`: the sinks are positions 0..S-1 and the " \
-    "window is the last budget - S positions *seen* (prompt and decoded tokens), ending at ex_seen - 1"
-print("Exercise 1: correct,", expected.tolist())
+check_expected(reference_expected)
 
 # %% [markdown]
 # ### Exercise 2: what H2O keeps
 #
 # `ex_maps[l]` is the full-cache attention of the prompt in layer `l`, shape `(H, N, N)` (row = query,
-# column = key). Compute H2O's prefill scores `ex_scores[l]`, shape `(H_kv, N)` (section 2.2, with tensor
-# operations this time), then `ex_kept[l]`, shape `(H_kv, EX_H2O_BUDGET)`: the positions H2O keeps,
-# ascending: the `budget // 2` most recent ones and the highest-scored of the others. The checks compare them
-# with the library's caches `ex_h2o_all` (nothing evicted) and `ex_h2o`.
+# column = key). Compute H2O's prefill scores `my_scores[l]`, shape `(H_kv, N)` (section 2.2, with tensor
+# operations this time), then `my_kept[l]`, shape `(H_kv, EX_H2O_BUDGET)`: the positions H2O keeps,
+# ascending: the `budget // 2` most recent ones and the highest-scored of the others. The check compares
+# them with the library's H2O caches, one that evicts nothing and one with budget `EX_H2O_BUDGET`.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 ex_ids = torch.tensor([ex_sample.prompt_ids])
 ex_N, H_kv, G = ex_ids.shape[1], model.config.n_kv_head, model.config.group_size
 ex_maps = record_attention(model, ex_ids)                          # n_layer x (H, N, N)
 EX_H2O_BUDGET = 64
-ex_h2o_all = KVCache(model.config, make_policy("h2o", budget=ex_N))
-prefill(model, ex_ids, ex_h2o_all)
-ex_h2o = KVCache(model.config, make_policy("h2o", budget=EX_H2O_BUDGET))
-prefill(model, ex_ids, ex_h2o)
 print(f"{ex_N} prompt tokens, {len(ex_maps)} layers, attention {tuple(ex_maps[0].shape)}, G = {G}")
+my_scores = None                   # replace None: a list, one (H_kv, N) tensor of scores per layer
+my_kept = None                     # replace None: a list, one (H_kv, EX_H2O_BUDGET) tensor of positions per layer
+
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+@exercise("Exercise 2")
+def check_h2o(scores, kept):
+    caches = [KVCache(model.config, make_policy("h2o", budget=b)) for b in (ex_N, EX_H2O_BUDGET)]
+    for cache in caches:
+        prefill(model, ex_ids, cache)
+    assert len(scores) == len(kept) == len(ex_maps), "one tensor per layer in each list"
+    for s, kv in zip(scores, caches[0].layers):                  # the cache that evicts nothing: every score
+        assert s.shape == (H_kv, ex_N), "scores: one row per KV head, one column per prompt token"
+        assert torch.allclose(s, kv.state[H2O_SCORE][0], atol=1e-4), \
+            "scores: sum over the queries (dim 1 of (H, N, N)), not the keys, then the mean over each group of G " \
+            "query heads"
+    for k, kv in zip(kept, caches[1].layers):
+        assert torch.equal(k, kv.pos[0]), "kept: the last budget // 2 positions always stay, the rest are the " \
+                                          "highest scores of the older positions, sorted ascending per KV head"
 
 
-def same_scores(ex_scores):                # each layer's scores equal the library's prefill scores?
-    return all(torch.allclose(s, kv.state[H2O_SCORE][0], atol=1e-4) for s, kv in zip(ex_scores, ex_h2o_all.layers))
-
-
-def same_kept(kept, cache):                # each layer keeps the positions the library's cache holds?
-    return all(torch.equal(k, kv.pos[0]) for k, kv in zip(kept, cache.layers))
-
-
-ex_scores = ex_kept = None                 # your answer: two lists, one tensor per layer
-if ex_scores is not None:
-    print("scores agree:", same_scores(ex_scores), "| kept positions agree:", same_kept(ex_kept, ex_h2o))
+check_h2o(my_scores, my_kept)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 # BEGIN SOLUTION [baselines] attention received, summed over queries, averaged per GQA group; the recent half stays
-ex_scores = [a.sum(1).view(H_kv, G, ex_N).mean(1) for a in ex_maps]
-ex_kept = []
-for s in ex_scores:
-    s = s.clone()
-    s[:, ex_N - EX_H2O_BUDGET // 2:] = float("inf")                  # the recent window is always kept
-    ex_kept.append(s.topk(EX_H2O_BUDGET, dim=-1).indices.sort(-1).values)
+reference_scores = [a.sum(1).view(H_kv, G, ex_N).mean(1) for a in ex_maps]
+reference_kept = []
+for received in reference_scores:
+    ranked = received.clone()
+    ranked[:, ex_N - EX_H2O_BUDGET // 2:] = float("inf")                 # the recent half is always kept
+    reference_kept.append(ranked.topk(EX_H2O_BUDGET, dim=-1).indices.sort(-1).values)
 # END SOLUTION
-assert same_scores(ex_scores), \
-    "ex_scores differ from H2O's prefill scores: sum over the queries (dim 1 of (H, N, N)), not the keys, " \
-    "then the mean (not the sum) over each group of G query heads"
-assert same_kept(ex_kept, ex_h2o), \
-    "ex_kept differs from what H2O kept: the last budget // 2 positions always stay, the rest are the " \
-    "highest scores of the older positions, sorted ascending per KV head"
-print("Exercise 2: correct; layer 0, KV head 0 keeps", ex_kept[0][0, :12].tolist(), "...")
+check_h2o(reference_scores, reference_kept)
 
 # %% [markdown]
 # ### Exercise 3: what SnapKV keeps
 #
 # From the same `ex_maps`, compute what SnapKV (window `w = 32`, max pooling of width 7, budget
-# `EX_SNAP_BUDGET`) keeps in each layer, `ex_snap_kept[l]` of shape `(H_kv, EX_SNAP_BUDGET)`, ascending: the
+# `EX_SNAP_BUDGET`) keeps in each layer, `my_snap_kept[l]` of shape `(H_kv, EX_SNAP_BUDGET)`, ascending: the
 # votes of section 2.3 (with `F.max_pool1d`, stride 1, padding 3, this time), the top `EX_SNAP_BUDGET - w`
 # prefix positions (on equal votes the earlier position wins: a *stable* descending sort), and the window.
 
-# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+# %%
 import torch.nn.functional as F
 
 EX_SNAP_BUDGET, EX_W = 64, 32
-ex_snap = KVCache(model.config, make_policy("snapkv", budget=EX_SNAP_BUDGET, window=EX_W, kernel=7, pooling="max"))
-prefill(model, ex_ids, ex_snap)
-print(f"SnapKV keeps {entries_per_head(ex_snap)} entries per KV head in layer 0 of a {ex_N}-token prompt")
-ex_snap_kept = None                        # your answer: a list, one tensor per layer
-if ex_snap_kept is not None:
-    print("kept positions agree:", same_kept(ex_snap_kept, ex_snap))
+my_snap_kept = None                # replace None: a list, one (H_kv, EX_SNAP_BUDGET) tensor of positions per layer
+
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+@exercise("Exercise 3")
+def check_snap_kept(kept):
+    snap = KVCache(model.config, make_policy("snapkv", budget=EX_SNAP_BUDGET, window=EX_W, kernel=7, pooling="max"))
+    prefill(model, ex_ids, snap)
+    assert len(kept) == len(ex_maps), "one tensor per layer"
+    for k, kv in zip(kept, snap.layers):
+        assert k.shape == (H_kv, EX_SNAP_BUDGET), "each layer: one row per KV head, EX_SNAP_BUDGET positions in each"
+        assert torch.equal(k[:, -EX_W:], kv.pos[0, :, -EX_W:]), "the window, the last w positions, is kept whole"
+        assert torch.equal(k, kv.pos[0]), "votes come from the last w query rows over the prefix columns only; " \
+                                          "pool before the group mean; ties go to the earlier position"
+
+
+check_snap_kept(my_snap_kept)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 # BEGIN SOLUTION [baselines] window rows over prefix columns, summed; max_pool1d(7, 1, 3); group mean; stable top-k
-ex_snap_kept = []
+reference_snap_kept = []
 for a in ex_maps:
-    votes = a[:, -EX_W:, :ex_N - EX_W].sum(1)                                  # (H, N - w)
-    votes = F.max_pool1d(votes[:, None], 7, stride=1, padding=3)[:, 0]         # clusters neighbours
-    votes = votes.view(H_kv, G, -1).mean(1)                                    # (H_kv, N - w)
-    top = torch.sort(votes, dim=-1, descending=True, stable=True).indices[:, :EX_SNAP_BUDGET - EX_W]
+    snap_votes = a[:, -EX_W:, :ex_N - EX_W].sum(1)                                    # (H, N - w)
+    snap_votes = F.max_pool1d(snap_votes[:, None], 7, stride=1, padding=3)[:, 0]      # clusters neighbours
+    snap_votes = snap_votes.view(H_kv, G, -1).mean(1)                                 # (H_kv, N - w)
+    top = torch.sort(snap_votes, dim=-1, descending=True, stable=True).indices[:, :EX_SNAP_BUDGET - EX_W]
     window = torch.arange(ex_N - EX_W, ex_N).expand(H_kv, EX_W)
-    ex_snap_kept.append(torch.cat([top.sort(-1).values, window], dim=-1))
+    reference_snap_kept.append(torch.cat([top.sort(-1).values, window], dim=-1))
 # END SOLUTION
-assert same_kept(ex_snap_kept, ex_snap), \
-    "ex_snap_kept differs from SnapKV's kept positions: votes come from the last w query rows over the " \
-    "prefix columns only; pool before the group mean; ties go to the earlier position; the window is kept whole"
-print("Exercise 3: correct; layer 3, KV head 1 keeps the prefix positions",
-      ex_snap_kept[-1][1, :EX_SNAP_BUDGET - EX_W].tolist())
+check_snap_kept(reference_snap_kept)
 
-
-# %% [markdown]
-# ## Appendix: metrics glossary
-#
-# The course's results tables (`python -m methods.compare`) have one row per method and keep ratio, and the
-# columns below (`METRICS` in `methods/evaluation/metrics.py`). For each sample and mode, `traces`
-# (`methods/evaluation/harness.py`) runs the prompt, then feeds the **reference** answer one token at a time
-# through the full cache and through each method's cache, so that all of them see the same tokens;
-# `compare_traces` measures a method's trace against the full cache's.
-#
-# ### A.1 Budget and keep ratio
-#
-# * **budget**: entries kept per layer and KV head, protected tokens included; for AdaKV, the *average* per
-#   KV head. SnapKV and AdaKV compress the prompt only and keep what comes after it on top of `budget`;
-#   StreamingLLM and H2O bring every layer back to `budget` after every step.
-# * **keep ratio** (`keep`): `budget / length`, with `length` the requested sample length, an upper bound on
-#   its tokens; so `budget = round(keep * length)`, e.g. `round(0.1 * 512) = 51`.
-#
-# ### A.2 The two modes
-#
-# * **question_in_prompt**: `prefill(context + question)`, then decode: SnapKV's window is the question.
-# * **question_after_context**: `prefill(context)`, compressed before the question is known, then
-#   `extend(question)`, then decode: an evicted fact cannot come back when the question asks for it.
-#
-# ### A.3 acc
-#
-# RULER's `string_match_all` of the **greedy** answer (`nanollm/data/tasks.py`): the fraction of the
-# reference strings found in the answer, case-insensitive, a digit string only as a whole number. A table cell
-# is the mean over samples, with Wilson's 95% interval. A difference between two rows is *distinguishable*
-# when its paired 95% bootstrap interval excludes 0 (`methods/evaluation/intervals.py`).
-#
-# ### A.4 KL
-#
-# `KL(full || method)` of the next-token distributions in nats, averaged over the answer positions:
-# $\sum_x p_\text{full}(x) \big(\log p_\text{full}(x) - \log p_\text{method}(x)\big)$ over the vocabulary's
-# tokens $x$. It does not need the greedy answer to be right, so it separates methods that all answer wrong.
-#
-# ### A.5 pert (and attn_l1)
-#
-# `pert`: `||h_full - h_method||_2 / ||h_full||_2`, the relative error of the final hidden state (the input of
-# the output layer) at the first decode step. The records also hold `attn_l1`: per layer and query head at the
-# same step, `||o_full - o_method||_1` of the head's output before `W_O`.
-#
-# ### A.6 lost
-#
-# The full cache's attention mass at the first decode step on the positions the method does **not** hold
-# exactly (an entry rebuilt approximately counts as lost), averaged over layers and query heads: 0 means that
-# nothing the full cache attends was dropped.
-#
-# ### A.7 KV KiB and step ms
-#
-# `KV KiB`: the peak bytes of stored keys and values during a trace, the largest over the row's samples.
-# `step ms`: a rough time per decode step (`python -m methods.evaluation.bench` is the benchmark).
 
 # %% [markdown]
 # **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb) takes the four rules
 # further: which positions each keeps of one needle on the bundled model, and why SnapKV keeps the question's
-# key but not the answer; how AdaKV's safeguard and StreamingLLM's sinks change what is kept; one SmolLM2
-# passage up close, token by token; and accuracy, KL and memory on the bundled model's task suite at three keep
-# ratios in both modes, with paired intervals.
+# key but not the answer; one SmolLM2 passage up close, token by token; and accuracy, KL and memory on the
+# bundled model's task suite at three keep ratios in both modes, with paired intervals.

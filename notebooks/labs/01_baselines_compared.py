@@ -9,7 +9,7 @@
 # 2. one SmolLM2-135M passage of the lesson's section 3 up close, token by token;
 # 3. accuracy and KL of the four at three keep ratios, in both modes, with their intervals.
 #
-# The metrics (acc, KL, pert, lost, KV KiB) are defined in the glossary, the lesson's appendix.
+# The metrics (acc, KL, pert, lost, KV KiB) are defined in the [metrics glossary](../README.md#metrics).
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -66,7 +66,11 @@ print(f"The prompt has {N} tokens (budget {BUDGET}, {BUDGET / N:.3f} of it): the
       f"positions {start}-{v - 1}, its value {sample.answers[0]!r} at {v}-{end - 1}; StreamingLLM keeps 0-3 "
       f"and {N - (BUDGET - 4)}-{N - 1}.")
 
+# %% [markdown]
+# A helper draws the four methods' strips (it serves section 2 too):
 
+
+# %%
 def kept_legend(fig, window=True):
     handles = [Patch(color="orange", alpha=0.4, label="needle key and wording"),
                Patch(color="red", alpha=0.5, label="needle value")]
@@ -322,6 +326,10 @@ def mean_kl(method, ratio, mode):
     return sum(r["kl"] for r in rows) / len(rows)
 
 
+# %% [markdown]
+# Accuracy (with its interval) and KL against the keep ratio, in both modes:
+
+# %%
 n_answers = len(TASKS) * SAMPLES
 fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
 for col, mode in enumerate(MODES):
@@ -337,8 +345,7 @@ for col, mode in enumerate(MODES):
                   ylabel="mean accuracy over tasks", ylim=(-0.05, 1.05))
     axes[2 + col].set(title=f"KL(full || method), question {'in the prompt' if col == 0 else 'after the context'}",
                       ylabel="KL (nats, log scale)", yscale="log")
-    axes[2 + col].yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    axes[2 + col].yaxis.set_minor_formatter(NullFormatter())
+    axes[2 + col].yaxis.set(major_formatter=FormatStrFormatter("%g"), minor_formatter=NullFormatter())
     axes[2 + col].set_yticks([0.3, 1, 3, 10])
 for ax in axes:
     ax.set_xticks(range(len(ratios)), [f"{k:.2g}" for k in ratios])         # 0.0996 (= 51 / 512) as 0.1
@@ -369,7 +376,11 @@ for mode in MODES:
             lo_, hi_ = wilson(a, n_answers)
             kib = max(r["kv_bytes"] for r in rows_of(spec, k, mode)) / 1024
             print(f"{spec:14} {k:5.2f} {a:6.2f} [{lo_:.2f}, {hi_:.2f}] {mean_kl(spec, k, mode):7.3f} {kib:7.0f}")
-print()
+
+# %% [markdown]
+# The paired differences:
+
+# %%
 for mode in MODES:
     for k in ratios:
         best, second = sorted(SPECS, key=lambda s: -mean_acc(s, k, mode))[:2]
