@@ -181,7 +181,8 @@ for mode in MODES:
 # 0.40 after the context). **Against H2O it depends on the mode**: with the question in the prompt H2O is
 # higher at 0.25 and 0.50 (0.65 and 0.89 against 0.30 and 0.77); after the context the two are within noise
 # at 0.25 and 0.50 (0.92 against 0.89 is not a win), and ChunkKV is higher only on the multi-value needles
-# (0.97 against 0.70 at keep 0.50). At keep 0.10 every method nearly fails (at most 0.11): ChunkKV's few right
+# (0.97 against 0.70 at keep 0.50). At keep 0.10 every method printed above nearly fails (at most 0.11): ChunkKV's
+# few right
 # answers there are distinguishable from the others' zeros by the rule, which says distinguishable, not useful.
 #
 # ## 2. Ablations: chunk size and reuse depth
@@ -246,8 +247,9 @@ for mode in MODES:
 # more than chunks of 10, each distinguishable in both modes. A needle and its wording are about a dozen
 # tokens, so a 20-token chunk is more likely to hold all of it; the paper, whose facts are sentences of
 # natural text, found 10 best and 5-20 comparable. **Deeper reuse answers more too** (middle): reuse 4 is
-# higher than reuse 1 in both modes, reuse 2 only after the context. The right panel shows why: with every
-# layer choosing for itself (reuse 1), layer 0 keeps the needle's value whole in 0.95 of the single-needle
+# higher than reuse 1 in both modes, reuse 2 only after the context. The right panel suggests why, though it is
+# measured with the question in the prompt, where reuse 2 gains nothing: with every layer choosing for itself
+# (reuse 1), layer 0 keeps the needle's value whole in 0.95 of the single-needle
 # samples and layers 1-3 in 0.10 to 0.40, so a layer that copies layer 0's choice keeps a value it would have
 # dropped. That is a property of this small model, whose first layer's window finds the value best; the paper
 # offers reuse as a saving of work, not of accuracy. Reuse also cuts the time in the policy's hooks (the
@@ -443,7 +445,7 @@ fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", font
 plt.show()
 
 # %% [markdown]
-# **The ordering reproduces, the levels do not.** Outside the windows every layer keeps anyway, adjacent
+# **The ordering reproduces, the levels do not.** Outside the windows, which every layer keeps anyway, adjacent
 # layers of ChunkKV share 0.61 of their kept positions (mean over the 29 pairs, 10 samples), against 0.46
 # for SnapKV and 0.28 for H2O (over every kept position: 0.72, 0.60, 0.55). The control `chunkkv c=1`
 # (same scores, one ranking per layer, single tokens) gives 0.48, like SnapKV: the extra similarity comes
@@ -462,8 +464,8 @@ plt.show()
 # SmolLM2-135M is a small real model. The numbers behind each point are in the sections named.
 #
 # * **Whole chunks keep facts whole** (the lesson's sections 1 and 2; section 3.1 here): with the same
-#   votes, ChunkKV keeps a needle's value in nearly every (layer, KV head) pair where SnapKV keeps it in fewer
-#   than half, and it answers more than SnapKV beyond noise at every keep ratio (section 1). H2O, which
+#   votes, ChunkKV keeps a needle's value whole in 66 of 90 (layer, KV head) pairs where SnapKV keeps it in
+#   38, and it answers more than SnapKV beyond noise at every keep ratio (section 1). H2O, which
 #   accumulates attention over the whole prompt, is better with the question in the prompt and level after the
 #   context; no method works at the smallest keep ratio.
 # * **Adjacent layers agree more with chunks, but not at the paper's levels** (sections 2.1 and 3.2): on the
