@@ -315,21 +315,16 @@ my_wins = {0.5: None, 1: None, 2: None, 4: None, 8: None}   # replace each None:
 
 
 # %% tags=["needs:output_perturbation", "needs:two_stage"]
-def algorithm1_wins(heads: list) -> float:
-    """The fraction of (attn, vw) heads where Algorithm 1 (alpha 0.25) has a lower L than top-16 (alpha 1)."""
-    L = [[float(output_perturbation(a, torch.zeros(64, dtype=torch.bool).index_fill(
-          0, perturbation_constrained_select(a, vw.abs().sum(-1), 16, alpha), True), vw)) for alpha in (1.0, 0.25)]
-         for a, vw in heads]
-    return sum(alg1 < top for top, alg1 in L) / len(L)
-
-
 @exercise("Exercise 2")
 def check_wins(wins):
     assert sorted(wins) == sorted(SHARPNESS), "one fraction per sharpness in SHARPNESS"
     assert all(0 <= w <= 1 for w in wins.values()), "a fraction of heads lies between 0 and 1"
     g_check = torch.Generator().manual_seed(0)
     for s in SHARPNESS:
-        truth = algorithm1_wins([random_head(s, g_check) for _ in range(200)])
+        L = [[float(output_perturbation(a, torch.zeros(64, dtype=torch.bool).index_fill(
+              0, perturbation_constrained_select(a, vw.abs().sum(-1), 16, alpha), True), vw))
+              for alpha in (1.0, 0.25)] for a, vw in (random_head(s, g_check) for _ in range(200))]
+        truth = sum(alg1 < top for top, alg1 in L) / len(L)
         assert abs(wins[s] - truth) <= 0.1, f"sharpness {s}: count the heads where Algorithm 1's L (alpha 0.25) " \
             "is strictly below top-k's (alpha 1), out of 200 drawn with random_head(s, g), sharpness in order"
 

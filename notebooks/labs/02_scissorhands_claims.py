@@ -190,7 +190,7 @@ for label in ["w=400", "w=32", "w=8", "m=16"]:
 # A shorter window does not help: `w = 32` is distinguishably *below* the default (0.01 against 0.05, mean
 # accuracy over the suite), `w = 8` is within noise of it, and on the NIAH tasks all three stay at
 # 0.00-0.01; dropping 16 at a time is within noise of dropping one. So the age effect of the lesson's
-# section 3 (old tokens had more chances to collect low flags) is not why Scissorhands fails here; what
+# section 2 (old tokens had more chances to collect low flags) is not why Scissorhands fails here; what
 # fails is the count itself, which weighs the few queries that retrieve the needle like any other step.
 
 # %% [markdown]
@@ -258,7 +258,7 @@ for u, k, eps, keep in rows_table:
 # simulated mass at moderate budgets (`B/T = 0.5`: 0.053 against 0.121), it is not monotone in `B/T`, and it
 # turns negative once `(1 - eps) / (B/T - eps) > (k / (k - 1))^(k - 1)`, which for `k = 3` is every `B/T`
 # below 0.472 (below 0.399 as `k` grows; the grid above finds the sign change at 0.48): the keep ratios this
-# project evaluates at (0.1 and 0.25, section 1) are all in the vacuous range. Two steps of the proof are
+# project evaluates at (0.1 and 0.25, section 1; not 0.5) are in the vacuous range. Two steps of the proof are
 # responsible: `1/D` (with `E[v] = D/(k-2)`) is replaced by `1/(0.98 b)` using `D <= 0.98 b`, which bounds in
 # the wrong direction (`D < b` makes `1/D > 1/b`), and the last line trades `-(B/T - eps) gamma` for a term
 # with `(1 - B/T)` in front.
@@ -509,7 +509,7 @@ for spec in ["scissorhands", "h2o"]:
 # %% [markdown]
 # ### 4.2 Persistence of importance on SmolLM2
 #
-# The lesson's measurement (its section 2.2, the same two helpers, repeated here) on
+# Section 5.1's measurement of the bundled model (defined there; the same two helpers) on
 # `REAL_PERSISTENCE_SAMPLES` prompts of each task of the default suite: per layer, the step-to-step and
 # sequence-level ratios with their base rates, at the uniform level (`level = 1`, the complement of
 # Scissorhands' low flag) and at three times it.
@@ -704,6 +704,6 @@ for layer, a in enumerate(maps):
 # * **Theorem 4.1's closed form is no upper bound at moderate budgets** (negative below `B/T` = 0.472
 #   for `k = 3`), its probability is vacuous up to `T_min = 10^4`, and in its own model the assumptions
 #   clash (section 2).
-# * **On SmolLM2 the 5x claim does not reproduce**: in the lesson's language-modelling run (its section 4)
+# * **On SmolLM2 the 5x claim does not reproduce**: in the lesson's language-modelling run (its section 3)
 #   Scissorhands is the best of the three methods at 5x compression, but perplexity still rises well above
 #   the full cache's.
