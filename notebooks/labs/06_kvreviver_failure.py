@@ -14,7 +14,7 @@
 #    Candidate rule with one selection per layer or per KV head; wider sketches;
 # 3. why it breaks, to the end: one part of the method changed at a time under language modelling, Lemma 2
 #    at the paper's own setting, the appendix's per-layer budgets, and a repair of ours;
-# 4. the decode time;
+# 4. the memory and the decode time;
 # 5. what this says at our scale.
 
 # %% tags=["setup"]
@@ -250,14 +250,52 @@ plt.show()
 #
 # ## 2. The bundled model
 #
-# ### 2.1 All or nothing, counted
+# ### 2.1 All or nothing: one prompt, then counted
 #
-# The lesson's section 3 picture showed one prompt: most heads give the entries rebuilt from the sketch
-# nothing, a few give them everything. Counted over one prompt per task of the bundled model, at a quarter of
-# the prompt as budget (question after the context, the first answer token):
+# The lesson's section 3 found the rebuilt keys tens of times too long. What that does to attention, on the
+# lesson's prompt (a quarter of it as budget): `harness.traces` runs the prompt, then the reference answer one
+# token at a time, through the full cache and through KVReviver (question after the context), keeping every
+# head's attention weights.
 
 # %%
-G, H = model.config.group_size, model.config.n_head
+from matplotlib.colors import LogNorm
+
+from methods.analysis.rebuilt_attention import rebuilt_mask
+
+L, G, H = model.config.n_layer, model.config.group_size, model.config.n_head
+full_tr, kvr_tr = traces(model, make_sample("niah_single_noise", tok, LENGTH, seed=1), "question_after_context",
+                         [None, make_policy("kvreviver", LENGTH // 4)], [True, True])
+red = torch.cat([rebuilt_mask(kvr_tr, l).repeat_interleave(G, 0) for l in range(L)])   # (L * H, T): rebuilt
+fig = plt.figure(figsize=(11, 5.6))
+layout = fig.add_gridspec(2, 3, width_ratios=[40, 1, 1], wspace=0.3, hspace=0.3)      # two panels, two colour bars
+axes = [fig.add_subplot(layout[0, 0])]
+axes.append(fig.add_subplot(layout[1, 0], sharex=axes[0]))
+norm = LogNorm(1e-4, 1)
+for ax, (name, tr) in zip(axes, [("full cache", full_tr), (f"KVReviver, {LENGTH // 4} slots", kvr_tr)]):
+    p = torch.cat([tr.probs[l] for l in range(L)])                                     # (L * H, T)
+    kw = dict(aspect="auto", norm=norm, interpolation="nearest")
+    raw_im = ax.imshow(torch.where(red, float("nan"), p).numpy(), cmap="Blues", **kw)
+    red_im = ax.imshow(torch.where(red, p, float("nan")).numpy(), cmap="Reds", **kw)
+    ax.set_yticks([l * H + (H - 1) / 2 for l in range(L)], [f"layer {l}" for l in range(L)])
+    ax.set(title=f"{name}: attention of the first answer token", ylabel="query heads")
+axes[0].tick_params(labelbottom=False)
+axes[-1].set_xlabel("key position (context, then question)")
+fig.colorbar(raw_im, cax=fig.add_subplot(layout[:, 1]), label="attention, raw entry")
+fig.colorbar(red_im, cax=fig.add_subplot(layout[:, 2]), label="attention, rebuilt entry")
+plt.show()
+
+
+# %% [markdown]
+# The figure shows each query head's attention (rows, four per layer) from the first answer token to every
+# key position: blue where KVReviver keeps the entry raw, red where it rebuilds it from the sketch; darker is
+# more, white below 1e-4. Both panels colour the same positions, so the full cache's red part shows what those
+# tokens got before compression: attention spread over the context. In KVReviver most heads give the rebuilt
+# entries nothing (white over the red part: as good as evicted), and a few give them nearly everything, in
+# stripes: tokens that share all their cells get the same rebuilt key. The logit of a rebuilt key is about
+# the sum of its cell's tokens' logits, so its size makes the softmax all or nothing, and its sign decides
+# which. Counted over one prompt per task of the bundled model, same budget:
+
+# %%
 mass = [r for t in TASKS for r in rebuilt_attention_mass(                # one prompt per task, every layer
     *traces(model, make_sample(t, tok, LENGTH, seed=1), "question_after_context",
             [None, make_policy("kvreviver", LENGTH // 4)], [True, True]), G)]
@@ -578,7 +616,29 @@ for name, mse in repair_mse.items():
 # must hold.
 
 # %% [markdown]
-# ## 4. The decode time
+# ## 4. The memory and the decode time
+#
+# KVReviver stores its raw slots, the small sketch and a score per token; but every attention also rebuilds
+# every evicted position into a transient cache. On the lesson's prompt, a quarter of it as budget:
+
+# %%
+mem_sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)        # the lesson's prompt
+mem_policy, mem_full = make_policy("kvreviver", budget=LENGTH // 4), KVCache(model.config)
+mem_cache = KVCache(model.config, mem_policy)
+for c in (mem_cache, mem_full):
+    prefill(model, torch.tensor([mem_sample.context_ids]), c)
+mem_policy.attend_kv(0, mem_cache.layers[0])                               # Algorithm 4: the transient cache
+print(f"KVReviver, {LENGTH // 4} slots per layer, {len(mem_sample.context_ids)}-token context:")
+print(f"  raw K/V slots (Recent + Candidate): {mem_cache.nbytes() / 1024:7.1f} KiB")
+print(f"  sketch cells:                       {mem_policy.slot_nbytes() / 1024:7.1f} KiB")
+print(f"  per-token score tables (extra):     {mem_policy.extra_nbytes() / 1024:7.1f} KiB")
+print(f"  transient rebuilt cache (1 layer):  {mem_policy.rebuilt_nbytes / 1024:7.1f} KiB")
+print(f"  full cache, all layers:             {mem_full.nbytes() / 1024:7.1f} KiB")
+
+
+# %% [markdown]
+# The stored part is about a quarter of the full cache, but the transient rebuilt cache of one layer is as
+# large as all the raw slots.
 #
 # The paper measures decoding about 2x slower than the full cache at batch 1 on a GPU. Here each method is
 # traced alone (`harness.trace`) on four prompts of the bundled model, question after the context, against
@@ -624,7 +684,7 @@ for method in ["kvreviver", "h2o"]:
 #   73-354x on SmolLM2 (§1.2). Such a key makes each head's attention all or nothing: most heads ignore the
 #   sketch, so its tokens are as good as evicted, and a few attend to nothing else.
 # * So KVReviver does **not** cure contextual amnesia here, on either model (the lesson's sections 4 and
-#   6); only sketches much wider than the paper's split, given on top of the budget, bring some accuracy
+#   5); only sketches much wider than the paper's split, given on top of the budget, bring some accuracy
 #   back, and the injective one (exact) reproduces the full cache (§2.2): the machinery is right, the
 #   compression is too strong for these keys.
 # * The eviction half is also weak on the bundled model: the Recent / Candidate rule with no sketch scores

@@ -109,3 +109,21 @@ def test_no_wrapped_line_starts_a_list(path):
 
 def test_the_wrap_check_finds_the_list_a_wrap_made():
     assert wrapped_into_a_list("more than `N\n- p` low flags\n\nand `x`\n- a list") == ["more than `N | - p` low flags"]
+
+
+def changing_letters() -> list[tuple[str, list[str]]]:
+    """The rows of ``notebooks/README.md``'s "Letters that change meaning": (the symbol cell, its lessons)."""
+    text = (NOTEBOOKS / "README.md").read_text().split("## Letters that change meaning", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| $")]
+    return [(symbol.strip(), re.findall(r"\d\d", lessons)) for symbol, lessons in rows]
+
+
+def test_the_book_lists_only_letters_its_lessons_use():
+    """Each letter the book's table says a lesson uses in its own sense is in that lesson (a renamed letter
+    leaves no stale row behind)."""
+    assert changing_letters()
+    for symbol, lessons in changing_letters():
+        first = re.match(r"\$[^$]+\$", symbol).group(0)
+        for number in lessons:
+            source = next(NOTEBOOKS.glob(f"{number}_*.py")).read_text()
+            assert first in source, f"notebooks/README.md lists {first} for lesson {number}, which does not use it"
