@@ -80,11 +80,13 @@ plt.show()
 # %% [markdown]
 # The figure shows layer 0's keys at each step: red marks the rows a step computes, blue those it reads from
 # the cache. Without a cache every step recomputes the whole prefix, a triangle of work; with one, each step
-# computes one new row. With $T$ tokens seen, a step costs $T$ query-key pairs instead of $T^2$.
+# computes one new row. With $T$ tokens seen, a step computes one key row and reads $T - 1$, instead of
+# computing all $T$ (and the whole prefix's attention, about $T^2/2$ query-key pairs, instead of $T$).
 #
 # ### 1.1 Build it: a cache by hand
 #
-# A layer's cache is three preallocated buffers per KV head: keys, values, and each entry's position. A step
+# A layer's cache is three preallocated buffers, with a row of slots per KV head: keys, values, and each
+# entry's position. A step
 # **appends** its new keys and values into the next free slots, then its queries **attend** over everything
 # stored (Vaswani et al., 2017, §3.2.1, Eq. 1, with the causal mask), in the lesson's own symbols:
 #
@@ -191,14 +193,15 @@ print(f"by hand == KVCache on layer 0 over {len(calls)} steps (prefill of 6, ext
 for name in ["TINY", "GPT2_124M", "TINYLLAMA_1B"]:
     c = preset(name)
     print(f"{name:<13} L={c.n_layer:<3} H={c.n_head:<3} H_kv={c.n_kv_head:<3} d={c.head_dim:<3} | G = "
-          f"{c.n_head // c.n_kv_head:<2} | {c.kv_bytes_per_token(bytes_per_element=2) / 1024:5.1f} KiB/token in bf16")
+          f"{c.n_head // c.n_kv_head:<2} | {c.kv_bytes_per_token(bytes_per_element=2) / 1024:6.2f} KiB/token in bf16")
 print(f"the 12-token cache of section 1.1: nbytes() = {library.nbytes()}, "
       f"kv_bytes_per_token() x 12 = {config.kv_bytes_per_token() * 12} (fp32)")
 
 # %% [markdown]
 # TinyLlama's 32 query heads share 4 KV heads, so its cache is 8 times smaller than with MHA. Still, the cache
-# grows by the same bytes with every token, without end. Every method of this course stops that growth at a
-# budget $B$ of entries per layer and KV head: which entries to keep is the whole question.
+# grows by the same bytes with every token, without end. The methods of this course bound that growth with a
+# budget $B$ of entries per layer and KV head (some bound the prompt only and keep what follows it on top):
+# which entries to keep is the whole question.
 #
 # ## 3. The cache changes nothing, and saves time
 #
@@ -240,9 +243,6 @@ print("speedup of a cached step (recompute time / cached time):",
 #
 # $$(R_t\, q_t)^\top (R_n\, k_n) = q_t^\top R_{n-t}\, k_n .$$
 #
-# So a key can be rotated **once**, at its own position, when it is stored. A random query and key, rotated at
-# three pairs of positions:
-
 # So a key can be rotated **once**, at its own position, when it is stored, as long as every token is rotated
 # at its true position. Below, one random query and one random key, rotated at three pairs of positions:
 

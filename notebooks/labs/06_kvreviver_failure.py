@@ -607,13 +607,13 @@ for name, mse in repair_mse.items():
 
 
 # %% [markdown]
-# On the bundled model's keys the plain sketch's error grows with the square of the load (7242.09 times the
+# On the bundled model's keys the plain sketch's error grows much faster than the load (7242.09 times the
 # variance at 116 tokens per cell: the keys' mean is summed `a/b` times over); taking the mean out brings it
 # to 12.77, and shrinking keeps it at 0.99 or below at every load, the error of guessing the mean key. This
 # is our repair, not the paper's: it gives up on recovering a crowded token and returns something harmless
 # instead, so at best it reaches Recent / Candidate alone, which is what the table of section 3 shows on
-# SmolLM2. At the paper's split no estimator can do better: its cells are far too few for the tokens they
-# must hold.
+# SmolLM2. At the paper's split none of the three estimators tried here recovers a crowded token: its cells
+# are far too few for the tokens they must hold.
 
 # %% [markdown]
 # ## 4. The memory and the decode time
@@ -666,7 +666,8 @@ for method in ["kvreviver", "h2o"]:
 
 # %% [markdown]
 # Traced alone (the ratios printed above), KVReviver decodes about twice as slowly as the full cache, as the
-# paper found, and H2O a little slower; CPU timings move from run to run. Each timing is a whole decode
+# paper found, and H2O slower too (the ratio printed above); CPU timings move from run to run. Each timing is a
+# whole decode
 # step, the layers' weight products included, which every method pays alike; the tables' `step ms` instead
 # give each cache the time of its own attention plus an equal share of the rest, so their gaps are wider.
 # Every KVReviver step
@@ -679,7 +680,9 @@ for method in ["kvreviver", "h2o"]:
 # * **Values** behave as the paper's analysis says: signed sums are unbiased, and the median of three rows
 #   keeps about Lemma 2's share of the collision variance, on the bundled model (the lesson's section 2)
 #   and on SmolLM2 at the paper's own setting.
-# * **Keys** are where it breaks. They are summed without signs and share a large common component, so the
+# * **Keys** are where it breaks first, though at SmolLM2's smaller budget the values' noise does even more
+#   damage (section 3's table: sketch values with true keys against sketch keys with true values). Keys are
+#   summed without signs and share a large common component, so the
 #   rebuilt keys are tens of times longer than real ones on the bundled model (the lesson's section 3) and
 #   73-354x on SmolLM2 (§1.2). Such a key makes each head's attention all or nothing: most heads ignore the
 #   sketch, so its tokens are as good as evicted, and a few attend to nothing else.
