@@ -2,19 +2,13 @@
 # # 01 Baselines: four ways to choose what a KV cache keeps
 #
 # **Before this lesson**: lesson 00 ([00_nanollm_kv_cache.ipynb](00_nanollm_kv_cache.ipynb)): the KV cache,
-# its stored positions, `prefill` and `decode_step`, and the policy hooks through which a method evicts. The
-# symbols are the book's ([notebooks/README.md](README.md)); the metrics section 3 prints (acc, its intervals,
-# the two modes) are defined in the [metrics glossary](README.md#metrics).
+# `prefill`, `decode_step` and the policy hooks through which a method evicts. The symbols are the book's
+# ([notebooks/README.md](README.md)); acc and its intervals are in the [metrics glossary](README.md#metrics).
 #
 # A compressed KV cache has room for a fixed number of entries per layer and KV head, the *budget*, and must
-# choose which tokens stay. Four simple rules answer that question, and every later method in this course is
-# compared against them: **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**.
-#
-# **You will learn**
-#
-# 1. what each rule keeps of one small attention matrix, in a picture;
-# 2. each rule written from its paper in a few lines, checked against the library;
-# 3. how often each answers on real passages with a real model, SmolLM2-135M.
+# choose which tokens stay. Every later method is compared against four simple rules:
+# **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**. You will write each from its paper, check it against
+# the library, see what each keeps of a toy attention, and run the four on real passages with SmolLM2-135M.
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -26,7 +20,7 @@ model, tok, _ = load("retrieval-llama")    # the bundled model: 0.87M parameters
 # %% [markdown]
 # ## 1. What each rule reads: a toy layer
 #
-# A toy layer first: sixteen prompt tokens, 4 query heads sharing 2 KV heads (query heads 0-1 read KV head 0,
+# Sixteen prompt tokens, 4 query heads sharing 2 KV heads (query heads 0-1 read KV head 0,
 # 2-3 read KV head 1), and a made-up causal attention. Every query puts weight on token 0, a *sink*; the
 # queries at positions 6-11 attend token 5, an early *heavy hitter*; the last four queries (the *observation
 # window*) attend token 9 in KV head 0's query heads and spread over tokens 2, 3, 7 and 8 in KV head 1's.
@@ -41,14 +35,12 @@ logits[..., 0] += 3.0                                             # a sink for e
 logits[:, :, 6:12, 5] += 4.0                                      # an early heavy hitter
 logits[:, :2, 12:, 9] += 5.0                                      # window of KV head 0: one token
 logits[:, 2:, 12:, [2, 3, 7, 8]] += 3.0                           # window of KV head 1: spread out
-causal = torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril()
-toy_probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)    # (1, H, T, T) the prompt's attention
+toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
 
 fig, axes = plt.subplots(1, H_TOY, figsize=(14, 3.6), sharey=True)
 for h, ax in enumerate(axes):
     im = ax.imshow(toy_probs[0, h].numpy(), cmap="magma_r", vmin=0, vmax=1, interpolation="nearest")
-    ax.set(title=f"query head {h} (KV head {h // (H_TOY // HKV_TOY)})", xlabel="key position (token attended)",
-           xticks=range(0, T_TOY, 3))
+    ax.set(title=f"query head {h} (KV head {h // 2})", xlabel="key position (token attended)", xticks=[0, 5, 9, 15])
     ax.axhline(T_TOY - W_TOY - 0.5, color="tab:blue", ls=":", lw=1)
 axes[0].set_ylabel("query position")
 fig.suptitle("The toy layer's attention: row = query, column = the token it attends (dotted: the window starts)")
@@ -56,49 +48,38 @@ fig.colorbar(im, ax=axes, label="attention probability", shrink=0.8)
 plt.show()
 
 # %% [markdown]
-# The sink is the dark first column, the heavy hitter the block in column 5, and the window's rows (below the
-# dotted line) differ between the KV heads.
+# The figure shows the sink as the dark first column and the heavy hitter as the block in column 5; the
+# window's rows (below the dotted line) differ between the KV heads.
 #
-# The four rules read this matrix in four ways. **StreamingLLM** ignores it and keeps the first tokens and the
-# most recent ones. **H2O** keeps the columns with the most attention in total. **SnapKV** keeps the columns
-# the window's rows attend. **AdaKV** takes SnapKV's scores but lets one KV head use more than its share.
-# Section 2 writes each rule; §2.5 shows what each keeps of this toy.
+# StreamingLLM ignores this matrix, H2O sums its columns, SnapKV reads only the window's rows, and AdaKV
+# shares SnapKV's budget unequally among the KV heads.
 #
 # ## 2. Build them: each rule in a few lines
 #
-# Each rule below is written from its paper, run on the toy, and compared with the library's function. The
-# symbols (the book's, [notebooks/README.md](README.md), plus a few of the lesson's own):
+# Each rule is written from its paper, run on the toy, and checked against the library. Symbols:
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
 # | $T$ | tokens seen: the prompt, then each generated one | `seen`, `T` |
 # | $B$ | the budget: entries kept per layer and KV head | `budget` |
-# | $S$ | sinks: tokens kept at the start | `n_sink` |
-# | $w$ | the observation window: the prompt's last tokens | `window` |
 # | $H$, $h$ | query heads, and one of them | `H`, `h` |
 # | $H_{kv}$, $j$ | KV heads, and one of them (here $j$ is a KV head, not lesson 00's slot) | `n_kv_head`, `j` |
 # | $G$, $\mathcal{G}_j$ | $H / H_{kv}$; the query heads of KV head $j$ | `G` |
-# | $t$; $n$, $n'$ | a query's position; tokens' positions | `probs` rows; columns |
-# | $a^h_{t,n}$ | the attention of head $h$'s query $t$ on token $n$ | `probs[h, t, n]` |
-# | $s_{j,n}$, $\tilde s_{j,n}$ | token $n$'s score in KV head $j$ (higher stays); AdaKV's | `scores`, `ranked` |
-# | $u^h_n$ | SnapKV's vote for token $n$ in query head $h$ | `votes` |
-# | $P$ | SnapKV's pooling width | `kernel` |
-# | $n_\text{safe}$ | AdaKV's safeguard: entries a KV head keeps first | `n_safe` |
+# | $a^h_{t,n}$ | the attention of head $h$'s query at position $t$ on the token at position $n$ | `probs[h, t, n]` |
+# | $s_{j,n}$ | token $n$'s score in KV head $j$: the higher scores stay | `scores` |
+# | $u^h_n$, $P$ | SnapKV's vote for token $n$ in query head $h$; its pooling width | `votes`, `kernel` |
 #
 # ### 2.1 StreamingLLM: attention sinks and a recent window
 #
 # Xiao et al., ICLR 2024, [arXiv 2309.17453](https://arxiv.org/abs/2309.17453). Softmax attention has to put
-# its mass somewhere, and trained models dump the surplus on the first few tokens, whatever they say (§3.1);
-# evicting those sinks breaks the model. So the rolling cache of §3.2 keeps the first $S$ tokens ($S = 4$ by
-# default) and the $B - S$ most recent ones. No attention is read: the kept set depends only on positions,
-# and it rolls at every decode step. After $T$ tokens:
+# its mass somewhere, and trained models dump the surplus on the first few tokens (§3.1); evicting those
+# *sinks* breaks the model. So the rolling cache of §3.2 keeps the first $S$ tokens ($S = 4$ by default) and
+# the $B - S$ most recent ones, rolling at every decode step. After $T$ tokens:
 #
 # $$\text{keep} \;=\; \{0, \dots, S-1\} \;\cup\; \{T-(B-S), \dots, T-1\} \qquad \text{(§3.2)}$$
-#
-# A budget of $S$ or less keeps $B - 1$ sinks, so that the newest token always fits.
 
 # %%
-from methods.streaming_llm import sinks_and_recent
+from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
 
 
 # BEGIN SOLUTION [baselines:sinks_and_recent] §3.2: the first S positions and the last budget - S ones
@@ -119,16 +100,16 @@ print("StreamingLLM on the toy (2 sinks) keeps", streaming_keep(T_TOY, B_TOY, 2)
 # ### 2.2 H2O: heavy hitters by accumulated attention
 #
 # Zhang et al., NeurIPS 2023, [arXiv 2306.14048](https://arxiv.org/abs/2306.14048), §4 and Algorithm 1. A few
-# tokens, the *heavy hitters*, receive most of the attention, and a token attended a lot so far tends to stay
-# important. So every cached token carries the attention it has received from every query so far (the
-# prompt's rows, then each decode step's), averaged over the $G$ query heads of its KV head:
+# tokens, the *heavy hitters*, receive most of the attention, and tend to stay important. So every cached
+# token carries the attention it has received from every query so far (the prompt's rows, then each decode
+# step's), averaged over the $G$ query heads of its KV head:
 #
 # $$s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \sum_{t=n}^{T-1} a^h_{t,n}
 # \qquad \text{(Algorithm 1, §4)}$$
 #
 # At every step the cache keeps its `budget // 2` most recent tokens and, among the others, the highest
-# scores. The code adds the scores up step by step, as the cache does: `steps` holds the prompt's attention,
-# then one row per decoded token. The check runs the toy as a 13-token prompt and three decode steps.
+# scores. The code adds up the scores step by step, as the cache does: `steps` holds the prompt's attention,
+# then one row per decoded token (the toy: a 13-token prompt and three decode steps).
 
 # %%
 from methods.h2o import received_attention
@@ -154,8 +135,7 @@ assert torch.allclose(h2o_scores(toy_steps, HKV_TOY), received_attention(toy_pro
 print("H2O's scores on the toy, KV head 0:", [round(x, 2) for x in h2o_scores(toy_steps, HKV_TOY)[0].tolist()])
 
 # %% [markdown]
-# The same check on the bundled model: a 20-token prompt and two decode steps through the library's H2O cache,
-# with a budget that evicts nothing. `record_attention` returns each layer's attention for the 22 tokens.
+# The same check against the library's H2O cache, on the bundled model's attention for 22 tokens.
 
 # %%
 from methods.analysis.persistence import record_attention
@@ -164,9 +144,8 @@ demo_ids = torch.randint(model.config.vocab_size, (1, 22), generator=torch.Gener
 demo_maps = record_attention(model, demo_ids)                        # n_layer x (H, 22, 22)
 
 # %% tags=["needs:h2o_observe"]
-from methods.h2o import STATE as H2O_SCORE
-from methods.h2o import H2OPolicy
-from nanollm import KVCache, decode_step, prefill
+from methods.h2o import STATE as H2O_SCORE, H2OPolicy
+from nanollm import KVCache, decode_step, prefill, select_topk
 
 cache = KVCache(model.config, H2OPolicy(budget=64))                  # the library's H2O, nothing evicted
 prefill(model, demo_ids[:, :20], cache)
@@ -182,21 +161,20 @@ print(f"the scores agree with the library's H2O cache in all {len(demo_maps)} la
 # ### 2.3 SnapKV: the observation window votes, once, at prefill
 #
 # Li et al., NeurIPS 2024, [arXiv 2404.14469](https://arxiv.org/abs/2404.14469). The prompt's last $w$ tokens
-# ($w = 32$ by default), the observation window, which usually holds the question, vote: each earlier token's
-# vote $u^h_n$ is the attention the window's queries give it (§4.1). A max pooling of width $P$ ($P = 7$ by
-# default) then lets a strong token's neighbours come with it (§4.2), and the mean over the group gives the
-# KV head's score. For a prefix token $n < T - w$:
+# ($w = 32$ by default), the *observation window*, which usually holds the question, vote: token $n$'s vote
+# $u^h_n$ is the attention the window's queries give it (§4.1). A max pooling of width $P$
+# ($P = 7$ by default) lets a strong token's neighbours $n'$ come with it (§4.2), and the mean over the group
+# gives the KV head's score. For a prefix token $n < T - w$:
 #
 # $$u^h_n = \sum_{t=T-w}^{T-1} a^h_{t,n}, \qquad
 # s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \max_{|n' - n| \le \lfloor P/2 \rfloor} u^h_{n'}
 # \qquad \text{(§4.1, §4.2)}$$
 #
 # Each KV head keeps the whole window and its $B - w$ best-scored prefix tokens. SnapKV compresses **the
-# prompt only, once**: the tokens decoded later are all kept. The check compares the scores with the
-# library's on the toy and on the bundled model's attention of §2.2.
+# prompt only, once**: the tokens decoded later are all kept.
 
 # %%
-from methods.snapkv import snapkv_scores
+from methods.snapkv import SnapKVPolicy, snapkv_scores
 
 
 # BEGIN SOLUTION [baselines:window_vote] §4.1: the window's rows vote for the prefix; §4.2: max pooling; mean per group
@@ -224,22 +202,20 @@ print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in v
 #
 # Feng et al., NeurIPS 2025, [arXiv 2407.11550](https://arxiv.org/abs/2407.11550), the adaptive allocation
 # (Algorithm 1), as NVIDIA's kvpress library realises it. A head whose attention is concentrated needs few
-# entries, a head whose attention is spread out needs many. AdaKV takes any rule's scores $s_{j,n}$ (SnapKV's
-# by default), lets every KV head keep its own best $n_\text{safe} = \lfloor 0.2 B \rfloor$ first (the
-# *safeguard*), then keeps the layer's $H_{kv} B$ best (head, token) pairs, so the heads end up with unequal
-# counts:
+# entries, one whose attention is spread out needs many. AdaKV takes any rule's scores $s_{j,n}$ (SnapKV's by
+# default), lets every KV head keep its own best $n_\text{safe} = \lfloor 0.2 B \rfloor$ first (the
+# *safeguard*), then keeps the layer's $H_{kv} B$ best (head, token) pairs, by the ranking $\tilde s_{j,n}$:
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
 # \qquad \text{(Algorithm 1)}$$
 #
-# The check compares it with the library's `adaptive_keep_mask` on heads of equal scale, then with KV head
-# 0's scores ten times larger.
+# The check runs heads of equal scale, then KV head 0's scores ten times larger.
 
 # %%
 import math
 
-from methods.adakv import adaptive_keep_mask
+from methods.adakv import adaptive_keep_mask, mask_to_indices
 
 
 # BEGIN SOLUTION [baselines:adakv] Algorithm 1: every head's own best n_safe first, then the layer's best H_kv * budget
@@ -269,45 +245,26 @@ for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0
           f"(no safeguard), {adakv_keep(scores, B_TOY, 1).sum(-1).tolist()} (safeguard 1)")
 
 # %% [markdown]
-# The pool goes to the highest scores, wherever they are: even at equal scale the heads split it 4 and 8.
-# The second line shows the failure mode the safeguard exists for: KV head 0's larger scores take the whole
-# pool without it (12 entries, none for KV head 1), and a safeguard of 1 leaves KV head 1 its best token.
+# Even at equal scale the heads split the pool 4 and 8. At ten times the scale, KV head 0 takes the whole pool
+# without a safeguard (12 entries, none for KV head 1); a safeguard of 1 leaves KV head 1 its best token.
 #
 # ### 2.5 What each rule keeps of the toy
 #
-# The library's four rules on the toy layer, with room for 6 entries per KV head: StreamingLLM with 2 sinks,
-# H2O with its 3 most recent tokens, SnapKV with the 4-token window and a pooling width of 3, AdaKV over
-# SnapKV's scores with a safeguard of 1. A policy's `rank` sets its protected slots to $+\infty$ over its
-# scores, and `select_topk` keeps each KV head's best $B$.
+# The library's four rules on the toy, 6 entries per KV head (AdaKV with a safeguard of 1). A policy's `rank`
+# puts its protected slots at $+\infty$, and `select_topk` keeps each KV head's best $B$.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-from methods.adakv import mask_to_indices
-from methods.snapkv import SnapKVPolicy
-from methods.streaming_llm import StreamingLLMPolicy
-from nanollm import select_topk
+pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)                   # (1, H_kv, T) positions of the slots
+ranks = {   # each rule's ranking: its scores, its protected slots at +inf
+    "StreamingLLM (2 sinks)": StreamingLLMPolicy(B_TOY, n_sink=2).rank(pos.float(), pos, T_TOY),
+    "H2O (3 recent)": H2OPolicy(B_TOY, n_recent=3).rank(received_attention(toy_probs.sum(2), HKV_TOY), pos, T_TOY),
+    "SnapKV (w = 4, pool 3)": SnapKVPolicy(B_TOY, window=W_TOY, kernel=3).rank(
+        snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max"), pos, T_TOY)}
+toy_kept = {name: select_topk(r, B_TOY) for name, r in ranks.items()}      # each KV head's best B_TOY
+toy_kept["AdaKV (over SnapKV)"] = mask_to_indices(adaptive_keep_mask(ranks["SnapKV (w = 4, pool 3)"], B_TOY, 1))
 
-toy_pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)               # (1, H_kv, T) positions of the slots
-snap = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")
-snapkv = SnapKVPolicy(B_TOY, window=W_TOY, kernel=3)
-
-
-def kept_by(policy, scores):      # a rule's ranking (its protected slots at +inf), then each head's top budget
-    return select_topk(policy.rank(scores, toy_pos, T_TOY), B_TOY)
-
-
-ada = adaptive_keep_mask(snapkv.rank(snap, toy_pos, T_TOY), B_TOY, n_safe=int(0.2 * B_TOY))  # window first
-toy_kept = {
-    "StreamingLLM (2 sinks)": kept_by(StreamingLLMPolicy(B_TOY, n_sink=2), toy_pos.float()),
-    "H2O (3 recent)": kept_by(H2OPolicy(B_TOY, n_recent=B_TOY // 2), received_attention(toy_probs.sum(2), HKV_TOY)),
-    "SnapKV (w = 4, pool 3)": kept_by(snapkv, snap),
-    "AdaKV (over SnapKV)": mask_to_indices(ada),
-}
-
-# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-toy_image = torch.zeros(len(toy_kept) * HKV_TOY, T_TOY)              # one row per rule and KV head
-for i, idx in enumerate(toy_kept.values()):
-    for h in range(HKV_TOY):
-        toy_image[i * HKV_TOY + h, idx[0, h][idx[0, h] >= 0]] = 1.0
+toy_image = torch.stack([torch.zeros(T_TOY).index_fill(0, idx[0, h][idx[0, h] >= 0], 1.0)
+                         for idx in toy_kept.values() for h in range(HKV_TOY)])    # one row per rule and KV head
 fig, ax = plt.subplots(figsize=(10, 3.4))
 im = ax.imshow(toy_image.numpy(), cmap="Greys", vmin=-0.15, vmax=1.3, aspect="auto", interpolation="nearest")
 ax.set_yticks(range(len(toy_image)), [f"{n}, KV {h}" for n in toy_kept for h in range(HKV_TOY)], fontsize=9)
@@ -321,22 +278,19 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Each row is a rule in one KV head: black kept, light grey evicted. StreamingLLM keeps the same positions in
-# both KV heads, whatever the attention says. H2O keeps the sink and the heavy hitter (token 5) in both heads, its
-# 3 recent tokens, and one token the window attended (9 in KV head 0, 2 in KV head 1). SnapKV never sees token
-# 5, which the window does not attend: after the window it has room for two prefix tokens per head, token 9
-# and its pooled neighbour 8 in KV head 0, and in KV head 1, whose window spreads its attention, the sink and
-# its neighbour 1. AdaKV ranks the layer's (head, token) pairs together: KV head 0's plateau around token 9
-# outranks what KV head 1 has after its sink, so KV head 0 gets 7 entries and KV head 1 gets 5.
+# The figure shows one row per rule and KV head. StreamingLLM keeps the same positions in
+# both heads. H2O keeps the sink, the heavy hitter 5, its 3 recent tokens and one token the window attended
+# (9 in KV head 0, 2 in KV head 1). SnapKV drops token 5, which the window does not attend: besides the window
+# it keeps 9 and its pooled neighbour 8 in KV head 0, and in KV head 1, whose window spreads its attention,
+# the sink and its neighbour 1. AdaKV ranks the layer's (head, token) pairs together: KV head 0's plateau
+# around token 9 wins it 7 entries, and KV head 1 gets 5.
 #
 # ## 3. Real passages with SmolLM2-135M
 #
-# Now the library's four rules on a real model reading natural text: SmolLM2-135M (30 layers, 9 query heads
-# sharing 3 KV heads) on `niah_single_docs` prompts, paragraphs of Python's documentation with one
-# magic-number sentence inside (the *needle*) and the question at the end; each seed puts the needle at
-# another depth. Each rule keeps $B$ = `LENGTH_REAL // 4` entries per layer and KV head (a passage comes out
-# shorter than `LENGTH_REAL`, so the share kept is larger). Every passage gets one greedy answer per cache,
-# with the question at the end of the prompt (`MODES[0]`; the [glossary](README.md#metrics) has both modes),
+# The library's four rules on SmolLM2-135M with `niah_single_docs` prompts, paragraphs of Python's
+# documentation with one magic-number sentence inside (the *needle*) and the question at the end; each seed
+# puts the needle at another depth. Each rule keeps $B$ = `LENGTH_REAL // 4` entries per layer and KV head (a
+# passage comes out shorter than `LENGTH_REAL`). Every passage gets one greedy answer per cache (`MODES[0]`),
 # scored as acc.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
@@ -362,49 +316,33 @@ for seed in range(1, PASSAGES + 1):
     print(f"passage {seed}: {n} tokens, value at {s_v}-{s_end - 1}; recent tokens from {n - (BUDGET_REAL - 4)} "
           f"(StreamingLLM), from {n - BUDGET_REAL // 2} (H2O); answered by {who}")
 
-# %% [markdown]
-# Each line gives a passage's length, where the needle's value sits, and where the recent tokens start. Below:
-# how many passages each cache answers, and each rule's paired difference from the full cache (the glossary's
-# acc entry defines both intervals).
-
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-from methods.evaluation.intervals import describe, paired_difference, wilson
+from methods.evaluation.intervals import describe, paired_difference
 
-for spec, said in real_acc.items():
-    n_ok = int(sum(said))
-    lo, hi = wilson(n_ok / PASSAGES, PASSAGES)
+for spec, said in real_acc.items():                       # the paired difference: the glossary's acc entry
     versus = describe(*paired_difference([said], [real_acc["full"]]))
-    print(f"{NAMES[spec]:13} answers {n_ok} of {PASSAGES} (95% Wilson interval [{lo:.2f}, {hi:.2f}])"
+    print(f"{NAMES[spec]:13} answers {int(sum(said))} of {PASSAGES} passages"
           + ("" if spec == "full" else f"; against the full cache: {versus}"))
 
 # %% [markdown]
-# Of the 8 passages StreamingLLM answers 4, H2O 3, SnapKV and AdaKV 2, and the full cache 7; every rule is
-# distinguishably below the full cache. What decides is where the needle sits: StreamingLLM answers exactly
-# the passages whose value lies in its recent window, H2O exactly those whose value lies in its recent half,
-# and no rule answers the three passages whose needle is near the start (1, 5 and 6).
-#
-# **Verdict**: on real text the four rules keep what is recent or what every query attends, and lose an old
-# fact. On the bundled model, trained on needles, H2O does keep an old needle's value (the lab): one model's
-# ranking of the baselines does not carry over to another.
+# Every rule answers fewer passages than the full cache, each paired interval below zero. Where the needle
+# sits decides: StreamingLLM answers exactly the passages whose whole value lies in its recent window, H2O
+# exactly those whose value lies in its recent half, and no rule answers the passages whose needle is near the
+# start (1, 5 and 6). On real text the four rules keep what is recent or what every query attends, and lose
+# an old fact; on the bundled model, trained on needles, H2O does keep an old value (the lab).
 #
 # ## Exercises
 #
-# Each exercise has a cell where you write (replace the `None`), a check cell that reads only your answer
-# (it says "not answered yet" until you do, stops with a hint when the answer is wrong, and says "right"
-# when it is), and the reference answer, collapsed: open it once you are done.
+# Each exercise: a cell where you replace the `None`, a check that gives a hint when the answer is wrong, and
+# the reference answer, collapsed.
 #
 # ### Exercise 1: StreamingLLM's kept positions after decoding
 #
 # A prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`.
-# Compute, with tensor operations and from `ex_seen`, `EX_BUDGET` and `EX_SINKS` only, the positions every
-# layer and KV head must hold now: `my_expected`, a 1-D tensor of positions in ascending order.
+# Compute, from `ex_seen`, `EX_BUDGET` and `EX_SINKS` only, the positions every layer and KV head must hold
+# now: `my_expected`, a 1-D tensor of positions in ascending order.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-def entries_per_head(cache, layer=0):
-    """The entries each KV head of a layer holds (its slots with a position, not -1)."""
-    return (cache.layers[layer].pos[0] >= 0).sum(-1).tolist()
-
-
 ex_sample = make_sample("niah_single_prose", tok, 256 if TINY else 512, seed=7)
 EX_BUDGET, EX_SINKS = 40, 4
 ex_cache = KVCache(model.config, make_policy("streaming_llm", budget=EX_BUDGET, n_sink=EX_SINKS))
@@ -412,7 +350,7 @@ prefill(model, torch.tensor([ex_sample.prompt_ids]), ex_cache)
 for token in ex_sample.target_ids[:5]:
     decode_step(model, torch.tensor([token]), ex_cache)
 ex_seen = ex_cache.seen
-print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {entries_per_head(ex_cache)}")
+print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {(ex_cache.layers[0].pos[0] >= 0).sum(-1).tolist()}")
 my_expected = None                  # replace None: a 1-D tensor of the positions every KV head holds, ascending
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
@@ -442,11 +380,10 @@ check_expected(reference_expected)
 # %% [markdown]
 # ### Exercise 2: what H2O keeps
 #
-# `ex_maps[l]` is the full-cache attention of the prompt in layer `l`, shape `(H, N, N)` (row = query,
-# column = key). Compute H2O's prefill scores `my_scores[l]`, shape `(H_kv, N)` (section 2.2, with tensor
-# operations this time), then `my_kept[l]`, shape `(H_kv, EX_H2O_BUDGET)`: the positions H2O keeps,
-# ascending: the `budget // 2` most recent ones and the highest-scored of the others. The check compares
-# them with the library's H2O caches, one that evicts nothing and one with budget `EX_H2O_BUDGET`.
+# `ex_maps[l]` is the full-cache attention of Exercise 1's prompt in layer `l`, shape `(H, N, N)` (row =
+# query, column = key). Compute H2O's prefill scores `my_scores[l]`, shape `(H_kv, N)` (section 2.2, with
+# tensor operations this time), then `my_kept[l]`, shape `(H_kv, EX_H2O_BUDGET)`: the positions H2O keeps,
+# ascending, the `budget // 2` most recent ones and the highest-scored of the others.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 ex_ids = torch.tensor([ex_sample.prompt_ids])
@@ -488,50 +425,5 @@ for received in reference_scores:
 check_h2o(reference_scores, reference_kept)
 
 # %% [markdown]
-# ### Exercise 3: what SnapKV keeps
-#
-# From the same `ex_maps`, compute what SnapKV (window `w = 32`, max pooling of width 7, budget
-# `EX_SNAP_BUDGET`) keeps in each layer, `my_snap_kept[l]` of shape `(H_kv, EX_SNAP_BUDGET)`, ascending: the
-# votes of section 2.3 (with `F.max_pool1d`, stride 1, padding 3, this time), the top `EX_SNAP_BUDGET - w`
-# prefix positions (on equal votes the earlier position wins: a *stable* descending sort), and the window.
-
-# %%
-import torch.nn.functional as F
-
-EX_SNAP_BUDGET, EX_W = 64, 32
-my_snap_kept = None                # replace None: a list, one (H_kv, EX_SNAP_BUDGET) tensor of positions per layer
-
-# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-@exercise("Exercise 3")
-def check_snap_kept(kept):
-    snap = KVCache(model.config, make_policy("snapkv", budget=EX_SNAP_BUDGET, window=EX_W, kernel=7, pooling="max"))
-    prefill(model, ex_ids, snap)
-    assert len(kept) == len(ex_maps), "one tensor per layer"
-    for k, kv in zip(kept, snap.layers):
-        assert k.shape == (H_kv, EX_SNAP_BUDGET), "each layer: one row per KV head, EX_SNAP_BUDGET positions in each"
-        assert torch.equal(k[:, -EX_W:], kv.pos[0, :, -EX_W:]), "the window, the last w positions, is kept whole"
-        assert torch.equal(k, kv.pos[0]), "votes come from the last w query rows over the prefix columns only; " \
-                                          "pool before the group mean; ties go to the earlier position"
-
-
-check_snap_kept(my_snap_kept)
-
-# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-# BEGIN SOLUTION [baselines] window rows over prefix columns, summed; max_pool1d(7, 1, 3); group mean; stable top-k
-reference_snap_kept = []
-for a in ex_maps:
-    snap_votes = a[:, -EX_W:, :ex_N - EX_W].sum(1)                                    # (H, N - w)
-    snap_votes = F.max_pool1d(snap_votes[:, None], 7, stride=1, padding=3)[:, 0]      # clusters neighbours
-    snap_votes = snap_votes.view(H_kv, G, -1).mean(1)                                 # (H_kv, N - w)
-    top = torch.sort(snap_votes, dim=-1, descending=True, stable=True).indices[:, :EX_SNAP_BUDGET - EX_W]
-    window = torch.arange(ex_N - EX_W, ex_N).expand(H_kv, EX_W)
-    reference_snap_kept.append(torch.cat([top.sort(-1).values, window], dim=-1))
-# END SOLUTION
-check_snap_kept(reference_snap_kept)
-
-
-# %% [markdown]
-# **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb) takes the four rules
-# further: which positions each keeps of one needle on the bundled model, and why SnapKV keeps the question's
-# key but not the answer; one SmolLM2 passage up close, token by token; and accuracy, KL and memory on the
-# bundled model's task suite at three keep ratios in both modes, with paired intervals.
+# **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb): one needle on the
+# bundled model, one SmolLM2 passage up close, and accuracy, KL and memory at three keep ratios.
