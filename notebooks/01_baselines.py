@@ -7,7 +7,7 @@
 #
 # A compressed KV cache has room for a fixed number of entries per layer and KV head, the *budget*, and must
 # choose which tokens stay. Every later method is compared against four simple rules:
-# **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**. You will write each from its paper, check it against
+# **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**. You will see each written from its paper, check it against
 # the library, see what each keeps of a toy attention, and run the four on real passages with SmolLM2-135M.
 
 # %% tags=["setup"]
@@ -281,8 +281,9 @@ plt.show()
 # The figure shows one row per rule and KV head. StreamingLLM keeps the same positions in
 # both heads. H2O keeps the sink, the heavy hitter 5, its 3 recent tokens and one token the window attended
 # (9 in KV head 0, 2 in KV head 1). SnapKV drops token 5, which the window does not attend: besides the window
-# it keeps 9 and its pooled neighbour 8 in KV head 0, and in KV head 1, whose window spreads its attention,
-# the sink and its neighbour 1. AdaKV ranks the layer's (head, token) pairs together: KV head 0's plateau
+# it keeps 9 and its pooled neighbour 8 in KV head 0 (10 ties with them: a tie goes to the earlier position),
+# and in KV head 1, whose window spreads its attention, the sink and its neighbour 1 (nine prefix tokens tie
+# there, so position decides). AdaKV ranks the layer's (head, token) pairs together: KV head 0's plateau
 # around token 9 wins it 7 entries, and KV head 1 gets 5.
 #
 # ## 3. Real passages with SmolLM2-135M
@@ -290,8 +291,8 @@ plt.show()
 # The library's four rules on SmolLM2-135M with `niah_single_docs` prompts, paragraphs of Python's
 # documentation with one magic-number sentence inside (the *needle*) and the question at the end; each seed
 # puts the needle at another depth. Each rule keeps $B$ = `LENGTH_REAL // 4` entries per layer and KV head (a
-# passage comes out shorter than `LENGTH_REAL`). Every passage gets one greedy answer per cache (`MODES[0]`),
-# scored as acc.
+# passage comes out shorter than `LENGTH_REAL`). Every passage gets one greedy answer per cache (`MODES[0]`,
+# `question_in_prompt`: SnapKV's window holds the question), scored as acc.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from methods import make_policy
@@ -328,8 +329,8 @@ for spec, said in real_acc.items():                       # the paired differenc
 # Every rule answers fewer passages than the full cache, each paired interval below zero. Where the needle
 # sits decides: StreamingLLM answers exactly the passages whose whole value lies in its recent window, H2O
 # exactly those whose value lies in its recent half, and no rule answers the passages whose needle is near the
-# start (1, 5 and 6). On real text the four rules keep what is recent or what every query attends, and lose
-# an old fact; on the bundled model, trained on needles, H2O does keep an old value (the lab).
+# start (1, 5 and 6). On real text the four rules keep what is recent, what every query attends, or what the
+# window attends, and lose an old fact; on the bundled model, trained on needles, H2O does keep an old value (the lab).
 #
 # ## Exercises
 #

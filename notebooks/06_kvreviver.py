@@ -142,7 +142,8 @@ print("values ", toy_v.flatten().int().tolist(), "-> estimates", est_v.flatten()
 
 
 # %% [markdown]
-# The library agrees. Tokens 1 and 4 come back exactly: the median of `{x, x, x + error}` is `x`. Token 2's
+# The library agrees. Tokens 1 and 4 come back exactly: alone in every row, each row reads `x` (a token alone
+# in two rows of three would too: the median of `{x, x, x + error}` is `x`). Token 2's
 # key comes back one too large. Tokens 0, 3 and 5 get keys too large (sums of other keys) and values off in
 # either direction, token 3's with the wrong sign.
 #
@@ -298,7 +299,8 @@ for mode in MODES_REAL:
 #
 # * **Values** behave as the analysis says: signed sums, an error near Lemma 2's (section 2).
 # * **Keys** break it: unsigned sums rebuild tens of times too long, and attention to the sketch turns all or
-#   nothing (section 3). So KVReviver does **not** cure contextual amnesia here (sections 4 and 5).
+#   nothing (section 3 says why; the lab, section 2.1, draws and counts it). So KVReviver does **not** cure
+#   contextual amnesia here (sections 4 and 5).
 
 # %% [markdown]
 # ## Exercises
@@ -408,7 +410,8 @@ check_signed_key_error(reference_signed_key_error)
 signed = reference_signed_key_error
 print(f"signed keys: {signed[4]:.2f} at W = 4, {signed[128]:.2f} at W = 128; unsigned (section 2): {err[4][1]:.2f} "
       f"and {err[128][1]:.2f}; Lemma 2: {0.448 * E / 4:.2f} and {0.448 * E / 128:.2f}. Signs remove the keys' shared "
-      f"mean, but at E/W = {E // 4} the error is still {signed[4]:.0f} key variances (the lab's section 3.1).")
+      f"mean, but at E/W = {E // 4} the error is still {signed[4]:.0f} key variances. (Lemma 2 assumes independent "
+      "hashes and zero-mean items; the library's hash and these keys are neither, so the match may be partly luck.)")
 
 # %% [markdown]
 # **Go further**: [labs/06_kvreviver_failure.ipynb](labs/06_kvreviver_failure.ipynb) takes the failure apart:

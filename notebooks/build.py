@@ -371,7 +371,7 @@ def work(entry: dict | None) -> str:
         return "not read"
     m = sorted(entry["minutes"])
     median = (m[(len(m) - 1) // 2] + m[len(m) // 2]) / 2
-    return f"{median:.0f}" + (f" ({m[0]:.0f}-{m[-1]:.0f}, {len(m)})" if len(m) > 1 else " (1)")
+    return f"{math.floor(median + 0.5)}" + (f" ({m[0]:.0f}-{m[-1]:.0f}, {len(m)})" if len(m) > 1 else " (1)")
 
 
 def table() -> str:

@@ -283,8 +283,9 @@ for spec, row in zip(SPECS, share):
 # No method keeps the needle's value in many strips: StreamingLLM in none, H2O in a few (0.03 of them on
 # average, against 0.36 for the key and wording), SnapKV and AdaKV in 0.16. The full cache answers 131384;
 # StreamingLLM and H2O answer "123456.", a generic guess, and SnapKV and AdaKV "1313.", the first digits
-# right and the rest lost. As on the bundled model (section 1), the key is kept more often than the value:
-# the tokens the question repeats are the ones attention-based scores favour. H2O keeps the first token in
+# right and the rest lost. As on the bundled model (section 1), the key is kept more often than the value;
+# here the key sits early in the passage, and the figure cannot tell that apart from the question repeating it. H2O
+# keeps the first token in
 # every strip: on real text its accumulated attention goes to the tokens every query attends, the start of
 # the passage, not to an old needle's value as on the bundled model.
 

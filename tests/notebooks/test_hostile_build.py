@@ -54,7 +54,9 @@ def project(tmp_path, monkeypatch) -> Path:
     (folder / "00_lesson.py").write_text(SOURCE)
     nbformat.write(build.read_percent(folder / "00_lesson.py"), folder / "00_lesson.ipynb")
     (folder / "build_record.json").write_text(json.dumps({"00_lesson": {"run_s": 60.0}}))
+    (folder / "readings.json").write_text(json.dumps({"00_lesson": {"minutes": [40, 50], "size": 1.0}}))
     monkeypatch.setattr(build, "NOTEBOOKS", folder)
+    monkeypatch.setattr(build, "READINGS", folder / "readings.json")
     monkeypatch.setattr(build, "LABS", folder / "labs")
     monkeypatch.setattr(build, "RECORD", folder / "build_record.json")
     return folder
@@ -62,7 +64,16 @@ def project(tmp_path, monkeypatch) -> Path:
 
 def test_the_table_of_the_copy(project, capsys):
     build.main(["--table"])
-    assert "| [`00_lesson`](notebooks/00_lesson.ipynb) | A title | 0 | 1.0 |" in capsys.readouterr().out
+    assert "| [`00_lesson`](notebooks/00_lesson.ipynb) | A title | 45 (40-50, 2) | 1.0 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("readings", [{"00_lesson": {"minutes": [], "size": 1}},
+                                      {"00_lesson": {"minutes": [-5], "size": 1}},
+                                      {"00_lesson": {"minutes": [40]}}, {"00_lesson": 40}],
+                         ids=["no-minutes", "negative", "no-size", "number-entry"])
+def test_readings_that_are_not_minutes_are_one_line(project, capsys, readings):
+    (project / "readings.json").write_text(json.dumps(readings))
+    assert "readings.json" in refused(capsys, ["--table"])
 
 
 # ----------------------------------------------------------------------------------------------------------
