@@ -44,6 +44,7 @@ _spec.loader.exec_module(build)
 SOURCES = build.lessons()
 NAMES = [str(p.relative_to(NOTEBOOKS).with_suffix("")) for p in build.sources()]     # lessons, then labs
 GROWN = 1.1                                  # a notebook 10% larger than when it was read is read again
+LESSON_SIZE, COURSE_SIZE = 55, 420            # size_minutes: a lesson, and all eight (the readings are the minutes)
 
 # the papers each method notebook teaches, by the name its markdown uses
 PAPERS = {
@@ -209,6 +210,18 @@ def test_a_notebook_is_read_again_once_it_grew(path):
     assert now <= GROWN * entry["size"], \
         f"{build.name_of(path)} grew since it was read ({now:.0f} nominal minutes against {entry['size']:.0f}): " \
         "have it read cold again and update notebooks/readings.json"
+
+
+@pytest.mark.parametrize("stem", [p.stem for p in SOURCES])
+def test_no_lesson_grows_past_its_size(stem):
+    """A lesson's nominal size (``size_minutes``) stays at most 55, and the eight at most 420: a yardstick
+    against growth; the minutes a reader takes are the readings, which ran about twice the size."""
+    assert size(NOTEBOOKS / f"{stem}.py") <= LESSON_SIZE, f"{stem}: move the research to its lab (notebooks/labs/)"
+
+
+def test_the_eight_lessons_keep_their_size():
+    took = {p.stem: round(size(p), 1) for p in SOURCES}
+    assert len(took) == 8 and sum(took.values()) <= COURSE_SIZE, took
 
 
 def test_a_reading_is_recorded_with_the_size_of_the_notebook_read(tmp_path, monkeypatch):
