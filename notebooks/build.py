@@ -342,7 +342,9 @@ def read_readings() -> dict:
     """``readings.json``: per notebook, ``minutes`` (a list: each cold reading's minutes of work, exercises
     included), ``size`` (``size_minutes`` of the notebook that was read) and ``date``. A ValueError naming the
     file and the entry where it is not that."""
-    data = json.loads(files.read_text(READINGS, "readings")) if READINGS.exists() else {}
+    data = files.read_json(READINGS, "readings") if READINGS.exists() else {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{READINGS}: an object of notebooks and their readings, not {type(data).__name__}")
     for name, entry in data.items():
         ok = isinstance(entry, dict) and isinstance(entry.get("minutes"), list) and entry["minutes"] and all(
             isinstance(m, (int, float)) and m > 0 for m in entry["minutes"]) and isinstance(
@@ -358,10 +360,7 @@ def record_reading(path: Path, minutes: list[float]) -> str:
     size = size_minutes(read_notebook(path.with_suffix(".ipynb")))
     data[name_of(path)] = {"minutes": [round(m, 1) for m in minutes], "size": round(size, 1),
                            "date": time.strftime("%Y-%m-%d")}
-    text = json.dumps(dict(sorted(data.items())), indent=1) + "\n"
-    with tempfile.NamedTemporaryFile("w", dir=READINGS.parent, delete=False, suffix=".tmp") as f:
-        f.write(text)
-    os.replace(f.name, READINGS)
+    files.atomic_write_text(READINGS, json.dumps(dict(sorted(data.items())), indent=1) + "\n")
     return f"{name_of(path)}: {work(data[name_of(path)])} minutes (size {size:.1f}) in {READINGS.name}"
 
 

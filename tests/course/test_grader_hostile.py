@@ -310,10 +310,6 @@ def test_a_results_file_that_appears_while_grading_fails_the_grade(tmp_path, cap
     assert "name" in refused(capsys, grade.main, ["cache", "--json", str(tmp_path / ("x" * 300 + ".json"))])
 
 
-def leftovers(prefixes: tuple[str, ...]) -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(prefixes)}
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_grade_leaves_nothing_behind(tmp_path, sig):
     """Ctrl-C or SIGTERM during grading: ``error: interrupted`` (exit 130), and neither scratch folders nor

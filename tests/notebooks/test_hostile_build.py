@@ -69,8 +69,8 @@ def test_the_table_of_the_copy(project, capsys):
 
 @pytest.mark.parametrize("readings", [{"00_lesson": {"minutes": [], "size": 1}},
                                       {"00_lesson": {"minutes": [-5], "size": 1}},
-                                      {"00_lesson": {"minutes": [40]}}, {"00_lesson": 40}],
-                         ids=["no-minutes", "negative", "no-size", "number-entry"])
+                                      {"00_lesson": {"minutes": [40]}}, {"00_lesson": 40}, [40]],
+                         ids=["no-minutes", "negative", "no-size", "number-entry", "list"])
 def test_readings_that_are_not_minutes_are_one_line(project, capsys, readings):
     (project / "readings.json").write_text(json.dumps(readings))
     assert "readings.json" in refused(capsys, ["--table"])
