@@ -105,6 +105,7 @@ _WORKER: dict = {}      # in a worker process: the arguments every job shares, s
 
 
 def _init_worker(threads: int, shared: str, workers: int = 1) -> None:
+    cli.worker_leaves_on_sigterm()
     torch.set_num_threads(threads)
     _WORKER["workers"] = workers
     with open(shared, "rb") as f:

@@ -383,6 +383,22 @@ def workers_without_ctrl_c():
         raise KeyboardInterrupt
 
 
+def worker_leaves_on_sigterm() -> None:
+    """In a pool's worker process (its initializer calls this): SIGTERM ends it by ``SystemExit``, which
+    unwinds the worker's stack, instead of by the default action, which ends it on the spot.
+
+    An idle worker waits for its next job holding the pool's queue lock. Ended on the spot (a SIGTERM to the
+    whole process group, as ``kill -- -PGID`` or a job scheduler sends) it never releases that lock, and
+    ``Pool.terminate`` in the command waits for the lock for ever: the command hangs instead of printing
+    ``error: interrupted``. Unwinding releases it (the lock is held in a ``with`` block). A second SIGTERM
+    (``Pool.terminate`` sends its own) is ignored: the worker is leaving already, and one raised in its exit
+    handlers would print their traceback."""
+    def leave(signum, frame):
+        signal.signal(signum, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, leave)
+
+
 def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
     """Write a matplotlib figure atomically in the format its suffix names (png without one), and close
     it: a failed write leaves the old figure."""

@@ -41,6 +41,12 @@ def _work(args):
     return task, length, mode, accuracy(model, tok, task, length, n, mode, seed=seed)
 
 
+def _init_worker(tqdm_lock) -> None:
+    from .. import cli
+    cli.worker_leaves_on_sigterm()
+    tqdm.set_lock(tqdm_lock)
+
+
 def measure(folder: str, tasks: list[str], lengths: list[int], n_samples: int, seed: int,
             workers: int = 1) -> dict:
     """accuracy[task][str(length)][mode] with the full cache, n_samples per cell (seeds seed..seed+n-1).
@@ -63,7 +69,7 @@ def measure(folder: str, tasks: list[str], lengths: list[int], n_samples: int, s
             ctx = mp.get_context("spawn")
             tqdm_lock = ctx.RLock()
             with cli.workers_without_ctrl_c():     # a Ctrl-C meanwhile is raised at its end, the pool in the stack
-                pool = stack.enter_context(ctx.Pool(workers, initializer=tqdm.set_lock, initargs=(tqdm_lock,)))
+                pool = stack.enter_context(ctx.Pool(workers, initializer=_init_worker, initargs=(tqdm_lock,)))
             results = pool.imap_unordered(_work, jobs)
         else:
             results = map(_work, jobs)

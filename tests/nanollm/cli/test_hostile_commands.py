@@ -336,6 +336,28 @@ def test_ctrl_c_stops_compare_and_its_workers_in_one_line(workers, when, tmp_pat
     assert list(tmp_path.glob("compare-*")) == []          # the workers' copy of the model is removed
 
 
+IDLE_WORKER = """
+import multiprocessing, time
+from nanollm import cli
+with cli.errors():
+    with multiprocessing.get_context("spawn").Pool(2, initializer=cli.worker_leaves_on_sigterm) as pool:
+        for _ in pool.imap(time.sleep, [0.1, 60]):   # one worker is soon idle, the other sleeps
+            print("one done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_group_with_an_idle_worker_does_not_hang(tmp_path):
+    # An idle worker waits for a job holding the pool's queue lock; ended by SIGTERM on the spot it would
+    # keep the lock, and Pool.terminate would wait for it for ever (CI saw compare hang so).
+    def idle(p, out):
+        if "one done" in out:
+            time.sleep(1)                           # the idle worker is back in its wait for a job
+            return True
+        return False
+    assert_interrupted(*interrupt(["-c", IDLE_WORKER], signal.SIGTERM, idle, tmp_path, whole_group=True))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("whole_group", [False, True], ids=["kill PID", "kill the group"])
 def test_sigterm_stops_compare_and_its_workers_in_one_line(whole_group, tmp_path):
