@@ -33,8 +33,8 @@ floor(alpha * b') by that pooled score; stage 2 weighs an attention estimate by 
 window's *un-pooled* mean attention (line 3); the authors' own code (kvpress's ``CriticalKVPress``, which
 names the first author as its reviewer) multiplies the norms by the host's *pooled* score, the same score
 stage 1 ranks by. Pooling spreads a needle's vote to its neighbours, so the pooled reading keeps the
-digits around a retrieved key that the un-pooled one drops (notebook 04 shows both). We run the authors'
-reading by default (``stage2="host"``) and keep the literal one as an ablation (``stage2="window"``).
+digits around a retrieved key that the un-pooled one drops (lab `04_critical_kv_readings` compares both). We
+run the authors' reading by default (``stage2="host"``) and keep the literal one as an ablation (``stage2="window"``).
 As a wrapper (``nanollm.wrapper.PolicyWrapper``), for every KV head j of a layer being compressed:
 
     b_j     = inner.head_budgets(ctx)[j]           # uniform (SnapKV) or AdaKV's share of the layer's pool

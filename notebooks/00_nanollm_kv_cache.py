@@ -3,22 +3,17 @@
 #
 # **Before this lesson**: PyTorch (tensors, `nn.Module`, forward hooks) and attention (queries, keys, values,
 # the softmax over scaled dot products, causal masking, multiple heads). The symbols are the book's, listed in
-# [notebooks/README.md](README.md); the metrics later lessons print are defined in the
-# [metrics glossary](README.md#metrics).
+# [notebooks/README.md](README.md).
 #
 # Every method in this course changes *what the KV cache keeps*. This lesson looks at the plain cache: what
-# does a decoder store between two steps, what does that save, and what does it cost?
+# does a decoder store between two steps (you will build it by hand), what does that save, and what does it
+# cost? It ends with why the cache stores every entry's position, and when a method may evict entries.
 #
-# **You will learn**
-#
-# 1. what the cache stores instead of recomputing, built by hand and checked against the library's;
-# 2. how many bytes it takes, and what grouped-query attention saves;
-# 3. why it stores every entry's position, and when a method may evict entries.
-#
-# The model is nanollm's `TINY` preset with random weights: the cache does not care what the weights are.
+# The model is nanollm's `TINY` preset (2 layers, not to be confused with the `TINY` flag the first cell
+# imports, which only shortens CI's quick run) with random weights: the cache does not care what they are.
 
 # %% tags=["setup"]
-from preamble import TINY
+from preamble import TINY          # a flag: True only in CI's quick run, which uses smaller sizes
 
 from nanollm import Transformer, preset
 
@@ -60,52 +55,36 @@ cached = rows
 hook.remove()
 print(f"key rows computed per step without a cache: {recompute}; with one: {cached}")
 
-# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
-import matplotlib.pyplot as plt
-from matplotlib.colors import ListedColormap
-
-fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.4), dpi=80, sharey=True, layout="constrained")
-for ax, (name, counts) in zip(axes, [("without a cache", recompute), ("with a KV cache", cached)]):
-    grid = torch.zeros(len(counts), PROMPT + NEW)             # (steps, positions): 0 not seen yet,
-    for step, n in enumerate(counts):
-        grid[step, :PROMPT + step] = 1                        # 1 read from the cache,
-        grid[step, PROMPT + step - n:PROMPT + step] = 2       # 2 computed in this step
-    im = ax.imshow(grid, cmap=ListedColormap(["white", "#9ecae1", "#d62728"]), vmin=-0.5, vmax=2.5)
-    ax.set(title=f"{name}: {sum(counts)} key rows computed", xlabel="token position")
-axes[0].set_ylabel("step (0: the prompt)")
-bar = fig.colorbar(im, ax=axes, ticks=[0, 1, 2], shrink=0.8)
-bar.ax.set_yticklabels(["not seen yet", "read from cache", "computed"])
-plt.show()
-
 # %% [markdown]
-# The figure shows layer 0's keys at each step: red marks the rows a step computes, blue those it reads from
-# the cache. Without a cache every step recomputes the whole prefix, a triangle of work; with one, each step
-# computes one new row. With $T$ tokens seen, a step computes one key row and reads $T - 1$, instead of
-# computing all $T$ (and the whole prefix's attention, about $T^2/2$ query-key pairs, instead of $T$).
+# Without a cache every step recomputes the keys of the whole prefix; with one, each step computes one new
+# row. With $T$ tokens seen, a step computes one key row and reads $T - 1$, instead of computing all $T$ (and
+# the whole prefix's attention, about $T^2/2$ query-key pairs, instead of $T$).
 #
 # ### 1.1 Build it: a cache by hand
 #
 # A layer's cache is three preallocated buffers, with a row of slots per KV head: keys, values, and each
-# entry's position. A step
-# **appends** its new keys and values into the next free slots, then its queries **attend** over everything
-# stored (Vaswani et al., 2017, §3.2.1, Eq. 1, with the causal mask), in the lesson's own symbols:
+# entry's position. A step **appends** its new keys and values into the next free slots, then its queries
+# **attend** over everything stored (Vaswani et al., 2017, §3.2.1, Eq. 1, with the causal mask), in the
+# lesson's own symbols:
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
 # | $j$ | a slot (a row of the buffers) | `used` counts the filled ones |
 # | $p_j$ | the position slot $j$ stores ($-1$: empty) | `pos_buf` |
 # | $M$ | the mask: $0$ where a query may look, $-\infty$ elsewhere | `visible` |
-# | $R_n$, $\theta_i$ | RoPE's rotation at position $n$; pair $i$'s angle per position | `rotated`, `inv_freq` |
+# | $R_n$, $\theta_i$ | used in section 4.1: RoPE's rotation at position $n$; pair $i$'s angle | `rotated`, `inv_freq` |
 #
 # $$o_t = \text{softmax}\!\left(\frac{q_t K^\top}{\sqrt{d}} + M\right) V, \qquad
 # M_j = \begin{cases} 0 & \text{if } 0 \le p_j \le t \\ -\infty & \text{otherwise.}
 # \end{cases}$$
 #
 # The mask reads the *stored* positions $p_j$, not slot numbers $j$, which keeps it right once a method has
-# evicted entries (section 4). Each KV head serves $G$ query heads (grouped-query attention). The buffers:
+# evicted entries (section 4). The queries and keys recorded below already carry their positions' rotation
+# (RoPE, section 4), so the by-hand step needs none. Each KV head serves $G = H / H_{kv}$ query heads
+# (grouped-query attention, section 2). The buffers:
 
 # %%
-import torch                                                   # (again: this cell needs no task of the course)
+import torch                                                   # again, so that this cell runs on its own
 
 CAPACITY = 64                                                  # slots preallocated per KV head
 k_buf = torch.zeros(1, config.n_kv_head, CAPACITY, config.head_dim)   # (1, H_kv, slots, d)
@@ -135,8 +114,7 @@ library.attend = recorded
 ids = torch.randint(0, config.vocab_size, (1, 12))
 prefill(model, ids[:, :6], library)
 extend(model, ids[:, 6:11], library)
-decode_step(model, ids[:, 11], library)
-print(f"{len(calls)} calls of layer 0 recorded, of {[q.shape[2] for q, *_ in calls]} queries")
+next_logits = decode_step(model, ids[:, 11], library)  # (1, vocab): the scores of the token after
 
 # %% [markdown]
 # `append` and `attend` (Eq. 1) by hand; every recorded call, replayed through them, must give the library's
@@ -170,7 +148,8 @@ for q, pos, (k, v), out in calls:                              # replay: the sam
     mine = attend(q, pos)
     assert torch.allclose(mine, out, rtol=1e-5, atol=1e-6), f"at {pos.tolist()}: off by {(mine - out).abs().max():.1e}"
 stored = library.layers[0]
-assert torch.equal(k_buf[:, :, :used], stored.k) and torch.equal(pos_buf[:, :, :used], stored.pos), "stored otherwise"
+pairs = [(k_buf[:, :, :used], stored.k), (v_buf[:, :, :used], stored.v), (pos_buf[:, :, :used], stored.pos)]
+assert all(torch.equal(mine, theirs) for mine, theirs in pairs), "stored otherwise"
 print(f"by hand == KVCache on layer 0 over {len(calls)} steps (prefill of 6, extend of 5, one decode step): "
       f"{used} slots filled, positions {pos_buf[0, 0, :used].tolist()}")
 
@@ -184,10 +163,12 @@ print(f"by hand == KVCache on layer 0 over {len(calls)} steps (prefill of 6, ext
 #
 # $$\text{bytes}(T) = 2 \cdot L \cdot H_{kv} \cdot d \cdot b \cdot T$$
 #
+# with $L$ layers, $d$ the head dimension and $b$ the bytes of one element (4 in fp32, 2 in bf16).
+#
 # Grouped-query attention (GQA; Ainslie et al., 2023, §2) lets $H$ query heads share $H_{kv}$ KV heads, so the
 # cache is $G = H / H_{kv}$ times smaller than with multi-head attention (MHA, one KV head per query head).
 # `ModelConfig.kv_bytes_per_token(bytes_per_element)` computes the formula for one token; `cache.nbytes()`
-# counts the bytes a cache holds:
+# counts the bytes of the keys and values a cache holds (the positions aside):
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 for name in ["TINY", "GPT2_124M", "TINYLLAMA_1B"]:
@@ -199,38 +180,32 @@ print(f"the 12-token cache of section 1.1: nbytes() = {library.nbytes()}, "
 
 # %% [markdown]
 # TinyLlama's 32 query heads share 4 KV heads, so its cache is 8 times smaller than with MHA. Still, the cache
-# grows by the same bytes with every token, without end. The methods of this course bound that growth with a
-# budget $B$ of entries per layer and KV head (some bound the prompt only and keep what follows it on top):
-# which entries to keep is the whole question.
+# grows with every token, without end. The methods of this course bound it with a budget $B$ of entries per
+# layer and KV head: which entries to keep is the whole question.
 #
 # ## 3. The cache changes nothing, and saves time
 #
-# The logits of one uncached forward over 48 tokens, against prefilling 1 token and decoding the rest, and
-# against prefilling 20 and `extend`ing by the rest, for a Llama-style (GQA) and a GPT-2-style (MHA) model;
-# then the time of one decode step, cached against an uncached forward over the whole prefix:
+# The logits of one uncached forward over 48 tokens, against prefilling 1 token and decoding the rest; then
+# the time of one decode step, cached against an uncached forward over the whole prefix:
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from nanollm.cli.bench import run_bench
 
-for name in ["TINY", "TINY_GPT2"]:
-    m = Transformer(preset(name)).eval()
-    x = torch.randint(0, m.config.vocab_size, (1, 48))
-    with torch.no_grad():
-        full = m(x)                                              # (1, T, vocab), no cache
-    c = KVCache(m.config)
-    stepwise = torch.cat([prefill(m, x[:, :1], c)] + [decode_step(m, x[:, t], c)[:, None] for t in range(1, 48)], 1)
-    c = KVCache(m.config)
-    chunked = torch.cat([prefill(m, x[:, :20], c), extend(m, x[:, 20:], c)], dim=1)
-    print(f"{name:<10} max |logits diff|: step by step {(stepwise - full).abs().max():.1e}, "
-          f"prefill + extend {(chunked - full).abs().max():.1e}  (logits up to {full.abs().max():.2f})")
+x = torch.randint(0, config.vocab_size, (1, 48))
+with torch.no_grad():
+    full = model(x)                                              # (1, T, vocab), no cache
+c = KVCache(config)
+stepwise = torch.cat([prefill(model, x[:, :1], c)] + [decode_step(model, x[:, t], c)[:, None] for t in range(1, 48)], 1)
+print(f"max |logits diff|, cached against uncached: {(stepwise - full).abs().max():.1e} (logits up to "
+      f"{full.abs().max():.2f})")
 CONTEXTS = [32, 64, 128] if TINY else [128, 256, 512, 1024]     # tokens already in the cache
 bench = run_bench(config, contexts=CONTEXTS, repeats=2 if TINY else 5, steps=2 if TINY else 8, threads=1)
 print("speedup of a cached step (recompute time / cached time):",
       ", ".join(f"{r.speedup:.1f}x at {r.context}" for r in bench.rows))
 
 # %% [markdown]
-# The logits differ by fp32 rounding only (the same sums in another order): the cache computes what the plain
-# forward computes. The speedup grows with the context, since the uncached step re-runs the whole prefix.
+# The logits differ by fp32 rounding only: the cache computes what the plain forward computes. The speedup
+# grows with the context, since the uncached step re-runs the whole prefix.
 #
 # ## 4. Positions: RoPE, and why eviction keeps them true
 #
@@ -244,7 +219,7 @@ print("speedup of a cached step (recompute time / cached time):",
 # $$(R_t\, q_t)^\top (R_n\, k_n) = q_t^\top R_{n-t}\, k_n .$$
 #
 # So a key can be rotated **once**, at its own position, when it is stored, as long as every token is rotated
-# at its true position. Below, one random query and one random key, rotated at three pairs of positions:
+# at its true position. One random query and one random key, rotated at three pairs of positions:
 
 # %%
 from nanollm.attention import apply_rope, rope_cos_sin, rope_inv_freq
@@ -263,8 +238,8 @@ for t, n in [(5, 2), (1005, 1002), (5, 4)]:
     print(f"query at {t:>4}, key at {n:>4} (distance {t - n}): score {(rotated(q, t) * rotated(k, n)).sum():+.4f}")
 
 # %% [markdown]
-# The first two pairs, 3 positions apart, give the same score though the second sits a thousand positions
-# later; the pair 1 apart gives another. Attention reads distances, and the cache must keep them true.
+# The first two pairs, 3 positions apart, give the same score; the pair 1 apart gives another. Attention reads
+# distances, and the cache must keep them true.
 #
 # ### 4.2 Eviction keeps positions true
 #
@@ -278,15 +253,12 @@ for t, n in [(5, 2), (1005, 1002), (5, 4)]:
 cache = KVCache(config)
 prefill(model, torch.randint(0, config.vocab_size, (1, 12)), cache)
 kv = cache.layers[0]
-k_before = kv.k.clone()
 idx = torch.tensor([[[0, 1, 5, 9, 10, 11], [0, 1, 7, 10, 11, -1]]])   # (1, H_kv, 6): the slots each head keeps
 kv.keep(idx)
-unchanged = torch.equal(kv.k[0, 0], k_before[0, 0, idx[0, 0]])
 decode_step(model, torch.tensor([7]), cache)                          # one more token
 for h in range(config.n_kv_head):
     print(f"KV head {h}, the position stored in each slot: {kv.pos[0, h].tolist()}")
-print(f"kept keys unchanged: {unchanged}; the new token got position {int(kv.pos[0, 0, -1])}, the tokens seen "
-      f"before it, in slot {len(kv) - 1}")
+print(f"the new token got position {int(kv.pos[0, 0, -1])}, the tokens seen before it, in slot {len(kv) - 1}")
 
 # %% [markdown]
 # Slot and position part ways: each head stores its own positions, and the decoded token got the number of
@@ -302,54 +274,35 @@ print(f"kept keys unchanged: {unchanged}; the new token got position {int(kv.pos
 #   layer's storage, from which the method may evict;
 # * `on_decode(ctx)`: the same after a decode step *or an `extend` chunk*.
 #
-# A subclass of StreamingLLM (`methods/streaming_llm.py`: it keeps a budget $B$ of entries per KV head, the
-# first 2 tokens and the most recent ones) logs each call with the layer's slots before and after it, over a
-# prefill of 10 tokens, an `extend` chunk of 4 and 3 decode steps, with $B$ = 8:
+# StreamingLLM (`methods/streaming_llm.py`) keeps a budget $B$ of entries per KV head: the first 2 tokens and
+# the most recent ones. A subclass prints how many slots layer 0's `attend_kv` gets, over a prefill of 10
+# tokens, an `extend` chunk of 4 and one decode step, with $B$ = 8; after each, the slots kept:
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from methods.streaming_llm import StreamingLLMPolicy
 
 
 class LoggedStreamingLLM(StreamingLLMPolicy):
-    """StreamingLLM, unchanged, logging every hook call: (step, hook, layer, slots before, slots after)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.log, self.step = [], ""
+    """StreamingLLM, unchanged, printing how many slots layer 0's queries attend over."""
 
     def attend_kv(self, layer, store):
-        self.log.append((self.step, "attend_kv", layer, len(store), len(store)))
+        if layer == 0:
+            print(f"  attend_kv: {len(store)} slots")
         return super().attend_kv(layer, store)
 
-    def on_prefill(self, ctx):
-        before = len(ctx.kv)
-        super().on_prefill(ctx)
-        self.log.append((self.step, "on_prefill", ctx.layer, before, len(ctx.kv)))
 
-    def on_decode(self, ctx):
-        before = len(ctx.kv)
-        super().on_decode(ctx)
-        self.log.append((self.step, "on_decode", ctx.layer, before, len(ctx.kv)))
-
-
-# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
-policy = LoggedStreamingLLM(budget=8, n_sink=2)
-ids, logged = torch.randint(0, config.vocab_size, (1, 17)), KVCache(config, policy)
-policy.step = "prefill 10"
+ids, logged = torch.randint(0, config.vocab_size, (1, 15)), KVCache(config, LoggedStreamingLLM(budget=8, n_sink=2))
 prefill(model, ids[:, :10], logged)
-policy.step = "extend 4"
+print(f"prefill 10: {len(logged.layers[0])} slots kept")
 extend(model, ids[:, 10:14], logged)
-for t in range(14, 17):
-    policy.step = f"decode {t - 13}"
-    decode_step(model, ids[:, t], logged)
-for step in dict.fromkeys(entry[0] for entry in policy.log):
-    print(f"{step:<10}", " | ".join(f"layer {layer} {hook} {a}" + (f" -> {b}" if b != a else "")
-                                    for s, hook, layer, a, b in policy.log if s == step))
+print(f"extend 4:   {len(logged.layers[0])} slots kept")
+decode_step(model, ids[:, 14], logged)
+print(f"decode 1:   {len(logged.layers[0])} slots kept")
 
 # %% [markdown]
-# Each layer gets `attend_kv`, its attention, then `on_prefill` or `on_decode`, before the next layer starts.
-# The slots `attend_kv` counts already include the step's new tokens, so an eviction only affects the *next*
-# step. An `extend` chunk calls `on_decode`: the phase is "prefill" only while the cache is empty.
+# In each step `attend_kv` comes first: the slots it counts already include the step's new tokens, so an
+# eviction only affects the *next* step. An `extend` chunk calls `on_decode`: the phase is "prefill" only
+# while the cache is empty.
 #
 # ## Exercises
 #

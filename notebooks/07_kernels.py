@@ -3,31 +3,27 @@
 #
 # A decode step of a long-context model spends its time *loading the KV cache*, not computing with it. This
 # lesson makes that argument with the roofline, builds the **online softmax** that lets a kernel read the cache
-# once, in blocks (FlashAttention), and runs the Triton kernels of `kernels/` that use it, each against the
-# PyTorch reference it must match; last, what they reached on an H100.
+# once, in blocks (FlashAttention), checks the Triton kernel of `kernels/` that uses it against its PyTorch
+# reference, and reads what it reached on an H100.
 #
 # **Before this lesson** read [lesson 00](00_nanollm_kv_cache.ipynb): the bytes a cached token takes and
-# grouped-query attention (query heads sharing a KV head). Section 3 runs the caches of
-# [lesson 06](06_kvreviver.ipynb) (a count sketch) and [lesson 03](03_tensor_attention.ipynb) (tensor
-# attention). The symbols are the book's ([notebooks/README.md](README.md)), the metrics those of the
-# [metrics glossary](README.md#metrics).
+# grouped-query attention (query heads sharing a KV head). The symbols are the book's
+# ([notebooks/README.md](README.md)).
 #
 # Without a GPU the kernels run in Triton's *interpreter* (`TRITON_INTERPRET=1`, set below): the same code,
 # exact and slow. Without Triton (macOS) a cell that would launch a kernel skips it.
 
 # %% tags=["setup"]
 from preamble import TINY
-from torch import cuda
-
-if not cuda.is_available():                        # no GPU: Triton runs the kernels in its interpreter, on NumPy
-    import os
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # set before the first kernel is defined
+import os
 
 import torch
 
+if not torch.cuda.is_available():                  # no GPU: Triton runs the kernels in its interpreter, on NumPy
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # set before the first kernel is defined
 import kernels
 
-DEVICE = "cuda" if cuda.is_available() else "cpu"          # every tensor below is made on it
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"    # every tensor below is made on it
 RUN_KERNELS = kernels.HAS_TRITON                           # the cells that launch a kernel need Triton
 print(f"device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; interpreter: {kernels.interpreting()}")
 
@@ -50,7 +46,7 @@ print(f"device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; interpreter: {
 # | $r$; $m_r$, $z_r$, $\tilde o_r$ | own: a range of tokens; its final $m$, $z$, $\tilde o$ | `ranges` |
 # | $M$ | own: the largest $m_r$ | `M` |
 # | $o$ | the attention output, $\sum_n \mathrm{softmax}_n(x)\, v_n$ | `ref`, `got` |
-# | `B`, `S` | own: in a benchmark case's name, sequences and tokens per sequence (not budget, sinks) | `B`, `S` |
+# | `B`, `S` | in a benchmark case's name: sequences, tokens a sequence (elsewhere $B$ is a budget) | `B`, `S` |
 #
 # One new token per sequence. For each layer and KV head the step reads every cached key and value once
 # ($2Td$ numbers) and does about $4GTd$ FLOPs with them ($q \cdot k_n$ and the weighted sum of the $v_n$, for
@@ -86,40 +82,35 @@ import matplotlib.pyplot as plt
 
 contexts = [2**k for k in range(10, 18)]
 kv_ms = [decode_bytes(L, H_kv, T, d, b) / BW * 1e3 for T in contexts]
-fig, ax = plt.subplots(figsize=(8, 3.5))
+fig, ax = plt.subplots(figsize=(8, 3.5), layout="constrained")
 ax.loglog(contexts, kv_ms, "o-", label="KV cache, full")
 ax.loglog(contexts, [ms * 0.1 for ms in kv_ms], "o--", label="KV cache, keep 10%")
 ax.axhline(weights / BW * 1e3, color="k", ls=":", label="weights (batch 1)")
 ax.set(xlabel="context tokens", ylabel="ms per decode step (floor)",
        title="bandwidth floor of a decode step, Llama-3-8B shape, H100")
-ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
-ax.grid(True, which="both", alpha=0.3)
-plt.tight_layout()
+ax.legend(fontsize=9)
 plt.show()
 
 # %% [markdown]
 # The figure shows the least time a decode step can take: the solid line reads the whole cache, the dashed
-# one a tenth of it, the dotted one the weights. At batch 1 the weights dominate until the cache is as large
-# as the model (printed above: about 122k tokens); a batch of sequences multiplies the cache, which then
-# dominates much sooner. Keeping 10% of the cache cuts its floor tenfold, *if* the kernel reads only the kept
-# rows: full attention with the dropped rows masked moves every byte, and so does an append that copies the
-# cache at every token (`torch.cat`, where lesson 00's `LayerKV` writes in place).
+# one a tenth of it, the dotted one the weights. At batch 1 the weights dominate up to about 122k tokens; a
+# batch of sequences multiplies the cache, which then dominates much sooner. Keeping 10% of the cache cuts
+# its floor tenfold, *if* the kernel reads only the kept rows: attention with the dropped rows masked moves
+# every byte, and so does an append that copies the cache at every token (`torch.cat`).
 
 # %% [markdown]
 # ## 2. Decode attention, split along the sequence
 #
-# `decode_attention_triton(q, k, v)` cuts a decode step's attention into independent pieces, one per
-# (sequence, KV head, range of tokens), run in parallel. Each piece loads its group's $G$ query heads once and
-# walks its range in blocks of tokens, never holding a whole row of scores: an **online softmax** keeps a
-# running max $m$, sum $z$ and output $\tilde o$, and updates them for each block of scores $x_n$ and values
-# $v_n$ (FlashAttention, §3.1, Algorithm 1):
+# To read the cache once, a kernel walks it in blocks of tokens, never holding a whole row of scores: an
+# **online softmax** keeps a running max $m$, sum $z$ and output $\tilde o$, and updates them for each block
+# of scores $x_n$ and values $v_n$ (FlashAttention, §3.1, Algorithm 1):
 #
 # $$m' = \max\big(m, \max_n x_n\big), \qquad z' = e^{m - m'}\,z + \sum_n e^{x_n - m'}, \qquad
 # \tilde o' = e^{m - m'}\,\tilde o + \sum_n e^{x_n - m'}\,v_n$$
 #
 # The factor $e^{m - m'}$ rescales what was summed under the old max to the new one, so at the end
-# $o = \tilde o / z$ exactly. First the update by hand on a toy cache of 50 tokens, checked against the
-# reference's plain softmax:
+# $o = \tilde o / z$ exactly. The update by hand on a toy cache of 50 tokens, checked against the library's
+# reference (a plain softmax):
 
 # %%
 import math
@@ -158,7 +149,7 @@ assert torch.allclose(got, ref[0, :G_], rtol=1e-5, atol=1e-6), f"off by {(got - 
 print("online softmax over blocks of 8, divided by the running sum at the end == softmax over all 50 tokens")
 
 # %% [markdown]
-# The kernel also splits the tokens of one KV head into ranges, so that a long cache keeps the whole GPU
+# A decode kernel also splits the tokens of one KV head into ranges, so that a long cache keeps the whole GPU
 # busy even at batch 1. Each range $r$ ends with its own $(m_r, z_r, \tilde o_r)$, and a small reduction
 # (`merge_splits`) **merges** them exactly, rescaling each to the largest max $M$:
 #
@@ -184,44 +175,31 @@ print("two ranges of 25 tokens, merged by hand == softmax over all 50 tokens, fo
 # %% [markdown]
 # ### 2.1 The kernel in Triton
 #
-# A Triton kernel is a Python function under `@triton.jit`, launched on a *grid*: `kernel[(n0, n1)](...)`
-# starts one *program* per grid point, each learning its point from `tl.program_id(axis)`. The decode
-# kernel's grid is (sequences x KV heads, ranges): the grid, not a loop, covers the heads and ranges. A program
-# works on whole blocks: `tl.arange(0, BLOCK_N)` is a vector of offsets, a pointer plus offsets a block of
-# addresses, and `tl.load` / `tl.store` read or write a block at once, with a `mask` for the entries past the
-# end of a range. Block sizes are `tl.constexpr`: compile-time powers of two, since they set the tiles' shapes.
-#
-# Read `_decode_split_kernel` in [`kernels/decode_attention.py`](../kernels/decode_attention.py) beside this: it
-# loads the group's queries once (padded to the 16 rows a `tl.dot` tile needs), runs section 2's update on
-# blocks of `BLOCK_N` tokens (`m_safe` guards a range with no valid token yet, where $e^{m - m'}$ would be
-# $e^{-\infty + \infty}$), and stores each range's $m$, $z$, $\tilde o$ for `merge_splits`. Skip the branches
-# for other methods' options (`MASKED`, `EVICT`, `SCORES`): the update is what this section is about. Against the
-# reference, with one, two and four ranges and two block sizes (they change only the order of the sums):
+# `decode_attention_triton` launches one Triton program per (sequence, KV head, range). A program loads its
+# group's $G$ queries once, reads each key and value of its range once, in blocks of `BLOCK_N` tokens, runs
+# the update above, and writes its $m$, $z$, $\tilde o$; `merge_splits` then merges the ranges. So a step
+# reads the bytes of section 1 and little else. The source is `_decode_split_kernel` in
+# [`kernels/decode_attention.py`](../kernels/decode_attention.py); you need not read it for this lesson.
+# Against the reference, with one, two and four ranges and two block sizes (they change only the order of
+# the sums):
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
 from kernels.decode_attention import decode_attention_triton
 
-
-def skipped(what: str) -> None:
-    """The one line a kernel cell prints instead of running without Triton."""
-    print(f"skipped: {what} (Triton is not installed: the kernels need it; the references above do not)")
-
-
 if RUN_KERNELS:
-    for block_n, splits in ((16, 1), (16, 2), (16, 4), (32, 2)):
+    for block_n, splits in ((16, 1), (16, 4)) if TINY else ((16, 1), (16, 2), (16, 4), (32, 2)):
         out = decode_attention_triton(q, k, v, block_n=block_n, splits=splits)
         print(f"kernel, block_n {block_n}, {splits} range(s): max |kernel - reference| = {(out - ref).abs().max():.1e}")
 else:
-    skipped("decode_attention_triton with 1, 2 and 4 ranges and two block sizes against the reference")
+    print("skipped: decode_attention_triton against the reference (Triton is not installed)")
 
 # %% [markdown]
 # ### 2.2 Selected rows
 #
 # A method that keeps a different set of tokens per head (SnapKV, AdaKV) can give the kernel the kept rows'
 # indices instead of a compacted copy: `selected_decode_attention_triton` loads `idx[b, h, n]`, then that row
-# of K and V (the kernel's `GATHER` branch); `-1` entries are padding, for ragged budgets. It reads the kept
-# rows plus 4 bytes of index per row. The reference gathers first; it is checked against attention over the
-# kept rows copied out by hand:
+# of K and V; `-1` entries are padding, for ragged budgets. It reads the kept rows plus 4 bytes of index per
+# row. Against the reference, which copies the kept rows out first, then attends:
 
 # %% tags=["needs:online_softmax", "needs:merge_splits"]
 from kernels.decode_attention import reference_selected_decode_attention, selected_decode_attention_triton
@@ -229,120 +207,42 @@ from kernels.decode_attention import reference_selected_decode_attention, select
 idx = torch.stack([torch.randperm(T_, generator=g)[:12] for _ in range(Hkv_)])[None].to(DEVICE)  # (1, H_kv, 12)
 idx[0, 1, 8:] = -1                                                                     # a shorter head
 sel_ref = reference_selected_decode_attention(q, k, v, idx)
-by_hand = torch.cat([reference_decode_attention(q[:, h * G_:(h + 1) * G_],          # the group's query heads
-                                                k[:, h:h + 1, idx[0, h][idx[0, h] >= 0]],
-                                                v[:, h:h + 1, idx[0, h][idx[0, h] >= 0]])
-                     for h in range(Hkv_)], dim=1)
-print(f"selected rows: max |reference - attention over the copied rows| = {(sel_ref - by_hand).abs().max():.1e}")
 if RUN_KERNELS:
     out = selected_decode_attention_triton(q, k, v, idx, block_n=16)
     print(f"selected rows: max |kernel - gather-then-attend reference| = {(out - sel_ref).abs().max():.1e}")
 else:
-    skipped("selected_decode_attention_triton against the reference")
+    print("skipped: selected_decode_attention_triton against the reference (Triton is not installed)")
 
 # %% [markdown]
-# ## 3. The same loop in two more kernels
-#
-# The online softmax and the merge also run inside two kernels of earlier lessons' caches, where the rows to
-# attend over are not stored as such.
-#
-# **KVReviver's count sketch** (lesson 06) sums evicted tokens into `rows x width` cells and rebuilds a token
-# as the median over the rows of its signed cells. The PyTorch path writes the rebuilt keys and values, then
-# attends; `sketch_decode_attention_triton` rebuilds each sketch token in registers as it streams past and
-# folds it into the running max, sum and output, never writing the rebuilt cache:
-
-# %% tags=["needs:online_softmax", "needs:merge_splits"]
-from kernels.count_sketch import reference_sketch_decode_attention, sketch_decode_attention_triton
-from methods.kvreviver import VagueSketch
-
-sketch = VagueSketch(rows=3, width=5, n_kv_head=Hkv_, head_dim=d_, seed=0, device=DEVICE)   # 3 rows of 5 cells
-pos = torch.arange(20, device=DEVICE)
-k_tok, v_tok = (torch.randn(20, Hkv_, d_, generator=g).to(DEVICE) for _ in range(2))
-sketch.insert(pos, k_tok, v_tok)                          # 20 tokens in 5 cells per row: collisions
-cells, signs = sketch.buckets(pos).int(), sketch.signs(pos)
-q1 = torch.randn(4, d_, generator=g).to(DEVICE)           # 4 query heads, G = 2
-k_raw, v_raw = (torch.randn(Hkv_, 7, d_, generator=g).to(DEVICE) for _ in range(2))
-unfused = reference_sketch_decode_attention(q1, k_raw, v_raw, sketch.key, sketch.value, cells, signs, d_ ** -0.5)
-if RUN_KERNELS:
-    fused = sketch_decode_attention_triton(q1, k_raw, v_raw, sketch.key, sketch.value, cells, signs, d_ ** -0.5)
-    print(f"7 raw + 20 sketch tokens per KV head: max |fused kernel - rebuild in PyTorch, then attend| = "
-          f"{(fused - unfused).abs().max():.1e}")
-else:
-    skipped("the fused sketch_decode_attention_triton against its reference")
-
-# %% [markdown]
-# **Tensor attention** (lesson 03) attends to every *pair* of tokens of a four-matrix cache `K1`, `K2`, `V1`,
-# `V2`, and its factored PyTorch step still writes an $i \times i$ score matrix per head for $i$ cached
-# tokens. `tensor_decode_triton` never does: each program takes a tile of rows of `K1`, streams the tiles of
-# `K2` past it and folds each tile of pair scores into one running max, sum and output.
-
-# %% tags=["needs:online_softmax", "needs:merge_splits"]
-from kernels.tensor_decode import peak_memory_bytes, reference_tensor_decode, tensor_decode_triton
-
-n_, dt = 37, 16                                           # a ragged length: 3 tiles of 16, the last partial
-qt = torch.randn(1, 2, dt, generator=g).to(DEVICE)
-K1, K2, V1, V2 = (torch.randn(1, 2, n_, dt, generator=g).to(DEVICE) for _ in range(4))
-t_ref = reference_tensor_decode(qt, K1, K2, V1, V2)
-if RUN_KERNELS:
-    out = tensor_decode_triton(qt, K1, K2, V1, V2, block_a=16, block_b=16, splits=2)
-    print(f"37 tokens in tiles of 16: max |kernel - factored reference| = {(out - t_ref).abs().max():.1e}")
-else:
-    skipped("tensor_decode_triton against its reference")
-mem = {p: peak_memory_bytes(1024, 64, p) for p in ("reference", "kernel")}
-print(f"working memory per query and head at i = 1024, d = 64: factored reference "
-      f"{mem['reference'] / 2**20:.0f} MiB, kernel {mem['kernel']:.0f} bytes")
-
-# %% [markdown]
-# ## 4. Measured on an H100
+# ## 3. Measured on an H100
 #
 # `python -m fastpath.bench` times each kernel and its PyTorch reference (for dense decode also PyTorch's
-# `scaled_dot_product_attention`, SDPA), with the bytes each step must move and a device-to-device copy's
-# bandwidth measured in the same run. One H100 run (bf16, 32 query and 8 KV heads of 128 numbers) is saved in
-# `results/kernels_bench_h100.json`, read here with no GPU (its full table is in
-# [`kernels/README.md`](../kernels/README.md)):
+# `scaled_dot_product_attention`, SDPA) and measures a device-to-device copy's bandwidth in the same run. One
+# H100 run (bf16, 32 query and 8 KV heads of 128 numbers) is saved in `results/kernels_bench_h100.json`:
 
 # %%
 import json
 from pathlib import Path
 
 h100 = json.loads((Path(kernels.__file__).parents[1] / "results" / "kernels_bench_h100.json").read_text())
-d8, d1, sel, sk, ten = h100["rows"]                        # the run's five cases
+d8, d1, sel = h100["rows"][:3]                             # dense decode, twice; selected rows
 print(f"dense 8 x 32k: {d8['fraction_of_copy_bw']['triton']:.0%} of the copy bandwidth; dense 1 x 128k: "
       f"{d1['ms']['sdpa'] / d1['ms']['triton']:.3f}x SDPA's speed (the same bytes)")
 print(f"selected keep 0.1: {sel['full_cache_ms']['triton'] / sel['ms']['triton']:.1f}x the full cache's speed")
-print(f"sketch: {sk['dense_all_tokens_ms']['triton'] / sk['ms']['triton']:.2f}x dense speed; "
-      f"{sk['ms']['reference'] / sk['ms']['triton']:.1f}x the unfused PyTorch speed")
-for path in ["factored_reference", "materialising"]:                   # section 3's reference; the naive path
-    print(f"tensor i = 1024: {ten['ms'][path] / ten['ms']['triton']:.0f}x faster and "
-          f"{ten['peak_bytes'][path] / ten['peak_bytes']['triton']:.0f}x less peak memory than the {path} path")
 
 # %% [markdown]
 # Dense decode moves its bytes about as fast as a plain copy and ties SDPA: nothing is left to gain but reading
 # fewer bytes. Selected rows do read fewer, but gain less than their bytes promise (Exercise 1 counts them).
-# The fused sketch beats unfused PyTorch yet runs well below dense speed: a rebuilt token gathers an fp32 cell
-# from every row for its key and for its value, several times the bytes of a bf16 row, so the sketch saves
-# memory, not time. The tensor kernel wins on time and memory both against section 3's factored reference (which
-# writes out the
-# pairs' scores) and against the naive path that also writes out the pair rows. A whole
-# decode step adds launches and small kernels in every layer that a smaller cache does not shrink:
-# [`fastpath/README.md`](../fastpath/README.md) measures that on an H200.
-#
-# ### 4.1 On this machine
-#
-# On a CPU the benchmark times only the PyTorch references, at small shapes (the interpreter checks
-# correctness, not speed):
-
-# %%
-from fastpath import bench
-
-bench.main(["--quick", "--cases", "dense"] if TINY else ["--quick", "--cases", "dense", "selected"])
+# The same online softmax runs in two more kernels, for the caches of lessons 06 and 03
+# ([`kernels/count_sketch.py`](../kernels/count_sketch.py),
+# [`kernels/tensor_decode.py`](../kernels/tensor_decode.py)); [`kernels/README.md`](../kernels/README.md) has
+# their H100 results.
 
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise has a cell where you write (replace the `None`), a check cell that reads only your answer (it
-# says "not answered yet" until you do, stops with a hint when the answer is wrong, and says "right" when it
-# is), and the reference answer, collapsed. Neither needs a GPU.
+# Each exercise has a cell where you write (replace the `None`), a check cell, and the reference answer,
+# collapsed. Neither needs a GPU.
 #
 # ### Exercise 1: what selected-index decode must read
 #
@@ -351,8 +251,8 @@ bench.main(["--quick", "--cases", "dense"] if TINY else ["--quick", "--cases", "
 # the kernel their indices as int32, one per kept row. Count the bytes a step must move at least
 # (`my_selected_bytes`): the kept keys, values and indices read once, and each sequence's queries read once and
 # its output written once. Then the ratio of the full cache's case, `dense B=8 S=32768` (every row, no
-# indices), to it (`my_promise`): the speed-up the roofline promises. The kernel measured 8.0x (section 4): is
-# the gather what falls short?
+# indices, the same queries and output), to it (`my_promise`): the speed-up the roofline promises. The kernel
+# measured 8.0x (section 3): is the gather what falls short?
 
 # %%
 my_selected_bytes = None            # replace None: the bytes one step of `selected keep 0.1 B=8 S=32768` moves
@@ -366,15 +266,13 @@ from exercises import exercise
 
 
 @exercise("Exercise 1")
-def check_selected(nbytes, promise):
-    case = {row["case"]: row for row in h100["rows"]}
-    sel, dense = case["selected keep 0.1 B=8 S=32768"], case["dense B=8 S=32768"]
+def check_selected(nbytes, promise):                     # sel, d8: section 3's selected and dense B=8 cases
     assert nbytes == sel["bytes"], "the kept rows' keys and values (8 sequences x 8 KV heads x 3276 rows, bf16), " \
                                    "one 4-byte index per kept row (its key and value share it), and the " \
                                    "queries and output (8 sequences x 32 query heads x 128 numbers each)"
-    assert abs(promise - dense["bytes"] / nbytes) < 1e-9 * promise, \
+    assert abs(promise - d8["bytes"] / nbytes) < 1e-9 * promise, \
         "the promise is the full cache's bytes (all 32768 rows, no index, the same queries and output) over yours"
-    return f"the kernel measured {sel['full_cache_ms']['triton'] / sel['ms']['triton']:.1f}x (section 4)"
+    return f"the kernel measured {sel['full_cache_ms']['triton'] / sel['ms']['triton']:.1f}x (section 3)"
 
 
 check_selected(my_selected_bytes, my_promise)
@@ -385,9 +283,8 @@ reference_selected_bytes = 2 * 8 * 8 * 3276 * 128 * 2 + 8 * 8 * 3276 * 4 + 2 * 8
 reference_promise = (2 * 8 * 8 * 32768 * 128 * 2 + 2 * 8 * 32 * 128 * 2) / reference_selected_bytes
 # END SOLUTION
 check_selected(reference_selected_bytes, reference_promise)
-compacted = next(r for r in h100["rows"] if r["case"].startswith("selected"))
 print(f"No: the bytes promise {reference_promise:.1f}x, and the kernel takes only "
-      f"{compacted['ms']['triton'] / compacted['compacted_ms']['triton']:.2f}x the time of attention over a "
+      f"{sel['ms']['triton'] / sel['compacted_ms']['triton']:.2f}x the time of attention over a "
       "compacted copy of the same rows: that copy falls short of its bytes too")
 
 # %% [markdown]

@@ -20,7 +20,7 @@ from preamble import TINY
 
 from methods.tensor_attention import match3
 
-tensor_model, tensor_card = match3.load("match3-tensor")      # the lesson's section 4 model (section 3 here)
+tensor_model, tensor_card = match3.load("match3-tensor")      # the lesson's section 3 model (section 3 here)
 
 # %% [markdown]
 # ## 1. The memory lower bound, run: the Index problem
@@ -134,7 +134,7 @@ for r in rows6:
 # better use
 # of a byte? Keeping k tokens costs 4 k d numbers and keeps k^2 pairs; the same bytes hold only 2k pair
 # rows of the two-matrix cache. On the trained Match3 model (layer 1, the query that decides the last
-# label, 64 sequences; the lesson's section 4 trains and bundles it), with an *oracle* choice for both
+# label, 64 sequences; the lesson's section 3 trains and bundles it), with an *oracle* choice for both
 # (the tokens with the most attention mass, the pairs with the most), relative error of the attention
 # output at equal bytes:
 
@@ -197,7 +197,7 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 # %% [markdown]
 # ## 4. Match3 by position, training curves, and greedy decoding through each layout
 #
-# The lesson's section 4 prints the two Match3 models' overall accuracy; here it is split by position, with 95%
+# The lesson's section 3 prints the two Match3 models' overall accuracy; here it is split by position, with 95%
 # intervals (Wilson's, for a proportion), on the lesson's fresh sequences. Early positions are easy (few pairs:
 # mostly NO), late ones too (many pairs: mostly YES); the middle is where a model must find the pair. In a
 # sequence `BOS x_1 L_1 x_2 L_2 ...` the number $x_i$ sits at an odd position and its label at the next, even

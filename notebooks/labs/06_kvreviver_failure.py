@@ -6,11 +6,13 @@
 # (acc, KL, keep ratio, KV KiB) are in the [metrics glossary](../README.md#metrics), the shared symbols in
 # the [book's notation table](../README.md).
 #
-# The lesson found that KVReviver answers no question after the context, on the bundled model and on
-# SmolLM2-135M. This lab finds out where and why:
+# The lesson found that KVReviver answers no question after the context on the bundled model, and the
+# [SmolLM2 runs](../../methods/evaluation/smollm2.md) find the same on SmolLM2-135M. This lab finds out where
+# and why:
 #
 # 1. on SmolLM2, which tokens stay raw and where the attention of the first answer token goes;
-# 2. on the bundled model: how often a head's attention to the sketch is all or nothing; the Recent /
+# 2. on the bundled model: how long the rebuilt keys are, how often a head's attention to the sketch is all
+#    or nothing; the Recent /
 #    Candidate rule with one selection per layer or per KV head; wider sketches;
 # 3. why it breaks, to the end: one part of the method changed at a time under language modelling, Lemma 2
 #    at the paper's own setting, the appendix's per-layer budgets, and a repair of ours;
@@ -36,7 +38,7 @@ print(f"tiny mode: {TINY}; bundled model: tasks {niah}, {LENGTH} tokens")
 # %% [markdown]
 # ## 1. SmolLM2: what stays raw, and where the attention goes
 #
-# The lesson's SmolLM2-135M-Instruct (30 layers, 9 query heads sharing 3 KV heads, fp32), on the two tasks
+# SmolLM2-135M-Instruct (30 layers, 9 query heads sharing 3 KV heads, fp32), on the two tasks
 # its full cache answers, with KVReviver at two granularities, the same slots and the same memory:
 #
 # * **shared** (the paper's Algorithms 3-4 as written, per layer): one Recent / Candidate / Vague split per
@@ -160,7 +162,7 @@ for budget in BUDGETS_REAL:
 #
 # ### 1.2 Where the attention goes: rebuilt entries at the first decode step
 #
-# The lesson's section 3 measurement on this model: at the step that reads the first answer token (question
+# Section 2.1's measurement, on this model: at the step that reads the first answer token (question
 # after context), per layer, the attention probability that goes to positions rebuilt from the sketch
 # (revived tokens included), averaged over the 9 query heads, next to what the full cache gives those very
 # positions (`methods/analysis/rebuilt_attention.py`); and the mean length of the rebuilt keys relative to
@@ -252,10 +254,30 @@ plt.show()
 #
 # ### 2.1 All or nothing: one prompt, then counted
 #
-# The lesson's section 3 found the rebuilt keys tens of times too long. What that does to attention, on the
-# lesson's prompt (a quarter of it as budget): `harness.traces` runs the prompt, then the reference answer one
-# token at a time, through the full cache and through KVReviver (question after the context), keeping every
-# head's attention weights.
+# Before each attention KVReviver rebuilds every evicted position from the sketch (Algorithm 4,
+# `policy.attend_kv`). On the lesson's prompt (its section 2), a quarter of it as budget, per layer: the
+# parts, and the mean length of the rebuilt keys against the real ones.
+
+# %%
+lesson_sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)          # the lesson's prompt
+lesson_full, kvr_policy = KVCache(model.config), make_policy("kvreviver", budget=LENGTH // 4)
+kvr_cache = KVCache(model.config, kvr_policy)
+for c in (lesson_full, kvr_cache):
+    prefill(model, torch.tensor([lesson_sample.context_ids]), c)
+for layer in range(model.config.n_layer):
+    rebuilt = kvr_policy.attend_kv(layer, kvr_cache.layers[layer])                # Algorithm 4
+    vague = ~torch.isin(rebuilt.pos[0, 0], kvr_cache.layers[layer].pos[0, 0])     # positions only the sketch holds
+    true_norm = lesson_full.layers[layer].k[0].norm(dim=-1).mean()
+    part = kvr_policy.parts(layer, kvr_cache.layers[layer])
+    print(f"layer {layer}: Recent {part['R']}, Candidate {part['C']}, sketch {part['V']} tokens in "
+          f"{part['cells']} cells;  |k| real {true_norm:.1f}, rebuilt {rebuilt.k[0][:, vague].norm(dim=-1).mean():.1f}")
+
+
+# %% [markdown]
+# The sketch's 12 cells hold 348 tokens, and the rebuilt keys are tens of times longer than real ones. What
+# that does to attention: `harness.traces` runs the prompt, then the reference answer one token at a time,
+# through the full cache and through KVReviver (question after the context), keeping every head's attention
+# weights.
 
 # %%
 from matplotlib.colors import LogNorm
@@ -347,7 +369,7 @@ for w in variants:
 # finer selection gained. Only sketches far wider than the paper's split bring accuracy back: 128 extra
 # cells per row answer 0.11, and the injective hash is the full cache (accuracy 1.00, KL 0.00) with more
 # memory than the full cache itself. The machinery is right; the compression is too strong for these keys.
-# On SmolLM2 the granularity changes nothing (the lesson's SmolLM2 table).
+# On SmolLM2 the granularity changes nothing (section 1.2).
 #
 # ## 3. Why it breaks, to the end
 #
@@ -683,11 +705,11 @@ for method in ["kvreviver", "h2o"]:
 # * **Keys** are where it breaks first, though at SmolLM2's smaller budget the values' noise does even more
 #   damage (section 3's table: sketch values with true keys against sketch keys with true values). Keys are
 #   summed without signs and share a large common component, so the
-#   rebuilt keys are tens of times longer than real ones on the bundled model (the lesson's section 3) and
+#   rebuilt keys are tens of times longer than real ones on the bundled model (§2.1) and
 #   73-354x on SmolLM2 (§1.2). Such a key makes each head's attention all or nothing: most heads ignore the
 #   sketch, so its tokens are as good as evicted, and a few attend to nothing else.
-# * So KVReviver does **not** cure contextual amnesia here, on either model (the lesson's sections 4 and
-#   5); only sketches much wider than the paper's split, given on top of the budget, bring some accuracy
+# * So KVReviver does **not** cure contextual amnesia here, on either model (the lesson's section 3, and the
+#   SmolLM2 runs); only sketches much wider than the paper's split, given on top of the budget, bring some accuracy
 #   back, and the injective one (exact) reproduces the full cache (§2.2): the machinery is right, the
 #   compression is too strong for these keys.
 # * The eviction half is also weak on the bundled model: the Recent / Candidate rule with no sketch scores

@@ -44,6 +44,5 @@ def test_kernels_notebook_runs_without_triton(tmp_path: Path, monkeypatch: pytes
     text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                      for out in cell.get("outputs", []) if out.get("output_type") == "stream")
     assert "Triton available: False" in text, "Triton was not blocked: the sitecustomize did not run in the kernel"
-    assert text.count("skipped: ") == 4, "every kernel cell (sections 3, 3.1, 4, 5) should print one skip line"
-    assert "no CUDA device (or no Triton)" in text        # the benchmark timed the references alone
+    assert text.count("skipped: ") == 2, "every kernel cell (sections 2.1, 2.2) should print one skip line"
     print(f"07_kernels.ipynb without Triton: {time.perf_counter() - t0:.1f} s in tiny mode")
