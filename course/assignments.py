@@ -34,6 +34,17 @@ class Assignment:
     library: tuple[str, ...]     # library files with solution regions, relative to the root
     notebook: str                # the notebook of the topic (its exercises may hold regions too)
     interpreter: bool = False    # its tests run Triton kernels, in Triton's CPU interpreter
+    requires: tuple[str, ...] = ()   # the assignments whose code its tests and notebook run: due before it
+
+    def prerequisites(self) -> list[str]:
+        """``requires`` and theirs, in order, without this one."""
+        out, todo = [], list(self.requires)
+        while todo:
+            name = todo.pop(0)
+            if name not in out and name != self.name:
+                out.append(name)
+                todo += list(ASSIGNMENTS[name].requires)
+        return out
 
     @property
     def folder(self) -> Path:
@@ -60,19 +71,21 @@ ASSIGNMENTS = {a.name: a for a in [
                ("nanollm/storage.py", "nanollm/attention.py"), "00_nanollm_kv_cache"),
     Assignment("baselines", "The four baselines: StreamingLLM, H2O, SnapKV, AdaKV",
                ("methods/streaming_llm.py", "methods/h2o.py", "methods/snapkv.py", "methods/adakv.py"),
-               "01_baselines"),
+               "01_baselines", requires=("cache",)),
     Assignment("scissorhands", "Scissorhands: counting unimportance in a history window",
-               ("methods/scissorhands.py",), "02_scissorhands"),
+               ("methods/scissorhands.py",), "02_scissorhands", requires=("cache", "baselines")),
     Assignment("tensor_attention", "Tensor attention: attention over pairs, factored",
-               ("methods/tensor_attention/attention.py",), "03_tensor_attention"),
+               ("methods/tensor_attention/attention.py",), "03_tensor_attention", requires=("cache",)),
     Assignment("critical_kv", "CriticalKV: the output perturbation, its bound, two-stage selection",
-               ("methods/critical_kv.py",), "04_perturbation_selection"),
-    Assignment("chunkkv", "ChunkKV: keep whole chunks", ("methods/chunkkv.py",), "05_chunkkv"),
+               ("methods/critical_kv.py",), "04_perturbation_selection", requires=("cache", "baselines")),
+    Assignment("chunkkv", "ChunkKV: keep whole chunks", ("methods/chunkkv.py",), "05_chunkkv",
+               requires=("cache", "baselines")),
     Assignment("kvreviver", "KVReviver: a count sketch of evicted tokens",
-               ("methods/kvreviver.py", "kernels/count_sketch.py"), "06_kvreviver", interpreter=True),
+               ("methods/kvreviver.py", "kernels/count_sketch.py"), "06_kvreviver", interpreter=True,
+               requires=("cache", "baselines")),
     Assignment("kernels", "Split-K decode attention in Triton",
                ("kernels/decode_attention.py", "kernels/count_sketch.py", "kernels/tensor_decode.py"), "07_kernels",
-               interpreter=True),
+               interpreter=True, requires=("cache",)),
 ]}
 
 

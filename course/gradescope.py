@@ -39,7 +39,16 @@ import zipfile
 from pathlib import Path
 
 from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse
-from .grade import check_name, interpreter_refusal
+from .grade import (
+    PER_TEST_S,
+    RESTART_S,
+    RUN_BASE_S,
+    check_name,
+    check_per_test_s,
+    interpreter_refusal,
+    marks_of,
+    run_limit_s,
+)
 
 GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "course/markers.py",
           "course/oracle.py", "course/model_adapters.py", "course/confine.py", "course/remote.py",
@@ -48,6 +57,21 @@ GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "cou
 LIBRARY = ("nanollm", "methods", "kernels")     # the reference library, for the hidden tests' test process
 PINNED = ("torch", "numpy", "pytest", "tqdm", "triton")     # what the grader and the library import
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+TIMEOUT_S = 600          # Gradescope's default autograder timeout (its "Autograder timeout" setting)
+MARGIN_S = 60            # of it, left for unpacking the upload, copying it, starting Python and Gradescope's own steps
+MEMORY_GB, CPUS = 3, 2   # what the README asks to set: the grade of `cache` peaked at 1.7 GiB RSS (1.5 GiB PSS)
+
+
+def tests_in(assignment: Assignment) -> int:
+    """The public and hidden test functions the grader runs (each under its own time limit)."""
+    return sum(len(marks_of(t)) for t in assignment.tests(hidden=True))
+
+
+def default_per_test_s(assignment: Assignment, timeout_s: float = TIMEOUT_S) -> float:
+    """The longest time limit a test may have so that a submission whose every test hangs still ends, with a
+    line of feedback for each test, within ``timeout_s`` less ``MARGIN_S`` (``grade.run_limit_s``); at most
+    ``grade.PER_TEST_S``, whole seconds."""
+    return min(float(PER_TEST_S), float(int((timeout_s - MARGIN_S - RUN_BASE_S) / tests_in(assignment) - RESTART_S)))
 
 SETUP = """\
 #!/usr/bin/env bash
@@ -60,6 +84,12 @@ venv="${AUTOGRADER_VENV:-/autograder/venv}"
 if ! python3 -m venv "$venv"; then          # the base image lacks Python or its venv module
     apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-pip
     python3 -m venv "$venv"
+fi
+if ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (@MAJOR@, @MINOR@))'; then
+    echo "error: setup.sh: requirements.txt pins versions for Python @MAJOR@.@MINOR@ (where the zip was made)," \
+         "but this image has Python $("$venv/bin/python" -c 'import platform; print(platform.python_version())');" \
+         "choose a base image with Python @MAJOR@.@MINOR@, or make the zip with that image's Python" >&2
+    exit 1
 fi
 "$venv/bin/pip" install --no-cache-dir --upgrade pip
 "$venv/bin/pip" install --no-cache-dir -r requirements.txt
@@ -102,7 +132,8 @@ cp -R "$root/." "$work/copy/"
 rm -f "$results"
 cd "$source_dir/grader"
 status=0
-"$python" -m course.grade {name} --student "$work/copy" --json "$work/results.json" 2> "$work/stderr" || status=$?
+"$python" -m course.grade {name} --student "$work/copy" --per-test-s {per_test_s:g} --json "$work/results.json" \
+    2> "$work/stderr" || status=$?
 cat "$work/stderr" >&2
 why=""
 if [ -e "$results" ] || [ -L "$results" ]; then          # written while grading, not by the grader: no grade
@@ -128,6 +159,18 @@ folder `python -m course.handout {name}` wrote, with their work), uploaded as it
 `setup.sh` installs `requirements.txt` in `/autograder/venv`; `run_autograder` grades each submission with the
 public and hidden tests in `grader/` and writes `/autograder/results/results.json` (hidden tests are shown
 after the grades are published). The written questions are graded by hand from the sheet's rubric.
+
+Gradescope's settings for it (the assignment's "Autograder settings"):
+
+* **Autograder timeout: {timeout_s:g} s** or more (Gradescope's default is 600 s). Each of the {tests} tests may
+  run {per_test_s:g} s; a submission whose every test hangs ends after at most {worst_s:g} s, with a line of
+  feedback for each test.
+* **Memory: {memory} GB** or more (Gradescope's default, 768 MB, is too little): the grader, its test process and
+  the student's process together peaked at 1.7 GiB resident on `cache`, whose tests append 128 MiB to a cache.
+* **CPUs: {cpus}** (the grader's processes take turns; more does not speed a grade up much).
+* **Base image**: one whose `python3` is Python {python_minor}, which `requirements.txt` is pinned for (`setup.sh`
+  refuses another in one line). Gradescope's default, Ubuntu 22.04, has Python 3.10: make the zip with Python
+  3.10 for it, or pick a base image with Python {python_minor}.
 """
 
 
@@ -145,12 +188,20 @@ def requirements() -> str:
     return "\n".join(lines) + "\n"
 
 
-def contents(assignment: Assignment) -> dict[str, tuple[str | bytes, int]]:
-    """Path in the zip -> (content, Unix mode)."""
-    files = {"setup.sh": (SETUP, 0o755), "run_autograder": (RUN.format(name=assignment.name), 0o755),
+def contents(assignment: Assignment, per_test_s: float | None = None, timeout_s: float = TIMEOUT_S
+             ) -> dict[str, tuple[str | bytes, int]]:
+    """Path in the zip -> (content, Unix mode). ``per_test_s``: each test's time limit (default
+    ``default_per_test_s``)."""
+    per = default_per_test_s(assignment, timeout_s) if per_test_s is None else per_test_s
+    major, minor = sys.version_info[:2]
+    files = {"setup.sh": (SETUP.replace("@MAJOR@", str(major)).replace("@MINOR@", str(minor)), 0o755),
+             "run_autograder": (RUN.format(name=assignment.name, per_test_s=per), 0o755),
              "requirements.txt": (requirements(), 0o644),
-             "README.md": (README.format(name=assignment.name, title=assignment.title,
-                                         python=sys.version.split()[0]), 0o644)}
+             "README.md": (README.format(name=assignment.name, title=assignment.title, python=sys.version.split()[0],
+                                         python_minor=f"{major}.{minor}",
+                                         timeout_s=timeout_s, tests=tests_in(assignment), per_test_s=per,
+                                         worst_s=run_limit_s(tests_in(assignment), per), memory=MEMORY_GB,
+                                         cpus=CPUS), 0o644)}
     for rel in [*GRADER, *reference_library(), *(str(p.relative_to(ROOT)) for p in [assignment.folder / "adapters.py",
                                                                                    *assignment.tests(hidden=True)])]:
         files[f"grader/{rel}"] = ((ROOT / rel).read_bytes(), 0o644)
@@ -164,7 +215,7 @@ def reference_library() -> list[str]:
                   if "__pycache__" not in f.parts)
 
 
-def write_zip(assignment: Assignment, out: Path) -> Path:
+def write_zip(assignment: Assignment, out: Path, per_test_s: float | None = None, timeout_s: float = TIMEOUT_S) -> Path:
     """Write ``out/<name>-autograder.zip`` (a new file; written beside it, then renamed into place)."""
     path = out / f"{assignment.name}-autograder.zip"
     if path.exists():
@@ -177,7 +228,7 @@ def write_zip(assignment: Assignment, out: Path) -> Path:
         raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror or e})") from None
     try:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-            for name, (data, mode) in contents(assignment).items():
+            for name, (data, mode) in contents(assignment, per_test_s, timeout_s).items():
                 info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
                 info.external_attr, info.compress_type = (0o100000 | mode) << 16, zipfile.ZIP_DEFLATED
                 z.writestr(info, data)
@@ -197,15 +248,32 @@ def main(argv: list[str] | None = None) -> None:
     p.error = refuse
     p.add_argument("assignment", help="which assignment: " + ", ".join(ASSIGNMENTS))
     p.add_argument("--out", required=True, type=Path, help="the folder to write <assignment>-autograder.zip into")
+    p.add_argument("--timeout-s", type=float, default=TIMEOUT_S,
+                   help=f"the autograder timeout you set on Gradescope, in seconds (default {TIMEOUT_S}, Gradescope's "
+                        "own): the per-test limit is sized to it")
+    p.add_argument("--per-test-s", type=float, default=None,
+                   help="one test's time limit in seconds (default: the longest that lets a submission whose every "
+                        f"test hangs end within --timeout-s less {MARGIN_S} s, at most {PER_TEST_S})")
     args = p.parse_args(argv)
     assignment = get(args.assignment)
+    if not (args.timeout_s > MARGIN_S + RUN_BASE_S and args.timeout_s < 1e7):
+        raise SystemExit(f"error: --timeout-s must be more than {MARGIN_S + RUN_BASE_S} s, got {args.timeout_s:g}")
     if not assignment.tests(hidden=True):
         raise SystemExit(f"error: assignment {assignment.name!r} has no tests")
     if why := interpreter_refusal(assignment):       # the zip pins the versions installed here
         raise SystemExit(f"error: {why}; the zip would pin these versions, and every grade would fail")
+    per = default_per_test_s(assignment, args.timeout_s) if args.per_test_s is None else args.per_test_s
+    check_per_test_s(per)
+    worst = run_limit_s(tests_in(assignment), per)
+    if worst + MARGIN_S > args.timeout_s:
+        raise SystemExit(f"error: with --per-test-s {per:g}, a submission whose every test hangs runs up to "
+                         f"{worst:g} s, past --timeout-s {args.timeout_s:g} less {MARGIN_S} s: Gradescope would stop "
+                         "it with no feedback; use a smaller --per-test-s or a larger --timeout-s (set on Gradescope "
+                         "too)")
     check_name(args.out.expanduser(), "--out")
-    path = write_zip(assignment, args.out.expanduser().resolve())
-    print(f"wrote {path}: upload it as the autograder of {assignment.name!r} (README.md inside says how)")
+    path = write_zip(assignment, args.out.expanduser().resolve(), per, args.timeout_s)
+    print(f"wrote {path}: upload it as the autograder of {assignment.name!r}; set Gradescope's autograder timeout to "
+          f"{args.timeout_s:g} s or more and its memory to {MEMORY_GB} GB (README.md inside says how)")
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ import tempfile
 from pathlib import Path
 
 from . import lesson
-from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse
+from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse, scanned_files
 from .grade import check_name
-from .markers import MD_BEGIN, find_regions, strip
+from .markers import MD_BEGIN, find_regions, hand_out, strip
 
 INSTRUCTOR_ONLY = ("test_hidden.py", "mutants.py")      # in each assignment's folder: never in a student copy
 MUTANTS_REPORT = ROOT / "results" / "course_mutants.txt"    # ``python -m course.mutants all --out``'s report
@@ -122,27 +122,35 @@ def printed(cell) -> str:
     return "\n".join(str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", "")) for o in cell.outputs)
 
 
-def lesson_notebook(assignment: Assignment, out: Path) -> list[Path]:
-    """Write the student's notebook into ``out/notebooks``: its source and the committed ``.ipynb``, both with
-    the assignment's regions stripped and ``needs`` calls (``needs_calls``). Every cell keeps its committed
-    outputs, the ones the prose refers to, but a stripped exercise (its outputs would show the answer) and a
-    cell whose outputs print a line of the solution (``solution_lines``): run, it prints the student's own."""
+def lesson_notebook(assignment: Assignment, out: Path, handed: str, released: frozenset[str]) -> list[Path]:
+    """Write ``assignment``'s notebook into ``out/notebooks`` as a copy of ``handed`` holds it: its source and
+    the committed ``.ipynb``, with no marker left.
+
+    * The handed-out assignment's notebook and a later one's (not in ``released``): their regions are stubs
+      (``markers.hand_out``) and a cell tagged ``needs:`` starts with a ``course.lesson.needs`` call, which
+      stops it until the task is done (or, for a later assignment, says it is not handed out yet). Every cell
+      keeps its committed outputs, the ones the prose refers to, but a stripped exercise (its outputs would
+      show the answer) and a cell whose outputs print a line of the solution (``solution_lines``): run, it
+      prints the student's own.
+    * A released assignment's notebook (already due): its code as it is, markers removed, outputs kept."""
     import nbformat
     build = notebook_builder()
     source = ROOT / "notebooks" / f"{assignment.notebook}.py"
     dst = out / "notebooks" / source.name
     dst.parent.mkdir(parents=True, exist_ok=True)
-    dst.write_text(strip(source, assignment.name, text=needs_calls(assignment, source)))
+    open_ = assignment.name not in released
+    text = needs_calls(assignment, source) if open_ else source.read_text()
+    dst.write_text(hand_out(source, handed, released, text=text))
     reference, student = build.read_percent(source).cells, build.read_percent(dst).cells
     committed = source.with_suffix(".ipynb")
     nb = nbformat.read(committed, as_version=4) if committed.exists() else build.read_percent(source)
     if [(c.cell_type, c.source) for c in nb.cells] != [(c.cell_type, c.source) for c in reference]:
         raise SystemExit(f"error: {committed} does not have the cells of {source.name}; rebuild it with "
                          f"`python notebooks/build.py notebooks/{source.name}`")
-    solution = solution_lines(assignment)
+    solution = solution_lines(assignment) if open_ else set()
     for cell, old, new in zip(nb.cells, reference, student):
-        if cell.cell_type == "code" and any(t.split(":")[1] == assignment.name for t in old.metadata.get("tags", [])
-                                            if t.startswith(build.SOLUTION_TAG)):
+        tags = [t for t in old.metadata.get("tags", []) if t.startswith(build.SOLUTION_TAG)]
+        if open_ and cell.cell_type == "code" and any(t.split(":")[1] == assignment.name for t in tags):
             cell.outputs, cell.execution_count = [], None          # a stripped exercise
         elif cell.cell_type == "code" and any(line in printed(cell) for line in solution):
             cell.outputs, cell.execution_count = [], None          # it printed a solution (07 prints its kernel)
@@ -203,28 +211,43 @@ def writeup(assignment: Assignment, rubric: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def student_copy(assignment: Assignment, out: Path, stub: str = "raise") -> list[Path]:
-    """Write the student copy into ``out`` (new or empty). Returns the files that were changed or added."""
+def release_plan(assignment: Assignment, released: list[str] | tuple[str, ...] = ()) -> frozenset[str]:
+    """The assignments whose solutions a copy of ``assignment`` holds: its prerequisites (``requires``: the code
+    its tests and notebook run) and the ``released`` ones (already due); never itself."""
+    for name in released:
+        get(name)                                          # a one-line error for a name that is no assignment
+    return frozenset((set(assignment.prerequisites()) | set(released)) - {assignment.name})
+
+
+def student_copy(assignment: Assignment, out: Path, stub: str = "raise", released: list[str] | tuple[str, ...] = ()
+                 ) -> list[Path]:
+    """Write the student copy into ``out`` (new or empty). Returns the files that were changed or added.
+
+    No solution marker reaches the copy: this assignment's regions are stubs with their hints; the regions of
+    its prerequisites and of the ``released`` assignments keep their code; every other assignment's regions
+    are stubs that say "not handed out yet" (``release_plan``, ``markers.hand_out``)."""
+    kept = release_plan(assignment, released)
     withheld = {str(p.relative_to(ROOT)) for a in ASSIGNMENTS.values() for name in INSTRUCTOR_ONLY
                 for p in a.folder.glob(name)}
-    notebook = f"notebooks/{assignment.notebook}"
-    sources = {str(p.relative_to(ROOT)) for p in assignment.sources()}
+    notebooks = {f"notebooks/{a.notebook}.{ext}" for a in ASSIGNMENTS.values() for ext in ("py", "ipynb")}
+    scanned = {str(p.relative_to(ROOT)) for p in scanned_files() if p.suffix == ".py"}
     changed = []
     for rel in repository_files():
-        if rel in withheld or rel in (f"{notebook}.py", f"{notebook}.ipynb"):     # the notebook: below
+        if rel in withheld or rel in notebooks:                  # the notebooks: below
             continue
         src, dst = ROOT / rel, out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if rel in sources and any(r.assignment == assignment.name for r in find_regions(src)):
-            dst.write_text(strip(src, assignment.name, stub=stub))
+        if rel in scanned and find_regions(src):
+            dst.write_text(hand_out(src, assignment.name, kept, stub=stub))
             changed.append(dst)
         elif src.name == "sheet.md" and src.parent.parent == ROOT / "course" and find_regions(src):
             dst.write_text(strip(src, find_regions(src)[0].assignment))     # no sheet's model answers
             changed.append(dst)
         else:
             shutil.copy2(src, dst)
-    if (ROOT / f"{notebook}.py").exists():
-        changed += lesson_notebook(assignment, out)
+    for a in ASSIGNMENTS.values():
+        if (ROOT / "notebooks" / f"{a.notebook}.py").exists():
+            changed += lesson_notebook(a, out, assignment.name, kept)
     if written_questions(assignment.sheet):
         template = out / "course" / assignment.name / "writeup.md"
         template.parent.mkdir(parents=True, exist_ok=True)
@@ -324,14 +347,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--solutions", action="store_true",
                    help="write the instructor pack (solution notebook, sheet with answers, public and hidden "
                         "tests, hand-written mutants, the writeup's rubric, solutions.md) instead of the student copy")
+    p.add_argument("--released", default="", metavar="NAMES",
+                   help="comma-separated assignments already due, whose solutions the copy may hold (besides the "
+                        "handed-out one's prerequisites, which it always holds); every other assignment's code is "
+                        "a stub in the copy. Default: none")
     p.add_argument("--json", action="store_true", help="print the written files as JSON (for scripts)")
     args = p.parse_args(argv)
     assignment = get(args.assignment)
+    released = [n.strip() for n in args.released.split(",") if n.strip()]
+    if args.solutions and released:
+        raise SystemExit("error: --released shapes a student copy; the instructor pack (--solutions) takes none")
+    kept = release_plan(assignment, released)
     out = check_out(args.out)
     if not assignment.regions():
         raise SystemExit(f"error: assignment {assignment.name!r} has no solution regions")
     files = write_new_folder(out, lambda tmp: instructor_pack(assignment, tmp) if args.solutions
-                             else student_copy(assignment, tmp))
+                             else student_copy(assignment, tmp, released=released))
     if args.json:
         print(json.dumps([str(f) for f in files]))
         return
@@ -341,7 +372,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {f.relative_to(out)}")
     else:
         print(f"student copy of {assignment.name!r} in {out} ({len(assignment.regions())} regions replaced in "
-              f"{len(files)} files):")
+              f"{len(files)} files; solutions held: {', '.join(sorted(kept)) or 'none'}; every other assignment's "
+              "code is a stub):")
         for f in files:
             print(f"  {f.relative_to(out)}")
         print(f"next: cd {out}, read course/{assignment.name}/sheet.md, run notebooks/{assignment.notebook}.ipynb "

@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 
 from .assignments import ROOT, get
-from .markers import find_regions
+from .markers import NOT_HANDED_OUT, find_regions
 
 NEEDS = "needs:"                     # the prefix of a cell tag naming a task: "needs:window_vote"
 
@@ -102,6 +102,12 @@ def needs(assignment: str, *tasks: str, root: Path = ROOT) -> None:
     handed-out stub; nothing once they are all done."""
     todo = {t: unfinished(assignment, t, root) for t in tasks}
     todo = {t: places for t, places in todo.items() if places}
+    later = [t for t, places in todo.items()
+             if any(NOT_HANDED_OUT in path.read_text().splitlines()[n - 1] for path, n in places)]
+    if later:
+        raise NotImplementedError(
+            f"needs assignment {assignment}'s {describe(assignment, later, root)}, not handed out yet: this copy "
+            "holds a stub of its code (the cell's output in the committed notebook shows what it prints)")
     if todo:
         where = sorted({str(path.relative_to(root)) for places in todo.values() for path, _ in places})
         raise NotImplementedError(

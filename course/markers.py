@@ -112,3 +112,34 @@ def strip(path: str | Path, assignment: str, text: str | None = None, stub: str 
         last = r.end
     out += lines[last:]
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+NOT_HANDED_OUT = "not handed out yet"       # the hint of a stub a copy holds for a later assignment's region
+
+
+def hand_out(path: str | Path, assignment: str, released: set[str] | frozenset[str] = frozenset(),
+             text: str | None = None, stub: str = "raise") -> str:
+    """The file's text as a student copy of ``assignment`` holds it, with no marker left: ``assignment``'s
+    regions are stubs with their hints (as ``strip`` writes them); the regions of the ``released`` assignments
+    (already due, so their solutions are no secret) keep their code without the markers; every other
+    assignment's regions are stubs too, whose hint says ``not handed out yet``."""
+    path = Path(path)
+    text = path.read_text() if text is None else text
+    lines = text.splitlines()
+    out, last = [], 0
+    for r in find_regions(path, text):
+        out += lines[last:r.begin - 1]
+        if r.assignment in released and r.assignment != assignment:
+            out += r.body(lines)
+        elif path.suffix == ".md":
+            out.append(f"{r.indent}*(your answer)*" if r.assignment == assignment else
+                       f"{r.indent}*({NOT_HANDED_OUT})*")
+        elif stub == "pass" and r.assignment == assignment:
+            out.append(f"{r.indent}pass")
+        else:
+            hint = r.hint if r.assignment == assignment else NOT_HANDED_OUT
+            out.append(f"{r.indent}raise NotImplementedError({f'{r.label}: {hint}'!r})   "
+                       + ("# your code here" if r.assignment == assignment else f"# assignment {r.assignment}"))
+        last = r.end
+    out += lines[last:]
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")

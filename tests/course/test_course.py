@@ -19,7 +19,7 @@ import pytest
 
 from course import grade, handout, mutants
 from course.assignments import ASSIGNMENTS, ROOT, scanned_files
-from course.markers import MarkerError, find_regions, strip
+from course.markers import MarkerError, find_regions, hand_out, strip
 from tests.course.test_grader import graded_here
 
 NAMES = sorted(ASSIGNMENTS)
@@ -210,11 +210,56 @@ def test_student_copy_leaks_nothing(name, tmp_path):
                             for c in cells if c["cell_type"] == "code" for o in c.get("outputs", []))
         assert not [s for s in solution if s in printed], \
             f"{notebook.name}'s outputs print solution lines of {name}: {[s for s in solution if s in printed][:3]}"
+    with_regions = {p for p in scanned_files() if find_regions(p)}
     for rel in handout.repository_files():                # everything else is the library unchanged
         src = ROOT / rel
         instructor_only = rel.endswith(("test_hidden.py", "mutants.py", ".ipynb", "sheet.md"))
-        if src not in ASSIGNMENTS[name].sources() and not instructor_only:
+        if src not in with_regions and not instructor_only:
             assert (out / rel).read_bytes() == src.read_bytes(), f"{rel} changed in the student copy"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_a_copy_holds_no_later_assignment_and_no_marker(name, tmp_path):
+    # The copy of one assignment holds the code of its prerequisites (and of --released ones), a stub for
+    # every other assignment's regions, and no marker: handing out `baselines` must not hand out ChunkKV.
+    out = tmp_path / "copy"
+    handout.main([name, "--out", str(out)])
+    kept = handout.release_plan(ASSIGNMENTS[name])
+    for path in scanned_files():
+        rel = path.relative_to(ROOT)
+        if path.suffix == ".py" and (out / rel).exists():
+            assert find_regions(out / rel) == [], f"{rel}: a solution marker in the student copy"
+    for other in NAMES:
+        leaked = {str(p.relative_to(ROOT)): [s for s in lines if s in (out / p.relative_to(ROOT)).read_text()]
+                  for p, lines in region_lines(other).items() if p.suffix == ".py"}
+        leaked = {k: v[:2] for k, v in leaked.items() if v}
+        if other in kept:
+            assert leaked, f"{other}: a prerequisite of {name}, its code should be in the copy"
+        elif other != name:
+            assert not leaked, f"{other} is not handed out with {name}, yet the copy holds its solution: {leaked}"
+    later = [n for n in NAMES if n not in kept and n != name][:1]
+    if later:
+        again = tmp_path / "released"
+        handout.main([name, "--out", str(again), "--released", later[0]])
+        assert any(s in (again / p.relative_to(ROOT)).read_text()
+                   for p, lines in region_lines(later[0]).items() if p.suffix == ".py" for s in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", some_in_the_slow_tier("critical_kv"))
+def test_the_prerequisites_are_enough_to_pass(name, tmp_path):
+    # `requires` is right when the handed-out assignment's reference, put into its copy (every later
+    # assignment a stub), gets full marks: its tests run no code the copy does not hold.
+    graded_here(name)
+    out = tmp_path / "copy"
+    handout.student_copy(ASSIGNMENTS[name], out)
+    kept = handout.release_plan(ASSIGNMENTS[name]) | {name}
+    for rel in ASSIGNMENTS[name].library:
+        (out / rel).write_text(hand_out(ROOT / rel, "", kept))
+    summary = grade.grade(name, out)
+    failed = [(r["name"], r["output"][:300]) for r in summary["results"] if r["status"] != "passed"]
+    assert not failed, f"{name} needs more than {sorted(kept - {name})}: {failed[:3]}"
 
 
 def test_without_git_a_copy_takes_every_file_but_what_git_ignores(tmp_path, monkeypatch):

@@ -218,6 +218,29 @@ def test_gradescope_zip_holds_the_grader_the_tests_and_pinned_requirements(tmp_p
     assert "/autograder/results/results.json" in run and "/autograder/submission" in run
 
 
+@pytest.mark.parametrize("name", sorted(ASSIGNMENTS))
+def test_a_submission_hanging_in_every_test_ends_within_gradescopes_timeout(name, tmp_path):
+    # Each test's limit is sized so that the grader's own bound on a run (grade.run_limit_s: every test run
+    # to its limit, then restarted) ends within Gradescope's default timeout, with room to spare: Gradescope
+    # then gets feedback on every test instead of stopping the run with none.
+    a = ASSIGNMENTS[name]
+    per = gradescope.default_per_test_s(a)
+    assert per >= 10 and grade.run_limit_s(gradescope.tests_in(a), per) + gradescope.MARGIN_S <= gradescope.TIMEOUT_S
+    path = gradescope.write_zip(a, tmp_path / "dist")
+    with zipfile.ZipFile(path) as z:
+        run, readme, setup = (z.read(f).decode() for f in ("run_autograder", "README.md", "setup.sh"))
+    assert f"--per-test-s {per:g} " in run
+    assert f"Autograder timeout: {gradescope.TIMEOUT_S} s" in readme and f"Memory: {gradescope.MEMORY_GB} GB" in readme
+    assert f"!= ({sys.version_info[0]}, {sys.version_info[1]})" in setup       # refuses another Python
+
+
+def test_gradescope_refuses_a_limit_that_would_outlast_its_timeout(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        gradescope.main(["baselines", "--out", str(tmp_path / "dist"), "--per-test-s", "60"])
+    assert e.value.code == 2 and "Gradescope would stop it with no feedback" in capsys.readouterr().err
+    assert not (tmp_path / "dist").exists()
+
+
 # -- grading real copies ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -83,7 +83,7 @@ def test_a_misplaced_or_unknown_needs_line_is_refused(tmp_path):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_student_notebook_keeps_outputs_and_starts_cells_with_needs(name, tmp_path):
-    written = handout.lesson_notebook(ASSIGNMENTS[name], tmp_path)
+    written = handout.lesson_notebook(ASSIGNMENTS[name], tmp_path, name, handout.release_plan(ASSIGNMENTS[name]))
     py, ipynb = written
     student = nbformat.read(ipynb, 4).cells
     reference, committed = reference_cells(name)
@@ -237,3 +237,16 @@ def test_student_notebook_runs_but_the_cells_of_unfinished_tasks(name, tmp_path)
                 f"cell {i}: a stripped exercise stops at its stub, got {[(e.ename, e.evalue) for e in errors]}"
         else:
             assert not errors, f"cell {i} needs no task but failed: {errors[0].ename}: {errors[0].evalue[:300]}"
+
+
+@pytest.mark.slow
+def test_a_later_assignments_cells_say_it_is_not_handed_out(tmp_path):
+    # In a copy of `cache`, the baselines are not handed out: their code is a stub, and a cell of their
+    # notebook that needs it stops saying so, not asking the student to write it.
+    out = tmp_path / "copy"
+    handout.student_copy(ASSIGNMENTS["cache"], out)
+    text = (out / "notebooks" / "01_baselines.py").read_text()
+    assert 'needs("baselines", ' in text and "BEGIN SOLUTION" not in text
+    with pytest.raises(NotImplementedError, match="baselines's task window_vote .*not handed out yet"):
+        lesson.needs("baselines", "window_vote", root=out)
+    lesson.needs("cache", "append", root=ROOT)                  # the reference: nothing to wait for
