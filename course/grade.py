@@ -592,8 +592,12 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def gradescope(results: list[Result], seconds: float, note: str) -> dict:
-    """The results in Gradescope's autograder format (``note``: the top-level output)."""
+HIDDEN_VISIBILITY = ("after_published", "after_due_date")    # Gradescope's settings a hidden test may take
+
+
+def gradescope(results: list[Result], seconds: float, note: str, hidden: str = "after_published") -> dict:
+    """The results in Gradescope's autograder format (``note``: the top-level output; ``hidden``: when students
+    see the hidden tests, once grades are published or once the due date has passed)."""
     return {
         "score": sum(r.score for r in results),
         "execution_time": round(seconds, 1),
@@ -603,7 +607,7 @@ def gradescope(results: list[Result], seconds: float, note: str) -> dict:
         "tests": [{"name": f"{r.visibility}: {r.name}" + (f" (task {r.task})" if r.task else ""),
                    "score": r.score, "max_score": r.max_score, "status": r.status,
                    "output": r.output if r.visibility == "public" else hidden_output(r),
-                   "visibility": "visible" if r.visibility == "public" else "after_published"} for r in results],
+                   "visibility": "visible" if r.visibility == "public" else hidden} for r in results],
     }
 
 
@@ -678,6 +682,12 @@ def grade(name: str, student: Path | None = None, hidden: bool = True, per_test_
     student = student.resolve()
     if not student.is_dir():
         raise SystemExit(f"error: no folder {student}")
+    from . import submit  # a pack (course.submit) is laid over a pristine copy
+    if submit.is_pack(student):
+        with tempfile.TemporaryDirectory(prefix="grade-pack-") as laid:
+            summary = grade(name, submit.lay_over(student, name, Path(laid) / "copy"), hidden, per_test_s, tasks,
+                            require_room, seed)
+        return {**summary, "student": str(student)}
     if not (student / "course" / name / "adapters.py").exists():
         raise SystemExit(f"error: {student} has no course/{name}/adapters.py; is it a student copy of {name!r}?")
     check_per_test_s(per_test_s)
@@ -781,6 +791,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None,
                    help="write Gradescope-style results here: a new file in an existing folder")
     p.add_argument("--public-only", action="store_true", help="run only the public tests")
+    p.add_argument("--hidden-visibility", choices=HIDDEN_VISIBILITY, default=HIDDEN_VISIBILITY[0],
+                   help="in --json, when Gradescope shows students the hidden tests: once grades are published "
+                        "(default) or once the due date has passed")
     p.add_argument("--per-test-s", type=float, default=PER_TEST_S,
                    help=f"time limit of one test in seconds, {MIN_PER_TEST_S:g} or more (default {PER_TEST_S}); the "
                         f"grader stops a test that runs over it, and the whole run after {RUN_BASE_S} s + "
@@ -813,7 +826,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.log:
         print("\n" + summary["log"])
     if args.json is not None:
-        write_new_file(args.json, json.dumps(gradescope(results, summary["seconds"], "\n".join(said)), indent=2) + "\n")
+        write_new_file(args.json, json.dumps(gradescope(results, summary["seconds"], "\n".join(said),
+                                                        args.hidden_visibility), indent=2) + "\n")
         print(f"wrote {args.json}")
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse
 from .grade import (
+    HIDDEN_VISIBILITY,
     PER_TEST_S,
     RESTART_S,
     RUN_BASE_S,
@@ -53,7 +54,8 @@ from .grade import (
 GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "course/markers.py",
           "course/oracle.py", "course/model_adapters.py", "course/confine.py", "course/remote.py",
           "course/student_process.py", "course/jail.py",
-          "course/launchers.py")     # grade.py, what it imports, what the tests use
+          "course/launchers.py", "course/submit.py", "course/handout.py", "course/lesson.py")
+# grade.py, what it imports, what the tests use, and what lays a pack (course.submit) over a pristine copy
 LIBRARY = ("nanollm", "methods", "kernels")     # the reference library, for the hidden tests' test process
 PINNED = ("torch", "numpy", "pytest", "tqdm", "triton")     # what the grader and the library import
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -132,7 +134,8 @@ cp -R "$root/." "$work/copy/"
 rm -f "$results"
 cd "$source_dir/grader"
 status=0
-"$python" -m course.grade {name} --student "$work/copy" --per-test-s {per_test_s:g} --json "$work/results.json" \
+"$python" -m course.grade {name} --student "$work/copy" --per-test-s {per_test_s:g} \
+    --hidden-visibility {hidden} --json "$work/results.json" \
     2> "$work/stderr" || status=$?
 cat "$work/stderr" >&2
 why=""
@@ -188,14 +191,14 @@ def requirements() -> str:
     return "\n".join(lines) + "\n"
 
 
-def contents(assignment: Assignment, per_test_s: float | None = None, timeout_s: float = TIMEOUT_S
-             ) -> dict[str, tuple[str | bytes, int]]:
+def contents(assignment: Assignment, per_test_s: float | None = None, timeout_s: float = TIMEOUT_S,
+             hidden: str = "after_published") -> dict[str, tuple[str | bytes, int]]:
     """Path in the zip -> (content, Unix mode). ``per_test_s``: each test's time limit (default
     ``default_per_test_s``)."""
     per = default_per_test_s(assignment, timeout_s) if per_test_s is None else per_test_s
     major, minor = sys.version_info[:2]
     files = {"setup.sh": (SETUP.replace("@MAJOR@", str(major)).replace("@MINOR@", str(minor)), 0o755),
-             "run_autograder": (RUN.format(name=assignment.name, per_test_s=per), 0o755),
+             "run_autograder": (RUN.format(name=assignment.name, per_test_s=per, hidden=hidden), 0o755),
              "requirements.txt": (requirements(), 0o644),
              "README.md": (README.format(name=assignment.name, title=assignment.title, python=sys.version.split()[0],
                                          python_minor=f"{major}.{minor}",
@@ -215,7 +218,8 @@ def reference_library() -> list[str]:
                   if "__pycache__" not in f.parts)
 
 
-def write_zip(assignment: Assignment, out: Path, per_test_s: float | None = None, timeout_s: float = TIMEOUT_S) -> Path:
+def write_zip(assignment: Assignment, out: Path, per_test_s: float | None = None, timeout_s: float = TIMEOUT_S,
+              hidden: str = "after_published") -> Path:
     """Write ``out/<name>-autograder.zip`` (a new file; written beside it, then renamed into place)."""
     path = out / f"{assignment.name}-autograder.zip"
     if path.exists():
@@ -228,7 +232,7 @@ def write_zip(assignment: Assignment, out: Path, per_test_s: float | None = None
         raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror or e})") from None
     try:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-            for name, (data, mode) in contents(assignment, per_test_s, timeout_s).items():
+            for name, (data, mode) in contents(assignment, per_test_s, timeout_s, hidden).items():
                 info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
                 info.external_attr, info.compress_type = (0o100000 | mode) << 16, zipfile.ZIP_DEFLATED
                 z.writestr(info, data)
@@ -254,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per-test-s", type=float, default=None,
                    help="one test's time limit in seconds (default: the longest that lets a submission whose every "
                         f"test hangs end within --timeout-s less {MARGIN_S} s, at most {PER_TEST_S})")
+    p.add_argument("--hidden-visibility", choices=HIDDEN_VISIBILITY, default=HIDDEN_VISIBILITY[0],
+                   help="when students see the hidden tests' results: once you publish the grades (default), or "
+                        "once the due date has passed")
     args = p.parse_args(argv)
     assignment = get(args.assignment)
     if not (args.timeout_s > MARGIN_S + RUN_BASE_S and args.timeout_s < 1e7):
@@ -271,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
                          "it with no feedback; use a smaller --per-test-s or a larger --timeout-s (set on Gradescope "
                          "too)")
     check_name(args.out.expanduser(), "--out")
-    path = write_zip(assignment, args.out.expanduser().resolve(), per, args.timeout_s)
+    path = write_zip(assignment, args.out.expanduser().resolve(), per, args.timeout_s, args.hidden_visibility)
     print(f"wrote {path}: upload it as the autograder of {assignment.name!r}; set Gradescope's autograder timeout to "
           f"{args.timeout_s:g} s or more and its memory to {MEMORY_GB} GB (README.md inside says how)")
 

@@ -81,9 +81,10 @@ def check_out(out: Path) -> Path:
 
 def needs_calls(assignment: Assignment, source: Path) -> str:
     """The notebook source with a call at the top of each code cell tagged ``needs:TASK``, which stops the cell
-    until the tasks are done, and a note saying so (``course.lesson``). A ``needs:`` tag on a markdown cell, a
-    task the assignment does not have, or a leftover ``# needs:`` comment is an error with its file and line."""
-    tasks = list(dict.fromkeys(r.task for r in assignment.regions() if r.task))
+    until the tasks are done, and a note saying so (``course.lesson``). A task of another assignment is tagged
+    ``needs:OTHER:TASK`` (a cell of lesson 00 that runs StreamingLLM: ``needs:baselines:sinks_and_recent``); in
+    a copy that holds that assignment's code the call does nothing. A ``needs:`` tag on a markdown cell, a task
+    the assignment does not have, or a leftover ``# needs:`` comment is an error with its file and line."""
     build = notebook_builder()
     out = []
     for n, line in enumerate(source.read_text().splitlines(), 1):
@@ -95,13 +96,53 @@ def needs_calls(assignment: Assignment, source: Path) -> str:
         names = lesson.needed(json.loads(m["tags"])) if m and m["tags"] else []
         if not names:
             continue
-        wrong = [t for t in names if t not in tasks]
-        if m["kind"] or wrong:
-            why = "is on a markdown cell" if m["kind"] else \
-                f"names {wrong[0]!r}, not a task of {assignment.name!r} (its tasks: {', '.join(tasks)})"
-            raise SystemExit(f"error: {source}:{n}: the tag 'needs:' {why}")
-        out += lesson.call(assignment.name, names)
+        by_assignment: dict[str, list[str]] = {}
+        for name in names:
+            owner, _, task = name.rpartition(":")
+            by_assignment.setdefault(owner or assignment.name, []).append(task)
+        for owner, wanted in by_assignment.items():
+            tasks = list(dict.fromkeys(r.task for r in ASSIGNMENTS[owner].regions() if r.task)) \
+                if owner in ASSIGNMENTS else []
+            wrong = [t for t in wanted if t not in tasks]
+            if m["kind"] or wrong:
+                listed = f" (its tasks: {', '.join(tasks)})" if tasks else ""
+                why = "is on a markdown cell" if m["kind"] else f"names {wrong[0]!r}, not a task of {owner!r}{listed}"
+                raise SystemExit(f"error: {source}:{n}: the tag 'needs:' {why}")
+        for owner, wanted in by_assignment.items():
+            out += lesson.call(owner, wanted)
     return "\n".join(out) + "\n"
+
+
+REFERENCE_CELL = ["# The reference answer of this exercise is not in your copy: write yours in the cell where its",
+                  "# names are None, and run the check cell below it, which says whether it is right."]
+
+
+def quiet_reference_cells(text: str, name: str) -> str:
+    """The notebook source (py:percent) with each exercise's reference cell, a region of ``name`` followed by
+    the check's call on ``reference_*`` names, replaced by a note (``REFERENCE_CELL``): in the copy its stub
+    would stop a "run all" half-way, where the learner's own cells and the checks run on."""
+    build = notebook_builder()
+    out, cell = [], []
+
+    def flush():
+        regions = find_regions("cell.py", "\n".join(cell)) if cell else []
+        body = "\n".join(cell)
+        if any(r.assignment == name and r.task is None for r in regions) and re.search(r"^check_\w+\(reference_",
+                                                                                      body, flags=re.M):
+            out.extend([cell[0], *REFERENCE_CELL, ""])
+        else:
+            out.extend(cell)
+
+    for line in text.splitlines():
+        if line.startswith("# %%") and build.MARKER.match(line):
+            flush()
+            cell = [line]
+        elif cell:
+            cell.append(line)
+        else:
+            out.append(line)
+    flush()
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
 def solution_lines(assignment: Assignment) -> set[str]:
@@ -140,6 +181,7 @@ def lesson_notebook(assignment: Assignment, out: Path, handed: str, released: fr
     dst.parent.mkdir(parents=True, exist_ok=True)
     open_ = assignment.name not in released
     text = needs_calls(assignment, source) if open_ else source.read_text()
+    text = quiet_reference_cells(text, assignment.name) if open_ else text
     dst.write_text(hand_out(source, handed, released, text=text))
     reference, student = build.read_percent(source).cells, build.read_percent(dst).cells
     committed = source.with_suffix(".ipynb")
@@ -152,6 +194,8 @@ def lesson_notebook(assignment: Assignment, out: Path, handed: str, released: fr
         tags = [t for t in old.metadata.get("tags", []) if t.startswith(build.SOLUTION_TAG)]
         if open_ and cell.cell_type == "code" and any(t.split(":")[1] == assignment.name for t in tags):
             cell.outputs, cell.execution_count = [], None          # a stripped exercise
+            if new.source.startswith(REFERENCE_CELL[0]):           # its reference, now a note: shown, not collapsed
+                cell.metadata.get("jupyter", {}).pop("source_hidden", None)
         elif cell.cell_type == "code" and any(line in printed(cell) for line in solution):
             cell.outputs, cell.execution_count = [], None          # it printed a solution (07 prints its kernel)
         cell.source = new.source
@@ -248,7 +292,7 @@ def student_copy(assignment: Assignment, out: Path, stub: str = "raise", release
     for a in ASSIGNMENTS.values():
         if (ROOT / "notebooks" / f"{a.notebook}.py").exists():
             changed += lesson_notebook(a, out, assignment.name, kept)
-    if written_questions(assignment.sheet):
+    if assignment.sheet.exists() and written_questions(assignment.sheet):
         template = out / "course" / assignment.name / "writeup.md"
         template.parent.mkdir(parents=True, exist_ok=True)
         template.write_text(writeup(assignment))

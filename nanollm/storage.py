@@ -69,7 +69,7 @@ class LayerKV:
                 return
             k, v, pos = k[:, :, reuse:], v[:, :, reuse:], pos[reuse:]
         B, H_kv, Tn, d = k.shape
-        # BEGIN SOLUTION [cache:append] grow as the docstrings say: O(1) bytes per token, amortised (notebook 07 §2)
+        # BEGIN SOLUTION [cache:append] grow as the docstrings say: O(1) bytes per token, amortised (notebook 07 §1)
         if self.n + Tn > self.capacity():             # reallocate: double, keep the first n slots
             cap = Tn + MIN_CAPACITY if self._k is None else max(self.n + Tn, 2 * self.capacity(), MIN_CAPACITY)
             old = [self._k, self._v, self._pos, *self._state.values()]

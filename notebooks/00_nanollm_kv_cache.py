@@ -278,7 +278,7 @@ print(f"the new token got position {int(kv.pos[0, 0, -1])}, the tokens seen befo
 # the most recent ones. A subclass prints how many slots layer 0's `attend_kv` gets, over a prefill of 10
 # tokens, an `extend` chunk of 4 and one decode step, with $B$ = 8; after each, the slots kept:
 
-# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
+# %% tags=["needs:append", "needs:group_scores", "needs:mask", "needs:baselines:sinks_and_recent"]
 from methods.streaming_llm import StreamingLLMPolicy
 
 

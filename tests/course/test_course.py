@@ -315,3 +315,30 @@ def test_doing_nothing_scores_nothing(name, tmp_path):
     summary = grade.grade(name, tmp_path / "copy")
     passed = [r["name"] for r in summary["results"] if r["status"] == "passed"]
     assert not passed, f"{name}: these tests pass with empty solutions: {passed}"
+
+
+@pytest.mark.slow
+def test_a_pack_holds_only_the_graded_files_and_grades_as_the_whole_copy(tmp_path, capsys):
+    # course.submit packs the library files, adapters and writeup; the grader lays the pack over a pristine
+    # copy: the solved pack gets full marks, the untouched one nothing, and a pack of another assignment is refused.
+    from course import submit
+    name = "critical_kv"
+    graded_here(name)
+    copy = tmp_path / "copy"
+    handout.main([name, "--out", str(copy)])
+    submit.main([name, "--copy", str(copy), "--out", str(tmp_path / "untouched.zip")])
+    assert "stub(s) of the handed-out tasks are still" in capsys.readouterr().out
+    kept = handout.release_plan(ASSIGNMENTS[name]) | {name}
+    for rel in ASSIGNMENTS[name].library:
+        (copy / rel).write_text(hand_out(ROOT / rel, "", kept))
+    (copy / "README.md").write_text("changed by the student: not graded, not packed\n")
+    submit.main([name, "--copy", str(copy), "--out", str(tmp_path / "solved.zip")])
+    import zipfile
+    for zip_name, expected in (("solved.zip", None), ("untouched.zip", 0)):
+        with zipfile.ZipFile(tmp_path / zip_name) as z:
+            assert sorted(z.namelist()) == sorted([submit.MANIFEST, *submit.graded_files(ASSIGNMENTS[name])])
+            z.extractall(tmp_path / zip_name.removesuffix(".zip"))
+        summary = grade.grade(name, tmp_path / zip_name.removesuffix(".zip"))
+        assert summary["score"] == (summary["max_score"] if expected is None else expected) and summary["max_score"] > 0
+    with pytest.raises(SystemExit, match="is a pack of 'critical_kv', not of 'chunkkv'"):
+        grade.grade("chunkkv", tmp_path / "solved")

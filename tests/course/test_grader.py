@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from course import confine, grade, gradescope, handout, remote
+from course import confine, grade, gradescope, handout, remote, submit
 from course.assignments import ASSIGNMENTS, ROOT
 from course.markers import find_regions
 
@@ -229,7 +229,11 @@ def test_a_submission_hanging_in_every_test_ends_within_gradescopes_timeout(name
     path = gradescope.write_zip(a, tmp_path / "dist")
     with zipfile.ZipFile(path) as z:
         run, readme, setup = (z.read(f).decode() for f in ("run_autograder", "README.md", "setup.sh"))
-    assert f"--per-test-s {per:g} " in run
+    assert f"--per-test-s {per:g} " in run and "--hidden-visibility after_published " in run
+    later = gradescope.contents(a, hidden="after_due_date")["run_autograder"][0]
+    assert "--hidden-visibility after_due_date " in later
+    result = grade.Result("test_x", "hidden", 1.0, 0.0, "failed", "boom")
+    assert grade.gradescope([result], 1.0, "", "after_due_date")["tests"][0]["visibility"] == "after_due_date"
     assert f"Autograder timeout: {gradescope.TIMEOUT_S} s" in readme and f"Memory: {gradescope.MEMORY_GB} GB" in readme
     assert f"!= ({sys.version_info[0]}, {sys.version_info[1]})" in setup       # refuses another Python
 
@@ -361,8 +365,14 @@ def test_gradescope_package_grades_the_reference_and_the_untouched_copy(tmp_path
         assert run.returncode == 0 and results.exists(), run.stdout[-2000:] + run.stderr[-2000:]
         return json.loads(results.read_text())
 
-    full = run_autograder(full_copy(tmp_path), "reference")
+    reference = full_copy(tmp_path)
+    full = run_autograder(reference, "reference")
     assert full["score"] == sum(t["max_score"] for t in full["tests"]) > 0
+    submit.pack(reference, ASSIGNMENTS["cache"], tmp_path / "cache-submission.zip")      # the pack of course.submit,
+    with zipfile.ZipFile(tmp_path / "cache-submission.zip") as z:                       # unpacked as Gradescope does
+        z.extractall(tmp_path / "pack")
+    packed = run_autograder(tmp_path / "pack", "pack")
+    assert packed["score"] == full["score"], packed
     assert any(t["visibility"] == "after_published" for t in full["tests"]), "the hidden tests ran"
     zero = run_autograder(student_copy(tmp_path), "copy")
     assert zero["score"] == 0 and len(zero["tests"]) == len(full["tests"])

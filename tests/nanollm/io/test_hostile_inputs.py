@@ -241,7 +241,7 @@ def test_handout_under_a_file_or_on_a_full_disk_leaves_nothing(tmp_path, monkeyp
     a_file.write_text("x")
     assert "cannot write there" in refused(capsys, handout.main, ["cache", "--out", str(a_file / "copy")])
 
-    def full_disk(assignment, out, stub="raise"):
+    def full_disk(assignment, out, stub="raise", released=()):
         (out / "half-written").write_text("x")
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(handout, "student_copy", full_disk)

@@ -1,0 +1,115 @@
+"""
+Pack a student's work on one assignment for hand-in: the graded files only, not the whole copy.
+
+    python -m course.submit cache                       # in the student copy: writes cache-submission.zip
+    python -m course.submit cache --copy ~/hw-cache --out ~/cache-submission.zip
+
+The pack holds the assignment's library files (where its tasks are written), its ``adapters.py`` (a student
+who restructured the code points them at it) and ``writeup.md`` (the written answers), at their paths in the
+copy, and ``course-submission.json``, which names the assignment and the files. Upload it to Gradescope as it
+is. The grader lays the pack over a pristine student copy of the assignment, made from the grader's own
+reference files (``lay_over``), and grades that: nothing else the student changed reaches the grade, and a
+pack is a few kilobytes where the whole copy is tens of megabytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .assignments import ASSIGNMENTS, Assignment, command_line, get, refuse
+
+MANIFEST = "course-submission.json"
+STUB = re.compile(r"raise NotImplementedError\(.*#\s*your code here")     # a task still as handed out
+
+
+def graded_files(assignment: Assignment) -> list[str]:
+    """The files a pack holds, relative to the copy: the library files, the adapters, the written answers."""
+    return [*assignment.library, f"course/{assignment.name}/adapters.py", f"course/{assignment.name}/writeup.md"]
+
+
+def stubs_left(copy: Path, assignment: Assignment) -> int:
+    """How many of the handed-out stubs are still in the copy's library files."""
+    return sum(len(STUB.findall((copy / rel).read_text())) for rel in assignment.library if (copy / rel).exists())
+
+
+def pack(copy: Path, assignment: Assignment, out: Path) -> list[str]:
+    """Write the pack of ``copy`` to ``out`` (a new zip file). Returns the files it holds."""
+    files = [rel for rel in graded_files(assignment) if (copy / rel).is_file()]
+    missing = [rel for rel in graded_files(assignment)[:-1] if rel not in files]       # writeup.md is optional
+    if missing:
+        raise SystemExit(f"error: {copy} has no {missing[0]}; is it a student copy of {assignment.name!r}?")
+    if out.exists():
+        raise SystemExit(f"error: {out} exists; name another --out (nothing is overwritten)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    os.close(fd)
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr(MANIFEST, json.dumps({"assignment": assignment.name, "files": files}, indent=1) + "\n")
+            for rel in files:
+                z.write(copy / rel, rel)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return files
+
+
+def is_pack(folder: Path) -> bool:
+    """Whether ``folder`` is an unpacked pack (it holds the manifest), not a whole student copy."""
+    return (folder / MANIFEST).is_file()
+
+
+def lay_over(pack_dir: Path, name: str, into: Path) -> Path:
+    """A pristine student copy of ``name`` (``course.handout``, from this checkout's files) in ``into`` with the
+    pack's graded files in place of its own. Only the files ``graded_files`` names are taken from the pack."""
+    from . import handout  # handout imports grade, which imports this lazily
+    assignment = get(name)
+    try:
+        manifest = json.loads((pack_dir / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {pack_dir / MANIFEST}: not a pack's manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("assignment") != name:
+        of = manifest.get("assignment") if isinstance(manifest, dict) else None
+        raise SystemExit(f"error: {pack_dir} is a pack of {of!r}, not of {name!r}")
+    handout.student_copy(assignment, into)
+    for rel in graded_files(assignment):
+        src = pack_dir / rel
+        if src.is_file() and not src.is_symlink():
+            shutil.copyfile(src, into / rel)
+    return into
+
+
+@command_line
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m course.submit", description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="assignments: " + ", ".join(ASSIGNMENTS))
+    p.error = refuse
+    p.add_argument("assignment", help="which assignment: " + ", ".join(ASSIGNMENTS))
+    p.add_argument("--copy", type=Path, default=Path("."), help="the student copy (default: this folder)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the pack to write, a new file (default: ASSIGNMENT-submission.zip in the copy's folder)")
+    args = p.parse_args(argv)
+    assignment = get(args.assignment)
+    copy = args.copy.expanduser().resolve()
+    out = (args.out.expanduser() if args.out else copy / f"{assignment.name}-submission.zip").resolve()
+    files = pack(copy, assignment, out)
+    left = stubs_left(copy, assignment)
+    print(f"wrote {out}: {len(files)} files ({', '.join(files)})")
+    if left:
+        print(f"note: {left} stub(s) of the handed-out tasks are still in the library files; their tests will fail")
+    if f"course/{assignment.name}/writeup.md" not in files:
+        print(f"note: no course/{assignment.name}/writeup.md: hand in the written answers as your instructor says")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
