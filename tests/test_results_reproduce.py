@@ -294,6 +294,8 @@ HERE = "tests/test_results_reproduce.py::"
 LOG = "log: a before/after run of a past change, kept as what it showed then (results/README.md)"
 TIMING = "timing: one machine's run; timed again, its numbers move with the machine"
 GPU = "gpu: measured on a lent GPU; fastpath/gpu_check.sh runs it again on a CUDA machine"
+READERS = "readers: cold attempts by readers new to the topic, each estimating a student's minutes; no program " \
+          "re-runs a reader (the file's header says how the attempts were made)"
 # How each committed results file is checked at HEAD: the tests that re-run its rows (each kind of row it
 # holds), or why none does. A file a run prints beside another ("beside NAME") is checked through it.
 CHECKED_BY = {
@@ -364,6 +366,7 @@ CHECKED_BY = {
     "agree_e8e02a6_be67f97.txt": LOG,
     "agree_dc6c1fd_3f0fd0f.txt": LOG,
     "peak_memory_dc6c1fd_3f0fd0f.txt": LOG,
+    "course_attempts.txt": READERS,
 }
 
 
@@ -376,7 +379,7 @@ def test_every_results_file_is_re_run_or_says_why():
     for name, how in CHECKED_BY.items():
         if isinstance(how, str):
             kind, _, rest = how.partition(" ")
-            assert how in (LOG, TIMING, GPU) or kind == "beside", (name, how)
+            assert how in (LOG, TIMING, GPU, READERS) or kind == "beside", (name, how)
             if kind == "beside":
                 assert isinstance(CHECKED_BY.get(rest), tuple), (name, how)
             continue
