@@ -263,6 +263,34 @@ def release_plan(assignment: Assignment, released: list[str] | tuple[str, ...] =
     return frozenset((set(assignment.prerequisites()) | set(released)) - {assignment.name})
 
 
+def student_page(assignment: Assignment, kept: frozenset[str]) -> str:
+    """``STUDENT.md``, the copy's first page for the student: what to do, how to check, how to hand in."""
+    a = assignment
+    held = ", ".join(f"`{n}`" for n in sorted(kept)) or "none"
+    return f"""# Your copy for assignment `{a.name}`: {a.title}
+
+This folder is the course's repository handed out for one assignment. Start here; the repository's own
+README (`README.md`) is for its developers, and its test suite is not your grade.
+
+1. **Set up** (once, in this folder): `python -m venv .venv && . .venv/bin/activate`, then
+   `pip install -r requirements.txt && pip install -e .` (Linux, macOS or Windows; the Triton kernels of
+   `kernels` and `kvreviver` need Linux).
+2. **Read** `course/{a.name}/sheet.md`: the goal, what to read, the tasks with their points, the written
+   questions. The lesson is `notebooks/{a.notebook}.ipynb` (`jupyter lab notebooks/`): its outputs are there
+   before you write anything; a cell that needs your code says which task it waits for.
+3. **Write** each task where the library says `raise NotImplementedError("{a.name}, task ...")   # your code
+   here`. Of the other assignments, this copy holds the code of {held} (yours runs it, or it is already
+   due); every other one is a stub saying "not handed out yet".
+4. **Check** with the public tests: `python -m course.grade {a.name}` (or `-k TASK` for one task). The
+   hidden tests, which hold most of the points, run only when you hand in: passing every public test is not
+   full marks.
+5. **Answer** the written questions in `course/{a.name}/writeup.md` (unless your instructor collects them
+   elsewhere).
+6. **Hand in** `python -m course.submit {a.name}`: it writes `{a.name}-submission.zip` with your library files,
+   adapters and writeup; upload that zip. Nothing else you change is graded.
+"""
+
+
 def student_copy(assignment: Assignment, out: Path, stub: str = "raise", released: list[str] | tuple[str, ...] = ()
                  ) -> list[Path]:
     """Write the student copy into ``out`` (new or empty). Returns the files that were changed or added.
@@ -292,6 +320,13 @@ def student_copy(assignment: Assignment, out: Path, stub: str = "raise", release
     for a in ASSIGNMENTS.values():
         if (ROOT / "notebooks" / f"{a.notebook}.py").exists():
             changed += lesson_notebook(a, out, assignment.name, kept)
+    (out / "STUDENT.md").write_text(student_page(assignment, kept))
+    changed.append(out / "STUDENT.md")
+    if (out / "README.md").exists():                       # the repository's page points the student to theirs
+        readme = out / "README.md"
+        readme.write_text(f"> **Student copy of assignment `{assignment.name}`: start with [STUDENT.md](STUDENT.md).**"
+                          "\n\n" + readme.read_text())
+        changed.append(readme)
     if assignment.sheet.exists() and written_questions(assignment.sheet):
         template = out / "course" / assignment.name / "writeup.md"
         template.parent.mkdir(parents=True, exist_ok=True)

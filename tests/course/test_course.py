@@ -214,7 +214,7 @@ def test_student_copy_leaks_nothing(name, tmp_path):
     for rel in handout.repository_files():                # everything else is the library unchanged
         src = ROOT / rel
         instructor_only = rel.endswith(("test_hidden.py", "mutants.py", ".ipynb", "sheet.md"))
-        if src not in with_regions and not instructor_only:
+        if src not in with_regions and not instructor_only and rel != "README.md":   # README: points to STUDENT.md
             assert (out / rel).read_bytes() == src.read_bytes(), f"{rel} changed in the student copy"
 
 
@@ -238,6 +238,10 @@ def test_a_copy_holds_no_later_assignment_and_no_marker(name, tmp_path):
             assert leaked, f"{other}: a prerequisite of {name}, its code should be in the copy"
         elif other != name:
             assert not leaked, f"{other} is not handed out with {name}, yet the copy holds its solution: {leaked}"
+    page = (out / "STUDENT.md").read_text()                  # the student's first page: do, check, hand in
+    assert all(f"python -m course.{c} {name}" in page for c in ("grade", "submit"))
+    assert f"course/{name}/sheet.md" in page
+    assert "[STUDENT.md](STUDENT.md)" in (out / "README.md").read_text().split("\n", 1)[0]
     later = [n for n in NAMES if n not in kept and n != name][:1]
     if later:
         again = tmp_path / "released"
