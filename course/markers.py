@@ -91,27 +91,37 @@ def find_regions(path: str | Path, text: str | None = None) -> list[Region]:
     return regions
 
 
-def strip(path: str | Path, assignment: str, text: str | None = None, stub: str = "raise") -> str:
-    """The file's text with ``assignment``'s regions replaced by what a student gets (other regions kept,
-    markers and all). ``stub="pass"`` writes a do-nothing body instead of the ``raise``: the tests use it to
-    check that doing nothing scores nothing."""
+def stub_lines(r: Region, path: Path, own: bool, stub: str = "raise") -> list[str]:
+    """What a student copy holds in place of region ``r``: for the handed-out assignment (``own``) a stub with
+    the region's hint (``stub="pass"``: a do-nothing body, which the tests use to check that doing nothing
+    scores nothing), for any other a stub saying ``not handed out yet``; ``*(your answer)*`` in Markdown."""
+    if path.suffix == ".md":
+        return [f"{r.indent}*(your answer)*" if own else f"{r.indent}*({NOT_HANDED_OUT})*"]
+    if own and stub == "pass":
+        return [f"{r.indent}pass"]
+    hint, note = (r.hint, "# your code here") if own else (NOT_HANDED_OUT, f"# assignment {r.assignment}")
+    return [f"{r.indent}raise NotImplementedError({f'{r.label}: {hint}'!r})   {note}"]
+
+
+def rewrite(path: str | Path, text: str | None, replace) -> str:
+    """The file's text with each region's lines (markers included) replaced by ``replace(region, lines)``."""
     path = Path(path)
     text = path.read_text() if text is None else text
     lines = text.splitlines()
     out, last = [], 0
     for r in find_regions(path, text):
-        if r.assignment != assignment:
-            continue
-        out += lines[last:r.begin - 1]
-        if path.suffix == ".md":
-            out.append(f"{r.indent}*(your answer)*")
-        elif stub == "pass":
-            out.append(f"{r.indent}pass")
-        else:
-            out.append(f"{r.indent}raise NotImplementedError({f'{r.label}: {r.hint}'!r})   # your code here")
+        out += lines[last:r.begin - 1] + replace(r, lines)
         last = r.end
     out += lines[last:]
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def strip(path: str | Path, assignment: str, text: str | None = None, stub: str = "raise") -> str:
+    """The file's text with ``assignment``'s regions replaced by what a student gets (``stub_lines``; other
+    regions kept, markers and all)."""
+    path = Path(path)
+    return rewrite(path, text, lambda r, lines: stub_lines(r, path, True, stub) if r.assignment == assignment
+                   else lines[r.begin - 1:r.end])
 
 
 NOT_HANDED_OUT = "not handed out yet"       # the hint of a stub a copy holds for a later assignment's region
@@ -122,24 +132,11 @@ def hand_out(path: str | Path, assignment: str, released: set[str] | frozenset[s
     """The file's text as a student copy of ``assignment`` holds it, with no marker left: ``assignment``'s
     regions are stubs with their hints (as ``strip`` writes them); the regions of the ``released`` assignments
     (already due, so their solutions are no secret) keep their code without the markers; every other
-    assignment's regions are stubs too, whose hint says ``not handed out yet``."""
+    assignment's regions are stubs too, whose hint says ``not handed out yet`` (``stub_lines``)."""
     path = Path(path)
-    text = path.read_text() if text is None else text
-    lines = text.splitlines()
-    out, last = [], 0
-    for r in find_regions(path, text):
-        out += lines[last:r.begin - 1]
+
+    def replace(r: Region, lines: list[str]) -> list[str]:
         if r.assignment in released and r.assignment != assignment:
-            out += r.body(lines)
-        elif path.suffix == ".md":
-            out.append(f"{r.indent}*(your answer)*" if r.assignment == assignment else
-                       f"{r.indent}*({NOT_HANDED_OUT})*")
-        elif stub == "pass" and r.assignment == assignment:
-            out.append(f"{r.indent}pass")
-        else:
-            hint = r.hint if r.assignment == assignment else NOT_HANDED_OUT
-            out.append(f"{r.indent}raise NotImplementedError({f'{r.label}: {hint}'!r})   "
-                       + ("# your code here" if r.assignment == assignment else f"# assignment {r.assignment}"))
-        last = r.end
-    out += lines[last:]
-    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+            return r.body(lines)
+        return stub_lines(r, path, r.assignment == assignment, stub)
+    return rewrite(path, text, replace)
