@@ -86,7 +86,7 @@ def needs_calls(assignment: Assignment, source: Path) -> str:
     a copy that holds that assignment's code the call does nothing. A ``needs:`` tag on a markdown cell, a task
     the assignment does not have, or a leftover ``# needs:`` comment is an error with its file and line."""
     build = notebook_builder()
-    out = []
+    out, tasks_of = [], {}
     for n, line in enumerate(source.read_text().splitlines(), 1):
         out.append(line)
         if line.startswith("# needs:"):
@@ -101,8 +101,10 @@ def needs_calls(assignment: Assignment, source: Path) -> str:
             owner, _, task = name.rpartition(":")
             by_assignment.setdefault(owner or assignment.name, []).append(task)
         for owner, wanted in by_assignment.items():
-            tasks = list(dict.fromkeys(r.task for r in ASSIGNMENTS[owner].regions() if r.task)) \
-                if owner in ASSIGNMENTS else []
+            if owner not in tasks_of:                 # each assignment's tasks read once, not per cell
+                tasks_of[owner] = list(dict.fromkeys(r.task for r in ASSIGNMENTS[owner].regions() if r.task)) \
+                    if owner in ASSIGNMENTS else []
+            tasks = tasks_of[owner]
             wrong = [t for t in wanted if t not in tasks]
             if m["kind"] or wrong:
                 listed = f" (its tasks: {', '.join(tasks)})" if tasks else ""
