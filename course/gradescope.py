@@ -7,7 +7,8 @@ The zip holds what Gradescope's autograder needs, the reference solution among i
 instructors' alone: students see none of its files):
 
 * ``setup.sh``: run once when Gradescope builds the image; makes a virtual environment and installs
-  ``requirements.txt``, the versions installed where the zip was made (torch, numpy, pytest, tqdm, triton),
+  ``requirements.txt`` (``course/autograder_requirements.txt``: torch, numpy, pytest, tqdm and triton, pinned
+  for Gradescope's default base image, Ubuntu 22.04 with Python 3.10, whatever Python makes the zip),
   readable by every user: the student's code runs as ``nobody``, never as root, and the grader refuses to
   grade where nobody cannot read Python;
 * ``run_autograder``: run for each submission, a student copy of the repository (the whole folder, uploaded
@@ -31,7 +32,6 @@ instructors' alone: students see none of its files):
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import sys
 import tempfile
@@ -46,7 +46,6 @@ from .grade import (
     RUN_BASE_S,
     check_name,
     check_per_test_s,
-    interpreter_refusal,
     marks_of,
     run_limit_s,
 )
@@ -57,8 +56,8 @@ GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "cou
           "course/launchers.py", "course/submit.py", "course/handout.py", "course/lesson.py")
 # grade.py, what it imports, what the tests use, and what lays a pack (course.submit) over a pristine copy
 LIBRARY = ("nanollm", "methods", "kernels")     # the reference library, for the hidden tests' test process
-PINNED = ("torch", "numpy", "pytest", "tqdm", "triton")     # what the grader and the library import
-TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+PINS = ROOT / "course" / "autograder_requirements.txt"     # what the grader and the library import, pinned
+IMAGE, IMAGE_PYTHON = "Ubuntu 22.04", (3, 10)   # Gradescope's default base image and its python3, the pins' target
 TIMEOUT_S = 600          # Gradescope's default autograder timeout (its "Autograder timeout" setting)
 MARGIN_S = 60            # of it, left for unpacking the upload, copying it, starting Python and Gradescope's own steps
 MEMORY_GB, CPUS = 3, 2   # what the README asks to set: the grade of `cache` peaked at 1.7 GiB RSS (1.5 GiB PSS)
@@ -88,9 +87,9 @@ if ! python3 -m venv "$venv"; then          # the base image lacks Python or its
     python3 -m venv "$venv"
 fi
 if ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (@MAJOR@, @MINOR@))'; then
-    echo "error: setup.sh: requirements.txt pins versions for Python @MAJOR@.@MINOR@ (where the zip was made)," \
-         "but this image has Python $("$venv/bin/python" -c 'import platform; print(platform.python_version())');" \
-         "choose a base image with Python @MAJOR@.@MINOR@, or make the zip with that image's Python" >&2
+    echo "error: setup.sh: requirements.txt pins versions for Python @MAJOR@.@MINOR@ (@IMAGE@, Gradescope's" \
+         "default base image), but this image's python3 is" \
+         "$("$venv/bin/python" -c 'import platform; print(platform.python_version())'): choose @IMAGE@" >&2
     exit 1
 fi
 "$venv/bin/pip" install --no-cache-dir --upgrade pip
@@ -156,7 +155,7 @@ fi
 README = """\
 # Autograder of {name!r}: {title}
 
-Made by `python -m course.gradescope {name}` (Python {python}). Upload this zip as a Gradescope programming
+Made by `python -m course.gradescope {name}`. Upload this zip as a Gradescope programming
 assignment's autograder (an Ubuntu base image); students submit their student copy of the repository (the
 folder `python -m course.handout {name}` wrote, with their work), uploaded as it is or zipped in a folder.
 `setup.sh` installs `requirements.txt` in `/autograder/venv`; `run_autograder` grades each submission with the
@@ -171,24 +170,31 @@ Gradescope's settings for it (the assignment's "Autograder settings"):
 * **Memory: {memory} GB** or more (Gradescope's default, 768 MB, is too little): the grader, its test process and
   the student's process together peaked at 1.7 GiB resident on `cache`, whose tests append 128 MiB to a cache.
 * **CPUs: {cpus}** (the grader's processes take turns; more does not speed a grade up much).
-* **Base image**: one whose `python3` is Python {python_minor}, which `requirements.txt` is pinned for (`setup.sh`
-  refuses another in one line). Gradescope's default, Ubuntu 22.04, has Python 3.10: make the zip with Python
-  3.10 for it, or pick a base image with Python {python_minor}.
+* **Base image: {image}**, Gradescope's default, whose `python3` is Python {python_minor}: `requirements.txt` pins
+  versions for it (`setup.sh` refuses another Python in one line). The torch it installs is the CPU build, from
+  PyTorch's index; setup takes a few minutes.
 """
 
 
 def requirements() -> str:
-    """Exact versions of what the grader and the library import, as installed here."""
-    lines = [f"# installed where `python -m course.gradescope` ran (Python {sys.version.split()[0]})"]
-    for name in PINNED:
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        if name == "torch" and "+cpu" in version:
-            lines.append(f"--extra-index-url {TORCH_CPU_INDEX}")
-        lines.append(f"{name}=={version}" + ('; sys_platform == "linux"' if name == "triton" else ""))
-    return "\n".join(lines) + "\n"
+    """The zip's ``requirements.txt``: exact versions for the image's Python (``PINS``)."""
+    return PINS.read_text()
+
+
+def pinned(name: str) -> str | None:
+    """The version ``requirements()`` pins for the package ``name`` (None if it pins none)."""
+    for line in requirements().splitlines():
+        package, _, rest = line.partition("==")
+        if rest and package.strip() == name:
+            return rest.split(";")[0].strip()
+    return None
+
+
+def pinned_interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter could not run the kernels under the pinned Triton and numpy (one line), or
+    None (``kernels.interpreter_problem``; imports this repository's ``kernels``)."""
+    import kernels
+    return kernels.interpreter_problem(pinned("triton") or "", pinned("numpy") or "")
 
 
 def contents(assignment: Assignment, per_test_s: float | None = None, timeout_s: float = TIMEOUT_S,
@@ -196,11 +202,12 @@ def contents(assignment: Assignment, per_test_s: float | None = None, timeout_s:
     """Path in the zip -> (content, Unix mode). ``per_test_s``: each test's time limit (default
     ``default_per_test_s``)."""
     per = default_per_test_s(assignment, timeout_s) if per_test_s is None else per_test_s
-    major, minor = sys.version_info[:2]
-    files = {"setup.sh": (SETUP.replace("@MAJOR@", str(major)).replace("@MINOR@", str(minor)), 0o755),
+    major, minor = IMAGE_PYTHON
+    setup = SETUP.replace("@MAJOR@", str(major)).replace("@MINOR@", str(minor)).replace("@IMAGE@", IMAGE)
+    files = {"setup.sh": (setup, 0o755),
              "run_autograder": (RUN.format(name=assignment.name, per_test_s=per, hidden=hidden), 0o755),
              "requirements.txt": (requirements(), 0o644),
-             "README.md": (README.format(name=assignment.name, title=assignment.title, python=sys.version.split()[0],
+             "README.md": (README.format(name=assignment.name, title=assignment.title, image=IMAGE,
                                          python_minor=f"{major}.{minor}",
                                          timeout_s=timeout_s, tests=tests_in(assignment), per_test_s=per,
                                          worst_s=run_limit_s(tests_in(assignment), per), memory=MEMORY_GB,
@@ -267,8 +274,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --timeout-s must be more than {MARGIN_S + RUN_BASE_S} s, got {args.timeout_s:g}")
     if not assignment.tests(hidden=True):
         raise SystemExit(f"error: assignment {assignment.name!r} has no tests")
-    if why := interpreter_refusal(assignment):       # the zip pins the versions installed here
-        raise SystemExit(f"error: {why}; the zip would pin these versions, and every grade would fail")
+    if assignment.interpreter and (why := pinned_interpreter_problem()):
+        raise SystemExit(f"error: {PINS.relative_to(ROOT)} pins versions under which {why}; every grade of "
+                         f"{assignment.name!r} would fail")
     per = default_per_test_s(assignment, args.timeout_s) if args.per_test_s is None else args.per_test_s
     check_per_test_s(per)
     worst = run_limit_s(tests_in(assignment), per)

@@ -131,7 +131,7 @@ def test_command_line_errors(tmp_path, capsys, monkeypatch):
 def test_an_interpreter_that_cannot_run_the_kernels_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     """Where Triton's CPU interpreter cannot run the kernels (``kernels.interpreter_problem``: Triton before
     3.7 under numpy 2.4 or later), grading an assignment whose tests run them stops before anything is copied
-    or started, in one line that says what to install, and so is a Gradescope zip that would pin that pair;
+    or started, in one line that says what to install, and so is a Gradescope zip whose pins are that pair;
     the other assignments, other versions and a grade that does not use the interpreter (TRITON_INTERPRET=0)
     are not refused."""
     versions = {"triton": "3.6.0", "numpy": "2.5.2"}            # what the graded processes would import
@@ -142,8 +142,11 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_refused_in_one_line(tmp_p
     assert "the kernels assignment's tests run Triton kernels in its CPU interpreter" in err, err
     assert "triton>=3.7" in err, err
     assert "numpy<2.4" in refused(capsys, grade.main, ["kvreviver"])
-    assert "would pin" in refused(capsys, gradescope.main, ["kernels", "--out", str(tmp_path)])
-    assert not list(tmp_path.iterdir())                         # no zip written
+    assert gradescope.main(["kernels", "--out", str(tmp_path / "ok")]) is None     # the zip pins its own versions
+    pins = "torch==2.9.1\nnumpy==2.5.2\ntriton==3.6.0; sys_platform == \"linux\"\n"   # a pair that cannot
+    monkeypatch.setattr(gradescope, "requirements", lambda: pins)
+    assert "pins versions under which" in refused(capsys, gradescope.main, ["kernels", "--out", str(tmp_path / "no")])
+    assert not (tmp_path / "no").exists()                       # no zip written
     assert grade.interpreter_refusal(ASSIGNMENTS["cache"]) is None
     versions["numpy"] = "2.3.5"
     assert grade.interpreter_refusal(ASSIGNMENTS["kernels"]) is None
@@ -235,7 +238,42 @@ def test_a_submission_hanging_in_every_test_ends_within_gradescopes_timeout(name
     result = grade.Result("test_x", "hidden", 1.0, 0.0, "failed", "boom")
     assert grade.gradescope([result], 1.0, "", "after_due_date")["tests"][0]["visibility"] == "after_due_date"
     assert f"Autograder timeout: {gradescope.TIMEOUT_S} s" in readme and f"Memory: {gradescope.MEMORY_GB} GB" in readme
-    assert f"!= ({sys.version_info[0]}, {sys.version_info[1]})" in setup       # refuses another Python
+    assert "!= (%d, %d)" % gradescope.IMAGE_PYTHON in setup                    # refuses another Python
+    assert f"Base image: {gradescope.IMAGE}**" in readme
+
+
+def test_the_zip_pins_versions_for_gradescopes_default_image():
+    # The zip's requirements are the committed pins for Ubuntu 22.04's Python 3.10 (course.image_check resolved
+    # and installed them there), not the versions of the machine that made the zip, and under the pinned Triton
+    # and numpy Triton's CPU interpreter runs the kernels (the kernels assignment's tests need it).
+    pins = {line.split("==")[0]: line.split("==")[1].split(";")[0] for line in gradescope.requirements().splitlines()
+            if line and not line.startswith(("#", "--"))}
+    assert set(pins) == {"torch", "numpy", "pytest", "tqdm", "triton"}
+    assert all(gradescope.pinned(name) == version for name, version in pins.items())
+    assert gradescope.IMAGE_PYTHON == (3, 10) and "Python 3.10" in gradescope.requirements()
+    assert gradescope.pinned_interpreter_problem() is None
+    import kernels
+    assert kernels.interpreter_problem(pins["triton"], "2.4.0") is not None, "the check must read the pinned triton"
+
+
+@pytest.mark.slow
+def test_setup_refuses_another_python_in_one_line(tmp_path):
+    if sys.version_info[:2] == gradescope.IMAGE_PYTHON:
+        pytest.skip("this Python is the image's: course.image_check builds with it")
+    source = tmp_path / "source"
+    with zipfile.ZipFile(gradescope.write_zip(ASSIGNMENTS["cache"], tmp_path / "dist")) as z:
+        z.extractall(source)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           "AUTOGRADER_VENV": str(tmp_path / "venv")}
+    run = subprocess.run(["bash", str(source / "setup.sh")], cwd=source, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("error: setup.sh: requirements.txt pins versions for Python 3.10 (Ubuntu 22.04")
+    assert f"python3 is {sys.version.split()[0]}" in run.stderr
+    assert not (tmp_path / "venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" /
+                "site-packages" / "torch").exists(), "refused before installing anything"
 
 
 def test_gradescope_refuses_a_limit_that_would_outlast_its_timeout(tmp_path, capsys):
