@@ -244,7 +244,8 @@ def writeup(assignment: Assignment, rubric: bool = False) -> str:
     lines = [f"# Written part: {assignment.title}", "",
              f"The written questions of `course/{assignment.name}/sheet.md`: {len(questions)} questions, {total} "
              "points, graded by hand." + ("" if rubric else " Write each answer below its question, in a few "
-                                          "sentences, and hand this file in with your copy."), ""]
+                                          "sentences; the sheet's section Handing in says how this file is handed "
+                                          "in."), ""]
     for q in questions:
         question = "\n".join(q["question"]).split("\n\n")              # its paragraphs, each on one line
         lines += [f"## {q['number']}. {q['title']} ({q['points']} points)", ""]
@@ -252,6 +253,8 @@ def writeup(assignment: Assignment, rubric: bool = False) -> str:
         if rubric:
             lines += ["**Rubric.** " + " ".join(q["rubric"]), "", "**Model answer.**", "", *q["answer"], ""]
         else:
+            if "python -m course.measure" in " ".join(q["question"]):     # its figure, where course.measure puts it
+                lines += ["![your figure](measure/figure.png)", ""]
             lines += ["**Answer.**", "", "*(your answer)*", ""]
     lines.append(f"Total: {total} points.")
     return "\n".join(lines) + "\n"
@@ -286,10 +289,13 @@ README (`README.md`) is for its developers, and its test suite is not your grade
 4. **Check** with the public tests: `python -m course.grade {a.name}` (or `-k TASK` for one task). The
    hidden tests, which hold most of the points, run only when you hand in: passing every public test is not
    full marks.
-5. **Answer** the written questions in `course/{a.name}/writeup.md` (unless your instructor collects them
-   elsewhere).
-6. **Hand in** `python -m course.submit {a.name}`: it writes `{a.name}-submission.zip` with your library files,
-   adapters and writeup; upload that zip. Nothing else you change is graded.
+5. **Measure** once your tasks pass: `python -m course.measure {a.name}` runs your code as the sheet's
+   last written question says and writes its figure to `course/{a.name}/measure/figure.png`.
+6. **Answer** every written question, the measurement's included, in `course/{a.name}/writeup.md`, the one
+   place for answers (it shows the figure).
+7. **Hand in** twice: `python -m course.submit {a.name}` writes `{a.name}-submission.zip` (your library files,
+   adapters, writeup and figure) for the autograded assignment; the written part goes as the sheet's section
+   Handing in says (by default a PDF of `writeup.md`). Nothing else you change is graded.
 """
 
 

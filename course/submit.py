@@ -5,11 +5,12 @@ Pack a student's work on one assignment for hand-in: the graded files only, not 
     python -m course.submit cache --copy ~/hw-cache --out ~/cache-submission.zip
 
 The pack holds the assignment's library files (where its tasks are written), its ``adapters.py`` (a student
-who restructured the code points them at it) and ``writeup.md`` (the written answers), at their paths in the
-copy, and ``course-submission.json``, which names the assignment and the files. Upload it to Gradescope as it
-is. The grader lays the pack over a pristine student copy of the assignment, made from the grader's own
-reference files (``lay_over``), and grades that: nothing else the student changed reaches the grade, and a
-pack is a few kilobytes where the whole copy is tens of megabytes.
+who restructured the code points them at it), ``writeup.md`` (the written answers) and ``measure/figure.png``
+(the figure of ``python -m course.measure``, which the writeup shows), at their paths in the copy, and
+``course-submission.json``, which names the assignment and the files. Upload it to Gradescope as it is. The
+grader lays the pack over a pristine student copy of the assignment, made from the grader's own reference files
+(``lay_over``), and grades that: nothing else the student changed reaches the grade, and a pack is a few
+kilobytes where the whole copy is tens of megabytes.
 """
 
 from __future__ import annotations
@@ -31,8 +32,14 @@ STUB = re.compile(r"raise NotImplementedError\(.*#\s*your code here")     # a ta
 
 
 def graded_files(assignment: Assignment) -> list[str]:
-    """The files a pack holds, relative to the copy: the library files, the adapters, the written answers."""
-    return [*assignment.library, f"course/{assignment.name}/adapters.py", f"course/{assignment.name}/writeup.md"]
+    """The files a pack holds, relative to the copy: the library files, the adapters, then what the written part
+    needs, the answers and the figure of ``python -m course.measure`` (those two only where they are)."""
+    return [*assignment.library, f"course/{assignment.name}/adapters.py", *written_files(assignment)]
+
+
+def written_files(assignment: Assignment) -> list[str]:
+    """The written answers and the measurement's figure that ``writeup.md`` shows."""
+    return [f"course/{assignment.name}/writeup.md", f"course/{assignment.name}/measure/figure.png"]
 
 
 def stubs_left(copy: Path, assignment: Assignment) -> int:
@@ -43,7 +50,7 @@ def stubs_left(copy: Path, assignment: Assignment) -> int:
 def pack(copy: Path, assignment: Assignment, out: Path) -> list[str]:
     """Write the pack of ``copy`` to ``out`` (a new zip file). Returns the files it holds."""
     files = [rel for rel in graded_files(assignment) if (copy / rel).is_file()]
-    missing = [rel for rel in graded_files(assignment)[:-1] if rel not in files]       # writeup.md is optional
+    missing = [rel for rel in graded_files(assignment) if rel not in files and rel not in written_files(assignment)]
     if missing:
         raise SystemExit(f"error: {copy} has no {missing[0]}; is it a student copy of {assignment.name!r}?")
     if out.exists():
@@ -84,6 +91,7 @@ def lay_over(pack_dir: Path, name: str, into: Path) -> Path:
     for rel in graded_files(assignment):
         src = pack_dir / rel
         if src.is_file() and not src.is_symlink():
+            (into / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, into / rel)
     return into
 
@@ -107,8 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out}: {len(files)} files ({', '.join(files)})")
     if left:
         print(f"note: {left} stub(s) of the handed-out tasks are still in the library files; their tests will fail")
-    if f"course/{assignment.name}/writeup.md" not in files:
-        print(f"note: no course/{assignment.name}/writeup.md: hand in the written answers as your instructor says")
+    writeup, figure = written_files(assignment)
+    if writeup not in files:
+        print(f"note: no {writeup}: hand in the written answers as your instructor says")
+    if figure not in files:
+        print(f"note: no {figure}: question 3 wants it (python -m course.measure {assignment.name})")
 
 
 if __name__ == "__main__":
