@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: {flag} {path} exists; name a new one (nothing is overwritten)")
     if args.record is not None and not args.record.parent.is_dir():
         raise SystemExit(f"error: --record {args.record}: no folder {args.record.parent}")
+    from nanollm.cli.provenance import header, provenance
+    prov = provenance(argv, prog="python -m course.image_check", threads="-", dtype="-", seed=None)   # the code now
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="image-check-") as tmp:
         work = Path(tmp)
@@ -207,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:                                  # the log's end says why
             print("".join((work / "log.txt").read_text().splitlines(keepends=True)[-20:]), file=sys.stderr)
     if args.record is not None:
-        from nanollm.cli.provenance import header, provenance
-        prov = provenance(argv, prog="python -m course.image_check", threads="-", dtype="-", seed=None)
         args.record.write_text(header(prov) + "\n" + "\n".join(lines) + "\n")
     return 0 if ok else 1
 
