@@ -294,6 +294,8 @@ HERE = "tests/test_results_reproduce.py::"
 LOG = "log: a before/after run of a past change, kept as what it showed then (results/README.md)"
 TIMING = "timing: one machine's run; timed again, its numbers move with the machine"
 GPU = "gpu: measured on a lent GPU; fastpath/gpu_check.sh runs it again on a CUDA machine"
+INDEX = "index: needs the package index and a Python 3.10 (python -m course.image_check, its first line); the " \
+        "versions it resolves and its timings move with the index"
 READERS = "readers: cold attempts by readers new to the topic, each estimating a student's minutes; no program " \
           "re-runs a reader (the file's header says how the attempts were made)"
 # How each committed results file is checked at HEAD: the tests that re-run its rows (each kind of row it
@@ -367,6 +369,7 @@ CHECKED_BY = {
     "agree_dc6c1fd_3f0fd0f.txt": LOG,
     "peak_memory_dc6c1fd_3f0fd0f.txt": LOG,
     "course_attempts.txt": READERS,
+    "gradescope_image.txt": INDEX,
 }
 
 
@@ -379,7 +382,7 @@ def test_every_results_file_is_re_run_or_says_why():
     for name, how in CHECKED_BY.items():
         if isinstance(how, str):
             kind, _, rest = how.partition(" ")
-            assert how in (LOG, TIMING, GPU, READERS) or kind == "beside", (name, how)
+            assert how in (LOG, TIMING, GPU, READERS, INDEX) or kind == "beside", (name, how)
             if kind == "beside":
                 assert isinstance(CHECKED_BY.get(rest), tuple), (name, how)
             continue
