@@ -277,9 +277,11 @@ def student_page(assignment: Assignment, kept: frozenset[str]) -> str:
 This folder is the course's repository handed out for one assignment. Start here; the repository's own
 README (`README.md`) is for its developers, and its test suite is not your grade.
 
-1. **Set up** (once, in this folder): `python -m venv .venv && . .venv/bin/activate`, then
-   `pip install -r requirements.txt && pip install -e .` (Linux, macOS or Windows; the Triton kernels of
-   `kernels` and `kvreviver` need Linux).
+1. **Set up** (once, in this folder, with Python 3.11): `python -m venv .venv && . .venv/bin/activate`
+   (Windows: `.venv\\Scripts\\activate`), then `pip install -r requirements-student.txt && pip install -e .`:
+   what the course needs, a few minutes (`requirements.txt` is the developers' larger set). Triton, which
+   `kernels` and `kvreviver` run, installs on Linux only: on macOS or Windows work in the Linux container
+   of `course/Dockerfile` (its first lines say how), or under WSL on Windows.
 2. **Read** `course/{a.name}/sheet.md`: the goal, what to read, the tasks with their points, the written
    questions. The lesson is `notebooks/{a.notebook}.ipynb` (`jupyter lab notebooks/`): its outputs are there
    before you write anything; a cell that needs your code says which task it waits for.

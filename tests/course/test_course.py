@@ -239,8 +239,10 @@ def test_a_copy_holds_no_later_assignment_and_no_marker(name, tmp_path):
         elif other != name:
             assert not leaked, f"{other} is not handed out with {name}, yet the copy holds its solution: {leaked}"
     page = (out / "STUDENT.md").read_text()                  # the student's first page: do, check, hand in
-    assert all(f"python -m course.{c} {name}" in page for c in ("grade", "submit"))
+    assert all(f"python -m course.{c} {name}" in page for c in ("grade", "submit", "measure"))
     assert f"course/{name}/sheet.md" in page
+    assert "pip install -r requirements-student.txt" in page and (out / "requirements-student.txt").is_file()
+    assert "course/Dockerfile" in page and (out / "course" / "Dockerfile").is_file()
     assert "[STUDENT.md](STUDENT.md)" in (out / "README.md").read_text().split("\n", 1)[0]
     later = [n for n in NAMES if n not in kept and n != name][:1]
     if later:
@@ -346,3 +348,18 @@ def test_a_pack_holds_only_the_graded_files_and_grades_as_the_whole_copy(tmp_pat
         assert summary["score"] == (summary["max_score"] if expected is None else expected) and summary["max_score"] > 0
     with pytest.raises(SystemExit, match="is a pack of 'critical_kv', not of 'chunkkv'"):
         grade.grade("chunkkv", tmp_path / "solved")
+
+
+def test_the_students_requirements_are_the_developers_own_pins_minus_the_tools():
+    # requirements-student.txt (a copy's set-up, course/Dockerfile's) takes each package with the same
+    # specifier and marker as requirements.txt, so a student runs what the tests ran; it leaves out the
+    # development tools (linter, notebook runner, real-model references) and keeps what a copy imports.
+    def specs(path):
+        lines = [line.split("#")[0].strip() for line in (ROOT / path).read_text().splitlines()]
+        return {re.split(r"[=<>~;! ]", line, maxsplit=1)[0]: line for line in lines if line}
+    student, developer = specs("requirements-student.txt"), specs("requirements.txt")
+    assert all(developer.get(name) == line for name, line in student.items()), student
+    assert {"torch", "numpy", "tiktoken", "tqdm", "matplotlib", "pytest", "jupyterlab", "triton"} == set(student)
+    assert not {"ruff", "transformers", "nbclient", "pytest-xdist"} & set(student)
+    docker = (ROOT / "course" / "Dockerfile").read_text()
+    assert "requirements-student.txt" in docker and "TRITON_INTERPRET=1" in docker
