@@ -370,6 +370,7 @@ CHECKED_BY = {
     "peak_memory_dc6c1fd_3f0fd0f.txt": LOG,
     "course_attempts.txt": READERS,
     "gradescope_image.txt": INDEX,
+    "student_install.txt": LOG,
 }
 
 
