@@ -5,7 +5,7 @@ question says which claim, and its rubric).
 
     python -m course.measure chunkkv              # writes course/chunkkv/measure/: figure.png, table.txt, record.json
     python -m course.measure chunkkv --quick              # a few samples: seconds, to see that it runs
-    python -m course.measure chunkkv --checkpoint smollm2-135m    # the real model, once fetched (nanollm/README.md)
+    python -m course.measure chunkkv --checkpoint smollm2-135m    # the real model once fetched: minutes
 
 It runs the code of the copy you run it in (your library files), and stops with one line naming the task
 if a stub is still there. What each assignment measures:
@@ -54,6 +54,7 @@ class Comparison:
 
 
 SPLITS = (1, 4, 16)     # ranges the kernels measurement cuts the cache into
+REAL_LENGTH = 512       # a real model's prompts (its card's default, 2048, takes minutes a sample on a laptop)
 BOTH = ("question_in_prompt", "question_after_context")
 NIAH = ("niah_multikey", "niah_multivalue")
 COMPARISONS = {
@@ -148,7 +149,8 @@ def measure_comparison(name: str, out: Path, quick: bool, checkpoint: str | None
     argv = ["methods.compare", "--engine", "plain", "--quiet", "--methods", "full", *c.methods,
             "--keep-ratios", *map(str, c.ratios), "--tasks", *tasks, "--modes", *c.modes,
             "--samples", str(samples), "--seed", str(seed), "--json", str(out / "record.json")]
-    run_module(argv + (["--checkpoint", checkpoint] if checkpoint else []), out)
+    real = ["--checkpoint", checkpoint, "--length", str(REAL_LENGTH)] if checkpoint else []
+    run_module(argv + real, out)
     record = json.loads((out / "record.json").read_text())
     comparison_figure(record, c.metric, out / "figure.png",
                       f"{name}: {', '.join(tasks)}, {samples} samples per task and mode from seed {seed}, "
@@ -335,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="a few samples and lengths: seconds, to see that it runs")
     p.add_argument("--checkpoint", default=None,
                    help="for the methods' assignments: a real model instead of the bundled one, e.g. smollm2-135m "
-                        "once fetched; its tasks are passkey and niah_single_docs")
+                        f"once fetched; its tasks are passkey and niah_single_docs, {REAL_LENGTH}-token prompts")
     p.add_argument("--samples", type=int, default=None,
                    help="for the methods' assignments: samples per task and mode (default: the assignment's, "
                         "e.g. 10; 2 with --quick)")
