@@ -51,6 +51,18 @@ from nanollm.cli import provenance
 
 INIT_STD = 0.1   # std of every weight matrix; norms keep their init (ones / zeros)
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"    # Triton's kernels run in its CPU interpreter: slowly
+
+
+def one_fast(*cases):
+    """Parametrize cases of a test that runs Triton's kernels: where they run in the interpreter, the first case
+    stays in the fast tier and the others go to the slow tier (which CI runs), so an edit-and-test loop stays
+    short and nothing stops being tested; on a GPU every case is fast. A case is a value, or a tuple for several
+    parameters."""
+    slow = [pytest.mark.slow] if INTERPRETED else []
+    return [pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=slow if i else [])
+            for i, case in enumerate(cases)]
+
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true",

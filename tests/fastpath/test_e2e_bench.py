@@ -219,6 +219,7 @@ def test_the_profile_names_each_method_s_operations(tmp_path):
     assert "aten::mm" in text and "aten::view " not in text
 
 
+@pytest.mark.slow                  # torch.compile of transformers' step: seconds on a CPU
 def test_transformers_compiled_step_copies_the_kv_heads():
     """What ``fastpath/README.md`` says of transformers' compiled ``StaticCache`` step, on the installed version:
     under ``torch.compile`` its decode step hands ``scaled_dot_product_attention`` keys and values copied out to

@@ -9,10 +9,11 @@ import torch
 import fastpath.fused as fused_module
 import kernels
 from fastpath.fused import FusedGraphDecoder
+from tests.conftest import one_fast
 from tests.fastpath.test_graph import assert_lean_logits, assert_same_entries, steps_both, tokens
 
 
-@pytest.mark.parametrize("spec", [None, "snapkv", "streaming_llm", "h2o", "scissorhands"])
+@pytest.mark.parametrize("spec", one_fast("scissorhands", None, "snapkv", "streaming_llm", "h2o"))
 def test_the_fused_step_is_the_lean_step(tiny_model, spec):
     """Traced by dynamo without generating code (backend "eager": the same functions, seconds on a CPU); fp32
     within 1e-5 over 14 steps, the kept positions equal after them."""
@@ -25,7 +26,7 @@ def test_the_fused_step_is_the_lean_step(tiny_model, spec):
 
 @pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
                     reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
-@pytest.mark.parametrize("spec", [None, "streaming_llm", "h2o", "scissorhands"])
+@pytest.mark.parametrize("spec", one_fast("h2o", None, "streaming_llm", "scissorhands"))
 def test_the_writes_in_one_launch(tiny_model, spec, monkeypatch):
     """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), every
     layer's write is the one-launch kernel; the logits and the kept entries stay the lean step's."""
@@ -53,8 +54,8 @@ EVICTING = {"h2o": ("heavy_attend_triton", "attend_heavy", "n_recent"),
 
 @pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
                     reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
-@pytest.mark.parametrize("spec", sorted(EVICTING))
-@pytest.mark.parametrize("budget,option", [(8, None), (12, 2), (8, 0)])
+@pytest.mark.parametrize("spec", one_fast(*sorted(EVICTING)))
+@pytest.mark.parametrize("budget,option", one_fast((8, None), (12, 2), (8, 0)))
 def test_evictions_use_what_the_attention_kernel_read(tiny_model, spec, budget, option, monkeypatch):
     """Where the kernels serve (patched as above), every layer of H2O's step is ``heavy_attend_triton`` (the
     split kernel keeping its scores, the merge, the update kernel), never ``attend_heavy``'s second pass;
@@ -84,7 +85,7 @@ def test_evictions_use_what_the_attention_kernel_read(tiny_model, spec, budget, 
 
 @pytest.mark.skipif(not kernels.HAS_TRITON or not kernels.interpreting(),
                     reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
-@pytest.mark.parametrize("options", [{"history_window": 3}, {"history_window": 4, "threshold": 0.05}])
+@pytest.mark.parametrize("options", one_fast({"history_window": 3}, {"history_window": 4, "threshold": 0.05}))
 def test_scissorhands_kernel_with_a_wrapping_ring(tiny_model, options, monkeypatch):
     """Scissorhands through its kernels with a ring of 3 or 4 rows, which 14 steps wrap several times (each
     step's row overwrites flags still counted), the uniform level or a given tau: the lean step's logits,

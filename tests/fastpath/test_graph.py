@@ -15,6 +15,7 @@ from fastpath.lean import LeanDecoder
 from methods import make_policy
 from nanollm import KVCache, preset
 from nanollm.generation import prefill
+from tests.conftest import one_fast
 
 PREFILL_ONLY = [None, "full", "snapkv", "adakv", "chunkkv", "critical_kv", "critical_kv(adakv(snapkv))",
                 "chunkkv(snapkv)", "adakv(chunkkv)"]
@@ -237,9 +238,9 @@ def fused_eager(model):
 
 
 @through_kernels
-@pytest.mark.parametrize("make_graph", [GraphDecoder, fused_eager], ids=["graph", "fused"])
-@pytest.mark.parametrize("spec,budget", [(None, 12), ("adakv", 12), ("streaming_llm", 8), ("h2o", 8),
-                                         ("scissorhands", 8)])
+@pytest.mark.parametrize("make_graph", one_fast(fused_eager, GraphDecoder), ids=["fused", "graph"])
+@pytest.mark.parametrize("spec,budget", one_fast(("h2o", 8), (None, 12), ("adakv", 12), ("streaming_llm", 8),
+                                                 ("scissorhands", 8)))
 def test_the_kernel_attends_over_the_buffers_with_empty_slots(tiny_model, spec, budget, make_graph, monkeypatch):
     """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), the
     step's attention is the masked split-K kernel over the fixed buffers: the room not yet written, AdaKV's

@@ -11,6 +11,7 @@ import fastpath.skinny as skinny_module
 import kernels
 from fastpath.fused import FusedGraphDecoder
 from fastpath.skinny import SkinnyGraphDecoder
+from tests.conftest import one_fast
 from tests.fastpath.test_graph import assert_lean_logits, assert_same_entries, steps_both, tokens
 
 STEPS = 7                   # decode steps compared in the interpreter (each launches every kernel of every layer)
@@ -44,7 +45,7 @@ def counting(monkeypatch, names):
 
 
 @interpreter
-@pytest.mark.parametrize("spec", [None, "snapkv", "streaming_llm", "h2o", "scissorhands"])
+@pytest.mark.parametrize("spec", one_fast("h2o", None, "snapkv", "streaming_llm", "scissorhands"))
 def test_the_skinny_step_is_the_lean_step(make_model, tiny_cfg, spec, monkeypatch):
     """Where ``kernels.serves`` says so (patched here to take CPU tensors, through the interpreter), every
     product of every step is the skinny kernel's: per layer one norm_qkv_rope_write (q/k/v, RoPE and the write

@@ -11,6 +11,7 @@ import torch
 
 import kernels
 from kernels.heavy_hitters import heavy_attend_triton, reference_heavy_attend
+from tests.conftest import one_fast
 
 pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
                                 reason="no way to run a Triton kernel: triton is not installed, or there is no "
@@ -48,9 +49,9 @@ def both(args, n_recent, budget, splits=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("B,H,H_kv,C,d", [(2, 8, 2, 37, 16), (1, 4, 4, 300, 32), (2, 6, 2, 9, 16)])
-@pytest.mark.parametrize("n_recent", [0, 5, 10_000])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("B,H,H_kv,C,d", one_fast((2, 8, 2, 37, 16), (1, 4, 4, 300, 32), (2, 6, 2, 9, 16)))
+@pytest.mark.parametrize("n_recent", one_fast(5, 0, 10_000))
+@pytest.mark.parametrize("splits", one_fast(3, 1))
 def test_the_kernels_do_what_the_reference_does(device, B, H, H_kv, C, d, n_recent, splits):
     """fp32: the output and scores within 1e-5, the positions and next slots equal (300 slots: two blocks of
     the update kernel; 10,000 recent: every entry stays, so the latest one is emptied; splits=3: up to 3

@@ -15,6 +15,7 @@ import torch
 
 import kernels
 from kernels.scissorhands import reference_scissors_attend, scissors_attend_triton
+from tests.conftest import one_fast
 from tests.kernels.test_kernels_heavy import state as heavy_state
 
 pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
@@ -81,9 +82,9 @@ def assert_same(got: After, want: After, atol=1e-5):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("B,H,H_kv,C,d", [(2, 8, 2, 37, 16), (1, 4, 4, 300, 32), (2, 6, 2, 9, 16)])
-@pytest.mark.parametrize("w", [1, 300])
-@pytest.mark.parametrize("n_recent", [0, 5, 10_000])
+@pytest.mark.parametrize("B,H,H_kv,C,d", one_fast((2, 8, 2, 37, 16), (1, 4, 4, 300, 32), (2, 6, 2, 9, 16)))
+@pytest.mark.parametrize("w", one_fast(1, 300))
+@pytest.mark.parametrize("n_recent", one_fast(5, 0, 10_000))
 def test_the_kernels_do_what_the_reference_does(device, B, H, H_kv, C, d, w, n_recent):
     """fp32 (300 slots: two blocks of the update kernel; w = 300: two blocks of its ring's reset; 10,000
     recent: no entry can go, so the head's slot 0 is emptied, as the reference's argmax picks; G = 3: a
@@ -101,8 +102,8 @@ def test_the_kernels_do_what_the_reference_does(device, B, H, H_kv, C, d, w, n_r
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("threshold", [None, 0.02, 1.0])
+@pytest.mark.parametrize("splits", one_fast(3, 1))
+@pytest.mark.parametrize("threshold", one_fast(None, 0.02, 1.0))
 def test_splits_and_a_given_threshold(device, splits, threshold):
     """Up to 3 ranges a head, whose maxima and sums the update kernel merges; tau given (1.0: every held
     entry is low, the new one too) or the uniform level 1/n."""
@@ -114,8 +115,8 @@ def test_splits_and_a_given_threshold(device, splits, threshold):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("C,splits", [(40, 1), (300, 3)])
-@pytest.mark.parametrize("H", [4, 6])
+@pytest.mark.parametrize("C,splits", one_fast((40, 1), (300, 3)))
+@pytest.mark.parametrize("H", one_fast(6, 4))
 def test_ties_go_to_the_least_attention_then_the_latest_position(device, C, splits, H):
     """A zero query gives every entry the same probability, exactly 1/n, and the same group mean (G = 2, or
     3, whose mean can round below 1/n: the flags are then all set, in the kernel as in the reference), so

@@ -12,6 +12,7 @@ import torch
 import kernels
 from kernels.skinny_matmul import SkinnyLaunch
 from kernels.skinny_qkv import norm_qkv_rope_write_triton, reference_norm_qkv_rope_write
+from tests.conftest import one_fast
 from tests.kernels.test_kernels_skinny import DEVICES, SMALL, close  # the product kernels' devices, launch, check
 
 pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
@@ -49,8 +50,8 @@ def both(args, launch=SMALL):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M,K,H,H_kv,d", SHAPES)
+@pytest.mark.parametrize("dtype", one_fast(torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("M,K,H,H_kv,d", one_fast(*SHAPES))
 def test_q_and_the_written_entries(device, dtype, M, K, H, H_kv, d):
     """q rotated, and the new k (rotated) and v in each head's slot, within the kernel's tolerance of the
     reference; every other slot and every position the reference's, bit for bit."""

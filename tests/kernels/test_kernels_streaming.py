@@ -11,6 +11,7 @@ import torch
 
 import kernels
 from kernels.streaming import reference_sinks_attend, sinks_attend_triton
+from tests.conftest import one_fast
 
 pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON or not (kernels.interpreting() or torch.cuda.is_available()),
                                 reason="no way to run a Triton kernel: triton is not installed, or there is no "
@@ -43,9 +44,9 @@ def both(args, n_sink, budget, splits=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("B,H,H_kv,C,d", [(2, 8, 2, 37, 16), (1, 4, 4, 300, 32), (2, 6, 2, 9, 16)])
-@pytest.mark.parametrize("n_sink", [0, 4, 1000])
-@pytest.mark.parametrize("splits", [1, 3, 64])
+@pytest.mark.parametrize("B,H,H_kv,C,d", one_fast((2, 8, 2, 37, 16), (1, 4, 4, 300, 32), (2, 6, 2, 9, 16)))
+@pytest.mark.parametrize("n_sink", one_fast(4, 0, 1000))
+@pytest.mark.parametrize("splits", one_fast(3, 1, 64))
 def test_the_kernels_do_what_the_reference_does(device, B, H, H_kv, C, d, n_sink, splits):
     """fp32: the output within 1e-5, the positions and next slots equal (n_sink 1000: every entry a sink, so
     the first slot is the one chosen; splits 64: as many ranges as blocks)."""
