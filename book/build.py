@@ -3,7 +3,7 @@ Build the book: the lessons, their labs, the course sheets and the folders' guid
 offline, from the committed files (nothing is executed, nothing is fetched)::
 
     pip install -e ".[book]" && npm ci --prefix book    # once: Sphinx, myst-nb, the theme; MathJax from npm
-    python book/build.py                                # writes _build/book/ (open _build/book/index.html)
+    python book/build.py                                # writes _build/book/ (open _build/book/book/index.html)
 
 The pages are the repository's own files, read where they live (``book/pages.py`` lists them): the notebooks
 with their committed outputs, figures included, and the Markdown guides. Sphinx turns them into pages with
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None, source: Path = ROOT) -> None:
             cli.fail("the book needs " + " and ".join(lacks))
         t0 = time.time()
         pages = build(source, target)
-        print(f"wrote {pages} pages to {out} in {time.time() - t0:.1f} s: open {out / 'index.html'}")
+        print(f"wrote {pages} pages to {out} in {time.time() - t0:.1f} s: open {out / 'book' / 'index.html'}")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -575,6 +576,9 @@ def notes(summary: dict, public_only: bool = False) -> list[str]:
                   "only through the adapters)" for f in summary["changed_adapters"]]
 
 
+WHY_WIDTH, WHY_CHARS = 90, 360       # the table's "why": lines of at most 90 characters, 4 lines at most
+
+
 def table(results: list[Result]) -> str:
     """The results grouped by task: a line per task with its points, then its tests, one line each."""
     if not results:
@@ -586,9 +590,10 @@ def table(results: list[Result]) -> str:
         got, of = sum(r.score for r in group), sum(r.max_score for r in group)
         lines.append(f"{'task ' + (task or '(none)'):<{width}}  {'':<6}  {got:>4g} / {of:<3g}")
         for r in group:
-            why = first_line(r.output, width=90)
-            lines.append(f"  {r.name:<{width - 2}}  {r.visibility:<6}  {r.score:>4g} / {r.max_score:<3g}  "
-                         f"{'pass' if r.status == 'passed' else 'FAIL':<7}  {why}")
+            why = textwrap.wrap(first_line(r.output, width=WHY_CHARS), WHY_WIDTH) or [""]   # wrapped, not cut
+            head = (f"  {r.name:<{width - 2}}  {r.visibility:<6}  {r.score:>4g} / {r.max_score:<3g}  "
+                    f"{'pass' if r.status == 'passed' else 'FAIL':<7}  ")
+            lines += [head + why[0], *(" " * len(head) + more for more in why[1:])]   # under the first "why"
     return "\n".join(lines)
 
 

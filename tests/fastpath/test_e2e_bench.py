@@ -152,6 +152,18 @@ def test_the_summary_of_the_committed_gpu_run():
     assert "snapkv 2.836x >= 3.0x: not met" in targets["targets S=32768 fused"]
 
 
+def test_a_cpu_run_prints_times_and_no_speed_up():
+    """On a CPU the tiny shapes' times are per-call overhead: the summary says so in one line and prints the
+    times, with no ratio, no "faster than" and no target verdict."""
+    report = json.loads((ROOT / "results" / "decode_e2e_h100.json").read_text())
+    report = {**report, "device": "cpu", "device_name": "CPU"}
+    lines = e2e.summary(report)
+    text = "\n".join(lines)
+    assert any(line.startswith("on CPU: the times below are per-call overhead") for line in lines)
+    assert "faster than" not in text and "x;" not in text and "targets" not in text and " ms" in text
+    assert not any(re.search(r"\d\.\d+x", line) for line in lines if line.startswith("S="))
+
+
 @pytest.mark.parametrize("summary", ["decode_e2e_h200_summary.txt", "decode_e2e_h100_summary.txt"])
 def test_the_committed_summaries_are_what_summary_prints(summary, capsys):
     """Each committed summary holds, after each of its ``$ python -m fastpath.bench --summary REPORT`` lines,
