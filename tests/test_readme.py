@@ -51,7 +51,9 @@ def python(args: list[str], cwd: Path, importable: bool = True) -> subprocess.Co
 
 
 def test_ci_runs_the_readme_setup_and_tests():
-    setup = [line.split("#")[0].strip() for line in code_blocks("bash", README)[0].splitlines()]
+    required, optional = code_blocks("bash", README)[:2]             # what everyone runs, then the optional lines
+    setup = [line.split("#")[0].strip() for line in (required + optional).splitlines()]
+    assert "pip install -r requirements.txt && pip install -e ." in required and "python -m pytest -q" in required
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for line in ("pip install -r requirements.txt && pip install -e .", "python -m nanollm.cli.fetch smollm2-135m",
                  'pip install -e ".[book]" && npm ci --prefix book',
@@ -63,7 +65,8 @@ def test_the_timings_table_is_the_record():
     """The README's table of measured times says what ``results/timings.json`` holds: each step's median and
     runs with their load, as the record's entry of that step has them."""
     record = json.loads((ROOT / "results" / "timings.json").read_text())
-    steps = {"install": "install", "fast tier": "fast_tier", "slow tier (CI)": "slow_tier", "main job": "main_job"}
+    steps = {"install": "install", "fast tier": "fast_tier", "slow tier (CI)": "slow_tier", "main job": "main_job",
+             "fetch": "fetch", "book": "book", "real-model example": "generate"}
     rows = {m[0]: m[1:] for m in re.findall(r"^\| ([^|]+?) \| [^|]+ \| ([\d.]+) s \| ([^|]+?) \|$", README, flags=re.M)}
     assert sorted(rows) == sorted(steps), rows
     for step, key in steps.items():
