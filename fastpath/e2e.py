@@ -468,7 +468,7 @@ def summary(report: dict, rows_too: bool = False) -> list[str]:
     if any(r.get("skinny_kernels") is False for r in rows.values()):
         lines.append("skinny: its kernels did not serve here (no sm_80+ GPU with Triton, NANOKV_NO_TRITON=1 or fp16), "
                      "so its rows time the fused step again")
-    if report.get("device") != "cuda":          # tiny shapes on a CPU: per-call overhead, no verdicts
+    if report.get("device") not in (None, "cuda"):      # tiny shapes on a CPU: per-call overhead, no verdicts
         lines.append(f"on {report.get('device_name', 'a CPU')}: the times below are per-call overhead at these shapes "
                      "and move many-fold between runs; no ratio of them is a speed-up (run it on a GPU)")
         for S in report["lengths"]:

@@ -10,7 +10,7 @@ against what the student copy holds.
   allocated, an answer over the bound fails its test in one line, and a few bytes never make a large tensor.
 * ``grade --json`` on a full disk, a 300-byte ``--out``, ``--student`` or ``--json`` name, and a
   ``--per-test-s`` below what the grader enforces end in one line, before any work where they can.
-* The table's "why" column cuts a hint at a word; the notes name the README and its section.
+* The table's "why" column wraps a hint at words, nothing cut; the notes name the README and its section.
 * Each sheet states every task's public and hidden points as its tests give them, calls a task "whole" only
   where the copy keeps none of that function, and names what the lines after a stub read that the stub sets.
 """
@@ -351,15 +351,18 @@ HINT = ("NotImplementedError: cache, task mask: Vaswani §3.2.1 (Eq. 1) with the
         "per KV head")
 
 
-def test_the_why_column_cuts_a_hint_at_a_word():
-    """The table's "why" column (90 characters) ends a long hint after a whole word, with an ellipsis (before:
-    "... with the mask from pos...")."""
-    row = grade.table([grade.Result("test_masked_attention_sees_only_the_past", "public", 2.0, 0.0, "failed", HINT,
-                                    "mask")]).splitlines()[-1]
-    why = row.split("FAIL", 1)[1].strip()
-    assert why.endswith("…") and len(why) <= 90, why
-    kept = why[:-1]
-    assert HINT.startswith(kept) and HINT[len(kept)] in " ;,:", (kept, HINT[len(kept):])
+def test_the_why_column_wraps_a_hint_at_words():
+    """The table's "why" column (90 characters) wraps a long hint onto the lines below it, under the column, at
+    whole words: nothing of it is cut (before: "... with the mask from pos...")."""
+    rows = grade.table([grade.Result("test_masked_attention_sees_only_the_past", "public", 2.0, 0.0, "failed", HINT,
+                                     "mask")]).splitlines()
+    first = next(i for i, row in enumerate(rows) if "FAIL" in row)
+    column = rows[first].index("FAIL") + len("FAIL")
+    column += len(rows[first][column:]) - len(rows[first][column:].lstrip())
+    why = [rows[first][column:]] + [row[column:] for row in rows[first + 1:]]
+    assert len(why) > 1 and all(len(line) <= 90 for line in why), why
+    assert all(not row[:column].strip() for row in rows[first + 1:]), "continued under the column, nothing else"
+    assert " ".join(why) == HINT and "…" not in " ".join(why)
     assert grade.shorten("short", 90) == "short"
     assert grade.shorten("x" * 200, 90) == "x" * 89 + "…"        # one word longer than the width: cut in it
 
