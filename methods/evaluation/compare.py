@@ -445,6 +445,18 @@ def format_intervals(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_summary(records: list[dict]) -> str:
+    """What ``--quiet`` prints instead of the tables: per mode and keep ratio, the best method and those the
+    exact paired test cannot tell from it (``format_intervals``' verdict lines)."""
+    lines, mode = [], ""
+    for line in format_intervals(records).splitlines():
+        if line.startswith("["):
+            mode = line.split("]")[0] + "]"
+        elif line.startswith("keep "):
+            lines.append(f"{mode} {line}")
+    return "\n".join(lines)
+
+
 def plot(records: list[dict], path: str) -> None:
     """Mean accuracy over tasks vs keep ratio, one line per method with its 95% Wilson interval over the
     row's answers, one panel per mode, the legend beside the panels."""
@@ -586,7 +598,9 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
                     help="write an accuracy-vs-keep-ratio figure to PATH, a "
                          f"{cli.FIGURE_HELP} file (default: none)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bar, and a short summary instead of the tables: per mode and keep ratio, the "
+                         "best method and those the paired test cannot tell from it (--json keeps every number)")
     return ap
 
 
@@ -709,23 +723,28 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
             r.update(task_file=files[r["task"]].path, task_file_sha256=files[r["task"]].sha256)
     for line in flag_degenerate(records):
         print(line, file=sys.stderr)
-    print(format_tables(records))
-    print(json_only())
-    print(format_intervals(records))
-    print(format_pairwise(records))
+    if args.quiet:                  # a short summary; every number is in the records (--json)
+        print(format_summary(records))
+    else:
+        print(format_tables(records))
+        print(json_only())
+        print(format_intervals(records))
+        print(format_pairwise(records))
+    legend = ("keep = budget / --length; kept = the share of each sample's compressed tokens the budget keeps (mean "
+              "over the samples and tasks); acc = the task's score of the greedy answer (string_match_all for RULER's "
+              "tasks); KL = mean next-token KL(full || method) over the answer; pert = relative error of the final "
+              "hidden state at the first decode step; lost = full-attention mass on entries the method dropped at "
+              "that step; step ms = the engine's decode step time given to the cache per answer token ("
+              + ("its own step, timed alone)." if args.engine == "plain" or args.time_alone else
+                 "a share: its own attention plus an equal share of the step all the caches shared; compare within "
+                 "one run, or time each cache alone with --time-alone)."))
+    if args.quiet:
+        legend = "The tables: the same command without --quiet, or the records of --json."
     print(f"\n{samples} samples per task and mode, {length} tokens, seed {args.seed}, "
           f"{time.time() - t0:.0f} s with {workers} worker(s)"
           + (f" in each of {world} processes" if world > 1 else "")
           + (f", {args.together} samples stepped together" if args.together > 1 else "")
-          + f", {args.engine} engine. keep = budget / "
-          "--length; kept = the share of each sample's compressed tokens the budget keeps (mean over the samples "
-          "and tasks); acc = the task's score of the greedy answer (string_match_all for RULER's tasks); "
-          "KL = mean next-token KL(full || method) over the answer; pert = relative error of the final hidden "
-          "state at the first decode step; lost = full-attention mass on entries the method dropped at that step; "
-          "step ms = the engine's decode step time given to the cache per answer token ("
-          + ("its own step, timed alone)." if args.engine == "plain" or args.time_alone else
-             "a share: its own attention plus an equal share of the step all the caches shared; compare within "
-             "one run, or time each cache alone with --time-alone)."))
+          + f", {args.engine} engine. {legend}")
     if args.json:
         atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records,
                                                  "pairwise": pairwise(records)},

@@ -390,12 +390,17 @@ def worker_leaves_on_sigterm() -> None:
     An idle worker waits for its next job holding the pool's queue lock. Ended on the spot (a SIGTERM to the
     whole process group, as ``kill -- -PGID`` or a job scheduler sends) it never releases that lock, and
     ``Pool.terminate`` in the command waits for the lock for ever: the command hangs instead of printing
-    ``error: interrupted``. Unwinding releases it (the lock is held in a ``with`` block). A second SIGTERM
-    (``Pool.terminate`` sends its own) is ignored: the worker is leaving already, and one raised in its exit
-    handlers would print their traceback."""
+    ``error: interrupted``. Unwinding releases it (the lock is held in a ``with`` block). A SIGTERM that comes
+    once the worker has left its loop (``Pool.terminate`` at the end of a run sends one), and a second one, are
+    ignored: the worker is leaving already, and an exception raised in its exit handlers would only print
+    their traceback."""
     def leave(signum, frame):
         signal.signal(signum, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
+        while frame is not None:                    # only inside the pool's worker loop: past it, the worker is
+            code = frame.f_code                     # leaving already, and an exception in its exit handlers
+            if code.co_name == "worker" and code.co_filename.endswith(os.path.join("multiprocessing", "pool.py")):
+                raise SystemExit(128 + signum)      # would only print their traceback
+            frame = frame.f_back
     signal.signal(signal.SIGTERM, leave)
 
 

@@ -359,6 +359,20 @@ def test_sigterm_to_the_group_with_an_idle_worker_does_not_hang(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_in_workers_ends_quietly_and_quiet_is_short():
+    # The pool's workers leave on SIGTERM only from their job loop: the one Pool.terminate sends at the end of
+    # a run reaches them on their way out, where an exception would print their exit handlers' traceback
+    # (every run did so before); --quiet prints each mode's verdict per keep ratio, not the tables.
+    run = subprocess.run([sys.executable, "-m", "methods.compare", "--methods", "snapkv", "chunkkv", "--keep-ratios",
+                          "0.5", "--tasks", "niah_multikey", "--samples", "2", "--workers", "2", "--quiet"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]
+    verdicts = [line for line in run.stdout.splitlines() if line.startswith("[")]
+    assert [line.split(" keep")[0] for line in verdicts] == ["[question_in_prompt]", "[question_after_context]"]
+    assert len(run.stdout.splitlines()) < 12 and "exact paired test" in verdicts[0]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("whole_group", [False, True], ids=["kill PID", "kill the group"])
 def test_sigterm_stops_compare_and_its_workers_in_one_line(whole_group, tmp_path):
     assert_interrupted(*interrupt(COMPARE + ["--workers", "2"], signal.SIGTERM, jobs_done, tmp_path, whole_group))
