@@ -54,7 +54,7 @@ from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signe
 from .metrics import METRICS, reduce
 from .protocol import Variant
 from .task import TASKS, Task
-from .task_file import FileTask
+from .task_file import TRUNCATE, FileTask
 from .together import run_jobs
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
@@ -540,6 +540,10 @@ def parser() -> cli.ArgumentParser:
                     help="tasks read from JSON Lines files (context, question, answers; optionally scorer and "
                          "answer_tokens: methods/evaluation/task_file.py), each named file:<its stem>, run after "
                          "the --tasks (none by default when a file is given); sample i is item --seed + i")
+    ap.add_argument("--truncate", choices=TRUNCATE, default="refuse",
+                    help="a task file's context longer than --length allows beside its question and answer: refused "
+                         "before any work (default), or cut in its middle (its first and last halves kept) or on its "
+                         "left (its end kept); the run says how many items it cut, and which lost every answer")
     ap.add_argument("--chat-template", action="store_true",
                     help="wrap every prompt in the checkpoint's chat template (an instruct model's, read from its "
                          "folder or GGUF file): context and question one user message, the answer the "
@@ -622,7 +626,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         file_tasks = []
         for path in args.task_file:
             try:
-                file_tasks.append(FileTask(path))
+                file_tasks.append(FileTask(path, args.truncate))
             except (OSError, ValueError) as e:
                 cli.fail(f"--task-file: {e}")
         names = args.tasks or ([] if file_tasks else card.get("default_suite") or DEFAULT_TASKS)
@@ -654,6 +658,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                 cli.fail(f"--samples {samples} from --seed {args.seed} asks for items {args.seed} to "
                          f"{args.seed + samples - 1} of {task.path}, which holds {len(task.items)}")
             try:
+                if file_task(task):                    # every item of the run, before the first is made
+                    check_cuts(task, tok, length, range(args.seed, args.seed + samples), args.truncate)
                 task.sample(tok, length, args.seed)
             except ValueError as e:
                 cli.fail(f"--length {length}: {e}")
@@ -720,7 +726,8 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
         r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
                  chat_template=args.chat_template)
         if r["task"] in files:
-            r.update(task_file=files[r["task"]].path, task_file_sha256=files[r["task"]].sha256)
+            r.update(task_file=files[r["task"]].path, task_file_sha256=files[r["task"]].sha256,
+                     truncate=args.truncate, cuts=getattr(files[r["task"]], "cut_items", []))
     for line in flag_degenerate(records):
         print(line, file=sys.stderr)
     if args.quiet:                  # a short summary; every number is in the records (--json)
@@ -753,6 +760,26 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     if args.plot:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")
+
+
+def check_cuts(task: Task, tok, length: int, seeds: range, truncate: str) -> None:
+    """The items of a file task the run would cut (``FileTask.cuts``, at the length the task's own prompt
+    leaves: a chat template's tokens first): none with ``--truncate refuse``, else said in a line (on stderr)
+    before the run, with the items whose cut lost every answer; kept on the task for its records (``cuts``)."""
+    inner = file_task(task)
+    room = length - (len(task.prefix_ids) + len(task.suffix_ids) if task is not inner else 0)
+    cuts = inner.cuts(tok, room, seeds)
+    if cuts and truncate == "refuse":
+        worst = max(cuts, key=lambda c: c["context_tokens"])
+        raise ValueError(f"{inner.path}: {len(cuts)} of {len(seeds)} items have a context longer than --length "
+                         f"allows (the longest, item {worst['item']}: {worst['context_tokens']} tokens, "
+                         f"{worst['kept_tokens']} fit); --truncate middle or left cuts them, or raise --length")
+    inner.cut_items = cuts
+    if cuts:
+        lost = [c["item"] for c in cuts if not c["answers_kept"]]
+        print(f"{task.name}: {len(cuts)} of {len(seeds)} items cut to fit --length {length} (--truncate {truncate})"
+              + (f"; the cut took every answer out of the prompt of items {lost}" if lost else
+                 "; every answer the context held is still in the prompt"), file=sys.stderr, flush=True)
 
 
 def file_task(task: Task) -> FileTask | None:

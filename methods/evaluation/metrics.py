@@ -119,7 +119,7 @@ def task_of(record: dict):
     if "task_file" not in record:
         return TASKS[record["task"]]
     from .task_file import FileTask
-    task = FileTask(record["task_file"])
+    task = FileTask(record["task_file"], record.get("truncate", "middle"))     # before --truncate: the middle
     if task.sha256 != record.get("task_file_sha256"):
         raise ValueError(f"{record['task_file']} is not the task file the run read (its SHA-256 differs)")
     return task

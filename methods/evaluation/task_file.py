@@ -15,8 +15,10 @@ one); ``scorer``, a name of ``SCORERS`` (default ``string_match_all``, RULER's);
 tokens a greedy answer may take (default the target's tokens + 8). Sample ``i`` of a run is the file's item
 ``seed + i``. In the question-in-prompt mode context and question are one prompt; in the
 question-after-context mode the question is fed after the context is compressed. A context longer than
-``--length`` allows is cut in its middle, its first and last halves kept (LongBench's practice: a document's
-opening and its end are where questions point most).
+``--length`` allows is refused before any work (``--truncate refuse``, the default), or cut: ``middle`` keeps
+its first and last halves (LongBench's practice: a document's opening and its end are where questions point
+most), ``left`` its end. A run says how many items it cut and which lost every answer from the prompt, and
+its records keep each cut item's token counts (``cuts``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def exact_match(prediction: str, answers: list[str]) -> float:
 SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part, "exact_match": exact_match}
 FIELDS = {"context": str, "question": str, "answers": list, "target": str, "scorer": str, "answer_tokens": int}
 MAX_ITEMS, MAX_BYTES = 100_000, 1 << 30
+TRUNCATE = ("refuse", "middle", "left")  # what a context longer than the run's length gets (--truncate)
 ROOM = 8                                 # answer tokens beyond the longest reference, unless an item says
 
 
@@ -93,8 +96,10 @@ class FileTask(Task):
     It pickles as its path and digest (a worker process reads the file itself) and refuses a file that
     changed since the run began."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
+    def __init__(self, path: str | Path, truncate: str = "refuse") -> None:
+        if truncate not in TRUNCATE:
+            raise ValueError(f"truncate is one of {', '.join(TRUNCATE)}, not {truncate!r}")
+        self.path, self.truncate = str(path), truncate
         self.sha256 = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         super().__init__("file:" + Path(path).stem)
         self.items                                             # read and checked now, before any work
@@ -108,7 +113,9 @@ class FileTask(Task):
             _ITEMS[key] = read_items(Path(self.path))
         return _ITEMS[key]
 
-    def sample(self, tok, length: int, seed: int) -> Sample:
+    def parts(self, tok, length: int, seed: int) -> tuple[dict, list[int], str, list[int], list[int], int]:
+        """Item ``seed`` tokenized: (item, question ids, target, target ids, the whole context's ids, the
+        context tokens that fit in ``length`` beside the question and the target)."""
         if not 0 <= seed < len(self.items):
             raise ValueError(f"{self.path} holds {len(self.items)} items; sample {seed} asked for (seed + index)")
         item = self.items[seed]
@@ -116,13 +123,40 @@ class FileTask(Task):
         first = item["answers"][0]
         target = item.get("target") or (first if item["question"][-1:].isspace() else " " + first)
         target_ids = tok.encode(target) + [tok.eot_id]
-        context_ids = tok.encode(item["context"])
         room = length - len(question_ids) - len(target_ids)
         if room < 1:
             raise ValueError(f"{self.path}: item {seed}'s question and answer take {length - room} tokens, "
                              f"more than --length {length}")
-        if len(context_ids) > room:                            # cut the middle: keep the first and last halves
-            context_ids = context_ids[:room // 2] + context_ids[len(context_ids) - (room - room // 2):]
+        return item, question_ids, target, target_ids, tok.encode(item["context"]), room
+
+    def cut(self, context_ids: list[int], room: int) -> list[int]:
+        """``context_ids`` within ``room`` tokens as ``truncate`` says (``refuse``: as they are)."""
+        if len(context_ids) <= room or self.truncate == "refuse":
+            return context_ids
+        if self.truncate == "left":                              # the end, where the question follows
+            return context_ids[len(context_ids) - room:]
+        return context_ids[:room // 2] + context_ids[len(context_ids) - (room - room // 2):]   # both halves
+
+    def cuts(self, tok, length: int, seeds: range) -> list[dict]:
+        """The items of ``seeds`` whose context does not fit ``length``: each one's context tokens, the tokens
+        kept, and whether an answer string the whole context held is still in the kept prompt."""
+        out = []
+        for seed in seeds:
+            item, question_ids, _, _, context_ids, room = self.parts(tok, length, seed)
+            if len(context_ids) <= room:
+                continue
+            kept = tok.decode(self.cut(context_ids, room)[:room]) + item["question"]
+            held = [a for a in item["answers"] if a in item["context"] + item["question"]]
+            out.append({"item": seed, "context_tokens": len(context_ids), "kept_tokens": room,
+                        "answers_kept": not held or any(a in kept for a in held)})
+        return out
+
+    def sample(self, tok, length: int, seed: int) -> Sample:
+        item, question_ids, target, target_ids, context_ids, room = self.parts(tok, length, seed)
+        if len(context_ids) > room and self.truncate == "refuse":
+            raise ValueError(f"{self.path}: item {seed}'s context is {len(context_ids)} tokens and {room} fit in "
+                             f"--length {length} beside its question and answer; --truncate middle or left cuts it")
+        context_ids = self.cut(context_ids, room)
         return Sample(self.name, tok.decode(context_ids), item["question"], list(item["answers"]), target,
                       context_ids=context_ids, question_ids=question_ids, target_ids=target_ids)
 
@@ -142,7 +176,7 @@ class FileTask(Task):
         return SCORERS[self.item_of(sample).get("scorer", "string_match_all")](prediction, sample.answers)
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "sha256": self.sha256, "name": self.name}
+        return {"path": self.path, "sha256": self.sha256, "name": self.name, "truncate": self.truncate}
 
 
 

@@ -77,7 +77,9 @@ def test_a_long_context_is_cut_in_its_middle_and_scorers_and_lengths_follow_the_
     model, tok, _ = bundled
     long = {"context": " ".join(f"w{i}" for i in range(400)), "question": " Which word comes first?",
             "answers": ["w0", "first"], "scorer": "string_match_part", "answer_tokens": 5}
-    task = FileTask(write(tmp_path, long, GOOD))
+    with pytest.raises(ValueError, match="item 0's context is .* tokens and .* fit in --length 128.*--truncate"):
+        FileTask(write(tmp_path, long, GOOD)).sample(tok, 128, seed=0)      # refused unless a cut is asked for
+    task = FileTask(write(tmp_path, long, GOOD), "middle")
     s = task.sample(tok, 128, seed=0)
     full = tok.encode(long["context"])
     room = 128 - len(s.question_ids) - len(s.target_ids)
@@ -89,6 +91,36 @@ def test_a_long_context_is_cut_in_its_middle_and_scorers_and_lengths_follow_the_
     assert task.score("Paris", g) == SCORERS["string_match_all"]("Paris", ["Paris"]) == 1.0
     with pytest.raises(ValueError, match="holds 2 items; sample 2"):
         task.sample(tok, 128, seed=2)
+
+
+def test_a_cut_is_refused_before_any_work_or_said_and_recorded(tmp_path, capsys, monkeypatch):
+    # A context longer than --length allows: refused in one line before the model loads (12 of 12 answers were
+    # cut away in silence before --truncate); cut on request, the run says how many items and which lost
+    # every answer, and the records keep each cut item's token counts.
+    filler = " ".join(["The harbour was grey that day."] * 150)
+    items = [{"context": f"The secret city is Lima{i}. " + filler * (i + 1), "question": " Which is the secret city?",
+              "answers": [f"Lima{i}"]} for i in range(3)] + [GOOD]
+    path = write(tmp_path, *items)
+    base = ["--task-file", str(path), "--samples", "4", "--methods", "snapkv", "--keep-ratios", "0.5", "--workers",
+            "1", "--quiet"]
+    with monkeypatch.context() as m:
+        m.setattr(compare, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+        with pytest.raises(SystemExit):
+            compare.main(base)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "3 of 4 items have a context longer than --length allows" in err, err
+    assert "the longest, item 2" in err and "--truncate middle or left" in err
+    for mode, lost in [("middle", []), ("left", [0, 1, 2])]:          # the left cut drops each item's opening
+        out = tmp_path / f"{mode}.json"
+        compare.main(base + ["--truncate", mode, "--json", str(out)])
+        said = capsys.readouterr().err
+        assert f"file:mine: 3 of 4 items cut to fit --length 512 (--truncate {mode})" in said, said
+        assert (f"took every answer out of the prompt of items {lost}" in said) == bool(lost)
+        records = json.loads(out.read_text())["records"]
+        cuts = records[0]["cuts"]
+        assert all(r["truncate"] == mode and r["cuts"] == cuts for r in records)
+        assert [c["item"] for c in cuts] == [0, 1, 2] and all(c["context_tokens"] > c["kept_tokens"] for c in cuts)
+        assert [c["item"] for c in cuts if not c["answers_kept"]] == lost
 
 
 def test_a_file_task_pickles_as_its_path_and_refuses_a_changed_file(tmp_path):
