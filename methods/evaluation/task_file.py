@@ -54,11 +54,15 @@ def read_items(path: Path) -> list[dict]:
     if path.stat().st_size > MAX_BYTES:
         raise ValueError(f"{path}: over {MAX_BYTES >> 20} MiB; a task file holds at most {MAX_ITEMS} items")
     items = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}, line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}, line {number}"
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
@@ -73,6 +77,9 @@ def read_items(path: Path) -> list[dict]:
                     raise ValueError(f"{where}: unknown field {key!r}; the fields are {', '.join(FIELDS)}")
                 if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
                     raise ValueError(f"{where}: {key!r} is a {FIELDS[key].__name__}, not {type(value).__name__}")
+            for key in ("context", "question"):
+                if not item[key].strip():
+                    raise ValueError(f"{where}: {key!r} is empty")
             if not item["answers"] or not all(isinstance(a, str) and a.strip() for a in item["answers"]):
                 raise ValueError(f"{where}: 'answers' is a list of one or more non-empty strings")
             if item.get("scorer", "string_match_all") not in SCORERS:

@@ -67,10 +67,20 @@ GOOD = {"context": "The capital of France is Paris. " * 3, "question": "What is 
     (GOOD | {"scorer": "rouge"}, "line 2: unknown scorer 'rouge'"),
     (GOOD | {"answer_tokens": True}, "line 2: 'answer_tokens' is a int, not bool"),
     (GOOD | {"answer_tokens": 0}, "line 2: 'answer_tokens' is from 1 to 4096"),
+    (GOOD | {"question": ""}, "line 2: 'question' is empty"),                # passed, then a 67-line traceback
+    (GOOD | {"context": " \n\t"}, "line 2: 'context' is empty"),
 ])
 def test_a_bad_item_is_one_line_naming_its_line(tmp_path, bad, message):
     with pytest.raises(ValueError, match=message):
         read_items(write(tmp_path, GOOD, bad))
+
+
+def test_a_byte_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    latin1 = b'{"context": "caf\xe9", "question": "q", "answers": ["a"]}\n'                 # byte 17: an e-acute
+    path.write_bytes((json.dumps(GOOD) + "\n").encode() + latin1)
+    with pytest.raises(ValueError, match=rf"{path}, line 2: not UTF-8 \(byte 0xe9 at column 17\)"):
+        read_items(path)
 
 
 def test_a_long_context_is_cut_in_its_middle_and_scorers_and_lengths_follow_the_item(bundled, tmp_path):
