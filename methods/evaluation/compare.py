@@ -54,7 +54,7 @@ from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signe
 from .metrics import METRICS, reduce
 from .protocol import Variant
 from .task import TASKS, Task
-from .task_file import TRUNCATE, FileTask
+from .task_file import TRUNCATE, FileTask, metadata
 from .together import run_jobs
 
 # Used when the checkpoint's card names no default suite: the tasks the bundled model solves.
@@ -486,9 +486,12 @@ def plot(records: list[dict], path: str) -> None:
     cli.save_figure(fig, path)                  # png/pdf/svg by suffix; the old figure stays if writing fails
 
 
-def samples_flag(text: str) -> int:
+def samples_flag(text: str) -> int | str:
     """``--samples``: a positive integer, at most ``MAX_SAMPLES`` (a larger count is refused before the list of
-    jobs is made, which for 10^12 samples alone would not fit in memory)."""
+    jobs is made, which for 10^12 samples alone would not fit in memory), or ``all``: every item of the task
+    files from ``--seed`` on."""
+    if text == "all":
+        return text
     value = cli.positive_int(text)
     if value > MAX_SAMPLES:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_SAMPLES}, got {value}")
@@ -557,7 +560,8 @@ def parser() -> cli.ArgumentParser:
                          "later through extend (default: both)")
     ap.add_argument("--samples", type=samples_flag, default=None,
                     help=f"samples per task and mode, at most {MAX_SAMPLES} (default: the checkpoint card's, 30 for "
-                         f"smollm2-135m, else {DEFAULT_SAMPLES})")
+                         f"smollm2-135m, else {DEFAULT_SAMPLES}), or 'all': every item of the --task-file files from "
+                         "--seed on (files of one size, no built-in --tasks)")
     ap.add_argument("--length", type=int, default=None,
                     help="tokens per sample, context + question + answer (default: the checkpoint card's, 2048 "
                          f"for smollm2-135m, else {DEFAULT_LENGTH}, or the model's maximum positions if smaller; "
@@ -627,6 +631,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         for path in args.task_file:
             try:
                 file_tasks.append(FileTask(path, args.truncate))
+                if extra := metadata(file_tasks[-1].items):      # a benchmark's own fields: kept, not read
+                    print(f"{file_tasks[-1].name}: fields kept as metadata, not read: {', '.join(extra)}",
+                          file=sys.stderr)
             except (OSError, ValueError) as e:
                 cli.fail(f"--task-file: {e}")
         names = args.tasks or ([] if file_tasks else card.get("default_suite") or DEFAULT_TASKS)
@@ -647,6 +654,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             cli.fail(f"--task-file: two tasks share a name: {[t.name for t in tasks]}")
         length = args.length if args.length is not None else \
             min(card.get("default_length") or DEFAULT_LENGTH, config.max_seq_len)
+        if args.samples == "all":                      # every item of the files, from --seed on
+            sizes = {len(t.items) for t in file_tasks}
+            if not file_tasks or len(tasks) > len(file_tasks) or len(sizes) > 1:
+                cli.fail("--samples all takes every item of the --task-file files: give files of one size "
+                         f"and no built-in --tasks (sizes {sorted(sizes)}, {len(tasks) - len(file_tasks)} built-in)")
+            args.samples = min(sizes.pop() - args.seed, MAX_SAMPLES)
+            if args.samples < 1:
+                cli.fail(f"--samples all from --seed {args.seed}: the files hold fewer items")
         samples = args.samples or card.get("default_samples") or DEFAULT_SAMPLES
         if not isinstance(samples, int) or not 0 < samples <= MAX_SAMPLES:
             cli.fail(f"--samples must be in [1, {MAX_SAMPLES}], got {samples!r} (the checkpoint card's default)")
@@ -726,8 +741,10 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
         r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
                  chat_template=args.chat_template)
         if r["task"] in files:
+            items = files[r["task"]].items
             r.update(task_file=files[r["task"]].path, task_file_sha256=files[r["task"]].sha256,
-                     truncate=args.truncate, cuts=getattr(files[r["task"]], "cut_items", []))
+                     truncate=args.truncate, cuts=getattr(files[r["task"]], "cut_items", []),
+                     item_ids=[items[args.seed + i].get("id", args.seed + i) for i in range(samples)])
     for line in flag_degenerate(records):
         print(line, file=sys.stderr)
     if args.quiet:                  # a short summary; every number is in the records (--json)

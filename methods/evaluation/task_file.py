@@ -9,16 +9,18 @@ The file is JSON Lines, one item a line::
 
     {"context": "...", "question": "...", "answers": ["Paris"], "scorer": "string_match_part", "answer_tokens": 8}
 
-``context``, ``question`` and ``answers`` (one or more reference strings) are required. Optional: ``target``,
-the answer as teacher forcing feeds it (default the first reference, after a space unless the question ends in
-one); ``scorer``, a name of ``SCORERS`` (default ``string_match_all``, RULER's); ``answer_tokens``, the most
-tokens a greedy answer may take (default the target's tokens + 8). Sample ``i`` of a run is the file's item
-``seed + i``. In the question-in-prompt mode context and question are one prompt; in the
-question-after-context mode the question is fed after the context is compressed. A context longer than
-``--length`` allows is refused before any work (``--truncate refuse``, the default), or cut: ``middle`` keeps
-its first and last halves (LongBench's practice: a document's opening and its end are where questions point
-most), ``left`` its end. A run says how many items it cut and which lost every answer from the prompt, and
-its records keep each cut item's token counts (``cuts``).
+``context``, ``question`` (neither empty) and ``answers`` (one or more reference strings) are required, in
+UTF-8. Optional: ``id``, the item's own name (a string or an integer, one per item), kept in every record
+(``item_ids``); other fields (a benchmark's ``_id``, ``dataset``) are metadata, listed once by the run and
+otherwise unused; ``target``, the answer as teacher forcing feeds it (default the first reference, after a
+space unless the question ends in one); ``scorer``, a name of ``SCORERS`` (default ``string_match_all``,
+RULER's); ``answer_tokens``, the most tokens a greedy answer may take (default the target's tokens + 8).
+Sample ``i`` of a run is the file's item ``seed + i``. In the question-in-prompt mode context and question are
+one prompt; in the question-after-context mode the question is fed after the context is compressed. A context
+longer than ``--length`` allows is refused before any work (``--truncate refuse``, the default), or cut:
+``middle`` keeps its first and last halves (LongBench's practice: a document's opening and its end are where
+questions point most), ``left`` its end. A run says how many items it cut and which lost every answer from the
+prompt, and its records keep each cut item's token counts (``cuts``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def exact_match(prediction: str, answers: list[str]) -> float:
 
 
 SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part, "exact_match": exact_match}
-FIELDS = {"context": str, "question": str, "answers": list, "target": str, "scorer": str, "answer_tokens": int}
+FIELDS = {"context": str, "question": str, "answers": list, "target": str, "scorer": str, "answer_tokens": int,
+          "id": (str, int)}     # id: the item's own name, kept in every record (item_ids); other fields are metadata
 MAX_ITEMS, MAX_BYTES = 100_000, 1 << 30
 TRUNCATE = ("refuse", "middle", "left")  # what a context longer than the run's length gets (--truncate)
 ROOM = 8                                 # answer tokens beyond the longest reference, unless an item says
@@ -73,10 +76,10 @@ def read_items(path: Path) -> list[dict]:
                 if key not in item:
                     raise ValueError(f"{where}: no {key!r}")
             for key, value in item.items():
-                if key not in FIELDS:
-                    raise ValueError(f"{where}: unknown field {key!r}; the fields are {', '.join(FIELDS)}")
-                if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
-                    raise ValueError(f"{where}: {key!r} is a {FIELDS[key].__name__}, not {type(value).__name__}")
+                if key in FIELDS and (not isinstance(value, FIELDS[key]) or isinstance(value, bool)):
+                    kind = " or ".join(t.__name__ for t in FIELDS[key]) if isinstance(FIELDS[key], tuple) \
+                        else FIELDS[key].__name__
+                    raise ValueError(f"{where}: {key!r} is a {kind}, not {type(value).__name__}")
             for key in ("context", "question"):
                 if not item[key].strip():
                     raise ValueError(f"{where}: {key!r} is empty")
@@ -91,7 +94,17 @@ def read_items(path: Path) -> list[dict]:
                 raise ValueError(f"{path}: more than {MAX_ITEMS} items")
     if not items:
         raise ValueError(f"{path}: no items")
+    ids = [item["id"] for item in items if "id" in item]
+    if len(set(ids)) < len(ids):
+        twice = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"{path}: id {twice!r} names more than one item")
     return items
+
+
+def metadata(items: list[dict]) -> list[str]:
+    """The fields of the items that the task does not read (a benchmark's ``_id``, ``dataset``, ``length``):
+    kept in the file, listed once by the run, used by nothing."""
+    return sorted({key for item in items for key in item} - set(FIELDS))
 
 
 _ITEMS: dict[tuple[str, str], list[dict]] = {}     # per process: (path, sha256) -> items, read once

@@ -61,7 +61,8 @@ GOOD = {"context": "The capital of France is Paris. " * 3, "question": "What is 
     ("{not json", "line 2: not JSON"),
     ("[1, 2]", "line 2: an item is a JSON object"),
     ({"context": "x", "answers": ["a"]}, "line 2: no 'question'"),
-    (GOOD | {"answer": "Paris"}, "line 2: unknown field 'answer'"),
+    ({"context": "x", "question": "q", "answer": "Paris"}, "line 2: no 'answers'"),   # a misspelt field: missing
+    (GOOD | {"id": 1.5}, "line 2: 'id' is a str or int, not float"),
     (GOOD | {"answers": "Paris"}, "line 2: 'answers' is a list, not str"),
     (GOOD | {"answers": []}, "line 2: 'answers' is a list of one or more non-empty strings"),
     (GOOD | {"scorer": "rouge"}, "line 2: unknown scorer 'rouge'"),
@@ -73,6 +74,25 @@ GOOD = {"context": "The capital of France is Paris. " * 3, "question": "What is 
 def test_a_bad_item_is_one_line_naming_its_line(tmp_path, bad, message):
     with pytest.raises(ValueError, match=message):
         read_items(write(tmp_path, GOOD, bad))
+
+
+def test_ids_are_kept_other_fields_are_metadata_and_all_takes_every_item(tmp_path, capsys):
+    # A benchmark's rows keep their own fields (they were fatal: "unknown field 'id'"): an id is kept in every
+    # record, the other fields are listed once and not read; --samples all takes every item of the file.
+    rows = [GOOD | {"id": f"q{i}", "_id": f"lb-{i}", "dataset": "hotpotqa"} for i in range(3)]
+    with pytest.raises(ValueError, match="id 'q1' names more than one item"):
+        read_items(write(tmp_path, *rows, rows[1]))
+    path = write(tmp_path, *rows, name="bench.jsonl")
+    assert task_file.metadata(read_items(path)) == ["_id", "dataset"]
+    out = tmp_path / "run.json"
+    compare.main(["--task-file", str(path), "--samples", "all", "--seed", "1", "--methods", "snapkv", "--keep-ratios",
+                  "0.5", "--workers", "1", "--quiet", "--json", str(out)])
+    assert "file:bench: fields kept as metadata, not read: _id, dataset" in capsys.readouterr().err
+    records = json.loads(out.read_text())["records"]
+    assert all(r["n_samples"] == 2 and r["item_ids"] == ["q1", "q2"] for r in records)
+    with pytest.raises(SystemExit):
+        compare.main(["--tasks", "passkey", "--task-file", str(path), "--samples", "all", "--methods", "snapkv"])
+    assert "--samples all takes every item of the --task-file files" in capsys.readouterr().err
 
 
 def test_a_byte_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path):
