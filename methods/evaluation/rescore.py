@@ -18,6 +18,7 @@ written before ``methods.compare`` kept the answers has nothing to rescore, and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import reprlib
 import shlex
@@ -34,12 +35,15 @@ from . import compare
 from .chat import ChatTask
 from .metrics import METRICS, Metric, rescore, task_of
 from .task import TASKS
+from .task_file import exact_match
 
-# The answer-level metrics this command offers: the task's own score, which the records store, and four
+# The answer-level metrics this command offers: the task's own score, which the records store, and five
 # added after the run (examples): on the answer's text, its token ids, and the full cache's answer beside it.
+# exact_match is the task files' scorer (any reference); target_match compares with the teacher-forced target.
 SCORES: dict[str, Metric] = {m.name: m for m in [
     next(m for m in METRICS if m.name == "accuracy"),
-    Metric("exact_match", lambda f, m, task, s: float(m.prediction.strip() == s.target.strip()), answer=True),
+    Metric("exact_match", lambda f, m, task, s: float(exact_match(m.prediction, s.answers)), answer=True),
+    Metric("target_match", lambda f, m, task, s: float(m.prediction.strip() == s.target.strip()), answer=True),
     Metric("answer_words", lambda f, m, task, s: float(len(m.prediction.split())), answer=True),
     Metric("answer_tokens", lambda f, m, task, s: float(len(m.prediction_ids)), answer=True),
     Metric("same_as_full", lambda f, m, task, s: float(f is not None and m.prediction == f.prediction), answer=True),
@@ -225,7 +229,8 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("results", type=Path, metavar="RESULTS.json", help="a methods.compare results file")
     ap.add_argument("--metric", nargs="+", choices=list(SCORES), default=["accuracy"], metavar="NAME",
                     help=f"answer-level metrics: {', '.join(SCORES)} (accuracy: the task's own score, which the "
-                         "records store; exact_match: the answer is the reference text; answer_words, "
+                         "records store; exact_match: the answer is one of the references, stripped, as a task "
+                         "file's scorer says; target_match: it is the teacher-forced target's text; answer_words, "
                          "answer_tokens: the answer's words, its tokens; same_as_full: the answer is the full "
                          "cache's) (default: accuracy)")
     ap.add_argument("--checkpoint", default=None,
@@ -233,7 +238,43 @@ def parser() -> cli.ArgumentParser:
                          "provenance.command names, else methods.compare's default)")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
                     help="write the rescored values, per record and sample, to PATH (default: none)")
+    ap.add_argument("--task-file", nargs="+", type=Path, default=[], metavar="PATH",
+                    help="where the task files the records name are here, when not at the path the run recorded "
+                         "or beside the results file; each is matched by its SHA-256, so a different file is "
+                         "refused (default: none)")
     return ap
+
+
+def find_task_files(records: list, path: Path, given: list[Path]) -> None:
+    """Point each record's ``task_file`` at a file here with the SHA-256 the run recorded: one of ``given``
+    (``--task-file``), the recorded path, or a file of that name beside the results file; else one line."""
+    digests: dict[Path, str] = {}
+
+    def digest(candidate: Path) -> str | None:
+        if candidate not in digests:
+            try:
+                digests[candidate] = hashlib.sha256(candidate.read_bytes()).hexdigest()
+            except OSError:
+                digests[candidate] = None
+        return digests[candidate]
+
+    for p in given:
+        if not p.is_file():
+            cli.fail(f"--task-file {p}: not a file")
+    for i, r in enumerate(records):
+        if not isinstance(r, dict) or not isinstance(r.get("task_file"), str):
+            continue
+        recorded, want = Path(r["task_file"]), r.get("task_file_sha256")
+        candidates = [*given, recorded, path.parent / recorded.name]
+        found = next((c for c in candidates if c.is_file() and digest(c) == want), None)
+        if found is None:
+            held = [str(c) for c in candidates if c.is_file()]
+            sha = f"SHA-256 {want[:12]}..." if isinstance(want, str) else "no SHA-256 recorded"
+            cli.fail(f"{path}: record {i}: 'task_file' {r['task_file']} ({sha}) is not here"
+                     + (f"; {', '.join(held)} differ from it" if held else "")
+                     + ": give it with --task-file PATH")
+        r["task_file"] = str(found)
+
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = args.checkpoint or checkpoint
         config = load_config(checkpoint)
         records = data["records"]
+        if isinstance(records, list):
+            find_task_files(records, args.results, args.task_file)
         check_records(records, args.results, config.max_seq_len, names)
         cli.check_fits(f"{args.results}: the samples of its records", samples_bytes(records))
         tok = load_tokenizer(checkpoint)

@@ -203,4 +203,38 @@ def test_a_file_task_s_results_rescore_from_the_file_they_name(tmp_path, capsys)
     out.write_text(json.dumps(data))
     with pytest.raises(SystemExit):
         rescore.main([str(out)])
-    assert "is not the task file the run read" in capsys.readouterr().err
+    assert "differ from it: give it with --task-file PATH" in capsys.readouterr().err
+
+
+def test_results_travel_with_their_task_file_and_exact_match_means_any_reference(tmp_path, capsys, monkeypatch):
+    # A run made with a relative path, its results and task file moved to another folder: rescore finds the
+    # file beside the results by its SHA-256, or where --task-file says; a different file is refused in one
+    # line. exact_match has one meaning, the task files' (any reference); target_match is the other.
+    here = tmp_path / "run"
+    here.mkdir()
+    write(here, GOOD | {"answers": ["Paris", "Lyon"]}, GOOD, name="two.jsonl")
+    monkeypatch.chdir(here)
+    compare.main(["--task-file", "two.jsonl", "--samples", "2", "--methods", "snapkv", "--keep-ratios", "0.5",
+                  "--workers", "1", "--quiet", "--json", "out.json"])
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    (moved / "out.json").write_text((here / "out.json").read_text())
+    (moved / "two.jsonl").write_text((here / "two.jsonl").read_text())
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    rescore.main([str(moved / "out.json"), "--metric", "accuracy", "exact_match", "target_match"])
+    assert "differs" not in capsys.readouterr().out
+    (moved / "two.jsonl").unlink()
+    other = write(tmp_path, GOOD, name="other.jsonl")
+    with pytest.raises(SystemExit):
+        rescore.main([str(moved / "out.json"), "--task-file", str(other)])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'task_file' two.jsonl" in err and "differ from it" in err, err
+    rescore.main([str(moved / "out.json"), "--task-file", str(here / "two.jsonl")])
+    scores = {m.name: m for m in [rescore.SCORES["exact_match"], rescore.SCORES["target_match"]]}
+    sample = type("S", (), {"answers": ["Lima", "Oslo"], "target": " Lima"})()
+    answer = type("M", (), {"prediction": " Oslo"})()
+    assert scores["exact_match"].value(None, answer, None, sample) == 1.0
+    assert scores["target_match"].value(None, answer, None, sample) == 0.0
+    assert task_file.exact_match(" Oslo", ["Lima", "Oslo"]) == 1.0
+
