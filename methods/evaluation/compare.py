@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import multiprocessing
 import os
@@ -42,7 +43,7 @@ from nanollm.cli.provenance import header, provenance
 from nanollm.data.evaluate import MODES
 from nanollm.data.tasks import ALL_TASKS, LM_TASKS
 from nanollm.io.chat import chat_template, chat_wrap
-from nanollm.io.checkpoint import load_card, load_config, load_tokenizer
+from nanollm.io.checkpoint import load_card, load_config, load_tokenizer, weights_sha256
 from nanollm.io.files import atomic_write_text
 
 from .. import METHODS, method_chain
@@ -770,8 +771,11 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
           + (f", {args.together} samples stepped together" if args.together > 1 else "")
           + f", {args.engine} engine. {legend}")
     if args.json:
-        atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "records": records,
-                                                 "pairwise": pairwise(records)},
+        ran = {"engine": args.engine, "weights_sha256": weights_sha256(args.checkpoint)}    # what ran, exactly
+        if args.chat_template:
+            ran["chat_template_sha256"] = hashlib.sha256(chat_template(args.checkpoint).encode()).hexdigest()
+        atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "run": ran,
+                                                 "records": records, "pairwise": pairwise(records)},
                                                 indent=1))
         print(f"records written to {args.json}")
     if args.plot:

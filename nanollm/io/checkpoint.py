@@ -29,6 +29,7 @@ become one line naming the file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -73,6 +74,22 @@ def resolve(name_or_path: str | Path) -> Path:
 
 
 CHECKPOINT_FILES = ("nanollm_config.json", "model.safetensors", "tokenizer.json", "card.json", "README.md")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def weights_sha256(name_or_path: str | Path) -> dict[str, str]:
+    """SHA-256 of the checkpoint's weights, by file name: a GGUF file's own, or a folder's weight files (its
+    ``*.safetensors``, ``*.bin``, ``*.pt``, ``*.gguf``), so that a result names the exact weights it ran."""
+    path = resolve(name_or_path)
+    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES)
+    out = {}
+    for f in files:
+        h = hashlib.sha256()
+        with open(f, "rb") as stream:
+            for block in iter(lambda: stream.read(1 << 20), b""):
+                h.update(block)
+        out[f.name] = h.hexdigest()
+    return out
 
 
 def save(model: Transformer, tok: Tokenizer | None, folder: str | Path, card: dict | None = None) -> None:

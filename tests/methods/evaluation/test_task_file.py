@@ -5,6 +5,7 @@ changed; ``--task-file`` on ``methods.compare`` checks its items against ``--sam
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -216,6 +217,11 @@ def test_results_travel_with_their_task_file_and_exact_match_means_any_reference
     monkeypatch.chdir(here)
     compare.main(["--task-file", "two.jsonl", "--samples", "2", "--methods", "snapkv", "--keep-ratios", "0.5",
                   "--workers", "1", "--quiet", "--json", "out.json"])
+    ran = json.loads((here / "out.json").read_text())["run"]           # the file names what ran, exactly
+    from nanollm.io.checkpoint import resolve
+    weights = resolve("retrieval-llama") / "model.safetensors"
+    assert ran == {"engine": "fast", "weights_sha256": {"model.safetensors": hashlib.sha256(
+        weights.read_bytes()).hexdigest()}}
     moved = tmp_path / "elsewhere"
     moved.mkdir()
     (moved / "out.json").write_text((here / "out.json").read_text())
