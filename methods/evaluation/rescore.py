@@ -18,10 +18,15 @@ written before ``methods.compare`` kept the answers has nothing to rescore, and 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib
 import json
+import math
+import os
 import reprlib
 import shlex
+import sys
 from pathlib import Path
 
 from nanollm import cli
@@ -227,8 +232,11 @@ def parser() -> cli.ArgumentParser:
                     "running the model: each sample is made again from its task, length and the run's seed, "
                     "and must have the record's references. Prints each record's stored and rescored values.")
     ap.add_argument("results", type=Path, metavar="RESULTS.json", help="a methods.compare results file")
-    ap.add_argument("--metric", nargs="+", choices=list(SCORES), default=["accuracy"], metavar="NAME",
-                    help=f"answer-level metrics: {', '.join(SCORES)} (accuracy: the task's own score, which the "
+    ap.add_argument("--metric", nargs="+", type=metric_flag, default=["accuracy"], metavar="NAME",
+                    help=f"answer-level metrics: {', '.join(SCORES)}, or MODULE:FUNCTION, a function of your own "
+                         "(fn(prediction: str, answers: list[str]) -> a number; MODULE importable from here, e.g. "
+                         "a file mine.py in this folder: mine:first_word), checked on one answer before any work "
+                         "(accuracy: the task's own score, which the "
                          "records store; exact_match: the answer is one of the references, stripped, as a task "
                          "file's scorer says; target_match: it is the teacher-forced target's text; answer_words, "
                          "answer_tokens: the answer's words, its tokens; same_as_full: the answer is the full "
@@ -243,6 +251,41 @@ def parser() -> cli.ArgumentParser:
                          "or beside the results file; each is matched by its SHA-256, so a different file is "
                          "refused (default: none)")
     return ap
+
+
+def outside_metric(spec: str) -> Metric:
+    """``MODULE:FUNCTION`` as an answer-level metric: ``FUNCTION(prediction, answers)``, a number per answer
+    (the contract in methods/evaluation/README.md). Imported and tried on one answer now, so a wrong name or
+    a function that does not keep the contract is one line before any work."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{spec!r}: a metric of your own is MODULE:FUNCTION")
+    if os.getcwd() not in sys.path:                 # a module in the folder the command runs in
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{spec!r}: cannot import it ({e})") from None
+    try:
+        value = fn(" Paris", ["Paris"])
+    except Exception as e:                          # the user's code: any error, in one line
+        raise ValueError(f"{spec!r}: fn(' Paris', ['Paris']) raised {type(e).__name__}: {e}") from None
+    if not is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{spec!r}: fn(' Paris', ['Paris']) returned {shown(value)}, not a finite number")
+    return Metric(spec, lambda f, m, task, s: float(fn(m.prediction, list(s.answers))), answer=True)
+
+
+def metric_flag(text: str) -> str:
+    """``--metric``: a name of ``SCORES``, or ``MODULE:FUNCTION`` (``outside_metric``), added to ``SCORES``."""
+    if text in SCORES:
+        return text
+    if ":" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a metric: {', '.join(SCORES)}, or MODULE:FUNCTION")
+    try:
+        SCORES[text] = outside_metric(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def find_task_files(records: list, path: Path, given: list[Path]) -> None:

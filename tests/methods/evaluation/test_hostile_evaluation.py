@@ -202,6 +202,24 @@ def test_rescore_does_not_write_over_its_input(monkeypatch, capsys, tmp_path):
     assert "--json" in err and "reads" in err, err
 
 
+def test_a_metric_of_ones_own_is_module_colon_function_checked_before_any_work(capsys, tmp_path, monkeypatch):
+    # No edit of the project: a function in a file of one's own, fn(prediction, answers) -> a number, named
+    # MODULE:FUNCTION; one that cannot be imported or breaks the contract is one line before the model loads.
+    (tmp_path / "mine.py").write_text("def first_word(prediction, answers):\n"
+                                      "    return float(prediction.split()[:1] == answers[0].split()[:1])\n"
+                                      "def broken(prediction, answers):\n    return 'yes'\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "mine.json"
+    rescore.main([str(COMMITTED), "--metric", "accuracy", "mine:first_word", "--json", str(out)])
+    assert "mine:first_word: not stored in the file" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["records"]
+    assert all(0.0 <= r["mine:first_word"] <= 1.0 for r in rows) and any(r["mine:first_word"] > 0 for r in rows)
+    for spec, said in [("mine:broken", "returned 'yes', not a finite number"), ("mine:nope", "cannot import it"),
+                       ("nothing", "is not a metric")]:
+        err = refused(capsys, rescore.main, [str(COMMITTED), "--metric", spec])
+        assert said in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_rescore_gives_the_committed_numbers_back(capsys, tmp_path):
     out = tmp_path / "rescored.json"
     rescore.main([str(COMMITTED), "--metric", "accuracy", "exact_match", "--json", str(out)])
