@@ -14,6 +14,7 @@ markers found in the repository are exactly these.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import threading
@@ -130,6 +131,16 @@ def command_line(main):
 def refuse(message: str):
     """argparse's errors as the course's one ``error:`` line (exit status 2)."""
     raise SystemExit(f"error: {message}")
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A command's parser: its docstring's first paragraph the description, the rest the epilog (as written),
+    errors as ``refuse``'s one line."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(doc.strip().split("\n\n")[1:]))
+    p.error = refuse
+    return p
 
 
 def interrupted(signum, frame):

@@ -31,14 +31,13 @@ instructors' alone: students see none of its files):
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse
+from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, parser
 from .grade import (
     HIDDEN_VISIBILITY,
     PER_TEST_S,
@@ -253,10 +252,7 @@ def write_zip(assignment: Assignment, out: Path, per_test_s: float | None = None
 
 @command_line
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m course.gradescope", description=__doc__.strip().split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.strip().split("\n\n")[1:]))
-    p.error = refuse
+    p = parser("python -m course.gradescope", __doc__)
     p.add_argument("assignment", help="which assignment: " + ", ".join(ASSIGNMENTS))
     p.add_argument("--out", required=True, type=Path, help="the folder to write <assignment>-autograder.zip into")
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S,

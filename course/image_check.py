@@ -22,7 +22,6 @@ under the run's provenance (results/gradescope_image.txt is one).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ import zipfile
 from pathlib import Path
 
 from . import gradescope, handout
-from .assignments import ASSIGNMENTS, ROOT, command_line, get, refuse
+from .assignments import ASSIGNMENTS, ROOT, command_line, get, parser
 
 GLIBC = 35          # Ubuntu 22.04's glibc is 2.35: it installs a wheel tagged for any glibc up to it
 PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(GLIBC, 4, -1)] + \
@@ -166,10 +165,7 @@ def check(names: list[str], python: Path, work: Path, lines: list[str]) -> bool:
 
 @command_line
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course.image_check", description=__doc__.strip().split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.strip().split("\n\n")[1:]))
-    p.error = refuse
+    p = parser("python -m course.image_check", __doc__)
     p.add_argument("assignments", nargs="*", metavar="ASSIGNMENT",
                    help="the assignments whose zips to grade with the one environment (default: all of them): "
                         + ", ".join(ASSIGNMENTS))

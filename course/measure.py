@@ -26,7 +26,6 @@ if a stub is still there. What each assignment measures:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -36,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .assignments import ASSIGNMENTS, command_line, get, refuse
+from .assignments import ASSIGNMENTS, command_line, get, parser
 
 
 @dataclass(frozen=True)
@@ -326,10 +325,7 @@ def measure(name: str, out: Path, quick: bool = False, checkpoint: str | None = 
 
 @command_line
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m course.measure", description=__doc__.strip().split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.strip().split("\n\n")[1:]))
-    p.error = refuse
+    p = parser("python -m course.measure", __doc__)
     p.add_argument("assignment", help="which assignment: " + ", ".join(ASSIGNMENTS))
     p.add_argument("--out", type=Path, default=None,
                    help="a new folder for figure.png, table.txt and record.json (default: course/ASSIGNMENT/measure, "
