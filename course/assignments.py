@@ -15,6 +15,7 @@ markers found in the repository are exactly these.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -145,3 +146,18 @@ def parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 def interrupted(signum, frame):
     raise KeyboardInterrupt                 # SIGTERM cleans up as Ctrl-C does
+
+
+def check_name(path: Path, flag: str) -> None:
+    """Every name in ``path`` fits the file system (``NAME_MAX`` bytes of the nearest existing folder, 255 on
+    most): checked before any work, so a longer one is a line naming the flag, not a traceback from the first
+    ``stat``."""
+    base = next((p for p in [path, *path.parents] if os.path.isdir(p)), Path("/"))
+    try:
+        longest = os.pathconf(base, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):         # no pathconf (Windows), or no answer
+        longest = 255
+    for name in path.parts:
+        if len(os.fsencode(name)) > longest:
+            raise SystemExit(f"error: {flag}: the name {name[:40]}... has {len(os.fsencode(name))} bytes; this file "
+                             f"system takes at most {longest}")

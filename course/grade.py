@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import confine
-from .assignments import ASSIGNMENTS, COURSE, ROOT, Assignment, command_line, get, refuse
+from .assignments import ASSIGNMENTS, COURSE, ROOT, Assignment, check_name, command_line, get, refuse
 
 PER_TEST_S = 60          # one test's time limit, enforced by the grader from outside the test process
 RUN_BASE_S = 60          # the whole run: this, plus (the per-test limit + RESTART_S) per test
@@ -723,21 +723,6 @@ def check_per_test_s(per_test_s: float) -> None:
     if per_test_s < MIN_PER_TEST_S:
         raise SystemExit(f"error: --per-test-s {per_test_s:g} is below {MIN_PER_TEST_S:g} s, the shortest limit the "
                          f"grader enforces (it checks the running test every {POLL_S:g} s)")
-
-
-def check_name(path: Path, flag: str) -> None:
-    """Every name in ``path`` fits the file system (``NAME_MAX`` bytes of the nearest existing folder, 255 on
-    most): checked before any work, so a longer one is a line naming the flag, not a traceback from the first
-    ``stat``."""
-    base = next((p for p in [path, *path.parents] if os.path.isdir(p)), Path("/"))
-    try:
-        longest = os.pathconf(base, "PC_NAME_MAX")
-    except (OSError, ValueError, AttributeError):         # no pathconf (Windows), or no answer
-        longest = 255
-    for name in path.parts:
-        if len(os.fsencode(name)) > longest:
-            raise SystemExit(f"error: {flag}: the name {name[:40]}... has {len(os.fsencode(name))} bytes; this file "
-                             f"system takes at most {longest}")
 
 
 def check_new_file(path: Path) -> None:

@@ -37,13 +37,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, parser
+from .assignments import ASSIGNMENTS, ROOT, Assignment, check_name, command_line, get, parser
 from .grade import (
     HIDDEN_VISIBILITY,
     PER_TEST_S,
     RESTART_S,
     RUN_BASE_S,
-    check_name,
     check_per_test_s,
     marks_of,
     run_limit_s,

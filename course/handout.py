@@ -35,8 +35,7 @@ import tempfile
 from pathlib import Path
 
 from . import lesson
-from .assignments import ASSIGNMENTS, ROOT, Assignment, command_line, get, refuse, scanned_files
-from .grade import check_name
+from .assignments import ASSIGNMENTS, ROOT, Assignment, check_name, command_line, get, refuse, scanned_files
 from .markers import MD_BEGIN, find_regions, hand_out, strip
 
 INSTRUCTOR_ONLY = ("test_hidden.py", "mutants.py")      # in each assignment's folder: never in a student copy

@@ -11,13 +11,13 @@ It runs the code of the copy you run it in (your library files), and stops with 
 if a stub is still there. What each assignment measures:
 
 * ``cache``: one decode step's time with your cache against recomputing the prefix, at contexts 128-4096
-  (``python -m nanollm.cli.bench``), and the cache's bytes;
+  (``python -m experiments.bench``), and the cache's bytes;
 * the methods (``baselines``, ``scissorhands``, ``critical_kv``, ``chunkkv``, ``kvreviver``): your method
   and the ones the paper compares it with, at a few keep ratios, on the evaluation's tasks
-  (``python -m methods.compare --engine plain``, which runs the library's own code); the figure shows the
+  (``python -m experiments.compare --engine plain``, which runs the library's own code); the figure shows the
   metric the claim is about, with 95% intervals where the samples give one;
 * ``tensor_attention``: bytes and time per decode step of the two cache layouts against the sequence
-  length (``python -m methods.tensor_attention.bench``);
+  length (``python -m experiments.tensor_attention_bench``);
 * ``kernels``: your split kernel's error against an fp64 softmax as the number of ranges grows, and the
   time of a decode step's attention (PyTorch) against the bytes it reads.
 
@@ -40,7 +40,7 @@ from .assignments import ASSIGNMENTS, command_line, get, parser
 
 @dataclass(frozen=True)
 class Comparison:
-    """A ``methods.compare`` run: the methods side by side at ``ratios`` on ``tasks`` in ``modes``; the
+    """A ``experiments.compare`` run: the methods side by side at ``ratios`` on ``tasks`` in ``modes``; the
     figure draws ``metric`` (a record field) against the keep ratio, one panel a mode."""
     methods: tuple[str, ...]
     ratios: tuple[float, ...]
@@ -145,7 +145,7 @@ def measure_comparison(name: str, out: Path, quick: bool, checkpoint: str | None
     c = COMPARISONS[name]
     tasks = c.real_tasks if checkpoint else c.tasks
     samples = samples or (c.quick_samples if quick else c.samples)
-    argv = ["methods.compare", "--engine", "plain", "--quiet", "--methods", "full", *c.methods,
+    argv = ["experiments.compare", "--engine", "plain", "--quiet", "--methods", "full", *c.methods,
             "--keep-ratios", *map(str, c.ratios), "--tasks", *tasks, "--modes", *c.modes,
             "--samples", str(samples), "--seed", str(seed), "--json", str(out / "record.json")]
     real = ["--checkpoint", checkpoint, "--length", str(REAL_LENGTH)] if checkpoint else []
@@ -158,7 +158,7 @@ def measure_comparison(name: str, out: Path, quick: bool, checkpoint: str | None
 
 def measure_cache(out: Path, quick: bool) -> None:
     contexts = [128, 512, 1024] if quick else [128, 256, 512, 1024, 2048, 4096]
-    run_module(["nanollm.cli.bench", "--contexts", *map(str, contexts), "--max-seq-len", str(max(contexts) + 64),
+    run_module(["experiments.bench", "--contexts", *map(str, contexts), "--max-seq-len", str(max(contexts) + 64),
                 "--repeats", "3" if quick else "7", "--json", str(out / "record.json")], out)
     record = json.loads((out / "record.json").read_text())
     import matplotlib
@@ -189,7 +189,7 @@ def measure_cache(out: Path, quick: bool) -> None:
 
 def measure_tensor(out: Path, quick: bool) -> None:
     lengths = [32, 64, 128] if quick else [32, 64, 128, 256, 512]
-    run_module(["methods.tensor_attention.bench", "--lengths", *map(str, lengths), "--json",
+    run_module(["experiments.tensor_attention_bench", "--lengths", *map(str, lengths), "--json",
                 str(out / "record.json"), "--plot", str(out / "figure.png")], out)
 
 

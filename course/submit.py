@@ -78,7 +78,7 @@ def is_pack(folder: Path) -> bool:
 def lay_over(pack_dir: Path, name: str, into: Path) -> Path:
     """A pristine student copy of ``name`` (``course.handout``, from this checkout's files) in ``into`` with the
     pack's graded files in place of its own. Only the files ``graded_files`` names are taken from the pack."""
-    from . import handout  # handout imports grade, which imports this lazily
+    from . import handout
     assignment = get(name)
     try:
         manifest = json.loads((pack_dir / MANIFEST).read_text())

@@ -29,20 +29,20 @@
 #            launches and device time per step, to OUT's .profile.txt sibling (250 s);
 #   compare  the bundled model's main job (COMPARE_SAMPLES samples, default 2) on the CPU (a worker per core, the fast engine) and on the
 #            GPU (a worker per core sharing it, with the batched engine, then with one group), their records
-#            checked equal (methods.evaluation.agree) and their seconds printed, JSON files to OUT's .compare/
+#            checked equal (experiments.evaluation.agree) and their seconds printed, JSON files to OUT's .compare/
 #            sibling (3 x 60 s + 2 x 20 s; one process on the GPU did not finish in 90 s on an H200, so
 #            none by default); COMPARE_RUNS="DEVICE WORKERS
 #            ENGINE [VAR=VALUE,...]; ..." names other runs (DEVICE cuda is the CPU in a dry run; the first run is
 #            the one the others are checked against; a fourth word sets variables for that run, comma-separated,
 #            as NANOKV_NO_TRITON=1: PyTorch's attention and sketch instead of the Triton kernels; MPS=1: the
 #            run's processes share the GPU through NVIDIA's Multi-Process Service, a daemon of this script's
-#            own, quit after the run; skipped where it cannot start; TOGETHER=K: methods.compare --together K,
+#            own, quit after the run; skipped where it cannot start; TOGETHER=K: experiments.compare --together K,
 #            each process stepping K samples side by side), COMPARE_LIMIT another limit per run in seconds;
 #   launches one job of the bundled model's main job with each engine, on the GPU then on the CPU: its tensor
-#            operations and the host's waits by phase and method (methods.evaluation.launches), and its time
+#            operations and the host's waits by phase and method (experiments.evaluation.launches), and its time
 #            uncounted, so the cost of one operation on each device; reports to OUT's .launches/ (4 x 60 s);
 #   smollm2  SmolLM2-135M's main job (2,048 tokens, 30 samples per task and mode) on the GPU in
-#            SMOLLM2_WORKERS processes with the SMOLLM2_ENGINE engine (defaults: methods.compare's own, one
+#            SMOLLM2_WORKERS processes with the SMOLLM2_ENGINE engine (defaults: experiments.compare's own, one
 #            group and the workers its memory holds) for at most SMOLLM2_LIMIT seconds (300), through MPS
 #            where SMOLLM2_MPS=1 (as compare's MPS=1; without it, saying so, where it cannot start), each
 #            process stepping SMOLLM2_TOGETHER samples side by side (default 1), where its file is here
@@ -196,7 +196,7 @@ profile() {
 compare() {
     local dir="${out%.json}.compare" first=""
     mkdir -p "$dir"
-    # the CPU with a worker per core (its default), the GPU with a worker per core sharing it (methods.compare's
+    # the CPU with a worker per core (its default), the GPU with a worker per core sharing it (experiments.compare's
     # default there), groups by size then one group: a step of the evaluation is launch-bound, so processes
     # launching side by side fill the GPU better
     local many=$(nproc)                                          # --workers is at most the CPU cores
@@ -221,14 +221,14 @@ compare() {
         rm -f "$json"
         # output to a file, not a pipe (a worker left behind would hold a pipe open); timeout signals the
         # command's whole process group (its workers too), and sends SIGKILL 10 s after SIGTERM
-        env ${envs[@]+"${envs[@]}"} timeout -k 10 "${COMPARE_LIMIT:-60}" python -m methods.compare --samples "${COMPARE_SAMPLES:-2}" --device "$1" --workers "$2" --engine "$3" --together "$together" --json "$json" --quiet \
+        env ${envs[@]+"${envs[@]}"} timeout -k 10 "${COMPARE_LIMIT:-60}" python -m experiments.compare --samples "${COMPARE_SAMPLES:-2}" --device "$1" --workers "$2" --engine "$3" --together "$together" --json "$json" --quiet \
             > "$json.log" 2>&1 || { echo "compare on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$json.log"
         echo "--device $1 --workers $2 --engine $3${setting:+ $setting}: $((SECONDS - t0)) s wall"
         mps_stop $([ -f "$json" ] || echo log)
         if [ ! -f "$json" ]; then :                            # nothing to check
         elif [ -z "$first" ]; then first=$json
-        else timeout -k 5 20 python -m methods.evaluation.agree "$first" "$json" | tail -n 6 || status=1; fi
+        else timeout -k 5 20 python -m experiments.evaluation.agree "$first" "$json" | tail -n 6 || status=1; fi
     done
 }
 
@@ -262,7 +262,7 @@ smollm2() {
         local t0=$SECONDS
         rm -f "$dir/smollm2_$gpu.json"
         # the progress bar to a file beside the report: a run stopped at its time limit still says how far it got
-        NANOLLM_CACHE=$models timeout -k 10 "${SMOLLM2_LIMIT:-300}" python -m methods.compare --checkpoint smollm2-135m \
+        NANOLLM_CACHE=$models timeout -k 10 "${SMOLLM2_LIMIT:-300}" python -m experiments.compare --checkpoint smollm2-135m \
             --device "$gpu" ${many:+--workers "$many"} ${SMOLLM2_ENGINE:+--engine "$SMOLLM2_ENGINE"} --together "${SMOLLM2_TOGETHER:-1}" --json "$dir/smollm2_$gpu.json" > "$dir/smollm2_$gpu.log" \
             2> "$dir/smollm2_${gpu}_progress.txt" || { echo "SmolLM2 compare FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 3 "$dir/smollm2_$gpu.log"
@@ -270,7 +270,7 @@ smollm2() {
         tail -c 1000 "$dir/smollm2_${gpu}_progress.txt" | tr '\r' '\n' | grep . | tail -n 4
         mps_stop $([ -f "$dir/smollm2_$gpu.json" ] || echo log)
         if [ -f "$dir/smollm2_$gpu.json" ]; then
-            timeout -k 5 20 python -m methods.evaluation.agree results/compare_smollm2.json "$dir/smollm2_$gpu.json" | tail -n 12 || status=1
+            timeout -k 5 20 python -m experiments.evaluation.agree results/compare_smollm2.json "$dir/smollm2_$gpu.json" | tail -n 12 || status=1
         fi
     fi
 }
@@ -281,7 +281,7 @@ launches() {
     for run in "$gpu fast" "$gpu batched" "cpu fast" "cpu batched"; do
         set -- $run
         echo "== launches: one job of the bundled model's main job, --device $1 --engine $2 -> $dir/bundled_$1_$2.txt"
-        timeout -k 10 60 python -m methods.evaluation.launches --device "$1" --engine "$2" --out "$dir/bundled_$1_$2.txt" \
+        timeout -k 10 60 python -m experiments.evaluation.launches --device "$1" --engine "$2" --out "$dir/bundled_$1_$2.txt" \
             > "$dir/bundled_$1_$2.log" 2>&1 || { echo "launches on $1 FAILED or ran out of time (rc $?)"; status=1; }
         tail -n 4 "$dir/bundled_$1_$2.log"
     done

@@ -14,7 +14,7 @@ the same step with less per-call work:
 * the attention is ``fastpath.attention``'s: with a plain cache the step appends and attends itself; with
   a policy it goes through ``KVCache.attend``, so every policy's hooks run unchanged;
 * ``forward`` takes the products and the attention as functions, so the evaluation can step many caches
-  side by side with the same arithmetic (``methods/evaluation/side_by_side.py``).
+  side by side with the same arithmetic (``experiments/evaluation/side_by_side.py``).
 
 Logits agree with ``decode_step`` to float rounding (stacked products may sum in another order), tested in
 fp32 at 1e-5. The weights are copied when the decoder is built: build it after loading or training.
@@ -126,7 +126,7 @@ class LeanDecoder:
         ``step_with_hidden`` passes ``F.linear`` and its cache's attention. Everything else here is
         element-wise or row by row, so an evaluation can step many sequences at once by passing functions
         that run the attention per sequence and the products over all rows in fixed-size blocks
-        (``methods/evaluation/side_by_side.py``).
+        (``experiments/evaluation/side_by_side.py``).
         """
         cfg = self.config
         H, H_kv, d = cfg.n_head, cfg.n_kv_head, cfg.head_dim

@@ -27,7 +27,6 @@ import re
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from methods.evaluation import launches
 from nanollm import cli, preset
 from nanollm.cli.provenance import header, provenance
 from nanollm.io.files import atomic_write_text
@@ -70,8 +69,12 @@ def kernels_of(prof, device: str) -> dict[str, tuple[int, float]]:
     return out
 
 
-# the operators that launch nothing: launches.py's views, and the allocations and reshapes above them
-VIEWS = {f"aten::{n}" for n in launches.VIEWS | {"reshape", "empty", "empty_strided"}}
+# the operators that launch no kernel: views (metadata only; experiments/evaluation/launches.py counts them apart
+# too), and the allocations and reshapes above them
+METADATA_ONLY = {"slice", "view", "expand", "select", "_unsafe_view", "unsqueeze", "squeeze", "as_strided", "t",
+                 "transpose", "permute", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind",
+                 "unflatten", "narrow", "lift_fresh", "view_as_real", "view_as_complex", "_reshape_alias"}
+VIEWS = {f"aten::{n}" for n in METADATA_ONLY | {"reshape", "empty", "empty_strided"}}
 
 
 def profile_method(cfg, model, decoder: FusedGraphDecoder, method: str, B: int, S: int, dtype, device: str,

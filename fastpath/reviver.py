@@ -28,7 +28,7 @@ included). Where the rows would not share shapes (per-layer budgets, a layer wit
 sketch with no cells), a layer compresses right away, as in ``KVReviverPolicy``.
 
 The rebuild ahead is used where a rebuild takes every position at once: on a GPU, and on a CPU where
-``kvreviver.REBUILD_CHUNK`` covers the sketch's positions (``methods.evaluation.launches`` counts as on a GPU
+``kvreviver.REBUILD_CHUNK`` covers the sketch's positions (``experiments.evaluation.launches`` counts as on a GPU
 that way). Elsewhere on a CPU each layer rebuilds just before its attention, in chunks that stay in the
 CPU's cache: thirty layers rebuilt ahead are a full cache's bytes written and read back from memory, which
 made a job of SmolLM2's KVReviver caches slower on this project's 2-core machine.

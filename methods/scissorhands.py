@@ -4,7 +4,7 @@ Scissorhands: a fixed-budget cache that drops the tokens whose attention kept fa
 Paper: Liu, Desai, Liao, Wang, Xie, Xu, Kyrillidis, Shrivastava, "Scissorhands: Exploiting the Persistence
 of Importance Hypothesis for LLM KV Cache Compression at Test Time", NeurIPS 2023,
 https://arxiv.org/abs/2305.17118 (persistence of importance: §3.2; the budget cache: §4, Algorithms 1-2;
-the error bound: Theorem 4.1, Appendix B.2-B.3, in ``methods/analysis/scissorhands_theory.py``).
+the error bound: Theorem 4.1, Appendix B.2-B.3, in ``experiments/analysis/scissorhands_theory.py``).
 
 Attention maps repeat: the tokens a step attends to strongly are, by and large, those later steps attend
 to as well. So a token that received *less than average* attention in most recent steps is unlikely to

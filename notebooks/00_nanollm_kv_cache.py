@@ -189,7 +189,7 @@ print(f"the 12-token cache of section 1.1: nbytes() = {library.nbytes()}, "
 # the time of one decode step, cached against an uncached forward over the whole prefix:
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
-from nanollm.cli.bench import run_bench
+from experiments.bench import run_bench
 
 x = torch.randint(0, config.vocab_size, (1, 48))
 with torch.no_grad():

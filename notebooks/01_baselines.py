@@ -120,7 +120,7 @@ print("H2O's scores on the toy, KV head 0:", [round(x, 2) for x in h2o_scores(to
 # The same check against the library's H2O cache, on the bundled model's attention for 22 tokens:
 
 # %%
-from methods.analysis.persistence import record_attention
+from experiments.analysis.persistence import record_attention
 
 demo_ids = torch.randint(model.config.vocab_size, (1, 22), generator=torch.Generator().manual_seed(0))
 demo_maps = record_attention(model, demo_ids)                        # n_layer x (H, 22, 22)

@@ -140,7 +140,7 @@ print("random (20 tokens, w = 8, B = 10, r = 2): the same", len(library_keep(ran
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from methods import make_policy
-from methods.evaluation.viz import needle_spans, plot_kept
+from experiments.evaluation.viz import needle_spans, plot_kept
 from nanollm import KVCache, load, prefill
 from nanollm.data.tasks import make_sample
 
@@ -208,7 +208,7 @@ for layer in range(model.config.n_layer):
 # the mean KL(full || method) and how often the top-1 tokens agree ([metrics glossary](README.md#metrics)).
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
-from methods.evaluation import language_modelling
+from experiments.evaluation import language_modelling
 
 real_model, real_tok, real_card = load("smollm2-135m")
 LM_LENGTH, LM_KEEP = (64, 0.5) if TINY else (512, 0.2)           # tokens of text; keep 0.2 = 5x compression

@@ -121,7 +121,7 @@ print(f"fp64, n = {n}: |naive - factored| = {(naive - factored).abs().max():.1e}
 # two-matrix path's; a slope 2 (of log time or log bytes against log $T$) means growth like $T^2$:
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
-from methods.tensor_attention.bench import measure, table
+from experiments.tensor_attention_bench import measure, table
 
 lengths = [16, 32, 64, 128] if TINY else [32, 128, 512, 1024]
 timing = measure(lengths)             # per path: bytes stored and ms per step, at each length
@@ -155,7 +155,7 @@ print(f"at T = {lengths[-1]}: the two-matrix cache stores {ratio:.0f}x the bytes
 # sequences, with its interval:
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
-from methods.evaluation.intervals import describe, paired_difference
+from experiments.evaluation.intervals import describe, paired_difference
 from methods.tensor_attention import match3
 
 n_eval = 200 if TINY else 2000                    # fresh sequences to evaluate on

@@ -159,7 +159,7 @@ for spec in specs:                                 # each keeps BUDGET entries p
 # samples, how often each (layer, KV head) pair keeps the needle's whole value.
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
-from methods.evaluation.viz import kept_mask, needle_spans
+from experiments.evaluation.viz import kept_mask, needle_spans
 
 SAMPLES = 1 if TINY else 10                        # samples per single-needle task
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]

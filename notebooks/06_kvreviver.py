@@ -160,7 +160,7 @@ for W in widths:
 # exact paired test against the keep ratio's most accurate method):
 
 # %% tags=["needs:insert", "needs:query"]
-from methods.evaluation.compare import format_tables, run
+from experiments.evaluation.compare import format_tables, run
 from methods.kvreviver import KVReviverPolicy
 
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]    # the bundled model's six tasks
@@ -179,7 +179,7 @@ print(format_tables(records))
 # %% [markdown]
 # KVReviver answers no question at either keep ratio (mean acc 0.00), where H2O answers 0.69 and 0.85. The
 # sketch does not cure contextual amnesia on this model, nor on a pretrained one: SmolLM2-135M with KVReviver
-# answers almost nothing at 2048 tokens ([the SmolLM2 runs](../methods/evaluation/smollm2.md)).
+# answers almost nothing at 2048 tokens ([the SmolLM2 runs](../experiments/evaluation/smollm2.md)).
 #
 # ## 4. What this says at our scale
 #

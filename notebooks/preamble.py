@@ -27,7 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads: idle
 #                                                      lesson that runs two threads stays fast on a busy machine)
 import torch  # noqa: E402
 
-from methods.evaluation.viz import print_mode  # noqa: E402
+from experiments.evaluation.viz import print_mode  # noqa: E402
 
 TINY = os.environ.get("NANOLLM_TINY") == "1"
 torch.set_num_threads(1)

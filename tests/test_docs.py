@@ -81,7 +81,7 @@ def test_links_resolve(page):
 def test_the_link_check_sees_a_missing_file_and_a_missing_heading():
     text = "See [the decoder](nanollm/README.md), [gone](course/nothing.md), [here](#no-such-heading).\n# Title\n"
     assert broken_links("README.md", text) == ["course/nothing.md", "#no-such-heading"]
-    assert slug("## The main job: `python -m methods.compare`") == "the-main-job-python--m-methodscompare"
+    assert slug("## The main job: `python -m experiments.compare`") == "the-main-job-python--m-experimentscompare"
 
 
 def notebook_markdown() -> dict[str, str]:

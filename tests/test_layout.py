@@ -1,6 +1,9 @@
 """
-The layout, checked: the packages import each other in one direction only (the reading path at the bottom,
-kernels as leaves, the fast paths above both), and the linter passes.
+The layout, checked: the packages stand in layers and import only downwards, with no exception,
+
+    nanollm  <-  methods  <-  kernels, fastpath  <-  experiments  <-  course, notebooks
+
+(kernels are leaves: they import nothing of the project), there is no import cycle, and the linter passes.
 
 The import graph is read from the source (every ``import``, at any depth: inside functions, under
 ``TYPE_CHECKING``), not from what Python happened to import, so a lazy import counts too.
@@ -16,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("nanollm", "methods", "kernels", "fastpath")
+LAYERS = (("nanollm",), ("methods",), ("kernels", "fastpath"), ("experiments",), ("course", "notebooks"))
+PACKAGES = tuple(pkg for layer in LAYERS for pkg in layer)
 READING_PATH = ("config", "storage", "policy", "attention", "cache", "model", "generation")
 
 
@@ -59,7 +63,7 @@ def test_the_graph_sees_the_imports():
     """A check of the checker: known edges are found, relative and lazy ones included."""
     assert "nanollm.cache" in GRAPH["nanollm.model"]                       # from .cache import KVCache
     assert "nanollm.io.checkpoint" in GRAPH["nanollm"]                     # lazy, inside load()
-    assert "methods.evaluation.compare" in GRAPH["methods.compare"]
+    assert "experiments.evaluation.compare" in GRAPH["experiments.compare"]
     assert "methods.tensor_attention.attention" in GRAPH["methods.tensor_attention"]
 
 
@@ -84,20 +88,24 @@ def test_no_import_cycle():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_nanollm_never_imports_methods_or_kernels():
-    wrong = {(a, b) for a, deps in GRAPH.items() if a.startswith("nanollm") for b in deps
-             if b.startswith(("methods", "kernels"))}
-    assert not wrong, f"nanollm must not depend on methods or kernels: {sorted(wrong)}"
+def layer_of(module: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if module.split(".")[0] in layer)
 
 
-def test_the_library_never_imports_the_fast_paths():
-    """fastpath/ plugs in from above: nanollm's library (everything but its command lines) never imports it,
-    nor does any method (the experiments that drive them, methods.evaluation and methods.analysis, may)."""
-    wrong = {(a, b) for a, deps in GRAPH.items()
-             if (a.startswith("nanollm") and not a.startswith("nanollm.cli"))
-             or (a.startswith("methods") and not a.startswith(("methods.evaluation", "methods.analysis")))
-             for b in deps if b.startswith("fastpath")}
-    assert not wrong, f"the library must not import fastpath/: {sorted(wrong)}"
+def test_imports_run_only_downwards():
+    """No module imports one of a higher layer (lazy imports and command lines included): the reading path
+    never needs the methods, no method needs a kernel or the fast path, and the experiments that measure them
+    all (the evaluation, the analyses, the benchmarks) are above everything they measure."""
+    wrong = sorted(f"{a} -> {b}" for a, deps in GRAPH.items() for b in deps if layer_of(b) > layer_of(a))
+    assert not wrong, "imports from a lower layer to a higher one: " + "; ".join(wrong)
+
+
+def test_the_layer_check_fails_on_an_upward_import():
+    """A check of the check: an edge from the library to an experiment, or from a method to the fast path,
+    is upward."""
+    assert layer_of("experiments.evaluation.compare") > layer_of("fastpath.lean") > layer_of("methods.snapkv")
+    assert layer_of("kernels.streaming") == layer_of("fastpath.graph") > layer_of("nanollm.model")
+    assert layer_of("course.grade") > layer_of("experiments.compare")
 
 
 EVALUATION_PLAIN_PATH = ("task", "engine", "protocol", "metrics")
@@ -106,35 +114,35 @@ EVALUATION_PLAIN_PATH = ("task", "engine", "protocol", "metrics")
 def evaluation_plain_path_lines() -> tuple[dict, int]:
     """Each plain-path file's lines, and the plain path's: all of them but the tasks defined beside ``Task``
     in task.py (tasks are what the plain path runs, as methods are: ``DocsContinuation`` is the example)."""
-    counts = {name: len((ROOT / "methods" / "evaluation" / f"{name}.py").read_text().splitlines())
+    counts = {name: len((ROOT / "experiments" / "evaluation" / f"{name}.py").read_text().splitlines())
               for name in EVALUATION_PLAIN_PATH}
-    tree = ast.parse((ROOT / "methods" / "evaluation" / "task.py").read_text())
+    tree = ast.parse((ROOT / "experiments" / "evaluation" / "task.py").read_text())
     tasks = sum(node.end_lineno - node.lineno + 1 for node in tree.body if isinstance(node, ast.ClassDef)
                 and any(getattr(base, "id", None) == "Task" for base in node.bases))
     return counts, sum(counts.values()) - tasks
 
 
 def test_the_evaluation_s_plain_path_is_short_and_never_reaches_the_fast_paths():
-    """methods/evaluation's plain path (task, engine, protocol with its main loop, metrics): at most 500 lines,
+    """experiments/evaluation's plain path (task, engine, protocol with its main loop, metrics): at most 500 lines,
     docstrings included, and nothing it imports, at any depth, is fastpath/ or the fast engine."""
     _, lines = evaluation_plain_path_lines()
     assert lines <= 500, f"the evaluation's plain path has {lines} lines, more than 500"
-    plain = [f"methods.evaluation.{name}" for name in EVALUATION_PLAIN_PATH]
+    plain = [f"experiments.evaluation.{name}" for name in EVALUATION_PLAIN_PATH]
     seen, todo = set(), list(plain)
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
             todo += GRAPH[name]
-    fast = sorted(n for n in seen if n.startswith("fastpath") or n in ("methods.evaluation.side_by_side",
-                                                                       "methods.evaluation.harness"))
+    fast = sorted(n for n in seen if n.startswith("fastpath") or n in ("experiments.evaluation.side_by_side",
+                                                                       "experiments.evaluation.harness"))
     assert not fast, f"the evaluation's plain path reaches {fast}"
 
 
 def test_the_evaluation_readme_states_the_plain_path_s_limit():
-    """methods/evaluation/README.md names the plain path's files and the limit this file holds them to (not
+    """experiments/evaluation/README.md names the plain path's files and the limit this file holds them to (not
     their counts, which a new task beside ``Task`` would change)."""
-    readme = " ".join((ROOT / "methods" / "evaluation" / "README.md").read_text().split())
+    readme = " ".join((ROOT / "experiments" / "evaluation" / "README.md").read_text().split())
     assert all(f"`{name}.py`" in readme for name in EVALUATION_PLAIN_PATH)
     assert "`lines <= 500`" in readme
 
@@ -150,24 +158,6 @@ def test_the_reading_path_is_short_and_imports_only_itself():
     allowed = {f"nanollm.{name}" for name in READING_PATH} | {"nanollm.checks", "nanollm.slots"}
     for name in READING_PATH:
         assert GRAPH[f"nanollm.{name}"] <= allowed, f"nanollm/{name}.py imports {GRAPH[f'nanollm.{name}'] - allowed}"
-
-
-def test_the_library_never_imports_the_course():
-    """course/ (assignments, grader) sits on top of the library: nothing in nanollm, methods or kernels
-    imports it, so a student copy's library is the library."""
-    wrong = sorted(p for p in MODULES.values() if "course" in {n.split(".")[0] for n in imports_all(p)})
-    assert not wrong, f"the library must not import course/: {wrong}"
-
-
-def imports_all(path: Path) -> set[str]:
-    """Every module name a file imports (absolute imports only)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            found.add(node.module)
-    return found
 
 
 def test_kernels_are_leaves():

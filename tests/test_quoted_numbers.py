@@ -207,7 +207,7 @@ def test_a_page_quotes_only_numbers_its_sources_hold(page):
 def test_the_page_check_catches_a_number_its_sources_do_not_hold():
     page = "## Speed\n\nDecoding takes 12.5 ms a token and 3,000 tokens fit (`results/kernels_bench_h100.json`).\n"
     assert unquoted_on("x.md", page) == [("## Speed", "12.5"), ("## Speed", "3,000")]
-    cmd = "## Run\n\n```bash\npython -m methods.compare --keep 0.37\n```\nIt keeps 0.37 of the cache.\n"
+    cmd = "## Run\n\n```bash\npython -m experiments.compare --keep 0.37\n```\nIt keeps 0.37 of the cache.\n"
     assert unquoted_on("x.md", cmd) == []
     assert unquoted_on("README.md", "## A\n\nIt keeps 3 of the 5 samples.\n") == [("## A", "3"), ("## A", "5")]
 

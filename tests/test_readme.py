@@ -1,7 +1,7 @@
 """
 The Markdown pages as written: README.md's set-up is what CI runs and the package then imports from anywhere;
 on every page (``PAGES``), the Python blocks run, the commands name only flags the commands have, the sample
-output of ``python -m nanollm.cli.bench`` is what the bench prints for those numbers, and a notebook section a
+output of ``python -m experiments.bench`` is what the bench prints for those numbers, and a notebook section a
 page points at exists.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nanollm.cli.bench import BenchResult, BenchRow, fit_line, format_result
+from experiments.bench import BenchResult, BenchRow, fit_line, format_result
 from nanollm.config import preset
 from tests.test_quoted_numbers import PAGES
 
@@ -142,7 +142,7 @@ def test_commands_use_flags_that_exist(tmp_path):
     """A command's flags are in its ``--help``, or in its subcommand's (``match3 train --attention``)."""
     commands = readme_commands()
     modules = sorted({c[0] for c in commands})
-    assert {"methods.compare", "nanollm.cli.train", "nanollm.cli.card", "nanollm.cli.bench"} <= set(modules)
+    assert {"experiments.compare", "nanollm.cli.train", "nanollm.cli.card", "experiments.bench"} <= set(modules)
     subcommands = sorted({f"{c[0]} {c[1]}" for c in commands if len(c) > 1 and re.fullmatch(r"[a-z]+", c[1])})
     result = python(["-c", HELP_TEXTS, *modules, *subcommands], tmp_path)
     assert result.returncode == 0, result.stderr

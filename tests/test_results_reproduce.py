@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from methods.analysis.kvreviver_rounding import sums_in_float64
-from methods.evaluation import compare, language_modelling
-from methods.evaluation.compare import Variant
+from experiments.analysis.kvreviver_rounding import sums_in_float64
+from experiments.evaluation import compare, language_modelling
+from experiments.evaluation.compare import Variant
 from methods.presets import preset_options
 from nanollm import load
 from nanollm.io.checkpoint import load_config
@@ -137,7 +137,7 @@ def test_compare_default_reproduces():
     ("smollm2_full_cache_2048_30samples.json", [], 1.0, "vt", "question_in_prompt", 4),
 ])
 def test_compare_smollm2_reproduces(name, methods, keep, task, mode, first):
-    """SmolLM2-135M's tables from methods.compare: each kind of row (the full cache, a prompt compressor, a
+    """SmolLM2-135M's tables from experiments.compare: each kind of row (the full cache, a prompt compressor, a
     decode-time evictor, KVReviver, a wrapper; both modes) in one cell of the file that holds it."""
     rerun_compare_cell(name, methods, keep, task, mode, first=first)
 
@@ -146,7 +146,7 @@ def test_compare_smollm2_reproduces(name, methods, keep, task, mode, first):
 @pytest.mark.heavy
 @pytest.mark.parametrize("name", ["kvreviver_rounding_plain.json", "kvreviver_rounding_float64.json"])
 def test_kvreviver_rounding_reproduces(name):
-    """KVReviver's records with its sketch's sums in fp32 and in float64 (``methods.analysis.kvreviver_rounding``,
+    """KVReviver's records with its sketch's sums in fp32 and in float64 (``experiments.analysis.kvreviver_rounding``,
     the files' commands): the first three answers of the cell where the third moved between the two."""
     with sums_in_float64() if "float64" in name else nullcontext():
         rerun_compare_cell(name, ["kvreviver"], 0.1, "passkey", "question_in_prompt", first=3)
@@ -176,7 +176,7 @@ def test_language_modelling_s_collapsed_rows_reproduce_in_order_of_magnitude():
     prompt rows: a collapsed cache (perplexity ratio in the 1e4-1e6) is the exp of a mean of large negative
     log-likelihoods, which the order of a sum moves, so it reproduces in its order of magnitude, and the rest
     of its row (the budget, the cache) exactly. The spread across the two engines and one or two threads is
-    printed: the quoting resolution of ``methods/evaluation/smollm2.md``."""
+    printed: the quoting resolution of ``experiments/evaluation/smollm2.md``."""
     records, args, model, tok = recorded_model("lm_smollm2.json", language_modelling)
     committed = {r["keep_ratio"]: r for r in records if r["method"] == "kvreviver"}
     runs = {}
@@ -206,7 +206,7 @@ def test_language_modelling_s_collapsed_rows_reproduce_in_order_of_magnitude():
 def test_kvreviver_ablation_reproduces():
     """KVReviver's ablation table (SmolLM2, the language-modelling protocol): the shipped method and the one
     without swaps at 51 slots, side by side, against the committed rows (swaps counted exactly)."""
-    from methods.analysis import kvreviver_ablation as ablation
+    from experiments.analysis import kvreviver_ablation as ablation
     records, args, model, tok = recorded_model("kvreviver_ablation.json", ablation)
     names = ["shipped", "no swaps"]
     committed = {r["variant"]: r for r in records if r.get("kind") == "lm" and r["keep_ratio"] in (0.2, 1.0)
@@ -222,7 +222,7 @@ def test_kvreviver_ablation_reproduces():
 def test_kvreviver_ablation_s_fisher_and_lemma_rows_reproduce():
     """The ablation file's other two kinds of row: the Fisher information per layer that sets the "Fisher
     budgets" variant, and Lemma 2's predicted and measured reconstruction errors per layer and policy."""
-    from methods.analysis import kvreviver_ablation as ablation
+    from experiments.analysis import kvreviver_ablation as ablation
     records, args, model, tok = recorded_model("kvreviver_ablation.json", ablation)
     fisher = next(r for r in records if r["kind"] == "fisher")
     calib = ablation.calibration_ids(tok)
@@ -261,7 +261,7 @@ def test_a_row_of_the_course_mutants_report_reproduces(tmp_path):
 def test_the_launch_count_reproduces():
     """``results/launches_smollm2_batched.txt``: one SmolLM2 job counted again gives the committed table, row
     by row (operations and host waits are the code's, not the machine's; the time in its last line is)."""
-    from methods.evaluation import launches
+    from experiments.evaluation import launches
     fetched("smollm2-135m")
     text = (RESULTS / "launches_smollm2_batched.txt").read_text()
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ MUTANTS = [
            "1.0 / visible[..., -1:, :].sum(-1, keepdim=True).clamp(min=1)",
            "1.0 / visible.sum(-1, keepdim=True).clamp(min=1)"),
     Mutant("calls the shipped persistence.heavy (square causal attention only)", "low_flags",
-           "from methods.analysis.persistence import heavy\n"
+           "from experiments.analysis.persistence import heavy\n"
            "B, H_kv, Tn, T = attn.shape\n"
            "return visible & ~heavy(attn.reshape(B * H_kv, Tn, T)).view(B, H_kv, Tn, T)"),
 

@@ -1,6 +1,6 @@
 """
 Tensor attention: another attention module for the nanollm decoder, its two cache layouts, and the
-experiments around them.
+experiments around them (its benchmark is ``experiments/tensor_attention_bench.py``).
 
     attention.py       the module (five projections; a query scores pairs of tokens), the four- and two-matrix
                        caches, the three decode paths (``tensor_cache(config, "four" | "four-naive" | "two")``)
@@ -8,7 +8,6 @@ experiments around them.
     subgen.py          SubGen-style compression of the pair attention (clustered keys, sampled values)
     match3.py          a task only pairs of tokens solve: train and evaluate tensor vs standard models
                        (``python -m methods.tensor_attention.match3``); the bundled models are in checkpoints/
-    bench.py           time and memory of the three decode paths (``python -m methods.tensor_attention.bench``)
 
 A model names the module as ``ModelConfig.attention = "methods.tensor_attention:TensorAttention"``, so the
 names below are what this package exports.

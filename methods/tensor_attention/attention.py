@@ -64,8 +64,6 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-import kernels
-from kernels.tensor_decode import tensor_decode_triton
 from nanollm.cache import KVCache
 from nanollm.config import ModelConfig
 from nanollm.policy import Needs
@@ -197,10 +195,13 @@ class FourCache:
     """Four-matrix cache: K1, K2, V1, V2 (B, H, n, d) and the tokens' positions (n,). 4 n d numbers.
 
     ``naive=True`` attends by building K1 (/) K2 and V1 (/) V2 at every step (``naive_four_cache_attention``);
-    otherwise factored (``four_cache_attention``). Both read the same stored numbers."""
+    otherwise factored (``four_cache_attention``). Both read the same stored numbers. ``decode_step``, when
+    given, computes a decode step's output instead (``fn(q (B, H, d), k1, k2, v1, v2, scale) -> (B, H, d)``, or
+    None where it cannot): how ``fastpath/tensor.py`` puts the Triton kernel in, the library never does."""
 
-    def __init__(self, config: ModelConfig | None = None, naive: bool = False) -> None:
+    def __init__(self, config: ModelConfig | None = None, naive: bool = False, decode_step=None) -> None:
         self.naive = naive
+        self.decode_step = decode_step
         self.k1, self.k2, self.v1, self.v2 = Rows(), Rows(), Rows(), Rows()
         self._pos = Rows(dim=0)
         self.last = -1                            # the latest stored position
@@ -223,9 +224,10 @@ class FourCache:
         scale = 1.0 / math.sqrt(q.shape[-1])
         factors = (self.k1.t, self.k2.t, self.v1.t, self.v2.t)                   # (B, H, n, d) each
         masked = q.shape[2] > 1 or self.last > int(q_pos.max())   # a decode step sees every stored token: no mask
-        if (not masked and not self.naive and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-                and not (torch.is_grad_enabled() and q.requires_grad) and kernels.serves(q)):   # a GPU + Triton
-            return tensor_decode_triton(q[:, :, 0], *factors, scale).unsqueeze(2)
+        if not masked and not self.naive and self.decode_step is not None:
+            out = self.decode_step(q[:, :, 0], *factors, scale)                  # (B, H, d), or None
+            if out is not None:
+                return out.unsqueeze(2)
         allowed = None
         if masked:
             seen = self.pos[None, :] <= q_pos[:, None]                            # (Tq, n)
@@ -328,14 +330,18 @@ TENSOR_ATTENTION = "methods.tensor_attention:TensorAttention"      # what ModelC
 LAYOUTS = {"four": FourCache, "four-naive": NaiveFourCache, "two": TwoCache}
 
 
-def tensor_cache(config: ModelConfig, layout: str = "four") -> KVCache:
-    """An empty cache for a tensor-attention model with the given layout ("four", "four-naive", "two")."""
+def tensor_cache(config: ModelConfig, layout: str = "four", decode_step=None) -> KVCache:
+    """An empty cache for a tensor-attention model with the given layout ("four", "four-naive", "two");
+    ``decode_step`` goes to each layer's four-matrix storage (``FourCache``)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown tensor-attention cache layout {layout!r}; choose one of {sorted(LAYOUTS)}")
     if config.attention != TENSOR_ATTENTION:
         raise ValueError(f"tensor_cache is for tensor-attention models; this config's attention is "
                          f"{config.attention!r}")
-    return KVCache(config, new_storage=LAYOUTS[layout])
+    if decode_step is not None and layout != "four":
+        raise ValueError(f"a decode_step is for the factored four-matrix layout, not {layout!r}")
+    new_storage = LAYOUTS[layout] if decode_step is None else (lambda c: FourCache(c, decode_step=decode_step))
+    return KVCache(config, new_storage=new_storage)
 
 
 # ----------------------------------------------------------------------------------------------------------

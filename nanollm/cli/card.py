@@ -6,7 +6,7 @@ Model cards: measure a checkpoint's full-cache accuracy on every task, length an
 evaluates a training run or a checkpoint with the full cache (greedy decoding, ``string_match_all``, both
 modes) and makes its card: architecture, tokenizer, the exact training command, steps, wall time,
 hardware, the accuracy table, and the *default suite*: the tasks the model solves (>= 95% for the NIAH
-tasks, >= 80% for vt and cwe, at every evaluated length, in both modes), which is what ``methods.compare``
+tasks, >= 80% for vt and cwe, at every evaluated length, in both modes), which is what ``experiments.compare``
 runs by default. The card is written only where the command says: ``--out DIR`` writes a checkpoint folder
 (weights, config, tokenizer, ``card.json``, ``README.md``); ``--in-place`` replaces the card of the
 checkpoint SOURCE; with neither, it is only printed.

@@ -3,7 +3,7 @@ The generation command line: ``python -m nanollm.cli.generate --help``.
 
 Loads a checkpoint (bundled, nanollm folder or Hugging Face folder), builds a prompt (your text, or a
 sample of a synthetic task), and generates with an explicit, uncompressed KV cache. The same command with
-a compression method is ``python -m methods.evaluation.generate`` (it passes ``make_policy`` to ``main`` below:
+a compression method is ``python -m experiments.evaluation.generate`` (it passes ``make_policy`` to ``main`` below:
 nanollm itself never imports ``methods``). The library functions (prefill, extend, decode_step, generate)
 live in ``generation.py`` and are exported by the package: ``from nanollm import generate`` is the
 function, not this module.
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None, make_policy=None, prog: str = "python -m
         prog=prog,
         description="Generate text with a nanollm checkpoint and an explicit KV cache"
                     + (", optionally compressed by a KV-cache method." if make_policy else
-                       " (full cache; 'python -m methods.evaluation.generate' adds compression methods).")
+                       " (full cache; 'python -m experiments.evaluation.generate' adds compression methods).")
                     + " Without --prompt, the prompt is a sample of a synthetic task, and the answer is checked "
                       "against the sample's expected answer.")
     ap.add_argument("--checkpoint", default="retrieval-llama",

@@ -4,7 +4,7 @@ Where a results file came from: the command, the settings that can change its nu
 A committed number is only worth something if it can be made again. Every command that writes a results
 file records, at the top of its text output and under ``"provenance"`` in its JSON:
 
-* ``command``: how it was run (``python -m methods.compare --checkpoint smollm2-135m ...``);
+* ``command``: how it was run (``python -m experiments.compare --checkpoint smollm2-135m ...``);
 * ``threads``, ``dtype``, ``seed``: the settings a reader would otherwise have to guess;
 * ``versions``: Python, torch, numpy, and the platform;
 * ``commit``: the git commit of the code that ran, with ``+changes`` when a tracked file outside ``results/``

@@ -225,7 +225,7 @@ CARD_OBJECTS = ("model_config", "config")
 def check_card(card, path) -> dict:
     """A model card read from ``path``: an object whose known fields have their types (``CARD_TEXT`` strings,
     ``CARD_COUNTS`` integers in range, ``CARD_OBJECTS`` objects, ``default_suite`` a list of task names,
-    ``wall_time_s`` a number >= 0). ``methods.compare`` runs ``default_samples`` samples per task and mode, so
+    ``wall_time_s`` a number >= 0). ``experiments.compare`` runs ``default_samples`` samples per task and mode, so
     that is capped at ``MAX_SAMPLES``."""
     from ..data.tasks import ALL_TASKS
 
@@ -362,7 +362,7 @@ def gguf_tokenizer(g) -> EncodingTokenizer:
 
 def gguf_card(path: str | Path, hf_config: dict) -> dict:
     """The card of a GGUF model: where it came from and its configuration; a fetched model's card also names
-    it and gives its default task suite, length and sample count (what ``methods.compare`` runs when no
+    it and gives its default task suite, length and sample count (what ``experiments.compare`` runs when no
     ``--tasks``, ``--length`` or ``--samples`` are given)."""
     card = {"source": "gguf", "file": str(path), "name": Path(path).stem, "config": hf_config}
     for r in fetch.REMOTES.values():

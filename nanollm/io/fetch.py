@@ -48,7 +48,7 @@ class Remote:
     size: int               # bytes of the file
     sha256: str             # of the file
     default_suite: tuple[str, ...] = ()   # the tasks its full cache answers (>= 0.8) at default_length: README
-    default_length: int = 0               # methods.compare's tokens per sample on this model (0: its own default)
+    default_length: int = 0               # experiments.compare's tokens per sample on this model (0: its own default)
     default_samples: int = 0              # and samples per task and mode
 
     @property

@@ -49,7 +49,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from methods import make_policy
-from methods.evaluation.viz import needle_spans, plot_kept
+from experiments.evaluation.viz import needle_spans, plot_kept
 from nanollm import KVCache, prefill
 from nanollm.data.tasks import make_sample
 
@@ -112,8 +112,8 @@ plot_four(caches, N, spans, 9)
 # full cache, and its KV head's strip under each method (`_` = evicted).
 
 # %%
-from methods.evaluation.harness import compare_traces, greedy_accuracies, traces
-from methods.evaluation.viz import kept_text
+from experiments.evaluation.harness import compare_traces, greedy_accuracies, traces
+from experiments.evaluation.viz import kept_text
 from nanollm.data.evaluate import MODES, answer
 
 trs = traces(model, sample, MODES[0], [None] + [make_policy(s, budget=BUDGET) for s in SPECS],
@@ -154,7 +154,7 @@ for spec in SPECS:
 # %%
 from matplotlib.colors import LogNorm
 
-from methods.analysis.persistence import record_attention
+from experiments.analysis.persistence import record_attention
 
 prompt_maps = record_attention(model, ids)                              # n_layer x (H, N, N)
 lo, hi = max(1, start - 4), min(N - 32, end + 4)                        # the needle and a few tokens around it
@@ -216,7 +216,7 @@ print("AdaKV's entries per KV head, layer by layer:", ", ".join(str(c) for c in 
 # against the full cache:
 
 # %%
-from methods.evaluation.intervals import describe, paired_difference
+from experiments.evaluation.intervals import describe, paired_difference
 from nanollm.data.tasks import string_match_all
 
 real, real_tok, real_card = load("smollm2-135m")         # 30 layers, 9 query heads, 3 KV heads (its card), fp32
@@ -251,7 +251,7 @@ for spec, said in real_acc.items():
 # question comes. The passage, and what each method keeps of it:
 
 # %%
-from methods.evaluation.viz import kept_mask
+from experiments.evaluation.viz import kept_mask
 
 real_sample = make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=1)
 real_ids = torch.tensor([real_sample.prompt_ids])
@@ -316,14 +316,14 @@ for spec, row in zip(SPECS, share):
 #
 # The harness on the bundled model's default suite, both modes, keep ratios 0.1, 0.25 and 0.5 (`SAMPLES`
 # samples per task and mode, 512-token samples, seed 0): the same jobs as the main command
-# `python -m methods.compare` for these four methods. Accuracy is the mean over the tasks with its 95% Wilson
+# `python -m experiments.compare` for these four methods. Accuracy is the mean over the tasks with its 95% Wilson
 # interval; KL is averaged over the samples.
 
 # %%
 from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
-from methods.evaluation.compare import run
-from methods.evaluation.intervals import wilson
+from experiments.evaluation.compare import run
+from experiments.evaluation.intervals import wilson
 
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 records = run(model, tok, SPECS, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
@@ -383,7 +383,7 @@ plt.show()
 # H2O's accuracy rises fastest with the keep ratio and its KL falls fastest, in both modes; at keep 0.1 all
 # four are near zero. With the question in the prompt StreamingLLM overtakes SnapKV and AdaKV at keep 0.5.
 # The numbers behind the figure, with the peak memory of the keys and values (KV KiB), then paired
-# differences, each task's samples resampled (`methods/evaluation/intervals.py`): AdaKV against SnapKV (the
+# differences, each task's samples resampled (`experiments/evaluation/intervals.py`): AdaKV against SnapKV (the
 # same scores, another allocation), the best baseline at each keep ratio against the second best, and SnapKV
 # in one mode against the other (the same samples). A difference is distinguishable when its paired 95%
 # interval excludes 0, within noise otherwise.

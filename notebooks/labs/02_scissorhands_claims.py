@@ -18,9 +18,9 @@
 #    attention at three decode positions (the paper's Figure 1);
 # 6. what all this says at our scale.
 #
-# Code: `methods/scissorhands.py` (the method and the measurements), `methods/analysis/scissorhands_theory.py`
-# (the bound, the Monte Carlo, the single-head model), `methods/evaluation/compare.py` (the evaluation loop),
-# `methods/evaluation/viz.py` (pictures of kept tokens).
+# Code: `methods/scissorhands.py` (the method and the measurements), `experiments/analysis/scissorhands_theory.py`
+# (the bound, the Monte Carlo, the single-head model), `experiments/evaluation/compare.py` (the evaluation loop),
+# `experiments/evaluation/viz.py` (pictures of kept tokens).
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -59,7 +59,7 @@ print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, 
 # otherwise; both intervals are at the level the glossary states.
 
 # %%
-from methods.evaluation.compare import run
+from experiments.evaluation.compare import run
 from nanollm.data.evaluate import MODES
 
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
@@ -71,7 +71,7 @@ print(f"{len(records)} rows (method, keep ratio, task, mode)")
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
-from methods.evaluation.intervals import describe, paired_difference, wilson
+from experiments.evaluation.intervals import describe, paired_difference, wilson
 
 
 def rows_of(records, method, ratio, mode, tasks=None):
@@ -140,7 +140,7 @@ for mode in MODES:
 # *lower* (0.37 against 0.45 with the question in the prompt, 0.36 against 0.45 after the context: the
 # paired interval of the difference excludes 0). H2O is distinguishably above Scissorhands from 0.25
 # on (0.66-0.69, then 0.85). The KL panels say the same: Scissorhands' KL stays near StreamingLLM's,
-# several times H2O's. (`format_intervals(records)` from `methods.evaluation.compare` prints each row's
+# several times H2O's. (`format_intervals(records)` from `experiments.evaluation.compare` prints each row's
 # interval and its difference from the full cache.)
 #
 # At keep 0.25, the question in the prompt, on the NIAH tasks alone, and what the counters cost in memory
@@ -175,7 +175,7 @@ print(f"scissorhands' state per slot: {W_DEFAULT} flags (one byte each) + an int
 # default `w = 400` sample by sample).
 
 # %%
-from methods.evaluation.compare import Variant
+from experiments.evaluation.compare import Variant
 
 ablation = run(model, tok, [Variant(f"w={w}", "scissorhands", {"history_window": w}) for w in [400, 32, 8]]
                + [Variant("m=16", "scissorhands", {"drop": 16})], [BUDGET], TASKS, MODES[:1], SAMPLES, LENGTH,
@@ -211,8 +211,8 @@ for label in ["w=400", "w=32", "w=8", "m=16"]:
 # 1999` weights, keep the top `B`, measure the mass dropped, average over draws.
 
 # %%
-from methods.analysis.scissorhands_theory import dropped_mass_bound, intermediate_dropped_mass_bound
-from methods.analysis.scissorhands_theory import simulate_dropped_mass
+from experiments.analysis.scissorhands_theory import dropped_mass_bound, intermediate_dropped_mass_bound
+from experiments.analysis.scissorhands_theory import simulate_dropped_mass
 
 eps = 0.05
 keeps = torch.linspace(0.08, 0.98, 10 if TINY else 46).tolist()
@@ -242,7 +242,7 @@ print(f"closed form negative exactly for B/T < eps + (1 - eps) / (k / (k - 1))^(
 # same quantities, and Theorem 4.1's output bound, at a few settings, with the simulation's standard error.
 
 # %%
-from methods.analysis.scissorhands_theory import theorem41_bound
+from experiments.analysis.scissorhands_theory import theorem41_bound
 
 rows_table = [(5, 3, 0.05, 0.5), (5, 3, 0.05, 0.7), (5, 3, 0.05, 0.9), (1000, 3, 0.05, 0.5), (5, 3, 0.10, 0.5)]
 print(" u/b  k   eps  B/T | simulated dropped mass | Delta_max (closed form) | intermediate form | Thm 4.1")
@@ -267,7 +267,7 @@ for u, k, eps, keep in rows_table:
 # something once `T_min` is enormous:
 
 # %%
-from methods.analysis.scissorhands_theory import failure_probability
+from experiments.analysis.scissorhands_theory import failure_probability
 
 for t_min in [10 ** 3, 10 ** 4, 10 ** 5, 10 ** 6]:
     p = failure_probability(t_min, 2 * t_min, 0.5, 3, 0.1, 1.0, 5.0)
@@ -294,7 +294,7 @@ for t_min in [10 ** 3, 10 ** 4, 10 ** 5, 10 ** 6]:
 # Run as written, the generated tokens shrink and every cache agrees (the bound holds trivially):
 
 # %%
-from methods.analysis.scissorhands_theory import make_toy_model, run_toy
+from experiments.analysis.scissorhands_theory import make_toy_model, run_toy
 
 T0, TOY_B = (16 if TINY else 64), TOY_T // 2         # prompt tokens, budget (B / T_max = 0.5)
 toy = make_toy_model(qk_norm=1e4, seed=0)
@@ -313,7 +313,7 @@ print(f"as written: largest generated |x| = {raw_full['x'][T0:].norm(dim=-1).max
 # near one-hot at `1e5`.
 
 # %%
-from methods.analysis.scissorhands_theory import fit_power_law
+from experiments.analysis.scissorhands_theory import fit_power_law
 
 
 def toy_runs(qk, seeds):
@@ -393,7 +393,7 @@ for qk, r in toy_results.items():
 # single needle in noise).
 
 # %%
-from methods.analysis.persistence import block_cosine
+from experiments.analysis.persistence import block_cosine
 
 cos = block_cosine(model, ids)
 fig, axes = plt.subplots(1, 2, figsize=(10, 3))
@@ -446,7 +446,7 @@ print(f"{REAL_SUITE} at {LENGTH_REAL} tokens, budget {BUDGET_REAL}; persistence 
 
 # %%
 from methods import make_policy
-from methods.evaluation.viz import needle_spans, plot_kept
+from experiments.evaluation.viz import needle_spans, plot_kept
 from nanollm import KVCache, prefill
 
 real_samples = {"niah_single_docs, seed 0": make_sample("niah_single_docs", real_tok, LENGTH_REAL, seed=0),
@@ -475,7 +475,7 @@ plt.show()
 # sentence as each cache holds it in two layers.
 
 # %%
-from methods.evaluation.viz import kept_mask, kept_text
+from experiments.evaluation.viz import kept_mask, kept_text
 
 SHOWN_LAYERS = [10, 29]
 for (name, spec), cache in real_caches.items():
@@ -515,8 +515,8 @@ for spec in ["scissorhands", "h2o"]:
 # Scissorhands' low flag) and at three times it.
 
 # %%
-from methods.analysis.persistence import persistence_by_layer
-from methods.evaluation.viz import plot_persistence
+from experiments.analysis.persistence import persistence_by_layer
+from experiments.evaluation.viz import plot_persistence
 
 real_prompts = [make_sample(task, real_tok, LENGTH_REAL, seed=i).prompt_ids for task in REAL_TASKS
                 for i in range(REAL_PERSISTENCE_SAMPLES)]
@@ -599,8 +599,8 @@ plt.show()
 
 
 # %%
-from methods.analysis.persistence import persistence_by_layer
-from methods.evaluation.viz import plot_persistence
+from experiments.analysis.persistence import persistence_by_layer
+from experiments.evaluation.viz import plot_persistence
 
 n_prompts = 1 if TINY else 4                                      # prompts per NIAH task
 niah = [t for t in card["default_suite"] if t.startswith("niah")][:1 if TINY else None]
@@ -634,8 +634,8 @@ for level, table in pers.items():
 # the answer.
 
 # %%
-from methods.analysis.persistence import record_attention
-from methods.evaluation.viz import needle_spans
+from experiments.analysis.persistence import record_attention
+from experiments.evaluation.viz import needle_spans
 
 sample = make_sample("niah_single_noise", tok, LENGTH, seed=0)   # the lesson's prompt
 N = len(sample.prompt_ids)                                        # prompt tokens

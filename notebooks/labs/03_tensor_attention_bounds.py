@@ -40,7 +40,7 @@ tensor_model, tensor_card = match3.load("match3-tensor")      # the lesson's sec
 import matplotlib.pyplot as plt
 import torch
 
-from methods.evaluation.intervals import wilson
+from experiments.evaluation.intervals import wilson
 from methods.tensor_attention.index_problem import accuracy_vs_bits, fano_accuracy, make_instance, retrieve
 
 inst = make_instance(128, seed=0)

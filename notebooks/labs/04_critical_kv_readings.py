@@ -30,8 +30,8 @@
 # 7, max); `alpha_safeguard` is the share of the budget each AdaKV head keeps from its own top scores before
 # the layer's pool is shared (0.2 in both). The metrics (acc, KL, pert, lost, keep ratio) and the
 # two modes are defined in the [metrics glossary](../README.md#metrics). Code:
-# `methods/critical_kv.py`, `methods/evaluation/harness.py` (traces against the full cache),
-# `methods/evaluation/compare.py` (accuracy tables).
+# `methods/critical_kv.py`, `experiments/evaluation/harness.py` (traces against the full cache),
+# `experiments/evaluation/compare.py` (accuracy tables).
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -131,7 +131,7 @@ print("\ncells: value digits kept / 6 (tokens of the 12 before them kept)")
 import matplotlib.pyplot as plt
 
 from methods.critical_kv import projected_value_norms
-from methods.evaluation.harness import trace
+from experiments.evaluation.harness import trace
 from methods.snapkv import pool1d
 
 layer = 3
@@ -204,7 +204,7 @@ for name, score in stage2.items():                                    # (H_kv, T
 
 # %%
 from methods.critical_kv import assumption1_sigma, projected_output_l1
-from methods.evaluation.harness import compare_traces, greedy_accuracy
+from experiments.evaluation.harness import compare_traces, greedy_accuracy
 
 VARIANTS = {                          # label -> (method spec, options)
     "snapkv": ("snapkv", {}),
@@ -337,7 +337,7 @@ for ratio in HEAD_RATIOS:
 # than SnapKV. Per layer, `sum_h L_h` shows where the difference builds up.
 
 # %%
-from methods.evaluation.intervals import describe, paired_difference
+from experiments.evaluation.intervals import describe, paired_difference
 
 print(f"{'keep':>5}  {'variant':<20}| {'final pert':>10} {'KL':>7} {'acc':>6} | {'sum_h L_h per layer':>28}")
 for ratio in HEAD_RATIOS:
@@ -500,11 +500,11 @@ summarise(alg1, HEAD_RATIOS, [(str(l), [l]) for l in range(cfg.n_layer)] + [("al
 # %% [markdown]
 # ## 3. Accuracy and KL against the keep ratio, both modes
 #
-# `methods.evaluation.compare.run` (the function behind `python -m methods.compare`) on the default suite, for
+# `experiments.evaluation.compare.run` (the function behind `python -m experiments.compare`) on the default suite, for
 # the two hosts and each with its selections, in both modes.
 
 # %%
-from methods.evaluation.compare import Variant, run
+from experiments.evaluation.compare import Variant, run
 from nanollm.data.evaluate import MODES
 
 METHODS_C = [Variant(label, *VARIANTS[label]) for label in VARIANTS if not label.startswith("alpha")]
@@ -528,7 +528,7 @@ cell_mean = lambda method, mode, budget, key: mean([r[key] for r in cell_records
 print(f"{len(TASKS)} tasks x {N_SAMPLES} samples per mode, {LENGTH} tokens, seed 0")
 
 # %%
-from methods.evaluation.intervals import wilson
+from experiments.evaluation.intervals import wilson
 
 
 def style(label: str) -> dict:
@@ -722,8 +722,8 @@ print(f"SmolLM2-135M: {rcfg.n_layer} layers, {rcfg.n_head} query heads, {rcfg.n_
 # of the value's digits do SnapKV and the two readings of CriticalSnapKV keep, and what does the model answer?
 
 # %%
-from methods.evaluation.harness import greedy_accuracies, traces
-from methods.evaluation.viz import kept_mask, needle_spans
+from experiments.evaluation.harness import greedy_accuracies, traces
+from experiments.evaluation.viz import kept_mask, needle_spans
 
 sample_r = make_sample("niah_single_docs", rtok, LENGTH_REAL, seed=0)
 span_r = needle_spans(sample_r, rtok)[0]                          # (key start, value start, value end)
@@ -763,7 +763,7 @@ for label, (acc, said) in zip(["full cache", *READINGS_R], greedy_accuracies(rea
 # at kvpress's settings.
 
 # %%
-from methods.evaluation.harness import traces
+from experiments.evaluation.harness import traces
 
 res_r = {}                             # (label, ratio) -> {metric: [one value per sample]}
 for task in TASKS_REAL:
@@ -872,7 +872,7 @@ print(f"(heads lower: of the {rcfg.n_layer} x {rcfg.n_head} (layer, query head) 
 # ### 5.2 The final hidden state, KL and accuracy
 #
 # The paper's §5.2 (Figure 3) reports a lower final-layer output perturbation with the selection at every
-# budget, and its Tables 1 and 3 small gains in answer quality. `methods.evaluation.compare.run` runs every
+# budget, and its Tables 1 and 3 small gains in answer quality. `experiments.evaluation.compare.run` runs every
 # variant in both modes, with greedy answers, and measures accuracy per task, KL and `pert` (the same final
 # hidden state error) per cell; the figure draws them against the keep ratio.
 
@@ -951,12 +951,12 @@ for reading in ("pooled stage 2", "literal stage 2"):                  # the cel
           f"{len(after)} cells")
 
 # %% [markdown]
-# Then the records of `methods.evaluation.compare.run` behind the figure, in both modes: accuracy per task, KL
+# Then the records of `experiments.evaluation.compare.run` behind the figure, in both modes: accuracy per task, KL
 # and `pert` per cell (`format_tables`), and `format_intervals`: each cell's 95% interval, its paired difference
 # from the full cache, and which methods are within noise of the best at each keep ratio.
 
 # %%
-from methods.evaluation.compare import format_intervals, format_tables
+from experiments.evaluation.compare import format_intervals, format_tables
 
 by_mode = {mode: [r for r in records_r if r["mode"] == mode] for mode in MODES}     # one table per mode
 print(format_tables(by_mode[MODES[0]]))

@@ -13,8 +13,8 @@
 #    same votes);
 # 4. what this says at our scale.
 #
-# Code: `methods/chunkkv.py` (the method), `methods/evaluation/viz.py` (the pictures),
-# `methods/evaluation/compare.py` (the evaluation loop).
+# Code: `methods/chunkkv.py` (the method), `experiments/evaluation/viz.py` (the pictures),
+# `experiments/evaluation/compare.py` (the evaluation loop).
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -53,9 +53,9 @@ import torch
 from matplotlib import ticker
 
 from methods import make_policy
-from methods.analysis.layer_similarity import adjacent_layer_jaccard, kept_positions
-from methods.evaluation.intervals import describe, paired_difference, wilson
-from methods.evaluation.viz import kept_mask, needle_spans
+from experiments.analysis.layer_similarity import adjacent_layer_jaccard, kept_positions
+from experiments.evaluation.intervals import describe, paired_difference, wilson
+from experiments.evaluation.viz import kept_mask, needle_spans
 from nanollm import KVCache, prefill
 from nanollm.data.tasks import make_sample
 
@@ -135,7 +135,7 @@ STYLES = ["o-", "s--", "^-.", "v:"]                 # distinct markers and dashe
 # %%
 import matplotlib.pyplot as plt
 
-from methods.evaluation.compare import run
+from experiments.evaluation.compare import run
 from nanollm.data.evaluate import MODES
 
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
@@ -196,7 +196,7 @@ for mode in MODES:
 # choosing for itself (`reuse=1`), how often does each layer keep the needle's value whole?
 
 # %%
-from methods.evaluation.compare import Variant
+from experiments.evaluation.compare import Variant
 
 budget = round(0.25 * LENGTH)
 sizes, depths = [1, 5, 10, 20], [1, 2, 4]
@@ -339,7 +339,7 @@ from types import SimpleNamespace
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from methods.evaluation.viz import plot_kept
+from experiments.evaluation.viz import plot_kept
 
 
 def some_layers(cache, layers):
@@ -382,7 +382,7 @@ plt.show()
 # layers 0, 10, 20 and 29 (`_` = evicted):
 
 # %%
-from methods.evaluation.viz import kept_text
+from experiments.evaluation.viz import kept_text
 
 for spec, cache in real_caches.items():
     lines = kept_text(real_tok, real_sample.prompt_ids, cache, real_span).splitlines()

@@ -7,7 +7,7 @@
 # the [book's notation table](../README.md).
 #
 # The lesson found that KVReviver answers no question after the context on the bundled model, and the
-# [SmolLM2 runs](../../methods/evaluation/smollm2.md) find the same on SmolLM2-135M. This lab finds out where
+# [SmolLM2 runs](../../experiments/evaluation/smollm2.md) find the same on SmolLM2-135M. This lab finds out where
 # and why:
 #
 # 1. on SmolLM2, which tokens stay raw and where the attention of the first answer token goes;
@@ -95,7 +95,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from methods import make_policy
-from methods.evaluation.viz import kept_mask, needle_spans
+from experiments.evaluation.viz import kept_mask, needle_spans
 from nanollm.data.tasks import make_sample
 
 passage = make_sample("passkey", real_tok, LENGTH_REAL, seed=0)
@@ -165,12 +165,12 @@ for budget in BUDGETS_REAL:
 # Section 2.1's measurement, on this model: at the step that reads the first answer token (question
 # after context), per layer, the attention probability that goes to positions rebuilt from the sketch
 # (revived tokens included), averaged over the 9 query heads, next to what the full cache gives those very
-# positions (`methods/analysis/rebuilt_attention.py`); and the mean length of the rebuilt keys relative to
+# positions (`experiments/analysis/rebuilt_attention.py`); and the mean length of the rebuilt keys relative to
 # the real keys of the same positions.
 
 # %%
-from methods.analysis.rebuilt_attention import key_norm_ratio, rebuilt_attention_mass
-from methods.evaluation.harness import traces
+from experiments.analysis.rebuilt_attention import key_norm_ratio, rebuilt_attention_mass
+from experiments.evaluation.harness import traces
 
 mass_samples = [make_sample(t, real_tok, LENGTH_REAL, seed=0) for t in TASKS_REAL]
 configs = {(name, budget): opts for budget in BUDGETS_REAL for name, opts in GRANULARITIES.items()}
@@ -282,7 +282,7 @@ for layer in range(model.config.n_layer):
 # %%
 from matplotlib.colors import LogNorm
 
-from methods.analysis.rebuilt_attention import rebuilt_mask
+from experiments.analysis.rebuilt_attention import rebuilt_mask
 
 L, G, H = model.config.n_layer, model.config.group_size, model.config.n_head
 full_tr, kvr_tr = traces(model, make_sample("niah_single_noise", tok, LENGTH, seed=1), "question_after_context",
@@ -344,7 +344,7 @@ print(f"Over {len(TASKS)} prompts (one per task) x {model.config.n_layer} layers
 # is a method with options.
 
 # %%
-from methods.evaluation.compare import Variant, format_intervals, run
+from experiments.evaluation.compare import Variant, format_intervals, run
 
 variants = [Variant("kvreviver", "kvreviver"), Variant("kvreviver per-head", "kvreviver", {"per_kv_head": True}),
             Variant("kvr no sketch", "kvreviver", {"sketch_width": 0}),
@@ -375,10 +375,10 @@ for w in variants:
 #
 # The lesson and sections 1-2 show *that* KVReviver fails and that its rebuilt keys are far too long. This
 # section takes the method apart on SmolLM2 under the language-modelling protocol of the project
-# (`methods/evaluation/language_modelling.py`: 512 tokens of Python's help topics, the second half scored,
+# (`experiments/evaluation/language_modelling.py`: 512 tokens of Python's help topics, the second half scored,
 # tokens evicted as they are decoded, budget = keep x 256 slots per layer, so keep 0.2 and 0.5 are 51 and
 # 128 slots): the perplexity relative to the full cache's, one part of the method swapped at a time, each a
-# small subclass of the policy in `methods/analysis/kvreviver_ablation.py`:
+# small subclass of the policy in `experiments/analysis/kvreviver_ablation.py`:
 #
 # * **true K/V**: every attended slot gets its true key and value (a shadow copy of the full cache), with
 #   the same Recent / Candidate / Vague bookkeeping, sketch and swaps: only the estimates are taken away;
@@ -396,7 +396,7 @@ for w in variants:
 # * **centred keys** and **centred+shrunk**: a repair of ours, **not the paper's** (section 3.3).
 #
 # The whole table takes many minutes on one CPU thread, too long for this lab: it is read from
-# `results/kvreviver_ablation.json`, written by `python -m methods.analysis.kvreviver_ablation --out
+# `results/kvreviver_ablation.json`, written by `python -m experiments.analysis.kvreviver_ablation --out
 # results/kvreviver_ablation.txt --json results/kvreviver_ablation.json` (its provenance is printed below).
 # The lab recomputes the cheap parts: the Fisher allocation from the recorded Fisher information, and the
 # repair on the bundled model's keys.
@@ -406,7 +406,7 @@ import json
 from pathlib import Path
 
 import methods
-from methods.analysis.kvreviver_ablation import LEMMA2, CentredKeySketch, CentredSketch, format_lemma, format_lm
+from experiments.analysis.kvreviver_ablation import LEMMA2, CentredKeySketch, CentredSketch, format_lemma, format_lm
 from methods.kvreviver import allocate
 
 ROOT = Path(methods.__file__).resolve().parents[1]          # the repository, wherever the lab was opened
@@ -667,7 +667,7 @@ print(f"  full cache, all layers:             {mem_full.nbytes() / 1024:7.1f} Ki
 # the full cache, at three keep ratios.
 
 # %%
-from methods.evaluation.harness import trace
+from experiments.evaluation.harness import trace
 
 timing_samples = [make_sample(t, tok, LENGTH, seed=100 + i) for t in card["default_suite"][:2] for i in range(2)]
 KEEP_TIMED = [0.25] if TINY else [0.1, 0.25, 0.5]
@@ -694,7 +694,7 @@ for method in ["kvreviver", "h2o"]:
 # give each cache the time of its own attention plus an equal share of the rest, so their gaps are wider.
 # Every KVReviver step
 # rebuilds every evicted position and attends over all of them, so at long contexts it falls far behind
-# (`python -m methods.evaluation.bench`).
+# (`python -m experiments.evaluation.bench`).
 
 # %% [markdown]
 # ## 5. What this says at our scale

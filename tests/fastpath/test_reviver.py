@@ -12,12 +12,12 @@ import torch
 
 import fastpath.sketch
 import kernels
+from experiments.analysis.kvreviver_ablation import SwapsAtOnce
 from fastpath import reviver
 from fastpath.lean import LeanDecoder
 from fastpath.reviver import KVReviverLayersAtOnce, RoutedKernelSketch, every_layer_at_once, every_layer_at_once_on
 from fastpath.sketch import KernelSketch, use_kernels
 from methods import kvreviver, make_policy
-from methods.analysis.kvreviver_ablation import SwapsAtOnce
 from methods.kvreviver import KVReviverPolicy
 from nanollm import KVCache, decode_step, extend, prefill, preset
 from tests.methods.test_kvreviver import Reads

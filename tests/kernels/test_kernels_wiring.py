@@ -4,7 +4,8 @@
 with ``NANOKV_NO_TRITON=1`` or without Triton, true on an sm_80+ GPU. On a machine without a GPU the switch
 is then patched to serve CPU tensors too, so the same paths run through Triton's interpreter here and must
 give what the reading path gives: the lean decode step (``fastpath/``, with and without a policy), a
-tensor-attention decode step over the four-matrix cache, and KVReviver's sketch on ``fastpath.sketch``.
+tensor-attention decode step over the four-matrix cache (``fastpath/tensor.py``), and KVReviver's sketch on
+``fastpath.sketch``.
 """
 
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import torch
 import kernels
 from fastpath.lean import LeanDecoder
 from fastpath.sketch import use_kernels
+from fastpath.tensor import tensor_cache as kernel_tensor_cache
 from methods import make_policy
 from methods.tensor_attention import TENSOR_ATTENTION, tensor_cache
 from nanollm import KVCache, Transformer, preset
@@ -103,9 +105,12 @@ def test_tensor_attention_decode_step(kernels_everywhere):
     torch.manual_seed(0)
     model = Transformer(preset("TINY_GPT2", attention=TENSOR_ATTENTION, max_seq_len=32)).eval()
     x = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(1))
-    out = run(model, x, tensor_cache(model.config, "four"))
+    out = run(model, x, kernel_tensor_cache(model.config))
     assert kernels_everywhere
     torch.testing.assert_close(out, model(x)[:, 5:], rtol=0, atol=1e-5)
+    kernels_everywhere.clear()
+    run(model, x, tensor_cache(model.config, "four"))                  # the library's own cache: PyTorch only
+    assert not kernels_everywhere
 
 
 @pytest.mark.slow
@@ -128,9 +133,9 @@ def test_the_evaluation_sketches_on_the_kernels_where_they_serve(monkeypatch, en
     in another order). A wrapped KVReviver is reached; an ablation's own sketch is left alone. (In the fast
     tier with the batched engine, so that ``fastpath/gpu_check.sh``'s tests stage runs it on a GPU.)"""
     import fastpath.sketch
-    from methods.analysis.kvreviver_ablation import CentredSketch
-    from methods.evaluation import agree, compare
-    from methods.evaluation.protocol import Probe
+    from experiments.analysis.kvreviver_ablation import CentredSketch
+    from experiments.evaluation import agree, compare
+    from experiments.evaluation.protocol import Probe
     from nanollm import load
     from nanollm.data.evaluate import MODES
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.analysis.layer_similarity import adjacent_layer_jaccard, jaccard, kept_positions
 from methods import make_policy
-from methods.analysis.layer_similarity import adjacent_layer_jaccard, jaccard, kept_positions
 from methods.chunkkv import ChunkKVPolicy, chunk_keep_mask, holds_position
 from nanollm import KVCache, decode_step, prefill, preset
 

@@ -1,5 +1,5 @@
 """
-The peer check against kvpress (``methods/evaluation/peer_kvpress.py``) on one SmolLM2-135M prompt at keep
+The peer check against kvpress (``experiments/evaluation/peer_kvpress.py``) on one SmolLM2-135M prompt at keep
 0.25: the methods that keep kvpress's positions on every (layer, KV head) still do, and ChunkKV differs only
 where its known difference says (kvpress takes the chunk that straddles the start of SnapKV's window whole).
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.evaluation import peer_kvpress as peer
 from methods import make_policy
-from methods.evaluation import peer_kvpress as peer
 from methods.presets import preset_options
 from nanollm.data.tasks import make_sample
 

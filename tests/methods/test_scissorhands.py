@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from methods import make_policy
-from methods.analysis.persistence import (
+from experiments.analysis.persistence import (
     AttentionRecorder,
     block_cosine,
     heavy,
@@ -18,7 +17,7 @@ from methods.analysis.persistence import (
     persistence_step,
     record_attention,
 )
-from methods.analysis.scissorhands_theory import (
+from experiments.analysis.scissorhands_theory import (
     dropped_mass,
     dropped_mass_bound,
     failure_probability,
@@ -31,6 +30,7 @@ from methods.analysis.scissorhands_theory import (
     simulate_dropped_mass,
     theorem41_bound,
 )
+from methods import make_policy
 from methods.scissorhands import (
     ATTN,
     COUNT,

@@ -19,7 +19,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from methods.evaluation.viz import QUICK_MODE
+from experiments.evaluation.viz import QUICK_MODE
 from tests.conftest import smollm2_missing
 from tests.notebooks.test_exercises import probe_findings, with_probes
 

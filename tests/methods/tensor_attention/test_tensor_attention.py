@@ -246,7 +246,7 @@ def test_clear_errors():
 
 
 def test_bench_bytes_and_slopes():
-    from methods.tensor_attention.bench import measure, table
+    from experiments.tensor_attention_bench import measure, table
     r = measure([16, 32, 64], steps=2)
     d, H = 16, 4
     for i, n in enumerate(r["lengths"]):
@@ -258,7 +258,7 @@ def test_bench_bytes_and_slopes():
 
 
 def test_bench_command_line_errors(capsys):
-    from methods.tensor_attention.bench import main
+    from experiments.tensor_attention_bench import main
     for argv, message in ((["--lengths", "64", "32"], "increasing"), (["--lengths", "4"], "exceed --steps"),
                           (["--lengths", "0"], "positive integer")):
         with pytest.raises(SystemExit):

@@ -134,11 +134,11 @@ def a_model(cwd: Path) -> None:
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
 # (id, command line, words the error line must contain, setup of the folder the command runs in)
-GEN, MGEN = ["-m", "nanollm.cli.generate"], ["-m", "methods.evaluation.generate"]
+GEN, MGEN = ["-m", "nanollm.cli.generate"], ["-m", "experiments.evaluation.generate"]
 # train picks CUDA where there is one: these run on the CPU everywhere
 TRAIN = ["-m", "nanollm.cli.train", "--quiet", "--device", "cpu"]
-CARD, BENCH = ["-m", "nanollm.cli.card"], ["-m", "nanollm.cli.bench"]
-HF, TOK, COMPARE = ["-m", "nanollm.cli.hf"], ["-m", "nanollm.cli.tokenizer"], ["-m", "methods.compare", "--quiet"]
+CARD, BENCH = ["-m", "nanollm.cli.card"], ["-m", "experiments.bench"]
+HF, TOK, COMPARE = ["-m", "nanollm.cli.hf"], ["-m", "nanollm.cli.tokenizer"], ["-m", "experiments.compare", "--quiet"]
 BUILD = [str(ROOT / "notebooks" / "build.py")]
 BAD_INPUTS = [
     # generation
@@ -155,11 +155,12 @@ BAD_INPUTS = [
     ("generate: Hugging Face folder without tokenizer", GEN + ["--checkpoint", "{hf_no_tokenizer}"],
      ["--checkpoint", "tokenizer"], None),
     ("generate: corrupt config.json", GEN + ["--checkpoint", "{hf_bad_config}"], ["config.json"], None),
-    ("methods.evaluation.generate: unknown method", MGEN + ["--method", "nope", "--budget", "64"],
+    ("experiments.evaluation.generate: unknown method", MGEN + ["--method", "nope", "--budget", "64"],
      ["--method", "nope"], None),
-    ("methods.evaluation.generate: method without budget", MGEN + ["--method", "h2o"], ["--budget"], None),
-    ("methods.evaluation.generate: budget 0", MGEN + ["--method", "h2o", "--budget", "0"], ["--budget"], None),
-    ("methods.evaluation.generate: budget without method", MGEN + ["--budget", "64"], ["--budget", "--method"], None),
+    ("experiments.evaluation.generate: method without budget", MGEN + ["--method", "h2o"], ["--budget"], None),
+    ("experiments.evaluation.generate: budget 0", MGEN + ["--method", "h2o", "--budget", "0"], ["--budget"], None),
+    ("experiments.evaluation.generate: budget without method", MGEN + ["--budget", "64"], ["--budget", "--method"],
+     None),
     # training
     ("train: existing run without --resume", TRAIN + ["--preset", "tiny", "--out", "run"],
      ["--out", "--resume", "--force"], fake_run),
@@ -264,7 +265,7 @@ def test_card_writes_only_where_told(tmp_path, capsys):
 
 
 def test_plot_is_written_under_the_name_given(tmp_path):
-    from methods.evaluation.compare import plot
+    from experiments.evaluation.compare import plot
     records = [{"method": m, "keep_ratio": k, "mode": "question_in_prompt", "accuracy": a}
                for m, k, a in [("full", 1.0, 1.0), ("h2o", 0.5, 0.8), ("h2o", 0.25, 0.5)]]
     plot(records, tmp_path / "fig.svg")
@@ -285,7 +286,7 @@ def test_export_hf_checks_the_tokenizer_before_writing(folders, tmp_path):
 
 
 def test_bench_with_one_context_fits_no_line():
-    from nanollm.cli.bench import format_result, run_bench
+    from experiments.bench import format_result, run_bench
     result = run_bench(preset("TINY"), contexts=[16], repeats=1, steps=1)
     assert result.fit == {} and "no fit" in format_result(result)
 
@@ -395,10 +396,11 @@ def test_train_force_starts_over(tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 # Help texts: complete and true
 
-COMMANDS = ["nanollm.cli.generate", "methods.evaluation.generate", "nanollm.cli.train", "nanollm.cli.card",
-            "nanollm.cli.bench", "nanollm.cli.hf", "nanollm.cli.tokenizer", "methods.compare",
-            "methods.evaluation.bench", "methods.evaluation.language_modelling", "methods.evaluation.peer_kvpress",
-            "methods.evaluation.throughput", "methods.evaluation.rescore", "methods.evaluation.launches",
+COMMANDS = ["nanollm.cli.generate", "experiments.evaluation.generate", "nanollm.cli.train", "nanollm.cli.card",
+            "experiments.bench", "nanollm.cli.hf", "nanollm.cli.tokenizer", "experiments.compare",
+            "experiments.evaluation.bench", "experiments.evaluation.language_modelling",
+            "experiments.evaluation.peer_kvpress",
+            "experiments.evaluation.throughput", "experiments.evaluation.rescore", "experiments.evaluation.launches",
             "fastpath.profile", "nanollm.cli.timed", "notebooks/build.py"]
 DUMP_PARSERS = """
 import importlib, importlib.util, json, sys

@@ -9,7 +9,7 @@ The commands that write files, used against themselves: an output named after an
   command's nor its worker processes', and no process left behind.
 * ``--threads`` and ``--workers`` beyond the machine's cores, a ``--kbytes`` beyond the bench's maximum and
   a file name longer than the file system takes are refused before any work, in one line.
-* A results file that appears while ``methods.compare`` runs is replaced whole, as a named file is.
+* A results file that appears while ``experiments.compare`` runs is replaced whole, as a named file is.
 """
 
 from __future__ import annotations
@@ -62,22 +62,23 @@ def ck(tmp_path) -> Path:
 
 # (module, argv with {ck} for the checkpoint folder, the work that must not run)
 WRITERS = [
-    ("methods.evaluation.compare", ["--checkpoint", "{ck}", "--json", "{ck}/model.safetensors"], "run_main"),
-    ("methods.evaluation.compare", ["--checkpoint", "{ck}", "--plot", "{ck}/figure.png"], "run_main"),
-    ("methods.evaluation.language_modelling", ["--checkpoint", "{ck}", "--json", "{ck}/model.safetensors"], "load"),
-    ("methods.evaluation.language_modelling", ["--checkpoint", "{ck}", "--plot", "{ck}/ppl.svg"], "load"),
-    ("methods.evaluation.throughput", ["--checkpoint", "{ck}", "--length", "256", "--json", "{ck}/card.json"],
+    ("experiments.evaluation.compare", ["--checkpoint", "{ck}", "--json", "{ck}/model.safetensors"], "run_main"),
+    ("experiments.evaluation.compare", ["--checkpoint", "{ck}", "--plot", "{ck}/figure.png"], "run_main"),
+    ("experiments.evaluation.language_modelling", ["--checkpoint", "{ck}", "--json", "{ck}/model.safetensors"], "load"),
+    ("experiments.evaluation.language_modelling", ["--checkpoint", "{ck}", "--plot", "{ck}/ppl.svg"], "load"),
+    ("experiments.evaluation.throughput", ["--checkpoint", "{ck}", "--length", "256", "--json", "{ck}/card.json"],
      "load"),
-    ("methods.evaluation.bench", ["--checkpoint", "{ck}", "--contexts", "64", "--prompt-queries", "8",
+    ("experiments.evaluation.bench", ["--checkpoint", "{ck}", "--contexts", "64", "--prompt-queries", "8",
                                   "--json", "{ck}/tokenizer.json"], "run_bench"),
-    ("methods.evaluation.bench", ["--checkpoint", "{ck}", "--contexts", "64", "--prompt-queries", "8",
+    ("experiments.evaluation.bench", ["--checkpoint", "{ck}", "--contexts", "64", "--prompt-queries", "8",
                                   "--plot", "{ck}/bench.png"], "run_bench"),
     ("nanollm.cli.speed", ["--checkpoint", "{ck}", "--contexts", "64", "--json", "{ck}/model.safetensors"],
      "run_speed"),
-    ("nanollm.cli.bench", ["--vs-transformers", "{ck}", "--json", "{ck}/nanollm_config.json"], "run_bench"),
+    ("experiments.bench", ["--vs-transformers", "{ck}", "--json", "{ck}/nanollm_config.json"], "run_bench"),
     ("nanollm.cli.hf", ["{ck}", "{ck}/hf"], "load"),
-    ("methods.analysis.kvreviver_ablation", ["--checkpoint", "{ck}", "--out", "{ck}/tokenizer.json"], "load_config"),
-    ("methods.analysis.kvreviver_ablation", ["--checkpoint", "{ck}", "--json", "{ck}/report.json"], "load_config"),
+    ("experiments.analysis.kvreviver_ablation", ["--checkpoint", "{ck}", "--out", "{ck}/tokenizer.json"],
+     "load_config"),
+    ("experiments.analysis.kvreviver_ablation", ["--checkpoint", "{ck}", "--json", "{ck}/report.json"], "load_config"),
 ]
 
 
@@ -93,7 +94,7 @@ def test_an_output_in_the_checkpoint_folder_is_refused_before_any_work(monkeypat
 
 def test_a_gguf_named_as_the_output_is_refused(monkeypatch, capsys, tmp_path, tiny_model):
     """``--checkpoint X.gguf --json X.gguf`` would replace the model by its own results."""
-    from methods.evaluation import language_modelling
+    from experiments.evaluation import language_modelling
     metadata, _ = tokenizer_metadata()
     gguf = tmp_path / "x.gguf"
     gguf.write_bytes(llama_gguf(tiny_model, metadata))
@@ -115,7 +116,7 @@ def spellings(ck: Path, tmp_path: Path) -> list[str]:
 
 
 def test_an_input_under_another_name_is_refused(monkeypatch, capsys, ck, tmp_path):
-    from methods.evaluation import compare
+    from experiments.evaluation import compare
     no_work(monkeypatch, compare, "run_main")
     before = snapshot(ck)
     for out in spellings(ck, tmp_path):
@@ -128,11 +129,11 @@ def test_an_input_under_another_name_is_refused(monkeypatch, capsys, ck, tmp_pat
 
 
 @pytest.mark.parametrize("module, argv, work", [
-    ("methods.evaluation.compare", ["--checkpoint", "retrieval-llama", "--json", "{b}/model.safetensors"],
+    ("experiments.evaluation.compare", ["--checkpoint", "retrieval-llama", "--json", "{b}/model.safetensors"],
      "run_main"),
-    ("methods.evaluation.compare", ["--checkpoint", "{ck}", "--json", "{b}/results.json"], "run_main"),
+    ("experiments.evaluation.compare", ["--checkpoint", "{ck}", "--json", "{b}/results.json"], "run_main"),
     ("fastpath.bench", ["--quick", "--json", "{b}/model.safetensors"], "copy_bandwidth"),
-    ("nanollm.cli.bench", ["--json", "{b}/bench.json"], "run_bench"),
+    ("experiments.bench", ["--json", "{b}/bench.json"], "run_bench"),
     ("nanollm.cli.hf", ["{ck}", "{b}/hf-export"], "load"),
 ])
 def test_nothing_is_written_into_the_bundled_checkpoints(monkeypatch, capsys, ck, module, argv, work):
@@ -145,7 +146,7 @@ def test_nothing_is_written_into_the_bundled_checkpoints(monkeypatch, capsys, ck
 
 
 def test_peer_kvpress_refuses_the_fetched_model_as_its_report(monkeypatch, capsys):
-    from methods.evaluation import peer_kvpress
+    from experiments.evaluation import peer_kvpress
     if not fetch.is_fetched(peer_kvpress.CHECKPOINT):
         pytest.skip(f"{peer_kvpress.CHECKPOINT} is not fetched")
     no_work(monkeypatch, peer_kvpress, "import_kvpress")
@@ -167,15 +168,15 @@ def test_an_output_elsewhere_is_still_accepted(ck, tmp_path):
 
 # (module, argv, the work that must not run)
 THREADS = [
-    ("methods.evaluation.compare", ["--threads", "999"], "run_main"),
-    ("methods.evaluation.compare", ["--workers", "999"], "run_main"),
-    ("methods.evaluation.bench", ["--threads", "999"], "run_bench"),
-    ("methods.evaluation.throughput", ["--checkpoint", "retrieval-llama", "--length", "256", "--threads", "999"],
+    ("experiments.evaluation.compare", ["--threads", "999"], "run_main"),
+    ("experiments.evaluation.compare", ["--workers", "999"], "run_main"),
+    ("experiments.evaluation.bench", ["--threads", "999"], "run_bench"),
+    ("experiments.evaluation.throughput", ["--checkpoint", "retrieval-llama", "--length", "256", "--threads", "999"],
      "load"),
-    ("methods.evaluation.peer_kvpress", ["--out", "{tmp}/report.txt", "--threads", "999"], "import_kvpress"),
-    ("nanollm.cli.bench", ["--threads", "999999"], "run_bench"),
+    ("experiments.evaluation.peer_kvpress", ["--out", "{tmp}/report.txt", "--threads", "999"], "import_kvpress"),
+    ("experiments.bench", ["--threads", "999999"], "run_bench"),
     ("nanollm.cli.speed", ["--checkpoint", "retrieval-llama", "--contexts", "64", "--threads", "999"], "run_speed"),
-    ("methods.analysis.kvreviver_ablation", ["--checkpoint", "retrieval-llama", "--threads", "999"], "load_config"),
+    ("experiments.analysis.kvreviver_ablation", ["--checkpoint", "retrieval-llama", "--threads", "999"], "load_config"),
 ]
 
 
@@ -188,7 +189,7 @@ def test_threads_or_workers_beyond_the_cores_are_refused(monkeypatch, capsys, tm
 
 
 def test_as_many_threads_as_cores_are_accepted():
-    from methods.evaluation import compare
+    from experiments.evaluation import compare
     args = compare.parser().parse_args(["--threads", str(CORES), "--workers", str(CORES)])
     assert args.threads == args.workers == CORES
 
@@ -209,7 +210,7 @@ def name_max(folder: Path) -> int:
 
 @pytest.mark.parametrize("flag, suffix", [("--json", ".json"), ("--plot", ".png")])
 def test_a_file_name_longer_than_the_file_system_takes_is_refused(monkeypatch, capsys, tmp_path, flag, suffix):
-    from methods.evaluation import compare
+    from experiments.evaluation import compare
     no_work(monkeypatch, compare, "run_main")
     out = tmp_path / ("a" * 300 + suffix)
     err = refused(capsys, compare.main, [flag, str(out)])
@@ -239,9 +240,9 @@ def test_an_output_folder_with_a_name_too_long_is_refused(monkeypatch, capsys, t
 # 4. A results file that appears during the run
 
 def test_a_results_file_written_meanwhile_is_replaced_whole(monkeypatch, capsys, tmp_path):
-    """``methods.compare --json`` replaces a named file (results are regenerated under their name); a file
+    """``experiments.compare --json`` replaces a named file (results are regenerated under their name); a file
     another run writes there meanwhile is replaced by one atomic rename: never mixed, no temporary file."""
-    from methods.evaluation import compare
+    from experiments.evaluation import compare
     out = tmp_path / "results.json"
     run = compare.run
 
@@ -315,7 +316,7 @@ def assert_interrupted(rc: int, err: str, left: list[str]) -> None:
     assert left == [], left
 
 
-COMPARE = ["-m", "methods.compare", "--tasks", "niah_single_prose", "--methods", "snapkv", "--keep-ratios",
+COMPARE = ["-m", "experiments.compare", "--tasks", "niah_single_prose", "--methods", "snapkv", "--keep-ratios",
            "0.5", "--length", "512", "--samples", "40"]
 
 
@@ -363,8 +364,9 @@ def test_a_run_in_workers_ends_quietly_and_quiet_is_short():
     # The pool's workers leave on SIGTERM only from their job loop: the one Pool.terminate sends at the end of
     # a run reaches them on their way out, where an exception would print their exit handlers' traceback
     # (every run did so before); --quiet prints each mode's verdict per keep ratio, not the tables.
-    run = subprocess.run([sys.executable, "-m", "methods.compare", "--methods", "snapkv", "chunkkv", "--keep-ratios",
-                          "0.5", "--tasks", "niah_multikey", "--samples", "2", "--workers", "2", "--quiet"],
+    run = subprocess.run([sys.executable, "-m", "experiments.compare", "--methods", "snapkv", "chunkkv",
+                          "--keep-ratios", "0.5", "--tasks", "niah_multikey", "--samples", "2", "--workers", "2",
+                          "--quiet"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]
     verdicts = [line for line in run.stdout.splitlines() if line.startswith("[")]

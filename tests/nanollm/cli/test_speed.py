@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.bench import decode_weight_bytes
 from nanollm.cli import speed
-from nanollm.cli.bench import decode_weight_bytes
 from nanollm.config import preset
 from nanollm.io.checkpoint import load
 

@@ -228,9 +228,9 @@ def test_an_unsupported_architecture_is_one_line_naming_it():
 def test_the_fast_engine_runs_a_model_with_biases_as_the_plain_one(name):
     """Qwen2's q/k/v biases (and a llama's attention_bias): the evaluation's two engines fill the same
     caches and step them to the same logits; the graph step, which has no biases, refuses in one line."""
+    from experiments.evaluation.engines import make_engine
     from fastpath.graph import GraphDecoder
     from methods import make_policy
-    from methods.evaluation.engines import make_engine
     model = random_model(name)
     chunks, tokens = [ids(16)[0].tolist(), ids(20)[1, 16:].tolist()], [5, 7]
     out = {}

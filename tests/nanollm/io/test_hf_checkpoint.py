@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from methods.evaluation.compare import run
+from experiments.evaluation.compare import run
 from nanollm import preset
 from nanollm.cli.hf import main as hf_main
 from nanollm.data.tasks import corpus, make_sample

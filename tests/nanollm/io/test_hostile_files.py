@@ -237,13 +237,13 @@ def test_greedy_generation_with_nan_weights_ends_in_one_line(ckpt, capsys):
     assert "model.safetensors" in err and "tok_emb.weight" in err and "NaN" in err
 
 
-@pytest.mark.parametrize("command", ["methods.compare", "language_modelling"])
+@pytest.mark.parametrize("command", ["experiments.compare", "language_modelling"])
 def test_scores_are_never_computed_from_nan_weights(ckpt, tmp_path, capsys, tiny_model, command):
     """Greedy scoring exits 0 on NaN logits (argmax of NaN is a token); the commands that report numbers
     refuse the checkpoint (nanollm folder for compare, GGUF for language_modelling) in one line instead."""
+    from experiments.evaluation import language_modelling
     from methods import compare
-    from methods.evaluation import language_modelling
-    if command == "methods.compare":
+    if command == "experiments.compare":
         path = ckpt / "model.safetensors"
         save_file(with_nan(load_file(path), "blocks.0.attn.v_proj.weight"), path)
         main, argv = compare.main, ["--checkpoint", str(ckpt), "--tasks", "niah_single_noise", "--length", "128",

@@ -4,7 +4,7 @@ heavy work, and nothing is left behind.
 
 1. Hangs: an empty added or control token (tiktoken would loop forever on every encode) is refused.
 2. Giant allocations: a model whose maximum position is 2^32 - 1 computes RoPE only for the positions it
-   uses; ``methods.evaluation.bench`` refuses flags this machine cannot hold before allocating anything.
+   uses; ``experiments.evaluation.bench`` refuses flags this machine cannot hold before allocating anything.
 3. ``course.grade --per-test-s`` must be positive and finite.
 4. A fetch cleans up after an interruption, and the next fetch removes what a killed one left.
 5. Malformed tokenizer files (a fuzz test: every mutation ends in a ValueError that names the file, or in
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from course import grade, handout
-from methods.evaluation import bench as methods_bench
+from experiments.evaluation import bench as methods_bench
 from nanollm import generate, preset
 from nanollm.cli import fetch as fetch_cli
 from nanollm.io import fetch

@@ -1,0 +1,61 @@
+"""
+The evaluation's protocol as the notebooks call it: a model and a sample in, traces and answers out.
+
+    trs = traces(model, sample, mode, [None, make_policy("snapkv", 64)], [True, False])   # None: full cache
+    answers = greedy_accuracies(model, tok, sample, trs)      # [(score, text)] per trace
+    compare_traces(trs[0], trs[1], model.config.group_size)   # KL, perturbation, lost mass, bytes, times
+
+Each is a line or two over the plain path (``task.py``, ``engine.py``, ``protocol.py``, ``metrics.py``),
+with the fast engine unless ``engine="plain"``: the numbers of ``experiments.compare``'s records.
+"""
+
+from __future__ import annotations
+
+from methods import make_policy
+from nanollm.data.tasks import Sample
+from nanollm.policy import CachePolicy
+
+from .engines import make_engine
+from .metrics import measure
+from .protocol import Trace, continue_greedy, drive, teacher_force
+from .task import TASKS, Task
+
+
+def task_of(sample: Sample) -> Task:
+    """The sample's task; for a sample made by hand, the synthetic tasks' defaults (its chunks, reference,
+    answer length and scorer read only the sample)."""
+    return TASKS.get(sample.task) or Task(sample.task)
+
+
+def traces(model, sample: Sample, mode: str, policies: list[CachePolicy | None], record_probs: list[bool],
+           engine: str = "fast") -> list[Trace]:
+    """``protocol.teacher_force`` of one sample for several policies (None: the full cache)."""
+    full = [make_policy("full", budget=None) if p is None else p for p in policies]
+    engine = make_engine(engine, model)
+    return drive(engine, teacher_force(engine, task_of(sample), sample, mode, full, record_probs))
+
+
+def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None, record_probs: bool = False,
+          engine: str = "fast") -> Trace:
+    return traces(model, sample, mode, [policy], [record_probs], engine)[0]
+
+
+def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace]) -> list[list[int]]:
+    """Each trace's greedy answer ids, up to the end-of-text token (``protocol.continue_greedy``)."""
+    return drive(trs[0].engine if trs else None, continue_greedy(task_of(sample), sample, trs, tok))
+
+
+def greedy_accuracies(model, tok, sample: Sample, trs: list[Trace]) -> list[tuple[float, str]]:
+    """The task's score of each trace's greedy answer, and the answer."""
+    greedy_from_traces(model, tok, sample, trs)
+    return [(task_of(sample).score(tr.prediction, sample), tr.prediction) for tr in trs]
+
+
+def greedy_accuracy(model, tok, sample: Sample, tr: Trace) -> tuple[float, str]:
+    return greedy_accuracies(model, tok, sample, [tr])[0]
+
+
+def compare_traces(full: Trace, method: Trace, group_size: int | None = None) -> dict:
+    """The metrics of a method's trace against the full cache's that need no greedy answer (``group_size``,
+    query heads per KV head, is read from the traces' shapes; the argument is accepted and unused)."""
+    return measure(full, method)

@@ -1,0 +1,184 @@
+"""
+The prompt's compression, and the question's hooks, with many layers at once, in the fast engines' fill.
+
+After each layer's attention over the prompt, ``FanOut`` (the shared prompt pass) gives every cache its own
+copy of the layer's storage and runs that cache's prefill hook: for SmolLM2's 30 layers and a job's 24
+compressed caches, 720 hooks of a few dozen small operations each (on a GPU, a kernel launch each). A
+layer's compression changes nothing a later layer's prompt pass reads (the prompt's attention is exact,
+over the uncompressed keys), so a hook may wait. Here the caches of the methods in ``METHODS`` wait, layer
+after layer, and then one hook takes a run of layers at once, each layer a batch row of one ``LayerKV``:
+
+    k, v, pos   the run's layers' storage, side by side   (L, H_kv, T, d), (L, H_kv, T)
+    probs       their statistics (the rows or the column sums the method needs), side by side
+
+The method's own ``on_prefill`` runs over those rows (H2O: its scores, then each head's top ``budget``;
+SnapKV: the window's votes; Scissorhands: its low flags; StreamingLLM: the sinks and the recent window).
+Every operation there treats a batch row on its own, and every layer holds as many slots (the whole prompt)
+and keeps as many, so each layer gets the entries, state and buffers its own hook gives it, to the last bit
+(``tests/experiments/evaluation/test_prefill_layers.py`` compares the storage and the records). Each layer's
+storage then views its row of the run's buffers.
+
+The question after the context (``extend_many``) is the same for H2O's and Scissorhands' hooks, which
+change only their layer's storage: a ``Later`` stands in for the policy during the pass, keeps each layer's
+context, and runs the hook over the kept layers' storage stacked, where it stacks (as many slots and the
+same state in each; else a hook a layer). StreamingLLM's does not wait there: it keeps a ring of slots per
+layer in the policy itself, and a hook over stacked layers would update the first layer's ring only (at
+the prompt a new cache has no ring yet, and none is made there). SnapKV's hook does nothing after the prompt.
+
+What waits is bounded: a run ends at the last layer or at the layer that brings what it holds (the
+layers' storage, which the hook copies, and their statistics) to ``HELD_BYTES``. So a method that reads
+many rows (Scissorhands' 400) takes a few layers a run, and a long prompt fewer. At the prompt each kind
+of statistics (a ``Needs``) has its run, and the hook copies what its run holds once more (the storage
+stacked, the statistics for each cache): a few times ``HELD_BYTES`` at most, for the time of a hook. The
+prompt's run has ``layer`` set to its first layer and ``q``, ``out`` and ``attn`` set to None: these methods
+read none of them at prefill, and a method that did would fail rather than read one layer's; the
+question's run has its queries and outputs, stacked (a hook there reads their shape). Any other cache (the
+wrappers, whose kept slots are padded to the longest head of the whole batch; KVReviver; a ``Probe`` that
+records; a prompt of several sequences) runs its hooks layer by layer.
+
+On a CPU each row's numbers are those of its own hook to the last bit (tested); a GPU may split a
+reduction over rows differently for a batch of 30 rows than for one, so there they agree to float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from methods.h2o import H2OPolicy
+from methods.scissorhands import ScissorhandsPolicy
+from methods.snapkv import SnapKVPolicy
+from methods.streaming_llm import StreamingLLMPolicy
+from nanollm.cache import KVCache
+from nanollm.policy import CachePolicy, Needs, StepContext
+from nanollm.storage import LayerKV
+
+from .protocol import Probe
+
+METHODS = (H2OPolicy, ScissorhandsPolicy, SnapKVPolicy, StreamingLLMPolicy)   # at the prompt
+CHUNK_METHODS = (H2OPolicy, ScissorhandsPolicy)     # at the question (the module docstring says why not the others)
+HELD_BYTES = 128 << 20      # a run ends at the layer whose storage and statistics bring it to this many bytes
+ENABLED = True              # False: every cache runs its hook layer by layer (the tests compare the two)
+
+
+def waits(cache: KVCache, phase: str = "prefill") -> bool:
+    """Whether the cache's hook of ``phase`` is the own hook of one of ``METHODS`` (a prompt) or of
+    ``CHUNK_METHODS`` (a later chunk), bare or in a ``Probe`` that only times it."""
+    policy = cache.policy
+    if isinstance(policy, Probe):
+        if policy.recording:
+            return False
+        policy = policy.inner
+    return ENABLED and type(policy) in (METHODS if phase == "prefill" else CHUNK_METHODS)
+
+
+@dataclass
+class Run:
+    """Consecutive layers of the prompt pass, waiting for one hook: their storage (the shared pass's, which
+    no one changes) and the statistics the waiting caches' ``needs`` ask for."""
+    layers: list[int] = field(default_factory=list)
+    stores: list[LayerKV] = field(default_factory=list)
+    stats: list[tuple[Tensor | None, Tensor | None]] = field(default_factory=list)
+    held: int = 0               # bytes: the storage's buffers and the statistics
+
+    def add(self, layer: int, store: LayerKV, stats: tuple[Tensor | None, Tensor | None]) -> None:
+        self.layers.append(layer)
+        self.stores.append(store)
+        self.stats.append(stats)
+        self.held += nbytes(store, *stats)
+
+
+def nbytes(store: LayerKV, *stats: Tensor | None) -> int:
+    """What a layer adds to a run: its storage's buffers (which the hook copies) and its statistics."""
+    return sum(t.nbytes for t in (store._k, store._v, store._pos, *store._state.values(), *stats) if t is not None)
+
+
+def stackable(stores: list[LayerKV]) -> bool:
+    """Whether the layers' storage can be batch rows of one: one sequence each, as many slots, the same room,
+    none emptied, the same per-slot state."""
+    first = stores[0]
+
+    def kind(s: LayerKV) -> tuple:
+        return (s.n, s.fill, *((t.shape, t.dtype) for t in (s._k, s._v, s._pos)),
+                {name: (t.shape, t.dtype) for name, t in s._state.items()})
+    return first._k.shape[0] == 1 and all(s.free is None and kind(s) == kind(first) for s in stores)
+
+
+def stacked(stores: list[LayerKV]) -> LayerKV:
+    """A new ``LayerKV`` holding the layers' storage (``stackable``) as batch rows: buffers (L, H_kv,
+    capacity, ...), room included, as a copy of each would hold it."""
+    first = stores[0]
+    out = LayerKV()
+    out._k, out._v, out._pos = (torch.cat([getattr(s, name) for s in stores]) for name in ("_k", "_v", "_pos"))
+    out._state = {name: torch.cat([s._state[name] for s in stores]) for name in first._state}
+    out.n, out.fill = first.n, dict(first.fill)
+    return out
+
+
+def row(store: LayerKV, j: int) -> LayerKV:
+    """Batch row j of ``store``, as a storage of its own that views the row (writes go to the row)."""
+    out = LayerKV()
+    out._k, out._v, out._pos = store._k[j:j + 1], store._v[j:j + 1], store._pos[j:j + 1]
+    out.n, out.free = store.n, None if store.free is None else store.free[j:j + 1]
+    out._state = {name: t[j:j + 1] for name, t in store._state.items()}
+    out.fill = dict(store.fill)
+    return out
+
+
+def over_rows(cache: KVCache, hook, stores: list[LayerKV], layers: list[int], ctx: StepContext, **rows) -> None:
+    """``hook`` (the cache's policy's) once over the layers' storage stacked (``stacked``), with ``ctx``'s
+    fields every layer shares and the layers' tensors ``rows`` side by side; each layer then views its row."""
+    own = stacked(stores)
+    hook(replace(ctx, layer=layers[0], attn=None, kv=own, attended_pos=own.pos, **rows))
+    for j, layer in enumerate(layers):
+        cache.layers[layer] = row(own, j)
+
+
+def compress(caches: list[KVCache], run: Run, ctx: StepContext) -> None:
+    """Each cache's prefill hook over the run's layers at once (``ctx``: the run's last layer's context,
+    for the fields every layer shares), without the queries and outputs."""
+    if not stackable(run.stores) or run.stores[0]._state:
+        raise ValueError("a run of the prompt's layers holds one sequence, as many slots in each, no state")
+    probs, col_sums = (None if run.stats[0][n] is None else torch.cat([s[n] for s in run.stats]) for n in (0, 1))
+    for cache in caches:
+        probs_, col_sums_ = (None if t is None else t.clone() for t in (probs, col_sums))   # the cache's own
+        over_rows(cache, cache.policy.on_prefill, run.stores, run.layers, ctx, q=None, out=None, probs=probs_,
+                  col_sums=col_sums_)
+
+
+class Later(CachePolicy):
+    """A cache's policy while ``extend_many`` passes a chunk (the question) over it: it attends as the
+    policy would and keeps each layer's context; when what they hold reaches ``HELD_BYTES``, and after the
+    pass (``run``), the policy's hook runs once over the kept layers."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache, self.policy, self.contexts, self.held = cache, cache.policy, [], 0
+
+    def needs(self, phase: str) -> Needs:
+        return self.policy.needs(phase)
+
+    def attend_kv(self, layer: int, store: LayerKV) -> LayerKV:
+        return self.policy.attend_kv(layer, store)
+
+    def on_decode(self, ctx: StepContext) -> None:
+        self.contexts.append(ctx)
+        self.held += nbytes(ctx.kv, ctx.q, ctx.out, ctx.probs, ctx.col_sums)
+        if self.held >= HELD_BYTES:
+            self.run()
+
+    def run(self) -> None:
+        """The policy's hook over the kept layers: at once where their storage stacks (each layer then views
+        its row), else a hook a layer."""
+        contexts, stores = self.contexts, [c.kv for c in self.contexts]
+        self.contexts, self.held = [], 0
+        if len(contexts) < 2 or not stackable(stores):
+            for ctx in contexts:
+                self.policy.on_decode(ctx)
+            return
+
+        def cat(name: str) -> Tensor | None:            # the layers' tensors side by side, as their storage
+            return None if getattr(contexts[0], name) is None else torch.cat([getattr(c, name) for c in contexts])
+        over_rows(self.cache, self.policy.on_decode, stores, [c.layer for c in contexts], contexts[-1],
+                  **{name: cat(name) for name in ("q", "out", "probs", "col_sums")})

@@ -1,0 +1,252 @@
+"""
+A method's caches side by side in a group, given their decode hook at once (``batched.py``'s step).
+
+A job of ``experiments.compare`` runs each method at three keep ratios, and with ``--engine one-group`` their
+caches sit in consecutive rows of one group. H2O's and Scissorhands' decode hooks are a few dozen small
+operations per cache and layer (on a GPU, a kernel launch each), the same for each of the three but for
+the recent window's length. Here the rows of such caches observe the step once, over a ``LayerKV`` that
+views all their rows (H2O's own ``observe``; Scissorhands' ``observe_rows``, its ``observe`` with a column
+of the ring buffer per row), then drop one slot per row and KV head at once:
+
+    H2O            its scores += what each slot received;  the lowest score outside the recent window
+    Scissorhands   its low-flag counters and ring buffer;   ``scissorhands.evict_one``
+
+with each row's recent window as a (rows, 1, 1) threshold from its own position.
+
+They also wait for the step's last layer (``catch_up``): a step's later layers read nothing an earlier
+layer's hook changes, so one hook can take every layer, each (cache, layer) a row of its own
+(``step_layers``). The group keeps a row's positions and per-slot state with its layers side by side
+(``Group.pos_rows``, ``state_rows``: (rows, L, H_kv, C, ...)), so those rows are a view, and the hooks of
+a step are a few dozen operations in all where they were that many per layer. The price is memory: each
+layer's probabilities or column sums are kept until the last layer (a group's, every row's: about 120 MB
+in a SmolLM2 job's group of 22 caches, 30 layers, 9 heads, 2,560 slots). Rows whose run or state
+differs between layers take a hook per layer (``step_rows``), as before. Every operation treats
+each row on its own, so each cache gets the numbers its own hook would give, to the last bit on the
+models checked (``tests/experiments/evaluation/test_row_hooks.py`` compares records and storage on the bundled
+model, ``results/agree_row_hooks_89e7d65.txt`` records on SmolLM2 too: 2 and 3 query heads per KV head;
+``results/agree_e8e02a6_be67f97.txt`` every layer at once against a hook per layer, on both models).
+One caveat: the mean over a KV head's query heads runs here over the group's padded row, in the own hook
+over the cache's slots, and on a CPU a mean over 5 or more heads can round 1 ulp apart between the two
+lengths (a near-tie may then evict another token: float rounding, as between the batched engine and the
+fast one). A step takes this path only for rows whose hook would do exactly this, their state in the
+group's buffers: one of these methods, bare (greedy's caches) or in a ``Probe`` that is not recording, the
+same rule but for the budget and the recent window, and one token per head to drop; any other cache runs
+its own hook as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from torch import Tensor
+
+from methods.h2o import STATE, H2OPolicy
+from methods.scissorhands import (
+    ATTN,
+    COUNT,
+    LOW,
+    ScissorhandsPolicy,
+    evict_one,
+    group_mean,
+    low_flags,
+    n_dropped,
+    push_column,
+)
+from nanollm.cache import KVCache
+from nanollm.policy import StepContext
+from nanollm.slots import select_lowest, to_device
+from nanollm.storage import LayerKV
+
+from .protocol import Probe
+
+METHODS = (H2OPolicy, ScissorhandsPolicy)
+ENABLED = True          # False: every cache runs its own hook (the tests compare the two)
+
+
+def unwrapped(cache: KVCache):
+    """The cache's H2O or Scissorhands policy, bare (greedy's caches) or in a ``Probe``, else None."""
+    policy = cache.policy.inner if isinstance(cache.policy, Probe) else cache.policy
+    return policy if type(policy) in METHODS else None
+
+
+def method(cache: KVCache):
+    """``unwrapped(cache)`` where its hook would do only what ``step_rows`` does (a ``Probe`` that records
+    does more), else None."""
+    return None if isinstance(cache.policy, Probe) and cache.policy.recording else unwrapped(cache)
+
+
+def rule(policy) -> tuple:
+    """What must be equal for two policies to step as one: the class and every field but the budget and the
+    recent window."""
+    return (type(policy), *(getattr(policy, f.name) for f in dataclasses.fields(policy)
+                            if f.name not in ("budget", "n_recent")))
+
+
+def side_by_side(caches: list[KVCache]) -> list[KVCache]:
+    """``caches`` in a group's row order: those of one method and rule adjacent, in the order their first
+    appears, the others where they are (a row's numbers do not depend on its place in the group)."""
+    first: dict = {}
+    keys = [n if unwrapped(c) is None else rule(unwrapped(c)) for n, c in enumerate(caches)]
+    for n, key in enumerate(keys):
+        first.setdefault(key, n)
+    return [caches[n] for n in sorted(range(len(caches)), key=lambda n: (first[keys[n]], n))]
+
+
+def drops_one(policy, store: LayerKV) -> bool:
+    """Whether the policy's hook, after this step's write, drops exactly one slot per head in place."""
+    n = len(store)
+    if isinstance(policy, H2OPolicy):
+        return n == policy.budget + 1
+    return n > policy.budget and n_dropped(n, policy.budget, policy.drop, policy.n_recent) == 1
+
+
+def runs(group, i: int) -> list[range]:
+    """The runs of at least two consecutive rows of ``group`` whose caches step as one at layer i (the module
+    docstring), each cache's state held in the group's buffers (``Group.holds``)."""
+    keys, caches = [], group.caches
+    for r, cache in enumerate(caches):
+        policy, store = method(cache), cache.layers[i]
+        ok = policy is not None and policy.evicts_in_place and drops_one(policy, store) and \
+            all(group.holds(i, r, name, t) for name, t in store._state.items())
+        keys.append(rule(policy) if ok else None)
+    out, start = [], 0
+    for r in range(1, len(caches) + 1):
+        if r == len(caches) or keys[r] is None or keys[r] != keys[start]:
+            if keys[start] is not None and r - start >= 2:
+                out.append(range(start, r))
+            start = r
+    return out
+
+
+_WINDOWS: dict = {}
+
+
+def shifts(values: list[int], device) -> Tensor:
+    """(n, 1, 1) the rows' ``1 - n_recent`` on ``device``, made once per set (the host sends nothing per step)."""
+    key = (tuple(values), str(device))
+    if key not in _WINDOWS:
+        _WINDOWS[key] = to_device(values, device).view(-1, 1, 1)
+    return _WINDOWS[key]
+
+
+def observe_rows(policy: ScissorhandsPolicy, kv: LayerKV, probs: Tensor, positions: Tensor) -> None:
+    """``ScissorhandsPolicy.observe`` at a decode step over the rows of ``kv``, each row's flags into its own
+    column of the ring buffer: (its token's position) mod w, where ``observe`` takes one column, from the
+    tokens seen, for every row. probs (n, H, 1, C); positions (n,)."""
+    state = kv.state
+    attn = group_mean(probs.float(), kv.pos.shape[1])                           # (n, H_kv, 1, C)
+    flags = low_flags(attn, (kv.pos >= 0)[:, :, None], policy.threshold)[:, :, 0]   # (n, H_kv, C)
+    push_column(state[LOW], state[COUNT], flags, positions % policy.history_window)
+    state[ATTN].copy_(attn[:, :, -1])                                           # the step's last query
+
+
+def evict_rows(policies: list, kv: LayerKV, ctx: StepContext, windows: list[int]) -> Tensor:
+    """The hook of ``policies`` (one method and rule, a row of ``kv`` each) at once: each row observes the
+    step and drops one slot per KV head (the module docstring). ``ctx`` gives the rows' probabilities, column
+    sums and token positions ``q_pos`` (n,); ``windows`` each row's ``1 - n_recent``. Returns the slots
+    dropped (n, H_kv, 1), already emptied in ``kv``."""
+    recent_from = ctx.q_pos.view(-1, 1, 1) + shifts(windows, kv.pos.device)      # (n, 1, 1): seen - n_recent
+    if isinstance(policies[0], H2OPolicy):                                       # ``ScoringPolicy.evict``
+        policies[0].observe(ctx)                                                 # the rows' own, at once
+        idx = select_lowest(kv.state[STATE], kv.pos, (kv.pos < 0) | (kv.pos >= recent_from), 1)
+    else:                                                                        # ``ScissorhandsPolicy.evict``
+        observe_rows(policies[0], kv, ctx.probs, ctx.q_pos)
+        idx = evict_one(kv.pos, kv.state[COUNT], kv.state[ATTN], recent_from)
+    kv._pos.scatter_(2, idx, -1)                                                 # each row's ``LayerKV.evict``
+    return idx
+
+
+def emptied(caches: list[KVCache], layers: list[int], idx: Tensor) -> None:
+    """Each cache's slots ``idx`` (n * len(layers), H_kv, 1), its layers' rows in turn, into the free slots
+    of those layers' storages (as ``LayerKV.evict`` leaves them)."""
+    j = 0
+    for cache in caches:
+        for i in layers:
+            store = cache.layers[i]
+            store.free = idx[j:j + 1] if store.free is None else torch.cat([store.free, idx[j:j + 1]], dim=-1)
+            j += 1
+
+
+def timed(caches: list[KVCache], t0: float) -> float:
+    """The seconds since ``t0``, shared by the caches' probes as ``Probe.on_decode`` times them."""
+    seconds = time.perf_counter() - t0
+    for cache in caches:
+        if isinstance(cache.policy, Probe):
+            cache.policy.compress_s += seconds / len(caches)
+    return seconds
+
+
+def step_rows(group, i: int, rows: range, attn, q: Tensor, positions: Tensor, out: Tensor, probs: Tensor | None,
+              col_sums: Tensor | None) -> float:
+    """The hook of the caches in ``rows`` of ``group`` at layer i, at once; q, out (n, H, 1, d), the new
+    tokens' positions (n,), and probs, col_sums ((n, H, 1, C), (n, H, C)) are the rows' own. Returns the
+    seconds it took."""
+    t0 = time.perf_counter()
+    caches = [group.caches[r] for r in rows]
+    policies = [method(c) for c in caches]
+    a, b, first = rows.start, rows.stop, caches[0].layers[i]
+    kv = LayerKV(group.k[i][a:b], group.v[i][a:b], group.pos[i][a:b])             # every slot of the rows
+    kv._state = {name: buffer[a - lo:b - lo] for name, (lo, buffer) in group.state[i].items() if name in first._state}
+    kv.fill = dict(first.fill)
+    ctx = StepContext(layer=i, phase="decode", q=q, q_pos=positions, probs=probs, out=out, kv=kv, attn=attn,
+                      config=caches[0].config, seen=caches[0].seen + 1, attended_pos=kv.pos, col_sums=col_sums)
+    emptied(caches, [i], evict_rows(policies, kv, ctx, [1 - p.n_recent for p in policies]))
+    return timed(caches, t0)
+
+
+def stacked(group, rows: range) -> bool:
+    """Whether every layer's rows ``rows`` sit in ``group``'s buffers across layers (``Group.pos_rows`` and
+    ``state_rows``: a row's layers side by side), so that one hook can take every layer of them at once."""
+    first = group.caches[rows.start].layers[0]
+    return all(name in group.state_rows for name in first._state)
+
+
+def as_rows(t: Tensor) -> Tensor:
+    """(n, L, ...) -> (n * L, ...), a view (``view`` raises where a copy would be needed: the hooks write in it)."""
+    return t.view(-1, *t.shape[2:])
+
+
+def step_layers(group, rows: range, steps: list[tuple]) -> float:
+    """``step_rows`` of every layer at once: ``steps[i]`` is layer i's (attn, q, positions, out, probs,
+    col_sums) as ``step_rows`` takes them. Each row's layers become rows of their own, (cache, layer) in the
+    order of the buffers ``Group.pos_rows`` and ``state_rows``, viewed without a copy: one hook for the whole
+    step where each layer took its own (a step's later layers read nothing an earlier layer's hook changes, so
+    the hooks may wait until the last layer's attention). Returns the seconds it took."""
+    t0 = time.perf_counter()
+    caches = [group.caches[r] for r in rows]
+    policies = [method(c) for c in caches]
+    a, b, L, first = rows.start, rows.stop, len(steps), caches[0].layers[0]
+    kv = LayerKV(pos=as_rows(group.pos_rows[a:b]))                               # (n * L, H_kv, C)
+    kv.n = kv._pos.shape[2]                                                      # (K and V: these hooks read none)
+    kv._state = {name: as_rows(buffer[a - lo:b - lo]) for name, (lo, buffer) in group.state_rows.items()
+                 if name in first._state}
+    kv.fill = dict(first.fill)
+
+    def joined(n: int, needed: bool) -> Tensor | None:                           # layers' (n, ...) -> (n * L, ...)
+        return None if steps[0][n] is None or not needed else as_rows(torch.stack([s[n] for s in steps], 1))
+    positions = steps[0][2][:, None].expand(-1, L).reshape(-1)                   # (n * L,) a row's, every layer
+    needs = policies[0].needs("decode")                       # Scissorhands' probabilities, H2O's column sums
+    ctx = StepContext(layer=None, phase="decode", q=None, q_pos=positions, probs=joined(4, needs.rows != 0), out=None,
+                      kv=kv, attn=None, config=caches[0].config, seen=caches[0].seen + 1, attended_pos=kv.pos,
+                      col_sums=joined(5, needs.col_sums))               # (layer, q, out, attn: these hooks read none)
+    windows = [1 - p.n_recent for p in policies for _ in range(L)]
+    emptied(caches, list(range(L)), evict_rows(policies, kv, ctx, windows))
+    return timed(caches, t0)
+
+
+def catch_up(group, waiting: list[tuple]) -> list[tuple[range, float]]:
+    """The hooks that waited for a step's last layer, ``waiting`` [(layer, rows, (attn, q, positions, out,
+    probs, col_sums))] in layer order: each run of rows at every layer in one ``step_layers`` where its buffers allow,
+    else layer by layer (``step_rows``). Returns (rows, seconds) per call."""
+    L, by_rows = len(group.caches[0].layers), {}
+    for i, rows, args in waiting:
+        by_rows.setdefault(rows, []).append((i, args))
+    done = []
+    for rows, steps in by_rows.items():
+        if [i for i, _ in steps] == list(range(L)) and stacked(group, rows):
+            done.append((rows, step_layers(group, rows, [args for _, args in steps])))
+        else:
+            done += [(rows, step_rows(group, i, rows, *args)) for i, args in steps]
+    return done
