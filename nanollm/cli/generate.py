@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None, make_policy=None, prog: str = "python -m
                     help="torch device, e.g. cpu or cuda (default %(default)s)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="dtype of the weights and the cache; bfloat16 halves the bytes a step reads, at a small "
-                         "cost in accuracy (`python -m nanollm.cli.speed --dtype bfloat16` measures it) "
+                         "cost in accuracy (`python -m experiments.speed --dtype bfloat16` measures it) "
                          "(default %(default)s)")
     args = ap.parse_args(argv)
 

@@ -72,7 +72,7 @@ WRITERS = [
                                   "--json", "{ck}/tokenizer.json"], "run_bench"),
     ("experiments.evaluation.bench", ["--checkpoint", "{ck}", "--contexts", "64", "--prompt-queries", "8",
                                   "--plot", "{ck}/bench.png"], "run_bench"),
-    ("nanollm.cli.speed", ["--checkpoint", "{ck}", "--contexts", "64", "--json", "{ck}/model.safetensors"],
+    ("experiments.speed", ["--checkpoint", "{ck}", "--contexts", "64", "--json", "{ck}/model.safetensors"],
      "run_speed"),
     ("experiments.bench", ["--vs-transformers", "{ck}", "--json", "{ck}/nanollm_config.json"], "run_bench"),
     ("nanollm.cli.hf", ["{ck}", "{ck}/hf"], "load"),
@@ -175,7 +175,7 @@ THREADS = [
      "load"),
     ("experiments.evaluation.peer_kvpress", ["--out", "{tmp}/report.txt", "--threads", "999"], "import_kvpress"),
     ("experiments.bench", ["--threads", "999999"], "run_bench"),
-    ("nanollm.cli.speed", ["--checkpoint", "retrieval-llama", "--contexts", "64", "--threads", "999"], "run_speed"),
+    ("experiments.speed", ["--checkpoint", "retrieval-llama", "--contexts", "64", "--threads", "999"], "run_speed"),
     ("experiments.analysis.kvreviver_ablation", ["--checkpoint", "retrieval-llama", "--threads", "999"], "load_config"),
 ]
 

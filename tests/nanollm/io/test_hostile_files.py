@@ -241,8 +241,8 @@ def test_greedy_generation_with_nan_weights_ends_in_one_line(ckpt, capsys):
 def test_scores_are_never_computed_from_nan_weights(ckpt, tmp_path, capsys, tiny_model, command):
     """Greedy scoring exits 0 on NaN logits (argmax of NaN is a token); the commands that report numbers
     refuse the checkpoint (nanollm folder for compare, GGUF for language_modelling) in one line instead."""
+    from experiments import compare
     from experiments.evaluation import language_modelling
-    from methods import compare
     if command == "experiments.compare":
         path = ckpt / "model.safetensors"
         save_file(with_nan(load_file(path), "blocks.0.attn.v_proj.weight"), path)

@@ -201,7 +201,7 @@ def test_bench_refuses_what_the_machine_cannot_hold_before_any_work(monkeypatch,
 
 
 def test_the_decoder_bench_refuses_a_cache_the_machine_cannot_hold(monkeypatch, capsys):
-    from nanollm.cli import bench as decoder_bench
+    from experiments import bench as decoder_bench
     monkeypatch.setattr(decoder_bench, "run_bench", lambda *a, **kw: pytest.fail("ran before refusing"))
     with pytest.raises(SystemExit) as e:
         decoder_bench.main(["--contexts", "1000", "1000000000", "--max-seq-len", "2000000000"])
@@ -323,7 +323,7 @@ def test_gguf_values_are_checked_for_sense(tmp_path, tiny_model, key, vtype, val
 
 
 def test_speed_without_transformers_prints_no_zero():
-    from nanollm.cli import speed
+    from experiments import speed
     row = {"context": 2048, "prefill_tok_s": {"nanollm": 99.0}, "decode_tok_s": {"nanollm": 23.9, "nanollm-lean": 24.1},
            "decode_ms": {"nanollm": 41.8, "nanollm-lean": 41.5},
            "of_roofline": {"nanollm": 0.499, "nanollm-lean": 0.51}, "bytes_per_step": 600e6, "ideal_ms": 20.8}

@@ -1,5 +1,5 @@
 """
-nanollm.cli.speed on the bundled model (small and quick): every number it reports is present and consistent
+experiments.speed on the bundled model (small and quick): every number it reports is present and consistent
 (tokens/s = 1 / ms, the roofline's bytes = weights + K/V of the context), arguments are checked before work,
 and the dtype cost of bf16 is measured against fp32.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments import speed
 from experiments.bench import decode_weight_bytes
-from nanollm.cli import speed
 from nanollm.config import preset
 from nanollm.io.checkpoint import load
 

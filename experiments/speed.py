@@ -1,6 +1,6 @@
 """
 Speed on a real model: prompt (prefill) and decode tokens per second against Hugging Face transformers on
-the same weights, and the decode step against its roofline. ``python -m nanollm.cli.speed --help``.
+the same weights, and the decode step against its roofline. ``python -m experiments.speed --help``.
 
 **What is timed.** For each context length T, with the same random token ids for both libraries:
 
@@ -35,12 +35,13 @@ import time
 
 import torch
 
-from .. import cli
-from ..cache import KVCache
-from ..generation import prefill
-from ..io import files
+from nanollm import cli
+from nanollm.cache import KVCache
+from nanollm.cli.provenance import provenance
+from nanollm.generation import prefill
+from nanollm.io import files
+
 from .bench import GreedyDecoder, decode_weight_bytes, read_bandwidth, transformers_available
-from .provenance import provenance
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,7 +58,7 @@ def _hf_model(model, dtype: torch.dtype):
     import transformers
     from transformers import LlamaForCausalLM
 
-    from ..io.hf import export_hf
+    from nanollm.io.hf import export_hf
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:
@@ -67,14 +68,14 @@ def _hf_model(model, dtype: torch.dtype):
 
 def reference_text() -> str:
     """Fixed English text for the dtype cost, shipped with the package: the docstrings of the reading path."""
-    from .. import attention, cache, generation, model, policy, storage
+    from nanollm import attention, cache, generation, model, policy, storage
     return "\n\n".join(m.__doc__.strip() for m in (model, attention, storage, policy, cache, generation))
 
 
 def dtype_cost(checkpoint: str, dtype: torch.dtype, text: str, tokens: int = 512) -> dict:
     """What ``dtype`` costs against fp32 on ``tokens`` tokens of ``text``: mean KL(fp32 || dtype) per token in
     nats, the fraction of positions with the same top-1 token, and both perplexities."""
-    from ..io.checkpoint import load
+    from nanollm.io.checkpoint import load
     ref, tok, _ = load(checkpoint)
     low, _, _ = load(checkpoint, dtype=dtype)
     ids = torch.tensor([tok.encode(text)[:tokens]])
@@ -92,7 +93,7 @@ def run_speed(checkpoint: str = "smollm2-135m", contexts=(512, 2048, 8192), thre
               steps: int = 8, warmup: int = 2, dtype: str = "float32", vs_transformers: bool = True,
               seed: int = 0, progress: bool = True) -> dict:
     """The whole benchmark as a JSON-ready dict (see ``format_speed``)."""
-    from ..io.checkpoint import load
+    from nanollm.io.checkpoint import load
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
@@ -193,7 +194,7 @@ def format_speed(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = cli.ArgumentParser(
-        prog="python -m nanollm.cli.speed",
+        prog="python -m experiments.speed",
         description="Prefill and decode speed of a real model, nanollm against Hugging Face transformers on the "
                     "same weights (interleaved, medians), and the decode step against its roofline (bytes of "
                     "weights + K/V read per step / the measured read bandwidth).")
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
         cli.check_outputs({"--json": args.json}, inputs=[args.checkpoint])
-        from ..io.checkpoint import load_config
+        from nanollm.io.checkpoint import load_config
         config = load_config(args.checkpoint)
         n = args.warmup + args.steps
         bad = [t for t in args.contexts if t > config.max_seq_len or t <= n]
