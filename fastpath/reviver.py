@@ -105,10 +105,10 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
         if self._rebuilt is not None:
             layers, views, k, v, pos = self._rebuilt
             i = layers.index(layer) if layer in layers else -1
-            if i >= 0 and store._k is views[i] and store.n == views[i].shape[2]:
+            if i >= 0 and store.buffers()[0] is views[i] and store.n == views[i].shape[2]:
                 T = store.n - 1                                                  # the step's entry is in slot T
                 k, v = k[i], v[i]                                                # (B, H_kv, seen + 1, d)
-                k[:, :, -1], v[:, :, -1] = store._k[:, :, T], store._v[:, :, T]
+                k[:, :, -1], v[:, :, -1] = store.k[:, :, T], store.v[:, :, T]
                 rebuilt = LayerKV(k, v, pos)
                 self.rebuilt_nbytes = max(self.rebuilt_nbytes, rebuilt.nbytes())
                 return rebuilt
@@ -197,11 +197,11 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
         for i, (layer, store) in enumerate(zip(layers, stores)):
             store.replace(views[0][i], views[1][i], views[2][i], n=T)
             self._compressed_at[layer] = (seen, T)
-        self._buffers = (layers, [(store._k, store._v, store._pos) for store in stores], k_buf, v_buf, p_buf)
+        self._buffers = (layers, [store.buffers()[:3] for store in stores], k_buf, v_buf, p_buf)
         if not k_buf.is_cpu or kvreviver.REBUILD_CHUNK >= seen - T:             # (see the module docstring)
             k_all, v_all, pos = self._rebuild(sketches[0], key, value, cells, signs, k_buf, v_buf, p_buf[:, 0, :T],
                                               seen)
-            self._rebuilt = (layers, [store._k for store in stores], k_all.view(L, B, H_kv, seen + 1, d),
+            self._rebuilt = (layers, [store.buffers()[0] for store in stores], k_all.view(L, B, H_kv, seen + 1, d),
                              v_all.view(L, B, H_kv, seen + 1, dv), pos.expand(B, H_kv, seen + 1))
 
     @staticmethod
@@ -244,8 +244,8 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
         of them (the step's entry written into its slot of room); else stacked."""
         if self._buffers is not None:
             was, views, k_buf, v_buf, p_buf = self._buffers
-            if was == layers and all(s._k is kk and s._v is vv and s._pos is pp and s.n == s._k.shape[2]
-                                     for s, (kk, vv, pp) in zip(stores, views)) and k_buf.shape[2] == T:
+            if was == layers and all(all(a is b for a, b in zip(s.buffers(), view)) and s.n == view[0].shape[2]
+                                     for s, view in zip(stores, views)) and k_buf.shape[2] == T:
                 return k_buf, v_buf, p_buf[:, 0]
         k = torch.stack([s.k for s in stores]).view(X, G, T, d)
         v = torch.stack([s.v for s in stores]).view(X, G, T, dv)

@@ -51,15 +51,9 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)                 # K and V bytes stored
 
-    def layer_nbytes(self) -> list[int]:
-        return [layer.nbytes() for layer in self.layers]
-
     def state_nbytes(self) -> int:
         return sum(layer.state_nbytes() for layer in self.layers)           # methods' per-slot state
 
     def reset(self) -> None:
-        """Forget everything (the policy too), ready for a new sequence."""
-        self.layers = [self._new_storage(self.config) for _ in range(self.config.n_layer)]
-        self.seen = 0
-        if self.policy is not None:
-            self.policy.reset()
+        """Forget everything (the policy too), ready for a new sequence: the cache as new."""
+        self.__init__(self.config, self.policy, self._new_storage)

@@ -134,6 +134,16 @@ class LayerKV:
         self._k, self._v, self._pos, self.n, self.free = k, v, pos, k.shape[2] if n is None else n, None
         self._state, self.fill = {}, {}
 
+    def buffers(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[str, Tensor]]:
+        """k, v, pos and the states by name: the whole buffers (B, H_kv, capacity, ...), room included."""
+        return self._k, self._v, self._pos, dict(self._state)
+
+    def adopt(self, k: Tensor, v: Tensor, pos: Tensor, state: dict[str, Tensor] | None = None) -> None:
+        """Keep the slots in these buffers (shaped as ``buffers``'s, holding this storage's slots) from now on, as
+        code laying many storages side by side does; ``state`` (name -> buffer) replaces the states' buffers."""
+        self._k, self._v, self._pos = k, v, pos
+        self._state = self._state if state is None else dict(state)
+
     def counts(self) -> Tensor:
         """(B, H_kv) occupied slots."""
         return (self.pos >= 0).sum(-1) if self.pos is not None else torch.zeros(0, dtype=torch.long)
@@ -144,9 +154,6 @@ class LayerKV:
 
     def allocated_nbytes(self) -> int:
         return 0 if self._k is None else self._k.nbytes + self._v.nbytes     # the buffers, room included
-
-    def pos_nbytes(self) -> int:
-        return 0 if self.pos is None else self.pos.nbytes
 
     def state_nbytes(self) -> int:
         return sum(t.nbytes // self.n * len(self) for t in self.state.values() if self.n)

@@ -182,3 +182,26 @@ def test_ruff_is_clean():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
+
+
+PRIVATE = {"_k", "_v", "_pos", "_state"}            # LayerKV's buffers: its own, reached through buffers() / adopt()
+
+
+def private_fields(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every ``x._k`` and the like where x is not ``self``: another object's private buffers."""
+    return [(node.lineno, node.attr) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+            and node.attr in PRIVATE and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+
+
+def test_no_room_reaches_into_a_storage_s_private_buffers():
+    """Only nanollm/storage.py touches a ``LayerKV``'s buffers by their private names; the batched engine, the
+    fast paths and the course go through ``buffers()`` and ``adopt()`` (a storage class's own ``self._pos``
+    is its own)."""
+    files = [p for pkg in (*PACKAGES, "tests") for p in (ROOT / pkg).rglob("*.py")
+             if p != ROOT / "nanollm" / "storage.py"]
+    wrong = [f"{p.relative_to(ROOT)}:{line} .{name}" for p in files for line, name in private_fields(p.read_text())]
+    assert not wrong, "private fields of another object: " + "; ".join(wrong)
+
+
+def test_the_private_field_check_sees_one():
+    assert private_fields("def f(store):\n    store._k = None\n    self._k = store.k\n") == [(2, "_k")]

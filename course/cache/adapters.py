@@ -47,7 +47,7 @@ def storage_contents(store) -> tuple[Tensor, Tensor, Tensor]:
 
 def storage_room_positions(store) -> Tensor:
     """The positions in the buffers' room, past the slots in use (B, H_kv, capacity - T)."""
-    return store._pos[:, :, len(store):]
+    return store.buffers()[2][:, :, len(store):]
 
 
 def storage_capacity(store) -> int:

@@ -104,7 +104,7 @@ class Group:
         rows = [{} for _ in range(L)]
         for i, layer in enumerate(rows):
             for r, cache in enumerate(caches):
-                for name, t in cache.layers[i]._state.items():
+                for name, t in cache.layers[i].buffers()[3].items():
                     layer.setdefault(name, [r, r, t])[1] = r
         kind = lambda lo, hi, t: (lo, hi, t.shape[3:], t.dtype)                # noqa: E731
         self.state_rows = {name: (lo, t.new_empty(hi - lo + 1, L, H_kv, slots, *t.shape[3:]))
@@ -114,7 +114,7 @@ class Group:
             {name: (lo, self.state_rows[name][1][:, i] if name in self.state_rows else
                     t.new_empty(hi - lo + 1, H_kv, slots, *t.shape[3:])) for name, (lo, hi, t) in layer.items()}
             for i, layer in enumerate(rows)]
-        self.fill = [{name: c.layers[i].fill[name] for c in caches for name in c.layers[i]._state} for i in range(L)]
+        self.fill = [{name: c.layers[i].fill[name] for c in caches for name in c.layers[i].state} for i in range(L)]
         for r, cache in enumerate(caches):
             for i, store in enumerate(cache.layers):
                 self.adopt(i, r, store)
@@ -126,7 +126,7 @@ class Group:
         self.k[i][r, :, :n], self.v[i][r, :, :n], self.pos[i][r, :, :n] = store.k[0], store.v[0], store.pos[0]
         self.pos[i][r, :, n:] = -1                    # a row adopted again may hold older entries there
         state = {}
-        for name, t in store._state.items():          # its row of the group's buffer (a state made since: its own)
+        for name, t in store.buffers()[3].items():    # its row of the group's buffer (a state made since: its own)
             lo, buffer = self.state[i].get(name, (r, None))
             if buffer is None or not 0 <= r - lo < len(buffer) or buffer.shape[3:] != t.shape[3:] \
                     or buffer.dtype != t.dtype or store.fill[name] != self.fill[i][name]:
@@ -135,8 +135,7 @@ class Group:
                 state[name] = buffer[r - lo:r - lo + 1]
             state[name][:, :, n:] = store.fill[name]
             state[name][:, :, :n] = t[:, :, :n]
-        store._k, store._v, store._pos = self.k[i][r:r + 1], self.v[i][r:r + 1], self.pos[i][r:r + 1]
-        store._state = state
+        store.adopt(self.k[i][r:r + 1], self.v[i][r:r + 1], self.pos[i][r:r + 1], state)
 
     def narrowed(self, keep: list[int]) -> "Group":
         """This group's caches at rows ``keep`` (ascending) as a group of their own, with the same slots: each
@@ -170,18 +169,19 @@ class Group:
             for i, store in enumerate(cache.layers):
                 if not self.in_row(i, r, store):
                     continue                           # a storage a hook replaced: ``refit`` adopts it anew
-                store._k, store._v, store._pos = new.k[i][n:n + 1], new.v[i][n:n + 1], new.pos[i][n:n + 1]
-                for name, t in store._state.items():   # a state of the group's buffer: its new row (one of its
+                state = store.buffers()[3]
+                for name, t in state.items():          # a state of the group's buffer: its new row (one of its
                     if self.holds(i, r, name, t):      # own, made since, stays its own)
                         lo, buffer = new.state[i][name]
-                        store._state[name] = buffer[n - lo:n - lo + 1]
+                        state[name] = buffer[n - lo:n - lo + 1]
+                store.adopt(new.k[i][n:n + 1], new.v[i][n:n + 1], new.pos[i][n:n + 1], state)
         return new
 
     def in_row(self, i: int, r: int, store: LayerKV) -> bool:
         """Whether layer i's storage ``store`` is still row r of the group's buffers (not one a hook replaced)."""
-        ours = (self.k[i][r], self.v[i][r], self.pos[i][r])
-        return store._k is not None and all(t is not None and t.data_ptr() == o.data_ptr()
-                                            for t, o in zip((store._k, store._v, store._pos), ours))
+        ours, (k, v, pos, _) = (self.k[i][r], self.v[i][r], self.pos[i][r]), store.buffers()
+        return k is not None and all(t is not None and t.data_ptr() == o.data_ptr()
+                                     for t, o in zip((k, v, pos), ours))
 
     def holds(self, i: int, r: int, name: str, t: Tensor) -> bool:
         """Whether state ``t`` of row r at layer i is that row of the group's buffer for ``name`` (not a tensor
@@ -196,7 +196,7 @@ class Group:
         for r, cache in enumerate(self.caches):
             for i, store in enumerate(cache.layers):
                 if not self.in_row(i, r, store):
-                    if store._k is None or type(store) is not LayerKV or store.n + 1 > self.C:
+                    if store.k is None or type(store) is not LayerKV or store.n + 1 > self.C:
                         return False
                     self.adopt(i, r, store)
                 if store.capacity() != self.C or (store.free is None and store.n + 1 > self.C):
@@ -219,7 +219,7 @@ class Group:
                 slot = store.n
                 store.n += 1
                 after.append(slot), emptied.append(0), firsts.append(self.none(H_kv, k.device))
-            for name, t in store._state.items():     # an emptied slot's state back to its fill value (those
+            for name, t in store.buffers()[3].items():   # an emptied slot's state back to its fill value (those
                 if not isinstance(slot, int) and not self.holds(i, r, name, t):       # after n hold it already:
                     fill(t, slot.view(1, H_kv), store.fill[name])                     # ``adopt`` fills them)
         took = emptied                                # on the host: the rows that took an emptied slot
@@ -283,9 +283,10 @@ class BatchedEngine(FastEngine):
         included, so that a cache in a group is not copied with the whole group's buffers."""
         copies = {}                                    # deepcopy's memo: each buffer's used slots, copied once
         for s in cache.layers:
-            if s._k is not None:
-                copies |= {id(s._k): s.k.clone(), id(s._v): s.v.clone(), id(s._pos): s.pos.clone()}
-                copies |= {id(t): t[:, :, :s.n].clone() for t in s._state.values()}
+            k, v, pos, state = s.buffers()
+            if k is not None:
+                copies |= {id(k): s.k.clone(), id(v): s.v.clone(), id(pos): s.pos.clone()}
+                copies |= {id(t): t[:, :, :s.n].clone() for t in state.values()}
         return copy.deepcopy(cache, copies)
 
     def arrange(self, caches: list[KVCache]) -> tuple[list[Group], list[int]]:

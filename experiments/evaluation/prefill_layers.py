@@ -92,7 +92,8 @@ class Run:
 
 def nbytes(store: LayerKV, *stats: Tensor | None) -> int:
     """What a layer adds to a run: its storage's buffers (which the hook copies) and its statistics."""
-    return sum(t.nbytes for t in (store._k, store._v, store._pos, *store._state.values(), *stats) if t is not None)
+    k, v, pos, state = store.buffers()
+    return sum(t.nbytes for t in (k, v, pos, *state.values(), *stats) if t is not None)
 
 
 def stackable(stores: list[LayerKV]) -> bool:
@@ -101,28 +102,29 @@ def stackable(stores: list[LayerKV]) -> bool:
     first = stores[0]
 
     def kind(s: LayerKV) -> tuple:
-        return (s.n, s.fill, *((t.shape, t.dtype) for t in (s._k, s._v, s._pos)),
-                {name: (t.shape, t.dtype) for name, t in s._state.items()})
-    return first._k.shape[0] == 1 and all(s.free is None and kind(s) == kind(first) for s in stores)
+        k, v, pos, state = s.buffers()
+        return (s.n, s.fill, *((t.shape, t.dtype) for t in (k, v, pos)),
+                {name: (t.shape, t.dtype) for name, t in state.items()})
+    return first.k.shape[0] == 1 and all(s.free is None and kind(s) == kind(first) for s in stores)
 
 
 def stacked(stores: list[LayerKV]) -> LayerKV:
     """A new ``LayerKV`` holding the layers' storage (``stackable``) as batch rows: buffers (L, H_kv,
     capacity, ...), room included, as a copy of each would hold it."""
-    first = stores[0]
+    first, buffers = stores[0], [s.buffers() for s in stores]
     out = LayerKV()
-    out._k, out._v, out._pos = (torch.cat([getattr(s, name) for s in stores]) for name in ("_k", "_v", "_pos"))
-    out._state = {name: torch.cat([s._state[name] for s in stores]) for name in first._state}
+    out.adopt(*(torch.cat([b[j] for b in buffers]) for j in range(3)),
+              {name: torch.cat([b[3][name] for b in buffers]) for name in first.state})
     out.n, out.fill = first.n, dict(first.fill)
     return out
 
 
 def row(store: LayerKV, j: int) -> LayerKV:
     """Batch row j of ``store``, as a storage of its own that views the row (writes go to the row)."""
+    k, v, pos, state = store.buffers()
     out = LayerKV()
-    out._k, out._v, out._pos = store._k[j:j + 1], store._v[j:j + 1], store._pos[j:j + 1]
+    out.adopt(k[j:j + 1], v[j:j + 1], pos[j:j + 1], {name: t[j:j + 1] for name, t in state.items()})
     out.n, out.free = store.n, None if store.free is None else store.free[j:j + 1]
-    out._state = {name: t[j:j + 1] for name, t in store._state.items()}
     out.fill = dict(store.fill)
     return out
 
@@ -139,7 +141,7 @@ def over_rows(cache: KVCache, hook, stores: list[LayerKV], layers: list[int], ct
 def compress(caches: list[KVCache], run: Run, ctx: StepContext) -> None:
     """Each cache's prefill hook over the run's layers at once (``ctx``: the run's last layer's context,
     for the fields every layer shares), without the queries and outputs."""
-    if not stackable(run.stores) or run.stores[0]._state:
+    if not stackable(run.stores) or run.stores[0].state:
         raise ValueError("a run of the prompt's layers holds one sequence, as many slots in each, no state")
     probs, col_sums = (None if run.stats[0][n] is None else torch.cat([s[n] for s in run.stats]) for n in (0, 1))
     for cache in caches:

@@ -109,7 +109,7 @@ def runs(group, i: int) -> list[range]:
     for r, cache in enumerate(caches):
         policy, store = method(cache), cache.layers[i]
         ok = policy is not None and policy.evicts_in_place and drops_one(policy, store) and \
-            all(group.holds(i, r, name, t) for name, t in store._state.items())
+            all(group.holds(i, r, name, t) for name, t in store.buffers()[3].items())
         keys.append(rule(policy) if ok else None)
     out, start = [], 0
     for r in range(1, len(caches) + 1):
@@ -154,7 +154,7 @@ def evict_rows(policies: list, kv: LayerKV, ctx: StepContext, windows: list[int]
     else:                                                                        # ``ScissorhandsPolicy.evict``
         observe_rows(policies[0], kv, ctx.probs, ctx.q_pos)
         idx = evict_one(kv.pos, kv.state[COUNT], kv.state[ATTN], recent_from)
-    kv._pos.scatter_(2, idx, -1)                                                 # each row's ``LayerKV.evict``
+    kv.pos.scatter_(2, idx, -1)                                 # each row's ``LayerKV.evict`` (every slot in use)
     return idx
 
 
@@ -188,7 +188,8 @@ def step_rows(group, i: int, rows: range, attn, q: Tensor, positions: Tensor, ou
     policies = [method(c) for c in caches]
     a, b, first = rows.start, rows.stop, caches[0].layers[i]
     kv = LayerKV(group.k[i][a:b], group.v[i][a:b], group.pos[i][a:b])             # every slot of the rows
-    kv._state = {name: buffer[a - lo:b - lo] for name, (lo, buffer) in group.state[i].items() if name in first._state}
+    kv.adopt(*kv.buffers()[:3], {name: buffer[a - lo:b - lo] for name, (lo, buffer) in group.state[i].items()
+                                 if name in first.state})
     kv.fill = dict(first.fill)
     ctx = StepContext(layer=i, phase="decode", q=q, q_pos=positions, probs=probs, out=out, kv=kv, attn=attn,
                       config=caches[0].config, seen=caches[0].seen + 1, attended_pos=kv.pos, col_sums=col_sums)
@@ -200,7 +201,7 @@ def stacked(group, rows: range) -> bool:
     """Whether every layer's rows ``rows`` sit in ``group``'s buffers across layers (``Group.pos_rows`` and
     ``state_rows``: a row's layers side by side), so that one hook can take every layer of them at once."""
     first = group.caches[rows.start].layers[0]
-    return all(name in group.state_rows for name in first._state)
+    return all(name in group.state_rows for name in first.state)
 
 
 def as_rows(t: Tensor) -> Tensor:
@@ -218,11 +219,11 @@ def step_layers(group, rows: range, steps: list[tuple]) -> float:
     caches = [group.caches[r] for r in rows]
     policies = [method(c) for c in caches]
     a, b, L, first = rows.start, rows.stop, len(steps), caches[0].layers[0]
-    kv = LayerKV(pos=as_rows(group.pos_rows[a:b]))                               # (n * L, H_kv, C)
-    kv.n = kv._pos.shape[2]                                                      # (K and V: these hooks read none)
-    kv._state = {name: as_rows(buffer[a - lo:b - lo]) for name, (lo, buffer) in group.state_rows.items()
-                 if name in first._state}
-    kv.fill = dict(first.fill)
+    kv = LayerKV()                                                               # (K and V: these hooks read none)
+    kv.adopt(None, None, as_rows(group.pos_rows[a:b]),                           # (n * L, H_kv, C)
+             {name: as_rows(buffer[a - lo:b - lo]) for name, (lo, buffer) in group.state_rows.items()
+              if name in first.state})
+    kv.n, kv.fill = group.C, dict(first.fill)
 
     def joined(n: int, needed: bool) -> Tensor | None:                           # layers' (n, ...) -> (n * L, ...)
         return None if steps[0][n] is None or not needed else as_rows(torch.stack([s[n] for s in steps], 1))

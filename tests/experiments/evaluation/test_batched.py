@@ -90,8 +90,8 @@ def test_a_fork_shares_nothing_and_copies_the_used_slots(make_model):
         assert torch.equal(a.k, b.k) and torch.equal(a.pos, b.pos) and a.state.keys() == b.state.keys()
         assert b.k.data_ptr() != a.k.data_ptr()
         for name, t in a.state.items():                     # the state too: its used slots, its own memory
-            assert b._state[name].shape[2] == a.n and torch.equal(b.state[name], t)
-            assert b._state[name].data_ptr() != t.data_ptr()
+            assert b.buffers()[3][name].shape[2] == a.n and torch.equal(b.state[name], t)
+            assert b.buffers()[3][name].data_ptr() != t.data_ptr()
     engine.step(caches, [s[1] for s in streams])              # the original goes on; the fork does not move
     assert fork.seen == cache.seen - 1 and cache.layers[0].k.data_ptr() != fork.layers[0].k.data_ptr()
 

@@ -63,7 +63,7 @@ def stacks(monkeypatch):
 def storage(cache) -> list[tuple]:
     """Everything a layer's storage holds: its entries, its room (positions -1; the keys and values there are
     never read, and unset where the storage grew), per-slot state and fill values."""
-    return [(s.n, s.capacity(), s.k, s.v, s._pos, s.free, dict(s._state), dict(s.fill)) for s in cache.layers]
+    return [(s.n, s.capacity(), s.k, s.v, s.buffers()[2], s.free, s.buffers()[3], dict(s.fill)) for s in cache.layers]
 
 
 def same(a, b) -> bool:
@@ -176,8 +176,9 @@ def test_a_question_over_layers_that_do_not_stack_takes_a_hook_a_layer(bundled, 
             store.set_state("h2o_score", store.state["h2o_score"].double(), fill=0.0)
         else:                                       # the buffers of a storage that grew: more room, positions -1
             more = lambda t, value: torch.cat([t, t.new_full((*t.shape[:2], 8, *t.shape[3:]), value)], 2)  # noqa: E731
-            store._k, store._v, store._pos = more(store._k, 0.0), more(store._v, 0.0), more(store._pos, -1)
-            store._state = {name: more(t, store.fill[name]) for name, t in store._state.items()}
+            k, v, pos, state = store.buffers()
+            store.adopt(more(k, 0.0), more(v, 0.0), more(pos, -1),
+                        {name: more(t, store.fill[name]) for name, t in state.items()})
         logits = engine.extend_all(caches, logits, [prompt, prompt[:9]])
         return [logits] + [storage(c) for c in caches]
 
