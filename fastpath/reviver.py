@@ -48,7 +48,7 @@ from torch import Tensor
 
 from fastpath.sketch import KernelSketch
 from methods import kvreviver
-from methods.kvreviver import KVReviverPolicy, VagueSketch
+from methods.kvreviver import KVReviverPolicy, VagueSketch, overflow_slots, swap_test
 from nanollm.policy import CachePolicy, StepContext
 from nanollm.storage import LayerKV
 
@@ -173,16 +173,11 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
         recent_from = seen - recent
         n_out = T - recent - split.candidate                                     # the same in every row
         if n_out > 0:                                                            # ``_overflow``, every row
-            raw = scores.gather(1, p)                                            # (X, T) by slot
-            order = raw.argsort(dim=1, stable=True)                              # ``c_first``, row by row
-            late = (p >= recent_from).gather(1, order).to(torch.uint8)
-            order = order.gather(1, late.argsort(dim=1, stable=True))            # C ascending, then R
-            out = order[:, :n_out]                                               # (X, n_out) C's lowest
-            at = p.gather(1, out)                                                # their positions
+            out, kept = overflow_slots(scores.gather(1, p), p >= recent_from, n_out)   # (X, n_out), (X, T2)
+            at = p.gather(1, out)                                                # the leaving slots' positions
             k_out = k.gather(2, out[:, None, :, None].expand(X, G, n_out, d)).transpose(1, 2)    # (X, n, G, d)
             v_out = v.gather(2, out[:, None, :, None].expand(X, G, n_out, dv)).transpose(1, 2)
             self._insert(sketches[0], key, value, cells, signs, at, k_out, v_out)
-            kept = order[:, n_out:].sort(dim=1).values                           # (X, T2) ascending slots
             T = kept.shape[1]
             k = k.gather(2, kept[:, None, :, None].expand(X, G, T, d))
             v = v.gather(2, kept[:, None, :, None].expand(X, G, T, dv))
@@ -295,12 +290,7 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
         N, T = scores.shape[1], p.shape[2]
         if min(max_swaps, T, N - T) == 0:                                         # ``_swap``: nothing to swap
             return
-        inf = float("inf")
-        raw = p[:, 0]                                                            # (X, T)
-        s_raw = scores.gather(1, raw).nan_to_num(nan=inf, posinf=inf, neginf=-inf)
-        c_low = s_raw.masked_fill(raw >= recent_from, inf).amin(dim=1)           # (X,) C's lowest
-        v_best = scores.scatter(1, raw, -inf).amax(dim=1)                        # (X,) V's best
-        for x, go in enumerate((c_low * self.replace_rate < v_best).tolist()):
+        for x, go in enumerate(swap_test(scores, p[:, 0], recent_from, self.replace_rate).tolist()):
             if not go:
                 continue
             layer, (b, s) = layers[x // (B * S)], divmod(x % (B * S), S)

@@ -61,7 +61,7 @@ def use_kernels(policy: CachePolicy) -> CachePolicy:
         if inner is None:
             return policy
     if inner.sketch_class is VagueSketch:
-        inner.sketch_class = KernelSketch
+        inner.use_sketch(KernelSketch)
     return policy
 
 

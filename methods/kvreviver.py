@@ -168,10 +168,32 @@ class VagueSketch:
 
 
 def c_first(scores: Tensor, recent: Tensor) -> Tensor:
-    """(T,) the slots of C by ascending score (ties by slot, NaN last, as a stable sort leaves them), then R's
-    slots (``recent``, (T,) bool): C's order without picking its slots out, which would make the host wait."""
-    order = scores.argsort(stable=True)
-    return order[recent[order].to(torch.uint8).argsort(stable=True)]
+    """(..., T) the slots of C by ascending score (ties by slot, NaN last, as a stable sort leaves them), then
+    R's slots (``recent``, (..., T) bool), row by row: C's order without picking its slots out, which would
+    make the host wait."""
+    order = scores.argsort(dim=-1, stable=True)
+    return order.gather(-1, recent.gather(-1, order).to(torch.uint8).argsort(dim=-1, stable=True))
+
+
+def overflow_slots(scores: Tensor, recent: Tensor, n_out: int) -> tuple[Tensor, Tensor]:
+    """Algorithm 3's C -> V overflow, row by row: of the raw slots scored ``scores`` (..., T), the ``n_out``
+    lowest of C (slots not ``recent``) leave for the sketch. Returns the leaving slots (..., n_out) and the
+    staying ones (..., T - n_out), ascending. (One rule for every caller: the policy's one sequence and
+    group at a time, the fast path's every layer at once.)"""
+    order = c_first(scores, recent)
+    return order[..., :n_out], order[..., n_out:].sort(dim=-1).values
+
+
+def swap_test(scores: Tensor, p: Tensor, recent_from: int, rate: float) -> Tensor:
+    """The swap loop's first test, row by row: does V's best score beat C's lowest by ``rate``? scores
+    (..., N) by position, p (..., T) the raw slots' positions (R: from ``recent_from`` on) -> (...) bool.
+    NaN as the loop's comparisons rank it: V's NaN first (its max is NaN: no swap), C's NaN after every
+    number (an empty C: +inf)."""
+    inf = float("inf")
+    s_raw = scores.gather(-1, p).nan_to_num(nan=inf, posinf=inf, neginf=-inf)   # (..., T) by slot
+    c_low = s_raw.masked_fill(p >= recent_from, inf).amin(dim=-1)
+    v_best = scores.scatter(-1, p, -inf).amax(dim=-1)                            # a raw position is not in V
+    return c_low * rate < v_best
 
 
 class Split(NamedTuple):
@@ -232,7 +254,7 @@ class KVReviverPolicy(CachePolicy):
     # how many positions the next rebuild covers without reading the device (a GPU would make it wait)
     _compressed_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     rebuilt_nbytes: int = field(default=0, init=False, repr=False, compare=False)
-    sketch_class: ClassVar[type] = VagueSketch       # fastpath.sketch.use_kernels sets the kernels' one
+    sketch_class: ClassVar[type] = VagueSketch       # a subclass's own; ``use_sketch`` sets one per policy
     swaps: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -263,6 +285,13 @@ class KVReviverPolicy(CachePolicy):
                 raise ValueError(f"budget {budget} leaves no room for Recent after Candidate ({split.candidate}) "
                                  f"and the sketch ({self.rows} x {split.width}); raise budget or lower "
                                  "candidate_share / vague_share / sketch_width")
+
+    def use_sketch(self, sketch_class: type) -> None:
+        """Build this policy's sketches as ``sketch_class`` (``VagueSketch``'s constructor and methods), as
+        ``fastpath/sketch.py`` puts in the Triton kernels' one; before the first compression only."""
+        if self._sketch:
+            raise RuntimeError("use_sketch: the policy has made its sketches already (call it before it runs)")
+        self.sketch_class = sketch_class
 
     # -- the split of the slot budget -----------------------------------------------------------------
     def split(self, budget: int) -> Split:
@@ -452,11 +481,9 @@ class KVReviverPolicy(CachePolicy):
         p (T,). Returns the kept entries, in their order (those given when ``n_out <= 0``)."""
         if n_out <= 0:
             return k, v, p
-        order = c_first(scores[p], p >= recent_from)                             # (T,) C ascending, then R
-        out = order[:n_out]                                                      # C's n_out lowest
+        out, kept = overflow_slots(scores[p], p >= recent_from, n_out)           # C's n_out lowest; the rest
         if sketch is not None:
             sketch.insert(p[out], k[:, out].transpose(0, 1), v[:, out].transpose(0, 1))
-        kept = order[n_out:].sort().values                                       # the other slots, ascending
         return k[:, kept], v[:, kept], p[kept]
 
     def _swap(self, sketch: VagueSketch, scores: Tensor, k: Tensor, v: Tensor, p: Tensor,
@@ -475,14 +502,9 @@ class KVReviverPolicy(CachePolicy):
         n = min(max_swaps, p.shape[0], n_vague)
         if n == 0:
             return k, v, p
-        # the loop's first test, alone: does V's best beat C's lowest? Most steps swap nothing, and this asks
-        # 10 operations where the whole decision asks 22 (on a GPU, each a launch). NaN as the order below
-        # ranks it: V's NaN first (the max is NaN: no swap), C's NaN after every number (an empty C: +inf).
-        inf = float("inf")
-        s_raw = scores[p].nan_to_num(nan=inf, posinf=inf, neginf=-inf)          # (T,) by slot, NaN as +inf
-        c_low = s_raw.masked_fill(p >= recent_from, inf).amin()
-        v_best = scores.index_fill(0, p, -inf).amax()                            # a raw position is not in V
-        if not bool(c_low * self.replace_rate < v_best):
+        # the loop's first test, alone: most steps swap nothing, and this asks 10 operations where the whole
+        # decision asks 22 (on a GPU, each a launch)
+        if not bool(swap_test(scores, p, recent_from, self.replace_rate)):
             return k, v, p
         in_raw = torch.zeros(scores.shape[0], dtype=torch.uint8, device=p.device)
         in_raw[p] = 1

@@ -169,7 +169,7 @@ def test_the_evaluation_sketches_on_the_kernels_where_they_serve(monkeypatch, en
                 assert a[key] == b[key], key
 
     wrapped, own = Probe(make_policy("kvreviver", 64)), make_policy("kvreviver", 64)
-    own.sketch_class = CentredSketch
+    own.use_sketch(CentredSketch)
     fastpath.sketch.use_kernels(wrapped), fastpath.sketch.use_kernels(own)
     assert wrapped.inner.sketch_class is fastpath.sketch.KernelSketch and own.sketch_class is CentredSketch
 

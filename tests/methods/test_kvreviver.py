@@ -148,10 +148,22 @@ def test_the_policy_hashes_through_tables_to_the_same_cache(model):
     sketches = [s for layer in policy._sketch.values() for s in layer]
     assert sketches and all(s.covered >= 49 for s in sketches)
     formulas = KVReviverPolicy(budget=16, sketch_width=4)
-    formulas.sketch_class = type("Formulas", (VagueSketch,), {"cover": lambda self, n: None})
+    formulas.use_sketch(type("Formulas", (VagueSketch,), {"cover": lambda self, n: None}))
     out_f, cache_f = script(model, formulas)
     assert all(torch.equal(a, b) for a, b in zip(out, out_f))
     assert all(torch.equal(a.k, b.k) and torch.equal(a.pos, b.pos) for a, b in zip(cache.layers, cache_f.layers))
+
+
+def test_a_sketch_class_is_chosen_before_the_policy_runs(model):
+    """``use_sketch`` sets the class of the sketches a policy builds, and is refused once it has built some
+    (a policy whose layers held sketches of two classes would rebuild its entries two ways)."""
+    policy = KVReviverPolicy(budget=16, sketch_width=4)
+    mine = type("Mine", (VagueSketch,), {})
+    policy.use_sketch(mine)
+    script(model, policy)
+    assert {type(s) for layer in policy._sketch.values() for s in layer} == {mine}
+    with pytest.raises(RuntimeError, match="before it runs"):
+        policy.use_sketch(VagueSketch)
 
 
 def test_budget_covering_the_sequence_is_the_full_cache(model):
