@@ -187,6 +187,13 @@ def tiny_gpt2_model(device: torch.device) -> Transformer:
     return make_model(preset("TINY_GPT2"), seed=0).to(device)
 
 
+@pytest.fixture(scope="module")
+def bundled():
+    """(model, tokenizer, card) of the bundled retrieval-llama checkpoint, loaded once a test module."""
+    from nanollm.io.checkpoint import load
+    return load("retrieval-llama")
+
+
 @functools.cache
 def smollm2_missing() -> str | None:
     """Why SmolLM2-135M-Instruct cannot be loaded here (its GGUF file is not fetched), or None where it can.

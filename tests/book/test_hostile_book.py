@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nanollm.io.test_hostile_inputs import within
+from tests import commands
 
 SECONDS = 60          # a refusal comes at once; a page that hangs the build fails the test instead
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,11 +185,7 @@ SPECIAL = {"fifo": lambda path: os.mkfifo(path), "dev-zero": lambda path: path.s
 
 def refused(capsys, source: Path, out: Path) -> str:
     """The one ``error:`` line of a build of ``source`` refused within SECONDS (a hang fails the test)."""
-    box, _ = within(SECONDS, lambda: build.main(["--out", str(out)], source=source))
-    err = capsys.readouterr().err
-    assert isinstance(box.get("error"), SystemExit) and box["error"].code == 2, (box, err[-3000:])
-    assert err.startswith("error: ") and err.count("\n") == 1, err[-3000:]
-    return err.strip()
+    return commands.refused(capsys, build.main, ["--out", str(out)], source=source, seconds=SECONDS).strip()
 
 
 @needs_the_book

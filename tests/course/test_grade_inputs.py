@@ -34,7 +34,7 @@ OWN_SEEDS = {"sketch_hashes"}      # functions that seed a generator themselves:
                                    # the test draws from the run's (its sketch's own coefficients, as the library's)
 
 
-def refused(got, want, **kw) -> str:
+def close_fails(got, want, **kw) -> str:
     """The message ``assert_close`` fails with."""
     with pytest.raises(AssertionError) as e:
         assert_close(got, want, **kw)
@@ -48,26 +48,27 @@ def test_an_empty_leading_dimension_passes_a_comparison_of_values_alone():
     vacuously true."""
     want, got = torch.arange(6.0).view(2, 3), torch.zeros(0, 2, 3)
     assert torch.allclose(got, want) and not mismatches(got, want).any()
-    assert refused(got, want, what="the scores") == "the scores: expected shape (2, 3), got (0, 2, 3)"
+    assert close_fails(got, want, what="the scores") == "the scores: expected shape (2, 3), got (0, 2, 3)"
 
 
 def test_assert_close_refuses_another_dtype_or_no_tensor():
     want = torch.tensor([1.0, 2.0])
-    assert "expected dtype torch.float32, got torch.float64" in refused(want.double(), want)
-    assert "expected dtype torch.bool, got torch.int64" in refused(torch.tensor([1, 0]), torch.tensor([True, False]))
-    assert "expected a tensor of shape (2,)" in refused([1.0, 2.0], want)
-    assert "expected shape (2,), got ()" in refused(torch.tensor(1.0), want)
+    assert "expected dtype torch.float32, got torch.float64" in close_fails(want.double(), want)
+    assert "expected dtype torch.bool, got torch.int64" in close_fails(torch.tensor([1, 0]),
+                                                                        torch.tensor([True, False]))
+    assert "expected a tensor of shape (2,)" in close_fails([1.0, 2.0], want)
+    assert "expected shape (2,), got ()" in close_fails(torch.tensor(1.0), want)
 
 
 def test_assert_close_counts_the_places_that_differ_and_names_the_first():
     want = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     got = want.clone()
     got[0, 2], got[1, 0] = 3.5, 0.0
-    message = refused(got, want, atol=0.1, what="the output", detail=lambda at: f"row {at[0]}")
+    message = close_fails(got, want, atol=0.1, what="the output", detail=lambda at: f"row {at[0]}")
     assert message.startswith("the output: 2 of 6 entries differ (compared within atol 0.1 + rtol 0 * |expected|)")
     assert "the first at [0, 2]: got 3.5, expected 3 (row 0)" in message
     assert_close(want + 0.05, want, atol=0.1)
-    assert "compared exactly" in refused(torch.tensor([1, 2]), torch.tensor([1, 3]))
+    assert "compared exactly" in close_fails(torch.tensor([1, 2]), torch.tensor([1, 3]))
 
 
 def test_assert_close_handles_nan_and_infinity():
@@ -75,9 +76,9 @@ def test_assert_close_handles_nan_and_infinity():
     comparison is False for NaN, so it would pass a NaN answer)."""
     inf, nan = float("inf"), float("nan")
     assert_close(torch.tensor([nan, inf, -inf, 1.0]), torch.tensor([nan, inf, -inf, 1.0]))
-    assert "1 of 2 entries differ" in refused(torch.tensor([nan, 1.0]), torch.tensor([0.0, 1.0]), atol=1.0)
-    assert "got inf, expected -inf" in refused(torch.tensor([inf]), torch.tensor([-inf]), atol=1e9)
-    assert "got 0, expected nan" in refused(torch.tensor([0.0]), torch.tensor([nan]))
+    assert "1 of 2 entries differ" in close_fails(torch.tensor([nan, 1.0]), torch.tensor([0.0, 1.0]), atol=1.0)
+    assert "got inf, expected -inf" in close_fails(torch.tensor([inf]), torch.tensor([-inf]), atol=1e9)
+    assert "got 0, expected nan" in close_fails(torch.tensor([0.0]), torch.tensor([nan]))
 
 
 def test_check_tensor_says_which_of_shape_and_dtype_differs():

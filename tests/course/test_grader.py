@@ -28,15 +28,7 @@ import pytest
 from course import confine, grade, gradescope, handout, remote, submit
 from course.assignments import ASSIGNMENTS, ROOT
 from course.markers import find_regions
-
-
-def refused(capsys, main, argv) -> str:
-    """The one ``error:`` line a command prints when it refuses, with exit status 2."""
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (e.value.code, err)
-    return err
+from tests.commands import refused
 
 
 def graded_here(name: str) -> None:

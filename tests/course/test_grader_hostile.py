@@ -32,7 +32,8 @@ import pytest
 
 from course import confine, grade, gradescope, remote
 from course.assignments import ASSIGNMENTS, ROOT
-from tests.course.test_grader import graded_here, put, reference, refused, student_copy, toy_connection
+from tests.commands import refused
+from tests.course.test_grader import graded_here, put, reference, student_copy, toy_connection
 
 pytestmark = pytest.mark.slow
 

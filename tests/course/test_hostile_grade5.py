@@ -33,7 +33,8 @@ import pytest
 from course import grade, gradescope, handout, jail, remote
 from course import student_process as wire
 from course.assignments import ASSIGNMENTS, ROOT
-from tests.course.test_grader import put, refused, student_copy, toy_connection
+from tests.commands import refused
+from tests.course.test_grader import put, student_copy, toy_connection
 
 MB = 1 << 20
 

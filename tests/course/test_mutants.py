@@ -16,6 +16,7 @@ from course import grade, mutants
 from course.assignments import ASSIGNMENTS
 from course.markers import find_regions
 from course.mutants import Mutant
+from tests.commands import refused
 
 TOY = '''\
 import torch
@@ -267,26 +268,19 @@ def test_a_reference_that_fails_grades_no_mutant(toy, fake, tmp_path):
 
 # -- the command line ---------------------------------------------------------------------------------------
 
-def refused(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        mutants.main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (e.value.code, err)
-    return err
-
-
 def test_command_line_errors(tmp_path, capsys):
-    assert "no assignment 'nope'" in refused(capsys, ["nope"])
-    assert "--only must be hand or catalogue" in refused(capsys, ["cache", "--only", "both"])
-    assert "--jobs must be a whole number" in refused(capsys, ["cache", "--jobs", "0"])
-    assert "--per-test-s must be a positive, finite" in refused(capsys, ["cache", "--per-test-s", "nan"])
-    assert "below 0.5 s, the shortest limit" in refused(capsys, ["cache", "--per-test-s", "5e-324"])
-    assert "--task needs one assignment" in refused(capsys, ["all", "--task", "mask"])
-    assert "no task 'nope' in 'cache'; its tasks: append" in refused(capsys, ["cache", "--task", "nope"])
+    assert "no assignment 'nope'" in refused(capsys, mutants.main, ["nope"])
+    assert "--only must be hand or catalogue" in refused(capsys, mutants.main, ["cache", "--only", "both"])
+    assert "--jobs must be a whole number" in refused(capsys, mutants.main, ["cache", "--jobs", "0"])
+    assert "--per-test-s must be a positive, finite" in refused(capsys, mutants.main, ["cache", "--per-test-s", "nan"])
+    assert "below 0.5 s, the shortest limit" in refused(capsys, mutants.main, ["cache", "--per-test-s", "5e-324"])
+    assert "--task needs one assignment" in refused(capsys, mutants.main, ["all", "--task", "mask"])
+    assert "no task 'nope' in 'cache'; its tasks: append" in refused(capsys, mutants.main, ["cache", "--task", "nope"])
     (tmp_path / "report.txt").write_text("")
-    assert "exists; name a new file or add --force" in refused(capsys, ["cache", "--out", str(tmp_path / "report.txt")])
-    assert "does not exist" in refused(capsys, ["cache", "--out", str(tmp_path / "no" / "report.txt")])
-    assert "is a folder" in refused(capsys, ["cache", "--out", str(tmp_path)])
+    assert "exists; name a new file or add --force" in refused(capsys, mutants.main,
+                                                               ["cache", "--out", str(tmp_path / "report.txt")])
+    assert "does not exist" in refused(capsys, mutants.main, ["cache", "--out", str(tmp_path / "no" / "report.txt")])
+    assert "is a folder" in refused(capsys, mutants.main, ["cache", "--out", str(tmp_path)])
 
 
 # -- for real (slow) ----------------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ from methods.adakv import adaptive_keep_mask, mask_to_indices
 from methods.h2o import STATE, H2OPolicy, received_attention
 from methods.snapkv import SnapKVPolicy, pool1d, window_vote
 from methods.streaming_llm import StreamingLLMPolicy
-from nanollm import KVCache, LayerKV, StepContext, Transformer, decode_step, extend, prefill, preset
+from nanollm import KVCache, LayerKV, Transformer, decode_step, extend, prefill, preset
 from nanollm.attention import attend
 from nanollm.policy import select_topk
 from tests.held import held
+from tests.methods.hand import hand_ctx
 
 
 def streaming_llm_keep(pos, seen, budget, n_sink):
@@ -40,18 +41,6 @@ def tiny(make_model) -> Transformer:
 
 def prompt(n: int, seed: int = 0, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def hand_ctx(probs: torch.Tensor, kv: LayerKV | None = None, n_kv_head: int = 1, seen: int | None = None):
-    """A StepContext around hand-made probs (B, H, Tn, T); a fresh LayerKV at positions 0..T-1 if none."""
-    B, H, Tn, T = probs.shape
-    if kv is None:
-        kv = LayerKV()
-        kv.append(torch.randn(B, n_kv_head, T, 2), torch.randn(B, n_kv_head, T, 2), torch.arange(T))
-    seen = T if seen is None else seen
-    return StepContext(layer=0, phase="prefill" if Tn == T else "decode", q=torch.zeros(B, H, Tn, 2),
-                       q_pos=torch.arange(seen - Tn, seen), probs=probs, out=torch.zeros(B, H, Tn, 2),
-                       kv=kv, attn=None, config=None, seen=seen, col_sums=probs.float().sum(dim=2))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,8 +7,6 @@ attention top-k, every kept entry is where its stage puts it, AdaKV's per-head b
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -25,9 +23,10 @@ from methods.critical_kv import (
     two_stage_masks,
 )
 from methods.snapkv import SnapKVPolicy
-from nanollm import KVCache, LayerKV, StepContext, Transformer, decode_step, extend, prefill, preset
+from nanollm import KVCache, StepContext, Transformer, decode_step, extend, prefill, preset
 from nanollm.policy import select_topk
 from tests.held import held
+from tests.methods.hand import hand_ctx
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +37,6 @@ def tiny(make_model) -> Transformer:
 
 def prompt(n: int, seed: int = 0, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def hand_ctx(probs: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor) -> StepContext:
-    """A prefill StepContext around hand-made probs (B, H, T, T), values v (B, H_kv, T, d), W_O (D, H*d)."""
-    B, H, T, _ = probs.shape
-    kv = LayerKV()
-    kv.append(torch.zeros_like(v), v, torch.arange(T))
-    attn = SimpleNamespace(o_proj=SimpleNamespace(weight=w_o))
-    return StepContext(layer=0, phase="prefill", q=torch.zeros(B, H, T, v.shape[-1]), q_pos=torch.arange(T),
-                       probs=probs, out=torch.zeros(B, H, T, v.shape[-1]), kv=kv, attn=attn, config=None, seen=T)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -195,7 +184,7 @@ def ten_token_ctx(values: torch.Tensor | None = None) -> StepContext:
     probs[0, 0, 8:] = row
     if values is None:
         values = torch.ones(10).index_fill(0, torch.tensor([7]), 8.0)
-    return hand_ctx(probs, values.view(1, 1, 10, 1), torch.ones(1, 1))
+    return hand_ctx(probs, v=values.view(1, 1, 10, 1), w_o=torch.ones(1, 1))
 
 
 def test_window_stage_two_by_hand():
@@ -256,7 +245,7 @@ def test_default_stage_two_is_the_pooled_host_score_by_hand(alpha, alpha_of):
     v = torch.randn(B, H_kv, T, d, generator=g) * torch.rand(B, H_kv, T, 1, generator=g) * 3
     w_o = torch.randn(D, H * d, generator=g)
     for epsilon in (0.0, 0.02):
-        ctx = hand_ctx(probs, v, w_o)
+        ctx = hand_ctx(probs, v=v, w_o=w_o)
         policy = make_policy("critical_kv", 14, window=5, kernel=5, pooling="avg", alpha=alpha,
                              alpha_of=alpha_of, epsilon=epsilon)
         policy.on_prefill(ctx)
@@ -271,7 +260,7 @@ def test_the_two_readings_differ_by_hand():
     v, w_o = torch.randn(1, 2, 30, 3, generator=g), torch.randn(6, 12, generator=g)
     kept = []
     for stage2 in ("host", "window"):
-        ctx = hand_ctx(probs, v, w_o)
+        ctx = hand_ctx(probs, v=v, w_o=w_o)
         make_policy("critical_kv", 14, window=5, kernel=5, stage2=stage2).on_prefill(ctx)
         kept.append(ctx.kv.pos.clone())
     assert not torch.equal(*kept)

@@ -18,7 +18,6 @@ import torch
 from methods import make_policy
 from methods.kvreviver import KVReviverPolicy
 from nanollm import KVCache, LayerKV, decode_step, prefill
-from nanollm.io.checkpoint import load
 from nanollm.policy import ScoringPolicy, select_topk
 from nanollm.slots import select_lowest
 from tests.held import by_position, held
@@ -28,8 +27,8 @@ DECODE_METHODS = [("streaming_llm", {}), ("h2o", {}), ("h2o", {"n_recent": 0}), 
 
 
 @pytest.fixture(scope="module")
-def bundled():
-    return load("retrieval-llama")[0]
+def bundled_model(bundled):
+    return bundled[0]
 
 
 def greedy(model, policy, prompt: torch.Tensor, steps: int) -> tuple[list, list, list]:
@@ -61,9 +60,9 @@ def compare(model, spec: str, opts: dict, prompt: torch.Tensor, budget: int, ste
 
 
 @pytest.mark.parametrize("spec,opts", DECODE_METHODS, ids=lambda x: str(x))
-def test_in_place_keeps_what_compacting_keeps_bundled(bundled, spec, opts, monkeypatch):
+def test_in_place_keeps_what_compacting_keeps_bundled(bundled_model, spec, opts, monkeypatch):
     prompt = torch.randint(3, 500, (1, 96), generator=torch.Generator().manual_seed(1))
-    compare(bundled, spec, opts, prompt, budget=24, steps=40, monkeypatch=monkeypatch)
+    compare(bundled_model, spec, opts, prompt, budget=24, steps=40, monkeypatch=monkeypatch)
 
 
 @pytest.mark.slow
@@ -74,16 +73,16 @@ def test_in_place_keeps_what_compacting_keeps_smollm2(smollm2, spec, monkeypatch
     compare(model, spec, {}, torch.tensor([tok.encode(text)[:80]]), budget=32, steps=24, monkeypatch=monkeypatch)
 
 
-def test_an_evicted_slot_takes_the_next_token(bundled):
+def test_an_evicted_slot_takes_the_next_token(bundled_model):
     """The mechanism itself: after a decode step's eviction, the storage has one free slot per head and the
     next token is written there; the number of slots in use stops growing."""
-    cache = KVCache(bundled.config, make_policy("h2o", 16))
-    prefill(bundled, torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2)), cache)
-    decode_step(bundled, torch.tensor([7]), cache)
+    cache = KVCache(bundled_model.config, make_policy("h2o", 16))
+    prefill(bundled_model, torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2)), cache)
+    decode_step(bundled_model, torch.tensor([7]), cache)
     layer = cache.layers[0]
     n, free = layer.n, layer.free.clone()                                # (B, H_kv, 1) the emptied slots
     assert free.shape[-1] == 1 and bool((layer.pos.gather(-1, free) == -1).all())
-    decode_step(bundled, torch.tensor([8]), cache)
+    decode_step(bundled_model, torch.tensor([8]), cache)
     assert layer.n == n, "a decode step after an eviction must not add a slot"
     assert bool((layer.pos.gather(-1, free) == cache.seen - 1).all()), "the new token must take the emptied slot"
 
@@ -121,12 +120,12 @@ class LoopSwaps(KVReviverPolicy):
 @pytest.mark.parametrize("opts", [{"replace_rate": 1.0}, {"replace_rate": 1.1, "per_kv_head": True},
                                   {"injective_hash": True, "sketch_width": 512, "replace_rate": 1.0,
                                    "candidate_share": 0.6}])
-def test_kvreviver_swaps_at_once_are_the_loops(bundled, opts):
+def test_kvreviver_swaps_at_once_are_the_loops(bundled_model, opts):
     """The same swaps, step after step (how many, which tokens revived), the same entries held, the same
     logits, bit for bit: the swaps are decided at once and the sketch updated in the loop's order."""
     prompt = torch.randint(3, 500, (1, 96), generator=torch.Generator().manual_seed(3))
     a_policy, b_policy = KVReviverPolicy(40, **opts), LoopSwaps(40, **opts)
-    a, b = greedy(bundled, a_policy, prompt, 30), greedy(bundled, b_policy, prompt, 30)
+    a, b = greedy(bundled_model, a_policy, prompt, 30), greedy(bundled_model, b_policy, prompt, 30)
     assert a_policy.swaps == b_policy.swaps > 0
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1])), "the greedy answers differ"
     for step, (x, y) in enumerate(zip(a[2], b[2])):

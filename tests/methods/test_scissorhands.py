@@ -45,6 +45,7 @@ from methods.scissorhands import (
     unimportance,
 )
 from nanollm import KVCache, LayerKV, StepContext, decode_step, extend, prefill, preset
+from tests.methods.hand import hand_ctx
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +153,6 @@ def test_scissorhands_keep_hand():
     ones = torch.ones(1, 1, 6, dtype=torch.long)
     assert scissorhands_keep(ones, t([.2, .3, .01, .2, .2, .1], 1, 1, 6), pos, 6, budget=5).flatten().tolist() \
         == [0, 1, 3, 4, 5]
-
-
-def hand_ctx(probs: torch.Tensor, n_kv_head: int = 1) -> StepContext:
-    B, H, Tn, T = probs.shape
-    kv = LayerKV()
-    kv.append(torch.randn(B, n_kv_head, T, 2), torch.randn(B, n_kv_head, T, 2), torch.arange(T))
-    return StepContext(layer=0, phase="prefill", q=torch.zeros(B, H, Tn, 2), q_pos=torch.arange(T - Tn, T),
-                       probs=probs, out=torch.zeros(B, H, Tn, 2), kv=kv, attn=None, config=None, seen=T)
 
 
 @pytest.mark.parametrize("budget,w,r,m", [(4, 3, 1, 1), (4, 12, 0, 1), (6, 5, 2, 3), (3, 1, 0, 1)])

@@ -26,7 +26,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tests.nanollm.io.test_hostile_inputs import within
+from tests.commands import refused
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("notebook_build", ROOT / "notebooks" / "build.py")
@@ -34,16 +34,6 @@ build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build)
 
 SOURCE = "# %% [markdown]\n# # 00 A title\n# Some words.\n\n# %%\nx = 1\n"
-
-
-def refused(capsys, argv: list[str]) -> str:
-    """The one ``error:`` line of a build that refuses with exit status 2 within 20 s."""
-    box, _ = within(20, lambda: build.main(argv))
-    err = capsys.readouterr().err
-    error = box.get("error")
-    assert isinstance(error, SystemExit) and error.code == 2, (box, err[-2000:])
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
 
 
 @pytest.fixture
@@ -73,7 +63,7 @@ def test_the_table_of_the_copy(project, capsys):
                          ids=["no-minutes", "negative", "no-size", "number-entry", "list"])
 def test_readings_that_are_not_minutes_are_one_line(project, capsys, readings):
     (project / "readings.json").write_text(json.dumps(readings))
-    assert "readings.json" in refused(capsys, ["--table"])
+    assert "readings.json" in refused(capsys, build.main, seconds=20, argv=["--table"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -87,7 +77,7 @@ def test_readings_that_are_not_minutes_are_one_line(project, capsys, readings):
         "no-run_s", "number-entry", "list-entry"])
 def test_a_record_that_is_not_an_object_of_runs_is_one_line(project, capsys, record):
     (project / "build_record.json").write_text(json.dumps(record))
-    assert "build_record.json" in refused(capsys, ["--table"])
+    assert "build_record.json" in refused(capsys, build.main, seconds=20, argv=["--table"])
 
 
 @pytest.mark.parametrize("cells", [[], [""], ["# 00"], ["# 00 "], ["#"], ["\n# 00 A title"]],
@@ -95,7 +85,7 @@ def test_a_record_that_is_not_an_object_of_runs_is_one_line(project, capsys, rec
 def test_a_notebook_without_a_title_is_one_line(project, capsys, cells):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(c) for c in cells])
     nbformat.write(nb, project / "00_lesson.ipynb")
-    assert "00_lesson.py: no title" in refused(capsys, ["--table"])
+    assert "00_lesson.py: no title" in refused(capsys, build.main, seconds=20, argv=["--table"])
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '"x"', "{}", '{"nbformat": 4}', "not json",
@@ -103,7 +93,7 @@ def test_a_notebook_without_a_title_is_one_line(project, capsys, cells):
                          ids=["list", "string", "empty-object", "no-cells", "not-json", "string-minor"])
 def test_a_notebook_that_is_not_one_is_one_line(project, capsys, text):
     (project / "00_lesson.ipynb").write_text(text)
-    assert "00_lesson.ipynb" in refused(capsys, ["--table"])
+    assert "00_lesson.ipynb" in refused(capsys, build.main, seconds=20, argv=["--table"])
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
@@ -114,7 +104,7 @@ def test_a_fifo_or_dev_zero_is_refused_by_kind(project, capsys, name, kind):
     path = project / name
     path.unlink()
     os.mkfifo(path) if kind == "fifo" else path.symlink_to("/dev/zero")
-    assert f"{path}: not a regular file" in refused(capsys, ["--table"])
+    assert f"{path}: not a regular file" in refused(capsys, build.main, seconds=20, argv=["--table"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,7 +114,7 @@ def test_a_fifo_or_dev_zero_is_refused_by_kind(project, capsys, name, kind):
 def test_cell_tags_that_are_not_strings_are_one_line(tmp_path, capsys, tags):
     source = tmp_path / "nb.py"
     source.write_text(f"# %% tags={tags}\nx = 1\n")
-    err = refused(capsys, [str(source), "--no-execute"])
+    err = refused(capsys, build.main, seconds=20, argv=[str(source), "--no-execute"])
     assert f"{source}:1: cell tags" in err and not source.with_suffix(".ipynb").exists()
 
 
@@ -132,7 +122,7 @@ def test_cell_tags_that_are_not_strings_are_one_line(tmp_path, capsys, tags):
 def test_a_source_without_cells_is_one_line(tmp_path, capsys, text):
     source = tmp_path / "nb.py"
     source.write_text(text)
-    assert str(source) in refused(capsys, [str(source), "--tiny"])
+    assert str(source) in refused(capsys, build.main, seconds=20, argv=[str(source), "--tiny"])
 
 
 def test_a_notebook_without_code_gets_no_figure_rules():

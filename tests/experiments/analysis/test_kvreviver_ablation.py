@@ -24,13 +24,7 @@ from experiments.analysis.kvreviver_ablation import (
 )
 from experiments.evaluation.language_modelling import run as lm_run
 from methods.kvreviver import KVReviverPolicy, VagueSketch, allocate, fisher_information, fisher_layer_budgets
-from nanollm import KVCache, decode_step, load, prefill
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    model, tok, _ = load("retrieval-llama")
-    return model, tok
+from nanollm import KVCache, decode_step, prefill
 
 
 def ids(n: int, seed: int = 0) -> torch.Tensor:
@@ -56,7 +50,7 @@ def test_true_kv_attends_exactly_the_full_cache(bundled):
     follows the new tokens): bit for bit in layer 0, whose keys and values depend on the tokens only, within
     rounding after it (the attention's order of summation differs), and so are the logits, while the
     bookkeeping runs: tokens really live in the sketch and get revived."""
-    model, _ = bundled
+    model, _, _ = bundled
     full_out, full = script(model, None)
     policy = TrueKV(40, replace_rate=1.0)
     reference = KVCache(model.config)
@@ -82,7 +76,7 @@ def test_true_kv_attends_exactly_the_full_cache(bundled):
 def test_true_kv_keeps_the_bookkeeping_of_an_exact_sketch(bundled):
     """TrueKV keeps the positions, scores and swaps of KVReviver with an exact (injective) sketch: the shadow
     changes what is attended, nothing of Algorithm 3."""
-    model, _ = bundled
+    model, _, _ = bundled
     kw = dict(sketch_width=100, injective_hash=True, replace_rate=1.0)
     exact, shadow = KVReviverPolicy(40, **kw), TrueKV(40, **kw)
     _, a = script(model, exact)
@@ -97,7 +91,7 @@ def test_true_keys_and_true_values_replace_one_each(bundled):
     """TrueKeys: the true keys and Algorithm 4's rebuilt values; TrueValues the other way round. Layer 0's
     keys and values depend on the tokens only, so there the true ones are the full cache's, bit for bit; the
     sketch really is used (its estimates differ from the true entries)."""
-    model, _ = bundled
+    model, _, _ = bundled
     _, full = script(model, None)
     for cls, true_part, sketch_part in ((TrueKeys, "k", "v"), (TrueValues, "v", "k")):
         policy = cls(40)
@@ -115,7 +109,7 @@ def test_true_keys_and_true_values_replace_one_each(bundled):
 def test_no_swaps_revives_nothing_and_still_sketches(bundled):
     """Where the shipped policy revives tokens, NoSwaps revives none (no approximate raw slot) while its
     evicted tokens still go into the sketch; the other parts of Algorithm 3 are the shipped ones."""
-    model, _ = bundled
+    model, _, _ = bundled
     shipped, none = KVReviverPolicy(40, replace_rate=1.0), NoSwaps(40, replace_rate=1.0)
     _, a = script(model, shipped)
     _, b = script(model, none)
@@ -167,7 +161,7 @@ def test_swaps_at_once_read_every_estimate_before_the_swaps(injective):
 def test_protocol_is_the_language_modelling_run(bundled):
     """lm_ablation on the shipped policy gives the perplexity, KL and agreement of
     ``language_modelling.run`` on "kvreviver", and the same full cache."""
-    model, tok = bundled
+    model, tok, _ = bundled
     theirs = lm_run(model, tok, ["full", "kvreviver"], [0.2, 0.5], 96, progress=False)
     ours = lm_ablation(model, tok, [ab.VARIANTS[0]], [0.2, 0.5], 96)
     for keep in (0.2, 0.5):
@@ -215,7 +209,7 @@ def test_allocate_is_proportional_with_a_floor_and_keeps_the_total():
 def test_fisher_information_is_the_squared_gradient_of_wk_and_wv(bundled):
     """One chunk: F_l = ||dL/dW_K||^2 + ||dL/dW_V||^2 of the mean NLL, computed here with backward(); the
     model's flags are left as they were."""
-    model, _ = bundled
+    model, _, _ = bundled
     x = ids(33, seed=5)[0]
     flags = [p.requires_grad for p in model.parameters()]
     got = fisher_information(model, x, chunk=32)
@@ -231,7 +225,7 @@ def test_fisher_information_is_the_squared_gradient_of_wk_and_wv(bundled):
 
 
 def test_fisher_budgets_sum_to_the_uniform_total_and_are_deterministic(bundled):
-    model, _ = bundled
+    model, _, _ = bundled
     x = ids(200, seed=3)[0]
     budgets = fisher_layer_budgets(model, x, 40)
     assert budgets == fisher_layer_budgets(model, x, 40)
@@ -241,7 +235,7 @@ def test_fisher_budgets_sum_to_the_uniform_total_and_are_deterministic(bundled):
 def test_each_layer_keeps_to_its_own_budget(bundled):
     """With layer_budgets, every layer splits its own budget (R + C + cells <= it), and uniform budgets
     given explicitly are the default, bit for bit."""
-    model, _ = bundled
+    model, _, _ = bundled
     L = model.config.n_layer
     own = [20, 40, 30, 70][:L]
     policy = KVReviverPolicy(40, layer_budgets=own)

@@ -15,7 +15,7 @@ from experiments.analysis.kvreviver_rounding import float64_insert, sums_in_floa
 from experiments.evaluation import agree
 from fastpath.reviver import routed
 from methods.kvreviver import VagueSketch
-from tests.course.test_grader import refused
+from tests.commands import refused
 
 
 def tokens(n: int = 600, heads: int = 2, d: int = 16):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from experiments.evaluation import agree
-from tests.course.test_grader import refused
+from tests.commands import refused
 
 COMMITTED = Path(__file__).resolve().parents[3] / "results" / "compare_default.json"
 

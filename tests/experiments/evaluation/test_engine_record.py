@@ -16,16 +16,9 @@ from experiments.evaluation.engines import make_engine
 from experiments.evaluation.protocol import drive, teacher_force
 from experiments.evaluation.task import TASKS
 from methods import make_policy
-from nanollm import load
 from nanollm.data.evaluate import MODES
 
 TIMES = {"compress_ms", "decode_ms_per_token", "step_timing", "caches_per_step"}
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    torch.set_num_threads(1)
-    return load("retrieval-llama")
 
 
 def run(bundled, methods, **kw):

@@ -24,7 +24,7 @@ from experiments.evaluation import compare, rescore, task, throughput
 from experiments.evaluation.metrics import rescore as rescore_records
 from nanollm import cli
 from nanollm.io.checkpoint import load_tokenizer
-from tests.course.test_grader import refused
+from tests.commands import refused
 from tests.nanollm.cli.test_hostile_commands import no_work
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -12,17 +12,10 @@ from experiments.evaluation import compare, prefill_layers
 from experiments.evaluation.engines import make_engine
 from experiments.evaluation.protocol import Probe
 from methods import make_policy
-from nanollm import load
 from nanollm.data.evaluate import MODES
 
 TIMES = {"compress_ms", "decode_ms_per_token"}
 WAIT = ("h2o", "scissorhands", "snapkv", "streaming_llm")
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    torch.set_num_threads(1)
-    return load("retrieval-llama")
 
 
 @pytest.fixture

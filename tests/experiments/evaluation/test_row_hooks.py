@@ -11,16 +11,9 @@ from experiments.evaluation import compare, row_hooks
 from experiments.evaluation.engines import make_engine
 from experiments.evaluation.protocol import Probe
 from methods import make_policy
-from nanollm import load
 from nanollm.data.evaluate import MODES
 
 TIMES = {"compress_ms", "decode_ms_per_token"}
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    torch.set_num_threads(1)
-    return load("retrieval-llama")
 
 
 def records(bundled, engine: str) -> list[dict]:

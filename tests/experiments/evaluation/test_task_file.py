@@ -16,15 +16,9 @@ import torch
 from experiments.evaluation import compare, rescore, task_file
 from experiments.evaluation.task import TASKS, Task
 from experiments.evaluation.task_file import SCORERS, FileTask, export, read_items
-from nanollm import load
 from nanollm.data.evaluate import MODES
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "experiments" / "evaluation" / "examples" / "niah_single_noise.jsonl"
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    return load("retrieval-llama")
 
 
 def test_the_example_file_is_the_built_in_task_s_export(bundled):

@@ -12,7 +12,6 @@ import torch
 from experiments.evaluation import compare, protocol, together
 from experiments.evaluation.engines import make_engine
 from experiments.evaluation.protocol import Variant
-from nanollm import load
 from nanollm.data.evaluate import MODES
 from tests.experiments.evaluation.test_records import assert_same_records
 
@@ -20,13 +19,6 @@ TIMINGS = ("compress_ms", "decode_ms_per_token", "caches_per_step")   # how the 
 # the two modes of one task and two tasks: answers of different lengths, so the jobs end at different rounds
 JOBS = [("niah_single_noise", 0, MODES[0]), ("niah_multikey", 1, MODES[1]), ("niah_single_noise", 2, MODES[1])]
 VARIANTS = [Variant(m, m) for m in ("h2o", "snapkv", "kvreviver", "scissorhands")]
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    torch.set_num_threads(1)
-    model, tok, _ = load("retrieval-llama")
-    return model, tok
 
 
 def without_timings(results):
@@ -37,7 +29,7 @@ def without_timings(results):
 def test_jobs_stepped_together_give_each_job_its_own_records(bundled, monkeypatch):
     """The fast engine: three jobs together, every metric of every record equal to the job's run alone; each
     round is one engine.step over every running job's caches (fewer steps than the jobs alone)."""
-    model, tok = bundled
+    model, tok, _ = bundled
     engine = make_engine("fast", model)
     steps, real = [], engine.step
     monkeypatch.setattr(engine, "step", lambda caches, tokens: (steps.append(len(caches)), real(caches, tokens))[1])
@@ -77,7 +69,7 @@ def test_a_job_with_no_step_left_returns_at_once():
 def test_compare_together_gives_the_records_of_compare_alone(bundled, engine):
     """``compare.run(together=2)`` against ``together=1`` on the bundled model, both modes: bit for bit but the
     timings with the fast engine; the same answers and bytes, floats within 1e-5, with one group."""
-    model, tok = bundled
+    model, tok, _ = bundled
     kw = dict(methods=["h2o", "kvreviver", "streaming_llm"], budgets=[51, 128], tasks=["niah_multikey"], modes=MODES,
               samples=3, length=512, progress=False, engine=engine)
     alone, together = compare.run(model, tok, **kw), compare.run(model, tok, together=2, **kw)

@@ -43,23 +43,23 @@ def test_models_have_the_same_size():
 
 
 @pytest.fixture(scope="module")
-def bundled():
+def match3_models():
     return {k: match3.load(f"match3-{k}") for k in ("tensor", "standard")}
 
 
 @pytest.mark.slow
 @pytest.mark.heavy                       # a re-run of committed results: with --runheavy
-def test_bundled_cards_reproduce(bundled):
+def test_bundled_cards_reproduce(match3_models):
     """The cards' numbers come from ``evaluate`` with its defaults: measuring again gives them back."""
-    for model, card in bundled.values():
+    for model, card in match3_models.values():
         r = match3.evaluate(model)
         assert abs(r["accuracy"] - card["accuracy"]) < 2e-3
         assert abs(r["greedy_accuracy"] - card["greedy_accuracy"]) < 2e-3
         assert card["baseline"] == pytest.approx(match3.majority_baseline())
 
 
-def test_tensor_model_greedy_labels_identical_for_every_cache_layout(bundled):
-    model, _ = bundled["tensor"]
+def test_tensor_model_greedy_labels_identical_for_every_cache_layout(match3_models):
+    model, _ = match3_models["tensor"]
     xs = torch.tensor([match3.random_numbers(match3.N_NUMBERS, random.Random(s)) for s in range(32)])
     out = {layout: match3.greedy_labels(model, xs, layout) for layout in LAYOUTS}
     assert all(torch.equal(v, out["four"]) for v in out.values())
@@ -70,8 +70,8 @@ def test_tensor_model_greedy_labels_identical_for_every_cache_layout(bundled):
         assert torch.equal(model(seq).argmax(-1)[:, 1::2], out["two"])
 
 
-def test_layout_for_a_standard_model_is_a_clear_error(bundled):
-    model, _ = bundled["standard"]
+def test_layout_for_a_standard_model_is_a_clear_error(match3_models):
+    model, _ = match3_models["standard"]
     with pytest.raises(ValueError, match="layout 'two' is for tensor-attention models"):
         match3.greedy_labels(model, torch.zeros(1, 3, dtype=torch.long), "two")
 

@@ -31,7 +31,7 @@ import torch
 
 from nanollm.io import fetch
 from nanollm.io.files import atomic_write_text
-from tests.course.test_grader import refused
+from tests.commands import refused
 from tests.nanollm.cli.test_cli import BUNDLED, ROOT, snapshot
 from tests.nanollm.io.test_gguf import llama_gguf, tokenizer_metadata
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from nanollm.cli import train as train_cli
-from tests.course.test_grader import refused
+from tests.commands import refused
 from tests.nanollm.cli.test_cli import BUNDLED, fork_server, snapshot
 from tests.nanollm.cli.test_hostile_commands import assert_interrupted, interrupt, no_work
 

@@ -28,24 +28,14 @@ import pytest
 
 from nanollm.cli import timed
 from nanollm.io import files
+from tests.commands import refused
 from tests.nanollm.cli.test_cli import ROOT, cli_env, run_cli
-from tests.nanollm.io.test_hostile_inputs import within
 
 CARD = ROOT / "nanollm" / "checkpoints" / "retrieval-llama" / "card.json"
 CONFIG = ROOT / "nanollm" / "checkpoints" / "retrieval-llama" / "nanollm_config.json"
 MATCH3_CARD = ROOT / "methods" / "tensor_attention" / "checkpoints" / "match3-tensor" / "card.json"
 ENTRY = {"median_s": 1.5, "runs": [{"s": 1.5, "load": 0.1}], "command": "true", "date": "2026-01-01",
          "cores": 2, "commit": "abc"}
-
-
-def refused(capsys, argv: list[str]) -> str:
-    """The one ``error:`` line (no ``usage:``) of a ``timed`` that refuses with exit status 2 within 20 s."""
-    box, _ = within(20, lambda: timed.main(argv))
-    err = capsys.readouterr().err
-    error = box.get("error")
-    assert isinstance(error, SystemExit) and error.code == 2, (box, err[-2000:])
-    assert err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err, err
-    return err
 
 
 @pytest.fixture
@@ -86,7 +76,7 @@ def test_a_bundled_file_is_refused_and_left_as_it_was(tmp_path, capsys, no_runs,
     monkeypatch.chdir(ROOT)
     before = {p: p.read_bytes() for p in (CARD, CONFIG, MATCH3_CARD)}
     for path in bundled_spellings(tmp_path):
-        err = refused(capsys, timed_argv(path))
+        err = refused(capsys, timed.main, seconds=20, argv=timed_argv(path))
         assert "bundled checkpoints" in err or "not a timings record" in err, (path, err)
     assert {p: p.read_bytes() for p in before} == before
 
@@ -107,7 +97,7 @@ def test_a_bundled_file_is_refused_and_left_as_it_was(tmp_path, capsys, no_runs,
 def test_a_file_that_is_not_a_timings_record_is_refused(tmp_path, capsys, no_runs, content):
     record = tmp_path / "t.json"
     record.write_text(content)
-    err = refused(capsys, timed_argv(record))
+    err = refused(capsys, timed.main, seconds=20, argv=timed_argv(record))
     assert "timings record" in err and str(record) in err
     assert record.read_text() == content
 
@@ -117,7 +107,7 @@ def test_a_file_that_is_not_a_timings_record_is_refused(tmp_path, capsys, no_run
 def test_a_record_that_is_not_a_regular_file_is_refused_by_kind(tmp_path, capsys, no_runs, kind):
     record = tmp_path / "t.json"
     {"fifo": os.mkfifo, "zero": lambda p: p.symlink_to("/dev/zero"), "folder": os.mkdir}[kind](record)
-    err = refused(capsys, timed_argv(record))
+    err = refused(capsys, timed.main, seconds=20, argv=timed_argv(record))
     assert str(record) in err
 
 
@@ -190,7 +180,7 @@ ARGUMENT_ERRORS = {
 @pytest.mark.parametrize("argv", ARGUMENT_ERRORS.values(), ids=ARGUMENT_ERRORS.keys())
 def test_argument_errors_are_one_line_without_usage(tmp_path, capsys, no_runs, argv):
     argv = [a.replace(R, str(tmp_path / "t.json")).replace("{tmp}", str(tmp_path)) for a in argv]
-    refused(capsys, argv)
+    refused(capsys, timed.main, seconds=20, argv=argv)
     assert not (tmp_path / "t.json").exists()
 
 
@@ -198,7 +188,7 @@ def test_argument_errors_are_one_line_without_usage(tmp_path, capsys, no_runs, a
 def test_a_missing_or_non_executable_command_is_one_line(tmp_path, capsys, no_runs, command):
     (tmp_path / "not_executable.sh").write_text("#!/bin/sh\ntrue\n")
     command = command.replace("{tmp}", str(tmp_path))
-    err = refused(capsys, timed_argv(tmp_path / "t.json", command=(command,)))
+    err = refused(capsys, timed.main, seconds=20, argv=timed_argv(tmp_path / "t.json", command=(command,)))
     assert command in err and not (tmp_path / "t.json").exists()
 
 
@@ -211,7 +201,7 @@ def test_a_record_that_cannot_be_written_is_one_line(tmp_path, capsys, quick_run
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
     monkeypatch.setattr(files.tempfile, "mkstemp", read_only)
-    err = refused(capsys, timed_argv(record))
+    err = refused(capsys, timed.main, seconds=20, argv=timed_argv(record))
     assert str(record) in err and "Read-only file system" in err
     assert json.loads(record.read_text()) == {"install": ENTRY}
 

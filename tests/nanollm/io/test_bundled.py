@@ -4,17 +4,12 @@ import pytest
 import torch
 
 from methods import make_policy
-from nanollm import KVCache, load, prefill
+from nanollm import KVCache, prefill
 from nanollm.cli.card import THRESHOLDS
 from nanollm.data.evaluate import accuracy
 from nanollm.data.tasks import make_sample
 
 N = 8          # samples per task: the first N of the card's own evaluation samples (same seeds)
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    return load("retrieval-llama")
 
 
 def test_card_describes_the_model(bundled):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -38,28 +37,9 @@ from nanollm.io.hf_tokenizer import (
     encoding_from_vocab_merges,
     tokenizer_json,
 )
-from tests.course.test_grader import refused
+from tests.commands import refused, within
 from tests.nanollm.io.test_fetch import PAYLOAD, leftovers, toy  # noqa: F401  (the fixture)
 from tests.nanollm.io.test_gguf import ARRAY, FLOAT32, STRING, UINT32, gguf_bytes, llama_gguf, tokenizer_metadata, write
-
-
-def within(seconds: float, fn):
-    """``fn()``'s result or exception, failing the test if it takes longer than ``seconds`` (it runs in a
-    daemon thread, so a hang fails here instead of hanging the suite)."""
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:          # noqa: BLE001  (handed back to the test)
-            box["error"] = e
-    t0 = time.perf_counter()
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert not worker.is_alive(), f"still running after {seconds} s"
-    return box, time.perf_counter() - t0
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Tokenizer files: a valid one, and its mutations
