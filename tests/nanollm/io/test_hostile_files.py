@@ -34,8 +34,8 @@ from nanollm.io.gguf import read_gguf
 from nanollm.io.hf import export_hf
 from nanollm.io.safetensors import load_file, save_file
 from nanollm.io.tokenizer import Tokenizer
+from tests.commands import within
 from tests.nanollm.io.test_gguf import llama_gguf, tokenizer_metadata, write
-from tests.nanollm.io.test_hostile_inputs import within
 
 SECONDS = 20          # every refusal comes at once; a hang or a huge build fails the test instead
 
