@@ -27,7 +27,8 @@ the probabilities themselves, take their output from the kernel too and compute 
 No ``.item()``, no Python ``if`` on a tensor: the Python loop over layers is the same every step, so the
 graph is too.
 
-Which methods decode on it (``eviction_rule``, from what a policy declares, wrappers included):
+Which methods decode on it (``eviction_rule``: what a policy's class declares, ``decode_rule()`` and
+``methods/rules.py``, never its type):
 
 * prefill-only methods (the full cache, SnapKV, AdaKV, ChunkKV, CriticalKV and their wrappings): no
   ``attend_kv`` of their own, nothing observed or compressed at a decode step (``compress_on`` without
@@ -36,9 +37,9 @@ Which methods decode on it (``eviction_rule``, from what a policy declares, wrap
   attention, which saw budget + 1 entries (so C = budget + 1 once full): the slot to empty is chosen per
   head, its position set to -1, and the next token is written there (``LayerKV.evict`` then ``append``).
   StreamingLLM empties
-  the oldest position after the sinks (its ring holds the non-sink slots in position order); H2O adds the
-  step's attention (the mean over each KV head's G query heads) to ``score``, then empties the lowest
-  score outside the recent window, the later position on a tie (``nanollm.slots.select_lowest``).
+  the oldest position after the sinks (``streaming_llm.evict_oldest``); H2O adds the step's attention (the
+  mean over each KV head's G query heads) to ``score``, then empties the lowest score outside the recent
+  window, the later position on a tie (``h2o.evict_lowest``).
   Scissorhands (dropping one token at a time, m = 1, its default) writes the step's low flags over row
   ``position mod w`` of its ring buffer, moves the counters by the flags in and out, keeps the step's
   attention, then empties the slot ``scissorhands.evict_one`` picks (the most low flags outside the recent
@@ -92,12 +93,13 @@ from kernels.cache_write import reference_write_entry
 from kernels.decode_attention import masked_decode_attention_triton
 from methods import METHODS
 from methods.h2o import STATE as H2O_STATE
-from methods.h2o import H2OPolicy
+from methods.h2o import evict_lowest
+from methods.rules import DecodeRule
 from methods.scissorhands import ATTN as SC_ATTN
 from methods.scissorhands import COUNT as SC_COUNT
 from methods.scissorhands import LOW as SC_LOW
-from methods.scissorhands import ScissorhandsPolicy, divided, evict_one, low_flags, push_column
-from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
+from methods.scissorhands import divided, evict_one, low_flags, push_column
+from methods.streaming_llm import evict_oldest
 from nanollm.attention import group_scores, rope_cos_sin
 from nanollm.cache import KVCache
 from nanollm.generation import generate
@@ -109,29 +111,6 @@ from .lean import LeanDecoder
 
 WARMUP = 2              # eager steps on a side stream before a shape is captured (PyTorch's recipe: a few)
 BF16_TOL = 2e-2         # bf16: |graph - lean| <= BF16_TOL * max |logit|, a few bf16 roundings (2^-8 each)
-
-
-@dataclass(frozen=True)
-class Eviction:
-    """What a decode step empties after its attention: ``kind`` "none" (nothing: prefill-only methods),
-    "sinks" (StreamingLLM: the oldest position at or after ``n_sink``), "heavy" (H2O: the lowest score
-    outside the ``n_recent`` latest) or "scissors" (Scissorhands: the most low flags outside the ``n_recent``
-    latest), once a head holds more than ``budget`` entries."""
-
-    kind: str = "none"
-    budget: int = 0
-    n_sink: int = 0          # StreamingLLM's S = min(n_sink, budget - 1), as ``sinks_and_recent``
-    n_recent: int = 0        # H2O's and Scissorhands' recent window
-    window: int = 0          # Scissorhands' w, the queries its ring buffer remembers
-    threshold: float | None = None   # Scissorhands' tau (None: 1 / entries attended)
-
-    def capacity(self, n: int, max_new_tokens: int) -> int:
-        """Slots a layer holding n slots after the prompt needs for ``max_new_tokens`` more: every new token
-        a slot of its own, or, evicting, at most budget + 1 (the step attends over budget + 1, then empties
-        one, which the next token takes)."""
-        if self.kind == "none":
-            return n + max_new_tokens
-        return max(n, min(n + max_new_tokens, self.budget + 1))
 
 
 def policy_chain(policy: CachePolicy | None) -> list:
@@ -169,20 +148,14 @@ def decodes_as_stored(policy: CachePolicy | None) -> bool:
     return not chain or ("decode" not in getattr(policy, "compress_on", ()) and policy.needs("decode") == Needs())
 
 
-def eviction_rule(policy: CachePolicy | None) -> Eviction | str:
-    """The in-graph rule of a policy's decode steps, or why there is none (a str: it falls back)."""
+def eviction_rule(policy: CachePolicy | None) -> DecodeRule | str:
+    """The in-graph rule of a policy's decode steps, as its class declares it (``decode_rule``, looked up on
+    the class: a wrapper that does not declare one falls back), or why there is none (a str)."""
     if decodes_as_stored(policy):
-        return Eviction("none")
-    if type(policy) is StreamingLLMPolicy and policy.evicts_in_place:
-        sinks = sinks_and_recent(policy.budget, policy.n_sink, policy.budget + 1)[0]
-        return Eviction("sinks", policy.budget, n_sink=sinks.stop)
-    if type(policy) is H2OPolicy and policy.evicts_in_place:
-        return Eviction("heavy", policy.budget, n_recent=policy.n_recent)
-    if type(policy) is ScissorhandsPolicy and policy.evicts_in_place:
-        if min(policy.drop, policy.budget - policy.n_recent) != 1:
-            return "it drops m > 1 tokens at a time, then none for m - 1 steps (the step handles m = 1)"
-        return Eviction("scissors", policy.budget, n_recent=policy.n_recent, window=policy.history_window,
-                        threshold=policy.threshold)
+        return DecodeRule("none")
+    declared = getattr(type(policy), "decode_rule", None)
+    if declared is not None:
+        return declared(policy)
     if any(getattr(type(p), "attend_kv", CachePolicy.attend_kv) is not CachePolicy.attend_kv
            for p in policy_chain(policy)):
         return "it rebuilds the entries it attends to at every step (attend_kv)"
@@ -205,7 +178,7 @@ class StaticKV:
     attn: Tensor | None = None
 
     @staticmethod
-    def shape(cache: KVCache, max_new_tokens: int, rule: Eviction) -> tuple:
+    def shape(cache: KVCache, max_new_tokens: int, rule: DecodeRule) -> tuple:
         """(L, B, H_kv, C, d, dtype, device) of the buffers for ``cache``, checked: a prefix is stored, every
         layer is a ``LayerKV`` with no slot waiting to be refilled (as after ``prefill`` or ``extend``)."""
         if cache.seen == 0:
@@ -223,7 +196,7 @@ class StaticKV:
 
     @classmethod
     def allocate(cls, L: int, B: int, H_kv: int, C: int, d: int, dtype: torch.dtype, device,
-                 rule: Eviction) -> "StaticKV":
+                 rule: DecodeRule) -> "StaticKV":
         # zeros, not empty: an empty slot's v is multiplied by its probability 0, and 0 * NaN would be NaN
         per_slot = (L, B, H_kv, C)
         scissors = rule.kind == "scissors"
@@ -296,9 +269,8 @@ def empty_one(pos: Tensor, slot: Tensor, victim: Tensor, budget: int) -> None:
 
 
 def evict_sinks(pos: Tensor, slot: Tensor, n_sink: int, budget: int) -> None:
-    """StreamingLLM: the oldest position at or after the sinks (its ring holds the rest in position order)."""
-    after_sinks = pos.masked_fill(pos < n_sink, torch.iinfo(pos.dtype).max)
-    empty_one(pos, slot, after_sinks.argmin(dim=-1), budget)
+    """StreamingLLM: the oldest position at or after the sinks (``streaming_llm.evict_oldest``)."""
+    empty_one(pos, slot, evict_oldest(pos, n_sink)[..., 0], budget)
 
 
 def slot_probabilities(q: Tensor, kb: Tensor, pos: Tensor) -> Tensor:
@@ -323,7 +295,7 @@ def attend_heavy(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, s
                  n_recent: int, budget: int, output: bool = True) -> Tensor | None:
     """H2O: attend, add what each entry received (the mean over each KV head's G query heads) to its score,
     then empty the lowest score outside the ``n_recent`` latest, the later position on a tie
-    (``nanollm.slots.select_lowest``). Returns the output (B, H, 1, d), or None with ``output=False`` (the
+    (``h2o.evict_lowest``). Returns the output (B, H, 1, d), or None with ``output=False`` (the
     kernel attends instead; only the probabilities are computed here)."""
     if output:
         out, probs = attend_masked(q, kb, vb, pos)
@@ -332,15 +304,12 @@ def attend_heavy(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, s
         out, received = None, received_attention(q, kb, pos)
     score.scatter_(2, slot[:, :, None], 0.0)             # the new entry starts at 0 (its fill value)...
     score += received                                    # ...and every entry gets what it received now
-    stays = (pos < 0) | (pos >= position + 1 - n_recent)                               # empty or recent
-    s = torch.where(stays, float("inf"), torch.nan_to_num(score, nan=float("-inf")))
-    lowest = s == s.amin(dim=-1, keepdim=True)
-    empty_one(pos, slot, torch.where(lowest, pos, -1).argmax(dim=-1), budget)
+    empty_one(pos, slot, evict_lowest(score, pos, position + 1 - n_recent)[..., 0], budget)
     return out
 
 
 def attend_scissors(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot: Tensor, low: Tensor, count: Tensor,
-                    attn: Tensor, position: Tensor, rule: Eviction, output: bool = True) -> Tensor | None:
+                    attn: Tensor, position: Tensor, rule: DecodeRule, output: bool = True) -> Tensor | None:
     """Scissorhands (``ScissorhandsPolicy.observe`` then ``evict``): attend; the new entry's counter and ring
     buffer start empty (their fill values); the step's low flags (attention below the threshold, among the
     slots held) replace row ``position mod w`` of the ring buffer, each counter moving by its flag in and the
@@ -380,7 +349,7 @@ class GraphDecoder:
         self.cache: KVCache | None = None               # that cache, held only where the lean step decodes it
         self.fallback: str | None = None                # why the current sequence decodes with the lean step
         self.current: _Shape | None = None
-        self.rule = Eviction()
+        self.rule = DecodeRule()
         self.seen = self.left = 0                       # host-side mirrors: tokens seen, steps left
 
     @property

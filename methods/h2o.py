@@ -21,6 +21,9 @@ from torch import Tensor
 
 from nanollm.checks import check_budget, check_int
 from nanollm.policy import Needs, ScoringPolicy, StepContext
+from nanollm.slots import select_lowest
+
+from .rules import DecodeRule, own_hooks
 
 STATE = "h2o_score"      # name of the per-slot accumulated attention in the storage
 
@@ -32,6 +35,13 @@ def received_attention(col_sums: Tensor, n_kv_head: int) -> Tensor:
     B, H, T = col_sums.shape
     return col_sums.float().view(B, n_kv_head, H // n_kv_head, T).mean(dim=2)     # (B, H_kv, T)
     # END SOLUTION
+
+
+def evict_lowest(score: Tensor, pos: Tensor, recent_from: int | Tensor) -> Tensor:
+    """The slot each head drops at a one-token decode step (B, H_kv, 1): the lowest score among the held
+    slots before ``recent_from`` (an int, or (B, 1, 1) for rows of their own), NaN lowest, the latest position
+    on a tie (``select_lowest``). score, pos (B, H_kv, T), -1 in pos for an empty slot."""
+    return select_lowest(score, pos, (pos < 0) | (pos >= recent_from), 1)
 
 
 @dataclass
@@ -69,3 +79,15 @@ class H2OPolicy(ScoringPolicy):
 
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         return [range(max(0, seen - self.n_recent), seen)]                 # the n_recent most recent
+
+    def evict(self, ctx: StepContext) -> Tensor:
+        """A decode step that drops one token per head: ``evict_lowest``, the rule every path runs."""
+        if len(ctx.kv) - self.n_keep(ctx) != 1:
+            return super().evict(ctx)
+        return evict_lowest(ctx.kv.state[STATE], ctx.kv.pos, ctx.seen - self.n_recent)
+
+    def decode_rule(self) -> DecodeRule | str:
+        """The decode step's rule for the fast paths (``methods/rules.py``), or why this policy has none."""
+        if not self.evicts_in_place or not own_hooks(self, H2OPolicy, "observe", "evict", "score", "protected"):
+            return "its class changes H2O's hooks"
+        return DecodeRule("heavy", self.budget, n_recent=self.n_recent)

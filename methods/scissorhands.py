@@ -34,6 +34,8 @@ from torch import Tensor
 from nanollm.checks import check_budget, check_int, check_number
 from nanollm.policy import Needs, ScoringPolicy, StepContext, select_topk
 
+from .rules import DecodeRule, own_hooks
+
 LOW = "scissorhands_low"      # per-slot ring buffer of the last w low/high flags, (B, H_kv, T, w) bool
 COUNT = "scissorhands_count"  # per-slot number of low flags in that buffer (the counter I), (B, H_kv, T)
 ATTN = "scissorhands_attn"    # per-slot attention of the step's last query (group mean), (B, H_kv, T)
@@ -241,6 +243,16 @@ class ScissorhandsPolicy(ScoringPolicy):
 
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         return [range(max(0, seen - self.n_recent), seen)]                    # the n_recent most recent
+
+    def decode_rule(self) -> DecodeRule | str:
+        """The decode step's rule for the fast paths (``methods/rules.py``), or why this policy has none."""
+        if not self.evicts_in_place or not own_hooks(self, ScissorhandsPolicy, "observe", "evict", "score",
+                                                     "protected", "n_keep"):
+            return "its class changes Scissorhands' hooks"
+        if min(self.drop, self.budget - self.n_recent) != 1:
+            return "it drops m > 1 tokens at a time, then none for m - 1 steps (the step handles m = 1)"
+        return DecodeRule("scissors", self.budget, n_recent=self.n_recent, window=self.history_window,
+                          threshold=self.threshold)
 
     def n_keep(self, ctx: StepContext) -> int:
         """Entries per head after this step's compression (<= budget; fewer when m > 1)."""

@@ -12,25 +12,25 @@ most recent tokens gives a fixed-size cache that streams forever:
 
 As a scorer, newer is better (score = position) and the sinks and the window are protected; they fill the
 budget, so exactly they are kept, and a wrapper around StreamingLLM changes nothing. While decoding, the
-token to drop is always the oldest one after the sinks, so no score is needed: each layer keeps a ring of
-its non-sink slots, oldest first; a step pops the slot it empties and pushes it back at the recent end,
-since the next token is written there (``LayerKV.append``): O(1) work per token (every KV head and row holds
-the same positions in the same slots). Tokens keep their original positions (as kvpress; the paper
+token to drop is always the oldest one after the sinks (``evict_oldest``, one pass over the positions, the
+rule every path runs: ``methods/rules.py``), and the next token is written into its slot
+(``LayerKV.append``). Tokens keep their original positions (as kvpress; the paper
 re-indexes positions inside the cache). If budget <= n_sink the sinks are cut to budget - 1, so the newest
 token is always kept.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from nanollm.checks import check_budget, check_int
 from nanollm.policy import ScoringPolicy, StepContext
-from nanollm.slots import to_device
+
+from .rules import DecodeRule, own_hooks
 
 
 def sinks_and_recent(budget: int, n_sink: int, seen: int) -> list[range]:
@@ -43,6 +43,15 @@ def sinks_and_recent(budget: int, n_sink: int, seen: int) -> list[range]:
     # END SOLUTION
 
 
+def evict_oldest(pos: Tensor, n_sink: int, n: int = 1) -> Tensor:
+    """The slots each head drops at a decode step (B, H_kv, n): the n oldest positions at or after the
+    ``n_sink`` sinks (an empty slot, at -1, is never one). pos (B, H_kv, T)."""
+    after_sinks = pos.masked_fill(pos < n_sink, torch.iinfo(pos.dtype).max)
+    if n == 1:                                                           # a decode step: one pass
+        return after_sinks.argmin(dim=-1, keepdim=True)
+    return after_sinks.topk(n, dim=-1, largest=False).indices           # oldest first
+
+
 @dataclass
 class StreamingLLMPolicy(ScoringPolicy):
     """budget: tokens kept per KV head, sinks included; n_sink: initial tokens always kept (§3.2: 4)."""
@@ -50,7 +59,6 @@ class StreamingLLMPolicy(ScoringPolicy):
     budget: int
     n_sink: int = 4
     compress_on: ClassVar[tuple[str, ...]] = ("prefill", "decode")   # the window rolls every step
-    _ring: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # layer -> deque of slots
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -62,22 +70,14 @@ class StreamingLLMPolicy(ScoringPolicy):
     def protected(self, n_prompt: int, seen: int) -> list[range]:
         return sinks_and_recent(self.budget, self.n_sink, seen)
 
-    def select(self, ctx: StepContext) -> Tensor:
-        self._ring.pop(ctx.layer, None)     # compacting moves every slot: the next eviction rebuilds the ring
-        return super().select(ctx)
-
     def evict(self, ctx: StepContext) -> Tensor:
-        """(B, H_kv, E) the slots of the E oldest tokens after the sinks, from the layer's ring."""
-        ring = self._ring.get(ctx.layer)
-        if ring is None:        # the layer's first eviction: its non-sink slots by position, once
-            pos = ctx.kv.pos[0, 0]
-            order = pos.argsort()
-            sinks = sinks_and_recent(self.budget, self.n_sink, ctx.seen)[0]
-            ring = self._ring[ctx.layer] = deque(order[pos[order] >= sinks.stop].tolist())
-        B, H_kv = ctx.kv.pos.shape[:2]
-        out = [ring.popleft() for _ in range(len(ctx.kv) - self.n_keep(ctx))]
-        ring.extend(out)        # the recent end: the next tokens are written into the emptied slots
-        return to_device(out, ctx.kv.pos.device).expand(B, H_kv, -1)     # (B, H_kv, E); no wait on a GPU
+        """(B, H_kv, E) the slots of the E oldest tokens after the sinks (``evict_oldest``)."""
+        sinks = sinks_and_recent(self.budget, self.n_sink, ctx.seen)[0]
+        return evict_oldest(ctx.kv.pos, sinks.stop, len(ctx.kv) - self.n_keep(ctx))
 
-    def reset(self) -> None:
-        self._ring = {}
+    def decode_rule(self) -> DecodeRule | str:
+        """The decode step's rule for the fast paths (``methods/rules.py``), or why this policy has none."""
+        if not self.evicts_in_place or not own_hooks(self, StreamingLLMPolicy, "evict", "score", "protected"):
+            return "its class changes StreamingLLM's hooks"
+        sinks = sinks_and_recent(self.budget, self.n_sink, self.budget + 1)[0]          # S = min(n_sink, budget - 1)
+        return DecodeRule("sinks", self.budget, n_sink=sinks.stop)

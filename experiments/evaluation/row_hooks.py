@@ -36,39 +36,37 @@ its own hook as before.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 from torch import Tensor
 
-from methods.h2o import STATE, H2OPolicy
-from methods.scissorhands import (
-    ATTN,
-    COUNT,
-    LOW,
-    ScissorhandsPolicy,
-    evict_one,
-    group_mean,
-    low_flags,
-    n_dropped,
-    push_column,
-)
+from methods.h2o import STATE, evict_lowest
+from methods.rules import DecodeRule
+from methods.scissorhands import ATTN, COUNT, LOW, ScissorhandsPolicy, evict_one, group_mean, low_flags, push_column
 from nanollm.cache import KVCache
 from nanollm.policy import StepContext
-from nanollm.slots import select_lowest, to_device
+from nanollm.slots import to_device
 from nanollm.storage import LayerKV
 
 from .protocol import Probe
 
-METHODS = (H2OPolicy, ScissorhandsPolicy)
+KINDS = ("heavy", "scissors")  # the rules (``methods/rules.py``) whose rows step at once: H2O's, Scissorhands'
 ENABLED = True          # False: every cache runs its own hook (the tests compare the two)
 
 
+def declared(policy) -> DecodeRule | None:
+    """The decode rule ``policy``'s class declares (``decode_rule``), where it is one of ``KINDS``."""
+    rule = getattr(type(policy), "decode_rule", None)
+    rule = rule(policy) if rule is not None else None
+    return rule if isinstance(rule, DecodeRule) and rule.kind in KINDS else None
+
+
 def unwrapped(cache: KVCache):
-    """The cache's H2O or Scissorhands policy, bare (greedy's caches) or in a ``Probe``, else None."""
+    """The cache's H2O or Scissorhands policy (one that declares such a rule), bare (greedy's caches) or in a
+    ``Probe``, else None."""
     policy = cache.policy.inner if isinstance(cache.policy, Probe) else cache.policy
-    return policy if type(policy) in METHODS else None
+    return policy if declared(policy) is not None else None
 
 
 def method(cache: KVCache):
@@ -77,11 +75,10 @@ def method(cache: KVCache):
     return None if isinstance(cache.policy, Probe) and cache.policy.recording else unwrapped(cache)
 
 
-def rule(policy) -> tuple:
-    """What must be equal for two policies to step as one: the class and every field but the budget and the
+def rule(policy) -> DecodeRule:
+    """What must be equal for two policies to step as one: their declared rule but for the budget and the
     recent window."""
-    return (type(policy), *(getattr(policy, f.name) for f in dataclasses.fields(policy)
-                            if f.name not in ("budget", "n_recent")))
+    return declared(policy).unbudgeted()
 
 
 def side_by_side(caches: list[KVCache]) -> list[KVCache]:
@@ -95,11 +92,9 @@ def side_by_side(caches: list[KVCache]) -> list[KVCache]:
 
 
 def drops_one(policy, store: LayerKV) -> bool:
-    """Whether the policy's hook, after this step's write, drops exactly one slot per head in place."""
-    n = len(store)
-    if isinstance(policy, H2OPolicy):
-        return n == policy.budget + 1
-    return n > policy.budget and n_dropped(n, policy.budget, policy.drop, policy.n_recent) == 1
+    """Whether the policy's hook, after this step's write, drops exactly one slot per head in place (a declared
+    rule drops one once a head holds budget + 1)."""
+    return len(store) == declared(policy).budget + 1
 
 
 def runs(group, i: int) -> list[range]:
@@ -148,9 +143,9 @@ def evict_rows(policies: list, kv: LayerKV, ctx: StepContext, windows: list[int]
     sums and token positions ``q_pos`` (n,); ``windows`` each row's ``1 - n_recent``. Returns the slots
     dropped (n, H_kv, 1), already emptied in ``kv``."""
     recent_from = ctx.q_pos.view(-1, 1, 1) + shifts(windows, kv.pos.device)      # (n, 1, 1): seen - n_recent
-    if isinstance(policies[0], H2OPolicy):                                       # ``ScoringPolicy.evict``
+    if declared(policies[0]).kind == "heavy":                                    # ``H2OPolicy.evict``
         policies[0].observe(ctx)                                                 # the rows' own, at once
-        idx = select_lowest(kv.state[STATE], kv.pos, (kv.pos < 0) | (kv.pos >= recent_from), 1)
+        idx = evict_lowest(kv.state[STATE], kv.pos, recent_from)
     else:                                                                        # ``ScissorhandsPolicy.evict``
         observe_rows(policies[0], kv, ctx.probs, ctx.q_pos)
         idx = evict_one(kv.pos, kv.state[COUNT], kv.state[ATTN], recent_from)

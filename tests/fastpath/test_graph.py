@@ -13,6 +13,7 @@ import kernels.decode_attention as kernel_module
 from fastpath.graph import BF16_TOL, GraphDecoder, eviction_rule
 from fastpath.lean import LeanDecoder
 from methods import make_policy
+from methods.rules import DecodeRule
 from nanollm import KVCache, preset
 from nanollm.generation import prefill
 from tests.conftest import one_fast
@@ -294,7 +295,7 @@ def test_scissorhands_flags_a_uniform_attention_low_on_every_device(device, outp
         low = torch.zeros(B, H_kv, w, C, dtype=torch.bool, device=dev)
         count = torch.zeros(B, H_kv, C, dtype=torch.int32, device=dev)
         attn = torch.zeros(B, H_kv, C, device=dev)
-        rule = graph_module.Eviction("scissors", budget=C - 1, n_recent=2, window=w)
+        rule = DecodeRule("scissors", budget=C - 1, n_recent=2, window=w)
         graph_module.attend_scissors(q, kb, vb, pos, slot, low, count, attn, torch.tensor([C - 1], device=dev),
                                      rule, output=output)
         return low[:, :, (C - 1) % w], attn
