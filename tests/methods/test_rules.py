@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from experiments.evaluation import row_hooks
