@@ -160,7 +160,7 @@ for W in widths:
 # exact paired test against the keep ratio's most accurate method):
 
 # %% tags=["needs:insert", "needs:query"]
-from experiments.evaluation.compare import format_tables, run
+from experiments.evaluation.compare import RunSpec, format_tables, run
 from methods.kvreviver import KVReviverPolicy
 
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]    # the bundled model's six tasks
@@ -171,8 +171,8 @@ for B in budgets:
     split = KVReviverPolicy(budget=B).split(B)                  # Recent + Candidate (raw) and the sketch's width
     print(f"B = {B}: W = {split.width} cells a row for E = {LENGTH - split.raw} tokens: E/W = "
           f"{(LENGTH - split.raw) / split.width:.0f}")
-records = run(model, tok, ["kvreviver", "h2o"], budgets, TASKS, ["question_after_context"], SAMPLES, LENGTH,
-              progress=False)
+records = run(model, tok, RunSpec(["kvreviver", "h2o"], budgets, TASKS, ["question_after_context"], SAMPLES, LENGTH,
+              progress=False))
 print(format_tables(records))
 
 

@@ -100,8 +100,8 @@ def rerun_compare_cell(name: str, methods: list[str], keep_ratio: float, task: s
     length, samples = committed["full"]["length"], committed["full"]["n_samples"]
     variants = [Variant(m, m, preset_options(m, args.preset)) for m in methods]
     first = None if first is None or samples <= first else first
-    again = compare.run(model, tok, variants, budgets, [task], [mode], first or samples, length, args.seed,
-                        progress=False)
+    again = compare.run(model, tok, compare.RunSpec(variants, budgets, [task], [mode], first or samples, length,
+                                                    args.seed, progress=False))
     answers = ("accuracies", "predictions") if "predictions" in committed["full"] else ("accuracies",)
     if first is None:
         assert_rows_equal(again, committed, "method", answers + ("kv_bytes",), METRICS)

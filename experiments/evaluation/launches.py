@@ -47,10 +47,10 @@ from nanollm.policy import CachePolicy
 from nanollm.wrapper import PolicyWrapper
 
 from . import budget_for
-from .compare import some_jobs
 from .engines import ENGINES
 from .protocol import Probe, Variant
 from .task import TASKS
+from .workers import some_jobs
 
 VIEWS = METADATA_ONLY                                # no kernel: a view's metadata only (fastpath/profile.py)
 # allocations and storage swaps: the caching allocator hands out memory, no kernel runs (a deep copy of a tensor

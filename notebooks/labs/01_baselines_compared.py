@@ -322,11 +322,11 @@ for spec, row in zip(SPECS, share):
 # %%
 from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
-from experiments.evaluation.compare import run
+from experiments.evaluation.compare import RunSpec, run
 from experiments.evaluation.intervals import wilson
 
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
-records = run(model, tok, SPECS, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
+records = run(model, tok, RunSpec(SPECS, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False))
 ratios = sorted({r["keep_ratio"] for r in records if r["method"] != "full"})
 
 

@@ -59,12 +59,12 @@ print(f"tiny mode: {TINY}; tasks: {TASKS}; {SAMPLES} samples per task and mode, 
 # otherwise; both intervals are at the level the glossary states.
 
 # %%
-from experiments.evaluation.compare import run
+from experiments.evaluation.compare import RunSpec, run
 from nanollm.data.evaluate import MODES
 
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 METHODS_SHOWN = ["streaming_llm", "h2o", "scissorhands"]
-records = run(model, tok, METHODS_SHOWN, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
+records = run(model, tok, RunSpec(METHODS_SHOWN, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False))
 print(f"{len(records)} rows (method, keep ratio, task, mode)")
 
 # %%
@@ -177,9 +177,9 @@ print(f"scissorhands' state per slot: {W_DEFAULT} flags (one byte each) + an int
 # %%
 from experiments.evaluation.compare import Variant
 
-ablation = run(model, tok, [Variant(f"w={w}", "scissorhands", {"history_window": w}) for w in [400, 32, 8]]
+ablation = run(model, tok, RunSpec([Variant(f"w={w}", "scissorhands", {"history_window": w}) for w in [400, 32, 8]]
                + [Variant("m=16", "scissorhands", {"drop": 16})], [BUDGET], TASKS, MODES[:1], SAMPLES, LENGTH,
-               progress=False)
+               progress=False))
 for label in ["w=400", "w=32", "w=8", "m=16"]:
     print(f"{label:6} accuracy {mean_over(ablation, label, ratio, MODES[0]):.2f}, "
           f"NIAH only {mean_over(ablation, label, ratio, MODES[0], tasks=niah):.2f}, "

@@ -504,13 +504,13 @@ summarise(alg1, HEAD_RATIOS, [(str(l), [l]) for l in range(cfg.n_layer)] + [("al
 # the two hosts and each with its selections, in both modes.
 
 # %%
-from experiments.evaluation.compare import Variant, run
+from experiments.evaluation.compare import RunSpec, Variant, run
 from nanollm.data.evaluate import MODES
 
 METHODS_C = [Variant(label, *VARIANTS[label]) for label in VARIANTS if not label.startswith("alpha")]
 HOSTS_C = [(host, crit) for host, crit in PAIRS[:6]]                 # (host, with a selection)
 budgets = [round(r * LENGTH) for r in COMPARE_RATIOS]
-records = run(model, tok, METHODS_C, budgets, TASKS, MODES, N_SAMPLES, LENGTH, seed=0, progress=False)
+records = run(model, tok, RunSpec(METHODS_C, budgets, TASKS, MODES, N_SAMPLES, LENGTH, seed=0, progress=False))
 
 
 def cell_records(method: str, mode: str, budget: int | None) -> list[dict]:
@@ -878,8 +878,8 @@ print(f"(heads lower: of the {rcfg.n_layer} x {rcfg.n_head} (layer, query head) 
 
 # %%
 METHODS_REAL = [Variant(label, spec, opts) for label, (spec, opts) in VARIANTS_REAL.items()]
-records_r = run(real, rtok, METHODS_REAL, BUDGETS_REAL, TASKS_REAL, MODES, N_REAL, LENGTH_REAL, seed=0,
-                progress=False, workers=1)
+records_r = run(real, rtok, RunSpec(METHODS_REAL, BUDGETS_REAL, TASKS_REAL, MODES, N_REAL, LENGTH_REAL, seed=0,
+                progress=False, workers=1))
 print(f"{N_REAL} samples per task and mode, {LENGTH_REAL} tokens, seed 0")
 
 # %%

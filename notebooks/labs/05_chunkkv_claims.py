@@ -135,12 +135,12 @@ STYLES = ["o-", "s--", "^-.", "v:"]                 # distinct markers and dashe
 # %%
 import matplotlib.pyplot as plt
 
-from experiments.evaluation.compare import run
+from experiments.evaluation.compare import RunSpec, run
 from nanollm.data.evaluate import MODES
 
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]
 methods = ["snapkv", "h2o", "chunkkv", "chunkkv(snapkv)"]
-records = run(model, tok, methods, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False)
+records = run(model, tok, RunSpec(methods, budgets, TASKS, MODES, SAMPLES, LENGTH, progress=False))
 ratios = sorted({r["keep_ratio"] for r in records if r["method"] != "full"})
 fig, axes = plt.subplots(1, 4, figsize=(16, 3.8), layout="constrained")
 for col, mode in enumerate(MODES):
@@ -200,9 +200,9 @@ from experiments.evaluation.compare import Variant
 
 budget = round(0.25 * LENGTH)
 sizes, depths = [1, 5, 10, 20], [1, 2, 4]
-ablation = run(model, tok, [Variant(f"c={c}", "chunkkv", {"chunk_size": c, "reuse": 1}) for c in sizes]
+ablation = run(model, tok, RunSpec([Variant(f"c={c}", "chunkkv", {"chunk_size": c, "reuse": 1}) for c in sizes]
                + [Variant(f"reuse={n}", "chunkkv", {"reuse": n}) for n in depths],
-               [budget], TASKS, MODES, ABLATION_SAMPLES, LENGTH, progress=False)
+               [budget], TASKS, MODES, ABLATION_SAMPLES, LENGTH, progress=False))
 by_layer = {n: value_kept_whole("chunkkv", budget, SAMPLES, reuse=n).all(-1).float().mean(0) for n in depths}
 
 # %%
@@ -470,8 +470,8 @@ plt.show()
 # %%
 real_variants = [Variant("chunkkv c=10", "chunkkv", {"chunk_size": 10, "reuse": 1}),
                  Variant("chunkkv c=1", "chunkkv", {"chunk_size": 1, "reuse": 1}), Variant("snapkv", "snapkv")]
-real_records = run(real, real_tok, real_variants, [max(1, round(r * LENGTH_REAL)) for r in KEEP_RATIOS_REAL],
-                   TASKS_REAL, MODES, SAMPLES_REAL, LENGTH_REAL, progress=False, workers=1)
+real_records = run(real, real_tok, RunSpec(real_variants, [max(1, round(r * LENGTH_REAL)) for r in KEEP_RATIOS_REAL],
+                   TASKS_REAL, MODES, SAMPLES_REAL, LENGTH_REAL, progress=False, workers=1))
 real_ratios = sorted({r["keep_ratio"] for r in real_records if r["method"] != "full"})   # 51/512 = 0.0996
 for mode in MODES:
     print(f"[{mode}] the full cache: {mean_over_tasks(real_records, 'full', 1.0, mode):.2f}")

@@ -344,7 +344,7 @@ print(f"Over {len(TASKS)} prompts (one per task) x {model.config.n_layer} layers
 # is a method with options.
 
 # %%
-from experiments.evaluation.compare import Variant, format_intervals, run
+from experiments.evaluation.compare import RunSpec, Variant, format_intervals, run
 
 variants = [Variant("kvreviver", "kvreviver"), Variant("kvreviver per-head", "kvreviver", {"per_kv_head": True}),
             Variant("kvr no sketch", "kvreviver", {"sketch_width": 0}),
@@ -353,8 +353,8 @@ variants = [Variant("kvreviver", "kvreviver"), Variant("kvreviver per-head", "kv
             Variant("kvr W=128 on top", "kvreviver", {"sketch_width": 128}),
             Variant("kvr injective", "kvreviver", {"sketch_width": LENGTH, "injective_hash": True}),
             Variant("h2o", "h2o")]
-bundled = run(model, tok, variants, [round(0.25 * LENGTH)], niah, ["question_after_context"],
-              1 if TINY else 3, LENGTH, progress=False)
+bundled = run(model, tok, RunSpec(variants, [round(0.25 * LENGTH)], niah, ["question_after_context"],
+              1 if TINY else 3, LENGTH, progress=False))
 print(format_intervals(bundled))
 for w in variants:
     rows = [r for r in bundled if r["method"] == w.label]

@@ -111,10 +111,11 @@ def test_the_batched_and_fast_engines_give_the_same_records():
     model, tok, _ = load("retrieval-llama")
     kw = dict(methods=list(compare.METHODS), budgets=[51, 128], tasks=["niah_multikey"], modes=MODES, samples=2,
               length=512, progress=False)
-    fast, batched = compare.run(model, tok, **kw), compare.run(model, tok, engine="batched", **kw)
+    fast = compare.run(model, tok, compare.RunSpec(**kw))
+    batched = compare.run(model, tok, compare.RunSpec(engine="batched", **kw))
     assert_same_records(batched, fast, ("method", "budget", "mode"))
     assert batched[0]["engine"] == "batched" and any(r["kl"] > 0.1 for r in batched)
-    one = compare.run(model, tok, engine="one-group", **kw)
+    one = compare.run(model, tok, compare.RunSpec(engine="one-group", **kw))
     assert_same_records(one, fast, ("method", "budget", "mode"))
     assert one[0]["engine"] == "one-group"
 

@@ -1,4 +1,4 @@
-"""Runs that say when they are degenerate: a full cache below ``compare.DEGENERATE`` flags its cell's records
+"""Runs that say when they are degenerate: a full cache below ``report.DEGENERATE`` flags its cell's records
 and prints a warning; no method is "best" among answers all wrong; every metric of ``METRICS`` that the
 tables leave out is named in one line."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.evaluation import compare
+from experiments.evaluation import report
 from experiments.evaluation.metrics import METRICS, Metric
 
 
@@ -20,35 +20,35 @@ def record(method: str, task: str, accuracies: list[float], ratio: float | None 
 def test_a_full_cache_below_the_threshold_flags_its_cell_and_warns():
     records = [record("full", "passkey", [0, 0, 0, 0]), record("snapkv", "passkey", [0, 0, 0, 0]),
                record("full", "vt", [1, 1, 0, 1]), record("snapkv", "vt", [1, 0, 0, 1])]
-    lines = compare.flag_degenerate(records)
+    lines = report.flag_degenerate(records)
     assert [r["degenerate"] for r in records] == [True, True, False, False]
     assert len(lines) == 1 and "0.00 on passkey [question_in_prompt]" in lines[0] and "below 0.1" in lines[0]
-    assert compare.degenerate_cells([record("full", "vt", [1] + [0] * 10)]) != {}          # 0.09 is below 0.1
-    assert compare.degenerate_cells([record("full", "vt", [1] + [0] * 9)]) == {}           # 0.1 is not
+    assert report.degenerate_cells([record("full", "vt", [1] + [0] * 10)]) != {}          # 0.09 is below 0.1
+    assert report.degenerate_cells([record("full", "vt", [1] + [0] * 9)]) == {}           # 0.1 is not
 
 
 def test_no_best_among_methods_that_answer_nothing_right():
     zero = [record("full", "passkey", [1, 1, 1, 1])] + \
         [record(m, "passkey", [0, 0, 0, 0]) for m in ("h2o", "snapkv", "streaming_llm")]
-    assert compare.versus_best(zero, "question_in_prompt") == {}
-    text = compare.format_intervals(zero)
+    assert report.versus_best(zero, "question_in_prompt") == {}
+    text = report.format_intervals(zero)
     assert "no best, every method answers nothing right" in text and "best streaming_llm" not in text
     some = zero[:2] + [record("snapkv", "passkey", [1, 0, 0, 0])]
-    assert compare.versus_best(some, "question_in_prompt")[("snapkv", 0.25)] == "best"
+    assert report.versus_best(some, "question_in_prompt")[("snapkv", 0.25)] == "best"
 
 
 def test_every_metric_the_tables_leave_out_is_named(monkeypatch):
-    line = compare.json_only()
-    shown = compare.SHOWN
+    line = report.json_only()
+    shown = report.SHOWN
     assert all((m.name in line) != (m.name in shown) for m in METRICS)
-    monkeypatch.setattr(compare, "METRICS", METRICS + [Metric("mine", lambda f, m, t, s: 0.0)])
-    assert compare.json_only().endswith(", mine")
+    monkeypatch.setattr(report, "METRICS", METRICS + [Metric("mine", lambda f, m, t, s: 0.0)])
+    assert report.json_only().endswith(", mine")
     assert shown <= {m.name for m in METRICS}                   # the tables show metrics that exist
 
 
-@pytest.mark.parametrize("name", sorted(compare.SHOWN))
+@pytest.mark.parametrize("name", sorted(report.SHOWN))
 def test_the_tables_show_what_they_say_they_show(name):
-    header = compare.format_tables([record("full", "vt", [1, 1]), record("snapkv", "vt", [1, 0])])
+    header = report.format_tables([record("full", "vt", [1, 1]), record("snapkv", "vt", [1, 0])])
     column = {"accuracy": "mean acc", "kl": "KL", "perturbation": "pert", "lost_mass": "lost",
               "kv_bytes": "KV KiB", "decode_ms_per_token": "step ms"}[name]
     assert column in header

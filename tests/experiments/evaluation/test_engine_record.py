@@ -23,7 +23,8 @@ TIMES = {"compress_ms", "decode_ms_per_token", "step_timing", "caches_per_step"}
 
 def run(bundled, methods, **kw):
     model, tok, _ = bundled
-    return compare.run(model, tok, methods, [64], ["niah_single_noise"], MODES[:1], 2, 256, progress=False, **kw)
+    return compare.run(model, tok, compare.RunSpec(methods, [64], ["niah_single_noise"], MODES[:1], 2, 256,
+                                                   progress=False, **kw))
 
 
 def test_records_name_the_engine_its_passes_and_the_caches_sharing_a_step(bundled):
@@ -90,7 +91,8 @@ def test_records_keep_the_ratio_asked_and_the_share_of_each_prompt_kept(bundled)
     """``keep_ratio`` is budget / --length; ``realised_keep_ratio`` the mean over samples of budget / tokens
     compressed (the prompt, or only the context when the question comes after it), from the samples by hand."""
     model, tok, _ = bundled
-    records = compare.run(model, tok, ["snapkv"], [64], ["niah_single_noise"], MODES, 3, 256, progress=False)
+    records = compare.run(model, tok, compare.RunSpec(["snapkv"], [64], ["niah_single_noise"], MODES, 3, 256,
+                                                      progress=False))
     task = TASKS["niah_single_noise"]
     for r in records:
         samples = [task.sample(tok, 256, i) for i in range(3)]

@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
+from experiments.evaluation.compare import RunSpec, run
 from experiments.evaluation.compare import main as compare_main
-from experiments.evaluation.compare import run
 from experiments.evaluation.harness import compare_traces, greedy_from_traces, trace, traces
 from methods import METHODS, make_policy
 from nanollm import CachePolicy, LayerKV, preset
@@ -119,7 +119,7 @@ def test_run_records_and_determinism(loaded):
     model, tok, _ = loaded
     kw = dict(methods=["full", "snapkv", "streaming_llm"], budgets=[20, 60], tasks=["niah_single_noise"],
               modes=MODES, samples=2, length=LENGTH, progress=False)
-    a, b = run(model, tok, **kw), run(model, tok, workers=2, **kw)       # b: two worker processes
+    a, b = run(model, tok, RunSpec(**kw)), run(model, tok, RunSpec(workers=2, **kw))       # b: two worker processes
     assert len(a) == 2 * (1 + 2 * 2)
     fields = {"method", "budget", "keep_ratio", "task", "mode", "accuracy", "kl", "perturbation", "kv_bytes",
               "decode_ms_per_token", "n_samples"}
@@ -161,7 +161,7 @@ def test_a_gpu_run_takes_the_one_group_engine_and_a_worker_per_cpu():
     """Where the command names neither: on a CPU the fast engine, on a GPU one group (but the fast engine with
     --time-alone, which the batched ones refuse); a worker per CPU on either, on a GPU no more than fit in its
     memory; one per rank under torchrun; what the command names is kept."""
-    from experiments.evaluation.compare import default_workers, engine_and_workers
+    from experiments.evaluation.workers import default_workers, engine_and_workers
     cpus = default_workers()
     assert engine_and_workers(None, None, "cpu", 1, False) == ("fast", cpus)
     assert engine_and_workers(None, None, "cuda", 1, False) == ("one-group", cpus)
@@ -175,7 +175,7 @@ def test_a_gpu_run_takes_the_one_group_engine_and_a_worker_per_cpu():
 def test_several_processes_on_a_gpu_without_mps_are_told_of_it(monkeypatch, tmp_path):
     """A line where several workers share a GPU and MPS's control daemon is not running (its pipe absent);
     none where it runs, for one worker, or on a CPU."""
-    from experiments.evaluation.compare import without_mps
+    from experiments.evaluation.workers import without_mps
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     note = without_mps("cuda", 12)
     assert note and "12 worker processes" in note and "nvidia-cuda-mps-control -d" in note
@@ -190,22 +190,22 @@ def test_workers_that_a_gpu_holds(make_model, monkeypatch):
     143,771 MiB gives the 12 workers that ran its main job there (fastpath/README.md)."""
     from types import SimpleNamespace
 
-    from experiments.evaluation import compare
+    from experiments.evaluation import workers
     model = make_model(preset("TINY"), seed=0)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = model.config.kv_bytes_per_token(4) * 100                    # one cache of 100 tokens, fp32
     worker = weights + 4 * 3 * kv + 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=int(5 * worker / 0.9) + 1))
-    assert compare.workers_that_fit(model, "cuda", 3, 100) == 5
-    assert compare.workers_that_fit(model, "cuda", 3, 10**7) == 1                # caches beyond the GPU: one
+    assert workers.workers_that_fit(model, "cuda", 3, 100) == 5
+    assert workers.workers_that_fit(model, "cuda", 3, 10**7) == 1                # caches beyond the GPU: one
     smollm2 = SimpleNamespace(config=SimpleNamespace(kv_bytes_per_token=lambda b: 2 * 30 * 3 * 64 * b),
                               parameters=lambda: iter([torch.empty(134_515_008, device="meta")]))   # 135M, fp32
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=143771 << 20))
-    assert compare.workers_that_fit(smollm2, "cuda", 25, 2048) == 12
-    variants = [compare.Variant(m, m) for m in ["full", "streaming_llm", "h2o", "snapkv", "adakv(h2o)"]]
-    assert compare.caches_per_worker(variants, [10, 20, 40]) == 1 + 4 * 3      # the full cache once
-    assert compare.caches_per_worker(variants, [10, 20, 40], together=2) == 2 * 13
+    assert workers.workers_that_fit(smollm2, "cuda", 25, 2048) == 12
+    variants = [workers.Variant(m, m) for m in ["full", "streaming_llm", "h2o", "snapkv", "adakv(h2o)"]]
+    assert workers.caches_per_worker(variants, [10, 20, 40]) == 1 + 4 * 3      # the full cache once
+    assert workers.caches_per_worker(variants, [10, 20, 40], together=2) == 2 * 13
 
 
 def test_cli_help_documents_every_flag(capsys):
@@ -264,8 +264,8 @@ def test_lost_mass_counts_rebuilt_entries_as_lost(loaded):
 def test_run_records_variants_under_their_labels(loaded):
     from experiments.evaluation.compare import Variant
     model, tok, _ = loaded
-    records = run(model, tok, ["snapkv", Variant("snapkv w4", "snapkv", {"window": 4})], [40],
-                  ["niah_single_noise"], ["question_in_prompt"], 1, LENGTH, progress=False)
+    records = run(model, tok, RunSpec(["snapkv", Variant("snapkv w4", "snapkv", {"window": 4})], [40],
+                  ["niah_single_noise"], ["question_in_prompt"], 1, LENGTH, progress=False))
     by = {r["method"]: r for r in records}
     assert set(by) == {"full", "snapkv", "snapkv w4"}
     assert by["snapkv"]["kv_bytes"] == by["snapkv w4"]["kv_bytes"]        # same budget, another window
@@ -351,30 +351,30 @@ def test_the_plain_and_fast_engines_trace_alike(loaded):
 def test_a_worker_out_of_gpu_memory_is_one_line_that_names_the_workers(monkeypatch, capsys):
     """A worker whose GPU memory runs out (SmolLM2's main job, one group in 16 processes on an H200) raises
     one ``error:`` line through ``cli.errors`` that says what to change, not its traceback."""
-    from experiments.evaluation import compare
+    from experiments.evaluation import workers
     from nanollm import cli
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
-    monkeypatch.setattr(compare, "run_jobs", out_of_memory)
-    monkeypatch.setattr(compare, "engine_for", lambda *args, **kwargs: None)
-    monkeypatch.setitem(compare._WORKER, "shared", (None, None, [], [], 192, 0, ("batched", False)))
-    monkeypatch.setitem(compare._WORKER, "workers", 16)
+    monkeypatch.setattr(workers, "run_jobs", out_of_memory)
+    monkeypatch.setattr(workers, "engine_for", lambda *args, **kwargs: None)
+    monkeypatch.setitem(workers._WORKER, "shared", (None, None, [], [], 192, 0, ("batched", False)))
+    monkeypatch.setitem(workers._WORKER, "workers", 16)
     with pytest.raises(SystemExit) as stop, cli.errors():
-        compare._run_jobs_in_worker([("niah_single_noise", 0, "question_in_prompt")])
+        workers._run_jobs_in_worker([("niah_single_noise", 0, "question_in_prompt")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1, err
     assert "ran out of memory with 16 worker processes" in err and "fewer --workers" in err, err
-    assert "a shorter --length" in compare.out_of_memory(1)                 # one process: what fits is the work
-    assert "--engine batched" in compare.out_of_memory(1) and "--engine batched" in compare.out_of_memory(16)
-    assert "--engine batched" not in compare.out_of_memory(16, engine="batched")   # not to one running it
+    assert "a shorter --length" in workers.out_of_memory(1)                 # one process: what fits is the work
+    assert "--engine batched" in workers.out_of_memory(1) and "--engine batched" in workers.out_of_memory(16)
+    assert "--engine batched" not in workers.out_of_memory(16, engine="batched")   # not to one running it
 
 
 def test_a_batch_out_of_gpu_memory_runs_once_more_after_the_memory_goes_back(monkeypatch):
     """On a GPU that workers share, a batch whose memory runs out is run again from its start, after the
     process gives back what it held (its engine's last groups, the allocator's free blocks), and again after
     every batch; a batch that runs out twice stops the command (the test above)."""
-    from experiments.evaluation import compare
+    from experiments.evaluation import workers
     tries, given_back = [], []
 
     def run_jobs(*args):
@@ -384,27 +384,27 @@ def test_a_batch_out_of_gpu_memory_runs_once_more_after_the_memory_goes_back(mon
         return ["the batch's results"]
     engine = types.SimpleNamespace(groups=["a group"])
     engine.release = lambda: setattr(engine, "groups", [])
-    monkeypatch.setattr(compare, "run_jobs", run_jobs)
-    monkeypatch.setattr(compare, "engine_for", lambda *args, **kwargs: engine)
-    monkeypatch.setitem(compare._ENGINE, "engine", engine)
+    monkeypatch.setattr(workers, "run_jobs", run_jobs)
+    monkeypatch.setattr(workers, "engine_for", lambda *args, **kwargs: engine)
+    monkeypatch.setitem(workers._ENGINE, "engine", engine)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: given_back.append(list(engine.groups)))
     jobs = [("niah_single_noise", 0, "question_in_prompt")]
-    assert compare.some_jobs(None, None, [], [], 192, 0, ("batched", False), jobs) == ["the batch's results"]
+    assert workers.some_jobs(None, None, [], [], 192, 0, ("batched", False), jobs) == ["the batch's results"]
     assert tries == [jobs, jobs] and given_back == [[], []]      # after the failed try, and after the batch
 
 
 def test_one_process_out_of_gpu_memory_is_one_line_too(monkeypatch, capsys):
     """Without workers the same: the run stops with one ``error:`` line that names what to shrink."""
-    from experiments.evaluation import compare
+    from experiments.evaluation import compare, workers
     from nanollm import cli, load
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
-    monkeypatch.setattr(compare, "run_jobs", out_of_memory)
+    monkeypatch.setattr(workers, "run_jobs", out_of_memory)
     model, tok, _ = load("retrieval-llama")
     with pytest.raises(SystemExit) as stop, cli.errors():
-        compare.run(model, tok, ["full"], [48], ["niah_single_noise"], ["question_in_prompt"], 1, 192,
-                    progress=False)
+        compare.run(model, tok, compare.RunSpec(["full"], [48], ["niah_single_noise"], ["question_in_prompt"], 1, 192,
+                    progress=False))
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and "a shorter --length" in err, err

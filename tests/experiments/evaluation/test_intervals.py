@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from experiments.evaluation.compare import format_intervals, format_pairwise, format_tables, pairwise
 from experiments.evaluation.intervals import (
     best_and_ties,
     bootstrap_means,
@@ -18,6 +17,7 @@ from experiments.evaluation.intervals import (
     wilson,
     within_noise,
 )
+from experiments.evaluation.report import format_intervals, format_pairwise, format_tables, pairwise
 
 
 def test_wilson_known_values():
@@ -132,7 +132,7 @@ def test_the_exact_test_rejects_at_its_level():
 
 
 def test_p_values_print_on_the_right_side_of_the_level():
-    from experiments.evaluation.compare import p_value
+    from experiments.evaluation.report import p_value
     assert [p_value(p) for p in (1.0, 0.12, 0.0703125, 0.0499, 0.05, 0.00996, 0.0005)] == \
         ["1.00", "0.12", "0.07", "<0.05", "0.05", "1e-02", "5e-04"]
 

@@ -127,8 +127,8 @@ def test_the_records_are_those_of_a_hook_per_layer(bundled, monkeypatch, runs):
     model, tok, _ = bundled
 
     def records(engine: str) -> list[dict]:
-        out = compare.run(model, tok, [*WAIT, "adakv", "kvreviver"], [40, 72], ["niah_single_noise"], MODES, 1,
-                          256, engine=engine, progress=False)
+        out = compare.run(model, tok, compare.RunSpec([*WAIT, "adakv", "kvreviver"], [40, 72], ["niah_single_noise"],
+                                                      MODES, 1, 256, engine=engine, progress=False))
         return [{k: v for k, v in r.items() if k not in TIMES} for r in out]
     for engine in ("one-group", "fast"):
         monkeypatch.setattr(prefill_layers, "ENABLED", True)

@@ -45,7 +45,8 @@ def test_the_plain_and_fast_engines_give_the_same_records():
     model, tok, _ = load("retrieval-llama")
     kw = dict(methods=["h2o", "snapkv", "chunkkv"], budgets=[128], tasks=["niah_multikey"], modes=MODES,
               samples=2, length=512, progress=False)
-    fast, plain = compare.run(model, tok, **kw), compare.run(model, tok, engine="plain", **kw)
+    fast = compare.run(model, tok, compare.RunSpec(**kw))
+    plain = compare.run(model, tok, compare.RunSpec(engine="plain", **kw))
     assert_same_records(fast, plain, ("method", "mode"))
     assert any(r["kl"] > 0.1 for r in fast) and len({tuple(r["accuracies"]) for r in fast}) > 1   # not vacuous
 
@@ -92,8 +93,8 @@ def test_compare_runs_a_task_read_from_text(make_model):
     torch.set_num_threads(1)
     model = make_model(preset("TINY"), seed=1)
     tok = Tokenizer.train(" ".join(docs_paragraphs()[:40]), 512)
-    records = compare.run(model, tok, ["streaming_llm"], [64], ["docs_continuation"], MODES[:1], 2, 256,
-                          progress=False)
+    records = compare.run(model, tok, compare.RunSpec(["streaming_llm"], [64], ["docs_continuation"], MODES[:1], 2, 256,
+                          progress=False))
     assert [r["method"] for r in records] == ["full", "streaming_llm"]
     assert all(len(r["predictions"]) == 2 and all(0 <= a <= 1 for a in r["accuracies"]) for r in records)
     names = {m.name for m in METRICS} | {m.keep for m in METRICS if m.keep}

@@ -18,8 +18,8 @@ TIMES = {"compress_ms", "decode_ms_per_token"}
 
 def records(bundled, engine: str) -> list[dict]:
     model, tok, _ = bundled
-    return compare.run(model, tok, ["h2o", "scissorhands", "snapkv"], [40, 56, 72], ["niah_single_noise"],
-                       MODES, 1, 256, engine=engine, progress=False)
+    return compare.run(model, tok, compare.RunSpec(["h2o", "scissorhands", "snapkv"], [40, 56, 72],
+                                                   ["niah_single_noise"], MODES, 1, 256, engine=engine, progress=False))
 
 
 @pytest.mark.parametrize("engine", ["one-group", "batched"])

@@ -33,8 +33,8 @@ def test_a_file_task_runs_as_the_built_in_task_it_was_exported_from(bundled):
     torch.set_num_threads(1)
     kw = dict(methods=["snapkv", "streaming_llm"], budgets=[64], modes=MODES, samples=3, length=512,
               progress=False, engine="plain")
-    built_in = compare.run(model, tok, tasks=["niah_single_noise"], **kw)
-    from_file = compare.run(model, tok, tasks=[FileTask(EXAMPLE)], **kw)
+    built_in = compare.run(model, tok, compare.RunSpec(tasks=["niah_single_noise"], **kw))
+    from_file = compare.run(model, tok, compare.RunSpec(tasks=[FileTask(EXAMPLE)], **kw))
     assert [r["task"] for r in from_file] == ["file:niah_single_noise"] * len(built_in)
     timed = {"task", "compress_ms", "decode_ms_per_token"}                # the name, and two clock readings
     for a, b in zip(built_in, from_file):

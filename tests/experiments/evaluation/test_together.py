@@ -72,7 +72,8 @@ def test_compare_together_gives_the_records_of_compare_alone(bundled, engine):
     model, tok, _ = bundled
     kw = dict(methods=["h2o", "kvreviver", "streaming_llm"], budgets=[51, 128], tasks=["niah_multikey"], modes=MODES,
               samples=3, length=512, progress=False, engine=engine)
-    alone, together = compare.run(model, tok, **kw), compare.run(model, tok, together=2, **kw)
+    alone = compare.run(model, tok, compare.RunSpec(**kw))
+    together = compare.run(model, tok, compare.RunSpec(together=2, **kw))
     if engine == "fast":
         strip = [{k: v for k, v in r.items() if k not in TIMINGS} for r in alone]
         assert strip == [{k: v for k, v in r.items() if k not in TIMINGS} for r in together]

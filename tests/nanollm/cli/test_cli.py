@@ -265,7 +265,7 @@ def test_card_writes_only_where_told(tmp_path, capsys):
 
 
 def test_plot_is_written_under_the_name_given(tmp_path):
-    from experiments.evaluation.compare import plot
+    from experiments.evaluation.report import plot
     records = [{"method": m, "keep_ratio": k, "mode": "question_in_prompt", "accuracy": a}
                for m, k, a in [("full", 1.0, 1.0), ("h2o", 0.5, 0.8), ("h2o", 0.25, 0.5)]]
     plot(records, tmp_path / "fig.svg")

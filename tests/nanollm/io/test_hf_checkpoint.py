@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.evaluation.compare import run
+from experiments.evaluation.compare import RunSpec, run
 from nanollm import preset
 from nanollm.cli.hf import main as hf_main
 from nanollm.data.tasks import corpus, make_sample
@@ -72,8 +72,8 @@ def test_generate_and_compare_accept_hf_folder(folders):
                          cwd=Path(__file__).parents[3])
     assert out.stdout.startswith("The grass is") and not out.stderr
     model, tok, _ = checkpoint.load(folders[1])
-    records = run(model, tok, ["streaming_llm"], [32], ["niah_single_noise"], ["question_in_prompt"], 1, 200,
-                  progress=False)
+    records = run(model, tok, RunSpec(["streaming_llm"], [32], ["niah_single_noise"], ["question_in_prompt"], 1, 200,
+                  progress=False))
     assert {r["method"] for r in records} == {"full", "streaming_llm"}
     s = make_sample("niah_single_noise", tok, 200, seed=0)
     assert s.target_ids[-1] == tok.eot_id
