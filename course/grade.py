@@ -8,7 +8,7 @@ Grade one assignment: run its public and hidden tests against a student copy and
 Three processes, so that nothing the student's code does can reach the grade (course/README.md, section
 "Threat model"): this one (the grader) starts the test process, which starts the student's process. The test process
 runs the tests in a scratch folder that holds only them, ``oracle.py`` and the stand-in for the adapters
-(course/remote.py); it never runs the student's code. The student's process (course/student_process.py)
+(course/sandbox/remote.py); it never runs the student's code. The student's process (course/sandbox/student_process.py)
 runs a scratch copy of the student's files: the library is the copy's, reached only through the copy's
 ``course/<name>/adapters.py``, and its import guard refuses the copy's own ``tests`` and the course's oracle
 and tests; a module of the library imported from anywhere but the copy fails the call. Both start with
@@ -55,8 +55,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import confine
 from .assignments import ASSIGNMENTS, COURSE, ROOT, Assignment, check_name, command_line, get, refuse
+from .sandbox import confine
 
 PER_TEST_S = 60          # one test's time limit, enforced by the grader from outside the test process
 RUN_BASE_S = 60          # the whole run: this, plus (the per-test limit + RESTART_S) per test
@@ -74,7 +74,8 @@ PUBLIC_CHARS = 800       # a public test's message, which the student sees (it m
 STUDENT_CHARS = 160      # a line of the student's own exception in a public test's message (two lines at most)
 
 # The scratch folder's conftest.py. The tests run here, in a process that never runs the student's code:
-# ``adapters`` is course/remote.py's stand-in, which asks the student's process (course/student_process.py);
+# ``adapters`` is course/sandbox/remote.py's stand-in, which asks the student's process
+# (course/sandbox/student_process.py);
 # each test's start and outcome go to the grader over a pipe this process alone holds; a failure is recorded
 # as its exception's type and message (the student's exceptions with the student's file and line).
 CONFTEST = '''\
@@ -392,8 +393,8 @@ def tests_folder(parent: Path, tests: list[Path], conftest: str) -> Path:
     here = Path(tempfile.mkdtemp(prefix="round-", dir=parent))
     for t in tests:
         shutil.copy2(t, here / t.name)
-    for f in ("oracle.py", "remote.py", "student_process.py", "launchers.py"):
-        shutil.copy2(COURSE / f, here / f)
+    for f in ("oracle.py", "sandbox/remote.py", "sandbox/student_process.py", "launchers.py"):
+        shutil.copy2(COURSE / f, here / Path(f).name)
     (here / "conftest.py").write_text(conftest)
     (here / "pytest.ini").write_text("[pytest]\naddopts =\n")
     return here
@@ -446,7 +447,7 @@ def run_tests(assignment: Assignment, student: Path, hidden: bool = True, per_te
         tmp, out, copy, home = Path(tmp), Path(out), Path(copy), Path(home)
         copy.chmod(0o755)
         scratch = confine.scratch_copy(student, copy / "copy")
-        spec, runs_as = confine.room(tmp, scratch, home, site_dirs(), ROOT)   # course/jail.py
+        spec, runs_as = confine.room(tmp, scratch, home, site_dirs(), ROOT)   # course/sandbox/jail.py
         python = [sys.executable, sysconfig.get_paths()["stdlib"], *site_dirs()]
         nobody = spec is None and os.geteuid() == 0 and confine.unreadable_by_others(python) is None
         if spec is None and os.geteuid() == 0 and not nobody:      # never as root: refused, saying what to change
@@ -659,7 +660,7 @@ def withhold_hidden_text(results: list[Result], assignment: Assignment) -> None:
     """A public test's message is shown to the student: it is cut to ``PUBLIC_CHARS`` (with at most two short
     lines of the student's own exception: the conftest), and one that quotes the hidden tests, as they are or
     in base64 or hex (code that read them and raised them), is replaced by a note. The student's process cannot
-    read them in its room (course/jail.py); this holds where it runs unconfined."""
+    read them in its room (course/sandbox/jail.py); this holds where it runs unconfined."""
     words = [" ".join(t.read_text().split()) for t in assignment.tests(hidden=True) if t.name == "test_hidden.py"]
     quotes = {w[i:i + QUOTE] for w in words for i in range(len(w) - QUOTE + 1)}
     for r in results:

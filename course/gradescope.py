@@ -24,7 +24,7 @@ instructors' alone: students see none of its files):
   assignment's adapters (to notice a student's changed ones), its public and hidden tests, and the library's
   Python files, the reference solution: the hidden tests run its policies in the test process with the
   student's function in place of the graded one. ``run_autograder`` makes the folder readable by root alone,
-  and the student's code runs in a private file system that does not hold it (course/jail.py) where the
+  and the student's code runs in a private file system that does not hold it (course/sandbox/jail.py) where the
   machine allows one;
 * ``README.md``: how to upload it.
 """
@@ -49,8 +49,8 @@ from .grade import (
 )
 
 GRADER = ("course/__init__.py", "course/grade.py", "course/assignments.py", "course/markers.py",
-          "course/oracle.py", "course/model_adapters.py", "course/confine.py", "course/remote.py",
-          "course/student_process.py", "course/jail.py",
+          "course/oracle.py", "course/model_adapters.py", "course/sandbox/__init__.py", "course/sandbox/confine.py",
+          "course/sandbox/remote.py", "course/sandbox/student_process.py", "course/sandbox/jail.py",
           "course/launchers.py", "course/submit.py", "course/handout.py", "course/lesson.py")
 # grade.py, what it imports, what the tests use, and what lays a pack (course.submit) over a pristine copy
 LIBRARY = ("nanollm", "methods", "kernels")     # the reference library, for the hidden tests' test process

@@ -1,7 +1,7 @@
 """
 The grader's own wrappers of the copy's Triton kernels: the grid, the buffers and the arguments each kernel
 takes, computed here in the test process, and the copy's ``@triton.jit`` function launched with them in a
-process that imports none of the copy's modules (``adapters.launch``, course/student_process.py
+process that imports none of the copy's modules (``adapters.launch``, course/sandbox/student_process.py
 ``KernelsAlone``). So a kernel earns its points only by what it computes in Triton's language: a Python wrapper
 of the copy's that answers in PyTorch is never called. The arguments are those of the library's wrappers
 (kernels/decode_attention.py, count_sketch.py, tensor_decode.py), which the copy must keep. The grader copies

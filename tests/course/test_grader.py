@@ -25,9 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from course import confine, grade, gradescope, handout, remote, submit
+from course import grade, gradescope, handout, submit
 from course.assignments import ASSIGNMENTS, ROOT
 from course.markers import find_regions
+from course.sandbox import confine, remote
 from tests.commands import refused
 
 

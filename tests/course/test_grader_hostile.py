@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from course import confine, grade, gradescope, remote
+from course import grade, gradescope
 from course.assignments import ASSIGNMENTS, ROOT
+from course.sandbox import confine, remote
 from tests.commands import refused
 from tests.course.test_grader import graded_here, put, reference, student_copy, toy_connection
 
@@ -323,7 +324,7 @@ def test_an_interrupted_grade_leaves_nothing_behind(tmp_path, sig):
                              "group_scores"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(scratch)})
     deadline = time.monotonic() + 45                # well inside the sleeping test's 60 s limit (PER_TEST_S)
-    student = (ROOT / "course" / "student_process.py").read_text()[:200]    # its command line holds its code
+    student = (ROOT / "course" / "sandbox" / "student_process.py").read_text()[:200]   # its command line: its code
     while not [p for p in processes_naming(student) if p != proc.pid] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert time.monotonic() < deadline, "the student's process did not start within 45 s"
@@ -530,7 +531,7 @@ def test_the_students_files_cannot_fill_the_disk(tmp_path, capsys):
     """The graded code writes 300 MB into a file of its own: the room caps any file it writes at
     ``jail.FILE_BYTES``, so the write fails (Python ignores SIGXFSZ: ``File too large``) or stops its process
     instead of filling TMPDIR. (What it prints goes through a bounded pipe: ``test_hostile_grade5.py``.)"""
-    from course import jail
+    from course.sandbox import jail
     copy = student_copy(tmp_path)
     put(copy / "nanollm" / "attention.py", "group_scores", [
         "import tempfile",
@@ -610,7 +611,7 @@ def zombie_children() -> set[int]:
 
 
 def test_grades_in_one_process_do_not_pile_up_zombies(tmp_path):
-    """The student's processes end below the room's own (course/jail.py) and become the grader's when their
+    """The student's processes end below the room's own (course/sandbox/jail.py) and become the grader's when their
     parents are killed first: a process that grades many copies (``course.mutants``) reaps them at its next
     grade, so at most the last grade's are left (before: 2 zombies after 3 grades, one more each grade)."""
     copy, before = student_copy(tmp_path), zombie_children()

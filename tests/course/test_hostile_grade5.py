@@ -30,9 +30,10 @@ from pathlib import Path
 
 import pytest
 
-from course import grade, gradescope, handout, jail, remote
-from course import student_process as wire
+from course import grade, gradescope, handout
 from course.assignments import ASSIGNMENTS, ROOT
+from course.sandbox import jail, remote
+from course.sandbox import student_process as wire
 from tests.commands import refused
 from tests.course.test_grader import put, student_copy, toy_connection
 
@@ -55,7 +56,7 @@ def folder_bytes(folder: Path) -> int:
 def unconfined_here() -> bool:
     """Whether the grader may run a student's code outside its room here: not as root with a Python the user
     nobody cannot read (it would have to run as root: refused)."""
-    from course import confine
+    from course.sandbox import confine
     python = [sys.executable, *grade.site_dirs()]
     return os.geteuid() != 0 or confine.unreadable_by_others(python) is None
 
@@ -82,7 +83,7 @@ def test_300_mb_of_output_leave_the_dump_tmpdir_and_memory_bounded(tmp_path):
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
     code = ("import json, resource, sys\nfrom pathlib import Path\n"
-            "from course import confine, grade\n"
+            "from course import grade\nfrom course.sandbox import confine\n"
             + ("confine.jail_works = lambda spec: 'jail: no room in this test'\n" if unconfined_here() else "")
             + f"s = grade.grade('cache', Path({str(copy)!r}), tasks=('group_scores',), hidden=False)\n"
             "own = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:'))\n"
@@ -180,7 +181,7 @@ READER = """
 import os, sys
 sys.path.insert(0, {root!r})
 import torch
-from course import student_process as wire
+from course.sandbox import student_process as wire
 
 
 def kib(field):
@@ -375,7 +376,8 @@ def test_the_notes_say_which_readme_and_which_section():
     assert any('see course/README.md, section "Threat model"' in line for line in note), note
     readme = (ROOT / "course" / "README.md").read_text()
     assert re.search(r"^#+ Threat model$", readme, flags=re.M)
-    for module in ("grade.py", "remote.py", "student_process.py", "confine.py", "jail.py"):
+    for module in ("grade.py", "sandbox/remote.py", "sandbox/student_process.py", "sandbox/confine.py",
+                   "sandbox/jail.py"):
         text = (ROOT / "course" / module).read_text()
         assert "the README's threat model" not in " ".join(text.split()), module
 

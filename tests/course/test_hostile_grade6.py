@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from course import gradescope, remote
+from course import gradescope
 from course.assignments import ASSIGNMENTS, ROOT
+from course.sandbox import remote
 from tests.course.test_grader import put, student_copy, toy_connection
 from tests.course.test_grader_hostile import autograded, graded, marker_folder
 

@@ -3,7 +3,7 @@ The process a student's code runs in while it is graded, and the messages it exc
 
 ``course.grade`` runs the tests in one process and the student's code in another, this one, so that nothing
 the student's code does (a ``sitecustomize.py``, a monkeypatch, a daemon) can reach the tests, the oracle or
-the results: the test process asks, this process answers (course/remote.py is the asking side). It is
+the results: the test process asks, this process answers (course/sandbox/remote.py is the asking side). It is
 started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_TEST_S``; with
 ADAPTERS empty it serves the copy's Triton kernels alone (``KernelsAlone``), importing none of its modules:
 
@@ -19,11 +19,11 @@ ADAPTERS empty it serves the copy's Triton kernels alone (``KernelsAlone``), imp
   message costs about its size once. The unpickler looks up no class, so reading a message runs no code.
   Anything else a call returns (a model, a cache, a function) stays here and crosses as a handle:
   ``{"handle": id}``.
-  No function crosses from the tests (course/remote.py refuses one): nothing here can call the tests back.
+  No function crosses from the tests (course/sandbox/remote.py refuses one): nothing here can call the tests back.
 * Standard output and error go to a pipe the test process drains into the grader's dump file, keeping its
-  start and its end (course/remote.py ``Output``); when a test starts, a timer is set that writes where the
+  start and its end (course/sandbox/remote.py ``Output``); when a test starts, a timer is set that writes where the
   code is to it (``faulthandler``) shortly before the test's time limit. No file this process writes grows
-  past ``FILE_BYTES`` (as in the room, course/jail.py; here also where the code runs unconfined).
+  past ``FILE_BYTES`` (as in the room, course/sandbox/jail.py; here also where the code runs unconfined).
 
 The import guard below refuses the repository's own tests and the course's oracle and test files: a mistake
 an honest copy can make (they hold reference implementations). It is no defence against a hostile student,
@@ -54,7 +54,7 @@ MAX_MESSAGE = 64 << 20               # 64 MiB: the largest message either side s
 MAX_PARTS = 1 << 16                  # the pickle and the bytes of at most 65535 tensors
 CHUNK = 1 << 20                      # a part is read into its buffer this many bytes at a time at most
 TEXT_CHARS = 4000                    # an error's text is cut to this many characters
-FILE_BYTES = 256 << 20               # the largest file the student's code may write (course/jail.py FILE_BYTES)
+FILE_BYTES = 256 << 20               # the largest file the student's code may write (course/sandbox/jail.py FILE_BYTES)
 PACKAGES = ("nanollm", "methods", "kernels", "course")
 
 
@@ -424,7 +424,7 @@ class Server:
 
     def harness(self, name: str, args: list):
         """The tests' own tools, run beside the student's code (checks of honest mistakes only: code in this
-        process can undo them; what is graded is read from outside it, course/remote.py ``Watch``)."""
+        process can undo them; what is graded is read from outside it, course/sandbox/remote.py ``Watch``)."""
         if name == "test_started":             # where the code is goes to the dump shortly before the limit
             faulthandler.dump_traceback_later(self.dump_after_s, exit=False)
             return None

@@ -51,7 +51,7 @@ MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # programs and libraries
-#          (course/confine.py JAIL_SYSTEM: the same)
+#          (course/sandbox/confine.py JAIL_SYSTEM: the same)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 KERNEL_SETTINGS = ("sys", "sysrq-trigger", "irq", "bus", "fs")     # of /proc: read-only in the room
 NOBODY = 65534

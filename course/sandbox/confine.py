@@ -163,7 +163,7 @@ def parents() -> dict[int, int]:
     return out
 
 
-# -- the room the student's code runs in (course/jail.py) ---------------------------------------------------
+# -- the room the student's code runs in (course/sandbox/jail.py) ---------------------------------------------------
 
 JAIL = Path(__file__).with_name("jail.py")
 PROJECT = ("nanollm", "methods", "kernels", "course", "tests")     # the library and its tests, in site-packages
@@ -199,7 +199,7 @@ def installed_library(site_dirs: list[str], root: Path) -> list[str]:
 
 
 def jail_spec(root: str, read: list[str], write: list[str], hide: list[str], user: str) -> dict:
-    """What course/jail.py builds: ``read`` and ``write`` bound into a new root (under the empty folder
+    """What course/sandbox/jail.py builds: ``read`` and ``write`` bound into a new root (under the empty folder
     ``root``), and of ``hide`` what one of them would show (a path inside a bound folder) masked."""
     mask = [h for h in hide if any(is_inside(h, folder) for folder in [*read, *write, *JAIL_SYSTEM])]
     return {"root": root, "read": read, "write": write, "mask": mask, "user": user}
@@ -214,7 +214,7 @@ def jailed(cmd: list[str]) -> list[str]:
 
 
 def spec_bytes(spec: dict) -> bytes:
-    """What course/jail.py reads on its standard input (never an argument: ``/proc/1/cmdline`` is readable)."""
+    """What course/sandbox/jail.py reads on its standard input (never an argument: ``/proc/1/cmdline`` is readable)."""
     return json.dumps(spec).encode()
 
 
@@ -247,7 +247,7 @@ def jail_works(spec: dict) -> str | None:
 
 
 def room(parent: Path, copy: Path, home: Path, site_dirs: list[str], root: Path) -> tuple[dict | None, str]:
-    """The room for a student's process (course/jail.py): (its spec, how the code runs there), or (None, why it
+    """The room for a student's process (course/sandbox/jail.py): (its spec, how the code runs there), or (None, why it
     cannot be built here). ``copy`` is bound read-only, ``home`` writable, Python and ``site_dirs`` read-only;
     the instructor's checkout ``root`` and the library installed in site-packages are hidden. As root the code
     runs as nobody, which must be able to read Python's files in the room; never as root."""
@@ -330,7 +330,7 @@ def can_run_as_nobody(paths: list[str]) -> bool:
 
 def not_for_the_graded_code(rel: Path) -> bool:
     """The copy's tests and the course's oracle and tests (``rel``: a path in the copy): they hold reference
-    implementations, so the graded code is not given them at all (the import guard in course/student_process.py
+    implementations, so the graded code is not given them at all (the import guard in course/sandbox/student_process.py
     stops an honest import only: the student's code can take it off)."""
     return (rel.parts[0] == "tests" or rel.name == "conftest.py" or rel == Path("course", "oracle.py")
             or (rel.parts[0] == "course" and rel.name.startswith("test_") and rel.suffix == ".py"))

@@ -1,6 +1,6 @@
 """
 The tests' side of grading: ``adapters`` as the tests see it, a stand-in that asks the process running the
-student's code (course/student_process.py) and never runs that code itself.
+student's code (course/sandbox/student_process.py) and never runs that code itself.
 
 ``course.grade`` copies this file next to the tests; the scratch conftest puts ``connect(...)`` in
 ``sys.modules["adapters"]``, so ``import adapters as A`` in a test file gets the stand-in and ``A.scores(q, k)``
@@ -41,7 +41,7 @@ class StudentError(Exception):
 
 class InputChanged(AssertionError):
     """The student's code wrote into a tensor a test passed it (not an output buffer, ``oracle.written``): a
-    graded function leaves its inputs as they were. The wire sees the write (course/student_process.py
+    graded function leaves its inputs as they were. The wire sees the write (course/sandbox/student_process.py
     ``Mirrors``), so no test needs to ask."""
 
 
@@ -138,7 +138,7 @@ class Connection:
         self.args = (student, adapters_file, json.dumps(site_dirs), str(dump_after_s))
         self.settings = (student, site_dirs, dump, dump_after_s, home, nobody, python, jail, room)
         self.output, self.home, self.nobody, self.python = Output(dump), home, nobody, python
-        self.jail = jail                           # the command that runs another in the room (course/jail.py)
+        self.jail = jail                           # the command that runs another in the room (course/sandbox/jail.py)
         self.room = room                           # the room's spec, written to that command's standard input
         self.proc: subprocess.Popen | None = None
         self.mirrors = wire.Mirrors(first_key=1)
@@ -158,7 +158,7 @@ class Connection:
         if self.home:
             env["TMPDIR"] = self.home
         drop = {}
-        if self.jail:                              # the room: its own root, processes, user (course/jail.py)
+        if self.jail:                              # the room: its own root, processes, user (course/sandbox/jail.py)
             cmd = [*self.jail, *cmd]
         elif self.nobody:                          # the grader runs as root: the student's code runs as nobody
             drop = {"user": 65534, "group": 65534, "extra_groups": []}
@@ -184,7 +184,7 @@ class Connection:
 
     def kernels_alone(self) -> Connection:
         """A connection to a process of its own, started as this one (the same room and user), that serves the
-        copy's Triton kernels alone (course/student_process.py ``KernelsAlone``); its output has a dump of its
+        copy's Triton kernels alone (course/sandbox/student_process.py ``KernelsAlone``); its output has a dump of its
         own."""
         student, site_dirs, dump, dump_after_s, home, nobody, python, jail, room = self.settings
         other = Connection(student, "", site_dirs, f"{dump}.kernels", dump_after_s, home, nobody, python, jail, room)
@@ -434,7 +434,7 @@ class Adapters(types.ModuleType):
         return value
 
     def harness(self, name: str, *args):
-        """The tests' watches, run beside the student's code (course/student_process.py ``Server.harness``)."""
+        """The tests' watches, run beside the student's code (course/sandbox/student_process.py ``Server.harness``)."""
         return self._connection.request("harness", None, name, args)
 
     def launch(self, file: str, kernel: str, grid, *args, **meta) -> None:
