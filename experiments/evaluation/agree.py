@@ -6,25 +6,10 @@ Do two ``experiments.compare`` results files say the same? The check behind "the
     python -m experiments.evaluation.agree A.json B.json --tol 1e-3
     python -m experiments.evaluation.agree A.json B.json --records   # and a line per record that differs
 
-Records are matched by (method, budget, task, mode); the two files must hold the same cells. For each field:
-
-* the answers and what they count (``predictions``, ``prediction_ids``, ``accuracies``, ``references``,
-  ``kv_bytes``, ``extra_bytes``, ``compressed_tokens``, ``n_samples``): equal, record by record;
-* the float metrics (``kl``, ``perturbation``, ``lost_mass``, ``attn_l1``): the largest difference over the
-  records, which must be at most ``--tol`` (default 1e-3): absolute for values up to 1, relative to the value
-  above it (``|a - b| / max(1, |a|, |b|)``), since float rounding grows with the value: ``attn_l1`` is an L1
-  norm over a layer's whole attention output (up to about 70 on the bundled model), and a GPU's run of
-  KVReviver moves one by 1.2e-3 in 17.09 (6.9e-5 of it); KL runs up to about 9 nats, the perturbation and
-  the lost mass stay near or below 1. NaN in both files agrees, NaN against a number does not; a field one
-  file lacks differs;
-* the timings (``compress_ms``, ``decode_ms_per_token``) and the run's settings (``engine``, ``dtype``, ...):
-  not compared (they are what one changes between the two runs).
-
-Prints one line per field and a last line ``agree`` or ``differ: FIELDS``; exits with status 0 or 1. A file
-that is not a compare results file, or two files of different cells, is one ``error:`` line (status 2).
-With ``--records``, each record that differs also gets a line before the last one: its cell, how many of its
-answers differ, its accuracy in A and in B, each float metric's largest difference, and any other field that
-differs.
+Records are matched by (method, budget, task, mode); answers must be equal, float metrics within ``--tol``
+(absolute up to 1, relative above), timings and settings are not compared. Prints a line per field and a
+last line ``agree`` or ``differ: FIELDS``; exits 0 or 1, and 2 with one ``error:`` line for a file that is
+not a compare results file. The rules in full: ``inside.md``, "agree.py".
 """
 
 from __future__ import annotations

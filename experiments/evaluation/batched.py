@@ -1,44 +1,13 @@
 """
-The batched engine: the fast engine's decode step (``side_by_side.py``) with the caches' attention batched
-too, for a GPU. ``--engine batched``.
+The batched engine: the fast engine's step with the caches' attention batched too, for a GPU
+(``--engine batched`` and ``one-group``).
 
-The fast engine runs the matrix products of a step once for all the caches, but each cache's attention on
-its own: its write, its attention and its policy's hook, a few dozen small operations per cache, layer and
-step. On a CPU each costs a few microseconds; on a GPU each is a kernel launch of several, plus the host's
-work to launch it, so a step of 25 caches of a 30-layer model is tens of thousands of launches (on an
-H200's machine the bundled model's evaluation ran no faster on the GPU than on its CPU cores). Here the
-caches of a step share their storage:
-
-    k, v   (N, H_kv, C, d)   per layer and group: N caches' entries, one row each; C slots
-    pos    (N, H_kv, C)      their positions; -1 = empty (evicted, or beyond the slots the cache uses)
-
-Each cache's ``LayerKV`` is made a view of its row (``_k = k[r:r+1]``: ``Group.adopt``), so its policy reads,
-scores and evicts in place as before, and the group's buffers see every change. A step, per layer and group:
-
-1. the new entries of every row are written with one scatter per buffer (``Group.write``), each row at the
-   slot ``LayerKV.append`` would pick: the first slot its policy emptied (whose per-slot state, where the
-   policy keeps some, goes back to its fill value: a scatter per cache), else the one after its last;
-2. one attention over every row and all C slots, the positions masking the empty ones
-   (``fastpath.attention.attend_step``: the Triton kernel on a GPU), as the graph step does
-   (``fastpath/graph.py``);
-3. each cache's policy hook (``on_decode``) on its own row, with its own slices of the output and of the
-   probabilities: what ``KVCache.attend`` would give it; or, for H2O's or Scissorhands' caches side by side
-   in the group (its rows are ordered so), one hook over their rows and every layer at once, after the
-   last layer's attention, to the same numbers (``row_hooks.py``; their positions and per-slot state live
-   in one buffer per name, a row each, its layers side by side).
-
-Caches are grouped by size (``bucket``), so that a cache of 200 entries is not padded to the full cache's
-2,000. A cache whose policy rebuilds the entries it attends to (``attend_kv``: KVReviver) keeps its own
-storage and attends on its own, as in the fast engine. A layer's storage that a hook replaced (``keep``
-compacts) is copied back into its row at the next step; a cache that outgrows its row, or another set of
-caches, makes the next step group them again. The engine's own writes and attention never make the host
-wait for the GPU (the integers it sends, tokens, positions and slots, go through pinned memory); the
-policies' hooks still may.
-
-Numbers: the same arithmetic over more slots, the extra ones at probability exactly 0, so each cache's
-logits agree with the fast engine's to float rounding (tested: every record of ``experiments.compare`` within
-1e-5, every answer the same). Unlike the fast engine's, a cache's last bits depend on the caches grouped
-with it (the slots C of its group, and the rows of the products), so ``--time-alone`` is refused here.
+The caches of a step share their storage: per layer and group, ``k, v`` (N, H_kv, C, d) and ``pos``
+(N, H_kv, C), a row per cache, -1 for an empty slot; each cache's ``LayerKV`` adopts its row
+(``Group.adopt``), so its policy reads and evicts in place. A step writes every row's new entry with one
+scatter, attends over all rows and slots at once, and runs each cache's hook on its row (or one hook for a
+method's rows: ``row_hooks.py``). Each cache's logits agree with the fast engine's to float rounding.
+How it works: ``inside.md``, "batched.py".
 """
 
 from __future__ import annotations

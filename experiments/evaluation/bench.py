@@ -1,59 +1,13 @@
 """
-What compression buys at decode time: the speed of one decode step with a compressed KV cache against the
-full cache, at long contexts. ``python -m experiments.evaluation.bench --help``.
+What compression buys at decode time: one decode step with a compressed cache against the full cache, at
+long contexts. ``python -m experiments.evaluation.bench --help``.
 
-Why it can be faster at all: the roofline. A decode step feeds one token. Its attention reads every stored
-key and value once and does two matrix-vector products with them, about one multiply-add per value read:
-far less arithmetic per byte than a CPU (or GPU) can do while the bytes arrive. So once the cache is large,
-a step is bound by memory bandwidth:
-
-    step time  ~  fixed cost  +  K/V bytes read per step / read bandwidth
-
-A method that keeps a fraction r of the entries (keep ratio r = budget / context) reads r times the bytes,
-so at best its step is 1 / r times faster: the *ideal* speedup, printed beside the measured one. What keeps
-a method below it, and where the table shows it:
-
-* The fixed cost of a step: the rest of the model (projections, MLP, norms, LM head) and the Python and
-  dispatch overhead cost the same whatever the cache holds. It is measured as a step of the full cache over
-  a tiny context, interleaved with the others, and the *bound* column is the speedup the roofline allows
-  once it is counted:
-  ``full_ms / (fixed_ms + (full_ms - fixed_ms) * bytes_method / bytes_full)``.
-* A method's own work at every step, timed as part of the step because generation pays for it: H2O,
-  StreamingLLM and Scissorhands evict one token after every step, in place (``LayerKV.evict``: the next
-  token is written into the emptied slot, nothing is copied): StreamingLLM pops a ring of its slots, H2O
-  takes one argmin over its running scores, Scissorhands a few passes over its counters, and H2O and
-  Scissorhands update their per-slot statistics (passes over the kept slots, like the attention itself).
-  KVReviver rebuilds every evicted token from its sketch before every attention, so its attention reads
-  the whole context again. ``of bound`` (speedup / bound) says how much of the bound survives this work.
-* The attention path: storage that is no longer ``dense`` after compression (AdaKV's padded heads,
-  rebuilt entries) takes the general masked path instead of the mask-free decode path.
-
-How the cache is built. A real prefill of 32k tokens would dominate the run (H2O's statistics alone need
-the column sums of the whole (T, T) prompt attention), so the cache is filled *directly*: every layer's
-``LayerKV`` gets random keys and values at positions 0..T-1 through ``append``, and ``cache.seen = T``.
-A method then compresses it as a prompt's prefill would: its real ``on_prefill`` hook runs once per layer
-with a ``StepContext`` built exactly as ``KVCache.attend`` builds it. Only the statistics differ: the
-attention behind ``ctx.probs`` / ``ctx.col_sums`` (whatever the method's ``needs("prefill")`` asks for) is
-that of W random query rows at positions T-W..T-1 over the stored entries, not that of a real prompt. So
-*which* tokens a method keeps is meaningless here, only how many and how fast: this bench measures speed,
-not quality (``python -m experiments.compare`` measures quality). The time of the hooks is the method's
-one-time compression cost (``compress ms``). One consequence of the W queries: KVReviver counts a prefill
-step's query rows as its recent tokens, so it starts with W recent tokens instead of a full Recent part.
-
-Then decode steps, ``generation.decode_step`` with random tokens, through the method's decode hooks as in
-generation. All variants of one context (the full cache, every method at every keep ratio) are timed
-*interleaved*, one step of each in turn, so a slow moment of the machine hits them alike; medians are
-reported. The bytes a step reads are counted on one extra step by looking at what each layer's attention
-receives: the bytes of the entries it attends (``KV MiB``, the basis of GB/s and of the bound). They are
-the storage's bytes at that moment (``LayerKV.nbytes()``, the slots in use) except for a method that
-rebuilds entries (KVReviver attends the whole context rebuilt from its sketch; its storage and sketch
-bytes are noted beside). The machine's read bandwidth is
-measured in the same run with the same thread count (``x.sum()`` over a large fp32 tensor), to say how
-close the full cache gets to the roofline.
-
-Finally, memory at prefill: a real ``generation.prefill`` of a long prompt with the full cache, SnapKV and
-H2O, each in a fresh process, and the peak resident memory beyond what the cache itself holds: the
-transient cost of a prompt's attention and of the statistics a method asks for.
+A long-context step is bound by the bytes of keys and values it reads, so a method keeping a fraction r of
+them is at best 1 / r times faster (the *ideal* speedup); the fixed cost of a step and a method's own work
+keep it below that (the *bound* and *of bound* columns). The cache is filled directly with random entries
+and each method compresses it with its real prefill hook, so this measures speed, not which tokens are
+kept; every variant of one context is timed interleaved, medians reported, and the read bandwidth is
+measured in the same run. How it works: ``inside.md``, "bench.py".
 """
 
 from __future__ import annotations

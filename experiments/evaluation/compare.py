@@ -2,19 +2,12 @@
 Compare every KV-cache method with full attention: ``python -m experiments.compare --help``.
 
 For each task, sample and mode, the full cache and every method at every budget run on the identical
-sample (``protocol.run_job``: teacher forcing, then greedy answers) on one engine (``--engine``: the plain
-one, the fast one of ``side_by_side.py``, or the batched ones of ``batched.py``: one group is the default on a GPU), and
-``metrics.measure`` measures each against the full cache.
-Results are reduced per (method, budget, task, mode) (``metrics.reduce``), printed as tables, and
-optionally written as JSON records, with every greedy answer, and an accuracy-vs-keep-ratio plot.
-Everything is deterministic for a seed.
-
-The (task, sample, mode) jobs are independent, so ``--workers`` processes run them side by side (one
-torch thread each: a tiny model is dispatch-bound). The results come back in job order and are averaged
-in that order, so the records are the same as a single process's, number for number, except the two
-timings (``compress_ms``, ``decode_ms_per_token``), which no two runs share anyway. ``--together K`` has
-each process step K samples side by side (``together.run_jobs``): fewer operations a sample, the same
-records (to float rounding on the batched engines).
+sample (``protocol.run_job``: teacher forcing, then greedy answers) on one engine (``--engine``), and
+``metrics.measure`` measures each against the full cache; the results are reduced per (method, budget,
+task, mode) into records (``run``, from a ``RunSpec``), which ``report.py`` prints as tables and a plot.
+Everything is deterministic for a seed. The jobs are independent, so ``--workers`` processes
+(``workers.py``) run them side by side, their results averaged in job order: the records are those of one
+process, number for number, but the timings. ``--together K`` steps K samples side by side.
 
 Add a method by registering it (``methods/__init__.py``), a task by one class (``task.py``), a metric by one
 entry (``metrics.py``); ``experiments/evaluation/README.md`` shows each.

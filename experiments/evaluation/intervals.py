@@ -1,49 +1,13 @@
 """
 How sure is a table's accuracy? 95% intervals (Wilson, bootstrap), and which differences are within noise.
 
-A cell of the compare table averages a handful of answers (10 samples per task and mode by default), each
-scored 0..1 by ``string_match_all``. Its mean accuracy moves with the samples drawn, so two methods 0.1
-apart may be the same method seen through different luck. The bootstrap (Efron, 1979) estimates that
-spread from the samples themselves: draw the samples again with replacement, recompute the mean, repeat,
-and read the 2.5% and 97.5% quantiles of the recomputed means.
+    wilson               a row's own interval (Wilson, 1927)
+    paired_difference    a difference's interval: a paired, stratified bootstrap (Efron, 1979)
+    verdict, describe    the noise rule: distinguishable when that interval excludes 0
+    sign_test            the exact paired test between two rows (McNemar's, for right/wrong answers)
+    best_and_ties        a keep ratio's best method and those the test cannot tell from it
 
-A row's own interval is Wilson's score interval (Wilson, 1927) for n answers with mean accuracy p. It is an
-approximate interval made for right/wrong answers (Clopper-Pearson's would be exact), and conservative
-for partly right ones (a 0..1 score varies
-at most as much as a right/wrong one with the same mean). Unlike the bootstrap it does not collapse to a
-point when every sample scored the same: 0 right out of 20 gives [0.00, 0.16], not [0, 0].
-
-Differences between two rows use the bootstrap, with two choices that keep them honest for this table:
-
-* *Stratified*: a row's mean accuracy is the mean over tasks of each task's mean, so each resample draws
-  every task's samples from that task only (the number of samples per task stays fixed).
-* *Paired*: the full cache and every method answer the very same samples, so a difference between two rows
-  is resampled sample by sample (one draw picks sample j for both rows). A hard sample hurts both rows
-  together; pairing removes that shared part of the noise, so paired intervals are narrower than the two
-  rows' own intervals suggest.
-
-**The noise rule** (one for the whole project: the compare tables, every notebook and the README): two rows
-are *distinguishable* when the paired 95% interval of their difference excludes 0, and *within noise* when
-it contains 0. ``verdict`` applies it and ``describe`` prints a difference with it; ``describe`` writes a
-bound that excludes 0 with as many decimals as it takes not to print it as 0.00, so the printed interval
-always agrees with the verdict printed beside it. Within noise means the two rows cannot be told apart with
-these samples, which is not the same as being equal. With few samples the percentile bootstrap is on the
-lenient side (a gap carried by four samples that all went one way can come out beyond noise), and a table
-makes dozens of comparisons without correction, so read a lone "beyond noise" with care. The bootstrap
-intervals are percentile intervals from a fixed seed: the same records always give the same intervals.
-When both rows score the same on every sample the difference's interval is [0, 0]: the rows cannot be told
-apart, which is what "within noise" reports.
-
-**Methods against each other: an exact paired test.** To rank methods at one keep ratio, ``sign_test`` asks
-of two rows answered on the same samples: of the samples where they differ, does one win more often than a
-fair coin would let it? Samples both get right, or both wrong, say nothing about which is better; only
-the n discordant samples count, and under "no difference" the k samples the first row wins follow a
-Binomial(n, 1/2). The two-sided p-value sums the probabilities of every outcome at most as likely as the
-one observed. With right/wrong answers this is McNemar's exact test (McNemar, 1947); with partly right
-answers a sample counts for the row that scored higher on it (the paired sign test). It is exact at any
-sample count, where the bootstrap is only approximate with few samples. Two rows are *distinguishable* at
-p < 0.05; the compare table marks each keep ratio's best method and the methods not distinguishable from
-it (``best_and_ties``). These are many tests without correction: a lone p just under 0.05 is weak evidence.
+The reasoning behind each, and how to read them: ``inside.md``, "intervals.py".
 """
 
 from __future__ import annotations

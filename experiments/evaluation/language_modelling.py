@@ -1,36 +1,12 @@
 """
-Language modelling under compression: perplexity and KL(full || method) over a long natural text.
+Language modelling under compression: perplexity and KL(full || method) over a long natural text, as
+StreamingLLM (§4.1), H2O (§5) and Scissorhands (§5) judge a cache.
 
-This is how StreamingLLM (§4.1), H2O (§5) and Scissorhands (§5) judge a cache: run a language model over
-a long text token by token, let the method evict as it goes, and score every next-token prediction. A
-method that keeps what the model needs leaves the perplexity where the full cache has it.
-
-The text is consecutive paragraphs of Python's help topics (``nanollm.data.tasks.docs_paragraphs``: it
-ships with CPython, nothing is downloaded), cut to ``length`` tokens. Every method is scored on the same
-tokens, the second half of the text (the predictions of positions ``length // 2 + 1`` .. ``length - 1``,
-each made by a decode step), with the same budget ``round(keep * length / 2)``: the prefix's length
-times the keep ratio. Two protocols, by method kind:
-
-* decode-time methods (those that compress after decode steps: StreamingLLM, H2O, Scissorhands, and
-  KVReviver, which folds each evicted token into its sketch): the cache is filled with the first
-  ``budget`` tokens (nothing is evicted yet, so one prompt pass is the same as stepping), then every
-  later token is one decode step, the method evicting as it goes. Its cache stays at ``budget`` through
-  the scored half.
-* prompt compressors (SnapKV, AdaKV, ChunkKV, CriticalKV: they select once, after the prompt): the
-  prefix (the first half) is one prompt pass, compressed to ``budget``; the second half is stepped and
-  scored, and its tokens are all kept (these methods never evict after the prompt), so the cache grows
-  from ``budget`` to ``budget + length / 2``.
-
-So at keep 0.2 both kinds hold 1/5 of the prefix when the scored half starts; a decode-time method still
-holds that many at the last token (1/10 of the text), a prompt compressor then holds 60% of the text.
-The table reports each row's cache size after the last step (its K/V bytes, with the slots a policy keeps
-outside the storage such as a sketch's cells, in tokens of the full cache), so the two are not mistaken
-for one another.
-
-Per row: perplexity exp(mean NLL) of the scored tokens, its ratio to the full cache's, the mean
-KL(full || method) of the next-token distributions, and how often the method's top-1 token equals the
-full cache's. The caches are filled and stepped by an engine (``--engine``, as in ``experiments.compare``: the
-fast one steps them side by side, each with the numbers of a run on its own); everything is deterministic.
+The text is consecutive paragraphs of Python's help topics (nothing is downloaded); every method is scored
+on its second half with the budget ``round(keep * length / 2)``. Decode-time methods evict as they step;
+prompt compressors compress the first half once and keep every later token. Per row: perplexity, its ratio
+to the full cache's, KL and top-1 agreement. ``python -m experiments.evaluation.language_modelling --help``;
+the two protocols in full: ``inside.md``, "language_modelling.py".
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """
-How many tensor operations one sample of the main job runs, and where: ``python -m experiments.evaluation.launches``.
+How many tensor operations one sample of the main job runs, and where:
+``python -m experiments.evaluation.launches``.
 
-On a GPU every operation that computes is a kernel launch, a few microseconds of the host's time and at
-least one or two of the GPU's, however small the tensors; views and allocations (``empty``, ``set_``: the
-caching allocator's work) launch nothing and are counted apart. A decode step of a small model moves few
-bytes, so the number of launches, more than the bytes, is likely to set the evaluation's time there.
-This command runs one (task, sample, mode) of ``experiments.compare`` (on the CPU unless ``--device``) under a
-``TorchDispatchMode`` that counts every aten operation, and splits the count by phase and by who ran it:
-
-* phase: ``fill`` (the prompt pass, the methods' compression, the question's ``extend``), ``step`` (the
-  teacher-forced and greedy decode steps), ``fork`` (greedy's copies of the caches), ``rest`` (metrics);
-* in a step: ``policy: <class>`` (a method's hooks, found on the Python stack as the innermost policy
-  object that is not the evaluation's ``Probe``, or the method of the rows ``row_hooks`` steps at once),
-  ``attention and storage`` (writing the new entries and attending, per cache or per group) and ``model``
-  (the products, norms and everything shared);
-* and among them the host's waits: an operation whose result the host reads (``int(t)``, ``bool(t)``,
-  ``.item()``, ``.tolist()``, ``nonzero``, indexing by a boolean mask), and on a GPU a copy between host and
-  device that is not ``non_blocking``. On a GPU the host stops there until every kernel launched before it
-  has run, so launching cannot run ahead of the GPU. The CPU's count differs from a GPU's both ways: the
-  host-device copies count only on a GPU, and the probes' records the metrics read (the ``rest`` phase) are
-  on the host already in a GPU run, so reading them is no wait there.
-
-A CPU count stands in for a GPU's launches: the same Python runs the same operations on either device (the
-Triton kernels of a GPU replace a few operations each by one launch, so a GPU launches somewhat fewer). The
-one path that differs by device is taken as on a GPU while counting: KVReviver rebuilds its evicted
-positions in chunks of 512 on a CPU (to stay in its cache), all at once on a GPU, to the same values.
+On a GPU every operation that computes is a kernel launch. This runs one (task, sample, mode) of
+``experiments.compare`` under a ``TorchDispatchMode`` that counts every aten operation, by phase (fill, step,
+fork, rest) and by who ran it (a policy's hooks, attention and storage, the model), with the host's waits.
+A CPU count stands in for a GPU's: the same Python runs the same operations on either device.
+How it counts: ``inside.md``, "launches.py".
 """
 
 from __future__ import annotations

@@ -3,20 +3,12 @@ The metrics: one ``Metric`` entry each, in ``METRICS``: what it reads (its funct
 trace, the method's trace, the task and the sample), how its per-sample values reduce to a record's, and
 whether it needs the greedy answer or only the teacher-forced trace. A new metric is one entry here.
 
-accuracy: the task's score of the greedy answer (``accuracies``: each sample's). kl: mean next-token
-KL(full || method) over the answer. perturbation: ||h_full - h|| / ||h_full|| of the final hidden state at
-the first decode step (where a prompt compression first shows). attn_l1: ||o_full - o||_1 of the attention
-output there, per layer and query head. lost_mass: the full attention's mass there on positions whose raw
-key and value the method does not hold (a rebuilt entry counts as lost; its error shows in the others).
-kv_bytes: peak K/V bytes, sketch cells included; extra_bytes: peak bytes of the rest (H2O's scores).
-compress_ms: time in the policy's hooks. decode_ms_per_token: the engine's step time given to the cache per
-answer token (the fast engine: its own attention plus an equal share of the shared step; not a benchmark).
-compressed_tokens: each sample's prompt tokens the method compressed (the whole prompt, or the context
-when the question comes after it). prompt_passes: the engine's passes over the prompt (the fast engine's
-shared pass is 1; more is its fallback, one per cache); caches_per_step: how many caches shared a decode
-step (1: step ms is the cache's own time).
-predictions, prediction_ids, references: each sample's greedy answer (its text and its token ids) and
-reference answers, to score anew (``rescore``).
+    accuracy, kl, perturbation, attn_l1, lost_mass          against the full cache
+    kv_bytes, extra_bytes, compress_ms, decode_ms_per_token  what the method costs
+    compressed_tokens, prompt_passes, caches_per_step       how the engine ran it
+    predictions, prediction_ids, references                 each sample's answers, to score anew
+
+What each measures: ``inside.md``, "metrics.py".
 """
 
 from __future__ import annotations

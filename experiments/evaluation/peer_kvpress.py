@@ -4,39 +4,11 @@ A peer check against kvpress: does our policy keep the very positions kvpress's 
     pip install -e .[peer]          # kvpress 0.5.5 (and the transformers 5.2.x it needs)
     python -m experiments.evaluation.peer_kvpress --out results/peer_kvpress.txt
 
-kvpress (NVIDIA's library of KV-cache "presses") implements five of our methods on Hugging Face transformers.
-Both sides here read the same SmolLM2-135M GGUF file and the same prompt ids (our tokenizer's: transformers
-reads the GGUF tokenizer without SmolLM2's digit split). kvpress's press runs inside transformers' prefill;
-our policy runs inside nanollm's, with ``preset_options(spec, "kvpress")`` (kvpress's defaults, see
-``methods/presets.py``) and the budget kvpress derives from its compression ratio, ``int(T * (1 - ratio))``
-for a T-token prompt, so that the two are asked for the same thing.
-
-What kvpress kept is read off the press without changing it: its ``compress`` is wrapped, and
-
-* a press that prunes the cache (SnapKV, StreamingLLM, ChunkKV, CriticalKV) returns gathered key rows: each
-  is found among the layer's original rows (rotated keys of different positions differ, so a row matches
-  exactly one position, and the check insists on it);
-* a press that masks instead (AdaKV, CriticalAdaKV keep every row and list the evicted (head, position)
-  pairs in ``module.masked_key_indices``, which kvpress's attention patch hides from later queries) gives
-  its kept set as the complement of that list.
-
-Our kept set is the positions each layer's storage holds right after the prefill. Per method and keep
-ratio the report counts the (sample, layer, KV head) triples with identical sets, how far apart the others
-are (positions in one set and not the other, both ways), and whether the greedy answers are the same token
-ids (each side decodes on its own compressed cache, kvpress the way its pipeline does). A ``full`` line
-compares the two implementations without compression: their answers should agree before any method's do.
-
-What differs, and why (``results/peer_kvpress.txt``; 512 tokens, so prompts of about 490):
-
-* a budget below SnapKV's 64-token window (keep 0.1: 48 entries): kvpress scores every window token the same
-  (the layer's highest score + 1), so which 48 of the 64 it keeps is ``torch.topk``'s order among equal
-  values, not a choice of the method; ours keeps the 48 newest. Every window-based method differs there.
-* ChunkKV: kvpress chunks the whole prompt, window included, and keeps ``int(chunks * keep)`` whole chunks;
-  a chunk that holds window tokens outranks the others, so the chunk straddling the window's start is kept
-  whole. Ours protects the window and fills the rest of the budget with whole chunks of the other tokens:
-  the straddling chunk's tokens outside the window compete like any chunk's, and the count is in tokens.
-* StreamingLLM keeps the same sets, but ours keeps rolling its window while decoding and kvpress's cache
-  grows after the prefill, so a few answers differ.
+Both sides read the same SmolLM2-135M GGUF file and prompt ids; our policy runs with kvpress's defaults
+(``preset_options(spec, "kvpress")``) and the budget kvpress derives from its compression ratio. kvpress's
+kept set is read off its press without changing it. The report counts the (sample, layer, KV head) triples
+with identical sets and the answers that agree (``results/peer_kvpress.txt``). How, and why some differ:
+``inside.md``, "peer_kvpress.py".
 """
 
 from __future__ import annotations

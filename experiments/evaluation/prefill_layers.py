@@ -1,43 +1,11 @@
 """
 The prompt's compression, and the question's hooks, with many layers at once, in the fast engines' fill.
 
-After each layer's attention over the prompt, ``FanOut`` (the shared prompt pass) gives every cache its own
-copy of the layer's storage and runs that cache's prefill hook: for SmolLM2's 30 layers and a job's 24
-compressed caches, 720 hooks of a few dozen small operations each (on a GPU, a kernel launch each). A
-layer's compression changes nothing a later layer's prompt pass reads (the prompt's attention is exact,
-over the uncompressed keys), so a hook may wait. Here the caches of the methods in ``METHODS`` wait, layer
-after layer, and then one hook takes a run of layers at once, each layer a batch row of one ``LayerKV``:
-
-    k, v, pos   the run's layers' storage, side by side   (L, H_kv, T, d), (L, H_kv, T)
-    probs       their statistics (the rows or the column sums the method needs), side by side
-
-The method's own ``on_prefill`` runs over those rows (H2O: its scores, then each head's top ``budget``;
-SnapKV: the window's votes; Scissorhands: its low flags; StreamingLLM: the sinks and the recent window).
-Every operation there treats a batch row on its own, and every layer holds as many slots (the whole prompt)
-and keeps as many, so each layer gets the entries, state and buffers its own hook gives it, to the last bit
-(``tests/experiments/evaluation/test_prefill_layers.py`` compares the storage and the records). Each layer's
-storage then views its row of the run's buffers.
-
-The question after the context (``extend_many``) is the same for H2O's and Scissorhands' hooks, which
-change only their layer's storage: a ``Later`` stands in for the policy during the pass, keeps each layer's
-context, and runs the hook over the kept layers' storage stacked, where it stacks (as many slots and the
-same state in each; else a hook a layer). StreamingLLM's does not wait there: it keeps a ring of slots per
-layer in the policy itself, and a hook over stacked layers would update the first layer's ring only (at
-the prompt a new cache has no ring yet, and none is made there). SnapKV's hook does nothing after the prompt.
-
-What waits is bounded: a run ends at the last layer or at the layer that brings what it holds (the
-layers' storage, which the hook copies, and their statistics) to ``HELD_BYTES``. So a method that reads
-many rows (Scissorhands' 400) takes a few layers a run, and a long prompt fewer. At the prompt each kind
-of statistics (a ``Needs``) has its run, and the hook copies what its run holds once more (the storage
-stacked, the statistics for each cache): a few times ``HELD_BYTES`` at most, for the time of a hook. The
-prompt's run has ``layer`` set to its first layer and ``q``, ``out`` and ``attn`` set to None: these methods
-read none of them at prefill, and a method that did would fail rather than read one layer's; the
-question's run has its queries and outputs, stacked (a hook there reads their shape). Any other cache (the
-wrappers, whose kept slots are padded to the longest head of the whole batch; KVReviver; a ``Probe`` that
-records; a prompt of several sequences) runs its hooks layer by layer.
-
-On a CPU each row's numbers are those of its own hook to the last bit (tested); a GPU may split a
-reduction over rows differently for a batch of 30 rows than for one, so there they agree to float rounding.
+A layer's compression changes nothing a later layer's prompt pass reads, so the hooks of the methods in
+``METHODS`` wait and one hook takes a run of layers at once, each layer a batch row of one ``LayerKV``
+(storage (L, H_kv, T, d), statistics beside it); every operation treats a row on its own, so each layer
+gets what its own hook gives it (``tests/experiments/evaluation/test_prefill_layers.py``). What waits is
+bounded by ``HELD_BYTES``. How it works: ``inside.md``, "prefill_layers.py".
 """
 
 from __future__ import annotations

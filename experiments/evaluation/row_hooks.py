@@ -1,37 +1,11 @@
 """
 A method's caches side by side in a group, given their decode hook at once (``batched.py``'s step).
 
-A job of ``experiments.compare`` runs each method at three keep ratios, and with ``--engine one-group`` their
-caches sit in consecutive rows of one group. H2O's and Scissorhands' decode hooks are a few dozen small
-operations per cache and layer (on a GPU, a kernel launch each), the same for each of the three but for
-the recent window's length. Here the rows of such caches observe the step once, over a ``LayerKV`` that
-views all their rows (H2O's own ``observe``; Scissorhands' ``observe_rows``, its ``observe`` with a column
-of the ring buffer per row), then drop one slot per row and KV head at once:
-
-    H2O            its scores += what each slot received;  the lowest score outside the recent window
-    Scissorhands   its low-flag counters and ring buffer;   ``scissorhands.evict_one``
-
-with each row's recent window as a (rows, 1, 1) threshold from its own position.
-
-They also wait for the step's last layer (``catch_up``): a step's later layers read nothing an earlier
-layer's hook changes, so one hook can take every layer, each (cache, layer) a row of its own
-(``step_layers``). The group keeps a row's positions and per-slot state with its layers side by side
-(``Group.pos_rows``, ``state_rows``: (rows, L, H_kv, C, ...)), so those rows are a view, and the hooks of
-a step are a few dozen operations in all where they were that many per layer. The price is memory: each
-layer's probabilities or column sums are kept until the last layer (a group's, every row's: about 120 MB
-in a SmolLM2 job's group of 22 caches, 30 layers, 9 heads, 2,560 slots). Rows whose run or state
-differs between layers take a hook per layer (``step_rows``), as before. Every operation treats
-each row on its own, so each cache gets the numbers its own hook would give, to the last bit on the
-models checked (``tests/experiments/evaluation/test_row_hooks.py`` compares records and storage on the bundled
-model, ``results/agree_row_hooks_89e7d65.txt`` records on SmolLM2 too: 2 and 3 query heads per KV head;
-``results/agree_e8e02a6_be67f97.txt`` every layer at once against a hook per layer, on both models).
-One caveat: the mean over a KV head's query heads runs here over the group's padded row, in the own hook
-over the cache's slots, and on a CPU a mean over 5 or more heads can round 1 ulp apart between the two
-lengths (a near-tie may then evict another token: float rounding, as between the batched engine and the
-fast one). A step takes this path only for rows whose hook would do exactly this, their state in the
-group's buffers: one of these methods, bare (greedy's caches) or in a ``Probe`` that is not recording, the
-same rule but for the budget and the recent window, and one token per head to drop; any other cache runs
-its own hook as before.
+Rows whose policies declare the same decode rule (``decode_rule()``, ``methods/rules.py``, but for the
+budget and the recent window) observe the step once and drop one slot per row and KV head with the
+method's own function (``h2o.evict_lowest``, ``scissorhands.evict_one``); the hooks of every layer wait for
+the step's last layer and run as one. Each cache gets the numbers its own hook gives
+(``tests/experiments/evaluation/test_row_hooks.py``). How it works: ``inside.md``, "row_hooks.py".
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """
-The fast engine: ``engine.PlainEngine``'s two operations (fill the caches with a prompt, step them by one
-token) for many caches at once, without running the model once per cache, and still giving each cache
-the same numbers whichever caches run beside it. ``--engine fast`` (the default) of ``experiments.compare``,
-``language_modelling`` and ``throughput``; ``engines.make_engine`` builds an engine by name.
+The fast engine: fill many caches with one prompt pass and step them by one token at once, each cache
+getting the numbers it would get alone (``--engine fast``, the default).
 
-* ``FanOut``: the policy of one prompt pass that serves many caches. The prompt's attention is exact
-  whatever the method, so one pass computes the keys, values and outputs for all of them; at each layer
-  every cache gets its own copy of the storage and the statistics its policy asks for (some methods' hooks
-  wait and take several layers at once: ``prefill_layers.py``).
-* ``extend_many``: a chunk after the shared prompt (the question after the context) onto every cache in one
-  pass, as ``step_many`` runs a step: the products over all rows, the attention per cache (H2O's and
-  Scissorhands' hooks there take several layers at once too).
-* ``step_many``: one decode step for many caches. The element-wise work (embedding, RMSNorm, RoPE, SiLU,
-  residual adds) treats every row on its own, so it runs once over all rows; the attention runs per cache
-  (each has its own storage and policy); the matrix products run once over all rows, in blocks of exactly
-  ``ROWS`` rows (``blocked_linear``), so one step reads each weight matrix once per block instead of once
-  per cache. On a small model that read is most of a decode step.
+    FanOut        the policy of one prompt pass that serves many caches (each gets its own storage)
+    extend_many   a chunk after the shared prompt onto every cache in one pass
+    step_many     one decode step for many caches: the products over all rows in blocks of ``ROWS``
 
-Why blocks of a fixed size? A product's rounding depends on the shape it runs at: one row goes through a
-matrix-vector kernel that sums in another order than the matrix-matrix kernel of many rows. Within one
-shape, a row's result depends only on that row (a product never mixes rows), so when every product runs
-on blocks of the same shape, padded with zero rows, a cache's numbers do not depend on how many caches
-run beside it, nor on which. ``tests/experiments/evaluation/test_side_by_side.py`` checks this bit for bit on
-the machine that runs the tests (caches alone, beside others, at other places in the block), and checks
-that the step agrees with ``LeanDecoder.step`` to float rounding (which runs one row's products).
+A product's rounding depends on its shape, so every product runs on blocks of the same shape, padded with
+zero rows: a cache's numbers do not depend on the caches beside it
+(``tests/experiments/evaluation/test_side_by_side.py``). How it works: ``inside.md``, "side_by_side.py".
 """
 
 from __future__ import annotations

@@ -9,18 +9,9 @@ The file is JSON Lines, one item a line::
 
     {"context": "...", "question": "...", "answers": ["Paris"], "scorer": "string_match_part", "answer_tokens": 8}
 
-``context``, ``question`` (neither empty) and ``answers`` (one or more reference strings) are required, in
-UTF-8. Optional: ``id``, the item's own name (a string or an integer, one per item), kept in every record
-(``item_ids``); other fields (a benchmark's ``_id``, ``dataset``) are metadata, listed once by the run and
-otherwise unused; ``target``, the answer as teacher forcing feeds it (default the first reference, after a
-space unless the question ends in one); ``scorer``, a name of ``SCORERS`` (default ``string_match_all``,
-RULER's); ``answer_tokens``, the most tokens a greedy answer may take (default the target's tokens + 8).
-Sample ``i`` of a run is the file's item ``seed + i``. In the question-in-prompt mode context and question are
-one prompt; in the question-after-context mode the question is fed after the context is compressed. A context
-longer than ``--length`` allows is refused before any work (``--truncate refuse``, the default), or cut:
-``middle`` keeps its first and last halves (LongBench's practice: a document's opening and its end are where
-questions point most), ``left`` its end. A run says how many items it cut and which lost every answer from the
-prompt, and its records keep each cut item's token counts (``cuts``).
+``context``, ``question`` and ``answers`` are required; ``id``, ``target``, ``scorer`` and ``answer_tokens``
+are optional, other fields metadata. A context longer than ``--length`` allows is refused, or cut
+(``--truncate middle | left``). The fields, the modes and the cuts in full: ``task_files.md``.
 """
 
 from __future__ import annotations

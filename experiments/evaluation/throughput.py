@@ -2,21 +2,11 @@
 Decoding many caches at once: what one batched step saves over stepping each cache on its own.
 ``python -m experiments.evaluation.throughput --help``.
 
-``experiments.compare`` decodes the full cache and every method at every keep ratio on each sample: 25 caches of
-one sample by default. Stepped one by one (``LeanDecoder.step``), every cache's step reads every weight
-matrix; stepped together (the fast engine's step, ``side_by_side.step_many``), the matrix products run over
-all caches' rows in blocks of ``side_by_side.ROWS``, so a step reads the weights once per block. What
-cannot be shared is each cache's attention and its policy's hooks, so the speedup is at most
-
-    (n x products of one row + attention of all caches) / (products of the blocks + attention of all caches)
-
-Both ways run here side by side in one run: the same caches (filled by the fast engine, as in
-``experiments.compare``), copied afresh before every timed repetition, the repetitions alternating. Printed:
-each way's time per step of all caches, caches x steps per second, the speedup, the batched step's split
-into its shared part (products, element-wise work) and the caches' own attention (by method, and the speedup
-batching could reach if the shared part took no time: one by one / own work), and the weight-read
-roofline: the time to read the weights once per cache (one by one) or once per block (batched) at the read
-bandwidth measured in the same run.
+Stepped one by one (``LeanDecoder.step``) every cache's step reads every weight matrix; stepped together
+(``side_by_side.step_many``) the products run over all caches' rows in blocks, reading the weights once per
+block. Each cache's attention and hooks cannot be shared, which bounds the speedup. Both ways run side by
+side in one run on the same caches; printed: each way's time, the speedup, the batched step's split into
+shared and own work, and the weight-read roofline. How: ``inside.md``, "throughput.py".
 """
 
 from __future__ import annotations

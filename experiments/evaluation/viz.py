@@ -1,15 +1,9 @@
 """
 Pictures of what a method keeps: which prompt tokens survive in each layer and KV head, the needle marked.
 
-Used by the method notebooks. Two views of one compressed cache:
-
-* ``kept_text``: the needle's sentence as text, evicted tokens replaced by a placeholder, per layer and
-  KV head (is the value kept whole, or fragmented?);
-* ``plot_kept``: a strip per (layer, KV head) over the whole prompt, kept tokens dark, the needle's
-  positions highlighted.
-
-And one picture of the hypothesis Scissorhands rests on: ``plot_persistence``, the persistence ratios that
-``experiments.analysis.persistence.persistence_by_layer`` measures, per layer.
+    kept_text         the needle's sentence, evicted tokens replaced by a placeholder, per layer and KV head
+    plot_kept         a strip per (layer, KV head) over the prompt, kept tokens dark, the needle highlighted
+    plot_persistence  Scissorhands' persistence ratios per layer (``experiments.analysis.persistence``)
 
     cache = KVCache(model.config, make_policy("snapkv", budget=256))
     prefill(model, torch.tensor([sample.prompt_ids]), cache)
