@@ -5,34 +5,15 @@ Grade one assignment: run its public and hidden tests against a student copy and
     python -m course.grade cache --student ~/hw-cache --json results.json
     python -m course.grade baselines -k window_vote               # one task's tests
 
-Three processes, so that nothing the student's code does can reach the grade (course/README.md, section
-"Threat model"): this one (the grader) starts the test process, which starts the student's process. The test process
-runs the tests in a scratch folder that holds only them, ``oracle.py`` and the stand-in for the adapters
-(course/sandbox/remote.py); it never runs the student's code. The student's process (course/sandbox/student_process.py)
-runs a scratch copy of the student's files: the library is the copy's, reached only through the copy's
-``course/<name>/adapters.py``, and its import guard refuses the copy's own ``tests`` and the course's oracle
-and tests; a module of the library imported from anywhere but the copy fails the call. Both start with
-``python -I -S`` (no site module, so no ``sitecustomize``, ``usercustomize`` or ``.pth`` file runs, and no
-``PYTHON*`` variable counts). Each test's start and outcome reach the grader over a pipe that only the test
-process holds; before anything is written, every process the run started is frozen and killed, daemons
-included. As root (Gradescope), the student's process runs as ``nobody``, never as root: where that user cannot
-read Python and its packages, the grader refuses in one line saying what to change.
-Nothing of the student copy or of this repository is written to. A library file that does not import fails
-the tasks whose code is in it; every failure reads as its exception's type and message (a syntax error with
-its file and line) and the line of the student's code it came from.
+Three processes, so that nothing the student's code does can reach the grade: this one (the grader) starts the
+test process, which runs the tests and asks the student's process (course/sandbox/student_process.py), which
+runs the copy's code (course/README.md, section "Threat model", and section "The course's files").
 
-Time is limited from outside the test process: the grader stops the test process (and the student's) when a
-test runs over ``--per-test-s``, so code that catches every exception cannot hang the run. That test fails
-("ran over N s", with where the student's code was), as does one whose student's process crashes (a fresh
-one answers the next test); the tests after a stop run in a fresh test process. The whole run stops after
-60 s + (the per-test limit + 5 s) per test. Each test's points and task are in its ``@points(n, task=...)``
-decorator, read from the test file's source (not from the run).
+Each test has a time limit enforced from outside (``--per-test-s``): one that runs over it or crashes fails alone.
 
-Output: a table grouped by task (a line per task with its points, then its tests: public or hidden,
-points, outcome, the first line of the failure), the total, and with ``--json`` a results file in
-Gradescope's format (``score``, ``execution_time``, ``output``: the notes; ``tests``: ``name``, ``score``,
-``max_score``, ``status``, ``output``: the failure in a few lines, ``visibility``: hidden tests are
-``after_published``). In a student copy the hidden tests are absent: the score is out of the public points.
+Output: a table of each task's points and tests (public or hidden, outcome, the first line of a failure), the
+total, and with ``--json`` Gradescope's results file; in a student copy, without the hidden tests, the total is
+out of the public points.
 """
 
 from __future__ import annotations

@@ -3,30 +3,17 @@ Package an assignment's autograder for Gradescope.
 
     python -m course.gradescope cache --out dist        # writes dist/cache-autograder.zip
 
-The zip holds what Gradescope's autograder needs, the reference solution among it (an autograder is the
-instructors' alone: students see none of its files):
+The zip is the instructors' alone (it holds the reference solution; students see none of its files):
 
-* ``setup.sh``: run once when Gradescope builds the image; makes a virtual environment and installs
-  ``requirements.txt`` (``course/autograder_requirements.txt``: torch, numpy, pytest, tqdm and triton, pinned
-  for Gradescope's default base image, Ubuntu 22.04 with Python 3.10, whatever Python makes the zip),
-  readable by every user: the student's code runs as ``nobody``, never as root, and the grader refuses to
-  grade where nobody cannot read Python;
-* ``run_autograder``: run for each submission, a student copy of the repository (the whole folder, uploaded
-  as it is or zipped in a folder); it copies the submission into a scratch folder and runs
-  ``python -m course.grade NAME --student COPY --json RESULTS`` with the hidden tests into its private
-  scratch folder, then moves the grade to ``/autograder/results/results.json``, which Gradescope reads (a
-  results file that appeared there while grading was not the grader's: it is removed and the grade is 0,
-  "not graded"). Its paths come from environment variables, with Gradescope's
-  defaults: ``AUTOGRADER_SOURCE`` (``/autograder/source``, where the zip is unpacked),
-  ``AUTOGRADER_SUBMISSION`` (``/autograder/submission``), ``AUTOGRADER_RESULTS``
-  (``/autograder/results/results.json``) and ``AUTOGRADER_PYTHON`` (the environment ``setup.sh`` made);
-* ``grader/``: the grader's own files (``course/grade.py`` and what it imports, ``oracle.py``), the
-  assignment's adapters (to notice a student's changed ones), its public and hidden tests, and the library's
-  Python files, the reference solution: the hidden tests run its policies in the test process with the
-  student's function in place of the graded one. ``run_autograder`` makes the folder readable by root alone,
-  and the student's code runs in a private file system that does not hold it (course/sandbox/jail.py) where the
-  machine allows one;
-* ``README.md``: how to upload it.
+* ``setup.sh``: run once when Gradescope builds the image; installs ``course/autograder_requirements.txt``
+  (pinned for Gradescope's default image, Ubuntu 22.04 with Python 3.10) in a virtual environment every user
+  can read;
+* ``run_autograder``: run for each submission; grades ``/autograder/submission`` with the hidden tests into
+  ``/autograder/results/results.json`` (``AUTOGRADER_SOURCE``, ``AUTOGRADER_SUBMISSION``,
+  ``AUTOGRADER_RESULTS`` and ``AUTOGRADER_PYTHON`` change its paths);
+* ``grader/``: the grader, the assignment's adapters, its public and hidden tests and the reference library,
+  readable by root alone once ``run_autograder`` runs;
+* ``README.md``: how to upload it. More: course/README.md, section "The course's files".
 """
 
 from __future__ import annotations

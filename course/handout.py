@@ -4,21 +4,14 @@ Write an assignment's student copy, or its instructor pack.
     python -m course.handout cache --out ~/hw-cache                 # the student copy
     python -m course.handout cache --solutions --out ~/hw-cache-key # the instructor pack
 
-The student copy is the whole repository (the files git tracks) with this assignment's solution regions
-replaced by ``raise NotImplementedError("<hint>")`` (``course.markers``), every sheet's model answers
-removed, no hidden tests and no hand-written mutants (``course/*/test_hidden.py``, ``course/*/mutants.py``),
-and ``course/<name>/writeup.md``, the written questions with room for the answers. The topic notebook is
-the committed one with the same regions stripped: every cell keeps its outputs but a stripped exercise, and
-a cell tagged ``needs:TASK`` starts with a call of ``course.lesson.needs``, which stops it with
-the task's name until the task is done. Every other line of the library is unchanged, so the rest of the
-code still reads and runs. Students install it with the README's two set-up commands, run the notebook,
-and check themselves with ``python -m course.grade <name>`` (public tests only: the hidden ones are not in
-the copy).
-
-The instructor pack holds the solution notebook (the committed one, executed with the solutions), the
-sheet with its model answers, the adapters, the public and hidden tests, the hand-written mutants, the
-writeup with its rubric, and ``solutions.md``: every region's file, lines, hint and code, how to grade,
-and the mutants that survive the tests (from ``results/course_mutants.txt``) with why each is acceptable.
+The student copy is the files git tracks with this assignment's solution regions replaced by
+``raise NotImplementedError("<hint>")`` (``course.markers``), the sheets' model answers, the hidden tests and
+the hand-written mutants left out, and ``course/<name>/writeup.md`` for the written answers; its topic notebook
+is stripped the same way, and a cell tagged ``needs:TASK`` stops with the task's name until the task is done
+(``course.lesson``). The instructor pack holds the solution notebook, the sheet with its model answers, the
+adapters, the public and hidden tests, the hand-written mutants, the writeup with its rubric and
+``solutions.md`` (every region, how to grade, the surviving mutants and why each is acceptable).
+What each holds: course/README.md, section "For instructors", and section "The course's files".
 """
 
 from __future__ import annotations

@@ -5,15 +5,10 @@ Check that the Gradescope zips build and grade on the Python of Gradescope's def
     python -m course.image_check cache kernels --python /usr/bin/python3.10
 
 Three steps, each timed, as Gradescope would take them (it needs the package index, so it is not a test):
-
-1. **resolve**: this pip resolves the zip's ``requirements.txt`` for that Python on Linux x86_64, wheels only
-   (``pip install --dry-run --python-version``): every pin has a wheel there (pip evaluates the dependencies'
-   markers for its own Python, so a dependency only Python 3.10 needs shows up in the next step only);
-2. **build**: ``setup.sh`` in the unpacked zip, with ``python3`` on the PATH being ``--python``, into a fresh
-   virtual environment;
-3. **grade**: each assignment's ``run_autograder`` with that environment's Python, on the reference (every
-   file of this repository: full marks) and on its untouched student copy (0), each checked against what it
-   should get.
+**resolve** (pip resolves the zip's ``requirements.txt`` for that Python on Linux x86_64, wheels only),
+**build** (``setup.sh`` in the unpacked zip, with ``--python`` as ``python3``, into a fresh virtual
+environment) and **grade** (each assignment's ``run_autograder`` on the reference: full marks, and on its
+untouched student copy: 0). More: course/README.md, section "The course's files".
 
 It prints one line a step and the versions installed, and exits 1 if a step failed. Nothing is written
 outside a temporary folder (``--keep`` names one to keep instead) but the file ``--record`` names: the lines,

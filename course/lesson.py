@@ -1,24 +1,16 @@
 """
 The lesson in a student copy: a notebook cell that needs an unfinished task says which, and the others run.
 
-In a notebook's source a code cell that cannot run before a task of the topic's assignment is done names the
-tasks (the ``[assignment:task]`` names of the library's solution regions) in its cell tags, out of the
-reader's way::
-
-    # %% tags=["needs:sinks_and_recent", "needs:window_vote"]
-    sample = make_sample(...)
-
-In the reference these are only tags (Jupyter keeps them in the cell's metadata). ``python -m course.handout
-NAME`` turns them, in the student's notebook, into a call and a note at the top of the cell::
+In the reference notebook such a cell names the tasks in its cell tags (``# %% tags=["needs:window_vote"]``);
+``python -m course.handout NAME`` turns them, in the student's notebook, into a call and a note at its top::
 
     from course.lesson import needs; needs("baselines", "sinks_and_recent", "window_vote")
     # runs once tasks sinks_and_recent (sheet task 1) and window_vote (sheet task 3) are done
 
 ``needs`` raises ``NotImplementedError("runs once task window_vote (sheet task 3) is done: ...")`` while
 the task's code in the student's library still holds the stub the copy was handed out with
-(``course.markers.strip`` writes it), and does nothing once the stub is gone. So in a fresh copy the cells
-that need the library's unfinished code stop at their first line with the task's name, every other cell
-runs, and the committed outputs show what each finished cell prints.
+(``course.markers.strip`` writes it), and does nothing once the stub is gone. More: course/README.md,
+section "The course's files".
 """
 
 from __future__ import annotations

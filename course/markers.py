@@ -8,13 +8,11 @@ A region is two comment lines around the lines a student writes::
         ...the reference solution...
         # END SOLUTION
 
-The id in brackets names the assignment, and after a colon the graded task the region belongs to
-(``[baselines:window_vote]``; a region without a task, a notebook exercise or a sheet's model answer, is not
-graded). The rest of the BEGIN line is the hint the student copy shows in place of the solution, as
-``raise NotImplementedError("<id>, task <task>: <hint>")`` at the BEGIN line's indentation. In
-Markdown (the assignment sheets) a region is ``<!-- BEGIN SOLUTION [id] -->`` ... ``<!-- END SOLUTION -->``
-and becomes ``*(your answer)*``. Regions never nest; every BEGIN has its END; an error names the file and
-the line.
+The id in brackets names the assignment, and after a colon the graded task (``[baselines:window_vote]``; a
+region without a task is not graded). The rest of the BEGIN line is the hint the student copy shows as
+``raise NotImplementedError("<id>, task <task>: <hint>")`` at the BEGIN line's indentation. In Markdown a
+region is ``<!-- BEGIN SOLUTION [id] -->`` ... ``<!-- END SOLUTION -->`` and becomes ``*(your answer)*``.
+Regions never nest; every BEGIN has its END; an error names the file and the line.
 """
 
 from __future__ import annotations

@@ -8,20 +8,10 @@ question says which claim, and its rubric).
     python -m course.measure chunkkv --checkpoint smollm2-135m    # the real model once fetched: minutes
 
 It runs the code of the copy you run it in (your library files), and stops with one line naming the task
-if a stub is still there. What each assignment measures:
-
-* ``cache``: one decode step's time with your cache against recomputing the prefix, at contexts 128-4096
-  (``python -m experiments.bench``), and the cache's bytes;
-* the methods (``baselines``, ``scissorhands``, ``critical_kv``, ``chunkkv``, ``kvreviver``): your method
-  and the ones the paper compares it with, at a few keep ratios, on the evaluation's tasks
-  (``python -m experiments.compare --engine plain``, which runs the library's own code); the figure shows the
-  metric the claim is about, with 95% intervals where the samples give one;
-* ``tensor_attention``: bytes and time per decode step of the two cache layouts against the sequence
-  length (``python -m experiments.tensor_attention_bench``);
-* ``kernels``: your split kernel's error against an fp64 softmax as the number of ranges grows, and the
-  time of a decode step's attention (PyTorch) against the bytes it reads.
-
-``table.txt`` holds the numbers the figure draws, ``record.json`` all of them with how they were made.
+if a stub is still there. ``cache`` and ``tensor_attention`` measure bytes and time per decode step, the
+methods' assignments their method against the paper's baselines at a few keep ratios, ``kernels`` its split
+kernel's error and time; what each draws: course/README.md, section "The course's files". ``table.txt``
+holds the numbers the figure draws, ``record.json`` all of them with how they were made.
 """
 
 from __future__ import annotations

@@ -5,25 +5,14 @@ Mutation testing of the graded tests: does each task's grade fall when its code 
     python -m course.mutants baselines --task adakv    # one task's mutants
     python -m course.mutants all --out results/course_mutants.txt --jobs 2
 
-A mutant is one plausible student mistake written into one solution region of the reference: an
-off-by-one, a sum for a mean, a dropped sign, a mis-ordered GQA grouping, a call to a shipped function that
-already computes the answer. Two sources:
-
-* the catalogue (``catalogue``): operators applied mechanically, by the syntax tree, to every site of every
-  graded region (``OPERATORS``: a reduction over the neighbouring axis, first for last, ``<`` for ``<=``,
-  sum / mean / max / median swapped, a dropped sign, term or scale, two sizes of a view swapped,
-  ``descending`` / ``keepdim`` flipped, a statement left out, an off-by-one in a bound or a literal), at
-  most ``--cap`` per region;
-* each assignment's hand-written mutants, ``MUTANTS`` in ``course/<name>/mutants.py`` (instructor-only, like
-  ``test_hidden.py``: not in a student copy), for the mistakes the catalogue cannot write; its
-  ``ACCEPTABLE = {mutant name: why}`` says why a survivor is acceptable (a catalogue name matches with or
-  without its line number).
-
-A mutant is *killed* when the task whose region it changes loses at least half of that task's points. Each
-one is graded alone, in a scratch copy of the repository outside it: the mutated file is written, only its
-task's tests run (``course.grade``, their random inputs drawn from one fixed seed, ``SEED``, so that a run
-can be repeated), the file is restored. The report lists per assignment the mutants, the kills and the
-survivors with the task's tests that passed (those should have caught them).
+A mutant is one plausible student mistake written into one solution region of the reference. Two sources:
+the catalogue (``OPERATORS``, applied by the syntax tree to every site of every graded region, at most
+``--cap`` per region) and each assignment's hand-written ``MUTANTS`` in ``course/<name>/mutants.py``
+(instructor-only), whose ``ACCEPTABLE = {mutant name: why}`` says why a survivor is acceptable. A mutant is
+*killed* when its task loses at least half of its points; each is graded alone in a scratch copy, only its
+task's tests, their inputs drawn from the fixed seed ``SEED``. The report lists per assignment the mutants,
+the kills, and the survivors with the task's tests that passed (those should have caught them). More:
+course/README.md, section "The course's files".
 """
 
 from __future__ import annotations

@@ -2,37 +2,18 @@
 The room a student's code runs in while it is graded (Linux): a file system that holds the copy, its home folder
 and the interpreter with its packages, and nothing else of the machine.
 
-The grader starts the student's process as ``python -I -S -B -c <this file's text> -- COMMAND...`` and writes
-SPEC to its standard input (not its arguments: ``/proc/1/cmdline`` in the room would show the grader's paths it
-masks). This program, alone and single-threaded, reads SPEC, puts ``/dev/null`` in its place, then:
-
-1. leaves the grader's namespaces for new ones (``unshare``): mounts (what it mounts nobody else sees), process
-   ids (it sees no other process, so it can signal, trace or open through ``/proc`` none of the grader's),
-   network and IPC (no socket or shared memory reaches another process); as an ordinary user it makes a user
-   namespace first, which lets it mount without being root;
-2. forks: the child is process 1 of the new process-id namespace; the parent waits for it, exits as the
-   student's code did, and takes it along if killed (``PR_SET_PDEATHSIG``); when process 1 ends, the kernel
-   ends every process left in the namespace;
-3. builds a new root in an empty ``tmpfs``: read-only bind mounts of the system's programs and libraries
-   (``/usr``, ``/etc``, ``/bin``...), of Python (its prefix, standard library and site-packages: SPEC's
-   ``read``), writable ones of SPEC's ``write`` (the copy's home); a fresh ``/tmp``, ``/dev`` with
-   null, zero, full, random, urandom, and ``/proc`` of the new namespace, whose kernel settings
-   (``/proc/sys``, ``/proc/sysrq-trigger`` and the like) are read-only; then hides SPEC's ``mask``: a path
-   of the grader's that a bind mount above would show (the instructor's checkout, the library installed in
-   site-packages, its editable finder) is covered by an empty read-only folder or ``/dev/null``;
-4. makes that its root (``pivot_root``) and unmounts the old one, so no path leads back to the machine's files;
-5. limits the size of any file it writes (``FILE_BYTES``: its output goes to the grader's dump file), and
-   drops privileges: as root, to the user ``nobody`` (SPEC ``"user": "nobody"``); as an ordinary user it
-   stays that user (``"keep"``), whose capabilities in the user namespace end with the ``exec``. It never
-   runs COMMAND as uid 0: root's uid may write the machine's kernel settings whatever its capabilities (a
-   program in ``/proc/sys/kernel/core_pattern`` would run as full root at the next crash);
-6. runs COMMAND (``execve``) as process 2, with the environment and in the folder it was started with (a
-   path of the new root: SPEC binds it); process 1 only waits for it (a process 1 ignores the signals it has no
-   handler for, which the student's code must not), then passes its wait status on.
+The grader starts it as ``python -I -S -B -c <this file's text> -- COMMAND...`` and writes SPEC, JSON, to its
+standard input, not its arguments (which ``/proc/1/cmdline`` shows in the room):
+``{"root": a new empty folder, "read": [...], "write": [...], "mask": [...], "user": "nobody"|"keep"}``.
+Alone and single-threaded, it leaves the grader's mount, process-id, network and IPC namespaces (``unshare``),
+forks process 1 of the new namespace, builds a root in an empty ``tmpfs`` (the system and SPEC's ``read``
+read-only, SPEC's ``write`` writable, a fresh ``/tmp``, ``/dev``, ``/proc`` with read-only kernel settings,
+SPEC's ``mask`` covered), moves into it (``pivot_root``), limits file sizes (``FILE_BYTES``), as root drops to
+``nobody`` (never uid 0), and runs COMMAND as process 2. Each step and why: course/README.md, section "The
+course's files" (what it defends against: section "Threat model").
 
 Any step that fails ends the program with exit code 125 and one line on standard error saying which; the
-grader then grades unconfined and says so in the grade (``course.grade``'s note). SPEC is JSON:
-``{"root": a new empty folder, "read": [...], "write": [...], "mask": [...], "user": "nobody"|"keep"}``.
+grader then grades unconfined and says so in the grade (``course.grade``'s note).
 """
 
 import ctypes

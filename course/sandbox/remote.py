@@ -2,20 +2,16 @@
 The tests' side of grading: ``adapters`` as the tests see it, a stand-in that asks the process running the
 student's code (course/sandbox/student_process.py) and never runs that code itself.
 
-``course.grade`` copies this file next to the tests; the scratch conftest puts ``connect(...)`` in
-``sys.modules["adapters"]``, so ``import adapters as A`` in a test file gets the stand-in and ``A.scores(q, k)``
-sends the call over a pipe and waits for the answer: a tensor (a copy; ``address(t)`` is where the student's
-process holds it), plain data, a ``Remote`` handle for any other object (its attributes, calls, ``with``,
-``len`` and indexing go to the student's process too), or an exception of the same type name and message.
+``course.grade`` copies this file next to the tests, where ``import adapters as A`` gets ``connect(...)``, and
+``A.scores(q, k)`` sends the call over a pipe and waits for the answer: a tensor (a copy; ``address(t)`` is
+where the student's process holds it), plain data, a ``Remote`` handle for any other object (its attributes,
+calls, ``with``, ``len`` and indexing go to the student's process too), or an exception of the same type name
+and message. The student's process is started on the first call and restarted after it dies; as root it runs
+as ``nobody`` (course/README.md, section "Threat model").
 
-The student's process is started on the first call and restarted after it dies (the call that was running
-fails: "the process running your code stopped"). When the grader runs as root, the student's process runs as
-``nobody``, never as root: it cannot read the grader's files, signal its processes nor write the machine's
-kernel settings (course/README.md, section "Threat model").
-
-What the student's code prints (standard output and error) comes through a pipe into ``Output``, which keeps
-the dump file bounded whatever the code writes: its first ``HEAD_BYTES`` and its last ``TAIL_BYTES`` (where
-the code was when a test ran over its time), with a line counting what was left out between them.
+What the student's code prints comes through a pipe into ``Output``, which keeps the dump file bounded: its
+first ``HEAD_BYTES`` and its last ``TAIL_BYTES``, with a line counting what was left out between them. More:
+course/README.md, section "The course's files".
 """
 
 from __future__ import annotations

@@ -5,25 +5,11 @@ The process a student's code runs in while it is graded, and the messages it exc
 the student's code does (a ``sitecustomize.py``, a monkeypatch, a daemon) can reach the tests, the oracle or
 the results: the test process asks, this process answers (course/sandbox/remote.py is the asking side). It is
 started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_TEST_S``; with
-ADAPTERS empty it serves the copy's Triton kernels alone (``KernelsAlone``), importing none of its modules:
-
-* ``-I -S``: no ``site`` module and no ``PYTHON*`` variables, so no ``sitecustomize``, ``usercustomize`` or
-  ``.pth`` file of anyone's runs; ``sys.path`` is set here: the copy, the standard library, and the
-  grader's site-packages folders (SITE_DIRS, a JSON list). The copy's adapters are loaded from their file
-  (ADAPTERS) as the module ``adapters``; the tests' folder is on no path of this process.
-* Messages travel on two pipes (IN_FD, OUT_FD): each is its parts' count and lengths (8 bytes each), then
-  a pickle of plain data (numbers, strings, bytes, lists, tuples, dicts; a tensor as its type's name, shape
-  and bytes), then each tensor's bytes (pickle protocol 5's out-of-band buffers, so a tensor is copied
-  neither into the pickle nor out of it). The reader refuses a message of more than ``MAX_MESSAGE`` bytes
-  from its lengths alone, before allocating anything, and reads each part into a buffer of its size: a
-  message costs about its size once. The unpickler looks up no class, so reading a message runs no code.
-  Anything else a call returns (a model, a cache, a function) stays here and crosses as a handle:
-  ``{"handle": id}``.
-  No function crosses from the tests (course/sandbox/remote.py refuses one): nothing here can call the tests back.
-* Standard output and error go to a pipe the test process drains into the grader's dump file, keeping its
-  start and its end (course/sandbox/remote.py ``Output``); when a test starts, a timer is set that writes where the
-  code is to it (``faulthandler``) shortly before the test's time limit. No file this process writes grows
-  past ``FILE_BYTES`` (as in the room, course/sandbox/jail.py; here also where the code runs unconfined).
+ADAPTERS empty it serves the copy's Triton kernels alone (``KernelsAlone``), importing none of its modules.
+Messages travel on two pipes (IN_FD, OUT_FD) as a pickle of plain data with tensors out of band; a message
+over ``MAX_MESSAGE`` bytes is refused from its lengths, and the unpickler looks up no class. Any other object
+stays here and crosses as a handle; no function crosses from the tests. What the path, the wire format, the
+output and the file limit (``FILE_BYTES``) are: course/README.md, section "The course's files".
 
 The import guard below refuses the repository's own tests and the course's oracle and test files: a mistake
 an honest copy can make (they hold reference implementations). It is no defence against a hostile student,
