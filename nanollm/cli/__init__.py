@@ -2,23 +2,18 @@
 What every command line of the project shares: one way to report a mistake, and checks of argument values
 that run before any model loads.
 
-* ``ArgumentParser``: argparse whose errors are one line, ``error: <what is wrong>``, on stderr, with exit
-  status 2 and no traceback; every command gets ``--debug`` (show the traceback instead).
-* ``errors(debug)``: a ``with`` block around a command's work; a ``UsageError`` (raised by ``fail``), or a
-  ``ValueError`` / ``OSError`` from the library, becomes such a line.
-* argparse ``type=`` checks: ``positive_int``, ``positive_float``, ``non_negative_float``, ``device``,
-  ``threads_or_workers``, ``output_file``, ``figure_file``; ``output_folder`` for folders a command fills
-  with several files.
-* ``check_outputs`` / ``not_an_input``: no output path may be one of the command's inputs (its checkpoint)
-  or lie in the bundled checkpoints, whatever links lead there.
-* ``workers_without_ctrl_c``: worker processes started inside it leave Ctrl-C to the command.
-* ``save_figure``: a ``--plot`` figure, written atomically (``nanollm.io.files``).
+``ArgumentParser`` (argparse whose errors are one ``error: ...`` line, exit status 2, plus ``--debug``),
+``errors(debug)`` (the same line for a ``UsageError``, ``ValueError`` or ``OSError``), ``type=`` checks
+(``positive_int``, ``device``, ``output_file`` ...), ``check_outputs`` (no output over an input or into the
+bundled checkpoints), ``workers_without_ctrl_c`` and ``save_figure``.
 
     ap = cli.ArgumentParser(prog="python -m nanollm.tool", description="...")
     ap.add_argument("--samples", type=cli.positive_int, default=10, help="...")
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
         ...                                  # cli.fail("--out ...: ...") for a mistake found here
+
+Details (each check): nanollm/inside.md, section "cli/__init__.py: what the commands share".
 """
 
 from __future__ import annotations

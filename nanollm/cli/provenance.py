@@ -1,22 +1,17 @@
 """
 Where a results file came from: the command, the settings that can change its numbers, and the code.
 
-A committed number is only worth something if it can be made again. Every command that writes a results
-file records, at the top of its text output and under ``"provenance"`` in its JSON:
-
-* ``command``: how it was run (``python -m experiments.compare --checkpoint smollm2-135m ...``);
-* ``threads``, ``dtype``, ``seed``: the settings a reader would otherwise have to guess;
-* ``versions``: Python, torch, numpy, and the platform;
-* ``commit``: the git commit of the code that ran, with ``+changes`` when a tracked file outside ``results/``
-  differed from it (so a file made from uncommitted code says so), or ``unknown`` outside a git checkout;
-* ``date``: when (UTC, to the minute).
-
-``tests/test_results_reproduce.py`` reads these records back and re-runs one small cell of each committed
-results table with the recorded settings.
+Every command that writes a results file records, at the top of its text output and under ``"provenance"``
+in its JSON: ``command`` (how it was run), ``threads``, ``dtype``, ``seed``, ``versions`` (Python, torch,
+numpy, the platform), ``commit`` (the git commit, with ``+changes`` when a tracked file outside ``results/``
+differs from it; ``unknown`` outside a git checkout) and ``date`` (UTC, to the minute).
+``tests/test_results_reproduce.py`` re-runs one small cell of each committed results table from them.
 
     prov = provenance(argv, prog=ap.prog, threads=1, dtype="float32", seed=0)   # argv: main's arguments
     print(header(prov))                              # "# command: python -m ...", one line per field
     json.dumps({"provenance": prov, "records": records})
+
+Details: nanollm/inside.md, section "cli/provenance.py: where a results file came from".
 """
 
 from __future__ import annotations

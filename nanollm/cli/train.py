@@ -1,20 +1,14 @@
 """
 Train a small retrieval model on the synthetic tasks: ``python -m nanollm.cli.train --help``.
 
-What makes tiny models learn retrieval at all (measured on a 2-core CPU while training the bundled model):
+What makes tiny models learn retrieval: a warm-up and a moderate peak learning rate, dense supervision (a loss
+on every answer token plus a small language-modelling loss on the rest), and a short-to-long curriculum whose
+stages end early once solved. Each batch has one length, from the current stage, and about
+``tokens_per_step`` tokens. State is saved every ``save_every`` steps and ``--resume`` continues from it bit
+for bit (sample seeds derive from the step number). An existing run needs ``--resume`` or ``--force``, every
+file is replaced atomically, and a run that fails before its first save removes what it created.
 
-* a warm-up and a moderate peak learning rate: too high a rate keeps the model on the "retrieval plateau";
-* dense supervision: the loss is on every answer token (multi-value and multi-query samples carry four
-  answers each), plus a small language-modelling loss on the rest of the sequence;
-* a short-to-long curriculum: retrieval appears first on short contexts, where a step is cheap, and the
-  context is lengthened in stages; a stage ends early once the model solves it.
-
-Each batch has one length, drawn from the current stage; the batch size is set so every step sees about
-``tokens_per_step`` tokens. Training state is saved every ``save_every`` steps and ``--resume`` continues
-from it, bit for bit (sample seeds derive from the step number; ``tests/nanollm/cli/test_cli.py`` checks that an
-interrupted and resumed run ends with the same weights as an uninterrupted one). A run folder is never
-reused silently: an existing run needs ``--resume`` (continue) or ``--force`` (start over), and every file
-is replaced atomically. A run that fails before its first save (a full disk, Ctrl-C) removes what it created.
+Details: nanollm/inside.md, section "cli/train.py: training a retrieval model".
 """
 
 from __future__ import annotations

@@ -1,48 +1,17 @@
 """
 Synthetic long-context tasks in the style of RULER (Hsieh et al. 2024, arXiv 2404.06654), scaled down for
-tiny models: shorter contexts, a smaller vocabulary of keys and values, fewer needles (RULER §3 describes
-the originals).
+tiny models: shorter contexts, a smaller vocabulary of keys and values, fewer needles.
 
-Every sample is a *context* (a haystack with needles), a *question* (asked after the context, ending with
-the answer prefix) and the *answers*. The same sample serves both evaluation modes:
+A sample is a *context* (a haystack with needles), a *question* (ending with the answer prefix) and the
+*answers*, tokenized once (``context_ids``, ``question_ids``) so that question-in-prompt (prefill context +
+question) and question-after-context (prefill context, then extend by the question) see identical tokens.
+``TASKS`` are the tasks the bundled model was trained on; ``LM_TASKS`` are RULER's passkey and the same builders
+over paragraphs of Python's documentation (``docs_paragraphs.txt``), for pretrained models. Answers are 4-7
+digit numbers, scored by RULER's ``string_match_all``; ``length`` counts every token of a sample, answer
+included.
 
-* question-in-prompt:       prefill(context + question), then generate
-* question-after-context:   prefill(context), then extend(question), then generate
-
-The token ids are produced once (``context_ids``, ``question_ids``) so the two modes see identical tokens.
-
-Tasks (``TASKS``):
-
-    niah_single_noise   one needle in a repeated noise line                       (RULER niah_single_1)
-    niah_single_prose   one needle in generated prose-like filler                 (RULER niah_single_2)
-    niah_single_needle  one needle among filler made only of needle-shaped lines  (RULER niah_multikey_2)
-    niah_multikey       one needle + ``n_distractors`` needles with other keys    (RULER niah_multikey_1)
-    niah_multivalue     one key with ``n_values`` values, all asked for           (RULER niah_multivalue)
-    niah_multiquery     ``n_queries`` keys, all asked for                         (RULER niah_multiquery)
-    vt                  variable tracking: a chain of ``n_hops`` assignments      (RULER vt)
-    cwe                 common-words extraction: the ``n_common`` most frequent   (RULER cwe)
-
-Tasks for real language models (``LM_TASKS``): the same builders over a natural haystack, and RULER's
-passkey. The bundled model was trained on the tasks above; a pretrained model (``smollm2-135m``) never saw
-them, so its haystack should read like text it knows:
-
-    passkey             one pass key in a repeated noise line                     (RULER passkey)
-    niah_single_docs    one needle in paragraphs of Python's documentation        (RULER niah_single_2)
-    niah_multikey_docs  one needle + 3 needles with other keys, same haystack     (RULER niah_multikey_1)
-    niah_multivalue_docs, niah_multiquery_docs   as above, same haystack
-    vt, cwe             as above
-
-The documentation haystack is the text of Python's help topics (``pydoc_data.topics``, which ships with
-CPython), prose paragraphs only, committed as ``docs_paragraphs.txt`` (Python 3.11's: the wording changes
-between versions, and every sample would change with it), taken in order from a random starting paragraph,
-so a sample reads as a stretch of one manual.
-
-Values are 4-7 digit numbers (one token per digit), so answers span several tokens. The scorer is
-RULER's ``string_match_all``: the fraction of reference strings found in the prediction.
-
-Length: ``length`` counts every token of the sample, context + question + answer (RULER counts the
-generated tokens too), so a sample of length L fits a model with ``max_seq_len = L``. The amount of
-filler is found by binary search; the result undershoots ``length`` by less than one filler unit.
+Details (each task and its RULER counterpart, the haystacks, how a length is met): nanollm/inside.md, section
+"data/tasks.py: synthetic long-context tasks".
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """
 Checkpoint folders: save, load, and the bundled models.
 
-A nanollm checkpoint is a folder::
+A nanollm checkpoint is a folder of ``nanollm_config.json``, ``model.safetensors``, ``tokenizer.json``,
+``card.json`` and ``README.md``. ``load(name_or_path)`` takes a bundled checkpoint's name, a checkpoint folder,
+a Hugging Face-format folder (``hf.py``), a GGUF file (``gguf.py``) or a fetched model's name (``fetch.py``;
+nothing is downloaded at run time), and returns ``(model, tokenizer, card)``; ``load_config``,
+``load_tokenizer`` and ``load_card`` read one part without the weights. Every file is written atomically,
+and a folder read is checked before anything is built (regular files, JSON fields and types, tensor names
+and shapes, finite weights).
 
-    nanollm_config.json   the ModelConfig fields
-    model.safetensors     the weights (a tied lm_head is not stored twice)
-    tokenizer.json        the BPE ranks and split pattern (nanollm.io.tokenizer.Tokenizer)
-    card.json             the model card: how it was trained, and its measured accuracy
-    README.md             the same card, for people
-
-``load(name_or_path)`` takes the name of a bundled checkpoint (a folder under ``nanollm/checkpoints/``),
-the path of a checkpoint folder, the path of a local Hugging Face-format folder (``config.json`` +
-weights, see ``hf.py``), the path of a GGUF file (``gguf.py``), or the name of a pretrained model fetched
-once into a cache folder (``smollm2-135m``: ``python -m nanollm.cli.fetch smollm2-135m``, see ``fetch.py``;
-nothing is downloaded at run time), and returns ``(model, tokenizer, card)``. ``load_config``, ``load_tokenizer`` and
-``load_card`` read one part without the weights (what the command lines check their arguments against).
-
-Every file is written atomically (``files.atomic_open``): a failed save leaves the previous file, never half
-of one.
-
-A folder may come from anywhere, so reading one is checked before anything is built: every file must be a
-regular file (``files.open_data_file``), the JSON files objects of the expected fields and types (an
-``attention`` from ``FILE_ATTENTION``, never an import path), the weights file's tensors, by name and
-shape from its header, those of the config's model (``hf.check_state``), and every weight finite. A training
-run's ``state.pt`` is read by ``load_run_state`` alone: ``torch.load(weights_only=True)``, whose failures
-become one line naming the file.
+Details: nanollm/inside.md, section "io/checkpoint.py: checkpoint folders".
 """
 
 from __future__ import annotations

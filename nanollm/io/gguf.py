@@ -1,93 +1,19 @@
 """
-Reading GGUF files, llama.cpp's one-file model format: metadata, tensors, dequantization, written from scratch.
+Reading GGUF files, llama.cpp's one-file model format, written from scratch: the header and metadata, the
+tensor table, dequantization (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and the byte-level BPE tokenizer.
 
-**The file** (the GGUF specification, ``docs/gguf.md`` in the ggml repository). Every number is
-little-endian; a *string* is a uint64 byte length followed by that many UTF-8 bytes, with no terminator::
-
-    [4 bytes]   the magic "GGUF"
-    [uint32]    version: 2 or 3 (3 only added big-endian files, which we refuse; 1 had 32-bit counts)
-    [uint64]    tensor_count
-    [uint64]    metadata_kv_count
-    metadata_kv_count times, a key/value pair:
-        [string]   key, e.g. "llama.block_count"
-        [uint32]   value type: 0 uint8, 1 int8, 2 uint16, 3 int16, 4 uint32, 5 int32, 6 float32, 7 bool,
-                   8 string, 9 array, 10 uint64, 11 int64, 12 float64
-        [...]      the value; an array is [uint32 element type][uint64 count][count values]
-    tensor_count times, a tensor info:
-        [string]   name, e.g. "blk.0.attn_q.weight"
-        [uint32]   n_dims (1 to 4)
-        [uint64]   ne[0], ..., ne[n_dims - 1]   the dims, *fastest first*: ne[0] is the length of a row
-        [uint32]   ggml type of the data (0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 8 Q8_0, 30 BF16, ...)
-        [uint64]   offset of the data from the start of the data section (a multiple of the alignment)
-    [padding]   up to a multiple of the alignment: metadata "general.alignment" (uint32), default 32
-    [data]      the tensors, each at its offset: ne[1] * ne[2] * ... rows of ne[0] values
-
-Torch lists dims slowest first, so a tensor's torch shape is ``ne`` reversed: an ``nn.Linear`` weight
-(out, in) is stored with ne = [in, out], rows of ``in`` values, exactly torch's row-major layout.
-
-**Quantized types** store each row in blocks of 32 consecutive values (the block structs of ggml's
-``ggml-common.h``; fp16 is IEEE half precision)::
-
-    Q8_0  34 bytes: fp16 d, int8 q[32]                    x[i] = d * q[i]
-    Q4_0  18 bytes: fp16 d, uint8 qs[16]                  x[i] = d * (nibble[i] - 8)
-    Q4_1  20 bytes: fp16 d, fp16 m, uint8 qs[16]          x[i] = d * nibble[i] + m
-
-    nibble[i] = qs[i] & 0x0F for i < 16 (low nibbles are the first half of the block),
-                qs[i - 16] >> 4 for i >= 16 (high nibbles the second half)
-
-:func:`dequantize` turns F32, F16, BF16, Q8_0, Q4_0 and Q4_1 data into float32. Other ggml types (the
-K-quants, the IQ types) are recognised, so any llama.cpp file's header can be read, but their data cannot.
-
-**Llama models.** :func:`load_tensors` renames llama.cpp's tensors to Hugging Face Llama names, which
-``nanollm.io.hf.state_from_hf`` maps onto nanollm's model; :func:`hf_config` writes the ``llama.*``
-metadata as a ``config.json``-style dict for ``config_from_hf``::
-
-    GGUF name                               Hugging Face name
-    token_embd.weight                       model.embed_tokens.weight
-    blk.{i}.attn_norm.weight                model.layers.{i}.input_layernorm.weight
-    blk.{i}.attn_q / attn_k / attn_v        model.layers.{i}.self_attn.q_proj / k_proj / v_proj
-    blk.{i}.attn_output                     model.layers.{i}.self_attn.o_proj
-    blk.{i}.ffn_norm                        model.layers.{i}.post_attention_layernorm
-    blk.{i}.ffn_gate / ffn_up / ffn_down    model.layers.{i}.mlp.gate_proj / up_proj / down_proj
-    output_norm.weight / output.weight      model.norm.weight / lm_head.weight (absent: tied embeddings)
-
-llama.cpp's RoPE rotates *adjacent* pairs of a head's dimensions (2j, 2j+1), while Hugging Face (and
-nanollm) rotate dimension j with j + d/2 ("rotate_half"), both at frequency base^(-2j/d). So when llama.cpp's
-converter writes a Llama checkpoint it reorders the rows of every head of q_proj and k_proj: Hugging Face
-row ``s * d/2 + j`` of a head (half s in {0, 1}, j < d/2) becomes GGUF row ``2j + s``. The dot products of
-rotated queries and keys are then the same in both conventions. :func:`unpermute_qk` puts the rows back.
-
-**The tokenizer** (``tokenizer.ggml.*`` metadata) becomes a ``tiktoken.Encoding`` through the helpers of
-``hf_tokenizer.py``: :func:`encoding` supports byte-level BPE (``tokenizer.ggml.model`` "gpt2": tokens in
-GPT-2's byte-to-character form, merges as "a b" strings, rank = token id). Control and user-defined tokens
-(token types 3 and 4) become tiktoken special tokens. Single bytes missing from the vocabulary (SmolLM2
-lacks 21: six rare control characters such as 0x04, and bytes that never or hardly ever occur in UTF-8 text,
-0xC0, 0xC1, 0xF1, 0xF2, 0xF5 to 0xFF) get ranks past the vocabulary, in byte order; should such a byte ever be
-encoded, ``checkpoint.EncodingTokenizer`` drops its id. (Hugging Face's BPE drops such a character *before*
-merging, so the neighbours of one of the six control characters may merge differently there.)
-``tokenizer.ggml.pre`` names the pre-tokenizer, and we know two:
-
-* "gpt-2": GPT-2's split regex (``hf_tokenizer.GPT2_PATTERN``).
-* "smollm" (SmolLM / SmolLM2; the same split as StarCoder's): the Hugging Face tokenizer splits off every
-  digit on its own (``Digits(individual_digits=True)``), then applies ByteLevel's GPT-2 regex to the pieces
-  between the digits. As one regex (:data:`SMOLLM_PATTERN`): a single digit comes first, the GPT-2
-  alternative for runs of digits goes, and the lookahead ``(?!\\S)`` ("whitespace not followed by a
-  non-space"), which must not look past a digit since a digit ends a piece, becomes ``(?![^\\s\\p{N}])``.
-  (transformers 5 reads a GGUF tokenizer with ByteLevel alone, without the digit split: its ids differ
-  from the model's own tokenizer, and from ours, wherever a digit follows a space or another digit.)
-
-**Errors.** Everything wrong with a file (wrong magic, unsupported version, truncation anywhere, unknown
-value or tensor types, counts and lengths that cannot fit in the file, misaligned or overlapping tensors,
-tensors past the end, a tensor holding NaN or infinite values) raises :class:`GGUFError`, a ``ValueError``
-whose one-line message names the file; so does the plain ValueError for a path that is not a regular file. Each
-length is checked against the bytes left in the file *before* anything is allocated (and metadata arrays
-against :data:`MAX_ARRAY_LENGTH`), so a corrupt length cannot make us allocate gigabytes; the whole header
-is validated before a tensor is read.
+Follows the GGUF specification (``docs/gguf.md`` in the ggml repository) and the quantized block structs of
+ggml's ``ggml-common.h``. Llama tensors get Hugging Face names, with llama.cpp's q/k row order undone
+(:func:`unpermute_qk`); the "smollm" pre-tokenizer (:data:`SMOLLM_PATTERN`) splits off every digit before
+GPT-2's regex. Everything wrong with a file raises :class:`GGUFError`, a ``ValueError`` naming the file.
 
     gguf = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")      # header only; tensor data stays on disk
     config = config_from_hf(hf_config(gguf))                  # nanollm.io.hf
     state = state_from_hf(load_tensors(gguf), config)         # float32, Hugging Face layout
     enc = encoding(gguf)                                       # tiktoken.Encoding
+
+Details (the byte layout, the blocks, the names, the RoPE rows, the tokenizer, the checks): nanollm/inside.md,
+section "io/gguf.py: reading a GGUF file".
 """
 
 from __future__ import annotations

@@ -1,43 +1,18 @@
 """
-Real checkpoints: load GPT-2 and Llama-family weights from a Hugging Face-format folder, and export any
-nanollm model to one.
-
-A Hugging Face folder holds ``config.json`` and the weights: ``model.safetensors``, a sharded
-``model.safetensors.index.json`` + shards, or the older pickled ``pytorch_model.bin`` (see
-``nanollm/io/safetensors.py``). Nothing is downloaded: everything is read from the local folder.
-
-Name mapping, Hugging Face -> nanollm (``{i}`` is the layer index)::
-
-    GPT2LMHeadModel ("transformer." prefix optional)    nanollm
-    transformer.wte / transformer.wpe                    tok_emb / pos_emb
-    transformer.h.{i}.ln_1 / ln_2                        blocks.{i}.attn_norm / mlp_norm
-    transformer.h.{i}.attn.c_attn (q, k, v fused)        blocks.{i}.attn.q_proj, k_proj, v_proj
-    transformer.h.{i}.attn.c_proj                        blocks.{i}.attn.o_proj
-    transformer.h.{i}.mlp.c_fc / c_proj                  blocks.{i}.mlp.up_proj / down_proj
-    transformer.ln_f                                     final_norm
-    lm_head (tied to wte unless tie_word_embeddings is false)   lm_head
-
-    LlamaForCausalLM / MistralForCausalLM               nanollm
-    model.embed_tokens                                   tok_emb
-    model.layers.{i}.input_layernorm                     blocks.{i}.attn_norm
-    model.layers.{i}.self_attn.{q,k,v,o}_proj            blocks.{i}.attn.{q,k,v,o}_proj
-    model.layers.{i}.post_attention_layernorm            blocks.{i}.mlp_norm
-    model.layers.{i}.mlp.{gate,up,down}_proj             blocks.{i}.mlp.{gate,up,down}_proj
-    model.norm / lm_head                                 final_norm / lm_head
-
-GPT-2 stores its linear layers as ``Conv1D`` modules whose weight is (in, out), the transpose of
-``nn.Linear``'s (out, in), and fuses q, k, v into one ``c_attn`` of width 3 * d_model, split here in that
-order. Llama's q/k weights need no permutation: nanollm's RoPE uses the same "rotate_half" pairing
-(dimension i with i + d/2) as Hugging Face.
+Real checkpoints: load GPT-2 and Llama-family weights from a local Hugging Face-format folder (``config.json``
++ ``model.safetensors``, sharded safetensors or ``pytorch_model.bin``), and export any nanollm model to one.
+Nothing is downloaded.
 
     model, hf_config = load_hf("path/to/TinyLlama-1.1B")          # float32 on CPU by default
     export_hf(model, "out/")     # out/config.json + out/model.safetensors, loadable by transformers
 
-A folder is data, so everything in it is checked before a model is built: each ``config.json`` field for its
-type and range (``"hidden_size": "128"`` or ``"num_attention_heads": 0`` is an error naming the file and the
-field), and the tensors the weight files' headers list against the model the config describes, by name and
-shape (``check_state`` on meta tensors, which hold no data), so that a config cannot make us build more than
-its weights file holds. Non-finite weights are refused as they are read.
+Names follow transformers' ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` (``SUPPORTED`` lists the model types).
+A folder is data: every ``config.json`` field is checked for type and range, and the tensors the weight files
+list are checked by name and shape against the model the config describes (``check_state``), before a model
+is built; non-finite weights are refused.
+
+Details (the name maps, GPT-2's Conv1D and fused q/k/v, RoPE): nanollm/inside.md, section "io/hf.py: Hugging
+Face folders in and out".
 """
 
 from __future__ import annotations

@@ -1,36 +1,18 @@
 """
 Tokenizers for real checkpoints: byte-level BPE from Hugging Face files, run by tiktoken.
 
-Supported, read from the checkpoint folder (nothing is downloaded):
-
-* ``tokenizer.json`` whose model is byte-level BPE (GPT-2, Llama 3, and most tokenizers trained with
-  Hugging Face ``tokenizers`` on bytes): ``{"model": {"type": "BPE", "vocab": {str: id}, "merges": [...]},
-  "pre_tokenizer": ByteLevel or Sequence[Split(regex), ByteLevel], "added_tokens": [...]}``.
-* GPT-2's original pair of files, ``vocab.json`` + ``merges.txt`` (Hugging Face names) or ``encoder.json`` +
-  ``vocab.bpe`` (OpenAI names).
-* tiktoken's own ``gpt2`` encoding, but only when tiktoken has it cached locally: :func:`tiktoken_gpt2`.
-
-SentencePiece (``tokenizer.model``), Unigram and WordPiece tokenizers raise a clear error.
-
-**From HF vocab + merges to tiktoken.** Byte-level BPE stores every token as a string in which each byte
-is replaced by a printable character (GPT-2's ``bytes_to_unicode``: bytes that are printable Latin-1 map
-to themselves, the 68 others to U+0100 onwards, so the space byte 0x20 is shown as "Ġ"). tiktoken wants
-``mergeable_ranks: {raw bytes: rank}`` and merges, within each pre-tokenized chunk, the adjacent pair whose
-*concatenation* has the lowest rank, and it returns ranks as token ids. HF BPE merges the adjacent pair
-that comes first in the ``merges`` list. The two agree when a token's rank is its merge priority, so we
-use rank = HF id and check that the ids of merged tokens increase in merge order (true for GPT-2, Llama 3
-and tokenizers trained by HF ``tokenizers``, where ids are assigned as merges are learned). The ranks of
-single bytes never matter for merging (a merge always makes >= 2 bytes). Caveats, none of which occur in
-properly trained files: tiktoken merges *any* adjacent pair whose bytes form a token, even when that
-pair is not in the merges list, and it looks a whole chunk up in the vocab first (HF's ``ignore_merges``,
-which Llama 3 sets and GPT-2 does not).
-
-Added tokens become tiktoken special tokens. As with any ``tiktoken.Encoding``, ``encode`` refuses text
-that contains them unless allowed (``encode(text, allowed_special="all")``), and no BOS token is
-prepended (HF's post-processor templates are not applied).
+Reads, from the checkpoint folder only: a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, most tokenizers
+trained with Hugging Face ``tokenizers`` on bytes), GPT-2's ``vocab.json`` + ``merges.txt`` (or OpenAI's
+``encoder.json`` + ``vocab.bpe``), and tiktoken's ``gpt2`` when it is cached (:func:`tiktoken_gpt2`).
+SentencePiece, Unigram and WordPiece tokenizers raise a clear error. A token's tiktoken rank is its Hugging
+Face id, checked to increase in merge order; added tokens become tiktoken special tokens, and no BOS token
+is prepended.
 
     enc = load_hf_tokenizer("path/to/gpt2")       # a tiktoken.Encoding, or None without tokenizer files
     ids = enc.encode("Hello world"); text = enc.decode(ids)
+
+Details (why rank = id reproduces Hugging Face's merges, the caveats): nanollm/inside.md, section
+"io/hf_tokenizer.py: Hugging Face tokenizers through tiktoken".
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
 """
 Reading and writing checkpoint tensors: the safetensors format, sharded indexes, ``pytorch_model.bin``.
 
-The safetensors format (https://github.com/huggingface/safetensors, "Format" in its README) is::
+Follows the safetensors format (https://github.com/huggingface/safetensors, "Format" in its README): an
+8-byte little-endian header length, a JSON header, then the tensors' raw bytes. :func:`read_header` checks
+that the tensors tile the buffer before any data is read; every problem raises :class:`SafetensorsError` (a
+``ValueError``), and no other exception type escapes from a malformed file. :func:`save_file` writes what
+the official library writes, byte for byte. :func:`load_sharded` reads ``model.safetensors.index.json``
+shards, :func:`load_torch_bin` a pickled ``pytorch_model.bin`` with ``weights_only=True``. Every file is
+opened with ``files.open_data_file`` (a FIFO or a device is refused).
 
-    [8 bytes]  N, an unsigned 64-bit little-endian integer: the length of the header
-    [N bytes]  a UTF-8 JSON object, optionally padded at the end with spaces (0x20):
-                   {"__metadata__": {"format": "pt"},                        # optional, str -> str
-                    "wte.weight": {"dtype": "F32", "shape": [50257, 768], "data_offsets": [0, 154389504]},
-                    ...}
-    [rest]     the byte buffer: every tensor's raw little-endian row-major data. ``data_offsets`` are
-               [begin, end) *relative to the start of this buffer*, not to the file.
-
-A valid file's tensors tile the buffer exactly: sorted by ``begin`` they are contiguous, start at 0 and end
-at the buffer's end, and each span is ``prod(shape) * itemsize`` bytes. :func:`read_header` checks all of
-that on the header alone, before a byte of tensor data is read, and every problem (truncated file, bad
-JSON, unknown dtype, offsets out of range, overlaps, gaps) raises :class:`SafetensorsError`, a
-``ValueError``. No other exception type escapes from a malformed file.
-
-:func:`save_file` writes what the official library writes, byte for byte: tensors ordered by dtype
-(widest first, in the library's dtype order) then by name, compact JSON with ``__metadata__`` first,
-padded with spaces so the buffer starts at an 8-byte boundary. (We sort the metadata keys; the library
-writes several keys in hash-map order, which varies from run to run.)
-
-Hugging Face splits big checkpoints into shards listed in ``model.safetensors.index.json``
-(``{"weight_map": {tensor_name: shard_file}}``): see :func:`load_sharded`. Older checkpoints are pickled
-``pytorch_model.bin`` files: :func:`load_torch_bin` opens them with ``torch.load(weights_only=True)``,
-which refuses to run arbitrary code from the pickle.
-
-Every file is opened with ``files.open_data_file``: a FIFO or a device is refused before it is read.
-:func:`stored_size` counts a file's values and tensors from its header alone, what a loader compares with its
-config before building a model.
+Details: nanollm/inside.md, section "io/safetensors.py: the safetensors format and the other weight files".
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """
 A byte-level BPE tokenizer: trained by a short readable trainer, encoded by tiktoken.
 
-Byte-pair encoding (Sennrich et al. 2016; byte-level as in GPT-2): start from the 256 byte values and
-repeatedly merge the most frequent adjacent pair of tokens into a new token. Text is first split into
-chunks by a regular expression (words, single digits, punctuation runs, whitespace) and merges never
-cross a chunk boundary. A token's *rank* is its creation order, and encoding applies merges lowest-rank
-first, which is exactly what ``tiktoken.Encoding`` does with the same ranks, only in Rust.
-
-Digits are split one per chunk (as in Llama), so a 7-digit number is always 7 tokens: answers of the
-synthetic tasks then span several tokens, which is what chunk-level methods need to be tested on.
+Byte-pair encoding (Sennrich et al. 2016; byte-level as in GPT-2) with every digit a chunk of its own (as in
+Llama), so the numbers of the synthetic tasks take one token per digit.
 
     tok = Tokenizer.train(text, vocab_size=1024)
     ids = tok.encode("The special magic number for calm-otter is: 4821733.")
     tok.save("tokenizer.json"); tok = Tokenizer.load("tokenizer.json")
 
 ``python -m nanollm.cli.tokenizer bench`` times tiktoken against the pure-Python encoder below (``bench``).
+Details: nanollm/inside.md, section "io/tokenizer.py: a BPE tokenizer for the bundled models".
 """
 
 from __future__ import annotations
