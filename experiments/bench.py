@@ -1,25 +1,17 @@
 """
 What the KV cache buys: decode speed with the cache vs recomputing the whole prefix for every new token.
 
-Without a cache, producing token t+1 means running the model over all t+1 tokens again: every layer
-recomputes the keys and values of the whole prefix, although they are the same as one step earlier. With
-a cache (``decode_step``), one step runs the model over the single new token and only its attention
-reads the t stored keys and values. So one step costs
+Without a cache, each new token reruns the model over the whole prefix; with one (``decode_step``), a step
+runs the model over the new token alone and only its attention reads the stored keys and values, at the
+cost of ``2 * n_layer * n_kv_head * head_dim * bytes`` per token (``ModelConfig.kv_bytes_per_token``). This
+module times both at several context lengths, interleaved in one run, reports medians, fits the per-step
+cost as ``ms = a + b * context`` and checks the cache's byte count against the formula. ``--vs-transformers``
+also times one greedy decode step against Hugging Face transformers, when it is installed.
 
-    recompute : ~ t * (all matmuls of one token)  + attention over t^2 pairs   -> grows linearly (and worse)
-    cached    : ~ 1 * (all matmuls of one token)  + attention over t entries   -> nearly flat in t
+    python -m experiments.bench --help
 
-and the cache costs memory instead: ``2 * n_layer * n_kv_head * head_dim * bytes`` per token
-(``ModelConfig.kv_bytes_per_token``).
-
-This module times both at several context lengths, *interleaved* in one run (each repeat measures every
-length and both modes, so a slow moment of the machine hits all of them alike), reports medians, fits the
-per-step cost as a straight line ``ms = a + b * context`` and checks the cache's byte count against the
-formula. Run ``python -m experiments.bench --help``.
-
-``--vs-transformers`` adds a comparison with Hugging Face transformers, when it is installed (it is not a
-dependency): the checkpoint is exported with ``hf.export_hf`` and one greedy decode step of nanollm (plain
-cache) is timed against ``LlamaForCausalLM`` with a ``DynamicCache``, interleaved, on one thread.
+The cost of each mode, how the timing is done and the comparison with transformers: experiments/README.md,
+section "bench.py: what the KV cache buys".
 """
 
 from __future__ import annotations

@@ -2,28 +2,15 @@
 Speed on a real model: prompt (prefill) and decode tokens per second against Hugging Face transformers on
 the same weights, and the decode step against its roofline. ``python -m experiments.speed --help``.
 
-**What is timed.** For each context length T, with the same random token ids for both libraries:
+For each context length T, with the same random token ids for both libraries, it times the prefill of T
+tokens into a KV cache and one greedy decode step over a cache of about T tokens (``decode_step``, the lean
+step of ``fastpath/lean.py``, and transformers with a ``DynamicCache``), interleaved, and reports medians.
+A decode step reads every weight and every cached key and value once for a handful of multiply-adds, so on
+a CPU it is bound by memory bandwidth: ``of roofline`` is the time reading those bytes takes at the read
+bandwidth measured in the same run, over the measured time.
 
-* prefill: the whole prompt of T tokens through the model, filling a KV cache (nanollm's ``prefill`` into a
-  ``KVCache``; transformers' ``LlamaForCausalLM`` forward with ``use_cache=True``); tokens/s = T / time.
-* decode: one greedy step, one new token over a cache of ~T tokens (``decode_step``, the lean step of
-  ``fastpath/lean.py``, and transformers with a ``DynamicCache``); the sequence is prefilled with T - n
-  tokens and then n steps are taken (n = warm-up + timed), so every timed step sees T - n .. T - 1 tokens
-  and the longest context still fits the model's positions.
-
-Each repeat times every implementation in turn, alternating the order, so a slow moment of the machine hits
-all of them alike; medians are reported. transformers gets the weights through ``hf.export_hf`` (a temporary
-folder), and its attention is its default (``sdpa``).
-
-**The roofline of a decode step.** A step feeds one token: every weight is read once for a handful of
-multiply-adds, and the attention reads every cached key and value once, so on a CPU the step is bound by
-memory bandwidth, not arithmetic. Its floor is
-
-    bytes read per step = weights (tied LM head = the embedding matrix, read in full) + K/V of T tokens
-    ideal ms            = bytes / read bandwidth (x.sum() over 512 MiB, same threads, same run)
-
-and ``of roofline`` = ideal / measured. In fp32 SmolLM2-135M reads 538 MB of weights per step and 46 KB of
-K/V per token of context (377 MB at 8k).
+What is timed exactly, the roofline's bytes and SmolLM2-135M's numbers: experiments/README.md, section
+"speed.py: a real model against transformers, and the roofline".
 """
 
 from __future__ import annotations

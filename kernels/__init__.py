@@ -1,42 +1,15 @@
 """
 Triton kernels for the memory-bound path of decoding, each beside the PyTorch reference it must match.
 
-    decode_attention.py   one query token per sequence over a KV cache (GQA), split along the sequence:
-                          over a contiguous cache, and over per-head selected indices (gathered in-kernel)
-    count_sketch.py       KVReviver's count sketch: insert, query (median of rows), and a fused
-                          rebuild-then-attend that never writes the rebuilt keys and values
-    tensor_decode.py      factored tensor-attention decode over a four-matrix cache: pairs scored in tiles
-                          with an online softmax, no i x i score matrix, no Kronecker product
-    cache_write.py        a decode step's new entry into each head's slot of fixed-capacity buffers: one
-                          launch where three scatters take three (the fused step's writes)
-    heavy_hitters.py      H2O's decode step over those buffers: attention, the scores it adds up and the
-                          slot it empties, in four launches that read the keys once
-    scissorhands.py       Scissorhands' decode step over those buffers: attention, each slot's low flag into
-                          its ring buffer and counter, and the slot it empties, in three launches
-    streaming.py          StreamingLLM's decode step over those buffers: attention and the oldest entry
-                          after the sinks emptied, chosen from the positions the attention reads
-    skinny_matmul.py      a decode step's products, a few rows times a weight read once, with the norm
-                          before them, SwiGLU or the residual add after them in the same launch
-    skinny_qkv.py         the q/k/v product the same way, with RoPE and the new entry's write into the
-                          buffers in its epilogue
+Each file is a leaf: the PyTorch reference (``reference_*``, any device), the ``@triton.jit`` kernel, and the
+launcher (``*_triton``, always the kernel: on a CUDA tensor, or on a CPU one under ``TRITON_INTERPRET=1``).
+The files decide nothing; ``tests/kernels/`` compares each launcher with its reference.
 
-The files are leaves, as in the Triton tutorials: tensors in, tensors out, importing only torch, triton and
-this package (a file may run another's reference or kernel). Each holds, in this order, the PyTorch
-reference (``reference_*``: the plain definition, any device, no Triton needed), the ``@triton.jit`` kernel,
-and the launcher (``*_triton``: always the kernel, on a CUDA tensor or, under ``TRITON_INTERPRET=1``, on a
-CPU one). They decide nothing: tests in ``tests/kernels/`` call the launchers directly (in Triton's
-interpreter on a machine without a GPU: slow and exact; ``tests/conftest.py`` sets it there) and compare
-them with the references.
+The reading path (``nanollm/``) never calls a kernel. The fast paths (``fastpath/attention.py``, ``sketch.py``,
+``fused.py``, ``skinny.py``, ``tensor.py``) take one where ``serves(tensor)`` is true: a CUDA tensor of an
+sm_80 or newer GPU, Triton importable, and ``NANOKV_NO_TRITON`` not set to 1; never a CPU tensor.
 
-The switch. The reading path (``nanollm/``) never calls a kernel. The fast paths plug them in from above
-(``fastpath/attention.py`` for a decode step's attention, ``fastpath/sketch.py`` for KVReviver's sketch,
-``fastpath/fused.py`` for the fused step's writes, H2O, Scissorhands and StreamingLLM, ``fastpath/skinny.py``
-for the skinny step's products, and ``FourCache.attend`` in
-``methods/tensor_attention/attention.py``), each asking one function,
-``serves(tensor)``: true on a CUDA tensor of an sm_80 or newer GPU when Triton is importable, never when
-``NANOKV_NO_TRITON=1`` (to compare or debug), false on a CPU tensor even under the interpreter, which is
-far too slow for a model (the tests patch ``serves`` to route the fast paths through it).
-``python -m fastpath.bench`` times the kernels against their references.
+What each file computes, and how: kernels/inside.md, section "__init__.py".
 """
 
 from __future__ import annotations

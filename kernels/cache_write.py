@@ -1,26 +1,15 @@
 """
 Cache write: a decode step's new key, value and position into each head's slot of fixed-capacity buffers.
 
-The graph step of ``fastpath/graph.py`` keeps every layer's cache in buffers of a fixed capacity C, so that
-a CUDA graph sees the same shapes at every step. Each step writes one entry per (sequence, KV head): the
-new key and value into the slot ``slot`` points to, and the step's position beside them, so the attention
-(``decode_attention.py``'s masked kernel) sees the entry and an eviction can find it.
-
-In PyTorch that is three scatters, three kernels, each moving a few kilobytes. Inside a CUDA graph nothing
-is launched from the host, but each kernel still costs the GPU a few microseconds to start and finish
-however little it moves, so a 22-layer step pays for 66 of them in the fixed cost that a compressed cache
-does not shrink (``fastpath/README.md``). ``torch.compile`` cannot fuse them into the step's other small
-kernels: compiled, an in-place write into a layer's view of the buffers became a copy of the whole view
-(``results/decode_profile_h100_32k.txt``). Here one program per (sequence, KV head) reads its slot, copies
-the key's d and the value's d_v elements and stores the position: one kernel a layer instead of three
-(44 fewer a step; timed on a GPU only as part of the fused step, ``fastpath/README.md``). The copy is
-exact, so the buffers are the same bit for bit as after the scatters. Unlike the scatters, it cannot
-check the slot's value (that would need the host to read it): a slot outside [0, C) writes out of bounds.
+One launch a layer where PyTorch's scatters take three, for the graph and fused steps' buffers
+(``fastpath/graph.py``, ``fastpath/fused.py``); the copy is exact. The slot is not checked: one outside [0, C)
+writes out of bounds.
 
     write_entry_triton(kb, vb, pos, slot, k, v, position)    # in place; shapes as reference_write_entry
 
-beside its reference ``reference_write_entry`` (the scatters, any device). ``fastpath/fused.py`` calls it
-where ``kernels.serves`` says so.
+Tested against ``reference_write_entry`` (the three scatters, any device).
+
+Why one launch matters, and how it works: kernels/inside.md, section "cache_write.py".
 """
 
 from __future__ import annotations

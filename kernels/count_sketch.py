@@ -2,58 +2,17 @@
 KVReviver's count sketch on the GPU: insert, query, and a fused rebuild-then-attend decode step.
 
 Paper: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction",
-arXiv 2512.17917 (the Vague sketch: Algorithms 1-2; rebuilding the cache before attention: Algorithm 4).
-The method itself is ``methods/kvreviver.py`` (its sketch in plain PyTorch); ``fastpath/sketch.py`` runs the
-sketch's ``insert`` and ``query`` on the first two kernels where ``kernels.serves`` says so (the tests check
-the method's PyTorch against the references here).
+arXiv 2512.17917 (the Vague sketch: Algorithms 1-2; rebuilding the cache before attention: Algorithm 4). The
+method is ``methods/kvreviver.py``; ``fastpath/sketch.py`` runs its insert and query on these kernels.
 
-The sketch. Tokens evicted from the raw cache are *summed* into r rows x b cells; a cell holds a whole
-token (keys and values of every KV head): ``key``, ``value`` (r, b, H_kv, d), fp32. Row i has a bucket
-hash h_i(J) and a sign hash g_i(J) in {+1, -1} of the token's position J. The hashes are computed in
-PyTorch (``VagueSketch.buckets`` / ``signs``); the kernels take them as tensors ``cells`` (r, n) int32 and
-``signs`` (r, n) float, one column per token:
+    sketch_insert_triton             atomic adds of tokens into r rows x b fp32 cells, key/value (r, b, H_kv, d)
+    sketch_query_triton              each token rebuilt as the median over rows of its cells
+    sketch_decode_attention_triton   one query (H, d) over raw tokens and sketch tokens rebuilt in-kernel
 
-    insert:  key[i, h_i(J)] += k_J                      value[i, h_i(J)] += g_i(J) v_J
-    query:   k^_J = median_i key[i, h_i(J)]             v^_J = median_i g_i(J) value[i, h_i(J)]
+each beside its reference (``reference_sketch_insert``, ``reference_sketch_query``,
+``reference_sketch_decode_attention``). Per sequence (no batch axis); ``cells`` must lie in [0, b) (unchecked).
 
-Three kernels, each in the order of the Triton tutorials: the PyTorch reference (``reference_*``, the plain
-definition above, any r), the ``@triton.jit`` kernel, and the launcher (``*_triton``: always the kernel).
-
-1. ``sketch_insert_triton``: one program per (row, block of tokens, block of features). Two tokens of one
-   block may land in the same cell, and so may tokens of different programs: the adds are atomic
-   (``tl.atomic_add``), so every collision is summed (in some order: fp32 sums agree with the reference to
-   rounding). Traffic: the n tokens are read once (2 n H_kv d elements in their own dtype) and each element
-   does r atomic read-modify-writes of 4 bytes on the cells.
-2. ``sketch_query_triton``: one program per (block of tokens, block of features): gathers the r cells of
-   each token and takes the median over rows in registers, without sorting (r = 1 to ``MAX_ROWS``; the
-   lower median for an even r, as ``torch.median``). Traffic: reads 2 r n H_kv d x 4 bytes of cells,
-   writes 2 n H_kv d x 4 bytes.
-3. ``sketch_decode_attention_triton``: one decode query per KV-head group attends over the n_raw raw
-   tokens and the n_v sketch tokens, whose keys and values are rebuilt *inside* the kernel (gather,
-   median, sign) and never written to memory. The unfused path (Algorithm 4 as ``attend_kv`` does it) writes the n_v
-   rebuilt tokens, concatenates them with the raw ones, sorts by position and gathers (each a read and a
-   write of the whole cache) before the attention reads it all once more. The fused kernel reads each raw
-   token once and r cells per sketch token; the cells are few (r b tokens, e.g. 3 x 100 x 8 heads x 128
-   x 4 bytes = 1.2 MB) and re-read by every token hashed to them, so they mostly come from the L2 cache:
-   the DRAM traffic is about the raw tokens + the cells once + 8 r bytes of hashes per sketch token.
-
-   Structure (FlashAttention's tiling with an online softmax: Dao et al., arXiv 2205.14135, Section 3.1;
-   the online normalizer: Milakov and Gimelshein, arXiv 1805.02867, Section 3). One program per (KV head,
-   split): it holds the G query heads of its group, q (G, d), and walks its share of the token blocks,
-   raw blocks first, then sketch blocks, keeping a running max m, sum l and output acc per query head:
-
-       s = q k^T * scale               m' = max(m, max s)          p = exp(s - m')
-       l = l exp(m - m') + sum p       acc = acc exp(m - m') + p v
-
-   The tokens are split over ``num_splits`` programs per KV head (so that a short batch of heads still
-   fills the GPU); a small second kernel merges the splits' (m, l, acc) into the output
-   (``sketch_decode_partials_triton`` and ``merge_sketch_splits_triton`` launch one at a time). Exponentials are
-   taken in base 2 (exp2), with scale * log2(e) folded into q. The order of the tokens does not matter
-   for softmax attention, so the raw and sketch tokens need not be interleaved by position.
-
-Everything is per sequence (no batch axis): q (H, d), the raw tokens (H_kv, n_raw, d), one sketch. Cells
-are always fp32; k, v and q may be fp16 / bf16 (converted to fp32 in registers); the attention output has
-q's dtype. ``cells`` must lie in [0, b): the kernels do not check it (the references' indexing does).
+How it works, step by step: kernels/inside.md, section "count_sketch.py".
 """
 
 from __future__ import annotations

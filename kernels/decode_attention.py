@@ -1,49 +1,18 @@
 """
-Decode attention: one query token per sequence over a KV cache, split along the sequence.
+Decode attention: one query token per sequence over a KV cache (GQA), split along the sequence (flash-decoding).
 
-A decode step reads every cached key and value once and does two multiply-adds per element it reads:
-its arithmetic intensity is about G / bytes-per-element FLOP per byte (G query heads per KV head), far
-below what a GPU can compute per byte it loads. So the step is memory-bound, its floor is
+A decode step is memory-bound: it reads every cached key and value once, so a KV-cache method speeds it up
+exactly by reading fewer bytes. One split kernel and its merge serve three launchers, q (B, H, d) -> (B, H, d):
 
-    time >= 2 * B * H_kv * S * d * bytes_per_element / bandwidth
-
-and a KV-cache method speeds decoding up exactly by reading fewer bytes. Two kernels show it:
-
-* over a **contiguous** cache k, v (B, H_kv, S, d): the full cache, or a compressed one stored compactly;
-* over **selected indices** idx (B, H_kv, K): each KV head reads only its K chosen rows of the full cache,
-  gathered inside the kernel (no compacted copy is written; -1 entries are padding, as AdaKV's ragged
-  per-head budgets leave them);
-* over a contiguous buffer with **empty slots**, pos (B, H_kv, S) holding each slot's position and -1 where
-  the slot is empty: the fixed-capacity buffers of ``fastpath/graph.py``, where a CUDA graph needs the same
-  shapes at every step, so the room not yet written and the slots an eviction emptied are masked, not cut.
-
-How the work is split (flash-decoding). One query token gives too little parallelism per (sequence, KV
-head) for a long cache, so the tokens are cut into ``splits`` ranges and each program handles one
-(sequence, KV head, range): it loads the G query heads of its group once, walks its range in blocks of
-BLOCK_N tokens keeping an online softmax (a running max m, running sum l and output accumulator per query
-head), and writes (m, l, acc). A small reduction then merges the ranges:
-
-    M = max_s m_s,   o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
-
-The two products of a block, scores q K^T and output P V, go through ``tl.dot`` with the group's G query
-heads padded to 16 rows (the smallest tile a tensor core takes). The padding wastes arithmetic the step has
-plenty of: what bounds it is loading K and V. (Broadcasts and sums in registers instead limit a block to
-16 tokens, through the (G, BLOCK_N, d) products, and read K/V several times slower: the README's kernel
-section has the measurements, which ``python -m fastpath.bench`` makes.) With a 16-bit cache, K and V enter
-``tl.dot`` as stored and the scaled query and the probabilities are rounded to the cache's type, with
-fp32 accumulation; an fp32 cache multiplies in IEEE fp32, so the tests hold at 1e-5.
-
-    out = decode_attention_triton(q, k, v)                   # q (B, H, d), k, v (B, H_kv, S, d) -> (B, H, d)
-    out = selected_decode_attention_triton(q, k, v, idx)     # idx (B, H_kv, K) rows of k, v per head
+    out = decode_attention_triton(q, k, v)                   # k, v (B, H_kv, S, d), contiguous
+    out = selected_decode_attention_triton(q, k, v, idx)     # idx (B, H_kv, K) rows per head, -1 = padding
     out = masked_decode_attention_triton(q, k, v, pos)       # pos (B, H_kv, S): -1 marks an empty slot
 
-each beside its reference (``reference_decode_attention``, ``reference_selected_decode_attention``,
-``reference_masked_decode_attention``: the same arguments, any device). ``fastpath.attention.attend_step``
-calls the first for a plain cache and the third for a policy's entries where ``kernels.serves`` says so,
-``fastpath/graph.py`` the third. Each is two launches,
-which ``decode_partials_triton`` (the ranges' m, l, acc) and ``merge_splits_triton`` make one at a time.
-How a launch is cut (tokens per block, programs per SM, warps, pipeline stages) is given by the caller, or
-read from ``TUNED``, which ``fastpath/tune.py`` fills with what it timed fastest on the GPU at hand.
+tested against ``reference_decode_attention``, ``reference_selected_decode_attention`` and
+``reference_masked_decode_attention`` (same arguments, any device). Launch settings come from the caller or
+``TUNED`` (filled by ``fastpath/tune.py``).
+
+How it works, step by step: kernels/inside.md, section "decode_attention.py".
 """
 
 from __future__ import annotations

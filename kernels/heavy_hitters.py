@@ -2,42 +2,16 @@
 H2O's decode step over fixed-capacity buffers: attend, add what each entry received to its score, empty the
 lowest. Four launches a layer, the keys read once.
 
-H2O (Zhang et al., 2023, Algorithm 1) keeps, beside each cached entry, the attention it has received so far,
-and when the cache is over its budget it evicts the entry with the lowest sum outside a window of recent
-ones. So a decode step needs the attention's probabilities themselves, not only its output. Computed
-beside the split-K kernel in PyTorch (``fastpath/graph.py``'s ``attend_heavy``), they cost a second read of
-every key (the scores again, as a C x G product), a softmax over the slots, a mean over each group's query
-heads, the update of the scores and the choice of the slot to empty: half a dozen kernels a layer, which a
-graph still pays, and twice the keys' bytes. Here:
-
-1. the split kernel (``decode_attention.py``) attends as before and also writes each slot's scaled score
-   s = q.k / sqrt(d) for each query head of the group into S (B * H_kv, G, C), fp32, -inf where the slot
-   is empty;
-2. the merge kernel turns the ranges' partials into the output, as before;
-3. ``_heavy_score_kernel``, one program per block of BLOCK_C slots of a (sequence, KV head), takes each
-   query head's softmax max M and sum L from the same partials (the merge's formula), then for each slot of
-   its block: the probability p = exp(s - M) / L of each query head, their mean over the group (what the
-   slot received), added to the slot's score (the slot just written starts from 0). It writes its block's
-   candidate to empty: the lowest score among the entries outside the ``n_recent`` latest positions, the
-   latest position on a tie (``nanollm.slots.select_lowest``), and how many entries the block holds;
-4. ``_heavy_evict_kernel``, one program per (sequence, KV head), picks among its blocks' candidates in the
-   same order and counts their entries: where the head holds more than ``budget``, the chosen slot's
-   position becomes -1 and the next token goes there; elsewhere the next token takes the next slot.
-
-Why two kernels for the update: one program walking a head's slots in turn leaves most of the GPU idle (16
-sequences x 4 KV heads are 64 programs) and waits on each block's loads; on an H200 it took 41% of the
-kernel time of H2O's fused step at 32,768 tokens (``fastpath/README.md``). Split into blocks, the scoring
-can run on every multiprocessor, and the choice among a few candidates a head is one small launch. The 41%
-is the single walk's, at commit fd79573; split, at 9fc034d, its tests passed on the H200 and H2O's fused step
-there took 1.893 ms at 32,768 tokens where the single walk's had taken 3.150 ms (the attention kernel's launch
-was tuned between the two as well: ``fastpath/README.md``).
-
-S is G x C fp32 numbers a head, written once and read once, instead of the C x d keys read again.
+Implements the eviction of H2O (Zhang et al., 2023, Algorithm 1) for the fused step (``fastpath/fused.py``): the
+split kernel of ``decode_attention.py`` also writes each slot's scores, the merge gives the output, a kernel
+over blocks of slots turns the scores into probabilities, adds them to each slot's score and proposes the
+block's lowest outside the recent window, and a last kernel empties the lowest where a head is over budget.
 
     out = heavy_attend_triton(q, kb, vb, pos, slot, score, position, n_recent, budget)    # (B, H, d)
 
-beside its reference ``reference_heavy_attend`` (the same arguments and updates in PyTorch, any device).
-``fastpath/fused.py`` calls it for H2O where ``kernels.serves`` says so.
+Tested against ``reference_heavy_attend`` (the same arguments and in-place updates in PyTorch, any device).
+
+How it works, step by step: kernels/inside.md, section "heavy_hitters.py".
 """
 
 from __future__ import annotations

@@ -2,44 +2,16 @@
 Scissorhands' decode step over fixed-capacity buffers: attend, push the step's low flags into each entry's
 ring buffer, empty the entry with the most. Three launches a layer, the keys read once.
 
-Scissorhands (Liu et al., 2023, Algorithm 2) keeps, beside each cached entry, a ring buffer of its last w
-flags, each saying whether a step's query gave it less attention than the uniform level 1/n (n the entries
-the query attended; or a given threshold tau), the attention averaged over the G query heads of its KV head,
-and a counter of the low flags in the ring. A cache over its budget empties the entry with the most low
-flags outside the ``n_recent`` latest positions; on a tie the lower attention of this step goes first, then
-the later position. Computed beside the split-K kernel in PyTorch (``fastpath/graph.py``'s
-``attend_scissors``), the probabilities cost a second read of every key, and the flags, the ring buffer,
-the counters and the choice a dozen small kernels a layer, which a CUDA graph still pays. Here:
-
-1. the split kernel (``decode_attention.py``) attends as before and also writes each slot's scaled score
-   s = q.k / sqrt(d) for each query head of the group into S (B * H_kv, G, C), fp32, -inf where the slot
-   is empty (as for H2O: ``heavy_hitters.py``);
-2. the merge kernel turns the ranges' partials into the output, as before;
-3. one program per (sequence, KV head) of ``_scissors_update_kernel`` takes each query head's softmax max M
-   and sum L from the same partials, counts the entries n the head holds, clears the ring buffer of the slot
-   the step just wrote (a new entry starts with no flags and a zero counter), then walks the slots once:
-   the mean probability a = mean_g exp(s - M) / L, the flag a < tau (tau = 1/n unless given), written over
-   row ``position mod w`` of the ring buffer, the counter moved by the flag in minus the flag that row held,
-   a kept for the next step's tie-break, and the running choice of the slot to empty. Where the head holds
-   more than ``budget`` entries that slot's position becomes -1 and the next token goes there; elsewhere
-   the next token takes the next slot. An empty slot's flag is 0 (its counter falls as its old flags
-   leave the ring); a head with no candidate at all (every entry recent) would empty its slot 0, as the
-   reference's ``argmax`` does, which a budget above ``n_recent`` never lets happen.
-
-The ring buffer of a head is (w, C): a step reads and writes one contiguous row of C flags. A flag is a
-decision: an a an ulp lower can flip it where a is exactly at its threshold, as on a uniform attention,
-whose every a is 1/n. So the two divisions, the group's sum by G and 1 by n, round to nearest as PyTorch's
-division by a tensor does on every device (the library's group mean is that division too:
-``scissorhands.divided``; by a Python number, CUDA multiplies by its reciprocal instead), where Triton's
-default fp32 division may be 2 ulp off; equal values, as a uniform attention's, sum alike in
-any order. Elsewhere a differs from the reference's in the order of the group's sum (Triton's reduction)
-and the exponentials' last bits (a GPU's are approximations), which can flip a flag only that close to
-its threshold.
+Implements the eviction of Scissorhands (Liu et al., 2023, Algorithm 2) for the fused step
+(``fastpath/fused.py``): the split kernel of ``decode_attention.py`` also writes each slot's scores, the merge
+gives the output, and one kernel per (sequence, KV head) flags the slots whose mean probability is below
+1/n (or a given threshold), updates the ring buffers and counters, and empties the slot with the most flags.
 
     out = scissors_attend_triton(q, kb, vb, pos, slot, low, count, attn, position, n_recent, budget, threshold)
 
-beside its reference ``reference_scissors_attend`` (the same arguments and updates in PyTorch, any device).
-``fastpath/fused.py`` calls it for Scissorhands where ``kernels.serves`` says so.
+Tested against ``reference_scissors_attend`` (the same arguments and in-place updates in PyTorch, any device).
+
+How it works, and how it rounds where a flag is a decision: kernels/inside.md, section "scissorhands.py".
 """
 
 from __future__ import annotations

@@ -1,45 +1,18 @@
 """
 Skinny matmul: the product of a few rows (a decode step's B sequences) with a weight matrix, its neighbours fused.
 
-A decode step multiplies B rows, B = 1 to 16, by every weight matrix of the model: each matrix is read
-once from memory and used for B rows only, so a product is bound by reading the weight, not by arithmetic.
-In the fused step of ``fastpath/fused.py`` each of cuBLAS's products comes with small kernels around it
-(the norm before it, SiLU-times-up or the residual add after it, a split-K reduction, a copy of the
-residual) that each cost a few microseconds however little they move (``results/decode_profile_h200.txt``,
-on an H200). Here one kernel reads a block of the weight's rows once and does what a layer does around
-the product:
+A decode step's products are bound by reading the weights; this kernel reads each weight once and fuses the
+small kernels around the product (``fastpath/skinny.py``), in fp32 or bf16:
 
     norm_linear     rms_norm(x) * g @ W^T          x (M, K), g (K,), W (N, K) -> (M, N)   the LM head
     norm_swiglu     silu(h @ Wg^T) * (h @ Wu^T)    h = rms_norm(x) * g, W = [Wg; Wu] (2N, K) -> (M, N)
     linear_add      x + y @ W^T                    y (M, K), W (N, K), x (M, N) -> (M, N)   o_proj, down
 
-The norm is folded into the product: (x / rms(x)) * g @ W^T = (1 / rms(x)) * ((x * g) @ W^T), one scale per
-row, so each program accumulates x's sum of squares beside the product as it walks K and scales its
-output at the end; no normalised copy of x is written. SwiGLU's two halves are two accumulators over the
-same rows of x, so gate and up never leave the kernel. The residual is added to the accumulator before
-the one rounding to the output's dtype. The q/k/v product is ``norm_linear`` with RoPE and the cache's write
-in its epilogue, in a kernel of its own (``skinny_qkv.py``) that runs this one's loop (``_products``).
+The launchers ``norm_linear_triton(x, g, eps, w)``, ``norm_swiglu_triton(x, g, eps, w_gate_up)`` and
+``linear_add_triton(y, w, x)`` are tested against ``reference_norm_linear``, ``reference_norm_swiglu`` and
+``reference_linear_add`` within ``TOLERANCE``; launch settings in ``SKINNY_TUNED`` (``fastpath/tune.py``).
 
-One program per BLOCK_N output columns (and per 16 rows, the smallest tile ``tl.dot`` takes: fewer rows
-are masked), walking K in steps of BLOCK_K: a weight of N rows is read by N / BLOCK_N programs side by side,
-each once. There is no split along K, so each output is reduced in one program, in one order, with no
-second kernel; a product of few columns (N / BLOCK_N under the GPU's SMs) then leaves SMs idle. Each step's
-blocks of x and w are loaded ``num_stages`` steps ahead (Triton turns the loads into asynchronous copies,
-``cp.async``, where it knows the pointers and strides are multiples of 16 bytes, as at a launch over
-TinyLlama's or SmolLM2's shapes: the slow tier compiles the kernel for an H100 without one to check). The
-launch (BLOCK_N, BLOCK_K, warps, stages) is chosen per product by timing (``tune_skinny`` in
-``fastpath/tune.py``) and kept in ``SKINNY_TUNED``.
-
-Rounding. In fp32 the kernel computes what the references compute, in another order (to about 1e-6
-relative). In bf16 the references round as the model does (the normalised x, then x * g, each product's
-output, then silu(gate) * up, then the residual sum: each to bf16); the kernel rounds x * g (before the
-scale) once for the tensor cores and the output once, so the two differ by a few bf16 roundings
-(``TOLERANCE``). Not fp16: x * g, rounded before the scale, could exceed its range where x / rms(x) * g does
-not (the launchers refuse it; the skinny step leaves an fp16 model to the fused step).
-
-    y = norm_linear_triton(x, g, eps, w)                  # beside reference_norm_linear
-    y = norm_swiglu_triton(x, g, eps, w_gate_up)          # beside reference_norm_swiglu
-    y = linear_add_triton(y, w, x)                        # beside reference_linear_add
+How it works (the folded norm, the grid, rounding): kernels/inside.md, section "skinny_matmul.py".
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """
 Skinny q/k/v: a layer's q/k/v product with RoPE and the cache's write in its epilogue, one launch.
 
-Before its attention a decode layer normalises x, multiplies it by the stacked q/k/v weight, rotates q and k by
-the step's RoPE angles, and writes the new key, value and position into each KV head's slot of the buffers
-(``cache_write.py``). ``skinny_matmul.py``'s ``norm_linear`` does the first two in one kernel; RoPE and the
-write are two more kernels a layer, each one to two microseconds however little it moves
-(``results/decode_profile_h200.txt``). Here the product's program rotates and writes what it has just computed,
-so those two launches go.
-
-RoPE rotates each pair (x_i, x_{i+d/2}) of a head (``nanollm.attention.apply_rope``):
-
-    lo' = lo cos_i - hi sin_i        hi' = hi cos_{i+d/2} + lo sin_{i+d/2}        for i < d/2
-
-so a program that holds both halves of a pair can rotate it in registers. The weight's rows are q's H heads,
-then k's H_kv, then v's H_kv, d rows each (as ``fastpath/lean.py`` stacks them); a pair (head, i), i < d/2,
-is rows head * d + i and head * d + d/2 + i. Each program takes BLOCK_N rows of the weight as BLOCK_N / 2
-pairs, a pair's two rows side by side in its tile, and multiplies them as ``skinny_matmul.py``'s
-``norm_linear`` does (``_products``, the same loop); its output's columns, two by two, are then split into the
-pairs' first and second halves. Then, per pair:
-
-    of a q head   rotated, stored into q (M, H, d)
-    of a k head   rotated, stored into kb at its KV head's slot ``slot[m, h]``, and (by its pair i = 0) the
-                  step's position into pos there
-    of a v head   stored into vb at the slot, as it is
-
-The stores go where the write kernel would put them, so the buffers after a launch are what
-``norm_linear`` + RoPE + ``cache_write.write_entry_triton`` leave, to float rounding (the write itself is exact).
-In bf16 the reference rounds the product to bf16, then rotates in bf16 (each multiply and the sum rounded);
-the kernel rotates the fp32 accumulators and rounds once (``skinny_matmul.TOLERANCE``). As the write kernel,
-it cannot check a slot's value (the host would have to read it): a slot outside [0, C) writes out of bounds.
+``skinny_matmul.py``'s ``norm_linear`` over the stacked q/k/v weight, where each program holds both halves of
+every RoPE pair it computes, rotates q's and k's heads in registers, returns q (M, H, d) and stores k, v and the
+step's position into each KV head's slot of the buffers, as ``cache_write.py`` would (``fastpath/skinny.py``).
 
     q = norm_qkv_rope_write_triton(x, g, eps, w, cos, sin, kb, vb, pos, slot, position)   # beside
     q = reference_norm_qkv_rope_write(x, g, eps, w, cos, sin, kb, vb, pos, slot, position)
 
-Its launch (rows of the weight per program, the step along K, warps, stages) is chosen as the other products'
-are (``SKINNY_TUNED[("qkv_rope_write", N, K, dtype)]``, N the weight's rows): 16 rows of the weight a program give a
-TinyLlama-shaped q/k/v product (2,560 rows) 160 programs, as ``norm_linear`` would have.
+Within ``skinny_matmul.TOLERANCE``; the slot is not checked (one outside [0, C) writes out of bounds). Launch
+settings in ``SKINNY_TUNED[("qkv_rope_write", N, K, dtype)]``.
+
+How it works, step by step: kernels/inside.md, section "skinny_qkv.py".
 """
 
 from __future__ import annotations

@@ -2,26 +2,15 @@
 StreamingLLM's decode step over fixed-capacity buffers: attend, then empty the oldest entry after the sinks,
 the choice made from the positions the attention reads anyway.
 
-StreamingLLM (Xiao et al., 2024, sec. 3.2) keeps the first ``n_sink`` tokens (the attention sinks) and a
-window of the most recent ones. In the fixed buffers of ``fastpath/graph.py`` a step writes its entry,
-attends over budget + 1 entries, then empties the oldest position at or after ``n_sink`` where a head holds
-more than ``budget`` (``evict_sinks`` there: a reduction over the positions, a gather and two writes,
-kernels the graph still pays in every layer). Here:
-
-1. the split kernel (``decode_attention.py``) attends as before; each of its programs, which loads its
-   range's positions to mask the empty slots, also keeps the range's oldest position at or after ``n_sink``,
-   that position's slot and the number of entries, into a small (B * H_kv, splits, 3) int64 tensor;
-2. the merge kernel turns the ranges' partials into the output, as before;
-3. one program per (sequence, KV head) of ``_evict_oldest_kernel`` reads its row's few ranges, and where
-   the head holds more than ``budget`` entries sets the oldest one's position to -1 and sends the next token
-   there; elsewhere the next token takes the next slot.
-
-The third launch reads a few numbers per head instead of every position again.
+Implements the eviction of StreamingLLM (Xiao et al., 2024, sec. 3.2) for the fused step (``fastpath/fused.py``)
+in three launches: the split kernel of ``decode_attention.py`` also keeps each range's oldest entry at or after
+``n_sink``, the merge gives the output, and one small kernel empties the oldest where a head is over budget.
 
     out = sinks_attend_triton(q, kb, vb, pos, slot, n_sink, budget)     # (B, H, d); pos, slot updated
 
-beside its reference ``reference_sinks_attend`` (the same in PyTorch, any device). ``fastpath/fused.py``
-calls it for StreamingLLM where ``kernels.serves`` says so.
+Tested against ``reference_sinks_attend`` (the same in PyTorch, any device).
+
+How it works, step by step: kernels/inside.md, section "streaming.py".
 """
 
 from __future__ import annotations

@@ -1,93 +1,17 @@
 """
 A fused decode kernel for tensor attention over the four-matrix cache (Triton, tutorial style).
 
-The math (Chen et al., arXiv 2503.11108, Definitions 3.6-3.8; ``methods/tensor_attention/``)
-----------------------------------------------------------------------------------------
-One decode step: a query q (d,) attends to *pairs* (a, b) of the n cached tokens, whose factors are the
-rows of K1, K2, V1, V2 (n, d)::
+One query attends to the pairs (a, b) of the n cached tokens (Chen et al., arXiv 2503.11108, Definitions
+3.6-3.8; ``methods/tensor_attention/``). The kernel tiles the pair grid with one online softmax over all
+pairs, FlashAttention-style, and writes neither the n x n scores nor a Kronecker product.
 
-    S[a, b] = scale * < q, K1[a] * K2[b] >                     (* is the element-wise product)
-    P       = softmax of S over all n^2 pairs together
-    o       = sum_{a,b} P[a, b] V1[a] * V2[b]  =  sum_a V1[a] * (P @ V2)[a]
-
-The PyTorch paths write the n^2 pairs to memory: ``naive_four_cache_attention`` (in
-``methods/tensor_attention/``) builds the Kronecker products K1 (/) K2 and V1 (/) V2 (2 n^2 d numbers),
-``four_cache_attention`` and the reference here only the (n, n) scores and their softmax. This kernel
-writes neither: it is FlashAttention's tiling (Dao et al., arXiv 2205.14135, §3.1) with the online softmax
-(Milakov & Gimelshein, arXiv 1805.02867, §3), applied to the pair grid.
-
-The idea: the pair grid is a matrix product
--------------------------------------------
-Since S[a, b] = sum_j (scale q_j K1[a, j]) K2[b, j], a tile of the pair grid is one small matmul::
-
-    S_tile = (scale * q * K1_tile) @ K2_tile^T          (BLOCK_A, d) @ (d, BLOCK_B) -> (BLOCK_A, BLOCK_B)
-
-and the output a tile contributes is a second matmul followed by a row-weighted column sum::
-
-    o_tile = sum_a V1_tile[a] * (P_tile @ V2_tile)[a]    (BLOCK_A, BLOCK_B) @ (BLOCK_B, d) -> (BLOCK_A, d) -> (d,)
-
-So the kernel is FlashAttention's inner loop with a K1-scaled query block standing in for the query block
-and an extra element-wise product with V1 before the reduction over rows.
-
-Online softmax over all pairs
------------------------------
-The softmax runs over all n^2 pairs at once, so a program keeps *one* running maximum m, *one* running
-denominator l and *one* accumulator acc (d,) (not one per row, as FlashAttention does for its query rows).
-For each tile (all in fp32)::
-
-    m_new = max(m, max(S_tile))                   # scalar
-    p     = exp(S_tile - m_new)                   # (BLOCK_A, BLOCK_B), masked pairs -> exp(-inf) = 0
-    alpha = exp(m - m_new)                        # rescales what was summed under the old maximum
-    l     = alpha * l + sum(p)
-    acc   = alpha * acc + sum_a V1_tile[a] * (p @ V2_tile)[a]
-    m     = m_new
-
-and at the end o = acc / l.
-
-Tiling and the grid (split along a)
------------------------------------
-A decode step has a single query per head, so one program per (batch, head) would leave most of a GPU idle
-for small B * H. The a axis is therefore split across programs (the split-K / "Flash-Decoding" idea for
-standard attention): program (bh, s) owns a contiguous range of a-tiles, keeps its K1/V1 tile in registers
-and streams *all* b-tiles of K2/V2 past it::
-
-    grid = (B * H, splits)
-    program (bh, s):  for each a-tile of its range        K1, V1 tile: (BLOCK_A, d), loaded once
-                          for each b-tile 0 .. n-1          K2, V2 tile: (BLOCK_B, d)
-                              update (m, l, acc)
-                      write its partial (m, l, acc)         (B*H, splits), (B*H, splits), (B*H, splits, d)
-
-A second, tiny kernel (one program per (batch, head)) merges the partials, which are softmax pieces under
-different maxima::
-
-    M = max_s m_s,   w_s = exp(m_s - M),   o = sum_s w_s acc_s / sum_s w_s l_s
-
-Ragged n (not a multiple of the blocks) is handled with masks: rows past n load as 0 and their pairs score
--inf. Any head dimension works: the d axis is padded in registers to BLOCK_D = max(16, next power of two)
-with masked loads (``tl.dot`` needs every dimension >= 16). BLOCK_A and BLOCK_B must be powers of two >= 16.
-
-Work and memory traffic (per query, per head)
----------------------------------------------
-FLOPs: 2 n^2 d for the scores, 2 n^2 d for P @ V2, O(n d) for the rest: about 4 n^2 d, the same as both
-references (the naive one does the same products, through n^2 d-row matrices). Also n^2 exponentials.
-
-Memory traffic: K1 and V1 are read once (2 n d numbers); K2 and V2 are read once per a-tile, i.e.
-2 n d * ceil(n / BLOCK_A) numbers, most of it from L2 since every program streams the same K2/V2. Nothing of
-size n^2 is written: the only writes are the partials, splits * (d + 2) fp32 numbers. The arithmetic
-intensity of the K2/V2 stream is 4 n^2 d FLOPs / (2 n^2 d / BLOCK_A numbers) = 2 BLOCK_A FLOPs per number,
-so larger a-tiles make the kernel less memory-bound, as query blocks do in FlashAttention. By contrast the
-naive path writes and reads back 2 n^2 d numbers, and the factored reference writes and reads its n^2
-scores several times (matmul, softmax, P @ V2).
-
-API
----
-``reference_tensor_decode``   the PyTorch reference: the definition above in two einsums (the tests check
-                              that it equals ``four_cache_attention`` with Tq = 1)
-``tensor_decode_triton``      the launcher (needs CUDA tensors, or TRITON_INTERPRET=1 for the CPU interpreter);
-                              ``FourCache.attend`` calls it where ``kernels.serves`` says so
-``peak_memory_bytes``         analytic working memory of the three paths, for the benchmark
+    reference_tensor_decode    the PyTorch reference (equal to ``four_cache_attention`` with one query token)
+    tensor_decode_triton       the launcher; ``fastpath/tensor.py`` calls it where ``kernels.serves`` says so
+    peak_memory_bytes          analytic working memory of the three paths, for the benchmark
 
 All take q (B, H, d) and K1, K2, V1, V2 (B, H, n, d) and return (B, H, d) in q's dtype.
+
+How it works (the math, tiling, split grid, traffic): kernels/inside.md, section "tensor_decode.py".
 """
 
 from __future__ import annotations

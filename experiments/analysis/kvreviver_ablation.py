@@ -3,29 +3,17 @@ Why KVReviver collapses on SmolLM2, taken apart: which part of it breaks, by how
 
 KVReviver (Yuan et al., arXiv 2512.17917) keeps Recent and Candidate raw and sums every other token into a
 count sketch, rebuilt for every attention (Algorithms 1-4). Under the language-modelling protocol
-(``experiments/evaluation/language_modelling.py``: 512 tokens of Python's help topics, the second half scored,
-decode-time eviction, budget = keep x 256) its perplexity explodes. This module swaps one part at a time:
+(``experiments/evaluation/language_modelling.py``) its perplexity explodes. This module swaps one part at a
+time (ablations, each a small subclass of ``KVReviverPolicy``: the method's file stays as the paper reads),
+checks Lemma 2 at the paper's own setting against the error measured on SmolLM2's keys and values
+(``lemma2``, ``key_mean_ratio``), and tries a repair of ours, **not the paper's** (``CentredSketch``).
 
-* ablations, each a small subclass of ``KVReviverPolicy`` (the method's file stays as the paper reads):
-  ``TrueKV`` attends every position with its true key and value (a shadow copy of the full cache) with
-  the same bookkeeping, so only the sketch's estimates are taken away; ``TrueKeys`` / ``TrueValues`` take
-  away one of the two; ``NoSwaps`` disables the swap loop of Algorithm 3 (nothing is revived from the
-  sketch); ``SwapsAtOnce`` makes a step's swaps one tensor operation (as the paper's note on its code
-  suggests);
-  plus the shipped options: no sketch (Recent / Candidate alone), wider sketches on top of the
-  budget, and the appendix's per-layer budgets by Fisher information (``layer_budgets``);
-* Lemma 2 at the paper's own setting (2k tokens, 10% budget, split 0.45 / 0.45 / 0.1): the variance the
-  median of three rows should have against the reconstruction error measured on SmolLM2's keys and values,
-  and how far the keys are from the zero mean the analysis assumes (``lemma2``, ``key_mean_ratio``);
-* a repair of ours, **not the paper's** (``CentredSketch``): the sketch also counts the tokens of each cell
-  and keeps their mean, so a query can take the others' mean out of a cell (keys, summed without signs,
-  otherwise carry it a/b times over) and shrink what is left towards the mean by the factor that Lemma 2's
-  noise variance implies (a cell's estimate is mostly noise once it holds many tokens).
-
-    python -m experiments.analysis.kvreviver_ablation --out results/kvreviver_ablation.txt \
+    python -m experiments.analysis.kvreviver_ablation --out results/kvreviver_ablation.txt \\
         --json results/kvreviver_ablation.json
 
-Every number comes out of this code; ``tests/experiments/analysis/test_kvreviver_ablation.py`` checks the variants.
+Every number comes out of this code; ``tests/experiments/analysis/test_kvreviver_ablation.py`` checks the
+variants. Each variant, Lemma 2's check and the repair: experiments/README.md, section
+"analysis/kvreviver_ablation.py: KVReviver taken apart".
 """
 
 from __future__ import annotations

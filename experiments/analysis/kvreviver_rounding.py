@@ -2,26 +2,17 @@
 Do KVReviver's records move when only the rounding of its sketch's sums changes? A question a CPU can answer.
 
 On a GPU the main job's records of KVReviver differ from the CPU's in a few answers, where every other
-method's are the CPU's (``fastpath/README.md``). A GPU rounds differently everywhere, and KVReviver's count
-sketch (Algorithm 1) adds many tokens into each cell, where the GPU adds them with atomic adds, in an order
-of its own. This module asks whether a change of rounding in those sums alone moves the records, on the
-CPU: it runs ``experiments.compare`` with one change, each ``VagueSketch.insert`` call taking its sums in float64
-and rounding them once to the cells' fp32, where the plain insert rounds after every token it adds. At each
-insert the tokens, their cells and their signs are the same; a cell's value moves by the rounding error of
-its sum (fp32's relative precision, 6e-8, times a few of its terms' sizes): a more accurate rounding of the
-same sum, not a reordering of it, but a change of the same size as one. ``experiments.evaluation.agree
---records`` against a plain run of the same command says which records moved:
+method's are the CPU's (``fastpath/README.md``); its count sketch (Algorithm 1, Yuan et al., arXiv
+2512.17917) adds many tokens into each cell, which a GPU sums in an order of its own. This module runs
+``experiments.compare`` with one change, each ``VagueSketch.insert`` taking its sums in float64 and rounding
+them once to fp32; ``experiments.evaluation.agree --records`` against a plain run says which records moved:
 
-    python -m experiments.compare --checkpoint smollm2-135m --methods kvreviver --keep-ratios 0.1 \\
-        --tasks niah_single_docs passkey niah_multikey_docs --samples 10 --workers 1 --json plain.json
     python -m experiments.analysis.kvreviver_rounding --checkpoint smollm2-135m --methods kvreviver \\
         --keep-ratios 0.1 --tasks niah_single_docs passkey niah_multikey_docs --samples 10 --json float64.json
-    python -m experiments.evaluation.agree --records plain.json float64.json
 
-It takes ``experiments.compare``'s options and runs in one process on the CPU: ``--workers 1`` (its default here;
-more workers would start fresh interpreters, without the change) and ``--device cpu`` (on a GPU the sketch
-runs on the Triton kernels where they serve, which the change does not reach). It is slower than the plain
-run: each insert copies its cells to float64 and back.
+It takes ``experiments.compare``'s options and runs in one process on the CPU (``--workers 1``, ``--device
+cpu``). Why the change is a fair test, the plain run and the comparison: experiments/README.md, section
+"analysis/kvreviver_rounding.py: does the sketch's rounding move the records?".
 """
 
 from __future__ import annotations

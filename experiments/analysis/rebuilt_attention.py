@@ -2,24 +2,18 @@
 How much attention goes to *rebuilt* entries: positions a method attends to through an approximation (KVReviver's
 sketch estimates, Yuan et al., arXiv 2512.17917, Algorithm 4), not through their raw key and value.
 
-KVReviver attends to every position: raw ones from Recent and Candidate, the others rebuilt from the count
-sketch (the median over its rows of cells that sum many tokens; keys are summed without signs, Algorithms 1-2).
-If a rebuilt key is much longer than a real one, the query's logit on it is large whatever token it stands
-for, and the softmax hands it mass the full cache would give elsewhere. Two numbers per layer, at the first
-decode step (the step that feeds the first answer token, as ``harness.trace`` records it):
+A rebuilt key much longer than a real one draws a large logit whatever token it stands for, and the softmax
+hands it mass the full cache would give elsewhere. Per layer, at the first decode step:
 
 * ``method_mass``: the attention probability the method puts on its rebuilt positions (mean over query heads);
-* ``full_mass``: the full cache's probability on those very positions (what the real tokens deserved).
-
-``method_mass`` far above ``full_mass`` means the rebuilt entries take attention away from the raw ones.
-``key_norm_ratio`` gives a cause to check: the mean length of the rebuilt keys over that of the real keys of
-the same positions.
+* ``full_mass``: the full cache's probability on those very positions (what the real tokens deserved);
+* ``key_norm_ratio``: the mean length of the rebuilt keys over that of the real keys of the same positions.
 
     full, method = traces(model, sample, mode, [None, policy], [True, True])
     rows = rebuilt_attention_mass(full, method, model.config.group_size)   # one dict per layer
 
-Rebuilt = attended but not stored exactly (``exact_positions``), so a token revived from the sketch into a raw
-slot (it holds the sketch's estimate) counts as rebuilt, as in the harness's ``lost_mass``.
+What counts as rebuilt, and how to read the numbers: experiments/README.md, section
+"analysis/rebuilt_attention.py: attention on rebuilt entries".
 """
 
 from __future__ import annotations

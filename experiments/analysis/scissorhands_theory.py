@@ -1,54 +1,18 @@
 """
 Scissorhands' theory, made executable: the single-head model of Theorems 3.1 and 4.1, the closed-form
 budget bound, its failure probability, the form of the bound before the proof's last simplifications, and
-the Monte-Carlo experiment the bound is about.
+the Monte-Carlo experiment the bound is about. What the code shows: the simulated dropped attention mass
+stays below the proof's intermediate form but not below its closed form at moderate budgets, the closed
+form turns negative at small budgets, and the failure probability is vacuous unless T_min is very large.
 
 Paper: Liu, Desai, Liao, Wang, Xie, Xu, Kyrillidis, Shrivastava, "Scissorhands: Exploiting the Persistence
 of Importance Hypothesis for LLM KV Cache Compression at Test Time", NeurIPS 2023,
 https://arxiv.org/abs/2305.17118  (the model: Appendix B.1, eq. (5)-(6); Theorem 4.1 = Theorem B.2 with
 its proof in Appendix B.2, eq. (8)-(10); the dropped attention mass: Theorem B.3, eq. (11), Appendix B.3).
-The budget cache itself is ``methods/scissorhands.py``.
+The budget cache itself is ``methods/scissorhands.py``; the lab notebooks/labs/02_scissorhands_claims plots this.
 
-The model (eq. (5)-(6)), rows are tokens, x_t in R^{1 x d}, ||x_t|| = 1:
-
-    alpha_t = softmax( (1/t) x_t W_Q W_K^T X_{t-1}^T )        over the earlier tokens x_1 .. x_{t-1}
-    a_t     = alpha_t X_{t-1} W_V W_O
-    x_{t+1} = F(a_t),   F(x) = x + relu(x W_1) W_2             (unit norm: divided by its norm, below)
-
-Theorem 4.1 compares it with the same model whose attention only sees a kept set S_t of B tokens, under
-three assumptions: (1) the compressed model's unrestricted weights beta_{t,j} are i.i.d. draws v from the
-truncated power law f(x) = c (x + b)^(-k) on [0, u - b] (k > 2, u >= 5b), normalised to sum 1;
-(2) lambda_V lambda_O (1 + lambda_1 lambda_2)(1 + lambda_Q lambda_K) <= 1/2 (largest singular values);
-(3) S_t is the top B of beta_t (an oracle, which may take back a token it left out earlier). With
-beta = B / T_max it then states, for every eps in (0, 1) with beta > eps,
-
-    E ||x_t - x~_t|| <= 2.1 (1 - beta) / (1 - eps)^2 * ( k - (k - 1) ((1 - eps) / (beta - eps))^(1/(k-1)) )
-
-with probability at least 1 - T_max exp(-eps^2 b^2 (T_min - 1) / ((k-2)^2 (u-b)^2))
-                          - T_max exp(-2 (T_min - 1)(1 - beta)^2 / (1 - eps)^2).
-
-The proof gets there from the expected dropped attention mass E[sum_{j not in S_t} beta_{t,j}] (Theorem
-B.3, eq. (11)): Delta_max = the same expression with 1 / 0.98 instead of 2.1 (2 Delta_max <= 2.1 (...)).
-Before its last two steps the proof has the tighter expression (``intermediate_dropped_mass_bound``)
-
-    ( b (1 - beta) - (k - 1)(beta - eps) gamma ) / ( D (1 - eps)^2 ),
-    gamma = b ( ((beta - eps) / (1 - eps))^(-1/(k-1)) - 1 ),   D = (b^(2-k) - (k-1) u^(2-k) + (k-2) b u^(1-k))
-                                                                     / (b^(1-k) - u^(1-k))   (E v = D / (k-2)).
-
-What the code shows (the notebook plots it): the Monte-Carlo dropped mass stays below the intermediate
-form, but *not* below Delta_max at moderate budgets (k = 3, u = 5b, eps = 0.05, beta = 0.5: simulated
-about 0.12, Delta_max 0.053), and the closed form is not monotone in beta and turns negative once
-(1 - eps) / (beta - eps) > (k / (k - 1))^(k-1). Two steps account for it: 1/D is replaced by 1/(0.98 b)
-using D <= 0.98 b, which bounds in the wrong direction (D < b, so 1/D > 1/b), and the last line replaces
--(beta - eps) gamma by a term with (1 - beta) in front. The probability the theorem guarantees is
-vacuous (negative) unless T_min is very large.
-
-Unit norm. The theorem assumes ||x_t|| = 1 while x_{t+1} = F(a_t) with ||a_t|| <= lambda_V lambda_O <= 1/2,
-so the model here divides F(a_t) by its norm. F is positively homogeneous (relu is), so that normalised
-model does not depend on the scale of W_V W_O at all: assumption (2) can always be met by scaling W_O, and
-it then constrains nothing. The attention is another matter: with the 1/t temperature, logits are at most
-lambda_Q lambda_K / t, so attention is near-uniform unless lambda_Q lambda_K grows with T (``make_toy_model``
-takes it as ``qk_norm``).
+The model, the theorem, the intermediate form, why the bound fails and the unit norm: experiments/README.md,
+section "analysis/scissorhands_theory.py: Theorem 4.1, executable".
 """
 
 from __future__ import annotations
