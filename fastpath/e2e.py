@@ -1,40 +1,17 @@
 """
-Whole decode steps, timed: the lean step, the graph step and the fused graph step, the full cache against
-keep 0.1.
+Whole decode steps, timed: the lean, graph, fused and skinny steps, the full cache against keep 0.1, and
+transformers' ``StaticCache`` step, against the copy bandwidth measured in the same run.
 
     python -m fastpath.bench --e2e --json results/decode_e2e.json     # on a GPU: bash fastpath/gpu_check.sh
     python -m fastpath.bench --e2e --quick --json /tmp/e2e.json       # tiny shapes, fp32: runs on a CPU
 
-The shape is the TINYLLAMA_1B preset's (22 layers, 32 query heads sharing 4 KV heads of 64 dims, d_model
-2048, vocab 32000), random weights in bf16, 16 sequences of 8,192 and of 32,768 tokens. For each length:
-the full cache (the plain cache: no policy), and SnapKV, StreamingLLM, H2O and Scissorhands keeping 0.1 of
-it. A cache is filled with random entries of the kept shape, positions as the method keeps them (its window,
-its sinks and recent tokens, H2O's scores, Scissorhands' counters and ring buffer), and no prompt runs:
-which tokens are kept does not change a step's time, and a 16 x 32k prompt would cost most of the run.
+The shape is TINYLLAMA_1B's with random bf16 weights, 16 sequences at two lengths; each cache is filled with
+random entries at the positions its method keeps, and no prompt runs. Each row records the step's time, the
+bytes it must read and what it costs beyond them; ``summary`` prints a report's ratios and targets
+(``python -m fastpath.bench --summary REPORT.json``). ``tests/fastpath/test_e2e_bench.py`` runs it on a CPU;
+the committed reports are read in ``fastpath/README.md``.
 
-Four paths: ``lean`` (``lean.py``, launched from Python), ``graph`` (``graph.py``, captured in a CUDA graph; its
-attention the masked split-K kernel; H2O's and Scissorhands' probabilities, which they use, beside it in PyTorch),
-``fused`` (``fused.py``: the graph step with its element-wise work compiled by inductor, on a CPU traced by dynamo
-alone) and ``skinny`` (``skinny.py``: the fused step with its matrix products, and the norms, SwiGLU, residual
-adds, RoPE and the cache's write around them, in the skinny kernels; on a CPU, where the kernels do not serve, the
-fused step again). Each path takes ``WARM`` steps (the graph step captures its graph there, the fused one compiles
-first: ``warm_s``), then ``REPEATS`` blocks of ``STEPS`` steps, the device synchronised around each block: the
-median block over ``STEPS`` is the step's time, the host's launch work included (what the graph removes).
-``bytes`` is what a step must read: the weights (every matrix but the embedding table, of which it reads B rows)
-and the K/V it attends over. At the copy bandwidth measured in the same run (a device-to-device copy of 1 GiB)
-that is ``at_copy_bw_ms``, the step's floor; ``fixed_ms`` = ms - at_copy_bw_ms is what it costs beyond moving its
-bytes, and ``fit`` draws a line through the two lengths (ms = fixed + bytes / rate). The graph step reads
-C = kept + room slots and their positions, a little more than it is credited with. transformers' ``StaticCache``
-step of the same shape (its own random weights, ``sdpa`` attention, eager; compiled with ``--hf-compile``) is
-timed in the same run when transformers is importable, else skipped with a line.
-
-On a GPU the split kernel's launch is first chosen at each length by timing it (``tune.py``: tokens per block,
-programs per SM, warps and stages), on the full cache's slots and on those of the caches that keep a tenth,
-its sweeps recorded in the report (``--no-tune``: the defaults); so is the skinny kernel's launch, once per
-run, on each product of the step (``tune.tune_skinny``), beside cuBLAS's product alone.
-Every number is the device's it ran on, printed and recorded with it; ``summary`` prints the ratios and the
-targets from a report's step times (``python -m fastpath.bench --summary REPORT.json``). The H100's report
-is ``results/decode_e2e_h100.json``, read in ``fastpath/README.md``.
+How it works: fastpath/inside.md, section "e2e.py: whole decode steps, timed".
 """
 
 from __future__ import annotations

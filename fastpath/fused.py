@@ -1,43 +1,17 @@
 """
 The graph step with its small operations fused: what is left of a step's fixed cost.
 
-A CUDA graph removes the host from a decode step (``graph.py``) but not the step's number of kernels: per
-layer two norms, RoPE, the residual adds and SiLU-times-up are a dozen element-wise kernels over a few
-kilobytes (B rows of d_model), each a few microseconds however little it reads. Over 22 layers that is a
-fixed cost of the order of a millisecond, which a compressed cache does not shrink. Here the element-wise
-work between two matrix products is compiled by ``torch.compile`` (inductor: one generated kernel for each
-run of element-wise operations; the products stay cuBLAS's), one function before a layer's attention and
-one after it:
-
-    before   x (R, D) -> q (R, H, 1, d), k, v (R, H_kv, 1, d):  norm, the stacked q/k/v product, RoPE
-    after    x, y (R, H*d) -> x:  + o_proj(y), norm, gate/up product, silu(gate) * up, down product, + x
-
-Every layer has the same shapes, so each function compiles once (the first eager step, seconds on a GPU)
-and serves all layers, every method and every length of a run. The attention between them is the graph
-step's own (``GraphDecoder._attend``). Where the kernels serve, an evicting method's layer is three
-launches whose eviction uses what the attention kernel read: H2O's (``kernels/heavy_hitters.py``: the split
-kernel keeps its scores, the merge, one update kernel), Scissorhands' (``kernels/scissorhands.py``: the same
-scores, the merge, one kernel for its flags, ring buffer, counters and eviction) and StreamingLLM's
-(``kernels/streaming.py``: the split kernel keeps each range's oldest entry, the merge, one kernel that
-empties the oldest). Elsewhere H2O's and StreamingLLM's small pieces are compiled: StreamingLLM's eviction,
-H2O's probabilities, the scores it adds up and the slot it empties, which compile once per capacity C;
-Scissorhands' step stays the graph step's, uncompiled: its writes go into a ring buffer of w flags per slot,
-which compiled would be copied whole. Not the writes into the buffers: compiled, an
-in-place write into a view of a large buffer becomes a copy of the whole buffer; the three scatters of a
-layer's write are one Triton launch instead (``kernels/cache_write.py``). The split-K kernel is the graph
-step's (for the evicting methods, its variants that keep the scores or the oldest entries), and the whole
-step is still captured and replayed as ``GraphDecoder`` does. The arithmetic
-is the lean step's, in the same order within each operation, so the logits agree to float rounding
-(tested in fp32 at 1e-5 with the ``eager`` backend on a CPU, which traces the same functions without
-generating code).
-
-Each compiled function specialises on its shapes and on the Python numbers it is given (a budget, a recent
-window, C): dynamo compiles it again for each new combination, up to its recompile limit (8 by default),
-after which that function runs uncompiled, still correct.
+``FusedGraphDecoder`` compiles the element-wise work between a layer's matrix products with ``torch.compile``
+(inductor), one function before the attention and one after it; a layer's write into the buffers is one Triton
+launch (``kernels/cache_write.py``), and H2O's, Scissorhands' and StreamingLLM's attention and eviction run on
+kernels of their own where ``kernels.serves`` says so. The whole step is captured and replayed as
+``GraphDecoder`` does it. Logits equal the lean step's to float rounding (``tests/fastpath/test_fused.py``).
 
     fused = FusedGraphDecoder(model)                     # as GraphDecoder; backend=None is inductor
     fused.start(cache, max_new_tokens=32)
     logits = fused.step(token)
+
+How it works: fastpath/inside.md, section "fused.py: the small operations fused".
 """
 
 from __future__ import annotations

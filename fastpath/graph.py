@@ -1,81 +1,19 @@
 """
 A decode step a CUDA graph can capture: fixed shapes, counters on the device, no host in the loop.
 
-The lean step (``lean.py``) already does few, large operations, but its cache grows (``LayerKV.append``
-reallocates), its policies read numbers back to the host (``bool(...)``, ``int(...)``, ``.tolist()``) and
-branch on them, so every step is launched from Python, kernel by kernel. A CUDA graph records one step's
-kernels once and replays them per token with a single launch; it can only do so if the step has the same
-shapes and the same kernels every time and never waits for the host. So here a prefilled ``KVCache`` is
-copied once into a ``StaticKV`` of fixed capacity, and ``GraphDecoder.decode`` is the step over it:
-
-    k, v      (L, B, H_kv, C, d)   every layer's entries; C = entries after the prompt + new tokens
-    pos       (L, B, H_kv, C)      each slot's position, -1 = empty (padding, room, evicted)
-    slot      (L, B, H_kv)         where each head writes its next entry (a device tensor)
-    position  (1,)                 the next token's position, ``KVCache.seen`` (a device tensor)
-    score     (L, B, H_kv, C)      H2O's accumulated attention, fp32 (only for H2O)
-    low       (L, B, H_kv, w, C)   Scissorhands' ring buffer of low flags, bool, a query's flags a row of C
-                                   (the lean path keeps (T, w) per head); count (L, B, H_kv, C) int32, its
-                                   counters; attn (L, B, H_kv, C) fp32, the last query's attention
-
-One step: the embedding, RoPE from ``position``, the stacked products of ``LeanDecoder.forward``; per layer
-the new k, v and position are scattered into ``slot``, the attention runs over all C slots with the
-positions as the mask (empty slots get probability 0: ``nanollm.attention.attend``'s mask with every
-stored position in the query's past), then the counters advance in place. Where ``kernels.serves`` says so
-(CUDA and Triton) the attention is the split-K kernel's over the same buffers, empty slots masked by their
-position (``kernels.decode_attention.masked_decode_attention_triton``); H2O and Scissorhands, which need
-the probabilities themselves, take their output from the kernel too and compute the probabilities beside it.
-No ``.item()``, no Python ``if`` on a tensor: the Python loop over layers is the same every step, so the
-graph is too.
-
-Which methods decode on it (``eviction_rule``: what a policy's class declares, ``decode_rule()`` and
-``methods/rules.py``, never its type):
-
-* prefill-only methods (the full cache, SnapKV, AdaKV, ChunkKV, CriticalKV and their wrappings): no
-  ``attend_kv`` of their own, nothing observed or compressed at a decode step (``compress_on`` without
-  "decode", ``needs("decode")`` empty): the step writes at ``slot`` and ``slot += 1``.
-* StreamingLLM, H2O and Scissorhands, the lean path's eviction as tensor operations after the step's
-  attention, which saw budget + 1 entries (so C = budget + 1 once full): the slot to empty is chosen per
-  head, its position set to -1, and the next token is written there (``LayerKV.evict`` then ``append``).
-  StreamingLLM empties
-  the oldest position after the sinks (``streaming_llm.evict_oldest``); H2O adds the step's attention (the
-  mean over each KV head's G query heads) to ``score``, then empties the lowest score outside the recent
-  window, the later position on a tie (``h2o.evict_lowest``).
-  Scissorhands (dropping one token at a time, m = 1, its default) writes the step's low flags over row
-  ``position mod w`` of its ring buffer, moves the counters by the flags in and out, keeps the step's
-  attention, then empties the slot ``scissorhands.evict_one`` picks (the most low flags outside the recent
-  window, then the least attention, then the later position): the lean path's ``observe`` and ``evict``.
-* anything else (KVReviver, Scissorhands dropping m > 1 at a time, a wrapper around a decode-time method, a
-  policy unknown here) falls back to the lean step over its ``KVCache``, and ``start`` prints one line
-  saying so.
-
-On a CUDA device each shape is captured once, following PyTorch's recipe ("CUDA Graphs" in its CUDA
-semantics notes, https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs): warm-up on a side stream,
-``torch.cuda.graph`` capture over static input and output tensors, then ``replay``. The first ``WARMUP``
-steps of a shape run eagerly on a side stream (they are real steps), the next is captured and every step
-after it is a replay; another sequence of the same shape is copied into the same buffers and replays the
-same graph. On a CPU the same function runs eagerly (``tests/fastpath`` check it equals the lean step, and
-that ``torch.compile(fullgraph=True)`` traces it without a break).
-
-Logits equal the lean step's to float rounding: fp32 within 1e-5 (the softmax runs over C slots instead of
-the stored ones, the extra ones at exactly 0); bf16 within 2% of the largest |logit| (``BF16_TOL``, a few
-bf16 roundings: both paths round every product to bf16, the softmax sums in another order; on a CPU the
-two agree to 0 or one rounding). StreamingLLM, H2O and Scissorhands keep the lean path's positions; H2O
-and Scissorhands compare float attention, so a near-tie the two orders round differently could pick another
-token (never seen in the tests, which compare the kept positions after every step, in fp32 and in bf16 on a
-CPU). Scissorhands compares every slot's attention with 1 / n at every step: in bf16 on a GPU, where the
-kernel attends and its probabilities come from another product (``slot_probabilities``), a few slots near
-that level can flag otherwise than in the lean step, so its counters, and then what it keeps, may drift
-from the lean step's (its GPU tests compare them in fp32 only).
-
-What it costs on a GPU (``python -m fastpath.bench --e2e``, measured on an H100 in ``fastpath/README.md``):
-the host's launch work is gone, so a step is its kernels' time; with 16 sequences of 32,768 tokens the
-full cache reads at two thirds of the copy bandwidth, and what does not shrink with the cache (the many
-small kernels of each layer: norms, RoPE, residual adds, writes) is what ``fused.py`` cuts.
+``GraphDecoder.start`` copies a prefilled ``KVCache`` once into a ``StaticKV`` of fixed capacity C per head:
+k, v (L, B, H_kv, C, d); pos (L, B, H_kv, C), -1 for an empty slot; slot (L, B, H_kv), where each head writes
+next; position (1,), the next token's; for H2O, score (L, B, H_kv, C) fp32; for Scissorhands, low
+(L, B, H_kv, w, C) bool, count (L, B, H_kv, C) int32 and attn (L, B, H_kv, C) fp32. Prefill-only methods,
+StreamingLLM, H2O and Scissorhands (m = 1) decode on it; other policies fall back to the lean step, saying so.
+Checked against the lean step, logits and kept positions, by ``tests/fastpath/test_graph.py``.
 
     graph = GraphDecoder(model)
     logits = prefill(model, ids, cache)[:, -1]           # the prompt: the reading path
     graph.start(cache, max_new_tokens=32)                # copy the cache into fixed-capacity buffers
     logits = graph.step(token)                           # each new token: captured once, then replayed
+
+How it works: fastpath/inside.md, section "graph.py: the decode step in a CUDA graph".
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """
 A lean decode step: the same decoder and cache, fewer and larger operations.
 
-A decode step of a tiny model does almost no arithmetic: the bundled model's step is about a thousand
-small tensor operations of a few microseconds' dispatch each, and that, not the weights or the cache, is
-what it costs on a CPU. ``nanollm/model.py`` keeps one module per concept so it can be read; this file does
-the same step with less per-call work:
-
-* the q, k and v projections of a layer are one product (their weights stacked), and so are the MLP's
-  gate and up projections: 4 linear calls per layer instead of 7;
-* no ``nn.Module`` calls, no id checks after the first token, RoPE from the model's table, applied to q
-  and k in one call;
-* biases, where a model has them (Qwen2's on q, k and v), are added after the stacked products;
-* the attention is ``fastpath.attention``'s: with a plain cache the step appends and attends itself; with
-  a policy it goes through ``KVCache.attend``, so every policy's hooks run unchanged;
-* ``forward`` takes the products and the attention as functions, so the evaluation can step many caches
-  side by side with the same arithmetic (``experiments/evaluation/side_by_side.py``).
-
-Logits agree with ``decode_step`` to float rounding (stacked products may sum in another order), tested in
-fp32 at 1e-5. The weights are copied when the decoder is built: build it after loading or training.
+``LeanDecoder`` stacks a layer's q/k/v weights and its gate/up weights (4 linear calls a layer instead of 7),
+calls no modules and attends with ``fastpath.attention``; a policy's hooks run unchanged through
+``KVCache.attend``. It is for tiny models, whose step costs dispatch rather than bytes. Logits agree with
+``decode_step``'s to float rounding (``tests/fastpath/test_lean.py``). The weights are copied when the decoder
+is built: build it after loading or training.
 
     lean = LeanDecoder(model)
     logits = prefill(model, ids, cache)[:, -1]           # the prompt: the reading path
     logits = lean.step(token, cache)                     # each new token: the lean one
+
+How it works: fastpath/inside.md, section "lean.py: fewer, larger operations".
 """
 
 from __future__ import annotations

@@ -5,40 +5,14 @@ KVReviver's decode step with every layer's compression, and the next step's rebu
     every_layer_at_once(policy)        # the same policy, its Algorithms 3 and 4 batched over the layers
     every_layer_at_once_on(policies)   # each KVReviver among them (the evaluation's fast engines)
 
-``methods/kvreviver.py`` works one layer at a time. Before a layer's attention it rebuilds every position
-(Algorithm 4: raw entries where stored, the sketch's estimate elsewhere); after it, it compresses
-(Algorithm 3: R's overflow moves C's lowest token into the sketch, then the swap loop's first test asks
-whether V's best token beats C's lowest, and the host reads that bool). That is about sixty small
-operations per layer and step: on a GPU, where each is a kernel launch, thirty layers make about 1,900
-launches and 30 host waits per cache and step.
+Each layer's compression waits for the step's last layer, then all run at once as rows of one tensor, with one
+host wait for every row's swap test; where the rows would not share shapes, a layer compresses right away. The
+next step's entries are rebuilt ahead for every layer where a rebuild takes every position at once (a GPU, or a
+CPU where ``kvreviver.REBUILD_CHUNK`` covers the sketch's positions); elsewhere each layer rebuilds in chunks
+just before its attention. The results are ``KVReviverPolicy``'s to the last bit
+(``tests/fastpath/test_reviver.py``).
 
-Nothing a layer's compression changes is read before the next step (the next layer attends to its own
-storage and sketch). So every layer's compression waits for the step's last layer and then runs at once:
-the layers' storages, scores and sketches as rows of one tensor, the same operations over (layers x
-sequences x selection groups) rows, and one host wait for every row's swap test. The layers have the same
-budget, positions seen and slots stored, so every row has the same shapes. Rows whose test passes run
-``KVReviverPolicy._swap`` on their own, as before. Then the next step's entries are rebuilt for every
-layer at once, leaving a slot for the next token's entry, which that layer's ``attend_kv`` writes in.
-
-Each row gets exactly the numbers its own layer's hooks would give: every operation treats a row on its own
-(a stable sort, a gather, a copy, a median, a sum into a cell in the order of the tokens added). So the
-storage, the sketch's cells, the scores, the revived flags and the entries attended are those of
-``KVReviverPolicy`` to the last bit (``tests/fastpath/test_reviver.py`` compares them step by step, swaps
-included). Where the rows would not share shapes (per-layer budgets, a layer without a sketch yet, a
-sketch with no cells), a layer compresses right away, as in ``KVReviverPolicy``.
-
-The rebuild ahead is used where a rebuild takes every position at once: on a GPU, and on a CPU where
-``kvreviver.REBUILD_CHUNK`` covers the sketch's positions (``experiments.evaluation.launches`` counts as on a GPU
-that way). Elsewhere on a CPU each layer rebuilds just before its attention, in chunks that stay in the
-CPU's cache: thirty layers rebuilt ahead are a full cache's bytes written and read back from memory, which
-made a job of SmolLM2's KVReviver caches slower on this project's 2-core machine.
-
-The storages hold views of one buffer per step (each layer's, with a slot of room for the next token), so
-the next step stacks nothing: it reads that buffer as it is. The sketches' cells are views of one buffer
-too. Tokens go into every sketch by one call of the sketches' own ``insert``, and the estimates come out by
-one call of their own ``query``, on a ``Routed`` sketch whose cells are all of theirs and which sends each
-token to the cells its own sketch's hashes name (no arithmetic of the sketch is written here again: on a
-GPU the Triton kernels of ``fastpath/sketch.py``, one launch for every layer).
+How it works: fastpath/inside.md, section "reviver.py: KVReviver's layers compressed at once".
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """
 The fused step with its matrix products in the skinny kernel: a layer in six launches instead of fourteen.
 
-What the fused step (``fused.py``) leaves of a step's fixed cost is mostly its matrix products and the small
-kernels beside them. Per layer, on an H200 (``results/decode_profile_h200.txt``): the norm before the q/k/v
-product and before the gate/up product, the q/k/v, o, gate/up and down products (cuBLAS's, one of them split
-along K and followed by a reduction), the residual copied before each product that adds it, SiLU-times-up,
-RoPE, the write, the split attention and its merge: 14 launches. ``kernels/skinny_matmul.py`` reads each
-weight once for the step's few rows and takes in what surrounds it, so a layer becomes
-
-    norm_qkv_rope_write   x -> q; k, v into the buffers   the norm, RoPE and the cache's write folded into the
-                                                          product (``kernels/skinny_qkv.py``)
-    the split attention and its merge                     as in the fused step (and its evictions' kernels)
-    linear_add            x + o_proj(y)                   the residual added in the product's epilogue
-    norm_swiglu           x -> silu(gate) * up            the norm and SiLU-times-up around the gate/up product
-    linear_add            x + down(...)
-
-and the LM head is ``norm_linear`` with the final norm. Everything else is the fused step's, captured and
-replayed as the graph step is. Where the kernels do not serve (a CPU, ``NANOKV_NO_TRITON=1``), and for an fp16
-model (``kernels/skinny_matmul.py`` says why), the step is the fused step's, unchanged. The logits equal the
-lean step's to float rounding: fp32 within 1e-5 (the tests route the kernels through Triton's interpreter on a
-CPU); bf16 within ``BF16_TOL``, as the fused step's (the kernel rounds in other places:
-``kernels/skinny_matmul.py``).
-
-Each product's launch (columns per program, the step along K, warps, stages) is the one ``fastpath.tune``'s
-``tune_skinny`` timed fastest on the step's shapes, else the kernel's default; ``python -m fastpath.bench
---e2e`` tunes before it times the ``skinny`` path, and records the products' times beside cuBLAS's.
+``SkinnyGraphDecoder`` runs each product of a layer as one launch of ``kernels/skinny_matmul.py`` (the weight
+read once for the step's few rows) that takes in the small operations around it (a norm, SwiGLU, a residual
+add); the q/k/v product (``kernels/skinny_qkv.py``) also applies RoPE and writes k, v into the buffers. Where the
+kernels do not serve (a CPU, ``NANOKV_NO_TRITON=1``) and for fp16 models, it is the fused step, unchanged.
+Each product's launch is the one ``tune.tune_skinny`` chose, else the kernel's default. Logits equal the lean
+step's to float rounding (``tests/fastpath/test_skinny.py``).
 
     skinny = SkinnyGraphDecoder(model)                   # as FusedGraphDecoder
     skinny.start(cache, max_new_tokens=32)
     logits = skinny.step(token)
+
+How it works: fastpath/inside.md, section "skinny.py: the matrix products in kernels for a few rows".
 """
 
 from __future__ import annotations

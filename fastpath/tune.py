@@ -1,29 +1,17 @@
 """
 The split kernel's launch, chosen by timing it on the GPU at hand: ``python -m fastpath.bench --tune``.
 
-How a launch of the decode kernel is cut decides how many bytes each SM has in flight: tokens per block
-(``block_n``), programs per SM (the number of ranges each (sequence, KV head) is split into follows from
-it), and Triton's ``num_warps`` and ``num_stages`` (how many blocks a program loads ahead). The defaults, 64
-tokens a block and two programs per SM, read 128-dimensional heads at about the copy bandwidth; a block of
-64-dimensional heads holds half the bytes, and TinyLlama's heads read more slowly inside the fused step
-(``fastpath/README.md``). Rather than guess a better cut, ``tune_attention`` times every candidate on the
-step's own shape (the masked kernel over fixed-capacity buffers, as ``graph.py`` launches it), checks each
-candidate's output against the default launch's, and records the fastest in
-``kernels.decode_attention.TUNED`` under the head dimension, dtype and number of slots it was timed on. Every
-later launch for that head dimension and dtype whose settings are not given reads it there, the one timed
-on the number of slots nearest its cache's: the graph and fused steps captured after it, H2O's,
-Scissorhands' and StreamingLLM's kernels too (their ranges are the split kernel's).
+``tune_attention`` times every candidate launch of the masked decode kernel (tokens per block, programs per SM,
+warps, stages) on the step's own shape, checks each one's output against the default launch's, and records the
+fastest in ``kernels.decode_attention.TUNED``, which every later launch without settings of its own reads.
+``tune_skinny`` does the same for the skinny kernel on each product of the step (``SKINNY_TUNED``), beside
+cuBLAS's product. ``python -m fastpath.bench --e2e`` tunes both before it times the steps. A CPU has nothing to
+time; ``tests/kernels/test_kernels_tune.py`` gives the functions a timer of its own.
 
     python -m fastpath.bench --tune                           # TINYLLAMA_1B's heads, 16 x 8,192 tokens, bf16
     python -m fastpath.bench --tune --length 32768 --json /tmp/tune.json
 
-``python -m fastpath.bench --e2e`` tunes so at each length before it times the steps, for the full cache and
-for the caches that keep a tenth (on a GPU; ``--no-tune`` keeps the defaults), and records the sweeps in its
-report. It also tunes the skinny kernel (``kernels/skinny_matmul.py``) on each product of the step
-(``tune_skinny``: columns per program, the step along K, warps, stages), timing cuBLAS's product alone beside
-it, and keeps the fastest launch per product in ``SKINNY_TUNED`` for the ``skinny`` path. A CPU has nothing to
-time: Triton's interpreter runs the programs one after another (the tests give the function a timer of their
-own).
+How it works: fastpath/inside.md, section "tune.py: the split kernel's launch, timed".
 """
 
 from __future__ import annotations

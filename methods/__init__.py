@@ -6,22 +6,13 @@ KV-cache methods: one file per method, each a ``nanollm.policy.CachePolicy`` dat
     policy = make_policy("adakv(h2o)", budget=64)             # a wrapper around another scorer
     policy = make_policy("adakv", budget=64, inner="h2o")     # the same policy
 
-``METHODS`` is an explicit dict, name -> policy class. Every class takes ``budget`` (tokens kept per layer
-per KV head, protected tokens included) plus its own options, with paper defaults. Tests and notebooks
-iterate over it: registering a method here puts it under the contract tests and the compare CLI.
-
-Two kinds of entries besides the full cache:
-* scorers (``nanollm.policy.ScoringPolicy``): StreamingLLM, H2O, SnapKV, Scissorhands. They rank entries.
-* wrappers (``nanollm.wrapper.PolicyWrapper``): AdaKV, ChunkKV, CriticalKV. They take an ``inner`` scorer and
-  change how its scores become a selection. A wrapper named alone uses its ``default_inner``.
-* policies of their own: KVReviver (a count sketch behind the storage), the full cache.
-
-``"chunkkv"`` alone means ChunkKV over SnapKV *without pooling* (the paper's scoring); ``"chunkkv(snapkv)"``
-is ChunkKV over SnapKV with SnapKV's own defaults.
-
-A *method spec* is one spelling for all three places a method is named (Python, the command line, the
-JSON records): a name, or ``wrapper(inner)`` nested as deep as wanted, e.g. ``"adakv(snapkv)"``.
-``make_policy`` routes each option to the outermost policy in the chain that has it.
+``METHODS`` is an explicit dict, name -> policy class: registering a method here puts it under the contract tests
+and the compare CLI. Every class takes ``budget`` (tokens kept per layer per KV head, protected tokens included)
+plus its own options, with paper defaults. Scorers (``ScoringPolicy``: StreamingLLM, H2O, SnapKV, Scissorhands) rank
+entries; wrappers (``PolicyWrapper``: AdaKV, ChunkKV, CriticalKV) turn an ``inner`` scorer's scores into a
+selection, their ``default_inner`` when named alone; KVReviver and the full cache are policies of their own. A
+*method spec* (``"adakv(snapkv)"``) names a method in Python, on the command line and in the JSON records alike;
+``make_policy`` gives each option to the outermost policy that has it. More: ``methods/README.md``.
 """
 
 from __future__ import annotations

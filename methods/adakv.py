@@ -5,17 +5,14 @@ Paper: Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget All
 LLM Inference", NeurIPS 2025, https://arxiv.org/abs/2407.11550 (the adaptive allocation: Algorithm 1,
 as kvpress's ``AdaKVPress`` realises it).
 
-A uniform per-head budget wastes entries: a head whose attention sits on a few tokens needs few, a head
-whose attention is spread out needs many. The eviction loss is bounded by the attention mass the evicted
-entries would have received, and that bound is smallest when the layer keeps the *globally* best scores,
-whatever head they belong to; a safeguard keeps each head's own best first. With the inner scorer's
-per-head scores s_j (protected entries at +inf):
+A head whose attention sits on a few tokens needs few entries, one whose attention is spread out needs many. The
+eviction loss is bounded by the attention mass of the evicted entries, smallest when the layer keeps its globally
+best scores; a safeguard keeps each head's own best first. With the inner scorer's per-head scores s_j:
 
     s_j[top_{n_safe}(s_j)] = +inf,  n_safe = floor(alpha * budget)      # safeguard: each head's own best
     keep = top_{H_kv * budget} over all (j, t)                         # one pool for the layer
 
-The shorter heads are padded with empty slots (position -1), so stored bytes count H_kv * K slots, K the
-longest head. One head may exceed ``budget`` by (H_kv - 1)(budget - n_safe) (``head_slack``).
+Padding the shorter heads, ``head_slack``: ``methods/README.md``, "How each method is built".
 """
 
 from __future__ import annotations

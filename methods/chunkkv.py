@@ -5,21 +5,14 @@ Paper: Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Effici
 Inference", NeurIPS 2025, https://arxiv.org/abs/2502.00299 (chunk selection: Algorithm 1; layer-wise
 index reuse: Algorithm 2; why chunks: the appendix's in-context-learning argument).
 
-Token-level selection ranks tokens one by one, so it can keep the key of a fact and drop the digits of its
-value. ChunkKV ranks *chunks* of ``c`` consecutive tokens by the sum of their tokens' votes and keeps whole
-chunks, so what it keeps it keeps intact; the kept sets of adjacent layers become alike, so a layer can
-reuse the indices the layer before it chose (Algorithm 2: layer l selects if l % N_reuse == 0).
-
-Algorithm 1, for one layer, with s_j the inner scorer's votes (by default the window's un-pooled attention):
-
-    s_j  = sum over the layer's KV heads of s_j              (one index set per layer)
+Token-level selection can keep the key of a fact and drop the digits of its value; ranking chunks of ``c``
+consecutive tokens keeps what it keeps intact. Algorithm 1, for one layer, with s_j the inner scorer's votes (by
+default the window's un-pooled attention) summed over the layer's KV heads (one index set per layer):
     S_k  = sum of s_j over chunk k = [k c, (k + 1) c)       (its free tokens: not protected)
     keep = protected ∪ the best chunks by S_k while they fit whole in budget - |protected|
                      ∪ the remainder (< c) as the best single tokens of the other chunks
-
-The paper chunks the whole prompt and then cuts to L_max - w before appending the window, which can cut
-a chunk; protecting the window first keeps every chunk whole and the budget exact. Where the paper is
-open (heads, sums vs means, defaults), our choices and kvpress's: ``methods/README.md``.
+Algorithm 2: layer l selects if l % N_reuse == 0, else reuses the indices of the layer before. Why the window is
+protected first: ``methods/README.md``, "How each method is built"; heads, sums, defaults: its choices table.
 """
 
 from __future__ import annotations

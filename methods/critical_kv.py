@@ -1,64 +1,19 @@
 """
-Perturbation-constrained selection (CriticalKV): pick the entries whose removal perturbs the attention
-*output* least, not just the ones with the highest attention.
+Perturbation-constrained selection (CriticalKV): keep the entries whose removal perturbs the attention *output*
+least, weighing each entry's attention A_i by its projected value norm P_i = ||V_i W_O||_1.
 
 Paper: Feng, Lv, Cao, Xie, Zhou, "Identify Critical KV Cache in LLM Inference from an Output Perturbation
-Perspective", 2025, https://arxiv.org/abs/2502.03805  (the problem: §3.2, Definition 1, Eq. 3; masked
-softmax: Theorem 1, Eq. 6; the bound: Theorem 2, Eq. 8; two-stage selection: §3.4, Algorithm 1;
-Assumption 1 and Theorem 3: §3.5, Eqs. 14-15; inside observation-window methods: §3.6, Algorithm 2;
-settings: §4.2; head-wise and final-layer perturbation: §5.1-5.2; alpha ablation: Appendix D).
+Perspective", 2025, https://arxiv.org/abs/2502.03805  (masked softmax: Theorem 1, Eq. 6; the bound: Theorem 2,
+Eq. 8; two-stage selection: §3.4, Algorithm 1; Assumption 1, Theorem 3: §3.5; inside observation-window methods:
+§3.6, Algorithm 2; settings: §4.2). Keeping the entries of a 0/1 mask N bounds the L1 output perturbation by
 
-Idea. For one head and one query, the attention output is o = A V W_O (Eq. 2). Keeping only the entries of
-a 0/1 mask N renormalises the attention over what is kept, A' = N*A / sum(N*A) (Theorem 1), and the L1
-output perturbation L = ||(A - A') V W_O||_1 (Eq. 5) is bounded by (Theorem 2, Eq. 8)
+    theta = C - (2 - 1 / sum_i N_i A_i) * sum_i N_i A_i P_i,      C = sum_i A_i P_i       (Theorem 2, Eq. 8)
 
-    theta = C - (2 - 1 / sum_i N_i A_i) * sum_i N_i A_i ||V_i W_O||_1,      C = sum_i A_i ||V_i W_O||_1.
-
-The bound depends on the attention weights *and* on the size of what each entry would add to the output,
-its projected value norm P_i = ||V_i W_O||_1. Once the kept attention mass sigma exceeds 1/2 (Assumption
-1), the factor (2 - 1/sigma) is positive and the bound shrinks fastest by keeping the entries with the
-largest A_i * P_i (Theorem 3). Hence the two-stage greedy selection (Algorithm 1), with budget b:
-
-    stage 1:  S1 = top_{floor(alpha * b)}(A)                           # secure attention mass (Assumption 1)
-    stage 2:  S2 = top_{b - |S1|}(A * P) over the entries not in S1     # minimise the bound (Theorem 3)
-    keep     = S1 ∪ S2
-
-Attention top-k minimises a looser bound in which every P_i is replaced by min_i P_i (Theorem 4, Appendix
-F), so when all P_i are equal the two-stage selection *is* attention top-k.
-
-Inside an observation-window method (Algorithm 2): the host method (SnapKV, AdaKV over SnapKV) allocates
-each head's budget b and ranks entries by its pooled window vote; stage 1 takes the host's top
-floor(alpha * b') by that pooled score; stage 2 weighs an attention estimate by the projected value norms
-(line 9). Which estimate is the one symbol the paper leaves to its reader. Read literally, line 9 uses the
-window's *un-pooled* mean attention (line 3); the authors' own code (kvpress's ``CriticalKVPress``, which
-names the first author as its reviewer) multiplies the norms by the host's *pooled* score, the same score
-stage 1 ranks by. Pooling spreads a needle's vote to its neighbours, so the pooled reading keeps the
-digits around a retrieved key that the un-pooled one drops (lab `04_critical_kv_readings` compares both). We
-run the authors' reading by default (``stage2="host"``) and keep the literal one as an ablation (``stage2="window"``).
-As a wrapper (``nanollm.wrapper.PolicyWrapper``), for every KV head j of a layer being compressed:
-
-    b_j     = inner.head_budgets(ctx)[j]           # uniform (SnapKV) or AdaKV's share of the layer's pool
-    keep_j  = inner's protected entries            # SnapKV's observation window, H2O's recent tokens, sinks
-    b'_j    = b_j - |keep_j|                       # the free budget
-    S1_j    = top_{floor(alpha * b'_j)}(inner.keep_scores)         # the host's (pooled) ranking
-    S2_j    = top_{b'_j - |S1_j|}(stage-2 score)                   # outside keep_j and S1_j
-    keep    = keep_j ∪ S1_j ∪ S2_j     (exactly b_j entries; AdaKV's unequal heads padded with -1)
-
-    stage-2 score, "host" (default):  (s_j / w + eps) * mean_{h in group j} P_h
-    stage-2 score, "window":          mean_{h in group j} (Abar_h + eps) * P_h
-
-with s_j the host's pooled score, summed over the window's w queries (so s_j / w is their mean, where
-kvpress adds its epsilon), Abar_h the mean over the last ``window`` prompt queries of query head h's
-attention (not pooled), and P_h,i = ||v_{h // G, i} W_O^(h)||_1, where W_O^(h) = o_proj.weight[:, h*d:(h+1)*d]^T
-is query head h's slice of the output projection. ``critical_kv`` = ``critical_kv(snapkv)`` (CriticalSnapKV);
-``critical_kv(adakv(snapkv))`` is CriticalAdaKV.
-
-After each compression ``policy.last[layer]`` records what the two stages picked (``stage1_pos``,
-``stage2_pos``) and, in window mode, ``abar`` and ``sigma``, Assumption 1's mass on the stage-1 set (for
-the notebook, not cache state). Where the paper is open (the window's place, GQA, hosts without a window)
-and how kvpress differs: ``methods/README.md``. Defaults: alpha = 0.25 (§4.2) of the free budget,
-stage2 = "host" (the authors' code), epsilon = 0 (the paper); the host keeps its own. kvpress's settings
-(``methods.presets``): alpha = 0.5 of the whole budget (``alpha_of="budget"``), epsilon = 1e-4.
+Once the kept mass passes 1/2 (Assumption 1) the bound shrinks fastest by keeping the largest A_i P_i (Theorem 3):
+Algorithm 1, budget b: S1 = top_{floor(alpha b)}(A), S2 = top_{b - |S1|}(A P) outside S1, keep S1 ∪ S2. As a wrapper
+(Algorithm 2) it runs per KV head in its host's budgets after the host's protected entries (SnapKV by default;
+``critical_kv(adakv(snapkv))`` = CriticalAdaKV). Defaults: alpha = 0.25 of the free budget (§4.2), stage 2 by the
+host's pooled score (``stage2="host"``, the authors' code). The rest: ``methods/README.md``, "How each method is built".
 """
 
 from __future__ import annotations

@@ -1,35 +1,19 @@
 """
 KVReviver: evicted tokens go into a count sketch, from which every step rebuilds them for full attention.
 
-Paper: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction",
+Paper: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction", 2025,
 https://arxiv.org/abs/2512.17917  (the Vague sketch: Algorithms 1-2; Recent / Candidate / Vague storage:
-Algorithm 3; rebuilding the cache: Algorithm 4; defaults: the appendix's parameter settings, Tables 2-3;
-error analysis: the "Mathematical Analysis" section and Lemmas 1-2).
+Algorithm 3; rebuilding the cache: Algorithm 4; defaults: Tables 2-3; error analysis: Lemmas 1-2).
 
-Idea. An evicting method forgets for good: once a token is dropped, a later question about it cannot be
-answered ("contextual amnesia"). KVReviver keeps, per layer:
-* Recent (R): the newest tokens, raw, as a queue;
-* Candidate (C): the tokens with the highest accumulated attention, raw, as a min-heap;
-* Vague (V): every other token, *summed* into a small count sketch of r x b cells (each cell holds a
-  whole token: keys and values of every KV head). Any of them can be rebuilt approximately.
-Before each attention (Algorithm 4) the layer's cache is rebuilt for *all* N positions: raw from R and C,
-the median over the r sketch rows for V. Attention is full; only the storage is compressed. After the
-attention, the new tokens enter R and Algorithm 3 rebalances: R overflows into C, C's lowest-score tokens
-go into the sketch, and a sketch token whose score beats C's minimum by ``replace_rate`` is revived into C.
-
+An evicting method forgets for good. KVReviver keeps, per layer, Recent (R: the newest tokens, raw), Candidate
+(C: the highest accumulated attention, raw) and Vague (V: every other token summed into r x b sketch cells), and
+before each attention rebuilds all N positions, raw from R and C, the sketch's median for V (Algorithm 4).
 The sketch (Algorithms 1-2), per row i with a bucket hash h_i and a sign hash g_i:
     insert:  cell[i, h_i(J)].key += k_J          cell[i, h_i(J)].value += g_i(J) v_J
     query:   k^_J = median_i cell[i, h_i(J)].key    v^_J = median_i g_i(J) cell[i, h_i(J)].value
-Signs make each row's value estimate unbiased (collisions add zero-mean noise); keys are summed without
-signs (the paper: the softmax would not keep an unbiased key unbiased anyway).
-
-Budget = slots per layer per KV head: raw slots (R + C) plus sketch cells (r x b), split 0.45 / 0.45 / 0.1
-(Tables 2-3). The same budget in every layer by default; ``layer_budgets`` gives each layer its own, e.g. the
-appendix's allocation by the Fisher information of W_K and W_V (``fisher_layer_budgets``). By default R, C
-and V are per layer, shared by the KV heads (a cell holds a whole token of every KV head; ``per_kv_head=True``
-is our variant with one selection per KV head). Scores are dense by
-position, so a sketched token can be revived. A revived token keeps its *approximate* key and value
-(``exact_positions`` leaves it out). How the paper's open points are resolved: ``methods/README.md``.
+Budget = raw slots + cells per layer per KV head, split 0.45 / 0.45 / 0.1 (Tables 2-3). Algorithm 3's rebalancing,
+revived tokens, ``per_kv_head`` and ``layer_budgets``: ``methods/README.md``, "How each method is built"; how the
+paper's open points are resolved: its table "Choices where papers and implementations differ".
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ other. ``preset_options(spec, "kvpress")`` gives the options that make our polic
   window included), epsilon 1e-4.
 * StreamingLLM (4 sinks) and AdaKV (safeguard 0.20): the same.
 
-Methods kvpress does not have (H2O, Scissorhands, KVReviver) keep ours. An option passed explicitly wins
-over the preset's.
+Methods kvpress does not have (H2O, Scissorhands, KVReviver) keep ours; an option passed explicitly wins.
 """
 
 from __future__ import annotations

@@ -6,20 +6,13 @@ of Importance Hypothesis for LLM KV Cache Compression at Test Time", NeurIPS 202
 https://arxiv.org/abs/2305.17118 (persistence of importance: §3.2; the budget cache: §4, Algorithms 1-2;
 the error bound: Theorem 4.1, Appendix B.2-B.3, in ``experiments/analysis/scissorhands_theory.py``).
 
-Attention maps repeat: the tokens a step attends to strongly are, by and large, those later steps attend
-to as well. So a token that received *less than average* attention in most recent steps is unlikely to
-matter again. Per layer and KV head, after each step's attention:
-
-    A_i[j]   = mean over the group's G query heads of the attention query i gives token j
-    low_i[j] = A_i[j] < 1 / (entries query i attended)         (below the uniform level)
-    I[j]     = low flags of token j among the last w queries    (Algorithm 2's counter)
-    if the cache holds n > B: drop ceil((n - B) / m) * m tokens with the largest I, never one of the
-    r most recent; ties: the lower attention of the step's last query goes first, then the later position
-
-Every entry carries a ring buffer of its last w flags in the storage's state (the flag of the query at
-position q sits in column q % w) and the counter beside it, updated as flags enter and leave. A prompt
-longer than B counts its last min(w, T) rows as steps, then drops to B at once. Defaults (w = 400,
-r = min(10, B - 1), m = 1) and the other choices: ``methods/README.md``.
+Attention maps repeat, so a token that got less than average attention in most recent steps is unlikely to
+matter again. Per layer and KV head, after each step's attention (Algorithm 2), with A_i[j] the mean over the
+group's G query heads of the attention query i gives token j:
+    low_i[j] = A_i[j] < 1 / (entries query i attended);   I[j] = low flags of token j among the last w queries
+    if the cache holds n > B: drop ceil((n - B) / m) * m tokens with the largest I, never one of the r most recent
+Defaults w = 400, r = min(10, B - 1), m = 1. Ties, long prompts, GQA: ``methods/README.md``, its choices table;
+the counters' ring buffer: its section "How each method is built".
 """
 
 from __future__ import annotations

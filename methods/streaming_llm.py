@@ -10,13 +10,8 @@ most recent tokens gives a fixed-size cache that streams forever:
 
     keep = [0, S)  ∪  [seen - R, seen)          S = n_sink sinks, R = budget - S recent tokens
 
-As a scorer, newer is better (score = position) and the sinks and the window are protected; they fill the
-budget, so exactly they are kept, and a wrapper around StreamingLLM changes nothing. While decoding, the
-token to drop is always the oldest one after the sinks (``evict_oldest``, one pass over the positions, the
-rule every path runs: ``methods/rules.py``), and the next token is written into its slot
-(``LayerKV.append``). Tokens keep their original positions (as kvpress; the paper
-re-indexes positions inside the cache). If budget <= n_sink the sinks are cut to budget - 1, so the newest
-token is always kept.
+A scorer whose score is the position, the sinks and the window protected. How it evicts while decoding, small
+budgets: ``methods/README.md``, "How each method is built"; positions (original, as kvpress): its choices table.
 """
 
 from __future__ import annotations

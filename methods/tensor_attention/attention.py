@@ -1,59 +1,19 @@
 """
 Tensor attention and its two KV-cache layouts: four matrices (K1, K2, V1, V2) or two (K~, V~).
 
-Tensor attention (Sanford, Hsu & Telgarsky 2023, arXiv 2306.02896; Alman & Song 2024, arXiv 2310.04064)
-lets a query attend to *pairs* of earlier tokens instead of single tokens. Each token t has five
-projections instead of three: a query q_t, two keys k1_t, k2_t and two values v1_t, v2_t. The query at t
-scores every pair (a, b) with a, b <= t and mixes the pairs' element-wise value products:
+Paper: tensor attention, Sanford, Hsu & Telgarsky, NeurIPS 2023, https://arxiv.org/abs/2306.02896, and Alman & Song
+2024, https://arxiv.org/abs/2310.04064; its caches, Chen et al., "Time and Memory Trade-off of KV-Cache Compression
+in Tensor Transformer Decoding", 2025, https://arxiv.org/abs/2503.11108 (§3.2, Definitions 3.1, 3.6-3.8).
 
-    s_t(a, b) = tau * < q_t, k1_a * k2_b >                  (* is the element-wise product)
-    P_t       = softmax over all t^2 pairs of s_t
-    o_t       = sum_{a,b} P_t(a, b) * (v1_a * v2_b)
-
-Chen et al. (arXiv 2503.11108, §3.2) write this with the column-wise Kronecker product (Definition 3.1):
-``K1 (/) K2`` is the (n^2, d) matrix whose row (a, b) is K1[a] * K2[b]. Then (Definitions 3.6-3.8)
-
-    four-matrix cache:  store K1, K2, V1, V2 (4 n d numbers), attend (V1 (/) V2)^T softmax((K1 (/) K2) q)
-    two-matrix cache:   store K~ = K1 (/) K2, V~ = V1 (/) V2 (2 n^2 d numbers), attend V~^T softmax(K~ q)
-
-and prove memory lower bounds for d >= C log n (Theorems 4.1/4.2): Omega(n d) bits for an algorithm given
-the four matrices, Omega(n^2 d) bits for one given two matrices. The second bound is about *arbitrary*
-pair rows (its proof streams n^2 free rows k~, v~); rows made as K1 (/) K2 from n tokens carry only the
-factors' information, and the factored path below computes their output exactly from 4 n d numbers.
-Theorem 4.3 states that the two-matrix cache is faster by Omega(n^2 d) per step, charging the four-matrix
-cache for building K1 (/) K2 and V1 (/) V2 again at every step.
-
-That last charge is avoidable. The score of a pair factors as s(a, b) = sum_j q_j K1[a, j] K2[b, j], so
-the whole (n, n) score matrix is ``S = (K1 * q) @ K2^T``, and the output coordinate j is
-sum_a V1[a, j] (P @ V2)[a, j], i.e. ``o = sum_a (V1 * (P @ V2))[a]``: two (n, n, d) matrix products, the
-same Theta(n^2 d) arithmetic as the two-matrix cache's ``K~ q`` and ``V~^T p``, from 4 n d stored numbers.
-This file implements all three decode paths over the two layouts, so the trade-off can be measured:
-
-    "four-naive"  FourCache, materialises K1 (/) K2 and V1 (/) V2 at every step (as the paper charges it)
-    "four"        FourCache, factored: S = (K1 * q) K2^T, o = 1^T (V1 * (P V2)); O(n d) memory
-    "two"         TwoCache: K~, V~ grown by the 2i+1 new pair rows of token i+1; O(n^2 d) memory
-
-A two-matrix cache cannot drop its factors: the pair rows of the *next* token need K1[a], K2[b], V1[a],
-V2[b] of every earlier token, so a cache that keeps decoding stores 2 n^2 d + 4 n d numbers (``TwoCache``
-reports the two parts separately).
-
-Choices the papers leave open (they define one attention step with no scaling and no positions):
-
-* Scaling tau = 1/sqrt(d): with unit-variance entries a pair score sums d products of three, variance d.
-* Positions: rotary embeddings do not give relative scores here (< R_t q, R_a k1 * k2 > is not a function
-  of t - a, because the element-wise product with k2 breaks the rotation), so the tensor model uses
-  learned absolute positions (``flavour="gpt2"``); a llama-flavour config is refused.
-* k2 and v2 are parameterised as ``1 + projection``: with all-ones k2 and v2 rows tensor attention *is*
-  standard attention over (q, k1, v1) (softmax over pairs sums out b; tested), so at initialisation, when
-  the projections are near zero, the layer starts as ordinary attention and learns to use pairs.
-* One set of factors per query head (n_kv_head must equal n_head).
-
-The module plugs into the nanollm decoder through ``ModelConfig.attention``::
-
-    config = preset("TINY_GPT2", attention="methods.tensor_attention:TensorAttention")
-    model = Transformer(config)                      # norms, MLP, embeddings, generation unchanged
-    cache = tensor_cache(config, "two")              # or "four" (the default layout), "four-naive"
-    generate(model, ids, 8, cache=cache)
+A query scores *pairs* of earlier tokens, s_t(a, b) = tau <q_t, k1_a * k2_b> (* element-wise), takes the softmax
+over all t^2 pairs and mixes P_t(a, b) (v1_a * v2_b). The four-matrix cache stores K1, K2, V1, V2 (4 n d numbers),
+the two-matrix cache the pair rows K~ = K1 (/) K2, V~ = V1 (/) V2 (2 n^2 d). Three decode paths: "four-naive"
+rebuilds the pair rows every step (as Chen et al.'s Theorem 4.3 charges it); "four" factors them, S = (K1 * q) K2^T
+and o = 1^T (V1 * (P V2)), the same Theta(n^2 d) work from O(n d) memory; "two" grows K~, V~ by token i+1's 2i+1
+rows. tau = 1/sqrt(d), learned absolute positions, k2 = 1 + k2_proj(x) and v2 = 1 + v2_proj(x) (all-ones rows give
+standard attention). In the decoder: ``ModelConfig.attention = "methods.tensor_attention:TensorAttention"``,
+``tensor_cache(config, layout)``. The bounds and the choices: ``methods/tensor_attention/README.md``, "How the
+attention and its two caches work".
 """
 
 from __future__ import annotations

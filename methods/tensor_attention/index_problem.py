@@ -1,67 +1,18 @@
 """
 Why a tensor-attention cache cannot be compressed below Omega(n) bits in general: the Index problem, run.
 
-Paper: Chen et al., "Time and Memory Trade-off of KV-Cache Compression in Tensor Transformer Decoding",
-https://arxiv.org/abs/2503.11108 (Theorem 4.1: a four-matrix cache that decodes exactly needs Omega(n d)
-bits for d = Omega(log n); the reduction from the Index problem, Lemma 3.11). It generalises Haris &
-Onak's Theta(n d) bound for standard attention (2025), proved by a reduction of the same kind.
+Paper: Chen et al., "Time and Memory Trade-off of KV-Cache Compression in Tensor Transformer Decoding", 2025,
+https://arxiv.org/abs/2503.11108 (Theorem 4.1: a four-matrix cache that decodes exactly needs Omega(n d) bits
+for d = Omega(log n); the reduction from the Index problem, Lemma 3.11), generalising Haris & Onak's Theta(n d)
+bound for standard attention (2025).
 
-The Index problem. Alice holds n bits x; she sends Bob one message; Bob, given an index j, must output
-x_j. However Bob's index is chosen, a message that lets him answer every j carries the whole of x, so it
-has at least n bits (this holds for randomised protocols too, and for protocols that only answer most
-indices correctly, see the bound below).
-
-The reduction. Let the message be a KV cache: Alice writes a tensor-attention cache from x, and Bob's
-"answer" is one attention output for a query he builds from j. If Bob can read x_j off the output for every
-j, the cache is a valid message, so it holds at least n bits. The construction here is one of many, in
-the spirit of those proofs (random vectors, a Johnson-Lindenstrauss-style argument that the intended pair
-stands out); it is ours, not copied from the papers:
-
-    r_a, u_a   random +-1 vectors in R^d (a = 0..n-1), d = ceil(C log2 n); they do not depend on x
-    K1[a] = r_a,   K2[a] = u_a,   V2[a] = 1 (all ones)
-    V1[a] = 2 x_a - 1 in the first w coordinates (w = ``bits_per_token``; x is (n, w) bits), 1 elsewhere
-    q_j   = c * (r_j * u_j)                                          (* element-wise)
-
-Pair (a, b) scores <q_j, r_a * u_b> = c * sum_i r_{j,i} u_{j,i} r_{a,i} u_{b,i}: exactly c d for the pair
-(j, j), a sum of d random signs (about c sqrt(d) in size) for the others. With d = C log2 n the largest of
-the n^2 - 1 others stays below c d by a margin, so the softmax puts most of its mass on (j, j) and the
-output is about V1[j] * V2[j] = V1[j]. Every coordinate of V1
-is +-1, so a weight above 1/2 on (j, j) already fixes the output's signs: Bob decodes x_j = [o_j > 0]
-coordinate by coordinate. The vectors are public randomness (Bob knows them; only V1 depends on x), so
-Alice may redraw them until every index's pair wins by at least 2 (``make_instance`` does; a tie with a !=
-j could hide x_j). With w = d every coordinate of V1 is a bit: n d bits, the Omega(n d) form of Theorem
-4.1.
-
-What is counted. Because K1, K2, V2 and the queries are independent of x, the information a cache holds
-about x is in what it keeps of V1. We count that as the cache's *bits* s: w bits per kept V1 row for a
-cache that keeps a subset of rows, one bit per group and coordinate for the grouped-sign cache below.
-(The floats a real cache stores are far more; the bound is about information, and counting the
-x-dependent bits makes the comparison with it tight.)
-
-The bound (information theory, stated here for N = n w bits and average accuracy p over the N bits):
-any message of s bits satisfies N (1 - H(p)) <= s, H the binary entropy. Why: I(x; message) <= s; the bits
-are independent, so I(x; message) >= sum_i I(x_i; message); by Fano's inequality I(x_i; message) >=
-1 - H(p_i) for Bob's guess of x_i, correct with probability p_i; and H is concave. So to be right on a
-fraction p > 1/2 of the bits a cache needs s >= N (1 - H(p)) bits, linear in N: Omega(n) (Omega(n d) for
-w = d), and exact retrieval needs s >= N.
-
-The experiment (``accuracy_vs_bits``) compresses the full cache two ways and measures Bob's accuracy:
-
-* ``rows``: keep k of the n token rows (a seeded random subset). Bob decodes the kept indices exactly; for
-  a dropped index the output is a function of the other bits only, right with probability exactly 1/2.
-  Expected accuracy 1/2 + k / (2 n) = 1/2 + s / (2 N): storing s bits verbatim and guessing the rest.
-* ``majority``: quantise V1 below one bit per token: tokens in consecutive groups of g share one sign per
-  coordinate, their majority (ties to +1). Bob decodes the majority of j's group. s = ceil(n / g) w bits,
-  expected accuracy P(x_j = majority) = 1/2 + C(g - 1, (g - 1) / 2) / 2^g for odd g (3/4 for g = 3).
-
-Each row of the result has both the accuracy and the two curves: ``verbatim`` = 1/2 + s / (2 N) and
-``fano`` = the largest p with N (1 - H(p)) <= s. The grouped-sign cache lies *above* the verbatim line
-(e.g. g = 3: 0.75 at s = N/3, verbatim 0.67), so 1/2 + s / (2N) is not an upper bound on what s bits can
-do; the Fano curve is, and every scheme stays below it (0.83 at s = N/3). That is the illustration: for
-any fixed accuracy above 1/2 the bits needed grow linearly with n. It is an illustration of the bound on
-two particular caches, not a proof: the proof is the reduction plus the Index lower bound above.
-
-Not illustrated: the Omega(n^2 d) bound for the two-matrix cache (Theorem 4.2 of the paper).
+Alice writes a cache from her n bits x; if Bob reads any x_j off one attention output, the cache holds at least n
+bits. Our construction (``make_instance``): K1[a] = r_a, K2[a] = u_a random +-1 vectors in R^d, d = ceil(C log2 n),
+V2 = 1, V1[a] = 2 x_a - 1 on its first w coordinates; Bob's query q_j = c (r_j * u_j) makes the pair (j, j) win the
+softmax. ``accuracy_vs_bits`` compresses the cache (keep k of the n rows, or one majority sign per group of g
+tokens) and sets Bob's accuracy against the verbatim line 1/2 + s / (2N) and the Fano bound N (1 - H(p)) <= s.
+Why it works, what is counted, the bound's proof: ``methods/tensor_attention/README.md``, "The Index problem: the
+memory lower bound, run".
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """
 Match3, causal: a task where three-way interactions matter. Train, evaluate and bundle the tiny models.
 
-Sanford, Hsu & Telgarsky (NeurIPS 2023, arXiv 2306.02896, §4) define Match3 on a sequence of numbers
-x_1..x_n in Z_M: position i is labelled 1 if x_i + x_j + x_k = 0 (mod M) for some j, k. They show that one standard
-attention layer needs a large size to compute it (each query scores *single* tokens, and the condition is
-about *pairs*), while one third-order (tensor) attention head computes it directly: with Fourier features,
-the score <q_i, k1_a * k2_b> can be large exactly when x_i + x_a + x_b = 0 (mod M). Their lower bound is
-for a single layer; our standard model has two layers and MLPs, so it is not a prediction for this
-comparison, only the motivation for it.
+Paper: Sanford, Hsu & Telgarsky, NeurIPS 2023, https://arxiv.org/abs/2306.02896, §4: on x_1..x_n in Z_M, position i
+is labelled 1 if x_i + x_j + x_k = 0 (mod M) for some j, k; one tensor-attention head computes it directly, one
+standard attention layer needs a large size. Our causal form puts the labels in the sequence, so it decodes::
 
-Our decoder is causal, so we label each number from the numbers before it (and itself), and put the labels
-in the sequence so that every position is supervised and the task can be *decoded* greedily::
-
-    BOS x_1 L_1 x_2 L_2 ... x_n L_n        L_i = YES if x_a + x_b + x_i = 0 (mod M) for some a <= b <= i
-                                             (a = b and a pair with i itself count), else NO
-
-The model reads x_i and predicts L_i. Early labels are mostly NO (few pairs), late ones mostly YES (with
-i(i+1)/2 pairs, a match becomes likely); ``majority_baseline`` is the accuracy of guessing the more likely
-label for each position, the bar a model must clear to have learned anything.
+    BOS x_1 L_1 x_2 L_2 ... x_n L_n        L_i = YES if x_a + x_b + x_i = 0 (mod M) for some a <= b <= i, else NO
 
     python -m methods.tensor_attention.match3 train --attention tensor --out runs/m3-tensor
-    python -m methods.tensor_attention.match3 train --attention standard --out runs/m3-standard
     python -m methods.tensor_attention.match3 eval match3-tensor match3-standard
 
-The bundled ``methods/tensor_attention/checkpoints/match3-tensor`` and ``match3-standard`` were made by those
-commands with the defaults; each folder's card records the command, the budget and the measured accuracy.
+The bundled ``checkpoints/match3-tensor`` and ``match3-standard`` were trained with the defaults; each card records
+its command, budget and accuracy. The task in full, the baseline: ``methods/tensor_attention/README.md``, "Match3:
+the task and the bundled models".
 """
 
 from __future__ import annotations

@@ -3,75 +3,16 @@ SubGen: softmax attention from a sublinear sketch of a stream of (key, value) ro
 
 Paper: Zandieh, Han, Mirrokni & Karbasi, "SubGen: Token Generation in Sublinear Time and Memory", 2024,
 https://arxiv.org/abs/2402.06082 . Used for tensor attention by Chen et al., arXiv 2503.11108, §5.1
-(SubGen4Cache / SubGen2Cache, Lemmas 5.1 and 5.2): the same sketch run over a tensor-attention cache.
+(SubGen4Cache / SubGen2Cache, Lemmas 5.1 and 5.2).
 
-The quantity. One query q over a stream of n rows (k_j, v_j), exactly as a KV cache holds them:
-
-    o = sum_j exp(<q, k_j>) v_j  /  sum_j exp(<q, k_j>)   =   numerator / Z
-
-A full cache stores all n rows. SubGen stores a sample of them and estimates the numerator and the
-normaliser Z separately, each with its own sampling scheme, then divides:
-
-* Z, from the keys (online clustering). Keys arrive one by one. A key joins the nearest existing cluster
-  if it lies within distance ``delta`` of that cluster's centre, otherwise it opens a new cluster with
-  itself as the centre. Each cluster keeps its count c_i and a uniform sample S_i of at most
-  ``per_cluster`` of its keys (reservoir sampling: the first ``per_cluster`` keys fill it, the c-th key
-  after that replaces a random slot with probability per_cluster / c). Then
-
-      Z_hat = sum_i (c_i / |S_i|) sum_{k in S_i} exp(<q, k>)
-
-  Keys of one cluster lie within ``delta`` of its centre, so within 2 delta of each other, and their
-  exp(<q, k>) differ by a factor of at most exp(2 delta ||q||): a handful of samples estimates the
-  cluster's sum well. This is where the paper's assumption enters: the keys must be "clusterable" (few
-  clusters of small radius, the paper's (m, delta)-clusterability); with scattered keys every key opens
-  its own cluster and nothing is saved.
-
-* The numerator, from the values (l2 sampling, a classic matrix-product estimator). Keep ``s =
-  value_samples`` (key, value) pairs, each drawn independently with probability p_j = ||v_j||^2 / W,
-  W = sum_j ||v_j||^2, and estimate
-
-      numerator_hat = sum_{samples (k, v)} exp(<q, k>) v / (s p_j)  =  (W / s) sum exp(<q, k>) v / ||v||^2
-
-  which is unbiased for every query. The samples are kept online by s independent weighted reservoirs of
-  size one: the j-th row replaces each slot, independently, with probability ||v_j||^2 / W_j (W_j the
-  total weight so far), which leaves every slot holding row j with probability ||v_j||^2 / W_n.
-
-The output is o_hat = numerator_hat / Z_hat. The guarantee, as Chen et al. restate it for tensor
-attention (arXiv 2503.11108, Lemmas 5.1 and 5.2): for (m, delta)-clusterable keys and queries of norm at
-most r, with probability 0.99 the error is at most eps * ||softmax(K q)||_2 * ||V||_2 (relative to the
-norm of all the values, not to ||o||), from O(d eps^-2 (d + m e^{2 delta r} log n)) bits of space:
-about e^{2 delta r} log(n) / eps^2 key samples per cluster and d / eps^2 value samples, sublinear in n when
-the number of clusters m is.
-
-What we could and could not check. We could read the paper's abstract and summaries of it (online
-clustering of keys, online l2 sampling of values, reservoir sampling, the form of the bound above), not its
-pseudocode; the procedure above is our reading of that description. Two choices are ours: the per-cluster
-reservoir samples *without* replacement (classic reservoir sampling; unbiased as well), and both samplers
-store the stream verbatim while it is short enough to fit: a cluster with at most ``per_cluster`` keys
-keeps all of them, and the value side keeps every row until it has seen more than ``value_samples`` rows,
-then turns that buffer into ``value_samples`` independent weighted draws and goes on as above (the draws
-have the same distribution as if the reservoirs had run from the start). So a sketch as large as the stream
-is exact, which the tests check.
-
-Scaling. ``attend(q, scale)`` uses exp(scale * <q, k>) as a transformer does (scale = 1/sqrt(d)); the
-clustering radius ``delta`` is measured on the raw keys.
-
-Tensor attention (``subgen_pairs``). A two-matrix tensor-attention cache (``methods/tensor_attention/attention.py``)
-is ordinary attention over the n^2 pair rows k1_a * k2_b, v1_a * v2_b, and token i appends 2i+1 of them.
-Streaming those rows through SubGen gives a sketch of the two-matrix cache: sublinear in n^2 when the pair
-keys cluster (they do if K1 and K2 cluster: m1 and m2 clusters give at most about m1 * m2 pair clusters).
-Two caveats:
-
-* The sketch answers queries over the pairs seen so far, but a decoder that keeps generating must also
-  build the *next* token's pairs (a, new) and (new, b), which need K1[a], V1[a], K2[b], V2[b] of every
-  earlier token. So it still stores the four factor matrices (4 n d numbers, what a four-matrix cache
-  stores) or a sketch of them; ``nbytes`` here counts the pair sketch only.
-* The guarantee needs clusterable keys and bounded queries (the exp(2 delta r) factor). Without them the
-  lower bounds of arXiv 2503.11108 (Theorem 4.1; ``methods/tensor_attention/index_problem.py``) say no cache
-  can be small.
-
-``error_vs_memory`` runs the sketch on a seeded synthetic instance and compares it with the exact two- and
-four-matrix caches, for the notebook.
+o = sum_j exp(<q, k_j>) v_j / Z is estimated in two parts. Z: a key joins the nearest cluster within ``delta`` of
+its centre, or opens one; a cluster keeps its count c_i and a reservoir S_i of ``per_cluster`` keys, and
+Z_hat = sum_i (c_i / |S_i|) sum_{k in S_i} exp(<q, k>). The numerator: ``value_samples`` = s rows drawn with
+p_j = ||v_j||^2 / W by weighted reservoirs, numerator_hat = (W / s) sum exp(<q, k>) v / ||v||^2 (unbiased). A
+sketch as large as its stream is exact. ``subgen_pairs`` streams a two-matrix cache's pair rows through it; a
+decoder that goes on generating still needs the factor rows for the next token's pairs (``nbytes`` leaves them
+out). The bound, which parts are our reading of the paper, the caveats: ``methods/tensor_attention/README.md``,
+"SubGen: a sketch of the pair rows".
 """
 
 from __future__ import annotations
