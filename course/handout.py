@@ -21,10 +21,10 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from . import lesson
@@ -395,12 +395,14 @@ def instructor_pack(assignment: Assignment, out: Path) -> list[Path]:
 def write_new_folder(out: Path, write) -> list[Path]:
     """``write(folder)`` into a hidden folder beside ``out``, renamed to ``out`` only once complete: an error
     (a file in the way, a read-only place, a full disk) is one line and leaves nothing behind."""
+    # named before it exists, so that a signal at any moment from here on finds what to remove
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(6)}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as e:
-        raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror or e})") from None
-    try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(tmp, 0o700)
+        except OSError as e:
+            raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror or e})") from None
         files = write(tmp)
         if out.exists():
             out.rmdir()                                   # check_out let it through: it is empty

@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
     with cli.errors(args.debug):
         # every argument is checked before the model loads
-        cli.check_outputs({"--json": args.json, "--plot": args.plot}, inputs=[args.checkpoint])
+        cli.check_outputs({"--json": args.json, "--plot": args.plot}, inputs=[args.checkpoint, *args.task_file])
         methods = args.methods or list(METHODS)
         check_methods_flag(methods)
         config, card = load_config(args.checkpoint), load_card(args.checkpoint)

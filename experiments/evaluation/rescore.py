@@ -19,7 +19,6 @@ written before ``experiments.compare`` kept the answers has nothing to rescore, 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import math
@@ -40,7 +39,7 @@ from . import compare
 from .chat import ChatTask
 from .metrics import METRICS, Metric, rescore, task_of
 from .task import TASKS
-from .task_file import exact_match
+from .task_file import exact_match, file_sha256
 
 # The answer-level metrics this command offers: the task's own score, which the records store, and five
 # added after the run (examples): on the answer's text, its token ids, and the full cache's answer beside it.
@@ -296,8 +295,8 @@ def find_task_files(records: list, path: Path, given: list[Path]) -> None:
     def digest(candidate: Path) -> str | None:
         if candidate not in digests:
             try:
-                digests[candidate] = hashlib.sha256(candidate.read_bytes()).hexdigest()
-            except OSError:
+                digests[candidate] = file_sha256(candidate)            # a regular file of a task file's size
+            except (OSError, ValueError):
                 digests[candidate] = None
         return digests[candidate]
 
@@ -324,17 +323,20 @@ def main(argv: list[str] | None = None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
-        cli.check_outputs({"--json": args.json}, inputs=[args.results])
+        cli.check_outputs({"--json": args.json}, inputs=[args.results, args.checkpoint, *args.task_file])
         names = list(dict.fromkeys(args.metric))
         data = read_json(args.results, "results file")
         if not isinstance(data, dict) or "records" not in data:
             cli.fail(f"{args.results}: not a experiments.compare results file (a JSON object with 'records')")
         seed, checkpoint = run_settings(data, args.results)
         checkpoint = args.checkpoint or checkpoint
-        config = load_config(checkpoint)
         records = data["records"]
         if isinstance(records, list):
             find_task_files(records, args.results, args.task_file)
+        read = [r["task_file"] for r in records if isinstance(r, dict) and isinstance(r.get("task_file"), str)] \
+            if isinstance(records, list) else []
+        cli.check_outputs({"--json": args.json}, inputs=[args.results, checkpoint, *args.task_file, *read])
+        config = load_config(checkpoint)
         check_records(records, args.results, config.max_seq_len, names)
         cli.check_fits(f"{args.results}: the samples of its records", samples_bytes(records))
         tok = load_tokenizer(checkpoint)

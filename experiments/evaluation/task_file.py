@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from nanollm.data.tasks import Sample, string_match_all
+from nanollm.io.files import MB, open_data_file
 
 from .task import TASKS, Task
 
@@ -43,12 +44,26 @@ TRUNCATE = ("refuse", "middle", "left")  # what a context longer than the run's 
 ROOM = 8                                 # answer tokens beyond the longest reference, unless an item says
 
 
+def open_task_file(path: str | Path):
+    """``path`` opened for reading once it is checked to be a regular file of at most ``MAX_BYTES``, links
+    followed, through the open descriptor (``open_data_file``): a FIFO, a link to /dev/zero or a huge sparse
+    file is one line before a byte is read."""
+    return open_data_file(path, "task file", MAX_BYTES / MB)
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a task file, read in blocks after ``open_task_file``'s checks."""
+    digest = hashlib.sha256()
+    with open_task_file(path) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def read_items(path: Path) -> list[dict]:
     """The file's items, every field checked before any work; a bad one is one line naming its line number."""
-    if path.stat().st_size > MAX_BYTES:
-        raise ValueError(f"{path}: over {MAX_BYTES >> 20} MiB; a task file holds at most {MAX_ITEMS} items")
     items = []
-    with open(path, "rb") as f:
+    with open_task_file(path) as f:
         for number, raw in enumerate(f, start=1):
             where = f"{path}, line {number}"
             try:
@@ -61,6 +76,10 @@ def read_items(path: Path) -> list[dict]:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not JSON ({e.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply for an item") from None
+            except ValueError as e:                # an integer of thousands of digits
+                raise ValueError(f"{where}: {e}") from None
             if not isinstance(item, dict):
                 raise ValueError(f"{where}: an item is a JSON object, not {type(item).__name__}")
             for key in ("context", "question", "answers"):
@@ -111,7 +130,7 @@ class FileTask(Task):
         if truncate not in TRUNCATE:
             raise ValueError(f"truncate is one of {', '.join(TRUNCATE)}, not {truncate!r}")
         self.path, self.truncate = str(path), truncate
-        self.sha256 = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        self.sha256 = file_sha256(path)
         super().__init__("file:" + Path(path).stem)
         self.items                                             # read and checked now, before any work
 
@@ -119,7 +138,7 @@ class FileTask(Task):
     def items(self) -> list[dict]:
         key = (self.path, self.sha256)
         if key not in _ITEMS:
-            if hashlib.sha256(Path(self.path).read_bytes()).hexdigest() != self.sha256:
+            if file_sha256(self.path) != self.sha256:
                 raise ValueError(f"{self.path}: the task file changed since the run began")
             _ITEMS[key] = read_items(Path(self.path))
         return _ITEMS[key]
