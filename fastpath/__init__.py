@@ -13,3 +13,5 @@ Each computes what the reading path computes: ``tests/fastpath/`` compares them 
 arithmetic is the same, at float tolerance where kernels or stacked products sum in another order).
 What they measured: fastpath/README.md. How each file works: fastpath/inside.md.
 """
+
+import nanollm.interrupt  # noqa: F401  (first: Ctrl-C while a command starts is one line, nanollm/interrupt.py)

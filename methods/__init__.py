@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import nanollm.interrupt  # noqa: F401  (first: Ctrl-C while a command starts is one line, nanollm/interrupt.py)
 from nanollm.checks import check_budget
 from nanollm.policy import CachePolicy, ScoringPolicy
 from nanollm.wrapper import PolicyWrapper

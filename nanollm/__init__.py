@@ -4,6 +4,7 @@ Reading order (config, storage, policy, attention, cache, model, generation; the
 in this folder.
 """
 
+from . import interrupt  # noqa: F401  (first: Ctrl-C while a command imports torch is one line, interrupt.py)
 from .cache import KVCache, LayerKV
 from .checks import check_budget
 from .config import PRESETS, ModelConfig, preset

@@ -27,6 +27,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from .. import interrupt
 from ..io.files import atomic_write_bytes
 
 FIGURE_FORMATS = (".png", ".pdf", ".svg")     # what ``--plot`` writes (matplotlib picks the format by suffix)
@@ -67,6 +68,7 @@ def errors(debug: bool = False):
 
     Anything else is a bug and keeps its traceback; ``debug=True`` keeps every traceback.
     """
+    interrupt.running()                         # Ctrl-C from here on: a KeyboardInterrupt, as below
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if on_main else None
     try:
