@@ -274,12 +274,13 @@ def main(argv: list[str] | None = None) -> None:
     with cli.errors(args.debug):
         EAGER.clear()
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if args.summary:
+        if args.summary is not None:                   # '' too: a report's name, never the kernels' benchmarks
             from fastpath import e2e
-            report = json.loads(files.read_text(args.summary, "an --e2e report"))
+            report = files.read_json(args.summary, "an --e2e report")
             try:
                 print("\n".join(e2e.summary(report, rows_too=True)))
-            except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
+            except (KeyError, TypeError, AttributeError, ZeroDivisionError, IndexError, ValueError,
+                    OverflowError) as e:
                 cli.fail(f"{args.summary} is not a report of python -m fastpath.bench --e2e ({type(e).__name__}: {e})")
             return
         if args.tune:
@@ -351,6 +352,8 @@ def end_to_end(args, argv: list[str] | None, prog: str, device: str) -> None:
               "(bash fastpath/gpu_check.sh runs this on one)")
     dtype = DTYPES[args.dtype]
     dtype = dtype if device == "cuda" else torch.float32
+    e2e.check_shapes(args.preset or e2e.PRESET, args.quick, tuple(args.length or ()) or
+                     (e2e.QUICK_LENGTHS if args.quick else e2e.LENGTHS), args.batch, dtype)
 
     def write(report: dict) -> None:                 # after each length too: a run cut short keeps what it measured
         report["provenance"] = provenance(argv, prog=prog, threads=torch.get_num_threads(), dtype=str(dtype),

@@ -27,7 +27,7 @@ import torch
 from methods import make_policy
 from methods.h2o import STATE as H2O_STATE
 from methods.scissorhands import ATTN, COUNT, LOW
-from nanollm import KVCache, preset
+from nanollm import KVCache, cli, preset
 from nanollm.model import Transformer
 from nanollm.storage import LayerKV
 
@@ -308,6 +308,20 @@ def format_row(r: dict) -> str:
     return (f"{r['path']:>20} {r['method']:>13} S={r['length']:<6} {r['entries']:>6} entries: {r['ms']:8.3f} ms/step; "
             f"{r['bytes'] / 1e9:.3f} GB -> {r['at_copy_bw_ms']:.3f} ms at copy bw "
             f"({100 * r['fraction_of_copy_bw']:.0f}%), fixed {r['fixed_ms']:.3f} ms")
+
+
+def check_shapes(preset_name: str, quick: bool, lengths, batch: int | None, dtype: torch.dtype,
+                 steps: int = 0) -> None:
+    """Before any allocation, one line where a run cannot be made: the caches of ``batch`` sequences at the
+    longest of ``lengths`` beyond this machine's memory, or ``steps`` steps after ``WARM`` beyond the room a
+    cache leaves (``ROOM``: the buffers are allocated once, at the length plus that room)."""
+    if steps > ROOM - WARM:
+        cli.fail(f"--steps {steps}: at most {ROOM - WARM}, the steps a cache has room for after {WARM} warm-up ones")
+    cfg = preset(preset_name, max_seq_len=max(lengths) + ROOM, **(QUICK_SHAPE if quick else {}))
+    B = batch or (QUICK_BATCH if quick else BATCH)
+    per_token = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+    cli.check_fits(f"the caches of {B} sequences of {max(lengths) + ROOM} tokens ({preset_name})",
+                   per_token * (max(lengths) + ROOM) * B)
 
 
 def run(device: str, quick: bool, dtype: torch.dtype, hf_compile: bool = False, hf_only: bool = False,

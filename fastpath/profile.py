@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     lengths = tuple(args.length or ((64,) if args.quick else e2e.LENGTHS))
     with cli.errors(args.debug):
+        e2e.check_shapes(e2e.PRESET, args.quick, lengths, None, torch.float32 if args.quick else torch.bfloat16,
+                         args.steps)
         lines = run(device, args.quick, lengths, args.methods, args.steps, args.path)
         if args.out is not None:
             prov = provenance(threads=torch.get_num_threads(), dtype="float32" if args.quick else "bfloat16",

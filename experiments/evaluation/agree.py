@@ -37,6 +37,8 @@ def cells(path: Path) -> dict[tuple, dict]:
         if not all(k in r for k in KEY):
             cli.fail(f"{path}: record {i} lacks {', '.join(k for k in KEY if k not in r)}")
         key = tuple(r[k] for k in KEY)
+        if not all(v is None or isinstance(v, (str, int, float)) for v in key):
+            cli.fail(f"{path}: record {i}: its {'/'.join(KEY)} are strings or numbers, not {key!r:.80}")
         if key in by_key:
             cli.fail(f"{path}: two records of {key}")
         by_key[key] = r

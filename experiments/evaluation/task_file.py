@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from nanollm.data.tasks import Sample, string_match_all
-from nanollm.io.files import MB, open_data_file
+from nanollm.io.files import MB, open_data_file, parse_json
 
 from .task import TASKS, Task
 
@@ -72,14 +72,7 @@ def read_items(path: Path) -> list[dict]:
                 raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg})") from None
-            except RecursionError:
-                raise ValueError(f"{where}: JSON nested too deeply for an item") from None
-            except ValueError as e:                # an integer of thousands of digits
-                raise ValueError(f"{where}: {e}") from None
+            item = parse_json(line, where, "task file's item")
             if not isinstance(item, dict):
                 raise ValueError(f"{where}: an item is a JSON object, not {type(item).__name__}")
             for key in ("context", "question", "answers"):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -75,6 +76,8 @@ def entry_problem(entry) -> str | None:
     median = entry.get("median_s")
     if isinstance(median, bool) or not isinstance(median, (int, float)):
         return "has no number median_s"
+    if not all(math.isfinite(v) for v in entry.values() if isinstance(v, float)):
+        return "holds NaN or an infinity, which JSON has no number for"
     for field, value in entry.items():
         if field not in ENTRY_FIELDS:
             return f"has a field {field!r} that no timings entry has"
@@ -93,9 +96,9 @@ def read_record(path: Path) -> dict:
     if not text.strip():
         return {}
     try:
-        entries = json.loads(text)
-    except (ValueError, RecursionError):
-        cli.fail(f"--record {path}: not JSON, so not a timings record; give a new file or a timings record")
+        entries = files.parse_json(text, f"--record {path}", "timings record")
+    except ValueError as e:
+        cli.fail(f"{e}: not a timings record; give a new file or a timings record")
     if not isinstance(entries, dict):
         cli.fail(f"--record {path}: holds a JSON {json_kind(entries)}, not a timings record (an object of "
                  "entries)")
@@ -127,7 +130,7 @@ def add_entry(path: Path, name: str, entry: dict) -> None:
         entries = read_record(path)
         entries[name] = entry
         try:
-            files.atomic_write_text(path, json.dumps(entries, indent=1) + "\n")
+            files.atomic_write_text(path, json.dumps(entries, indent=1, allow_nan=False) + "\n")
         except OSError as e:                        # a full disk, a read-only mount
             cli.fail(f"--record {path}: cannot write it: {e.strerror or e}")
 

@@ -17,6 +17,7 @@ byte is read. ``read_json`` also turns JSON nested too deeply for Python's parse
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import tempfile
@@ -125,18 +126,44 @@ def read_text(path: str | Path, kind: str, max_mb: float | None = MAX_JSON_MB) -
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
+MAX_DIGITS = 19          # an integer in this project's files fits in 64 bits: a longer one is not data of ours
+
+
+def _integer(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits")
+    return int(text)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:20]} is beyond a float")
+    return value
+
+
+def parse_json(text: str, where: str, kind: str = "file"):
+    """JSON text's value, or a one-line ValueError starting with ``where``: malformed, nested deeper than
+    Python's parser goes, an integer longer than ``MAX_DIGITS`` digits or a number beyond a float (each a
+    traceback, later, from the code that reads it). Every reader of the project's JSON data goes through it.
+    NaN, which Python writes for a missing metric, reads as NaN."""
+    try:
+        return json.loads(text, parse_int=_integer, parse_float=_finite)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to be a {kind}") from None
+    except ValueError as e:                        # _integer, _finite, or Python's own limit on digits
+        raise ValueError(f"{where}: {e}") from None
+
+
 def read_json(path: str | Path, kind: str, max_mb: float | None = MAX_JSON_MB):
     """A JSON file's value, or a one-line ValueError naming the file: not a regular file, too large, not UTF-8,
-    empty, malformed, or nested deeper than Python's parser goes (a RecursionError otherwise)."""
+    empty, or what ``parse_json`` refuses."""
     text = read_text(path, kind, max_mb)
     if not text.strip():
         raise ValueError(f"{path}: the file is empty, expected JSON")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply to be a {kind}") from None
+    return parse_json(text, str(path), kind)
 
 
 # ----------------------------------------------------------------------------------------------------------

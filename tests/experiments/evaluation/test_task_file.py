@@ -53,7 +53,7 @@ GOOD = {"context": "The capital of France is Paris. " * 3, "question": "What is 
 
 
 @pytest.mark.parametrize("bad, message", [
-    ("{not json", "line 2: not JSON"),
+    ("{not json", "line 2: not valid JSON"),
     ("[1, 2]", "line 2: an item is a JSON object"),
     ({"context": "x", "answers": ["a"]}, "line 2: no 'question'"),
     ({"context": "x", "question": "q", "answer": "Paris"}, "line 2: no 'answers'"),   # a misspelt field: missing
