@@ -103,9 +103,19 @@ stages=(${stages[*]})
 for s in "${stages[@]}"; do
     case "$s" in bench|smolbench|tests|hf|profile|compare|launches|smollm2|suite) ;; *) echo "unknown stage '$s': bench, smolbench, tests, hf, profile, compare, launches, smollm2, suite"; exit 2;; esac
 done
+gpu=${GPU_CHECK_DEVICE:-cuda}
+case "$gpu" in cuda|cuda:[0-9]*|cpu) ;; *) echo "GPU_CHECK_DEVICE=$gpu: cuda (the default, or cuda:N) or cpu"; exit 2;; esac
+# A signal to this script reaches the stage it runs: the script runs again in a session of its own, which
+# this one ends as a whole (the stage's processes, timeout's too) on SIGTERM or SIGINT, and waits for.
+if [ -z "${GPU_CHECK_INNER:-}" ] && command -v setsid > /dev/null && command -v pkill > /dev/null; then
+    GPU_CHECK_INNER=1 setsid bash "$(realpath "$0")" "$out" "${stages[@]}" &
+    inner=$!
+    trap 'pkill -TERM -s "$inner" 2> /dev/null; wait "$inner"; exit 143' TERM INT
+    wait "$inner"
+    exit $?
+fi
 cd "$(dirname "$0")/.."                      # the repository root
 mkdir -p "$(dirname "$out")"                 # OUT's folder, for every stage's files
-gpu=${GPU_CHECK_DEVICE:-cuda}
 if [ "$gpu" = cuda ]; then
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script is for a GPU')" || exit 2
 fi

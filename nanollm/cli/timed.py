@@ -123,10 +123,14 @@ def check_record_path(path: Path) -> None:
         cli.fail(f"--record {e}")
 
 
+LOCK_WAIT_S = 60         # the longest add_entry waits for the record's folder
+
+
 def add_entry(path: Path, name: str, entry: dict) -> None:
     """Write ``entry`` as ``name`` into the record ``path``, keeping the entries it holds now: read again
     under the lock, just before the (atomic) write, so an entry another run added meanwhile stays."""
-    with files.locked_folder(path.parent):
+    # another timed's merge takes milliseconds: a lock held for a minute is not one, and waiting on is no answer
+    with files.locked_folder(path.parent, wait_s=LOCK_WAIT_S, what="another process (a timed adding its entry?)"):
         entries = read_record(path)
         entries[name] = entry
         try:

@@ -20,7 +20,9 @@ import json
 import math
 import os
 import stat
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -203,13 +205,27 @@ def removed_on_failure(folder: str | Path, names, keep=None):
 
 
 @contextmanager
-def locked_folder(folder: str | Path):
+def locked_folder(folder: str | Path, wait_s: float | None = None, what: str = "another process"):
     """Hold an exclusive lock on ``folder`` (``flock`` on the folder itself, so no lock file is left behind):
-    another process taking the same lock waits for it. Used by a fetch and by ``timed``'s merge of a record."""
+    another process taking the same lock waits for it. Used by a fetch and by ``timed``'s merge of a record.
+    With ``wait_s``, a lock still held after that many seconds is a ``TimeoutError`` naming the folder and
+    ``what`` holds it (a line saying so is printed once a wait passes a second)."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            start, said = time.monotonic(), False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if wait_s is not None else 0))
+                    break
+                except BlockingIOError:
+                    waited = time.monotonic() - start
+                    if waited > wait_s:
+                        raise TimeoutError(f"{folder}: still locked by {what} after {wait_s:g} s") from None
+                    if waited > 1 and not said:
+                        print(f"waiting for {folder}, locked by {what} (at most {wait_s:g} s)", file=sys.stderr)
+                        said = True
+                    time.sleep(0.1)
         yield
     finally:
         os.close(fd)                                  # closing releases the lock

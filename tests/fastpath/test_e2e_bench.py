@@ -197,6 +197,40 @@ def test_the_gpu_scripts_parse_and_refuse_an_unknown_stage(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
+def test_the_gpu_script_refuses_a_misspelt_device(tmp_path):
+    """``GPU_CHECK_DEVICE=gpu`` (a typo) took the CPU's path at full shapes; now one line, before any work."""
+    import os
+    import subprocess
+    run = subprocess.run(["bash", "fastpath/gpu_check.sh", str(tmp_path / "x.json"), "bench"], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "GPU_CHECK_DEVICE": "gpu"})
+    assert run.returncode == 2 and run.stdout.strip().startswith("GPU_CHECK_DEVICE=gpu: cuda"), run.stdout
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_gpu_script_ends_its_stage(tmp_path):
+    """``kill -TERM`` to gpu_check.sh ended the script and left its stage running (and writing its report);
+    now the stage's whole session ends with it. Dry run on the CPU, the tests stage (pytest on one file)."""
+    import os
+    import signal
+    import subprocess
+    import time
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "TESTS": "tests/kernels"}
+    proc = subprocess.Popen(["bash", "fastpath/gpu_check.sh", str(tmp_path / "x.json"), "tests"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marker = str(tmp_path / "x.json")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (tmp_path / "x.tests.txt").exists():
+        time.sleep(0.2)
+    time.sleep(2)                                     # pytest is running its tests
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert proc.returncode == 143 and not left, (proc.returncode, left)
+
+
 def test_the_profile_counts_kernels_not_the_host_s_calls_that_launch_them():
     """On a GPU the profiler also records each Triton launch's ``cuLaunchKernelEx`` (a host call, given device
     time of its own) and its buffer requests: counted as kernels, they made the H200's full cache at 8,192

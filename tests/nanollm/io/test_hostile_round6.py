@@ -16,7 +16,7 @@ from experiments.evaluation import agree
 from fastpath import bench, profile
 from nanollm.cli import timed
 from nanollm.io import files
-from tests.commands import refused
+from tests.commands import refused, within
 
 ROOT = Path(__file__).resolve().parents[3]
 COMMITTED = ROOT / "results" / "compare_default.json"
@@ -84,3 +84,25 @@ def test_a_good_record_still_reads(tmp_path):
     record = tmp_path / "t.json"
     shutil.copy(ROOT / "results" / "timings.json", record)
     assert timed.read_record(record)
+
+
+def test_timed_waits_for_the_record_s_lock_with_a_bound_and_says_whose(tmp_path, capsys, monkeypatch):
+    """A folder locked by another process (here: this one, through a second descriptor) is one line after
+    ``LOCK_WAIT_S`` with a line while it waits, not a wait without end."""
+    import fcntl
+    import os
+    monkeypatch.setattr(timed, "LOCK_WAIT_S", 1.5)
+    monkeypatch.setattr(timed, "time_runs", lambda command, repeats: [{"s": 1.5, "load": 0.1}] * repeats)
+    monkeypatch.setattr(timed, "git_commit", lambda: "0" * 7, raising=False)
+    fd = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        box, _ = within(20, lambda: timed.main(["--name", "x", "--repeats", "1", "--record",
+                                                  str(tmp_path / "t.json"), "--", "true"]))
+    finally:
+        os.close(fd)
+    err = capsys.readouterr().err
+    assert isinstance(box.get("error"), SystemExit) and box["error"].code == 2, (box, err)
+    waiting, error = err.splitlines()                   # a line while it waits, then the one error line
+    assert waiting.startswith(f"waiting for {tmp_path}, locked by another process"), err
+    assert error.startswith("error: ") and "still locked by another process" in error, err
