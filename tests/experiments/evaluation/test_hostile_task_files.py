@@ -93,7 +93,7 @@ def test_a_task_file_is_checked_before_its_first_byte_is_read(tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"context": ' * 2000 + "1" + "}" * 2000, "nested too deeply"),
+    ('{"context": ' * 100_000 + "1" + "}" * 100_000, "nested too deeply"),
     (json.dumps(ITEM)[:-1] + ', "n": ' + "9" * 5000 + "}", "line 1"),
 ])
 def test_a_hostile_item_is_one_line_naming_its_line(tmp_path, line, message):
