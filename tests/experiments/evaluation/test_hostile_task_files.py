@@ -110,3 +110,24 @@ def test_the_check_lets_a_good_file_through(tmp_path):
     assert task_file.FileTask(path).items == [ITEM]
     shutil.copy(path, tmp_path / "copy.jsonl")
     assert task_file.read_items(tmp_path / "copy.jsonl") == [ITEM]
+
+
+def test_kvreviver_rounding_never_writes_over_its_task_file(tmp_path, capsys):
+    """The analysis runs the main job's command (``compare.main``): the same check."""
+    from experiments.analysis import kvreviver_rounding
+    path = tasks(tmp_path)
+    before = path.read_bytes()
+    err = refused(capsys, kvreviver_rounding.main, ["--task-file", str(path), "--json", str(path)])
+    assert "would overwrite" in err, err
+    untouched(path, before)
+
+
+def test_rescore_reads_no_byte_of_a_record_s_task_file_over_the_limit(tmp_path, capsys):
+    """A record naming a sparse file larger than a task file may be: refused in one line, within seconds."""
+    big = special(tmp_path, "sparse")
+    data = json.loads(COMMITTED.read_text())
+    data["records"][0].update(task_file=str(big), task_file_sha256="0" * 64)
+    results = tmp_path / "run.json"
+    results.write_text(json.dumps(data))
+    err = refused(capsys, rescore.main, [str(results)], seconds=20)
+    assert "record 0" in err and "mine.jsonl" in err, err
