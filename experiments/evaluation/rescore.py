@@ -291,13 +291,14 @@ def find_task_files(records: list, path: Path, given: list[Path]) -> None:
     """Point each record's ``task_file`` at a file here with the SHA-256 the run recorded: one of ``given``
     (``--task-file``), the recorded path, or a file of that name beside the results file; else one line."""
     digests: dict[Path, str] = {}
+    why: dict[Path, str] = {}                       # why a candidate could not be read as a task file
 
     def digest(candidate: Path) -> str | None:
         if candidate not in digests:
             try:
                 digests[candidate] = file_sha256(candidate)            # a regular file of a task file's size
-            except (OSError, ValueError):
-                digests[candidate] = None
+            except (OSError, ValueError) as e:
+                digests[candidate], why[candidate] = None, str(e)
         return digests[candidate]
 
     for p in given:
@@ -307,13 +308,15 @@ def find_task_files(records: list, path: Path, given: list[Path]) -> None:
         if not isinstance(r, dict) or not isinstance(r.get("task_file"), str):
             continue
         recorded, want = Path(r["task_file"]), r.get("task_file_sha256")
-        candidates = [*given, recorded, path.parent / recorded.name]
+        candidates = list(dict.fromkeys([*given, recorded, path.parent / recorded.name]))
         found = next((c for c in candidates if c.is_file() and digest(c) == want), None)
         if found is None:
-            held = [str(c) for c in candidates if c.is_file()]
+            unreadable = [why[c] for c in candidates if c in why]
+            held = [str(c) for c in candidates if c.is_file() and c not in why]
             sha = f"SHA-256 {want[:12]}..." if isinstance(want, str) else "no SHA-256 recorded"
             cli.fail(f"{path}: record {i}: 'task_file' {r['task_file']} ({sha}) is not here"
                      + (f"; {', '.join(held)} differ from it" if held else "")
+                     + (f"; {'; '.join(unreadable)}" if unreadable else "")
                      + ": give it with --task-file PATH")
         r["task_file"] = str(found)
 
