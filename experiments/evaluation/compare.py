@@ -114,32 +114,64 @@ def run(model, tok, spec: RunSpec) -> list[dict]:
     mine = shards.share(jobs, rank, world)
     batches = [mine[i:i + together] for i in range(0, len(mine), together)]         # stepped side by side
     workers = min(spec.workers, len(batches))
+    done: list = []                                      # each finished batch's results, in job order
     # a with block: the bar is closed before the line of an error or Ctrl-C, not after it
     with tqdm(total=len(mine), disable=not spec.progress, desc="compare", unit="sample", dynamic_ncols=True) as bar:
         def tick(results):
             for batch_results in results:
                 bar.update(len(batch_results))
+                done.append(batch_results)
                 yield from batch_results
 
-        if workers <= 1:
-            results = list(tick(some_jobs(*shared, batch) for batch in batches))
-        else:
-            results = in_workers(batches, shared, workers, tick)
+        try:
+            if workers <= 1:
+                results = list(tick(some_jobs(*shared, batch) for batch in batches))
+            else:
+                results = in_workers(batches, shared, workers, tick)
+        except Exception as e:                           # a sample failed: what finished is kept (not under torchrun)
+            if world > 1:
+                raise
+            finished = [r for batch in done for r in batch]
+            raise Incomplete(records_of(finished, spec), batches[len(done)], e) from e
     results = shards.gather(results, len(jobs), rank, world)
     if results is None:                                  # not rank 0: its results went there
         return []
+    return records_of(results, spec)
+
+
+def records_of(results: list, spec: RunSpec) -> list[dict]:
+    """The records of the jobs' results (each a list of (key, metrics)), reduced per (method, budget, task,
+    mode) over the samples in job order."""
     cells: dict[tuple, list[dict]] = {}                  # per record, its samples' metrics in job order
     for job_results in results:
         for key, metrics in job_results:
             cells.setdefault(key, []).append(metrics)
-    timing = "alone" if engine == "plain" or time_alone else "share"
-    records = [{"method": name, "budget": budget, "keep_ratio": keep_ratio(budget, length), "task": task,
-                "mode": mode, "length": length, **reduce(values), "engine": engine, "step_timing": timing}
+    timing = "alone" if spec.engine == "plain" or spec.time_alone else "share"
+    records = [{"method": name, "budget": budget, "keep_ratio": keep_ratio(budget, spec.length), "task": task,
+                "mode": mode, "length": spec.length, **reduce(values), "engine": spec.engine,
+                "step_timing": timing}
                for (name, budget, task, mode), values in cells.items()]
     for r in records:                 # the share of the compressed tokens the budget keeps, sample by sample
         n = r["compressed_tokens"]
         r["realised_keep_ratio"] = round(sum(min(1.0, (r["budget"] or t) / t) for t in n) / len(n), 4)
     return records
+
+
+class Incomplete(cli.UsageError):
+    """A run that stopped at a sample: the records of the samples that finished (``records``), the jobs of the
+    batch that failed (``failed``: (task, sample, mode) each, the task a name or a ``Task``) and why
+    (``error``). Inside ``cli.errors`` it is its one line."""
+
+    def __init__(self, records: list[dict], failed: list[tuple], error: BaseException) -> None:
+        self.records, self.failed, self.error = records, failed, error
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        task, sample, mode = self.failed[0]
+        name = getattr(task, "name", task)
+        why = str(self.error) if isinstance(self.error, cli.UsageError) else \
+            f"{type(self.error).__name__}: {self.error}"
+        return f"the run stopped at sample {sample} of {name} [{mode}] ({why})"
 
 
 def samples_flag(text: str) -> int | str:
@@ -389,9 +421,18 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
     options = "; ".join(f"{v.label}: {', '.join(f'{k}={x}' for k, x in v.options.items()) or 'defaults'}"
                         for v in variants)
     print(header(prov) + f"\n# methods' options: {args.preset} ({options})", flush=True)
-    records = run(model, tok, RunSpec(variants, budgets, tasks, args.modes, samples, length, args.seed,
-                  progress=not args.quiet, workers=workers, rank=rank, world=world, engine=args.engine,
-                  time_alone=args.time_alone, together=args.together))
+    stopped = None                           # a run that failed at a sample: what finished is still reported
+    try:
+        records = run(model, tok, RunSpec(variants, budgets, tasks, args.modes, samples, length, args.seed,
+                      progress=not args.quiet, workers=workers, rank=rank, world=world, engine=args.engine,
+                      time_alone=args.time_alone, together=args.together))
+    except Incomplete as stop:
+        if args.debug:
+            raise stop.error
+        if not stop.records:
+            cli.fail(stop.line() + "; no sample had finished, nothing was written")
+        records, stopped = stop.records, stop
+        print(f"incomplete: {stop.line()}; below, the samples that finished before it", flush=True)
     files = {t.name: file_task(t) for t in tasks if file_task(t)}
     for r in records:
         r.update(preset=args.preset, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
@@ -400,7 +441,8 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
             items = files[r["task"]].items
             r.update(task_file=files[r["task"]].path, task_file_sha256=files[r["task"]].sha256,
                      truncate=args.truncate, cuts=getattr(files[r["task"]], "cut_items", []),
-                     item_ids=[items[args.seed + i].get("id", args.seed + i) for i in range(samples)])
+                     item_ids=[items[args.seed + i].get("id", args.seed + i)
+                               for i in range(r.get("n_samples", samples))])
     for line in flag_degenerate(records):
         print(line, file=sys.stderr)
     if args.quiet:                  # a short summary; every number is in the records (--json)
@@ -429,13 +471,20 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
         ran = {"engine": args.engine, "weights_sha256": weights_sha256(args.checkpoint)}    # what ran, exactly
         if args.chat_template:
             ran["chat_template_sha256"] = hashlib.sha256(chat_template(args.checkpoint).encode()).hexdigest()
+        if stopped is not None:                # marked incomplete, the failing sample named
+            task, sample, mode = stopped.failed[0]
+            ran.update(complete=False, failed={"task": getattr(task, "name", task), "sample": sample,
+                                               "mode": mode, "error": stopped.line()})
         atomic_write_text(args.json, json.dumps({"provenance": prov, "preset": args.preset, "run": ran,
                                                  "records": records, "pairwise": pairwise(records)},
                                                 indent=1))
-        print(f"records written to {args.json}")
+        print(f"records written to {args.json}" + (" (incomplete)" if stopped is not None else ""))
     if args.plot:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")
+    if stopped is not None:
+        cli.fail(stopped.line() + (f"; the samples that finished are in {args.json}, marked incomplete"
+                                   if args.json else "; the samples that finished are in the tables above"))
 
 
 def check_cuts(task: Task, tok, length: int, seeds: range, truncate: str) -> None:

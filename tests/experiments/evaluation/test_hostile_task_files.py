@@ -131,3 +131,38 @@ def test_rescore_reads_no_byte_of_a_record_s_task_file_over_the_limit(tmp_path, 
     results.write_text(json.dumps(data))
     err = refused(capsys, rescore.main, [str(results)], seconds=20)
     assert "record 0" in err and "more than the" in err, err
+
+
+def test_a_run_that_fails_at_a_sample_writes_what_finished_marked_incomplete(tmp_path, capsys, monkeypatch):
+    """A sample that fails after others finished (here: the fourth of six jobs raises) was a traceback and no
+    file; now the finished samples' records are written, the run marked incomplete with the failing sample
+    named, and the command ends in one line (status 2)."""
+    from experiments.evaluation import workers
+    real, calls = workers.run_jobs, []
+
+    def fails_fourth(*args):
+        calls.append(args[-1])
+        if len(calls) == 4:
+            raise RuntimeError("a bug in sample 1")
+        return real(*args)
+    monkeypatch.setattr(workers, "run_jobs", fails_fourth)
+    out = tmp_path / "run.json"
+    err = refused(capsys, compare.main, ["--methods", "snapkv", "--keep-ratios", "0.5", "--tasks", "niah_multikey",
+                                         "--samples", "3", "--workers", "1", "--quiet", "--json", str(out)])
+    assert "the run stopped at sample 1 of niah_multikey [question_after_context]" in err, err
+    assert "RuntimeError: a bug in sample 1" in err and "marked incomplete" in err, err
+    data = json.loads(out.read_text())
+    assert data["run"]["complete"] is False and data["run"]["failed"]["sample"] == 1
+    counts = {(r["method"], r["mode"]): r["n_samples"] for r in data["records"]}
+    assert counts == {("full", "question_in_prompt"): 2, ("snapkv", "question_in_prompt"): 2,
+                      ("full", "question_after_context"): 1, ("snapkv", "question_after_context"): 1}
+
+
+def test_a_run_that_fails_at_its_first_sample_is_one_line_and_no_file(tmp_path, capsys, monkeypatch):
+    from experiments.evaluation import workers
+    monkeypatch.setattr(workers, "run_jobs", lambda *a: (_ for _ in ()).throw(RuntimeError("at once")))
+    out = tmp_path / "run.json"
+    err = refused(capsys, compare.main, ["--methods", "snapkv", "--keep-ratios", "0.5", "--tasks", "niah_multikey",
+                                         "--samples", "1", "--workers", "1", "--quiet", "--json", str(out)])
+    assert "sample 0 of niah_multikey" in err and "nothing was written" in err, err
+    assert not out.exists()
