@@ -401,7 +401,7 @@ COMMANDS = ["nanollm.cli.generate", "experiments.evaluation.generate", "nanollm.
             "experiments.evaluation.bench", "experiments.evaluation.language_modelling",
             "experiments.evaluation.peer_kvpress",
             "experiments.evaluation.throughput", "experiments.evaluation.rescore", "experiments.evaluation.launches",
-            "fastpath.profile", "nanollm.cli.timed", "notebooks/build.py"]
+            "experiments.evaluation.convert", "fastpath.profile", "nanollm.cli.timed", "notebooks/build.py"]
 DUMP_PARSERS = """
 import importlib, importlib.util, json, sys
 from nanollm import cli
