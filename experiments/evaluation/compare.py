@@ -40,11 +40,13 @@ from . import budget_for, keep_ratio, shards
 from .chat import ChatTask
 from .engines import ENGINES
 from .metrics import reduce
+from .outside import answer_metric, score_records
 from .protocol import Variant
 from .report import (
     flag_degenerate,
     format_intervals,
     format_pairwise,
+    format_scored,
     format_summary,
     format_tables,
     json_only,
@@ -174,6 +176,15 @@ class Incomplete(cli.UsageError):
         return f"the run stopped at sample {sample} of {name} [{mode}] ({why})"
 
 
+def metric_spec(text: str) -> str:
+    """``--metric``: MODULE:FUNCTION, imported and tried on one answer (``outside.answer_metric``)."""
+    try:
+        answer_metric(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def samples_flag(text: str) -> int | str:
     """``--samples``: a positive integer, at most ``MAX_SAMPLES`` (a larger count is refused before the list of
     jobs is made, which for 10^12 samples alone would not fit in memory), or ``all``: every item of the task
@@ -235,6 +246,11 @@ def parser() -> cli.ArgumentParser:
                     help="a task file's context longer than --length allows beside its question and answer: refused "
                          "before any work (default), or cut in its middle (its first and last halves kept) or on its "
                          "left (its end kept); the run says how many items it cut, and which lost every answer")
+    ap.add_argument("--metric", nargs="+", default=[], type=metric_spec, metavar="MODULE:FUNCTION",
+                    help="metrics of your own, fn(prediction, answers) -> a number, imported from the folder the "
+                         "command runs in and tried on one answer before any work (the contract: "
+                         "experiments/evaluation/README.md); every answer is scored after the run, the records "
+                         "keep the mean and each sample's (NAME_each), and the report gives their intervals")
     ap.add_argument("--chat-template", action="store_true",
                     help="wrap every prompt in the checkpoint's chat template (an instruct model's, read from its "
                          "folder or GGUF file): context and question one user message, the answer the "
@@ -443,6 +459,8 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
                      truncate=args.truncate, cuts=getattr(files[r["task"]], "cut_items", []),
                      item_ids=[items[args.seed + i].get("id", args.seed + i)
                                for i in range(r.get("n_samples", samples))])
+    for spec in args.metric:                 # checked at parse time; scored on the answers the records keep
+        score_records(records, spec, answer_metric(spec))
     for line in flag_degenerate(records):
         print(line, file=sys.stderr)
     if args.quiet:                  # a short summary; every number is in the records (--json)
@@ -452,6 +470,8 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
         print(json_only())
         print(format_intervals(records))
         print(format_pairwise(records))
+        if args.metric:
+            print(format_scored(records, {spec: [r[f"{spec}_each"] for r in records] for spec in args.metric}))
     legend = ("keep = budget / --length; kept = the share of each sample's compressed tokens the budget keeps (mean "
               "over the samples and tasks); acc = the task's score of the greedy answer (string_match_all for RULER's "
               "tasks); KL = mean next-token KL(full || method) over the answer; pert = relative error of the final "

@@ -234,3 +234,19 @@ def plot(records: list[dict], path: str) -> None:
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     cli.save_figure(fig, path)                  # png/pdf/svg by suffix; the old figure stays if writing fails
+
+
+def format_scored(records: list[dict], scored: dict[str, list[list[float]]]) -> str:
+    """Metrics scored after a run (``scored``: name -> each record's per-sample values) with the intervals and
+    exact paired tests of ``format_intervals`` and ``format_pairwise``, the values standing for the
+    accuracies; a metric whose values are not scores in [0, 1] (Wilson's interval is for those) says so."""
+    out = []
+    for name, values in scored.items():
+        if not all(0 <= x <= 1 for v in values for x in v):
+            out.append(f"\n# {name}: values outside [0, 1], so no intervals (they are for scores of answers)")
+            continue
+        rows = [{**{k: r[k] for k in ("method", "budget", "keep_ratio", "task", "mode")},
+                 "accuracy": sum(v) / len(v), "accuracies": v} for r, v in zip(records, values)]
+        out.append(f"\n# {name}: intervals and exact paired tests as for the accuracy"
+                   + format_intervals(rows) + format_pairwise(rows))
+    return "\n".join(out)

@@ -19,13 +19,9 @@ written before ``experiments.compare`` kept the answers has nothing to rescore, 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import math
-import os
 import reprlib
 import shlex
-import sys
 from pathlib import Path
 
 from nanollm import cli
@@ -35,9 +31,10 @@ from nanollm.io.chat import chat_template, chat_wrap
 from nanollm.io.checkpoint import load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text, read_json
 
-from . import compare
+from . import compare, report
 from .chat import ChatTask
 from .metrics import METRICS, Metric, rescore, task_of
+from .outside import answer_metric
 from .task import TASKS
 from .task_file import exact_match, file_sha256
 
@@ -254,23 +251,8 @@ def parser() -> cli.ArgumentParser:
 
 def outside_metric(spec: str) -> Metric:
     """``MODULE:FUNCTION`` as an answer-level metric: ``FUNCTION(prediction, answers)``, a number per answer
-    (the contract in experiments/evaluation/README.md). Imported and tried on one answer now, so a wrong name or
-    a function that does not keep the contract is one line before any work."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ValueError(f"{spec!r}: a metric of your own is MODULE:FUNCTION")
-    if os.getcwd() not in sys.path:                 # a module in the folder the command runs in
-        sys.path.insert(0, os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{spec!r}: cannot import it ({e})") from None
-    try:
-        value = fn(" Paris", ["Paris"])
-    except Exception as e:                          # the user's code: any error, in one line
-        raise ValueError(f"{spec!r}: fn(' Paris', ['Paris']) raised {type(e).__name__}: {e}") from None
-    if not is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{spec!r}: fn(' Paris', ['Paris']) returned {shown(value)}, not a finite number")
+    (``outside.answer_metric``: imported and tried on one answer now)."""
+    fn = answer_metric(spec)
     return Metric(spec, lambda f, m, task, s: float(fn(m.prediction, list(s.answers))), answer=True)
 
 
@@ -358,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         scored = {name: rescore(records, tok, seed, SCORES[name], chat) for name in names}
         print(format_table(records, scored))
         print(summary(records, scored))
+        print(report.format_scored(records, scored))
         if args.json:
             prov = provenance(argv, prog=ap.prog, threads=1, dtype=None, seed=seed)
             out = [{**{k: r.get(k) for k in ("method", "budget", "keep_ratio", "task", "mode", "length")},
