@@ -1,33 +1,16 @@
 """
 Benchmark the kernels against their PyTorch references, side by side in one run: ``python -m fastpath.bench``.
 
-For every case: the time of our Triton kernel, of the PyTorch reference (and of
-``scaled_dot_product_attention`` for dense decode), the bytes the step must move at least (each input read
-once, the output written once), the achieved bandwidth, and its fraction of the device's bandwidth
-*measured in the same run* (a device-to-device copy of 1 GiB). Times on a GPU are medians of the call
-replayed in a CUDA graph (``timer``), so launch overhead does not hide the kernels. The replays do not
-flush the L2 cache between calls: inputs smaller than it (an H100's is 50 MB: the sketch and tensor
-cases) are partly read from L2, so their GB/s are not HBM bandwidth. On a CPU the kernels
-only run in Triton's interpreter, which is for correctness, not speed: the command says so and times the
-references alone (``--quick`` shrinks the shapes).
-
-The cases and the targets they check (ratios, all measured in this one run):
-
-    dense      full-cache split decode, batch 8 x 32k and batch 1 x 128k, 8 KV heads x 128 dims, bf16:
-               >= 75% of the copy bandwidth at 8 x 32k; not slower than SDPA at 1 x 128k
-    selected   keep ratio 0.1 of 32k, per-head indices: >= 6x faster than the full-cache kernel, within
-               1.3x of the kernel over a compacted cache of the same size
-    sketch     KVReviver's fused rebuild-then-attend at a 25% raw budget: >= 0.67x the speed of dense
-               decode over all tokens, >= 5x faster than rebuilding in PyTorch then attending
-    tensor     factored tensor decode at i = 1024: >= 10x faster and 20x less peak memory than the
-               materialising reference
+For every case (dense, selected, sketch, tensor): our Triton kernel's time, the reference's (and
+``scaled_dot_product_attention``'s for dense decode), the bytes the step must move at least, the achieved
+bandwidth and its share of a device-to-device copy's, measured in the same run; each case's target checked.
+On a CPU the kernels run only in Triton's interpreter: the references alone are timed.
 
     python -m fastpath.bench --json results/kernels_bench.json
+    python -m fastpath.bench --e2e --quick                  # whole decode steps (fastpath/e2e.py)
+    python -m fastpath.bench --summary results/decode_e2e_h200.json
 
-``--e2e`` times whole decode steps instead (``fastpath/e2e.py``): the lean step against the graph step of
-``fastpath/graph.py`` on the TINYLLAMA_1B shape, full cache against keep 0.1, and transformers' StaticCache
-step, in one run (``bash fastpath/gpu_check.sh OUT.json`` runs it with the tests a GPU must pass).
-``--tune`` times the split kernel's launches alone on that shape (``fastpath/tune.py``).
+How it times, and the cases' targets: fastpath/inside.md, "bench.py and profile.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """
 Where a fused decode step's time goes, kernel by kernel: ``python -m fastpath.profile``.
 
-``python -m fastpath.bench --e2e`` times whole steps and splits each into the time its bytes need at the
-copy bandwidth and a fixed rest; this says what the rest is made of. For each method it builds the e2e
-benchmark's synthetic cache (``e2e.synthetic_cache``: the same shape, keep 0.1), starts the fused step on it
-(``fused.py``; ``--path skinny``: the skinny step, ``skinny.py``), takes ``e2e.WARM`` steps (compiling its
-pieces), then records ``--steps`` more with ``torch.profiler`` and prints, the most time first, each kernel's
-launches per step and its time per step, and the step's kernels in all. The recorded steps run eagerly
-(``decode``), not replayed from a CUDA graph: the same kernels a graph would replay, each timed on the device,
-without the host's launch time.
+On the e2e benchmark's synthetic cache (keep 0.1), after ``e2e.WARM`` steps, ``--steps`` more are recorded
+with ``torch.profiler``; each kernel's launches and time per step are printed, the most time first.
 
     python -m fastpath.profile --length 32768 --methods full h2o         # on a GPU: bash fastpath/gpu_check.sh
     python -m fastpath.profile --path skinny --methods full snapkv       # the products in the skinny kernel
     python -m fastpath.profile --quick                                   # tiny shapes, on a CPU: its operators
 
-On a GPU the split kernel's launch is first chosen at each length as the e2e bench chooses it
-(``tune.py``), its sweep's summary printed; for the skinny step, the skinny kernel's launches too, once. On a
-CPU the profiler records operators, not kernels, each timed on the host: a dry run of the command.
+How: fastpath/inside.md, "bench.py and profile.py".
 """
 
 from __future__ import annotations

@@ -4,20 +4,11 @@ fast_tier --repeats 3 --record results/timings.json -- python -m pytest -q``.
 
 The command runs ``--repeats`` times in a row; each run's wall time is kept with the one-minute load average
 read just before it, and the entry ``--name`` of the JSON file ``--record`` gets the median, the runs, the
-command, the date, the core count and the commit. Other entries of the file stay as they are. The README's
-measured times (install, test tiers, the main job) are read from this file, so a time on a page is a median
-of runs someone made, on a machine whose load is written beside it.
-
-``--record`` must be a timings record: a new or empty file, or a JSON object whose every value is an entry
-as this command writes it (a number ``median_s``; ``runs``, ``command``, ``date``, ``cores``, ``commit`` and a
-hand-written ``note`` where present, each of its type; no other field). Anything else (a model card, another
-command's results, a file in the bundled checkpoints however its path is spelled) is refused before the
-command runs. The entry is merged under a lock on the record's folder, with the record read again just before
-it is written, so two runs with different names and the same record both keep their entries.
-
-The command's standard input is empty (a timed run does not wait for typing), and it runs in a process group
-of its own: Ctrl-C or SIGTERM stops it and whatever it started, then ends in ``error: interrupted`` (exit
-status 130).
+command, the date, the core count and the commit; other entries stay as they are (merged under a lock on the
+record's folder, ``add_entry``). The README's measured times are read from this file. ``--record`` must be a
+timings record (``read_record``): anything else is refused before the command runs. The command's standard
+input is empty, and it runs in a process group of its own: Ctrl-C or SIGTERM stops it and whatever it
+started, then ends in ``error: interrupted`` (exit status 130).
 """
 
 from __future__ import annotations
