@@ -26,7 +26,7 @@ from nanollm.storage import LayerKV
 from .protocol import Probe
 
 METHODS = (H2OPolicy, ScissorhandsPolicy, SnapKVPolicy, StreamingLLMPolicy)   # at the prompt
-CHUNK_METHODS = (H2OPolicy, ScissorhandsPolicy)     # at the question (the module docstring says why not the others)
+CHUNK_METHODS = (H2OPolicy, ScissorhandsPolicy)     # at the question (SnapKV's hook does nothing there)
 HELD_BYTES = 128 << 20      # a run ends at the layer whose storage and statistics bring it to this many bytes
 ENABLED = True              # False: every cache runs its hook layer by layer (the tests compare the two)
 

@@ -185,9 +185,7 @@ def test_a_question_over_layers_that_do_not_stack_takes_a_hook_a_layer(bundled, 
 def test_several_chunks_then_decode_steps_as_with_a_hook_per_layer(bundled, monkeypatch, question):
     """A question in chunks of 1 and 70 tokens after the prompt, then decode steps, the runs' ends moving as
     the storage grows (``HELD_BYTES`` two and a half of a layer's): every cache's positions and the logits
-    are those of a hook per layer. StreamingLLM, whose policy keeps a ring of slots per layer, waits at the
-    prompt only (a stacked hook at a later chunk would reset the first layer's ring alone, and a later
-    layer would evict by a stale ring)."""
+    are those of a hook per layer. StreamingLLM waits at the prompt only (``CHUNK_METHODS``)."""
     model, _, _ = bundled
     prompt = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     one, _ = make_engine("fast", model).fill([make_policy("h2o", budget=40)], [prompt])
