@@ -250,7 +250,8 @@ def parser() -> cli.ArgumentParser:
                     help="metrics of your own, fn(prediction, answers) -> a number, imported from the folder the "
                          "command runs in and tried on one answer before any work (the contract: "
                          "experiments/evaluation/README.md); every answer is scored after the run, the records "
-                         "keep the mean and each sample's (NAME_each), and the report gives their intervals (default: none)")
+                         "keep the mean and each sample's (NAME_each), and the report gives their intervals "
+                         "(default: none)")
     ap.add_argument("--chat-template", action="store_true",
                     help="wrap every prompt in the checkpoint's chat template (an instruct model's, read from its "
                          "folder or GGUF file): context and question one user message, the answer the "
