@@ -22,7 +22,6 @@ import math
 import platform
 import statistics
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -31,19 +30,11 @@ from torch import Tensor
 from fastpath.lean import LeanDecoder
 from nanollm.cache import KVCache
 from nanollm.cli.provenance import provenance
+from nanollm.cli.timing import elapsed_s, median_ms, quartiles
 from nanollm.config import ModelConfig, preset
 from nanollm.generation import decode_step, prefill
 from nanollm.io import files
 from nanollm.model import Transformer
-
-
-def quartiles(values: list[float]) -> tuple[float, float]:
-    """The first and third quartiles of ``values`` (both the value itself for a single one): the spread a
-    median is drawn with."""
-    if len(values) < 2:
-        return (values[0], values[0])
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return (q1, q3)
 
 
 @dataclass
@@ -84,11 +75,6 @@ class BenchResult:
         }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def time_cached(model: Transformer, ids: Tensor, context: int, steps: int) -> tuple[float, int]:
     """Mean ms of one cached decode step after ``context`` cached tokens, and the cache's bytes at that point.
@@ -99,23 +85,16 @@ def time_cached(model: Transformer, ids: Tensor, context: int, steps: int) -> tu
     cache = KVCache(model.config)
     prefill(model, ids[:, :context], cache)
     nbytes = cache.nbytes()
-    _sync(ids.device)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        decode_step(model, ids[:, context + i], cache)                     # (B, V)
-    _sync(ids.device)
-    return (time.perf_counter() - t0) * 1e3 / steps, nbytes
+    seconds, _ = elapsed_s(lambda: [decode_step(model, ids[:, context + i], cache) for i in range(steps)],
+                           ids.device)
+    return seconds * 1e3 / steps, nbytes
 
 
 @torch.no_grad()
 def time_recompute(model: Transformer, ids: Tensor, context: int, steps: int) -> float:
     """Mean ms to get the next token's logits by running the whole prefix again (no cache), ``steps`` times."""
-    _sync(ids.device)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        model(ids[:, :context + i + 1])[:, -1]                             # (B, V): only the last row is used
-    _sync(ids.device)
-    return (time.perf_counter() - t0) * 1e3 / steps
+    seconds, _ = elapsed_s(lambda: [model(ids[:, :context + i + 1])[:, -1] for i in range(steps)], ids.device)
+    return seconds * 1e3 / steps
 
 
 def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
@@ -227,16 +206,8 @@ def read_bandwidth(mib: int = 512, repeats: int = 10, device: str | torch.device
     ``x.sum()`` over an fp32 tensor of ``mib`` MiB (larger than any cache level, so every byte comes from
     memory), synchronised on a GPU."""
     x = torch.ones(mib * 2**20 // 4, device=device)
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-    x.sum()                                                     # first touch and warm-up
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        x.sum()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return x.nbytes / statistics.median(times) / 1e9
+    ms = median_ms(x.sum, repeats, warmup=1, device=x.device)   # the warm-up: first touch
+    return x.nbytes / (ms / 1e3) / 1e9
 
 
 def decode_weight_bytes(model: Transformer) -> int:
@@ -279,9 +250,8 @@ class GreedyDecoder:
 
     def step(self) -> float:
         """ms of one greedy decode step (the forward of one token over the cache, and its argmax)."""
-        t0 = time.perf_counter()
-        self.token = self._logits(self.token).argmax(-1)
-        return (time.perf_counter() - t0) * 1e3
+        seconds, self.token = elapsed_s(lambda: self._logits(self.token).argmax(-1), self.token.device)
+        return seconds * 1e3
 
 
 @torch.no_grad()

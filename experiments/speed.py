@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 
 from nanollm import cli
 from nanollm.cache import KVCache
 from nanollm.cli.provenance import provenance
+from nanollm.cli.timing import elapsed_s
 from nanollm.generation import prefill
 from nanollm.io import files
 
@@ -35,9 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _ms(f) -> float:
     """Milliseconds of one call of ``f``."""
-    t0 = time.perf_counter()
-    f()
-    return (time.perf_counter() - t0) * 1e3
+    return elapsed_s(f)[0] * 1e3
 
 
 def _hf_model(model, dtype: torch.dtype):

@@ -20,14 +20,14 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 
 import torch
 
-from experiments.bench import fit_line, quartiles
+from experiments.bench import fit_line
 from methods.tensor_attention import LAYOUTS
 from nanollm import cli
 from nanollm.cli.provenance import provenance
+from nanollm.cli.timing import elapsed_s, quartiles
 from nanollm.io import files
 
 H, D = 4, 16                      # heads and head dimension of the bundled Match3 tensor model
@@ -44,10 +44,7 @@ def step_times(layout: str, length: int, steps: int = 7, seed: int = 0) -> tuple
     for t in range(length - steps, length):
         new = rows(1)
         q = torch.randn(1, H, 1, D, generator=g)
-        start = time.perf_counter()
-        store.append(*new, torch.tensor([t]))
-        store.attend(q, torch.tensor([t]))
-        times.append(time.perf_counter() - start)
+        times.append(elapsed_s(lambda: (store.append(*new, torch.tensor([t])), store.attend(q, torch.tensor([t]))))[0])
     return statistics.median(times), store.nbytes(), quartiles(times)
 
 

@@ -16,9 +16,7 @@ How it times, and the cases' targets: fastpath/inside.md, "bench.py and profile.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 
 try:         # torch and Triton take seconds to load: a Ctrl-C meanwhile ends as one during the run does
     import torch
@@ -33,6 +31,7 @@ try:         # torch and Triton take seconds to load: a Ctrl-C meanwhile ends as
     )
     from nanollm import PRESETS, cli, preset
     from nanollm.cli.provenance import provenance
+    from nanollm.cli.timing import median_ms
     from nanollm.io import files
 except KeyboardInterrupt:
     if __name__ != "__main__":                # imported by other code: its Ctrl-C is its own to report
@@ -64,13 +63,7 @@ def timer(device: str):
         return gpu
 
     def cpu(fn, label: str = "", repeats: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return median_ms(fn, repeats, warmup=1)
     return cpu
 
 

@@ -31,6 +31,7 @@ from methods import METHODS, make_policy, method_chain
 from nanollm import cli
 from nanollm.cache import KVCache
 from nanollm.cli.provenance import provenance
+from nanollm.cli.timing import elapsed_s
 from nanollm.config import ModelConfig
 from nanollm.generation import decode_step, prefill
 from nanollm.io import files
@@ -149,9 +150,7 @@ def compress_as_prefill(model: Transformer, cache: KVCache, queries: list[Tensor
 
 def timed_step(model: Transformer, cache: KVCache, token: Tensor) -> float:
     """ms of one ``decode_step`` (the policy's decode hooks included); token (1,)."""
-    t0 = time.perf_counter()
-    decode_step(model, token, cache)
-    return (time.perf_counter() - t0) * 1e3
+    return elapsed_s(lambda: decode_step(model, token, cache), token.device)[0] * 1e3
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from methods import METHODS, make_policy, method_chain
 from nanollm import cli, load
 from nanollm.cache import KVCache
 from nanollm.cli.provenance import header, provenance
+from nanollm.cli.timing import elapsed_s
 from nanollm.data.tasks import make_sample
 from nanollm.io.files import atomic_write_text
 
@@ -34,22 +35,16 @@ from .engines import make_engine
 from .side_by_side import ROWS, FastEngine, step_many
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (a GPU runs asynchronously), so a clock reads finished work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def one_by_one(lean: LeanDecoder, caches: list[KVCache], tokens: list[int]) -> tuple[float, torch.Tensor]:
     """Seconds to feed ``tokens`` to every cache, each cache's step on its own; the last step's logits."""
     device = lean.model.tok_emb.weight.device
-    sync(device)
-    t0 = time.perf_counter()
-    for token in tokens:
-        logits = [lean.step(torch.tensor([token], device=device), cache) for cache in caches]
-    sync(device)
-    return time.perf_counter() - t0, torch.cat(logits)
+
+    def steps():
+        for token in tokens:
+            logits = [lean.step(torch.tensor([token], device=device), cache) for cache in caches]
+        return torch.cat(logits)
+    return elapsed_s(steps, device)
 
 
 @torch.no_grad()
@@ -57,12 +52,14 @@ def batched(engine: FastEngine, caches: list[KVCache], tokens: list[int]) -> tup
     """Seconds to feed ``tokens`` to every cache with the fast engine's step (``step_many``), the seconds of
     that spent in each cache's own attention, and the last step's logits."""
     own = [0.0] * len(caches)                      # on a GPU without a sync per cache: launch time, roughly
-    sync(engine.device)
-    t0 = time.perf_counter()
-    for token in tokens:
-        logits, _ = step_many(engine.lean, [torch.tensor([token], device=engine.device)] * len(caches), caches, own)
-    sync(engine.device)
-    return time.perf_counter() - t0, own, logits
+
+    def steps():
+        for token in tokens:
+            logits, _ = step_many(engine.lean, [torch.tensor([token], device=engine.device)] * len(caches), caches,
+                                  own)
+        return logits
+    seconds, logits = elapsed_s(steps, engine.device)
+    return seconds, own, logits
 
 
 def run(model, tok, task: str, methods: list[str], keep_ratios: list[float], length: int, steps: int,
