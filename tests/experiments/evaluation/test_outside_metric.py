@@ -18,24 +18,27 @@ MINE = ("def first_word(prediction, answers):\n"
 
 
 def test_the_main_job_scores_its_answers_with_a_metric_of_one_s_own(tmp_path, capsys, monkeypatch):
-    (tmp_path / "mine.py").write_text(MINE)
+    (tmp_path / "scorers_of_mine.py").write_text(MINE)   # a name no other test imports
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run.json"
     compare.main(["--methods", "snapkv", "--keep-ratios", "0.5", "--tasks", "niah_multikey", "--samples", "2",
-                  "--workers", "1", "--metric", "mine:first_word", "mine:loud", "--json", str(out)])
+                  "--workers", "1", "--metric", "scorers_of_mine:first_word", "scorers_of_mine:loud",
+                  "--json", str(out)])
     printed = capsys.readouterr().out
-    assert "# mine:first_word: intervals and exact paired tests" in printed
-    assert "# mine:loud: values outside [0, 1], so no intervals" in printed
+    assert "# scorers_of_mine:first_word: intervals and exact paired tests" in printed
+    assert "# scorers_of_mine:loud: values outside [0, 1], so no intervals" in printed
     for r in json.loads(out.read_text())["records"]:
-        assert len(r["mine:first_word_each"]) == r["n_samples"] == 2 and r["mine:loud"] == 2.0
-        assert r["mine:first_word"] == sum(r["mine:first_word_each"]) / 2
+        assert len(r["scorers_of_mine:first_word_each"]) == r["n_samples"] == 2
+        assert r["scorers_of_mine:loud"] == 2.0
+        assert r["scorers_of_mine:first_word"] == sum(r["scorers_of_mine:first_word_each"]) / 2
 
 
 def test_a_metric_that_breaks_its_contract_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    (tmp_path / "mine.py").write_text(MINE)
+    (tmp_path / "scorers_of_mine.py").write_text(MINE)   # a name no other test imports
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(compare, "load_config", lambda *a: (_ for _ in ()).throw(AssertionError("loaded")))
-    for spec, said in [("mine:broken", "returned 'yes', not a finite number"), ("mine:nope", "cannot import it")]:
+    for spec, said in [("scorers_of_mine:broken", "returned 'yes', not a finite number"),
+                       ("scorers_of_mine:nope", "cannot import it")]:
         err = refused(capsys, compare.main, ["--metric", spec, "--quiet"])
         assert said in err, err
 
