@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from experiments import moved
 from experiments.analysis.kvreviver_rounding import sums_in_float64
 from experiments.evaluation import compare, language_modelling
 from experiments.evaluation.compare import Variant
@@ -284,6 +285,7 @@ def test_the_front_pages_generation_reproduces():
     for run in runs:
         command, _, printed = run.partition("\n")
         words = shlex.split(command)
+        words[2] = moved(words[2])                      # the command as it ran; its module may have moved since
         out = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600,
                              env={**os.environ, "OMP_NUM_THREADS": "2"})
         assert out.returncode == 0, out.stderr[-500:]

@@ -24,6 +24,7 @@ import reprlib
 import shlex
 from pathlib import Path
 
+from experiments import moved
 from nanollm import cli
 from nanollm.cli.provenance import provenance
 from nanollm.data.evaluate import MODES
@@ -79,7 +80,7 @@ def run_settings(data: dict, path: Path) -> tuple[int, str]:
         words = shlex.split(command)
     except ValueError as e:
         cli.fail(f"{path}: provenance.command cannot be read ({e})")
-    if "experiments.compare" not in words:
+    if "experiments.compare" not in map(moved, words):                # methods.compare: its name before
         cli.fail(f"{path}: not a experiments.compare results file (provenance.command: {shown(command)})")
     checkpoint = compare.parser().get_default("checkpoint")
     for word, value in zip(words, words[1:] + [None]):
