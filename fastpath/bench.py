@@ -16,28 +16,21 @@ How it times, and the cases' targets: fastpath/inside.md, "bench.py and profile.
 from __future__ import annotations
 
 import json
-import sys
 
-try:         # torch and Triton take seconds to load: a Ctrl-C meanwhile ends as one during the run does
-    import torch
-    import torch.nn.functional as F
+import torch
+import torch.nn.functional as F
 
-    from kernels import HAS_TRITON
-    from kernels.decode_attention import (
-        decode_attention_triton,
-        reference_decode_attention,
-        reference_selected_decode_attention,
-        selected_decode_attention_triton,
-    )
-    from nanollm import PRESETS, cli, preset
-    from nanollm.cli.provenance import provenance
-    from nanollm.cli.timing import median_ms
-    from nanollm.io import files
-except KeyboardInterrupt:
-    if __name__ != "__main__":                # imported by other code: its Ctrl-C is its own to report
-        raise
-    sys.stderr.write("error: interrupted\n")
-    raise SystemExit(130) from None
+from kernels import HAS_TRITON
+from kernels.decode_attention import (
+    decode_attention_triton,
+    reference_decode_attention,
+    reference_selected_decode_attention,
+    selected_decode_attention_triton,
+)
+from nanollm import PRESETS, cli, preset
+from nanollm.cli.provenance import provenance
+from nanollm.cli.timing import median_ms
+from nanollm.io import files
 
 PATHS_ALL = ("lean", "graph", "fused", "skinny")          # --paths' choices, e2e.PATHS (imported late: e2e is heavy)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}     # --dtype's choices

@@ -36,11 +36,15 @@ def declared(policy) -> DecodeRule | None:
     return rule if isinstance(rule, DecodeRule) and rule.kind in KINDS else None
 
 
+def bare(cache: KVCache):
+    """The cache's policy, unwrapped from a ``Probe`` (greedy's caches are bare)."""
+    return cache.policy.inner if isinstance(cache.policy, Probe) else cache.policy
+
+
 def unwrapped(cache: KVCache):
-    """The cache's H2O or Scissorhands policy (one that declares such a rule), bare (greedy's caches) or in a
-    ``Probe``, else None."""
-    policy = cache.policy.inner if isinstance(cache.policy, Probe) else cache.policy
-    return policy if declared(policy) is not None else None
+    """The cache's H2O or Scissorhands policy (one that declares such a rule), bare or in a ``Probe``, else
+    None."""
+    return bare(cache) if declared(bare(cache)) is not None else None
 
 
 def method(cache: KVCache):
@@ -65,21 +69,17 @@ def side_by_side(caches: list[KVCache]) -> list[KVCache]:
     return [caches[n] for n in sorted(range(len(caches)), key=lambda n: (first[keys[n]], n))]
 
 
-def drops_one(policy, store: LayerKV) -> bool:
-    """Whether the policy's hook, after this step's write, drops exactly one slot per head in place (a declared
-    rule drops one once a head holds budget + 1)."""
-    return len(store) == declared(policy).budget + 1
-
-
 def runs(group, i: int) -> list[range]:
     """The runs of at least two consecutive rows of ``group`` whose caches step as one at layer i (the module
     docstring), each cache's state held in the group's buffers (``Group.holds``)."""
     keys, caches = [], group.caches
-    for r, cache in enumerate(caches):
-        policy, store = method(cache), cache.layers[i]
-        ok = policy is not None and policy.evicts_in_place and drops_one(policy, store) and \
-            all(group.holds(i, r, name, t) for name, t in store.buffers()[3].items())
-        keys.append(rule(policy) if ok else None)
+    for r, cache in enumerate(caches):                   # the declaration asked once per cache: a hot path
+        recording = isinstance(cache.policy, Probe) and cache.policy.recording
+        declared_rule = None if recording else declared(bare(cache))
+        store = cache.layers[i]
+        ok = declared_rule is not None and len(store) == declared_rule.budget + 1 \
+            and all(group.holds(i, r, name, t) for name, t in store.buffers()[3].items())   # drops one slot
+        keys.append(declared_rule.unbudgeted() if ok else None)
     out, start = [], 0
     for r in range(1, len(caches) + 1):
         if r == len(caches) or keys[r] is None or keys[r] != keys[start]:
