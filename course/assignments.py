@@ -83,7 +83,7 @@ ASSIGNMENTS = {a.name: a for a in [
     Assignment("chunkkv", "ChunkKV: keep whole chunks", ("methods/chunkkv.py",), "05_chunkkv",
                requires=("cache", "baselines")),
     Assignment("kvreviver", "KVReviver: a count sketch of evicted tokens",
-               ("methods/kvreviver.py", "kernels/count_sketch.py"), "06_kvreviver", interpreter=True,
+               ("methods/kvreviver_sketch.py", "kernels/count_sketch.py"), "06_kvreviver", interpreter=True,
                requires=("cache", "baselines")),
     Assignment("kernels", "Split-K decode attention in Triton",
                ("kernels/decode_attention.py", "kernels/count_sketch.py", "kernels/tensor_decode.py"), "07_kernels",

@@ -22,7 +22,8 @@ from torch import Tensor
 
 from fastpath.sketch import KernelSketch
 from methods import kvreviver
-from methods.kvreviver import KVReviverPolicy, VagueSketch, overflow_slots, swap_test
+from methods.kvreviver import KVReviverPolicy, overflow_slots, swap_test
+from methods.kvreviver_sketch import VagueSketch
 from nanollm.policy import CachePolicy, StepContext
 from nanollm.storage import LayerKV
 
@@ -33,6 +34,10 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._start_queue()
+
+    def _start_queue(self) -> None:
+        """No layer waiting, no cells or rebuilt entries made ahead yet."""
         self._waiting, self._cells, self._tables_at, self._buffers, self._rebuilt = [], None, None, None, None
 
     def on_decode(self, ctx: StepContext) -> None:
@@ -114,7 +119,7 @@ class KVReviverLayersAtOnce(KVReviverPolicy):
 
     def reset(self) -> None:
         super().reset()
-        self._waiting, self._cells, self._tables_at, self._buffers, self._rebuilt = [], None, None, None, None
+        self._start_queue()
 
     # -- Algorithm 3 for every waiting layer at once ------------------------------------------------------
     def catch_up(self) -> None:
@@ -313,7 +318,7 @@ def every_layer_at_once(policy: CachePolicy) -> CachePolicy:
             return policy
     if type(inner) is KVReviverPolicy:
         inner.__class__ = KVReviverLayersAtOnce
-        inner._waiting, inner._cells, inner._tables_at, inner._buffers, inner._rebuilt = [], None, None, None, None
+        inner._start_queue()
     return policy
 
 

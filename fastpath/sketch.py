@@ -5,7 +5,7 @@ KVReviver's count sketch on the Triton kernels of ``kernels/count_sketch.py``.
     use_kernels(policy)          # its sketches insert and query with the kernels where kernels.serves says so
     use_kernels_on(policies, t)  # the same for each of them, when kernels.serves(t) (the evaluation's engines)
 
-``KernelSketch`` is ``methods.kvreviver.VagueSketch`` with ``insert`` and ``query`` taken by the kernels on a
+``KernelSketch`` is ``methods.kvreviver_sketch.VagueSketch`` with ``insert`` and ``query`` taken by the kernels on a
 CUDA tensor (atomic adds; a gather and a median in registers), and the sketch's own PyTorch elsewhere.
 ``tests/fastpath/`` checks the two against each other.
 """
@@ -15,7 +15,8 @@ from __future__ import annotations
 from torch import Tensor
 
 import kernels
-from methods.kvreviver import KVReviverPolicy, VagueSketch
+from methods.kvreviver import KVReviverPolicy
+from methods.kvreviver_sketch import VagueSketch
 from nanollm.policy import CachePolicy
 
 

@@ -3,7 +3,8 @@ KVReviver's count sketch on the GPU: insert, query, and a fused rebuild-then-att
 
 Paper: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction",
 arXiv 2512.17917 (the Vague sketch: Algorithms 1-2; rebuilding the cache before attention: Algorithm 4). The
-method is ``methods/kvreviver.py``; ``fastpath/sketch.py`` runs its insert and query on these kernels.
+method is ``methods/kvreviver.py``, its sketch ``methods/kvreviver_sketch.py``; ``fastpath/sketch.py`` runs its insert
+and query on these kernels.
 
     sketch_insert_triton             atomic adds of tokens into r rows x b fp32 cells, key/value (r, b, H_kv, d)
     sketch_query_triton              each token rebuilt as the median over rows of its cells

@@ -2,18 +2,16 @@
 KVReviver: evicted tokens go into a count sketch, from which every step rebuilds them for full attention.
 
 Paper: Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction", 2025,
-https://arxiv.org/abs/2512.17917  (the Vague sketch: Algorithms 1-2; Recent / Candidate / Vague storage:
-Algorithm 3; rebuilding the cache: Algorithm 4; defaults: Tables 2-3; error analysis: Lemmas 1-2).
+https://arxiv.org/abs/2512.17917  (Recent / Candidate / Vague storage: Algorithm 3; rebuilding the cache:
+Algorithm 4; defaults: Tables 2-3).
 
 An evicting method forgets for good. KVReviver keeps, per layer, Recent (R: the newest tokens, raw), Candidate
-(C: the highest accumulated attention, raw) and Vague (V: every other token summed into r x b sketch cells), and
-before each attention rebuilds all N positions, raw from R and C, the sketch's median for V (Algorithm 4).
-The sketch (Algorithms 1-2), per row i with a bucket hash h_i and a sign hash g_i:
-    insert:  cell[i, h_i(J)].key += k_J          cell[i, h_i(J)].value += g_i(J) v_J
-    query:   k^_J = median_i cell[i, h_i(J)].key    v^_J = median_i g_i(J) cell[i, h_i(J)].value
-Budget = raw slots + cells per layer per KV head, split 0.45 / 0.45 / 0.1 (Tables 2-3). Algorithm 3's rebalancing,
-revived tokens, ``per_kv_head`` and ``layer_budgets``: ``methods/README.md``, "How each method is built"; how the
-paper's open points are resolved: its table "Choices where papers and implementations differ".
+(C: the highest accumulated attention, raw) and Vague (V: every other token summed into r x b cells of a count
+sketch, ``methods/kvreviver_sketch.py``, Algorithms 1-2), and before each attention rebuilds all N positions, raw
+from R and C, the sketch's estimate for V (Algorithm 4). Budget = raw slots + cells per layer per KV head, split
+0.45 / 0.45 / 0.1 (Tables 2-3); the appendix's per-layer budgets are ``methods/kvreviver_budgets.py``. Algorithm
+3's rebalancing, revived tokens, ``per_kv_head`` and ``layer_budgets``: ``methods/README.md``, "How each method
+is built"; the paper's open points: its table "Choices where papers and implementations differ".
 """
 
 from __future__ import annotations
@@ -24,131 +22,13 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
+from methods.kvreviver_sketch import VagueSketch
 from nanollm.checks import check_budget, check_flag, check_int, check_number
 from nanollm.policy import CachePolicy, Needs, StepContext
 from nanollm.storage import LayerKV
 
-PRIME = 2_147_483_647          # 2^31 - 1, modulus of the universal hashes
 REBUILD_CHUNK = 512            # vague positions rebuilt at a time on a CPU (Algorithm 4): their r rows of
                                # gathered cells stay in its cache instead of making r copies of the context
-
-
-def lower_median(x: Tensor) -> Tensor:
-    """(r, ...) -> (...): the element-wise median over dim 0, the lower of the two middle values for an even r
-    (as ``torch.median``), by sorting the r rows with element-wise min / max (odd-even transposition: r rounds
-    of compare-exchange), ~20x faster than ``median``. For the paper's r = 3, the middle of three directly:
-    max(min(a, b), min(max(a, b), c)), 4 element-wise passes. A median only selects: no rounding either way."""
-    if x.shape[0] == 3:
-        a, b, c = x.unbind(0)
-        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
-    rows = list(x.unbind(0))
-    for i in range(len(rows)):
-        for j in range(i % 2, len(rows) - 1, 2):
-            rows[j], rows[j + 1] = torch.minimum(rows[j], rows[j + 1]), torch.maximum(rows[j], rows[j + 1])
-    return rows[(len(rows) - 1) // 2]
-
-
-class VagueSketch:
-    """A count sketch of whole tokens for one sequence and layer (Yuan et al., arXiv 2512.17917, Algorithms
-    1-2), batched over tokens.
-
-    cells: key, value (r, b, H_kv, d), fp32 (sums of many tokens). Tokens are identified by position J.
-    (``fastpath/sketch.py`` runs insert and query on the Triton kernels of ``kernels/count_sketch.py``.)
-    """
-
-    def __init__(self, rows: int, width: int, n_kv_head: int, head_dim: int, seed: int, injective: bool = False,
-                 device=None) -> None:
-        if width < 1:
-            raise ValueError(f"a sketch needs at least one cell per row, got width {width}")
-        self.rows, self.width, self.injective = rows, width, injective
-        self.key = torch.zeros(rows, width, n_kv_head, head_dim, device=device)
-        self.value = torch.zeros_like(self.key)
-        g = torch.Generator().manual_seed(seed)
-        self.coef = torch.randint(1, PRIME, (4, rows, 1), generator=g).to(device)   # a, c (bucket); a', c' (sign)
-        self.covered = 0                    # positions below it are hashed once, in the tables (``cover``)
-        self.cell_table = self.sign_table = None
-
-    def buckets(self, pos: Tensor) -> Tensor:
-        """h_i(J) for every row i: pos (n,) -> (r, n)."""
-        J = pos.view(1, -1).long()
-        if self.injective:
-            return J.expand(self.rows, -1)
-        if self.covered:        # the caller promised every J < covered (else an IndexError; on a GPU, an assert)
-            return self.cell_table.index_select(1, J[0])
-        return self.hash_cells(J)
-
-    def signs(self, pos: Tensor) -> Tensor:
-        """g_i(J) in {+1, -1}: (n,) -> (r, n)."""
-        J = pos.view(1, -1).long()
-        if self.injective:
-            return torch.ones(self.rows, J.shape[1], device=J.device)
-        if self.covered:
-            return self.sign_table.index_select(1, J[0])
-        return self.hash_signs(J)
-
-    def hash_cells(self, J: Tensor) -> Tensor:
-        """The bucket hash h_i(J) = ((a_i J + c_i) mod p) mod b: J (1, n) int64 -> (r, n)."""
-        return (self.coef[0] * J + self.coef[1]) % PRIME % self.width
-
-    def hash_signs(self, J: Tensor) -> Tensor:
-        """The sign hash g_i(J) = 1 - 2 (((a'_i J + c'_i) mod p) mod 2): J (1, n) int64 -> (r, n) of +-1."""
-        return 1.0 - 2.0 * ((self.coef[2] * J + self.coef[3]) % PRIME % 2).float()
-
-    def cover(self, n: int) -> None:
-        """Hash every position below ``n`` once, into tables that ``buckets`` and ``signs`` then read: one
-        lookup each instead of 4 and 7 operations (on a GPU each is a kernel launch, and a decode step hashes
-        every evicted position again to rebuild it). The caller promises to ask for no position at or above
-        ``n`` until it covers more: ``n`` is a count the host knows (positions seen), so no host wait. The
-        tables grow by doubling; their values are the formulas', so nothing else changes. They are not counted
-        in the method's memory (``slot_nbytes``, ``extra_nbytes``): like RoPE's angles, a cache of a function of
-        the position, which a fused kernel could compute from the four coefficients instead."""
-        if self.injective or n <= self.covered:
-            return
-        J = torch.arange(max(n, 2 * self.covered, 256), device=self.coef.device).view(1, -1)
-        self.cell_table, self.sign_table = self.hash_cells(J), self.hash_signs(J)   # (r, n) each
-        self.covered = J.shape[1]
-
-    def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
-        """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
-        subtract): cell[i, h_i(J)].key += k_J, cell[i, h_i(J)].value += g_i(J) v_J for every row i. Tokens
-        that share a cell are all summed into it."""
-        # BEGIN SOLUTION [kvreviver:insert] KVReviver Algorithm 1 (a count sketch, Charikar et al. 2002), every row
-        cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
-        k, v = sign * k.float(), sign * v.float()                                # (n, H_kv, d)
-        (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
-        flat = (-1, H_kv, d)                                                     # the cells as (r * b) rows
-        rows = torch.arange(self.rows, device=cells.device).view(-1, 1)
-        idx = (rows * self.width + cells.long()).reshape(-1)                     # (r * n,): row i's cell c
-        g = signs.to(self.value.dtype)[..., None, None]                          # (r, n, 1, 1): g_i(J)
-        k_rows = k.to(self.key.dtype).unsqueeze(0).expand(r, n, H_kv, d)        # (r, n, H_kv, d): k_J
-        v_rows = v.to(self.value.dtype).unsqueeze(0) * g                         # (r, n, H_kv, d): g_i(J) v_J
-        # index_add_ sums every token sent to a cell (an indexed += would keep only one of them)
-        self.key.view(flat).index_add_(0, idx, k_rows.reshape(flat))
-        self.value.view(flat).index_add_(0, idx, v_rows.reshape(flat))
-        # END SOLUTION
-
-    def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows:
-        k^_J = median_i cell[i, h_i(J)].key, v^_J = median_i g_i(J) cell[i, h_i(J)].value; for an even r the
-        lower of the two middle values (as ``torch.median``)."""
-        # BEGIN SOLUTION [kvreviver:query] KVReviver Algorithm 2: the count sketch's estimate, a median over rows
-        cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
-        (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
-        flat = (-1, H_kv, d)                                                     # the cells as (r * b) rows
-        rows = torch.arange(self.rows, device=cells.device).view(-1, 1)
-        idx = (rows * self.width + cells.long()).reshape(-1)                     # (r * n,): row i's cell c
-        g = signs.to(self.value.dtype)[..., None, None]                          # (r, n, 1, 1): g_i(J)
-        k = self.key.reshape(flat).index_select(0, idx).view(r, n, H_kv, d)     # (r, n, H_kv, d): cells
-        v = self.value.reshape(flat).index_select(0, idx).view(r, n, H_kv, d) * g   # signed cells
-        return lower_median(k), lower_median(v)                                  # the lower median for even r
-        # END SOLUTION
-
-    def delete(self, pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """Remove tokens by subtracting what is known of them (in a swap: their estimates)."""
-        self.insert(pos, k, v, sign=-1.0)
-
-    def nbytes(self) -> int:
-        return self.key.nbytes + self.value.nbytes
 
 
 def c_first(scores: Tensor, recent: Tensor) -> Tensor:
@@ -207,11 +87,12 @@ class KVReviverPolicy(CachePolicy):
         experiments on the sketch alone); None = floor(vague_share * budget / rows), taken from the budget.
     injective_hash : h_i(J) = J (exact reconstruction if b > every position; for tests).
     seed : seed of the hashes (each layer uses seed + layer).
-    per_kv_head : each KV head keeps its own C and its own sketch, chosen by its own scores (see the module
-        docstring, "Granularity"); False = one selection per layer, shared by the KV heads (the paper's).
+    per_kv_head : each KV head keeps its own C and its own sketch, chosen by its own scores (methods/README.md,
+        table "Choices ...", row "granularity"); False = one selection per layer, shared by the KV heads (the
+        paper's).
     layer_budgets : one budget per layer, used instead of ``budget`` in each (split the same way); None = the
         same ``budget`` everywhere. The appendix ("Fisher Information") allocates the layers' budgets by the
-        Fisher information of W_K and W_V: ``fisher_layer_budgets`` computes such a tuple.
+        Fisher information of W_K and W_V: ``methods.kvreviver_budgets`` computes such a tuple.
     """
 
     budget: int
@@ -561,69 +442,3 @@ class KVReviverPolicy(CachePolicy):
         cells = self.rows * self.layer_split(layer).width if self._sketch.get(layer) else 0
         return {"R": int((raw >= recent_from).sum()), "C": int((raw < recent_from).sum()),
                 "V": seen - raw.numel(), "cells": cells}
-
-
-# -- the appendix's per-layer budgets ----------------------------------------------------------------------
-def fisher_information(model, ids: Tensor, chunk: int = 128) -> list[float]:
-    """Per layer, the empirical Fisher information of W_K and W_V, summed (Yuan et al., appendix "Fisher
-    Information": a layer's is the sum of its key and value weight matrices'; the formula is not given).
-
-    Our reading, Palu's recipe that the appendix cites: split ``ids`` (T,) into chunks of ``chunk`` tokens; for
-    each chunk take the gradient of its mean next-token negative log-likelihood with respect to W_K and W_V,
-    square it entry by entry and add over chunks and entries:  F_l = sum_chunks (||dL/dW_K,l||^2 +
-    ||dL/dW_V,l||^2). Deterministic (no sampling, no dropout); the model's weights are left as they were."""
-    ids = ids.view(-1)
-    if ids.numel() < 2:
-        raise ValueError(f"Fisher information needs at least 2 tokens of calibration text, got {ids.numel()}")
-    weights = [(block.attn.k_proj.weight, block.attn.v_proj.weight) for block in model.blocks]
-    was_training, flags = model.training, [p.requires_grad for p in model.parameters()]
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for wk, wv in weights:
-        wk.requires_grad_(True), wv.requires_grad_(True)
-    fisher = torch.zeros(len(weights), dtype=torch.float64)
-    try:
-        with torch.enable_grad():
-            for start in range(0, ids.numel() - 1, chunk):
-                piece = ids[start:start + chunk + 1].view(1, -1)                 # (1, <= chunk + 1)
-                if piece.shape[1] < 2:
-                    break
-                logits = model(piece[:, :-1])                                    # (1, T, vocab)
-                loss = torch.nn.functional.cross_entropy(logits[0].float(), piece[0, 1:])
-                grads = torch.autograd.grad(loss, [w for pair in weights for w in pair])
-                for layer in range(len(weights)):
-                    gk, gv = grads[2 * layer], grads[2 * layer + 1]
-                    fisher[layer] += float(gk.double().pow(2).sum() + gv.double().pow(2).sum())
-    finally:
-        for p, flag in zip(model.parameters(), flags):
-            p.requires_grad_(flag)
-        model.train(was_training)
-    return fisher.tolist()
-
-
-def allocate(weights: list[float], budget: int, minimum: int = 1) -> tuple[int, ...]:
-    """``len(weights) * budget`` slots shared out in proportion to ``weights``, each layer at least
-    ``minimum``: the minimums first, the rest by largest remainder (ties to the lower layer), so the budgets
-    sum exactly to the uniform total."""
-    L = len(weights)
-    total, w = L * budget, torch.tensor(weights, dtype=torch.float64)
-    if L == 0 or total < L * minimum:
-        raise ValueError(f"{L} layers at least {minimum} slots each do not fit in {total} slots")
-    if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"layer weights must be finite, >= 0 and not all 0, got {weights}")
-    share = (total - L * minimum) * w / w.sum()                                  # (L,) slots beyond the minimum
-    extra = share.floor().long()
-    left = (total - L * minimum) - int(extra.sum())                              # < L slots left by the floors
-    order = sorted(range(L), key=lambda i: (-(float(share[i]) - int(extra[i])), i))
-    for i in order[:left]:
-        extra[i] += 1
-    return tuple(int(minimum + e) for e in extra)
-
-
-def fisher_layer_budgets(model, ids: Tensor, budget: int, chunk: int = 128) -> tuple[int, ...]:
-    """Per-layer budgets for ``KVReviverPolicy(layer_budgets=...)``: the uniform total ``n_layer * budget``
-    shared in proportion to each layer's Fisher information of W_K and W_V on the calibration text ``ids``
-    (``fisher_information``), at least 1 slot per layer."""
-    check_budget(budget)
-    return allocate(fisher_information(model, ids, chunk), budget)

@@ -53,7 +53,7 @@ model, tok, card = load("retrieval-llama")     # the bundled model (notebook 00)
 # %%
 import torch
 
-from methods.kvreviver import VagueSketch
+from methods.kvreviver_sketch import VagueSketch
 
 toy = VagueSketch(rows=3, width=4, n_kv_head=1, head_dim=1, seed=3)
 toy_pos = torch.arange(6)                                  # six tokens, J = 0..5

@@ -4,7 +4,7 @@ your code.
 
 Each adapter imports the library module it needs when it is called, so a file of yours that fails to import
 fails only the tasks that use it. Each task has three implementations: the sketch's method in
-methods/kvreviver.py (``VagueSketch``), the plain function of kernels/count_sketch.py (``reference_*``) and its
+methods/kvreviver_sketch.py (``VagueSketch``), the plain function of kernels/count_sketch.py (``reference_*``) and its
 Triton kernel (``_sketch_insert_kernel``, ``_sketch_query_kernel``), which needs no adapter: the grader launches
 your ``@triton.jit`` functions itself, with its own grids and buffers (course/launchers.py, in Triton's CPU
 interpreter), so keep their names and arguments as they are.
@@ -17,20 +17,20 @@ import importlib
 from torch import Tensor
 
 
-def kvreviver():
-    return importlib.import_module("methods.kvreviver")
+def kvreviver_sketch():
+    return importlib.import_module("methods.kvreviver_sketch")
 
 
 def count_sketch():
     return importlib.import_module("kernels.count_sketch")
 
 
-# -- the sketch's method (methods/kvreviver.py) -------------------------------------------------------------
+# -- the sketch's method (methods/kvreviver_sketch.py) ----------------------------------------------------------
 
 def new_sketch(rows: int, width: int, n_kv_head: int, head_dim: int, seed: int = 0, injective: bool = False):
     """An empty count sketch (``VagueSketch``): ``rows`` rows of ``width`` cells, each cell a key and a value
     (n_kv_head, d); its hashes' coefficients drawn from ``seed``."""
-    return kvreviver().VagueSketch(rows, width, n_kv_head, head_dim, seed, injective)
+    return kvreviver_sketch().VagueSketch(rows, width, n_kv_head, head_dim, seed, injective)
 
 
 def hashes(sketch, pos: Tensor) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,7 @@ grades them with the catalogue's."""
 from course.mutants import Mutant
 
 MUTANTS = [
-    # -- insert: VagueSketch.insert (methods/kvreviver.py) ------------------------------------------------------
+    # -- insert: VagueSketch.insert (methods/kvreviver_sketch.py) ---------------------------------------------------
     Mutant("insert: no sign hash, values added as they are", "insert",
            old="v_rows = v.to(self.value.dtype).unsqueeze(0) * g",
            new="v_rows = v.to(self.value.dtype).unsqueeze(0).expand(r, n, H_kv, d)"),

@@ -31,7 +31,7 @@ def drawn(low, high, case):
     return int(torch.randint(low, high, (1,), generator=generator("kvreviver integer", case)))
 
 
-PRIME = 2_147_483_647              # the modulus of the sketch's universal hashes (methods/kvreviver.py)
+PRIME = 2_147_483_647              # the modulus of the sketch's universal hashes (methods/kvreviver_sketch.py)
 
 
 def sketch_hashes(rows, width, seed, pos):

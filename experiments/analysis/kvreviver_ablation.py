@@ -29,7 +29,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from methods import make_policy
-from methods.kvreviver import KVReviverPolicy, VagueSketch, allocate, fisher_information
+from methods.kvreviver import KVReviverPolicy
+from methods.kvreviver_budgets import allocate, fisher_information
+from methods.kvreviver_sketch import VagueSketch
 from nanollm import cli, load
 from nanollm.cache import KVCache
 from nanollm.cli.provenance import header, provenance

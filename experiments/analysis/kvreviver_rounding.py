@@ -24,11 +24,11 @@ import torch
 from torch import Tensor
 
 from experiments.evaluation import compare
-from methods.kvreviver import VagueSketch
+from methods.kvreviver_sketch import VagueSketch
 from nanollm import cli
 
 PROG = "python -m experiments.analysis.kvreviver_rounding"
-PLAIN_INSERT = VagueSketch.insert        # Algorithm 1 as methods/kvreviver.py has it (float64_insert runs it)
+PLAIN_INSERT = VagueSketch.insert        # Algorithm 1 as methods/kvreviver_sketch.py has it (float64_insert runs it)
 
 
 def float64_insert(self: VagueSketch, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:

@@ -407,7 +407,7 @@ from pathlib import Path
 
 import methods
 from experiments.analysis.kvreviver_ablation import LEMMA2, CentredKeySketch, CentredSketch, format_lemma, format_lm
-from methods.kvreviver import allocate
+from methods.kvreviver_budgets import allocate
 
 ROOT = Path(methods.__file__).resolve().parents[1]          # the repository, wherever the lab was opened
 with open(ROOT / "results" / "kvreviver_ablation.json") as f:
@@ -533,7 +533,7 @@ plt.show()
 # ### 3.2 The appendix's per-layer budgets by Fisher information
 #
 # The appendix sums the Fisher information of a layer's W_K and W_V and uses it as the layer's share of
-# the memory. Our reading (`fisher_layer_budgets` in `methods/kvreviver.py`): the empirical Fisher, the
+# the memory. Our reading (`fisher_layer_budgets` in `methods/kvreviver_budgets.py`): the empirical Fisher, the
 # squared gradient of the mean next-token loss summed over the matrices' entries and over 128-token
 # chunks of 512 calibration tokens (help topics after the first 2048, neither the scored nor the Lemma 2
 # text); the total of 30 layers x the budget shared in proportion, at least one slot each.
@@ -541,8 +541,8 @@ plt.show()
 # %%
 fisher = next(r for r in ablation_records if r["kind"] == "fisher")["fisher"]
 share = torch.tensor(fisher) / sum(fisher)
-fisher_budgets = {b: allocate(fisher, b) for b in ABL_BUDGETS}
-for b, alloc in fisher_budgets.items():
+kvreviver_budgets = {b: allocate(fisher, b) for b in ABL_BUDGETS}
+for b, alloc in kvreviver_budgets.items():
     assert sum(alloc) == len(fisher) * b
     print(f"budget {b}: per layer {list(alloc)}; smallest {min(alloc)}, largest {max(alloc)}; "
           f"cells per sketch row from {min(int(0.1 * x) // 3 for x in alloc)} to "
@@ -552,7 +552,7 @@ print(f"largest Fisher shares: layers {top} with {', '.join(f'{float(share[i]):.
       f"the other {len(fisher) - 3} layers {float(1 - share[top].sum()):.2f} together")
 fig, ax = plt.subplots(figsize=(9, 3.4))
 for j, b in enumerate(ABL_BUDGETS):
-    ax.bar(torch.arange(len(fisher)) + 0.4 * (j - 0.5), fisher_budgets[b], width=0.38,
+    ax.bar(torch.arange(len(fisher)) + 0.4 * (j - 0.5), kvreviver_budgets[b], width=0.38,
            label=f"Fisher, total {len(fisher)} x {b}")
     ax.axhline(b, color=f"C{j}", ls="--", lw=0.8, label=f"uniform {b}")
 ax.set_yscale("log")
@@ -593,7 +593,7 @@ k_all, v_all = full.layers[2].k[0].transpose(0, 1), full.layers[2].v[0].transpos
 
 
 # %%
-from methods.kvreviver import VagueSketch
+from methods.kvreviver_sketch import VagueSketch
 
 repair_widths = [4, 16, 64, 256]                            # W, cells per row
 E = k_all.shape[0]                                          # tokens in the sketch

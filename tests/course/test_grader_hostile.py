@@ -585,13 +585,13 @@ def test_a_sketch_whose_given_hash_was_changed_fails(tmp_path, capsys):
     tests), never from the student's, so the sketch fails wherever the hashes matter."""
     graded_here("kvreviver")
     copy = student_copy(tmp_path, "kvreviver")
-    path = copy / "methods" / "kvreviver.py"
+    path = copy / "methods" / "kvreviver_sketch.py"
     text = path.read_text()
     given = "        return (self.coef[0] * J + self.coef[1]) % PRIME % self.width\n"
     assert text.count(given) == 1, "buckets moved"
     path.write_text(text.replace(given, "        return J * 0 + torch.zeros(self.rows, 1, dtype=torch.long)\n"))
     for task in ("insert", "query"):
-        put(path, task, reference("methods/kvreviver.py", task))
+        put(path, task, reference("methods/kvreviver_sketch.py", task))
     grade.main(["kvreviver", "--student", str(copy), "--json", str(tmp_path / "r.json"), "-k", "query"])
     results = json.loads((tmp_path / "r.json").read_text())
     assert results["tests"] and results["score"] == 0, capsys.readouterr().out

@@ -431,7 +431,7 @@ def test_one_pytorch_insert_behind_the_kernels_wrapper_earns_no_kernel_point(tmp
     from tests.course.test_grader import graded_here, reference
     graded_here("kvreviver")
     copy = student_copy(tmp_path, "kvreviver")
-    for rel in ("methods/kvreviver.py", "kernels/count_sketch.py"):
+    for rel in ("methods/kvreviver_sketch.py", "kernels/count_sketch.py"):
         put(copy / rel, "insert", reference(rel, "insert"))
     with (copy / "kernels" / "count_sketch.py").open("a") as f:
         f.write("\n\n_insert = reference_sketch_insert\n\n\n"

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastpath.lean import LeanDecoder
 from kernels.count_sketch import reference_sketch_insert, reference_sketch_query
 from methods import make_policy
-from methods.kvreviver import KVReviverPolicy, VagueSketch
+from methods.kvreviver import KVReviverPolicy
+from methods.kvreviver_sketch import VagueSketch
 from nanollm import CachePolicy, KVCache, decode_step, extend, prefill, preset
 
 

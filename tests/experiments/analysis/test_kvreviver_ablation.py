@@ -23,7 +23,9 @@ from experiments.analysis.kvreviver_ablation import (
     lm_ablation,
 )
 from experiments.evaluation.language_modelling import run as lm_run
-from methods.kvreviver import KVReviverPolicy, VagueSketch, allocate, fisher_information, fisher_layer_budgets
+from methods.kvreviver import KVReviverPolicy
+from methods.kvreviver_budgets import allocate, fisher_information, fisher_layer_budgets
+from methods.kvreviver_sketch import VagueSketch
 from nanollm import KVCache, decode_step, prefill
 
 
@@ -224,7 +226,7 @@ def test_fisher_information_is_the_squared_gradient_of_wk_and_wv(bundled):
         assert g == pytest.approx(w, rel=1e-4)
 
 
-def test_fisher_budgets_sum_to_the_uniform_total_and_are_deterministic(bundled):
+def test_kvreviver_budgets_sum_to_the_uniform_total_and_are_deterministic(bundled):
     model, _, _ = bundled
     x = ids(200, seed=3)[0]
     budgets = fisher_layer_budgets(model, x, 40)

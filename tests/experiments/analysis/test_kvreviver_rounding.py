@@ -14,7 +14,7 @@ from experiments.analysis import kvreviver_rounding
 from experiments.analysis.kvreviver_rounding import float64_insert, sums_in_float64
 from experiments.evaluation import agree
 from fastpath.reviver import routed
-from methods.kvreviver import VagueSketch
+from methods.kvreviver_sketch import VagueSketch
 from tests.commands import refused
 
 
