@@ -280,6 +280,9 @@ class GraphDecoder:
         if self.lean.biased:
             raise ValueError("the graph step takes a model without biases in its linear layers (this one has "
                              "them: Qwen2's on q, k, v, or a llama with attention_bias); decode it with LeanDecoder")
+        if self.lean.qk_norms is not None:
+            raise ValueError("the graph step takes a model without q/k norms (this one has them: a Qwen3); "
+                             "decode it with LeanDecoder")
         self.model, self.config = model, model.config
         self.shapes: dict[tuple, _Shape] = {}           # (L, B, H_kv, C, d, dtype, device, rule) -> buffers
         self.captures = 0                               # graphs captured so far (one per shape)

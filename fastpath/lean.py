@@ -59,6 +59,8 @@ class LeanDecoder:
                             b.attn.o_proj.bias, torch.cat([b.mlp.gate_proj.bias, b.mlp.up_proj.bias])
                             if cfg.bias else None, b.mlp.down_proj.bias) for b in model.blocks]
         self.biased = bool(cfg.bias or cfg.qkv_bias)
+        # Qwen3's RMSNorm of each head's query and key (weights (d,)), per layer, else None
+        self.qk_norms = [(b.attn.q_norm, b.attn.k_norm) for b in model.blocks] if cfg.qk_norm else None
 
     @staticmethod
     def _norm(norm: RMSNorm, x: Tensor) -> Tensor:
@@ -125,7 +127,11 @@ class LeanDecoder:
             bqkv, bo, bgu, bd = self.biases[i]                                         # None: no bias
             h = self._norm(norm1, x)                                                   # (R, D)
             qkv = _plus(linear(h, wqkv), bqkv).view(R, H + 2 * H_kv, d)
-            qk = apply_rope(qkv[:, :H + H_kv], cos, sin)          # q and k rotated together (element-wise)
+            qk = qkv[:, :H + H_kv]                                                     # (R, H + H_kv, d)
+            if self.qk_norms is not None:                         # Qwen3: each head normalised, before RoPE
+                (qn, kn), (q, k) = self.qk_norms[i], qk.split([H, H_kv], dim=1)
+                qk = torch.cat([self._norm(qn, q), self._norm(kn, k)], dim=1)
+            qk = apply_rope(qk, cos, sin)                         # q and k rotated together (element-wise)
             q = qk[:, :H, None]                                                        # (R, H, 1, d)
             k, v = qk[:, H:, None], qkv[:, H + H_kv:, None]                            # (R, H_kv, 1, d)
             y = attend(i, attn, q, k, v).reshape(R, H * d)      # (R, H, 1, d): the heads side by side

@@ -60,6 +60,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019), computed in fp32 as Llama does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
 # Attention over (key, value, position) entries, and the statistics a policy asks for (``policy.Needs``).
 
 def group_scores(q: Tensor, k: Tensor) -> Tensor:
@@ -146,6 +158,8 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(D, H_kv * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(D, H_kv * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * d, D, bias=config.bias)            # W_O, shape (D, H*d)
+        if config.qk_norm:                                              # Qwen3: weights (d,), shared by the heads
+            self.q_norm, self.k_norm = RMSNorm(d, config.norm_eps), RMSNorm(d, config.norm_eps)
 
     @classmethod
     def new_storage(cls, config: ModelConfig) -> LayerKV:
@@ -167,6 +181,8 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, H, d).transpose(1, 2)             # (B, H, T, d)
         k = self.k_proj(x).view(B, T, H_kv, d).transpose(1, 2)          # (B, H_kv, T, d)
         v = self.v_proj(x).view(B, T, H_kv, d).transpose(1, 2)          # (B, H_kv, T, d)
+        if self.config.qk_norm:                                         # each head's q and k normalised, then RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)           # keys are cached after RoPE
         if cache is None:                                               # training: the sequence over itself

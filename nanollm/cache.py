@@ -42,10 +42,7 @@ class KVCache:
         ctx = StepContext(layer=layer, phase=phase, q=q, q_pos=pos, probs=probs, out=out, kv=store,
                           attn=module, config=self.config, seen=self.seen + q.shape[2],
                           attended_pos=attended_pos, col_sums=col_sums)
-        if phase == "prefill":
-            self.policy.on_prefill(ctx)
-        else:
-            self.policy.on_decode(ctx)
+        (self.policy.on_prefill if phase == "prefill" else self.policy.on_decode)(ctx)     # the phase's hook
         return out
 
     def nbytes(self) -> int:

@@ -90,10 +90,14 @@ def check_config(c) -> None:
     if c.n_head % c.n_kv_head != 0:
         raise ValueError(f"n_head ({c.n_head}) must be divisible by n_kv_head ({c.n_kv_head}): "
                          "each KV head serves a whole group of query heads")
-    if c.d_model % c.n_head != 0:
-        raise ValueError(f"d_model ({c.d_model}) must be divisible by n_head ({c.n_head})")
-    if c.flavour == "llama" and (c.d_model // c.n_head) % 2 != 0:
-        raise ValueError(f"RoPE needs an even head dimension, got {c.d_model // c.n_head}")
+    check_int("d_head", c.d_head, 0, " (0: d_model // n_head)")
+    check_flag("qk_norm", c.qk_norm)
+    if c.flavour == "gpt2" and (c.d_head or c.qk_norm):
+        raise ValueError("d_head and qk_norm are for llama-flavour models (Qwen3); a gpt2 has neither")
+    if not c.d_head and c.d_model % c.n_head != 0:
+        raise ValueError(f"d_model ({c.d_model}) must be divisible by n_head ({c.n_head}), or give d_head")
+    if c.flavour == "llama" and c.head_dim % 2 != 0:
+        raise ValueError(f"RoPE needs an even head dimension, got {c.head_dim}")
     if not isinstance(c.attention, str) or not c.attention:
         raise ValueError(f"attention must name an attention module, got {c.attention!r}")
     for name in ("norm_eps", "rope_base"):

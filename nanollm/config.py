@@ -30,6 +30,8 @@ class ModelConfig:
     tie_embeddings: bool = True     # lm_head shares the token embedding matrix
     bias: bool | None = None        # biases in linear layers; None = flavour default (gpt2 yes, llama no)
     qkv_bias: bool | None = None    # biases on the query, key and value projections (Qwen2: there only); None = bias
+    qk_norm: bool = False           # RMSNorm over each head's q and k before RoPE (Qwen3, Yang et al. 2025)
+    d_head: int = 0                 # the size d of one head; 0 = d_model // n_head (Qwen3 sets its own)
     attention: str = "causal"       # attention module: a name in attention.ATTENTION or "package.module:Class"
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. where a real checkpoint came from)
 
@@ -46,7 +48,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.d_head or self.d_model // self.n_head
 
     @property
     def group_size(self) -> int:
@@ -56,8 +58,9 @@ class ModelConfig:
         """Bytes one token adds to a full cache of the standard attention: K and V of every layer and KV head."""
         return 2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_element
 
-    def to_dict(self) -> dict:                      # qkv_bias only where it differs from bias (a Qwen2)
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "qkv_bias" or v != self.bias}
+    def to_dict(self) -> dict:              # qkv_bias where it differs from bias (Qwen2), qk_norm and d_head where set
+        default = {"qkv_bias": self.bias, "qk_norm": False, "d_head": 0}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in default or v != default[k]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

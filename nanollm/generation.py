@@ -38,8 +38,7 @@ def extend(model: Transformer, ids: Tensor, cache: KVCache) -> Tensor:
 @torch.no_grad()
 def decode_step(model: Transformer, token: Tensor, cache: KVCache) -> Tensor:
     """Feed one token per row, token (B,) or (B, 1). Returns the next-token logits (B, vocab)."""
-    if token.dim() == 1:
-        token = token[:, None]
+    token = token[:, None] if token.dim() == 1 else token
     check_one_token(token)
     return extend(model, token, cache)[:, -1]
 

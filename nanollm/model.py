@@ -14,22 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import attention_class, rope_cos_sin, rope_inv_freq
+from .attention import RMSNorm, attention_class, rope_cos_sin, rope_inv_freq
 from .cache import KVCache
 from .checks import check_ids
 from .config import ModelConfig
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019), computed in fp32 as Llama does."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -112,11 +100,9 @@ class Transformer(nn.Module):
         T = ids.shape[1]
         pos = torch.arange(start, start + T, device=ids.device)             # (T,)
         x = self.tok_emb(ids)                                               # (B, T, D)
-        rope = None
-        if self.pos_emb is not None:
+        rope = None if self.pos_emb is not None else rope_cos_sin(pos, self.inv_freq.to(ids.device), x.dtype)
+        if self.pos_emb is not None:                                        # gpt2: learned positions; llama: RoPE
             x = x + self.pos_emb(pos)
-        else:
-            rope = rope_cos_sin(pos, self.inv_freq.to(ids.device), x.dtype)                # 2 x (T, d)
         for block in self.blocks:
             x = block(x, pos, rope, cache)
         h = self.final_norm(x)

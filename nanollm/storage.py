@@ -9,8 +9,7 @@ Positions are per KV head: heads may keep different tokens, and different number
 padded with empty slots). T counts slots, not tokens seen (``KVCache.seen``). Buffers have room to spare,
 doubled when full: ``append`` writes in place, O(T) bytes copied in a generation where ``torch.cat`` per
 token copies O(T^2). ``keep`` drops entries by compacting (after a prompt); ``evict`` empties slots in place
-and the next ``append`` fills them (O(1) per decoded token), so slots need not follow positions: the mask
-comes from the stored positions.
+and the next ``append`` fills them (O(1) per decoded token); slots need not follow positions (the mask reads pos).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Nothing is downloaded.
     model, hf_config = load_hf("path/to/TinyLlama-1.1B")          # float32 on CPU by default
     export_hf(model, "out/")     # out/config.json + out/model.safetensors, loadable by transformers
 
-Names follow transformers' ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` (``SUPPORTED`` lists the model types).
+Names follow transformers' ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` (``SUPPORTED`` lists the model types;
+Qwen2 adds biases on q, k and v, Qwen3 an RMSNorm of each head's q and k).
 A folder is data: every ``config.json`` field is checked for type and range, and the tensors the weight files
 list are checked by name and shape against the model the config describes (``check_state``), before a model
 is built; non-finite weights are refused.
@@ -34,7 +35,8 @@ from .safetensors import DTYPES, load_file, load_sharded, load_torch_bin, read_h
 SUPPORTED = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"),
              "llama": ("LlamaForCausalLM",),
              "mistral": ("MistralForCausalLM",),
-             "qwen2": ("Qwen2ForCausalLM",)}
+             "qwen2": ("Qwen2ForCausalLM",),
+             "qwen3": ("Qwen3ForCausalLM",)}
 # Weight files, in the order Hugging Face prefers them
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
                 "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -228,32 +230,36 @@ def _gpt2_config(f: Fields) -> ModelConfig:
 
 
 def _llama_config(f: Fields) -> ModelConfig:
-    """Llama, Mistral and Qwen2 (a Llama with biases on the query, key and value projections, and a sliding
-    window only when ``use_sliding_window`` says so)."""
+    """Llama, Mistral, Qwen2 (a Llama with biases on the query, key and value projections, and a sliding
+    window only when ``use_sliding_window`` says so) and Qwen3 (no biases, an RMSNorm of each head's query and
+    key, its own ``head_dim``). Every family's ``head_dim`` is honoured, as transformers does."""
     if f.text("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {f.cfg['hidden_act']!r} is not supported; Llama models use 'silu'")
-    qwen2 = f.cfg["model_type"] == "qwen2"
+    qwen2, qwen3 = f.cfg["model_type"] == "qwen2", f.cfg["model_type"] == "qwen3"
     window = f.integer("sliding_window", None, low=0)
     max_pos = f.integer("max_position_embeddings", 2048)
-    if qwen2 and f.flag("use_sliding_window", False):
+    if (qwen2 or qwen3) and f.flag("use_sliding_window", False):
         raise ValueError(f"sliding-window attention (use_sliding_window, sliding_window={window}) is not supported")
-    if not qwen2 and window is not None and window < max_pos:
+    if not (qwen2 or qwen3) and window is not None and window < max_pos:
         raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
+    layer_types = f.get("layer_types", [])
+    if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"layer_types {layer_types!r:.100} is not supported: every layer must be 'full_attention'")
     attn_bias, mlp_bias = f.flag("attention_bias", False), f.flag("mlp_bias", False)
+    if qwen3 and attn_bias:
+        raise ValueError("attention_bias=true on a qwen3 (biases on q, k, v and o, none in the MLP) is not supported")
     if attn_bias != mlp_bias:
         raise ValueError(f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported: nanollm "
                          "has biases in every linear layer, in none, or (Qwen2) on q, k and v only")
     d_model, n_head, vocab = f.integer("hidden_size"), f.integer("num_attention_heads"), f.integer("vocab_size")
-    if f.integer("head_dim", None) not in (None, d_model // n_head):
-        raise ValueError(f"head_dim={f.cfg['head_dim']} != hidden_size / num_attention_heads = "
-                         f"{d_model // n_head} is not supported")
+    head_dim = f.integer("head_dim", None)
     theta, scaling = _rope(f)
     return ModelConfig(
         flavour="llama", vocab_size=vocab, n_layer=f.integer("num_hidden_layers"), n_head=n_head,
         n_kv_head=f.integer("num_key_value_heads", n_head), d_model=d_model, d_ff=f.integer("intermediate_size"),
         max_seq_len=max_pos, rope_base=theta, rope_scaling=scaling, norm_eps=f.number("rms_norm_eps", 1e-6),
         tie_embeddings=f.flag("tie_word_embeddings", False), bias=attn_bias, qkv_bias=qwen2 or attn_bias,
-        extra=_extra(f, vocab))
+        qk_norm=qwen3, d_head=0 if head_dim in (None, d_model / n_head) else head_dim, extra=_extra(f, vocab))
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
@@ -282,12 +288,24 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
     if config.bias and not config.qkv_bias:
         raise ValueError("biases in every linear layer but the query, key and value projections: no Hugging Face "
                          "architecture has them so")
+    if config.qk_norm:                             # each head's q and k normalised: Qwen3's layout
+        if config.bias or config.qkv_bias:
+            raise ValueError("q/k norms with biases: no Hugging Face architecture has both (Qwen3 has no biases)")
+        return {
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": config.vocab_size,
+            "hidden_size": config.d_model, "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layer,
+            "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
+            "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len,
+            "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_base, "rope_scaling": config.rope_scaling,
+            "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "attention_dropout": 0.0,
+            "initializer_range": 0.02, "tie_word_embeddings": config.tie_embeddings, "use_cache": True,
+            "torch_dtype": torch_dtype, **tokens}
     if config.qkv_bias and not config.bias:        # biases on q, k, v only: Qwen2's layout
         return {
             "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": config.vocab_size,
             "hidden_size": config.d_model, "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layer,
             "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
-            "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
+            "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
             "rope_theta": config.rope_base, "rope_scaling": config.rope_scaling, "hidden_act": "silu",
             "use_sliding_window": False, "attention_dropout": 0.0, "initializer_range": 0.02,
             "tie_word_embeddings": config.tie_embeddings, "use_cache": True, "torch_dtype": torch_dtype, **tokens}
@@ -317,6 +335,9 @@ def _llama_names(config: ModelConfig) -> dict[str, str]:
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         names[ours + "attn_norm.weight"] = theirs + "input_layernorm.weight"
         names[ours + "mlp_norm.weight"] = theirs + "post_attention_layernorm.weight"
+        if config.qk_norm:                                                       # Qwen3
+            names[ours + "attn.q_norm.weight"] = theirs + "self_attn.q_norm.weight"
+            names[ours + "attn.k_norm.weight"] = theirs + "self_attn.k_norm.weight"
         for proj in ("q", "k", "v", "o"):
             for s in (qkv_suffixes if proj != "o" else suffixes):
                 names[ours + f"attn.{proj}_proj.{s}"] = theirs + f"self_attn.{proj}_proj.{s}"

@@ -50,6 +50,23 @@ def test_lean_step_adds_the_biases(make_model, bias, qkv_bias):
     assert not torch.allclose(ref, steps_both(make_model(preset("TINY"), seed=4), x, "snapkv")[0])
 
 
+@pytest.mark.parametrize("name", ["h2o", "kvreviver"])
+def test_lean_step_normalises_qwen3s_queries_and_keys(make_model, name):
+    """Qwen3's RMSNorm of each head's q and k (weights drawn, not ones), with a head size of its own (32, where
+    TINY's d_model / n_head is 16): the lean step's logits and kept entries are decode_step's."""
+    model = make_model(preset("TINY", qk_norm=True, d_head=32), seed=5)
+    with torch.no_grad():
+        for i, (n, p) in enumerate(model.named_parameters()):
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    assert LeanDecoder(model).qk_norms is not None
+    x = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(0))
+    ref, lean, (a, b) = steps_both(model, x, name)
+    torch.testing.assert_close(lean, ref, rtol=0, atol=1e-5)
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.pos, lb.pos)
+
+
 def test_lean_generate_equals_generate(make_model):
     model = make_model(preset("TINY"), seed=2)
     x = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))

@@ -50,9 +50,17 @@ def random_ids(config: ModelConfig, B: int, T: int, seed: int = 1) -> Tensor:
     return torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(params=["llama", "gpt2"])
-def model(request, tiny_model: Transformer, tiny_gpt2_model: Transformer) -> Transformer:
-    """Both flavours: Llama (RoPE, GQA 4 query / 2 KV heads) and GPT-2 (learned positions, MHA)."""
+@pytest.fixture(params=["llama", "gpt2", "qwen3"])
+def model(request, tiny_model: Transformer, tiny_gpt2_model: Transformer, make_model) -> Transformer:
+    """Both flavours: Llama (RoPE, GQA 4 query / 2 KV heads) and GPT-2 (learned positions, MHA); and a Llama
+    with Qwen3's RMSNorm of each head's q and k (weights drawn, not ones) and a head size of its own."""
+    if request.param == "qwen3":
+        qwen3 = make_model(preset("TINY", qk_norm=True, d_head=32), seed=3)
+        with torch.no_grad():
+            for i, (name, p) in enumerate(qwen3.named_parameters()):
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.copy_(1 + torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+        return qwen3
     return tiny_model if request.param == "llama" else tiny_gpt2_model
 
 
@@ -329,6 +337,19 @@ def test_bad_input_on_a_fresh_cache(tiny_model: Transformer) -> None:
 def test_config_rejects_n_head_not_divisible_by_n_kv_head() -> None:
     with pytest.raises(ValueError, match=r"n_head \(4\) must be divisible by n_kv_head \(3\)"):
         ModelConfig(n_head=4, n_kv_head=3)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(d_head=-1), r"d_head must be an int >= 0 \(0: d_model // n_head\), got -1"),
+    (dict(d_head=7), "RoPE needs an even head dimension, got 7"),
+    (dict(qk_norm="yes"), "qk_norm must be True or False"),
+    (dict(flavour="gpt2", n_kv_head=4, qk_norm=True), "d_head and qk_norm are for llama-flavour models"),
+    (dict(d_model=30), r"d_model \(30\) must be divisible by n_head \(4\), or give d_head"),
+])
+def test_config_rejects_bad_head_sizes_and_qk_norms(fields, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**fields)
+    assert ModelConfig(d_model=30, d_head=8).head_dim == 8          # a head size of its own: Qwen3's way
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ CONFIGS = {
                                     rope_base=500000.0, norm_eps=1e-6, rope_scaling=LLAMA3_SCALING),
     "llama_bias": dict(flavour="llama", n_head=4, n_kv_head=4, bias=True),
     "qwen2_qkv_bias": dict(flavour="llama", n_head=4, n_kv_head=2, qkv_bias=True, rope_base=1000000.0),
+    "qwen3_qk_norm": dict(flavour="llama", n_head=4, n_kv_head=2, qk_norm=True, d_head=16, rope_base=1000000.0),
     "gpt2_tied": dict(flavour="gpt2", n_head=4, n_kv_head=4),
     "gpt2_untied": dict(flavour="gpt2", n_head=4, n_kv_head=4, tie_embeddings=False, d_ff=48),
 }
@@ -57,7 +58,8 @@ def test_export_load_round_trip_is_exact(tmp_path, name):
     export_hf(model, tmp_path)
     assert is_hf_folder(tmp_path) and not is_hf_folder(tmp_path / "nope")
     loaded, hf_config = load_hf(tmp_path)
-    assert hf_config["model_type"] == ("qwen2" if name.startswith("qwen2") else model.config.flavour)
+    assert hf_config["model_type"] == (name[:5] if name.startswith("qwen") else model.config.flavour)
+    assert {**loaded.config.to_dict(), "extra": {}} == {**model.config.to_dict(), "extra": {}}
     assert (loaded.config.rope_scaling, loaded.config.bias, loaded.config.qkv_bias) == \
         (model.config.rope_scaling, model.config.bias, model.config.qkv_bias)
     assert loaded.num_params() == model.num_params()
@@ -138,13 +140,14 @@ def test_unsupported_configs_raise():
     llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 32,
              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}
     assert config_from_hf(llama).n_kv_head == 4
+    assert config_from_hf({**llama, "head_dim": 16}).head_dim == 16            # transformers honours it too
     assert config_from_hf({**llama, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}).rope_base == 5e5
     for bad, message in [({"model_type": "bert"}, "model_type 'bert' is not supported"),
                          ({"architectures": ["LlamaForSequenceClassification"]}, "architecture"),
                          ({"hidden_act": "gelu"}, "hidden_act"),
                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
                          ({"attention_bias": True}, "mlp_bias"),
-                         ({"head_dim": 16}, "head_dim"),
+                         ({"head_dim": 7}, "RoPE needs an even head dimension, got 7"),
                          ({"model_type": "mistral", "architectures": None, "sliding_window": 4,
                            "max_position_embeddings": 64}, "sliding-window")]:
         with pytest.raises(ValueError, match=message):
@@ -180,7 +183,8 @@ def test_transformers_loads_the_export(tmp_path, name):
     model = random_model(name)
     export_hf(model, tmp_path / "ours")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
-    assert type(hf).__name__ == ("GPT2LMHeadModel" if model.config.flavour == "gpt2" else "Qwen2ForCausalLM"
+    assert type(hf).__name__ == ("GPT2LMHeadModel" if model.config.flavour == "gpt2" else "Qwen3ForCausalLM"
+                                 if model.config.qk_norm else "Qwen2ForCausalLM"
                                  if model.config.qkv_bias and not model.config.bias else "LlamaForCausalLM")
     x = ids()
     with torch.no_grad():
@@ -192,7 +196,7 @@ def test_transformers_loads_the_export(tmp_path, name):
     assert_same_logits(model, load_hf(tmp_path / "theirs")[0])
 
 
-@pytest.mark.parametrize("name", ["qwen2_qkv_bias", "llama_mqa_untied_llama3", "llama_gqa_tied"])
+@pytest.mark.parametrize("name", ["qwen2_qkv_bias", "qwen3_qk_norm", "llama_mqa_untied_llama3", "llama_gqa_tied"])
 def test_a_folder_transformers_wrote_loads_in_bf16_with_its_logits(tmp_path, name):
     """In bf16, the logits of a folder transformers saved, read by nanollm and by transformers itself: equal
     to 0.02 (bf16's rounding; these tiny models agree exactly, another summation order would not), with the
@@ -216,47 +220,60 @@ def test_a_folder_transformers_wrote_loads_in_bf16_with_its_logits(tmp_path, nam
 def test_an_unsupported_architecture_is_one_line_naming_it():
     base = {"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
             "intermediate_size": 64}
-    with pytest.raises(ValueError, match="model_type 'phi3' is not supported; supported: gpt2, llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match="model_type 'phi3' is not supported; supported: gpt2, llama, mistral, "
+                                         "qwen2, qwen3"):
         config_from_hf({"model_type": "phi3", **base})
+    with pytest.raises(ValueError, match="attention_bias=true on a qwen3"):
+        config_from_hf({"model_type": "qwen3", "attention_bias": True, **base})
+    with pytest.raises(ValueError, match="layer_types .* every layer must be 'full_attention'"):
+        config_from_hf({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"], **base})
+    with pytest.raises(ValueError, match="RoPE needs an even head dimension, got 7"):
+        config_from_hf({"model_type": "qwen3", "head_dim": 7, **base})
+    qwen3 = config_from_hf({"model_type": "qwen3", "head_dim": 16, "sliding_window": 16, **base})
+    assert (qwen3.qk_norm, qwen3.head_dim, qwen3.bias, qwen3.qkv_bias) == (True, 16, False, False)
     with pytest.raises(ValueError, match="sliding-window attention"):
         config_from_hf({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, **base})
     qwen = config_from_hf({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16, **base})
     assert (qwen.bias, qwen.qkv_bias) == (False, True)
 
 
-@pytest.mark.parametrize("name", ["qwen2_qkv_bias", "llama_bias"])
+@pytest.mark.parametrize("name", ["qwen2_qkv_bias", "llama_bias", "qwen3_qk_norm"])
 def test_the_fast_engine_runs_a_model_with_biases_as_the_plain_one(name):
-    """Qwen2's q/k/v biases (and a llama's attention_bias): the evaluation's two engines fill the same
-    caches and step them to the same logits; the graph step, which has no biases, refuses in one line."""
-    from experiments.evaluation.engines import make_engine
+    """Qwen2's q/k/v biases (and a llama's attention_bias), Qwen3's q/k norms: the evaluation's engines fill
+    the same caches and step them to the same logits; the graph step, which has neither, refuses in one line."""
+    from experiments.evaluation.engines import ENGINES, make_engine
     from fastpath.graph import GraphDecoder
     from methods import make_policy
     model = random_model(name)
     chunks, tokens = [ids(16)[0].tolist(), ids(20)[1, 16:].tolist()], [5, 7]
     out = {}
-    for engine in ("plain", "fast"):
+    for engine in ENGINES:
         e = make_engine(engine, model)
         caches, last = e.fill([make_policy("full", 8), make_policy("snapkv", 8)], chunks)
         out[engine] = [last]
         for t in tokens:
             out[engine] += e.step(caches, [t, t])[:2]
-    for a, b in zip(out["plain"], out["fast"]):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="the graph step takes a model without biases"):
+    for engine in ENGINES:
+        for a, b in zip(out["plain"], out[engine]):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="the graph step takes a model without " + ("q/k norms" if "qwen3" in name
+                                                                                      else "biases")):
         GraphDecoder(model)
 
 
-@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"])
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"])
 def test_a_folder_of_random_weights_transformers_built_loads_with_its_logits(tmp_path, arch):
     """Each architecture built by transformers itself from its config class (random weights, no download),
     saved as safetensors, read by nanollm: the same logits in fp32 (Llama with Llama-3's RoPE scaling,
-    Qwen2 with its q/k/v biases, Mistral without a sliding window)."""
+    Qwen2 with its q/k/v biases, Qwen3 with its q/k norms and a head size of its own, Mistral without a
+    sliding window)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     config = {"MistralForCausalLM": lambda: transformers.MistralConfig(**common, sliding_window=None),
               "Qwen2ForCausalLM": lambda: transformers.Qwen2Config(**common, use_sliding_window=False),
+              "Qwen3ForCausalLM": lambda: transformers.Qwen3Config(**common, head_dim=16, rope_theta=1000000.0),
               "LlamaForCausalLM": lambda: transformers.LlamaConfig(**common, rope_theta=500000.0,
                                                                    rope_scaling=LLAMA3_SCALING)}[arch]()
     torch.manual_seed(0)
