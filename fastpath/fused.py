@@ -32,7 +32,7 @@ from .graph import GraphDecoder, attend_heavy, evict_sinks, write_entry
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``nanollm.model.RMSNorm`` as a function: normalised in fp32, rounded back, times the weight."""
+    """``nanollm.attention.RMSNorm`` as a function: normalised in fp32, rounded back, times the weight."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 

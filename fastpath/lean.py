@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanollm.attention import CausalSelfAttention, apply_rope, rope_cos_sin
+from nanollm.attention import CausalSelfAttention, RMSNorm, apply_rope, rope_cos_sin
 from nanollm.cache import KVCache
 from nanollm.generation import generate
-from nanollm.model import RMSNorm, Transformer
+from nanollm.model import Transformer
 
 from .attention import SPLIT_HEADS_FROM, FastAttention, attend_heads, attend_step
 

@@ -37,7 +37,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}   # of max |reference|
 # The references: the arithmetic of fastpath/fused.py's layer, rounding where it rounds
 
 def _rms_norm(x: Tensor, g: Tensor, eps: float) -> Tensor:
-    """``nanollm.model.RMSNorm``: normalised in fp32, rounded back to x's dtype, times the weight g (K,)."""
+    """``nanollm.attention.RMSNorm``: normalised in fp32, rounded back to x's dtype, times the weight g (K,)."""
     return g * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 

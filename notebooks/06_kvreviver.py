@@ -13,7 +13,7 @@
 # (*Candidate*) raw, and adds every other token into a small *count sketch* (*Vague*), from which each
 # attention rebuilds an approximation of all of them. The paper reports near-full accuracy at 10-25% budgets
 # where eviction fails. Does the sketch bring forgotten tokens back? You will build the sketch by hand
-# (checked against `methods/kvreviver.py`), measure its errors, and see why it fails on keys.
+# (checked against `methods/kvreviver_sketch.py`), measure its errors, and see why it fails on keys.
 
 # %% tags=["setup"]
 from preamble import TINY

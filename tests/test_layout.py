@@ -174,7 +174,7 @@ def test_methods_top_level_is_the_methods():
     from methods import METHODS
     files = {p.stem for p in (ROOT / "methods").glob("*.py")} - {"__init__", "presets", "rules"}
     modules = {METHODS[name].__module__.rpartition(".")[2] for name in METHODS}
-    parts = {f for f in files - modules if f.partition("_")[0] in modules}
+    parts = {f for f in files - modules if any(f.startswith(m + "_") for m in modules)}
     assert files - parts == modules
 
 

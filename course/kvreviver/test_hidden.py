@@ -22,7 +22,7 @@ from test_public import (
 
 def reference_hashes(rows, width, seed, pos):
     """(cells, signs) (rows, n) of positions pos (n,) by the instructor's ``VagueSketch`` of that seed."""
-    sketch = reference("methods.kvreviver").VagueSketch(rows, width, 1, 1, seed)
+    sketch = reference("methods.kvreviver_sketch").VagueSketch(rows, width, 1, 1, seed)
     return sketch.buckets(pos), sketch.signs(pos)
 
 
@@ -31,7 +31,7 @@ def sketch_with_yours(operation, calls):
     place of its own: each sketch keeps one of yours (the same rows, width and seed) and, at each call of the
     operation, writes its cells into yours, runs yours on them, checks the result against its own operation on
     the same cells (the instructor's hashes), and goes on with yours. ``calls`` counts your calls."""
-    base = reference("methods.kvreviver").VagueSketch
+    base = reference("methods.kvreviver_sketch").VagueSketch
 
     class WithYours(base):
         def __init__(self, rows, width, n_kv_head, head_dim, seed, injective=False, device=None):

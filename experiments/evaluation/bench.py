@@ -519,7 +519,7 @@ def format_result(result: dict) -> str:
     cfg = result["config"]
     lines = [
         f"model: llama, {cfg['n_layer']} layers, {cfg['n_head']} heads / {cfg['n_kv_head']} KV heads of "
-        f"{cfg['d_model'] // cfg['n_head']}, d_model {cfg['d_model']}, "
+        f"{cfg.get('d_head') or cfg['d_model'] // cfg['n_head']}, d_model {cfg['d_model']}, "
         f"{'random weights' if not result.get('checkpoint') else 'the weights of ' + result['checkpoint']} "
         f"({result['weight_bytes'] / 1e6:.1f} MB read per step); K/V {result['kv_bytes_per_token']} bytes per "
         "token; fp32, "

@@ -436,7 +436,7 @@ def hf_config(gguf: GGUF) -> dict:
         raise GGUFError(f"{gguf.path}: embedding_length {d_model} is not a multiple of head_count {n_head}")
     head_dim = d_model // n_head
     for key in ("llama.attention.key_length", "llama.attention.value_length", "llama.rope.dimension_count"):
-        if _meta(gguf, key, head_dim) != head_dim:       # nanollm rotates whole heads of d_model / n_head
+        if _meta(gguf, key, head_dim) != head_dim:       # this reader builds heads of d_model / n_head
             raise GGUFError(f"{gguf.path}: {key} = {gguf.metadata[key]} differs from embedding_length / "
                             f"head_count = {head_dim}; not supported")
     scaling = gguf.metadata.get("llama.rope.scaling.type", "none")

@@ -252,7 +252,7 @@ def _llama_config(f: Fields) -> ModelConfig:
         raise ValueError(f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported: nanollm "
                          "has biases in every linear layer, in none, or (Qwen2) on q, k and v only")
     d_model, n_head, vocab = f.integer("hidden_size"), f.integer("num_attention_heads"), f.integer("vocab_size")
-    head_dim = f.integer("head_dim", None)
+    head_dim = f.integer("head_dim", 128 if qwen3 else None)             # transformers' Qwen3Config default
     theta, scaling = _rope(f)
     return ModelConfig(
         flavour="llama", vocab_size=vocab, n_layer=f.integer("num_hidden_layers"), n_head=n_head,
@@ -471,7 +471,7 @@ def check_state(config: ModelConfig, sd: dict[str, Tensor | None], where) -> Non
 def _sizes(config: ModelConfig) -> str:
     """The config fields that set the tensors' shapes, for an error: "vocab_size 512, n_layer 2, ..."."""
     return ", ".join(f"{k} {getattr(config, k)}" for k in ("vocab_size", "n_layer", "d_model", "d_ff", "n_head",
-                                                           "n_kv_head", "tie_embeddings"))
+                                                           "n_kv_head", "head_dim", "tie_embeddings"))
 
 
 def model_from_state(config: ModelConfig, sd: dict[str, Tensor], dtype: torch.dtype | None = torch.float32,

@@ -541,8 +541,8 @@ plt.show()
 # %%
 fisher = next(r for r in ablation_records if r["kind"] == "fisher")["fisher"]
 share = torch.tensor(fisher) / sum(fisher)
-kvreviver_budgets = {b: allocate(fisher, b) for b in ABL_BUDGETS}
-for b, alloc in kvreviver_budgets.items():
+fisher_budgets = {b: allocate(fisher, b) for b in ABL_BUDGETS}
+for b, alloc in fisher_budgets.items():
     assert sum(alloc) == len(fisher) * b
     print(f"budget {b}: per layer {list(alloc)}; smallest {min(alloc)}, largest {max(alloc)}; "
           f"cells per sketch row from {min(int(0.1 * x) // 3 for x in alloc)} to "
@@ -552,7 +552,7 @@ print(f"largest Fisher shares: layers {top} with {', '.join(f'{float(share[i]):.
       f"the other {len(fisher) - 3} layers {float(1 - share[top].sum()):.2f} together")
 fig, ax = plt.subplots(figsize=(9, 3.4))
 for j, b in enumerate(ABL_BUDGETS):
-    ax.bar(torch.arange(len(fisher)) + 0.4 * (j - 0.5), kvreviver_budgets[b], width=0.38,
+    ax.bar(torch.arange(len(fisher)) + 0.4 * (j - 0.5), fisher_budgets[b], width=0.38,
            label=f"Fisher, total {len(fisher)} x {b}")
     ax.axhline(b, color=f"C{j}", ls="--", lw=0.8, label=f"uniform {b}")
 ax.set_yscale("log")

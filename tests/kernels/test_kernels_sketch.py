@@ -54,7 +54,7 @@ def hashes(s: VagueSketch, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_n", [None, 4])
-def test_insert_equals_reference_and_kvreviver_sketch(device, block_n):
+def test_insert_equals_reference_and_vague_sketch(device, block_n):
     """12 tokens into 5 cells per row (collisions within a block and across programs), on top of cells that
     already hold tokens: the atomic adds equal index_add_ and VagueSketch.insert."""
     s, _ = filled_sketch(device, n=6, seed=3)                          # cells not empty
@@ -130,7 +130,7 @@ def test_one_token_of_a_wider_head_in_and_out(device):
 # Query
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_query_equals_reference_and_kvreviver_sketch(device):
+def test_query_equals_reference_and_vague_sketch(device):
     s, pos = filled_sketch(device, n=13)
     pos = torch.cat([pos, torch.tensor([50, 51], device=device)])      # and two tokens never inserted
     cells, signs = hashes(s, pos)

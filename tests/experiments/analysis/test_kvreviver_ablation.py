@@ -1,5 +1,5 @@
 """Why KVReviver collapses (experiments/analysis/kvreviver_ablation.py): the ablation variants do what their names
-say, the protocol is the language-modelling one, the appendix's Fisher budgets (methods/kvreviver.py) keep the
+say, the protocol is the language-modelling one, the appendix's Fisher budgets (methods/kvreviver_budgets.py) keep the
 total, and the repair of ours (not the paper's) reduces the error of keys with a nonzero mean. Fast tier on the
 bundled retrieval-llama; SmolLM2 ones are slow."""
 
@@ -226,7 +226,7 @@ def test_fisher_information_is_the_squared_gradient_of_wk_and_wv(bundled):
         assert g == pytest.approx(w, rel=1e-4)
 
 
-def test_kvreviver_budgets_sum_to_the_uniform_total_and_are_deterministic(bundled):
+def test_fisher_budgets_sum_to_the_uniform_total_and_are_deterministic(bundled):
     model, _, _ = bundled
     x = ids(200, seed=3)[0]
     budgets = fisher_layer_budgets(model, x, 40)
