@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         config, card = load_config(args.checkpoint), load_card(args.checkpoint)
         tok = load_tokenizer(args.checkpoint)
         if tok is None:
-            cli.fail(f"--checkpoint {args.checkpoint} has no supported tokenizer, which the synthetic tasks need")
+            cli.fail(f"--checkpoint {args.checkpoint} has no supported tokenizer, which every task needs (a folder's "
+                     "tokenizer.json, or vocab.json and merges.txt)")
         file_tasks = []
         for path in args.task_file:
             try:
@@ -379,7 +380,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                          f"{args.seed + samples - 1} of {task.path}, which holds {len(task.items)}")
             try:
                 if file_task(task):                    # every item of the run, before the first is made
-                    check_cuts(task, tok, length, range(args.seed, args.seed + samples), args.truncate)
+                    check_cuts(task, tok, length, range(args.seed, args.seed + samples), args.truncate,
+                               config.max_seq_len)
                 task.sample(tok, length, args.seed)
             except ValueError as e:
                 cli.fail(f"--length {length}: {e}")
@@ -508,23 +510,27 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
                                    if args.json else "; the samples that finished are in the tables above"))
 
 
-def check_cuts(task: Task, tok, length: int, seeds: range, truncate: str) -> None:
+def check_cuts(task: Task, tok, length: int, seeds: range, truncate: str, most: int) -> None:
     """The items of a file task the run would cut (``FileTask.cuts``, at the length the task's own prompt
     leaves: a chat template's tokens first): none with ``--truncate refuse``, else said in a line (on stderr)
-    before the run, with the items whose cut lost every answer; kept on the task for its records (``cuts``)."""
+    before the run, with the items whose cut lost every answer; kept on the task for its records (``cuts``).
+    Items are named by their line in the file (and ``id``); ``most`` is the model's longest ``--length``."""
     inner = file_task(task)
     room = length - (len(task.prefix_ids) + len(task.suffix_ids) if task is not inner else 0)
     cuts = inner.cuts(tok, room, seeds)
+    line = lambda c: f"line {c['item'] + 1}" + (f" (id {c['id']!r:.40})" if "id" in c else "")   # noqa: E731
     if cuts and truncate == "refuse":
         worst = max(cuts, key=lambda c: c["context_tokens"])
         raise ValueError(f"{inner.path}: {len(cuts)} of {len(seeds)} items have a context longer than --length "
-                         f"allows (the longest, item {worst['item']}: {worst['context_tokens']} tokens, "
-                         f"{worst['kept_tokens']} fit); --truncate middle or left cuts them, or raise --length")
+                         f"allows (the longest, {line(worst)}: {worst['context_tokens']} tokens, "
+                         f"{worst['kept_tokens']} fit); --truncate middle or left cuts them"
+                         + (", or raise --length" if length < most else
+                            f" (--length {length} is already the model's most)"))
     inner.cut_items = cuts
     if cuts:
-        lost = [c["item"] for c in cuts if not c["answers_kept"]]
+        lost = ", ".join(line(c) for c in cuts if not c["answers_kept"])
         print(f"{task.name}: {len(cuts)} of {len(seeds)} items cut to fit --length {length} (--truncate {truncate})"
-              + (f"; the cut took every answer out of the prompt of items {lost}" if lost else
+              + (f"; the cut took every answer out of the prompt of {lost}" if lost else
                  "; every answer the context held is still in the prompt"), file=sys.stderr, flush=True)
 
 

@@ -150,10 +150,11 @@ def format_tables(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_intervals(records: list[dict]) -> str:
+def format_intervals(records: list[dict], what: str = "accuracy") -> str:
     """Per mode: each row's mean accuracy with its 95% Wilson interval, its paired difference from the
     full cache (95% bootstrap interval), and per keep ratio the methods the exact paired test cannot tell
-    from that keep ratio's best (see ``intervals``). Needs the per-sample ``accuracies`` of each record."""
+    from that keep ratio's best (see ``intervals``). Needs the per-sample ``accuracies`` of each record
+    (``what``: the metric they hold, for the titles)."""
     lines = []
     for mode in [m for m in MODES if any(r["mode"] == m for r in records)]:
         rows = [r for r in records if r["mode"] == mode]
@@ -167,7 +168,7 @@ def format_intervals(records: list[dict]) -> str:
         w = max(14, 1 + max(len(k[0]) for k in keys))
         head = f"{'method':<{w}}{'keep':>6}{'mean acc':>9}   {'95% interval':<14}" + \
             ("   vs full (paired): difference [95% interval]" if full else "")
-        lines += [f"\n[{mode}] mean accuracy: 95% Wilson interval over its answers; "
+        lines += [f"\n[{mode}] mean {what}: 95% Wilson interval over its answers; "
                   "difference from the full cache: 95% paired bootstrap interval (each task's samples resampled)", head,
                   "-" * len(head)]
         means = {}
@@ -187,7 +188,8 @@ def format_intervals(records: list[dict]) -> str:
                 continue
             best, p = best_and_ties(at)
             if not any(at[best]):
-                lines.append(f"keep {ratio:.2f}: no best, every method answers nothing right")
+                nothing = "answers nothing right" if what == "accuracy" else f"scores 0 ({what}) on every answer"
+                lines.append(f"keep {ratio:.2f}: no best, every method {nothing}")
                 continue
             ties = [f"{name} (p={p_value(pv)})" for name, pv in sorted(p.items(), key=lambda x: -x[1]) if pv >= ALPHA]
             lines.append(f"keep {ratio:.2f}: best {best} ({means[(best, ratio)]:.2f}); not distinguishable from it "
@@ -248,5 +250,5 @@ def format_scored(records: list[dict], scored: dict[str, list[list[float]]]) -> 
         rows = [{**{k: r[k] for k in ("method", "budget", "keep_ratio", "task", "mode")},
                  "accuracy": sum(v) / len(v), "accuracies": v} for r, v in zip(records, values)]
         out.append(f"\n# {name}: intervals and exact paired tests as for the accuracy"
-                   + format_intervals(rows) + format_pairwise(rows))
+                   + format_intervals(rows, name) + format_pairwise(rows))
     return "\n".join(out)

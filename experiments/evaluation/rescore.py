@@ -29,7 +29,7 @@ from nanollm import cli
 from nanollm.cli.provenance import provenance
 from nanollm.data.evaluate import MODES
 from nanollm.io.chat import chat_template, chat_wrap
-from nanollm.io.checkpoint import load_config, load_tokenizer
+from nanollm.io.checkpoint import load_config, load_tokenizer, resolve, weights_sha256
 from nanollm.io.files import atomic_write_text, read_json
 
 from . import compare, report
@@ -41,7 +41,8 @@ from .task_file import exact_match, file_sha256
 
 # The answer-level metrics this command offers: the task's own score, which the records store, and five
 # added after the run (examples): on the answer's text, its token ids, and the full cache's answer beside it.
-# exact_match is the task files' scorer (any reference); target_match compares with the teacher-forced target.
+# exact_match is a task file's "exact_match" scorer (the answer is one of the references); target_match
+# compares with the teacher-forced target.
 SCORES: dict[str, Metric] = {m.name: m for m in [
     next(m for m in METRICS if m.name == "accuracy"),
     Metric("exact_match", lambda f, m, task, s: float(exact_match(m.prediction, s.answers)), answer=True),
@@ -89,6 +90,21 @@ def run_settings(data: dict, path: Path) -> tuple[int, str]:
         elif word.startswith("--checkpoint="):
             checkpoint = word.partition("=")[2]
     return seed, checkpoint
+
+
+def check_checkpoint(data: dict, path: Path, checkpoint: str, given: bool) -> None:
+    """The checkpoint is here and, where the file keeps the run's weights' SHA-256 (``run.weights_sha256``), it
+    is the one that ran: its tokenizer made the samples, another model's would rebuild other ones."""
+    try:
+        resolve(checkpoint)
+    except ValueError as e:
+        cli.fail(str(e) if given else f"{path}: the run's checkpoint {checkpoint!r} (as its command named it) is "
+                 "not here: give it with --checkpoint PATH")
+    ran = data.get("run")
+    want = ran.get("weights_sha256") if isinstance(ran, dict) else None
+    if isinstance(want, dict) and want and sorted(weights_sha256(checkpoint).values()) != sorted(want.values()):
+        cli.fail(f"{checkpoint}: not the weights the run used (their SHA-256 differ from {path}'s "
+                 "run.weights_sha256): the samples need the run's own tokenizer")
 
 
 def check_records(records, path: Path, max_length: int, scores: list[str]) -> None:
@@ -196,15 +212,16 @@ def format_table(records: list[dict], scored: dict[str, list[list[float]]]) -> s
     """One row per record: method, keep ratio, task, mode, samples, then per metric the stored mean and the
     rescored one; ``differs`` marks a row where they disagree."""
     w = min(30, max(14, 1 + max(len(printable(r["method"])) for r in records)))
+    cw = {name: max(20, len(name) + 8) for name in scored}                       # a space before each title
     head = f"{'method':<{w}}{'keep':>6}  {'task':<20}{'mode':<24}{'n':>5}" + \
-        "".join(f"{name + ' stored':>20}{'rescored':>10}" for name in scored)
+        "".join(f"{name + ' stored':>{cw[name]}}{'rescored':>10}" for name in scored)
     lines = [head, "-" * len(head)]
     for i, r in enumerate(records):
         cells, differs = "", False
         for name, values in scored.items():
             mean = sum(values[i]) / len(values[i])
             was = r.get(name)
-            cells += (f"{was:>20.4f}" if was is not None else f"{'-':>20}") + f"{mean:>10.4f}"
+            cells += (f"{was:>{cw[name]}.4f}" if was is not None else f"{'-':>{cw[name]}}") + f"{mean:>10.4f}"
             differs |= agrees(r, name, values[i]) is False
         lines.append(f"{printable(r['method'], w - 1):<{w}}{r['keep_ratio']:>6.2f}  {r['task'][:19]:<20}"
                      f"{r['mode']:<24}{len(r['predictions']):>5}{cells}" + ("  differs" if differs else ""))
@@ -235,9 +252,9 @@ def parser() -> cli.ArgumentParser:
                          "a file mine.py in this folder: mine:first_word), checked on one answer before any work "
                          "(accuracy: the task's own score, which the "
                          "records store; exact_match: the answer is one of the references, stripped, as a task "
-                         "file's scorer says; target_match: it is the teacher-forced target's text; answer_words, "
-                         "answer_tokens: the answer's words, its tokens; same_as_full: the answer is the full "
-                         "cache's) (default: accuracy)")
+                         "file's exact_match scorer says; target_match: it is the teacher-forced target's text; "
+                         "answer_words, answer_tokens: the answer's words, its tokens; same_as_full: the answer is "
+                         "the full cache's) (default: accuracy)")
     ap.add_argument("--checkpoint", default=None,
                     help="the checkpoint whose tokenizer made the samples (default: the one the file's "
                          "provenance.command names, else experiments.compare's default)")
@@ -316,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
             cli.fail(f"{args.results}: not a experiments.compare results file (a JSON object with 'records')")
         seed, checkpoint = run_settings(data, args.results)
         checkpoint = args.checkpoint or checkpoint
+        check_checkpoint(data, args.results, checkpoint, given=args.checkpoint is not None)
         records = data["records"]
         if isinstance(records, list):
             find_task_files(records, args.results, args.task_file)

@@ -171,13 +171,14 @@ class FileTask(Task):
             kept = tok.decode(self.cut(context_ids, room)[:room]) + item["question"]
             held = [a for a in item["answers"] if a in item["context"] + item["question"]]
             out.append({"item": seed, "context_tokens": len(context_ids), "kept_tokens": room,
-                        "answers_kept": not held or any(a in kept for a in held)})
+                        "answers_kept": not held or any(a in kept for a in held),
+                        **({"id": item["id"]} if item.get("id") is not None else {})})
         return out
 
     def sample(self, tok, length: int, seed: int) -> Sample:
         item, question_ids, target, target_ids, context_ids, room = self.parts(tok, length, seed)
         if len(context_ids) > room and self.truncate == "refuse":
-            raise ValueError(f"{self.path}: item {seed}'s context is {len(context_ids)} tokens and {room} fit in "
+            raise ValueError(f"{self.path}: line {seed + 1}'s context is {len(context_ids)} tokens and {room} fit in "
                              f"--length {length} beside its question and answer; --truncate middle or left cuts it")
         context_ids = self.cut(context_ids, room)
         return Sample(self.name, tok.decode(context_ids), item["question"], list(item["answers"]), target,

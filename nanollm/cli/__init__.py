@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import select
 import signal
 import sys
 import threading
@@ -81,10 +82,26 @@ def errors(debug: bool = False):
     except (UsageError, ValueError, OSError) as e:
         if debug:
             raise
+        if isinstance(e, BrokenPipeError) and _reader_gone():
+            raise SystemExit(141) from None     # `... | head` took what it wanted: stop quietly, as a shell tool
         exit_with_error(str(e) or type(e).__name__)
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (then it is pointed at /dev/null, so that
+    Python's own flush at exit does not fail again); False for a broken pipe elsewhere, which stays an error."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, ValueError, OSError):          # no poll (Windows), or no real stdout
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
 
 
 def _terminated(signum, frame):

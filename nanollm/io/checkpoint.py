@@ -290,13 +290,22 @@ def _with_tied_head(state: dict, config: ModelConfig) -> dict:
 class EncodingTokenizer:
     """A tiktoken Encoding with the interface the project uses: encode, decode, eot_id, vocab_size.
 
-    ``vocab_size``: ids from it on are bytes the vocab lacks (``hf_tokenizer.mergeable_ranks`` ranks them
-    past the vocab, because tiktoken needs every byte); ``encode`` drops them. (Hugging Face's byte-level BPE
-    drops such a character before merging, so next to one its neighbours may merge differently.)
+    ``vocab_size``, the model's: ids from it on are bytes the vocab lacks (``hf_tokenizer.mergeable_ranks`` ranks
+    them past the vocab, because tiktoken needs every byte); ``encode`` drops them. (Hugging Face's byte-level
+    BPE drops such a character before merging, so next to one its neighbours may merge differently.) A model
+    whose embedding has more rows than the tokenizer has tokens (Qwen's pad theirs) may emit an id no token
+    has: ``decode`` reads it as nothing, as transformers does. A tokenizer whose tokens pass ``vocab_size``
+    is refused: the model could not read them.
     """
 
     def __init__(self, enc, eot_id: int | None, vocab_size: int | None = None) -> None:
         self.enc, self.eot_id = enc, eot_id
+        if vocab_size is not None:                   # merged and special tokens past the embedding: refused
+            top = max([r for b, r in enc._mergeable_ranks.items() if len(b) > 1] + [*enc._special_tokens.values()],
+                      default=-1)
+            if top >= vocab_size:
+                raise ValueError(f"the tokenizer has a token of id {top}, past the model's vocab_size {vocab_size} "
+                                 "(its embedding's rows): the tokenizer does not belong to this model")
         self.vocab_size = enc.n_vocab if vocab_size is None else min(vocab_size, enc.n_vocab)
 
     def encode(self, text: str) -> list[int]:
@@ -304,7 +313,7 @@ class EncodingTokenizer:
         return ids if self.vocab_size == self.enc.n_vocab else [i for i in ids if i < self.vocab_size]
 
     def decode(self, ids: list[int]) -> str:
-        return self.enc.decode(list(ids))
+        return self.enc.decode([i for i in ids if i < self.vocab_size])      # an id past every token: nothing
 
     def bpe(self) -> tuple[dict[bytes, int], str, dict[str, int]]:
         """(ranks of the vocab's own tokens, split regex, special tokens): what ``hf.export_hf`` writes.
@@ -335,7 +344,10 @@ def hf_tokenizer(folder: Path, hf_config: dict) -> EncodingTokenizer | None:
     eos = eos[0] if isinstance(eos, list) else eos
     if eos is None and "<|endoftext|>" in enc.special_tokens_set:
         eos = enc.encode_single_token("<|endoftext|>")
-    return EncodingTokenizer(enc, eos, hf_config.get("vocab_size"))
+    try:
+        return EncodingTokenizer(enc, eos, hf_config.get("vocab_size"))
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
 
 
 def gguf_tokenizer(g) -> EncodingTokenizer:

@@ -160,14 +160,16 @@ class Fields:
 
 def _rope(f: Fields) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from the legacy fields or from transformers 5's ``rope_parameters``."""
-    params = f.get("rope_parameters", None)
+    params, legacy = f.get("rope_parameters", None), f.get("rope_scaling", None)
     if params is not None:
         if not isinstance(params, dict) or not isinstance(params.get("rope_type", ""), str):
             raise ValueError(f"{f.where}: rope_parameters {params!r:.100} not supported: expected one flat dict")
         theta = Fields(params, f.where).number("rope_theta", f.number("rope_theta", 10000.0))
         scaling = params
     else:
-        theta, scaling = f.number("rope_theta", 10000.0), f.get("rope_scaling", None)
+        theta, scaling = f.number("rope_theta", 10000.0), legacy
+    if isinstance(legacy, dict) and legacy.get("rope_type", legacy.get("type")) not in (None, "default"):
+        scaling = legacy                 # a scaling added as rope_scaling beside rope_parameters applies too
     if scaling is not None and not isinstance(scaling, dict):
         f.fail("rope_scaling", scaling, "an object or null")
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
@@ -402,7 +404,8 @@ def state_from_hf(sd: dict[str, Tensor], config: ModelConfig, where="checkpoint"
                 out[f"blocks.{i}.attn.{proj}_proj.weight"] = pw.contiguous()
                 out[f"blocks.{i}.attn.{proj}_proj.bias"] = pb.contiguous()
     if missing or unused:
-        raise ValueError(f"{where} does not match a {config.flavour} model with {config.n_layer} layers: "
+        kind = config.extra.get("hf_model_type", config.flavour)                # "qwen3", not "llama"
+        raise ValueError(f"{where} does not match a {kind} model with {config.n_layer} layers: "
                          f"missing {sorted(missing)[:8]}, unexpected {sorted(unused)[:8]}")
     if config.tie_embeddings:
         out["lm_head.weight"] = out["tok_emb.weight"]

@@ -102,7 +102,7 @@ def test_a_long_context_is_cut_in_its_middle_and_scorers_and_lengths_follow_the_
     model, tok, _ = bundled
     long = {"context": " ".join(f"w{i}" for i in range(400)), "question": " Which word comes first?",
             "answers": ["w0", "first"], "scorer": "string_match_part", "answer_tokens": 5}
-    with pytest.raises(ValueError, match="item 0's context is .* tokens and .* fit in --length 128.*--truncate"):
+    with pytest.raises(ValueError, match="line 1's context is .* tokens and .* fit in --length 128.*--truncate"):
         FileTask(write(tmp_path, long, GOOD)).sample(tok, 128, seed=0)      # refused unless a cut is asked for
     task = FileTask(write(tmp_path, long, GOOD), "middle")
     s = task.sample(tok, 128, seed=0)
@@ -124,7 +124,7 @@ def test_a_cut_is_refused_before_any_work_or_said_and_recorded(tmp_path, capsys,
     # every answer, and the records keep each cut item's token counts.
     filler = " ".join(["The harbour was grey that day."] * 150)
     items = [{"context": f"The secret city is Lima{i}. " + filler * (i + 1), "question": " Which is the secret city?",
-              "answers": [f"Lima{i}"]} for i in range(3)] + [GOOD]
+              "answers": [f"Lima{i}"], **({"id": "third"} if i == 2 else {})} for i in range(3)] + [GOOD]
     path = write(tmp_path, *items)
     base = ["--task-file", str(path), "--samples", "4", "--methods", "snapkv", "--keep-ratios", "0.5", "--workers",
             "1", "--quiet"]
@@ -134,13 +134,17 @@ def test_a_cut_is_refused_before_any_work_or_said_and_recorded(tmp_path, capsys,
             compare.main(base)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "3 of 4 items have a context longer than --length allows" in err, err
-    assert "the longest, item 2" in err and "--truncate middle or left" in err
+    assert "the longest, line 3 (id 'third')" in err and "--truncate middle or left cuts them, or raise" in err
+    with pytest.raises(SystemExit):                       # --length at the model's most: raising it cannot help
+        compare.main(base + ["--length", "1024"])
+    assert "cuts them (--length 1024 is already the model's most)" in capsys.readouterr().err
     for mode, lost in [("middle", []), ("left", [0, 1, 2])]:          # the left cut drops each item's opening
         out = tmp_path / f"{mode}.json"
         compare.main(base + ["--truncate", mode, "--json", str(out)])
         said = capsys.readouterr().err
         assert f"file:mine: 3 of 4 items cut to fit --length 512 (--truncate {mode})" in said, said
-        assert (f"took every answer out of the prompt of items {lost}" in said) == bool(lost)
+        named = ", ".join(f"line {i + 1}" + (" (id 'third')" if i == 2 else "") for i in lost)
+        assert (f"took every answer out of the prompt of {named}" in said) == bool(lost), said
         records = json.loads(out.read_text())["records"]
         cuts = records[0]["cuts"]
         assert all(r["truncate"] == mode and r["cuts"] == cuts for r in records)
@@ -238,3 +242,34 @@ def test_results_travel_with_their_task_file_and_exact_match_means_any_reference
     assert scores["target_match"].value(None, answer, None, sample) == 0.0
     assert task_file.exact_match(" Oslo", ["Lima", "Oslo"]) == 1.0
 
+
+
+def test_rescore_names_the_checkpoint_it_needs_and_refuses_other_weights(tmp_path, capsys, monkeypatch):
+    # A run on a checkpoint named by a relative path, rescored from another folder: one line saying that the
+    # run's checkpoint is not there and that --checkpoint gives it; --checkpoint of other weights (the same
+    # tokenizer, one weight changed) is refused, as the file keeps the run's weights' SHA-256.
+    from nanollm.io import checkpoint
+    model, tok, card = checkpoint.load("retrieval-llama")
+    here = tmp_path / "run"
+    checkpoint.save(model, tok, here / "model", card=card)
+    write(here, GOOD, GOOD, name="two.jsonl")
+    monkeypatch.chdir(here)
+    compare.main(["--checkpoint", "model", "--task-file", "two.jsonl", "--samples", "2", "--methods", "snapkv",
+                  "--keep-ratios", "0.5", "--workers", "1", "--quiet", "--json", "out.json"])
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        rescore.main([str(here / "out.json")])
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("the run's checkpoint 'model' (as its command named it) is not here: give it with "
+                        "--checkpoint PATH") and len(err.splitlines()) == 1, err
+    with torch.no_grad():
+        model.blocks[0].attn.q_proj.weight[0, 0] += 1.0
+    checkpoint.save(model, tok, tmp_path / "other", card=card)
+    with pytest.raises(SystemExit):
+        rescore.main([str(here / "out.json"), "--checkpoint", str(tmp_path / "other")])
+    assert "not the weights the run used" in capsys.readouterr().err
+    rescore.main([str(here / "out.json"), "--checkpoint", str(here / "model"), "--metric", "accuracy",
+                  "answer_tokens"])
+    out = capsys.readouterr().out
+    assert "accuracy: the same as stored in 4 of 4 records" in out and " answer_tokens stored" in out

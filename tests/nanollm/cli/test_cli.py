@@ -452,3 +452,23 @@ def test_help_is_complete_and_true(parsers, command):
         assert flag in parser["flags"], f"{command} --help mentions {flag}, which it does not have"
     for path in re.findall(r"\b[\w.-]+/[\w./-]*\.(?:py|md)\b", text):
         assert (ROOT / path).exists(), f"{command} --help cites {path}, which the repository does not have"
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(monkeypatch, capsys):
+    """``python -m ... | head``: when standard output's reader has gone, the command stops with the shell's
+    status for it (141) and no "error: [Errno 32] Broken pipe" line; a broken pipe elsewhere stays an error."""
+    from nanollm import cli
+    read, write = os.pipe()
+    os.close(read)                                                      # the reader went away
+    stdout = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    with pytest.raises(SystemExit) as stop:
+        with cli.errors():
+            print("a line", flush=True)
+    assert stop.value.code == 141 and "Broken pipe" not in capsys.readouterr().err
+    monkeypatch.undo()
+    stdout.close()
+    with pytest.raises(SystemExit) as stop:                             # another pipe: an error line, status 2
+        with cli.errors():
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+    assert stop.value.code == 2 and "error: [Errno 32] Broken pipe" in capsys.readouterr().err

@@ -146,6 +146,8 @@ def test_unsupported_configs_raise():
                          ({"architectures": ["LlamaForSequenceClassification"]}, "architecture"),
                          ({"hidden_act": "gelu"}, "hidden_act"),
                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+                         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},   # Qwen3's own advice:
+                           "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),  # added
                          ({"attention_bias": True}, "mlp_bias"),
                          ({"head_dim": 7}, "RoPE needs an even head dimension, got 7"),
                          ({"model_type": "mistral", "architectures": None, "sliding_window": 4,
@@ -287,3 +289,14 @@ def test_a_folder_of_random_weights_transformers_built_loads_with_its_logits(tmp
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-5, rtol=0)
+
+
+def test_a_qwen3_folder_without_its_q_norms_is_named_as_a_qwen3(tmp_path):
+    """Weights that lack a layer's q_norm: one line naming the model type the folder declares, and the tensor."""
+    export_hf(random_model("qwen3_qk_norm"), tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    del sd["model.layers.1.self_attn.q_norm.weight"]
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"does not match a qwen3 model with 2 layers: missing "
+                                         r"\['model.layers.1.self_attn.q_norm.weight'\]"):
+        load_hf(tmp_path)

@@ -57,6 +57,23 @@ def test_load_hf_folder_same_logits_and_tokens(folders, tok):
     assert torch.equal(m1(ids), m2(ids))
 
 
+def test_a_tokenizer_past_the_models_vocabulary_is_refused_and_padded_rows_decode_to_nothing(folders, tmp_path,
+                                                                                             make_model):
+    """A model whose embedding has fewer rows (400) than its folder's tokenizer has tokens (512) would see
+    every later token dropped from its prompts: refused when the folder loads, in one line naming both. One
+    with more rows (600, as Qwen pads theirs) loads, and an id past every token decodes to nothing (as
+    transformers decodes it) instead of failing the run that sampled it."""
+    for rows, name in ((400, "small"), (600, "padded")):
+        export_hf(make_model(preset("TINY", vocab_size=rows), seed=0), tmp_path / name)
+        (tmp_path / name / "tokenizer.json").write_bytes((folders[1] / "tokenizer.json").read_bytes())
+    with pytest.raises(ValueError, match=r"small: the tokenizer has a token of id 511, past the model's "
+                                         r"vocab_size 400 \(its embedding's rows\)"):
+        checkpoint.load(tmp_path / "small")
+    _, tok, _ = checkpoint.load(tmp_path / "padded")
+    ids = tok.encode("The grass is green.")
+    assert tok.decode(ids + [599, 512]) == tok.decode(ids) == "The grass is green."
+
+
 def test_hf_folder_without_tokenizer_loads_with_none(tmp_path, make_model):
     export_hf(make_model(preset("TINY"), seed=0), tmp_path)
     _, t, _ = checkpoint.load(tmp_path)
