@@ -391,8 +391,8 @@ for w in variants:
 # * **no sketch**: Recent / Candidate alone (tokens leaving Candidate are forgotten), next to H2O;
 # * **width W on top**: $W$ cells per sketch row *on top of* the budget (the table's `width 8 on top`, ...);
 # * **Fisher budgets**: the appendix's per-layer budgets by the Fisher information of W_K and W_V
-#   (`layer_budgets` in `methods/kvreviver.py`; the appendix gives no formula, our reading is in
-#   `methods/README.md`), the same total;
+#   (`layer_budgets` in `methods/kvreviver.py`, computed by `methods/kvreviver_budgets.py`; the appendix gives
+#   no formula, our reading is in `methods/README.md`), the same total;
 # * **centred keys** and **centred+shrunk**: a repair of ours, **not the paper's** (section 3.3).
 #
 # The whole table takes many minutes on one CPU thread, too long for this lab: it is read from
