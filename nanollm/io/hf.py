@@ -254,6 +254,8 @@ def _llama_config(f: Fields) -> ModelConfig:
         raise ValueError(f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported: nanollm "
                          "has biases in every linear layer, in none, or (Qwen2) on q, k and v only")
     d_model, n_head, vocab = f.integer("hidden_size"), f.integer("num_attention_heads"), f.integer("vocab_size")
+    if qwen3 and "head_dim" in f.cfg and f.cfg["head_dim"] is None:      # Qwen3Config refuses it too
+        f.fail("head_dim", None, "an integer (or left out: 128, Qwen3Config's default)")
     head_dim = f.integer("head_dim", 128 if qwen3 else None)             # transformers' Qwen3Config default
     theta, scaling = _rope(f)
     return ModelConfig(

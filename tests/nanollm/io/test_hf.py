@@ -234,6 +234,8 @@ def test_an_unsupported_architecture_is_one_line_naming_it():
     qwen3 = config_from_hf({"model_type": "qwen3", "head_dim": 16, "sliding_window": 16, **base})
     assert (qwen3.qk_norm, qwen3.head_dim, qwen3.bias, qwen3.qkv_bias) == (True, 16, False, False)
     assert config_from_hf({"model_type": "qwen3", **base}).head_dim == 128      # Qwen3Config's default
+    with pytest.raises(ValueError, match="head_dim must be an integer .or left out: 128"):
+        config_from_hf({"model_type": "qwen3", "head_dim": None, **base})       # transformers refuses it too
     with pytest.raises(ValueError, match="sliding-window attention"):
         config_from_hf({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, **base})
     qwen = config_from_hf({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16, **base})
