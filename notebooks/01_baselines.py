@@ -316,11 +316,12 @@ def check_h2o(scores, kept):
         prefill(model, ex_ids, cache)
     assert len(scores) == len(kept) == len(ex_maps), "one tensor per layer in each list"
     for s, kv in zip(scores, caches[0].layers):                  # the cache that evicts nothing: every score
+        s = torch.as_tensor(s).to(kv.state[H2O_SCORE].dtype)     # a tensor of any float dtype, or lists
         assert s.shape == (H_kv, ex_N), "scores: one row per KV head, one column per prompt token"
         assert torch.allclose(s, kv.state[H2O_SCORE][0], atol=1e-4), \
             "scores: sum over the queries (dim 1 of (H, N, N)), not the keys, then the mean over each group of G"
     for k, kv in zip(kept, caches[1].layers):
-        assert torch.equal(k, kv.pos[0]), \
+        assert torch.equal(torch.as_tensor(k).to(kv.pos.dtype), kv.pos[0]), \
             "kept: the last budget // 2 positions stay, then the highest scores of the others, ascending per KV head"
 
 

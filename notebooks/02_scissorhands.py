@@ -255,6 +255,7 @@ from exercises import exercise
 def check_keep(keep):
     library = scissorhands_keep(unimportance(history), toy_attn[:, :, -1], pos, seen=6, budget=4, drop=3,
                                 n_recent=1).flatten().tolist()
+    keep = [int(n) for n in keep]                          # a list, tuple, tensor or array of positions
     assert len(keep) == len(library), "m = 3 tokens go at a time, as many times as it takes to get within B = 4"
     assert keep == sorted(keep), "list the kept positions in ascending order"
     assert keep == library, "the r = 1 most recent token stays; of the others, the fewest low flags stay, and " \
@@ -299,7 +300,7 @@ def check_recent_share(share):
     assert 0 <= share <= 1, "a share lies between 0 and 1"
     short = KVCache(model.config, make_policy("scissorhands", budget=BUDGET, history_window=8))
     prefill(model, ids, short)
-    assert abs(share - recent_share(short)) < 1e-6, \
+    assert abs(share - recent_share(short)) <= 0.005, \
         "build the cache with history_window=8, prefill it with ids, and pass it to recent_share"
 
 

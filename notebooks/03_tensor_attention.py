@@ -202,6 +202,10 @@ from exercises import exercise
 
 @exercise("Exercise 1")
 def check_naive_step(pair_keys, pair_values, output):
+    def tensor(x):                                       # a tensor of K1's dtype, from a tensor, an array or lists
+        x = torch.stack([torch.as_tensor(r) for r in x]) if isinstance(x, (list, tuple)) else torch.as_tensor(x)
+        return x.to(K1.dtype)
+    pair_keys, pair_values, output = tensor(pair_keys), tensor(pair_values), tensor(output)
     for rows in (pair_keys, pair_values):
         assert tuple(rows.shape) == (n * n, d), "the pair rows: n * n rows of d numbers each"
     assert torch.allclose(pair_keys[1], K1[0, 0, 0] * K2[0, 0, 1]), "row a * n + b holds K1[a] * K2[b]"

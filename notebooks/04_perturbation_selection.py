@@ -188,7 +188,6 @@ def check_L_theta(L, theta):
         "L: renormalise the kept attention (A' = N*A / mu sums to 1), then take the L1 norm of (A - A') V W_O^(h)"
     assert abs(theta - float(perturbation_bound(ex_attn, ex_keep, ex_vw.abs().sum(-1)))) < 1e-6, \
         "theta: C = sum_n A_n P_n with P_n = ||v_n W_O^(h)||_1, minus (2 - 1/mu) times the kept entries' A_n P_n"
-    assert theta >= L, "theta bounds L for any mask (Theorem 2)"
 
 
 check_L_theta(my_L, my_theta)
@@ -246,8 +245,9 @@ def check_wins(wins):
     for s in SHARPNESS:
         heads = [random_head(s, g_check) for _ in range(200)]
         truth = sum(perturbation_after(a, vw, 0.25) < perturbation_after(a, vw, 1.0) for a, vw in heads) / 200
-        assert abs(wins[s] - truth) <= 0.1, f"sharpness {s}: count the heads where Algorithm 1's L (alpha 0.25) " \
-            "is strictly below top-k's (alpha 1), out of 200 drawn with random_head(s, g), sharpness in order"
+        assert abs(wins[s] - truth) <= 0.005, f"sharpness {s}: count the heads where Algorithm 1's L (alpha " \
+            "0.25) is strictly below top-k's (alpha 1), out of 200 drawn with random_head(s, g), sharpness in order, " \
+            "from g = torch.Generator().manual_seed(0) (a cell run again moves g: seed it again)"
 
 
 check_wins(my_wins)

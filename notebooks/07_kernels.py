@@ -270,7 +270,7 @@ def check_selected(nbytes, promise):                     # sel, d8: section 3's 
     assert nbytes == sel["bytes"], "the kept rows' keys and values (8 sequences x 8 KV heads x 3276 rows, bf16), " \
                                    "one 4-byte index per kept row (its key and value share it), and the " \
                                    "queries and output (8 sequences x 32 query heads x 128 numbers each)"
-    assert abs(promise - d8["bytes"] / nbytes) < 1e-9 * promise, \
+    assert abs(promise - d8["bytes"] / nbytes) <= 5e-3 * promise, \
         "the promise is the full cache's bytes (all 32768 rows, no index, the same queries and output) over yours"
     return f"the kernel measured {sel['full_cache_ms']['triton'] / sel['ms']['triton']:.1f}x (section 3)"
 
