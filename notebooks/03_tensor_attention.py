@@ -186,45 +186,55 @@ print(f"tensor - standard label accuracy, paired over the same {n_eval} sequence
 #
 # ### Exercise 1: the naive step by hand
 #
-# Write the naive four-matrix path yourself, without `kron_rows`, on the toy of section 1 (`q`, `K1`, `K2`,
-# `V1`, `V2`, `scale`, `n`, `d`; the toy's tensors are `(1, 1, n, d)`, so take `[0, 0]`): the $T^2$ pair rows
-# $\tilde K$ and $\tilde V$, then one ordinary attention of `q` over them (scores scaled by `scale`, one
-# softmax, a weighted sum of the pair values).
+# Write the naive four-matrix path yourself, without `kron_rows` or the library's attentions:
+# `my_naive_step(q, K1, K2, V1, V2, scale)`, for one head with `q` (d,) and `K1`, `K2`, `V1`, `V2` (n, d),
+# returns the $n^2$ pair rows $\tilde K$ and $\tilde V$ (n * n, d), then one ordinary attention of `q` over them
+# (scores scaled by `scale`, one softmax, a weighted sum of the pair values), (d,). The check runs it on the toy
+# of section 1 (its tensors are `(1, 1, n, d)`: take `[0, 0]`) and on random ones of other sizes.
 
 # %%
-my_pair_keys = None       # replace None: (n * n, d), row a * n + b holds K1[a] * K2[b]
-my_pair_values = None     # replace None: (n * n, d), row a * n + b holds V1[a] * V2[b]
-my_output = None          # replace None: (d,), ordinary attention of q over the pair rows
+my_naive_step = None       # replace None: a function -> (pair keys, pair values, output) (write def my_naive_step(...))
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
 from exercises import exercise
 
 
 @exercise("Exercise 1")
-def check_naive_step(pair_keys, pair_values, output):
-    def tensor(x):                                       # a tensor of K1's dtype, from a tensor, an array or lists
-        x = torch.stack([torch.as_tensor(r) for r in x]) if isinstance(x, (list, tuple)) else torch.as_tensor(x)
-        return x.to(K1.dtype)
-    pair_keys, pair_values, output = tensor(pair_keys), tensor(pair_values), tensor(output)
-    for rows in (pair_keys, pair_values):
-        assert tuple(rows.shape) == (n * n, d), "the pair rows: n * n rows of d numbers each"
-    assert torch.allclose(pair_keys[1], K1[0, 0, 0] * K2[0, 0, 1]), "row a * n + b holds K1[a] * K2[b]"
-    assert torch.allclose(pair_keys, kron_rows(K1, K2)[0, 0]), "every row a * n + b holds K1[a] * K2[b]"
-    assert torch.allclose(pair_values, kron_rows(V1, V2)[0, 0]), "every row a * n + b holds V1[a] * V2[b]"
-    assert tuple(output.shape) == (d,), "the output is one vector of d numbers"
-    assert torch.allclose(output, four_cache_attention(q, K1, K2, V1, V2, scale)[0, 0, 0]), \
-        "one softmax over all n * n scores, each scaled by `scale`, then the weighted sum of the pair values"
+def check_naive_step(naive_step):
+    library = {"kron_rows", "naive_four_cache_attention", "four_cache_attention", "two_cache_attention"}
+    assert not library & set(naive_step.__code__.co_names), \
+        f"by hand: your function calls {', '.join(sorted(library & set(naive_step.__code__.co_names)))}"
+    g = torch.Generator().manual_seed(1)
+    toys = [(q, K1, K2, V1, V2, scale)] + [tuple(torch.randn(1, 1, m, e, generator=g, dtype=q.dtype)
+                                                  for m in (1, n_, n_, n_, n_)) + (e ** -0.5,)
+                                            for n_, e in ((3, 5), (7, 2))]
+    for tq, tk1, tk2, tv1, tv2, ts in toys:
+        m, e = tk1.shape[-2:]
+        pair_keys, pair_values, output = (torch.as_tensor(x).to(tq.dtype) for x in
+                                          naive_step(tq[0, 0, 0], tk1[0, 0], tk2[0, 0], tv1[0, 0], tv2[0, 0], ts))
+        for rows in (pair_keys, pair_values):
+            assert tuple(rows.shape) == (m * m, e), "the pair rows: n * n rows of d numbers each"
+        assert torch.allclose(pair_keys[1], tk1[0, 0, 0] * tk2[0, 0, 1]), "row a * n + b holds K1[a] * K2[b]"
+        assert torch.allclose(pair_keys, kron_rows(tk1, tk2)[0, 0]), "every row a * n + b holds K1[a] * K2[b]"
+        assert torch.allclose(pair_values, kron_rows(tv1, tv2)[0, 0]), "every row a * n + b holds V1[a] * V2[b]"
+        assert tuple(output.shape) == (e,), "the output is one vector of d numbers"
+        assert torch.allclose(output, four_cache_attention(tq, tk1, tk2, tv1, tv2, ts)[0, 0, 0]), \
+            "one softmax over all n * n scores, each scaled by `scale`, then the weighted sum of the pair values"
 
 
-check_naive_step(my_pair_keys, my_pair_values, my_output)
+check_naive_step(my_naive_step)
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
 # BEGIN SOLUTION [tensor_attention] broadcast K1[:, None] * K2[None] to (n, n, d), flatten, softmax(scale K~ q) @ V~
-reference_pair_keys = (K1[0, 0][:, None, :] * K2[0, 0][None, :, :]).reshape(n * n, d)   # row a n + b = K1[a] * K2[b]
-reference_pair_values = (V1[0, 0][:, None, :] * V2[0, 0][None, :, :]).reshape(n * n, d)
-reference_output = (scale * reference_pair_keys @ q[0, 0, 0]).softmax(0) @ reference_pair_values
+def reference_naive_step(q, K1, K2, V1, V2, scale):
+    n, d = K1.shape
+    pair_keys = (K1[:, None, :] * K2[None, :, :]).reshape(n * n, d)       # row a n + b = K1[a] * K2[b]
+    pair_values = (V1[:, None, :] * V2[None, :, :]).reshape(n * n, d)
+    return pair_keys, pair_values, (scale * pair_keys @ q).softmax(0) @ pair_values
 # END SOLUTION
-check_naive_step(reference_pair_keys, reference_pair_values, reference_output)
+
+
+check_naive_step(reference_naive_step)
 
 # %% [markdown]
 # ### Exercise 2: is a path limited by memory?

@@ -165,44 +165,57 @@ for name, alpha in [("attention top-2", 1.0), ("Algorithm 1, alpha = 0.5", 0.5)]
 #
 # ### Exercise 1: the perturbation and its bound by hand
 #
-# In the hand example of section 1, keep entries 1 and 2, whose attention mass is below one half. Compute
-# $\mathcal{L}$ (Eq. 5-6) and $\theta$ (Eq. 8) with tensor operations only (no `output_perturbation`,
-# `perturbation_bound` or `renormalized_attention`), as the floats `my_L` and `my_theta`. Then, in a
-# sentence: is $\theta$ still an upper bound, and what does the factor $2 - 1/\mu$ do to it?
+# In the hand example of section 1, keep entries 1 and 2, whose attention mass is below one half. Write
+# `my_L_theta(attn, keep, vw)`: $\mathcal{L}$ (Eq. 5-6) and $\theta$ (Eq. 8) of one head, as two floats, for
+# attention `attn` (n,), a mask `keep` (n,) bool and projected values `vw` (n, D), with tensor operations
+# only (no `output_perturbation`, `perturbation_bound` or `renormalized_attention`). The check runs it on the
+# hand example and on random heads. Then, in a sentence: is $\theta$ still an upper bound, and what does the
+# factor $2 - 1/\mu$ do to it?
 
 # %%
 ex_attn = torch.tensor([0.5, 0.2, 0.18, 0.12], dtype=torch.float64)                 # A, the hand example
 ex_vw = torch.tensor([[1.0], [0.1], [-2.0], [1.0]], dtype=torch.float64) \
     @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                             # V W_O^(h), one row per entry
 ex_keep = torch.tensor([False, True, True, False])                                  # the mask N: entries 1, 2
-my_L = None                                 # replace None: L (Eq. 5-6), a float
-my_theta = None                             # replace None: theta (Eq. 8), a float
+my_L_theta = None               # replace None: a function (attn, keep, vw) -> (L, theta) (write def my_L_theta(...))
 
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound"]
 from exercises import exercise
 
 
 @exercise("Exercise 1")
-def check_L_theta(L, theta):
-    assert abs(L - float(output_perturbation(ex_attn, ex_keep, ex_vw))) < 1e-6, \
-        "L: renormalise the kept attention (A' = N*A / mu sums to 1), then take the L1 norm of (A - A') V W_O^(h)"
-    assert abs(theta - float(perturbation_bound(ex_attn, ex_keep, ex_vw.abs().sum(-1)))) < 1e-6, \
-        "theta: C = sum_n A_n P_n with P_n = ||v_n W_O^(h)||_1, minus (2 - 1/mu) times the kept entries' A_n P_n"
+def check_L_theta(L_theta):
+    library = {"output_perturbation", "perturbation_bound", "renormalized_attention"} & set(L_theta.__code__.co_names)
+    assert not library, f"with tensor operations only: your function calls {', '.join(sorted(library))}"
+    g = torch.Generator().manual_seed(1)
+    heads = [(ex_attn, ex_keep, ex_vw)] + [                                  # the hand example, then random heads
+        (torch.softmax(2 * torch.randn(8, generator=g, dtype=torch.float64), -1),
+         torch.arange(8) % 3 == i % 3, torch.randn(8, 3, generator=g, dtype=torch.float64)) for i in range(3)]
+    for attn, keep, vw in heads:
+        L, theta = (float(x) for x in L_theta(attn, keep, vw))
+        assert abs(L - float(output_perturbation(attn, keep, vw))) < 1e-6, "L: renormalise the kept attention " \
+            "(A' = N*A / mu sums to 1), then take the L1 norm of (A - A') V W_O^(h)"
+        assert abs(theta - float(perturbation_bound(attn, keep, vw.abs().sum(-1)))) < 1e-6, "theta: C = sum_n " \
+            "A_n P_n with P_n = ||v_n W_O^(h)||_1, minus (2 - 1/mu) times the kept entries' A_n P_n"
 
 
-check_L_theta(my_L, my_theta)
+check_L_theta(my_L_theta)
 
 # %%
 # BEGIN SOLUTION [critical_kv] mu = (N*A).sum(); A' = N*A/mu; L = ((A - A') @ VW).abs().sum(); theta from Eq. 8
-kept = ex_attn * ex_keep                                  # N*A
-mu_kept = kept.sum()                                      # the kept attention mass
-reference_L = float(((ex_attn - kept / mu_kept) @ ex_vw).abs().sum())
-P_ex = ex_vw.abs().sum(-1)                                # P_n = ||v_n W_O^(h)||_1
-reference_theta = float((ex_attn * P_ex).sum() - (2 - 1 / mu_kept) * (kept * P_ex).sum())
+def reference_L_theta(attn, keep, vw):
+    kept = attn * keep                                    # N*A
+    mu = kept.sum()                                       # the kept attention mass
+    P = vw.abs().sum(-1)                                  # P_n = ||v_n W_O^(h)||_1
+    L = ((attn - kept / mu) @ vw).abs().sum()
+    return float(L), float((attn * P).sum() - (2 - 1 / mu) * (kept * P).sum())
 # END SOLUTION
-check_L_theta(reference_L, reference_theta)
-print(f"kept mass {float(mu_kept):.2f}: L = {reference_L:.3f}, theta = {reference_theta:.3f}, "
-      f"2 - 1/mu = {float(2 - 1 / mu_kept):.2f}")
+
+
+check_L_theta(reference_L_theta)
+mu_kept = float((ex_attn * ex_keep).sum())
+L_ex, theta_ex = reference_L_theta(ex_attn, ex_keep, ex_vw)
+print(f"kept mass {mu_kept:.2f}: L = {L_ex:.3f}, theta = {theta_ex:.3f}, 2 - 1/mu = {2 - 1 / mu_kept:.2f}")
 print("Yes: Theorem 2 holds for any mask. But with mu below one half the factor 2 - 1/mu is negative, so the kept "
       "entries' A_n P_n add to theta instead of lowering it: keeping large A_n P_n no longer tightens the bound.")
 
