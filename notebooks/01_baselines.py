@@ -251,8 +251,9 @@ for name, idx in toy_kept.items():
 # ### Exercise 1: StreamingLLM's kept positions after decoding
 #
 # A prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`.
-# Compute, from `ex_seen`, `EX_BUDGET` and `EX_SINKS` only, the positions every layer and KV head must hold
-# now: `my_expected`, a 1-D tensor of positions in ascending order.
+# Write `my_expected(seen, budget, n_sink)`: from the tokens seen, the budget and the sinks only, the positions
+# every layer and KV head must hold now, a 1-D tensor in ascending order (without `sinks_and_recent`). The
+# check runs it on this cache (`ex_seen`, `EX_BUDGET`, `EX_SINKS`) and on caches of other budgets and lengths.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from nanollm.data.tasks import make_sample
@@ -265,30 +266,43 @@ for token in ex_sample.target_ids[:5]:
     decode_step(model, torch.tensor([token]), ex_cache)
 ex_seen = ex_cache.seen
 print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {(ex_cache.layers[0].pos[0] >= 0).sum(-1).tolist()}")
-my_expected = None                  # replace None: a 1-D tensor of the positions every KV head holds, ascending
+my_expected = None               # replace None: a function (seen, budget, n_sink) -> positions (def my_expected)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from exercises import exercise
 
 
 @exercise("Exercise 1")
-def check_expected(expected):
-    expected = torch.as_tensor(expected)
-    assert expected.shape == (EX_BUDGET,), "one position per entry the cache holds: a 1-D tensor of budget positions"
-    assert torch.equal(expected, expected.sort().values), "list the positions in ascending order"
-    assert torch.equal(expected[:EX_SINKS], torch.arange(EX_SINKS)), "the sinks are the first S positions"
-    held = [kv.pos[0, h][kv.pos[0, h] >= 0].sort().values for kv in ex_cache.layers for h in range(kv.pos.shape[1])]
-    assert all(torch.equal(p, expected) for p in held), \
-        "the recent window is the last B - S positions *seen* (the prompt's and the decoded tokens'), up to ex_seen - 1"
+def check_expected(expected_rule):
+    library = {"sinks_and_recent"} & set(expected_rule.__code__.co_names)
+    assert not library, "from seen, budget and n_sink alone: your function calls sinks_and_recent"
+    for budget, n_sink, n_prompt, n_new in ((EX_BUDGET, EX_SINKS, None, 5), (24, 2, 150, 3), (10, 0, 60, 7)):
+        cache = ex_cache if budget == EX_BUDGET else KVCache(model.config, StreamingLLMPolicy(budget, n_sink=n_sink))
+        if cache is not ex_cache:                                 # another budget, sinks and length
+            prefill(model, torch.tensor([ex_sample.prompt_ids[:n_prompt]]), cache)
+            for token in ex_sample.target_ids[:n_new]:
+                decode_step(model, torch.tensor([token]), cache)
+        where = f"seen {cache.seen}, budget {budget}, n_sink {n_sink}"
+        expected = torch.as_tensor(expected_rule(cache.seen, budget, n_sink)).long()
+        assert expected.shape == (budget,), f"{where}: one position per entry the cache holds, a 1-D tensor of " \
+                                            "budget positions"
+        assert torch.equal(expected, expected.sort().values), f"{where}: list the positions in ascending order"
+        assert torch.equal(expected[:n_sink], torch.arange(n_sink)), f"{where}: the sinks are the first S positions"
+        held = [kv.pos[0, h][kv.pos[0, h] >= 0].sort().values for kv in cache.layers for h in range(kv.pos.shape[1])]
+        assert all(torch.equal(p, expected) for p in held), f"{where}: the recent window is the last B - S " \
+            "positions *seen* (the prompt's and the decoded tokens'), up to seen - 1"
 
 
 check_expected(my_expected)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 # BEGIN SOLUTION [baselines] the sinks (never the whole budget: the newest token must fit), then the most recent
-n_s = min(EX_SINKS, EX_BUDGET - 1)
-reference_expected = torch.cat([torch.arange(n_s), torch.arange(ex_seen - (EX_BUDGET - n_s), ex_seen)])
+def reference_expected(seen, budget, n_sink):
+    n_s = min(n_sink, budget - 1)
+    return torch.cat([torch.arange(n_s), torch.arange(seen - (budget - n_s), seen)])
 # END SOLUTION
+
+
 check_expected(reference_expected)
 
 # %% [markdown]

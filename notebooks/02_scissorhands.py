@@ -237,29 +237,41 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 #
 # With $m = 3$ (`drop=3`) a cache over its budget drops three tokens at once, so it falls below the budget and has
 # room for the next steps before it compresses again. On the toy of section 1 ($B = 4$, $r = 1$), how
-# many tokens does the cache keep, and which? The cell below computes the counters $I_n$ (`counts`) and the
-# last query's attention (`last`), as lists; compute `my_keep`, the kept positions in ascending order, from
-# them without `scissorhands_keep`.
+# many tokens does the cache keep, and which? Write `my_keep(counts, last, B, m, r)`: from the counters $I_n$
+# (`counts`, a list, one per position) and the last query's attention (`last`, a list), the positions a cache
+# of budget $B$ keeps when it drops $m$ at a time and never the $r$ most recent, ascending, without
+# `scissorhands_keep` or `keep_score`. The cell below computes the toy's `counts` and `last` to try it on; the
+# check also runs it on random counters and budgets.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 history = torch.zeros(1, 1, 6, 3, dtype=torch.bool)      # the toy's last w = 3 flags per token
 push_history(history, low_flags(toy_attn, visible), q_pos)
 counts, last = unimportance(history).flatten().tolist(), toy_attn[0, 0, -1].tolist()
-my_keep = None                                           # replace None: the kept positions, ascending
+my_keep = None                   # replace None: a function (counts, last, B, m, r) -> kept positions (def my_keep)
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from exercises import exercise
 
 
 @exercise("Exercise 1")
-def check_keep(keep):
-    library = scissorhands_keep(unimportance(history), toy_attn[:, :, -1], pos, seen=6, budget=4, drop=3,
-                                n_recent=1).flatten().tolist()
-    keep = [int(n) for n in keep]                          # a list, tuple, tensor or array of positions
-    assert len(keep) == len(library), "m = 3 tokens go at a time, as many times as it takes to get within B = 4"
-    assert keep == sorted(keep), "list the kept positions in ascending order"
-    assert keep == library, "the r = 1 most recent token stays; of the others, the fewest low flags stay, and " \
-                            "a tie goes to the one the last query attends more"
+def check_keep(keep_rule):
+    library = {"scissorhands_keep", "keep_score"} & set(keep_rule.__code__.co_names)
+    assert not library, f"from the counters and the attention alone: your function calls {', '.join(sorted(library))}"
+    g = torch.Generator().manual_seed(1)
+    cases = [(counts, last, 4, 3, 1)] + [(torch.randint(0, 4, (T,), generator=g).tolist(),
+                                          torch.rand(T, generator=g).tolist(), B, m, r)
+                                         for T, B, m, r in ((8, 5, 2, 1), (10, 6, 4, 2), (7, 3, 1, 0), (9, 4, 3, 2))]
+    for c, a, B, m, r in cases:
+        T = len(c)
+        truth = scissorhands_keep(torch.tensor(c).view(1, 1, T), torch.tensor(a).view(1, 1, T),
+                                  torch.arange(T).view(1, 1, T), seen=T, budget=B, drop=m, n_recent=r)
+        library, keep = truth.flatten().tolist(), [int(n) for n in keep_rule(c, a, B, m, r)]
+        where = f"{T} tokens, B = {B}, m = {m}, r = {r}"
+        assert len(keep) == len(library), f"{where}: m tokens go at a time, as many times as it takes to get " \
+                                          "within B (and m is cut to B - r)"
+        assert keep == sorted(keep), f"{where}: list the kept positions in ascending order"
+        assert keep == library, f"{where}: the r most recent tokens stay; of the others, the fewest low flags " \
+                                "stay, and a tie goes to the one the last query attends more"
 
 
 check_keep(my_keep)
@@ -267,11 +279,17 @@ check_keep(my_keep)
 # %%
 import math
 
-# BEGIN SOLUTION [scissorhands] m at a time: ceil((6 - 4) / 3) * 3 tokens go; keep r = 1 recent and the best of the rest
-n_keep = 6 - math.ceil((6 - 4) / 3) * 3                 # 3 tokens stay
-best = sorted(range(5), key=lambda n: (counts[n], -last[n]))     # fewest low flags, then most attention
-reference_keep = sorted(best[:n_keep - 1]) + [5]
+
+# BEGIN SOLUTION [scissorhands] m at a time: ceil((T - B) / m) * m tokens go; keep the r recent and the best of the rest
+def reference_keep(counts, last, B, m, r):
+    T = len(counts)
+    m = min(m, B - r)                                      # m leaves room for the r recent
+    n_keep = T - math.ceil((T - B) / m) * m if T > B else T
+    best = sorted(range(T - r), key=lambda n: (counts[n], -last[n]))     # fewest low flags, then most attention
+    return sorted(best[:n_keep - r]) + list(range(T - r, T))
 # END SOLUTION
+
+
 check_keep(reference_keep)
 
 # %% [markdown]
