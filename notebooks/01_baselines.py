@@ -309,9 +309,11 @@ check_expected(reference_expected)
 # ### Exercise 2: what H2O keeps
 #
 # `ex_maps[l]` is the full-cache attention of Exercise 1's prompt in layer `l`, shape `(H, N, N)` (row =
-# query, column = key). Compute H2O's prefill scores `my_scores[l]`, shape `(H_kv, N)` (section 2.2, with
-# tensor operations this time), then `my_kept[l]`, shape `(H_kv, EX_H2O_BUDGET)`: the positions H2O keeps,
-# ascending, the `budget // 2` most recent ones and the highest-scored of the others.
+# query, column = key). Write `my_h2o(maps, budget)`: from such maps alone, H2O's prefill scores, a list of one
+# `(H_kv, N)` tensor per layer (section 2.2, with tensor operations this time: no policy, cache or prefill),
+# and the positions H2O keeps, a list of one `(H_kv, budget)` tensor per layer, ascending: the `budget // 2`
+# most recent ones and the highest-scored of the others. The check runs it on `ex_maps` with
+# `EX_H2O_BUDGET` and on the attention of another prompt with another budget.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 ex_ids = torch.tensor([ex_sample.prompt_ids])
@@ -319,38 +321,48 @@ ex_N, H_kv, G = ex_ids.shape[1], model.config.n_kv_head, model.config.group_size
 ex_maps = record_attention(model, ex_ids)                          # n_layer x (H, N, N)
 EX_H2O_BUDGET = 64
 print(f"{ex_N} prompt tokens, {len(ex_maps)} layers, attention {tuple(ex_maps[0].shape)}, G = {G}")
-my_scores = None                   # replace None: a list, one (H_kv, N) tensor of scores per layer
-my_kept = None                     # replace None: a list, one (H_kv, EX_H2O_BUDGET) tensor of positions per layer
+my_h2o = None                # replace None: a function (maps, budget) -> (scores, kept), two lists (def my_h2o)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 @exercise("Exercise 2")
-def check_h2o(scores, kept):
-    caches = [KVCache(model.config, H2OPolicy(budget=b)) for b in (ex_N, EX_H2O_BUDGET)]
-    for cache in caches:
-        prefill(model, ex_ids, cache)
-    assert len(scores) == len(kept) == len(ex_maps), "one tensor per layer in each list"
-    for s, kv in zip(scores, caches[0].layers):                  # the cache that evicts nothing: every score
-        s = torch.as_tensor(s).to(kv.state[H2O_SCORE].dtype)     # a tensor of any float dtype, or lists
-        assert s.shape == (H_kv, ex_N), "scores: one row per KV head, one column per prompt token"
-        assert torch.allclose(s, kv.state[H2O_SCORE][0], atol=1e-4), \
-            "scores: sum over the queries (dim 1 of (H, N, N)), not the keys, then the mean over each group of G"
-    for k, kv in zip(kept, caches[1].layers):
-        assert torch.equal(torch.as_tensor(k).to(kv.pos.dtype), kv.pos[0]), \
-            "kept: the last budget // 2 positions stay, then the highest scores of the others, ascending per KV head"
+def check_h2o(h2o):
+    library = {"H2OPolicy", "make_policy", "KVCache", "prefill", "received_attention"} & set(h2o.__code__.co_names)
+    assert not library, f"from the maps alone: your function calls {', '.join(sorted(library))}"
+    other = torch.tensor([make_sample("niah_single_noise", tok, 200 if TINY else 300, seed=8).prompt_ids])
+    for ids, maps, budget in ((ex_ids, ex_maps, EX_H2O_BUDGET), (other, record_attention(model, other), 40)):
+        N = ids.shape[1]
+        caches = [KVCache(model.config, H2OPolicy(budget=b)) for b in (N, budget)]
+        for cache in caches:
+            prefill(model, ids, cache)
+        scores, kept = h2o(maps, budget)
+        assert len(scores) == len(kept) == len(maps), "one tensor per layer in each list"
+        for s, kv in zip(scores, caches[0].layers):              # the cache that evicts nothing: every score
+            s = torch.as_tensor(s).to(kv.state[H2O_SCORE].dtype)  # a tensor of any float dtype, or lists
+            assert s.shape == (H_kv, N), "scores: one row per KV head, one column per prompt token"
+            assert torch.allclose(s, kv.state[H2O_SCORE][0], atol=1e-4), \
+                "scores: sum over the queries (dim 1 of (H, N, N)), not the keys, then the mean over each group of G"
+        for k, kv in zip(kept, caches[1].layers):
+            assert torch.equal(torch.as_tensor(k).to(kv.pos.dtype), kv.pos[0]), f"kept (budget {budget}): the " \
+                "last budget // 2 positions stay, then the highest scores of the others, ascending per KV head"
 
 
-check_h2o(my_scores, my_kept)
+check_h2o(my_h2o)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 # BEGIN SOLUTION [baselines] attention received, summed over queries, averaged per GQA group; the recent half stays
-reference_scores = [a.sum(1).view(H_kv, G, ex_N).mean(1) for a in ex_maps]
-reference_kept = []
-for received in reference_scores:
-    ranked = received.clone()
-    ranked[:, ex_N - EX_H2O_BUDGET // 2:] = float("inf")                 # the recent half is always kept
-    reference_kept.append(ranked.topk(EX_H2O_BUDGET, dim=-1).indices.sort(-1).values)
+def reference_h2o(maps, budget):
+    N = maps[0].shape[-1]
+    scores = [a.sum(1).view(H_kv, G, N).mean(1) for a in maps]
+    kept = []
+    for received in scores:
+        ranked = received.clone()
+        ranked[:, N - budget // 2:] = float("inf")                     # the recent half is always kept
+        kept.append(ranked.topk(budget, dim=-1).indices.sort(-1).values)
+    return scores, kept
 # END SOLUTION
-check_h2o(reference_scores, reference_kept)
+
+
+check_h2o(reference_h2o)
 
 # %% [markdown]
 # **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb): one needle on the
