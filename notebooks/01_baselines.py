@@ -269,13 +269,13 @@ print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {(ex_cache.layer
 my_expected = None               # replace None: a function (seen, budget, n_sink) -> positions (def my_expected)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-from exercises import exercise
+from exercises import calls, exercise
 
 
 @exercise("Exercise 1")
 def check_expected(expected_rule):
-    library = {"sinks_and_recent"} & set(expected_rule.__code__.co_names)
-    assert not library, "from seen, budget and n_sink alone: your function calls sinks_and_recent"
+    assert not calls(expected_rule, "sinks_and_recent"), \
+        "from seen, budget and n_sink alone: your function calls sinks_and_recent"
     for budget, n_sink, n_prompt, n_new in ((EX_BUDGET, EX_SINKS, None, 5), (24, 2, 150, 3), (10, 0, 60, 7)):
         cache = ex_cache if budget == EX_BUDGET else KVCache(model.config, StreamingLLMPolicy(budget, n_sink=n_sink))
         if cache is not ex_cache:                                 # another budget, sinks and length
@@ -326,8 +326,8 @@ my_h2o = None                # replace None: a function (maps, budget) -> (score
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 @exercise("Exercise 2")
 def check_h2o(h2o):
-    library = {"H2OPolicy", "make_policy", "KVCache", "prefill", "received_attention"} & set(h2o.__code__.co_names)
-    assert not library, f"from the maps alone: your function calls {', '.join(sorted(library))}"
+    library = calls(h2o, "H2OPolicy", "make_policy", "KVCache", "prefill", "received_attention")
+    assert not library, f"from the maps alone: your function calls {', '.join(library)}"
     other = torch.tensor([make_sample("niah_single_noise", tok, 200 if TINY else 300, seed=8).prompt_ids])
     for ids, maps, budget in ((ex_ids, ex_maps, EX_H2O_BUDGET), (other, record_attention(model, other), 40)):
         N = ids.shape[1]

@@ -250,13 +250,13 @@ counts, last = unimportance(history).flatten().tolist(), toy_attn[0, 0, -1].toli
 my_keep = None                   # replace None: a function (counts, last, B, m, r) -> kept positions (def my_keep)
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
-from exercises import exercise
+from exercises import calls, exercise
 
 
 @exercise("Exercise 1")
 def check_keep(keep_rule):
-    library = {"scissorhands_keep", "keep_score"} & set(keep_rule.__code__.co_names)
-    assert not library, f"from the counters and the attention alone: your function calls {', '.join(sorted(library))}"
+    library = calls(keep_rule, "scissorhands_keep", "keep_score")
+    assert not library, f"from the counters and the attention alone: your function calls {', '.join(library)}"
     g = torch.Generator().manual_seed(1)
     cases = [(counts, last, 4, 3, 1)] + [(torch.randint(0, 4, (T,), generator=g).tolist(),
                                           torch.rand(T, generator=g).tolist(), B, m, r)

@@ -196,14 +196,14 @@ print(f"tensor - standard label accuracy, paired over the same {n_eval} sequence
 my_naive_step = None       # replace None: a function -> (pair keys, pair values, output) (write def my_naive_step(...))
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
-from exercises import exercise
+from exercises import calls, exercise
 
 
 @exercise("Exercise 1")
 def check_naive_step(naive_step):
-    library = {"kron_rows", "naive_four_cache_attention", "four_cache_attention", "two_cache_attention"}
-    assert not library & set(naive_step.__code__.co_names), \
-        f"by hand: your function calls {', '.join(sorted(library & set(naive_step.__code__.co_names)))}"
+    library = calls(naive_step, "kron_rows", "naive_four_cache_attention", "four_cache_attention",
+                    "two_cache_attention")
+    assert not library, f"by hand: your function calls {', '.join(library)}"
     g = torch.Generator().manual_seed(1)
     toys = [(q, K1, K2, V1, V2, scale)] + [tuple(torch.randn(1, 1, m, e, generator=g, dtype=q.dtype)
                                                   for m in (1, n_, n_, n_, n_)) + (e ** -0.5,)

@@ -180,13 +180,13 @@ ex_keep = torch.tensor([False, True, True, False])                              
 my_L_theta = None               # replace None: a function (attn, keep, vw) -> (L, theta) (write def my_L_theta(...))
 
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound"]
-from exercises import exercise
+from exercises import calls, exercise
 
 
 @exercise("Exercise 1")
 def check_L_theta(L_theta):
-    library = {"output_perturbation", "perturbation_bound", "renormalized_attention"} & set(L_theta.__code__.co_names)
-    assert not library, f"with tensor operations only: your function calls {', '.join(sorted(library))}"
+    library = calls(L_theta, "output_perturbation", "perturbation_bound", "renormalized_attention")
+    assert not library, f"with tensor operations only: your function calls {', '.join(library)}"
     g = torch.Generator().manual_seed(1)
     heads = [(ex_attn, ex_keep, ex_vw)] + [                                  # the hand example, then random heads
         (torch.softmax(2 * torch.randn(8, generator=g, dtype=torch.float64), -1),

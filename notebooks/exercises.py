@@ -51,6 +51,12 @@ def unanswered(value) -> bool:
     return False
 
 
+def calls(function, *names: str) -> list[str]:
+    """Those of ``names`` that ``function``'s code refers to, sorted: how a check refuses an answer written with
+    the library call the exercise asks the learner to do without."""
+    return sorted(set(names) & set(function.__code__.co_names))
+
+
 def exercise(title: str):
     """Turn ``check(answer, ...)``, a function whose asserts carry hints, into the exercise's check (see above).
     The check returns nothing, so a cell that ends with it shows only what it printed."""

@@ -518,20 +518,24 @@ def check_cuts(task: Task, tok, length: int, seeds: range, truncate: str, most: 
     inner = file_task(task)
     room = length - (len(task.prefix_ids) + len(task.suffix_ids) if task is not inner else 0)
     cuts = inner.cuts(tok, room, seeds)
-    line = lambda c: f"line {c['item'] + 1}" + (f" (id {c['id']!r:.40})" if "id" in c else "")   # noqa: E731
     if cuts and truncate == "refuse":
         worst = max(cuts, key=lambda c: c["context_tokens"])
         raise ValueError(f"{inner.path}: {len(cuts)} of {len(seeds)} items have a context longer than --length "
-                         f"allows (the longest, {line(worst)}: {worst['context_tokens']} tokens, "
+                         f"allows (the longest, {item_line(worst)}: {worst['context_tokens']} tokens, "
                          f"{worst['kept_tokens']} fit); --truncate middle or left cuts them"
                          + (", or raise --length" if length < most else
                             f" (--length {length} is already the model's most)"))
     inner.cut_items = cuts
     if cuts:
-        lost = ", ".join(line(c) for c in cuts if not c["answers_kept"])
+        lost = ", ".join(item_line(c) for c in cuts if not c["answers_kept"])
         print(f"{task.name}: {len(cuts)} of {len(seeds)} items cut to fit --length {length} (--truncate {truncate})"
               + (f"; the cut took every answer out of the prompt of {lost}" if lost else
                  "; every answer the context held is still in the prompt"), file=sys.stderr, flush=True)
+
+
+def item_line(cut: dict) -> str:
+    """A cut item (``FileTask.cuts``) as a reader finds it: its line in the file, and its id where it has one."""
+    return f"line {cut['item'] + 1}" + (f" (id {cut['id']!r:.40})" if "id" in cut else "")
 
 
 def file_task(task: Task) -> FileTask | None:

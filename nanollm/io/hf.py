@@ -292,37 +292,23 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
     if config.bias and not config.qkv_bias:
         raise ValueError("biases in every linear layer but the query, key and value projections: no Hugging Face "
                          "architecture has them so")
+    if config.qk_norm and (config.bias or config.qkv_bias):
+        raise ValueError("q/k norms with biases: no Hugging Face architecture has both (Qwen3 has no biases)")
+    llama = {                                      # what Llama, Qwen2 and Qwen3 share
+        "vocab_size": config.vocab_size, "hidden_size": config.d_model, "intermediate_size": config.d_ff,
+        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_base, "rope_scaling": config.rope_scaling, "hidden_act": "silu",
+        "attention_dropout": 0.0, "initializer_range": 0.02, "tie_word_embeddings": config.tie_embeddings,
+        "use_cache": True, "torch_dtype": torch_dtype, **tokens}
     if config.qk_norm:                             # each head's q and k normalised: Qwen3's layout
-        if config.bias or config.qkv_bias:
-            raise ValueError("q/k norms with biases: no Hugging Face architecture has both (Qwen3 has no biases)")
-        return {
-            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": config.vocab_size,
-            "hidden_size": config.d_model, "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layer,
-            "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
-            "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len,
-            "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_base, "rope_scaling": config.rope_scaling,
-            "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "attention_dropout": 0.0,
-            "initializer_range": 0.02, "tie_word_embeddings": config.tie_embeddings, "use_cache": True,
-            "torch_dtype": torch_dtype, **tokens}
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **llama, "attention_bias": False,
+                "use_sliding_window": False}
     if config.qkv_bias and not config.bias:        # biases on q, k, v only: Qwen2's layout
-        return {
-            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": config.vocab_size,
-            "hidden_size": config.d_model, "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layer,
-            "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
-            "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
-            "rope_theta": config.rope_base, "rope_scaling": config.rope_scaling, "hidden_act": "silu",
-            "use_sliding_window": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-            "tie_word_embeddings": config.tie_embeddings, "use_cache": True, "torch_dtype": torch_dtype, **tokens}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model, "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layer,
-        "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
-        "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_base, "rope_scaling": config.rope_scaling,
-        "hidden_act": "silu", "attention_bias": config.bias, "mlp_bias": config.bias,
-        "attention_dropout": 0.0, "pretraining_tp": 1, "initializer_range": 0.02,
-        "tie_word_embeddings": config.tie_embeddings, "use_cache": True, "torch_dtype": torch_dtype,
-        **tokens}
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **llama, "use_sliding_window": False}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama, "attention_bias": config.bias,
+            "mlp_bias": config.bias, "pretraining_tp": 1}
 
 
 # ----------------------------------------------------------------------------------------------------------
