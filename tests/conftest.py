@@ -3,8 +3,9 @@ Shared pytest fixtures: a tiny random-init decoder in both flavours, in fp32, on
 SmolLM2-135M-Instruct, when it has been fetched (``python -m nanollm.cli.fetch smollm2-135m``, part of the
 README's set-up): its tests are skipped, saying so, where it has not.
 
-Two tiers, the pytest documentation's way. Bare ``python -m pytest`` runs the fast tier: no subprocess,
-no notebook execution, no benchmark, one option set per method in the contract matrix. ``--runslow`` adds
+Two tiers, the pytest documentation's way. Bare ``python -m pytest`` runs the fast tier (in a process per
+core: ``pytest_cmdline_main`` below): no subprocess, no notebook execution, no benchmark, one option set per
+method in the contract matrix. ``--runslow`` adds
 the slow tier (``@pytest.mark.slow``: commands in subprocesses, notebooks, the linter, the real model, the
 whole contract matrix). Timing benchmarks (``@pytest.mark.bench``) run
 only with ``--runbench``, and the heavy end-to-end checks (``@pytest.mark.heavy``: re-running the committed
@@ -71,6 +72,21 @@ def pytest_addoption(parser):
     parser.addoption("--runheavy", action="store_true",
                      help="also run the heavy end-to-end checks (marker heavy): re-running the committed real-model "
                           "results, every assignment's shipped-function mutants and student notebook")
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite or a folder runs on every core, at most four processes (pytest-xdist, where installed);
+    a file or a test runs in this process, which starts soonest, and so does ``--pdb``. ``-n N`` chooses."""
+    if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
+            and not hasattr(config, "workerinput") and not config.option.usepdb and not config.option.collectonly
+            and not all(os.path.isfile(arg.split("::")[0]) for arg in config.args) and cores() > 1):
+        config.option.numprocesses = min(4, cores())
 
 
 def pytest_report_header(config):

@@ -12,6 +12,8 @@ from fastpath.fused import FusedGraphDecoder
 from tests.conftest import one_fast
 from tests.fastpath.test_graph import assert_lean_logits, assert_same_entries, steps_both, tokens
 
+STEPS = 7       # decode steps after a prompt of 20 where the kernels run in the interpreter (each launches them all)
+
 
 @pytest.mark.parametrize("spec", one_fast("scissorhands", None, "snapkv", "streaming_llm", "h2o"))
 def test_the_fused_step_is_the_lean_step(tiny_model, spec):
@@ -40,8 +42,8 @@ def test_the_writes_in_one_launch(tiny_model, spec, monkeypatch):
     monkeypatch.setattr(fused_module, "kernels", SimpleNamespace(serves=lambda t: True))
     torch._dynamo.reset()
     fused = FusedGraphDecoder(tiny_model, backend="eager")
-    ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, graph=fused)
-    assert len(calls) == 14 * tiny_model.config.n_layer                     # every layer of every step
+    ref, out, cache, graph = steps_both(tiny_model, tokens(STEPS + 20), spec, graph=fused)
+    assert len(calls) == STEPS * tiny_model.config.n_layer                  # every layer of every step
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
 
@@ -77,8 +79,8 @@ def test_evictions_use_what_the_attention_kernel_read(tiny_model, spec, budget, 
     fused = FusedGraphDecoder(tiny_model, backend="eager")
     setattr(fused, replaced, None)                                          # a call to it fails
     options = {} if option is None else {name: option}
-    ref, out, cache, graph = steps_both(tiny_model, tokens(), spec, budget, graph=fused, **options)
-    assert len(calls) == 14 * tiny_model.config.n_layer
+    ref, out, cache, graph = steps_both(tiny_model, tokens(STEPS + 20), spec, budget, graph=fused, **options)
+    assert len(calls) == STEPS * tiny_model.config.n_layer
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert_same_entries(cache, graph)
 
@@ -87,14 +89,14 @@ def test_evictions_use_what_the_attention_kernel_read(tiny_model, spec, budget, 
                     reason="needs Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)")
 @pytest.mark.parametrize("options", one_fast({"history_window": 3}, {"history_window": 4, "threshold": 0.05}))
 def test_scissorhands_kernel_with_a_wrapping_ring(tiny_model, options, monkeypatch):
-    """Scissorhands through its kernels with a ring of 3 or 4 rows, which 14 steps wrap several times (each
+    """Scissorhands through its kernels with a ring of 3 or 4 rows, which 7 steps wrap (each
     step's row overwrites flags still counted), the uniform level or a given tau: the lean step's logits,
     kept positions, counters and ring buffer after every step."""
     monkeypatch.setattr(fused_module, "kernels", SimpleNamespace(serves=lambda t: True))
     torch._dynamo.reset()
     fused = FusedGraphDecoder(tiny_model, backend="eager")
     fused.attend_scissors = None                                             # a call to it fails
-    ref, out, cache, graph = steps_both(tiny_model, tokens(), "scissorhands", 8, graph=fused, **options)
+    ref, out, cache, graph = steps_both(tiny_model, tokens(STEPS + 20), "scissorhands", 8, graph=fused, **options)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 

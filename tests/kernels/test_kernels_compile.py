@@ -64,7 +64,7 @@ def environment(**extra) -> dict:
 def launches(tmp_path_factory) -> Path:
     """The distinct launches of the kernel tests (this file's aside), recorded in the interpreter."""
     out = tmp_path_factory.mktemp("launches") / "launches.json"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p",
                            "tests.kernels.launch_capture", str(HERE), "--ignore", __file__],
                           cwd=ROOT, env=environment(TRITON_INTERPRET="1", KERNEL_LAUNCHES=str(out)),
                           capture_output=True, text=True, timeout=600)

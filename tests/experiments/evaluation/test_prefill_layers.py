@@ -121,24 +121,24 @@ def test_each_layer_holds_what_its_own_hook_leaves(bundled, monkeypatch, runs, q
         assert same(a, b)
 
 
-def test_the_records_are_those_of_a_hook_per_layer(bundled, monkeypatch, runs):
+@pytest.mark.parametrize("engine", ["one-group", pytest.param("fast", marks=pytest.mark.slow)])
+def test_the_records_are_those_of_a_hook_per_layer(bundled, monkeypatch, runs, engine):
     """``experiments.compare``'s records, every field but the times, with the layers at once and with a hook per
     layer, both modes, on the engines that share the prompt pass."""
     model, tok, _ = bundled
 
-    def records(engine: str) -> list[dict]:
+    def records() -> list[dict]:
         out = compare.run(model, tok, compare.RunSpec([*WAIT, "adakv", "kvreviver"], [40, 72], ["niah_single_noise"],
                                                       MODES, 1, 256, engine=engine, progress=False))
         return [{k: v for k, v in r.items() if k not in TIMES} for r in out]
-    for engine in ("one-group", "fast"):
-        monkeypatch.setattr(prefill_layers, "ENABLED", True)
-        runs.clear()
-        together = records(engine)
-        assert len(runs) == len(MODES) * len(WAIT) * 2            # each cache once: every layer in one run
-        monkeypatch.setattr(prefill_layers, "ENABLED", False)
-        runs.clear()
-        alone = records(engine)
-        assert runs == [] and together == alone
+    monkeypatch.setattr(prefill_layers, "ENABLED", True)
+    runs.clear()
+    together = records()
+    assert len(runs) == len(MODES) * len(WAIT) * 2                # each cache once: every layer in one run
+    monkeypatch.setattr(prefill_layers, "ENABLED", False)
+    runs.clear()
+    alone = records()
+    assert runs == [] and together == alone
 
 
 def test_a_hook_that_reads_one_layers_queries_fails_rather_than_read_them(bundled, monkeypatch):
