@@ -23,6 +23,7 @@ and small integers on pages other than the front page.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -51,6 +52,7 @@ RESULTS = re.compile(r"results/[\w.\-{},*]+")
 FENCE = re.compile(r"^```.*?^```[ \t]*$", re.M | re.S)
 
 
+@functools.cache                                  # pages cite the same files: read each once
 def notebook_text(name: str) -> str:
     """A committed notebook's code and outputs."""
     path = ROOT / "notebooks" / f"{name}.ipynb"
@@ -77,6 +79,7 @@ def json_numbers(value) -> list[float]:
     return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
 
 
+@functools.cache
 def results_text(pattern: str) -> str:
     """A results file's text; for JSON, also each number rounded to 1-4 decimals (the README rounds what
     the JSON keeps at full precision)."""
