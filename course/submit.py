@@ -75,10 +75,24 @@ def is_pack(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
+def first_link(folder: Path) -> Path | None:
+    """The first link inside ``folder``, to a file or to a folder; None if it holds none."""
+    for parent, folders, files in os.walk(folder):              # a link to a folder is listed, not followed
+        for entry in folders + files:
+            if os.path.islink(os.path.join(parent, entry)):
+                return Path(parent, entry)
+    return None
+
+
 def lay_over(pack_dir: Path, name: str, into: Path) -> Path:
     """A pristine student copy of ``name`` (``course.handout``, from this checkout's files) in ``into`` with the
-    pack's graded files in place of its own. Only the files ``graded_files`` names are taken from the pack."""
+    pack's graded files in place of its own. Only the files ``graded_files`` names are taken from the pack. A
+    pack holding a link is refused: the copy is made as the grader's user, before the room, and a link (a
+    folder ``methods`` -> ``/proc/self/cwd/methods``) would read the grader's own solutions into it."""
     from . import handout
+    if (link := first_link(pack_dir)) is not None:
+        raise SystemExit(f"error: {pack_dir} holds a link, {link.relative_to(pack_dir)} -> {os.readlink(link)}: "
+                         "a pack of python -m course.submit holds plain files only")
     assignment = get(name)
     try:
         manifest = json.loads((pack_dir / MANIFEST).read_text())

@@ -7,10 +7,10 @@ standard input, not its arguments (which ``/proc/1/cmdline`` shows in the room):
 ``{"root": a new empty folder, "read": [...], "write": [...], "mask": [...], "user": "nobody"|"keep"}``.
 Alone and single-threaded, it leaves the grader's mount, process-id, network and IPC namespaces (``unshare``),
 forks process 1 of the new namespace, builds a root in an empty ``tmpfs`` (the system and SPEC's ``read``
-read-only, SPEC's ``write`` writable, a fresh ``/tmp``, ``/dev``, ``/proc`` with read-only kernel settings,
-SPEC's ``mask`` covered), moves into it (``pivot_root``), limits file sizes (``FILE_BYTES``), as root drops to
-``nobody`` (never uid 0), and runs COMMAND as process 2. Each step and why: course/README.md, section "The
-course's files" (what it defends against: section "Threat model").
+read-only; at SPEC's ``write`` and ``/tmp`` fresh folders in memory of a bounded size; ``/dev``, ``/proc`` with
+read-only kernel settings; SPEC's ``mask`` covered), moves into it (``pivot_root``), limits file sizes
+(``FILE_BYTES``), as root drops to ``nobody`` (never uid 0), and runs COMMAND as process 2. Each step and
+why: course/README.md, section "The course's files" (what it defends against: section "Threat model").
 
 Any step that fails ends the program with exit code 125 and one line on standard error saying which; the
 grader then grades unconfined and says so in the grade (``course.grade``'s note).
@@ -37,6 +37,8 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 KERNEL_SETTINGS = ("sys", "sysrq-trigger", "irq", "bus", "fs")     # of /proc: read-only in the room
 NOBODY = 65534
 FILE_BYTES = 256 << 20               # the largest file the student's code may write (its output included)
+FOLDER_BYTES = 256 << 20             # what it may keep in its home, and again in /tmp (each a fresh tmpfs)
+SHM_BYTES = 64 << 20                 # and in /dev/shm
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -83,14 +85,19 @@ def place(source: str, root: str) -> str:
 
 
 def bind(source: str, root: str, writable: bool) -> None:
+    """``source`` read-only at its path under ``root``; or, ``writable``, a fresh folder of ``FOLDER_BYTES`` in
+    memory at that path: what the code writes there never reaches the machine's disk, and a file cap alone
+    would let it write file after file."""
     if not os.path.lexists(source):
         return
     target = place(source, root)
     if os.path.islink(source):
         return                                       # the link itself; what it points to is bound on its own
+    if writable:
+        mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={FOLDER_BYTES}")
+        return
     mount(source, target, None, MS_BIND | MS_REC)
-    if not writable:
-        mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def build_root(spec: dict) -> None:
@@ -100,7 +107,7 @@ def build_root(spec: dict) -> None:
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
     for d in ("tmp", "dev", "proc"):
         os.makedirs(f"{root}/{d}")
-    mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={FOLDER_BYTES}")
     paths = [(p, False) for p in (*SYSTEM, *spec["read"])] + [(p, True) for p in spec["write"]]
     for source, writable in sorted(paths, key=lambda pw: pw[0].count("/")):    # a folder before what is in it
         bind(os.path.normpath(source), root, writable)
@@ -117,7 +124,7 @@ def build_root(spec: dict) -> None:
         open(f"{root}/dev/{name}", "w").close()
         mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
     os.makedirs(f"{root}/dev/shm")
-    mount("tmpfs", f"{root}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    mount("tmpfs", f"{root}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={SHM_BYTES}")
     mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for name in KERNEL_SETTINGS:                      # the machine's settings: nobody may write them, and the
         target = f"{root}/proc/{name}"                # room does not rely on that alone

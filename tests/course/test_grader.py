@@ -121,6 +121,26 @@ def test_command_line_errors(tmp_path, capsys, monkeypatch):
     assert "--out" in refused(capsys, gradescope.main, ["cache"])
 
 
+@pytest.mark.parametrize("link,target", [("methods", "/proc/self/cwd/methods"),
+                                         ("methods/chunkkv.py", str(ROOT / "methods" / "chunkkv.py"))])
+def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, link, target):
+    """A pack is laid over a fresh copy as the grader's user, before the room: a link in it (a folder
+    ``methods`` -> ``/proc/self/cwd/methods``, the grader's own library wherever it runs) would grade the
+    reference solutions. Refused in one line naming the link, and no copy is made."""
+    pack = tmp_path / "pack"
+    (pack / "course" / "chunkkv").mkdir(parents=True)
+    (pack / submit.MANIFEST).write_text(json.dumps({"assignment": "chunkkv", "files": []}))
+    (pack / "course" / "chunkkv" / "adapters.py").write_text((ROOT / "course/chunkkv/adapters.py").read_text())
+    (pack / link).parent.mkdir(parents=True, exist_ok=True)
+    (pack / link).symlink_to(target)
+    for lay_out in (lambda: submit.lay_over(pack, "chunkkv", tmp_path / "laid"), lambda: grade.grade("chunkkv", pack)):
+        with pytest.raises(SystemExit) as e:
+            lay_out()
+        assert str(e.value) == f"error: {pack} holds a link, {link} -> {target}: a pack of python -m " \
+                               "course.submit holds plain files only"
+    assert not (tmp_path / "laid").exists()
+
+
 def test_an_interpreter_that_cannot_run_the_kernels_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     """Where Triton's CPU interpreter cannot run the kernels (``kernels.interpreter_problem``: Triton before
     3.7 under numpy 2.4 or later), grading an assignment whose tests run them stops before anything is copied

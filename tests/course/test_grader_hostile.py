@@ -547,6 +547,34 @@ def test_the_students_files_cannot_fill_the_disk(tmp_path, capsys):
     assert public and all("File too large" in t or "process running your code stopped" in t for t in public), public
 
 
+def test_the_students_folders_are_bounded_in_all(tmp_path, capsys):
+    """File after file below ``jail.FILE_BYTES`` (four of 256 MiB in the home filled 1 GiB of the grader's disk):
+    the home and ``/tmp`` hold at most ``jail.FOLDER_BYTES`` each, ``/dev/shm`` ``jail.SHM_BYTES``, all in
+    memory, so the writes stop there with "No space left on device"."""
+    from course.sandbox import jail
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "attention.py", "group_scores", [
+        "import os",
+        "kept = []",
+        "for folder in (os.environ['HOME'], '/tmp', '/dev/shm'):",
+        "    written = 0",
+        "    try:",
+        "        for i in range(8):",
+        "            with open(f'{folder}/f{i}', 'wb') as f:",
+        "                for _ in range(64):",
+        "                    f.write(bytes(1 << 20))",
+        "                    written += 1",
+        "    except OSError as e:",
+        "        kept.append((written, e.strerror))",
+        "raise RuntimeError(f'kept {kept}')"])
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
+    if "UNCONFINED" in results["output"]:
+        pytest.skip("no room here: its folders are the machine's")
+    public = [t["output"] for t in results["tests"] if t["visibility"] == "visible"]
+    limits = [jail.FOLDER_BYTES >> 20, jail.FOLDER_BYTES >> 20, jail.SHM_BYTES >> 20]
+    assert public and all(f"kept {[(mib, 'No space left on device') for mib in limits]}" in t for t in public), public
+
+
 def test_a_policy_that_never_calls_the_graded_function_fails(tmp_path, capsys):
     """Scissorhands' policy in the copy calls a private, correct ranking instead of the graded ``keep_score``
     (left a stub): the tests that follow the reference run the instructor's policy with the student's
