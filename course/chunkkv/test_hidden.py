@@ -124,8 +124,22 @@ def test_chunk_choice_against_a_loop():
 @points(2, task="chunk_ranking")
 def test_shared_ranking_sums_votes_over_heads_and_protected_slots_never_compete():
     """Hand cases, each head's slots in an order and the votes at a power-of-two scale drawn from the run's seed
-    (a chunk is made of positions, and the scale changes no sum nor tie)."""
+    (a chunk is made of positions, and the scale changes no sum nor tie), each asked together with rows drawn
+    from the seed, checked against the loop: an answer recorded for a hand case alone is never asked for (a table
+    keyed by the positions and the votes over their largest earned this test's points on every seed)."""
     g = generator("shared ranking")
+
+    def among_drawn_rows(scores, pos, free, n_free, chunk_size, shared):
+        """The keep mask of the hand case's rows, asked with 1 to 3 rows of ``instance`` after them."""
+        B, H, T = pos.shape
+        drawn_rows = instance(g, int(torch.randint(1, 4, (1,), generator=g)), H, T, T + 4, chunk_size)
+        args = [torch.cat([a, d]) for a, d in zip((scores, pos, free, n_free), drawn_rows)]
+        mask = A.chunk_mask(*args, chunk_size, shared, "none")
+        check_tensor(mask, args[1].shape, torch.bool, "chunk_keep_mask's mask (B, H_kv, T)")
+        assert_close(mask[B:], chunk_keep_by_loop(*drawn_rows, chunk_size, shared, "none"), what=(
+            f"the rows drawn beside the hand case (chunks of {chunk_size}, shared={shared}; random votes, positions in "
+            "any order, protected and empty slots): whole chunks by their summed free votes, best first"))
+        return mask[:B]
 
     def drawn(scores, pos, *more):
         """The same case with each (row, head)'s slots in a drawn order and the votes scaled."""
@@ -147,14 +161,12 @@ def test_shared_ranking_sums_votes_over_heads_and_protected_slots_never_compete(
             (True, [[[4, 5], [4, 5]], [[0, 1], [0, 1]]], "shared: a chunk's votes are added over the heads of the "
              "same batch row, chunk by chunk (row 0: positions [4, 5] get 0.4 + 3.0, [0, 1] 2.0 + 0; row 1: [0, 1] "
              "2.0, [4, 5] 1.0, times a scale), and both heads keep the winner")):
-        mask = A.chunk_mask(scores, pos, free, n_free, 2, shared, "none")
-        check_tensor(mask, pos.shape, torch.bool, "chunk_keep_mask's mask (B, H_kv, T)")
+        mask = among_drawn_rows(scores, pos, free, n_free, 2, shared)
         got = [[sorted(pos[b, h][mask[b, h]].tolist()) for h in range(2)] for b in range(2)]
         assert got == want, f"{why}: kept positions per (row, head) {got}, expected {want}"
     scores, pos, free = drawn(torch.tensor([[[5.0, 5.0, 0.1, 0.1, 0.2, 0.2]]]), torch.arange(6).view(1, 1, 6),
                               torch.tensor([[[False, False, True, True, True, True]]]))
-    keep = A.chunk_mask(scores, pos, free, torch.tensor([[2]]), 2, False, "none")
-    check_tensor(keep, pos.shape, torch.bool, "chunk_keep_mask's mask (B, H_kv, T)")
+    keep = among_drawn_rows(scores, pos, free, torch.tensor([[2]]), 2, False)
     got = sorted(pos[keep].tolist())
     assert got == [4, 5], f"protected slots (free False) neither compete nor count: expected positions [4, 5], got " \
         f"{got}"
@@ -162,8 +174,7 @@ def test_shared_ranking_sums_votes_over_heads_and_protected_slots_never_compete(
                               torch.arange(7).view(1, 1, 7),
                               torch.tensor([[[False, False, True, True, True, True, True]]]))
     for n_free, want in ((1, [2]), (2, [2]), (4, [2, 3, 4, 5]), (5, [2, 3, 4, 5, 6])):
-        keep = A.chunk_mask(scores, pos, free, torch.tensor([[n_free]]), 3, False, "none")
-        check_tensor(keep, pos.shape, torch.bool, "chunk_keep_mask's mask (B, H_kv, T)")
+        keep = among_drawn_rows(scores, pos, free, torch.tensor([[n_free]]), 3, False)
         got = sorted(pos[keep].tolist())
         assert got == want, (
             f"a chunk takes as much room as its free slots (chunk 0: 1, chunk 1: 3, the last: 1); chunks 1 and 2 tie "

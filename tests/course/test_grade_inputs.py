@@ -7,7 +7,8 @@ What the assignments' tests compare and on which inputs: a grade no submission c
   comparison of tensors (``allclose``, ``isclose``, ``torch.equal``, ``mismatches``).
 * Every random input is drawn from the run's seed (``COURSE_SEED``, fresh each grade unless ``--seed N``;
   ``oracle.generator``): a copy that answers from a table recorded on an earlier run's inputs (here
-  Scissorhands' public tests on seed 1) scores on that seed and nothing on another.
+  Scissorhands' public tests on seed 1) scores on that seed and nothing on another; one keyed by what the seed's
+  slot order and scale leave of a hand-made case (ChunkKV's) earns no hidden point on another.
 * Mutation testing grades on one fixed seed (``course.mutants.SEED``), so its kill table can be run again.
 """
 
@@ -228,3 +229,81 @@ def test_a_copy_that_replays_an_earlier_runs_answers_scores_nothing_on_another_s
         assert summary["score"] == 0, (summary["seed"], [(r["name"], r["score"]) for r in summary["results"]])
         assert all("not recorded" in r["output"] or "NotImplementedError" in r["output"]
                    for r in summary["results"]), summary["results"][0]["output"]
+
+
+# A table keyed by what the seed's slot order and power-of-two scale leave of a chunk_mask call (a red-team
+# helper's forgery of chunkkv): per (row, head) the sorted (position, free, vote over the largest) and the room.
+CANON = '''
+import json, math
+import torch
+
+
+def key(args):
+    scores, pos, free, n_free, chunk_size, shared, remainder = args
+    finite = [abs(x) for x in scores[free].tolist() if math.isfinite(x) and x]
+    unit = max(finite, default=1.0)
+    rows = [(int(n_free[b, h]), sorted((int(p), bool(f), round(s / unit, 6) if math.isfinite(s) else str(s))
+             for p, f, s in zip(pos[b, h].tolist(), free[b, h].tolist(), scores[b, h].tolist())))
+            for b in range(pos.shape[0]) for h in range(pos.shape[1])]
+    return repr((tuple(pos.shape), chunk_size, shared, remainder, rows))
+'''
+
+CANON_RECORDER = '''
+import atexit, importlib.util, os, sys
+
+spec = importlib.util.spec_from_file_location("real_adapters", sys.argv[1])
+real = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(real)
+table = {}
+
+
+def chunk_mask(*args):
+    mask = real.chunk_mask(*args)
+    pos = args[1]
+    table[key(args)] = [[sorted(pos[b, h][mask[b, h]].tolist()) for h in range(pos.shape[1])]
+                        for b in range(pos.shape[0])]
+    return mask
+
+
+holds = real.holds
+atexit.register(lambda: open(os.environ["RECORD_TO"], "w").write(json.dumps(table)))
+'''
+
+CANON_REPLAY = '''
+
+def chunk_mask(*args):
+    kept = _TABLE.get(key(args))
+    if kept is None:
+        raise NotImplementedError("chunk_mask: these arguments were not recorded")
+    pos, free = args[1], args[2]
+    return torch.stack([torch.stack([torch.isin(pos[b, h], torch.tensor(kept[b][h], dtype=pos.dtype)) & free[b, h]
+                                     for h in range(pos.shape[1])]) for b in range(pos.shape[0])])
+'''
+
+
+@pytest.mark.slow
+def test_a_table_keyed_by_what_order_and_scale_leave_earns_no_hidden_point(tmp_path):
+    """ChunkKV's copy whose ``chunk_mask`` answers from a table recorded on seed 1 (public tests and the hidden
+    hand cases) under a key that the seed's slot order and scale do not change: on seed 1 it passes them; on
+    seed 2 it earns no hidden point (the hand cases are asked with drawn rows, checked by a loop; before, 2 of
+    18). A public hand case says its answer when it fails, so its points stay replayable (course/README.md)."""
+    run = tmp_path / "record"
+    run.mkdir()
+    for f in (ROOT / "course" / "oracle.py", *(ROOT / "course" / "chunkkv").glob("test_*.py")):
+        (run / f.name).write_text(f.read_text())
+    (run / "adapters.py").write_text(CANON + CANON_RECORDER)
+    table = tmp_path / "answers.json"
+    script = ("import test_public as t, test_hidden as h\n[getattr(t, n)() for n in dir(t) if n.startswith('test_')]\n"
+              "h.test_shared_ranking_sums_votes_over_heads_and_protected_slots_never_compete()\n")
+    env = {**os.environ, "PYTHONPATH": f"{run}:{ROOT}", "COURSE_SEED": "1", "RECORD_TO": str(table)}
+    subprocess.run([sys.executable, "-c", script, str(ROOT / "course" / "chunkkv" / "adapters.py")], cwd=run,
+                   check=True, env=env)
+    copy = student_copy(tmp_path, "chunkkv")
+    adapters = copy / "course" / "chunkkv" / "adapters.py"
+    adapters.write_text(adapters.read_text() + CANON + f"\n_TABLE = json.loads({table.read_text()!r})\n" + CANON_REPLAY)
+    hand = "test_shared_ranking_sums_votes_over_heads_and_protected_slots_never_compete"
+    on_seed_1 = {r["name"]: r for r in grade.grade("chunkkv", copy, seed=1)["results"]}
+    assert on_seed_1[hand]["status"] == "passed", on_seed_1[hand]["output"]        # the table works
+    on_seed_2 = grade.grade("chunkkv", copy, seed=2)["results"]
+    hidden = [(r["name"], r["score"]) for r in on_seed_2 if r["visibility"] == "hidden"]
+    assert hidden and all(score == 0 for _, score in hidden), hidden
