@@ -110,7 +110,10 @@ def in_workers(batches: list[list[tuple]], shared: tuple, workers: int, tick) ->
             pickle.dump(shared, f)
         with cli.workers_without_ctrl_c():         # a Ctrl-C that came meanwhile is raised at its end,
             pool = stack.enter_context(ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob, workers)))
-        return list(tick(pool.imap(_run_jobs_in_worker, batches)))   # ... with the pool in the stack
+        results = list(tick(pool.imap(_run_jobs_in_worker, batches)))   # ... with the pool in the stack
+        pool.close()                # every job done: the workers leave on the pool's own last message, so the
+        pool.join()                 # block's Pool.terminate signals none (a SIGTERM one missed hung the run)
+        return results
 
 
 def default_workers() -> int:

@@ -405,9 +405,10 @@ def worker_leaves_on_sigterm() -> None:
     whole process group, as ``kill -- -PGID`` or a job scheduler sends) it never releases that lock, and
     ``Pool.terminate`` in the command waits for the lock for ever: the command hangs instead of printing
     ``error: interrupted``. Unwinding releases it (the lock is held in a ``with`` block). A SIGTERM that comes
-    once the worker has left its loop (``Pool.terminate`` at the end of a run sends one), and a second one, are
-    ignored: the worker is leaving already, and an exception raised in its exit handlers would only print
-    their traceback."""
+    once the worker has left its loop, and a second one, are ignored: the worker is leaving already, and an
+    exception raised in its exit handlers would only print their traceback. (A run that ends well closes its
+    pool, so its workers get no SIGTERM: one that reached another thread of a worker, not the one waiting for
+    the lock, hung the command.)"""
     def leave(signum, frame):
         signal.signal(signum, signal.SIG_IGN)
         while frame is not None:                    # only inside the pool's worker loop: past it, the worker is

@@ -76,6 +76,9 @@ def measure(folder: str, tasks: list[str], lengths: list[int], n_samples: int, s
         for task, length, mode, a in results:
             acc.setdefault(task, {}).setdefault(str(length), {})[mode] = a
             bar.update(1)
+        if workers > 1:             # every job done: the workers leave on the pool's own last message, so the
+            pool.close()            # block's Pool.terminate signals none
+            pool.join()
     return acc
 
 

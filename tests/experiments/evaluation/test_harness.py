@@ -114,12 +114,19 @@ def test_greedy_from_the_trace_equals_a_fresh_greedy_answer(loaded, method):
 
 
 @pytest.mark.slow
-def test_run_records_and_determinism(loaded):
-    """Two runs of the same command, one of them in worker processes: the same records, timings aside."""
+def test_run_records_and_determinism(loaded, monkeypatch):
+    """Two runs of the same command, one of them in worker processes: the same records, timings aside. The
+    workers have left on the pool's last message when the pool's block ends, so its ``Pool.terminate`` signals
+    none (a SIGTERM that reached a worker's other thread left it waiting for the queue's lock: the run hung)."""
+    import multiprocessing.pool
+    exit_codes, leave = [], multiprocessing.pool.Pool.__exit__
+    monkeypatch.setattr(multiprocessing.pool.Pool, "__exit__",
+                        lambda pool, *exc: exit_codes.append([p.exitcode for p in pool._pool]) or leave(pool, *exc))
     model, tok, _ = loaded
     kw = dict(methods=["full", "snapkv", "streaming_llm"], budgets=[20, 60], tasks=["niah_single_noise"],
               modes=MODES, samples=2, length=LENGTH, progress=False)
     a, b = run(model, tok, RunSpec(**kw)), run(model, tok, RunSpec(workers=2, **kw))       # b: two worker processes
+    assert exit_codes == [[0, 0]], exit_codes
     assert len(a) == 2 * (1 + 2 * 2)
     fields = {"method", "budget", "keep_ratio", "task", "mode", "accuracy", "kl", "perturbation", "kv_bytes",
               "decode_ms_per_token", "n_samples"}
