@@ -153,7 +153,7 @@ def test_the_evaluation_sketches_on_the_kernels_where_they_serve(monkeypatch, en
             serves = (lambda t: t.is_cuda or kernels.interpreting()) if kernels_serve else (lambda t: False)
             m.setattr(fastpath.sketch, "kernels", SimpleNamespace(serves=serves))
             m.setattr(fastpath.sketch.KernelSketch, "query", counted)
-            out = compare.run(model, tok, compare.RunSpec(["kvreviver"], [48], ["niah_single_noise"], MODES[:1], 1, 192,
+            out = compare.run(model, tok, compare.RunSpec(["kvreviver"], [32], ["niah_single_noise"], MODES[:1], 1, 128,
                               engine=engine, progress=False))
         assert bool(queried) == kernels_serve
         return out

@@ -31,7 +31,7 @@ def test_the_example_file_is_the_built_in_task_s_export(bundled):
 def test_a_file_task_runs_as_the_built_in_task_it_was_exported_from(bundled):
     model, tok, _ = bundled
     torch.set_num_threads(1)
-    kw = dict(methods=["snapkv", "streaming_llm"], budgets=[64], modes=MODES, samples=3, length=512,
+    kw = dict(methods=["snapkv", "streaming_llm"], budgets=[64], modes=MODES, samples=2, length=512,
               progress=False, engine="plain")
     built_in = compare.run(model, tok, compare.RunSpec(tasks=["niah_single_noise"], **kw))
     from_file = compare.run(model, tok, compare.RunSpec(tasks=[FileTask(EXAMPLE)], **kw))
