@@ -82,9 +82,11 @@ def cores() -> int:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """The whole suite or a folder runs on every core, at most four processes (pytest-xdist, where installed);
-    a file or a test runs in this process, which starts soonest, and so does ``--pdb``. ``-n N`` chooses."""
+    a file or a test runs in this process, which starts soonest, and so do ``--pdb`` and ``-s`` (whose prints
+    a worker would keep). ``-n N`` chooses."""
     if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
             and not hasattr(config, "workerinput") and not config.option.usepdb and not config.option.collectonly
+            and config.option.capture != "no"
             and not all(os.path.isfile(arg.split("::")[0]) for arg in config.args) and cores() > 1):
         config.option.numprocesses = min(4, cores())
 
