@@ -518,25 +518,46 @@ def jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return found
 
 
-def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str) -> None:
+# What a kernel may read of a value that is not ``tl``: a Triton tensor's methods and properties, a dtype's (never
+# ``handle``, the interpreter's array under the tensor).
+VALUE_ATTRIBUTES = {"T", "abs", "advance", "argmax", "argmin", "associative_scan", "atomic_add", "atomic_and",
+                    "atomic_cas", "atomic_max", "atomic_min", "atomic_or", "atomic_xchg", "atomic_xor", "broadcast_to",
+                    "cast", "cdiv", "ceil", "cos", "cumprod", "cumsum", "dtype", "element_ty", "erf", "exp", "exp2",
+                    "expand_dims", "flip", "floor", "gather", "histogram", "is_floating", "is_int", "is_ptr", "item",
+                    "log", "log2", "logical_and", "logical_or", "max", "min", "numel", "permute",
+                    "primitive_bitwidth", "ravel", "reduce", "reshape", "rsqrt", "scalar", "shape", "sigmoid", "sin",
+                    "softmax", "sort", "split", "sqrt", "sqrt_rn", "store", "sum", "to", "trans", "type", "value",
+                    "view", "xor_sum"}
+
+
+def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kernels: set[str] = frozenset()) -> None:
     """Raise ``NotTriton`` unless ``fn`` is Triton's language: no import, no nested function or class, no
-    comprehension, no attribute that starts with ``_`` (the way out of a value to its module), ``tl.<name>``
-    only for a name of triton.language that is not a module. Any other name it reads is an argument, one of
-    its variables, another kernel of the file or a few built-ins: the namespace it runs in holds nothing else
-    (a NameError at run time, ``KernelsAlone.launch``). On a GPU Triton's compiler refuses the rest; in its CPU
-    interpreter, where a kernel runs as Python, this check and that namespace do."""
-    for node in ast.walk(fn):
+    comprehension; every name it reads is an argument, one of its variables, ``tl``, another of the file's
+    ``kernels`` or one of ``JIT_BUILTINS``; ``tl`` only as ``tl.<name>`` for a name of triton.language that is
+    not a module, and any other value's attributes only a tensor's or a dtype's (``VALUE_ATTRIBUTES``). The
+    namespace is not relied on: Triton's interpreter copies its own module's globals (``inspect``, ``np``, ...)
+    into it, and ``[tl][0].core.builtins.exec`` named no forbidden attribute; both ran PyTorch as a kernel. On a
+    GPU Triton's compiler refuses the rest; in its CPU interpreter, where a kernel runs as Python, this does."""
+    parent = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+    own = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+    own |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    readable = own | set(kernels) | set(JIT_BUILTINS) | {"tl"}
+    for node in (n for part in [*fn.args.defaults, *fn.args.kw_defaults, *fn.body] if part for n in ast.walk(part)):
         line = f"{where}, line {getattr(node, 'lineno', fn.lineno)}"
-        if isinstance(node, FORBIDDEN) and node is not fn:
+        if isinstance(node, FORBIDDEN):
             raise NotTriton(f"{line}: {type(node).__name__} is not Triton's language")
+        if isinstance(node, ast.Name) and node.id not in readable:
+            raise NotTriton(f"{line}: {node.id}: a kernel reads only its arguments, its variables, tl, the file's "
+                            "other kernels and a few built-ins")
+        if isinstance(node, ast.Name) and node.id == "tl" and not (
+                isinstance(parent.get(node), ast.Attribute) and parent[node].value is node):
+            raise NotTriton(f"{line}: tl is read only as tl.<name>")
         if isinstance(node, ast.Attribute):
-            if node.attr.startswith("_"):
-                raise NotTriton(f"{line}: .{node.attr}: no attribute starting with _ in a kernel")
-            if isinstance(node.value, ast.Name) and node.value.id == "tl" and node.attr not in tl_names:
-                raise NotTriton(f"{line}: tl.{node.attr} is not a name of triton.language")
-            if isinstance(node.value, ast.Name) and node.value.id == "triton" and node not in fn.decorator_list \
-                    and not any(node is getattr(d, "func", None) for d in fn.decorator_list):
-                raise NotTriton(f"{line}: triton.{node.attr}: a kernel uses tl (triton.language) only")
+            if isinstance(node.value, ast.Name) and node.value.id == "tl":
+                if node.attr not in tl_names:
+                    raise NotTriton(f"{line}: tl.{node.attr} is not a name of triton.language")
+            elif node.attr not in VALUE_ATTRIBUTES:
+                raise NotTriton(f"{line}: .{node.attr}: a kernel reads only a tensor's or a dtype's attributes")
 
 
 def language_names() -> set[str]:
@@ -572,7 +593,7 @@ class KernelsAlone:
             found = jit_functions(tree)
             names = language_names()
             for fn in found.values():
-                check_triton_only(fn, names, file)
+                check_triton_only(fn, names, file, set(found))
             name = f"<the copy's kernels: {file}>"
             blocks = [textwrap.dedent("\n".join(text.splitlines()[fn.decorator_list[0].lineno - 1:fn.end_lineno]))
                       for fn in found.values()]

@@ -13,6 +13,7 @@ with a class.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -139,6 +140,27 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
         assert str(e.value) == f"error: {pack} holds a link, {link} -> {target}: a pack of python -m " \
                                "course.submit holds plain files only"
     assert not (tmp_path / "laid").exists()
+
+
+@pytest.mark.parametrize("body", [
+    "inspect.builtins.exec('import torch', {})",             # a module Triton's interpreter puts in the namespace
+    "[tl][0].core.builtins.exec('import torch', {})",        # tl reached through a list, then a module of it
+    "t = tl\n    t.core",                                     # tl under another name
+    "x = tl.load(p)\n    x.handle.data.tofile('x')",          # the interpreter's array under a tensor
+    "tl.core.builtins",                                      # a module of triton.language
+])
+def test_a_kernel_that_leaves_tritons_language_is_refused(body):
+    """The kernels' process checks each kernel's syntax, not its namespace: each of these ran PyTorch as a kernel
+    or could (kernels 16 / 16, kvreviver 16 / 16 before). The library's graded kernels pass."""
+    from course.sandbox.student_process import NotTriton, check_triton_only, jit_functions, language_names
+    fn = jit_functions(ast.parse(f"@triton.jit\ndef k(p, N: tl.constexpr):\n    {body}\n"))["k"]
+    with pytest.raises(NotTriton):
+        check_triton_only(fn, language_names(), "k.py", {"k"})
+    graded = {f for a in ("kernels", "kvreviver") for f in ASSIGNMENTS[a].library if f.startswith("kernels/")}
+    for file in sorted(graded):
+        found = jit_functions(ast.parse((ROOT / file).read_text()))
+        for fn in found.values():
+            check_triton_only(fn, language_names(), file, set(found))
 
 
 def test_an_interpreter_that_cannot_run_the_kernels_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
