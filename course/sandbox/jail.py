@@ -9,8 +9,9 @@ Alone and single-threaded, it leaves the grader's mount, process-id, network and
 forks process 1 of the new namespace, builds a root in an empty ``tmpfs`` (the system and SPEC's ``read``
 read-only; at SPEC's ``write`` and ``/tmp`` fresh folders in memory of a bounded size; ``/dev``, ``/proc`` with
 read-only kernel settings; SPEC's ``mask`` covered), moves into it (``pivot_root``), limits file sizes
-(``FILE_BYTES``), as root drops to ``nobody`` (never uid 0), and runs COMMAND as process 2. Each step and
-why: course/README.md, section "The course's files" (what it defends against: section "Threat model").
+(``FILE_BYTES``), as root drops to ``nobody`` (never uid 0), and runs COMMAND as process 2, which can start
+no process (``no_new_processes``). Each step and why: course/README.md, section "The course's files" (what
+it defends against: section "Threat model").
 
 Any step that fails ends the program with exit code 125 and one line on standard error saying which; the
 grader then grades unconfined and says so in the grade (``course.grade``'s note).
@@ -155,6 +156,35 @@ def drop_privileges(user: str) -> None:
         raise Failed(f"user {user!r}: the student's code would run as root (uid or gid 0); refused")
 
 
+# The filter that leaves the student's code without new processes (seccomp, in classic BPF): fork, vfork and clone
+# without CLONE_THREAD fail with EPERM, clone3 with ENOSYS (so that threads are made by clone, whose flags the
+# filter reads); x32's numbers fail too. A child's CPU time and memory could escape the grader's watch (a child
+# reaped by the kernel counts to no process: a torch.cat append in helper processes scored 27 / 27, a Kronecker
+# product in a child 24 / 24), so the code runs alone, with as many threads as it likes.
+SECCOMP = {"x86_64": (0xC000003E, 56, 57, 58), "aarch64": (0xC00000B7, 220, -1, -1)}  # arch, clone, fork, vfork
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER, CLONE_THREAD, CLONE3, X32 = 22, 2, 0x00010000, 435, 0x40000000
+ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+
+
+def no_new_processes() -> None:
+    """Step 6: the filter above, for this process and what it runs (never lifted: no new privileges)."""
+    arch, clone, fork, vfork = SECCOMP[platform.machine()]
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    program = [(load, 0, 0, 4), (jeq, 0, 8, arch), (load, 0, 0, 0), (jge, 7, 0, X32), (jeq, 7, 0, CLONE3),
+               (jeq, 5, 0, fork & 0xFFFFFFFF), (jeq, 4, 0, vfork & 0xFFFFFFFF), (jeq, 0, 2, clone),
+               (load, 0, 0, 16), (jset, 0, 1, CLONE_THREAD), (ret, 0, 0, ALLOW), (ret, 0, 0, EPERM),
+               (ret, 0, 0, ENOSYS)]
+
+    class Instruction(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Instruction))]
+    code = (Instruction * len(program))(*program)
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(Program(len(program), code)), 0, 0),
+          "no new processes (seccomp)")
+
+
 def init(spec: dict, command: list[str], status_w: int) -> None:
     """Process 1 of the new namespaces: builds the room, then starts COMMAND as process 2 and waits for it. A
     process 1 ignores every signal it has no handler for (``abort()`` would not end it), so the student's code
@@ -172,6 +202,11 @@ def init(spec: dict, command: list[str], status_w: int) -> None:
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)   # the student's code cannot trace this process (from before the
     pid = os.fork()                           # fork: its exec makes the child dumpable again, this stays not)
     if pid == 0:
+        try:
+            no_new_processes()
+        except Failed as e:
+            print(f"jail: {e}", file=sys.stderr, flush=True)
+            os._exit(125)
         os.execve(command[0], command, dict(os.environ))   # the status pipe closes here (not inheritable)
     os.closerange(0, status_w)
     os.closerange(status_w + 1, 1 << 16)

@@ -575,6 +575,33 @@ def test_the_students_folders_are_bounded_in_all(tmp_path, capsys):
     assert public and all(f"kept {[(mib, 'No space left on device') for mib in limits]}" in t for t in public), public
 
 
+def test_the_students_code_runs_alone_in_its_room(tmp_path, capsys):
+    """No new process in the room (``jail.no_new_processes``): a child's CPU time and memory escaped the watch
+    (a torch.cat append in helper processes scored 27 / 27, a Kronecker product in a child 24 / 24). Threads
+    still start."""
+    copy = student_copy(tmp_path)
+    put(copy / "nanollm" / "attention.py", "group_scores", [
+        "import os, subprocess, threading",
+        "ran = []",
+        "thread = threading.Thread(target=lambda: ran.append('thread'))",
+        "thread.start()",
+        "thread.join()",
+        "for start in (os.fork, lambda: subprocess.run(['true']), lambda: os.posix_spawn('/bin/true', ['true'], {})):",
+        "    try:",
+        "        if start() == 0:",
+        "            os._exit(0)",
+        "        ran.append('a process')",
+        "    except OSError as e:",
+        "        ran.append(e.strerror)",
+        "raise RuntimeError(f'ran {ran}')"])
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
+    if "UNCONFINED" in results["output"]:
+        pytest.skip("no room here")
+    public = [t["output"] for t in results["tests"] if t["visibility"] == "visible"]
+    said = f"ran {['thread'] + ['Operation not permitted'] * 3}"
+    assert public and all(said in t for t in public), public
+
+
 def test_a_policy_that_never_calls_the_graded_function_fails(tmp_path, capsys):
     """Scissorhands' policy in the copy calls a private, correct ranking instead of the graded ``keep_score``
     (left a stub): the tests that follow the reference run the instructor's policy with the student's
