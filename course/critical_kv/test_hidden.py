@@ -127,10 +127,16 @@ def test_bound_on_hand_cases():
     keep = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 1], [1, 1, 1, 1]], dtype=torch.bool)[:, order]
     # mass 0.7, sum N A P 1.9: 3.3 - (2 - 1/0.7) 1.9; mass 0.3: 3.3 - (2 - 1/0.3) 1.4; mass 0.5: 3.3 - 0 * 1.4; 0
     want = torch.tensor([3.3 - (2 - 1 / 0.7) * 1.9, 3.3 - (2 - 1 / 0.3) * 1.4, 3.3, 0.0], dtype=torch.float64) * scale
+    # asked together with 1 to 4 rows drawn from the seed, checked by the loop: a table of the hand rows' answers
+    # (keyed by what the order and scale leave of them) earned these points on every seed before
+    drawn_attn, projected, drawn_keep = instance(g, (int(torch.randint(1, 5, (1,), generator=g)),), 4, 3)
+    drawn_vnorm = projected.abs().sum(-1).double()
+    attn, keep = torch.cat([attn, drawn_attn.double()]), torch.cat([keep, drawn_keep])
+    vnorm, want = torch.cat([vnorm, drawn_vnorm]), torch.cat([want, bound_by_loop(drawn_attn, drawn_keep, drawn_vnorm)])
     assert_close(A.bound(attn, keep, vnorm), want, atol=1e-6, rtol=1e-9,
                  detail=lambda at: f"keep {keep[at].int().tolist()}, mass {float((attn[at] * keep[at]).sum()):.1f}",
-                 what=f"Eq. 8 in float64 on A = {attn[0].tolist()}, P = {[round(x, 5) for x in vnorm[0].tolist()]}: "
-                 "theta = C - (2 - 1/mass) sum N A P, one per row (4,)")
+                 what=f"Eq. 8 in float64 on A = {attn[0].tolist()}, P = {[round(x, 5) for x in vnorm[0].tolist()]} "
+                 f"(rows 0-3) and {len(want) - 4} drawn rows: theta = C - (2 - 1/mass) sum N A P, one per row")
 
 
 @points(3, task="perturbation_bound")

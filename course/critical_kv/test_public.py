@@ -61,6 +61,9 @@ def test_the_bound_is_eq8_and_holds():
         L = perturbation_by_loop(attn, keep, projected)
         assert L <= float(theta) + 1e-5, \
             f"case {case}: Theorem 2 bounds the perturbation, but L = {L:.5f} > theta = {float(theta):.5f}"
+        C, mass = float((attn * projected.abs().sum(-1)).sum()), float(attn[keep].sum())
+        assert float(theta) <= C / mass + 1e-5, f"case {case}: theta = {float(theta):.5f} is more than Eq. 8 can " \
+            f"give, C / mass = {C / mass:.5f} (an infinite or huge theta bounds anything and says nothing)"
 
 
 @points(2, task="two_stage")
