@@ -113,8 +113,9 @@ def processes_naming(text: str) -> list[int]:
 
 def test_a_daemon_is_gone_before_the_grade_is_written(tmp_path, capsys):
     """The student's code starts a daemon (double fork, a session of its own, a program of its own) that waits
-    for the results file and writes full marks into it: it is seen running while the copy is graded, it is
-    gone once the grade is written, and the file on disk keeps what was printed."""
+    for the results file and writes full marks into it. In a room no process starts at all (the fork fails);
+    without one, it is seen running while the copy is graded and gone once the grade is written. Either way the
+    file on disk keeps what was printed."""
     copy, out, token = student_copy(tmp_path), tmp_path / "r.json", f"daemon-{os.getpid()}-{time.time_ns()}"
     forged = json.dumps({"score": 27, "tests": []})
     waits = (f"import os, time\nwhile True:\n    time.sleep(0.05)\n    if os.path.exists({str(out)!r}):\n"
@@ -140,7 +141,11 @@ def test_a_daemon_is_gone_before_the_grade_is_written(tmp_path, capsys):
     finally:
         done.set()
         watcher.join()
-    assert seen, "the daemon never ran: the test proves nothing"
+    if "UNCONFINED" not in results["output"]:
+        public = [t["output"] for t in results["tests"] if t["visibility"] == "visible"]
+        assert not seen and public and all("Operation not permitted" in t for t in public), public
+    else:
+        assert seen, "the daemon never ran: the test proves nothing"
     time.sleep(1)
     assert not processes_naming(token), "the daemon outlived the grade"
     assert json.loads(out.read_text()) == results and results["score"] == 0, out.read_text()[:200]
