@@ -74,21 +74,17 @@ def pytest_addoption(parser):
                           "results, every assignment's shipped-function mutants and student notebook")
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """The whole suite or a folder runs on every core, at most four processes (pytest-xdist, where installed);
     a file or a test runs in this process, which starts soonest, and so do ``--pdb`` and ``-s`` (whose prints
     a worker would keep). ``-n N`` chooses."""
+    from experiments.evaluation.workers import default_workers  # the cores this process may use
     if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
             and not hasattr(config, "workerinput") and not config.option.usepdb and not config.option.collectonly
             and config.option.capture != "no"
-            and not all(os.path.isfile(arg.split("::")[0]) for arg in config.args) and cores() > 1):
-        config.option.numprocesses = min(4, cores())
+            and not all(os.path.isfile(arg.split("::")[0]) for arg in config.args) and default_workers() > 1):
+        config.option.numprocesses = min(4, default_workers())
 
 
 def pytest_report_header(config):

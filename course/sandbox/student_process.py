@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import faulthandler
+import functools
 import importlib.util
 import io
 import json
@@ -518,23 +519,11 @@ def jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return found
 
 
-# What a kernel may read of a value that is not ``tl``: a Triton tensor's methods and properties, a dtype's (never
-# ``handle``, the interpreter's array under the tensor).
-VALUE_ATTRIBUTES = {"T", "abs", "advance", "argmax", "argmin", "associative_scan", "atomic_add", "atomic_and",
-                    "atomic_cas", "atomic_max", "atomic_min", "atomic_or", "atomic_xchg", "atomic_xor", "broadcast_to",
-                    "cast", "cdiv", "ceil", "cos", "cumprod", "cumsum", "dtype", "element_ty", "erf", "exp", "exp2",
-                    "expand_dims", "flip", "floor", "gather", "histogram", "is_floating", "is_int", "is_ptr", "item",
-                    "log", "log2", "logical_and", "logical_or", "max", "min", "numel", "permute",
-                    "primitive_bitwidth", "ravel", "reduce", "reshape", "rsqrt", "scalar", "shape", "sigmoid", "sin",
-                    "softmax", "sort", "split", "sqrt", "sqrt_rn", "store", "sum", "to", "trans", "type", "value",
-                    "view", "xor_sum"}
-
-
 def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kernels: set[str] = frozenset()) -> None:
     """Raise ``NotTriton`` unless ``fn`` is Triton's language: no import, no nested function or class, no
     comprehension; every name it reads is an argument, one of its variables, ``tl``, another of the file's
     ``kernels`` or one of ``JIT_BUILTINS``; ``tl`` only as ``tl.<name>`` for a name of triton.language that is
-    not a module, and any other value's attributes only a tensor's or a dtype's (``VALUE_ATTRIBUTES``). The
+    not a module, and any other value's attributes only a tensor's or a dtype's (``value_attributes``). The
     namespace is not relied on: Triton's interpreter copies its own module's globals (``inspect``, ``np``, ...)
     into it, and ``[tl][0].core.builtins.exec`` named no forbidden attribute; both ran PyTorch as a kernel. On a
     GPU Triton's compiler refuses the rest; in its CPU interpreter, where a kernel runs as Python, this does."""
@@ -556,8 +545,19 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
             if isinstance(node.value, ast.Name) and node.value.id == "tl":
                 if node.attr not in tl_names:
                     raise NotTriton(f"{line}: tl.{node.attr} is not a name of triton.language")
-            elif node.attr not in VALUE_ATTRIBUTES:
+            elif node.attr not in value_attributes():
                 raise NotTriton(f"{line}: .{node.attr}: a kernel reads only a tensor's or a dtype's attributes")
+
+
+@functools.cache
+def value_attributes() -> frozenset[str]:
+    """What a kernel may read of a value that is not ``tl``: a Triton tensor's public methods, a tensor's, a
+    dtype's and a constexpr's properties, a dtype's ``is_...`` tests; never ``handle``, the interpreter's array
+    under a tensor."""
+    import triton.language as tl
+    methods = {n for n in dir(tl.tensor) if not n.startswith("_")} | {n for n in dir(tl.dtype) if n.startswith("is_")}
+    return frozenset(methods | {"dtype", "shape", "type", "element_ty", "scalar", "primitive_bitwidth", "numel",
+                                "value"}) - {"handle"}
 
 
 def language_names() -> set[str]:

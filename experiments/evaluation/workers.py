@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import pickle
 import tempfile
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -100,20 +99,15 @@ def in_workers(batches: list[list[tuple]], shared: tuple, workers: int, tick) ->
     as it starts: passed in the pool's arguments, the bytes would go down a pipe that the pool writes until
     the worker has read them, after its imports, so the workers would start one after the other.
 
-    They are started without Ctrl-C (``cli.workers_without_ctrl_c``): on Ctrl-C or SIGTERM this process
-    stops them (``Pool.terminate``, by the ``with`` block), removes the file and prints the one
-    ``error: interrupted`` line."""
+    They are started without Ctrl-C (``cli.worker_pool``): on Ctrl-C or SIGTERM this process stops them
+    (``Pool.terminate``), removes the file and prints the one ``error: interrupted`` line."""
     ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="compare-") as folder, ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="compare-") as folder:
         blob = os.path.join(folder, "shared.pickle")
         with open(blob, "wb") as f:
             pickle.dump(shared, f)
-        with cli.workers_without_ctrl_c():         # a Ctrl-C that came meanwhile is raised at its end,
-            pool = stack.enter_context(ctx.Pool(workers, initializer=_init_worker, initargs=(1, blob, workers)))
-        results = list(tick(pool.imap(_run_jobs_in_worker, batches)))   # ... with the pool in the stack
-        pool.close()                # every job done: the workers leave on the pool's own last message, so the
-        pool.join()                 # block's Pool.terminate signals none (a SIGTERM one missed hung the run)
-        return results
+        with cli.worker_pool(ctx, workers, _init_worker, (1, blob, workers)) as pool:
+            return list(tick(pool.imap(_run_jobs_in_worker, batches)))
 
 
 def default_workers() -> int:

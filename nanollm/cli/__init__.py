@@ -25,7 +25,7 @@ import select
 import signal
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from .. import interrupt
@@ -397,6 +397,20 @@ def workers_without_ctrl_c():
         raise KeyboardInterrupt
 
 
+@contextmanager
+def worker_pool(context, workers: int, initializer, initargs: tuple):
+    """A pool of ``workers`` processes of ``context``, started inside ``workers_without_ctrl_c``. When the block
+    ends well the pool is closed and joined: the workers leave on the pool's own last message and get no
+    SIGTERM (one that reached another thread of a worker, not the one waiting for the pool's lock, hung the
+    command). On an error or Ctrl-C, ``Pool.terminate`` stops them."""
+    with ExitStack() as stack:
+        with workers_without_ctrl_c():             # a Ctrl-C meanwhile is raised at its end, the pool in the stack
+            pool = stack.enter_context(context.Pool(workers, initializer=initializer, initargs=initargs))
+        yield pool
+        pool.close()
+        pool.join()
+
+
 def worker_leaves_on_sigterm() -> None:
     """In a pool's worker process (its initializer calls this): SIGTERM ends it by ``SystemExit``, which
     unwinds the worker's stack, instead of by the default action, which ends it on the spot.
@@ -407,8 +421,7 @@ def worker_leaves_on_sigterm() -> None:
     ``error: interrupted``. Unwinding releases it (the lock is held in a ``with`` block). A SIGTERM that comes
     once the worker has left its loop, and a second one, are ignored: the worker is leaving already, and an
     exception raised in its exit handlers would only print their traceback. (A run that ends well closes its
-    pool, so its workers get no SIGTERM: one that reached another thread of a worker, not the one waiting for
-    the lock, hung the command.)"""
+    pool, ``worker_pool``: its workers get no SIGTERM.)"""
     def leave(signum, frame):
         signal.signal(signum, signal.SIG_IGN)
         while frame is not None:                    # only inside the pool's worker loop: past it, the worker is

@@ -52,7 +52,7 @@ def measure(folder: str, tasks: list[str], lengths: list[int], n_samples: int, s
     """accuracy[task][str(length)][mode] with the full cache, n_samples per cell (seeds seed..seed+n-1).
 
     ``workers`` > 1 measures the cells in that many processes, started without Ctrl-C
-    (``cli.workers_without_ctrl_c``): on Ctrl-C or SIGTERM this process stops them (``Pool.terminate``, by
+    (``cli.worker_pool``): on Ctrl-C or SIGTERM this process stops them (``Pool.terminate``, by
     the ``with`` block) and prints its one ``error: interrupted`` line, not a traceback from each worker.
     They are fresh interpreters ("spawn"): a forked worker would keep this process's signal handlers, and
     inside ``workers_without_ctrl_c`` those note SIGTERM instead of stopping, so ``terminate`` would wait
@@ -67,18 +67,13 @@ def measure(folder: str, tasks: list[str], lengths: list[int], n_samples: int, s
     with tqdm(total=len(jobs), desc="card") as bar, ExitStack() as stack:
         if workers > 1:
             ctx = mp.get_context("spawn")
-            tqdm_lock = ctx.RLock()
-            with cli.workers_without_ctrl_c():     # a Ctrl-C meanwhile is raised at its end, the pool in the stack
-                pool = stack.enter_context(ctx.Pool(workers, initializer=_init_worker, initargs=(tqdm_lock,)))
+            pool = stack.enter_context(cli.worker_pool(ctx, workers, _init_worker, (ctx.RLock(),)))
             results = pool.imap_unordered(_work, jobs)
         else:
             results = map(_work, jobs)
         for task, length, mode, a in results:
             acc.setdefault(task, {}).setdefault(str(length), {})[mode] = a
             bar.update(1)
-        if workers > 1:             # every job done: the workers leave on the pool's own last message, so the
-            pool.close()            # block's Pool.terminate signals none
-            pool.join()
     return acc
 
 

@@ -45,6 +45,14 @@ def graded(capsys, copy: Path, out: Path, *flags: str) -> tuple[dict, str]:
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
+def public_in_its_room(capsys, copy: Path, out: Path, task: str) -> list[str]:
+    """The public tests' messages of ``task`` graded in the room (the test skips where no room can be built)."""
+    results, _ = graded(capsys, copy, out, "-k", task)
+    if "UNCONFINED" in results["output"]:
+        pytest.skip("no room can be built here")
+    return [t["output"] for t in results["tests"] if t["visibility"] == "visible"]
+
+
 def same_as_printed(results: dict, printed: str) -> None:
     """The JSON's score and each test's status are the ones the table printed."""
     assert f"score: {results['score']:g} / " in printed, (results["score"], printed[-300:])
@@ -545,10 +553,7 @@ def test_the_students_files_cannot_fill_the_disk(tmp_path, capsys):
         f"    for _ in range({(jail.FILE_BYTES >> 20) + 44}):",
         "        f.write(chunk)",
         "raise RuntimeError('wrote it all')"])
-    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
-    if "UNCONFINED" in results["output"]:
-        pytest.skip("no room here: nothing caps the files")
-    public = [t["output"] for t in results["tests"] if t["visibility"] == "visible"]   # (hidden: the grader's words)
+    public = public_in_its_room(capsys, copy, tmp_path / "r.json", "group_scores")   # (hidden: the grader's words)
     assert public and all("File too large" in t or "process running your code stopped" in t for t in public), public
 
 
@@ -572,10 +577,7 @@ def test_the_students_folders_are_bounded_in_all(tmp_path, capsys):
         "    except OSError as e:",
         "        kept.append((written, e.strerror))",
         "raise RuntimeError(f'kept {kept}')"])
-    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
-    if "UNCONFINED" in results["output"]:
-        pytest.skip("no room here: its folders are the machine's")
-    public = [t["output"] for t in results["tests"] if t["visibility"] == "visible"]
+    public = public_in_its_room(capsys, copy, tmp_path / "r.json", "group_scores")
     limits = [jail.FOLDER_BYTES >> 20, jail.FOLDER_BYTES >> 20, jail.SHM_BYTES >> 20]
     assert public and all(f"kept {[(mib, 'No space left on device') for mib in limits]}" in t for t in public), public
 
@@ -599,10 +601,7 @@ def test_the_students_code_runs_alone_in_its_room(tmp_path, capsys):
         "    except OSError as e:",
         "        ran.append(e.strerror)",
         "raise RuntimeError(f'ran {ran}')"])
-    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "group_scores")
-    if "UNCONFINED" in results["output"]:
-        pytest.skip("no room here")
-    public = [t["output"] for t in results["tests"] if t["visibility"] == "visible"]
+    public = public_in_its_room(capsys, copy, tmp_path / "r.json", "group_scores")
     said = f"ran {['thread'] + ['Operation not permitted'] * 3}"
     assert public and all(said in t for t in public), public
 
