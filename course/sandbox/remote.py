@@ -142,13 +142,14 @@ class Connection:
         self.forget = lambda: None                 # what the adapters stand-in drops when that process stops
         self.siblings: list[Connection] = []       # the kernels' own process (``kernels_alone``), closed with this
 
-    def start(self) -> None:
+    def start(self, eager: bool = True) -> None:
+        """Start the student's process; ``eager``: it imports the copy's adapters now, else at the first request."""
         request_r, request_w = os.pipe()           # requests: we write, the child reads
         answer_r, answer_w = os.pipe()             # answers: the child writes, we read
         student, adapters_file, site_dirs, dump_after_s = self.args
         code = Path(wire.__file__).read_text()
         cmd = [self.python, "-I", "-S", "-B", "-c", code, student, adapters_file, site_dirs,
-               str(request_r), str(answer_w), dump_after_s]
+               str(request_r), str(answer_w), dump_after_s, "eager" if eager else "lazy"]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8",
                "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "HOME": self.home or "/nonexistent"}
         if self.home:
@@ -177,6 +178,15 @@ class Connection:
                 os.close(fd)
         threading.Thread(target=self.output.drain, args=(printed_r,), daemon=True).start()
         self.fd_out, self.fd_in = request_w, answer_r
+
+    def fresh(self) -> None:
+        """A new student's process in place of this one, in which none of the copy's code has run yet (PyTorch is
+        loaded; the copy's adapters load at the first request): a watch begun now sees all the code holds, also
+        what it would have set aside at import or in an earlier call (``Watch(fresh=True)``)."""
+        if self.proc is not None:
+            self.stopped("a fresh one replaces it")
+        self.start(eager=False)
+        self.request("harness", None, "ready")
 
     def kernels_alone(self) -> Connection:
         """A connection to a process of its own, started as this one (the same room and user), that serves the
@@ -294,13 +304,17 @@ class Watch:
     of processes that ended and were waited for included), and ``peak_bytes``, how far the resident memory of
     each process rose above where it stood at the start, at its highest, added over the processes (a process
     started within counts whole). Points that rest on how an answer was computed (in place, without a large
-    intermediate) are read here, never from what the student's process says."""
+    intermediate) are read here, never from what the student's process says. ``fresh``: the block runs in a
+    new student's process that has loaded nothing of the copy's (``Connection.fresh``), so memory the code set
+    aside before the block counts as growth."""
 
-    def __init__(self, connection: Connection):
-        self.connection, self.cpu_s, self.peak_bytes = connection, 0.0, 0
+    def __init__(self, connection: Connection, fresh: bool = False):
+        self.connection, self.fresh, self.cpu_s, self.peak_bytes = connection, fresh, 0.0, 0
 
     def __enter__(self) -> Watch:
-        if self.connection.proc is None:
+        if self.fresh:                            # memory set aside before the block would not be seen to grow
+            self.connection.fresh()
+        elif self.connection.proc is None:
             self.connection.start()
         self.cpu0 = sum(map(cpu_ticks, self.tree()))
         self.rss0 = {}
@@ -442,10 +456,11 @@ class Adapters(types.ModuleType):
             self._kernels = self._connection.kernels_alone()
         self._kernels.request("method", 0, "launch", [file, kernel, [int(g) for g in grid], list(args), meta])
 
-    def watch(self) -> Watch:
+    def watch(self, fresh: bool = False) -> Watch:
         """Within: what the student's process and every process below it spend, read from outside it
-        (``Watch``): no number it reports about itself counts."""
-        return Watch(self._connection)
+        (``Watch``): no number it reports about itself counts. ``fresh``: in a new student's process, where the
+        copy's code loads within the block (what it holds at import or kept from an earlier call counts)."""
+        return Watch(self._connection, fresh)
 
 
 def connect(student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,

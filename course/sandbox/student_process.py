@@ -4,12 +4,12 @@ The process a student's code runs in while it is graded, and the messages it exc
 ``course.grade`` runs the tests in one process and the student's code in another, this one, so that nothing
 the student's code does (a ``sitecustomize.py``, a monkeypatch, a daemon) can reach the tests, the oracle or
 the results: the test process asks, this process answers (course/sandbox/remote.py is the asking side). It is
-started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_TEST_S``; with
-ADAPTERS empty it serves the copy's Triton kernels alone (``KernelsAlone``), importing none of its modules.
-Messages travel on two pipes (IN_FD, OUT_FD) as a pickle of plain data with tensors out of band; a message
-over ``MAX_MESSAGE`` bytes is refused from its lengths, and the unpickler looks up no class. Any other object
-stays here and crosses as a handle; no function crosses from the tests. What the path, the wire format, the
-output and the file limit (``FILE_BYTES``) are: course/README.md, section "The course's files".
+started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_TEST_S MODE`` (MODE
+lazy: the copy's adapters load at the first request, for a watch; else at once); with ADAPTERS empty it serves
+the copy's Triton kernels alone (``KernelsAlone``), importing none of its modules. Messages travel on two pipes
+as a pickle of plain data with tensors out of band; one over ``MAX_MESSAGE`` bytes is refused from its lengths,
+and the unpickler looks up no class. Any other object stays here and crosses as a handle; no function crosses
+from the tests. The path, the wire format, the output, ``FILE_BYTES``: course/README.md, "The course's files".
 
 The import guard below refuses the repository's own tests and the course's oracle and test files: a mistake
 an honest copy can make (they hold reference implementations). It is no defence against a hostile student,
@@ -346,17 +346,28 @@ def describe(e: BaseException, student: Path) -> str:
 class Server:
     """Answers the test process's requests with the student's code."""
 
-    def __init__(self, student: Path, adapters_file: Path | None, fd_in: int, fd_out: int, dump_after_s: float):
+    def __init__(self, student: Path, adapters_file: Path | None, fd_in: int, fd_out: int, dump_after_s: float,
+                 eager: bool = True):
         self.student, self.fd_in, self.fd_out, self.dump_after_s = student, fd_in, fd_out, dump_after_s
+        self.adapters_file = adapters_file
         self.objects: dict[int, object] = {}
         self.mirrors = Mirrors(first_key=2)
         self.taken: list = []                 # library functions taken away (harness "take_away")
         self.adapters_error = None
         if adapters_file is None:             # the kernels alone: none of the copy's modules is imported
             self.objects[0] = KernelsAlone(student)
-            return
+        elif eager:                           # the copy's adapters now, before the first test asks
+            self.load()
+        else:                                 # for a watch (remote.Connection.fresh): PyTorch alone, the copy's
+            try:                              # code at the first request, so that all it holds is seen
+                importlib.import_module("torch")
+            except ImportError:
+                pass
+
+    def load(self) -> None:
+        """Import the copy's ``adapters`` (object 0); an error is kept and every call reports it."""
         try:
-            spec = importlib.util.spec_from_file_location("adapters", adapters_file)
+            spec = importlib.util.spec_from_file_location("adapters", self.adapters_file)
             module = importlib.util.module_from_spec(spec)
             sys.modules["adapters"] = module
             spec.loader.exec_module(module)
@@ -426,6 +437,8 @@ class Server:
                     self.taken.append((module, attr, getattr(module, attr)))
                     setattr(module, attr, Taken(full))
             return None
+        if name == "ready":                    # started (remote.Connection.fresh waits for this answer)
+            return None
         if name == "give_back":
             while self.taken:
                 module, attr, f = self.taken.pop()
@@ -438,6 +451,8 @@ class Server:
         args, kwargs = self.decode(request.get("args", [])), self.decode(request.get("kwargs", {}))
         if op == "harness":
             return self.harness(request["name"], args)
+        if 0 not in self.objects and self.adapters_error is None:
+            self.load()
         if self.adapters_error is not None:
             raise self.adapters_error
         target = self.objects[request["target"]]
@@ -628,7 +643,7 @@ def limit_file_size(n: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    student, adapters_file, site_dirs, fd_in, fd_out, dump_after_s = argv
+    student, adapters_file, site_dirs, fd_in, fd_out, dump_after_s, eager = argv
     student = Path(student)
     copy = [str(student)] if adapters_file else []       # the kernels alone: nothing of the copy is importable
     sys.path[:] = copy + [p for p in sys.path if p] + json.loads(site_dirs)
@@ -643,7 +658,8 @@ def main(argv: list[str]) -> None:
     sys.dont_write_bytecode = True
     sys.meta_path.insert(0, Refused())
     faulthandler.enable()
-    server = Server(student, Path(adapters_file) if adapters_file else None, fd_in, fd_out, float(dump_after_s))
+    server = Server(student, Path(adapters_file) if adapters_file else None, fd_in, fd_out, float(dump_after_s),
+                    eager == "eager")
     try:
         server.serve()
     except EOFError:

@@ -237,6 +237,37 @@ def test_what_the_code_spends_is_read_from_outside_its_process(tmp_path):
     assert connection.room or child.cpu_s > 0.9, child.cpu_s
 
 
+
+def test_a_fresh_watch_sees_what_the_code_set_aside_before_it(tmp_path):
+    """Memory the code fills before a watch (at import, or in an earlier call) is not growth within it: a
+    Kronecker product written into such a buffer scored 24 / 24. ``watch(fresh=True)`` starts a new student's
+    process in which the copy's code loads inside the block, so both buffers count whole there."""
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text(
+        "import torch\n"
+        "AT_IMPORT = torch.ones(48 << 20)                                # 192 MiB, resident from import on\n"
+        "KEPT = []\n"
+        "def use():\n"
+        "    if not KEPT:\n"
+        "        KEPT.append(torch.ones(48 << 20))                       # at the first call, kept for the next\n"
+        "    return float(AT_IMPORT[:8].sum() + KEPT[0][:8].sum())\n")
+    connection = toy_connection(tmp_path, folder)
+    adapters = remote.Adapters(connection)
+    try:
+        adapters.use()
+        with adapters.watch() as held:
+            assert adapters.use() == 16.0
+        with adapters.watch(fresh=True) as fresh:
+            assert adapters.use() == 16.0
+        with adapters.watch(fresh=True) as nothing:
+            pass
+    finally:
+        connection.close()
+    assert held.peak_bytes < 32 << 20, held.peak_bytes
+    assert fresh.peak_bytes > 360 << 20, fresh.peak_bytes
+    assert nothing.peak_bytes < 32 << 20, nothing.peak_bytes
+
 KERNEL_FILE = '''
 import os, torch, triton
 import triton.language as tl
@@ -464,3 +495,21 @@ def test_a_kronecker_product_the_copy_hides_from_its_own_watch_fails(tmp_path, c
         f.write("\nimport __main__\n__main__.Server.harness = lambda self, name, args: 0   # every watch says 0\n")
     results = graded_json(copy, tmp_path / "r.json", "tensor_attention", "pair_scores")
     assert results["tests"] and results["score"] == 0, capsys.readouterr().out
+
+
+def test_a_kronecker_product_in_memory_held_since_import_fails(tmp_path, capsys):
+    """``pair_scores`` through the Kronecker product written into a 1 GiB buffer the copy filled at import, so
+    that the call itself allocates nothing new (24 / 24 with the rest honest, round five): the watch runs in a
+    fresh process, from before the copy's code loads, and fails both pair-scores tests."""
+    copy = student_copy(tmp_path, "tensor_attention")
+    path = copy / "methods" / "tensor_attention" / "attention.py"
+    put(path, "pair_scores", [
+        "n1, n2, d = K1.shape[-2], K2.shape[-2], K1.shape[-1]",
+        "kron = ARENA[:K1.numel() // n1 * n1 * n2].view(*K1.shape[:-2], n1, n2, d)    # no new memory",
+        "torch.mul(K1[..., :, None, :], K2[..., None, :, :], out=kron)",
+        "return torch.einsum('...td,...acd->...tac', q, kron) * scale"])
+    with path.open("a") as f:
+        f.write("\nARENA = torch.ones(256 << 20)                     # 1 GiB, resident from import on\n")
+    results = graded_json(copy, tmp_path / "r.json", "tensor_attention", "pair_scores")
+    printed = capsys.readouterr().out
+    assert results["tests"] and results["score"] == 0 and "factor it instead" in printed, printed
