@@ -126,9 +126,11 @@ def build_root(spec: dict) -> None:
         mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
     os.makedirs(f"{root}/dev/shm")
     mount("tmpfs", f"{root}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={SHM_BYTES}")
-    mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # read-only: no file of it opens for writing, so the code cannot reset the peak memory the grader reads
+    # (/proc/self/clear_refs: a Kronecker product built, freed, then its peak forgotten, scored 24 / 24)
+    mount("proc", f"{root}/proc", "proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for name in KERNEL_SETTINGS:                      # the machine's settings: nobody may write them, and the
-        target = f"{root}/proc/{name}"                # room does not rely on that alone
+        target = f"{root}/proc/{name}"                # room does not rely on the two alone
         if os.path.lexists(target):
             mount(target, target, None, MS_BIND | MS_REC)
             mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)

@@ -268,6 +268,35 @@ def test_a_fresh_watch_sees_what_the_code_set_aside_before_it(tmp_path):
     assert fresh.peak_bytes > 360 << 20, fresh.peak_bytes
     assert nothing.peak_bytes < 32 << 20, nothing.peak_bytes
 
+
+def test_in_its_room_the_code_cannot_forget_its_own_peak(tmp_path):
+    """The watch reads the peak resident memory (``VmHWM``) of the student's process; writing 5 into its own
+    ``/proc/self/clear_refs`` after freeing a large intermediate reset that peak (a Kronecker product built and
+    freed scored 24 / 24). In the room /proc is read-only: the write fails and the peak is seen."""
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text(
+        "import torch\n"
+        "def big_then_forget():\n"
+        "    x = torch.ones(64 << 20)                                       # 256 MiB, then freed\n"
+        "    del x\n"
+        "    try:\n"
+        "        with open('/proc/self/clear_refs', 'w') as f:\n"
+        "            f.write('5')\n"
+        "    except OSError as e:\n"
+        "        return e.strerror\n"
+        "    return 'forgotten'\n")
+    connection = toy_connection(tmp_path, folder)
+    if connection.room is None:
+        pytest.skip("no room here: out of one, the code can write its own /proc")
+    adapters = remote.Adapters(connection)
+    try:
+        with adapters.watch() as watch:
+            said = adapters.big_then_forget()
+    finally:
+        connection.close()
+    assert said == "Read-only file system" and watch.peak_bytes > 200 << 20, (said, watch.peak_bytes)
+
 KERNEL_FILE = '''
 import os, torch, triton
 import triton.language as tl
