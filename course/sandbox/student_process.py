@@ -356,13 +356,8 @@ class Server:
         self.adapters_error = None
         if adapters_file is None:             # the kernels alone: none of the copy's modules is imported
             self.objects[0] = KernelsAlone(student)
-        elif eager:                           # the copy's adapters now, before the first test asks
-            self.load()
-        else:                                 # for a watch (remote.Connection.fresh): PyTorch alone, the copy's
-            try:                              # code at the first request, so that all it holds is seen
-                importlib.import_module("torch")
-            except ImportError:
-                pass
+        elif eager:                           # the copy's adapters now, before the first test asks; else (for
+            self.load()                       # a watch, remote.Connection.fresh) at the first request
 
     def load(self) -> None:
         """Import the copy's ``adapters`` (object 0); an error is kept and every call reports it."""
@@ -643,11 +638,10 @@ def limit_file_size(n: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    student, adapters_file, site_dirs, fd_in, fd_out, dump_after_s, eager = argv
+    student, adapters_file, site_dirs, fd_in, fd_out, dump_after_s, mode = argv
     student = Path(student)
-    copy = [str(student)] if adapters_file else []       # the kernels alone: nothing of the copy is importable
-    sys.path[:] = copy + [p for p in sys.path if p] + json.loads(site_dirs)
-    ALLOWED.extend(Path(p).resolve() for p in sys.path[len(copy):])
+    sys.path[:] = [p for p in sys.path if p] + json.loads(site_dirs)
+    ALLOWED.extend(Path(p).resolve() for p in sys.path)
     for name in list(sys.modules):
         CHECKED[name] = False                      # what Python itself loaded before any of the copy's code
     fd_in, fd_out = int(fd_in), int(fd_out)
@@ -658,8 +652,15 @@ def main(argv: list[str]) -> None:
     sys.dont_write_bytecode = True
     sys.meta_path.insert(0, Refused())
     faulthandler.enable()
+    if mode == "lazy":                             # PyTorch while nothing of the copy is importable: none of its
+        try:                                       # files (one named as a module PyTorch imports) runs before
+            importlib.import_module("torch")       # the watch that started this process begins
+        except ImportError:
+            pass
+    if adapters_file:                              # the kernels alone: nothing of the copy is importable
+        sys.path.insert(0, str(student))
     server = Server(student, Path(adapters_file) if adapters_file else None, fd_in, fd_out, float(dump_after_s),
-                    eager == "eager")
+                    mode == "eager")
     try:
         server.serve()
     except EOFError:

@@ -241,11 +241,20 @@ def test_what_the_code_spends_is_read_from_outside_its_process(tmp_path):
 def test_a_fresh_watch_sees_what_the_code_set_aside_before_it(tmp_path):
     """Memory the code fills before a watch (at import, or in an earlier call) is not growth within it: a
     Kronecker product written into such a buffer scored 24 / 24. ``watch(fresh=True)`` starts a new student's
-    process in which the copy's code loads inside the block, so both buffers count whole there."""
+    process in which the copy's code loads inside the block, so both buffers count whole there. A file of the
+    copy named as a module PyTorch imports (``opt_einsum.py``) ran within ``import torch``, before the watch
+    (24 / 24 again): now PyTorch loads before the copy is importable, so it runs within the block, or never."""
     folder = tmp_path / "copy"
     (folder / "course" / "x").mkdir(parents=True)
+    (folder / "opt_einsum.py").write_text(
+        "import ctypes, mmap, sys\n"
+        "sys.arena = mmap.mmap(-1, 192 << 20)\n"
+        "ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(sys.arena)), 1, 192 << 20)   # resident from here\n"
+        "raise ImportError('PyTorch carries on without it')\n")
     (folder / "course" / "x" / "adapters.py").write_text(
-        "import torch\n"
+        "import sys, torch\n"
+        "def shadow_ran():\n"
+        "    return hasattr(sys, 'arena')\n"
         "AT_IMPORT = torch.ones(48 << 20)                                # 192 MiB, resident from import on\n"
         "KEPT = []\n"
         "def use():\n"
@@ -262,8 +271,11 @@ def test_a_fresh_watch_sees_what_the_code_set_aside_before_it(tmp_path):
             assert adapters.use() == 16.0
         with adapters.watch(fresh=True) as nothing:
             pass
+        with adapters.watch(fresh=True) as shadow:
+            ran = adapters.shadow_ran()
     finally:
         connection.close()
+    assert not ran or shadow.peak_bytes > 360 << 20, shadow.peak_bytes           # with AT_IMPORT
     assert held.peak_bytes < 32 << 20, held.peak_bytes
     assert fresh.peak_bytes > 360 << 20, fresh.peak_bytes
     assert nothing.peak_bytes < 32 << 20, nothing.peak_bytes
