@@ -160,9 +160,10 @@ def drop_privileges(user: str) -> None:
 
 # The filter that leaves the student's code without new processes (seccomp, in classic BPF): fork, vfork and clone
 # without CLONE_THREAD fail with EPERM, clone3 with ENOSYS (so that threads are made by clone, whose flags the
-# filter reads); x32's numbers fail too. A child's CPU time and memory could escape the grader's watch (a child
-# reaped by the kernel counts to no process: a torch.cat append in helper processes scored 27 / 27, a Kronecker
-# product in a child 24 / 24), so the code runs alone, with as many threads as it likes.
+# filter reads); x32's numbers fail too, and so does every call of another architecture (i386's through int 0x80,
+# whose fork this filter, reading x86_64's numbers, let through). A child's CPU time and memory could escape the
+# grader's watch (a child reaped by the kernel counts to no process: a torch.cat append in helper processes scored
+# 27 / 27, a Kronecker product in a child 24 / 24), so the code runs alone, with as many threads as it likes.
 SECCOMP = {"x86_64": (0xC000003E, 56, 57, 58), "aarch64": (0xC00000B7, 220, -1, -1)}  # arch, clone, fork, vfork
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER, CLONE_THREAD, CLONE3, X32 = 22, 2, 0x00010000, 435, 0x40000000
 ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
@@ -172,7 +173,7 @@ def no_new_processes() -> None:
     """Step 6: the filter above, for this process and what it runs (never lifted: no new privileges)."""
     arch, clone, fork, vfork = SECCOMP[platform.machine()]
     load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    program = [(load, 0, 0, 4), (jeq, 0, 8, arch), (load, 0, 0, 0), (jge, 7, 0, X32), (jeq, 7, 0, CLONE3),
+    program = [(load, 0, 0, 4), (jeq, 0, 9, arch), (load, 0, 0, 0), (jge, 7, 0, X32), (jeq, 7, 0, CLONE3),
                (jeq, 5, 0, fork & 0xFFFFFFFF), (jeq, 4, 0, vfork & 0xFFFFFFFF), (jeq, 0, 2, clone),
                (load, 0, 0, 16), (jset, 0, 1, CLONE_THREAD), (ret, 0, 0, ALLOW), (ret, 0, 0, EPERM),
                (ret, 0, 0, ENOSYS)]

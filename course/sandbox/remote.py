@@ -149,7 +149,8 @@ class Connection:
         student, adapters_file, site_dirs, dump_after_s = self.args
         code = Path(wire.__file__).read_text()
         cmd = [self.python, "-I", "-S", "-B", "-c", code, student, adapters_file, site_dirs,
-               str(request_r), str(answer_w), dump_after_s, "eager" if eager else "lazy"]
+               str(request_r), str(answer_w), dump_after_s,
+               ",".join(["eager" if eager else "lazy"] + (["room"] if self.jail else []))]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8",
                "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "HOME": self.home or "/nonexistent"}
         if self.home:
@@ -333,11 +334,18 @@ class Watch:
 
     def __exit__(self, *exc) -> None:
         tree = self.tree()
+        peaks = {pid: status_kib(pid, "VmHWM") for pid in tree}
         self.cpu_s = (sum(map(cpu_ticks, tree)) - self.cpu0) / os.sysconf("SC_CLK_TCK")
-        self.peak_bytes = 1024 * sum(max(0, status_kib(pid, "VmHWM") - self.rss0.get(pid, 0)) for pid in tree)
+        self.peak_bytes = 1024 * sum(max(0, peak - self.rss0.get(pid, 0)) for pid, peak in peaks.items())
+        if exc[0] is None and not all(peaks.get(pid) for pid in self.rss0):     # gone, or a zombie: its peak
+            raise RuntimeError("the process running your code ended within a watched block, so what it spent "
+                               "cannot be read")                                # went with it (read as 0)
 
     def tree(self) -> list[int]:
-        """The process the test started (the room's wrapper, or the student's process) and all below it."""
+        """The process the test started (the room's wrapper, or the student's process) and all below it (none
+        once it has stopped)."""
+        if self.connection.proc is None:
+            return []
         top = self.connection.proc.pid
         table = {}
         for entry in os.listdir("/proc"):

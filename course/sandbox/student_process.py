@@ -5,11 +5,11 @@ The process a student's code runs in while it is graded, and the messages it exc
 the student's code does (a ``sitecustomize.py``, a monkeypatch, a daemon) can reach the tests, the oracle or
 the results: the test process asks, this process answers (course/sandbox/remote.py is the asking side). It is
 started as ``python -I -S -c <this file's text> STUDENT ADAPTERS SITE_DIRS IN_FD OUT_FD PER_TEST_S MODE`` (MODE
-lazy: the copy's adapters load at the first request, for a watch; else at once); with ADAPTERS empty it serves
-the copy's Triton kernels alone (``KernelsAlone``), importing none of its modules. Messages travel on two pipes
-as a pickle of plain data with tensors out of band; one over ``MAX_MESSAGE`` bytes is refused from its lengths,
-and the unpickler looks up no class. Any other object stays here and crosses as a handle; no function crosses
-from the tests. The path, the wire format, the output, ``FILE_BYTES``: course/README.md, "The course's files".
+holds lazy: the copy's adapters load at the first request, for a watch; room: ``no_new_program``); with ADAPTERS
+empty it serves the copy's Triton kernels alone (``KernelsAlone``), importing none of its modules. Messages
+travel on two pipes as a pickle of plain data with tensors out of band; one over ``MAX_MESSAGE`` bytes is refused
+from its lengths, and the unpickler looks up no class. Any other object stays here and crosses as a handle; no
+function crosses from the tests. Path, wire format, output, ``FILE_BYTES``: course/README.md, "The course's files".
 
 The import guard below refuses the repository's own tests and the course's oracle and test files: a mistake
 an honest copy can make (they hold reference implementations). It is no defence against a hostile student,
@@ -29,7 +29,6 @@ import pickle
 import resource
 import struct
 import sys
-import textwrap
 import traceback
 from pathlib import Path
 
@@ -541,7 +540,8 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
     own = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
     own |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     readable = own | set(kernels) | set(JIT_BUILTINS) | {"tl"}
-    for node in (n for part in [*fn.args.defaults, *fn.args.kw_defaults, *fn.body] if part for n in ast.walk(part)):
+    parts = [fn.args, fn.returns, *fn.body, *getattr(fn, "type_params", [])]     # defaults, annotations too
+    for node in (n for part in parts if part for n in ast.walk(part)):
         line = f"{where}, line {getattr(node, 'lineno', fn.lineno)}"
         if isinstance(node, FORBIDDEN):
             raise NotTriton(f"{line}: {type(node).__name__} is not Triton's language")
@@ -578,6 +578,19 @@ def language_names() -> set[str]:
     return {n for n in dir(tl) if not n.startswith("_") and not isinstance(getattr(tl, n), types.ModuleType)}
 
 
+def written_again(fn: ast.FunctionDef) -> str:
+    """The checked kernel written out again from its syntax tree (``ast.unparse``), without its docstring: what
+    runs is what was checked. Cut from the file's text, it was not always: lines cut at a form feed (where
+    Python does not cut) ran a string's text as code, and Triton's interpreter, which reads a kernel's source
+    again from its last line starting with ``def``, ran a function written inside a docstring."""
+    fn = ast.FunctionDef(**{**vars(fn), "body": fn.body[1:] if ast.get_docstring(fn, clean=False) is not None
+                            and len(fn.body) > 1 else fn.body})
+    text = ast.unparse(fn)
+    if sum(line.strip().startswith("def ") for line in text.splitlines()) != 1:
+        raise NotTriton(f"{fn.name}: a kernel holds one def, its own")
+    return text
+
+
 class KernelsAlone:
     """Serves the tests' launches of the copy's ``@triton.jit`` functions, in a process that imports none of
     the copy's modules: each file's kernels are read from its source (the syntax tree, never run as the
@@ -605,9 +618,7 @@ class KernelsAlone:
             for fn in found.values():
                 check_triton_only(fn, names, file, set(found))
             name = f"<the copy's kernels: {file}>"
-            blocks = [textwrap.dedent("\n".join(text.splitlines()[fn.decorator_list[0].lineno - 1:fn.end_lineno]))
-                      for fn in found.values()]
-            source = "\n\n".join(blocks) + "\n"
+            source = "\n\n".join(map(written_again, found.values())) + "\n"
             linecache.cache[name] = (len(source), None, source.splitlines(True), name)   # Triton reads the source
             space = {"tl": tl, "triton": triton, "__builtins__": dict(JIT_BUILTINS)}
             exec(compile(source, name, "exec"), space)
@@ -637,6 +648,32 @@ def limit_file_size(n: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
 
 
+EXECS = {"x86_64": (0xC000003E, 59, 322), "aarch64": (0xC00000B7, 221, 281)}    # arch, execve, execveat
+
+
+def no_new_program() -> None:
+    """In the room, before any of the copy's code: this process can no longer replace its program (execve
+    fails with "Operation not permitted"), a seccomp filter added to the room's (course/sandbox/jail.py
+    ``no_new_processes``). A new program starts with a new peak memory: a Kronecker product built, then an
+    exec of a program that sent the answer, scored 24 / 24."""
+    import ctypes
+    import platform
+    arch, execve, execveat = EXECS[platform.machine()]
+    load, jeq, ret, allow, eperm = 0x20, 0x15, 0x06, 0x7FFF0000, 0x00050000 | 1
+    program = [(load, 0, 0, 4), (jeq, 0, 4, arch), (load, 0, 0, 0), (jeq, 2, 0, execve), (jeq, 1, 0, execveat),
+               (ret, 0, 0, allow), (ret, 0, 0, eperm)]
+
+    class Instruction(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Instruction))]
+    code = (Instruction * len(program))(*program)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(22, 2, ctypes.byref(Program(len(program), code)), 0, 0) != 0:     # PR_SET_SECCOMP, FILTER
+        raise OSError(ctypes.get_errno(), "the room's filter against a new program")
+
+
 def main(argv: list[str]) -> None:
     student, adapters_file, site_dirs, fd_in, fd_out, dump_after_s, mode = argv
     student = Path(student)
@@ -646,13 +683,15 @@ def main(argv: list[str]) -> None:
         CHECKED[name] = False                      # what Python itself loaded before any of the copy's code
     fd_in, fd_out = int(fd_in), int(fd_out)
     limit_file_size(FILE_BYTES)
+    if "room" in mode.split(","):
+        no_new_program()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(2, 1)                                  # print() goes to the dump file, never to the messages
     sys.dont_write_bytecode = True
     sys.meta_path.insert(0, Refused())
     faulthandler.enable()
-    if mode == "lazy":                             # PyTorch while nothing of the copy is importable: none of its
+    if "lazy" in mode.split(","):                  # PyTorch while nothing of the copy is importable: none of its
         try:                                       # files (one named as a module PyTorch imports) runs before
             importlib.import_module("torch")       # the watch that started this process begins
         except ImportError:
@@ -660,7 +699,7 @@ def main(argv: list[str]) -> None:
     if adapters_file:                              # the kernels alone: nothing of the copy is importable
         sys.path.insert(0, str(student))
     server = Server(student, Path(adapters_file) if adapters_file else None, fd_in, fd_out, float(dump_after_s),
-                    mode == "eager")
+                    "lazy" not in mode.split(","))
     try:
         server.serve()
     except EOFError:

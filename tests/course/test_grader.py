@@ -163,6 +163,33 @@ def test_a_kernel_that_leaves_tritons_language_is_refused(body):
             check_triton_only(fn, language_names(), file, set(found))
 
 
+@pytest.mark.parametrize("header", ["def k(p) -> tl.core.builtins.exec('import torch'):",   # read at def time
+                                    "def k(p: exec('import torch')):",                        # without the
+                                    "def k(p=exec('import torch')):"])                        # __future__ import
+def test_a_kernels_annotations_and_defaults_are_triton_too(header):
+    """What Python evaluates when it defines a kernel (its annotations, its defaults) is checked as its body."""
+    from course.sandbox.student_process import NotTriton, check_triton_only, jit_functions, language_names
+    fn = jit_functions(ast.parse(f"@triton.jit\n{header}\n    pass\n"))["k"]
+    with pytest.raises(NotTriton):
+        check_triton_only(fn, language_names(), "k.py", {"k"})
+
+
+def test_the_kernel_that_runs_is_the_kernel_that_was_checked():
+    """The kernels' process runs each checked kernel written again from its syntax tree. Cut from the file's
+    text, form feeds in a comment (``str.splitlines`` cuts there, Python does not) moved the cut into a string
+    whose text ran as the kernel, and Triton's interpreter ran a ``def`` written in a docstring (its last line
+    starting with ``def``): merge_splits 8 / 8 in PyTorch, both ways."""
+    from course.sandbox.student_process import check_triton_only, jit_functions, language_names, written_again
+    escape = "def k(p):\n    tl.core.builtins.exec('import torch')\n"
+    text = (f'@triton.jit\ndef k(p):\n    """{escape}"""\n    # \x0c\x0c\n    x = """\n{escape}"""\n'
+            '    raise NotImplementedError\n')
+    fn = jit_functions(ast.parse(text))["k"]
+    check_triton_only(fn, language_names(), "k.py", {"k"})
+    again = written_again(fn)
+    assert [line for line in again.splitlines() if line.strip().startswith("def ")] == ["def k(p):"], again
+    assert ast.dump(ast.parse(again).body[0]) == ast.dump(ast.FunctionDef(**{**vars(fn), "body": fn.body[1:]}))
+
+
 def test_an_interpreter_that_cannot_run_the_kernels_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     """Where Triton's CPU interpreter cannot run the kernels (``kernels.interpreter_problem``: Triton before
     3.7 under numpy 2.4 or later), grading an assignment whose tests run them stops before anything is copied

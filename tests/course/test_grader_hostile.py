@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -584,8 +585,9 @@ def test_the_students_folders_are_bounded_in_all(tmp_path, capsys):
 
 def test_the_students_code_runs_alone_in_its_room(tmp_path, capsys):
     """No new process in the room (``jail.no_new_processes``): a child's CPU time and memory escaped the watch
-    (a torch.cat append in helper processes scored 27 / 27, a Kronecker product in a child 24 / 24). Threads
-    still start."""
+    (a torch.cat append in helper processes scored 27 / 27, a Kronecker product in a child 24 / 24), and no new
+    program (``student_process.no_new_program``: an exec started a new peak, 24 / 24); nor through i386's calls,
+    which the filter let through. Threads still start."""
     copy = student_copy(tmp_path)
     put(copy / "nanollm" / "attention.py", "group_scores", [
         "import os, subprocess, threading",
@@ -593,16 +595,23 @@ def test_the_students_code_runs_alone_in_its_room(tmp_path, capsys):
         "thread = threading.Thread(target=lambda: ran.append('thread'))",
         "thread.start()",
         "thread.join()",
-        "for start in (os.fork, lambda: subprocess.run(['true']), lambda: os.posix_spawn('/bin/true', ['true'], {})):",
+        "for start in (os.fork, lambda: subprocess.run(['true']), lambda: os.posix_spawn('/bin/true', ['true'], {}),",
+        "              lambda: os.execv('/bin/true', ['true'])):",
         "    try:",
         "        if start() == 0:",
         "            os._exit(0)",
         "        ran.append('a process')",
         "    except OSError as e:",
         "        ran.append(e.strerror)",
+        "import ctypes, mmap, platform",
+        "if platform.machine() == 'x86_64':                   # i386's getpid, through int 0x80",
+        "    m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)",
+        "    m.write(bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3]))",
+        "    call = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))",
+        "    ran.append('i386 ' + ('refused' if call() < 0 else 'ran'))",
         "raise RuntimeError(f'ran {ran}')"])
     public = public_in_its_room(capsys, copy, tmp_path / "r.json", "group_scores")
-    said = f"ran {['thread'] + ['Operation not permitted'] * 3}"
+    said = f"ran {['thread'] + ['Operation not permitted'] * 4 + ['i386 refused'] * (platform.machine() == 'x86_64')}"
     assert public and all(said in t for t in public), public
 
 

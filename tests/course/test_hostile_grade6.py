@@ -281,6 +281,30 @@ def test_a_fresh_watch_sees_what_the_code_set_aside_before_it(tmp_path):
     assert nothing.peak_bytes < 32 << 20, nothing.peak_bytes
 
 
+def test_a_process_that_ends_within_a_watch_fails_it(tmp_path):
+    """A process that sends its answer, then exits, takes its peak memory with it (read as 0: a Kronecker
+    product built, then an exit after the answer, scored the public 4 / 24): the watch fails instead."""
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text(
+        "import __main__, os\n"
+        "def answer_then_exit():\n"
+        "    post = __main__.Server.post\n"
+        "    def post_then_exit(self, message):\n"
+        "        post(self, message)\n"
+        "        os._exit(0)\n"
+        "    __main__.Server.post = post_then_exit\n"
+        "    return 1\n")
+    connection = toy_connection(tmp_path, folder)
+    adapters = remote.Adapters(connection)
+    try:
+        with pytest.raises(RuntimeError, match="ended within a watched block"):
+            with adapters.watch():
+                assert adapters.answer_then_exit() == 1
+                connection.proc.wait(timeout=30)
+    finally:
+        connection.close()
+
 def test_in_its_room_the_code_cannot_forget_its_own_peak(tmp_path):
     """The watch reads the peak resident memory (``VmHWM``) of the student's process; writing 5 into its own
     ``/proc/self/clear_refs`` after freeing a large intermediate reset that peak (a Kronecker product built and
