@@ -55,6 +55,27 @@ def check_amortised_growth(what):
         f"end) took {watch.cpu_s:.2f} s of CPU in the process running your code, {watch.cpu_s / copy:.0f} times what " \
         f"copying the whole storage once takes (at most {GROWTH_COPIES} for all): does every append copy what is " \
         "stored? Grow by doubling: O(1) copies per token, amortised (read from outside your process)"
+    held_after_growth(store, what, B, H_kv, d)
+
+
+def held_after_growth(store, what, B, H_kv, d, slots=16):
+    """What ``check_amortised_growth`` appended is all held: ``slots`` slots per head, drawn from the run's seed,
+    kept (``storage_keep``) and read back against the chunks drawn again from the same stream."""
+    T = GROWTH_CHUNKS * GROWTH_TOKENS
+    g = generator("cache growth slots", what)
+    idx = torch.stack([torch.randperm(T, generator=g)[:slots] for _ in range(H_kv)]).expand(B, H_kv, slots)
+    want_k, want_v = torch.empty(B, H_kv, slots, d), torch.empty(B, H_kv, slots, d)
+    replay = generator("cache growth", what)                     # the loop's stream, chunk by chunk
+    for i in range(GROWTH_CHUNKS):
+        k, v = (torch.randn(B, H_kv, GROWTH_TOKENS, d, generator=replay) for _ in range(2))
+        for b, h, j in ((idx // GROWTH_TOKENS) == i).nonzero().tolist():
+            slot = idx[b, h, j] % GROWTH_TOKENS
+            want_k[b, h, j], want_v[b, h, j] = k[b, h, slot], v[b, h, slot]
+    A.storage_keep(store, idx.contiguous())
+    got_k, got_v, got_pos = A.storage_contents(store)
+    for name, got, want in (("keys", got_k, want_k), ("values", got_v, want_v), ("positions", got_pos, idx)):
+        assert_close(got, want, what=f"{what}: after {GROWTH_CHUNKS} appends of {GROWTH_TOKENS} tokens, the {name} "
+                     f"of {slots} slots per head drawn at random (kept, then read back): every appended token is held")
 
 
 @points(2, task="append")

@@ -39,6 +39,7 @@ MAX_MESSAGE = 64 << 20               # 64 MiB: the largest message either side s
 #                                      less; a longer one is refused from its header, before it is read
 MAX_PARTS = 1 << 16                  # the pickle and the bytes of at most 65535 tensors
 CHUNK = 1 << 20                      # a part is read into its buffer this many bytes at a time at most
+MAX_DEPTH = 64                       # lists, tuples and dicts within each other, at most (the tests' use: 6)
 TEXT_CHARS = 4000                    # an error's text is cut to this many characters
 FILE_BYTES = 256 << 20               # the largest file the student's code may write (course/sandbox/jail.py FILE_BYTES)
 PACKAGES = ("nanollm", "methods", "kernels", "course")
@@ -109,8 +110,9 @@ def unpack(d: dict):
         raise ValueError(f"a tensor of shape {shape} and type {d['dtype']} with {len(raw)} bytes")
     if not raw:
         return torch.empty(shape, dtype=dtype)
-    data = raw if isinstance(raw, bytearray) else bytearray(raw)     # the buffer it was read into, or a copy
-    return torch.frombuffer(data, dtype=dtype).reshape(shape)
+    if not isinstance(raw, bytearray):                # bytes within the pickle: a copy each time they are named
+        raise ValueError("a tensor's bytes travel out of band, in a buffer of their own")
+    return torch.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def read_exactly(fd: int, n: int) -> bytearray:
@@ -135,7 +137,26 @@ def receive(fd: int):
     if sum(lengths) > MAX_MESSAGE or lengths[0] < 1:
         raise MessageRefused(too_large(sum(lengths)) if lengths[0] else "a message without its pickle")
     body, *tensors = [read_exactly(fd, n) for n in lengths]
-    return PlainData(io.BytesIO(body), buffers=tensors).load()
+    return each_part_once(PlainData(io.BytesIO(body), buffers=tensors).load())
+
+
+def each_part_once(value, depth: int = MAX_DEPTH):
+    """``value`` if no list, tuple, dict or buffer of it is reached twice and it nests at most ``depth`` deep;
+    else the message is refused. A pickle may name one part many times at a few bytes each: one 48 MiB buffer
+    under 40 tensors cost the reader 40 copies (6 GiB), lists nested as ``x = [x, x]`` 2 ** depth walks."""
+    seen, todo = set(), [(value, 0)]
+    while todo:
+        part, level = todo.pop()
+        if not isinstance(part, (list, tuple, dict, bytes, bytearray)) or not part:
+            continue                                  # (an empty one may be Python's one object: () and b"")
+        if id(part) in seen or level > depth:
+            raise MessageRefused("a message whose parts repeat or nest too deep" if id(part) in seen else
+                                 f"a message nested more than {depth} deep")
+        seen.add(id(part))
+        children = [*part.keys(), *part.values()] if isinstance(part, dict) else \
+            part if isinstance(part, (list, tuple)) else []
+        todo.extend((child, level + 1) for child in children)
+    return value
 
 
 class Mirrors:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import pickle
 import re
 import struct
 import subprocess
@@ -248,6 +249,53 @@ def test_a_few_bytes_never_make_a_large_tensor():
             wire.unpack({"dtype": "float32", "shape": shape, "bytes": data})
     assert wire.unpack({"dtype": "float32", "shape": [0, 3], "bytes": b""}).shape == (0, 3)
 
+
+
+def framed(obj) -> bytes:
+    """A message as the student's process could write it by hand: its header, then a pickle with no buffer."""
+    body = pickle.dumps(obj, protocol=5)
+    return struct.pack("<QQ", 1, len(body)) + body
+
+
+def test_a_message_that_names_a_part_twice_is_refused():
+    """A pickle may name one part many times at a few bytes each (its memo): one 48 MiB buffer under 40 tensors
+    cost the test process 40 copies (6 GiB), lists nested as ``x = [x, x]`` 2 ** 22 walks from 157 bytes. Each
+    list, dict or buffer may be reached once, at most ``MAX_DEPTH`` deep, and a tensor's bytes travel out of
+    band; what the tests send (empty tensors, empty tuples among them) still reads."""
+    x = [0]
+    for _ in range(22):
+        x = [x, x]
+    shared = b"\0" * (1 << 20)
+    deep = [0]
+    for _ in range(wire.MAX_DEPTH + 1):
+        deep = [deep]
+    tensors = [{"tensor": {"dtype": "uint8", "shape": [1 << 20], "bytes": shared}, "key": k} for k in range(40)]
+    for message, said in [({"ok": x}, "repeat"), ({"ok": tensors}, "repeat"), ({"ok": deep}, "nested more than")]:
+        read, write = os.pipe()
+        writer = threading.Thread(target=wire.write_all, args=(write, framed(message)))
+        writer.start()
+        try:
+            with pytest.raises(wire.MessageRefused, match=said):
+                wire.receive(read)
+        finally:
+            writer.join()
+            os.close(read)
+            os.close(write)
+    with pytest.raises(ValueError, match="out of band"):
+        wire.unpack(tensors[0]["tensor"])
+    import torch
+    read, write = os.pipe()
+    legit = {"ok": [(), (), {"a": wire.pack(torch.ones(0)), "b": wire.pack(torch.ones(0)),
+                             "c": wire.pack(torch.ones(3))}]}
+    writer = threading.Thread(target=wire.send, args=(write, legit))
+    writer.start()
+    try:
+        got = wire.receive(read)
+    finally:
+        writer.join()
+        os.close(read)
+        os.close(write)
+    assert wire.unpack(got["ok"][2]["c"]).tolist() == [1.0, 1.0, 1.0]
 
 @pytest.mark.slow
 def test_an_answer_over_the_bound_fails_its_call_in_one_line(tmp_path):
