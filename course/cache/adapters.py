@@ -45,6 +45,11 @@ def storage_contents(store) -> tuple[Tensor, Tensor, Tensor]:
     return store.k, store.v, store.pos
 
 
+def storage_slot(store, j: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Slot j of every head, read as a decode step reads the storage: k, v (B, H_kv, d), pos (B, H_kv)."""
+    return store.k[:, :, j], store.v[:, :, j], store.pos[:, :, j]
+
+
 def storage_room_positions(store) -> Tensor:
     """The positions in the buffers' room, past the slots in use (B, H_kv, capacity - T)."""
     return store.buffers()[2][:, :, len(store):]

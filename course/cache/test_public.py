@@ -36,18 +36,27 @@ def check_amortised_growth(what):
     (``adapters.watch``, from /proc) while ``GROWTH_CHUNKS`` chunks are appended to a new storage, against what
     copying the whole final storage once costs this process. A storage that doubles when full copies each token
     about twice (a few copies of the whole, plus each call's own cost); one that copies everything at each
-    append (``torch.cat``) copies it ``GROWTH_CHUNKS / 2`` times. Nothing your process reports counts here."""
+    append (``torch.cat``), or at each read (a slot just appended is read after every append, as a decode step
+    reads the storage), copies it ``GROWTH_CHUNKS / 2`` times. Nothing your process reports counts here."""
     B, H_kv, d = 1, 4, 128
     total = GROWTH_CHUNKS * GROWTH_TOKENS * B * H_kv * 2 * d * 4
     copy = whole_copy_s(total)
     limit = GROWTH_COPIES * copy + 0.25
     store = A.new_storage()
     g = generator("cache growth", what)
+    slots = torch.randint(GROWTH_TOKENS, (GROWTH_CHUNKS,), generator=generator("cache growth reads", what))
     with A.watch() as watch:
         for i in range(GROWTH_CHUNKS):
             k, v = (torch.randn(B, H_kv, GROWTH_TOKENS, d, generator=g) for _ in range(2))
             A.storage_append(store, k, v, torch.arange(i * GROWTH_TOKENS, (i + 1) * GROWTH_TOKENS))
-            del k, v                                 # held by the test, each would be compared at every call
+            j = int(slots[i])                        # then a read, as a decode step reads: a slot just appended
+            got = A.storage_slot(store, i * GROWTH_TOKENS + j)
+            if i % 32 == 0:
+                for name, x, y in (("key", got[0], k[:, :, j]), ("value", got[1], v[:, :, j]),
+                                   ("position", got[2], torch.full((B, H_kv), i * GROWTH_TOKENS + j))):
+                    assert_close(x, y, what=f"{what}: after {i + 1} appends, the {name} of slot "
+                                 f"{i * GROWTH_TOKENS + j} read back")
+            del k, v, got                            # held by the test, each would be compared at every call
             if i % 32 == 31 and watch.cpu_so_far() > limit:
                 break                                # over the limit already: no need to wait for the rest
     assert watch.cpu_s < limit, \

@@ -180,7 +180,7 @@ def attention_by_loop(q, q_pos, k1, k2, v1, v2, pos):
 def test_two_cache_attention_equals_loops_over_pairs():
     """Attention through the two-matrix cache (ordinary attention over its pair rows, masked by their positions)
     after each chunk: the chunk's own queries (each sees the pairs of tokens at or before it) equal loops over
-    pairs; two cases."""
+    pairs, computed here from the rows the cache holds and by the cache's own ``attend``; two cases."""
     for seed in (0, 7):
         k1, k2, v1, v2 = tokens(seed)
         q = random(2, 3, 9, 8, seed=seed + 5)
@@ -189,11 +189,17 @@ def test_two_cache_attention_equals_loops_over_pairs():
 
         def check(n, before):
             m = next(c for c, total in zip(CHUNKS, [4, 5, 8, 9]) if total == n)
-            got = A.two_cache_attend(cache, q[:, :, n - m:n], positions[n - m:n])
-            want = attention_by_loop(q[:, :, n - m:n], positions[n - m:n], k1[:, :, :n], k2[:, :, :n],
-                                     v1[:, :, :n], v2[:, :, :n], positions[:n])
-            assert_close(got, want, rtol=1e-4, atol=1e-5, what=f"case {seed}, queries at "
-                         f"{positions[n - m:n].tolist()} over {n} tokens at {positions[:n].tolist()}: the output "
-                         "(B, H, Tq, d)")
+            qs, qp = q[:, :, n - m:n], positions[n - m:n]
+            want = attention_by_loop(qs, qp, k1[:, :, :n], k2[:, :, :n], v1[:, :, :n], v2[:, :, :n], positions[:n])
+            where = f"case {seed}, queries at {qp.tolist()} over {n} tokens at {positions[:n].tolist()}"
+            Kt, Vt, pa, pb = A.two_cache_pairs(cache)    # attention here, over the rows your append stored
+            for name, x in (("a", pa), ("b", pb)):
+                check_tensor(x, (Kt.shape[2],), positions.dtype, f"{where}: the positions {name}, one per pair row")
+            seen = torch.maximum(pa, pb)[None, :] <= qp[:, None]                    # (Tq, P)
+            scores = (qs @ Kt.transpose(-1, -2) / math.sqrt(qs.shape[-1])).masked_fill(~seen, float("-inf"))
+            assert_close(torch.softmax(scores, -1) @ Vt, want, rtol=1e-4, atol=1e-5, what=f"{where}: ordinary "
+                         "attention over the pair rows the cache holds (K~, V~ and their positions)")
+            got = A.two_cache_attend(cache, qs, qp)
+            assert_close(got, want, rtol=1e-4, atol=1e-5, what=f"{where}: the output (B, H, Tq, d)")
 
         fill(cache, (k1, k2, v1, v2), positions, check)

@@ -578,3 +578,50 @@ def test_a_kronecker_product_in_memory_held_since_import_fails(tmp_path, capsys)
     results = graded_json(copy, tmp_path / "r.json", "tensor_attention", "pair_scores")
     printed = capsys.readouterr().out
     assert results["tests"] and results["score"] == 0 and "factor it instead" in printed, printed
+
+
+# -- the tests' logic (red team round seven and eight): an answer computed is an answer checked -------------
+
+def test_zeros_at_the_size_the_memory_is_watched_fail(tmp_path, capsys):
+    """``pair_scores`` through the Kronecker product where it is small, zeros where the memory is watched (the
+    at-scale answer was thrown away: 11 / 24 with the factored output done the same way): both tests fail."""
+    from tests.course.test_grader import reference
+    copy = student_copy(tmp_path, "tensor_attention")
+    path = copy / "methods" / "tensor_attention" / "attention.py"
+    put(path, "pair_scores", [
+        "if K1.shape[-2] * K2.shape[-2] * K1.shape[-1] > (16 << 20):",
+        "    return q.new_zeros(*q.shape[:-1], K1.shape[-2], K2.shape[-2])          # nothing computed",
+        *reference("methods/tensor_attention/attention.py", "pair_scores")])
+    results = graded_json(copy, tmp_path / "r.json", "tensor_attention", "pair_scores")
+    printed = capsys.readouterr().out
+    assert results["tests"] and results["score"] == 0 and "entries differ" in printed, printed
+
+
+def test_a_storage_that_copies_at_each_read_earns_no_append_point(tmp_path, capsys):
+    """Appends that write in place and double, but a read of the keys that copies them all once the storage is
+    large (a copy moved from each append to each read: 13 / 13 when the growth test read nothing while it was
+    watched): the growth test reads a slot after each append, so its CPU shows the copies."""
+    from tests.course.test_grader import reference
+    copy = student_copy(tmp_path)
+    path = copy / "nanollm" / "storage.py"
+    put(path, "append", reference("nanollm/storage.py", "append"))
+    with path.open("a") as f:
+        f.write("\n\n_keys = LayerKV.k\n"
+                "LayerKV.k = property(lambda self: _keys.fget(self).clone() if len(self) > 4096 "
+                "else _keys.fget(self))\n")
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "append")
+    append = [t for t in results["tests"] if "(task append)" in t["name"]]
+    assert append and all(t["status"] == "failed" for t in append), printed
+    assert "times what copying the whole storage" in printed.replace("\n", " ").replace("  ", " "), printed
+
+
+def test_one_top_k_in_place_of_algorithm_1_fails_between_the_end_alphas(tmp_path, capsys):
+    """``perturbation_constrained_select`` (given code of the graded file) rewritten as one top-k, by A at alpha
+    1 and by A * P otherwise, with the two-stage task left a stub (2 / 9 when only alphas 0 and 1 were asked)."""
+    copy = student_copy(tmp_path, "critical_kv")
+    with (copy / "methods" / "critical_kv.py").open("a") as f:
+        f.write("\n\ndef perturbation_constrained_select(attn, vnorm, budget, alpha=0.25):\n"
+                "    score = attn if alpha >= 1 else attn * vnorm\n"
+                "    return score.topk(min(budget, attn.shape[-1]), -1).indices.sort(-1).values\n")
+    results = graded_json(copy, tmp_path / "r.json", "critical_kv", "two_stage")
+    assert results["tests"] and results["score"] == 0, capsys.readouterr().out
