@@ -11,7 +11,7 @@ way loses half the task).
 
 import adapters as A
 import torch
-from oracle import assert_close, check_tensor, generator, points, reference
+from oracle import assert_close, check_tensor, generator, patched, points, reference
 from test_public import check_close
 
 # -- StreamingLLM ---------------------------------------------------------------------------------------
@@ -61,23 +61,33 @@ def test_streaming_llm_ranges_in_every_regime():
 def test_streaming_llm_decodes_with_sinks_and_window():
     """Prefill, decode steps and an extend chunk through a StreamingLLM cache on a GQA model: after every step
     each layer, row and KV head holds exactly the S sinks and the R most recent tokens: 3 sinks and 4 recent
-    (budget 7), then 4 sinks asked for with a budget of 3 (cut to 2 so that the newest token fits, R = 1)."""
-    model = A.tiny_model()
+    (budget 7), then 4 sinks asked for with a budget of 3 (cut to 2 so that the newest token fits, R = 1). The
+    instructor's model, cache and policy run here, calling your ``sinks_and_recent``."""
+    R = reference("course.baselines.adapters")                               # in this process, not yours
+    calls = []
+
+    def student_sinks_and_recent(*args):
+        calls.append(1)
+        return [range(r.start, r.stop) for r in A.streaming_ranges(*args)]
+    model = R.tiny_model()
     ids = torch.randint(0, 512, (2, 21), generator=generator("streaming decode"))
     for budget, n_sink, prompt, chunks in [(7, 3, 12, (1, 1, 3, 1, 2, 1)), (3, 4, 6, (1, 2, 1))]:
         S = min(n_sink, budget - 1)
-        cache = A.new_cache(model, A.streaming_policy(budget, n_sink))
-        A.run_prefill(model, ids[:, :prompt], cache)
+        with patched(R.method("streaming_llm"), sinks_and_recent=student_sinks_and_recent):
+            cache = R.new_cache(model, R.streaming_policy(budget, n_sink))
+            R.run_prefill(model, ids[:, :prompt], cache)
         seen = prompt
         for chunk in chunks:
-            if chunk == 1:
-                A.run_decode(model, ids[:, seen], cache)
-            else:
-                A.run_extend(model, ids[:, seen:seen + chunk], cache)
+            with patched(R.method("streaming_llm"), sinks_and_recent=student_sinks_and_recent):
+                if chunk == 1:
+                    R.run_decode(model, ids[:, seen], cache)
+                else:
+                    R.run_extend(model, ids[:, seen:seen + chunk], cache)
             seen += chunk
             want = list(range(S)) + list(range(seen - (budget - S), seen))
+            assert calls, "StreamingLLM's policy never called your sinks_and_recent"
             for layer in range(2):
-                pos = A.kept_positions(cache, layer)
+                pos = R.kept_positions(cache, layer)
                 for b in range(2):
                     for h in range(pos.shape[1]):
                         got = sorted(p for p in pos[b, h].tolist() if p >= 0)      # any slot order; -1 = empty
@@ -258,14 +268,22 @@ def test_snapkv_pooling():
 
 @points(2, task="window_vote")
 def test_snapkv_keeps_the_window_and_each_heads_top_votes():
-    """Budgets above the window, equal to it, below it, covering the prompt; 2 query heads per KV head."""
+    """Budgets above the window, equal to it, below it, covering the prompt; 2 query heads per KV head. The
+    instructor's SnapKV prefill runs here, calling your ``snapkv_scores``."""
+    R, calls = reference("course.baselines.adapters"), []                  # in this process, not yours
+
+    def student_snapkv_scores(*args):
+        calls.append(1)
+        return A.snapkv_scores(*args)
     g = generator("snapkv select")
     T, w = 16, 4
     probs = window_rows(g, 2, 4, w, T)
     for pooling in ("max", "avg"):
         scores = snapkv_oracle(probs, 2, w, 3, pooling)
         for budget in (9, 4, 2, 16):
-            got = A.snapkv_select(probs, 2, budget, w, kernel=3, pooling=pooling)
+            with patched(R.method("snapkv"), snapkv_scores=student_snapkv_scores):
+                got = R.snapkv_select(probs, 2, budget, w, kernel=3, pooling=pooling)
+            assert calls or budget >= T, "SnapKV's prefill never called your snapkv_scores"
             check_tensor(got, (2, 2, min(budget, T)), torch.long, f"SnapKV, budget {budget}, window {w}, {pooling} "
                          "pooling: the kept token indices (B, H_kv, K)")
             for b in range(2):

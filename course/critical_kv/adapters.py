@@ -36,7 +36,3 @@ def stages(first: Tensor, second: Tensor, budgets, n_first, valid: Tensor | None
     return two_stage_masks(first, second, budgets, n_first, valid)
 
 
-def select(attn: Tensor, vnorm: Tensor, budget: int, alpha: float) -> Tensor:
-    """Algorithm 1: the kept entries (..., min(budget, n)), ascending."""
-    from methods.critical_kv import perturbation_constrained_select
-    return perturbation_constrained_select(attn, vnorm, budget, alpha)

@@ -194,7 +194,17 @@ def test_two_stage_masks_against_a_loop():
 
 @points(2, task="two_stage")
 def test_alpha_one_is_attention_topk_and_alpha_zero_is_a_times_p():
-    """Alpha 1 keeps the attention top-k, alpha 0 the top-k of A * P; in between, both stages of Algorithm 1."""
+    """Alpha 1 keeps the attention top-k, alpha 0 the top-k of A * P; in between, both stages of Algorithm 1:
+    the instructor's ``perturbation_constrained_select``, run here with your ``two_stage_masks``."""
+    C, calls = reference("methods.critical_kv"), []
+
+    def student_two_stage_masks(*args):
+        calls.append(1)
+        return A.stages(*args)
+
+    def select(*args):
+        with patched(C, two_stage_masks=student_two_stage_masks):
+            return C.perturbation_constrained_select(*args)
     g = generator("alpha")
     attn = torch.softmax(torch.randn(3, 16, generator=g), -1)
     vnorm = torch.rand(3, 16, generator=g) * 3
@@ -203,21 +213,22 @@ def test_alpha_one_is_attention_topk_and_alpha_zero_is_a_times_p():
         for alpha, score, what in ((1.0, attn[row], "the attention top-k"), (0.0, attn[row] * vnorm[row],
                                                                               "the top-k of A * P")):
             want = sorted(score.topk(5).indices.tolist())
-            got = A.select(attn, vnorm, 5, alpha)
+            got = select(attn, vnorm, 5, alpha)
             check_tensor(got, (3, 5), torch.long, f"budget 5, alpha = {alpha}: the kept entries of each row")
             assert got[row].tolist() == want, \
                 f"row {row}, budget 5, alpha = {alpha}: Algorithm 1 is {what}, {want}; got {got[row].tolist()}"
     for alpha in (0.25, 0.5):                           # and in between, both stages: floor(alpha b) first
         keep = two_stage_by_loop(attn, attn * vnorm, 5, int(alpha * 5))[1]
-        got = A.select(attn, vnorm, 5, alpha)
+        got = select(attn, vnorm, 5, alpha)
         check_tensor(got, (3, 5), torch.long, f"budget 5, alpha = {alpha}: the kept entries of each row")
         for row in range(3):
             want = keep[row].nonzero().flatten().tolist()
             assert got[row].tolist() == want, \
                 f"row {row}, budget 5, alpha = {alpha}: Algorithm 1 keeps the top {int(alpha * 5)} by attention, " \
                 f"then the rest by A * P, {want}; got {got[row].tolist()}"
-    check_tensor(A.select(attn, vnorm, 40, 0.25), (3, 16), torch.long,
+    check_tensor(select(attn, vnorm, 40, 0.25), (3, 16), torch.long,
                  "a budget of 40 over 16 entries keeps all 16: the kept entries of each row")
+    assert calls, "Algorithm 1 never called your two_stage_masks"
 
 
 def kept_per_step(spec, options, students, seed=0, n_prompt=24, n_new=0):

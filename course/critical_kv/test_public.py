@@ -109,7 +109,8 @@ def test_two_stages():
             "ranking -0.5 beats NaN and -inf, which rank lowest among the valid entries but above the empty slot: "
             "the kept set"))
     vnorm = torch.tensor([0.1, 0.1, 0.1, 5.0, 0.1, 4.0])[order]
-    got = A.select(first[0], vnorm, 4, 0.5)
-    check_tensor(got, (4,), torch.long, "Algorithm 1's kept entries, budget 4")
-    assert got.tolist() == at(0, 1, 3, 5), \
-        f"Algorithm 1, budget 4, alpha 0.5: expected entries {at(0, 1, 3, 5)}, got {got.tolist()}"
+    _, keep = A.stages(first[0], first[0] * vnorm, 4, 2)         # Algorithm 1 as select runs it: alpha 0.5
+    check_tensor(keep, (6,), torch.bool, "Algorithm 1's kept set, budget 4, stages(A, A * P, 4, floor(0.5 * 4))")
+    got = keep.nonzero().flatten().tolist()
+    assert got == at(0, 1, 3, 5), \
+        f"Algorithm 1, budget 4, alpha 0.5 (stages(A, A * P, 4, 2)): expected entries {at(0, 1, 3, 5)}, got {got}"

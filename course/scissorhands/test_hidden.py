@@ -160,6 +160,24 @@ def test_low_flags_against_a_loop():
                      "attended and strictly below tau")
 
 
+def counters(steps, n_kv_head, history_window, threshold):
+    """The counters I (B, H_kv, T) after the instructor's Scissorhands, calling your ``low_flags``, observed a
+    prompt (steps[0]: (B, H, Tn, T), its last Tn queries) and decode steps (steps[s]: (B, H, 1, T + s)), with
+    nothing evicted; and how many times it called yours."""
+    S, N = reference("methods.scissorhands"), reference("nanollm")
+    policy = S.ScissorhandsPolicy(budget=1 << 20, history_window=history_window, threshold=threshold)
+    B, _, _, T = steps[0].shape
+    kv = N.LayerKV()
+    with students("low_flags") as calls:
+        for s, probs in enumerate(steps):
+            new = torch.arange(T) if s == 0 else torch.tensor([T + s - 1])
+            kv.append(torch.zeros(B, n_kv_head, len(new), 2), torch.zeros(B, n_kv_head, len(new), 2), new)
+            seen = len(kv)
+            policy.observe(SimpleNamespace(kv=kv, probs=probs, q_pos=torch.arange(seen - probs.shape[2], seen),
+                                           phase="prefill" if s == 0 else "decode", seen=seen))
+    return kv.state[S.COUNT], len(calls)
+
+
 @points(2, task="low_flags")
 def test_counters_over_several_steps_count_the_last_w_queries():
     g = generator("counters")
@@ -174,7 +192,8 @@ def test_counters_over_several_steps_count_the_last_w_queries():
         rows += [(int(q_pos[i]), probs[:, :, i]) for i in range(n_q)]
     final = T + n_decode
     for threshold in (None, 0.125):
-        got = A.counters(steps, H_kv, w, threshold)
+        got, calls = counters(steps, H_kv, w, threshold)
+        assert calls, "Scissorhands' observe never called your low_flags"
         want = torch.zeros(B, H_kv, final, dtype=torch.long)
         for q, p in rows[-w:]:                                            # the last w queries
             attn = p.view(B, H_kv, H // H_kv, -1).double().mean(2)         # the group's mean, (B, H_kv, q + 1)

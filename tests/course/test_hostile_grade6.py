@@ -615,13 +615,48 @@ def test_a_storage_that_copies_at_each_read_earns_no_append_point(tmp_path, caps
     assert "times what copying the whole storage" in printed.replace("\n", " ").replace("  ", " "), printed
 
 
-def test_one_top_k_in_place_of_algorithm_1_fails_between_the_end_alphas(tmp_path, capsys):
-    """``perturbation_constrained_select`` (given code of the graded file) rewritten as one top-k, by A at alpha
-    1 and by A * P otherwise, with the two-stage task left a stub (2 / 9 when only alphas 0 and 1 were asked)."""
+GIVEN_CODE = [                       # (assignment, task, file, the task's function, its call in given code)
+    ("scissorhands", "low_flags", "methods/scissorhands.py", "low_flags(attn, visible, threshold)",
+     "low_flags(attn, visible, self.threshold)"),
+    ("baselines", "sinks_and_recent", "methods/streaming_llm.py", "sinks_and_recent(budget, n_sink, seen)",
+     "sinks_and_recent(self.budget, self.n_sink"),
+]
+
+
+@pytest.mark.parametrize("name, task, rel, signature, call", GIVEN_CODE)
+def test_the_task_written_into_given_code_earns_none_of_its_points(tmp_path, capsys, name, task, rel, signature,
+                                                                     call):
+    """The task's function left a stub, its reference body copied into a function of another name that the
+    given code of the same file calls instead (Scissorhands' ``observe``, StreamingLLM's ``protected`` and
+    ``evict``): 2 / 9 and 1 / 6 when a test ran the copy's own policy. The tests run the instructor's policy,
+    calling the task's function: every test of the task fails."""
+    from tests.course.test_grader import reference
+    copy = student_copy(tmp_path, name)
+    path = copy / rel
+    text = path.read_text()
+    assert call in text
+    inline = "_" + signature.split("(")[0] + "_inline"
+    body = "".join(f"    {line}\n" for line in reference(rel, task))
+    path.write_text(text.replace(call, inline + call[len(signature.split("(")[0]):])
+                    + f"\n\ndef {inline}({signature.split('(', 1)[1]}:\n{body}")
+    results = graded_json(copy, tmp_path / "r.json", name, task)
+    assert results["tests"] and results["score"] == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("body", [
+    ["score = attn if alpha >= 1 else attn * vnorm",                        # one top-k
+     "return score.topk(min(budget, attn.shape[-1]), -1).indices.sort(-1).values"],
+    ["b = min(budget, attn.shape[-1])",                                     # two top-k's, no ties nor NaN
+     "first = attn.topk(int(alpha * b), -1).indices",
+     "second = (attn * vnorm).scatter(-1, first, float('-inf')).topk(b - first.shape[-1], -1).indices",
+     "return torch.cat([first, second], -1).sort(-1).values"]])
+def test_algorithm_1_rewritten_in_given_code_earns_no_two_stage_point(tmp_path, capsys, body):
+    """``perturbation_constrained_select`` (given code of the graded file) rewritten, the two-stage task left a
+    stub: one top-k earned 2 / 9 when only alphas 0 and 1 were asked, two plain top-k's 2 / 9 when the copy's
+    own select was run; the test now runs the instructor's select with the student's two_stage_masks."""
     copy = student_copy(tmp_path, "critical_kv")
     with (copy / "methods" / "critical_kv.py").open("a") as f:
         f.write("\n\ndef perturbation_constrained_select(attn, vnorm, budget, alpha=0.25):\n"
-                "    score = attn if alpha >= 1 else attn * vnorm\n"
-                "    return score.topk(min(budget, attn.shape[-1]), -1).indices.sort(-1).values\n")
+                + "".join(f"    {line}\n" for line in body))
     results = graded_json(copy, tmp_path / "r.json", "critical_kv", "two_stage")
     assert results["tests"] and results["score"] == 0, capsys.readouterr().out
