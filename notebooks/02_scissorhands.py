@@ -260,7 +260,8 @@ def check_keep(keep_rule):
     g = torch.Generator().manual_seed(1)
     cases = [(counts, last, 4, 3, 1)] + [(torch.randint(0, 4, (T,), generator=g).tolist(),
                                           torch.rand(T, generator=g).tolist(), B, m, r)
-                                         for T, B, m, r in ((8, 5, 2, 1), (10, 6, 4, 2), (7, 3, 1, 0), (9, 4, 3, 2))]
+                                         for T, B, m, r in ((8, 5, 2, 1), (10, 6, 4, 2), (7, 3, 1, 0), (9, 4, 3, 2),
+                                                             (8, 5, 4, 2))]
     for c, a, B, m, r in cases:
         T = len(c)
         truth = scissorhands_keep(torch.tensor(c).view(1, 1, T), torch.tensor(a).view(1, 1, T),

@@ -311,6 +311,7 @@ my_tokens = None                    # replace None: the fewest tokens per sequen
 # %%
 @exercise("Exercise 2")
 def check_tokens(tokens):
+    assert float(tokens).is_integer(), "a count of tokens is whole: the first T at which the cache outweighs"
     fp8_weights, cache = 8.0e9 * 1, lambda T: decode_bytes(32, 8, T, 128, 2, batch=8)   # 8B parameters
     assert cache(tokens) > fp8_weights, "at that context the cache is not yet larger than the weights: count K " \
                                         "and V of all 8 sequences (decode_bytes of section 1, with batch=8)"

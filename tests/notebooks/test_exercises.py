@@ -320,3 +320,21 @@ def test_the_probes_see_a_check_that_passes_anything_and_a_hint_that_gives_the_a
     assert "did not pass" in run(["NotRightYet", "x"], ["NotRightYet", "divide them"])[0]
     nb.cells[2].outputs = [nbformat.v4.new_output("stream", text="Exercise 1: right.\n")]
     assert "did not say" in run(right, ["NotRightYet", "divide them"])[0]
+
+
+def test_a_library_call_inside_a_helper_of_the_learners_is_seen():
+    """``exercises.calls`` refuses an answer made with the library call an exercise asks to do without, also when
+    the call is in a function defined inside the answer or in another function of the notebook it calls (the
+    answer's own code names neither: lessons 01, 03 and 04 passed such answers)."""
+    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
+    exercises = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exercises)
+    space = {"__name__": "__main__", "library_rule": lambda *a: a}
+    exec("def direct(x):\n    return library_rule(x)\n"
+         "def nested(x):\n    inner = lambda y: library_rule(y)\n    return inner(x)\n"
+         "def helper(x):\n    return library_rule(x)\n"
+         "def through_helper(x):\n    return helper(x) + 1\n"
+         "def by_hand(x):\n    return x + 1\n", space)
+    for name in ("direct", "nested", "through_helper"):
+        assert exercises.calls(space[name], "library_rule", "other") == ["library_rule"], name
+    assert exercises.calls(space["by_hand"], "library_rule") == []
