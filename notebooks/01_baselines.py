@@ -266,6 +266,9 @@ for token in ex_sample.target_ids[:5]:
     decode_step(model, torch.tensor([token]), ex_cache)
 ex_seen = ex_cache.seen
 print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {(ex_cache.layers[0].pos[0] >= 0).sum(-1).tolist()}")
+
+
+# %%
 my_expected = None               # replace None: a function (seen, budget, n_sink) -> positions (def my_expected)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
@@ -323,6 +326,9 @@ ex_N, H_kv, G = ex_ids.shape[1], model.config.n_kv_head, model.config.group_size
 ex_maps = record_attention(model, ex_ids)                          # n_layer x (H, N, N)
 EX_H2O_BUDGET = 64
 print(f"{ex_N} prompt tokens, {len(ex_maps)} layers, attention {tuple(ex_maps[0].shape)}, G = {G}")
+
+
+# %%
 my_h2o = None                # replace None: a function (maps, budget) -> (scores, kept), two lists (def my_h2o)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]

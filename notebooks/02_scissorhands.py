@@ -247,6 +247,9 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 history = torch.zeros(1, 1, 6, 3, dtype=torch.bool)      # the toy's last w = 3 flags per token
 push_history(history, low_flags(toy_attn, visible), q_pos)
 counts, last = unimportance(history).flatten().tolist(), toy_attn[0, 0, -1].tolist()
+
+
+# %%
 my_keep = None                   # replace None: a function (counts, last, B, m, r) -> kept positions (def my_keep)
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
@@ -310,6 +313,9 @@ def recent_share(cache):
 
 
 print(f"w = 400: a share of {recent_share(caches['scissorhands']):.2f} in the last {BUDGET} positions")
+
+
+# %%
 my_recent_share = None                  # replace None: recent_share of the cache built with history_window=8
 
 

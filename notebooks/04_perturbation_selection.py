@@ -177,6 +177,9 @@ ex_attn = torch.tensor([0.5, 0.2, 0.18, 0.12], dtype=torch.float64)             
 ex_vw = torch.tensor([[1.0], [0.1], [-2.0], [1.0]], dtype=torch.float64) \
     @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                             # V W_O^(h), one row per entry
 ex_keep = torch.tensor([False, True, True, False])                                  # the mask N: entries 1, 2
+
+
+# %%
 my_L_theta = None               # replace None: a function (attn, keep, vw) -> (L, theta) (write def my_L_theta(...))
 
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound"]
@@ -245,6 +248,9 @@ def perturbation_after(attn: torch.Tensor, vw: torch.Tensor, alpha: float) -> fl
 
 
 SHARPNESS = (0.5, 1, 2, 4, 8)
+
+
+# %%
 g = torch.Generator().manual_seed(0)
 my_wins = {0.5: None, 1: None, 2: None, 4: None, 8: None}   # replace each None: Algorithm 1's share of wins
 

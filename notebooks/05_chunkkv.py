@@ -250,6 +250,9 @@ def answers(spec, budget):                         # does spec, keeping budget e
     return all(a in tok.decode(out[0].tolist()) for a in sample.answers)
 
 
+# %%
+
+
 my_smallest_budget = {"chunkkv": None, "h2o": None}     # replace each None: the smallest budget on the grid
 
 

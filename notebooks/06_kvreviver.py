@@ -218,6 +218,9 @@ def positive_sketch(seed):                 # 48 positive keys (the values: the s
 
 big, big_pos, big_k = positive_sketch(seed=0)
 h_big = big.buckets(big_pos)                                                       # (R, n): token J's cell in row i
+
+
+# %%
 my_exact = None                       # replace None: a function (h, W) -> (n,) bool tensor (write def my_exact(h, W))
 
 # %% tags=["needs:insert", "needs:query"]

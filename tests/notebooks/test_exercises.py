@@ -147,6 +147,9 @@ def problems(nb: nbformat.NotebookNode) -> list[str]:
             out.append(f"{where}: the reference cell assigns the learner's {sorted(clash)}")
         if peek := read_globals(check.source) & assigned(ref.source):
             out.append(f"{where}: the check reads the reference's {sorted(peek)}")
+        if trusted := read_globals(check.source) & (assigned(stub.source) - set(mine)):
+            out.append(f"{where}: the check trusts {sorted(trusted)}, defined in the learner's cell (move it to a "
+                       "cell of its own before)")
     return out
 
 
