@@ -251,8 +251,6 @@ def answers(spec, budget):                         # does spec, keeping budget e
 
 
 # %%
-
-
 my_smallest_budget = {"chunkkv": None, "h2o": None}     # replace each None: the smallest budget on the grid
 
 
