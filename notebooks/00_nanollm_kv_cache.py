@@ -225,7 +225,7 @@ print("speedup of a cached step (recompute time / cached time):",
 from nanollm.attention import apply_rope, rope_cos_sin, rope_inv_freq
 
 inv_freq = rope_inv_freq(config)                                    # theta_i, (d/2,)
-q, k = torch.randn(1, 1, 1, config.head_dim), torch.randn(1, 1, 1, config.head_dim)   # one query, one key
+rope_q, rope_k = torch.randn(1, 1, 1, config.head_dim), torch.randn(1, 1, 1, config.head_dim)   # a query, a key
 
 
 def rotated(x, position):
@@ -235,7 +235,8 @@ def rotated(x, position):
 
 
 for t, n in [(5, 2), (1005, 1002), (5, 4)]:
-    print(f"query at {t:>4}, key at {n:>4} (distance {t - n}): score {(rotated(q, t) * rotated(k, n)).sum():+.4f}")
+    print(f"query at {t:>4}, key at {n:>4} (distance {t - n}): "
+          f"score {(rotated(rope_q, t) * rotated(rope_k, n)).sum():+.4f}")
 
 # %% [markdown]
 # The first two pairs, 3 positions apart, give the same score; the pair 1 apart gives another. Attention reads
@@ -367,7 +368,7 @@ from nanollm.policy import Needs
 
 @exercise("Exercise 2")
 def check_break_it(distance_wrong, distance_true, visible):
-    score = lambda t, n: float((rotated(q, t) * rotated(k, n)).sum())    # section 4.1's q at t, its k at n
+    score = lambda t, n: float((rotated(rope_q, t) * rotated(rope_k, n)).sum())   # section 4.1's, at t and n
     for t, distance in [(6, distance_wrong), (12, distance_true)]:
         assert abs(score(t, 11) - score(500 + distance, 500)) < 1e-4, \
             f"(a) the query at {t}: RoPE's score sees the query's position minus the key's (section 4.1)"
