@@ -63,7 +63,8 @@ def check_amortised_growth(what):
         f"{what}: appending {i + 1} of {GROWTH_CHUNKS} chunks of {GROWTH_TOKENS} tokens ({total >> 20} MiB at the " \
         f"end) took {watch.cpu_s:.2f} s of CPU in the process running your code, {watch.cpu_s / copy:.0f} times what " \
         f"copying the whole storage once takes (at most {GROWTH_COPIES} for all): does every append copy what is " \
-        "stored? Grow by doubling: O(1) copies per token, amortised (read from outside your process)"
+        "stored, or every read of a slot (store.k[:, :, j])? Grow by doubling: O(1) copies per token, amortised, " \
+        "and read through views (read from outside your process)"
     held_after_growth(store, what, B, H_kv, d)
 
 
