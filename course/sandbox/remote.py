@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -141,6 +142,7 @@ class Connection:
         self.generation = 0                        # which student's process the handles belong to
         self.forget = lambda: None                 # what the adapters stand-in drops when that process stops
         self.siblings: list[Connection] = []       # the kernels' own process (``kernels_alone``), closed with this
+        self.test_started: float | None = None     # when the running test asked for its dump (harness test_started)
 
     def start(self, eager: bool = True) -> None:
         """Start the student's process; ``eager``: it imports the copy's adapters now, else at the first request."""
@@ -188,6 +190,10 @@ class Connection:
             self.stopped("a fresh one replaces it")
         self.start(eager=False)
         self.request("harness", None, "ready")
+        if self.test_started is not None:          # the test's dump, at the time it was due in the old process
+            dump_after_s = float(self.args[3])
+            left = dump_after_s - (time.monotonic() - self.test_started)
+            self.request("harness", None, "test_started", [max(left, 0.1)])
 
     def kernels_alone(self) -> Connection:
         """A connection to a process of its own, started as this one (the same room and user), that serves the
@@ -221,6 +227,8 @@ class Connection:
         """Ask the student's process (``op``: getattr, call, method, list, harness) and wait for its answer."""
         if self.proc is None:
             self.start()
+        if op == "harness" and name == "test_started" and not args:
+            self.test_started = time.monotonic()
         message = {"op": op, "target": target, "name": name, "args": self.encode(list(args)),
                    "kwargs": self.encode(dict(kwargs or {}))}
         try:

@@ -439,7 +439,7 @@ class Server:
         """The tests' own tools, run beside the student's code (checks of honest mistakes only: code in this
         process can undo them; what is graded is read from outside it, course/sandbox/remote.py ``Watch``)."""
         if name == "test_started":             # where the code is goes to the dump shortly before the limit
-            faulthandler.dump_traceback_later(self.dump_after_s, exit=False)
+            faulthandler.dump_traceback_later(float(args[0]) if args else self.dump_after_s, exit=False)
             return None
         if name == "take_away":                # args: names "package.module.function"
             for full in args:

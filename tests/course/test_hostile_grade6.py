@@ -660,3 +660,24 @@ def test_algorithm_1_rewritten_in_given_code_earns_no_two_stage_point(tmp_path, 
                 + "".join(f"    {line}\n" for line in body))
     results = graded_json(copy, tmp_path / "r.json", "critical_kv", "two_stage")
     assert results["tests"] and results["score"] == 0, capsys.readouterr().out
+
+
+def test_a_fresh_process_dumps_where_the_code_is_when_the_test_asked(tmp_path):
+    """A test asks for a dump of where the code is shortly before its limit (``test_started``); a watch in a
+    fresh process replaced the process that had the timer, so a hang in the at-scale call left no dump. The
+    fresh process gets the timer for the time the test has left."""
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text(
+        "import time\ndef stuck_here():\n    time.sleep(4)\n    return 1\n")
+    connection = toy_connection(tmp_path, folder)
+    connection.args = (*connection.args[:3], "1.5")             # the dump 1.5 s after the test started
+    adapters = remote.Adapters(connection)
+    try:
+        adapters.harness("test_started")
+        with adapters.watch(fresh=True):
+            assert adapters.stuck_here() == 1
+    finally:
+        connection.close()
+    dumped = (tmp_path / "dump.txt").read_text(errors="replace")
+    assert "stuck_here" in dumped, dumped[-2000:]
