@@ -178,13 +178,18 @@ def test_nothing_the_code_produced_reaches_a_hidden_tests_output(tmp_path, capsy
         assert "PLANTED" not in t["output"] and t["output"] in grade.HIDDEN_SAYS.values(), t
 
 
+def toy_copy(tmp_path: Path, adapters: str) -> Path:
+    """A toy student copy whose ``course/x/adapters.py`` is ``adapters`` (for ``toy_connection``)."""
+    folder = tmp_path / "copy"
+    (folder / "course" / "x").mkdir(parents=True)
+    (folder / "course" / "x" / "adapters.py").write_text(adapters)
+    return folder
+
 def test_a_graded_function_that_writes_into_its_input_fails(tmp_path):
     """A function that masks its input in place (``masked_fill_`` on the caller's tensor) fails the call, with a
     message naming the tensor's shape; the test's tensor keeps its values."""
     import torch
-    folder = tmp_path / "copy"
-    (folder / "course" / "x").mkdir(parents=True)
-    (folder / "course" / "x" / "adapters.py").write_text(
+    folder = toy_copy(tmp_path,
         "import torch\n"
         "def masked(t):\n    return t.masked_fill_(t > 1, float('-inf'))\n"
         "def fresh(t):\n    return t.masked_fill(t > 1, float('-inf'))\n")
@@ -205,9 +210,7 @@ def test_what_the_code_spends_is_read_from_outside_its_process(tmp_path):
     a second shows both; a small call shows neither; the code cannot make its own numbers count (it reports
     nothing). Work in a child process: in the room none starts (a child the kernel reaps counted to no
     process); without one, a child's CPU time counts."""
-    folder = tmp_path / "copy"
-    (folder / "course" / "x").mkdir(parents=True)
-    (folder / "course" / "x" / "adapters.py").write_text(
+    folder = toy_copy(tmp_path,
         "import subprocess, sys, time, torch\n"
         "def big():\n    x = torch.ones(64 << 20)\n    return float(x.sum())\n"
         "def small():\n    return float(torch.ones(1000).sum())\n"
@@ -284,9 +287,7 @@ def test_a_fresh_watch_sees_what_the_code_set_aside_before_it(tmp_path):
 def test_a_process_that_ends_within_a_watch_fails_it(tmp_path):
     """A process that sends its answer, then exits, takes its peak memory with it (read as 0: a Kronecker
     product built, then an exit after the answer, scored the public 4 / 24): the watch fails instead."""
-    folder = tmp_path / "copy"
-    (folder / "course" / "x").mkdir(parents=True)
-    (folder / "course" / "x" / "adapters.py").write_text(
+    folder = toy_copy(tmp_path,
         "import __main__, os\n"
         "def answer_then_exit():\n"
         "    post = __main__.Server.post\n"
@@ -309,9 +310,7 @@ def test_in_its_room_the_code_cannot_forget_its_own_peak(tmp_path):
     """The watch reads the peak resident memory (``VmHWM``) of the student's process; writing 5 into its own
     ``/proc/self/clear_refs`` after freeing a large intermediate reset that peak (a Kronecker product built and
     freed scored 24 / 24). In the room /proc is read-only: the write fails and the peak is seen."""
-    folder = tmp_path / "copy"
-    (folder / "course" / "x").mkdir(parents=True)
-    (folder / "course" / "x" / "adapters.py").write_text(
+    folder = toy_copy(tmp_path,
         "import torch\n"
         "def big_then_forget():\n"
         "    x = torch.ones(64 << 20)                                       # 256 MiB, then freed\n"
@@ -666,9 +665,7 @@ def test_a_fresh_process_dumps_where_the_code_is_when_the_test_asked(tmp_path):
     """A test asks for a dump of where the code is shortly before its limit (``test_started``); a watch in a
     fresh process replaced the process that had the timer, so a hang in the at-scale call left no dump. The
     fresh process gets the timer for the time the test has left."""
-    folder = tmp_path / "copy"
-    (folder / "course" / "x").mkdir(parents=True)
-    (folder / "course" / "x" / "adapters.py").write_text(
+    folder = toy_copy(tmp_path,
         "import time\ndef stuck_here():\n    time.sleep(4)\n    return 1\n")
     connection = toy_connection(tmp_path, folder)
     connection.args = (*connection.args[:3], "1.5")             # the dump 1.5 s after the test started
