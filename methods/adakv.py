@@ -3,16 +3,16 @@ AdaKV: head-adaptive budgets. The heads of a layer share one pool of H_kv * budg
 
 Paper: Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient
 LLM Inference", NeurIPS 2025, https://arxiv.org/abs/2407.11550 (the adaptive allocation: Algorithm 1,
-as kvpress's ``AdaKVPress`` realises it).
-
-A head whose attention sits on a few tokens needs few entries, one whose attention is spread out needs many. The
-eviction loss is bounded by the attention mass of the evicted entries, smallest when the layer keeps its globally
-best scores; a safeguard keeps each head's own best first. With the inner scorer's per-head scores s_j:
+as kvpress's ``AdaKVPress`` realises it). A head whose attention sits on a few tokens needs few entries, one
+whose attention is spread out needs many. The eviction loss is bounded by the attention mass of the evicted
+entries, smallest when the layer keeps its globally best scores; a safeguard keeps each head's own best first.
+With the inner scorer's per-head scores s_j:
 
     s_j[top_{n_safe}(s_j)] = +inf,  n_safe = floor(alpha * budget)      # safeguard: each head's own best
     keep = top_{H_kv * budget} over all (j, t)                         # one pool for the layer
 
-Padding the shorter heads, ``head_slack``: ``methods/README.md``, "How each method is built".
+Protected entries (SnapKV's window, +inf) count in n_safe, as in kvpress (the authors' repository differs);
+padding the shorter heads, ``head_slack``: ``methods/README.md``, "How each method is built".
 """
 
 from __future__ import annotations

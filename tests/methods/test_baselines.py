@@ -310,6 +310,23 @@ def test_adakv_budget_split(tiny):
                 assert set(range(36, 40)) <= set(layer.pos[b, h].tolist())   # the window, every head
 
 
+def test_adakv_safeguard_counts_the_window_as_kvpress_does():
+    """The safeguard's floor(alpha * budget) entries count SnapKV's window (+inf), as kvpress's AdaKVPress counts
+    them (the window at the top score): a window of 4 fills a safeguard of 3 (budget 12, alpha 0.25), so the
+    weak head keeps what it keeps with no safeguard, its window alone; a safeguard of 6 (alpha 0.5) gives it 2
+    of its own best past the window."""
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([[1.0], [0.5], [0.1], [0.01]])              # the last head loses the pool to the others
+    scores = (torch.rand(4, 30, generator=g) * scale)[None]
+    scores[..., -4:] = float("inf")                                  # SnapKV protects its window
+    masks = {alpha: adaptive_keep_mask(scores, 12, make_policy("adakv", 12, window=4, alpha_safeguard=alpha).n_safe)
+             for alpha in (0.0, 0.25, 0.5)}
+    assert torch.equal(masks[0.25], masks[0.0])
+    assert masks[0.0][0, 3].sum() == 4 and masks[0.5][0, 3].sum() == 6
+    best = torch.sort(scores[0, 3, :-4], descending=True).indices[:2]
+    assert masks[0.5][0, 3, best].all()
+
+
 def test_adakv_head_budgets_are_what_it_keeps(tiny):
     """The allocation a wrapper can read (``head_budgets``) is exactly what AdaKV's selection keeps per head;
     a plain scorer's allocation is uniform."""
