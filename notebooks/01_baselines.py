@@ -47,10 +47,10 @@ toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(
 # | symbol | meaning | in the code |
 # |---|---|---|
 # | $h$, $j$ | a query head; a KV head | `h`, `j` |
-# | $\mathcal{G}_j$ | the $G$ query heads of KV head $j$ | `G` |
+# | $\mathcal{G}_j$ | the $G$ query heads of KV head $j$: $jG, \dots, (j+1)G - 1$ | `h // G == j` |
 # | $a^h_{t,n}$ | the attention of query head $h$ from position $t$ to token $n$ | `probs[h, t, n]` |
 # | $s_{j,n}$ | token $n$'s score in KV head $j$: the higher scores stay | `scores` |
-# | $u^h_n$, $P$ | SnapKV's vote for token $n$ in query head $h$; its pooling width | `votes`, `kernel` |
+# | $u^h_n$, $P$ | SnapKV's vote for token $n$ in query head $h$; its pooling width | `votes` in `snapkv_votes`, `kernel` |
 #
 # ### 2.1 StreamingLLM: attention sinks and a recent window
 #
@@ -59,6 +59,9 @@ toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(
 # §3.2 keeps the first $S$ tokens ($S = 4$ by default) and the $B - S$ most recent ones. After $T$ tokens:
 #
 # $$\text{keep} \;=\; \{0, \dots, S-1\} \;\cup\; \{T-(B-S), \dots, T-1\} \qquad \text{(§3.2)}$$
+#
+# A budget of at most `n_sink` entries cuts the sinks, so that the newest token still fits:
+# $S = \min(\texttt{n\_sink}, B - 1)$.
 
 # %%
 from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
@@ -88,6 +91,9 @@ print("StreamingLLM on the toy (2 sinks) keeps", streaming_keep(T_TOY, B_TOY, 2)
 #
 # $$s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \sum_{t=n}^{T-1} a^h_{t,n}
 # \qquad \text{(Algorithm 1, §4)}$$
+#
+# (The paper's models give every query head its own keys; the mean over a KV head's $G$ query heads is our
+# adaptation to grouped-query attention, as kvpress's. SnapKV's below is the same.)
 #
 # At every step the cache keeps its `budget // 2` most recent tokens and, among the others, the highest
 # scores. The code adds the scores up step by step (`steps`), as the cache does: on the toy, a 13-token
@@ -174,8 +180,8 @@ assert torch.allclose(snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3), library), "
 for layer, a in enumerate(demo_maps):                               # the bundled model's attention
     library = snapkv_scores(a[None], model.config.n_kv_head, window=8, kernel=7, pooling="max")[0, :, :22 - 8]
     assert torch.allclose(snapkv_votes(a, model.config.n_kv_head, 8, 7), library, atol=1e-6), f"layer {layer} differs"
-votes = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)
-print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in votes[1].tolist()])
+snap_scores = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)                 # s_{j,n}: pooled, mean per group
+print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in snap_scores[1].tolist()])
 
 # %% [markdown]
 # ### 2.4 AdaKV: one budget pool per layer, shared by the heads
@@ -183,7 +189,11 @@ print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in v
 # Feng et al., NeurIPS 2025, [arXiv 2407.11550](https://arxiv.org/abs/2407.11550), Algorithm 1. A head whose
 # attention is concentrated needs few entries, one whose attention is spread out needs many. AdaKV takes any
 # rule's scores $s_{j,n}$ (SnapKV's by default), lets every KV head keep its own best
-# $n_\text{safe} = \lfloor 0.2 B \rfloor$ (the *safeguard*), then keeps the layer's best (head, token) pairs:
+# $n_\text{safe} = \lfloor 0.2 B \rfloor$ (the *safeguard*), then keeps the layer's best (head, token) pairs.
+# The entries the rule protects (SnapKV's window, scored $+\infty$) are each head's best, so they count in
+# $n_\text{safe}$, as in kvpress: with SnapKV's $w = 32$ the safeguard reaches past the window only when
+# $\lfloor 0.2 B \rfloor > 32$. (The authors' repository keeps the window apart and mixes each head's share
+# of the pool with an even split; `methods/README.md` has the formula.)
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
@@ -231,17 +241,31 @@ toy_kept = {                # each rule's ranking, then each KV head's best B_TO
     "H2O (3 recent)": select_topk(H2OPolicy(B_TOY, n_recent=3).rank(
         received_attention(toy_probs.sum(2), HKV_TOY), pos, T_TOY), B_TOY),
     "SnapKV (w = 4, pool 3)": select_topk(snap, B_TOY),
-    "AdaKV (safeguard 1)": mask_to_indices(adaptive_keep_mask(snap, B_TOY, 1))}    # -1: an unused slot
+    "AdaKV (safeguard 1)": mask_to_indices(adaptive_keep_mask(snap, B_TOY, int(0.2 * B_TOY)))}   # -1: unused
 for name, idx in toy_kept.items():
     print(f"{name:23}", "   ".join(f"KV head {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)))
 
 # %% [markdown]
-# H2O keeps the sink, the heavy hitter 5, its 3 recent tokens and one token the window attended (9 in KV
-# head 0, 2 in KV head 1). SnapKV drops token 5, which the window does not attend: besides the window it
-# keeps 9 and its pooled neighbour 8 in KV head 0; in KV head 1 nine prefix tokens tie and the earliest two
-# stay. AdaKV ranks the layer's (head, token) pairs together: 7 entries go to KV head 0, 5 to KV head 1. Here the
-# concentrated head gets more, not fewer: the pooling copies its one strong vote (token 9) onto 8 and 10, and
-# each copy outranks the spread head's weaker votes. On a toy this small the pooling, not the spread, decides.
+# H2O (ranking once, with every query's attention summed) keeps the sink, the heavy hitter 5, its 3 recent
+# tokens and one token the window attended: 9 in KV head 0; in KV head 1 the window attends 2, 3, 7 and 8
+# alike, and 2 wins because an earlier token is attended by more queries: H2O's sums favour old tokens.
+# SnapKV drops token 5, which the window does not attend: besides the window it keeps 9 and its pooled
+# neighbour 8 in KV head 0; in KV head 1 nine prefix tokens tie and the earliest two stay. AdaKV ranks the
+# layer's (head, token) pairs together: 7 entries go to KV head 0, 5 to KV head 1. Here the concentrated head
+# gets more, not fewer: the pooling copies its one strong vote (token 9) onto 8 and 10, and each copy outranks
+# the spread head's weaker votes. Its safeguard, $\lfloor 0.2 \cdot 6 \rfloor = 1$ entry, is a window token
+# in each head, kept anyway: it changes nothing. Without the pooling (kernel 1), AdaKV does what it is for:
+
+# %% tags=["needs:window_vote", "needs:adakv"]
+unpooled = SnapKVPolicy(B_TOY, window=W_TOY, kernel=1).rank(
+    snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=1, pooling="max"), pos, T_TOY)
+for name, idx in {"SnapKV (kernel 1)": select_topk(unpooled, B_TOY),
+                  "AdaKV (kernel 1)": mask_to_indices(adaptive_keep_mask(unpooled, B_TOY, int(0.2 * B_TOY)))}.items():
+    print(f"{name:23}", "   ".join(f"KV head {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)))
+
+# %% [markdown]
+# KV head 0's window attends token 9 alone: AdaKV gives it the window and 9, five entries, and lends its sixth
+# to KV head 1, whose window spreads over 2, 3, 7 and 8 (and the sink 0): seven entries there.
 #
 # ## Exercises
 #
@@ -252,8 +276,10 @@ for name, idx in toy_kept.items():
 #
 # A prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`.
 # Write `my_expected(seen, budget, n_sink)`: from the tokens seen, the budget and the sinks only, the positions
-# every layer and KV head must hold now, a 1-D tensor in ascending order (without `sinks_and_recent`). The
-# check runs it on this cache (`ex_seen`, `EX_BUDGET`, `EX_SINKS`) and on caches of other budgets and lengths.
+# every layer and KV head must hold now, a 1-D tensor in ascending order (without `sinks_and_recent` or
+# section 2.1's `streaming_keep`; mind $S = \min(\texttt{n\_sink}, B - 1)$). The check runs it on this cache
+# (`ex_seen`, `EX_BUDGET`, `EX_SINKS`) and on caches of other budgets and lengths, one with fewer entries than
+# sinks.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from nanollm.data.tasks import make_sample
@@ -277,8 +303,8 @@ from exercises import calls, exercise
 
 @exercise("Exercise 1")
 def check_expected(expected_rule):
-    assert not calls(expected_rule, "sinks_and_recent"), \
-        "from seen, budget and n_sink alone: your function calls sinks_and_recent"
+    library = calls(expected_rule, "sinks_and_recent", "streaming_keep")
+    assert not library, f"from seen, budget and n_sink alone: your function calls {', '.join(library)}"
     for budget, n_sink, n_prompt, n_new in ((EX_BUDGET, EX_SINKS, None, 5), (24, 2, 150, 3), (10, 0, 60, 7),
                                             (3, 4, 55, 5)):
         cache = ex_cache if budget == EX_BUDGET else KVCache(model.config, StreamingLLMPolicy(budget, n_sink=n_sink))
@@ -292,7 +318,8 @@ def check_expected(expected_rule):
                                             "budget positions"
         assert torch.equal(expected, expected.sort().values), f"{where}: list the positions in ascending order"
         S = min(n_sink, budget - 1)                               # the newest token always fits
-        assert torch.equal(expected[:S], torch.arange(S)), f"{where}: the sinks are the first S positions"
+        assert torch.equal(expected[:S], torch.arange(S)), f"{where}: the sinks are the first S positions, " \
+                                                           "S = min(n_sink, budget - 1)"
         held = [kv.pos[0, h][kv.pos[0, h] >= 0].sort().values for kv in cache.layers for h in range(kv.pos.shape[1])]
         assert all(torch.equal(p, expected) for p in held), f"{where}: the recent window is the last B - S " \
             "positions *seen* (the prompt's and the decoded tokens'), up to seen - 1"
@@ -334,7 +361,7 @@ my_h2o = None                # replace None: a function (maps, budget) -> (score
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 @exercise("Exercise 2")
 def check_h2o(h2o):
-    library = calls(h2o, "H2OPolicy", "make_policy", "KVCache", "prefill", "received_attention")
+    library = calls(h2o, "H2OPolicy", "make_policy", "KVCache", "prefill", "received_attention", "h2o_scores")
     assert not library, f"from the maps alone: your function calls {', '.join(library)}"
     other = torch.tensor([make_sample("niah_single_noise", tok, 200 if TINY else 300, seed=8).prompt_ids])
     for ids, maps, budget in ((ex_ids, ex_maps, EX_H2O_BUDGET), (other, record_attention(model, other), 40)):

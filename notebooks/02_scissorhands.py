@@ -12,7 +12,7 @@
 # attention at most of the recent steps is safe to drop.
 #
 # **Before this lesson**: lesson 00 (the KV cache, `KVCache`, `prefill`) and lesson 01 (a budget cache that
-# evicts, H2O's accumulated attention, StreamingLLM's recent window, `make_policy`). The symbols are the book's
+# evicts, H2O's accumulated attention, StreamingLLM's recent window). The symbols are the book's
 # ([notebooks/README.md](README.md)), the metrics those of its [metrics glossary](README.md#metrics).
 
 # %% tags=["setup"]
@@ -25,10 +25,10 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
-# | $T$ | tokens the cache has seen | `T` (in `keep_by_hand`), `seen` |
+# | $T$ | tokens the cache has seen | `T` (in `keep_by_hand`), `seen` (an argument of `scissorhands_keep`) |
 # | $t$ | the current step: the position of the newest query | the last row of `attn` |
 # | $n$ | the position of a stored token | `n` (in `keep_by_hand`), `pos` |
-# | $A_i$ | the slots the query at position $i$ attends (in a full cache: tokens $0 \dots i$) | `visible` |
+# | $A_i$ | the slots the query at position $i$ attends (in a full cache: tokens $0 \dots i$) | `visible`; its size $\lvert A_i \rvert$: `n_visible` |
 # | $a_{i,n}$ | attention of the query at $i$ on token $n$ (a KV head's: its $G$ query heads' mean) | `attn` |
 # | $B$ | the budget: tokens kept per layer and KV head, the recent ones included | `budget` |
 # | $w$ | the window of observers: the last $w$ queries, whose flags are counted | `w`, `history_window` |
@@ -40,8 +40,9 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # Scissorhands keeps a record per cached token: for each of the last $w$ queries, was the token *low*, given
 # less than the uniform level of attention? The query at position $i$ attends the slots $A_i$, so its uniform
 # level is $1/|A_i|$ (in a full cache $1/(i+1)$); a slot it did not attend is never low. When a layer
-# holds more than $B$ tokens, it drops the tokens with the most low flags, never one of the $r$ most recent;
-# among equal counts, the one the last query attends least goes first (§4, Algorithm 2). With $m = 1$ (the
+# holds more than $B$ tokens, it drops the tokens with the most low flags, never one of the $r$ most recent
+# (§4, Algorithm 2). The paper states no rule for equal counts; ours drops first the one the last query attends
+# least. With $m = 1$ (the
 # counters do not change within a step, so dropping two at once, as the toy below does, is the same) the
 # rule after step $t$ is
 #
@@ -106,9 +107,9 @@ def keep_by_hand(attn, budget, n_recent):
     w, T = attn.shape
     counts = [0] * T                                      # I[n]: low flags among the last w queries
     for i in range(w):
-        seen = T - w + i + 1                              # query i attends tokens 0 .. seen - 1: |A_i| = seen
-        for n in range(seen):
-            counts[n] += int(attn[i, n] < 1 / seen)       # below the uniform level: a low flag
+        n_visible = T - w + i + 1                         # query i attends tokens 0 .. n_visible - 1: |A_i|
+        for n in range(n_visible):
+            counts[n] += int(attn[i, n] < 1 / n_visible)  # below the uniform level: a low flag
     older = range(T - n_recent)                           # the r most recent are never dropped
     best = sorted(older, key=lambda n: (counts[n], -float(attn[-1, n])))   # fewest flags, then most attention
     return sorted(best[:budget - n_recent]) + list(range(T - n_recent, T))
@@ -136,7 +137,8 @@ print("random (20 tokens, w = 8, B = 10, r = 2): the same", len(library_keep(ran
 # model (0.87M parameters, 4 layers, 4 query heads sharing 2 KV heads): a needle (a key and
 # its value, a few digits) hidden in noise, then a question about it, in a sample of at most `LENGTH` tokens
 # (prompt and answer together), compressed to a quarter ($B = 128$ entries per layer and KV head) by
-# Scissorhands (`make_policy`'s defaults: $w = 400$, $r = 10$, $m = 1$) and by H2O (lesson 01).
+# Scissorhands (its defaults: $w = 400$, $r = 10$, $m = 1$) and by H2O (lesson 01). `make_policy(name,
+# budget=...)` builds a method's policy from its name, with its default options.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from methods import make_policy
@@ -195,6 +197,11 @@ for layer in range(model.config.n_layer):
 # the value is among the least important tokens there. H2O, which sums attention instead of counting, keeps
 # the value in the heads that retrieve it (the dark red in the figure's lower panel). A count of below-average
 # steps ignores how strongly the few retrieving queries attend a token.
+#
+# Two choices behind this picture are the library's, not the paper's, which does not discuss a prompt longer
+# than the budget: the prompt's last $w$ query rows fill the counters and the layer then drops to $B$ at once,
+# and the counts are raw (AnswerDotAI's port of the method divides each by the steps it was observed).
+# `methods/README.md` lists both.
 
 # %% [markdown]
 # ## 3. On the real model: SmolLM2-135M
@@ -206,6 +213,8 @@ for layer in range(model.config.n_layer):
 # method from a cache of the first $B$ tokens and decodes the rest one token at a time, evicting as it goes.
 # It scores each next-token distribution of the second half against the full cache's: the perplexity ratio,
 # the mean KL(full || method) and how often the top-1 tokens agree ([metrics glossary](README.md#metrics)).
+# In the table, `protocol` says how a method met the text (`decode`: evicting as it decodes; `full`: the
+# reference, nothing evicted) and `cache at end` the entries per layer and KV head it holds at the last token.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from experiments.evaluation import language_modelling
@@ -236,8 +245,10 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 # ### Exercise 1: dropping m at a time
 #
 # With $m = 3$ (`drop=3`) a cache over its budget drops three tokens at once, so it falls below the budget and has
-# room for the next steps before it compresses again. On the toy of section 1 ($B = 4$, $r = 1$), how
-# many tokens does the cache keep, and which? Write `my_keep(counts, last, B, m, r)`: from the counters $I_n$
+# room for the next steps before it compresses again. It drops $m$ as many times as it takes to be within $B$,
+# $\lceil (T - B) / m \rceil \cdot m$ tokens in all, and $m$ is cut to $B - r$ (a cache never drops into its
+# $r$ recent tokens). On the toy of section 1 ($B = 4$, $r = 1$), how many tokens does the cache keep, and
+# which? Write `my_keep(counts, last, B, m, r)`: from the counters $I_n$
 # (`counts`, a list, one per position) and the last query's attention (`last`, a list), the positions a cache
 # of budget $B$ keeps when it drops $m$ at a time and never the $r$ most recent, ascending, without
 # `scissorhands_keep` or `keep_score`. The cell below computes the toy's `counts` and `last` to try it on; the
@@ -322,6 +333,7 @@ my_recent_share = None                  # replace None: recent_share of the cach
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 @exercise("Exercise 2")
 def check_recent_share(share):
+    assert share == share, "the share is NaN: an empty cache has no kept entries; prefill it with ids first"
     assert 0 <= share <= 1, "a share lies between 0 and 1"
     short = KVCache(model.config, make_policy("scissorhands", budget=BUDGET, history_window=8))
     prefill(model, ids, short)
@@ -338,6 +350,8 @@ prefill(model, ids, short_window)
 reference_recent_share = recent_share(short_window)
 # END SOLUTION
 check_recent_share(reference_recent_share)
+print(f"w = 8: a share of {reference_recent_share:.2f} in the last {BUDGET} positions (w = 400: "
+      f"{recent_share(caches['scissorhands']):.2f})")
 kept = {name: [int(((layer.pos >= v) & (layer.pos < end)).sum()) for layer in cache.layers]
         for name, cache in [("w = 400", caches["scissorhands"]), ("w = 8", short_window)]}
 print(f"the needle's value, entries kept per layer (of {end - v} tokens x {model.config.n_kv_head} KV heads): {kept}")
