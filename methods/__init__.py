@@ -12,12 +12,14 @@ plus its own options, with paper defaults. Scorers (``ScoringPolicy``: Streaming
 entries; wrappers (``PolicyWrapper``: AdaKV, ChunkKV, CriticalKV) turn an ``inner`` scorer's scores into a
 selection, their ``default_inner`` when named alone; KVReviver and the full cache are policies of their own. A
 *method spec* (``"adakv(snapkv)"``) names a method in Python, on the command line and in the JSON records alike;
-``make_policy`` gives each option to the outermost policy that has it. More: ``methods/README.md``.
+``make_policy`` gives each option to the outermost policy that has it. A name ``MODULE:CLASS`` is a policy class
+of one's own, imported (``"adakv(mine:KeyNorm)"``). More: ``methods/README.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import nanollm.interrupt  # noqa: F401  (first: Ctrl-C while a command starts is one line, nanollm/interrupt.py)
 from nanollm.checks import check_budget
@@ -47,6 +49,24 @@ METHODS: dict[str, type[CachePolicy]] = {
 }
 
 
+def policy_class(name: str) -> type[CachePolicy]:
+    """The class a name in a method spec stands for: a registered name, or ``MODULE:CLASS``, a dataclass
+    subclassing ``nanollm.policy.CachePolicy`` imported from an importable module (the current folder is one)."""
+    if name in METHODS:
+        return METHODS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}, wrap a scorer: {wrappers()} "
+                         f"(one of {scorers()}), or name a policy class of your own as MODULE:CLASS")
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"method {name!r}: cannot import {attr!r} from module {module!r} ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, CachePolicy) and dataclasses.is_dataclass(cls)):
+        raise ValueError(f"method {name!r}: {attr} is not a dataclass subclassing nanollm.policy.CachePolicy")
+    return cls
+
+
 def scorers() -> list[str]:
     """Registered methods that rank entries and can sit inside a wrapper."""
     return [n for n, c in METHODS.items() if issubclass(c, ScoringPolicy) and not issubclass(c, PolicyWrapper)]
@@ -67,21 +87,19 @@ def method_chain(spec: str) -> list[str]:
     if s != "(".join(chain) + ")" * (len(chain) - 1):
         raise ValueError(f"unbalanced brackets in method {spec!r}")
     for name in chain:
-        if name not in METHODS:
-            raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}, or wrap a scorer: "
-                             f"{wrappers()}(one of {scorers()})")
-    while issubclass(METHODS[chain[-1]], PolicyWrapper):
-        chain.append(METHODS[chain[-1]].default_inner)
+        policy_class(name)                                 # a registered name or MODULE:CLASS, or a ValueError
+    while issubclass(policy_class(chain[-1]), PolicyWrapper):
+        chain.append(policy_class(chain[-1]).default_inner)
     for outer, inner in zip(chain, chain[1:]):
-        if not issubclass(METHODS[outer], PolicyWrapper):
+        if not issubclass(policy_class(outer), PolicyWrapper):
             raise ValueError(f"{outer!r} is not a wrapper, so it cannot take {inner!r} inside; wrappers: {wrappers()}")
-        if not issubclass(METHODS[inner], (ScoringPolicy, PolicyWrapper)):
+        if not issubclass(policy_class(inner), (ScoringPolicy, PolicyWrapper)):
             raise ValueError(f"{inner!r} does not score entries, so {outer!r} cannot wrap it; scorers: {scorers()}")
     return chain
 
 
 def _own_options(name: str) -> list[str]:
-    return [f.name for f in dataclasses.fields(METHODS[name]) if f.init and f.name not in ("budget", "inner")]
+    return [f.name for f in dataclasses.fields(policy_class(name)) if f.init and f.name not in ("budget", "inner")]
 
 
 def method_options(spec: str) -> list[str]:
@@ -106,17 +124,17 @@ def make_policy(name: str, budget: int, inner: str | None = None, **options) -> 
     n_named = spec.count("(") + 1                       # the rest of the chain are default inner scorers
     left, own = dict(options), []
     for i, n in enumerate(chain):
-        defaults = getattr(METHODS[chain[i - 1]], "default_inner_options", {}) if i >= n_named else {}
+        defaults = getattr(policy_class(chain[i - 1]), "default_inner_options", {}) if i >= n_named else {}
         own.append({**defaults, **{k: left.pop(k) for k in _own_options(n) if k in left}})
     if left:
         raise ValueError(f"unknown option(s) {sorted(left)} for method {spec!r}; valid options: "
                          f"{method_options(spec)}")
-    policy = METHODS[chain[-1]](budget=budget, **own[-1])
+    policy = policy_class(chain[-1])(budget=budget, **own[-1])
     for n, opts in zip(reversed(chain[:-1]), reversed(own[:-1])):
-        policy = METHODS[n](budget=budget, inner=policy, **opts)
+        policy = policy_class(n)(budget=budget, inner=policy, **opts)
     return policy
 
 
 __all__ = ["METHODS", "AdaKVPolicy", "ChunkKVPolicy", "CriticalKVPolicy", "FullPolicy", "H2OPolicy",
            "KVReviverPolicy", "ScissorhandsPolicy", "SnapKVPolicy", "StreamingLLMPolicy", "make_policy",
-           "method_chain", "method_options", "scorers", "wrappers"]
+           "method_chain", "method_options", "policy_class", "scorers", "wrappers"]

@@ -223,9 +223,9 @@ def parser() -> cli.ArgumentParser:
                     help="bundled checkpoint name, fetched model's name (smollm2-135m), nanollm checkpoint folder, "
                          "local Hugging Face folder or GGUF file (default %(default)s)")
     ap.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                    help=f"methods to run: registered names ({', '.join(METHODS)}) or a wrapper around a "
-                         "scorer, e.g. 'adakv(h2o)'; the records name them as written (default: every "
-                         "registered name)")
+                    help=f"methods to run: registered names ({', '.join(METHODS)}), a wrapper around a "
+                         "scorer, e.g. 'adakv(h2o)', or MODULE:CLASS, a policy class of your own; the records "
+                         "name them as written (default: every registered name)")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--keep-ratios", nargs="+", type=float, default=None, metavar="R",
                        help="keep ratios, each in (0, 1]: budget = round(R * --length) entries per layer and KV "

@@ -1,0 +1,75 @@
+"""
+A policy class of one's own, named ``MODULE:CLASS``, is a method spec wherever a registered name is one:
+``make_policy``, inside a wrapper, and ``experiments.compare --methods`` (in its worker processes too), so a
+researcher tries a method without editing ``methods/__init__.py``. A name that does not import, or imports
+something other than a policy dataclass, is one line naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.evaluation import compare
+from methods import AdaKVPolicy, make_policy, method_chain, method_options
+from nanollm import KVCache, prefill
+from nanollm.config import preset
+from tests.methods.knorm import KnormPolicy
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = "tests.methods.knorm:KnormPolicy"
+EXAMPLE = ROOT / "experiments" / "evaluation" / "examples" / "niah_single_noise.jsonl"
+
+
+@pytest.fixture
+def tiny(make_model):
+    return make_model(preset("TINY"), seed=0)
+
+
+def test_a_class_of_ones_own_is_a_method_spec(tiny):
+    assert make_policy(SPEC, 8) == KnormPolicy(budget=8)
+    assert make_policy(f"adakv({SPEC})", 8, alpha_safeguard=0.5) == \
+        AdaKVPolicy(budget=8, alpha_safeguard=0.5, inner=KnormPolicy(budget=8))
+    assert method_chain(f"chunkkv({SPEC})") == ["chunkkv", SPEC]
+    assert method_options(f"adakv({SPEC})") == ["alpha_safeguard"]
+    ids = torch.randint(tiny.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    caches = [KVCache(tiny.config, policy) for policy in (make_policy(SPEC, 8), KnormPolicy(budget=8))]
+    for cache in caches:
+        prefill(tiny, ids, cache)
+    assert all(torch.equal(a.pos, b.pos) for a, b in zip(*[c.layers for c in caches]))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_module_xyz:Policy", "cannot import 'Policy' from module 'no_such_module_xyz'"),
+    ("tests.methods.knorm:Nope", "cannot import 'Nope' from module 'tests.methods.knorm'"),
+    ("tests.methods.knorm:check_budget", "check_budget is not a dataclass subclassing nanollm.policy.CachePolicy"),
+    ("knorm", "or name a policy class of your own as MODULE:CLASS"),
+    (f"{SPEC}(h2o)", "is not a wrapper"),
+])
+def test_a_name_that_is_no_policy_is_one_line(spec, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as e:
+        make_policy(spec, 8)
+    assert "\n" not in str(e.value)
+
+
+def test_compare_runs_a_class_of_ones_own_in_process(tmp_path):
+    out = tmp_path / "run.json"
+    compare.main(["--task-file", str(EXAMPLE), "--samples", "1", "--methods", SPEC, "--keep-ratios", "0.25",
+                  "--length", "512", "--workers", "1", "--quiet", "--json", str(out)])
+    assert {r["method"] for r in json.loads(out.read_text())["records"]} == {"full", SPEC}     # full: the reference
+
+
+@pytest.mark.slow
+def test_compare_s_worker_processes_import_the_class_too(tmp_path):
+    """Workers are fresh interpreters (spawn): each imports the class from its name, as the parent did."""
+    out = tmp_path / "run.json"
+    subprocess.run([sys.executable, "-m", "experiments.compare", "--task-file", str(EXAMPLE), "--samples", "2",
+                    "--methods", SPEC, f"adakv({SPEC})", "--keep-ratios", "0.25", "--length", "512",
+                    "--workers", "2", "--quiet", "--json", str(out)], cwd=ROOT, check=True, capture_output=True)
+    records = json.loads(out.read_text())["records"]
+    assert {r["method"] for r in records} == {"full", SPEC, f"adakv({SPEC})"} and len(records) == 6   # 3 x 2 modes
