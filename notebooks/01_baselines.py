@@ -61,7 +61,8 @@ toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(
 # $$\text{keep} \;=\; \{0, \dots, S-1\} \;\cup\; \{T-(B-S), \dots, T-1\} \qquad \text{(§3.2)}$$
 #
 # A budget of at most `n_sink` entries cuts the sinks, so that the newest token still fits:
-# $S = \min(\texttt{n\_sink}, B - 1)$.
+# $S = \min(\texttt{n\_sink}, B - 1)$. (The paper also renumbers the kept tokens' positions inside the cache;
+# the library keeps their original positions, its keys rotated once when cached: `methods/README.md`.)
 
 # %%
 from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
@@ -143,6 +144,7 @@ for layer, a in enumerate(demo_maps):
     steps = [a[:, :20, :20], a[:, 20:21, :21], a[:, 21:22, :22]]     # the prompt's rows, then one row per step
     assert torch.allclose(h2o_scores(steps, model.config.n_kv_head), cache.layers[layer].state[H2O_SCORE][0],
                           atol=1e-5), f"layer {layer}: the scores differ from the library's H2O cache"
+print(f"h2o_scores equals the library cache's scores in all {len(demo_maps)} layers (prompt, then 2 steps)")
 
 # %% [markdown]
 # ### 2.3 SnapKV: the observation window votes, once, at prefill
@@ -169,8 +171,8 @@ def snapkv_votes(probs, n_kv_head, window, kernel):
     H, T, _ = probs.shape
     votes = probs[:, T - window:, :T - window].sum(1)            # (H, T - w) summed over the window's queries
     half = kernel // 2
-    pooled = torch.stack([votes[:, max(0, j - half):j + half + 1].max(-1).values
-                          for j in range(T - window)], dim=-1)   # (H, T - w) the best of each neighbourhood
+    pooled = torch.stack([votes[:, max(0, n - half):n + half + 1].max(-1).values
+                          for n in range(T - window)], dim=-1)   # (H, T - w) the best of each neighbourhood
     return pooled.view(n_kv_head, H // n_kv_head, -1).mean(1)   # (H_kv, T - w)
 # END SOLUTION
 
@@ -197,7 +199,7 @@ print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in s
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
-# \qquad \text{(Algorithm 1)}$$
+# \qquad \text{(Algorithm 1, the safeguard as kvpress counts it)}$$
 
 # %%
 from methods.adakv import adaptive_keep_mask, mask_to_indices
@@ -226,12 +228,15 @@ for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0
     for n_safe in (0, 1, B_TOY):
         assert torch.equal(adakv_keep(scores, B_TOY, n_safe), adaptive_keep_mask(scores[None], B_TOY, n_safe)[0]), \
             f"scale {scale}, safeguard {n_safe}: another choice than the library's"
+print("adakv_keep makes the library's choice for both scales and safeguards 0, 1 and B_TOY")
 
 # %% [markdown]
 # ### 2.5 What each rule keeps of the toy
 #
 # StreamingLLM keeps the same positions in every head (section 2.1). The library's other three rules on the
-# toy, 6 entries per KV head (AdaKV: $H_{kv} B$ in the layer):
+# toy, 6 entries per KV head (AdaKV: $H_{kv} B$ in the layer). Each policy's `rank` gives the scores a cache
+# sorts by (its protected entries, such as SnapKV's window, at $+\infty$); `select_topk` keeps each KV head's
+# best `B_TOY`, and among equal scores the earlier position; `mask_to_indices` lists AdaKV's kept slots.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)                   # (1, H_kv, T) positions of the slots
@@ -250,7 +255,8 @@ for name, idx in toy_kept.items():
 # tokens and one token the window attended: 9 in KV head 0; in KV head 1 the window attends 2, 3, 7 and 8
 # alike, and 2 wins because an earlier token is attended by more queries: H2O's sums favour old tokens.
 # SnapKV drops token 5, which the window does not attend: besides the window it keeps 9 and its pooled
-# neighbour 8 in KV head 0; in KV head 1 nine prefix tokens tie and the earliest two stay. AdaKV ranks the
+# neighbour 8 in KV head 0 (8, 9 and 10 tie after the pooling; the earlier two stay); in KV head 1 nine
+# prefix tokens tie and the earliest two stay. AdaKV ranks the
 # layer's (head, token) pairs together: 7 entries go to KV head 0, 5 to KV head 1. Here the concentrated head
 # gets more, not fewer: the pooling copies its one strong vote (token 9) onto 8 and 10, and each copy outranks
 # the spread head's weaker votes. Its safeguard, $\lfloor 0.2 \cdot 6 \rfloor = 1$ entry, is a window token

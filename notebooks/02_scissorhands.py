@@ -42,9 +42,8 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # level is $1/|A_i|$ (in a full cache $1/(i+1)$); a slot it did not attend is never low. When a layer
 # holds more than $B$ tokens, it drops the tokens with the most low flags, never one of the $r$ most recent
 # (§4, Algorithm 2). The paper states no rule for equal counts; ours drops first the one the last query attends
-# least. With $m = 1$ (the
-# counters do not change within a step, so dropping two at once, as the toy below does, is the same) the
-# rule after step $t$ is
+# least. The toy below is two tokens over its budget and drops both; dropping them one at a time ($m = 1$)
+# keeps the same, since the counters do not change within a step. The rule after step $t$ is
 #
 # $$\mathrm{low}_{i,n} = \big[\, n \in A_i \text{ and } a_{i,n} < \tfrac{1}{|A_i|} \,\big], \qquad
 #   I_n = \sum_{i = t - w + 1}^{t} \mathrm{low}_{i,n}, \qquad
@@ -245,9 +244,9 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 # ### Exercise 1: dropping m at a time
 #
 # With $m = 3$ (`drop=3`) a cache over its budget drops three tokens at once, so it falls below the budget and has
-# room for the next steps before it compresses again. It drops $m$ as many times as it takes to be within $B$,
-# $\lceil (T - B) / m \rceil \cdot m$ tokens in all, and $m$ is cut to $B - r$ (a cache never drops into its
-# $r$ recent tokens). On the toy of section 1 ($B = 4$, $r = 1$), how many tokens does the cache keep, and
+# room for the next steps before it compresses again. First $m$ is cut to $B - r$ (a cache never drops into its
+# $r$ recent tokens); then it drops $m$ as many times as it takes to be within $B$, $\lceil (T - B) / m
+# \rceil \cdot m$ tokens in all. On the toy of section 1 ($B = 4$, $r = 1$), how many tokens does the cache keep, and
 # which? Write `my_keep(counts, last, B, m, r)`: from the counters $I_n$
 # (`counts`, a list, one per position) and the last query's attention (`last`, a list), the positions a cache
 # of budget $B$ keeps when it drops $m$ at a time and never the $r$ most recent, ascending, without
@@ -269,7 +268,7 @@ from exercises import calls, exercise
 
 @exercise("Exercise 1")
 def check_keep(keep_rule):
-    library = calls(keep_rule, "scissorhands_keep", "keep_score")
+    library = calls(keep_rule, "scissorhands_keep", "keep_score", "n_dropped")
     assert not library, f"from the counters and the attention alone: your function calls {', '.join(library)}"
     g = torch.Generator().manual_seed(1)
     cases = [(counts, last, 4, 3, 1)] + [(torch.randint(0, 4, (T,), generator=g).tolist(),
@@ -306,6 +305,7 @@ def reference_keep(counts, last, B, m, r):
 
 
 check_keep(reference_keep)
+print("the toy with m = 3 keeps", reference_keep(counts, last, 4, 3, 1))
 
 # %% [markdown]
 # ### Exercise 2: a short history window

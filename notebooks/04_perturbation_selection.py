@@ -36,7 +36,7 @@ import torch
 # | $A$, $A_n$ | the query's attention over the $T$ entries ($A_n = a_{t,n}$) | `attn`, `A` |
 # | $V$, $v_n$ | the head's stored values, $T \times d$ | `vw` holds them projected |
 # | $W_O$ | the output projection, $D \times D$ | `W_O` |
-# | $W_O^{(h)}$ | head $h$'s slice, $d \times D$: rows $hd$ to $(h+1)d-1$ of $W_O$ (`o_proj.weight`'s columns, transposed) | inside `vw` |
+# | $W_O^{(h)}$ | head $h$'s slice, $d \times D$: rows $hd$ to $(h+1)d-1$ of $W_O$, written here so that $x W_O$ is `o_proj(x)` ($W_O$ = `o_proj.weight` transposed) | inside `vw` |
 # | $V W_O^{(h)}$ | the projected values, $T \times D$ | `vw` |
 # | $P_n$ | $\|v_n W_O^{(h)}\|_1$, entry $n$'s size (this lesson's own; lesson 01's $P$ is a pooling width) | `P` |
 # | $B$ | the budget: entries kept | `b` |
@@ -87,8 +87,9 @@ print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.1e}  (>= 0: 
 # Stage 1 keeps the $\lfloor \alpha B \rfloor$ entries with the most attention; Assumption 1 says their mass
 # $\sigma$ already exceeds one half. **Theorem 3** then freezes the factor at its stage-1 value $2 - 1/\sigma$ (no
 # larger than $2 - 1/\mu$, since $\mu \ge \sigma$), so stage 2 lowers this relaxed bound most by filling the rest
-# of the budget with the largest $A_n P_n$: *Theorem 3's ranking*. It minimises a bound on $\mathcal{L}$, not
-# $\mathcal{L}$ itself. Here is Algorithm 1 for one head (its comments write
+# of the budget with the largest $A_n P_n$: *Theorem 3's ranking*. The relaxed bound
+# $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n$ is at least $\theta$, so it still bounds
+# $\mathcal{L}$; Algorithm 1 minimises that bound, not $\mathcal{L}$ itself. Here is Algorithm 1 for one head (its comments write
 # $A_i$, $P_i$ and $n$ entries, as the paper does), checked against the library's `perturbation_constrained_select`
 # on random heads:
 
@@ -304,9 +305,11 @@ print(f"Algorithm 1 wins more often as the attention concentrates, yet it loses 
       f"of the {len(SHARPNESS)} sharpnesses: concentrated attention is needed, not enough.")
 
 # %% [markdown]
-# Why it loses: Algorithm 1 lowers $\theta$, which counts every entry's $P_n$ as if the values all pointed one
-# way; $\mathcal{L}$ depends on their signs, and with random signs the kept entries often make up for an evicted
-# one by chance, as in the hand example's second run. These heads are random; the paper's claim is about the
+# Why it loses: $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$, where $\bar o$
+# is the attention-weighted mean of a side's projected values: the output moves by the mass it loses times how
+# far the evicted entries' mean lies from the kept ones'. Algorithm 1 lowers $\theta$, which adds up every
+# entry's $P_n$ as if all the projected values pointed one way; with random directions the kept entries' mean
+# often lies near the evicted one's by chance, as in the hand example's second run. These heads are random; the paper's claim is about the
 # heads of real models, which the lab measures.
 #
 # **Go further**: the lab [labs/04_critical_kv_readings.ipynb](labs/04_critical_kv_readings.ipynb) runs both
