@@ -118,7 +118,8 @@ def run(model, tok, spec: RunSpec) -> list[dict]:
     workers = min(spec.workers, len(batches))
     done: list = []                                      # each finished batch's results, in job order
     # a with block: the bar is closed before the line of an error or Ctrl-C, not after it
-    with tqdm(total=len(mine), disable=not spec.progress, desc="compare", unit="sample", dynamic_ncols=True) as bar:
+    with tqdm(total=len(mine), disable=not spec.progress, desc="compare (sample x mode)", unit="job",
+              dynamic_ncols=True) as bar:
         def tick(results):
             for batch_results in results:
                 bar.update(len(batch_results))
@@ -249,7 +250,7 @@ def parser() -> cli.ArgumentParser:
     ap.add_argument("--metric", nargs="+", default=[], type=metric_spec, metavar="MODULE:FUNCTION",
                     help="metrics of your own, fn(prediction, answers) -> a number, imported from the folder the "
                          "command runs in and tried on one answer before any work (the contract: "
-                         "experiments/evaluation/README.md); every answer is scored after the run, the records "
+                         "experiments/evaluation/task_files.md); every answer is scored after the run, the records "
                          "keep the mean and each sample's (NAME_each), and the report gives their intervals "
                          "(default: none)")
     ap.add_argument("--chat-template", action="store_true",
@@ -307,7 +308,8 @@ def parser() -> cli.ArgumentParser:
                          "records, bit for bit with the fast engine, to float rounding with the batched ones, the "
                          "step times shared by more caches; K samples' caches held at once (default %(default)s)")
     ap.add_argument("--json", type=cli.output_file, default=None, metavar="PATH",
-                    help="write the records as a JSON list to PATH (default: none)")
+                    help="write the run to PATH as JSON: an object of its provenance, preset, run (engine, weights), "
+                         "records (one per method, keep ratio, task and mode) and pairwise tests (default: none)")
     ap.add_argument("--plot", type=cli.figure_file, default=None, metavar="PATH",
                     help="write an accuracy-vs-keep-ratio figure to PATH, a "
                          f"{cli.FIGURE_HELP} file (default: none)")
@@ -477,7 +479,9 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
             print(format_scored(records, {spec: [r[f"{spec}_each"] for r in records] for spec in args.metric}))
     legend = ("keep = budget / --length; kept = the share of each sample's compressed tokens the budget keeps (mean "
               "over the samples and tasks); acc = the task's score of the greedy answer (string_match_all for RULER's "
-              "tasks); KL = mean next-token KL(full || method) over the answer; pert = relative error of the final "
+              "tasks, a task file's own scorer for its column); KL = mean next-token KL(full || method) over the "
+              "answer, in nats; KV KiB = the most K/V bytes the cache held at once, all layers, over the samples "
+              "(KVReviver's sketch included); pert = relative error of the final "
               "hidden state at the first decode step; lost = full-attention mass on entries the method dropped at "
               "that step; step ms = the engine's decode step time given to the cache per answer token ("
               + ("its own step, timed alone)." if args.engine == "plain" or args.time_alone else
@@ -490,6 +494,11 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
           + (f" in each of {world} processes" if world > 1 else "")
           + (f", {args.together} samples stepped together" if args.together > 1 else "")
           + f", {args.engine} engine. {legend}")
+    for name, task in files.items():                # said on stderr before the run; the results say it too
+        if cut := getattr(task, "cut_items", []):
+            lost = sum(not c["answers_kept"] for c in cut)
+            print(f"note: {name}: {len(cut)} of {samples} items were cut to fit --length {length} (--truncate "
+                  f"{args.truncate})" + (f", {lost} of them losing every answer" if lost else ""))
     if args.json:
         ran = {"engine": args.engine, "weights_sha256": weights_sha256(args.checkpoint)}    # what ran, exactly
         if args.chat_template:

@@ -91,6 +91,12 @@ def within_noise(lo: float, hi: float) -> bool:
     return lo <= 1e-12 and hi >= -1e-12
 
 
+# Fewer paired answers than this, and the compare report prints a difference's bootstrap interval without a
+# verdict: resampling a handful of answers gives an interval that only looks sure (two answers both lost give
+# [-1.00, -1.00]). The exact paired test (``sign_test``) has no such floor.
+MIN_PAIRED = 10
+
+
 def verdict(lo: float, hi: float) -> str:
     """The noise rule: "within noise" when the 95% interval [lo, hi] of a difference a - b contains 0, else
     "higher" (a above b) or "lower" (a below b)."""

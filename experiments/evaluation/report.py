@@ -9,7 +9,7 @@ from nanollm import cli
 from nanollm.data.evaluate import MODES
 from nanollm.data.tasks import ALL_TASKS
 
-from .intervals import ALPHA, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
+from .intervals import ALPHA, MIN_PAIRED, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 from .metrics import METRICS
 
 
@@ -166,7 +166,8 @@ def format_intervals(records: list[dict], what: str = "accuracy") -> str:
         full = next((g for (m, _), g in groups.items() if m == "full"), None)
         keys = sorted(groups, key=lambda k: (k[0] != "full", k[0], k[1]))
         w = max(14, 1 + max(len(k[0]) for k in keys))
-        head = f"{'method':<{w}}{'keep':>6}{'mean acc':>9}   {'95% interval':<14}" + \
+        mean_of = "mean acc" if what == "accuracy" else "mean"            # the title names another metric
+        head = f"{'method':<{w}}{'keep':>6}{mean_of:>9}   {'95% interval':<14}" + \
             ("   vs full (paired): difference [95% interval]" if full else "")
         lines += [f"\n[{mode}] mean {what}: 95% Wilson interval over its answers; "
                   "difference from the full cache: 95% paired bootstrap interval (each task's samples resampled)", head,
@@ -179,7 +180,9 @@ def format_intervals(records: list[dict], what: str = "accuracy") -> str:
             line = f"{k[0]:<{w}}{k[1]:>6.2f}{means[k]:>9.2f}   [{lo:.2f}, {hi:.2f}]  "
             if full is not None and k[0] != "full":
                 d, dlo, dhi = paired_difference(g, full)
-                line += f"   {signed(d)} [{signed(dlo)}, {signed(dhi)}]  {verdict(dlo, dhi)}"
+                n = sum(len(x) for x in g)
+                line += f"   {signed(d)} [{signed(dlo)}, {signed(dhi)}]  " + \
+                    (verdict(dlo, dhi) if n >= MIN_PAIRED else f"no verdict from {n} answers")
             lines.append(line.rstrip())
         answers = answers_by_row(records, mode)
         for ratio in sorted({k[1] for k in keys if k[0] != "full"}):
@@ -198,12 +201,16 @@ def format_intervals(records: list[dict], what: str = "accuracy") -> str:
 
 
 def format_summary(records: list[dict]) -> str:
-    """What ``--quiet`` prints instead of the tables: per mode and keep ratio, the best method and those the
-    exact paired test cannot tell from it (``format_intervals``' verdict lines)."""
+    """What ``--quiet`` prints instead of the tables: per mode the full cache's mean accuracy (what the methods
+    can at best keep), then per keep ratio the best method and those the exact paired test cannot tell from
+    it (``format_intervals``' verdict lines)."""
     lines, mode = [], ""
     for line in format_intervals(records).splitlines():
         if line.startswith("["):
             mode = line.split("]")[0] + "]"
+            full = [r["accuracy"] for r in records if r["method"] == "full" and f"[{r['mode']}]" == mode]
+            if full:
+                lines.append(f"{mode} full cache: mean accuracy {sum(full) / len(full):.2f} over its tasks")
         elif line.startswith("keep "):
             lines.append(f"{mode} {line}")
     return "\n".join(lines)

@@ -157,8 +157,10 @@ def main(argv: list[str] | None = None, make_policy=None, prog: str = "python -m
         print(("..." + text[-300:]) if len(text) > 300 else text)
     else:
         print(args.prompt)
+    held = "" if policy is None or args.budget < len(ids) + len(out) else \
+        "; the budget holds the prompt and the answer, so nothing was evicted"
     print(f"--- generated: {len(out)} tokens, {'stopped at end-of-text' if stopped else f'limit {max_new}'}"
-          f"{'' if sample is not None else ', ' + cache} ---")
+          f"{'' if sample is not None else f', {len(ids)} prompt tokens, ' + cache}{held} ---")
     answer = tok.decode(out)
     print(answer)
     if sample is not None:

@@ -52,3 +52,18 @@ def test_the_tables_show_what_they_say_they_show(name):
     column = {"accuracy": "mean acc", "kl": "KL", "perturbation": "pert", "lost_mass": "lost",
               "kv_bytes": "KV KiB", "decode_ms_per_token": "step ms"}[name]
     assert column in header
+
+
+def test_the_quiet_summary_gives_the_full_cache_s_accuracy_and_few_answers_no_verdict():
+    """``--quiet`` says what the full cache scores in each mode (what the methods can keep at best); a
+    difference from the full cache over fewer than ``MIN_PAIRED`` answers prints its interval, no verdict; a
+    metric of one's own is not headed "acc"."""
+    few = [record("full", "passkey", [1, 0]), record("snapkv", "passkey", [0, 0]), record("h2o", "passkey", [0, 0])]
+    summary = report.format_summary(few)
+    assert summary.splitlines()[0] == "[question_in_prompt] full cache: mean accuracy 0.50 over its tasks"
+    assert "no best, every method answers nothing right" in summary
+    text = report.format_intervals(few)
+    assert "no verdict from 2 answers" in text and "lower" not in text
+    many = [record("full", "passkey", [1] * 10), record("snapkv", "passkey", [0] * 10)]
+    assert report.format_intervals(many).rstrip().splitlines()[-1].endswith("lower")
+    assert "mean acc" not in report.format_intervals(few, "my:metric").splitlines()[2]

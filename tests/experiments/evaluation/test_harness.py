@@ -415,3 +415,24 @@ def test_one_process_out_of_gpu_memory_is_one_line_too(monkeypatch, capsys):
                     progress=False))
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and "a shorter --length" in err, err
+
+
+def test_a_task_file_s_sample_runs_through_the_harness_with_its_task(loaded, tmp_path):
+    """A task file's sample is scored by the file's rules when its task is given, and refused in one line
+    naming the fix when it is not; ``compare_traces`` says when the full cache's trace lacks probabilities."""
+    from experiments.evaluation.harness import greedy_accuracies
+    from experiments.evaluation.task_file import FileTask
+    model, tok, _ = loaded
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"context": "The capital of France is Paris. " * 3, "question": " Capital?",
+                                "answers": ["Paris"], "scorer": "exact_match", "answer_tokens": 3}) + "\n")
+    task = FileTask(path)
+    sample = task.sample(tok, LENGTH, 0)
+    with pytest.raises(ValueError, match="pass its task, task=FileTask"):
+        traces(model, sample, "question_in_prompt", [None], [False])
+    trs = traces(model, sample, "question_in_prompt", [None, make_policy("h2o", 16)], [False, False], task=task)
+    scored = greedy_accuracies(model, tok, sample, trs, task=task)
+    assert [s for s, _ in scored] == [float(p.strip() == "Paris") for _, p in scored]     # exact_match, the file's
+    assert all(len(tr.prediction_ids) <= 3 for tr in trs)                                  # answer_tokens, the file's
+    with pytest.raises(ValueError, match="record_probs True"):
+        compare_traces(trs[0], trs[1])

@@ -141,8 +141,11 @@ def test_a_cut_is_refused_before_any_work_or_said_and_recorded(tmp_path, capsys,
     for mode, lost in [("middle", []), ("left", [0, 1, 2])]:          # the left cut drops each item's opening
         out = tmp_path / f"{mode}.json"
         compare.main(base + ["--truncate", mode, "--json", str(out)])
-        said = capsys.readouterr().err
+        printed = capsys.readouterr()
+        said = printed.err
         assert f"file:mine: 3 of 4 items cut to fit --length 512 (--truncate {mode})" in said, said
+        assert f"note: file:mine: 3 of 4 items were cut to fit --length 512 (--truncate {mode})" + \
+            (f", {len(lost)} of them losing every answer" if lost else "") in printed.out   # beside the results
         named = ", ".join(f"line {i + 1}" + (" (id 'third')" if i == 2 else "") for i in lost)
         assert (f"took every answer out of the prompt of {named}" in said) == bool(lost), said
         records = json.loads(out.read_text())["records"]

@@ -369,9 +369,11 @@ def test_a_run_in_workers_ends_quietly_and_quiet_is_short():
                           "--quiet"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]
-    verdicts = [line for line in run.stdout.splitlines() if line.startswith("[")]
+    verdicts = [line for line in run.stdout.splitlines() if line.startswith("[") and " keep " in line]
     assert [line.split(" keep")[0] for line in verdicts] == ["[question_in_prompt]", "[question_after_context]"]
-    assert len(run.stdout.splitlines()) < 12 and "exact paired test" in verdicts[0]
+    full = [line for line in run.stdout.splitlines() if line.startswith("[") and " full cache: " in line]
+    assert [line.split(" full")[0] for line in full] == ["[question_in_prompt]", "[question_after_context]"]
+    assert len(run.stdout.splitlines()) < 14 and "exact paired test" in verdicts[0]
 
 
 @pytest.mark.slow
