@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 
 import nanollm.interrupt  # noqa: F401  (first: Ctrl-C while a command starts is one line, nanollm/interrupt.py)
 from nanollm.checks import check_budget
@@ -50,20 +52,26 @@ METHODS: dict[str, type[CachePolicy]] = {
 
 
 def policy_class(name: str) -> type[CachePolicy]:
-    """The class a name in a method spec stands for: a registered name, or ``MODULE:CLASS``, a dataclass
-    subclassing ``nanollm.policy.CachePolicy`` imported from an importable module (the current folder is one)."""
+    """The class a name in a method spec stands for: a registered name, or ``MODULE:CLASS``, a policy dataclass
+    (a ``CachePolicy`` or a ``PolicyWrapper``) with a ``budget`` field, imported from a module of the folder
+    the command runs in or of the Python path."""
     if name in METHODS:
         return METHODS[name]
     if ":" not in name:
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}, wrap a scorer: {wrappers()} "
                          f"(one of {scorers()}), or name a policy class of your own as MODULE:CLASS")
     module, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path:                   # a module in the folder the command runs in
+        sys.path.insert(0, os.getcwd())
     try:
         cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"method {name!r}: cannot import {attr!r} from module {module!r} ({e})") from None
-    if not (isinstance(cls, type) and issubclass(cls, CachePolicy) and dataclasses.is_dataclass(cls)):
-        raise ValueError(f"method {name!r}: {attr} is not a dataclass subclassing nanollm.policy.CachePolicy")
+    except Exception as e:                             # the user's module: any error (syntax too), in one line
+        raise ValueError(f"method {name!r}: cannot import {attr!r} from module {module!r} "
+                         f"({type(e).__name__}: {e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, (CachePolicy, PolicyWrapper)) and dataclasses.is_dataclass(cls)
+            and "budget" in {f.name for f in dataclasses.fields(cls)}):
+        raise ValueError(f"method {name!r}: {attr} is not a policy dataclass with a budget field (a subclass of "
+                         "nanollm.policy.CachePolicy, ScoringPolicy or nanollm.wrapper.PolicyWrapper)")
     return cls
 
 

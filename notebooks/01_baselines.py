@@ -50,7 +50,7 @@ toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(
 # | $\mathcal{G}_j$ | the $G$ query heads of KV head $j$: $jG, \dots, (j+1)G - 1$ | `h // G == j` |
 # | $a^h_{t,n}$ | the attention of query head $h$ from position $t$ to token $n$ | `probs[h, t, n]` |
 # | $s_{j,n}$ | token $n$'s score in KV head $j$: the higher scores stay | `scores` |
-# | $u^h_n$, $P$ | SnapKV's vote for token $n$ in query head $h$; its pooling width | `votes` in `snapkv_votes`, `kernel` |
+# | $u^h_n$, $P$ | SnapKV's vote for $n$ in query head $h$; its pooling width | `votes` (in `snapkv_votes`), `kernel` |
 #
 # ### 2.1 StreamingLLM: attention sinks and a recent window
 #

@@ -28,7 +28,7 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # | $T$ | tokens the cache has seen | `T` (in `keep_by_hand`), `seen` (an argument of `scissorhands_keep`) |
 # | $t$ | the current step: the position of the newest query | the last row of `attn` |
 # | $n$ | the position of a stored token | `n` (in `keep_by_hand`), `pos` |
-# | $A_i$ | the slots the query at position $i$ attends (in a full cache: tokens $0 \dots i$) | `visible`; its size $\lvert A_i \rvert$: `n_visible` |
+# | $A_i$ | the slots query $i$ attends (full cache: tokens $0 \dots i$) | `visible`; its size: `n_visible` |
 # | $a_{i,n}$ | attention of the query at $i$ on token $n$ (a KV head's: its $G$ query heads' mean) | `attn` |
 # | $B$ | the budget: tokens kept per layer and KV head, the recent ones included | `budget` |
 # | $w$ | the window of observers: the last $w$ queries, whose flags are counted | `w`, `history_window` |

@@ -36,7 +36,7 @@ import torch
 # | $A$, $A_n$ | the query's attention over the $T$ entries ($A_n = a_{t,n}$) | `attn`, `A` |
 # | $V$, $v_n$ | the head's stored values, $T \times d$ | `vw` holds them projected |
 # | $W_O$ | the output projection, $D \times D$ | `W_O` |
-# | $W_O^{(h)}$ | head $h$'s slice, $d \times D$: rows $hd$ to $(h+1)d-1$ of $W_O$, written here so that $x W_O$ is `o_proj(x)` ($W_O$ = `o_proj.weight` transposed) | inside `vw` |
+# | $W_O^{(h)}$ | head $h$'s slice, $d \times D$: rows $hd$..$(h+1)d-1$ of $W_O$ ($x W_O$ = `o_proj(x)`) | in `vw` |
 # | $V W_O^{(h)}$ | the projected values, $T \times D$ | `vw` |
 # | $P_n$ | $\|v_n W_O^{(h)}\|_1$, entry $n$'s size (this lesson's own; lesson 01's $P$ is a pooling width) | `P` |
 # | $B$ | the budget: entries kept | `b` |
@@ -89,9 +89,9 @@ print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.1e}  (>= 0: 
 # larger than $2 - 1/\mu$, since $\mu \ge \sigma$), so stage 2 lowers this relaxed bound most by filling the rest
 # of the budget with the largest $A_n P_n$: *Theorem 3's ranking*. The relaxed bound
 # $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n$ is at least $\theta$, so it still bounds
-# $\mathcal{L}$; Algorithm 1 minimises that bound, not $\mathcal{L}$ itself. Here is Algorithm 1 for one head (its comments write
-# $A_i$, $P_i$ and $n$ entries, as the paper does), checked against the library's `perturbation_constrained_select`
-# on random heads:
+# $\mathcal{L}$; Algorithm 1 minimises that bound, not $\mathcal{L}$ itself. Here is Algorithm 1 for one
+# head (its comments write $A_i$, $P_i$ and $n$ entries, as the paper does), checked against the library's
+# `perturbation_constrained_select` on random heads:
 
 # %%
 # BEGIN SOLUTION [critical_kv:two_stage] stage 1: the alpha share of b by attention A; stage 2: the rest by A * P
@@ -134,7 +134,8 @@ P = vw.abs().sum(-1)                                                            
 print("entry | A_n  | P_n  | A_n P_n")
 for n in range(4):
     print(f"{n:5} | {attn[n]:.2f} | {P[n]:.2f} | {attn[n] * P[n]:.3f}")
-print(f"stage 1 (alpha = 0.5) keeps entry 0 alone: sigma = {float(attn[0]):.2f}, 2 - 1/sigma = {2 - 1 / float(attn[0]):.2f}")
+first = float(attn[0])                                                          # sigma, stage 1's mass
+print(f"stage 1 (alpha = 0.5) keeps entry 0 alone: sigma = {first:.2f}, 2 - 1/sigma = {2 - 1 / first:.2f}")
 same_sign = vw * torch.tensor([[1.0], [1.0], [-1.0], [1.0]], dtype=torch.float64)   # entry 2's value flipped
 for values, vws in [("entry 2 opposite", vw), ("entry 2 same sign", same_sign)]:
     for name, alpha in [("attention top-2", 1.0), ("Algorithm 1, alpha = 0.5", 0.5)]:
@@ -309,8 +310,8 @@ print(f"Algorithm 1 wins more often as the attention concentrates, yet it loses 
 # is the attention-weighted mean of a side's projected values: the output moves by the mass it loses times how
 # far the evicted entries' mean lies from the kept ones'. Algorithm 1 lowers $\theta$, which adds up every
 # entry's $P_n$ as if all the projected values pointed one way; with random directions the kept entries' mean
-# often lies near the evicted one's by chance, as in the hand example's second run. These heads are random; the paper's claim is about the
-# heads of real models, which the lab measures.
+# often lies near the evicted one's by chance, as in the hand example's second run. These heads are random;
+# the paper's claim is about the heads of real models, which the lab measures.
 #
 # **Go further**: the lab [labs/04_critical_kv_readings.ipynb](labs/04_critical_kv_readings.ipynb) runs both
 # readings over SnapKV and AdaKV on the bundled model and on SmolLM2-135M: head by head (the paper's §5.1), with

@@ -608,8 +608,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="tokens in the cache when the steps are timed "
                          f"(default {' '.join(map(str, DEFAULT_CONTEXTS))})")
     ap.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                    help=f"methods to time besides the full cache: registered names ({', '.join(METHODS)}) or a "
-                         "wrapper around a scorer, e.g. 'adakv(h2o)' (default: every registered method but full)")
+                    help=f"methods to time besides the full cache: registered names ({', '.join(METHODS)}), a "
+                         "wrapper around a scorer, e.g. 'adakv(h2o)', or MODULE:CLASS, a policy class of your own "
+                         "(default: every registered method but full)")
     ap.add_argument("--keep-ratios", type=keep_ratio_arg, nargs="+", default=DEFAULT_KEEP_RATIOS, metavar="R",
                     help="budget = round(R * context) tokens per layer per KV head, each R in (0, 1] "
                          f"(default {' '.join(map(str, DEFAULT_KEEP_RATIOS))})")

@@ -118,7 +118,7 @@ def run(model, tok, spec: RunSpec) -> list[dict]:
     workers = min(spec.workers, len(batches))
     done: list = []                                      # each finished batch's results, in job order
     # a with block: the bar is closed before the line of an error or Ctrl-C, not after it
-    with tqdm(total=len(mine), disable=not spec.progress, desc="compare (sample x mode)", unit="job",
+    with tqdm(total=len(mine), disable=not spec.progress, desc="compare (task x sample x mode)", unit="job",
               dynamic_ncols=True) as bar:
         def tick(results):
             for batch_results in results:
@@ -251,8 +251,8 @@ def parser() -> cli.ArgumentParser:
                     help="metrics of your own, fn(prediction, answers) -> a number, imported from the folder the "
                          "command runs in and tried on one answer before any work (the contract: "
                          "experiments/evaluation/task_files.md); every answer is scored after the run, the records "
-                         "keep the mean and each sample's (NAME_each), and the report gives their intervals "
-                         "(default: none)")
+                         "keep the mean and each sample's (NAME_each), and the report (without --quiet) gives "
+                         "their intervals (default: none)")
     ap.add_argument("--chat-template", action="store_true",
                     help="wrap every prompt in the checkpoint's chat template (an instruct model's, read from its "
                          "folder or GGUF file): context and question one user message, the answer the "
@@ -481,7 +481,7 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
               "over the samples and tasks); acc = the task's score of the greedy answer (string_match_all for RULER's "
               "tasks, a task file's own scorer for its column); KL = mean next-token KL(full || method) over the "
               "answer, in nats; KV KiB = the most K/V bytes the cache held at once, all layers, over the samples "
-              "(KVReviver's sketch included); pert = relative error of the final "
+              "and tasks (KVReviver's sketch included); pert = relative error of the final "
               "hidden state at the first decode step; lost = full-attention mass on entries the method dropped at "
               "that step; step ms = the engine's decode step time given to the cache per answer token ("
               + ("its own step, timed alone)." if args.engine == "plain" or args.time_alone else

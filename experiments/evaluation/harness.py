@@ -46,8 +46,8 @@ def traces(model, sample: Sample, mode: str, policies: list[CachePolicy | None],
 
 
 def trace(model, sample: Sample, mode: str, policy: CachePolicy | None = None, record_probs: bool = False,
-          engine: str = "fast") -> Trace:
-    return traces(model, sample, mode, [policy], [record_probs], engine)[0]
+          engine: str = "fast", task: Task | None = None) -> Trace:
+    return traces(model, sample, mode, [policy], [record_probs], engine, task)[0]
 
 
 def greedy_from_traces(model, tok, sample: Sample, trs: list[Trace], task: Task | None = None) -> list[list[int]]:
@@ -62,8 +62,8 @@ def greedy_accuracies(model, tok, sample: Sample, trs: list[Trace], task: Task |
     return [(task_of(sample, task).score(tr.prediction, sample), tr.prediction) for tr in trs]
 
 
-def greedy_accuracy(model, tok, sample: Sample, tr: Trace) -> tuple[float, str]:
-    return greedy_accuracies(model, tok, sample, [tr])[0]
+def greedy_accuracy(model, tok, sample: Sample, tr: Trace, task: Task | None = None) -> tuple[float, str]:
+    return greedy_accuracies(model, tok, sample, [tr], task)[0]
 
 
 def compare_traces(full: Trace, method: Trace, group_size: int | None = None) -> dict:

@@ -91,9 +91,10 @@ def within_noise(lo: float, hi: float) -> bool:
     return lo <= 1e-12 and hi >= -1e-12
 
 
-# Fewer paired answers than this, and the compare report prints a difference's bootstrap interval without a
-# verdict: resampling a handful of answers gives an interval that only looks sure (two answers both lost give
-# [-1.00, -1.00]). The exact paired test (``sign_test``) has no such floor.
+# Fewer paired answers than this in a task, and the compare report prints a difference's bootstrap interval
+# without a verdict: resampling a handful of answers (each task's apart) gives an interval that only looks
+# sure (two answers both lost give [-1.00, -1.00]). The exact paired test (``sign_test``) has no such floor;
+# ``verdict`` and ``describe``, which the notebooks call on the intervals they print, have none either.
 MIN_PAIRED = 10
 
 

@@ -196,7 +196,8 @@ def parser() -> cli.ArgumentParser:
                     help="fetched model's name, bundled checkpoint, nanollm or Hugging Face folder, or GGUF "
                          "file (default %(default)s)")
     ap.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                    help=f"method specs (default: every registered name: {', '.join(METHODS)})")
+                    help=f"method specs, MODULE:CLASS for a policy class of your own (default: every registered "
+                         f"name: {', '.join(METHODS)})")
     ap.add_argument("--keep-ratios", nargs="+", type=float, default=DEFAULT_KEEP_RATIOS, metavar="R",
                     help="budgets as fractions of the prefix (the text's first half), each in (0, 1] "
                          f"(default {' '.join(map(str, DEFAULT_KEEP_RATIOS))})")

@@ -110,8 +110,8 @@ def format_pairwise(records: list[dict]) -> str:
                 cell[(t["a"], t["b"])] = f"{t['wins_a']}:{t['wins_b']} {p_value(t['p'])}"
                 cell[(t["b"], t["a"])] = f"{t['wins_b']}:{t['wins_a']} {p_value(t['p'])}"
             w = max(14, 1 + max(map(len, names)))
-            cw = max(11, 2 + max(len(c) for c in cell.values()))
-            head = f"{'':<{w}}" + "".join(f"{n[:cw - 2]:>{cw}}" for n in names)
+            cw = max(11, 2 + max(len(c) for c in cell.values()), 2 + max(map(len, names)))   # whole names
+            head = f"{'':<{w}}" + "".join(f"{n:>{cw}}" for n in names)
             lines += [f"\n[{mode}] keep {ratio:.2f}: exact paired tests over {at[0]['n']} answers "
                       "(row wins:column wins on the samples they differ, two-sided p)", head, "-" * len(head)]
             for a in names:
@@ -180,13 +180,17 @@ def format_intervals(records: list[dict], what: str = "accuracy") -> str:
             line = f"{k[0]:<{w}}{k[1]:>6.2f}{means[k]:>9.2f}   [{lo:.2f}, {hi:.2f}]  "
             if full is not None and k[0] != "full":
                 d, dlo, dhi = paired_difference(g, full)
-                n = sum(len(x) for x in g)
-                line += f"   {signed(d)} [{signed(dlo)}, {signed(dhi)}]  " + \
-                    (verdict(dlo, dhi) if n >= MIN_PAIRED else f"no verdict from {n} answers")
+                fewest = min(len(x) for x in g)             # the bootstrap resamples each task's answers
+                said = verdict(dlo, dhi) if fewest >= MIN_PAIRED else \
+                    f"no verdict: {fewest} answer(s) in a task, under {MIN_PAIRED}"
+                line += f"   {signed(d)} [{signed(dlo)}, {signed(dhi)}]  {said}"
             lines.append(line.rstrip())
         answers = answers_by_row(records, mode)
         for ratio in sorted({k[1] for k in keys if k[0] != "full"}):
             at = {k[0]: answers[k] for k in keys if k[1] == ratio and k[0] != "full"}
+            if len(at) == 1:                                # nothing to rank it against: its mean alone
+                (name,) = at
+                lines.append(f"keep {ratio:.2f}: {name} ({means[(name, ratio)]:.2f}), the only method")
             if len(at) < 2:
                 continue
             best, p = best_and_ties(at)

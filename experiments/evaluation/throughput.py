@@ -153,7 +153,8 @@ def parser() -> cli.ArgumentParser:
                     help="bundled checkpoint name, fetched model's name, checkpoint folder or GGUF file "
                          "(default %(default)s)")
     ap.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                    help=f"methods beside the full cache (default: every registered one: {', '.join(METHODS)})")
+                    help=f"methods beside the full cache, MODULE:CLASS for a policy class of your own (default: "
+                         f"every registered one: {', '.join(METHODS)})")
     ap.add_argument("--keep-ratios", nargs="+", type=float, default=DEFAULT_KEEP_RATIOS, metavar="R",
                     help="budgets as fractions of --length, each in (0, 1] (default %(default)s)")
     ap.add_argument("--task", default=None,

@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None, make_policy=None, prog: str = "python -m
                     help="with --temperature > 0: sample among the k most likely tokens only (default: all)")
     if make_policy is not None:
         ap.add_argument("--method", default=None,
-                        help="KV-cache method: a name from methods.METHODS or a wrapper around a scorer such "
-                             "as 'adakv(h2o)' (default: full cache)")
+                        help="KV-cache method: a name from methods.METHODS, a wrapper around a scorer such "
+                             "as 'adakv(h2o)', or MODULE:CLASS, a policy class of your own (default: full cache)")
         ap.add_argument("--budget", type=cli.positive_int, default=None,
                         help="tokens kept per layer per KV head by --method (required with a --method other "
                              "than full)")

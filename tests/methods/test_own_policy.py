@@ -47,7 +47,8 @@ def test_a_class_of_ones_own_is_a_method_spec(tiny):
 @pytest.mark.parametrize("spec, message", [
     ("no_such_module_xyz:Policy", "cannot import 'Policy' from module 'no_such_module_xyz'"),
     ("tests.methods.knorm:Nope", "cannot import 'Nope' from module 'tests.methods.knorm'"),
-    ("tests.methods.knorm:check_budget", "check_budget is not a dataclass subclassing nanollm.policy.CachePolicy"),
+    ("tests.methods.knorm:check_budget", "check_budget is not a policy dataclass with a budget field"),
+    (".knorm:KnormPolicy", "cannot import 'KnormPolicy' from module '.knorm' (TypeError"),
     ("knorm", "or name a policy class of your own as MODULE:CLASS"),
     (f"{SPEC}(h2o)", "is not a wrapper"),
 ])
@@ -55,6 +56,25 @@ def test_a_name_that_is_no_policy_is_one_line(spec, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")) as e:
         make_policy(spec, 8)
     assert "\n" not in str(e.value)
+
+
+def test_a_wrapper_of_ones_own_and_a_module_in_the_current_folder(tmp_path, monkeypatch):
+    """A wrapper is a policy class too (it takes its default inner scorer when named alone), and a module is
+    found in the folder the command runs in, as a metric of one's own is; a module that does not compile, or a
+    class without a budget, is one line."""
+    assert method_chain("methods.adakv:AdaKVPolicy") == ["methods.adakv:AdaKVPolicy", "snapkv"]
+    assert make_policy("methods.adakv:AdaKVPolicy(h2o)", 8) == make_policy("adakv(h2o)", 8)
+    (tmp_path / "mine.py").write_text("from tests.methods.knorm import KnormPolicy as Mine\n")
+    (tmp_path / "broken.py").write_text("def oops(:\n")
+    (tmp_path / "nobudget.py").write_text("from dataclasses import dataclass\nfrom nanollm.policy import CachePolicy"
+                                         "\n\n@dataclass\nclass NoBudget(CachePolicy):\n    pass\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.chdir(tmp_path)
+    assert make_policy("mine:Mine", 8) == KnormPolicy(budget=8)
+    for spec, message in [("broken:Mine", "(SyntaxError"), ("nobudget:NoBudget", "with a budget field")]:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")) as e:
+            make_policy(spec, 8)
+        assert "\n" not in str(e.value)
 
 
 def test_compare_runs_a_class_of_ones_own_in_process(tmp_path):

@@ -63,7 +63,12 @@ def test_the_quiet_summary_gives_the_full_cache_s_accuracy_and_few_answers_no_ve
     assert summary.splitlines()[0] == "[question_in_prompt] full cache: mean accuracy 0.50 over its tasks"
     assert "no best, every method answers nothing right" in summary
     text = report.format_intervals(few)
-    assert "no verdict from 2 answers" in text and "lower" not in text
+    assert "no verdict: 2 answer(s) in a task, under 10" in text and "lower" not in text
     many = [record("full", "passkey", [1] * 10), record("snapkv", "passkey", [0] * 10)]
-    assert report.format_intervals(many).rstrip().splitlines()[-1].endswith("lower")
+    assert report.format_intervals(many).rstrip().splitlines()[-2].endswith("lower")
+    assert "keep 0.25: snapkv (0.00), the only method" in report.format_summary(many)     # alone at its keep
+    # ten answers in all, one in each task: the bootstrap resamples each task apart, so no verdict either
+    tasks = [f"task{i}" for i in range(10)]
+    spread = [record("full", t, [1]) for t in tasks] + [record("snapkv", t, [0 if t == "task0" else 1]) for t in tasks]
+    assert "no verdict: 1 answer(s) in a task, under 10" in report.format_intervals(spread)
     assert "mean acc" not in report.format_intervals(few, "my:metric").splitlines()[2]
