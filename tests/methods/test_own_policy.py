@@ -64,14 +64,16 @@ def test_a_wrapper_of_ones_own_and_a_module_in_the_current_folder(tmp_path, monk
     class without a budget, is one line."""
     assert method_chain("methods.adakv:AdaKVPolicy") == ["methods.adakv:AdaKVPolicy", "snapkv"]
     assert make_policy("methods.adakv:AdaKVPolicy(h2o)", 8) == make_policy("adakv(h2o)", 8)
-    (tmp_path / "mine.py").write_text("from tests.methods.knorm import KnormPolicy as Mine\n")
-    (tmp_path / "broken.py").write_text("def oops(:\n")
-    (tmp_path / "nobudget.py").write_text("from dataclasses import dataclass\nfrom nanollm.policy import CachePolicy"
+    (tmp_path / "own_mine.py").write_text("from tests.methods.knorm import KnormPolicy as Mine\n")
+    (tmp_path / "own_broken.py").write_text("def oops(:\n")
+    (tmp_path / "own_nobudget.py").write_text("from dataclasses import dataclass\nfrom nanollm.policy import CachePolicy"
                                          "\n\n@dataclass\nclass NoBudget(CachePolicy):\n    pass\n")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.chdir(tmp_path)
-    assert make_policy("mine:Mine", 8) == KnormPolicy(budget=8)
-    for spec, message in [("broken:Mine", "(SyntaxError"), ("nobudget:NoBudget", "with a budget field")]:
+    for name in ("own_mine", "own_broken", "own_nobudget"):          # names no other test's module has
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert make_policy("own_mine:Mine", 8) == KnormPolicy(budget=8)
+    for spec, message in [("own_broken:Mine", "(SyntaxError"), ("own_nobudget:NoBudget", "with a budget field")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(")) as e:
             make_policy(spec, 8)
         assert "\n" not in str(e.value)
