@@ -66,8 +66,9 @@ def test_a_wrapper_of_ones_own_and_a_module_in_the_current_folder(tmp_path, monk
     assert make_policy("methods.adakv:AdaKVPolicy(h2o)", 8) == make_policy("adakv(h2o)", 8)
     (tmp_path / "own_mine.py").write_text("from tests.methods.knorm import KnormPolicy as Mine\n")
     (tmp_path / "own_broken.py").write_text("def oops(:\n")
-    (tmp_path / "own_nobudget.py").write_text("from dataclasses import dataclass\nfrom nanollm.policy import CachePolicy"
-                                         "\n\n@dataclass\nclass NoBudget(CachePolicy):\n    pass\n")
+    (tmp_path / "own_nobudget.py").write_text("from dataclasses import dataclass\n"
+                                              "from nanollm.policy import CachePolicy\n\n"
+                                              "@dataclass\nclass NoBudget(CachePolicy):\n    pass\n")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.chdir(tmp_path)
     for name in ("own_mine", "own_broken", "own_nobudget"):          # names no other test's module has
