@@ -19,11 +19,9 @@ of one's own, imported (``"adakv(mine:KeyNorm)"``). More: ``methods/README.md``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
-import sys
 
 import nanollm.interrupt  # noqa: F401  (first: Ctrl-C while a command starts is one line, nanollm/interrupt.py)
+from nanollm import cli
 from nanollm.checks import check_budget
 from nanollm.policy import CachePolicy, ScoringPolicy
 from nanollm.wrapper import PolicyWrapper
@@ -61,10 +59,8 @@ def policy_class(name: str) -> type[CachePolicy]:
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(METHODS)}, wrap a scorer: {wrappers()} "
                          f"(one of {scorers()}), or name a policy class of your own as MODULE:CLASS")
     module, _, attr = name.partition(":")
-    if os.getcwd() not in sys.path:                   # a module in the folder the command runs in
-        sys.path.insert(0, os.getcwd())
     try:
-        cls = getattr(importlib.import_module(module), attr)
+        cls = cli.imported(module, attr)
     except Exception as e:                             # the user's module: any error (syntax too), in one line
         raise ValueError(f"method {name!r}: cannot import {attr!r} from module {module!r} "
                          f"({type(e).__name__}: {e})") from None

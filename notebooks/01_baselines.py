@@ -247,8 +247,16 @@ toy_kept = {                # each rule's ranking, then each KV head's best B_TO
         received_attention(toy_probs.sum(2), HKV_TOY), pos, T_TOY), B_TOY),
     "SnapKV (w = 4, pool 3)": select_topk(snap, B_TOY),
     "AdaKV (safeguard 1)": mask_to_indices(adaptive_keep_mask(snap, B_TOY, int(0.2 * B_TOY)))}   # -1: unused
-for name, idx in toy_kept.items():
-    print(f"{name:23}", "   ".join(f"KV head {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)))
+
+
+def show(kept):
+    """One line per rule: the positions each KV head keeps (-1, an unused slot, left out)."""
+    for name, idx in kept.items():                                    # idx (1, H_kv, K) kept slots' positions
+        heads = [f"KV head {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)]
+        print(f"{name:23}", "   ".join(heads))
+
+
+show(toy_kept)
 
 # %% [markdown]
 # H2O (ranking once, with every query's attention summed) keeps the sink, the heavy hitter 5, its 3 recent
@@ -265,9 +273,8 @@ for name, idx in toy_kept.items():
 # %% tags=["needs:window_vote", "needs:adakv"]
 unpooled = SnapKVPolicy(B_TOY, window=W_TOY, kernel=1).rank(
     snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=1, pooling="max"), pos, T_TOY)
-for name, idx in {"SnapKV (kernel 1)": select_topk(unpooled, B_TOY),
-                  "AdaKV (kernel 1)": mask_to_indices(adaptive_keep_mask(unpooled, B_TOY, int(0.2 * B_TOY)))}.items():
-    print(f"{name:23}", "   ".join(f"KV head {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)))
+show({"SnapKV (kernel 1)": select_topk(unpooled, B_TOY),
+      "AdaKV (kernel 1)": mask_to_indices(adaptive_keep_mask(unpooled, B_TOY, int(0.2 * B_TOY)))})
 
 # %% [markdown]
 # KV head 0's window attends token 9 alone: AdaKV gives it the window and 9, five entries, and lends its sixth

@@ -7,10 +7,9 @@ a function that breaks the contract is one line before any work.
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import sys
+
+from nanollm import cli
 
 
 def answer_metric(spec: str):
@@ -18,10 +17,8 @@ def answer_metric(spec: str):
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(f"{spec!r}: a metric of your own is MODULE:FUNCTION")
-    if os.getcwd() not in sys.path:                 # a module in the folder the command runs in
-        sys.path.insert(0, os.getcwd())
     try:
-        fn = getattr(importlib.import_module(module), name)
+        fn = cli.imported(module, name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{spec!r}: cannot import it ({e})") from None
     try:

@@ -19,6 +19,7 @@ Details (each check): nanollm/inside.md, section "cli/__init__.py: what the comm
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import select
@@ -106,6 +107,14 @@ def _reader_gone() -> bool:
 
 def _terminated(signum, frame):
     raise KeyboardInterrupt      # so that `finally` blocks and temporary files clean up, as for Ctrl-C
+
+
+def imported(module: str, name: str):
+    """``name`` of ``module`` (a ``MODULE:NAME`` of one's own: a policy class, a metric), the module found in
+    the folder the command runs in (put on the path first) or on the Python path. Raises what importing raises."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return getattr(importlib.import_module(module), name)
 
 
 def machine_memory() -> int | None:
