@@ -31,7 +31,8 @@ from nanollm.policy import StepContext
 
 
 def blended_keep_mask(scores: Tensor, budget: int, alpha: float) -> Tensor:
-    """Which (head, slot) pairs the repository's AdaKV keeps.
+    """Which (head, slot) pairs the repository's AdaKV keeps, over the KV heads (its ``--gqa_support`` path;
+    without it the repository repeats the KV heads and shares the pool among the query heads).
 
     Parameters
     ----------
@@ -43,6 +44,11 @@ def blended_keep_mask(scores: Tensor, budget: int, alpha: float) -> Tensor:
     Returns
     -------
     mask : (B, H_kv, T) bool.
+
+    Where this goes beyond the repository, which meets none of it at SnapKV's prefill: heads with different
+    protected counts p_j share a pool of sum_j (budget - p_j); ties go to the earlier head and slot (a stable
+    sort, where the repository's sort and topk are unstable); and where rounding up puts the layer over its
+    pool, the first heads that rounded up give one entry back each, so the layer never exceeds its budget.
     """
     s = torch.nan_to_num(scores.float(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     B, H_kv, T = s.shape
@@ -54,10 +60,12 @@ def blended_keep_mask(scores: Tensor, budget: int, alpha: float) -> Tensor:
     ranked, top = torch.sort(free, dim=-1, descending=True, stable=True)    # (B, H_kv * T)
     in_pool = (torch.arange(H_kv * T, device=s.device) < own.sum(-1, keepdim=True)) & (ranked > float("-inf"))
     c = torch.zeros(B, H_kv, dtype=torch.long, device=s.device).scatter_add_(1, top // T, in_pool.long())
-    # the blend in float64 (floor(alpha b') as Python's int() takes it), rounded half to even as torch.round does
-    share = (1 - alpha) * c.double() + torch.floor(alpha * own.double())   # (B, H_kv)
+    # the blend as the repository computes it: floor(alpha b') by Python's int(), the rest in float32 (an int64
+    # tensor times a Python float), rounded half to even by torch.round
+    floor_cap = torch.tensor([int(alpha * b) for b in range(budget + 1)], device=s.device)[own]   # (B, H_kv)
+    share = c * (1 - alpha) + floor_cap                                  # (B, H_kv) float32
     keep = torch.round(share).long()
-    # where the halves rounded up put the layer over its pool, the heads that rounded up give one back each
+    # where rounding up puts the layer over its pool, the first heads that rounded up give one back each
     over = (keep.sum(-1, keepdim=True) - own.sum(-1, keepdim=True)).clamp(min=0)   # (B, 1)
     up = keep > share
     keep = keep - (up & (torch.cumsum(up.long(), -1) <= over)).long()
