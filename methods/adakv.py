@@ -11,7 +11,8 @@ With the inner scorer's per-head scores s_j:
     s_j[top_{n_safe}(s_j)] = +inf,  n_safe = floor(alpha * budget)      # safeguard: each head's own best
     keep = top_{H_kv * budget} over all (j, t)                         # one pool for the layer
 
-Protected entries (SnapKV's window, +inf) count in n_safe, as in kvpress (the authors' repository differs);
+Protected entries (SnapKV's window, +inf) count in n_safe, as in kvpress (the authors' repository allocates
+otherwise: ``experiments/analysis/adakv_allocation.py`` runs its reading as an ablation);
 padding the shorter heads, ``head_slack``: ``methods/README.md``, "How each method is built".
 """
 

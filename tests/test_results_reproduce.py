@@ -131,6 +131,9 @@ def test_compare_default_reproduces():
     ("compare_smollm2_kvpress.json", ["chunkkv"], 0.25, "passkey", "question_in_prompt", None),
     ("compare_smollm2_kvpress.json", ["streaming_llm", "snapkv", "adakv", "critical_kv", "critical_kv(adakv(snapkv))"],
      0.1, "niah_single_docs", "question_after_context", None),
+    # AdaKV's two readings (experiments/analysis/adakv_allocation.py): a cell whose first answers differ between them
+    ("adakv_allocation_smollm2.json", ["adakv", "experiments.analysis.adakv_allocation:RepositoryAdaKV"], 0.25,
+     "passkey", "question_after_context", 3),
     # the full cache's accuracy at three lengths and over 30 samples (nanollm/README.md's table)
     ("smollm2_full_cache_1024.json", [], 1.0, "niah_multivalue_docs", "question_in_prompt", None),
     ("smollm2_full_cache_2048.json", [], 1.0, "niah_multiquery_docs", "question_after_context", None),
@@ -311,6 +314,9 @@ CHECKED_BY = {
     "compare_smollm2_kvpress.json": (HERE + "test_compare_smollm2_reproduces",),
     "compare_smollm2_kvpress.txt": "beside compare_smollm2_kvpress.json",
     "compare_smollm2_kvpress.png": "beside compare_smollm2_kvpress.json",
+    "adakv_allocation_smollm2.json": (HERE + "test_compare_smollm2_reproduces",),
+    "adakv_allocation_smollm2.txt": "beside adakv_allocation_smollm2.json",
+    "adakv_allocation_smollm2.png": "beside adakv_allocation_smollm2.json",
     "smollm2_full_cache_1024.json": (HERE + "test_compare_smollm2_reproduces",),
     "smollm2_full_cache_2048.json": (HERE + "test_compare_smollm2_reproduces",),
     "smollm2_full_cache_4096.json": (HERE + "test_compare_smollm2_reproduces",),
