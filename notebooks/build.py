@@ -379,13 +379,19 @@ def table() -> str:
     (``build_record.json``)."""
     runs, readings = read_runs(), read_readings()
     rows = ["| notebook | what it is | work, min (range, readings) | normal run, min |", "|---|---|---|---|"]
+    total = {"lessons": 0, "labs": 0}                                  # the medians as the table rounds them
     for path in sources():
         nb = read_notebook(path.with_suffix(".ipynb"))
         run = runs.get(name_of(path))
         minutes = f"{run['run_s'] / 60:.1f}" if run else "not recorded"
+        cell = work(readings.get(name_of(path)))
         rows.append(f"| [`{name_of(path)}`](notebooks/{name_of(path)}.ipynb) | {title_of(nb, path)} | "
-                    f"{work(readings.get(name_of(path)))} | {minutes} |")
-    return "\n".join(rows)
+                    f"{cell} | {minutes} |")
+        if cell != "not read":
+            total["labs" if name_of(path).startswith("labs/") else "lessons"] += int(cell.split()[0])
+    return "\n".join(rows) + (f"\n\nWork in all, the medians added up: the lessons {total['lessons']} minutes "
+                              f"({total['lessons'] / 60:.1f} hours), the labs {total['labs']} minutes "
+                              f"({total['labs'] / 60:.1f} hours).")
 
 
 FIGURE_RULES = NOTEBOOKS.parent / "tests" / "notebooks" / "figure_rules.py"

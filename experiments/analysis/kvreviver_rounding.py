@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
                       "change of rounding in its cells move its records? Compare with a plain run "
                       "of the same options (python -m experiments.evaluation.agree --records). One process, on the "
                       "CPU.")
+    for action in ap._actions:                     # compare's help for --workers, as it holds here
+        if action.dest == "workers":
+            action.help = "1, the default and the only value: the change reaches this process only"
     args = ap.parse_args(argv)
     with cli.errors(args.debug):
         if args.workers not in (None, 1):
