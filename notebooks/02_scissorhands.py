@@ -49,6 +49,9 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 #   I_n = \sum_{i = t - w + 1}^{t} \mathrm{low}_{i,n}, \qquad
 #   \text{keep the } B - r \text{ tokens with the smallest } \big(I_n,\, -a_{t,n}\big) \text{, and the last } r.$$
 #
+# The pairs compare in order: fewer low flags first, and of two equal counts the larger last attention; only the
+# tokens $0 \dots T - r - 1$ compete, the last $r$ stay whatever their counts.
+#
 # The toy: $T = 6$ tokens, three queries at positions 3, 4 and 5 (a query sees the tokens up to its own
 # position), $w = 3$, $B = 4$, $r = 1$: two tokens must go.
 
@@ -167,8 +170,9 @@ plt.show()
 
 # %% [markdown]
 # The figure shows, for each layer and KV head (a row, `L0 KV1` = layer 0, KV head 1), which prompt
-# positions the cache holds after the prompt: dark kept, light evicted. The orange band marks the twelve
-# tokens before the needle's value, the red band the value itself.
+# positions the cache holds after the prompt: dark kept, light evicted. The orange band marks the needle's key
+# and wording (the twelve tokens before its value), the red band the value itself: where the red band is dark,
+# that row keeps the value; where it is pale, the value was evicted.
 #
 # Scissorhands keeps a block of the most recent tokens in every layer, and in most rows little else. The reason
 # is the counter's age: a token at position $n$ has been seen by only $T - n$ of the $T$ prompt queries, so it
@@ -184,23 +188,30 @@ from methods.scissorhands import LOW
 full_counts = KVCache(model.config, make_policy("scissorhands", budget=N))      # keeps everything: counters
 prefill(model, ids, full_counts)
 for layer in range(model.config.n_layer):
+    # LOW: the layer's per-slot state, each token's last w low flags; this cache evicts nothing, so slot = position
     I = unimportance(full_counts.layers[layer].state[LOW])[0]                     # (H_kv, N)
-    kept = caches["scissorhands"].layers[layer].pos[0]                            # (H_kv, B)
+    kept = caches["scissorhands"].layers[layer].pos[0]                            # (H_kv, B): kept positions
     for h in range(I.shape[0]):
+        value_kept = {spec: int(((c.layers[layer].pos[0, h] >= v) & (c.layers[layer].pos[0, h] < end)).sum())
+                      for spec, c in caches.items()}                             # the value's digits each keeps
         print(f"layer {layer} KV {h}: needle value I = {I[h, v:end].tolist()}, largest kept I = "
-              f"{int(I[h, kept[h]].max())}")
+              f"{int(I[h, kept[h]].max())}; digits kept: {value_kept}")
 
 # %% [markdown]
 # The needle's counters run up to 241, while the largest counter still kept is between 34 and 102. In layers 1
 # and 3, and in layer 2's first KV head, every digit's counter is above the largest kept one: by the count
-# the value is among the least important tokens there. H2O, which sums attention instead of counting, keeps
-# the value in the heads that retrieve it (the dark red in the figure's lower panel). A count of below-average
-# steps ignores how strongly the few retrieving queries attend a token.
+# the value is among the least important tokens there, and Scissorhands keeps none of it. The counter ranks
+# first, so a digit whose counter is below the largest kept one is kept: two in layer 0's second KV head (71
+# and 67, under 75) and two in layer 2's second (42 and 41, under 46); in layer 0's first, one digit's 62
+# equals the largest kept counter and loses the tie on the last query's attention. H2O, which sums attention
+# instead of counting, keeps the whole value in two rows (the dark red in the lower panel), where Scissorhands
+# keeps none of it: a count of below-average steps ignores how strongly the few retrieving queries attend a
+# token, a sum does not.
 #
 # Two choices behind this picture are the library's, not the paper's, which does not discuss a prompt longer
 # than the budget: the prompt's last $w$ query rows fill the counters and the layer then drops to $B$ at once,
-# and the counts are raw (AnswerDotAI's port of the method divides each by the steps it was observed).
-# `methods/README.md` lists both.
+# and the counts are raw. AnswerDotAI's cold-compress, a port of the method, divides each count by the steps
+# the token was observed, which takes the age out of the counter (not run here). `methods/README.md` lists both.
 
 # %% [markdown]
 # ## 3. On the real model: SmolLM2-135M
@@ -208,7 +219,8 @@ for layer in range(model.config.n_layer):
 # The paper's main experiment (§5) runs OPT models over language-modelling text; its abstract: "reduces the
 # inference memory usage of the KV cache by up to 5X without compromising model quality". The same experiment
 # on a real language model, SmolLM2-135M: `language_modelling.run` reads `LM_LENGTH` tokens of a natural text
-# (Python's help topics), sets the budget $B$ to the keep ratio times the first half's length, starts each
+# (Python's help topics), sets the budget $B$ to the keep ratio times the first half's length (here keep is
+# relative to that half, not to the whole length as in the glossary), starts each
 # method from a cache of the first $B$ tokens and decodes the rest one token at a time, evicting as it goes.
 # It scores each next-token distribution of the second half against the full cache's: the perplexity ratio,
 # the mean KL(full || method) and how often the top-1 tokens agree ([metrics glossary](README.md#metrics)).
@@ -231,9 +243,14 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 # when scoring starts, 10x at the last token. No method keeps the full cache's quality. Scissorhands is the
 # best of the three (perplexity x1.161, KL 0.234, top-1 agreement with the full cache 0.761), ahead of H2O
 # (x1.225) and StreamingLLM (x1.226), but a perplexity 1.161 times the full cache's is not "without
-# compromising model quality": **the 5x claim is not reproduced on SmolLM2**, in a setting harsher than the
-# paper's (5x to 10x; a budget that grows with the text, 5x throughout, would be the fair test, not run here),
-# on one text (255 predictions, whose gaps of a few percent between methods could move on another text).
+# compromising model quality". So the claim is not reproduced in this setting, which is harsher than the
+# paper's: a fixed budget, 5x to 10x, where the paper's 5x holds throughout (a budget that grows with the text,
+# not run here); and it is one text (255 predictions, whose gaps of a few percent between methods could move on
+# another text).
+#
+# Why is the method that lost the needle in section 2 the best of the three here? Predicting the next word of
+# running text leans mostly on the recent tokens, which Scissorhands' counters favour; a needle is one old fact
+# that a few queries need strongly, which a count of below-average steps does not see.
 
 # %% [markdown]
 # ## Exercises
@@ -249,9 +266,9 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 # \rceil \cdot m$ tokens in all. On the toy of section 1 ($B = 4$, $r = 1$), how many tokens does the cache keep, and
 # which? Write `my_keep(counts, last, B, m, r)`: from the counters $I_n$
 # (`counts`, a list, one per position) and the last query's attention (`last`, a list), the positions a cache
-# of budget $B$ keeps when it drops $m$ at a time and never the $r$ most recent, ascending, without
-# `scissorhands_keep` or `keep_score`. The cell below computes the toy's `counts` and `last` to try it on; the
-# check also runs it on random counters and budgets.
+# of budget $B$ keeps when it drops $m$ at a time and never the $r$ most recent, ascending, without the
+# library's `scissorhands_keep`, `keep_score` or `n_dropped` (its count of tokens to drop). The cell below
+# computes the toy's `counts` and `last` to try it on; the check also runs it on random counters and budgets.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 history = torch.zeros(1, 1, 6, 3, dtype=torch.bool)      # the toy's last w = 3 flags per token
@@ -311,11 +328,12 @@ print("the toy with m = 3 keeps", reference_keep(counts, last, 4, 3, 1))
 # ### Exercise 2: a short history window
 #
 # Section 2 found that the default window ($w = 400$) keeps mostly a recent block: a token far back had many
-# more chances to be below average. Build the same cache with `history_window=8`
+# more chances to be below average. With $w = 8$ every token older than the last 8 queries has been observed
+# exactly 8 times, so its age no longer counts. Build the same cache with `history_window=8`
 # (`make_policy("scissorhands", budget=BUDGET, history_window=8)`), prefill it with `ids`, and measure with
 # `recent_share` below the share of its kept entries that lie in the last `BUDGET` positions of the prompt:
 # write it in `my_recent_share`. Then, in a sentence: does a window too short for the age effect save the
-# needle's value? (Print the kept positions against `v` and `end`.)
+# needle's value? (Count, per layer, the kept positions in `[v, end)`; the reference answer prints its sentence.)
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 def recent_share(cache):
