@@ -28,7 +28,7 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # | $T$ | tokens the cache has seen | `T` (in `keep_by_hand`), `seen` (an argument of `scissorhands_keep`) |
 # | $t$ | the current step: the position of the newest query | the last row of `attn` |
 # | $n$ | the position of a stored token | `n` (in `keep_by_hand`), `pos` |
-# | $A_i$ | the slots query $i$ attends (full cache: tokens $0 \dots i$) | `visible`; its size: `n_visible` |
+# | $A_i$ | the cached tokens query $i$ attends (full cache: tokens $0 \dots i$) | `visible`; its size: `n_visible` |
 # | $a_{i,n}$ | attention of the query at $i$ on token $n$ (a KV head's: its $G$ query heads' mean) | `attn` |
 # | $B$ | the budget: tokens kept per layer and KV head, the recent ones included | `budget` |
 # | $w$ | the window of observers: the last $w$ queries, whose flags are counted | `w`, `history_window` |
@@ -37,13 +37,13 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # | $\mathrm{low}_{i,n}$ | the low flag: 1 if query $i$ gave token $n$ less than the uniform level | `low_flags` |
 # | $I_n$ | the counter: low flags of token $n$ over the last $w$ queries | `counts`, `unimportance` |
 #
-# Scissorhands keeps a record per cached token: for each of the last $w$ queries, was the token *low*, given
-# less than the uniform level of attention? The query at position $i$ attends the slots $A_i$, so its uniform
-# level is $1/|A_i|$ (in a full cache $1/(i+1)$); a slot it did not attend is never low. When a layer
+# ($G$: the query heads that share a KV head, 2 in the bundled model.) Scissorhands keeps a record per cached
+# token: for each of the last $w$ queries, was the token *low*, given less than the uniform level of attention?
+# The query at position $i$ attends the tokens $A_i$, so its uniform level is $1/|A_i|$ (in a full cache
+# $1/(i+1)$); a token it did not attend is never low. When a layer
 # holds more than $B$ tokens, it drops the tokens with the most low flags, never one of the $r$ most recent
 # (§4, Algorithm 2). The paper states no rule for equal counts; ours drops first the one the last query attends
-# least. The toy below is two tokens over its budget and drops both; dropping them one at a time ($m = 1$)
-# keeps the same, since the counters do not change within a step. The rule after step $t$ is
+# least. The rule after step $t$, dropping one token at a time ($m = 1$; exercise 1 takes $m > 1$), is
 #
 # $$\mathrm{low}_{i,n} = \big[\, n \in A_i \text{ and } a_{i,n} < \tfrac{1}{|A_i|} \,\big], \qquad
 #   I_n = \sum_{i = t - w + 1}^{t} \mathrm{low}_{i,n}, \qquad
@@ -53,7 +53,8 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # tokens $0 \dots T - r - 1$ compete, the last $r$ stay whatever their counts.
 #
 # The toy: $T = 6$ tokens, three queries at positions 3, 4 and 5 (a query sees the tokens up to its own
-# position), $w = 3$, $B = 4$, $r = 1$: two tokens must go.
+# position), $w = 3$, $B = 4$, $r = 1$: two tokens must go. Dropping them one at a time keeps the same two as
+# dropping both at once, since the counters do not change within a step.
 
 # %%
 import matplotlib.pyplot as plt
@@ -89,7 +90,8 @@ from methods.scissorhands import low_flags, push_history, scissorhands_keep, uni
 
 
 def library_keep(attn, budget, n_recent):
-    """The library's decision on (1, 1, w, n) attention of the last w queries: flags, history, counters, keep."""
+    """The library's decision on (1, 1, w, n) attention of the last w queries: flags, history, counters, keep.
+    (push_history writes query q's flags into column q % w of a ring buffer; only the result matters here.)"""
     w, n = attn.shape[-2:]
     q, p = torch.arange(n - w, n), torch.arange(n).view(1, 1, n)
     history = torch.zeros(1, 1, n, w, dtype=torch.bool)                # per token, its last w flags
@@ -155,6 +157,8 @@ ids = torch.tensor([sample.prompt_ids])                           # (1, N)
 N = ids.shape[1]                                                  # prompt tokens
 spans = needle_spans(sample, tok)                                 # per needle: (start, value start, end)
 start, v, end = spans[0]                                          # the needle's words, its value v..end
+print("the needle:", repr(tok.decode(sample.prompt_ids[start:end])),
+      "| the prompt ends:", repr(tok.decode(sample.prompt_ids[-12:])))
 BUDGET = LENGTH // 4
 caches = {}
 for spec in ["scissorhands", "h2o"]:
@@ -172,7 +176,8 @@ plt.show()
 # The figure shows, for each layer and KV head (a row, `L0 KV1` = layer 0, KV head 1), which prompt
 # positions the cache holds after the prompt: dark kept, light evicted. The orange band marks the needle's key
 # and wording (the twelve tokens before its value), the red band the value itself: where the red band is dark,
-# that row keeps the value; where it is pale, the value was evicted.
+# that row keeps the value; where it is pale, the value was evicted (Scissorhands' few kept digits are thin dark
+# lines in rows L0 KV1 and L2 KV1).
 #
 # Scissorhands keeps a block of the most recent tokens in every layer, and in most rows little else. The reason
 # is the counter's age: a token at position $n$ has been seen by only $T - n$ of the $T$ prompt queries, so it
@@ -180,7 +185,7 @@ plt.show()
 # average. The needle's value is heavy for the few queries that look it up, and below average for almost all
 # of the rest. Its tokens' counters, against the largest counter still kept, per layer and KV head (`prefill`
 # reads the whole prompt, then drops down to $B$ at once, so a cache that keeps everything holds the very
-# counters the budget cache ranked):
+# counters the budget cache ranked; "largest kept I" is over the tokens the counters chose, not the last $r$):
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from methods.scissorhands import LOW
@@ -191,11 +196,13 @@ for layer in range(model.config.n_layer):
     # LOW: the layer's per-slot state, each token's last w low flags; this cache evicts nothing, so slot = position
     I = unimportance(full_counts.layers[layer].state[LOW])[0]                     # (H_kv, N)
     kept = caches["scissorhands"].layers[layer].pos[0]                            # (H_kv, B): kept positions
+    r = caches["scissorhands"].policy.n_recent                                    # the last r never compete
     for h in range(I.shape[0]):
+        competing = kept[h][kept[h] < N - r]                                      # kept by their counters
         value_kept = {spec: int(((c.layers[layer].pos[0, h] >= v) & (c.layers[layer].pos[0, h] < end)).sum())
                       for spec, c in caches.items()}                             # the value's digits each keeps
         print(f"layer {layer} KV {h}: needle value I = {I[h, v:end].tolist()}, largest kept I = "
-              f"{int(I[h, kept[h]].max())}; digits kept: {value_kept}")
+              f"{int(I[h, competing].max())}; digits kept: {value_kept}")
 
 # %% [markdown]
 # The needle's counters run up to 241, while the largest counter still kept is between 34 and 102. In layers 1
@@ -206,7 +213,7 @@ for layer in range(model.config.n_layer):
 # equals the largest kept counter and loses the tie on the last query's attention. H2O, which sums attention
 # instead of counting, keeps the whole value in two rows (the dark red in the lower panel), where Scissorhands
 # keeps none of it: a count of below-average steps ignores how strongly the few retrieving queries attend a
-# token, a sum does not.
+# token, a sum does not. (Whether the model still answers: the lab measures it, `labs/02_scissorhands_claims` §1.)
 #
 # Two choices behind this picture are the library's, not the paper's, which does not discuss a prompt longer
 # than the budget: the prompt's last $w$ query rows fill the counters and the layer then drops to $B$ at once,
@@ -243,14 +250,16 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 # when scoring starts, 10x at the last token. No method keeps the full cache's quality. Scissorhands is the
 # best of the three (perplexity x1.161, KL 0.234, top-1 agreement with the full cache 0.761), ahead of H2O
 # (x1.225) and StreamingLLM (x1.226), but a perplexity 1.161 times the full cache's is not "without
-# compromising model quality". So the claim is not reproduced in this setting, which is harsher than the
-# paper's: a fixed budget, 5x to 10x, where the paper's 5x holds throughout (a budget that grows with the text,
-# not run here); and it is one text (255 predictions, whose gaps of a few percent between methods could move on
-# another text).
+# compromising model quality". So the claim is not reproduced in this setting, a harsh one for it: a fixed
+# budget compresses more as the text grows, 5x when scoring starts and 10x at the end, where 5x throughout
+# would take a budget that grows with the text (not run here); and it is one text (255 predictions, whose gaps
+# of a few percent between methods could move on another text; at keep 0.5 Scissorhands trails both others,
+# `methods/claims.md`).
 #
-# Why is the method that lost the needle in section 2 the best of the three here? Predicting the next word of
-# running text leans mostly on the recent tokens, which Scissorhands' counters favour; a needle is one old fact
-# that a few queries need strongly, which a count of below-average steps does not see.
+# Why does the method that lost the needle lead here? A plausible reading, not tested in this lesson: most next
+# words of running text depend on the recent tokens and on a few older ones that many queries keep attending,
+# which stay above average; Scissorhands keeps a recent block and such tokens, StreamingLLM only its window.
+# A needle is one old fact that a few queries need strongly, which a count of below-average steps does not see.
 
 # %% [markdown]
 # ## Exercises
@@ -261,14 +270,15 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 # ### Exercise 1: dropping m at a time
 #
 # With $m = 3$ (`drop=3`) a cache over its budget drops three tokens at once, so it falls below the budget and has
-# room for the next steps before it compresses again. First $m$ is cut to $B - r$ (a cache never drops into its
-# $r$ recent tokens); then it drops $m$ as many times as it takes to be within $B$, $\lceil (T - B) / m
-# \rceil \cdot m$ tokens in all. On the toy of section 1 ($B = 4$, $r = 1$), how many tokens does the cache keep, and
-# which? Write `my_keep(counts, last, B, m, r)`: from the counters $I_n$
-# (`counts`, a list, one per position) and the last query's attention (`last`, a list), the positions a cache
-# of budget $B$ keeps when it drops $m$ at a time and never the $r$ most recent, ascending, without the
-# library's `scissorhands_keep`, `keep_score` or `n_dropped` (its count of tokens to drop). The cell below
-# computes the toy's `counts` and `last` to try it on; the check also runs it on random counters and budgets.
+# room for the next steps before it compresses again. First $m$ is cut to $B - r$ (otherwise one drop from
+# $B + 1$ tokens could reach into the $r$ recent ones, which are never dropped); then it drops $m$ as many times
+# as it takes to be within $B$, $\lceil (T - B) / m \rceil \cdot m$ tokens in all. On the toy of section 1
+# ($B = 4$, $r = 1$), how many tokens does the cache keep, and which? Write `my_keep(counts, last, B, m, r)`:
+# from the counters $I_n$ (`counts`, a list, one per position) and the last query's attention (`last`, a
+# list), the positions a cache of budget $B$ keeps when it drops $m$ at a time and never the $r$ most recent,
+# ascending, without the library's `scissorhands_keep`, `keep_score` or `n_dropped` (its count of tokens to
+# drop). The cell below computes the toy's `counts` and `last` to try it on; the check also runs it on random
+# counters and budgets.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 history = torch.zeros(1, 1, 6, 3, dtype=torch.bool)      # the toy's last w = 3 flags per token
@@ -330,10 +340,10 @@ print("the toy with m = 3 keeps", reference_keep(counts, last, 4, 3, 1))
 # Section 2 found that the default window ($w = 400$) keeps mostly a recent block: a token far back had many
 # more chances to be below average. With $w = 8$ every token older than the last 8 queries has been observed
 # exactly 8 times, so its age no longer counts. Build the same cache with `history_window=8`
-# (`make_policy("scissorhands", budget=BUDGET, history_window=8)`), prefill it with `ids`, and measure with
-# `recent_share` below the share of its kept entries that lie in the last `BUDGET` positions of the prompt:
-# write it in `my_recent_share`. Then, in a sentence: does a window too short for the age effect save the
-# needle's value? (Count, per layer, the kept positions in `[v, end)`; the reference answer prints its sentence.)
+# (`make_policy("scissorhands", budget=BUDGET, history_window=8)`) and prefill it with `ids`; pass it to
+# `recent_share` (the next cell), which measures the share of its kept entries in the last `BUDGET` positions of
+# the prompt, and store that share in `my_recent_share`. Then: how many of the needle's value entries survive
+# now? (Count, per layer, the kept positions in `[v, end)`; the reference answer prints its count and reading.)
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 def recent_share(cache):
@@ -375,7 +385,8 @@ kept = {name: [int(((layer.pos >= v) & (layer.pos < end)).sum()) for layer in ca
 print(f"the needle's value, entries kept per layer (of {end - v} tokens x {model.config.n_kv_head} KV heads): {kept}")
 print(f"A short window spreads the kept entries over the prompt and keeps {sum(kept['w = 8'])} of the value's "
       f"{len(short_window.layers) * model.config.n_kv_head * (end - v)} entries (w = 400: {sum(kept['w = 400'])}): "
-      "it helps, but a digit stays only where the last 8 queries did not find it below average.")
+      "more digits survive, but most of the value is still dropped, and the lab finds the answers no better at "
+      "w = 8: what fails is the count, which weighs the few queries that retrieve the needle like any other.")
 
 # %% [markdown]
 # **Go further**: [labs/02_scissorhands_claims.ipynb](labs/02_scissorhands_claims.ipynb): accuracy and KL
