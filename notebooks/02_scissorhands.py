@@ -8,8 +8,8 @@
 # model's quality if it drops the right tokens as it goes? Scissorhands says yes, because attention maps
 # repeat themselves: the tokens one decoding step attends to strongly are, by and large, the ones later
 # steps attend to as well (§3.1-3.2; on OPT models the paper reports that more than 95% of the important
-# tokens stay important, in most layers). If that holds, a token that has received *less than average*
-# attention at most of the recent steps is safe to drop.
+# tokens stay important, in most layers; the lab measures how far that holds here). If that holds, a token that
+# has received *less than average* attention at most of the recent steps is safe to drop.
 #
 # **Before this lesson**: lesson 00 (the KV cache, `KVCache`, `prefill`) and lesson 01 (a budget cache that
 # evicts, H2O's accumulated attention, StreamingLLM's recent window). The symbols are the book's
@@ -34,7 +34,7 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # | $w$ | the window of observers: the last $w$ queries, whose flags are counted | `w`, `history_window` |
 # | $r$ | the most recent tokens, never dropped | `n_recent` |
 # | $m$ | tokens dropped at once when the cache is over budget | `drop` |
-# | $\mathrm{low}_{i,n}$ | the low flag: 1 if query $i$ gave token $n$ less than the uniform level | `low_flags` |
+# | $\mathrm{low}_{i,n}$ | low flag: 1 if query $i$ gave $n$ less than the uniform $1/\lvert A_i \rvert$ | `low_flags` |
 # | $I_n$ | the counter: low flags of token $n$ over the last $w$ queries | `counts`, `unimportance` |
 #
 # ($G$: the query heads that share a KV head, 2 in the bundled model.) Scissorhands keeps a record per cached
@@ -53,8 +53,9 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # tokens $0 \dots T - r - 1$ compete, the last $r$ stay whatever their counts.
 #
 # The toy: $T = 6$ tokens, three queries at positions 3, 4 and 5 (a query sees the tokens up to its own
-# position), $w = 3$, $B = 4$, $r = 1$: two tokens must go. Dropping them one at a time keeps the same two as
-# dropping both at once, since the counters do not change within a step.
+# position), $w = 3$, $B = 4$, $r = 1$: two tokens must go (as after a prompt, which a cache reads whole and
+# then cuts to $B$). Dropping them one at a time drops the same two as dropping both at once, since the
+# counters do not change within a step.
 
 # %%
 import matplotlib.pyplot as plt
@@ -141,8 +142,8 @@ print("random (20 tokens, w = 8, B = 10, r = 2): the same", len(library_keep(ran
 # model (0.87M parameters, 4 layers, 4 query heads sharing 2 KV heads): a needle (a key and
 # its value, a few digits) hidden in noise, then a question about it, in a sample of at most `LENGTH` tokens
 # (prompt and answer together), compressed to a quarter ($B = 128$ entries per layer and KV head) by
-# Scissorhands (its defaults: $w = 400$, $r = 10$, $m = 1$) and by H2O (lesson 01). `make_policy(name,
-# budget=...)` builds a method's policy from its name, with its default options.
+# Scissorhands (the library's defaults, after cold-compress: $w = 400$, $r = 10$, $m = 1$) and by H2O
+# (lesson 01). `make_policy(name, budget=...)` builds a method's policy from its name, with its default options.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from methods import make_policy
@@ -183,15 +184,20 @@ plt.show()
 # is the counter's age: a token at position $n$ has been seen by only $T - n$ of the $T$ prompt queries, so it
 # cannot have more than $T - n$ low flags, whereas a token far back had up to $w = 400$ chances to be below
 # average. The needle's value is heavy for the few queries that look it up, and below average for almost all
-# of the rest. Its tokens' counters, against the largest counter still kept, per layer and KV head (`prefill`
-# reads the whole prompt, then drops down to $B$ at once, so a cache that keeps everything holds the very
-# counters the budget cache ranked; "largest kept I" is over the tokens the counters chose, not the last $r$):
+# of the rest. Both effects act on the needle; exercise 2 takes the age away to see what is left.
+#
+# Where do we read the counters the budget cache ranked? `prefill` counts the flags over the whole prompt, then
+# drops down to $B$ at once. A cache with a budget of the whole prompt drops nothing, so it holds the same
+# counters, and the cell reads them there. For each layer and KV head it prints the value's counters, the
+# largest counter among the tokens the budget cache kept by their counters (not its last $r$), and how many of
+# the value's digits each method keeps. The value starts at position `v`, seen by `N - v` queries:
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from methods.scissorhands import LOW
 
 full_counts = KVCache(model.config, make_policy("scissorhands", budget=N))      # keeps everything: counters
 prefill(model, ids, full_counts)
+print(f"the value at positions {v}-{end - 1} of {N}: its first digit seen by {N - v} queries")
 for layer in range(model.config.n_layer):
     # LOW: the layer's per-slot state, each token's last w low flags; this cache evicts nothing, so slot = position
     I = unimportance(full_counts.layers[layer].state[LOW])[0]                     # (H_kv, N)
@@ -225,9 +231,10 @@ for layer in range(model.config.n_layer):
 #
 # The paper's main experiment (§5) runs OPT models over language-modelling text; its abstract: "reduces the
 # inference memory usage of the KV cache by up to 5X without compromising model quality". The same experiment
-# on a real language model, SmolLM2-135M: `language_modelling.run` reads `LM_LENGTH` tokens of a natural text
-# (Python's help topics), sets the budget $B$ to the keep ratio times the first half's length (here keep is
-# relative to that half, not to the whole length as in the glossary), starts each
+# on a real language model, SmolLM2-135M (fetched once by `python -m nanollm.cli.fetch smollm2-135m`, the
+# README's set-up): `language_modelling.run` reads `LM_LENGTH` tokens of a natural text (Python's help
+# topics), sets the budget $B$ to the keep ratio times the first half's length (here keep is
+# relative to that half, as the glossary's language-modelling entry says), starts each
 # method from a cache of the first $B$ tokens and decodes the rest one token at a time, evicting as it goes.
 # It scores each next-token distribution of the second half against the full cache's: the perplexity ratio,
 # the mean KL(full || method) and how often the top-1 tokens agree ([metrics glossary](README.md#metrics)).
@@ -270,10 +277,10 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 # ### Exercise 1: dropping m at a time
 #
 # With $m = 3$ (`drop=3`) a cache over its budget drops three tokens at once, so it falls below the budget and has
-# room for the next steps before it compresses again. First $m$ is cut to $B - r$ (otherwise one drop from
-# $B + 1$ tokens could reach into the $r$ recent ones, which are never dropped); then it drops $m$ as many times
-# as it takes to be within $B$, $\lceil (T - B) / m \rceil \cdot m$ tokens in all. On the toy of section 1
-# ($B = 4$, $r = 1$), how many tokens does the cache keep, and which? Write `my_keep(counts, last, B, m, r)`:
+# room for the next steps before it compresses again. First $m$ is cut to $B - r$ (so that at least one token
+# the counters choose stays; a larger $m$ could drop them all, or reach into the $r$ recent ones); then it drops
+# $m$ as many times as it takes to be within $B$, $\lceil (T - B) / m \rceil \cdot m$ tokens in all. On the toy of
+# section 1 ($B = 4$, $r = 1$), how many tokens does the cache keep, and which? Write `my_keep(counts, last, B, m, r)`:
 # from the counters $I_n$ (`counts`, a list, one per position) and the last query's attention (`last`, a
 # list), the positions a cache of budget $B$ keeps when it drops $m$ at a time and never the $r$ most recent,
 # ascending, without the library's `scissorhands_keep`, `keep_score` or `n_dropped` (its count of tokens to
