@@ -52,6 +52,7 @@ from .report import (
     json_only,
     pairwise,
     plot,
+    shown,
 )
 from .task import TASKS, Task
 from .task_file import TRUNCATE, FileTask, metadata
@@ -468,15 +469,18 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
         score_records(records, spec, answer_metric(spec))
     for line in flag_degenerate(records):
         print(line, file=sys.stderr)
+    named, own = shown(records)      # a class of one's own by its name; the records keep MODULE:CLASS
+    for line in own:
+        print(line)
     if args.quiet:                  # a short summary; every number is in the records (--json)
-        print(format_summary(records))
+        print(format_summary(named))
     else:
-        print(format_tables(records))
+        print(format_tables(named))
         print(json_only())
-        print(format_intervals(records))
-        print(format_pairwise(records))
+        print(format_intervals(named))
+        print(format_pairwise(named))
         if args.metric:
-            print(format_scored(records, {spec: [r[f"{spec}_each"] for r in records] for spec in args.metric}))
+            print(format_scored(named, {spec: [r[f"{spec}_each"] for r in records] for spec in args.metric}))
     legend = ("keep = budget / --length; kept = the share of each sample's compressed tokens the budget keeps (mean "
               "over the samples and tasks); acc = the task's score of the greedy answer (string_match_all for RULER's "
               "tasks, a task file's own scorer for its column); KL = mean next-token KL(full || method) over the "
@@ -512,7 +516,7 @@ def run_main(args, ap, argv, variants, tasks, budgets, length, samples, rank, wo
                                                 indent=1))
         print(f"records written to {args.json}" + (" (incomplete)" if stopped is not None else ""))
     if args.plot:
-        plot(records, args.plot)
+        plot(named, args.plot)
         print(f"plot written to {args.plot}")
     if stopped is not None:
         cli.fail(stopped.line() + (f"; the samples that finished are in {args.json}, marked incomplete"

@@ -1,9 +1,12 @@
 """
 The main job's report: its records as tables per mode, intervals and exact paired tests, the short summary
-``--quiet`` prints, the degenerate cells' warnings, and the accuracy-against-keep-ratio plot.
+``--quiet`` prints, the degenerate cells' warnings, and the accuracy-against-keep-ratio plot. A policy class of
+one's own shows by its class name (``shown``), its full ``MODULE:CLASS`` in a line above the tables.
 """
 
 from __future__ import annotations
+
+import re
 
 from nanollm import cli
 from nanollm.data.evaluate import MODES
@@ -11,6 +14,23 @@ from nanollm.data.tasks import ALL_TASKS
 
 from .intervals import ALPHA, MIN_PAIRED, best_and_ties, paired_difference, sign_test, signed, verdict, wilson
 from .metrics import METRICS
+
+OWN_CLASS = re.compile(r"[\w.]+:(\w+)")           # MODULE:CLASS inside a method spec: "adakv(pkg.mod:Knorm)"
+
+
+def shown(records: list[dict]) -> tuple[list[dict], list[str]]:
+    """Copies of the records whose method names show each ``MODULE:CLASS`` by its ``CLASS`` (the tables and the plot
+    stay as wide as the registered names), and a line per class saying what it stands for. Two classes of one name
+    from different modules keep their full names. The records themselves (the JSON) keep the names as written."""
+    full = {m.group(0) for r in records for m in OWN_CLASS.finditer(r["method"])}
+    short = {spec: spec.rpartition(":")[2] for spec in full}
+    clash = {name for name in short.values() if list(short.values()).count(name) > 1}
+    short = {spec: name for spec, name in short.items() if name not in clash}
+    if not short:
+        return records, []
+    lines = [f"{name} = {spec}" for spec, name in sorted(short.items(), key=lambda x: x[1])]
+    return [{**r, "method": OWN_CLASS.sub(lambda m: short.get(m.group(0), m.group(0)), r["method"])}
+            for r in records], lines
 
 
 def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], list[float]]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from experiments.evaluation import compare
+from experiments.evaluation.report import shown
 from methods import AdaKVPolicy, make_policy, method_chain, method_options
 from nanollm import KVCache, prefill
 from nanollm.config import preset
@@ -80,11 +81,26 @@ def test_a_wrapper_of_ones_own_and_a_module_in_the_current_folder(tmp_path, monk
         assert "\n" not in str(e.value)
 
 
-def test_compare_runs_a_class_of_ones_own_in_process(tmp_path):
+def test_compare_runs_a_class_of_ones_own_in_process(tmp_path, capsys):
+    """The records name the class as written; the report shows it by its class name, with a line saying what that
+    name stands for, so the tables keep the registered names' width."""
     out = tmp_path / "run.json"
-    compare.main(["--task-file", str(EXAMPLE), "--samples", "1", "--methods", SPEC, "--keep-ratios", "0.25",
-                  "--length", "512", "--workers", "1", "--quiet", "--json", str(out)])
-    assert {r["method"] for r in json.loads(out.read_text())["records"]} == {"full", SPEC}     # full: the reference
+    compare.main(["--task-file", str(EXAMPLE), "--samples", "1", "--methods", SPEC, f"adakv({SPEC})",
+                  "--keep-ratios", "0.25", "--length", "512", "--workers", "1", "--json", str(out)])
+    assert {r["method"] for r in json.loads(out.read_text())["records"]} == {"full", SPEC, f"adakv({SPEC})"}
+    printed = capsys.readouterr().out
+    assert f"KnormPolicy = {SPEC}\n" in printed
+    assert "\nadakv(KnormPolicy) " in printed and "\nKnormPolicy " in printed
+    report = [line for line in printed.splitlines() if not line.startswith(("# ", "KnormPolicy = "))]
+    assert not [line for line in report if SPEC in line]                # the provenance header keeps the command
+
+
+def test_two_classes_of_one_name_keep_their_full_names():
+    named, lines = shown([{"method": "adakv(a.b:Knorm)"}, {"method": "c.d:Knorm"}, {"method": "x.y:Other"},
+                          {"method": "h2o"}])
+    assert [r["method"] for r in named] == ["adakv(a.b:Knorm)", "c.d:Knorm", "Other", "h2o"]
+    assert lines == ["Other = x.y:Other"]
+    assert shown([{"method": "h2o"}]) == ([{"method": "h2o"}], [])
 
 
 @pytest.mark.slow
