@@ -95,7 +95,7 @@ def sources() -> list[Path]:
 
 
 def lessons() -> list[Path]:
-    """The lessons' sources, 00 to 07: each about an hour of work; the research behind them lives in their labs."""
+    """The lessons' sources, 00 to 07 (their minutes of work: ``readings.json``); the research lives in their labs."""
     return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 
 
@@ -364,34 +364,41 @@ def record_reading(path: Path, minutes: list[float]) -> str:
     return f"{name_of(path)}: {work(data[name_of(path)])} minutes (size {size:.1f}) in {READINGS.name}"
 
 
+def median_minutes(entry: dict) -> int:
+    """The median of a notebook's readings, rounded half up to whole minutes."""
+    m = sorted(entry["minutes"])
+    return math.floor((m[(len(m) - 1) // 2] + m[len(m) // 2]) / 2 + 0.5)
+
+
 def work(entry: dict | None) -> str:
     """A table cell: the median of the readings, their range and how many ("55 (48-60, 3)"); "not read"."""
     if not entry:
         return "not read"
     m = sorted(entry["minutes"])
-    median = (m[(len(m) - 1) // 2] + m[len(m) // 2]) / 2
-    return f"{math.floor(median + 0.5)}" + (f" ({m[0]:.0f}-{m[-1]:.0f}, {len(m)})" if len(m) > 1 else " (1)")
+    return f"{median_minutes(entry)}" + (f" ({m[0]:.0f}-{m[-1]:.0f}, {len(m)})" if len(m) > 1 else " (1)")
 
 
 def table() -> str:
     """The README's notebook table: each lesson and lab, its title, the minutes of work its cold readings took
     (``readings.json``: median, range, number of readings) and the minutes of its last normal run
-    (``build_record.json``)."""
+    (``build_record.json``); then a line with the medians added up, the lessons' and the labs'."""
     runs, readings = read_runs(), read_readings()
     rows = ["| notebook | what it is | work, min (range, readings) | normal run, min |", "|---|---|---|---|"]
-    total = {"lessons": 0, "labs": 0}                                  # the medians as the table rounds them
+    total, unread = {"lessons": 0, "labs": 0}, {"lessons": 0, "labs": 0}
     for path in sources():
         nb = read_notebook(path.with_suffix(".ipynb"))
         run = runs.get(name_of(path))
         minutes = f"{run['run_s'] / 60:.1f}" if run else "not recorded"
-        cell = work(readings.get(name_of(path)))
+        entry = readings.get(name_of(path))
         rows.append(f"| [`{name_of(path)}`](notebooks/{name_of(path)}.ipynb) | {title_of(nb, path)} | "
-                    f"{cell} | {minutes} |")
-        if cell != "not read":
-            total["labs" if name_of(path).startswith("labs/") else "lessons"] += int(cell.split()[0])
-    return "\n".join(rows) + (f"\n\nWork in all, the medians added up: the lessons {total['lessons']} minutes "
-                              f"({total['lessons'] / 60:.1f} hours), the labs {total['labs']} minutes "
-                              f"({total['labs'] / 60:.1f} hours).")
+                    f"{work(entry)} | {minutes} |")
+        kind = "labs" if name_of(path).startswith("labs/") else "lessons"
+        total[kind] += median_minutes(entry) if entry else 0
+        unread[kind] += not entry
+    said = {kind: f"{total[kind]} minutes ({total[kind] / 60:.1f} hours"
+                  + (f"; {unread[kind]} not read" if unread[kind] else "") + ")" for kind in total}
+    return "\n".join(rows) + (f"\n\nWork in all, the medians added up: the lessons {said['lessons']}, "
+                              f"the labs {said['labs']}.")
 
 
 FIGURE_RULES = NOTEBOOKS.parent / "tests" / "notebooks" / "figure_rules.py"
@@ -505,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--table", action="store_true",
                     help="print the README's notebook table (minutes of work from the cold readings in "
                          "notebooks/readings.json, minutes of the last normal run from notebooks/build_record.json) "
-                         "and exit")
+                         "and the line under it (the medians added up), and exit")
     ap.add_argument("--reading", type=float, nargs="+", metavar="MINUTES",
                     help="record cold readings of the one notebook named: each reading's minutes of work, "
                          "exercises included (written to notebooks/readings.json with the notebook's size; it "

@@ -56,10 +56,10 @@ def blended_keep_mask(scores: Tensor, budget: int, alpha: float) -> Tensor:
     p = protected.sum(-1).clamp(max=budget)                              # (B, H_kv) protected entries per head
     own = budget - p                                                     # b' per head: its budget outside them
     # c_j: head j's entries in the layer-wide top of the unprotected scores (a pool of sum_j b'_j)
-    free = s.masked_fill(protected, float("-inf")).reshape(B, H_kv * T)
-    ranked, top = torch.sort(free, dim=-1, descending=True, stable=True)    # (B, H_kv * T)
+    free = s.masked_fill(protected, float("-inf")).reshape(B, H_kv * T)     # (B, H_kv * T): the layer's pool
+    ranked, top = torch.sort(free, dim=-1, descending=True, stable=True)    # (B, H_kv * T) each
     in_pool = (torch.arange(H_kv * T, device=s.device) < own.sum(-1, keepdim=True)) & (ranked > float("-inf"))
-    c = torch.zeros(B, H_kv, dtype=torch.long, device=s.device).scatter_add_(1, top // T, in_pool.long())
+    c = torch.zeros(B, H_kv, dtype=torch.long, device=s.device).scatter_add_(1, top // T, in_pool.long())  # (B, H_kv)
     # the blend as the repository computes it: floor(alpha b') by Python's int(), the rest in float32 (an int64
     # tensor times a Python float), rounded half to even by torch.round
     floor_cap = torch.tensor([int(alpha * b) for b in range(budget + 1)], device=s.device)[own]   # (B, H_kv)
@@ -86,6 +86,7 @@ class RepositoryAdaKV(AdaKVPolicy):
         return blended_keep_mask(self.inner.keep_scores(ctx), self.budget, self.alpha_safeguard)
 
     def head_slack(self, n_kv_head: int) -> int:
-        """Entries one head may hold beyond ``budget``: all of the pool's c_j, with nothing protected."""
-        return math.ceil((1 - self.alpha_safeguard) * n_kv_head * self.budget) + int(
-            math.floor(self.alpha_safeguard * self.budget)) - self.budget
+        """Entries one head may hold beyond ``budget``: its p protected ones and, at most, the whole pool the
+        others leave (H b - p, when they protect nothing) blended with its floor; the worst p of 0 .. budget."""
+        H, b, a = n_kv_head, self.budget, self.alpha_safeguard
+        return max(p + math.ceil((1 - a) * (H * b - p)) + int(a * (b - p)) for p in range(b + 1)) - b

@@ -76,13 +76,14 @@ def sign_test(a: list[float], b: list[float]) -> tuple[int, int, float]:
     return wins_a, wins_b, min(1.0, p)
 
 
-def best_and_ties(rows: dict[str, list[float]]) -> tuple[str, dict[str, float]]:
-    """The best row (highest mean score; among equal means, the last name in alphabetical order) and, for
-    every other row, the sign test's p-value against it: ``(best, {name: p})``. Rows with p >= ``ALPHA``
-    are not distinguishable from the best."""
+def best_and_ties(rows: dict[str, list[float]], spelled: dict[str, str] | None = None) -> tuple[str, dict[str, float]]:
+    """The best row (highest mean score; among equal means, the last name in alphabetical order, as ``spelled``
+    writes it where a report shows a shorter one) and, for every other row, the sign test's p-value against it:
+    ``(best, {name: p})``. Rows with p >= ``ALPHA`` are not distinguishable from the best."""
     if not rows or len({len(v) for v in rows.values()}) != 1:
         raise ValueError("best_and_ties needs rows scored on the same samples")
-    best = max(rows, key=lambda k: (sum(rows[k]), k))
+    spelled = spelled or {}
+    best = max(rows, key=lambda k: (sum(rows[k]), spelled.get(k, k)))
     return best, {k: sign_test(v, rows[best])[2] for k, v in rows.items() if k != best}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from methods import METHODS
 from nanollm import cli
 from nanollm.data.evaluate import MODES
 from nanollm.data.tasks import ALL_TASKS
@@ -19,18 +20,21 @@ OWN_CLASS = re.compile(r"[\w.]+:(\w+)")           # MODULE:CLASS inside a method
 
 
 def shown(records: list[dict]) -> tuple[list[dict], list[str]]:
-    """Copies of the records whose method names show each ``MODULE:CLASS`` by its ``CLASS`` (the tables and the plot
-    stay as wide as the registered names), and a line per class saying what it stands for. Two classes of one name
-    from different modules keep their full names. The records themselves (the JSON) keep the names as written."""
+    """Records whose method names show each ``MODULE:CLASS`` by its ``CLASS`` (the tables and the plot stay as wide
+    as the registered names), each with its name as written in ``spec`` (ties between methods are broken on it, so
+    the report names the same best), and a line per class saying what it stands for; the records unchanged where
+    nothing is shortened. Two classes of one name from different modules, or a class named as a registered method
+    or a record's method (in any case), keep their full names. The JSON keeps the names as written."""
     full = {m.group(0) for r in records for m in OWN_CLASS.finditer(r["method"])}
     short = {spec: spec.rpartition(":")[2] for spec in full}
-    clash = {name for name in short.values() if list(short.values()).count(name) > 1}
+    taken = {name.lower() for name in set(METHODS) | {r["method"] for r in records}}
+    clash = {name for name in short.values() if list(short.values()).count(name) > 1 or name.lower() in taken}
     short = {spec: name for spec, name in short.items() if name not in clash}
     if not short:
         return records, []
     lines = [f"{name} = {spec}" for spec, name in sorted(short.items(), key=lambda x: x[1])]
-    return [{**r, "method": OWN_CLASS.sub(lambda m: short.get(m.group(0), m.group(0)), r["method"])}
-            for r in records], lines
+    return [{**r, "method": OWN_CLASS.sub(lambda m: short.get(m.group(0), m.group(0)), r["method"]),
+             "spec": r["method"]} for r in records], lines              # spec: ties are broken on it
 
 
 def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], list[float]]:
@@ -91,7 +95,7 @@ def versus_best(records: list[dict], mode: str) -> dict[tuple[str, float], str]:
         at = {k[0]: v for k, v in answers.items() if k[1] == ratio and k[0] != "full"}
         if len(at) < 2:
             continue
-        best, p = best_and_ties(at)
+        best, p = best_and_ties(at, {r["method"]: r.get("spec", r["method"]) for r in records})
         if not any(at[best]):                          # every answer wrong: no best among ties at zero
             continue
         marks[(best, ratio)] = "best"
@@ -213,7 +217,7 @@ def format_intervals(records: list[dict], what: str = "accuracy") -> str:
                 lines.append(f"keep {ratio:.2f}: {name} ({means[(name, ratio)]:.2f}), the only method")
             if len(at) < 2:
                 continue
-            best, p = best_and_ties(at)
+            best, p = best_and_ties(at, {r["method"]: r.get("spec", r["method"]) for r in records})
             if not any(at[best]):
                 nothing = "answers nothing right" if what == "accuracy" else f"scores 0 ({what}) on every answer"
                 lines.append(f"keep {ratio:.2f}: no best, every method {nothing}")

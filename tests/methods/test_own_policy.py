@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from experiments.evaluation import compare
-from experiments.evaluation.report import shown
+from experiments.evaluation.report import format_intervals, shown
 from methods import AdaKVPolicy, make_policy, method_chain, method_options
 from nanollm import KVCache, prefill
 from nanollm.config import preset
@@ -95,12 +95,25 @@ def test_compare_runs_a_class_of_ones_own_in_process(tmp_path, capsys):
     assert not [line for line in report if SPEC in line]                # the provenance header keeps the command
 
 
-def test_two_classes_of_one_name_keep_their_full_names():
+def test_two_classes_of_one_name_or_a_class_named_as_a_method_keep_their_full_names():
     named, lines = shown([{"method": "adakv(a.b:Knorm)"}, {"method": "c.d:Knorm"}, {"method": "x.y:Other"},
                           {"method": "h2o"}])
     assert [r["method"] for r in named] == ["adakv(a.b:Knorm)", "c.d:Knorm", "Other", "h2o"]
     assert lines == ["Other = x.y:Other"]
     assert shown([{"method": "h2o"}]) == ([{"method": "h2o"}], [])
+    for clash in ("a.b:h2o", "a.b:full", "a.b:H2O"):                    # named as a registered method, any case
+        named, lines = shown([{"method": clash}, {"method": "h2o"}])
+        assert [r["method"] for r in named] == [clash, "h2o"] and lines == []
+
+
+def test_a_shorter_name_breaks_ties_as_the_name_written_does():
+    """Equal answers: the best is the last name in alphabetical order as the records write it, whatever the
+    report shows ("z.mod:Alpha" after "beta", although "Alpha" sorts before it)."""
+    rows = [{"method": m, "mode": "question_in_prompt", "task": "t", "keep_ratio": 0.5, "accuracy": 0.5,
+             "accuracies": [1.0, 0.0], "n_samples": 2} for m in ("beta", "z.mod:Alpha")]
+    named, _ = shown(rows)
+    best = [line for line in format_intervals(named).splitlines() if line.startswith("keep")]
+    assert best[0].startswith("keep 0.50: best Alpha "), best
 
 
 @pytest.mark.slow

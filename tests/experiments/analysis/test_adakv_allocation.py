@@ -95,19 +95,29 @@ def test_alpha_zero_is_the_layer_wide_top_and_alpha_one_each_head_its_budget():
     assert mask.sum(-1).tolist() == [[12] * 4]
 
 
-@pytest.mark.parametrize("counts, scale, budget, alpha, kept", [
-    ([3, 3, 6], 1.0, 4, 0.5, [3, 4, 5]),        # shares 3.5, 3.5, 5: halves to even, 4 + 4 + 5 = 13 of 12
-    ([7, 7, 1], 1.0, 5, 0.2, [6, 7, 2]),        # shares 6.6, 6.6, 1.8: 7 + 7 + 2 = 16 of 15
+@pytest.mark.parametrize("counts, budget, alpha, kept", [
+    ([3, 3, 6], 4, 0.5, [3, 4, 5]),        # shares 3.5, 3.5, 5: halves to even, 4 + 4 + 5 = 13 of 12
+    ([7, 7, 1], 5, 0.2, [6, 7, 2]),        # shares 6.6, 6.6, 1.8: 7 + 7 + 2 = 16 of 15
 ])
-def test_heads_that_rounded_up_give_back_what_would_put_the_layer_over(counts, scale, budget, alpha, kept):
+def test_heads_that_rounded_up_give_back_what_would_put_the_layer_over(counts, budget, alpha, kept):
     """Nothing protected; head j holds ``counts[j]`` of the pool's entries (scores above 10, the rest below 1).
     Rounded, the shares exceed the pool; the first heads that rounded up give one entry back each."""
     g = torch.Generator().manual_seed(0)
-    scores = torch.rand(1, len(counts), 10, generator=g) * scale
+    scores = torch.rand(1, len(counts), 10, generator=g)
     for h, n in enumerate(counts):
         scores[0, h, :n] += 10
     assert adaptive_keep_mask(scores, budget, 0).sum(-1).tolist() == [counts]
     assert blended_keep_mask(scores, budget, alpha).sum(-1).tolist() == [kept]
+
+
+def test_a_head_whose_budget_is_all_protected_still_draws_from_the_pool():
+    """Two heads, budget 2, alpha 0.25: the first protects 2 entries (b' = 0) yet scores highest outside them,
+    so it takes both entries of the pool (the second head's b' = 2) and keeps round(0.75 * 2) = 2 of them: 4 in
+    all, which ``head_slack`` allows (the worst protected count, not none, bounds a head)."""
+    scores = torch.tensor([[[9.0, 8.0, 7.0, INF, INF], [1.0, 2.0, 3.0, 4.0, 5.0]]])
+    mask = blended_keep_mask(scores, 2, 0.25)
+    assert mask.sum(-1).tolist() == [[4, 0]]
+    assert 4 <= 2 + RepositoryAdaKV(budget=2, alpha_safeguard=0.25).head_slack(2)
 
 
 @pytest.mark.parametrize("seed", range(40))
