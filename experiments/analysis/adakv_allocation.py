@@ -14,6 +14,8 @@ layer-wide top H b' of the scores outside it, head j keeps its own top
 
     python -m experiments.compare --methods adakv experiments.analysis.adakv_allocation:RepositoryAdaKV
 
+(``AdaKVAlphaHalf`` and ``RepositoryAdaKVAlphaHalf``: the two at alpha 0.5, the repository's script's value.)
+
 What the repository's rounding would do to the budget and how we keep it: experiments/README.md, section
 "analysis/adakv_allocation.py: AdaKV's allocation, two readings".
 """
@@ -90,3 +92,18 @@ class RepositoryAdaKV(AdaKVPolicy):
         others leave (H b - p, when they protect nothing) blended with its floor; the worst p of 0 .. budget."""
         H, b, a = n_kv_head, self.budget, self.alpha_safeguard
         return max(p + math.ceil((1 - a) * (H * b - p)) + int(a * (b - p)) for p in range(b + 1)) - b
+
+
+@dataclass
+class AdaKVAlphaHalf(AdaKVPolicy):
+    """kvpress's reading (``methods.adakv``) at alpha 0.5, the ``--floor_alpha`` of the repository's LongBench
+    script (``experiments/LongBench/runall.sh``), to compare the two readings there too."""
+
+    alpha_safeguard: float = 0.5
+
+
+@dataclass
+class RepositoryAdaKVAlphaHalf(RepositoryAdaKV):
+    """The repository's reading at its script's alpha 0.5."""
+
+    alpha_safeguard: float = 0.5

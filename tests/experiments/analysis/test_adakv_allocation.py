@@ -8,9 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.analysis.adakv_allocation import RepositoryAdaKV, blended_keep_mask
+from experiments.analysis.adakv_allocation import (
+    AdaKVAlphaHalf,
+    RepositoryAdaKV,
+    RepositoryAdaKVAlphaHalf,
+    blended_keep_mask,
+)
 from methods import make_policy
-from methods.adakv import adaptive_keep_mask
+from methods.adakv import AdaKVPolicy, adaptive_keep_mask
 from nanollm import KVCache, decode_step, prefill
 from nanollm.config import preset
 
@@ -166,3 +171,11 @@ def test_in_a_model_as_a_method_spec(make_model):
                 assert set(range(36, 40)) <= set(layer.pos[b, h].tolist())
     logits = decode_step(model, ids[:, -1:], cache)
     assert torch.isfinite(logits).all()
+
+
+def test_the_two_readings_at_the_repository_s_alpha():
+    """The classes the alpha 0.5 run names are the two readings with only alpha changed."""
+    assert make_policy("experiments.analysis.adakv_allocation:AdaKVAlphaHalf", 16) == AdaKVAlphaHalf(budget=16)
+    assert vars(AdaKVAlphaHalf(budget=16)) == vars(AdaKVPolicy(budget=16, alpha_safeguard=0.5))
+    assert vars(RepositoryAdaKVAlphaHalf(budget=16)) == vars(RepositoryAdaKV(budget=16, alpha_safeguard=0.5))
+    assert RepositoryAdaKVAlphaHalf.keep_mask is RepositoryAdaKV.keep_mask
