@@ -134,6 +134,9 @@ def test_compare_default_reproduces():
     # AdaKV's two readings (experiments/analysis/adakv_allocation.py): a cell whose first answers differ between them
     ("adakv_allocation_smollm2.json", ["adakv", "experiments.analysis.adakv_allocation:RepositoryAdaKV"], 0.25,
      "passkey", "question_after_context", 3),
+    ("adakv_allocation_alpha05_smollm2.json", ["experiments.analysis.adakv_allocation:AdaKVAlphaHalf",
+     "experiments.analysis.adakv_allocation:RepositoryAdaKVAlphaHalf"], 0.25, "niah_multikey_docs",
+     "question_in_prompt", 2),
     # the full cache's accuracy at three lengths and over 30 samples (nanollm/README.md's table)
     ("smollm2_full_cache_1024.json", [], 1.0, "niah_multivalue_docs", "question_in_prompt", None),
     ("smollm2_full_cache_2048.json", [], 1.0, "niah_multiquery_docs", "question_after_context", None),
@@ -317,6 +320,9 @@ CHECKED_BY = {
     "adakv_allocation_smollm2.json": (HERE + "test_compare_smollm2_reproduces",),
     "adakv_allocation_smollm2.txt": "beside adakv_allocation_smollm2.json",
     "adakv_allocation_smollm2.png": "beside adakv_allocation_smollm2.json",
+    "adakv_allocation_alpha05_smollm2.json": (HERE + "test_compare_smollm2_reproduces",),
+    "adakv_allocation_alpha05_smollm2.txt": "beside adakv_allocation_alpha05_smollm2.json",
+    "adakv_allocation_alpha05_smollm2.png": "beside adakv_allocation_alpha05_smollm2.json",
     "smollm2_full_cache_1024.json": (HERE + "test_compare_smollm2_reproduces",),
     "smollm2_full_cache_2048.json": (HERE + "test_compare_smollm2_reproduces",),
     "smollm2_full_cache_4096.json": (HERE + "test_compare_smollm2_reproduces",),
