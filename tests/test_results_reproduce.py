@@ -308,21 +308,20 @@ READERS = "readers: cold attempts by readers new to the topic, each estimating a
           "re-runs a reader (the file's header says how the attempts were made)"
 # How each committed results file is checked at HEAD: the tests that re-run its rows (each kind of row it
 # holds), or why none does. A file a run prints beside another ("beside NAME") is checked through it.
+
+
+def compare_run(run: str) -> dict:
+    """A SmolLM2 ``experiments.compare`` run's three files: its JSON re-run by a cell, its tables and plot beside."""
+    return {f"{run}.json": (HERE + "test_compare_smollm2_reproduces",), f"{run}.txt": f"beside {run}.json",
+            f"{run}.png": f"beside {run}.json"}
+
+
 CHECKED_BY = {
     "compare_default.json": (HERE + "test_compare_default_reproduces",),
     "compare_default.txt": "beside compare_default.json",
-    "compare_smollm2.json": (HERE + "test_compare_smollm2_reproduces",),
-    "compare_smollm2.txt": "beside compare_smollm2.json",
-    "compare_smollm2.png": "beside compare_smollm2.json",
-    "compare_smollm2_kvpress.json": (HERE + "test_compare_smollm2_reproduces",),
-    "compare_smollm2_kvpress.txt": "beside compare_smollm2_kvpress.json",
-    "compare_smollm2_kvpress.png": "beside compare_smollm2_kvpress.json",
-    "adakv_allocation_smollm2.json": (HERE + "test_compare_smollm2_reproduces",),
-    "adakv_allocation_smollm2.txt": "beside adakv_allocation_smollm2.json",
-    "adakv_allocation_smollm2.png": "beside adakv_allocation_smollm2.json",
-    "adakv_allocation_alpha05_smollm2.json": (HERE + "test_compare_smollm2_reproduces",),
-    "adakv_allocation_alpha05_smollm2.txt": "beside adakv_allocation_alpha05_smollm2.json",
-    "adakv_allocation_alpha05_smollm2.png": "beside adakv_allocation_alpha05_smollm2.json",
+    **{name: entry for run in ("compare_smollm2", "compare_smollm2_kvpress", "adakv_allocation_smollm2",
+                               "adakv_allocation_alpha05_smollm2")
+       for name, entry in compare_run(run).items()},
     "smollm2_full_cache_1024.json": (HERE + "test_compare_smollm2_reproduces",),
     "smollm2_full_cache_2048.json": (HERE + "test_compare_smollm2_reproduces",),
     "smollm2_full_cache_4096.json": (HERE + "test_compare_smollm2_reproduces",),

@@ -37,6 +37,11 @@ def shown(records: list[dict]) -> tuple[list[dict], list[str]]:
              "spec": r["method"]} for r in records], lines              # spec: ties are broken on it
 
 
+def spelled(records: list[dict]) -> dict[str, str]:
+    """Each method's name as the records write it, by the name a report shows (``shown``): ties are broken on it."""
+    return {r["method"]: r.get("spec", r["method"]) for r in records}
+
+
 def answers_by_row(records: list[dict], mode: str) -> dict[tuple[str, float], list[float]]:
     """Per (method, keep ratio) in ``mode``: every sample's accuracy, tasks one after the other in a fixed
     order, for the rows that ran every task (the pairs of the exact tests)."""
@@ -89,13 +94,13 @@ def versus_best(records: list[dict], mode: str) -> dict[tuple[str, float], str]:
     """Per (method, keep ratio) of the methods (not the full cache): "best" for each keep ratio's best mean
     accuracy, "tie p=.." for a method the exact paired test cannot tell from it (p >= 0.05), else "p=..".
     Keep ratios with a single method get no mark."""
-    answers = answers_by_row(records, mode)
+    answers, written = answers_by_row(records, mode), spelled(records)
     marks = {}
     for ratio in sorted({k[1] for k in answers if k[0] != "full"}):
         at = {k[0]: v for k, v in answers.items() if k[1] == ratio and k[0] != "full"}
         if len(at) < 2:
             continue
-        best, p = best_and_ties(at, {r["method"]: r.get("spec", r["method"]) for r in records})
+        best, p = best_and_ties(at, written)
         if not any(at[best]):                          # every answer wrong: no best among ties at zero
             continue
         marks[(best, ratio)] = "best"
@@ -209,7 +214,7 @@ def format_intervals(records: list[dict], what: str = "accuracy") -> str:
                     f"no verdict: {fewest} answer(s) in a task, under {MIN_PAIRED}"
                 line += f"   {signed(d)} [{signed(dlo)}, {signed(dhi)}]  {said}"
             lines.append(line.rstrip())
-        answers = answers_by_row(records, mode)
+        answers, written = answers_by_row(records, mode), spelled(records)
         for ratio in sorted({k[1] for k in keys if k[0] != "full"}):
             at = {k[0]: answers[k] for k in keys if k[1] == ratio and k[0] != "full"}
             if len(at) == 1:                                # nothing to rank it against: its mean alone
@@ -217,7 +222,7 @@ def format_intervals(records: list[dict], what: str = "accuracy") -> str:
                 lines.append(f"keep {ratio:.2f}: {name} ({means[(name, ratio)]:.2f}), the only method")
             if len(at) < 2:
                 continue
-            best, p = best_and_ties(at, {r["method"]: r.get("spec", r["method"]) for r in records})
+            best, p = best_and_ties(at, written)
             if not any(at[best]):
                 nothing = "answers nothing right" if what == "accuracy" else f"scores 0 ({what}) on every answer"
                 lines.append(f"keep {ratio:.2f}: no best, every method {nothing}")
