@@ -330,8 +330,14 @@ def check_memory(gib_gqa, gib_mha):
     def gib(n_kv_head):                        # the library's bytes per token (bf16), times the tokens, in GiB
         c = ModelConfig(n_layer=32, n_head=32, n_kv_head=n_kv_head, d_model=4096, vocab_size=128256)
         return c.kv_bytes_per_token(bytes_per_element=2) * 131072 / 2**30
-    assert abs(gib_gqa - gib(8)) < 1e-6, "with GQA: bytes = 2 (a key and a value) x L x H_kv x d x b x T, with " \
-                                         "H_kv = 8 and b = 2 bytes in bf16; then divide by 2**30"
+    right = gib(8)
+    if abs(gib_gqa - right) >= 1e-6:                         # the usual slips first, then the formula itself
+        for slip, hint in ((right / 2, "each token stores a key and a value"),
+                           (right * 2**30 / 1e9, "a GiB is 2**30 bytes, not 10**9"),
+                           (2 * right, "bf16 takes 2 bytes per number"),
+                           (gib(32), "with GQA the cache holds the 8 KV heads, not one per query head")):
+            assert abs(gib_gqa - slip) >= 1e-6, f"with GQA: {hint}"
+        raise AssertionError("with GQA: section 2's formula, each of its factors once, with Llama-3-8B's numbers")
     assert abs(gib_mha - gib(32)) < 1e-6, "without GQA, H_kv is the number of query heads, H"
     return "GQA divides the cache by G = H / H_kv."
 

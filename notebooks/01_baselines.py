@@ -378,17 +378,17 @@ def check_h2o(h2o):
     assert not library, f"from the maps alone: your function calls {', '.join(library)}"
     other = torch.tensor([make_sample("niah_single_noise", tok, 200 if TINY else 300, seed=8).prompt_ids])
     for ids, maps, budget in ((ex_ids, ex_maps, EX_H2O_BUDGET), (other, record_attention(model, other), 40)):
-        N = ids.shape[1]
-        caches = [KVCache(model.config, H2OPolicy(budget=b)) for b in (N, budget)]
+        caches = [KVCache(model.config, H2OPolicy(budget=b)) for b in (ids.shape[1], budget)]
         for cache in caches:
             prefill(model, ids, cache)
         scores, kept = h2o(maps, budget)
         assert len(scores) == len(kept) == len(maps), "one tensor per layer in each list"
         for s, kv in zip(scores, caches[0].layers):              # the cache that evicts nothing: every score
-            s = torch.as_tensor(s).to(kv.state[H2O_SCORE].dtype)  # a tensor of any float dtype, or lists
-            assert s.shape == (H_kv, N), "scores: one row per KV head, one column per prompt token"
-            assert torch.allclose(s, kv.state[H2O_SCORE][0], atol=1e-4), \
-                "scores: sum over the queries (dim 1 of (H, N, N)), not the keys, then the mean over each group of G"
+            right = kv.state[H2O_SCORE][0]                        # (H_kv, N)
+            s = torch.as_tensor(s).to(right.dtype)                # a tensor of any float dtype, or lists
+            assert s.shape == right.shape, "scores: one row per KV head, one column per prompt token"
+            assert torch.allclose(s, right, atol=1e-4), "scores: " + ("the mean over a KV head's G query heads, "
+                "not their sum" if torch.allclose(s, G * right, atol=1e-4) else "section 2.2's s_{j,n}")
         for k, kv in zip(kept, caches[1].layers):
             assert torch.equal(torch.as_tensor(k).to(kv.pos.dtype), kv.pos[0]), f"kept (budget {budget}): the " \
                 "last budget // 2 positions stay, then the highest scores of the others, ascending per KV head"

@@ -196,7 +196,7 @@ print(f"tensor - standard label accuracy, paired over the same {n_eval} sequence
 my_naive_step = None       # replace None: a function -> (pair keys, pair values, output) (write def my_naive_step(...))
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output"]
-from exercises import calls, exercise
+from exercises import calls, exercise, on_copies
 
 
 @exercise("Exercise 1")
@@ -211,7 +211,8 @@ def check_naive_step(naive_step):
     for tq, tk1, tk2, tv1, tv2, ts in toys:
         m, e = tk1.shape[-2:]
         pair_keys, pair_values, output = (torch.as_tensor(x).to(tq.dtype) for x in
-                                          naive_step(tq[0, 0, 0], tk1[0, 0], tk2[0, 0], tv1[0, 0], tv2[0, 0], ts))
+                                          on_copies(naive_step, tq[0, 0, 0], tk1[0, 0], tk2[0, 0], tv1[0, 0],
+                                                    tv2[0, 0], ts))
         for rows in (pair_keys, pair_values):
             assert tuple(rows.shape) == (m * m, e), "the pair rows: n * n rows of d numbers each"
         assert torch.allclose(pair_keys[1], tk1[0, 0, 0] * tk2[0, 0, 1]), "row a * n + b holds K1[a] * K2[b]"

@@ -198,7 +198,7 @@ ex_keep = torch.tensor([False, True, True, False])                              
 my_L_theta = None               # replace None: a function (attn, keep, vw) -> (L, theta) (write def my_L_theta(...))
 
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound"]
-from exercises import calls, exercise
+from exercises import calls, exercise, on_copies
 
 
 @exercise("Exercise 1")
@@ -210,11 +210,14 @@ def check_L_theta(L_theta):
         (torch.softmax(2 * torch.randn(8, generator=g, dtype=torch.float64), -1),
          torch.arange(8) % 3 == i % 3, torch.randn(8, 3, generator=g, dtype=torch.float64)) for i in range(3)]
     for attn, keep, vw in heads:
-        L, theta = (float(x) for x in L_theta(attn, keep, vw))
-        assert abs(L - float(output_perturbation(attn, keep, vw))) < 1e-6, "L: renormalise the kept attention " \
-            "(A' = N*A / mu sums to 1), then take the L1 norm of (A - A') V W_O^(h)"
-        assert abs(theta - float(perturbation_bound(attn, keep, vw.abs().sum(-1)))) < 1e-6, "theta: C = sum_n " \
-            "A_n P_n with P_n = ||v_n W_O^(h)||_1, minus (2 - 1/mu) times the kept entries' A_n P_n"
+        L, theta = (float(x) for x in on_copies(L_theta, attn, keep, vw))
+        right = float(output_perturbation(attn, keep, vw))
+        not_renormalised = float(((attn - attn * keep) @ vw).abs().sum())
+        assert abs(L - right) < 1e-6 or abs(L - not_renormalised) > 1e-6, "L: A' is the kept attention " \
+            "renormalised to sum to 1 (Eq. 6)"
+        assert abs(L - right) < 1e-6, "L: section 1's Eq. 5, with A' of Eq. 6"
+        assert abs(theta - float(perturbation_bound(attn, keep, vw.abs().sum(-1)))) < 1e-6, "theta: section 1's " \
+            "Eq. 8 (C and P_n are defined beside it)"
 
 
 check_L_theta(my_L_theta)

@@ -238,7 +238,7 @@ def check_exact(exact):
         assert not (said & ~came_back).any(), \
             "some tokens you call exact come back too large: alone in one row is not enough, the median needs two"
         assert torch.equal(said, came_back), \
-            "some exact keys you missed: count every row's cells (torch.nn.functional.one_hot(h, W).sum(1))"
+            "some exact keys you missed: count the tokens in every cell of every row, then look up each token's cells"
 
 
 check_exact(my_exact)

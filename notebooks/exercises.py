@@ -29,6 +29,9 @@ The learner's names start with ``my_`` and the reference's with ``reference_``, 
 (``my_keep``, ``reference_keep``): the reference never overwrites an answer, the check never reads the
 reference, and the tests (``tests/notebooks/test_exercises.py``) put the reference's answer and a plausible
 wrong one in the learner's place and run the check cell again.
+
+A check that hands the learner's function the lesson's tensors calls it through ``on_copies``: otherwise a
+function that writes into its input could change the tensors the check then compares with, and pass.
 """
 
 from __future__ import annotations
@@ -67,6 +70,29 @@ def calls(function, *names: str) -> list[str]:
         todo += [space[n].__code__ for n in code.co_names if callable(space.get(n)) and hasattr(space[n], "__code__")
                  and getattr(space[n], "__module__", None) == function.__module__]    # the notebook's own
     return sorted(found)
+
+
+def on_copies(function, *args):
+    """``function(*args)`` with each tensor argument copied first, so that an answer writing into its input
+    (``kept = attn; kept[~keep] = 0`` makes no copy) changes neither the lesson's tensors nor the ones the check
+    compares with; an answer that did write into one is refused, with the argument's name."""
+    import inspect
+
+    import torch
+    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    said = function(*copies)
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        names = []
+    for i, (before, after) in enumerate(zip(args, copies)):
+        if isinstance(before, torch.Tensor):
+            name = f"`{names[i]}`" if i < len(names) else f"argument {i + 1}"
+            same = torch.equal(before, after) or before.is_floating_point() and before.shape == after.shape \
+                and torch.allclose(before, after, rtol=0, atol=0, equal_nan=True)            # NaN equals NaN
+            assert same, f"your function changed its input {name} in place: work on a " \
+                "copy (`x = y` makes none; `y.clone()`, or an operation that is not in place, does)"
+    return said
 
 
 def exercise(title: str):

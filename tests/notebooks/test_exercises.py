@@ -214,20 +214,24 @@ def test_the_rules_catch_an_exercise_that_checks_its_own_answer():
 
 # -- the probes the slow tier runs ------------------------------------------------------------------------------
 
-def wrong_answers(stem: str) -> dict[str, dict[str, str]]:
-    """``{"N:check_name": {"my_x": "a wrong answer, as Python the kernel evaluates"}}`` for a lesson."""
+def wrong_answers(stem: str) -> dict[str, list[dict[str, str]]]:
+    """``{"N:check_name": [{"my_x": "a wrong answer, as Python the kernel evaluates"}, ...]}`` for a lesson: in the
+    file, one answer's dict or a list of them."""
     path = WRONG / f"{stem}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    found = json.loads(path.read_text()) if path.exists() else {}
+    return {k: v if isinstance(v, list) else [v] for k, v in found.items()}
 
 
-def probe(p: Part, nb: nbformat.NotebookNode, wrong: dict[str, str]) -> str:
+def probe(p: Part, nb: nbformat.NotebookNode, wrong: list[dict[str, str]] | None) -> str:
     """A cell to run after ``p``'s reference cell: the check cell again, once with the reference's answer in the
-    learner's names and once with ``wrong``; prints one JSON line; puts the stubs back."""
+    learner's names and once with each ``wrong`` answer; prints one JSON line; puts the stubs back."""
     mine = sorted(stub_values(nb.cells[p.stub].source))
     check = nb.cells[p.check].source
     reference = "{" + ", ".join(f"{k!r}: reference_{k[3:]}" for k in mine) + "}"
-    cases = f"'reference': {reference}" + (", 'wrong': {" + ", ".join(f"{k!r}: ({wrong[k]})" for k in mine) + "}"
-                                           if wrong else "")
+    cases = f"'reference': {reference}"
+    for i, answer in enumerate(wrong or []):                                    # cases 'wrong', 'wrong 2', ...
+        name = "wrong" + (f" {i + 1}" if i else "")
+        cases += f", {name!r}: {{" + ", ".join(f"{k!r}: ({answer[k]})" for k in mine) + "}"
     return "\n".join([
         "import contextlib as _c, io as _io, json as _json",
         f"_stubs = {{k: globals()[k] for k in {mine!r}}}",
@@ -295,12 +299,13 @@ def probe_findings(nb: nbformat.NotebookNode) -> list[str]:
             continue
         if got["reference"][0] != "passed" or RIGHT not in got["reference"][1]:
             out.append(f"{key}: the reference's answer in the learner's cell did not pass: {got['reference']}")
-        kind, hint = got.get("wrong", ["no wrong answer", ""])
-        if kind != "NotRightYet":
-            out.append(f"{key}: the wrong answer was not refused with a hint: {got['wrong']}")
-        elif leaked := [a for a in got["answer"] for f in shown_forms(a)
-                        if re.search(rf"(?<![\w.]){re.escape(f)}(?![\w]|\.\d)", hint)]:
-            out.append(f"{key}: the hint shows the answer {leaked}: {hint!r}")
+        for case in [c for c in got if c.startswith("wrong")] or ["wrong"]:
+            kind, hint = got.get(case, ["no wrong answer", ""])
+            if kind != "NotRightYet":
+                out.append(f"{key}: the {case} answer was not refused with a hint: {got.get(case)}")
+            elif leaked := [a for a in got["answer"] for f in shown_forms(a)
+                            if re.search(rf"(?<![\w.]){re.escape(f)}(?![\w]|\.\d)", hint)]:
+                out.append(f"{key}: the hint shows the answer {leaked}: {hint!r}")
     return out
 
 
@@ -341,3 +346,23 @@ def test_a_library_call_inside_a_helper_of_the_learners_is_seen():
     for name in ("direct", "nested", "through_helper"):
         assert exercises.calls(space[name], "library_rule", "other") == ["library_rule"], name
     assert exercises.calls(space["by_hand"], "library_rule") == []
+
+
+def test_an_answer_that_writes_into_its_input_is_refused_and_leaves_the_lessons_tensors_alone():
+    """``exercises.on_copies``: lessons 03 and 04 compared an answer with values computed from the tensors they had
+    handed it, so ``kept = attn; kept[~keep] = 0`` (no copy) changed both sides alike and passed."""
+    import torch
+    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
+    exercises = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exercises)
+    attn, keep = torch.tensor([0.5, float("nan"), 0.25]), torch.tensor([True, False, True])
+
+    def aliased(attn, keep):
+        kept = attn
+        kept[~keep] = 0
+        return kept.sum()
+
+    with pytest.raises(AssertionError, match="changed its input `attn` in place"):
+        exercises.on_copies(aliased, attn, keep)
+    assert attn[1].isnan() and attn[0] == 0.5, "the lesson's tensor was written"
+    assert exercises.on_copies(lambda attn, keep: (attn * keep).nansum(), attn, keep) == 0.75   # NaN == NaN here
