@@ -330,9 +330,10 @@ def check_expected(expected_rule):
         assert expected.shape == (budget,), f"{where}: one position per entry the cache holds, a 1-D tensor of " \
                                             "budget positions"
         assert torch.equal(expected, expected.sort().values), f"{where}: list the positions in ascending order"
+        assert expected[-1] == cache.seen - 1, f"{where}: the newest token, position seen - 1, always stays"
         S = min(n_sink, budget - 1)                               # the newest token always fits
-        assert torch.equal(expected[:S], torch.arange(S)), f"{where}: the sinks are the first S positions, " \
-                                                           "S = min(n_sink, budget - 1)"
+        assert torch.equal(expected[:S], torch.arange(S)), f"{where}: the sinks are the first positions, as many " \
+                                                           "as n_sink asks and the budget leaves room for"
         held = [kv.pos[0, h][kv.pos[0, h] >= 0].sort().values for kv in cache.layers for h in range(kv.pos.shape[1])]
         assert all(torch.equal(p, expected) for p in held), f"{where}: the recent window is the last B - S " \
             "positions *seen* (the prompt's and the decoded tokens'), up to seen - 1"
