@@ -27,7 +27,7 @@
 # | option | what it sets | ours | kvpress |
 # |---|---|---|---|
 # | `alpha` | stage 1's share of the budget | 0.25 | 0.5 |
-# | `alpha_of` | which budget: what SnapKV's window leaves (`alpha = 1` is the host), or all | free | budget |
+# | `alpha_of` | stage 1 takes `alpha (budget - window)` (free) or `alpha budget` | free | budget |
 # | `epsilon` | added to stage 2's attention estimate before it multiplies $P_n$ | 0 (the paper's) | 0.0001 |
 # | `window`, `kernel`, `pooling` | SnapKV's observation window, pooling width and rule | 32, 7, max | 64, 5, avg |
 # | `alpha_safeguard` | the share of the budget each AdaKV head keeps from its own top scores | 0.2 | 0.2 |
@@ -175,8 +175,8 @@ plt.show()
 # CriticalKV its pooled vote already averaged over them (the cell above rebuilt it per query head to draw it),
 # so the pooled score multiplies that mean by the heads' mean $P_n$, while the literal one averages each head's
 # $\bar{A}_n P_n$. At budget 256 SnapKV's window keeps its last 32 tokens, stage 1 another 56 and stage 2
-# the other 168: a digit stage 1 passes over stays if its stage-2 rank is under 168 and goes if it is 256 or
-# more:
+# the other 168. A digit stage 1 passes over stays if its stage-2 rank is under 168; the window and stage 1 hold
+# the 32 + 56 other positions that may rank above it, so it goes if its rank is 256 or more:
 
 # %%
 mass = lambda a: float(a[:, digits].sum(-1).mean())                 # mean over query heads
@@ -200,7 +200,11 @@ for name, score in stage2.items():                                    # (H_kv, T
 # (0.007), which is why the pooled stage 2 ranks the value's first digit at 216 of 494 in KV head 1 and the
 # literal one at 493. The first answer token's query puts 0.519 of its attention on the six digits, most of it
 # on the first digit. What fails on this sample is the observation window as a stand-in for the decoding query,
-# which both stages and both readings inherit; pooling only softens it.
+# which both stages and both readings inherit; pooling only softens it. The figure shows it head by head:
+# only query heads 2 and 3 (KV head 1) look at the key, and the same two put nearly all their attention on the
+# first digit at the first answer step, while heads 0 and 1 look at neither. The value norms `P` (bottom panel)
+# are no larger on the digits than around them, so stage 2's product cannot lift what the window's attention
+# leaves out.
 #
 # ## 2. Inside SnapKV and AdaKV (Algorithm 2), head by head
 #
@@ -336,8 +340,8 @@ for ratio in HEAD_RATIOS:
 # Not reproduced at our scale, in either reading: the share of heads with
 # a lower perturbation ("heads lower" in the table) is between 0.31 and 0.56 for both readings over both hosts,
 # far from the 74% of the paper. Counted per (sample, layer, head), it is a coin toss at keep ratio 0.1 and a
-# loss at 0.25, where both readings lose most in layer 0 (0.15-0.17 of its triples lower), where
-# Assumption 1 fails, as in layers 2 and 3 (section 2.3). At kvpress's settings the selection equals its host in
+# loss at 0.25, where both readings lose most in layer 0 (0.15-0.17 of its triples lower). At kvpress's settings
+# the selection equals its host in
 # every head at keep ratio 0.1: the budget is smaller than kvpress's window, which takes all of it. `alpha=1`
 # equals SnapKV in
 # every head, as it must.
@@ -390,8 +394,9 @@ for ratio in HEAD_RATIOS:
 # the literal CriticalSnapKV lowers the KL beyond noise too (-0.373, the pooled one -0.270), and over AdaKV
 # both readings are within noise. Accuracy follows within noise.
 #
-# The per-layer sums show where the selections' perturbation builds up: at 0.25 it is larger than the host's
-# in layers 0 and 3 (layer 3: 29.71 with SnapKV, 33.64 with CriticalSnapKV), yet the final hidden state moves
+# The per-layer sums show where the selections' perturbation builds up: at 0.25 it is larger than the host's in
+# layers 0, 1 and 3 and level in layer 2 (layer 3: 29.71 with SnapKV,
+# 33.64 with CriticalSnapKV), yet the final hidden state moves
 # less. The two do not contradict each other: `L_h` is measured in the compressed run, so a layer's sum also
 # carries what the compression of the layers before it changed, and `sum_h L_h` adds up each head's change on
 # its own, so changes that cancel between heads, or later in the network, still count in it.
@@ -507,9 +512,10 @@ summarise(alg1, HEAD_RATIOS, [(str(l), [l]) for l in range(cfg.n_layer)] + [("al
 # is higher in every layer, and it lowers even the bound $\theta$ less often still. Theorem 3 freezes the
 # factor $2 - 1/\mu$ ($\mu$ the kept attention mass) at $2 - 1/\sigma$, as if $\mu$ were fixed, and
 # Algorithm 1 maximises $\sum_n \mathcal{N}_n A_n P_n$ under that frozen factor, not $\theta$ itself; but every
-# entry stage 2 picks for its value instead of its attention lowers $\mu$, and $\theta$, like $\mathcal{L}$,
-# grows as $\mu$ falls (the lesson's section 1 shows $\mathcal{L} = (1 - \mu)\,
-# \| o_\text{dropped} - o_\text{kept} \|_1$). That cost is small only where attention is concentrated, as
+# entry stage 2 picks for its value instead of its attention lowers $\mu$, and for a given kept
+# $\sum_n \mathcal{N}_n A_n P_n$, $\theta$ grows as $\mu$ falls, as $\mathcal{L}$ does (the lesson's Exercise 2
+# shows $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$). That cost is small only
+# where attention is concentrated, as
 # the paper assumes (§3.5). Here it mostly is not: a tenth of the entries by attention keeps 0.51-0.67 of the
 # mass in layers 0, 2 and 3. Only layer 1 is concentrated (0.90), and there the two mean $\mathcal{L}$ are
 # closest (0.394 against 0.417 at keep 0.1, 0.226 against 0.234 at 0.25); its win fraction leads at keep 0.1
@@ -654,8 +660,8 @@ for reading, selections in READINGS.items():                      # the table's 
           f"KL lower in {kl_lower} of {len(cells)} cells")
 
 # %% [markdown]
-# Accuracy on this model is low for every prompt-compressing method (SnapKV is the weak baseline
-# here, see the README). With the pooled stage 2 it is level with the host, within noise in all eight (host,
+# Accuracy on this model is low for every prompt-compressing method. With the pooled stage 2 it is level with
+# the host, within noise in all eight (host,
 # keep ratio, mode) cells of the table, and the KL is below the host's in all eight. With the literal stage 2
 # accuracy is lower in 7 of the 8 cells, beyond noise in two, both after the context at keep ratio 0.5,
 # and the KL is above the host's in all eight. kvpress's settings, against their own hosts (gray): accuracy
@@ -867,7 +873,8 @@ plt.show()
 # The figure shows, per layer, how often each selection is below its host, over each host (a column) and at
 # each keep ratio (a row), against the paper's 74.3% and the coin toss. No line stays above the paper's share
 # for long: the literal reading does over SnapKV in the early layers at keep 0.1 and falls to the coin toss
-# after them, and layer 1 is where every selection loses most often. The table counts the heads for every
+# after them; layer 1 is where the pooled and kvpress selections lose most often. The table counts the heads for
+# every
 # selection, with a bootstrap interval.
 
 # %%
@@ -937,7 +944,8 @@ for key, ylabel, what in [("kl", "KL(full || method)", "The answer's KL divergen
 # The figures show, over each host and in each mode, accuracy with its interval, the answer's KL and the final
 # hidden state's error against the keep ratio; the tables below carry the numbers. In accuracy every interval
 # overlaps every other; in KL the literal reading (red) sits above its host and the pooled one (blue) at or
-# below it; kvpress's settings (green, grey) are far behind at keep 0.1, where their window takes the budget.
+# below it in most cells; kvpress's settings (green, grey) are far behind at keep 0.1, where their window takes
+# the budget.
 # First the traces of section 5.1, sample by sample (question in the prompt): the final hidden state's relative
 # error at the first
 # decode step and the answer's KL, each selection's paired difference from its host, and in how many samples
@@ -962,8 +970,9 @@ for ratio in RATIOS_REAL:
         print(f"{ratio:>5}  {label:<19}| {mean(res_r[(label, ratio)]['pert']):>10.3f}  "
               f"{'' if is_host else versus_host(label, ratio, 'pert'):<44}| {mean(res_r[(label, ratio)]['kl']):>6.3f}  "
               f"{'' if is_host else versus_host(label, ratio, 'kl')}")
-print(f"mean over {n_r} samples, question in the prompt, {LENGTH_REAL} tokens; difference from the host (snapkv or "
-      "adakv) with its 95% paired bootstrap interval; 'below in': samples where the selection is lower")
+print(f"mean over {n_r} samples, question in the prompt, {LENGTH_REAL} tokens; difference from the host (snapkv, "
+      "adakv, or the kvpress hosts) with its 95% paired bootstrap interval; 'below in': samples where the selection "
+      "is lower")
 
 # %% [markdown]
 # Those cells, and the KL after the context, counted per reading:
@@ -1026,8 +1035,7 @@ print(format_intervals(by_mode[MODES[1]]))
 #
 # Why the first step's error falls in both readings while the KL, a mean over every answer token, falls only
 # in the pooled one, these runs do not show: the traces record the hidden state at the first decode step
-# alone, and the KL per answer token is not recorded. (Section 1's sample does not settle it either: there the
-# first answer token's query already puts 0.519 of its attention on the value, not on the question.)
+# alone, and the KL per answer token is not recorded.
 #
 # ### 5.3 Assumption 1 on SmolLM2
 #
@@ -1135,4 +1143,19 @@ summarise(alg1_r, RATIOS_REAL, [("0", [0]), ("1-9", range(1, 10)), ("10-19", ran
 # 0.97 of the mass, so the entries stage 2 picks for their values cost little of it. Concentration alone does
 # not rank the layers, though: at keep ratio 0.1 top-k keeps 0.89 in layers 1-9, where Algorithm 1 wins most
 # often (0.650), and 0.96 in layers 20-29, where it wins least of the three blocks (0.424). In layer 0, the
-# least concentrated (0.58), Algorithm 1 still loses.
+# least concentrated (0.58), Algorithm 1 still loses. In layers 20-29 it lowers the bound $\theta$ far more
+# often than $\mathcal{L}$ itself (0.759 against 0.424 at keep 0.1, 0.787 against 0.509 at 0.25): it lowers the
+# bound it was built for, and there the bound says little about the perturbation.
+#
+# ## 6. What this lab shows
+#
+# * **On the bundled model attention is spread out**: Assumption 1 fails in most heads, Algorithm 1 loses to
+#   attention top-k even with the true query, and neither reading lowers the perturbation in most heads
+#   (sections 2.1-2.4).
+# * **On SmolLM2 attention is concentrated**: Assumption 1 holds in most heads, Algorithm 1 wins slightly with
+#   the true query, and the selections lower the perturbation in about half to three quarters of the heads
+#   (section 5).
+# * **The two readings of Algorithm 2's line 9 agree on the hidden state and part ways on the answer**: the
+#   pooled stage 2 (the authors' code) lowers the KL, the literal one raises it, at keep ratio 0.25 on both
+#   models and at 0.1 on SmolLM2 (sections 2.2 and 5.2).
+# * **Accuracy cannot tell them apart at this scale** (sections 3 and 5.2).
