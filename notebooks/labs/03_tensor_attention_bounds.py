@@ -29,8 +29,10 @@ tensor_model, tensor_card = match3.load("match3-tensor")      # the lesson's sec
 # lesson's $T$). The proof is a reduction from the
 # Index problem (Lemma 3.11): Alice holds n bits, writes a cache from them; Bob, given any index j, builds
 # a query and reads x_j off one attention output. Then the cache is a message that tells Bob every bit, so
-# it holds at least n bits; with a value coordinate per bit (d bits a token, as `index_problem.py`'s docstring
-# argues) the same reduction gives n d. This run stores one bit a token, so it shows the n.
+# it holds at least n bits; with a value coordinate per bit (d bits a token; the argument is in
+# `methods/tensor_attention/README.md`, "The Index problem") the same reduction gives n d. This run stores one
+# bit a token, so it shows the n. Its keys have d = ceil(4 log2 n) coordinates, 28 for n = 128: the paper's
+# regime d >= C log n, enough for random +-1 keys to tell every pair apart.
 # `methods/tensor_attention/index_problem.py` builds such a cache (random +-1 keys, the pair
 # (j, j) wins Bob's softmax, the bits sit in V1) and compresses it two ways: keep k of the n token rows, or
 # let groups of g tokens share one majority sign. Bob's accuracy against the bits the cache keeps, with the
@@ -67,7 +69,11 @@ plt.show()
 
 # %% [markdown]
 # The figure shows Bob's accuracy against the bits each compressed cache keeps, with 95% intervals, under the
-# Fano limit (solid) and the store-and-guess line (dotted). The numbers:
+# Fano limit (solid) and the store-and-guess line (dotted). Keeping token rows lies on the dotted line: it
+# stores some bits verbatim and guesses the rest. Sharing a majority sign lies above it: a lossy code beats
+# storing bits verbatim, and still stays under Fano's limit. The numbers (`param` is the share of token rows
+# kept, or the group size g; `expected` the accuracy each scheme has in expectation, 1/2 + s/(2n) for kept
+# rows, the chance that a bit agrees with its group's majority for groups):
 
 # %%
 for r in rows5:
@@ -76,7 +82,8 @@ for r in rows5:
 
 # %% [markdown]
 # Both compressed caches stay under the limit, up to the spread of a finite sample (at s = 0 and s = N the
-# expected accuracy *is* the limit, so a measured mean can sit a hair above it), and the limit is a straight consequence
+# expected accuracy *is* the limit, so a measured mean could sit a hair above it), and the limit is a straight
+# consequence
 # of counting: to be right on a fraction p of the n bits a cache needs at least n (1 - H(p)) bits, linear in n.
 # This is an illustration of the theorem, not a proof of it (the proof must handle any cache, any query scheme);
 # and it shows the four-matrix side only. The two-matrix bound (Omega(n^2 d), Theorem 4.2) is about caches that
@@ -89,8 +96,11 @@ for r in rows5:
 # [arXiv 2402.06082](https://arxiv.org/abs/2402.06082); used for tensor attention in §5.1 of the paper,
 # SubGen4Cache / SubGen2Cache) keeps a few sampled keys per cluster to estimate the softmax normaliser and
 # a norm-weighted sample of values for the numerator. `methods/tensor_attention/subgen.py` streams a tensor cache's
-# pair
-# rows through such a sketch; error against the exact output vs the bytes the sketch keeps:
+# pair rows through such a sketch, on a synthetic instance made to cluster (n = 32 tokens, d = 16, keys of
+# each factor drawn around 3 centres, so about 9 clusters of pairs; not the Match3 model). Its error against
+# the exact output vs the bytes the sketch keeps; the second line divides the error by
+# `||softmax(K~ q)||_2 ||V~||_op` instead of `||o||`, the scale of the paper's guarantee (SubGen's error is
+# at most eps times that product), so it reads as the eps the sketch reached:
 
 # %%
 import matplotlib.ticker
@@ -130,10 +140,11 @@ for r in rows6:
 # ## 3. Compressing a tensor cache: drop tokens, or drop pairs?
 #
 # Evicting a *token* from a four-matrix cache removes its rows of K1, V1 and K2, V2: a whole row *and*
-# column of the pair matrix $Z$ (`S` in the code). Only the two-matrix cache can drop single *pairs*. Which is the
-# better use
-# of a byte? Keeping k tokens costs 4 k d numbers and keeps k^2 pairs; the same bytes hold only 2k pair
-# rows of the two-matrix cache. On the trained Match3 model (layer 1, the query that decides the last
+# column of the pair matrix $Z$ (its probabilities are `P` in the code below). Only the two-matrix cache can
+# drop single *pairs*. Which is the better use of a byte? Keeping k tokens costs 4 k d numbers and keeps k^2
+# pairs; the same bytes hold only 2k pair
+# rows of the two-matrix cache. On the trained Match3 model (layer 1, the second and last, the query that
+# decides the last
 # label, 64 sequences; the lesson's section 3 trains and bundles it), with an *oracle* choice for both
 # (the tokens with the most attention mass, the pairs with the most), relative error of the attention
 # output at equal bytes:
@@ -187,9 +198,9 @@ for k_tok, n_pairs, e_tok, e_pair in rows:
 # Dropping tokens wins at equal bytes in every head once k >= 4: k kept tokens keep k^2 pairs for the bytes of
 # 2k pair rows, and this model's attention is spread (half of a head's mass takes 42-148 pairs, except in the
 # concentrated head). Pairs win only at the smallest budget (k = 2), in two heads: the concentrated one (half
-# its mass in 3 pairs; error 0.68 vs 1.14) and the second head (1.77 vs 2.36). Errors above 1 are no bug:
-# the exact outputs of the spread heads average many value products and are small, so a few kept pairs
-# miss them by more than their own size. The two-matrix cache's finer granularity does not pay for its bytes here; it
+# its mass in 3 pairs; error 0.68 vs 1.14) and the second head (1.77 vs 2.36). Errors above 1 are possible:
+# the error is relative to the exact output's length, and a few kept pairs can land farther from the exact
+# output than that. The two-matrix cache's finer granularity does not pay for its bytes here; it
 # would for attention that puts
 # its mass on a handful of pairs. (Both choices are oracles that know the attention; a real policy must
 # estimate it, as H2O or SnapKV do for tokens.)
@@ -247,13 +258,18 @@ for name, card in (("tensor", tensor_card), ("standard", standard_card)):
 
 # %% [markdown]
 # The standard model's curve is almost flat over its second half, the tensor model's still climbs: a longer
-# budget would more likely help the tensor model. A flat curve makes a late catch-up of standard attention
+# budget would more likely help the tensor model. Both ran with a learning rate that decays to zero along a
+# cosine, so every curve flattens late; the flat curve is weak evidence. A flat curve makes a late catch-up of
+# standard attention
 # unlikely but cannot rule it out; only a longer run answers that
 # (`python -m methods.tensor_attention.match3 train --attention standard --steps 10000 --out runs/m3-long`, then
 # `python -m methods.tensor_attention.match3 eval runs/m3-long match3-tensor`).
 #
-# Greedy decoding through each cache layout gives the same labels (the three paths compute the same numbers,
-# up to float rounding that never flips an argmax here), right or wrong:
+# Greedy decoding reads the model's *own* labels back (not the true ones, as the teacher-forced figure
+# did), through each cache layout: `four` (the four factor matrices), `four-naive` (the same, building every
+# pair row at each step) and `two` (the two pair matrices). All three give the same labels (they compute the
+# same numbers, up to float rounding that never flips an argmax here), right or wrong: in the example below
+# the eighth label is wrong in each.
 
 # %%
 import random
