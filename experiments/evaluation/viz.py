@@ -91,8 +91,10 @@ def plot_kept(ax, cache: KVCache, n_tokens: int, spans: list[tuple[int, int, int
     every = -(-L * H_kv // 16)                                         # at most 16 row labels, each legible
     rows = range(0, L * H_kv, every)
     ax.set_yticks(rows, [f"L{r // H_kv} KV{r % H_kv}" for r in rows], fontsize=9)
-    kept = int(mask.sum()) / (L * H_kv)
-    ax.set(title=f"{title}  ({kept:.0f} of {T} positions kept per head)", xlabel="prompt position")
+    per_strip = mask.sum(-1).flatten()                                 # (L * H_kv,) kept per strip
+    mean = " on average" if int(per_strip.min()) != int(per_strip.max()) else ""   # AdaKV's heads differ
+    ax.set(title=f"{title}  ({float(per_strip.float().mean()):.0f} of {T} positions kept per head{mean})",
+           xlabel="prompt position")
 
 
 def plot_persistence(pers: dict[float, Tensor], paper: float, title: str):

@@ -102,7 +102,8 @@ plot_four(caches, N, spans, 9)
 # StreamingLLM's strips are all alike: the first four tokens and the recent window, far from the needle. H2O
 # keeps scattered tokens everywhere, most densely at the start, and the needle's value in some strips. SnapKV
 # and AdaKV keep the window and clusters before it, the needle's wording often, its value more rarely;
-# AdaKV's strips differ in length (KV head 0 takes more than KV head 1).
+# AdaKV's strips keep different numbers of entries (KV head 0 takes more than KV head 1; the title gives the
+# mean).
 #
 # ### 1.2 Does the answer survive?
 #
@@ -117,7 +118,7 @@ from experiments.evaluation.viz import kept_text
 from nanollm.data.evaluate import MODES, answer
 
 trs = traces(model, sample, MODES[0], [None] + [make_policy(s, budget=BUDGET) for s in SPECS],
-             [True] + [False] * len(SPECS))
+             [True] + [False] * len(SPECS))                  # record_probs: the full cache's attention only
 full_tr, method_trs = trs[0], dict(zip(SPECS, trs[1:]))
 answers = greedy_accuracies(model, tok, sample, trs)
 metrics = {spec: compare_traces(full_tr, tr, G) for spec, tr in method_trs.items()}
@@ -143,7 +144,9 @@ for spec in SPECS:
 # the four (0.292); the three that fail have KL above 10 nats. The retrieving head (layer 3, query head 2)
 # explains it: in its KV head H2O still holds the whole value, while SnapKV and AdaKV hold the key and
 # wording "special magic number for royal-field is:" and none of the six value tokens. The model attends to a
-# key with nothing after it.
+# key with nothing after it. (A KL of 0 beside a lost mass of 0.292 is no contradiction: lost mass is the
+# attention the cache no longer holds, over every head at the first answer step; KL is what changes in the
+# answer's distributions, and H2O lost none of what the answer reads.)
 #
 # ### 1.3 Why SnapKV keeps the key and not the value
 #
@@ -186,14 +189,15 @@ plt.show()
 # %%
 from methods.snapkv import snapkv_scores
 
+WINDOW, KERNEL = 32, 7                                                  # SnapKV's defaults: window, pooling width
 for layer, a in enumerate(prompt_maps):
     kv_head = int(on_value[layer].argmax()) // G
-    raw = snapkv_scores(a[None], model.config.n_kv_head, 32, 1, "max")[0, kv_head]    # (N,) unpooled votes
-    pooled = snapkv_scores(a[None], model.config.n_kv_head, 32, 7, "max")[0, kv_head, :N - 32]
+    raw = snapkv_scores(a[None], model.config.n_kv_head, WINDOW, 1, "max")[0, kv_head]  # kernel 1: no pooling
+    pooled = snapkv_scores(a[None], model.config.n_kv_head, WINDOW, KERNEL, "max")[0, kv_head, :N - WINDOW]
     rank = pooled.argsort(descending=True).argsort()                    # 0 = the best prefix position
     print(f"layer {layer}, KV head {kv_head}: window vote on the key and wording {raw[start:v].sum():.3f}, "
           f"on the value {raw[v:end].sum():.3f}; best value rank {int(rank[v:end].min())} "
-          f"(kept: rank < {BUDGET - 32} of {N - 32})")
+          f"(kept: rank < {BUDGET - WINDOW} of {N - WINDOW})")
 counts = [(kv.pos[0] >= 0).sum(-1).tolist() for kv in caches["adakv"].layers]    # (H_kv,) entries per layer
 print("AdaKV's entries per KV head, layer by layer:", ", ".join(str(c) for c in counts))
 
@@ -203,7 +207,8 @@ print("AdaKV's entries per KV head, layer by layer:", ", ".join(str(c) for c in 
 # 0.024: the question repeats the key, so its queries look at the key. After pooling the best value token
 # ranks 120 among the 462 prefix positions, where SnapKV keeps the ranks below 96. AdaKV reads the same
 # scores and moves entries from KV head 1 to KV head 0 in every layer ([147, 109] in layer 0, [187, 69] in
-# layer 3), which takes entries away from the retrieving head's KV head: its answer is SnapKV's.
+# layer 3), so the retrieving head's KV head gets fewer entries; with the value already ranked 120, past even
+# SnapKV's 96, AdaKV does not rescue it either: its answer is SnapKV's.
 
 # %% [markdown]
 # ## 2. Real passages with SmolLM2-135M
@@ -305,10 +310,11 @@ for spec, row in zip(SPECS, share):
 # No method keeps the needle's value in many strips: StreamingLLM in none, H2O in a few (0.03 of them on
 # average, against 0.36 for the key and wording), SnapKV and AdaKV in 0.16. The full cache answers 131384;
 # StreamingLLM and H2O answer "123456.", a generic guess, and SnapKV and AdaKV "1313.", the first digits
-# right and the rest lost. As on the bundled model (section 1), the key is kept more often than the value;
-# here the key sits early in the passage, and the figure cannot tell that apart from the question repeating it. H2O
-# keeps the first token in
-# every strip: on real text its accumulated attention goes to the tokens every query attends, the start of
+# right and the rest lost. As SnapKV and AdaKV did on the bundled model (section 1), all three keep the key
+# more often than the value. Here the share kept falls steadily from the header's words before the needle to
+# its value, so position alone could explain the key's lead; the figure cannot tell that apart from the
+# question repeating the key. H2O keeps the first token in every strip: on real text its accumulated attention
+# goes to the tokens every query attends, the start of
 # the passage, not to an old needle's value as on the bundled model.
 
 # %% [markdown]
@@ -317,7 +323,8 @@ for spec, row in zip(SPECS, share):
 # The harness on the bundled model's default suite, both modes, keep ratios 0.1, 0.25 and 0.5 (`SAMPLES`
 # samples per task and mode, 512-token samples, seed 0): the same jobs as the main command
 # `python -m experiments.compare` for these four methods. Accuracy is the mean over the tasks with its 95% Wilson
-# interval; KL is averaged over the samples.
+# interval; KL is averaged over the samples. (Wilson's interval counts each answer right or wrong; an answer
+# that holds only some of its reference strings scores a fraction, so the interval is approximate.)
 
 # %%
 from matplotlib.ticker import FormatStrFormatter, NullFormatter

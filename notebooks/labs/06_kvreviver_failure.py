@@ -58,16 +58,14 @@ from nanollm import KVCache, extend, prefill
 
 real, real_tok, real_card = load("smollm2-135m")
 LENGTH_REAL = 256 if TINY else 512
-SAMPLES_REAL = 1 if TINY else 3                   # samples per task and mode
 SUITE_REAL = ["passkey", "niah_single_docs"]              # the full cache answers both at 512 tokens
 TASKS_REAL = SUITE_REAL[:1] if TINY else SUITE_REAL
-MODES_REAL = ["question_after_context"] if TINY else ["question_in_prompt", "question_after_context"]
 KEEP_REAL = [0.25] if TINY else [0.1, 0.25]
 BUDGETS_REAL = [round(k * LENGTH_REAL) for k in KEEP_REAL]
 GRANULARITIES = {"shared": {}, "per KV head": {"per_kv_head": True}}
 print(f"SmolLM2-135M: {real.config.n_layer} layers, {real.config.n_head} query heads, {real.config.n_kv_head} KV "
-      f"heads; tasks {TASKS_REAL}, modes {MODES_REAL}, {SAMPLES_REAL} samples per task and mode, {LENGTH_REAL} "
-      f"tokens, budgets {BUDGETS_REAL} slots per layer and KV head")
+      f"heads; tasks {TASKS_REAL}, one sample each, question after the context, {LENGTH_REAL} tokens, budgets "
+      f"{BUDGETS_REAL} slots per layer and KV head")
 
 
 def compress_real(sample, policy=None):
@@ -162,7 +160,8 @@ for budget in BUDGETS_REAL:
 #
 # ### 1.2 Where the attention goes: rebuilt entries at the first decode step
 #
-# Section 2.1's measurement, on this model: at the step that reads the first answer token (question
+# What section 2.1 measures on the bundled model, here on SmolLM2: at the step that reads the first answer token
+# (question
 # after context), per layer, the attention probability that goes to positions rebuilt from the sketch
 # (revived tokens included), averaged over the 9 query heads, next to what the full cache gives those very
 # positions (`experiments/analysis/rebuilt_attention.py`); and the mean length of the rebuilt keys relative to
@@ -363,21 +362,26 @@ for w in variants:
 
 
 # %% [markdown]
-# The Recent / Candidate rule with no sketch answers nothing with one selection per layer (0.00), and 0.78
-# with one per KV head, within noise of H2O's 0.89: one selection per layer is what makes the eviction half
-# weak on this model. KVReviver per KV head, with its sketch, stays at 0.11: the sketch takes back what the
-# finer selection gained. Only sketches far wider than the paper's split bring accuracy back: 128 extra
-# cells per row answer 0.11, and the injective hash is the full cache (accuracy 1.00, KL 0.00) with more
-# memory than the full cache itself. The machinery is right; the compression is too strong for these keys.
-# On SmolLM2 the granularity changes nothing (section 1.2).
+# Each row holds three answers per task, three tasks: too few for a verdict against the full cache, so what
+# the table says is the gap between none right and most right. The Recent / Candidate rule with no sketch
+# answers nothing with one selection per layer (0.00), and 0.78 with one per KV head, not distinguishable
+# from H2O's 0.89 (the line under the table): one selection per layer is what makes the eviction half weak on
+# this model. KVReviver per KV head, with its sketch, stays at 0.11: the sketch takes back what the finer
+# selection gained. Wider sketches barely help: 128 extra cells per row (1024 KiB, more than the full cache's
+# 928 KiB on section 4's prompt) answer 0.11 as well; only the injective hash (one cell per position, exact)
+# is the full cache (accuracy 1.00, KL 0.00), with more memory than the full cache itself. The machinery is
+# right; the compression is too strong for these keys. On SmolLM2 this lab measures the granularity only in
+# the attention and the key lengths, where it changes nothing (section 1.2).
 #
 # ## 3. Why it breaks, to the end
 #
 # The lesson and sections 1-2 show *that* KVReviver fails and that its rebuilt keys are far too long. This
 # section takes the method apart on SmolLM2 under the language-modelling protocol of the project
 # (`experiments/evaluation/language_modelling.py`: 512 tokens of Python's help topics, the second half scored,
-# tokens evicted as they are decoded, budget = keep x 256 slots per layer, so keep 0.2 and 0.5 are 51 and
-# 128 slots): the perplexity relative to the full cache's, one part of the method swapped at a time, each a
+# tokens evicted as they are decoded, budget = keep x 256 slots per layer, 256 being the first half, the
+# prefix compressed before the scoring starts; keep 0.2 and 0.5 are then 51 and 128 slots, the budgets of
+# section 1's keep 0.1 and 0.25 of 512): the perplexity relative to the full cache's, one part of the method
+# swapped at a time, each a
 # small subclass of the policy in `experiments/analysis/kvreviver_ablation.py`:
 #
 # * **true K/V**: every attended slot gets its true key and value (a shadow copy of the full cache), with
@@ -406,13 +410,16 @@ import json
 from pathlib import Path
 
 import methods
+from experiments import moved
 from experiments.analysis.kvreviver_ablation import LEMMA2, CentredKeySketch, CentredSketch, format_lemma, format_lm
 from methods.kvreviver_budgets import allocate
 
 ROOT = Path(methods.__file__).resolve().parents[1]          # the repository, wherever the lab was opened
 with open(ROOT / "results" / "kvreviver_ablation.json") as f:
     committed = json.load(f)
-print("read results/kvreviver_ablation.json, made by:", committed["provenance"]["command"])
+command = committed["provenance"]["command"].split()
+command[2] = moved(command[2])                        # the module's name today (it moved since the file was written)
+print("read results/kvreviver_ablation.json, made by:", " ".join(command))
 print(f"  commit {committed['provenance']['commit']}, {committed['provenance']['date']}, "
       f"{committed['provenance']['threads']} thread(s), {committed['provenance']['dtype']}\n")
 ablation_records = committed["records"]
@@ -448,8 +455,10 @@ plt.show()
 
 # %% [markdown]
 # The bars read top to bottom as an argument. With every slot's true key and value and the same
-# bookkeeping KVReviver is the full cache (x1.0000 at both budgets), so Recent, Candidate, the scores and
-# the swaps are not what fails: the estimates are. Without the swap loop the damage shrinks from x3.83e+05
+# bookkeeping KVReviver is the full cache (x1.0000 at both budgets), as it must be, since Algorithm 4 then
+# rebuilds every position exactly: that row checks the code. That Recent, Candidate and the scores are not
+# what fails shows in the no-sketch row (below); the estimates are. Without the swap loop the damage shrinks
+# from x3.83e+05
 # to x15.560 at 51 slots, but stays (x1901.366 at 128): a revived token keeps its *estimate* in a Candidate
 # slot, and the attention its long key captures keeps it there, so the swaps turn a bad sketch into a
 # ruinous one. Whether a step's swaps read their estimates one after the other or all at once changes the
@@ -481,7 +490,8 @@ plt.show()
 # tokens of the help topics through one prompt pass, a 10% budget split 0.45 / 0.45 / 0.1, the rebuilt
 # cache (Algorithm 4) against the full one at the positions only the sketch holds, per layer. It also
 # measured how far the keys are from zero-mean, `|mean k| / rms |k|` per layer. The table prints every fifth
-# layer and the last (the figure shows them all); its `a` is $E$ and its `b` is $W$.
+# layer and the last (the figure shows them all); its `a` is $E$ and its `b` is $W$. The paper's bound on the
+# same error (Lemma 1) is $E\pi / N$, with $N = 3W$ the sketch's cells.
 
 # %%
 lemma_rows = [r for r in ablation_records if r["kind"] == "lemma2"]
@@ -491,6 +501,10 @@ for line in format_lemma(lemma_rows).splitlines():               # every fifth l
     if not first.isdigit() or int(first) % 5 == 0 or int(first) == last:
         print(line)
 print(f"\nLemma 2's constant, by quadrature: {LEMMA2:.4f}")
+means = sorted(r["key_mean_ratio"] for r in lemma_rows if r["policy"] == "shipped")
+m, load = means[len(means) // 2], lemma_rows[0]["tokens_per_cell"]         # the keys' median over layers; E / W
+print(f"the keys' mean carried E/W = {load:.1f} times, at the median m = {m:.2f}: (E/W)^2 m^2 / (1 - m^2) = "
+      f"{load ** 2 * m ** 2 / (1 - m ** 2):.2g} variances")
 
 
 # %%
@@ -526,7 +540,10 @@ plt.show()
 # lemma says, it is the load that is hopeless, an error about 11 times a value's length. The keys sit near
 # 1.18e+05, about a thousand times the prediction: the right panel shows why, their mean is 0.74 of their
 # length (median over layers; the values' 0.38) where the analysis assumes 0, and an unsigned sum carries
-# it $E/W$ times over. Our centred and shrunk estimates (triangles) come back with 0.99 of a variance for
+# it $E/W$ times over: with a mean of $m = 0.74$ of the rms length, the rest varies by $1 - m^2$ of the
+# mean square, and $E/W$ copies of the mean give an error of about $(E/W)^2\, m^2 / (1 - m^2)$ variances,
+# 1.2e+05 (printed under the table), as measured. Our centred and shrunk estimates (triangles) come back with
+# 0.99 of a variance for
 # both: at this load the best a sketch can return is about the mean token.
 
 # %% [markdown]
@@ -687,11 +704,11 @@ for method in ["kvreviver", "h2o"]:
 
 
 # %% [markdown]
-# Traced alone (the ratios printed above), KVReviver decodes about twice as slowly as the full cache, as the
-# paper found, and H2O slower too (the ratio printed above); CPU timings move from run to run. Each timing is a
-# whole decode
-# step, the layers' weight products included, which every method pays alike; the tables' `step ms` instead
-# give each cache the time of its own attention plus an equal share of the rest, so their gaps are wider.
+# Traced alone, KVReviver decodes at 1.7x-1.8x the full cache's time per token, near the paper's 2x, and H2O at
+# 1.0x-1.2x; CPU timings move from run to run. Each timing is a whole decode step, the layers' weight products
+# included, which every method pays alike; the evaluation's tables (`python -m experiments.compare`, column
+# `step ms`) instead give each cache the time of its own attention plus an equal share of the rest, so their
+# gaps are wider.
 # Every KVReviver step
 # rebuilds every evicted position and attends over all of them, so at long contexts it falls far behind
 # (`python -m experiments.evaluation.bench`).
@@ -709,12 +726,13 @@ for method in ["kvreviver", "h2o"]:
 #   73-354x on SmolLM2 (§1.2). Such a key makes each head's attention all or nothing: most heads ignore the
 #   sketch, so its tokens are as good as evicted, and a few attend to nothing else.
 # * So KVReviver does **not** cure contextual amnesia here, on either model (the lesson's section 3, and the
-#   SmolLM2 runs); only sketches much wider than the paper's split, given on top of the budget, bring some accuracy
-#   back, and the injective one (exact) reproduces the full cache (§2.2): the machinery is right, the
-#   compression is too strong for these keys.
+#   SmolLM2 runs); wider sketches on top of the budget barely help (0.11 with 128 cells per row), and only the
+#   injective one (exact) reproduces the full cache (§2.2): the machinery is right, the compression is too
+#   strong for these keys.
 # * The eviction half is also weak on the bundled model: the Recent / Candidate rule with no sketch scores
 #   0.00 with one selection per layer, and 0.78 with one per KV head, within noise of H2O's 0.89 (§2.2);
-#   KVReviver per KV head, with its sketch, stays at 0.11. On SmolLM2 the granularity changes nothing.
+#   KVReviver per KV head, with its sketch, stays at 0.11. On SmolLM2 the granularity changes neither the
+#   attention on rebuilt entries nor the key lengths (§1.2); its accuracy there is not measured.
 # * **Why, to the end** (section 3, SmolLM2 under the language-modelling protocol): with true keys and
 #   values and the same bookkeeping KVReviver is the full cache (x1.0000), so its estimates are the whole
 #   failure. At the paper's own setting (2k tokens, 10% budget) a cell holds 310.2 tokens; the values follow
