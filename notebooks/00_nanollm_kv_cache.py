@@ -332,7 +332,7 @@ def check_memory(gib_gqa, gib_mha):
         return c.kv_bytes_per_token(bytes_per_element=2) * 131072 / 2**30
     right = gib(8)
     if abs(gib_gqa - right) >= 1e-6:                         # the usual slips first, then the formula itself
-        for slip, hint in ((right / 2, "each token stores a key and a value"),
+        for slip, hint in ((right / 2, "each token stores a key and a value, 2 bytes a number in bf16"),
                            (right * 2**30 / 1e9, "a GiB is 2**30 bytes, not 10**9"),
                            (2 * right, "bf16 takes 2 bytes per number"),
                            (gib(32), "with GQA the cache holds the 8 KV heads, not one per query head")):

@@ -311,7 +311,7 @@ print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {(ex_cache.layer
 my_expected = None               # replace None: a function (seen, budget, n_sink) -> positions (def my_expected)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-from exercises import calls, exercise
+from exercises import calls, exercise, on_copies
 
 
 @exercise("Exercise 1")
@@ -382,7 +382,7 @@ def check_h2o(h2o):
         caches = [KVCache(model.config, H2OPolicy(budget=b)) for b in (ids.shape[1], budget)]
         for cache in caches:
             prefill(model, ids, cache)
-        scores, kept = h2o(maps, budget)
+        scores, kept = on_copies(h2o, maps, budget)
         assert len(scores) == len(kept) == len(maps), "one tensor per layer in each list"
         for s, kv in zip(scores, caches[0].layers):              # the cache that evicts nothing: every score
             right = kv.state[H2O_SCORE][0]                        # (H_kv, N)

@@ -73,25 +73,38 @@ def calls(function, *names: str) -> list[str]:
 
 
 def on_copies(function, *args):
-    """``function(*args)`` with each tensor argument copied first, so that an answer writing into its input
-    (``kept = attn; kept[~keep] = 0`` makes no copy) changes neither the lesson's tensors nor the ones the check
-    compares with; an answer that did write into one is refused, with the argument's name."""
+    """``function(*args)`` with each tensor argument copied first (and each tensor in a list or tuple argument),
+    so that an answer writing into its input (``kept = attn; kept[~keep] = 0`` makes no copy) changes neither
+    the lesson's tensors nor the ones the check compares with; an answer that did write into one is refused,
+    with the argument's name."""
     import inspect
 
     import torch
-    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+    def copied(x):
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        return type(x)(copied(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+    def same(a, b) -> bool:                                      # NaN equals NaN; a list the answer grew differs
+        if isinstance(a, torch.Tensor):
+            return a.shape == b.shape and bool(torch.equal(a, b) or (a.is_floating_point() or a.is_complex())
+                                               and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return True
+
+    copies = [copied(a) for a in args]
     said = function(*copies)
     try:
-        names = list(inspect.signature(function).parameters)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = [n for n, p in inspect.signature(function).parameters.items() if p.kind in positional]
     except (TypeError, ValueError):
         names = []
     for i, (before, after) in enumerate(zip(args, copies)):
-        if isinstance(before, torch.Tensor):
-            name = f"`{names[i]}`" if i < len(names) else f"argument {i + 1}"
-            same = torch.equal(before, after) or before.is_floating_point() and before.shape == after.shape \
-                and torch.allclose(before, after, rtol=0, atol=0, equal_nan=True)            # NaN equals NaN
-            assert same, f"your function changed its input {name} in place: work on a " \
-                "copy (`x = y` makes none; `y.clone()`, or an operation that is not in place, does)"
+        name = f"`{names[i]}`" if i < len(names) else f"argument {i + 1}"
+        assert same(before, after), f"your function changed its input {name} in place: work on a copy " \
+            "(`x = y` makes none; `y.clone()`, or an operation that is not in place, does)"
     return said
 
 

@@ -311,11 +311,12 @@ for spec, row in zip(SPECS, share):
 # average, against 0.36 for the key and wording), SnapKV and AdaKV in 0.16. The full cache answers 131384;
 # StreamingLLM and H2O answer "123456.", a generic guess, and SnapKV and AdaKV "1313.", the first digits
 # right and the rest lost. As SnapKV and AdaKV did on the bundled model (section 1), all three keep the key
-# more often than the value. Here the share kept falls steadily from the header's words before the needle to
-# its value, so position alone could explain the key's lead; the figure cannot tell that apart from the
-# question repeating the key. H2O keeps the first token in every strip: on real text its accumulated attention
-# goes to the tokens every query attends, the start of
-# the passage, not to an old needle's value as on the bundled model.
+# more often than the value. In SnapKV's and AdaKV's rows the share kept falls steadily from the header's words
+# before the needle to its value, so position alone could explain the key's lead; the figure cannot tell that
+# apart from the question repeating the key. H2O's row is uneven and rises again after the value, which
+# position does not explain. H2O keeps the first token in every strip: on real text its accumulated attention
+# goes to the tokens every query attends, the start of the passage, not to an old needle's value as on the
+# bundled model.
 
 # %% [markdown]
 # ## 3. Accuracy and KL at three keep ratios

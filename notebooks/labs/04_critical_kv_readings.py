@@ -394,9 +394,9 @@ for ratio in HEAD_RATIOS:
 # the literal CriticalSnapKV lowers the KL beyond noise too (-0.373, the pooled one -0.270), and over AdaKV
 # both readings are within noise. Accuracy follows within noise.
 #
-# The per-layer sums show where the selections' perturbation builds up: at 0.25 it is larger than the host's in
-# layers 0, 1 and 3 and level in layer 2 (layer 3: 29.71 with SnapKV,
-# 33.64 with CriticalSnapKV), yet the final hidden state moves
+# The per-layer sums show where the selections' perturbation builds up: at 0.25 every selection's is larger than its
+# host's in layers 0 and 3 (layer 3: 29.71 with SnapKV, 33.64 with pooled CriticalSnapKV), yet the final hidden
+# state moves
 # less. The two do not contradict each other: `L_h` is measured in the compressed run, so a layer's sum also
 # carries what the compression of the layers before it changed, and `sum_h L_h` adds up each head's change on
 # its own, so changes that cancel between heads, or later in the network, still count in it.
@@ -1156,6 +1156,6 @@ summarise(alg1_r, RATIOS_REAL, [("0", [0]), ("1-9", range(1, 10)), ("10-19", ran
 #   the true query, and the selections lower the perturbation in about half to three quarters of the heads
 #   (section 5).
 # * **The two readings of Algorithm 2's line 9 agree on the hidden state and part ways on the answer**: the
-#   pooled stage 2 (the authors' code) lowers the KL, the literal one raises it, at keep ratio 0.25 on both
-#   models and at 0.1 on SmolLM2 (sections 2.2 and 5.2).
+#   pooled stage 2 (the authors' code) lowers the KL and the literal one raises it at keep ratio 0.25 on both
+#   models; at 0.1 on SmolLM2 the literal one raises it over both hosts (sections 2.2 and 5.2).
 # * **Accuracy cannot tell them apart at this scale** (sections 3 and 5.2).

@@ -257,7 +257,7 @@ for mode in MODES:
 # higher than reuse 1 in both modes, reuse 2 only after the context. The right panel, measured with the question in
 # the prompt only, shows what reuse changes in the kept sets: with every layer choosing for itself (reuse 1),
 # layer 0 keeps the needle's value whole in 0.95 of the single-needle samples and layers 1-3 in 0.10 to 0.40,
-# so a layer that copies layer 0's choice keeps a value it would have dropped. Why that answers more after the
+# so a layer that copies layer 0's choice keeps a value it would have dropped. Why reuse 2 answers more after the
 # context and not in the prompt, these runs do not show. That is a property of this small model, whose first
 # layer's window finds the value best; the paper
 # offers reuse as a saving of work, not of accuracy. Reuse also cuts the time in the policy's hooks (the
@@ -516,6 +516,6 @@ for mode in MODES:
 #   three and above its single-token control.
 # * **Chunk size and reuse** (section 2): bigger chunks answer more on the bundled model, and so does deeper
 #   reuse (reuse 4 in both modes, reuse 2 after the context); copying layer 0's choice, which keeps the value
-#   most often, is a likely reason these runs do not prove.
+#   most often, is a likely reason, which these runs do not prove.
 # * **The headline claim holds on the real model** (section 3.3): with the question in the prompt,
 #   whole chunks answer where single tokens with the same votes do not; after the context the gain is smaller.

@@ -364,11 +364,12 @@ for w in variants:
 # %% [markdown]
 # Each row holds three answers per task, three tasks: too few for a verdict against the full cache, so what
 # the table says is the gap between none right and most right. The Recent / Candidate rule with no sketch
-# answers nothing with one selection per layer (0.00), and 0.78 with one per KV head, not distinguishable
-# from H2O's 0.89 (the line under the table): one selection per layer is what makes the eviction half weak on
+# answers nothing with one selection per layer (0.00), and 0.78 with one per KV head, near H2O's 0.89 (both
+# within noise of the best row, the injective hash, in the line under the table): one selection per layer is
+# what makes the eviction half weak on
 # this model. KVReviver per KV head, with its sketch, stays at 0.11: the sketch takes back what the finer
-# selection gained. Wider sketches barely help: 128 extra cells per row (1024 KiB, more than the full cache's
-# 928 KiB on section 4's prompt) answer 0.11 as well; only the injective hash (one cell per position, exact)
+# selection gained. Wider sketches barely help: 128 extra cells per row (1024 KiB, four times the 256
+# KiB of KVReviver at this budget) answer 0.11 as well; only the injective hash (one cell per position, exact)
 # is the full cache (accuracy 1.00, KL 0.00), with more memory than the full cache itself. The machinery is
 # right; the compression is too strong for these keys. On SmolLM2 this lab measures the granularity only in
 # the attention and the key lengths, where it changes nothing (section 1.2).
@@ -704,8 +705,8 @@ for method in ["kvreviver", "h2o"]:
 
 
 # %% [markdown]
-# Traced alone, KVReviver decodes at 1.7x-1.8x the full cache's time per token, near the paper's 2x, and H2O at
-# 1.0x-1.2x; CPU timings move from run to run. Each timing is a whole decode step, the layers' weight products
+# Traced alone, KVReviver decodes at 2.0x-2.2x the full cache's time per token, near the paper's 2x, and H2O at
+# 1.2x; CPU timings move from run to run. Each timing is a whole decode step, the layers' weight products
 # included, which every method pays alike; the evaluation's tables (`python -m experiments.compare`, column
 # `step ms`) instead give each cache the time of its own attention plus an equal share of the rest, so their
 # gaps are wider.

@@ -366,3 +366,9 @@ def test_an_answer_that_writes_into_its_input_is_refused_and_leaves_the_lessons_
         exercises.on_copies(aliased, attn, keep)
     assert attn[1].isnan() and attn[0] == 0.5, "the lesson's tensor was written"
     assert exercises.on_copies(lambda attn, keep: (attn * keep).nansum(), attn, keep) == 0.75   # NaN == NaN here
+    maps = [attn.clone(), attn.clone()]                                 # lesson 01 hands over a list of maps
+    with pytest.raises(AssertionError, match="changed its input `maps` in place"):
+        exercises.on_copies(lambda maps, budget: [m.mul_(0.5) for m in maps], maps, 3)
+    assert maps[0][0] == 0.5, "a tensor inside the lesson's list was written"
+    with pytest.raises(AssertionError, match="changed its input `keep`"):
+        exercises.on_copies(lambda attn, keep: keep.logical_not_(), attn, keep)   # bool: no allclose
