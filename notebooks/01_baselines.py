@@ -22,7 +22,7 @@ model, tok, _ = load("retrieval-llama")    # the bundled model: 0.87M parameters
 # Sixteen prompt tokens, 4 query heads sharing 2 KV heads (query heads 0-1 read KV head 0, 2-3 read KV head
 # 1), and a made-up causal attention. Every query puts weight on token 0, a *sink*; the queries at positions
 # 6-11 attend token 5, an early *heavy hitter*; the last four queries (the *observation window*) attend token
-# 9 in KV head 0 and spread over tokens 2, 3, 7 and 8 in KV head 1.
+# 9 in KV head 0 and spread over tokens 2, 3, 7 and 8 in KV head 1, as much as on the sink 0.
 
 # %%
 import torch
@@ -94,7 +94,8 @@ print("StreamingLLM on the toy (2 sinks) keeps", streaming_keep(T_TOY, B_TOY, 2)
 # \qquad \text{(Algorithm 1, §4)}$$
 #
 # (The paper's models give every query head its own keys; the mean over a KV head's $G$ query heads is our
-# adaptation to grouped-query attention, as kvpress's. SnapKV's below is the same.)
+# adaptation to grouped-query attention, as in kvpress, NVIDIA's open-source library of these methods, whose
+# choices this course follows where a paper leaves one open. SnapKV's below is the same.)
 #
 # At every step the cache keeps its `budget // 2` most recent tokens and, among the others, the highest
 # scores. The code adds the scores up step by step (`steps`), as the cache does: on the toy, a 13-token
@@ -130,7 +131,7 @@ print("H2O's scores on the toy, KV head 0:", [round(x, 2) for x in h2o_scores(to
 from experiments.analysis.persistence import record_attention
 
 demo_ids = torch.randint(model.config.vocab_size, (1, 22), generator=torch.Generator().manual_seed(0))
-demo_maps = record_attention(model, demo_ids)                        # n_layer x (H, 22, 22)
+demo_maps = record_attention(model, demo_ids)     # the full cache's attention probabilities: n_layer x (H, 22, 22)
 
 # %% tags=["needs:h2o_observe"]
 from methods.h2o import STATE as H2O_SCORE, H2OPolicy
@@ -327,8 +328,8 @@ def check_expected(expected_rule):
                 decode_step(model, torch.tensor([token]), cache)
         where = f"seen {cache.seen}, budget {budget}, n_sink {n_sink}"
         expected = torch.as_tensor(expected_rule(cache.seen, budget, n_sink)).long()
-        assert expected.shape == (budget,), f"{where}: one position per entry the cache holds, a 1-D tensor of " \
-                                            "budget positions"
+        assert expected.shape == (budget,), f"{where}: a 1-D tensor of budget positions (more sinks than the " \
+                                            "budget leaves room for?)"
         assert torch.equal(expected, expected.sort().values), f"{where}: list the positions in ascending order"
         assert expected[-1] == cache.seen - 1, f"{where}: the newest token, position seen - 1, always stays"
         S = min(n_sink, budget - 1)                               # the newest token always fits

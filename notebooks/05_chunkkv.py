@@ -20,7 +20,7 @@
 # ([notebooks/README.md](README.md)).
 
 # %% tags=["setup"]
-from preamble import TINY
+from preamble import TINY                          # True in the quick mode; the committed outputs are a full run
 
 from nanollm import load
 
@@ -80,6 +80,8 @@ def choose_chunks(votes, c, room):
 
 
 def library_keeps(votes, c, room):                 # the library's choice for one head: every slot competes
+    # free: no slot is protected (no window here); n_free: the room; remainder "none": Algorithm 1 as written,
+    # the room left after the last whole chunk stays empty
     T = len(votes)
     keep = chunk_keep_mask(votes.view(1, 1, T), pos=torch.arange(T).view(1, 1, T),
                            free=torch.ones(1, 1, T, dtype=torch.bool), n_free=torch.tensor([[room]]),
@@ -103,7 +105,8 @@ print("the built choice equals the library's on 200 random heads")
 # %% [markdown]
 # ### 1.1 The choice, drawn
 #
-# A toy needle: 24 mostly small votes, a key (positions 8-10) the window attends to strongly, its four-digit
+# A toy needle: 24 mostly small votes, a key (positions 8-10) the window attends to, two of its tokens strongly,
+# its four-digit
 # value (11-14) attended weakly, and a few loud tokens elsewhere. Room for 8 tokens, chosen one token at a time
 # (`c = 1`) and in chunks of 4.
 
@@ -136,9 +139,10 @@ plt.show()
 # ## 2. Does a needle's value survive whole?
 #
 # A single-needle sample of the bundled model's suite, compressed to `BUDGET = LENGTH // 2` entries per layer
-# and KV head by SnapKV (window 32, max pooling over 7); by ChunkKV as the paper runs it (the same window's raw
-# attention as votes, chunks of 10, and reuse depth 2: layers 1 and 3 reuse the choice of layers 0 and 2,
-# Algorithm 2); and by H2O (attention summed over the whole prompt, plus the most recent `budget // 2` tokens).
+# and KV head by SnapKV (window 32, max pooling over 7); by ChunkKV as we read the paper (the same window's raw
+# attention as votes, chunks of 10, the room left after the last whole chunk filled with the best single tokens
+# of other chunks, and reuse depth 2: layers 1 and 3 reuse the choice of layers 0 and 2, Algorithm 2); and by
+# H2O (attention summed over the whole prompt, plus the most recent `budget // 2` tokens).
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
 from methods import make_policy
@@ -182,7 +186,10 @@ print(f"{len(needles)} single-needle samples, values of {min(lengths)} to {max(l
 
 # %% [markdown]
 # **Chunks keep a fact whole far more often than single tokens.** ChunkKV keeps the value whole in 98% of the
-# (layer, KV head) pairs, SnapKV, which votes with the same window, in 43%, and H2O in 39%. The
+# (layer, KV head) pairs (with reuse, every second layer repeats the choice of the one before it), SnapKV, which votes
+# with the same window but keeps tokens one by one after pooling, in 43%, and H2O in 39%. Keeping the value
+# whole is not answering: H2O keeps it whole less often than SnapKV, yet answered the sample above, which
+# SnapKV did not; Exercise 2 asks what budget each method needs to answer. The
 # [lab](labs/05_chunkkv_claims.ipynb) tests whether this makes a model answer more, on SmolLM2-135M, a small
 # model trained on text: with the same votes, chunks of 10 answer more than single tokens, beyond noise, when
 # the question is in the prompt and the cache keeps a quarter or half of it.

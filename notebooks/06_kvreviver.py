@@ -36,7 +36,7 @@ model, tok, card = load("retrieval-llama")     # the bundled model (notebook 00)
 # | $J$; $c_i(J)$, $g_i(J)$ | a token, by its position; its cell and sign in row $i$ | `J`; `h`, `g` |
 # | $k_J$, $v_J$; $\hat k_J$, $\hat v_J$ | token $J$'s key and value ($d$ numbers each); their estimates | `k`, `v` |
 # | $C^K$, $C^V$ | the cells: sums of keys, signed sums of values | `cell_k`, `cell_v` |
-# | $E$; $\sigma^2$ | tokens in the sketch (the paper's $m$); their variance per coordinate | `E` |
+# | $E$; $\sigma^2$ | tokens in the sketch (the paper's $a$); their variance per coordinate | `E` |
 #
 # Inserting token $J$ (Algorithm 1) adds its key, and its value times its sign, to its cell in every row;
 # querying it (Algorithm 2) takes the element-wise median over the rows, the value's sign undone:
@@ -155,8 +155,9 @@ for W in widths:
 #
 # KVReviver splits a budget of $B$ slots per layer as the paper's Tables 2-3 do: 45% Recent, 45% Candidate, 10%
 # sketch cells; the cell below prints the sketch's width $W$ at each budget and the tokens a cell then holds,
-# $E/W$, with $E$ the context's tokens outside Recent and Candidate: beyond even the first row of section 2's
-# table ($E/W = 32$) at both budgets. The context is compressed before the question arrives; `compare.run`
+# $E/W$, with $E$ the context's tokens outside Recent and Candidate (raw = Recent + Candidate): at the smaller
+# budget far beyond the first row of section 2's table ($E/W = 32$), at the larger one just below it. The
+# context is compressed before the question arrives; `compare.run`
 # answers every task's prompts with KVReviver, the full cache and H2O (notebook 01) at the same budgets
 # (`vs best`: an exact paired test against the keep ratio's most accurate method):
 
@@ -168,10 +169,13 @@ TASKS = card["default_suite"][:1] if TINY else card["default_suite"]    # the bu
 SAMPLES = 1 if TINY else 5                                     # prompts per task
 KEEP_RATIOS = [0.25] if TINY else [0.25, 0.5]
 budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]     # B: slots per layer and KV head
+contexts = [len(make_sample(t, tok, LENGTH, seed=i).context_ids) for t in TASKS for i in range(SAMPLES)]
+context = sum(contexts) / len(contexts)                        # the tokens compressed before the question
+print(f"contexts of {min(contexts)} to {max(contexts)} tokens, {context:.0f} on average")
 for B in budgets:
-    split = KVReviverPolicy(budget=B).split(B)                  # Recent + Candidate (raw) and the sketch's width
-    print(f"B = {B}: W = {split.width} cells a row for E = {LENGTH - split.raw} tokens: E/W = "
-          f"{(LENGTH - split.raw) / split.width:.0f}")
+    split = KVReviverPolicy(budget=B).split(B)                  # raw = Recent + Candidate slots; the sketch's width
+    print(f"B = {B}: {split.raw} raw slots, W = {split.width} cells a row for E = {context - split.raw:.0f} "
+          f"tokens on average: E/W = {(context - split.raw) / split.width:.0f}")
 records = run(model, tok, RunSpec(["kvreviver", "h2o"], budgets, TASKS, ["question_after_context"], SAMPLES, LENGTH,
               progress=False))
 print(format_tables(records))
