@@ -6,7 +6,8 @@
 # [notebooks/README.md](README.md).
 #
 # Every method in this course changes *what the KV cache keeps*. This lesson looks at the plain cache: what
-# does a decoder store between two steps (you will build it by hand), what does that save, and what does it
+# does a decoder store between two steps (built by hand below; your course copy leaves it to you), what does
+# that save, and what does it
 # cost? It ends with why the cache stores every entry's position, and when a method may evict entries.
 #
 # The model is nanollm's `TINY` preset (2 layers, not to be confused with the `TINY` flag the first cell
@@ -80,8 +81,9 @@ print(f"key rows computed per step without a cache: {recompute}; with one: {cach
 #
 # The mask reads the *stored* positions $p_j$, not slot numbers $j$, which keeps it right once a method has
 # evicted entries (section 4). The queries and keys recorded below already carry their positions' rotation
-# (RoPE, section 4), so the by-hand step needs none. Each KV head serves $G = H / H_{kv}$ query heads
-# (grouped-query attention, section 2). The buffers:
+# (RoPE, section 4), so the by-hand step needs none. Each KV head serves $G = H / H_{kv}$ query heads, KV head
+# $j$ the query heads $jG$ to $(j+1)G - 1$ (grouped-query attention, section 2; hence `repeat_interleave`, not
+# `repeat`). The buffers:
 
 # %%
 import torch                                                   # again, so that this cell runs on its own
@@ -205,14 +207,15 @@ print("speedup of a cached step (recompute time / cached time):",
 
 # %% [markdown]
 # The logits differ by fp32 rounding only: the cache computes what the plain forward computes. The speedup
-# grows with the context, since the uncached step re-runs the whole prefix.
+# grows with the context, since the uncached step re-runs the whole prefix; at short contexts it is small
+# because this tiny model's step is mostly a fixed cost (Python and the calls of each layer), not arithmetic.
 #
 # ## 4. Positions: RoPE, and why eviction keeps them true
 #
 # ### 4.1 RoPE in brief
 #
 # A Llama-style model tells attention where tokens are with rotary position embeddings (RoPE; Su et al.,
-# 2021, §3.4): the $d$ numbers of a query or key form $d/2$ pairs, and at position $n$ pair $i$ is turned by
+# 2021, §3.2): the $d$ numbers of a query or key form $d/2$ pairs, and at position $n$ pair $i$ is turned by
 # the angle $n\,\theta_i$, with $\theta_i = 10000^{-2i/d}$. Rotations compose, so a score depends on the two
 # positions only through their distance:
 #
@@ -262,8 +265,9 @@ for h in range(config.n_kv_head):
 print(f"the new token got position {int(kv.pos[0, 0, -1])}, the tokens seen before it, in slot {len(kv) - 1}")
 
 # %% [markdown]
-# Slot and position part ways: each head stores its own positions, and the decoded token got the number of
-# tokens seen as its position, not its slot number, so its scores with the kept keys see true distances.
+# Slot and position part ways: each head stores its own positions (an evicted entry's slot holds position -1
+# until it is reused), and the decoded token got the number of tokens seen as its position, not its slot
+# number, so its scores with the kept keys see true distances.
 #
 # ## 5. When a method acts: the policy hooks
 #
@@ -335,7 +339,8 @@ def check_memory(gib_gqa, gib_mha):
         for slip, hint in ((right / 2, "each token stores a key and a value, 2 bytes a number in bf16"),
                            (right * 2**30 / 1e9, "a GiB is 2**30 bytes, not 10**9"),
                            (2 * right, "bf16 takes 2 bytes per number"),
-                           (gib(32), "with GQA the cache holds the 8 KV heads, not one per query head")):
+                           (gib(32), "with GQA the cache holds the 8 KV heads, not one per query head"),
+                           (right * 2**30, "that is bytes: divide by 2**30 for GiB"), (right * 1024, "GiB, not MiB")):
             assert abs(gib_gqa - slip) >= 1e-6, f"with GQA: {hint}"
         raise AssertionError("with GQA: section 2's formula, each of its factors once, with Llama-3-8B's numbers")
     assert abs(gib_mha - gib(32)) < 1e-6, "without GQA, H_kv is the number of query heads, H"

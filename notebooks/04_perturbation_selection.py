@@ -215,7 +215,8 @@ def check_L_theta(L_theta):
         not_renormalised = float(((attn - attn * keep) @ vw).abs().sum())
         assert abs(L - right) < 1e-6 or abs(L - not_renormalised) > 1e-6, "L: A' is the kept attention " \
             "renormalised to sum to 1 (Eq. 6)"
-        assert abs(L - right) < 1e-6, "L: section 1's Eq. 5, with A' of Eq. 6"
+        assert abs(L - right) < 1e-6, "L: section 1's Eq. 5 (an L1 norm: the sum of absolute values), with A' " \
+            "of Eq. 6"
         assert abs(theta - float(perturbation_bound(attn, keep, vw.abs().sum(-1)))) < 1e-6, "theta: section 1's " \
             "Eq. 8 (C and P_n are defined beside it)"
 
@@ -313,7 +314,7 @@ print(f"Algorithm 1 wins more often as the attention concentrates, yet it loses 
 # is the attention-weighted mean of a side's projected values: the output moves by the mass it loses times how
 # far the evicted entries' mean lies from the kept ones'. Algorithm 1 lowers $\theta$, which adds up every
 # entry's $P_n$ as if all the projected values pointed one way; with random directions the kept entries' mean
-# often lies near the evicted one's by chance, as in the hand example's second run. These heads are random;
+# often lies near the evicted one's by chance, and then the mass lost costs little. These heads are random;
 # the paper's claim is about the heads of real models, which the lab measures.
 #
 # **Go further**: the lab [labs/04_critical_kv_readings.ipynb](labs/04_critical_kv_readings.ipynb) runs both
