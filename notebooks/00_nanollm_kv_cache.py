@@ -288,21 +288,31 @@ from methods.streaming_llm import StreamingLLMPolicy
 
 
 class LoggedStreamingLLM(StreamingLLMPolicy):
-    """StreamingLLM, unchanged, printing how many slots layer 0's queries attend over."""
+    """StreamingLLM, unchanged, printing what layer 0's queries attend over and which hook runs after."""
 
     def attend_kv(self, layer, store):
         if layer == 0:
             print(f"  attend_kv: {len(store)} slots")
         return super().attend_kv(layer, store)
 
+    def on_prefill(self, ctx):
+        if ctx.layer == 0:
+            print("  on_prefill")
+        return super().on_prefill(ctx)
+
+    def on_decode(self, ctx):
+        if ctx.layer == 0:
+            print("  on_decode")
+        return super().on_decode(ctx)
+
 
 ids, logged = torch.randint(0, config.vocab_size, (1, 15)), KVCache(config, LoggedStreamingLLM(budget=8, n_sink=2))
-prefill(model, ids[:, :10], logged)
-print(f"prefill 10: {len(logged.layers[0])} slots kept")
-extend(model, ids[:, 10:14], logged)
-print(f"extend 4:   {len(logged.layers[0])} slots kept")
-decode_step(model, ids[:, 14], logged)
-print(f"decode 1:   {len(logged.layers[0])} slots kept")
+for name, step in (("prefill 10", lambda: prefill(model, ids[:, :10], logged)),
+                   ("extend 4", lambda: extend(model, ids[:, 10:14], logged)),
+                   ("decode 1", lambda: decode_step(model, ids[:, 14], logged))):
+    step()
+    kept = logged.layers[0].pos[0, 0]                          # layer 0, KV head 0: the positions kept
+    print(f"{name}: kept positions {sorted(kept[kept >= 0].tolist())}")
 
 # %% [markdown]
 # In each step `attend_kv` comes first: the slots it counts already include the step's new tokens, so an
