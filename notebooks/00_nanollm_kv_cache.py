@@ -123,26 +123,26 @@ next_logits = decode_step(model, ids[:, 11], library)  # (1, vocab): the scores 
 # output and store what the library stored.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
-# BEGIN SOLUTION [cache:append] write k, v and pos into the next free slots of the buffers; count them in `used`
 def append(k, v, pos):
     """Write a step's keys and values (batch, H_kv, n_new, d) at positions pos (n_new,) into the next free slots."""
     global used
+    # BEGIN SOLUTION [cache:append] write k, v and pos into the next free slots of the buffers; count them in `used`
     n_new = k.shape[2]                                         # the step's new tokens
     end = used + n_new
     k_buf[:, :, used:end], v_buf[:, :, used:end], pos_buf[:, :, used:end] = k, v, pos
     used = end
-# END SOLUTION
+    # END SOLUTION
 
 
-# BEGIN SOLUTION [cache:mask] Vaswani §3.2.1 (Eq. 1): repeat each KV head for its query heads, mask from positions
 def attend(q, q_pos):
     """Queries q (batch, H, Tq, d) at positions q_pos (Tq,) over every stored entry -> (batch, H, Tq, d)."""
+    # BEGIN SOLUTION [cache:mask] Vaswani §3.2.1 (Eq. 1): repeat each KV head for its query heads, mask from positions
     group = q.shape[1] // config.n_kv_head                     # query heads per KV head (GQA)
     k, v, pos = (t[:, :, :used].repeat_interleave(group, dim=1) for t in (k_buf, v_buf, pos_buf))
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5      # (batch, H, Tq, used)
     visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= q_pos[:, None])   # the mask M
     return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
-# END SOLUTION
+    # END SOLUTION
 
 
 for q, pos, (k, v), out in calls:                              # replay: the same inputs, by hand
@@ -268,6 +268,36 @@ print(f"the new token got position {int(kv.pos[0, 0, -1])}, the tokens seen befo
 # Slot and position part ways: each head stores its own positions (an evicted entry's slot holds position -1
 # until it is reused), and the decoded token got the number of tokens seen as its position, not its slot
 # number, so its scores with the kept keys see true distances.
+#
+# Your `append` and `attend` of section 1.1 must stay right on this cache too: slot $j$ no longer holds position
+# $j$, and KV head 1 has an empty slot. The hand-built buffers take layer 0's entries as they are now, then an
+# `extend` chunk of 3 tokens (positions 13 to 15) is replayed through them:
+
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
+used = kv.k.shape[2]                                           # the hand-built buffers: layer 0's slots, as stored
+k_buf[:, :, :used], v_buf[:, :, :used], pos_buf[:, :, :used] = kv.k, kv.v, kv.pos
+library_attend, evicted_calls = cache.attend, []
+
+
+def recorded_evicted(layer, module, q, pos, new):
+    out = library_attend(layer, module, q, pos, new)
+    if layer == 0:
+        evicted_calls.append((q, pos, new, out))
+    return out
+
+
+cache.attend = recorded_evicted
+extend(model, torch.randint(0, config.vocab_size, (1, 3)), cache)
+(q, pos, (k, v), out), = evicted_calls                        # layer 0's one call: queries at 13, 14, 15
+
+# %% tags=["needs:append", "needs:group_scores", "needs:mask"]
+append(k, v, pos)
+mine = attend(q, pos)
+assert torch.allclose(mine, out, rtol=1e-5, atol=1e-6), \
+    f"after eviction, off by {(mine - out).abs().max():.1e}: does the mask read the stored positions (not slot " \
+    "numbers), and skip the empty slots (-1)?"
+print(f"by hand == KVCache after eviction: queries at {pos.tolist()} over slots holding, in KV head 1, "
+      f"{pos_buf[0, 1, :used].tolist()}")
 #
 # ## 5. When a method acts: the policy hooks
 #

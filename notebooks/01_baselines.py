@@ -68,13 +68,13 @@ toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(
 from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
 
 
-# BEGIN SOLUTION [baselines:sinks_and_recent] §3.2: the first S positions and the last budget - S ones
 def streaming_keep(seen, budget, n_sink):
     """The positions StreamingLLM keeps after `seen` tokens, ascending."""
+    # BEGIN SOLUTION [baselines:sinks_and_recent] §3.2: the first S positions and the last budget - S ones
     sinks = min(n_sink, budget - 1)                    # a small budget cuts the sinks: the newest token must fit
     recent = budget - sinks
     return [p for p in range(seen) if p < sinks or p >= seen - recent]
-# END SOLUTION
+    # END SOLUTION
 
 
 for seen, budget, n_sink in [(T_TOY, B_TOY, 2), (T_TOY, B_TOY, 4), (5, 8, 4), (100, 3, 4), (1, 1, 4)]:
@@ -105,9 +105,9 @@ print("StreamingLLM on the toy (2 sinks) keeps", streaming_keep(T_TOY, B_TOY, 2)
 from methods.h2o import received_attention
 
 
-# BEGIN SOLUTION [baselines:h2o_observe] Algorithm 1: attention received, summed over queries and steps, mean per group
 def h2o_scores(steps, n_kv_head):
     """steps: each step's attention (H, n_queries, T_step), T_step growing -> (H_kv, T) accumulated scores."""
+    # BEGIN SOLUTION [baselines:h2o_observe] Algorithm 1: attention received, summed over queries and steps, group mean
     H, T = steps[0].shape[0], steps[-1].shape[-1]
     G = H // n_kv_head
     scores = torch.zeros(n_kv_head, T)
@@ -116,7 +116,7 @@ def h2o_scores(steps, n_kv_head):
             received = probs[h].sum(0)                 # (T_step,) what each key received in this step
             scores[h // G, :len(received)] += received / G     # a new key starts at 0
     return scores
-# END SOLUTION
+    # END SOLUTION
 
 
 toy_steps = [toy_probs[0, :, :13, :13]] + [toy_probs[0, :, i:i + 1, :i + 1] for i in range(13, T_TOY)]
@@ -166,16 +166,16 @@ print(f"h2o_scores equals the library cache's scores in all {len(demo_maps)} lay
 from methods.snapkv import SnapKVPolicy, snapkv_scores
 
 
-# BEGIN SOLUTION [baselines:window_vote] §4.1: the window's rows vote for the prefix; §4.2: max pooling; mean per group
 def snapkv_votes(probs, n_kv_head, window, kernel):
     """probs (H, T, T) one layer's prompt attention -> (H_kv, T - window) the prefix tokens' pooled votes."""
+    # BEGIN SOLUTION [baselines:window_vote] §4.1: the window's rows vote for the prefix; §4.2: max-pool; group mean
     H, T, _ = probs.shape
     votes = probs[:, T - window:, :T - window].sum(1)            # (H, T - w) summed over the window's queries
     half = kernel // 2
     pooled = torch.stack([votes[:, max(0, n - half):n + half + 1].max(-1).values
                           for n in range(T - window)], dim=-1)   # (H, T - w) the best of each neighbourhood
     return pooled.view(n_kv_head, H // n_kv_head, -1).mean(1)   # (H_kv, T - w)
-# END SOLUTION
+    # END SOLUTION
 
 
 library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")[0, :, :T_TOY - W_TOY]
@@ -206,9 +206,9 @@ print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in s
 from methods.adakv import adaptive_keep_mask, mask_to_indices
 
 
-# BEGIN SOLUTION [baselines:adakv] Algorithm 1: every head's own best n_safe first, then the layer's best H_kv * budget
 def adakv_keep(scores, budget, n_safe):
     """scores (H_kv, T) one layer's per-head scores -> (H_kv, T) bool: the (head, token) pairs AdaKV keeps."""
+    # BEGIN SOLUTION [baselines:adakv] Algorithm 1: each head's best n_safe first, then the layer's best H_kv * budget
     H_kv, T = scores.shape
     pairs = [(j, n) for j in range(H_kv) for n in range(T)]      # the whole layer, head by head
     ranked = scores.clone()
@@ -220,7 +220,7 @@ def adakv_keep(scores, budget, n_safe):
     for j, n in pairs[:H_kv * budget]:
         keep[j, n] = True
     return keep
-# END SOLUTION
+    # END SOLUTION
 
 
 gen = torch.Generator().manual_seed(0)

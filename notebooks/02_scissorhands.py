@@ -29,7 +29,7 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # | $t$ | the current step: the position of the newest query | the last row of `attn` |
 # | $n$ | the position of a stored token | `n` (in `keep_by_hand`), `pos` |
 # | $A_i$ | the cached tokens query $i$ attends (full cache: tokens $0 \dots i$) | `visible`; its size: `n_visible` |
-# | $a_{i,n}$ | attention of the query at $i$ on token $n$ (a KV head's: its $G$ query heads' mean) | `attn` |
+# | $a_{i,n}$ | attention of the query at $i$ on token $n$ (a KV head's: mean over the $G$ sharing it) | `attn` |
 # | $B$ | the budget: tokens kept per layer and KV head, the recent ones included | `budget` |
 # | $w$ | the window of observers: the last $w$ queries, whose flags are counted | `w`, `history_window` |
 # | $r$ | the most recent tokens, never dropped | `n_recent` |
@@ -100,15 +100,37 @@ def library_keep(attn, budget, n_recent):
     keep = scissorhands_keep(unimportance(history), attn[:, :, -1], p, seen=n, budget=budget, n_recent=n_recent)
     return keep.flatten().tolist()
 
+
+print("the library keeps of the toy's 6 tokens (B = 4, r = 1):", library_keep(toy_attn, 4, 1))
+
 # %% [markdown]
-# The same rule by hand, for one head, with plain loops over the last $w$ queries, checked against the
-# library on the toy and on a random one:
+# The same rule by hand, for one head, with plain loops over the last $w$ queries, must make the library's
+# choice in each of these cases: the toy; a head whose $r$ most recent tokens get little attention (they stay
+# anyway); a single query, where many counts are equal and the larger attention decides; and 300 random heads
+# of 2 to 16 tokens. A wrong choice names the case and the rule it breaks first:
 
 # %%
-# BEGIN SOLUTION [scissorhands:keep_score] count lows (below 1 / tokens seen); keep the fewest, ties by last attention
+def causal(scores):
+    """(w, T) scores of the last w queries -> their attention, each query seeing the tokens up to its position."""
+    w, T = scores.shape
+    return scores.masked_fill(torch.arange(T) > torch.arange(T - w, T)[:, None], -1e9).softmax(-1)
+
+
+g = torch.Generator().manual_seed(0)
+cases = [(toy_attn[0, 0], 4, 1, "the toy"),                                  # (attn, B, r, what the case is)
+         (causal(torch.randn(4, 12, generator=g) - 9 * (torch.arange(12) >= 9)), 6, 3,
+          "the r most recent get little attention and stay"),
+         (causal(torch.randn(1, 12, generator=g)), 5, 0, "one query: counts of 0 or 1, so many ties")]
+for T in torch.randint(2, 17, (300,), generator=g).tolist():            # 300 random heads of 2-16 tokens
+    w, r = int(torch.randint(1, T + 1, (1,), generator=g)), int(torch.randint(0, min(3, T), (1,), generator=g))
+    cases.append((causal(torch.randn(w, T, generator=g) * 2), int(torch.randint(r + 1, T + 1, (1,), generator=g)), r,
+                  "a random head; a flag: a_{i,n} < 1 / |A_i|, |A_i| the tokens query i sees"))
+
+# %%
 def keep_by_hand(attn, budget, n_recent):
     """attn: (w, T) the last w queries over T tokens, query i seeing tokens 0 .. T - w + i.
     Returns the kept positions, ascending: the best B - r by (I, -last attention), then the r most recent."""
+    # BEGIN SOLUTION [scissorhands:keep_score] flag a_{i,n} < 1 / |A_i|; keep the fewest flags, ties by last attention
     w, T = attn.shape
     counts = [0] * T                                      # I[n]: low flags among the last w queries
     for i in range(w):
@@ -118,17 +140,17 @@ def keep_by_hand(attn, budget, n_recent):
     older = range(T - n_recent)                           # the r most recent are never dropped
     best = sorted(older, key=lambda n: (counts[n], -float(attn[-1, n])))   # fewest flags, then most attention
     return sorted(best[:budget - n_recent]) + list(range(T - n_recent, T))
-# END SOLUTION
+    # END SOLUTION
 
 
-mine = keep_by_hand(toy_attn[0, 0], budget=4, n_recent=1)
-print("toy: kept by hand", mine, "| by the library", library_keep(toy_attn, 4, 1))
-assert mine == library_keep(toy_attn, 4, 1), \
-    f"kept {mine} by hand: fewest low flags first, then the last query's attention"
-rand = torch.randn(1, 1, 8, 20, generator=torch.Generator().manual_seed(0))   # 8 queries at 12-19, 20 tokens
-rand = rand.masked_fill(torch.arange(20) > torch.arange(12, 20)[:, None], -1e9).softmax(-1)
-assert keep_by_hand(rand[0, 0], budget=10, n_recent=2) == library_keep(rand, 10, 2), "the random toy differs"
-print("random (20 tokens, w = 8, B = 10, r = 2): the same", len(library_keep(rand, 10, 2)), "tokens kept")
+for attn, budget, r, what in cases:
+    mine, theirs = keep_by_hand(attn, budget, r), library_keep(attn[None, None], budget, r)
+    case = f"{what} (T = {attn.shape[1]}, w = {attn.shape[0]}, B = {budget}, r = {r}): kept {mine}, library {theirs}"
+    assert isinstance(mine, list) and mine == sorted(set(mine)), f"{case}: return distinct positions, ascending"
+    assert len(mine) == budget and mine[budget - r:] == theirs[budget - r:], f"{case}: keep B, the r most recent too"
+    assert mine == theirs, f"{case}: of the others, the fewest low flags stay, a tie to the larger last attention"
+print("toy: kept by hand", keep_by_hand(toy_attn[0, 0], 4, 1), "| by the library", library_keep(toy_attn, 4, 1))
+print(f"by hand == the library in all {len(cases)} cases")
 
 # %% [markdown]
 # Token 1 was low three times and goes first. Tokens 3 and 4 tie at two low flags; the tie goes to the
@@ -186,8 +208,8 @@ plt.show()
 # average. The needle's value is heavy for the few queries that look it up, and below average for almost all
 # of the rest. Both effects act on the needle; exercise 2 takes the age away to see what is left.
 #
-# Where do we read the counters the budget cache ranked? `prefill` counts the flags over the whole prompt, then
-# drops down to $B$ at once. A cache with a budget of the whole prompt drops nothing, so it holds the same
+# Where do we read the counters the budget cache ranked? `prefill` counts the flags of the prompt's last $w$
+# queries, then drops down to $B$ at once. A cache with a budget of the whole prompt drops nothing, so it holds the same
 # counters, and the cell reads them there. For each layer and KV head it prints the value's counters, the
 # largest counter among the tokens the budget cache kept by their counters (not its last $r$), and how many of
 # the value's digits each method keeps. The value starts at position `v`, seen by `N - v` queries:
@@ -291,6 +313,7 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of posit
 history = torch.zeros(1, 1, 6, 3, dtype=torch.bool)      # the toy's last w = 3 flags per token
 push_history(history, low_flags(toy_attn, visible), q_pos)
 counts, last = unimportance(history).flatten().tolist(), toy_attn[0, 0, -1].tolist()
+import math                                               # math.ceil, if you need it
 
 
 # %%
@@ -315,19 +338,17 @@ def check_keep(keep_rule):
                                   torch.arange(T).view(1, 1, T), seen=T, budget=B, drop=m, n_recent=r)
         library, keep = truth.flatten().tolist(), [int(n) for n in keep_rule(c, a, B, m, r)]
         where = f"{T} tokens, B = {B}, m = {m}, r = {r}"
-        assert len(keep) == len(library), f"{where}: m tokens go at a time, as many times as it takes to get " \
-                                          "within B (and m is cut to B - r)"
+        assert len(keep) == len(library), f"{where}: you kept {len(keep)}; m tokens go at a time, as many times " \
+                                          "as it takes to get within B (m cut to B - r); the r recent count in B"
         assert keep == sorted(keep), f"{where}: list the kept positions in ascending order"
-        assert keep == library, f"{where}: the r most recent tokens stay; of the others, the fewest low flags " \
-                                "stay, and a tie goes to the one the last query attends more"
+        assert set(range(T - r, T)) <= set(keep), f"{where}: the r most recent tokens always stay"
+        assert keep == library, f"{where}: of the tokens before the r recent, the fewest low flags stay, and a tie " \
+                                "goes to the one the last query attends more"
 
 
 check_keep(my_keep)
 
 # %%
-import math
-
-
 # BEGIN SOLUTION [scissorhands] m at a time: ceil((T - B) / m) * m tokens go; keep the r recent and the best of the rest
 def reference_keep(counts, last, B, m, r):
     T = len(counts)
@@ -355,6 +376,8 @@ print("the toy with m = 3 keeps", reference_keep(counts, last, 4, 3, 1))
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 def recent_share(cache):
     """The share of a cache's kept entries, over its layers and KV heads, in the last BUDGET prompt positions."""
+    if cache.layers[0].pos is None:
+        raise ValueError("this cache holds nothing yet: prefill it with ids first")
     return sum(float((layer.pos >= N - BUDGET).float().mean()) for layer in cache.layers) / len(cache.layers)
 
 
@@ -368,12 +391,14 @@ my_recent_share = None                  # replace None: recent_share of the cach
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 @exercise("Exercise 2")
 def check_recent_share(share):
-    assert share == share, "the share is NaN: an empty cache has no kept entries; prefill it with ids first"
+    assert isinstance(share, float), f"store the number recent_share returns, not a {type(share).__name__}"
     assert 0 <= share <= 1, "a share lies between 0 and 1"
+    assert abs(share - recent_share(caches["scissorhands"])) > 1e-4, \
+        "that is the default window's share (w = 400): build the cache with history_window=8"
     short = KVCache(model.config, make_policy("scissorhands", budget=BUDGET, history_window=8))
     prefill(model, ids, short)
-    assert abs(share - recent_share(short)) <= 1e-4, \
-        "build the cache with history_window=8, prefill it with ids, and pass it to recent_share"
+    assert abs(share - recent_share(short)) <= 1e-4, "build the cache with make_policy(\"scissorhands\", " \
+        "budget=BUDGET, history_window=8), prefill it with ids, and store recent_share's value unrounded"
 
 
 check_recent_share(my_recent_share)
@@ -392,8 +417,8 @@ kept = {name: [int(((layer.pos >= v) & (layer.pos < end)).sum()) for layer in ca
 print(f"the needle's value, entries kept per layer (of {end - v} tokens x {model.config.n_kv_head} KV heads): {kept}")
 print(f"A short window spreads the kept entries over the prompt and keeps {sum(kept['w = 8'])} of the value's "
       f"{len(short_window.layers) * model.config.n_kv_head * (end - v)} entries (w = 400: {sum(kept['w = 400'])}): "
-      "more digits survive, but most of the value is still dropped, and the lab finds the answers no better at "
-      "w = 8: what fails is the count, which weighs the few queries that retrieve the needle like any other.")
+      "more digits survive, but most of the value is still dropped, and lab 02 (section 1.1) finds the answers no "
+      "better at w = 8: what fails is the count, which weighs the few queries that retrieve the needle like any other.")
 
 # %% [markdown]
 # **Go further**: [labs/02_scissorhands_claims.ipynb](labs/02_scissorhands_claims.ipynb): accuracy and KL

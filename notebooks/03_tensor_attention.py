@@ -68,9 +68,9 @@ scale = 1 / math.sqrt(d)
 from methods.tensor_attention import pair_scores, pair_softmax
 
 
-# BEGIN SOLUTION [tensor_attention:pair_softmax] score each pair (a, b) in two loops, then ONE softmax over all n^2
 def pair_probabilities_by_hand(q, K1, K2, scale):
     """q (d,), K1 (n, d), K2 (n, d) -> S, P, both (n, n): the pair scores and their softmax for one query."""
+    # BEGIN SOLUTION [tensor_attention:pair_softmax] score each pair (a, b) in two loops, then ONE softmax over all n^2
     n = K1.shape[0]
     S = torch.empty(n, n, dtype=q.dtype)
     for a in range(n):
@@ -78,7 +78,7 @@ def pair_probabilities_by_hand(q, K1, K2, scale):
             S[a, b] = scale * (q * K1[a] * K2[b]).sum()          # <q, K1[a] * K2[b]>
     P = torch.exp(S - S.max())                                  # over every pair at once, not row by row
     return S, P / P.sum()
-# END SOLUTION
+    # END SOLUTION
 
 
 S_hand, P_hand = pair_probabilities_by_hand(q[0, 0, 0], K1[0, 0], K2[0, 0], scale)

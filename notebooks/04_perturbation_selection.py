@@ -94,9 +94,9 @@ print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.1e}  (>= 0: 
 # `perturbation_constrained_select` on random heads:
 
 # %%
-# BEGIN SOLUTION [critical_kv:two_stage] stage 1: the alpha share of b by attention A; stage 2: the rest by A * P
 def algorithm1(attn: torch.Tensor, vnorm: torch.Tensor, b: int, alpha: float) -> torch.Tensor:
     """Algorithm 1 for one head and one query: attn, vnorm (n,) -> the b kept entries (b,), ascending."""
+    # BEGIN SOLUTION [critical_kv:two_stage] stage 1: the alpha share of b by attention A; stage 2: the rest by A * P
     n_first = int(alpha * b)                                          # stage 1's share of the budget
     by_attention = torch.argsort(attn, descending=True, stable=True)  # (n,) best first, ties: earlier first
     stage1 = by_attention[:n_first]                                   # secure the attention mass
@@ -104,21 +104,25 @@ def algorithm1(attn: torch.Tensor, vnorm: torch.Tensor, b: int, alpha: float) ->
     score[stage1] = float("inf")                                      # stage 1's entries stay
     keep = torch.argsort(score, descending=True, stable=True)[:b]     # stage 2 fills the budget
     return keep.sort().values
-# END SOLUTION
+    # END SOLUTION
 
 
 from methods.critical_kv import perturbation_constrained_select
 
-g = torch.Generator().manual_seed(0)
-n_heads = 300
+g, n_heads = torch.Generator().manual_seed(0), 300
 for trial in range(n_heads):
     T = int(torch.randint(4, 40, (1,), generator=g))                  # entries in this head
     attn = torch.softmax(torch.randn(T, generator=g) * 3, -1)         # (T,) one query's attention A
     P = torch.rand(T, generator=g) * 4                                # (T,) projected value sizes P_n
+    P = P / attn if trial // 4 % 2 else P         # every other 4 heads: A * P unrelated to A (the stages differ)
     b = int(torch.randint(1, T + 1, (1,), generator=g))               # the budget B
     alpha = [0.0, 0.25, 0.5, 1.0][trial % 4]
-    assert torch.equal(algorithm1(attn, P, b, alpha), perturbation_constrained_select(attn, P, b, alpha))
-print(f"Algorithm 1 written out keeps the library's entries in all {n_heads} random heads (alpha 0, 0.25, 0.5, 1).")
+    mine = algorithm1(attn, P, b, alpha)
+    assert torch.equal(mine, perturbation_constrained_select(attn, P, b, alpha)), \
+        f"B = {b}, alpha = {alpha}: kept {mine.tolist()}; stage 1: the floor(alpha B) largest A; stage 2: the " \
+        "rest by A * P"
+print(f"Algorithm 1 written out keeps the library's entries in all {n_heads} random heads (alpha 0, 0.25, 0.5, 1; "
+      "in half of them A * P unrelated to A).")
 
 # %% [markdown]
 # A hand example: four entries and a budget of two. Attention top-2 is Algorithm 1 with $\alpha = 1$ (all of

@@ -64,9 +64,9 @@ import torch
 from methods.chunkkv import chunk_keep_mask
 
 
-# BEGIN SOLUTION [chunkkv:chunk_ranking] §3, Algorithm 1, one head: sigma_i: chunk i's summed votes; whole chunks first
 def choose_chunks(votes, c, room):
     """The kept positions (sorted) of one head: whole chunks of c tokens, best summed vote first, while they fit."""
+    # BEGIN SOLUTION [chunkkv:chunk_ranking] Algorithm 1, one head: sigma_i = chunk i's summed votes; whole chunks first
     T = len(votes)                                                     # votes: (T,) one vote per free token
     chunks = [list(range(start, min(start + c, T))) for start in range(0, T, c)]   # chunk i: [i c, i c + c)
     chunk_score = [float(votes[chunk].sum()) for chunk in chunks]     # sigma_i: the chunk's summed vote
@@ -76,7 +76,7 @@ def choose_chunks(votes, c, room):
             break                                                      # the first chunk that does not fit ends it
         kept += chunks[i]
     return sorted(kept)
-# END SOLUTION
+    # END SOLUTION
 
 
 def library_keeps(votes, c, room):                 # the library's choice for one head: every slot competes

@@ -69,9 +69,9 @@ for i in range(toy.rows):                                  # each cell's tokens,
 # Insert and query the toy by hand, checked against the library's `VagueSketch`:
 
 # %%
-# BEGIN SOLUTION [kvreviver:insert] Algorithm 1: for every row i and token J, add k_J and g_i(J) v_J to cell h_i(J)
 def sketch_insert(h, g, k, v, width):
     """h, g: (R, n) cells and signs; k, v: (n, d). Returns the cells (R, width, d): keys, values."""
+    # BEGIN SOLUTION [kvreviver:insert] Algorithm 1: for every row i and token J, add k_J and g_i(J) v_J to cell h_i(J)
     rows, n = h.shape
     cell_k = torch.zeros(rows, width, k.shape[-1])
     cell_v = torch.zeros(rows, width, v.shape[-1])
@@ -80,17 +80,17 @@ def sketch_insert(h, g, k, v, width):
             cell_k[i, h[i, J]] += k[J]                    # keys: plain sums
             cell_v[i, h[i, J]] += g[i, J] * v[J]          # values: signed sums
     return cell_k, cell_v
-# END SOLUTION
+    # END SOLUTION
 
 
-# BEGIN SOLUTION [kvreviver:query] Algorithm 2: read cell h_i(J) of every row (the value times g_i(J)), median over rows
 def sketch_query(cell_k, cell_v, h, g):
     """The estimates (n, d) of every token's key and value, from the cells (R, W, d)."""
+    # BEGIN SOLUTION [kvreviver:query] Algorithm 2: cell h_i(J) of every row (values times g_i(J)); median over rows
     rows = torch.arange(h.shape[0]).view(-1, 1)           # (R, 1): row i, beside h's (R, n)
     k_rows = cell_k[rows, h]                              # (R, n, d): row i's cell of token J
     v_rows = g[..., None] * cell_v[rows, h]               # (R, n, d): the sign again
     return k_rows.median(dim=0).values, v_rows.median(dim=0).values
-# END SOLUTION
+    # END SOLUTION
 
 
 cell_k, cell_v = sketch_insert(h, g, toy_k, toy_v, toy.width)

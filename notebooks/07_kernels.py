@@ -129,9 +129,9 @@ v = torch.randn(1, Hkv_, T_, d_, generator=g).to(DEVICE)
 ref = reference_decode_attention(q, k, v)                        # (1, H, d): softmax over all 50 tokens
 
 # %%
-# BEGIN SOLUTION [kernels:online_softmax] FlashAttention §3.1: per block, the new max; rescale l and a by exp(m - m')
 def online_softmax(q, k, v, block):
     """One range: q (G, d), already scaled; k, v (n, d) in blocks of ``block`` -> m (G,), l (G,), a (G, d)."""
+    # BEGIN SOLUTION [kernels:online_softmax] FlashAttention §3.1: per block, new max m'; l and a times exp(m - m')
     m = torch.full((q.shape[0],), float("-inf"), device=q.device)
     l, a = torch.zeros(q.shape[0], device=q.device), torch.zeros(q.shape[0], k.shape[1], device=q.device)
     for first in range(0, k.shape[0], block):
@@ -142,7 +142,7 @@ def online_softmax(q, k, v, block):
         a = torch.exp(m - m_new)[:, None] * a + p @ v[first:first + block]
         m = m_new
     return m, l, a
-# END SOLUTION
+    # END SOLUTION
 
 
 qh = q[0, :G_] / math.sqrt(d_)                                   # KV head 0's query heads, scaled
@@ -159,13 +159,13 @@ print("online softmax over blocks of 8, divided by the running sum at the end ==
 # $$M = \max_r m_r, \qquad o = \frac{\sum_r e^{m_r - M}\,\tilde o_r}{\sum_r e^{m_r - M}\,z_r}$$
 
 # %%
-# BEGIN SOLUTION [kernels:merge_splits] FlashAttention §3.1: weigh each range by exp(m_r - M), then divide the sums
 def merge(ranges):
     """[(m, l, a)] of the ranges -> out (G, d)."""
+    # BEGIN SOLUTION [kernels:merge_splits] FlashAttention §3.1: weigh each range by exp(m_r - M), then divide the sums
     M = torch.stack([m for m, _, _ in ranges]).max(dim=0).values
     top = sum(torch.exp(m - M)[:, None] * a for m, _, a in ranges)
     return top / sum(torch.exp(m - M) * l for m, l, _ in ranges)[:, None]
-# END SOLUTION
+    # END SOLUTION
 
 
 for h in range(Hkv_):                                            # each KV head with its group of query heads

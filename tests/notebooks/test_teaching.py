@@ -24,6 +24,7 @@ only numbers its own committed run printed.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import re
@@ -58,7 +59,7 @@ PAPERS = {
     "07_kernels": ["FlashAttention"],
 }
 METHOD_NOTEBOOKS = sorted(PAPERS)
-BUILD_IT_LINES = (4, 25)          # lines of code in a build-it region: a readable core, not the library's file
+BUILD_IT_LINES = (4, 25)          # lines of code in a build-it function: a readable core, not the library's file
 COMPARES = re.compile(r"^\s*(assert |torch\.testing\.assert_close\()", flags=re.M)    # the check after the region
 
 
@@ -70,16 +71,26 @@ def cells_of(stem: str) -> list:
     return build.read_percent(NOTEBOOKS / f"{stem}.py", page=False).cells       # with the course's markers
 
 
-def build_it_cells(stem: str) -> list[tuple[int, str, str]]:
-    """(cell index, task, the cell's code after the region, the region's lines) of every build-it cell."""
+def enclosing_function(source: str, region) -> ast.FunctionDef | None:
+    """The top-level function whose body holds the region (its signature and docstring above the BEGIN line)."""
+    return next((n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)
+                 and n.lineno < region.begin <= n.end_lineno), None)
+
+
+def build_it_cells(stem: str) -> list[tuple[int, str, str, list[str], ast.FunctionDef | None]]:
+    """(cell index, task, the cell's code after the region, the build-it function's lines (the region's where it
+    lies in none), the function around the region or None) of every build-it cell."""
     a = assignment_of(stem)
     found = []
     for i, cell in enumerate(cells_of(stem)):
         if cell.cell_type != "code":
             continue
+        lines = cell.source.splitlines()
         for r in find_regions("cell.py", cell.source):
             if r.assignment == a.name and r.task:
-                found.append((i, r.task, "\n".join(cell.source.splitlines()[r.end:]), r.body(cell.source.splitlines())))
+                fn = enclosing_function(cell.source, r)
+                code = lines[fn.lineno - 1:r.end] if fn else r.body(lines)
+                found.append((i, r.task, "\n".join(lines[r.end:]), code, fn))
     return found
 
 
@@ -90,11 +101,11 @@ def test_each_method_notebook_builds_its_method_and_checks_it_against_the_librar
     assert cells, f"{stem}: no build-it cell (a region '# BEGIN SOLUTION [{a.name}:TASK] hint' in a code cell)"
     graded = {r.task for r in graded_regions(a)}
     n_cells = len(cells_of(stem))
-    for i, task, rest, body in cells:
+    for i, task, rest, body, fn in cells:
         assert task in graded, f"{stem} cell {i}: task {task!r} is not a graded task of {a.name!r} ({sorted(graded)})"
         code = [ln for ln in body if ln.strip() and not ln.strip().startswith("#")]
         lo, hi = BUILD_IT_LINES
-        assert lo <= len(code) <= hi, f"{stem} cell {i}: the build-it region has {len(code)} lines of code, " \
+        assert lo <= len(code) <= hi, f"{stem} cell {i}: the build-it function has {len(code)} lines of code, " \
                                       f"want {lo}-{hi}: the method's core, readable at a glance"
         assert COMPARES.search(rest), \
             f"{stem} cell {i}: after the region the cell must assert that the built version equals the library's"
@@ -112,6 +123,28 @@ def test_a_build_it_cell_that_never_compares_is_refused():
     (r,) = find_regions("cell.py", text)
     rest = "\n".join(text.splitlines()[r.end:])
     assert not COMPARES.search(rest)
+
+
+@pytest.mark.parametrize("stem", METHOD_NOTEBOOKS)
+def test_a_build_it_region_is_a_function_body_under_its_signature_and_docstring(stem):
+    """The student copy replaces the region with a stub: what stays above it, the ``def`` line with its
+    arguments and the docstring with the shapes, is what the reader builds to."""
+    for i, task, _, body, fn in build_it_cells(stem):
+        assert fn is not None, f"{stem} cell {i}: the region of {task} is not inside a function: put the def line " \
+                               "and the docstring above its BEGIN line"
+        assert ast.get_docstring(fn), f"{stem} cell {i}: {fn.name} has no docstring (the shapes it takes and returns)"
+        marker = next(j for j, line in enumerate(body) if "BEGIN SOLUTION" in line)
+        assert fn.body[0].end_lineno - fn.lineno < marker, f"{stem} cell {i}: {fn.name}'s docstring is in the region"
+
+
+def test_the_signature_check_sees_a_region_around_the_def():
+    text = "# BEGIN SOLUTION [cache:mask] hint\ndef f(x):\n    \"\"\"x -> x.\"\"\"\n    return x\n# END SOLUTION\n"
+    (r,) = find_regions("cell.py", text)
+    assert enclosing_function(text, r) is None
+    inside = "def f(x):\n    \"\"\"x -> x.\"\"\"\n    # BEGIN SOLUTION [cache:mask] hint\n    return x\n" \
+             "    # END SOLUTION\n"
+    (r,) = find_regions("cell.py", inside)
+    assert enclosing_function(inside, r).name == "f"
 
 
 DISPLAY = re.compile(r"\$\$.+?\$\$", re.S)
