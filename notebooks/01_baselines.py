@@ -163,6 +163,7 @@ print(f"h2o_scores equals the library cache's scores in all {len(demo_maps)} lay
 # prompt only, once**: the tokens decoded later are all kept.
 
 # %%
+from exercises import where_differs
 from methods.snapkv import SnapKVPolicy, snapkv_scores
 
 
@@ -178,11 +179,15 @@ def snapkv_votes(probs, n_kv_head, window, kernel):
     # END SOLUTION
 
 
+RULE = "summed over the window's queries, max-pooled over the kernel's neighbours, averaged over a KV head's group"
 library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")[0, :, :T_TOY - W_TOY]
-assert torch.allclose(snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3), library), "the toy's votes differ"
+mine = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)
+assert torch.allclose(mine, library), f"the toy's votes: {where_differs(mine, library, ('KV head', 'token'))}; {RULE}"
 for layer, a in enumerate(demo_maps):                               # the bundled model's attention
     library = snapkv_scores(a[None], model.config.n_kv_head, window=8, kernel=7, pooling="max")[0, :, :22 - 8]
-    assert torch.allclose(snapkv_votes(a, model.config.n_kv_head, 8, 7), library, atol=1e-6), f"layer {layer} differs"
+    mine = snapkv_votes(a, model.config.n_kv_head, 8, 7)
+    assert torch.allclose(mine, library, atol=1e-6), \
+        f"layer {layer}: {where_differs(mine, library, ('KV head', 'token'), atol=1e-6)}; {RULE}"
 snap_scores = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)                 # s_{j,n}: pooled, mean per group
 print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in snap_scores[1].tolist()])
 
@@ -227,8 +232,9 @@ gen = torch.Generator().manual_seed(0)
 for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0's scores ten times larger
     scores = torch.rand(HKV_TOY, T_TOY, generator=gen) * torch.tensor([[scale], [1.0]])
     for n_safe in (0, 1, B_TOY):
-        assert torch.equal(adakv_keep(scores, B_TOY, n_safe), adaptive_keep_mask(scores[None], B_TOY, n_safe)[0]), \
-            f"scale {scale}, safeguard {n_safe}: another choice than the library's"
+        mine, library = adakv_keep(scores, B_TOY, n_safe), adaptive_keep_mask(scores[None], B_TOY, n_safe)[0]
+        assert torch.equal(mine, library), f"scale {scale}, safeguard {n_safe}: kept? " \
+            f"{where_differs(mine, library, ('KV head', 'token'))}; each head's best n_safe, then the layer's best"
 print("adakv_keep makes the library's choice for both scales and safeguards 0, 1 and B_TOY")
 
 # %% [markdown]

@@ -53,6 +53,7 @@ model, tok, card = load("retrieval-llama")     # the bundled model (notebook 00)
 # %%
 import torch
 
+from exercises import where_differs             # the by-hand check below: where a result differs
 from methods.kvreviver_sketch import VagueSketch
 
 toy = VagueSketch(rows=3, width=4, n_kv_head=1, head_dim=1, seed=3)
@@ -97,10 +98,11 @@ cell_k, cell_v = sketch_insert(h, g, toy_k, toy_v, toy.width)
 est_k, est_v = sketch_query(cell_k, cell_v, h, g)
 toy.insert(toy_pos, toy_k.view(6, 1, 1), toy_v.view(6, 1, 1))     # the library: k, v as (n, H_kv, d)
 lib_k, lib_v = toy.query(toy_pos)
-assert torch.allclose(cell_k, toy.key.view(3, 4, 1)) and torch.allclose(cell_v, toy.value.view(3, 4, 1)), \
-    "the cells differ from VagueSketch.insert's"
-assert torch.allclose(est_k, lib_k.view(6, 1)) and torch.allclose(est_v, lib_v.view(6, 1)), \
-    "the estimates differ from VagueSketch.query's"
+for mine, library, dims, what in ((cell_k, toy.key.view(3, 4, 1), ("row", "cell"), "key cells: plain sums of keys"),
+                                  (cell_v, toy.value.view(3, 4, 1), ("row", "cell"), "value cells: sums of g_i(J) v_J"),
+                                  (est_k, lib_k.view(6, 1), ("token",), "keys: the median over rows of cell h_i(J)"),
+                                  (est_v, lib_v.view(6, 1), ("token",), "values: the median of g_i(J) cell h_i(J)")):
+    assert torch.allclose(mine, library), f"{what}; yours differ: {where_differs(mine, library, dims)}"
 
 # %%
 print("keys   ", toy_k.flatten().int().tolist(), "-> estimates", est_k.flatten().int().tolist())

@@ -148,7 +148,12 @@ def online_softmax(q, k, v, block):
 qh = q[0, :G_] / math.sqrt(d_)                                   # KV head 0's query heads, scaled
 m, l, a = online_softmax(qh, k[0, 0], v[0, 0], block=8)          # all 50 tokens, in blocks of 8
 got = a / l[:, None]                                             # o = (running output) / (running sum)
-assert torch.allclose(got, ref[0, :G_], rtol=1e-5, atol=1e-6), f"off by {(got - ref[0, :G_]).abs().max():.1e}"
+scores = qh @ k[0, 0].T                                          # (G, 50): every score at once, to check m and l
+assert torch.allclose(m, scores.max(dim=-1).values), "m: the largest score of every block so far"
+assert torch.allclose(l, torch.exp(scores - m[:, None]).sum(-1), rtol=1e-5), \
+    "l: the sum of exp(s - m), the old sum times exp(m - m') whenever the maximum grows to m'"
+assert torch.allclose(got, ref[0, :G_], rtol=1e-5, atol=1e-6), \
+    f"a: off by {(got - ref[0, :G_]).abs().max():.1e}; the old a times exp(m - m') too, plus p @ v of the block"
 print("online softmax over blocks of 8, divided by the running sum at the end == softmax over all 50 tokens")
 
 # %% [markdown]
@@ -172,7 +177,8 @@ for h in range(Hkv_):                                            # each KV head 
     qh = q[0, h * G_:(h + 1) * G_] / math.sqrt(d_)
     ranges = [online_softmax(qh, k[0, h, lo:hi], v[0, h, lo:hi], block=8) for lo, hi in ((0, 25), (25, 50))]
     got, want = merge(ranges), ref[0, h * G_:(h + 1) * G_]
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), f"KV head {h}: off by {(got - want).abs().max():.1e}"
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), f"KV head {h}: off by {(got - want).abs().max():.1e}; " \
+        "weigh each range's l and a by exp(m_r - M), M the largest m_r, add them, then divide the sums"
 print("two ranges of 25 tokens, merged by hand == softmax over all 50 tokens, for each KV head")
 
 # %% [markdown]

@@ -30,6 +30,9 @@ The learner's names start with ``my_`` and the reference's with ``reference_``, 
 reference, and the tests (``tests/notebooks/test_exercises.py``) put the reference's answer and a plausible
 wrong one in the learner's place and run the check cell again.
 
+A lesson's by-hand build (a method's step written out, then asserted equal to the library) says where its
+result first differs with ``where_differs``.
+
 A check that hands the learner's function the lesson's tensors calls it through ``on_copies``: otherwise a
 function that writes into its input could change the tensors the check then compares with, and pass.
 """
@@ -105,6 +108,28 @@ def on_copies(function, *args):
         assert same(before, after), f"your function changed its input {name} in place: work on a copy " \
             "(`x = y` makes none; `y.clone()`, or an operation that is not in place, does)"
     return said
+
+
+def where_differs(mine, theirs, dims: tuple[str, ...], rtol: float = 1e-5, atol: float = 1e-6) -> str:
+    """Where a tensor built by hand first differs from the library's, in words, for a check's message: its shape
+    where the shapes differ, else the first entry that differs (its index named by ``dims``, as
+    ``("KV head", "token")``), both values and how many entries differ; "" where none does."""
+    import torch
+
+    mine = torch.as_tensor(mine)
+    if mine.shape != theirs.shape:
+        return f"shape {tuple(mine.shape)} by hand, {tuple(theirs.shape)} in the library"
+    if mine.dtype == torch.bool or theirs.dtype == torch.bool:
+        off = mine.bool() != theirs.bool()
+    else:
+        off = ~torch.isclose(mine.double(), theirs.double(), rtol=rtol, atol=atol)
+    if not off.any():
+        return ""
+    first = [int(i) for i in off.nonzero()[0]]
+    where = ", ".join(f"{name} {i}" for name, i in zip(dims, first)) or "the value"
+    a, b = mine[tuple(first)], theirs[tuple(first)]
+    shown = (bool(a), bool(b)) if mine.dtype == torch.bool else (f"{float(a):.4g}", f"{float(b):.4g}")
+    return f"{where}: {shown[0]} by hand, {shown[1]} in the library ({int(off.sum())} of {off.numel()} entries differ)"
 
 
 def exercise(title: str):

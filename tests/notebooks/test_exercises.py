@@ -372,3 +372,21 @@ def test_an_answer_that_writes_into_its_input_is_refused_and_leaves_the_lessons_
     assert maps[0][0] == 0.5, "a tensor inside the lesson's list was written"
     with pytest.raises(AssertionError, match="changed its input `keep`"):
         exercises.on_copies(lambda attn, keep: keep.logical_not_(), attn, keep)   # bool: no allclose
+
+
+def test_where_differs_names_the_first_entry_and_the_shape():
+    """``exercises.where_differs``, the by-hand checks' message: a shape, or the first entry that differs."""
+    import torch
+    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
+    exercises = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exercises)
+    lib = torch.zeros(2, 3)
+    mine = lib.clone()
+    mine[1, 2], mine[1, 0] = 0.5, 1e-9                       # the second is within tolerance
+    assert exercises.where_differs(mine, lib, ("KV head", "token")) == \
+        "KV head 1, token 2: 0.5 by hand, 0 in the library (1 of 6 entries differ)"
+    assert exercises.where_differs(lib, lib, ("KV head", "token")) == ""
+    assert exercises.where_differs(torch.zeros(2, 4), lib, ("KV head", "token")) == \
+        "shape (2, 4) by hand, (2, 3) in the library"
+    assert exercises.where_differs(mine > 0.1, lib > 0.1, ("KV head", "token")).startswith(
+        "KV head 1, token 2: True by hand, False in the library")

@@ -109,6 +109,24 @@ def shown_text(cell) -> str:
                                           for o in cell.get("outputs", []))
 
 
+HEADING_IN_CODE = re.compile(r"^# #{1,4} \S", flags=re.M)     # '# ## 5. Title': prose left in a code cell
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_no_heading_sits_in_a_code_cell(source):
+    """A markdown heading written as comments inside a code cell: a '# %% [markdown]' marker left out, so the
+    section's prose runs on under the code, unrendered."""
+    for i, cell in enumerate(committed(source).cells):
+        if cell.cell_type == "code" and (m := HEADING_IN_CODE.search(cell.source)):
+            raise AssertionError(f"{source.stem} cell {i}: the heading {m.group(0)!r}... is in a code cell: put "
+                                 "'# %% [markdown]' above it")
+
+
+def test_the_heading_rule_sees_prose_under_code():
+    assert HEADING_IN_CODE.search("print(1)\n#\n# ## 5. When a method acts")
+    assert not HEADING_IN_CODE.search("x = 1   # ## not at the line's start\n# a comment")
+
+
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_a_notebook_opens_with_one_short_set_up_cell(source):
     """Lessons and labs alike: the first code cell is the set-up, at most 12 lines, its first line the
