@@ -95,6 +95,13 @@ v_buf = torch.zeros_like(k_buf)
 pos_buf = torch.full((1, config.n_kv_head, CAPACITY), -1)     # (1, H_kv, slots): -1 marks an empty slot
 used = 0                                                       # slots filled so far
 
+
+def appended(before, k, v, pos):
+    """Whether `used` grew by a step's n tokens and slots before .. before + n - 1 hold its k, v and pos."""
+    n, rows = len(pos), pos.expand(1, config.n_kv_head, -1)       # pos (n,) -> (1, H_kv, n): the same per head
+    return used == before + n and all(torch.equal(buf[:, :, before:before + n], x)
+                                      for buf, x in ((k_buf, k), (v_buf, v), (pos_buf, rows)))
+
 # %% [markdown]
 # To check the hand-built cache, we record layer 0's calls of `KVCache.attend` (the queries, their positions,
 # the new keys and values, the output) over a prefill of 6 tokens, an `extend` chunk of 5 and one decode step.
@@ -102,26 +109,31 @@ used = 0                                                       # slots filled so
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from nanollm import extend
 
-library, calls = KVCache(config), []                          # the library's cache, layer 0's calls recorded
-library_attend = library.attend
+
+def record_layer0(cache):
+    """From now on, record each call of cache.attend in layer 0: (queries, their positions, (k, v) new, output)."""
+    calls = []
+
+    def recorded(layer, module, q, pos, new):
+        out = KVCache.attend(cache, layer, module, q, pos, new)        # the library's own method
+        if layer == 0:
+            calls.append((q, pos, new, out))
+        return out
+
+    cache.attend = recorded
+    return calls
 
 
-def recorded(layer, module, q, pos, new):
-    out = library_attend(layer, module, q, pos, new)
-    if layer == 0:
-        calls.append((q, pos, new, out))
-    return out
-
-
-library.attend = recorded
+library = KVCache(config)                                     # the library's cache
+calls = record_layer0(library)
 ids = torch.randint(0, config.vocab_size, (1, 12))
 prefill(model, ids[:, :6], library)
 extend(model, ids[:, 6:11], library)
 next_logits = decode_step(model, ids[:, 11], library)  # (1, vocab): the scores of the token after
 
 # %% [markdown]
-# `append` and `attend` (Eq. 1) by hand; every recorded call, replayed through them, must give the library's
-# output and store what the library stored.
+# `append` and `attend` (Eq. 1) by hand; every recorded call, replayed through them, must store the step's
+# entries in the next slots and give the library's output.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 def append(k, v, pos):
@@ -146,16 +158,16 @@ def attend(q, q_pos):
     # END SOLUTION
 
 
+used = 0                                                       # from empty buffers (the cell can run again)
 for q, pos, (k, v), out in calls:                              # replay: the same inputs, by hand
     before = used
     append(k, v, pos)
-    assert used == before + len(pos) and torch.equal(pos_buf[0, :, before:used], pos.expand(config.n_kv_head, -1)), \
+    assert appended(before, k, v, pos), \
         f"append at {pos.tolist()}: k, v and pos go to the {len(pos)} slots after the {before} filled; used counts them"
     mine = attend(q, pos)
     assert torch.allclose(mine, out, atol=1e-6), f"at {pos.tolist()}: off by {(mine - out).abs().max():.1e}" \
-        " (nan: a query sees nothing, yet it sees itself); scale by 1/sqrt(d); KV head h serves query heads hG..hG+G-1"
-print(f"by hand == KVCache on layer 0 over {len(calls)} steps (prefill of 6, extend of 5, one decode step): "
-      f"{used} slots filled, positions {pos_buf[0, 0, :used].tolist()}")
+        " (nan: a query whose mask hides every slot); scale by 1/sqrt(d); KV head h serves query heads hG..hG+G-1"
+print(f"by hand == KVCache on layer 0 over {len(calls)} calls: {used} slots, positions {pos_buf[0, 0, :used].tolist()}")
 
 # %% [markdown]
 # The library does the same, growing its buffers when they fill (`nanollm/storage.py`). Everything below uses
@@ -276,26 +288,17 @@ print(f"the new token got position {int(kv.pos[0, 0, -1])} (the tokens seen befo
 # `extend` chunk of 3 tokens (positions 13 to 15) is replayed through them:
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
-used = kv.k.shape[2]                                           # the hand-built buffers: layer 0's slots, as stored
-k_buf[:, :, :used], v_buf[:, :, :used], pos_buf[:, :, :used] = kv.k, kv.v, kv.pos
-library_attend, evicted_calls = cache.attend, []
-
-
-def recorded_evicted(layer, module, q, pos, new):
-    out = library_attend(layer, module, q, pos, new)
-    if layer == 0:
-        evicted_calls.append((q, pos, new, out))
-    return out
-
-
-cache.attend = recorded_evicted
+stored = [t.clone() for t in (kv.k, kv.v, kv.pos)]             # layer 0's slots as they are now
+evicted_calls = record_layer0(cache)
 extend(model, torch.randint(0, config.vocab_size, (1, 3)), cache)
 (q, pos, (k, v), out), = evicted_calls                        # layer 0's one call: queries at 13, 14, 15
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
+used = stored[0].shape[2]                                      # the hand-built buffers: layer 0's slots, as stored
+k_buf[:, :, :used], v_buf[:, :, :used], pos_buf[:, :, :used] = stored
 before = used
 append(k, v, pos)
-assert used == before + 3 and torch.equal(pos_buf[0, :, before:used], pos.expand(config.n_kv_head, -1)), \
+assert appended(before, k, v, pos), \
     "append: the chunk's k, v and pos go to the slots after the filled ones, whatever positions those hold"
 mine = attend(q, pos)
 assert torch.allclose(mine, out, rtol=1e-5, atol=1e-6), \

@@ -182,12 +182,11 @@ def snapkv_votes(probs, n_kv_head, window, kernel):
 RULE = "summed over the window's queries, max-pooled over the kernel's neighbours, averaged over a KV head's group"
 library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")[0, :, :T_TOY - W_TOY]
 mine = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)
-assert torch.allclose(mine, library), f"the toy's votes: {where_differs(mine, library, ('KV head', 'token'))}; {RULE}"
+assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes: {off}; {RULE}"
 for layer, a in enumerate(demo_maps):                               # the bundled model's attention
     library = snapkv_scores(a[None], model.config.n_kv_head, window=8, kernel=7, pooling="max")[0, :, :22 - 8]
     mine = snapkv_votes(a, model.config.n_kv_head, 8, 7)
-    assert torch.allclose(mine, library, atol=1e-6), \
-        f"layer {layer}: {where_differs(mine, library, ('KV head', 'token'), atol=1e-6)}; {RULE}"
+    assert not (off := where_differs(mine, library, ("KV head", "token"))), f"layer {layer}: {off}; {RULE}"
 snap_scores = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)                 # s_{j,n}: pooled, mean per group
 print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in snap_scores[1].tolist()])
 
@@ -233,8 +232,8 @@ for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0
     scores = torch.rand(HKV_TOY, T_TOY, generator=gen) * torch.tensor([[scale], [1.0]])
     for n_safe in (0, 1, B_TOY):
         mine, library = adakv_keep(scores, B_TOY, n_safe), adaptive_keep_mask(scores[None], B_TOY, n_safe)[0]
-        assert torch.equal(mine, library), f"scale {scale}, safeguard {n_safe}: kept? " \
-            f"{where_differs(mine, library, ('KV head', 'token'))}; each head's best n_safe, then the layer's best"
+        assert not (off := where_differs(mine, library, ("KV head", "token"))), \
+            f"scale {scale}, safeguard {n_safe}: kept? {off}; each head's best n_safe, then the layer's best"
 print("adakv_keep makes the library's choice for both scales and safeguards 0, 1 and B_TOY")
 
 # %% [markdown]
@@ -263,6 +262,7 @@ def show(kept):
         print(f"{name:23}", "   ".join(heads))
 
 
+print(f"B_TOY = {B_TOY} entries per KV head (AdaKV: {HKV_TOY * B_TOY} in the layer)")
 show(toy_kept)
 
 # %% [markdown]

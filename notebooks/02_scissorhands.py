@@ -84,7 +84,7 @@ plt.show()
 #
 # The library (`methods/scissorhands.py`) splits the rule into four functions: `low_flags` (the flags),
 # `push_history` (a ring buffer of each token's last $w$ flags), `unimportance` (the counter $I_n$) and
-# `scissorhands_keep` (Algorithm 2, which also applies $m$). Run on the toy, they decide:
+# `scissorhands_keep` (Algorithm 2, which also applies $m$). `library_keep` runs them on one head:
 
 # %%
 from methods.scissorhands import low_flags, push_history, scissorhands_keep, unimportance
@@ -99,9 +99,6 @@ def library_keep(attn, budget, n_recent):
     push_history(history, low_flags(attn, p.view(1, 1, 1, n) <= q.view(1, 1, w, 1)), q)
     keep = scissorhands_keep(unimportance(history), attn[:, :, -1], p, seen=n, budget=budget, n_recent=n_recent)
     return keep.flatten().tolist()
-
-
-print("the library keeps of the toy's 6 tokens (B = 4, r = 1):", library_keep(toy_attn, 4, 1))
 
 # %% [markdown]
 # The same rule by hand, for one head, with plain loops over the last $w$ queries, must make the library's
@@ -144,9 +141,9 @@ def keep_by_hand(attn, budget, n_recent):
 
 
 for attn, budget, r, what in cases:
-    mine, theirs = keep_by_hand(attn, budget, r), library_keep(attn[None, None], budget, r)
+    mine, theirs = [int(n) for n in keep_by_hand(attn, budget, r)], library_keep(attn[None, None], budget, r)
     case = f"{what} (T = {attn.shape[1]}, w = {attn.shape[0]}, B = {budget}, r = {r}): kept {mine}, library {theirs}"
-    assert isinstance(mine, list) and mine == sorted(set(mine)), f"{case}: return distinct positions, ascending"
+    assert mine == sorted(set(mine)), f"{case}: return distinct positions, ascending"
     assert len(mine) == budget and mine[budget - r:] == theirs[budget - r:], f"{case}: keep B, the r most recent too"
     assert mine == theirs, f"{case}: of the others, the fewest low flags stay, a tie to the larger last attention"
 print("toy: kept by hand", keep_by_hand(toy_attn[0, 0], 4, 1), "| by the library", library_keep(toy_attn, 4, 1))
@@ -393,11 +390,12 @@ my_recent_share = None                  # replace None: recent_share of the cach
 def check_recent_share(share):
     assert isinstance(share, float), f"store the number recent_share returns, not a {type(share).__name__}"
     assert 0 <= share <= 1, "a share lies between 0 and 1"
-    assert abs(share - recent_share(caches["scissorhands"])) > 1e-4, \
-        "that is the default window's share (w = 400): build the cache with history_window=8"
     short = KVCache(model.config, make_policy("scissorhands", budget=BUDGET, history_window=8))
     prefill(model, ids, short)
-    assert abs(share - recent_share(short)) <= 1e-4, "build the cache with make_policy(\"scissorhands\", " \
+    right = abs(share - recent_share(short)) <= 1e-4
+    assert right or abs(share - recent_share(caches["scissorhands"])) > 1e-4, \
+        "that is the default window's share (w = 400): build the cache with history_window=8"
+    assert right, "build the cache with make_policy(\"scissorhands\", " \
         "budget=BUDGET, history_window=8), prefill it with ids, and store recent_share's value unrounded"
 
 

@@ -114,7 +114,7 @@ for trial in range(n_heads):
     T = int(torch.randint(4, 40, (1,), generator=g))                  # entries in this head
     attn = torch.softmax(torch.randn(T, generator=g) * 3, -1)         # (T,) one query's attention A
     P = torch.rand(T, generator=g) * 4                                # (T,) projected value sizes P_n
-    P = P / attn if trial // 4 % 2 else P         # every other 4 heads: A * P unrelated to A (the stages differ)
+    P = P / attn if trial // 4 % 2 else P         # alternate blocks of 4 heads: A * P unrelated to A
     b = int(torch.randint(1, T + 1, (1,), generator=g))               # the budget B
     alpha = [0.0, 0.25, 0.5, 1.0][trial % 4]
     mine = algorithm1(attn, P, b, alpha)

@@ -94,19 +94,19 @@ def sketch_query(cell_k, cell_v, h, g):
     # END SOLUTION
 
 
-cell_k, cell_v = sketch_insert(h, g, toy_k, toy_v, toy.width)
-est_k, est_v = sketch_query(cell_k, cell_v, h, g)
 toy.insert(toy_pos, toy_k.view(6, 1, 1), toy_v.view(6, 1, 1))     # the library: k, v as (n, H_kv, d)
 lib_k, lib_v = toy.query(toy_pos)
+cell_k, cell_v = sketch_insert(h, g, toy_k, toy_v, toy.width)      # by hand
+est_k, est_v = sketch_query(cell_k, cell_v, h, g)
 for mine, library, dims, what in ((cell_k, toy.key.view(3, 4, 1), ("row", "cell"), "key cells: plain sums of keys"),
                                   (cell_v, toy.value.view(3, 4, 1), ("row", "cell"), "value cells: sums of g_i(J) v_J"),
                                   (est_k, lib_k.view(6, 1), ("token",), "keys: the median over rows of cell h_i(J)"),
                                   (est_v, lib_v.view(6, 1), ("token",), "values: the median of g_i(J) cell h_i(J)")):
-    assert torch.allclose(mine, library), f"{what}; yours differ: {where_differs(mine, library, dims)}"
+    assert not (off := where_differs(mine, library, dims)), f"{what}; yours differ: {off}"
 
-# %%
-print("keys   ", toy_k.flatten().int().tolist(), "-> estimates", est_k.flatten().int().tolist())
-print("values ", toy_v.flatten().int().tolist(), "-> estimates", est_v.flatten().int().tolist())
+# %% tags=["needs:insert", "needs:query"]
+print("keys   ", toy_k.flatten().int().tolist(), "-> estimates", lib_k.flatten().int().tolist())
+print("values ", toy_v.flatten().int().tolist(), "-> estimates", lib_v.flatten().int().tolist())
 
 
 # %% [markdown]

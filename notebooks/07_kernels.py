@@ -118,6 +118,7 @@ plt.show()
 # %%
 import math
 
+from exercises import where_differs              # the by-hand checks below: where a result differs
 from kernels.decode_attention import reference_decode_attention
 
 g = torch.Generator().manual_seed(0)
@@ -149,11 +150,11 @@ qh = q[0, :G_] / math.sqrt(d_)                                   # KV head 0's q
 m, l, a = online_softmax(qh, k[0, 0], v[0, 0], block=8)          # all 50 tokens, in blocks of 8
 got = a / l[:, None]                                             # o = (running output) / (running sum)
 scores = qh @ k[0, 0].T                                          # (G, 50): every score at once, to check m and l
-assert torch.allclose(m, scores.max(dim=-1).values), "m: the largest score of every block so far"
-assert torch.allclose(l, torch.exp(scores - m[:, None]).sum(-1), rtol=1e-5), \
-    "l: the sum of exp(s - m), the old sum times exp(m - m') whenever the maximum grows to m'"
-assert torch.allclose(got, ref[0, :G_], rtol=1e-5, atol=1e-6), \
-    f"a: off by {(got - ref[0, :G_]).abs().max():.1e}; the old a times exp(m - m') too, plus p @ v of the block"
+for mine, want, what in ((m, scores.max(dim=-1).values, "m: the largest score over all blocks so far"),
+                         (l, torch.exp(scores - m[:, None]).sum(-1), "l: the sum of exp(s - m), the old sum times "
+                                                                     "exp(m - m') whenever the maximum grows to m'"),
+                         (got, ref[0, :G_], "a: the old a times exp(m - m') too, plus p @ v of the block")):
+    assert not (off := where_differs(mine, want, ("query head", "dim"))), f"{what}; yours differ: {off}"
 print("online softmax over blocks of 8, divided by the running sum at the end == softmax over all 50 tokens")
 
 # %% [markdown]
@@ -177,8 +178,8 @@ for h in range(Hkv_):                                            # each KV head 
     qh = q[0, h * G_:(h + 1) * G_] / math.sqrt(d_)
     ranges = [online_softmax(qh, k[0, h, lo:hi], v[0, h, lo:hi], block=8) for lo, hi in ((0, 25), (25, 50))]
     got, want = merge(ranges), ref[0, h * G_:(h + 1) * G_]
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), f"KV head {h}: off by {(got - want).abs().max():.1e}; " \
-        "weigh each range's l and a by exp(m_r - M), M the largest m_r, add them, then divide the sums"
+    assert not (off := where_differs(got, want, ("query head", "dim"))), f"KV head {h}: {off}; weigh each " \
+        "range's l and a by exp(m_r - M), M the largest m_r, add them, then divide the sums"
 print("two ranges of 25 tokens, merged by hand == softmax over all 50 tokens, for each KV head")
 
 # %% [markdown]

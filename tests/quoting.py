@@ -77,4 +77,5 @@ def in_text(number: str, text: str) -> bool:
     plain = number.rstrip("%").replace(",", "")
     forms = {plain, number.rstrip("%")}
     end = r"\s?%" if number.endswith("%") else r"(?![\d])"
-    return any(re.search(rf"(?<![\d.]){re.escape(f)}{end}", text) for f in forms)
+    return any(re.search(rf"(?<![\d.])(?<![eE][-+])(?<![eE]){re.escape(f)}{end}", text)   # not 1e-6's exponent
+               for f in forms)

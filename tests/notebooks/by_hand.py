@@ -76,8 +76,9 @@ def with_slip(cells: list[tuple[int, str]], regions: list[ByHand], slip: Slip) -
 
 
 def run(cells: list[tuple[int, str]], last: int, name: str = "lesson") -> dict:
-    """Execute the cells through index ``last`` in one namespace: {"cell": where it stopped or None,
-    "error": "Type: message" or None}."""
+    """Execute the cells through index ``last`` in a fresh namespace, the global seed reset: {"cell": where it
+    stopped or None, "error": "Type: message" or None, "checked": whether an assert stopped it}. Modules the
+    lessons import stay loaded between runs (the preamble's one thread and first seed hold for every run)."""
     import torch
     torch.manual_seed(0)
     namespace = {"__name__": "__main__"}
@@ -87,8 +88,17 @@ def run(cells: list[tuple[int, str]], last: int, name: str = "lesson") -> dict:
         try:
             exec(compile(source, f"{name}:cell {i}", "exec"), namespace)
         except Exception as e:  # noqa: BLE001 - any exception stops the lesson; the report names it
-            return {"cell": i, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
-    return {"cell": None, "error": None}
+            return {"cell": i, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
+                    "checked": isinstance(e, AssertionError)}          # a check's assert, not a crash
+        finally:
+            close_figures()
+    return {"cell": None, "error": None, "checked": False}
+
+
+def close_figures() -> None:
+    """Close the figures a run drew (matplotlib keeps every open one), where matplotlib is loaded."""
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close("all")
 
 
 def report(stem: str) -> dict:

@@ -59,8 +59,11 @@ def test_the_run_sees_a_check_too_weak_for_its_slip():
     regions = by_hand.by_hand_regions(cells)
     assert [(r.region, r.cell, r.last) for r in regions] == [("toy:double", 0, 2)]
     slip = Slip("toy:double", "squares", "2 * x", "x * x")
-    assert by_hand.run(by_hand.with_slip(cells, regions, slip), 1) == {"cell": None, "error": None}   # survives
-    assert by_hand.run(by_hand.with_slip(cells, regions, slip), 2)["cell"] == 2                        # caught
+    assert by_hand.run(by_hand.with_slip(cells, regions, slip), 1)["error"] is None                   # survives
+    caught = by_hand.run(by_hand.with_slip(cells, regions, slip), 2)
+    assert caught["cell"] == 2 and caught["checked"]                                               # caught
+    crash = by_hand.run(by_hand.with_slip(cells, regions, Slip("toy:double", "a crash", "2 * x", "x / 0")), 2)
+    assert crash["cell"] == 1 and not crash["checked"]          # ZeroDivisionError: not a check's refusal
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +86,6 @@ def test_the_lesson_refuses_every_slip(stem, reports):
     early = [f"{s['region']}: {s['why']} stopped at cell {s['cell']}, before the region's cell {s['region_cell']}: "
              f"{s['error']}" for s in report["slips"] if s["error"] and s["cell"] < s["region_cell"]]
     assert not early, "\n".join(early)
-    syntax = [f"{s['region']}: {s['why']}: {s['error']}" for s in report["slips"] if s["error"]
-              and s["error"].startswith(("SyntaxError", "IndentationError", "NameError"))]
-    assert not syntax, "a slip that does not run is no test of the check:\n" + "\n".join(syntax)
+    crashed = [f"{s['region']}: {s['why']}: {s['error']}" for s in report["slips"] if s["error"] and not s["checked"]]
+    assert not crashed, "a slip must be refused by a check's assert, with its message, not by a crash:\n  " + \
+        "\n  ".join(crashed)

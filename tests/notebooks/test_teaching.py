@@ -378,6 +378,7 @@ def test_a_number_counts_only_in_its_own_section_or_one_its_sentence_names():
              md("It keeps 3 of them.\n\n## Exercises\n\nTry 26% again, then 0.27.")]
     assert unquoted("", cells) == [(4, "25%"), (7, "3"), (7, "0.27")]      # the exercises may quote any section
     assert in_text("70.5%", "share 70.5 %") and in_text("1,024", "1024 heads") and not in_text("0.7", "0.71")
+    assert not in_text("6", "atol=1e-6") and not in_text("5", "2.5e5") and in_text("6", "B_TOY = 6")
     assert not in_text("25%", "keep ratio 0.25")                 # a percentage is quoted as printed
 
 
