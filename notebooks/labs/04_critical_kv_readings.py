@@ -9,8 +9,8 @@
 # notation table defines the symbols used here ($A$, $P_n$, $\mathcal{L}$, $\theta$, $\alpha$, $\sigma$,
 # $\bar{A}$). This lab measures both readings, and kvpress's settings, inside SnapKV and AdaKV:
 #
-# 1. the sample that motivated the lesson: which of the needle's value digits each variant keeps, what it
-#    answers, and why none recovers the value;
+# 1. one needle sample: which of the value's digits each variant keeps, what it answers, and why none
+#    recovers the value;
 # 2. head by head, as the paper's §5.1 counts; at the final hidden state (§5.2); in KL and accuracy; across
 #    `alpha`; how often Assumption 1 holds; and Algorithm 1 alone with the true query;
 # 3. accuracy and KL against the keep ratio, in both modes;
@@ -73,7 +73,7 @@ print(f"ours: alpha {ours.alpha} of the {ours.alpha_of!r} budget, epsilon {ours.
       f"{ours.inner.inner.pooling} pooling")
 
 # %% [markdown]
-# ## 1. The sample that motivated the lesson
+# ## 1. One needle sample, variant by variant
 #
 # With the question in the prompt and a budget of 256 tokens (the prompt has 494), SnapKV answers `999999...` on
 # a single-needle sample: `niah_single_noise` at 512 tokens, seed 1, value 196238. Which of the six value
@@ -119,11 +119,8 @@ for label, (spec, opts) in SAMPLE_VARIANTS.items():
 print("\ncells: value digits kept / 6 (tokens of the 12 before them kept)")
 
 # %% [markdown]
-# No variant recovers 196238. SnapKV keeps 1 of the 6 digits in both layer-3 KV heads. The two readings of
-# CriticalSnapKV differ only in stage 2, and it shows in the layer-1 and layer-2 heads, where the pooled one
-# keeps more of the digits in three of the four; the pooled one answers "111188", the right first digit, the
-# literal one "222288888888888". CriticalAdaKV answers "222288888888888" pooled and "999999999999999"
-# literal, the same answer as AdaKV alone.
+# No variant recovers 196238. The two readings of CriticalSnapKV differ only in stage 2: the pooled one keeps
+# more of the digits in three of the four layer-1 and layer-2 heads, and only it answers the right first digit.
 #
 # Neither reading rescues the value because the observation window (the question's tokens) barely looks at
 # it. The figure below shows, in layer 3 around the needle, the window's mean attention `Abar` (what the
@@ -212,8 +209,13 @@ for name, score in stage2.items():                                    # (H_kv, T
 # default), the literal reading, and kvpress's settings. Each runs through the harness on the same samples,
 # question in the prompt, and the loop records the per-head output perturbation
 # `L_h = ||(o_full - o) W_O^(h)||_1` at the first decode step (`projected_output_l1`, the paper's §5.1
-# quantity), the final hidden state's relative error (the harness's `perturbation`, §5.2), the answer's KL
-# and accuracy. The same loop runs the two ends of the `alpha` ablation (stage 2 only; the host itself) and
+# quantity): `o_full` and `o` are query head $h$'s attention outputs at that step in the full cache's run and
+# in the compressed run. Unlike the lesson's $\mathcal{L}$ (one query, its kept attention renormalised), it is
+# measured in the compressed run, so it also carries what the compression of earlier layers changed. The loop
+# also records the final hidden state's relative error (the harness's `perturbation`, §5.2), the answer's KL
+# and accuracy. A difference between two methods is paired sample by sample, and the *noise rule*
+# (`experiments/evaluation/intervals.py`) calls it lower or higher when its 95% bootstrap interval excludes 0,
+# within noise otherwise. The same loop runs the two ends of the `alpha` ablation (stage 2 only; the host itself) and
 # records Assumption 1's `sigma` for CriticalSnapKV (stage 1, and so `sigma`, is the same in both readings).
 
 # %%
@@ -394,12 +396,9 @@ for ratio in HEAD_RATIOS:
 # the literal CriticalSnapKV lowers the KL beyond noise too (-0.373, the pooled one -0.270), and over AdaKV
 # both readings are within noise. Accuracy follows within noise.
 #
-# The per-layer sums show where the selections' perturbation builds up: at 0.25 every selection's is larger than its
-# host's in layers 0 and 3 (layer 3: 29.71 with SnapKV, 33.64 with pooled CriticalSnapKV), yet the final hidden
-# state moves
-# less. The two do not contradict each other: `L_h` is measured in the compressed run, so a layer's sum also
-# carries what the compression of the layers before it changed, and `sum_h L_h` adds up each head's change on
-# its own, so changes that cancel between heads, or later in the network, still count in it.
+# The per-layer sums: at 0.25 every selection's is larger than its host's in layers 0 and 3 (layer 3: 29.71
+# with SnapKV, 33.64 with pooled CriticalSnapKV), yet the final hidden state moves less: `sum_h L_h` adds up
+# each head's change on its own, so changes that cancel between heads, or later in the network, still count.
 #
 # The `alpha` ablation (pooled stage 2) at keep ratio 0.25: `alpha = 0` (stage 2 only) and 0.25 are about
 # equal in KL and accuracy, both lower in KL than `alpha = 1` (SnapKV itself) beyond noise and level with it
@@ -660,12 +659,9 @@ for reading, selections in READINGS.items():                      # the table's 
           f"KL lower in {kl_lower} of {len(cells)} cells")
 
 # %% [markdown]
-# Accuracy on this model is low for every prompt-compressing method. With the pooled stage 2 it is level with
-# the host, within noise in all eight (host,
-# keep ratio, mode) cells of the table, and the KL is below the host's in all eight. With the literal stage 2
-# accuracy is lower in 7 of the 8 cells, beyond noise in two, both after the context at keep ratio 0.5,
-# and the KL is above the host's in all eight. kvpress's settings, against their own hosts (gray): accuracy
-# within noise everywhere, KL lower in 7 of 8 cells (the counts are under the table). The table's KL has no
+# Accuracy on this model is low for every prompt-compressing method. The pooled stage 2 is level with its
+# host in accuracy and below it in KL in every cell; the literal one is above it in KL in every cell, and lower
+# in accuracy beyond noise in two, both after the context at keep ratio 0.5 (the counts above). The table's KL has no
 # interval (the records keep means only); section 2.2 has the paired intervals for the question in the prompt.
 # Keep ratio 0.1 is left out here: every method answers 0.00-0.04 there (section 2.2). The paper's LongBench
 # gains are small too (SnapKV on Llama-3.1-8B, b = 256: 45.09 -> 45.66 of 100), on 7-8B models with far more
@@ -934,15 +930,13 @@ def real_accuracy(label, mode, ratio):
 family_figure(FAMILIES_REAL, RATIOS_REAL, real_accuracy, "accuracy (mean over tasks,\n95% interval)",
               "Accuracy of every selection beside its host, SmolLM2 (dotted: the full cache)",
               reference=lambda mode: mean_of("accuracy", "full", mode, None))
-for key, ylabel, what in [("kl", "KL(full || method)", "The answer's KL divergence from the full cache"),
-                          ("perturbation", "final hidden state\nrelative error", "The final hidden state's error")]:
-    family_figure(FAMILIES_REAL, RATIOS_REAL,
-                  lambda label, mode, ratio: (mean_of(key, label, mode, BUDGETS_REAL[RATIOS_REAL.index(ratio)]), None),
-                  ylabel, f"{what}, SmolLM2")
+family_figure(FAMILIES_REAL, RATIOS_REAL,
+              lambda label, mode, ratio: (mean_of("kl", label, mode, BUDGETS_REAL[RATIOS_REAL.index(ratio)]), None),
+              "KL(full || method)", "The answer's KL divergence from the full cache, SmolLM2")
 
 # %% [markdown]
-# The figures show, over each host and in each mode, accuracy with its interval, the answer's KL and the final
-# hidden state's error against the keep ratio; the tables below carry the numbers. In accuracy every interval
+# The figures show, over each host and in each mode, accuracy with its interval and the answer's KL against the
+# keep ratio; the tables below carry the numbers. In accuracy every interval
 # overlaps every other; in KL the literal reading (red) sits above its host and the pooled one (blue) at or
 # below it in most cells; kvpress's settings (green, grey) are far behind at keep 0.1, where their window takes
 # the budget.
@@ -991,27 +985,18 @@ for reading in ("pooled stage 2", "literal stage 2"):                  # the cel
           f"{len(after)} cells")
 
 # %% [markdown]
-# Then the records of `experiments.evaluation.compare.run` behind the figure, in both modes: accuracy per task, KL
-# and `pert` per cell (`format_tables`), and `format_intervals`: each cell's 95% interval, its paired difference
-# from the full cache, and which methods are within noise of the best at each keep ratio.
+# Then the records of `experiments.evaluation.compare.run` behind the figures, summarised: per mode the full
+# cache's accuracy and, per keep ratio, the best method and those the exact paired test cannot tell from it
+# (`format_summary`; `format_tables` and `format_intervals` print every cell), and each task's accuracies:
 
 # %%
-from experiments.evaluation.compare import format_intervals, format_tables
+from experiments.evaluation.report import format_summary
 
-by_mode = {mode: [r for r in records_r if r["mode"] == mode] for mode in MODES}     # one table per mode
-print(format_tables(by_mode[MODES[0]]))
-
-# %%
-print(format_tables(by_mode[MODES[1]]))
-
-# %% [markdown]
-# `format_intervals`, mode by mode:
-
-# %%
-print(format_intervals(by_mode[MODES[0]]))
-
-# %%
-print(format_intervals(by_mode[MODES[1]]))
+print(format_summary(records_r))
+for task in TASKS_REAL:
+    accs = [r["accuracy"] for r in records_r if r["task"] == task and r["method"] != "full"]
+    full_acc = mean([r["accuracy"] for r in records_r if r["task"] == task and r["method"] == "full"])
+    print(f"{task}: every compressed cell's accuracy {min(accs):.2f} to {max(accs):.2f}; the full cache {full_acc:.2f}")
 
 # %% [markdown]
 # **Final-layer perturbation (§5.2): reproduced in direction, small, in both readings.** With the question in
@@ -1028,9 +1013,9 @@ print(format_intervals(by_mode[MODES[1]]))
 # the prompt.
 #
 # **Accuracy (Tables 1 and 3): inconclusive.** The full cache answers every sample; every compressed cell scores
-# 0.00-0.33 with the question in the prompt and 0.17 after the context, and `format_intervals` puts every
-# method within noise of the best at each keep ratio: six answers per cell cannot show gains as small as the
-# paper's. Every compressed cell scores 0.00 on `passkey` (the tables above), so these accuracies are
+# 0.00-0.33 with the question in the prompt and 0.17 after the context (section 5.4 prints each), and the
+# exact paired test cannot tell any method from the best at any keep ratio: six answers per cell cannot show
+# gains as small as the paper's. Every compressed cell scores 0.00 on `passkey`, so these accuracies are
 # `niah_single_docs` alone; why the passkey is lost at these budgets, this lab does not measure.
 #
 # Why the first step's error falls in both readings while the KL, a mean over every answer token, falls only
