@@ -414,12 +414,12 @@ check_memory(reference_gib_gqa, reference_gib_mha)
 # * (a) What distance (the query's position minus the key's) would its query see to the key at position 11,
 #   and what is the true one?
 # * (b) The mask $M$ shows a query at $t$ the entries with $0 \le p_j \le t$. Of the six keys KV head 0 kept
-#   (positions 0, 1, 5, 9, 10 and 11), how many would the new token still see?
+#   (positions 0, 1, 5, 9, 10 and 11), which would the new token still see? (Their positions, as a list.)
 
 # %%
 my_distance_wrong = None    # replace None: (a) the distance a query at position 6 sees to the key at 11
 my_distance_true = None     # replace None: (a) the true distance: the query at position 12
-my_visible = None           # replace None: (b) how many of the six kept keys a query at position 6 sees
+my_visible = None           # replace None: (b) the positions of the kept keys a query at position 6 sees
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from nanollm import attention
@@ -434,8 +434,12 @@ def check_break_it(distance_wrong, distance_true, visible):
             f"(a) the query at {t}: RoPE's score sees the query's position minus the key's (section 4.1)"
     _, probs, _ = attention.attend(torch.randn(1, config.n_head, 1, config.head_dim), kv.k[:, :, :6],
                                    kv.v[:, :, :6], torch.tensor([6]), kv.pos[:, :, :6], Needs(rows=1))
-    assert visible == int((probs[0, 0, 0] > 0).sum()), \
-        "(b) the mask keeps the stored positions from 0 up to the query's own, and hides the later ones"
+    seen = probs[0, 0, 0] > 0                                       # query head 0 reads KV head 0's six slots
+    shown, hidden = (kv.pos[0, 0, :6][m].tolist() for m in (seen, ~seen))
+    assert isinstance(visible, (list, tuple)), "(b) the positions of the keys the query sees, as a list"
+    assert sorted(visible) != hidden, "(b) those are the keys the mask hides: it shows the ones with 0 <= p_j <= t"
+    assert sorted(visible) == shown, "(b) of the six kept keys: the mask keeps the stored positions from 0 up to " \
+        "the query's own, and hides the later ones"
 
 
 check_break_it(my_distance_wrong, my_distance_true, my_visible)
@@ -443,7 +447,7 @@ check_break_it(my_distance_wrong, my_distance_true, my_visible)
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 # BEGIN SOLUTION [cache] the distance is the query's position minus the key's; the mask hides later positions
 reference_distance_wrong, reference_distance_true = 6 - 11, 12 - 11
-reference_visible = 3                          # positions 0, 1 and 5; the keys at 9, 10 and 11 lie after 6
+reference_visible = [0, 1, 5]                  # the keys at 9, 10 and 11 lie after 6
 # END SOLUTION
 check_break_it(reference_distance_wrong, reference_distance_true, reference_visible)
 print("With position 6, the key at 11 would look 5 positions ahead of the query, and the mask would hide the "

@@ -289,7 +289,7 @@ def check_wins(wins):
         truth = sum(perturbation_after(a, vw, 0.25) < perturbation_after(a, vw, 1.0) for a, vw in heads) / 200
         assert abs(wins[s] - truth) < 1e-9, f"sharpness {s}: count the heads where Algorithm 1's L (alpha " \
             "0.25) is strictly below top-k's (alpha 1), out of 200 drawn with random_head(s, g), sharpness in order, " \
-            "from g = torch.Generator().manual_seed(0) (a cell run again moves g: seed it again)"
+            "from one g = torch.Generator().manual_seed(0), seeded once for all the sharpnesses"
 
 
 check_wins(my_wins)

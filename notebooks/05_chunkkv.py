@@ -223,9 +223,10 @@ def check_in_one_chunk(in_one_chunk):
                 votes = torch.zeros(end + c)
                 votes[v:end] = 1.0                                       # every vote on the value
                 kept = library_keeps(votes, c, c)                        # room for one chunk: the best one
-                assert bool(in_one_chunk(v, end, c)) == all(n in kept for n in range(v, end)), \
-                    f"chunks of {c}, a value at positions {v} to {end - 1}: your function and the library's one " \
-                    "chunk disagree (end is one past the value's last position)"
+                said = bool(in_one_chunk(v, end, c))
+                assert said == all(n in kept for n in range(v, end)), \
+                    f"chunks of {c}, a value at positions {v} to {end - 1}: you said {said}; chunk i holds positions " \
+                    "i c to i c + c - 1, and end is one past the value's last position"
     return "share of section 2's needle values inside one chunk: " + ", ".join(
         f"c={c}: {sum(in_one_chunk(v, end, c) for v, end in values) / len(values):.2f}" for c in (1, 5, 10, 20))
 
@@ -269,8 +270,9 @@ def check_smallest_budget(smallest):
         assert b in range(8, BUDGET + 1, 8), f"{spec}: a budget on the grid 8, 16, ..., BUDGET"
         b = int(b)                                                       # 88.0 is 88
         right = [answers(spec, x) for x in range(8, b + 1, 8)]
-        assert right[-1] and not any(right[:-1]), f"{spec}: not the smallest budget of the grid at which it " \
-            "answers; run the scan itself rather than trying budgets"
+        assert right[-1], f"{spec}: at budget {b} it does not answer yet; scan upward from 8 until it does"
+        assert not any(right[:-1]), f"{spec}: not the smallest budget of the grid at which it answers; run the " \
+            "scan itself rather than trying budgets"
 
 
 check_smallest_budget(my_smallest_budget)
