@@ -45,7 +45,8 @@ def chunk_keep_mask(scores: Tensor, pos: Tensor, free: Tensor, n_free: Tensor, c
     Parameters
     ----------
     scores : (B, H_kv, T) token votes (higher = keep).
-    pos : (B, H_kv, T) positions of the slots; chunk of a slot = pos // chunk_size.
+    pos : (B, H_kv, T) positions of the slots, -1 in an empty slot (never free); chunk of a free slot =
+        pos // chunk_size.
     free : (B, H_kv, T) bool, slots that compete (valid and not protected).
     n_free : (B, H_kv) long, how many free slots each head may keep.
     chunk_size : c.
@@ -144,7 +145,8 @@ class ChunkKVPolicy(PolicyWrapper):
 
 def holds_position(chosen: Tensor, pos: Tensor, seen: int) -> Tensor:
     """(B, H_kv, T) bool: whether each slot's position is among ``chosen`` (B, H_kv, K) of the same head
-    (-1 in either = nothing), through a table indexed by position: O(T + K) per head, not O(T * K)."""
+    (-1 in either = nothing), through a table indexed by position: O(T + K) per head, not O(T * K). ``seen``:
+    the tokens seen so far, so every position is below it (the table's size)."""
     # BEGIN SOLUTION [chunkkv:holds_position] §3, Algorithm 2 (index reuse): a table per head indexed by position
     table = torch.zeros(*pos.shape[:2], seen + 1, dtype=torch.bool, device=pos.device)   # column seen: -1
     table.scatter_(-1, torch.where(chosen < 0, seen, chosen), True)

@@ -43,6 +43,23 @@ def test_whole_chunks_by_summed_votes():
     mask = A.chunk_mask(votes, pos, free, torch.tensor([[7, 7]]), 4, True, "none")
     check(mask, pos, [[4, 5, 6, 7, 8, 9, 10]] * 2, "shared: one ranking for the layer, the chunk sums added over the "
           "KV heads (0.6, 1.1, 2.4 times a scale): chunks 2 then 1 fill the 7 slots in both heads")
+    ahead = torch.zeros(1, 2, 11)
+    ahead[0, 0, :4] = 5.0                                           # a second row: chunk 0 far ahead, head 0 only
+    two_rows = A.chunk_mask(torch.cat([votes, ahead.gather(-1, pos)]), pos.repeat(2, 1, 1), free.repeat(2, 1, 1),
+                            torch.tensor([[7, 7], [7, 7]]), 4, True, "none")
+    check(two_rows[:1], pos, [[4, 5, 6, 7, 8, 9, 10]] * 2, "shared, two batch rows: each row ranks its own chunks "
+          "(sums over its KV heads, not over the rows); row 0 as in the case before")
+    check(two_rows[1:], pos, [[0, 1, 2, 3]] * 2, "shared, two batch rows: row 1's chunk 0 (5.0 x 4), then chunks "
+          "1 and 2 tie at 0 and the earlier, chunk 1 (4 slots), does not fit the 3 left")
+    empty = torch.cat([pos, torch.full((1, 2, 1), -1)], -1)         # one more slot per head: empty (-1), not free
+    try:
+        mask = A.chunk_mask(torch.cat([votes, torch.zeros(1, 2, 1)], -1), empty, torch.cat(
+            [free, torch.zeros(1, 2, 1, dtype=torch.bool)], -1), torch.tensor([[4, 4]]), 4, False, "none")
+    except (IndexError, RuntimeError) as e:
+        raise AssertionError(f"an empty slot (pos -1, not free) failed: {str(e)[:120]}; it belongs to no chunk: "
+                             "mask the slots that are not free before pos // chunk_size indexes a chunk") from None
+    check(mask, empty, [[4, 5, 6, 7], [8, 9, 10]], "room for 4, per head, one empty slot (pos -1, not free): it is "
+          "no chunk's and is never kept")
     protected = torch.stack([(pos[0, 0] != 2) & (pos[0, 0] != 3), torch.ones(11, dtype=torch.bool)])[None]
     mask = A.chunk_mask(votes, pos, protected, torch.tensor([[6, 6]]), 4, False, "none")   # head 0's chunk 0: 2 free
     check(mask, pos, [[4, 5, 6, 7], [8, 9, 10]], "room for 6, per head: chunks are taken best first while they fit, "
@@ -81,7 +98,8 @@ def test_positions_held_by_another_layer():
     want = torch.tensor([[[True, False, True, False, True, False], [True, True, False, True, False, False]],
                          [[False, True, False, False, False, False], [True, False, False, False, False, True]]])
     g = generator("holds public")
-    name = torch.cat([torch.randperm(1000, generator=g)[:10], torch.tensor([-1])])   # name[-1] = -1: nothing
+    name = torch.cat([torch.tensor([0]), torch.randperm(999, generator=g)[:9] + 1,   # position 0 keeps its name:
+                      torch.tensor([-1])])                                          # -1 read as 0 would show
     order = torch.stack([torch.randperm(6, generator=g) for _ in range(4)]).view(2, 2, 6)
     chosen, pos, want = name[chosen], name[pos].gather(-1, order), want.gather(-1, order)
     assert_close(A.holds(chosen, pos, seen=1000), want,
