@@ -173,7 +173,8 @@ plt.show()
 # so the pooled score multiplies that mean by the heads' mean $P_n$, while the literal one averages each head's
 # $\bar{A}_n P_n$. At budget 256 SnapKV's window keeps its last 32 tokens, stage 1 another 56 and stage 2
 # the other 168. A digit stage 1 passes over stays if its stage-2 rank is under 168; the window and stage 1 hold
-# the 32 + 56 other positions that may rank above it, so it goes if its rank is 256 or more:
+# the 32 + 56 other positions that may rank above it, so it goes if its rank is 256 or more. In between (from
+# 168 to under 256) it depends on how many of those positions rank above it. Ranks count all the prompt's positions:
 
 # %%
 mass = lambda a: float(a[:, digits].sum(-1).mean())                 # mean over query heads
@@ -344,7 +345,8 @@ for ratio in HEAD_RATIOS:
 # far from the 74% of the paper. Counted per (sample, layer, head), it is a coin toss at keep ratio 0.1 and a
 # loss at 0.25, where both readings lose most in layer 0 (0.15-0.17 of its triples lower). At kvpress's settings
 # the selection equals its host in
-# every head at keep ratio 0.1: the budget is smaller than kvpress's window, which takes all of it. `alpha=1`
+# every head at keep ratio 0.1: the budget, a tenth of the prompt, is smaller than kvpress's window, which takes
+# all of it. `alpha=1`
 # equals SnapKV in
 # every head, as it must.
 #
@@ -508,7 +510,8 @@ summarise(alg1, HEAD_RATIOS, [(str(l), [l]) for l in range(cfg.n_layer)] + [("al
 # %% [markdown]
 # On this model Algorithm 1 loses to attention top-k even with the true query: over all layers it lowers
 # $\mathcal{L}$ in 0.29 (keep ratio 0.1) and 0.26 (0.25) of the (sample, head) pairs, its mean $\mathcal{L}$
-# is higher in every layer, and it lowers even the bound $\theta$ less often still. Theorem 3 freezes the
+# is higher in every layer, and it lowers even the bound $\theta$ (Theorem 2's, computed exactly, not the
+# relaxed $\hat\theta$ that Algorithm 1 lowers) less often still. Theorem 3 freezes the
 # factor $2 - 1/\mu$ ($\mu$ the kept attention mass) at $2 - 1/\sigma$, as if $\mu$ were fixed, and
 # Algorithm 1 maximises $\sum_n \mathcal{N}_n A_n P_n$ under that frozen factor, not $\theta$ itself; but every
 # entry stage 2 picks for its value instead of its attention lowers $\mu$, and for a given kept
@@ -713,7 +716,7 @@ for ratio in HEAD_RATIOS:
 # %% [markdown]
 # ## 5. On the real model: SmolLM2-135M
 #
-# Sections 1-4 ran on the bundled 0.87M-parameter model trained on synthetic retrieval, whose attention is
+# Sections 1-4 ran on the bundled model, a tiny one trained on synthetic retrieval, whose attention is
 # spread out. SmolLM2-135M-Instruct is a real, if small, language model: 30 layers, 9 query heads sharing 3 KV
 # heads, hidden size 576. This section first shows what the two readings keep of one of its passages, then
 # re-measures the paper's claims on it with the same library code: the heads with a lower
@@ -981,7 +984,7 @@ for reading in ("pooled stage 2", "literal stage 2"):                  # the cel
               f"{sum(v.endswith('higher') for v in verdicts)}")
     after = [mean_of("kl", s, "question_after_context", b) < mean_of("kl", HOST_OF[s], "question_after_context", b)
              for s in selections for b in BUDGETS_REAL]
-    print(f"{reading}, KL, question after the context (means of the records below): lower in {sum(after)} of "
+    print(f"{reading}, KL, question after the context (means of compare.run's records): lower in {sum(after)} of "
           f"{len(after)} cells")
 
 # %% [markdown]
@@ -1006,8 +1009,8 @@ for task in TASKS_REAL:
 #
 # **KL: the readings part ways.** The pooled stage 2 lowers the answer's KL, beyond noise in 3 of the 4
 # cells with the question in the prompt; the literal one raises it in all four, every interval above 0. After
-# the context (the table's KL, means only) the pooled reading is below its host in 3 of the 4 cells,
-# the literal one level or above. kvpress's settings lower the KL beyond noise over both their hosts at keep
+# the context (`compare.run`'s KL, means only) the pooled reading is below its host in 3 of the 4 cells,
+# the literal one in 1. kvpress's settings lower the KL beyond noise over both their hosts at keep
 # ratio 0.25 and equal their hosts at 0.1. Those hosts are far behind ours here (KL 1.252 against SnapKV's
 # 0.572 at 0.25): with budgets of 51 and 128, kvpress's wider window leaves little or nothing for the rest of
 # the prompt.
