@@ -277,9 +277,9 @@ README (`README.md`) is for its developers, and its test suite is not your grade
 2. **Read** `course/{a.name}/sheet.md`: the goal, what to read, the tasks with their points, the written
    questions. The lesson is `notebooks/{a.notebook}.ipynb` (`jupyter lab notebooks/`): its outputs are there
    before you write anything; a cell that needs your code says which task it waits for.
-3. **Write** each task where the library says `raise NotImplementedError("{a.name}, task ...")   # your code
-   here`. The code of {held} is here in full: your code runs on it (or it is already due). Every other
-   assignment's code is a stub saying "not handed out yet".
+3. **Write** each task where the library says `# your code here`, after a `raise NotImplementedError` that
+   names the task and gives a hint. The code of {held} is here in full: your code runs on it (or it is
+   already due). Every other assignment's code is a stub saying "not handed out yet".
 4. **Check** with the public tests: `python -m course.grade {a.name}` (or `-k TASK` for one task). The
    hidden tests, which hold most of the points, run only when you hand in: passing every public test is not
    full marks.

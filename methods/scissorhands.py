@@ -62,7 +62,8 @@ def low_flags(attn: Tensor, visible: Tensor, threshold: float | None = None) -> 
 
     attn : (B, H_kv, Tn, T) attention of each query over the slots (group mean).
     visible : (B, H_kv, Tn, T) bool, the slots each query attended (valid, not in its future).
-    threshold : tau; None = 1 / (slots the query attended), the uniform level.
+    threshold : tau; None = 1 / (slots the query attended), the uniform level: its True entries of ``visible``,
+        those with attention 0 too, counted in its own batch row and KV head.
     Returns (B, H_kv, Tn, T) bool: attended and attn < tau. A slot a query did not attend is never low.
     """
     # BEGIN SOLUTION [scissorhands:low_flags] Algorithm 2 (§4): below the uniform level, or below tau if one is given
@@ -111,8 +112,9 @@ def keep_score(counts: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
 
     counts : (B, H_kv, T) counters I; attn : (B, H_kv, T) the last query's attention; pos : (B, H_kv, T)
     (-1 = empty slot). Returns (B, H_kv, T) float64, -inf on the empty slots. The order is exactly
-    lexicographic, per KV head: slot i ranks above slot j iff I_i < I_j, or I_i == I_j and attn_i > attn_j;
-    equal (I, attn) score equal. ``select_topk`` ranks a float32 copy, so the order must survive it exactly
+    lexicographic, per batch row and KV head (scores compare only within one): slot i ranks above slot j iff
+    I_i < I_j, or I_i == I_j and attn_i > attn_j; equal (I, attn) score equal. The r most recent slots are
+    protected by the policy, not here. ``select_topk`` ranks a float32 copy, so the order must survive it exactly
     for counters up to w = 400 and T up to a few thousand slots (however close two attentions are).
     """
     # BEGIN SOLUTION [scissorhands:keep_score] Algorithm 2 (§4): counters first, the last query's attention breaks ties

@@ -227,6 +227,7 @@ def test_keep_score_orders_by_the_counters_then_the_attention():
     attn[..., 2::4] = torch.nextafter(attn[..., ::4], torch.tensor(2.0))     # the next float32 up
     counts[..., 2::4] = counts[..., ::4]
     counts[1, 1] = torch.arange(T) % 3 * 400 // 2                           # other counters in one head
+    counts[0, 0] = torch.arange(T) // 2 % 2                                  # counters one apart
     pos = torch.randperm(T, generator=g).expand(B, H_kv, T).clone()
     pos[0, 2, 5:9] = -1                                                      # empty slots
     got = A.keep_order(counts, attn, pos)

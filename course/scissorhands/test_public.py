@@ -36,6 +36,12 @@ def test_low_flags_use_each_querys_uniform_level():
     assert_close(A.unimportant(attn, visible), want, detail=detail,
                  what="the low flags (B, H_kv, Tn, T), a bool tensor shaped like attn: a slot is low when its query "
                  "attended it and its attention is below 1 / (slots that query attended)")
+    rows = A.unimportant(torch.cat([attn, attn.flip(-1)]), torch.cat([visible, visible.flip(-1)]))
+    assert_close(rows, torch.cat([want, want.flip(-1)]), what="two batch rows (the case, then its slots reversed): "
+                 "each query's level counts the slots it attended in its own row")
+    assert_close(A.unimportant(torch.tensor([[[[0.625, 0.375, 0.0]]]]), torch.ones(1, 1, 1, 3, dtype=torch.bool)),
+                 torch.tensor([[[[False, False, True]]]]), what="one query that attended 3 slots, one of them with "
+                 "attention 0: the level is 1/3 (every True entry of visible counts, even at 0), so 0.375 is not low")
     tau = 0.05 + 0.5 * float(torch.rand(1, generator=g))
     assert_close(A.unimportant(attn, visible, threshold=tau), visible & (attn < tau), detail=detail,
                  what=f"with threshold={tau:.6g}, the low flags: a slot is low when attended and strictly below it")
@@ -80,6 +86,13 @@ def test_fewer_low_flags_first_then_higher_attention():
                 assert s[0, h, better[0]] > s[0, h, worse[0]], (
                     f"fewer low flags first, then the higher attention{kind}: KV head {h}, {slot(s, h, better[0])} "
                     f"must score above {slot(s, h, worse[0])}")
+
+
+    rows = A.keep_order(torch.tensor([[[0, 1]], [[0, 0]]]), torch.tensor([[[0.125, 0.875]], [[0.5, 0.625]]]),
+                        torch.tensor([[[0, 1]], [[0, 1]]]))
+    assert rows[0, 0, 0] > rows[0, 0, 1] and rows[1, 0, 1] > rows[1, 0, 0], (
+        "two batch rows, each ranked on its own: row 0, slot 0 (I = 0, attention 0.125) above slot 1 (I = 1, 0.875); "
+        f"row 1, slot 1 (I = 0, 0.625) above slot 0 (I = 0, 0.5); got scores {rows.flatten().tolist()}")
 
 
 @points(2, task="n_dropped")
