@@ -111,7 +111,7 @@ def two_stage_masks(first: Tensor, second: Tensor, budgets: Tensor | int, n_firs
     first : (..., T) stage-1 ranking (attention; +inf = kept first, e.g. a protected window).
     second : (..., T) stage-2 ranking (attention * projected value norm).
     budgets : (...) or int, entries kept per row (capped at the valid entries).
-    n_first : (...) or int, entries stage 1 picks (capped at ``budgets``).
+    n_first : (...) or int, entries stage 1 picks, its +inf entries included (capped at ``budgets``).
     valid : (..., T) bool, entries that may be kept (False: empty slots); None = all.
 
     Returns

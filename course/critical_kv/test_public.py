@@ -29,12 +29,22 @@ def test_perturbation_is_the_l1_change_of_the_output():
     keep = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0, 0, 0], [1] * 8], dtype=torch.bool)
     keep = keep[:, torch.randperm(8, generator=g)]                          # which entries: drawn
     want = torch.tensor([perturbation_by_loop(attn[r], keep[r], projected[r]) for r in range(3)])
+    assert_close(A.renormalized(attn, keep), attn * keep / (attn * keep).sum(-1, keepdim=True), atol=1e-6,
+                 what="renormalized_attention (Theorem 1), (3, 8): A'_i = N_i A_i / sum_j N_j A_j")
     assert_close(A.perturbation(attn, keep, projected), want, atol=1e-5, rtol=1e-5,
                  detail=lambda at: f"keeping {int(keep[at].sum())} of 8",
                  what="output_perturbation, one L per row (3,): L = ||(A - A') V W_O||_1 with A' the attention "
                  "renormalised over the kept entries")
-    assert_close(A.renormalized(attn, keep), attn * keep / (attn * keep).sum(-1, keepdim=True), atol=1e-6,
-                 what="renormalized_attention (Theorem 1), (3, 8): A'_i = N_i A_i / sum_j N_j A_j")
+    for lead in ((), (1, 3)):                                               # any leading shape: one row, a grid
+        n = 1 if lead == () else 3
+        try:
+            got = A.perturbation(attn[:n].reshape(*lead, 8), keep[:n].reshape(*lead, 8),
+                                 projected[:n].reshape(*lead, 8, 6))
+        except RuntimeError as e:
+            raise AssertionError(f"output_perturbation with leading shape {lead} failed: {str(e)[:100]}; it takes "
+                                 "any leading shape (..., n), one row or a grid of them") from None
+        assert_close(got, want[:n].reshape(lead), atol=1e-5, rtol=1e-5, what=f"output_perturbation with leading "
+                     f"shape {lead} (attn {(*lead, 8)}, projected {(*lead, 8, 6)}): one L per row, shape {lead}")
 
 
 @points(2, task="perturbation_bound")
@@ -85,6 +95,9 @@ def test_two_stages():
                  "n_first = 2 by the first ranking")
     assert_close(keep, mask(6, at(0, 1, 3, 5)), what="budget 4, n_first 2: the kept set, stage 1 and then the best of "
                  "the rest by the second ranking up to the budget")
+    _, keep = A.stages(torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[0.5, 0.1, 0.3]]), 2, 1)
+    assert_close(keep, mask(3, [0, 2]), what="first [0.5, 0.3, 0.2], second [0.5, 0.1, 0.3], budget 2, n_first 1: "
+                 "stage 2 ranks the entries stage 1 left (entry 0, its best by both, is already kept): entries 0, 2")
     stage1, keep = A.stages(second, first, 3, 1)                                 # the orders swapped
     assert_close(keep, mask(6, at(0, 1, 3)), what="the rankings swapped, budget 3, n_first 1: the kept set, first "
                  "A * P (stage 1: its best), then the attention")
@@ -108,6 +121,15 @@ def test_two_stages():
             f"second scores {odd[0].tolist()}, budget {budget}, stage 1 takes the best first score; by the second "
             "ranking -0.5 beats NaN and -inf, which rank lowest among the valid entries but above the empty slot: "
             "the kept set"))
+    stage1, keep = A.stages(torch.tensor([[float("inf"), float("inf"), 0.3, 0.2, 0.1]]),
+                            torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]]), 3, 2)
+    assert_close(stage1, mask(5, [0, 1]), what="first scores [inf, inf, 0.3, 0.2, 0.1] (a protected window of 2), "
+                 "budget 3, n_first 2: stage 1, whose n_first counts the +inf entries")
+    assert_close(keep, mask(5, [0, 1, 4]), what="the same, second scores [0, 0, 0, 0, 1]: the kept set, stage 1 and "
+                 "the one entry left by the second ranking")
+    stage1, keep = A.stages(torch.zeros(1, 24), torch.zeros(1, 24), 3, 1)
+    assert_close(keep, mask(24, [0, 1, 2]), what="24 equal scores in both rankings, budget 3, n_first 1: ties go to "
+                 "the earlier entry (a stable sort), so the kept set is entries 0, 1, 2")
     vnorm = torch.tensor([0.1, 0.1, 0.1, 5.0, 0.1, 4.0])[order]
     _, keep = A.stages(first[0], first[0] * vnorm, 4, 2)         # Algorithm 1 as select runs it: alpha 0.5
     check_tensor(keep, (6,), torch.bool, "Algorithm 1's kept set, budget 4, stages(A, A * P, 4, floor(0.5 * 4))")
