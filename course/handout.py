@@ -277,7 +277,7 @@ README (`README.md`) is for its developers, and its test suite is not your grade
 2. **Read** `course/{a.name}/sheet.md`: the goal, what to read, the tasks with their points, the written
    questions. The lesson is `notebooks/{a.notebook}.ipynb` (`jupyter lab notebooks/`): its outputs are there
    before you write anything; a cell that needs your code says which task it waits for.
-3. **Write** each task where the library says `# your code here`, after a `raise NotImplementedError` that
+3. **Write** each task in place of the line `raise NotImplementedError(...)   # your code here`; its message
    names the task and gives a hint. The code of {held} is here in full: your code runs on it (or it is
    already due). Every other assignment's code is a stub saying "not handed out yet".
 4. **Check** with the public tests: `python -m course.grade {a.name}` (or `-k TASK` for one task). The

@@ -53,8 +53,8 @@ def test_streaming_llm_ranges_in_every_regime():
         keep = A.streaming_mask(pos, seen=12, budget=budget, n_sink=n_sink)
         want = torch.tensor([[[int(p) in set(streaming_oracle(budget, n_sink, 12)) for p in h] for h in pos[0]]])
         assert_close(keep, want, what=f"budget {budget}, n_sink {n_sink}, after 12 tokens, KV heads holding the "
-                     f"positions {pos[0].tolist()}: the keep mask (B, H_kv, T), True at the slots of the sinks and the "
-                     "most recent, never at an empty slot (-1)")
+                     f"positions {pos[0].tolist()}: keep (B, H_kv, T) is True where a slot holds a sink or one of the "
+                     "most recent positions, and never at an empty slot (-1)")
 
 
 @points(1, task="sinks_and_recent")

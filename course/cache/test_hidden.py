@@ -25,7 +25,7 @@ def check_contents(store, k, v, pos, what):
     """The storage holds exactly k, v, pos (B, H_kv, T, ...) in its slots in use."""
     got_k, got_v, got_pos = A.storage_contents(store)
     for name, got, want in (("keys", got_k, k), ("values", got_v, v), ("positions", got_pos, pos)):
-        assert_close(got, want, what=f"{what}: the stored {name}, the appended ones in order, in their dtype")
+        assert_close(got, want, what=f"{what}: the stored {name}, each chunk as appended and in that order, same dtype")
 
 
 def append(store, k, v, pos, what):

@@ -77,8 +77,8 @@ def test_pair_softmax_with_masks_and_large_scores():
                                   ("scores of size 100", S * 33, causal)):
         P = A.softmax_over_pairs(scores, allowed)
         assert_close(P, softmax_by_loop(scores, allowed).float(), rtol=1e-4, atol=1e-6,
-                     what=f"{what}: P (..., Tq, n1, n2), P[t, a, b] = exp(S[t, a, b]) / the sum over the allowed pairs "
-                     "(a', b') of query t (0 on a masked pair, never NaN)")
+                     what=f"{what}: P (..., Tq, n1, n2), P[t, a, b] is exp(S[t, a, b]) over exp(S) summed across every "
+                     "pair (a', b') query t may attend (0 on a masked pair, never NaN)")
         if allowed is not None:
             assert_close(P.masked_fill(allowed, 0.0), torch.zeros_like(scores),
                          what=f"{what}: P on the masked pairs, exactly 0")

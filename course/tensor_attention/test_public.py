@@ -50,9 +50,10 @@ def no_kronecker_product(fn, n1, n2, d, lead, what, at_scale=True):
 @points(2, task="pair_scores")
 def test_pair_scores_without_the_kronecker_product():
     q, K1, K2 = random(2, 3, 8), random(2, 5, 8, seed=1), random(2, 4, 8, seed=2)
-    got = no_kronecker_product(lambda: A.scores(q, K1, K2, 0.5), 5, 4, 8, 2, "pair_scores")
-    assert_close(got, torch.einsum("btd,bad,bcd->btac", q, K1, K2) * 0.5, rtol=1e-5, atol=1e-5,
-                 what="the pair scores S (B, Tq, n1, n2), S[t, a, b] = scale <q_t, K1[a] * K2[b]>")
+    assert_close(A.scores(q, K1, K2, 0.5), torch.einsum("btd,bad,bcd->btac", q, K1, K2) * 0.5, rtol=1e-5, atol=1e-5,
+                 what="the pair scores S (B, Tq, n1, n2) with n1 = 5, n2 = 4, scale 0.5: S[t, a, b] = scale <q_t, "
+                 "K1[a] * K2[b]> (K1's row a down, K2's row b across)")
+    no_kronecker_product(lambda: None, 5, 4, 8, 2, "pair_scores")           # then at scale, in its own process
 
 
 @points(2, task="pair_softmax")
@@ -65,15 +66,22 @@ def test_softmax_runs_over_all_pairs_of_a_query():
     assert_close(P, want, rtol=1e-5, atol=1e-6, what="P (B, Tq, n1, n2) = exp(S[t, a, b]) / the sum over the allowed "
                  "pairs of query t: each query's probabilities sum to 1 over its pairs, 0 on a masked pair")
     assert_close(P.masked_fill(allowed, 0.0), torch.zeros_like(S), what="P on the masked pairs, exactly 0")
+    big = A.softmax_over_pairs(torch.tensor([[[[100.0, 0.0]]]]))
+    assert_close(big, torch.tensor([[[[1.0, 0.0]]]]), atol=1e-6, what="no mask (allowed=None), scores 100 and 0: "
+                 "P is 1 and 0 (exp(100) overflows float32: subtract the largest score first, as softmax does)")
 
 
 @points(2, task="factored_output")
 def test_factored_output_equals_the_sum_over_pairs():
     P = torch.softmax(random(2, 3, 20), -1).view(2, 3, 5, 4)
     V1, V2 = random(2, 5, 8, seed=4), random(2, 4, 8, seed=5)
-    got = no_kronecker_product(lambda: A.output(P, V1, V2), 5, 4, 8, 2, "factored_output")
-    assert_close(got, torch.einsum("btac,bad,bcd->btd", P, V1, V2), rtol=1e-5, atol=1e-6,
+    assert_close(A.output(P, V1, V2), torch.einsum("btac,bad,bcd->btd", P, V1, V2), rtol=1e-5, atol=1e-6,
                  what="the output o (B, Tq, d), o_t = sum over (a, b) of P[t, a, b] V1[a] * V2[b]")
+    one = A.output(torch.full((1, 1, 1, 1, 1), 2.0), torch.ones(1, 1, 1, 1), torch.full((1, 1, 1, 1), 3.0))
+    assert_close(one, torch.full((1, 1, 1, 1), 6.0), what="P of shape (1, 1, 1, 1, 1) (two leading dimensions, one "
+                 "pair) holding 2, V1 = 1, V2 = 3: o = 2 x 1 x 3 = 6, shape (1, 1, 1, 1); P is used as given, "
+                 "not normalised again")
+    no_kronecker_product(lambda: None, 5, 4, 8, 2, "factored_output")       # then at scale, in its own process
 
 
 @points(2, task="two_cache_append")
@@ -82,10 +90,18 @@ def test_two_cache_holds_every_pair_once():
     K1[a] * K2[b] and V1[a] * V2[b]; the 9 rows of the prompt stay where they are."""
     k1, k2, v1, v2 = (random(1, 2, 4, 8, seed=s) for s in range(4))
     positions = torch.randperm(1000, generator=generator("two cache positions")).narrow(0, 0, 4).sort().values
+    for first in (3, 2):                                # 3 tokens then 1, then 2 and 2
+        check_two_cache(k1, k2, v1, v2, positions, first)
+
+
+def check_two_cache(k1, k2, v1, v2, positions, first):
+    """Append tokens [0, first) then [first, 4) and check the pair rows."""
     cache = A.new_two_cache()
-    A.two_cache_append(cache, k1[:, :, :3], k2[:, :, :3], v1[:, :, :3], v2[:, :, :3], positions[:3])
+    A.two_cache_append(cache, k1[:, :, :first], k2[:, :, :first], v1[:, :, :first], v2[:, :, :first],
+                       positions[:first])
     before = [t.clone() for t in A.two_cache_pairs(cache)]
-    A.two_cache_append(cache, k1[:, :, 3:], k2[:, :, 3:], v1[:, :, 3:], v2[:, :, 3:], positions[3:])
+    A.two_cache_append(cache, k1[:, :, first:], k2[:, :, first:], v1[:, :, first:], v2[:, :, first:],
+                       positions[first:])
     Kt, Vt, pa, pb = A.two_cache_pairs(cache)
     token = {int(p): i for i, p in enumerate(positions)}
     for name, x in (("a", pa), ("b", pb)):
@@ -94,11 +110,12 @@ def test_two_cache_holds_every_pair_once():
         f"the pair rows' positions (a, b) must be every pair of the 4 tokens at {positions.tolist()} once; got " \
         f"{list(zip(pa.tolist(), pb.tolist()))}"
     a, b = [token[int(p)] for p in pa], [token[int(p)] for p in pb]
-    assert_close(Kt, k1[:, :, a] * k2[:, :, b], rtol=1e-5, atol=1e-6, what="K~ (B, H, pairs, d): the row of pair "
-                 "(a, b) is K1[a] * K2[b]")
-    assert_close(Vt, v1[:, :, a] * v2[:, :, b], rtol=1e-5, atol=1e-6, what="V~ (B, H, pairs, d): the row of pair "
-                 "(a, b) is V1[a] * V2[b]")
+    split = f"{first} tokens, then {4 - first}"
+    assert_close(Kt, k1[:, :, a] * k2[:, :, b], rtol=1e-5, atol=1e-6, what=f"{split}: K~ (B, H, pairs, d), the row "
+                 "of pair (a, b) is K1[a] * K2[b]")
+    assert_close(Vt, v1[:, :, a] * v2[:, :, b], rtol=1e-5, atol=1e-6, what=f"{split}: V~ (B, H, pairs, d), the row "
+                 "of pair (a, b) is V1[a] * V2[b]")
     P = before[0].shape[2]
     for name, x, y in zip(("K~", "V~", "a", "b"), (Kt, Vt, pa, pb), before):
-        assert_close(x[..., :P, :] if x.dim() == 4 else x[:P], y, what=f"{name} of the first {P} pair rows, those of "
-                     "the first 3 tokens, as they were before the 4th: the new pairs go after them (Def. 3.8)")
+        assert_close(x[..., :P, :] if x.dim() == 4 else x[:P], y, what=f"{split}: {name} of the first {P} pair rows, "
+                     f"those of the first {first} tokens, as they were before: the new pairs go after them (Def. 3.8)")

@@ -52,7 +52,8 @@ def pair_scores(q: Tensor, K1: Tensor, K2: Tensor, scale: float) -> Tensor:
 
 def pair_softmax(S: Tensor, allowed: Tensor | None = None) -> Tensor:
     """Softmax over all pairs of each query (the last two dimensions together). ``allowed`` (broadcast to
-    S, bool) masks pairs out."""
+    S, bool): True where a pair may be attended, False masks it out (probability exactly 0); None: every pair.
+    Scores may be large: subtract each query's largest before exp, as torch.softmax does."""
     # BEGIN SOLUTION [tensor_attention:pair_softmax] Chen et al. Def. 3.6: one softmax over all n1 n2 pairs of a query
     if allowed is not None:
         S = S.masked_fill(~allowed, float("-inf"))
@@ -62,7 +63,8 @@ def pair_softmax(S: Tensor, allowed: Tensor | None = None) -> Tensor:
 
 def factored_output(P: Tensor, V1: Tensor, V2: Tensor) -> Tensor:
     """o_t = sum_{a,b} P[t, a, b] V1[a] * V2[b], without forming V1 (/) V2 (no temporary of n1 n2 d numbers
-    per query). P (..., Tq, n1, n2), V1 (..., n1, d), V2 (..., n2, d) -> (..., Tq, d)."""
+    per query). P (..., Tq, n1, n2), V1 (..., n1, d), V2 (..., n2, d) -> (..., Tq, d). P is used as given:
+    any weights, zeros and unnormalised ones too."""
     # BEGIN SOLUTION [tensor_attention:factored_output] Chen et al. Def. 3.6's output, factored as the module doc says
     PV2 = (P.flatten(-3, -2) @ V2).unflatten(-2, P.shape[-3:-1])             # (..., Tq, n1, d)
     return (V1[..., None, :, :] * PV2).sum(-2)                               # (..., Tq, d)
@@ -235,7 +237,8 @@ class TwoCache:
     def append(self, k1: Tensor, k2: Tensor, v1: Tensor, v2: Tensor, pos: Tensor) -> None:
         """Store m new tokens, factors (B, H, m, d) each at positions pos (m,): their factor rows, and their
         pair rows (B, H, (n+m)^2 - n^2, d) in K~ and V~ after those stored (which never move), with the
-        positions (a, b) of every new pair row."""
+        positions (a, b) of every new pair row. The order of the new rows among themselves is free. Read the
+        old factor rows before appending the new ones to ``self.factors`` (its rows then include them)."""
         # BEGIN SOLUTION [tensor_attention:two_cache_append] Chen et al. Def. 3.7-3.8: the pairs a new token adds
         f = self.factors
         n, m = len(f), len(pos)

@@ -160,6 +160,38 @@ def test_no_hint_quotes_its_solution(name):
                     assert len(part) < 12 or part not in r.hint, f"{path}:{r.begin}: the hint quotes {part!r}"
 
 
+def message_texts(path: Path) -> list[str]:
+    """The text a test file's messages can print: its string literals and f-strings' literal parts (each as
+    the grader compares them, whitespace collapsed), less the docstrings, which no failure prints."""
+    import ast
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    out = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+           and id(node) not in docs]                       # f-strings' literal parts are Constants too
+    return [" ".join(t.split()) for t in out]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_public_message_quotes_the_hidden_tests(name):
+    """The grader withholds a public test's message that shares grade.QUOTE characters in a row with the hidden
+    tests (``grade.withhold_hidden_text``): a public message copied from a hidden one would reach the student as
+    "withheld" instead of its hint."""
+    hidden = " ".join((ROOT / "course" / name / "test_hidden.py").read_text().split())
+    quotes = {hidden[i:i + grade.QUOTE] for i in range(len(hidden) - grade.QUOTE + 1)}
+    shared = [t for t in message_texts(ROOT / "course" / name / "test_public.py")
+              if any(t[i:i + grade.QUOTE] in quotes for i in range(len(t) - grade.QUOTE + 1))]
+    assert not shared, f"{name}: public messages that the hidden tests also say (reword one): {shared[:3]}"
+
+
+def test_the_quote_check_sees_a_shared_message(tmp_path):
+    f = tmp_path / "t.py"
+    f.write_text('"""A docstring the grader never prints, shared with the hidden tests word for word."""\n'
+                 'x = f"{1}: the keep mask (B, H_kv, T), True at the slots of the sinks"\n')
+    texts = message_texts(f)
+    assert texts == [": the keep mask (B, H_kv, T), True at the slots of the sinks"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_reference_solution_gets_full_marks(name):
