@@ -280,9 +280,9 @@ README (`README.md`) is for its developers, and its test suite is not your grade
 3. **Write** each task in place of the line `raise NotImplementedError(...)   # your code here`; its message
    names the task and gives a hint. The code of {held} is here in full: your code runs on it (or it is
    already due). Every other assignment's code is a stub saying "not handed out yet".
-4. **Check** with the public tests: `python -m course.grade {a.name}` (or `-k TASK` for one task). The
-   hidden tests, which hold most of the points, run only when you hand in: passing every public test is not
-   full marks.
+4. **Check** with the public tests: `python -m course.grade {a.name}` (or `-k TASK` for one task; `--log`
+   prints each failing test's whole message, which the table cuts). The hidden tests, which hold most of the
+   points, run only when you hand in: passing every public test is not full marks.
 5. **Measure** once your tasks pass: `python -m course.measure {a.name}` runs your code as the sheet's
    last written question says and writes its figure to `course/{a.name}/measure/figure.png`.
 6. **Answer** every written question, the measurement's included, in `course/{a.name}/writeup.md`, the one

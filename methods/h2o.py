@@ -30,7 +30,8 @@ STATE = "h2o_score"      # name of the per-slot accumulated attention in the sto
 
 def received_attention(col_sums: Tensor, n_kv_head: int) -> Tensor:
     """(B, H, T) attention each slot received in a step, summed over its queries -> (B, H_kv, T), the mean
-    over each KV head's G query heads:  r_j = mean_{h in group j} sum_i A_h[i, j]."""
+    over each KV head's G query heads, per batch row:  r_{j,n} = mean_{h in group j} sum_i A_h[i, n], group j
+    being the consecutive query heads jG .. jG + G - 1 (head h reads KV head h // G)."""
     # BEGIN SOLUTION [baselines:h2o_observe] Algorithm 1: attention received, per KV head from its G query heads
     B, H, T = col_sums.shape
     return col_sums.float().view(B, n_kv_head, H // n_kv_head, T).mean(dim=2)     # (B, H_kv, T)

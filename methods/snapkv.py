@@ -41,7 +41,9 @@ def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str)
     """The votes of §4.1-4.2: (B, H, w, Tp) attention of the w window queries over Tp tokens -> (B, H_kv, Tp).
 
         vote_h = pool(sum_{i in window} A_h[i, :])      score_j = mean_{h in group j} vote_h
-    """
+
+    with group j the consecutive query heads jG .. jG + G - 1 (head h reads KV head h // G). The pooling sees
+    only these Tp tokens (zero padding beyond them, counted in an average)."""
     # BEGIN SOLUTION [baselines:window_vote] §4.1's vote of each query head, §4.2's pooling, one score per KV head
     vote = probs_window.float().sum(dim=2)                              # (B, H, Tp) summed over the window
     vote = pool1d(vote, kernel, pooling)                                # neighbours of a strong token

@@ -64,6 +64,12 @@ def test_h2o_scores_accumulate():
                                                                       (c1[:, 2] + c1[:, 3]) / 2], dim=1)
     check_close(A.h2o_observe(policy, store, c1, "decode", 6), want1, "H2O's scores after a decode step",
                 "each score grows by what its slot received; a new slot starts at 0", axes=("row", "KV head", "slot"))
+    rows = torch.rand(2, 4, 5, generator=g)                            # two batch rows, each its own scores
+    two = A.new_storage(torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g), torch.arange(5))
+    check_close(A.h2o_observe(A.h2o_policy(100), two, rows, "prefill", 5),
+                torch.stack([(rows[:, 0] + rows[:, 1]) / 2, (rows[:, 2] + rows[:, 3]) / 2], dim=1),
+                "H2O's scores after a prefill of two batch rows", "each row's own attention, averaged over each KV "
+                "head's query heads 2j and 2j + 1", axes=("row", "KV head", "slot"))
 
 
 @points(2, task="window_vote")
@@ -85,6 +91,18 @@ def test_snapkv_vote_sums_pools_and_averages():
                 f"SnapKV's vote of the attention above times {scale:.4f}",
                 "the window's attention summed over its queries, max-pooled along the tokens, then averaged over "
                 "the KV head's query heads", axes=("row", "KV head", "token"))
+    check_close(A.snapkv_pool(torch.tensor([1.0, 1.0, 1.0]), 3, "avg"), torch.tensor([2 / 3, 1.0, 2 / 3]),
+                "average pooling of [1, 1, 1], width 3", "each token's centred neighbourhood, zero padding beyond "
+                "the tokens counted in the mean", axes=("token",))
+    grouped = torch.zeros(1, 4, 1, 2)
+    grouped[0, :2, 0, 0], grouped[0, 2:, 0, 1] = 1.0, 1.0                # heads 0, 1 vote token 0; heads 2, 3 token 1
+    check_close(A.snapkv_vote(grouped, 2, kernel=1, pooling="max"), torch.tensor([[[1.0, 0.0], [0.0, 1.0]]]),
+                "the vote of 4 query heads over 2 KV heads (heads 0 and 1 attend token 0, heads 2 and 3 token 1)",
+                "KV head j averages the consecutive query heads 2j and 2j + 1", axes=("row", "KV head", "token"))
+    check_close(A.snapkv_scores(torch.tensor([[[[0.0, 0.0, 1.0]]]]), 1, window=1, kernel=3, pooling="max"),
+                torch.tensor([[[0.0, 0.0, 1.0]]]), "SnapKV's scores of 3 tokens, the last one the window, its query "
+                "attending only itself", "only the prefix's votes are pooled: the window's own attention does not "
+                "spill onto token 1", axes=("row", "KV head", "token"))
 
 
 @points(1, task="adakv")
@@ -106,4 +124,10 @@ def test_adakv_shares_the_budget_with_a_safeguard():
     assert_close(A.adakv_mask(scores, budget=2, n_safe=1), want,
                  what=f"AdaKV on the scores {[[round(x, 4) for x in h] for h in scores[0].tolist()]} (row 0), budget "
                  "2, one safeguarded entry per head: the keep mask (B, H_kv, T), each head's best entry first (here "
-                 "head 1's 0.05), then the layer's best, ties to the earlier slot")
+                 f"head 1's 0.05 x {scale:.4f}), then the layer's best, ties to the earlier slot")
+    assert_close(A.adakv_mask(torch.zeros(1, 2, 8), budget=2, n_safe=0), torch.arange(16).view(1, 2, 8) < 4,
+                 what="AdaKV on 16 equal scores, budget 2 (4 in the layer), no safeguard: ties go to the earlier "
+                 "(KV head, slot), head 0's slots 0..3")
+    assert_close(A.adakv_mask(torch.tensor([[[float("nan"), 1.0]]]), budget=1, n_safe=0),
+                 torch.tensor([[[False, True]]]), what="AdaKV on the scores [nan, 1.0], budget 1: a NaN score ranks "
+                 "lowest")
