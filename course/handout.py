@@ -263,7 +263,10 @@ def release_plan(assignment: Assignment, released: list[str] | tuple[str, ...] =
 def student_page(assignment: Assignment, kept: frozenset[str]) -> str:
     """``STUDENT.md``, the copy's first page for the student: what to do, how to check, how to hand in."""
     a = assignment
-    held = ", ".join(f"`{n}`" for n in sorted(kept)) or "none"
+    held = ", ".join(f"`{n}`" for n in sorted(kept))
+    others = 'Every other assignment\'s code is a stub saying "not handed out yet".'
+    if held:
+        others = f"The code of {held} is here in full: your code runs on it (or it is already due).\n   {others}"
     return f"""# Your copy for assignment `{a.name}`: {a.title}
 
 This folder is the course's repository handed out for one assignment. Start here; the repository's own
@@ -278,8 +281,7 @@ README (`README.md`) is for its developers, and its test suite is not your grade
    questions. The lesson is `notebooks/{a.notebook}.ipynb` (`jupyter lab notebooks/`): its outputs are there
    before you write anything; a cell that needs your code says which task it waits for.
 3. **Write** each task in place of the line `raise NotImplementedError(...)   # your code here`; its message
-   names the task and gives a hint. The code of {held} is here in full: your code runs on it (or it is
-   already due). Every other assignment's code is a stub saying "not handed out yet".
+   names the task and gives a hint. {others}
 4. **Check** with the public tests: `python -m course.grade {a.name}` (or `-k TASK` for one task; `--log`
    prints each failing test's whole message, which the table cuts). The hidden tests, which hold most of the
    points, run only when you hand in: passing every public test is not full marks.

@@ -104,19 +104,29 @@ def test_append_then_read():
         T += k.shape[2]
         got, new_cap = A.storage_contents(store)[0], A.storage_capacity(store)
         if T == k.shape[2]:
-            assert new_cap >= T + 64, f"the first append must leave room: capacity {new_cap} for {T} slots"
+            assert new_cap >= T + 64, f"the first append leaves 64 slots (MIN_CAPACITY) of room past its chunk: " \
+                f"capacity {new_cap} for {T} slots, at least {T + 64} expected"
         elif T <= cap:
             assert address(got) == where, f"{T} slots fit in the capacity {cap}, yet the entries moved: " \
                 "write in place"
         else:
             assert new_cap >= 2 * cap, f"a full buffer of {cap} slots grew to {new_cap}: double it"
         assert_close(A.storage_room_positions(store), torch.full((2, 3, new_cap - T), -1),
-                     what=f"{T} slots in use of {new_cap}: the positions of the room past them, all empty (-1)")
+                     what=f"{T} slots appended (len(store) says {len(store)}), capacity {new_cap}: the positions of "
+                     "the room past the slots in use, all empty (-1)")
     k, v, pos = A.storage_contents(store)
     assert_close(k, torch.cat(ks, dim=2), what="after appending 5, 1, 63, 1 and 300 slots, the stored keys (B, H_kv, "
                  "T, d): the appended ones in order, in their dtype")
     assert_close(v, torch.cat(vs, dim=2), what="the stored values: the appended ones in order, in their dtype")
     assert_close(pos, torch.arange(370).expand(2, 3, 370), what="the stored positions, per row and KV head, in order")
+    state = A.new_storage()
+    A.storage_append(state, randn(1, 1, 2, 1, seed=20), randn(1, 1, 2, 1, seed=21), torch.arange(2))
+    A.storage_set_state(state, "s", torch.tensor([[[1.0, 2.0]]]), fill=-7.0)
+    for n, T in ((1, 3), (70, 73)):                         # one more token, then 70: the buffers grow
+        A.storage_append(state, randn(1, 1, n, 1, seed=22 + n), randn(1, 1, n, 1, seed=23 + n), torch.arange(T - n, T))
+        assert_close(A.storage_state(state, "s"), torch.tensor([1.0, 2.0] + [-7.0] * (T - 2)).view(1, 1, T),
+                     what=f"a state 's' set to [1, 2] with fill -7, after appending up to {T} slots: the new slots "
+                     "start at the fill value, the old ones keep theirs (also when the buffers grow)")
     check_amortised_growth("append")
 
 
@@ -137,6 +147,10 @@ def test_decode_step_scores_with_gqa():
     q, k = randn(2, 4, 1, 16, seed=1), randn(2, 2, 9, 16, seed=2)
     assert_close(A.scores(q, k), scores_by_loop(q, k), rtol=1e-5, atol=1e-5,
                  what="the scores (B, H_kv, G, C, T): q k^T / sqrt(d), query head kv * G + g in [:, kv, g]")
+    q3 = randn(2, 4, 3, 16, seed=5)                          # a chunk of 3 queries: C = 3
+    assert_close(A.scores(q3, k), scores_by_loop(q3, k), rtol=1e-5, atol=1e-5,
+                 what="the scores of a chunk of 3 queries (B, H_kv, G, C, T): query t of head kv * G + g in "
+                 "[:, kv, g, t] (the G heads before the C queries)")
 
 
 def attention_by_loop(q, k, v, q_pos, k_pos):
@@ -165,3 +179,17 @@ def test_masked_attention_sees_only_the_past():
     assert_close(got, attention_by_loop(q, k, v, q_pos, k_pos), rtol=1e-5, atol=1e-5,
                  what=f"slots at positions {k_pos[0, 0].tolist()}, queries at {q_pos.tolist()}: the output; a query "
                  "at p sees the slots at positions 0..p, its own included")
+    one, k2, v2 = torch.ones(1, 1, 1, 1), torch.tensor([5.0, 0.0]).view(1, 1, 2, 1), torch.tensor([100.0, 1.0])
+    got, _ = A.masked_attention(one, k2, v2.view(1, 1, 2, 1), torch.tensor([5]), torch.tensor([[[-1, 0]]]))
+    assert_close(got, one, what="slot 0 empty (position -1, value 100), slot 1 at position 0 (value 1), a query at 5: "
+                 "the output is 1, an empty slot is never attended")
+    zero = torch.zeros(1, 1, 2, 1)
+    try:
+        got, _ = A.masked_attention(zero, zero, torch.tensor([0.0, 1.0]).view(1, 1, 2, 1), torch.tensor([0, 1]),
+                                    torch.tensor([[[0, 1]]]), chunk=1)
+    except RuntimeError as e:
+        raise AssertionError(f"two queries in chunks of one failed: {str(e)[:100]}; each chunk's mask reads its own "
+                             "positions (pc, one per query of the chunk), not all of q_pos") from None
+    assert_close(got, torch.tensor([0.0, 0.5]).view(1, 1, 2, 1), what="two queries at positions 0 and 1 in chunks of "
+                 "one (each chunk's own positions), slots at 0 and 1 with values 0 and 1, equal scores: the outputs "
+                 "0 and 0.5")
