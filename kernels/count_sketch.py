@@ -145,7 +145,7 @@ def sketch_insert_triton(key: Tensor, value: Tensor, cells: Tensor, signs: Tenso
 def reference_sketch_query(key: Tensor, value: Tensor, cells: Tensor, signs: Tensor) -> tuple[Tensor, Tensor]:
     """Estimates k^, v^ (n, H_kv, d) of the n tokens hashed to ``cells`` (r, n) with ``signs`` (r, n)
     (Algorithm 2): the element-wise median over the r rows of the gathered cells, values times their signs;
-    the lower median for an even r, as ``torch.median``. Any r >= 1."""
+    the lower median for an even r, as ``torch.median``, equal values among the rows included. Any r >= 1."""
     r, b, H_kv, d, n = _check_sketch(key, value, cells, signs)
     # BEGIN SOLUTION [kvreviver:query] KVReviver Algorithm 2 on given hashes (cells, signs)
     rows = torch.arange(r, device=cells.device)[:, None]                                  # (r, 1)

@@ -97,7 +97,8 @@ class VagueSketch:
     def insert(self, pos: Tensor, k: Tensor, v: Tensor, sign: float = 1.0) -> None:
         """Algorithm 1: add tokens at positions pos (n,) with k, v (n, H_kv, d) to every row (sign -1:
         subtract): cell[i, h_i(J)].key += k_J, cell[i, h_i(J)].value += g_i(J) v_J for every row i. Tokens
-        that share a cell are all summed into it."""
+        that share a cell are all summed into it. h and g are ``self.buckets(pos)`` and ``self.signs(pos)``,
+        which know an injective sketch and the cover table."""
         # BEGIN SOLUTION [kvreviver:insert] KVReviver Algorithm 1 (a count sketch, Charikar et al. 2002), every row
         cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
         k, v = sign * k.float(), sign * v.float()                                # (n, H_kv, d)
@@ -116,7 +117,8 @@ class VagueSketch:
     def query(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Algorithm 2: estimates (n, H_kv, d) of k and v, the element-wise median over the r rows:
         k^_J = median_i cell[i, h_i(J)].key, v^_J = median_i g_i(J) cell[i, h_i(J)].value; for an even r the
-        lower of the two middle values (as ``torch.median``)."""
+        lower of the two middle values (as ``torch.median``, ties included). h and g are ``self.buckets`` and
+        ``self.signs``, as in ``insert``."""
         # BEGIN SOLUTION [kvreviver:query] KVReviver Algorithm 2: the count sketch's estimate, a median over rows
         cells, signs = self.buckets(pos), self.signs(pos)                        # (r, n) each
         (r, n), (H_kv, d) = cells.shape, self.key.shape[2:]
