@@ -160,7 +160,8 @@ if HAS_TRITON:
         SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,  # SPLITS_P2: SPLITS rounded up to a power of two
         BLOCK_D: tl.constexpr,
     ):
-        """One program per (batch, head): merge the splits' softmax pieces, o = sum w_s acc_s / sum w_s l_s."""
+        """One program per (batch, head): merge the splits' softmax pieces, o = sum w_s acc_s / sum w_s l_s,
+        with w_s = exp(m_s - M) and M the largest m_s."""
         # BEGIN SOLUTION [kernels:merge_splits] FlashAttention sec. 3.1: the softmax of all ranges from their m, l, acc
         pid_bh = tl.program_id(0).to(tl.int64)
         offs_s = tl.arange(0, SPLITS_P2)                                                  # (SPLITS_P2,)

@@ -202,6 +202,11 @@ def test_each_range_keeps_its_max_sum_and_weighted_values():
     """40 tokens in blocks of 16 (a ragged last block), 1 or 3 ranges, 4 query heads over 2 KV heads; selected
     rows with padding; the fused sketch kernel's 2 ranges."""
     check_online_softmax(B=1, H=4, H_kv=2, d=16, n=40, seed=1)
+    check_online_softmax(B=1, H=2, H_kv=1, d=16, n=20, seed=3, k_shift=20.0, q_shift=20.0, rtol=5e-4,
+                         tag=" (scores near 100: exp of the score less the running max)", dtypes=(torch.float32,))
+    q1, k1 = torch.ones(1, 16), torch.zeros(1, 17, 16)
+    k1[0, 16] = 0.25                             # tokens 0..15 score 0, token 16 scores 1: the max comes late
+    check_sketch(q1, k1, randn(1, 17, 16, seed=7), 16, 1, tag=" (the max in the second block)")
 
 
 @points(3, task="merge_splits")
@@ -213,4 +218,8 @@ def test_merge_splits():
     check_merge(*merge_case(2, 2, 16, bounds, seed=0), tag="4 ranges, one empty")
     check_merge(*merge_case(2, 2, 16, [(2 * i, 2 * i + 2) for i in range(40)], seed=1), tag="40 ranges")
     check_merge(*merge_case(3, 1, 12, [(0, 5), (5, 6), (6, 11)], seed=6), tag="d = 12")
+    v1 = randn(1, 1, 1, 16, seed=8)
+    m, l = torch.tensor([[[-120.0], [float("-inf")]]]), torch.tensor([[[1.0], [0.0]]])
+    check_merge(m, l, torch.cat([v1, torch.zeros(1, 1, 1, 16)], dim=1), v1[:, 0],
+                tag="one range at m = -120 and an empty one (m = -inf, l = 0): M is -120, not 0")
     check_merge(*far_below_zero_case(seed=8), tag="3 query heads, rows of scores near -300 and +300")
