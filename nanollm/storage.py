@@ -57,9 +57,8 @@ class LayerKV:
 
     def append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
         """Add k, v (B, H_kv, Tn, d) at positions pos (Tn,): first into the slots ``evict`` emptied (each head's
-        own), the rest after the slots in use, in place while there is room, else into buffers of twice the
-        capacity, or more where the chunk needs it (room's positions -1; the first append leaves ``MIN_CAPACITY``
-        slots of room past its chunk). Each state gets its fill value in the new slots."""
+        own), the rest after the slots in use, in place while there is room, else into buffers of twice the capacity
+        or more (room's positions -1; the first leaves ``MIN_CAPACITY`` past its chunk); new state slots: its fill."""
         reuse = 0 if self.free is None else min(k.shape[2], self.free.shape[-1])
         if reuse:                                     # the emptied slots first: no other slot moves
             freed = self.free[..., :reuse]                                       # (B, H_kv, reuse)
