@@ -12,26 +12,21 @@ the region's cell.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from course.markers import find_regions
-from tests.notebooks.wrong_by_hand import SLIPS, Slip
-
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-_spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
-build = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(build)
+from course.mutants import Mutant
+from tests.notebooks.test_exercises import NOTEBOOKS, build
+from tests.notebooks.wrong_by_hand import SLIPS
 
 
 @dataclass
 class ByHand:
     """One by-hand region of a lesson: where it is and how far the lesson runs to check it."""
-    region: str          # "assignment:task"
+    task: str            # its task: "mask" of "[cache:mask]"
     cell: int            # the code cell that holds it (index among all cells)
     last: int            # the last code cell that uses a function it defines
     body: str            # the region's lines, as the source has them
@@ -56,17 +51,17 @@ def by_hand_regions(cells: list[tuple[int, str]]) -> list[ByHand]:
                        and n.lineno <= r.end and n.end_lineno >= r.begin}     # in the region, or around it
             users = [j for j, s in cells if j >= i and any(isinstance(n, ast.Name) and n.id in defined
                                                              for n in ast.walk(ast.parse(s)))]
-            found.append(ByHand(f"{r.assignment}:{r.task}", i, max(users, default=i), body))
+            found.append(ByHand(r.task, i, max(users, default=i), body))
     return found
 
 
-def with_slip(cells: list[tuple[int, str]], regions: list[ByHand], slip: Slip) -> list[tuple[int, str]]:
+def with_slip(cells: list[tuple[int, str]], regions: list[ByHand], slip: Mutant) -> list[tuple[int, str]]:
     """The cells with ``slip`` written into its region: ``old`` must occur exactly once in the region."""
-    region = next((r for r in regions if r.region == slip.region), None)
+    region = next((r for r in regions if r.task == slip.task), None)
     if region is None:
-        raise ValueError(f"no by-hand region {slip.region}")
+        raise ValueError(f"no by-hand region of task {slip.task}")
     if region.body.count(slip.old) != 1:
-        raise ValueError(f"{slip.region}: {slip.old!r} occurs {region.body.count(slip.old)} times in the region")
+        raise ValueError(f"{slip.task}: {slip.old!r} occurs {region.body.count(slip.old)} times in the region")
     out = []
     for i, source in cells:
         if i == region.cell:
@@ -108,9 +103,9 @@ def report(stem: str) -> dict:
     last = max(r.last for r in regions)
     out = {"clean": run(cells, last, stem), "slips": []}
     for slip in SLIPS.get(stem, []):
-        region = next(r for r in regions if r.region == slip.region)
+        region = next(r for r in regions if r.task == slip.task)
         result = run(with_slip(cells, regions, slip), region.last, stem)
-        out["slips"].append({"region": slip.region, "why": slip.why, "region_cell": region.cell, **result})
+        out["slips"].append({"task": slip.task, "why": slip.name, "region_cell": region.cell, **result})
     return out
 
 
