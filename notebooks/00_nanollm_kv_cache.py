@@ -58,8 +58,9 @@ print(f"key rows computed per step without a cache: {recompute}; with one: {cach
 
 # %% [markdown]
 # Without a cache every step recomputes the keys of the whole prefix; with one, each step computes one new
-# row. With $T$ tokens seen, a step computes one key row and reads $T - 1$, instead of computing all $T$ (and
-# the whole prefix's attention, about $T^2/2$ query-key pairs, instead of $T$).
+# row (the first entry of both lists is the 4-token prompt). With $T$ tokens seen, a step computes one key row
+# and reads $T - 1$, instead of computing all $T$ (and the whole prefix's attention, about $T^2/2$ query-key
+# pairs, instead of $T$).
 #
 # ### 1.1 Build it: a cache by hand
 #
@@ -70,6 +71,11 @@ print(f"key rows computed per step without a cache: {recompute}; with one: {cach
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
+# | $H$, $H_{kv}$ | query heads, KV heads | `config.n_head`, `config.n_kv_head` |
+# | $G$ | query heads per KV head, $H / H_{kv}$ | `group` |
+# | $d$ | a head's dimension | `config.head_dim` |
+# | $q_t$ | the query at position $t$ (one per query head) | `q` |
+# | $K$, $V$ | the stored keys and values, a row per slot | `k_buf`, `v_buf` |
 # | $j$ | a slot (a row of the buffers) | `used` counts the filled ones |
 # | $p_j$ | the position slot $j$ stores ($-1$: empty) | `pos_buf` |
 # | $M_{t,j}$ | the mask: $0$ where the query at position $t$ may look at slot $j$, $-\infty$ elsewhere | `visible` |
@@ -87,7 +93,9 @@ print(f"key rows computed per step without a cache: {recompute}; with one: {cach
 # `repeat`). The buffers:
 
 # %%
-import torch                                                   # again, so that this cell runs on its own
+import torch                                                   # again: the cells from here need only it and config
+
+from exercises import where_differs
 
 CAPACITY = 64                                                  # slots preallocated per KV head
 k_buf = torch.zeros(1, config.n_kv_head, CAPACITY, config.head_dim)   # (1, H_kv, slots, d)
@@ -102,9 +110,21 @@ def appended(before, k, v, pos):
     return used == before + n and all(torch.equal(buf[:, :, before:before + n], x)
                                       for buf, x in ((k_buf, k), (v_buf, v), (pos_buf, rows)))
 
+
+def attend_off(mine, out):
+    """Where a by-hand attention output first differs from the library's, and what to check; "" if nowhere."""
+    off = where_differs(mine, out, ("batch", "query head", "query", "feature"))
+    heads = [h for h in range(config.n_head) if mine.shape != out.shape or where_differs(mine[:, h], out[:, h], ())]
+    return off and off + "; " + (f"only query heads {heads} are off: KV head h serves query heads hG..hG+G-1"
+                                 if len(heads) < config.n_head else
+                                 "every head is off: nan means a query whose mask hides every slot; scale by 1/sqrt(d)")
+
 # %% [markdown]
 # To check the hand-built cache, we record layer 0's calls of `KVCache.attend` (the queries, their positions,
 # the new keys and values, the output) over a prefill of 6 tokens, an `extend` chunk of 5 and one decode step.
+# Each layer's attention calls `cache.attend(layer, module, q, pos, new)`; `record_layer0` sets a wrapper of
+# that method on one cache object (an attribute of the object hides the class's method), so other caches are
+# untouched.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from nanollm import extend
@@ -129,11 +149,13 @@ calls = record_layer0(library)
 ids = torch.randint(0, config.vocab_size, (1, 12))
 prefill(model, ids[:, :6], library)
 extend(model, ids[:, 6:11], library)
-next_logits = decode_step(model, ids[:, 11], library)  # (1, vocab): the scores of the token after
+decode_step(model, ids[:, 11], library)
 
 # %% [markdown]
-# `append` and `attend` (Eq. 1) by hand; every recorded call, replayed through them, must store the step's
-# entries in the next slots and give the library's output.
+# `append` and `attend` (Eq. 1) by hand. Try them yourself before you read them: your course copy keeps only
+# their first lines. The cell after them replays every recorded call through them; each must store the step's
+# entries in the next slots and give the library's output. Section 4.2 replays them again after an eviction,
+# where slot $j$ no longer holds position $j$.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 def append(k, v, pos):
@@ -165,8 +187,7 @@ for q, pos, (k, v), out in calls:                              # replay: the sam
     assert appended(before, k, v, pos), \
         f"append at {pos.tolist()}: k, v and pos go to the {len(pos)} slots after the {before} filled; used counts them"
     mine = attend(q, pos)
-    assert torch.allclose(mine, out, atol=1e-6), f"at {pos.tolist()}: off by {(mine - out).abs().max():.1e}" \
-        " (nan: a query whose mask hides every slot); scale by 1/sqrt(d); KV head h serves query heads hG..hG+G-1"
+    assert not (off := attend_off(mine, out)), f"queries at {pos.tolist()}: {off}"
 print(f"by hand == KVCache on layer 0 over {len(calls)} calls: {used} slots, positions {pos_buf[0, 0, :used].tolist()}")
 
 # %% [markdown]
@@ -291,7 +312,7 @@ print(f"the new token got position {int(kv.pos[0, 0, -1])} (the tokens seen befo
 stored = [t.clone() for t in (kv.k, kv.v, kv.pos)]             # layer 0's slots as they are now
 evicted_calls = record_layer0(cache)
 extend(model, torch.randint(0, config.vocab_size, (1, 3)), cache)
-(q, pos, (k, v), out), = evicted_calls                        # layer 0's one call: queries at 13, 14, 15
+q, pos, (k, v), out = evicted_calls[0]                        # layer 0's only call: queries at 13, 14, 15
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 used = stored[0].shape[2]                                      # the hand-built buffers: layer 0's slots, as stored
@@ -383,6 +404,7 @@ def check_memory(gib_gqa, gib_mha):
     def gib(n_kv_head):                        # the library's bytes per token (bf16), times the tokens, in GiB
         c = ModelConfig(n_layer=32, n_head=32, n_kv_head=n_kv_head, d_model=4096, vocab_size=128256)
         return c.kv_bytes_per_token(bytes_per_element=2) * 131072 / 2**30
+    assert not any(isinstance(x, str) for x in (gib_gqa, gib_mha)), "two numbers of GiB, as 1.5, not text"
     right = gib(8)
     if abs(gib_gqa - right) >= 1e-6:                         # the usual slips first, then the formula itself
         for slip, hint in ((right / 2, "each token stores a key and a value, 2 bytes a number in bf16"),
