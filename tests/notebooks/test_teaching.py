@@ -257,6 +257,19 @@ def test_the_eight_lessons_keep_their_size():
     assert len(took) == 8 and sum(took.values()) <= COURSE_SIZE, took
 
 
+def test_the_course_guide_quotes_the_lessons_readings():
+    """course/GUIDE.md's plan gives each lesson's minutes: the median of its cold readings, as the README's table
+    (a guide that kept old minutes planned the instructor's weeks on them)."""
+    readings = build.read_readings()
+    guide = (NOTEBOOKS.parent / "course" / "GUIDE.md").read_text()
+    rows = re.findall(r"^\| \d+ \| (\d\d) [^|]*\((\d+)\) \|", guide, re.M)      # | week | NN title (minutes) |
+    assert len(rows) == 8, f"course/GUIDE.md: the plan's table has {len(rows)} lessons with their minutes, not 8"
+    for number, minutes in rows:
+        stem = next(p.stem for p in SOURCES if p.stem.startswith(number))
+        want = build.median_minutes(readings[stem])
+        assert int(minutes) == want, f"course/GUIDE.md: lesson {stem} ({minutes} min); its readings' median is {want}"
+
+
 def test_a_reading_is_recorded_with_the_size_of_the_notebook_read(tmp_path, monkeypatch):
     """``build.py --reading M...`` writes one notebook's readings and its size; the table shows their median,
     range and count; bad minutes and two notebooks are refused in one line."""
