@@ -162,8 +162,8 @@ for values, vws in [("entry 2 opposite", vw), ("entry 2 same sign", same_sign)]:
 # kept mass $\mu$, a cost Theorem 3 leaves out by freezing the factor at $2 - 1/\sigma$. It stays small only where
 # attention is concentrated, so that the entries stage 2 passes over carry little of it, as the paper assumes
 # (§3.5); Exercise 2 tests this on random heads. The lab, with the true query on real heads, finds Algorithm 1
-# slightly ahead of attention top-k on SmolLM2-135M, whose attention is concentrated, and behind on the bundled
-# model, whose attention is spread out.
+# level with attention top-k on SmolLM2-135M with the smaller budget and ahead with the larger, where attention
+# is concentrated, and behind on the bundled model, whose attention is spread out.
 #
 # ## 2. Inside SnapKV
 #
