@@ -86,6 +86,8 @@ MUTANTS = [
            "visible = (kp <= pc[:, None]) & (kp >= 0)"),
     Mutant("the mask compares the chunk's query index, not its position", MASK,
            "(kp <= torch.arange(C)[:, None])", "(kp <= pc[:, None])"),
+    Mutant("every chunk's mask from all of q_pos, not the chunk's own positions pc", MASK,
+           "(kp <= q_pos[:, None])", "(kp <= pc[:, None])"),
     Mutant("masked with 0, not -inf (masked slots still get exp(0) weight)", MASK,
            "scores.masked_fill(~visible, 0.0)", "scores.masked_fill(~visible, float(\"-inf\"))"),
     Mutant("softmax over the queries, not the slots", MASK, "dim=-2)", "dim=-1)"),

@@ -19,6 +19,8 @@ MUTANTS = [
            "return (diff.unsqueeze(-2) @ projected).squeeze(-2).abs().sum(-1)"),
     Mutant("the largest output change (L-infinity)", "output_perturbation", ".abs().amax(-1)", ".abs().sum(-1)"),
     Mutant("the mean over the outputs", "output_perturbation", ".abs().mean(-1)", ".abs().sum(-1)"),
+    Mutant("2-D input only: torch.bmm over the rows (no other leading shape)", "output_perturbation",
+           "torch.bmm(diff.unsqueeze(1), projected).squeeze(1)", "(diff.unsqueeze(-2) @ projected).squeeze(-2)"),
     Mutant("the dropped entries' output instead of the change", "output_perturbation",
            "diff = attn * ~keep", "diff = attn - renormalized_attention(attn, keep)"),
 
@@ -42,6 +44,10 @@ MUTANTS = [
            "s2 = ranking(second)", "s2 = ranking(second).masked_fill(stage1, float(\"inf\"))"),
     Mutant("n_first not capped at the budget", "two_stage",
            "n_first = torch.as_tensor(n_first, device=first.device).expand(lead)",
+           "n_first = torch.minimum(torch.as_tensor(n_first, device=first.device).expand(lead), budgets)"),
+    Mutant("the protected (+inf) entries counted on top of n_first", "two_stage",
+           "n_first = torch.minimum(torch.as_tensor(n_first, device=first.device).expand(lead)"
+           " + torch.isposinf(first).sum(-1), budgets)",
            "n_first = torch.minimum(torch.as_tensor(n_first, device=first.device).expand(lead), budgets)"),
     Mutant("NaN not moved to the bottom", "two_stage",
            "s = torch.nan_to_num(s.float(), neginf=lowest)",
@@ -81,8 +87,16 @@ MUTANTS = [
            "stage1 = (ranks(ranking(first)) < n_first[..., None]) & valid\n"
            "s2 = ranking(second).masked_fill(stage1, float(\"inf\"))\n"
            "keep = ranks(s2) < budgets[..., None]"),
+    Mutant("stage 2's budget - n_first ranked over every entry, stage 1's too (an overlap keeps fewer)", "two_stage",
+           "keep = stage1 | ((ranks(ranking(second)) < (budgets - n_first)[..., None]) & valid)",
+           "keep = (ranks(s2) < budgets[..., None]) & valid"),
     Mutant("stage 2 by the first ranking", "two_stage",
            "s2 = ranking(first).masked_fill", "s2 = ranking(second).masked_fill"),
+    Mutant("an unstable sort (stable=True left out: ties in any order)", "two_stage",
+           "descending=True)", "descending=True, stable=True)"),
+    Mutant("torch.topk for the stable sort (ties in topk's order)", "two_stage",
+           "order = scores.topk(scores.shape[-1], dim=-1).indices",
+           "order = torch.sort(scores, dim=-1, descending=True, stable=True).indices"),
     Mutant("ties to the later entry", "two_stage",
            "order = scores.shape[-1] - 1 - torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices",
            "order = torch.sort(scores, dim=-1, descending=True, stable=True).indices"),

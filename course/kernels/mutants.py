@@ -25,6 +25,8 @@ MUTANTS = [
     Mutant("padding counted in the max (as a score of 0)", "online_softmax",
            old="m_new = tl.maximum(m, tl.max(s, axis=1))",
            new="m_new = tl.maximum(m, tl.max(tl.where(valid[None, :], s, 0.0), axis=1))"),
+    Mutant("exp(s) * exp(-m) for exp(s - m) (overflows at large scores)", "online_softmax",
+           old="p = tl.exp(s - m_safe[:, None])", new="p = tl.exp(s) * tl.exp(-m_safe[:, None])"),
     Mutant("each block normalised on its own (a softmax per block)", "online_softmax",
            old="p = tl.exp(s - m_safe[:, None])",
            new="p = tl.exp(s - m_safe[:, None])\np = p / tl.sum(p, axis=1)[:, None]"),
@@ -57,6 +59,9 @@ MUTANTS = [
     # -- merge_splits: merge_splits (PyTorch) ------------------------------------------------------------------
     Mutant("no common max: weights exp(m)", "merge_splits",
            old="w = torch.exp(m - M)", new="w = torch.exp(m)"),
+    Mutant("an empty range's m = -inf read as 0 before the max", "merge_splits",
+           old="M = m.max(dim=1, keepdim=True).values",
+           new="M = torch.where(m == float(\"-inf\"), 0.0, m).max(dim=1, keepdim=True).values"),
     Mutant("the mean of the ranges' outputs acc / l", "merge_splits",
            old="return (w[..., None] * acc).sum(1) / (w * l).sum(1)[..., None]",
            new="return (acc / l[..., None]).nan_to_num().mean(1)"),

@@ -36,6 +36,9 @@ MUTANTS = [
     Mutant("every row hashed like row 0 (one cell index for all rows)", "insert",
            old="idx = (rows * self.width + cells.long()).reshape(-1)",
            new="idx = (rows * self.width + cells[:1].long()).reshape(-1)"),
+    Mutant("insert hashes with hash_cells/hash_signs (an injective sketch ignored)", "insert",
+           old="cells, signs = self.buckets(pos), self.signs(pos)",
+           new="J = pos.view(1, -1).long()\ncells, signs = self.hash_cells(J), self.hash_signs(J)"),
     Mutant("delete adds instead of subtracting (sign ignored)", "insert",
            old="k, v = sign * k.float(), sign * v.float()",
            new="k, v = k.float(), v.float()"),
@@ -108,6 +111,9 @@ MUTANTS = [
            old="return lower_median(k), lower_median(v)",
            new="return (k.median(dim=-1, keepdim=True).values.expand_as(k)[0],\n"
                "        v.median(dim=-1, keepdim=True).values.expand_as(v)[0])"),
+    Mutant("query hashes with hash_cells/hash_signs (an injective sketch ignored)", "query",
+           old="cells, signs = self.buckets(pos), self.signs(pos)",
+           new="J = pos.view(1, -1).long()\ncells, signs = self.hash_cells(J), self.hash_signs(J)"),
     Mutant("VagueSketch.query calls reference_sketch_query", "query",
            old="(r, n), (H_kv, d) = cells.shape, self.key.shape[2:]",
            new="from kernels.count_sketch import reference_sketch_query\n"
@@ -134,6 +140,17 @@ MUTANTS = [
     Mutant("kernel query: the row's offset forgotten", "query",
            old="ptr = cell_ptr + (i * width + c).to(tl.int64)[:, None] * HD + col[None, :]",
            new="ptr = cell_ptr + c.to(tl.int64)[:, None] * HD + col[None, :]"),
+    Mutant("kernel query: no token mask in _sketch_row", "query",
+           old="c = tl.load(cells_ptr + i * n + tok, mask=tok_ok, other=0)                          # (BLOCK_N,)\n"
+               "ptr = cell_ptr + (i * width + c).to(tl.int64)[:, None] * HD + col[None, :]\n"
+               "x = tl.load(ptr, mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)\n"
+               "if SIGNED:\n"
+               "    x = x * tl.load(signs_ptr + i * n + tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]",
+           new="c = tl.load(cells_ptr + i * n + tok)\n"
+               "ptr = cell_ptr + (i * width + c).to(tl.int64)[:, None] * HD + col[None, :]\n"
+               "x = tl.load(ptr, mask=col_ok[None, :], other=0.0).to(tl.float32)\n"
+               "if SIGNED:\n"
+               "    x = x * tl.load(signs_ptr + i * n + tok).to(tl.float32)[:, None]"),
     Mutant("kernel query: the sign of row 0 for every row", "query",
            old="x = x * tl.load(signs_ptr + i * n + tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]",
            new="x = x * tl.load(signs_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]"),
@@ -149,6 +166,12 @@ MUTANTS = [
     Mutant("kernel query: rank counts rows below or equal as below", "query",
            old="below += tl.where(xj < xa, 1.0, 0.0)",
            new="below += tl.where(xj <= xa, 1.0, 0.0)"),
+    Mutant("kernel query: the median as the row with exactly MID rows below (wrong on ties)", "query",
+           old="est = tl.where((below <= MID) & (at_or_below > MID), xa, est)",
+           new="est = tl.where(below == MID, xa, est)"),
+    Mutant("kernel query: a median written for 2 to 4 rows only (row 0 for r >= 5)", "query",
+           old="elif R != 1:",
+           new="elif R == 2 or R == 4:"),
     Mutant("kernel query: row 0 instead of the median for r other than 1 and 3", "query",
            old="elif R != 1:",
            new="elif R == 0:"),

@@ -17,6 +17,11 @@ MUTANTS = [
     Mutant("the level of the last query for every query", "low_flags",
            "1.0 / visible[..., -1:, :].sum(-1, keepdim=True).clamp(min=1)",
            "1.0 / visible.sum(-1, keepdim=True).clamp(min=1)"),
+    Mutant("the level counts only the attended slots with non-zero attention", "low_flags",
+           "1.0 / (visible & (attn > 0)).sum(-1, keepdim=True).clamp(min=1)",
+           "1.0 / visible.sum(-1, keepdim=True).clamp(min=1)"),
+    Mutant("the level counts the attended slots of every batch row", "low_flags",
+           "visible.sum((0, -1), keepdim=True)", "visible.sum(-1, keepdim=True)"),
     Mutant("calls the shipped persistence.heavy (square causal attention only)", "low_flags",
            "from experiments.analysis.persistence import heavy\n"
            "B, H_kv, Tn, T = attn.shape\n"
@@ -32,6 +37,13 @@ MUTANTS = [
     Mutant("T read from the heads' axis", "keep_score", "T = counts.shape[1]", "T = counts.shape[-1]"),
     Mutant("attention ranked across the KV heads (wrong axis)", "keep_score",
            "a.sort(dim=1).values", "a.sort(dim=-1).values"),
+    Mutant("a head's attention ranked across the batch rows", "keep_score",
+           "h = a.transpose(0, 1).reshape(a.shape[1], -1)\n"
+           "rank = torch.searchsorted(h.sort(dim=-1).values, h).view(a.shape[1], a.shape[0], T).transpose(0, 1)",
+           "rank = torch.searchsorted(a.sort(dim=-1).values, a)"),
+    Mutant("row 0's attention ranking for every batch row", "keep_score",
+           "rank = torch.searchsorted(a[0].sort(dim=-1).values, a[0])",
+           "rank = torch.searchsorted(a.sort(dim=-1).values, a)"),
     Mutant("empty slots not set to -inf", "keep_score",
            "return score", "return score.masked_fill(pos < 0, float(\"-inf\"))"),
     Mutant("counters only, attention ignored", "keep_score",

@@ -48,6 +48,9 @@ MUTANTS = [
     Mutant("exp / sum without subtracting the maximum (overflows)", SOFTMAX,
            "E = S.exp()\n    return E / E.sum((-1, -2), keepdim=True)",
            "return torch.softmax(S.flatten(-2), dim=-1).view(S.shape)"),
+    Mutant("allowed=None unsupported: the mask applied without checking for None", SOFTMAX,
+           "S = S.masked_fill(~allowed, float(\"-inf\"))",
+           "if allowed is not None:\n    S = S.masked_fill(~allowed, float(\"-inf\"))"),
     Mutant("the softmax over the queries and pairs of a row together", SOFTMAX,
            "return torch.softmax(S.flatten(-3), dim=-1).view(S.shape)",
            "return torch.softmax(S.flatten(-2), dim=-1).view(S.shape)"),
@@ -64,6 +67,12 @@ MUTANTS = [
     Mutant("P renormalised over each row a", OUTPUT,
            "(P / P.sum(-1, keepdim=True).clamp_min(1e-30)).flatten(-3, -2)", "P.flatten(-3, -2)"),
     Mutant("V1 of the first token only", OUTPUT, "V1[..., None, :1, :]", "V1[..., None, :, :]"),
+    Mutant("P normalised again over all its pairs (a no-op on a softmax)", OUTPUT,
+           "(P / P.sum((-2, -1), keepdim=True)).flatten(-3, -2)", "P.flatten(-3, -2)"),
+    Mutant("one leading dimension only: P taken as (B, Tq, n1, n2)", OUTPUT,
+           "B, Tq, n1, n2 = P.shape\n"
+           "PV2 = (P.reshape(B, Tq * n1, n2) @ V2).view(B, Tq, n1, -1)\n"
+           "return (V1[:, None] * PV2).sum(2)"),
 
     # -- two_cache_append: the whole TwoCache.append
     Mutant("rebuilds every pair from the shipped kron_rows at each append (earlier rows move)", APPEND,
@@ -91,6 +100,8 @@ MUTANTS = [
            "        self._pos_b.append(pos.repeat(n + m))"),
     Mutant("the positions of a row's b taken with repeat_interleave (a's layout)", APPEND,
            "self._pos_b.append(pos.repeat_interleave(n + m))", "self._pos_b.append(pos.repeat(n + m))"),
+    Mutant("(new a, old b) rows: the positions of a taken with repeat, not repeat_interleave", APPEND,
+           "self._pos_a.append(pos.repeat(n))", "self._pos_a.append(pos.repeat_interleave(n))"),
     Mutant("(new a, old b) rows get positions (old, new)", APPEND,
            "self._pos_a.append(old_pos.repeat(m))\n            self._pos_b.append(pos.repeat_interleave(n))",
            "self._pos_a.append(pos.repeat_interleave(n))\n            self._pos_b.append(old_pos.repeat(m))"),
