@@ -162,7 +162,7 @@ def test_bound_against_a_loop_and_above_the_perturbation():
 def test_two_stage_masks_against_a_loop():
     g = generator("two stage loop")
     for trial in range(30):
-        B, H, T = 2, 3, 8 + trial % 9
+        B, H, T = 2, 3, 8 + trial % 9 if trial % 2 else 17 + trial % 16   # past 16: an unstable sort moves ties
         first = torch.randn(B, H, T, generator=g)
         second = torch.randn(B, H, T, generator=g) * 4
         first[..., 1::3] = first[..., ::3][..., :first[..., 1::3].shape[-1]]       # ties

@@ -6,16 +6,22 @@ hashes (``VagueSketch.buckets`` and ``signs`` of the reference library), never f
 input (tokens, positions, prompts, the sketches' seeds) is drawn from the run's seed (``oracle.generator``)."""
 
 import adapters as A
+import launchers
 import torch
 from oracle import assert_close, assert_greedy_is_uncached, generator, points, reference
 from test_public import (
+    H_KV,
     INSERTS,
     QUERIES,
+    D,
+    brute_query,
     check_cells,
     check_estimates,
     check_insert,
     check_query,
     check_untouched,
+    randn,
+    random_hashes,
     without,
 )
 
@@ -117,8 +123,10 @@ def test_insert_for_any_number_of_rows_and_cells():
 
 @points(2, task="insert")
 def test_kvreviver_evicts_into_your_sketch():
-    """Six decode steps of eviction into a 3 x 3 sketch (many tokens a cell), queried by the instructor's."""
+    """Six decode steps of eviction into a 3 x 3 sketch (many tokens a cell), then into an injective one (token J
+    in cell J: the sketch's own buckets and signs, not the hash functions), queried by the instructor's."""
     run_side_by_side("insert", sketch_width=3)
+    run_side_by_side("insert", sketch_width=64, injective_hash=True)
 
 
 @points(3, task="query")
@@ -127,6 +135,24 @@ def test_query_for_any_number_of_rows():
     cells."""
     for rows, case in ((1, 4), (2, 5), (5, 6), (3, 7), (4, 9)):
         check_query(rows, width=3, n=10, case=case, hashes=reference_hashes)
+    for rows, case in ((3, 10), (4, 11), (5, 12)):
+        check_query_of_tied_rows(rows, case)
+
+
+def check_query_of_tied_rows(rows, case, width=3, n=10):
+    """Cells of whole numbers from -3 to 3, so a token's rows often hold equal numbers, read back by
+    reference_sketch_query and the kernel: the lower median still, as torch.median gives it."""
+    key = randn(rows, width, H_KV, D, seed=("tied cells", case, "k")).mul(1.5).round().clamp(-3, 3)
+    value = randn(rows, width, H_KV, D, seed=("tied cells", case, "v")).mul(1.5).round().clamp(-3, 3)
+    cells, signs = random_hashes(rows, n, width, ("tied", case))
+    want_k, want_v = brute_query(key, value, cells, signs)
+    with without(*QUERIES[1:]):
+        ref = A.reference_query(key.clone(), value.clone(), cells, signs)
+    ker = launchers.sketch_query(A, key.clone(), value.clone(), cells, signs, block_n=4)
+    for what, (k_hat, v_hat) in (("reference_sketch_query", ref), ("_sketch_query_kernel (the kernel)", ker)):
+        what = f"{what}, {rows} rows of whole-number cells (rows that tie)"
+        check_estimates(f"{what}, keys", k_hat, want_k, key, cells, signs, values=False)
+        check_estimates(f"{what}, values", v_hat, want_v, value, cells, signs, values=True)
 
 
 @points(2, task="query")

@@ -66,20 +66,20 @@ def students(task):
         yield calls
 
 
-def kept_per_step(task, options, seed=0, n_prompt=14, n_new=6):
-    """The sorted positions every layer and KV head keeps after the prefill and after each decode step of the
-    instructor's Scissorhands with the student's ``task`` (the tokens are given, not generated, so two runs stay
-    aligned), and how many times the policy called the student's ``task``."""
+def kept_per_step(task, options, seed=0, n_prompt=14, n_new=6, rows=2):
+    """The sorted positions every batch row, layer and KV head keeps after the prefill and after each decode step
+    of the instructor's Scissorhands with the student's ``task`` (the tokens are given, not generated, so two runs
+    stay aligned; the rows hold different prompts), and how many times the policy called the student's ``task``."""
     R = reference("course.model_adapters")
     model = R.tiny_model(seed=seed)
-    ids = torch.randint(0, 512, (1, n_prompt + n_new), generator=generator("scissorhands prompt", seed))
+    ids = torch.randint(0, 512, (rows, n_prompt + n_new), generator=generator("scissorhands prompt", seed))
     cache = R.new_cache(model, "scissorhands", **options)
     steps = []
     with students(task) as calls:
         R.run_prefill(model, ids[:, :n_prompt], cache)
         for t in range(n_prompt, n_prompt + n_new + 1):
-            steps.append([[sorted(set(R.kept_positions(cache, layer)[0, h].tolist()) - {-1}) for h in range(2)]
-                          for layer in range(2)])
+            steps.append({(row, layer): [sorted(set(R.kept_positions(cache, layer)[row, h].tolist()) - {-1})
+                                         for h in range(2)] for row in range(rows) for layer in range(2)})
             if t < n_prompt + n_new:
                 R.run_decode(model, ids[:, t], cache)
     return steps, len(calls)
@@ -103,7 +103,7 @@ def kept_by_hand(task, options, seed=0, n_prompt=10, n_new=12, n_head=8, n_kv_he
             w = min(policy.history_window, len(q_pos))                                    # the rows it needs
             policy.step(SimpleNamespace(kv=kv, probs=probs[:, :, -w:], q_pos=q_pos, q=probs.new_zeros(1, n_head,
                         len(q_pos), 2), phase="prefill" if s == 0 else "decode", seen=n_prompt + s, layer=0))
-            steps.append([[sorted(set(kv.pos[0, h].tolist()) - {-1}) for h in range(n_kv_head)]])
+            steps.append({(0, 0): [sorted(set(kv.pos[0, h].tolist()) - {-1}) for h in range(n_kv_head)]})
     return steps, len(calls)
 
 
@@ -116,13 +116,13 @@ def assert_same_evictions(task, options, seeds=(0, 1), by_hand=False):
         assert calls, f"{options}, seed {seed}: the policy never called your {task} (the test should make it)"
         want, _ = run(None, options, seed)
         for step, (g, w) in enumerate(zip(got, want)):
-            for layer in range(len(w)):
-                for h in range(len(w[layer])):
-                    assert g[layer][h] == w[layer][h], (
+            for (row, layer), heads in w.items():
+                for h in range(len(heads)):
+                    assert g[(row, layer)][h] == heads[h], (
                         f"{options}, seed {seed}, a decode {what}: after "
-                        f"{'the prefill' if step == 0 else f'decode step {step}'}, layer {layer}, KV head {h} keeps "
-                        f"positions {g[layer][h]} with your {task}; with the reference {task} the same decode keeps "
-                        f"{w[layer][h]}")
+                        f"{'the prefill' if step == 0 else f'decode step {step}'}, batch row {row}, layer {layer}, "
+                        f"KV head {h} keeps positions {g[(row, layer)][h]} with your {task}; with the reference "
+                        f"{task} the same decode keeps {heads[h]}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -301,12 +301,12 @@ def test_decode_drops_m_at_a_time():
         for step, kept in enumerate(steps):
             seen = 14 + step
             size = size + 1 - n_dropped_by_loop(size + 1, options["budget"], options["drop"], options["n_recent"])
-            for layer in range(2):
-                for h in range(2):
-                    assert len(kept[layer][h]) == size, (
+            for (row, layer), heads in kept.items():
+                for h, held in enumerate(heads):
+                    assert len(held) == size, (
                         f"{options}: a full layer drops m = {m} at once, then refills: after "
-                        f"{'the prefill of 14' if step == 0 else f'decode step {step}'} layer {layer} KV head {h} "
-                        f"should hold {size} tokens, it holds {len(kept[layer][h])}")
+                        f"{'the prefill of 14' if step == 0 else f'decode step {step}'} batch row {row}, layer "
+                        f"{layer}, KV head {h} should hold {size} tokens, it holds {len(held)}")
                     recent = set(range(seen - options["n_recent"], seen))
-                    assert recent <= set(kept[layer][h]), f"{options}: the {options['n_recent']} most recent are kept"
+                    assert recent <= set(held), f"{options}: the {options['n_recent']} most recent are kept"
     assert_same_evictions("n_dropped", {"budget": 8, "history_window": 4, "n_recent": 5, "drop": 6}, seeds=(0,))
