@@ -388,7 +388,7 @@ for ratio in HEAD_RATIOS:
             for name, key in [("pert", "pert"), ("KL", "kl"), ("acc", "acc")]))
 
 # %% [markdown]
-# The two readings part ways in the answer, not in the final hidden state. At keep ratio 0.25 every selection
+# **The readings.** They part ways in the answer, not in the final hidden state. At keep ratio 0.25 every selection
 # moves the final hidden state a little less than its host, beyond noise for both pooled selections and the
 # literal CriticalAdaKV; at 0.1 the hidden state is lost for every method (a relative error near 1). In KL the
 # pooled stage 2 is lower than its host at 0.25, beyond noise over both hosts, and the literal one higher,
@@ -396,16 +396,16 @@ for ratio in HEAD_RATIOS:
 # the literal CriticalSnapKV lowers the KL beyond noise too (-0.373, the pooled one -0.270), and over AdaKV
 # both readings are within noise. Accuracy follows within noise.
 #
-# The per-layer sums: at 0.25 every selection's is larger than its host's in layers 0 and 3 (layer 3: 29.71
+# **Per layer.** At 0.25 every selection's is larger than its host's in layers 0 and 3 (layer 3: 29.71
 # with SnapKV, 33.64 with pooled CriticalSnapKV), yet the final hidden state moves less: `sum_h L_h` adds up
 # each head's change on its own, so changes that cancel between heads, or later in the network, still count.
 #
-# The `alpha` ablation (pooled stage 2) at keep ratio 0.25: `alpha = 0` (stage 2 only) and 0.25 are about
+# **The `alpha` ablation** (pooled stage 2) at keep ratio 0.25: `alpha = 0` (stage 2 only) and 0.25 are about
 # equal in KL and accuracy, both lower in KL than `alpha = 1` (SnapKV itself) beyond noise and level with it
 # in accuracy. The order the paper reports between 0 and 0.25 is not visible here; its "both better than
 # SnapKV" is, in KL.
 #
-# kvpress's settings, against SnapKV and AdaKV at kvpress's settings: at keep ratio 0.1 CriticalKV is its host
+# **kvpress's settings**, against SnapKV and AdaKV at kvpress's settings: at keep ratio 0.1 CriticalKV is its host
 # (the window takes the whole budget); at 0.25 its KL is lower but within noise. kvpress's hosts are
 # themselves worse than ours on this model (KL 5.973 and 5.749 against 5.131 and 5.011); their settings differ
 # in the window, the pooling and `alpha` at once, and this lab does not measure which of them costs most.
