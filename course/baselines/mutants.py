@@ -124,6 +124,13 @@ MUTANTS = [
            "return mask.scatter(1, top, True).view(B, H_kv, T)"),
     Mutant("NaN scores not counted as -inf", "adakv", "s = scores.float()",
            "s = torch.nan_to_num(scores.float(), nan=float(\"-inf\"))"),
+    Mutant("NaN scores become 0 (nan_to_num's default), above every negative score", "adakv",
+           "s = torch.nan_to_num(scores.float())", "s = torch.nan_to_num(scores.float(), nan=float(\"-inf\"))"),
+    Mutant("the safeguard adds 1 to a head's best (scores read as attention, at most 1), not +inf", "adakv",
+           "s = s.scatter(-1, safe, s.gather(-1, safe) + 1.0)", "s = s.scatter(-1, safe, float(\"inf\"))"),
+    Mutant("the safeguard's sort without stable=True (ties in any order past 16 entries)", "adakv",
+           "safe = torch.sort(s, dim=-1, descending=True).indices[..., :n_safe]",
+           "safe = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :n_safe]"),
     Mutant("calls CriticalKV's two stages over the whole layer", "adakv",
            "B, H_kv, T = scores.shape\n"
            "from methods.critical_kv import two_stage_masks\n"

@@ -329,17 +329,20 @@ def check_adakv(scores: torch.Tensor, budget: int, n_safe: int, what: str) -> No
 @points(2, task="adakv")
 def test_adakv_allocates_across_heads_with_a_safeguard():
     """Heads of very different scales, so that the safeguard changes what is kept (checked here); safeguards
-    0, 1, 2 and the whole budget; 2 and 4 KV heads; three cases, the last with each head's scores of eight values
-    only (ties within a head: the earlier slot); the last head of row 1 has two empty slots (NaN scores, as a
-    cache's unused slots have: never kept)."""
-    for case in range(3):
+    0, 1, 2 and the whole budget; 2 and 4 KV heads; four cases, the third with each head's scores of eight values
+    only (ties within a head: the earlier slot), the fourth with scores below 0 and above 1 (a score is any number,
+    a safeguarded entry outranks them all); the last head of row 1 has two empty slots (NaN scores, as a cache's
+    unused slots have: never kept, below any negative score)."""
+    for case in range(4):
         g = generator("adakv allocation", case)
         for H_kv, T, budget, n_safe in [(4, 12, 4, 1), (4, 10, 3, 2), (2, 9, 3, 1), (4, 8, 3, 3), (2, 7, 2, 0)]:
             scale = torch.logspace(0, -3, H_kv).view(1, H_kv, 1)                # head 0 outscores the rest
             scores = torch.rand(2, H_kv, T, generator=g)
             scores = (scores * 8).ceil() / 8 * scale if case == 2 else scores * scale
+            if case == 3:
+                scores = torch.randn(2, H_kv, T, generator=g) * 4 * scale - 1
             scores[1, -1, -2:] = float("nan")
-            if 0 < n_safe < budget:
+            if 0 < n_safe < budget and case < 3:
                 assert adakv_oracle(scores, budget, n_safe) != adakv_oracle(scores, budget, 0)   # the test's own check
             check_adakv(scores, budget, n_safe, f"AdaKV, {H_kv} KV heads, {T} slots, budget {budget}, "
                                                 f"safeguard {n_safe}, case {case}")
@@ -348,14 +351,15 @@ def test_adakv_allocates_across_heads_with_a_safeguard():
 @points(2, task="adakv")
 def test_adakv_ties_infinities_and_nan():
     """Ties go to the earlier (head, slot), in the safeguard (a head's best tied) and in the layer's pool (entries
-    of several heads tied at the cut): scores of three values only, several budgets and safeguards; +inf
+    of several heads tied at the cut): scores of three values only, several budgets and safeguards, one head of
+    20 slots (past 16, a sort without stable=True moves ties on a CPU); +inf
     (protected) entries are kept first, NaN counts as -inf, and a budget covering every slot keeps them all."""
     g = generator("adakv ties")
-    for H_kv, T, budget, n_safe in [(3, 8, 3, 1), (2, 10, 4, 2), (4, 6, 2, 1), (3, 9, 5, 0)]:
+    for H_kv, T, budget, n_safe in [(3, 8, 3, 1), (2, 10, 4, 2), (4, 6, 2, 1), (3, 9, 5, 0), (2, 20, 3, 2)]:
         ties = torch.randint(0, 3, (2, H_kv, T), generator=g).float() / 2
         check_adakv(ties, budget, n_safe, f"AdaKV with tied scores (0, 0.5 and 1 only), {H_kv} KV heads, {T} slots, "
                                           f"budget {budget}, safeguard {n_safe}")
-    special = torch.rand(2, 3, 8, generator=g)
+    special = torch.randn(2, 3, 8, generator=g) * 3                           # below 0 and above 1 too
     special[0, 2, 6:] = float("inf")
     special[1, 0, :3] = float("nan")
     special[1, 1, 4] = float("-inf")

@@ -30,6 +30,9 @@ def test_streaming_llm_keeps_sinks_and_recent():
     for budget, n_sink, seen, sinks, recent in [(8, 4, 20 + later, 4, 4),  # S = 4 sinks, R = 4 recent
                                                 (6, 2, 30 + later, 2, 4),
                                                 (3, 4, 20 + later, 2, 1),  # the sinks cut to S = 2, R = 1
+                                                (4, 4, 10 + later, 3, 1),  # n_sink = budget: cut to 3
+                                                (8, 0, 20 + later, 0, 8),  # no sinks: the window only
+                                                (1, 4, 5 + later, 0, 1),   # budget 1: the newest token only
                                                 (8, 4, 1 + later % 7, None, None)]:   # fewer tokens than the budget
         want = list(range(seen)) if sinks is None else list(range(sinks)) + list(range(seen - recent, seen))
         got = positions(A.streaming_ranges(budget, n_sink, seen))
@@ -37,6 +40,9 @@ def test_streaming_llm_keeps_sinks_and_recent():
         assert got == want, (f"budget {budget}, n_sink {n_sink}, after {seen} tokens: the ranges name {got}, "
                              f"expected the sinks and the most recent tokens {want} (S = {S} sinks, the newest "
                              f"token must fit; R = {budget - S} recent; only positions 0..{seen - 1} exist)")
+    ranges = [list(r) for r in A.streaming_ranges(8, 4, 20)]
+    assert ranges == [[0, 1, 2, 3], [16, 17, 18, 19]], f"budget 8, 4 sinks, after 20 tokens: the ranges are " \
+        f"{ranges}; the first is the sinks' range, the second the recent window's (the policy reads them so)"
     pos = torch.stack([torch.randperm(20, generator=g) for _ in range(2)])[None]    # (1, 2, 20): any slot order
     pos[0, 1, int(torch.randint(0, 20, (1,), generator=g))] = -1          # an empty slot is never kept
     want = (pos >= 0) & ((pos < 4) | (pos >= 16))
@@ -70,6 +76,12 @@ def test_h2o_scores_accumulate():
                 torch.stack([(rows[:, 0] + rows[:, 1]) / 2, (rows[:, 2] + rows[:, 3]) / 2], dim=1),
                 "H2O's scores after a prefill of two batch rows", "each row's own attention, averaged over each KV "
                 "head's query heads 2j and 2j + 1", axes=("row", "KV head", "slot"))
+    six = torch.rand(1, 6, 5, generator=g)                             # 6 query heads over 2 KV heads: G = 3
+    check_close(A.h2o_observe(A.h2o_policy(100), A.new_storage(torch.randn(1, 2, 5, 4, generator=g),
+                torch.randn(1, 2, 5, 4, generator=g), torch.arange(5)), six, "prefill", 5),
+                torch.stack([six[:, :3].mean(1), six[:, 3:].mean(1)], dim=1), "H2O's scores after a prefill of 6 "
+                "query heads over 2 KV heads", "G = H / H_kv = 3: KV head j averages query heads 3j to 3j + 2",
+                axes=("row", "KV head", "slot"))
 
 
 @points(2, task="window_vote")
@@ -103,6 +115,14 @@ def test_snapkv_vote_sums_pools_and_averages():
                 torch.tensor([[[0.0, 0.0, 1.0]]]), "SnapKV's scores of 3 tokens, the last one the window, its query "
                 "attending only itself", "only the prefix's votes are pooled: the window's own attention does not "
                 "spill onto token 1", axes=("row", "KV head", "token"))
+    check_close(A.snapkv_scores(torch.tensor([[[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]]]), 1, window=1, kernel=1,
+                                pooling="max"), torch.tensor([[[0.0, 0.0, 1.0]]]), "SnapKV's scores of 3 tokens "
+                "given the attention of 2 queries, a window of 1", "only the last `window` queries vote: the earlier "
+                "query's vote for token 1 does not count", axes=("row", "KV head", "token"))
+    check_close(A.snapkv_scores(torch.tensor([[[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]]]), 1, window=3,
+                                kernel=3, pooling="max"), torch.tensor([[[1.5, 0.5, 1.0]]]), "SnapKV's scores of "
+                "a 3-token prompt that is all window", "with no prefix there is nothing to pool: the window's own "
+                "votes as they are", axes=("row", "KV head", "token"))
 
 
 @points(1, task="adakv")
@@ -128,6 +148,12 @@ def test_adakv_shares_the_budget_with_a_safeguard():
     assert_close(A.adakv_mask(torch.zeros(1, 2, 8), budget=2, n_safe=0), torch.arange(16).view(1, 2, 8) < 4,
                  what="AdaKV on 16 equal scores, budget 2 (4 in the layer), no safeguard: ties go to the earlier "
                  "(KV head, slot), head 0's slots 0..3")
-    assert_close(A.adakv_mask(torch.tensor([[[float("nan"), 1.0]]]), budget=1, n_safe=0),
-                 torch.tensor([[[False, True]]]), what="AdaKV on the scores [nan, 1.0], budget 1: a NaN score ranks "
-                 "lowest")
+    assert_close(A.adakv_mask(torch.tensor([[[float("nan"), -1.0]]]), budget=1, n_safe=0),
+                 torch.tensor([[[False, True]]]), what="AdaKV on the scores [nan, -1.0], budget 1: a NaN score ranks "
+                 "lowest, below any number")
+    assert_close(A.adakv_mask(torch.tensor([[[5.0, 4.0], [0.1, 0.2]]]), budget=1, n_safe=1),
+                 torch.tensor([[[True, False], [False, True]]]), what="AdaKV on the scores [[5, 4], [0.1, 0.2]], "
+                 "budget 1, one safeguarded entry per head: head 1's best (0.2) is kept, however far below head 0's")
+    assert_close(A.adakv_mask(torch.zeros(1, 1, 17), budget=1, n_safe=1), torch.arange(17).view(1, 1, 17) < 1,
+                 what="AdaKV on 17 equal scores, budget 1, one safeguarded entry: slot 0 (past 16 entries, a sort "
+                 "without stable=True moves ties)")

@@ -74,6 +74,12 @@ MUTANTS = [
     Mutant("scores of each query head against KV head 0 only", SCORES,
            "(qg @ k[:, :1].transpose(-1, -2))", "(qg @ k.transpose(-1, -2))"),
 
+    Mutant("the scores in float32 whatever the queries' dtype (float16 attention then fails)", SCORES,
+           "qg = q.float().reshape(B, H_kv, H // H_kv * C, d) / math.sqrt(d)\n"
+           "return (qg @ k.float().transpose(-1, -2)).view(B, H_kv, H // H_kv, C, k.shape[2])",
+           "qg = q.reshape(B, H_kv, H // H_kv * C, d) / math.sqrt(d)           # the G query heads as rows\n"
+           "return (qg @ k.transpose(-1, -2)).view(B, H_kv, H // H_kv, C, k.shape[2])"),
+
     # -- mask: the masked attention of a chunk
     Mutant("< for <=: a query does not see its own position", MASK, "(kp < pc[:, None])", "(kp <= pc[:, None])"),
     Mutant("empty slots (-1) are attended", MASK, "visible = (kp <= pc[:, None])",
@@ -88,6 +94,11 @@ MUTANTS = [
            "(kp <= torch.arange(C)[:, None])", "(kp <= pc[:, None])"),
     Mutant("every chunk's mask from all of q_pos, not the chunk's own positions pc", MASK,
            "(kp <= q_pos[:, None])", "(kp <= pc[:, None])"),
+    Mutant("masked with -1e4, not -inf (a finite fill beats scores below it)", MASK,
+           'scores.masked_fill(~visible, -1e4)', 'scores.masked_fill(~visible, float("-inf"))'),
+    Mutant("an additive mask of 0 and -inf (a float32 tensor: float16 scores promoted)", MASK,
+           'torch.softmax(scores + torch.where(visible, 0.0, float("-inf")), dim=-1)',
+           'torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)'),
     Mutant("masked with 0, not -inf (masked slots still get exp(0) weight)", MASK,
            "scores.masked_fill(~visible, 0.0)", "scores.masked_fill(~visible, float(\"-inf\"))"),
     Mutant("softmax over the queries, not the slots", MASK, "dim=-2)", "dim=-1)"),

@@ -238,6 +238,8 @@ def test_group_scores_against_a_loop_over_heads():
         assert_close(A.scores(q, k), scores_by_loop(q, k), rtol=1e-5, atol=1e-5,
                      what=f"H={H}, H_kv={H_kv}: the scores (B, H_kv, G, C, T), q k^T / sqrt(d) with query head "
                      "kv * G + g in [:, kv, g]")
+        check_tensor(A.scores(q.half(), k.half()), (2, H_kv, H // H_kv, 4, 7), torch.float16,
+                     f"H={H}, H_kv={H_kv}, float16 queries and keys: the scores, in float16")
 
 
 # -- task mask --------------------------------------------------------------------------------------------
@@ -287,6 +289,14 @@ def test_mask_from_positions_against_a_loop():
             f"{k_pos[0, 0].tolist()} (a query at p sees the slots at 0..p, never -1)"
         assert_close(got, want, rtol=1e-5, atol=1e-4, what=f"{where}: the output")
         assert_close(probs, want_probs, rtol=1e-5, atol=1e-6, what=f"{where}: the probabilities (B, H, Tq, Tk)")
+        ones, far = torch.ones_like(q), -1e5 * k.abs()                  # every score far below -1e4
+        want_far, _ = attention_by_loop(ones, far, v, q_pos, k_pos)
+        got, _ = A.masked_attention(ones, far, v, q_pos, k_pos)
+        assert_close(got, want_far, rtol=1e-4, atol=1e-3, what=f"{where}, every score below -1e4: the output (a "
+                     "masked score must be below any finite score)")
+        got, _ = A.masked_attention(q.half(), k.half(), v.half(), q_pos, k_pos)
+        check_tensor(got, want.shape, torch.float16, f"{where}, in float16: the output")
+        assert_close(got.float(), want, rtol=2e-2, atol=2e-2, what=f"{where}, in float16: the output")
 
 
 @points(3, task="mask")

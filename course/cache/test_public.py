@@ -151,6 +151,9 @@ def test_decode_step_scores_with_gqa():
     assert_close(A.scores(q3, k), scores_by_loop(q3, k), rtol=1e-5, atol=1e-5,
                  what="the scores of a chunk of 3 queries (B, H_kv, G, C, T): query t of head kv * G + g in "
                  "[:, kv, g, t] (the G heads before the C queries)")
+    half = A.scores(q.half(), k.half())
+    assert half.dtype == torch.float16, f"the scores of float16 queries and keys are {half.dtype}: keep the " \
+        "inputs' dtype (the attention's softmax and its product with float16 values expect it)"
 
 
 def attention_by_loop(q, k, v, q_pos, k_pos):
@@ -183,6 +186,15 @@ def test_masked_attention_sees_only_the_past():
     got, _ = A.masked_attention(one, k2, v2.view(1, 1, 2, 1), torch.tensor([5]), torch.tensor([[[-1, 0]]]))
     assert_close(got, one, what="slot 0 empty (position -1, value 100), slot 1 at position 0 (value 1), a query at 5: "
                  "the output is 1, an empty slot is never attended")
+    big, k3 = torch.ones(1, 1, 1, 1), torch.tensor([1e10, -1e5]).view(1, 1, 2, 1)
+    got, _ = A.masked_attention(big, k3, v2.view(1, 1, 2, 1), torch.tensor([5]), torch.tensor([[[-1, 0]]]))
+    assert_close(got, big, what="slot 0 empty with a huge key (1e10, value 100), slot 1 at position 0 with the key "
+                 "-1e5 (value 1), a query at 5: the output is 1; a masked score is -inf, below any finite one")
+    half = [t.half() for t in (q, k, v)]
+    got, _ = A.masked_attention(*half, q_pos, k_pos)
+    assert got.dtype == torch.float16, f"the output of float16 q, k, v is {got.dtype}: keep their dtype"
+    assert_close(got.float(), attention_by_loop(q, k, v, q_pos, k_pos), rtol=1e-2, atol=1e-2,
+                 what="the same attention in float16: the output (fill the masked scores in their own dtype)")
     zero = torch.zeros(1, 1, 2, 1)
     try:
         got, _ = A.masked_attention(zero, zero, torch.tensor([0.0, 1.0]).view(1, 1, 2, 1), torch.tensor([0, 1]),
