@@ -373,6 +373,24 @@ def check_outputs(outputs: dict[str, Path | None], inputs=()) -> None:
 
 
 @contextmanager
+def interrupts_deferred():
+    """Inside this block a Ctrl-C or SIGTERM is noted, not raised; once the block is over it raises
+    ``KeyboardInterrupt``. For work that must not be cut half-way, such as starting a process whose handle the
+    caller needs in order to stop it. Off the main thread (where no handler can be set) it defers nothing."""
+    noted = []
+    on_main = threading.current_thread() is threading.main_thread()      # where signal handlers can be set
+    previous = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if noted:
+        raise KeyboardInterrupt
+
+
+@contextmanager
 def workers_without_ctrl_c():
     """Start worker processes inside this block: they leave Ctrl-C to the command.
 
@@ -380,8 +398,8 @@ def workers_without_ctrl_c():
     ``KeyboardInterrupt`` traceback. Inside the block SIGINT is blocked, and processes inherit the blocked
     signal (it stays blocked in them). This process notes a Ctrl-C or SIGTERM that comes meanwhile (another
     of its threads may take it) and raises ``KeyboardInterrupt`` once the block is over, not half-way
-    through starting the workers: then the command stops them (``Pool.terminate``: SIGTERM, which they do
-    not block) and ``errors`` prints ``error: interrupted``.
+    through starting the workers (``interrupts_deferred``): then the command stops them (``Pool.terminate``:
+    SIGTERM, which they do not block) and ``errors`` prints ``error: interrupted``.
 
     multiprocessing's resource tracker unblocks SIGINT once it has started its own process, which it does
     when the first pool starts: it is started before the block, or the workers would get Ctrl-C again.
@@ -391,19 +409,12 @@ def workers_without_ctrl_c():
         return
     from multiprocessing import resource_tracker
     resource_tracker.ensure_running()
-    noted = []
-    on_main = threading.current_thread() is threading.main_thread()      # where signal handlers can be set
-    previous = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if noted:
-        raise KeyboardInterrupt
+    with interrupts_deferred():
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @contextmanager

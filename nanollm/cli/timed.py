@@ -154,14 +154,17 @@ def stop(process: subprocess.Popen) -> None:
 def run_once(command: list[str]) -> int:
     """Run ``command`` to its end in a process group of its own; its exit status. Interrupted (Ctrl-C,
     SIGTERM), it is stopped with all it started before the interruption goes on."""
+    process = None
     try:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
-    except OSError as e:                            # which() found it, yet it cannot be started
-        cli.fail(f"{command[0]}: cannot run it: {e.strerror or e}")
-    try:
+        with cli.interrupts_deferred():   # cut inside Popen, the started command would run on, untracked
+            try:
+                process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as e:                    # which() found it, yet it cannot be started
+                cli.fail(f"{command[0]}: cannot run it: {e.strerror or e}")
         return process.wait()
     except BaseException:
-        stop(process)
+        if process is not None:
+            stop(process)
         raise
 
 

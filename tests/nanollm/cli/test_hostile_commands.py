@@ -321,7 +321,7 @@ COMPARE = ["-m", "experiments.compare", "--tasks", "niah_single_prose", "--metho
 
 
 def started(p, err: str) -> bool:
-    return "compare:" in err                       # the progress bar: the model is loaded, the jobs are starting
+    return re.search(r"\| *0/80 \[", err) is not None      # the progress bar at 0: the jobs are starting
 
 
 def jobs_done(p, err: str) -> bool:

@@ -239,8 +239,10 @@ def test_an_interrupted_run_is_one_line_and_stops_the_command(tmp_path, sig):
     """The command is a shell that starts ``sleep`` and waits for it: both are stopped, nothing is recorded."""
     pidfile, record = tmp_path / "sleep.pid", tmp_path / "t.json"
     command = ("sh", "-c", f"sleep 120 & echo $! > {pidfile}; wait")
-    proc = subprocess.Popen([sys.executable, "-m", "nanollm.cli.timed", *timed_argv(record, command=command)],
-                            env=cli_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    errfile = tmp_path / "stderr.txt"      # a file, not a pipe: a sleep left running would hold a pipe open
+    with errfile.open("w") as err_out:
+        proc = subprocess.Popen([sys.executable, "-m", "nanollm.cli.timed", *timed_argv(record, command=command)],
+                                env=cli_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err_out)
     sleep_pid = None
     try:
         deadline = time.monotonic() + 60
@@ -248,7 +250,8 @@ def test_an_interrupted_run_is_one_line_and_stops_the_command(tmp_path, sig):
             time.sleep(0.1)
         sleep_pid = int(pidfile.read_text())
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        err = errfile.read_text()
         assert proc.returncode == 130 and err == "error: interrupted\n", (proc.returncode, err[-2000:])
         deadline = time.monotonic() + 10
         while not gone(sleep_pid) and time.monotonic() < deadline:
@@ -259,3 +262,23 @@ def test_an_interrupted_run_is_one_line_and_stops_the_command(tmp_path, sig):
         proc.kill()
         if sleep_pid is not None and not gone(sleep_pid):
             os.kill(sleep_pid, signal.SIGKILL)
+
+
+class StartedWhileInterrupted:
+    """A stand-in for ``subprocess.Popen``: Ctrl-C comes while it is being started (the race that left a
+    real command running), after the process exists."""
+
+    def __init__(self, command, **kwargs):
+        self.pid = 12345
+        signal.raise_signal(signal.SIGINT)
+        self.command = command
+
+
+def test_ctrl_c_while_the_command_starts_still_stops_it(monkeypatch):
+    stopped = []
+    monkeypatch.setattr(timed.subprocess, "Popen", StartedWhileInterrupted)
+    monkeypatch.setattr(timed, "stop", stopped.append)
+    with pytest.raises(KeyboardInterrupt):
+        timed.run_once(["true"])
+    assert len(stopped) == 1 and stopped[0].command == ["true"], "the started command was not stopped"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Ctrl-C's handler was not given back"
