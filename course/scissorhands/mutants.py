@@ -26,6 +26,14 @@ MUTANTS = [
            "from experiments.analysis.persistence import heavy\n"
            "B, H_kv, Tn, T = attn.shape\n"
            "return visible & ~heavy(attn.reshape(B * H_kv, Tn, T)).view(B, H_kv, Tn, T)"),
+    Mutant("the level in float64 (a uniform float32 softmax row falls below it)", "low_flags",
+           "1.0 / visible.sum(-1, keepdim=True).clamp(min=1).double()",
+           "1.0 / visible.sum(-1, keepdim=True).clamp(min=1)"),
+    Mutant("a margin against float noise (below the level by more than 1e-6)", "low_flags",
+           "return visible & (attn < threshold - 1e-6)", "return visible & (attn < threshold)"),
+    Mutant("the level as the mean attention over the attended slots (the row's sum rounds above 1)", "low_flags",
+           "(attn * visible).sum(-1, keepdim=True) / visible.sum(-1, keepdim=True).clamp(min=1)",
+           "1.0 / visible.sum(-1, keepdim=True).clamp(min=1)"),
 
     # keep_score: the lexicographic order
     Mutant("counters plus attention as one float (not exact in float32)", "keep_score",
@@ -58,6 +66,13 @@ MUTANTS = [
            "order = by_attn.gather(-1, counts.gather(-1, by_attn).argsort(dim=-1, stable=True))\n"
            "rank = order.argsort(dim=-1)\n"
            "return (counts.shape[-1] - 1 - rank).double().masked_fill(pos < 0, float(\"-inf\"))"),
+    Mutant("counters scaled by a fixed 1000, not by T", "keep_score", "rank - counts * 1000", "rank - counts * T"),
+    Mutant("counters scaled by the held slots, not by T (ranks count the empty ones too)", "keep_score",
+           "rank - counts * (pos >= 0).sum(-1, keepdim=True)", "rank - counts * T"),
+    Mutant("one float64 key, attention - 2 I, ranked exactly (the key rounds tiny attentions together)", "keep_score",
+           "key = attn.double() - 2.0 * counts.double()\n"
+           "rank = torch.searchsorted(key.sort(dim=-1).values, key)\n"
+           "return rank.double().masked_fill(pos < 0, float(\"-inf\"))"),
 
     # n_dropped: m at a time
     Mutant("m not cut to budget - n_recent", "n_dropped", "m = drop", "m = min(drop, budget - n_recent)"),
@@ -72,6 +87,8 @@ MUTANTS = [
            "excess = n_slots - budget + 1", "excess = n_slots - budget"),
     Mutant("m one short of budget - n_recent", "n_dropped", "m = min(drop, budget - n_recent - 1)",
            "m = min(drop, budget - n_recent)"),
+    Mutant("rounds up by int(x + 0.999) (wrong when m is over 1000)", "n_dropped",
+           "return int(excess / m + 0.999) * m", "return math.ceil(excess / m) * m"),
     Mutant("m the larger of drop and budget - n_recent", "n_dropped", "m = max(drop, budget - n_recent)",
            "m = min(drop, budget - n_recent)"),
 ]

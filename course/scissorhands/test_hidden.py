@@ -16,9 +16,15 @@ from oracle import assert_close, check_tensor, generator, patched, points, refer
 # References, by loops over plain Python numbers
 
 
+def level(n_seen):
+    """The uniform level 1 / n as float32 computes it (the attention's type): a softmax of equal scores over n
+    slots gives exactly this, which is not below it."""
+    return float(torch.tensor(1.0) / max(n_seen, 1))
+
+
 def low_flags_by_loop(attn, visible, threshold=None):
     """Algorithm 2's indicator, one query row at a time: attended and below tau (default 1 / slots attended)."""
-    out = [[[[bool(s and x < (threshold if threshold is not None else 1 / max(sum(seen), 1)))
+    out = [[[[bool(s and x < (threshold if threshold is not None else level(sum(seen))))
               for x, s in zip(row, seen)]
              for row, seen in zip(rows, sees)]
             for rows, sees in zip(a_b, v_b)]
@@ -28,13 +34,10 @@ def low_flags_by_loop(attn, visible, threshold=None):
 
 def keep_score_by_pairs(counts, attn, pos):
     """Each slot's score = how many slots of its head rank strictly below it (more flags, or as many and less
-    attention); empty slots -inf."""
-    B, H, T = counts.shape
-    c, a, p = counts.tolist(), attn.tolist(), pos.tolist()
-    out = [[[float("-inf") if p[b][h][i] < 0 else
-              sum(c[b][h][j] > c[b][h][i] or (c[b][h][j] == c[b][h][i] and a[b][h][j] < a[b][h][i]) for j in range(T))
-              for i in range(T)] for h in range(H)] for b in range(B)]
-    return torch.tensor(out, dtype=torch.float64)
+    attention), every pair compared in float64; empty slots -inf."""
+    c, a = counts.double(), attn.double()                              # (B, H_kv, T): i along -2, j along -1 below
+    below = (c[..., None, :] > c[..., None]) | ((c[..., None, :] == c[..., None]) & (a[..., None, :] < a[..., None]))
+    return below.sum(-1).double().masked_fill(pos < 0, float("-inf"))
 
 
 def n_dropped_by_loop(n_slots, budget, drop, n_recent):
@@ -142,7 +145,7 @@ def dyadic_rows(g, n_rows, visible, parts=16):
 @points(3, task="low_flags")
 def test_low_flags_against_a_loop():
     g = generator("low flags loop")
-    B, H_kv, Tn, T = 2, 3, 5, 9
+    B, H_kv, Tn, T = 2, 3, 5, 31
     visible = torch.rand(B, H_kv, Tn, T, generator=g) < 0.7           # any pattern: holes, evicted, not causal
     visible[0, 0, 0] = False                                            # a query that attended nothing
     visible[1, 2, :, :4] = True                                         # 4 or more slots: levels 1/4, 1/8 exact
@@ -150,6 +153,11 @@ def test_low_flags_against_a_loop():
     attn = attn / attn.sum(-1, keepdim=True).clamp(min=1e-9)
     attn[1, 2] = dyadic_rows(g, Tn, visible[1, 2])                     # some entries exactly at the level
     attn[1, 1, :, :] = torch.where(visible[1, 1], 0.125, 0.0)           # exactly the threshold below
+    visible[0, 1, :, :] = torch.arange(T) < torch.tensor([31, 25, 29, 9, 3])[:, None]  # float32 1/25: below 1/25
+    attn[0, 1] = torch.softmax(torch.zeros(Tn, T).masked_fill(~visible[0, 1], float("-inf")), -1)   # uniform
+    visible[0, 2, 0] = torch.arange(T) < 4
+    attn[0, 2, 0] = torch.softmax(torch.tensor([0.0, 0.0, 0.0, 1e-6] + [0.0] * (T - 4)).masked_fill(
+        ~visible[0, 2, 0], float("-inf")), -1)                           # three a hair below 1/4
     for threshold in (None, 0.125, 0.3):
         def detail(at):
             n = int(visible[at[:3]].sum())
@@ -230,13 +238,30 @@ def test_keep_score_orders_by_the_counters_then_the_attention():
     counts[0, 0] = torch.arange(T) // 2 % 2                                  # counters one apart
     pos = torch.randperm(T, generator=g).expand(B, H_kv, T).clone()
     pos[0, 2, 5:9] = -1                                                      # empty slots
-    got = A.keep_order(counts, attn, pos)
+    counts[0, 2] = torch.arange(T) % 2                                       # counters one apart beside them,
+    attn[0, 2, 5:11] = 0.0                                                   # the empty and two held at 0
+    counts[1, 0] = 400                                                       # one counter for all: tiny attentions
+    attn[1, 0, ::2] = 1e-10 * (1 + 1e-5 * torch.arange(T // 2, dtype=torch.float32))
+    attn[1, 0, 1:6:2] = torch.tensor([0.0, 1e-30, 1e-38])
+    assert_lexicographic(A.keep_order(counts, attn, pos), counts, attn, pos)
+    T = 1200                                                                 # more slots than a fixed scale
+    counts = torch.randint(0, 3, (1, 2, T), generator=g)
+    attn = torch.rand(1, 2, T, generator=g) * (torch.rand(1, 2, T, generator=g) < 0.9)   # some at 0
+    counts[0, 1] = torch.arange(T) % 2
+    attn[0, 1] = torch.arange(T) / T                                         # the I = 1 slots reach higher
+    pos = torch.arange(T).expand(1, 2, T)
+    assert_lexicographic(A.keep_order(counts, attn, pos), counts, attn, pos)
+
+
+def assert_lexicographic(got, counts, attn, pos):
+    """``got`` orders every pair of held slots as the pairwise reference, also in float32; -inf where empty."""
+    B, H_kv, T = counts.shape
     want = keep_score_by_pairs(counts, attn, pos)
     check_tensor(got, want.shape, torch.float64, "keep_score's scores (B, H_kv, T)")
     empty = pos < 0
     assert_close(got.masked_fill(~empty, 0.0), torch.zeros_like(want).masked_fill(empty, float("-inf")),
                  what="keep_score's scores, the stored slots' set to 0 here: -inf at every empty slot (pos -1)")
-    assert torch.isfinite(got[~empty]).all(), "a stored slot has a finite score"
+    assert torch.isfinite(got[~empty]).all(), f"T = {T}: a stored slot has a finite score"
     for kind, s in (("", got.double()), (" in float32 (select_topk ranks a float32 copy)", got.float().double())):
         for b in range(B):
             for h in range(H_kv):
@@ -248,7 +273,7 @@ def test_keep_score_orders_by_the_counters_then_the_attention():
                     expected = "equal scores" if want[b, h, i] == want[b, h, j] else \
                         f"slot {i if want[b, h, i] > want[b, h, j] else j} higher"
                     raise AssertionError(
-                        f"the order must be exactly lexicographic{kind}: batch {b}, KV head {h}: slot {i} "
+                        f"the order must be exactly lexicographic{kind}: T = {T}, batch {b}, KV head {h}: slot {i} "
                         f"(I = {int(counts[b, h, i])}, attention {float(attn[b, h, i]):.9g}) and slot {j} "
                         f"(I = {int(counts[b, h, j])}, attention {float(attn[b, h, j]):.9g}) score "
                         f"{float(s[b, h, i])} and {float(s[b, h, j])}; expected {expected}")
@@ -276,7 +301,9 @@ def test_n_dropped_against_a_loop():
         budget, drop = (int(x) for x in torch.randint(1, 2000, (2,), generator=g))
         n_recent = int(torch.randint(0, budget, (1,), generator=g))
         drawn.append((int(torch.randint(0, 3 * budget + 50, (1,), generator=g)), budget, drop, n_recent))
-    for n_slots, budget, drop, n_recent in small + drawn:
+    large_m = [(budget + k, budget, drop, n_recent) for budget, drop, n_recent in ((2000, 1500, 0), (4000, 3999, 1),
+                                                                                 (3000, 2500, 400)) for k in (1, 2, 3)]
+    for n_slots, budget, drop, n_recent in small + large_m + drawn:
         got = A.tokens_to_drop(n_slots, budget, drop, n_recent)
         want = n_dropped_by_loop(n_slots, budget, drop, n_recent)
         assert isinstance(got, int) and got == want, (

@@ -46,6 +46,18 @@ def test_low_flags_use_each_querys_uniform_level():
     assert_close(A.unimportant(attn, visible, threshold=tau), visible & (attn < tau), detail=detail,
                  what=f"with threshold={tau:.6g}, the low flags: a slot is low when attended and strictly below it")
 
+    # softmax rows as the policy sees them (float32): exactly at the level, and a hair below it
+    n = torch.tensor([10, 25, 31])                                           # slots attended by KV head 0, 1, 2
+    seen = (torch.arange(31) < n[:, None, None])[None]                       # (1, 3, 1, 31)
+    uniform = torch.softmax(torch.zeros(seen.shape).masked_fill(~seen, float("-inf")), -1)
+    assert_close(A.unimportant(uniform, seen), torch.zeros_like(seen), what="uniform rows (a softmax of equal "
+                 "scores over 10, 25 and 31 slots): each attention is 1/n, exactly the level as float32 computes it, "
+                 "so no slot is low")
+    near = torch.softmax(torch.tensor([[[[0.0, 0.0, 0.0, 1e-6]]]]), -1)     # 0.24999995 three times, then more
+    assert_close(A.unimportant(near, torch.ones(1, 1, 1, 4, dtype=torch.bool)),
+                 torch.tensor([[[[True, True, True, False]]]]), what="a softmax of the scores (0, 0, 0, 1e-6): the "
+                 "first three attentions, 0.24999995, are below the level 1/4 by a hair, and low")
+
 
 @points(2, task="keep_score")
 def test_fewer_low_flags_first_then_higher_attention():
@@ -88,6 +100,21 @@ def test_fewer_low_flags_first_then_higher_attention():
                     f"must score above {slot(s, h, worse[0])}")
 
 
+    T = 1100                                                   # "T up to a few thousand slots"
+    many = A.keep_order((torch.arange(T) % 2).view(1, 1, T), torch.arange(T).float().view(1, 1, T) / T,
+                        torch.arange(T).view(1, 1, T))
+    low, high = int(many[0, 0, ::2].argmin()) * 2, int(many[0, 0, 1::2].argmax()) * 2 + 1
+    assert many[0, 0, low] > many[0, 0, high], (
+        f"{T} slots, counters alternating 0 and 1, attention rising with the slot: every slot with I = 0 must score "
+        f"above every slot with I = 1, however their attentions compare; slot {low} (I = 0) scores "
+        f"{float(many[0, 0, low])}, slot {high} (I = 1) {float(many[0, 0, high])}")
+    tiny = torch.tensor([[[0.0, 1e-30, 1e-10, 1.00001e-10, 0.3]]])             # equal counters, rising attention
+    s = A.keep_order(torch.full((1, 1, 5), 400), tiny, torch.arange(5).view(1, 1, 5))
+    for kind, t in (("", s), (" (in float32, as select_topk ranks it)", s.float())):
+        assert (t[0, 0, 1:] > t[0, 0, :-1]).all(), (
+            f"five slots with I = 400 and the attentions {tiny.flatten().tolist()}: each must score above the one "
+            f"before it{kind} (however small or close the attentions), got {t.flatten().tolist()}")
+
     rows = A.keep_order(torch.tensor([[[0, 1]], [[0, 0]]]), torch.tensor([[[0.125, 0.875]], [[0.5, 0.625]]]),
                         torch.tensor([[[0, 1]], [[0, 1]]]))
     assert rows[0, 0, 0] > rows[0, 0, 1] and rows[1, 0, 1] > rows[1, 0, 0], (
@@ -109,6 +136,7 @@ def test_tokens_to_drop():
         (16, 12, 4, 2, 4, "4 too many: exactly one compression of m = 4"),
         (13, 12, 20, 2, 10, "m is cut to budget - n_recent = 10"),
         (23, 12, 20, 7, 15, "m is cut to budget - n_recent = 5: three compressions for 11 too many"),
+        (2001, 2000, 1500, 0, 1500, "m = 1500 at a time, even for one too many"),
     ]
     for n_slots, budget, drop, n_recent, want, why in cases:
         n_slots, budget, n_recent = n_slots + later, budget + later, n_recent + later
