@@ -71,6 +71,9 @@ MUTANTS = [
     Mutant("keys repeated to every query head, then grouped in the wrong order", SCORES,
            "B, H, C, d = q.shape\nH_kv = k.shape[1]\nkr = k.repeat(1, H // H_kv, 1, 1)\n"
            "s = q @ kr.transpose(-1, -2) / math.sqrt(d)\nreturn s.view(B, H_kv, H // H_kv, C, k.shape[2])"),
+    Mutant("the query heads grouped with .view (the model's queries are a transpose: it fails there)", SCORES,
+           "qg = q.view(B, H_kv, H // H_kv * C, d) / math.sqrt(d)",
+           "qg = q.reshape(B, H_kv, H // H_kv * C, d) / math.sqrt(d)"),
     Mutant("scores of each query head against KV head 0 only", SCORES,
            "(qg @ k[:, :1].transpose(-1, -2))", "(qg @ k.transpose(-1, -2))"),
 

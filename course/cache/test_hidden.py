@@ -235,6 +235,8 @@ def test_group_scores_against_a_loop_over_heads():
     the scores are q k^T / sqrt(d), with query head kv * G + g's in [:, kv, g]."""
     for seed, (H, H_kv) in enumerate([(6, 2), (6, 1), (3, 3), (6, 2)]):
         q, k = randn(2, H, 4, 16, seed=seed), randn(2, H_kv, 7, 16, seed=seed + 9) * 2
+        if seed == 3:                                    # laid out as the model's projection leaves them
+            q = randn(2, 4, H, 16, seed=seed).transpose(1, 2)
         assert_close(A.scores(q, k), scores_by_loop(q, k), rtol=1e-5, atol=1e-5,
                      what=f"H={H}, H_kv={H_kv}: the scores (B, H_kv, G, C, T), q k^T / sqrt(d) with query head "
                      "kv * G + g in [:, kv, g]")

@@ -151,6 +151,10 @@ def test_decode_step_scores_with_gqa():
     assert_close(A.scores(q3, k), scores_by_loop(q3, k), rtol=1e-5, atol=1e-5,
                  what="the scores of a chunk of 3 queries (B, H_kv, G, C, T): query t of head kv * G + g in "
                  "[:, kv, g, t] (the G heads before the C queries)")
+    qm = randn(2, 3, 4, 16, seed=6).transpose(1, 2)         # (B, H, C, d) as the model has it: a transpose
+    assert_close(A.scores(qm, k), scores_by_loop(qm, k), rtol=1e-5, atol=1e-5,
+                 what="the scores of queries as the model hands them over, q (2, 4, 3, 16) a transpose of "
+                 "(B, C, H, d), not contiguous: .view cannot regroup them, .reshape can")
     half = A.scores(q.half(), k.half())
     assert half.dtype == torch.float16, f"the scores of float16 queries and keys are {half.dtype}: keep the " \
         "inputs' dtype (the attention's softmax and its product with float16 values expect it)"

@@ -23,8 +23,19 @@ MUTANTS = [
            "torch.bmm(diff.unsqueeze(1), projected).squeeze(1)", "(diff.unsqueeze(-2) @ projected).squeeze(-2)"),
     Mutant("the dropped entries' output instead of the change", "output_perturbation",
            "diff = attn * ~keep", "diff = attn - renormalized_attention(attn, keep)"),
+    Mutant("A' with a guard against 0 added to the kept mass", "output_perturbation",
+           "return kept / (kept.sum(-1, keepdim=True) + 1e-6)", "return kept / kept.sum(-1, keepdim=True)"),
+    Mutant("L in float32 whatever the inputs' type", "output_perturbation",
+           "attn, projected = attn.float(), projected.float()\ndiff = attn - renormalized_attention(attn, keep)",
+           "diff = attn - renormalized_attention(attn, keep)"),
+    Mutant("the rows flattened with .view (fails on a transposed projected)", "output_perturbation",
+           "n, D = projected.shape[-2:]\n"
+           "return (diff.reshape(-1, 1, n) @ projected.view(-1, n, D)).view(*diff.shape[:-1], D).abs().sum(-1)",
+           "return (diff.unsqueeze(-2) @ projected).squeeze(-2).abs().sum(-1)"),
 
     # perturbation_bound: Eq. 8
+    Mutant("theta in float32 whatever the inputs' type", "perturbation_bound",
+           "attn, vnorm = attn.float(), vnorm.float()\nC = (attn * vnorm).sum(-1)", "C = (attn * vnorm).sum(-1)"),
     Mutant("1 - 1/mass for 2 - 1/mass", "perturbation_bound", "(1 - 1 / kept_mass)", "(2 - 1 / kept_mass)"),
     Mutant("2 + 1/mass (a sign)", "perturbation_bound", "(2 + 1 / kept_mass)", "(2 - 1 / kept_mass)"),
     Mutant("C over the kept entries only", "perturbation_bound",
@@ -100,6 +111,19 @@ MUTANTS = [
     Mutant("ties to the later entry", "two_stage",
            "order = scores.shape[-1] - 1 - torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices",
            "order = torch.sort(scores, dim=-1, descending=True, stable=True).indices"),
+    Mutant("stage 1 ranks NaN and -inf as they are (only stage 2 cleans them)", "two_stage",
+           "stage1 = (ranks(first.float().masked_fill(~valid, float(\"-inf\"))) < n_first[..., None]) & valid",
+           "stage1 = (ranks(ranking(first)) < n_first[..., None]) & valid"),
+    Mutant("stage 1 pushed below stage 2's scores, which then takes budget - n_first", "two_stage",
+           "keep = stage1 | (ranks(s2.masked_fill(stage1, lowest)) < (budgets - n_first)[..., None]) & valid",
+           "keep = (ranks(s2) < budgets[..., None]) & valid"),
+    Mutant("stage 2's ties broken by the first score, not by position", "two_stage",
+           "by_first = torch.sort(ranking(first), dim=-1, descending=True, stable=True).indices\n"
+           "order = by_first.gather(-1, torch.sort(s2.gather(-1, by_first), dim=-1, descending=True, "
+           "stable=True).indices)\n"
+           "steps = torch.arange(s2.shape[-1]).expand_as(order)\n"
+           "keep = (torch.empty_like(order).scatter_(-1, order, steps) < budgets[..., None]) & valid",
+           "keep = (ranks(s2) < budgets[..., None]) & valid"),
 ]
 
 ACCEPTABLE = {

@@ -99,6 +99,14 @@ def test_perturbation_against_a_loop():
                      what=f"attn {tuple(attn.shape)}, projected {tuple(projected.shape)}: output_perturbation, one L "
                      f"per row, L = ||(A - A') V W_O||_1 (an L1 norm over the D = {D} outputs of the change, A' "
                      "renormalised over the kept)")
+    attn = torch.softmax(torch.tensor([10.0] + [0.0] * 11), -1).repeat(2, 3, 1).double()   # a sink: the kept
+    keep = torch.arange(12) >= 8                                            # last 4 hold 2e-4 of the mass
+    projected = torch.randn(2, 12, 3, 5, generator=g, dtype=torch.float64).transpose(1, 2)    # (2, 3, 12, 5)
+    got = A.perturbation(attn, keep.expand(2, 3, 12), projected)
+    check_tensor(got, (2, 3), torch.float64, "L of float64 inputs, over 2 x 3 heads")
+    assert_close(got, perturbation_by_loop(attn, keep.expand(2, 3, 12), projected), rtol=1e-9, atol=1e-12,
+                 what="float64, a sink holding nearly all the attention and the kept entries 2e-4 of it, projected "
+                 "values laid out heads-second (a transpose of (2, 12, 3, 5)): one L per (batch, head)")
 
 
 @points(2, task="output_perturbation")
@@ -190,6 +198,14 @@ def test_two_stage_masks_against_a_loop():
                 f"trial {trial}: {name}, a (..., T) bool mask; stage 1 is the top n_first valid entries by `first` "
                 "(capped at the budget, itself capped at the valid entries), stage 2 the best of the other valid "
                 "entries by `second`; NaN and -inf rank lowest, ties go to the earlier entry"))
+
+    first = torch.randn(2, 3, 12, generator=g)                                    # distinct first scores
+    second = torch.zeros(2, 3, 12)                                                # stage 2: one tie throughout
+    budgets, n_first = torch.randint(3, 12, (2, 3), generator=g), torch.randint(0, 3, (2, 3), generator=g)
+    got, want = A.stages(first, second, budgets, n_first)[1], two_stage_by_loop(first, second, budgets, n_first)[1]
+    assert_close(got, want, detail=lambda at: f"budget {int(budgets[at[:2]])}, n_first {int(n_first[at[:2]])}",
+                 what="every second score equal: stage 2 fills the budget with the earliest entries stage 1 left, "
+                 "in order of position, not of first score (the kept set, (2, 3, 12))")
 
 
 @points(2, task="two_stage")

@@ -45,6 +45,13 @@ def test_perturbation_is_the_l1_change_of_the_output():
                                  "any leading shape (..., n), one row or a grid of them") from None
         assert_close(got, want[:n].reshape(lead), atol=1e-5, rtol=1e-5, what=f"output_perturbation with leading "
                      f"shape {lead} (attn {(*lead, 8)}, projected {(*lead, 8, 6)}): one L per row, shape {lead}")
+    heads = torch.stack([projected, projected.flip(1)], 2).transpose(1, 2)   # (3, 2, 8, 6), a transpose
+    got = A.perturbation(torch.stack([attn, attn.flip(-1)], 1), torch.stack([keep, keep.flip(-1)], 1), heads)
+    assert_close(got, torch.stack([want, want], 1), atol=1e-5, rtol=1e-5, what="output_perturbation over 2 heads, "
+                 "the second the first's entries reversed (the same L), projected (3, 2, 8, 6) a transpose of "
+                 "(3, 8, 2, 6), not contiguous (as a model's heads often are): one L per row, shape (3, 2)")
+    exact = A.perturbation(attn.double(), keep, projected.double())
+    check_tensor(exact, (3,), torch.float64, "output_perturbation of float64 attention and projected values")
 
 
 @points(2, task="perturbation_bound")
@@ -61,6 +68,8 @@ def test_the_bound_is_eq8_and_holds():
                  detail=lambda at: f"keep {keep[at].int().tolist()}",
                  what=f"Eq. 8, theta = C - (2 - 1/sum(N A)) sum(N A P) with C = sum(A P), on A = "
                  f"{attn[0].tolist()}, P = {[round(x, 5) for x in vnorm[0].tolist()]}, one theta per row (3,)")
+    check_tensor(A.bound(attn.double(), keep, vnorm.double()), (3,), torch.float64,
+                 "theta of float64 attention and value norms (the hand case in float64)")
     for case in range(10):
         attn = torch.softmax(torch.randn(12, generator=g) * 2, 0)
         projected = torch.randn(12, 5, generator=g)
@@ -127,6 +136,20 @@ def test_two_stages():
                  "budget 3, n_first 2: stage 1, whose n_first counts the +inf entries")
     assert_close(keep, mask(5, [0, 1, 4]), what="the same, second scores [0, 0, 0, 0, 1]: the kept set, stage 1 and "
                  "the one entry left by the second ranking")
+    _, keep = A.stages(torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.12, 0.05]]),
+                       torch.tensor([[0.3, 0.1, 0.2, 0.4, 0.4, 0.1]]), 3, 2)
+    assert_close(keep, mask(6, [0, 1, 3]), what="first [0.30, 0.25, 0.20, 0.10, 0.12, 0.05], second [0.3, 0.1, 0.2, "
+                 "0.4, 0.4, 0.1], budget 3, n_first 2: stage 2's tie (0.4 at entries 3 and 4) goes to the earlier "
+                 "entry, whatever their first scores: entries 0, 1, 3")
+    stage1, keep = A.stages(torch.tensor([[float("nan"), 0.5, 0.4, 0.3]]), torch.tensor([[0.1, 0.2, 0.3, 0.4]]), 2, 1)
+    assert_close(stage1, mask(4, [1]), what="first scores [nan, 0.5, 0.4, 0.3], budget 2, n_first 1: stage 1 "
+                 "ranks NaN lowest too, so it takes entry 1")
+    assert_close(keep, mask(4, [1, 3]), what="first [nan, 0.5, 0.4, 0.3], second [0.1, 0.2, 0.3, 0.4], budget 2, "
+                 "n_first 1: the kept set, entry 1 by stage 1 and entry 3 by stage 2")
+    _, keep = A.stages(torch.tensor([[0.9, 0.5, 0.4, 0.3]]), torch.tensor([[0.1, 0.2, float("nan"), float("-inf")]]),
+                       4, 1)
+    assert_close(keep, mask(4, range(4)), what="second scores [0.1, 0.2, nan, -inf], a budget of 4 over 4 valid "
+                 "entries: every entry is kept, NaN and -inf ones included")
     stage1, keep = A.stages(torch.zeros(1, 24), torch.zeros(1, 24), 3, 1)
     assert_close(keep, mask(24, [0, 1, 2]), what="24 equal scores in both rankings, budget 3, n_first 1: ties go to "
                  "the earlier entry (a stable sort), so the kept set is entries 0, 1, 2")

@@ -86,13 +86,26 @@ def write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
+def memory_order(t) -> list[int] | None:
+    """The order of ``t``'s axes in memory, outermost first, when ``t`` is a contiguous tensor with its axes
+    permuted (a transpose: the model's queries are one); None for a contiguous tensor and for any other layout
+    (a slice, an expanded tensor), which travels contiguous."""
+    if t.dim() < 2 or t.is_contiguous():
+        return None
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    return order if t.permute(order).is_contiguous() else None
+
+
 def pack(t) -> dict:
-    """A tensor as plain data: its type's name, shape and bytes (a buffer the message carries out of band)."""
+    """A tensor as plain data: its type's name, shape and bytes (a buffer the message carries out of band), and
+    the order of its axes in memory if it is a transpose (``memory_order``), so that it arrives as one: code that
+    reads a transposed input as if it were contiguous (``.view``) fails in the grade as it would in the model."""
     torch = _torch()
+    order = memory_order(t)
     flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))                # plain strides, whatever t's were (expanded, a view)
+    flat.copy_((t if order is None else t.permute(order)).detach().reshape(-1))   # in memory's order: plain
     raw = pickle.PickleBuffer(flat.view(torch.uint8).numpy()) if t.numel() else b""
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": raw}
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": raw, "order": order}
 
 
 def unpack(d: dict):
@@ -108,11 +121,18 @@ def unpack(d: dict):
         numel *= n
     if min(shape, default=0) < 0 or numel * dtype.itemsize != len(raw):
         raise ValueError(f"a tensor of shape {shape} and type {d['dtype']} with {len(raw)} bytes")
+    order = d.get("order")
+    if order is not None and sorted(order) != list(range(len(shape))):
+        raise ValueError(f"a tensor of {len(shape)} axes with the axis order {order}")
     if not raw:
         return torch.empty(shape, dtype=dtype)
     if not isinstance(raw, bytearray):                # bytes within the pickle: a copy each time they are named
         raise ValueError("a tensor's bytes travel out of band, in a buffer of their own")
-    return torch.frombuffer(raw, dtype=dtype).reshape(shape)
+    flat = torch.frombuffer(raw, dtype=dtype)
+    if order is None:
+        return flat.reshape(shape)
+    back = sorted(range(len(order)), key=order.__getitem__)          # the inverse permutation
+    return flat.reshape([shape[a] for a in order]).permute(back)
 
 
 def read_exactly(fd: int, n: int) -> bytearray:
@@ -580,6 +600,24 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                 raise NotTriton(f"{line}: .{node.attr}: a kernel reads only a tensor's or a dtype's attributes")
 
 
+def stub_hint(fn: ast.FunctionDef) -> str | None:
+    """The hint of the first ``raise NotImplementedError("<hint>")`` in ``fn`` (a task not done yet), or None."""
+    for node in ast.walk(fn):
+        call = node.exc if isinstance(node, ast.Raise) else None
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "NotImplementedError":
+            first = call.args[0] if call.args else None
+            return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else ""
+    return None
+
+
+def stub_only(fn: ast.FunctionDef, hint: str) -> ast.FunctionDef:
+    """``fn`` with its body cut to ``raise NotImplementedError(hint)``: a kernel holding a task's stub raises the
+    stub's hint when it runs. The code around the stub reads what the task would compute (a kernel of the
+    student copy reads ``s`` after its stub), and checked as it is, it made the untouched copy fail "not Triton"."""
+    body = ast.parse(f"raise NotImplementedError({hint!r})").body
+    return ast.fix_missing_locations(ast.FunctionDef(**{**vars(fn), "body": body}))
+
+
 @functools.cache
 def value_attributes() -> frozenset[str]:
     """What a kernel may read of a value that is not ``tl``: a Triton tensor's public methods, a tensor's, a
@@ -621,7 +659,7 @@ class KernelsAlone:
     is never reached: the wrapper is the grader's."""
 
     def __init__(self, student: Path):
-        self.student, self.files = student, {}
+        self.student, self.files, self.stubs = student, {}, {}
 
     def kernels_of(self, file: str) -> dict:
         if file not in self.files:
@@ -636,7 +674,11 @@ class KernelsAlone:
             tree = ast.parse(text, file)
             found = jit_functions(tree)
             names = language_names()
-            for fn in found.values():
+            for kernel, fn in found.items():
+                hint = stub_hint(fn)
+                if hint is not None:                  # a task not done: the kernel raises its hint (``stub_only``)
+                    found[kernel] = fn = stub_only(fn, hint)
+                    self.stubs[(file, kernel)] = hint
                 check_triton_only(fn, names, file, set(found))
             name = f"<the copy's kernels: {file}>"
             source = "\n\n".join(map(written_again, found.values())) + "\n"
@@ -652,6 +694,8 @@ class KernelsAlone:
         kernels = self.kernels_of(file)
         if kernel not in kernels:
             raise NotTriton(f"{file} has no @triton.jit function {kernel!r}")
+        if (file, kernel) in self.stubs:              # its hint in a line (the interpreter would wrap it)
+            raise NotImplementedError(self.stubs[(file, kernel)])
         try:
             kernels[kernel][tuple(int(g) for g in grid)](*args, **meta)
         except Exception as e:                # noqa: BLE001  (Triton's interpreter wraps what the kernel raised)

@@ -174,6 +174,51 @@ def test_a_kernels_annotations_and_defaults_are_triton_too(header):
         check_triton_only(fn, language_names(), "k.py", {"k"})
 
 
+def test_a_transposed_tensor_crosses_as_a_transpose():
+    """The model's queries are a transpose, not contiguous: a tensor crosses between the processes with its
+    axes' order in memory, so code that reads it with ``.view`` fails in the grade as it does in the model (it
+    passed every test while inputs crossed contiguous); other layouts (a slice) cross contiguous; an order that
+    is not a permutation of the axes is refused."""
+    import torch
+
+    from course.sandbox import student_process as wire
+
+    def cross(t, **changed):
+        d = wire.pack(t)
+        return wire.unpack({**d, "bytes": bytearray(d["bytes"]), **changed})
+    q = torch.randn(2, 5, 3, 4).transpose(1, 2)                       # (B, H, T, d) from (B, T, H, d)
+    got = cross(q)
+    assert torch.equal(got, q) and got.stride() == q.stride(), (got.stride(), q.stride())
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        got.view(2, 15, 4)
+    part = torch.randn(4, 6)[:, ::2]
+    assert torch.equal(cross(part), part) and cross(part).is_contiguous()
+    with pytest.raises(ValueError, match="axis order"):
+        cross(q, order=[0, 0, 1, 3])
+
+
+def test_a_kernel_holding_its_stub_runs_as_the_stub_alone():
+    """In a student copy a graded kernel keeps the code after its task's stub, which reads what the task computes
+    (``s`` here): the kernels' process runs it as the stub alone, which raises the stub's hint (the untouched
+    copy failed "not Triton" for ``s``); a kernel without a stub is checked and run as it is."""
+    from course.sandbox.student_process import (
+        check_triton_only,
+        jit_functions,
+        language_names,
+        stub_hint,
+        stub_only,
+        written_again,
+    )
+    text = ("@triton.jit\ndef k(p):\n    x = tl.load(p)\n"
+            "    raise NotImplementedError('kernels, task t: a hint')   # your code here\n    tl.store(p, s)\n"
+            "@triton.jit\ndef done(p):\n    tl.store(p, tl.load(p))\n")
+    found = jit_functions(ast.parse(text))
+    assert stub_hint(found["done"]) is None and stub_hint(found["k"]) == "kernels, task t: a hint"
+    stub = stub_only(found["k"], stub_hint(found["k"]))
+    check_triton_only(stub, language_names(), "k.py", set(found))
+    assert written_again(stub) == "@triton.jit\ndef k(p):\n    raise NotImplementedError('kernels, task t: a hint')"
+
+
 def test_the_kernel_that_runs_is_the_kernel_that_was_checked():
     """The kernels' process runs each checked kernel written again from its syntax tree. Cut from the file's
     text, form feeds in a comment (``str.splitlines`` cuts there, Python does not) moved the cut into a string
