@@ -66,6 +66,31 @@ MUTANTS = [
            "return table.gather(-1, torch.where(pos < 0, seen, pos)) | table.gather(-1, torch.where(pos < 0, seen, "
            "(pos - 1).clamp(min=0)))",
            "return table.gather(-1, torch.where(pos < 0, seen, pos))"),
+    Mutant("a sort without stable=True (ties past 16 chunks reordered on a CPU)", "chunk_ranking",
+           "torch.sort(chunk_score, dim=-1, descending=True)",
+           "torch.sort(chunk_score, dim=-1, descending=True, stable=True)"),
+    Mutant("topk for the sort (its order of ties)", "chunk_ranking", "chunk_score.topk(C, dim=-1)",
+           "torch.sort(chunk_score, dim=-1, descending=True, stable=True)"),
+    Mutant("ties broken by a small epsilon on the chunk index", "chunk_ranking",
+           "torch.sort(chunk_score - 1e-6 * torch.arange(C), dim=-1, descending=True, stable=True)",
+           "torch.sort(chunk_score, dim=-1, descending=True, stable=True)"),
+    Mutant("chunk sums in float16", "chunk_ranking", "scores.half()", "scores.float()"),
+    Mutant("the number of chunks from the first head's positions", "chunk_ranking",
+           "C = int(pos[0, 0].max()) // chunk_size + 1", "C = int(chunk.max()) + 1"),
+    Mutant("a head's empty chunks sunk to -inf before the shared sum", "chunk_ranking",
+           "chunk_score = chunk_score.masked_fill(chunk_size_free == 0, float(\"-inf\"))\nif shared:",
+           "if shared:"),
+    Mutant("the chunk grid starts at the first free position", "chunk_ranking",
+           "start = torch.where(free, pos, pos.max() + 1).amin(-1, keepdim=True)\n"
+           "chunk = torch.where(free, (pos - start) // chunk_size, torch.zeros_like(pos))",
+           "chunk = torch.where(free, pos // chunk_size, torch.zeros_like(pos))"),
+    Mutant("position lookup: -1 clamped to 0 and scattered (the last write wins)", "holds_position",
+           "table.scatter_(-1, chosen.clamp(min=0), chosen >= 0)",
+           "table.scatter_(-1, torch.where(chosen < 0, seen, chosen), True)"),
+    Mutant("position lookup table sized by the largest held position, not seen", "holds_position",
+           "table = torch.zeros(*pos.shape[:2], int(pos.max()) + 2, dtype=torch.bool, device=pos.device)\n"
+           "seen = table.shape[-1] - 1",
+           "table = torch.zeros(*pos.shape[:2], seen + 1, dtype=torch.bool, device=pos.device)"),
 ]
 
 ACCEPTABLE = {

@@ -67,6 +67,48 @@ def instance(g, B, H, T, seen, chunk_size):
     return scores, pos, free, n_free
 
 
+def edge_layouts():
+    """(what, votes, positions, free, n_free, chunk size) of one row of 2 KV heads each, as the policy passes them
+    (protected +inf, empty -inf): 20 tied chunks (an unstable sort or topk reorders them), votes closer than
+    float16 tells apart, heads holding different positions, a protected first position (the chunks stay 4k to
+    4k + 3), a head whose only free slots in a chunk are none, and rooms that differ between the heads."""
+    inf, ar = float("inf"), lambda n: torch.arange(n).expand(1, 2, n)                 # noqa: E731
+    split = torch.tensor([[[0, 1, 2, 3, -1, -1, -1, -1], list(range(4, 12))]])
+    first_protected = torch.tensor([inf, 0.125, 0.125, 0.25, 1.0, 0.125, 0.125, 0.125]).expand(1, 2, 8)
+    half_protected = torch.tensor([[[1.0, 1.0, 0.125, 0.125], [inf, inf, 0.25, 0.125]]])
+    front = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.125, 0.125, 0.125, 0.125]).expand(1, 2, 8)
+    near = torch.tensor([[[0.25, 0.25000003, 0.0625, 0.0625], [2.0, 2.0002, 0.0625, 0.0625]]])
+    cases = [("20 tied chunks", torch.ones(1, 2, 20), ar(20), torch.tensor([[4, 7]]), 1),
+             ("near ties", near, ar(4), torch.tensor([[1, 1]]), 1),
+             ("near ties in one head", near * torch.tensor([[[1.0], [0.0]]]), ar(4), torch.tensor([[1, 1]]), 1),
+             ("heads holding other positions", torch.ones(1, 2, 8).masked_fill(split < 0, -inf), split,
+              torch.tensor([[4, 4]]), 4),
+             ("position 0 protected", first_protected, ar(8), torch.tensor([[4, 3]]), 4),
+             ("a head's chunk all protected", half_protected, ar(4), torch.tensor([[2, 2]]), 2),
+             ("rooms that differ", front, ar(8), torch.tensor([[4, 8]]), 4)]
+    return [(what, votes, pos, votes.isfinite(), n_free, size) for what, votes, pos, n_free, size in cases]
+
+
+def check_edge_layouts(g, shared):
+    """Each of ``edge_layouts`` asked with 1 to 3 rows drawn from the seed after it, against the loop."""
+    for what, *case, chunk_size in edge_layouts():
+        T = case[1].shape[-1]
+        drawn = instance(g, int(torch.randint(1, 4, (1,), generator=g)), 2, T, T + 4, chunk_size)
+        args = [torch.cat([a, d]) for a, d in zip(case, drawn)]
+        try:
+            got = A.chunk_mask(*args, chunk_size, shared, "none")
+        except (IndexError, RuntimeError) as e:
+            raise AssertionError(f"{what} (chunks of {chunk_size}, shared={shared}): chunk_keep_mask failed: "
+                                 f"{str(e)[:100]}") from None
+        want = chunk_keep_by_loop(*args, chunk_size, shared, "none")
+        pos = args[1]
+        assert_close(got, want, detail=lambda at, got=got, want=want, pos=pos: (
+            f"batch {at[0]}, KV head {at[1]}: kept {sorted(pos[at[:2]][got[at[:2]]].tolist())}, expected "
+            f"{sorted(pos[at[:2]][want[at[:2]]].tolist())}"),
+            what=f"{what}, chunks of {chunk_size}, shared={shared} (row 0; the rows after it drawn): the keep mask, "
+            "whole chunks of positions by summed free votes, ties to the earlier chunk, each head within its room")
+
+
 def kept_per_step(options, task=None, spec="chunkkv", seed=0, n_prompt=30, n_new=0):
     """The sorted positions every layer keeps after the prefill and after each decode step (the tokens are
     given; two prompts), per (batch row, KV head), of the instructor's policy run here in the test process with
@@ -119,6 +161,7 @@ def test_chunk_choice_against_a_loop():
             f"chunk size {chunk_size}, shared={shared}, remainder={remainder!r} (positions in any order, protected "
             f"slots, a last partial chunk): the keep mask (B, H_kv, T), whole chunks by the sum of their free votes"
             f"{' added over the KV heads' if shared else ''}, best first until one does not fit"))
+    check_edge_layouts(g, shared=False)
 
 
 @points(2, task="chunk_ranking")
@@ -179,6 +222,7 @@ def test_shared_ranking_sums_votes_over_heads_and_protected_slots_never_compete(
         assert got == want, (
             f"a chunk takes as much room as its free slots (chunk 0: 1, chunk 1: 3, the last: 1); chunks 1 and 2 tie "
             f"(0.5 times a scale), the earlier first: with room for {n_free} expected positions {want}, got {got}")
+    check_edge_layouts(g, shared=True)
 
 
 @points(2, task="chunk_ranking")
@@ -220,6 +264,11 @@ def test_holds_against_every_pair():
                      f"head chose {sorted(chosen[at[:2]].tolist())} (-1 is nothing)",
                      what=f"seen {seen}: holds_position (B, H_kv, T), whether each slot's position is among those its "
                      "row and head chose")
+    chosen = torch.tensor([[[0, 3, -1, 6], [1, -1, 2, 2]], [[9, -1, -1, -1], [5, 0, -1, 8]]])   # -1 after 0;
+    pos = torch.tensor([[[0, 1, 3, 5, -1], [1, 6, 2, 0, 4]], [[0, 1, 2, 3, 4], [4, 3, 0, 1, -1]]])  # none holds 8, 9
+    assert_close(A.holds(chosen, pos, 10), holds_by_pairs(chosen, pos, 10), what="seen 10, padding (-1) after "
+                 "position 0 and twice in a row, a position chosen twice, positions 8 and 9 chosen where no slot holds "
+                 "them: whether each slot's position was chosen")
 
 
 @points(2, task="holds_position")

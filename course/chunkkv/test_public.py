@@ -73,6 +73,37 @@ def test_whole_chunks_by_summed_votes():
           "0 and 1 tie at 0: the earlier, chunk 0, fits); a protected slot is never in the mask")
 
 
+    one = torch.ones(1, 2, 20, dtype=torch.bool)
+    mask = A.chunk_mask(torch.ones(1, 2, 20), torch.arange(20).expand(1, 2, 20), one, torch.tensor([[3, 5]]), 1,
+                        False, "none")
+    check(mask, torch.arange(20).expand(1, 2, 20), [[0, 1, 2], [0, 1, 2, 3, 4]], "chunks of 1, 20 equal votes, room "
+          "for 3 and 5: every tie goes to the earlier chunk (a sort without stable=True, or topk, reorders ties)")
+    near = torch.tensor([[[0.5, 0.50000006, 0.125, 0.125], [1.0, 1.0001, 0.125, 0.125]]])
+    mask = A.chunk_mask(near, torch.arange(4).expand(1, 2, 4), one[..., :4], torch.tensor([[1, 1]]), 1, False, "none")
+    check(mask, torch.arange(4).expand(1, 2, 4), [[1], [1]], "chunks of 1, votes (0.5, 0.50000006, ...) and (1.0, "
+          "1.0001, ...), room for 1: the higher vote wins, however close (summed in float32, never float16)")
+    split = torch.tensor([[[0, 1, 2, 3, -1, -1, -1, -1], list(range(4, 12))]])      # the heads hold other positions
+    mask = A.chunk_mask(torch.ones(1, 2, 8).masked_fill(split < 0, float("-inf")), split, split >= 0,
+                        torch.tensor([[4, 4]]), 4, False, "none")
+    check(mask, split, [[0, 1, 2, 3], [4, 5, 6, 7]], "chunks of 4, head 0 holding positions 0-3 (and 4 empty slots), "
+          "head 1 positions 4-11: each head's chunks come from its own positions")
+    grid = torch.arange(8).expand(1, 2, 8)
+    votes = torch.tensor([float("inf"), 0.125, 0.125, 0.125, 1.0, 0.125, 0.125, 0.125]).expand(1, 2, 8)
+    mask = A.chunk_mask(votes, grid, grid > 0, torch.tensor([[4, 4]]), 4, False, "none")
+    check(mask, grid, [[4, 5, 6, 7]] * 2, "chunks of 4, position 0 protected (vote +inf), 1.0 at position 4: the chunks "
+          "are positions 4k to 4k + 3 whatever is protected, so chunk 1 (1.375) beats chunk 0's free slots (0.375)")
+    votes = torch.tensor([[[1.0, 1.0, 0.125, 0.125], [float("inf"), float("inf"), 0.125, 0.125]]])
+    mask = A.chunk_mask(votes, torch.arange(4).expand(1, 2, 4), votes.isfinite(), torch.tensor([[2, 2]]), 2, True,
+                        "none")
+    check(mask, torch.arange(4).expand(1, 2, 4), [[0, 1], [2, 3]], "shared, chunks of 2, head 1's positions 0 and 1 "
+          "protected: chunk 0 sums 2.0 over the heads (head 1 adds nothing there, rather than sinking it) and head 0 "
+          "keeps it; head 1 has no free slot in it and keeps chunk 1")
+    votes = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.125, 0.125, 0.125, 0.125]).expand(1, 2, 8)
+    mask = A.chunk_mask(votes, grid, torch.ones(1, 2, 8, dtype=torch.bool), torch.tensor([[4, 8]]), 4, True, "none")
+    check(mask, grid, [[0, 1, 2, 3], list(range(8))], "shared, chunks of 4, room for 4 in head 0 and 8 in head 1: "
+          "one ranking for the layer, but each head fills its own room")
+
+
 @points(2, task="chunk_ranking")
 def test_the_remainder_is_filled_with_single_tokens():
     votes, pos = layout("remainder")
@@ -106,3 +137,14 @@ def test_positions_held_by_another_layer():
                  detail=lambda at: f"slot {at[2]} holds {int(pos[at])}; that head chose {chosen[at[:2]].tolist()}",
                  what="holds_position (B, H_kv, T): slot i holds a chosen position iff pos[i] is among those chosen by "
                  "the same row and head (-1 in either is nothing)")
+    for chosen, pos, seen, want, why in (
+            ([0, 3, -1], [0, 1, 3], 5, [True, False, True], "position 0 chosen, then -1 (nothing): 0 stays chosen"),
+            ([1, -1], [1, 4], 5, [True, False], "-1 chosen is no position (not the last one, seen - 1 = 4)"),
+            ([5], [0, 1, 2], 6, [False, False, False], "position 5 chosen, held by no slot (seen = 6)")):
+        try:
+            got = A.holds(torch.tensor([[chosen]]), torch.tensor([[pos]]), seen=seen)
+        except (IndexError, RuntimeError) as e:
+            raise AssertionError(f"holds_position(chosen {chosen}, pos {pos}, seen {seen}) failed: {str(e)[:100]}; "
+                                 f"positions run from 0 to seen - 1, whatever the slots hold") from None
+        assert_close(got, torch.tensor([[want]]), what=f"holds_position, chosen {chosen}, slots holding {pos}, seen "
+                     f"{seen}: {why}")
