@@ -90,8 +90,9 @@ def test_whole_chunks_by_summed_votes():
     grid = torch.arange(8).expand(1, 2, 8)
     votes = torch.tensor([float("inf"), 0.125, 0.125, 0.125, 1.0, 0.125, 0.125, 0.125]).expand(1, 2, 8)
     mask = A.chunk_mask(votes, grid, grid > 0, torch.tensor([[4, 4]]), 4, False, "none")
-    check(mask, grid, [[4, 5, 6, 7]] * 2, "chunks of 4, position 0 protected (vote +inf), 1.0 at position 4: the chunks "
-          "are positions 4k to 4k + 3 whatever is protected, so chunk 1 (1.375) beats chunk 0's free slots (0.375)")
+    check(mask, grid, [[4, 5, 6, 7]] * 2, "chunks of 4, position 0 protected (vote +inf), 1.0 at position 4: the "
+          "chunks are positions 4k to 4k + 3 whatever is protected, so chunk 1 (1.375) beats chunk 0's free slots "
+          "(0.375)")
     votes = torch.tensor([[[1.0, 1.0, 0.125, 0.125], [float("inf"), float("inf"), 0.125, 0.125]]])
     mask = A.chunk_mask(votes, torch.arange(4).expand(1, 2, 4), votes.isfinite(), torch.tensor([[2, 2]]), 2, True,
                         "none")
