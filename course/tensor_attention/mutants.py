@@ -35,7 +35,22 @@ MUTANTS = [
            "    qk1 = qk1.expand(*q.shape[:-2], q.shape[-2], *qk1.shape[-2:])",
            "(q * scale)[..., :, None, :] * K1[..., None, :, :]"),
 
+    Mutant("queries, keys and pairs flattened with .view and bmm (the model's queries are a transpose)", SCORES,
+           "Tq, d = q.shape[-2:]\n"
+           "qk1 = ((q * scale).view(-1, Tq, 1, d) * K1.view(-1, 1, K1.shape[-2], d)).view(-1, Tq * K1.shape[-2], d)\n"
+           "S = torch.bmm(qk1, K2.view(-1, K2.shape[-2], d).transpose(1, 2))\n"
+           "return S.view(*q.shape[:-2], Tq, K1.shape[-2], K2.shape[-2])"),
+
     # -- pair_softmax
+    Mutant("softmax written by hand, its sum in the scores' dtype (float16 overflows past 65,504)", SOFTMAX,
+           "if allowed is not None:\n"
+           "    S = S.masked_fill(~allowed, float(\"-inf\"))\n"
+           "E = (S - S.amax((-2, -1), keepdim=True)).exp()\n"
+           "return E / E.sum((-2, -1), keepdim=True)"),
+    Mutant("softmax in float32, never cast back to the scores' dtype", SOFTMAX,
+           "torch.softmax(S.flatten(-2).float(), dim=-1)", "torch.softmax(S.flatten(-2), dim=-1)"),
+    Mutant("masked pairs filled with -1e9, not -inf (float16 cannot hold it)", SOFTMAX,
+           "S.masked_fill(~allowed, -1e9)", "S.masked_fill(~allowed, float(\"-inf\"))"),
     Mutant("a softmax over the last axis only (b), not over all pairs", SOFTMAX,
            "return torch.softmax(S, dim=-1)", "return torch.softmax(S.flatten(-2), dim=-1).view(S.shape)"),
     Mutant("two softmaxes, one per pair axis", SOFTMAX,
@@ -56,6 +71,10 @@ MUTANTS = [
            "return torch.softmax(S.flatten(-2), dim=-1).view(S.shape)"),
 
     # -- factored_output
+    Mutant("the output in float32 whatever the inputs' dtype", OUTPUT,
+           "P, V1, V2 = P.float(), V1.float(), V2.float()\n"
+           "PV2 = (P.flatten(-3, -2) @ V2).unflatten(-2, P.shape[-3:-1])",
+           "PV2 = (P.flatten(-3, -2) @ V2).unflatten(-2, P.shape[-3:-1])"),
     Mutant("calls the shipped kron_rows: forms V1 (/) V2 (n1 n2 d numbers)", OUTPUT,
            "return P.flatten(-2) @ kron_rows(V1, V2)"),
     Mutant("V1 and V2 swapped", OUTPUT,

@@ -57,6 +57,8 @@ def test_pair_scores_over_heads_and_non_square_grids():
     for seed, (n1, n2, scale) in enumerate([(6, 5, 0.25), (6, 5, 0.37), (3, 7, 1.0)]):
         q, K1, K2 = random(2, 3, 2, 16, seed=seed), random(2, 3, n1, 16, seed=10 + seed), \
             random(2, 3, n2, 16, seed=20 + seed)
+        if seed == 1:                                   # laid out as the model's projection leaves them
+            q = random(2, 2, 3, 16, seed=seed).transpose(1, 2)
         got = no_kronecker_product(lambda: A.scores(q, K1, K2, scale), n1, n2, 16, 6, "pair_scores",
                                    at_scale=seed == 0)
         assert_close(got, scores_by_loop(q, K1, K2, scale).float(), rtol=1e-4, atol=1e-5,
@@ -82,6 +84,14 @@ def test_pair_softmax_with_masks_and_large_scores():
         if allowed is not None:
             assert_close(P.masked_fill(allowed, 0.0), torch.zeros_like(scores),
                          what=f"{what}: P on the masked pairs, exactly 0")
+    for dtype, tol in ((torch.float16, 2e-3), (torch.float64, 1e-12)):
+        P = A.softmax_over_pairs(S.to(dtype), causal)
+        check_tensor(P, S.shape, dtype, f"the causal mask over {dtype} scores: P, in the scores' dtype")
+        assert_close(P.double(), softmax_by_loop(S.to(dtype), causal), atol=tol,
+                     what=f"the causal mask over {dtype} scores: P against the loop")
+    P = A.softmax_over_pairs(torch.zeros(1, 2, 300, 300, dtype=torch.float16))
+    assert_close(P.float().sum((-1, -2)), torch.ones(1, 2), atol=1e-2, what="float16, 90,000 equal pair scores per "
+                 "query (their exp summed in float16 would overflow): each query's P sums to 1")
 
 
 # -- task factored_output ---------------------------------------------------------------------------------
@@ -100,6 +110,10 @@ def test_factored_output_over_heads_and_non_square_grids():
             assert_close(got, output_by_loop(weights, V1, V2).float(), rtol=1e-4, atol=1e-5,
                          what=f"n1={n1}, n2={n2}, {what}: the output o (..., Tq, d), o_t = sum_(a, b) P[t, a, b] "
                          "V1[a] * V2[b]")
+    P, V1, V2 = (t.double() for t in (P, random(2, 3, 5, 8, seed=30), random(2, 3, 3, 8, seed=31)))
+    got = A.output(P, V1, V2)
+    check_tensor(got, (2, 3, 2, 8), torch.float64, "the output of float64 weights and values, in float64")
+    assert_close(got, output_by_loop(P, V1, V2), rtol=1e-12, atol=1e-12, what="float64 weights and values: o")
 
 
 # -- task two_cache_append --------------------------------------------------------------------------------

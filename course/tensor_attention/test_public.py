@@ -53,6 +53,11 @@ def test_pair_scores_without_the_kronecker_product():
     assert_close(A.scores(q, K1, K2, 0.5), torch.einsum("btd,bad,bcd->btac", q, K1, K2) * 0.5, rtol=1e-5, atol=1e-5,
                  what="the pair scores S (B, Tq, n1, n2) with n1 = 5, n2 = 4, scale 0.5: S[t, a, b] = scale <q_t, "
                  "K1[a] * K2[b]> (K1's row a down, K2's row b across)")
+    qm = random(2, 3, 2, 8, seed=3).transpose(1, 2)                # (B, H, Tq, d) as the model has it: a transpose
+    K1h, K2h = random(2, 2, 5, 8, seed=6), random(2, 2, 4, 8, seed=7)
+    assert_close(A.scores(qm, K1h, K2h, 0.5), torch.einsum("bhtd,bhad,bhcd->bhtac", qm, K1h, K2h) * 0.5, rtol=1e-5,
+                 atol=1e-5, what="queries as the model hands them over, q (2, 2, 3, 8) a transpose of (B, Tq, H, d), "
+                 "not contiguous (.view cannot flatten it, .reshape and broadcasting can): S (B, H, Tq, n1, n2)")
     no_kronecker_product(lambda: None, 5, 4, 8, 2, "pair_scores")           # then at scale, in its own process
 
 
@@ -66,6 +71,17 @@ def test_softmax_runs_over_all_pairs_of_a_query():
     assert_close(P, want, rtol=1e-5, atol=1e-6, what="P (B, Tq, n1, n2) = exp(S[t, a, b]) / the sum over the allowed "
                  "pairs of query t: each query's probabilities sum to 1 over its pairs, 0 on a masked pair")
     assert_close(P.masked_fill(allowed, 0.0), torch.zeros_like(S), what="P on the masked pairs, exactly 0")
+    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2), (torch.float64, 1e-12)):
+        low = A.softmax_over_pairs(S.to(dtype), allowed)
+        check_tensor(low, S.shape, dtype, f"P of {dtype} scores, with the mask (a model run in {dtype} multiplies it "
+                     "with values of that dtype: keep it)")
+        exact = torch.softmax(S.to(dtype).double().masked_fill(~allowed, float("-inf")).flatten(-2), -1).view_as(S)
+        assert_close(low.double(), exact, atol=tol, what=f"P of {dtype} scores with the mask (masked pairs filled "
+                     "with -inf, which every dtype holds; -1e9 does not fit in float16)")
+    flat = A.softmax_over_pairs(torch.zeros(1, 1, 1, 256, 256, dtype=torch.float16))
+    assert abs(float(flat.float().sum()) - 1) < 1e-2, (
+        f"float16, 256 x 256 equal scores: P sums to {float(flat.float().sum()):.4g}, not 1 (65,536 terms of exp(0) "
+        "summed in float16 overflow its 65,504: sum in float32, as torch.softmax does)")
     big = A.softmax_over_pairs(torch.tensor([[[[100.0, 0.0]]]]))
     assert_close(big, torch.tensor([[[[1.0, 0.0]]]]), atol=1e-6, what="no mask (allowed=None), scores 100 and 0: "
                  "P is 1 and 0 (exp(100) overflows float32: subtract the largest score first, as softmax does)")
@@ -81,6 +97,12 @@ def test_factored_output_equals_the_sum_over_pairs():
     assert_close(one, torch.full((1, 1, 1, 1), 6.0), what="P of shape (1, 1, 1, 1, 1) (two leading dimensions, one "
                  "pair) holding 2, V1 = 1, V2 = 3: o = 2 x 1 x 3 = 6, shape (1, 1, 1, 1); P is used as given, "
                  "not normalised again")
+    exact = torch.einsum("btac,bad,bcd->btd", P.double(), V1.double(), V2.double())
+    for dtype, tol in ((torch.bfloat16, 5e-2), (torch.float64, 1e-12)):
+        low = A.output(P.to(dtype), V1.to(dtype), V2.to(dtype))
+        check_tensor(low, (2, 3, 8), dtype, f"o of {dtype} P, V1 and V2 (a model run in {dtype} adds it to its "
+                     "residual stream: keep the dtype)")
+        assert_close(low.double(), exact, atol=tol, rtol=tol, what=f"o of {dtype} P, V1 and V2")
     no_kronecker_product(lambda: None, 5, 4, 8, 2, "factored_output")       # then at scale, in its own process
 
 
