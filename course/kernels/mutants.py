@@ -137,6 +137,15 @@ MUTANTS = [
     Mutant("tensor combine kernel: masked splits loaded as m = 0", "merge_splits",
            old='m = tl.load(m_ptr + part, mask=mask_s, other=float("-inf"))',
            new="m = tl.load(m_ptr + part, mask=mask_s, other=0.0)"),
+    Mutant("the 16-bit path's scores accumulated in float16 (out_dtype)", "online_softmax",
+           old="s = tl.dot(q, tl.trans(kb))",
+           new="s = tl.dot(q, tl.trans(kb), out_dtype=tl.float16).to(tl.float32)"),
+    Mutant("decode merge kernel: the max over the first block of ranges only", "merge_splits",
+           old="M_all = tl.max(M, axis=0)\nl_sum = tl.zeros([BLOCK_S], tl.float32)",
+           new="M_all = tl.max(tl.load(m_ptr + (r * n_splits + sp) * G + g, mask=sp < n_splits, "
+               "other=float(\"-inf\")), axis=0)\nl_sum = tl.zeros([BLOCK_S], tl.float32)"),
+    Mutant("tensor combine kernel: every range weighted by the first range's max", "merge_splits",
+           old="w = tl.exp(m - tl.max(m, axis=0))", new="w = tl.exp(m - tl.load(m_ptr + pid_bh * SPLITS))"),
 ]
 
 ACCEPTABLE = {

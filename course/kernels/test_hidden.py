@@ -35,6 +35,9 @@ def test_merge_ranges_far_apart():
     check_merge(*merge_case(3, 3, 32, bounds, seed=3, shifts=[(-1) ** i * 150.0 for i in range(45)]),
                 tag="45 ranges far apart")
     check_merge(*far_below_zero_case(seed=7), tag="rows of scores near -300 and +300, 3 query heads, seed 7")
+    check_merge(*merge_case(2, 3, 16, [(3 * i, 3 * i + 2) for i in range(45)], seed=13,
+                            shifts=[0.0] * 33 + [150.0] + [0.0] * 10 + [-150.0]),
+                tag="45 ranges, the 34th 150 above the others")
 
 
 @points(2, task="merge_splits")
@@ -44,6 +47,9 @@ def test_merge_empty_ranges_anywhere():
     check_merge(*merge_case(3, 1, 12, bounds, seed=4), tag="empty ranges, 1 query head, d = 12")
     bounds = [(0, 0)] * 3 + [(0, 9)] + [(9, 9)] * 35 + [(9, 20)]
     check_merge(*merge_case(2, 4, 16, bounds, seed=5, spread=6.0), tag="40 ranges, mostly empty")
+    bounds = [(0, 0)] * 36 + [(0, 5), (5, 5), (5, 11)]
+    check_merge(*merge_case(2, 3, 16, bounds, seed=14, row_shifts=[120.0, -120.0]),
+                tag="39 ranges, the first 36 empty, rows of scores near +120 and -120")
     bounds = [(0, 3), (3, 3), (3, 9), (9, 9), (9, 12)]
     check_merge(*merge_case(3, 3, 16, bounds, seed=9, row_shifts=[-300.0, 300.0, -300.0],
                             head_shifts=[200.0, 0.0, -200.0]),
