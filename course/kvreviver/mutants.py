@@ -175,6 +175,14 @@ MUTANTS = [
     Mutant("kernel query: row 0 instead of the median for r other than 1 and 3", "query",
            old="elif R != 1:",
            new="elif R == 0:"),
+    Mutant("VagueSketch.insert flattens the tokens with .view (KVReviver hands over a transpose)", "insert",
+           "k_rows = k.to(self.key.dtype).view(n, H_kv * d).unsqueeze(0).expand(r, n, H_kv * d).reshape(r, n, H_kv, d)",
+           "k_rows = k.to(self.key.dtype).unsqueeze(0).expand(r, n, H_kv, d)"),
+    Mutant("reference_sketch_insert flattens cells and tokens with .view", "insert",
+           "key[i].view(key.shape[1], -1).index_add_(0, cells[i].long(), k.to(key.dtype).view(k.shape[0], -1))",
+           "key[i].index_add_(0, cells[i].long(), k.to(key.dtype))"),
+    Mutant("the insert kernel forgets its feature block's offset (program_id(2))", "insert",
+           "col = tl.arange(0, BLOCK_F)", "col = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)"),
 ]
 
 ACCEPTABLE = {

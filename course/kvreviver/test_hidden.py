@@ -20,6 +20,7 @@ from test_public import (
     check_insert,
     check_query,
     check_untouched,
+    check_wide_insert,
     randn,
     random_hashes,
     without,
@@ -119,6 +120,7 @@ def test_insert_for_any_number_of_rows_and_cells():
     """One row; one cell per row (every token in it); five rows: several inserts, fp16 tokens, deletes."""
     for rows, width, batches, case in ((1, 3, (7,), 4), (2, 1, (5, 6), 5), (5, 3, (9, 4), 6)):
         check_insert(rows, width, batches, case, hashes=reference_hashes)
+    check_wide_insert(case=2, rows=3, width=2, n=7, H_kv=4, d=320)
 
 
 @points(2, task="insert")
@@ -135,7 +137,7 @@ def test_query_for_any_number_of_rows():
     cells."""
     for rows, case in ((1, 4), (2, 5), (5, 6), (3, 7), (4, 9)):
         check_query(rows, width=3, n=10, case=case, hashes=reference_hashes)
-    for rows, case in ((3, 10), (4, 11), (5, 12)):
+    for rows, case in ((3, 10), (4, 11), (5, 12), (6, 13), (8, 14), (16, 15)):   # the kernels take up to 16 rows
         check_query_of_tied_rows(rows, case)
 
 

@@ -130,7 +130,8 @@ def check_insert(rows, width, batches, case, delete=True, hashes=sketch_hashes):
     """Tokens inserted in ``batches`` (sizes) into an empty sketch, then (``delete``) the first batch's first
     half deleted, by all three implementations against the oracle, on the hashes ``hashes(rows, width, seed,
     pos)`` (the plain function and the kernel write into the test's cells: ``written``). The sketch's seed, the
-    positions and the tokens are those of ``case``, drawn from the run's seed."""
+    positions and the tokens are those of ``case``, drawn from the run's seed; the first batch's tokens are a
+    transpose (not contiguous: ``.view`` cannot flatten them)."""
     seed = drawn(0, 1 << 31, ("sketch", case))
     sketch = A.new_sketch(rows, width, H_KV, D, seed=seed)
     pos, start = [], drawn(0, 1 << 20, ("first position", case))
@@ -139,6 +140,8 @@ def check_insert(rows, width, batches, case, delete=True, hashes=sketch_hashes):
         start += 3 * n
     toks = [(randn(n, H_KV, D, seed=("insert", case, b, "k")), randn(n, H_KV, D, seed=("insert", case, b, "v")))
             for b, n in enumerate(batches)]
+    toks[0] = tuple(t.transpose(0, 1).contiguous().transpose(0, 1) for t in toks[0])   # (n, H_kv, d) laid out
+    #                                       (H_kv, n, d): a transpose, as KVReviver hands evicted tokens over
     if len(batches) > 1:                 # a batch of fp16 tokens: the cells stay fp32
         toks[1] = tuple(t.half() for t in toks[1])
     want_k, want_v = torch.zeros(rows, width, H_KV, D), torch.zeros(rows, width, H_KV, D)
@@ -171,6 +174,20 @@ def check_insert(rows, width, batches, case, delete=True, hashes=sketch_hashes):
     what = "VagueSketch.insert" + (" (then delete, an insert with sign -1)" if delete else "")
     check_cells(f"{what}, keys", got_k, want_k, all_cells)
     check_cells(f"{what}, values (g_i(J) v_J)", got_v, want_v, all_cells)
+
+
+def check_wide_insert(case, rows=2, width=3, n=5, H_kv=2, d=640):
+    """The kernel's insert of tokens of H_kv d = 1,280 numbers: two blocks of 1,024 features (the grid's third
+    axis), each written at its own offset."""
+    cells, signs = random_hashes(rows, n, width, ("wide", case))
+    k, v = randn(n, H_kv, d, seed=("wide", case, "k")), randn(n, H_kv, d, seed=("wide", case, "v"))
+    want_k, want_v = torch.zeros(rows, width, H_kv, d), torch.zeros(rows, width, H_kv, d)
+    brute_insert(want_k, want_v, cells, signs, k, v)
+    key, value = written(torch.zeros(rows, width, H_kv, d)), written(torch.zeros(rows, width, H_kv, d))
+    launchers.sketch_insert(A, key, value, cells, signs, k, v)
+    what = f"_sketch_insert_kernel (the kernel), tokens of {H_kv} x {d} = {H_kv * d} numbers (two feature blocks)"
+    check_cells(f"{what}, keys", key, want_k, cells)
+    check_cells(f"{what}, values (g_i(J) v_J)", value, want_v, cells)
 
 
 def check_query(rows, width, n, case, hashes=sketch_hashes):
@@ -211,6 +228,7 @@ def test_insert_sums_every_token_of_a_cell():
     """14 then 9 tokens into 4 cells per row (about 6 tokens a cell), some deleted again: each cell holds the sum
     of its tokens' keys, and of their values times the row's sign."""
     check_insert(rows=3, width=4, batches=(14, 9), case=1)
+    check_wide_insert(case=1)
     sketch = A.new_sketch(2, 8, H_KV, D, seed=0, injective=True)   # token J in cell J of every row, sign +1
     k, v = randn(4, H_KV, D, seed=("injective", "k")), randn(4, H_KV, D, seed=("injective", "v"))
     with without(*INSERTS):
@@ -227,7 +245,7 @@ def test_insert_sums_every_token_of_a_cell():
 def test_query_is_the_lower_median_of_signed_cells():
     """Cells written by the test: a token's key is the median over the rows of its cells; its value the median
     of the cells times the signs g_i(J) (the lower middle for an even number of rows)."""
-    for rows, case, n in ((3, 2, 12), (2, 3, 12), (4, 1, 12), (5, 4, 10)):   # 10: a block of tokens partly empty
+    for rows, case, n in ((3, 2, 12), (2, 3, 12), (4, 1, 12), (5, 4, 10), (6, 5, 10)):   # 10: a block partly empty
         check_query(rows, width=5, n=n, case=case)
     sketch = A.new_sketch(2, 8, H_KV, D, seed=0, injective=True)   # token J in cell J of every row, sign +1
     cells_k, cells_v = A.cells(sketch)
