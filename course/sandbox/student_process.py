@@ -90,7 +90,7 @@ def memory_order(t) -> list[int] | None:
     """The order of ``t``'s axes in memory, outermost first, when ``t`` is a contiguous tensor with its axes
     permuted (a transpose: the model's queries are one); None for a contiguous tensor and for any other layout
     (a slice, an expanded tensor), which travels contiguous."""
-    if t.dim() < 2 or t.is_contiguous():
+    if t.dim() < 2 or t.dim() > MAX_AXES or t.is_contiguous():
         return None
     order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
     return order if t.permute(order).is_contiguous() else None
@@ -108,6 +108,9 @@ def pack(t) -> dict:
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": raw, "order": order}
 
 
+MAX_AXES = 64                                         # the axes a transposed tensor may travel with (the tests use 5)
+
+
 def unpack(d: dict):
     """The tensor ``pack`` wrote (a new tensor of its own, on the bytes the message was read into). Its bytes
     must be what its type and shape take: a few bytes never become a large tensor."""
@@ -122,8 +125,9 @@ def unpack(d: dict):
     if min(shape, default=0) < 0 or numel * dtype.itemsize != len(raw):
         raise ValueError(f"a tensor of shape {shape} and type {d['dtype']} with {len(raw)} bytes")
     order = d.get("order")
-    if order is not None and sorted(order) != list(range(len(shape))):
-        raise ValueError(f"a tensor of {len(shape)} axes with the axis order {order}")
+    if order is not None and not (type(order) is list and len(order) == len(shape) <= MAX_AXES
+                                  and all(type(a) is int for a in order) and sorted(order) == list(range(len(shape)))):
+        raise ValueError(f"a tensor of {len(shape)} axes with the axis order {str(order)[:80]}")
     if not raw:
         return torch.empty(shape, dtype=dtype)
     if not isinstance(raw, bytearray):                # bytes within the pickle: a copy each time they are named

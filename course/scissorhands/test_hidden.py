@@ -17,8 +17,8 @@ from oracle import assert_close, check_tensor, generator, patched, points, refer
 
 
 def level(n_seen):
-    """The uniform level 1 / n as float32 computes it (the attention's type): a softmax of equal scores over n
-    slots gives exactly this, which is not below it."""
+    """The uniform level 1 / n as float32 computes it (the library's attention is float32): a softmax of equal
+    scores over n slots gives exactly this, which is not below it."""
     return float(torch.tensor(1.0) / max(n_seen, 1))
 
 
@@ -148,7 +148,7 @@ def test_low_flags_against_a_loop():
     B, H_kv, Tn, T = 2, 3, 5, 31
     visible = torch.rand(B, H_kv, Tn, T, generator=g) < 0.7           # any pattern: holes, evicted, not causal
     visible[0, 0, 0] = False                                            # a query that attended nothing
-    visible[1, 2, :, :4] = True                                         # 4 or more slots: levels 1/4, 1/8 exact
+    visible[1, 2, :, :4] = True                                         # 4 or more slots, dyadic attention
     attn = torch.rand(B, H_kv, Tn, T, generator=g) * visible
     attn = attn / attn.sum(-1, keepdim=True).clamp(min=1e-9)
     attn[1, 2] = dyadic_rows(g, Tn, visible[1, 2])                     # some entries exactly at the level
@@ -242,7 +242,7 @@ def test_keep_score_orders_by_the_counters_then_the_attention():
     attn[0, 2, 5:11] = 0.0                                                   # the empty and two held at 0
     counts[1, 0] = 400                                                       # one counter for all: tiny attentions
     attn[1, 0, ::2] = 1e-10 * (1 + 1e-5 * torch.arange(T // 2, dtype=torch.float32))
-    attn[1, 0, 1:6:2] = torch.tensor([0.0, 1e-30, 1e-38])
+    attn[1, 0, 1:6:2] = torch.tensor([0.0, 1e-30, 1e-37])
     assert_lexicographic(A.keep_order(counts, attn, pos), counts, attn, pos)
     T = 1200                                                                 # more slots than a fixed scale
     counts = torch.randint(0, 3, (1, 2, T), generator=g)

@@ -379,15 +379,31 @@ def interrupts_deferred():
     caller needs in order to stop it. Off the main thread (where no handler can be set) it defers nothing."""
     noted = []
     on_main = threading.current_thread() is threading.main_thread()      # where signal handlers can be set
-    previous = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+    with _signals_held():                      # a signal between the two swaps would leave one handler swapped
+        previous = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
+                    for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        with _signals_held():
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     if noted:
         raise KeyboardInterrupt
+
+
+@contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM held back (delivered when the block ends) where the platform can hold them."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 @contextmanager

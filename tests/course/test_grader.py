@@ -193,8 +193,9 @@ def test_a_transposed_tensor_crosses_as_a_transpose():
         got.view(2, 15, 4)
     part = torch.randn(4, 6)[:, ::2]
     assert torch.equal(cross(part), part) and cross(part).is_contiguous()
-    with pytest.raises(ValueError, match="axis order"):
-        cross(q, order=[0, 0, 1, 3])
+    for order in ([0, 0, 1, 3], [0, 2, 1], {0: 0, 1: 0, 2: 0, 3: 0}, [0.0, 2.0, 1.0, 3.0]):
+        with pytest.raises(ValueError, match="axis order"):
+            cross(q, order=order)
 
 
 def test_a_kernel_holding_its_stub_runs_as_the_stub_alone():
