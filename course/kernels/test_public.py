@@ -66,12 +66,14 @@ def check_partials(what, got, want, bounds, meaning, rtol=1e-5, atol=1e-5, acc_t
     """got, want: (m, l, acc), each (splits, G[, d]) of one (sequence, KV head). ``acc_tol``: (rtol, atol) of
     acc alone, where p is rounded to the values' type before its product with them (m and l stay float32's)."""
     for name, g, w, what_it_is in zip(("m", "l", "acc"), got, want, meaning):
-        rtol, atol = acc_tol if name == "acc" and acc_tol else (rtol, atol)
+        tol = acc_tol if name == "acc" and acc_tol else (rtol, atol)
+
         def detail(at):
             a, b = bounds[at[0]]
             feature = f", feature {at[2]}" if len(at) > 2 else ""
             return f"range {at[0]} (tokens {a}..{b - 1}), query head {at[1]} of the group{feature}"
-        assert_close(g, w, rtol=rtol, atol=atol, detail=detail, what=f"{what}: {name} (splits, G[, d]), {what_it_is}")
+        assert_close(g, w, rtol=tol[0], atol=tol[1], detail=detail,
+                     what=f"{what}: {name} (splits, G[, d]), {what_it_is}")
 
 
 DECODE_MEANING = ("the max of its scores q k / sqrt(d); -inf for a range without tokens",

@@ -24,9 +24,9 @@ def level(n_seen):
 
 def low_flags_by_loop(attn, visible, threshold=None):
     """Algorithm 2's indicator, one query row at a time: attended and below tau (default 1 / slots attended)."""
-    out = [[[[bool(s and x < (threshold if threshold is not None else level(sum(seen))))
-              for x, s in zip(row, seen)]
-             for row, seen in zip(rows, sees)]
+    out = [[[[bool(s and x < tau) for x, s in zip(row, seen)]
+             for row, seen in zip(rows, sees)
+             for tau in [threshold if threshold is not None else level(sum(seen))]]   # once per query row
             for rows, sees in zip(a_b, v_b)]
            for a_b, v_b in zip(attn.tolist(), visible.tolist())]
     return torch.tensor(out, dtype=torch.bool).view(visible.shape)
