@@ -60,15 +60,19 @@ def unanswered(value) -> bool:
 def calls(function, *names: str) -> list[str]:
     """Those of ``names`` that ``function``'s code refers to, sorted: how a check refuses an answer written with
     the library call the exercise asks the learner to do without. Functions defined inside it, and functions of
-    the notebook it calls, are read too (a helper of the learner's that made the call was not seen)."""
-    found, todo, seen = set(), [function.__code__], set()
+    the notebook it calls, are read too (a helper of the learner's that made the call was not seen), and an answer
+    that is a forbidden function under another name (``my_expected = streaming_keep``) is that function."""
     space = function.__globals__
+    forbidden = {id(space[n]): n for n in names if callable(space.get(n))}     # the functions themselves
+    found = {forbidden[id(function)]} if id(function) in forbidden else set()
+    todo, seen = [function.__code__], set()
     while todo:
         code = todo.pop()
         if code in seen:
             continue
         seen.add(code)
         found |= set(names) & set(code.co_names)
+        found |= {forbidden[id(space[n])] for n in code.co_names if n in space and id(space[n]) in forbidden}
         todo += [c for c in code.co_consts if hasattr(c, "co_names")]                # nested functions, lambdas
         todo += [space[n].__code__ for n in code.co_names if callable(space.get(n)) and hasattr(space[n], "__code__")
                  and getattr(space[n], "__module__", None) == function.__module__]    # the notebook's own

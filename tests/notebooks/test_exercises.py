@@ -348,6 +348,23 @@ def test_a_library_call_inside_a_helper_of_the_learners_is_seen():
     assert exercises.calls(space["by_hand"], "library_rule") == []
 
 
+def test_a_forbidden_function_under_another_name_is_seen():
+    """Lesson 01's Exercise 1 forbids section 2.1's ``streaming_keep``: ``my_expected = streaming_keep`` (or a
+    call through another name for it) passed, since neither answer's code names it."""
+    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
+    exercises = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exercises)
+    space = {"__name__": "__main__"}
+    exec("def streaming_keep(x):\n    return x + 1\n"
+         "my_expected = streaming_keep\n"
+         "keep = streaming_keep\n"
+         "def through_alias(x):\n    return keep(x)\n"
+         "def by_hand(x):\n    return x + 1\n", space)
+    assert exercises.calls(space["my_expected"], "streaming_keep", "sinks_and_recent") == ["streaming_keep"]
+    assert exercises.calls(space["through_alias"], "streaming_keep") == ["streaming_keep"]
+    assert exercises.calls(space["by_hand"], "streaming_keep") == []
+
+
 def test_an_answer_that_writes_into_its_input_is_refused_and_leaves_the_lessons_tensors_alone():
     """``exercises.on_copies``: lessons 03 and 04 compared an answer with values computed from the tensors they had
     handed it, so ``kept = attn; kept[~keep] = 0`` (no copy) changed both sides alike and passed."""
