@@ -2,16 +2,13 @@
 # # 00 The KV cache: what it stores, what it saves, what it costs
 #
 # **Before this lesson**: PyTorch (tensors, `nn.Module`, forward hooks) and attention (queries, keys, values,
-# the softmax over scaled dot products, causal masking, multiple heads). The symbols are the book's, listed in
+# scaled dot products, causal masking, multiple heads). The symbols are the book's, in
 # [notebooks/README.md](README.md).
 #
-# Every method in this course changes *what the KV cache keeps*. This lesson looks at the plain cache: what
-# does a decoder store between two steps (built by hand below; your course copy leaves it to you), what does
-# that save, and what does it
-# cost? It ends with why the cache stores every entry's position, and when a method may evict entries.
-#
-# The model is nanollm's `TINY` preset (2 layers, not to be confused with the `TINY` flag the first cell
-# imports, which only shortens CI's quick run) with random weights: the cache does not care what they are.
+# Every method in this course changes *what the KV cache keeps*. This lesson builds the plain cache by hand,
+# measures what it saves and costs, and shows why it stores each entry's position, which lets a method evict
+# entries. The model is nanollm's 2-layer `TINY` preset with random weights (the cache does not care what they
+# are); the `TINY` flag imported below is another thing: it only shortens CI's quick run.
 
 # %% tags=["setup"]
 from preamble import TINY          # a flag: True only in CI's quick run, which uses smaller sizes
@@ -24,73 +21,60 @@ model = Transformer(config).eval()            # random weights (seeded)
 # %% [markdown]
 # ## 1. What is recomputed without a cache
 #
-# At each step the new token's query attends to the keys and values of **all** earlier tokens, in every layer.
-# Attention is causal, so a token's key and value never change once computed: they can be **stored**. That
-# store is the KV cache, a `KVCache` in nanollm, used through three calls:
+# Attention is causal, so a token's key and value never change once computed: they can be **stored** for later
+# queries. That store is the KV cache (`KVCache` in nanollm), used through three calls:
 #
-# * `prefill(model, ids, cache)` runs a prompt through an empty cache, storing its keys and values;
-# * `decode_step(model, token, cache)` runs one new token, its attention reading the stored entries;
+# * `prefill(model, ids, cache)` runs a prompt through an empty cache;
+# * `decode_step(model, token, cache)` runs one new token over the stored entries;
 # * `extend(model, ids, cache)` does the same for a chunk of new tokens (a question appended to a document).
 #
-# Below, a 4-token prompt and 8 more tokens run both ways; a hook on layer 0's key projection counts the rows
-# it computes at each step.
+# A 4-token prompt and 8 more tokens, run both ways: a hook counts the rows layer 0's key projection computes
+# per call, and the logits are compared:
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 import torch
 
 from nanollm import KVCache, decode_step, prefill
 
-PROMPT, NEW = 4, 8                                            # a 4-token prompt, then 8 new tokens
-x = torch.randint(0, config.vocab_size, (1, PROMPT + NEW))    # token ids (1, T)
+x = torch.randint(0, config.vocab_size, (1, 12))              # token ids: a 4-token prompt, then 8 new tokens
 rows = []                                                     # rows the key projection sees, per call
 hook = model.blocks[0].attn.k_proj.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[1]))
 with torch.no_grad():
-    for t in range(PROMPT, PROMPT + NEW + 1):
-        model(x[:, :t])                                       # no cache: the whole prefix, at every step
-recompute, rows = rows, []
+    uncached = [model(x[:, :t])[:, -1] for t in range(4, 13)]  # no cache: the whole prefix, at every step
 cache = KVCache(config)
-prefill(model, x[:, :PROMPT], cache)                          # with the cache: the prompt once,
-for t in range(PROMPT, PROMPT + NEW):
-    decode_step(model, x[:, t], cache)                        # then the new token only
-cached = rows
+cached = [prefill(model, x[:, :4], cache)[:, -1]]             # with the cache: the prompt once,
+cached += [decode_step(model, x[:, t], cache) for t in range(4, 12)]   # then the new token only
 hook.remove()
-print(f"key rows computed per step without a cache: {recompute}; with one: {cached}")
+print(f"key rows computed per step without a cache: {rows[:9]}; with one: {rows[9:]}")
+print(f"max |logits diff|, cached against uncached: {(torch.cat(cached) - torch.cat(uncached)).abs().max():.1e}")
 
 # %% [markdown]
-# Without a cache every step recomputes the keys of the whole prefix; with one, each step computes one new
-# row (the first entry of both lists is the 4-token prompt). With $T$ tokens seen, a step computes one key row
-# and reads $T - 1$, instead of computing all $T$ (and the whole prefix's attention, about $T^2/2$ query-key
-# pairs, instead of $T$).
+# After the prompt (each list's first entry), a step without a cache recomputes the keys of the whole prefix;
+# with one, it computes one row. The logits differ by fp32 rounding only: the cache changes nothing.
 #
 # ### 1.1 Build it: a cache by hand
 #
-# A layer's cache is three preallocated buffers, with a row of slots per KV head: keys, values, and each
-# entry's position. A step **appends** its new keys and values into the next free slots, then its queries
-# **attend** over everything stored (Vaswani et al., 2017, §3.2.1, Eq. 1, with the causal mask), in the
-# lesson's own symbols:
+# A layer's cache is three preallocated buffers with a row of slots per KV head: keys, values and each entry's
+# position. A step **appends** its new keys and values into the next free slots, then its queries
+# **attend** over everything stored (Vaswani et al., 2017, §3.2.1, Eq. 1, with the causal mask). The symbols
+# beyond the book's:
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
-# | $H$, $H_{kv}$ | query heads, KV heads | `config.n_head`, `config.n_kv_head` |
 # | $G$ | query heads per KV head, $H / H_{kv}$ | `group` |
-# | $d$ | a head's dimension | `config.head_dim` |
-# | $q_t$ | the query at position $t$ (one per query head) | `q` |
 # | $K$, $V$ | the stored keys and values, a row per slot | `k_buf`, `v_buf` |
-# | $j$ | a slot (a row of the buffers) | `used` counts the filled ones |
-# | $p_j$ | the position slot $j$ stores ($-1$: empty) | `pos_buf` |
-# | $M_{t,j}$ | the mask: $0$ where the query at position $t$ may look at slot $j$, $-\infty$ elsewhere | `visible` |
+# | $j$, $p_j$ | a slot (a buffer row); the position it stores ($-1$: empty) | `used` counts slots; `pos_buf` |
+# | $M_{t,j}$ | the mask: $0$ if the query at $t$ may see slot $j$, else $-\infty$ | `visible` |
 # | $R_n$, $\theta_i$ | used in section 4.1: RoPE's rotation at position $n$; pair $i$'s angle | `rotated`, `inv_freq` |
 #
 # $$o_t = \text{softmax}\!\left(\frac{q_t K^\top}{\sqrt{d}} + M_t\right) V, \qquad
 # M_{t,j} = \begin{cases} 0 & \text{if } 0 \le p_j \le t \\ -\infty & \text{otherwise.}
 # \end{cases}$$
 #
-# The mask reads the *stored* positions $p_j$, not slot numbers $j$, which keeps it right once a method has
-# evicted entries (section 4). A chunk of queries (a prefill, an `extend`) has a row $M_t$ per query, each with
-# its own position $t$. The queries and keys recorded below already carry their positions' rotation
-# (RoPE, section 4), so the by-hand step needs none. Each KV head serves $G = H / H_{kv}$ query heads, KV head
-# $h$ the query heads $hG$ to $(h+1)G - 1$ (grouped-query attention, section 2; hence `repeat_interleave`, not
-# `repeat`). The buffers:
+# The mask reads the *stored* positions $p_j$, not slot numbers, so it stays right after a method evicts
+# entries (section 4); a chunk of queries has a row $M_t$ per query. The recorded keys and queries already carry
+# RoPE's rotation (section 4). KV head $h$ serves query heads $hG$ to $(h+1)G - 1$, hence `repeat_interleave`,
+# not `repeat`. The buffers, and two helpers for the checks:
 
 # %%
 import torch                                                   # again: the cells from here need only it and config
@@ -119,12 +103,11 @@ def attend_off(mine, out):
                                  if len(heads) < config.n_head else
                                  "every head is off: nan means a query whose mask hides every slot; scale by 1/sqrt(d)")
 
+
 # %% [markdown]
-# To check the hand-built cache, we record layer 0's calls of `KVCache.attend` (the queries, their positions,
-# the new keys and values, the output) over a prefill of 6 tokens, an `extend` chunk of 5 and one decode step.
-# Each layer's attention calls `cache.attend(layer, module, q, pos, new)`; `record_layer0` sets a wrapper of
-# that method on one cache object (an attribute of the object hides the class's method), so other caches are
-# untouched.
+# To check it, we record layer 0's calls of `KVCache.attend` (queries, their positions, new keys and values,
+# output) over a prefill of 6 tokens, an `extend` chunk of 5 and one decode step. `record_layer0` wraps that
+# method on one cache object only.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from nanollm import extend
@@ -144,18 +127,16 @@ def record_layer0(cache):
     return calls
 
 
-library = KVCache(config)                                     # the library's cache
+library = KVCache(config)
 calls = record_layer0(library)
 ids = torch.randint(0, config.vocab_size, (1, 12))
 prefill(model, ids[:, :6], library)
 extend(model, ids[:, 6:11], library)
-decode_step(model, ids[:, 11], library)
+_ = decode_step(model, ids[:, 11], library)                   # (its logits are not needed here)
 
 # %% [markdown]
-# `append` and `attend` (Eq. 1) by hand. Try them yourself before you read them: your course copy keeps only
-# their first lines. The cell after them replays every recorded call through them; each must store the step's
-# entries in the next slots and give the library's output. Section 4.2 replays them again after an eviction,
-# where slot $j$ no longer holds position $j$.
+# `append` and `attend` by hand, the equation above in code: read them until you see why they equal the library.
+# The cell replays every recorded call: each must fill the next slots and give the library's output.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 def append(k, v, pos):
@@ -191,21 +172,18 @@ for q, pos, (k, v), out in calls:                              # replay: the sam
 print(f"by hand == KVCache on layer 0 over {len(calls)} calls: {used} slots, positions {pos_buf[0, 0, :used].tolist()}")
 
 # %% [markdown]
-# The library does the same, growing its buffers when they fill (`nanollm/storage.py`). Everything below uses
-# the library.
+# The library does the same, growing its buffers when full (`nanollm/storage.py`); from here on we use it.
 #
 # ## 2. How big is it? The memory formula
 #
-# Each token adds one key and one value vector per layer and per **KV head** (the 2 is K and V):
+# Each token stores a key and a value (the 2) per layer and **KV head**, $d$ numbers of $b$ bytes each:
 #
 # $$\text{bytes}(T) = 2 \cdot L \cdot H_{kv} \cdot d \cdot b \cdot T$$
 #
-# with $L$ layers, $d$ the head dimension and $b$ the bytes of one element (4 in fp32, 2 in bf16).
-#
-# Grouped-query attention (GQA; Ainslie et al., 2023, §2) lets $H$ query heads share $H_{kv}$ KV heads, so the
-# cache is $G = H / H_{kv}$ times smaller than with multi-head attention (MHA, one KV head per query head).
-# `ModelConfig.kv_bytes_per_token(bytes_per_element)` computes the formula for one token; `cache.nbytes()`
-# counts the bytes of the keys and values a cache holds (the positions aside):
+# Grouped-query attention (GQA; Ainslie et al., 2023, §2) shares each KV head among $G$ query heads, so the
+# cache is $G$ times smaller than with multi-head attention (MHA, one KV head per query head).
+# `ModelConfig.kv_bytes_per_token(bytes_per_element)` gives the formula for one token; `cache.nbytes()` counts
+# the bytes of a cache's keys and values:
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 for name in ["TINY", "GPT2_124M", "TINYLLAMA_1B"]:
@@ -216,48 +194,36 @@ print(f"the 12-token cache of section 1.1: nbytes() = {library.nbytes()}, "
       f"kv_bytes_per_token() x 12 = {config.kv_bytes_per_token() * 12} (fp32)")
 
 # %% [markdown]
-# TinyLlama's 32 query heads share 4 KV heads, so its cache is 8 times smaller than with MHA. Still, the cache
-# grows with every token, without end. The methods of this course bound it with a budget $B$ of entries per
-# layer and KV head: which entries to keep is the whole question.
+# TinyLlama's cache is 8 times smaller than with MHA, yet still grows with every token. The course's methods cap
+# it at a budget $B$ of entries per layer and KV head; which entries to keep is the whole question.
 #
-# ## 3. The cache changes nothing, and saves time
+# ## 3. What the cache saves in time
 #
-# The logits of one uncached forward over 48 tokens, against prefilling 1 token and decoding the rest; then
-# the time of one decode step, cached against an uncached forward over the whole prefix:
+# An uncached forward over the whole prefix, timed against one cached decode step:
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from experiments.bench import run_bench
 
-x = torch.randint(0, config.vocab_size, (1, 48))
-with torch.no_grad():
-    full = model(x)                                              # (1, T, vocab), no cache
-c = KVCache(config)
-stepwise = torch.cat([prefill(model, x[:, :1], c)] + [decode_step(model, x[:, t], c)[:, None] for t in range(1, 48)], 1)
-print(f"max |logits diff|, cached against uncached: {(stepwise - full).abs().max():.1e} (logits up to "
-      f"{full.abs().max():.2f})")
 CONTEXTS = [32, 64, 128] if TINY else [128, 256, 512, 1024]     # tokens already in the cache
 bench = run_bench(config, contexts=CONTEXTS, repeats=2 if TINY else 5, steps=2 if TINY else 8, threads=1)
-print("speedup of a cached step (recompute time / cached time):",
-      ", ".join(f"{r.speedup:.1f}x at {r.context}" for r in bench.rows))
+print("speedup of a cached step:", ", ".join(f"{r.speedup:.1f}x at {r.context}" for r in bench.rows))
 
 # %% [markdown]
-# The logits differ by fp32 rounding only: the cache computes what the plain forward computes. The speedup
-# grows with the context, since the uncached step re-runs the whole prefix; at short contexts it is small
-# because this tiny model's step is mostly a fixed cost (Python and the calls of each layer), not arithmetic.
+# The speedup grows with the context, as the uncached step re-runs the whole prefix (at short contexts, this
+# tiny model's step is mostly Python overhead).
 #
 # ## 4. Positions: RoPE, and why eviction keeps them true
 #
 # ### 4.1 RoPE in brief
 #
-# A Llama-style model tells attention where tokens are with rotary position embeddings (RoPE; Su et al.,
-# 2021, §3.2): the $d$ numbers of a query or key form $d/2$ pairs, and at position $n$ pair $i$ is turned by
-# the angle $n\,\theta_i$, with $\theta_i = 10000^{-2i/d}$. Rotations compose, so a score depends on the two
-# positions only through their distance:
+# Rotary position embeddings (RoPE; Su et al., 2021, §3.2) split a query or key into $d/2$ pairs; $R_n$, the
+# rotation at position $n$, turns pair $i$ by the angle $n\,\theta_i$, with $\theta_i = 10000^{-2i/d}$.
+# Rotations compose, so a score depends only on the distance between the two positions:
 #
 # $$(R_t\, q_t)^\top (R_n\, k_n) = q_t^\top R_{n-t}\, k_n .$$
 #
-# So a key can be rotated **once**, at its own position, when it is stored, as long as every token is rotated
-# at its true position. One random query and one random key, rotated at three pairs of positions:
+# So a key can be rotated **once**, at its own position, when stored. A random query and key at three pairs of
+# positions:
 
 # %%
 from nanollm.attention import apply_rope, rope_cos_sin, rope_inv_freq
@@ -277,16 +243,16 @@ for t, n in [(5, 2), (1005, 1002), (5, 4)]:
           f"score {(rotated(rope_q, t) * rotated(rope_k, n)).sum():+.4f}")
 
 # %% [markdown]
-# The first two pairs, 3 positions apart, give the same score; the pair 1 apart gives another. Attention reads
-# distances, and the cache must keep them true.
+# Pairs 3 apart give the same score, the pair 1 apart another: attention reads distances, so the cache must
+# keep them true.
 #
 # ### 4.2 Eviction keeps positions true
 #
-# A method evicts with `keep(idx)` of a layer's storage (`LayerKV`): `idx` holds, for each KV head, the slots
-# to keep ($-1$ makes an empty slot, which attention skips); the stored positions move with the keys. Keys are
-# cached *after* RoPE, so a kept key needs no new rotation; the next token gets position `cache.seen` ($T$),
-# not the number of slots in use. Below, a 12-token prompt; in layer 0 each KV head keeps 6 slots (KV head 1
-# one of them empty), then one more token is decoded.
+# A method evicts with `keep(idx)` on a layer's storage (`LayerKV`): `idx` lists, per KV head, the slots to
+# keep ($-1$: an empty slot, which attention skips); positions move with their keys. Keys are cached after
+# RoPE, so kept keys need no new rotation, and the next token gets position `cache.seen` ($T$), not the number
+# of slots in use. Below, after a 12-token prompt, each KV head of layer 0 keeps 6 slots (one of KV head 1's
+# empty), then one more token is decoded.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 cache = KVCache(config)
@@ -300,13 +266,11 @@ for h in range(config.n_kv_head):
 print(f"the new token got position {int(kv.pos[0, 0, -1])} (the tokens seen before it), in slot {len(kv) - 1}")
 
 # %% [markdown]
-# Slot and position part ways: each head stores its own positions (a slot `keep` left empty holds position -1,
-# and `append` writes after the last slot, so the hole stays), and the decoded token got the number of tokens
-# seen as its position, not its slot number, so its scores with the kept keys see true distances.
+# Each head stores its own positions, the empty slot stays $-1$, and the new token's position counts the
+# tokens seen, not the slots, so its scores see true distances.
 #
-# Your `append` and `attend` of section 1.1 must stay right on this cache too: slot $j$ no longer holds position
-# $j$, and KV head 1 has an empty slot. The hand-built buffers take layer 0's entries as they are now, then an
-# `extend` chunk of 3 tokens (positions 13 to 15) is replayed through them:
+# Your `append` and `attend` must stay right here too, where slot $j$ no longer holds position $j$. We load layer
+# 0's slots into the hand-built buffers, then replay an `extend` chunk of 3 tokens (positions 13 to 15):
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 stored = [t.clone() for t in (kv.k, kv.v, kv.pos)]             # layer 0's slots as they are now
@@ -331,39 +295,29 @@ print(f"by hand == KVCache after eviction: queries at {pos.tolist()} over slots 
 # %% [markdown]
 # ## 5. When a method acts: the policy hooks
 #
-# A method is a `CachePolicy` (`nanollm/policy.py`) and acts only through three *hooks*, which
-# `KVCache.attend` calls inside every layer's attention, after the step's new entries were appended:
+# A method is a `CachePolicy` (`nanollm/policy.py`) acting through three *hooks*, which `KVCache.attend` calls
+# in every layer after appending the step's new entries:
 #
 # * `attend_kv(layer, store)`: what the step's queries attend to (usually the storage itself);
-# * `on_prefill(ctx)`: after the layer attended over the prompt (the cache was empty); `ctx.kv` is the
-#   layer's storage, from which the method may evict;
+# * `on_prefill(ctx)`: after attending over the prompt; the method may evict from `ctx.kv`, the layer's storage;
 # * `on_decode(ctx)`: the same after a decode step *or an `extend` chunk*.
 #
-# StreamingLLM (`methods/streaming_llm.py`) keeps a budget $B$ of entries per KV head: the first 2 tokens and
-# the most recent ones. A subclass prints how many slots layer 0's `attend_kv` gets, over a prefill of 10
-# tokens, an `extend` chunk of 4 and one decode step, with $B$ = 8; after each, the slots kept:
+# StreamingLLM (`methods/streaming_llm.py`) keeps $B$ entries per KV head: $S$ sink tokens at the start (2 here;
+# the paper's default is 4) and the most recent. With $B$ = 8, a subclass prints how many slots layer 0's
+# `attend_kv` gets over a prefill of 10 tokens, an `extend` chunk of 4 and a decode step; after each, the
+# positions kept:
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask", "needs:baselines:sinks_and_recent"]
 from methods.streaming_llm import StreamingLLMPolicy
 
 
 class LoggedStreamingLLM(StreamingLLMPolicy):
-    """StreamingLLM, unchanged, printing what layer 0's queries attend over and which hook runs after."""
+    """StreamingLLM, unchanged, printing how many slots layer 0's queries attend over."""
 
     def attend_kv(self, layer, store):
         if layer == 0:
             print(f"  attend_kv: {len(store)} slots")
         return super().attend_kv(layer, store)
-
-    def on_prefill(self, ctx):
-        if ctx.layer == 0:
-            print("  on_prefill")
-        return super().on_prefill(ctx)
-
-    def on_decode(self, ctx):
-        if ctx.layer == 0:
-            print("  on_decode")
-        return super().on_decode(ctx)
 
 
 ids, logged = torch.randint(0, config.vocab_size, (1, 15)), KVCache(config, LoggedStreamingLLM(budget=8, n_sink=2))
@@ -375,9 +329,8 @@ for name, step in (("prefill 10", lambda: prefill(model, ids[:, :10], logged)),
     print(f"{name}: kept positions {sorted(kept[kept >= 0].tolist())}")
 
 # %% [markdown]
-# In each step `attend_kv` comes first: the slots it counts already include the step's new tokens, so an
-# eviction only affects the *next* step. An `extend` chunk calls `on_decode`: the phase is "prefill" only
-# while the cache is empty.
+# `attend_kv` runs first, and its count includes the step's new tokens (12 slots for a budget of 8): an
+# eviction only affects the *next* step.
 #
 # ## Exercises
 #
@@ -387,8 +340,8 @@ for name, step in (("prefill 10", lambda: prefill(model, ids[:, :10], logged)),
 # ### Exercise 1: memory arithmetic
 #
 # Llama-3-8B has 32 layers, 32 query heads, 8 KV heads and head dimension 128. How many GiB ($2^{30}$ bytes)
-# does its KV cache take for one sequence of 131072 tokens (128k) in bf16? How much would it take without GQA
-# (one KV head per query head)? Use the formula of section 2.
+# does its KV cache take for one sequence of 131072 tokens (128k) in bf16, and how many without GQA (one KV
+# head per query head)? Use section 2's formula.
 
 # %%
 my_gib_gqa = None    # replace None: GiB, Llama-3-8B with its 8 KV heads, bf16, one sequence of 131072 tokens
@@ -433,8 +386,8 @@ check_memory(reference_gib_gqa, reference_gib_mha)
 # In section 4.2 the new token came after the `keep`: 12 tokens seen, 6 slots in use. Suppose it had been
 # given position 6 (the slots in use) instead of `cache.seen`, 12.
 #
-# * (a) What distance (the query's position minus the key's) would its query see to the key at position 11,
-#   and what is the true one?
+# * (a) RoPE rotates a query and a key by their positions: what distance (the query's position minus the key's)
+#   would the score of its query with the key at position 11 encode, mask aside, and what is the true one?
 # * (b) The mask $M$ shows a query at $t$ the entries with $0 \le p_j \le t$. Of the six keys KV head 0 kept
 #   (positions 0, 1, 5, 9, 10 and 11), which would the new token still see? (Their positions, as a list.)
 

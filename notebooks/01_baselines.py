@@ -4,10 +4,9 @@
 # **Before this lesson**: lesson 00 ([00_nanollm_kv_cache.ipynb](00_nanollm_kv_cache.ipynb)): the KV cache,
 # `prefill`, `decode_step` and the policy hooks through which a method evicts.
 #
-# A compressed KV cache holds a fixed number of entries per layer and KV head, the *budget*, and must choose
-# which tokens stay. Every later method is compared against four simple rules: **StreamingLLM**, **H2O**,
-# **SnapKV** and **AdaKV**. This lesson writes each from its paper, checks it against the library, and asks:
-# **what does each rule keep, and why?**
+# A compressed KV cache keeps a fixed number of entries, the *budget*, per layer and KV head. Every later method
+# is compared with four simple rules for choosing them: **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**. We
+# build each from its paper, check it against the library, and ask: **what does each rule keep, and why?**
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -20,9 +19,9 @@ model, tok, _ = load("retrieval-llama")    # the bundled model: 0.87M parameters
 # ## 1. What each rule reads: a toy layer
 #
 # Sixteen prompt tokens, 4 query heads sharing 2 KV heads (query heads 0-1 read KV head 0, 2-3 read KV head
-# 1), and a made-up causal attention. Every query puts weight on token 0, a *sink*; the queries at positions
-# 6-11 attend token 5, an early *heavy hitter*; the last four queries (the *observation window*) attend token
-# 9 in KV head 0 and spread over tokens 2, 3, 7 and 8 in KV head 1, as much as on the sink 0.
+# 1), and a made-up causal attention: every query attends token 0, a *sink*; queries 6-11 attend token 5, an
+# early *heavy hitter*; the last four queries, the *observation window*, attend token 9 in KV head 0 and spread
+# over tokens 2, 3, 7 and 8 in KV head 1.
 
 # %%
 import torch
@@ -41,28 +40,26 @@ toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(
 #
 # ## 2. Build them: each rule in a few lines
 #
-# Each rule is written from its paper and checked against the library. Symbols, besides the book's
-# ([notebooks/README.md](README.md)):
+# Symbols, besides the shared ones of [notebooks/README.md](README.md):
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
-# | $h$, $j$ | a query head; a KV head | `h`, `j` |
+# | $j$ | a KV head | `j` |
 # | $\mathcal{G}_j$ | the $G$ query heads of KV head $j$: $jG, \dots, (j+1)G - 1$ | `h // G == j` |
-# | $a^h_{t,n}$ | the attention of query head $h$ from position $t$ to token $n$ | `probs[h, t, n]` |
-# | $s_{j,n}$ | token $n$'s score in KV head $j$: the higher scores stay | `scores` |
-# | $u^h_n$, $P$ | SnapKV's vote for $n$ in query head $h$; its pooling width | `votes` (in `snapkv_votes`), `kernel` |
+# | $a^h_{t,n}$ | $a_{t,n}$ in query head $h$ | `probs[h, t, n]` |
+# | $s_{j,n}$ | token $n$'s score in KV head $j$ (higher stays) | `scores` |
+# | $u^h_n$, $P$ | SnapKV's vote for $n$ in query head $h$; its pooling width | `votes`, `kernel` |
 #
 # ### 2.1 StreamingLLM: attention sinks and a recent window
 #
 # Xiao et al., ICLR 2024, [arXiv 2309.17453](https://arxiv.org/abs/2309.17453). Trained models dump surplus
-# attention on the first few tokens (§3.1); evicting those *sinks* breaks the model. So the rolling cache of
+# attention on the first few tokens (§3.1); evicting these *sinks* breaks the model. So the rolling cache of
 # §3.2 keeps the first $S$ tokens ($S = 4$ by default) and the $B - S$ most recent ones. After $T$ tokens:
 #
 # $$\text{keep} \;=\; \{0, \dots, S-1\} \;\cup\; \{T-(B-S), \dots, T-1\} \qquad \text{(§3.2)}$$
 #
-# A budget of at most `n_sink` entries cuts the sinks, so that the newest token still fits:
-# $S = \min(\texttt{n\_sink}, B - 1)$. (The paper also renumbers the kept tokens' positions inside the cache;
-# the library keeps their original positions, its keys rotated once when cached: `methods/README.md`.)
+# A budget of at most `n_sink` entries cuts the sinks so that the newest token still fits:
+# $S = \min(\texttt{n\_sink}, B - 1)$.
 
 # %%
 from methods.streaming_llm import StreamingLLMPolicy, sinks_and_recent
@@ -86,20 +83,19 @@ print("StreamingLLM on the toy (2 sinks) keeps", streaming_keep(T_TOY, B_TOY, 2)
 # ### 2.2 H2O: heavy hitters by accumulated attention
 #
 # Zhang et al., NeurIPS 2023, [arXiv 2306.14048](https://arxiv.org/abs/2306.14048), §4 and Algorithm 1. A few
-# tokens, the *heavy hitters*, receive most of the attention and tend to stay important. So every cached
-# token carries the attention it has received from every query so far, averaged over its KV head's $G$ query
-# heads:
+# tokens, the *heavy hitters*, receive most of the attention and tend to stay important. A token's score is
+# the attention it has received from every query so far, averaged over its KV head's $G$ query heads:
 #
 # $$s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \sum_{t=n}^{T-1} a^h_{t,n}
 # \qquad \text{(Algorithm 1, §4)}$$
 #
-# (The paper's models give every query head its own keys; the mean over a KV head's $G$ query heads is our
-# adaptation to grouped-query attention, as in kvpress, NVIDIA's open-source library of these methods, whose
-# choices this course follows where a paper leaves one open. SnapKV's below is the same.)
+# (The paper's models have one KV head per query head. Averaging over the group, here and in SnapKV, is how
+# kvpress, NVIDIA's library of these methods, adapts the rule to grouped-query attention; this course follows
+# kvpress where a paper leaves a choice open.)
 #
 # At every step the cache keeps its `budget // 2` most recent tokens and, among the others, the highest
-# scores. The code adds the scores up step by step (`steps`), as the cache does: on the toy, a 13-token
-# prompt, then three decode steps.
+# scores. The code adds the scores up step by step (`steps`), as the cache does: on the toy (a 13-token prompt,
+# then three decode steps), then on the bundled model's attention for 22 tokens, against the library's cache.
 
 # %%
 from methods.h2o import received_attention
@@ -123,9 +119,6 @@ toy_steps = [toy_probs[0, :, :13, :13]] + [toy_probs[0, :, i:i + 1, :i + 1] for 
 assert torch.allclose(h2o_scores(toy_steps, HKV_TOY), received_attention(toy_probs.sum(2), HKV_TOY)[0]), \
     "the toy's accumulated scores differ from its column sums, mean over each KV head's query heads"
 print("H2O's scores on the toy, KV head 0:", [round(x, 2) for x in h2o_scores(toy_steps, HKV_TOY)[0].tolist()])
-
-# %% [markdown]
-# The same check against the library's H2O cache, on the bundled model's attention for 22 tokens:
 
 # %%
 from experiments.analysis.persistence import record_attention
@@ -151,7 +144,7 @@ print(f"h2o_scores equals the library cache's scores in all {len(demo_maps)} lay
 # ### 2.3 SnapKV: the observation window votes, once, at prefill
 #
 # Li et al., NeurIPS 2024, [arXiv 2404.14469](https://arxiv.org/abs/2404.14469). The prompt's last $w$ tokens
-# ($w = 32$ by default), the *observation window*, which usually holds the question, vote: token $n$'s vote
+# ($w = 32$ by default), the *observation window*, usually hold the question. They vote: token $n$'s vote
 # $u^h_n$ is the attention the window's queries give it (§4.1). A max pooling of width $P$ lets a strong
 # token's neighbours $n'$ come with it (§4.2). For a prefix token $n < T - w$:
 #
@@ -159,8 +152,8 @@ print(f"h2o_scores equals the library cache's scores in all {len(demo_maps)} lay
 # s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \max_{|n' - n| \le \lfloor P/2 \rfloor,\; n' < T - w} u^h_{n'}
 # \qquad \text{(§4.1, §4.2)}$$
 #
-# Each KV head keeps the whole window and its $B - w$ best-scored prefix tokens. SnapKV compresses **the
-# prompt only, once**: the tokens decoded later are all kept.
+# Each KV head keeps the window and its $B - w$ best-scored prefix tokens. SnapKV compresses **the prompt
+# only, once**: tokens decoded later are all kept.
 
 # %%
 from exercises import where_differs
@@ -183,24 +176,21 @@ RULE = "summed over the window's queries, max-pooled over the kernel's neighbour
 library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")[0, :, :T_TOY - W_TOY]
 mine = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)
 assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes: {off}; {RULE}"
+print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in mine[1].tolist()])
 for layer, a in enumerate(demo_maps):                               # the bundled model's attention
     library = snapkv_scores(a[None], model.config.n_kv_head, window=8, kernel=7, pooling="max")[0, :, :22 - 8]
     mine = snapkv_votes(a, model.config.n_kv_head, 8, 7)
     assert not (off := where_differs(mine, library, ("KV head", "token"))), f"layer {layer}: {off}; {RULE}"
-snap_scores = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)                 # s_{j,n}: pooled, mean per group
-print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in snap_scores[1].tolist()])
 
 # %% [markdown]
 # ### 2.4 AdaKV: one budget pool per layer, shared by the heads
 #
 # Feng et al., NeurIPS 2025, [arXiv 2407.11550](https://arxiv.org/abs/2407.11550), Algorithm 1. A head whose
-# attention is concentrated needs few entries, one whose attention is spread out needs many. AdaKV takes any
+# attention is concentrated needs few entries; one whose attention is spread out needs many. AdaKV takes any
 # rule's scores $s_{j,n}$ (SnapKV's by default), lets every KV head keep its own best
-# $n_\text{safe} = \lfloor 0.2 B \rfloor$ (the *safeguard*), then keeps the layer's best (head, token) pairs.
-# The entries the rule protects (SnapKV's window, scored $+\infty$) are each head's best, so they count in
-# $n_\text{safe}$, as in kvpress: with SnapKV's $w = 32$ the safeguard reaches past the window only when
-# $\lfloor 0.2 B \rfloor > 32$. (The authors' repository keeps the window apart and mixes each head's share
-# of the pool with an even split; `methods/README.md` has the formula.)
+# $n_\text{safe} = \lfloor 0.2 B \rfloor$ (the *safeguard*), then keeps the layer's best (head, token) pairs,
+# whichever heads they fall in. SnapKV's window, scored $+\infty$, is each head's best, so it fills the
+# safeguard first, as kvpress counts it (the authors' code differs slightly: `methods/README.md`).
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
@@ -239,67 +229,50 @@ print("adakv_keep makes the library's choice for both scales and safeguards 0, 1
 # %% [markdown]
 # ### 2.5 What each rule keeps of the toy
 #
-# StreamingLLM keeps the same positions in every head (section 2.1). The library's other three rules on the
-# toy, 6 entries per KV head (AdaKV: $H_{kv} B$ in the layer). Each policy's `rank` gives the scores a cache
-# sorts by (its protected entries, such as SnapKV's window, at $+\infty$); `select_topk` keeps each KV head's
-# best `B_TOY`, and among equal scores the earlier position; `mask_to_indices` lists AdaKV's kept slots.
+# The library's H2O, SnapKV and AdaKV on the toy (StreamingLLM's choice is in section 2.1), with SnapKV's
+# scores pooled ($P = 3$), then not ($P = 1$). A policy's `rank` gives the scores a cache sorts by, protected
+# entries at $+\infty$; `select_topk` keeps each KV head's best `B_TOY`, the earlier position among equal
+# scores; `mask_to_indices` lists AdaKV's kept slots.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)                   # (1, H_kv, T) positions of the slots
-snap = SnapKVPolicy(B_TOY, window=W_TOY, kernel=3).rank(
-    snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max"), pos, T_TOY)
-toy_kept = {                # each rule's ranking, then each KV head's best B_TOY
-    "H2O (3 recent)": select_topk(H2OPolicy(B_TOY, n_recent=3).rank(
-        received_attention(toy_probs.sum(2), HKV_TOY), pos, T_TOY), B_TOY),
-    "SnapKV (w = 4, pool 3)": select_topk(snap, B_TOY),
-    "AdaKV (safeguard 1)": mask_to_indices(adaptive_keep_mask(snap, B_TOY, int(0.2 * B_TOY)))}   # -1: unused
-
-
-def show(kept):
-    """One line per rule: the positions each KV head keeps (-1, an unused slot, left out)."""
-    for name, idx in kept.items():                                    # idx (1, H_kv, K) kept slots' positions
-        heads = [f"KV head {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)]
-        print(f"{name:23}", "   ".join(heads))
-
-
-print(f"B_TOY = {B_TOY} entries per KV head (AdaKV: {HKV_TOY * B_TOY} in the layer)")
-show(toy_kept)
+h2o_rank = H2OPolicy(B_TOY, n_recent=3).rank(received_attention(toy_probs.sum(2), HKV_TOY), pos, T_TOY)
+toy_kept = {"H2O (3 recent)": select_topk(h2o_rank, B_TOY)}
+for P in (3, 1):
+    snap = SnapKVPolicy(B_TOY, window=W_TOY, kernel=P).rank(
+        snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=P, pooling="max"), pos, T_TOY)
+    toy_kept[f"SnapKV (P = {P})"] = select_topk(snap, B_TOY)
+    toy_kept[f"AdaKV (P = {P})"] = mask_to_indices(adaptive_keep_mask(snap, B_TOY, int(0.2 * B_TOY)))
+print(f"B_TOY = {B_TOY} entries per KV head (AdaKV: {HKV_TOY * B_TOY} in the layer), safeguard {int(0.2 * B_TOY)}")
+for name, idx in toy_kept.items():                                   # idx (1, H_kv, K); -1 marks an unused slot
+    heads = [f"KV head {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)]
+    print(f"{name:15}", "   ".join(heads))
 
 # %% [markdown]
-# H2O (ranking once, with every query's attention summed) keeps the sink, the heavy hitter 5, its 3 recent
-# tokens and one token the window attended: 9 in KV head 0; in KV head 1 the window attends 2, 3, 7 and 8
-# alike, and 2 wins because an earlier token is attended by more queries: H2O's sums favour old tokens.
-# SnapKV drops token 5, which the window does not attend: besides the window it keeps 9 and its pooled
-# neighbour 8 in KV head 0 (8, 9 and 10 tie after the pooling; the earlier two stay); in KV head 1 nine
-# prefix tokens tie and the earliest two stay. AdaKV ranks the
-# layer's (head, token) pairs together: 7 entries go to KV head 0, 5 to KV head 1. Here the concentrated head
-# gets more, not fewer: the pooling copies its one strong vote (token 9) onto 8 and 10, and each copy outranks
-# the spread head's weaker votes. Its safeguard, $\lfloor 0.2 \cdot 6 \rfloor = 1$ entry, is a window token
-# in each head, kept anyway: it changes nothing. Without the pooling (kernel 1), AdaKV does what it is for:
-
-# %% tags=["needs:window_vote", "needs:adakv"]
-unpooled = SnapKVPolicy(B_TOY, window=W_TOY, kernel=1).rank(
-    snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=1, pooling="max"), pos, T_TOY)
-show({"SnapKV (kernel 1)": select_topk(unpooled, B_TOY),
-      "AdaKV (kernel 1)": mask_to_indices(adaptive_keep_mask(unpooled, B_TOY, int(0.2 * B_TOY)))})
-
-# %% [markdown]
-# KV head 0's window attends token 9 alone: AdaKV gives it the window and 9, five entries, and lends its sixth
-# to KV head 1, whose window spreads over 2, 3, 7 and 8 (and the sink 0): seven entries there.
+# **H2O** keeps the sink 0, the heavy hitter 5 and its 3 recent tokens. Its one other entry is 9 in KV head 0, but 2
+# in KV head 1, where the window attends 2, 3, 7 and 8 alike: earlier tokens are attended by more queries, so
+# H2O's sums favour old tokens.
+#
+# **SnapKV** drops token 5, which the window does not attend. With $P = 3$ the pooling makes neighbours tie,
+# and the earlier tokens win the ties: KV head 0 keeps 9 and 8, KV head 1 its first two tokens.
+#
+# **AdaKV** shows what it is for at $P = 1$: KV head 0, whose window attends 9 alone, keeps five entries and
+# lends its sixth to the spread-out KV head 1. At $P = 3$ it lends the other way: the pooling copies 9's strong
+# vote onto 8 and 10, and the copies outrank KV head 1's weaker votes. (The safeguard, 1 entry, falls in the
+# window either way.)
 #
 # ## Exercises
 #
-# Each exercise: a cell where you replace the `None`, a check that gives a hint when the answer is wrong, and
-# the reference answer, collapsed.
+# Replace each `None` and run the check under it, which hints when the answer is wrong; the reference answer
+# is collapsed below.
 #
 # ### Exercise 1: StreamingLLM's kept positions after decoding
 #
 # A prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`.
-# Write `my_expected(seen, budget, n_sink)`: from the tokens seen, the budget and the sinks only, the positions
-# every layer and KV head must hold now, a 1-D tensor in ascending order (without `sinks_and_recent` or
-# section 2.1's `streaming_keep`; mind $S = \min(\texttt{n\_sink}, B - 1)$). The check runs it on this cache
-# (`ex_seen`, `EX_BUDGET`, `EX_SINKS`) and on caches of other budgets and lengths, one with fewer entries than
-# sinks.
+# Write `my_expected(seen, budget, n_sink)`: from these three numbers alone (without `sinks_and_recent` or
+# section 2.1's `streaming_keep`), the positions every layer and KV head must hold now, a 1-D tensor in
+# ascending order; mind $S = \min(\texttt{n\_sink}, B - 1)$. The check runs it on this cache (`ex_seen`,
+# `EX_BUDGET`, `EX_SINKS`) and on caches of other budgets and lengths, one with fewer entries than sinks.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from nanollm.data.tasks import make_sample
@@ -362,11 +335,11 @@ check_expected(reference_expected)
 # ### Exercise 2: what H2O keeps
 #
 # `ex_maps[l]` is the full-cache attention of Exercise 1's prompt in layer `l`, shape `(H, N, N)` (row =
-# query, column = key). Write `my_h2o(maps, budget)`: from such maps alone, H2O's prefill scores, a list of one
-# `(H_kv, N)` tensor per layer (section 2.2, with tensor operations this time: no policy, cache or prefill),
-# and the positions H2O keeps, a list of one `(H_kv, budget)` tensor per layer, ascending: the `budget // 2`
-# most recent ones and the highest-scored of the others. The check runs it on `ex_maps` with
-# `EX_H2O_BUDGET` and on the attention of another prompt with another budget.
+# query, column = key). Write `my_h2o(maps, budget)` from such maps (and the cell's `H_kv` and `G`), with tensor
+# operations: no policy, cache or prefill, and no `received_attention` or section 2.2's `h2o_scores`. It returns two lists of one tensor per layer: H2O's prefill scores, `(H_kv, N)` (section
+# 2.2), and the positions H2O keeps, `(H_kv, budget)`, ascending: the `budget // 2` most recent ones and the
+# highest-scored of the others. The check runs it on `ex_maps` with `EX_H2O_BUDGET`, and on another prompt's
+# attention with another budget.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 ex_ids = torch.tensor([ex_sample.prompt_ids])
@@ -430,6 +403,6 @@ def reference_h2o(maps, budget):
 check_h2o(reference_h2o)
 
 # %% [markdown]
-# **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb): one needle on the
-# bundled model; real passages on SmolLM2-135M, where no rule answers one whose needle sits near the start;
-# accuracy, KL and memory at three keep ratios.
+# **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb): the four rules on one
+# needle with the bundled model, and on real passages with SmolLM2-135M: accuracy, KL and memory at three keep
+# ratios.

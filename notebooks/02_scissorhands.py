@@ -4,16 +4,12 @@
 # Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache
 # Compression at Test Time", NeurIPS 2023, [arXiv 2305.17118](https://arxiv.org/abs/2305.17118).
 #
-# **The question.** A KV cache grows by one entry per token and head. Can a cache of fixed size keep the
-# model's quality if it drops the right tokens as it goes? Scissorhands says yes, because attention maps
-# repeat themselves: the tokens one decoding step attends to strongly are, by and large, the ones later
-# steps attend to as well (§3.1-3.2; on OPT models the paper reports that more than 95% of the important
-# tokens stay important, in most layers; the lab measures how far that holds here). If that holds, a token that
-# has received *less than average* attention at most of the recent steps is safe to drop.
+# **The question.** Can a KV cache of fixed size keep the model's quality if it drops the right tokens as it
+# goes? Scissorhands bets that importance persists: the tokens one decoding step attends to strongly are mostly
+# those later steps attend to (§3). So a token that got *less than average* attention at most recent steps can go.
 #
-# **Before this lesson**: lesson 00 (the KV cache, `KVCache`, `prefill`) and lesson 01 (a budget cache that
-# evicts, H2O's accumulated attention, StreamingLLM's recent window). The symbols are the book's
-# ([notebooks/README.md](README.md)), the metrics those of its [metrics glossary](README.md#metrics).
+# **Before this lesson**: lesson 00 (`KVCache`, `prefill`) and lesson 01 (caches that evict: H2O, StreamingLLM).
+# Symbols: the book's [table](README.md); metrics: its [glossary](README.md#metrics).
 
 # %% tags=["setup"]
 from preamble import TINY  # the repository importable, one torch thread, seed 0; TINY: a quick run
@@ -21,41 +17,29 @@ from preamble import TINY  # the repository importable, one torch thread, seed 0
 # %% [markdown]
 # ## 1. The idea, built by hand
 #
-# The symbols of this lesson ($T$, $t$, $n$, $a$, $B$ and $w$ as in the book's table, the rest Scissorhands' own):
+# $T$, $t$, $n$ and $B$ are the book's; Scissorhands adds:
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
-# | $T$ | tokens the cache has seen | `T` (in `keep_by_hand`), `seen` (an argument of `scissorhands_keep`) |
-# | $t$ | the current step: the position of the newest query | the last row of `attn` |
-# | $n$ | the position of a stored token | `n` (in `keep_by_hand`), `pos` |
-# | $A_i$ | the cached tokens query $i$ attends (full cache: tokens $0 \dots i$) | `visible`; its size: `n_visible` |
-# | $a_{i,n}$ | attention of the query at $i$ on token $n$ (a KV head's: mean over the $G$ sharing it) | `attn` |
-# | $B$ | the budget: tokens kept per layer and KV head, the recent ones included | `budget` |
-# | $w$ | the window of observers: the last $w$ queries, whose flags are counted | `w`, `history_window` |
+# | $A_i$ | the tokens the query at position $i$ attends (full cache: $0 \dots i$) | `visible`; its size `n_visible` |
+# | $a_{i,n}$ | attention of query $i$ on token $n$ (a KV head's: mean over its $G$ query heads) | `attn` |
+# | $w$ | the observers: the last $w$ queries | `w`, `history_window` |
 # | $r$ | the most recent tokens, never dropped | `n_recent` |
-# | $m$ | tokens dropped at once when the cache is over budget | `drop` |
-# | $\mathrm{low}_{i,n}$ | low flag: 1 if query $i$ gave $n$ less than the uniform $1/\lvert A_i \rvert$ | `low_flags` |
-# | $I_n$ | the counter: low flags of token $n$ over the last $w$ queries | `counts`, `unimportance` |
+# | $m$ | tokens dropped at once | `drop` |
+# | $\mathrm{low}_{i,n}$ | 1 if $a_{i,n}$ is below the uniform level $1/\lvert A_i \rvert$ | `low_flags` |
+# | $I_n$ | the counter: token $n$'s low flags over the last $w$ queries | `counts`, `unimportance` |
 #
-# ($G$: the query heads that share a KV head, 2 in the bundled model.) Scissorhands keeps a record per cached
-# token: for each of the last $w$ queries, was the token *low*, given less than the uniform level of attention?
-# The query at position $i$ attends the tokens $A_i$, so its uniform level is $1/|A_i|$ (in a full cache
-# $1/(i+1)$); a token it did not attend is never low. When a layer
-# holds more than $B$ tokens, it drops the tokens with the most low flags, never one of the $r$ most recent
-# (§4, Algorithm 2). The paper states no rule for equal counts; ours drops first the one the last query attends
-# least. The rule after step $t$, dropping one token at a time ($m = 1$; exercise 1 takes $m > 1$), is
+# A token that query $i$ does not attend is never low. Over its budget $B$, a layer drops the tokens with the most
+# low flags, never one of the $r$ most recent (§4, Algorithm 2); of equal counts, which the paper leaves open, ours
+# drops the one the last query attends least. After step $t$, with $m = 1$, Scissorhands keeps:
 #
 # $$\mathrm{low}_{i,n} = \big[\, n \in A_i \text{ and } a_{i,n} < \tfrac{1}{|A_i|} \,\big], \qquad
 #   I_n = \sum_{i = t - w + 1}^{t} \mathrm{low}_{i,n}, \qquad
-#   \text{keep the } B - r \text{ tokens with the smallest } \big(I_n,\, -a_{t,n}\big) \text{, and the last } r.$$
+#   \text{the last } r \text{ and the } B - r \text{ others with the smallest } I_n
+#   \text{ (ties: the largest } a_{t,n} \text{)}$$
 #
-# The pairs compare in order: fewer low flags first, and of two equal counts the larger last attention; only the
-# tokens $0 \dots T - r - 1$ compete, the last $r$ stay whatever their counts.
-#
-# The toy: $T = 6$ tokens, three queries at positions 3, 4 and 5 (a query sees the tokens up to its own
-# position), $w = 3$, $B = 4$, $r = 1$: two tokens must go (as after a prompt, which a cache reads whole and
-# then cuts to $B$). Dropping them one at a time drops the same two as dropping both at once, since the
-# counters do not change within a step.
+# The toy: $T = 6$ tokens, queries at positions 3, 4 and 5, $w = 3$, $B = 4$, $r = 1$, so two tokens go at once
+# (as after a prompt, read whole and then cut to $B$; the counters do not change within a step).
 
 # %%
 import matplotlib.pyplot as plt
@@ -64,35 +48,30 @@ import torch
 toy_attn = torch.tensor([[.50, .05, .40, .05, 0, 0],       # query at position 3 (sees tokens 0-3)
                          [.45, .05, .30, .10, .10, 0],     # position 4
                          [.40, .02, .08, .20, .10, .20]]).view(1, 1, 3, 6)   # position 5; (1, KV head, query, token)
-q_pos, pos = torch.tensor([3, 4, 5]), torch.arange(6).view(1, 1, 6)
-visible = pos.view(1, 1, 1, 6) <= q_pos.view(1, 1, 3, 1)          # (1, 1, 3, 6): what each query sees
+q_pos = torch.tensor([3, 4, 5])
+visible = (torch.arange(6) <= q_pos[:, None]).view(1, 1, 3, 6)   # what each query sees
 fig, ax = plt.subplots(figsize=(6, 2.2))
-im = ax.imshow(toy_attn[0, 0].masked_fill(~visible[0, 0], float("nan")), cmap="Blues", vmin=0, vmax=0.5)
+im = ax.imshow(toy_attn[0, 0].masked_fill(~visible[0, 0], float("nan")), cmap="Blues", vmin=0, vmax=1)
 for i, j in visible[0, 0].nonzero().tolist():             # each weight a query sees, written in its cell
-    a = float(toy_attn[0, 0, i, j])
-    ax.text(j, i, f"{a:.2f}", ha="center", va="center", fontsize=9, color="white" if a > 0.3 else "black")
+    ax.text(j, i, f"{toy_attn[0, 0, i, j]:.2f}", ha="center", va="center", fontsize=9)
 ax.set_yticks(range(3), [f"query at {p} (level 1/{p + 1})" for p in q_pos.tolist()])
 ax.set(xlabel="token", title="The toy's attention: compare each row with its uniform level")
 fig.colorbar(im, ax=ax, label="attention")
 plt.show()
 
 # %% [markdown]
-# The figure shows the toy's attention weights, one row per query, darker blue for more attention, blank
-# where a query cannot see the token. A token is low for a query when its weight is below the row's uniform
-# level: token 1 is below it in all three rows, tokens 3 and 4 in two, token 2 only in the last one
-# (`.08 < 1/6`).
+# Each row is a query, blank where it cannot see the token. Token 1 is below its row's level in all three rows,
+# tokens 3 and 4 in two, token 2 only in the last (`.08 < 1/6`).
 #
-# The library (`methods/scissorhands.py`) splits the rule into four functions: `low_flags` (the flags),
-# `push_history` (a ring buffer of each token's last $w$ flags), `unimportance` (the counter $I_n$) and
-# `scissorhands_keep` (Algorithm 2, which also applies $m$). `library_keep` runs them on one head:
+# The library (`methods/scissorhands.py`) has `low_flags`, `push_history` (each token's last $w$ flags),
+# `unimportance` ($I_n$) and `scissorhands_keep` (Algorithm 2, with $m$); `library_keep` chains them on one head:
 
 # %%
 from methods.scissorhands import low_flags, push_history, scissorhands_keep, unimportance
 
 
 def library_keep(attn, budget, n_recent):
-    """The library's decision on (1, 1, w, n) attention of the last w queries: flags, history, counters, keep.
-    (push_history writes query q's flags into column q % w of a ring buffer; only the result matters here.)"""
+    """The library's decision on (1, 1, w, n) attention of the last w queries: flags, history, counters, keep."""
     w, n = attn.shape[-2:]
     q, p = torch.arange(n - w, n), torch.arange(n).view(1, 1, n)
     history = torch.zeros(1, 1, n, w, dtype=torch.bool)                # per token, its last w flags
@@ -101,10 +80,8 @@ def library_keep(attn, budget, n_recent):
     return keep.flatten().tolist()
 
 # %% [markdown]
-# The same rule by hand, for one head, with plain loops over the last $w$ queries, must make the library's
-# choice in each of these cases: the toy; a head whose $r$ most recent tokens get little attention (they stay
-# anyway); a single query, where many counts are equal and the larger attention decides; and 300 random heads
-# of 2 to 16 tokens. A wrong choice names the case and the rule it breaks first:
+# Your loops must choose as the library does: on the toy, on a head whose $r$ most recent tokens get little
+# attention (they stay anyway), on a single query (many tied counts), and on 300 random heads:
 
 # %%
 def causal(scores):
@@ -150,19 +127,16 @@ print("toy: kept by hand", keep_by_hand(toy_attn[0, 0], 4, 1), "| by the library
 print(f"by hand == the library in all {len(cases)} cases")
 
 # %% [markdown]
-# Token 1 was low three times and goes first. Tokens 3 and 4 tie at two low flags; the tie goes to the
-# attention of the last query (`.20` vs `.10`), so token 4 goes. Token 2 was above the level twice and low
-# once: it stays, although the last query gave it only `.08`.
+# Token 1 was low three times and goes. Tokens 3 and 4 tie at two low flags; the last query gives token 4 less
+# (`.10` vs `.20`), so it goes. Token 2 stays although the last query gave it only `.08`: it was low once.
 
 # %% [markdown]
 # ## 2. What Scissorhands keeps of a needle
 #
-# What matters for a budget cache is whether the counters keep what will be needed. The test, on the bundled
-# model (0.87M parameters, 4 layers, 4 query heads sharing 2 KV heads): a needle (a key and
-# its value, a few digits) hidden in noise, then a question about it, in a sample of at most `LENGTH` tokens
-# (prompt and answer together), compressed to a quarter ($B = 128$ entries per layer and KV head) by
-# Scissorhands (the library's defaults, after cold-compress: $w = 400$, $r = 10$, $m = 1$) and by H2O
-# (lesson 01). `make_policy(name, budget=...)` builds a method's policy from its name, with its default options.
+# Do the counters keep what is needed later? On the bundled model: a needle (a key and a value of a few digits)
+# hidden in noise, then a question about it, `LENGTH` tokens in all, with the cache cut to a quarter
+# ($B$ = `BUDGET`) by Scissorhands (defaults $w = 400$, $r = 10$, $m = 1$) and by H2O. `make_policy` builds a
+# policy from a method's name.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from methods import make_policy
@@ -170,141 +144,74 @@ from experiments.evaluation.viz import needle_spans, plot_kept
 from nanollm import KVCache, load, prefill
 from nanollm.data.tasks import make_sample
 
-model, tok, card = load("retrieval-llama")                        # the bundled model
-LENGTH = 256 if TINY else 512                                     # tokens per sample
+model, tok, _ = load("retrieval-llama")                           # the bundled model
+LENGTH = 256 if TINY else 512                                     # tokens per sample, prompt and answer
 sample = make_sample("niah_single_noise", tok, LENGTH, seed=0)
-ids = torch.tensor([sample.prompt_ids])                           # (1, N)
-N = ids.shape[1]                                                  # prompt tokens
+ids, N = torch.tensor([sample.prompt_ids]), len(sample.prompt_ids)   # (1, N): the prompt
 spans = needle_spans(sample, tok)                                 # per needle: (start, value start, end)
-start, v, end = spans[0]                                          # the needle's words, its value v..end
-print("the needle:", repr(tok.decode(sample.prompt_ids[start:end])),
-      "| the prompt ends:", repr(tok.decode(sample.prompt_ids[-12:])))
+start, v, end = spans[0]
+print(f"the needle: {tok.decode(sample.prompt_ids[start:end])!r}, its value at positions {v}-{end - 1} of {N}")
 BUDGET = LENGTH // 4
-caches = {}
-for spec in ["scissorhands", "h2o"]:
-    caches[spec] = KVCache(model.config, make_policy(spec, budget=BUDGET))
-    prefill(model, ids, caches[spec])
-fig, axes = plt.subplots(2, 1, figsize=(11, 4.6), sharex=True)
-for ax, spec in zip(axes, caches):
-    plot_kept(ax, caches[spec], N, spans, title=spec)
-    ax.set_ylabel("layer, KV head")
+caches = {spec: KVCache(model.config, make_policy(spec, budget=BUDGET)) for spec in ["scissorhands", "h2o"]}
+fig, axes = plt.subplots(2, 1, figsize=(11, 4.6), sharex=True, layout="constrained")
+for ax, (spec, cache) in zip(axes, caches.items()):
+    prefill(model, ids, cache)
+    plot_kept(ax, cache, N, spans, title=spec)
     fig.colorbar(ax.images[0], ax=ax, ticks=[0, 1], pad=0.01).ax.set_yticklabels(["evicted", "kept"], fontsize=9)
-plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The figure shows, for each layer and KV head (a row, `L0 KV1` = layer 0, KV head 1), which prompt
-# positions the cache holds after the prompt: dark kept, light evicted. The orange band marks the needle's key
-# and wording (the twelve tokens before its value), the red band the value itself: where the red band is dark,
-# that row keeps the value; where it is pale, the value was evicted (Scissorhands' few kept digits are thin dark
-# lines in rows L0 KV1 and L2 KV1).
+# Rows are layers and KV heads (`L0 KV1`: layer 0, KV head 1), columns prompt positions, dark where the cache
+# holds them; orange marks the needle's key, red its value. Scissorhands keeps mostly recent tokens and only a
+# few of the value's digits; H2O keeps the whole value in two rows.
 #
-# Scissorhands keeps a block of the most recent tokens in every layer, and in most rows little else. The reason
-# is the counter's age: a token at position $n$ has been seen by only $T - n$ of the $T$ prompt queries, so it
-# cannot have more than $T - n$ low flags, whereas a token far back had up to $w = 400$ chances to be below
-# average. The needle's value is heavy for the few queries that look it up, and below average for almost all
-# of the rest. Both effects act on the needle; exercise 2 takes the age away to see what is left.
-#
-# Where do we read the counters the budget cache ranked? `prefill` counts the flags of the prompt's last $w$
-# queries, then drops down to $B$ at once. A cache with a budget of the whole prompt drops nothing, so it holds the same
-# counters, and the cell reads them there. For each layer and KV head it prints the value's counters, the
-# largest counter among the tokens the budget cache kept by their counters (not its last $r$), and how many of
-# the value's digits each method keeps. The value starts at position `v`, seen by `N - v` queries:
-
-# %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
-from methods.scissorhands import LOW
-
-full_counts = KVCache(model.config, make_policy("scissorhands", budget=N))      # keeps everything: counters
-prefill(model, ids, full_counts)
-print(f"the value at positions {v}-{end - 1} of {N}: its first digit seen by {N - v} queries")
-for layer in range(model.config.n_layer):
-    # LOW: the layer's per-slot state, each token's last w low flags; this cache evicts nothing, so slot = position
-    I = unimportance(full_counts.layers[layer].state[LOW])[0]                     # (H_kv, N)
-    kept = caches["scissorhands"].layers[layer].pos[0]                            # (H_kv, B): kept positions
-    r = caches["scissorhands"].policy.n_recent                                    # the last r never compete
-    for h in range(I.shape[0]):
-        competing = kept[h][kept[h] < N - r]                                      # kept by their counters
-        value_kept = {spec: int(((c.layers[layer].pos[0, h] >= v) & (c.layers[layer].pos[0, h] < end)).sum())
-                      for spec, c in caches.items()}                             # the value's digits each keeps
-        print(f"layer {layer} KV {h}: needle value I = {I[h, v:end].tolist()}, largest kept I = "
-              f"{int(I[h, competing].max())}; digits kept: {value_kept}")
-
-# %% [markdown]
-# The needle's counters run up to 241, while the largest counter still kept is between 34 and 102. In layers 1
-# and 3, and in layer 2's first KV head, every digit's counter is above the largest kept one: by the count
-# the value is among the least important tokens there, and Scissorhands keeps none of it. The counter ranks
-# first, so a digit whose counter is below the largest kept one is kept: two in layer 0's second KV head (71
-# and 67, under 75) and two in layer 2's second (42 and 41, under 46); in layer 0's first, one digit's 62
-# equals the largest kept counter and loses the tie on the last query's attention. H2O, which sums attention
-# instead of counting, keeps the whole value in two rows (the dark red in the lower panel), where Scissorhands
-# keeps none of it: a count of below-average steps ignores how strongly the few retrieving queries attend a
-# token, a sum does not. (Whether the model still answers: the lab measures it, `labs/02_scissorhands_claims` §1.)
-#
-# Two choices behind this picture are the library's, not the paper's, which does not discuss a prompt longer
-# than the budget: the prompt's last $w$ query rows fill the counters and the layer then drops to $B$ at once,
-# and the counts are raw. AnswerDotAI's cold-compress, a port of the method, divides each count by the steps
-# the token was observed, which takes the age out of the counter (not run here). `methods/README.md` lists both.
+# Two things work against the needle. Age: a token at position $n$ was seen by only $T - n$ queries, so it has at
+# most $T - n$ low flags, while an older one had $w$ chances to be low. Strength: the value is heavy for the few
+# queries that look it up and below average for all others; a count ignores how strong those few were, a sum
+# (H2O) does not. Exercise 2 removes the age. (Whether the model still answers: the lab; the library's choices
+# where the paper is silent: `methods/README.md`.)
 
 # %% [markdown]
 # ## 3. On the real model: SmolLM2-135M
 #
-# The paper's main experiment (§5) runs OPT models over language-modelling text; its abstract: "reduces the
-# inference memory usage of the KV cache by up to 5X without compromising model quality". The same experiment
-# on a real language model, SmolLM2-135M (fetched once by `python -m nanollm.cli.fetch smollm2-135m`, the
-# README's set-up): `language_modelling.run` reads `LM_LENGTH` tokens of a natural text (Python's help
-# topics), sets the budget $B$ to the keep ratio times the first half's length (here keep is
-# relative to that half, as the glossary's language-modelling entry says), starts each
-# method from a cache of the first $B$ tokens and decodes the rest one token at a time, evicting as it goes.
-# It scores each next-token distribution of the second half against the full cache's: the perplexity ratio,
-# the mean KL(full || method) and how often the top-1 tokens agree ([metrics glossary](README.md#metrics)).
-# In the table, `protocol` says how a method met the text (`decode`: evicting as it decodes; `full`: the
-# reference, nothing evicted) and `cache at end` the entries per layer and KV head it holds at the last token.
+# The paper (§5) reports, on OPT models in language modelling, "up to 5X" less KV cache memory "without
+# compromising model quality". Here, on SmolLM2-135M (fetched by `python -m nanollm.cli.fetch smollm2-135m`),
+# `language_modelling.run` starts each method from the first $B$ tokens of a text ($B$ = the keep ratio times half
+# its `LM_LENGTH` tokens), decodes the second half evicting as it goes, and scores each method against the full
+# cache's next-token distributions ([metrics glossary](README.md#metrics)); `cache at end` counts the entries per
+# layer and KV head at the last token.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 from experiments.evaluation import language_modelling
 
-real_model, real_tok, real_card = load("smollm2-135m")
+real_model, real_tok, _ = load("smollm2-135m")
 LM_LENGTH, LM_KEEP = (64, 0.5) if TINY else (512, 0.2)           # tokens of text; keep 0.2 = 5x compression
 lm_records = language_modelling.run(real_model, real_tok, ["full", "scissorhands", "h2o", "streaming_llm"],
                                     [LM_KEEP], LM_LENGTH, progress=False)
 print(language_modelling.format_table(lm_records))
-print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, of positions "
-      f"{LM_LENGTH // 2 + 1}-{LM_LENGTH - 1}")
+print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, positions {LM_LENGTH // 2 + 1}-{LM_LENGTH - 1}")
 
 # %% [markdown]
-# At keep 0.2 the cache holds 51 entries while the scored positions have seen 257-511 tokens: 5x compression
-# when scoring starts, 10x at the last token. No method keeps the full cache's quality. Scissorhands is the
-# best of the three (perplexity x1.161, KL 0.234, top-1 agreement with the full cache 0.761), ahead of H2O
-# (x1.225) and StreamingLLM (x1.226), but a perplexity 1.161 times the full cache's is not "without
-# compromising model quality". So the claim is not reproduced in this setting, a harsh one for it: a fixed
-# budget compresses more as the text grows, 5x when scoring starts and 10x at the end, where 5x throughout
-# would take a budget that grows with the text (not run here); and it is one text (255 predictions, whose gaps
-# of a few percent between methods could move on another text; at keep 0.5 Scissorhands trails both others,
-# `methods/claims.md`).
-#
-# Why does the method that lost the needle lead here? A plausible reading, not tested in this lesson: most next
-# words of running text depend on the recent tokens and on a few older ones that many queries keep attending,
-# which stay above average; Scissorhands keeps a recent block and such tokens, StreamingLLM only its window.
-# A needle is one old fact that a few queries need strongly, which a count of below-average steps does not see.
+# At keep 0.2 the cache holds 51 entries while the scored positions have seen 257-511 tokens: 5x to 10x
+# compression. Scissorhands does best (perplexity x1.161, KL 0.234, top-1 agreement 0.761; H2O x1.225,
+# StreamingLLM x1.226), yet 1.161 times the full cache's perplexity is not "without compromising model quality"
+# (in a harsh setting: a fixed budget, one text). It leads here though it lost the needle, plausibly because
+# running text needs mostly recent tokens and a few old ones that many queries attend, which stay above average.
 
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise has a cell where you write (replace the `None`), a check cell, and the reference answer,
-# collapsed: open it once you are done.
+# Each exercise has a cell to fill (replace the `None`), a check cell, and a collapsed reference answer.
 #
 # ### Exercise 1: dropping m at a time
 #
-# With $m = 3$ (`drop=3`) a cache over its budget drops three tokens at once, so it falls below the budget and has
-# room for the next steps before it compresses again. First $m$ is cut to $B - r$ (so that at least one token
-# the counters choose stays; a larger $m$ could drop them all, or reach into the $r$ recent ones); then it drops
-# $m$ as many times as it takes to be within $B$, $\lceil (T - B) / m \rceil \cdot m$ tokens in all. On the toy of
-# section 1 ($B = 4$, $r = 1$), how many tokens does the cache keep, and which? Write `my_keep(counts, last, B, m, r)`:
-# from the counters $I_n$ (`counts`, a list, one per position) and the last query's attention (`last`, a
-# list), the positions a cache of budget $B$ keeps when it drops $m$ at a time and never the $r$ most recent,
-# ascending, without the library's `scissorhands_keep`, `keep_score` or `n_dropped` (its count of tokens to
-# drop). The cell below computes the toy's `counts` and `last` to try it on; the check also runs it on random
-# counters and budgets.
+# With $m = 3$ (`drop=3`) a cache over its budget drops three tokens at once, falling below $B$, so it takes the
+# next steps without compressing. The rule: cut $m$ to $B - r$, then drop $m$ tokens as many times as it takes to
+# be within $B$ ($\lceil (T - B) / m \rceil \cdot m$ in all): the most low flags first, of equal counts the least
+# last attention, never the $r$ most recent. Write `my_keep(counts, last, B, m, r)`: from the counters $I_n$
+# (`counts`, a list by position) and the last query's attention (`last`, a list), return the kept positions,
+# ascending, without the library's `scissorhands_keep`, `keep_score` or `n_dropped`. The next cell computes the
+# toy's `counts` and `last`; with $B = 4$, $m = 3$ and $r = 1$, which tokens stay?
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 history = torch.zeros(1, 1, 6, 3, dtype=torch.bool)      # the toy's last w = 3 flags per token
@@ -362,13 +269,10 @@ print("the toy with m = 3 keeps", reference_keep(counts, last, 4, 3, 1))
 # %% [markdown]
 # ### Exercise 2: a short history window
 #
-# Section 2 found that the default window ($w = 400$) keeps mostly a recent block: a token far back had many
-# more chances to be below average. With $w = 8$ every token older than the last 8 queries has been observed
-# exactly 8 times, so its age no longer counts. Build the same cache with `history_window=8`
-# (`make_policy("scissorhands", budget=BUDGET, history_window=8)`) and prefill it with `ids`; pass it to
-# `recent_share` (the next cell), which measures the share of its kept entries in the last `BUDGET` positions of
-# the prompt, and store that share in `my_recent_share`. Then: how many of the needle's value entries survive
-# now? (Count, per layer, the kept positions in `[v, end)`; the reference answer prints its count and reading.)
+# With $w = 8$ every token older than the last 8 queries has been observed exactly 8 times: age no longer counts.
+# Build a cache with `make_policy("scissorhands", budget=BUDGET, history_window=8)`, prefill it with `ids`, and
+# store `recent_share(cache)` (defined in the next cell) in `my_recent_share`. Then count, over every layer and
+# KV head, the needle's value entries (kept positions in `[v, end)`) that survive now; the reference counts them.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 def recent_share(cache):
@@ -420,5 +324,5 @@ print(f"A short window spreads the kept entries over the prompt and keeps {sum(k
 
 # %% [markdown]
 # **Go further**: [labs/02_scissorhands_claims.ipynb](labs/02_scissorhands_claims.ipynb): accuracy and KL
-# against StreamingLLM and H2O on the bundled model's tasks, the history window and drop count, Theorem 4.1
-# made executable, the paper's Figure 10, and whether importance persists, on both models.
+# against StreamingLLM and H2O, the history window and drop count, Theorem 4.1, the paper's Figure 10, and
+# whether importance persists.

@@ -35,7 +35,7 @@ from preamble import TINY  # the repository importable before any other import
 # | $q_t$ | the query of step $t$, $d$ numbers | `q` |
 # | $K_1$, $K_2$ | a head's two keys per token, $T \times d$ each: $K_1[a]$ is token $a$'s first key | `K1`, `K2` |
 # | $V_1$, $V_2$ | a head's two values per token, $T \times d$ each | `V1`, `V2` |
-# | $\odot$ | elementwise product (a vector and a matrix: the vector times each row) | `*` |
+# | $\odot$ | elementwise product (of two equal shapes; of a matrix and a vector: each row times the vector) | `*` |
 # | $Z_{ab}$ | the score of the token pair $(a, b)$ | `S` |
 # | $P_{ab}$ | the pair's weight: one softmax over all $T^2$ pairs | `P` |
 # | $o_t$ | the head's output at step $t$, $d$ numbers | `factored`, `naive`, `two` |
@@ -115,9 +115,9 @@ print(f"fp64, n = {n}: |naive - factored| = {(naive - factored).abs().max():.1e}
 # %% [markdown]
 # ## 2. The trade-off, measured
 #
-# `measure` (from `bench.py`) fills one layer (4 heads of 16 numbers, fp32) with $T$ random tokens, runs 7
-# decode steps on each path (append the new token's rows, attend with its query), and records the bytes stored
-# and the median time of a step. The table's last columns divide each four-matrix path's time by the
+# `measure` (from `experiments/tensor_attention_bench.py`) fills one layer (4 heads of 16 numbers, fp32) with
+# $T - 7$ random tokens, runs 7 decode steps on each path (append the new token's rows, attend with its query),
+# so the cache ends at $T$ tokens, and records the bytes stored and the median time of a step. The table's last columns divide each four-matrix path's time by the
 # two-matrix path's; a slope 2 (of log time or log bytes against log $T$) means growth like $T^2$:
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
@@ -145,8 +145,8 @@ print(f"at T = {lengths[-1]}: the two-matrix cache stores {ratio:.0f}x the bytes
 # %% [markdown]
 # ## 3. Where pairs matter: Match3
 #
-# Sanford et al. (§4) prove that Match3, "do two numbers of the sequence complete this one to 0 modulo M?",
-# needs a large standard attention layer, while one tensor head computes it. Here it is causal: a
+# Sanford et al. (§4) prove that Match3, "do two numbers of the sequence complete this one to 0 modulo a fixed
+# number?", needs a large standard attention layer, while one tensor head computes it. Here it is causal: a
 # sequence `BOS x_1 L_1 x_2 L_2 ...` of 12 numbers $x_i$ modulo 32, where the label `L_i` is YES if
 # $x_a + x_b + x_i = 0 \pmod{32}$ for some $a \le b \le i$, else NO. A model reads $x_i$ and predicts `L_i`.
 #

@@ -3,18 +3,16 @@
 #
 # SnapKV keeps the entries the observation window attends to most. Feng et al. ("Identify Critical KV Cache
 # in LLM Inference from an Output Perturbation Perspective",
-# [arXiv 2502.03805](https://arxiv.org/abs/2502.03805)) ask instead how much dropping an entry moves the
-# attention *output*, which depends on its attention weight **and** on the size of its value after the output
-# projection. Their two-stage selection (Algorithm 1) keeps a share of the budget by attention and the rest by
-# attention times projected value size, and runs inside hosts such as SnapKV and AdaKV (Algorithm 2).
+# [arXiv 2502.03805](https://arxiv.org/abs/2502.03805)) ask instead how much dropping an entry moves the attention
+# *output*: that depends on its attention weight **and** on the size of its value after the output projection.
+# Their Algorithm 1 keeps part of the budget by attention, the rest by attention times projected value size.
 #
-# **Before this lesson** read [01_baselines](01_baselines.ipynb): SnapKV (the observation window's pooled
-# vote, kept once at prefill) and AdaKV (one budget pool per layer, shared by its KV heads) are the hosts
-# CriticalKV runs inside. The book's shared symbols are in [notebooks/README.md](README.md).
+# **Before this lesson** read [01_baselines](01_baselines.ipynb): SnapKV and AdaKV, CriticalKV's hosts. Shared
+# symbols: [notebooks/README.md](README.md).
 #
 # **You will learn**
 #
-# 1. the output perturbation, its bound, and Algorithm 1, written out and checked against the library;
+# 1. the output perturbation, its bound, and Algorithm 1, checked against the library;
 # 2. why it needs concentrated attention;
 # 3. how it runs inside SnapKV.
 #
@@ -28,40 +26,32 @@ import torch
 # %% [markdown]
 # ## 1. The perturbation and its bound, on one head
 #
-# One head, one query. The symbols (the book's and this lesson's own):
+# One head, one query, $T$ cached entries. This lesson's symbols:
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
-# | $T$, $n$ | entries in the cache, and one of them | `T` |
-# | $A$, $A_n$ | the query's attention over the $T$ entries ($A_n = a_{t,n}$) | `attn`, `A` |
-# | $V$, $v_n$ | the head's stored values, $T \times d$ | `vw` holds them projected |
-# | $W_O$ | the output projection, $D \times D$ | `W_O` |
-# | $W_O^{(h)}$ | head $h$'s slice, $d \times D$: rows $hd$..$(h+1)d-1$ of $W_O$ ($x W_O$ = `o_proj(x)`) | in `vw` |
-# | $V W_O^{(h)}$ | the projected values, $T \times D$ | `vw` |
-# | $P_n$ | $\|v_n W_O^{(h)}\|_1$, entry $n$'s size (this lesson's own; lesson 01's $P$ is a pooling width) | `P` |
-# | $B$ | the budget: entries kept | `b` |
-# | $\mathcal{N}$, $\mathcal{N}_n$ | the keep mask: 1 for a kept entry, 0 for an evicted one | `keep` |
-# | $\mu$ | the kept attention mass, $\sum_n \mathcal{N}_n A_n$ (this lesson's own symbol) | `mu` |
-# | $A'$ | the attention over the kept entries (Theorem 1) | `renormalized_attention` |
-# | $\mathcal{L}$ | the output perturbation (Eq. 5) | `output_perturbation`, `L` |
-# | $C$, $\theta$ | $C = \sum_n A_n P_n$, and the bound on $\mathcal{L}$ (Theorem 2) | `perturbation_bound`, `theta` |
-# | $\alpha$, $\sigma$ | stage 1's share of $B$, and the mass stage 1 keeps | `alpha` |
-# | $\bar{A}$, $\bar{A}'$ | SnapKV's window attention, and its pooled vote (section 2) | in the library's host |
+# | $A$, $A_n$ | the query's attention over the entries ($A_n = a_{t,n}$) | `attn` |
+# | $W_O^{(h)}$ | head $h$'s $d$ rows of $W_O$; $V W_O^{(h)}$: the projected values | `vw` |
+# | $P_n$ | $\|v_n W_O^{(h)}\|_1$, entry $n$'s size (not lesson 01's pooling width $P$) | `P` |
+# | $\mathcal{N}$, $\mathcal{N}_n$ | the keep mask: 1 kept, 0 evicted | `keep` |
+# | $\mu$ | the kept attention mass, $\sum_n \mathcal{N}_n A_n$ | `mu` |
+# | $A'$ | the attention over the kept entries | `renormalized_attention` |
+# | $\mathcal{L}$ | the output perturbation | `output_perturbation`, `L` |
+# | $C$, $\theta$ | $\sum_n A_n P_n$, and the bound on $\mathcal{L}$ | `perturbation_bound`, `theta` |
+# | $\alpha$, $\sigma$ | stage 1's share of the budget $B$, and the mass it keeps | `alpha` |
 #
-# The head adds $A V W_O^{(h)}$ to the layer's output (Eq. 2). CriticalKV evicts entries with a mask
-# $\mathcal{N}$; the softmax over the kept entries is the old attention renormalised (Theorem 1, Eq. 6), and
-# the output moves by the perturbation $\mathcal{L}$ (Eq. 5):
+# The head adds $A V W_O^{(h)}$ to the layer's output (Eq. 2). When CriticalKV evicts entries, the softmax over the
+# kept ones is the old attention renormalised (Theorem 1, Eq. 6), and the output moves by $\mathcal{L}$ (Eq. 5):
 #
 # $$A' = \frac{\mathcal{N} \odot A}{\sum_n \mathcal{N}_n A_n} \quad \text{(Eq. 6)}, \qquad
 # \mathcal{L} = \big\|(A - A')\, V W_O^{(h)}\big\|_1 \quad \text{(Eq. 5)}.$$
 #
-# **The bound (§3.3, Theorem 2).** The triangle inequality, entry by entry, gives
-# $\mathcal{L} \le \sum_n |A_n - A'_n|\, P_n$: an evicted entry ($A'_n = 0$) adds $A_n P_n$, a kept one
-# ($A'_n = A_n / \mu$) adds $(1/\mu - 1) A_n P_n$. Summed,
+# **The bound (§3.3, Theorem 2).** By the triangle inequality, $\mathcal{L} \le \sum_n |A_n - A'_n|\, P_n$: an
+# evicted entry ($A'_n = 0$) adds $A_n P_n$, a kept one ($A'_n = A_n / \mu$) adds $(1/\mu - 1) A_n P_n$. Summed,
 #
 # $$\mathcal{L} \le \theta = C - \Big(2 - \frac{1}{\mu}\Big) \sum_n \mathcal{N}_n A_n P_n \quad \text{(Eq. 8)}.$$
 #
-# The cell below checks both theorems against the library on random heads.
+# The cell below checks both theorems on random heads.
 
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound"]
 from methods.critical_kv import output_perturbation, perturbation_bound, renormalized_attention
@@ -82,16 +72,13 @@ print(f"Theorem 1: max |softmax over the kept entries - N*A/mu| = {identity_err:
 print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.1e}  (>= 0: the bound holds)")
 
 # %% [markdown]
-# **From the bound to Algorithm 1 (§3.4-3.5).** If the kept mass $\mu$ exceeds one half, the factor $2 - 1/\mu$ is
-# positive, and keeping entries with a large $A_n P_n$ lowers $\theta$. Algorithm 1 therefore works in two stages.
-# Stage 1 keeps the $\lfloor \alpha B \rfloor$ entries with the most attention; Assumption 1 says their mass
-# $\sigma$ already exceeds one half. **Theorem 3** then freezes the factor at its stage-1 value $2 - 1/\sigma$ (no
-# larger than $2 - 1/\mu$, since $\mu \ge \sigma$), so stage 2 lowers this relaxed bound most by filling the rest
-# of the budget with the largest $A_n P_n$: *Theorem 3's ranking*. The relaxed bound
-# $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n$ is at least $\theta$, so it still bounds
-# $\mathcal{L}$; Algorithm 1 minimises that bound, not $\mathcal{L}$ itself. Here is Algorithm 1 for one
-# head (its comments write $A_i$, $P_i$ and $n$ entries, as the paper does), checked against the library's
-# `perturbation_constrained_select` on random heads:
+# **From the bound to Algorithm 1 (§3.4-3.5).** When $\mu > 1/2$ the factor $2 - 1/\mu$ is positive, so keeping
+# entries with a large $A_n P_n$ lowers $\theta$. Algorithm 1's stage 1 keeps the $\lfloor \alpha B \rfloor$ entries
+# with the most attention; Assumption 1 says their mass $\sigma$ exceeds one half. Theorem 3 freezes the factor at
+# $2 - 1/\sigma \le 2 - 1/\mu$ (as $\mu \ge \sigma$); the relaxed bound
+# $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n \ge \theta$ is then lowest when stage 2 fills the
+# budget with the largest $A_n P_n$. Algorithm 1 minimises this bound, not $\mathcal{L}$. Here it is for one head
+# (its comments use the paper's $A_i$, $P_i$), checked against the library:
 
 # %%
 def algorithm1(attn: torch.Tensor, vnorm: torch.Tensor, b: int, alpha: float) -> torch.Tensor:
@@ -119,27 +106,21 @@ for trial in range(n_heads):
     alpha = [0.0, 0.25, 0.5, 1.0][trial % 4]
     mine = algorithm1(attn, P, b, alpha)
     assert torch.equal(mine, perturbation_constrained_select(attn, P, b, alpha)), \
-        f"B = {b}, alpha = {alpha}: kept {mine.tolist()}; stage 1: the floor(alpha B) largest A; stage 2: the " \
-        "rest by A * P"
-print(f"Algorithm 1 written out keeps the library's entries in all {n_heads} random heads (alpha 0, 0.25, 0.5, 1; "
-      "in half of them A * P unrelated to A).")
+        f"B = {b}, alpha = {alpha}: kept {mine.tolist()}; stage 1: the floor(alpha B) largest A; stage 2: A * P"
+print(f"Algorithm 1 written out keeps the library's entries in all {n_heads} random heads.")
 
 # %% [markdown]
-# A hand example: four entries and a budget of two. Attention top-2 is Algorithm 1 with $\alpha = 1$ (all of
-# the budget by attention); with $\alpha = 0.5$, one entry goes by attention and one by $A_n P_n$. Which two
-# does each keep, and how far does the output move? The example is run twice: with entry 2's projected value
-# of the opposite sign to the others', then of the same sign. $P_n$, and so $\theta$, cannot tell the two apart.
+# A hand example: four entries, a budget of two. Attention top-2 is Algorithm 1 with $\alpha = 1$; with
+# $\alpha = 0.5$, one entry goes by attention and one by $A_n P_n$. Entry 2's projected value points first against
+# the others', then with them; $P_n$, and so $\theta$, is the same both times.
 
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound", "needs:two_stage"]
 attn = torch.tensor([0.55, 0.2, 0.15, 0.10], dtype=torch.float64)               # (4,) one query's attention A
-vw = torch.tensor([[1.0], [0.1], [-2.0], [1.0]], dtype=torch.float64) \
-    @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                           # (4, 2) V W_O^(h)
+vw = torch.tensor([[1.0, 0.5], [0.1, 0.05], [-2.0, -1.0], [1.0, 0.5]], dtype=torch.float64)  # (4, 2) V W_O^(h)
 P = vw.abs().sum(-1)                                                            # (4,) P_n
 print("entry | A_n  | P_n  | A_n P_n")
 for n in range(4):
     print(f"{n:5} | {attn[n]:.2f} | {P[n]:.2f} | {attn[n] * P[n]:.3f}")
-first = float(attn[0])                                                          # sigma, stage 1's mass
-print(f"stage 1 (alpha = 0.5) keeps entry 0 alone: sigma = {first:.2f}, 2 - 1/sigma = {2 - 1 / first:.2f}")
 same_sign = vw * torch.tensor([[1.0], [1.0], [-1.0], [1.0]], dtype=torch.float64)   # entry 2's value flipped
 for values, vws in [("entry 2 opposite", vw), ("entry 2 same sign", same_sign)]:
     for name, alpha in [("attention top-2", 1.0), ("Algorithm 1, alpha = 0.5", 0.5)]:
@@ -150,46 +131,37 @@ for values, vws in [("entry 2 opposite", vw), ("entry 2 same sign", same_sign)]:
               f"L = {L:.3f}, theta = {theta:.3f}")
 
 # %% [markdown]
-# Stage 1's entry holds $\sigma = 0.55$ of the attention: Assumption 1 holds, and $2 - 1/\sigma = 0.18$ is
-# positive. Attention top-2 keeps entries 0 and 1; Algorithm 1 keeps entry 2 instead of entry 1, because its
-# small attention (0.15) multiplies a large projected value ($P_2$ = 3.00), and its bound is lower: $\theta$ =
-# 0.726 against 0.885. The output itself moves by 0.019 instead of 0.585 when entry 2's value points against
-# the others', but by 0.366 instead of 0.315 when it points with them: evicting entry 2 then removes a term
-# that the renormalised rest partly makes up for. $\theta$, built from $P_n = \|v_n W_O^{(h)}\|_1$, sees neither
-# sign; a lower bound does not promise a lower $\mathcal{L}$.
-#
-# **What giving up attention costs.** Every entry stage 2 keeps for its value instead of its attention lowers the
-# kept mass $\mu$, a cost Theorem 3 leaves out by freezing the factor at $2 - 1/\sigma$. It stays small only where
-# attention is concentrated, so that the entries stage 2 passes over carry little of it, as the paper assumes
-# (§3.5); Exercise 2 tests this on random heads. The lab, with the true query on real heads, finds Algorithm 1
-# level with attention top-k on SmolLM2-135M with the smaller budget and ahead with the larger, where attention
-# is concentrated, and behind on the bundled model, whose attention is spread out.
+# With $\alpha = 0.5$, stage 1 keeps entry 0 alone: $\sigma = 0.55$, so Assumption 1 holds. Stage 2 then takes
+# entry 2 over entry 1 (small attention times a large $P_2$), and $\theta$ drops from 0.885 to 0.726. But $\theta$
+# cannot see signs: $\mathcal{L}$ falls from 0.585 to 0.019 when entry 2 points against the others, and rises from
+# 0.315 to 0.366 when it points with them. A lower $\theta$ does not promise a lower $\mathcal{L}$. Keeping entries for
+# their values also lowers $\mu$, a cost Theorem 3 leaves out; §3.5 assumes concentrated attention keeps it small,
+# which Exercise 2 tests.
 #
 # ## 2. Inside SnapKV
 #
-# Algorithm 2 (§3.6) runs Algorithm 1 inside a host such as SnapKV, at prefill: the observation window's queries
-# stand in for the decoding query. Its first stage keeps the top of SnapKV's pooled vote $\bar{A}'$; its second
-# ranks the rest by $\bar{A}'_n P_n$ in the authors' code (`CriticalKVPress` in NVIDIA's kvpress library, our
-# default), by the window's unpooled attention times $P_n$ as Algorithm 2 is printed (line 9; our option
-# `stage2="window"`). The lab compares the two readings head by head. Two details of the library's host: SnapKV
-# always keeps its window, so $\alpha$ splits the budget the window leaves, $B - w$ (`alpha_of="free"`; kvpress
-# takes $\alpha$ of the whole $B$, the window counted in it); and with grouped-query attention $P_n$ is computed
-# per query head, then the second stage's score $\bar{A}'_n P_n$ is averaged over the query heads of each KV head.
+# Algorithm 2 (§3.6) runs Algorithm 1 inside a host such as SnapKV or AdaKV at prefill, the observation window's
+# queries standing in for the decoding query. Its first stage keeps the entries with the highest SnapKV score $s_n$
+# (lesson 01: the window's votes, max-pooled, averaged over a KV head's query heads). Its second ranks the rest by
+# $s_n P_n$ in the authors' code (kvpress's `CriticalKVPress`, our default), or by the window's attention before
+# pooling times $P_n$, as Algorithm 2 is printed (our `stage2="window"`); the lab compares the two readings.
+# SnapKV always keeps its $w$ window entries, so our $\alpha$ splits the rest of the budget, $B - w$ (kvpress
+# takes its share of the whole $B$). With grouped-query attention, the second stage's score is averaged over each
+# KV head's query heads.
 
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise: a cell where you replace the `None`, a check that gives a hint when the answer is wrong, and
-# the reference answer, collapsed.
+# Each exercise: replace the `None`, then run the check, which hints when the answer is wrong; the reference
+# answer is collapsed.
 #
 # ### Exercise 1: the perturbation and its bound by hand
 #
-# In the hand example of section 1, keep entries 1 and 2, whose attention mass is below one half. Write
-# `my_L_theta(attn, keep, vw)`: $\mathcal{L}$ (Eq. 5-6) and $\theta$ (Eq. 8) of one head, as two floats, for
-# attention `attn` (n,), a mask `keep` (n,) bool and projected values `vw` (n, D), with tensor operations
-# only (no `output_perturbation`, `perturbation_bound` or `renormalized_attention`). The check runs it on the
-# hand example and on random heads. Then, in a sentence: is $\theta$ still an upper bound, and what does the
-# factor $2 - 1/\mu$ do to it?
+# Write `my_L_theta(attn, keep, vw)`: $\mathcal{L}$ (Eq. 5-6) and $\theta$ (Eq. 8) of one head, as two floats, for
+# attention `attn` (n,), a mask `keep` (n,) bool and projected values `vw` (n, D), with tensor operations only
+# (no `output_perturbation`, `perturbation_bound` or `renormalized_attention`). The check runs it on random heads
+# and on the hand example with entries 1 and 2 kept (below), whose mass is under one half. Then, in a sentence: is
+# $\theta$ still an upper bound, and what does the factor $2 - 1/\mu$ do to it?
 
 # %%
 ex_attn = torch.tensor([0.55, 0.2, 0.15, 0.10], dtype=torch.float64)               # A, the hand example
@@ -248,13 +220,13 @@ print("Yes: Theorem 2 holds for any mask. But with mu below one half the factor 
 # %% [markdown]
 # ### Exercise 2: concentrated attention
 #
-# Section 1 says the criterion needs concentrated attention. Test that on random heads of 64 entries and a
-# budget of 16. `random_head(sharpness, g)` below draws one head: the larger `sharpness`, the more concentrated
-# its attention; some of its projected values are much larger than others. `perturbation_after(attn, vw, alpha)`
-# gives a head's $\mathcal{L}$ once Algorithm 1 kept 16 of its entries with share $\alpha$ ($\alpha = 1$:
-# attention top-k). For each sharpness in `SHARPNESS`, in that order, draw 200 heads with the generator `g` and
-# store in `my_wins[sharpness]` the fraction of them where Algorithm 1 ($\alpha = 0.25$) has a strictly lower
-# $\mathcal{L}$ than top-k. Then, in a sentence: does concentrated attention make Algorithm 1 win?
+# Test on random heads (64 entries, budget 16) whether Algorithm 1 needs concentrated attention.
+# `random_head(sharpness, g)` below draws one head: the larger `sharpness`, the more concentrated its attention;
+# some projected values are much larger than others. `perturbation_after(attn, vw, alpha)` is a head's
+# $\mathcal{L}$ once Algorithm 1 kept 16 entries with share $\alpha$ ($\alpha = 1$: attention top-k). For each
+# sharpness in `SHARPNESS`, in that order, draw 200 heads with the generator `g` and store in `my_wins[sharpness]`
+# the fraction where Algorithm 1 ($\alpha = 0.25$) has a strictly lower $\mathcal{L}$ than top-k. Then, in a
+# sentence: does concentrated attention make Algorithm 1 win?
 
 # %%
 def random_head(sharpness: float, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,13 +286,12 @@ print(f"Algorithm 1 wins more often as the attention concentrates, yet it loses 
       f"of the {len(SHARPNESS)} sharpnesses: concentrated attention is needed, not enough.")
 
 # %% [markdown]
-# Why it loses: $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$, where $\bar o$
-# is the attention-weighted mean of a side's projected values: the output moves by the mass it loses times how
-# far the evicted entries' mean lies from the kept ones'. Algorithm 1 lowers $\theta$, which adds up every
-# entry's $P_n$ as if all the projected values pointed one way; with random directions the kept entries' mean
-# often lies near the evicted one's by chance, and then the mass lost costs little. These heads are random;
-# the paper's claim is about the heads of real models, which the lab measures.
+# Why it loses: $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$, with $\bar o$ the
+# attention-weighted mean of one side's projected values: the mass lost, times how far the two means lie apart.
+# Choosing entries for a large $P_n$ does not bring the means closer when the values point in random directions,
+# but it gives up attention mass (a larger $1 - \mu$) that the top of the attention would have kept. $\theta$
+# cannot see this: it adds every $P_n$ as if all the values pointed one way. These heads are random; the lab
+# measures real ones.
 #
-# **Go further**: the lab [labs/04_critical_kv_readings.ipynb](labs/04_critical_kv_readings.ipynb) runs both
-# readings over SnapKV and AdaKV on the bundled model and on SmolLM2-135M: head by head (the paper's §5.1), with
-# the true query, in accuracy and KL, across $\alpha$, and against each of the paper's claims.
+# **Go further**: the lab [labs/04_critical_kv_readings.ipynb](labs/04_critical_kv_readings.ipynb) measures both
+# readings on real heads (the bundled model and SmolLM2-135M) and tests each of the paper's claims.

@@ -43,7 +43,7 @@ model, tok, card = load("retrieval-llama")         # the bundled 0.87M-parameter
 # | $\mathcal{H}_j$, $h$ | the $G = H / H_{kv}$ query heads that read KV head $j$, and one | in the library's scorer |
 # | $a^{h}_{t,n}$ | attention weight of query $t$ on token $n$ in query head $h$ | in the library's scorer |
 # | $w$ | the observation window: the last $w$ prompt tokens, whose queries vote; always kept | `window` |
-# | $s_n$ | the vote of token $n$ (one per layer: summed over its heads) | `votes` |
+# | $s_n$ | the vote of token $n$ (one per layer: summed over its KV heads) | `votes` |
 # | $c$ | tokens per chunk | `c` (the library's `chunk_size`) |
 # | $i$, $\mathcal{C}_i$ | a chunk's index, and its positions $ic, \dots, ic + c - 1$ | `i`, `chunks[i]` |
 # | $\sigma_i$ | the score of chunk $i$ | `chunk_score[i]` |
@@ -80,8 +80,8 @@ def choose_chunks(votes, c, room):
 
 
 def library_keeps(votes, c, room):                 # the library's choice for one head: every slot competes
-    # free: no slot is protected (no window here); n_free: the room; remainder "none": Algorithm 1 as written,
-    # the room left after the last whole chunk stays empty
+    # free: no slot is protected (no window here); n_free: the room; remainder "none": whole chunks only, as
+    # Algorithm 1's loop takes them (the library's default, used in section 2, fills what is left with tokens)
     T = len(votes)
     keep = chunk_keep_mask(votes.view(1, 1, T), pos=torch.arange(T).view(1, 1, T),
                            free=torch.ones(1, 1, T, dtype=torch.bool), n_free=torch.tensor([[room]]),
@@ -139,10 +139,11 @@ plt.show()
 # ## 2. Does a needle's value survive whole?
 #
 # A single-needle sample of the bundled model's suite, compressed to `BUDGET = LENGTH // 2` entries per layer
-# and KV head by SnapKV (window 32, max pooling over 7); by ChunkKV as we read the paper (the same window's raw
-# attention as votes, chunks of 10, the room left after the last whole chunk filled with the best single tokens
-# of other chunks, and reuse depth 2: layers 1 and 3 reuse the choice of layers 0 and 2, Algorithm 2); and by
-# H2O (attention summed over the whole prompt, plus the most recent `budget // 2` tokens).
+# and KV head by SnapKV (window 32, max pooling over 7); by ChunkKV with the library's defaults (the same
+# window's raw attention as votes, chunks of 10, the room left after the last whole chunk filled with the best
+# single tokens of other chunks, our addition to the paper's whole chunks, and reuse depth 2: layers 1 and 3
+# reuse the choice of layers 0 and 2, Algorithm 2); and by H2O (attention summed over the whole prompt, plus
+# the most recent `budget // 2` tokens).
 
 # %% tags=["needs:chunk_ranking", "needs:holds_position"]
 from methods import make_policy

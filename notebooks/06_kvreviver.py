@@ -4,16 +4,13 @@
 # Yuan et al., "KVReviver: Reversible KV Cache Compression with Sketch-Based Token Reconstruction",
 # [arXiv 2512.17917](https://arxiv.org/abs/2512.17917).
 #
-# **Before this lesson**: [01_baselines](01_baselines.ipynb): the eviction baselines (StreamingLLM, H2O).
-# The metrics (acc, KL, keep ratio, KV KiB) are in the [metrics glossary](README.md#metrics), the shared symbols
-# ($T$, $d$, $H_{kv}$, $B$) in the [book's notation table](README.md).
+# **Before this lesson**: [01_baselines](01_baselines.ipynb) (eviction, H2O); the [metrics glossary](README.md#metrics)
+# and the [notation table](README.md) ($T$, $d$, $H_{kv}$, $B$).
 #
-# **The question.** An evicting method forgets: a token dropped before the question arrives cannot answer it
-# (the paper's *contextual amnesia*). KVReviver keeps the newest tokens (*Recent*) and the most-attended ones
-# (*Candidate*) raw, and adds every other token into a small *count sketch* (*Vague*), from which each
-# attention rebuilds an approximation of all of them. The paper reports near-full accuracy at 10-25% budgets
-# where eviction fails. Does the sketch bring forgotten tokens back? You will build the sketch by hand
-# (checked against `methods/kvreviver_sketch.py`), measure its errors, and see why it fails on keys.
+# **The question.** A token evicted before the question arrives cannot answer it (the paper's *contextual
+# amnesia*). KVReviver keeps the newest (*Recent*) and most-attended (*Candidate*) tokens, and adds the rest to a
+# small *count sketch* (*Vague*) from which attention rebuilds them, approximately. The paper reports near-full
+# accuracy at 10-25% budgets where eviction fails. Does the sketch bring forgotten tokens back?
 
 # %% tags=["setup"]
 from preamble import TINY
@@ -25,30 +22,28 @@ model, tok, card = load("retrieval-llama")     # the bundled model (notebook 00)
 # %% [markdown]
 # ## 1. KVReviver's count sketch: insert, and a median query
 #
-# A count sketch (Charikar, Chen and Farach-Colton, 2002) keeps the sums of many items in a small table of
-# $R$ rows of $W$ cells. Each row $i$ has a *bucket hash* $c_i(J)$, which picks one of its cells for item $J$,
-# and a *sign hash* $g_i(J) = \pm 1$. KVReviver's Vague part is a count sketch of $R = 3$ rows whose cells
-# hold a key and a value for every KV head. This lesson's symbols:
+# A count sketch sums many items into $R$ rows of $W$ cells: row $i$ adds item $J$ to cell $c_i(J)$ with a sign
+# $g_i(J) = \pm 1$, both random hashes of $J$. KVReviver's has $R = 3$ rows; a cell holds a key and a value per KV
+# head.
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
-# | $R$, $i$; $W$ | rows, one of them; cells per row (the width) | `rows`, `i`; `W` |
-# | $J$; $c_i(J)$, $g_i(J)$ | a token, by its position; its cell and sign in row $i$ | `J`; `h`, `g` |
-# | $k_J$, $v_J$; $\hat k_J$, $\hat v_J$ | token $J$'s key and value ($d$ numbers each); their estimates | `k`, `v` |
+# | $R$, $i$; $W$ | rows, one of them; cells per row | `rows`, `i`; `W` |
+# | $J$; $c_i(J)$, $g_i(J)$ | a token's position; its cell and sign in row $i$ | `J`; `h`, `g` |
+# | $k_J$, $v_J$; $\hat k_J$, $\hat v_J$ | its key and value; their estimates | `k`, `v` |
 # | $C^K$, $C^V$ | the cells: sums of keys, signed sums of values | `cell_k`, `cell_v` |
-# | $E$; $\sigma^2$ | tokens in the sketch (the paper's $a$); their variance per coordinate | `E` |
+# | $E$; $\sigma^2$ | tokens in the sketch; their variance | `E` |
 #
-# Inserting token $J$ (Algorithm 1) adds its key, and its value times its sign, to its cell in every row;
-# querying it (Algorithm 2) takes the element-wise median over the rows, the value's sign undone:
+# Insert (Algorithm 1) adds $k_J$, and $v_J$ times its sign, to $J$'s cell in every row; query (Algorithm 2) takes
+# the element-wise median over the rows, the sign undone:
 #
 # $$C^K[i, c_i(J)] \mathrel{+}= k_J,\quad C^V[i, c_i(J)] \mathrel{+}= g_i(J)\,v_J \qquad\qquad
 # \hat k_J = \operatorname{median}_i C^K[i, c_i(J)],\quad \hat v_J = \operatorname{median}_i\, g_i(J)\,C^V[i, c_i(J)]$$
 #
-# A row reads $v_J$ plus every other token in its cell, each times a random sign: an error of zero on average,
-# with variance about $(E/W)\,\sigma^2$ (exactly so for values of mean 0; a mean adds its square to $\sigma^2$). The
-# median of the rows is far off only when at least two of the three are. Keys get no sign (the paper: the softmax
-# would not keep them unbiased anyway), so a key's error is a plain sum of other keys. A toy: six tokens
-# $J = 0, \dots, 5$, token $J$ with key $J + 1$ and value $10\,(J + 1)$, in 3 rows of 4 cells.
+# A row thus reads $v_J$ plus its cell's other values, each times a random sign: an error of zero on average. Keys
+# get no sign (the paper: the softmax would not stay unbiased anyway), so a key's error is a plain sum of other
+# keys. The toy: six tokens $J = 0, \dots, 5$, keys $J + 1$, values $10\,(J + 1)$, in 3 rows of 4 cells; below,
+# each cell's tokens and their signs:
 
 # %%
 import torch
@@ -110,25 +105,22 @@ print("values ", toy_v.flatten().int().tolist(), "-> estimates", lib_v.flatten()
 
 
 # %% [markdown]
-# The library agrees. Tokens 1 and 4 (keys 2 and 5), alone in every row, come back exactly (alone in two rows of
-# three would do: the median of `{x, x, x + error}` is `x`). The others' keys come back too large (sums of other
-# keys), their values off in either direction, token 3's with the wrong sign.
+# Tokens 1 and 4, alone in every row, come back exactly (two rows would do: the median of `{x, x, x + error}` is
+# `x`). The other keys come back too large, the other values off either way.
 #
 # ## 2. Reconstruction error vs tokens per cell
 #
-# For values, the median of three rows keeps about 0.448 of a row's error variance $(E/W)\,\sigma^2$ (the paper's
-# Lemma 2: 0.448 is the variance of the median of three standard normal draws; its Eq. 2 prints a 3 where the
-# median's density has a 6, see `methods/claims.md`). Measured on the first 128 tokens of layer 2 of the bundled
-# model on one prompt, for 3 rows and several widths $W$ (the mean of five draws of the hashes):
+# A row's value error has a variance of about $(E/W)\,\sigma^2$; the median of three rows keeps about 0.448 of it
+# (the paper's Lemma 2). Measured on the first 128 tokens of layer 2 of the bundled model, in 3 rows, each width
+# $W$ over five draws of the hashes:
 
 # %%
 from nanollm import KVCache, prefill
 from nanollm.data.tasks import make_sample
 
 LENGTH = 256 if TINY else 512                               # prompt tokens
-sample = make_sample("niah_single_noise", tok, LENGTH, seed=1)
 full = KVCache(model.config)                                # the full cache: every token kept
-prefill(model, torch.tensor([sample.context_ids]), full)
+prefill(model, torch.tensor([make_sample("niah_single_noise", tok, LENGTH, seed=1).context_ids]), full)
 k, v = (x[0, :, :128].transpose(0, 1) for x in (full.layers[2].k, full.layers[2].v))   # (E, H_kv, d)
 E = k.shape[0]                                              # tokens in the sketch
 
@@ -141,27 +133,23 @@ def errors(W, seed):                                        # (value error, key 
     return float(((vh - v) ** 2).mean() / v.var(0).mean()), float(((kh - k) ** 2).mean() / k.var(0).mean())
 
 
-widths = [4, 16, 64, 128]                                   # W
-err = {W: tuple(sum(x) / 5 for x in zip(*(errors(W, seed) for seed in range(5)))) for W in widths}   # 5 hash draws
-print(f"E = {E} tokens, 3 rows; errors as MSE / per-coordinate variance")
-print("   W    E/W   values   Lemma 2 (0.448 E/W)      keys")
-for W in widths:
+err = {W: tuple(sum(x) / 5 for x in zip(*(errors(W, seed) for seed in range(5)))) for W in (4, 16, 64, 128)}  # 5 draws
+print(f"E = {E} tokens, 3 rows; MSE / per-coordinate variance\n   W    E/W   values   Lemma 2 (0.448 E/W)      keys")
+for W in err:
     print(f"{W:4d} {E / W:6.1f} {err[W][0]:8.2f} {0.448 * E / W:13.2f} {err[W][1]:15.2f}")
 
 
 # %% [markdown]
-# The value errors follow Lemma 2. The key errors grow far faster, roughly with the square of E/W once a cell
-# holds more than a few tokens: an unsigned sum also carries the mean all keys share, E/W times over.
+# The value errors follow Lemma 2. The key errors grow far faster, roughly as $(E/W)^2$: an unsigned sum also
+# carries the keys' shared mean, E/W times over.
 #
 # ## 3. Contextual amnesia: the question after the context
 #
-# KVReviver splits a budget of $B$ slots per layer as the paper's Tables 2-3 do: 45% Recent, 45% Candidate, 10%
-# sketch cells; the cell below prints the sketch's width $W$ at each budget and the tokens a cell then holds,
-# $E/W$, with $E$ the context's tokens outside Recent and Candidate (raw = Recent + Candidate): at the smaller
-# budget far beyond the first row of section 2's table ($E/W = 32$), at the larger one just below it. The
-# context is compressed before the question arrives; `compare.run`
-# answers every task's prompts with KVReviver, the full cache and H2O (notebook 01) at the same budgets
-# (`vs best`: an exact paired test against the keep ratio's most accurate method):
+# As in the paper's Tables 2-3, KVReviver splits a budget of $B$ slots per layer into 45% Recent, 45% Candidate
+# and 10% sketch cells. The cell prints $W$ and $E/W$ per budget ($E$: the context's tokens outside Recent and
+# Candidate, compressed before the question arrives), then runs every task with KVReviver, the full cache and H2O
+# at the same budgets (the columns: [the metrics glossary](README.md#metrics); `vs best`: a paired test against
+# the best method at that keep ratio):
 
 # %% tags=["needs:insert", "needs:query"]
 from experiments.evaluation.compare import RunSpec, format_tables, run
@@ -169,11 +157,9 @@ from methods.kvreviver import KVReviverPolicy
 
 TASKS = card["default_suite"][:1] if TINY else card["default_suite"]    # the bundled model's six tasks
 SAMPLES = 1 if TINY else 5                                     # prompts per task
-KEEP_RATIOS = [0.25] if TINY else [0.25, 0.5]
-budgets = [max(1, round(r * LENGTH)) for r in KEEP_RATIOS]     # B: slots per layer and KV head
+budgets = [round(r * LENGTH) for r in ([0.25] if TINY else [0.25, 0.5])]   # B at keep ratios 0.25 and 0.5
 contexts = [len(make_sample(t, tok, LENGTH, seed=i).context_ids) for t in TASKS for i in range(SAMPLES)]
-context = sum(contexts) / len(contexts)                        # the tokens compressed before the question
-print(f"contexts of {min(contexts)} to {max(contexts)} tokens, {context:.0f} on average")
+context = sum(contexts) / len(contexts)                        # tokens compressed before the question, on average
 for B in budgets:
     split = KVReviverPolicy(budget=B).split(B)                  # raw = Recent + Candidate slots; the sketch's width
     print(f"B = {B}: {split.raw} raw slots, W = {split.width} cells a row for E = {context - split.raw:.0f} "
@@ -184,34 +170,24 @@ print(format_tables(records))
 
 
 # %% [markdown]
-# KVReviver answers no question at either keep ratio (mean acc 0.00), where H2O answers 0.69 and 0.85: worse
-# than plain eviction. The lab finds that its eviction half alone (Recent and Candidate, no sketch) answers
-# nothing either with one selection per layer, and that the sketch's keys are what break it. The sketch does not cure
-# contextual amnesia on this model, nor on a pretrained one: SmolLM2-135M with KVReviver answers almost nothing at
-# 2048 tokens ([the SmolLM2 runs](../experiments/evaluation/smollm2.md)).
-#
-# ## 4. What this says at our scale
-#
-# * **Values** behave as the analysis says: signed sums, an error near Lemma 2's (section 2).
-# * **Keys** break it: unsigned sums carry the keys' shared mean, and their error grows far faster than the
-#   tokens per cell (section 2). The [lab](labs/06_kvreviver_failure.ipynb) shows the rebuilt keys tens of
-#   times too long, and each head giving them all of its attention or none. So KVReviver does **not** cure
-#   contextual amnesia here (section 3).
+# KVReviver answers no question at either keep ratio (mean acc 0.00), where H2O answers 0.69 and 0.85: the sketch
+# brings nothing back. It holds E/W = 83 and 27 tokens a cell, where section 2's keys were already 870.75
+# variances off at E/W = 32. The [lab](labs/06_kvreviver_failure.ipynb) shows the rebuilt keys tens of times too
+# long, and the eviction half alone (no sketch) answering nothing either. SmolLM2-135M with KVReviver also answers
+# almost nothing, at 2048 tokens ([the SmolLM2 runs](../experiments/evaluation/smollm2.md)).
 
 # %% [markdown]
 # ## Exercises
 #
-# Replace each `None` in an exercise's first cell, then run its check: it hints when the answer is wrong and
-# says "right" when it is. The reference answer is collapsed below it.
+# Fill in each `None`, then run the check below it; the reference answer is collapsed under the check.
 #
 # ### Exercise 1: which tokens come back exactly?
 #
-# In section 1 a token alone in its cell in at least two rows came back exactly. Write that rule as a function of
-# the buckets alone: `my_exact(h, W)`, with `h` (R, n) the cells of n tokens in R rows of W cells, returns one
-# bool per token, True where the token is alone in its cell in at least two rows. The check runs it on sketches
-# of 48 tokens with positive keys in 3 rows of 64 cells, hashed with seeds of its own, against the keys their
-# queries give back (`big` below is one such sketch to try yours on). Then, in a sentence: why does a positive
-# key come back exact only where the rule says so, while a value may come back exact where it does not?
+# Write section 1's rule: `my_exact(h, W)` takes `h` (R, n), the cells of n tokens in R rows of W cells, and
+# returns a bool per token: True where it is alone in its cell in at least two rows. The check compares it with
+# the keys that come back exactly from sketches of positive keys; try yours on `big` below. Then, in a sentence:
+# why does a positive key come back exact only where the rule says so, while a value may come back exact
+# elsewhere too?
 
 # %% tags=["needs:insert", "needs:query"]
 def positive_sketch(seed):                 # 48 positive keys (the values: the same numbers) in 3 rows of 64 cells
@@ -268,11 +244,9 @@ print(f"In big: {int(keys_exact.sum())} of 48 keys come back exactly, and {int(v
 # %% [markdown]
 # ### Exercise 2: signed keys
 #
-# Give the keys signs too, as values have: would a zero-mean key error help? Section 2's `errors` inserts the
-# keys `k` unsigned. Write `my_signed_key_error`, the error (MSE / per-coordinate variance) of keys that go
-# into the sketch times $g_i(J)$ and come back times $g_i(J)$ again, as values do, at $W = 4$ and $W = 128$
-# (`seed=0`, and divided by the keys' variance as `errors` divides). Then, in a sentence: is that enough to
-# cure the keys?
+# Would signing the keys help? Write `my_signed_key_error`: the error at $W = 4$ and $W = 128$ of keys that go into
+# the sketch and come back times $g_i(J)$, as values do, measured like section 2's `errors` (`seed=0`, the MSE
+# divided by `k.var(0).mean()`), which inserts `k` unsigned. Then, in a sentence: is that enough to cure the keys?
 
 # %% tags=["needs:insert", "needs:query"]
 my_signed_key_error = {4: None, 128: None}     # replace each None: the signed keys' error at that W
@@ -312,5 +286,4 @@ print(f"signed keys: {reference_signed_key_error[4]:.2f} at W = 4, {reference_si
 
 # %% [markdown]
 # **Go further**: [labs/06_kvreviver_failure.ipynb](labs/06_kvreviver_failure.ipynb) takes the failure apart:
-# the rebuilt keys and the attention they get, wider sketches, one part changed at a time, the memory and the
-# decode time.
+# the rebuilt keys and their attention, wider sketches, one part changed at a time, memory and decode time.

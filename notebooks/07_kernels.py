@@ -47,7 +47,7 @@ print(f"device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; interpreter: {
 # | $r$; $m_r$, $z_r$, $\tilde o_r$ | own: a range of tokens; its final $m$, $z$, $\tilde o$ | `ranges` |
 # | $M$ | own: the largest $m_r$ | `M` |
 # | $o$ | the attention output, $\sum_n \mathrm{softmax}_n(x)\, v_n$ | `ref`, `got` |
-# | `B`, `S` | in a benchmark case's name: sequences, tokens a sequence (elsewhere $B$ is a budget) | `B`, `S` |
+# | `B`, `S` | in a benchmark case's name: sequences, tokens per sequence (elsewhere $B$ is a budget, $S$ the sink tokens) | `B`, `S` |
 #
 # One new token per sequence. For each layer and KV head the step reads every cached key and value once
 # ($2Td$ numbers) and does about $4GTd$ FLOPs with them ($q \cdot k_n$ and the weighted sum of the $v_n$, for
@@ -314,7 +314,7 @@ print(f"No: the bytes promise {reference_promise:.1f}x, and the kernel takes onl
 # ### Exercise 2: where the cache overtakes the weights
 #
 # At batch 1, all in bf16, the Llama-3-8B shape's cache outweighs its weights from about 122k tokens
-# (section 1). Serve it now with its weights in FP8, one byte a parameter, the cache still in bf16, at a
+# (section 1). Serve it now with its 8e9 parameters in FP8, one byte each, the cache still in bf16, at a
 # batch of 8 sequences: from how many tokens of context per sequence does the cache read more
 # bytes than the weights? Give a whole number of tokens (`my_tokens`).
 
