@@ -118,7 +118,8 @@ def h2o_scores(steps, n_kv_head):
 toy_steps = [toy_probs[0, :, :13, :13]] + [toy_probs[0, :, i:i + 1, :i + 1] for i in range(13, T_TOY)]
 assert torch.allclose(h2o_scores(toy_steps, HKV_TOY), received_attention(toy_probs.sum(2), HKV_TOY)[0]), \
     "the toy's accumulated scores differ from its column sums, mean over each KV head's query heads"
-print("H2O's scores on the toy, KV head 0:", [round(x, 2) for x in h2o_scores(toy_steps, HKV_TOY)[0].tolist()])
+for j, row in enumerate(h2o_scores(toy_steps, HKV_TOY)):                   # (T,) one KV head's scores
+    print(f"H2O's scores on the toy, KV head {j}:", [round(x, 2) for x in row.tolist()])
 
 # %%
 from experiments.analysis.persistence import record_attention
@@ -145,8 +146,8 @@ print(f"h2o_scores equals the library cache's scores in all {len(demo_maps)} lay
 #
 # Li et al., NeurIPS 2024, [arXiv 2404.14469](https://arxiv.org/abs/2404.14469). The prompt's last $w$ tokens
 # ($w = 32$ by default), the *observation window*, usually hold the question. They vote: token $n$'s vote
-# $u^h_n$ is the attention the window's queries give it (§4.1). A max pooling of width $P$ lets a strong
-# token's neighbours $n'$ come with it (§4.2). For a prefix token $n < T - w$:
+# $u^h_n$ is the attention the window's queries give it (§4.1). A max pooling of width $P$ gives token $n$ the
+# best vote of its neighbours $n'$, so a strong token's neighbours come with it (§4.2). For a prefix token $n < T - w$:
 #
 # $$u^h_n = \sum_{t=T-w}^{T-1} a^h_{t,n}, \qquad
 # s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \max_{|n' - n| \le \lfloor P/2 \rfloor,\; n' < T - w} u^h_{n'}
@@ -176,7 +177,8 @@ RULE = "summed over the window's queries, max-pooled over the kernel's neighbour
 library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")[0, :, :T_TOY - W_TOY]
 mine = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)
 assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes: {off}; {RULE}"
-print("SnapKV's scores of the toy's prefix, KV head 1:", [round(x, 2) for x in mine[1].tolist()])
+for j, row in enumerate(mine):                                              # (T - w,) one KV head's scores
+    print(f"SnapKV's scores of the toy's prefix, KV head {j}:", [round(x, 2) for x in row.tolist()])
 for layer, a in enumerate(demo_maps):                               # the bundled model's attention
     library = snapkv_scores(a[None], model.config.n_kv_head, window=8, kernel=7, pooling="max")[0, :, :22 - 8]
     mine = snapkv_votes(a, model.config.n_kv_head, 8, 7)
@@ -229,10 +231,10 @@ print("adakv_keep makes the library's choice for both scales and safeguards 0, 1
 # %% [markdown]
 # ### 2.5 What each rule keeps of the toy
 #
-# The library's H2O, SnapKV and AdaKV on the toy (StreamingLLM's choice is in section 2.1), with SnapKV's
-# scores pooled ($P = 3$), then not ($P = 1$). A policy's `rank` gives the scores a cache sorts by, protected
-# entries at $+\infty$; `select_topk` keeps each KV head's best `B_TOY`, the earlier position among equal
-# scores; `mask_to_indices` lists AdaKV's kept slots.
+# The library's H2O, SnapKV and AdaKV on the whole toy, read as one prompt (StreamingLLM's choice is in
+# section 2.1), with SnapKV's scores pooled ($P = 3$), then not ($P = 1$). A policy's `rank` gives the scores a
+# cache sorts by, protected entries at $+\infty$; `select_topk` keeps each KV head's best `B_TOY`, the earlier
+# position among equal scores; `mask_to_indices` lists AdaKV's kept slots.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)                   # (1, H_kv, T) positions of the slots

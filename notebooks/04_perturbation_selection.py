@@ -31,7 +31,7 @@ import torch
 # | symbol | meaning | in the code |
 # |---|---|---|
 # | $A$, $A_n$ | the query's attention over the entries ($A_n = a_{t,n}$) | `attn` |
-# | $W_O^{(h)}$ | head $h$'s $d$ rows of $W_O$; $V W_O^{(h)}$: the projected values | `vw` |
+# | $W_O^{(h)}$ | head $h$'s $d$ rows of $W_O$ (columns of `o_proj.weight`, which stores $W_O^\top$); $V W_O^{(h)}$: the projected values | `vw` |
 # | $P_n$ | $\|v_n W_O^{(h)}\|_1$, entry $n$'s size (not lesson 01's pooling width $P$) | `P` |
 # | $\mathcal{N}$, $\mathcal{N}_n$ | the keep mask: 1 kept, 0 evicted | `keep` |
 # | $\mu$ | the kept attention mass, $\sum_n \mathcal{N}_n A_n$ | `mu` |
@@ -72,13 +72,18 @@ print(f"Theorem 1: max |softmax over the kept entries - N*A/mu| = {identity_err:
 print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.1e}  (>= 0: the bound holds)")
 
 # %% [markdown]
-# **From the bound to Algorithm 1 (§3.4-3.5).** When $\mu > 1/2$ the factor $2 - 1/\mu$ is positive, so keeping
-# entries with a large $A_n P_n$ lowers $\theta$. Algorithm 1's stage 1 keeps the $\lfloor \alpha B \rfloor$ entries
-# with the most attention; Assumption 1 says their mass $\sigma$ exceeds one half. Theorem 3 freezes the factor at
-# $2 - 1/\sigma \le 2 - 1/\mu$ (as $\mu \ge \sigma$); the relaxed bound
-# $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n \ge \theta$ is then lowest when stage 2 fills the
-# budget with the largest $A_n P_n$. Algorithm 1 minimises this bound, not $\mathcal{L}$. Here it is for one head
-# (its comments use the paper's $A_i$, $P_i$), checked against the library:
+# **From the bound to Algorithm 1 (§3.4-3.5).** Ranking entries cannot minimise $\theta$ directly: its factor
+# $2 - 1/\mu$ depends on $\mu$, the mass of the very entries being chosen. Algorithm 1 fixes the factor first:
+#
+# 1. **Stage 1** keeps the $\lfloor \alpha B \rfloor$ entries with the most attention. Their mass $\sigma$ is then
+#    fixed, and Assumption 1 says $\sigma > 1/2$, so $2 - 1/\sigma > 0$.
+# 2. Later choices only add mass, so $\mu \ge \sigma$ and $2 - 1/\sigma \le 2 - 1/\mu$; as
+#    $\sum_n \mathcal{N}_n A_n P_n \ge 0$, the frozen factor gives a bound above $\theta$ (Theorem 3):
+#    $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n \ge \theta$.
+# 3. **Stage 2** fills the rest of the budget with the largest $A_n P_n$, which makes $\hat\theta$ lowest.
+#
+# Algorithm 1 minimises $\hat\theta$, not $\mathcal{L}$. Here it is for one head (its comments use the paper's
+# $A_i$, $P_i$), checked against the library:
 
 # %%
 def algorithm1(attn: torch.Tensor, vnorm: torch.Tensor, b: int, alpha: float) -> torch.Tensor:
@@ -141,13 +146,15 @@ for values, vws in [("entry 2 opposite", vw), ("entry 2 same sign", same_sign)]:
 # ## 2. Inside SnapKV
 #
 # Algorithm 2 (§3.6) runs Algorithm 1 inside a host such as SnapKV or AdaKV at prefill, the observation window's
-# queries standing in for the decoding query. Its first stage keeps the entries with the highest SnapKV score $s_n$
-# (lesson 01: the window's votes, max-pooled, averaged over a KV head's query heads). Its second ranks the rest by
-# $s_n P_n$ in the authors' code (kvpress's `CriticalKVPress`, our default), or by the window's attention before
-# pooling times $P_n$, as Algorithm 2 is printed (our `stage2="window"`); the lab compares the two readings.
-# SnapKV always keeps its $w$ window entries, so our $\alpha$ splits the rest of the budget, $B - w$ (kvpress
-# takes its share of the whole $B$). With grouped-query attention, the second stage's score is averaged over each
-# KV head's query heads.
+# queries standing in for the decoding query:
+#
+# * **stage 1** keeps the entries with the highest SnapKV score $s_n$ (lesson 01: the window's votes, max-pooled,
+#   averaged over a KV head's query heads);
+# * **stage 2** ranks the rest by $s_n P_n$ in the authors' code (kvpress's `CriticalKVPress`, our default), or by
+#   the window's attention before pooling times $P_n$ as Algorithm 2 is printed (our `stage2="window"`); with
+#   grouped-query attention, the score is averaged over a KV head's query heads. The lab compares the two readings;
+# * the budget: SnapKV always keeps its $w$ window entries, so our $\alpha$ splits the rest, $B - w$ (kvpress takes
+#   its share of the whole $B$).
 
 # %% [markdown]
 # ## Exercises
@@ -226,7 +233,7 @@ print("Yes: Theorem 2 holds for any mask. But with mu below one half the factor 
 # $\mathcal{L}$ once Algorithm 1 kept 16 entries with share $\alpha$ ($\alpha = 1$: attention top-k). For each
 # sharpness in `SHARPNESS`, in that order, draw 200 heads with the generator `g` and store in `my_wins[sharpness]`
 # the fraction where Algorithm 1 ($\alpha = 0.25$) has a strictly lower $\mathcal{L}$ than top-k. Then, in a
-# sentence: does concentrated attention make Algorithm 1 win?
+# sentence: does concentrated attention make Algorithm 1 win on most heads?
 
 # %%
 def random_head(sharpness: float, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +266,7 @@ def check_wins(wins):
     for s in SHARPNESS:
         heads = [random_head(s, g_check) for _ in range(200)]
         truth = sum(perturbation_after(a, vw, 0.25) < perturbation_after(a, vw, 1.0) for a, vw in heads) / 200
-        assert abs(wins[s] - truth) < 1e-9, f"sharpness {s}: count the heads where Algorithm 1's L (alpha " \
+        assert abs(float(wins[s]) - truth) < 1e-6, f"sharpness {s}: count the heads where Algorithm 1's L (alpha " \
             "0.25) is strictly below top-k's (alpha 1), out of 200 drawn with random_head(s, g), sharpness in order, " \
             "from one g = torch.Generator().manual_seed(0), seeded once for all the sharpnesses"
 
@@ -286,8 +293,10 @@ print(f"Algorithm 1 wins more often as the attention concentrates, yet it loses 
       f"of the {len(SHARPNESS)} sharpnesses: concentrated attention is needed, not enough.")
 
 # %% [markdown]
-# Why it loses: $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$, with $\bar o$ the
-# attention-weighted mean of one side's projected values: the mass lost, times how far the two means lie apart.
+# Why it loses: the full output is $\mu\, \bar o_\text{kept} + (1 - \mu)\, \bar o_\text{evicted}$, with $\bar o$ the
+# attention-weighted mean of one side's projected values, and the kept cache outputs $\bar o_\text{kept}$; so
+# $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$: the mass lost, times how far the
+# two means lie apart.
 # Choosing entries for a large $P_n$ does not bring the means closer when the values point in random directions,
 # but it gives up attention mass (a larger $1 - \mu$) that the top of the attention would have kept. $\theta$
 # cannot see this: it adds every $P_n$ as if all the values pointed one way. These heads are random; the lab
