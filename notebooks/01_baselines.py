@@ -336,12 +336,12 @@ check_expected(reference_expected)
 # %% [markdown]
 # ### Exercise 2: what H2O keeps
 #
-# `ex_maps[l]` is the full-cache attention of Exercise 1's prompt in layer `l`, shape `(H, N, N)` (row =
-# query, column = key). Write `my_h2o(maps, budget)` from such maps (and the cell's `H_kv` and `G`), with tensor
-# operations: no policy, cache or prefill, and no `received_attention` or section 2.2's `h2o_scores`. It returns two lists of one tensor per layer: H2O's prefill scores, `(H_kv, N)` (section
-# 2.2), and the positions H2O keeps, `(H_kv, budget)`, ascending: the `budget // 2` most recent ones and the
-# highest-scored of the others. The check runs it on `ex_maps` with `EX_H2O_BUDGET`, and on another prompt's
-# attention with another budget.
+# `ex_maps[l]` is the full-cache attention of Exercise 1's prompt in layer `l`, shape `(H, N, N)` (row = query,
+# column = key). Write `my_h2o(maps, budget)` from such maps (and the cell's `H_kv` and `G`), with tensor
+# operations: no policy, cache or prefill, and no `received_attention` or section 2.2's `h2o_scores`. It returns two
+# lists of one tensor per layer: H2O's prefill scores, `(H_kv, N)` (section 2.2), and the positions H2O keeps,
+# `(H_kv, budget)`, ascending: the `budget // 2` most recent ones and the highest-scored of the others. The check
+# runs it on `ex_maps` with `EX_H2O_BUDGET`, and on another prompt's attention with another budget.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 ex_ids = torch.tensor([ex_sample.prompt_ids])

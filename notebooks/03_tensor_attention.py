@@ -116,9 +116,10 @@ print(f"fp64, n = {n}: |naive - factored| = {(naive - factored).abs().max():.1e}
 # ## 2. The trade-off, measured
 #
 # `measure` (from `experiments/tensor_attention_bench.py`) fills one layer (4 heads of 16 numbers, fp32) with
-# $T - 7$ random tokens, runs 7 decode steps on each path (append the new token's rows, attend with its query),
-# so the cache ends at $T$ tokens, and records the bytes stored and the median time of a step. The table's last columns divide each four-matrix path's time by the
-# two-matrix path's; a slope 2 (of log time or log bytes against log $T$) means growth like $T^2$:
+# $T - 7$ random tokens, runs 7 decode steps on each path (append the new token's rows, attend with its query), so
+# the cache ends at $T$ tokens, and records the bytes stored and the median time of a step. The table's last columns
+# divide each four-matrix path's time by the two-matrix path's; a slope 2 (of log time or log bytes against log $T$)
+# means growth like $T^2$:
 
 # %% tags=["needs:pair_scores", "needs:pair_softmax", "needs:factored_output", "needs:two_cache_append"]
 from experiments.tensor_attention_bench import measure, table

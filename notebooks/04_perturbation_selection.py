@@ -31,7 +31,7 @@ import torch
 # | symbol | meaning | in the code |
 # |---|---|---|
 # | $A$, $A_n$ | the query's attention over the entries ($A_n = a_{t,n}$) | `attn` |
-# | $W_O^{(h)}$ | head $h$'s $d$ rows of $W_O$ (columns of `o_proj.weight`, which stores $W_O^\top$); $V W_O^{(h)}$: the projected values | `vw` |
+# | $W_O^{(h)}$ | head $h$'s $d$ rows of $W_O$ (`o_proj.weight` is $W_O^\top$); $V W_O^{(h)}$: projected values | `vw` |
 # | $P_n$ | $\|v_n W_O^{(h)}\|_1$, entry $n$'s size (not lesson 01's pooling width $P$) | `P` |
 # | $\mathcal{N}$, $\mathcal{N}_n$ | the keep mask: 1 kept, 0 evicted | `keep` |
 # | $\mu$ | the kept attention mass, $\sum_n \mathcal{N}_n A_n$ | `mu` |

@@ -47,7 +47,7 @@ print(f"device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; interpreter: {
 # | $r$; $m_r$, $z_r$, $\tilde o_r$ | own: a range of tokens; its final $m$, $z$, $\tilde o$ | `ranges` |
 # | $M$ | own: the largest $m_r$ | `M` |
 # | $o$ | the attention output, $\sum_n \mathrm{softmax}_n(x)\, v_n$ | `ref`, `got` |
-# | `B`, `S` | in a benchmark case's name: sequences, tokens per sequence (elsewhere $B$ is a budget, $S$ the sink tokens) | `B`, `S` |
+# | `B`, `S` | in a benchmark's name: sequences, tokens per sequence (elsewhere: a budget, sinks) | `B`, `S` |
 #
 # One new token per sequence. For each layer and KV head the step reads every cached key and value once
 # ($2Td$ numbers) and does about $4GTd$ FLOPs with them ($q \cdot k_n$ and the weighted sum of the $v_n$, for
