@@ -98,10 +98,12 @@ def appended(before, k, v, pos):
 def attend_off(mine, out):
     """Where a by-hand attention output first differs from the library's, and what to check; "" if nowhere."""
     off = where_differs(mine, out, ("batch", "query head", "query", "feature"))
-    heads = [h for h in range(config.n_head) if mine.shape != out.shape or where_differs(mine[:, h], out[:, h], ())]
-    return off and off + "; " + (f"only query heads {heads} are off: KV head h serves query heads hG..hG+G-1"
-                                 if len(heads) < config.n_head else
-                                 "every head is off: nan means a query whose mask hides every slot; scale by 1/sqrt(d)")
+    if not off or getattr(mine, "shape", None) != out.shape:   # nowhere, or the shapes differ (off names them)
+        return off
+    heads = [h for h in range(config.n_head) if where_differs(mine[:, h], out[:, h], ())]
+    return off + "; " + (f"only query heads {heads} are off: KV head h serves query heads hG..hG+G-1"
+                         if len(heads) < config.n_head else
+                         "every head is off: nan means a query whose mask hides every slot; scale by 1/sqrt(d)")
 
 
 # %% [markdown]
