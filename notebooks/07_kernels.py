@@ -309,6 +309,10 @@ reference_promise = reference_step_bytes(8, 32768, 32768) / reference_step_bytes
 print(f"No: the bytes promise {reference_promise:.1f}x, and the kernel takes only "
       f"{sel['ms']['triton'] / sel['compacted_ms']['triton']:.2f}x the time of attention over a "
       "compacted copy of the same rows: that copy falls short of its bytes too")
+at_copy_ms = sel["bytes"] / h100["copy_bandwidth"] * 1e3                 # the step's bytes at the copy bandwidth
+print(f"Its {sel['bytes'] / 1e6:.0f} MB take {at_copy_ms:.3f} ms at the copy bandwidth, the kernel "
+      f"{sel['ms']['triton']:.3f} ms: {(sel['ms']['triton'] - at_copy_ms) * 1e3:.0f} us beyond its bytes, where the "
+      f"dense step ({d8['ms']['triton']:.3f} ms) runs at {d8['fraction_of_copy_bw']['triton']:.0%} of the copy's speed")
 
 # %% [markdown]
 # ### Exercise 2: where the cache overtakes the weights
