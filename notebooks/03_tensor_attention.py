@@ -209,7 +209,6 @@ def check_naive_step(naive_step):
     library = calls(naive_step, "kron_rows", "naive_four_cache_attention", "four_cache_attention",
                     "two_cache_attention")
     assert not library, f"by hand: your function calls {', '.join(library)}"
-    assert all(torch.is_tensor(x) and x.dim() == 4 for x in (q, K1, K2, V1, V2)), "q, K1..V2 changed: rerun section 1"
     g = torch.Generator().manual_seed(1)
     toys = [(q, K1, K2, V1, V2, scale)] + [tuple(torch.randn(1, 1, m, e, generator=g, dtype=q.dtype)
                                                   for m in (1, n_, n_, n_, n_)) + (e ** -0.5,)
