@@ -7,7 +7,8 @@ The fast tests read the sources: the three cells of each exercise, in order, and
 The slow one (``test_notebooks.py::test_each_exercise_checks_the_learner``, on the lessons' tiny-mode run) puts
 probes after each reference cell (``with_probes``): the check cell run again with the reference's answer in the
 learner's names passes, and with a plausible wrong answer (``wrong_answers/NN_*.json``) fails with its hint, a
-hint that does not print the answer; the untouched stub's check said "not answered yet".
+hint that does not print the answer; a right answer in another form (``right_answers/NN_*.json``: a float32
+tensor for a float, say) passes too; the untouched stub's check said "not answered yet".
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 WRONG = Path(__file__).resolve().parent / "wrong_answers"
+RIGHT_FORMS = Path(__file__).resolve().parent / "right_answers"
 _spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
 build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build)
@@ -214,24 +216,27 @@ def test_the_rules_catch_an_exercise_that_checks_its_own_answer():
 
 # -- the probes the slow tier runs ------------------------------------------------------------------------------
 
-def wrong_answers(stem: str) -> dict[str, list[dict[str, str]]]:
+def wrong_answers(stem: str, folder: Path = WRONG) -> dict[str, list[dict[str, str]]]:
     """``{"N:check_name": [{"my_x": "a wrong answer, as Python the kernel evaluates"}, ...]}`` for a lesson: in the
-    file, one answer's dict or a list of them."""
-    path = WRONG / f"{stem}.json"
+    file, one answer's dict or a list of them (``folder=RIGHT_FORMS``: right answers in other forms)."""
+    path = folder / f"{stem}.json"
     found = json.loads(path.read_text()) if path.exists() else {}
     return {k: v if isinstance(v, list) else [v] for k, v in found.items()}
 
 
-def probe(p: Part, nb: nbformat.NotebookNode, wrong: list[dict[str, str]] | None) -> str:
+def probe(p: Part, nb: nbformat.NotebookNode, wrong: list[dict[str, str]] | None,
+          right: list[dict[str, str]] | None = None) -> str:
     """A cell to run after ``p``'s reference cell: the check cell again, once with the reference's answer in the
-    learner's names and once with each ``wrong`` answer; prints one JSON line; puts the stubs back."""
+    learner's names, once with each ``wrong`` answer and once with each ``right`` one (another form of a right
+    answer); prints one JSON line; puts the stubs back."""
     mine = sorted(stub_values(nb.cells[p.stub].source))
     check = nb.cells[p.check].source
     reference = "{" + ", ".join(f"{k!r}: reference_{k[3:]}" for k in mine) + "}"
     cases = f"'reference': {reference}"
-    for i, answer in enumerate(wrong or []):                                    # cases 'wrong', 'wrong 2', ...
-        name = "wrong" + (f" {i + 1}" if i else "")
-        cases += f", {name!r}: {{" + ", ".join(f"{k!r}: ({answer[k]})" for k in mine) + "}"
+    for kind, answers in (("wrong", wrong), ("right", right)):                # cases 'wrong', 'wrong 2', 'right'...
+        for i, answer in enumerate(answers or []):
+            name = kind + (f" {i + 1}" if i else "")
+            cases += f", {name!r}: {{" + ", ".join(f"{k!r}: ({answer[k]})" for k in mine) + "}"
     return "\n".join([
         "import contextlib as _c, io as _io, json as _json",
         f"_stubs = {{k: globals()[k] for k in {mine!r}}}",
@@ -255,10 +260,10 @@ def with_probes(nb: nbformat.NotebookNode, stem: str) -> nbformat.NotebookNode:
     """A copy of a lesson with a probe after each exercise's reference cell."""
     out = copy.deepcopy(nb)
     _, found = parts(out)
-    wrong = wrong_answers(stem)
+    wrong, right = wrong_answers(stem), wrong_answers(stem, RIGHT_FORMS)
     for p in reversed(found):
         key = f"{p.exercise}:{check_name(out.cells[p.check].source)}"
-        cell = nbformat.v4.new_code_cell(probe(p, out, wrong.get(key)))
+        cell = nbformat.v4.new_code_cell(probe(p, out, wrong.get(key), right.get(key)))
         cell.metadata["probe"] = key
         out.cells.insert(p.reference + 1, cell)
     return out
@@ -299,6 +304,9 @@ def probe_findings(nb: nbformat.NotebookNode) -> list[str]:
             continue
         if got["reference"][0] != "passed" or RIGHT not in got["reference"][1]:
             out.append(f"{key}: the reference's answer in the learner's cell did not pass: {got['reference']}")
+        for case in [c for c in got if c.startswith("right")]:
+            if got[case][0] != "passed" or RIGHT not in got[case][1]:
+                out.append(f"{key}: a right answer in another form ({case}) was refused: {got[case]}")
         for case in [c for c in got if c.startswith("wrong")] or ["wrong"]:
             kind, hint = got.get(case, ["no wrong answer", ""])
             if kind != "NotRightYet":
@@ -328,6 +336,25 @@ def test_the_probes_see_a_check_that_passes_anything_and_a_hint_that_gives_the_a
     assert "did not pass" in run(["NotRightYet", "x"], ["NotRightYet", "divide them"])[0]
     nb.cells[2].outputs = [nbformat.v4.new_output("stream", text="Exercise 1: right.\n")]
     assert "did not say" in run(right, ["NotRightYet", "divide them"])[0]
+
+
+def test_the_probes_see_a_check_that_refuses_a_right_answer_in_another_form():
+    """Lesson 04's Exercise 2 refused a right fraction computed as a float32 mean (a 1e-9 tolerance): the probes
+    run the right forms of ``right_answers/`` too, and a refused one is a finding."""
+    nb = source_nb(GOOD)
+    nb.cells[2].outputs = [nbformat.v4.new_output("stream", text="Exercise 1: not answered yet (...)\n")]
+    cell = nbformat.v4.new_code_cell("probe")
+    cell.metadata["probe"] = "1:check_total"
+    said = {"reference": ["passed", "Exercise 1: right.\n"], "wrong": ["NotRightYet", "divide them"],
+            "right": ["NotRightYet", "divide them"], "answer": ["0.375"]}
+    cell.outputs = [nbformat.v4.new_output("stream", text=PROBE + json.dumps({"exercise": 1, "said": said}))]
+    nb.cells.append(cell)
+    assert any("another form (right) was refused" in f for f in probe_findings(nb))
+    said["right"] = ["passed", "Exercise 1: right.\n"]
+    cell.outputs = [nbformat.v4.new_output("stream", text=PROBE + json.dumps({"exercise": 1, "said": said}))]
+    assert probe_findings(nb) == []
+    assert "'right': {'my_total': (torch.tensor(0.375))}" in probe(parts(nb)[1][0], nb, [{"my_total": "1"}],
+                                                                    [{"my_total": "torch.tensor(0.375)"}])
 
 
 def test_a_library_call_inside_a_helper_of_the_learners_is_seen():
