@@ -166,7 +166,7 @@ def test_every_exercise_has_a_cell_to_write_a_check_and_a_reference_out_of_sight
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_every_exercise_has_a_plausible_wrong_answer(path):
     _, found = parts(build.read_percent(path))
-    wrong = wrong_answers(path.stem)
+    wrong = probe_answers(path.stem)
     for p in found:
         key = f"{p.exercise}:{check_name(build.read_percent(path).cells[p.check].source)}"
         assert key in wrong, f"{path.name}: no wrong answer for {key} in {WRONG / (path.stem + '.json')}"
@@ -216,7 +216,7 @@ def test_the_rules_catch_an_exercise_that_checks_its_own_answer():
 
 # -- the probes the slow tier runs ------------------------------------------------------------------------------
 
-def wrong_answers(stem: str, folder: Path = WRONG) -> dict[str, list[dict[str, str]]]:
+def probe_answers(stem: str, folder: Path = WRONG) -> dict[str, list[dict[str, str]]]:
     """``{"N:check_name": [{"my_x": "a wrong answer, as Python the kernel evaluates"}, ...]}`` for a lesson: in the
     file, one answer's dict or a list of them (``folder=RIGHT_FORMS``: right answers in other forms)."""
     path = folder / f"{stem}.json"
@@ -260,7 +260,7 @@ def with_probes(nb: nbformat.NotebookNode, stem: str) -> nbformat.NotebookNode:
     """A copy of a lesson with a probe after each exercise's reference cell."""
     out = copy.deepcopy(nb)
     _, found = parts(out)
-    wrong, right = wrong_answers(stem), wrong_answers(stem, RIGHT_FORMS)
+    wrong, right = probe_answers(stem), probe_answers(stem, RIGHT_FORMS)
     for p in reversed(found):
         key = f"{p.exercise}:{check_name(out.cells[p.check].source)}"
         cell = nbformat.v4.new_code_cell(probe(p, out, wrong.get(key), right.get(key)))
