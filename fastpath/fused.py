@@ -77,6 +77,10 @@ class FusedGraphDecoder(GraphDecoder):
 
     def __init__(self, model: Transformer, backend: str | None = None) -> None:
         super().__init__(model)
+        if self.lean.biased or self.lean.qk_norms is not None:   # before_attention has neither
+            raise ValueError(f"the fused step takes a model without {'biases' if self.lean.biased else 'q/k norms'} "
+                             "(Qwen2's q/k/v biases, a llama's attention_bias, Qwen3's q/k norms); decode it with "
+                             "GraphDecoder")
         options = {"dynamic": False} if backend is None else {"dynamic": False, "backend": backend}
         self.compile_options = options                  # a subclass compiles its own pieces with the same
         self.before, self.after, self.head = (torch.compile(f, **options)

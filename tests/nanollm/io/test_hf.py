@@ -245,8 +245,10 @@ def test_an_unsupported_architecture_is_one_line_naming_it():
 @pytest.mark.parametrize("name", ["qwen2_qkv_bias", "llama_bias", "qwen3_qk_norm"])
 def test_the_fast_engine_runs_a_model_with_biases_as_the_plain_one(name):
     """Qwen2's q/k/v biases (and a llama's attention_bias), Qwen3's q/k norms: the evaluation's engines fill
-    the same caches and step them to the same logits; the graph step, which has neither, refuses in one line."""
+    the same caches and step them to the same logits, and so does the graph step (fp32 within 1e-5); the fused
+    step, which has neither, refuses in one line."""
     from experiments.evaluation.engines import ENGINES, make_engine
+    from fastpath.fused import FusedGraphDecoder
     from fastpath.graph import GraphDecoder
     from methods import make_policy
     model = random_model(name)
@@ -261,9 +263,16 @@ def test_the_fast_engine_runs_a_model_with_biases_as_the_plain_one(name):
     for engine in ENGINES:
         for a, b in zip(out["plain"], out[engine]):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="the graph step takes a model without " + ("q/k norms" if "qwen3" in name
+    graph = GraphDecoder(model)                                    # on the plain engine's caches, as filled
+    caches, _ = make_engine("plain", model).fill([make_policy("full", 8), make_policy("snapkv", 8)], chunks)
+    for b, cache in enumerate(caches):
+        assert graph.start(cache, len(tokens))
+        for n, t in enumerate(tokens):                             # out: last, then each step's logits, hidden
+            torch.testing.assert_close(graph.step(torch.tensor([t]))[0], out["plain"][1 + 2 * n][b], rtol=0,
+                                       atol=1e-5)
+    with pytest.raises(ValueError, match="the fused step takes a model without " + ("q/k norms" if "qwen3" in name
                                                                                       else "biases")):
-        GraphDecoder(model)
+        FusedGraphDecoder(model)
 
 
 @pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"])
