@@ -173,8 +173,10 @@ print(format_tables(records))
 # KVReviver answers no question at either keep ratio (mean acc 0.00), where H2O answers 0.69 and 0.85: the sketch
 # brings nothing back. It holds E/W = 83 and 27 tokens a cell, where section 2's keys were already 870.75
 # variances off at E/W = 32. The [lab](labs/06_kvreviver_failure.ipynb) shows the rebuilt keys tens of times too
-# long, and the eviction half alone (no sketch) answering nothing either. SmolLM2-135M with KVReviver also answers
-# almost nothing, at 2048 tokens ([the SmolLM2 runs](../experiments/evaluation/smollm2.md)).
+# long, and the eviction half alone (no sketch) answering nothing either, because it makes one choice of tokens for
+# all of a layer's heads, whose attention falls on different tokens: with one choice per KV head it answers most
+# questions, as H2O does (lab section 2.2, three prompts a task). SmolLM2-135M with KVReviver also answers almost
+# nothing, at 2048 tokens ([the SmolLM2 runs](../experiments/evaluation/smollm2.md)).
 
 # %% [markdown]
 # ## Exercises
