@@ -268,13 +268,15 @@ for name, idx in toy_kept.items():                                   # idx (1, H
 # Replace each `None` and run the check under it, which hints when the answer is wrong; the reference answer
 # is collapsed below.
 #
-# ### Exercise 1: StreamingLLM's kept positions after decoding
+# ### Exercise 1: how long a token stays
 #
-# A prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`.
-# Write `my_expected(seen, budget, n_sink)`: from these three numbers alone (without `sinks_and_recent` or
-# section 2.1's `streaming_keep`), the positions every layer and KV head must hold now, a 1-D tensor in
-# ascending order; mind $S = \min(\texttt{n\_sink}, B - 1)$. The check runs it on this cache (`ex_seen`,
-# `EX_BUDGET`, `EX_SINKS`) and on caches of other budgets and lengths, one with fewer entries than sinks.
+# Section 2.1's rule says what StreamingLLM holds at one moment. Turn it around: when does a token leave? A
+# prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`; the
+# cell below prints what layer 0's first KV head holds. Write `my_leaves_at(p, budget, n_sink)`: the number of
+# tokens seen at which position `p` is first missing from a StreamingLLM cache, or `None` if it never leaves;
+# from these three numbers alone (without `sinks_and_recent` or section 2.1's `streaming_keep`), and mind
+# $S = \min(\texttt{n\_sink}, B - 1)$. The check steps caches of other budgets and lengths token by token, one
+# with fewer entries than sinks, and asks your function about every position after every token.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from nanollm.data.tasks import make_sample
@@ -285,53 +287,64 @@ ex_cache = KVCache(model.config, StreamingLLMPolicy(EX_BUDGET, n_sink=EX_SINKS))
 prefill(model, torch.tensor([ex_sample.prompt_ids]), ex_cache)
 for token in ex_sample.target_ids[:5]:
     decode_step(model, torch.tensor([token]), ex_cache)
-ex_seen = ex_cache.seen
-print(f"tokens seen: {ex_seen}; entries per KV head in layer 0: {(ex_cache.layers[0].pos[0] >= 0).sum(-1).tolist()}")
+ex_held = ex_cache.layers[0].pos[0, 0]
+print(f"tokens seen: {ex_cache.seen}; layer 0, KV head 0 holds {ex_held[ex_held >= 0].sort().values.tolist()}")
+
+
+def streaming_states(budget, n_sink, n_prompt, n_new):
+    """A StreamingLLM cache fed the prompt's first n_prompt tokens, then n_new more one by one: after each,
+    (tokens seen, the positions held; every layer and KV head holds the same ones)."""
+    cache, ids = KVCache(model.config, StreamingLLMPolicy(budget, n_sink=n_sink)), ex_sample.prompt_ids
+    prefill(model, torch.tensor([ids[:n_prompt]]), cache)
+    for t in range(n_prompt, n_prompt + n_new + 1):
+        if t > n_prompt:
+            decode_step(model, torch.tensor([ids[t - 1]]), cache)
+        pos = cache.layers[0].pos[0, 0]
+        yield cache.seen, set(pos[pos >= 0].tolist())
 
 
 # %%
-my_expected = None               # replace None: a function (seen, budget, n_sink) -> positions (def my_expected)
+my_leaves_at = None              # replace None: a function (p, budget, n_sink) -> a token count, or None
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from exercises import calls, exercise, on_copies
 
 
 @exercise("Exercise 1")
-def check_expected(expected_rule):
-    library = calls(expected_rule, "sinks_and_recent", "streaming_keep")
-    assert not library, f"from seen, budget and n_sink alone: your function calls {', '.join(library)}"
-    for budget, n_sink, n_prompt, n_new in ((EX_BUDGET, EX_SINKS, None, 5), (24, 2, 150, 3), (10, 0, 60, 7),
-                                            (3, 4, 55, 5)):
-        cache = ex_cache if budget == EX_BUDGET else KVCache(model.config, StreamingLLMPolicy(budget, n_sink=n_sink))
-        if cache is not ex_cache:                                 # another budget, sinks and length
-            prefill(model, torch.tensor([ex_sample.prompt_ids[:n_prompt]]), cache)
-            for token in ex_sample.target_ids[:n_new]:
-                decode_step(model, torch.tensor([token]), cache)
-        where = f"seen {cache.seen}, budget {budget}, n_sink {n_sink}"
-        expected = torch.as_tensor(expected_rule(cache.seen, budget, n_sink)).long()
-        assert expected.shape == (budget,), f"{where}: a 1-D tensor of budget positions (more sinks than the " \
-                                            "budget leaves room for?)"
-        assert torch.equal(expected, expected.sort().values), f"{where}: list the positions in ascending order"
-        assert expected[-1] == cache.seen - 1, f"{where}: the newest token, position seen - 1, always stays"
-        S = min(n_sink, budget - 1)                               # the newest token always fits
-        assert torch.equal(expected[:S], torch.arange(S)), f"{where}: the sinks are the first positions, as many " \
-                                                           "as n_sink asks and the budget leaves room for"
-        held = [kv.pos[0, h][kv.pos[0, h] >= 0].sort().values for kv in cache.layers for h in range(kv.pos.shape[1])]
-        assert all(torch.equal(p, expected) for p in held), f"{where}: the recent window is the last B - S " \
-            "positions *seen* (the prompt's and the decoded tokens'), up to seen - 1"
+def check_leaves_at(leaves_at):
+    library = calls(leaves_at, "sinks_and_recent", "streaming_keep")
+    assert not library, f"from p, budget and n_sink alone: your function calls {', '.join(library)}"
+    for budget, n_sink, n_prompt, n_new in ((EX_BUDGET, EX_SINKS, 50, 12), (24, 2, 20, 12), (10, 0, 8, 12),
+                                            (3, 4, 2, 8)):
+        for seen, held in streaming_states(budget, n_sink, n_prompt, n_new):
+            for p in range(seen):
+                left = leaves_at(p, budget, n_sink)
+                assert left is None or float(left) == int(left), "a whole number of tokens seen, or None"
+                where = f"budget {budget}, n_sink {n_sink}: after {seen} tokens, position {p} is " \
+                        f"{'held' if p in held else 'gone'}"
+                if left is None:
+                    assert p in held, f"{where}, but your function says it never leaves: only the sinks stay, " \
+                                      "as many as n_sink asks and the budget leaves room for"
+                else:
+                    assert p >= min(n_sink, budget - 1), f"{where}, a sink: it never leaves (return None)"
+                    assert (seen < int(left)) == (p in held), f"{where}, but your function says it leaves after " \
+                        f"{int(left)} tokens: count the recent window's slots, B - S"
+    S = min(EX_SINKS, EX_BUDGET - 1)
+    return f"Every position after the first {S} stays {EX_BUDGET - S} tokens at budget {EX_BUDGET}, however " \
+           "long the prompt: the window slides one position per token"
 
 
-check_expected(my_expected)
+check_leaves_at(my_leaves_at)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-# BEGIN SOLUTION [baselines] the sinks (never the whole budget: the newest token must fit), then the most recent
-def reference_expected(seen, budget, n_sink):
+# BEGIN SOLUTION [baselines] a sink never leaves; the others stay while p >= seen - (B - S), B - S tokens
+def reference_leaves_at(p, budget, n_sink):
     n_s = min(n_sink, budget - 1)
-    return torch.cat([torch.arange(n_s), torch.arange(seen - (budget - n_s), seen)])
+    return None if p < n_s else p + (budget - n_s) + 1
 # END SOLUTION
 
 
-check_expected(reference_expected)
+check_leaves_at(reference_leaves_at)
 
 # %% [markdown]
 # ### Exercise 2: what H2O keeps

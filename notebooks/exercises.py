@@ -61,7 +61,7 @@ def calls(function, *names: str) -> list[str]:
     """Those of ``names`` that ``function``'s code refers to, sorted: how a check refuses an answer written with
     the library call the exercise asks the learner to do without. Functions defined inside it, and functions of
     the notebook it calls, are read too (a helper of the learner's that made the call was not seen), and an answer
-    that is a forbidden function under another name (``my_expected = streaming_keep``) is that function."""
+    that is a forbidden function under another name (``my_leaves_at = streaming_keep``) is that function."""
     space = function.__globals__
     forbidden = {id(space[n]): n for n in names if callable(space.get(n))}     # the functions themselves
     found = {forbidden[id(function)]} if id(function) in forbidden else set()

@@ -376,18 +376,18 @@ def test_a_library_call_inside_a_helper_of_the_learners_is_seen():
 
 
 def test_a_forbidden_function_under_another_name_is_seen():
-    """Lesson 01's Exercise 1 forbids section 2.1's ``streaming_keep``: ``my_expected = streaming_keep`` (or a
+    """Lesson 01's Exercise 1 forbids section 2.1's ``streaming_keep``: ``my_leaves_at = streaming_keep`` (or a
     call through another name for it) passed, since neither answer's code names it."""
     spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
     exercises = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(exercises)
     space = {"__name__": "__main__"}
     exec("def streaming_keep(x):\n    return x + 1\n"
-         "my_expected = streaming_keep\n"
+         "my_leaves_at = streaming_keep\n"
          "keep = streaming_keep\n"
          "def through_alias(x):\n    return keep(x)\n"
          "def by_hand(x):\n    return x + 1\n", space)
-    assert exercises.calls(space["my_expected"], "streaming_keep", "sinks_and_recent") == ["streaming_keep"]
+    assert exercises.calls(space["my_leaves_at"], "streaming_keep", "sinks_and_recent") == ["streaming_keep"]
     assert exercises.calls(space["through_alias"], "streaming_keep") == ["streaming_keep"]
     assert exercises.calls(space["by_hand"], "streaming_keep") == []
 
