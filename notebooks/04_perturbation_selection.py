@@ -155,6 +155,52 @@ for values, vws in [("entry 2 opposite", vw), ("entry 2 same sign", same_sign)]:
 #   grouped-query attention, the score is averaged over a KV head's query heads. The lab compares the two readings;
 # * the budget: SnapKV always keeps its $w$ window entries, so our $\alpha$ splits the rest, $B - w$ (kvpress takes
 #   its share of the whole $B$).
+#
+# Built by hand on lesson 01's bundled model: SnapKV's score $s_n$ from the prompt's attention (`snapkv_scores`,
+# lesson 01's build), $P_n$ from layer 0's values and $W_O$, averaged over each KV head's group, then the two
+# stages, compared with what `CriticalKVPolicy` keeps.
+
+# %% tags=["needs:two_stage"]
+from experiments.analysis.persistence import record_attention
+from methods.critical_kv import CriticalKVPolicy, projected_value_norms
+from methods.snapkv import SnapKVPolicy, snapkv_scores
+from nanollm import KVCache, load
+from nanollm.data.tasks import make_sample
+from nanollm.generation import prefill
+
+model, tok, _ = load("retrieval-llama")                       # 4 layers, H = 4 query heads, H_kv = 2 KV heads
+ids = torch.tensor([make_sample("niah_single_prose", tok, 256, seed=3).prompt_ids])             # (1, T)
+T, H, H_kv = ids.shape[1], model.config.n_head, model.config.n_kv_head
+B, W, ALPHA = 48, 8, 0.25                        # the budget per KV head, SnapKV's window, stage 1's share
+policies = {"full": None, "snapkv": SnapKVPolicy(B, window=W),
+            "critical_kv": CriticalKVPolicy(B, alpha=ALPHA, inner=SnapKVPolicy(B, window=W))}
+caches = {name: KVCache(model.config, policy) for name, policy in policies.items()}
+for cache in caches.values():
+    prefill(model, ids, cache)
+print(f"T = {T} prompt tokens; each KV head keeps B = {B}: the window's {W}, then {int(ALPHA * (B - W))} by s_n "
+      f"(stage 1) and {B - W - int(ALPHA * (B - W))} by s_n P_n (stage 2)")
+
+# %% tags=["needs:two_stage"]
+layer, prefix = 0, T - W                                      # the window, positions T - W .. T - 1, stays whole
+s = snapkv_scores(record_attention(model, ids)[layer][None], H_kv, W, 7, "max")[0, :, :prefix]   # (H_kv, T - W)
+P = projected_value_norms(caches["full"].layers[layer].v, model.blocks[layer].attn.o_proj.weight, H)[0]  # (H, T)
+P = P.view(H_kv, H // H_kv, T).mean(1)[:, :prefix]            # (H_kv, T - W): the group's mean
+n1 = int(ALPHA * (B - W))
+stage1 = s.sort(dim=-1, descending=True, stable=True).indices[:, :n1]             # (H_kv, n1) the highest s_n
+second = (s * P).scatter(-1, stage1, float("-inf"))                           # stage 1's entries are taken
+stage2 = second.sort(dim=-1, descending=True, stable=True).indices[:, :B - W - n1]  # the highest s_n P_n of the rest
+by_hand = torch.cat([stage1, stage2, torch.arange(prefix, T).expand(H_kv, W)], -1).sort(-1).values  # (H_kv, B)
+
+
+def held(name):                                               # (H_kv, B) the positions a cache keeps in layer 0
+    return caches[name].layers[layer].pos[0].sort(-1).values
+
+
+assert torch.equal(by_hand, held("critical_kv")), "the two stages by hand differ from CriticalKVPolicy's"
+for j in range(H_kv):
+    swapped = sorted(set(held("critical_kv")[j].tolist()) - set(held("snapkv")[j].tolist()))
+    print(f"KV head {j}: stage 2 keeps {len(swapped)} entries SnapKV drops, at {swapped}")
+print("by hand == CriticalKVPolicy in layer 0")
 
 # %% [markdown]
 # ## Exercises
