@@ -21,7 +21,7 @@ model, tok, _ = load("retrieval-llama")    # the bundled model: 0.87M parameters
 # Sixteen prompt tokens, 4 query heads sharing 2 KV heads (query heads 0-1 read KV head 0, 2-3 read KV head
 # 1), and a made-up causal attention: every query attends token 0, a *sink*; queries 6-11 attend token 5, an
 # early *heavy hitter*; the last four queries, the *observation window*, attend token 9 in KV head 0 and spread
-# over tokens 2, 3, 7 and 8 in KV head 1.
+# over tokens 2, 3, 7 and 8 in KV head 1 (as much as over the sink 0: both get the same +3).
 
 # %%
 import torch
@@ -252,11 +252,12 @@ for name, idx in toy_kept.items():                                   # idx (1, H
 
 # %% [markdown]
 # **H2O** keeps the sink 0, the heavy hitter 5 and its 3 recent tokens. Its one other entry is 9 in KV head 0, but 2
-# in KV head 1, where the window attends 2, 3, 7 and 8 alike: earlier tokens are attended by more queries, so
+# in KV head 1, where the window attends 0, 2, 3, 7 and 8 alike: earlier tokens are attended by more queries, so
 # H2O's sums favour old tokens.
 #
 # **SnapKV** drops token 5, which the window does not attend. With $P = 3$ the pooling makes neighbours tie,
-# and the earlier tokens win the ties: KV head 0 keeps 9 and 8, KV head 1 its first two tokens.
+# and the earlier tokens win the ties: KV head 0 keeps 9 and 8, KV head 1 its first two tokens, 0 and 1 (1 is
+# pooled up from 0 and 2, both voted for as much as 2, 3, 7 and 8).
 #
 # **AdaKV** shows what it is for at $P = 1$: KV head 0, whose window attends 9 alone, keeps five entries and
 # lends its sixth to the spread-out KV head 1. At $P = 3$ it lends the other way: the pooling copies 9's strong

@@ -150,15 +150,19 @@ for values, vws in [("entry 2 opposite", vw), ("entry 2 same sign", same_sign)]:
 #
 # * **stage 1** keeps the entries with the highest SnapKV score $s_n$ (lesson 01: the window's votes, max-pooled,
 #   averaged over a KV head's query heads);
-# * **stage 2** ranks the rest by $s_n P_n$ in the authors' code (kvpress's `CriticalKVPress`, our default), or by
-#   the window's attention before pooling times $P_n$ as Algorithm 2 is printed (our `stage2="window"`); with
-#   grouped-query attention, the score is averaged over a KV head's query heads. The lab compares the two readings;
+# * **stage 2** ranks the rest by $s_n \bar P_n$ in the authors' code (kvpress's `CriticalKVPress`, our default),
+#   with $\bar P_n$ the mean of $P_n$ over the KV head's query heads; or, as Algorithm 2 is printed (our
+#   `stage2="window"`), by each query head's window attention before pooling times its $P_n$, averaged over the
+#   group. The lab compares the two readings;
 # * the budget: SnapKV always keeps its $w$ window entries, so our $\alpha$ splits the rest, $B - w$ (kvpress takes
 #   its share of the whole $B$).
 #
 # Built by hand on lesson 01's bundled model: SnapKV's score $s_n$ from the prompt's attention (`snapkv_scores`,
-# lesson 01's build), $P_n$ from layer 0's values and $W_O$, averaged over each KV head's group, then the two
-# stages, compared with what `CriticalKVPolicy` keeps.
+# lesson 01's build, with its pooling width 7), $\bar P_n$ from layer 0's values and $W_O$, then the two stages,
+# compared with what `CriticalKVPolicy` keeps. Two differences in the library change nothing: it scores the
+# window $+\infty$, so the window fills the first $w$ of stage 1's places (by hand: set aside, and $\lfloor \alpha
+# (B - w) \rfloor$ more by $s_n$); and it divides $s_n$ by the window's $w$ queries before stage 2 (kvpress adds its
+# $\epsilon$ there; ours is 0), a scale that changes no ranking.
 
 # %% tags=["needs:two_stage"]
 from experiments.analysis.persistence import record_attention
@@ -184,7 +188,7 @@ print(f"T = {T} prompt tokens; each KV head keeps B = {B}: the window's {W}, the
 layer, prefix = 0, T - W                                      # the window, positions T - W .. T - 1, stays whole
 s = snapkv_scores(record_attention(model, ids)[layer][None], H_kv, W, 7, "max")[0, :, :prefix]   # (H_kv, T - W)
 P = projected_value_norms(caches["full"].layers[layer].v, model.blocks[layer].attn.o_proj.weight, H)[0]  # (H, T)
-P = P.view(H_kv, H // H_kv, T).mean(1)[:, :prefix]            # (H_kv, T - W): the group's mean
+P = P.view(H_kv, H // H_kv, T).mean(1)[:, :prefix]            # (H_kv, T - W): the group's mean, P-bar
 n1 = int(ALPHA * (B - W))
 stage1 = s.sort(dim=-1, descending=True, stable=True).indices[:, :n1]             # (H_kv, n1) the highest s_n
 second = (s * P).scatter(-1, stage1, float("-inf"))                           # stage 1's entries are taken
