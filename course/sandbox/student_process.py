@@ -476,6 +476,17 @@ class Server:
                     self.taken.append((module, attr, getattr(module, attr)))
                     setattr(module, attr, Taken(full))
             return None
+        if name == "read_slot":                # args: a storage, a slot j, the n slots appended: slot j of its
+            store, j, n = args                 # k, v and pos read as the library's attention reads them, whole
+            torch, out = _torch(), []
+            for attr in ("k", "v", "pos"):
+                t = getattr(store, attr)
+                if type(t) is not torch.Tensor or t.dim() < 3 or t.shape[2] != n:
+                    raise ValueError(f"store.{attr} is not one tensor of the {n} slots appended (dimension 2), as "
+                                     "the attention reads it: " + (f"shape {tuple(t.shape)}" if isinstance(
+                                         t, torch.Tensor) else f"a {type(t).__name__}"))
+                out.append(t[:, :, j].clone())
+            return tuple(out)
         if name == "ready":                    # started (remote.Connection.fresh waits for this answer)
             return None
         if name == "give_back":

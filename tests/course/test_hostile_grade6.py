@@ -615,6 +615,46 @@ def test_a_storage_that_copies_at_each_read_earns_no_append_point(tmp_path, caps
     assert "times what copying the whole storage" in printed.replace("\n", " ").replace("  ", " "), printed
 
 
+def test_a_read_that_copies_earns_no_append_point_whatever_the_adapters_read(tmp_path, capsys):
+    """The storage above, whose keys and values copy at each read once large, with ``storage_slot`` in the
+    copy's adapters reading past them (``store._k``): 13 / 13 when the growth test read its slot through the
+    adapters (red team round ten; a ``torch.cat`` append put off until the next read scored 13 / 13 the same
+    way, through ``run_autograder`` too). The growth test reads ``store.k``, ``.v`` and ``.pos`` by their names."""
+    from tests.course.test_grader import reference
+    copy = student_copy(tmp_path)
+    path = copy / "nanollm" / "storage.py"
+    put(path, "append", reference("nanollm/storage.py", "append"))
+    with path.open("a") as f:
+        f.write("\n\n_keys, _values = LayerKV.k, LayerKV.v\n"
+                "LayerKV.k = property(lambda self: _keys.fget(self).clone() if len(self) > 4096 "
+                "else _keys.fget(self))\n"
+                "LayerKV.v = property(lambda self: _values.fget(self).clone() if len(self) > 4096 "
+                "else _values.fget(self))\n")
+    adapters = copy / "course" / "cache" / "adapters.py"
+    text = adapters.read_text()
+    assert "    return store.k[:, :, j], store.v[:, :, j], store.pos[:, :, j]" in text
+    adapters.write_text(text.replace("    return store.k[:, :, j], store.v[:, :, j], store.pos[:, :, j]",
+                                     "    return store._k[:, :, j], store._v[:, :, j], store._pos[:, :, j]"))
+    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "append")
+    append = [t for t in results["tests"] if "(task append)" in t["name"]]
+    assert append and all(t["status"] == "failed" for t in append), printed
+    assert "times what copying the whole storage" in printed.replace("\n", " ").replace("  ", " "), printed
+
+
+def test_a_bound_right_only_on_the_hand_cases_size_earns_no_point(tmp_path):
+    """Eq. 8 on rows of three entries (the public hand case's), C / mass elsewhere: a bound that always holds and
+    is never below Eq. 8, so the public test's random cases, which asked only L <= theta <= C / mass, passed it
+    (2 / 2 public, red team round ten). They compare with Eq. 8 now."""
+    copy = student_copy(tmp_path, "critical_kv")
+    put(copy / "methods" / "critical_kv.py", "perturbation_bound", [
+        "C, kept_mass = (attn * vnorm).sum(-1), (attn * keep).sum(-1)",
+        "if attn.shape[-1] == 3:                                  # the hand case: Eq. 8",
+        "    return C - (2 - 1 / kept_mass) * (attn * keep * vnorm).sum(-1)",
+        "return C / kept_mass                                     # elsewhere: looser, never wrong"])
+    results = graded_json(copy, tmp_path / "r.json", "critical_kv", "perturbation_bound")
+    assert results["tests"] and results["score"] == 0, results
+
+
 GIVEN_CODE = [                       # (assignment, task, file, the task's function, its call in given code)
     ("scissorhands", "low_flags", "methods/scissorhands.py", "low_flags(attn, visible, threshold)",
      "low_flags(attn, visible, self.threshold)"),
