@@ -46,6 +46,7 @@ toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(
 # |---|---|---|
 # | $j$ | a KV head | `j` |
 # | $\mathcal{G}_j$ | the $G$ query heads of KV head $j$: $jG, \dots, (j+1)G - 1$ | `h // G == j` |
+# | $t$ | a query's position, any of those a sum runs over (not only the newest) | `t` |
 # | $a^h_{t,n}$ | $a_{t,n}$ in query head $h$ | `probs[h, t, n]` |
 # | $s_{j,n}$ | token $n$'s score in KV head $j$ (higher stays) | `scores` |
 # | $u^h_n$, $P$ | SnapKV's vote for $n$ in query head $h$; its pooling width | `votes`, `kernel` |
@@ -137,8 +138,9 @@ for t in (20, 21):
     decode_step(model, demo_ids[:, t], cache)
 for layer, a in enumerate(demo_maps):
     steps = [a[:, :20, :20], a[:, 20:21, :21], a[:, 21:22, :22]]     # the prompt's rows, then one row per step
-    assert torch.allclose(h2o_scores(steps, model.config.n_kv_head), cache.layers[layer].state[H2O_SCORE][0],
-                          atol=1e-5), f"layer {layer}: the scores differ from the library's H2O cache"
+    library = cache.layers[layer].state[H2O_SCORE][0]             # (H_kv, T): a state, numbers kept per slot
+    assert torch.allclose(h2o_scores(steps, model.config.n_kv_head), library, atol=1e-5), \
+        f"layer {layer}: the scores differ from the library's H2O cache"
 print(f"h2o_scores equals the library cache's scores in all {len(demo_maps)} layers (prompt, then 2 steps)")
 
 # %% [markdown]
