@@ -487,6 +487,16 @@ class Server:
                                          t, torch.Tensor) else f"a {type(t).__name__}"))
                 out.append(t[:, :, j].clone())
             return tuple(out)
+        if name == "read_pair_row":            # args: a two-matrix cache, a row r, the n rows stored: row r of its
+            cache, r, n = args                 # K~, V~ and pair positions, read as its attend reads them, whole
+            torch = _torch()
+            (a, b), rows = cache.pair_pos(), [cache.kt.t, cache.vt.t]
+            for what, t, dim in (("kt.t", rows[0], 2), ("vt.t", rows[1], 2), ("pair_pos()[0]", a, 0),
+                                 ("pair_pos()[1]", b, 0)):
+                if type(t) is not torch.Tensor or t.dim() <= dim or t.shape[dim] != n:
+                    raise ValueError(f"cache.{what} is not one tensor of the {n} pair rows stored (dimension "
+                                     f"{dim}), as the cache's attend reads it")
+            return rows[0][:, :, r].clone(), rows[1][:, :, r].clone(), int(a[r]), int(b[r])
         if name == "ready":                    # started (remote.Connection.fresh waits for this answer)
             return None
         if name == "give_back":

@@ -8,7 +8,7 @@ import math
 import adapters as A
 import torch
 from oracle import assert_close, check_tensor, generator, points
-from test_public import no_kronecker_product, random
+from test_public import check_pairs_computed_once, no_kronecker_product, random
 
 # -- the oracles: loops over pairs ------------------------------------------------------------------------
 
@@ -175,6 +175,7 @@ def test_two_cache_pairs_grow_by_the_new_rows_only():
                              "them (Def. 3.8: rows computed once)")
 
     fill(cache, (k1, k2, v1, v2), positions, check)
+    check_pairs_computed_once("two_cache_pairs_grow_by_the_new_rows_only")
 
 
 def attention_by_loop(q, q_pos, k1, k2, v1, v2, pos):
@@ -217,3 +218,4 @@ def test_two_cache_attention_equals_loops_over_pairs():
             assert_close(got, want, rtol=1e-4, atol=1e-5, what=f"{where}: the output (B, H, Tq, d)")
 
         fill(cache, (k1, k2, v1, v2), positions, check)
+    check_pairs_computed_once("two_cache_attention_equals_loops_over_pairs")

@@ -2,6 +2,8 @@
 factored output, the two-matrix cache's append. Run them with ``python -m course.grade tensor_attention``. The
 random inputs are drawn from the run's seed (printed with the score)."""
 
+import time
+
 import adapters as A
 import torch
 from oracle import assert_close, check_tensor, generator, points
@@ -106,6 +108,59 @@ def test_factored_output_equals_the_sum_over_pairs():
     no_kronecker_product(lambda: None, 5, 4, 8, 2, "factored_output")       # then at scale, in its own process
 
 
+PAIR_TOKENS, PAIR_D = 384, 32    # appends of one token: 147,456 pair rows of 32 numbers, 75 MiB of K~ and V~ at the end
+PAIR_COPIES = 32                 # the CPU your process may spend, in copies of that final K~ and V~
+
+
+def whole_copy_s(nbytes):
+    """The CPU seconds this process takes to copy ``nbytes`` into fresh memory (the least of three)."""
+    times = []
+    for _ in range(3):
+        src = torch.ones(nbytes // 4)
+        t0 = time.process_time()
+        src.clone()
+        times.append(time.process_time() - t0)
+    return max(min(times), 1e-3)
+
+
+def check_pairs_computed_once(what):
+    """Def. 3.8's rows computed once, read from outside your code: the CPU seconds of the process running it
+    (``adapters.watch``, from /proc) while ``PAIR_TOKENS`` tokens are appended one at a time, each followed by a
+    read of one of the rows it added through ``cache.kt.t``, ``cache.vt.t`` and ``cache.pair_pos()`` (the
+    library's names, as the cache's own ``attend`` reads them, whatever the adapters say), against copying the
+    final K~ and V~ once. Appending each token's 2n + 1 rows costs about one such copy in all (a few more for
+    the buffers' doubling); rebuilding the n^2 rows at every append or every read costs about n / 3 copies,
+    128 here. Nothing your process reports counts here."""
+    B, H, N, d = 1, 2, PAIR_TOKENS, PAIR_D
+    total = 2 * B * H * N * N * d * 4
+    copy = whole_copy_s(total)
+    limit = PAIR_COPIES * copy + 0.5
+    g = generator("pair growth", what)
+    k1, k2, v1, v2 = (torch.randn(B, H, N, d, generator=g) for _ in range(4))
+    picks = torch.rand(N, generator=generator("pair growth reads", what))
+    cache = A.new_two_cache()
+    with A.watch() as watch:
+        for n in range(N):
+            A.two_cache_append(cache, k1[:, :, n:n + 1], k2[:, :, n:n + 1], v1[:, :, n:n + 1], v2[:, :, n:n + 1],
+                               torch.tensor([n]))
+            r = n * n + int(picks[n] * (2 * n + 1))          # one of the 2n + 1 rows token n added, after the n^2
+            kt, vt, a, b = A.harness("read_pair_row", cache, r, (n + 1) ** 2)
+            assert max(a, b) == n, f"{what}: after {n + 1} tokens (one at a time), row {r} holds pair ({a}, {b}): " \
+                f"the {2 * n + 1} rows of token {n}'s pairs go after the {n * n} stored before"
+            assert_close(kt, k1[:, :, a] * k2[:, :, b], rtol=1e-5, atol=1e-6, what=f"{what}: after {n + 1} tokens, "
+                         f"K~'s row {r}, pair ({a}, {b}), read from cache.kt.t")
+            assert_close(vt, v1[:, :, a] * v2[:, :, b], rtol=1e-5, atol=1e-6, what=f"{what}: after {n + 1} tokens, "
+                         f"V~'s row {r}, pair ({a}, {b}), read from cache.vt.t")
+            if n % 32 == 31 and watch.cpu_so_far() > limit:
+                break                                # over the limit already: no need to wait for the rest
+    assert watch.cpu_s < limit, \
+        f"{what}: appending {n + 1} of {N} tokens one at a time ({total >> 20} MiB of K~ and V~ at the end) took " \
+        f"{watch.cpu_s:.2f} s of CPU in the process running your code, {watch.cpu_s / copy:.0f} " \
+        f"times what copying the final K~ and V~ once takes (at most {PAIR_COPIES} for all): are the pair rows " \
+        "computed again at each append or each read (cache.kt.t)? Def. 3.8: each row once, appended after those " \
+        "stored (read from outside your process)"
+
+
 @points(2, task="two_cache_append")
 def test_two_cache_holds_every_pair_once():
     """A prompt of 3 tokens, then one more, at positions drawn from the run's seed: 16 pair rows, row (a, b) =
@@ -114,6 +169,7 @@ def test_two_cache_holds_every_pair_once():
     positions = torch.randperm(1000, generator=generator("two cache positions")).narrow(0, 0, 4).sort().values
     for first in (3, 2):                                # 3 tokens then 1, then 2 and 2
         check_two_cache(k1, k2, v1, v2, positions, first)
+    check_pairs_computed_once("two_cache_holds_every_pair_once")
 
 
 def check_two_cache(k1, k2, v1, v2, positions, first):

@@ -655,6 +655,65 @@ def test_a_bound_right_only_on_the_hand_cases_size_earns_no_point(tmp_path):
     assert results["tests"] and results["score"] == 0, results
 
 
+REBUILT_PAIRS = """
+
+class _Rebuilt:                                   # K~, V~ or a position list, computed again at every read
+    def __init__(self, cache, which):
+        self.cache, self.which = cache, which
+
+    @property
+    def t(self):
+        return self.cache._rebuild()[self.which]
+
+    @property
+    def n(self):
+        return len(self.cache.factors) ** 2
+
+    def nbytes(self):
+        return 0
+
+
+_init = TwoCache.__init__
+
+
+def _init_rebuilt(self, config=None):
+    _init(self, config)
+    self.kt, self.vt, self._pos_a, self._pos_b = (_Rebuilt(self, i) for i in range(4))
+
+
+def _rebuild(self):                               # token i's pairs after token i - 1's: the order of appends
+    f, parts = self.factors, ([], [], [], [])
+    K1, K2, V1, V2, p = f.k1.t, f.k2.t, f.v1.t, f.v2.t, f.pos
+    for i in range(len(f)):
+        for rows in ((kron_rows(K1[:, :, :i + 1], K2[:, :, i:i + 1]), kron_rows(V1[:, :, :i + 1], V2[:, :, i:i + 1]),
+                      p[:i + 1], p[i].repeat(i + 1)),
+                     (kron_rows(K1[:, :, i:i + 1], K2[:, :, :i]), kron_rows(V1[:, :, i:i + 1], V2[:, :, :i]),
+                      p[i].repeat(i), p[:i])):
+            for part, x in zip(parts, rows):
+                part.append(x)
+    return [torch.cat(x, 2 if j < 2 else 0) for j, x in enumerate(parts)]
+
+
+TwoCache.__init__, TwoCache._rebuild = _init_rebuilt, _rebuild
+"""
+
+
+def test_a_two_matrix_cache_that_stores_no_pair_row_earns_no_append_point(tmp_path, capsys):
+    """The four factor matrices stored, and K~, V~ and the pairs' positions rebuilt from them at every read, in the
+    order of the appends (so the rows stored before stay where they were): the library's four-matrix cache under
+    the two-matrix cache's name, 8 / 8 when every check read the pairs (red team round eleven; as much with the
+    rows rebuilt in the adapters instead). The growth check's CPU, read from outside, fails each test."""
+    copy = student_copy(tmp_path, "tensor_attention")
+    path = copy / "methods" / "tensor_attention" / "attention.py"
+    put(path, "two_cache_append", ["self.factors.append(k1, k2, v1, v2, pos)"])
+    with path.open("a") as f:
+        f.write(REBUILT_PAIRS)
+    results = graded_json(copy, tmp_path / "r.json", "tensor_attention", "two_cache_append")
+    printed = capsys.readouterr().out
+    assert results["tests"] and results["score"] == 0, printed
+    assert "computed again at each append or each read" in printed.replace("\n", " ").replace("  ", " "), printed
+
+
 GIVEN_CODE = [                       # (assignment, task, file, the task's function, its call in given code)
     ("scissorhands", "low_flags", "methods/scissorhands.py", "low_flags(attn, visible, threshold)",
      "low_flags(attn, visible, self.threshold)"),
