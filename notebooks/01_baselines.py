@@ -263,8 +263,9 @@ for name, idx in toy_kept.items():                                   # idx (1, H
 #
 # **AdaKV** shows what it is for at $P = 1$: KV head 0, whose window attends 9 alone, keeps five entries and
 # lends its sixth to the spread-out KV head 1. At $P = 3$ it lends the other way: the pooling copies 9's strong
-# vote onto 8 and 10, and the copies outrank KV head 1's weaker votes. (The safeguard, 1 entry, falls in the
-# window either way.)
+# vote onto 8 and 10, and the copies outrank KV head 1's weaker votes; the fourth free entry goes to KV head 1's
+# token 0 (0.73, tied with most of its tokens, the earliest first, above KV head 0's 0.44). (The safeguard, 1
+# entry, falls in the window either way.)
 #
 # ## Exercises
 #
