@@ -193,8 +193,9 @@ for layer, a in enumerate(demo_maps):                               # the bundle
 # attention is concentrated needs few entries; one whose attention is spread out needs many. AdaKV takes any
 # rule's scores $s_{j,n}$ (SnapKV's by default), lets every KV head keep its own best
 # $n_\text{safe} = \lfloor 0.2 B \rfloor$ (the *safeguard*), then keeps the layer's best (head, token) pairs,
-# whichever heads they fall in. SnapKV's window, scored $+\infty$, is each head's best, so it fills the
-# safeguard first, as kvpress counts it (the authors' code differs slightly: `methods/README.md`).
+# whichever heads they fall in. SnapKV's window, scored $+\infty$ by the policy that protects it (section 2.5's
+# `rank`), is each head's best, so it fills the safeguard first, as kvpress counts it (the authors' code differs
+# slightly: [methods/README.md](../methods/README.md), "Choices where papers and implementations differ").
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
