@@ -78,9 +78,13 @@ print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.1e}  (>= 0: 
 # 1. **Stage 1** keeps the $\lfloor \alpha B \rfloor$ entries with the most attention. Their mass $\sigma$ is then
 #    fixed, and Assumption 1 says $\sigma > 1/2$, so $2 - 1/\sigma > 0$.
 # 2. Later choices only add mass, so $\mu \ge \sigma$ and $2 - 1/\sigma \le 2 - 1/\mu$; as
-#    $\sum_n \mathcal{N}_n A_n P_n \ge 0$, the frozen factor gives a bound above $\theta$ (Theorem 3):
+#    $\sum_n \mathcal{N}_n A_n P_n \ge 0$, the frozen factor gives a bound above $\theta$:
 #    $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n \ge \theta$.
-# 3. **Stage 2** fills the rest of the budget with the largest $A_n P_n$, which makes $\hat\theta$ lowest.
+# 3. **Stage 2** fills the rest of the budget with the largest $A_n P_n$: with $\sigma$ fixed and
+#    $2 - 1/\sigma > 0$, that makes the sum largest and $\hat\theta$ lowest.
+#
+# The paper's Theorem 3 (§3.5) is steps 2 and 3: given stage 1, stage 2 minimises $\hat\theta$, an upper bound
+# of $\mathcal{L}$.
 #
 # Algorithm 1 minimises $\hat\theta$, not $\mathcal{L}$. Here it is for one head (its comments use the paper's
 # $A_i$, $P_i$), checked against the library:
@@ -106,7 +110,7 @@ for trial in range(n_heads):
     T = int(torch.randint(4, 40, (1,), generator=g))                  # entries in this head
     attn = torch.softmax(torch.randn(T, generator=g) * 3, -1)         # (T,) one query's attention A
     P = torch.rand(T, generator=g) * 4                                # (T,) projected value sizes P_n
-    P = P / attn if trial // 4 % 2 else P         # alternate blocks of 4 heads: A * P unrelated to A
+    P = P / attn if trial // 4 % 2 else P         # every other block of 4 heads: A * P drawn apart from A
     b = int(torch.randint(1, T + 1, (1,), generator=g))               # the budget B
     alpha = [0.0, 0.25, 0.5, 1.0][trial % 4]
     mine = algorithm1(attn, P, b, alpha)
