@@ -116,9 +116,9 @@ def two_stage_masks(first: Tensor, second: Tensor, budgets: Tensor | int, n_firs
 
     Returns
     -------
-    (stage1, keep) : (..., T) bool each; ``stage1`` is a subset of ``keep``. NaN and -inf scores count as
-    the lowest valid scores (below every finite one, above every invalid entry); ties go to the earlier
-    entry (a stable sort), so the result is deterministic.
+    (stage1, keep) : (..., T) bool each; ``stage1`` is a subset of ``keep``. Scores are ranked in float32 (a
+    float64 score rounded first); NaN and -inf scores count as the lowest valid scores (below every finite one,
+    above every invalid entry); ties go to the earlier entry (a stable sort), so the result is deterministic.
     """
     # BEGIN SOLUTION [critical_kv:two_stage] §3.4, Algorithm 1: stage 1 by the first ranking, stage 2 by the second
     valid = torch.ones_like(first, dtype=torch.bool) if valid is None else valid
