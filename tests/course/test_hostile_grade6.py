@@ -597,29 +597,14 @@ def test_zeros_at_the_size_the_memory_is_watched_fail(tmp_path, capsys):
     assert results["tests"] and results["score"] == 0 and "entries differ" in printed, printed
 
 
-def test_a_storage_that_copies_at_each_read_earns_no_append_point(tmp_path, capsys):
-    """Appends that write in place and double, but a read of the keys that copies them all once the storage is
-    large (a copy moved from each append to each read: 13 / 13 when the growth test read nothing while it was
-    watched): the growth test reads a slot after each append, so its CPU shows the copies."""
-    from tests.course.test_grader import reference
-    copy = student_copy(tmp_path)
-    path = copy / "nanollm" / "storage.py"
-    put(path, "append", reference("nanollm/storage.py", "append"))
-    with path.open("a") as f:
-        f.write("\n\n_keys = LayerKV.k\n"
-                "LayerKV.k = property(lambda self: _keys.fget(self).clone() if len(self) > 4096 "
-                "else _keys.fget(self))\n")
-    results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "append")
-    append = [t for t in results["tests"] if "(task append)" in t["name"]]
-    assert append and all(t["status"] == "failed" for t in append), printed
-    assert "times what copying the whole storage" in printed.replace("\n", " ").replace("  ", " "), printed
-
-
-def test_a_read_that_copies_earns_no_append_point_whatever_the_adapters_read(tmp_path, capsys):
-    """The storage above, whose keys and values copy at each read once large, with ``storage_slot`` in the
-    copy's adapters reading past them (``store._k``): 13 / 13 when the growth test read its slot through the
-    adapters (red team round ten; a ``torch.cat`` append put off until the next read scored 13 / 13 the same
-    way, through ``run_autograder`` too). The growth test reads ``store.k``, ``.v`` and ``.pos`` by their names."""
+@pytest.mark.parametrize("past_the_adapters", [False, True])
+def test_a_storage_that_copies_at_each_read_earns_no_append_point(tmp_path, capsys, past_the_adapters):
+    """Appends that write in place and double, but reads of the keys and values that copy them all once the
+    storage is large (a copy moved from each append to each read): 13 / 13 when the growth test read nothing
+    while it was watched (round eight), and again with ``storage_slot`` in the copy's adapters reading past the
+    copies (``store._k``) when the growth test read its slot through the adapters (round ten; a ``torch.cat``
+    append put off until the next read scored 13 / 13 the same way, through ``run_autograder`` too). The growth
+    test reads ``store.k``, ``.v`` and ``.pos`` by their names after each append, so its CPU shows the copies."""
     from tests.course.test_grader import reference
     copy = student_copy(tmp_path)
     path = copy / "nanollm" / "storage.py"
@@ -630,11 +615,11 @@ def test_a_read_that_copies_earns_no_append_point_whatever_the_adapters_read(tmp
                 "else _keys.fget(self))\n"
                 "LayerKV.v = property(lambda self: _values.fget(self).clone() if len(self) > 4096 "
                 "else _values.fget(self))\n")
-    adapters = copy / "course" / "cache" / "adapters.py"
-    text = adapters.read_text()
-    assert "    return store.k[:, :, j], store.v[:, :, j], store.pos[:, :, j]" in text
-    adapters.write_text(text.replace("    return store.k[:, :, j], store.v[:, :, j], store.pos[:, :, j]",
-                                     "    return store._k[:, :, j], store._v[:, :, j], store._pos[:, :, j]"))
+    if past_the_adapters:
+        adapters = copy / "course" / "cache" / "adapters.py"
+        line = "    return store.k[:, :, j], store.v[:, :, j], store.pos[:, :, j]"
+        assert line in adapters.read_text()
+        adapters.write_text(adapters.read_text().replace(line, line.replace("store.", "store._")))
     results, printed = graded(capsys, copy, tmp_path / "r.json", "-k", "append")
     append = [t for t in results["tests"] if "(task append)" in t["name"]]
     assert append and all(t["status"] == "failed" for t in append), printed
