@@ -563,7 +563,7 @@ class Taken:
 # -- the copy's Triton kernels alone (a process of their own) ----------------------------------------------------
 
 JIT_BUILTINS = {"range": range, "min": min, "max": max, "float": float, "int": int, "bool": bool, "abs": abs,
-                "NotImplementedError": NotImplementedError}
+                "len": len, "NotImplementedError": NotImplementedError}
 FORBIDDEN = (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal, ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef,
              ast.ClassDef, ast.With, ast.AsyncWith, ast.Try, ast.Yield, ast.YieldFrom, ast.Await, ast.Delete,
              ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.NamedExpr)
@@ -662,6 +662,58 @@ def language_names() -> set[str]:
     return {n for n in dir(tl) if not n.startswith("_") and not isinstance(getattr(tl, n), types.ModuleType)}
 
 
+@functools.cache
+def math_names() -> frozenset[str]:
+    """The names of triton.language.math that are triton.language's own functions (``tl.math.exp2`` is
+    ``tl.exp2``, as Triton's tutorials write it)."""
+    import triton.language as tl
+    return frozenset(n for n in dir(tl.math) if n in language_names() and getattr(tl.math, n) is getattr(tl, n))
+
+
+class PlainTl(ast.NodeTransformer):
+    """``tl.math.<name>`` written ``tl.<name>``, the same function, so that a kernel never reads ``tl.math``."""
+
+    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+        inner = node.value
+        if (isinstance(inner, ast.Attribute) and inner.attr == "math" and isinstance(inner.value, ast.Name)
+                and inner.value.id == "tl" and node.attr in math_names()):
+            return ast.copy_location(ast.Attribute(value=inner.value, attr=node.attr, ctx=node.ctx), node)
+        return self.generic_visit(node)
+
+
+def as_kernel(fn: ast.FunctionDef) -> ast.FunctionDef:
+    """A ``@triton.jit`` function as the kernels' process checks and runs it: ``tl.math.<name>`` as
+    ``tl.<name>``, and without its return annotation, which Triton never reads (a file written with ``from
+    __future__ import annotations`` never evaluates it; run here without that import, it would run)."""
+    fn = ast.FunctionDef(**{**vars(fn), "returns": None})
+    return ast.fix_missing_locations(PlainTl().visit(fn))
+
+
+def module_constants(tree: ast.Module) -> dict[str, str]:
+    """The file's top-level ``NAME = tl.constexpr(<a number or a bool>)``, as Triton lets a kernel read a global:
+    name -> the assignment written again."""
+    found = {}
+    for node in tree.body:
+        value = node.value if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        if (isinstance(value, ast.Call) and isinstance(node.targets[0], ast.Name) and not value.keywords
+                and isinstance(value.func, ast.Attribute) and value.func.attr == "constexpr"
+                and isinstance(value.func.value, ast.Name) and value.func.value.id == "tl" and len(value.args) == 1
+                and isinstance(value.args[0], ast.Constant) and type(value.args[0].value) in (int, float, bool)):
+            found[node.targets[0].id] = f"{node.targets[0].id} = tl.constexpr({value.args[0].value!r})"
+    return found
+
+
+def reached(kernel: str, found: dict[str, ast.FunctionDef]) -> list[str]:
+    """``kernel`` and the file's ``@triton.jit`` functions it calls or names, and those they do, in file order."""
+    todo, seen = [kernel], {kernel}
+    while todo:
+        for node in ast.walk(found[todo.pop()]):
+            if isinstance(node, ast.Name) and node.id in found and node.id not in seen:
+                seen.add(node.id)
+                todo.append(node.id)
+    return [name for name in found if name in seen]
+
+
 def written_again(fn: ast.FunctionDef) -> str:
     """The checked kernel written out again from its syntax tree (``ast.unparse``), without its docstring: what
     runs is what was checked. Cut from the file's text, it was not always: lines cut at a form feed (where
@@ -684,45 +736,61 @@ class KernelsAlone:
     is never reached: the wrapper is the grader's."""
 
     def __init__(self, student: Path):
-        self.student, self.files, self.stubs = student, {}, {}
+        self.student, self.files, self.stubs, self.ready = student, {}, {}, {}
 
-    def kernels_of(self, file: str) -> dict:
+    def kernels_of(self, file: str) -> tuple[dict, dict]:
+        """The file's ``@triton.jit`` functions (``as_kernel``; a kernel holding its task's stub as the stub alone)
+        and its ``tl.constexpr`` constants, read from its syntax tree; none checked or run yet."""
         if file not in self.files:
+            path = (self.student / file).resolve()
+            if self.student not in path.parents or path.suffix != ".py":
+                raise NotTriton(f"{file}: not a Python file of the copy")
+            tree = ast.parse(path.read_text(), file)
+            found = {name: as_kernel(fn) for name, fn in jit_functions(tree).items()}
+            for kernel, fn in found.items():
+                hint = stub_hint(fn)
+                if hint is not None:                  # a task not done: the kernel raises its hint (``stub_only``)
+                    found[kernel] = stub_only(fn, hint)
+                    self.stubs[(file, kernel)] = hint
+            self.files[file] = (found, module_constants(tree))
+        return self.files[file]
+
+    def kernel(self, file: str, kernel: str):
+        """The copy's ``kernel`` of ``file``, compiled with the functions it reaches (``reached``), each checked
+        to be Triton's language alone (``check_triton_only``), into a namespace holding only ``tl``, those
+        functions and the file's constants: a function the kernel never reaches is neither checked nor run, so a
+        construct refused in one kernel costs only the tasks that launch it."""
+        if (file, kernel) not in self.ready:
             import linecache
 
             import triton
             import triton.language as tl
-            path = (self.student / file).resolve()
-            if self.student not in path.parents or path.suffix != ".py":
-                raise NotTriton(f"{file}: not a Python file of the copy")
-            text = path.read_text()
-            tree = ast.parse(text, file)
-            found = jit_functions(tree)
-            names = language_names()
-            for kernel, fn in found.items():
-                hint = stub_hint(fn)
-                if hint is not None:                  # a task not done: the kernel raises its hint (``stub_only``)
-                    found[kernel] = fn = stub_only(fn, hint)
-                    self.stubs[(file, kernel)] = hint
-                check_triton_only(fn, names, file, set(found))
-            name = f"<the copy's kernels: {file}>"
-            source = "\n\n".join(map(written_again, found.values())) + "\n"
+            found, constants = self.kernels_of(file)
+            if kernel not in found:
+                raise NotTriton(f"{file} has no @triton.jit function {kernel!r}")
+            names, readable = language_names(), set(found) | set(constants)
+            chain = reached(kernel, found)
+            for fn in (found[name] for name in chain):
+                check_triton_only(fn, names, file, readable)
+            name = f"<the copy's kernels: {file}, {kernel}>"
+            source = "\n".join(constants.values()) + "\n\n" + "\n\n".join(written_again(found[k]) for k in chain) + "\n"
             linecache.cache[name] = (len(source), None, source.splitlines(True), name)   # Triton reads the source
             space = {"tl": tl, "triton": triton, "__builtins__": dict(JIT_BUILTINS)}
             exec(compile(source, name, "exec"), space)
-            self.files[file] = {k: space[k] for k in found}
-        return self.files[file]
+            self.ready[(file, kernel)] = space[kernel]
+        return self.ready[(file, kernel)]
 
     def launch(self, file: str, kernel: str, grid: list[int], args: list, meta: dict) -> None:
         """``kernel[grid](*args, **meta)``, the kernel from the copy's ``file``; its writes into the tensors the
         test marked (``oracle.written``) reach the test."""
-        kernels = self.kernels_of(file)
-        if kernel not in kernels:
+        found, _ = self.kernels_of(file)
+        if kernel not in found:
             raise NotTriton(f"{file} has no @triton.jit function {kernel!r}")
         if (file, kernel) in self.stubs:              # its hint in a line (the interpreter would wrap it)
             raise NotImplementedError(self.stubs[(file, kernel)])
+        compiled = self.kernel(file, kernel)
         try:
-            kernels[kernel][tuple(int(g) for g in grid)](*args, **meta)
+            compiled[tuple(int(g) for g in grid)](*args, **meta)
         except Exception as e:                # noqa: BLE001  (Triton's interpreter wraps what the kernel raised)
             if not (isinstance(e, NameError) or str(e).startswith("NameError(")):
                 raise

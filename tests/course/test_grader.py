@@ -174,6 +174,50 @@ def test_a_kernels_annotations_and_defaults_are_triton_too(header):
         check_triton_only(fn, language_names(), "k.py", {"k"})
 
 
+ORDINARY_TRITON = """from __future__ import annotations
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def exp_of(x) -> tl.tensor:
+    return tl.math.exp2(x * LOG2E)
+
+
+@triton.jit
+def ordinary(x_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.static_assert(len(offs.shape) == 1)
+    tl.store(x_ptr + offs, exp_of(tl.load(x_ptr + offs)))
+
+
+@triton.jit
+def refused(x_ptr):
+    tl.store(x_ptr, tl.core.builtins.exec("import torch"))
+"""
+
+
+def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp_path, monkeypatch):
+    """Constructs of Triton's own tutorials and compiler that the kernels' process refused, zeroing every task
+    of the file (a helper's correct kernels, 0 / 16 each): ``tl.math.exp2`` (as ``tl.exp2``), a module-level
+    ``tl.constexpr`` constant, a return annotation (never run: Triton does not read it), ``len``. They run
+    now; a kernel leaving Triton's language is refused when it is launched, not when a file's other kernel is."""
+    pytest.importorskip("triton")
+    import torch
+
+    from course.sandbox.student_process import KernelsAlone, NotTriton
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (tmp_path / "k.py").write_text(ORDINARY_TRITON)
+    alone, x = KernelsAlone(tmp_path), torch.randn(8)
+    want = x.exp()
+    alone.launch("k.py", "ordinary", [1], [x], {"N": 8})
+    torch.testing.assert_close(x, want)
+    with pytest.raises(NotTriton, match="k.py, line"):
+        alone.launch("k.py", "refused", [1], [x], {})
+
+
 def test_a_transposed_tensor_crosses_as_a_transpose():
     """The model's queries are a transpose, not contiguous: a tensor crosses between the processes with its
     axes' order in memory, so code that reads it with ``.view`` fails in the grade as it does in the model (it
