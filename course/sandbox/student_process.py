@@ -603,6 +603,10 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
     into it, and ``[tl][0].core.builtins.exec`` named no forbidden attribute; both ran PyTorch as a kernel. On a
     GPU Triton's compiler refuses the rest; in its CPU interpreter, where a kernel runs as Python, this does."""
     parent = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+    for node in header_values(fn):              # run by Python when it defines the kernel, in the module's scope
+        if not plain_value(node, tl_names, set(kernels)):
+            raise NotTriton(f"{where}, line {node.lineno}: {ast.unparse(node)}: a kernel's defaults and annotations "
+                            "are literals, tl.<name> or the file's tl.constexpr constants")
     own = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
     own |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     readable = own | set(kernels) | set(JIT_BUILTINS) | {"tl"}
@@ -623,6 +627,28 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                     raise NotTriton(f"{line}: tl.{node.attr} is not a name of triton.language")
             elif node.attr not in value_attributes():
                 raise NotTriton(f"{line}: .{node.attr}: a kernel reads only a tensor's or a dtype's attributes")
+
+
+def header_values(fn: ast.FunctionDef) -> list[ast.expr]:
+    """What Python evaluates when it defines ``fn``: its defaults and its arguments' annotations (its return
+    annotation is dropped before, ``as_kernel``)."""
+    arguments = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs, fn.args.vararg, fn.args.kwarg]
+    return [*fn.args.defaults, *(d for d in fn.args.kw_defaults if d is not None),
+            *(a.annotation for a in arguments if a is not None and a.annotation is not None)]
+
+
+def plain_value(node: ast.expr, tl_names: set[str], names: set[str]) -> bool:
+    """A number, a string or None (signed or not), ``tl.<name>``, or one of ``names`` (the file's constants): a
+    default or an annotation evaluated in the module's scope, where a name of the function's own is not its
+    argument (``triton=triton``, or a default calling a kernel, which filled the namespace with the
+    interpreter's globals, ran ``exec``: a red-team helper's escape)."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        node = node.operand
+    if isinstance(node, ast.Constant):
+        return type(node.value) in (int, float, bool, str, type(None))
+    if isinstance(node, ast.Attribute):
+        return isinstance(node.value, ast.Name) and node.value.id == "tl" and node.attr in tl_names
+    return isinstance(node, ast.Name) and node.id in names
 
 
 def stub_hint(fn: ast.FunctionDef) -> str | None:
@@ -689,9 +715,19 @@ def as_kernel(fn: ast.FunctionDef) -> ast.FunctionDef:
     return ast.fix_missing_locations(PlainTl().visit(fn))
 
 
+RESERVED = {"tl", "triton", "repr", "debug", "version", "noinline", "launch_metadata", "do_not_specialize",
+            "do_not_specialize_on_alignment"}        # Triton's interpreter reads jit's keywords as names
+
+
+def usable_name(name: str) -> bool:
+    """A name a kernel or a constant may take: not a dunder, a built-in a kernel reads, ``tl``, ``triton`` or
+    a keyword of ``triton.jit`` (the interpreter evaluates defaults again with those bound)."""
+    return not (name.startswith("__") or name in JIT_BUILTINS or name in RESERVED)
+
+
 def module_constants(tree: ast.Module) -> dict[str, str]:
     """The file's top-level ``NAME = tl.constexpr(<a number or a bool>)``, as Triton lets a kernel read a global:
-    name -> the assignment written again."""
+    name -> the assignment written again (``ast.unparse``: a float too large is ``1e309``, never ``inf``)."""
     found = {}
     for node in tree.body:
         value = node.value if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
@@ -699,7 +735,10 @@ def module_constants(tree: ast.Module) -> dict[str, str]:
                 and isinstance(value.func, ast.Attribute) and value.func.attr == "constexpr"
                 and isinstance(value.func.value, ast.Name) and value.func.value.id == "tl" and len(value.args) == 1
                 and isinstance(value.args[0], ast.Constant) and type(value.args[0].value) in (int, float, bool)):
-            found[node.targets[0].id] = f"{node.targets[0].id} = tl.constexpr({value.args[0].value!r})"
+            if not usable_name(node.targets[0].id):
+                raise NotTriton(f"line {node.lineno}: {node.targets[0].id}: a constant kernels read takes a name of "
+                                "its own (not tl, triton, a built-in, a keyword of triton.jit or a dunder)")
+            found[node.targets[0].id] = ast.unparse(node)
     return found
 
 
@@ -747,6 +786,10 @@ class KernelsAlone:
                 raise NotTriton(f"{file}: not a Python file of the copy")
             tree = ast.parse(path.read_text(), file)
             found = {name: as_kernel(fn) for name, fn in jit_functions(tree).items()}
+            for name, fn in found.items():
+                if not usable_name(name):
+                    raise NotTriton(f"{file}, line {fn.lineno}: {name}: a kernel takes a name of its own (not tl, "
+                                    "triton, a built-in, a keyword of triton.jit or a dunder)")
             for kernel, fn in found.items():
                 hint = stub_hint(fn)
                 if hint is not None:                  # a task not done: the kernel raises its hint (``stub_only``)

@@ -218,6 +218,63 @@ def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp
         alone.launch("k.py", "refused", [1], [x], {})
 
 
+DEFAULTS_ESCAPE = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def nothing():
+    return None
+
+
+@triton.jit
+def grab(L, s, _patch_attr):
+    _patch_attr(L[0][2], "exec", 0, 0, s)
+    L[1][2]("import builtins, inspect, torch\\nbuiltins.exec = E\\ninspect.builtins = builtins\\n"
+            "open('MARKER', 'w').write(torch.__version__)", {"__builtins__": L[0][2], "E": L[1][2]})
+    return 0
+
+
+@triton.jit
+def start(L, type, _LangPatchScope, _patch_attr, inspect):
+    _patch_attr(inspect, "builtins", 0, 0, type("S", (_LangPatchScope,), {"__init__": nothing, "_changes": L})())
+    return grab(L, type("S", (_LangPatchScope,), {"__init__": nothing, "_changes": L})(), _patch_attr)
+
+
+@triton.jit
+def k(x, _=nothing(), _tuple_create=0, TensorHandle=0, _LangPatchScope=0, _patch_attr=0, inspect=0,
+      __=start([], _tuple_create(TensorHandle, TensorHandle), _LangPatchScope, _patch_attr, inspect)):
+    tl.store(x + tl.arange(0, 4), tl.load(x + tl.arange(0, 4)) + 1.0)
+"""
+
+
+def test_a_kernels_defaults_cannot_run_code_when_it_is_defined(tmp_path, monkeypatch):
+    """Python evaluates a kernel's defaults in the module's scope, where the check had read them as the kernel's
+    own names: a default calling a kernel filled the namespace with Triton's interpreter's globals, and later
+    defaults built ``exec`` from them and imported torch (a red-team helper's escape: it wrote a file). Defaults
+    and annotations are literals, ``tl.<name>`` or the file's constants now; a float constant too large is
+    ``inf`` (it was written ``inf``, a NameError for the whole file); a constant or a kernel named as a keyword of
+    ``triton.jit`` (which the interpreter binds when it evaluates defaults again) is refused."""
+    pytest.importorskip("triton")
+    import torch
+
+    from course.sandbox.student_process import KernelsAlone, NotTriton
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    marker = tmp_path / "escaped"
+    (tmp_path / "k.py").write_text(DEFAULTS_ESCAPE.replace("MARKER", str(marker)))
+    with pytest.raises(NotTriton, match="defaults and annotations are literals"):
+        KernelsAlone(tmp_path).launch("k.py", "k", [1], [torch.zeros(4)], {})
+    assert not marker.exists()
+    (tmp_path / "c.py").write_text("import triton\nimport triton.language as tl\nBIG = tl.constexpr(1e999)\n\n\n"
+                                   "@triton.jit\ndef big(x, c=BIG, n: tl.constexpr = -1):\n    tl.store(x, c)\n")
+    x = torch.zeros(1)
+    KernelsAlone(tmp_path).launch("c.py", "big", [1], [x], {})
+    assert x.item() == float("inf")
+    (tmp_path / "r.py").write_text("import triton\nimport triton.language as tl\nrepr = tl.constexpr(1.0)\n")
+    with pytest.raises(NotTriton, match="repr: a constant kernels read takes a name of its own"):
+        KernelsAlone(tmp_path).kernels_of("r.py")
+
+
 def test_a_transposed_tensor_crosses_as_a_transpose():
     """The model's queries are a transpose, not contiguous: a tensor crosses between the processes with its
     axes' order in memory, so code that reads it with ``.view`` fails in the grade as it does in the model (it
