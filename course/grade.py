@@ -75,8 +75,17 @@ sys.modules["adapters"] = remote.connect({student!r}, {adapters!r}, {site_dirs!r
                                          {nobody!r}, jail={jail!r}, room={room!r})
 
 
+def printable(text):
+    """Text the grader can print and write: a lone surrogate as its escape (it stopped the printing of the table,
+    and so the whole grade), a control character other than a line break or a tab (a terminal's escape sequence
+    could redraw the table) as its escape."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(c if c.isprintable() or c in "\\n\\t" else c.encode("unicode_escape").decode() for c in text)
+
+
 def record(kind, name, message="", cause=""):
-    data = (json.dumps({{"kind": kind, "name": name, "message": message[:20000], "cause": cause}}) + "\\n").encode()
+    message = printable(message[:20000])
+    data = (json.dumps({{"kind": kind, "name": name, "message": message, "cause": cause}}) + "\\n").encode()
     while data:
         data = data[os.write(RESULTS_FD, data):]
 
@@ -122,12 +131,12 @@ def pytest_exception_interact(node, call, report):
 
 
 def pytest_runtest_logstart(nodeid, location):
-    sys.modules["adapters"]._connection.output.clear()  # the student's process writes where it is, near the limit
-    try:
+    record("start", nodeid.split("::")[-1])             # first: a student's process that never answers below
+    sys.modules["adapters"]._connection.output.clear()  # stops this test, not the record of its start
+    try:                                                # (the student's process writes where it is near the limit)
         sys.modules["adapters"].harness("test_started")
     except Exception:
         pass                                            # a process that died will be restarted by the test
-    record("start", nodeid.split("::")[-1])
 
 
 def pytest_runtest_logreport(report):

@@ -134,6 +134,8 @@ def test_append_after_keep_and_with_state():
     check_state(store, "score", torch.cat([kept_score, torch.full((1, 2, 3), -7.0)], 2),
                 f"after keep of the slots {idx[0].tolist()} and 3 tokens")
     room = A.storage_capacity(store) - 6
+    assert room <= 4096, f"after keep of 3 slots and 3 tokens, a capacity of {room + 6} slots: keep leaves " \
+                         "MIN_CAPACITY slots of room past those it keeps"      # (the test fills it, in its process)
     append(store, randn(1, 2, room, 4, seed=6), randn(1, 2, room, 3, seed=7), torch.arange(15, 15 + room),
            f"{room} tokens exactly filling the room")
     append(store, randn(1, 2, 1, 4, seed=8), randn(1, 2, 1, 3, seed=9), torch.tensor([15 + room]),

@@ -218,6 +218,11 @@ class Connection:
                 os.close(fd)
             except OSError:
                 pass
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:   # one that stopped answering but runs on
+                proc.kill()
         code = proc.wait() if proc is not None else None
         if why is not None:
             return RuntimeError(f"your code's answer was refused ({why}); the process running it was stopped")
@@ -424,7 +429,8 @@ class Remote:
         return self._ask("method", "__enter__")
 
     def __exit__(self, *exc):
-        return self._ask("method", "__exit__", None, None, None)
+        self._ask("method", "__exit__", None, None, None)
+        return False                            # an exception in the block is never the student's to swallow
 
     def __len__(self):
         return self._ask("method", "__len__")

@@ -40,6 +40,8 @@ MAX_MESSAGE = 64 << 20               # 64 MiB: the largest message either side s
 MAX_PARTS = 1 << 16                  # the pickle and the bytes of at most 65535 tensors
 CHUNK = 1 << 20                      # a part is read into its buffer this many bytes at a time at most
 MAX_DEPTH = 64                       # lists, tuples and dicts within each other, at most (the tests' use: 6)
+PICKLE_BYTES = 1 << 20               # a message's plain data (its tensors travel apart): the eight assignments'
+MAX_CONTAINERS = 10_000              # tests, run on the reference, send at most 324 bytes and 17 containers
 TEXT_CHARS = 4000                    # an error's text is cut to this many characters
 FILE_BYTES = 256 << 20               # the largest file the student's code may write (course/sandbox/jail.py FILE_BYTES)
 PACKAGES = ("nanollm", "methods", "kernels", "course")
@@ -160,8 +162,33 @@ def receive(fd: int):
     lengths = struct.unpack(f"<{count}Q", read_exactly(fd, count * LENGTH.size))
     if sum(lengths) > MAX_MESSAGE or lengths[0] < 1:
         raise MessageRefused(too_large(sum(lengths)) if lengths[0] else "a message without its pickle")
+    if lengths[0] > PICKLE_BYTES:
+        raise MessageRefused(f"a message of {lengths[0]} bytes of plain data, more than {PICKLE_BYTES}")
     body, *tensors = [read_exactly(fd, n) for n in lengths]
-    return each_part_once(PlainData(io.BytesIO(body), buffers=tensors).load())
+    return each_part_once(PlainData(io.BytesIO(plain_ops(body)), buffers=tensors).load())
+
+
+CONTAINERS = {"EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "EMPTY_SET", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+              "FROZENSET", "MARK"}
+
+
+def plain_ops(body: bytes) -> bytes:
+    """``body`` if its pickle stores nothing in the memo by index (``PUT``: a pickle of protocol 5 memoises with
+    ``MEMOIZE``; a ``LONG_BINPUT`` of a large index made the reader allocate 16 bytes per index first, 2 GiB
+    from a 7-byte opcode) and builds at most ``MAX_CONTAINERS`` lists, tuples, dicts and sets (a megabyte of
+    empty dicts costs about 145 times its size once read); else the message is refused before it is read."""
+    import pickletools
+    containers = 0
+    try:
+        for op, _, _ in pickletools.genops(bytes(body)):
+            if op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                raise MessageRefused(f"a message whose pickle uses {op.name}")
+            containers += op.name in CONTAINERS
+    except (ValueError, KeyError) as e:
+        raise MessageRefused(f"a message that is not a pickle ({e})") from None
+    if containers > MAX_CONTAINERS:
+        raise MessageRefused(f"a message of {containers} containers, more than {MAX_CONTAINERS}")
+    return body
 
 
 def each_part_once(value, depth: int = MAX_DEPTH):
@@ -321,7 +348,7 @@ def decode_torch_name(d: dict):
     torch = _torch()
     if d["torch"] == "device":
         return torch.device(d["name"])
-    dtype = getattr(torch, d["name"].removeprefix("torch."), None)
+    dtype = vars(torch).get(d["name"].removeprefix("torch."))    # not getattr: it imports torch._dynamo, ...
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"no tensor type {d['name']!r}")
     return dtype

@@ -265,11 +265,11 @@ def test_a_message_that_names_a_part_twice_is_refused():
     x = [0]
     for _ in range(22):
         x = [x, x]
-    shared = b"\0" * (1 << 20)
+    shared = b"\0" * (1 << 19)                       # under PICKLE_BYTES: read, then refused for repeating
     deep = [0]
     for _ in range(wire.MAX_DEPTH + 1):
         deep = [deep]
-    tensors = [{"tensor": {"dtype": "uint8", "shape": [1 << 20], "bytes": shared}, "key": k} for k in range(40)]
+    tensors = [{"tensor": {"dtype": "uint8", "shape": [1 << 19], "bytes": shared}, "key": k} for k in range(40)]
     for message, said in [({"ok": x}, "repeat"), ({"ok": tensors}, "repeat"), ({"ok": deep}, "nested more than")]:
         read, write = os.pipe()
         writer = threading.Thread(target=wire.write_all, args=(write, framed(message)))
@@ -296,6 +296,36 @@ def test_a_message_that_names_a_part_twice_is_refused():
         os.close(read)
         os.close(write)
     assert wire.unpack(got["ok"][2]["c"]).tolist() == [1.0, 1.0, 1.0]
+
+def test_a_pickle_that_allocates_more_than_it_holds_is_refused():
+    """A pickle whose few bytes make the reader allocate far more (a security review's findings): a
+    ``LONG_BINPUT`` of index 2 ** 27 made the C unpickler allocate a memo of 2 GiB from 7 bytes, and a megabyte
+    of empty dicts costs about 145 times its size once read. Memo stores by index are refused (protocol 5
+    memoises with ``MEMOIZE``), so are more than ``MAX_CONTAINERS`` containers and more than ``PICKLE_BYTES``
+    of plain data; what the tests send still reads (the test above)."""
+    body = pickle.dumps({"ok": 41}, protocol=5)
+    memo = body[:2] + b"N" + b"r" + struct.pack("<I", 1 << 27) + b"0" + body[2:]      # None, LONG_BINPUT, POP
+    dicts = b"\x80\x05(" + b"}" * (wire.MAX_CONTAINERS + 1) + b"l."                   # a list of empty dicts
+    read, write = os.pipe()                           # refused from its header: the rest is never read
+    os.write(write, struct.pack("<QQ", 1, wire.PICKLE_BYTES + 1))
+    try:
+        with pytest.raises(wire.MessageRefused, match="bytes of plain data, more than"):
+            wire.receive(read)
+    finally:
+        os.close(read)
+        os.close(write)
+    for raw, said in [(memo, "uses LONG_BINPUT"), (dicts, "containers, more than")]:
+        read, write = os.pipe()
+        writer = threading.Thread(target=wire.write_all, args=(write, struct.pack("<QQ", 1, len(raw)) + raw))
+        writer.start()
+        try:
+            with pytest.raises(wire.MessageRefused, match=said):
+                wire.receive(read)
+        finally:
+            writer.join()
+            os.close(read)
+            os.close(write)
+
 
 @pytest.mark.slow
 def test_an_answer_over_the_bound_fails_its_call_in_one_line(tmp_path):

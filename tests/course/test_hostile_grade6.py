@@ -699,6 +699,28 @@ def test_a_two_matrix_cache_that_stores_no_pair_row_earns_no_append_point(tmp_pa
     assert "computed again at each append or each read" in printed.replace("\n", " ").replace("  ", " "), printed
 
 
+def test_a_message_the_terminal_cannot_print_costs_only_its_test(tmp_path, capsys):
+    """An exception whose text holds a lone surrogate stopped the printing of the grade's table before the JSON
+    was written: every point lost, ``run_autograder`` "not graded" (a security review's finding); a terminal's
+    escape sequence in it reached the instructor's table as it was. Both are written as their escapes now."""
+    copy = student_copy(tmp_path, "baselines")
+    put(copy / "methods" / "streaming_llm.py", "sinks_and_recent", ['raise ValueError("wrong \\ud800 \\x1b[2K here")'])
+    results = graded_json(copy, tmp_path / "r.json", "baselines", "sinks_and_recent")
+    printed = capsys.readouterr().out
+    assert results["tests"] and results["score"] == 0 and "\\ud800" in printed and "\\x1b" in printed, printed
+    assert "\x1b" not in printed and "\x1b" not in json.dumps(results, ensure_ascii=False)
+
+
+def test_a_student_object_cannot_swallow_an_exception_in_a_with_block():
+    """``with <the student's object>:`` asked its ``__exit__`` whether to swallow the test's exception, and a
+    true answer would have (no test does so; the stand-in now never does)."""
+    from types import SimpleNamespace
+    answers = SimpleNamespace(generation=0, request=lambda *args: True)
+    with pytest.raises(AssertionError, match="the test's check"):
+        with remote.Remote(answers, 1, "object"):
+            raise AssertionError("the test's check")
+
+
 GIVEN_CODE = [                       # (assignment, task, file, the task's function, its call in given code)
     ("scissorhands", "low_flags", "methods/scissorhands.py", "low_flags(attn, visible, threshold)",
      "low_flags(attn, visible, self.threshold)"),
