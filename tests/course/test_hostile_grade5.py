@@ -251,6 +251,20 @@ def test_a_few_bytes_never_make_a_large_tensor():
 
 
 
+def refused_when_read(data: bytes, said: str) -> None:
+    """``data`` written into a pipe by a thread while ``wire.receive`` reads it: refused, saying ``said``."""
+    read, write = os.pipe()
+    writer = threading.Thread(target=wire.write_all, args=(write, data))
+    writer.start()
+    try:
+        with pytest.raises(wire.MessageRefused, match=said):
+            wire.receive(read)
+    finally:
+        writer.join()
+        os.close(read)
+        os.close(write)
+
+
 def framed(obj) -> bytes:
     """A message as the student's process could write it by hand: its header, then a pickle with no buffer."""
     body = pickle.dumps(obj, protocol=5)
@@ -271,16 +285,7 @@ def test_a_message_that_names_a_part_twice_is_refused():
         deep = [deep]
     tensors = [{"tensor": {"dtype": "uint8", "shape": [1 << 19], "bytes": shared}, "key": k} for k in range(40)]
     for message, said in [({"ok": x}, "repeat"), ({"ok": tensors}, "repeat"), ({"ok": deep}, "nested more than")]:
-        read, write = os.pipe()
-        writer = threading.Thread(target=wire.write_all, args=(write, framed(message)))
-        writer.start()
-        try:
-            with pytest.raises(wire.MessageRefused, match=said):
-                wire.receive(read)
-        finally:
-            writer.join()
-            os.close(read)
-            os.close(write)
+        refused_when_read(framed(message), said)
     with pytest.raises(ValueError, match="out of band"):
         wire.unpack(tensors[0]["tensor"])
     import torch
@@ -296,6 +301,7 @@ def test_a_message_that_names_a_part_twice_is_refused():
         os.close(read)
         os.close(write)
     assert wire.unpack(got["ok"][2]["c"]).tolist() == [1.0, 1.0, 1.0]
+
 
 def test_a_pickle_that_allocates_more_than_it_holds_is_refused():
     """A pickle whose few bytes make the reader allocate far more (a security review's findings): a
@@ -315,16 +321,7 @@ def test_a_pickle_that_allocates_more_than_it_holds_is_refused():
         os.close(read)
         os.close(write)
     for raw, said in [(memo, "uses LONG_BINPUT"), (dicts, "containers, more than")]:
-        read, write = os.pipe()
-        writer = threading.Thread(target=wire.write_all, args=(write, struct.pack("<QQ", 1, len(raw)) + raw))
-        writer.start()
-        try:
-            with pytest.raises(wire.MessageRefused, match=said):
-                wire.receive(read)
-        finally:
-            writer.join()
-            os.close(read)
-            os.close(write)
+        refused_when_read(struct.pack("<QQ", 1, len(raw)) + raw, said)
 
 
 @pytest.mark.slow
