@@ -167,6 +167,7 @@ def drop_privileges(user: str) -> None:
 SECCOMP = {"x86_64": (0xC000003E, 56, 57, 58), "aarch64": (0xC00000B7, 220, -1, -1)}  # arch, clone, fork, vfork
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER, CLONE_THREAD, CLONE3, X32 = 22, 2, 0x00010000, 435, 0x40000000
 ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+KEYS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}      # add_key, request_key, keyctl
 
 
 def no_new_processes() -> None:
@@ -186,6 +187,15 @@ def no_new_processes() -> None:
     code = (Instruction * len(program))(*program)
     check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(Program(len(program), code)), 0, 0),
           "no new processes (seccomp)")
+    # and no kernel keyring (add_key, request_key, keyctl fail with EPERM): a keyring belongs to no namespace, so
+    # nobody's user keyring carried a key from one grade to the next, and the grader's session keyring, inherited,
+    # took a student's keys (a red-team helper's probes); another architecture's calls the filter above refuses
+    add_key, request_key, keyctl = KEYS[platform.machine()]
+    program = [(load, 0, 0, 4), (jeq, 0, 4, arch), (load, 0, 0, 0), (jeq, 3, 0, add_key),
+               (jeq, 2, 0, request_key), (jeq, 1, 0, keyctl), (ret, 0, 0, ALLOW), (ret, 0, 0, EPERM)]
+    code = (Instruction * len(program))(*program)
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(Program(len(program), code)), 0, 0),
+          "no keyring (seccomp)")
 
 
 def init(spec: dict, command: list[str], status_w: int) -> None:

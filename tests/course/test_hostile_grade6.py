@@ -205,6 +205,29 @@ def test_a_graded_function_that_writes_into_its_input_fails(tmp_path):
         connection.close()
 
 
+def test_in_its_room_the_code_cannot_use_the_kernels_keyrings(tmp_path):
+    """A keyring belongs to no namespace: in its room the code added a key to nobody's user keyring that a later
+    grade could read, and one to the grader's session keyring where the grader had one (a red-team helper's
+    probes). add_key, request_key and keyctl fail with EPERM there now."""
+    folder = toy_copy(tmp_path,
+        "import ctypes, os, platform\n"
+        "def add_key():\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    numbers = {'x86_64': (248, 250), 'aarch64': (217, 219)}[platform.machine()]\n"
+        "    out = []\n"
+        "    for args in ((numbers[0], b'user', b'room-probe', b'secret', 6, -4), (numbers[1], 0, -4)):\n"
+        "        r = libc.syscall(*[ctypes.c_long(a) if isinstance(a, int) else a for a in args])\n"
+        "        out.append(ctypes.get_errno() if r < 0 else 0)\n"
+        "    return out\n")
+    connection = toy_connection(tmp_path, folder)
+    try:
+        if not connection.jail:
+            pytest.skip("no room here")
+        assert remote.Adapters(connection).add_key() == [1, 1]          # EPERM, both
+    finally:
+        connection.close()
+
+
 def test_what_the_code_spends_is_read_from_outside_its_process(tmp_path):
     """``adapters.watch()`` reads the student's process tree from /proc: a call that fills 256 MB and spins for
     a second shows both; a small call shows neither; the code cannot make its own numbers count (it reports
