@@ -179,23 +179,26 @@ def no_new_processes() -> None:
                (load, 0, 0, 16), (jset, 0, 1, CLONE_THREAD), (ret, 0, 0, ALLOW), (ret, 0, 0, EPERM),
                (ret, 0, 0, ENOSYS)]
 
+    install_filter(program, "no new processes (seccomp)")
+    # and no kernel keyring (add_key, request_key, keyctl fail with EPERM): a keyring belongs to no namespace, so
+    # nobody's user keyring carried a key from one grade to the next, and the grader's session keyring, inherited,
+    # took a student's keys (a red-team helper's probes); another architecture's calls the filter above refuses
+    add_key, request_key, keyctl = KEYS[platform.machine()]
+    install_filter([(load, 0, 0, 4), (jeq, 0, 4, arch), (load, 0, 0, 0), (jeq, 3, 0, add_key),
+                    (jeq, 2, 0, request_key), (jeq, 1, 0, keyctl), (ret, 0, 0, ALLOW), (ret, 0, 0, EPERM)],
+                   "no keyring (seccomp)")
+
+
+def install_filter(program: list[tuple[int, int, int, int]], what: str) -> None:
+    """A seccomp filter (classic BPF: code, jump if true, jump if false, k per instruction) for this process and
+    what it runs; filters add up, each call the strictest of their answers."""
     class Instruction(ctypes.Structure):
         _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
 
     class Program(ctypes.Structure):
         _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Instruction))]
     code = (Instruction * len(program))(*program)
-    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(Program(len(program), code)), 0, 0),
-          "no new processes (seccomp)")
-    # and no kernel keyring (add_key, request_key, keyctl fail with EPERM): a keyring belongs to no namespace, so
-    # nobody's user keyring carried a key from one grade to the next, and the grader's session keyring, inherited,
-    # took a student's keys (a red-team helper's probes); another architecture's calls the filter above refuses
-    add_key, request_key, keyctl = KEYS[platform.machine()]
-    program = [(load, 0, 0, 4), (jeq, 0, 4, arch), (load, 0, 0, 0), (jeq, 3, 0, add_key),
-               (jeq, 2, 0, request_key), (jeq, 1, 0, keyctl), (ret, 0, 0, ALLOW), (ret, 0, 0, EPERM)]
-    code = (Instruction * len(program))(*program)
-    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(Program(len(program), code)), 0, 0),
-          "no keyring (seccomp)")
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(Program(len(program), code)), 0, 0), what)
 
 
 def init(spec: dict, command: list[str], status_w: int) -> None:

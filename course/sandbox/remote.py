@@ -218,12 +218,13 @@ class Connection:
                 os.close(fd)
             except OSError:
                 pass
+        code = None
         if proc is not None:
             try:
-                proc.wait(timeout=5)
+                code = proc.wait(timeout=5)
             except subprocess.TimeoutExpired:   # one that stopped answering but runs on
                 proc.kill()
-        code = proc.wait() if proc is not None else None
+                code = proc.wait()
         if why is not None:
             return RuntimeError(f"your code's answer was refused ({why}); the process running it was stopped")
         return RuntimeError(f"the process running your code stopped (exit code {code}) in this test")

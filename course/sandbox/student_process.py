@@ -180,7 +180,7 @@ def plain_ops(body: bytes) -> bytes:
     import pickletools
     containers = 0
     try:
-        for op, _, _ in pickletools.genops(bytes(body)):
+        for op, _, _ in pickletools.genops(body):   # a bytearray, read in place
             if op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
                 raise MessageRefused(f"a message whose pickle uses {op.name}")
             containers += op.name in CONTAINERS
@@ -505,25 +505,13 @@ class Server:
             return None
         if name == "read_slot":                # args: a storage, a slot j, the n slots appended: slot j of its
             store, j, n = args                 # k, v and pos read as the library's attention reads them, whole
-            torch, out = _torch(), []
-            for attr in ("k", "v", "pos"):
-                t = getattr(store, attr)
-                if type(t) is not torch.Tensor or t.dim() < 3 or t.shape[2] != n:
-                    raise ValueError(f"store.{attr} is not one tensor of the {n} slots appended (dimension 2), as "
-                                     "the attention reads it: " + (f"shape {tuple(t.shape)}" if isinstance(
-                                         t, torch.Tensor) else f"a {type(t).__name__}"))
-                out.append(t[:, :, j].clone())
-            return tuple(out)
+            whole = (stored_whole(getattr(store, a), n, 2, f"store.{a}") for a in ("k", "v", "pos"))
+            return tuple(t[:, :, j].clone() for t in whole)
         if name == "read_pair_row":            # args: a two-matrix cache, a row r, the n rows stored: row r of its
             cache, r, n = args                 # K~, V~ and pair positions, read as its attend reads them, whole
-            torch = _torch()
-            (a, b), rows = cache.pair_pos(), [cache.kt.t, cache.vt.t]
-            for what, t, dim in (("kt.t", rows[0], 2), ("vt.t", rows[1], 2), ("pair_pos()[0]", a, 0),
-                                 ("pair_pos()[1]", b, 0)):
-                if type(t) is not torch.Tensor or t.dim() <= dim or t.shape[dim] != n:
-                    raise ValueError(f"cache.{what} is not one tensor of the {n} pair rows stored (dimension "
-                                     f"{dim}), as the cache's attend reads it")
-            return rows[0][:, :, r].clone(), rows[1][:, :, r].clone(), int(a[r]), int(b[r])
+            kt, vt = stored_whole(cache.kt.t, n, 2, "cache.kt.t"), stored_whole(cache.vt.t, n, 2, "cache.vt.t")
+            a, b = (stored_whole(p, n, 0, f"cache.pair_pos()[{i}]") for i, p in enumerate(cache.pair_pos()))
+            return kt[:, :, r].clone(), vt[:, :, r].clone(), int(a[r]), int(b[r])
         if name == "ready":                    # started (remote.Connection.fresh waits for this answer)
             return None
         if name == "give_back":
@@ -571,6 +559,17 @@ class Server:
             except ValueError as e:         # an answer over MAX_MESSAGE, not sent: the call fails saying so
                 self.post({"error": {"type": "ValueError", "builtin": True,
                                      "text": f"ValueError: your code's answer was refused ({e})"}})
+
+
+def stored_whole(t, n: int, dim: int, what: str):
+    """``t`` (named ``what``) if it is one plain tensor of the ``n`` entries stored along ``dim``, as the library's
+    attention reads it (the growth tests' reads); else ``ValueError``."""
+    torch = _torch()
+    if type(t) is not torch.Tensor or t.dim() <= dim or t.shape[dim] != n:
+        found = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+        raise ValueError(f"{what} is not one tensor of the {n} entries stored (dimension {dim}), as the attention "
+                         f"reads it: {found}")
+    return t
 
 
 class Taken:
@@ -813,11 +812,10 @@ class KernelsAlone:
                 raise NotTriton(f"{file}: not a Python file of the copy")
             tree = ast.parse(path.read_text(), file)
             found = {name: as_kernel(fn) for name, fn in jit_functions(tree).items()}
-            for name, fn in found.items():
-                if not usable_name(name):
-                    raise NotTriton(f"{file}, line {fn.lineno}: {name}: a kernel takes a name of its own (not tl, "
-                                    "triton, a built-in, a keyword of triton.jit or a dunder)")
             for kernel, fn in found.items():
+                if not usable_name(kernel):
+                    raise NotTriton(f"{file}, line {fn.lineno}: {kernel}: a kernel takes a name of its own (not tl, "
+                                    "triton, a built-in, a keyword of triton.jit or a dunder)")
                 hint = stub_hint(fn)
                 if hint is not None:                  # a task not done: the kernel raises its hint (``stub_only``)
                     found[kernel] = stub_only(fn, hint)
@@ -853,9 +851,7 @@ class KernelsAlone:
     def launch(self, file: str, kernel: str, grid: list[int], args: list, meta: dict) -> None:
         """``kernel[grid](*args, **meta)``, the kernel from the copy's ``file``; its writes into the tensors the
         test marked (``oracle.written``) reach the test."""
-        found, _ = self.kernels_of(file)
-        if kernel not in found:
-            raise NotTriton(f"{file} has no @triton.jit function {kernel!r}")
+        self.kernels_of(file)                         # (a kernel of the file holding its stub is in self.stubs)
         if (file, kernel) in self.stubs:              # its hint in a line (the interpreter would wrap it)
             raise NotImplementedError(self.stubs[(file, kernel)])
         compiled = self.kernel(file, kernel)
