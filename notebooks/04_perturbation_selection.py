@@ -13,8 +13,8 @@
 # **You will learn**
 #
 # 1. the output perturbation, its bound, and Algorithm 1, checked against the library;
-# 2. why it needs concentrated attention;
-# 3. how it runs inside SnapKV.
+# 2. how it runs inside SnapKV;
+# 3. in the exercises: why it needs concentrated attention.
 #
 # Code: `methods/critical_kv.py`.
 
@@ -38,7 +38,7 @@ import torch
 # | $A'$ | the attention over the kept entries | `renormalized_attention` |
 # | $\mathcal{L}$ | the output perturbation | `output_perturbation`, `L` |
 # | $C$, $\theta$ | $\sum_n A_n P_n$, and the bound on $\mathcal{L}$ | `perturbation_bound`, `theta` |
-# | $\alpha$, $\sigma$ | stage 1's share of the budget $B$, and the mass it keeps | `alpha` |
+# | $\alpha$, $\sigma$ | stage 1's share of the budget $B$ (§2: of $B - w$), and the mass it keeps | `alpha` |
 #
 # The head adds $A V W_O^{(h)}$ to the layer's output (Eq. 2). When CriticalKV evicts entries, the softmax over the
 # kept ones is the old attention renormalised (Theorem 1, Eq. 6), and the output moves by $\mathcal{L}$ (Eq. 5):
@@ -90,15 +90,15 @@ print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.1e}  (>= 0: 
 # $A_i$, $P_i$), checked against the library:
 
 # %%
-def algorithm1(attn: torch.Tensor, vnorm: torch.Tensor, b: int, alpha: float) -> torch.Tensor:
-    """Algorithm 1 for one head and one query: attn, vnorm (n,) -> the b kept entries (b,), ascending."""
-    # BEGIN SOLUTION [critical_kv:two_stage] stage 1: the alpha share of b by attention A; stage 2: the rest by A * P
-    n_first = int(alpha * b)                                          # stage 1's share of the budget
-    by_attention = torch.argsort(attn, descending=True, stable=True)  # (n,) best first, ties: earlier first
+def algorithm1(attn: torch.Tensor, vnorm: torch.Tensor, budget: int, alpha: float) -> torch.Tensor:
+    """Algorithm 1 for one head and one query: attn, vnorm (T,) -> the budget's kept entries (budget,), ascending."""
+    # BEGIN SOLUTION [critical_kv:two_stage] stage 1: the alpha share of the budget by attention A; stage 2: A * P
+    n_first = int(alpha * budget)                                     # stage 1's share of the budget
+    by_attention = torch.argsort(attn, descending=True, stable=True)  # (T,) best first, ties: earlier first
     stage1 = by_attention[:n_first]                                   # secure the attention mass
-    score = attn * vnorm                                              # (n,) A_i * P_i, Theorem 3's ranking
+    score = attn * vnorm                                              # (T,) A_i * P_i, Theorem 3's ranking
     score[stage1] = float("inf")                                      # stage 1's entries stay
-    keep = torch.argsort(score, descending=True, stable=True)[:b]     # stage 2 fills the budget
+    keep = torch.argsort(score, descending=True, stable=True)[:budget]  # stage 2 fills the budget
     return keep.sort().values
     # END SOLUTION
 
@@ -110,12 +110,13 @@ for trial in range(n_heads):
     T = int(torch.randint(4, 40, (1,), generator=g))                  # entries in this head
     attn = torch.softmax(torch.randn(T, generator=g) * 3, -1)         # (T,) one query's attention A
     P = torch.rand(T, generator=g) * 4                                # (T,) projected value sizes P_n
-    P = P / attn if trial // 4 % 2 else P         # every other block of 4 heads: A * P drawn apart from A
-    b = int(torch.randint(1, T + 1, (1,), generator=g))               # the budget B
+    # every other block of 4 heads: P / A, so that A * P is not ordered like A and stage 2 differs from stage 1
+    P = P / attn if trial // 4 % 2 else P
+    budget = int(torch.randint(1, T + 1, (1,), generator=g))          # the budget B
     alpha = [0.0, 0.25, 0.5, 1.0][trial % 4]
-    mine = algorithm1(attn, P, b, alpha)
-    assert torch.equal(mine, perturbation_constrained_select(attn, P, b, alpha)), \
-        f"B = {b}, alpha = {alpha}: kept {mine.tolist()}; stage 1: the floor(alpha B) largest A; stage 2: A * P"
+    mine = algorithm1(attn, P, budget, alpha)
+    assert torch.equal(mine, perturbation_constrained_select(attn, P, budget, alpha)), \
+        f"B = {budget}, alpha = {alpha}: kept {mine.tolist()}; stage 1: the floor(alpha B) largest A; stage 2: A * P"
 print(f"Algorithm 1 written out keeps the library's entries in all {n_heads} random heads.")
 
 # %% [markdown]
@@ -138,35 +139,34 @@ for values, vws in [("entry 2 opposite", vw), ("entry 2 same sign", same_sign)]:
         L, theta = float(output_perturbation(attn, keep, vws)), float(perturbation_bound(attn, keep, P))
         print(f"{values:<18} {name:<25} keeps {idx.tolist()}: kept mass {float(attn[keep].sum()):.2f}, "
               f"L = {L:.3f}, theta = {theta:.3f}")
+sigma = float(attn[0])                                        # alpha = 0.5: stage 1 keeps entry 0 alone
+for second in (1, 2, 3):                                      # stage 2's candidates for the last place
+    keep = torch.zeros(4, dtype=torch.bool).index_fill(0, torch.tensor([0, second]), True)
+    theta_hat = float((attn * P).sum() - (2 - 1 / sigma) * (attn * P)[keep].sum())    # theta-hat, sigma frozen
+    print(f"sigma = {sigma:.2f} frozen, entry {second} second: theta-hat = {theta_hat:.3f}")
 
 # %% [markdown]
 # With $\alpha = 0.5$, stage 1 keeps entry 0 alone: $\sigma = 0.55$, so Assumption 1 holds. Stage 2 then takes
-# entry 2 over entry 1 (small attention times a large $P_2$), and $\theta$ drops from 0.885 to 0.726. But $\theta$
-# cannot see signs: $\mathcal{L}$ falls from 0.585 to 0.019 when entry 2 points against the others, and rises from
-# 0.315 to 0.366 when it points with them. A lower $\theta$ does not promise a lower $\mathcal{L}$. Keeping entries for
-# their values also lowers $\mu$, a cost Theorem 3 leaves out; §3.5 assumes concentrated attention keeps it small,
-# which Exercise 2 tests.
+# entry 2 over entry 1 (small attention times a large $P_2$): the largest $A_n P_n$ is the lowest $\hat\theta$
+# (last three lines), and $\theta$ drops from 0.885 to 0.726. But $\theta$ cannot see signs: $\mathcal{L}$ falls
+# from 0.585 to 0.019 when entry 2 points against the others, and rises from 0.315 to 0.366 when it points with
+# them. A lower $\theta$ does not promise a lower $\mathcal{L}$. Keeping entries for their values also gives up
+# attention mass (the kept mass falls from 0.75 to 0.70 here), a loss Theorem 3 leaves out; §3.5 assumes
+# concentrated attention keeps this loss small, which Exercise 2 tests.
 #
 # ## 2. Inside SnapKV
 #
-# Algorithm 2 (§3.6) runs Algorithm 1 inside a host such as SnapKV or AdaKV at prefill, the observation window's
-# queries standing in for the decoding query:
+# Algorithm 2 (§3.6) runs Algorithm 1 inside a host such as SnapKV at prefill, the observation window's queries
+# standing in for the decoding query. SnapKV always keeps its $w$ window entries; the two stages choose the other
+# $B - w$ of each KV head:
 #
-# * **stage 1** keeps the entries with the highest SnapKV score $s_n$ (lesson 01: the window's votes, max-pooled,
-#   averaged over a KV head's query heads);
-# * **stage 2** ranks the rest by $s_n \bar P_n$ in the authors' code (kvpress's `CriticalKVPress`, our default),
-#   with $\bar P_n$ the mean of $P_n$ over the KV head's query heads; or, as Algorithm 2 is printed (our
-#   `stage2="window"`), by each query head's window attention before pooling times its $P_n$, averaged over the
-#   group. The lab compares the two readings;
-# * the budget: SnapKV always keeps its $w$ window entries, so our $\alpha$ splits the rest, $B - w$ (kvpress takes
-#   its share of the whole $B$).
+# * **stage 1** keeps the $\lfloor \alpha (B - w) \rfloor$ entries with the highest SnapKV score $s_n$ (lesson 01:
+#   the window's votes, max-pooled, averaged over a KV head's query heads);
+# * **stage 2** fills the rest by $s_n \bar P_n$, with $\bar P_n$ the mean of $P_n$ over the KV head's query heads.
 #
-# Built by hand on lesson 01's bundled model: SnapKV's score $s_n$ from the prompt's attention (`snapkv_scores`,
-# lesson 01's build, with its pooling width 7), $\bar P_n$ from layer 0's values and $W_O$, then the two stages,
-# compared with what `CriticalKVPolicy` keeps. Two differences in the library change nothing: it scores the
-# window $+\infty$, so the window fills the first $w$ of stage 1's places (by hand: set aside, and $\lfloor \alpha
-# (B - w) \rfloor$ more by $s_n$); and it divides $s_n$ by the window's $w$ queries before stage 2 (kvpress adds its
-# $\epsilon$ there; ours is 0), a scale that changes no ranking.
+# That is how the authors' code reads Algorithm 2 (kvpress's `CriticalKVPress` too); the lab compares it with the
+# reading of Algorithm 2 as printed, and with kvpress's settings. Below, the two stages by hand in layer 0 of
+# lesson 01's bundled model, against what `CriticalKVPolicy` keeps.
 
 # %% tags=["needs:two_stage"]
 from experiments.analysis.persistence import record_attention
@@ -186,18 +186,26 @@ caches = {name: KVCache(model.config, policy) for name, policy in policies.items
 for cache in caches.values():
     prefill(model, ids, cache)
 print(f"T = {T} prompt tokens; each KV head keeps B = {B}: the window's {W}, then {int(ALPHA * (B - W))} by s_n "
-      f"(stage 1) and {B - W - int(ALPHA * (B - W))} by s_n P_n (stage 2)")
+      f"(stage 1) and {B - W - int(ALPHA * (B - W))} by s_n P-bar_n (stage 2)")
 
 # %% tags=["needs:two_stage"]
-layer, prefix = 0, T - W                                      # the window, positions T - W .. T - 1, stays whole
-s = snapkv_scores(record_attention(model, ids)[layer][None], H_kv, W, 7, "max")[0, :, :prefix]   # (H_kv, T - W)
-P = projected_value_norms(caches["full"].layers[layer].v, model.blocks[layer].attn.o_proj.weight, H)[0]  # (H, T)
-P = P.view(H_kv, H // H_kv, T).mean(1)[:, :prefix]            # (H_kv, T - W): the group's mean, P-bar
+layer, prefix = 0, T - W                          # the window, positions T - W .. T - 1, is kept whole
+probs = record_attention(model, ids)[layer][None]                                    # (1, H, T, T) the attention
+s = snapkv_scores(probs, H_kv, window=W, kernel=7, pooling="max")[0, :, :prefix]     # (H_kv, T - W) s_n
+v, w_o = caches["full"].layers[layer].v, model.blocks[layer].attn.o_proj.weight
+P = projected_value_norms(v, w_o, H)[0]                                              # (H, T) P_n per query head
+P = P.view(H_kv, H // H_kv, T).mean(1)[:, :prefix]                                   # (H_kv, T - W) P-bar_n
+
+# stage 1: the floor(alpha (B - w)) highest s_n
 n1 = int(ALPHA * (B - W))
-stage1 = s.sort(dim=-1, descending=True, stable=True).indices[:, :n1]             # (H_kv, n1) the highest s_n
-second = (s * P).scatter(-1, stage1, float("-inf"))                           # stage 1's entries are taken
-stage2 = second.sort(dim=-1, descending=True, stable=True).indices[:, :B - W - n1]  # the highest s_n P_n of the rest
-by_hand = torch.cat([stage1, stage2, torch.arange(prefix, T).expand(H_kv, W)], -1).sort(-1).values  # (H_kv, B)
+stage1 = s.sort(dim=-1, descending=True, stable=True).indices[:, :n1]                # (H_kv, n1)
+# stage 2: the highest s_n P-bar_n among the rest (stage 1's entries scored -inf)
+second = (s * P).scatter(-1, stage1, float("-inf"))                                  # (H_kv, T - W)
+stage2 = second.sort(dim=-1, descending=True, stable=True).indices[:, :B - W - n1]   # (H_kv, B - w - n1)
+# kept: the two stages and the window, ascending; the library scores the window +inf (it fills stage 1's first w
+# places) and divides s_n by w before stage 2: neither changes what is kept
+window = torch.arange(prefix, T).expand(H_kv, W)                                     # (H_kv, w)
+by_hand = torch.cat([stage1, stage2, window], -1).sort(-1).values                    # (H_kv, B)
 
 
 def held(name):                                               # (H_kv, B) the positions a cache keeps in layer 0
@@ -219,7 +227,7 @@ print("by hand == CriticalKVPolicy in layer 0")
 # ### Exercise 1: the perturbation and its bound by hand
 #
 # Write `my_L_theta(attn, keep, vw)`: $\mathcal{L}$ (Eq. 5-6) and $\theta$ (Eq. 8) of one head, as two floats, for
-# attention `attn` (n,), a mask `keep` (n,) bool and projected values `vw` (n, D), with tensor operations only
+# attention `attn` (T,), a mask `keep` (T,) bool and projected values `vw` (T, D), with tensor operations only
 # (no `output_perturbation`, `perturbation_bound` or `renormalized_attention`). The check runs it on random heads
 # and on the hand example with entries 1 and 2 kept (below), whose mass is under one half. Then, in a sentence: is
 # $\theta$ still an upper bound, and what does the factor $2 - 1/\mu$ do to it?
@@ -287,7 +295,8 @@ print("Yes: Theorem 2 holds for any mask. But with mu below one half the factor 
 # $\mathcal{L}$ once Algorithm 1 kept 16 entries with share $\alpha$ ($\alpha = 1$: attention top-k). For each
 # sharpness in `SHARPNESS`, in that order, draw 200 heads with the generator `g` and store in `my_wins[sharpness]`
 # the fraction where Algorithm 1 ($\alpha = 0.25$) has a strictly lower $\mathcal{L}$ than top-k. Then, in a
-# sentence: does concentrated attention make Algorithm 1 win on most heads?
+# sentence: does concentrated attention make Algorithm 1 win on most heads? (The reference also prints $\sigma$,
+# the mass of stage 1's 4 entries, which Assumption 1 wants above one half.)
 
 # %%
 def random_head(sharpness: float, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,8 +59,8 @@ SLIPS: dict[str, list[Mutant]] = {
         Mutant("pairs (b, a) for (a, b)", "pair_softmax", "(q * K1[b] * K2[a])", "(q * K1[a] * K2[b])"),
     ],
     "04_perturbation_selection": [
-        Mutant("stage 1 rounds alpha b, not floor", "two_stage",
-               "n_first = round(alpha * b)", "n_first = int(alpha * b)"),
+        Mutant("stage 1 rounds alpha B, not floor", "two_stage",
+               "n_first = round(alpha * budget)", "n_first = int(alpha * budget)"),
         Mutant("stage 1's entries not kept through stage 2", "two_stage",
                "    pass", '    score[stage1] = float("inf")'),
         Mutant("stage 2 ranks by P alone", "two_stage", "score = vnorm.clone()", "score = attn * vnorm"),
