@@ -91,12 +91,13 @@ print("StreamingLLM on the toy (2 sinks) keeps", streaming_keep(T_TOY, B_TOY, 2)
 # \qquad \text{(Algorithm 1, §4)}$$
 #
 # (The paper's models have one KV head per query head. Averaging over the group, here and in SnapKV, is how
-# kvpress, NVIDIA's library of these methods, adapts the rule to grouped-query attention; this course follows
-# kvpress where a paper leaves a choice open.)
+# kvpress, NVIDIA's library of these methods, adapts the rule to grouped-query attention, and how we do.)
 #
 # At every step the cache keeps its `budget // 2` most recent tokens and, among the others, the highest
-# scores. The code adds the scores up step by step (`steps`), as the cache does: on the toy (a 13-token prompt,
-# then three decode steps), then on the bundled model's attention for 22 tokens, against the library's cache.
+# scores. Once a token is evicted its score is gone, and the kept ones go on adding the attention they receive.
+# The code adds the scores up step by step (`steps`), as the cache does: on the toy (a 13-token prompt, then
+# three decode steps), then on the bundled model's attention for 22 tokens, against the library's cache with a
+# budget larger than that, so that nothing is evicted and slot $n$ holds position $n$.
 
 # %%
 from methods.h2o import received_attention
@@ -148,8 +149,9 @@ print(f"h2o_scores equals the library cache's scores in all {len(demo_maps)} lay
 #
 # Li et al., NeurIPS 2024, [arXiv 2404.14469](https://arxiv.org/abs/2404.14469). The prompt's last $w$ tokens
 # ($w = 32$ by default), the *observation window*, usually hold the question. They vote: token $n$'s vote
-# $u^h_n$ is the attention the window's queries give it (§4.1). A max pooling of width $P$ gives token $n$ the
-# best vote of its neighbours $n'$, so a strong token's neighbours come with it (§4.2). For a prefix token $n < T - w$:
+# $u^h_n$ is the attention the window's queries give it (§4.1). A max pooling of width $P$ ($P = 7$ by default)
+# gives token $n$ the best vote of its neighbours $n'$, so a strong token's neighbours come with it (§4.2). For a
+# prefix token $n < T - w$:
 #
 # $$u^h_n = \sum_{t=T-w}^{T-1} a^h_{t,n}, \qquad
 # s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \max_{|n' - n| \le \lfloor P/2 \rfloor,\; n' < T - w} u^h_{n'}
@@ -176,15 +178,17 @@ def snapkv_votes(probs, n_kv_head, window, kernel):
 
 
 RULE = "summed over the window's queries, max-pooled over the kernel's neighbours, averaged over a KV head's group"
-library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=3, pooling="max")[0, :, :T_TOY - W_TOY]
-mine = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 3)
-assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes: {off}; {RULE}"
-for j, row in enumerate(mine):                                              # (T - w,) one KV head's scores
-    print(f"SnapKV's scores of the toy's prefix, KV head {j}:", [round(x, 2) for x in row.tolist()])
+for P in (3, 1):                                                    # the toy, pooled over 3 neighbours, then not
+    library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=P, pooling="max")[0, :, :T_TOY - W_TOY]
+    mine = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, P)
+    assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes, P = {P}: {off}; {RULE}"
+    for j, row in enumerate(mine):                                          # (T - w,) one KV head's scores
+        print(f"SnapKV's scores of the toy's prefix, P = {P}, KV head {j}:", [round(x, 2) for x in row.tolist()])
 for layer, a in enumerate(demo_maps):                               # the bundled model's attention
     library = snapkv_scores(a[None], model.config.n_kv_head, window=8, kernel=7, pooling="max")[0, :, :22 - 8]
     mine = snapkv_votes(a, model.config.n_kv_head, 8, 7)
     assert not (off := where_differs(mine, library, ("KV head", "token"))), f"layer {layer}: {off}; {RULE}"
+print(f"snapkv_votes equals the library's snapkv_scores in all {len(demo_maps)} layers (window 8, P = 7)")
 
 # %% [markdown]
 # ### 2.4 AdaKV: one budget pool per layer, shared by the heads
@@ -193,9 +197,10 @@ for layer, a in enumerate(demo_maps):                               # the bundle
 # attention is concentrated needs few entries; one whose attention is spread out needs many. AdaKV takes any
 # rule's scores $s_{j,n}$ (SnapKV's by default), lets every KV head keep its own best
 # $n_\text{safe} = \lfloor 0.2 B \rfloor$ (the *safeguard*), then keeps the layer's best (head, token) pairs,
-# whichever heads they fall in. SnapKV's window, scored $+\infty$ by the policy that protects it (section 2.5's
-# `rank`), is each head's best, so it fills the safeguard first, as kvpress counts it (the authors' code differs
-# slightly: [methods/README.md](../methods/README.md), "Choices where papers and implementations differ").
+# whichever heads they fall in. The entries a host protects count in the safeguard: SnapKV's window, scored
+# $+\infty$, is each head's best, so with $n_\text{safe} \le w$ the safeguard is the window (kvpress counts it so;
+# the authors' code keeps the window apart and blends the two counts: [methods/README.md](../methods/README.md),
+# "Choices where papers and implementations differ").
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
@@ -229,6 +234,8 @@ for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0
         mine, library = adakv_keep(scores, B_TOY, n_safe), adaptive_keep_mask(scores[None], B_TOY, n_safe)[0]
         assert not (off := where_differs(mine, library, ("KV head", "token"))), \
             f"scale {scale}, safeguard {n_safe}: kept? {off}; each head's best n_safe, then the layer's best"
+        if scale == 10.0:                                        # KV head 0 outscores KV head 1 everywhere
+            print(f"KV head 0 ten times larger, safeguard {n_safe}: entries kept per KV head {mine.sum(-1).tolist()}")
 print("adakv_keep makes the library's choice for both scales and safeguards 0, 1 and B_TOY")
 
 # %% [markdown]
@@ -260,7 +267,7 @@ for name, idx in toy_kept.items():                                   # idx (1, H
 #
 # **SnapKV** drops token 5, which the window does not attend. With $P = 3$ the pooling makes neighbours tie,
 # and the earlier tokens win the ties: KV head 0 keeps 9 and 8, KV head 1 its first two tokens, 0 and 1 (1 is
-# pooled up from 0 and 2, both voted for as much as 2, 3, 7 and 8).
+# pooled up from 0 and 2, each voted for as much as 3, 7 and 8).
 #
 # **AdaKV** shows what it is for at $P = 1$: KV head 0, whose window attends 9 alone, keeps five entries and
 # lends its sixth to the spread-out KV head 1. At $P = 3$ it lends the other way: the pooling copies 9's strong
@@ -295,7 +302,8 @@ for token in ex_sample.target_ids[:5]:
 ex_held = ex_cache.layers[0].pos[0, 0]
 print(f"tokens seen: {ex_cache.seen}; layer 0, KV head 0 holds {ex_held[ex_held >= 0].sort().values.tolist()}")
 
-
+# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+# the check's helper: StreamingLLM caches stepped token by token
 def streaming_states(budget, n_sink, n_prompt, n_new):
     """A StreamingLLM cache fed the prompt's first n_prompt tokens, then n_new more one by one: after each,
     (tokens seen, the positions held; every layer and KV head holds the same ones)."""
@@ -370,6 +378,8 @@ print(f"{ex_N} prompt tokens, {len(ex_maps)} layers, attention {tuple(ex_maps[0]
 other_ids = torch.tensor([make_sample("niah_single_noise", tok, 200 if TINY else 300, seed=8).prompt_ids])
 
 
+# %%
+# the check's helper: the hint when the kept positions are wrong
 def kept_slip(kept, right, n_recent):
     """The first of the exercise's rules a kept set (H_kv, budget) breaks, against the right one."""
     if kept.shape != right.shape or not torch.equal(kept, kept.sort(-1).values):
