@@ -197,10 +197,10 @@ print(f"snapkv_votes equals the library's snapkv_scores in all {len(demo_maps)} 
 # attention is concentrated needs few entries; one whose attention is spread out needs many. AdaKV takes any
 # rule's scores $s_{j,n}$ (SnapKV's by default), lets every KV head keep its own best
 # $n_\text{safe} = \lfloor 0.2 B \rfloor$ (the *safeguard*), then keeps the layer's best (head, token) pairs,
-# whichever heads they fall in. The entries a host protects count in the safeguard: SnapKV's window, scored
-# $+\infty$, is each head's best, so with $n_\text{safe} \le w$ the safeguard is the window (kvpress counts it so;
-# the authors' code keeps the window apart and blends the two counts: [methods/README.md](../methods/README.md),
-# "Choices where papers and implementations differ").
+# whichever heads they fall in. The entries the scoring rule protects count in the safeguard: SnapKV's window, scored
+# $+\infty$, is each head's best, so with $n_\text{safe} \le w$ (for $w = 32$: any $B \le 160$) the safeguard is the
+# window and adds nothing to it (kvpress counts it so; the authors' code keeps the window apart and blends the two
+# counts: [methods/README.md](../methods/README.md), "Choices where papers and implementations differ").
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
@@ -234,7 +234,7 @@ for scale in (1.0, 10.0):                 # heads of equal scale, then KV head 0
         mine, library = adakv_keep(scores, B_TOY, n_safe), adaptive_keep_mask(scores[None], B_TOY, n_safe)[0]
         assert not (off := where_differs(mine, library, ("KV head", "token"))), \
             f"scale {scale}, safeguard {n_safe}: kept? {off}; each head's best n_safe, then the layer's best"
-        if scale == 10.0:                                        # KV head 0 outscores KV head 1 everywhere
+        if scale == 10.0:                                        # KV head 0's scores ten times larger
             print(f"KV head 0 ten times larger, safeguard {n_safe}: entries kept per KV head {mine.sum(-1).tolist()}")
 print("adakv_keep makes the library's choice for both scales and safeguards 0, 1 and B_TOY")
 
@@ -269,11 +269,12 @@ for name, idx in toy_kept.items():                                   # idx (1, H
 # and the earlier tokens win the ties: KV head 0 keeps 9 and 8, KV head 1 its first two tokens, 0 and 1 (1 is
 # pooled up from 0 and 2, each voted for as much as 3, 7 and 8).
 #
-# **AdaKV** shows what it is for at $P = 1$: KV head 0, whose window attends 9 alone, keeps five entries and
-# lends its sixth to the spread-out KV head 1. At $P = 3$ it lends the other way: the pooling copies 9's strong
-# vote onto 8 and 10, and the copies outrank KV head 1's weaker votes; the fourth free entry goes to KV head 1's
-# token 0 (0.73, tied with most of its tokens, the earliest first, above KV head 0's 0.44). (The safeguard, 1
-# entry, falls in the window either way.)
+# **AdaKV** shares the layer's 12 entries: the two windows take 8 (scored $+\infty$), so 4 are free, whichever
+# head they fall in. At $P = 1$ KV head 0, whose window attends 9 alone, takes one of them and leaves three to the
+# spread-out KV head 1 (5 entries against 7). At $P = 3$ it goes the other way: the pooling copies 9's strong vote
+# onto 8 and 10, and the copies outrank KV head 1's weaker votes; the fourth free entry goes to KV head 1's token 0
+# (0.73, tied with most of its tokens, the earliest first, above KV head 0's 0.44). (The safeguard, 1 entry, falls
+# in the window either way.)
 #
 # ## Exercises
 #
@@ -366,7 +367,8 @@ check_leaves_at(reference_leaves_at)
 # column = key). Write `my_h2o(maps, budget)` from such maps (and the cell's `H_kv` and `G`), with tensor
 # operations: no policy, cache or prefill, and no `received_attention` or section 2.2's `h2o_scores`. It returns two
 # lists of one tensor per layer: H2O's prefill scores, `(H_kv, N)` (section 2.2), and the positions H2O keeps,
-# `(H_kv, budget)`, ascending: the `budget // 2` most recent ones and the highest-scored of the others. The check
+# `(H_kv, budget)`, ascending: at prefill H2O evicts once, from the whole prompt's scores, keeping the `budget // 2`
+# most recent positions and the highest-scored of the others. The check
 # runs it on `ex_maps` with `EX_H2O_BUDGET`, and on another prompt's attention with another budget.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]

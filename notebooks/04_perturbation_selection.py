@@ -14,7 +14,7 @@
 #
 # 1. the output perturbation, its bound, and Algorithm 1, checked against the library;
 # 2. how it runs inside SnapKV;
-# 3. in the exercises: why it needs concentrated attention.
+# 3. in the exercises: why it needs concentrated attention, and that this is not enough.
 #
 # Code: `methods/critical_kv.py`.
 
@@ -38,7 +38,7 @@ import torch
 # | $A'$ | the attention over the kept entries | `renormalized_attention` |
 # | $\mathcal{L}$ | the output perturbation | `output_perturbation`, `L` |
 # | $C$, $\theta$ | $\sum_n A_n P_n$, and the bound on $\mathcal{L}$ | `perturbation_bound`, `theta` |
-# | $\alpha$, $\sigma$ | stage 1's share of the budget $B$ (§2: of $B - w$), and the mass it keeps | `alpha` |
+# | $\alpha$, $\sigma$ | the share of the budget $B$ kept by attention first (section 2 below: of $B - w$), and the mass it keeps | `alpha` |
 #
 # The head adds $A V W_O^{(h)}$ to the layer's output (Eq. 2). When CriticalKV evicts entries, the softmax over the
 # kept ones is the old attention renormalised (Theorem 1, Eq. 6), and the output moves by $\mathcal{L}$ (Eq. 5):
@@ -148,7 +148,8 @@ for second in (1, 2, 3):                                      # stage 2's candid
 # %% [markdown]
 # With $\alpha = 0.5$, stage 1 keeps entry 0 alone: $\sigma = 0.55$, so Assumption 1 holds. Stage 2 then takes
 # entry 2 over entry 1 (small attention times a large $P_2$): the largest $A_n P_n$ is the lowest $\hat\theta$
-# (last three lines), and $\theta$ drops from 0.885 to 0.726. But $\theta$ cannot see signs: $\mathcal{L}$ falls
+# (last three lines; far above $\theta$, a loose bound, but the one stage 2 can minimise), and $\theta$ drops from
+# 0.885 to 0.726. But $\theta$ cannot see signs: $\mathcal{L}$ falls
 # from 0.585 to 0.019 when entry 2 points against the others, and rises from 0.315 to 0.366 when it points with
 # them. A lower $\theta$ does not promise a lower $\mathcal{L}$. Keeping entries for their values also gives up
 # attention mass (the kept mass falls from 0.75 to 0.70 here), a loss Theorem 3 leaves out; §3.5 assumes
@@ -164,8 +165,9 @@ for second in (1, 2, 3):                                      # stage 2's candid
 #   the window's votes, max-pooled, averaged over a KV head's query heads);
 # * **stage 2** fills the rest by $s_n \bar P_n$, with $\bar P_n$ the mean of $P_n$ over the KV head's query heads.
 #
-# That is how the authors' code reads Algorithm 2 (kvpress's `CriticalKVPress` too); the lab compares it with the
-# reading of Algorithm 2 as printed, and with kvpress's settings. Below, the two stages by hand in layer 0 of
+# That is how the authors' code reads Algorithm 2 (kvpress's `CriticalKVPress` too); as printed, stage 2 multiplies
+# $P_n$ by the window's attention before pooling instead. The lab compares the two readings, and kvpress's settings
+# (its $\alpha$ a share of the whole $B$). Below, the two stages by hand in layer 0 of
 # lesson 01's bundled model, against what `CriticalKVPolicy` keeps.
 
 # %% tags=["needs:two_stage"]
@@ -215,10 +217,13 @@ def held(name):                                               # (H_kv, B) the po
 assert torch.equal(by_hand, held("critical_kv")), "the two stages by hand differ from CriticalKVPolicy's"
 for j in range(H_kv):
     swapped = sorted(set(held("critical_kv")[j].tolist()) - set(held("snapkv")[j].tolist()))
-    print(f"KV head {j}: stage 2 keeps {len(swapped)} entries SnapKV drops, at {swapped}")
+    print(f"KV head {j}: CriticalKV keeps {len(swapped)} entries SnapKV drops, at {swapped}")
 print("by hand == CriticalKVPolicy in layer 0")
 
 # %% [markdown]
+# Every entry CriticalKV keeps and SnapKV drops is stage 2's: stage 1 takes the highest $s_n$, which SnapKV keeps
+# too. Whether the trade helps on a task is the lab's question.
+#
 # ## Exercises
 #
 # Each exercise: replace the `None`, then run the check, which hints when the answer is wrong; the reference
@@ -316,7 +321,7 @@ SHARPNESS = (0.5, 1, 2, 4, 8)
 
 
 # %%
-g = torch.Generator().manual_seed(0)
+g = torch.Generator().manual_seed(0)    # draw your heads in this cell, after this line: g is seeded here
 my_wins = {0.5: None, 1: None, 2: None, 4: None, 8: None}   # replace each None: Algorithm 1's share of wins
 
 
