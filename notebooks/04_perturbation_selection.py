@@ -38,7 +38,7 @@ import torch
 # | $A'$ | the attention over the kept entries | `renormalized_attention` |
 # | $\mathcal{L}$ | the output perturbation | `output_perturbation`, `L` |
 # | $C$, $\theta$ | $\sum_n A_n P_n$, and the bound on $\mathcal{L}$ | `perturbation_bound`, `theta` |
-# | $\alpha$, $\sigma$ | the share of the budget $B$ kept by attention first (section 2 below: of $B - w$), and the mass it keeps | `alpha` |
+# | $\alpha$, $\sigma$ | the share of $B$ kept by attention first (of $B - w$ in section 2), and its mass | `alpha` |
 #
 # The head adds $A V W_O^{(h)}$ to the layer's output (Eq. 2). When CriticalKV evicts entries, the softmax over the
 # kept ones is the old attention renormalised (Theorem 1, Eq. 6), and the output moves by $\mathcal{L}$ (Eq. 5):
