@@ -296,9 +296,15 @@ def read_results(path: Path) -> Progress:
     return parse_results(path.read_text() if path.exists() else "")
 
 
+def escaped(text: str) -> str:
+    """``text`` with each character a terminal would act on (a control or format character) as its escape."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def where_it_was(dump: Path, student: Path) -> str:
     """The deepest line of the student's code in the last traceback dump (written just before a test's time
-    limit), as ", in FILE, line N (FUNCTION)"; "" if there is none."""
+    limit), as ", in FILE, line N (FUNCTION)"; "" if there is none. Escaped: the student's process writes the
+    dump, and a file name it wrote there in a fake traceback redrew the grader's table (round fifteen)."""
     text = ""
     if dump.exists():                                     # its end only: the student's output may be huge
         with dump.open("rb") as f:
@@ -307,7 +313,7 @@ def where_it_was(dump: Path, student: Path) -> str:
     for filename, line, function in re.findall(r'File "(.+?)", line (\d+) in (\S+)', text.split("Timeout (")[-1]):
         path = Path(filename)
         if student in path.parents:
-            return f", in {path.relative_to(student)}, line {line} ({function})"
+            return escaped(f", in {path.relative_to(student)}, line {line} ({function})")
     return ""
 
 

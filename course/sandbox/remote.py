@@ -145,7 +145,11 @@ class Connection:
         self.test_started: float | None = None     # when the running test asked for its dump (harness test_started)
 
     def start(self, eager: bool = True) -> None:
-        """Start the student's process; ``eager``: it imports the copy's adapters now, else at the first request."""
+        """Start the student's process; ``eager``: it imports the copy's adapters now, else at the first request.
+        Never a second one beside it: a process started twice left the first running unwatched, outside
+        ``Watch.tree``, and able to pass what it computed to the watched one (round fifteen)."""
+        if self.proc is not None:
+            raise RuntimeError("the student's process is running already: stop it before another starts")
         request_r, request_w = os.pipe()           # requests: we write, the child reads
         answer_r, answer_w = os.pipe()             # answers: the child writes, we read
         student, adapters_file, site_dirs, dump_after_s = self.args
@@ -488,8 +492,6 @@ class Adapters(types.ModuleType):
 
 def connect(student: str, adapters_file: str, site_dirs: list[str], dump: str, dump_after_s: float,
             home: str | None, nobody: bool, jail: list[str] | None = None, room: str | None = None) -> Adapters:
-    """The stand-in, its student's process started now (so that starting it counts in no test's time)."""
-    connection = Connection(student, adapters_file, site_dirs, dump, dump_after_s, home, nobody, jail=jail,
-                            room=room)
-    connection.start()
-    return Adapters(connection)
+    """The stand-in; the conftest starts its student's process once the tests are read (in no test's time)."""
+    return Adapters(Connection(student, adapters_file, site_dirs, dump, dump_after_s, home, nobody, jail=jail,
+                               room=room))

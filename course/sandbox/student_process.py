@@ -116,10 +116,7 @@ MAX_AXES = 64                                         # the axes a transposed te
 def unpack(d: dict):
     """The tensor ``pack`` wrote (a new tensor of its own, on the bytes the message was read into). Its bytes
     must be what its type and shape take: a few bytes never become a large tensor."""
-    torch = _torch()
-    dtype = getattr(torch, d["dtype"], None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"no tensor type {d['dtype']!r}")
+    torch, dtype = _torch(), dtype_named(d["dtype"])
     shape, raw = [int(n) for n in d["shape"]], d["bytes"]
     numel = 1
     for n in shape:
@@ -345,12 +342,19 @@ def encode_torch_name(value) -> dict:
 
 
 def decode_torch_name(d: dict):
-    torch = _torch()
     if d["torch"] == "device":
-        return torch.device(d["name"])
-    dtype = vars(torch).get(d["name"].removeprefix("torch."))    # not getattr: it imports torch._dynamo, ...
+        return _torch().device(d["name"])
+    return dtype_named(d["name"])
+
+
+def dtype_named(name):
+    """The torch dtype called ``name`` ("float32" or "torch.float32"), else ``ValueError``. Looked up in torch's
+    namespace, not with ``getattr``, which imports the submodule a name names: a tensor's dtype "_dynamo" made
+    the test process import 93 modules of ``torch._dynamo`` (round fifteen)."""
+    torch = _torch()
+    dtype = vars(torch).get(name.removeprefix("torch.")) if type(name) is str else None
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"no tensor type {d['name']!r}")
+        raise ValueError(f"no tensor type {str(name)[:80]!r}")
     return dtype
 
 
@@ -590,9 +594,16 @@ class Taken:
 
 JIT_BUILTINS = {"range": range, "min": min, "max": max, "float": float, "int": int, "bool": bool, "abs": abs,
                 "len": len, "NotImplementedError": NotImplementedError}
-FORBIDDEN = (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal, ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef,
-             ast.ClassDef, ast.With, ast.AsyncWith, ast.Try, ast.Yield, ast.YieldFrom, ast.Await, ast.Delete,
-             ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.NamedExpr)
+# The syntax a kernel may use, and nothing else: a list of what is refused let `match` through (a class pattern's
+# keywords are attribute names no Attribute node holds: `case tl.tensor(__reduce_ex__=f)` reached `object`, then
+# `__globals__` and `exec`; merge_splits 8 / 8 in PyTorch, round fifteen).
+KERNEL_SYNTAX = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For, ast.While, ast.If, ast.Return, ast.Expr, ast.Pass,
+                 ast.Break, ast.Continue, ast.Raise, ast.Assert,                                # statements
+                 ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.IfExp, ast.Compare, ast.Call, ast.keyword,
+                 ast.Attribute, ast.Subscript, ast.Slice, ast.Name, ast.Constant, ast.Tuple, ast.List,
+                 ast.JoinedStr, ast.FormattedValue,                                             # expressions
+                 ast.arguments, ast.arg, ast.expr_context, ast.operator, ast.unaryop, ast.cmpop,
+                 ast.boolop)                                                                    # their parts
 
 
 class NotTriton(Exception):
@@ -621,13 +632,14 @@ def jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
 
 
 def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kernels: set[str] = frozenset()) -> None:
-    """Raise ``NotTriton`` unless ``fn`` is Triton's language: no import, no nested function or class, no
-    comprehension; every name it reads is an argument, one of its variables, ``tl``, another of the file's
-    ``kernels`` or one of ``JIT_BUILTINS``; ``tl`` only as ``tl.<name>`` for a name of triton.language that is
-    not a module, and any other value's attributes only a tensor's or a dtype's (``value_attributes``). The
-    namespace is not relied on: Triton's interpreter copies its own module's globals (``inspect``, ``np``, ...)
-    into it, and ``[tl][0].core.builtins.exec`` named no forbidden attribute; both ran PyTorch as a kernel. On a
-    GPU Triton's compiler refuses the rest; in its CPU interpreter, where a kernel runs as Python, this does."""
+    """Raise ``NotTriton`` unless ``fn`` is Triton's language: only the syntax of ``KERNEL_SYNTAX`` (no import, nested
+    function or class, comprehension, ``with``, ``try`` or ``match``); every name it reads is an argument, one of
+    its variables, ``tl``, another of the file's ``kernels`` or one of ``JIT_BUILTINS``; ``tl`` only as
+    ``tl.<name>`` for a name of triton.language that is not a module, and any other value's attributes only a
+    tensor's or a dtype's (``value_attributes``). The namespace is not relied on: Triton's interpreter copies its
+    own module's globals (``inspect``, ``np``, ...) into it, and ``[tl][0].core.builtins.exec`` named no forbidden
+    attribute; both ran PyTorch as a kernel. On a GPU Triton's compiler refuses the rest; in its CPU interpreter,
+    where a kernel runs as Python, this does."""
     parent = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
     for node in header_values(fn):              # run by Python when it defines the kernel, in the module's scope
         if not plain_value(node, tl_names, set(kernels)):
@@ -639,7 +651,7 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
     parts = [fn.args, fn.returns, *fn.body, *getattr(fn, "type_params", [])]     # defaults, annotations too
     for node in (n for part in parts if part for n in ast.walk(part)):
         line = f"{where}, line {getattr(node, 'lineno', fn.lineno)}"
-        if isinstance(node, FORBIDDEN):
+        if not isinstance(node, KERNEL_SYNTAX):
             raise NotTriton(f"{line}: {type(node).__name__} is not Triton's language")
         if isinstance(node, ast.Name) and node.id not in readable:
             raise NotTriton(f"{line}: {node.id}: a kernel reads only its arguments, its variables, tl, the file's "

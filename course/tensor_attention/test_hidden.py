@@ -169,7 +169,7 @@ def test_two_cache_pairs_grow_by_the_new_rows_only():
                      what=f"after {n} tokens, V~ (B, H, pairs, d): pair (a, b)'s row is V1[a] * V2[b]")
         if before is not None:
             P = before[0].shape[2]
-            for name, x, y in zip(("K~", "V~", "a", "b"), (Kt, Vt, pa, pb), before):
+            for name, x, y in zip(("K~", "V~", "a", "b"), (Kt, Vt, pa, pb), before, strict=True):
                 assert_close(x[..., :P, :] if x.dim() == 4 else x[:P], y, what=f"after {n} tokens, {name} of the {P} "
                              "pair rows stored before, as they were: a two-matrix cache appends the new pairs after "
                              "them (Def. 3.8: rows computed once)")

@@ -181,6 +181,6 @@ def check_two_cache(k1, k2, v1, v2, positions, first):
     assert_close(Vt, v1[:, :, a] * v2[:, :, b], rtol=1e-5, atol=1e-6, what=f"{split}: V~ (B, H, pairs, d), the row "
                  "of pair (a, b) is V1[a] * V2[b]")
     P = before[0].shape[2]
-    for name, x, y in zip(("K~", "V~", "a", "b"), (Kt, Vt, pa, pb), before):
+    for name, x, y in zip(("K~", "V~", "a", "b"), (Kt, Vt, pa, pb), before, strict=True):
         assert_close(x[..., :P, :] if x.dim() == 4 else x[:P], y, what=f"{split}: {name} of the first {P} pair rows, "
                      f"those of the first {first} tokens, as they were before: the new pairs go after them (Def. 3.8)")
