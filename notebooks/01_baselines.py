@@ -287,7 +287,7 @@ for name, idx in toy_kept.items():                                   # idx (1, H
 # prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`; the
 # cell below prints what layer 0's first KV head holds. Write `my_leaves_at(p, budget, n_sink)`: the number of
 # tokens seen at which position `p` is first missing from a StreamingLLM cache, or `None` if it never leaves;
-# from these three numbers alone (without `sinks_and_recent` or section 2.1's `streaming_keep`), and mind
+# from these three numbers alone (no cache or policy, no `sinks_and_recent` or section 2.1's `streaming_keep`), and mind
 # $S = \min(\texttt{n\_sink}, B - 1)$. The check steps caches of other budgets and lengths token by token, one
 # with fewer entries than sinks, and asks your function about every position after every token.
 
@@ -317,6 +317,9 @@ def streaming_states(budget, n_sink, n_prompt, n_new):
         yield cache.seen, set(pos[pos >= 0].tolist())
 
 
+CASES = ((EX_BUDGET, EX_SINKS, 50, 12), (24, 2, 20, 12), (10, 0, 8, 12), (3, 4, 2, 8))   # budget, n_sink, prompt, new
+
+
 # %%
 my_leaves_at = None              # replace None: a function (p, budget, n_sink) -> a token count, or None
 
@@ -326,26 +329,27 @@ from exercises import calls, exercise, on_copies
 
 @exercise("Exercise 1")
 def check_leaves_at(leaves_at):
-    library = calls(leaves_at, "sinks_and_recent", "streaming_keep")
+    library = calls(leaves_at, "sinks_and_recent", "streaming_keep", "StreamingLLMPolicy", "make_policy", "KVCache",
+                    "prefill", "decode_step", "streaming_states")
     assert not library, f"from p, budget and n_sink alone: your function calls {', '.join(library)}"
-    for budget, n_sink, n_prompt, n_new in ((EX_BUDGET, EX_SINKS, 50, 12), (24, 2, 20, 12), (10, 0, 8, 12),
-                                            (3, 4, 2, 8)):
+    for budget, n_sink, n_prompt, n_new in CASES:
         for seen, held in streaming_states(budget, n_sink, n_prompt, n_new):
             for p in range(seen):
                 left = leaves_at(p, budget, n_sink)
                 assert left is None or float(left) == int(left), "a whole number of tokens seen, or None"
                 where = f"budget {budget}, n_sink {n_sink}: after {seen} tokens, position {p} is " \
-                        f"{'held' if p in held else 'gone'}"
+                        f"{'held' if p in held else 'gone'}, but your function says it"
                 if left is None:
-                    assert p in held, f"{where}, but your function says it never leaves: only the sinks stay, " \
-                                      "as many as n_sink asks and the budget leaves room for"
-                else:
-                    assert p >= min(n_sink, budget - 1), f"{where}, a sink: it never leaves (return None)"
-                    assert (seen < int(left)) == (p in held), f"{where}, but your function says it leaves after " \
-                        f"{int(left)} tokens: count the recent window's slots, B - S"
-    S = min(EX_SINKS, EX_BUDGET - 1)
-    return f"Every position after the first {S} stays {EX_BUDGET - S} tokens at budget {EX_BUDGET}, however " \
-           "long the prompt: the window slides one position per token"
+                    assert p in held, f"{where} never leaves: only the sinks stay, as many as n_sink asks and the " \
+                                      "budget leaves room for"
+                    continue
+                assert p >= min(n_sink, budget - 1), f"{where} leaves: a sink never leaves (return None)"
+                assert not (p in held and seen >= int(left)), f"{where} is gone at {int(left)} tokens: the first " \
+                    "count at which it is missing comes after the token that pushes it out of the B - S recent slots"
+                assert p in held or seen >= int(left), f"{where} leaves after {int(left)} tokens: count the recent " \
+                    "window's slots, B - S"
+    return f"Past the sinks, every position stays B - S tokens ({EX_BUDGET - min(EX_SINKS, EX_BUDGET - 1)} at budget " \
+           f"{EX_BUDGET}), however long the prompt: the window slides one position per token"
 
 
 check_leaves_at(my_leaves_at)
@@ -399,7 +403,7 @@ my_h2o = None                # replace None: a function (maps, budget) -> (score
 def check_h2o(h2o):
     library = calls(h2o, "H2OPolicy", "make_policy", "KVCache", "prefill", "received_attention", "h2o_scores")
     assert not library, f"from the maps alone: your function calls {', '.join(library)}"
-    for ids, maps, budget in ((ex_ids, ex_maps, EX_H2O_BUDGET), (other_ids, record_attention(model, other_ids), 40)):
+    for ids, maps, budget in ((ex_ids, ex_maps, EX_H2O_BUDGET), (other_ids, record_attention(model, other_ids), 41)):
         caches = [KVCache(model.config, H2OPolicy(budget=b)) for b in (ids.shape[1], budget)]
         for cache in caches:
             prefill(model, ids, cache)

@@ -210,8 +210,8 @@ print(f"{LM_LENGTH - 1 - LM_LENGTH // 2} predictions scored per method, position
 # be within $B$ ($\lceil (T - B) / m \rceil \cdot m$ in all): the most low flags first, of equal counts the least
 # last attention, never the $r$ most recent. Write `my_keep(counts, last, B, m, r)`: from the counters $I_n$
 # (`counts`, a list by position) and the last query's attention (`last`, a list), return the kept positions,
-# ascending, without the library's `scissorhands_keep`, `keep_score` or `n_dropped`. The next cell computes the
-# toy's `counts` and `last`; with $B = 4$, $m = 3$ and $r = 1$, which tokens stay?
+# ascending, without the library's `scissorhands_keep`, `keep_score`, `n_dropped`, `evict_one` or its policy. The
+# next cell computes the toy's `counts` and `last`; with $B = 4$, $m = 3$ and $r = 1$, which tokens stay?
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
 history = torch.zeros(1, 1, 6, 3, dtype=torch.bool)      # the toy's last w = 3 flags per token
@@ -229,7 +229,7 @@ from exercises import calls, exercise
 
 @exercise("Exercise 1")
 def check_keep(keep_rule):
-    library = calls(keep_rule, "scissorhands_keep", "keep_score", "n_dropped")
+    library = calls(keep_rule, "scissorhands_keep", "keep_score", "n_dropped", "evict_one", "ScissorhandsPolicy")
     assert not library, f"from the counters and the attention alone: your function calls {', '.join(library)}"
     g = torch.Generator().manual_seed(1)
     cases = [(counts, last, 4, 3, 1)] + [(torch.randint(0, 4, (T,), generator=g).tolist(),

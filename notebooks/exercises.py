@@ -62,10 +62,18 @@ def calls(function, *names: str) -> list[str]:
     the library call the exercise asks the learner to do without. Functions defined inside it, and functions of
     the notebook it calls, are read too (a helper of the learner's that made the call was not seen), and an answer
     that is a forbidden function under another name (``my_leaves_at = streaming_keep``) is that function."""
-    space = function.__globals__
+    import functools
+
+    bound = []                                       # a partial's function and the functions it was given
+    while isinstance(function, functools.partial):
+        bound += [a for a in (*function.args, *function.keywords.values()) if callable(a)]
+        function = function.func
+    if not hasattr(function, "__code__") and hasattr(type(function).__call__, "__code__"):
+        function = type(function).__call__           # an object called as a function: its class's __call__
+    space = getattr(function, "__globals__", {})
     forbidden = {id(space[n]): n for n in names if callable(space.get(n))}     # the functions themselves
-    found = {forbidden[id(function)]} if id(function) in forbidden else set()
-    todo, seen = [function.__code__], set()
+    found = {forbidden[id(f)] for f in (function, *bound) if id(f) in forbidden}
+    todo, seen = [f.__code__ for f in (function, *bound) if hasattr(f, "__code__")], set()
     while todo:
         code = todo.pop()
         if code in seen:

@@ -392,6 +392,26 @@ def test_a_forbidden_function_under_another_name_is_seen():
     assert exercises.calls(space["by_hand"], "streaming_keep") == []
 
 
+def test_a_partial_or_a_callable_object_is_read_too():
+    """``functools.partial`` of an answer made ``calls`` fail with an AttributeError (no ``__globals__``), and a
+    partial over the forbidden function, or an object whose ``__call__`` makes the call, is that call (an
+    exercise audit's probes)."""
+    import functools
+    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
+    exercises = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exercises)
+    space = {"__name__": "__main__"}
+    exec("def streaming_keep(x, extra=0):\n    return x + extra\n"
+         "def by_hand(x, extra=0):\n    return x + 1 + extra\n"
+         "def apply(f, x):\n    return f(x)\n"
+         "class Rule:\n    def __call__(self, x):\n        return streaming_keep(x)\n", space)
+    assert exercises.calls(functools.partial(space["by_hand"], extra=1), "streaming_keep") == []
+    assert exercises.calls(functools.partial(space["streaming_keep"], extra=1), "streaming_keep") == ["streaming_keep"]
+    assert exercises.calls(functools.partial(space["apply"], space["streaming_keep"]), "streaming_keep") == \
+        ["streaming_keep"]
+    assert exercises.calls(space["Rule"](), "streaming_keep") == ["streaming_keep"]
+
+
 def test_an_answer_that_writes_into_its_input_is_refused_and_leaves_the_lessons_tensors_alone():
     """``exercises.on_copies``: lessons 03 and 04 compared an answer with values computed from the tensors they had
     handed it, so ``kept = attn; kept[~keep] = 0`` (no copy) changed both sides alike and passed."""
