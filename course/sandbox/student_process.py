@@ -610,13 +610,43 @@ class NotTriton(Exception):
     """A graded kernel that is not written in Triton's language alone."""
 
 
+def kernel_builtins(tl) -> dict:
+    """``JIT_BUILTINS`` as a kernel's namespace holds them: ``int``, ``float`` and ``bool`` of a tensor are
+    refused, as Triton's compiler refuses them. In the interpreter they gave a tensor's data as a Python number
+    to compute on outside Triton (with an f-string's text, a merge written in Python floats scored 8 / 8, round
+    sixteen)."""
+    def of_constants(convert):
+        def converted(*args):
+            if any(isinstance(a, tl.tensor) for a in args):
+                raise NotTriton(f"{convert.__name__}() of a tensor is not Triton's language: a tensor's data stays "
+                                "in Triton (.to(tl.float32) converts it)")
+            return convert(*args)
+        return converted
+    return {**JIT_BUILTINS, **{c.__name__: of_constants(c) for c in (int, float, bool)}}
+
+
+def constant_value(v) -> bool:
+    """A value a ``tl.constexpr`` parameter may be given: a number, a bool, a string, None, a dtype or constexpr."""
+    if v is None or type(v) in (int, float, bool, str):
+        return True
+    import triton.language as tl
+    return isinstance(v, (tl.constexpr, tl.dtype))
+
+
 def is_jit(decorator: ast.expr) -> bool:
     """``@triton.jit`` or ``@triton.jit(...)`` with constant arguments."""
     call = decorator if isinstance(decorator, ast.Call) else None
     target = call.func if call else decorator
     return (isinstance(target, ast.Attribute) and target.attr == "jit" and isinstance(target.value, ast.Name)
-            and target.value.id == "triton" and all(isinstance(k.value, ast.Constant) for k in
-                                                     (call.keywords if call else [])) and not (call and call.args))
+            and target.value.id == "triton" and all(map(literal, (k.value for k in (call.keywords if call else []))))
+            and not (call and call.args))
+
+
+def literal(node: ast.expr) -> bool:
+    """A constant, or a list or tuple of constants (``do_not_specialize=["n"]``)."""
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return all(isinstance(e, ast.Constant) for e in node.elts)
+    return isinstance(node, ast.Constant)
 
 
 def jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
@@ -645,6 +675,7 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
         if not plain_value(node, tl_names, set(kernels)):
             raise NotTriton(f"{where}, line {node.lineno}: {ast.unparse(node)}: a kernel's defaults and annotations "
                             "are literals, tl.<name> or the file's tl.constexpr constants")
+    constants = constexpr_parameters(fn) | set(kernels)         # what a kernel may write into a string
     own = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
     own |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     readable = own | set(kernels) | set(JIT_BUILTINS) | {"tl"}
@@ -653,6 +684,14 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
         line = f"{where}, line {getattr(node, 'lineno', fn.lineno)}"
         if not isinstance(node, KERNEL_SYNTAX):
             raise NotTriton(f"{line}: {type(node).__name__} is not Triton's language")
+        value = node.value if isinstance(node, ast.FormattedValue) else None
+        if value is not None and not (isinstance(value, ast.Constant) or isinstance(value, ast.Name)
+                                      and value.id in constants):
+            raise NotTriton(f"{line}: an f-string of {ast.unparse(value)} is not Triton's language: a kernel writes "
+                            "only literals and tl.constexpr values into text (a tensor's text is its data)")
+        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant)
+                and isinstance(node.left.value, str)):
+            raise NotTriton(f"{line}: %-formatting is not Triton's language")
         if isinstance(node, ast.Name) and node.id not in readable:
             raise NotTriton(f"{line}: {node.id}: a kernel reads only its arguments, its variables, tl, the file's "
                             "other kernels and a few built-ins")
@@ -665,6 +704,17 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                     raise NotTriton(f"{line}: tl.{node.attr} is not a name of triton.language")
             elif node.attr not in value_attributes():
                 raise NotTriton(f"{line}: .{node.attr}: a kernel reads only a tensor's or a dtype's attributes")
+
+
+def constexpr_parameters(fn: ast.FunctionDef) -> set[str]:
+    """The parameters annotated ``tl.constexpr`` (or ``"tl.constexpr"``, ``"constexpr"``): the interpreter hands
+    them their values as they are, unconverted (``KernelsAlone.launch`` checks those values are constants)."""
+    def constexpr(a: ast.expr | None) -> bool:
+        if isinstance(a, ast.Constant) and isinstance(a.value, str):
+            return a.value.strip().removeprefix("tl.") == "constexpr"
+        return isinstance(a, ast.Attribute) and a.attr == "constexpr" and isinstance(a.value, ast.Name) \
+            and a.value.id == "tl"
+    return {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs] if constexpr(a.annotation)}
 
 
 def header_values(fn: ast.FunctionDef) -> list[ast.expr]:
@@ -705,6 +755,13 @@ def stub_only(fn: ast.FunctionDef, hint: str) -> ast.FunctionDef:
     student copy reads ``s`` after its stub), and checked as it is, it made the untouched copy fail "not Triton"."""
     body = ast.parse(f"raise NotImplementedError({hint!r})").body
     return ast.fix_missing_locations(ast.FunctionDef(**{**vars(fn), "body": body}))
+
+
+@functools.cache
+def dtype_names() -> frozenset[str]:
+    """triton.language's dtypes by name (``tl.float32``, ``tl.int64``, ...): a file's constant may be one."""
+    import triton.language as tl
+    return frozenset(n for n in language_names() if isinstance(getattr(tl, n), tl.dtype))
 
 
 @functools.cache
@@ -763,16 +820,30 @@ def usable_name(name: str) -> bool:
     return not (name.startswith("__") or name in JIT_BUILTINS or name in RESERVED)
 
 
+def constant_number(node: ast.expr) -> bool:
+    """A number or a bool, signed or not, or ``float("inf")`` (``"-inf"``, ``"nan"``): what a file's constant holds."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        node = node.operand
+    if isinstance(node, ast.Constant):
+        return type(node.value) in (int, float, bool)
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float"
+            and not node.keywords and len(node.args) == 1 and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).strip().lower() in ("inf", "-inf", "+inf", "nan", "infinity", "-infinity"))
+
+
 def module_constants(tree: ast.Module) -> dict[str, str]:
-    """The file's top-level ``NAME = tl.constexpr(<a number or a bool>)``, as Triton lets a kernel read a global:
-    name -> the assignment written again (``ast.unparse``: a float too large is ``1e309``, never ``inf``)."""
+    """The file's top-level ``NAME = tl.constexpr(<a number>)`` (``constant_number``) and ``NAME = tl.<a dtype>``,
+    as Triton lets a kernel read a global: name -> the assignment written again (``ast.unparse``: a float too
+    large is ``1e309``, never ``inf``)."""
     found = {}
     for node in tree.body:
         value = node.value if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
         if (isinstance(value, ast.Call) and isinstance(node.targets[0], ast.Name) and not value.keywords
                 and isinstance(value.func, ast.Attribute) and value.func.attr == "constexpr"
                 and isinstance(value.func.value, ast.Name) and value.func.value.id == "tl" and len(value.args) == 1
-                and isinstance(value.args[0], ast.Constant) and type(value.args[0].value) in (int, float, bool)):
+                and constant_number(value.args[0])
+                or isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id == "tl"
+                and isinstance(node.targets[0], ast.Name) and value.attr in dtype_names()):
             if not usable_name(node.targets[0].id):
                 raise NotTriton(f"line {node.lineno}: {node.targets[0].id}: a constant kernels read takes a name of "
                                 "its own (not tl, triton, a built-in, a keyword of triton.jit or a dunder)")
@@ -855,7 +926,7 @@ class KernelsAlone:
             name = f"<the copy's kernels: {file}, {kernel}>"
             source = "\n".join(constants.values()) + "\n\n" + "\n\n".join(written_again(found[k]) for k in chain) + "\n"
             linecache.cache[name] = (len(source), None, source.splitlines(True), name)   # Triton reads the source
-            space = {"tl": tl, "triton": triton, "__builtins__": dict(JIT_BUILTINS)}
+            space = {"tl": tl, "triton": triton, "__builtins__": kernel_builtins(tl)}
             exec(compile(source, name, "exec"), space)
             self.ready[(file, kernel)] = space[kernel]
         return self.ready[(file, kernel)]
@@ -866,10 +937,23 @@ class KernelsAlone:
         self.kernels_of(file)                         # (a kernel of the file holding its stub is in self.stubs)
         if (file, kernel) in self.stubs:              # its hint in a line (the interpreter would wrap it)
             raise NotImplementedError(self.stubs[(file, kernel)])
+        import inspect
+
         compiled = self.kernel(file, kernel)
+        run = compiled[tuple(int(g) for g in grid)]
+        parameters = inspect.signature(compiled.fn).parameters
+        given = inspect.signature(compiled.fn).bind_partial(*args, **{k: v for k, v in meta.items() if k in parameters})
+        raw = constexpr_parameters(self.files[file][0][kernel]) | set(getattr(run, "constexprs", ()))
+        for name in raw & set(given.arguments):           # the interpreter's constexprs get their values as they are
+            if not constant_value(given.arguments[name]):
+                raise NotTriton(f"{file}, {kernel}: {name} is annotated tl.constexpr but is given a "
+                                f"{type(given.arguments[name]).__name__}: a constexpr is a number, a bool or a dtype "
+                                "(a tensor there reached the kernel as PyTorch's, not as a pointer)")
         try:
-            compiled[tuple(int(g) for g in grid)](*args, **meta)
+            run(*args, **meta)
         except Exception as e:                # noqa: BLE001  (Triton's interpreter wraps what the kernel raised)
+            if isinstance(e, NotTriton) or "NotTriton(" in str(e):
+                raise NotTriton(f"{file}, {kernel}: {e.__cause__ or e}") from None
             if not (isinstance(e, NameError) or str(e).startswith("NameError(")):
                 raise
             raise NotTriton(f"{file}, {kernel}: {e}: a kernel reads only its arguments, its variables, tl and the "

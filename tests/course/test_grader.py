@@ -151,6 +151,8 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
     "f = 0\n    match tl.zeros([1], tl.float32):\n        case tl.tensor(__reduce_ex__=f):\n            f(1)",
     # a class pattern reads any attribute: __reduce_ex__ gave `object`, then __globals__ (round fifteen)
     "x = {'p': p}",                                          # syntax outside what a kernel may use (a dict)
+    "x = f'{tl.load(p)}'",                                   # a tensor's data as text (round sixteen)
+    "x = '%s' % tl.load(p)",
 ])
 def test_a_kernel_that_leaves_tritons_language_is_refused(body):
     """The kernels' process checks each kernel's syntax, not its namespace: each of these ran PyTorch as a kernel
@@ -182,6 +184,9 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
+NEG = tl.constexpr(-1)
+NEG_INF = tl.constexpr(float("-inf"))
+DT = tl.float32
 
 
 @triton.jit
@@ -189,11 +194,12 @@ def exp_of(x) -> tl.tensor:
     return tl.math.exp2(x * LOG2E)
 
 
-@triton.jit
-def ordinary(x_ptr, N: tl.constexpr):
+@triton.jit(do_not_specialize=["n"])
+def ordinary(x_ptr, n, N: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.static_assert(len(offs.shape) == 1)
-    tl.store(x_ptr + offs, exp_of(tl.load(x_ptr + offs)))
+    tl.static_assert(len(offs.shape) == 1, f"one axis of {N}")
+    x = tl.load(x_ptr + offs, mask=offs < n, other=NEG_INF).to(DT)
+    tl.store(x_ptr + offs, exp_of(tl.maximum(x, NEG_INF)) * -NEG, mask=offs < n)
 
 
 @triton.jit
@@ -205,8 +211,10 @@ def refused(x_ptr):
 def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp_path, monkeypatch):
     """Constructs of Triton's own tutorials and compiler that the kernels' process refused, zeroing every task
     of the file (a helper's correct kernels, 0 / 16 each): ``tl.math.exp2`` (as ``tl.exp2``), a module-level
-    ``tl.constexpr`` constant, a return annotation (never run: Triton does not read it), ``len``. They run
-    now; a kernel leaving Triton's language is refused when it is launched, not when a file's other kernel is."""
+    ``tl.constexpr`` constant, a return annotation (never run: Triton does not read it), ``len``; then (round
+    sixteen) a negative constant, ``float("-inf")``, a dtype constant, ``do_not_specialize`` and an f-string of a
+    constexpr. They run now; a kernel leaving Triton's language is refused when it is launched, not when a
+    file's other kernel is."""
     pytest.importorskip("triton")
     import torch
 
@@ -215,7 +223,7 @@ def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp
     (tmp_path / "k.py").write_text(ORDINARY_TRITON)
     alone, x = KernelsAlone(tmp_path), torch.randn(8)
     want = x.exp()
-    alone.launch("k.py", "ordinary", [1], [x], {"N": 8})
+    alone.launch("k.py", "ordinary", [1], [x, 8], {"N": 8})
     torch.testing.assert_close(x, want)
     with pytest.raises(NotTriton, match="k.py, line"):
         alone.launch("k.py", "refused", [1], [x], {})

@@ -390,7 +390,8 @@ def torch_inside(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 @pytest.mark.parametrize("inside", ["import torch", "y = torch.ones(3)", "y = tl.core", "y = x_ptr.__class__",
                                     "y = [i for i in range(3)]", "y = os.getcwd()",
                                     "f = 0\n    match tl.zeros([1], tl.float32):\n        case tl.tensor("
-                                    "__reduce_ex__=f):\n            y = f(1)"])
+                                    "__reduce_ex__=f):\n            y = f(1)",
+                                    "y = float(tl.load(x_ptr))", "y = f'{tl.load(x_ptr)}'"])
 def test_the_copys_kernels_run_alone_and_in_triton_only(tmp_path, inside):
     """``adapters.launch`` runs a kernel of the copy's file with the test's own grid and arguments, in a process
     that never imports the copy's module (its top-level code does not run): the kernel's writes come back; a

@@ -9,6 +9,9 @@ process). Here:
 * What the student's process writes into its dump reaches the grader's table escaped (a file name in a fake
   traceback held a terminal's escape sequences).
 * A tensor's type name from the student's process never makes the test process import a module of torch.
+* Round sixteen, the kernel checker again: a pointer parameter annotated ``tl.constexpr`` reached the kernel as
+  the PyTorch tensor itself (the interpreter leaves a constexpr's value as it is), and a tensor's data became
+  Python numbers through an f-string or ``float()``: both merged the partials outside Triton, 8 / 8.
 """
 
 from __future__ import annotations
@@ -88,3 +91,32 @@ def test_a_tensors_type_name_imports_nothing():
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["torch.float32", "[]"], out.stdout
+
+
+TORCH_IN_A_KERNEL = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def k(x: tl.constexpr, out: tl.constexpr, N: tl.constexpr):
+    out += x.exp().sum()
+
+
+@triton.jit
+def k_quoted(x: "tl.constexpr", out: "constexpr", N: tl.constexpr):
+    out += x.exp().sum()
+"""
+
+
+@pytest.mark.parametrize("kernel", ["k", "k_quoted"])
+def test_a_tensor_given_to_a_constexpr_parameter_is_refused(tmp_path, monkeypatch, kernel):
+    pytest.importorskip("triton")
+    import torch
+
+    from course.sandbox.student_process import KernelsAlone, NotTriton
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (tmp_path / "k.py").write_text(TORCH_IN_A_KERNEL)
+    x, out = torch.randn(4), torch.zeros(1)
+    with pytest.raises(NotTriton, match="annotated tl.constexpr but is given a Tensor"):
+        KernelsAlone(tmp_path).launch("k.py", kernel, [1], [x, out], {"N": 4})
+    assert out.item() == 0.0
