@@ -221,8 +221,8 @@ def check_exact(exact):
         assert said.dtype == torch.bool, "a bool per token: True where you predict the key comes back exactly"
         assert not (said & ~came_back).any(), \
             "some tokens you call exact come back too large: alone in one row is not enough, the median needs two"
-        assert torch.equal(said, came_back), \
-            "some exact keys you missed: count the tokens in every cell of every row, then look up each token's cells"
+        assert torch.equal(said, came_back), "some exact keys you missed: count the tokens in every cell of every " \
+            "row, look up each token's cells, and call it exact where it is alone in at least two rows (not all)"
 
 
 check_exact(my_exact)
