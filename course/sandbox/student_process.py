@@ -692,6 +692,9 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
         if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant)
                 and isinstance(node.left.value, str)):
             raise NotTriton(f"{line}: %-formatting is not Triton's language")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and not static(node, constants):
+            raise NotTriton(f"{line}: {ast.unparse(node)}: ** of a value known only when the kernel runs is not "
+                            "Triton's language (a tensor has no **; tl.exp2 and tl.log2 compute a power)")
         if isinstance(node, ast.Name) and node.id not in readable:
             raise NotTriton(f"{line}: {node.id}: a kernel reads only its arguments, its variables, tl, the file's "
                             "other kernels and a few built-ins")
@@ -704,6 +707,20 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                     raise NotTriton(f"{line}: tl.{node.attr} is not a name of triton.language")
             elif node.attr not in value_attributes():
                 raise NotTriton(f"{line}: .{node.attr}: a kernel reads only a tensor's or a dtype's attributes")
+
+
+def static(node: ast.expr, constants: set[str]) -> bool:
+    """An expression of literals and ``constants`` (constexpr parameters, the file's constants) alone: Python
+    computes it before Triton does (``2**63 - 1``, ``BLOCK ** 2``). In the interpreter, a value counted out of the
+    data through ``range`` or ``if`` is a Python number too, on which ``**`` would run where Triton's compiler
+    refuses it."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.Name):
+        return node.id in constants
+    if isinstance(node, ast.UnaryOp):
+        return static(node.operand, constants)
+    return isinstance(node, ast.BinOp) and static(node.left, constants) and static(node.right, constants)
 
 
 def constexpr_parameters(fn: ast.FunctionDef) -> set[str]:
