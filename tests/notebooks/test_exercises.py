@@ -357,13 +357,19 @@ def test_the_probes_see_a_check_that_refuses_a_right_answer_in_another_form():
                                                                     [{"my_total": "torch.tensor(0.375)"}])
 
 
+def exercises_module():
+    """``notebooks/exercises.py``, loaded as the notebooks import it."""
+    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_a_library_call_inside_a_helper_of_the_learners_is_seen():
     """``exercises.calls`` refuses an answer made with the library call an exercise asks to do without, also when
     the call is in a function defined inside the answer or in another function of the notebook it calls (the
     answer's own code names neither: lessons 01, 03 and 04 passed such answers)."""
-    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
-    exercises = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exercises)
+    exercises = exercises_module()
     space = {"__name__": "__main__", "library_rule": lambda *a: a}
     exec("def direct(x):\n    return library_rule(x)\n"
          "def nested(x):\n    inner = lambda y: library_rule(y)\n    return inner(x)\n"
@@ -378,9 +384,7 @@ def test_a_library_call_inside_a_helper_of_the_learners_is_seen():
 def test_a_forbidden_function_under_another_name_is_seen():
     """Lesson 01's Exercise 1 forbids section 2.1's ``streaming_keep``: ``my_leaves_at = streaming_keep`` (or a
     call through another name for it) passed, since neither answer's code names it."""
-    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
-    exercises = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exercises)
+    exercises = exercises_module()
     space = {"__name__": "__main__"}
     exec("def streaming_keep(x):\n    return x + 1\n"
          "my_leaves_at = streaming_keep\n"
@@ -397,9 +401,7 @@ def test_a_partial_or_a_callable_object_is_read_too():
     partial over the forbidden function, or an object whose ``__call__`` makes the call, is that call (an
     exercise audit's probes)."""
     import functools
-    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
-    exercises = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exercises)
+    exercises = exercises_module()
     space = {"__name__": "__main__"}
     exec("def streaming_keep(x, extra=0):\n    return x + extra\n"
          "def by_hand(x, extra=0):\n    return x + 1 + extra\n"
@@ -416,9 +418,7 @@ def test_an_answer_that_writes_into_its_input_is_refused_and_leaves_the_lessons_
     """``exercises.on_copies``: lessons 03 and 04 compared an answer with values computed from the tensors they had
     handed it, so ``kept = attn; kept[~keep] = 0`` (no copy) changed both sides alike and passed."""
     import torch
-    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
-    exercises = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exercises)
+    exercises = exercises_module()
     attn, keep = torch.tensor([0.5, float("nan"), 0.25]), torch.tensor([True, False, True])
 
     def aliased(attn, keep):
@@ -441,9 +441,7 @@ def test_an_answer_that_writes_into_its_input_is_refused_and_leaves_the_lessons_
 def test_where_differs_names_the_first_entry_and_the_shape():
     """``exercises.where_differs``, the by-hand checks' message: a shape, or the first entry that differs."""
     import torch
-    spec = importlib.util.spec_from_file_location("notebook_exercises", NOTEBOOKS / "exercises.py")
-    exercises = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exercises)
+    exercises = exercises_module()
     lib = torch.zeros(2, 3)
     mine = lib.clone()
     mine[1, 2], mine[1, 0] = 0.5, 1e-9                       # the second is within tolerance
