@@ -729,8 +729,7 @@ def constexpr_parameters(fn: ast.FunctionDef) -> set[str]:
     def constexpr(a: ast.expr | None) -> bool:
         if isinstance(a, ast.Constant) and isinstance(a.value, str):
             return a.value.strip().removeprefix("tl.") == "constexpr"
-        return isinstance(a, ast.Attribute) and a.attr == "constexpr" and isinstance(a.value, ast.Name) \
-            and a.value.id == "tl"
+        return tl_attribute(a, lambda name: name == "constexpr")
     return {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs] if constexpr(a.annotation)}
 
 
@@ -742,13 +741,23 @@ def header_values(fn: ast.FunctionDef) -> list[ast.expr]:
             *(a.annotation for a in arguments if a is not None and a.annotation is not None)]
 
 
+def tl_attribute(node: ast.expr | None, attr_ok) -> bool:
+    """``node`` is ``tl.<name>`` with ``attr_ok(name)``."""
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "tl" \
+        and attr_ok(node.attr)
+
+
+def unsigned(node: ast.expr) -> ast.expr:
+    """``node`` without a leading ``-`` or ``+``."""
+    return node.operand if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) else node
+
+
 def plain_value(node: ast.expr, tl_names: set[str], names: set[str]) -> bool:
     """A number, a string or None (signed or not), ``tl.<name>``, or one of ``names`` (the file's constants): a
     default or an annotation evaluated in the module's scope, where a name of the function's own is not its
     argument (``triton=triton``, or a default calling a kernel, which filled the namespace with the
     interpreter's globals, ran ``exec``: a red-team helper's escape)."""
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        node = node.operand
+    node = unsigned(node)
     if isinstance(node, ast.Constant):
         return type(node.value) in (int, float, bool, str, type(None))
     if isinstance(node, ast.Attribute):
@@ -839,8 +848,7 @@ def usable_name(name: str) -> bool:
 
 def constant_number(node: ast.expr) -> bool:
     """A number or a bool, signed or not, or ``float("inf")`` (``"-inf"``, ``"nan"``): what a file's constant holds."""
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        node = node.operand
+    node = unsigned(node)
     if isinstance(node, ast.Constant):
         return type(node.value) in (int, float, bool)
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float"
@@ -852,15 +860,16 @@ def module_constants(tree: ast.Module) -> dict[str, str]:
     """The file's top-level ``NAME = tl.constexpr(<a number>)`` (``constant_number``) and ``NAME = tl.<a dtype>``,
     as Triton lets a kernel read a global: name -> the assignment written again (``ast.unparse``: a float too
     large is ``1e309``, never ``inf``)."""
+    def constant(value) -> bool:                                    # tl.constexpr(<a number>), or tl.<a dtype>
+        if isinstance(value, ast.Call):
+            return (tl_attribute(value.func, lambda a: a == "constexpr") and not value.keywords
+                    and len(value.args) == 1 and constant_number(value.args[0]))
+        return tl_attribute(value, lambda a: a in dtype_names())
+
     found = {}
     for node in tree.body:
         value = node.value if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
-        if (isinstance(value, ast.Call) and isinstance(node.targets[0], ast.Name) and not value.keywords
-                and isinstance(value.func, ast.Attribute) and value.func.attr == "constexpr"
-                and isinstance(value.func.value, ast.Name) and value.func.value.id == "tl" and len(value.args) == 1
-                and constant_number(value.args[0])
-                or isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id == "tl"
-                and isinstance(node.targets[0], ast.Name) and value.attr in dtype_names()):
+        if value is not None and isinstance(node.targets[0], ast.Name) and constant(value):
             if not usable_name(node.targets[0].id):
                 raise NotTriton(f"line {node.lineno}: {node.targets[0].id}: a constant kernels read takes a name of "
                                 "its own (not tl, triton, a built-in, a keyword of triton.jit or a dunder)")
@@ -958,8 +967,8 @@ class KernelsAlone:
 
         compiled = self.kernel(file, kernel)
         run = compiled[tuple(int(g) for g in grid)]
-        parameters = inspect.signature(compiled.fn).parameters
-        given = inspect.signature(compiled.fn).bind_partial(*args, **{k: v for k, v in meta.items() if k in parameters})
+        signature = inspect.signature(compiled.fn)
+        given = signature.bind_partial(*args, **{k: v for k, v in meta.items() if k in signature.parameters})
         raw = constexpr_parameters(self.files[file][0][kernel]) | set(getattr(run, "constexprs", ()))
         for name in raw & set(given.arguments):           # the interpreter's constexprs get their values as they are
             if not constant_value(given.arguments[name]):
