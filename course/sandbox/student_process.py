@@ -599,7 +599,7 @@ JIT_BUILTINS = {"range": range, "min": min, "max": max, "float": float, "int": i
 # `__globals__` and `exec`; merge_splits 8 / 8 in PyTorch, round fifteen).
 KERNEL_SYNTAX = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For, ast.While, ast.If, ast.Return, ast.Expr, ast.Pass,
                  ast.Break, ast.Continue, ast.Raise, ast.Assert,                                # statements
-                 ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.IfExp, ast.Compare, ast.Call, ast.keyword,
+                 ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.IfExp, ast.Compare, ast.Call, ast.keyword, ast.NamedExpr,
                  ast.Attribute, ast.Subscript, ast.Slice, ast.Name, ast.Constant, ast.Tuple, ast.List,
                  ast.JoinedStr, ast.FormattedValue,                                             # expressions
                  ast.arguments, ast.arg, ast.expr_context, ast.operator, ast.unaryop, ast.cmpop,

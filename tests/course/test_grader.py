@@ -151,6 +151,7 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
     "f = 0\n    match tl.zeros([1], tl.float32):\n        case tl.tensor(__reduce_ex__=f):\n            f(1)",
     # a class pattern reads any attribute: __reduce_ex__ gave `object`, then __globals__ (round fifteen)
     "x = {'p': p}",                                          # syntax outside what a kernel may use (a dict)
+    "x = (tl := p)",                                         # tl rebound, by a walrus as by an assignment
     "x = f'{tl.load(p)}'",                                   # a tensor's data as text (round sixteen)
     "x = '%s' % tl.load(p)",
     "n = 0\n    for i in range(tl.load(p)):\n        n += 1\n    x = 2.0 ** n",   # a power of a number counted out
@@ -199,8 +200,8 @@ def exp_of(x) -> tl.tensor:
 def ordinary(x_ptr, n, N: tl.constexpr):
     offs = tl.arange(0, N)
     tl.static_assert(len(offs.shape) == 1, f"one axis of {N}")
-    x = tl.load(x_ptr + offs, mask=offs < n, other=NEG_INF).to(DT)
-    tl.store(x_ptr + offs, exp_of(tl.maximum(x, NEG_INF)) * -NEG, mask=offs < n)
+    x = tl.load(x_ptr + offs, mask=(inside := offs < n), other=NEG_INF).to(DT)
+    tl.store(x_ptr + offs, exp_of(tl.maximum(x, NEG_INF)) * -NEG, mask=inside)
 
 
 @triton.jit
@@ -210,12 +211,12 @@ def refused(x_ptr):
 
 
 def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp_path, monkeypatch):
-    """Constructs of Triton's own tutorials and compiler that the kernels' process refused, zeroing every task
-    of the file (a helper's correct kernels, 0 / 16 each): ``tl.math.exp2`` (as ``tl.exp2``), a module-level
-    ``tl.constexpr`` constant, a return annotation (never run: Triton does not read it), ``len``; then (round
-    sixteen) a negative constant, ``float("-inf")``, a dtype constant, ``do_not_specialize`` and an f-string of a
-    constexpr. They run now; a kernel leaving Triton's language is refused when it is launched, not when a
-    file's other kernel is."""
+    """Constructs of Triton's own tutorials and compiler that the kernels' process refused, zeroing every task of the
+    file (a helper's correct kernels, 0 / 16 each): ``tl.math.exp2`` (as ``tl.exp2``), a module-level ``tl.constexpr``
+    constant, a return annotation (never run: Triton does not read it), ``len``; then (round sixteen) a negative
+    constant, ``float("-inf")``, a dtype constant, ``do_not_specialize`` and an f-string of a constexpr; a walrus
+    (``:=``, which Triton's compiler reads as an assignment). They run now; a kernel leaving Triton's language is
+    refused when it is launched, not when a file's other kernel is."""
     pytest.importorskip("triton")
     import torch
 
