@@ -38,7 +38,7 @@ import torch
 # | $A'$ | the attention over the kept entries | `renormalized_attention` |
 # | $\mathcal{L}$ | the output perturbation | `output_perturbation`, `L` |
 # | $C$, $\theta$ | $\sum_n A_n P_n$, and the bound on $\mathcal{L}$ | `perturbation_bound`, `theta` |
-# | $\alpha$, $\sigma$ | the share of $B$ kept by attention first (of $B - w$ in section 2), and its mass | `alpha` |
+# | $\alpha$, $\sigma$ | the share of $B$ kept by attention first ($B - w$ in section 2); its mass | `alpha`, `sigma` |
 #
 # The head adds $A V W_O^{(h)}$ to the layer's output (Eq. 2). When CriticalKV evicts entries, the softmax over the
 # kept ones is the old attention renormalised (Theorem 1, Eq. 6), and the output moves by $\mathcal{L}$ (Eq. 5):
@@ -109,11 +109,9 @@ g, n_heads = torch.Generator().manual_seed(0), 300
 for trial in range(n_heads):
     T = int(torch.randint(4, 40, (1,), generator=g))                  # entries in this head
     attn = torch.softmax(torch.randn(T, generator=g) * 3, -1)         # (T,) one query's attention A
-    P = torch.rand(T, generator=g) * 4                                # (T,) projected value sizes P_n
-    # every other block of 4 heads: P / A, so that A * P is not ordered like A and stage 2 differs from stage 1
-    P = P / attn if trial // 4 % 2 else P
+    P = torch.rand(T, generator=g) * 4 / attn ** (trial % 2)          # (T,) P_n; odd heads: A * P not ordered like A
     budget = int(torch.randint(1, T + 1, (1,), generator=g))          # the budget B
-    alpha = [0.0, 0.25, 0.5, 1.0][trial % 4]
+    alpha = (0.0, 0.25, 0.5, 1.0)[trial // 2 % 4]                     # each alpha with both kinds of P
     mine = algorithm1(attn, P, budget, alpha)
     assert torch.equal(mine, perturbation_constrained_select(attn, P, budget, alpha)), \
         f"B = {budget}, alpha = {alpha}: kept {mine.tolist()}; stage 1: the floor(alpha B) largest A; stage 2: A * P"
@@ -165,64 +163,37 @@ for second in (1, 2, 3):                                      # stage 2's candid
 #   the window's votes, max-pooled, averaged over a KV head's query heads);
 # * **stage 2** fills the rest by $s_n \bar P_n$, with $\bar P_n$ the mean of $P_n$ over the KV head's query heads.
 #
-# That is how the authors' code reads Algorithm 2 (kvpress's `CriticalKVPress` too); as printed, stage 2 multiplies
-# $P_n$ by the window's attention before pooling instead. The lab compares the two readings, and kvpress's settings
-# (its $\alpha$ a share of the whole $B$). Below, the two stages by hand in layer 0 of
-# lesson 01's bundled model, against what `CriticalKVPolicy` keeps.
+# That is how the authors' code reads Algorithm 2, and kvpress's `CriticalKVPress` too; the lab compares it with
+# line 9 read literally (stage 2 multiplies $P_n$ by the window's attention, not pooled). Below, layer 0 of lesson
+# 01's bundled model: the entries `CriticalKVPolicy` keeps and SnapKV drops, and which stage chose them
+# (`policy.last[layer]` holds each stage's positions, -1 elsewhere).
 
 # %% tags=["needs:two_stage"]
-from experiments.analysis.persistence import record_attention
-from methods.critical_kv import CriticalKVPolicy, projected_value_norms
-from methods.snapkv import SnapKVPolicy, snapkv_scores
+from methods.critical_kv import CriticalKVPolicy
+from methods.snapkv import SnapKVPolicy
 from nanollm import KVCache, load
 from nanollm.data.tasks import make_sample
 from nanollm.generation import prefill
 
 model, tok, _ = load("retrieval-llama")                       # 4 layers, H = 4 query heads, H_kv = 2 KV heads
 ids = torch.tensor([make_sample("niah_single_prose", tok, 256, seed=3).prompt_ids])             # (1, T)
-T, H, H_kv = ids.shape[1], model.config.n_head, model.config.n_kv_head
 B, W, ALPHA = 48, 8, 0.25                        # the budget per KV head, SnapKV's window, stage 1's share
-policies = {"full": None, "snapkv": SnapKVPolicy(B, window=W),
-            "critical_kv": CriticalKVPolicy(B, alpha=ALPHA, inner=SnapKVPolicy(B, window=W))}
-caches = {name: KVCache(model.config, policy) for name, policy in policies.items()}
+critical = CriticalKVPolicy(B, alpha=ALPHA, inner=SnapKVPolicy(B, window=W))
+caches = {"snapkv": KVCache(model.config, SnapKVPolicy(B, window=W)), "critical_kv": KVCache(model.config, critical)}
 for cache in caches.values():
     prefill(model, ids, cache)
-print(f"T = {T} prompt tokens; each KV head keeps B = {B}: the window's {W}, then {int(ALPHA * (B - W))} by s_n "
-      f"(stage 1) and {B - W - int(ALPHA * (B - W))} by s_n P-bar_n (stage 2)")
-
-# %% tags=["needs:two_stage"]
-layer, prefix = 0, T - W                          # the window, positions T - W .. T - 1, is kept whole
-probs = record_attention(model, ids)[layer][None]                                    # (1, H, T, T) the attention
-s = snapkv_scores(probs, H_kv, window=W, kernel=7, pooling="max")[0, :, :prefix]     # (H_kv, T - W) s_n
-v, w_o = caches["full"].layers[layer].v, model.blocks[layer].attn.o_proj.weight
-P = projected_value_norms(v, w_o, H)[0]                                              # (H, T) P_n per query head
-P = P.view(H_kv, H // H_kv, T).mean(1)[:, :prefix]                                   # (H_kv, T - W) P-bar_n
-
-# stage 1: the floor(alpha (B - w)) highest s_n
-n1 = int(ALPHA * (B - W))
-stage1 = s.sort(dim=-1, descending=True, stable=True).indices[:, :n1]                # (H_kv, n1)
-# stage 2: the highest s_n P-bar_n among the rest (stage 1's entries scored -inf)
-second = (s * P).scatter(-1, stage1, float("-inf"))                                  # (H_kv, T - W)
-stage2 = second.sort(dim=-1, descending=True, stable=True).indices[:, :B - W - n1]   # (H_kv, B - w - n1)
-# kept: the two stages and the window, ascending; the library scores the window +inf (it fills stage 1's first w
-# places) and divides s_n by w before stage 2: neither changes what is kept
-window = torch.arange(prefix, T).expand(H_kv, W)                                     # (H_kv, w)
-by_hand = torch.cat([stage1, stage2, window], -1).sort(-1).values                    # (H_kv, B)
-
-
-def held(name):                                               # (H_kv, B) the positions a cache keeps in layer 0
-    return caches[name].layers[layer].pos[0].sort(-1).values
-
-
-assert torch.equal(by_hand, held("critical_kv")), "the two stages by hand differ from CriticalKVPolicy's"
-for j in range(H_kv):
-    swapped = sorted(set(held("critical_kv")[j].tolist()) - set(held("snapkv")[j].tolist()))
-    print(f"KV head {j}: CriticalKV keeps {len(swapped)} entries SnapKV drops, at {swapped}")
-print("by hand == CriticalKVPolicy in layer 0")
+print(f"T = {ids.shape[1]} prompt tokens; each KV head keeps B = {B}: the window's {W}, then {int(ALPHA * (B - W))} "
+      f"by s_n (stage 1) and {B - W - int(ALPHA * (B - W))} by s_n P-bar_n (stage 2)")
+for j in range(model.config.n_kv_head):
+    kept = {name: set(cache.layers[0].pos[0, j].tolist()) for name, cache in caches.items()}   # layer 0, KV head j
+    swapped = sorted(kept["critical_kv"] - kept["snapkv"])
+    by_stage2 = set(critical.last[0]["stage2_pos"][0, j].tolist())                 # stage 2's positions, and -1
+    assert set(swapped) <= by_stage2, "an entry SnapKV drops was kept by stage 1"
+    print(f"KV head {j}: CriticalKV keeps {len(swapped)} entries SnapKV drops, at {swapped}: all chosen by stage 2")
 
 # %% [markdown]
-# Every entry CriticalKV keeps and SnapKV drops is stage 2's: stage 1 takes the highest $s_n$, which SnapKV keeps
-# too. Whether the trade helps on a task is the lab's question.
+# Stage 1 takes the highest $s_n$, which SnapKV keeps too, so every entry the two disagree on is stage 2's: the
+# trade of attention for value size. Whether it helps on a task is the lab's question.
 #
 # ## Exercises
 #
@@ -355,7 +326,8 @@ for s, hs in heads.items():
     losses[s] = 1 - reference_wins[s] - ties
     sigma = sum(float(a.topk(4).values.sum()) for a, _ in hs) / 200           # stage 1 keeps floor(0.25 * 16) = 4
     print(f"sharpness {s}: stage 1's 4 entries hold sigma = {sigma:.2f} of the mass; Algorithm 1's L lower in "
-          f"{reference_wins[s]:.2f} of the heads, equal in {ties:.2f}, higher in {losses[s]:.2f}")
+          f"{reference_wins[s]:.2f} of the heads, equal (the same entries kept) in {ties:.2f}, "
+          f"higher in {losses[s]:.2f}")
 behind = sum(losses[s] > reference_wins[s] for s in SHARPNESS)
 print(f"Algorithm 1 wins more often as the attention concentrates, yet it loses more often than it wins at {behind} "
       f"of the {len(SHARPNESS)} sharpnesses: concentrated attention is needed, not enough.")
