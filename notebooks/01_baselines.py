@@ -21,7 +21,7 @@ model, tok, _ = load("retrieval-llama")    # the bundled model: 0.87M parameters
 # Sixteen prompt tokens, 4 query heads sharing 2 KV heads (query heads 0-1 read KV head 0, 2-3 read KV head
 # 1), and a made-up causal attention: every query attends token 0, a *sink*; queries 6-11 attend token 5, an
 # early *heavy hitter*; the last four queries, the *observation window*, attend token 9 in KV head 0 and spread
-# over tokens 2, 3, 7 and 8 in KV head 1 (as much as over the sink 0: both get the same +3).
+# over tokens 2, 3, 7 and 8 in KV head 1 (a little less each, and each less than the sink 0).
 
 # %%
 import torch
@@ -31,7 +31,7 @@ logits = torch.zeros(1, H_TOY, T_TOY, T_TOY)
 logits[..., 0] += 3.0                                             # a sink for every query
 logits[:, :, 6:12, 5] += 4.0                                      # an early heavy hitter
 logits[:, :2, 12:, 9] += 5.0                                      # window of KV head 0: one token
-logits[:, 2:, 12:, [2, 3, 7, 8]] += 3.0                           # window of KV head 1: spread out
+logits[:, 2:, 12:, [2, 3, 7, 8]] += torch.tensor([2.9, 2.8, 2.7, 2.6])   # window of KV head 1: spread out
 toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
 
 # %% [markdown]
@@ -136,8 +136,8 @@ for j, row in enumerate(h2o_scores(toy_steps, HKV_TOY)):                   # (T,
 # s_{j,n} \;=\; \frac{1}{G} \sum_{h \in \mathcal{G}_j} \; \max_{|n' - n| \le \lfloor P/2 \rfloor,\; n' < T - w} u^h_{n'}
 # \qquad \text{(§4.1, §4.2)}$$
 #
-# Each KV head keeps the window and its $B - w$ best-scored prefix tokens. SnapKV compresses **the prompt
-# only, once**: tokens decoded later are all kept.
+# Each KV head keeps the window (a cache ranks it at $+\infty$) and its $B - w$ best-scored prefix tokens. SnapKV
+# compresses **the prompt only, once**: tokens decoded later are all kept.
 
 # %%
 from exercises import where_differs
@@ -215,10 +215,9 @@ print("adakv_keep makes the library's choice for both scales and safeguards 0, 1
 # ### 2.5 What each rule keeps of the toy
 #
 # The library's H2O, SnapKV and AdaKV on the whole toy, read as one prompt (StreamingLLM's choice is in
-# section 2.1), with SnapKV's scores pooled ($P = 3$), then not ($P = 1$). A policy's `rank` gives the scores a
-# cache sorts by, protected entries at $+\infty$; `select_topk` keeps each KV head's best `B_TOY`;
-# `mask_to_indices` lists AdaKV's kept slots. Every rule breaks a tie for the earlier position, and the toy's
-# round numbers tie often: read "the earlier token wins" wherever two scores below are equal.
+# section 2.1), SnapKV's votes not pooled ($P = 1$), so that no two scores tie. A policy's `rank` gives the
+# scores a cache sorts by, the entries it always keeps (SnapKV's window, H2O's recent tokens) at $+\infty$;
+# `select_topk` keeps each KV head's best `B_TOY`; `mask_to_indices` lists AdaKV's kept slots.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from methods.h2o import H2OPolicy
@@ -226,32 +225,27 @@ from nanollm import KVCache, decode_step, prefill, select_topk
 
 pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)                   # (1, H_kv, T) positions of the slots
 h2o_rank = H2OPolicy(B_TOY, n_recent=3).rank(received_attention(toy_probs.sum(2), HKV_TOY), pos, T_TOY)
-toy_kept = {"H2O (3 recent)": select_topk(h2o_rank, B_TOY)}
-for P in (3, 1):
-    snap = SnapKVPolicy(B_TOY, window=W_TOY, kernel=P).rank(
-        snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=P, pooling="max"), pos, T_TOY)
-    toy_kept[f"SnapKV (P = {P})"] = select_topk(snap, B_TOY)
-    toy_kept[f"AdaKV (P = {P})"] = mask_to_indices(adaptive_keep_mask(snap, B_TOY, int(0.2 * B_TOY)))
+snap_rank = SnapKVPolicy(B_TOY, window=W_TOY, kernel=1).rank(
+    snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=1, pooling="max"), pos, T_TOY)
+toy_kept = {"H2O (3 recent)": select_topk(h2o_rank, B_TOY), "SnapKV (P = 1)": select_topk(snap_rank, B_TOY),
+            "AdaKV (P = 1)": mask_to_indices(adaptive_keep_mask(snap_rank, B_TOY, int(0.2 * B_TOY)))}
 print(f"B_TOY = {B_TOY} entries per KV head (AdaKV: {HKV_TOY * B_TOY} in the layer), safeguard {int(0.2 * B_TOY)}")
 for name, idx in toy_kept.items():                                   # idx (1, H_kv, K); -1 marks an unused slot
     heads = [f"KV head {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)]
     print(f"{name:15}", "   ".join(heads))
 
 # %% [markdown]
-# **H2O** keeps the sink 0, the heavy hitter 5 and its 3 recent tokens. Its one other entry is 9 in KV head 0, but 2
-# in KV head 1, where the window attends 0, 2, 3, 7 and 8 alike: earlier tokens are attended by more queries, so
-# H2O's sums favour old tokens.
+# **H2O** keeps the sink 0, the heavy hitter 5 and its 3 recent tokens, and one more: 9 in KV head 0, 2 in KV
+# head 1, the tokens the window attends. Token 5 stays on the attention it received long before the window.
 #
-# **SnapKV** drops token 5, which the window does not attend. With $P = 3$ the pooling makes neighbours tie,
-# and the earlier tokens win the ties: KV head 0 keeps 9 and 8, KV head 1 its first two tokens, 0 and 1 (1 is
-# pooled up from 0 and 2, each voted for as much as 3, 7 and 8).
+# **SnapKV** drops token 5, which the window does not attend, and keeps the two prefix tokens the window
+# attends most: the sink 0 and 9 in KV head 0, the sink 0 and 2 in KV head 1.
 #
-# **AdaKV** shares the layer's 12 entries: the two windows take 8 (scored $+\infty$), so 4 are free, whichever
-# head they fall in. At $P = 1$ KV head 0, whose window attends 9 alone, takes one of them and leaves three to the
-# spread-out KV head 1 (5 entries against 7). At $P = 3$ it goes the other way: the pooling copies 9's strong vote
-# onto 8 and 10, and the copies outrank KV head 1's weaker votes; the fourth free entry goes to KV head 1's token 0
-# (0.73, tied with most of its tokens, the earliest first, above KV head 0's 0.44). (The safeguard, 1 entry, falls
-# in the window either way.)
+# **AdaKV** shares the layer's 12 entries: the two windows take 8 ($+\infty$), so 4 are free, whichever head they
+# fall in. KV head 0's window attends 9 alone: after 9 (3.28), its next vote is the sink's 0.44, below KV head 1's
+# 0.87, 0.79 and 0.71 for tokens 0, 2 and 3. So KV head 0 gets one free entry and the spread-out KV head 1 three
+# (5 entries against 7). The safeguard, 1 entry, falls in each window and changes nothing here; section 2.4's
+# printout shows what it is for: with KV head 0's scores ten times larger, a safeguard of 0 hands it all 12 entries.
 #
 # ## Exercises
 #
@@ -260,13 +254,13 @@ for name, idx in toy_kept.items():                                   # idx (1, H
 #
 # ### Exercise 1: how long a token stays
 #
-# Section 2.1's rule says what StreamingLLM holds at one moment. Turn it around: when does a token leave? A
-# prompt, then five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`; the
-# cell below prints what layer 0's first KV head holds. Write `my_leaves_at(p, budget, n_sink)`: the number of
-# tokens seen at which position `p` is first missing from a StreamingLLM cache, or `None` if it never leaves;
-# from these three numbers alone (no cache or policy, no `sinks_and_recent` or section 2.1's `streaming_keep`), and mind
-# $S = \min(\texttt{n\_sink}, B - 1)$. The check steps caches of other budgets and lengths token by token, one
-# with fewer entries than sinks, and asks your function about every position after every token.
+# Section 2.1's rule says what StreamingLLM holds at one moment. Turn it around: when does a token leave? A prompt, then
+# five decoded tokens, go through a StreamingLLM cache with `budget = 40` and `n_sink = 4`; the cell below prints what
+# layer 0's first KV head holds. Write `my_leaves_at(p, budget, n_sink)`: the number of tokens seen at which position
+# `p` is first missing from a StreamingLLM cache, or `None` if it never leaves; from these three numbers alone (no cache
+# or policy, no `sinks_and_recent` or section 2.1's `streaming_keep`), and mind $S = \min(\texttt{n\_sink}, B - 1)$. The
+# check prefills caches of other budgets and lengths, then steps them token by token, one with fewer entries than sinks,
+# and asks your function about every position after every token.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from nanollm.data.tasks import make_sample
@@ -345,9 +339,9 @@ check_leaves_at(reference_leaves_at)
 # ### Exercise 2: what H2O keeps at prefill
 #
 # At prefill H2O evicts once, from the whole prompt's scores $s_{j,n}$ (section 2.2): each KV head keeps the
-# `budget // 2` most recent positions and, among the others, the highest-scored. `ex_scores[l]` holds layer `l`'s
-# scores of Exercise 1's prompt, shape `(H_kv, N)`. Write `my_h2o_keep(scores, budget)`: the positions kept,
-# `(H_kv, budget)`, ascending, with tensor operations (no policy or cache). The check runs it on every layer with
+# `budget // 2` most recent positions and, among the others, the highest-scored. `ex_scores[l]` holds layer `l`'s scores
+# of Exercise 1's prompt, shape `(H_kv, N)`. Write `my_h2o_keep(scores, budget)`: the positions kept, `(H_kv, budget)`,
+# ascending, from the scores alone (no policy or cache); no two scores tie. The check runs it on every layer with
 # `EX_H2O_BUDGET`, then on another prompt with another budget, against the library's H2O cache.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
