@@ -180,7 +180,7 @@ print("snapkv_votes equals the library's snapkv_scores on the toy, pooled and no
 # \qquad \text{(Algorithm 1, the safeguard as kvpress counts it)}$$
 
 # %%
-from methods.adakv import adaptive_keep_mask, mask_to_indices
+from methods.adakv import adaptive_keep_mask
 
 
 def adakv_keep(scores, budget, n_safe):
@@ -214,25 +214,27 @@ print("adakv_keep makes the library's choice for both scales and safeguards 0, 1
 # %% [markdown]
 # ### 2.5 What each rule keeps of the toy
 #
-# The library's H2O, SnapKV and AdaKV on the whole toy, read as one prompt (StreamingLLM's choice is in
-# section 2.1), SnapKV's votes not pooled ($P = 1$), so that no two scores tie. A policy's `rank` gives the
-# scores a cache sorts by, the entries it always keeps (SnapKV's window, H2O's recent tokens) at $+\infty$;
-# `select_topk` keeps each KV head's best `B_TOY`; `mask_to_indices` lists AdaKV's kept slots.
+# The functions you built, on the whole toy read as one prompt (StreamingLLM's choice is in section 2.1), with a
+# budget of `B_TOY` per KV head. What a rule always keeps (H2O's `B_TOY // 2` recent tokens, SnapKV's window) is
+# scored $+\infty$, then each KV head keeps its best scores; SnapKV's votes are not pooled ($P = 1$), so that no
+# tie decides what is kept.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-from methods.h2o import H2OPolicy
-from nanollm import KVCache, decode_step, prefill, select_topk
+def best(scores, budget):
+    """scores (H_kv, T) -> (H_kv, budget) each KV head's best-scored positions, ascending."""
+    return scores.topk(budget, dim=-1).indices.sort(-1).values
 
-pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)                   # (1, H_kv, T) positions of the slots
-h2o_rank = H2OPolicy(B_TOY, n_recent=3).rank(received_attention(toy_probs.sum(2), HKV_TOY), pos, T_TOY)
-snap_rank = SnapKVPolicy(B_TOY, window=W_TOY, kernel=1).rank(
-    snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=1, pooling="max"), pos, T_TOY)
-toy_kept = {"H2O (3 recent)": select_topk(h2o_rank, B_TOY), "SnapKV (P = 1)": select_topk(snap_rank, B_TOY),
-            "AdaKV (P = 1)": mask_to_indices(adaptive_keep_mask(snap_rank, B_TOY, int(0.2 * B_TOY)))}
+
+h2o = h2o_scores([toy_probs[0]], HKV_TOY)                         # (H_kv, T) the prompt as one step
+h2o[:, T_TOY - B_TOY // 2:] = float("inf")                         # the recent half always stays
+window = torch.full((HKV_TOY, W_TOY), float("inf"))                # (H_kv, w) the window always stays
+snap = torch.cat([snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 1), window], -1)   # (H_kv, T), P = 1
+ada = adakv_keep(snap, B_TOY, int(0.2 * B_TOY))                    # (H_kv, T) bool: kept or not
+toy_kept = {"H2O": best(h2o, B_TOY).tolist(), "SnapKV": best(snap, B_TOY).tolist(),
+            "AdaKV": [row.nonzero().flatten().tolist() for row in ada]}
 print(f"B_TOY = {B_TOY} entries per KV head (AdaKV: {HKV_TOY * B_TOY} in the layer), safeguard {int(0.2 * B_TOY)}")
-for name, idx in toy_kept.items():                                   # idx (1, H_kv, K); -1 marks an unused slot
-    heads = [f"KV head {h}: {[p for p in idx[0, h].tolist() if p >= 0]}" for h in range(HKV_TOY)]
-    print(f"{name:15}", "   ".join(heads))
+for name, rows in toy_kept.items():
+    print(f"{name:7}", "   ".join(f"KV head {j}: {row}" for j, row in enumerate(rows)))
 
 # %% [markdown]
 # **H2O** keeps the sink 0, the heavy hitter 5 and its 3 recent tokens, and one more: 9 in KV head 0, 2 in KV
@@ -263,6 +265,7 @@ for name, idx in toy_kept.items():                                   # idx (1, H
 # and asks your function about every position after every token.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
+from nanollm import KVCache, decode_step, prefill
 from nanollm.data.tasks import make_sample
 
 ex_sample = make_sample("niah_single_prose", tok, 256 if TINY else 512, seed=7)
@@ -295,7 +298,7 @@ CASES = ((EX_BUDGET, EX_SINKS, 50, 12), (24, 2, 20, 12), (10, 0, 8, 12), (3, 4, 
 my_leaves_at = None              # replace None: a function (p, budget, n_sink) -> a token count, or None
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-from exercises import calls, exercise, on_copies
+from exercises import calls, exercise
 
 
 @exercise("Exercise 1")
@@ -336,63 +339,37 @@ def reference_leaves_at(p, budget, n_sink):
 check_leaves_at(reference_leaves_at)
 
 # %% [markdown]
-# ### Exercise 2: what H2O keeps at prefill
+# ### Exercise 2: how AdaKV shares a larger budget
 #
-# At prefill H2O evicts once, from the whole prompt's scores $s_{j,n}$ (section 2.2): each KV head keeps the
-# `budget // 2` most recent positions and, among the others, the highest-scored. `ex_scores[l]` holds layer `l`'s scores
-# of Exercise 1's prompt, shape `(H_kv, N)`. Write `my_h2o_keep(scores, budget)`: the positions kept, `(H_kv, budget)`,
-# ascending, from the scores alone (no policy or cache); no two scores tie. The check runs it on every layer with
-# `EX_H2O_BUDGET`, then on another prompt with another budget, against the library's H2O cache.
-
-# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-from experiments.analysis.persistence import record_attention
-
-
-def h2o_prefill_scores(ids):
-    """The prompt's H2O scores per layer: n_layer x (H_kv, N), column sums averaged over each KV head's group."""
-    maps = record_attention(model, ids)                            # n_layer x (H, N, N) the full cache's attention
-    return [received_attention(a.sum(1)[None], model.config.n_kv_head)[0] for a in maps]
-
-
-ex_ids = torch.tensor([ex_sample.prompt_ids])
-ex_scores, EX_H2O_BUDGET = h2o_prefill_scores(ex_ids), 64
-other_ids = torch.tensor([make_sample("niah_single_noise", tok, 200 if TINY else 300, seed=8).prompt_ids])
-print(f"{ex_ids.shape[1]} prompt tokens, {len(ex_scores)} layers, scores {tuple(ex_scores[0].shape)}")
-
+# Give section 2.5's toy a budget of 8 entries per KV head instead of 6: 16 in the layer, SnapKV's votes still not
+# pooled, the safeguard still 1. How many entries does AdaKV give each KV head? Read it off section 2.3's $P = 1$
+# scores, without code, and write `my_entries = [KV head 0's, KV head 1's]`. The check asks the library.
 
 # %%
-my_h2o_keep = None           # replace None: a function (scores, budget) -> (H_kv, budget) positions (def my_h2o_keep)
+my_entries = None               # replace None: [entries of KV head 0, entries of KV head 1]
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 @exercise("Exercise 2")
-def check_h2o_keep(h2o_keep):
-    library = calls(h2o_keep, "H2OPolicy", "make_policy", "KVCache", "prefill")
-    assert not library, f"from the scores alone: your function calls {', '.join(library)}"
-    for ids, scores, budget in ((ex_ids, ex_scores, EX_H2O_BUDGET), (other_ids, h2o_prefill_scores(other_ids), 41)):
-        cache = KVCache(model.config, H2OPolicy(budget=budget))
-        prefill(model, ids, cache)
-        for layer, (s, kv) in enumerate(zip(scores, cache.layers)):
-            right, recent = kv.pos[0], ids.shape[1] - budget // 2              # (H_kv, budget); the recent half
-            kept = torch.as_tensor(on_copies(h2o_keep, s, budget)).to(right.dtype)   # a tensor, or lists
-            where = f"layer {layer}, budget {budget}"
-            assert kept.shape == right.shape, f"{where}: one row of budget positions per KV head"
-            assert torch.equal(kept, kept.sort(-1).values), f"{where}: each row ascending"
-            assert (kept >= recent).sum(-1).ge(budget // 2).all(), f"{where}: the last budget // 2 positions stay"
-            assert torch.equal(kept, right), f"{where}: besides the recent half, the highest scores of the others"
+def check_entries(entries):
+    pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)               # (1, H_kv, T) positions of the slots
+    ranked = SnapKVPolicy(8, window=W_TOY, kernel=1).rank(            # the library's SnapKV, window at +inf
+        snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=1, pooling="max"), pos, T_TOY)
+    right = adaptive_keep_mask(ranked, 8, int(0.2 * 8))[0].sum(-1).tolist()      # (H_kv,) entries per KV head
+    assert len(entries) == HKV_TOY, "two counts: KV head 0's, then KV head 1's"
+    assert sum(entries) == HKV_TOY * 8, "the layer holds 2 x 8 = 16 entries, shared by its two KV heads"
+    assert [int(n) for n in entries] == right, "each window takes its 4 entries (+inf); the 8 others go to the " \
+        "layer's 8 highest prefix scores, whichever KV head they are in"
+    return "The free entries follow the scores: the head whose window spreads its attention gets most of them"
 
 
-check_h2o_keep(my_h2o_keep)
+check_entries(my_entries)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-# BEGIN SOLUTION [baselines] the recent half scored +inf, then each KV head's budget best, ascending
-def reference_h2o_keep(scores, budget):
-    ranked = scores.clone()
-    ranked[:, scores.shape[-1] - budget // 2:] = float("inf")         # the recent half is always kept
-    return ranked.topk(budget, dim=-1).indices.sort(-1).values
+# BEGIN SOLUTION [baselines] each window's 4, then the layer's 8 best prefix votes: 9 and 0 in KV head 0, six in 1
+reference_entries = adakv_keep(torch.cat([snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 1), window], -1), 8, 1)
+reference_entries = reference_entries.sum(-1).tolist()
 # END SOLUTION
-
-
-check_h2o_keep(reference_h2o_keep)
+check_entries(reference_entries)
 
 # %% [markdown]
 # **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb): the four rules on one
