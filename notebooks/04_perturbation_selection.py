@@ -120,10 +120,10 @@ for trial in range(n_heads):
 print(f"Algorithm 1 written out keeps the library's entries in all {n_heads} random heads.")
 
 # %% [markdown]
-# A hand example: four entries, a budget of two. Attention top-2 is Algorithm 1 with $\alpha = 1$; with
-# $\alpha = 0.5$, one entry goes by attention and one by $A_n P_n$. Every projected value is a multiple of
-# $(1, 0.5)$, so $\mathcal{L}$ is 1.5 times a sum of signed numbers. Entry 2's points first against the others',
-# then with them; $P_n$, and so $\theta$, is the same both times.
+# A hand example: four entries, a budget of two. Attention top-2 is Algorithm 1 with $\alpha = 1$; with $\alpha = 0.5$,
+# one entry goes by attention and one by $A_n P_n$. Every projected value is a multiple of $(1, 0.5)$, so $\mathcal{L}$
+# is 1.5 times the absolute value of a sum of signed numbers. Entry 2's projected value points first against the
+# others', then with them; $P_n$, and so $\theta$, is the same both times.
 
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound", "needs:two_stage"]
 attn = torch.tensor([0.55, 0.2, 0.15, 0.10], dtype=torch.float64)               # (4,) one query's attention A
@@ -168,7 +168,8 @@ for second in (1, 2, 3):                                      # stage 2's candid
 # * **stage 2** fills the rest by $s_n \bar P_n$, with $\bar P_n$ the mean of $P_n$ over the KV head's query heads.
 #
 # That is how the authors' code reads Algorithm 2; the lab compares it with a second reading of the paper's
-# pseudocode, and with kvpress's settings. Below, layer 0 of lesson 01's bundled model: the entries
+# pseudocode (stage 2 weighting $P_n$ by each query head's window attention, not pooled), and with kvpress's
+# settings. Below, layer 0 of lesson 01's bundled model on a prompt of at most 256 tokens: the entries
 # `CriticalKVPolicy` keeps and SnapKV drops.
 
 # %% tags=["needs:two_stage"]
