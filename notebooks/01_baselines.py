@@ -158,7 +158,7 @@ def snapkv_votes(probs, n_kv_head, window, kernel):
 
 RULE = "summed over the window's queries, max-pooled over the kernel's neighbours, averaged over a KV head's group"
 for P in (3, 1):                                                    # the toy, pooled over 3 neighbours, then not
-    library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=P, pooling="max")[0, :, :T_TOY - W_TOY]
+    library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=P, pooling="max")[0, :, :T_TOY - W_TOY]  # prefix
     mine = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, P)
     assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes, P = {P}: {off}; {RULE}"
     for j, row in enumerate(mine):                                          # (T - w,) one KV head's scores
@@ -172,8 +172,10 @@ print("snapkv_votes equals the library's snapkv_scores on the toy, pooled and no
 # attention is concentrated needs few entries; one whose attention is spread out needs many. AdaKV takes any
 # rule's scores $s_{j,n}$ (SnapKV's by default), lets every KV head keep its own best
 # $n_\text{safe} = \lfloor 0.2 B \rfloor$ (the *safeguard*), then keeps the layer's best (head, token) pairs,
-# whichever heads they fall in. The entries the scoring rule protects count in the safeguard (as kvpress counts it):
-# SnapKV's window, scored $+\infty$, is each head's best, so a safeguard no larger than the window adds nothing to it.
+# whichever heads they fall in. The safeguard counts the entries the scoring rule always keeps, as kvpress does:
+# SnapKV's window, scored $+\infty$, is each head's best. So a safeguard no larger than the window changes nothing.
+# The check below also shows what the safeguard is for: with KV head 0's scores ten times larger, it takes the whole
+# pool without one (12 entries against 0), and each head keeps its own `n_safe` best with one.
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
@@ -237,7 +239,7 @@ for name, rows in toy_kept.items():
     print(f"{name:7}", "   ".join(f"KV head {j}: {row}" for j, row in enumerate(rows)))
 
 # %% [markdown]
-# **H2O** keeps the sink 0, the heavy hitter 5 and its 3 recent tokens, and one more: 9 in KV head 0, 2 in KV
+# **H2O** keeps the sink 0, the heavy hitter 5, the 3 recent tokens, and one more: 9 in KV head 0, 2 in KV
 # head 1, the tokens the window attends. Token 5 stays on the attention it received long before the window.
 #
 # **SnapKV** drops token 5, which the window does not attend, and keeps the two prefix tokens the window
@@ -246,8 +248,8 @@ for name, rows in toy_kept.items():
 # **AdaKV** shares the layer's 12 entries: the two windows take 8 ($+\infty$), so 4 are free, whichever head they
 # fall in. KV head 0's window attends 9 alone: after 9 (3.28), its next vote is the sink's 0.44, below KV head 1's
 # 0.87, 0.79 and 0.71 for tokens 0, 2 and 3. So KV head 0 gets one free entry and the spread-out KV head 1 three
-# (5 entries against 7). The safeguard, 1 entry, falls in each window and changes nothing here; section 2.4's
-# printout shows what it is for: with KV head 0's scores ten times larger, a safeguard of 0 hands it all 12 entries.
+# (5 entries against 7), and KV head 0 loses its sink: nothing in SnapKV or AdaKV protects a sink, only the
+# window's attention to it. The safeguard, 1 entry, falls in each window and changes nothing here.
 #
 # ## Exercises
 #
@@ -366,10 +368,14 @@ check_entries(my_entries)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 # BEGIN SOLUTION [baselines] each window's 4, then the layer's 8 best prefix votes: 9 and 0 in KV head 0, six in 1
-reference_entries = adakv_keep(torch.cat([snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 1), window], -1), 8, 1)
-reference_entries = reference_entries.sum(-1).tolist()
+votes = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 1)                # (H_kv, T - w) the prefix's votes, P = 1
+kept = adakv_keep(torch.cat([votes, window], -1), 8, 1)             # (H_kv, T) the window at +inf
+reference_entries = kept.sum(-1).tolist()
 # END SOLUTION
 check_entries(reference_entries)
+for j in range(HKV_TOY):                                            # the free entries: the layer's 8 best votes
+    free = [round(v, 2) for v in votes[j][kept[j, :T_TOY - W_TOY]].tolist()]
+    print(f"KV head {j}: {reference_entries[j]} entries, the window's {W_TOY} and the prefix votes {free}")
 
 # %% [markdown]
 # **Go further**: [labs/01_baselines_compared.ipynb](labs/01_baselines_compared.ipynb): the four rules on one
