@@ -122,8 +122,8 @@ print(f"Algorithm 1 written out keeps the library's entries in all {n_heads} ran
 # %% [markdown]
 # A hand example: four entries, a budget of two. Attention top-2 is Algorithm 1 with $\alpha = 1$; with $\alpha = 0.5$,
 # one entry goes by attention and one by $A_n P_n$. Every projected value is a multiple of $(1, 0.5)$, so $\mathcal{L}$
-# is 1.5 times the absolute value of a sum of signed numbers. Entry 2's projected value points first against the
-# others', then with them; $P_n$, and so $\theta$, is the same both times.
+# is the absolute value of one signed sum, times the L1 norm of $(1, 0.5)$. Entry 2's projected value points first
+# against the others', then with them; $P_n$, and so $\theta$, is the same both times.
 
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound", "needs:two_stage"]
 attn = torch.tensor([0.55, 0.2, 0.15, 0.10], dtype=torch.float64)               # (4,) one query's attention A
@@ -167,9 +167,9 @@ for second in (1, 2, 3):                                      # stage 2's candid
 #   the window's votes, max-pooled, averaged over a KV head's query heads);
 # * **stage 2** fills the rest by $s_n \bar P_n$, with $\bar P_n$ the mean of $P_n$ over the KV head's query heads.
 #
-# That is how the authors' code reads Algorithm 2; the lab compares it with a second reading of the paper's
-# pseudocode (stage 2 weighting $P_n$ by each query head's window attention, not pooled), and with kvpress's
-# settings. Below, layer 0 of lesson 01's bundled model on a prompt of at most 256 tokens: the entries
+# That is how the authors' code reads Algorithm 2; the lab compares it with a second reading of the paper's pseudocode
+# (stage 2 weighting $P_n$ by each query head's window attention, not pooled), and with kvpress's settings. Below, layer
+# 0 of lesson 01's bundled model on one prompt (`make_sample`'s length is an upper bound: `T` below): the entries
 # `CriticalKVPolicy` keeps and SnapKV drops.
 
 # %% tags=["needs:two_stage"]
