@@ -250,11 +250,12 @@ for t, n in [(5, 2), (1005, 1002), (5, 4)]:
 #
 # ### 4.2 Eviction keeps positions true
 #
-# A method evicts with `keep(idx)` on a layer's storage (`LayerKV`): `idx` lists, per KV head, the slots to
-# keep ($-1$: an empty slot, which attention skips); positions move with their keys. Keys are cached after
-# RoPE, so kept keys need no new rotation, and the next token gets position `cache.seen` ($T$), not the number
-# of slots in use. Below, after a 12-token prompt, each KV head of layer 0 keeps 6 slots (one of KV head 1's
-# empty), then one more token is decoded.
+# A method evicts with `keep(idx)` on a layer's storage (`LayerKV`): `idx` lists, per KV head, the slots to keep ($-1$:
+# an empty slot, which attention skips); positions move with their keys. (At a decode step a method may instead empty a
+# slot where it is, `evict`: its position becomes $-1$ and the next token is written there.) Keys are cached after RoPE,
+# so kept keys need no new rotation, and the next token gets position `cache.seen` ($T$), not the number of slots in
+# use. Below, after a 12-token prompt, each KV head of layer 0 keeps 6 slots (one of KV head 1's empty), then one more
+# token is decoded.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 cache = KVCache(config)
@@ -271,8 +272,8 @@ print(f"the new token got position {int(kv.pos[0, 0, -1])} (the tokens seen befo
 # Each head stores its own positions, the empty slot stays $-1$, and the new token's position counts the
 # tokens seen, not the slots, so its scores see true distances.
 #
-# Your `append` and `attend` must stay right here too, where slot $j$ no longer holds position $j$. We load layer
-# 0's slots into the hand-built buffers, then replay an `extend` chunk of 3 tokens (positions 13 to 15):
+# Section 1.1's `append` and `attend` must stay right here too, where slot $j$ no longer holds position $j$. We load
+# layer 0's slots into the hand-built buffers, then replay an `extend` chunk of 3 tokens (positions 13 to 15):
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 stored = [t.clone() for t in (kv.k, kv.v, kv.pos)]             # layer 0's slots as they are now
