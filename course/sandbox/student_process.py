@@ -675,9 +675,12 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
         if not plain_value(node, tl_names, set(kernels)):
             raise NotTriton(f"{where}, line {node.lineno}: {ast.unparse(node)}: a kernel's defaults and annotations "
                             "are literals, tl.<name> or the file's tl.constexpr constants")
-    constants = constexpr_parameters(fn) | set(kernels)         # what a kernel may write into a string
-    own = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
-    own |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    stored = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    # what a kernel may write into a string or raise to a power: its constexpr parameters and the file's constants,
+    # unless it assigns them (`N = tl.load(p)`, `N += 1` in a loop, `(N := ...)` held a tensor's data or a number
+    # counted out of it under a constant's name; f'{N}' then gave the data as text, round seventeen)
+    constants = (constexpr_parameters(fn) | set(kernels)) - stored
+    own = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]} | stored
     readable = own | set(kernels) | set(JIT_BUILTINS) | {"tl"}
     parts = [fn.args, fn.returns, *fn.body, *getattr(fn, "type_params", [])]     # defaults, annotations too
     for node in (n for part in parts if part for n in ast.walk(part)):

@@ -155,6 +155,9 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
     "x = f'{tl.load(p)}'",                                   # a tensor's data as text (round sixteen)
     "x = '%s' % tl.load(p)",
     "n = 0\n    for i in range(tl.load(p)):\n        n += 1\n    x = 2.0 ** n",   # a power of a number counted out
+    "N = tl.load(p)\n    x = f'{N}'",                      # a constexpr's name given a tensor (round seventeen)
+    "tl.store(p, float(f'{N}') if (N := tl.load(p)) is not None else 0)",     # the same by a walrus
+    "for i in range(tl.load(p)):\n        N += 1\n    x = 2.0 ** N",      # a count under a constexpr's name
 ])
 def test_a_kernel_that_leaves_tritons_language_is_refused(body):
     """The kernels' process checks each kernel's syntax, not its namespace: each of these ran PyTorch as a kernel
