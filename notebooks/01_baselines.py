@@ -263,8 +263,8 @@ for name, rows in toy_kept.items():
 # layer 0's first KV head holds. Write `my_leaves_at(p, budget, n_sink)`: the number of tokens seen at which position
 # `p` is first missing from a StreamingLLM cache, or `None` if it never leaves; from these three numbers alone (no cache
 # or policy, no `sinks_and_recent` or section 2.1's `streaming_keep`), and mind $S = \min(\texttt{n\_sink}, B - 1)$. The
-# check prefills caches of other budgets and lengths, then steps them token by token, one with fewer entries than sinks,
-# and asks your function about every position after every token.
+# check prefills caches of several budgets and lengths, then steps them token by token, one with fewer entries than
+# sinks, and asks your function about every position after every token.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from nanollm import KVCache, decode_step, prefill
@@ -345,7 +345,8 @@ check_leaves_at(reference_leaves_at)
 #
 # Give section 2.5's toy a budget of 8 entries per KV head instead of 6: 16 in the layer, SnapKV's votes still not
 # pooled, the safeguard still 1. How many entries does AdaKV give each KV head? Read it off section 2.3's $P = 1$
-# scores, without code, and write `my_entries = [KV head 0's, KV head 1's]`. The check asks the library.
+# scores, without code, and write `my_entries = [KV head 0's, KV head 1's]` (a tie among KV head 1's smallest votes
+# decides which token it keeps, not how many). The check asks the library.
 
 # %%
 my_entries = None               # replace None: [entries of KV head 0, entries of KV head 1]

@@ -182,8 +182,8 @@ from nanollm.generation import prefill
 model, tok, _ = load("retrieval-llama")                       # 4 layers, H = 4 query heads, H_kv = 2 KV heads
 ids = torch.tensor([make_sample("niah_single_prose", tok, 256, seed=3).prompt_ids])             # (1, T)
 B, W, ALPHA = 48, 8, 0.25                        # the budget per KV head, SnapKV's window, stage 1's share
-caches = {"snapkv": KVCache(model.config, SnapKVPolicy(B, window=W)),
-          "critical_kv": KVCache(model.config, CriticalKVPolicy(B, alpha=ALPHA, inner=SnapKVPolicy(B, window=W)))}
+critical = CriticalKVPolicy(B, alpha=ALPHA, inner=SnapKVPolicy(B, window=W))
+caches = {"snapkv": KVCache(model.config, SnapKVPolicy(B, window=W)), "critical_kv": KVCache(model.config, critical)}
 for cache in caches.values():
     prefill(model, ids, cache)
 print(f"T = {ids.shape[1]} prompt tokens; each KV head keeps B = {B}: the window's {W}, then {int(ALPHA * (B - W))} "
@@ -191,12 +191,14 @@ print(f"T = {ids.shape[1]} prompt tokens; each KV head keeps B = {B}: the window
 for j in range(model.config.n_kv_head):
     kept = {name: set(cache.layers[0].pos[0, j].tolist()) for name, cache in caches.items()}   # layer 0, KV head j
     swapped = sorted(kept["critical_kv"] - kept["snapkv"])
+    stage1 = set(critical.last[0]["stage1_pos"][0, j].tolist()) - {-1}          # the window and stage 1's picks
+    assert stage1 <= kept["snapkv"], "stage 1 kept an entry SnapKV drops"
     print(f"KV head {j}: CriticalKV keeps {len(swapped)} entries SnapKV drops, at {swapped}")
 
 # %% [markdown]
 # SnapKV keeps the window and the $B - w$ highest $s_n$; stage 1 keeps the window and the highest
-# $\lfloor \alpha (B - w) \rfloor$ of them, a part of SnapKV's choice. So every entry the two disagree on is stage 2's:
-# the trade of attention for value size. Whether it helps on a task is the lab's question.
+# $\lfloor \alpha (B - w) \rfloor$ of them, a part of SnapKV's choice (the assert above). So every entry the two
+# disagree on is stage 2's: the trade of attention for value size. Whether it helps on a task is the lab's question.
 #
 # ## Exercises
 #
