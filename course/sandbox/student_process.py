@@ -661,7 +661,8 @@ def jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return found
 
 
-def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kernels: set[str] = frozenset()) -> None:
+def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kernels: set[str] = frozenset(),
+                      helpers: dict[str, ast.FunctionDef] | None = None) -> None:
     """Raise ``NotTriton`` unless ``fn`` is Triton's language: only the syntax of ``KERNEL_SYNTAX`` (no import, nested
     function or class, comprehension, ``with``, ``try`` or ``match``); every name it reads is an argument, one of
     its variables, ``tl``, another of the file's ``kernels`` or one of ``JIT_BUILTINS``; ``tl`` only as
@@ -669,12 +670,16 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
     tensor's or a dtype's (``value_attributes``). The namespace is not relied on: Triton's interpreter copies its
     own module's globals (``inspect``, ``np``, ...) into it, and ``[tl][0].core.builtins.exec`` named no forbidden
     attribute; both ran PyTorch as a kernel. On a GPU Triton's compiler refuses the rest; in its CPU interpreter,
-    where a kernel runs as Python, this does."""
+    where a kernel runs as Python, this does. A kernel holds no text (``text_in_place``), assigns no attribute,
+    and gives the constexpr parameters of the file's other kernels (``helpers``) only constants."""
     parent = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
     for node in header_values(fn):              # run by Python when it defines the kernel, in the module's scope
         if not plain_value(node, tl_names, set(kernels)):
             raise NotTriton(f"{where}, line {node.lineno}: {ast.unparse(node)}: a kernel's defaults and annotations "
                             "are literals, tl.<name> or the file's tl.constexpr constants")
+    for node in [*fn.args.defaults, *(d for d in fn.args.kw_defaults if d is not None)]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            raise NotTriton(f"{where}, line {node.lineno}: a default of text: a kernel holds no text in a variable")
     stored = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     # what a kernel may write into a string or raise to a power: its constexpr parameters and the file's constants,
     # unless it assigns them (`N = tl.load(p)`, `N += 1` in a loop, `(N := ...)` held a tensor's data or a number
@@ -695,9 +700,22 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
         if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant)
                 and isinstance(node.left.value, str)):
             raise NotTriton(f"{line}: %-formatting is not Triton's language")
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and not static(node, constants):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and not static(node, constants) or \
+                isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Pow):
             raise NotTriton(f"{line}: {ast.unparse(node)}: ** of a value known only when the kernel runs is not "
                             "Triton's language (a tensor has no **; tl.exp2 and tl.log2 compute a power)")
+        if (isinstance(node, ast.JoinedStr) or isinstance(node, ast.Constant) and isinstance(node.value, str)) \
+                and not text_in_place(node, parent):
+            raise NotTriton(f"{line}: {ast.unparse(node)}: text only as an argument of tl.static_assert, "
+                            "tl.static_print, tl.device_print or tl.device_assert, a keyword of tl.<name>, an "
+                            "assert's message or in a comparison (text in a variable, formatted with %, gave a "
+                            "tensor's data as text, round seventeen)")
+        if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
+            raise NotTriton(f"{line}: {ast.unparse(node)}: a kernel assigns no attribute (it rewrote Triton's "
+                            "classes for the kernels after it)")
+        if helpers and isinstance(node, ast.Name) and node.id in helpers and node.id != fn.name:
+            if (problem := helper_use(node, parent.get(node), helpers[node.id], constants)) is not None:
+                raise NotTriton(f"{line}: {problem}")
         if isinstance(node, ast.Name) and node.id not in readable:
             raise NotTriton(f"{line}: {node.id}: a kernel reads only its arguments, its variables, tl, the file's "
                             "other kernels and a few built-ins")
@@ -710,6 +728,56 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                     raise NotTriton(f"{line}: tl.{node.attr} is not a name of triton.language")
             elif node.attr not in value_attributes():
                 raise NotTriton(f"{line}: .{node.attr}: a kernel reads only a tensor's or a dtype's attributes")
+
+
+TEXT_CALLS = ("static_assert", "static_print", "device_print", "device_assert")      # tl.<name> that read text
+
+
+def text_in_place(node: ast.expr, parent: dict) -> bool:
+    """A string or f-string where Triton reads text and nothing keeps it: an argument of ``tl.<TEXT_CALLS>`` or of
+    ``NotImplementedError``, a string constant given to ``float`` (``float("-inf")``), a keyword's value in a call
+    of ``tl.<name>`` (``eviction_policy="evict_last"``), an assert's message, a side of a comparison, a statement
+    of its own, or a part of an f-string. Anywhere else it reached a variable, and ``%`` or an index then made
+    text of a tensor's data."""
+    up = parent.get(node)
+    if isinstance(up, (ast.JoinedStr, ast.FormattedValue, ast.Compare, ast.Expr)):
+        return True
+    if isinstance(up, ast.Assert):
+        return node is up.msg
+    if isinstance(up, ast.keyword):
+        call = parent.get(up)
+        return isinstance(call, ast.Call) and tl_attribute(call.func, lambda name: name != "constexpr")
+    return isinstance(up, ast.Call) and node in up.args and (
+        tl_attribute(up.func, lambda name: name in TEXT_CALLS)
+        or isinstance(up.func, ast.Name) and up.func.id == "NotImplementedError"
+        or isinstance(up.func, ast.Name) and up.func.id == "float" and isinstance(node, ast.Constant))
+
+
+def helper_use(name: ast.Name, up: ast.AST | None, helper: ast.FunctionDef, constants: set[str]) -> str | None:
+    """What is wrong with a use of another kernel of the file, ``helper``, or None: its ``tl.constexpr`` parameters
+    take constants (``static``, a dtype, ``tl.constexpr`` of a constant), as Triton's compiler asks; a kernel with
+    such parameters is called, not handed on (``tl.reduce``'s combine function). ``launch`` checks the launched
+    kernel's; a helper's, given a tensor, was a constant to the checks inside it (round seventeen)."""
+    fixed = constexpr_parameters(helper)
+    if not fixed:
+        return None
+    if not (isinstance(up, ast.Call) and up.func is name):
+        return f"{name.id}, a kernel with tl.constexpr parameters, is called, not handed on"
+    named = [a.arg for a in [*helper.args.posonlyargs, *helper.args.args]]
+    given = [(named[i] if i < len(named) else None, a) for i, a in enumerate(up.args)]
+    given += [(k.arg, k.value) for k in up.keywords]
+    for param, value in given:
+        if param in fixed and not constant_argument(value, constants):
+            return f"{name.id}({param}={ast.unparse(value)}): a tl.constexpr parameter takes a constant"
+    return None
+
+
+def constant_argument(node: ast.expr, constants: set[str]) -> bool:
+    """A value known before the kernel runs: ``static``, ``tl.<a dtype>``, or ``tl.constexpr(...)`` of one."""
+    if isinstance(node, ast.Call) and tl_attribute(node.func, lambda name: name == "constexpr"):
+        return len(node.args) == 1 and not node.keywords and constant_argument(node.args[0], constants)
+    return static(node, constants) or tl_attribute(node, lambda name: name in dtype_names()) or \
+        isinstance(node, ast.Constant) and node.value is None
 
 
 def static(node: ast.expr, constants: set[str]) -> bool:
@@ -951,7 +1019,7 @@ class KernelsAlone:
             names, readable = language_names(), set(found) | set(constants)
             chain = reached(kernel, found)
             for fn in (found[name] for name in chain):
-                check_triton_only(fn, names, file, readable)
+                check_triton_only(fn, names, file, readable, found)
             name = f"<the copy's kernels: {file}, {kernel}>"
             source = "\n".join(constants.values()) + "\n\n" + "\n\n".join(written_again(found[k]) for k in chain) + "\n"
             linecache.cache[name] = (len(source), None, source.splitlines(True), name)   # Triton reads the source

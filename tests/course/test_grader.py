@@ -158,6 +158,13 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
     "N = tl.load(p)\n    x = f'{N}'",                      # a constexpr's name given a tensor (round seventeen)
     "tl.store(p, float(f'{N}') if (N := tl.load(p)) is not None else 0)",     # the same by a walrus
     "for i in range(tl.load(p)):\n        N += 1\n    x = 2.0 ** N",      # a count under a constexpr's name
+    "x = f'%s' % tl.load(p)",                                # text held in a value, then formatted: the data as text
+    "fmt = '%s'\n    x = fmt % tl.load(p)",
+    "x = ['%s'][0] % tl.load(p)",
+    "s = '%s'\n    s %= tl.load(p)",
+    "x = '0123456789'[tl.load(p)]",
+    "x = 2.718\n    x **= 2.0",                             # ** by assignment (a Python float in the interpreter)
+    "tl.tensor.T = tl.tensor.to",                            # Triton's classes rewritten for the kernels after
 ])
 def test_a_kernel_that_leaves_tritons_language_is_refused(body):
     """The kernels' process checks each kernel's syntax, not its namespace: each of these ran PyTorch as a kernel
@@ -171,6 +178,49 @@ def test_a_kernel_that_leaves_tritons_language_is_refused(body):
         found = jit_functions(ast.parse((ROOT / file).read_text()))
         for fn in found.values():
             check_triton_only(fn, language_names(), file, set(found))
+
+
+HELPERS = """
+@triton.jit
+def as_text(x, N: tl.constexpr):
+    return f'{N}'
+
+
+@triton.jit
+def via_helper(x_ptr, out_ptr, N: tl.constexpr):
+    t = as_text(x_ptr, tl.load(x_ptr + tl.arange(0, N)))
+    tl.store(out_ptr, len(t))
+
+
+@triton.jit
+def handed_on(x_ptr, N: tl.constexpr):
+    tl.store(x_ptr, tl.reduce(tl.load(x_ptr + tl.arange(0, N)), 0, as_text))
+
+
+@triton.jit
+def scale(x, F: tl.constexpr):
+    return x * F
+
+
+@triton.jit
+def fine(x_ptr, N: tl.constexpr):
+    tl.store(x_ptr, scale(tl.load(x_ptr), N + 1) + scale(1.0, F=tl.constexpr(-2)))
+"""
+
+
+def test_a_helpers_constexpr_parameters_take_constants():
+    """``launch`` checks the constexpr arguments of the kernel it launches; a helper's, given a tensor by its
+    caller, was a constant to the checks inside it, and ``f'{N}'`` there gave the block's data as text (round
+    seventeen). A call gives a helper's constexpr parameters constants; a kernel with such parameters is called,
+    not handed on as a function."""
+    from course.sandbox.student_process import NotTriton, check_triton_only, jit_functions, language_names
+    found = jit_functions(ast.parse(HELPERS))
+    check = lambda name: check_triton_only(found[name], language_names(), "k.py", set(found), found)   # noqa: E731
+    check("fine")
+    with pytest.raises(NotTriton, match=r"as_text\(N=tl.load"):
+        check("via_helper")
+    with pytest.raises(NotTriton, match="is called, not handed on"):
+        check("handed_on")
 
 
 @pytest.mark.parametrize("header", ["def k(p) -> tl.core.builtins.exec('import torch'):",   # read at def time
@@ -199,12 +249,17 @@ def exp_of(x) -> tl.tensor:
     return tl.math.exp2(x * LOG2E)
 
 
+@triton.jit
+def times(x, F: tl.constexpr):
+    return x * F
+
+
 @triton.jit(do_not_specialize=["n"])
 def ordinary(x_ptr, n, N: tl.constexpr):
     offs = tl.arange(0, N)
     tl.static_assert(len(offs.shape) == 1, f"one axis of {N}")
-    x = tl.load(x_ptr + offs, mask=(inside := offs < n), other=NEG_INF).to(DT)
-    tl.store(x_ptr + offs, exp_of(tl.maximum(x, NEG_INF)) * -NEG, mask=inside)
+    x = tl.load(x_ptr + offs, mask=(inside := offs < n), other=NEG_INF, eviction_policy="evict_last").to(DT)
+    tl.store(x_ptr + offs, times(exp_of(tl.maximum(x, NEG_INF)), -NEG), mask=inside)
 
 
 @triton.jit
@@ -218,7 +273,8 @@ def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp
     file (a helper's correct kernels, 0 / 16 each): ``tl.math.exp2`` (as ``tl.exp2``), a module-level ``tl.constexpr``
     constant, a return annotation (never run: Triton does not read it), ``len``; then (round sixteen) a negative
     constant, ``float("-inf")``, a dtype constant, ``do_not_specialize`` and an f-string of a constexpr; a walrus
-    (``:=``, which Triton's compiler reads as an assignment). They run now; a kernel leaving Triton's language is
+    (``:=``, which Triton's compiler reads as an assignment), a helper given a constant for its constexpr
+    parameter, a keyword of text (``eviction_policy``). They run now; a kernel leaving Triton's language is
     refused when it is launched, not when a file's other kernel is."""
     pytest.importorskip("triton")
     import torch
@@ -278,7 +334,7 @@ def test_a_kernels_defaults_cannot_run_code_when_it_is_defined(tmp_path, monkeyp
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     marker = tmp_path / "escaped"
     (tmp_path / "k.py").write_text(DEFAULTS_ESCAPE.replace("MARKER", str(marker)))
-    with pytest.raises(NotTriton, match="defaults and annotations are literals|Dict is not Triton's language"):
+    with pytest.raises(NotTriton, match="defaults and annotations are literals|Dict is not Triton's|text only"):
         KernelsAlone(tmp_path).launch("k.py", "k", [1], [torch.zeros(4)], {})    # (start's class dict: round 15)
     assert not marker.exists()
     (tmp_path / "c.py").write_text("import triton\nimport triton.language as tl\nBIG = tl.constexpr(1e999)\n\n\n"
@@ -344,8 +400,8 @@ def test_the_kernel_that_runs_is_the_kernel_that_was_checked():
     starting with ``def``): merge_splits 8 / 8 in PyTorch, both ways."""
     from course.sandbox.student_process import check_triton_only, jit_functions, language_names, written_again
     escape = "def k(p):\n    tl.core.builtins.exec('import torch')\n"
-    text = (f'@triton.jit\ndef k(p):\n    """{escape}"""\n    # \x0c\x0c\n    x = """\n{escape}"""\n'
-            '    raise NotImplementedError\n')
+    text = (f'@triton.jit\ndef k(p):\n    """{escape}"""\n    # \x0c\x0c\n'
+            f'    tl.static_assert(True, """\n{escape}""")\n    raise NotImplementedError\n')
     fn = jit_functions(ast.parse(text))["k"]
     check_triton_only(fn, language_names(), "k.py", {"k"})
     again = written_again(fn)
