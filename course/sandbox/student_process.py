@@ -685,6 +685,8 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
     # unless it assigns them (`N = tl.load(p)`, `N += 1` in a loop, `(N := ...)` held a tensor's data or a number
     # counted out of it under a constant's name; f'{N}' then gave the data as text, round seventeen)
     constants = (constexpr_parameters(fn) | set(kernels)) - stored
+    tables = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, (ast.List, ast.Tuple))
+              for t in n.targets if isinstance(t, ast.Name)}             # names given a list or tuple of values
     own = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]} | stored
     readable = own | set(kernels) | set(JIT_BUILTINS) | {"tl"}
     parts = [fn.args, fn.returns, *fn.body, *getattr(fn, "type_params", [])]     # defaults, annotations too
@@ -704,16 +706,23 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                 isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Pow):
             raise NotTriton(f"{line}: {ast.unparse(node)}: ** of a value known only when the kernel runs is not "
                             "Triton's language (a tensor has no **; tl.exp2 and tl.log2 compute a power)")
-        if (isinstance(node, ast.JoinedStr) or isinstance(node, ast.Constant) and isinstance(node.value, str)) \
-                and not text_in_place(node, parent):
+        text = isinstance(node, ast.JoinedStr) or isinstance(node, ast.Constant) and type(node.value) in (str, bytes)
+        if text and not text_in_place(node, parent):
             raise NotTriton(f"{line}: {ast.unparse(node)}: text only as an argument of tl.static_assert, "
-                            "tl.static_print, tl.device_print or tl.device_assert, a keyword of tl.<name>, an "
-                            "assert's message or in a comparison (text in a variable, formatted with %, gave a "
-                            "tensor's data as text, round seventeen)")
+                            "tl.static_print, tl.device_print or tl.device_assert, a keyword such as "
+                            "eviction_policy, an assert's message or in a comparison (text in a variable, formatted "
+                            "with %, gave a tensor's data as text, rounds seventeen and eighteen)")
+        if isinstance(node, ast.Subscript) and (isinstance(node.value, (ast.List, ast.Tuple)) or isinstance(
+                node.value, ast.Name) and node.value.id in tables) and not static(node.slice, constants):
+            raise NotTriton(f"{line}: {ast.unparse(node)}: a list or tuple is indexed by constants only (indexed by "
+                            "a tensor, it chose Python values by the data, round eighteen)")
         if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
             raise NotTriton(f"{line}: {ast.unparse(node)}: a kernel assigns no attribute (it rewrote Triton's "
                             "classes for the kernels after it)")
-        if helpers and isinstance(node, ast.Name) and node.id in helpers and node.id != fn.name:
+        if isinstance(node, ast.Name) and node.id == fn.name:
+            raise NotTriton(f"{line}: {fn.name} calls itself: Triton's compiler has no recursion (a call of itself "
+                            "gave its tl.constexpr parameter a tensor, round eighteen)")
+        if helpers and isinstance(node, ast.Name) and node.id in helpers:
             if (problem := helper_use(node, parent.get(node), helpers[node.id], constants)) is not None:
                 raise NotTriton(f"{line}: {problem}")
         if isinstance(node, ast.Name) and node.id not in readable:
@@ -731,14 +740,17 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
 
 
 TEXT_CALLS = ("static_assert", "static_print", "device_print", "device_assert")      # tl.<name> that read text
+TEXT_KEYWORDS = ("eviction_policy", "cache_modifier", "padding_option", "sem", "scope", "input_precision",
+                 "fp_downcast_rounding", "rounding")                         # tl.<name>(..., <keyword>="<text>")
 
 
 def text_in_place(node: ast.expr, parent: dict) -> bool:
     """A string or f-string where Triton reads text and nothing keeps it: an argument of ``tl.<TEXT_CALLS>`` or of
-    ``NotImplementedError``, a string constant given to ``float`` (``float("-inf")``), a keyword's value in a call
-    of ``tl.<name>`` (``eviction_policy="evict_last"``), an assert's message, a side of a comparison, a statement
-    of its own, or a part of an f-string. Anywhere else it reached a variable, and ``%`` or an index then made
-    text of a tensor's data."""
+    ``NotImplementedError``, a string constant given to ``float`` (``float("-inf")``), one of ``TEXT_KEYWORDS`` in
+    a call of ``tl.<name>`` (``eviction_policy="evict_last"``), an assert's message, a side of a comparison, a
+    statement of its own, or a part of an f-string. Anywhere else it reached a variable, and ``%`` or an index
+    then made text of a tensor's data (round seventeen; through ``tl.multiple_of(input=...)``, which hands back
+    what it is given, and bytes, round eighteen)."""
     up = parent.get(node)
     if isinstance(up, (ast.JoinedStr, ast.FormattedValue, ast.Compare, ast.Expr)):
         return True
@@ -746,7 +758,8 @@ def text_in_place(node: ast.expr, parent: dict) -> bool:
         return node is up.msg
     if isinstance(up, ast.keyword):
         call = parent.get(up)
-        return isinstance(call, ast.Call) and tl_attribute(call.func, lambda name: name != "constexpr")
+        return isinstance(call, ast.Call) and (tl_attribute(call.func, lambda name: name in TEXT_CALLS)
+                                                or up.arg in TEXT_KEYWORDS and tl_attribute(call.func, bool))
     return isinstance(up, ast.Call) and node in up.args and (
         tl_attribute(up.func, lambda name: name in TEXT_CALLS)
         or isinstance(up.func, ast.Name) and up.func.id == "NotImplementedError"

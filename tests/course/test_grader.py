@@ -165,6 +165,12 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
     "x = '0123456789'[tl.load(p)]",
     "x = 2.718\n    x **= 2.0",                             # ** by assignment (a Python float in the interpreter)
     "tl.tensor.T = tl.tensor.to",                            # Triton's classes rewritten for the kernels after
+    "fmt = tl.multiple_of(input='%r', values=1)",            # a tl function handing its keyword's text back
+    "fmt = tl.constexpr_type(value='%f').value",             # (round eighteen)
+    "x = b'%a' % tl.load(p)",                                # bytes are text too
+    "k(p, tl.load(p))",                                      # a call of itself, its constexpr given a tensor
+    "x = [0.5, 1.5][tl.load(p).to(tl.int32)]",               # Python values chosen by the data
+    "table = (0.5, 1.5)\n    x = table[tl.load(p).to(tl.int32)]",
 ])
 def test_a_kernel_that_leaves_tritons_language_is_refused(body):
     """The kernels' process checks each kernel's syntax, not its namespace: each of these ran PyTorch as a kernel
