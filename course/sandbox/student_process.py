@@ -716,6 +716,9 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                 node.value, ast.Name) and node.value.id in tables) and not static(node.slice, constants):
             raise NotTriton(f"{line}: {ast.unparse(node)}: a list or tuple is indexed by constants only (indexed by "
                             "a tensor, it chose Python values by the data, round eighteen)")
+        if isinstance(node, ast.Call) and (problem := counted(node, parent.get(node))) is not None:
+            raise NotTriton(f"{line}: {ast.unparse(node)}: {problem} (len(range(a, tensor)) gave the data as a "
+                            "Python number, round nineteen)")
         if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
             raise NotTriton(f"{line}: {ast.unparse(node)}: a kernel assigns no attribute (it rewrote Triton's "
                             "classes for the kernels after it)")
@@ -764,6 +767,21 @@ def text_in_place(node: ast.expr, parent: dict) -> bool:
         tl_attribute(up.func, lambda name: name in TEXT_CALLS)
         or isinstance(up.func, ast.Name) and up.func.id == "NotImplementedError"
         or isinstance(up.func, ast.Name) and up.func.id == "float" and isinstance(node, ast.Constant))
+
+
+def counted(call: ast.Call, up: ast.AST | None) -> str | None:
+    """What is wrong with a call of ``range`` (or ``tl.range``, ``tl.static_range``) or ``len``, or None: a range
+    is a loop's iterable only, and ``len`` takes a shape, a name or a list. In the interpreter a range's bounds read
+    a tensor's data as a Python int (``__index__``), which a range kept elsewhere handed on."""
+    loop = isinstance(call.func, ast.Name) and call.func.id == "range" or tl_attribute(
+        call.func, lambda name: name in ("range", "static_range"))
+    if loop and not (isinstance(up, ast.For) and up.iter is call):
+        return "a range is a for loop's iterable only"
+    if isinstance(call.func, ast.Name) and call.func.id == "len" and not (
+            len(call.args) == 1 and isinstance(call.args[0], (ast.Name, ast.List, ast.Tuple))
+            or len(call.args) == 1 and isinstance(call.args[0], ast.Attribute) and call.args[0].attr == "shape"):
+        return "len takes a shape, a name or a list"
+    return None
 
 
 def helper_use(name: ast.Name, up: ast.AST | None, helper: ast.FunctionDef, constants: set[str]) -> str | None:

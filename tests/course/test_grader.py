@@ -171,6 +171,9 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
     "k(p, tl.load(p))",                                      # a call of itself, its constexpr given a tensor
     "x = [0.5, 1.5][tl.load(p).to(tl.int32)]",               # Python values chosen by the data
     "table = (0.5, 1.5)\n    x = table[tl.load(p).to(tl.int32)]",
+    "y = len(range(-1, tl.load(p)))",                         # a range's bounds read the data (round nineteen)
+    "x = range(100)[tl.load(p)]",
+    "r = range(tl.load(p))",
 ])
 def test_a_kernel_that_leaves_tritons_language_is_refused(body):
     """The kernels' process checks each kernel's syntax, not its namespace: each of these ran PyTorch as a kernel
