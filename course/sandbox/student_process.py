@@ -681,13 +681,13 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             raise NotTriton(f"{where}, line {node.lineno}: a default of text: a kernel holds no text in a variable")
     stored = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
     # what a kernel may write into a string or raise to a power: its constexpr parameters and the file's constants,
     # unless it assigns them (`N = tl.load(p)`, `N += 1` in a loop, `(N := ...)` held a tensor's data or a number
-    # counted out of it under a constant's name; f'{N}' then gave the data as text, round seventeen)
-    constants = (constexpr_parameters(fn) | set(kernels)) - stored
-    tables = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, (ast.List, ast.Tuple))
-              for t in n.targets if isinstance(t, ast.Name)}             # names given a list or tuple of values
-    own = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]} | stored
+    # counted out of it under a constant's name; f'{N}' then gave the data as text, round seventeen) or a
+    # parameter takes the name (a parameter named as a file constant held data, round twenty)
+    constants = (constexpr_parameters(fn) | (set(kernels) - params)) - stored
+    own = params | stored
     readable = own | set(kernels) | set(JIT_BUILTINS) | {"tl"}
     parts = [fn.args, fn.returns, *fn.body, *getattr(fn, "type_params", [])]     # defaults, annotations too
     for node in (n for part in parts if part for n in ast.walk(part)):
@@ -712,10 +712,15 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                             "tl.static_print, tl.device_print or tl.device_assert, a keyword such as "
                             "eviction_policy, an assert's message or in a comparison (text in a variable, formatted "
                             "with %, gave a tensor's data as text, rounds seventeen and eighteen)")
-        if isinstance(node, ast.Subscript) and (isinstance(node.value, (ast.List, ast.Tuple)) or isinstance(
-                node.value, ast.Name) and node.value.id in tables) and not static(node.slice, constants):
-            raise NotTriton(f"{line}: {ast.unparse(node)}: a list or tuple is indexed by constants only (indexed by "
-                            "a tensor, it chose Python values by the data, round eighteen)")
+        if isinstance(node, ast.Subscript) and not static_index(node.slice, constants):
+            raise NotTriton(f"{line}: {ast.unparse(node)}: an index or a slice of constants only, as Triton's "
+                            "compiler asks (indexed by a tensor, a list chose Python values by the data, rounds "
+                            "eighteen and twenty; tl.gather reads by index)")
+        if isinstance(node, ast.Name) and node.id in JIT_BUILTINS and node.id not in own and not (
+                isinstance(parent.get(node), ast.Call) and parent[node].func is node
+                or isinstance(parent.get(node), ast.Raise)):
+            raise NotTriton(f"{line}: {node.id}: a built-in is called, not handed on (f = range escaped the checks "
+                            "of a range, round twenty)")
         if isinstance(node, ast.Call) and (problem := counted(node, parent.get(node))) is not None:
             raise NotTriton(f"{line}: {ast.unparse(node)}: {problem} (len(range(a, tensor)) gave the data as a "
                             "Python number, round nineteen)")
@@ -809,6 +814,17 @@ def constant_argument(node: ast.expr, constants: set[str]) -> bool:
         return len(node.args) == 1 and not node.keywords and constant_argument(node.args[0], constants)
     return static(node, constants) or tl_attribute(node, lambda name: name in dtype_names()) or \
         isinstance(node, ast.Constant) and node.value is None
+
+
+def static_index(node: ast.expr, constants: set[str]) -> bool:
+    """An index Triton's compiler takes: ``static`` values, ``None``, ``...`` and slices and tuples of them."""
+    if isinstance(node, ast.Constant) and (node.value is None or node.value is Ellipsis):
+        return True
+    if isinstance(node, ast.Slice):
+        return all(part is None or static_index(part, constants) for part in (node.lower, node.upper, node.step))
+    if isinstance(node, ast.Tuple):
+        return all(static_index(e, constants) for e in node.elts)
+    return static(node, constants)
 
 
 def static(node: ast.expr, constants: set[str]) -> bool:

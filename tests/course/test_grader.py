@@ -174,6 +174,9 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
     "y = len(range(-1, tl.load(p)))",                         # a range's bounds read the data (round nineteen)
     "x = range(100)[tl.load(p)]",
     "r = range(tl.load(p))",
+    "f = range\n    r = f(0, tl.load(p))\n    x = len(r)",     # a built-in handed on (round twenty)
+    "t: tl.tensor = [0.5, 1.5]\n    x = t[tl.load(p).to(tl.int32)]",    # a list indexed by data, however bound
+    "s = tl.zeros([4, 4], tl.float32).shape\n    u = s[0:tl.load(p)]",
 ])
 def test_a_kernel_that_leaves_tritons_language_is_refused(body):
     """The kernels' process checks each kernel's syntax, not its namespace: each of these ran PyTorch as a kernel
@@ -207,6 +210,11 @@ def handed_on(x_ptr, N: tl.constexpr):
 
 
 @triton.jit
+def shadow(E):
+    return 2.0 ** E
+
+
+@triton.jit
 def scale(x, F: tl.constexpr):
     return x * F
 
@@ -230,6 +238,8 @@ def test_a_helpers_constexpr_parameters_take_constants():
         check("via_helper")
     with pytest.raises(NotTriton, match="is called, not handed on"):
         check("handed_on")
+    with pytest.raises(NotTriton, match=r"\*\* of a value known only when the kernel runs"):   # a parameter named E
+        check_triton_only(found["shadow"], language_names(), "k.py", set(found) | {"E"}, found)   # as a constant
 
 
 @pytest.mark.parametrize("header", ["def k(p) -> tl.core.builtins.exec('import torch'):",   # read at def time
