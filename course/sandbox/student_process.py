@@ -721,9 +721,9 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                 or isinstance(parent.get(node), ast.Raise)):
             raise NotTriton(f"{line}: {node.id}: a built-in is called, not handed on (f = range escaped the checks "
                             "of a range, round twenty)")
-        if isinstance(node, ast.Call) and (problem := counted(node, parent.get(node))) is not None:
-            raise NotTriton(f"{line}: {ast.unparse(node)}: {problem} (len(range(a, tensor)) gave the data as a "
-                            "Python number, round nineteen)")
+        if (problem := python_value(node, parent, constants, own)) is not None:
+            raise NotTriton(f"{line}: {ast.unparse(node)}: {problem} (Python values chosen or counted by the data, "
+                            "rounds nineteen to twenty-one)")
         if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
             raise NotTriton(f"{line}: {ast.unparse(node)}: a kernel assigns no attribute (it rewrote Triton's "
                             "classes for the kernels after it)")
@@ -774,19 +774,48 @@ def text_in_place(node: ast.expr, parent: dict) -> bool:
         or isinstance(up.func, ast.Name) and up.func.id == "float" and isinstance(node, ast.Constant))
 
 
-def counted(call: ast.Call, up: ast.AST | None) -> str | None:
-    """What is wrong with a call of ``range`` (or ``tl.range``, ``tl.static_range``) or ``len``, or None: a range
-    is a loop's iterable only, and ``len`` takes a shape, a name or a list. In the interpreter a range's bounds read
-    a tensor's data as a Python int (``__index__``), which a range kept elsewhere handed on."""
-    loop = isinstance(call.func, ast.Name) and call.func.id == "range" or tl_attribute(
-        call.func, lambda name: name in ("range", "static_range"))
-    if loop and not (isinstance(up, ast.For) and up.iter is call):
+RANGES = ("range", "static_range")                  # tl.<name> the interpreter runs as Python's range
+REDUCTIONS = ("sum", "max", "min", "argmax", "argmin", "reduce", "cumsum", "cumprod", "xor_sum", "associative_scan",
+              "expand_dims", "sort", "flip", "histogram", "topk", "softmax")      # their axis is a constexpr
+SEQUENCE_PLACES = (ast.Return, ast.Subscript, ast.List, ast.Tuple)
+
+
+def python_value(node: ast.AST, parent: dict, constants: set[str], own: set[str]) -> str | None:
+    """What makes ``node`` hand a tensor's data to Python, or None. In the interpreter a range's bounds, an axis
+    and a list's index read the data as a Python int (``__index__``), and a list of Python values, sorted or
+    chosen by ``max`` or a ternary, chose by the data (rounds nineteen to twenty-one): a range is a for loop's
+    iterable only; ``len`` takes a shape, a name or a list; a built-in takes no keyword; a list or tuple is a
+    shape or an index given to a call of ``tl.<name>``, a value returned or unpacked, or a part of one; an axis is
+    a constant."""
+    up = parent.get(node)
+    is_range = isinstance(node, ast.Name) and node.id == "range" and node.id not in own or tl_attribute(
+        node, lambda name: name in RANGES)
+    if is_range and not (isinstance(up, ast.Call) and up.func is node and isinstance(parent.get(up), ast.For)
+                         and parent[up].iter is up):
         return "a range is a for loop's iterable only"
-    if isinstance(call.func, ast.Name) and call.func.id == "len" and not (
-            len(call.args) == 1 and isinstance(call.args[0], (ast.Name, ast.List, ast.Tuple))
-            or len(call.args) == 1 and isinstance(call.args[0], ast.Attribute) and call.args[0].attr == "shape"):
-        return "len takes a shape, a name or a list"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in JIT_BUILTINS:
+        if node.keywords:
+            return "a built-in takes no keyword"
+        arg = node.args[0] if len(node.args) == 1 else None
+        if node.func.id == "len" and not (isinstance(arg, (ast.Name, ast.List, ast.Tuple)) or
+                                          isinstance(arg, ast.Attribute) and arg.attr == "shape"):
+            return "len takes a shape, a name or a list"
+    if isinstance(node, (ast.List, ast.Tuple)) and isinstance(node.ctx, ast.Load):
+        call = parent.get(up) if isinstance(up, ast.keyword) else up
+        shape = isinstance(call, ast.Call) and tl_attribute(call.func, lambda name: name not in HANDS_BACK)
+        unpacked = isinstance(up, ast.Assign) and all(isinstance(t, (ast.Tuple, ast.List)) for t in up.targets)
+        if not (shape or unpacked or isinstance(up, SEQUENCE_PLACES)):
+            return "a list or tuple is a shape or an index given to tl.<name>, or a value returned or unpacked"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in REDUCTIONS:
+        method = not tl_attribute(node.func, bool)                    # x.sum(axis) or tl.sum(x, axis)
+        axes = [k.value for k in node.keywords if k.arg in ("axis", "dim")]
+        axes += node.args[:1] if method else node.args[1:2]
+        if any(not constant_argument(a, constants) for a in axes):
+            return "an axis is a constant"
     return None
+
+
+HANDS_BACK = ("multiple_of", "max_contiguous", "max_constancy", "constexpr", "constexpr_type")   # return their input
 
 
 def helper_use(name: ast.Name, up: ast.AST | None, helper: ast.FunctionDef, constants: set[str]) -> str | None:

@@ -177,6 +177,11 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
     "f = range\n    r = f(0, tl.load(p))\n    x = len(r)",     # a built-in handed on (round twenty)
     "t: tl.tensor = [0.5, 1.5]\n    x = t[tl.load(p).to(tl.int32)]",    # a list indexed by data, however bound
     "s = tl.zeros([4, 4], tl.float32).shape\n    u = s[0:tl.load(p)]",
+    "steps = tl.static_range\n    r = steps(0, tl.load(p))",    # a range handed on (round twenty-one)
+    "e = max([(tl.load(p) == 1, 2.718), (tl.load(p) == 2, 7.389)])[1]",   # Python values chosen by the data
+    "c = [tl.load(p), tl.load(p + 1)]\n    c.sort()",
+    "t = [0.5, 1.5] if tl.load(p) > 2.5 else [2.5, 3.5]",
+    "x = tl.sum(tl.load(p + tl.arange(0, N)), axis=tl.load(p) - 2)",
 ])
 def test_a_kernel_that_leaves_tritons_language_is_refused(body):
     """The kernels' process checks each kernel's syntax, not its namespace: each of these ran PyTorch as a kernel
