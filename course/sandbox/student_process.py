@@ -733,6 +733,8 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
         if helpers and isinstance(node, ast.Name) and node.id in helpers:
             if (problem := helper_use(node, parent.get(node), helpers[node.id], constants)) is not None:
                 raise NotTriton(f"{line}: {problem}")
+            if fn.name in reached(node.id, helpers):
+                raise NotTriton(f"{line}: {node.id} calls {fn.name} back: Triton's compiler has no recursion")
         if isinstance(node, ast.Name) and node.id not in readable:
             raise NotTriton(f"{line}: {node.id}: a kernel reads only its arguments, its variables, tl, the file's "
                             "other kernels and a few built-ins")
@@ -775,9 +777,12 @@ def text_in_place(node: ast.expr, parent: dict) -> bool:
 
 
 RANGES = ("range", "static_range")                  # tl.<name> the interpreter runs as Python's range
-REDUCTIONS = ("sum", "max", "min", "argmax", "argmin", "reduce", "cumsum", "cumprod", "xor_sum", "associative_scan",
-              "expand_dims", "sort", "flip", "histogram", "topk", "softmax")      # their axis is a constexpr
-SEQUENCE_PLACES = (ast.Return, ast.Subscript, ast.List, ast.Tuple)
+AXES = {**dict.fromkeys(("sum", "max", "min", "argmax", "argmin", "reduce", "cumsum", "cumprod", "xor_sum", "sort",
+                          "associative_scan", "expand_dims", "unsqueeze", "squeeze", "flip", "histogram", "topk",
+                          "softmax", "permute", "trans"), 1), "gather": 2}   # tl.<name>(x, ...): where its axes begin
+AXIS_KEYWORDS = ("axis", "dim", "dims", "k", "num_bins")                     # constexpr in Triton's compiler
+SHAPE_CALLS = ("zeros", "full", "reshape", "view", "broadcast_to", "permute", "trans", "expand_dims", "make_block_ptr",
+               "advance", "load", "store")                                    # tl.<name> that take a list or tuple
 
 
 def python_value(node: ast.AST, parent: dict, constants: set[str], own: set[str]) -> str | None:
@@ -802,20 +807,28 @@ def python_value(node: ast.AST, parent: dict, constants: set[str], own: set[str]
             return "len takes a shape, a name or a list"
     if isinstance(node, (ast.List, ast.Tuple)) and isinstance(node.ctx, ast.Load):
         call = parent.get(up) if isinstance(up, ast.keyword) else up
-        shape = isinstance(call, ast.Call) and tl_attribute(call.func, lambda name: name not in HANDS_BACK)
+        shape = isinstance(call, ast.Call) and tl_attribute(call.func, lambda name: name in SHAPE_CALLS)
         unpacked = isinstance(up, ast.Assign) and all(isinstance(t, (ast.Tuple, ast.List)) for t in up.targets)
-        if not (shape or unpacked or isinstance(up, SEQUENCE_PLACES)):
-            return "a list or tuple is a shape or an index given to tl.<name>, or a value returned or unpacked"
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in REDUCTIONS:
-        method = not tl_attribute(node.func, bool)                    # x.sum(axis) or tl.sum(x, axis)
-        axes = [k.value for k in node.keywords if k.arg in ("axis", "dim")]
-        axes += node.args[:1] if method else node.args[1:2]
-        if any(not constant_argument(a, constants) for a in axes):
-            return "an axis is a constant"
+        returned = isinstance(node, ast.Tuple) and isinstance(up, ast.Return)
+        if not (shape or unpacked or returned or isinstance(up, (ast.Subscript, ast.List, ast.Tuple))):
+            return "a list or tuple is a shape given to tl.<name>, a tuple returned, or a value unpacked or indexed"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in AXES:
+        first = AXES[node.func.attr] - (0 if tl_attribute(node.func, bool) else 1)   # tl.sum(x, a) or x.sum(a)
+        axes = [k.value for k in node.keywords if k.arg in AXIS_KEYWORDS] + node.args[first:]
+        if any(not constant_argument(a, constants) for a in axes if not isinstance(a, ast.Tuple)) or any(
+                not constant_argument(e, constants) for a in axes if isinstance(a, ast.Tuple) for e in a.elts):
+            return "an axis, a dimension or a count is a constant"
+    if tl_attribute(node, lambda name: name in dtype_names()) and isinstance(up, (ast.BoolOp, ast.IfExp)):
+        return "a dtype is a constant, not chosen by a condition"
+    if isinstance(node, ast.Call) and tl_attribute(node.func, lambda name: name == "static_assert"):
+        messages = node.args[1:] + [k.value for k in node.keywords if k.arg == "msg"]
+        if any(not isinstance(m, ast.JoinedStr) and not (isinstance(m, ast.Constant) and isinstance(m.value, str))
+               for m in messages):
+            return "a static_assert's message is text"
+    if isinstance(node, ast.Assert) and node.msg is not None and not isinstance(node.msg, ast.JoinedStr) and not (
+            isinstance(node.msg, ast.Constant) and isinstance(node.msg.value, str)):
+        return "an assert's message is text (a tensor there showed a test's inputs, round twenty-two)"
     return None
-
-
-HANDS_BACK = ("multiple_of", "max_contiguous", "max_constancy", "constexpr", "constexpr_type")   # return their input
 
 
 def helper_use(name: ast.Name, up: ast.AST | None, helper: ast.FunctionDef, constants: set[str]) -> str | None:

@@ -182,6 +182,12 @@ def test_a_pack_holding_a_link_is_refused_before_anything_is_laid_out(tmp_path, 
     "c = [tl.load(p), tl.load(p + 1)]\n    c.sort()",
     "t = [0.5, 1.5] if tl.load(p) > 2.5 else [2.5, 3.5]",
     "x = tl.sum(tl.load(p + tl.arange(0, N)), axis=tl.load(p) - 2)",
+    "for t in tl.tuple_type([(tl.load(p) == 2.0, 7.389)]):\n        x = t[1]",   # a table given to tl.<name>
+    "y = tl.topk(tl.load(p + tl.arange(0, N)), k=tl.load(p).to(tl.int32))",      # a count from the data
+    "y = tl.gather(tl.load(p + tl.arange(0, N)), tl.arange(0, N), tl.load(p).to(tl.int32))",
+    "dt = (tl.load(p) > 2.5) and tl.float16 or tl.int8",     # a dtype chosen by the data
+    "x = tl.load(p)\n    assert x < 0, x",                     # a test's inputs in the grader's message
+    "tl.static_assert(False, tl.load(p))",
 ])
 def test_a_kernel_that_leaves_tritons_language_is_refused(body):
     """The kernels' process checks each kernel's syntax, not its namespace: each of these ran PyTorch as a kernel
@@ -215,6 +221,16 @@ def handed_on(x_ptr, N: tl.constexpr):
 
 
 @triton.jit
+def ping(x):
+    return pong(x)
+
+
+@triton.jit
+def pong(x):
+    return ping(x) if x > 0 else [x]
+
+
+@triton.jit
 def shadow(E):
     return 2.0 ** E
 
@@ -243,6 +259,10 @@ def test_a_helpers_constexpr_parameters_take_constants():
         check("via_helper")
     with pytest.raises(NotTriton, match="is called, not handed on"):
         check("handed_on")
+    with pytest.raises(NotTriton, match="calls ping back"):                # recursion through a helper
+        check("ping")
+    with pytest.raises(NotTriton, match="a tuple returned"):               # a list handed back (round twenty-two)
+        check_triton_only(found["pong"], language_names(), "k.py", {"ping", "pong"})
     with pytest.raises(NotTriton, match=r"\*\* of a value known only when the kernel runs"):   # a parameter named E
         check_triton_only(found["shadow"], language_names(), "k.py", set(found) | {"E"}, found)   # as a constant
 
