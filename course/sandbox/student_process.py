@@ -758,12 +758,14 @@ def text_in_place(node: ast.expr, parent: dict) -> bool:
     """A string or f-string where Triton reads text and nothing keeps it: an argument of ``tl.<TEXT_CALLS>`` or of
     ``NotImplementedError``, a string constant given to ``float`` (``float("-inf")``), one of ``TEXT_KEYWORDS`` in
     a call of ``tl.<name>`` (``eviction_policy="evict_last"``), an assert's message, a side of a comparison, a
-    statement of its own, or a part of an f-string. Anywhere else it reached a variable, and ``%`` or an index
-    then made text of a tensor's data (round seventeen; through ``tl.multiple_of(input=...)``, which hands back
-    what it is given, and bytes, round eighteen)."""
+    statement of its own, a quoted annotation, or a part of an f-string. Anywhere else it reached a variable, and
+    ``%`` or an index then made text of a tensor's data (round seventeen; through ``tl.multiple_of(input=...)``,
+    which hands back what it is given, and bytes, round eighteen)."""
     up = parent.get(node)
     if isinstance(up, (ast.JoinedStr, ast.FormattedValue, ast.Compare, ast.Expr)):
         return True
+    if isinstance(up, ast.arg):               # a quoted annotation ("tl.constexpr"), read by ``plain_value``
+        return node is up.annotation
     if isinstance(up, ast.Assert):
         return node is up.msg
     if isinstance(up, ast.keyword):

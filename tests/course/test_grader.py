@@ -294,7 +294,7 @@ def exp_of(x) -> tl.tensor:
 
 
 @triton.jit
-def times(x, F: tl.constexpr):
+def times(x, F: "tl.constexpr"):
     return x * F
 
 
@@ -318,7 +318,7 @@ def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp
     constant, a return annotation (never run: Triton does not read it), ``len``; then (round sixteen) a negative
     constant, ``float("-inf")``, a dtype constant, ``do_not_specialize`` and an f-string of a constexpr; a walrus
     (``:=``, which Triton's compiler reads as an assignment), a helper given a constant for its constexpr
-    parameter, a keyword of text (``eviction_policy``). They run now; a kernel leaving Triton's language is
+    parameter (quoted), a keyword of text (``eviction_policy``). They run now; a kernel leaving Triton's language is
     refused when it is launched, not when a file's other kernel is."""
     pytest.importorskip("triton")
     import torch
