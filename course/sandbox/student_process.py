@@ -677,9 +677,6 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
         if not plain_value(node, tl_names, set(kernels)):
             raise NotTriton(f"{where}, line {node.lineno}: {ast.unparse(node)}: a kernel's defaults and annotations "
                             "are literals, tl.<name> or the file's tl.constexpr constants")
-    for node in [*fn.args.defaults, *(d for d in fn.args.kw_defaults if d is not None)]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            raise NotTriton(f"{where}, line {node.lineno}: a default of text: a kernel holds no text in a variable")
     stored = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
     # what a kernel may write into a string or raise to a power: its constexpr parameters and the file's constants,
@@ -688,6 +685,8 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
     # parameter takes the name (a parameter named as a file constant held data, round twenty)
     constants = (constexpr_parameters(fn) | (set(kernels) - params)) - stored
     own = params | stored
+    named = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id in (helpers or {})}
+    calls_back = {name for name in named if fn.name in reached(name, helpers)}     # a cycle through a helper
     readable = own | set(kernels) | set(JIT_BUILTINS) | {"tl"}
     parts = [fn.args, fn.returns, *fn.body, *getattr(fn, "type_params", [])]     # defaults, annotations too
     for node in (n for part in parts if part for n in ast.walk(part)):
@@ -699,9 +698,6 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
                                       and value.id in constants):
             raise NotTriton(f"{line}: an f-string of {ast.unparse(value)} is not Triton's language: a kernel writes "
                             "only literals and tl.constexpr values into text (a tensor's text is its data)")
-        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant)
-                and isinstance(node.left.value, str)):
-            raise NotTriton(f"{line}: %-formatting is not Triton's language")
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and not static(node, constants) or \
                 isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Pow):
             raise NotTriton(f"{line}: {ast.unparse(node)}: ** of a value known only when the kernel runs is not "
@@ -733,7 +729,7 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
         if helpers and isinstance(node, ast.Name) and node.id in helpers:
             if (problem := helper_use(node, parent.get(node), helpers[node.id], constants)) is not None:
                 raise NotTriton(f"{line}: {problem}")
-            if fn.name in reached(node.id, helpers):
+            if node.id in calls_back:
                 raise NotTriton(f"{line}: {node.id} calls {fn.name} back: Triton's compiler has no recursion")
         if isinstance(node, ast.Name) and node.id not in readable:
             raise NotTriton(f"{line}: {node.id}: a kernel reads only its arguments, its variables, tl, the file's "
