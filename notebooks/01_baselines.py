@@ -9,7 +9,7 @@
 # build each from its paper, check it against the library, and ask: **what does each rule keep, and why?**
 
 # %% tags=["setup"]
-from preamble import TINY  # noqa: F401 (this lesson's toy runs the same in both modes)
+from preamble import TINY
 
 # %% [markdown]
 # ## 1. What each rule reads: a toy layer
@@ -42,7 +42,7 @@ toy_probs = logits.masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(
 # |---|---|---|
 # | $j$ | a KV head | `j` |
 # | $\mathcal{G}_j$ | the $G$ query heads of KV head $j$: $jG, \dots, (j+1)G - 1$ | `h // G == j` |
-# | $t$ | a query's position, any of those a sum runs over (not only the newest) | `t` |
+# | $t$ | a query's position, any of those a sum runs over (not only the newest) | a row of `probs` |
 # | $a^h_{t,n}$ | $a_{t,n}$ in query head $h$ | `probs[h, t, n]` |
 # | $s_{j,n}$ | token $n$'s score in KV head $j$ (higher stays) | `scores` |
 # | $u^h_n$, $P$ | SnapKV's vote for $n$ in query head $h$; its pooling width | `votes`, `kernel` |
@@ -267,15 +267,13 @@ my_leaves_at = None              # replace None: a function (p, budget, n_sink) 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 from exercises import calls, exercise
 
-CASES = ((40, 4), (24, 2), (10, 0), (3, 4), (1, 4))                  # (budget, n_sink)
-
 
 @exercise("Exercise 1")
 def check_leaves_at(leaves_at):
     library = calls(leaves_at, "sinks_and_recent", "streaming_keep", "StreamingLLMPolicy", "make_policy")
     assert not library, f"from p, budget and n_sink alone: your function calls {', '.join(library)}"
-    for budget, n_sink in CASES:
-        for seen in range(1, 60):                                   # tokens seen so far
+    for budget, n_sink in ((40, 4), (24, 2), (10, 0), (3, 4), (1, 4)):
+        for seen in range(1, 30 if TINY else 60):                   # tokens seen so far
             held = {p for r in sinks_and_recent(budget, n_sink, seen) for p in r}
             for p in range(seen):
                 left = leaves_at(p, budget, n_sink)

@@ -141,16 +141,10 @@ for values, vws in [("entry 2 opposite", opposite), ("entry 2 same sign", same_s
         L, theta = float(output_perturbation(attn, keep, vws)), float(perturbation_bound(attn, keep, P))
         print(f"{values:<18} {name:<25} keeps {idx.tolist()}: kept mass {float(attn[keep].sum()):.2f}, "
               f"L = {L:.3f}, theta = {theta:.3f}")
-sigma = float(attn[0])                                        # alpha = 0.5: stage 1 keeps entry 0 alone
-for second in (1, 2, 3):                                      # stage 2's candidates for the last place
-    keep = torch.zeros(4, dtype=torch.bool).index_fill(0, torch.tensor([0, second]), True)
-    theta_hat = float((attn * P).sum() - (2 - 1 / sigma) * (attn * P)[keep].sum())    # theta-hat, sigma frozen
-    print(f"sigma = {sigma:.2f} frozen, entry {second} second: theta-hat = {theta_hat:.3f}")
 
 # %% [markdown]
 # With $\alpha = 0.5$, stage 1 keeps entry 0 alone: $\sigma = 0.55$, so Assumption 1 holds. Stage 2 then takes
-# entry 2 over entry 1 (small attention times a large $P_2$): the largest $A_n P_n$ is the lowest $\hat\theta$
-# (last three lines; far above $\theta$, a loose bound, but the one stage 2 can minimise), and $\theta$ drops from
+# entry 2, the largest $A_n P_n$ (small attention times a large $P_2$), over entry 1, and $\theta$ drops from
 # 0.885 to 0.726. But $\theta$ cannot see signs: $\mathcal{L}$ falls
 # from 0.585 to 0.019 when entry 2 points against the others, and rises from 0.315 to 0.366 when it points with
 # them. A lower $\theta$ does not promise a lower $\mathcal{L}$. Keeping entries for their values also gives up
@@ -167,10 +161,8 @@ for second in (1, 2, 3):                                      # stage 2's candid
 #   the window's votes, max-pooled, averaged over a KV head's query heads);
 # * **stage 2** fills the rest by $s_n \bar P_n$, with $\bar P_n$ the mean of $P_n$ over the KV head's query heads.
 #
-# That is how the authors' code reads Algorithm 2; the lab compares it with a second reading of the paper's pseudocode
-# (stage 2 weighting $P_n$ by each query head's window attention, not pooled), and with kvpress's settings. Below, layer
-# 0 of lesson 01's bundled model on one prompt (`make_sample`'s length is an upper bound: `T` below): the entries
-# `CriticalKVPolicy` keeps and SnapKV drops.
+# That is how the authors' code reads Algorithm 2 (the lab compares it with another reading). Below, layer 0 of the
+# bundled model on one prompt: the entries `CriticalKVPolicy` keeps and SnapKV drops.
 
 # %% tags=["needs:two_stage"]
 from methods.critical_kv import CriticalKVPolicy
@@ -196,9 +188,8 @@ for j in range(model.config.n_kv_head):
     print(f"KV head {j}: CriticalKV keeps {len(swapped)} entries SnapKV drops, at {swapped}")
 
 # %% [markdown]
-# SnapKV keeps the window and the $B - w$ highest $s_n$; stage 1 keeps the window and the highest
-# $\lfloor \alpha (B - w) \rfloor$ of them, a part of SnapKV's choice (the assert above). So every entry the two
-# disagree on is stage 2's: the trade of attention for value size. Whether it helps on a task is the lab's question.
+# Stage 1's entries are a part of SnapKV's choice (the assert above), so every entry the two disagree on is stage
+# 2's: attention traded for value size. Whether that helps on a task is the lab's question.
 #
 # ## Exercises
 #
@@ -337,13 +328,11 @@ behind = sum(losses[s] > reference_wins[s] for s in SHARPNESS)
 print(f"Algorithm 1 wins more often as the attention concentrates, yet it loses more often than it wins at {behind} "
       f"of the {len(SHARPNESS)} sharpnesses: concentrated attention is needed, not enough.")
 # %% [markdown]
-# Why it loses: the full output is $\mu\, \bar o_\text{kept} + (1 - \mu)\, \bar o_\text{evicted}$, with $\bar o$ the
-# attention-weighted mean of one side's projected values $v_n W_O^{(h)}$, and the kept cache outputs
-# $\bar o_\text{kept}$; so $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$: the mass lost,
-# times how far the two means lie apart. Choosing entries for a large $P_n$ does not bring the means closer when the
-# values point in random directions, but it gives up attention mass (a larger $1 - \mu$) that the top of the attention
-# would have kept. $\theta$ cannot see this: it adds every $P_n$ as if all the values pointed one way. These heads are
-# random; the lab measures real ones.
+# Why it loses: write $\bar o$ for the attention-weighted mean of one side's projected values. The full output is
+# $\mu\, \bar o_\text{kept} + (1 - \mu)\, \bar o_\text{evicted}$ and the kept cache outputs $\bar o_\text{kept}$, so
+# $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$. With values in random directions, a
+# large $P_n$ does not bring the two means closer, but it costs attention mass (a larger $1 - \mu$). The lab measures
+# real heads.
 #
 # **Go further**: the lab [labs/04_critical_kv_readings.ipynb](labs/04_critical_kv_readings.ipynb) measures both
 # readings on real heads (the bundled model and SmolLM2-135M) and tests each of the paper's claims.
