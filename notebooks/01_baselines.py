@@ -89,11 +89,10 @@ print("StreamingLLM on the toy (2 sinks) keeps", streaming_keep(T_TOY, B_TOY, 2)
 # (The paper's models have one KV head per query head. Averaging over the group, here and in SnapKV, is how
 # kvpress, NVIDIA's library of these methods, adapts the rule to grouped-query attention, and how we do.)
 #
-# At every step the cache keeps its `budget // 2` most recent tokens and, among the others, the highest
-# scores. Once a token is evicted its score is gone, and the kept ones go on adding the attention they receive.
-# The code adds the scores up step by step (`steps`), as the cache does, on the toy: a 13-token prompt, then
-# three decode steps. With nothing evicted, the sums are the attention map's column sums, which the library's
-# `received_attention` averages over each KV head's query heads.
+# In a cache, every step keeps the `budget // 2` most recent tokens and the best-scored others; an evicted
+# token's score is gone. The code below evicts nothing: it adds the scores up step by step on the toy read as a
+# 13-token prompt, then three decode steps. A causal row does not depend on later tokens, so each step's
+# attention is a slice of the toy's map, and the sums are its column sums (the library's `received_attention`).
 
 # %%
 from methods.h2o import received_attention
@@ -113,7 +112,7 @@ def h2o_scores(steps, n_kv_head):
     # END SOLUTION
 
 
-toy_steps = [toy_probs[0, :, :13, :13]] + [toy_probs[0, :, i:i + 1, :i + 1] for i in range(13, T_TOY)]
+toy_steps = [toy_probs[0, :, :13, :13]] + [toy_probs[0, :, i:i + 1, :i + 1] for i in range(13, T_TOY)]  # (H, q, T)
 assert torch.allclose(h2o_scores(toy_steps, HKV_TOY), received_attention(toy_probs.sum(2), HKV_TOY)[0]), \
     "the toy's accumulated scores differ from its column sums, mean over each KV head's query heads"
 for j, row in enumerate(h2o_scores(toy_steps, HKV_TOY)):                   # (T,) one KV head's scores
@@ -146,7 +145,7 @@ def snapkv_votes(probs, n_kv_head, window, kernel):
     H, T, _ = probs.shape
     votes = probs[:, T - window:, :T - window].sum(1)            # (H, T - w) summed over the window's queries
     half = kernel // 2
-    pooled = torch.stack([votes[:, max(0, n - half):n + half + 1].max(-1).values
+    pooled = torch.stack([votes[:, max(0, n - half):n + half + 1].max(-1).values     # votes ends at T - w: n' < T - w
                           for n in range(T - window)], dim=-1)   # (H, T - w) the best of each neighbourhood
     return pooled.view(n_kv_head, H // n_kv_head, -1).mean(1)   # (H_kv, T - w)
     # END SOLUTION
@@ -159,19 +158,20 @@ for P in (3, 1):                                                    # the toy, p
     assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes, P = {P}: {off}; {RULE}"
     for j, row in enumerate(mine):                                          # (T - w,) one KV head's scores
         print(f"SnapKV's scores of the toy's prefix, P = {P}, KV head {j}:", [round(x, 2) for x in row.tolist()])
-print("snapkv_votes equals the library's snapkv_scores on the toy, pooled and not")
+noisy = (logits + torch.rand(logits.shape, generator=torch.Generator().manual_seed(0))).softmax(-1)  # heads differ
+assert not (off := where_differs(snapkv_votes(noisy[0], HKV_TOY, W_TOY, 3), snapkv_scores(
+    noisy, HKV_TOY, window=W_TOY, kernel=3, pooling="max")[0, :, :T_TOY - W_TOY], ("KV head", "token"))), off
+print("snapkv_votes equals the library's snapkv_scores on the toy, pooled and not, and on noisy heads")
 
 # %% [markdown]
 # ### 2.4 AdaKV: one budget pool per layer, shared by the heads
 #
 # Feng et al., NeurIPS 2025, [arXiv 2407.11550](https://arxiv.org/abs/2407.11550), Algorithm 1. A head whose
 # attention is concentrated needs few entries; one whose attention is spread out needs many. AdaKV takes any
-# rule's scores $s_{j,n}$ (SnapKV's by default), lets every KV head keep its own best
-# $n_\text{safe} = \lfloor 0.2 B \rfloor$ (the *safeguard*), then keeps the layer's best (head, token) pairs,
-# whichever heads they fall in. The safeguard counts the entries the scoring rule always keeps, as kvpress does:
-# SnapKV's window, scored $+\infty$, is each head's best. So a safeguard no larger than the window changes nothing.
-# The check below also shows what the safeguard is for: with KV head 0's scores ten times larger, it takes the whole
-# pool without one (12 entries against 0), and each head keeps its own `n_safe` best with one.
+# rule's scores $s_{j,n}$ (SnapKV's by default) and keeps the layer's $H_{kv} B$ best (head, token) pairs,
+# whichever heads they fall in. First, a *safeguard* gives every KV head its own
+# $n_\text{safe} = \lfloor 0.2 B \rfloor$ best, so that no head is left empty. The check below shows why: with
+# KV head 0's scores ten times larger, that head takes all 12 entries of the pool when $n_\text{safe} = 0$.
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\
 # s_{j,n} & \text{otherwise} \end{cases}, \qquad \text{keep the } H_{kv} B \text{ largest } \tilde s_{j,n}
@@ -215,7 +215,7 @@ print("adakv_keep makes the library's choice for both scales and safeguards 0, 1
 # The functions you built, on the whole toy read as one prompt (StreamingLLM's choice is in section 2.1), with a
 # budget of `B_TOY` per KV head. What a rule always keeps (H2O's `B_TOY // 2` recent tokens, SnapKV's window) is
 # scored $+\infty$, then each KV head keeps its best scores; SnapKV's votes are not pooled ($P = 1$), so that no
-# tie decides what is kept.
+# tie decides what is kept. AdaKV on these SnapKV scores is Exercise 2.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 def best(scores, budget):
@@ -227,10 +227,8 @@ h2o = h2o_scores([toy_probs[0]], HKV_TOY)                         # (H_kv, T) th
 h2o[:, T_TOY - B_TOY // 2:] = float("inf")                         # the recent half always stays
 window = torch.full((HKV_TOY, W_TOY), float("inf"))                # (H_kv, w) the window always stays
 snap = torch.cat([snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 1), window], -1)   # (H_kv, T), P = 1
-ada = adakv_keep(snap, B_TOY, int(0.2 * B_TOY))                    # (H_kv, T) bool: kept or not
-toy_kept = {"H2O": best(h2o, B_TOY).tolist(), "SnapKV": best(snap, B_TOY).tolist(),
-            "AdaKV": [row.nonzero().flatten().tolist() for row in ada]}
-print(f"B_TOY = {B_TOY} entries per KV head (AdaKV: {HKV_TOY * B_TOY} in the layer), safeguard {int(0.2 * B_TOY)}")
+toy_kept = {"H2O": best(h2o, B_TOY).tolist(), "SnapKV": best(snap, B_TOY).tolist()}
+print(f"B_TOY = {B_TOY} entries per KV head")
 for name, rows in toy_kept.items():
     print(f"{name:7}", "   ".join(f"KV head {j}: {row}" for j, row in enumerate(rows)))
 
@@ -240,12 +238,6 @@ for name, rows in toy_kept.items():
 #
 # **SnapKV** drops token 5, which the window does not attend, and keeps the two prefix tokens the window
 # attends most: the sink 0 and 9 in KV head 0, the sink 0 and 2 in KV head 1.
-#
-# **AdaKV** shares the layer's 12 entries: the two windows take 8 ($+\infty$), so 4 are free, whichever head they
-# fall in. KV head 0's window attends 9 alone: after 9 (3.28), its next vote is the sink's 0.44, below KV head 1's
-# 0.87, 0.79 and 0.71 for tokens 0, 2 and 3. So KV head 0 gets one free entry and the spread-out KV head 1 three
-# (5 entries against 7), and KV head 0 loses its sink: nothing in SnapKV or AdaKV protects a sink, only the
-# window's attention to it. The safeguard, 1 entry, falls in each window and changes nothing here.
 #
 # ## Exercises
 #
@@ -306,12 +298,12 @@ def reference_leaves_at(p, budget, n_sink):
 check_leaves_at(reference_leaves_at)
 
 # %% [markdown]
-# ### Exercise 2: how AdaKV shares a larger budget
+# ### Exercise 2: how AdaKV shares the layer's budget
 #
-# Give section 2.5's toy a budget of 8 entries per KV head instead of 6: 16 in the layer, SnapKV's votes still not
-# pooled, the safeguard still 1. How many entries does AdaKV give each KV head? Read it off section 2.3's $P = 1$
-# scores, without code, and write `my_entries = [KV head 0's, KV head 1's]` (a tie among KV head 1's smallest votes
-# decides which token it keeps, not how many). The check asks the library.
+# Hand AdaKV section 2.5's SnapKV scores (the window at $+\infty$, the votes not pooled) with `B_TOY` = 6 entries per
+# KV head: 12 in the layer, and a safeguard of $\lfloor 0.2 \cdot 6 \rfloor = 1$, which each head's window already
+# holds (its $+\infty$ entries are its best). How many entries does AdaKV give each KV head? Read it off section
+# 2.3's $P = 1$ scores, without code, and write `my_entries = [KV head 0's, KV head 1's]`. The check asks the library.
 
 # %%
 my_entries = None               # replace None: [entries of KV head 0, entries of KV head 1]
@@ -320,26 +312,27 @@ my_entries = None               # replace None: [entries of KV head 0, entries o
 @exercise("Exercise 2")
 def check_entries(entries):
     pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)               # (1, H_kv, T) positions of the slots
-    ranked = SnapKVPolicy(8, window=W_TOY, kernel=1).rank(            # the library's SnapKV, window at +inf
+    ranked = SnapKVPolicy(B_TOY, window=W_TOY, kernel=1).rank(        # the library's SnapKV, window at +inf
         snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=1, pooling="max"), pos, T_TOY)
-    right = adaptive_keep_mask(ranked, 8, int(0.2 * 8))[0].sum(-1).tolist()      # (H_kv,) entries per KV head
+    right = adaptive_keep_mask(ranked, B_TOY, int(0.2 * B_TOY))[0].sum(-1).tolist()   # (H_kv,) entries per KV head
     assert len(entries) == HKV_TOY, "two counts: KV head 0's, then KV head 1's"
-    assert sum(entries) == HKV_TOY * 8, "the layer holds 2 x 8 = 16 entries, shared by its two KV heads"
-    assert [int(n) for n in entries] == right, "each window takes its 4 entries (+inf); the 8 others go to the " \
-        "layer's 8 highest prefix scores, whichever KV head they are in"
-    return "The free entries follow the scores: the head whose window spreads its attention gets most of them"
+    assert sum(entries) == HKV_TOY * B_TOY, "the layer holds 2 x 6 = 12 entries, shared by its two KV heads"
+    assert [int(n) for n in entries] == right, "each window takes its 4 entries (+inf); the 4 others go to the " \
+        "layer's 4 highest prefix scores, whichever KV head they are in"
+    return "The free entries follow the scores: KV head 1, whose window spreads its attention, gets most of them, " \
+        "and KV head 0 loses its sink (nothing in SnapKV or AdaKV protects a sink, only the window's attention to it)"
 
 
 check_entries(my_entries)
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-# BEGIN SOLUTION [baselines] each window's 4, then the layer's 8 best prefix votes: 9 and 0 in KV head 0, six in 1
+# BEGIN SOLUTION [baselines] each window's 4, then the layer's 4 best prefix votes: 9 in KV head 0, three in 1
 votes = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, 1)                # (H_kv, T - w) the prefix's votes, P = 1
-kept = adakv_keep(torch.cat([votes, window], -1), 8, 1)             # (H_kv, T) the window at +inf
+kept = adakv_keep(torch.cat([votes, window], -1), B_TOY, 1)         # (H_kv, T) the window at +inf
 reference_entries = kept.sum(-1).tolist()
 # END SOLUTION
 check_entries(reference_entries)
-for j in range(HKV_TOY):                                            # the free entries: the layer's 8 best votes
+for j in range(HKV_TOY):                                            # the free entries: the layer's 4 best votes
     free = [round(v, 2) for v in votes[j][kept[j, :T_TOY - W_TOY]].tolist()]
     print(f"KV head {j}: {reference_entries[j]} entries, the window's {W_TOY} and the prefix votes {free}")
 

@@ -36,6 +36,10 @@ SLIPS: dict[str, list[Mutant]] = {
         Mutant("query heads grouped interleaved", "window_vote",
                "pooled.view(H // n_kv_head, n_kv_head, -1).mean(0)",
                "pooled.view(n_kv_head, H // n_kv_head, -1).mean(1)"),
+        Mutant("the group's votes averaged before the pooling, not after", "window_vote",
+               "votes = probs[:, T - window:, :T - window].sum(1).view(n_kv_head, H // n_kv_head, -1).mean(1)"
+               ".repeat_interleave(H // n_kv_head, 0)",
+               "votes = probs[:, T - window:, :T - window].sum(1)"),
         Mutant("no safeguard", "adakv", "", '        ranked[j, best] = float("inf")\n'),
         Mutant("the budget of one head for the whole layer", "adakv", "pairs[:budget]", "pairs[:H_kv * budget]"),
     ],
