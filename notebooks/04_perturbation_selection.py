@@ -38,7 +38,9 @@ import torch
 # | $A'$ | the attention over the kept entries | `renormalized_attention` |
 # | $\mathcal{L}$ | the output perturbation | `output_perturbation`, `L` |
 # | $C$, $\theta$ | $\sum_n A_n P_n$, and the bound on $\mathcal{L}$ | `perturbation_bound`, `theta` |
-# | $\alpha$, $\sigma$ | the share of $B$ kept by attention first ($B - w$ in section 2); its mass | `alpha`, `sigma` |
+# | $\bar o_\text{kept}$, $\bar o_\text{evicted}$ | each side's $v_n W_O^{(h)}$, mean by $A_n$ | `o_kept`, `o_evicted` |
+# | $\alpha$, $\sigma$ | the share of $B$ ($B - w$: section 2) stage 1 keeps by attention; its mass | `alpha`, `sigma` |
+# | $\hat\theta$ | $\theta$ with $\mu$ frozen at $\sigma$: what Algorithm 1 minimises | |
 #
 # The head adds $A V W_O^{(h)}$ to the layer's output (Eq. 2). When CriticalKV evicts entries, the softmax over the
 # kept ones is the old attention renormalised (Theorem 1, Eq. 6), and the output moves by $\mathcal{L}$ (Eq. 5):
@@ -46,30 +48,39 @@ import torch
 # $$A' = \frac{\mathcal{N} \odot A}{\sum_n \mathcal{N}_n A_n} \quad \text{(Eq. 6)}, \qquad
 # \mathcal{L} = \big\|(A - A')\, V W_O^{(h)}\big\|_1 \quad \text{(Eq. 5)}.$$
 #
+# Split by the mask, the full output is $\mu\, \bar o_\text{kept} + (1 - \mu)\, \bar o_\text{evicted}$, and the kept
+# entries output $\bar o_\text{kept}$, so $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$:
+# the mass lost, times how far the two means lie apart.
+#
 # **The bound (§3.3, Theorem 2).** By the triangle inequality, $\mathcal{L} \le \sum_n |A_n - A'_n|\, P_n$: an
 # evicted entry ($A'_n = 0$) adds $A_n P_n$, a kept one ($A'_n = A_n / \mu$) adds $(1/\mu - 1) A_n P_n$. Summed,
 #
 # $$\mathcal{L} \le \theta = C - \Big(2 - \frac{1}{\mu}\Big) \sum_n \mathcal{N}_n A_n P_n \quad \text{(Eq. 8)}.$$
 #
-# The cell below checks both theorems on random heads.
+# The cell below checks both theorems, and the split, on random heads.
 
 # %% tags=["needs:output_perturbation", "needs:perturbation_bound"]
 from methods.critical_kv import output_perturbation, perturbation_bound, renormalized_attention
 
 g = torch.Generator().manual_seed(0)
-worst_gap, identity_err = float("inf"), 0.0
+worst_gap, identity_err, split_err = float("inf"), 0.0, 0.0
 for _ in range(500 if TINY else 2000):
     T, d, D = 30, 4, 8
     logits = torch.randn(T, generator=g, dtype=torch.float64) * float(torch.empty(1).uniform_(0.1, 5, generator=g))
     attn = torch.softmax(logits, -1)                                        # (T,) A
     vw = torch.randn(T, d, generator=g, dtype=torch.float64) @ torch.randn(d, D, generator=g, dtype=torch.float64)
     keep = (torch.rand(T, generator=g) < 0.3) | (torch.arange(T) == 0)     # (T,) the mask N; entry 0 kept
-    theta = perturbation_bound(attn, keep, vw.abs().sum(-1))
-    worst_gap = min(worst_gap, float(theta - output_perturbation(attn, keep, vw)))
+    keep[-1] = False                                                        # and the last one evicted
+    L, theta = output_perturbation(attn, keep, vw), perturbation_bound(attn, keep, vw.abs().sum(-1))
+    worst_gap = min(worst_gap, float(theta - L))
+    mu = attn[keep].sum()
+    o_kept, o_evicted = (attn * keep) @ vw / mu, (attn * ~keep) @ vw / (1 - mu)   # (D,) each side's mean
+    split_err = max(split_err, float(abs((1 - mu) * (o_evicted - o_kept).abs().sum() - L)))
     masked = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)
     identity_err = max(identity_err, float((masked - renormalized_attention(attn, keep)).abs().max()))
 print(f"Theorem 1: max |softmax over the kept entries - N*A/mu| = {identity_err:.1e}")
 print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.1e}  (>= 0: the bound holds)")
+print(f"the split: max |(1 - mu) |o_evicted - o_kept|_1 - L| = {split_err:.1e}")
 
 # %% [markdown]
 # **From the bound to Algorithm 1 (§3.4-3.5).** Ranking entries cannot minimise $\theta$ directly: its factor
@@ -77,10 +88,9 @@ print(f"Theorem 2: min over random masks of theta - L = {worst_gap:.1e}  (>= 0: 
 #
 # 1. **Stage 1** keeps the $\lfloor \alpha B \rfloor$ entries with the most attention. Their mass $\sigma$ is then
 #    fixed, and Assumption 1 says $\sigma > 1/2$, so $2 - 1/\sigma > 0$.
-# 2. Later choices only add mass, so $\mu \ge \sigma$, hence $1/\mu \le 1/\sigma$ and $2 - 1/\sigma \le 2 - 1/\mu$.
-#    Multiply both by the same sum $\sum_n \mathcal{N}_n A_n P_n \ge 0$ (stage 1's entries in it too) and subtract
-#    from $C$: the frozen factor gives a bound above $\theta$,
-#    $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n \ge \theta$.
+# 2. Later choices only add mass, so $\mu \ge \sigma$. With the factor frozen at $\sigma$,
+#    $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n$, and
+#    $\hat\theta - \theta = (1/\sigma - 1/\mu) \sum_n \mathcal{N}_n A_n P_n \ge 0$: a bound above $\theta$.
 # 3. **Stage 2** fills the rest of the budget with the largest $A_n P_n$: with $\sigma$ fixed and
 #    $2 - 1/\sigma > 0$, that makes the sum largest and $\hat\theta$ lowest.
 #
@@ -111,7 +121,7 @@ g, n_heads = torch.Generator().manual_seed(0), 300
 for trial in range(n_heads):
     T = int(torch.randint(4, 40, (1,), generator=g))                  # entries in this head
     attn = torch.softmax(torch.randn(T, generator=g) * 3, -1)         # (T,) one query's attention A
-    P = torch.rand(T, generator=g) * 4 / attn ** (trial % 2)          # (T,) P_n; odd heads: A * P random, not A's
+    P = torch.rand(T, generator=g) * 4 / attn ** (trial % 2)          # (T,) P_n; odd heads: P = rand / A, A * P random
     budget = int(torch.randint(1, T + 1, (1,), generator=g))          # the budget B
     alpha = (0.0, 0.25, 0.5, 1.0)[trial // 2 % 4]                     # each alpha with both kinds of P
     mine = algorithm1(attn, P, budget, alpha)
@@ -161,7 +171,8 @@ for values, vws in [("entry 2 opposite", opposite), ("entry 2 same sign", same_s
 #   the window's votes, max-pooled, averaged over a KV head's query heads);
 # * **stage 2** fills the rest by $s_n \bar P_n$, with $\bar P_n$ the mean of $P_n$ over the KV head's query heads.
 #
-# That is how the authors' code reads Algorithm 2 (the lab compares it with another reading). Below, layer 0 of the
+# That is how the authors' code reads Algorithm 2 (the lab compares it with a reading that weights each query head's
+# $P_n$ by that head's own window attention). Below, layer 0 of the
 # bundled model on one prompt: the entries `CriticalKVPolicy` keeps and SnapKV drops.
 
 # %% tags=["needs:two_stage"]
@@ -183,7 +194,7 @@ print(f"T = {ids.shape[1]} prompt tokens; each KV head keeps B = {B}: the window
 for j in range(model.config.n_kv_head):
     kept = {name: set(cache.layers[0].pos[0, j].tolist()) for name, cache in caches.items()}   # layer 0, KV head j
     swapped = sorted(kept["critical_kv"] - kept["snapkv"])
-    stage1 = set(critical.last[0]["stage1_pos"][0, j].tolist()) - {-1}          # the window and stage 1's picks
+    stage1 = set(critical.last[0]["stage1_pos"][0, j].tolist()) - {-1}   # layer 0's window and stage 1 (-1: padding)
     assert stage1 <= kept["snapkv"], "stage 1 kept an entry SnapKV drops"
     print(f"KV head {j}: CriticalKV keeps {len(swapped)} entries SnapKV drops, at {swapped}")
 
@@ -328,11 +339,9 @@ behind = sum(losses[s] > reference_wins[s] for s in SHARPNESS)
 print(f"Algorithm 1 wins more often as the attention concentrates, yet it loses more often than it wins at {behind} "
       f"of the {len(SHARPNESS)} sharpnesses: concentrated attention is needed, not enough.")
 # %% [markdown]
-# Why it loses: write $\bar o$ for the attention-weighted mean of one side's projected values. The full output is
-# $\mu\, \bar o_\text{kept} + (1 - \mu)\, \bar o_\text{evicted}$ and the kept cache outputs $\bar o_\text{kept}$, so
-# $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$. With values in random directions, a
-# large $P_n$ does not bring the two means closer, but it costs attention mass (a larger $1 - \mu$). The lab measures
-# real heads.
+# Why it loses: by section 1's split, $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$. With
+# values in random directions, a large $P_n$ does not bring the two means closer, but it costs attention mass (a
+# larger $1 - \mu$). The lab measures real heads.
 #
 # **Go further**: the lab [labs/04_critical_kv_readings.ipynb](labs/04_critical_kv_readings.ipynb) measures both
 # readings on real heads (the bundled model and SmolLM2-135M) and tests each of the paper's claims.
