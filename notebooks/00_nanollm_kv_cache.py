@@ -74,7 +74,7 @@ print(f"max |logits diff|, cached against uncached: {(torch.cat(cached) - torch.
 # The mask reads the *stored* positions $p_j$, not slot numbers, so it stays right after a method evicts
 # entries (section 4); a chunk of queries has a row $M_t$ per query. The recorded keys and queries already carry
 # RoPE's rotation (section 4). KV head $h$ serves query heads $hG$ to $(h+1)G - 1$, hence `repeat_interleave`,
-# not `repeat`. The buffers, and two helpers for the checks:
+# not `repeat`. The buffers, and two helpers that only word the checks' messages (skim them):
 
 # %%
 import torch                                                   # again: the cells from here need only it and config
@@ -119,7 +119,7 @@ def record_layer0(cache):
     """From now on, record each call of cache.attend in layer 0: (queries, their positions, (k, v) new, output)."""
     calls = []
 
-    def recorded(layer, module, q, pos, new):
+    def recorded(layer, module, q, pos, new):                          # new: the step's (k, v)
         out = KVCache.attend(cache, layer, module, q, pos, new)        # the library's own method
         if layer == 0:
             calls.append((q, pos, new, out))
@@ -158,7 +158,7 @@ def attend(q, q_pos):
     group = q.shape[1] // config.n_kv_head                     # query heads per KV head (GQA)
     k, v, pos = (t[:, :, :used].repeat_interleave(group, dim=1) for t in (k_buf, v_buf, pos_buf))
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5      # (batch, H, Tq, used)
-    visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= q_pos[:, None])   # the mask M
+    visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= q_pos[:, None])   # (batch, H, Tq, used) the mask M
     return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
     # END SOLUTION
 
@@ -250,12 +250,11 @@ for t, n in [(5, 2), (1005, 1002), (5, 4)]:
 #
 # ### 4.2 Eviction keeps positions true
 #
-# A method evicts with `keep(idx)` on a layer's storage (`LayerKV`): `idx` lists, per KV head, the slots to keep ($-1$:
-# an empty slot, which attention skips); positions move with their keys. (At a decode step a method may instead empty a
-# slot where it is, `evict`: its position becomes $-1$ and the next token is written there.) Keys are cached after RoPE,
-# so kept keys need no new rotation, and the next token gets position `cache.seen` ($T$), not the number of slots in
-# use. Below, after a 12-token prompt, each KV head of layer 0 keeps 6 slots (one of KV head 1's empty), then one more
-# token is decoded.
+# A method evicts with `keep(idx)` on a layer's storage (`LayerKV`): `idx` lists, per KV head, the slots to keep
+# ($-1$: an empty slot, which attention skips, where a head keeps fewer); positions move with their keys. Keys are
+# cached after RoPE, so kept keys need no new rotation, and the next token gets position `cache.seen` ($T$), not the
+# number of slots in use. Below, after a 12-token prompt, each KV head of layer 0 keeps 6 slots (one of KV head 1's
+# empty), then one more token is decoded.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 cache = KVCache(config)

@@ -53,7 +53,8 @@ print(f"device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; interpreter: {
 # ($2Td$ numbers) and does about $4GTd$ FLOPs with them ($q \cdot k_n$ and the weighted sum of the $v_n$, for
 # the $G$ query heads that share the KV head): an arithmetic intensity of $4GTd / (2Tdb) = 2G/b$ FLOP per
 # byte. Llama-3-8B has $G = 4$ (32 query heads, 8 KV heads); its data sheet's H100 does about 990 TFLOP/s of
-# bf16 matrix math against about 3.35 TB/s of memory bandwidth. So the step's time is `bytes / bandwidth`:
+# bf16 matrix math against about 3.35 TB/s of memory bandwidth. Their ratio is the *ridge* of the roofline model:
+# a step doing fewer FLOPs per byte than that waits on memory, and its time is `bytes / bandwidth`:
 
 # %%
 def decode_bytes(L, H_kv, T, d, b, batch=1):
@@ -261,14 +262,14 @@ print(f"copy bandwidth measured in the same run: {h100['copy_bandwidth'] / 1e12:
 # ### Exercise 1: what selected-index decode must read
 #
 # The case `selected keep 0.1 B=8 S=32768` is one layer of the Llama-3-8B shape (32 query heads, 8 KV heads of
-# dimension 128, bf16) for 8 sequences of 32768 tokens. It keeps 3276 rows per (sequence, KV head) and gives
-# the kernel their indices as int32, one per kept row. Write `my_step_bytes(B, S, rows)`: the bytes a step of
-# this layer must move at least for B sequences of S tokens reading `rows` rows per (sequence, KV head): the
-# rows' keys and values read once, an index per row where it reads fewer than S (the selected kernel; the
-# dense one reads every row, no index), and each sequence's queries read once and its output written once. The
-# check compares it with the three cases of section 3 (`dense B=8 S=32768`, `dense B=1 S=131072` and the
-# selected one) and prints the speed-up the roofline then promises, dense over selected. The kernel measured
-# 8.0x (section 3): is the gather what falls short?
+# dimension 128, bf16) for 8 sequences of 32768 tokens. It keeps 3276 rows per (sequence, KV head) and gives the
+# kernel their indices as int32, one per kept row. Write `my_step_bytes(B, S, rows)`: the bytes a step of this layer
+# must move at least for B sequences of S tokens reading `rows` rows per (sequence, KV head): the rows' keys and
+# values read once, an index per row where it reads fewer than S (the selected kernel; the dense one reads every row,
+# no index), and each sequence's queries read once and its output written once (32 query heads, bf16). The check
+# compares it with the three cases of section 3 (`dense B=8 S=32768`, `dense B=1 S=131072` and the selected one) and
+# prints the speed-up the roofline then promises, dense over selected. The kernel measured 8.0x (section 3): is the
+# gather what falls short?
 
 # %%
 my_step_bytes = None                # replace None: a function (B, S, rows) -> bytes (write def my_step_bytes(...))
@@ -312,7 +313,9 @@ print(f"No: the bytes promise {reference_promise:.1f}x, and the kernel takes onl
 at_copy_ms = sel["bytes"] / h100["copy_bandwidth"] * 1e3                 # the step's bytes at the copy bandwidth
 print(f"Its {sel['bytes'] / 1e6:.0f} MB take {at_copy_ms:.3f} ms at the copy bandwidth, the kernel "
       f"{sel['ms']['triton']:.3f} ms: {(sel['ms']['triton'] - at_copy_ms) * 1e3:.0f} us beyond its bytes, where the "
-      f"dense step ({d8['ms']['triton']:.3f} ms) runs at {d8['fraction_of_copy_bw']['triton']:.0%} of the copy's speed")
+      f"dense step ({d8['ms']['triton']:.3f} ms) runs at {d8['fraction_of_copy_bw']['triton']:.0%} of the copy's "
+      "speed. A step this short feels its fixed costs (the launches, the merge of the ranges), which this run did not "
+      "time apart")
 
 # %% [markdown]
 # ### Exercise 2: where the cache overtakes the weights
