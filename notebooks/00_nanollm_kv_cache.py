@@ -109,7 +109,8 @@ def attend_off(mine, out):
 # %% [markdown]
 # To check it, we record layer 0's calls of `KVCache.attend` (queries, their positions, new keys and values,
 # output) over a prefill of 6 tokens, an `extend` chunk of 5 and one decode step. `record_layer0` wraps that
-# method on one cache object only.
+# method on one cache object only; its `module` is the layer's attention block, and a step's new keys sit at its
+# queries' own positions, so one `pos` serves both.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from nanollm import extend
@@ -158,7 +159,8 @@ def attend(q, q_pos):
     group = q.shape[1] // config.n_kv_head                     # query heads per KV head (GQA)
     k, v, pos = (t[:, :, :used].repeat_interleave(group, dim=1) for t in (k_buf, v_buf, pos_buf))
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5      # (batch, H, Tq, used)
-    visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= q_pos[:, None])   # (batch, H, Tq, used) the mask M
+    visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= q_pos[:, None])   # (batch, H, Tq, used) the mask M:
+    #                                           (batch, H, 1, used) against (Tq, 1), broadcast
     return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
     # END SOLUTION
 
@@ -220,7 +222,7 @@ print("speedup of a cached step:", ", ".join(f"{r.speedup:.1f}x at {r.context}" 
 #
 # Rotary position embeddings (RoPE; Su et al., 2021, §3.2) split a query or key into $d/2$ pairs; $R_n$, the
 # rotation at position $n$, turns pair $i$ by the angle $n\,\theta_i$, with $\theta_i = 10000^{-2i/d}$.
-# Rotations compose, so a score depends only on the distance between the two positions:
+# Rotations compose, so a score depends only on the distance $t - n$ between the two positions:
 #
 # $$(R_t\, q_t)^\top (R_n\, k_n) = q_t^\top R_{n-t}\, k_n .$$
 #
@@ -268,8 +270,8 @@ for h in range(config.n_kv_head):
 print(f"the new token got position {int(kv.pos[0, 0, -1])} (the tokens seen before it), in slot {len(kv) - 1}")
 
 # %% [markdown]
-# Each head stores its own positions, the empty slot stays $-1$, and the new token's position counts the
-# tokens seen, not the slots, so its scores see true distances.
+# Each head stores its own positions, the empty slot stays $-1$ (the new token goes after the kept slots, not
+# into it), and the new token's position counts the tokens seen, not the slots, so its scores see true distances.
 #
 # Section 1.1's `append` and `attend` must stay right here too, where slot $j$ no longer holds position $j$. We load
 # layer 0's slots into the hand-built buffers, then replay an `extend` chunk of 3 tokens (positions 13 to 15):

@@ -113,7 +113,8 @@ def h2o_scores(steps, n_kv_head):
 
 
 toy_steps = [toy_probs[0, :, :13, :13]] + [toy_probs[0, :, i:i + 1, :i + 1] for i in range(13, T_TOY)]  # (H, q, T)
-assert torch.allclose(h2o_scores(toy_steps, HKV_TOY), received_attention(toy_probs.sum(2), HKV_TOY)[0]), \
+column_sums = toy_probs.sum(2)                                      # (1, H, T) summed over the queries
+assert torch.allclose(h2o_scores(toy_steps, HKV_TOY), received_attention(column_sums, HKV_TOY)[0]), \
     "the toy's accumulated scores differ from its column sums, mean over each KV head's query heads"
 for j, row in enumerate(h2o_scores(toy_steps, HKV_TOY)):                   # (T,) one KV head's scores
     print(f"H2O's scores on the toy, KV head {j}:", [round(x, 2) for x in row.tolist()])
@@ -153,7 +154,8 @@ def snapkv_votes(probs, n_kv_head, window, kernel):
 
 RULE = "summed over the window's queries, max-pooled over the kernel's neighbours, averaged over a KV head's group"
 for P in (3, 1):                                                    # the toy, pooled over 3 neighbours, then not
-    library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=P, pooling="max")[0, :, :T_TOY - W_TOY]  # prefix
+    library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=P, pooling="max")[0, :, :T_TOY - W_TOY]  # (H_kv,
+    # T - w): the prefix; the library also scores the window's own tokens, which a cache then ranks at +inf
     mine = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, P)
     assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes, P = {P}: {off}; {RULE}"
     for j, row in enumerate(mine):                                          # (T - w,) one KV head's scores
@@ -241,75 +243,22 @@ for name, rows in toy_kept.items():
 #
 # ## Exercises
 #
-# Replace each `None` and run the check under it, which hints when the answer is wrong; the reference answer
-# is collapsed below.
-#
-# ### Exercise 1: how long a token stays
-#
-# Section 2.1's rule says what StreamingLLM holds at one moment. Turn it around: when does a token leave? Write
-# `my_leaves_at(p, budget, n_sink)`: the number of tokens seen at which position `p` is first missing from a
-# StreamingLLM cache, or `None` if it never leaves. Use these three numbers alone (not `sinks_and_recent` or
-# `streaming_keep`), and mind $S = \min(\texttt{n\_sink}, B - 1)$. The check asks the library's `sinks_and_recent`,
-# the rule the cache follows, what is held after every count of tokens, for five budgets, one of them smaller than
-# its sinks.
-
-# %%
-my_leaves_at = None              # replace None: a function (p, budget, n_sink) -> a token count, or None
-
-# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-from exercises import calls, exercise
-
-
-@exercise("Exercise 1")
-def check_leaves_at(leaves_at):
-    library = calls(leaves_at, "sinks_and_recent", "streaming_keep", "StreamingLLMPolicy", "make_policy")
-    assert not library, f"from p, budget and n_sink alone: your function calls {', '.join(library)}"
-    for budget, n_sink in ((40, 4), (24, 2), (10, 0), (3, 4), (1, 4)):
-        for seen in range(1, 30 if TINY else 60):                   # tokens seen so far
-            held = {p for r in sinks_and_recent(budget, n_sink, seen) for p in r}
-            for p in range(seen):
-                left = leaves_at(p, budget, n_sink)
-                assert left is None or float(left) == int(left), "a whole number of tokens seen, or None"
-                where = f"budget {budget}, n_sink {n_sink}: after {seen} tokens, position {p} is " \
-                        f"{'held' if p in held else 'gone'}, but your function says it"
-                if left is None:
-                    assert p in held, f"{where} never leaves: only the sinks stay, as many as n_sink asks and the " \
-                                      "budget leaves room for"
-                    continue
-                assert p >= min(n_sink, budget - 1), f"{where} leaves: a sink never leaves (return None)"
-                assert not (p in held and seen >= int(left)), f"{where} is gone at {int(left)} tokens: the first " \
-                    "count at which it is missing comes after the token that pushes it out of the B - S recent slots"
-                assert p in held or seen >= int(left), f"{where} leaves after {int(left)} tokens: count the recent " \
-                    "window's slots, B - S"
-    return "Past the sinks, every position stays B - S tokens (36 at budget 40 with 4 sinks), however long the " \
-           "prompt: the window slides one position per token"
-
-
-check_leaves_at(my_leaves_at)
-
-# %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-# BEGIN SOLUTION [baselines] a sink never leaves; the others stay while p >= seen - (B - S), B - S tokens
-def reference_leaves_at(p, budget, n_sink):
-    n_s = min(n_sink, budget - 1)
-    return None if p < n_s else p + (budget - n_s) + 1
-# END SOLUTION
-
-
-check_leaves_at(reference_leaves_at)
-
-# %% [markdown]
-# ### Exercise 2: how AdaKV shares the layer's budget
+# ### Exercise 1: how AdaKV shares the layer's budget
 #
 # Hand AdaKV section 2.5's SnapKV scores (the window at $+\infty$, the votes not pooled) with `B_TOY` = 6 entries per
 # KV head: 12 in the layer, and a safeguard of $\lfloor 0.2 \cdot 6 \rfloor = 1$, which each head's window already
 # holds (its $+\infty$ entries are its best). How many entries does AdaKV give each KV head? Read it off section
-# 2.3's $P = 1$ scores, without code, and write `my_entries = [KV head 0's, KV head 1's]`. The check asks the library.
+# 2.3's $P = 1$ scores, without code, and write `my_entries = [KV head 0's, KV head 1's]`. The check under it asks
+# the library and hints when the answer is wrong; the reference answer is collapsed below it.
 
 # %%
 my_entries = None               # replace None: [entries of KV head 0, entries of KV head 1]
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
-@exercise("Exercise 2")
+from exercises import exercise
+
+
+@exercise("Exercise 1")
 def check_entries(entries):
     pos = torch.arange(T_TOY).expand(1, HKV_TOY, T_TOY)               # (1, H_kv, T) positions of the slots
     ranked = SnapKVPolicy(B_TOY, window=W_TOY, kernel=1).rank(        # the library's SnapKV, window at +inf

@@ -14,7 +14,7 @@
 #
 # 1. the output perturbation, its bound, and Algorithm 1, checked against the library;
 # 2. how it runs inside SnapKV;
-# 3. in the exercises: why it needs concentrated attention, and that this is not enough.
+# 3. in the exercise: why it needs concentrated attention, and that this is not enough.
 #
 # Code: `methods/critical_kv.py`.
 
@@ -54,6 +54,7 @@ import torch
 #
 # **The bound (§3.3, Theorem 2).** By the triangle inequality, $\mathcal{L} \le \sum_n |A_n - A'_n|\, P_n$: an
 # evicted entry ($A'_n = 0$) adds $A_n P_n$, a kept one ($A'_n = A_n / \mu$) adds $(1/\mu - 1) A_n P_n$. Summed,
+# $C - \sum_n \mathcal{N}_n A_n P_n + (1/\mu - 1) \sum_n \mathcal{N}_n A_n P_n$:
 #
 # $$\mathcal{L} \le \theta = C - \Big(2 - \frac{1}{\mu}\Big) \sum_n \mathcal{N}_n A_n P_n \quad \text{(Eq. 8)}.$$
 #
@@ -87,7 +88,8 @@ print(f"the split: max |(1 - mu) |o_evicted - o_kept|_1 - L| = {split_err:.1e}")
 # $2 - 1/\mu$ depends on $\mu$, the mass of the very entries being chosen. Algorithm 1 fixes the factor first:
 #
 # 1. **Stage 1** keeps the $\lfloor \alpha B \rfloor$ entries with the most attention. Their mass $\sigma$ is then
-#    fixed, and Assumption 1 says $\sigma > 1/2$, so $2 - 1/\sigma > 0$.
+#    fixed, and Assumption 1 says $\sigma > 1/2$, so $2 - 1/\sigma > 0$ (below one half the factor is negative,
+#    and keeping entries with a large $A_n P_n$ would raise the bound, not lower it).
 # 2. Later choices only add mass, so $\mu \ge \sigma$. With the factor frozen at $\sigma$,
 #    $\hat\theta = C - (2 - 1/\sigma) \sum_n \mathcal{N}_n A_n P_n$, and
 #    $\hat\theta - \theta = (1/\sigma - 1/\mu) \sum_n \mathcal{N}_n A_n P_n \ge 0$: a bound above $\theta$.
@@ -153,13 +155,13 @@ for values, vws in [("entry 2 opposite", opposite), ("entry 2 same sign", same_s
               f"L = {L:.3f}, theta = {theta:.3f}")
 
 # %% [markdown]
-# With $\alpha = 0.5$, stage 1 keeps entry 0 alone: $\sigma = 0.55$, so Assumption 1 holds. Stage 2 then takes
-# entry 2, the largest $A_n P_n$ (small attention times a large $P_2$), over entry 1, and $\theta$ drops from
-# 0.885 to 0.726. But $\theta$ cannot see signs: $\mathcal{L}$ falls
-# from 0.585 to 0.019 when entry 2 points against the others, and rises from 0.315 to 0.366 when it points with
-# them. A lower $\theta$ does not promise a lower $\mathcal{L}$. Keeping entries for their values also gives up
-# attention mass (the kept mass falls from 0.75 to 0.70 here), a loss Theorem 3 leaves out; §3.5 assumes
-# concentrated attention keeps this loss small, which Exercise 2 tests.
+# With $\alpha = 0.5$, stage 1 keeps entry 0 alone: $\sigma = 0.55$, so Assumption 1 holds. Stage 2 then takes entry
+# 2, the largest $A_n P_n$ after entry 0's (small attention times a large $P_2$), over entry 1, and $\theta$ drops
+# from 0.885 to 0.726. But $\theta$ cannot see signs: $\mathcal{L}$ falls from 0.585 to 0.019 when entry 2 points
+# against the others, and rises from 0.315 to 0.366 when it points with them. A lower $\theta$ does not promise a
+# lower $\mathcal{L}$. Keeping entries for their values also gives up attention mass (the kept mass falls from 0.75 to
+# 0.70 here), a loss Theorem 3 leaves out; §3.5 assumes concentrated attention keeps this loss small, which the
+# exercise tests.
 #
 # ## 2. Inside SnapKV
 #
@@ -173,7 +175,7 @@ for values, vws in [("entry 2 opposite", opposite), ("entry 2 same sign", same_s
 #
 # That is how the authors' code reads Algorithm 2 (the lab compares it with a reading that weights each query head's
 # $P_n$ by that head's own window attention). Below, layer 0 of the
-# bundled model on one prompt: the entries `CriticalKVPolicy` keeps and SnapKV drops.
+# bundled model on one prompt of `T` tokens: the entries `CriticalKVPolicy` keeps and SnapKV drops.
 
 # %% tags=["needs:two_stage"]
 from methods.critical_kv import CriticalKVPolicy
@@ -194,7 +196,7 @@ print(f"T = {ids.shape[1]} prompt tokens; each KV head keeps B = {B}: the window
 for j in range(model.config.n_kv_head):
     kept = {name: set(cache.layers[0].pos[0, j].tolist()) for name, cache in caches.items()}   # layer 0, KV head j
     swapped = sorted(kept["critical_kv"] - kept["snapkv"])
-    stage1 = set(critical.last[0]["stage1_pos"][0, j].tolist()) - {-1}   # layer 0's window and stage 1 (-1: padding)
+    stage1 = set(critical.last[0]["stage1_pos"][0, j].tolist()) - {-1}   # window and stage 1; -1: the other slots
     assert stage1 <= kept["snapkv"], "stage 1 kept an entry SnapKV drops"
     print(f"KV head {j}: CriticalKV keeps {len(swapped)} entries SnapKV drops, at {swapped}")
 
@@ -204,73 +206,10 @@ for j in range(model.config.n_kv_head):
 #
 # ## Exercises
 #
-# Each exercise: replace the `None`, then run the check, which hints when the answer is wrong; the reference
-# answer is collapsed.
+# Replace the `None`, then run the check, which hints when the answer is wrong; the reference answer is
+# collapsed.
 #
-# ### Exercise 1: the perturbation and its bound by hand
-#
-# Write `my_L_theta(attn, keep, vw)`: $\mathcal{L}$ (Eq. 5-6) and $\theta$ (Eq. 8) of one head, as two floats, for
-# attention `attn` (T,), a mask `keep` (T,) bool and projected values `vw` (T, D), with tensor operations only
-# (no `output_perturbation`, `perturbation_bound` or `renormalized_attention`). The check runs it on random heads
-# and on the hand example with entries 1 and 2 kept (below), whose mass is under one half. Then, in a sentence: is
-# $\theta$ still an upper bound, and what does the factor $2 - 1/\mu$ do to it?
-
-# %%
-ex_attn = torch.tensor([0.55, 0.2, 0.15, 0.10], dtype=torch.float64)               # A, the hand example
-ex_vw = torch.tensor([[1.0], [0.1], [-2.0], [1.0]], dtype=torch.float64) \
-    @ torch.tensor([[1.0, 0.5]], dtype=torch.float64)                             # V W_O^(h), one row per entry
-ex_keep = torch.tensor([False, True, True, False])                                  # the mask N: entries 1, 2
-
-
-# %%
-my_L_theta = None               # replace None: a function (attn, keep, vw) -> (L, theta) (write def my_L_theta(...))
-
-# %% tags=["needs:output_perturbation", "needs:perturbation_bound"]
-from exercises import calls, exercise, on_copies
-
-
-@exercise("Exercise 1")
-def check_L_theta(L_theta):
-    library = calls(L_theta, "output_perturbation", "perturbation_bound", "renormalized_attention")
-    assert not library, f"with tensor operations only: your function calls {', '.join(library)}"
-    g = torch.Generator().manual_seed(1)
-    heads = [(ex_attn, ex_keep, ex_vw)] + [                                  # the hand example, then random heads
-        (torch.softmax(2 * torch.randn(8, generator=g, dtype=torch.float64), -1),
-         torch.arange(8) % 3 == i % 3, torch.randn(8, 3, generator=g, dtype=torch.float64)) for i in range(3)]
-    for attn, keep, vw in heads:
-        L, theta = (float(x) for x in on_copies(L_theta, attn, keep, vw))
-        right = float(output_perturbation(attn, keep, vw))
-        not_renormalised = float(((attn - attn * keep) @ vw).abs().sum())
-        assert abs(L - right) < 1e-6 or abs(L - not_renormalised) > 1e-6, "L: A' is the kept attention " \
-            "renormalised to sum to 1 (Eq. 6)"
-        assert abs(L - right) < 1e-6, "L: section 1's Eq. 5 (an L1 norm: the sum of absolute values), with A' " \
-            "of Eq. 6"
-        assert abs(theta - float(perturbation_bound(attn, keep, vw.abs().sum(-1)))) < 1e-6, "theta: section 1's " \
-            "Eq. 8 (C and P_n are defined beside it)"
-
-
-check_L_theta(my_L_theta)
-
-# %%
-# BEGIN SOLUTION [critical_kv] mu = (N*A).sum(); A' = N*A/mu; L = ((A - A') @ VW).abs().sum(); theta from Eq. 8
-def reference_L_theta(attn, keep, vw):
-    kept = attn * keep                                    # N*A
-    mu = kept.sum()                                       # the kept attention mass
-    P = vw.abs().sum(-1)                                  # P_n = ||v_n W_O^(h)||_1
-    L = ((attn - kept / mu) @ vw).abs().sum()
-    return float(L), float((attn * P).sum() - (2 - 1 / mu) * (kept * P).sum())
-# END SOLUTION
-
-
-check_L_theta(reference_L_theta)
-mu_kept = float((ex_attn * ex_keep).sum())
-L_ex, theta_ex = reference_L_theta(ex_attn, ex_keep, ex_vw)
-print(f"kept mass {mu_kept:.2f}: L = {L_ex:.3f}, theta = {theta_ex:.3f}, 2 - 1/mu = {2 - 1 / mu_kept:.2f}")
-print("Yes: Theorem 2 holds for any mask. But with mu below one half the factor 2 - 1/mu is negative, so the kept "
-      "entries' A_n P_n add to theta instead of lowering it: keeping large A_n P_n no longer tightens the bound.")
-
-# %% [markdown]
-# ### Exercise 2: concentrated attention
+# ### Exercise 1: concentrated attention
 #
 # Test on random heads (64 entries, budget 16) whether Algorithm 1 needs concentrated attention.
 # `random_head(sharpness, g)` below draws one head: the larger `sharpness`, the more concentrated its attention; some
@@ -304,7 +243,10 @@ my_wins = {0.5: None, 1: None, 2: None, 4: None, 8: None}   # replace each None:
 
 
 # %% tags=["needs:output_perturbation", "needs:two_stage"]
-@exercise("Exercise 2")
+from exercises import exercise
+
+
+@exercise("Exercise 1")
 def check_wins(wins):
     assert sorted(wins) == sorted(SHARPNESS), "one fraction per sharpness in SHARPNESS"
     assert all(0 <= w <= 1 for w in wins.values()), "a fraction of heads lies between 0 and 1"

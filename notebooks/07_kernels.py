@@ -31,7 +31,7 @@ print(f"device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; interpreter: {
 # %% [markdown]
 # ## 1. The roofline of a decode step
 #
-# The symbols of this lesson (the shared ones, then this lesson's own, for the online softmax of section 2):
+# The symbols of this section (section 2 adds those of the online softmax):
 #
 # | symbol | meaning | in the code |
 # |---|---|---|
@@ -40,21 +40,14 @@ print(f"device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; interpreter: {
 # | $G = H / H_{kv}$ | query heads that read one KV head | `G` |
 # | $d$; $b$ | numbers per head; bytes per stored number (2 in bf16) | `d`; `b` |
 # | $q$, $k_n$, $v_n$ | one head's query, and the key and value of stored token $n$ | `q`, `k`, `v` |
-# | $x_n$ | own: the score of token $n$, $q \cdot k_n / \sqrt{d}$ | `s` |
-# | $m$, $m'$ | own: the running max of the scores, before and after a block | `m`, `m_new` |
-# | $z$, $z'$ | own: the running sum $\sum_n e^{x_n - m}$, before and after a block | `l` |
-# | $\tilde o$, $\tilde o'$ | own: the running output $\sum_n e^{x_n - m} v_n$, not yet divided by $z$ | `a` |
-# | $r$; $m_r$, $z_r$, $\tilde o_r$ | own: a range of tokens; its final $m$, $z$, $\tilde o$ | `ranges` |
-# | $M$ | own: the largest $m_r$ | `M` |
-# | $o$ | the attention output, $\sum_n \mathrm{softmax}_n(x)\, v_n$ | `ref`, `got` |
 # | `B`, `S` | in a benchmark's name: sequences, tokens per sequence (elsewhere: a budget, sinks) | `B`, `S` |
 #
-# One new token per sequence. For each layer and KV head the step reads every cached key and value once
-# ($2Td$ numbers) and does about $4GTd$ FLOPs with them ($q \cdot k_n$ and the weighted sum of the $v_n$, for
-# the $G$ query heads that share the KV head): an arithmetic intensity of $4GTd / (2Tdb) = 2G/b$ FLOP per
-# byte. Llama-3-8B has $G = 4$ (32 query heads, 8 KV heads); its data sheet's H100 does about 990 TFLOP/s of
-# bf16 matrix math against about 3.35 TB/s of memory bandwidth. Their ratio is the *ridge* of the roofline model:
-# a step doing fewer FLOPs per byte than that waits on memory, and its time is `bytes / bandwidth`:
+# One new token per sequence. For each layer and KV head the step reads every cached key and value once ($2Td$
+# numbers) and does about $4GTd$ FLOPs with them (2 a multiply-add, in $q \cdot k_n$ and in the weighted sum of the
+# $v_n$, for the $G$ query heads that share the KV head): an arithmetic intensity of $4GTd / (2Tdb) = 2G/b$ FLOP per
+# byte. Llama-3-8B has $G = 4$ (32 query heads, 8 KV heads); its data sheet's H100 does about 990 TFLOP/s of bf16
+# matrix math against about 3.35 TB/s of memory bandwidth. Their ratio is the *ridge* of the roofline model: a step
+# doing fewer FLOPs per byte than that waits on memory, and its time is `bytes / bandwidth`:
 
 # %%
 def decode_bytes(L, H_kv, T, d, b, batch=1):
@@ -105,6 +98,16 @@ plt.show()
 # %% [markdown]
 # ## 2. Decode attention, split along the sequence
 #
+# | symbol | meaning | in the code |
+# |---|---|---|
+# | $x_n$ | the score of token $n$, $q \cdot k_n / \sqrt{d}$ | `s` |
+# | $m$, $m'$ | the running max of the scores, before and after a block | `m`, `m_new` |
+# | $z$, $z'$ | the running sum $\sum_n e^{x_n - m}$, before and after a block | `l` |
+# | $\tilde o$, $\tilde o'$ | the running output $\sum_n e^{x_n - m} v_n$, not yet divided by $z$ | `a` |
+# | $r$; $m_r$, $z_r$, $\tilde o_r$ | a range of tokens; its final $m$, $z$, $\tilde o$ | `ranges` |
+# | $M$ | the largest $m_r$ | `M` |
+# | $o$ | the attention output, $\sum_n \mathrm{softmax}_n(x)\, v_n$ | `ref`, `got` |
+#
 # To read the cache once, a kernel walks it in blocks of tokens, never holding a whole row of scores: an
 # **online softmax** keeps a running max $m$, sum $z$ and output $\tilde o$, and updates them for each block
 # of scores $x_n$ and values $v_n$ (FlashAttention, §3.1, Algorithm 1):
@@ -134,7 +137,7 @@ ref = reference_decode_attention(q, k, v)                        # (1, H, d): so
 def online_softmax(q, k, v, block):
     """One range: q (G, d), already scaled; k, v (n, d) in blocks of ``block`` -> m (G,), l (G,), a (G, d)."""
     # BEGIN SOLUTION [kernels:online_softmax] FlashAttention §3.1: per block, new max m'; l and a times exp(m - m')
-    m = torch.full((q.shape[0],), float("-inf"), device=q.device)
+    m = torch.full((q.shape[0],), float("-inf"), device=q.device)   # -inf: the first block's exp(m - m') is 0
     l, a = torch.zeros(q.shape[0], device=q.device), torch.zeros(q.shape[0], k.shape[1], device=q.device)
     for first in range(0, k.shape[0], block):
         s = q @ k[first:first + block].T                             # (G, block)
