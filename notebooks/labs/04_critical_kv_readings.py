@@ -515,7 +515,7 @@ summarise(alg1, HEAD_RATIOS, [(str(l), [l]) for l in range(cfg.n_layer)] + [("al
 # factor $2 - 1/\mu$ ($\mu$ the kept attention mass) at $2 - 1/\sigma$, as if $\mu$ were fixed, and
 # Algorithm 1 maximises $\sum_n \mathcal{N}_n A_n P_n$ under that frozen factor, not $\theta$ itself; but every
 # entry stage 2 picks for its value instead of its attention lowers $\mu$, and for a given kept
-# $\sum_n \mathcal{N}_n A_n P_n$, $\theta$ grows as $\mu$ falls, as $\mathcal{L}$ does (the lesson's Exercise 2
+# $\sum_n \mathcal{N}_n A_n P_n$, $\theta$ grows as $\mu$ falls, as $\mathcal{L}$ does (the lesson's section 1
 # shows $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$). That cost is small only
 # where attention is concentrated, as
 # the paper assumes (§3.5). Here it mostly is not: a tenth of the entries by attention keeps 0.51-0.67 of the

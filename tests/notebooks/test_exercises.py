@@ -339,8 +339,8 @@ def test_the_probes_see_a_check_that_passes_anything_and_a_hint_that_gives_the_a
 
 
 def test_the_probes_see_a_check_that_refuses_a_right_answer_in_another_form():
-    """Lesson 04's Exercise 2 refused a right fraction computed as a float32 mean (a 1e-9 tolerance): the probes
-    run the right forms of ``right_answers/`` too, and a refused one is a finding."""
+    """Lesson 04's concentrated-attention exercise refused a right fraction computed as a float32 mean (a 1e-9
+    tolerance): the probes run the right forms of ``right_answers/`` too, and a refused one is a finding."""
     nb = source_nb(GOOD)
     nb.cells[2].outputs = [nbformat.v4.new_output("stream", text="Exercise 1: not answered yet (...)\n")]
     cell = nbformat.v4.new_code_cell("probe")
@@ -382,8 +382,9 @@ def test_a_library_call_inside_a_helper_of_the_learners_is_seen():
 
 
 def test_a_forbidden_function_under_another_name_is_seen():
-    """Lesson 01's Exercise 1 forbids section 2.1's ``streaming_keep``: ``my_leaves_at = streaming_keep`` (or a
-    call through another name for it) passed, since neither answer's code names it."""
+    """An exercise that forbids a function (lesson 01's StreamingLLM exercise forbade section 2.1's
+    ``streaming_keep``): ``my_leaves_at = streaming_keep`` (or a call through another name for it) passed, since
+    neither answer's code names it."""
     exercises = exercises_module()
     space = {"__name__": "__main__"}
     exec("def streaming_keep(x):\n    return x + 1\n"
