@@ -109,8 +109,9 @@ def attend_off(mine, out):
 # %% [markdown]
 # To check it, we record layer 0's calls of `KVCache.attend` (queries, their positions, new keys and values,
 # output) over a prefill of 6 tokens, an `extend` chunk of 5 and one decode step. `record_layer0` wraps that
-# method on one cache object only; its `module` is the layer's attention block, and a step's new keys sit at its
-# queries' own positions, so one `pos` serves both.
+# method on one cache object only. Each layer's attention block calls `cache.attend(layer, module, q, pos, new)`:
+# its index, itself, the step's queries, their positions, and `new`, the step's keys and values, which sit at the
+# queries' own positions.
 
 # %% tags=["needs:append", "needs:group_scores", "needs:mask"]
 from nanollm import extend
@@ -159,8 +160,8 @@ def attend(q, q_pos):
     group = q.shape[1] // config.n_kv_head                     # query heads per KV head (GQA)
     k, v, pos = (t[:, :, :used].repeat_interleave(group, dim=1) for t in (k_buf, v_buf, pos_buf))
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5      # (batch, H, Tq, used)
-    visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= q_pos[:, None])   # (batch, H, Tq, used) the mask M:
-    #                                           (batch, H, 1, used) against (Tq, 1), broadcast
+    # the mask M: stored positions (batch, H, 1, used) against the queries' (Tq, 1) -> (batch, H, Tq, used)
+    visible = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= q_pos[:, None])
     return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
     # END SOLUTION
 
@@ -264,7 +265,7 @@ prefill(model, torch.randint(0, config.vocab_size, (1, 12)), cache)
 kv = cache.layers[0]
 idx = torch.tensor([[[0, 1, 5, 9, 10, 11], [0, 1, 7, 10, 11, -1]]])   # (1, H_kv, 6): the slots each head keeps
 kv.keep(idx)
-decode_step(model, torch.tensor([7]), cache)                          # one more token
+decode_step(model, torch.tensor([7]), cache)                          # one more token (its id: 7)
 for h in range(config.n_kv_head):
     print(f"KV head {h}, the position stored in each slot: {kv.pos[0, h].tolist()}")
 print(f"the new token got position {int(kv.pos[0, 0, -1])} (the tokens seen before it), in slot {len(kv) - 1}")
@@ -369,7 +370,7 @@ def check_memory(gib_gqa, gib_mha):
                            (2 * right, "bf16 takes 2 bytes per number"),
                            (gib(32), "with GQA the cache holds the 8 KV heads, not one per query head"),
                            (right * 2**30, "that is bytes: divide by 2**30 for GiB"), (right * 1024, "GiB, not MiB")):
-            assert abs(gib_gqa - slip) >= 1e-6, f"with GQA: {hint}"
+            assert abs(gib_gqa - slip) >= 1e-3 * slip, f"with GQA: {hint}"     # a slip, rounded too
         raise AssertionError("with GQA: section 2's formula, each of its factors once, with Llama-3-8B's numbers")
     assert abs(gib_mha - gib(32)) < 1e-6, "without GQA, H_kv is the number of query heads, H"
     return "GQA divides the cache by G = H / H_kv."

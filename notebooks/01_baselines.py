@@ -154,8 +154,8 @@ def snapkv_votes(probs, n_kv_head, window, kernel):
 
 RULE = "summed over the window's queries, max-pooled over the kernel's neighbours, averaged over a KV head's group"
 for P in (3, 1):                                                    # the toy, pooled over 3 neighbours, then not
-    library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=P, pooling="max")[0, :, :T_TOY - W_TOY]  # (H_kv,
-    # T - w): the prefix; the library also scores the window's own tokens, which a cache then ranks at +inf
+    # the library also scores the window's own tokens, which a cache then ranks at +inf: keep the prefix's
+    library = snapkv_scores(toy_probs, HKV_TOY, window=W_TOY, kernel=P, pooling="max")[0, :, :T_TOY - W_TOY]
     mine = snapkv_votes(toy_probs[0], HKV_TOY, W_TOY, P)
     assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes, P = {P}: {off}; {RULE}"
     for j, row in enumerate(mine):                                          # (T - w,) one KV head's scores
@@ -217,7 +217,7 @@ print("adakv_keep makes the library's choice for both scales and safeguards 0, 1
 # The functions you built, on the whole toy read as one prompt (StreamingLLM's choice is in section 2.1), with a
 # budget of `B_TOY` per KV head. What a rule always keeps (H2O's `B_TOY // 2` recent tokens, SnapKV's window) is
 # scored $+\infty$, then each KV head keeps its best scores; SnapKV's votes are not pooled ($P = 1$), so that no
-# tie decides what is kept. AdaKV on these SnapKV scores is Exercise 2.
+# tie decides what is kept. AdaKV on these SnapKV scores is the exercise.
 
 # %% tags=["needs:sinks_and_recent", "needs:h2o_observe", "needs:window_vote", "needs:adakv"]
 def best(scores, budget):

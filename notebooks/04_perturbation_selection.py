@@ -38,8 +38,9 @@ import torch
 # | $A'$ | the attention over the kept entries | `renormalized_attention` |
 # | $\mathcal{L}$ | the output perturbation | `output_perturbation`, `L` |
 # | $C$, $\theta$ | $\sum_n A_n P_n$, and the bound on $\mathcal{L}$ | `perturbation_bound`, `theta` |
-# | $\bar o_\text{kept}$, $\bar o_\text{evicted}$ | each side's $v_n W_O^{(h)}$, mean by $A_n$ | `o_kept`, `o_evicted` |
-# | $\alpha$, $\sigma$ | the share of $B$ ($B - w$: section 2) stage 1 keeps by attention; its mass | `alpha`, `sigma` |
+# | $\bar o_\text{kept}$, $\bar o_\text{evicted}$ | a side's $A$-weighted mean $v_n W_O^{(h)}$ | `o_kept`, `o_evicted` |
+# | $\alpha$ | the share of the budget Algorithm 1 keeps by attention first (its stage 1) | `alpha` |
+# | $\sigma$ | the attention mass of stage 1's entries | `sigma` |
 # | $\hat\theta$ | $\theta$ with $\mu$ frozen at $\sigma$: what Algorithm 1 minimises | |
 #
 # The head adds $A V W_O^{(h)}$ to the layer's output (Eq. 2). When CriticalKV evicts entries, the softmax over the
@@ -49,8 +50,9 @@ import torch
 # \mathcal{L} = \big\|(A - A')\, V W_O^{(h)}\big\|_1 \quad \text{(Eq. 5)}.$$
 #
 # Split by the mask, the full output is $\mu\, \bar o_\text{kept} + (1 - \mu)\, \bar o_\text{evicted}$, and the kept
-# entries output $\bar o_\text{kept}$, so $\mathcal{L} = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$:
-# the mass lost, times how far the two means lie apart.
+# entries output $A' V W_O^{(h)} = \sum_n \mathcal{N}_n A_n v_n W_O^{(h)} / \mu = \bar o_\text{kept}$, so $\mathcal{L}
+# = (1 - \mu)\, \|\bar o_\text{evicted} - \bar o_\text{kept}\|_1$: the mass lost, times how far the two means lie
+# apart.
 #
 # **The bound (§3.3, Theorem 2).** By the triangle inequality, $\mathcal{L} \le \sum_n |A_n - A'_n|\, P_n$: an
 # evicted entry ($A'_n = 0$) adds $A_n P_n$, a kept one ($A'_n = A_n / \mu$) adds $(1/\mu - 1) A_n P_n$. Summed,
@@ -71,7 +73,7 @@ for _ in range(500 if TINY else 2000):
     attn = torch.softmax(logits, -1)                                        # (T,) A
     vw = torch.randn(T, d, generator=g, dtype=torch.float64) @ torch.randn(d, D, generator=g, dtype=torch.float64)
     keep = (torch.rand(T, generator=g) < 0.3) | (torch.arange(T) == 0)     # (T,) the mask N; entry 0 kept
-    keep[-1] = False                                                        # and the last one evicted
+    keep[-1] = False                                          # and the last one evicted: both sides hold entries
     L, theta = output_perturbation(attn, keep, vw), perturbation_bound(attn, keep, vw.abs().sum(-1))
     worst_gap = min(worst_gap, float(theta - L))
     mu = attn[keep].sum()
@@ -123,7 +125,7 @@ g, n_heads = torch.Generator().manual_seed(0), 300
 for trial in range(n_heads):
     T = int(torch.randint(4, 40, (1,), generator=g))                  # entries in this head
     attn = torch.softmax(torch.randn(T, generator=g) * 3, -1)         # (T,) one query's attention A
-    P = torch.rand(T, generator=g) * 4 / attn ** (trial % 2)          # (T,) P_n; odd heads: P = rand / A, A * P random
+    P = torch.rand(T, generator=g) * 4 / attn ** (trial % 2)          # (T,) P_n; odd heads: 4 rand / A, so A * P random
     budget = int(torch.randint(1, T + 1, (1,), generator=g))          # the budget B
     alpha = (0.0, 0.25, 0.5, 1.0)[trial // 2 % 4]                     # each alpha with both kinds of P
     mine = algorithm1(attn, P, budget, alpha)
@@ -196,7 +198,7 @@ print(f"T = {ids.shape[1]} prompt tokens; each KV head keeps B = {B}: the window
 for j in range(model.config.n_kv_head):
     kept = {name: set(cache.layers[0].pos[0, j].tolist()) for name, cache in caches.items()}   # layer 0, KV head j
     swapped = sorted(kept["critical_kv"] - kept["snapkv"])
-    stage1 = set(critical.last[0]["stage1_pos"][0, j].tolist()) - {-1}   # window and stage 1; -1: the other slots
+    stage1 = set(critical.last[0]["stage1_pos"][0, j].tolist()) - {-1}   # last[layer]: its choice; -1: not stage 1
     assert stage1 <= kept["snapkv"], "stage 1 kept an entry SnapKV drops"
     print(f"KV head {j}: CriticalKV keeps {len(swapped)} entries SnapKV drops, at {swapped}")
 
