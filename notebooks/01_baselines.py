@@ -2,7 +2,7 @@
 # # 01 Baselines: four ways to choose what a KV cache keeps
 #
 # **Before this lesson**: lesson 00 ([00_nanollm_kv_cache.ipynb](00_nanollm_kv_cache.ipynb)): the KV cache,
-# `prefill`, `decode_step` and the policy hooks through which a method evicts.
+# and how a method evicts its entries.
 #
 # A compressed KV cache keeps a fixed number of entries, the *budget*, per layer and KV head. Every later method
 # is compared with four simple rules for choosing them: **StreamingLLM**, **H2O**, **SnapKV** and **AdaKV**. We
@@ -160,9 +160,11 @@ for P in (3, 1):                                                    # the toy, p
     assert not (off := where_differs(mine, library, ("KV head", "token"))), f"the toy's votes, P = {P}: {off}; {RULE}"
     for j, row in enumerate(mine):                                          # (T - w,) one KV head's scores
         print(f"SnapKV's scores of the toy's prefix, P = {P}, KV head {j}:", [round(x, 2) for x in row.tolist()])
-noisy = (logits + torch.rand(logits.shape, generator=torch.Generator().manual_seed(0))).softmax(-1)  # heads differ
+noise = torch.rand(logits.shape, generator=torch.Generator().manual_seed(0))      # the heads of a group differ
+noisy = (logits + noise).masked_fill(~torch.ones(T_TOY, T_TOY, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
 assert not (off := where_differs(snapkv_votes(noisy[0], HKV_TOY, W_TOY, 3), snapkv_scores(
-    noisy, HKV_TOY, window=W_TOY, kernel=3, pooling="max")[0, :, :T_TOY - W_TOY], ("KV head", "token"))), off
+    noisy, HKV_TOY, window=W_TOY, kernel=3, pooling="max")[0, :, :T_TOY - W_TOY], ("KV head", "token"))), \
+    f"noisy heads, P = 3: {off}; {RULE} (pool each query head's votes, then average)"
 print("snapkv_votes equals the library's snapkv_scores on the toy, pooled and not, and on noisy heads")
 
 # %% [markdown]
@@ -172,7 +174,8 @@ print("snapkv_votes equals the library's snapkv_scores on the toy, pooled and no
 # attention is concentrated needs few entries; one whose attention is spread out needs many. AdaKV takes any
 # rule's scores $s_{j,n}$ (SnapKV's by default) and keeps the layer's $H_{kv} B$ best (head, token) pairs,
 # whichever heads they fall in. First, a *safeguard* gives every KV head its own
-# $n_\text{safe} = \lfloor 0.2 B \rfloor$ best, so that no head is left empty. The check below shows why: with
+# $n_\text{safe} = \lfloor 0.2 B \rfloor$ best (none below $B = 5$). As kvpress does, it counts the entries the rule
+# always keeps: inside SnapKV, each head's window is its best. The check below shows what the safeguard is for: with
 # KV head 0's scores ten times larger, that head takes all 12 entries of the pool when $n_\text{safe} = 0$.
 #
 # $$\tilde s_{j,n} = \begin{cases} +\infty & n \text{ among the } n_\text{safe} \text{ best of head } j \\

@@ -198,7 +198,7 @@ print(f"T = {ids.shape[1]} prompt tokens; each KV head keeps B = {B}: the window
 for j in range(model.config.n_kv_head):
     kept = {name: set(cache.layers[0].pos[0, j].tolist()) for name, cache in caches.items()}   # layer 0, KV head j
     swapped = sorted(kept["critical_kv"] - kept["snapkv"])
-    stage1 = set(critical.last[0]["stage1_pos"][0, j].tolist()) - {-1}   # last[layer]: its choice; -1: not stage 1
+    stage1 = set(critical.last[0]["stage1_pos"][0, j].tolist()) - {-1}   # last[layer]; -1: not window nor stage 1
     assert stage1 <= kept["snapkv"], "stage 1 kept an entry SnapKV drops"
     print(f"KV head {j}: CriticalKV keeps {len(swapped)} entries SnapKV drops, at {swapped}")
 

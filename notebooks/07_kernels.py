@@ -317,8 +317,8 @@ at_copy_ms = sel["bytes"] / h100["copy_bandwidth"] * 1e3                 # the s
 print(f"Its {sel['bytes'] / 1e6:.0f} MB take {at_copy_ms:.3f} ms at the copy bandwidth, the kernel "
       f"{sel['ms']['triton']:.3f} ms: {(sel['ms']['triton'] - at_copy_ms) * 1e3:.0f} us beyond its bytes, where the "
       f"dense step ({d8['ms']['triton']:.3f} ms) runs at {d8['fraction_of_copy_bw']['triton']:.0%} of the copy's "
-      "speed. A step this short feels its fixed costs (the launches, the merge of the ranges), which this run did not "
-      "time apart")
+      "speed. A guess, which this run did not time apart: a step this short may feel fixed costs (the launches, the "
+      "merge of the ranges)")
 
 # %% [markdown]
 # ### Exercise 2: where the cache overtakes the weights
