@@ -292,6 +292,9 @@ def check_step_bytes(step_bytes):                        # d8, d1, sel: section 
                                       "kept row (its key and value share it)")):
         assert step_bytes(B, S, rows) == case["bytes"], f"{case['case']}: {what}, and the queries and output " \
                                                          "(B sequences x 32 query heads x 128 numbers each)"
+    kept = 65536                                         # half of one sequence of 131072 tokens, selected
+    assert step_bytes(1, 131072, kept) == 2 * 8 * kept * 128 * 2 + 8 * kept * 4 + 2 * 32 * 128 * 2, \
+        "selected keep 0.5 B=1 S=131072: the kept rows' keys and values and an index each, wherever rows < S"
     promise = step_bytes(8, 32768, 32768) / step_bytes(8, 32768, 3276)
     return f"the roofline promises {promise:.1f}x; the kernel measured " \
            f"{sel['full_cache_ms']['triton'] / sel['ms']['triton']:.1f}x (section 3)"
