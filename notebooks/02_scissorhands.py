@@ -224,7 +224,7 @@ import math                                               # math.ceil, if you ne
 my_keep = None                   # replace None: a function (counts, last, B, m, r) -> kept positions (def my_keep)
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
-from exercises import calls, exercise
+from exercises import calls, exercise, on_copies
 
 
 @exercise("Exercise 1")
@@ -235,15 +235,16 @@ def check_keep(keep_rule):
     cases = [(counts, last, 4, 3, 1)] + [(torch.randint(0, 4, (T,), generator=g).tolist(),
                                           torch.rand(T, generator=g).tolist(), B, m, r)
                                          for T, B, m, r in ((8, 5, 2, 1), (10, 6, 4, 2), (7, 3, 1, 0), (9, 4, 3, 2),
-                                                             (8, 5, 4, 2))]
+                                                             (8, 5, 4, 2), (5, 5, 2, 1), (3, 5, 2, 1))]
     for c, a, B, m, r in cases:
         T = len(c)
         truth = scissorhands_keep(torch.tensor(c).view(1, 1, T), torch.tensor(a).view(1, 1, T),
                                   torch.arange(T).view(1, 1, T), seen=T, budget=B, drop=m, n_recent=r)
-        library, keep = truth.flatten().tolist(), [int(n) for n in keep_rule(c, a, B, m, r)]
+        library, keep = truth.flatten().tolist(), [int(n) for n in on_copies(keep_rule, c, a, B, m, r)]
         where = f"{T} tokens, B = {B}, m = {m}, r = {r}"
         assert len(keep) == len(library), f"{where}: you kept {len(keep)}; m tokens go at a time, as many times " \
-                                          "as it takes to get within B (m cut to B - r); the r recent count in B"
+                                          "as it takes to get within B (m cut to B - r; none when T <= B); the r " \
+                                          "recent count in B"
         assert keep == sorted(keep), f"{where}: list the kept positions in ascending order"
         assert set(range(T - r, T)) <= set(keep), f"{where}: the r most recent tokens always stay"
         assert keep == library, f"{where}: of the tokens before the r recent, the fewest low flags stay, and a tie " \
