@@ -141,8 +141,9 @@ README = """\
 # Autograder of {name!r}: {title}
 
 Made by `python -m course.gradescope {name}`. Upload this zip as a Gradescope programming
-assignment's autograder (an Ubuntu base image); students submit their student copy of the repository (the
-folder `python -m course.handout {name}` wrote, with their work), uploaded as it is or zipped in a folder.
+assignment's autograder (an Ubuntu base image); students upload the zip `python -m course.submit {name}` writes
+in their copy (their graded files, as the sheet says); a whole student copy (the folder `python -m course.handout
+{name}` wrote, with their work), uploaded as it is or zipped in a folder, grades the same.
 `setup.sh` installs `requirements.txt` in `/autograder/venv`; `run_autograder` grades each submission with the
 public and hidden tests in `grader/` and writes `/autograder/results/results.json` (hidden tests are shown
 after the grades are published). The written questions are graded by hand from the sheet's rubric.

@@ -305,6 +305,7 @@ def student_copy(assignment: Assignment, out: Path, stub: str = "raise", release
     kept = release_plan(assignment, released)
     withheld = {str(p.relative_to(ROOT)) for a in ASSIGNMENTS.values() for name in INSTRUCTOR_ONLY
                 for p in a.folder.glob(name)}
+    withheld.add(str(MUTANTS_REPORT.relative_to(ROOT)))      # quotes the mutated solution lines: the pack's
     notebooks = {f"notebooks/{a.notebook}.{ext}" for a in ASSIGNMENTS.values() for ext in ("py", "ipynb")}
     scanned = {str(p.relative_to(ROOT)) for p in scanned_files() if p.suffix == ".py"}
     changed = []

@@ -226,6 +226,7 @@ def test_student_copy_leaks_nothing(name, tmp_path):
     out = tmp_path / "copy"
     handout.main([name, "--out", str(out)])
     assert not list(out.rglob("test_hidden.py")), "hidden tests must not be in a student copy"
+    assert not (out / "results" / "course_mutants.txt").exists(), "the mutants' report quotes solution lines"
     for path, lines in region_lines(name).items():
         rel = path.relative_to(ROOT)
         copied = (out / rel).read_text()
@@ -245,7 +246,7 @@ def test_student_copy_leaks_nothing(name, tmp_path):
     with_regions = {p for p in scanned_files() if find_regions(p)}
     for rel in handout.repository_files():                # everything else is the library unchanged
         src = ROOT / rel
-        instructor_only = rel.endswith(("test_hidden.py", "mutants.py", ".ipynb", "sheet.md"))
+        instructor_only = rel.endswith(("test_hidden.py", "mutants.py", ".ipynb", "sheet.md", "course_mutants.txt"))
         if src not in with_regions and not instructor_only and rel != "README.md":   # README: points to STUDENT.md
             assert (out / rel).read_bytes() == src.read_bytes(), f"{rel} changed in the student copy"
 
