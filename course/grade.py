@@ -224,11 +224,13 @@ def message(text: str) -> str:
 
 
 def first_line(text: str, width: int = 200) -> str:
-    """The first non-empty line of a failure, and the line saying how far off a tensor was, if there is one,
-    in at most ``width`` characters (cut at a word: ``shorten``)."""
+    """The first non-empty line of a failure, the line saying how far off a tensor was and the student's line
+    the exception was raised in (``student_process``), where there are such, in at most ``width`` characters
+    (cut at a word: ``shorten``)."""
     lines = [s.strip() for s in text.splitlines() if s.strip()]
-    return shorten(" ".join(lines[:1] + [s for s in lines[1:] if s.startswith("Greatest absolute difference")][:1]),
-                   width)
+    said = [[s for s in lines[1:] if s.startswith(start)][:1] for start in ("Greatest absolute difference",
+                                                                           "(raised in ")]
+    return shorten(" ".join(lines[:1] + said[0] + said[1]), width)
 
 
 def shorten(text: str, width: int) -> str:

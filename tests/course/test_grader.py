@@ -493,6 +493,10 @@ def test_a_failure_reads_in_a_few_lines():
     short = grade.message(long)
     assert short.count("\n") == grade.MESSAGE_LINES - 1 and "Greatest absolute difference: 0.217" in short
     assert len(grade.message("E" * 5000)) == grade.MESSAGE_CHARS
+    raised = ("NotImplementedError: cache, task append: grow the buffer\n"
+              "(raised in nanollm/storage.py, line 71, in append)")
+    assert grade.first_line(raised) == ("NotImplementedError: cache, task append: grow the buffer "
+                                        "(raised in nanollm/storage.py, line 71, in append)")   # the table's "why"
 
 
 def test_outcomes_of_one_test_process(tmp_path):
