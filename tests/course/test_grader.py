@@ -652,8 +652,10 @@ def test_the_json_says_what_failed_and_where_and_notes_changed_adapters(tmp_path
 def test_a_crash_and_a_swallowed_timeout_fail_alone(tmp_path):
     """One task's code kills the interpreter on a decode step; another loops forever on the public test's six
     slots, catching every exception (as a student's code that swallows a time-limit exception would). Everything
-    else is the reference, and passes: the per-test limit (6 s) is well above the slowest test's time under load
-    (300 appends, about 2 s at load 2.3), and one test alone pays it."""
+    else is the reference, and passes: the per-test limit (``LIMIT_S``) is well above the slowest test's time under
+    load (300 appends: about 2 s at load 2.3 on one machine; on a slower 2-core one it ran over the 6 s this test once
+    allowed, and the three public tests of ``cache``, it among them, took 9-12 s), and one test alone pays it."""
+    LIMIT_S = 15
     out = student_copy(tmp_path)
     shutil.copy2(ROOT / "nanollm" / "storage.py", out / "nanollm" / "storage.py")        # append: solved
     attention = out / "nanollm" / "attention.py"
@@ -663,18 +665,18 @@ def test_a_crash_and_a_swallowed_timeout_fail_alone(tmp_path):
                             "    except BaseException:", "        pass",
                             *reference("nanollm/attention.py", "mask")])
     t0 = time.perf_counter()
-    summary = grade.grade("cache", out, per_test_s=6)
+    summary = grade.grade("cache", out, per_test_s=LIMIT_S)
     elapsed = time.perf_counter() - t0
     results = summary["results"]
     by_name = {r["name"]: r for r in results}
     assert by_name["test_append_then_read"]["status"] == "passed", "a test before the crash keeps its pass"
     crashed = [r for r in results if "the process running your code stopped (exit code -6)" in r["output"]]
-    stopped = [r for r in results if r["output"].startswith("ran over 6 s, in nanollm/attention.py, line ")]
+    stopped = [r for r in results if r["output"].startswith(f"ran over {LIMIT_S} s, in nanollm/attention.py, line ")]
     assert [r["name"] for r in crashed] == ["test_decode_step_scores_with_gqa"], results
     assert [r["name"] for r in stopped] == ["test_masked_attention_sees_only_the_past"], results
     assert [(r["name"], r["output"]) for r in results if r["status"] != "passed" and r not in crashed + stopped] == []
     assert summary["score"] == sum(r["max_score"] for r in results if r["status"] == "passed") > 0
-    assert elapsed < grade.run_limit_s(len(results), 6), f"the run took {elapsed:.0f} s"
+    assert elapsed < grade.run_limit_s(len(results), LIMIT_S), f"the run took {elapsed:.0f} s"
 
 
 @pytest.mark.slow
