@@ -363,17 +363,17 @@ def check_memory(gib_gqa, gib_mha):
         c = ModelConfig(n_layer=32, n_head=32, n_kv_head=n_kv_head, d_model=4096, vocab_size=128256)
         return c.kv_bytes_per_token(bytes_per_element=2) * 131072 / 2**30
     assert not any(isinstance(x, str) for x in (gib_gqa, gib_mha)), "two numbers of GiB, as 1.5, not text"
-    right = gib(8)
-    if abs(gib_gqa - right) >= 1e-6:                         # the usual slips first, then the formula itself
+    sides = (("with GQA", gib_gqa, gib(8), gib(32), "the cache holds the 8 KV heads, not one per query head"),
+             ("without GQA", gib_mha, gib(32), gib(8), "H_kv is the number of query heads, H"))
+    for side, answer, right, other_heads, heads_hint in sides:
+        if abs(answer - right) < 1e-6:
+            continue
         for slip, hint in ((right / 2, "each token stores a key and a value, 2 bytes a number in bf16"),
                            (right * 2**30 / 1e9, "a GiB is 2**30 bytes, not 10**9"),
-                           (2 * right, "bf16 takes 2 bytes per number"),
-                           (gib(32), "with GQA the cache holds the 8 KV heads, not one per query head"),
+                           (2 * right, "bf16 takes 2 bytes per number"), (other_heads, heads_hint),
                            (right * 2**30, "that is bytes: divide by 2**30 for GiB"), (right * 1024, "GiB, not MiB")):
-            assert abs(gib_gqa - slip) >= 2e-2 * slip, f"with GQA: {hint}"     # a slip, rounded too
-        raise AssertionError("with GQA: section 2's formula, each of its factors once, with Llama-3-8B's numbers")
-    assert abs(gib_mha - gib(32) * 2**30 / 1e9) >= 2e-2 * gib(32), "without GQA: a GiB is 2**30 bytes, not 10**9"
-    assert abs(gib_mha - gib(32)) < 1e-6, "without GQA, H_kv is the number of query heads, H"
+            assert abs(answer - slip) >= 2e-2 * slip, f"{side}: {hint}"     # the usual slips, rounded too
+        raise AssertionError(f"{side}: section 2's formula, each of its factors once, with Llama-3-8B's numbers")
     return "GQA divides the cache by G = H / H_kv."
 
 
@@ -417,7 +417,9 @@ def check_break_it(distance_wrong, distance_true, visible):
                                    kv.v[:, :, :6], torch.tensor([6]), kv.pos[:, :, :6], Needs(rows=1))
     seen = probs[0, 0, 0] > 0                                       # query head 0 reads KV head 0's six slots
     shown, hidden = (kv.pos[0, 0, :6][m].tolist() for m in (seen, ~seen))
-    assert isinstance(visible, (list, tuple)), "(b) the positions of the keys the query sees, as a list"
+    if hasattr(visible, "tolist"):                   # a tensor or an array of positions reads as its list
+        visible = visible.tolist()
+    assert isinstance(visible, (list, tuple, set)), "(b) the positions of the keys the query sees, as a list"
     assert sorted(visible) != hidden, "(b) those are the keys the mask hides: it shows the ones with 0 <= p_j <= t"
     assert sorted(visible) == shown, "(b) of the six kept keys: the mask keeps the stored positions from 0 up to " \
         "the query's own, and hides the later ones"

@@ -338,10 +338,14 @@ my_tokens = None                    # replace None: the fewest tokens per sequen
 # %%
 @exercise("Exercise 2")
 def check_tokens(tokens):
+    assert not isinstance(tokens, (str, bytes)), "a number of tokens, as 1000, not text"
     assert float(tokens).is_integer(), "a count of tokens is whole: the first T at which the cache outweighs"
+    tokens = int(tokens)                                     # a numpy or tensor integer as Python's (no overflow)
     fp8_weights, cache = 8.0e9 * 1, lambda T: decode_bytes(32, 8, T, 128, 2, batch=8)   # 8B parameters
     assert cache(tokens) > fp8_weights, "at that context the cache is not yet larger than the weights (FP8: " \
         "8e9 bytes): count K and V of all 8 sequences (decode_bytes of section 1, with batch=8), and round up"
+    assert cache((tokens + 1) // 2) <= fp8_weights, "at half that context the cache already outweighs the weights: " \
+        "count both K and V, and the weights at one byte a parameter (FP8: 8e9 bytes)"
     assert cache(tokens - 1) <= fp8_weights, "one token earlier the cache already outweighs the weights (FP8: " \
         "8e9 bytes, one a parameter): look for the first such T (decode_bytes of section 1, with batch=8)"
 
