@@ -305,7 +305,7 @@ def student_copy(assignment: Assignment, out: Path, stub: str = "raise", release
     kept = release_plan(assignment, released)
     withheld = {str(p.relative_to(ROOT)) for a in ASSIGNMENTS.values() for name in INSTRUCTOR_ONLY
                 for p in a.folder.glob(name)}
-    withheld.add(str(MUTANTS_REPORT.relative_to(ROOT)))      # quotes the mutated solution lines: the pack's
+    withheld.add(str(MUTANTS_REPORT.relative_to(ROOT)))      # quotes the mutated solution lines: instructors only
     notebooks = {f"notebooks/{a.notebook}.{ext}" for a in ASSIGNMENTS.values() for ext in ("py", "ipynb")}
     scanned = {str(p.relative_to(ROOT)) for p in scanned_files() if p.suffix == ".py"}
     changed = []
@@ -325,6 +325,12 @@ def student_copy(assignment: Assignment, out: Path, stub: str = "raise", release
     for a in ASSIGNMENTS.values():
         if (ROOT / "notebooks" / f"{a.notebook}.py").exists():
             changed += lesson_notebook(a, out, assignment.name, kept)
+    report = out / MUTANTS_REPORT.relative_to(ROOT)          # a note in its place, so the pages' links resolve
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text("# The mutants' report quotes the solutions' lines: not in a student copy. Each assignment's\n"
+                      "# part is in its instructor pack's solutions.md (python -m course.handout "
+                      f"{assignment.name} --solutions).\n")
+    changed.append(report)
     (out / "STUDENT.md").write_text(student_page(assignment, kept))
     changed.append(out / "STUDENT.md")
     if (out / "README.md").exists():                       # the repository's page points the student to theirs

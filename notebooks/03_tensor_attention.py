@@ -252,8 +252,8 @@ check_naive_step(reference_naive_step)
 # the two-matrix path reads its stored pair rows, as many numbers. At the longest length of section 2
 # (`timing["lengths"][-1]`), for its layer, compute the rate at which each path moves those bytes, in GB/s
 # ($10^9$ bytes a second): the bytes of one step over the median time of a step, `timing[path]["ms"][-1]`
-# (milliseconds). A path that moves its bytes near the rate at which the machine reads memory is limited by memory;
-# one well below it, by its arithmetic. The reference answer measures that rate on your machine: which path is which?
+# (milliseconds). The closer a path comes to the rate at which the machine reads memory, the more memory limits it;
+# well below that rate, its arithmetic does. The reference answer measures the rate on your machine: which is which?
 
 # %%
 HEADS, DIM, FP32 = 4, 16, 4     # section 2's layer: 4 heads of d = 16 numbers, 4 bytes a number
@@ -302,8 +302,9 @@ print(f"naive {reference_naive_gbps:.1f} GB/s, two-matrix {reference_two_gbps:.1
       f"{reference_two_gbps / read_gbps:.0%} of that rate, the naive path at {reference_naive_gbps / read_gbps:.0%}")
 
 # %% [markdown]
-# The two-matrix path moves its bytes several times faster than the naive one, closer to what memory allows: its
-# step only reads the stored rows. The naive step first builds them, and that arithmetic sets its pace.
+# The two-matrix path moves its bytes a few times faster than the naive one (section 2's naive/two ratio, halved:
+# the naive path moves twice the bytes), closer to the read rate: its step only reads the stored rows. The naive
+# step first builds them, and that arithmetic sets its pace.
 #
 # **Go further**: [labs/03_tensor_attention_bounds.ipynb](labs/03_tensor_attention_bounds.ipynb): the memory
 # lower bound of Theorem 4.1 run, SubGen's approximate cache, dropping tokens or pairs, Match3 by position,

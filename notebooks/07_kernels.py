@@ -345,7 +345,7 @@ def check_tokens(tokens):
     assert cache(tokens) > fp8_weights, "at that context the cache is not yet larger than the weights (FP8: " \
         "8e9 bytes): count K and V of all 8 sequences (decode_bytes of section 1, with batch=8), and round up"
     assert cache((tokens + 1) // 2) <= fp8_weights, "at half that context the cache already outweighs the weights: " \
-        "count both K and V, and the weights at one byte a parameter (FP8: 8e9 bytes)"
+        "count K and V of all 8 sequences (batch=8), and the weights at one byte a parameter (FP8: 8e9 bytes)"
     assert cache(tokens - 1) <= fp8_weights, "one token earlier the cache already outweighs the weights (FP8: " \
         "8e9 bytes, one a parameter): look for the first such T (decode_bytes of section 1, with batch=8)"
 
