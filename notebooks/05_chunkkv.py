@@ -220,7 +220,7 @@ from exercises import exercise
 def check_in_one_chunk(in_one_chunk):
     for v in range(24):
         for end in range(v + 1, v + 8):
-            for c in (1, 2, 3, 4, 5, 10):
+            for c in (1, 2, 3, 4, 5, 10, 20):                              # 20: the longest the shares use
                 votes = torch.zeros(end + c)
                 votes[v:end] = 1.0                                       # every vote on the value
                 kept = library_keeps(votes, c, c)                        # room for one chunk: the best one
@@ -229,7 +229,7 @@ def check_in_one_chunk(in_one_chunk):
                     f"chunks of {c}, a value at positions {v} to {end - 1}: you said {said}; chunk i holds positions " \
                     "i c to i c + c - 1, and end is one past the value's last position"
     return "share of section 2's needle values inside one chunk: " + ", ".join(
-        f"c={c}: {sum(in_one_chunk(v, end, c) for v, end in values) / len(values):.2f}" for c in (1, 5, 10, 20))
+        f"c={c}: {sum(bool(in_one_chunk(v, end, c)) for v, end in values) / len(values):.2f}" for c in (1, 5, 10, 20))
 
 
 check_in_one_chunk(my_in_one_chunk)

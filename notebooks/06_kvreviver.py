@@ -192,8 +192,8 @@ print(format_tables(records))
 # elsewhere too?
 
 # %% tags=["needs:insert", "needs:query"]
-def positive_sketch(seed):                 # 48 positive keys (the values: the same numbers) in 3 rows of 64 cells
-    sketch = VagueSketch(rows=3, width=64, n_kv_head=1, head_dim=1, seed=seed)
+def positive_sketch(seed, width=64):       # 48 positive keys (the values: the same numbers) in 3 rows of W cells
+    sketch = VagueSketch(rows=3, width=width, n_kv_head=1, head_dim=1, seed=seed)
     pos = torch.randperm(4096, generator=torch.Generator().manual_seed(seed))[:48]     # 48 positions in 4k
     keys = torch.rand(48, 1, 1, generator=torch.Generator().manual_seed(seed)) + 0.5  # (n, H_kv, d), positive
     sketch.insert(pos, keys, keys)
@@ -213,14 +213,20 @@ from exercises import exercise
 
 @exercise("Exercise 1")
 def check_exact(exact):
-    for seed in (1, 2, 3):                                                     # sketches the learner never saw
-        sketch, pos, keys = positive_sketch(seed)
+    for seed, width in ((1, 32), (2, 64), (3, 100)):                           # sketches the learner never saw
+        sketch, pos, keys = positive_sketch(seed, width)
         came_back = (sketch.query(pos)[0] == keys).flatten()                   # (48,): the exact keys
-        said = torch.as_tensor(exact(sketch.buckets(pos), sketch.width))
+        h = sketch.buckets(pos)                                                # (3, 48): widths 32, 64, 100
+        try:
+            said = torch.as_tensor(exact(h, width))
+        except Exception as e:                                                 # a width written as a number
+            raise AssertionError(f"on h {tuple(h.shape)} and W = {width}, your function raised "
+                                 f"{type(e).__name__}: {e}") from None
         assert said.shape == came_back.shape, "one prediction per token: shape (n,), n the columns of h"
         assert said.dtype == torch.bool, "a bool per token: True where you predict the key comes back exactly"
-        assert not (said & ~came_back).any(), \
-            "some tokens you call exact come back too large: alone in one row is not enough, the median needs two"
+        assert not (said & ~came_back).any(), "some tokens you call exact come back too large: count the tokens " \
+            "in each cell of each row (R, W), look up each token's own cell in that row, and call it exact only " \
+            "where it is alone in at least two rows (one is not enough: the median needs two)"
         assert torch.equal(said, came_back), "some exact keys you missed: count the tokens in every cell of every " \
             "row, look up each token's cells, and call it exact where it is alone in at least two rows (not all)"
 
@@ -258,7 +264,7 @@ my_signed_key_error = {4: None, 128: None}     # replace each None: the signed k
 def check_signed_key_error(error):
     assert sorted(error) == [4, 128], "one error for W = 4 and one for W = 128"
     for W, e in error.items():
-        s = VagueSketch(3, W, k.shape[1], k.shape[2], seed=0)
+        s = VagueSketch(3, int(W), k.shape[1], k.shape[2], seed=0)               # a key of 4.0 reads as 4
         s.insert(torch.arange(E), k, k)                                # k as a key (unsigned), and as a value
         plain, truth = (float(((x - k) ** 2).mean() / k.var(0).mean()) for x in s.query(torch.arange(E)))
         assert abs(e - plain) > 0.01 * plain, \
