@@ -17,6 +17,7 @@ section "bench.py: what the KV cache buys".
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import platform
@@ -241,10 +242,10 @@ class GreedyDecoder:
                 (lambda t: lean.step(t, self.cache))                           # next-token logits (1, V)
         else:
             from transformers import DynamicCache
-            out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
-            self.cache, logits = out.past_key_values, out.logits[:, -1]
-            self._logits = lambda t: model(input_ids=t[:, None], past_key_values=self.cache,
-                                           use_cache=True).logits[:, -1]
+            self.cache = DynamicCache(config=model.config)                   # grows in place at every call
+            name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+            logits = model(input_ids=ids, use_cache=True, **{name: self.cache}).logits[:, -1]
+            self._logits = lambda t: model(input_ids=t[:, None], use_cache=True, **{name: self.cache}).logits[:, -1]
         self.first_logits = logits
         self.token = logits.argmax(-1)                                         # (1,)
 
