@@ -207,6 +207,17 @@ def test_two_stage_masks_against_a_loop():
                  what="every second score equal: stage 2 fills the budget with the earliest entries stage 1 left, "
                  "in order of position, not of first score (the kept set, (2, 3, 12))")
 
+    first = torch.tensor([[1.0, 1.0 + 1e-12, 0.5, 1e-300, 1e-300 * 3]], dtype=torch.float64)   # equal in float32
+    second = torch.tensor([[0.0, 0.0, 0.0, 1e-300, 1e-300 * 2]], dtype=torch.float64)
+    for budget, n in ((1, 1), (2, 1), (3, 0)):
+        got = A.stages(first, second, budget, n)
+        want = two_stage_by_loop(first, second, budget, n)
+        for name, x, y in (("stage1", got[0], want[0]), ("keep", got[1], want[1])):
+            assert_close(x, y, detail=lambda at, x=x, y=y: f"{name} holds {x[0].nonzero().flatten().tolist()}, "
+                         f"expected {y[0].nonzero().flatten().tolist()}", what=(
+                f"float64 scores, budget {budget}, n_first {n}: {name}; scores are ranked in float32, as the "
+                "docstring says (a float64 score rounded first), so scores equal in float32 tie: the earlier wins"))
+
 
 @points(2, task="two_stage")
 def test_alpha_one_is_attention_topk_and_alpha_zero_is_a_times_p():
