@@ -220,6 +220,19 @@ def snapkv_oracle(probs: torch.Tensor, n_kv_head: int, window: int, kernel: int,
     return out
 
 
+def vote_oracle(probs_window: torch.Tensor, n_kv_head: int, kernel: int, pooling: str) -> torch.Tensor:
+    """``window_vote`` by loops: each query head's window rows summed, pooled over all Tp tokens, then the mean
+    over the KV head's query heads. (B, H, w, Tp) -> (B, H_kv, Tp)."""
+    B, H, w, Tp = probs_window.shape
+    G, rows = H // n_kv_head, probs_window.double().tolist()
+    out = torch.zeros(B, n_kv_head, Tp, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            vote = [sum(rows[b][h][i][t] for i in range(w)) for t in range(Tp)]
+            out[b, h // G] += torch.tensor(pool_oracle(vote, kernel, pooling), dtype=torch.float64) / G
+    return out
+
+
 def window_rows(g: torch.Generator, B: int, H: int, R: int, T: int) -> torch.Tensor:
     """The attention of the last R of T causal queries (B, H, R, T), peaked, every head different."""
     logits = torch.randn(B, H, R, T, generator=g) * 2.5
@@ -230,8 +243,8 @@ def window_rows(g: torch.Generator, B: int, H: int, R: int, T: int) -> torch.Ten
 @points(5, task="window_vote")
 def test_snapkv_scores_in_every_regime():
     """Group sizes 1 to 3, one and two KV heads, windows shorter than the prompt, equal to it and longer, more
-    rows than the window, kernels 1, 3 and 5, max and average pooling, two seeds: the scores themselves
-    against loops."""
+    rows than the window, kernels 1, 3 and 5, max and average pooling, two seeds: the scores themselves, and
+    ``window_vote``'s votes over the window's rows, against loops."""
     for seed in (0, 1):
         g = generator("snapkv regimes", seed)
         for H_kv, G in [(2, 1), (2, 2), (2, 3), (1, 3)]:
@@ -247,6 +260,13 @@ def test_snapkv_scores_in_every_regime():
                                     "the last w rows summed per query head; the prefix's votes pooled, the "
                                     "window's own not; then the mean over the KV head's query heads",
                                     axes=("row", "KV head", "token"))
+                        rows = probs[:, :, R - min(window, T):, :]              # (3, H, w, T): the window's rows
+                        check_close(A.snapkv_vote(rows, H_kv, kernel, pooling),
+                                    vote_oracle(rows, H_kv, kernel, pooling),
+                                    f"window_vote, {H_kv} KV heads of {G} query heads, {rows.shape[2]} window rows "
+                                    f"over {T} tokens, {pooling} pooling of width {kernel}",
+                                    "each query head's window rows summed, pooled over every token; then the mean "
+                                    "over the KV head's query heads", axes=("row", "KV head", "token"))
 
 
 @points(1, task="window_vote")
@@ -365,3 +385,7 @@ def test_adakv_ties_infinities_and_nan():
     special[1, 1, 4] = float("-inf")
     check_adakv(special, 3, 1, "AdaKV with +inf, -inf and NaN scores")
     check_adakv(special, 8, 2, "AdaKV with a budget covering every slot")
+    nan, inf = float("nan"), float("inf")
+    check_adakv(torch.tensor([[[nan, -inf]]]), 1, 0, "AdaKV at a cut between NaN and -inf (equal: the earlier slot)")
+    check_adakv(torch.tensor([[[nan, nan, 1.0], [5.0, 6.0, 7.0]]]), 2, 2, "AdaKV with a safeguard that takes a NaN "
+                "entry (a head's n_safe best, NaN among them when it has fewer valid scores)")

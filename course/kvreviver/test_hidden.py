@@ -8,7 +8,7 @@ input (tokens, positions, prompts, the sketches' seeds) is drawn from the run's 
 import adapters as A
 import launchers
 import torch
-from oracle import assert_close, assert_greedy_is_uncached, generator, points, reference
+from oracle import address, assert_close, assert_greedy_is_uncached, generator, points, reference
 from test_public import (
     H_KV,
     INSERTS,
@@ -21,6 +21,7 @@ from test_public import (
     check_query,
     check_untouched,
     check_wide_insert,
+    drawn,
     randn,
     random_hashes,
     without,
@@ -117,10 +118,24 @@ def run_side_by_side(yours, budget=16, steps=6, seed=7, **options):
 
 @points(3, task="insert")
 def test_insert_for_any_number_of_rows_and_cells():
-    """One row; one cell per row (every token in it); five rows: several inserts, fp16 tokens, deletes."""
+    """One row; one cell per row (every token in it); five rows: several inserts, fp16 tokens, deletes; in place."""
     for rows, width, batches, case in ((1, 3, (7,), 4), (2, 1, (5, 6), 5), (5, 3, (9, 4), 6)):
         check_insert(rows, width, batches, case, hashes=reference_hashes)
     check_wide_insert(case=2, rows=3, width=2, n=7, H_kv=4, d=320)
+    check_insert_in_place(case=3)
+
+
+def check_insert_in_place(case):
+    """The sheet's "in place": the tensors the sketch holds before an insert are those it holds after, so code
+    that holds them (the kernels, a fast path) sees the tokens. (Where your process holds them: ``address``.)"""
+    sketch = A.new_sketch(2, 3, H_KV, D, seed=drawn(0, 1 << 31, ("in place", case)))
+    before = [address(t) for t in A.cells(sketch)]
+    k, v = randn(5, H_KV, D, seed=("in place", case, "k")), randn(5, H_KV, D, seed=("in place", case, "v"))
+    with without(*INSERTS):
+        A.insert(sketch, torch.arange(5) * 7, k, v)
+    for part, then, now in zip(("keys", "values"), before, [address(t) for t in A.cells(sketch)]):
+        assert now == then, f"VagueSketch.insert: after an insert the sketch's {part} are a new tensor; add into " \
+            "its cells in place (the sheet: \"in place\"), so that code holding the cells sees the tokens"
 
 
 @points(2, task="insert")
@@ -134,11 +149,33 @@ def test_kvreviver_evicts_into_your_sketch():
 @points(3, task="query")
 def test_query_for_any_number_of_rows():
     """One row (the cell itself), two and four rows (the lower median), three and five rows, 10 tokens over 3
-    cells."""
+    cells; cells of whole numbers, whose rows tie, read by all three implementations."""
     for rows, case in ((1, 4), (2, 5), (5, 6), (3, 7), (4, 9)):
         check_query(rows, width=3, n=10, case=case, hashes=reference_hashes)
     for rows, case in ((3, 10), (4, 11), (5, 12), (6, 13), (8, 14), (16, 15)):   # the kernels take up to 16 rows
         check_query_of_tied_rows(rows, case)
+    for rows, case in ((3, 16), (4, 17), (5, 18)):
+        check_method_query_of_tied_rows(rows, case)
+
+
+def check_method_query_of_tied_rows(rows, case, width=3, n=10):
+    """VagueSketch.query on cells of whole numbers from -3 to 3, so that some of a token's rows tie and others do
+    not (rows reading 1, 0, 0: the lower median is 0): the lower median, as torch.median gives it, ties included."""
+    seed = drawn(0, 1 << 31, ("tied sketch", case))
+    sketch = A.new_sketch(rows, width, H_KV, D, seed=seed)
+    key = randn(rows, width, H_KV, D, seed=("tied method", case, "k")).mul(1.5).round().clamp(-3, 3)
+    value = randn(rows, width, H_KV, D, seed=("tied method", case, "v")).mul(1.5).round().clamp(-3, 3)
+    cells_k, cells_v = A.cells(sketch)          # your sketch's own tensors: the test's writes reach them
+    cells_k.copy_(key), cells_v.copy_(value)
+    pos = torch.arange(n) * 5 + drawn(0, 1 << 20, ("tied first position", case))
+    cells, signs = reference_hashes(rows, width, seed, pos)
+    want_k, want_v = brute_query(key, value, cells, signs)
+    with without(*QUERIES):
+        got_k, got_v = A.query(sketch, pos)
+    what = f"VagueSketch.query, {rows} rows of whole-number cells (rows that tie)"
+    check_untouched(what, sketch, key, value)
+    check_estimates(f"{what}, keys", got_k, want_k, key, cells, signs, values=False)
+    check_estimates(f"{what}, values", got_v, want_v, value, cells, signs, values=True)
 
 
 def check_query_of_tied_rows(rows, case, width=3, n=10):

@@ -1,0 +1,105 @@
+"""
+The grader against a student's shortcut, round four: wrong code that the hidden tests' inputs let through. Each
+copy below holds the reference everywhere but one mistake a red-team reader found scoring full marks on its task
+(the task's hidden tests never reached the case); each now loses that task's points.
+
+* baselines, ``window_vote``: ``window_vote`` pooled by max whatever ``pooling`` said, while ``snapkv_scores``
+  did its own (right) pooling, and no hidden test called ``window_vote`` (10 / 10).
+* baselines, ``adakv``: the safeguard left out a head's NaN and -inf entries, and no hidden case had a head
+  with fewer valid scores than its safeguard (5 / 5).
+* kvreviver, ``insert``: the cells replaced by new tensors (``index_add``, not ``index_add_``), and every test
+  read the cells again after the insert (8 / 8).
+* kvreviver, ``query``: a median by ranks that falls back to row 0 where only some rows tie; the method's tests
+  had no tied rows, only the plain function's and the kernel's (8 / 8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from course.assignments import ASSIGNMENTS, ROOT
+from tests.course.test_grader import put, student_copy
+from tests.course.test_hostile_grade6 import graded_json
+
+pytestmark = pytest.mark.slow
+
+
+def failed(results: dict, test: str) -> bool:
+    """Whether the graded JSON's hidden test ``test`` failed."""
+    rows = [t for t in results["tests"] if t["name"].startswith(f"hidden: {test} ")]
+    assert rows, f"no test {test} in the grade: {[t['name'] for t in results['tests']]}"
+    return all(t["status"] == "failed" for t in rows)
+
+
+def filled(name: str, task: str, tmp_path: Path, mistake) -> Path:
+    """A student copy of ``name`` with every region of ``task`` (in every file) the reference's lines as
+    ``mistake(lines)`` returns them (the lines unchanged where it has nothing to change)."""
+    copy = student_copy(tmp_path, name)
+    for r in [r for r in ASSIGNMENTS[name].regions() if r.task == task]:     # in file order, as put fills them
+        lines = [line[len(r.indent):] for line in r.body(r.path.read_text().splitlines())]
+        put(copy / r.path.relative_to(ROOT), task, mistake(lines))
+    return copy
+
+
+def replaced(lines: list[str], old: str, new: list[str]) -> list[str]:
+    """``lines`` with the line whose code is ``old`` (its comment aside) replaced by ``new``; unchanged without it."""
+    at = [i for i, line in enumerate(lines) if line.split("#")[0].strip() == old]
+    return lines if not at else lines[:at[0]] + new + lines[at[0] + 1:]
+
+
+OWN_SCORES = [                                   # snapkv_scores right without window_vote
+    "T = probs.shape[-1]",
+    "w = min(window, T)",
+    "votes = probs[:, :, -w:, :].float().sum(dim=2)                   # (B, H, T)",
+    "B, H, _ = votes.shape",
+    "per_kv = lambda x: x.view(B, n_kv_head, H // n_kv_head, -1).mean(dim=2)  # noqa: E731",
+    "own = per_kv(votes[..., T - w:])",
+    "if w == T:",
+    "    return own",
+    "return torch.cat([per_kv(pool1d(votes[..., :T - w], kernel, pooling)), own], dim=-1)"]
+
+
+def test_a_window_vote_that_ignores_its_pooling_loses_its_points(tmp_path):
+    def mistake(lines):
+        if any("window_vote(" in line for line in lines):                     # snapkv_scores: its own votes
+            return OWN_SCORES
+        return replaced(lines, "vote = pool1d(vote, kernel, pooling)", ['vote = pool1d(vote, kernel, "max")'])
+    results = graded_json(filled("baselines", "window_vote", tmp_path, mistake), tmp_path / "r.json", "baselines",
+                          "window_vote")
+    assert failed(results, "test_snapkv_scores_in_every_regime"), results
+
+
+def test_a_safeguard_that_skips_nan_entries_loses_its_points(tmp_path):
+    skip_invalid = ['    best = torch.gather(s, -1, safe)                        # a NaN or -inf entry is not forced',
+                    '    s = s.scatter(-1, safe, torch.where(best > float("-inf"), float("inf"), best))']
+    copy = filled("baselines", "adakv", tmp_path,
+                  lambda lines: replaced(lines, 's = s.scatter(-1, safe, float("inf"))', skip_invalid))
+    results = graded_json(copy, tmp_path / "r.json", "baselines", "adakv")
+    assert failed(results, "test_adakv_ties_infinities_and_nan"), results
+
+
+def test_an_insert_into_new_tensors_loses_its_points(tmp_path):
+    def mistake(lines):
+        for part in ("key", "value"):
+            old = f"self.{part}.view(flat).index_add_(0, idx, {part[0]}_rows.reshape(flat))"
+            lines = replaced(lines, old, [f"self.{part} = " + old.replace("index_add_(", "index_add(") +
+                                          f".view(self.{part}.shape)"])
+        return lines
+    results = graded_json(filled("kvreviver", "insert", tmp_path, mistake), tmp_path / "r.json", "kvreviver",
+                          "insert")
+    assert failed(results, "test_insert_for_any_number_of_rows_and_cells"), results
+
+
+def test_a_median_wrong_where_some_rows_tie_loses_its_points(tmp_path):
+    by_rank = ["def by_rank(x):                        # the entry with (r - 1) // 2 entries below it",
+               "    est = x[0].clone()",
+               "    for a in range(x.shape[0]):",
+               "        est = torch.where((x < x[a]).sum(0) == (x.shape[0] - 1) // 2, x[a], est)",
+               "    return est",
+               "return by_rank(k), by_rank(v)"]
+    copy = filled("kvreviver", "query", tmp_path,
+                  lambda lines: replaced(lines, "return lower_median(k), lower_median(v)", by_rank))
+    results = graded_json(copy, tmp_path / "r.json", "kvreviver", "query")
+    assert failed(results, "test_query_for_any_number_of_rows"), results
