@@ -9,6 +9,8 @@ copy below holds the reference everywhere but one mistake a red-team reader foun
   with fewer valid scores than its safeguard (5 / 5).
 * kvreviver, ``insert``: the cells replaced by new tensors (``index_add``, not ``index_add_``), and every test
   read the cells again after the insert (8 / 8).
+* critical_kv, ``two_stage``: scores ranked in the dtype they came in, where the docstring ranks them in float32,
+  and every hidden test gave float32 scores (9 / 9).
 * kvreviver, ``query``: a median by ranks that falls back to row 0 where only some rows tie; the method's tests
   had no tied rows, only the plain function's and the kernel's (8 / 8).
 """
@@ -103,3 +105,11 @@ def test_a_median_wrong_where_some_rows_tie_loses_its_points(tmp_path):
                   lambda lines: replaced(lines, "return lower_median(k), lower_median(v)", by_rank))
     results = graded_json(copy, tmp_path / "r.json", "kvreviver", "query")
     assert failed(results, "test_query_for_any_number_of_rows"), results
+
+
+def test_a_two_stage_ranking_in_float64_loses_its_points(tmp_path):
+    old = "s = torch.nan_to_num(s.float(), nan=lowest, neginf=lowest)"
+    copy = filled("critical_kv", "two_stage", tmp_path,
+                  lambda lines: replaced(lines, old, ["    " + old.replace("s.float()", "s")]))
+    results = graded_json(copy, tmp_path / "r.json", "critical_kv", "two_stage")
+    assert failed(results, "test_two_stage_masks_against_a_loop"), results
