@@ -51,6 +51,13 @@ def replaced(lines: list[str], old: str, new: list[str]) -> list[str]:
     return lines if not at else lines[:at[0]] + new + lines[at[0] + 1:]
 
 
+def loses(tmp_path: Path, name: str, task: str, mistake, test: str) -> None:
+    """A copy of ``name`` with ``task``'s reference as ``mistake`` changes it (``filled``) fails the hidden
+    ``test`` (graded with ``-k task``)."""
+    results = graded_json(filled(name, task, tmp_path, mistake), tmp_path / "r.json", name, task)
+    assert failed(results, test), results
+
+
 OWN_SCORES = [                                   # snapkv_scores right without window_vote
     "T = probs.shape[-1]",
     "w = min(window, T)",
@@ -68,18 +75,14 @@ def test_a_window_vote_that_ignores_its_pooling_loses_its_points(tmp_path):
         if any("window_vote(" in line for line in lines):                     # snapkv_scores: its own votes
             return OWN_SCORES
         return replaced(lines, "vote = pool1d(vote, kernel, pooling)", ['vote = pool1d(vote, kernel, "max")'])
-    results = graded_json(filled("baselines", "window_vote", tmp_path, mistake), tmp_path / "r.json", "baselines",
-                          "window_vote")
-    assert failed(results, "test_snapkv_scores_in_every_regime"), results
+    loses(tmp_path, "baselines", "window_vote", mistake, "test_snapkv_scores_in_every_regime")
 
 
 def test_a_safeguard_that_skips_nan_entries_loses_its_points(tmp_path):
     skip_invalid = ['    best = torch.gather(s, -1, safe)                        # a NaN or -inf entry is not forced',
                     '    s = s.scatter(-1, safe, torch.where(best > float("-inf"), float("inf"), best))']
-    copy = filled("baselines", "adakv", tmp_path,
-                  lambda lines: replaced(lines, 's = s.scatter(-1, safe, float("inf"))', skip_invalid))
-    results = graded_json(copy, tmp_path / "r.json", "baselines", "adakv")
-    assert failed(results, "test_adakv_ties_infinities_and_nan"), results
+    loses(tmp_path, "baselines", "adakv", lambda lines: replaced(lines, 's = s.scatter(-1, safe, float("inf"))',
+                                                                 skip_invalid), "test_adakv_ties_infinities_and_nan")
 
 
 def test_an_insert_into_new_tensors_loses_its_points(tmp_path):
@@ -89,9 +92,7 @@ def test_an_insert_into_new_tensors_loses_its_points(tmp_path):
             lines = replaced(lines, old, [f"self.{part} = " + old.replace("index_add_(", "index_add(") +
                                           f".view(self.{part}.shape)"])
         return lines
-    results = graded_json(filled("kvreviver", "insert", tmp_path, mistake), tmp_path / "r.json", "kvreviver",
-                          "insert")
-    assert failed(results, "test_insert_for_any_number_of_rows_and_cells"), results
+    loses(tmp_path, "kvreviver", "insert", mistake, "test_insert_for_any_number_of_rows_and_cells")
 
 
 def test_a_median_wrong_where_some_rows_tie_loses_its_points(tmp_path):
@@ -101,15 +102,12 @@ def test_a_median_wrong_where_some_rows_tie_loses_its_points(tmp_path):
                "        est = torch.where((x < x[a]).sum(0) == (x.shape[0] - 1) // 2, x[a], est)",
                "    return est",
                "return by_rank(k), by_rank(v)"]
-    copy = filled("kvreviver", "query", tmp_path,
-                  lambda lines: replaced(lines, "return lower_median(k), lower_median(v)", by_rank))
-    results = graded_json(copy, tmp_path / "r.json", "kvreviver", "query")
-    assert failed(results, "test_query_for_any_number_of_rows"), results
+    loses(tmp_path, "kvreviver", "query", lambda lines: replaced(lines, "return lower_median(k), lower_median(v)",
+                                                                 by_rank), "test_query_for_any_number_of_rows")
 
 
 def test_a_two_stage_ranking_in_float64_loses_its_points(tmp_path):
     old = "s = torch.nan_to_num(s.float(), nan=lowest, neginf=lowest)"
-    copy = filled("critical_kv", "two_stage", tmp_path,
-                  lambda lines: replaced(lines, old, ["    " + old.replace("s.float()", "s")]))
-    results = graded_json(copy, tmp_path / "r.json", "critical_kv", "two_stage")
-    assert failed(results, "test_two_stage_masks_against_a_loop"), results
+    in_float64 = ["    " + old.replace("s.float()", "s")]
+    loses(tmp_path, "critical_kv", "two_stage", lambda lines: replaced(lines, old, in_float64),
+          "test_two_stage_masks_against_a_loop")
