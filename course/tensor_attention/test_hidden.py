@@ -71,12 +71,15 @@ def test_pair_scores_over_heads_and_non_square_grids():
 @points(3, task="pair_softmax")
 def test_pair_softmax_with_masks_and_large_scores():
     """Rows x heads (2, 3), 4 queries over a 3 x 5 pair grid: no mask; the causal mask of tensor attention
-    (pair (a, b) seen by query t iff a, b <= t, broadcast over rows and heads); scores of size 100 (no overflow)."""
+    (pair (a, b) seen by query t iff a, b <= t, broadcast over rows and heads); scores of size 100 (no overflow);
+    masks broadcast over the pairs too ((n2,) and (Tq, n1, 1)), as the docstring allows."""
     S = random(2, 3, 4, 3, 5) * 3
     t = torch.arange(4)
     causal = (torch.arange(3) <= t[:, None])[:, :, None] & (torch.arange(5) <= t[:, None])[:, None, :]  # (4, 3, 5)
     for what, scores, allowed in (("no mask", S, None), ("the causal mask", S, causal),
-                                  ("scores of size 100", S * 33, causal)):
+                                  ("scores of size 100", S * 33, causal),
+                                  ("a mask of K2's tokens alone, shape (n2,)", S, torch.arange(5) < 3),
+                                  ("a mask of K1's tokens per query, shape (Tq, n1, 1)", S, causal[..., :1])):
         P = A.softmax_over_pairs(scores, allowed)
         assert_close(P, softmax_by_loop(scores, allowed).float(), rtol=1e-4, atol=1e-6,
                      what=f"{what}: P (..., Tq, n1, n2), P[t, a, b] is exp(S[t, a, b]) over exp(S) summed across every "

@@ -11,6 +11,8 @@ copy below holds the reference everywhere but one mistake a red-team reader foun
   read the cells again after the insert (8 / 8).
 * critical_kv, ``two_stage``: scores ranked in the dtype they came in, where the docstring ranks them in float32,
   and every hidden test gave float32 scores (9 / 9).
+* tensor_attention, ``pair_softmax``: a mask flattened with the scores, so one broadcast over the pairs (the
+  docstring's "broadcast to S") fails, and every hidden mask had the pairs' full shape (5 / 5).
 * kvreviver, ``query``: a median by ranks that falls back to row 0 where only some rows tie; the method's tests
   had no tied rows, only the plain function's and the kernel's (8 / 8).
 """
@@ -111,3 +113,13 @@ def test_a_two_stage_ranking_in_float64_loses_its_points(tmp_path):
     in_float64 = ["    " + old.replace("s.float()", "s")]
     loses(tmp_path, "critical_kv", "two_stage", lambda lines: replaced(lines, old, in_float64),
           "test_two_stage_masks_against_a_loop")
+
+
+def test_a_pair_softmax_that_cannot_broadcast_its_mask_loses_its_points(tmp_path):
+    flat = ["flat = S.flatten(-2)",
+            "if allowed is not None:",
+            '    flat = flat.masked_fill(~allowed.flatten(-2), float("-inf"))',
+            "return torch.softmax(flat, dim=-1).view(S.shape)"]
+    loses(tmp_path, "tensor_attention", "pair_softmax",
+          lambda lines: flat if any("masked_fill(~allowed" in line for line in lines) else lines,
+          "test_pair_softmax_with_masks_and_large_scores")
