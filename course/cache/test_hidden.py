@@ -231,10 +231,14 @@ def decode_through_the_storage(flavour):
 
 # -- task group_scores ------------------------------------------------------------------------------------
 
+GQA_H, GQA_T, GQA_D = 64, 1 << 16, 64   # 64 query heads over one KV head of 65,536 keys: 16 MiB, repeated 1 GiB
+SCORES_GROWTH = 384 << 20               # what the process running your code may add while it scores them, at most
+
 @points(4, task="group_scores")
 def test_group_scores_against_a_loop_over_heads():
     """A chunk of 4 queries over 7 keys, every head different, G = 3 (GQA), 6 (one KV head) and 1 (multi-head):
-    the scores are q k^T / sqrt(d), with query head kv * G + g's in [:, kv, g]."""
+    the scores are q k^T / sqrt(d), with query head kv * G + g's in [:, kv, g]; and 64 query heads over 65,536
+    keys of one KV head, read without repeating them (the memory of your process, watched from outside)."""
     for seed, (H, H_kv) in enumerate([(6, 2), (6, 1), (3, 3), (6, 2)]):
         q, k = randn(2, H, 4, 16, seed=seed), randn(2, H_kv, 7, 16, seed=seed + 9) * 2
         if seed == 3:                                    # laid out as the model's projection leaves them
@@ -244,6 +248,15 @@ def test_group_scores_against_a_loop_over_heads():
                      "kv * G + g in [:, kv, g]")
         check_tensor(A.scores(q.half(), k.half()), (2, H_kv, H // H_kv, 4, 7), torch.float16,
                      f"H={H}, H_kv={H_kv}, float16 queries and keys: the scores, in float16")
+    q, k = randn(1, GQA_H, 1, GQA_D, seed=30), randn(1, 1, GQA_T, GQA_D, seed=31)     # one KV head: 16 MiB of keys
+    with A.watch(fresh=True) as watch:                # read from outside your process: memory set aside counts too
+        got = A.scores(q, k)
+    assert watch.peak_bytes < SCORES_GROWTH, f"H={GQA_H}, H_kv=1, {GQA_T} keys of d = {GQA_D}: the process running " \
+        f"your code grew by {watch.peak_bytes >> 20} MiB (the keys repeated for each query head hold " \
+        f"{GQA_H * GQA_T * GQA_D * 4 >> 20} MiB; at most {SCORES_GROWTH >> 20} MiB is allowed): let a KV head's " \
+        "G query heads read its keys as they are (the sheet: never repeat_interleave the keys)"
+    assert_close(got, (q.view(1, 1, GQA_H, 1, GQA_D) @ k[:, :, None].transpose(-1, -2)) / math.sqrt(GQA_D),
+                 rtol=1e-5, atol=1e-5, what=f"H={GQA_H}, H_kv=1, {GQA_T} keys: the scores (1, 1, {GQA_H}, 1, {GQA_T})")
 
 
 # -- task mask --------------------------------------------------------------------------------------------

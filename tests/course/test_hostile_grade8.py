@@ -3,6 +3,9 @@ The grader against a student's shortcut, round four: wrong code that the hidden 
 copy below holds the reference everywhere but one mistake a red-team reader found scoring full marks on its task
 (the task's hidden tests never reached the case); each now loses that task's points.
 
+* cache, ``group_scores``: the keys repeated for each query head (``repeat_interleave``), which the sheet
+  forbids, and every hidden test compared values only (6 / 6): its memory is now watched at a size where the
+  repeated keys hold 1 GiB.
 * baselines, ``window_vote``: ``window_vote`` pooled by max whatever ``pooling`` said, while ``snapkv_scores``
   did its own (right) pooling, and no hidden test called ``window_vote`` (10 / 10).
 * baselines, ``adakv``: the safeguard left out a head's NaN and -inf entries, and no hidden case had a head
@@ -123,3 +126,12 @@ def test_a_pair_softmax_that_cannot_broadcast_its_mask_loses_its_points(tmp_path
     loses(tmp_path, "tensor_attention", "pair_softmax",
           lambda lines: flat if any("masked_fill(~allowed" in line for line in lines) else lines,
           "test_pair_softmax_with_masks_and_large_scores")
+
+
+def test_scores_over_repeated_keys_lose_their_points(tmp_path):
+    repeated = ["B, H, C, d = q.shape",
+                "kr = k.repeat_interleave(H // k.shape[1], dim=1)               # (B, H, T, d): G copies",
+                "return ((q @ kr.transpose(-1, -2)) / math.sqrt(d)).view(B, k.shape[1], H // k.shape[1], C, -1)"]
+    loses(tmp_path, "cache", "group_scores",
+          lambda lines: repeated if any("@ k.transpose(-1, -2)" in line for line in lines) else lines,
+          "test_group_scores_against_a_loop_over_heads")
