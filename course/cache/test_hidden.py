@@ -248,15 +248,16 @@ def test_group_scores_against_a_loop_over_heads():
                      "kv * G + g in [:, kv, g]")
         check_tensor(A.scores(q.half(), k.half()), (2, H_kv, H // H_kv, 4, 7), torch.float16,
                      f"H={H}, H_kv={H_kv}, float16 queries and keys: the scores, in float16")
-    q, k = randn(1, GQA_H, 1, GQA_D, seed=30), randn(1, 1, GQA_T, GQA_D, seed=31)     # one KV head: 16 MiB of keys
+    q, k = randn(1, GQA_H, 2, GQA_D, seed=30), randn(1, 1, GQA_T, GQA_D, seed=31)     # one KV head: 16 MiB of keys
     with A.watch(fresh=True) as watch:                # read from outside your process: memory set aside counts too
         got = A.scores(q, k)
     assert watch.peak_bytes < SCORES_GROWTH, f"H={GQA_H}, H_kv=1, {GQA_T} keys of d = {GQA_D}: the process running " \
         f"your code grew by {watch.peak_bytes >> 20} MiB (the keys repeated for each query head hold " \
         f"{GQA_H * GQA_T * GQA_D * 4 >> 20} MiB; at most {SCORES_GROWTH >> 20} MiB is allowed): let a KV head's " \
         "G query heads read its keys as they are (the sheet: never repeat_interleave the keys)"
-    assert_close(got, (q.view(1, 1, GQA_H, 1, GQA_D) @ k[:, :, None].transpose(-1, -2)) / math.sqrt(GQA_D),
-                 rtol=1e-5, atol=1e-5, what=f"H={GQA_H}, H_kv=1, {GQA_T} keys: the scores (1, 1, {GQA_H}, 1, {GQA_T})")
+    assert_close(got, (q.view(1, 1, GQA_H, 2, GQA_D) @ k[:, :, None].transpose(-1, -2)) / math.sqrt(GQA_D),
+                 rtol=1e-5, atol=1e-5,
+                 what=f"H={GQA_H}, H_kv=1, 2 queries over {GQA_T} keys: the scores (1, 1, {GQA_H}, 2, {GQA_T})")
 
 
 # -- task mask --------------------------------------------------------------------------------------------
