@@ -45,12 +45,31 @@ def test_a_class_of_ones_own_is_a_method_spec(tiny):
     assert all(torch.equal(a.pos, b.pos) for a, b in zip(*[c.layers for c in caches]))
 
 
+class WrongShape(KnormPolicy):
+    """A score with a trailing axis of 1 (B, H_kv, T, 1): one number per slot, in the wrong shape."""
+
+    def score(self, ctx):
+        return super().score(ctx)[..., None]
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_score_of_the_wrong_shape_is_one_line(tiny, wrapped):
+    policy = WrongShape(budget=8)
+    if wrapped:
+        policy = AdaKVPolicy(budget=8, inner=policy)
+    ids = torch.randint(tiny.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"WrongShape.score returned \(1, 2, 30, 1\): it must give one number "
+                       r"per slot, \(B, H_kv, T\) = \(1, 2, 30\)") as e:
+        prefill(tiny, ids, KVCache(tiny.config, policy))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("no_such_module_xyz:Policy", "cannot import 'Policy' from module 'no_such_module_xyz'"),
     ("tests.methods.knorm:Nope", "cannot import 'Nope' from module 'tests.methods.knorm'"),
     ("tests.methods.knorm:check_budget", "check_budget is not a policy dataclass with a budget field"),
     (".knorm:KnormPolicy", "cannot import 'KnormPolicy' from module '.knorm' (TypeError"),
-    ("knorm", "or name a policy class of your own as MODULE:CLASS"),
+    ("no_such_method", "or name a policy class of your own as MODULE:CLASS"),
     (f"{SPEC}(h2o)", "is not a wrapper"),
 ])
 def test_a_name_that_is_no_policy_is_one_line(spec, message):

@@ -72,13 +72,16 @@ TOTAL = N_PROMPT + 2 + N_CHUNK + 2          # tokens seen at the end of the scri
 
 
 # A test-only scorer, kvpress's KnormPress in 23 lines (tests/methods/knorm.py): a new scoring method takes a
-# score and nothing else to run alone and inside every wrapper. Registered for each test (``registered``).
-TEST_METHODS = {**METHODS, "knorm": KnormPolicy}
+# score and nothing else to run alone and inside every wrapper. Registered for each test (``registered``) under
+# a name no method of the project takes (a method of yours registered as "knorm" is tested as itself).
+TEST_ONLY = "test_knorm"
+assert TEST_ONLY not in METHODS, f"{TEST_ONLY!r} is the contract tests' own scorer: register yours under another name"
+TEST_METHODS = {**METHODS, TEST_ONLY: KnormPolicy}
 
 
 @pytest.fixture(autouse=True)
 def registered(monkeypatch):
-    monkeypatch.setitem(METHODS, "knorm", KnormPolicy)
+    monkeypatch.setitem(METHODS, TEST_ONLY, KnormPolicy)
 
 
 def cases():
@@ -89,10 +92,10 @@ def cases():
         for i, opts in enumerate(TEST_OPTIONS.get(name, [{}])):
             yield pytest.param(name, opts, id=f"{name}-{i}", marks=() if i == 0 else pytest.mark.slow)
     for wrapper in wrappers():
-        for scorer in [*scorers(), "knorm"]:
+        for scorer in [*scorers(), TEST_ONLY]:
             for i, opts in enumerate(WRAPPER_OPTIONS.get(wrapper, [{}])):
                 spec = f"{wrapper}({scorer})"
-                fast = spec == "adakv(knorm)" and i == 0
+                fast = spec == f"adakv({TEST_ONLY})" and i == 0
                 yield pytest.param(spec, opts, id=f"{spec}-{i}", marks=() if fast else pytest.mark.slow)
 
 
@@ -321,7 +324,7 @@ def test_registered_policy_shape(name):
     policy = make_policy(name, 7)
     assert isinstance(policy, cls) and policy.budget == 7
     doc = __import__(cls.__module__, fromlist=["_"]).__doc__
-    assert doc and "Paper:" in doc, f"{cls.__module__} needs a paper-card module docstring"
+    assert doc and "Paper:" in doc, f"{cls.__module__} needs a paper-card module docstring (a line 'Paper: ...')"
 
 
 @pytest.mark.parametrize("name", list(METHODS))
