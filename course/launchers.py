@@ -26,6 +26,18 @@ def unset(*shape: int) -> Tensor:
     return torch.full(shape, float("nan"))
 
 
+GUARD = 4                    # numbers past each merge output (NaN, as ``unset`` leaves them) no kernel may write
+
+
+def untouched(guard: Tensor, where: str) -> None:
+    """The numbers past an output (its padding columns, the memory after it) still NaN: a store that a kernel
+    does not mask to the output's d columns writes there (on a GPU, into another row's output or another tensor;
+    the interpreter's programs run one after another, so the next row hid it)."""
+    if not bool(guard.isnan().all()):
+        raise AssertionError(f"{where}: the kernel wrote past its output; mask the store to the output's columns "
+                             "(a head dimension below the kernel's power-of-two block)")
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -49,10 +61,12 @@ def split_ranges(blocks: int, splits: int) -> tuple[int, int]:
 
 # -- the online softmax: the split kernels -----------------------------------------------------------------
 
-def decode_partials(A, q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, block_n: int,
-                    splits: int) -> tuple[Tensor, Tensor, Tensor]:
+def decode_partials(A, q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, block_n: int, splits: int,
+                    dot_fp32: bool | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """decode_attention.py's ``_decode_split_kernel``: q (B, H, d), k, v (B, H_kv, S, d), idx (B, H_kv, K) rows
-    of each KV head (-1: padding) or None -> m, l (B * H_kv, splits, G), acc (..., G, d), fp32."""
+    of each KV head (-1: padding) or None -> m, l (B * H_kv, splits, G), acc (..., G, d), and the scores it
+    stores for H2O (``SCORES`` on), s (B * H_kv, G, n), fp32. ``dot_fp32``: the products in fp32, by default
+    for fp32 and bfloat16 caches as the library does on a CPU (False: a bfloat16 cache as a GPU takes it)."""
     B, H, d = q.shape
     H_kv = k.shape[1]
     G = H // H_kv
@@ -61,17 +75,19 @@ def decode_partials(A, q: Tensor, k: Tensor, v: Tensor, idx: Tensor | None, bloc
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     m = written(unset(B * H_kv, splits, G))
     l, acc = written(unset(B * H_kv, splits, G)), written(unset(B * H_kv, splits, G, d))
+    s = written(unset(B * H_kv, G, n))
     ix = idx.to(torch.int32).contiguous() if idx is not None else torch.zeros(1, 1, 1, dtype=torch.int32)
     unused = torch.zeros(1)                            # the pointers of the options these tests leave off
-    dot_fp32 = k.dtype in (torch.float32, torch.bfloat16)          # on a CPU (the library's rule)
+    if dot_fp32 is None:
+        dot_fp32 = k.dtype in (torch.float32, torch.bfloat16)      # on a CPU (the library's rule)
     A.launch(DECODE, "_decode_split_kernel", (B * H_kv, splits),
-             q, k, v, ix, unused, m, l, acc, unused, torch.zeros(1, dtype=torch.long), n, block_n * per,
+             q, k, v, ix, unused, m, l, acc, s, torch.zeros(1, dtype=torch.long), n, block_n * per,
              1 / math.sqrt(d), 0, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
              v.stride(0), v.stride(1), v.stride(2), ix.stride(0) if idx is not None else 0,
              ix.stride(1) if idx is not None else 0, 0, 0,
              H_kv=H_kv, G=G, G_PAD=max(16, next_pow2(G)), D=d, BLOCK_N=block_n, GATHER=idx is not None,
-             MASKED=False, DOT_FP32=dot_fp32, SCORES=False, EVICT=False)
-    return m, l, acc
+             MASKED=False, DOT_FP32=dot_fp32, SCORES=True, EVICT=False)
+    return m, l, acc, s
 
 
 def sketch_partials(A, q: Tensor, k: Tensor, v: Tensor, scale: float, block_n: int,
@@ -114,10 +130,12 @@ def merge_sketch_kernel(A, m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
     G_PAD, D_PAD = next_pow2(G), next_pow2(d)
     m2, l2 = (pad_to(x, 2, G_PAD).contiguous() for x in (m * LOG2E, l))
     acc2 = pad_to(pad_to(acc, 2, G_PAD), 3, D_PAD).contiguous()
-    out = written(unset(R * G, d))
-    A.launch(SKETCH, "_merge_splits_kernel", (R, G), m2, l2, acc2, out, out.stride(0), out.stride(1), S,
+    wide = written(unset(R * G, D_PAD + GUARD))           # out: its first d columns (out.stride(0) = D_PAD + 4)
+    A.launch(SKETCH, "_merge_splits_kernel", (R, G), m2, l2, acc2, wide, wide.stride(0), wide.stride(1), S,
              G=G, D=d, G_PAD=G_PAD, D_PAD=D_PAD, BLOCK_S=32)
-    return out.view(R, G, d)
+    untouched(wide[:, d:], f"count_sketch.py's _merge_splits_kernel, d = {d}: columns {d}.. of each output row "
+              f"(out.stride(0) = {wide.stride(0)})")
+    return wide[:, :d].reshape(R, G, d)
 
 
 def merge_tensor_kernel(A, m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
@@ -127,10 +145,12 @@ def merge_tensor_kernel(A, m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
     BLOCK_D = max(16, next_pow2(d))
     m2, l2 = (x.transpose(1, 2).reshape(R * G, S).contiguous() for x in (m, l))
     acc2 = pad_to(acc.transpose(1, 2).reshape(R * G, S, d), 2, BLOCK_D).contiguous()
-    out = written(unset(R * G, d))
-    A.launch(TENSOR, "tensor_decode_combine_kernel", (R * G,), m2, l2, acc2, out, d, SPLITS=S,
+    flat = written(unset(R * G * d + BLOCK_D + GUARD))    # out: its first R * G * d numbers
+    A.launch(TENSOR, "tensor_decode_combine_kernel", (R * G,), m2, l2, acc2, flat, d, SPLITS=S,
              SPLITS_P2=next_pow2(S), BLOCK_D=BLOCK_D)
-    return out.view(R, G, d)
+    untouched(flat[R * G * d:], f"tensor_decode.py's tensor_decode_combine_kernel, d = {d}: the numbers after "
+              f"its output of {R * G} rows of {d}")
+    return flat[:R * G * d].view(R, G, d)
 
 
 # -- the count sketch: insert and query (KVReviver Algorithms 1-2) -------------------------------------------

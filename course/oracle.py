@@ -29,7 +29,7 @@ def points(n: float, task: str | None = None):
     return mark
 
 
-def mismatches(got: Tensor, want: Tensor, atol: float = 0.0, rtol: float = 0.0) -> Tensor:
+def mismatches(got: Tensor, want: Tensor, atol: float | Tensor = 0.0, rtol: float = 0.0) -> Tensor:
     """A bool tensor of the places where ``got`` is wrong: off ``want`` by more than ``atol + rtol * |want|``,
     or NaN / inf where ``want`` does not hold the same NaN or the same infinity (a comparison such as
     ``(got - want).abs() > tol`` is False for NaN, so it would pass a NaN answer)."""
@@ -61,20 +61,23 @@ def number(x) -> str:
     return f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
-def assert_close(got, want: Tensor, atol: float = 0.0, rtol: float = 0.0, what: str = "the answer",
+def assert_close(got, want: Tensor, atol: float | Tensor = 0.0, rtol: float = 0.0, what: str = "the answer",
                  detail: Callable[[tuple[int, ...]], str] | None = None) -> None:
     """``got`` equals ``want`` within ``atol + rtol * |want|`` (exactly, by default: integers, booleans, values
     exact in binary), with ``want``'s shape and dtype; NaN and infinity only where ``want`` has the same
-    (``mismatches``). Otherwise an AssertionError that says what was checked (``what``, the tolerance), how many
-    places differ and the first one, and ``detail(index)`` of it if given (what that entry means: its query, its
-    slot, the numbers that make it). Every test compares through this function, so no answer of another shape or
-    dtype passes by broadcasting or by a comparison that is False for NaN."""
+    (``mismatches``). ``atol`` may be a tensor of ``want``'s shape: each entry's own bound. Otherwise an
+    AssertionError that says what was checked (``what``, the tolerance), how many places differ and the first
+    one, and ``detail(index)`` of it if given (what that entry means: its query, its slot, the numbers that make
+    it). Every test compares through this function, so no answer of another shape or dtype passes by
+    broadcasting or by a comparison that is False for NaN."""
     want = torch.as_tensor(want)
     check_tensor(got, want.shape, want.dtype, what)
     bad = mismatches(got, want, atol, rtol)
     if bad.any():
         at = tuple(int(i) for i in bad.nonzero()[0])
-        tol = "exactly" if atol == rtol == 0 else f"within atol {atol:g} + rtol {rtol:g} * |expected|"
+        each = isinstance(atol, Tensor)
+        bound = f"(each entry's own, {float(atol[at]):.3g} there)" if each else f"{atol:g}"
+        tol = "exactly" if not each and atol == rtol == 0 else f"within atol {bound} + rtol {rtol:g} * |expected|"
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} entries differ (compared {tol}); the "
                              f"first at {list(at)}: got {number(got[at])}, expected {number(want[at])}"
                              + (f" ({detail(at)})" if detail else ""))

@@ -42,6 +42,13 @@ MUTANTS = [
                "m2, l, acc = _online_softmax_step(q.to(tl.float32) * 1.4426950408889634, kb.to(tl.float32),\n"
                "                                  vb.to(tl.float32), valid, m * 1.4426950408889634, l, acc)\n"
                "m_new = m2 / 1.4426950408889634"),
+    Mutant("the fp32 products in tf32 (tl.dot without input_precision='ieee': a GPU's default)", "online_softmax",
+           old='s = tl.dot(q, tl.trans(kb), input_precision="ieee")', new="s = tl.dot(q, tl.trans(kb))"),
+    Mutant("the padding masked for m and p only: s, stored for H2O, holds 0 there (not -inf)", "online_softmax",
+           old="m = m_new", new="m = m_new\ns = tl.where(valid[None, :], s, 0.0)"),
+    Mutant("the 16-bit path's weights in float16 whatever the cache (a GPU's bfloat16 cache)", "online_softmax",
+           old="acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)",
+           new="acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), vb)"),
     # -- online_softmax: count_sketch.py's base-2 step -----------------------------------------------------------
     Mutant("base e in the base-2 step (exp for exp2)", "online_softmax",
            old="p = tl.exp2(s - m_new[:, None])", new="p = tl.exp(s - m_new[:, None])"),
@@ -146,10 +153,13 @@ MUTANTS = [
                "other=float(\"-inf\")), axis=0)\nl_sum = tl.zeros([BLOCK_S], tl.float32)"),
     Mutant("tensor combine kernel: every range weighted by the first range's max", "merge_splits",
            old="w = tl.exp(m - tl.max(m, axis=0))", new="w = tl.exp(m - tl.load(m_ptr + pid_bh * SPLITS))"),
+    Mutant("sketch merge kernel: the store not masked to the d columns (D_PAD written)", "merge_splits",
+           old="out.to(out_ptr.dtype.element_ty),\n         mask=offs_d < D)", new="out.to(out_ptr.dtype.element_ty))"),
+    Mutant("sketch merge kernel: the output's strides ignored (rows of D)", "merge_splits",
+           old="tl.store(out_ptr + (h * G + g) * stride_oh + offs_d * stride_od,",
+           new="tl.store(out_ptr + (h * G + g) * D + offs_d,"),
+    Mutant("tensor combine kernel: the store not masked to the d columns (BLOCK_D written)", "merge_splits",
+           old="o.to(out_ptr.dtype.element_ty), mask=offs_d < d)", new="o.to(out_ptr.dtype.element_ty))"),
 ]
 
-ACCEPTABLE = {
-    "compare at kernels/tensor_decode.py:253: offs_d < d -> offs_d <= d":
-        "equivalent: the extra store lands on the next row's first feature, which that row's program (run after "
-        "it) overwrites; past the last row it writes outside the output, which no test can observe",
-}
+ACCEPTABLE: dict[str, str] = {}

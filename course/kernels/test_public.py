@@ -46,12 +46,17 @@ def ranges(n, block_n, splits):
     return [(a * block_n, min((a + per) * block_n, n)) for a in range(0, blocks, per)]
 
 
+ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}   # a unit in the last place, relative, at most
+
+
 def partials_by_range(s, v, bounds, p_dtype=None):
     """Each range's (m, l, acc) from scores s (G, T) and values v (T, d): m = the max score, l = sum exp(s - m),
     acc = sum exp(s - m) v; a range with no score (all -inf, or empty) gives m = -inf, l = 0, acc = 0.
-    ``p_dtype``: the weights rounded to it before they multiply v (a 16-bit cache). -> (splits, G), (splits, G),
-    (splits, G, d)."""
-    ms, ls, accs = [], [], []
+    ``p_dtype``: the weights rounded to it before they multiply v (a 16-bit cache); then also each acc entry's
+    slack, 1e-5 + ULP * sum p |v|: the kernel's weights, a float32 rounding away from the test's before they are
+    rounded to 16 bits, may each land one unit in the last place away. -> (splits, G), (splits, G),
+    (splits, G, d)[, (splits, G, d)]."""
+    ms, ls, accs, slacks = [], [], [], []
     for a, b in bounds:
         x = s[:, a:b]
         m = x.max(-1).values if b > a else torch.full((s.shape[0],), float("-inf"))
@@ -59,14 +64,16 @@ def partials_by_range(s, v, bounds, p_dtype=None):
         ms.append(m)
         ls.append(p.sum(-1))
         accs.append((p.to(p_dtype).float() if p_dtype else p) @ v[a:b])
-    return torch.stack(ms), torch.stack(ls), torch.stack(accs)
+        slacks.append(1e-5 + ULP[p_dtype] * (p @ v[a:b].abs()) if p_dtype else None)
+    return (torch.stack(ms), torch.stack(ls), torch.stack(accs)) + ((torch.stack(slacks),) if p_dtype else ())
 
 
-def check_partials(what, got, want, bounds, meaning, rtol=1e-5, atol=1e-5, acc_tol=None):
-    """got, want: (m, l, acc), each (splits, G[, d]) of one (sequence, KV head). ``acc_tol``: (rtol, atol) of
-    acc alone, where p is rounded to the values' type before its product with them (m and l stay float32's)."""
+def check_partials(what, got, want, bounds, meaning, rtol=1e-5, atol=1e-5, acc_slack=None):
+    """got, want: (m, l, acc), each (splits, G[, d]) of one (sequence, KV head). ``acc_slack``: each acc entry's
+    own atol (``partials_by_range``), where p is rounded to the values' type before its product with them (m and
+    l stay float32's)."""
     for name, g, w, what_it_is in zip(("m", "l", "acc"), got, want, meaning):
-        tol = acc_tol if name == "acc" and acc_tol else (rtol, atol)
+        tol = (0.0, acc_slack) if name == "acc" and acc_slack is not None else (rtol, atol)
 
         def detail(at):
             a, b = bounds[at[0]]
@@ -82,31 +89,38 @@ SKETCH_MEANING = ("in base 2: the max of its scores q k * scale * log2(e)", "the
                   "the sum of 2^(score - m) v")
 
 
-def check_decode(q, k, v, block_n, splits, idx=None, dtype=torch.float32, tag="", rtol=1e-5):
-    """decode_attention.py's split kernel: every (sequence, KV head)'s partials against the test's."""
+def check_decode(q, k, v, block_n, splits, idx=None, dtype=torch.float32, tag="", rtol=1e-5, gpu_bf16=False):
+    """decode_attention.py's split kernel: every (sequence, KV head)'s partials against the test's, and the
+    scores it leaves in ``s`` (stored for H2O). ``gpu_bf16``: a bfloat16 cache through the 16-bit path, as a GPU
+    takes it (on a CPU the library multiplies bfloat16 in fp32)."""
     B, H, d = q.shape
     H_kv = k.shape[1]
     G = H // H_kv
     k, v = k.to(dtype), v.to(dtype)
-    m, l, acc = launchers.decode_partials(A, q.to(dtype), k, v, idx, block_n, splits)
+    sixteen = dtype == torch.float16 or gpu_bf16       # multiplied in its own type: q and p rounded to it
+    m, l, acc, stored = launchers.decode_partials(A, q.to(dtype), k, v, idx, block_n, splits, not sixteen)
     n = k.shape[2] if idx is None else idx.shape[2]
     bounds = ranges(n, block_n, splits)
     qs = q.to(dtype).float() * (1 / math.sqrt(d))                         # (B, H, d), as the kernel loads it
-    fp16 = dtype == torch.float16         # bf16 multiplies in fp32 in the interpreter, fp16 in its own type
-    if fp16:
+    if sixteen:
         qs = qs.to(dtype).float()
-    acc_tol = (2e-3, 2e-3) if fp16 else None       # m and l: float32 sums of float32 products, in every dtype
-    cache = f"{'selected rows' if idx is not None else 'contiguous'} {str(dtype)[6:]} cache"
+    cache = f"{'selected rows' if idx is not None else 'contiguous'} {str(dtype)[6:]} cache" + \
+        (" on a GPU's 16-bit path" if gpu_bf16 else "") + \
+        (" (fp32 tl.dot in tf32 unless input_precision='ieee', as on a GPU)" if dtype == torch.float32 else "")
     for b in range(B):
         for h in range(H_kv):
             rows = torch.arange(n) if idx is None else idx[b, h]
             kk, vv = k[b, h, rows.clamp(min=0)].float(), v[b, h, rows.clamp(min=0)].float()   # (n, d)
             s = (qs[b, h * G:(h + 1) * G] @ kk.T).masked_fill(rows[None, :] < 0, float("-inf"))  # (G, n)
-            want = partials_by_range(s, vv, bounds, dtype if fp16 else None)
+            want = partials_by_range(s, vv, bounds, dtype if sixteen else None)
             got = (m[b * H_kv + h], l[b * H_kv + h], acc[b * H_kv + h])
-            check_partials(f"online softmax{tag}, decode kernel ({cache}, block_n {block_n}, "
-                           f"{len(bounds)} range(s)), sequence {b}, KV head {h}", got, want, bounds,
-                           DECODE_MEANING, rtol, rtol, acc_tol)
+            what = f"online softmax{tag}, decode kernel ({cache}, block_n {block_n}, {len(bounds)} range(s)), " \
+                f"sequence {b}, KV head {h}"
+            check_partials(what, got, want[:3], bounds, DECODE_MEANING, rtol, rtol, want[3] if sixteen else None)
+            assert_close(stored[b * H_kv + h], s, rtol=rtol, atol=rtol,
+                         detail=lambda at: f"query head {at[0]} of the group, token {at[1]}",
+                         what=f"{what}: the scores s (G, n) left for H2O's fused step, q k / sqrt(d) with the "
+                         "padding at -inf")
 
 
 def check_sketch(q, k, v, block_n, splits, tag="", rtol=1e-5):
@@ -140,6 +154,8 @@ def check_online_softmax(B, H, H_kv, d, n, seed, k_scale=1.0, k_shift=0.0, q_shi
     for dtype in dtypes:
         for splits in (1, 3):
             check_decode(q, k, v, 16, splits, dtype=dtype, tag=tag, rtol=rtol)
+    if torch.bfloat16 in dtypes:
+        check_decode(q, k, v, 16, 3, dtype=torch.bfloat16, tag=tag, rtol=rtol, gpu_bf16=True)
     g = generator("kernels rows", seed)
     K = 3 * 16
     idx = torch.stack([torch.randperm(n, generator=g)[:K] if K <= n else torch.randint(0, n, (K,), generator=g)

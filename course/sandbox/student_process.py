@@ -1059,6 +1059,53 @@ def written_again(fn: ast.FunctionDef) -> str:
     return text
 
 
+def as_on_a_gpu() -> None:
+    """Triton's CPU interpreter computes as numpy does where a GPU does not: ``tl.dot`` multiplies fp32 operands
+    in full precision whatever ``input_precision`` says and bfloat16 ones as their raw bits
+    (triton-lang/triton#11584), and a cast from fp32 to bfloat16 truncates. A GPU multiplies fp32 operands in
+    tf32 (10 bits of mantissa) unless the dot asks for ``input_precision="ieee"`` (or "tf32x3"), bfloat16 ones
+    exactly with fp32 accumulation, and rounds a cast to the nearest (ties to even). The kernels' process runs
+    them as a GPU does: a kernel that leaves out the sheet's ``"ieee"`` loses its points here as its numbers
+    would on a GPU, and the 16-bit path a GPU takes for a bfloat16 cache can be checked. Other types and casts
+    are the interpreter's own."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "as_on_a_gpu", False):
+        return
+    plain_dot, plain_cast = builder.create_dot, builder.cast_impl
+
+    def tf32(x):                                      # round to nearest even at 10 bits; inf and nan as they are
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        rounded = (bits + ((bits >> np.uint32(13)) & np.uint32(1)) + np.uint32(0xFFF)) & np.uint32(0xFFFFE000)
+        return np.where((bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000), bits, rounded).view(np.float32)
+
+    def widened(x):                                   # bfloat16's bits (the interpreter's uint16) as float32
+        return (np.ascontiguousarray(x, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+    def to_bf16(x):                                   # float32 to bfloat16's bits, nearest even; nan stays nan
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        rounded = (bits + ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16)
+        return np.where(np.isnan(x), np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+    def create_dot(self, a, b, d, input_precision, *rest):
+        kinds = {a.dtype.scalar, b.dtype.scalar}
+        if kinds == {tl.float32} and getattr(input_precision, "name", str(input_precision)).upper() == "TF32":
+            a, b = (interpreter.TensorHandle(tf32(x.data), tl.float32) for x in (a, b))
+        elif kinds == {tl.bfloat16}:
+            a, b = (interpreter.TensorHandle(widened(x.data), tl.float32) for x in (a, b))
+        return plain_dot(self, a, b, d, input_precision, *rest)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(to_bf16(src.data), tl.bfloat16)
+        return plain_cast(self, src, dst_type)
+    create_dot.as_on_a_gpu = True
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+
+
 class KernelsAlone:
     """Serves the tests' launches of the copy's ``@triton.jit`` functions, in a process that imports none of
     the copy's modules: each file's kernels are read from its source (the syntax tree, never run as the
@@ -1100,6 +1147,7 @@ class KernelsAlone:
 
             import triton
             import triton.language as tl
+            as_on_a_gpu()
             found, constants = self.kernels_of(file)
             if kernel not in found:
                 raise NotTriton(f"{file} has no @triton.jit function {kernel!r}")

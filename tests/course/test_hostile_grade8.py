@@ -18,6 +18,14 @@ copy below holds the reference everywhere but one mistake a red-team reader foun
   docstring's "broadcast to S") fails, and every hidden mask had the pairs' full shape (5 / 5).
 * kvreviver, ``query``: a median by ranks that falls back to row 0 where only some rows tie; the method's tests
   had no tied rows, only the plain function's and the kernel's (8 / 8).
+* kernels, ``online_softmax``: fp32 products through ``tl.dot`` without ``input_precision="ieee"`` (tf32 on a GPU;
+  Triton's CPU interpreter ignores it), the padding masked in m and p but not in the scores ``s`` left for H2O
+  (the grader never switched ``SCORES`` on), and the 16-bit path's weights cast to float16 whatever the cache (a
+  GPU's bfloat16 cache takes that path; the grader's never did): each 8 / 8; the kernels now run as on a GPU
+  (``student_process.as_on_a_gpu``), ``s`` is checked, and bfloat16 goes through the 16-bit path too.
+* kernels, ``merge_splits``: a merge kernel's store not masked to the output's d columns (the next row's program
+  wrote over it in the interpreter; on a GPU rows race) kept 8 / 8; outputs are now read from wider buffers whose
+  rest must stay untouched.
 """
 
 from __future__ import annotations
@@ -135,3 +143,36 @@ def test_scores_over_repeated_keys_lose_their_points(tmp_path):
     loses(tmp_path, "cache", "group_scores",
           lambda lines: repeated if any("@ k.transpose(-1, -2)" in line for line in lines) else lines,
           "test_group_scores_against_a_loop_over_heads")
+
+
+def test_an_fp32_dot_in_tf32_loses_its_points(tmp_path):
+    def mistake(lines):
+        for old in ('s = tl.dot(q, tl.trans(kb), input_precision="ieee")',
+                    'acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")'):
+            lines = replaced(lines, old, ["    " + old.replace(', input_precision="ieee"', "")])
+        return lines
+    loses(tmp_path, "kernels", "online_softmax", mistake, "test_scores_far_from_zero")
+
+
+def test_scores_for_h2o_left_unmasked_lose_their_points(tmp_path):
+    def mistake(lines):
+        lines = replaced(lines, 's = tl.where(valid[None, :], s, float("-inf"))', [])
+        lines = replaced(lines, "m_new = tl.maximum(m, tl.max(s, axis=1))",
+                         ['m_new = tl.maximum(m, tl.max(tl.where(valid[None, :], s, float("-inf")), axis=1))'])
+        return replaced(lines, "p = tl.exp(s - m_safe[:, None])",
+                        ["p = tl.where(valid[None, :], tl.exp(s - m_safe[:, None]), 0.0)"])
+    loses(tmp_path, "kernels", "online_softmax", mistake, "test_scores_far_from_zero")
+
+
+def test_a_bfloat16_cache_weighted_in_float16_loses_its_points(tmp_path):
+    old = "acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)"
+    loses(tmp_path, "kernels", "online_softmax",
+          lambda lines: replaced(lines, old, ["    " + old.replace("vb.dtype", "tl.float16")]),
+          "test_three_query_heads_per_kv_head_and_ragged_ranges")
+
+
+def test_a_merge_that_stores_past_its_output_loses_its_points(tmp_path):
+    old = "tl.store(out_ptr + pid_bh * d + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < d)"
+    loses(tmp_path, "kernels", "merge_splits",
+          lambda lines: replaced(lines, old, [old.replace(", mask=offs_d < d", "")]),
+          "test_merge_empty_ranges_anywhere")
