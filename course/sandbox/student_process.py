@@ -748,26 +748,34 @@ def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kerne
 TEXT_CALLS = ("static_assert", "static_print", "device_print", "device_assert")      # tl.<name> that read text
 TEXT_KEYWORDS = ("eviction_policy", "cache_modifier", "padding_option", "sem", "scope", "input_precision",
                  "fp_downcast_rounding", "rounding")                         # tl.<name>(..., <keyword>="<text>")
+TEXT_METHODS = ("to",)                        # a tensor's x.<name>(..., <keyword>="<text>") (fp_downcast_rounding)
 
 
 def text_in_place(node: ast.expr, parent: dict) -> bool:
     """A string or f-string where Triton reads text and nothing keeps it: an argument of ``tl.<TEXT_CALLS>`` or of
     ``NotImplementedError``, a string constant given to ``float`` (``float("-inf")``), one of ``TEXT_KEYWORDS`` in
-    a call of ``tl.<name>`` (``eviction_policy="evict_last"``), an assert's message, a side of a comparison, a
-    statement of its own, a quoted annotation, or a part of an f-string. Anywhere else it reached a variable, and
+    a call of ``tl.<name>`` (``eviction_policy="evict_last"``) or of a tensor's ``TEXT_METHODS``
+    (``p.to(dtype, fp_downcast_rounding="rtne")``), either branch of a ternary in such a place (``"ieee" if
+    DOT_FP32 else "tf32"``), an assert's message, a side of a comparison, a statement of its own, a quoted
+    annotation, or a part of an f-string. Anywhere else it reached a variable, and
     ``%`` or an index then made text of a tensor's data (round seventeen; through ``tl.multiple_of(input=...)``,
     which hands back what it is given, and bytes, round eighteen)."""
     up = parent.get(node)
     if isinstance(up, (ast.JoinedStr, ast.FormattedValue, ast.Compare, ast.Expr)):
         return True
+    if isinstance(up, ast.IfExp) and node is not up.test:     # "ieee" if DOT_FP32 else "tf32": text either way
+        return text_in_place(up, parent)
     if isinstance(up, ast.arg):               # a quoted annotation ("tl.constexpr"), read by ``plain_value``
         return node is up.annotation
     if isinstance(up, ast.Assert):
         return node is up.msg
     if isinstance(up, ast.keyword):
         call = parent.get(up)
-        return isinstance(call, ast.Call) and (tl_attribute(call.func, lambda name: name in TEXT_CALLS)
-                                                or up.arg in TEXT_KEYWORDS and tl_attribute(call.func, bool))
+        if not isinstance(call, ast.Call):
+            return False
+        method = isinstance(call.func, ast.Attribute) and call.func.attr in TEXT_METHODS         # p.to(..., <kw>=)
+        return tl_attribute(call.func, lambda name: name in TEXT_CALLS) or up.arg in TEXT_KEYWORDS and (
+            tl_attribute(call.func, bool) or method)
     return isinstance(up, ast.Call) and node in up.args and (
         tl_attribute(up.func, lambda name: name in TEXT_CALLS)
         or isinstance(up.func, ast.Name) and up.func.id == "NotImplementedError"
@@ -1015,17 +1023,21 @@ def constant_number(node: ast.expr) -> bool:
 
 
 def module_constants(tree: ast.Module) -> dict[str, str]:
-    """The file's top-level ``NAME = tl.constexpr(<a number>)`` (``constant_number``) and ``NAME = tl.<a dtype>``,
-    as Triton lets a kernel read a global: name -> the assignment written again (``ast.unparse``: a float too
-    large is ``1e309``, never ``inf``)."""
+    """The file's ``NAME = tl.constexpr(<a number>)`` (``constant_number``) and ``NAME = tl.<a dtype>`` at its top
+    level or in its top-level ``if`` blocks (where ``jit_functions`` finds kernels), as Triton lets a kernel read a
+    global: name -> the assignment written again (``ast.unparse``: a float too large is ``1e309``, never ``inf``)."""
     def constant(value) -> bool:                                    # tl.constexpr(<a number>), or tl.<a dtype>
         if isinstance(value, ast.Call):
             return (tl_attribute(value.func, lambda a: a == "constexpr") and not value.keywords
                     and len(value.args) == 1 and constant_number(value.args[0]))
         return tl_attribute(value, lambda a: a in dtype_names())
 
-    found = {}
-    for node in tree.body:
+    found, nodes = {}, list(tree.body)
+    while nodes:                              # the top level and its ``if`` blocks (``if HAS_TRITON:``), in order
+        node = nodes.pop(0)
+        if isinstance(node, ast.If):
+            nodes[:0] = node.body + node.orelse
+            continue
         value = node.value if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
         if value is not None and isinstance(node.targets[0], ast.Name) and constant(value):
             if not usable_name(node.targets[0].id):
@@ -1103,6 +1115,7 @@ def as_on_a_gpu() -> None:
             return interpreter.TensorHandle(to_bf16(src.data), tl.bfloat16)
         return plain_cast(self, src, dst_type)
     create_dot.as_on_a_gpu = True
+    create_dot.plain, cast_impl.plain = plain_dot, plain_cast          # (the grader's own tests put them back)
     builder.create_dot, builder.cast_impl = create_dot, cast_impl
 
 

@@ -306,6 +306,18 @@ def ordinary(x_ptr, n, N: tl.constexpr):
     tl.store(x_ptr + offs, times(exp_of(tl.maximum(x, NEG_INF)), -NEG), mask=inside)
 
 
+HAS_TRITON = True
+if HAS_TRITON:
+    TWICE = tl.constexpr(2.0)
+
+
+@triton.jit
+def rounded(x_ptr, y_ptr, N: tl.constexpr, IEEE: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs, eviction_policy="evict_last" if IEEE else "evict_first")
+    tl.store(y_ptr + offs, (x * TWICE).to(tl.bfloat16, fp_downcast_rounding="rtne"))
+
+
 @triton.jit
 def refused(x_ptr):
     tl.store(x_ptr, tl.core.builtins.exec("import torch"))
@@ -318,8 +330,10 @@ def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp
     constant, a return annotation (never run: Triton does not read it), ``len``; then (round sixteen) a negative
     constant, ``float("-inf")``, a dtype constant, ``do_not_specialize`` and an f-string of a constexpr; a walrus
     (``:=``, which Triton's compiler reads as an assignment), a helper given a constant for its constexpr
-    parameter (quoted), a keyword of text (``eviction_policy``). They run now; a kernel leaving Triton's language is
-    refused when it is launched, not when a file's other kernel is."""
+    parameter (quoted), a keyword of text (``eviction_policy``); then (2026-12-02, a false-negative reader's, 0 / 8
+    each) a constant in a top-level ``if`` block (the library's ``if HAS_TRITON:``), a keyword of text on a tensor's
+    ``.to``, a ternary of texts. They run now; a kernel leaving Triton's language is refused when it is launched, not
+    when a file's other kernel is."""
     pytest.importorskip("triton")
     import torch
 
@@ -330,6 +344,9 @@ def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp
     want = x.exp()
     alone.launch("k.py", "ordinary", [1], [x, 8], {"N": 8})
     torch.testing.assert_close(x, want)
+    y = torch.empty(8, dtype=torch.bfloat16)
+    alone.launch("k.py", "rounded", [1], [x, y], {"N": 8, "IEEE": True})
+    assert torch.equal(y, (x * 2).to(torch.bfloat16))        # rounded to the nearest, as on a GPU (as_on_a_gpu)
     with pytest.raises(NotTriton, match="k.py, line"):
         alone.launch("k.py", "refused", [1], [x], {})
 
