@@ -148,6 +148,15 @@ def check_needs(rows, col_sums) -> None:
     check_flag("Needs.col_sums", col_sums)
 
 
+def check_scores(policy, scores, pos):
+    """A scorer's ``score``: one number per slot, (B, H_kv, T) as ``pos``; else one line naming its class."""
+    if not isinstance(scores, torch.Tensor) or scores.shape != pos.shape:
+        got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"{type(policy).__name__}.score returned {got}: it must give one number per slot, "
+                         f"(B, H_kv, T) = {tuple(pos.shape)}")
+    return scores
+
+
 def check_state(name: str, values, pos) -> None:
     """Per-slot state ``values`` (B, H_kv, T, ...) for a storage whose positions are ``pos`` (B, H_kv, T)."""
     if values.shape[:3] != pos.shape:

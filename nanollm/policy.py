@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .checks import check_budget, check_needs
+from .checks import check_budget, check_needs, check_scores
 from .config import ModelConfig
 from .slots import select_lowest
 from .storage import LayerKV
@@ -150,17 +150,8 @@ class ScoringPolicy(CachePolicy):
             ranked = ranked.masked_fill((pos >= r.start) & (pos < r.stop) if r.stop < seen else pos >= r.start, inf)
         return ranked.masked_fill(pos < 0, -inf)
 
-    def checked_score(self, ctx: StepContext) -> Tensor:
-        """``score``, refused in one line unless it is one number per slot: (B, H_kv, T) as ``ctx.kv.pos``."""
-        scores, want = self.score(ctx), tuple(ctx.kv.pos.shape)
-        if not isinstance(scores, Tensor) or tuple(scores.shape) != want:
-            got = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
-            raise ValueError(f"{type(self).__name__}.score returned {got}: it must give one number per slot, "
-                             f"(B, H_kv, T) = {want}")
-        return scores
-
     def keep_scores(self, ctx: StepContext) -> Tensor:
-        return self.rank(self.checked_score(ctx), ctx.kv.pos, ctx.seen)
+        return self.rank(check_scores(self, self.score(ctx), ctx.kv.pos), ctx.kv.pos, ctx.seen)
 
     def head_budgets(self, ctx: StepContext) -> Tensor:
         """(B, H_kv): entries each KV head keeps when the layer is compressed."""
@@ -182,7 +173,7 @@ class ScoringPolicy(CachePolicy):
         stays = pos < 0                                               # empty slots and protected entries
         for r in self.protected(ctx.seen, ctx.seen):             # (every held position is < seen)
             stays |= (pos >= r.start) if r.stop >= ctx.seen else (pos >= r.start) & (pos < r.stop)
-        return select_lowest(self.checked_score(ctx), pos, stays, len(ctx.kv) - self.n_keep(ctx))
+        return select_lowest(check_scores(self, self.score(ctx), pos), pos, stays, len(ctx.kv) - self.n_keep(ctx))
 
     def step(self, ctx: StepContext) -> None:
         self.observe(ctx)
