@@ -649,16 +649,21 @@ def literal(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant)
 
 
-def jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
-    """The ``@triton.jit`` functions of a file, at its top level or in its top-level ``if`` blocks."""
-    found, nodes = {}, list(tree.body)
+def top_level(tree: ast.Module):
+    """The file's statements at its top level and in its top-level ``if`` blocks (``if HAS_TRITON:``), in order."""
+    nodes = list(tree.body)
     while nodes:
         node = nodes.pop(0)
         if isinstance(node, ast.If):
             nodes[:0] = node.body + node.orelse
-        elif isinstance(node, ast.FunctionDef) and node.decorator_list and all(map(is_jit, node.decorator_list)):
-            found[node.name] = node
-    return found
+        else:
+            yield node
+
+
+def jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    """The ``@triton.jit`` functions of a file, at its top level or in its top-level ``if`` blocks."""
+    return {node.name: node for node in top_level(tree) if isinstance(node, ast.FunctionDef)
+            and node.decorator_list and all(map(is_jit, node.decorator_list))}
 
 
 def check_triton_only(fn: ast.FunctionDef, tl_names: set[str], where: str, kernels: set[str] = frozenset(),
@@ -1024,7 +1029,7 @@ def constant_number(node: ast.expr) -> bool:
 
 def module_constants(tree: ast.Module) -> dict[str, str]:
     """The file's ``NAME = tl.constexpr(<a number>)`` (``constant_number``) and ``NAME = tl.<a dtype>`` at its top
-    level or in its top-level ``if`` blocks (where ``jit_functions`` finds kernels), as Triton lets a kernel read a
+    level or in its top-level ``if`` blocks (``top_level``, where the kernels are), as Triton lets a kernel read a
     global: name -> the assignment written again (``ast.unparse``: a float too large is ``1e309``, never ``inf``)."""
     def constant(value) -> bool:                                    # tl.constexpr(<a number>), or tl.<a dtype>
         if isinstance(value, ast.Call):
@@ -1032,12 +1037,8 @@ def module_constants(tree: ast.Module) -> dict[str, str]:
                     and len(value.args) == 1 and constant_number(value.args[0]))
         return tl_attribute(value, lambda a: a in dtype_names())
 
-    found, nodes = {}, list(tree.body)
-    while nodes:                              # the top level and its ``if`` blocks (``if HAS_TRITON:``), in order
-        node = nodes.pop(0)
-        if isinstance(node, ast.If):
-            nodes[:0] = node.body + node.orelse
-            continue
+    found = {}
+    for node in top_level(tree):
         value = node.value if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
         if value is not None and isinstance(node.targets[0], ast.Name) and constant(value):
             if not usable_name(node.targets[0].id):
@@ -1089,18 +1090,22 @@ def as_on_a_gpu() -> None:
         return
     plain_dot, plain_cast = builder.create_dot, builder.cast_impl
 
-    def tf32(x):                                      # round to nearest even at 10 bits; inf and nan as they are
-        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-        rounded = (bits + ((bits >> np.uint32(13)) & np.uint32(1)) + np.uint32(0xFFF)) & np.uint32(0xFFFFE000)
-        return np.where((bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000), bits, rounded).view(np.float32)
+    def nearest_even(x, drop: int):                   # float32's bits less their low ``drop``, rounded: (bits, kept)
+        bits, drop = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32), np.uint32(drop)
+        return bits, (bits + ((bits >> drop) & np.uint32(1)) + (np.uint32(1) << (drop - np.uint32(1))) -
+                      np.uint32(1)) >> drop
+
+    def tf32(x):                                      # 10 bits of mantissa; inf and nan as they are
+        bits, kept = nearest_even(x, 13)
+        special = (bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+        return np.where(special, bits, kept << np.uint32(13)).view(np.float32)
 
     def widened(x):                                   # bfloat16's bits (the interpreter's uint16) as float32
         return (np.ascontiguousarray(x, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
-    def to_bf16(x):                                   # float32 to bfloat16's bits, nearest even; nan stays nan
-        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-        rounded = (bits + ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16)
-        return np.where(np.isnan(x), np.uint32(0x7FC0), rounded).astype(np.uint16)
+    def to_bf16(x):                                   # float32 to bfloat16's bits; nan stays nan
+        _, kept = nearest_even(x, 16)
+        return np.where(np.isnan(x), np.uint32(0x7FC0), kept).astype(np.uint16)
 
     def create_dot(self, a, b, d, input_precision, *rest):
         kinds = {a.dtype.scalar, b.dtype.scalar}

@@ -14,7 +14,6 @@ def interpreter_as_triton_ships_it():
     yield
     interpreter = sys.modules.get("triton.runtime.interpreter")
     if interpreter is not None:
-        for name in ("create_dot", "cast_impl"):
-            patched = getattr(interpreter.InterpreterBuilder, name)
+        for name, patched in list(vars(interpreter.InterpreterBuilder).items()):
             if hasattr(patched, "plain"):
                 setattr(interpreter.InterpreterBuilder, name, patched.plain)

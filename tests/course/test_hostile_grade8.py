@@ -64,6 +64,11 @@ def replaced(lines: list[str], old: str, new: list[str]) -> list[str]:
     return lines if not at else lines[:at[0]] + new + lines[at[0] + 1:]
 
 
+def body_where(marker: str, new: list[str]):
+    """A mistake for ``filled``: the region whose body has a line holding ``marker`` becomes ``new``, whole."""
+    return lambda lines: new if any(marker in line for line in lines) else lines
+
+
 def loses(tmp_path: Path, name: str, task: str, mistake, test: str) -> None:
     """A copy of ``name`` with ``task``'s reference as ``mistake`` changes it (``filled``) fails the hidden
     ``test`` (graded with ``-k task``)."""
@@ -131,8 +136,7 @@ def test_a_pair_softmax_that_cannot_broadcast_its_mask_loses_its_points(tmp_path
             "if allowed is not None:",
             '    flat = flat.masked_fill(~allowed.flatten(-2), float("-inf"))',
             "return torch.softmax(flat, dim=-1).view(S.shape)"]
-    loses(tmp_path, "tensor_attention", "pair_softmax",
-          lambda lines: flat if any("masked_fill(~allowed" in line for line in lines) else lines,
+    loses(tmp_path, "tensor_attention", "pair_softmax", body_where("masked_fill(~allowed", flat),
           "test_pair_softmax_with_masks_and_large_scores")
 
 
@@ -140,8 +144,7 @@ def test_scores_over_repeated_keys_lose_their_points(tmp_path):
     repeated = ["B, H, C, d = q.shape",
                 "kr = k.repeat_interleave(H // k.shape[1], dim=1)               # (B, H, T, d): G copies",
                 "return ((q @ kr.transpose(-1, -2)) / math.sqrt(d)).view(B, k.shape[1], H // k.shape[1], C, -1)"]
-    loses(tmp_path, "cache", "group_scores",
-          lambda lines: repeated if any("@ k.transpose(-1, -2)" in line for line in lines) else lines,
+    loses(tmp_path, "cache", "group_scores", body_where("@ k.transpose(-1, -2)", repeated),
           "test_group_scores_against_a_loop_over_heads")
 
 
