@@ -208,6 +208,31 @@ def test_language_modelling_s_collapsed_rows_reproduce_in_order_of_magnitude():
                 assert run[ratio]["ppl_ratio"] == pytest.approx(c["ppl_ratio"], rel=1e-3), (ratio, values)
 
 
+def rerun_key_norm(name: str, samples: int) -> None:
+    """``experiments.analysis.key_norm``'s table: the first task's first ``samples`` prompts, every layer."""
+    from experiments.analysis import key_norm
+    records, args, model, tok = recorded_model(name, key_norm)
+    task = args.tasks[0]
+    again = key_norm.measure(model, tok, task, args.length, args.keep, samples)
+    committed = {(r["seed"], r["layer"]): r for r in records if r["task"] == task and r["seed"] < samples}
+    for r in again:
+        r["key"] = (r["seed"], r["layer"])
+    assert_rows_equal(again, committed, "key", ("length", "budget"), key_norm.COLUMNS)
+
+
+@pytest.mark.slow
+def test_key_norm_toy_reproduces():
+    """The bundled model's key norms against its last query's attention (two prompts of the first task)."""
+    rerun_key_norm("key_norm_toy.json", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_key_norm_smollm2_reproduces():
+    """SmolLM2's key norms against its last query's attention (one prompt of the first task)."""
+    rerun_key_norm("key_norm_smollm2.json", 1)
+
+
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_kvreviver_ablation_reproduces():
@@ -336,6 +361,10 @@ CHECKED_BY = {
     "kvreviver_ablation.json": (HERE + "test_kvreviver_ablation_reproduces",
                                 HERE + "test_kvreviver_ablation_s_fisher_and_lemma_rows_reproduce"),
     "kvreviver_ablation.txt": "beside kvreviver_ablation.json",
+    "key_norm_toy.json": (HERE + "test_key_norm_toy_reproduces",),
+    "key_norm_toy.txt": "beside key_norm_toy.json",
+    "key_norm_smollm2.json": (HERE + "test_key_norm_smollm2_reproduces",),
+    "key_norm_smollm2.txt": "beside key_norm_smollm2.json",
     "kvreviver_rounding_plain.json": (HERE + "test_kvreviver_rounding_reproduces",),
     "kvreviver_rounding_float64.json": (HERE + "test_kvreviver_rounding_reproduces",),
     "kvreviver_rounding_smollm2.txt": "beside kvreviver_rounding_float64.json",

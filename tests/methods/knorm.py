@@ -1,6 +1,7 @@
 """A test-only scorer: keep the keys with the smallest L2 norm (kvpress's KnormPress, after Devoto et al.,
 "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", 2024). It exists to show what a
-new scoring method costs over the existing wrappers: a score, and nothing else."""
+new scoring method costs over the existing wrappers: a score, and nothing else. Whether its premise (a small key
+norm draws attention) holds on a model: ``python -m experiments.analysis.key_norm``."""
 
 from __future__ import annotations
 
