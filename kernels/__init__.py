@@ -62,6 +62,40 @@ def interpreter_problem(triton_version: str | None = None, numpy_version: str | 
     return None
 
 
+# Triton's masked memory operations, with the place of their mask among the builder's arguments
+MASKED_OPS = (("create_masked_load", 1), ("create_masked_store", 2), ("create_atomic_rmw", 3))
+
+
+def mask_as_a_gpu_takes(op, at: int):
+    """``op``, one of the interpreter's MASKED_OPS, taking any integer mask as a GPU's i1: nonzero is true."""
+    from triton.runtime.interpreter import TensorHandle
+
+    def masked(self, *args):
+        mask = args[at]
+        if mask.data.dtype != bool:
+            args = (*args[:at], TensorHandle(mask.data != 0, triton.language.int1), *args[at + 1:])
+        return op(self, *args)
+    masked.unmended = op
+    return masked
+
+
+def take_any_mask() -> None:
+    """Make Triton's CPU interpreter take a mask as a GPU does. Its comparison of two scalars (``t < n``) keeps
+    the operands' type, int32 where a GPU makes an i1, so such a mask splatted over a block (``mask=t < n`` on
+    a block's load) or joined to a block's (``(col < d) & (t < n)``) reaches a load, a store or an atomic as
+    int32, which Triton 3.9's interpreter refuses ("mask has unsupported dtype"). Once per process; the
+    grader's kernel process does the same (``course/sandbox/student_process.as_on_a_gpu``)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    for name, at in MASKED_OPS:
+        op = getattr(InterpreterBuilder, name)
+        if not hasattr(op, "unmended"):
+            setattr(InterpreterBuilder, name, mask_as_a_gpu_takes(op, at))
+
+
+if HAS_TRITON:
+    take_any_mask()
+
+
 def serves(t: torch.Tensor) -> bool:
     """Whether the library's hot paths take a kernel for tensor ``t`` (see the module docstring): a CUDA
     tensor of an sm_80+ GPU with Triton importable, and ``NANOKV_NO_TRITON`` not set to 1."""

@@ -319,6 +319,14 @@ def rounded(x_ptr, y_ptr, N: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def scalar_masked(x_ptr, y_ptr, n, N: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + t * N + offs, mask=(offs < N) & (t < n), other=0.0)
+    tl.store(y_ptr + t * N + offs, x, mask=t < n)
+
+
+@triton.jit
 def refused(x_ptr):
     tl.store(x_ptr, tl.core.builtins.exec("import torch"))
 """
@@ -349,6 +357,28 @@ def test_ordinary_triton_runs_and_a_refused_kernel_costs_only_its_own_launch(tmp
     assert torch.equal(y, (x * 2).to(torch.bfloat16))        # rounded to the nearest, as on a GPU (as_on_a_gpu)
     with pytest.raises(NotTriton, match="k.py, line"):
         alone.launch("k.py", "refused", [1], [x], {})
+
+
+def test_a_scalar_mask_runs_in_the_kernels_process(tmp_path, monkeypatch):
+    """A mask of two scalars (``t < n``, alone over a block or joined to a block's) is an i1 on a GPU and int32 in
+    Triton's interpreter, which refuses it ("mask has unsupported dtype", Triton 3.9): a helper's correct insert
+    kernel had 2 / 8. The kernels' process takes it as a GPU does (``as_on_a_gpu``), with the library's own mend
+    (``kernels.take_any_mask``, which that process never imports) undone here."""
+    pytest.importorskip("triton")
+    import torch
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    from course.sandbox.student_process import KernelsAlone
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in ("create_masked_load", "create_masked_store", "create_atomic_rmw"):
+        op = getattr(InterpreterBuilder, name)
+        while hasattr(op, "unmended") or hasattr(op, "plain"):
+            op = getattr(op, "unmended", None) or op.plain
+        monkeypatch.setattr(InterpreterBuilder, name, op)
+    (tmp_path / "k.py").write_text(ORDINARY_TRITON)
+    x, y = torch.arange(1.0, 25.0), torch.zeros(24)
+    KernelsAlone(tmp_path).launch("k.py", "scalar_masked", [3], [x, y, 2], {"N": 8})
+    assert torch.equal(y[:16], x[:16]) and not y[16:].any()
 
 
 DEFAULTS_ESCAPE = """import triton

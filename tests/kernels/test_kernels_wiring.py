@@ -183,3 +183,31 @@ def test_the_interpreter_problem_names_the_clash():
     assert kernels.interpreter_problem("3.7.0", "2.5.2") is None
     assert kernels.interpreter_problem("3.10.0+git1234", "2.4.0") is None     # 3.10 comes after 3.7
     assert kernels.interpreter_problem("3.2.0", "2.4.0rc1") is not None
+
+
+if kernels.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy_rows_kernel(x_ptr, y_ptr, n, HD, BLOCK: tl.constexpr):
+        """Row t of x into y, t < n, with the two masks a scalar comparison makes: alone over a block, and
+        joined to a block's."""
+        t = tl.program_id(0)
+        col = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + t * HD + col, mask=(col < HD) & (t < n), other=0.0)
+        tl.store(y_ptr + t * HD + col, x, mask=t < n)
+
+
+@through_kernels
+def test_a_scalar_mask_runs_as_on_a_gpu():
+    """``t < n`` of two scalars is an i1 on a GPU and int32 in Triton's interpreter, which refuses it as a mask
+    ("mask has unsupported dtype", Triton 3.9): importing ``kernels`` makes the interpreter take it as a GPU
+    does (``kernels.take_any_mask``), where a correct student kernel runs."""
+    x = torch.arange(1.0, 25.0).view(3, 8)
+    y = torch.zeros(3, 8)
+    _copy_rows_kernel[(3,)](x, y, 2, 8, BLOCK=8)
+    assert torch.equal(y[:2], x[:2]) and torch.equal(y[2], torch.zeros(8))
+    kernels.take_any_mask()                                        # once: a second call wraps nothing again
+    from triton.runtime.interpreter import InterpreterBuilder
+    assert not hasattr(InterpreterBuilder.create_masked_load.unmended, "unmended")
