@@ -8,10 +8,11 @@ keep the smallest-norm keys without reading a query (kvpress's KnormPress; ours 
 
 Per sample, layer and KV head, at the prompt's last query (the one that predicts the first answer token),
 the share of its attention (mean over the query heads that read the KV head) that ``budget`` keys receive,
-for four choices of them: the smallest norms (what KnormPress keeps), the largest, ``budget`` at random
-(``budget / T`` in expectation) and the ones it attends most (the most any ``budget`` keys hold). Also the
-first key's share alone (the attention sink) and the rank correlation of the key norm with that attention
-(negative where small norms draw attention):
+for five choices of them: the smallest norms (what KnormPress keeps), the smallest among every key but the
+first (the premise without the attention sink), the largest, ``budget`` at random (``budget / T`` in
+expectation) and the ones it attends most (the most any ``budget`` keys hold). Also the first key's share
+alone and the rank correlation of the key norm with that attention (negative where small norms draw
+attention):
 
     python -m experiments.analysis.key_norm --checkpoint smollm2-135m --out results/key_norm_smollm2.txt
 
@@ -35,7 +36,7 @@ from nanollm.io.checkpoint import load_config, load_tokenizer
 from nanollm.io.files import atomic_write_text
 from nanollm.policy import CachePolicy, Needs, StepContext
 
-CHOICES = ("smallest norm", "largest norm", "random", "most attended")
+CHOICES = ("smallest norm", "smallest but 1st", "largest norm", "random", "most attended")
 COLUMNS = (*CHOICES, "first key", "rank correlation")
 
 
@@ -66,12 +67,14 @@ def kept_shares(norms: Tensor, probs: Tensor, budget: int) -> dict[str, Tensor]:
     """The share of one query's attention that ``budget`` keys per KV head receive, per choice of keys.
 
     norms (H_kv, T): the keys' L2 norms; probs (H, T): the query heads' attention, query head h reading KV
-    head h // (H / H_kv). Returns {column: (H_kv,)} for COLUMNS: the four CHOICES, the share of the first key
-    alone (the attention sink, which a small norm may be all there is to), and the rank correlation of the
-    norms with the attention."""
+    head h // (H / H_kv); 1 <= budget < T. Returns {column: (H_kv,)} for COLUMNS: the CHOICES (the smallest
+    norms, the smallest among every key but the first, the largest, random, the most attended), the share of
+    the first key alone (an attention sink, which a small norm may be all there is to), and the rank
+    correlation of the norms with the attention."""
     H_kv, T = norms.shape
     share = probs.view(H_kv, -1, T).mean(1)                           # (H_kv, T): the KV head's query heads
     chosen = {"smallest norm": norms.topk(budget, largest=False).indices,
+              "smallest but 1st": 1 + norms[:, 1:].topk(budget, largest=False).indices,
               "largest norm": norms.topk(budget).indices,
               "most attended": share.topk(budget).indices}
     out = {name: share.gather(-1, idx).sum(-1) for name, idx in chosen.items()}
@@ -83,12 +86,12 @@ def kept_shares(norms: Tensor, probs: Tensor, budget: int) -> dict[str, Tensor]:
 
 def measure(model, tok, task: str, length: int, keep: float, samples: int, bar=None) -> list[dict]:
     """One record per sample and layer: the means over KV heads of ``kept_shares``, with ``keep`` of the
-    prompt's T keys chosen (rounded, at least one)."""
+    prompt's T keys chosen (rounded, at least one, at most T - 1). ``bar``: a progress bar, one step a prompt."""
     records = []
     for seed in range(samples):
         sample = make_sample(task, tok, length=length, seed=seed)
         ids = torch.tensor([sample.prompt_ids])                          # (1, T)
-        budget = max(1, round(keep * ids.shape[1]))
+        budget = min(ids.shape[1] - 1, max(1, round(keep * ids.shape[1])))
         rec = LastQuery()
         generate(model, ids, max_new_tokens=1, policy=rec)
         for layer in sorted(rec.norms):
@@ -102,12 +105,11 @@ def measure(model, tok, task: str, length: int, keep: float, samples: int, bar=N
 
 def format_table(records: list[dict], title: str) -> str:
     """Per layer and over all layers: each column's mean over the records (samples, and KV heads before)."""
-    names = COLUMNS
     layers = sorted({r["layer"] for r in records})
-    lines = [title, f"{'layer':>7}  " + "  ".join(f"{n:>16}" for n in names)]
+    lines = [title, f"{'layer':>7}  " + "  ".join(f"{n:>16}" for n in COLUMNS)]
 
     def row(label, rows):
-        return f"{label:>7}  " + "  ".join(f"{sum(r[n] for r in rows) / len(rows):16.3f}" for n in names)
+        return f"{label:>7}  " + "  ".join(f"{sum(r[n] for r in rows) / len(rows):16.3f}" for n in COLUMNS)
     lines += [row(layer, [r for r in records if r["layer"] == layer]) for layer in layers]
     lines.append(row("all", records))
     return "\n".join(lines)
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
             tokens = f"{lengths[0]}" if len(lengths) == 1 else f"{lengths[0]}-{lengths[-1]}"
             parts.append(format_table(rows, f"{args.checkpoint}, {task}, {args.samples} prompts of {tokens} tokens: "
                                             f"the share of the last query's attention that {args.keep:g} of the "
-                                            "keys receive (mean over samples and KV heads)"))
+                                            "keys, chosen five ways, receive; the first key's share; the rank "
+                                            "correlation of norm and attention (means over samples and KV heads)"))
         bar.close()
         text = header(prov) + "\n\n" + "\n\n".join(parts) + f"\n\n{time.time() - t0:.0f} s.\n"
         print(text)

@@ -25,6 +25,7 @@ def test_the_shares_by_hand():
     shares = kept_shares(norms, probs, budget=2)
     # KV head 0 sees [0.3, 0.1, 0.3, 0.3]; KV head 1 sees [0.6, 0.2, 0.1, 0.1]
     assert torch.allclose(shares["smallest norm"], torch.tensor([0.6, 0.3]))
+    assert torch.allclose(shares["smallest but 1st"], torch.tensor([0.6, 0.3]))   # keys 2, 3 and 1, 3
     assert torch.allclose(shares["largest norm"], torch.tensor([0.4, 0.7]))
     assert torch.allclose(shares["most attended"], torch.tensor([0.6, 0.8]))
     assert torch.allclose(shares["random"], torch.tensor([0.5, 0.5]))
@@ -37,10 +38,19 @@ def test_rank_correlation():
     b = torch.tensor([[10.0, 20.0, 30.0, 40.0], [4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
     # Spearman's rho = 1 - 6 sum d^2 / (n (n^2 - 1)); the third pair swaps two ranks: d^2 sums to 2
     assert torch.allclose(rank_correlation(a, b), torch.tensor([1.0, -1.0, 1 - 6 * 2 / (4 * 15)]))
+    # values that are not ranks, ordered by a permutation that is not its own inverse: ranks [0, 3, 1, 4, 2] and
+    # [2, 0, 3, 1, 4], d^2 sums to 30 (a single argsort gives 0.0 here, Pearson's r on the values -0.62)
+    a, b = torch.tensor([0.1, 5.0, 0.2, 9.0, 0.3]), torch.tensor([3.0, 1.0, 4.0, 1.5, 9.0])
+    assert torch.allclose(rank_correlation(a, b), torch.tensor(1 - 6 * 30 / (5 * 24)))
 
 
 class Checked(LastQuery):
-    """Also recomputes the last query's attention from the step's queries and stored keys."""
+    """Also recomputes the last query's attention from the step's queries and stored keys, and the keys' norms
+    from each layer's input (``inputs``, layer -> (1, T, D), which forward hooks fill)."""
+
+    def __init__(self, inputs: dict):
+        super().__init__()
+        self.inputs = inputs
 
     def on_prefill(self, ctx):
         super().on_prefill(ctx)
@@ -48,12 +58,22 @@ class Checked(LastQuery):
         k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)              # (H, T, d): head h reads h // G
         expected = torch.softmax(torch.einsum("hd,htd->ht", q, k) / math.sqrt(q.shape[-1]), dim=-1)
         assert torch.allclose(self.probs[ctx.layer], expected, atol=1e-6), ctx.layer
+        keys = ctx.attn.k_proj(self.inputs[ctx.layer][0])                         # (T, H_kv * d), before RoPE
+        norms = keys.view(keys.shape[0], ctx.config.n_kv_head, -1).norm(dim=-1).T      # (H_kv, T): RoPE rotates
+        assert torch.allclose(self.norms[ctx.layer], norms, atol=1e-5), ctx.layer     # pairs, keeping norms
 
 
 def test_the_recorded_row_is_the_last_querys_attention(tiny_model):
-    rec = Checked()
+    inputs = {}
+    hooks = [block.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
+             for i, block in enumerate(tiny_model.blocks)]
+    rec = Checked(inputs)
     ids = torch.randint(0, tiny_model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    generate(tiny_model, ids, max_new_tokens=1, policy=rec)
+    try:
+        generate(tiny_model, ids, max_new_tokens=1, policy=rec)
+    finally:
+        for hook in hooks:
+            hook.remove()
     assert sorted(rec.probs) == list(range(tiny_model.config.n_layer))
     for layer, norms in rec.norms.items():
         assert norms.shape == (tiny_model.config.n_kv_head, 40)
