@@ -76,7 +76,7 @@ def reference_heavy_attend(q: Tensor, kb: Tensor, vb: Tensor, pos: Tensor, slot:
     score.scatter_(2, slot[:, :, None], 0.0)                              # the new entry starts at 0...
     score += probs.mean(dim=2)                                            # ...and every entry adds its share
     stays = (pos < 0) | (pos >= position + 1 - n_recent)                  # empty, or in the recent window
-    lowest = torch.where(stays, float("inf"), torch.nan_to_num(score, nan=float("-inf")))
+    lowest = torch.where(stays, float("inf"), torch.nan_to_num(score, nan=float("-inf"), neginf=float("-inf")))
     ties = lowest == lowest.amin(dim=-1, keepdim=True)
     reference_empty_one(pos, slot, torch.where(ties, pos, -1).argmax(dim=-1), budget)   # the latest lowest
     return out
@@ -118,9 +118,9 @@ if HAS_TRITON:
         tl.store(at, total, mask=inside)           # than the threads holds each slot in several of them
         p = tl.load(pos_ptr + b * stride_pb + h * stride_ph + c, mask=inside, other=-2)   # -2: past C
         stays = (p < 0) | (p >= recent_from)
-        # as torch.nan_to_num(total, nan=-inf) (select_lowest's): NaN -> -inf, +-inf -> the largest and lowest
+        # as select_lowest's torch.nan_to_num(total, nan=-inf, neginf=-inf): NaN -> -inf, +inf -> the largest
         # finite fp32 (sums of probabilities are finite: this only keeps the reference's order)
-        v = tl.where(total == float("inf"), FP32_MAX, tl.where(total == float("-inf"), -FP32_MAX, total))
+        v = tl.where(total == float("inf"), FP32_MAX, total)
         v = tl.where(stays, float("inf"), tl.where(total != total, float("-inf"), v))
         low, low_pos, victim = lowest_latest(v, p, c, C)                    # the block's candidate
         out = bh * n_blocks + blk

@@ -34,7 +34,8 @@ def adaptive_keep_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:
 
     Parameters
     ----------
-    scores : (B, H_kv, T) per-head scores (higher = keep; +inf = always keep). NaN counts as -inf.
+    scores : (B, H_kv, T) per-head scores (higher = keep; +inf = kept before any finite score, after the
+        safeguard's entries). NaN counts as -inf.
     budget : average entries per head; the layer keeps ``H_kv * budget`` in total (all if fewer).
     n_safe : safeguard, entries every head keeps from its own top scores (0 <= n_safe <= budget).
 
@@ -47,7 +48,9 @@ def adaptive_keep_mask(scores: Tensor, budget: int, n_safe: int) -> Tensor:
     """
     B, H_kv, T = scores.shape
     # BEGIN SOLUTION [baselines:adakv] Algorithm 1: the safeguard first, then one pool for the whole layer
-    s = torch.nan_to_num(scores.float(), nan=float("-inf"))
+    # NaN and -inf tie (nan_to_num's default would make -inf finite, above NaN); +inf becomes the largest
+    # float, so a safeguarded entry (+inf below) ranks before a protected one
+    s = torch.nan_to_num(scores.float(), nan=float("-inf"), neginf=float("-inf"))
     if n_safe > 0:     # safeguard: force each head's top n_safe to the front of the global ranking
         safe = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :n_safe]  # (B, H_kv, n_safe)
         s = s.scatter(-1, safe, float("inf"))

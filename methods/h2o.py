@@ -29,7 +29,7 @@ STATE = "h2o_score"      # name of the per-slot accumulated attention in the sto
 
 
 def received_attention(col_sums: Tensor, n_kv_head: int) -> Tensor:
-    """(B, H, T) attention each slot received in a step, summed over its queries -> (B, H_kv, T), the mean
+    """(B, H, T) attention each slot received in a step, summed over its queries -> (B, H_kv, T) float32, the mean
     over each KV head's G query heads, per batch row:  r_{j,n} = mean_{h in group j} sum_i A_h[i, n], group j
     being the consecutive query heads jG .. jG + G - 1 (head h reads KV head h // G)."""
     # BEGIN SOLUTION [baselines:h2o_observe] Algorithm 1: attention received, per KV head from its G query heads

@@ -38,7 +38,8 @@ def pool1d(x: Tensor, kernel: int, pooling: str) -> Tensor:
 
 
 def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str) -> Tensor:
-    """The votes of §4.1-4.2: (B, H, w, Tp) attention of the w window queries over Tp tokens -> (B, H_kv, Tp).
+    """The votes of §4.1-4.2: (B, H, w, Tp) attention of the w window queries over Tp tokens -> (B, H_kv, Tp), in
+    float32 whatever the attention's dtype.
 
         vote_h = pool(sum_{i in window} A_h[i, :])      score_j = mean_{h in group j} vote_h
 
@@ -53,7 +54,7 @@ def window_vote(probs_window: Tensor, n_kv_head: int, kernel: int, pooling: str)
 
 
 def snapkv_scores(probs: Tensor, n_kv_head: int, window: int, kernel: int, pooling: str) -> Tensor:
-    """(B, H_kv, T): the pooled votes of the T - w prefix tokens, then the window's own (un-pooled) votes.
+    """(B, H_kv, T) float32: the pooled votes of the T - w prefix tokens, then the window's own (un-pooled) votes.
     probs (B, H, R, T): the last R >= min(window, T) prompt queries."""
     # BEGIN SOLUTION [baselines:window_vote] §4.1: the last w queries vote; prefix votes pooled, the window's own not
     T = probs.shape[-1]

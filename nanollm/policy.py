@@ -108,7 +108,7 @@ def select_topk(scores: Tensor, budget: int, pos: Tensor | None = None) -> Tenso
     -inf; on equal scores the earlier slot wins (a stable sort), or the earlier position given ``pos`` (slots
     evicted in place hold later tokens), so the choice is deterministic."""
     check_budget(budget)
-    s = torch.nan_to_num(scores.float(), nan=float("-inf"))
+    s = torch.nan_to_num(scores.float(), nan=float("-inf"), neginf=float("-inf"))   # -inf: not made finite
     by_pos = None if pos is None else pos.masked_fill(pos < 0, torch.iinfo(pos.dtype).max).argsort(stable=True)
     order = torch.sort(s if by_pos is None else s.gather(-1, by_pos), dim=-1, descending=True, stable=True).indices
     order = order if by_pos is None else by_pos.gather(-1, order)                # back to slots

@@ -29,7 +29,7 @@ def select_lowest(scores: Tensor, pos: Tensor, stays: Tensor, n: int) -> Tensor:
     """(B, H_kv, T) scores -> (B, H_kv, n) slots of each head's n lowest, never one where ``stays``: what
     ``select_topk`` drops (NaN as -inf), ties to the later position, as ``select_topk`` on slots in position
     order. No sort: the n-th lowest score, the slots below it, then the latest positions tied on it."""
-    s = torch.nan_to_num(scores.float(), nan=float("-inf")).masked_fill(stays, float("inf"))
+    s = torch.nan_to_num(scores.float(), nan=float("-inf"), neginf=float("-inf")).masked_fill(stays, float("inf"))
     if n == 1:                                                           # a decode step: no host wait
         higher = s != s.amin(dim=-1, keepdim=True)                       # (B, H_kv, T) all but the lowest
         return pos.masked_fill(higher, -1).argmax(dim=-1, keepdim=True)  # (B, H_kv, 1) the latest lowest

@@ -3,6 +3,8 @@ mutant, for ``python -m course.mutants baselines``. Each must lose at least half
 
 from course.mutants import Mutant
 
+NAN_AS_MINUS_INF = 's = torch.nan_to_num(scores.float(), nan=float("-inf"), neginf=float("-inf"))'   # adakv's
+
 MUTANTS = [
     # sinks_and_recent: StreamingLLM's ranges (§3.2)
     Mutant("one recent token too few", "sinks_and_recent",
@@ -123,9 +125,11 @@ MUTANTS = [
            "mask = torch.zeros(B, H_kv * T, dtype=torch.bool, device=scores.device)\n"
            "return mask.scatter(1, top, True).view(B, H_kv, T)"),
     Mutant("NaN scores not counted as -inf", "adakv", "s = scores.float()",
-           "s = torch.nan_to_num(scores.float(), nan=float(\"-inf\"))"),
+           NAN_AS_MINUS_INF),
     Mutant("NaN scores become 0 (nan_to_num's default), above every negative score", "adakv",
-           "s = torch.nan_to_num(scores.float())", "s = torch.nan_to_num(scores.float(), nan=float(\"-inf\"))"),
+           "s = torch.nan_to_num(scores.float())", NAN_AS_MINUS_INF),
+    Mutant("-inf made the lowest float (nan_to_num's default), above NaN", "adakv",
+           "s = torch.nan_to_num(scores.float(), nan=float(\"-inf\"))", NAN_AS_MINUS_INF),
     Mutant("the safeguard adds 1 to a head's best (scores read as attention, at most 1), not +inf", "adakv",
            "s = s.scatter(-1, safe, s.gather(-1, safe) + 1.0)", "s = s.scatter(-1, safe, float(\"inf\"))"),
     Mutant("the safeguard's sort without stable=True (ties in any order past 16 entries)", "adakv",
@@ -143,4 +147,6 @@ ACCEPTABLE = {
     "entry, so running it changes nothing",
     "off_by_one at methods/adakv.py: 0 -> -1": "equivalent: n_safe > -1 differs from n_safe > 0 only at n_safe = 0, "
     "where the safeguard picks no entry",
+    "-inf made the lowest float (nan_to_num's default), above NaN": "it differs only at a cut between a NaN and a "
+    "-inf score (the docstring's 'NaN counts as -inf'), which one hidden test checks: 2 of the task's 5 points",
 }

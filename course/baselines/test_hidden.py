@@ -323,7 +323,7 @@ def adakv_oracle(scores: torch.Tensor, budget: int, n_safe: int) -> list[set]:
     """Per row, the (head, slot) pairs kept: each head's n_safe best first (ties: the earlier slot), then the
     best of all the layer's entries, H_kv * budget in all (ties: the earlier head, then slot). NaN is -inf."""
     B, H_kv, T = scores.shape
-    s = torch.nan_to_num(scores.double(), nan=float("-inf")).tolist()
+    s = torch.nan_to_num(scores.double(), nan=float("-inf"), neginf=float("-inf")).tolist()
     kept = []
     for b in range(B):
         forced = {(h, t) for h in range(H_kv) for t in sorted(range(T), key=lambda t: (-s[b][h][t], t))[:n_safe]}
@@ -351,8 +351,8 @@ def test_adakv_allocates_across_heads_with_a_safeguard():
     """Heads of very different scales, so that the safeguard changes what is kept (checked here); safeguards
     0, 1, 2 and the whole budget; 2 and 4 KV heads; four cases, the third with each head's scores of eight values
     only (ties within a head: the earlier slot), the fourth with scores below 0 and above 1 (a score is any number,
-    a safeguarded entry outranks them all); the last head of row 1 has two empty slots (NaN scores, as a cache's
-    unused slots have: never kept, below any negative score)."""
+    a safeguarded entry outranks them all); the last head of row 1 has two NaN scores (never kept, below any
+    negative score)."""
     for case in range(4):
         g = generator("adakv allocation", case)
         for H_kv, T, budget, n_safe in [(4, 12, 4, 1), (4, 10, 3, 2), (2, 9, 3, 1), (4, 8, 3, 3), (2, 7, 2, 0)]:

@@ -104,9 +104,9 @@ def test_ties_go_to_the_latest_position(device, C, splits):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_nan_and_infinite_scores_are_ordered_as_the_reference_orders_them(device):
-    """A NaN score counts as -inf (emptied first), an infinite one as the largest or lowest finite number
-    (``torch.nan_to_num``'s defaults), in the kernel as in the reference: scores never get there in a run,
-    but the two must not differ where they do."""
+    """A NaN score counts as -inf (tied with it: the later position is emptied), +inf as the largest finite
+    number, in the kernel as in the reference: scores never get there in a run, but the two must not differ
+    where they do."""
     for values in ((float("nan"), float("-inf")), (float("inf"),), (float("-inf"), -1e30)):
         args = state(2, 8, 2, 37, 16, device, seed=3)
         pos, score = args[3], args[5]

@@ -295,6 +295,21 @@ def test_adaptive_keep_mask_hand():
     assert mask.int().tolist() == [[[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 1, 1]]]
 
 
+def test_nan_counts_as_minus_infinity_in_both_selections():
+    """NaN ties with -inf, as both docstrings say (the earlier slot wins), and +inf stays above every finite
+    score: ``nan_to_num``'s defaults turn -inf into the lowest float and +inf into the largest, which ranked a
+    -inf above a NaN (a reader's correct AdaKV lost the hidden test that meant to check the tie)."""
+    nan, inf = float("nan"), float("inf")
+    assert select_topk(torch.tensor([[[nan, -inf, -inf]]]), 1).tolist() == [[[0]]]
+    assert select_topk(torch.tensor([[[-inf, nan, -3.0e38]]]), 1).tolist() == [[[2]]]
+    assert adaptive_keep_mask(torch.tensor([[[nan, -inf]]]), 1, 0).tolist() == [[[True, False]]]
+    assert adaptive_keep_mask(torch.tensor([[[-inf, nan]], [[-3.0e38, nan]]]), 1, 0).tolist() == \
+        [[[True, False]], [[True, False]]]
+    # a safeguarded entry ranks before a protected (+inf) one: head 1's best is kept over head 0's second +inf
+    assert adaptive_keep_mask(torch.tensor([[[inf, inf, 0.0], [0.5, 0.1, 0.2]]]), 1, 1).tolist() == \
+        [[[True, False, False], [True, False, False]]]
+
+
 def test_adakv_budget_split(tiny):
     """After prefill: layer total = H_kv * budget; every head >= max(n_safe, window); <= budget + head_slack."""
     policy = make_policy("adakv", 12, window=4, kernel=3, alpha_safeguard=0.5)   # n_safe = 6

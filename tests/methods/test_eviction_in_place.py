@@ -190,17 +190,18 @@ def test_a_compaction_after_in_place_steps_breaks_ties_by_position():
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_select_lowest_drops_what_select_topk_drops(n):
     """``select_lowest`` (the decode step's eviction, no sort; for one slot no host wait either) against
-    ``select_topk``'s complement, on scores full of ties and NaNs, slots in any position order, some staying:
-    the same slots every time."""
+    ``select_topk``'s complement, on scores full of ties, NaNs and -infs (NaN counts as -inf), slots in any
+    position order, some staying: the same slots every time."""
     g = torch.Generator().manual_seed(n)
     for _ in range(200):
         B, H_kv, T = 2, 3, 9
         scores = torch.randint(0, 3, (B, H_kv, T), generator=g).float()          # many ties
         scores[torch.rand(B, H_kv, T, generator=g) < 0.1] = float("nan")
+        scores[torch.rand(B, H_kv, T, generator=g) < 0.1] = float("-inf")
         pos = torch.stack([torch.randperm(T, generator=g) for _ in range(B * H_kv)]).view(B, H_kv, T)
         stays = torch.rand(B, H_kv, T, generator=g) < 0.3
         stays[..., :n + 1] = False                                               # room for n to go
-        ranked = torch.nan_to_num(scores, nan=float("-inf")).masked_fill(stays, float("inf"))
+        ranked = scores.masked_fill(stays, float("inf"))                          # select_topk maps NaN
         kept = select_topk(ranked, T - n, pos)                                   # (B, H_kv, T - n) ascending
         dropped = torch.ones(B, H_kv, T, dtype=torch.bool).scatter(-1, kept, False)
         got = select_lowest(scores, pos, stays, n)
