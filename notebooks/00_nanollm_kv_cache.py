@@ -79,7 +79,7 @@ print(f"max |logits diff|, cached against uncached: {(torch.cat(cached) - torch.
 # %%
 import torch                                                   # again: the cells from here need only it and config
 
-from exercises import where_differs
+from exercises import lesson_function, where_differs
 
 CAPACITY = 64                                                  # slots preallocated per KV head
 k_buf = torch.zeros(1, config.n_kv_head, CAPACITY, config.head_dim)   # (1, H_kv, slots, d)
@@ -237,6 +237,7 @@ inv_freq = rope_inv_freq(config)                                    # theta_i, (
 rope_q, rope_k = torch.randn(1, 1, 1, config.head_dim), torch.randn(1, 1, 1, config.head_dim)   # a query, a key
 
 
+@lesson_function                 # an exercise's check below computes with it
 def rotated(x, position):
     """R_position x: pair i of x turned by the angle position * theta_i."""
     cos, sin = rope_cos_sin(torch.tensor([position]), inv_freq, x.dtype)

@@ -224,13 +224,14 @@ import math                                               # math.ceil, if you ne
 my_keep = None                   # replace None: a function (counts, last, B, m, r) -> kept positions (def my_keep)
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
-from exercises import calls, exercise, on_copies
+from exercises import calls, exercise, lesson_function, on_copies
 
 
 @exercise("Exercise 1")
 def check_keep(keep_rule):
     library = calls(keep_rule, "scissorhands_keep", "keep_score", "n_dropped", "evict_one", "ScissorhandsPolicy")
-    assert not library, f"from the counters and the attention alone: your function calls {', '.join(library)}"
+    assert not library, f"from the counters and the attention alone: your function calls {', '.join(library)} " \
+        "(yours by that name too: rename it)"
     g = torch.Generator().manual_seed(1)
     cases = [(counts, last, 4, 3, 1)] + [(torch.randint(0, 4, (T,), generator=g).tolist(),
                                           torch.rand(T, generator=g).tolist(), B, m, r)
@@ -276,6 +277,7 @@ print("the toy with m = 3 keeps", reference_keep(counts, last, 4, 3, 1))
 # KV head, the needle's value entries (kept positions in `[v, end)`) that survive now; the reference counts them.
 
 # %% tags=["needs:low_flags", "needs:keep_score", "needs:n_dropped"]
+@lesson_function                 # the check below computes with it
 def recent_share(cache):
     """The share of a cache's kept entries, over its layers and KV heads, in the last BUDGET prompt positions."""
     if cache.layers[0].pos is None:

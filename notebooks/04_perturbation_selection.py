@@ -217,12 +217,16 @@ for j in range(model.config.n_kv_head):
 # `random_head(sharpness, g)` below draws one head: the larger `sharpness`, the more concentrated its attention; some
 # projected values are much larger than others. `perturbation_after(attn, vw, alpha)` is a head's $\mathcal{L}$ once
 # Algorithm 1 kept 16 entries with share $\alpha$ ($\alpha = 1$: attention top-k). For each sharpness in `SHARPNESS`, in
-# that order, draw 200 heads with the generator `g` and store in `my_wins[sharpness]` the fraction where Algorithm 1
-# ($\alpha = 0.25$) has a strictly lower $\mathcal{L}$ than top-k (where both keep the same entries, a tie, it does
-# not). Then, in a sentence: does concentrated attention make Algorithm 1 win on most heads? (The reference also prints
-# $\sigma$, the mass of stage 1's 4 entries, which Assumption 1 wants above one half.)
+# that order, draw 200 heads with the generator `g` and store in `my_wins[sharpness]` the fraction (unrounded: a count
+# over 200) where Algorithm 1 ($\alpha = 0.25$) has a strictly lower $\mathcal{L}$ than top-k (where both keep the same
+# entries, a tie, it does not). Then, in a sentence: does concentrated attention make Algorithm 1 win on most heads?
+# (The reference also prints $\sigma$, the mass of stage 1's 4 entries, which Assumption 1 wants above one half.)
 
 # %%
+from exercises import lesson_function     # marks the functions the check below computes with
+
+
+@lesson_function
 def random_head(sharpness: float, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """One random head: attention A (64,) and projected values V W_O^(h) (64, 8)."""
     attn = torch.softmax(sharpness * torch.randn(64, generator=g, dtype=torch.float64), -1)
@@ -230,6 +234,7 @@ def random_head(sharpness: float, g: torch.Generator) -> tuple[torch.Tensor, tor
     return attn, vw
 
 
+@lesson_function
 def perturbation_after(attn: torch.Tensor, vw: torch.Tensor, alpha: float) -> float:
     """L (Eq. 5-6) once Algorithm 1 kept 16 of the head's 64 entries with share alpha."""
     kept = perturbation_constrained_select(attn, vw.abs().sum(-1), 16, alpha)          # indices

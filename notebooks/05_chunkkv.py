@@ -213,7 +213,7 @@ print(f"{len(needles)} single-needle samples, values of {min(lengths)} to {max(l
 my_in_one_chunk = None          # replace None: a function (v, end, c) -> bool (write def my_in_one_chunk(...))
 
 # %% tags=["needs:chunk_ranking"]
-from exercises import exercise
+from exercises import exercise, lesson_function
 
 
 @exercise("Exercise 1")
@@ -254,6 +254,7 @@ print("The grid is fixed and the needle falls anywhere: a value of L tokens lies
 # sentence: does this sample show ChunkKV needing less cache than H2O?
 
 # %%
+@lesson_function
 def answers(spec, budget):                         # does spec, keeping budget entries, answer section 2's sample?
     out = generate(model, ids, max_new_tokens=len(sample.target_ids), policy=make_policy(spec, budget=budget))
     return all(a in tok.decode(out[0].tolist()) for a in sample.answers)

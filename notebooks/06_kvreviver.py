@@ -48,7 +48,7 @@ model, tok, card = load("retrieval-llama")     # the bundled model (notebook 00)
 # %%
 import torch
 
-from exercises import where_differs             # the by-hand check below: where a result differs
+from exercises import lesson_function, where_differs   # a check's functions; where a by-hand result differs
 from methods.kvreviver_sketch import VagueSketch
 
 toy = VagueSketch(rows=3, width=4, n_kv_head=1, head_dim=1, seed=3)
@@ -192,6 +192,7 @@ print(format_tables(records))
 # elsewhere too?
 
 # %% tags=["needs:insert", "needs:query"]
+@lesson_function                         # the check below computes with it
 def positive_sketch(seed, width=64):       # 48 positive keys (the values: the same numbers) in 3 rows of W cells
     sketch = VagueSketch(rows=3, width=width, n_kv_head=1, head_dim=1, seed=seed)
     pos = torch.randperm(4096, generator=torch.Generator().manual_seed(seed))[:48]     # 48 positions in 4k

@@ -50,6 +50,10 @@ print(f"device: {DEVICE}; Triton available: {kernels.HAS_TRITON}; interpreter: {
 # doing fewer FLOPs per byte than that waits on memory, and its time is `bytes / bandwidth`:
 
 # %%
+from exercises import lesson_function     # marks the functions an exercise's check computes with
+
+
+@lesson_function
 def decode_bytes(L, H_kv, T, d, b, batch=1):
     """K and V bytes one decode step reads: every layer, KV head and cached token of ``batch`` sequences."""
     return 2 * batch * L * H_kv * T * d * b
@@ -342,6 +346,9 @@ def check_tokens(tokens):
     assert float(tokens).is_integer(), "a count of tokens is whole: the first T at which the cache outweighs"
     tokens = int(tokens)                                     # a numpy or tensor integer as Python's (no overflow)
     fp8_weights, cache = 8.0e9 * 1, lambda T: decode_bytes(32, 8, T, 128, 2, batch=8)   # 8B parameters
+    far = "far from the crossing: check the bytes a token adds (K and V, all layers and KV heads: decode_bytes of " \
+        "section 1) for all 8 sequences (batch=8), and the weights at one byte a parameter (FP8: 8e9 bytes)"
+    assert 0.98 * fp8_weights < cache(tokens) and cache(int(0.98 * tokens)) <= fp8_weights, far
     assert cache(tokens) > fp8_weights, "at that context the cache is not yet larger than the weights (FP8: " \
         "8e9 bytes): count K and V of all 8 sequences (decode_bytes of section 1, with batch=8), and round up"
     assert cache((tokens + 1) // 2) <= fp8_weights, "at half that context the cache already outweighs the weights: " \

@@ -34,7 +34,9 @@ A lesson's by-hand build (a method's step written out, then asserted equal to th
 result first differs with ``where_differs``.
 
 A check that hands the learner's function the lesson's tensors calls it through ``on_copies``: otherwise a
-function that writes into its input could change the tensors the check then compares with, and pass.
+function that writes into its input could change the tensors the check then compares with, and pass. A function
+of the lesson's that a check computes with is marked ``@lesson_function``: a learner's cell that defines another
+under its name is told so, instead of being checked against their own.
 """
 
 from __future__ import annotations
@@ -144,19 +146,69 @@ def where_differs(mine, theirs, dims: tuple[str, ...], rtol: float = 1e-5, atol:
     return f"{where}: {shown[0]} by hand, {shown[1]} in the library ({int(off.sum())} of {off.numel()} entries differ)"
 
 
+LESSON_FUNCTIONS: dict[str, object] = {}           # name -> the lesson's function a check computes with
+
+
+def lesson_function(function):
+    """Mark a function of the lesson that a check computes its truth with (``@lesson_function`` on its ``def``).
+    A learner's cell that defines another function under its name would change what the check compares with,
+    so that a wrong answer made with the wrong function passed: the check then says so instead (``exercise``)."""
+    LESSON_FUNCTIONS[function.__name__] = function
+    return function
+
+
+def names_read(function) -> set[str]:
+    """The global names ``function``'s code reads, in functions and lambdas defined inside it too."""
+    names, todo = set(), [function.__code__]
+    while todo:
+        code = todo.pop()
+        names |= set(code.co_names)
+        todo += [c for c in code.co_consts if hasattr(c, "co_names")]
+    return names
+
+
+def raised_inside(error: BaseException, answers) -> bool:
+    """Whether ``error`` came out of one of the learner's functions among ``answers`` (a bug of theirs, whose
+    traceback they need), not out of the check reading what an answer is or gave."""
+    codes = {a.__code__ for a in answers if hasattr(a, "__code__")}
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def exercise(title: str):
     """Turn ``check(answer, ...)``, a function whose asserts carry hints, into the exercise's check (see above).
-    The check returns nothing, so a cell that ends with it shows only what it printed."""
+    The check returns nothing, so a cell that ends with it shows only what it printed. An answer of a kind the
+    check cannot read (a string for a number, a function that returns None) is not right yet either, with the
+    error as the hint; an error raised inside the learner's own function keeps its traceback, and a cell that
+    needs an unfinished task (``NotImplementedError``) stops as it would anywhere."""
     def wrap(check):
         @functools.wraps(check)
         def run(*answers):
             if any(unanswered(a) for a in answers):
                 print(f"{title}: not answered yet (fill in the cell above, then run this cell again)")
                 return
+            redefined = sorted(n for n in names_read(check) & set(LESSON_FUNCTIONS)
+                               if check.__globals__.get(n) is not LESSON_FUNCTIONS[n])
+            if redefined:
+                raise NotRightYet(f"{title}: this check computes with the lesson's {', '.join(redefined)}, which "
+                                  "your cells define again: give yours another name, and run the lesson's cell "
+                                  "that defines it again") from None
             try:
                 said = check(*answers)
             except AssertionError as e:
                 raise NotRightYet(f"{title}: not right yet. {e}") from None
+            except NotImplementedError:
+                raise
+            except (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError) as e:
+                if raised_inside(e, answers):
+                    raise
+                raise NotRightYet(f"{title}: not right yet. The check could not read your answer "
+                                  f"({type(e).__name__}: {e}): give the kind of value the cell asks for (a "
+                                  "function: what it returns)") from None
             print(f"{title}: right." + (f" {said}" if said else ""))
         return run
     return wrap

@@ -453,3 +453,42 @@ def test_where_differs_names_the_first_entry_and_the_shape():
         "shape (2, 4) by hand, (2, 3) in the library"
     assert exercises.where_differs(mine > 0.1, lib > 0.1, ("KV head", "token")).startswith(
         "KV head 1, token 2: True by hand, False in the library")
+
+
+def test_a_redefined_lesson_function_is_named_not_checked_against():
+    """A check that computes its truth with a lesson's function (lesson 04's ``perturbation_after``, 07's
+    ``decode_bytes``) read the learner's function when their cell defined one under that name, and called a
+    wrong answer made with it right (a reader's probe): a ``@lesson_function`` redefined is named instead."""
+    exercises = exercises_module()
+    space = {"__name__": "__main__", "exercise": exercises.exercise, "lesson_function": exercises.lesson_function}
+    exec("@lesson_function\ndef truth(x):\n    return 2 * x\n"
+         "@exercise('Exercise 1')\ndef check_double(f):\n    assert f(3) == truth(3), 'twice'\n", space)
+    space["check_double"](lambda x: 2 * x)                                    # right: passes
+    exec("def truth(x):\n    return x\n", space)                             # the learner's cell redefines it
+    with pytest.raises(exercises.NotRightYet, match="computes with the lesson's truth, which your cells define"):
+        space["check_double"](lambda x: x)
+
+
+def test_an_answer_the_check_cannot_read_gets_a_hint_and_the_learners_own_error_its_traceback():
+    """A string for a number, or a started function that returns None, crashed the check with a TypeError (a
+    reader's probes): it is not right yet, with the error as the hint. An error inside the learner's own function
+    stays theirs, traceback and all, and a cell waiting on an unfinished task stops with NotImplementedError."""
+    exercises = exercises_module()
+
+    @exercises.exercise("Exercise 2")
+    def check_sum(f):
+        assert sum(f([1, 2])) == 3, "the values, kept"
+
+    with pytest.raises(exercises.NotRightYet, match=r"could not read your answer \(TypeError: 'NoneType'"):
+        check_sum(lambda xs: None)
+
+    def buggy(xs):
+        return [x + "1" for x in xs]                                          # the learner's own TypeError
+    with pytest.raises(TypeError, match="unsupported operand"):
+        check_sum(buggy)
+
+    @exercises.exercise("Exercise 3")
+    def check_with_the_library(x):                                            # the library's task not done yet
+        raise NotImplementedError("runs once task low_flags is done")
+    with pytest.raises(NotImplementedError, match="low_flags"):
+        check_with_the_library(1)
