@@ -55,8 +55,10 @@ print(json.dumps(failed))
 
 
 def environment(**extra) -> dict:
+    """The repository importable, and this folder too: a kernel a test file defines (``test_kernels_wiring``'s
+    scalar-mask kernel) is recorded under its test module's name, as pytest imports it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
     return env | extra
 
 
