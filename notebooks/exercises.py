@@ -196,7 +196,7 @@ def exercise(title: str):
             if redefined:
                 raise NotRightYet(f"{title}: this check computes with the lesson's {', '.join(redefined)}, which "
                                   "your cells define again: give yours another name, and run the lesson's cell "
-                                  "that defines it again") from None
+                                  "that defines it again")
             try:
                 said = check(*answers)
             except AssertionError as e:

@@ -1121,6 +1121,7 @@ def as_on_a_gpu() -> None:
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             return interpreter.TensorHandle(to_bf16(src.data), tl.bfloat16)
         return plain_cast(self, src, dst_type)
+
     def any_mask(op, at: int):                       # a mask as a GPU's i1: nonzero is true (kernels.take_any_mask)
         def masked(self, *args):
             if args[at].data.dtype != bool:
